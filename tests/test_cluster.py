@@ -1,0 +1,154 @@
+"""Real coordinator and stage processes on loopback, against single-process models."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+import zmq
+
+from zpipe import RemoteStageError
+from zpipe.cluster import LocalCluster
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+
+
+def reference_outputs(spec: ModelSpec, batches: list[tuple[torch.Tensor, ...]]):
+    model = build_full_model(spec)
+    with torch.inference_mode():
+        return [model(*batch) for batch in batches]
+
+
+def make_batches(spec: ModelSpec, count: int, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
+    sequence = load_layer_sequence(spec)
+    return [sequence.example_input(batch_size, seed=100 + i) for i in range(count)]
+
+
+def assert_outputs_match(got, expected, atol: float = 1e-5) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert len(g) == len(e)
+        for gt, et in zip(g, e):
+            assert gt.shape == et.shape and gt.dtype == et.dtype
+            torch.testing.assert_close(gt, et, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModelSpec.preset("vit-tiny", seed=3),
+        ModelSpec.preset("bert-tiny", seed=4),
+        ModelSpec("mlp", {"dims": [12, 32, 32, 16, 5], "activation": "gelu"}, seed=5),
+        ModelSpec("cnn", {"image_size": 16, "channels": [4, 8], "num_classes": 3}, seed=6),
+    ],
+    ids=["vit", "bert", "mlp", "cnn"],
+)
+def test_pipeline_outputs_equal_single_process(cluster: LocalCluster, spec: ModelSpec) -> None:
+    batches = make_batches(spec, count=5, batch_size=4)
+    outputs, report = cluster.infer(spec, batches, microbatch_size=2, max_in_flight=3)
+    assert_outputs_match(outputs, reference_outputs(spec, batches))
+    assert len(report.plan.stages) == 3
+    assert report.microbatches == 10 and report.samples == 20
+    # every stage computed every micro-batch, and counted its traffic
+    for name in report.plan.devices:
+        stats = report.stages[name]
+        assert stats["microbatches"] == 10
+        assert stats["bytes_in"] > 0 and stats["bytes_out"] > 0
+        assert stats["busy_s"] > 0
+
+
+def test_auto_split_user_module_equals_single_process(cluster: LocalCluster) -> None:
+    spec = ModelSpec(
+        "traced",
+        {"factory": "zpipe.models.examples:tiny_residual", "kwargs": {},
+         "input_shape": [8], "input_dtype": "float32", "microbatch_size": 2},
+        seed=11,
+    )
+    batches = make_batches(spec, count=4, batch_size=2)
+    outputs, report = cluster.infer(spec, batches, microbatch_size=2)
+    assert_outputs_match(outputs, reference_outputs(spec, batches))
+    assert report.plan.stages[-1].end == load_layer_sequence(spec).num_units
+
+
+def test_explicit_partition_and_stage_choice_are_honoured(cluster: LocalCluster) -> None:
+    spec = ModelSpec.preset("vit-tiny", seed=1)
+    units = load_layer_sequence(spec).num_units
+    partition = [[0, 1], [1, units]]
+    batches = make_batches(spec, count=3, batch_size=3)
+    outputs, report = cluster.infer(spec, batches, partition=partition, stage_names=["s2", "s0"])
+    assert [(s.device, s.start, s.end) for s in report.plan.stages] == [
+        ("s2", 0, 1), ("s0", 1, units)]
+    assert_outputs_match(outputs, reference_outputs(spec, batches))
+
+
+def test_results_come_back_in_input_order_with_uneven_batches(cluster: LocalCluster) -> None:
+    spec = ModelSpec("mlp", {"dims": [6, 16, 4]}, seed=2)
+    sequence = load_layer_sequence(spec)
+    batches = [sequence.example_input(n, seed=n) for n in (5, 1, 7, 3)]
+    outputs, _ = cluster.infer(spec, iter(batches), microbatch_size=2, max_in_flight=8)
+    assert [o[0].shape[0] for o in outputs] == [5, 1, 7, 3]
+    assert_outputs_match(outputs, reference_outputs(spec, batches))
+
+
+def test_bfloat16_compute_is_close_to_float32(cluster: LocalCluster) -> None:
+    spec = ModelSpec.preset("vit-tiny", seed=9)
+    batches = make_batches(spec, count=2, batch_size=4)
+    outputs, _ = cluster.infer(spec, batches, dtype="bfloat16")
+    for got, expected in zip(outputs, reference_outputs(spec, batches)):
+        torch.testing.assert_close(got[0].float(), expected[0], atol=0.15, rtol=0.1)
+
+
+def test_a_bad_input_is_reported_and_the_stages_keep_serving(cluster: LocalCluster) -> None:
+    spec = ModelSpec("mlp", {"dims": [6, 16, 4]}, seed=2)
+    with pytest.raises(RemoteStageError, match="s0") as info:
+        cluster.infer(spec, [torch.zeros(2, 7)])  # 7 features where the model takes 6
+    assert info.value.microbatch == 0
+    batches = make_batches(spec, count=2, batch_size=2)
+    outputs, _ = cluster.infer(spec, batches)
+    assert_outputs_match(outputs, reference_outputs(spec, batches))
+
+
+def _data_endpoints(cluster: LocalCluster) -> dict[str, str]:
+    async def state():
+        async with cluster.client() as client:
+            return await client.cluster_state()
+
+    return {m["name"]: m["data_endpoint"] for m in asyncio.run(state())}
+
+
+def test_garbage_to_stage_and_coordinator_is_dropped_and_the_run_continues(
+    cluster: LocalCluster,
+) -> None:
+    endpoints = _data_endpoints(cluster)
+    context = zmq.Context()
+    try:
+        pusher = context.socket(zmq.PUSH)
+        pusher.setsockopt(zmq.LINGER, 1000)
+        pusher.connect(endpoints["s1"])
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 1000)
+        dealer.connect(cluster.coordinator_endpoint)
+        junk = [[b"\xc1\x00junk"], [b"not msgpack", b"x" * 100],
+                [json.dumps({"v": 1}).encode()], [b""]]
+        for frames in junk:
+            pusher.send_multipart(frames)
+            dealer.send_multipart(frames)
+        pusher.close()
+        dealer.close()
+    finally:
+        context.term()
+    # raw bytes that are not even ZMTP, straight to both TCP ports
+    for endpoint in (endpoints["s1"], cluster.coordinator_endpoint):
+        parts = urlsplit(endpoint)
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as raw:
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(range(256)))
+
+    spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=8)
+    batches = make_batches(spec, count=3, batch_size=2)
+    outputs, report = cluster.infer(spec, batches)
+    assert_outputs_match(outputs, reference_outputs(spec, batches))
+    assert "dropped_message" in cluster.logs("s1")
+    assert "dropped_message" in cluster.logs("coordinator")

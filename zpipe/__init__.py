@@ -1,0 +1,30 @@
+"""zpipe: one deep network as a pipeline across heterogeneous, unreliable devices."""
+
+from __future__ import annotations
+
+from zpipe._errors import (
+    ConfigError,
+    ModelSpecError,
+    PipelineError,
+    ProtocolError,
+    RemoteStageError,
+    SecurityError,
+    StageFailedError,
+    TransportTimeout,
+    ZpipeError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "ModelSpecError",
+    "PipelineError",
+    "ProtocolError",
+    "RemoteStageError",
+    "SecurityError",
+    "StageFailedError",
+    "TransportTimeout",
+    "ZpipeError",
+    "__version__",
+]

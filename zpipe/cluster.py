@@ -1,0 +1,224 @@
+"""A local cluster: a coordinator and stage processes spawned on loopback.
+
+For experiments and tests on one machine: each stage is a real
+``python -m zpipe.stage`` process that can emulate a slower device and a
+slower link, exactly as it would run on a device of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zpipe._errors import ConfigError, PipelineError
+from zpipe.client import Batch, Outputs, PipelineClient, RunReport
+from zpipe.config import Timeouts
+from zpipe.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One emulated device: its name, how much slower it computes, its outgoing link."""
+
+    name: str
+    slowdown: float = 1.0
+    bandwidth_mbps: float | None = None
+    latency_ms: float = 0.0
+    loss: float = 0.0
+    threads: int | None = None
+    memory_mb: float | None = None
+
+    def stage_flags(self) -> list[str]:
+        flags = ["--name", self.name, "--slowdown", str(self.slowdown)]
+        if self.bandwidth_mbps is not None:
+            flags += ["--bandwidth-mbps", str(self.bandwidth_mbps)]
+        if self.latency_ms:
+            flags += ["--latency-ms", str(self.latency_ms)]
+        if self.loss:
+            flags += ["--loss", str(self.loss)]
+        if self.threads is not None:
+            flags += ["--threads", str(self.threads)]
+        if self.memory_mb is not None:
+            flags += ["--memory-mb", str(self.memory_mb)]
+        return flags
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class LocalCluster:
+    """``with LocalCluster(3) as cluster: outputs = cluster.infer(spec, batches)``."""
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceSpec] | int = 3,
+        *,
+        keys_dir: Path | None = None,
+        heartbeat_interval_s: float = 0.5,
+        suspect_after: int = 3,
+        probe_intervals: int = 2,
+        log_level: str = "info",
+        log_dir: Path | None = None,
+        python: str = sys.executable,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        if isinstance(devices, int):
+            if devices < 1:
+                raise ConfigError(f"a cluster needs at least one device, got {devices}")
+            devices = [DeviceSpec(f"stage{i}") for i in range(devices)]
+        names = [d.name for d in devices]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"device names must be unique, got {names}")
+        cores = os.cpu_count() or 1
+        # Stages that share this machine must not fight over its cores.
+        per_stage = max(1, cores // max(1, len(devices)))
+        self.devices = [
+            d if d.threads is not None else DeviceSpec(**{**d.__dict__, "threads": per_stage})
+            for d in devices
+        ]
+        self.keys_dir = keys_dir
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.suspect_after = suspect_after
+        self.probe_intervals = probe_intervals
+        self.log_level = log_level
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.log_dir = log_dir
+        self.python = python
+        self.start_timeout_s = start_timeout_s
+        self.coordinator_endpoint = ""
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return Timeouts(
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            suspect_after_intervals=self.suspect_after,
+            probe_intervals=self.probe_intervals,
+        )
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        assert self.log_dir is not None
+        log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (kept by the child)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(
+            [self.python, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        log_file.close()
+        self.processes[name] = process
+        return process
+
+    def _common_flags(self) -> list[str]:
+        flags = ["--heartbeat-interval", str(self.heartbeat_interval_s),
+                 "--log-format", "json", "--log-level", self.log_level]
+        if self.keys_dir is not None:
+            flags += ["--keys", str(self.keys_dir)]
+        return flags
+
+    def start(self) -> None:
+        if self.log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="zpipe-cluster-")
+            self.log_dir = Path(self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port = free_tcp_port()
+        self.coordinator_endpoint = f"tcp://127.0.0.1:{port}"
+        self._spawn("coordinator", [
+            "-m", "zpipe.coordinator", "--bind", self.coordinator_endpoint,
+            "--suspect-after", str(self.suspect_after),
+            "--probe-intervals", str(self.probe_intervals), *self._common_flags(),
+        ])
+        for device in self.devices:
+            self.start_stage(device)
+        try:
+            self.wait_for_stages(len(self.devices), timeout_s=self.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_stage(self, device: DeviceSpec, *extra: str) -> subprocess.Popen[bytes]:
+        return self._spawn(device.name, [
+            "-m", "zpipe.stage", "--coordinator", self.coordinator_endpoint,
+            "--bind", "tcp://127.0.0.1:0", *device.stage_flags(), *self._common_flags(), *extra,
+        ])
+
+    def wait_for_stages(self, count: int, *, timeout_s: float) -> list[dict[str, Any]]:
+        async def wait() -> list[dict[str, Any]]:
+            async with self.client() as client:
+                return await client.wait_for_stages(count, timeout_s=timeout_s)
+
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise PipelineError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
+        return asyncio.run(wait())
+
+    def client(self, **kwargs: Any) -> PipelineClient:
+        kwargs.setdefault("keys_dir", self.keys_dir)
+        kwargs.setdefault("timeouts", self.timeouts)
+        kwargs.setdefault("sink_bind", "tcp://127.0.0.1:0")
+        return PipelineClient(self.coordinator_endpoint, **kwargs)
+
+    def infer(
+        self, model: ModelSpec, batches: Iterable[Batch] | AsyncIterable[Batch], **kwargs: Any
+    ) -> tuple[list[Outputs], RunReport]:
+        """Run a whole inference stream from synchronous code: outputs in order, and the report."""
+
+        async def run() -> tuple[list[Outputs], RunReport]:
+            async with self.client() as client:
+                outputs = await client.infer(model, batches, **kwargs)
+                assert client.last_report is not None
+                return outputs, client.last_report
+
+        return asyncio.run(run())
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes[name]
+        process.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+            process.wait(timeout=30)
+
+    def logs(self, name: str) -> str:
+        assert self.log_dir is not None
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every process (stages first), then SIGKILL what is left after the timeout."""
+        order = [n for n in self.processes if n != "coordinator"] + ["coordinator"]
+        for name in order:
+            process = self.processes.get(name)
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name in order:
+            process = self.processes.get(name)
+            if process is None:
+                continue
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self.log_dir = None

@@ -1,0 +1,69 @@
+"""``python -m zpipe.coordinator``: keep the membership and plan the runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from zpipe._errors import ZpipeError
+from zpipe.cli_common import add_common_flags, positive_int, run_until_signalled, timeouts_from_args
+from zpipe.coordinator.server import Coordinator, CoordinatorConfig
+from zpipe.log import configure_logging, get_logger
+from zpipe.transport.sockets import validate_endpoint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m zpipe.coordinator",
+        description="Run the zpipe coordinator: stages register here and send heartbeats; clients "
+        "ask for runs here; the coordinator plans each run, assigns every stage its units and "
+        "neighbours, reports stages that die, and gathers per-stage metrics. It carries control "
+        "messages only, never activations.",
+    )
+    parser.add_argument("--bind", default="tcp://0.0.0.0:5550", metavar="tcp://HOST:PORT",
+                        help="control endpoint to listen on (default: tcp://0.0.0.0:5550)")
+    parser.add_argument("--suspect-after", type=positive_int, default=3, metavar="N",
+                        help="missed heartbeat intervals before a stage is suspected and probed "
+                             "(default: 3)")
+    parser.add_argument("--probe-intervals", type=positive_int, default=2, metavar="N",
+                        help="intervals a suspect stage has to answer the probe before it is "
+                             "declared dead (default: 2)")
+    add_common_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_endpoint(args.bind, flag="--bind")
+        config = CoordinatorConfig(
+            bind=args.bind,
+            keys_dir=Path(args.keys) if args.keys else None,
+            timeouts=timeouts_from_args(
+                args,
+                suspect_after_intervals=args.suspect_after,
+                probe_intervals=args.probe_intervals,
+            ),
+        )
+    except ZpipeError as exc:
+        parser.error(str(exc))
+    configure_logging(log_format=args.log_format, level=args.log_level)
+    log = get_logger("zpipe.coordinator")
+    coordinator = Coordinator(config)
+
+    async def run() -> int:
+        try:
+            await coordinator.serve()
+        except ZpipeError as exc:
+            log.error("coordinator_failed", error=str(exc))
+            print(f"zpipe.coordinator: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_until_signalled(run, coordinator.stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

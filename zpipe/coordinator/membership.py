@@ -1,0 +1,172 @@
+"""Membership: who is alive, suspect or dead, as a pure state machine.
+
+The coordinator feeds it what it hears (registrations, heartbeats, probe
+answers) and the time, and asks it on each tick which stages to probe and
+which to declare dead. No sockets, no clock of its own, so it is tested with
+plain numbers.
+
+    alive --(no heartbeat for suspect_after intervals)--> suspect
+    suspect --(anything heard)--> alive
+    suspect --(no answer to the probe for probe_intervals)--> dead
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zpipe._errors import ConfigError
+
+
+class MemberState(enum.Enum):
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+
+
+@dataclass
+class Member:
+    name: str
+    routing_id: bytes
+    data_endpoint: str
+    info: Mapping[str, Any]
+    public_key: str | None
+    joined_at: float
+    last_seen: float
+    state: MemberState = MemberState.ALIVE
+    suspect_since: float | None = None
+    probe_nonce: int = 0
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    dead_reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "data_endpoint": self.data_endpoint,
+            "info": dict(self.info),
+            "last_seen": self.last_seen,
+        }
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Death:
+    name: str
+    reason: str
+    silent_s: float
+
+
+class Membership:
+    def __init__(
+        self, *, heartbeat_interval_s: float, suspect_after_intervals: int, probe_intervals: int
+    ) -> None:
+        self.interval = heartbeat_interval_s
+        self.suspect_after_s = suspect_after_intervals * heartbeat_interval_s
+        self.probe_timeout_s = probe_intervals * heartbeat_interval_s
+        self._members: dict[str, Member] = {}
+        self._next_nonce = 1
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._members
+
+    def get(self, name: str) -> Member | None:
+        return self._members.get(name)
+
+    def by_routing_id(self, routing_id: bytes) -> Member | None:
+        for member in self._members.values():
+            if member.routing_id == routing_id and member.state is not MemberState.DEAD:
+                return member
+        return None
+
+    def alive(self) -> list[Member]:
+        """Members that can take work, in the order they joined."""
+        members = [m for m in self._members.values() if m.state is not MemberState.DEAD]
+        return sorted(members, key=lambda m: m.joined_at)
+
+    def all(self) -> list[Member]:
+        return list(self._members.values())
+
+    def register(
+        self,
+        *,
+        name: str,
+        routing_id: bytes,
+        data_endpoint: str,
+        info: Mapping[str, Any],
+        public_key: str | None,
+        now: float,
+    ) -> Member:
+        """Add or refresh a member; a live name held by another connection is refused."""
+        current = self._members.get(name)
+        if (
+            current is not None
+            and current.state is not MemberState.DEAD
+            and current.routing_id != routing_id
+            and now - current.last_seen < self.suspect_after_s
+        ):
+            raise ConfigError(f"a live stage is already registered as {name!r}")
+        member = Member(
+            name=name,
+            routing_id=routing_id,
+            data_endpoint=data_endpoint,
+            info=info,
+            public_key=public_key,
+            joined_at=current.joined_at if current is not None else now,
+            last_seen=now,
+        )
+        self._members[name] = member
+        return member
+
+    def heard_from(self, name: str, now: float, metrics: Mapping[str, Any] | None = None) -> bool:
+        """Record life from ``name``; False if it is unknown or already declared dead."""
+        member = self._members.get(name)
+        if member is None or member.state is MemberState.DEAD:
+            return False
+        member.last_seen = now
+        member.state = MemberState.ALIVE
+        member.suspect_since = None
+        if metrics is not None:
+            member.metrics = metrics
+        return True
+
+    def declare_dead(self, name: str, reason: str, now: float) -> Death | None:
+        member = self._members.get(name)
+        if member is None or member.state is MemberState.DEAD:
+            return None
+        member.state = MemberState.DEAD
+        member.dead_reason = reason
+        return Death(name, reason, now - member.last_seen)
+
+    def tick(self, now: float) -> tuple[list[Probe], list[Death]]:
+        """Advance time: the probes to send now and the members now declared dead."""
+        probes: list[Probe] = []
+        deaths: list[Death] = []
+        for member in self._members.values():
+            if member.state is MemberState.ALIVE and now - member.last_seen >= self.suspect_after_s:
+                member.state = MemberState.SUSPECT
+                member.suspect_since = now
+                member.probe_nonce = self._next_nonce
+                self._next_nonce += 1
+                probes.append(Probe(member.name, member.probe_nonce))
+            elif (
+                member.state is MemberState.SUSPECT
+                and member.suspect_since is not None
+                and now - member.suspect_since >= self.probe_timeout_s
+            ):
+                silent = now - member.last_seen
+                death = self.declare_dead(
+                    member.name,
+                    f"no heartbeat for {silent:.1f} s and no answer to a probe",
+                    now,
+                )
+                if death is not None:
+                    deaths.append(death)
+        return probes, deaths

@@ -1,0 +1,453 @@
+"""The coordinator: membership, heartbeats, plans, assignment and run control.
+
+It carries control only. Activations go from the client to the first stage,
+stage to stage, and from the last stage back to the client, never through
+here, so the coordinator is never the bottleneck.
+
+One ROUTER socket serves stages and clients alike. A run goes::
+
+    client  run_request ─> coordinator ── assign (epoch) ──> each stage
+                                        <─ ready ─────────── each stage
+    client <─ run_ready (plan, first stage) ─┘
+    client ── data ──> stage 0 ──> ... ──> stage n-1 ── data ──> client
+    client  run_end ───> coordinator ── metrics_request ──> stages
+    client <─ run_report ┘
+
+A stage declared dead during a run is reported to that run's client at once
+(``stage_failed``); repairing the pipeline is the recovery layer's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe.config import Timeouts
+from zpipe.coordinator.membership import Member, Membership, MemberState
+from zpipe.log import get_logger
+from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.planner import Plan, plan_even_partition, plan_from_partition
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import (
+    SocketOptions,
+    bind_endpoint,
+    decode_frames,
+    new_context,
+    open_socket,
+    recv_frames,
+    send,
+)
+
+log = get_logger("zpipe.coordinator")
+
+CLIENT_NAME = "client"
+
+
+@dataclass
+class CoordinatorConfig:
+    bind: str = "tcp://0.0.0.0:5550"
+    keys_dir: Path | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    socket_options: SocketOptions = field(default_factory=SocketOptions)
+
+
+@dataclass
+class _Run:
+    run: int
+    epoch: int
+    client: bytes
+    plan: Plan
+    ready: dict[str, asyncio.Future[float]] = field(default_factory=dict)
+    metrics: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    failed: set[str] = field(default_factory=set)
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        t = config.timeouts
+        self.membership = Membership(
+            heartbeat_interval_s=t.heartbeat_interval_s,
+            suspect_after_intervals=t.suspect_after_intervals,
+            probe_intervals=t.probe_intervals,
+        )
+        self._context = new_context()
+        self._router: zmq.asyncio.Socket | None = None
+        self._authenticator: security.CurveAuthenticator | None = None
+        self._public_keys: dict[str, bytes] = {}
+        self._keypair: security.KeyPair | None = None
+        self._epoch = 0
+        self._run_counter = 0
+        self._run: _Run | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping = asyncio.Event()
+        self.endpoint = ""
+        self.events: list[dict[str, Any]] = []  # failure reports, kept for the API and tests
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup(self) -> None:
+        keys_dir = self.config.keys_dir
+        self._router = open_socket(self._context, zmq.ROUTER, self.config.socket_options)
+        if keys_dir is not None:
+            self._keypair = security.load_keypair(keys_dir, "coordinator")
+            self._public_keys = security.load_public_keys(keys_dir)
+            allow = security.PeerAllowList()
+            allow.replace(
+                key for name, key in self._public_keys.items() if name != "coordinator"
+            )
+            self._authenticator = security.CurveAuthenticator(self._context, allow)
+            self._authenticator.start()
+            security.secure_server(self._router, self._keypair)
+        else:
+            security.warn_open_cluster(log, "coordinator")
+        self.endpoint = bind_endpoint(self._router, self.config.bind)
+
+    async def serve(self, *, ready: asyncio.Event | None = None) -> None:
+        self._setup()
+        log.info("coordinator_listening", endpoint=self.endpoint,
+                 secure=self.config.keys_dir is not None,
+                 heartbeat_interval=self.config.timeouts.heartbeat_interval_s)
+        if ready is not None:
+            ready.set()
+        receive = asyncio.create_task(self._receive_loop())
+        ticker = asyncio.create_task(self._tick_loop())
+        stopping = asyncio.create_task(self._stopping.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {receive, ticker, stopping}, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in (receive, ticker, stopping, *self._tasks):
+                task.cancel()
+            await self._shutdown_stages("coordinator stopping")
+            self._close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _shutdown_stages(self, reason: str) -> None:
+        for member in self.membership.alive():
+            with contextlib.suppress(Exception):
+                await self._send(member.routing_id, Message("shutdown", {"reason": reason}),
+                                 peer=member.name, timeout_s=0.5)
+
+    def _close(self) -> None:
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._context.term()
+
+    # ------------------------------------------------------------- messaging
+
+    async def _send(
+        self, routing_id: bytes, message: Message, *, peer: str, timeout_s: float | None = None
+    ) -> None:
+        assert self._router is not None
+        try:
+            await send(self._router, message, routing_id=routing_id, peer=peer,
+                       timeout_s=timeout_s or self.config.timeouts.send_s)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
+            raise TransportTimeout(peer, f"a connection to send {message.kind}", 0.0) from exc
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task_failed", error=repr(task.exception()))
+
+    async def _receive_loop(self) -> None:
+        assert self._router is not None
+        max_bytes = self.config.socket_options.max_message_bytes
+        while True:
+            frames = await recv_frames(self._router, timeout_s=None, peer="any",
+                                       awaited="control message")
+            if len(frames) < 2:
+                log.warning("dropped_message", error="no routing id or header")
+                continue
+            routing_id = frames[0].bytes
+            user_key = _curve_user_id(frames[1])
+            try:
+                message = decode_frames(frames[1:], max_bytes)
+                await self._handle(routing_id, user_key, message)
+            except ProtocolError as exc:
+                log.warning("dropped_message", peer=_printable(routing_id), error=str(exc))
+            except TransportTimeout as exc:
+                log.warning("reply_failed", peer=_printable(routing_id), error=str(exc))
+
+    async def _tick_loop(self) -> None:
+        interval = self.config.timeouts.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval / 4)
+            now = time.monotonic()
+            probes, deaths = self.membership.tick(now)
+            for probe in probes:
+                member = self.membership.get(probe.name)
+                assert member is not None
+                log.warning("stage_suspect", stage=probe.name,
+                            silent_s=round(now - member.last_seen, 2))
+                with contextlib.suppress(TransportTimeout):
+                    await self._send(member.routing_id, Message("probe", {"nonce": probe.nonce}),
+                                     peer=probe.name, timeout_s=interval)
+            for death in deaths:
+                await self._on_death(death.name, death.reason, death.silent_s)
+
+    async def _on_death(self, name: str, reason: str, silent_s: float) -> None:
+        log.error("stage_dead", stage=name, reason=reason, silent_s=round(silent_s, 2))
+        event = {"event": "stage_dead", "stage": name, "reason": reason,
+                 "silent_s": silent_s, "at": time.time()}
+        run = self._run
+        if run is not None and name in run.plan.devices:
+            event["run"] = run.run
+            run.failed.add(name)
+            for futures in (run.ready, run.metrics):
+                fut = futures.get(name)
+                if fut is not None and not fut.done():
+                    fut.set_exception(ConfigError(f"stage {name!r} died: {reason}"))
+            with contextlib.suppress(TransportTimeout):
+                await self._send(
+                    run.client,
+                    Message("stage_failed", {"run": run.run, "stage": name, "reason": reason},
+                            epoch=run.epoch),
+                    peer=CLIENT_NAME,
+                    timeout_s=self.config.timeouts.reply_s,
+                )
+        self.events.append(event)
+
+    # --------------------------------------------------------------- handlers
+
+    async def _handle(self, routing_id: bytes, user_key: str | None, message: Message) -> None:
+        kind = message.kind
+        now = time.monotonic()
+        if kind == "register":
+            await self._on_register(routing_id, user_key, message, now)
+            return
+        if kind in ("run_request", "run_end", "cluster_request"):
+            handler = {
+                "run_request": self._on_run_request,
+                "run_end": self._on_run_end,
+                "cluster_request": self._on_cluster_request,
+            }[kind]
+            self._spawn(handler(routing_id, message))
+            return
+        member = self.membership.by_routing_id(routing_id)
+        if member is None:
+            # An unknown or dead peer: ask a former stage to register again.
+            raise ProtocolError(f"{kind!r} from a peer that is not registered")
+        self.membership.heard_from(member.name, now, message.get("metrics"))
+        if kind == "heartbeat":
+            await self._send(routing_id, Message("heartbeat_ack"), peer=member.name,
+                             timeout_s=self.config.timeouts.heartbeat_interval_s)
+        elif kind == "probe_ack":
+            log.info("stage_answered_probe", stage=member.name)
+        elif kind in ("ready", "assign_failed", "metrics"):
+            self._resolve_run_reply(member, message)
+        else:
+            raise ProtocolError(f"unexpected {kind!r} from stage {member.name!r}")
+
+    async def _on_register(
+        self, routing_id: bytes, user_key: str | None, message: Message, now: float
+    ) -> None:
+        name = str(message["name"])
+        if self._public_keys:
+            expected = self._public_keys.get(name)
+            if expected is None or user_key is None or expected.decode() != user_key:
+                log.warning("registration_refused", stage=name, reason="key does not match name")
+                await self._send(routing_id, Message(
+                    "refused", {"reason": f"the key this stage uses is not {name}.key"}),
+                    peer=name, timeout_s=self.config.timeouts.reply_s)
+                return
+        try:
+            member = self.membership.register(
+                name=name, routing_id=routing_id, data_endpoint=str(message["data_endpoint"]),
+                info=dict(message["info"]),
+                public_key=(self._public_keys[name].decode() if name in self._public_keys
+                            else None),
+                now=now,
+            )
+        except ConfigError as exc:
+            await self._send(routing_id, Message("refused", {"reason": str(exc)}), peer=name,
+                             timeout_s=self.config.timeouts.reply_s)
+            return
+        log.info("stage_registered", stage=name, data_endpoint=member.data_endpoint,
+                 info=member.info)
+        await self._send(
+            routing_id,
+            Message("registered", {"name": name,
+                                   "heartbeat_interval": self.config.timeouts.heartbeat_interval_s}),
+            peer=name, timeout_s=self.config.timeouts.reply_s,
+        )
+
+    def _resolve_run_reply(self, member: Member, message: Message) -> None:
+        run = self._run
+        if run is None or message["run"] != run.run:
+            log.debug("late_reply", stage=member.name, kind=message.kind, run=message["run"])
+            return
+        if message.kind == "ready":
+            fut = run.ready.get(member.name)
+            if fut is not None and not fut.done():
+                fut.set_result(float(message["build_s"]))
+        elif message.kind == "assign_failed":
+            fut = run.ready.get(member.name)
+            if fut is not None and not fut.done():
+                fut.set_exception(ConfigError(f"stage {member.name!r}: {message['error']}"))
+        else:
+            metrics_fut = run.metrics.get(member.name)
+            if metrics_fut is not None and not metrics_fut.done():
+                metrics_fut.set_result(dict(message["metrics"]))
+
+    async def _on_cluster_request(self, routing_id: bytes, message: Message) -> None:
+        members = [m.to_dict() for m in self.membership.all()]
+        await self._send(routing_id, Message("cluster_state", {"members": members}),
+                         peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s)
+
+    async def _choose_devices(self, message: Message) -> list[Member]:
+        """The stages for a run, waiting up to ``wait_for_stages_s`` for enough to register."""
+        names = message.get("stage_names")
+        count = message.get("stages")
+        partition = message.get("partition")
+        if count is None and partition is not None:
+            count = len(partition)
+        deadline = time.monotonic() + float(message["wait_for_stages_s"])
+        while True:
+            # By name, so that the same cluster gives the same plan whatever the join order.
+            alive = sorted((m for m in self.membership.alive() if m.state is MemberState.ALIVE),
+                           key=lambda m: m.name)
+            if names is not None:
+                by_name = {m.name: m for m in alive}
+                if all(n in by_name for n in names):
+                    return [by_name[n] for n in names]
+                missing = [n for n in names if n not in by_name]
+                problem = f"stages {missing} are not registered"
+            else:
+                # Without a count, every stage registered now takes part.
+                need = count or 1
+                if len(alive) >= need:
+                    return alive[:need] if count is not None else alive
+                problem = f"{len(alive)} stages registered, {need} needed"
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"{problem} after waiting {message['wait_for_stages_s']} s")
+            await asyncio.sleep(0.05)
+
+    async def _on_run_request(self, routing_id: bytes, message: Message) -> None:
+        try:
+            ready = await self._start_run(routing_id, message)
+        except (ZpipeError, ValueError) as exc:
+            log.error("run_failed", error=str(exc))
+            self._run = None
+            await self._send(routing_id, Message("run_failed", {"error": str(exc)}),
+                             peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s)
+            return
+        await self._send(routing_id, ready, peer=CLIENT_NAME,
+                         timeout_s=self.config.timeouts.reply_s)
+
+    async def _start_run(self, routing_id: bytes, message: Message) -> Message:
+        if self._run is not None:
+            log.warning("run_replaced", previous=self._run.run)
+        spec = ModelSpec.from_dict(message["model"])
+        num_units = load_layer_sequence(spec).num_units
+        members = await self._choose_devices(message)
+        names = [m.name for m in members]
+        partition = message.get("partition")
+        if partition is not None:
+            plan = plan_from_partition(num_units, names, partition)
+        else:
+            plan = plan_even_partition(num_units, names[: min(len(names), num_units)])
+        self._epoch += 1
+        self._run_counter += 1
+        run = _Run(run=self._run_counter, epoch=self._epoch, client=routing_id, plan=plan)
+        self._run = run
+        log.info("run_planned", run=run.run, epoch=run.epoch, plan=plan.to_dict())
+        by_name = {m.name: m for m in members}
+        loop = asyncio.get_running_loop()
+        for i, stage in enumerate(plan.stages):
+            member = by_name[stage.device]
+            last = i == len(plan.stages) - 1
+            downstream = CLIENT_NAME if last else plan.stages[i + 1].device
+            endpoint = (str(message["sink_endpoint"]) if last
+                        else by_name[plan.stages[i + 1].device].data_endpoint)
+            upstream = CLIENT_NAME if i == 0 else plan.stages[i - 1].device
+            run.ready[stage.device] = loop.create_future()
+            await self._send(member.routing_id, Message("assign", {
+                "run": run.run, "model": spec.to_dict(), "start": stage.start, "end": stage.end,
+                "index": i, "num_stages": len(plan.stages),
+                "upstream": upstream, "upstream_key": self._key_of(upstream),
+                "downstream": downstream, "downstream_endpoint": endpoint,
+                "downstream_key": self._key_of(downstream), "dtype": str(message["dtype"]),
+            }, epoch=run.epoch), peer=member.name)
+        try:
+            build_times = await asyncio.wait_for(
+                asyncio.gather(*run.ready.values()), self.config.timeouts.assign_s
+            )
+        except asyncio.TimeoutError:
+            slow = [n for n, f in run.ready.items() if not f.done()]
+            raise TransportTimeout(", ".join(slow), "ready after assignment",
+                                   self.config.timeouts.assign_s) from None
+        log.info("run_started", run=run.run, epoch=run.epoch,
+                 build_s={n: round(b, 3) for n, b in zip(run.ready, build_times)})
+        first, last_stage = plan.stages[0].device, plan.stages[-1].device
+        return Message("run_ready", {
+            "run": run.run, "plan": plan.to_dict(),
+            "first_endpoint": by_name[first].data_endpoint, "first_stage": first,
+            "first_key": self._key_of(first), "last_stage": last_stage,
+            "last_key": self._key_of(last_stage),
+        }, epoch=run.epoch)
+
+    def _key_of(self, name: str) -> str | None:
+        key = self._public_keys.get(name)
+        return key.decode() if key is not None else None
+
+    async def _on_run_end(self, routing_id: bytes, message: Message) -> None:
+        run = self._run
+        stages: dict[str, Any] = {}
+        if run is not None and run.run == message["run"]:
+            loop = asyncio.get_running_loop()
+            for stage in run.plan.stages:
+                member = self.membership.get(stage.device)
+                if member is None or stage.device in run.failed:
+                    continue
+                run.metrics[stage.device] = loop.create_future()
+                with contextlib.suppress(TransportTimeout):
+                    await self._send(member.routing_id,
+                                     Message("metrics_request", {"run": run.run}, epoch=run.epoch),
+                                     peer=stage.device)
+            for name, fut in run.metrics.items():
+                try:
+                    stages[name] = await asyncio.wait_for(fut, self.config.timeouts.reply_s)
+                except (asyncio.TimeoutError, ConfigError):
+                    stages[name] = {"error": "no metrics"}
+            self._run = None
+        await self._send(routing_id,
+                         Message("run_report", {"run": int(message["run"]), "stages": stages}),
+                         peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s)
+
+
+def _curve_user_id(frame: zmq.Frame) -> str | None:
+    """The CURVE public key the authenticator saw for this message, if any."""
+    key = security.sender_public_key(frame)
+    return key.decode() if key is not None else None
+
+
+def _printable(routing_id: bytes) -> str:
+    try:
+        return routing_id.decode("ascii")
+    except UnicodeDecodeError:
+        return routing_id.hex()

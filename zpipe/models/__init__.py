@@ -1,0 +1,32 @@
+"""Models as sequences of partitioning units that pipeline stages build separately.
+
+    spec = ModelSpec.preset("vit-base")
+    sequence = load_layer_sequence(spec)         # validates, builds nothing
+    units = sequence.build_units(10, 20)         # only units 10..19, eval mode
+    outputs = run_units(units, inputs)           # tuple[Tensor, ...]
+
+A unit receives the previous unit's outputs as positional arguments. Weights
+files use the names of `build_full_model(spec).state_dict()`: "units.<i>.<name>".
+"""
+
+from __future__ import annotations
+
+from zpipe.models.presets import available_presets
+from zpipe.models.registry import FAMILIES, build_full_model, load_layer_sequence
+from zpipe.models.sequence import FullModel, LayerSequence, run_units, unit_param_bytes
+from zpipe.models.spec import ModelSpec
+from zpipe.models.weights import load_unit_weights, save_weights
+
+__all__ = [
+    "FAMILIES",
+    "FullModel",
+    "LayerSequence",
+    "ModelSpec",
+    "available_presets",
+    "build_full_model",
+    "load_layer_sequence",
+    "load_unit_weights",
+    "run_units",
+    "save_weights",
+    "unit_param_bytes",
+]

@@ -1,0 +1,119 @@
+"""``python -m zpipe.stage``: run one pipeline stage on this device."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from zpipe._errors import ZpipeError
+from zpipe.cli_common import (
+    add_common_flags,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    run_until_signalled,
+    timeouts_from_args,
+)
+from zpipe.log import configure_logging, get_logger
+from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
+from zpipe.transport.emulation import LinkSpec
+from zpipe.transport.sockets import validate_endpoint
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def stage_name(text: str) -> str:
+    if not NAME_PATTERN.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a stage name is 1-64 letters, digits, '.', '_' or '-'"
+        )
+    return text
+
+
+def probability(text: str) -> float:
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be below 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m zpipe.stage",
+        description="Run one zpipe pipeline stage on this device. The stage registers with the "
+        "coordinator, receives an assignment (model, unit range, neighbours, plan epoch), builds "
+        "only its own units and streams micro-batches from its upstream to its downstream.",
+    )
+    parser.add_argument("--coordinator", required=True, metavar="tcp://HOST:PORT",
+                        help="the coordinator's control endpoint")
+    parser.add_argument("--name", required=True, type=stage_name,
+                        help="unique name of this device (also its key name with --keys)")
+    parser.add_argument("--bind", default="tcp://0.0.0.0:0", metavar="tcp://HOST:PORT",
+                        help="where to receive micro-batches (default: every interface, any port)")
+    parser.add_argument("--advertise-host", default=None, metavar="HOST",
+                        help="address peers use to reach --bind (default: the address that "
+                             "routes to the coordinator)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch compute threads (default: torch's choice); give stages that "
+                             "share a machine cores // stages each")
+    parser.add_argument("--memory-mb", type=positive_float, default=None,
+                        help="memory budget reported to the planner (default: not limited)")
+    emu = parser.add_argument_group("emulation (experiments on one machine)")
+    emu.add_argument("--slowdown", type=positive_float, default=1.0,
+                     help="play a device this many times slower: compute time is stretched by "
+                          "this factor (default: 1, must be >= 1)")
+    emu.add_argument("--bandwidth-mbps", type=positive_float, default=None,
+                     help="emulated bandwidth of the outgoing data link in Mbit/s (default: none)")
+    emu.add_argument("--latency-ms", type=non_negative_float, default=0.0,
+                     help="emulated one-way latency of the outgoing data link (default: 0)")
+    emu.add_argument("--loss", type=probability, default=0.0,
+                     help="probability that the outgoing link loses a message (default: 0)")
+    emu.add_argument("--loss-seed", type=int, default=0, help="seed of the loss draws")
+    add_common_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_endpoint(args.coordinator, flag="--coordinator")
+        validate_endpoint(args.bind, flag="--bind")
+        config = StageConfig(
+            name=args.name,
+            coordinator=args.coordinator,
+            data_bind=args.bind,
+            advertise_host=args.advertise_host,
+            threads=args.threads,
+            slowdown=args.slowdown,
+            link=LinkSpec(args.bandwidth_mbps, args.latency_ms, args.loss, args.loss_seed),
+            memory_mb=args.memory_mb,
+            keys_dir=Path(args.keys) if args.keys else None,
+            timeouts=timeouts_from_args(args),
+        )
+    except ZpipeError as exc:
+        parser.error(str(exc))
+    configure_logging(log_format=args.log_format, level=args.log_level)
+    log = get_logger("zpipe.stage")
+    runtime = StageRuntime(config)
+
+    async def run() -> int:
+        try:
+            await runtime.serve()
+        except CoordinatorLost as exc:
+            log.error("coordinator_lost", stage=config.name, error=str(exc))
+            print(f"zpipe.stage {config.name}: {exc}", file=sys.stderr)
+            return 1
+        except ZpipeError as exc:
+            log.error("stage_failed", stage=config.name, error=str(exc))
+            print(f"zpipe.stage {config.name}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_until_signalled(run, runtime.stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

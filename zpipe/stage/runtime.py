@@ -1,0 +1,480 @@
+"""The stage process: registers with the coordinator, builds its shard, streams micro-batches.
+
+Three data tasks per assignment keep compute overlapped with the network::
+
+    receive ──inbox(2)──> compute (thread) ──outbox(2)──> send (emulated link)
+
+The bounded queues are the backpressure: a slow downstream fills the outbox,
+which stalls compute, which fills the inbox, which stops receiving, which
+fills the upstream's zmq queue. The event loop never computes, so it keeps
+answering heartbeats while a layer runs for seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe.config import Timeouts
+from zpipe.log import get_logger
+from zpipe.models import ModelSpec
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.shard import Shard
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.emulation import EmulatedLink, LinkSpec
+from zpipe.transport.sockets import (
+    SocketOptions,
+    advertised_endpoint,
+    bind_endpoint,
+    decode_frames,
+    frames_nbytes,
+    new_context,
+    open_socket,
+    recv_frames,
+    send,
+)
+
+log = get_logger("zpipe.stage")
+
+
+class CoordinatorLost(ZpipeError):
+    """The coordinator could not be reached, or went silent."""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    name: str
+    coordinator: str
+    data_bind: str = "tcp://0.0.0.0:0"
+    advertise_host: str | None = None
+    threads: int | None = None
+    slowdown: float = 1.0
+    link: LinkSpec = field(default_factory=LinkSpec)
+    memory_mb: float | None = None
+    keys_dir: Path | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    socket_options: SocketOptions = field(default_factory=SocketOptions)
+
+    def __post_init__(self) -> None:
+        if not self.slowdown >= 1.0:
+            raise ConfigError(f"--slowdown must be >= 1 (a factor on compute time), got {self.slowdown}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class _Assignment:
+    run: int
+    epoch: int
+    start: int
+    end: int
+    index: int
+    num_stages: int
+    upstream: str
+    downstream: str
+    downstream_endpoint: str
+    shard: Shard
+
+
+class StageRuntime:
+    def __init__(self, config: StageConfig) -> None:
+        self.config = config
+        self.counters = StageCounters()
+        self._context = new_context()
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{config.name}")
+        self._assignment: _Assignment | None = None
+        self._data_tasks: list[asyncio.Task[None]] = []
+        self._downstream: zmq.asyncio.Socket | None = None
+        self._link: EmulatedLink | None = None
+        self._control: zmq.asyncio.Socket | None = None
+        self._data_in: zmq.asyncio.Socket | None = None
+        self._authenticator: security.CurveAuthenticator | None = None
+        self._data_allow: security.PeerAllowList | None = None
+        self._keypair: security.KeyPair | None = None
+        self._coordinator_key: bytes | None = None
+        self._stopping = asyncio.Event()
+        self._heard_from_coordinator = time.monotonic()
+        self._assign_task: asyncio.Task[None] | None = None
+        self.data_endpoint = ""
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup_security(self) -> None:
+        keys_dir = self.config.keys_dir
+        if keys_dir is None:
+            security.warn_open_cluster(log, f"stage {self.config.name}")
+            return
+        self._keypair = security.load_keypair(keys_dir, self.config.name)
+        self._coordinator_key = security.load_keypair_public(keys_dir, "coordinator")
+        # Until the coordinator assigns an upstream peer, nobody may send data.
+        self._data_allow = security.PeerAllowList()
+        self._authenticator = security.CurveAuthenticator(self._context, self._data_allow)
+        self._authenticator.start()
+
+    def _open_sockets(self) -> None:
+        opts = self.config.socket_options
+        self._data_in = open_socket(self._context, zmq.PULL, opts)
+        if self._keypair is not None:
+            security.secure_server(self._data_in, self._keypair)
+        bound = bind_endpoint(self._data_in, self.config.data_bind)
+        self.data_endpoint = advertised_endpoint(
+            bound, advertise_host=self.config.advertise_host, toward=self.config.coordinator
+        )
+        self._control = open_socket(self._context, zmq.DEALER, opts)
+        self._control.setsockopt(zmq.ROUTING_ID, self.config.name.encode())
+        if self._keypair is not None and self._coordinator_key is not None:
+            security.secure_client(self._control, self._keypair, self._coordinator_key)
+        self._control.connect(self.config.coordinator)
+
+    def _info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "cores": os.cpu_count() or 1,
+            "threads": torch.get_num_threads(),
+            "slowdown": self.config.slowdown,
+            "memory_mb": self.config.memory_mb,
+            "link": self.config.link.to_dict(),
+            "torch": torch.__version__,
+        }
+
+    async def _send_control(self, kind: str, body: dict[str, Any], epoch: int = 0) -> None:
+        assert self._control is not None
+        await send(
+            self._control,
+            Message(kind, body, epoch=epoch),
+            timeout_s=self.config.timeouts.send_s,
+            peer="coordinator",
+        )
+
+    async def _register(self) -> float:
+        """Register until the coordinator answers or ``connect_s`` runs out."""
+        assert self._control is not None
+        deadline = time.monotonic() + self.config.timeouts.connect_s
+        body = {
+            "name": self.config.name,
+            "data_endpoint": self.data_endpoint,
+            "info": self._info(),
+            "public_key": self._keypair.public.decode() if self._keypair else None,
+        }
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CoordinatorLost(
+                    f"could not reach the coordinator at {self.config.coordinator} within "
+                    f"{self.config.timeouts.connect_s:g} s; is it running, and are --coordinator "
+                    "and --keys right?"
+                )
+            try:
+                await asyncio.wait_for(self._send_control("register", body), min(left, 1.0))
+                frames = await recv_frames(
+                    self._control, timeout_s=min(left, 1.0), peer="coordinator",
+                    awaited="registration reply",
+                )
+            except (TransportTimeout, asyncio.TimeoutError):
+                continue
+            try:
+                reply = decode_frames(frames, self.config.socket_options.max_message_bytes)
+            except ProtocolError as exc:
+                log.warning("dropped_message", peer="coordinator", error=str(exc))
+                continue
+            if reply.kind == "refused":
+                raise ConfigError(f"the coordinator refused this stage: {reply['reason']}")
+            if reply.kind == "registered":
+                return float(reply["heartbeat_interval"])
+
+    # ------------------------------------------------------------ main loops
+
+    async def serve(self) -> None:
+        """Run until shut down by the coordinator, a signal, or coordinator loss."""
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)
+        self._setup_security()
+        self._open_sockets()
+        log.info("stage_starting", stage=self.config.name, data_endpoint=self.data_endpoint,
+                 coordinator=self.config.coordinator, threads=torch.get_num_threads(),
+                 slowdown=self.config.slowdown)
+        try:
+            interval = await self._register()
+            self._heard_from_coordinator = time.monotonic()
+            log.info("stage_registered", stage=self.config.name, heartbeat_interval=interval)
+            control = asyncio.create_task(self._control_loop())
+            heartbeat = asyncio.create_task(self._heartbeat_loop(interval))
+            stopping = asyncio.create_task(self._stopping.wait())
+            done, _ = await asyncio.wait(
+                {control, heartbeat, stopping}, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in (control, heartbeat, stopping):
+                task.cancel()
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            await self.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _heartbeat_loop(self, interval: float) -> None:
+        silence_limit = self.config.timeouts.coordinator_silence_s
+        while True:
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self._heard_from_coordinator
+            if silent > silence_limit:
+                raise CoordinatorLost(
+                    f"no word from the coordinator at {self.config.coordinator} for "
+                    f"{silent:.1f} s (limit {silence_limit:g} s)"
+                )
+            try:
+                await self._send_control(
+                    "heartbeat", {"name": self.config.name, "metrics": self.counters.to_dict()}
+                )
+            except TransportTimeout as exc:
+                log.warning("heartbeat_not_sent", stage=self.config.name, error=str(exc))
+
+    async def _control_loop(self) -> None:
+        assert self._control is not None
+        while True:
+            frames = await recv_frames(self._control, timeout_s=None, peer="coordinator",
+                                       awaited="control message")
+            self._heard_from_coordinator = time.monotonic()
+            try:
+                message = decode_frames(frames, self.config.socket_options.max_message_bytes)
+                await self._handle_control(message)
+            except ProtocolError as exc:
+                self.counters.dropped += 1
+                log.warning("dropped_message", stage=self.config.name, peer="coordinator",
+                            error=str(exc))
+
+    async def _handle_control(self, message: Message) -> None:
+        kind = message.kind
+        if kind in ("heartbeat_ack", "registered"):
+            return
+        if kind == "probe":
+            await self._send_control("probe_ack", {"nonce": message["nonce"]})
+        elif kind == "assign":
+            # Building a shard can take long; keep answering the coordinator meanwhile.
+            if self._assign_task is not None and not self._assign_task.done():
+                self._assign_task.cancel()
+            self._assign_task = asyncio.create_task(self._assign(message))
+        elif kind == "metrics_request":
+            await self._send_control(
+                "metrics",
+                {"run": message["run"], "name": self.config.name, "metrics": self.counters.to_dict()},
+                epoch=message.epoch,
+            )
+        elif kind == "shutdown":
+            log.info("stage_shutdown", stage=self.config.name, reason=message["reason"])
+            self.stop()
+        else:
+            raise ProtocolError(f"unexpected control message {kind!r} from the coordinator")
+
+    async def _assign(self, message: Message) -> None:
+        body = message.body
+        run, epoch = int(body["run"]), message.epoch
+        log.info("assignment_received", stage=self.config.name, run=run, epoch=epoch,
+                 start=body["start"], end=body["end"], downstream=body["downstream"])
+        await self._stop_data_tasks()
+        started = time.monotonic()
+        try:
+            spec = ModelSpec.from_dict(body["model"])
+            loop = asyncio.get_running_loop()
+            shard = await loop.run_in_executor(
+                self._compute,
+                lambda: Shard.build(spec, int(body["start"]), int(body["end"]),
+                                    dtype=str(body["dtype"]), slowdown=self.config.slowdown),
+            )
+            assignment = _Assignment(
+                run=run, epoch=epoch, start=int(body["start"]), end=int(body["end"]),
+                index=int(body["index"]), num_stages=int(body["num_stages"]),
+                upstream=str(body["upstream"]), downstream=str(body["downstream"]),
+                downstream_endpoint=str(body["downstream_endpoint"]), shard=shard,
+            )
+            self._connect_downstream(assignment, body.get("downstream_key"))
+            if self._data_allow is not None:
+                upstream_key = body.get("upstream_key")
+                self._data_allow.replace([upstream_key.encode()] if upstream_key else [])
+        except Exception as exc:  # any failure to build is reported, and the stage keeps serving
+            log.error("assignment_failed", stage=self.config.name, run=run, error=str(exc))
+            await self._send_control(
+                "assign_failed",
+                {"run": run, "name": self.config.name, "error": f"{type(exc).__name__}: {exc}"},
+                epoch=epoch,
+            )
+            return
+        self._assignment = assignment
+        self.counters.reset()
+        self._start_data_tasks(assignment)
+        build_s = time.monotonic() - started
+        log.info("assignment_ready", stage=self.config.name, run=run, epoch=epoch,
+                 build_s=round(build_s, 3))
+        await self._send_control(
+            "ready", {"run": run, "name": self.config.name, "build_s": build_s}, epoch=epoch
+        )
+
+    def _connect_downstream(self, assignment: _Assignment, downstream_key: str | None) -> None:
+        if self._downstream is not None:
+            self._downstream.close(linger=0)
+        sock = open_socket(self._context, zmq.PUSH, self.config.socket_options)
+        if self._keypair is not None:
+            if not downstream_key:
+                raise ConfigError(
+                    f"the coordinator sent no public key for downstream {assignment.downstream!r}"
+                )
+            security.secure_client(sock, self._keypair, downstream_key.encode())
+        sock.connect(assignment.downstream_endpoint)
+        self._downstream = sock
+
+    # ------------------------------------------------------------- data plane
+
+    def _start_data_tasks(self, assignment: _Assignment) -> None:
+        inbox: asyncio.Queue[Message] = asyncio.Queue(2)
+        outbox: asyncio.Queue[Message] = asyncio.Queue(2)
+        if not self.config.link.is_ideal:
+            self._link = EmulatedLink(self.config.link, self._send_downstream)
+        self._data_tasks = [
+            asyncio.create_task(self._receive_loop(assignment, inbox)),
+            asyncio.create_task(self._compute_loop(assignment, inbox, outbox)),
+            asyncio.create_task(self._send_loop(assignment, outbox)),
+        ]
+
+    async def _stop_data_tasks(self) -> None:
+        for task in self._data_tasks:
+            task.cancel()
+        for task in self._data_tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:
+                log.error("data_task_failed", stage=self.config.name, error=str(exc))
+        self._data_tasks = []
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
+
+    async def _receive_loop(self, assignment: _Assignment, inbox: asyncio.Queue[Message]) -> None:
+        assert self._data_in is not None
+        max_bytes = self.config.socket_options.max_message_bytes
+        while True:
+            frames = await recv_frames(self._data_in, timeout_s=None, peer=assignment.upstream,
+                                       awaited="micro-batch")
+            self.counters.bytes_in += frames_nbytes(frames)
+            try:
+                self._check_sender(frames[0])
+                message = decode_frames(frames, max_bytes)
+                self._check_data_message(message, assignment)
+            except ProtocolError as exc:
+                self.counters.dropped += 1
+                log.warning("dropped_message", stage=self.config.name, epoch=assignment.epoch,
+                            error=str(exc))
+                continue
+            if message.epoch != assignment.epoch:
+                self.counters.stale += 1
+                log.debug("stale_message", stage=self.config.name, epoch=message.epoch,
+                          current=assignment.epoch)
+                continue
+            await inbox.put(message)
+
+    def _check_sender(self, frame: zmq.Frame) -> None:
+        """CURVE checks keys only at the handshake: a peer connected under an older
+        assignment could keep sending, so each message's key is checked again."""
+        if self._data_allow is None:
+            return
+        key = security.sender_public_key(frame)
+        if key is None or key not in self._data_allow:
+            raise ProtocolError("data from a peer that is not the assigned upstream")
+
+    def _check_data_message(self, message: Message, assignment: _Assignment) -> None:
+        if message.kind not in ("data", "error"):
+            raise ProtocolError(f"{message.kind!r} does not belong on the data port")
+        if message["src"] != assignment.upstream:
+            raise ProtocolError(
+                f"data from {message['src']!r}, but the assigned upstream is {assignment.upstream!r}"
+            )
+        if message.kind == "data" and not message.tensors:
+            raise ProtocolError("a data message carries no tensors")
+
+    async def _compute_loop(
+        self, assignment: _Assignment, inbox: asyncio.Queue[Message], outbox: asyncio.Queue[Message]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        name = self.config.name
+        while True:
+            waited_from = time.perf_counter()
+            message = await inbox.get()
+            self.counters.idle_s += time.perf_counter() - waited_from
+            mb = int(message["mb"])
+            if message.kind == "error":
+                # Someone upstream failed on this micro-batch: pass the word on.
+                out = Message("error", {**message.body, "src": name}, epoch=assignment.epoch)
+            else:
+                try:
+                    outputs, busy = await loop.run_in_executor(
+                        self._compute, assignment.shard.forward, message.tensors
+                    )
+                    self.counters.busy_s += busy
+                    self.counters.microbatches += 1
+                    out = Message("data", {"run": assignment.run, "mb": mb, "src": name},
+                                  epoch=assignment.epoch, tensors=outputs)
+                except Exception as exc:  # a bad input must not take the stage down
+                    self.counters.errors += 1
+                    log.warning("microbatch_failed", stage=name, epoch=assignment.epoch, mb=mb,
+                                error=str(exc))
+                    out = Message(
+                        "error",
+                        {"run": assignment.run, "mb": mb, "src": name, "stage": name,
+                         "message": f"{type(exc).__name__}: {exc}"},
+                        epoch=assignment.epoch,
+                    )
+            log.debug("microbatch_done", stage=name, epoch=assignment.epoch, mb=mb)
+            await outbox.put(out)
+
+    async def _send_loop(self, assignment: _Assignment, outbox: asyncio.Queue[Message]) -> None:
+        while True:
+            message = await outbox.get()
+            started = time.perf_counter()
+            try:
+                if self._link is not None:
+                    nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
+                    delivered = await self._link.submit(message, nbytes)
+                    if not delivered:
+                        self.counters.lost += 1
+                else:
+                    await self._send_downstream(message)
+            except TransportTimeout as exc:
+                # The coordinator decides what a stuck downstream means; keep serving.
+                log.error("send_failed", stage=self.config.name, epoch=assignment.epoch,
+                          mb=message["mb"], error=str(exc))
+            self.counters.send_blocked_s += time.perf_counter() - started
+
+    async def _send_downstream(self, item: object) -> None:
+        assert self._downstream is not None and isinstance(item, Message)
+        peer = self._assignment.downstream if self._assignment else "downstream"
+        self.counters.bytes_out += await send(
+            self._downstream, item, timeout_s=self.config.timeouts.send_s, peer=peer
+        )
+
+    # --------------------------------------------------------------- shutdown
+
+    async def close(self) -> None:
+        await self._stop_data_tasks()
+        if self._assign_task is not None:
+            self._assign_task.cancel()
+        for sock in (self._downstream, self._data_in, self._control):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._compute.shutdown(wait=False, cancel_futures=True)
+        self._context.term()

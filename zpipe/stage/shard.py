@@ -1,0 +1,73 @@
+"""A stage's shard: its units of the model and how one micro-batch runs through them.
+
+Runs in the stage's compute thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from zpipe._errors import ConfigError
+from zpipe.models import ModelSpec, load_layer_sequence, run_units
+from zpipe.transport.emulation import emulate_slowdown
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+class Shard:
+    def __init__(
+        self,
+        units: Sequence[torch.nn.Module],
+        *,
+        dtype: str = "float32",
+        slowdown: float = 1.0,
+        device: str = "cpu",
+    ) -> None:
+        if dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {dtype!r}")
+        self.device = torch.device(device)
+        self.units = [u.to(self.device).eval() for u in units]
+        self.dtype = dtype
+        self.slowdown = slowdown
+
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        start: int,
+        end: int,
+        *,
+        dtype: str = "float32",
+        slowdown: float = 1.0,
+        device: str = "cpu",
+    ) -> Shard:
+        sequence = load_layer_sequence(spec)
+        if not 0 <= start < end <= sequence.num_units:
+            raise ConfigError(
+                f"unit range [{start}, {end}) is outside the model's {sequence.num_units} units"
+            )
+        return cls(sequence.build_units(start, end), dtype=dtype, slowdown=slowdown, device=device)
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        if self.dtype == "bfloat16":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], float]:
+        """Outputs of this shard for one micro-batch, and the compute seconds it took."""
+        started = time.perf_counter()
+        moved = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+        with torch.inference_mode(), self._autocast():
+            outputs = run_units(self.units, moved)
+        if self.device.type != "cpu":
+            outputs = tuple(t.to("cpu") for t in outputs)
+        elapsed = time.perf_counter() - started
+        emulate_slowdown(self.slowdown, elapsed)
+        return outputs, time.perf_counter() - started

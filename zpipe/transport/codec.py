@@ -1,0 +1,329 @@
+"""The wire codec: validated messages to ZeroMQ frames and back, with no I/O.
+
+A message is one multipart ZeroMQ message::
+
+    frame 0      msgpack map  {"v": version, "k": kind, "e": epoch, "b": body, "t": tensor metas}
+    frame 1..n   one raw frame per tensor, in the order of "t" (sent zero-copy)
+
+A tensor meta is ``[dtype_name, [dim, ...]]``. Nothing is pickled: the header is
+msgpack of plain data and each tensor is its raw bytes. Decoding validates the
+version, the kind, every body field against the kind's schema, every dtype and
+shape, and every frame's length, and raises :class:`ProtocolError` on the first
+problem, so a receive loop can log and drop the message and keep serving.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from zpipe._errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Limits a receiver enforces before it trusts anything else in a message.
+MAX_HEADER_BYTES = 1 << 20
+MAX_TENSORS = 64
+MAX_DIMS = 8
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+# Body schema of each kind: field -> (accepted types, required). Unknown fields
+# are refused, so a typo in a sender shows up as an error instead of a silently
+# ignored setting. Nested maps (plans, model specs) are validated by the code
+# that consumes them.
+_Types = tuple[type, ...]
+_STR: _Types = (str,)
+_INT: _Types = (int,)
+_NUM: _Types = (int, float)
+_MAP: _Types = (dict,)
+_LIST: _Types = (list,)
+_OPT_STR: _Types = (str, type(None))
+_OPT_MAP: _Types = (dict, type(None))
+_OPT_LIST: _Types = (list, type(None))
+_OPT_INT: _Types = (int, type(None))
+
+SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
+    # data plane
+    "data": {"run": (_INT, True), "mb": (_INT, True), "src": (_STR, True)},
+    # a micro-batch that failed: "stage" is where it failed, "src" the last hop
+    "error": {
+        "run": (_INT, True),
+        "mb": (_INT, True),
+        "src": (_STR, True),
+        "stage": (_STR, True),
+        "message": (_STR, True),
+    },
+    # stage <-> coordinator
+    "register": {
+        "name": (_STR, True),
+        "data_endpoint": (_STR, True),
+        "info": (_MAP, True),
+        "public_key": (_OPT_STR, False),
+    },
+    "registered": {"name": (_STR, True), "heartbeat_interval": (_NUM, True)},
+    "refused": {"reason": (_STR, True)},
+    "heartbeat": {"name": (_STR, True), "metrics": (_MAP, True)},
+    "heartbeat_ack": {},
+    "probe": {"nonce": (_INT, True)},
+    "probe_ack": {"nonce": (_INT, True)},
+    "assign": {
+        "run": (_INT, True),
+        "model": (_MAP, True),
+        "start": (_INT, True),
+        "end": (_INT, True),
+        "index": (_INT, True),
+        "num_stages": (_INT, True),
+        "upstream": (_STR, True),
+        "upstream_key": (_OPT_STR, False),
+        "downstream": (_STR, True),
+        "downstream_endpoint": (_STR, True),
+        "downstream_key": (_OPT_STR, False),
+        "dtype": (_STR, True),
+    },
+    "ready": {"run": (_INT, True), "name": (_STR, True), "build_s": (_NUM, True)},
+    "assign_failed": {"run": (_INT, True), "name": (_STR, True), "error": (_STR, True)},
+    "metrics_request": {"run": (_INT, True)},
+    "metrics": {"run": (_INT, True), "name": (_STR, True), "metrics": (_MAP, True)},
+    "shutdown": {"reason": (_STR, True)},
+    # client <-> coordinator
+    "run_request": {
+        "model": (_MAP, True),
+        "partition": (_OPT_LIST, False),
+        "stages": (_OPT_INT, False),
+        "stage_names": (_OPT_LIST, False),
+        "dtype": (_STR, True),
+        "sink_endpoint": (_STR, True),
+        "wait_for_stages_s": (_NUM, True),
+    },
+    "run_ready": {
+        "run": (_INT, True),
+        "plan": (_MAP, True),
+        "first_endpoint": (_STR, True),
+        "first_stage": (_STR, True),
+        "first_key": (_OPT_STR, False),
+        "last_stage": (_STR, True),
+        "last_key": (_OPT_STR, False),
+    },
+    "run_failed": {"error": (_STR, True)},
+    "run_end": {"run": (_INT, True)},
+    "run_report": {"run": (_INT, True), "stages": (_MAP, True)},
+    "stage_failed": {"run": (_INT, True), "stage": (_STR, True), "reason": (_STR, True)},
+    "cluster_request": {},
+    "cluster_state": {"members": (_LIST, True)},
+}
+
+# Kinds whose frames carry tensors; every other kind must have none.
+TENSOR_KINDS = frozenset({"data"})
+
+
+@dataclass(frozen=True)
+class Message:
+    """One validated message: a kind, the plan epoch it belongs to, a body and tensors."""
+
+    kind: str
+    body: Mapping[str, Any] = field(default_factory=dict)
+    epoch: int = 0
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    def __getitem__(self, key: str) -> Any:
+        return self.body[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.body.get(key, default)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ProtocolError(f"dtype {dtype} cannot cross the wire") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        known = ", ".join(sorted(_DTYPES))
+        raise ProtocolError(f"unknown dtype {name!r}; known: {known}") from None
+
+
+def _validate_body(kind: str, body: Any) -> dict[str, Any]:
+    schema = SCHEMAS.get(kind)
+    if schema is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{kind}: body must be a map, got {type(body).__name__}")
+    for key in body:
+        if key not in schema:
+            raise ProtocolError(f"{kind}: unexpected field {key!r}")
+    for key, (types, required) in schema.items():
+        if key not in body:
+            if required:
+                raise ProtocolError(f"{kind}: missing field {key!r}")
+            continue
+        value = body[key]
+        # bool is an int subclass; a flag where a number belongs is a sender bug.
+        if isinstance(value, bool) and bool not in types:
+            raise ProtocolError(f"{kind}: field {key!r} must not be a bool")
+        if not isinstance(value, types):
+            names = "/".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ProtocolError(
+                f"{kind}: field {key!r} must be {names}, got {type(value).__name__}"
+            )
+        if isinstance(value, int) and key in ("run", "mb", "start", "end", "index") and value < 0:
+            raise ProtocolError(f"{kind}: field {key!r} must be >= 0, got {value}")
+    return body
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's raw bytes without a copy where it is already contiguous.
+
+    Viewing as uint8 first is what lets bfloat16 (which numpy lacks) cross.
+    """
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous()
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(-1).view(torch.uint8).numpy())
+
+
+def encode(message: Message) -> list[bytes | memoryview]:
+    """Frames for ``message``: the header, then one buffer per tensor (no copies).
+
+    The caller must not modify the tensors until the send has completed: a
+    zero-copy send only queues the buffers.
+    """
+    _validate_body(message.kind, dict(message.body))
+    if message.tensors and message.kind not in TENSOR_KINDS:
+        raise ProtocolError(f"{message.kind}: this kind carries no tensors")
+    if len(message.tensors) > MAX_TENSORS:
+        raise ProtocolError(f"{len(message.tensors)} tensors exceed the limit of {MAX_TENSORS}")
+    metas = []
+    frames: list[bytes | memoryview] = []
+    for tensor in message.tensors:
+        if tensor.dim() > MAX_DIMS:
+            raise ProtocolError(f"tensor of {tensor.dim()} dims exceeds the limit of {MAX_DIMS}")
+        metas.append([dtype_name(tensor.dtype), list(tensor.shape)])
+        frames.append(_tensor_bytes(tensor))
+    try:
+        header = msgpack.packb(
+            {"v": PROTOCOL_VERSION, "k": message.kind, "e": message.epoch,
+             "b": dict(message.body), "t": metas},
+            use_bin_type=True,
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{message.kind}: body cannot be encoded: {exc}") from None
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    return [header, *frames]
+
+
+def _frame_view(frame: Any) -> memoryview:
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return memoryview(frame)
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame, received with copy=False
+    if buffer is None:
+        raise ProtocolError(f"frame of type {type(frame).__name__} is not a byte buffer")
+    return memoryview(buffer)
+
+
+def _decode_tensor(meta: Any, frame: Any, index: int) -> torch.Tensor:
+    if not (isinstance(meta, list) and len(meta) == 2):
+        raise ProtocolError(f"tensor {index}: meta must be [dtype, shape]")
+    name, shape = meta
+    if not isinstance(name, str):
+        raise ProtocolError(f"tensor {index}: dtype must be a string")
+    dtype = parse_dtype(name)
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise ProtocolError(f"tensor {index}: shape must be a list of at most {MAX_DIMS} dims")
+    for dim in shape:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise ProtocolError(f"tensor {index}: bad dimension {dim!r} in shape {shape!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    view = _frame_view(frame)
+    if view.nbytes != expected:
+        raise ProtocolError(
+            f"tensor {index}: frame has {view.nbytes} bytes, {name}{shape} needs {expected}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = view.cast("B") if view.format != "B" else view
+    # zmq keeps small frames unaligned; torch kernels want aligned storage, so
+    # copy those (they are small), and share memory with the frame otherwise.
+    if raw.readonly or _address(raw) % max(itemsize, 8):
+        raw = memoryview(bytearray(raw))
+    tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+    return tensor.view(shape)
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def decode(
+    frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> Message:
+    """Validate ``frames`` and return the message; :class:`ProtocolError` on any problem."""
+    if not frames:
+        raise ProtocolError("empty message")
+    header_view = _frame_view(frames[0])
+    if header_view.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {header_view.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    total = sum(_frame_view(f).nbytes for f in frames)
+    if total > max_message_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
+    try:
+        header = msgpack.unpackb(
+            header_view, raw=False, strict_map_key=True
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a map")
+    if set(header) != {"v", "k", "e", "b", "t"}:
+        raise ProtocolError(f"header fields must be v, k, e, b, t; got {sorted(map(str, header))}")
+    version = header["v"]
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+    kind = header["k"]
+    if not isinstance(kind, str):
+        raise ProtocolError("kind must be a string")
+    epoch = header["e"]
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ProtocolError(f"epoch must be a non-negative integer, got {epoch!r}")
+    body = _validate_body(kind, header["b"])
+    metas = header["t"]
+    if not isinstance(metas, list) or len(metas) > MAX_TENSORS:
+        raise ProtocolError(f"tensor metas must be a list of at most {MAX_TENSORS}")
+    if metas and kind not in TENSOR_KINDS:
+        raise ProtocolError(f"{kind}: this kind carries no tensors")
+    if len(frames) != 1 + len(metas):
+        raise ProtocolError(f"{len(metas)} tensors announced but {len(frames) - 1} frames follow")
+    tensors = tuple(
+        _decode_tensor(meta, frame, i) for i, (meta, frame) in enumerate(zip(metas, frames[1:]))
+    )
+    return Message(kind=kind, body=body, epoch=epoch, tensors=tensors)

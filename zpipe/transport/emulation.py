@@ -1,0 +1,139 @@
+"""Emulated devices and links for experiments on one machine.
+
+A :class:`LinkModel` turns a message size into when it leaves and arrives on a
+link of given bandwidth and latency, and decides (seeded) whether it is lost.
+It is pure; :class:`EmulatedLink` applies it to real sends. Serialisation time
+is paid by the sender (so a slow link throttles the pipeline, as a real one
+does) while latency is paid in flight (so a long link does not lower the
+throughput of a pipeline that keeps several messages in flight).
+
+:func:`emulate_slowdown` stretches a compute step to ``factor`` times its
+measured time, which is how a stage plays a slower device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from zpipe._errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """An emulated link: ``None`` bandwidth means unlimited."""
+
+    bandwidth_mbps: float | None = None
+    latency_ms: float = 0.0
+    loss: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_mbps is not None and not self.bandwidth_mbps > 0:
+            raise ConfigError(f"link bandwidth must be > 0 Mbit/s, got {self.bandwidth_mbps}")
+        if not self.latency_ms >= 0:
+            raise ConfigError(f"link latency must be >= 0 ms, got {self.latency_ms}")
+        if not 0.0 <= self.loss < 1.0:
+            raise ConfigError(f"link loss must be in [0, 1), got {self.loss}")
+
+    @property
+    def is_ideal(self) -> bool:
+        return self.bandwidth_mbps is None and self.latency_ms == 0 and self.loss == 0
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return {
+            "bandwidth_mbps": self.bandwidth_mbps,
+            "latency_ms": self.latency_ms,
+            "loss": self.loss,
+            "seed": self.seed,
+        }
+
+
+@dataclass
+class LinkModel:
+    """When each message leaves and arrives, and whether it is lost (pure, seeded)."""
+
+    spec: LinkSpec
+    _busy_until: float = 0.0
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.spec.seed)
+
+    def schedule(self, nbytes: int, now: float) -> tuple[float, float, bool]:
+        """(sender free at, delivered at, lost) for a message of ``nbytes`` sent at ``now``."""
+        start = max(now, self._busy_until)
+        tx = 0.0
+        if self.spec.bandwidth_mbps is not None:
+            tx = nbytes * 8.0 / (self.spec.bandwidth_mbps * 1e6)
+        self._busy_until = start + tx
+        lost = self.spec.loss > 0 and self._rng.random() < self.spec.loss
+        return self._busy_until, self._busy_until + self.spec.latency_ms / 1e3, lost
+
+
+class EmulatedLink:
+    """Applies a :class:`LinkModel` in front of a real send coroutine, in order."""
+
+    def __init__(
+        self,
+        spec: LinkSpec,
+        deliver: Callable[[object], Awaitable[None]],
+        *,
+        max_in_flight: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = LinkModel(spec)
+        self._deliver = deliver
+        self._clock = clock
+        self._queue: asyncio.Queue[tuple[float, object]] = asyncio.Queue(max_in_flight)
+        self._task: asyncio.Task[None] | None = None
+        self.lost = 0
+        self._error: BaseException | None = None
+
+    async def submit(self, item: object, nbytes: int) -> bool:
+        """Pay the serialisation time, then hand ``item`` to the in-flight queue.
+
+        Returns False when the emulated link lost the message.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+        free_at, deliver_at, lost = self.model.schedule(nbytes, self._clock())
+        await asyncio.sleep(max(0.0, free_at - self._clock()))
+        if lost:
+            self.lost += 1
+            return False
+        await self._queue.put((deliver_at, item))
+        return True
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                deliver_at, item = await self._queue.get()
+                delay = deliver_at - self._clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await self._deliver(item)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced to the next submit()
+            self._error = exc
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+
+def emulate_slowdown(factor: float, elapsed_s: float) -> None:
+    """Sleep (in the compute thread) so the step takes ``factor`` times ``elapsed_s``."""
+    if factor > 1.0 and elapsed_s > 0:
+        time.sleep((factor - 1.0) * elapsed_s)
