@@ -29,9 +29,9 @@ def make_batches(spec: ModelSpec, count: int, batch_size: int) -> list[tuple[tor
 
 def assert_outputs_match(got, expected, atol: float = 1e-5) -> None:
     assert len(got) == len(expected)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=False):
         assert len(g) == len(e)
-        for gt, et in zip(g, e):
+        for gt, et in zip(g, e, strict=False):
             assert gt.shape == et.shape and gt.dtype == et.dtype
             torch.testing.assert_close(gt, et, atol=atol, rtol=1e-4)
 
@@ -63,8 +63,13 @@ def test_pipeline_outputs_equal_single_process(cluster: LocalCluster, spec: Mode
 def test_auto_split_user_module_equals_single_process(cluster: LocalCluster) -> None:
     spec = ModelSpec(
         "traced",
-        {"factory": "zpipe.models.examples:tiny_residual", "kwargs": {},
-         "input_shape": [8], "input_dtype": "float32", "microbatch_size": 2},
+        {
+            "factory": "zpipe.models.examples:tiny_residual",
+            "kwargs": {},
+            "input_shape": [8],
+            "input_dtype": "float32",
+            "microbatch_size": 2,
+        },
         seed=11,
     )
     batches = make_batches(spec, count=4, batch_size=2)
@@ -80,7 +85,9 @@ def test_explicit_partition_and_stage_choice_are_honoured(cluster: LocalCluster)
     batches = make_batches(spec, count=3, batch_size=3)
     outputs, report = cluster.infer(spec, batches, partition=partition, stage_names=["s2", "s0"])
     assert [(s.device, s.start, s.end) for s in report.plan.stages] == [
-        ("s2", 0, 1), ("s0", 1, units)]
+        ("s2", 0, 1),
+        ("s0", 1, units),
+    ]
     assert_outputs_match(outputs, reference_outputs(spec, batches))
 
 
@@ -97,7 +104,7 @@ def test_bfloat16_compute_is_close_to_float32(cluster: LocalCluster) -> None:
     spec = ModelSpec.preset("vit-tiny", seed=9)
     batches = make_batches(spec, count=2, batch_size=4)
     outputs, _ = cluster.infer(spec, batches, dtype="bfloat16")
-    for got, expected in zip(outputs, reference_outputs(spec, batches)):
+    for got, expected in zip(outputs, reference_outputs(spec, batches), strict=False):
         torch.testing.assert_close(got[0].float(), expected[0], atol=0.15, rtol=0.1)
 
 
@@ -131,8 +138,12 @@ def test_garbage_to_stage_and_coordinator_is_dropped_and_the_run_continues(
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 1000)
         dealer.connect(cluster.coordinator_endpoint)
-        junk = [[b"\xc1\x00junk"], [b"not msgpack", b"x" * 100],
-                [json.dumps({"v": 1}).encode()], [b""]]
+        junk = [
+            [b"\xc1\x00junk"],
+            [b"not msgpack", b"x" * 100],
+            [json.dumps({"v": 1}).encode()],
+            [b""],
+        ]
         for frames in junk:
             pusher.send_multipart(frames)
             dealer.send_multipart(frames)
@@ -148,7 +159,7 @@ def test_garbage_to_stage_and_coordinator_is_dropped_and_the_run_continues(
 
     spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=8)
     batches = make_batches(spec, count=3, batch_size=2)
-    outputs, report = cluster.infer(spec, batches)
+    outputs, _report = cluster.infer(spec, batches)
     assert_outputs_match(outputs, reference_outputs(spec, batches))
     assert "dropped_message" in cluster.logs("s1")
     assert "dropped_message" in cluster.logs("coordinator")

@@ -9,12 +9,15 @@ from zpipe.coordinator.membership import Membership, MemberState
 
 
 def make(interval: float = 1.0, suspect: int = 3, probe: int = 2) -> Membership:
-    m = Membership(heartbeat_interval_s=interval, suspect_after_intervals=suspect,
-                   probe_intervals=probe)
-    m.register(name="a", routing_id=b"a", data_endpoint="tcp://h:1", info={}, public_key=None,
-               now=0.0)
-    m.register(name="b", routing_id=b"b", data_endpoint="tcp://h:2", info={}, public_key=None,
-               now=0.5)
+    m = Membership(
+        heartbeat_interval_s=interval, suspect_after_intervals=suspect, probe_intervals=probe
+    )
+    m.register(
+        name="a", routing_id=b"a", data_endpoint="tcp://h:1", info={}, public_key=None, now=0.0
+    )
+    m.register(
+        name="b", routing_id=b"b", data_endpoint="tcp://h:2", info={}, public_key=None, now=0.5
+    )
     return m
 
 
@@ -54,8 +57,9 @@ def test_dead_members_stay_dead_and_can_register_again() -> None:
     assert m.declare_dead("a", "killed", 1.0) is not None
     assert m.declare_dead("a", "again", 1.0) is None
     assert not m.heard_from("a", 2.0)
-    m.register(name="a", routing_id=b"a2", data_endpoint="tcp://h:9", info={}, public_key=None,
-               now=3.0)
+    m.register(
+        name="a", routing_id=b"a2", data_endpoint="tcp://h:9", info={}, public_key=None, now=3.0
+    )
     assert m.get("a").state is MemberState.ALIVE  # type: ignore[union-attr]
     assert m.by_routing_id(b"a2") is m.get("a")
 
@@ -63,11 +67,23 @@ def test_dead_members_stay_dead_and_can_register_again() -> None:
 def test_a_live_name_cannot_be_taken_by_another_connection() -> None:
     m = make()
     with pytest.raises(ConfigError, match="already registered"):
-        m.register(name="a", routing_id=b"intruder", data_endpoint="tcp://h:3", info={},
-                   public_key=None, now=1.0)
+        m.register(
+            name="a",
+            routing_id=b"intruder",
+            data_endpoint="tcp://h:3",
+            info={},
+            public_key=None,
+            now=1.0,
+        )
     # after the holder has gone silent, the name can be taken over (a restarted device)
-    m.register(name="a", routing_id=b"restarted", data_endpoint="tcp://h:3", info={},
-               public_key=None, now=10.0)
+    m.register(
+        name="a",
+        routing_id=b"restarted",
+        data_endpoint="tcp://h:3",
+        info={},
+        public_key=None,
+        now=10.0,
+    )
     assert m.get("a").routing_id == b"restarted"  # type: ignore[union-attr]
 
 

@@ -96,6 +96,32 @@ def test_transformer_cuts_inside_a_block_carry_the_residual() -> None:
     torch.testing.assert_close(after_fc1[1], after_proj[0])
 
 
+def test_vit_units_compute_a_pre_ln_vit() -> None:
+    # Split-vs-full tests cannot see a wrong architecture; this compares with an
+    # independent pre-LN ViT written with nn.MultiheadAttention and the units' weights.
+    sequence = load_layer_sequence(ModelSpec.preset("vit-tiny", seed=4))
+    units: Any = sequence.build_units(0, sequence.num_units)
+    (images,) = sequence.example_input(2)
+    embed, head = units[0], units[-1]
+    with torch.no_grad():
+        patches = embed.proj(images).flatten(2).transpose(1, 2)
+        cls = embed.cls_token.expand(2, -1, -1)
+        x = torch.cat([cls, patches], dim=1) + embed.pos_embed
+        for block in range(2):
+            attn, proj, fc1, fc2 = units[1 + 4 * block : 5 + 4 * block]
+            mha = nn.MultiheadAttention(32, 2, batch_first=True)
+            mha.in_proj_weight.copy_(attn.qkv.weight)
+            mha.in_proj_bias.copy_(attn.qkv.bias)
+            mha.out_proj.weight.copy_(proj.proj.weight)
+            mha.out_proj.bias.copy_(proj.proj.bias)
+            normed = attn.norm(x)
+            x = x + mha(normed, normed, normed, need_weights=False)[0]
+            x = x + fc2.fc2(torch.nn.functional.gelu(fc1.fc1(fc1.norm(x))))
+        want = head.classifier(head.norm(x)[:, 0])
+        got = run_units(units, (images,))
+    torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["vit-tiny", "bert-tiny"])
 def test_four_stage_split_matches_full_model(name: str) -> None:
     spec = ModelSpec.preset(name, seed=9)
@@ -366,9 +392,11 @@ _plain = st.recursive(
     | st.integers(min_value=-(2**63), max_value=2**63 - 1)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=4)
-    | st.tuples(children, children)
-    | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
     max_leaves=12,
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -20,7 +21,7 @@ def test_even_ranges_cover_in_order_and_differ_by_at_most_one(units: int, stages
         return
     ranges = even_ranges(units, stages)
     assert ranges[0][0] == 0 and ranges[-1][1] == units
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     sizes = [e - s for s, e in ranges]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 

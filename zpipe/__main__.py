@@ -21,16 +21,22 @@ COMMANDS = {
 def _usage() -> str:
     lines = ["usage: python -m zpipe COMMAND [ARGS]", "", "commands:"]
     lines += [f"  {name:<6} {text}" for name, text in COMMANDS.items()]
-    lines += ["", "processes: python -m zpipe.coordinator --help, python -m zpipe.stage --help",
-              "run 'python -m zpipe COMMAND --help' for a command's flags"]
+    lines += [
+        "",
+        "processes: python -m zpipe.coordinator --help, python -m zpipe.stage --help",
+        "run 'python -m zpipe COMMAND --help' for a command's flags",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
+        print(f"python -m zpipe: a command is required\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(_usage())
-        return 0 if args else 2
+        return 0
     command, rest = args[0], args[1:]
     if command == "demo":
         from zpipe.demo import main as demo_main

@@ -54,24 +54,49 @@ def existing_dir(text: str) -> Path:
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("logging and security")
-    group.add_argument("--log-format", choices=LOG_FORMATS, default="console",
-                       help="console for people, json for one object per line (default: console)")
-    group.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                       help="lowest level printed (default: info)")
-    group.add_argument("--keys", type=existing_dir, default=None, metavar="DIR",
-                       help="directory of CurveZMQ key pairs (python -m zpipe keys); without it the "
-                            "cluster is open to any peer and a warning says so")
+    group.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="console",
+        help="console for people, json for one object per line (default: console)",
+    )
+    group.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="lowest level printed (default: info)",
+    )
+    group.add_argument(
+        "--keys",
+        type=existing_dir,
+        default=None,
+        metavar="DIR",
+        help="directory of CurveZMQ key pairs (python -m zpipe keys); without it the "
+        "cluster is open to any peer and a warning says so",
+    )
     timing = parser.add_argument_group("timeouts")
     defaults = Timeouts()
-    timing.add_argument("--heartbeat-interval", type=positive_float,
-                        default=defaults.heartbeat_interval_s, metavar="S",
-                        help=f"seconds between heartbeats (default: {defaults.heartbeat_interval_s})")
-    timing.add_argument("--connect-timeout", type=positive_float, default=defaults.connect_s,
-                        metavar="S", help="give up reaching the coordinator after S seconds "
-                        f"(default: {defaults.connect_s})")
-    timing.add_argument("--send-timeout", type=positive_float, default=defaults.send_s,
-                        metavar="S", help="give up a blocked send to a peer after S seconds "
-                        f"(default: {defaults.send_s})")
+    timing.add_argument(
+        "--heartbeat-interval",
+        type=positive_float,
+        default=defaults.heartbeat_interval_s,
+        metavar="S",
+        help=f"seconds between heartbeats (default: {defaults.heartbeat_interval_s})",
+    )
+    timing.add_argument(
+        "--connect-timeout",
+        type=positive_float,
+        default=defaults.connect_s,
+        metavar="S",
+        help=f"give up reaching the coordinator after S seconds (default: {defaults.connect_s})",
+    )
+    timing.add_argument(
+        "--send-timeout",
+        type=positive_float,
+        default=defaults.send_s,
+        metavar="S",
+        help=f"give up a blocked send to a peer after S seconds (default: {defaults.send_s})",
+    )
 
 
 def timeouts_from_args(args: argparse.Namespace, **overrides: Any) -> Timeouts:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 import zmq
@@ -48,7 +48,7 @@ from zpipe.transport.sockets import (
 
 log = get_logger("zpipe.client")
 
-Batch = Union[torch.Tensor, Sequence[torch.Tensor]]
+Batch = torch.Tensor | Sequence[torch.Tensor]
 Outputs = tuple[torch.Tensor, ...]
 CLIENT_NAME = "client"
 _warned_open = [False]
@@ -84,14 +84,16 @@ def split_microbatches(
     tensors: tuple[torch.Tensor, ...], microbatch_size: int | None
 ) -> list[tuple[torch.Tensor, ...]]:
     """Split along dim 0; every tensor of a batch must have the same batch size."""
-    sizes = {t.shape[0] if t.dim() else None for t in tensors}
-    if len(sizes) != 1 or None in sizes:
-        raise ConfigError(f"every tensor of a batch needs the same batch dimension, got {sizes}")
+    if any(t.dim() == 0 for t in tensors):
+        raise ConfigError("every tensor of a batch needs a batch dimension; got a scalar")
+    sizes = {int(t.shape[0]) for t in tensors}
+    if len(sizes) != 1:
+        raise ConfigError(f"every tensor of a batch needs the same batch size, got {sizes}")
     (batch_size,) = sizes
     if microbatch_size is None or microbatch_size >= batch_size:
         return [tuple(t.contiguous() for t in tensors)]
     parts = [torch.split(t, microbatch_size) for t in tensors]
-    return [tuple(p.contiguous() for p in group) for group in zip(*parts)]
+    return [tuple(p.contiguous() for p in group) for group in zip(*parts, strict=False)]
 
 
 class _ControlChannel:
@@ -107,8 +109,9 @@ class _ControlChannel:
 
     async def _read(self) -> None:
         while True:
-            frames = await recv_frames(self.sock, timeout_s=None, peer="coordinator",
-                                       awaited="control message")
+            frames = await recv_frames(
+                self.sock, timeout_s=None, peer="coordinator", awaited="control message"
+            )
             try:
                 message = decode_frames(frames, self.options.max_message_bytes)
             except ProtocolError as exc:
@@ -119,8 +122,9 @@ class _ControlChannel:
             else:
                 await self._replies.put(message)
 
-    async def request(self, message: Message, *, expect: Sequence[str], timeout_s: float,
-                      awaited: str) -> Message:
+    async def request(
+        self, message: Message, *, expect: Sequence[str], timeout_s: float, awaited: str
+    ) -> Message:
         await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
         deadline = time.monotonic() + timeout_s
         while True:
@@ -222,8 +226,10 @@ class PipelineClient:
         """The coordinator's view of every stage: name, state, endpoint, device info."""
         assert self._control is not None, "open() the client first"
         reply = await self._control.request(
-            Message("cluster_request"), expect=("cluster_state",),
-            timeout_s=self.timeouts.reply_s, awaited="cluster state",
+            Message("cluster_request"),
+            expect=("cluster_state",),
+            timeout_s=self.timeouts.reply_s,
+            awaited="cluster state",
         )
         return list(reply["members"])
 
@@ -273,7 +279,8 @@ class PipelineClient:
             "wait_for_stages_s": float(wait_for_stages_s),
         }
         reply = await self._control.request(
-            Message("run_request", request), expect=("run_ready", "run_failed"),
+            Message("run_request", request),
+            expect=("run_ready", "run_failed"),
             timeout_s=wait_for_stages_s + self.timeouts.assign_s + self.timeouts.reply_s,
             awaited="run_ready",
         )
@@ -281,19 +288,35 @@ class PipelineClient:
             raise PipelineError(f"the coordinator could not start the run: {reply['error']}")
         stream = _Stream(self, reply, microbatch_size, max_in_flight, progress)
         try:
+            started = await self._control.request(
+                Message("run_go", {"run": stream.run}),
+                expect=("run_started", "run_failed"),
+                timeout_s=self.timeouts.reply_s * 2,
+                awaited="run_started",
+            )
+        except BaseException:
+            await stream.close()
+            raise
+        if started.kind == "run_failed":
+            await stream.close()
+            raise PipelineError(f"the coordinator could not start the run: {started['error']}")
+        try:
             async for outputs in stream.outputs_in_order(batches):
                 yield outputs
         finally:
             await stream.close()
         report = await self._control.request(
-            Message("run_end", {"run": stream.run}), expect=("run_report",),
-            timeout_s=self.timeouts.reply_s * 2, awaited="run report",
+            Message("run_end", {"run": stream.run}),
+            expect=("run_report",),
+            timeout_s=self.timeouts.reply_s * 2,
+            awaited="run report",
         )
         stream.report.stages = dict(report["stages"])
         self.last_report = stream.report
 
-    async def infer(self, model: ModelSpec, batches: Iterable[Batch] | AsyncIterable[Batch],
-                    **kwargs: Any) -> list[Outputs]:
+    async def infer(
+        self, model: ModelSpec, batches: Iterable[Batch] | AsyncIterable[Batch], **kwargs: Any
+    ) -> list[Outputs]:
         """All outputs of :meth:`infer_stream` as a list."""
         return [outputs async for outputs in self.infer_stream(model, batches, **kwargs)]
 
@@ -301,8 +324,14 @@ class PipelineClient:
 class _Stream:
     """One run's data plane on the client side: source, sink and reordering."""
 
-    def __init__(self, client: PipelineClient, ready: Message, microbatch_size: int | None,
-                 max_in_flight: int, progress: Callable[[int, int], None] | None) -> None:
+    def __init__(
+        self,
+        client: PipelineClient,
+        ready: Message,
+        microbatch_size: int | None,
+        max_in_flight: int,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
         assert client._context is not None and client._control is not None
         self.client = client
         self.run = int(ready["run"])
@@ -352,7 +381,8 @@ class _Stream:
                 )
             except asyncio.TimeoutError:
                 raise TransportTimeout(
-                    self.last_stage, f"the result of batch {next_batch}",
+                    self.last_stage,
+                    f"the result of batch {next_batch}",
                     self.client.timeouts.result_s,
                 ) from None
             if isinstance(value, BaseException):
@@ -394,17 +424,23 @@ class _Stream:
             self.owner[mb] = (index, part)
             await send(
                 self.source,
-                Message("data", {"run": self.run, "mb": mb, "src": CLIENT_NAME},
-                        epoch=self.epoch, tensors=mb_tensors),
-                timeout_s=self.client.timeouts.send_s, peer=self.first_stage,
+                Message(
+                    "data",
+                    {"run": self.run, "mb": mb, "src": CLIENT_NAME},
+                    epoch=self.epoch,
+                    tensors=mb_tensors,
+                ),
+                timeout_s=self.client.timeouts.send_s,
+                peer=self.first_stage,
             )
 
     async def _drain(self) -> None:
         sink = self.client._sink
         assert sink is not None
         while True:
-            frames = await recv_frames(sink, timeout_s=None, peer=self.last_stage,
-                                       awaited="results")
+            frames = await recv_frames(
+                sink, timeout_s=None, peer=self.last_stage, awaited="results"
+            )
             try:
                 allow = self.client._sink_allow
                 if allow is not None:
@@ -420,8 +456,9 @@ class _Stream:
             self.window.release()
             self.received += 1
             if message.kind == "error":
-                await self.results.put((-1, RemoteStageError(
-                    str(message["stage"]), mb, str(message["message"]))))
+                await self.results.put(
+                    (-1, RemoteStageError(str(message["stage"]), mb, str(message["message"])))
+                )
                 return
             index, part = self.owner.pop(mb)
             self.arrived.setdefault(index, {})[part] = message.tensors
@@ -430,8 +467,10 @@ class _Stream:
             if len(self.arrived[index]) == self.parts[index]:
                 pieces = self.arrived.pop(index)
                 ordered = [pieces[p] for p in range(len(pieces))]
-                outputs = tuple(torch.cat(group) if len(ordered) > 1 else group[0]
-                                for group in zip(*ordered))
+                outputs = tuple(
+                    torch.cat(group) if len(ordered) > 1 else group[0]
+                    for group in zip(*ordered, strict=False)
+                )
                 await self.results.put((index, outputs))
 
     def _check_result(self, message: Message) -> None:
@@ -451,8 +490,9 @@ class _Stream:
             notice = await control.failures.get()
             if notice["run"] != self.run:
                 continue
-            await self.results.put((-1, StageFailedError(str(notice["stage"]),
-                                                         str(notice["reason"]))))
+            await self.results.put(
+                (-1, StageFailedError(str(notice["stage"]), str(notice["reason"])))
+            )
             return
 
     async def close(self) -> None:

@@ -118,10 +118,13 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         assert self.log_dir is not None
-        log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (kept by the child)
+        log_file = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(
-            [self.python, *args], stdout=log_file, stderr=subprocess.STDOUT, env=env,
+            [self.python, *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
             stdin=subprocess.DEVNULL,
         )
         log_file.close()
@@ -129,8 +132,14 @@ class LocalCluster:
         return process
 
     def _common_flags(self) -> list[str]:
-        flags = ["--heartbeat-interval", str(self.heartbeat_interval_s),
-                 "--log-format", "json", "--log-level", self.log_level]
+        flags = [
+            "--heartbeat-interval",
+            str(self.heartbeat_interval_s),
+            "--log-format",
+            "json",
+            "--log-level",
+            self.log_level,
+        ]
         if self.keys_dir is not None:
             flags += ["--keys", str(self.keys_dir)]
         return flags
@@ -142,11 +151,20 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_tcp_port()
         self.coordinator_endpoint = f"tcp://127.0.0.1:{port}"
-        self._spawn("coordinator", [
-            "-m", "zpipe.coordinator", "--bind", self.coordinator_endpoint,
-            "--suspect-after", str(self.suspect_after),
-            "--probe-intervals", str(self.probe_intervals), *self._common_flags(),
-        ])
+        self._spawn(
+            "coordinator",
+            [
+                "-m",
+                "zpipe.coordinator",
+                "--bind",
+                self.coordinator_endpoint,
+                "--suspect-after",
+                str(self.suspect_after),
+                "--probe-intervals",
+                str(self.probe_intervals),
+                *self._common_flags(),
+            ],
+        )
         for device in self.devices:
             self.start_stage(device)
         try:
@@ -156,10 +174,20 @@ class LocalCluster:
             raise
 
     def start_stage(self, device: DeviceSpec, *extra: str) -> subprocess.Popen[bytes]:
-        return self._spawn(device.name, [
-            "-m", "zpipe.stage", "--coordinator", self.coordinator_endpoint,
-            "--bind", "tcp://127.0.0.1:0", *device.stage_flags(), *self._common_flags(), *extra,
-        ])
+        return self._spawn(
+            device.name,
+            [
+                "-m",
+                "zpipe.stage",
+                "--coordinator",
+                self.coordinator_endpoint,
+                "--bind",
+                "tcp://127.0.0.1:0",
+                *device.stage_flags(),
+                *self._common_flags(),
+                *extra,
+            ],
+        )
 
     def wait_for_stages(self, count: int, *, timeout_s: float) -> list[dict[str, Any]]:
         async def wait() -> list[dict[str, Any]]:

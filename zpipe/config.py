@@ -33,8 +33,15 @@ class Timeouts:
     reply_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("connect_s", "heartbeat_interval_s", "coordinator_silence_s", "send_s",
-                     "assign_s", "result_s", "reply_s"):
+        for name in (
+            "connect_s",
+            "heartbeat_interval_s",
+            "coordinator_silence_s",
+            "send_s",
+            "assign_s",
+            "result_s",
+            "reply_s",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"timeout {name} must be > 0 seconds, got {value}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,36 +35,73 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run pipelined inference of a ViT-style model across emulated heterogeneous "
         "devices on this machine and check the outputs against a single-process run.",
     )
-    parser.add_argument("--model", default="vit-base", choices=available_presets(),
-                        help="built-in model preset (default: vit-base)")
-    parser.add_argument("--layers", type=positive_int, default=4,
-                        help="transformer blocks to keep, so the demo runs in about a minute on "
-                             "two cores (default: 4)")
-    parser.add_argument("--stages", type=int, default=3, choices=range(1, len(DEMO_DEVICES) + 1),
-                        help=f"number of stage processes, 1-{len(DEMO_DEVICES)} (default: 3)")
-    parser.add_argument("--batches", type=positive_int, default=8,
-                        help="number of input batches to stream (default: 8)")
+    parser.add_argument(
+        "--model",
+        default="vit-base",
+        choices=available_presets(),
+        help="built-in model preset (default: vit-base)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=positive_int,
+        default=4,
+        help="transformer blocks to keep, so the demo runs in about a minute on "
+        "two cores (default: 4)",
+    )
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=3,
+        choices=range(1, len(DEMO_DEVICES) + 1),
+        help=f"number of stage processes, 1-{len(DEMO_DEVICES)} (default: 3)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=positive_int,
+        default=8,
+        help="number of input batches to stream (default: 8)",
+    )
     parser.add_argument("--batch-size", type=positive_int, default=8, help="(default: 8)")
     parser.add_argument("--microbatch-size", type=positive_int, default=4, help="(default: 4)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="compute dtype on the stages (default: float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype on the stages (default: float32)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"),
-                        help="level of the stage and coordinator logs (default: warning)")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error"),
+        help="level of the stage and coordinator logs (default: warning)",
+    )
     return parser
 
 
-def _progress(done: int, sent: int) -> None:
-    width = 30
-    filled = int(width * done / max(sent, 1))
-    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done} micro-batches done",
-          end="", file=sys.stderr, flush=True)
+def _progress_bar(total: int) -> Callable[[int, int], None]:
+    started = time.perf_counter()
+
+    def show(done: int, _sent: int) -> None:
+        width = 30
+        filled = int(width * done / max(total, 1))
+        rate = done / max(time.perf_counter() - started, 1e-9)
+        print(
+            f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} micro-batches, "
+            f"{rate:.1f}/s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
 
 
 def _stage_table(report_stages: dict[str, dict[str, Any]], plan_devices: list[str]) -> str:
-    rows = [f"  {'stage':<8} {'busy s':>8} {'idle s':>8} {'send s':>8} {'MB in':>8} "
-            f"{'MB out':>8} {'util':>6}"]
+    rows = [
+        f"  {'stage':<8} {'busy s':>8} {'idle s':>8} {'send s':>8} {'MB in':>8} "
+        f"{'MB out':>8} {'util':>6}"
+    ]
     for name in plan_devices:
         m = report_stages.get(name, {})
         busy, idle = float(m.get("busy_s", 0.0)), float(m.get("idle_s", 0.0))
@@ -85,29 +123,39 @@ def main(argv: list[str] | None = None) -> int:
     spec = ModelSpec.preset(args.model, seed=args.seed, **overrides)
     sequence = load_layer_sequence(spec)
     devices = list(DEMO_DEVICES[: args.stages])
-    print(f"zpipe demo: {args.model} ({sequence.num_units} units) over {len(devices)} emulated "
-          "devices")
+    print(
+        f"zpipe demo: {args.model} ({sequence.num_units} units) over {len(devices)} emulated "
+        "devices"
+    )
     for d in devices:
-        print(f"  {d.name:<8} {d.slowdown:>4}x slower compute, {d.bandwidth_mbps:>5.0f} Mbit/s, "
-              f"{d.latency_ms:g} ms link")
+        print(
+            f"  {d.name:<8} {d.slowdown:>4}x slower compute, {d.bandwidth_mbps:>5.0f} Mbit/s, "
+            f"{d.latency_ms:g} ms link"
+        )
     generator = torch.Generator().manual_seed(args.seed)
     batches = [
-        sequence.example_input(args.batch_size, seed=int(torch.randint(0, 2**31 - 1, (1,),
-                                                                        generator=generator)))
+        sequence.example_input(
+            args.batch_size, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        )
         for _ in range(args.batches)
     ]
     print("starting the coordinator and stages ...", flush=True)
     with LocalCluster(devices, log_level=args.log_level) as cluster:
         outputs, report = cluster.infer(
-            spec, batches, microbatch_size=args.microbatch_size, dtype=args.dtype,
-            progress=_progress,
+            spec,
+            batches,
+            microbatch_size=args.microbatch_size,
+            dtype=args.dtype,
+            progress=_progress_bar(args.batches * -(-args.batch_size // args.microbatch_size)),
         )
     print(file=sys.stderr)
     print("\npartition (even; the PipeEdge planner comes next):")
     print(report.plan.describe(sequence.unit_names()))
-    print(f"\nthroughput: {report.throughput:.2f} samples/s "
-          f"({report.samples} samples, {report.microbatches} micro-batches in "
-          f"{report.elapsed_s:.2f} s)")
+    print(
+        f"\nthroughput: {report.throughput:.2f} samples/s "
+        f"({report.samples} samples, {report.microbatches} micro-batches in "
+        f"{report.elapsed_s:.2f} s)"
+    )
     print("\nper-stage time (busy computing, idle waiting for input, blocked sending):")
     print(_stage_table(report.stages, report.plan.devices))
 
@@ -117,13 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     ok = True
     with torch.inference_mode():
-        for batch, got in zip(batches, outputs):
+        for batch, got in zip(batches, outputs, strict=False):
             expected = reference(*batch)
-            for e, g in zip(expected, got):
+            for e, g in zip(expected, got, strict=False):
                 worst = max(worst, float((e.float() - g.float()).abs().max()))
                 tol = 1e-4 if args.dtype == "float32" else 1e-1
                 ok = ok and torch.allclose(e.float(), g.float(), atol=tol, rtol=tol)
     single_s = time.perf_counter() - started
-    print(f"  outputs {'EQUAL' if ok else 'DIFFER'} (max abs diff {worst:.2e}); "
-          f"single process took {single_s:.2f} s")
+    print(
+        f"  outputs {'EQUAL' if ok else 'DIFFER'} (max abs diff {worst:.2e}); "
+        f"single process took {single_s:.2f} s"
+    )
     return 0 if ok else 1

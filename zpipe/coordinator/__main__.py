@@ -21,14 +21,27 @@ def build_parser() -> argparse.ArgumentParser:
         "neighbours, reports stages that die, and gathers per-stage metrics. It carries control "
         "messages only, never activations.",
     )
-    parser.add_argument("--bind", default="tcp://0.0.0.0:5550", metavar="tcp://HOST:PORT",
-                        help="control endpoint to listen on (default: tcp://0.0.0.0:5550)")
-    parser.add_argument("--suspect-after", type=positive_int, default=3, metavar="N",
-                        help="missed heartbeat intervals before a stage is suspected and probed "
-                             "(default: 3)")
-    parser.add_argument("--probe-intervals", type=positive_int, default=2, metavar="N",
-                        help="intervals a suspect stage has to answer the probe before it is "
-                             "declared dead (default: 2)")
+    parser.add_argument(
+        "--bind",
+        default="tcp://0.0.0.0:5550",
+        metavar="tcp://HOST:PORT",
+        help="control endpoint to listen on (default: tcp://0.0.0.0:5550)",
+    )
+    parser.add_argument(
+        "--suspect-after",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="missed heartbeat intervals before a stage is suspected and probed (default: 3)",
+    )
+    parser.add_argument(
+        "--probe-intervals",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="intervals a suspect stage has to answer the probe before it is "
+        "declared dead (default: 2)",
+    )
     add_common_flags(parser)
     return parser
 

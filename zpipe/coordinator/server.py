@@ -8,12 +8,16 @@ One ROUTER socket serves stages and clients alike. A run goes::
 
     client  run_request ─> coordinator ── assign (epoch) ──> each stage
                                         <─ ready ─────────── each stage
-    client <─ run_ready (plan, first stage) ─┘
+    client <─ run_ready (plan, first stage, keys) ─┘
+    client  run_go ──────> coordinator ── connect ─────────> each stage
+    client <─ run_started ─┘            <─ connected ─────── each stage
     client ── data ──> stage 0 ──> ... ──> stage n-1 ── data ──> client
     client  run_end ───> coordinator ── metrics_request ──> stages
     client <─ run_report ┘
 
-A stage declared dead during a run is reported to that run's client at once
+The two phases exist because a CURVE handshake refused once is not retried:
+every stage (and the client) must allow its upstream's key before anyone
+connects to it. A stage declared dead during a run is reported to that run's client at once
 (``stage_failed``); repairing the pipeline is the recovery layer's job.
 """
 
@@ -66,7 +70,9 @@ class _Run:
     epoch: int
     client: bytes
     plan: Plan
+    client_key: str | None = None
     ready: dict[str, asyncio.Future[float]] = field(default_factory=dict)
+    connected: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     metrics: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     failed: set[str] = field(default_factory=set)
@@ -103,9 +109,7 @@ class Coordinator:
             self._keypair = security.load_keypair(keys_dir, "coordinator")
             self._public_keys = security.load_public_keys(keys_dir)
             allow = security.PeerAllowList()
-            allow.replace(
-                key for name, key in self._public_keys.items() if name != "coordinator"
-            )
+            allow.replace(key for name, key in self._public_keys.items() if name != "coordinator")
             self._authenticator = security.CurveAuthenticator(self._context, allow)
             self._authenticator.start()
             security.secure_server(self._router, self._keypair)
@@ -115,9 +119,12 @@ class Coordinator:
 
     async def serve(self, *, ready: asyncio.Event | None = None) -> None:
         self._setup()
-        log.info("coordinator_listening", endpoint=self.endpoint,
-                 secure=self.config.keys_dir is not None,
-                 heartbeat_interval=self.config.timeouts.heartbeat_interval_s)
+        log.info(
+            "coordinator_listening",
+            endpoint=self.endpoint,
+            secure=self.config.keys_dir is not None,
+            heartbeat_interval=self.config.timeouts.heartbeat_interval_s,
+        )
         if ready is not None:
             ready.set()
         receive = asyncio.create_task(self._receive_loop())
@@ -142,8 +149,12 @@ class Coordinator:
     async def _shutdown_stages(self, reason: str) -> None:
         for member in self.membership.alive():
             with contextlib.suppress(Exception):
-                await self._send(member.routing_id, Message("shutdown", {"reason": reason}),
-                                 peer=member.name, timeout_s=0.5)
+                await self._send(
+                    member.routing_id,
+                    Message("shutdown", {"reason": reason}),
+                    peer=member.name,
+                    timeout_s=0.5,
+                )
 
     def _close(self) -> None:
         if self._router is not None:
@@ -159,8 +170,13 @@ class Coordinator:
     ) -> None:
         assert self._router is not None
         try:
-            await send(self._router, message, routing_id=routing_id, peer=peer,
-                       timeout_s=timeout_s or self.config.timeouts.send_s)
+            await send(
+                self._router,
+                message,
+                routing_id=routing_id,
+                peer=peer,
+                timeout_s=timeout_s or self.config.timeouts.send_s,
+            )
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
             raise TransportTimeout(peer, f"a connection to send {message.kind}", 0.0) from exc
 
@@ -178,8 +194,9 @@ class Coordinator:
         assert self._router is not None
         max_bytes = self.config.socket_options.max_message_bytes
         while True:
-            frames = await recv_frames(self._router, timeout_s=None, peer="any",
-                                       awaited="control message")
+            frames = await recv_frames(
+                self._router, timeout_s=None, peer="any", awaited="control message"
+            )
             if len(frames) < 2:
                 log.warning("dropped_message", error="no routing id or header")
                 continue
@@ -202,18 +219,28 @@ class Coordinator:
             for probe in probes:
                 member = self.membership.get(probe.name)
                 assert member is not None
-                log.warning("stage_suspect", stage=probe.name,
-                            silent_s=round(now - member.last_seen, 2))
+                log.warning(
+                    "stage_suspect", stage=probe.name, silent_s=round(now - member.last_seen, 2)
+                )
                 with contextlib.suppress(TransportTimeout):
-                    await self._send(member.routing_id, Message("probe", {"nonce": probe.nonce}),
-                                     peer=probe.name, timeout_s=interval)
+                    await self._send(
+                        member.routing_id,
+                        Message("probe", {"nonce": probe.nonce}),
+                        peer=probe.name,
+                        timeout_s=interval,
+                    )
             for death in deaths:
                 await self._on_death(death.name, death.reason, death.silent_s)
 
     async def _on_death(self, name: str, reason: str, silent_s: float) -> None:
         log.error("stage_dead", stage=name, reason=reason, silent_s=round(silent_s, 2))
-        event = {"event": "stage_dead", "stage": name, "reason": reason,
-                 "silent_s": silent_s, "at": time.time()}
+        event = {
+            "event": "stage_dead",
+            "stage": name,
+            "reason": reason,
+            "silent_s": silent_s,
+            "at": time.time(),
+        }
         run = self._run
         if run is not None and name in run.plan.devices:
             event["run"] = run.run
@@ -225,8 +252,11 @@ class Coordinator:
             with contextlib.suppress(TransportTimeout):
                 await self._send(
                     run.client,
-                    Message("stage_failed", {"run": run.run, "stage": name, "reason": reason},
-                            epoch=run.epoch),
+                    Message(
+                        "stage_failed",
+                        {"run": run.run, "stage": name, "reason": reason},
+                        epoch=run.epoch,
+                    ),
                     peer=CLIENT_NAME,
                     timeout_s=self.config.timeouts.reply_s,
                 )
@@ -240,9 +270,12 @@ class Coordinator:
         if kind == "register":
             await self._on_register(routing_id, user_key, message, now)
             return
-        if kind in ("run_request", "run_end", "cluster_request"):
+        if kind == "run_request":
+            self._spawn(self._on_run_request(routing_id, user_key, message))
+            return
+        if kind in ("run_go", "run_end", "cluster_request"):
             handler = {
-                "run_request": self._on_run_request,
+                "run_go": self._on_run_go,
                 "run_end": self._on_run_end,
                 "cluster_request": self._on_cluster_request,
             }[kind]
@@ -254,11 +287,15 @@ class Coordinator:
             raise ProtocolError(f"{kind!r} from a peer that is not registered")
         self.membership.heard_from(member.name, now, message.get("metrics"))
         if kind == "heartbeat":
-            await self._send(routing_id, Message("heartbeat_ack"), peer=member.name,
-                             timeout_s=self.config.timeouts.heartbeat_interval_s)
+            await self._send(
+                routing_id,
+                Message("heartbeat_ack"),
+                peer=member.name,
+                timeout_s=self.config.timeouts.heartbeat_interval_s,
+            )
         elif kind == "probe_ack":
             log.info("stage_answered_probe", stage=member.name)
-        elif kind in ("ready", "assign_failed", "metrics"):
+        elif kind in ("ready", "assign_failed", "connected", "metrics"):
             self._resolve_run_reply(member, message)
         else:
             raise ProtocolError(f"unexpected {kind!r} from stage {member.name!r}")
@@ -271,29 +308,43 @@ class Coordinator:
             expected = self._public_keys.get(name)
             if expected is None or user_key is None or expected.decode() != user_key:
                 log.warning("registration_refused", stage=name, reason="key does not match name")
-                await self._send(routing_id, Message(
-                    "refused", {"reason": f"the key this stage uses is not {name}.key"}),
-                    peer=name, timeout_s=self.config.timeouts.reply_s)
+                await self._send(
+                    routing_id,
+                    Message("refused", {"reason": f"the key this stage uses is not {name}.key"}),
+                    peer=name,
+                    timeout_s=self.config.timeouts.reply_s,
+                )
                 return
         try:
             member = self.membership.register(
-                name=name, routing_id=routing_id, data_endpoint=str(message["data_endpoint"]),
+                name=name,
+                routing_id=routing_id,
+                data_endpoint=str(message["data_endpoint"]),
                 info=dict(message["info"]),
-                public_key=(self._public_keys[name].decode() if name in self._public_keys
-                            else None),
+                public_key=(
+                    self._public_keys[name].decode() if name in self._public_keys else None
+                ),
                 now=now,
             )
         except ConfigError as exc:
-            await self._send(routing_id, Message("refused", {"reason": str(exc)}), peer=name,
-                             timeout_s=self.config.timeouts.reply_s)
+            await self._send(
+                routing_id,
+                Message("refused", {"reason": str(exc)}),
+                peer=name,
+                timeout_s=self.config.timeouts.reply_s,
+            )
             return
-        log.info("stage_registered", stage=name, data_endpoint=member.data_endpoint,
-                 info=member.info)
+        log.info(
+            "stage_registered", stage=name, data_endpoint=member.data_endpoint, info=member.info
+        )
         await self._send(
             routing_id,
-            Message("registered", {"name": name,
-                                   "heartbeat_interval": self.config.timeouts.heartbeat_interval_s}),
-            peer=name, timeout_s=self.config.timeouts.reply_s,
+            Message(
+                "registered",
+                {"name": name, "heartbeat_interval": self.config.timeouts.heartbeat_interval_s},
+            ),
+            peer=name,
+            timeout_s=self.config.timeouts.reply_s,
         )
 
     def _resolve_run_reply(self, member: Member, message: Message) -> None:
@@ -306,9 +357,15 @@ class Coordinator:
             if fut is not None and not fut.done():
                 fut.set_result(float(message["build_s"]))
         elif message.kind == "assign_failed":
-            fut = run.ready.get(member.name)
-            if fut is not None and not fut.done():
-                fut.set_exception(ConfigError(f"stage {member.name!r}: {message['error']}"))
+            error = ConfigError(f"stage {member.name!r}: {message['error']}")
+            for futures in (run.ready, run.connected):
+                pending = futures.get(member.name)
+                if pending is not None and not pending.done():
+                    pending.set_exception(error)
+        elif message.kind == "connected":
+            connected = run.connected.get(member.name)
+            if connected is not None and not connected.done():
+                connected.set_result(None)
         else:
             metrics_fut = run.metrics.get(member.name)
             if metrics_fut is not None and not metrics_fut.done():
@@ -316,8 +373,12 @@ class Coordinator:
 
     async def _on_cluster_request(self, routing_id: bytes, message: Message) -> None:
         members = [m.to_dict() for m in self.membership.all()]
-        await self._send(routing_id, Message("cluster_state", {"members": members}),
-                         peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s)
+        await self._send(
+            routing_id,
+            Message("cluster_state", {"members": members}),
+            peer=CLIENT_NAME,
+            timeout_s=self.config.timeouts.reply_s,
+        )
 
     async def _choose_devices(self, message: Message) -> list[Member]:
         """The stages for a run, waiting up to ``wait_for_stages_s`` for enough to register."""
@@ -329,8 +390,10 @@ class Coordinator:
         deadline = time.monotonic() + float(message["wait_for_stages_s"])
         while True:
             # By name, so that the same cluster gives the same plan whatever the join order.
-            alive = sorted((m for m in self.membership.alive() if m.state is MemberState.ALIVE),
-                           key=lambda m: m.name)
+            alive = sorted(
+                (m for m in self.membership.alive() if m.state is MemberState.ALIVE),
+                key=lambda m: m.name,
+            )
             if names is not None:
                 by_name = {m.name: m for m in alive}
                 if all(n in by_name for n in names):
@@ -347,19 +410,28 @@ class Coordinator:
                 raise ConfigError(f"{problem} after waiting {message['wait_for_stages_s']} s")
             await asyncio.sleep(0.05)
 
-    async def _on_run_request(self, routing_id: bytes, message: Message) -> None:
+    async def _on_run_request(
+        self, routing_id: bytes, user_key: str | None, message: Message
+    ) -> None:
         try:
-            ready = await self._start_run(routing_id, message)
+            ready = await self._start_run(routing_id, user_key, message)
         except (ZpipeError, ValueError) as exc:
             log.error("run_failed", error=str(exc))
             self._run = None
-            await self._send(routing_id, Message("run_failed", {"error": str(exc)}),
-                             peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s)
+            await self._send(
+                routing_id,
+                Message("run_failed", {"error": str(exc)}),
+                peer=CLIENT_NAME,
+                timeout_s=self.config.timeouts.reply_s,
+            )
             return
-        await self._send(routing_id, ready, peer=CLIENT_NAME,
-                         timeout_s=self.config.timeouts.reply_s)
+        await self._send(
+            routing_id, ready, peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s
+        )
 
-    async def _start_run(self, routing_id: bytes, message: Message) -> Message:
+    async def _start_run(
+        self, routing_id: bytes, client_key: str | None, message: Message
+    ) -> Message:
         if self._run is not None:
             log.warning("run_replaced", previous=self._run.run)
         spec = ModelSpec.from_dict(message["model"])
@@ -373,7 +445,13 @@ class Coordinator:
             plan = plan_even_partition(num_units, names[: min(len(names), num_units)])
         self._epoch += 1
         self._run_counter += 1
-        run = _Run(run=self._run_counter, epoch=self._epoch, client=routing_id, plan=plan)
+        run = _Run(
+            run=self._run_counter,
+            epoch=self._epoch,
+            client=routing_id,
+            plan=plan,
+            client_key=client_key,
+        )
         self._run = run
         log.info("run_planned", run=run.run, epoch=run.epoch, plan=plan.to_dict())
         by_name = {m.name: m for m in members}
@@ -382,38 +460,114 @@ class Coordinator:
             member = by_name[stage.device]
             last = i == len(plan.stages) - 1
             downstream = CLIENT_NAME if last else plan.stages[i + 1].device
-            endpoint = (str(message["sink_endpoint"]) if last
-                        else by_name[plan.stages[i + 1].device].data_endpoint)
+            endpoint = (
+                str(message["sink_endpoint"])
+                if last
+                else by_name[plan.stages[i + 1].device].data_endpoint
+            )
             upstream = CLIENT_NAME if i == 0 else plan.stages[i - 1].device
             run.ready[stage.device] = loop.create_future()
-            await self._send(member.routing_id, Message("assign", {
-                "run": run.run, "model": spec.to_dict(), "start": stage.start, "end": stage.end,
-                "index": i, "num_stages": len(plan.stages),
-                "upstream": upstream, "upstream_key": self._key_of(upstream),
-                "downstream": downstream, "downstream_endpoint": endpoint,
-                "downstream_key": self._key_of(downstream), "dtype": str(message["dtype"]),
-            }, epoch=run.epoch), peer=member.name)
+            await self._send(
+                member.routing_id,
+                Message(
+                    "assign",
+                    {
+                        "run": run.run,
+                        "model": spec.to_dict(),
+                        "start": stage.start,
+                        "end": stage.end,
+                        "index": i,
+                        "num_stages": len(plan.stages),
+                        "upstream": upstream,
+                        "upstream_key": self._key_of(upstream),
+                        "downstream": downstream,
+                        "downstream_endpoint": endpoint,
+                        "downstream_key": self._key_of(downstream),
+                        "dtype": str(message["dtype"]),
+                    },
+                    epoch=run.epoch,
+                ),
+                peer=member.name,
+            )
         try:
             build_times = await asyncio.wait_for(
                 asyncio.gather(*run.ready.values()), self.config.timeouts.assign_s
             )
         except asyncio.TimeoutError:
             slow = [n for n, f in run.ready.items() if not f.done()]
-            raise TransportTimeout(", ".join(slow), "ready after assignment",
-                                   self.config.timeouts.assign_s) from None
-        log.info("run_started", run=run.run, epoch=run.epoch,
-                 build_s={n: round(b, 3) for n, b in zip(run.ready, build_times)})
+            raise TransportTimeout(
+                ", ".join(slow), "ready after assignment", self.config.timeouts.assign_s
+            ) from None
+        log.info(
+            "run_ready",
+            run=run.run,
+            epoch=run.epoch,
+            build_s={n: round(b, 3) for n, b in zip(run.ready, build_times, strict=False)},
+        )
         first, last_stage = plan.stages[0].device, plan.stages[-1].device
-        return Message("run_ready", {
-            "run": run.run, "plan": plan.to_dict(),
-            "first_endpoint": by_name[first].data_endpoint, "first_stage": first,
-            "first_key": self._key_of(first), "last_stage": last_stage,
-            "last_key": self._key_of(last_stage),
-        }, epoch=run.epoch)
+        return Message(
+            "run_ready",
+            {
+                "run": run.run,
+                "plan": plan.to_dict(),
+                "first_endpoint": by_name[first].data_endpoint,
+                "first_stage": first,
+                "first_key": self._key_of(first),
+                "last_stage": last_stage,
+                "last_key": self._key_of(last_stage),
+            },
+            epoch=run.epoch,
+        )
 
     def _key_of(self, name: str) -> str | None:
+        if name == CLIENT_NAME and self._run is not None:
+            # the key the client authenticated with, whatever its file is called
+            return self._run.client_key
         key = self._public_keys.get(name)
         return key.decode() if key is not None else None
+
+    async def _on_run_go(self, routing_id: bytes, message: Message) -> None:
+        """The client allows the last stage and is connected: stages connect downstream."""
+        run = self._run
+        try:
+            if run is None or run.run != message["run"]:
+                raise ConfigError(f"run {message['run']} is not the current run")
+            loop = asyncio.get_running_loop()
+            for stage in run.plan.stages:
+                member = self.membership.get(stage.device)
+                if member is None or member.state is MemberState.DEAD:
+                    raise ConfigError(f"stage {stage.device!r} is gone")
+                run.connected[stage.device] = loop.create_future()
+                await self._send(
+                    member.routing_id,
+                    Message("connect", {"run": run.run}, epoch=run.epoch),
+                    peer=stage.device,
+                )
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(*run.connected.values()), self.config.timeouts.reply_s
+                )
+            except asyncio.TimeoutError:
+                slow = [n for n, f in run.connected.items() if not f.done()]
+                raise TransportTimeout(
+                    ", ".join(slow), "connected", self.config.timeouts.reply_s
+                ) from None
+        except (ZpipeError, ValueError) as exc:
+            log.error("run_failed", error=str(exc))
+            await self._send(
+                routing_id,
+                Message("run_failed", {"error": str(exc)}),
+                peer=CLIENT_NAME,
+                timeout_s=self.config.timeouts.reply_s,
+            )
+            return
+        log.info("run_streaming", run=run.run, epoch=run.epoch)
+        await self._send(
+            routing_id,
+            Message("run_started", {"run": run.run}, epoch=run.epoch),
+            peer=CLIENT_NAME,
+            timeout_s=self.config.timeouts.reply_s,
+        )
 
     async def _on_run_end(self, routing_id: bytes, message: Message) -> None:
         run = self._run
@@ -426,18 +580,23 @@ class Coordinator:
                     continue
                 run.metrics[stage.device] = loop.create_future()
                 with contextlib.suppress(TransportTimeout):
-                    await self._send(member.routing_id,
-                                     Message("metrics_request", {"run": run.run}, epoch=run.epoch),
-                                     peer=stage.device)
+                    await self._send(
+                        member.routing_id,
+                        Message("metrics_request", {"run": run.run}, epoch=run.epoch),
+                        peer=stage.device,
+                    )
             for name, fut in run.metrics.items():
                 try:
                     stages[name] = await asyncio.wait_for(fut, self.config.timeouts.reply_s)
                 except (asyncio.TimeoutError, ConfigError):
                     stages[name] = {"error": "no metrics"}
             self._run = None
-        await self._send(routing_id,
-                         Message("run_report", {"run": int(message["run"]), "stages": stages}),
-                         peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s)
+        await self._send(
+            routing_id,
+            Message("run_report", {"run": int(message["run"]), "stages": stages}),
+            peer=CLIENT_NAME,
+            timeout_s=self.config.timeouts.reply_s,
+        )
 
 
 def _curve_user_id(frame: zmq.Frame) -> str | None:

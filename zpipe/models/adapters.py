@@ -47,9 +47,7 @@ def resolve_factory(path: str) -> Callable[..., Any]:
     """The callable named by "package.module:attribute[.attribute...]"."""
     module_name, sep, attributes = path.partition(":")
     if not sep or not module_name or not attributes:
-        raise ModelSpecError(
-            f"factory must look like 'package.module:callable', got {path!r}"
-        )
+        raise ModelSpecError(f"factory must look like 'package.module:callable', got {path!r}")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:  # an import can fail with anything its module raises

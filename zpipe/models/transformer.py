@@ -144,9 +144,7 @@ class TokenEmbedding(nn.Module):
             )
         length = input_ids.shape[1]
         if length > self.max_positions:
-            raise ValueError(
-                f"sequence length {length} exceeds max_positions={self.max_positions}"
-            )
+            raise ValueError(f"sequence length {length} exceeds max_positions={self.max_positions}")
         positions = torch.arange(length, device=input_ids.device)
         hidden = self.word(input_ids) + self.position(positions)
         if self.segment is not None:

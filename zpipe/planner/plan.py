@@ -120,7 +120,7 @@ def plan_even_partition(num_units: int, devices: Sequence[str]) -> Plan:
     return Plan(
         algo="even",
         num_units=num_units,
-        stages=tuple(StagePlan(d, a, b) for d, (a, b) in zip(devices, ranges)),
+        stages=tuple(StagePlan(d, a, b) for d, (a, b) in zip(devices, ranges, strict=False)),
     )
 
 
@@ -133,7 +133,7 @@ def plan_from_partition(
             f"the partition has {len(ranges)} ranges but {len(devices)} devices take part"
         )
     stages = []
-    for device, r in zip(devices, ranges):
+    for device, r in zip(devices, ranges, strict=False):
         if len(r) != 2:
             raise ConfigError(f"partition range {list(r)!r} must be [start, end]")
         stages.append(StagePlan(device, int(r[0]), int(r[1])))

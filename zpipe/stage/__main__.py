@@ -46,30 +46,70 @@ def build_parser() -> argparse.ArgumentParser:
         "coordinator, receives an assignment (model, unit range, neighbours, plan epoch), builds "
         "only its own units and streams micro-batches from its upstream to its downstream.",
     )
-    parser.add_argument("--coordinator", required=True, metavar="tcp://HOST:PORT",
-                        help="the coordinator's control endpoint")
-    parser.add_argument("--name", required=True, type=stage_name,
-                        help="unique name of this device (also its key name with --keys)")
-    parser.add_argument("--bind", default="tcp://0.0.0.0:0", metavar="tcp://HOST:PORT",
-                        help="where to receive micro-batches (default: every interface, any port)")
-    parser.add_argument("--advertise-host", default=None, metavar="HOST",
-                        help="address peers use to reach --bind (default: the address that "
-                             "routes to the coordinator)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch compute threads (default: torch's choice); give stages that "
-                             "share a machine cores // stages each")
-    parser.add_argument("--memory-mb", type=positive_float, default=None,
-                        help="memory budget reported to the planner (default: not limited)")
+    parser.add_argument(
+        "--coordinator",
+        required=True,
+        metavar="tcp://HOST:PORT",
+        help="the coordinator's control endpoint",
+    )
+    parser.add_argument(
+        "--name",
+        required=True,
+        type=stage_name,
+        help="unique name of this device (also its key name with --keys)",
+    )
+    parser.add_argument(
+        "--bind",
+        default="tcp://0.0.0.0:0",
+        metavar="tcp://HOST:PORT",
+        help="where to receive micro-batches (default: every interface, any port)",
+    )
+    parser.add_argument(
+        "--advertise-host",
+        default=None,
+        metavar="HOST",
+        help="address peers use to reach --bind (default: the address that "
+        "routes to the coordinator)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch compute threads (default: torch's choice); give stages that "
+        "share a machine cores // stages each",
+    )
+    parser.add_argument(
+        "--memory-mb",
+        type=positive_float,
+        default=None,
+        help="memory budget reported to the planner (default: not limited)",
+    )
     emu = parser.add_argument_group("emulation (experiments on one machine)")
-    emu.add_argument("--slowdown", type=positive_float, default=1.0,
-                     help="play a device this many times slower: compute time is stretched by "
-                          "this factor (default: 1, must be >= 1)")
-    emu.add_argument("--bandwidth-mbps", type=positive_float, default=None,
-                     help="emulated bandwidth of the outgoing data link in Mbit/s (default: none)")
-    emu.add_argument("--latency-ms", type=non_negative_float, default=0.0,
-                     help="emulated one-way latency of the outgoing data link (default: 0)")
-    emu.add_argument("--loss", type=probability, default=0.0,
-                     help="probability that the outgoing link loses a message (default: 0)")
+    emu.add_argument(
+        "--slowdown",
+        type=positive_float,
+        default=1.0,
+        help="play a device this many times slower: compute time is stretched by "
+        "this factor (default: 1, must be >= 1)",
+    )
+    emu.add_argument(
+        "--bandwidth-mbps",
+        type=positive_float,
+        default=None,
+        help="emulated bandwidth of the outgoing data link in Mbit/s (default: none)",
+    )
+    emu.add_argument(
+        "--latency-ms",
+        type=non_negative_float,
+        default=0.0,
+        help="emulated one-way latency of the outgoing data link (default: 0)",
+    )
+    emu.add_argument(
+        "--loss",
+        type=probability,
+        default=0.0,
+        help="probability that the outgoing link loses a message (default: 0)",
+    )
     emu.add_argument("--loss-seed", type=int, default=0, help="seed of the loss draws")
     add_common_flags(parser)
     return parser

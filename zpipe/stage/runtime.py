@@ -68,7 +68,9 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1.0:
-            raise ConfigError(f"--slowdown must be >= 1 (a factor on compute time), got {self.slowdown}")
+            raise ConfigError(
+                f"--slowdown must be >= 1 (a factor on compute time), got {self.slowdown}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
 
@@ -92,7 +94,9 @@ class StageRuntime:
         self.config = config
         self.counters = StageCounters()
         self._context = new_context()
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{config.name}")
+        self._compute = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"compute-{config.name}"
+        )
         self._assignment: _Assignment | None = None
         self._data_tasks: list[asyncio.Task[None]] = []
         self._downstream: zmq.asyncio.Socket | None = None
@@ -106,6 +110,8 @@ class StageRuntime:
         self._stopping = asyncio.Event()
         self._heard_from_coordinator = time.monotonic()
         self._assign_task: asyncio.Task[None] | None = None
+        # A built shard waiting for the coordinator's "connect", with its downstream key.
+        self._pending: tuple[_Assignment, str | None] | None = None
         self.data_endpoint = ""
 
     # ------------------------------------------------------------------ set-up
@@ -178,7 +184,9 @@ class StageRuntime:
             try:
                 await asyncio.wait_for(self._send_control("register", body), min(left, 1.0))
                 frames = await recv_frames(
-                    self._control, timeout_s=min(left, 1.0), peer="coordinator",
+                    self._control,
+                    timeout_s=min(left, 1.0),
+                    peer="coordinator",
                     awaited="registration reply",
                 )
             except (TransportTimeout, asyncio.TimeoutError):
@@ -201,9 +209,14 @@ class StageRuntime:
             torch.set_num_threads(self.config.threads)
         self._setup_security()
         self._open_sockets()
-        log.info("stage_starting", stage=self.config.name, data_endpoint=self.data_endpoint,
-                 coordinator=self.config.coordinator, threads=torch.get_num_threads(),
-                 slowdown=self.config.slowdown)
+        log.info(
+            "stage_starting",
+            stage=self.config.name,
+            data_endpoint=self.data_endpoint,
+            coordinator=self.config.coordinator,
+            threads=torch.get_num_threads(),
+            slowdown=self.config.slowdown,
+        )
         try:
             interval = await self._register()
             self._heard_from_coordinator = time.monotonic()
@@ -211,10 +224,9 @@ class StageRuntime:
             control = asyncio.create_task(self._control_loop())
             heartbeat = asyncio.create_task(self._heartbeat_loop(interval))
             stopping = asyncio.create_task(self._stopping.wait())
-            done, _ = await asyncio.wait(
-                {control, heartbeat, stopping}, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in (control, heartbeat, stopping):
+            tasks: set[asyncio.Task[Any]] = {control, heartbeat, stopping}
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
                 task.cancel()
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
@@ -245,16 +257,18 @@ class StageRuntime:
     async def _control_loop(self) -> None:
         assert self._control is not None
         while True:
-            frames = await recv_frames(self._control, timeout_s=None, peer="coordinator",
-                                       awaited="control message")
+            frames = await recv_frames(
+                self._control, timeout_s=None, peer="coordinator", awaited="control message"
+            )
             self._heard_from_coordinator = time.monotonic()
             try:
                 message = decode_frames(frames, self.config.socket_options.max_message_bytes)
                 await self._handle_control(message)
             except ProtocolError as exc:
                 self.counters.dropped += 1
-                log.warning("dropped_message", stage=self.config.name, peer="coordinator",
-                            error=str(exc))
+                log.warning(
+                    "dropped_message", stage=self.config.name, peer="coordinator", error=str(exc)
+                )
 
     async def _handle_control(self, message: Message) -> None:
         kind = message.kind
@@ -267,10 +281,16 @@ class StageRuntime:
             if self._assign_task is not None and not self._assign_task.done():
                 self._assign_task.cancel()
             self._assign_task = asyncio.create_task(self._assign(message))
+        elif kind == "connect":
+            await self._connect(message)
         elif kind == "metrics_request":
             await self._send_control(
                 "metrics",
-                {"run": message["run"], "name": self.config.name, "metrics": self.counters.to_dict()},
+                {
+                    "run": message["run"],
+                    "name": self.config.name,
+                    "metrics": self.counters.to_dict(),
+                },
                 epoch=message.epoch,
             )
         elif kind == "shutdown":
@@ -282,8 +302,15 @@ class StageRuntime:
     async def _assign(self, message: Message) -> None:
         body = message.body
         run, epoch = int(body["run"]), message.epoch
-        log.info("assignment_received", stage=self.config.name, run=run, epoch=epoch,
-                 start=body["start"], end=body["end"], downstream=body["downstream"])
+        log.info(
+            "assignment_received",
+            stage=self.config.name,
+            run=run,
+            epoch=epoch,
+            start=body["start"],
+            end=body["end"],
+            downstream=body["downstream"],
+        )
         await self._stop_data_tasks()
         started = time.monotonic()
         try:
@@ -291,17 +318,28 @@ class StageRuntime:
             loop = asyncio.get_running_loop()
             shard = await loop.run_in_executor(
                 self._compute,
-                lambda: Shard.build(spec, int(body["start"]), int(body["end"]),
-                                    dtype=str(body["dtype"]), slowdown=self.config.slowdown),
+                lambda: Shard.build(
+                    spec,
+                    int(body["start"]),
+                    int(body["end"]),
+                    dtype=str(body["dtype"]),
+                    slowdown=self.config.slowdown,
+                ),
             )
             assignment = _Assignment(
-                run=run, epoch=epoch, start=int(body["start"]), end=int(body["end"]),
-                index=int(body["index"]), num_stages=int(body["num_stages"]),
-                upstream=str(body["upstream"]), downstream=str(body["downstream"]),
-                downstream_endpoint=str(body["downstream_endpoint"]), shard=shard,
+                run=run,
+                epoch=epoch,
+                start=int(body["start"]),
+                end=int(body["end"]),
+                index=int(body["index"]),
+                num_stages=int(body["num_stages"]),
+                upstream=str(body["upstream"]),
+                downstream=str(body["downstream"]),
+                downstream_endpoint=str(body["downstream_endpoint"]),
+                shard=shard,
             )
-            self._connect_downstream(assignment, body.get("downstream_key"))
             if self._data_allow is not None:
+                # Allowed before anyone connects: a refused CURVE handshake is not retried.
                 upstream_key = body.get("upstream_key")
                 self._data_allow.replace([upstream_key.encode()] if upstream_key else [])
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
@@ -312,14 +350,47 @@ class StageRuntime:
                 epoch=epoch,
             )
             return
+        self._pending = (assignment, body.get("downstream_key"))
+        build_s = time.monotonic() - started
+        log.info(
+            "assignment_ready",
+            stage=self.config.name,
+            run=run,
+            epoch=epoch,
+            build_s=round(build_s, 3),
+        )
+        await self._send_control(
+            "ready", {"run": run, "name": self.config.name, "build_s": build_s}, epoch=epoch
+        )
+
+    async def _connect(self, message: Message) -> None:
+        """Second phase of an assignment: every stage now allows its upstream's key."""
+        run = int(message["run"])
+        if self._pending is None or self._pending[0].run != run:
+            raise ProtocolError(f"connect for run {run}, which this stage was not assigned")
+        assignment, downstream_key = self._pending
+        self._pending = None
+        try:
+            self._connect_downstream(assignment, downstream_key)
+        except Exception as exc:
+            await self._send_control(
+                "assign_failed",
+                {"run": run, "name": self.config.name, "error": f"{type(exc).__name__}: {exc}"},
+                epoch=assignment.epoch,
+            )
+            return
         self._assignment = assignment
         self.counters.reset()
         self._start_data_tasks(assignment)
-        build_s = time.monotonic() - started
-        log.info("assignment_ready", stage=self.config.name, run=run, epoch=epoch,
-                 build_s=round(build_s, 3))
+        log.info(
+            "connected",
+            stage=self.config.name,
+            run=run,
+            epoch=assignment.epoch,
+            downstream=assignment.downstream,
+        )
         await self._send_control(
-            "ready", {"run": run, "name": self.config.name, "build_s": build_s}, epoch=epoch
+            "connected", {"run": run, "name": self.config.name}, epoch=assignment.epoch
         )
 
     def _connect_downstream(self, assignment: _Assignment, downstream_key: str | None) -> None:
@@ -367,8 +438,9 @@ class StageRuntime:
         assert self._data_in is not None
         max_bytes = self.config.socket_options.max_message_bytes
         while True:
-            frames = await recv_frames(self._data_in, timeout_s=None, peer=assignment.upstream,
-                                       awaited="micro-batch")
+            frames = await recv_frames(
+                self._data_in, timeout_s=None, peer=assignment.upstream, awaited="micro-batch"
+            )
             self.counters.bytes_in += frames_nbytes(frames)
             try:
                 self._check_sender(frames[0])
@@ -376,13 +448,21 @@ class StageRuntime:
                 self._check_data_message(message, assignment)
             except ProtocolError as exc:
                 self.counters.dropped += 1
-                log.warning("dropped_message", stage=self.config.name, epoch=assignment.epoch,
-                            error=str(exc))
+                log.warning(
+                    "dropped_message",
+                    stage=self.config.name,
+                    epoch=assignment.epoch,
+                    error=str(exc),
+                )
                 continue
             if message.epoch != assignment.epoch:
                 self.counters.stale += 1
-                log.debug("stale_message", stage=self.config.name, epoch=message.epoch,
-                          current=assignment.epoch)
+                log.debug(
+                    "stale_message",
+                    stage=self.config.name,
+                    epoch=message.epoch,
+                    current=assignment.epoch,
+                )
                 continue
             await inbox.put(message)
 
@@ -400,7 +480,8 @@ class StageRuntime:
             raise ProtocolError(f"{message.kind!r} does not belong on the data port")
         if message["src"] != assignment.upstream:
             raise ProtocolError(
-                f"data from {message['src']!r}, but the assigned upstream is {assignment.upstream!r}"
+                f"data from {message['src']!r}, "
+                f"but the assigned upstream is {assignment.upstream!r}"
             )
         if message.kind == "data" and not message.tensors:
             raise ProtocolError("a data message carries no tensors")
@@ -425,16 +506,30 @@ class StageRuntime:
                     )
                     self.counters.busy_s += busy
                     self.counters.microbatches += 1
-                    out = Message("data", {"run": assignment.run, "mb": mb, "src": name},
-                                  epoch=assignment.epoch, tensors=outputs)
+                    out = Message(
+                        "data",
+                        {"run": assignment.run, "mb": mb, "src": name},
+                        epoch=assignment.epoch,
+                        tensors=outputs,
+                    )
                 except Exception as exc:  # a bad input must not take the stage down
                     self.counters.errors += 1
-                    log.warning("microbatch_failed", stage=name, epoch=assignment.epoch, mb=mb,
-                                error=str(exc))
+                    log.warning(
+                        "microbatch_failed",
+                        stage=name,
+                        epoch=assignment.epoch,
+                        mb=mb,
+                        error=str(exc),
+                    )
                     out = Message(
                         "error",
-                        {"run": assignment.run, "mb": mb, "src": name, "stage": name,
-                         "message": f"{type(exc).__name__}: {exc}"},
+                        {
+                            "run": assignment.run,
+                            "mb": mb,
+                            "src": name,
+                            "stage": name,
+                            "message": f"{type(exc).__name__}: {exc}",
+                        },
                         epoch=assignment.epoch,
                     )
             log.debug("microbatch_done", stage=name, epoch=assignment.epoch, mb=mb)
@@ -454,8 +549,13 @@ class StageRuntime:
                     await self._send_downstream(message)
             except TransportTimeout as exc:
                 # The coordinator decides what a stuck downstream means; keep serving.
-                log.error("send_failed", stage=self.config.name, epoch=assignment.epoch,
-                          mb=message["mb"], error=str(exc))
+                log.error(
+                    "send_failed",
+                    stage=self.config.name,
+                    epoch=assignment.epoch,
+                    mb=message["mb"],
+                    error=str(exc),
+                )
             self.counters.send_blocked_s += time.perf_counter() - started
 
     async def _send_downstream(self, item: object) -> None:

@@ -100,6 +100,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "dtype": (_STR, True),
     },
     "ready": {"run": (_INT, True), "name": (_STR, True), "build_s": (_NUM, True)},
+    # second phase: connect downstream only once every stage allows its upstream
+    "connect": {"run": (_INT, True)},
+    "connected": {"run": (_INT, True), "name": (_STR, True)},
     "assign_failed": {"run": (_INT, True), "name": (_STR, True), "error": (_STR, True)},
     "metrics_request": {"run": (_INT, True)},
     "metrics": {"run": (_INT, True), "name": (_STR, True), "metrics": (_MAP, True)},
@@ -124,6 +127,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "last_key": (_OPT_STR, False),
     },
     "run_failed": {"error": (_STR, True)},
+    "run_go": {"run": (_INT, True)},
+    "run_started": {"run": (_INT, True)},
     "run_end": {"run": (_INT, True)},
     "run_report": {"run": (_INT, True), "stages": (_MAP, True)},
     "stage_failed": {"run": (_INT, True), "stage": (_STR, True), "reason": (_STR, True)},
@@ -205,7 +210,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = flat.contiguous()
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(-1).view(torch.uint8).numpy())
+    return memoryview(flat.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def encode(message: Message) -> list[bytes | memoryview]:
@@ -228,8 +233,13 @@ def encode(message: Message) -> list[bytes | memoryview]:
         frames.append(_tensor_bytes(tensor))
     try:
         header = msgpack.packb(
-            {"v": PROTOCOL_VERSION, "k": message.kind, "e": message.epoch,
-             "b": dict(message.body), "t": metas},
+            {
+                "v": PROTOCOL_VERSION,
+                "k": message.kind,
+                "e": message.epoch,
+                "b": dict(message.body),
+                "t": metas,
+            },
             use_bin_type=True,
         )
     except (TypeError, ValueError, OverflowError) as exc:
@@ -284,9 +294,7 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def decode(
-    frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> Message:
+def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Validate ``frames`` and return the message; :class:`ProtocolError` on any problem."""
     if not frames:
         raise ProtocolError("empty message")
@@ -297,9 +305,7 @@ def decode(
     if total > max_message_bytes:
         raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
     try:
-        header = msgpack.unpackb(
-            header_view, raw=False, strict_map_key=True
-        )
+        header = msgpack.unpackb(header_view, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
@@ -324,6 +330,7 @@ def decode(
     if len(frames) != 1 + len(metas):
         raise ProtocolError(f"{len(metas)} tensors announced but {len(frames) - 1} frames follow")
     tensors = tuple(
-        _decode_tensor(meta, frame, i) for i, (meta, frame) in enumerate(zip(metas, frames[1:]))
+        _decode_tensor(meta, frame, i)
+        for i, (meta, frame) in enumerate(zip(metas, frames[1:], strict=False))
     )
     return Message(kind=kind, body=body, epoch=epoch, tensors=tensors)

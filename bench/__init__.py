@@ -1,0 +1,1 @@
+"""Benchmarks for zpipe; each module runs as a script and prints JSON lines."""

@@ -1,0 +1,667 @@
+"""Tensor transport benchmark: zpipe's send/receive against raw pyzmq on loopback.
+
+What it measures, between two processes (this one, the *sender*, and a spawned
+*receiver*) over ``tcp://127.0.0.1`` on random free ports, for float32 tensors of
+64 KiB, 1 MiB and 16 MiB (``--sizes``):
+
+``raw``
+    The ceiling: plain synchronous pyzmq PUSH/PULL,
+    ``send_multipart([small_header, tensor_buffer], copy=False)`` and
+    ``recv_multipart(copy=False)``, nothing decoded. Same high-water marks as
+    zpipe's sockets (``--raw-hwm``), so only the software layers differ.
+``zpipe``
+    What a stage does: ``zmq.asyncio`` sockets from ``open_socket`` (PUSH->PULL),
+    each message built as ``Message("data", {"run", "mb", "src"}, tensors=(t,))``,
+    sent with ``sockets.send`` (encode + deadline), received with ``recv_frames``
+    and decoded with ``decode_frames`` (header validated, tensor view built), on
+    uvloop when it is importable (as the zpipe CLI runs).
+``zpipe_curve``
+    The ``zpipe`` path with CurveZMQ: ``secure_server`` on each bound PULL with a
+    ``CurveAuthenticator`` in each process, ``secure_client`` on each PUSH, keys
+    from ``generate_keys`` in a temporary directory; the receiver also checks the
+    sender's key on every message, as a stage does.
+
+Throughput: the sender pushes N messages back to back and the receiver answers
+with one small ack after the last; GB/s = N * tensor bytes / (send start -> ack),
+in 1e9 bytes per second. N is picked per size from a warm-up so that one run
+lasts about ``--seconds``, and every path uses the same N. Each run is repeated
+``--repeats`` times (paths interleaved) and the median is reported.
+
+Round-trip time: ping-pong of the same message sizes over a second PUSH/PULL
+pair (receiver -> sender); the receiver decodes each ping and sends its tensor
+back (zero-copy); the median of M round trips is reported.
+
+Output, on stdout, one JSON line per path and size::
+
+    {"bench": "transport", "path": "zpipe", "size_bytes": 1048576, "gbps": ..., "rtt_ms": ...}
+
+then one summary line::
+
+    {"bench": "transport", "summary": true, "ratio_64kb": ..., "ratio_1mb": ...,
+     "ratio_16mb": ..., "rtt_ratio_1mb": ..., "curve_over_plain_1mb": ...,
+     "curve_over_plain_16mb": ..., "uvloop": true, ...}
+
+``ratio_X`` is zpipe/raw throughput (the goal is >= 0.9 at 1 MiB and 16 MiB),
+``rtt_ratio_X`` is zpipe/raw median round-trip time (1.0 is parity, higher is
+slower) and ``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
+
+Run it from the repository root::
+
+    .venv/bin/python bench/transport.py            # full run, about a minute
+    .venv/bin/python bench/transport.py --quick    # smoke run, a few seconds
+
+Every wait has a deadline (``--timeout``), the whole run has one too
+(``--deadline``), and the receiver is killed if anything fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import faulthandler
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe.log import configure_logging
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import (
+    SocketOptions,
+    decode_frames,
+    new_context,
+    open_socket,
+    recv_frames,
+    send,
+)
+
+try:
+    from bench._common import emit, summary
+except ImportError:  # run as a script: bench/ itself is sys.path[0]
+    from _common import emit, summary  # type: ignore[no-redef]
+
+BENCH = "transport"
+PATHS = ("raw", "zpipe", "zpipe_curve")
+DEFAULT_SIZES = "64K,1M,16M"
+LOOPBACK = "tcp://127.0.0.1:*"
+# The raw baseline's "small header": about as long as zpipe's msgpack header.
+RAW_HEADER = b"\x00" * 48
+SENDER_KEY = "sender"
+RECEIVER_KEY = "receiver"
+_OPTIONS = SocketOptions()
+MAX_BYTES = _OPTIONS.max_message_bytes
+
+Runner = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _runner() -> tuple[Runner, bool]:
+    """uvloop.run where importable (as zpipe's CLI), else asyncio.run."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run, False
+    return uvloop.run, True
+
+
+def parse_size(text: str) -> int:
+    """``64K``, ``1M``, ``16M``, ``4096``: binary units, a multiple of 4 bytes."""
+    text = text.strip().upper().removesuffix("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in units else text
+    try:
+        size = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 64K, 1M, 16M") from None
+    if size <= 0 or size % 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes")
+    return size
+
+
+def size_label(size: int) -> str:
+    """Key suffix in the summary: 64kb, 1mb, 16mb (or the byte count)."""
+    if size % (1 << 20) == 0:
+        return f"{size >> 20}mb"
+    if size % (1 << 10) == 0:
+        return f"{size >> 10}kb"
+    return f"{size}b"
+
+
+def make_tensor(size: int) -> torch.Tensor:
+    return torch.arange(size // 4, dtype=torch.float32)
+
+
+def raw_buffer(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(torch.uint8).numpy())
+
+
+def data_message(mb: int, tensor: torch.Tensor, src: str) -> Message:
+    return Message("data", {"run": 0, "mb": mb, "src": src}, tensors=(tensor,))
+
+
+async def pipe_recv(
+    conn: Connection, timeout_s: float, what: str, alive: Callable[[], bool] | None = None
+) -> dict[str, Any]:
+    """Next command/reply from the other process, polled so the event loop keeps
+    running (a CurveAuthenticator must answer handshakes meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0002
+    while not conn.poll(0):
+        if alive is not None and not alive():
+            raise RuntimeError(f"the receiver process died while we waited for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:g} s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.01)
+    reply: dict[str, Any] = conn.recv()
+    if "error" in reply:
+        raise RuntimeError(f"receiver failed: {reply['error']}")
+    return reply
+
+
+@dataclass
+class Channel:
+    """One path's sockets in one process: ``push`` sends to the peer, ``pull`` receives."""
+
+    path: str
+    context: Any
+    push: Any = None
+    pull: Any = None
+    authenticator: security.CurveAuthenticator | None = None
+    allowed: security.PeerAllowList | None = None
+
+    def close(self) -> None:
+        for sock in (self.push, self.pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.context.term()
+
+
+def open_channel_sockets(
+    path: str, timeout_s: float, raw_hwm: int, keys_dir: Path | None, me: str, peer: str
+) -> Channel:
+    """A context and unattached PUSH/PULL for ``path``; CURVE set up where asked."""
+    if path == "raw":
+        ctx: Any = zmq.Context(io_threads=1)
+        ch = Channel(path, ctx, ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL))
+        for sock in (ch.push, ch.pull):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, raw_hwm)
+            sock.setsockopt(zmq.RCVHWM, raw_hwm)
+            sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+            sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        return ch
+    actx = new_context()
+    ch = Channel(path, actx, open_socket(actx, zmq.PUSH), open_socket(actx, zmq.PULL))
+    if path == "zpipe_curve":
+        assert keys_dir is not None
+        mine = security.load_keypair(keys_dir, me)
+        peer_public = security.load_keypair_public(keys_dir, peer)
+        ch.allowed = security.PeerAllowList({peer: peer_public})
+        ch.authenticator = security.CurveAuthenticator(actx, ch.allowed)
+        ch.authenticator.start()
+        security.secure_server(ch.pull, mine)
+        security.secure_client(ch.push, mine, peer_public)
+    return ch
+
+
+def check_tensor(message: Message, size: int) -> None:
+    if len(message.tensors) != 1 or message.tensors[0].nbytes != size:
+        raise RuntimeError(f"expected one tensor of {size} bytes, got {message.tensors!r:.80}")
+
+
+def check_sender(ch: Channel, frame: zmq.Frame) -> None:
+    """What a stage does on CURVE links: the sender's key, again on every message."""
+    if ch.allowed is not None:
+        key = security.sender_public_key(frame)
+        if key is None or key not in ch.allowed:
+            raise RuntimeError("message from a key that is not allowed")
+
+
+# ---------------------------------------------------------------------------- receiver
+
+
+@dataclass
+class ReceiverSettings:
+    timeout_s: float
+    deadline_s: float
+    raw_hwm: int
+
+
+def receiver_main(conn: Connection, settings: ReceiverSettings) -> None:
+    """Entry point of the spawned receiver process."""
+    faulthandler.dump_traceback_later(settings.deadline_s, exit=True)
+    configure_logging(level="warning")
+    runner, has_uvloop = _runner()
+    try:
+        runner(Receiver(conn, settings, has_uvloop).serve())
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the sender went away; nothing left to report to
+    finally:
+        conn.close()
+
+
+class Receiver:
+    def __init__(self, conn: Connection, settings: ReceiverSettings, has_uvloop: bool) -> None:
+        self.conn = conn
+        self.settings = settings
+        self.has_uvloop = has_uvloop
+        self.channels: dict[str, Channel] = {}
+
+    async def serve(self) -> None:
+        self.conn.send({"ok": "hello", "uvloop": self.has_uvloop})
+        try:
+            while True:
+                cmd = await pipe_recv(self.conn, self.settings.deadline_s, "a command")
+                if cmd["op"] == "quit":
+                    self.conn.send({"ok": "bye"})
+                    return
+                try:
+                    reply = await self.handle(cmd)
+                except Exception as exc:
+                    reply = {"error": f"{cmd['op']} {cmd.get('path')}: {exc!r}"}
+                self.conn.send(reply)
+        finally:
+            for ch in self.channels.values():
+                ch.close()
+
+    async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op, path = cmd["op"], cmd["path"]
+        if op == "setup":
+            keys = Path(cmd["keys_dir"]) if cmd.get("keys_dir") else None
+            ch = open_channel_sockets(path, self.settings.timeout_s, self.settings.raw_hwm, keys,
+                                      RECEIVER_KEY, SENDER_KEY)
+            self.channels[path] = ch
+            ch.pull.bind(LOOPBACK)
+            ch.push.connect(cmd["endpoint"])
+            return {"ok": "setup", "endpoint": ch.pull.getsockopt_string(zmq.LAST_ENDPOINT)}
+        ch = self.channels[path]
+        size, count = int(cmd["size"]), int(cmd["count"])
+        self.conn.send({"ok": "armed"})
+        started = time.perf_counter()
+        if op == "tput":
+            if path == "raw":
+                self.raw_sink(ch, count)
+            else:
+                await self.zpipe_sink(ch, size, count)
+        elif op == "echo":
+            if path == "raw":
+                self.raw_echo(ch, count)
+            else:
+                await self.zpipe_echo(ch, size, count)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        return {"ok": "done", "elapsed_s": time.perf_counter() - started}
+
+    def raw_sink(self, ch: Channel, count: int) -> None:
+        for _ in range(count):
+            ch.pull.recv_multipart(copy=False)
+        ch.push.send(b"ack")
+
+    def raw_echo(self, ch: Channel, count: int) -> None:
+        for _ in range(count):
+            ch.push.send_multipart(ch.pull.recv_multipart(copy=False), copy=False)
+
+    async def zpipe_sink(self, ch: Channel, size: int, count: int) -> None:
+        timeout = self.settings.timeout_s
+        for _ in range(count):
+            frames = await recv_frames(ch.pull, timeout_s=timeout, peer=SENDER_KEY,
+                                       awaited="micro-batch")
+            check_sender(ch, frames[0])
+            message = decode_frames(frames, MAX_BYTES)
+            check_tensor(message, size)
+        await send(ch.push, Message("probe_ack", {"nonce": count}), timeout_s=timeout,
+                   peer=SENDER_KEY)
+
+    async def zpipe_echo(self, ch: Channel, size: int, count: int) -> None:
+        timeout = self.settings.timeout_s
+        for _ in range(count):
+            frames = await recv_frames(ch.pull, timeout_s=timeout, peer=SENDER_KEY,
+                                       awaited="ping")
+            check_sender(ch, frames[0])
+            message = decode_frames(frames, MAX_BYTES)
+            check_tensor(message, size)
+            # Forward the received tensor (a view on the frame): zero-copy both ways.
+            await send(ch.push, data_message(int(message["mb"]), message.tensors[0], "echo"),
+                       timeout_s=timeout, peer=SENDER_KEY)
+
+
+# ------------------------------------------------------------------------------ sender
+
+
+@dataclass
+class Result:
+    path: str
+    size: int
+    count: int = 0
+    seconds: list[float] = field(default_factory=list)
+    rtts: list[float] = field(default_factory=list)
+
+    def gbps_runs(self) -> list[float]:
+        return [self.count * self.size / s / 1e9 for s in self.seconds]
+
+    def gbps(self) -> float | None:
+        runs = self.gbps_runs()
+        return statistics.median(runs) if runs else None
+
+    def rtt_ms(self) -> float | None:
+        return statistics.median(self.rtts) * 1e3 if self.rtts else None
+
+    def line(self, has_uvloop: bool) -> dict[str, Any]:
+        gbps, rtt = self.gbps(), self.rtt_ms()
+        q = statistics.quantiles(self.rtts, n=10) if len(self.rtts) >= 2 else [None] * 9
+        return {
+            "bench": BENCH,
+            "path": self.path,
+            "size_bytes": self.size,
+            "gbps": _round(gbps),
+            "gbps_runs": [_round(g) for g in self.gbps_runs()],
+            "messages": self.count,
+            "rtt_ms": _round(rtt),
+            "rtt_p10_ms": _round(q[0] * 1e3 if q[0] is not None else None),
+            "rtt_p90_ms": _round(q[-1] * 1e3 if q[-1] is not None else None),
+            "round_trips": len(self.rtts),
+            "uvloop": has_uvloop and self.path != "raw",
+        }
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    if value is None:
+        return None
+    return round(value, digits)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return _round(a / b) if a is not None and b else None
+
+
+class Sender:
+    def __init__(self, args: argparse.Namespace, conn: Connection, proc: Any,
+                 keys_dir: Path) -> None:
+        self.args = args
+        self.conn = conn
+        self.proc = proc
+        self.keys_dir = keys_dir
+        self.timeout_s: float = args.timeout
+        self.channels: dict[str, Channel] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, memoryview] = {}
+
+    def alive(self) -> bool:
+        return bool(self.proc.is_alive())
+
+    async def reply(self, what: str, timeout_s: float | None = None) -> dict[str, Any]:
+        reply = await pipe_recv(self.conn, timeout_s or self.timeout_s, what, self.alive)
+        if reply.get("ok") != what:
+            raise RuntimeError(f"receiver answered {reply!r}, expected {what!r}")
+        return reply
+
+    async def setup(self, path: str) -> None:
+        ch = open_channel_sockets(path, self.timeout_s, self.args.raw_hwm,
+                                  self.keys_dir if path == "zpipe_curve" else None,
+                                  SENDER_KEY, RECEIVER_KEY)
+        self.channels[path] = ch
+        ch.pull.bind(LOOPBACK)
+        back = ch.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        keys = str(self.keys_dir) if path == "zpipe_curve" else None
+        self.conn.send({"op": "setup", "path": path, "endpoint": back, "keys_dir": keys})
+        reply = await self.reply("setup")
+        ch.push.connect(reply["endpoint"])
+        # Both directions up (and both CURVE handshakes done) before anything is timed.
+        await self.echo(path, 64, 1)
+
+    def tensor(self, size: int) -> torch.Tensor:
+        if size not in self.tensors:
+            self.tensors[size] = make_tensor(size)
+            self.buffers[size] = raw_buffer(self.tensors[size])
+        return self.tensors[size]
+
+    async def throughput(self, path: str, size: int, count: int) -> float:
+        """Seconds from the first send to the receiver's ack of the last message."""
+        ch = self.channels[path]
+        tensor = self.tensor(size)
+        self.conn.send({"op": "tput", "path": path, "size": size, "count": count})
+        await self.reply("armed")
+        if path == "raw":
+            buf = self.buffers[size]
+            started = time.perf_counter()
+            for _ in range(count):
+                ch.push.send_multipart([RAW_HEADER, buf], copy=False)
+            ch.pull.recv()
+            elapsed = time.perf_counter() - started
+        else:
+            started = time.perf_counter()
+            for mb in range(count):
+                await send(ch.push, data_message(mb, tensor, "bench"), timeout_s=self.timeout_s,
+                           peer=RECEIVER_KEY)
+            frames = await recv_frames(ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY,
+                                       awaited="ack")
+            elapsed = time.perf_counter() - started
+            if decode_frames(frames, MAX_BYTES)["nonce"] != count:
+                raise RuntimeError("the receiver acknowledged a different count")
+        await self.reply("done")
+        return elapsed
+
+    async def echo(self, path: str, size: int, count: int) -> list[float]:
+        """Round-trip times of ``count`` ping-pongs of ``size`` bytes."""
+        ch = self.channels[path]
+        tensor = self.tensor(size)
+        self.conn.send({"op": "echo", "path": path, "size": size, "count": count})
+        await self.reply("armed")
+        rtts: list[float] = []
+        if path == "raw":
+            buf = self.buffers[size]
+            for _ in range(count):
+                started = time.perf_counter()
+                ch.push.send_multipart([RAW_HEADER, buf], copy=False)
+                frames = ch.pull.recv_multipart(copy=False)
+                rtts.append(time.perf_counter() - started)
+                if len(frames) != 2 or len(frames[1]) != size:
+                    raise RuntimeError("raw echo came back with the wrong size")
+        else:
+            for mb in range(count):
+                started = time.perf_counter()
+                await send(ch.push, data_message(mb, tensor, "bench"), timeout_s=self.timeout_s,
+                           peer=RECEIVER_KEY)
+                frames = await recv_frames(ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY,
+                                           awaited="pong")
+                message = decode_frames(frames, MAX_BYTES)
+                rtts.append(time.perf_counter() - started)
+                check_tensor(message, size)
+        await self.reply("done")
+        return rtts
+
+    async def measure_size(self, size: int, paths: list[str]) -> dict[str, Result]:
+        args = self.args
+        results = {path: Result(path, size) for path in paths}
+        # Warm-up: about 0.1 s of traffic per path; the raw rate picks N for everyone.
+        warm = max(4, min(2000, (64 << 20) // size))
+        if args.quick:
+            warm = max(2, warm // 8)
+        rates: dict[str, float] = {}
+        for path in paths:
+            seconds = await self.throughput(path, size, warm)
+            rates[path] = warm * size / seconds
+            await self.echo(path, size, 3)
+        rate = rates.get("raw") or max(rates.values())
+        count = args.count or int(min(args.max_count, max(args.min_count,
+                                                          args.seconds * rate / size)))
+        per_trip = 2 * size / rate + 100e-6
+        trips = args.trips or int(min(2000, max(10, args.rtt_seconds / per_trip)))
+        for rep in range(args.repeats):
+            for path in _rotate(paths, rep):
+                results[path].count = count
+                results[path].seconds.append(await self.throughput(path, size, count))
+        chunks = max(1, args.repeats)
+        for rep in range(chunks):
+            for path in _rotate(paths, rep):
+                n = trips // chunks + (1 if rep < trips % chunks else 0)
+                if n:
+                    results[path].rtts.extend(await self.echo(path, size, n))
+        return results
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+        self.channels.clear()
+
+
+def _rotate(paths: list[str], by: int) -> list[str]:
+    """Interleave paths in a different order each repeat (no fixed position bias)."""
+    k = by % len(paths)
+    return paths[k:] + paths[:k]
+
+
+async def run_sender(args: argparse.Namespace, conn: Connection, proc: Any,
+                     keys_dir: Path, has_uvloop: bool) -> dict[str, Any]:
+    sender = Sender(args, conn, proc, keys_dir)
+    try:
+        hello = await sender.reply("hello", timeout_s=args.startup_timeout)
+        uvloop_both = has_uvloop and bool(hello.get("uvloop"))
+        paths: list[str] = list(args.paths)
+        for path in paths:
+            await sender.setup(path)
+        all_results: dict[int, dict[str, Result]] = {}
+        for size in args.sizes:
+            all_results[size] = await sender.measure_size(size, paths)
+            for path in paths:
+                emit(all_results[size][path].line(uvloop_both))
+        conn.send({"op": "quit", "path": None})
+        await sender.reply("bye")
+    finally:
+        sender.close()
+    ratios: dict[str, Any] = {}
+    for size, results in all_results.items():
+        label = size_label(size)
+
+        def get(path: str, what: Callable[[Result], float | None],
+                results: dict[str, Result] = results) -> float | None:
+            return what(results[path]) if path in results else None
+
+        ratios[f"ratio_{label}"] = _ratio(get("zpipe", Result.gbps), get("raw", Result.gbps))
+        ratios[f"rtt_ratio_{label}"] = _ratio(get("zpipe", Result.rtt_ms),
+                                              get("raw", Result.rtt_ms))
+        ratios[f"curve_over_plain_{label}"] = _ratio(get("zpipe_curve", Result.gbps),
+                                                     get("zpipe", Result.gbps))
+    for key in ("ratio_64kb", "ratio_1mb", "ratio_16mb", "rtt_ratio_1mb",
+                "curve_over_plain_1mb", "curve_over_plain_16mb"):
+        ratios.setdefault(key, None)
+    return {**ratios, "uvloop": uvloop_both, "quick": bool(args.quick),
+            "repeats": args.repeats, "torch_threads": torch.get_num_threads()}
+
+
+# -------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/transport.py",
+        description="zpipe tensor send/receive vs raw pyzmq zero-copy multipart on loopback "
+        "(throughput, round-trip time, CurveZMQ cost); prints JSON lines.",
+    )
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated tensor sizes in bytes, K or M "
+                        f"(default {DEFAULT_SIZES})")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated subset of {','.join(PATHS)} (default: all)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fast smoke run: short runs, 1 repeat, few round trips")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="target duration of one throughput run (default 0.75, quick 0.05)")
+    parser.add_argument("--rtt-seconds", type=float, default=None,
+                        help="target total time of the round trips per path and size "
+                        "(default 0.3, quick 0.03)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="throughput runs per path and size, median reported (default 3, "
+                        "quick 1)")
+    parser.add_argument("--count", type=int, default=0,
+                        help="messages per throughput run (default: from --seconds)")
+    parser.add_argument("--min-count", type=int, default=5, help="fewest messages per run")
+    parser.add_argument("--max-count", type=int, default=100_000, help="most messages per run")
+    parser.add_argument("--trips", type=int, default=0,
+                        help="round trips per path and size (default: from --rtt-seconds)")
+    parser.add_argument("--raw-hwm", type=int, default=_OPTIONS.send_hwm,
+                        help="high-water mark of the raw sockets (default: zpipe's, "
+                        f"{_OPTIONS.send_hwm})")
+    parser.add_argument("--timeout", type=float, default=30.0,
+                        help="deadline of every single wait, seconds (default 30)")
+    parser.add_argument("--startup-timeout", type=float, default=120.0,
+                        help="deadline for the receiver process to start, seconds")
+    parser.add_argument("--deadline", type=float, default=900.0,
+                        help="the whole benchmark is aborted after this many seconds")
+    args = parser.parse_args(argv)
+    sizes_text = args.sizes or DEFAULT_SIZES
+    try:
+        args.sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown or not args.paths or not args.sizes:
+        parser.error(f"--paths takes a subset of {','.join(PATHS)}; --sizes at least one size")
+    if args.seconds is None:
+        args.seconds = 0.05 if args.quick else 0.75
+    if args.rtt_seconds is None:
+        args.rtt_seconds = 0.03 if args.quick else 0.3
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1 or args.timeout <= 0 or args.min_count < 1:
+        parser.error("--repeats, --timeout and --min-count must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(level="warning")  # zpipe logs go to stderr, JSON lines to stdout
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    runner, has_uvloop = _runner()
+    spawn = mp.get_context("spawn")
+    parent_conn, child_conn = spawn.Pipe(duplex=True)
+    settings = ReceiverSettings(timeout_s=args.timeout, deadline_s=args.deadline + 30,
+                                raw_hwm=args.raw_hwm)
+    proc = spawn.Process(target=receiver_main, args=(child_conn, settings),
+                         name="zpipe-bench-receiver", daemon=True)
+    proc.start()
+    child_conn.close()
+    status = 1
+    try:
+        with tempfile.TemporaryDirectory(prefix="zpipe-bench-") as tmp:
+            keys_dir = Path(tmp) / "keys"
+            if "zpipe_curve" in args.paths:
+                security.generate_keys(keys_dir, [SENDER_KEY, RECEIVER_KEY])
+            result = runner(run_sender(args, parent_conn, proc, keys_dir, has_uvloop))
+        summary(BENCH, **result)
+        status = 0
+    except Exception as exc:
+        print(f"bench/transport.py: failed: {exc!r}", file=sys.stderr)
+    finally:
+        parent_conn.close()
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        faulthandler.cancel_dump_traceback_later()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

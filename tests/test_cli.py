@@ -1,0 +1,95 @@
+"""Every command documents itself, and bad flags exit with status 2 and say why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = [
+    ["zpipe"],
+    ["zpipe.stage"],
+    ["zpipe.coordinator"],
+]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [
+        (["zpipe", "--help"], ["demo", "keys", "zpipe.coordinator"]),
+        (["zpipe", "demo", "--help"], ["--stages", "--dtype", "--microbatch-size"]),
+        (["zpipe", "keys", "--help"], ["--dir"]),
+        (
+            ["zpipe.stage", "--help"],
+            [
+                "--coordinator",
+                "--slowdown",
+                "--bandwidth-mbps",
+                "--keys",
+                "--heartbeat-interval",
+                "--log-format",
+            ],
+        ),
+        (["zpipe.coordinator", "--help"], ["--bind", "--suspect-after", "--keys", "--log-format"]),
+    ],
+)
+def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
+    result = run(*args)
+    assert result.returncode == 0, result.stderr
+    for flag in mentions:
+        assert flag in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["zpipe"], "usage"),
+        (["zpipe", "launch"], "unknown command 'launch'"),
+        (["zpipe", "demo", "--stages", "9"], "--stages"),
+        (["zpipe", "demo", "--batches", "0"], "must be >= 1"),
+        (["zpipe", "keys"], "required"),
+        (["zpipe.stage"], "--coordinator"),
+        (["zpipe.stage", "--coordinator", "tcp://127.0.0.1:5550"], "--name"),
+        (["zpipe.stage", "--coordinator", "localhost:5550", "--name", "a"], "tcp://HOST:PORT"),
+        (["zpipe.stage", "--coordinator", "tcp://h:1", "--name", "a/b"], "stage name"),
+        (
+            ["zpipe.stage", "--coordinator", "tcp://h:1", "--name", "a", "--slowdown", "fast"],
+            "not a number",
+        ),
+        (
+            ["zpipe.stage", "--coordinator", "tcp://h:1", "--name", "a", "--slowdown", "0.5"],
+            "slowdown must be >= 1",
+        ),
+        (["zpipe.stage", "--coordinator", "tcp://h:1", "--name", "a", "--loss", "1.5"], "below 1"),
+        (
+            ["zpipe.stage", "--coordinator", "tcp://h:1", "--name", "a", "--keys", "/nonexistent"],
+            "not a directory",
+        ),
+        (["zpipe.coordinator", "--bind", "nowhere"], "tcp://HOST:PORT"),
+        (["zpipe.coordinator", "--heartbeat-interval", "-1"], "must be > 0"),
+        (["zpipe.coordinator", "--log-format", "xml"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
+    result = run(*args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert message in result.stderr
+
+
+def test_coordinator_refuses_a_port_it_cannot_bind() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("zpipe.coordinator", "--bind", f"tcp://127.0.0.1:{port}")
+    assert result.returncode == 1
+    assert "cannot bind" in result.stderr

@@ -1,0 +1,92 @@
+"""A stage killed during inference is detected and reported within the configured bound."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from zpipe import StageFailedError
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.models import ModelSpec, load_layer_sequence
+
+INTERVAL = 0.3
+SUSPECT_AFTER = 3
+PROBE_INTERVALS = 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_stage_that_dies_mid_run_is_reported_to_the_client(sig: int) -> None:
+    devices = [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")]
+    spec = ModelSpec("mlp", {"dims": [8, 64, 64, 64, 4]}, seed=0)
+    sequence = load_layer_sequence(spec)
+    killed_at: list[float] = []
+
+    with LocalCluster(
+        devices,
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=SUSPECT_AFTER,
+        probe_intervals=PROBE_INTERVALS,
+    ) as cluster:
+
+        async def endless() -> AsyncIterator[torch.Tensor]:
+            for i in range(100_000):
+                if i == 20:
+                    cluster.kill("b", sig)
+                    killed_at.append(time.monotonic())
+                yield sequence.example_input(2, seed=i)[0]
+                await asyncio.sleep(0.01)
+
+        async def run() -> None:
+            async with cluster.client() as client:
+                async for _ in client.infer_stream(spec, endless(), max_in_flight=2):
+                    pass
+
+        try:
+            with pytest.raises(StageFailedError) as info:
+                asyncio.run(run())
+            reported_after = time.monotonic() - killed_at[0]
+            assert info.value.stage == "b"
+            assert "heartbeat" in info.value.reason
+            # suspect after N intervals, probe unanswered for M more: the configured bound,
+            # plus scheduling slack for two busy cores
+            bound = (SUSPECT_AFTER + PROBE_INTERVALS + 1) * INTERVAL
+            assert reported_after < bound + 2.0, (reported_after, bound)
+            assert reported_after >= SUSPECT_AFTER * INTERVAL * 0.5
+            logs = cluster.logs("coordinator")
+            assert '"stage_suspect"' in logs and '"stage_dead"' in logs
+        finally:
+            if sig == signal.SIGSTOP:
+                cluster.kill("b", signal.SIGKILL)
+
+
+def test_stage_without_a_coordinator_exits_with_a_clear_message() -> None:
+    import subprocess
+    import sys
+
+    from zpipe.cluster import free_tcp_port
+
+    started = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zpipe.stage",
+            "--coordinator",
+            f"tcp://127.0.0.1:{free_tcp_port()}",
+            "--name",
+            "lonely",
+            "--connect-timeout",
+            "1.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "could not reach the coordinator" in result.stderr
+    assert time.monotonic() - started < 30
