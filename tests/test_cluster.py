@@ -163,3 +163,49 @@ def test_garbage_to_stage_and_coordinator_is_dropped_and_the_run_continues(
     assert_outputs_match(outputs, reference_outputs(spec, batches))
     assert "dropped_message" in cluster.logs("s1")
     assert "dropped_message" in cluster.logs("coordinator")
+
+
+def test_messages_of_an_older_epoch_or_a_wrong_sender_are_dropped(cluster: LocalCluster) -> None:
+    from zpipe.transport.codec import Message, encode
+
+    spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=8)
+    batches = make_batches(spec, count=2, batch_size=2)
+    outputs, report = cluster.infer(spec, batches)
+    first = report.plan.devices[0]
+    endpoints = _data_endpoints(cluster)
+
+    async def stage_metrics() -> dict[str, float]:
+        async with cluster.client() as client:
+            return {m["name"]: m["metrics"] for m in await client.cluster_state()}[first]
+
+    before = asyncio.run(stage_metrics())
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(endpoints[first])
+        tensor = (batches[0][0],)
+        stale = Message(
+            "data", {"run": report.run, "mb": 0, "src": "client"}, epoch=0, tensors=tensor
+        )
+        impostor = Message(
+            "data", {"run": report.run, "mb": 0, "src": "mallory"}, epoch=0, tensors=tensor
+        )
+        sock.send_multipart(encode(stale))
+        sock.send_multipart(encode(impostor))
+        sock.close()
+    finally:
+        context.term()
+
+    async def wait_for_counts() -> dict[str, float]:
+        for _ in range(100):
+            metrics = await stage_metrics()
+            if metrics["stale"] > before["stale"] and metrics["dropped"] > before["dropped"]:
+                return metrics
+            await asyncio.sleep(0.1)
+        return metrics
+
+    after = asyncio.run(wait_for_counts())
+    assert after["stale"] == before["stale"] + 1
+    assert after["dropped"] == before["dropped"] + 1
+    assert after["microbatches"] == before["microbatches"]  # nothing was computed

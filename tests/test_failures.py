@@ -90,3 +90,36 @@ def test_stage_without_a_coordinator_exits_with_a_clear_message() -> None:
     assert result.returncode == 1
     assert "could not reach the coordinator" in result.stderr
     assert time.monotonic() - started < 30
+
+
+def _wait_exit(process: "subprocess.Popen[bytes]", timeout: float) -> int:
+    import subprocess
+
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+def test_sigterm_stops_a_stage_and_the_coordinator_stops_its_stages() -> None:
+    with LocalCluster([DeviceSpec("x"), DeviceSpec("y"), DeviceSpec("z")]) as cluster:
+        cluster.processes["x"].send_signal(signal.SIGTERM)
+        assert _wait_exit(cluster.processes["x"], 20) == 0
+        # the coordinator's SIGTERM tells every stage still registered to shut down
+        cluster.processes["coordinator"].send_signal(signal.SIGTERM)
+        assert _wait_exit(cluster.processes["coordinator"], 20) == 0
+        assert _wait_exit(cluster.processes["y"], 20) == 0
+        assert _wait_exit(cluster.processes["z"], 20) == 0
+        assert '"stage_shutdown"' in cluster.logs("y")
+
+
+def test_a_stage_whose_coordinator_dies_exits_with_a_clear_message() -> None:
+    with LocalCluster([DeviceSpec("orphan")], heartbeat_interval_s=0.2) as cluster:
+        cluster.kill("coordinator")
+        # one that starts now never reaches it and gives up after its connect timeout
+        late = cluster.start_stage(DeviceSpec("late"), "--connect-timeout", "2")
+        assert _wait_exit(late, 30) == 1
+        assert "could not reach the coordinator" in cluster.logs("late")
+        assert _wait_exit(cluster.processes["orphan"], 30) == 1
+        assert "no word from the coordinator" in cluster.logs("orphan")

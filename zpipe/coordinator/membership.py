@@ -48,6 +48,7 @@ class Member:
             "data_endpoint": self.data_endpoint,
             "info": dict(self.info),
             "last_seen": self.last_seen,
+            "metrics": dict(self.metrics),
         }
 
 

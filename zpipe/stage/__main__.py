@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="probability that the outgoing link loses a message (default: 0)",
     )
     emu.add_argument("--loss-seed", type=int, default=0, help="seed of the loss draws")
+    parser.add_argument(
+        "--coordinator-timeout",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="exit when the coordinator has been silent for S seconds "
+        "(default: ten heartbeat intervals, at least 10)",
+    )
     add_common_flags(parser)
     return parser
 
@@ -131,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             link=LinkSpec(args.bandwidth_mbps, args.latency_ms, args.loss, args.loss_seed),
             memory_mb=args.memory_mb,
             keys_dir=Path(args.keys) if args.keys else None,
-            timeouts=timeouts_from_args(args),
+            timeouts=timeouts_from_args(
+                args,
+                **(
+                    {"coordinator_silence_s": args.coordinator_timeout}
+                    if args.coordinator_timeout is not None
+                    else {}
+                ),
+            ),
         )
     except ZpipeError as exc:
         parser.error(str(exc))

@@ -154,12 +154,14 @@ class StageRuntime:
             "torch": torch.__version__,
         }
 
-    async def _send_control(self, kind: str, body: dict[str, Any], epoch: int = 0) -> None:
+    async def _send_control(
+        self, kind: str, body: dict[str, Any], epoch: int = 0, timeout_s: float | None = None
+    ) -> None:
         assert self._control is not None
         await send(
             self._control,
             Message(kind, body, epoch=epoch),
-            timeout_s=self.config.timeouts.send_s,
+            timeout_s=timeout_s or self.config.timeouts.send_s,
             peer="coordinator",
         )
 
@@ -248,8 +250,12 @@ class StageRuntime:
                     f"{silent:.1f} s (limit {silence_limit:g} s)"
                 )
             try:
+                # A DEALER blocks while the coordinator is unreachable; never for
+                # longer than an interval, so the silence check above keeps running.
                 await self._send_control(
-                    "heartbeat", {"name": self.config.name, "metrics": self.counters.to_dict()}
+                    "heartbeat",
+                    {"name": self.config.name, "metrics": self.counters.to_dict()},
+                    timeout_s=interval,
                 )
             except TransportTimeout as exc:
                 log.warning("heartbeat_not_sent", stage=self.config.name, error=str(exc))
