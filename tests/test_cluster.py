@@ -170,7 +170,7 @@ def test_messages_of_an_older_epoch_or_a_wrong_sender_are_dropped(cluster: Local
 
     spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=8)
     batches = make_batches(spec, count=2, batch_size=2)
-    outputs, report = cluster.infer(spec, batches)
+    _, report = cluster.infer(spec, batches)
     first = report.plan.devices[0]
     endpoints = _data_endpoints(cluster)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from zpipe import StageFailedError
-from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.cluster import DeviceSpec, LocalCluster, free_tcp_port
 from zpipe.models import ModelSpec, load_layer_sequence
 
 INTERVAL = 0.3
@@ -65,10 +67,6 @@ def test_a_stage_that_dies_mid_run_is_reported_to_the_client(sig: int) -> None:
 
 
 def test_stage_without_a_coordinator_exits_with_a_clear_message() -> None:
-    import subprocess
-    import sys
-
-    from zpipe.cluster import free_tcp_port
 
     started = time.monotonic()
     result = subprocess.run(
@@ -92,9 +90,7 @@ def test_stage_without_a_coordinator_exits_with_a_clear_message() -> None:
     assert time.monotonic() - started < 30
 
 
-def _wait_exit(process: "subprocess.Popen[bytes]", timeout: float) -> int:
-    import subprocess
-
+def _wait_exit(process: subprocess.Popen[bytes], timeout: float) -> int:
     try:
         return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
