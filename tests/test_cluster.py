@@ -209,3 +209,17 @@ def test_messages_of_an_older_epoch_or_a_wrong_sender_are_dropped(cluster: Local
     assert after["stale"] == before["stale"] + 1
     assert after["dropped"] == before["dropped"] + 1
     assert after["microbatches"] == before["microbatches"]  # nothing was computed
+
+
+def test_a_repeated_run_reuses_the_built_shards(cluster: LocalCluster) -> None:
+    spec = ModelSpec("mlp", {"dims": [5, 9, 7, 3]}, seed=77)
+    batches = make_batches(spec, count=2, batch_size=2)
+    first, _ = cluster.infer(spec, batches)
+    second, _ = cluster.infer(spec, batches)
+    assert_outputs_match(second, first, atol=0.0)
+    ready = [
+        json.loads(line)
+        for line in cluster.logs("s0").splitlines()
+        if '"assignment_ready"' in line
+    ]
+    assert [entry["reused"] for entry in ready[-2:]] == [False, True]

@@ -23,7 +23,7 @@ from typing import Any
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.client import Batch, Outputs, PipelineClient, RunReport
 from zpipe.config import Timeouts
-from zpipe.models import ModelSpec
+from zpipe.models import ModelSpec, load_layer_sequence
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,20 @@ class LocalCluster:
     def infer(
         self, model: ModelSpec, batches: Iterable[Batch] | AsyncIterable[Batch], **kwargs: Any
     ) -> tuple[list[Outputs], RunReport]:
-        """Run a whole inference stream from synchronous code: outputs in order, and the report."""
+        """Run a whole inference stream from synchronous code: outputs in order, and the report.
+
+        Without ``stage_names`` or ``stages`` the pipeline runs through the devices in the
+        order they were given (the first ``len(partition)`` of them with a partition).
+        """
+        if kwargs.get("stage_names") is None and kwargs.get("stages") is None:
+            names = [d.name for d in self.devices]
+            partition = kwargs.get("partition")
+            if partition is not None:
+                names = names[: len(partition)]
+            else:
+                units = load_layer_sequence(model).num_units
+                names = names[:units]
+            kwargs["stage_names"] = names
 
         async def run() -> tuple[list[Outputs], RunReport]:
             async with self.client() as client:

@@ -99,18 +99,16 @@ def _progress_bar(total: int) -> Callable[[int, int], None]:
 
 def _stage_table(report_stages: dict[str, dict[str, Any]], plan_devices: list[str]) -> str:
     rows = [
-        f"  {'stage':<8} {'busy s':>8} {'idle s':>8} {'send s':>8} {'MB in':>8} "
-        f"{'MB out':>8} {'util':>6}"
+        f"  {'stage':<8} {'busy s':>8} {'idle s':>8} {'blocked s':>9} {'link s':>8} "
+        f"{'MB in':>8} {'MB out':>8} {'util':>6}"
     ]
     for name in plan_devices:
         m = report_stages.get(name, {})
-        busy, idle = float(m.get("busy_s", 0.0)), float(m.get("idle_s", 0.0))
-        sent = float(m.get("send_blocked_s", 0.0))
-        total = busy + idle + sent
-        util = busy / total if total > 0 else 0.0
         rows.append(
-            f"  {name:<8} {busy:>8.2f} {idle:>8.2f} {sent:>8.2f} "
-            f"{m.get('bytes_in', 0) / 1e6:>8.1f} {m.get('bytes_out', 0) / 1e6:>8.1f} {util:>6.0%}"
+            f"  {name:<8} {float(m.get('busy_s', 0.0)):>8.2f} {float(m.get('idle_s', 0.0)):>8.2f} "
+            f"{float(m.get('blocked_s', 0.0)):>9.2f} {float(m.get('send_s', 0.0)):>8.2f} "
+            f"{m.get('bytes_in', 0) / 1e6:>8.1f} {m.get('bytes_out', 0) / 1e6:>8.1f} "
+            f"{float(m.get('utilisation', 0.0)):>6.0%}"
         )
     return "\n".join(rows)
 
@@ -156,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         f"({report.samples} samples, {report.microbatches} micro-batches in "
         f"{report.elapsed_s:.2f} s)"
     )
-    print("\nper-stage time (busy computing, idle waiting for input, blocked sending):")
+    print(
+        "\nper-stage time: busy computing, idle waiting for input, blocked waiting for the "
+        "sender,\nlink time spent sending (concurrent with compute), util = busy share:"
+    )
     print(_stage_table(report.stages, report.plan.devices))
 
     print("\nchecking against a single-process run ...", flush=True)

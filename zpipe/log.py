@@ -19,6 +19,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def configure_logging(*, log_format: str = "console", level: str = "info", **context: Any) -> None:
     """Configure structlog for this process; ``context`` is bound to every event."""
+    _configure(log_format=log_format, level=level)
+    structlog.contextvars.clear_contextvars()
+    if context:
+        structlog.contextvars.bind_contextvars(**context)
+
+
+def _configure(*, log_format: str, level: str) -> None:
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
     numeric = getattr(logging, level.upper())
@@ -39,10 +46,12 @@ def configure_logging(*, log_format: str = "console", level: str = "info", **con
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    structlog.contextvars.clear_contextvars()
-    if context:
-        structlog.contextvars.bind_contextvars(**context)
 
 
 def get_logger(name: str) -> Any:
+    # A program that embeds zpipe and never configured structlog would get
+    # structlog's default, which prints to stdout and mixes with the program's
+    # own output; zpipe's events go to stderr unless the program chose otherwise.
+    if not structlog.is_configured():
+        _configure(log_format="console", level="info")
     return structlog.get_logger(name)

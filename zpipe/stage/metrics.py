@@ -8,9 +8,15 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class StageCounters:
+    """The compute loop is always in one of three states, so for a stage that has
+    started streaming ``busy_s + idle_s + blocked_s`` is its wall time since the
+    first input; sending runs concurrently and is counted apart in ``send_s``.
+    """
+
     busy_s: float = 0.0  # computing micro-batches
-    idle_s: float = 0.0  # waiting for input while nothing was queued
-    send_blocked_s: float = 0.0  # waiting for the downstream link or queue
+    idle_s: float = 0.0  # waiting for input (counted from the first input on)
+    blocked_s: float = 0.0  # waiting for room to hand an output to the sender
+    send_s: float = 0.0  # the sender waiting on the link or the downstream queue
     bytes_in: int = 0
     bytes_out: int = 0
     microbatches: int = 0
@@ -20,9 +26,15 @@ class StageCounters:
     lost: int = 0  # messages the emulated link lost
     started_at: float = field(default_factory=time.monotonic)
 
+    @property
+    def utilisation(self) -> float:
+        total = self.busy_s + self.idle_s + self.blocked_s
+        return self.busy_s / total if total > 0 else 0.0
+
     def to_dict(self) -> dict[str, float | int]:
         data = asdict(self)
         data["uptime_s"] = time.monotonic() - data.pop("started_at")
+        data["utilisation"] = self.utilisation
         return data
 
     def reset(self) -> None:

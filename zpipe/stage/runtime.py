@@ -110,6 +110,8 @@ class StageRuntime:
         self._stopping = asyncio.Event()
         self._heard_from_coordinator = time.monotonic()
         self._assign_task: asyncio.Task[None] | None = None
+        # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.
+        self._shard: tuple[tuple[ModelSpec, int, int, str], Shard] | None = None
         # A built shard waiting for the coordinator's "connect", with its downstream key.
         self._pending: tuple[_Assignment, str | None] | None = None
         self.data_endpoint = ""
@@ -318,20 +320,25 @@ class StageRuntime:
             downstream=body["downstream"],
         )
         await self._stop_data_tasks()
+        self._assignment = None
+        self._pending = None
         started = time.monotonic()
         try:
             spec = ModelSpec.from_dict(body["model"])
-            loop = asyncio.get_running_loop()
-            shard = await loop.run_in_executor(
-                self._compute,
-                lambda: Shard.build(
-                    spec,
-                    int(body["start"]),
-                    int(body["end"]),
-                    dtype=str(body["dtype"]),
-                    slowdown=self.config.slowdown,
-                ),
-            )
+            key = (spec, int(body["start"]), int(body["end"]), str(body["dtype"]))
+            reused = self._shard is not None and self._shard[0] == key
+            if self._shard is not None and reused:
+                shard = self._shard[1]  # the same units again: keep them, build nothing
+            else:
+                self._shard = None  # let the old units go before the new ones are built
+                loop = asyncio.get_running_loop()
+                shard = await loop.run_in_executor(
+                    self._compute,
+                    lambda: Shard.build(
+                        spec, key[1], key[2], dtype=key[3], slowdown=self.config.slowdown
+                    ),
+                )
+                self._shard = (key, shard)
             assignment = _Assignment(
                 run=run,
                 epoch=epoch,
@@ -364,6 +371,7 @@ class StageRuntime:
             run=run,
             epoch=epoch,
             build_s=round(build_s, 3),
+            reused=reused,
         )
         await self._send_control(
             "ready", {"run": run, "name": self.config.name, "build_s": build_s}, epoch=epoch
@@ -497,21 +505,26 @@ class StageRuntime:
     ) -> None:
         loop = asyncio.get_running_loop()
         name = self.config.name
+        counters = self.counters
+        streaming = False  # idle time counts from the first input, not from the assignment
         while True:
             waited_from = time.perf_counter()
             message = await inbox.get()
-            self.counters.idle_s += time.perf_counter() - waited_from
+            if streaming:
+                counters.idle_s += time.perf_counter() - waited_from
+            streaming = True
             mb = int(message["mb"])
             if message.kind == "error":
                 # Someone upstream failed on this micro-batch: pass the word on.
                 out = Message("error", {**message.body, "src": name}, epoch=assignment.epoch)
             else:
+                computing_from = time.perf_counter()
                 try:
-                    outputs, busy = await loop.run_in_executor(
+                    outputs, _ = await loop.run_in_executor(
                         self._compute, assignment.shard.forward, message.tensors
                     )
-                    self.counters.busy_s += busy
-                    self.counters.microbatches += 1
+                    counters.busy_s += time.perf_counter() - computing_from
+                    counters.microbatches += 1
                     out = Message(
                         "data",
                         {"run": assignment.run, "mb": mb, "src": name},
@@ -519,7 +532,8 @@ class StageRuntime:
                         tensors=outputs,
                     )
                 except Exception as exc:  # a bad input must not take the stage down
-                    self.counters.errors += 1
+                    counters.busy_s += time.perf_counter() - computing_from
+                    counters.errors += 1
                     log.warning(
                         "microbatch_failed",
                         stage=name,
@@ -539,7 +553,9 @@ class StageRuntime:
                         epoch=assignment.epoch,
                     )
             log.debug("microbatch_done", stage=name, epoch=assignment.epoch, mb=mb)
+            blocked_from = time.perf_counter()
             await outbox.put(out)
+            counters.blocked_s += time.perf_counter() - blocked_from
 
     async def _send_loop(self, assignment: _Assignment, outbox: asyncio.Queue[Message]) -> None:
         while True:
@@ -562,7 +578,7 @@ class StageRuntime:
                     mb=message["mb"],
                     error=str(exc),
                 )
-            self.counters.send_blocked_s += time.perf_counter() - started
+            self.counters.send_s += time.perf_counter() - started
 
     async def _send_downstream(self, item: object) -> None:
         assert self._downstream is not None and isinstance(item, Message)
