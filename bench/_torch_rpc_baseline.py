@@ -313,6 +313,14 @@ class TorchRpcPipeline:
         futures.append(self._rrefs[-1].rpc_async(timeout=self.rpc_timeout_s).set_results(DRIVER))
         torch.futures.wait_all(futures)
 
+    @property
+    def pids(self) -> dict[str, int]:
+        """Each stage's worker process id, by stage name."""
+        if self._context is None:
+            return {}
+        return {s.name: int(p.pid) for s, p in zip(self.stages, self._context.processes,
+                                                    strict=True) if p.pid is not None}
+
     def run(
         self, batches: Sequence[Sequence[torch.Tensor] | torch.Tensor], *,
         microbatch_size: int | None, max_in_flight: int,

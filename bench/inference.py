@@ -5,12 +5,14 @@ that the run takes minutes on two cores) is split evenly over 3 or 4 emulated
 heterogeneous devices (the demo's: slower compute by a factor, slower outgoing
 links in Mbit/s plus a latency), and a stream of batches is pushed through it
 in micro-batches, with at most ``--max-in-flight`` micro-batches in the
-pipeline. Two systems run the same partition on the same emulated devices:
+pipeline. Two systems run the same partition (zpipe's even one, stages in the
+device list's order) on the same emulated devices:
 
 * ``zpipe``: a :class:`zpipe.cluster.LocalCluster` (a coordinator and one stage
   process per device, ZeroMQ over loopback TCP); throughput is
-  ``RunReport.throughput`` and a stage's utilisation is
-  ``busy_s / (busy_s + idle_s + send_blocked_s)`` of its counters.
+  ``RunReport.throughput`` and a stage's utilisation is the stage's own
+  ``utilisation`` counter, ``busy_s / (busy_s + idle_s + blocked_s)`` of its
+  compute loop from the first input on.
 * ``torch_rpc``: PipeEdge's runtime over ``torch.distributed.rpc`` (TensorPipe),
   one spawned worker process per stage plus this process as the driver, stages
   chained with ``rpc_async`` (see ``bench/_torch_rpc_baseline.py``). It computes
@@ -23,7 +25,9 @@ least 1, what ``LocalCluster`` gives its stages). Each system first streams
 ``--warmup-batches`` batches (not timed), then the timed runs alternate between
 the systems (``--repeats``) and the median run of each is reported. The outputs
 of the first batch are compared between the systems (and with a single-process
-run of the whole model).
+run of the whole model). Each system's CPU seconds over the timed part of a
+run (its processes and this one, from /proc) are reported too: the model's
+compute is the same in both, so the difference is what the runtimes cost.
 
 Output: one JSON line per system, then one summary line with
 ``ratio_vs_torch_rpc`` = zpipe samples/s / torch_rpc samples/s.
@@ -40,6 +44,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -55,9 +60,11 @@ from zpipe.cli_common import positive_float, positive_int
 from zpipe.client import RunReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.demo import DEMO_DEVICES
+from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 
 BENCH = "inference"
+DRIVER_KEY = "client/driver"  # this process: zpipe's client, or the rpc driver
 VIT_PRESETS = ("vit-tiny", "vit-base", "vit-large")
 Outputs = tuple[torch.Tensor, ...]
 
@@ -86,16 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compute dtype on the stages (default: float32)")
     parser.add_argument("--warmup-batches", type=positive_int, default=2,
                         help="batches streamed before the timed runs (default: 2)")
-    parser.add_argument("--repeats", type=positive_int, default=3,
+    parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed runs per system, alternating; the median is reported "
-                             "(default: 3)")
+                             "(default: 5)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads per stage, both systems (default: cores // stages, "
                              "at least 1, as LocalCluster does)")
     parser.add_argument("--rpc-transport", choices=("tcp", "auto"), default="tcp",
                         help="TensorPipe transport: 'tcp' = uv transport and basic channel, "
                              "loopback TCP as zpipe uses (default); 'auto' = TensorPipe's "
-                             "choice, shared memory on one host")
+                             "choice, shared memory on one host, whose reactor thread busy-polls "
+                             "(about 0.4 core per process, which slows both systems on a small "
+                             "machine)")
     parser.add_argument("--no-links", action="store_true",
                         help="no link emulation (bandwidth, latency) on either system")
     parser.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
@@ -130,19 +139,17 @@ def _zpipe_line(report: RunReport, runs: list[float]) -> dict[str, Any]:
     utilisation, busy_fraction, stages = {}, {}, {}
     for name in report.plan.devices:
         m = report.stages.get(name, {})
-        busy, idle = float(m.get("busy_s", 0.0)), float(m.get("idle_s", 0.0))
-        send = float(m.get("send_blocked_s", 0.0))
-        total = busy + idle + send
-        utilisation[name] = round(busy / total, 4) if total > 0 else 0.0
+        utilisation[name] = round(float(m.get("utilisation", 0.0)), 4)
+        busy = float(m.get("busy_s", 0.0))
         busy_fraction[name] = round(busy / report.elapsed_s, 4) if report.elapsed_s else 0.0
-        stages[name] = {k: m.get(k) for k in ("busy_s", "idle_s", "send_blocked_s", "bytes_in",
-                                              "bytes_out", "microbatches")}
+        stages[name] = {k: m.get(k) for k in ("busy_s", "idle_s", "blocked_s", "send_s",
+                                              "bytes_in", "bytes_out", "microbatches")}
     return {
         "bench": BENCH, "system": "zpipe", "samples_per_s": round(report.throughput, 4),
         "samples_per_s_runs": [round(r, 4) for r in runs], "samples": report.samples,
         "microbatches": report.microbatches, "elapsed_s": round(report.elapsed_s, 4),
         "stage_utilisation": utilisation, "stage_busy_fraction": busy_fraction,
-        "utilisation_definition": "busy_s / (busy_s + idle_s + send_blocked_s)",
+        "utilisation_definition": "busy_s / (busy_s + idle_s + blocked_s)",
         "stages": stages,
     }
 
@@ -178,6 +185,45 @@ def _close(a: Outputs, b: Outputs, tol: float) -> bool:
     )
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc); 0.0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds that this process and the given processes spend between start and stop."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._start: dict[str, float] = {}
+        self.cpu_s: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        now = {name: _proc_cpu_s(pid) for name, pid in self.pids.items()}
+        now[DRIVER_KEY] = time.process_time()
+        return now
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self) -> None:
+        now = self._now()
+        self.cpu_s = {name: round(now[name] - self._start[name], 3) for name in now}
+        self.cpu_s["total"] = round(sum(self.cpu_s.values()), 3)
+
+
+async def _metered(batches: list[Outputs], meter: CpuMeter) -> AsyncIterator[Outputs]:
+    """The batches, starting ``meter`` when the client starts streaming (after set-up)."""
+    meter.start()
+    for batch in batches:
+        yield batch
+
+
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
     raise TimeoutError("the benchmark ran past --timeout")
 
@@ -209,8 +255,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "devices": [{"name": d.name, "slowdown": d.slowdown, "bandwidth_mbps": d.bandwidth_mbps,
                      "latency_ms": d.latency_ms} for d in devices],
     }
-    zpipe_runs: list[tuple[float, RunReport, list[Outputs]]] = []
-    rpc_runs: list[RpcRunResult] = []
+    microbatches = args.batches * -(-args.batch_size // args.microbatch_size)
+    zpipe_runs: list[tuple[float, RunReport, list[Outputs], dict[str, float]]] = []
+    rpc_runs: list[tuple[RpcRunResult, dict[str, float]]] = []
     with LocalCluster(devices, log_level="warning") as cluster:
         _, warm_report = cluster.infer(spec, warmup, **order, **stream)
         plan = warm_report.plan
@@ -219,6 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         setups = [StageSetup(s.device, s.start, s.end, by_name[s.device].slowdown,
                              by_name[s.device].bandwidth_mbps, by_name[s.device].latency_ms)
                   for s in plan.stages]
+        zpipe_pids = {name: int(p.pid) for name, p in cluster.processes.items()}
         with TorchRpcPipeline(spec, setups, dtype=args.dtype, threads=threads,
                               rpc_timeout_s=args.rpc_timeout, transports=transports,
                               channels=channels) as baseline:
@@ -228,29 +276,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 turn = ("zpipe", "torch_rpc") if repeat % 2 == 0 else ("torch_rpc", "zpipe")
                 for system in turn:
                     if system == "zpipe":
-                        outputs, report = cluster.infer(spec, batches, **order, **stream)
+                        meter = CpuMeter(zpipe_pids)
+
+                        def progress(done: int, sent: int, meter: CpuMeter = meter) -> None:
+                            if done == microbatches:
+                                meter.stop()
+
+                        outputs, report = cluster.infer(
+                            spec, _metered(batches, meter), progress=progress, **order, **stream
+                        )
                         if report.plan.to_dict()["stages"] != plan.to_dict()["stages"]:
                             raise RuntimeError("zpipe changed its partition between runs")
-                        zpipe_runs.append((report.throughput, report, outputs))
+                        zpipe_runs.append((report.throughput, report, outputs, meter.cpu_s))
+                        tput = report.throughput
                     else:
-                        rpc_runs.append(baseline.run(batches, **stream))
-                    tput = zpipe_runs[-1][0] if system == "zpipe" else rpc_runs[-1].throughput
-                    print(f"  repeat {repeat + 1}/{args.repeats} {system}: {tput:.2f} samples/s",
+                        meter = CpuMeter(baseline.pids)
+                        meter.start()
+                        result = baseline.run(batches, **stream)
+                        meter.stop()
+                        rpc_runs.append((result, meter.cpu_s))
+                        tput = result.throughput
+                    print(f"  repeat {repeat + 1}/{args.repeats} {system}: {tput:.2f} samples/s"
+                          f", {meter.cpu_s.get('total', 0.0):.2f} CPU s",
                           file=sys.stderr, flush=True)
 
-    z_tputs = [t for t, _, _ in zpipe_runs]
-    r_tputs = [r.throughput for r in rpc_runs]
-    _, z_report, z_outputs = zpipe_runs[_median_index(z_tputs)]
-    r_result = rpc_runs[_median_index(r_tputs)]
+    z_tputs = [t for t, _, _, _ in zpipe_runs]
+    r_tputs = [r.throughput for r, _ in rpc_runs]
+    _, z_report, z_outputs, z_cpu = zpipe_runs[_median_index(z_tputs)]
+    r_result, r_cpu = rpc_runs[_median_index(r_tputs)]
     z_line = {**_zpipe_line(z_report, z_tputs), "samples_per_s": round(
-        statistics.median(z_tputs), 4), "partition": partition, **config}
+        statistics.median(z_tputs), 4), "cpu_s": z_cpu,
+        "cpu_ms_per_sample": round(1e3 * z_cpu.get("total", 0.0) / z_report.samples, 3),
+        "partition": partition, **config}
     r_line = {**_rpc_line(r_result, r_tputs, transport), "samples_per_s": round(
-        statistics.median(r_tputs), 4), "partition": partition, **config}
+        statistics.median(r_tputs), 4), "cpu_s": r_cpu,
+        "cpu_ms_per_sample": round(1e3 * r_cpu.get("total", 0.0) / r_result.samples, 3),
+        "partition": partition, **config}
     emit(z_line)
     emit(r_line)
 
     tol = 1e-4 if args.dtype == "float32" else 1e-1
-    first_rpc = rpc_runs[-1].outputs[0]
+    first_rpc = rpc_runs[-1][0].outputs[0]
     outputs_match = _close(z_outputs[0], first_rpc, tol)
     with torch.inference_mode():
         reference = build_full_model(spec)(*batches[0])
@@ -261,6 +327,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratio_vs_torch_rpc=round(ratio, 4),
         zpipe_samples_per_s=z_line["samples_per_s"],
         torch_rpc_samples_per_s=r_line["samples_per_s"],
+        zpipe_cpu_ms_per_sample=z_line["cpu_ms_per_sample"],
+        torch_rpc_cpu_ms_per_sample=r_line["cpu_ms_per_sample"],
         outputs_match=outputs_match,
         outputs_max_abs_diff=_max_abs_diff(z_outputs[0], first_rpc),
         matches_single_process=matches_reference,
@@ -275,6 +343,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _apply_quick(args)
+    configure_logging(level="warning")  # zpipe's logs to stderr: stdout is for JSON lines
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.alarm(max(1, int(args.timeout)))
     started = time.perf_counter()

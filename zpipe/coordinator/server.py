@@ -416,17 +416,20 @@ class Coordinator:
         try:
             ready = await self._start_run(routing_id, user_key, message)
         except (ZpipeError, ValueError) as exc:
-            log.error("run_failed", error=str(exc))
             self._run = None
-            await self._send(
-                routing_id,
-                Message("run_failed", {"error": str(exc)}),
-                peer=CLIENT_NAME,
-                timeout_s=self.config.timeouts.reply_s,
-            )
+            await self._reply_run_failed(routing_id, exc)
             return
         await self._send(
             routing_id, ready, peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s
+        )
+
+    async def _reply_run_failed(self, routing_id: bytes, error: Exception) -> None:
+        log.error("run_failed", error=str(error))
+        await self._send(
+            routing_id,
+            Message("run_failed", {"error": str(error)}),
+            peer=CLIENT_NAME,
+            timeout_s=self.config.timeouts.reply_s,
         )
 
     async def _start_run(
@@ -489,15 +492,9 @@ class Coordinator:
                 ),
                 peer=member.name,
             )
-        try:
-            build_times = await asyncio.wait_for(
-                asyncio.gather(*run.ready.values()), self.config.timeouts.assign_s
-            )
-        except asyncio.TimeoutError:
-            slow = [n for n, f in run.ready.items() if not f.done()]
-            raise TransportTimeout(
-                ", ".join(slow), "ready after assignment", self.config.timeouts.assign_s
-            ) from None
+        build_times = await _await_all(
+            run.ready, timeout_s=self.config.timeouts.assign_s, awaited="ready after assignment"
+        )
         log.info(
             "run_ready",
             run=run.run,
@@ -543,23 +540,11 @@ class Coordinator:
                     Message("connect", {"run": run.run}, epoch=run.epoch),
                     peer=stage.device,
                 )
-            try:
-                await asyncio.wait_for(
-                    asyncio.gather(*run.connected.values()), self.config.timeouts.reply_s
-                )
-            except asyncio.TimeoutError:
-                slow = [n for n, f in run.connected.items() if not f.done()]
-                raise TransportTimeout(
-                    ", ".join(slow), "connected", self.config.timeouts.reply_s
-                ) from None
-        except (ZpipeError, ValueError) as exc:
-            log.error("run_failed", error=str(exc))
-            await self._send(
-                routing_id,
-                Message("run_failed", {"error": str(exc)}),
-                peer=CLIENT_NAME,
-                timeout_s=self.config.timeouts.reply_s,
+            await _await_all(
+                run.connected, timeout_s=self.config.timeouts.reply_s, awaited="connected"
             )
+        except (ZpipeError, ValueError) as exc:
+            await self._reply_run_failed(routing_id, exc)
             return
         log.info("run_streaming", run=run.run, epoch=run.epoch)
         await self._send(
@@ -597,6 +582,17 @@ class Coordinator:
             peer=CLIENT_NAME,
             timeout_s=self.config.timeouts.reply_s,
         )
+
+
+async def _await_all(
+    futures: dict[str, asyncio.Future[Any]], *, timeout_s: float, awaited: str
+) -> list[Any]:
+    """Every stage's reply, or a timeout that names the stages still silent."""
+    try:
+        return await asyncio.wait_for(asyncio.gather(*futures.values()), timeout_s)
+    except asyncio.TimeoutError:
+        silent = [name for name, fut in futures.items() if not fut.done()]
+        raise TransportTimeout(", ".join(silent), awaited, timeout_s) from None
 
 
 def _curve_user_id(frame: zmq.Frame) -> str | None:
