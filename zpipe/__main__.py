@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "demo": "pipelined inference across emulated heterogeneous devices on this machine",
     "keys": "generate CurveZMQ key pairs (python -m zpipe keys --dir DIR NAME ...)",
+    "profile": "measure a model's units on this device (time, output, weights, memory)",
 }
 
 
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from zpipe.demo import main as demo_main
 
         return demo_main(rest)
+    if command == "profile":
+        from zpipe.profiler import main as profile_main
+
+        return profile_main(rest)
     if command == "keys":
         from zpipe.keys_cli import main as keys_main
 
