@@ -12,9 +12,11 @@ What it measures, between two processes (this one, the *sender*, and a spawned
 ``zpipe``
     What a stage does: ``zmq.asyncio`` sockets from ``open_socket`` (PUSH->PULL),
     each message built as ``Message("data", {"run", "mb", "src"}, tensors=(t,))``,
-    sent with ``sockets.send`` (encode + deadline), received with ``recv_frames``
-    and decoded with ``decode_frames`` (header validated, tensor view built), on
-    uvloop when it is importable (as the zpipe CLI runs).
+    sent with ``sockets.send`` (encode + per-send deadline), received with
+    ``recv_frames(timeout_s=None)`` inside one deadline per run (as a stage's and
+    the client's receive loops do) and decoded with ``decode_frames`` (header
+    validated, tensor view built), on uvloop when it is importable (as the zpipe
+    CLI runs).
 ``zpipe_curve``
     The ``zpipe`` path with CurveZMQ: ``secure_server`` on each bound PULL with a
     ``CurveAuthenticator`` in each process, ``secure_client`` on each PUSH, keys
@@ -47,8 +49,15 @@ slower) and ``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
 
 Run it from the repository root::
 
-    .venv/bin/python bench/transport.py            # full run, about a minute
+    .venv/bin/python bench/transport.py            # full run, under a minute
     .venv/bin/python bench/transport.py --quick    # smoke run, a few seconds
+
+Both processes share the machine, so on a small or busy host the numbers move by
+tens of percent from run to run; compare ratios from the same run only.
+Both processes keep freed message memory (``zpipe.transport.allocator``, as
+zpipe's stages do), for both paths alike; ``--no-retain-memory`` turns that off,
+and then every large message libzmq receives may page-fault its buffer in again,
+which lowers both paths and hurts the slower consumer (zpipe) most.
 
 Every wait has a deadline (``--timeout``), the whole run has one too
 (``--deadline``), and the receiver is killed if anything fails.
@@ -76,6 +85,7 @@ import zmq.asyncio
 
 from zpipe.log import configure_logging
 from zpipe.transport import security
+from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -146,7 +156,7 @@ def make_tensor(size: int) -> torch.Tensor:
 
 
 def raw_buffer(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(torch.uint8).numpy())
+    return tensor.view(torch.uint8).numpy().data
 
 
 def data_message(mb: int, tensor: torch.Tensor, src: str) -> Message:
@@ -221,6 +231,11 @@ def open_channel_sockets(
     return ch
 
 
+def run_deadline(timeout_s: float, size: int, count: int) -> float:
+    """Deadline of one whole run: the per-wait timeout plus time for >= 50 MB/s."""
+    return timeout_s + count * size / 50e6
+
+
 def check_tensor(message: Message, size: int) -> None:
     if len(message.tensors) != 1 or message.tensors[0].nbytes != size:
         raise RuntimeError(f"expected one tensor of {size} bytes, got {message.tensors!r:.80}")
@@ -242,12 +257,15 @@ class ReceiverSettings:
     timeout_s: float
     deadline_s: float
     raw_hwm: int
+    tune_malloc: bool
 
 
 def receiver_main(conn: Connection, settings: ReceiverSettings) -> None:
     """Entry point of the spawned receiver process."""
     faulthandler.dump_traceback_later(settings.deadline_s, exit=True)
     configure_logging(level="warning")
+    if settings.tune_malloc:
+        retain_freed_memory()
     runner, has_uvloop = _runner()
     try:
         runner(Receiver(conn, settings, has_uvloop).serve())
@@ -319,27 +337,36 @@ class Receiver:
             ch.push.send_multipart(ch.pull.recv_multipart(copy=False), copy=False)
 
     async def zpipe_sink(self, ch: Channel, size: int, count: int) -> None:
-        timeout = self.settings.timeout_s
-        for _ in range(count):
-            frames = await recv_frames(ch.pull, timeout_s=timeout, peer=SENDER_KEY,
-                                       awaited="micro-batch")
-            check_sender(ch, frames[0])
-            message = decode_frames(frames, MAX_BYTES)
-            check_tensor(message, size)
-        await send(ch.push, Message("probe_ack", {"nonce": count}), timeout_s=timeout,
-                   peer=SENDER_KEY)
+        # As a stage's receive loop: recv_frames without a per-message deadline
+        # (timeout_s=None); the whole run has one instead.
+        async def loop() -> None:
+            for _ in range(count):
+                frames = await recv_frames(ch.pull, timeout_s=None, peer=SENDER_KEY,
+                                           awaited="micro-batch")
+                check_sender(ch, frames[0])
+                message = decode_frames(frames, MAX_BYTES)
+                check_tensor(message, size)
+
+        await asyncio.wait_for(loop(), run_deadline(self.settings.timeout_s, size, count))
+        await send(ch.push, Message("probe_ack", {"nonce": count}),
+                   timeout_s=self.settings.timeout_s, peer=SENDER_KEY)
 
     async def zpipe_echo(self, ch: Channel, size: int, count: int) -> None:
         timeout = self.settings.timeout_s
-        for _ in range(count):
-            frames = await recv_frames(ch.pull, timeout_s=timeout, peer=SENDER_KEY,
-                                       awaited="ping")
-            check_sender(ch, frames[0])
-            message = decode_frames(frames, MAX_BYTES)
-            check_tensor(message, size)
-            # Forward the received tensor (a view on the frame): zero-copy both ways.
-            await send(ch.push, data_message(int(message["mb"]), message.tensors[0], "echo"),
-                       timeout_s=timeout, peer=SENDER_KEY)
+
+        async def loop() -> None:
+            for _ in range(count):
+                frames = await recv_frames(ch.pull, timeout_s=None, peer=SENDER_KEY,
+                                           awaited="ping")
+                check_sender(ch, frames[0])
+                message = decode_frames(frames, MAX_BYTES)
+                check_tensor(message, size)
+                # Forward the received tensor (a view on the frame), as a stage
+                # forwards its output: zero-copy both ways.
+                await send(ch.push, data_message(int(message["mb"]), message.tensors[0], "echo"),
+                           timeout_s=timeout, peer=SENDER_KEY)
+
+        await asyncio.wait_for(loop(), run_deadline(timeout, size, count))
 
 
 # ------------------------------------------------------------------------------ sender
@@ -475,23 +502,28 @@ class Sender:
                 if len(frames) != 2 or len(frames[1]) != size:
                     raise RuntimeError("raw echo came back with the wrong size")
         else:
-            for mb in range(count):
-                started = time.perf_counter()
-                await send(ch.push, data_message(mb, tensor, "bench"), timeout_s=self.timeout_s,
-                           peer=RECEIVER_KEY)
-                frames = await recv_frames(ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY,
-                                           awaited="pong")
-                message = decode_frames(frames, MAX_BYTES)
-                rtts.append(time.perf_counter() - started)
-                check_tensor(message, size)
+            # As the client's result loop: recv_frames(timeout_s=None), one deadline per run.
+            async def loop() -> None:
+                for mb in range(count):
+                    started = time.perf_counter()
+                    await send(ch.push, data_message(mb, tensor, "bench"),
+                               timeout_s=self.timeout_s, peer=RECEIVER_KEY)
+                    frames = await recv_frames(ch.pull, timeout_s=None, peer=RECEIVER_KEY,
+                                               awaited="pong")
+                    message = decode_frames(frames, MAX_BYTES)
+                    rtts.append(time.perf_counter() - started)
+                    check_tensor(message, size)
+
+            await asyncio.wait_for(loop(), run_deadline(self.timeout_s, size, count))
         await self.reply("done")
         return rtts
 
     async def measure_size(self, size: int, paths: list[str]) -> dict[str, Result]:
         args = self.args
         results = {path: Result(path, size) for path in paths}
-        # Warm-up: about 0.1 s of traffic per path; the raw rate picks N for everyone.
-        warm = max(4, min(2000, (64 << 20) // size))
+        # Warm-up, per path: enough messages to fill both queues (2 x HWM) a few times,
+        # so every context's I/O thread has grown its heap; the raw rate picks N.
+        warm = max(4 * _OPTIONS.send_hwm, min(2000, (128 << 20) // size))
         if args.quick:
             warm = max(2, warm // 8)
         rates: dict[str, float] = {}
@@ -503,7 +535,7 @@ class Sender:
         count = args.count or int(min(args.max_count, max(args.min_count,
                                                           args.seconds * rate / size)))
         per_trip = 2 * size / rate + 100e-6
-        trips = args.trips or int(min(2000, max(10, args.rtt_seconds / per_trip)))
+        trips = args.trips or int(min(2000, max(20, args.rtt_seconds / per_trip)))
         for rep in range(args.repeats):
             for path in _rotate(paths, rep):
                 results[path].count = count
@@ -599,6 +631,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--raw-hwm", type=int, default=_OPTIONS.send_hwm,
                         help="high-water mark of the raw sockets (default: zpipe's, "
                         f"{_OPTIONS.send_hwm})")
+    parser.add_argument("--no-retain-memory", dest="tune_malloc", action="store_false",
+                        help="let glibc return freed message memory at once (zpipe's stages "
+                        "keep it; see zpipe.transport.allocator)")
     parser.add_argument("--timeout", type=float, default=30.0,
                         help="deadline of every single wait, seconds (default 30)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
@@ -633,8 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     runner, has_uvloop = _runner()
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe(duplex=True)
+    malloc_tuned = retain_freed_memory() if args.tune_malloc else False
     settings = ReceiverSettings(timeout_s=args.timeout, deadline_s=args.deadline + 30,
-                                raw_hwm=args.raw_hwm)
+                                raw_hwm=args.raw_hwm, tune_malloc=args.tune_malloc)
     proc = spawn.Process(target=receiver_main, args=(child_conn, settings),
                          name="zpipe-bench-receiver", daemon=True)
     proc.start()
@@ -646,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             if "zpipe_curve" in args.paths:
                 security.generate_keys(keys_dir, [SENDER_KEY, RECEIVER_KEY])
             result = runner(run_sender(args, parent_conn, proc, keys_dir, has_uvloop))
-        summary(BENCH, **result)
+        summary(BENCH, **result, malloc_tuned=malloc_tuned)
         status = 0
     except Exception as exc:
         print(f"bench/transport.py: failed: {exc!r}", file=sys.stderr)

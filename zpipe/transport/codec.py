@@ -216,8 +216,9 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def encode(message: Message) -> list[bytes | memoryview]:
     """Frames for ``message``: the header, then one buffer per tensor (no copies).
 
-    The caller must not modify the tensors until the send has completed: a
-    zero-copy send only queues the buffers.
+    The caller must never modify a sent tensor in place: a zero-copy send only
+    queues the buffers, and libzmq's I/O thread may read them after the send
+    returns.
     """
     _validate_body(message.kind, dict(message.body))
     if message.tensors and message.kind not in TENSOR_KINDS:
@@ -258,7 +259,7 @@ def _frame_view(frame: Any) -> memoryview:
     return memoryview(buffer)
 
 
-def _decode_tensor(meta: Any, frame: Any, index: int) -> torch.Tensor:
+def _decode_tensor(meta: Any, view: memoryview, index: int) -> torch.Tensor:
     if not (isinstance(meta, list) and len(meta) == 2):
         raise ProtocolError(f"tensor {index}: meta must be [dtype, shape]")
     name, shape = meta
@@ -270,9 +271,8 @@ def _decode_tensor(meta: Any, frame: Any, index: int) -> torch.Tensor:
     for dim in shape:
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise ProtocolError(f"tensor {index}: bad dimension {dim!r} in shape {shape!r}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
-    view = _frame_view(frame)
     if view.nbytes != expected:
         raise ProtocolError(
             f"tensor {index}: frame has {view.nbytes} bytes, {name}{shape} needs {expected}"
@@ -280,28 +280,25 @@ def _decode_tensor(meta: Any, frame: Any, index: int) -> torch.Tensor:
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
     raw = view.cast("B") if view.format != "B" else view
+    if raw.readonly:
+        raw = memoryview(bytearray(raw))
+    tensor = torch.frombuffer(raw, dtype=torch.uint8)
     # zmq keeps small frames unaligned; torch kernels want aligned storage, so
     # copy those (they are small), and share memory with the frame otherwise.
-    if raw.readonly or _address(raw) % max(itemsize, 8):
-        raw = memoryview(bytearray(raw))
-    tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-    return tensor.view(shape)
-
-
-def _address(view: memoryview) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    if tensor.data_ptr() % max(itemsize, 8):
+        tensor = tensor.clone()
+    return tensor.view(dtype).view(shape)
 
 
 def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Validate ``frames`` and return the message; :class:`ProtocolError` on any problem."""
     if not frames:
         raise ProtocolError("empty message")
-    header_view = _frame_view(frames[0])
+    views = [_frame_view(f) for f in frames]
+    header_view = views[0]
     if header_view.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {header_view.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
-    total = sum(_frame_view(f).nbytes for f in frames)
+    total = sum(v.nbytes for v in views)
     if total > max_message_bytes:
         raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
     try:
@@ -329,8 +326,5 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
         raise ProtocolError(f"{kind}: this kind carries no tensors")
     if len(frames) != 1 + len(metas):
         raise ProtocolError(f"{len(metas)} tensors announced but {len(frames) - 1} frames follow")
-    tensors = tuple(
-        _decode_tensor(meta, frame, i)
-        for i, (meta, frame) in enumerate(zip(metas, frames[1:], strict=False))
-    )
+    tensors = tuple(_decode_tensor(meta, views[i + 1], i) for i, meta in enumerate(metas))
     return Message(kind=kind, body=body, epoch=epoch, tensors=tensors)

@@ -17,7 +17,7 @@ import ipaddress
 import socket as pysocket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import zmq
@@ -78,8 +78,15 @@ async def send(
     if routing_id is not None:
         frames = [routing_id, *frames]
     nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
+    pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False))
+    if pending.done():
+        # Queued at once (the common case): skip wait_for, whose timer and extra
+        # loop pass cost more than the send itself for megabyte messages.
+        pending.result()
+        return nbytes
     try:
-        await asyncio.wait_for(sock.send_multipart(frames, copy=False), timeout_s)
+        await asyncio.wait_for(pending, timeout_s)
     except asyncio.TimeoutError:
         raise TransportTimeout(peer, f"room to send {message.kind}", timeout_s) from None
     return nbytes
@@ -93,10 +100,11 @@ async def recv_frames(
     Only receive loops that are themselves cancelled on shutdown pass ``None``;
     a wait for a specific reply always has a deadline.
     """
+    pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
+    if pending.done() or timeout_s is None:
+        return await pending  # a message was already queued: no timer needed
     try:
-        if timeout_s is None:
-            return await sock.recv_multipart(copy=False)
-        return await asyncio.wait_for(sock.recv_multipart(copy=False), timeout_s)
+        return await asyncio.wait_for(pending, timeout_s)
     except asyncio.TimeoutError:
         raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
 
