@@ -33,6 +33,7 @@ from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
+from zpipe.planner.profile import ModelProfile
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
@@ -60,6 +61,7 @@ class RunReport:
 
     run: int
     plan: Plan
+    baseline: Plan | None = None  # the even partition the planner's choice was compared with
     microbatches: int = 0
     samples: int = 0
     elapsed_s: float = 0.0
@@ -254,11 +256,18 @@ class PipelineClient:
         stages: int | None = None,
         stage_names: Sequence[str] | None = None,
         dtype: str = "float32",
+        planner: str | None = None,
+        profile: ModelProfile | None = None,
         max_in_flight: int = 4,
         wait_for_stages_s: float = 30.0,
         progress: Callable[[int, int], None] | None = None,
     ) -> AsyncIterator[Outputs]:
         """Yield the outputs of each input batch, in input order.
+
+        The coordinator plans the run with ``planner`` ("pipeedge" by default,
+        "pipedream" or "even") from each stage's own profile of the model at
+        ``microbatch_size`` (or from ``profile``, scaled by each stage's
+        slowdown), unless ``partition`` gives the unit ranges.
 
         The run's report (plan, throughput, per-stage counters) is in
         :attr:`last_report` once the stream is exhausted.
@@ -275,6 +284,9 @@ class PipelineClient:
             "stages": stages,
             "stage_names": list(stage_names) if stage_names is not None else None,
             "dtype": dtype,
+            "planner": planner or "pipeedge",
+            "microbatch_size": microbatch_size,
+            "profile": profile.to_dict() if profile is not None else None,
             "sink_endpoint": self.sink_endpoint,
             "wait_for_stages_s": float(wait_for_stages_s),
         }
@@ -342,7 +354,12 @@ class _Stream:
         self.microbatch_size = microbatch_size
         self.window = asyncio.Semaphore(max_in_flight)
         self.progress = progress
-        self.report = RunReport(run=self.run, plan=self.plan)
+        baseline = ready.get("baseline")
+        self.report = RunReport(
+            run=self.run,
+            plan=self.plan,
+            baseline=Plan.from_dict(baseline) if baseline is not None else None,
+        )
         self.source = open_socket(client._context, zmq.PUSH, client.options)
         if client._keypair is not None:
             first_key = ready.get("first_key")

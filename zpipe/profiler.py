@@ -28,6 +28,8 @@ from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.planner.profile import ModelProfile, UnitProfile
 from zpipe.transport.emulation import emulate_slowdown
 
+BUILT_IN_FAMILIES = ("transformer", "mlp", "cnn")
+
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -67,22 +69,27 @@ def profile_model(
     if repeats < 1 or warmup < 0:
         raise ConfigError("repeats must be >= 1 and warmup >= 0")
     sequence = load_layer_sequence(spec)
-    units = sequence.build_units(0, sequence.num_units)
     names = sequence.unit_names()
-    param_bytes = [
-        sum(p.numel() * p.element_size() for p in u.parameters())
-        + sum(b.numel() * b.element_size() for b in u.buffers())
-        for u in units
-    ]
-    times: list[list[float]] = [[] for _ in units]
-    outputs: list[list[int]] = [[] for _ in units]
-    memory: list[list[int]] = [[] for _ in units]
-    input_bytes: list[int] = []
+    count = sequence.num_units
+    # Built-in families build one unit at a time, so a device with little memory
+    # can profile a model it could never hold whole; adapters build the user's
+    # module whole anyway, so they build it once.
+    whole = None if spec.family in BUILT_IN_FAMILIES else sequence.build_units(0, count)
+    param_bytes: list[int] = []
+    times: list[list[float]] = [[] for _ in range(count)]
+    outputs: list[list[int]] = [[] for _ in range(count)]
+    memory: list[list[int]] = [[] for _ in range(count)]
+    activations = {b: sequence.example_input(b, seed=b) for b in sizes}
+    input_bytes = [_nbytes(activations[b]) for b in sizes]
     with torch.inference_mode(), _compute_dtype(dtype):
-        for batch_size in sizes:
-            inputs = sequence.example_input(batch_size, seed=batch_size)
-            input_bytes.append(_nbytes(inputs))
-            for index, unit in enumerate(units):
+        for index in range(count):
+            unit = whole[index] if whole is not None else sequence.build_units(index, index + 1)[0]
+            param_bytes.append(
+                sum(p.numel() * p.element_size() for p in unit.parameters())
+                + sum(b.numel() * b.element_size() for b in unit.buffers())
+            )
+            for batch_size in sizes:
+                inputs = activations[batch_size]
                 samples = []
                 for attempt in range(warmup + repeats):
                     started = time.perf_counter()
@@ -94,7 +101,8 @@ def profile_model(
                 times[index].append(statistics.median(samples))
                 outputs[index].append(_nbytes(result))
                 memory[index].append(_nbytes(inputs) + _nbytes(result))
-                inputs = result
+                activations[batch_size] = result
+            del unit
     for row in times:  # a larger batch is never cheaper than a smaller one
         for i in range(1, len(row)):
             row[i] = max(row[i], row[i - 1])
@@ -104,7 +112,7 @@ def profile_model(
             UnitProfile(
                 names[i], param_bytes[i], tuple(times[i]), tuple(outputs[i]), tuple(memory[i])
             )
-            for i in range(len(units))
+            for i in range(count)
         ),
         input_bytes=tuple(input_bytes),
         model=spec.to_dict(),

@@ -36,9 +36,11 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
 from zpipe.config import Timeouts
 from zpipe.coordinator.membership import Member, Membership, MemberState
+from zpipe.coordinator.planning import DEFAULT_PLANNER, choose_plan, cluster_from_members
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.planner import Plan, plan_even_partition, plan_from_partition
+from zpipe.planner import ClusterSpec, Plan
+from zpipe.planner.profile import ModelProfile
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
@@ -98,7 +100,11 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
         self.endpoint = ""
-        self.events: list[dict[str, Any]] = []  # failure reports, kept for the API and tests
+        self.events: list[dict[str, Any]] = []
+        self._profile_cache: dict[tuple[ModelSpec, int, str, str, float], ModelProfile] = {}
+        self._profile_waiters: dict[
+            str, asyncio.Future[Message]
+        ] = {}  # failure reports, kept for the API and tests
 
     # ------------------------------------------------------------------ set-up
 
@@ -295,6 +301,10 @@ class Coordinator:
             )
         elif kind == "probe_ack":
             log.info("stage_answered_probe", stage=member.name)
+        elif kind == "profile_reply":
+            waiter = self._profile_waiters.get(member.name)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
         elif kind in ("ready", "assign_failed", "connected", "metrics"):
             self._resolve_run_reply(member, message)
         else:
@@ -440,12 +450,8 @@ class Coordinator:
         spec = ModelSpec.from_dict(message["model"])
         num_units = load_layer_sequence(spec).num_units
         members = await self._choose_devices(message)
-        names = [m.name for m in members]
-        partition = message.get("partition")
-        if partition is not None:
-            plan = plan_from_partition(num_units, names, partition)
-        else:
-            plan = plan_even_partition(num_units, names[: min(len(names), num_units)])
+        plan, baseline = await self._plan(spec, num_units, members, message)
+        members = [m for m in members if m.name in plan.devices]
         self._epoch += 1
         self._run_counter += 1
         run = _Run(
@@ -456,7 +462,13 @@ class Coordinator:
             client_key=client_key,
         )
         self._run = run
-        log.info("run_planned", run=run.run, epoch=run.epoch, plan=plan.to_dict())
+        log.info(
+            "run_planned",
+            run=run.run,
+            epoch=run.epoch,
+            plan=plan.to_dict(),
+            baseline=baseline.to_dict() if baseline is not None else None,
+        )
         by_name = {m.name: m for m in members}
         loop = asyncio.get_running_loop()
         for i, stage in enumerate(plan.stages):
@@ -507,6 +519,7 @@ class Coordinator:
             {
                 "run": run.run,
                 "plan": plan.to_dict(),
+                "baseline": baseline.to_dict() if baseline is not None else None,
                 "first_endpoint": by_name[first].data_endpoint,
                 "first_stage": first,
                 "first_key": self._key_of(first),
@@ -515,6 +528,74 @@ class Coordinator:
             },
             epoch=run.epoch,
         )
+
+    async def _plan(
+        self, spec: ModelSpec, num_units: int, members: list[Member], message: Message
+    ) -> tuple[Plan, Plan | None]:
+        names = [m.name for m in members]
+        partition = message.get("partition")
+        algo = str(message.get("planner") or DEFAULT_PLANNER)
+        batch_size = int(message.get("microbatch_size") or 1)
+        profile: ModelProfile | None = None
+        cluster: ClusterSpec | None = None
+        if partition is None and message.get("profile") is not None:
+            profile = ModelProfile.from_dict(message["profile"], source="the run's profile")
+            cluster = cluster_from_members(members)
+        elif partition is None and algo != "even":
+            profiles = await self._profiles_of(members, spec, batch_size, str(message["dtype"]))
+            profile = profiles[names[0]]
+            cluster = cluster_from_members(members, profiles)
+        return choose_plan(
+            algo=algo,
+            num_units=num_units,
+            names=names,
+            partition=partition,
+            profile=profile,
+            cluster=cluster,
+            batch_size=batch_size,
+        )
+
+    async def _profiles_of(
+        self, members: list[Member], spec: ModelSpec, batch_size: int, dtype: str
+    ) -> dict[str, ModelProfile]:
+        """Each stage's own profile of the model, cached until the stage registers again.
+
+        All stages profile at once: on separate devices that costs nothing, and
+        stages that share one machine then measure under the same contention for
+        its cores that they will see while the pipeline runs.
+        """
+        profiles = await asyncio.gather(
+            *(self._profile_of(m, spec, batch_size, dtype) for m in members)
+        )
+        return {m.name: p for m, p in zip(members, profiles, strict=True)}
+
+    async def _profile_of(
+        self, member: Member, spec: ModelSpec, batch_size: int, dtype: str
+    ) -> ModelProfile:
+        key = (spec, batch_size, dtype, member.name, member.joined_at)
+        cached = self._profile_cache.get(key)
+        if cached is not None:
+            return cached
+        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._profile_waiters[member.name] = waiter
+        body = {"model": spec.to_dict(), "batch_size": batch_size, "dtype": dtype, "repeats": 3}
+        try:
+            await self._send(member.routing_id, Message("profile_request", body), peer=member.name)
+            reply = await asyncio.wait_for(waiter, self.config.timeouts.assign_s)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(
+                member.name, "a profile", self.config.timeouts.assign_s
+            ) from None
+        finally:
+            self._profile_waiters.pop(member.name, None)
+        if reply["profile"] is None:
+            raise ConfigError(f"stage {member.name!r} could not profile: {reply['error']}")
+        profile = ModelProfile.from_dict(reply["profile"], source=f"{member.name}'s profile")
+        self._profile_cache[key] = profile
+        log.info(
+            "stage_profiled", stage=member.name, forward_s=round(sum(profile.times(batch_size)), 4)
+        )
+        return profile
 
     def _key_of(self, name: str) -> str | None:
         if name == CLIENT_NAME and self._run is not None:

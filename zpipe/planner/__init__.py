@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+from zpipe.planner.baselines import PLANNERS, plan_even, plan_pipedream, plan_with
+from zpipe.planner.cluster import (
+    CLIENT,
+    CLUSTER_FORMAT,
+    ClusterDevice,
+    ClusterLink,
+    ClusterSpec,
+    load_cluster,
+)
+from zpipe.planner.cost import InfeasiblePlanError, device_unit_times, predict_plan
+from zpipe.planner.pipeedge import device_categories, plan_pipeedge, solve_pipeedge
 from zpipe.planner.plan import (
     Plan,
     StagePlan,
@@ -11,14 +22,27 @@ from zpipe.planner.plan import (
     validate_stages,
 )
 
-PLANNERS = ("even",)
-
 __all__ = [
+    "CLIENT",
+    "CLUSTER_FORMAT",
     "PLANNERS",
+    "ClusterDevice",
+    "ClusterLink",
+    "ClusterSpec",
+    "InfeasiblePlanError",
     "Plan",
     "StagePlan",
+    "device_categories",
+    "device_unit_times",
     "even_ranges",
+    "load_cluster",
+    "plan_even",
     "plan_even_partition",
     "plan_from_partition",
+    "plan_pipedream",
+    "plan_pipeedge",
+    "plan_with",
+    "predict_plan",
+    "solve_pipeedge",
     "validate_stages",
 ]

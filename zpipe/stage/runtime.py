@@ -28,6 +28,7 @@ from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeErr
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
+from zpipe.profiler import profile_model
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport import security
@@ -110,6 +111,7 @@ class StageRuntime:
         self._stopping = asyncio.Event()
         self._heard_from_coordinator = time.monotonic()
         self._assign_task: asyncio.Task[None] | None = None
+        self._profile_task: asyncio.Task[None] | None = None
         # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.
         self._shard: tuple[tuple[ModelSpec, int, int, str], Shard] | None = None
         # A built shard waiting for the coordinator's "connect", with its downstream key.
@@ -291,6 +293,10 @@ class StageRuntime:
             self._assign_task = asyncio.create_task(self._assign(message))
         elif kind == "connect":
             await self._connect(message)
+        elif kind == "profile_request":
+            # Profiling runs for seconds: off the receive loop, and only one at a time.
+            if self._profile_task is None or self._profile_task.done():
+                self._profile_task = asyncio.create_task(self._profile(message))
         elif kind == "metrics_request":
             await self._send_control(
                 "metrics",
@@ -306,6 +312,37 @@ class StageRuntime:
             self.stop()
         else:
             raise ProtocolError(f"unexpected control message {kind!r} from the coordinator")
+
+    async def _profile(self, message: Message) -> None:
+        """Profile the requested model on this device (its threads, its slowdown)."""
+        body = message.body
+        reply: dict[str, Any] = {"name": self.config.name, "profile": None, "error": ""}
+        try:
+            spec = ModelSpec.from_dict(body["model"])
+            loop = asyncio.get_running_loop()
+            profile = await loop.run_in_executor(
+                self._compute,
+                lambda: profile_model(
+                    spec,
+                    batch_sizes=[int(body["batch_size"])],
+                    dtype=str(body["dtype"]),
+                    warmup=1,
+                    repeats=max(1, int(body["repeats"])),
+                    slowdown=self.config.slowdown,
+                    device_name=self.config.name,
+                ),
+            )
+            reply["profile"] = profile.to_dict()
+            log.info(
+                "profiled",
+                stage=self.config.name,
+                units=profile.num_units,
+                forward_s=round(sum(profile.times(int(body["batch_size"]))), 4),
+            )
+        except Exception as exc:  # reported to the coordinator, which plans without us
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+            log.error("profile_failed", stage=self.config.name, error=reply["error"])
+        await self._send_control("profile_reply", reply)
 
     async def _assign(self, message: Message) -> None:
         body = message.body

@@ -1,0 +1,103 @@
+"""From registered stages and profiles to a plan: the coordinator's planning step, pure.
+
+Each stage reports its memory budget and its outgoing link (declared or
+emulated) when it registers, and profiles the model on request (its own
+threads and slowdown included), so every device is planned from its own
+measured unit times. A link's bandwidth and latency are those of the sender's
+outgoing link: that is what a stage's ``--bandwidth-mbps`` shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from zpipe._errors import ConfigError
+from zpipe.coordinator.membership import Member
+from zpipe.planner import (
+    PLANNERS,
+    ClusterDevice,
+    ClusterLink,
+    ClusterSpec,
+    Plan,
+    plan_even_partition,
+    plan_from_partition,
+    plan_with,
+)
+from zpipe.planner.cluster import CLIENT
+from zpipe.planner.profile import ModelProfile
+
+DEFAULT_PLANNER = "pipeedge"
+
+
+def _link_of(member: Member) -> ClusterLink:
+    link: Mapping[str, Any] = member.info.get("link") or {}
+    bandwidth = link.get("bandwidth_mbps")
+    return ClusterLink(
+        bandwidth_mbps=float(bandwidth) if bandwidth else None,
+        latency_ms=float(link.get("latency_ms") or 0.0),
+    )
+
+
+def cluster_from_members(
+    members: Sequence[Member],
+    profiles: Mapping[str, ModelProfile] | None = None,
+) -> ClusterSpec:
+    """The planner's view of the registered stages.
+
+    With ``profiles`` (one per stage, measured there) every device is planned
+    from its own times; without, a device's speed is ``1 / slowdown`` relative
+    to the profile given with the run.
+    """
+    devices = []
+    links: dict[tuple[str, str], ClusterLink] = {}
+    for member in members:
+        memory_mb = member.info.get("memory_mb")
+        slowdown = float(member.info.get("slowdown") or 1.0)
+        own = profiles.get(member.name) if profiles is not None else None
+        devices.append(
+            ClusterDevice(
+                name=member.name,
+                memory_bytes=int(float(memory_mb) * 2**20) if memory_mb else None,
+                speed=1.0 if own is not None else 1.0 / slowdown,
+                profile=own,
+            )
+        )
+        outgoing = _link_of(member)
+        for other in [*members, None]:
+            if other is not member:
+                links[(member.name, other.name if other is not None else CLIENT)] = outgoing
+    return ClusterSpec(devices=tuple(devices), links=links)
+
+
+def choose_plan(
+    *,
+    algo: str,
+    num_units: int,
+    names: Sequence[str],
+    partition: Sequence[Sequence[int]] | None,
+    profile: ModelProfile | None,
+    cluster: ClusterSpec | None,
+    batch_size: int,
+) -> tuple[Plan, Plan | None]:
+    """The plan for a run, and the even partition it is compared with (if it differs)."""
+    if partition is not None:
+        return plan_from_partition(num_units, names, partition), None
+    if algo not in PLANNERS:
+        raise ConfigError(f"unknown planner {algo!r}; known: {', '.join(sorted(PLANNERS))}")
+    if profile is None or cluster is None:
+        if algo != "even":
+            raise ConfigError(f"planner {algo!r} needs a profile of the model")
+        return plan_even_partition(num_units, list(names)[: min(len(names), num_units)]), None
+    if profile.num_units != num_units:
+        raise ConfigError(
+            f"the profile describes {profile.num_units} units but the model has {num_units}"
+        )
+    plan = plan_with(algo, profile, cluster, batch_size)
+    if algo == "even":
+        return plan, None
+    try:
+        baseline = plan_with("even", profile, cluster, batch_size)
+    except ConfigError:
+        baseline = None  # even does not fit (memory, or more devices than units)
+    return plan, baseline

@@ -1,0 +1,409 @@
+"""The devices a planner may use: memory, relative speed, and the links between them.
+
+A cluster spec is plain data, like a plan and a profile. The planners read it;
+nothing here runs anything.
+
+File format (JSON)::
+
+    {"format": "zpipe-cluster/1",
+     "devices": [
+       {"name": "rcc", "count": 8, "memory_mb": 8192, "speed": 1.0,
+        "bandwidth_mbps": 1000, "latency_ms": 0.5},
+       {"name": "minnow", "count": 8, "memory_mb": 2048, "speed": 0.5,
+        "bandwidth_mbps": 1000, "profile": "minnow-profile.json"}
+     ],
+     "links": [{"a": "rcc0", "b": "minnow3", "bandwidth_mbps": 40, "latency_ms": 2.0}],
+     "client": {"bandwidth_mbps": 1000, "latency_ms": 0.5}}
+
+``devices`` (required, at least one entry):
+
+- ``name``: the device's name; with ``count`` the entry stands for ``count``
+  devices named ``NAME0`` .. ``NAME{count-1}``, without it for one device
+  named ``NAME``. ``client`` is reserved for the data source/sink.
+- ``memory_mb``: memory the device gives the model, in MiB (2**20 bytes);
+  omitted or ``null`` means unlimited.
+- ``speed``: compute speed relative to the device the model profile was
+  measured on: 1.0 is as fast, 0.25 four times slower (PipeEdge's "CPU 25%").
+  Default 1.0.
+- ``bandwidth_mbps``: the device's access link in Mbit/s (10**6 bit/s);
+  omitted or ``null`` means unlimited.
+- ``latency_ms``: the device's access-link latency. Default 0.
+- ``profile``: a profile measured on this device (a ``zpipe-profile/1`` file
+  path, relative to the cluster file, or the profile object inline); its
+  unit times are used instead of scaling the model profile by ``speed``.
+
+``links`` (optional) overrides the bandwidth and/or latency between two
+devices (or a device and ``client``). An entry applies in both directions
+unless it says ``"directed": true``, in which case it applies from ``a`` to
+``b`` only. A field it leaves out falls back to the default rule.
+
+``client`` (optional) is the access link of whoever feeds inputs to the first
+stage and receives results from the last: ``bandwidth_mbps`` (default
+unlimited) and ``latency_ms`` (default 0).
+
+Default rule for a pair without an entry (PipeEdge's): the bandwidth is the
+smaller of the two access links and the latency the sum of the two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zpipe._errors import ConfigError
+from zpipe.planner.profile import ModelProfile
+
+CLUSTER_FORMAT = "zpipe-cluster/1"
+CLIENT = "client"
+MIB = 1 << 20
+
+_DEVICE_KEYS = frozenset(
+    {"name", "count", "memory_mb", "speed", "bandwidth_mbps", "latency_ms", "profile"}
+)
+_LINK_KEYS = frozenset({"a", "b", "bandwidth_mbps", "latency_ms", "directed"})
+_CLIENT_KEYS = frozenset({"bandwidth_mbps", "latency_ms"})
+_TOP_KEYS = frozenset({"format", "devices", "links", "client"})
+
+
+def _check_positive(what: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what} must be a positive number, got {value!r}")
+
+
+def _check_latency(what: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{what} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ClusterDevice:
+    """One device a planner may use."""
+
+    name: str
+    memory_bytes: int | None = None  # None: unlimited
+    speed: float = 1.0
+    bandwidth_mbps: float | None = None  # None: unlimited
+    latency_ms: float = 0.0
+    profile: ModelProfile | None = None
+
+    def __post_init__(self) -> None:
+        where = f"device {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"a device name must be a non-empty string, got {self.name!r}")
+        if self.name == CLIENT:
+            raise ConfigError(f"{CLIENT!r} is reserved for the data source/sink; rename the device")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ConfigError(f"{where}: memory must be positive, got {self.memory_bytes} bytes")
+        _check_positive(f"{where}: speed", self.speed)
+        _check_positive(f"{where}: bandwidth_mbps", self.bandwidth_mbps)
+        _check_latency(f"{where}: latency_ms", self.latency_ms)
+
+
+@dataclass(frozen=True)
+class ClusterLink:
+    """Bandwidth and latency of one link; a ``None`` field defers to the default rule."""
+
+    bandwidth_mbps: float | None = None
+    latency_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("link bandwidth_mbps", self.bandwidth_mbps)
+        if self.latency_ms is not None:
+            _check_latency("link latency_ms", self.latency_ms)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices in a given order, per-pair link overrides, and the client's access link.
+
+    ``links`` maps an ordered pair ``(sender, receiver)`` to its override; the
+    loader enters an undirected file entry under both orders.
+    """
+
+    devices: tuple[ClusterDevice, ...]
+    links: Mapping[tuple[str, str], ClusterLink] = field(default_factory=dict)
+    client: ClusterLink = field(default_factory=ClusterLink)
+    # name -> device, so that link lookups do not scan the device list
+    _by_name: Mapping[str, ClusterDevice] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ConfigError("a cluster needs at least one device")
+        seen: dict[str, ClusterDevice] = {}
+        for d in self.devices:
+            if d.name in seen:
+                raise ConfigError(
+                    f"device name {d.name!r} appears more than once; names must be unique"
+                )
+            seen[d.name] = d
+        object.__setattr__(self, "_by_name", seen)
+        for a, b in self.links:
+            for end in (a, b):
+                if end != CLIENT and end not in seen:
+                    raise ConfigError(
+                        f"link {a!r} -> {b!r} names unknown device {end!r}; known: "
+                        f"{sorted(seen)} and {CLIENT!r}"
+                    )
+            if a == b:
+                raise ConfigError(f"link {a!r} -> {b!r} connects a device to itself; remove it")
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    def device(self, name: str) -> ClusterDevice:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ConfigError(f"the cluster has no device {name!r}; known: {self.names}") from None
+
+    def _access(self, name: str) -> tuple[float | None, float]:
+        """(bandwidth Mbit/s or None, latency ms) of ``name``'s access link."""
+        if name == CLIENT:
+            return self.client.bandwidth_mbps, self.client.latency_ms or 0.0
+        d = self.device(name)
+        return d.bandwidth_mbps, d.latency_ms
+
+    def bandwidth_bps(self, u: str, v: str) -> float:
+        """Bits per second from ``u`` to ``v`` (``math.inf`` when nothing limits it)."""
+        link = self.links.get((u, v))
+        if link is not None and link.bandwidth_mbps is not None:
+            return link.bandwidth_mbps * 1e6
+        bu, bv = self._access(u)[0], self._access(v)[0]
+        limits = [b for b in (bu, bv) if b is not None]
+        return min(limits) * 1e6 if limits else math.inf
+
+    def latency_s(self, u: str, v: str) -> float:
+        """One-way latency from ``u`` to ``v`` in seconds."""
+        link = self.links.get((u, v))
+        if link is not None and link.latency_ms is not None:
+            return link.latency_ms / 1e3
+        return (self._access(u)[1] + self._access(v)[1]) / 1e3
+
+    def comm_time_s(self, u: str, v: str, nbytes: int) -> float:
+        """Time to move ``nbytes`` from ``u`` to ``v``: latency plus serialisation."""
+        bw = self.bandwidth_bps(u, v)
+        return self.latency_s(u, v) + (nbytes * 8.0 / bw if bw != math.inf else 0.0)
+
+    # -- (de)serialisation -----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file form, one entry per device (``count`` is not re-derived); profiles inline."""
+        devices = []
+        for d in self.devices:
+            entry: dict[str, Any] = {"name": d.name}
+            if d.memory_bytes is not None:
+                entry["memory_mb"] = (
+                    d.memory_bytes // MIB if d.memory_bytes % MIB == 0 else d.memory_bytes / MIB
+                )
+            entry["speed"] = d.speed
+            if d.bandwidth_mbps is not None:
+                entry["bandwidth_mbps"] = d.bandwidth_mbps
+            entry["latency_ms"] = d.latency_ms
+            if d.profile is not None:
+                entry["profile"] = d.profile.to_dict()
+            devices.append(entry)
+        links = []
+        done: set[tuple[str, str]] = set()
+        for (a, b), link in self.links.items():
+            if (a, b) in done:
+                continue
+            entry = {"a": a, "b": b}
+            if link.bandwidth_mbps is not None:
+                entry["bandwidth_mbps"] = link.bandwidth_mbps
+            if link.latency_ms is not None:
+                entry["latency_ms"] = link.latency_ms
+            if self.links.get((b, a)) == link:
+                done.add((b, a))
+            else:
+                entry["directed"] = True
+            done.add((a, b))
+            links.append(entry)
+        client: dict[str, Any] = {}
+        if self.client.bandwidth_mbps is not None:
+            client["bandwidth_mbps"] = self.client.bandwidth_mbps
+        if self.client.latency_ms is not None:
+            client["latency_ms"] = self.client.latency_ms
+        return {"format": CLUSTER_FORMAT, "devices": devices, "links": links, "client": client}
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], base_dir: Path | None = None, *, source: str = "cluster"
+    ) -> ClusterSpec:
+        """Parse the file form; ``profile`` paths are relative to ``base_dir`` (default: cwd)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: must hold a JSON object")
+        if data.get("format") != CLUSTER_FORMAT:
+            raise ConfigError(
+                f"{source}: format must be {CLUSTER_FORMAT!r}, got {data.get('format')!r}"
+            )
+        _no_unknown_keys(f"{source}", data, _TOP_KEYS)
+        base = base_dir if base_dir is not None else Path(".")
+        entries = data.get("devices")
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError(f"{source}: 'devices' must be a non-empty list")
+        devices: list[ClusterDevice] = []
+        origin: dict[str, str] = {}
+        for k, entry in enumerate(entries):
+            for device in _parse_device(f"{source}: devices[{k}]", entry, base):
+                where = f"devices[{k}]"
+                if device.name in origin:
+                    raise ConfigError(
+                        f"{source}: {where} makes a device named {device.name!r}, which "
+                        f"{origin[device.name]} already made; names must be unique"
+                    )
+                origin[device.name] = where
+                devices.append(device)
+        links: dict[tuple[str, str], ClusterLink] = {}
+        raw_links = data.get("links", [])
+        if not isinstance(raw_links, list):
+            raise ConfigError(f"{source}: 'links' must be a list")
+        for k, entry in enumerate(raw_links):
+            where = f"{source}: links[{k}]"
+            for pair, link in _parse_link(where, entry, origin):
+                if pair in links:
+                    raise ConfigError(
+                        f"{where} sets link {pair[0]!r} -> {pair[1]!r} a second time; "
+                        "give each pair (and direction) once"
+                    )
+                links[pair] = link
+        raw_client = data.get("client", {})
+        if not isinstance(raw_client, Mapping):
+            raise ConfigError(f"{source}: 'client' must be an object")
+        _no_unknown_keys(f"{source}: client", raw_client, _CLIENT_KEYS)
+        try:
+            client = ClusterLink(
+                bandwidth_mbps=_opt_float(raw_client, "bandwidth_mbps"),
+                latency_ms=_opt_float(raw_client, "latency_ms"),
+            )
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: client: {exc}") from None
+        try:
+            return cls(devices=tuple(devices), links=links, client=client)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_cluster(path: Path | str) -> ClusterSpec:
+    """Read a ``zpipe-cluster/1`` file; ``profile`` paths are relative to its folder."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster file {p}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"cluster file {p} is not valid JSON: {exc}") from None
+    return ClusterSpec.from_dict(data, p.parent, source=str(p))
+
+
+def _no_unknown_keys(where: str, entry: Mapping[str, Any], known: Iterable[str]) -> None:
+    unknown = sorted(set(entry) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+
+
+def _opt_float(entry: Mapping[str, Any], key: str) -> float | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _parse_device(where: str, entry: Any, base: Path) -> list[ClusterDevice]:
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where}: must be an object, got {entry!r}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    where = f"{where} ({name})"
+    _no_unknown_keys(where, entry, _DEVICE_KEYS)
+    count = entry.get("count")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ConfigError(f"{where}: count must be an integer >= 1, got {count!r}")
+    try:
+        memory_mb = _opt_float(entry, "memory_mb")
+        speed = _opt_float(entry, "speed")
+        bandwidth = _opt_float(entry, "bandwidth_mbps")
+        latency = _opt_float(entry, "latency_ms")
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if memory_mb is not None and not (math.isfinite(memory_mb) and memory_mb > 0):
+        raise ConfigError(f"{where}: memory_mb must be a positive number, got {memory_mb!r}")
+    profile = _parse_profile(where, entry.get("profile"), base)
+    names = [name] if count is None else [f"{name}{i}" for i in range(count)]
+    try:
+        return [
+            ClusterDevice(
+                name=n,
+                memory_bytes=None if memory_mb is None else round(memory_mb * MIB),
+                speed=1.0 if speed is None else speed,
+                bandwidth_mbps=bandwidth,
+                latency_ms=0.0 if latency is None else latency,
+                profile=profile,
+            )
+            for n in names
+        ]
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _parse_profile(where: str, value: Any, base: Path) -> ModelProfile | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return ModelProfile.load(base / value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: profile: {exc}") from None
+    if isinstance(value, Mapping):
+        return ModelProfile.from_dict(value, source=f"{where}: profile")
+    raise ConfigError(f"{where}: profile must be a file path or a profile object, got {value!r}")
+
+
+def _parse_link(
+    where: str, entry: Any, known: Mapping[str, str]
+) -> Sequence[tuple[tuple[str, str], ClusterLink]]:
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where}: must be an object, got {entry!r}")
+    _no_unknown_keys(where, entry, _LINK_KEYS)
+    a, b = entry.get("a"), entry.get("b")
+    for key, end in (("a", a), ("b", b)):
+        if not isinstance(end, str):
+            raise ConfigError(f"{where}: {key!r} must be a device name, got {end!r}")
+        if end != CLIENT and end not in known:
+            raise ConfigError(
+                f"{where}: {key!r} names unknown device {end!r}; known: {sorted(known)} and "
+                f"{CLIENT!r}"
+            )
+    assert isinstance(a, str) and isinstance(b, str)
+    where = f"{where} ({a} - {b})"
+    if a == b:
+        raise ConfigError(f"{where}: a link must join two different devices")
+    directed = entry.get("directed", False)
+    if not isinstance(directed, bool):
+        raise ConfigError(f"{where}: directed must be true or false, got {directed!r}")
+    try:
+        link = ClusterLink(
+            bandwidth_mbps=_opt_float(entry, "bandwidth_mbps"),
+            latency_ms=_opt_float(entry, "latency_ms"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if link.bandwidth_mbps is None and link.latency_ms is None:
+        raise ConfigError(f"{where}: give bandwidth_mbps, latency_ms or both")
+    pairs = [((a, b), link)]
+    if not directed:
+        pairs.append(((b, a), link))
+    return pairs
