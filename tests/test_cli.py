@@ -26,6 +26,8 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         (["zpipe", "--help"], ["demo", "keys", "zpipe.coordinator"]),
         (["zpipe", "demo", "--help"], ["--stages", "--dtype", "--microbatch-size"]),
         (["zpipe", "keys", "--help"], ["--dir"]),
+        (["zpipe", "profile", "--help"], ["--model", "--batch-sizes", "--output"]),
+        (["zpipe", "plan", "--help"], ["--profiles", "--cluster", "--algo", "--json"]),
         (
             ["zpipe.stage", "--help"],
             [
@@ -55,6 +57,10 @@ def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
         (["zpipe", "demo", "--stages", "9"], "--stages"),
         (["zpipe", "demo", "--batches", "0"], "must be >= 1"),
         (["zpipe", "keys"], "required"),
+        (["zpipe", "plan", "--profiles", "p.json"], "--cluster"),
+        (["zpipe", "plan", "--profiles", "p", "--cluster", "c", "--algo", "best"],
+         "invalid choice"),
+        (["zpipe", "profile", "--model", "nonexistent", "-o", "x"], "invalid choice"),
         (["zpipe.stage"], "--coordinator"),
         (["zpipe.stage", "--coordinator", "tcp://127.0.0.1:5550"], "--name"),
         (["zpipe.stage", "--coordinator", "localhost:5550", "--name", "a"], "tcp://HOST:PORT"),

@@ -375,13 +375,14 @@ def test_predict_plan_numbers() -> None:
     )
     plan = Plan("explicit", 3, (StagePlan("a", 0, 2), StagePlan("b", 2, 3)))
     p = predict_plan(plan, prof, cl, 1)
-    assert p["source_comm_s"] == pytest.approx(0.002 + 1.0)  # 2 Mbit/s is the narrower end
+    assert p["source_comm_s"] == pytest.approx(1.0)  # 2 Mbit/s is the narrower end
     assert p["stage0_compute_s"] == pytest.approx(3.0)
-    assert p["stage0_comm_s"] == pytest.approx(0.001 + 2.0)  # 16 Mbit at 8 Mbit/s
+    assert p["stage0_comm_s"] == pytest.approx(2.0)  # 16 Mbit at 8 Mbit/s
     assert p["stage1_compute_s"] == pytest.approx(6.0)
-    assert p["stage1_comm_s"] == pytest.approx(0.001 + 2.0)  # back to the client at 2 Mbit/s
+    assert p["stage1_comm_s"] == pytest.approx(2.0)  # back to the client at 2 Mbit/s
     assert p["bottleneck_s"] == pytest.approx(6.0)
     assert p["throughput_samples_per_s"] == pytest.approx(1 / 6.0)
+    # latency adds each hop's link latency to compute and serialisation
     assert p["latency_s"] == pytest.approx(1.002 + 3.0 + 2.001 + 6.0 + 2.001)
     with pytest.raises(ConfigError, match="no device 'zz'"):
         predict_plan(Plan("x", 3, (StagePlan("zz", 0, 3),)), prof, cl, 1)

@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": "pipelined inference across emulated heterogeneous devices on this machine",
     "keys": "generate CurveZMQ key pairs (python -m zpipe keys --dir DIR NAME ...)",
     "profile": "measure a model's units on this device (time, output, weights, memory)",
+    "plan": "choose devices, order and unit ranges from a profile and a cluster file",
 }
 
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from zpipe.demo import main as demo_main
 
         return demo_main(rest)
+    if command == "plan":
+        from zpipe.plan_cli import main as plan_main
+
+        return plan_main(rest)
     if command == "profile":
         from zpipe.profiler import main as profile_main
 

@@ -39,6 +39,50 @@ def _link_of(member: Member) -> ClusterLink:
     )
 
 
+# Devices that declare the same hardware and emulation and whose measured forward
+# times differ by less than this are planned as one category.
+ALIKE_TOLERANCE = 0.2
+
+
+def _declared(member: Member) -> tuple[Any, ...]:
+    info = member.info
+    link = info.get("link") or {}
+    return (
+        info.get("slowdown"),
+        info.get("memory_mb"),
+        link.get("bandwidth_mbps"),
+        link.get("latency_ms"),
+        info.get("cores"),
+        info.get("threads"),
+        info.get("torch"),
+    )
+
+
+def merge_alike_profiles(
+    members: Sequence[Member], profiles: Mapping[str, ModelProfile]
+) -> dict[str, ModelProfile]:
+    """Give devices that are the same hardware one profile (the median of theirs).
+
+    Measurements are never exactly equal, and the PipeEdge DP only groups devices
+    whose numbers are identical: without this every device would be a category
+    of its own and the DP's state space would double with each device.
+    """
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for member in members:
+        groups.setdefault(_declared(member), []).append(member.name)
+    merged = dict(profiles)
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        totals = {n: sum(sum(u.time_s) for u in profiles[n].units) for n in names}
+        ordered = sorted(names, key=totals.__getitem__)
+        median = ordered[len(ordered) // 2]
+        for name in names:
+            if abs(totals[name] - totals[median]) <= ALIKE_TOLERANCE * totals[median]:
+                merged[name] = profiles[median]
+    return merged
+
+
 def cluster_from_members(
     members: Sequence[Member],
     profiles: Mapping[str, ModelProfile] | None = None,
@@ -49,6 +93,8 @@ def cluster_from_members(
     from its own times; without, a device's speed is ``1 / slowdown`` relative
     to the profile given with the run.
     """
+    if profiles is not None:
+        profiles = merge_alike_profiles(members, profiles)
     devices = []
     links: dict[tuple[str, str], ClusterLink] = {}
     for member in members:

@@ -189,9 +189,14 @@ class ClusterSpec:
         return (self._access(u)[1] + self._access(v)[1]) / 1e3
 
     def comm_time_s(self, u: str, v: str, nbytes: int) -> float:
-        """Time to move ``nbytes`` from ``u`` to ``v``: latency plus serialisation."""
+        """How long sending ``nbytes`` from ``u`` to ``v`` occupies the link: serialisation.
+
+        Latency is left out on purpose: with several micro-batches in flight (as
+        zpipe always keeps) it delays each one but does not lower throughput, so
+        it belongs to a plan's latency (:meth:`latency_s`), not to its period.
+        """
         bw = self.bandwidth_bps(u, v)
-        return self.latency_s(u, v) + (nbytes * 8.0 / bw if bw != math.inf else 0.0)
+        return nbytes * 8.0 / bw if bw != math.inf else 0.0
 
     # -- (de)serialisation -----------------------------------------------------------------
 

@@ -115,7 +115,8 @@ def predict_plan(
     pred: dict[str, float] = {"batch_size": float(batch_size), "num_stages": float(len(names))}
     source = cluster.comm_time_s(CLIENT, names[0], profile.input_bytes_at(batch_size))
     pred["source_comm_s"] = source
-    bottleneck, latency, violations = source, source, 0
+    latency = source + cluster.latency_s(CLIENT, names[0])
+    bottleneck, violations = source, 0
     times: dict[str, list[float]] = {}
     for i, (stage, device) in enumerate(zip(plan.stages, devices, strict=True)):
         if device.name not in times:
@@ -132,7 +133,7 @@ def predict_plan(
         pred[f"stage{i}_period_s"] = period
         pred[f"stage{i}_memory_bytes"] = float(mem)
         bottleneck = max(bottleneck, period)
-        latency += comp + comm
+        latency += comp + comm + cluster.latency_s(device.name, nxt)
     pred["bottleneck_s"] = bottleneck
     pred["microbatches_per_s"] = 1.0 / bottleneck if bottleneck > 0 else math.inf
     pred["throughput_samples_per_s"] = batch_size * pred["microbatches_per_s"]

@@ -173,19 +173,18 @@ def solve_pipeedge(
 
     # Links between categories; within one, between two of its members.
     bw = np.empty((n_cat, n_cat))
-    lat = np.empty((n_cat, n_cat))
     for a in range(n_cat):
         for b in range(n_cat):
             sender = categories[a][0]
             receiver = categories[b][1] if a == b and counts[b] > 1 else categories[b][0]
             if sender == receiver:  # a single-device category never follows itself
-                bw[a, b], lat[a, b] = math.inf, 0.0
+                bw[a, b] = math.inf
                 continue
             bw[a, b] = cluster.bandwidth_bps(sender, receiver)
-            lat[a, b] = cluster.latency_s(sender, receiver)
     bits = np.asarray(out_bytes, dtype=np.float64) * 8.0
     # hop[i, u, v]: sending unit i-1's output from u to v (x / inf is 0).
-    hop = lat[None, :, :] + np.concatenate(([0.0], bits[:-1]))[:, None, None] / bw[None, :, :]
+    # Latency overlaps with other micro-batches in flight: it is no part of a period.
+    hop = np.concatenate(([0.0], bits[:-1]))[:, None, None] / bw[None, :, :]
     source = np.array([cluster.comm_time_s(CLIENT, r.name, in_bytes) for r in reps])
     sink = np.array([cluster.comm_time_s(r.name, CLIENT, out_bytes[-1]) for r in reps])
 
