@@ -19,11 +19,12 @@ import torch
 from zpipe.cli_common import positive_int
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
+from zpipe.planner import Plan
 
 # Phones, boards and laptops on Wi-Fi: slower compute and slower links.
 DEMO_DEVICES = (
     DeviceSpec("laptop", slowdown=1.0, bandwidth_mbps=800.0, latency_ms=2.0),
-    DeviceSpec("phone", slowdown=2.0, bandwidth_mbps=400.0, latency_ms=5.0),
+    DeviceSpec("phone", slowdown=4.0, bandwidth_mbps=400.0, latency_ms=5.0),
     DeviceSpec("board", slowdown=1.5, bandwidth_mbps=200.0, latency_ms=5.0),
     DeviceSpec("jetson", slowdown=1.2, bandwidth_mbps=600.0, latency_ms=3.0),
 )
@@ -69,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="compute dtype on the stages (default: float32)",
     )
+    parser.add_argument(
+        "--planner",
+        choices=("pipeedge", "pipedream", "even"),
+        default="pipeedge",
+        help="how the coordinator partitions the model (default: pipeedge)",
+    )
+    parser.add_argument(
+        "--no-compare",
+        dest="compare",
+        action="store_false",
+        help="skip the second run on the even partition",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
     parser.add_argument(
         "--log-level",
@@ -95,6 +108,15 @@ def _progress_bar(total: int) -> Callable[[int, int], None]:
         )
 
     return show
+
+
+def _print_prediction(plan: Plan) -> None:
+    predicted = plan.predicted.get("throughput_samples_per_s")
+    if predicted is not None:
+        print(
+            f"  predicted {predicted:.2f} samples/s, bottleneck "
+            f"{plan.predicted.get('bottleneck_s', 0.0) * 1e3:.0f} ms per micro-batch"
+        )
 
 
 def _stage_table(report_stages: dict[str, dict[str, Any]], plan_devices: list[str]) -> str:
@@ -138,22 +160,51 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.batches)
     ]
     print("starting the coordinator and stages ...", flush=True)
+    total = args.batches * -(-args.batch_size // args.microbatch_size)
+    even_report = None
     with LocalCluster(devices, log_level=args.log_level) as cluster:
+        print(
+            f"each stage profiles the model, the coordinator plans with {args.planner} ...",
+            flush=True,
+        )
         outputs, report = cluster.infer(
             spec,
             batches,
             microbatch_size=args.microbatch_size,
             dtype=args.dtype,
-            progress=_progress_bar(args.batches * -(-args.batch_size // args.microbatch_size)),
+            planner=args.planner,
+            progress=_progress_bar(total),
         )
-    print(file=sys.stderr)
-    print("\npartition (even; the PipeEdge planner comes next):")
-    print(report.plan.describe(sequence.unit_names()))
+        print(file=sys.stderr)
+        if args.compare and args.planner != "even":
+            print("the same stream on the even partition, for comparison ...", flush=True)
+            _, even_report = cluster.infer(
+                spec,
+                batches,
+                microbatch_size=args.microbatch_size,
+                dtype=args.dtype,
+                planner="even",
+                progress=_progress_bar(total),
+            )
+            print(file=sys.stderr)
+    names = sequence.unit_names()
+    print(f"\nthe plan ({report.plan.algo}):")
+    print(report.plan.describe(names))
+    _print_prediction(report.plan)
+    if report.baseline is not None:
+        print("\nthe even partition it beat (GPipe's):")
+        print(report.baseline.describe(names))
+        _print_prediction(report.baseline)
     print(
         f"\nthroughput: {report.throughput:.2f} samples/s "
         f"({report.samples} samples, {report.microbatches} micro-batches in "
         f"{report.elapsed_s:.2f} s)"
     )
+    if even_report is not None and even_report.throughput > 0:
+        print(
+            f"even partition: {even_report.throughput:.2f} samples/s measured; "
+            f"{report.plan.algo} is {report.throughput / even_report.throughput:.2f}x faster"
+        )
     print(
         "\nper-stage time: busy computing, idle waiting for input, blocked waiting for the "
         "sender,\nlink time spent sending (concurrent with compute), util = busy share:"
