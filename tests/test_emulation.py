@@ -68,3 +68,22 @@ async def test_lost_messages_are_not_delivered() -> None:
     await link.close()
     assert link.lost == results.count(False) > 0
     assert delivered == [i for i, ok in enumerate(results) if ok]
+
+
+def test_slowdown_stretches_the_cpu_time_not_the_time_spent_waiting_for_a_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from zpipe.transport.emulation import emulate_slowdown
+
+    sleeps: list[float] = []
+    monkeypatch.setattr("zpipe.transport.emulation.time.sleep", sleeps.append)
+    # 1 s of CPU work that took 1.5 s of wall time because another process had the core
+    assert emulate_slowdown(4.0, 1.5, 1.0) == pytest.approx(4.0)
+    assert sleeps == [pytest.approx(2.5)]
+    # contention already beyond the emulated device's time: no sleep at all
+    assert emulate_slowdown(2.0, 3.0, 1.0) == pytest.approx(3.0)
+    # without a CPU time, the wall time is the work
+    assert emulate_slowdown(2.0, 1.0) == pytest.approx(2.0)
+    # a full-speed device is never slowed
+    assert emulate_slowdown(1.0, 1.5, 1.0) == pytest.approx(1.5)
+    assert len(sleeps) == 2

@@ -68,13 +68,16 @@ class FakeClock:
 def test_slowdown_scales_the_reported_times(monkeypatch: pytest.MonkeyPatch) -> None:
     import zpipe.profiler as profiler
 
-    monkeypatch.setattr(profiler, "emulate_slowdown", lambda factor, elapsed: None)
+    sleeps: list[float] = []
+    monkeypatch.setattr("zpipe.transport.emulation.time.sleep", sleeps.append)
+    monkeypatch.setattr(profiler, "compute_cpu_s", lambda cpu: None)  # wall time is the work
     monkeypatch.setattr(profiler.time, "perf_counter", FakeClock())
     spec = ModelSpec("mlp", {"dims": [4, 8, 2]}, seed=0)
     fast = profile_model(spec, batch_sizes=[1, 4], warmup=1, repeats=3)
     slow = profile_model(spec, batch_sizes=[1, 4], warmup=1, repeats=3, slowdown=3.0)
     assert fast.times(4) == pytest.approx([0.010, 0.010])
     assert slow.times(4) == pytest.approx([0.030, 0.030])
+    assert sleeps and all(x == pytest.approx(0.020) for x in sleeps)  # 3x: 20 ms more
     assert speed_score(slowdown=4.0) == pytest.approx(speed_score() / 4)
 
 

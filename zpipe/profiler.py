@@ -26,7 +26,7 @@ import torch
 from zpipe._errors import ConfigError, ZpipeError
 from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.planner.profile import ModelProfile, UnitProfile
-from zpipe.transport.emulation import emulate_slowdown
+from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
 BUILT_IN_FAMILIES = ("transformer", "mlp", "cnn")
 
@@ -92,12 +92,15 @@ def profile_model(
                 inputs = activations[batch_size]
                 samples = []
                 for attempt in range(warmup + repeats):
-                    started = time.perf_counter()
+                    started, cpu_started = time.perf_counter(), time.thread_time()
                     result = _as_tuple(unit(*inputs))
                     elapsed = time.perf_counter() - started
-                    emulate_slowdown(slowdown, elapsed)
+                    # as a stage runs it: stretched from the CPU time (see emulation)
+                    took = emulate_slowdown(
+                        slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+                    )
                     if attempt >= warmup:
-                        samples.append(elapsed * max(slowdown, 1.0))
+                        samples.append(took)
                 times[index].append(statistics.median(samples))
                 outputs[index].append(_nbytes(result))
                 memory[index].append(_nbytes(inputs) + _nbytes(result))
@@ -142,9 +145,7 @@ def speed_score(*, size: int = 256, repeats: int = 5, slowdown: float = 1.0) -> 
             started = time.perf_counter()
             for _ in range(4):
                 torch.mm(a, b)
-            elapsed = time.perf_counter() - started
-            emulate_slowdown(slowdown, elapsed)
-            samples.append(elapsed * max(slowdown, 1.0))
+            samples.append(emulate_slowdown(slowdown, time.perf_counter() - started))
     return flops / statistics.median(samples) / 1e9
 
 

@@ -13,7 +13,7 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
-from zpipe.transport.emulation import emulate_slowdown
+from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -62,12 +62,14 @@ class Shard:
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], float]:
         """Outputs of this shard for one micro-batch, and the compute seconds it took."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         moved = tuple(t.to(self.device, non_blocking=True) for t in inputs)
         with torch.inference_mode(), self._autocast():
             outputs = run_units(self.units, moved)
         if self.device.type != "cpu":
             outputs = tuple(t.to("cpu") for t in outputs)
         elapsed = time.perf_counter() - started
-        emulate_slowdown(self.slowdown, elapsed)
-        return outputs, time.perf_counter() - started
+        took = emulate_slowdown(
+            self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+        )
+        return outputs, took

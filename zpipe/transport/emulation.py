@@ -7,8 +7,8 @@ is paid by the sender (so a slow link throttles the pipeline, as a real one
 does) while latency is paid in flight (so a long link does not lower the
 throughput of a pipeline that keeps several messages in flight).
 
-:func:`emulate_slowdown` stretches a compute step to ``factor`` times its
-measured time, which is how a stage plays a slower device.
+:func:`emulate_slowdown` stretches a compute step to ``factor`` times the
+CPU time it needed, which is how a stage plays a slower device.
 """
 
 from __future__ import annotations
@@ -133,7 +133,32 @@ class EmulatedLink:
             self._task = None
 
 
-def emulate_slowdown(factor: float, elapsed_s: float) -> None:
-    """Sleep (in the compute thread) so the step takes ``factor`` times ``elapsed_s``."""
-    if factor > 1.0 and elapsed_s > 0:
-        time.sleep((factor - 1.0) * elapsed_s)
+def emulate_slowdown(factor: float, elapsed_s: float, cpu_s: float | None = None) -> float:
+    """Sleep (in the compute thread) so a step takes ``factor`` times its work.
+
+    The work is ``cpu_s`` when given: the compute thread's CPU time, which is
+    what the step costs on an idle core. Stretching the wall time instead would
+    multiply whatever time the step spent waiting for a core that other stages
+    on the same machine were using, and a 4x slower device would turn its
+    share of that contention into four times as much. Returns how long the
+    step took in the end.
+    """
+    if factor <= 1.0:
+        return elapsed_s
+    work = cpu_s if cpu_s is not None else elapsed_s
+    target = factor * work
+    if target > elapsed_s:
+        time.sleep(target - elapsed_s)
+    return max(target, elapsed_s)
+
+
+def compute_cpu_s(thread_cpu_s: float) -> float | None:
+    """The compute thread's CPU time, where it is all of a step's work.
+
+    With one torch thread every kernel runs on the calling thread; with more,
+    torch's pool threads do part of the work out of this thread's sight, and
+    wall time is the better measure (``None``).
+    """
+    import torch  # the emulation module itself stays free of torch
+
+    return thread_cpu_s if torch.get_num_threads() == 1 else None
