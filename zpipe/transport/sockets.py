@@ -78,11 +78,20 @@ async def send(
     if routing_id is not None:
         frames = [routing_id, *frames]
     nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    shadow = _shadow(sock)
+    if shadow is not None:
+        # Queue it at once when there is room (the common case): an asyncio
+        # future, a wait_for timer and an extra loop pass cost more than the
+        # send itself for megabyte messages. A multipart message is queued whole
+        # or not at all, so on EAGAIN nothing was sent and the awaited path runs.
+        try:
+            shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return nbytes
+        except zmq.Again:
+            pass
     # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
     pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False))
     if pending.done():
-        # Queued at once (the common case): skip wait_for, whose timer and extra
-        # loop pass cost more than the send itself for megabyte messages.
         pending.result()
         return nbytes
     try:
@@ -100,6 +109,15 @@ async def recv_frames(
     Only receive loops that are themselves cancelled on shutdown pass ``None``;
     a wait for a specific reply always has a deadline.
     """
+    shadow = _shadow(sock)
+    if shadow is not None:
+        # A message already queued is taken without a future; zmq.asyncio checks
+        # the socket's events before every wait, so mixing the two is safe on
+        # this (the only) thread that uses the socket.
+        try:
+            return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            pass
     pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
     if pending.done() or timeout_s is None:
         return await pending  # a message was already queued: no timer needed
@@ -107,6 +125,12 @@ async def recv_frames(
         return await asyncio.wait_for(pending, timeout_s)
     except asyncio.TimeoutError:
         raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
+
+
+def _shadow(sock: zmq.asyncio.Socket) -> zmq.Socket[Any] | None:
+    """The synchronous socket behind a zmq.asyncio socket, for non-blocking fast paths."""
+    shadow = getattr(sock, "_shadow_sock", None)
+    return shadow if isinstance(shadow, zmq.Socket) else None
 
 
 def decode_frames(frames: Sequence[zmq.Frame], max_message_bytes: int) -> Message:
