@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from zpipe._errors import ConfigError, ZpipeError
+from zpipe.cli_common import positive_float, positive_int
 from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.planner.profile import ModelProfile, UnitProfile
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--layers",
-        type=int,
+        type=positive_int,
         default=None,
         help="override the number of transformer blocks (transformer presets)",
     )
@@ -184,13 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+        "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs (default: 5)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs (default: 5)")
     parser.add_argument(
         "--slowdown",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="profile as a device this many times slower (default: 1)",
     )
@@ -202,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     if args.slowdown < 1:
         parser.error("--slowdown must be >= 1")
