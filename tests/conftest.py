@@ -15,6 +15,10 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:
-    devices = [DeviceSpec("s0"), DeviceSpec("s1", slowdown=1.5), DeviceSpec("s2")]
+    devices = [
+        DeviceSpec("s0"),
+        DeviceSpec("s1", slowdown=1.5),
+        DeviceSpec("s2", bandwidth_mbps=400.0),
+    ]
     with LocalCluster(devices, heartbeat_interval_s=0.5, log_level="info") as running:
         yield running

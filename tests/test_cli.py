@@ -58,8 +58,10 @@ def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
         (["zpipe", "demo", "--batches", "0"], "must be >= 1"),
         (["zpipe", "keys"], "required"),
         (["zpipe", "plan", "--profiles", "p.json"], "--cluster"),
-        (["zpipe", "plan", "--profiles", "p", "--cluster", "c", "--algo", "best"],
-         "invalid choice"),
+        (
+            ["zpipe", "plan", "--profiles", "p", "--cluster", "c", "--algo", "best"],
+            "invalid choice",
+        ),
         (["zpipe", "profile", "--model", "nonexistent", "-o", "x"], "invalid choice"),
         (["zpipe.stage"], "--coordinator"),
         (["zpipe.stage", "--coordinator", "tcp://127.0.0.1:5550"], "--name"),

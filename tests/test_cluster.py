@@ -218,8 +218,6 @@ def test_a_repeated_run_reuses_the_built_shards(cluster: LocalCluster) -> None:
     second, _ = cluster.infer(spec, batches)
     assert_outputs_match(second, first, atol=0.0)
     ready = [
-        json.loads(line)
-        for line in cluster.logs("s0").splitlines()
-        if '"assignment_ready"' in line
+        json.loads(line) for line in cluster.logs("s0").splitlines() if '"assignment_ready"' in line
     ]
     assert [entry["reused"] for entry in ready[-2:]] == [False, True]

@@ -13,6 +13,7 @@ from zpipe.transport.codec import (
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     SCHEMAS,
+    TENSOR_KINDS,
     Message,
     decode,
     encode,
@@ -41,6 +42,7 @@ SAMPLE_VALUES = {
     (dict, type(None)): {"k": 1},
     (list, type(None)): [[0, 2]],
     (int, type(None)): 2,
+    (int, float, type(None)): 2.5,
 }
 
 
@@ -56,7 +58,7 @@ def reencode(message: Message) -> Message:
 @pytest.mark.parametrize("kind", sorted(SCHEMAS))
 def test_every_kind_round_trips(kind: str) -> None:
     body = sample_body(kind)
-    tensors = (torch.arange(6, dtype=torch.float32).view(2, 3),) if kind == "data" else ()
+    tensors = (torch.arange(6, dtype=torch.float32).view(2, 3),) if kind in TENSOR_KINDS else ()
     got = reencode(Message(kind, body, epoch=7, tensors=tensors))
     assert got.kind == kind and got.epoch == 7 and dict(got.body) == body
     assert len(got.tensors) == len(tensors)

@@ -96,6 +96,10 @@ def test_secure_cluster_runs_and_refuses_unknown_keys(keys: dict[str, Path]) -> 
         assert report.stages["k0"]["dropped"] == 0  # refused at the handshake, never decoded
         assert "peer_refused" in cluster.logs("k0")
         assert "peer_refused" in cluster.logs("coordinator")
+        # Stages measured their links to each other through CURVE probe sockets.
+        coordinator_log = cluster.logs("coordinator")
+        assert coordinator_log.count('"link_measured"') == 2
+        assert "link_unmeasured" not in coordinator_log
 
 
 def test_a_client_without_an_allowed_key_cannot_start_a_run(keys: dict[str, Path]) -> None:

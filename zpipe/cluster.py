@@ -74,6 +74,7 @@ class LocalCluster:
         log_dir: Path | None = None,
         python: str = sys.executable,
         start_timeout_s: float = 60.0,
+        measure_links: bool = True,
     ) -> None:
         if isinstance(devices, int):
             if devices < 1:
@@ -98,6 +99,7 @@ class LocalCluster:
         self.log_dir = log_dir
         self.python = python
         self.start_timeout_s = start_timeout_s
+        self.measure_links = measure_links
         self.coordinator_endpoint = ""
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -162,6 +164,7 @@ class LocalCluster:
                 str(self.suspect_after),
                 "--probe-intervals",
                 str(self.probe_intervals),
+                *([] if self.measure_links else ["--no-measure-links"]),
                 *self._common_flags(),
             ],
         )

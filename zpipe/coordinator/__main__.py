@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="intervals a suspect stage has to answer the probe before it is "
         "declared dead (default: 2)",
     )
+    parser.add_argument(
+        "--no-measure-links",
+        dest="measure_links",
+        action="store_false",
+        help="plan links from what each stage declares (--bandwidth-mbps, --latency-ms) "
+        "instead of having the stages measure them before the first planned run",
+    )
     add_common_flags(parser)
     return parser
 
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         config = CoordinatorConfig(
             bind=args.bind,
             keys_dir=Path(args.keys) if args.keys else None,
+            measure_links=args.measure_links,
             timeouts=timeouts_from_args(
                 args,
                 suspect_after_intervals=args.suspect_after,

@@ -3,8 +3,10 @@
 Each stage reports its memory budget and its outgoing link (declared or
 emulated) when it registers, and profiles the model on request (its own
 threads and slowdown included), so every device is planned from its own
-measured unit times. A link's bandwidth and latency are those of the sender's
-outgoing link: that is what a stage's ``--bandwidth-mbps`` shapes.
+measured unit times. Links between stages are measured by the stages
+(``zpipe.coordinator.links``); a link that was not measured, and every hop to
+the client, is the sender's declared outgoing link: that is what a stage's
+``--bandwidth-mbps`` shapes.
 """
 
 from __future__ import annotations
@@ -86,17 +88,21 @@ def merge_alike_profiles(
 def cluster_from_members(
     members: Sequence[Member],
     profiles: Mapping[str, ModelProfile] | None = None,
+    *,
+    links: Mapping[tuple[str, str], ClusterLink] | None = None,
 ) -> ClusterSpec:
     """The planner's view of the registered stages.
 
     With ``profiles`` (one per stage, measured there) every device is planned
     from its own times; without, a device's speed is ``1 / slowdown`` relative
-    to the profile given with the run.
+    to the profile given with the run. ``links`` are measured links by
+    (sender, receiver); a pair without one, and every hop to the client, is
+    planned from the sender's declared outgoing link.
     """
     if profiles is not None:
         profiles = merge_alike_profiles(members, profiles)
     devices = []
-    links: dict[tuple[str, str], ClusterLink] = {}
+    planned: dict[tuple[str, str], ClusterLink] = {}
     for member in members:
         memory_mb = member.info.get("memory_mb")
         slowdown = float(member.info.get("slowdown") or 1.0)
@@ -112,8 +118,9 @@ def cluster_from_members(
         outgoing = _link_of(member)
         for other in [*members, None]:
             if other is not member:
-                links[(member.name, other.name if other is not None else CLIENT)] = outgoing
-    return ClusterSpec(devices=tuple(devices), links=links)
+                pair = (member.name, other.name if other is not None else CLIENT)
+                planned[pair] = (links or {}).get(pair, outgoing)
+    return ClusterSpec(devices=tuple(devices), links=planned)
 
 
 def choose_plan(

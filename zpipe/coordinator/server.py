@@ -35,11 +35,12 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
 from zpipe.config import Timeouts
+from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.membership import Member, Membership, MemberState
 from zpipe.coordinator.planning import DEFAULT_PLANNER, choose_plan, cluster_from_members
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.planner import ClusterSpec, Plan
+from zpipe.planner import ClusterLink, ClusterSpec, Plan
 from zpipe.planner.profile import ModelProfile
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -64,6 +65,8 @@ class CoordinatorConfig:
     keys_dir: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     socket_options: SocketOptions = field(default_factory=SocketOptions)
+    # Plan from links the stages measure, not only from what they declare.
+    measure_links: bool = True
 
 
 @dataclass
@@ -102,9 +105,11 @@ class Coordinator:
         self.endpoint = ""
         self.events: list[dict[str, Any]] = []
         self._profile_cache: dict[tuple[ModelSpec, int, str, str, float], ModelProfile] = {}
-        self._profile_waiters: dict[
-            str, asyncio.Future[Message]
-        ] = {}  # failure reports, kept for the API and tests
+        # Replies a request awaits, by (stage, reply kind): one request of a kind at a time.
+        self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
+        self._links = LinkMeasurer(
+            self._request, self._public_keys, timeout_s=4 * config.timeouts.reply_s
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -113,7 +118,7 @@ class Coordinator:
         self._router = open_socket(self._context, zmq.ROUTER, self.config.socket_options)
         if keys_dir is not None:
             self._keypair = security.load_keypair(keys_dir, "coordinator")
-            self._public_keys = security.load_public_keys(keys_dir)
+            self._public_keys.update(security.load_public_keys(keys_dir))
             allow = security.PeerAllowList()
             allow.replace(key for name, key in self._public_keys.items() if name != "coordinator")
             self._authenticator = security.CurveAuthenticator(self._context, allow)
@@ -301,8 +306,8 @@ class Coordinator:
             )
         elif kind == "probe_ack":
             log.info("stage_answered_probe", stage=member.name)
-        elif kind == "profile_reply":
-            waiter = self._profile_waiters.get(member.name)
+        elif kind in ("profile_reply", "link_peers_ok", "link_probe_reply"):
+            waiter = self._reply_waiters.get((member.name, kind))
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
         elif kind in ("ready", "assign_failed", "connected", "metrics"):
@@ -540,11 +545,13 @@ class Coordinator:
         cluster: ClusterSpec | None = None
         if partition is None and message.get("profile") is not None:
             profile = ModelProfile.from_dict(message["profile"], source="the run's profile")
-            cluster = cluster_from_members(members)
+            cluster = cluster_from_members(members, links=await self._measured_links(members))
         elif partition is None and algo != "even":
             profiles = await self._profiles_of(members, spec, batch_size, str(message["dtype"]))
             profile = profiles[names[0]]
-            cluster = cluster_from_members(members, profiles)
+            cluster = cluster_from_members(
+                members, profiles, links=await self._measured_links(members)
+            )
         return choose_plan(
             algo=algo,
             num_units=num_units,
@@ -554,6 +561,12 @@ class Coordinator:
             cluster=cluster,
             batch_size=batch_size,
         )
+
+    async def _measured_links(self, members: list[Member]) -> dict[tuple[str, str], ClusterLink]:
+        if not self.config.measure_links or len(members) < 2:
+            return {}
+        measured = await self._links.measure(members)
+        return {pair: link.as_cluster_link() for pair, link in measured.items()}
 
     async def _profiles_of(
         self, members: list[Member], spec: ModelSpec, batch_size: int, dtype: str
@@ -576,18 +589,10 @@ class Coordinator:
         cached = self._profile_cache.get(key)
         if cached is not None:
             return cached
-        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._profile_waiters[member.name] = waiter
         body = {"model": spec.to_dict(), "batch_size": batch_size, "dtype": dtype, "repeats": 3}
-        try:
-            await self._send(member.routing_id, Message("profile_request", body), peer=member.name)
-            reply = await asyncio.wait_for(waiter, self.config.timeouts.assign_s)
-        except asyncio.TimeoutError:
-            raise TransportTimeout(
-                member.name, "a profile", self.config.timeouts.assign_s
-            ) from None
-        finally:
-            self._profile_waiters.pop(member.name, None)
+        reply = await self._request(
+            member, Message("profile_request", body), "profile_reply", self.config.timeouts.assign_s
+        )
         if reply["profile"] is None:
             raise ConfigError(f"stage {member.name!r} could not profile: {reply['error']}")
         profile = ModelProfile.from_dict(reply["profile"], source=f"{member.name}'s profile")
@@ -596,6 +601,20 @@ class Coordinator:
             "stage_profiled", stage=member.name, forward_s=round(sum(profile.times(batch_size)), 4)
         )
         return profile
+
+    async def _request(
+        self, member: Member, message: Message, reply_kind: str, timeout_s: float
+    ) -> Message:
+        """Send ``message`` to a stage and wait for its ``reply_kind`` answer."""
+        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._reply_waiters[(member.name, reply_kind)] = waiter
+        try:
+            await self._send(member.routing_id, message, peer=member.name)
+            return await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(member.name, reply_kind, timeout_s) from None
+        finally:
+            self._reply_waiters.pop((member.name, reply_kind), None)
 
     def _key_of(self, name: str) -> str | None:
         if name == CLIENT_NAME and self._run is not None:

@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to receive micro-batches (default: every interface, any port)",
     )
     parser.add_argument(
+        "--probe-bind",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="where to answer other stages' link measurements (default: the --bind host, "
+        "any port)",
+    )
+    parser.add_argument(
         "--advertise-host",
         default=None,
         metavar="HOST",
@@ -139,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate_endpoint(args.coordinator, flag="--coordinator")
         validate_endpoint(args.bind, flag="--bind")
+        if args.probe_bind is not None:
+            validate_endpoint(args.probe_bind, flag="--probe-bind")
         config = StageConfig(
             name=args.name,
             coordinator=args.coordinator,
             data_bind=args.bind,
+            probe_bind=args.probe_bind,
             advertise_host=args.advertise_host,
             threads=args.threads,
             slowdown=args.slowdown,

@@ -29,6 +29,7 @@ from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.profiler import profile_model
+from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder, measure_link
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport import security
@@ -58,6 +59,8 @@ class StageConfig:
     name: str
     coordinator: str
     data_bind: str = "tcp://0.0.0.0:0"
+    # Where link probes are answered; None: the data socket's host, any free port.
+    probe_bind: str | None = None
     advertise_host: str | None = None
     threads: int | None = None
     slowdown: float = 1.0
@@ -106,6 +109,10 @@ class StageRuntime:
         self._data_in: zmq.asyncio.Socket | None = None
         self._authenticator: security.CurveAuthenticator | None = None
         self._data_allow: security.PeerAllowList | None = None
+        self._probe_allow: security.PeerAllowList | None = None
+        self._probe_in: zmq.asyncio.Socket | None = None
+        self._probe_responder: ProbeResponder | None = None
+        self._link_probe_task: asyncio.Task[None] | None = None
         self._keypair: security.KeyPair | None = None
         self._coordinator_key: bytes | None = None
         self._stopping = asyncio.Event()
@@ -117,6 +124,7 @@ class StageRuntime:
         # A built shard waiting for the coordinator's "connect", with its downstream key.
         self._pending: tuple[_Assignment, str | None] | None = None
         self.data_endpoint = ""
+        self.probe_endpoint = ""
 
     # ------------------------------------------------------------------ set-up
 
@@ -130,6 +138,9 @@ class StageRuntime:
         # Until the coordinator assigns an upstream peer, nobody may send data.
         self._data_allow = security.PeerAllowList()
         self._authenticator = security.CurveAuthenticator(self._context, self._data_allow)
+        # Link probes come from any cluster member the coordinator names (link_peers).
+        self._probe_allow = security.PeerAllowList()
+        self._authenticator.add_domain(PROBE_DOMAIN, self._probe_allow)
         self._authenticator.start()
 
     def _open_sockets(self) -> None:
@@ -141,11 +152,31 @@ class StageRuntime:
         self.data_endpoint = advertised_endpoint(
             bound, advertise_host=self.config.advertise_host, toward=self.config.coordinator
         )
+        self._probe_in = open_socket(self._context, zmq.ROUTER, opts)
+        if self._keypair is not None:
+            security.secure_server(self._probe_in, self._keypair, domain=PROBE_DOMAIN)
+        probe_bound = bind_endpoint(self._probe_in, self._probe_bind())
+        self.probe_endpoint = advertised_endpoint(
+            probe_bound, advertise_host=self.config.advertise_host, toward=self.config.coordinator
+        )
+        self._probe_responder = ProbeResponder(
+            socket=self._probe_in,
+            link=self.config.link,
+            name=self.config.name,
+            send_timeout_s=self.config.timeouts.reply_s,
+            max_message_bytes=opts.max_message_bytes,
+        )
         self._control = open_socket(self._context, zmq.DEALER, opts)
         self._control.setsockopt(zmq.ROUTING_ID, self.config.name.encode())
         if self._keypair is not None and self._coordinator_key is not None:
             security.secure_client(self._control, self._keypair, self._coordinator_key)
         self._control.connect(self.config.coordinator)
+
+    def _probe_bind(self) -> str:
+        if self.config.probe_bind is not None:
+            return self.config.probe_bind
+        # The data socket's host with any free port: reachable wherever data is.
+        return self.config.data_bind.rsplit(":", 1)[0] + ":0"
 
     def _info(self) -> dict[str, Any]:
         return {
@@ -155,6 +186,7 @@ class StageRuntime:
             "slowdown": self.config.slowdown,
             "memory_mb": self.config.memory_mb,
             "link": self.config.link.to_dict(),
+            "probe_endpoint": self.probe_endpoint,
             "torch": torch.__version__,
         }
 
@@ -231,6 +263,8 @@ class StageRuntime:
             heartbeat = asyncio.create_task(self._heartbeat_loop(interval))
             stopping = asyncio.create_task(self._stopping.wait())
             tasks: set[asyncio.Task[Any]] = {control, heartbeat, stopping}
+            if self._probe_responder is not None:
+                tasks.add(asyncio.create_task(self._probe_responder.serve()))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in tasks:
                 task.cancel()
@@ -297,6 +331,16 @@ class StageRuntime:
             # Profiling runs for seconds: off the receive loop, and only one at a time.
             if self._profile_task is None or self._profile_task.done():
                 self._profile_task = asyncio.create_task(self._profile(message))
+        elif kind == "link_peers":
+            # Every cluster member may probe this stage's links; allowed before anyone does.
+            if self._probe_allow is not None:
+                self._probe_allow.replace(
+                    {str(n): str(k).encode() for n, k in message["keys"].items()}
+                )
+            await self._send_control("link_peers_ok", {"name": self.config.name})
+        elif kind == "link_probe_request":
+            if self._link_probe_task is None or self._link_probe_task.done():
+                self._link_probe_task = asyncio.create_task(self._measure_link(message))
         elif kind == "metrics_request":
             await self._send_control(
                 "metrics",
@@ -343,6 +387,43 @@ class StageRuntime:
             reply["error"] = f"{type(exc).__name__}: {exc}"
             log.error("profile_failed", stage=self.config.name, error=reply["error"])
         await self._send_control("profile_reply", reply)
+
+    async def _measure_link(self, message: Message) -> None:
+        """Measure the link from this stage to another one and report it."""
+        target = str(message["target"])
+        reply: dict[str, Any] = {
+            "name": self.config.name,
+            "target": target,
+            "bandwidth_bps": None,
+            "rtt_s": None,
+            "error": "",
+        }
+        try:
+            key = message.get("key")
+            measured = await measure_link(
+                context=self._context,
+                endpoint=str(message["endpoint"]),
+                target=target,
+                link=self.config.link,
+                socket_options=self.config.socket_options,
+                timeout_s=self.config.timeouts.reply_s,
+                keypair=self._keypair,
+                server_key=str(key).encode() if key else None,
+            )
+            reply["bandwidth_bps"] = measured.bandwidth_bps
+            reply["rtt_s"] = measured.rtt_s
+            log.info(
+                "link_measured",
+                stage=self.config.name,
+                target=target,
+                bandwidth_mbps=round(measured.bandwidth_mbps, 1),
+                rtt_ms=round(measured.rtt_s * 1e3, 3),
+                took_s=round(measured.took_s, 3),
+            )
+        except (ZpipeError, zmq.ZMQError) as exc:  # reported; the coordinator falls back
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+            log.warning("link_probe_failed", stage=self.config.name, target=target, error=str(exc))
+        await self._send_control("link_probe_reply", reply)
 
     async def _assign(self, message: Message) -> None:
         body = message.body
@@ -630,7 +711,11 @@ class StageRuntime:
         await self._stop_data_tasks()
         if self._assign_task is not None:
             self._assign_task.cancel()
-        for sock in (self._downstream, self._data_in, self._control):
+        if self._link_probe_task is not None:
+            self._link_probe_task.cancel()
+        if self._probe_responder is not None:
+            await self._probe_responder.close()
+        for sock in (self._downstream, self._data_in, self._probe_in, self._control):
             if sock is not None:
                 sock.close(linger=0)
         if self._authenticator is not None:

@@ -60,6 +60,7 @@ _OPT_STR: _Types = (str, type(None))
 _OPT_MAP: _Types = (dict, type(None))
 _OPT_LIST: _Types = (list, type(None))
 _OPT_INT: _Types = (int, type(None))
+_OPT_NUM: _Types = (int, float, type(None))
 
 SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     # data plane
@@ -145,10 +146,46 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     "stage_failed": {"run": (_INT, True), "stage": (_STR, True), "reason": (_STR, True)},
     "cluster_request": {},
     "cluster_state": {"members": (_LIST, True)},
+    # link measurement: the coordinator names the peers a stage's probe socket allows,
+    # then asks one stage at a time to measure its link to another
+    "link_peers": {"keys": (_MAP, True)},
+    "link_peers_ok": {"name": (_STR, True)},
+    "link_probe_request": {
+        "target": (_STR, True),
+        "endpoint": (_STR, True),
+        "key": (_OPT_STR, False),
+    },
+    "link_probe_reply": {
+        "name": (_STR, True),
+        "target": (_STR, True),
+        "bandwidth_bps": (_OPT_NUM, True),
+        "rtt_s": (_OPT_NUM, True),
+        "error": (_STR, True),
+    },
+    # stage <-> stage, on the probe socket
+    "link_ping": {"nonce": (_INT, True)},
+    "link_pong": {"nonce": (_INT, True)},
+    "link_burst": {"burst": (_INT, True), "seq": (_INT, True)},
+    "link_burst_end": {"burst": (_INT, True), "sent": (_INT, True)},
+    "link_burst_report": {
+        "burst": (_INT, True),
+        "received": (_INT, True),
+        "bytes_after_first": (_INT, True),
+        "span_s": (_NUM, True),
+    },
+    # data-parallel group all-reduce (zpipe.training.allreduce): one segment of one
+    # chunk per message, one tensor frame per dtype bucket
+    "allreduce": {
+        "round": (_INT, True),
+        "step": (_INT, True),
+        "chunk": (_INT, True),
+        "seg": (_INT, True),
+        "src": (_INT, True),
+    },
 }
 
 # Kinds whose frames carry tensors; every other kind must have none.
-TENSOR_KINDS = frozenset({"data"})
+TENSOR_KINDS = frozenset({"allreduce", "data", "link_burst"})
 
 
 @dataclass(frozen=True)

@@ -383,20 +383,21 @@ class PeerAllowList:
 class _AllowListProvider:
     """pyzmq credentials provider: ``callback(domain, z85_key)`` decides a handshake."""
 
-    def __init__(self, owner: CurveAuthenticator) -> None:
+    def __init__(self, owner: CurveAuthenticator, domain: str = ZAP_DOMAIN) -> None:
         self._owner = owner
+        self._domain = domain
 
     def callback(self, domain: str, key: bytes) -> bool:
         # An exception here would kill pyzmq's ZAP handling; refuse instead (fail closed).
         try:
-            allowed = key in self._owner.allow_list
+            allowed = key in self._owner.allow_list_of(self._domain)
         except Exception:
             log.exception("allow_list_error", key_prefix=key_prefix(key))
             return False
         if allowed:
             log.debug(
                 "peer_accepted",
-                peer=self._owner.allow_list.describe(key),
+                peer=self._owner.allow_list_of(self._domain).describe(key),
                 address=self._owner.current_address,
             )
         else:
@@ -442,6 +443,27 @@ class CurveAuthenticator(Authenticator):
         # sockets set up by hand with no domain (pyzmq maps an empty domain to '*').
         self.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=provider)
         self.configure_curve_callback(domain="*", credentials_provider=provider)
+        # Further ZAP domains, each with its own allow-list (see add_domain).
+        self._domain_lists: dict[str, PeerAllowList] = {}
+
+    def add_domain(self, domain: str, allow_list: PeerAllowList) -> None:
+        """Decide handshakes of server sockets made with ``secure_server(..., domain=)``.
+
+        One context has one ZAP handler, so sockets that admit different peers
+        (a stage's data socket admits its upstream only, its probe socket every
+        cluster member) share this authenticator and differ by ZAP domain.
+        """
+        if domain in (ZAP_DOMAIN, "*"):
+            raise ValueError(f"domain {domain!r} is the default one; pass another name")
+        self._domain_lists[domain] = allow_list
+        self.configure_curve_callback(
+            domain=domain, credentials_provider=_AllowListProvider(self, domain)
+        )
+
+    def allow_list_of(self, domain: str) -> PeerAllowList:
+        if domain == ZAP_DOMAIN:
+            return self.allow_list
+        return self._domain_lists[domain]
 
     @property
     def running(self) -> bool:
@@ -538,17 +560,18 @@ def _check_not_attached(socket: zmq.Socket[Any], call: str, before: str) -> None
         )
 
 
-def secure_server(socket: zmq.Socket[Any], keypair: KeyPair) -> None:
+def secure_server(socket: zmq.Socket[Any], keypair: KeyPair, *, domain: str = ZAP_DOMAIN) -> None:
     """Make ``socket`` a CURVE server whose clients must pass ZAP; call before bind().
 
     The socket refuses every client unless a :class:`CurveAuthenticator` runs on its
-    context (ZAP is enforced through ``ZAP_DOMAIN``).
+    context (ZAP is enforced through the domain, ``ZAP_DOMAIN`` unless one added
+    with :meth:`CurveAuthenticator.add_domain` is named).
     """
     _check_not_attached(socket, "secure_server", "bind")
     socket.setsockopt(zmq.CURVE_SERVER, 1)
     socket.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)
     socket.setsockopt(zmq.CURVE_PUBLICKEY, keypair.public)
-    socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    socket.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
     try:
         socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     except zmq.ZMQError:

@@ -1,0 +1,315 @@
+"""Measuring the links between stages: round-trip time and bandwidth.
+
+Every stage answers probes on a socket of its own (:class:`ProbeResponder`);
+the coordinator asks one stage at a time to measure its link to another
+(:func:`measure_link`), so that probes never share a link or a core with each
+other, and plans from the numbers.
+
+- Round-trip time: the median of a few ping/pong exchanges of tiny messages.
+- Bandwidth: bursts of payload messages, timed where they arrive. The
+  receiver reports how many bytes arrived after the first message and how long
+  after it the last one came, which is the link's rate without the sender's
+  start-up and without the latency of the first message. Bursts grow until one
+  lasts ``target_s`` at the receiver (or ``max_bytes`` is reached), so slow and
+  fast links are both measured in about the same time.
+
+An emulated link is measured through the same emulation the data path uses:
+the prober's payload pays its outgoing bandwidth and latency, the responder's
+pong pays its own latency, so a measurement checks the emulation end to end.
+Emulated loss is left out of probes: a lost burst end would only cost a
+timeout, and reception ratios are measured with many small messages instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import structlog
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.emulation import EmulatedLink, LinkSpec
+from zpipe.transport.sockets import (
+    SocketOptions,
+    decode_frames,
+    open_socket,
+    recv_frames,
+    send,
+)
+
+log = structlog.get_logger("zpipe.linkprobe")
+
+# The probe socket's ZAP domain: it admits every cluster member, while the data
+# socket of the same context admits only the assigned upstream.
+PROBE_DOMAIN = "zpipe-probe"
+
+# Bursts a responder remembers at once: probes run one at a time, so a few
+# cover a prober that gave up on one burst and started the next.
+_MAX_OPEN_BURSTS = 4
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    rtt_s: float
+    bandwidth_bps: float
+    bytes_sent: int
+    took_s: float
+
+    @property
+    def bandwidth_mbps(self) -> float:
+        return self.bandwidth_bps / 1e6
+
+
+@dataclass
+class _Burst:
+    first_at: float
+    last_at: float
+    received: int = 1
+    bytes_after_first: int = 0
+
+
+@dataclass
+class ProbeResponder:
+    """Answers pings and times bursts on a ROUTER socket; one per stage."""
+
+    socket: zmq.asyncio.Socket
+    link: LinkSpec
+    name: str
+    send_timeout_s: float
+    max_message_bytes: int
+    _bursts: dict[tuple[bytes, int], _Burst] = field(default_factory=dict)
+    _pending: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def serve(self) -> None:
+        """Serve until cancelled; a bad message is logged and dropped."""
+        while True:
+            frames = await recv_frames(
+                self.socket, timeout_s=None, peer="any", awaited="a link probe"
+            )
+            arrived = time.monotonic()
+            if len(frames) < 2:
+                continue
+            routing_id = frames[0].bytes
+            try:
+                message = decode_frames(frames[1:], self.max_message_bytes)
+                await self._handle(routing_id, message, arrived)
+            except (ProtocolError, TransportTimeout, zmq.ZMQError) as exc:
+                log.warning("probe_dropped", stage=self.name, error=str(exc))
+
+    async def _handle(self, routing_id: bytes, message: Message, arrived: float) -> None:
+        kind = message.kind
+        if kind == "link_ping":
+            reply = Message("link_pong", {"nonce": message["nonce"]})
+            if self.link.latency_ms > 0:
+                # The pong pays this side's emulated latency, without holding up the loop.
+                task = asyncio.create_task(self._reply_later(routing_id, reply))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+            else:
+                await self._reply(routing_id, reply)
+        elif kind == "link_burst":
+            key = (routing_id, int(message["burst"]))
+            burst = self._bursts.get(key)
+            size = sum(t.numel() * t.element_size() for t in message.tensors)
+            if burst is None:
+                if len(self._bursts) >= _MAX_OPEN_BURSTS:
+                    self._bursts.pop(next(iter(self._bursts)))
+                self._bursts[key] = _Burst(first_at=arrived, last_at=arrived)
+            else:
+                burst.received += 1
+                burst.bytes_after_first += size
+                burst.last_at = arrived
+        elif kind == "link_burst_end":
+            key = (routing_id, int(message["burst"]))
+            done = self._bursts.pop(key, None)
+            report = {
+                "burst": key[1],
+                "received": done.received if done else 0,
+                "bytes_after_first": done.bytes_after_first if done else 0,
+                "span_s": (done.last_at - done.first_at) if done else 0.0,
+            }
+            await self._reply(routing_id, Message("link_burst_report", report))
+        else:
+            raise ProtocolError(f"unexpected {kind!r} on the probe socket")
+
+    async def _reply_later(self, routing_id: bytes, reply: Message) -> None:
+        await asyncio.sleep(self.link.latency_ms / 1e3)
+        try:
+            await self._reply(routing_id, reply)
+        except (TransportTimeout, zmq.ZMQError) as exc:
+            log.warning("probe_reply_failed", stage=self.name, error=str(exc))
+
+    async def _reply(self, routing_id: bytes, reply: Message) -> None:
+        await send(
+            self.socket,
+            reply,
+            routing_id=routing_id,
+            timeout_s=self.send_timeout_s,
+            peer="prober",
+        )
+
+    async def close(self) -> None:
+        for task in list(self._pending):
+            task.cancel()
+        self._bursts.clear()
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    pings: int = 5
+    # A burst is long enough once it lasts this long where it arrives.
+    target_s: float = 0.15
+    min_chunk_bytes: int = 64 * 1024
+    max_chunk_bytes: int = 2**20
+    first_burst_bytes: int = 256 * 1024
+    max_bytes: int = 32 * 2**20
+    max_bursts: int = 5
+
+
+async def measure_link(
+    *,
+    context: zmq.asyncio.Context,
+    endpoint: str,
+    target: str,
+    link: LinkSpec,
+    socket_options: SocketOptions,
+    timeout_s: float,
+    keypair: security.KeyPair | None = None,
+    server_key: bytes | None = None,
+    settings: ProbeSettings | None = None,
+) -> LinkMeasurement:
+    """Measure the link from this process to ``target``'s probe socket at ``endpoint``.
+
+    Every wait has a deadline of ``timeout_s``; a target that does not answer
+    raises :class:`TransportTimeout` naming it.
+    """
+    cfg = settings or ProbeSettings()
+    started = time.monotonic()
+    sock = open_socket(context, zmq.DEALER, socket_options)
+    if keypair is not None:
+        if server_key is None:
+            raise ProtocolError(f"no public key for {target!r}'s probe socket")
+        security.secure_client(sock, keypair, server_key)
+    sock.connect(endpoint)
+    emulated = EmulatedLink(replace(link, loss=0.0), _sender(sock, target, timeout_s))
+    try:
+        rtt = await _round_trips(sock, emulated, target, cfg.pings, timeout_s, socket_options)
+        bandwidth, sent = await _bandwidth(sock, emulated, target, cfg, timeout_s, socket_options)
+    finally:
+        await emulated.close()
+        sock.close(linger=0)
+    return LinkMeasurement(
+        rtt_s=rtt, bandwidth_bps=bandwidth, bytes_sent=sent, took_s=time.monotonic() - started
+    )
+
+
+def _sender(sock: zmq.asyncio.Socket, target: str, timeout_s: float) -> Any:
+    async def deliver(item: object) -> None:
+        assert isinstance(item, Message)
+        await send(sock, item, timeout_s=timeout_s, peer=target)
+
+    return deliver
+
+
+async def _expect(
+    sock: zmq.asyncio.Socket,
+    kind: str,
+    key: str,
+    value: int,
+    *,
+    target: str,
+    timeout_s: float,
+    options: SocketOptions,
+) -> Message:
+    """The next ``kind`` reply whose ``key`` is ``value``; stale replies are skipped."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportTimeout(target, f"{kind} {value}", timeout_s)
+        frames = await recv_frames(sock, timeout_s=left, peer=target, awaited=f"{kind} {value}")
+        reply = decode_frames(frames, options.max_message_bytes)
+        if reply.kind == kind and reply[key] == value:
+            return reply
+
+
+async def _round_trips(
+    sock: zmq.asyncio.Socket,
+    link: EmulatedLink,
+    target: str,
+    pings: int,
+    timeout_s: float,
+    options: SocketOptions,
+) -> float:
+    samples = []
+    # The first exchange also pays the TCP and CURVE handshakes: not a link property.
+    for nonce in range(pings + 1):
+        sent_at = time.monotonic()
+        await link.submit(Message("link_ping", {"nonce": nonce}), 64)
+        await _expect(
+            sock,
+            "link_pong",
+            "nonce",
+            nonce,
+            target=target,
+            timeout_s=timeout_s,
+            options=options,
+        )
+        if nonce > 0:
+            samples.append(time.monotonic() - sent_at)
+    return statistics.median(samples) if samples else 0.0
+
+
+async def _bandwidth(
+    sock: zmq.asyncio.Socket,
+    link: EmulatedLink,
+    target: str,
+    cfg: ProbeSettings,
+    timeout_s: float,
+    options: SocketOptions,
+) -> tuple[float, int]:
+    chunk, burst_bytes = cfg.min_chunk_bytes, cfg.first_burst_bytes
+    total_sent, best = 0, 0.0
+    for burst in range(cfg.max_bursts):
+        count = max(2, -(-burst_bytes // chunk))
+        payload = torch.zeros(chunk, dtype=torch.uint8)
+        for seq in range(count):
+            await link.submit(
+                Message("link_burst", {"burst": burst, "seq": seq}, tensors=(payload,)), chunk
+            )
+        await link.submit(Message("link_burst_end", {"burst": burst, "sent": count}), 64)
+        total_sent += count * chunk
+        report = await _expect(
+            sock,
+            "link_burst_report",
+            "burst",
+            burst,
+            target=target,
+            timeout_s=timeout_s,
+            options=options,
+        )
+        span = float(report["span_s"])
+        after_first = int(report["bytes_after_first"])
+        if span > 0 and after_first > 0:
+            best = after_first * 8.0 / span
+        if span >= cfg.target_s or burst_bytes >= cfg.max_bytes:
+            break
+        if best > 0:
+            rate = best / 8.0  # bytes per second
+            # Messages that each stay on the wire for ~10 ms: a sender's timer
+            # overshoot (a fraction of a millisecond) then costs little of the rate.
+            chunk = int(min(cfg.max_chunk_bytes, max(cfg.min_chunk_bytes, rate * 0.01)))
+            burst_bytes = int(min(cfg.max_bytes, max(2 * chunk, rate * cfg.target_s * 1.3)))
+        else:
+            burst_bytes = min(cfg.max_bytes, 16 * burst_bytes)
+    if best <= 0:
+        raise ProtocolError(f"{target} reported no usable burst timing")
+    return best, total_sent
