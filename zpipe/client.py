@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -46,6 +46,9 @@ from zpipe.transport.sockets import (
     recv_frames,
     send,
 )
+
+if TYPE_CHECKING:
+    from zpipe.fit import TrainReport
 
 log = get_logger("zpipe.client")
 
@@ -331,6 +334,14 @@ class PipelineClient:
     ) -> list[Outputs]:
         """All outputs of :meth:`infer_stream` as a list."""
         return [outputs async for outputs in self.infer_stream(model, batches, **kwargs)]
+
+    async def fit(
+        self, model: ModelSpec, batches: Iterable[Any] | AsyncIterable[Any], **kwargs: Any
+    ) -> TrainReport:
+        """Train ``model`` across the cluster; see :func:`zpipe.fit.fit` for the arguments."""
+        from zpipe.fit import fit
+
+        return await fit(self, model, batches, **kwargs)
 
 
 class _Stream:

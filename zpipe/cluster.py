@@ -23,6 +23,7 @@ from typing import Any
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.client import Batch, Outputs, PipelineClient, RunReport
 from zpipe.config import Timeouts
+from zpipe.fit import TrainReport
 from zpipe.models import ModelSpec, load_layer_sequence
 
 
@@ -231,6 +232,23 @@ class LocalCluster:
                 outputs = await client.infer(model, batches, **kwargs)
                 assert client.last_report is not None
                 return outputs, client.last_report
+
+        return asyncio.run(run())
+
+    def fit(self, model: ModelSpec, batches: Iterable[Any], **kwargs: Any) -> TrainReport:
+        """Train from synchronous code (see :func:`zpipe.fit.fit`); the stages default to
+        the devices in the order they were given."""
+        if kwargs.get("stage_names") is None and kwargs.get("stages") is None:
+            names = [d.name for d in self.devices]
+            partition = kwargs.get("partition")
+            count = (
+                len(partition) if partition is not None else load_layer_sequence(model).num_units
+            )
+            kwargs["stage_names"] = names[:count]
+
+        async def run() -> TrainReport:
+            async with self.client() as client:
+                return await client.fit(model, batches, **kwargs)
 
         return asyncio.run(run())
 

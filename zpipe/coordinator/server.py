@@ -42,6 +42,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec, Plan
 from zpipe.planner.profile import ModelProfile
+from zpipe.training.objectives import check_train_settings
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
@@ -284,11 +285,12 @@ class Coordinator:
         if kind == "run_request":
             self._spawn(self._on_run_request(routing_id, user_key, message))
             return
-        if kind in ("run_go", "run_end", "cluster_request"):
+        if kind in ("run_go", "run_end", "cluster_request", "weights_request"):
             handler = {
                 "run_go": self._on_run_go,
                 "run_end": self._on_run_end,
                 "cluster_request": self._on_cluster_request,
+                "weights_request": self._on_weights_request,
             }[kind]
             self._spawn(handler(routing_id, message))
             return
@@ -306,7 +308,7 @@ class Coordinator:
             )
         elif kind == "probe_ack":
             log.info("stage_answered_probe", stage=member.name)
-        elif kind in ("profile_reply", "link_peers_ok", "link_probe_reply"):
+        elif kind in ("profile_reply", "link_peers_ok", "link_probe_reply", "weights"):
             waiter = self._reply_waiters.get((member.name, kind))
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
@@ -457,6 +459,11 @@ class Coordinator:
         members = await self._choose_devices(message)
         plan, baseline = await self._plan(spec, num_units, members, message)
         members = [m for m in members if m.name in plan.devices]
+        training = None
+        if (message.get("mode") or "infer") == "train":
+            training = check_train_settings(message.get("train") or {}, len(plan.stages))
+        elif message.get("mode") not in (None, "infer"):
+            raise ConfigError(f"unknown run mode {message.get('mode')!r}; use infer or train")
         self._epoch += 1
         self._run_counter += 1
         run = _Run(
@@ -487,11 +494,25 @@ class Coordinator:
             )
             upstream = CLIENT_NAME if i == 0 else plan.stages[i - 1].device
             run.ready[stage.device] = loop.create_future()
+            extra: dict[str, Any] = {}
+            if training is not None:
+                extra = {
+                    "mode": "train",
+                    "train": {
+                        "schedule": training["schedule"],
+                        "num_microbatches": training["num_microbatches"],
+                        "warmup": training["warmups"][i],
+                        "loss": training["loss"],
+                        "optimizer": training["optimizer"],
+                    },
+                    "upstream_endpoint": "" if i == 0 else by_name[upstream].data_endpoint,
+                }
             await self._send(
                 member.routing_id,
                 Message(
                     "assign",
                     {
+                        **extra,
                         "run": run.run,
                         "model": spec.to_dict(),
                         "start": stage.start,
@@ -530,6 +551,7 @@ class Coordinator:
                 "first_key": self._key_of(first),
                 "last_stage": last_stage,
                 "last_key": self._key_of(last_stage),
+                "last_endpoint": by_name[last_stage].data_endpoint,
             },
             epoch=run.epoch,
         )
@@ -615,6 +637,49 @@ class Coordinator:
             raise TransportTimeout(member.name, reply_kind, timeout_s) from None
         finally:
             self._reply_waiters.pop((member.name, reply_kind), None)
+
+    async def _on_weights_request(self, routing_id: bytes, message: Message) -> None:
+        """Gather every stage's weights once it finished round ``step``; reply with all."""
+        run = self._run
+        try:
+            if run is None or run.run != message["run"]:
+                raise ConfigError(f"run {message['run']} is not the current run")
+            members = {m.name: m for m in self.membership.alive()}
+            missing = [s.device for s in run.plan.stages if s.device not in members]
+            if missing:
+                raise ConfigError(f"stages {missing} are gone; their weights are lost")
+            request = Message(
+                "weights_request", {"run": run.run, "step": message["step"]}, epoch=run.epoch
+            )
+            replies = await asyncio.gather(
+                *(
+                    self._request(
+                        members[s.device], request, "weights", self.config.timeouts.result_s
+                    )
+                    for s in run.plan.stages
+                )
+            )
+            keys: list[str] = []
+            tensors: list[Any] = []
+            for reply in replies:
+                if reply["error"]:
+                    raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
+                if len(reply["keys"]) != len(reply.tensors):
+                    raise ProtocolError(f"stage {reply['name']!r} sent mismatched weights")
+                keys += [str(k) for k in reply["keys"]]
+                tensors += list(reply.tensors)
+            answer = Message(
+                "checkpoint",
+                {"run": run.run, "step": message["step"], "keys": keys},
+                epoch=run.epoch,
+                tensors=tuple(tensors),
+            )
+        except (ZpipeError, ValueError) as exc:
+            await self._reply_run_failed(routing_id, exc)
+            return
+        await self._send(
+            routing_id, answer, peer=CLIENT_NAME, timeout_s=self.config.timeouts.send_s
+        )
 
     def _key_of(self, name: str) -> str | None:
         if name == CLIENT_NAME and self._run is not None:

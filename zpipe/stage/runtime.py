@@ -32,6 +32,8 @@ from zpipe.profiler import profile_model
 from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder, measure_link
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard
+from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.trainer import TrainingExecutor, TrainingSetup
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
@@ -90,7 +92,16 @@ class _Assignment:
     upstream: str
     downstream: str
     downstream_endpoint: str
-    shard: Shard
+    shard: Shard | TrainShard
+    upstream_key: str | None = None
+    downstream_key: str | None = None
+    # training runs only: where gradients go back to, and the round's settings
+    upstream_endpoint: str = ""
+    training: TrainingSetup | None = None
+
+
+# What the data port of a stage accepts, and from whom, besides data from upstream.
+CLIENT = "client"
 
 
 class StageRuntime:
@@ -104,6 +115,9 @@ class StageRuntime:
         self._assignment: _Assignment | None = None
         self._data_tasks: list[asyncio.Task[None]] = []
         self._downstream: zmq.asyncio.Socket | None = None
+        self._upstream: zmq.asyncio.Socket | None = None
+        self._trainer: TrainingExecutor | None = None
+        self._weights_task: asyncio.Task[None] | None = None
         self._link: EmulatedLink | None = None
         self._control: zmq.asyncio.Socket | None = None
         self._data_in: zmq.asyncio.Socket | None = None
@@ -122,7 +136,7 @@ class StageRuntime:
         # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.
         self._shard: tuple[tuple[ModelSpec, int, int, str], Shard] | None = None
         # A built shard waiting for the coordinator's "connect", with its downstream key.
-        self._pending: tuple[_Assignment, str | None] | None = None
+        self._pending: _Assignment | None = None
         self.data_endpoint = ""
         self.probe_endpoint = ""
 
@@ -341,6 +355,9 @@ class StageRuntime:
         elif kind == "link_probe_request":
             if self._link_probe_task is None or self._link_probe_task.done():
                 self._link_probe_task = asyncio.create_task(self._measure_link(message))
+        elif kind == "weights_request":
+            if self._weights_task is None or self._weights_task.done():
+                self._weights_task = asyncio.create_task(self._send_weights(message))
         elif kind == "metrics_request":
             await self._send_control(
                 "metrics",
@@ -445,7 +462,27 @@ class StageRuntime:
             spec = ModelSpec.from_dict(body["model"])
             key = (spec, int(body["start"]), int(body["end"]), str(body["dtype"]))
             reused = self._shard is not None and self._shard[0] == key
-            if self._shard is not None and reused:
+            training = self._training_setup(message) if body.get("mode") == "train" else None
+            shard: Shard | TrainShard
+            if training is not None:
+                # Trained weights are never reused by another run: build afresh.
+                self._shard, reused = None, False
+                loop = asyncio.get_running_loop()
+                train = dict(body["train"])
+                shard = await loop.run_in_executor(
+                    self._compute,
+                    lambda: TrainShard.build(
+                        spec,
+                        key[1],
+                        key[2],
+                        first=training.index == 0,
+                        last=training.index == training.num_stages - 1,
+                        loss=str(train["loss"]),
+                        optimizer=dict(train["optimizer"]),
+                        slowdown=self.config.slowdown,
+                    ),
+                )
+            elif self._shard is not None and reused:
                 shard = self._shard[1]  # the same units again: keep them, build nothing
             else:
                 self._shard = None  # let the old units go before the new ones are built
@@ -468,11 +505,19 @@ class StageRuntime:
                 downstream=str(body["downstream"]),
                 downstream_endpoint=str(body["downstream_endpoint"]),
                 shard=shard,
+                upstream_key=body.get("upstream_key"),
+                downstream_key=body.get("downstream_key"),
+                upstream_endpoint=str(body.get("upstream_endpoint") or ""),
+                training=training,
             )
             if self._data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
-                upstream_key = body.get("upstream_key")
-                self._data_allow.replace([upstream_key.encode()] if upstream_key else [])
+                # Training also takes gradients from downstream (labels, on the last stage,
+                # come from the client, which is the downstream there).
+                senders = [assignment.upstream_key]
+                if training is not None:
+                    senders.append(assignment.downstream_key)
+                self._data_allow.replace([k.encode() for k in senders if k])
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=self.config.name, run=run, error=str(exc))
             await self._send_control(
@@ -481,7 +526,7 @@ class StageRuntime:
                 epoch=epoch,
             )
             return
-        self._pending = (assignment, body.get("downstream_key"))
+        self._pending = assignment
         build_s = time.monotonic() - started
         log.info(
             "assignment_ready",
@@ -498,12 +543,19 @@ class StageRuntime:
     async def _connect(self, message: Message) -> None:
         """Second phase of an assignment: every stage now allows its upstream's key."""
         run = int(message["run"])
-        if self._pending is None or self._pending[0].run != run:
+        if self._pending is None or self._pending.run != run:
             raise ProtocolError(f"connect for run {run}, which this stage was not assigned")
-        assignment, downstream_key = self._pending
+        assignment = self._pending
         self._pending = None
         try:
-            self._connect_downstream(assignment, downstream_key)
+            self._connect_downstream(assignment, assignment.downstream_key)
+            if assignment.training is not None and assignment.index > 0:
+                self._upstream = self._connect_push(
+                    self._upstream,
+                    assignment.upstream_endpoint,
+                    assignment.upstream_key,
+                    assignment.upstream,
+                )
         except Exception as exc:
             await self._send_control(
                 "assign_failed",
@@ -526,21 +578,34 @@ class StageRuntime:
         )
 
     def _connect_downstream(self, assignment: _Assignment, downstream_key: str | None) -> None:
-        if self._downstream is not None:
-            self._downstream.close(linger=0)
+        self._downstream = self._connect_push(
+            self._downstream,
+            assignment.downstream_endpoint,
+            downstream_key,
+            assignment.downstream,
+        )
+
+    def _connect_push(
+        self, old: zmq.asyncio.Socket | None, endpoint: str, key: str | None, peer: str
+    ) -> zmq.asyncio.Socket:
+        if old is not None:
+            old.close(linger=0)
+        if not endpoint:
+            raise ConfigError(f"the coordinator sent no endpoint for {peer!r}")
         sock = open_socket(self._context, zmq.PUSH, self.config.socket_options)
         if self._keypair is not None:
-            if not downstream_key:
-                raise ConfigError(
-                    f"the coordinator sent no public key for downstream {assignment.downstream!r}"
-                )
-            security.secure_client(sock, self._keypair, downstream_key.encode())
-        sock.connect(assignment.downstream_endpoint)
-        self._downstream = sock
+            if not key:
+                raise ConfigError(f"the coordinator sent no public key for {peer!r}")
+            security.secure_client(sock, self._keypair, key.encode())
+        sock.connect(endpoint)
+        return sock
 
     # ------------------------------------------------------------- data plane
 
     def _start_data_tasks(self, assignment: _Assignment) -> None:
+        if assignment.training is not None:
+            self._start_training_tasks(assignment, assignment.training)
+            return
         inbox: asyncio.Queue[Message] = asyncio.Queue(2)
         outbox: asyncio.Queue[Message] = asyncio.Queue(2)
         if not self.config.link.is_ideal:
@@ -550,6 +615,131 @@ class StageRuntime:
             asyncio.create_task(self._compute_loop(assignment, inbox, outbox)),
             asyncio.create_task(self._send_loop(assignment, outbox)),
         ]
+
+    # ---------------------------------------------------------- training plane
+
+    def _training_setup(self, message: Message) -> TrainingSetup:
+        body = message.body
+        train = body.get("train")
+        if not isinstance(train, dict):
+            raise ConfigError("a training assignment needs its 'train' settings")
+        try:
+            return TrainingSetup(
+                run=int(body["run"]),
+                epoch=message.epoch,
+                name=self.config.name,
+                index=int(body["index"]),
+                num_stages=int(body["num_stages"]),
+                schedule=str(train["schedule"]),
+                num_microbatches=int(train["num_microbatches"]),
+                warmup=int(train["warmup"]),
+                upstream=str(body["upstream"]),
+                downstream=str(body["downstream"]),
+                wait_s=self.config.timeouts.result_s,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed training settings: {exc!r}") from None
+
+    def _start_training_tasks(self, assignment: _Assignment, setup: TrainingSetup) -> None:
+        assert isinstance(assignment.shard, TrainShard)
+        outbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue()
+        if not self.config.link.is_ideal:
+            # One emulated link for both directions: a device has one radio.
+            self._link = EmulatedLink(self.config.link, self._send_to_neighbour)
+
+        async def queue_send(target: str, message: Message) -> None:
+            outbox.put_nowait((target, message))
+
+        self._trainer = TrainingExecutor(
+            setup,
+            assignment.shard,
+            send=queue_send,
+            compute=self._compute,
+            counters=self.counters,
+        )
+        self._data_tasks = [
+            asyncio.create_task(self._receive_loop(assignment, asyncio.Queue(1))),
+            asyncio.create_task(self._trainer.run()),
+            asyncio.create_task(self._training_send_loop(assignment, outbox)),
+        ]
+
+    async def _deliver_training(self, message: Message) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        if message.kind == "error":
+            # A stage upstream failed: the round cannot finish; tell the client.
+            await trainer.pass_on_error(message)
+            return
+        try:
+            trainer.deliver(message)
+        except ZpipeError as exc:
+            self.counters.dropped += 1
+            log.warning("dropped_message", stage=self.config.name, error=str(exc))
+
+    async def _training_send_loop(
+        self, assignment: _Assignment, outbox: asyncio.Queue[tuple[str, Message]]
+    ) -> None:
+        while True:
+            target, message = await outbox.get()
+            started = time.perf_counter()
+            try:
+                if self._link is not None:
+                    nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
+                    await self._link.submit((target, message), nbytes)
+                else:
+                    await self._send_to_neighbour((target, message))
+            except ZpipeError as exc:  # the coordinator decides what a stuck peer means
+                log.error(
+                    "send_failed",
+                    stage=self.config.name,
+                    epoch=assignment.epoch,
+                    kind=message.kind,
+                    error=str(exc),
+                )
+            self.counters.send_s += time.perf_counter() - started
+
+    async def _send_to_neighbour(self, item: object) -> None:
+        assert isinstance(item, tuple) and self._assignment is not None
+        target, message = item
+        if target == "upstream":
+            sock, peer = self._upstream, self._assignment.upstream
+        else:
+            sock, peer = self._downstream, self._assignment.downstream
+        if sock is None:
+            raise ConfigError(f"no socket to send {message.kind} {target}")
+        self.counters.bytes_out += await send(
+            sock, message, timeout_s=self.config.timeouts.send_s, peer=peer
+        )
+
+    async def _send_weights(self, message: Message) -> None:
+        """Once round ``step`` is done here, send this stage's weights to the coordinator."""
+        run, step = int(message["run"]), int(message["step"])
+        reply: dict[str, Any] = {
+            "run": run,
+            "name": self.config.name,
+            "step": step,
+            "keys": [],
+            "error": "",
+        }
+        tensors: tuple[torch.Tensor, ...] = ()
+        trainer = self._trainer
+        try:
+            if trainer is None or trainer.setup.run != run:
+                raise ConfigError(f"this stage is not training run {run}")
+            await trainer.wait_for_step(step, self.config.timeouts.result_s)
+            state = trainer.shard.state_dict()
+            reply["keys"] = list(state)
+            tensors = tuple(state.values())
+        except ZpipeError as exc:
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+            log.error("weights_not_sent", stage=self.config.name, error=reply["error"])
+        assert self._control is not None
+        await send(
+            self._control,
+            Message("weights", reply, epoch=message.epoch, tensors=tensors),
+            timeout_s=self.config.timeouts.send_s,
+            peer="coordinator",
+        )
 
     async def _stop_data_tasks(self) -> None:
         for task in self._data_tasks:
@@ -562,6 +752,7 @@ class StageRuntime:
             except Exception as exc:
                 log.error("data_task_failed", stage=self.config.name, error=str(exc))
         self._data_tasks = []
+        self._trainer = None
         if self._link is not None:
             await self._link.close()
             self._link = None
@@ -587,6 +778,9 @@ class StageRuntime:
                     error=str(exc),
                 )
                 continue
+            if self._trainer is not None and message.epoch == assignment.epoch:
+                await self._deliver_training(message)
+                continue
             if message.epoch != assignment.epoch:
                 self.counters.stale += 1
                 log.debug(
@@ -608,15 +802,20 @@ class StageRuntime:
             raise ProtocolError("data from a peer that is not the assigned upstream")
 
     def _check_data_message(self, message: Message, assignment: _Assignment) -> None:
-        if message.kind not in ("data", "error"):
+        senders = {"data": assignment.upstream, "error": assignment.upstream}
+        if assignment.training is not None:
+            senders["grad"] = assignment.downstream
+            if assignment.index == assignment.num_stages - 1:
+                senders["labels"] = CLIENT
+        expected = senders.get(message.kind)
+        if expected is None:
             raise ProtocolError(f"{message.kind!r} does not belong on the data port")
-        if message["src"] != assignment.upstream:
+        if message["src"] != expected:
             raise ProtocolError(
-                f"data from {message['src']!r}, "
-                f"but the assigned upstream is {assignment.upstream!r}"
+                f"{message.kind} from {message['src']!r}, but it must come from {expected!r}"
             )
-        if message.kind == "data" and not message.tensors:
-            raise ProtocolError("a data message carries no tensors")
+        if message.kind != "error" and not message.tensors:
+            raise ProtocolError(f"a {message.kind} message carries no tensors")
 
     async def _compute_loop(
         self, assignment: _Assignment, inbox: asyncio.Queue[Message], outbox: asyncio.Queue[Message]
@@ -624,6 +823,8 @@ class StageRuntime:
         loop = asyncio.get_running_loop()
         name = self.config.name
         counters = self.counters
+        shard = assignment.shard
+        assert isinstance(shard, Shard)
         streaming = False  # idle time counts from the first input, not from the assignment
         while True:
             waited_from = time.perf_counter()
@@ -639,7 +840,7 @@ class StageRuntime:
                 computing_from = time.perf_counter()
                 try:
                     outputs, _ = await loop.run_in_executor(
-                        self._compute, assignment.shard.forward, message.tensors
+                        self._compute, shard.forward, message.tensors
                     )
                     counters.busy_s += time.perf_counter() - computing_from
                     counters.microbatches += 1
@@ -715,7 +916,15 @@ class StageRuntime:
             self._link_probe_task.cancel()
         if self._probe_responder is not None:
             await self._probe_responder.close()
-        for sock in (self._downstream, self._data_in, self._probe_in, self._control):
+        if self._weights_task is not None:
+            self._weights_task.cancel()
+        for sock in (
+            self._downstream,
+            self._upstream,
+            self._data_in,
+            self._probe_in,
+            self._control,
+        ):
             if sock is not None:
                 sock.close(linger=0)
         if self._authenticator is not None:

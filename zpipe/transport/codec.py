@@ -65,6 +65,22 @@ _OPT_NUM: _Types = (int, float, type(None))
 SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     # data plane
     "data": {"run": (_INT, True), "mb": (_INT, True), "src": (_STR, True)},
+    # training: the gradient of the receiver's outputs, labels for the last stage
+    # ("samples": the mini-batch's size, which the loss is averaged over), losses back
+    "grad": {"run": (_INT, True), "mb": (_INT, True), "src": (_STR, True)},
+    "labels": {
+        "run": (_INT, True),
+        "mb": (_INT, True),
+        "src": (_STR, True),
+        "samples": (_INT, True),
+    },
+    "loss": {
+        "run": (_INT, True),
+        "mb": (_INT, True),
+        "step": (_INT, True),
+        "loss": (_NUM, True),
+        "src": (_STR, True),
+    },
     # a micro-batch that failed: "stage" is where it failed, "src" the last hop
     "error": {
         "run": (_INT, True),
@@ -99,6 +115,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "downstream_endpoint": (_STR, True),
         "downstream_key": (_OPT_STR, False),
         "dtype": (_STR, True),
+        "mode": (_STR, False),
+        "train": (_OPT_MAP, False),
+        "upstream_endpoint": (_STR, False),
     },
     "ready": {"run": (_INT, True), "name": (_STR, True), "build_s": (_NUM, True)},
     # second phase: connect downstream only once every stage allows its upstream
@@ -127,6 +146,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "profile": (_OPT_MAP, False),
         "sink_endpoint": (_STR, True),
         "wait_for_stages_s": (_NUM, True),
+        "mode": (_STR, False),
+        "train": (_OPT_MAP, False),
     },
     "run_ready": {
         "run": (_INT, True),
@@ -137,6 +158,7 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "first_key": (_OPT_STR, False),
         "last_stage": (_STR, True),
         "last_key": (_OPT_STR, False),
+        "last_endpoint": (_STR, False),
     },
     "run_failed": {"error": (_STR, True)},
     "run_go": {"run": (_INT, True)},
@@ -144,6 +166,16 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     "run_end": {"run": (_INT, True)},
     "run_report": {"run": (_INT, True), "stages": (_MAP, True)},
     "stage_failed": {"run": (_INT, True), "stage": (_STR, True), "reason": (_STR, True)},
+    # training weights: client -> coordinator -> every stage, gathered back
+    "weights_request": {"run": (_INT, True), "step": (_INT, True)},
+    "weights": {
+        "run": (_INT, True),
+        "name": (_STR, True),
+        "step": (_INT, True),
+        "keys": (_LIST, True),
+        "error": (_STR, True),
+    },
+    "checkpoint": {"run": (_INT, True), "step": (_INT, True), "keys": (_LIST, True)},
     "cluster_request": {},
     "cluster_state": {"members": (_LIST, True)},
     # link measurement: the coordinator names the peers a stage's probe socket allows,
@@ -185,7 +217,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
 }
 
 # Kinds whose frames carry tensors; every other kind must have none.
-TENSOR_KINDS = frozenset({"allreduce", "data", "link_burst"})
+TENSOR_KINDS = frozenset(
+    {"allreduce", "checkpoint", "data", "grad", "labels", "link_burst", "weights"}
+)
 
 
 @dataclass(frozen=True)

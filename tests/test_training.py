@@ -1,0 +1,284 @@
+"""Synchronous pipeline training: exact against single-process training.
+
+In-process tests drive per-stage TrainShards through the schedules' action
+lists; multi-process tests train on the shared local cluster.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zpipe._errors import ConfigError, PipelineError, RemoteStageError
+from zpipe.cluster import LocalCluster
+from zpipe.fit import split_minibatch
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.stage.train_shard import TrainShard
+from zpipe.training.objectives import (
+    check_optimizer,
+    check_train_settings,
+    make_optimizer,
+    microbatch_loss,
+)
+from zpipe.training.schedules import pipeline_actions
+
+SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 4], "activation": "gelu"}, seed=11)
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
+ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
+
+
+def make_batches(
+    count: int, size: int, *, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(size, 12, generator=generator),
+            torch.randint(0, 4, (size,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def train_single_process(
+    spec: ModelSpec, batches: list[tuple[torch.Tensor, torch.Tensor]], optimizer: dict[str, object]
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = build_full_model(spec).train()
+    opt = make_optimizer(optimizer, model.parameters())
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x)[0], y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return model.state_dict(), losses
+
+
+def train_in_process(
+    spec: ModelSpec,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    optimizer: dict[str, object],
+    bounds: list[int],
+    schedule: str,
+    num_microbatches: int,
+    warmups: list[int] | None = None,
+) -> tuple[dict[str, torch.Tensor], list[float], list[int]]:
+    """Run each stage's actions in a valid global order (a round-robin over stages
+    that executes whatever action is ready), moving tensors by hand."""
+    sequence = load_layer_sequence(spec)
+    p = len(bounds) - 1
+    shards = [
+        TrainShard(
+            sequence.build_units(bounds[i], bounds[i + 1]),
+            start=bounds[i],
+            first=i == 0,
+            last=i == p - 1,
+            loss="cross_entropy",
+            optimizer=optimizer,
+        )
+        for i in range(p)
+    ]
+    settings = check_train_settings(
+        {
+            "schedule": schedule,
+            "num_microbatches": num_microbatches,
+            "optimizer": optimizer,
+            "warmups": warmups,
+        },
+        p,
+    )
+    actions = pipeline_actions(
+        schedule, num_stages=p, num_microbatches=num_microbatches, warmups=settings["warmups"]
+    )
+    losses = []
+    for x, y in batches:
+        parts = split_minibatch((x, y), num_microbatches)
+        acts: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {
+            (0, m): (part[0],) for m, part in enumerate(parts)
+        }
+        grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        cursor = [0] * p
+        round_loss = 0.0
+        while any(cursor[s] < len(actions[s]) for s in range(p)):
+            progressed = False
+            for s in range(p):
+                while cursor[s] < len(actions[s]):
+                    action = actions[s][cursor[s]]
+                    m = action.microbatch
+                    if action.kind == "F":
+                        if (s, m) not in acts:
+                            break
+                        target = parts[m][1] if s == p - 1 else None
+                        out, loss, _ = shards[s].forward(m, acts.pop((s, m)), target, len(x))
+                        if loss is not None:
+                            round_loss += loss
+                        else:
+                            acts[(s + 1, m)] = out
+                    elif action.kind == "B":
+                        if s < p - 1 and (s, m) not in grads:
+                            break
+                        g, _ = shards[s].backward(m, grads.pop((s, m), ()))
+                        if s > 0:
+                            grads[(s - 1, m)] = g
+                    elif action.kind == "STEP":
+                        shards[s].step()
+                    cursor[s] += 1
+                    progressed = True
+            assert progressed, "the schedules deadlocked"
+        losses.append(round_loss)
+    state = {k: v for shard in shards for k, v in shard.state_dict().items()}
+    return state, losses, [shard.peak_live for shard in shards]
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd", "adam"])
+@pytest.mark.parametrize(
+    ("schedule", "bounds", "m", "warmups"),
+    [
+        ("gpipe", [0, 2, 4], 4, None),
+        ("1f1b", [0, 1, 2, 4], 4, None),
+        ("1f1b", [0, 1, 2, 3, 4], 6, [2, 2, 1, 1]),
+        ("1f1b", [0, 4], 3, None),
+    ],
+)
+def test_pipelined_training_equals_single_process(
+    optimizer: dict[str, object],
+    schedule: str,
+    bounds: list[int],
+    m: int,
+    warmups: list[int] | None,
+) -> None:
+    batches = make_batches(4, 7)  # 7 samples: uneven micro-batches
+    want, want_losses = train_single_process(SPEC, batches, optimizer)
+    got, losses, peaks = train_in_process(SPEC, batches, optimizer, bounds, schedule, m, warmups)
+    assert_same_weights(got, want)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    expected = check_train_settings(
+        {"schedule": schedule, "num_microbatches": m, "optimizer": optimizer, "warmups": warmups},
+        len(bounds) - 1,
+    )["warmups"]
+    assert peaks == expected  # each stage held exactly K_p activations at its peak
+
+
+def test_microbatch_losses_sum_to_the_minibatch_mean() -> None:
+    out = torch.randn(10, 3)
+    ce_target = torch.randint(0, 3, (10,))
+    mse_target = torch.randn(10, 3)
+    for name, target, whole in [
+        ("cross_entropy", ce_target, F.cross_entropy(out, ce_target)),
+        ("mse", mse_target, F.mse_loss(out, mse_target)),
+    ]:
+        parts = zip(torch.tensor_split(out, 3), torch.tensor_split(target, 3), strict=True)
+        total = sum(microbatch_loss(name, o, t, 10) for o, t in parts)
+        torch.testing.assert_close(total, whole)
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        ({"name": "rmsprop", "lr": 0.1}, "unknown optimizer"),
+        ({"name": "sgd"}, "lr is required"),
+        ({"name": "sgd", "lr": -1}, "lr must be > 0"),
+        ({"name": "sgd", "lr": 0.1, "betas": [0.9, 0.9]}, "unknown field 'betas'"),
+        ({"name": "adam", "lr": 0.1, "betas": [0.9]}, "betas must be two numbers"),
+        ({"name": "sgd", "lr": 0.1, "nesterov": 1}, "wrong type"),
+        ({"name": "sgd", "lr": True}, "must be a number"),
+    ],
+)
+def test_bad_optimizers_are_refused_with_the_field_named(
+    config: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        check_optimizer(config)
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({"schedule": "zigzag", "num_microbatches": 2, "optimizer": SGD}, "unknown schedule"),
+        ({"num_microbatches": 0, "optimizer": SGD}, "num_microbatches"),
+        ({"num_microbatches": 4, "optimizer": SGD, "warmups": [1, 2]}, "must not grow"),
+        ({"num_microbatches": 4, "optimizer": SGD, "warmups": [5, 1]}, r"in 1\.\.4"),
+        ({"num_microbatches": 4, "optimizer": SGD, "warmups": [1]}, "1 entries for 2 stages"),
+        ({"num_microbatches": 4, "optimizer": SGD, "loss": "hinge"}, "unknown loss"),
+        ({"num_microbatches": 4, "optimizer": SGD, "lr": 1}, "unknown training settings"),
+    ],
+)
+def test_bad_training_settings_are_refused(settings: dict[str, object], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        check_train_settings(settings, 2)
+
+
+def test_a_minibatch_smaller_than_the_microbatch_count_is_refused() -> None:
+    with pytest.raises(ConfigError, match="drop_last"):
+        split_minibatch((torch.zeros(3, 2), torch.zeros(3)), 4)
+    with pytest.raises(ConfigError, match="same batch size"):
+        split_minibatch((torch.zeros(4, 2), torch.zeros(3)), 2)
+    with pytest.raises(ConfigError, match=r"inputs\.\.\., labels"):
+        split_minibatch((torch.zeros(4, 2),), 2)
+
+
+def test_a_backward_without_its_forward_is_an_error() -> None:
+    units = load_layer_sequence(SPEC).build_units(0, 2)
+    shard = TrainShard(units, start=0, first=True, last=False, loss="mse", optimizer=SGD)
+    with pytest.raises(PipelineError, match="no saved forward"):
+        shard.backward(3, ())
+    shard.forward(0, (torch.randn(2, 12),))
+    with pytest.raises(PipelineError, match="awaiting backward"):
+        shard.step()
+
+
+# ---------------------------------------------------------------- real processes
+
+
+@pytest.mark.parametrize(
+    ("schedule", "optimizer"), [("1f1b", ADAM), ("gpipe", SGD)], ids=["1f1b-adam", "gpipe-sgd"]
+)
+def test_cluster_training_equals_single_process(
+    cluster: LocalCluster, schedule: str, optimizer: dict[str, object]
+) -> None:
+    batches = make_batches(3, 9, seed=5)
+    want, want_losses = train_single_process(SPEC, batches, optimizer)
+    report = cluster.fit(
+        SPEC,
+        batches,
+        optimizer=optimizer,
+        num_microbatches=3,
+        schedule=schedule,
+        partition=[[0, 1], [1, 3], [3, 4]],
+        progress=False,
+    )
+    assert report.steps == 3
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert_same_weights(dict(report.model().state_dict()), want)
+    assert set(report.stages) == {d.name for d in cluster.devices}
+
+
+def test_a_training_failure_reaches_the_client_and_the_stages_keep_serving(
+    cluster: LocalCluster,
+) -> None:
+    bad = [(torch.randn(4, 12), torch.randint(0, 9, (4,)))]  # class 9 of 4: the loss fails
+    with pytest.raises(RemoteStageError, match="s2"):
+        cluster.fit(
+            SPEC,
+            bad,
+            optimizer=SGD,
+            num_microbatches=2,
+            partition=[[0, 2], [2, 3], [3, 4]],
+            progress=False,
+        )
+    sequence = load_layer_sequence(SPEC)
+    outputs, _ = cluster.infer(
+        SPEC, [sequence.example_input(2, seed=1)], partition=[[0, 2], [2, 4]]
+    )
+    reference = build_full_model(SPEC)
+    with torch.inference_mode():
+        torch.testing.assert_close(outputs[0][0], reference(*sequence.example_input(2, seed=1))[0])

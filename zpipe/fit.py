@@ -1,0 +1,409 @@
+"""Training a model across the cluster from Python: the client side of a training run.
+
+``await client.fit(spec, batches, optimizer={...}, num_microbatches=4)`` asks
+the coordinator for a training run, feeds each mini-batch's micro-batches to
+the first stage and their labels to the last, collects the per-micro-batch
+losses, and at the end gathers the trained weights (through the coordinator)
+into one state dict with the full model's keys, which
+:meth:`TrainReport.model` loads into ``build_full_model(spec)``.
+
+Each item of ``batches`` is one mini-batch ``(inputs..., labels)``: the last
+tensor is the labels, the others the model's inputs. A mini-batch is split
+into exactly ``num_microbatches`` parts (sizes differ by at most one), and one
+optimizer step follows each mini-batch, so the result equals single-process
+training on the same mini-batches (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+from tqdm import tqdm
+
+from zpipe._errors import (
+    ConfigError,
+    PipelineError,
+    ProtocolError,
+    RemoteStageError,
+    StageFailedError,
+)
+from zpipe.log import get_logger
+from zpipe.models import ModelSpec, build_full_model
+from zpipe.models.weights import save_weights
+from zpipe.planner import Plan
+from zpipe.training.objectives import check_loss, check_optimizer
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import decode_frames, open_socket, recv_frames, send
+
+if TYPE_CHECKING:
+    from zpipe.client import PipelineClient
+
+log = get_logger("zpipe.fit")
+
+CLIENT_NAME = "client"
+Batch = Sequence[torch.Tensor]
+
+
+@dataclass
+class TrainReport:
+    run: int
+    plan: Plan
+    model_spec: ModelSpec
+    schedule: str
+    num_microbatches: int
+    warmups: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # the mean loss of each mini-batch
+    samples: int = 0
+    elapsed_s: float = 0.0
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def model(self) -> torch.nn.Module:
+        """The trained model, in one process (``build_full_model(spec)`` + the weights)."""
+        full = build_full_model(self.model_spec)
+        full.load_state_dict(self.state_dict)
+        return full
+
+    def save(self, path: str | Path) -> None:
+        """Write the trained weights (.safetensors or .pt), loadable with ``ModelSpec.weights``."""
+        save_weights(self.model(), path)
+
+
+def split_minibatch(batch: Batch, num_microbatches: int) -> list[tuple[torch.Tensor, ...]]:
+    """``num_microbatches`` parts along dim 0, sizes differing by at most one."""
+    tensors = tuple(batch)
+    if len(tensors) < 2 or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ConfigError("a training batch is a sequence of tensors: (inputs..., labels)")
+    sizes = {int(t.shape[0]) if t.dim() > 0 else -1 for t in tensors}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ConfigError(f"every tensor of a batch needs the same batch size, got {sizes}")
+    (size,) = sizes
+    if size < num_microbatches:
+        raise ConfigError(
+            f"a mini-batch of {size} samples cannot be split into {num_microbatches} "
+            "micro-batches; drop the last incomplete batch (drop_last=True) or use fewer"
+        )
+    parts = [torch.tensor_split(t, num_microbatches) for t in tensors]
+    return [tuple(p[i].contiguous() for p in parts) for i in range(num_microbatches)]
+
+
+async def fit(
+    client: PipelineClient,
+    model: ModelSpec,
+    batches: Iterable[Batch] | AsyncIterable[Batch],
+    *,
+    optimizer: Mapping[str, Any],
+    num_microbatches: int,
+    loss: str = "cross_entropy",
+    schedule: str = "1f1b",
+    warmups: Sequence[int] | None = None,
+    partition: Sequence[Sequence[int]] | None = None,
+    stages: int | None = None,
+    stage_names: Sequence[str] | None = None,
+    planner: str | None = None,
+    wait_for_stages_s: float = 30.0,
+    max_steps_in_flight: int = 2,
+    progress: bool | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> TrainReport:
+    """Train ``model`` on ``batches``; returns the losses and the trained weights.
+
+    ``progress``: show a progress bar (default: when stderr is a terminal).
+    ``on_step(step, loss)`` is called after each mini-batch's loss is known.
+    """
+    if client._control is None or client._sink is None or client._context is None:
+        raise PipelineError("open() the client first")
+    check_loss(loss)
+    check_optimizer(optimizer)
+    if isinstance(num_microbatches, bool) or num_microbatches < 1:
+        raise ConfigError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if max_steps_in_flight < 1:
+        raise ConfigError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
+    request = {
+        "model": model.to_dict(),
+        "partition": [list(r) for r in partition] if partition is not None else None,
+        "stages": stages,
+        "stage_names": list(stage_names) if stage_names is not None else None,
+        "dtype": "float32",
+        "planner": planner or "pipeedge",
+        "microbatch_size": None,
+        "sink_endpoint": client.sink_endpoint,
+        "wait_for_stages_s": float(wait_for_stages_s),
+        "mode": "train",
+        "train": {
+            "schedule": schedule,
+            "num_microbatches": num_microbatches,
+            "loss": loss,
+            "optimizer": dict(optimizer),
+            "warmups": list(warmups) if warmups is not None else None,
+        },
+    }
+    reply = await client._control.request(
+        Message("run_request", request),
+        expect=("run_ready", "run_failed"),
+        timeout_s=wait_for_stages_s + client.timeouts.assign_s + client.timeouts.reply_s,
+        awaited="run_ready",
+    )
+    if reply.kind == "run_failed":
+        raise PipelineError(f"the coordinator could not start the training run: {reply['error']}")
+    run = _TrainRun(client, reply, model, schedule, num_microbatches, max_steps_in_flight)
+    try:
+        started = await client._control.request(
+            Message("run_go", {"run": run.run}),
+            expect=("run_started", "run_failed"),
+            timeout_s=client.timeouts.reply_s * 2,
+            awaited="run_started",
+        )
+        if started.kind == "run_failed":
+            raise PipelineError(f"the coordinator could not start the run: {started['error']}")
+        await run.train(batches, progress, on_step)
+        await run.gather_weights()
+    finally:
+        await run.close()
+    report = await client._control.request(
+        Message("run_end", {"run": run.run}),
+        expect=("run_report",),
+        timeout_s=client.timeouts.reply_s * 2,
+        awaited="run report",
+    )
+    run.report.stages = dict(report["stages"])
+    return run.report
+
+
+class _TrainRun:
+    def __init__(
+        self,
+        client: PipelineClient,
+        ready: Message,
+        spec: ModelSpec,
+        schedule: str,
+        num_microbatches: int,
+        max_steps_in_flight: int,
+    ) -> None:
+        assert client._context is not None
+        self.client = client
+        self.run = int(ready["run"])
+        self.epoch = ready.epoch
+        self.first_stage = str(ready["first_stage"])
+        self.last_stage = str(ready["last_stage"])
+        self.m = num_microbatches
+        self.report = TrainReport(
+            run=self.run,
+            plan=Plan.from_dict(ready["plan"]),
+            model_spec=spec,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+        )
+        self.source = self._push(str(ready["first_endpoint"]), ready.get("first_key"))
+        last_endpoint = ready.get("last_endpoint")
+        if not last_endpoint:
+            raise PipelineError("the coordinator sent no endpoint for the last stage's labels")
+        self.labels = self._push(str(last_endpoint), ready.get("last_key"))
+        if client._sink_allow is not None:
+            last_key = ready.get("last_key")
+            client._sink_allow.replace([str(last_key).encode()] if last_key else [])
+        self.window = asyncio.Semaphore(max_steps_in_flight)
+        self.step_losses: dict[int, list[float]] = {}
+        self.sent_steps = 0
+        self.done_steps = 0
+        self.all_sent = asyncio.Event()
+        self.finished = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def _push(self, endpoint: str, key: object) -> zmq.asyncio.Socket:
+        client = self.client
+        assert client._context is not None
+        sock = open_socket(client._context, zmq.PUSH, client.options)
+        if client._keypair is not None:
+            if not key:
+                raise PipelineError(f"the coordinator sent no key for {endpoint}")
+            security.secure_client(sock, client._keypair, str(key).encode())
+        sock.connect(endpoint)
+        return sock
+
+    async def train(
+        self,
+        batches: Iterable[Batch] | AsyncIterable[Batch],
+        progress: bool | None,
+        on_step: Callable[[int, float], None] | None,
+    ) -> None:
+        bar = tqdm(unit="batch", desc=f"training run {self.run}", disable=_no_bar(progress))
+        started = time.perf_counter()
+        failure: asyncio.Queue[BaseException] = asyncio.Queue()
+
+        def step_done(step: int, loss: float) -> None:
+            bar.update(1)
+            elapsed = time.perf_counter() - started
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.report.samples / elapsed:.1f}")
+            if on_step is not None:
+                on_step(step, loss)
+
+        async def guarded(coro: Any) -> None:
+            try:
+                await coro
+            except BaseException as exc:
+                if not isinstance(exc, asyncio.CancelledError):
+                    failure.put_nowait(exc)
+                raise
+
+        self.tasks = [
+            asyncio.create_task(guarded(self._feed(batches))),
+            asyncio.create_task(guarded(self._drain(step_done))),
+            asyncio.create_task(guarded(self._watch_failures())),
+        ]
+        done = asyncio.create_task(self.finished.wait())
+        failed = asyncio.create_task(failure.get())
+        try:
+            await asyncio.wait({done, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if failed.done():
+                raise failed.result()
+        finally:
+            done.cancel()
+            failed.cancel()
+            bar.close()
+        self.report.elapsed_s = time.perf_counter() - started
+
+    async def _feed(self, batches: Iterable[Batch] | AsyncIterable[Batch]) -> None:
+        if isinstance(batches, AsyncIterable):
+            async for batch in batches:
+                await self._send_minibatch(batch)
+        else:
+            for batch in batches:
+                await self._send_minibatch(batch)
+        self.all_sent.set()
+        if self.done_steps == self.sent_steps:
+            self.finished.set()
+
+    async def _send_minibatch(self, batch: Batch) -> None:
+        parts = split_minibatch(batch, self.m)
+        samples = int(batch[0].shape[0])
+        await self.window.acquire()  # at most max_steps_in_flight mini-batches outstanding
+        step = self.sent_steps
+        self.sent_steps += 1
+        self.report.samples += samples
+        timeout = self.client.timeouts.send_s
+        for i, part in enumerate(parts):
+            mb = step * self.m + i
+            body = {"run": self.run, "mb": mb, "src": CLIENT_NAME}
+            await send(
+                self.labels,
+                Message(
+                    "labels", {**body, "samples": samples}, epoch=self.epoch, tensors=part[-1:]
+                ),
+                timeout_s=timeout,
+                peer=self.last_stage,
+            )
+            await send(
+                self.source,
+                Message("data", body, epoch=self.epoch, tensors=part[:-1]),
+                timeout_s=timeout,
+                peer=self.first_stage,
+            )
+
+    async def _drain(self, step_done: Callable[[int, float], None]) -> None:
+        sink = self.client._sink
+        assert sink is not None
+        while True:
+            frames = await recv_frames(
+                sink,
+                timeout_s=self.client.timeouts.result_s,
+                peer=self.last_stage,
+                awaited="the losses of the next mini-batch",
+            )
+            try:
+                allow = self.client._sink_allow
+                if allow is not None:
+                    key = security.sender_public_key(frames[0])
+                    if key is None or key not in allow:
+                        raise ProtocolError("a message from a peer that is not the last stage")
+                message = decode_frames(frames, self.client.options.max_message_bytes)
+                self._check(message)
+            except ProtocolError as exc:
+                log.warning("dropped_message", peer=self.last_stage, error=str(exc))
+                continue
+            if message.kind == "error":
+                raise RemoteStageError(
+                    str(message["stage"]), int(message["mb"]), message["message"]
+                )
+            step = int(message["step"])
+            losses = self.step_losses.setdefault(step, [])
+            losses.append(float(message["loss"]))
+            if len(losses) == self.m:
+                # Steps finish in order: a stage runs its rounds one after another.
+                loss = sum(self.step_losses.pop(step))
+                self.report.losses.append(loss)
+                self.done_steps += 1
+                self.window.release()
+                step_done(step, loss)
+                if self.all_sent.is_set() and self.done_steps == self.sent_steps:
+                    self.finished.set()
+
+    def _check(self, message: Message) -> None:
+        if message.kind not in ("loss", "error"):
+            raise ProtocolError(f"{message.kind!r} does not belong on a training sink")
+        if message.epoch != self.epoch or message["run"] != self.run:
+            raise ProtocolError(f"a message of epoch {message.epoch}, expected {self.epoch}")
+        if message.kind == "loss":
+            if message["src"] != self.last_stage:
+                raise ProtocolError(f"a loss from {message['src']!r}, not {self.last_stage!r}")
+            step = int(message["step"])
+            if not self.done_steps <= step < self.sent_steps:
+                raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
+
+    async def _watch_failures(self) -> None:
+        control = self.client._control
+        assert control is not None
+        while True:
+            notice = await control.failures.get()
+            if notice["run"] == self.run:
+                raise StageFailedError(str(notice["stage"]), str(notice["reason"]))
+
+    async def gather_weights(self) -> None:
+        control = self.client._control
+        assert control is not None
+        reply = await control.request(
+            Message("weights_request", {"run": self.run, "step": self.done_steps}),
+            expect=("checkpoint", "run_failed"),
+            timeout_s=self.client.timeouts.result_s + self.client.timeouts.reply_s,
+            awaited="the trained weights",
+        )
+        if reply.kind == "run_failed":
+            raise PipelineError(f"could not gather the trained weights: {reply['error']}")
+        keys = [str(k) for k in reply["keys"]]
+        if len(keys) != len(reply.tensors):
+            raise ProtocolError("the checkpoint's keys and tensors do not match")
+        # Copies: the received frames' memory belongs to zmq messages.
+        self.report.state_dict = {k: t.clone() for k, t in zip(keys, reply.tensors, strict=True)}
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.source.close(linger=0)
+        self.labels.close(linger=0)
+
+
+def _no_bar(progress: bool | None) -> bool | None:
+    # tqdm: disable=None hides the bar when stderr is not a terminal
+    if progress is None:
+        return None
+    return not progress

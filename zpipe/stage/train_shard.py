@@ -1,0 +1,166 @@
+"""A stage's shard for training: forward with autograd, backward, optimizer step.
+
+Runs in the stage's compute thread, never on the event loop. Each forward
+keeps its autograd graph (the activation) until that micro-batch's backward,
+so the number of live activations is what a schedule's warm-up bounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from zpipe._errors import ConfigError, PipelineError
+from zpipe.models import ModelSpec, load_layer_sequence, run_units
+from zpipe.models.weights import unit_key
+from zpipe.training.objectives import check_loss, make_optimizer, microbatch_loss
+from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
+
+
+class TrainShard:
+    def __init__(
+        self,
+        units: Sequence[torch.nn.Module],
+        *,
+        start: int,
+        first: bool,
+        last: bool,
+        loss: str,
+        optimizer: Mapping[str, Any],
+        slowdown: float = 1.0,
+    ) -> None:
+        self.units = [u.train() for u in units]
+        self.start = start
+        self.first = first
+        self.last = last
+        self.loss = check_loss(loss)
+        self.slowdown = slowdown
+        params = [p for u in self.units for p in u.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optimizer, params) if params else None
+        # micro-batch -> (inputs that need a gradient, outputs or the loss)
+        self._saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self.peak_live = 0
+
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        start: int,
+        end: int,
+        *,
+        first: bool,
+        last: bool,
+        loss: str,
+        optimizer: Mapping[str, Any],
+        slowdown: float = 1.0,
+    ) -> TrainShard:
+        sequence = load_layer_sequence(spec)
+        if not 0 <= start < end <= sequence.num_units:
+            raise ConfigError(
+                f"unit range [{start}, {end}) is outside the model's {sequence.num_units} units"
+            )
+        # build_units loads the spec's weights file, if it names one
+        return cls(
+            sequence.build_units(start, end),
+            start=start,
+            first=first,
+            last=last,
+            loss=loss,
+            optimizer=optimizer,
+            slowdown=slowdown,
+        )
+
+    @property
+    def live_activations(self) -> int:
+        return len(self._saved)
+
+    def _timed(self, started: float, cpu_started: float) -> float:
+        elapsed = time.perf_counter() - started
+        return emulate_slowdown(
+            self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+        )
+
+    def forward(
+        self,
+        mb: int,
+        inputs: Sequence[torch.Tensor],
+        target: torch.Tensor | None = None,
+        minibatch_samples: int = 0,
+    ) -> tuple[tuple[torch.Tensor, ...], float | None, float]:
+        """(outputs to send on, this micro-batch's loss on the last stage, seconds taken).
+
+        The first stage's inputs are data and need no gradient; later stages'
+        inputs are activations whose gradient goes back upstream.
+        """
+        if mb in self._saved:
+            raise PipelineError(f"micro-batch {mb} was forwarded twice")
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        leaves = tuple(
+            t.detach().requires_grad_(not self.first and t.is_floating_point()) for t in inputs
+        )
+        outputs = run_units(self.units, leaves)
+        loss_value: float | None = None
+        if self.last:
+            if target is None:
+                raise PipelineError(f"micro-batch {mb} reached the last stage without labels")
+            loss = microbatch_loss(self.loss, outputs[0], target, minibatch_samples)
+            loss_value = float(loss.detach())
+            self._saved[mb] = (leaves, (loss,))
+            sent: tuple[torch.Tensor, ...] = ()
+        else:
+            self._saved[mb] = (leaves, outputs)
+            sent = tuple(t.detach() for t in outputs)
+        self.peak_live = max(self.peak_live, len(self._saved))
+        return sent, loss_value, self._timed(started, cpu_started)
+
+    def backward(
+        self, mb: int, grad_outputs: Sequence[torch.Tensor] = ()
+    ) -> tuple[tuple[torch.Tensor, ...], float]:
+        """Gradients of this micro-batch's inputs (empty on the first stage), and seconds."""
+        saved = self._saved.pop(mb, None)
+        if saved is None:
+            raise PipelineError(f"backward of micro-batch {mb}, which has no saved forward")
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        leaves, roots = saved
+        if self.last:
+            torch.autograd.backward(roots[0])
+        else:
+            pairs = [(r, g) for r, g in zip(roots, grad_outputs, strict=True) if r.requires_grad]
+            if pairs:
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        grads: tuple[torch.Tensor, ...] = ()
+        if not self.first:
+            grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
+        return grads, self._timed(started, cpu_started)
+
+    def step(self) -> float:
+        """Apply the accumulated gradients and clear them; seconds taken."""
+        if self._saved:
+            raise PipelineError(
+                f"optimizer step with {len(self._saved)} micro-batches still awaiting backward"
+            )
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return self._timed(started, cpu_started)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This stage's parameter gradients, for a data-parallel all-reduce."""
+        return [
+            p.grad
+            for u in self.units
+            for p in u.parameters()
+            if p.requires_grad and p.grad is not None
+        ]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under the full model's keys ("units.<index>.<name>")."""
+        return {
+            unit_key(self.start + offset, name): tensor.detach().clone()
+            for offset, unit in enumerate(self.units)
+            for name, tensor in unit.state_dict().items()
+        }

@@ -1,0 +1,1 @@
+"""Training: schedules, all-reduce and the training executor."""

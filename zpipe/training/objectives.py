@@ -1,0 +1,165 @@
+"""Losses and optimizers by name: what a training run asks the stages to build.
+
+Nothing crosses the wire as code: a run names its loss ("cross_entropy", "mse")
+and describes its optimizer as plain data, e.g.
+``{"name": "sgd", "lr": 0.1, "momentum": 0.9}`` or
+``{"name": "adam", "lr": 1e-3, "betas": [0.9, 0.999]}``; each stage builds its
+own optimizer over its own parameters. SGD and Adam update every parameter
+elementwise, so per-stage optimizers give exactly the weights one optimizer
+over the whole model would.
+
+Losses are computed per micro-batch but scaled to the whole mini-batch
+(:func:`microbatch_loss`), so the gradients accumulated over a mini-batch's
+micro-batches equal those of one pass over the mini-batch with the loss's
+usual ``reduction="mean"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from zpipe._errors import ConfigError
+from zpipe.training.schedules import SCHEDULES, asteroid_warmup
+
+LOSSES = ("cross_entropy", "mse")
+
+_OPTIMIZER_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "sgd": {
+        "lr": (int, float),
+        "momentum": (int, float),
+        "dampening": (int, float),
+        "weight_decay": (int, float),
+        "nesterov": bool,
+    },
+    "adam": {
+        "lr": (int, float),
+        "betas": (list, tuple),
+        "eps": (int, float),
+        "weight_decay": (int, float),
+        "amsgrad": bool,
+    },
+}
+
+
+def check_loss(name: str) -> str:
+    if name not in LOSSES:
+        raise ConfigError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
+    return name
+
+
+def microbatch_loss(
+    name: str, output: torch.Tensor, target: torch.Tensor, minibatch_samples: int
+) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch's mean loss.
+
+    Summed over the mini-batch's micro-batches it equals the loss of the whole
+    mini-batch with ``reduction="mean"``, whatever the micro-batch sizes.
+    """
+    if minibatch_samples < 1:
+        raise ConfigError(f"a mini-batch needs at least one sample, got {minibatch_samples}")
+    if name == "cross_entropy":
+        return F.cross_entropy(output, target, reduction="sum") / minibatch_samples
+    if name == "mse":
+        per_sample = output[0].numel() if output.dim() > 0 and output.shape[0] > 0 else 1
+        return F.mse_loss(output, target, reduction="sum") / (minibatch_samples * per_sample)
+    raise ConfigError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
+
+
+def check_optimizer(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A validated copy of an optimizer description; errors name the bad field."""
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"an optimizer is described by a mapping, got {config!r}")
+    name = config.get("name")
+    if name not in _OPTIMIZER_FIELDS:
+        raise ConfigError(
+            f"unknown optimizer {name!r}; known: {', '.join(sorted(_OPTIMIZER_FIELDS))}"
+        )
+    fields = _OPTIMIZER_FIELDS[str(name)]
+    checked: dict[str, Any] = {"name": name}
+    for key, value in config.items():
+        if key == "name":
+            continue
+        if key not in fields:
+            raise ConfigError(
+                f"optimizer {name}: unknown field {key!r}; known: {', '.join(sorted(fields))}"
+            )
+        expected = fields[key]
+        if isinstance(value, bool) and expected is not bool:
+            raise ConfigError(f"optimizer {name}: {key} must be a number, got {value!r}")
+        if not isinstance(value, expected):
+            raise ConfigError(f"optimizer {name}: {key} has the wrong type: {value!r}")
+        checked[key] = list(value) if isinstance(value, tuple) else value
+    if "lr" not in checked:
+        raise ConfigError(f"optimizer {name}: lr is required")
+    if not checked["lr"] > 0:
+        raise ConfigError(f"optimizer {name}: lr must be > 0, got {checked['lr']}")
+    betas = checked.get("betas")
+    if betas is not None and (len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
+        raise ConfigError(f"optimizer {name}: betas must be two numbers in [0, 1), got {betas}")
+    return checked
+
+
+def make_optimizer(
+    config: Mapping[str, Any], params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer:
+    checked = check_optimizer(config)
+    kwargs = {k: v for k, v in checked.items() if k != "name"}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    params = list(params)
+    if checked["name"] == "sgd":
+        return torch.optim.SGD(params, **kwargs)
+    return torch.optim.Adam(params, **kwargs)
+
+
+TRAIN_SETTINGS = ("schedule", "num_microbatches", "loss", "optimizer", "warmups")
+
+
+def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[str, Any]:
+    """A run's training settings, checked, with each stage's warm-up filled in.
+
+    ``warmups`` (optional) gives K_p per stage; without it GPipe uses M and
+    1F1B Asteroid's K_p = min(2(P - p) - 1, M).
+    """
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"training settings must be a mapping, got {settings!r}")
+    unknown = sorted(set(settings) - set(TRAIN_SETTINGS))
+    if unknown:
+        raise ConfigError(f"unknown training settings {unknown}; known: {list(TRAIN_SETTINGS)}")
+    schedule = str(settings.get("schedule", "1f1b")).lower()
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    m = settings.get("num_microbatches")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ConfigError(f"num_microbatches must be an integer >= 1, got {m!r}")
+    warmups = settings.get("warmups")
+    if warmups is None:
+        if schedule == "gpipe":
+            warmups = [m] * num_stages
+        else:
+            warmups = [asteroid_warmup(num_stages, p, m) for p in range(num_stages)]
+    else:
+        warmups = [int(w) for w in warmups]
+        if len(warmups) != num_stages:
+            raise ConfigError(f"warmups has {len(warmups)} entries for {num_stages} stages")
+        if any(not 1 <= w <= m for w in warmups):
+            raise ConfigError(f"every warm-up must be in 1..{m}, got {warmups}")
+        if any(a < b for a, b in itertools.pairwise(warmups)):
+            raise ConfigError(
+                f"warm-ups must not grow from one stage to the next (neighbours would wait "
+                f"for each other forever), got {warmups}"
+            )
+        if schedule == "gpipe" and any(w != m for w in warmups):
+            raise ConfigError("gpipe runs every forward first: leave warmups out or use M")
+    return {
+        "schedule": schedule,
+        "num_microbatches": m,
+        "loss": check_loss(str(settings.get("loss", "cross_entropy"))),
+        "optimizer": check_optimizer(settings.get("optimizer") or {}),
+        "warmups": warmups,
+    }
