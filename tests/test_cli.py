@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 COMMANDS = [
     ["zpipe"],
@@ -28,6 +31,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         (["zpipe", "keys", "--help"], ["--dir"]),
         (["zpipe", "profile", "--help"], ["--model", "--batch-sizes", "--output"]),
         (["zpipe", "plan", "--help"], ["--profiles", "--cluster", "--algo", "--json"]),
+        (["zpipe", "train", "--help"], ["--local", "--coordinator", "--schedule", "--output"]),
         (
             ["zpipe.stage", "--help"],
             [
@@ -39,7 +43,10 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
                 "--log-format",
             ],
         ),
-        (["zpipe.coordinator", "--help"], ["--bind", "--suspect-after", "--keys", "--log-format"]),
+        (
+            ["zpipe.coordinator", "--help"],
+            ["--bind", "--suspect-after", "--keys", "--log-format", "--no-measure-links"],
+        ),
     ],
 )
 def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
@@ -101,3 +108,26 @@ def test_coordinator_refuses_a_port_it_cannot_bind() -> None:
         result = run("zpipe.coordinator", "--bind", f"tcp://127.0.0.1:{port}")
     assert result.returncode == 1
     assert "cannot bind" in result.stderr
+
+
+def test_train_command_trains_saves_and_matches_single_process(tmp_path: Path) -> None:
+    weights = tmp_path / "trained.safetensors"
+    result = run(
+        "zpipe", "train", "--local", "2", "--steps", "4", "--batch-size", "8",
+        "--microbatches", "2", "--optimizer", "sgd", "--lr", "0.1", "--check",
+        "-o", str(weights), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    match = re.search(r"weights differ by at most ([0-9.e+-]+)", result.stdout)
+    assert match is not None, result.stdout
+    assert float(match.group(1)) < 1e-4
+    assert "schedule 1f1b" in result.stdout
+    # the saved weights are the trained model's and load into a fresh build
+    from zpipe.models import ModelSpec, build_full_model
+    from zpipe.models.weights import load_unit_weights
+
+    spec = ModelSpec.preset("mlp-small", seed=0)
+    fresh = build_full_model(spec)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    load_unit_weights(list(fresh.units), start=0, path=weights)
+    assert any(not torch.equal(before[k], v) for k, v in fresh.state_dict().items())

@@ -282,3 +282,21 @@ def test_a_training_failure_reaches_the_client_and_the_stages_keep_serving(
     reference = build_full_model(SPEC)
     with torch.inference_mode():
         torch.testing.assert_close(outputs[0][0], reference(*sequence.example_input(2, seed=1))[0])
+
+
+def test_activation_bytes_are_counted_per_live_forward_and_released_by_backward() -> None:
+    units = load_layer_sequence(SPEC).build_units(1, 3)
+    shard = TrainShard(units, start=1, first=False, last=False, loss="mse", optimizer=SGD)
+    outputs = []
+    for mb in range(3):
+        out, _, _ = shard.forward(mb, (torch.randn(5, 24),))
+        outputs.append(out)
+    assert shard.live_activation_bytes > 0
+    one = shard.live_activation_bytes // 3
+    assert shard.live_activation_bytes == 3 * one  # equal shapes hold equal bytes
+    # at least the two layers' inputs of 5 x 24 float32 are kept for the backward
+    assert one >= 2 * 5 * 24 * 4
+    for mb in range(3):
+        shard.backward(mb, (torch.ones_like(outputs[mb][0]),))
+    assert shard.live_activation_bytes == 0
+    assert shard.peak_activation_bytes == 3 * one and shard.peak_live == 3

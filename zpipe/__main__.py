@@ -3,6 +3,7 @@
 Commands:
   demo   pipelined inference across emulated heterogeneous devices on this machine
   keys   generate CurveZMQ key pairs for a secure cluster
+  train  train a built-in model with pipeline parallelism
 
 The coordinator and stages have their own entry points:
 ``python -m zpipe.coordinator`` and ``python -m zpipe.stage``.
@@ -17,6 +18,7 @@ COMMANDS = {
     "keys": "generate CurveZMQ key pairs (python -m zpipe keys --dir DIR NAME ...)",
     "profile": "measure a model's units on this device (time, output, weights, memory)",
     "plan": "choose devices, order and unit ranges from a profile and a cluster file",
+    "train": "train a built-in model with pipeline parallelism (GPipe or 1F1B-Sync)",
 }
 
 
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from zpipe.profiler import main as profile_main
 
         return profile_main(rest)
+    if command == "train":
+        from zpipe.train_cli import main as train_main
+
+        return train_main(rest)
     if command == "keys":
         from zpipe.keys_cli import main as keys_main
 

@@ -69,8 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--probe-bind",
         default=None,
         metavar="tcp://HOST:PORT",
-        help="where to answer other stages' link measurements (default: the --bind host, "
-        "any port)",
+        help="where to answer other stages' link measurements (default: the --bind host, any port)",
     )
     parser.add_argument(
         "--advertise-host",

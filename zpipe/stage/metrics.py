@@ -24,6 +24,9 @@ class StageCounters:
     dropped: int = 0  # messages that failed validation
     stale: int = 0  # messages of an older plan epoch
     lost: int = 0  # messages the emulated link lost
+    # training: most forwards awaiting their backward at once, and the bytes they held
+    peak_live_activations: int = 0
+    peak_activation_bytes: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     @property

@@ -42,7 +42,11 @@ class TrainShard:
         self.optimizer = make_optimizer(optimizer, params) if params else None
         # micro-batch -> (inputs that need a gradient, outputs or the loss)
         self._saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self._saved_bytes: dict[int, int] = {}
         self.peak_live = 0
+        # Bytes autograd keeps for the backwards still to come (what 1F1B's warm-up bounds).
+        self.live_activation_bytes = 0
+        self.peak_activation_bytes = 0
 
     @classmethod
     def build(
@@ -101,7 +105,16 @@ class TrainShard:
         leaves = tuple(
             t.detach().requires_grad_(not self.first and t.is_floating_point()) for t in inputs
         )
-        outputs = run_units(self.units, leaves)
+        storages: dict[int, int] = {}
+
+        def remember(t: torch.Tensor) -> torch.Tensor:
+            # One count per storage: views of one tensor share it.
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t):
+            outputs = run_units(self.units, leaves)
         loss_value: float | None = None
         if self.last:
             if target is None:
@@ -113,7 +126,10 @@ class TrainShard:
         else:
             self._saved[mb] = (leaves, outputs)
             sent = tuple(t.detach() for t in outputs)
+        self._saved_bytes[mb] = sum(storages.values())
+        self.live_activation_bytes += self._saved_bytes[mb]
         self.peak_live = max(self.peak_live, len(self._saved))
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
         return sent, loss_value, self._timed(started, cpu_started)
 
     def backward(
@@ -124,6 +140,7 @@ class TrainShard:
         if saved is None:
             raise PipelineError(f"backward of micro-batch {mb}, which has no saved forward")
         started, cpu_started = time.perf_counter(), time.thread_time()
+        self.live_activation_bytes -= self._saved_bytes.pop(mb, 0)
         leaves, roots = saved
         if self.last:
             torch.autograd.backward(roots[0])

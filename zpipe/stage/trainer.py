@@ -162,6 +162,8 @@ class TrainingExecutor:
             self.shard.forward, mb, inputs.tensors, target, samples
         )
         self.counters.microbatches += 1
+        self.counters.peak_live_activations = self.shard.peak_live
+        self.counters.peak_activation_bytes = self.shard.peak_activation_bytes
         if loss is not None:
             await self._send(
                 "downstream",
