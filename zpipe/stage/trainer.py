@@ -70,6 +70,7 @@ class TrainingExecutor:
         self._waiters: dict[tuple[str, int], asyncio.Future[Message]] = {}
         self.completed_steps = 0
         self._current_mb = 0  # the micro-batch being worked on, named if it fails
+        self.failure: str | None = None  # set when the run broke; no more steps will come
         self._step_done = asyncio.Condition()
         self.actions = stage_actions(
             setup.schedule,
@@ -121,6 +122,9 @@ class TrainingExecutor:
             log.error(
                 "training_failed", stage=self.setup.name, epoch=self.setup.epoch, error=str(exc)
             )
+            async with self._step_done:
+                self.failure = f"{type(exc).__name__}: {exc}"
+                self._step_done.notify_all()
             await self._report_failure(exc)
 
     async def _round(self, step: int) -> None:
@@ -224,7 +228,11 @@ class TrainingExecutor:
 
         async def reached() -> None:
             async with self._step_done:
-                await self._step_done.wait_for(lambda: self.completed_steps >= step)
+                await self._step_done.wait_for(
+                    lambda: self.completed_steps >= step or self.failure is not None
+                )
+            if self.completed_steps < step and self.failure is not None:
+                raise PipelineError(f"training failed here before round {step}: {self.failure}")
 
         try:
             await asyncio.wait_for(reached(), timeout_s)
