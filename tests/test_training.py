@@ -6,14 +6,19 @@ lists; multi-process tests train on the shared local cluster.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError, PipelineError, RemoteStageError
 from zpipe.cluster import LocalCluster
 from zpipe.fit import split_minibatch
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.planner.training_plan import TrainingPlan
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.objectives import (
     check_optimizer,
@@ -21,6 +26,7 @@ from zpipe.training.objectives import (
     make_optimizer,
     microbatch_loss,
 )
+from zpipe.training.routing import route, split_rows
 from zpipe.training.schedules import pipeline_actions
 
 SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 4], "activation": "gelu"}, seed=11)
@@ -300,3 +306,89 @@ def test_activation_bytes_are_counted_per_live_forward_and_released_by_backward(
         shard.backward(mb, (torch.ones_like(outputs[mb][0]),))
     assert shard.live_activation_bytes == 0
     assert shard.peak_activation_bytes == 3 * one and shard.peak_live == 3
+
+
+# ---------------------------------------------------------------- data-parallel groups
+
+
+@given(
+    total=st.integers(0, 40),
+    shares=st.lists(st.integers(0, 9), min_size=1, max_size=5).filter(lambda s: sum(s) > 0),
+)
+def test_row_blocks_are_contiguous_and_proportional(total: int, shares: list[int]) -> None:
+    blocks = split_rows(total, shares)
+    assert blocks[0][0] == 0 and blocks[-1][1] == total
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+    for (lo, hi), share in zip(blocks, shares, strict=True):
+        assert abs((hi - lo) - total * share / sum(shares)) < 1  # rounding moves one row at most
+    if total == sum(shares):
+        assert [hi - lo for lo, hi in blocks] == shares  # the plan's micro-batch: exact shares
+
+
+@given(
+    total=st.integers(0, 30),
+    senders=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    receivers=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+)
+def test_routed_pieces_deliver_every_row_once_to_its_receiver(
+    total: int, senders: list[int], receivers: list[int]
+) -> None:
+    pieces = route(total, senders, receivers)
+    got: dict[int, list[int]] = {}
+    for s, r, lo, hi in pieces:
+        assert split_rows(total, senders)[s][0] <= lo < hi <= split_rows(total, senders)[s][1]
+        got.setdefault(r, []).extend(range(lo, hi))
+    for r, (lo, hi) in enumerate(split_rows(total, receivers)):
+        assert sorted(got.get(r, [])) == list(range(lo, hi))
+
+
+def group_plan(stages: list[dict[str, object]], m: int, microbatch: int) -> TrainingPlan:
+    return TrainingPlan.from_dict(
+        {
+            "algo": "hpp",
+            "schedule": "1f1b",
+            "num_units": 4,
+            "microbatch_size": microbatch,
+            "num_microbatches": m,
+            "stages": stages,
+            "predicted": {},
+        }
+    )
+
+
+def test_hybrid_groups_train_like_a_single_process(cluster: LocalCluster) -> None:
+    # s0 and s1 share the first two units 2:1; s2 runs the rest.
+    plan = group_plan(
+        [
+            {"devices": ["s0", "s1"], "start": 0, "end": 2, "shares": [2, 1], "warmup": 3},
+            {"devices": ["s2"], "start": 2, "end": 4, "shares": [3], "warmup": 1},
+        ],
+        m=4,
+        microbatch=3,
+    )
+    batches = make_batches(3, 11, seed=8)  # 11 rows: micro-batches of 3, 3, 3, 2
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    report = cluster.fit(
+        SPEC, batches, optimizer=SGD, num_microbatches=4, plan=plan, progress=False
+    )
+    # fit refuses replicas that differ, so equal weights here mean both replicas are right
+    assert_same_weights(report.state_dict, want)
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert report.stages["s0"]["allreduce_s"] > 0 and report.stages["s2"]["allreduce_s"] == 0
+
+
+def test_pure_data_parallelism_with_a_device_that_computes_nothing(cluster: LocalCluster) -> None:
+    plan = group_plan(
+        [{"devices": ["s0", "s1", "s2"], "start": 0, "end": 4, "shares": [2, 0, 1], "warmup": 1}],
+        m=2,
+        microbatch=3,
+    )
+    batches = make_batches(2, 6, seed=9)
+    want, want_losses = train_single_process(SPEC, batches, ADAM)
+    report = cluster.fit(
+        SPEC, batches, optimizer=ADAM, num_microbatches=2, plan=plan, progress=False
+    )
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    for key in want:  # Adam divides by small second moments: allow summation-order noise
+        torch.testing.assert_close(report.state_dict[key], want[key], rtol=1e-4, atol=1e-4)
+    assert report.stages["s1"]["microbatches"] == 0  # share 0: only the all-reduce

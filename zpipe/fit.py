@@ -39,7 +39,9 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec, build_full_model
 from zpipe.models.weights import save_weights
 from zpipe.planner import Plan
+from zpipe.planner.training_plan import TrainingPlan
 from zpipe.training.objectives import check_loss, check_optimizer
+from zpipe.training.routing import split_rows
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import decode_frames, open_socket, recv_frames, send
@@ -60,7 +62,7 @@ class TrainReport:
     model_spec: ModelSpec
     schedule: str
     num_microbatches: int
-    warmups: list[int] = field(default_factory=list)
+    training_plan: TrainingPlan | None = None
     losses: list[float] = field(default_factory=list)  # the mean loss of each mini-batch
     samples: int = 0
     elapsed_s: float = 0.0
@@ -114,6 +116,7 @@ async def fit(
     loss: str = "cross_entropy",
     schedule: str = "1f1b",
     warmups: Sequence[int] | None = None,
+    plan: TrainingPlan | None = None,
     partition: Sequence[Sequence[int]] | None = None,
     stages: int | None = None,
     stage_names: Sequence[str] | None = None,
@@ -125,6 +128,10 @@ async def fit(
 ) -> TrainReport:
     """Train ``model`` on ``batches``; returns the losses and the trained weights.
 
+    ``plan``: a training plan (device groups, unit ranges, shares, warm-ups; e.g. from
+    :func:`zpipe.planner.hpp.plan_training`); its schedule, micro-batch count and
+    warm-ups replace those arguments. Without one the coordinator plans a straight
+    pipeline (``planner``, or ``partition`` over ``stage_names``).
     ``progress``: show a progress bar (default: when stderr is a terminal).
     ``on_step(step, loss)`` is called after each mini-batch's loss is known.
     """
@@ -153,6 +160,7 @@ async def fit(
             "loss": loss,
             "optimizer": dict(optimizer),
             "warmups": list(warmups) if warmups is not None else None,
+            "plan": plan.to_dict() if plan is not None else None,
         },
     }
     reply = await client._control.request(
@@ -163,6 +171,8 @@ async def fit(
     )
     if reply.kind == "run_failed":
         raise PipelineError(f"the coordinator could not start the training run: {reply['error']}")
+    if plan is not None:
+        schedule, num_microbatches = plan.schedule, plan.num_microbatches
     run = _TrainRun(client, reply, model, schedule, num_microbatches, max_steps_in_flight)
     try:
         started = await client._control.request(
@@ -211,16 +221,24 @@ class _TrainRun:
             schedule=schedule,
             num_microbatches=num_microbatches,
         )
-        self.source = self._push(str(ready["first_endpoint"]), ready.get("first_key"))
-        last_endpoint = ready.get("last_endpoint")
-        if not last_endpoint:
-            raise PipelineError("the coordinator sent no endpoint for the last stage's labels")
-        self.labels = self._push(str(last_endpoint), ready.get("last_key"))
+        described = ready.get("training_plan")
+        if not isinstance(described, dict):
+            raise PipelineError("the coordinator sent no training plan")
+        tplan = TrainingPlan.from_dict(described)
+        self.report.training_plan = tplan
+        endpoints, keys = dict(described["endpoints"]), dict(described["keys"])
+        first, last = tplan.stages[0], tplan.stages[-1]
+        # (device, its shares' group, socket): inputs go to the first group, labels to the last
+        self.first_group = [(n, self._push(str(endpoints[n]), keys.get(n))) for n in first.devices]
+        self.first_shares = list(first.shares)
+        self.last_group = [(n, self._push(str(endpoints[n]), keys.get(n))) for n in last.devices]
+        self.last_shares = list(last.shares)
+        self.last_names = set(last.devices)
         if client._sink_allow is not None:
-            last_key = ready.get("last_key")
-            client._sink_allow.replace([str(last_key).encode()] if last_key else [])
+            client._sink_allow.replace([str(keys[n]).encode() for n in last.devices if keys.get(n)])
         self.window = asyncio.Semaphore(max_steps_in_flight)
         self.step_losses: dict[int, list[float]] = {}
+        self.losses_per_step = self.m * len(self.last_group)
         self.sent_steps = 0
         self.done_steps = 0
         self.all_sent = asyncio.Event()
@@ -298,24 +316,30 @@ class _TrainRun:
         step = self.sent_steps
         self.sent_steps += 1
         self.report.samples += samples
-        timeout = self.client.timeouts.send_s
         for i, part in enumerate(parts):
             mb = step * self.m + i
-            body = {"run": self.run, "mb": mb, "src": CLIENT_NAME}
-            await send(
-                self.labels,
-                Message(
-                    "labels", {**body, "samples": samples}, epoch=self.epoch, tensors=part[-1:]
-                ),
-                timeout_s=timeout,
-                peer=self.last_stage,
-            )
-            await send(
-                self.source,
-                Message("data", body, epoch=self.epoch, tensors=part[:-1]),
-                timeout_s=timeout,
-                peer=self.first_stage,
-            )
+            total = int(part[0].shape[0])
+            labels = part[-1:]
+            for (name, sock), (lo, hi) in zip(
+                self.last_group, split_rows(total, self.last_shares), strict=True
+            ):
+                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
+                body.update(total=total, samples=samples)
+                rows = tuple(t[lo:hi] for t in labels) if hi > lo else ()
+                await self._send(
+                    sock, Message("labels", body, epoch=self.epoch, tensors=rows), name
+                )
+            inputs = part[:-1]
+            for (name, sock), (lo, hi) in zip(
+                self.first_group, split_rows(total, self.first_shares), strict=True
+            ):
+                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
+                body["total"] = total
+                rows = tuple(t[lo:hi] for t in inputs) if hi > lo else ()
+                await self._send(sock, Message("data", body, epoch=self.epoch, tensors=rows), name)
+
+    async def _send(self, sock: zmq.asyncio.Socket, message: Message, peer: str) -> None:
+        await send(sock, message, timeout_s=self.client.timeouts.send_s, peer=peer)
 
     async def _drain(self, step_done: Callable[[int, float], None]) -> None:
         sink = self.client._sink
@@ -345,7 +369,7 @@ class _TrainRun:
             step = int(message["step"])
             losses = self.step_losses.setdefault(step, [])
             losses.append(float(message["loss"]))
-            if len(losses) == self.m:
+            if len(losses) == self.losses_per_step:
                 # Steps finish in order: a stage runs its rounds one after another.
                 loss = sum(self.step_losses.pop(step))
                 self.report.losses.append(loss)
@@ -361,8 +385,8 @@ class _TrainRun:
         if message.epoch != self.epoch or message["run"] != self.run:
             raise ProtocolError(f"a message of epoch {message.epoch}, expected {self.epoch}")
         if message.kind == "loss":
-            if message["src"] != self.last_stage:
-                raise ProtocolError(f"a loss from {message['src']!r}, not {self.last_stage!r}")
+            if message["src"] not in self.last_names:
+                raise ProtocolError(f"a loss from {message['src']!r}, not a last-stage device")
             step = int(message["step"])
             if not self.done_steps <= step < self.sent_steps:
                 raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
@@ -389,8 +413,16 @@ class _TrainRun:
         keys = [str(k) for k in reply["keys"]]
         if len(keys) != len(reply.tensors):
             raise ProtocolError("the checkpoint's keys and tensors do not match")
-        # Copies: the received frames' memory belongs to zmq messages.
-        self.report.state_dict = {k: t.clone() for k, t in zip(keys, reply.tensors, strict=True)}
+        state: dict[str, torch.Tensor] = {}
+        for key, tensor in zip(keys, reply.tensors, strict=True):
+            kept = state.get(key)
+            if kept is None:
+                # A copy: the received frame's memory belongs to a zmq message.
+                state[key] = tensor.clone()
+            elif not torch.equal(kept, tensor):
+                # Every device of a data-parallel group must hold the same weights.
+                raise PipelineError(f"the replicas of {key} differ after training")
+        self.report.state_dict = state
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -398,8 +430,8 @@ class _TrainRun:
         for task in self.tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self.source.close(linger=0)
-        self.labels.close(linger=0)
+        for _, sock in [*self.first_group, *self.last_group]:
+            sock.close(linger=0)
 
 
 def _no_bar(progress: bool | None) -> bool | None:

@@ -1,4 +1,10 @@
-"""``python -m zpipe plan``: choose devices, order and unit ranges from profiles and a cluster."""
+"""``python -m zpipe plan``: choose devices, order and unit ranges from profiles and a cluster.
+
+With ``--train`` it plans synchronous pipeline training instead (stages of
+data-parallel device groups, micro-batch shares and warm-ups: see
+:mod:`zpipe.planner.hpp`); the profile must then hold training measurements
+(``python -m zpipe profile --train``).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,13 @@ from pathlib import Path
 from zpipe._errors import ZpipeError
 from zpipe.cli_common import positive_int
 from zpipe.planner import PLANNERS, ClusterSpec, Plan, load_cluster, plan_with, predict_plan
+from zpipe.planner.hpp import plan_training, search_microbatch_and_order
 from zpipe.planner.profile import ModelProfile
+from zpipe.planner.training_cost import OPTIMIZER_STATE_COPIES
+from zpipe.planner.training_plan import TRAINING_ALGOS, TRAINING_SCHEDULES, TrainingPlan
+
+_INFERENCE_DEFAULT = "pipeedge"
+_TRAINING_DEFAULT = "hpp"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,10 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m zpipe plan",
         description="Plan a pipeline: which devices take part, in what order, and which units "
         "each runs, minimising the slowest stage's max(compute, communication) under every "
-        "device's memory budget. Prints a table and, with --json, the plan as JSON.",
+        "device's memory budget. With --train, plan pipeline training: stages of data-parallel "
+        "device groups minimising the round (mini-batch) latency under every device's training "
+        "memory. Prints a table and, with --json, the plan as JSON.",
     )
     parser.add_argument(
         "--profiles",
+        "--profile",
         type=Path,
         required=True,
         metavar="FILE",
@@ -37,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--algo",
-        choices=sorted(PLANNERS),
-        default="pipeedge",
-        help="pipeedge (optimal, heterogeneity-aware), even (GPipe) or pipedream "
-        "(homogeneous); default: pipeedge",
+        choices=sorted(set(PLANNERS) | set(TRAINING_ALGOS)),
+        default=None,
+        help=f"inference: pipeedge (optimal, heterogeneity-aware), even (GPipe) or pipedream "
+        f"(homogeneous), default {_INFERENCE_DEFAULT}; with --train: hpp (Asteroid: pipeline "
+        "of data-parallel groups), straight (Eco-FL: one device per stage), data-parallel or "
+        f"even (GPipe), default {_TRAINING_DEFAULT}",
     )
     parser.add_argument(
         "--batch-size",
@@ -50,6 +67,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--compare", action="store_true", help="also show every other planner's plan and prediction"
+    )
+    training = parser.add_argument_group("training (--train)")
+    training.add_argument(
+        "--train", action="store_true", help="plan pipeline training instead of inference"
+    )
+    training.add_argument(
+        "--microbatch-size",
+        type=positive_int,
+        default=None,
+        help="samples per micro-batch (default: the profile's largest batch size)",
+    )
+    training.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=8,
+        help="micro-batches per mini-batch, i.e. per optimizer step (default: 8)",
+    )
+    training.add_argument(
+        "--schedule",
+        choices=TRAINING_SCHEDULES,
+        default="1f1b",
+        help="1f1b (per-stage warm-up, less activation memory) or gpipe; default: 1f1b",
+    )
+    training.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZER_STATE_COPIES),
+        default="sgd",
+        help="decides the optimizer state in the memory model (default: sgd)",
+    )
+    training.add_argument(
+        "--search",
+        action="store_true",
+        help="with --algo straight: also choose the micro-batch size (among the profile's, or "
+        "at most --microbatch-size) and the device order, as Eco-FL does",
     )
     parser.add_argument(
         "--json",
@@ -93,30 +144,109 @@ def plan_from_files(
     return plan_with(algo, profile, cluster, size), profile, cluster, size
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        plan, profile, cluster, size = plan_from_files(
-            args.profiles, args.cluster, args.algo, args.batch_size
+def _check_algo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in the default planner and refuse one of the other mode's."""
+    if args.train:
+        args.algo = args.algo or _TRAINING_DEFAULT
+        if args.algo not in TRAINING_ALGOS:
+            parser.error(
+                f"--algo {args.algo} plans inference; with --train use one of "
+                f"{', '.join(TRAINING_ALGOS)}"
+            )
+        if args.search and args.algo != "straight":
+            parser.error(
+                "--search chooses a straight pipeline's order; use it with --algo straight"
+            )
+        if args.batch_size is not None:
+            parser.error("--batch-size is for inference; with --train use --microbatch-size")
+        return
+    args.algo = args.algo or _INFERENCE_DEFAULT
+    if args.algo not in PLANNERS:
+        parser.error(
+            f"--algo {args.algo} plans training; add --train, or use one of "
+            f"{', '.join(sorted(PLANNERS))}"
         )
-        print(_table(plan, profile))
-        if args.compare:
-            for other in sorted(PLANNERS):
-                if other == args.algo:
-                    continue
-                try:
-                    alternative = plan_with(other, profile, cluster, size)
-                except ZpipeError as exc:
-                    print(f"\n{other}: no plan ({exc})")
-                    continue
-                print()
-                print(_table(alternative, profile))
-                mine = plan.predicted.get("throughput_samples_per_s", 0.0)
-                theirs = predict_plan(alternative, profile, cluster, size)[
-                    "throughput_samples_per_s"
-                ]
-                if theirs > 0:
-                    print(f"  {args.algo} / {other}: {mine / theirs:.2f}x predicted throughput")
+    if args.microbatch_size is not None or args.search:
+        parser.error("--microbatch-size and --search plan training; add --train")
+
+
+def _train_plan(
+    args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec, algo: str
+) -> TrainingPlan:
+    size = args.microbatch_size or profile.batch_sizes[-1]
+    if args.search and algo == "straight":
+        return search_microbatch_and_order(
+            profile,
+            cluster,
+            num_microbatches=args.microbatches,
+            microbatch_sizes=[b for b in profile.batch_sizes if b <= size] or [size],
+            schedule=args.schedule,
+            optimizer=args.optimizer,
+        )
+    return plan_training(
+        profile,
+        cluster,
+        microbatch_size=size,
+        num_microbatches=args.microbatches,
+        algo=algo,
+        schedule=args.schedule,
+        optimizer=args.optimizer,
+    )
+
+
+def _main_train(args: argparse.Namespace) -> TrainingPlan:
+    profile = ModelProfile.load(args.profiles)
+    cluster = load_cluster(args.cluster)
+    plan = _train_plan(args, profile, cluster, args.algo)
+    names = [u.name for u in profile.units]
+    print(plan.describe(names))
+    if args.compare:
+        for other in TRAINING_ALGOS:
+            if other == args.algo:
+                continue
+            try:
+                alternative = _train_plan(args, profile, cluster, other)
+            except ZpipeError as exc:
+                print(f"\n{other}: no plan ({exc})")
+                continue
+            print()
+            print(alternative.describe(names))
+            mine = plan.predicted.get("samples_per_s", 0.0)
+            theirs = alternative.predicted.get("samples_per_s", 0.0)
+            if theirs > 0:
+                print(f"  {args.algo} / {other}: {mine / theirs:.2f}x predicted samples/s")
+    return plan
+
+
+def _main_inference(args: argparse.Namespace) -> Plan:
+    plan, profile, cluster, size = plan_from_files(
+        args.profiles, args.cluster, args.algo, args.batch_size
+    )
+    print(_table(plan, profile))
+    if args.compare:
+        for other in sorted(PLANNERS):
+            if other == args.algo:
+                continue
+            try:
+                alternative = plan_with(other, profile, cluster, size)
+            except ZpipeError as exc:
+                print(f"\n{other}: no plan ({exc})")
+                continue
+            print()
+            print(_table(alternative, profile))
+            mine = plan.predicted.get("throughput_samples_per_s", 0.0)
+            theirs = predict_plan(alternative, profile, cluster, size)["throughput_samples_per_s"]
+            if theirs > 0:
+                print(f"  {args.algo} / {other}: {mine / theirs:.2f}x predicted throughput")
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_algo(parser, args)
+    try:
+        plan: Plan | TrainingPlan = _main_train(args) if args.train else _main_inference(args)
         if args.json is not None:
             text = json.dumps(plan.to_dict(), indent=1)
             if str(args.json) == "-":

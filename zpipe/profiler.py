@@ -9,6 +9,23 @@ believe that more work is cheaper.
 Activation memory is an estimate: the bytes of a unit's inputs and outputs,
 which are alive together while it runs (torch has no cheap per-module peak
 memory counter on CPU).
+
+With ``train=True`` (``--train``) each unit also gets the numbers training
+planners need, measured in training mode (``module.train()``, autograd on):
+
+- ``backward_time_s``: the median time of ``torch.autograd.backward`` from a
+  gradient of the unit's outputs (ones) to the gradients of its parameters
+  and of its input (the first unit's input is data and gets none), after the
+  same warm-up; parameter gradients accumulate across repeats, as they do
+  across the micro-batches of a mini-batch. The forward itself is not timed
+  again: planners take forward times from ``time_s``.
+- ``activation_bytes``: the bytes autograd saves for the backward, counted
+  with ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's
+  storage once (views share it), the unit's own parameters and buffers left
+  out (they are weights). A saved input or output is counted by the unit that
+  saves it, so two neighbouring units that both save the tensor between them
+  (a ReLU its output, the next Linear its input) count it twice: summed over
+  a stage, the number errs high by at most the tensors at unit boundaries.
 """
 
 from __future__ import annotations
@@ -18,10 +35,12 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from zpipe._errors import ConfigError, ZpipeError
 from zpipe.cli_common import positive_float, positive_int
@@ -53,6 +72,131 @@ def _compute_dtype(dtype: str) -> Iterator[None]:
         raise ConfigError(f"dtype must be float32 or bfloat16, got {dtype!r}")
 
 
+@dataclass(frozen=True)
+class _Timing:
+    warmup: int
+    repeats: int
+    slowdown: float
+
+    def once(self, step: Callable[[], object]) -> float:
+        """How long ``step`` takes, as a stage with this slowdown would see it."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        step()
+        elapsed = time.perf_counter() - started
+        # as a stage runs it: stretched from the CPU time (see emulation)
+        return emulate_slowdown(
+            self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+        )
+
+    def median(
+        self, step: Callable[[], object], prepare: Callable[[], object] | None = None
+    ) -> float:
+        """Median of :meth:`once` over the repeats after the warm-up; ``prepare`` is untimed."""
+        samples = []
+        for attempt in range(self.warmup + self.repeats):
+            if prepare is not None:
+                prepare()
+            took = self.once(step)
+            if attempt >= self.warmup:
+                samples.append(took)
+        return statistics.median(samples)
+
+
+def _time_forward(
+    unit: nn.Module, inputs: tuple[torch.Tensor, ...], timing: _Timing
+) -> tuple[float, tuple[torch.Tensor, ...]]:
+    """Median forward time of ``unit`` on ``inputs``, and its outputs."""
+    results: list[tuple[torch.Tensor, ...]] = []
+
+    def step() -> None:
+        results[:] = [_as_tuple(unit(*inputs))]
+
+    return timing.median(step), results[0]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the memory behind ``t``: views of one tensor share it."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensor kinds without a plain storage
+        return id(t), t.numel() * t.element_size()
+
+
+def _training_inputs(inputs: tuple[torch.Tensor, ...], *, first: bool) -> list[torch.Tensor]:
+    """Normal (not inference-mode) copies; later units' float inputs need gradients."""
+    copies = []
+    for t in inputs:
+        copy = t.clone()  # a clone made outside inference mode is a normal tensor
+        if not first and copy.is_floating_point():
+            copy.requires_grad_(True)
+        copies.append(copy)
+    return copies
+
+
+def _measure_training(
+    unit: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    timing: _Timing,
+    *,
+    dtype: str,
+    first: bool,
+    name: str,
+) -> tuple[float, int]:
+    """(median backward seconds, bytes saved for the backward) of ``unit`` on ``inputs``."""
+    weights = {_storage_key(t)[0] for t in (*unit.parameters(), *unit.buffers())}
+    was_training = unit.training
+    unit.train()
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        address, size = _storage_key(t)
+        if address not in weights:
+            saved[address] = size
+        return t
+
+    pending: list[list[torch.Tensor]] = []
+
+    def prepare() -> None:
+        saved.clear()
+        args = _training_inputs(inputs, first=first)
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
+            _compute_dtype(dtype),
+        ):
+            result = _as_tuple(unit(*args))
+        pending[:] = [[t for t in result if t.requires_grad]]
+
+    def backward() -> None:
+        outs = pending.pop()
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    try:
+        with torch.enable_grad():
+            took = timing.median(backward, prepare)
+    except (RuntimeError, ValueError) as exc:
+        batch = inputs[0].shape[0] if inputs and inputs[0].dim() else "?"
+        raise ConfigError(
+            f"unit {name!r} cannot run a training step on a batch of {batch}: {exc}"
+        ) from None
+    finally:
+        unit.train(was_training)
+        unit.zero_grad(set_to_none=True)
+    return took, sum(saved.values())
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _never_cheaper_when_larger(rows: list[list[float]]) -> None:
+    """A running maximum over batch sizes, so noise never makes more work look cheaper."""
+    for row in rows:
+        for i in range(1, len(row)):
+            row[i] = max(row[i], row[i - 1])
+
+
 def profile_model(
     spec: ModelSpec,
     *,
@@ -62,8 +206,13 @@ def profile_model(
     repeats: int = 5,
     slowdown: float = 1.0,
     device_name: str = "local",
+    train: bool = False,
 ) -> ModelProfile:
-    """Profile every unit of ``spec`` at each batch size on this device."""
+    """Profile every unit of ``spec`` at each batch size on this device.
+
+    With ``train`` the profile also holds each unit's backward time and the
+    bytes it saves for its backward (see the module docstring).
+    """
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ConfigError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
@@ -80,41 +229,46 @@ def profile_model(
     times: list[list[float]] = [[] for _ in range(count)]
     outputs: list[list[int]] = [[] for _ in range(count)]
     memory: list[list[int]] = [[] for _ in range(count)]
+    backward: list[list[float]] = [[] for _ in range(count)]
+    saved: list[list[int]] = [[] for _ in range(count)]
     activations = {b: sequence.example_input(b, seed=b) for b in sizes}
     input_bytes = [_nbytes(activations[b]) for b in sizes]
-    with torch.inference_mode(), _compute_dtype(dtype):
-        for index in range(count):
-            unit = whole[index] if whole is not None else sequence.build_units(index, index + 1)[0]
-            param_bytes.append(
-                sum(p.numel() * p.element_size() for p in unit.parameters())
-                + sum(b.numel() * b.element_size() for b in unit.buffers())
-            )
-            for batch_size in sizes:
-                inputs = activations[batch_size]
-                samples = []
-                for attempt in range(warmup + repeats):
-                    started, cpu_started = time.perf_counter(), time.thread_time()
-                    result = _as_tuple(unit(*inputs))
-                    elapsed = time.perf_counter() - started
-                    # as a stage runs it: stretched from the CPU time (see emulation)
-                    took = emulate_slowdown(
-                        slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
-                    )
-                    if attempt >= warmup:
-                        samples.append(took)
-                times[index].append(statistics.median(samples))
-                outputs[index].append(_nbytes(result))
-                memory[index].append(_nbytes(inputs) + _nbytes(result))
-                activations[batch_size] = result
-            del unit
-    for row in times:  # a larger batch is never cheaper than a smaller one
-        for i in range(1, len(row)):
-            row[i] = max(row[i], row[i - 1])
+    timing = _Timing(warmup=warmup, repeats=repeats, slowdown=slowdown)
+    for index in range(count):
+        # Built outside inference mode: parameters made in it could never get gradients.
+        unit = whole[index] if whole is not None else sequence.build_units(index, index + 1)[0]
+        param_bytes.append(
+            sum(p.numel() * p.element_size() for p in unit.parameters())
+            + sum(b.numel() * b.element_size() for b in unit.buffers())
+        )
+        for batch_size in sizes:
+            inputs = activations[batch_size]
+            with torch.inference_mode(), _compute_dtype(dtype):
+                took, result = _time_forward(unit, inputs, timing)
+            times[index].append(took)
+            outputs[index].append(_nbytes(result))
+            memory[index].append(_nbytes(inputs) + _nbytes(result))
+            if train:
+                took, kept = _measure_training(
+                    unit, inputs, timing, dtype=dtype, first=index == 0, name=names[index]
+                )
+                backward[index].append(took)
+                saved[index].append(kept)
+            activations[batch_size] = result
+        del unit
+    for rows in (times, backward):
+        _never_cheaper_when_larger(rows)
     return ModelProfile(
         batch_sizes=tuple(sizes),
         units=tuple(
             UnitProfile(
-                names[i], param_bytes[i], tuple(times[i]), tuple(outputs[i]), tuple(memory[i])
+                names[i],
+                param_bytes[i],
+                tuple(times[i]),
+                tuple(outputs[i]),
+                tuple(memory[i]),
+                tuple(backward[i]) if train else None,
+                tuple(saved[i]) if train else None,
             )
             for i in range(count)
         ),
@@ -196,8 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile as a device this many times slower (default: 1)",
     )
     parser.add_argument("--name", default="local", help="device name recorded in the file")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="also measure what training planners need: each unit's backward time and the "
+        "bytes it saves for its backward (python -m zpipe plan --train)",
+    )
     parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
     return parser
+
+
+def _training_summary(profile: ModelProfile) -> str:
+    if not profile.has_training:
+        return ""
+    sizes = profile.batch_sizes
+    backward = ", ".join(f"{sum(profile.backward_times(b)) * 1e3:.1f} ms" for b in sizes)
+    saved = ", ".join(f"{sum(profile.activation_bytes(b)) / 2**20:.1f} MiB" for b in sizes)
+    return f"; backward {backward}; saved for backward {saved}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             slowdown=args.slowdown,
             device_name=args.name,
+            train=args.train,
         )
         profile.save(args.output)
     except ZpipeError as exc:
@@ -233,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         f"profiled {profile.num_units} units of {args.model} at batch sizes "
         f"{list(profile.batch_sizes)}: forward "
         + ", ".join(f"{t * 1e3:.1f} ms" for t in total)
+        + _training_summary(profile)
         + f"; wrote {args.output}"
     )
     return 0

@@ -41,7 +41,9 @@ from zpipe.coordinator.planning import DEFAULT_PLANNER, choose_plan, cluster_fro
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec, Plan
+from zpipe.planner.plan import StagePlan
 from zpipe.planner.profile import ModelProfile
+from zpipe.planner.training_plan import TrainingPlan, TrainStage
 from zpipe.training.objectives import check_train_settings
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -82,6 +84,15 @@ class _Run:
     metrics: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     failed: set[str] = field(default_factory=set)
+    # every device taking part (a training stage may have several)
+    devices: list[str] = field(default_factory=list)
+    # training with data-parallel groups: each device's all-reduce ring endpoint
+    ring_endpoints: dict[str, str] = field(default_factory=dict)
+    groups: list[list[str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = list(self.plan.devices)
 
 
 class Coordinator:
@@ -254,7 +265,7 @@ class Coordinator:
             "at": time.time(),
         }
         run = self._run
-        if run is not None and name in run.plan.devices:
+        if run is not None and name in run.devices:
             event["run"] = run.run
             run.failed.add(name)
             for futures in (run.ready, run.metrics):
@@ -372,6 +383,8 @@ class Coordinator:
         if message.kind == "ready":
             fut = run.ready.get(member.name)
             if fut is not None and not fut.done():
+                if message.get("ring_endpoint"):
+                    run.ring_endpoints[member.name] = str(message["ring_endpoint"])
                 fut.set_result(float(message["build_s"]))
         elif message.kind == "assign_failed":
             error = ConfigError(f"stage {member.name!r}: {message['error']}")
@@ -456,14 +469,19 @@ class Coordinator:
             log.warning("run_replaced", previous=self._run.run)
         spec = ModelSpec.from_dict(message["model"])
         num_units = load_layer_sequence(spec).num_units
+        mode = message.get("mode") or "infer"
+        if mode not in ("infer", "train"):
+            raise ConfigError(f"unknown run mode {mode!r}; use infer or train")
+        settings = dict(message.get("train") or {})
+        if mode == "train" and settings.get("plan") is not None:
+            return await self._start_training_run(routing_id, client_key, message, spec)
         members = await self._choose_devices(message)
         plan, baseline = await self._plan(spec, num_units, members, message)
+        if mode == "train":
+            return await self._start_training_run(
+                routing_id, client_key, message, spec, straight=plan
+            )
         members = [m for m in members if m.name in plan.devices]
-        training = None
-        if (message.get("mode") or "infer") == "train":
-            training = check_train_settings(message.get("train") or {}, len(plan.stages))
-        elif message.get("mode") not in (None, "infer"):
-            raise ConfigError(f"unknown run mode {message.get('mode')!r}; use infer or train")
         self._epoch += 1
         self._run_counter += 1
         run = _Run(
@@ -494,25 +512,11 @@ class Coordinator:
             )
             upstream = CLIENT_NAME if i == 0 else plan.stages[i - 1].device
             run.ready[stage.device] = loop.create_future()
-            extra: dict[str, Any] = {}
-            if training is not None:
-                extra = {
-                    "mode": "train",
-                    "train": {
-                        "schedule": training["schedule"],
-                        "num_microbatches": training["num_microbatches"],
-                        "warmup": training["warmups"][i],
-                        "loss": training["loss"],
-                        "optimizer": training["optimizer"],
-                    },
-                    "upstream_endpoint": "" if i == 0 else by_name[upstream].data_endpoint,
-                }
             await self._send(
                 member.routing_id,
                 Message(
                     "assign",
                     {
-                        **extra,
                         "run": run.run,
                         "model": spec.to_dict(),
                         "start": stage.start,
@@ -555,6 +559,163 @@ class Coordinator:
             },
             epoch=run.epoch,
         )
+
+    async def _start_training_run(
+        self,
+        routing_id: bytes,
+        client_key: str | None,
+        message: Message,
+        spec: ModelSpec,
+        *,
+        straight: Plan | None = None,
+    ) -> Message:
+        """Assign a training run: a given plan of device groups, or a straight pipeline."""
+        settings = dict(message.get("train") or {})
+        given = settings.pop("plan", None)
+        if given is not None:
+            tplan = TrainingPlan.from_dict(given)
+            num_units = load_layer_sequence(spec).num_units
+            if tplan.num_units != num_units:
+                raise ConfigError(
+                    f"the training plan covers {tplan.num_units} units, the model has {num_units}"
+                )
+            settings["schedule"] = tplan.schedule
+            settings["num_microbatches"] = tplan.num_microbatches
+            settings["warmups"] = tplan.warmups
+            members = await self._choose_devices(
+                Message("run_request", {**message.body, "stage_names": tplan.devices})
+            )
+            groups = [(list(st.devices), st.start, st.end, list(st.shares)) for st in tplan.stages]
+        else:
+            assert straight is not None
+            members = await self._choose_devices(message)
+            groups = [([st.device], st.start, st.end, [1]) for st in straight.stages]
+        training = check_train_settings(settings, len(groups))
+        by_name = {m.name: m for m in members}
+        self._epoch += 1
+        self._run_counter += 1
+        view = Plan(
+            algo=tplan.algo if given is not None else (straight.algo if straight else "even"),
+            num_units=groups[-1][2],
+            stages=tuple(StagePlan(g[0][0], g[1], g[2]) for g in groups),
+            predicted=dict(tplan.predicted)
+            if given is not None
+            else dict(straight.predicted)
+            if straight is not None
+            else {},
+        )
+        run = _Run(
+            run=self._run_counter,
+            epoch=self._epoch,
+            client=routing_id,
+            plan=view,
+            client_key=client_key,
+            devices=[d for g in groups for d in g[0]],
+            groups=[list(g[0]) for g in groups],
+        )
+        self._run = run
+        log.info("run_planned", run=run.run, epoch=run.epoch, mode="train", groups=groups)
+        client = {
+            "names": [CLIENT_NAME],
+            "shares": [1],
+            "endpoints": [str(message["sink_endpoint"])],
+            "keys": [self._key_of(CLIENT_NAME)],
+        }
+
+        def side(i: int) -> dict[str, Any]:
+            if i < 0 or i >= len(groups):
+                return client
+            names, _, _, shares = groups[i]
+            return {
+                "names": names,
+                "shares": shares,
+                "endpoints": [by_name[n].data_endpoint for n in names],
+                "keys": [self._key_of(n) for n in names],
+            }
+
+        loop = asyncio.get_running_loop()
+        for i, (names, start, end, shares) in enumerate(groups):
+            for rank, name in enumerate(names):
+                run.ready[name] = loop.create_future()
+                up, down = side(i - 1), side(i + 1)
+                train = {
+                    "schedule": training["schedule"],
+                    "num_microbatches": training["num_microbatches"],
+                    "warmup": training["warmups"][i],
+                    "loss": training["loss"],
+                    "optimizer": training["optimizer"],
+                    "group": {"names": names, "shares": shares, "rank": rank},
+                    "upstream": up,
+                    "downstream": down,
+                }
+                body = {
+                    "mode": "train",
+                    "train": train,
+                    "run": run.run,
+                    "model": spec.to_dict(),
+                    "start": start,
+                    "end": end,
+                    "index": i,
+                    "num_stages": len(groups),
+                    "upstream": up["names"][0],
+                    "upstream_key": up["keys"][0],
+                    "downstream": down["names"][0],
+                    "downstream_endpoint": down["endpoints"][0],
+                    "downstream_key": down["keys"][0],
+                    "dtype": "float32",
+                }
+                await self._send(
+                    by_name[name].routing_id, Message("assign", body, epoch=run.epoch), peer=name
+                )
+        await _await_all(
+            run.ready, timeout_s=self.config.timeouts.assign_s, awaited="ready after assignment"
+        )
+        tplan_out = (
+            tplan
+            if given is not None
+            else TrainingPlan(
+                algo=view.algo,
+                schedule=training["schedule"],
+                num_units=view.num_units,
+                microbatch_size=1,
+                num_microbatches=training["num_microbatches"],
+                stages=tuple(
+                    TrainStage((n[0],), a, b, (1,), w)
+                    for (n, a, b, _), w in zip(groups, training["warmups"], strict=True)
+                ),
+                predicted=dict(view.predicted),
+            )
+        )
+        first, last = groups[0][0], groups[-1][0]
+        return Message(
+            "run_ready",
+            {
+                "run": run.run,
+                "plan": view.to_dict(),
+                "baseline": None,
+                "first_endpoint": by_name[first[0]].data_endpoint,
+                "first_stage": first[0],
+                "first_key": self._key_of(first[0]),
+                "last_stage": last[0],
+                "last_key": self._key_of(last[0]),
+                "last_endpoint": by_name[last[0]].data_endpoint,
+                "training_plan": {
+                    **tplan_out.to_dict(),
+                    "endpoints": {n: by_name[n].data_endpoint for n in run.devices},
+                    "keys": {n: self._key_of(n) for n in run.devices},
+                },
+            },
+            epoch=run.epoch,
+        )
+
+    def _ring_of(self, run: _Run, device: str) -> dict[str, Any] | None:
+        for group in run.groups:
+            if device in group and len(group) > 1:
+                return {
+                    "endpoints": [run.ring_endpoints.get(n, "") for n in group],
+                    "keys": [self._key_of(n) for n in group],
+                }
+        return None
 
     async def _plan(
         self, spec: ModelSpec, num_units: int, members: list[Member], message: Message
@@ -645,7 +806,7 @@ class Coordinator:
             if run is None or run.run != message["run"]:
                 raise ConfigError(f"run {message['run']} is not the current run")
             members = {m.name: m for m in self.membership.alive()}
-            missing = [s.device for s in run.plan.stages if s.device not in members]
+            missing = [d for d in run.devices if d not in members]
             if missing:
                 raise ConfigError(f"stages {missing} are gone; their weights are lost")
             request = Message(
@@ -653,10 +814,8 @@ class Coordinator:
             )
             replies = await asyncio.gather(
                 *(
-                    self._request(
-                        members[s.device], request, "weights", self.config.timeouts.result_s
-                    )
-                    for s in run.plan.stages
+                    self._request(members[d], request, "weights", self.config.timeouts.result_s)
+                    for d in run.devices
                 )
             )
             keys: list[str] = []
@@ -695,15 +854,17 @@ class Coordinator:
             if run is None or run.run != message["run"]:
                 raise ConfigError(f"run {message['run']} is not the current run")
             loop = asyncio.get_running_loop()
-            for stage in run.plan.stages:
-                member = self.membership.get(stage.device)
+            for device in run.devices:
+                member = self.membership.get(device)
                 if member is None or member.state is MemberState.DEAD:
-                    raise ConfigError(f"stage {stage.device!r} is gone")
-                run.connected[stage.device] = loop.create_future()
+                    raise ConfigError(f"stage {device!r} is gone")
+                run.connected[device] = loop.create_future()
+                body: dict[str, Any] = {"run": run.run}
+                ring = self._ring_of(run, device)
+                if ring is not None:
+                    body["ring"] = ring
                 await self._send(
-                    member.routing_id,
-                    Message("connect", {"run": run.run}, epoch=run.epoch),
-                    peer=stage.device,
+                    member.routing_id, Message("connect", body, epoch=run.epoch), peer=device
                 )
             await _await_all(
                 run.connected, timeout_s=self.config.timeouts.reply_s, awaited="connected"
@@ -724,16 +885,16 @@ class Coordinator:
         stages: dict[str, Any] = {}
         if run is not None and run.run == message["run"]:
             loop = asyncio.get_running_loop()
-            for stage in run.plan.stages:
-                member = self.membership.get(stage.device)
-                if member is None or stage.device in run.failed:
+            for device in run.devices:
+                member = self.membership.get(device)
+                if member is None or device in run.failed:
                     continue
-                run.metrics[stage.device] = loop.create_future()
+                run.metrics[device] = loop.create_future()
                 with contextlib.suppress(TransportTimeout):
                     await self._send(
                         member.routing_id,
                         Message("metrics_request", {"run": run.run}, epoch=run.epoch),
-                        peer=stage.device,
+                        peer=device,
                     )
             for name, fut in run.metrics.items():
                 try:

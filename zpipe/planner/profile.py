@@ -4,6 +4,10 @@ The profiler measures it (``python -m zpipe profile``); the planners read it.
 Times are for one forward of a micro-batch of each profiled batch size on the
 device that was profiled; a planner scales them by each device's speed.
 
+Training measurements are optional (``python -m zpipe profile --train``): a
+profile has them for every unit or for none, and a file without them is still
+a valid ``zpipe-profile/1`` file (the inference planners never read them).
+
 File format (JSON)::
 
     {
@@ -17,10 +21,19 @@ File format (JSON)::
          "param_bytes": 2359296,                    # weights and buffers
          "time_s": [t1, t2, t4, t8],                # median forward time per batch size
          "output_bytes": [o1, o2, o4, o8],          # what crosses to the next unit
-         "memory_bytes": [m1, m2, m4, m8]},         # peak extra memory of a forward
+         "memory_bytes": [m1, m2, m4, m8],          # peak extra memory of a forward
+         "backward_time_s": [g1, g2, g4, g8],       # optional (--train): median backward
+         "activation_bytes": [s1, s2, s4, s8]},     # optional (--train): saved for backward
         ...
       ]
     }
+
+``backward_time_s`` is the time of the unit's backward given the gradient of
+its output: the gradients of its input (except for the first unit, whose
+input is data) and of its parameters. ``activation_bytes`` is what the unit
+keeps alive from its forward until its backward: the tensors autograd saves,
+each storage counted once, the unit's own parameters left out (they are
+weights, counted in ``param_bytes``).
 """
 
 from __future__ import annotations
@@ -35,6 +48,9 @@ from typing import Any
 from zpipe._errors import ConfigError
 
 PROFILE_FORMAT = "zpipe-profile/1"
+_NO_TRAINING = "profile has no training measurements; profile with --train"
+_PER_BATCH_KEYS: tuple[str, ...] = ("time_s", "output_bytes", "memory_bytes")
+_TRAINING_KEYS: tuple[str, ...] = ("backward_time_s", "activation_bytes")
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,13 @@ class UnitProfile:
     time_s: tuple[float, ...]
     output_bytes: tuple[int, ...]
     memory_bytes: tuple[int, ...]
+    # Training measurements (``--train``); None in a forward-only profile.
+    backward_time_s: tuple[float, ...] | None = None
+    activation_bytes: tuple[int, ...] | None = None
+
+    @property
+    def has_training(self) -> bool:
+        return self.backward_time_s is not None and self.activation_bytes is not None
 
 
 @dataclass(frozen=True)
@@ -66,8 +89,16 @@ class ModelProfile:
         n = len(self.batch_sizes)
         if len(self.input_bytes) != n:
             raise ConfigError(f"input_bytes has {len(self.input_bytes)} entries, expected {n}")
+        trained = [u.has_training for u in self.units]
+        if any(trained) and not all(trained):
+            raise ConfigError(
+                "training measurements (backward_time_s, activation_bytes) must be given for "
+                f"every unit or for none; units {[i for i, t in enumerate(trained) if not t]} "
+                "lack them"
+            )
+        keys = _PER_BATCH_KEYS + (_TRAINING_KEYS if all(trained) else ())
         for i, unit in enumerate(self.units):
-            for key in ("time_s", "output_bytes", "memory_bytes"):
+            for key in keys:
                 values = getattr(unit, key)
                 if len(values) != n:
                     raise ConfigError(
@@ -82,6 +113,11 @@ class ModelProfile:
     @property
     def num_units(self) -> int:
         return len(self.units)
+
+    @property
+    def has_training(self) -> bool:
+        """Whether the profile holds backward times and activation sizes (``--train``)."""
+        return self.units[0].has_training
 
     def _index(self, batch_size: int) -> int:
         try:
@@ -108,6 +144,25 @@ class ModelProfile:
     def input_bytes_at(self, batch_size: int) -> int:
         return self.input_bytes[self._index(batch_size)]
 
+    def param_bytes(self) -> list[int]:
+        """Each unit's weights and buffers, in bytes."""
+        return [u.param_bytes for u in self.units]
+
+    def backward_times(self, batch_size: int) -> list[float]:
+        """Backward time of each unit at ``batch_size`` on the profiled device."""
+        i = self._training_index(batch_size)
+        return [(u.backward_time_s or ())[i] for u in self.units]
+
+    def activation_bytes(self, batch_size: int) -> list[int]:
+        """Bytes each unit keeps alive between its forward and its backward at ``batch_size``."""
+        i = self._training_index(batch_size)
+        return [(u.activation_bytes or ())[i] for u in self.units]
+
+    def _training_index(self, batch_size: int) -> int:
+        if not self.has_training:
+            raise ConfigError(_NO_TRAINING)
+        return self._index(batch_size)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": PROFILE_FORMAT,
@@ -115,16 +170,7 @@ class ModelProfile:
             "device": dict(self.device),
             "batch_sizes": list(self.batch_sizes),
             "input_bytes": list(self.input_bytes),
-            "units": [
-                {
-                    "name": u.name,
-                    "param_bytes": u.param_bytes,
-                    "time_s": list(u.time_s),
-                    "output_bytes": list(u.output_bytes),
-                    "memory_bytes": list(u.memory_bytes),
-                }
-                for u in self.units
-            ],
+            "units": [_unit_to_dict(u) for u in self.units],
         }
 
     @classmethod
@@ -134,16 +180,7 @@ class ModelProfile:
                 f"{source}: format must be {PROFILE_FORMAT!r}, got {data.get('format')!r}"
             )
         try:
-            units = tuple(
-                UnitProfile(
-                    name=str(u["name"]),
-                    param_bytes=int(u["param_bytes"]),
-                    time_s=tuple(float(t) for t in u["time_s"]),
-                    output_bytes=tuple(int(b) for b in u["output_bytes"]),
-                    memory_bytes=tuple(int(b) for b in u["memory_bytes"]),
-                )
-                for u in data["units"]
-            )
+            units = tuple(_unit_from_dict(u) for u in data["units"])
             return cls(
                 batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
                 units=units,
@@ -174,23 +211,68 @@ class ModelProfile:
         return cls.from_dict(data, source=str(path))
 
 
+def _unit_to_dict(u: UnitProfile) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": u.name,
+        "param_bytes": u.param_bytes,
+        "time_s": list(u.time_s),
+        "output_bytes": list(u.output_bytes),
+        "memory_bytes": list(u.memory_bytes),
+    }
+    # Written only when measured, so a forward-only profile's file is unchanged.
+    if u.backward_time_s is not None:
+        entry["backward_time_s"] = list(u.backward_time_s)
+    if u.activation_bytes is not None:
+        entry["activation_bytes"] = list(u.activation_bytes)
+    return entry
+
+
+def _unit_from_dict(u: Mapping[str, Any]) -> UnitProfile:
+    backward = u.get("backward_time_s")
+    activations = u.get("activation_bytes")
+    return UnitProfile(
+        name=str(u["name"]),
+        param_bytes=int(u["param_bytes"]),
+        time_s=tuple(float(t) for t in u["time_s"]),
+        output_bytes=tuple(int(b) for b in u["output_bytes"]),
+        memory_bytes=tuple(int(b) for b in u["memory_bytes"]),
+        backward_time_s=None if backward is None else tuple(float(t) for t in backward),
+        activation_bytes=None if activations is None else tuple(int(b) for b in activations),
+    )
+
+
 def synthetic_profile(
     times_s: Sequence[float],
     output_bytes: Sequence[int],
     *,
     param_bytes: Sequence[int] | None = None,
     memory_bytes: Sequence[int] | None = None,
+    backward_times_s: Sequence[float] | None = None,
+    activation_bytes: Sequence[int] | None = None,
     input_bytes: int = 0,
     batch_size: int = 1,
     names: Sequence[str] | None = None,
 ) -> ModelProfile:
-    """A one-batch-size profile from plain lists: for tests, benchmarks and paper tables."""
+    """A one-batch-size profile from plain lists: for tests, benchmarks and paper tables.
+
+    Give ``backward_times_s`` and ``activation_bytes`` together for a training
+    profile; either one alone is an error.
+    """
     n = len(times_s)
     params = list(param_bytes) if param_bytes is not None else [0] * n
     memory = list(memory_bytes) if memory_bytes is not None else [0] * n
     labels = list(names) if names is not None else [f"unit{i}" for i in range(n)]
     if not (len(output_bytes) == len(params) == len(memory) == len(labels) == n):
         raise ConfigError("synthetic profile lists must all have one entry per unit")
+    if (backward_times_s is None) != (activation_bytes is None):
+        raise ConfigError("give backward_times_s and activation_bytes together, or neither")
+    backward: list[tuple[float, ...] | None] = [None] * n
+    saved: list[tuple[int, ...] | None] = [None] * n
+    if backward_times_s is not None and activation_bytes is not None:
+        if not (len(backward_times_s) == len(activation_bytes) == n):
+            raise ConfigError("synthetic profile lists must all have one entry per unit")
+        backward = [(float(t),) for t in backward_times_s]
+        saved = [(int(b),) for b in activation_bytes]
     return ModelProfile(
         batch_sizes=(batch_size,),
         units=tuple(
@@ -200,6 +282,8 @@ def synthetic_profile(
                 (float(times_s[i]),),
                 (int(output_bytes[i]),),
                 (int(memory[i]),),
+                backward[i],
+                saved[i],
             )
             for i in range(n)
         ),

@@ -27,6 +27,7 @@ class StageCounters:
     # training: most forwards awaiting their backward at once, and the bytes they held
     peak_live_activations: int = 0
     peak_activation_bytes: int = 0
+    allreduce_s: float = 0.0  # summing gradients with the rest of the stage's group
     started_at: float = field(default_factory=time.monotonic)
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder, measure_link
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard
-from zpipe.stage.trainer import TrainingExecutor, TrainingSetup
+from zpipe.stage.trainer import Group, TrainingExecutor, TrainingSetup
+from zpipe.training.allreduce import RingAllReduce
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
@@ -50,6 +52,14 @@ from zpipe.transport.sockets import (
 )
 
 log = get_logger("zpipe.stage")
+
+
+def free_port(bind_host: str) -> int:
+    """A TCP port free on ``bind_host`` now (for a socket bound a moment later)."""
+    host = bind_host.split("://", 1)[-1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("" if host in ("*", "0.0.0.0") else host, 0))
+        return int(probe.getsockname()[1])
 
 
 class CoordinatorLost(ZpipeError):
@@ -95,9 +105,12 @@ class _Assignment:
     shard: Shard | TrainShard
     upstream_key: str | None = None
     downstream_key: str | None = None
-    # training runs only: where gradients go back to, and the round's settings
-    upstream_endpoint: str = ""
+    # training runs only: the round's settings, every neighbour device's (endpoint, key)
+    # that this one sends to, and this device's port in its group's all-reduce ring
     training: TrainingSetup | None = None
+    peers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    ring_bind: str = ""
+    ring_endpoint: str = ""
 
 
 # What the data port of a stage accepts, and from whom, besides data from upstream.
@@ -115,7 +128,8 @@ class StageRuntime:
         self._assignment: _Assignment | None = None
         self._data_tasks: list[asyncio.Task[None]] = []
         self._downstream: zmq.asyncio.Socket | None = None
-        self._upstream: zmq.asyncio.Socket | None = None
+        self._peers: dict[str, zmq.asyncio.Socket] = {}
+        self._ring: RingAllReduce | None = None
         self._trainer: TrainingExecutor | None = None
         self._weights_task: asyncio.Task[None] | None = None
         self._link: EmulatedLink | None = None
@@ -507,16 +521,13 @@ class StageRuntime:
                 shard=shard,
                 upstream_key=body.get("upstream_key"),
                 downstream_key=body.get("downstream_key"),
-                upstream_endpoint=str(body.get("upstream_endpoint") or ""),
                 training=training,
             )
+            senders = [assignment.upstream_key]
+            if training is not None:
+                senders = self._prepare_training(assignment, dict(body["train"]))
             if self._data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
-                # Training also takes gradients from downstream (labels, on the last stage,
-                # come from the client, which is the downstream there).
-                senders = [assignment.upstream_key]
-                if training is not None:
-                    senders.append(assignment.downstream_key)
                 self._data_allow.replace([k.encode() for k in senders if k])
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=self.config.name, run=run, error=str(exc))
@@ -536,9 +547,10 @@ class StageRuntime:
             build_s=round(build_s, 3),
             reused=reused,
         )
-        await self._send_control(
-            "ready", {"run": run, "name": self.config.name, "build_s": build_s}, epoch=epoch
-        )
+        ready: dict[str, Any] = {"run": run, "name": self.config.name, "build_s": build_s}
+        if assignment.ring_endpoint:
+            ready["ring_endpoint"] = assignment.ring_endpoint
+        await self._send_control("ready", ready, epoch=epoch)
 
     async def _connect(self, message: Message) -> None:
         """Second phase of an assignment: every stage now allows its upstream's key."""
@@ -548,14 +560,10 @@ class StageRuntime:
         assignment = self._pending
         self._pending = None
         try:
-            self._connect_downstream(assignment, assignment.downstream_key)
-            if assignment.training is not None and assignment.index > 0:
-                self._upstream = self._connect_push(
-                    self._upstream,
-                    assignment.upstream_endpoint,
-                    assignment.upstream_key,
-                    assignment.upstream,
-                )
+            if assignment.training is not None:
+                await self._connect_training(assignment, message.get("ring"))
+            else:
+                self._connect_downstream(assignment, assignment.downstream_key)
         except Exception as exc:
             await self._send_control(
                 "assign_failed",
@@ -623,7 +631,19 @@ class StageRuntime:
         train = body.get("train")
         if not isinstance(train, dict):
             raise ConfigError("a training assignment needs its 'train' settings")
+
+        def group(entry: Any) -> Group:
+            names = tuple(str(n) for n in entry["names"])
+            shares = tuple(int(x) for x in entry["shares"])
+            if not names or len(names) != len(shares):
+                raise ValueError(f"a group needs one share per device: {entry!r}")
+            return Group(names, shares)
+
         try:
+            own = group(train["group"])
+            rank = int(train["group"]["rank"])
+            if not 0 <= rank < len(own.names) or own.names[rank] != self.config.name:
+                raise ValueError(f"rank {rank} of {own.names} is not {self.config.name!r}")
             return TrainingSetup(
                 run=int(body["run"]),
                 epoch=message.epoch,
@@ -633,12 +653,65 @@ class StageRuntime:
                 schedule=str(train["schedule"]),
                 num_microbatches=int(train["num_microbatches"]),
                 warmup=int(train["warmup"]),
-                upstream=str(body["upstream"]),
-                downstream=str(body["downstream"]),
+                group=own,
+                rank=rank,
+                upstream=group(train["upstream"]),
+                downstream=group(train["downstream"]),
                 wait_s=self.config.timeouts.result_s,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed training settings: {exc!r}") from None
+
+    def _prepare_training(self, assignment: _Assignment, train: dict[str, Any]) -> list[str | None]:
+        """Note every neighbour's endpoint and key, reserve a ring port; the senders to allow."""
+        allowed: list[str | None] = []
+        for side in ("upstream", "downstream"):
+            entry = train[side]
+            keys = list(entry.get("keys") or [None] * len(entry["names"]))
+            allowed += keys
+            for name, endpoint, key in zip(entry["names"], entry["endpoints"], keys, strict=True):
+                if side == "downstream" or name != CLIENT:
+                    assignment.peers[str(name)] = (str(endpoint), key)
+        setup = assignment.training
+        assert setup is not None
+        if len(setup.group.names) > 1:
+            host = self.data_endpoint.rsplit(":", 1)[0]
+            bind_host = self.config.data_bind.rsplit(":", 1)[0]
+            port = free_port(bind_host)
+            assignment.ring_bind = f"{bind_host}:{port}"
+            assignment.ring_endpoint = f"{host}:{port}"
+        return allowed
+
+    async def _connect_training(self, assignment: _Assignment, ring: Any) -> None:
+        for sock in self._peers.values():
+            sock.close(linger=0)
+        self._peers = {
+            name: self._connect_push(None, endpoint, key, name)
+            for name, (endpoint, key) in assignment.peers.items()
+        }
+        if self._ring is not None:
+            await self._ring.close()
+            self._ring = None
+        setup = assignment.training
+        assert setup is not None
+        if len(setup.group.names) > 1:
+            if not isinstance(ring, dict):
+                raise ConfigError("a shared stage was not told its all-reduce ring")
+            keys = ring.get("keys")
+            self._ring = RingAllReduce(
+                context=self._context,
+                rank=setup.rank,
+                endpoints=[str(e) for e in ring["endpoints"]],
+                bind=assignment.ring_bind,
+                socket_options=self.config.socket_options,
+                keypair=self._keypair,
+                peer_keys=[str(k).encode() for k in keys] if self._keypair and keys else None,
+                authenticator=self._authenticator,
+                timeout_s=self.config.timeouts.result_s,
+                epoch=assignment.epoch,
+                name=f"stage {setup.index}",
+            )
+            await self._ring.start()
 
     def _start_training_tasks(self, assignment: _Assignment, setup: TrainingSetup) -> None:
         assert isinstance(assignment.shard, TrainShard)
@@ -656,6 +729,7 @@ class StageRuntime:
             send=queue_send,
             compute=self._compute,
             counters=self.counters,
+            reducer=self._ring,
         )
         self._data_tasks = [
             asyncio.create_task(self._receive_loop(assignment, asyncio.Queue(1))),
@@ -699,14 +773,11 @@ class StageRuntime:
             self.counters.send_s += time.perf_counter() - started
 
     async def _send_to_neighbour(self, item: object) -> None:
-        assert isinstance(item, tuple) and self._assignment is not None
-        target, message = item
-        if target == "upstream":
-            sock, peer = self._upstream, self._assignment.upstream
-        else:
-            sock, peer = self._downstream, self._assignment.downstream
+        assert isinstance(item, tuple)
+        peer, message = item
+        sock = self._peers.get(peer)
         if sock is None:
-            raise ConfigError(f"no socket to send {message.kind} {target}")
+            raise ConfigError(f"no socket to send {message.kind} to {peer!r}")
         self.counters.bytes_out += await send(
             sock, message, timeout_s=self.config.timeouts.send_s, peer=peer
         )
@@ -802,19 +873,24 @@ class StageRuntime:
             raise ProtocolError("data from a peer that is not the assigned upstream")
 
     def _check_data_message(self, message: Message, assignment: _Assignment) -> None:
-        senders = {"data": assignment.upstream, "error": assignment.upstream}
-        if assignment.training is not None:
-            senders["grad"] = assignment.downstream
-            if assignment.index == assignment.num_stages - 1:
-                senders["labels"] = CLIENT
+        setup = assignment.training
+        senders: dict[str, tuple[str, ...]] = {
+            "data": (assignment.upstream,),
+            "error": (assignment.upstream,),
+        }
+        if setup is not None:
+            senders = {"data": setup.upstream.names, "error": setup.upstream.names}
+            senders["grad"] = setup.downstream.names
+            if setup.last:
+                senders["labels"] = (CLIENT,)
         expected = senders.get(message.kind)
         if expected is None:
             raise ProtocolError(f"{message.kind!r} does not belong on the data port")
-        if message["src"] != expected:
+        if message["src"] not in expected:
             raise ProtocolError(
-                f"{message.kind} from {message['src']!r}, but it must come from {expected!r}"
+                f"{message.kind} from {message['src']!r}, but it must come from {list(expected)}"
             )
-        if message.kind != "error" and not message.tensors:
+        if setup is None and message.kind != "error" and not message.tensors:
             raise ProtocolError(f"a {message.kind} message carries no tensors")
 
     async def _compute_loop(
@@ -918,9 +994,12 @@ class StageRuntime:
             await self._probe_responder.close()
         if self._weights_task is not None:
             self._weights_task.cancel()
+        for peer in self._peers.values():
+            peer.close(linger=0)
+        if self._ring is not None:
+            await self._ring.close()
         for sock in (
             self._downstream,
-            self._upstream,
             self._data_in,
             self._probe_in,
             self._control,

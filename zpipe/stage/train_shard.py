@@ -165,14 +165,18 @@ class TrainShard:
             self.optimizer.zero_grad(set_to_none=True)
         return self._timed(started, cpu_started)
 
-    def gradients(self) -> list[torch.Tensor]:
-        """This stage's parameter gradients, for a data-parallel all-reduce."""
-        return [
-            p.grad
-            for u in self.units
-            for p in u.parameters()
-            if p.requires_grad and p.grad is not None
-        ]
+    def all_gradients(self) -> list[torch.Tensor]:
+        """Every trainable parameter's gradient, zeros where none accumulated (a device
+        that computed no rows), so every member of a group reduces the same list."""
+        grads = []
+        for unit in self.units:
+            for p in unit.parameters():
+                if not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        return grads
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under the full model's keys ("units.<index>.<name>")."""

@@ -1,12 +1,21 @@
-"""The training executor of one stage: runs its schedule's actions, round after round.
+"""The training executor of one stage device: runs its schedule's actions, round after round.
 
-The stage's receive loop hands over activations (``data`` from upstream),
-gradients (``grad`` from downstream) and, on the last stage, ``labels`` from
-the client; the executor runs each round's actions in order
+The stage's receive loop hands over activations (``data`` from the upstream
+group), gradients (``grad`` from the downstream group) and, on the last stage,
+``labels`` from the client; the executor runs each round's actions in order
 (:func:`zpipe.training.schedules.stage_actions`): a forward waits for its
-activation, a backward for its gradient, then ``STEP`` applies the optimizer.
+activation, a backward for its gradient, ``ALLREDUCE`` sums the gradients of
+the devices that share this stage, then ``STEP`` applies the optimizer.
 Compute runs in the stage's compute thread; sends are queued on the stage's
 (possibly emulated) outgoing link and overlap the next compute.
+
+Data-parallel groups (Asteroid's hybrid pipeline parallelism): each device of
+a group computes its block of every micro-batch's rows
+(:mod:`zpipe.training.routing`); every device of one group sends every device
+of the next one a piece (the rows they share, possibly none, with the
+micro-batch's row count), so a receiver always knows how many pieces to wait
+for. Losses are scaled to the whole mini-batch, so the group's gradients are
+summed, not averaged.
 
 Micro-batch ids are global: round r's micro-batch m is ``r * M + m``.
 """
@@ -15,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -26,14 +35,32 @@ from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.log import get_logger
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.train_shard import TrainShard
+from zpipe.training.routing import split_rows
 from zpipe.training.schedules import stage_actions
 from zpipe.transport.codec import Message
 
 log = get_logger("zpipe.stage")
 
-# send(target, message): target is "downstream" or "upstream"
+# send(peer name, message)
 Sender = Callable[[str, Message], Awaitable[None]]
 _T = TypeVar("_T")
+
+
+class GroupReducer(Protocol):
+    async def allreduce_(
+        self, tensors: Sequence[torch.Tensor], *, op: str, round_id: int
+    ) -> object: ...
+
+
+@dataclass(frozen=True)
+class Group:
+    """Devices that share a stage (or the client, alone) and their shares of each row."""
+
+    names: tuple[str, ...]
+    shares: tuple[int, ...]
+
+    def blocks(self, total: int) -> list[tuple[int, int]]:
+        return split_rows(total, self.shares)
 
 
 @dataclass(frozen=True)
@@ -46,9 +73,19 @@ class TrainingSetup:
     schedule: str
     num_microbatches: int
     warmup: int
-    upstream: str
-    downstream: str
+    group: Group  # this stage's devices, this one included
+    rank: int  # this device's place in ``group``
+    upstream: Group  # the client alone on the first stage
+    downstream: Group  # the client alone on the last stage
     wait_s: float
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
 
 
 class TrainingExecutor:
@@ -60,54 +97,86 @@ class TrainingExecutor:
         send: Sender,
         compute: ThreadPoolExecutor,
         counters: StageCounters,
+        reducer: GroupReducer | None = None,
     ) -> None:
+        if len(setup.group.names) > 1 and reducer is None:
+            raise PipelineError("a stage shared by several devices needs an all-reduce group")
         self.setup = setup
         self.shard = shard
         self._send = send
         self._compute = compute
+        self._reducer = reducer
         self.counters = counters
-        self._arrived: dict[tuple[str, int], Message] = {}
-        self._waiters: dict[tuple[str, int], asyncio.Future[Message]] = {}
+        # (kind, micro-batch) -> pieces by sender
+        self._arrived: dict[tuple[str, int], dict[str, Message]] = {}
+        self._waiters: dict[tuple[str, int], asyncio.Event] = {}
         self.completed_steps = 0
+        self._step_done = asyncio.Condition()
         self._current_mb = 0  # the micro-batch being worked on, named if it fails
         self.failure: str | None = None  # set when the run broke; no more steps will come
-        self._step_done = asyncio.Condition()
+        # rows of each micro-batch this device computes, and their row count
+        self._rows: dict[int, tuple[int, int, int]] = {}
         self.actions = stage_actions(
             setup.schedule,
             stage=setup.index,
             num_stages=setup.num_stages,
             num_microbatches=setup.num_microbatches,
             warmup=setup.warmup,
+            data_parallel=len(setup.group.names) > 1,
         )
 
     # ------------------------------------------------------------ arrivals
 
     def deliver(self, message: Message) -> None:
-        """An activation, gradient or label for a micro-batch, already validated."""
+        """A piece of an activation, gradient or labels, already validated."""
         key = (message.kind, int(message["mb"]))
-        waiter = self._waiters.pop(key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(message)
-        elif key in self._arrived:
-            raise PipelineError(f"a second {key[0]} for micro-batch {key[1]}")
-        else:
-            self._arrived[key] = message
+        _check_piece(message)
+        pieces = self._arrived.setdefault(key, {})
+        src = str(message["src"])
+        if src in pieces:
+            raise PipelineError(f"a second {key[0]} piece from {src} for micro-batch {key[1]}")
+        pieces[src] = message
+        waiter = self._waiters.get(key)
+        if waiter is not None:
+            waiter.set()
 
-    async def _take(self, kind: str, mb: int, peer: str) -> Message:
+    async def _gather(
+        self, kind: str, mb: int, senders: Group
+    ) -> tuple[tuple[torch.Tensor, ...], int, Message]:
+        """Every sender's piece of ``mb``: the concatenated rows, the row count, one piece."""
         key = (kind, mb)
-        message = self._arrived.pop(key, None)
-        if message is not None:
-            return message
-        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._waiters[key] = waiter
         waited_from = time.perf_counter()
+        deadline = time.monotonic() + self.setup.wait_s
         try:
-            return await asyncio.wait_for(waiter, self.setup.wait_s)
-        except asyncio.TimeoutError:
-            raise TransportTimeout(peer, f"{kind} of micro-batch {mb}", self.setup.wait_s) from None
+            while len(self._arrived.get(key, {})) < len(senders.names):
+                left = deadline - time.monotonic()
+                missing = [n for n in senders.names if n not in self._arrived.get(key, {})]
+                if left <= 0:
+                    raise TransportTimeout(
+                        ", ".join(missing), f"{kind} of micro-batch {mb}", self.setup.wait_s
+                    )
+                event = self._waiters.setdefault(key, asyncio.Event())
+                event.clear()
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except asyncio.TimeoutError:
+                    continue
         finally:
             self._waiters.pop(key, None)
             self.counters.idle_s += time.perf_counter() - waited_from
+        pieces = self._arrived.pop(key)
+        ordered = sorted(pieces.values(), key=lambda p: int(p["rows"][0]))
+        totals = {int(p["total"]) for p in ordered}
+        if len(totals) != 1:
+            raise PipelineError(f"{kind} pieces of micro-batch {mb} disagree on its size")
+        parts = [p.tensors for p in ordered if p.tensors]
+        if not parts:
+            return (), totals.pop(), ordered[0]
+        joined = tuple(
+            torch.cat(column) if len(parts) > 1 else column[0]
+            for column in zip(*parts, strict=True)
+        )
+        return joined, totals.pop(), ordered[0]
 
     # ------------------------------------------------------------ the rounds
 
@@ -136,13 +205,19 @@ class TrainingExecutor:
             elif action.kind == "B":
                 assert action.microbatch is not None
                 await self._backward(base + action.microbatch)
+            elif action.kind == "ALLREDUCE":
+                assert self._reducer is not None
+                grads = await self._in_thread(self.shard.all_gradients)
+                started = time.perf_counter()
+                await self._reducer.allreduce_(grads, op="sum", round_id=step)
+                self.counters.allreduce_s += time.perf_counter() - started
             elif action.kind == "STEP":
                 await self._in_thread(self.shard.step)
                 async with self._step_done:
                     self.completed_steps = step + 1
                     self._step_done.notify_all()
                 log.debug("step_done", stage=self.setup.name, step=step)
-            # RECV_* happen inside F/B (waiting for the message); SEND_* are queued there.
+            # RECV_* happen inside F/B (waiting for the pieces); SEND_* are queued there.
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         started = time.perf_counter()
@@ -154,74 +229,87 @@ class TrainingExecutor:
     async def _forward(self, mb: int, step: int) -> None:
         s = self.setup
         self._current_mb = mb
-        if s.index == 0:
-            inputs = await self._take("data", mb, "client")
-        else:
-            inputs = await self._take("data", mb, s.upstream)
+        inputs, total, _ = await self._gather("data", mb, s.upstream)
+        lo, hi = s.group.blocks(total)[s.rank]
+        self._rows[mb] = (lo, hi, total)
         target, samples = None, 0
-        if s.index == s.num_stages - 1:
-            labels = await self._take("labels", mb, "client")
-            target, samples = labels.tensors[0], int(labels["samples"])
-        outputs, loss, _ = await self._in_thread(
-            self.shard.forward, mb, inputs.tensors, target, samples
-        )
-        self.counters.microbatches += 1
-        self.counters.peak_live_activations = self.shard.peak_live
-        self.counters.peak_activation_bytes = self.shard.peak_activation_bytes
-        if loss is not None:
-            await self._send(
-                "downstream",
-                Message(
-                    "loss",
-                    {"run": s.run, "mb": mb, "step": step, "loss": loss, "src": s.name},
-                    epoch=s.epoch,
-                ),
-            )
+        if s.last:
+            labels, label_total, piece = await self._gather("labels", mb, Group((CLIENT,), (1,)))
+            if label_total != total:
+                raise PipelineError(
+                    f"labels of micro-batch {mb} have {label_total} rows, not {total}"
+                )
+            target, samples = (labels[0] if labels else None), int(piece["samples"])
+        if hi == lo:
+            outputs: tuple[torch.Tensor, ...] = ()
+            loss: float | None = 0.0 if s.last else None
         else:
-            await self._send(
-                "downstream",
-                Message(
-                    "data", {"run": s.run, "mb": mb, "src": s.name}, epoch=s.epoch, tensors=outputs
-                ),
+            outputs, loss, _ = await self._in_thread(
+                self.shard.forward, mb, inputs, target, samples
             )
+            self.counters.microbatches += 1
+            self.counters.peak_live_activations = self.shard.peak_live
+            self.counters.peak_activation_bytes = self.shard.peak_activation_bytes
+        if s.last:
+            body = {"run": s.run, "mb": mb, "step": step, "loss": loss or 0.0, "src": s.name}
+            await self._send(CLIENT, Message("loss", body, epoch=s.epoch))
+        else:
+            await self._scatter("data", mb, outputs, (lo, hi, total), s.downstream)
 
     async def _backward(self, mb: int) -> None:
         s = self.setup
         self._current_mb = mb
+        lo, hi, total = self._rows.pop(mb)
         grad_outputs: tuple[torch.Tensor, ...] = ()
-        if s.index != s.num_stages - 1:
-            grad_outputs = (await self._take("grad", mb, s.downstream)).tensors
-        grads, _ = await self._in_thread(self.shard.backward, mb, grad_outputs)
-        if s.index > 0:
-            body = {"run": s.run, "mb": mb, "src": s.name}
-            await self._send("upstream", Message("grad", body, epoch=s.epoch, tensors=grads))
+        if not s.last:
+            grad_outputs, _, _ = await self._gather("grad", mb, s.downstream)
+        grads: tuple[torch.Tensor, ...] = ()
+        if hi > lo:
+            grads, _ = await self._in_thread(self.shard.backward, mb, grad_outputs)
+        if not s.first:
+            await self._scatter("grad", mb, grads, (lo, hi, total), s.upstream)
+
+    async def _scatter(
+        self,
+        kind: str,
+        mb: int,
+        tensors: tuple[torch.Tensor, ...],
+        rows: tuple[int, int, int],
+        receivers: Group,
+    ) -> None:
+        """Send every receiver the rows it shares with this device (maybe none)."""
+        s = self.setup
+        lo, hi, total = rows
+        for name, (a, b) in zip(receivers.names, receivers.blocks(total), strict=True):
+            start, end = max(lo, a), min(hi, b)
+            piece: tuple[torch.Tensor, ...] = ()
+            if start < end:
+                piece = tuple(t[start - lo : end - lo] for t in tensors)
+            else:
+                start = end = max(lo, min(hi, a))
+            body = {"run": s.run, "mb": mb, "src": s.name, "rows": [start, end], "total": total}
+            await self._send(name, Message(kind, body, epoch=s.epoch, tensors=piece))
 
     async def _report_failure(self, exc: BaseException) -> None:
         s = self.setup
-        try:
-            await self._send(
-                "downstream",
-                Message(
-                    "error",
-                    {
-                        "run": s.run,
-                        "mb": self._current_mb,
-                        "src": s.name,
-                        "stage": s.name,
-                        "message": f"{type(exc).__name__}: {exc}",
-                    },
-                    epoch=s.epoch,
-                ),
-            )
-        except Exception as send_exc:  # the run is over either way
-            log.error("failure_not_reported", stage=s.name, error=str(send_exc))
+        body = {
+            "run": s.run,
+            "mb": self._current_mb,
+            "src": s.name,
+            "stage": s.name,
+            "message": f"{type(exc).__name__}: {exc}",
+        }
+        for name in s.downstream.names:
+            try:
+                await self._send(name, Message("error", body, epoch=s.epoch))
+            except Exception as send_exc:  # the run is over either way
+                log.error("failure_not_reported", stage=s.name, error=str(send_exc))
 
-    def pass_on_error(self, message: Message) -> Awaitable[None]:
-        """An upstream stage failed: tell whoever is downstream, up to the client."""
+    async def pass_on_error(self, message: Message) -> None:
+        """A stage upstream failed: tell whoever is downstream, up to the client."""
         s = self.setup
-        return self._send(
-            "downstream", Message("error", {**message.body, "src": s.name}, epoch=s.epoch)
-        )
+        for name in s.downstream.names:
+            await self._send(name, Message("error", {**message.body, "src": s.name}, epoch=s.epoch))
 
     async def wait_for_step(self, step: int, timeout_s: float) -> None:
         """Return once ``step`` rounds have completed on this stage."""
@@ -240,3 +328,20 @@ class TrainingExecutor:
             raise TransportTimeout(
                 self.setup.name, f"round {step} to complete", timeout_s
             ) from None
+
+
+CLIENT = "client"
+
+
+def _check_piece(message: Message) -> None:
+    """Rows inside the micro-batch, and tensors of exactly that many rows (or none)."""
+    rows, total = message.get("rows"), message.get("total")
+    if not isinstance(rows, list) or len(rows) != 2 or not isinstance(total, int):
+        raise PipelineError(f"a {message.kind} piece without its rows and row count")
+    lo, hi = rows
+    if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= total):
+        raise PipelineError(f"a {message.kind} piece with rows {rows} of {total}")
+    if hi > lo and not message.tensors:
+        raise PipelineError(f"a {message.kind} piece of rows {rows} carries no tensors")
+    if any(t.dim() == 0 or t.shape[0] != hi - lo for t in message.tensors):
+        raise PipelineError(f"a {message.kind} piece's tensors do not have {hi - lo} rows")

@@ -117,7 +117,7 @@ def make_optimizer(
     return torch.optim.Adam(params, **kwargs)
 
 
-TRAIN_SETTINGS = ("schedule", "num_microbatches", "loss", "optimizer", "warmups")
+TRAIN_SETTINGS = ("schedule", "num_microbatches", "loss", "optimizer", "warmups", "plan")
 
 
 def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[str, Any]:

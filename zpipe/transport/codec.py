@@ -64,15 +64,31 @@ _OPT_NUM: _Types = (int, float, type(None))
 
 SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     # data plane
-    "data": {"run": (_INT, True), "mb": (_INT, True), "src": (_STR, True)},
+    "data": {
+        "run": (_INT, True),
+        "mb": (_INT, True),
+        "src": (_STR, True),
+        "rows": (_LIST, False),
+        "total": (_INT, False),
+    },
     # training: the gradient of the receiver's outputs, labels for the last stage
     # ("samples": the mini-batch's size, which the loss is averaged over), losses back
-    "grad": {"run": (_INT, True), "mb": (_INT, True), "src": (_STR, True)},
+    # Training pieces: "rows" [lo, hi) of a micro-batch of "total" rows (data-parallel
+    # groups split each micro-batch; a piece may hold no rows, and then no tensors).
+    "grad": {
+        "run": (_INT, True),
+        "mb": (_INT, True),
+        "src": (_STR, True),
+        "rows": (_LIST, True),
+        "total": (_INT, True),
+    },
     "labels": {
         "run": (_INT, True),
         "mb": (_INT, True),
         "src": (_STR, True),
         "samples": (_INT, True),
+        "rows": (_LIST, True),
+        "total": (_INT, True),
     },
     "loss": {
         "run": (_INT, True),
@@ -119,9 +135,15 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "train": (_OPT_MAP, False),
         "upstream_endpoint": (_STR, False),
     },
-    "ready": {"run": (_INT, True), "name": (_STR, True), "build_s": (_NUM, True)},
-    # second phase: connect downstream only once every stage allows its upstream
-    "connect": {"run": (_INT, True)},
+    "ready": {
+        "run": (_INT, True),
+        "name": (_STR, True),
+        "build_s": (_NUM, True),
+        "ring_endpoint": (_STR, False),
+    },
+    # second phase: connect downstream only once every stage allows its upstream;
+    # "ring": the all-reduce ring of a data-parallel group ({"endpoints", "keys"})
+    "connect": {"run": (_INT, True), "ring": (_OPT_MAP, False)},
     "connected": {"run": (_INT, True), "name": (_STR, True)},
     "assign_failed": {"run": (_INT, True), "name": (_STR, True), "error": (_STR, True)},
     "profile_request": {
@@ -159,6 +181,7 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "last_stage": (_STR, True),
         "last_key": (_OPT_STR, False),
         "last_endpoint": (_STR, False),
+        "training_plan": (_OPT_MAP, False),
     },
     "run_failed": {"error": (_STR, True)},
     "run_go": {"run": (_INT, True)},

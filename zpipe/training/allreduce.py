@@ -1,0 +1,684 @@
+"""Ring all-reduce for the devices of one data-parallel group, over zpipe's transport.
+
+The devices that together serve one pipeline stage (Asteroid's hybrid pipeline
+parallelism) average their gradients at the end of each round. Each rank binds one
+PULL socket and connects one PUSH socket to the next rank, so the group is a ring::
+
+    rank 0 --> rank 1 --> rank 2 --> rank 0        (n = 3, chunks A B C)
+
+The gradients are flattened into one buffer per dtype and cut into n chunks. In the
+n-1 *reduce-scatter* steps every rank sends one chunk to the next rank and adds the
+chunk it receives from the previous one, so after them rank r holds the complete sum
+of chunk r+1; in the n-1 *all-gather* steps those complete chunks travel once around
+the ring and are copied. Step by step for rank 0 (the others are the same rotated)::
+
+    step  phase           sends chunk  receives chunk  then
+    0     reduce-scatter  0 (own)      2               adds: 2 = x0 + x2
+    1     reduce-scatter  2            1               adds: 1 = x0 + x1 + x2  (complete)
+    2     all-gather      1            0               copies the complete 0
+    3     all-gather      0            2               copies the complete 2
+
+Each rank sends 2(n-1)/n of the buffer, Asteroid's eq. (5), which
+:func:`ring_allreduce_cost_s` turns into seconds for planners and benchmarks.
+
+Every rank ends with bit-identical tensors: each chunk is summed exactly once, along
+the ring in the same order, by the ranks that forward it (and divided by n once, by
+the rank that completes it, for ``op="mean"``); the all-gather only copies.
+
+Chunks are streamed in segments of at most ``segment_bytes`` (one message each), so a
+rank forwards the first segment of a chunk while the rest are still arriving, no
+message grows with the model, and the event loop never adds more than one segment
+at a time. Every rank runs at most ``window`` messages ahead of what it has received;
+with the window below what a link can queue, the ring cannot deadlock (a full ring of
+blocked senders would need more messages in flight than the windows allow).
+
+The wire: one ``allreduce`` message per segment (see ``zpipe.transport.codec``), body
+``{"round", "step", "chunk", "seg", "src"}`` and one 1-D tensor frame per dtype bucket
+(in the order the dtypes first appear in the caller's tensor list); the header epoch
+is the plan epoch of the group. A receiver knows exactly which message must come
+next and checks every field, the tensors' dtypes and sizes, and, with CurveZMQ, the
+sender's public key. A message of an older epoch or round (left over from an aborted
+round) is dropped quietly; any other mismatch is a :class:`ProtocolError` naming the
+peer, which is logged and dropped, and the rank keeps waiting for the right message
+until the deadline. A peer that dies or stays silent turns into a
+:class:`TransportTimeout` that names it and the step, within ``timeout_s`` of the
+last message that made progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
+from zpipe.log import get_logger
+from zpipe.transport import security
+from zpipe.transport.codec import Message, dtype_name
+from zpipe.transport.sockets import (
+    SocketOptions,
+    bind_endpoint,
+    decode_frames,
+    open_socket,
+    recv_frames,
+    send,
+)
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "KIND",
+    "OPS",
+    "REDUCIBLE_DTYPES",
+    "AllReduceStats",
+    "RingAllReduce",
+    "RingStep",
+    "check_message",
+    "ring_allreduce_cost_s",
+    "ring_schedule",
+]
+
+log = get_logger("zpipe.allreduce")
+
+KIND = "allreduce"
+OPS = ("mean", "sum")
+REDUCIBLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+REDUCE_SCATTER = "reduce-scatter"
+ALL_GATHER = "all-gather"
+# Large enough that per-message Python costs (msgpack header, validation, one loop
+# pass) stay small next to the copy, small enough to stream a chunk through the ring.
+DEFAULT_SEGMENT_BYTES = 1 << 20
+# Buffers above this are flattened and copied back in a worker thread (torch releases
+# the GIL there), so the event loop keeps answering heartbeats meanwhile.
+_OFFLOAD_BYTES = 8 << 20
+
+_T = TypeVar("_T")
+
+
+# ------------------------------------------------------------------- pure functions
+
+
+def ring_allreduce_cost_s(
+    nbytes: float, n: int, bandwidth_bps: float, latency_s: float = 0.0
+) -> float:
+    """Seconds a ring all-reduce of ``nbytes`` takes among ``n`` ranks (Asteroid eq. 5).
+
+    ``2(n-1)/n * nbytes * 8 / bandwidth_bps + 2(n-1) * latency_s``: each rank sends
+    and receives 2(n-1)/n of the buffer over the slowest link of the ring
+    (``bandwidth_bps`` in bit/s, as everywhere in zpipe's planner), in 2(n-1) steps
+    that each wait for one message (``latency_s``, one way). One rank costs nothing.
+    """
+    if n < 1 or nbytes < 0 or latency_s < 0:
+        raise ConfigError(
+            f"ring all-reduce cost needs n >= 1, nbytes >= 0 and latency_s >= 0; "
+            f"got n={n}, nbytes={nbytes}, latency_s={latency_s}"
+        )
+    if n == 1:
+        return 0.0
+    if not bandwidth_bps > 0:
+        raise ConfigError(f"bandwidth_bps must be positive, got {bandwidth_bps}")
+    steps = 2 * (n - 1)
+    return steps / n * nbytes * 8.0 / bandwidth_bps + steps * latency_s
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """What one rank does in one step: send one chunk, receive (and reduce) another."""
+
+    step: int
+    phase: str  # REDUCE_SCATTER or ALL_GATHER
+    send_chunk: int
+    recv_chunk: int
+
+
+def ring_schedule(rank: int, world_size: int) -> list[RingStep]:
+    """The 2(n-1) steps of ``rank``; empty for one rank.
+
+    The chunk a rank sends in step t+1 is the one it received in step t, which is what
+    lets segments stream: a received segment is forwarded as soon as it is reduced.
+    """
+    n = world_size
+    if not 0 <= rank < n:
+        raise ConfigError(f"rank {rank} is outside a group of {n}")
+    steps = [RingStep(s, REDUCE_SCATTER, (rank - s) % n, (rank - s - 1) % n) for s in range(n - 1)]
+    steps += [
+        RingStep(n - 1 + s, ALL_GATHER, (rank + 1 - s) % n, (rank - s) % n) for s in range(n - 1)
+    ]
+    return steps
+
+
+def _split(length: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` near-equal (offset, size) pieces of ``length``; the first ones get the rest."""
+    base, extra = divmod(length, parts)
+    pieces = []
+    offset = 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        pieces.append((offset, size))
+        offset += size
+    return pieces
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each segment of each chunk lies in each bucket (identical on every rank)."""
+
+    segments: int
+    # spans[bucket][chunk][seg] = (offset, size) in the bucket's flat buffer
+    spans: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
+
+    @classmethod
+    def build(
+        cls, numels: Sequence[int], itemsizes: Sequence[int], n: int, segment_bytes: int
+    ) -> _Layout:
+        chunks = [_split(numel, n) for numel in numels]
+        largest = max(
+            (
+                size * item
+                for pieces, item in zip(chunks, itemsizes, strict=True)
+                for _, size in pieces
+            ),
+            default=0,
+        )
+        segments = max(1, math.ceil(largest / segment_bytes))
+        spans = tuple(
+            tuple(
+                tuple((start + off, size) for off, size in _split(length, segments))
+                for start, length in pieces
+            )
+            for pieces in chunks
+        )
+        return cls(segments, spans)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """The one message a rank may accept next."""
+
+    epoch: int
+    round_id: int
+    step: int
+    chunk: int
+    seg: int
+    src: int
+    # (dtype, numel) of each tensor frame, one per bucket
+    frames: tuple[tuple[torch.dtype, int], ...]
+
+
+def check_message(message: Message, expected: _Expected, *, peer: str) -> bool:
+    """True if ``message`` is the expected one; False if it is stale (drop it quietly).
+
+    Stale means an older plan epoch or round, left over from an aborted round. Anything
+    else that differs raises :class:`ProtocolError` naming ``peer``.
+    """
+
+    def refuse(what: str) -> ProtocolError:
+        return ProtocolError(
+            f"allreduce message from {peer}: {what} (expected epoch {expected.epoch}, "
+            f"round {expected.round_id}, step {expected.step}, chunk {expected.chunk}, "
+            f"segment {expected.seg}, src {expected.src})"
+        )
+
+    if message.kind != KIND:
+        raise refuse(f"kind {message.kind!r} is not {KIND!r}")
+    if message.epoch < expected.epoch:
+        return False
+    if message.epoch > expected.epoch:
+        raise refuse(f"newer plan epoch {message.epoch}")
+    body = message.body
+    if body["round"] < expected.round_id:
+        return False
+    if body["round"] > expected.round_id:
+        raise refuse(f"round {body['round']} is ahead of this rank")
+    if body["src"] != expected.src:
+        raise refuse(f"claims to come from rank {body['src']}")
+    got = (body["step"], body["chunk"], body["seg"])
+    if got != (expected.step, expected.chunk, expected.seg):
+        raise refuse(f"got step {got[0]}, chunk {got[1]}, segment {got[2]}")
+    if len(message.tensors) != len(expected.frames):
+        raise refuse(f"{len(message.tensors)} tensors instead of {len(expected.frames)}")
+    for index, (tensor, (dtype, numel)) in enumerate(
+        zip(message.tensors, expected.frames, strict=True)
+    ):
+        if tensor.dtype != dtype or tensor.dim() != 1 or tensor.numel() != numel:
+            raise refuse(
+                f"tensor {index} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, not "
+                f"{dtype_name(dtype)}[{numel}] (do all ranks reduce the same tensors with "
+                "the same segment_bytes?)"
+            )
+    return True
+
+
+# ------------------------------------------------------------------------ the runtime
+
+
+@dataclass(frozen=True)
+class AllReduceStats:
+    """What one :meth:`RingAllReduce.allreduce_` call did, for metrics and re-estimation."""
+
+    round_id: int
+    world_size: int
+    nbytes: int  # size of the reduced tensors: the ``nbytes`` of ring_allreduce_cost_s
+    bytes_sent: int  # tensor bytes this rank sent (2(n-1)/n of nbytes, up to rounding)
+    messages: int  # messages this rank sent (as many as it received)
+    seconds: float
+    stale_dropped: int  # messages of an older epoch or round, dropped quietly
+    rejected: int  # messages that failed validation (ProtocolError), logged and dropped
+
+
+def _group_by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by dtype, groups in the order their dtypes first appear."""
+    dtypes: list[torch.dtype] = []
+    members: list[list[torch.Tensor]] = []
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"all-reduce tensor {index} is a {type(tensor).__name__}")
+        if tensor.dtype not in REDUCIBLE_DTYPES:
+            known = ", ".join(dtype_name(d) for d in REDUCIBLE_DTYPES)
+            raise ConfigError(
+                f"all-reduce tensor {index} has dtype {tensor.dtype}; reducible: {known}"
+            )
+        if tensor.dtype not in dtypes:
+            dtypes.append(tensor.dtype)
+            members.append([])
+        members[dtypes.index(tensor.dtype)].append(tensor)
+    return members
+
+
+def _flatten(members: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    # Always a fresh buffer: the last sends of a round may still be queued zero-copy
+    # when allreduce_ returns, so neither the caller's tensors nor a reused buffer may
+    # be what libzmq reads.
+    with torch.no_grad():
+        return [torch.cat([t.detach().reshape(-1).cpu() for t in group]) for group in members]
+
+
+def _unflatten(members: list[list[torch.Tensor]], flats: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for group, flat in zip(members, flats, strict=True):
+            offset = 0
+            for tensor in group:
+                numel = tensor.numel()
+                tensor.copy_(flat[offset : offset + numel].view(tensor.shape))
+                offset += numel
+
+
+class RingAllReduce:
+    """One rank of a ring all-reduce group (see the module notes for the protocol).
+
+    ``endpoints[i]`` is where rank i listens (what the others connect to); this rank
+    binds ``bind`` (default: ``endpoints[rank]``). ``segment_bytes`` must be the same
+    on every rank. With ``keypair``, every link uses CurveZMQ: ``peer_keys[i]`` is the
+    Z85 public key of rank i, this rank accepts only the previous rank's key (added to
+    ``authenticator``'s allow-list when given, the one authenticator of ``context``;
+    otherwise this object runs its own on ``context``) and checks it on every message.
+    ``epoch`` is the plan epoch the group belongs to; build a new object for a new
+    epoch or membership.
+
+    ``timeout_s`` bounds every wait for one message or for room to send one; a
+    rank also waits that long for the slowest peer to reach the all-reduce, so it must
+    cover the spread of the ranks' backward passes.
+    """
+
+    def __init__(
+        self,
+        *,
+        context: zmq.asyncio.Context,
+        rank: int,
+        endpoints: Sequence[str],
+        bind: str | None = None,
+        socket_options: SocketOptions | None = None,
+        keypair: security.KeyPair | None = None,
+        peer_keys: Sequence[bytes] | None = None,
+        authenticator: security.CurveAuthenticator | None = None,
+        timeout_s: float,
+        epoch: int = 0,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        name: str = "",
+    ) -> None:
+        n = len(endpoints)
+        if n < 1:
+            raise ConfigError("an all-reduce group needs at least one endpoint")
+        if not 0 <= rank < n:
+            raise ConfigError(f"rank {rank} is outside a group of {n} endpoints")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {epoch}")
+        self.options = socket_options or SocketOptions()
+        if not 8 <= segment_bytes <= self.options.max_message_bytes // 2:
+            raise ConfigError(
+                f"segment_bytes must lie in [8, {self.options.max_message_bytes // 2}] "
+                f"(half the socket's maximum message size), got {segment_bytes}"
+            )
+        if keypair is not None:
+            if peer_keys is None or len(peer_keys) != n:
+                raise ConfigError(
+                    "with a keypair, peer_keys must hold one public key per rank "
+                    f"({n}), in rank order"
+                )
+        elif authenticator is not None:
+            raise ConfigError("an authenticator without a keypair would secure nothing")
+        self.context = context
+        self.rank = rank
+        self.world_size = n
+        self.endpoints = list(endpoints)
+        self.bind = bind if bind is not None else self.endpoints[rank]
+        self.keypair = keypair
+        self.peer_keys = list(peer_keys) if peer_keys is not None else None
+        self.timeout_s = float(timeout_s)
+        self.epoch = epoch
+        self.segment_bytes = segment_bytes
+        self.name = name or "group"
+        self.prev = (rank - 1) % n
+        self.next = (rank + 1) % n
+        # Messages a rank may run ahead of what it received; below what one link
+        # queues (at least the send high-water mark), so the ring cannot deadlock.
+        self.window = max(1, self.options.send_hwm // 2)
+        self.bound_endpoint = ""
+        self._authenticator = authenticator
+        self._own_authenticator: security.CurveAuthenticator | None = None
+        self._added_key: bytes | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._push: zmq.asyncio.Socket | None = None
+        self._last_round = -1
+        self._busy = False
+        self._closed = False
+
+    def peer_label(self, rank: int) -> str:
+        """How errors and log lines name a peer: its rank and endpoint."""
+        return f"rank {rank} of {self.name!r} at {self.endpoints[rank]}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bind this rank's receive socket and connect to the next rank.
+
+        Nothing waits for the peers here: connecting is asynchronous in ZeroMQ and
+        the first message of the first round waits (with its deadline) instead.
+        """
+        if self._closed:
+            raise RuntimeError("this RingAllReduce was closed; build a new one")
+        if self._pull is not None or self.world_size == 1:
+            return
+        pull = open_socket(self.context, zmq.PULL, self.options)
+        push = open_socket(self.context, zmq.PUSH, self.options)
+        self._pull, self._push = pull, push
+        if self.keypair is not None:
+            assert self.peer_keys is not None
+            prev_key = self.peer_keys[self.prev]
+            if self._authenticator is None:
+                allow = security.PeerAllowList({self.peer_label(self.prev): prev_key})
+                self._own_authenticator = security.CurveAuthenticator(self.context, allow)
+                self._own_authenticator.start()
+            elif prev_key not in self._authenticator.allow_list:
+                self._authenticator.allow_list.allow(prev_key, self.peer_label(self.prev))
+                self._added_key = prev_key
+            security.secure_server(pull, self.keypair)
+            security.secure_client(push, self.keypair, self.peer_keys[self.next])
+        self.bound_endpoint = bind_endpoint(pull, self.bind)
+        push.connect(self.endpoints[self.next])
+        log.debug(
+            "allreduce_started",
+            group=self.name,
+            rank=self.rank,
+            world_size=self.world_size,
+            bound=self.bound_endpoint,
+            next=self.endpoints[self.next],
+            curve=self.keypair is not None,
+        )
+
+    async def close(self) -> None:
+        """Close the sockets (linger 0: queued messages of an aborted round are dropped)."""
+        self._closed = True
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._push = self._pull = None
+        if self._own_authenticator is not None:
+            self._own_authenticator.stop()
+            self._own_authenticator = None
+        if self._added_key is not None and self._authenticator is not None:
+            self._authenticator.allow_list.discard(self._added_key)
+            self._added_key = None
+
+    async def __aenter__(self) -> RingAllReduce:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ----------------------------------------------------------------- all-reduce
+
+    async def allreduce_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        op: str = "mean",
+        round_id: int,
+        timeout_s: float | None = None,
+    ) -> AllReduceStats:
+        """Reduce ``tensors`` in place across the group; every rank ends bit-identical.
+
+        Every rank passes tensors of the same shapes and dtypes in the same order and
+        the same ``round_id``, which must grow from call to call (it is how messages
+        left over from an aborted round are told apart). Raises
+        :class:`TransportTimeout` naming the peer and step when a peer is dead or
+        silent for ``timeout_s``; the tensors are then left unchanged.
+        """
+        if op not in OPS:
+            raise ConfigError(f"all-reduce op must be one of {', '.join(OPS)}, got {op!r}")
+        if isinstance(round_id, bool) or not isinstance(round_id, int) or round_id < 0:
+            raise ConfigError(f"round_id must be a non-negative int, got {round_id!r}")
+        if round_id <= self._last_round:
+            raise ConfigError(
+                f"round_id {round_id} does not follow round {self._last_round}; "
+                "round ids must grow so stale messages can be recognised"
+            )
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not timeout > 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        members = _group_by_dtype(tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._last_round = round_id
+        started = time.perf_counter()
+        if self.world_size == 1 or not tensors:
+            return AllReduceStats(round_id, self.world_size, nbytes, 0, 0, 0.0, 0, 0)
+        if self._pull is None or self._push is None:
+            raise RuntimeError("call start() before allreduce_()")
+        if self._busy:
+            raise RuntimeError("allreduce_ is already running on this rank; await it first")
+        self._busy = True
+        try:
+            flats = await self._maybe_offload(nbytes, lambda: _flatten(members))
+            round_stats = await self._run_ring(flats, op, round_id, timeout)
+            await self._maybe_offload(nbytes, lambda: _unflatten(members, flats))
+        finally:
+            self._busy = False
+        sent_bytes, messages, stale, rejected = round_stats
+        return AllReduceStats(
+            round_id,
+            self.world_size,
+            nbytes,
+            sent_bytes,
+            messages,
+            time.perf_counter() - started,
+            stale,
+            rejected,
+        )
+
+    async def _maybe_offload(self, nbytes: int, work: Callable[[], _T]) -> _T:
+        if nbytes < _OFFLOAD_BYTES:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(None, work)
+
+    async def _run_ring(
+        self, flats: list[torch.Tensor], op: str, round_id: int, timeout: float
+    ) -> tuple[int, int, int, int]:
+        n = self.world_size
+        layout = _Layout.build(
+            [f.numel() for f in flats], [f.element_size() for f in flats], n, self.segment_bytes
+        )
+        k = layout.segments
+        schedule = ring_schedule(self.rank, n)
+        total = len(schedule) * k
+        last_reduce_step = n - 2
+        window = min(self.window, k)
+        counters = _Counters()
+
+        def views(chunk: int, seg: int) -> list[torch.Tensor]:
+            out = []
+            for flat, spans in zip(flats, layout.spans, strict=True):
+                offset, size = spans[chunk][seg]
+                out.append(flat[offset : offset + size])
+            return out
+
+        sent = 0
+        for index in range(total):
+            # Outgoing message o of step t >= 1 carries what incoming message o - k
+            # brought, so with window <= k everything up to index + window is ready.
+            while sent < min(index + window, total):
+                counters.bytes_sent += await self._send_segment(
+                    schedule[sent // k], sent % k, views, round_id, timeout
+                )
+                sent += 1
+            step = schedule[index // k]
+            seg = index % k
+            targets = views(step.recv_chunk, seg)
+            expected = _Expected(
+                epoch=self.epoch,
+                round_id=round_id,
+                step=step.step,
+                chunk=step.recv_chunk,
+                seg=seg,
+                src=self.prev,
+                frames=tuple((t.dtype, t.numel()) for t in targets),
+            )
+            message = await self._receive(expected, step.phase, timeout, counters)
+            # The event loop reduces one segment at a time (segment_bytes bounds it).
+            if step.phase == REDUCE_SCATTER:
+                for target, got in zip(targets, message.tensors, strict=True):
+                    target.add_(got)
+                    if step.step == last_reduce_step and op == "mean":
+                        target.div_(n)  # once, by the rank that completes the chunk
+            else:
+                for target, got in zip(targets, message.tensors, strict=True):
+                    target.copy_(got)
+        while sent < total:
+            counters.bytes_sent += await self._send_segment(
+                schedule[sent // k], sent % k, views, round_id, timeout
+            )
+            sent += 1
+        return counters.bytes_sent, total, counters.stale, counters.rejected
+
+    async def _send_segment(
+        self,
+        step: RingStep,
+        seg: int,
+        views: Callable[[int, int], list[torch.Tensor]],
+        round_id: int,
+        timeout: float,
+    ) -> int:
+        assert self._push is not None
+        tensors = tuple(views(step.send_chunk, seg))
+        message = Message(
+            KIND,
+            {
+                "round": round_id,
+                "step": step.step,
+                "chunk": step.send_chunk,
+                "seg": seg,
+                "src": self.rank,
+            },
+            epoch=self.epoch,
+            tensors=tensors,
+        )
+        try:
+            await send(self._push, message, timeout_s=timeout, peer=self.peer_label(self.next))
+        except TransportTimeout:
+            raise TransportTimeout(
+                self.peer_label(self.next),
+                f"room to send all-reduce round {round_id} step {step.step} ({step.phase}) "
+                f"chunk {step.send_chunk} segment {seg}",
+                timeout,
+            ) from None
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    async def _receive(
+        self, expected: _Expected, phase: str, timeout: float, counters: _Counters
+    ) -> Message:
+        assert self._pull is not None
+        loop = asyncio.get_running_loop()
+        # One deadline per expected message: dropped messages do not extend it, so a
+        # stream of stale or forged messages cannot keep a rank waiting forever.
+        deadline = loop.time() + timeout
+        peer = self.peer_label(self.prev)
+        last_rejection = ""
+        while True:
+            remaining = deadline - loop.time()
+            frames = None
+            if remaining > 0:
+                try:
+                    frames = await recv_frames(
+                        self._pull, timeout_s=remaining, peer=peer, awaited=KIND
+                    )
+                except TransportTimeout:
+                    pass
+            if frames is None:
+                awaited = (
+                    f"all-reduce round {expected.round_id} step {expected.step} ({phase}) "
+                    f"chunk {expected.chunk} segment {expected.seg}"
+                )
+                if last_rejection:
+                    awaited += (
+                        f" ({counters.rejected} bad messages dropped, last: {last_rejection})"
+                    )
+                raise TransportTimeout(peer, awaited, timeout)
+            try:
+                self._check_sender_key(frames[0], peer)
+                message = decode_frames(frames, self.options.max_message_bytes)
+                if check_message(message, expected, peer=peer):
+                    return message
+                counters.stale += 1
+                log.debug(
+                    "allreduce_stale_dropped",
+                    group=self.name,
+                    rank=self.rank,
+                    peer=peer,
+                    epoch=message.epoch,
+                    round=message.get("round"),
+                    current_round=expected.round_id,
+                )
+            except ProtocolError as exc:
+                counters.rejected += 1
+                last_rejection = str(exc)
+                log.warning(
+                    "allreduce_message_rejected",
+                    group=self.name,
+                    rank=self.rank,
+                    peer=peer,
+                    round=expected.round_id,
+                    error=last_rejection,
+                )
+
+    def _check_sender_key(self, frame: Any, peer: str) -> None:
+        if self.peer_keys is None:
+            return
+        key = security.sender_public_key(frame)
+        if key != self.peer_keys[self.prev]:
+            shown = security.key_prefix(key) + "..." if key else "no CURVE key"
+            raise ProtocolError(f"allreduce message for {peer} came from another key ({shown})")
+
+
+@dataclass
+class _Counters:
+    bytes_sent: int = 0
+    stale: int = 0
+    rejected: int = 0
