@@ -43,6 +43,7 @@ SAMPLE_VALUES = {
     (list, type(None)): [[0, 2]],
     (int, type(None)): 2,
     (int, float, type(None)): 2.5,
+    (bool,): True,
 }
 
 

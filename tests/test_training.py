@@ -392,3 +392,16 @@ def test_pure_data_parallelism_with_a_device_that_computes_nothing(cluster: Loca
     for key in want:  # Adam divides by small second moments: allow summation-order noise
         torch.testing.assert_close(report.state_dict[key], want[key], rtol=1e-4, atol=1e-4)
     assert report.stages["s1"]["microbatches"] == 0  # share 0: only the all-reduce
+
+
+def test_the_coordinator_plans_hybrid_training_from_training_profiles(
+    cluster: LocalCluster,
+) -> None:
+    batches = make_batches(2, 8, seed=12)
+    want, _ = train_single_process(SPEC, batches, SGD)
+    report = cluster.fit(SPEC, batches, optimizer=SGD, num_microbatches=2, progress=False)
+    assert report.training_plan is not None and report.training_plan.algo == "hpp"
+    assert report.training_plan.microbatch_size == 4  # 8 samples over 2 micro-batches
+    assert report.training_plan.predicted["round_s"] > 0
+    assert_same_weights(report.state_dict, want)
+    assert '"training_planned"' in cluster.logs("coordinator")

@@ -242,7 +242,15 @@ class PipelineClient:
         """Poll until ``count`` stages are alive; ``TransportTimeout`` past the deadline."""
         deadline = time.monotonic() + timeout_s
         while True:
-            members = [m for m in await self.cluster_state() if m["state"] == "alive"]
+            try:
+                state = await self.cluster_state()
+            except TransportTimeout:
+                # A coordinator still starting (import torch on a loaded machine) answers
+                # late; keep asking until the caller's deadline, not just one reply_s.
+                if time.monotonic() > deadline:
+                    raise
+                continue
+            members = [m for m in state if m["state"] == "alive"]
             if len(members) >= count:
                 return members
             if time.monotonic() > deadline:

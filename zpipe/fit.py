@@ -121,6 +121,7 @@ async def fit(
     stages: int | None = None,
     stage_names: Sequence[str] | None = None,
     planner: str | None = None,
+    microbatch_size: int | None = None,
     wait_for_stages_s: float = 30.0,
     max_steps_in_flight: int = 2,
     progress: bool | None = None,
@@ -131,7 +132,12 @@ async def fit(
     ``plan``: a training plan (device groups, unit ranges, shares, warm-ups; e.g. from
     :func:`zpipe.planner.hpp.plan_training`); its schedule, micro-batch count and
     warm-ups replace those arguments. Without one the coordinator plans a straight
-    pipeline (``planner``, or ``partition`` over ``stage_names``).
+    pipeline or groups: ``planner`` is ``"hpp"`` (the default when the micro-batch size is
+    known: Asteroid's hybrid plan from every stage's training profile), ``"straight"``,
+    ``"data-parallel"`` or ``"even"`` (training planners), or ``"pipeedge"`` (a straight
+    pipeline planned from forward times); ``partition`` over ``stage_names`` skips planning.
+    ``microbatch_size``: the samples per micro-batch to plan for (default: the first
+    batch's size over ``num_microbatches``, when ``batches`` is a sequence).
     ``progress``: show a progress bar (default: when stderr is a terminal).
     ``on_step(step, loss)`` is called after each mini-batch's loss is known.
     """
@@ -143,14 +149,20 @@ async def fit(
         raise ConfigError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if max_steps_in_flight < 1:
         raise ConfigError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
+    if microbatch_size is None and isinstance(batches, Sequence) and batches:
+        first = batches[0]
+        if first and isinstance(first[0], torch.Tensor) and first[0].dim() > 0:
+            microbatch_size = -(-int(first[0].shape[0]) // num_microbatches)
+    if planner is None:
+        planner = "hpp" if microbatch_size is not None else "pipeedge"
     request = {
         "model": model.to_dict(),
         "partition": [list(r) for r in partition] if partition is not None else None,
         "stages": stages,
         "stage_names": list(stage_names) if stage_names is not None else None,
         "dtype": "float32",
-        "planner": planner or "pipeedge",
-        "microbatch_size": None,
+        "planner": planner,
+        "microbatch_size": microbatch_size,
         "sink_endpoint": client.sink_endpoint,
         "wait_for_stages_s": float(wait_for_stages_s),
         "mode": "train",

@@ -41,9 +41,10 @@ from zpipe.coordinator.planning import DEFAULT_PLANNER, choose_plan, cluster_fro
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec, Plan
+from zpipe.planner.hpp import plan_training
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.profile import ModelProfile
-from zpipe.planner.training_plan import TrainingPlan, TrainStage
+from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.training.objectives import check_train_settings
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -116,7 +117,7 @@ class Coordinator:
         self._stopping = asyncio.Event()
         self.endpoint = ""
         self.events: list[dict[str, Any]] = []
-        self._profile_cache: dict[tuple[ModelSpec, int, str, str, float], ModelProfile] = {}
+        self._profile_cache: dict[tuple[ModelSpec, int, str, str, float, bool], ModelProfile] = {}
         # Replies a request awaits, by (stage, reply kind): one request of a kind at a time.
         self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
         self._links = LinkMeasurer(
@@ -474,12 +475,17 @@ class Coordinator:
             raise ConfigError(f"unknown run mode {mode!r}; use infer or train")
         settings = dict(message.get("train") or {})
         if mode == "train" and settings.get("plan") is not None:
-            return await self._start_training_run(routing_id, client_key, message, spec)
+            given = TrainingPlan.from_dict(settings["plan"])
+            return await self._start_training_run(routing_id, client_key, message, spec, given)
         members = await self._choose_devices(message)
+        algo = str(message.get("planner") or DEFAULT_PLANNER)
+        if mode == "train" and algo in TRAINING_ALGOS and message.get("partition") is None:
+            planned = await self._plan_training(spec, members, message, settings)
+            return await self._start_training_run(routing_id, client_key, message, spec, planned)
         plan, baseline = await self._plan(spec, num_units, members, message)
         if mode == "train":
             return await self._start_training_run(
-                routing_id, client_key, message, spec, straight=plan
+                routing_id, client_key, message, spec, None, straight=plan
             )
         members = [m for m in members if m.name in plan.devices]
         self._epoch += 1
@@ -566,14 +572,15 @@ class Coordinator:
         client_key: str | None,
         message: Message,
         spec: ModelSpec,
+        given: TrainingPlan | None,
         *,
         straight: Plan | None = None,
     ) -> Message:
-        """Assign a training run: a given plan of device groups, or a straight pipeline."""
+        """Assign a training run: a plan of device groups, or a straight pipeline."""
         settings = dict(message.get("train") or {})
-        given = settings.pop("plan", None)
+        settings.pop("plan", None)
         if given is not None:
-            tplan = TrainingPlan.from_dict(given)
+            tplan = given
             num_units = load_layer_sequence(spec).num_units
             if tplan.num_units != num_units:
                 raise ConfigError(
@@ -708,6 +715,38 @@ class Coordinator:
             epoch=run.epoch,
         )
 
+    async def _plan_training(
+        self,
+        spec: ModelSpec,
+        members: list[Member],
+        message: Message,
+        settings: dict[str, Any],
+    ) -> TrainingPlan:
+        """Plan a training run from every stage's own training profile and measured links."""
+        algo = str(message["planner"])
+        batch = message.get("microbatch_size")
+        if batch is None:
+            raise ConfigError(f"planner {algo!r} needs the micro-batch size (microbatch_size)")
+        checked = check_train_settings(settings, 1)
+        optimizer = checked["optimizer"]
+        memory_model = str(optimizer["name"])
+        if memory_model == "sgd" and optimizer.get("momentum"):
+            memory_model = "sgd-momentum"
+        profiles = await self._profiles_of(members, spec, int(batch), "float32", train=True)
+        cluster = cluster_from_members(members, profiles, links=await self._measured_links(members))
+        plan = plan_training(
+            profiles[members[0].name],
+            cluster,
+            microbatch_size=int(batch),
+            num_microbatches=int(checked["num_microbatches"]),
+            algo=algo,
+            schedule=str(checked["schedule"]),
+            optimizer=memory_model,
+            devices=[m.name for m in members],
+        )
+        log.info("training_planned", plan=plan.to_dict())
+        return plan
+
     def _ring_of(self, run: _Run, device: str) -> dict[str, Any] | None:
         for group in run.groups:
             if device in group and len(group) > 1:
@@ -752,7 +791,13 @@ class Coordinator:
         return {pair: link.as_cluster_link() for pair, link in measured.items()}
 
     async def _profiles_of(
-        self, members: list[Member], spec: ModelSpec, batch_size: int, dtype: str
+        self,
+        members: list[Member],
+        spec: ModelSpec,
+        batch_size: int,
+        dtype: str,
+        *,
+        train: bool = False,
     ) -> dict[str, ModelProfile]:
         """Each stage's own profile of the model, cached until the stage registers again.
 
@@ -761,18 +806,24 @@ class Coordinator:
         its cores that they will see while the pipeline runs.
         """
         profiles = await asyncio.gather(
-            *(self._profile_of(m, spec, batch_size, dtype) for m in members)
+            *(self._profile_of(m, spec, batch_size, dtype, train) for m in members)
         )
         return {m.name: p for m, p in zip(members, profiles, strict=True)}
 
     async def _profile_of(
-        self, member: Member, spec: ModelSpec, batch_size: int, dtype: str
+        self, member: Member, spec: ModelSpec, batch_size: int, dtype: str, train: bool = False
     ) -> ModelProfile:
-        key = (spec, batch_size, dtype, member.name, member.joined_at)
+        key = (spec, batch_size, dtype, member.name, member.joined_at, train)
         cached = self._profile_cache.get(key)
         if cached is not None:
             return cached
-        body = {"model": spec.to_dict(), "batch_size": batch_size, "dtype": dtype, "repeats": 3}
+        body = {
+            "model": spec.to_dict(),
+            "batch_size": batch_size,
+            "dtype": dtype,
+            "repeats": 3,
+            "train": train,
+        }
         reply = await self._request(
             member, Message("profile_request", body), "profile_reply", self.config.timeouts.assign_s
         )

@@ -405,6 +405,7 @@ class StageRuntime:
                     repeats=max(1, int(body["repeats"])),
                     slowdown=self.config.slowdown,
                     device_name=self.config.name,
+                    train=bool(body.get("train", False)),
                 ),
             )
             reply["profile"] = profile.to_dict()

@@ -52,7 +52,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import zmq
@@ -97,9 +97,6 @@ DEFAULT_SEGMENT_BYTES = 1 << 20
 # Buffers above this are flattened and copied back in a worker thread (torch releases
 # the GIL there), so the event loop keeps answering heartbeats meanwhile.
 _OFFLOAD_BYTES = 8 << 20
-
-_T = TypeVar("_T")
-
 
 # ------------------------------------------------------------------- pure functions
 
@@ -291,22 +288,23 @@ def _group_by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]
     return members
 
 
-def _flatten(members: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    # Always a fresh buffer: the last sends of a round may still be queued zero-copy
-    # when allreduce_ returns, so neither the caller's tensors nor a reused buffer may
-    # be what libzmq reads.
-    with torch.no_grad():
-        return [torch.cat([t.detach().reshape(-1).cpu() for t in group]) for group in members]
+def _in_place_ok(group: list[torch.Tensor]) -> bool:
+    """A dtype group the ring can reduce where it lies: one contiguous CPU tensor."""
+    return len(group) == 1 and group[0].device.type == "cpu" and group[0].is_contiguous()
 
 
-def _unflatten(members: list[list[torch.Tensor]], flats: list[torch.Tensor]) -> None:
+def _flatten_into(group: list[torch.Tensor], out: torch.Tensor) -> None:
     with torch.no_grad():
-        for group, flat in zip(members, flats, strict=True):
-            offset = 0
-            for tensor in group:
-                numel = tensor.numel()
-                tensor.copy_(flat[offset : offset + numel].view(tensor.shape))
-                offset += numel
+        torch.cat([t.detach().reshape(-1).cpu() for t in group], out=out)
+
+
+def _unflatten_from(group: list[torch.Tensor], flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        offset = 0
+        for tensor in group:
+            numel = tensor.numel()
+            tensor.copy_(flat[offset : offset + numel].view(tensor.shape))
+            offset += numel
 
 
 class RingAllReduce:
@@ -387,6 +385,9 @@ class RingAllReduce:
         self._added_key: bytes | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._push: zmq.asyncio.Socket | None = None
+        self._prev_label = self.peer_label(self.prev)
+        self._next_label = self.peer_label(self.next)
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._last_round = -1
         self._busy = False
         self._closed = False
@@ -434,12 +435,18 @@ class RingAllReduce:
             curve=self.keypair is not None,
         )
 
-    async def close(self) -> None:
-        """Close the sockets (linger 0: queued messages of an aborted round are dropped)."""
+    async def close(self, *, linger_s: float = 1.0) -> None:
+        """Close the sockets; safe to call twice.
+
+        allreduce_ returns once its last messages are queued, not delivered, so the
+        send socket lingers up to ``linger_s`` to deliver them (else the next rank would
+        miss the end of the last round); ``context.term()`` waits for that.
+        """
         self._closed = True
-        for sock in (self._push, self._pull):
-            if sock is not None:
-                sock.close(linger=0)
+        if self._push is not None:
+            self._push.close(linger=max(0, int(linger_s * 1000)))
+        if self._pull is not None:
+            self._pull.close(linger=0)
         self._push = self._pull = None
         if self._own_authenticator is not None:
             self._own_authenticator.stop()
@@ -471,7 +478,8 @@ class RingAllReduce:
         the same ``round_id``, which must grow from call to call (it is how messages
         left over from an aborted round are told apart). Raises
         :class:`TransportTimeout` naming the peer and step when a peer is dead or
-        silent for ``timeout_s``; the tensors are then left unchanged.
+        silent for ``timeout_s``; the tensors then hold undefined partial results
+        (the round must be redone).
         """
         if op not in OPS:
             raise ConfigError(f"all-reduce op must be one of {', '.join(OPS)}, got {op!r}")
@@ -497,9 +505,20 @@ class RingAllReduce:
             raise RuntimeError("allreduce_ is already running on this rank; await it first")
         self._busy = True
         try:
-            flats = await self._maybe_offload(nbytes, lambda: _flatten(members))
+            flats, copied = self._buffers(members)
+
+            def copy_in() -> None:
+                for i in copied:
+                    _flatten_into(members[i], flats[i])
+
+            def copy_out() -> None:
+                for i in copied:
+                    _unflatten_from(members[i], flats[i])
+
+            copy_bytes = sum(flats[i].numel() * flats[i].element_size() for i in copied)
+            await self._maybe_offload(copy_bytes, copy_in)
             round_stats = await self._run_ring(flats, op, round_id, timeout)
-            await self._maybe_offload(nbytes, lambda: _unflatten(members, flats))
+            await self._maybe_offload(copy_bytes, copy_out)
         finally:
             self._busy = False
         sent_bytes, messages, stale, rejected = round_stats
@@ -514,14 +533,51 @@ class RingAllReduce:
             rejected,
         )
 
-    async def _maybe_offload(self, nbytes: int, work: Callable[[], _T]) -> _T:
+    def _buffers(self, members: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+        """One flat buffer per dtype group, and the indices of groups that need a copy.
+
+        A lone contiguous CPU tensor is reduced where it lies (as gloo does). Other
+        groups are copied into a scratch buffer kept from round to round, so large
+        buffers are not page-faulted in again each round. Reusing it is safe because
+        no message that is still queued when allreduce_ returns points into it (see
+        _run_ring).
+        """
+        flats: list[torch.Tensor] = []
+        copied: list[int] = []
+        for index, group in enumerate(members):
+            if _in_place_ok(group):
+                flats.append(group[0].detach().view(-1))
+                continue
+            dtype = group[0].dtype
+            numel = sum(t.numel() for t in group)
+            scratch = self._scratch.get(dtype)
+            if scratch is None or scratch.numel() < numel:
+                scratch = torch.empty(numel, dtype=dtype)
+                self._scratch[dtype] = scratch
+            flats.append(scratch[:numel])
+            copied.append(index)
+        return flats, copied
+
+    async def _maybe_offload(self, nbytes: int, work: Callable[[], None]) -> None:
+        if nbytes == 0:
+            return
         if nbytes < _OFFLOAD_BYTES:
-            return work()
-        return await asyncio.get_running_loop().run_in_executor(None, work)
+            work()
+            return
+        await asyncio.get_running_loop().run_in_executor(None, work)
 
     async def _run_ring(
         self, flats: list[torch.Tensor], op: str, round_id: int, timeout: float
     ) -> tuple[int, int, int, int]:
+        """Stream the schedule's segments around the ring; returns the counters.
+
+        What libzmq may still read when this returns (zero-copy sends are only queued):
+        every reduce-scatter segment this rank sent has come back to it reduced, so
+        the next rank has received it already; the all-gather sends are the received
+        frames themselves (the completed chunk is summed into the frame that brought
+        its last part). So nothing queued points into ``flats``, and the caller may
+        change them (or the scratch buffer be reused) at once.
+        """
         n = self.world_size
         layout = _Layout.build(
             [f.numel() for f in flats], [f.element_size() for f in flats], n, self.segment_bytes
@@ -532,22 +588,28 @@ class RingAllReduce:
         last_reduce_step = n - 2
         window = min(self.window, k)
         counters = _Counters()
+        # Received frames to forward in the all-gather, by outgoing message index.
+        forward: dict[int, tuple[torch.Tensor, ...]] = {}
 
-        def views(chunk: int, seg: int) -> list[torch.Tensor]:
+        def views(chunk: int, seg: int) -> tuple[torch.Tensor, ...]:
             out = []
             for flat, spans in zip(flats, layout.spans, strict=True):
                 offset, size = spans[chunk][seg]
                 out.append(flat[offset : offset + size])
-            return out
+            return tuple(out)
+
+        async def send_next(out: int) -> None:
+            step = schedule[out // k]
+            seg = out % k
+            tensors = views(step.send_chunk, seg) if out < k * (n - 1) else forward.pop(out)
+            counters.bytes_sent += await self._send_segment(step, seg, tensors, round_id, timeout)
 
         sent = 0
         for index in range(total):
             # Outgoing message o of step t >= 1 carries what incoming message o - k
             # brought, so with window <= k everything up to index + window is ready.
             while sent < min(index + window, total):
-                counters.bytes_sent += await self._send_segment(
-                    schedule[sent // k], sent % k, views, round_id, timeout
-                )
+                await send_next(sent)
                 sent += 1
             step = schedule[index // k]
             seg = index % k
@@ -562,19 +624,27 @@ class RingAllReduce:
                 frames=tuple((t.dtype, t.numel()) for t in targets),
             )
             message = await self._receive(expected, step.phase, timeout, counters)
+            received = message.tensors
             # The event loop reduces one segment at a time (segment_bytes bounds it).
-            if step.phase == REDUCE_SCATTER:
-                for target, got in zip(targets, message.tensors, strict=True):
-                    target.add_(got)
-                    if step.step == last_reduce_step and op == "mean":
-                        target.div_(n)  # once, by the rank that completes the chunk
-            else:
-                for target, got in zip(targets, message.tensors, strict=True):
+            if step.phase == ALL_GATHER:
+                for target, got in zip(targets, received, strict=True):
                     target.copy_(got)
+                forward[index + k] = received
+            elif step.step < last_reduce_step:
+                for target, got in zip(targets, received, strict=True):
+                    target.add_(got)
+            else:
+                # This rank completes the chunk: sum into the received frame (a + b is
+                # b + a exactly in IEEE arithmetic), divide once, keep a copy and send
+                # that frame on, so no queued message points into the caller's memory.
+                for target, got in zip(targets, received, strict=True):
+                    got.add_(target)
+                    if op == "mean":
+                        got.div_(n)
+                    target.copy_(got)
+                forward[index + k] = received
         while sent < total:
-            counters.bytes_sent += await self._send_segment(
-                schedule[sent // k], sent % k, views, round_id, timeout
-            )
+            await send_next(sent)
             sent += 1
         return counters.bytes_sent, total, counters.stale, counters.rejected
 
@@ -582,12 +652,11 @@ class RingAllReduce:
         self,
         step: RingStep,
         seg: int,
-        views: Callable[[int, int], list[torch.Tensor]],
+        tensors: tuple[torch.Tensor, ...],
         round_id: int,
         timeout: float,
     ) -> int:
         assert self._push is not None
-        tensors = tuple(views(step.send_chunk, seg))
         message = Message(
             KIND,
             {
@@ -601,10 +670,10 @@ class RingAllReduce:
             tensors=tensors,
         )
         try:
-            await send(self._push, message, timeout_s=timeout, peer=self.peer_label(self.next))
+            await send(self._push, message, timeout_s=timeout, peer=self._next_label)
         except TransportTimeout:
             raise TransportTimeout(
-                self.peer_label(self.next),
+                self._next_label,
                 f"room to send all-reduce round {round_id} step {step.step} ({step.phase}) "
                 f"chunk {step.send_chunk} segment {seg}",
                 timeout,
@@ -619,7 +688,7 @@ class RingAllReduce:
         # One deadline per expected message: dropped messages do not extend it, so a
         # stream of stale or forged messages cannot keep a rank waiting forever.
         deadline = loop.time() + timeout
-        peer = self.peer_label(self.prev)
+        peer = self._prev_label
         last_rejection = ""
         while True:
             remaining = deadline - loop.time()

@@ -61,6 +61,7 @@ _OPT_MAP: _Types = (dict, type(None))
 _OPT_LIST: _Types = (list, type(None))
 _OPT_INT: _Types = (int, type(None))
 _OPT_NUM: _Types = (int, float, type(None))
+_BOOL: _Types = (bool,)
 
 SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     # data plane
@@ -151,6 +152,7 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "batch_size": (_INT, True),
         "dtype": (_STR, True),
         "repeats": (_INT, True),
+        "train": (_BOOL, False),  # also backward times and saved activation bytes
     },
     "profile_reply": {"name": (_STR, True), "profile": (_OPT_MAP, True), "error": (_STR, True)},
     "metrics_request": {"run": (_INT, True)},
