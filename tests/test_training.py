@@ -7,6 +7,7 @@ lists; multi-process tests train on the shared local cluster.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -405,3 +406,18 @@ def test_the_coordinator_plans_hybrid_training_from_training_profiles(
     assert report.training_plan.predicted["round_s"] > 0
     assert_same_weights(report.state_dict, want)
     assert '"training_planned"' in cluster.logs("coordinator")
+
+
+def test_a_run_resumes_from_its_checkpoint(cluster: LocalCluster, tmp_path: Path) -> None:
+    plain_sgd = {"name": "sgd", "lr": 0.1}  # no optimizer state: a checkpoint is all of it
+    batches = make_batches(4, 6, seed=13)
+    want, _ = train_single_process(SPEC, batches, plain_sgd)
+    split = {"num_microbatches": 2, "partition": [[0, 2], [2, 4]], "progress": False}
+    first = cluster.fit(SPEC, batches[:2], optimizer=plain_sgd, **split)
+    checkpoint = tmp_path / "half.safetensors"
+    first.save(checkpoint)
+    resumed_spec = ModelSpec(
+        SPEC.family, dict(SPEC.config), seed=SPEC.seed, weights=str(checkpoint)
+    )
+    second = cluster.fit(resumed_spec, batches[2:], optimizer=plain_sgd, **split)
+    assert_same_weights(second.state_dict, want)
