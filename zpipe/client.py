@@ -227,6 +227,15 @@ class PipelineClient:
             self._context.term()
             self._context = None
 
+    def decode_sink_message(self, frames: Sequence[zmq.Frame]) -> Message:
+        """A message that reached the sink, decoded; with keys, only from an allowed peer
+        (CURVE checks keys at the handshake only, so each message is checked again)."""
+        if self._sink_allow is not None:
+            key = security.sender_public_key(frames[0])
+            if key is None or key not in self._sink_allow:
+                raise ProtocolError("a message from a peer that is not an assigned last stage")
+        return decode_frames(frames, self.options.max_message_bytes)
+
     async def cluster_state(self) -> list[dict[str, Any]]:
         """The coordinator's view of every stage: name, state, endpoint, device info."""
         assert self._control is not None, "open() the client first"
@@ -478,12 +487,7 @@ class _Stream:
                 sink, timeout_s=None, peer=self.last_stage, awaited="results"
             )
             try:
-                allow = self.client._sink_allow
-                if allow is not None:
-                    key = security.sender_public_key(frames[0])
-                    if key is None or key not in allow:
-                        raise ProtocolError("a result from a peer that is not the last stage")
-                message = decode_frames(frames, self.client.options.max_message_bytes)
+                message = self.client.decode_sink_message(frames)
                 self._check_result(message)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer=self.last_stage, error=str(exc))

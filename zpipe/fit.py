@@ -44,7 +44,7 @@ from zpipe.training.objectives import check_loss, check_optimizer
 from zpipe.training.routing import split_rows
 from zpipe.transport import security
 from zpipe.transport.codec import Message
-from zpipe.transport.sockets import decode_frames, open_socket, recv_frames, send
+from zpipe.transport.sockets import open_socket, recv_frames, send
 
 if TYPE_CHECKING:
     from zpipe.client import PipelineClient
@@ -364,12 +364,7 @@ class _TrainRun:
                 awaited="the losses of the next mini-batch",
             )
             try:
-                allow = self.client._sink_allow
-                if allow is not None:
-                    key = security.sender_public_key(frames[0])
-                    if key is None or key not in allow:
-                        raise ProtocolError("a message from a peer that is not the last stage")
-                message = decode_frames(frames, self.client.options.max_message_bytes)
+                message = self.client.decode_sink_message(frames)
                 self._check(message)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer=self.last_stage, error=str(exc))
