@@ -120,3 +120,44 @@ def test_a_client_without_an_allowed_key_cannot_start_a_run(keys: dict[str, Path
 
         with pytest.raises(TransportTimeout, match="coordinator"):
             asyncio.run(attempt())
+
+
+def test_secure_training_with_a_group_and_a_pipeline(keys: dict[str, Path]) -> None:
+    from zpipe.planner.training_plan import TrainingPlan
+    from zpipe.training.objectives import make_optimizer
+
+    spec = ModelSpec("mlp", {"dims": [6, 16, 16, 3]}, seed=4)
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(6, 6, generator=generator), torch.randint(0, 3, (6,), generator=generator))
+        for _ in range(2)
+    ]
+    sgd = {"name": "sgd", "lr": 0.1, "momentum": 0.5}
+    model = build_full_model(spec).train()
+    opt = make_optimizer(sgd, model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x)[0], y).backward()
+        opt.step()
+    group = TrainingPlan.from_dict(
+        {
+            "algo": "data-parallel",
+            "schedule": "1f1b",
+            "num_units": 3,
+            "microbatch_size": 3,
+            "num_microbatches": 2,
+            "stages": [
+                {"devices": ["k0", "k1"], "start": 0, "end": 3, "shares": [2, 1], "warmup": 1}
+            ],
+        }
+    )
+    devices = [DeviceSpec("k0"), DeviceSpec("k1")]
+    with LocalCluster(devices, keys_dir=keys["trusted"], heartbeat_interval_s=0.5) as cluster:
+        grouped = cluster.fit(spec, batches, optimizer=sgd, num_microbatches=2, plan=group)
+        piped = cluster.fit(
+            spec, batches, optimizer=sgd, num_microbatches=2, partition=[[0, 1], [1, 3]]
+        )
+        assert "peer_refused" not in cluster.logs("k0") + cluster.logs("k1")
+    for report in (grouped, piped):
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(report.state_dict[key], value, rtol=1e-5, atol=1e-6)

@@ -690,9 +690,6 @@ class StageRuntime:
             name: self._connect_push(None, endpoint, key, name)
             for name, (endpoint, key) in assignment.peers.items()
         }
-        if self._ring is not None:
-            await self._ring.close()
-            self._ring = None
         setup = assignment.training
         assert setup is not None
         if len(setup.group.names) > 1:
@@ -825,6 +822,11 @@ class StageRuntime:
                 log.error("data_task_failed", stage=self.config.name, error=str(exc))
         self._data_tasks = []
         self._trainer = None
+        if self._ring is not None:
+            # Before the next assignment sets its allow-list: closing takes the ring
+            # neighbour's key back out of it.
+            await self._ring.close()
+            self._ring = None
         if self._link is not None:
             await self._link.close()
             self._link = None
