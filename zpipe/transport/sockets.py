@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket as pysocket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -118,13 +119,20 @@ async def recv_frames(
             return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
         except zmq.Again:
             pass
-    pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
-    if pending.done() or timeout_s is None:
-        return await pending  # a message was already queued: no timer needed
-    try:
-        return await asyncio.wait_for(pending, timeout_s)
-    except asyncio.TimeoutError:
-        raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
+        try:
+            if pending.done() or deadline is None:
+                return await pending  # a message was already queued: no timer needed
+            return await asyncio.wait_for(pending, max(0.0, deadline - time.monotonic()))
+        except zmq.Again:
+            # pyzmq fails a pending receive with EAGAIN when the socket signalled input
+            # that was gone when it read (seen once on a CURVE sink): wait again, with
+            # the same deadline.
+            await asyncio.sleep(0)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
 
 
 def _shadow(sock: zmq.asyncio.Socket) -> zmq.Socket[Any] | None:
