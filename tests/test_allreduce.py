@@ -309,10 +309,16 @@ async def test_misuse_is_a_config_error() -> None:
         await _reduce_all(rings, [[torch.ones(3)], [torch.ones(3)]], round_id=4)
         with pytest.raises(ConfigError, match="round_id 4"):
             await rings[0].allreduce_([torch.zeros(3)], round_id=4)
-    with pytest.raises(ConfigError):
-        RingAllReduce(
-            context=zmq.asyncio.Context.instance(), rank=2, endpoints=["a", "b"], timeout_s=1.0
-        )
+        with pytest.raises(ConfigError, match="rank 2"):
+            RingAllReduce(context=rings[0].context, rank=2, endpoints=["a", "b"], timeout_s=1.0)
+        with pytest.raises(ConfigError, match="peer_keys"):
+            RingAllReduce(
+                context=rings[0].context,
+                rank=0,
+                endpoints=["a", "b"],
+                timeout_s=1.0,
+                keypair=security.KeyPair("x", b"0" * 40, b"0" * 40),
+            )
 
 
 async def test_a_silent_peer_is_a_timeout_naming_it_and_the_step() -> None:

@@ -421,3 +421,37 @@ def test_a_run_resumes_from_its_checkpoint(cluster: LocalCluster, tmp_path: Path
     )
     second = cluster.fit(resumed_spec, batches[2:], optimizer=plain_sgd, **split)
     assert_same_weights(second.state_dict, want)
+
+
+def test_a_group_keeps_batchnorm_statistics_identical_across_replicas(
+    cluster: LocalCluster,
+) -> None:
+    cnn = ModelSpec("cnn", {"image_size": 8, "channels": [4, 8], "num_classes": 3}, seed=3)
+    sequence = load_layer_sequence(cnn)
+    before = build_full_model(cnn).state_dict()
+    generator = torch.Generator().manual_seed(2)
+    batches = [
+        (sequence.example_input(6, seed=i)[0], torch.randint(0, 3, (6,), generator=generator))
+        for i in range(2)
+    ]
+    n = sequence.num_units
+    plan = TrainingPlan.from_dict(
+        {
+            "algo": "data-parallel",
+            "schedule": "1f1b",
+            "num_units": n,
+            "microbatch_size": 3,
+            "num_microbatches": 2,
+            "stages": [
+                {"devices": ["s0", "s1", "s2"], "start": 0, "end": n, "shares": [2, 0, 1],
+                 "warmup": 1}
+            ],
+        }
+    )  # fmt: skip
+    # fit raises if any floating-point tensor differs between the replicas
+    report = cluster.fit(cnn, batches, optimizer=SGD, num_microbatches=2, plan=plan, progress=False)
+    means = [k for k in report.state_dict if k.endswith("running_mean")]
+    assert means and all(not torch.equal(report.state_dict[k], before[k]) for k in means)
+    # two micro-batches per round, two rounds: the counter holds the forwards of a replica
+    counts = [k for k in report.state_dict if k.endswith("num_batches_tracked")]
+    assert all(int(report.state_dict[k]) == 4 for k in counts)

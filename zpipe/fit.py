@@ -197,6 +197,8 @@ async def fit(
             raise PipelineError(f"the coordinator could not start the run: {started['error']}")
         await run.train(batches, progress, on_step)
         await run.gather_weights()
+        # The last round ends when every stage has stepped, which the gather waited for.
+        run.report.elapsed_s = time.perf_counter() - run.started
     finally:
         await run.close()
     report = await client._control.request(
@@ -249,6 +251,7 @@ class _TrainRun:
         if client._sink_allow is not None:
             client._sink_allow.replace([str(keys[n]).encode() for n in last.devices if keys.get(n)])
         self.window = asyncio.Semaphore(max_steps_in_flight)
+        self.started = time.perf_counter()
         self.step_losses: dict[int, list[float]] = {}
         self.losses_per_step = self.m * len(self.last_group)
         self.sent_steps = 0
@@ -275,7 +278,7 @@ class _TrainRun:
         on_step: Callable[[int, float], None] | None,
     ) -> None:
         bar = tqdm(unit="batch", desc=f"training run {self.run}", disable=_no_bar(progress))
-        started = time.perf_counter()
+        self.started = started = time.perf_counter()
         failure: asyncio.Queue[BaseException] = asyncio.Queue()
 
         def step_done(step: int, loss: float) -> None:
@@ -308,7 +311,6 @@ class _TrainRun:
             done.cancel()
             failed.cancel()
             bar.close()
-        self.report.elapsed_s = time.perf_counter() - started
 
     async def _feed(self, batches: Iterable[Batch] | AsyncIterable[Batch]) -> None:
         if isinstance(batches, AsyncIterable):
@@ -426,6 +428,10 @@ class _TrainRun:
             if kept is None:
                 # A copy: the received frame's memory belongs to a zmq message.
                 state[key] = tensor.clone()
+            elif not tensor.is_floating_point():
+                # Counters such as BatchNorm's num_batches_tracked count the forwards each
+                # replica ran (none for a share of 0): keep the largest.
+                state[key] = torch.maximum(kept, tensor)
             elif not torch.equal(kept, tensor):
                 # Every device of a data-parallel group must hold the same weights.
                 raise PipelineError(f"the replicas of {key} differ after training")

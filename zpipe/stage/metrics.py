@@ -28,6 +28,11 @@ class StageCounters:
     peak_live_activations: int = 0
     peak_activation_bytes: int = 0
     allreduce_s: float = 0.0  # summing gradients with the rest of the stage's group
+    # training: where busy time went (busy_s is all three plus inference forwards)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    step_s: float = 0.0
+    backwards: int = 0  # micro-batches whose backward ran here (forwards: microbatches)
     started_at: float = field(default_factory=time.monotonic)
 
     @property

@@ -178,6 +178,11 @@ class TrainShard:
                 grads.append(p.grad)
         return grads
 
+    def float_buffers(self) -> list[torch.Tensor]:
+        """Floating-point buffers (BatchNorm's running statistics): what replicas of a
+        data-parallel group update from different rows and must average."""
+        return [b for u in self.units for b in u.buffers() if b.is_floating_point()]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under the full model's keys ("units.<index>.<name>")."""
         return {

@@ -116,6 +116,8 @@ class TrainingExecutor:
         self.failure: str | None = None  # set when the run broke; no more steps will come
         # rows of each micro-batch this device computes, and their row count
         self._rows: dict[int, tuple[int, int, int]] = {}
+        self._round_rows = 0  # rows this device computed this round, of all rows
+        self._round_total = 0
         self.actions = stage_actions(
             setup.schedule,
             stage=setup.index,
@@ -206,18 +208,37 @@ class TrainingExecutor:
                 assert action.microbatch is not None
                 await self._backward(base + action.microbatch)
             elif action.kind == "ALLREDUCE":
-                assert self._reducer is not None
-                grads = await self._in_thread(self.shard.all_gradients)
-                started = time.perf_counter()
-                await self._reducer.allreduce_(grads, op="sum", round_id=step)
-                self.counters.allreduce_s += time.perf_counter() - started
+                await self._allreduce(step)
             elif action.kind == "STEP":
+                started = time.perf_counter()
                 await self._in_thread(self.shard.step)
+                self.counters.step_s += time.perf_counter() - started
+                self._round_rows = self._round_total = 0
                 async with self._step_done:
                     self.completed_steps = step + 1
                     self._step_done.notify_all()
                 log.debug("step_done", stage=self.setup.name, step=step)
             # RECV_* happen inside F/B (waiting for the pieces); SEND_* are queued there.
+
+    async def _allreduce(self, step: int) -> None:
+        """Sum the group's gradients; average its running statistics by rows computed.
+
+        Losses are scaled to the whole mini-batch, so summed gradients are the
+        mini-batch's. Buffers such as BatchNorm's running mean are updated by each
+        replica from its own rows: weighting each by its share of the round's rows
+        keeps the replicas identical and a device that computed nothing out of it.
+        """
+        assert self._reducer is not None
+        started = time.perf_counter()
+        grads = await self._in_thread(self.shard.all_gradients)
+        await self._reducer.allreduce_(grads, op="sum", round_id=2 * step)
+        buffers = self.shard.float_buffers()
+        if buffers:
+            weight = self._round_rows / self._round_total if self._round_total else 0.0
+            for buffer in buffers:
+                buffer.mul_(weight)
+            await self._reducer.allreduce_(buffers, op="sum", round_id=2 * step + 1)
+        self.counters.allreduce_s += time.perf_counter() - started
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         started = time.perf_counter()
@@ -232,6 +253,8 @@ class TrainingExecutor:
         inputs, total, _ = await self._gather("data", mb, s.upstream)
         lo, hi = s.group.blocks(total)[s.rank]
         self._rows[mb] = (lo, hi, total)
+        self._round_rows += hi - lo
+        self._round_total += total
         target, samples = None, 0
         if s.last:
             labels, label_total, piece = await self._gather("labels", mb, Group((CLIENT,), (1,)))
@@ -244,9 +267,11 @@ class TrainingExecutor:
             outputs: tuple[torch.Tensor, ...] = ()
             loss: float | None = 0.0 if s.last else None
         else:
+            started = time.perf_counter()
             outputs, loss, _ = await self._in_thread(
                 self.shard.forward, mb, inputs, target, samples
             )
+            self.counters.forward_s += time.perf_counter() - started
             self.counters.microbatches += 1
             self.counters.peak_live_activations = self.shard.peak_live
             self.counters.peak_activation_bytes = self.shard.peak_activation_bytes
@@ -265,7 +290,10 @@ class TrainingExecutor:
             grad_outputs, _, _ = await self._gather("grad", mb, s.downstream)
         grads: tuple[torch.Tensor, ...] = ()
         if hi > lo:
+            started = time.perf_counter()
             grads, _ = await self._in_thread(self.shard.backward, mb, grad_outputs)
+            self.counters.backward_s += time.perf_counter() - started
+            self.counters.backwards += 1
         if not s.first:
             await self._scatter("grad", mb, grads, (lo, hi, total), s.upstream)
 
