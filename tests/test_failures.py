@@ -14,7 +14,7 @@ import torch
 
 from zpipe import StageFailedError
 from zpipe.cluster import DeviceSpec, LocalCluster, free_tcp_port
-from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 
 INTERVAL = 0.3
 SUSPECT_AFTER = 3
@@ -45,7 +45,8 @@ def test_a_stage_that_dies_mid_run_is_reported_to_the_client(sig: int) -> None:
 
         async def run() -> None:
             async with cluster.client() as client:
-                async for _ in client.infer_stream(spec, endless(), max_in_flight=2):
+                stream = client.infer_stream(spec, endless(), max_in_flight=2, recover=False)
+                async for _ in stream:
                     pass
 
         try:
@@ -64,6 +65,39 @@ def test_a_stage_that_dies_mid_run_is_reported_to_the_client(sig: int) -> None:
         finally:
             if sig == signal.SIGSTOP:
                 cluster.kill("b", signal.SIGKILL)
+
+
+def test_a_stream_is_replanned_around_a_killed_stage_and_delivers_every_output_once() -> None:
+    devices = [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")]
+    spec = ModelSpec("mlp", {"dims": [8, 64, 64, 64, 4]}, seed=1)
+    sequence = load_layer_sequence(spec)
+    batches = [sequence.example_input(2, seed=i) for i in range(60)]
+    reference = build_full_model(spec)
+
+    with LocalCluster(
+        devices,
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=SUSPECT_AFTER,
+        probe_intervals=PROBE_INTERVALS,
+    ) as cluster:
+
+        def kill_b_after_15(received: int, _sent: int) -> None:
+            if received == 15:
+                cluster.kill("b")
+
+        # the even partition, so that b is in the pipeline when it dies
+        outputs, report = cluster.infer(
+            spec, batches, planner="even", max_in_flight=3, progress=kill_b_after_15
+        )
+        logs = cluster.logs("coordinator")
+    assert len(outputs) == len(batches)
+    with torch.inference_mode():
+        for got, batch in zip(outputs, batches, strict=True):
+            torch.testing.assert_close(got[0], reference(*batch)[0])
+    assert [r["dead"] for r in report.recoveries] == ["b"]
+    assert report.recoveries[0]["replayed"] >= 1  # b held micro-batches when it died
+    assert report.plan.devices == ["a", "c"]
+    assert '"run_recovered"' in logs
 
 
 def test_stage_without_a_coordinator_exits_with_a_clear_message() -> None:

@@ -69,6 +69,8 @@ class RunReport:
     samples: int = 0
     elapsed_s: float = 0.0
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # one entry per stage lost mid-stream: who, how long recovery took, what was replayed
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -122,7 +124,7 @@ class _ControlChannel:
             except ProtocolError as exc:
                 log.warning("dropped_message", peer="coordinator", error=str(exc))
                 continue
-            if message.kind == "stage_failed":
+            if message.kind in ("stage_failed", "run_replanned"):
                 await self.failures.put(message)
             else:
                 await self._replies.put(message)
@@ -281,6 +283,7 @@ class PipelineClient:
         max_in_flight: int = 4,
         wait_for_stages_s: float = 30.0,
         progress: Callable[[int, int], None] | None = None,
+        recover: bool = True,
     ) -> AsyncIterator[Outputs]:
         """Yield the outputs of each input batch, in input order.
 
@@ -289,7 +292,14 @@ class PipelineClient:
         ``microbatch_size`` (or from ``profile``, scaled by each stage's
         slowdown), unless ``partition`` gives the unit ranges.
 
-        The run's report (plan, throughput, per-stage counters) is in
+        With ``recover`` (the default), a stage that dies mid-stream is planned
+        around: the coordinator re-plans over the surviving stages, and the
+        micro-batches without a result are sent again (the client keeps each
+        input until its result arrives); every output is still delivered once,
+        in order. Without it, or when no stage is left, the stream raises
+        :class:`StageFailedError`.
+
+        The run's report (plan, throughput, per-stage counters, recoveries) is in
         :attr:`last_report` once the stream is exhausted.
         """
         if self._control is None or self._sink is None or self._context is None:
@@ -309,6 +319,7 @@ class PipelineClient:
             "profile": profile.to_dict() if profile is not None else None,
             "sink_endpoint": self.sink_endpoint,
             "wait_for_stages_s": float(wait_for_stages_s),
+            "recover": recover,
         }
         reply = await self._control.request(
             Message("run_request", request),
@@ -398,6 +409,9 @@ class _Stream:
             last_key = ready.get("last_key")
             client._sink_allow.replace([str(last_key).encode()] if last_key else [])
         self.source.connect(str(ready["first_endpoint"]))
+        # inputs whose results have not arrived, to send again after a re-plan
+        self.unanswered: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.send_lock = asyncio.Lock()
         # micro-batch id -> (batch index, part index); batch index -> number of parts
         self.owner: dict[int, tuple[int, int]] = {}
         self.parts: dict[int, int] = {}
@@ -464,20 +478,25 @@ class _Stream:
         self.report.samples += int(tensors[0].shape[0])
         for part, mb_tensors in enumerate(micro):
             await self.window.acquire()
-            mb = self.sent
-            self.sent += 1
-            self.owner[mb] = (index, part)
-            await send(
-                self.source,
-                Message(
-                    "data",
-                    {"run": self.run, "mb": mb, "src": CLIENT_NAME},
-                    epoch=self.epoch,
-                    tensors=mb_tensors,
-                ),
-                timeout_s=self.client.timeouts.send_s,
-                peer=self.first_stage,
-            )
+            async with self.send_lock:  # not interleaved with a replay to a new first stage
+                mb = self.sent
+                self.sent += 1
+                self.owner[mb] = (index, part)
+                self.unanswered[mb] = mb_tensors
+                await self._send_input(mb, mb_tensors)
+
+    async def _send_input(self, mb: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        await send(
+            self.source,
+            Message(
+                "data",
+                {"run": self.run, "mb": mb, "src": CLIENT_NAME},
+                epoch=self.epoch,
+                tensors=tensors,
+            ),
+            timeout_s=self.client.timeouts.send_s,
+            peer=self.first_stage,
+        )
 
     async def _drain(self) -> None:
         sink = self.client._sink
@@ -493,6 +512,7 @@ class _Stream:
                 log.warning("dropped_message", peer=self.last_stage, error=str(exc))
                 continue
             mb = int(message["mb"])
+            self.unanswered.pop(mb, None)
             self.window.release()
             self.received += 1
             if message.kind == "error":
@@ -530,10 +550,53 @@ class _Stream:
             notice = await control.failures.get()
             if notice["run"] != self.run:
                 continue
+            if notice.kind == "run_replanned":
+                await self._replay(notice)
+                continue
             await self.results.put(
                 (-1, StageFailedError(str(notice["stage"]), str(notice["reason"])))
             )
             return
+
+    async def _replay(self, notice: Message) -> None:
+        """Follow a re-plan: the new first and last stage, then every unanswered input."""
+        client = self.client
+        assert client._context is not None
+        async with self.send_lock:
+            self.epoch = notice.epoch  # results of the old epoch are dropped from now on
+            self.plan = Plan.from_dict(notice["plan"])
+            self.report.plan = self.plan
+            self.first_stage = str(notice["first_stage"])
+            self.last_stage = str(notice["last_stage"])
+            self.source.close(linger=0)
+            self.source = open_socket(client._context, zmq.PUSH, client.options)
+            if client._keypair is not None:
+                first_key = notice["first_key"]
+                if not first_key:
+                    raise PipelineError("the coordinator sent no key for the new first stage")
+                security.secure_client(self.source, client._keypair, str(first_key).encode())
+                assert client._sink_allow is not None
+                last_key = notice["last_key"]
+                client._sink_allow.replace([str(last_key).encode()] if last_key else [])
+            self.source.connect(str(notice["first_endpoint"]))
+            replayed = sorted(self.unanswered)
+            for mb in replayed:
+                await self._send_input(mb, self.unanswered[mb])
+        self.report.recoveries.append(
+            {
+                "dead": str(notice["dead"]),
+                "recovered_s": float(notice["recovered_s"]),
+                "replayed": len(replayed),
+                "epoch": notice.epoch,
+            }
+        )
+        log.warning(
+            "stream_replanned",
+            run=self.run,
+            dead=notice["dead"],
+            replayed=len(replayed),
+            plan=notice["plan"]["stages"],
+        )
 
     async def close(self) -> None:
         for task in self.tasks:

@@ -90,6 +90,10 @@ class _Run:
     # training with data-parallel groups: each device's all-reduce ring endpoint
     ring_endpoints: dict[str, str] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)
+    # inference streams: the request, to re-plan without a dead stage and replay
+    request: Message | None = None
+    recover: bool = False
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -273,17 +277,10 @@ class Coordinator:
                 fut = futures.get(name)
                 if fut is not None and not fut.done():
                     fut.set_exception(ConfigError(f"stage {name!r} died: {reason}"))
-            with contextlib.suppress(TransportTimeout):
-                await self._send(
-                    run.client,
-                    Message(
-                        "stage_failed",
-                        {"run": run.run, "stage": name, "reason": reason},
-                        epoch=run.epoch,
-                    ),
-                    peer=CLIENT_NAME,
-                    timeout_s=self.config.timeouts.reply_s,
-                )
+            if run.recover and run.streaming and run.request is not None:
+                self._spawn(self._recover_inference(run, name, time.monotonic()))
+            else:
+                await self._notify_stage_failed(run, name, reason)
         self.events.append(event)
 
     # --------------------------------------------------------------- handlers
@@ -496,6 +493,8 @@ class Coordinator:
             client=routing_id,
             plan=plan,
             client_key=client_key,
+            request=message,
+            recover=bool(message.get("recover", False)),
         )
         self._run = run
         log.info(
@@ -506,7 +505,37 @@ class Coordinator:
             baseline=baseline.to_dict() if baseline is not None else None,
         )
         by_name = {m.name: m for m in members}
+        await self._assign_inference(run, spec, by_name, message)
+        return Message(
+            "run_ready",
+            {
+                **self._endpoints_of(plan, by_name),
+                "run": run.run,
+                "plan": plan.to_dict(),
+                "baseline": baseline.to_dict() if baseline is not None else None,
+            },
+            epoch=run.epoch,
+        )
+
+    def _endpoints_of(self, plan: Plan, by_name: dict[str, Member]) -> dict[str, Any]:
+        """Where the client sends inputs and whose results it accepts."""
+        first, last = plan.stages[0].device, plan.stages[-1].device
+        return {
+            "first_endpoint": by_name[first].data_endpoint,
+            "first_stage": first,
+            "first_key": self._key_of(first),
+            "last_stage": last,
+            "last_key": self._key_of(last),
+            "last_endpoint": by_name[last].data_endpoint,
+        }
+
+    async def _assign_inference(
+        self, run: _Run, spec: ModelSpec, by_name: dict[str, Member], message: Message
+    ) -> None:
+        """Send every stage of ``run.plan`` its assignment; wait until all are ready."""
+        plan = run.plan
         loop = asyncio.get_running_loop()
+        run.ready = {}
         for i, stage in enumerate(plan.stages):
             member = by_name[stage.device]
             last = i == len(plan.stages) - 1
@@ -549,22 +578,93 @@ class Coordinator:
             epoch=run.epoch,
             build_s={n: round(b, 3) for n, b in zip(run.ready, build_times, strict=False)},
         )
-        first, last_stage = plan.stages[0].device, plan.stages[-1].device
-        return Message(
-            "run_ready",
-            {
-                "run": run.run,
-                "plan": plan.to_dict(),
-                "baseline": baseline.to_dict() if baseline is not None else None,
-                "first_endpoint": by_name[first].data_endpoint,
-                "first_stage": first,
-                "first_key": self._key_of(first),
-                "last_stage": last_stage,
-                "last_key": self._key_of(last_stage),
-                "last_endpoint": by_name[last_stage].data_endpoint,
-            },
+
+    async def _recover_inference(self, run: _Run, dead: str, detected_at: float) -> None:
+        """Re-plan a stream without a dead stage and tell the client to replay.
+
+        Inference weights come from the model spec, so the survivors only build
+        their new units; the client resends every micro-batch whose result it
+        has not received, and drops results of the old epoch, so each output
+        arrives once.
+        """
+        request = run.request
+        assert request is not None
+        try:
+            spec = ModelSpec.from_dict(request["model"])
+            num_units = load_layer_sequence(spec).num_units
+            survivors = [
+                m
+                for m in self.membership.alive()
+                if m.state is MemberState.ALIVE
+                and m.name not in run.failed
+                and (request.get("stage_names") is None or m.name in request["stage_names"])
+            ]
+            survivors.sort(key=lambda m: m.name)
+            if not survivors:
+                raise ConfigError("no stage is left to run the model")
+            names = [m.name for m in survivors]
+            # The old partition named the dead stage: plan the survivors afresh.
+            replan = Message(
+                "run_request",
+                {**request.body, "partition": None, "stage_names": names, "stages": None},
+            )
+            plan, _ = await self._plan(spec, num_units, survivors, replan)
+            planned_at = time.monotonic()
+            self._epoch += 1
+            run.epoch = self._epoch
+            run.plan = plan
+            run.devices = list(plan.devices)
+            by_name = {m.name: m for m in survivors}
+            await self._assign_inference(run, spec, by_name, request)
+            await self._connect_all(run)
+        except (ZpipeError, ValueError) as exc:
+            log.error("recovery_failed", run=run.run, stage=dead, error=str(exc))
+            await self._notify_stage_failed(run, dead, f"died, and recovery failed: {exc}")
+            return
+        now = time.monotonic()
+        timeline = {
+            "replanned_s": round(planned_at - detected_at, 3),
+            "recovered_s": round(now - detected_at, 3),
+        }
+        log.info(
+            "run_recovered",
+            run=run.run,
             epoch=run.epoch,
+            dead=dead,
+            plan=plan.to_dict(),
+            **timeline,
         )
+        self.events.append({"event": "run_recovered", "run": run.run, "dead": dead, **timeline})
+        with contextlib.suppress(TransportTimeout):
+            await self._send(
+                run.client,
+                Message(
+                    "run_replanned",
+                    {
+                        **self._endpoints_of(plan, by_name),
+                        "run": run.run,
+                        "plan": plan.to_dict(),
+                        "dead": dead,
+                        "recovered_s": timeline["recovered_s"],
+                    },
+                    epoch=run.epoch,
+                ),
+                peer=CLIENT_NAME,
+                timeout_s=self.config.timeouts.reply_s,
+            )
+
+    async def _notify_stage_failed(self, run: _Run, name: str, reason: str) -> None:
+        with contextlib.suppress(TransportTimeout):
+            await self._send(
+                run.client,
+                Message(
+                    "stage_failed",
+                    {"run": run.run, "stage": name, "reason": reason},
+                    epoch=run.epoch,
+                ),
+                peer=CLIENT_NAME,
+                timeout_s=self.config.timeouts.reply_s,
+            )
 
     async def _start_training_run(
         self,
@@ -904,25 +1004,11 @@ class Coordinator:
         try:
             if run is None or run.run != message["run"]:
                 raise ConfigError(f"run {message['run']} is not the current run")
-            loop = asyncio.get_running_loop()
-            for device in run.devices:
-                member = self.membership.get(device)
-                if member is None or member.state is MemberState.DEAD:
-                    raise ConfigError(f"stage {device!r} is gone")
-                run.connected[device] = loop.create_future()
-                body: dict[str, Any] = {"run": run.run}
-                ring = self._ring_of(run, device)
-                if ring is not None:
-                    body["ring"] = ring
-                await self._send(
-                    member.routing_id, Message("connect", body, epoch=run.epoch), peer=device
-                )
-            await _await_all(
-                run.connected, timeout_s=self.config.timeouts.reply_s, awaited="connected"
-            )
+            await self._connect_all(run)
         except (ZpipeError, ValueError) as exc:
             await self._reply_run_failed(routing_id, exc)
             return
+        run.streaming = True
         log.info("run_streaming", run=run.run, epoch=run.epoch)
         await self._send(
             routing_id,
@@ -930,6 +1016,24 @@ class Coordinator:
             peer=CLIENT_NAME,
             timeout_s=self.config.timeouts.reply_s,
         )
+
+    async def _connect_all(self, run: _Run) -> None:
+        """Second phase: every stage connects to its neighbours, now that all allow theirs."""
+        loop = asyncio.get_running_loop()
+        run.connected = {}
+        for device in run.devices:
+            member = self.membership.get(device)
+            if member is None or member.state is MemberState.DEAD:
+                raise ConfigError(f"stage {device!r} is gone")
+            run.connected[device] = loop.create_future()
+            body: dict[str, Any] = {"run": run.run}
+            ring = self._ring_of(run, device)
+            if ring is not None:
+                body["ring"] = ring
+            await self._send(
+                member.routing_id, Message("connect", body, epoch=run.epoch), peer=device
+            )
+        await _await_all(run.connected, timeout_s=self.config.timeouts.reply_s, awaited="connected")
 
     async def _on_run_end(self, routing_id: bytes, message: Message) -> None:
         run = self._run

@@ -172,6 +172,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "wait_for_stages_s": (_NUM, True),
         "mode": (_STR, False),
         "train": (_OPT_MAP, False),
+        # re-plan without a stage that dies mid-stream, and replay (inference)
+        "recover": (_BOOL, False),
     },
     "run_ready": {
         "run": (_INT, True),
@@ -191,6 +193,19 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     "run_end": {"run": (_INT, True)},
     "run_report": {"run": (_INT, True), "stages": (_MAP, True)},
     "stage_failed": {"run": (_INT, True), "stage": (_STR, True), "reason": (_STR, True)},
+    # a stream re-planned without a dead stage: where to resend what has no result yet
+    "run_replanned": {
+        "run": (_INT, True),
+        "plan": (_MAP, True),
+        "dead": (_STR, True),
+        "recovered_s": (_NUM, True),
+        "first_endpoint": (_STR, True),
+        "first_stage": (_STR, True),
+        "first_key": (_OPT_STR, True),
+        "last_stage": (_STR, True),
+        "last_key": (_OPT_STR, True),
+        "last_endpoint": (_STR, True),
+    },
     # training weights: client -> coordinator -> every stage, gathered back
     "weights_request": {"run": (_INT, True), "step": (_INT, True)},
     "weights": {
