@@ -343,12 +343,14 @@ def test_routed_pieces_deliver_every_row_once_to_its_receiver(
         assert sorted(got.get(r, [])) == list(range(lo, hi))
 
 
-def group_plan(stages: list[dict[str, object]], m: int, microbatch: int) -> TrainingPlan:
+def group_plan(
+    stages: list[dict[str, object]], m: int, microbatch: int, num_units: int = 4
+) -> TrainingPlan:
     return TrainingPlan.from_dict(
         {
             "algo": "hpp",
             "schedule": "1f1b",
-            "num_units": 4,
+            "num_units": num_units,
             "microbatch_size": microbatch,
             "num_microbatches": m,
             "stages": stages,
@@ -393,6 +395,28 @@ def test_pure_data_parallelism_with_a_device_that_computes_nothing(cluster: Loca
     for key in want:  # Adam divides by small second moments: allow summation-order noise
         torch.testing.assert_close(report.state_dict[key], want[key], rtol=1e-4, atol=1e-4)
     assert report.stages["s1"]["microbatches"] == 0  # share 0: only the all-reduce
+
+
+def test_a_deep_model_replicated_on_every_device_is_gathered_whole(
+    cluster: LocalCluster,
+) -> None:
+    # 40 linear layers (80 tensors) on each of 3 devices: one checkpoint of 240 tensors,
+    # more than a run with a smaller model or no replicas ever sends.
+    deep = ModelSpec("mlp", {"dims": [12, *[6] * 39, 4], "activation": "relu"}, seed=3)
+    plan = group_plan(
+        [{"devices": ["s0", "s1", "s2"], "start": 0, "end": 40, "shares": [2, 2, 2], "warmup": 1}],
+        m=1,
+        microbatch=6,
+        num_units=40,
+    )
+    batches = make_batches(2, 6, seed=4)
+    want, want_losses = train_single_process(deep, batches, SGD)
+    report = cluster.fit(
+        deep, batches, optimizer=SGD, num_microbatches=1, plan=plan, progress=False
+    )
+    assert len(want) == 80
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
 
 
 def test_the_coordinator_plans_hybrid_training_from_training_profiles(

@@ -46,7 +46,7 @@ from zpipe.planner.plan import StagePlan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.training.objectives import check_train_settings
-from zpipe.transport import security
+from zpipe.transport import codec, security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -978,6 +978,13 @@ class Coordinator:
                     raise ProtocolError(f"stage {reply['name']!r} sent mismatched weights")
                 keys += [str(k) for k in reply["keys"]]
                 tensors += list(reply.tensors)
+            if len(tensors) > codec.MAX_TENSORS:
+                # Refuse here, with a reply: an encode error after the try would leave
+                # the client waiting for a checkpoint that never comes.
+                raise ConfigError(
+                    f"the checkpoint holds {len(tensors)} tensors (replicas included), "
+                    f"more than one message carries ({codec.MAX_TENSORS})"
+                )
             answer = Message(
                 "checkpoint",
                 {"run": run.run, "step": message["step"], "keys": keys},

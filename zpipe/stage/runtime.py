@@ -36,7 +36,7 @@ from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import Group, TrainingExecutor, TrainingSetup
 from zpipe.training.allreduce import RingAllReduce
-from zpipe.transport import security
+from zpipe.transport import codec, security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
 from zpipe.transport.sockets import (
@@ -797,6 +797,11 @@ class StageRuntime:
                 raise ConfigError(f"this stage is not training run {run}")
             await trainer.wait_for_step(step, self.config.timeouts.result_s)
             state = trainer.shard.state_dict()
+            if len(state) > codec.MAX_TENSORS:
+                raise ConfigError(
+                    f"this stage holds {len(state)} tensors, more than one message "
+                    f"carries ({codec.MAX_TENSORS})"
+                )
             reply["keys"] = list(state)
             tensors = tuple(state.values())
         except ZpipeError as exc:
