@@ -79,7 +79,7 @@ def test_group_members_restore_from_a_surviving_member():
 
 def test_exact_consistency_fetches_the_replicated_version_even_over_newer_own_weights():
     old = spans((("a",), 0, 2), (("b",), 2, 4))
-    new = spans((("a",), 0, 4),)
+    new = spans((("a",), 0, 4))
     replicas = [Replica(COORDINATOR, 0, 4, 100), Replica("a", 0, 2, 100)]  # a kept a snapshot
     r = plan_redistribution(
         old, new, failed={"b"}, live_version=130, replicas=replicas, version=100
@@ -90,7 +90,7 @@ def test_exact_consistency_fetches_the_replicated_version_even_over_newer_own_we
 
 def test_units_nobody_holds_are_named():
     old = spans((("a",), 0, 2), (("b",), 2, 4), (("c",), 4, 7))
-    new = spans((("a",), 0, 7),)
+    new = spans((("a",), 0, 7))
     with pytest.raises(WeightsLostError, match=r"units 2-3, 6 ") as info:
         plan_redistribution(
             old, new, failed={"b", "c"}, live_version=1, replicas=[Replica("a", 4, 6, 0)]
