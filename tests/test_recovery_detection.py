@@ -1,0 +1,92 @@
+"""Adaptive deadlines: median + k * MAD over a window, a floor, a cold start; slow vs dead."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from zpipe._errors import ConfigError
+from zpipe.recovery.detection import (
+    DeadlinePolicy,
+    LatencyWindow,
+    Verdict,
+    adaptive_deadline,
+    judge_wait,
+)
+
+POLICY = DeadlinePolicy(k=5.0, window=16, min_samples=4, floor_s=0.5, cold_start_s=60.0)
+
+
+def test_cold_start_waits_long_until_enough_samples_exist():
+    assert adaptive_deadline([], POLICY) == 60.0
+    assert adaptive_deadline([1.0, 1.0, 1.0], POLICY) == 60.0
+    # A model slower than the cold-start value is not killed by it.
+    assert adaptive_deadline([30.0, 31.0], POLICY) == pytest.approx(93.0)
+    assert adaptive_deadline([1.0] * 4, POLICY) < 60.0
+
+
+def test_deadline_is_median_plus_k_mads():
+    samples = [1.0, 2.0] * 4  # median 1.5, every deviation 0.5
+    assert adaptive_deadline(samples, POLICY) == pytest.approx(1.5 + 5 * 0.5)
+
+
+def test_identical_samples_still_leave_room_for_jitter():
+    # MAD 0 would make the deadline the median itself; the relative floor keeps 5 %.
+    assert adaptive_deadline([2.0] * 10, POLICY) == pytest.approx(2.0 + 5 * 0.1)
+
+
+def test_one_stall_does_not_move_the_deadline():
+    calm = adaptive_deadline([1.0] * 10, POLICY)
+    assert adaptive_deadline([1.0] * 9 + [100.0], POLICY) == pytest.approx(calm)
+
+
+def test_absolute_floor_for_fast_waits():
+    assert adaptive_deadline([0.001] * 10, POLICY) == 0.5
+
+
+def test_the_window_forgets_an_old_regime():
+    window = LatencyWindow(POLICY, [1.0] * 16)
+    assert window.deadline() == pytest.approx(1.25)
+    for _ in range(16):
+        window.observe(3.0)
+    assert window.deadline() == pytest.approx(3.75)
+    assert len(window.samples) == 16
+
+
+def test_a_slow_device_is_told_from_a_dead_one_and_its_deadline_follows_it():
+    window = LatencyWindow(POLICY, [1.0] * 16)
+    # It now takes 2.5 s: late against 1.25 s. Still answering probes: slow, not dead.
+    assert window.judge(2.5, responsive=True) is Verdict.SLOW
+    assert window.judge(2.5, responsive=False) is Verdict.DEAD
+    assert window.judge(1.1, responsive=False) is Verdict.ON_TIME
+    for _ in range(9):  # its completed (late) waits enter the window ...
+        window.observe(2.5)
+    # ... and once they are the majority the new pace is on time.
+    assert window.judge(2.5, responsive=False) is Verdict.ON_TIME
+    # A silent stall far beyond the new pace is still dead.
+    assert window.judge(30.0, responsive=False) is Verdict.DEAD
+
+
+def test_judge_wait_boundary_is_on_time():
+    assert judge_wait(2.0, 2.0, responsive=False) is Verdict.ON_TIME
+    assert judge_wait(2.0001, 2.0, responsive=False) is Verdict.DEAD
+
+
+def test_policy_is_validated_and_round_trips():
+    with pytest.raises(ConfigError, match="min_samples"):
+        DeadlinePolicy(window=4, min_samples=8)
+    with pytest.raises(ConfigError, match="k must"):
+        DeadlinePolicy(k=-1.0)
+    with pytest.raises(ConfigError, match="window must"):
+        DeadlinePolicy(window=0)
+    with pytest.raises(ConfigError, match="unknown"):
+        DeadlinePolicy.from_dict({"kk": 3})
+    assert DeadlinePolicy.from_dict(POLICY.to_dict()) == POLICY
+
+
+def test_latencies_must_be_real_durations():
+    window = LatencyWindow(POLICY)
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ConfigError, match="latency"):
+            window.observe(bad)
