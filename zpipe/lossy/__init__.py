@@ -1,0 +1,92 @@
+"""Lossy links: EdgePipe's super-neuron partitioning, mapping, radio model,
+timeslot pipeline and a fast in-process simulation of lossy training.
+
+Modules, one job each (all pure, no I/O except :mod:`.experiment`):
+
+- :mod:`.partition`  Algorithm 1: who owns which (layer, neuron range)
+- :mod:`.mapping`    Algorithm 2: super neurons onto devices by link quality
+- :mod:`.radio`      device placement, path loss, packet reception ratios
+- :mod:`.links`      the per-message drop decision and recovery schemes
+- :mod:`.schedule`   equation 2's timeslot pipeline, Theorem 1, timeslot length
+- :mod:`.partial`    neuron-sliced dense layers and the reference MLP
+- :mod:`.engine`     devices exchanging partials, null-filling what is lost
+- :mod:`.simulate`   one seeded training run
+- :mod:`.data`       local data sets (digits, IDX files)
+- :mod:`.experiment` the command line: runs, sweeps, JSON and plots
+"""
+
+from __future__ import annotations
+
+from zpipe.lossy.engine import LinkChannel, PartitionedMLP, Propagation
+from zpipe.lossy.links import Delivery, Direction, Recovery, Traffic, deliver, drop_uniform
+from zpipe.lossy.mapping import (
+    connectivity,
+    map_devices,
+    map_exhaustive,
+    map_genetic,
+    map_random,
+    mapping_score,
+    pass_counts,
+)
+from zpipe.lossy.partition import (
+    ALLOCATION_KINDS,
+    Allocation,
+    NeuronSlice,
+    SuperNeuron,
+    hybrid_max_layers,
+    partition,
+    partition_horizontal,
+    partition_hybrid,
+    partition_layers,
+    partition_naive,
+    partition_vertical,
+)
+from zpipe.lossy.radio import LinkTopology, RadioModel, make_topology
+from zpipe.lossy.schedule import (
+    device_schedule,
+    pipeline_period,
+    theorem1_timeslots,
+    timeslot_ms,
+    total_timeslots,
+)
+from zpipe.lossy.simulate import RunConfig, run_training
+
+__all__ = [
+    "ALLOCATION_KINDS",
+    "Allocation",
+    "Delivery",
+    "Direction",
+    "LinkChannel",
+    "LinkTopology",
+    "NeuronSlice",
+    "PartitionedMLP",
+    "Propagation",
+    "RadioModel",
+    "Recovery",
+    "RunConfig",
+    "SuperNeuron",
+    "Traffic",
+    "connectivity",
+    "deliver",
+    "device_schedule",
+    "drop_uniform",
+    "hybrid_max_layers",
+    "make_topology",
+    "map_devices",
+    "map_exhaustive",
+    "map_genetic",
+    "map_random",
+    "mapping_score",
+    "partition",
+    "partition_horizontal",
+    "partition_hybrid",
+    "partition_layers",
+    "partition_naive",
+    "partition_vertical",
+    "pass_counts",
+    "pipeline_period",
+    "run_training",
+    "theorem1_timeslots",
+    "timeslot_ms",
+    "total_timeslots",
+]

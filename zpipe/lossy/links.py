@@ -1,0 +1,180 @@
+"""Which messages a lossy link delivers: a pure, reproducible decision.
+
+Every decision is a function of ``(seed, src, dst, layer, step, direction,
+attempt)`` and the link's reception ratio, never of a shared random stream.
+So the in-process simulation and a later multi-process run (where each
+sender asks the same function before putting an attempt on the wire) drop
+exactly the same messages, whatever order the processes run in.
+
+The hash is SplitMix64 over the fields: stable across platforms, Python and
+numpy versions, and a few microseconds per message.
+
+Recovery schemes (EdgePipe Fig. 9(f)):
+
+- ``none``: one transmission;
+- ``rtx``: the message is sent ``copies`` times (the paper: twice); it arrives
+  if any copy does;
+- ``ack``: send, and resend until the receiver's acknowledgement comes back or
+  ``max_attempts`` transmissions (the timeslot's deadline) are spent; an
+  acknowledgement crosses the reverse link and can be lost too, which costs a
+  needless retransmission.
+
+Every transmission is counted (:class:`Traffic`), acknowledgements apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Literal
+
+from zpipe._errors import ConfigError
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+class Direction(IntEnum):
+    """What a message carries; part of its drop key."""
+
+    FORWARD = 0  # a slice of a layer's outputs, to the next layer's owners
+    BACKWARD = 1  # a partial gradient sum, to the previous layer's owners
+    SHARE = 2  # an output-layer slice of logits, to the other output owners
+    TEST_FORWARD = 3  # forward during a (lossy) test pass
+    TEST_SHARE = 4  # output sharing during a test pass
+    ACK = 5  # an acknowledgement of a data message (ACK scheme)
+
+
+RecoveryScheme = Literal["none", "rtx", "ack"]
+RECOVERY_SCHEMES: tuple[RecoveryScheme, ...] = ("none", "rtx", "ack")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A recovery scheme and its parameters."""
+
+    scheme: RecoveryScheme = "none"
+    copies: int = 2
+    max_attempts: int = 4
+
+    def __post_init__(self) -> None:
+        if self.scheme not in RECOVERY_SCHEMES:
+            raise ConfigError(
+                f"unknown recovery {self.scheme!r}; choose one of {', '.join(RECOVERY_SCHEMES)}"
+            )
+        if self.copies < 1:
+            raise ConfigError(f"r-TX copies must be >= 1, got {self.copies}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"ACK max attempts must be >= 1, got {self.max_attempts}")
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """The fate of one logical message."""
+
+    delivered: bool
+    data_tx: int
+    ack_tx: int
+
+
+def splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def drop_uniform(
+    seed: int, src: int, dst: int, layer: int, step: int, direction: int, attempt: int = 0
+) -> float:
+    """A uniform number in ``[0, 1)`` fixed by the message's identity.
+
+    ``layer`` is the layer of the action that sends (forward: the layer whose
+    outputs travel; backward: the layer whose gradient is being propagated
+    down); ``step`` is the data (mini-batch) id, or a test batch id.
+    """
+    h = splitmix64(seed & _MASK)
+    for field in (src, dst, layer, step, int(direction), attempt):
+        if field < 0:
+            raise ConfigError(f"drop-key fields must be non-negative, got {field}")
+        h = splitmix64(h ^ field)
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def deliver(
+    seed: int,
+    src: int,
+    dst: int,
+    layer: int,
+    step: int,
+    direction: int,
+    *,
+    prr: float,
+    prr_back: float | None = None,
+    recovery: Recovery = Recovery(),
+) -> Delivery:
+    """Whether a message from ``src`` to ``dst`` arrives, and what it cost.
+
+    ``prr`` is the reception ratio ``src -> dst``; ``prr_back`` (``dst ->
+    src``, default the same) matters only for ACK's acknowledgements. A
+    message to oneself never touches a link.
+    """
+    if src == dst:
+        return Delivery(True, 0, 0)
+    if recovery.scheme == "none":
+        ok = drop_uniform(seed, src, dst, layer, step, direction) < prr
+        return Delivery(ok, 1, 0)
+    if recovery.scheme == "rtx":
+        ok = any(
+            drop_uniform(seed, src, dst, layer, step, direction, attempt) < prr
+            for attempt in range(recovery.copies)
+        )
+        return Delivery(ok, recovery.copies, 0)
+    back = prr if prr_back is None else prr_back
+    delivered = False
+    acks = 0
+    # ACK keys use the data's direction shifted into the ACK space, so an
+    # acknowledgement's fate never correlates with its data message's.
+    ack_direction = int(Direction.ACK) * 8 + int(direction)
+    for attempt in range(recovery.max_attempts):
+        if drop_uniform(seed, src, dst, layer, step, direction, attempt) < prr:
+            delivered = True
+            acks += 1
+            if drop_uniform(seed, dst, src, layer, step, ack_direction, attempt) < back:
+                return Delivery(True, attempt + 1, acks)
+    return Delivery(delivered, recovery.max_attempts, acks)
+
+
+@dataclass
+class Traffic:
+    """Counts of logical messages and of the transmissions they cost."""
+
+    messages: int = 0
+    delivered: int = 0
+    data_tx: int = 0
+    ack_tx: int = 0
+
+    def add(self, d: Delivery) -> None:
+        self.messages += 1
+        self.delivered += int(d.delivered)
+        self.data_tx += d.data_tx
+        self.ack_tx += d.ack_tx
+
+    @property
+    def delivery_rate(self) -> float:
+        return self.delivered / self.messages if self.messages else 1.0
+
+    @property
+    def tx_factor(self) -> float:
+        """Transmissions (data and acknowledgements) per logical message."""
+        return (self.data_tx + self.ack_tx) / self.messages if self.messages else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "messages": self.messages,
+            "delivered": self.delivered,
+            "data_tx": self.data_tx,
+            "ack_tx": self.ack_tx,
+            "delivery_rate": self.delivery_rate,
+            "tx_factor": self.tx_factor,
+        }

@@ -1,0 +1,271 @@
+"""One lossy training run, simulated in process: the experiment's unit of work.
+
+A run places devices (:mod:`zpipe.lossy.radio`), partitions the MLP
+(:mod:`zpipe.lossy.partition`), maps super neurons to devices on the measured
+reception ratios (:mod:`zpipe.lossy.mapping`), then plays the timeslot
+pipeline (:mod:`zpipe.lossy.schedule`) pass by pass on a
+:class:`~zpipe.lossy.engine.PartitionedMLP`, evaluating test accuracy (a
+lossy inference pass, as the paper tests over the same links) at evenly
+spaced times.
+
+Everything a run draws comes from its ``seed``: placement and shadowing,
+mapping search, weight initialisation, mini-batch order and message drops.
+Runs of different allocations with the same seed therefore share devices,
+links, initial weights and data order, so their differences are the
+allocation's.
+
+Training time is simulated: timeslots times the timeslot duration of
+:func:`zpipe.lossy.schedule.timeslot_ms`. A run gets either a number of
+mini-batches or a time budget, from which the number of mini-batches its
+pipeline finishes follows (Table III's comparison at equal time).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zpipe._errors import ConfigError
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.engine import LinkChannel, PartitionedMLP
+from zpipe.lossy.links import Recovery
+from zpipe.lossy.mapping import connectivity, map_devices, mapping_score
+from zpipe.lossy.partial import init_mlp
+from zpipe.lossy.partition import ALLOCATION_KINDS, Allocation, partition
+from zpipe.lossy.radio import LinkTopology, RadioModel, make_topology, mean_offdiagonal
+from zpipe.lossy.schedule import (
+    data_within,
+    events,
+    pipeline_period,
+    timeslot_ms,
+    total_timeslots,
+)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines one run (defaults: EdgePipe Table I)."""
+
+    allocation: str = "hybrid"
+    n_devices: int = 6
+    region_m: float = 50.0
+    seed: int = 0
+    hidden: tuple[int, ...] = (128, 128, 128, 128)
+    lr: float = 0.01
+    batch_size: int = 100
+    n_data: int | None = None
+    budget_s: float | None = None
+    lossless: bool = False
+    recovery: Recovery = field(default_factory=Recovery)
+    mapping: str = "genetic"
+    radio: RadioModel = field(default_factory=RadioModel)
+    eval_points: int = 20
+    test_repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if self.allocation not in ALLOCATION_KINDS:
+            choices = ", ".join(ALLOCATION_KINDS)
+            raise ConfigError(f"unknown allocation {self.allocation!r}; choose one of {choices}")
+        if (self.n_data is None) == (self.budget_s is None):
+            raise ConfigError("give exactly one of n_data (mini-batches) and budget_s (seconds)")
+        if self.n_data is not None and self.n_data < 1:
+            raise ConfigError(f"n_data must be >= 1, got {self.n_data}")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise ConfigError(f"budget_s must be positive, got {self.budget_s}")
+        if self.n_devices < 1:
+            raise ConfigError(f"n_devices must be >= 1, got {self.n_devices}")
+        if not self.lr > 0:
+            raise ConfigError(f"learning rate must be positive, got {self.lr}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
+        if any(h < 1 for h in self.hidden):
+            raise ConfigError(f"hidden layer widths must be positive, got {self.hidden}")
+        if self.eval_points < 1 or self.test_repeats < 1:
+            raise ConfigError("eval_points and test_repeats must be >= 1")
+
+    @property
+    def label(self) -> str:
+        if self.allocation == "naive":
+            return "naive"
+        parts = [self.allocation]
+        if self.lossless:
+            parts.append("lossless")
+        if self.recovery.scheme != "none":
+            parts.append(self.recovery.scheme)
+        return "_".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["hidden"] = list(self.hidden)
+        out["label"] = self.label
+        return out
+
+
+def build_allocation(cfg: RunConfig, layer_sizes: list[int], topology: LinkTopology) -> Allocation:
+    """Partition, then map on the measured reception ratios (naive: one device)."""
+    if cfg.allocation == "naive":
+        return partition("naive", layer_sizes, 1)
+    alloc = partition(cfg.allocation, layer_sizes, cfg.n_devices)
+    return map_devices(alloc, topology.prr_measured, method=cfg.mapping, seed=cfg.seed)
+
+
+def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
+    """Simulate one run; a JSON-ready dict of its curves and final numbers."""
+    started = time.perf_counter()
+    layer_sizes = [data.n_features, *cfg.hidden, data.n_classes]
+    topology = make_topology(max(cfg.n_devices, 1), cfg.region_m, seed=cfg.seed, model=cfg.radio)
+    alloc = build_allocation(cfg, layer_sizes, topology)
+    slot_s = timeslot_ms(alloc) / 1000.0
+    if cfg.n_data is not None:
+        n_data = cfg.n_data
+    else:
+        assert cfg.budget_s is not None
+        n_data = data_within(alloc, slot_s, cfg.budget_s)
+    channel = LinkChannel(
+        prr=topology.prr,
+        seed=cfg.seed,
+        recovery=cfg.recovery,
+        lossless=cfg.lossless or cfg.allocation == "naive",
+    )
+    model = PartitionedMLP(alloc, init_mlp(layer_sizes, seed=cfg.seed), channel, lr=cfg.lr)
+    batches = _BatchStream(data, cfg.batch_size, seed=cfg.seed)
+    n_slots = total_timeslots(alloc, n_data)
+    eval_slots = sorted(
+        {round(n_slots * k / cfg.eval_points) for k in range(1, cfg.eval_points + 1)}
+    )
+
+    in_flight: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    losses: list[float] = []
+    curve: dict[str, list[float]] = {
+        "time_s": [],
+        "data_done": [],
+        "train_loss": [],
+        "test_acc": [],
+        "test_acc_lossless": [],
+    }
+    done = 0
+    eval_index = 0
+    next_eval = 0
+
+    def evaluate(at_slot: int) -> None:
+        nonlocal eval_index, losses
+        acc, acc_clean = _test_accuracy(model, data, cfg.batch_size, eval_index, repeats=1)
+        eval_index += 1
+        curve["time_s"].append(at_slot * slot_s)
+        curve["data_done"].append(done)
+        curve["train_loss"].append(float(np.mean(losses)) if losses else float("nan"))
+        curve["test_acc"].append(acc)
+        curve["test_acc_lossless"].append(acc_clean)
+        losses = []
+
+    last_layer = alloc.n_layers - 1
+    for ev in events(alloc, n_data):
+        while next_eval < len(eval_slots) - 1 and ev.timeslot >= eval_slots[next_eval]:
+            evaluate(eval_slots[next_eval])
+            next_eval += 1
+        if ev.kind == "F":
+            if ev.layer == 0:
+                in_flight[ev.data] = batches.next()
+            model.forward(ev.data, ev.layer, in_flight[ev.data][0])
+        else:
+            loss = model.backward(ev.data, ev.layer, in_flight[ev.data][1])
+            if ev.layer == last_layer and loss is not None:
+                losses.append(loss)
+            if ev.layer == 1:
+                del in_flight[ev.data]
+                done += 1
+    final_acc, final_clean = _test_accuracy(
+        model, data, cfg.batch_size, eval_index, repeats=cfg.test_repeats
+    )
+    curve["time_s"].append(n_slots * slot_s)
+    curve["data_done"].append(done)
+    curve["train_loss"].append(float(np.mean(losses)) if losses else float("nan"))
+    curve["test_acc"].append(final_acc)
+    curve["test_acc_lossless"].append(final_clean)
+
+    snn = connectivity(alloc)
+    dev = np.asarray(alloc.device_of)
+    return {
+        "config": cfg.as_dict(),
+        "layer_sizes": layer_sizes,
+        "allocation": alloc.to_dict(),
+        "topology": topology.to_dict(),
+        "mean_prr": mean_offdiagonal(topology.prr),
+        "mapping_score": mapping_score(snn, topology.prr[np.ix_(dev, dev)], range(len(dev)))
+        if alloc.n_devices > 1
+        else 0.0,
+        "timeslot_ms": slot_s * 1000.0,
+        "pipeline_period": pipeline_period(alloc),
+        "timeslots": n_slots,
+        "n_data": n_data,
+        "train_time_s": n_slots * slot_s,
+        "curve": curve,
+        "final_test_acc": final_acc,
+        "final_test_acc_lossless": final_clean,
+        "final_train_loss": curve["train_loss"][-1],
+        **model.propagation.as_dict(),
+        "traffic": {k: v.as_dict() for k, v in sorted(channel.traffic.items())},
+        "tx_factor": _tx_factor(channel),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def _tx_factor(channel: LinkChannel) -> float:
+    train = [channel.traffic[k] for k in ("forward", "backward", "share") if k in channel.traffic]
+    messages = sum(t.messages for t in train)
+    return sum(t.data_tx + t.ack_tx for t in train) / messages if messages else 0.0
+
+
+def _test_accuracy(
+    model: PartitionedMLP, data: Dataset, batch_size: int, eval_index: int, *, repeats: int
+) -> tuple[float, float]:
+    """Mean accuracy of lossy inference passes (each output owner's view counts
+    equally) and the accuracy of the same weights with nothing lost."""
+    n_batches = -(-len(data.x_test) // batch_size)
+    correct = 0.0
+    for r in range(repeats):
+        for k in range(n_batches):
+            xs = data.x_test[k * batch_size : (k + 1) * batch_size]
+            ys = data.y_test[k * batch_size : (k + 1) * batch_size]
+            step = (eval_index * 1000 + r) * n_batches + k
+            views = model.predict_views(xs, step)
+            correct += float(np.mean([np.sum(v.argmax(axis=1) == ys) for v in views]))
+    lossy = correct / (repeats * len(data.x_test))
+    clean = _clean_accuracy(model, data)
+    return lossy, clean
+
+
+def _clean_accuracy(model: PartitionedMLP, data: Dataset) -> float:
+    h = data.x_test
+    params = model.full_params()
+    for k, (w, b) in enumerate(params):
+        h = h @ w.T + b
+        if k < len(params) - 1:
+            h = np.maximum(h, 0.0)
+    return float(np.mean(h.argmax(axis=1) == data.y_test))
+
+
+class _BatchStream:
+    """Mini-batches in a fresh seeded order each epoch."""
+
+    def __init__(self, data: Dataset, batch_size: int, *, seed: int) -> None:
+        if batch_size > len(data.x_train):
+            raise ConfigError(
+                f"batch size {batch_size} exceeds the {len(data.x_train)} training examples"
+            )
+        self._data = data
+        self._batch = batch_size
+        self._rng = np.random.default_rng([seed, 0xDA7A])
+        self._order = self._rng.permutation(len(data.x_train))
+        self._pos = 0
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._pos + self._batch > len(self._order):
+            self._order = self._rng.permutation(len(self._data.x_train))
+            self._pos = 0
+        idx = self._order[self._pos : self._pos + self._batch]
+        self._pos += self._batch
+        return self._data.x_train[idx], self._data.y_train[idx]
