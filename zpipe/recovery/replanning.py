@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from zpipe._errors import ConfigError
 from zpipe.planner.baselines import plan_with
@@ -49,7 +49,9 @@ from zpipe.planner.training_plan import TrainingPlan, TrainStage
 from zpipe.recovery.errors import RecoveryError
 from zpipe.recovery.spans import stage_spans
 
-PlanT = TypeVar("PlanT", Plan, TrainingPlan)
+# Bound, not constrained, so that a caller holding either kind (``Plan | TrainingPlan``)
+# gets the same union back.
+PlanT = TypeVar("PlanT", bound=Plan | TrainingPlan)
 
 # Bottlenecks within this relative distance are equal when choosing the plan that
 # moves the fewest weights: prefix-sum differences are not bit-exact.
@@ -212,7 +214,7 @@ def _rebuild(
     """The same kind of plan with the surviving ``groups`` on ``ranges``."""
     if isinstance(plan, Plan):
         stages = tuple(StagePlan(g[0], a, b) for g, (a, b) in zip(groups, ranges, strict=True))
-        return Plan(algo=algo, num_units=plan.num_units, stages=stages)
+        return cast(PlanT, Plan(algo=algo, num_units=plan.num_units, stages=stages))
     p = len(groups)
     same_depth = p == plan.num_stages
     train_stages = []
@@ -227,7 +229,7 @@ def _rebuild(
                 devices=g, start=a, end=b, shares=_resplit_shares(old, g, speeds), warmup=warmup
             )
         )
-    return TrainingPlan(
+    rebuilt = TrainingPlan(
         algo=algo,
         schedule=plan.schedule,
         num_units=plan.num_units,
@@ -235,6 +237,7 @@ def _rebuild(
         num_microbatches=plan.num_microbatches,
         stages=tuple(train_stages),
     )
+    return cast(PlanT, rebuilt)
 
 
 def lightweight_replan(
