@@ -5,13 +5,16 @@ from __future__ import annotations
 import pytest
 
 from zpipe._errors import ConfigError
+from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.plan import plan_from_partition
+from zpipe.planner.profile import synthetic_profile
 from zpipe.recovery.capacity import (
     CapacityHistory,
     estimate_capacities,
     find_deviations,
     scaled_unit_times,
     speeds_from_capacities,
+    speeds_from_cluster,
 )
 from zpipe.recovery.replanning import lightweight_replan
 from zpipe.recovery.spans import device_ranges, stage_spans
@@ -78,3 +81,15 @@ def test_measured_slowdown_feeds_lightweight_rebalancing():
     sizes = [s.num_units for s in new.stages]
     assert sizes[1] < 4 and sum(sizes) == 12
     assert sizes[1] == 2  # 12 units over speeds 1, 1/3, 1: 5.1, 1.7, 5.1 -> bottleneck 6
+
+
+def test_starting_speeds_come_from_own_profiles_or_declared_speeds():
+    model = synthetic_profile([1.0, 1.0, 2.0], [10] * 3)
+    slow_board = synthetic_profile([4.0, 4.0, 8.0], [10] * 3)
+    cluster = ClusterSpec(
+        (ClusterDevice("board", profile=slow_board), ClusterDevice("laptop", speed=2.0))
+    )
+    assert speeds_from_cluster(model, cluster, 1) == {
+        "board": pytest.approx(0.25),
+        "laptop": pytest.approx(2.0),
+    }

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from zpipe._errors import ConfigError
 from zpipe.planner.plan import plan_from_partition
 from zpipe.recovery.errors import WeightsLostError
-from zpipe.recovery.redistribution import Replica, plan_redistribution
+from zpipe.recovery.redistribution import Replica, Transfer, plan_redistribution
 from zpipe.recovery.replanning import lightweight_replan
 from zpipe.recovery.replication import (
     ReplicaSend,
@@ -117,6 +117,8 @@ def test_bad_periods_and_topologies_are_config_errors():
         asteroid_replication(plan, every=True)
     with pytest.raises(ConfigError, match="topology"):
         plan_replication(plan, "raid")
+    with pytest.raises(ConfigError, match="global_every"):
+        plan_replication(plan, "ftpipehd", global_every=None)
     with pytest.raises(ConfigError, match="topology"):
         ReplicationSchedule.from_dict({"topology": "raid", "sends": []})
 
@@ -169,3 +171,19 @@ def test_two_neighbours_failing_before_the_first_global_replica_lose_weights():
     schedule = ftpipehd_replication(plan)
     with pytest.raises(WeightsLostError, match="units 2-3"):
         _recover(plan, {"w1", "w2"}, schedule.replicas_after(75))
+
+
+def test_a_group_lost_whole_needs_asteroids_complementary_global_replica():
+    old = FIG9
+    new = [StageSpan(("A",), 0, 6), StageSpan(("C1", "C2"), 6, 9), StageSpan(("D",), 9, 12)]
+    failed = {"B1", "B2"}
+    plain = asteroid_replication(old, every=10).replicas_after(25)
+    with pytest.raises(WeightsLostError, match="units 3-5"):
+        plan_redistribution(old, new, failed=failed, live_version=25, replicas=plain)
+    covered = asteroid_replication(old, every=10, global_every=20).replicas_after(25)
+    r = plan_redistribution(old, new, failed=failed, live_version=25, replicas=covered)
+    assert r.fetches_of("A") == [Transfer("A", COORDINATOR, 3, 6, 20)]
+    # One member lost: the survivor holds the group's units, nobody fetches anything.
+    one = [StageSpan(("A",), 0, 3), StageSpan(("B2",), 3, 6), *new[1:]]
+    r = plan_redistribution(old, one, failed={"B1"}, live_version=25, replicas=plain)
+    assert r.transfers == ()

@@ -26,6 +26,7 @@ from zpipe.recovery.capacity import (
     find_deviations,
     scaled_unit_times,
     speeds_from_capacities,
+    speeds_from_cluster,
 )
 from zpipe.recovery.detection import (
     DeadlinePolicy,
@@ -103,6 +104,7 @@ __all__ = [
     "respipe_replan",
     "scaled_unit_times",
     "speeds_from_capacities",
+    "speeds_from_cluster",
     "stage_spans",
     "stage_work",
     "summarize_recoveries",

@@ -28,6 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zpipe._errors import ConfigError
+from zpipe.planner.cluster import ClusterSpec
+from zpipe.planner.cost import device_unit_times
+from zpipe.planner.profile import ModelProfile
 
 
 def estimate_capacities(
@@ -76,6 +79,23 @@ def speeds_from_capacities(capacities: Mapping[str, float]) -> dict[str, float]:
         if not (math.isfinite(c) and c > 0):
             raise ConfigError(f"device {d!r}: capacity must be a positive number, got {c!r}")
     return {d: 1.0 / c for d, c in capacities.items()}
+
+
+def speeds_from_cluster(
+    profile: ModelProfile, cluster: ClusterSpec, batch_size: int
+) -> dict[str, float]:
+    """Each device's speed relative to ``profile``, before any measurement of the run.
+
+    A device with its own profile (as the coordinator plans stages) is as fast
+    as the model profile's total time over its own; any other has its
+    declared ``speed``. The starting point that re-estimated capacities replace.
+    """
+    total = math.fsum(profile.times(batch_size))
+    out = {}
+    for device in cluster.devices:
+        own = math.fsum(device_unit_times(profile, device, batch_size))
+        out[device.name] = device.speed if own <= 0 or total <= 0 else total / own
+    return out
 
 
 @dataclass(frozen=True)

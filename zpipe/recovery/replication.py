@@ -27,13 +27,13 @@ turns the schedule into the replica inventory that
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from zpipe._errors import ConfigError
 from zpipe.recovery.redistribution import Replica
-from zpipe.recovery.spans import COORDINATOR, PartitionLike, stage_spans
+from zpipe.recovery.spans import COORDINATOR, PartitionLike, StageSpan, stage_spans
 
 TOPOLOGIES = ("asteroid", "ftpipehd")
 REPLICA_KINDS = ("backup", "chain", "global")
@@ -175,9 +175,14 @@ class ReplicationSchedule:
 
 
 def asteroid_replication(
-    plan: PartitionLike, *, every: int = FTPIPEHD_CHAIN_EVERY
+    plan: PartitionLike, *, every: int = FTPIPEHD_CHAIN_EVERY, global_every: int | None = None
 ) -> ReplicationSchedule:
-    """Asteroid's topology-driven replication of ``plan``, every ``every`` mini-batches."""
+    """Asteroid's topology-driven replication of ``plan``, every ``every`` mini-batches.
+
+    It covers one failure per stage; a group that loses every member at once
+    needs another copy, which Asteroid leaves to a complementary mechanism:
+    ``global_every`` adds FTPipeHD's global replication to the coordinator.
+    """
     _check_period("every", every)
     spans = stage_spans(plan)
     sends = []
@@ -187,7 +192,14 @@ def asteroid_replication(
         nxt = spans[(i + 1) % len(spans)]
         dest = nxt.devices[0] if nxt is not span else COORDINATOR
         sends.append(ReplicaSend("backup", span.devices[0], dest, span.start, span.end, every))
+    if global_every is not None:
+        sends.extend(_global_sends(spans, global_every))
     return ReplicationSchedule("asteroid", tuple(sends))
+
+
+def _global_sends(spans: Sequence[StageSpan], every: int) -> list[ReplicaSend]:
+    _check_period("global_every", every)
+    return [ReplicaSend("global", s.devices[0], COORDINATOR, s.start, s.end, every) for s in spans]
 
 
 def ftpipehd_replication(
@@ -198,16 +210,12 @@ def ftpipehd_replication(
 ) -> ReplicationSchedule:
     """FTPipeHD's chain replication plus global replication of ``plan``."""
     _check_period("chain_every", chain_every)
-    _check_period("global_every", global_every)
     spans = stage_spans(plan)
     sends = []
     for i, span in enumerate(spans):
         dest = spans[i + 1].devices[0] if i + 1 < len(spans) else COORDINATOR
         sends.append(ReplicaSend("chain", span.devices[0], dest, span.start, span.end, chain_every))
-    for span in spans:
-        sends.append(
-            ReplicaSend("global", span.devices[0], COORDINATOR, span.start, span.end, global_every)
-        )
+    sends.extend(_global_sends(spans, global_every))
     return ReplicationSchedule("ftpipehd", tuple(sends))
 
 
@@ -216,11 +224,17 @@ def plan_replication(
     topology: str,
     *,
     every: int = FTPIPEHD_CHAIN_EVERY,
-    global_every: int = FTPIPEHD_GLOBAL_EVERY,
+    global_every: int | None = FTPIPEHD_GLOBAL_EVERY,
 ) -> ReplicationSchedule:
-    """The schedule of ``topology``: ``every`` is Asteroid's period or FTPipeHD's chain period."""
+    """The schedule of ``topology``: ``every`` is Asteroid's period or FTPipeHD's chain period.
+
+    ``global_every`` is FTPipeHD's global period (required there); for Asteroid
+    it adds global replication, ``None`` leaves it out.
+    """
     if topology == "asteroid":
-        return asteroid_replication(plan, every=every)
+        return asteroid_replication(plan, every=every, global_every=global_every)
     if topology == "ftpipehd":
+        if global_every is None:
+            raise ConfigError("ftpipehd replication needs a global_every period")
         return ftpipehd_replication(plan, chain_every=every, global_every=global_every)
     raise ConfigError(f"unknown replication topology {topology!r}; use one of {TOPOLOGIES}")
