@@ -141,6 +141,7 @@ class PartitionedMLP:
         channel: LinkChannel,
         *,
         lr: float,
+        record_grads: bool = False,
     ) -> None:
         if len(params) != alloc.n_layers - 1:
             raise ConfigError(
@@ -178,6 +179,9 @@ class PartitionedMLP:
         self.inbox: Inbox = defaultdict(dict)
         self.stash: dict[tuple[int, int, int], tuple[FloatArray, FloatArray, FloatArray]] = {}
         self.propagation = Propagation()
+        # The latest (dW, db) per (layer, device), kept only when asked (tests).
+        self.record_grads = record_grads
+        self.grads: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
 
     # -- passes ---------------------------------------------------------------
 
@@ -216,6 +220,8 @@ class PartitionedMLP:
                 self.propagation.record("backward", len(senders), _count(got, senders))
                 delta = relu_grad(dh, z)
             dw, db, dx = slice_backward(delta, x_view, w_used)
+            if self.record_grads:
+                self.grads[(layer, device)] = (dw, db)
             if layer >= 2:  # the input layer needs no gradient
                 for dst, dst_sl in self.owners[layer - 1]:
                     if self.channel.send(device, dst, layer, data, Direction.BACKWARD):
