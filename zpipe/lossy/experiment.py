@@ -1,0 +1,252 @@
+"""Lossy-link experiments on one machine (EdgePipe Figs. 5 and 9).
+
+::
+
+    python -m zpipe.lossy.experiment --allocation vertical hybrid horizontal naive \\
+        --devices 6 --region 50 --seeds 5 --out results/lossy
+
+runs every allocation on seeds ``0 .. seeds-1`` (a seed fixes placement, links,
+initial weights, data order and drops, so allocations are compared on the
+same devices) and writes ``results.json`` plus ``training.png`` (Fig. 5:
+training loss and test accuracy against simulated training time, propagation
+rate). ``--sweep region --sweep-values 25,50,75,100`` (or ``exponent``,
+``devices``) repeats that per value and adds ``sweep_<name>.png`` (Fig. 9).
+
+Training length is either ``--steps`` mini-batches for every configuration or
+``--budget-s`` seconds of simulated time, in which each allocation finishes as
+many mini-batches as its timeslot and pipeline allow (the paper's comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zpipe._errors import ConfigError
+from zpipe.lossy.data import load_dataset
+from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
+from zpipe.lossy.partition import ALLOCATION_KINDS
+from zpipe.lossy.radio import RadioModel
+from zpipe.lossy.simulate import RunConfig, run_training
+
+SWEEPS = ("exponent", "devices", "region")
+DEFAULT_STEPS = 400
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse_list(text: str) -> list[Any]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        return [parse(item) for item in items]
+
+    return parse_list
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m zpipe.lossy.experiment",
+        description="Simulate EdgePipe lossy-link training; write JSON results and PNG plots.",
+    )
+    p.add_argument(
+        "--allocation",
+        nargs="+",
+        choices=ALLOCATION_KINDS,
+        default=["hybrid"],
+        help="allocations to run (several allowed; default: hybrid)",
+    )
+    p.add_argument("--devices", type=_positive_int, default=6, help="edge devices (default 6)")
+    p.add_argument(
+        "--region", type=_positive_float, default=50.0, help="side of the square region, m"
+    )
+    p.add_argument("--seeds", type=_positive_int, default=5, help="seeds 0..N-1 (default 5)")
+    p.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--out", type=Path, required=True, help="directory for results and plots")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument(
+        "--steps", type=_positive_int, help=f"mini-batches per run (default {DEFAULT_STEPS})"
+    )
+    length.add_argument(
+        "--budget-s",
+        type=_positive_float,
+        help="simulated training time per run, s (each allocation fits what it can)",
+    )
+    p.add_argument("--lossless", action="store_true", help="deliver every message")
+    p.add_argument("--recovery", choices=RECOVERY_SCHEMES, default="none")
+    p.add_argument("--rtx-copies", type=_positive_int, default=2)
+    p.add_argument("--ack-attempts", type=_positive_int, default=4, help="ACK deadline in sends")
+    p.add_argument("--mapping", choices=("genetic", "exhaustive", "random"), default="genetic")
+    p.add_argument("--path-loss-exponent", type=_positive_float, default=3.1)
+    p.add_argument(
+        "--sweep", choices=SWEEPS, help="sweep path-loss exponent, device count or region"
+    )
+    p.add_argument("--sweep-values", type=_list_of(float), help="comma-separated sweep values")
+    p.add_argument("--dataset", default="digits", help="digits (built in) or a name for --idx-dir")
+    p.add_argument(
+        "--idx-dir", type=Path, help="directory of MNIST-format IDX files (e.g. Fashion-MNIST)"
+    )
+    p.add_argument("--limit-train", type=_positive_int, help="use only the first N training examples")
+    p.add_argument("--hidden", type=_list_of(_positive_int), default=[128, 128, 128, 128])
+    p.add_argument("--lr", type=_positive_float, default=0.01)
+    p.add_argument("--batch-size", type=_positive_int, default=100)
+    p.add_argument("--eval-points", type=_positive_int, default=20)
+    p.add_argument("--test-repeats", type=_positive_int, default=5)
+    p.add_argument("--no-plots", action="store_true", help="write only results.json")
+    return p
+
+
+def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float | None]]:
+    """Every (config, sweep value) the arguments ask for."""
+    if (args.sweep is None) != (args.sweep_values is None):
+        raise ConfigError("--sweep and --sweep-values go together")
+    steps = args.steps if args.steps is not None or args.budget_s is not None else DEFAULT_STEPS
+    base = RunConfig(
+        n_devices=args.devices,
+        region_m=args.region,
+        hidden=tuple(args.hidden),
+        lr=args.lr,
+        batch_size=args.batch_size,
+        n_data=steps,
+        budget_s=args.budget_s,
+        lossless=args.lossless,
+        recovery=Recovery(
+            args.recovery, copies=args.rtx_copies, max_attempts=args.ack_attempts
+        ),
+        mapping=args.mapping,
+        radio=RadioModel(path_loss_exponent=args.path_loss_exponent),
+        eval_points=args.eval_points,
+        test_repeats=args.test_repeats,
+    )
+    values: Sequence[float | None] = args.sweep_values or [None]
+    out = []
+    for value in values:
+        for kind in args.allocation:
+            for seed in range(args.seed_base, args.seed_base + args.seeds):
+                cfg = replace(base, allocation=kind, seed=seed)
+                if args.sweep == "exponent" and value is not None:
+                    cfg = replace(cfg, radio=cfg.radio.with_exponent(value))
+                elif args.sweep == "devices" and value is not None:
+                    if value != int(value) or value < 1:
+                        raise ConfigError(f"device counts must be positive integers, got {value}")
+                    cfg = replace(cfg, n_devices=int(value))
+                elif args.sweep == "region" and value is not None:
+                    cfg = replace(cfg, region_m=value)
+                out.append((cfg, value))
+    return out
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and spread over seeds per (configuration, sweep value)."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        groups[(run["config"]["label"], run.get("sweep_value"))].append(run)
+    rows = []
+    for (label, value), group in groups.items():
+        acc = [r["final_test_acc"] for r in group]
+        rows.append(
+            {
+                "label": label,
+                "sweep_value": value,
+                "seeds": len(group),
+                "test_acc_mean": float(np.mean(acc)),
+                "test_acc_std": float(np.std(acc)),
+                "test_acc_lossless_mean": float(
+                    np.mean([r["final_test_acc_lossless"] for r in group])
+                ),
+                "train_loss_mean": float(np.mean([r["final_train_loss"] for r in group])),
+                "propagation_rate_mean": float(np.mean([r["propagation_rate"] for r in group])),
+                "mean_prr": float(np.mean([r["mean_prr"] for r in group])),
+                "n_data_mean": float(np.mean([r["n_data"] for r in group])),
+                "train_time_s_mean": float(np.mean([r["train_time_s"] for r in group])),
+                "tx_factor_mean": float(np.mean([r["tx_factor"] for r in group])),
+            }
+        )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configs = configs_from_args(args)
+        data = load_dataset(args.dataset, idx_dir=args.idx_dir)
+        if args.limit_train is not None:
+            data = data.limit(n_train=args.limit_train)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if not args.no_plots:
+        try:
+            from zpipe.lossy.plots import require_matplotlib
+
+            require_matplotlib()
+        except ConfigError as exc:
+            parser.error(str(exc))
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for k, (cfg, value) in enumerate(configs, 1):
+        try:
+            run = run_training(cfg, data)
+        except ConfigError as exc:
+            parser.error(f"{cfg.label} seed {cfg.seed}: {exc}")
+        run["sweep_value"] = value
+        runs.append(run)
+        print(
+            f"[{k}/{len(configs)}] {cfg.label} seed={cfg.seed}"
+            + (f" {args.sweep}={value:g}" if value is not None else "")
+            + f" acc={run['final_test_acc']:.3f} prop={run['propagation_rate']:.3f}"
+            f" prr={run['mean_prr']:.2f} steps={run['n_data']}",
+            file=sys.stderr,
+        )
+    summary = summarize(runs)
+    payload = {
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "dataset": data.name,
+        "sweep": args.sweep,
+        "summary": summary,
+        "runs": runs,
+    }
+    results = args.out / "results.json"
+    results.write_text(json.dumps(payload, indent=1))
+    written = [results]
+    if not args.no_plots:
+        from zpipe.lossy.plots import plot_sweep, plot_training
+
+        written += plot_training(runs, args.out)
+        if args.sweep is not None:
+            written += plot_sweep(runs, args.sweep, args.out)
+    for row in summary:
+        print(json.dumps(row))
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
