@@ -659,3 +659,14 @@ def test_plan_command_plans_training(tmp_path: Path, capsys: pytest.CaptureFixtu
     untrained = ["--train", "--profile", str(forward_only), "--cluster", str(cluster_path)]
     assert plan_main(untrained) == 1
     assert "profile with --train" in capsys.readouterr().err
+
+
+def test_a_problem_too_large_to_plan_exactly_is_refused_with_advice() -> None:
+    units = 1000
+    profile = synthetic_profile(
+        [0.001] * units, [1000] * units, backward_times_s=[0.002] * units,
+        activation_bytes=[1000] * units,
+    )  # fmt: skip
+    cluster = ClusterSpec(tuple(ClusterDevice(f"d{k}") for k in range(8)))
+    with pytest.raises(ConfigError, match=r"too many to finish.*coarser units"):
+        plan_training(profile, cluster, microbatch_size=1, num_microbatches=2)

@@ -57,6 +57,7 @@ with the K it will run with.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -70,8 +71,8 @@ from zpipe.planner.pipeedge import device_categories
 from zpipe.planner.plan import even_ranges
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import (
-    GroupCost,
     TrainingCosts,
+    allocate_microbatch,
     estimate_round_s,
     estimate_stages_round_s,
     evaluate_group,
@@ -90,8 +91,9 @@ from zpipe.training.schedules import asteroid_warmup, ecofl_warmup
 # Rounds within this relative distance tie; the plan with fewer devices, then fewer
 # stages, wins (prefix sums are not bit-exact).
 _TIE_RTOL = 1e-9
-# Limit of the HPP DP's work: (stage, next stage) pairs it examines.
-MAX_HPP_WORK = 8_000_000
+# Limit of the HPP DP's work: (stage, next stage) pairs it would examine without pruning.
+# Asteroid Table 7's case, 213 units over 6 devices, is 9.6 million (seconds on 2 cores).
+MAX_HPP_WORK = 20_000_000
 
 
 def memory_order(devices: Sequence[ClusterDevice]) -> list[ClusterDevice]:
@@ -109,14 +111,27 @@ def stage_warmup(schedule: str, stages_from_end: int, num_microbatches: int) -> 
 # -- the HPP dynamic program ------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """What the DP needs of a stage's group: its shares and eq. 8's and eq. 5's times."""
+
+    devices: tuple[str, ...]
+    shares: tuple[int, ...]
+    step_s: float  # E_f + E_b
+    backward_s: float  # E_b
+    allreduce_s: float  # T_a
+
+
+@dataclass(frozen=True, slots=True)
 class _Stage:
     start: int
     end: int
-    group: GroupCost
+    group: _Group
 
 
-@dataclass(frozen=True)
+# Not frozen: the DP makes millions of points, and a frozen dataclass's __init__ costs
+# several times a plain one's. Points are never changed after they are made.
+@dataclass(slots=True)
 class _Point:
     """One Pareto point of a DP state: a sub-pipeline, head stage first."""
 
@@ -167,8 +182,17 @@ def _pareto(points: list[_Point]) -> list[_Point]:
     return front
 
 
+# A state's Pareto front, with the group of its head stage: (g, h, front).
+_Entry = tuple[int, int, list[_Point]]
+
+
 class _HppSolver:
-    """Asteroid's Algorithm 2 over memory-ordered ``devices``, with cached stage costs."""
+    """Asteroid's Algorithm 2 over memory-ordered ``devices``, with cached stage costs.
+
+    Speed matters here (Asteroid Table 7: 213 layers over 6 devices), so the stage loop
+    stops at the first stage too long or too large to be in a better plan: a stage's
+    time and memory never shrink as it takes more units.
+    """
 
     def __init__(
         self,
@@ -184,16 +208,81 @@ class _HppSolver:
         self.m = num_microbatches
         self.schedule = schedule
         self.block = block
-        self._groups: dict[tuple[int, int, int, int, int], GroupCost | None] = {}
+        # (start, end, g, h, warmup) -> group; the warm-up only sets the memory caps, so
+        # Algorithm 1's shares are kept by caps and shared between warm-ups.
+        self._groups: dict[tuple[int, int, int, int, int], _Group | None] = {}
+        self._shares: dict[tuple[int, int, int, int, tuple[int, ...]], tuple[int, ...] | None] = {}
         self._links: dict[tuple[int, int, int, int, int], tuple[float, float]] = {}
+        self._prefix: dict[tuple[int, int], float] = {}
+        rows = [costs.prefix_rows(d) for d in self.devices]
+        self._forward = [f for f, _ in rows]
+        self._backward = [b for _, b in rows]
 
-    def group(self, start: int, end: int, g: int, h: int, warmup: int) -> GroupCost | None:
+    def group(self, start: int, end: int, g: int, h: int, warmup: int) -> _Group | None:
         key = (start, end, g, h, warmup)
         if key not in self._groups:
-            self._groups[key] = evaluate_group(
-                self.costs, self.devices[g:h], start, end, warmup, block=self.block
-            )
+            self._groups[key] = self._evaluate(start, end, g, h, warmup)
         return self._groups[key]
+
+    def _evaluate(self, start: int, end: int, g: int, h: int, warmup: int) -> _Group | None:
+        """:func:`evaluate_group`'s shares and times (without its memory figures)."""
+        costs, devices, b = self.costs, self.devices[g:h], self.costs.microbatch_size
+        caps = tuple(costs.max_share(d, start, end, warmup) for d in devices)
+        if min(caps) < 0 or sum(caps) < b:
+            return None
+        fwd, bwd = self._forward, self._backward
+        if len(devices) == 1:
+            forward = fwd[g][b][end] - fwd[g][b][start]
+            backward = bwd[g][b][end] - bwd[g][b][start]
+            return _Group((devices[0].name,), (b,), forward + backward, backward, 0.0)
+        key = (start, end, g, h, caps)
+        if key not in self._shares:
+            # the same sums in the same order as TrainingCosts.step_times
+            times = [
+                [f[end] - f[start] + k[end] - k[start] for f, k in zip(fwd[d], bwd[d], strict=True)]
+                for d in range(g, h)
+            ]
+            self._shares[key] = allocate_microbatch(times, caps, b, block=self.block)
+        shares = self._shares[key]
+        if shares is None:
+            return None
+        forward = max(fwd[g + k][y][end] - fwd[g + k][y][start] for k, y in enumerate(shares))
+        backward = max(bwd[g + k][y][end] - bwd[g + k][y][start] for k, y in enumerate(shares))
+        names = tuple(d.name for d in devices)
+        return _Group(
+            names, shares, forward + backward, backward, costs.allreduce_s(names, start, end)
+        )
+
+    def least_step_s(self, start: int, end: int, g: int, h: int) -> float:
+        """A lower bound of the group's step on units ``[start, end)``, whatever its shares:
+        some device runs at least ceil(B / k) samples, and times grow with the share."""
+        y = -(-self.costs.microbatch_size // (h - g))
+        fwd, bwd = self._forward, self._backward
+        return min(
+            fwd[d][y][end] - fwd[d][y][start] + (bwd[d][y][end] - bwd[d][y][start])
+            for d in range(g, h)
+        )
+
+    def least_prefix_s(self, i: int, g: int) -> float:
+        """A lower bound of the steps that units ``[0, i)`` add to a round on devices
+        ``[0, g)``: eq. 11 adds every earlier stage's step to A, and each unit runs on
+        some device with a share of at least ceil(B / g)."""
+        if i == 0:
+            return 0.0
+        key = (g, i)
+        if key not in self._prefix:
+            y = -(-self.costs.microbatch_size // g)
+            fwd, bwd = self._forward, self._backward
+            per_unit = [
+                min(
+                    fwd[d][y][u + 1] - fwd[d][y][u] + (bwd[d][y][u + 1] - bwd[d][y][u])
+                    for d in range(g)
+                )
+                for u in range(self.costs.num_units)
+            ]
+            for k, total in enumerate(itertools.accumulate(per_unit), start=1):
+                self._prefix[g, k] = total
+        return self._prefix[key]
 
     def transfer(self, end: int, g: int, h: int, g2: int, h2: int) -> tuple[float, float]:
         """The communication step from group ``[g, h)`` to group ``[g2, h2)`` at ``end``."""
@@ -208,20 +297,29 @@ class _HppSolver:
         """The least-round plan over every split, grouping and number of stages."""
         num_units, n = self.costs.num_units, len(self.devices)
         _check_hpp_size(num_units, n)
-        fronts: dict[tuple[int, int, int, int], list[_Point]] = {}
+        # starts[p][i]: the non-empty states of p stages that begin at unit i
+        starts: dict[int, dict[int, list[_Entry]]] = {}
         best: _Point | None = None
         for p in range(1, min(num_units, n) + 1):
             warmup = stage_warmup(self.schedule, p, self.m)
+            starts[p] = {}
             for i in range(num_units - p + 1):
-                for g in range(n - p + 1):
+                entries: list[_Entry] = []
+                # units [0, i) need a device before the group: none is before device 0
+                for g in range(0 if i == 0 else 1, n - p + 1):
                     for h in range(g + 1, n - p + 2):
                         bound = math.inf if best is None else best.round_s * (1 + _TIE_RTOL)
-                        front = self._state(i, g, h, p, warmup, fronts, bound)
+                        # every point's round grows by at least the steps before unit i
+                        bound -= self.least_prefix_s(i, g)
+                        front = self._state(i, g, h, p, warmup, starts.get(p - 1, {}), bound)
                         if not front:
                             continue
-                        fronts[i, g, h, p] = front
+                        entries.append((g, h, front))
                         if i == 0:
                             best = _better(best, min(front, key=lambda q: q.round_s))
+                if entries:
+                    starts[p][i] = entries
+            starts.pop(p - 1, None)  # states of p - 1 stages only feed those of p
         return best
 
     def _state(
@@ -231,31 +329,37 @@ class _HppSolver:
         h: int,
         p: int,
         warmup: int,
-        fronts: dict[tuple[int, int, int, int], list[_Point]],
+        rests: dict[int, list[_Entry]],
         bound: float,
     ) -> list[_Point]:
         """The Pareto front of state ``(i, g, h, p)``, without points whose round exceeds
-        ``bound`` (a complete plan's): prepending steps never shortens a round."""
-        num_units, n = self.costs.num_units, len(self.devices)
+        ``bound`` (a complete plan's): prepending steps never shortens a round.
+
+        ``rests`` holds the states of ``p - 1`` stages by their first unit.
+        """
+        num_units = self.costs.num_units
         if p == 1:
             group = self.group(i, num_units, g, h, warmup)
             return [] if group is None else [_single_stage(_Stage(i, num_units, group), self.m)]
         candidates: list[_Point] = []
         for j in range(i + 1, num_units - p + 2):
+            # Both only grow with j: past the first stage too long or too large, stop.
+            if self.m * self.least_step_s(i, j, g, h) > bound:
+                break
             group = self.group(i, j, g, h, warmup)
-            if group is None or self.m * group.step_s > bound:
+            if group is None:
+                break
+            if self.m * group.step_s > bound:
                 continue
             stage = _Stage(i, j, group)
-            for g2 in range(h, n - p + 2):
-                for h2 in range(g2 + 1, n - p + 3):
-                    rest = fronts.get((j, g2, h2, p - 1))
-                    if not rest:
-                        continue
-                    transfer = self.transfer(j, g, h, g2, h2)
-                    for r in rest:
-                        point = _prepend(stage, transfer, r, self.m)
-                        if point.round_s <= bound:
-                            candidates.append(point)
+            for g2, h2, rest in rests.get(j, ()):
+                if g2 < h:
+                    continue
+                transfer = self.transfer(j, g, h, g2, h2)
+                for r in rest:
+                    point = _prepend(stage, transfer, r, self.m)
+                    if point.round_s <= bound:
+                        candidates.append(point)
         return _pareto(candidates)
 
 
