@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import multiprocessing as mp
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -240,6 +240,26 @@ async def test_mean_is_exact_and_bit_identical_on_every_rank(n: int) -> None:
         assert s.nbytes == nbytes and s.rejected == 0 and s.stale_dropped == 0
         # eq. (5)'s volume: 2(n-1)/n of the buffer, up to the uneven split
         assert abs(s.bytes_sent - 2 * (n - 1) / n * nbytes) <= 2 * (n - 1) * 8
+
+
+async def test_every_segment_is_paced_before_it_is_sent() -> None:
+    n = 3
+    paced: list[list[int]] = [[] for _ in range(n)]
+
+    def pacer(rank: int) -> Callable[[int], Awaitable[None]]:
+        async def pace(nbytes: int) -> None:
+            paced[rank].append(nbytes)
+
+        return pace
+
+    inputs = [_inputs(r) for r in range(n)]
+    async with ring_group(
+        n, per_rank={"pace": [pacer(r) for r in range(n)]}, segment_bytes=64
+    ) as rings:
+        stats = await _reduce_all(rings, inputs, round_id=1)
+    for r in range(n):
+        assert len(paced[r]) > 2 * (n - 1)  # segments, not whole chunks
+        assert sum(paced[r]) == stats[r].bytes_sent
 
 
 async def test_mixed_dtypes_many_segments_and_empty_chunks() -> None:

@@ -21,6 +21,29 @@ def test_bandwidth_serialises_messages_back_to_back() -> None:
     assert free3 == pytest.approx(5.0)
 
 
+def test_traffic_of_another_socket_occupies_the_link_without_drawing_losses() -> None:
+    spec = LinkSpec(bandwidth_mbps=8.0, loss=0.5, seed=3)  # 1 MB/s
+    plain, shared = LinkModel(spec), LinkModel(spec)
+    assert shared.occupy(250_000, now=0.0) == pytest.approx(0.25)
+    free, _, _ = shared.schedule(500_000, now=0.0)  # queued behind the other socket's bytes
+    assert free == pytest.approx(0.75)
+    plain.schedule(500_000, now=0.0)
+    losses = [[m.schedule(10, 1.0)[2] for _ in range(50)] for m in (plain, shared)]
+    assert losses[0] == losses[1]
+
+
+async def test_pacing_waits_for_the_serialisation_time() -> None:
+    async def deliver(item: object) -> None:
+        raise AssertionError("pacing delivers nothing")
+
+    link = EmulatedLink(LinkSpec(bandwidth_mbps=80.0), deliver)  # 10 MB/s
+    started = time.monotonic()
+    await link.pace(1_000_000)
+    await link.pace(1_000_000)
+    assert time.monotonic() - started >= 0.19
+    await link.close()
+
+
 def test_loss_is_seeded_and_near_its_rate() -> None:
     def draws(seed: int) -> list[bool]:
         model = LinkModel(LinkSpec(loss=0.3, seed=seed))

@@ -708,8 +708,14 @@ class StageRuntime:
                 timeout_s=self.config.timeouts.result_s,
                 epoch=assignment.epoch,
                 name=f"stage {setup.index}",
+                pace=self._pace_on_link,
             )
             await self._ring.start()
+
+    async def _pace_on_link(self, nbytes: int) -> None:
+        """All-reduce traffic crosses the device's one (emulated) radio too."""
+        if self._link is not None:
+            await self._link.pace(nbytes)
 
     def _start_training_tasks(self, assignment: _Assignment, setup: TrainingSetup) -> None:
         assert isinstance(assignment.shard, TrainShard)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -351,6 +351,7 @@ class RingAllReduce:
         epoch: int = 0,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         name: str = "",
+        pace: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         n = len(endpoints)
         if n < 1:
@@ -378,6 +379,8 @@ class RingAllReduce:
         self.context = context
         self.rank = rank
         self.world_size = n
+        # awaited with each segment's size before it is sent: an emulated link's pacing
+        self._pace = pace
         self.endpoints = list(endpoints)
         self.bind = bind if bind is not None else self.endpoints[rank]
         self.keypair = keypair
@@ -682,6 +685,9 @@ class RingAllReduce:
             epoch=self.epoch,
             tensors=tensors,
         )
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if self._pace is not None:
+            await self._pace(nbytes)
         try:
             await send(self._push, message, timeout_s=timeout, peer=self._next_label)
         except TransportTimeout:
@@ -691,7 +697,7 @@ class RingAllReduce:
                 f"chunk {step.send_chunk} segment {seg}",
                 timeout,
             ) from None
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return nbytes
 
     async def _receive(
         self, expected: _Expected, phase: str, timeout: float, counters: _Counters

@@ -73,6 +73,16 @@ class LinkModel:
         lost = self.spec.loss > 0 and self._rng.random() < self.spec.loss
         return self._busy_until, self._busy_until + self.spec.latency_ms / 1e3, lost
 
+    def occupy(self, nbytes: int, now: float) -> float:
+        """When the link is free again after also carrying ``nbytes`` sent at ``now``
+        through another socket. Draws no loss, so the seeded losses of the messages
+        :meth:`schedule` sees stay the same."""
+        start = max(now, self._busy_until)
+        if self.spec.bandwidth_mbps is not None:
+            start += nbytes * 8.0 / (self.spec.bandwidth_mbps * 1e6)
+        self._busy_until = start
+        return start
+
 
 class EmulatedLink:
     """Applies a :class:`LinkModel` in front of a real send coroutine, in order."""
@@ -109,6 +119,14 @@ class EmulatedLink:
             return False
         await self._queue.put((deliver_at, item))
         return True
+
+    async def pace(self, nbytes: int) -> None:
+        """Pay the serialisation time of ``nbytes`` that another socket sends (a ring
+        all-reduce shares the device's one radio with its activations). No loss and no
+        latency: the ring has no way to recover a lost message, and its window already
+        keeps messages in flight."""
+        free_at = self.model.occupy(nbytes, self._clock())
+        await asyncio.sleep(max(0.0, free_at - self._clock()))
 
     async def _run(self) -> None:
         try:
