@@ -1290,8 +1290,8 @@ def _allreduce_shortfall(rows_by_system: dict[str, list[dict[str, Any]]]) -> str
     if not found:
         return ""
     return (
-        "; ".join(found) + " (the cost model sends the all-reduce over the devices' "
-        "emulated links; the stages' ring all-reduce does not go through them)."
+        "; ".join(found) + " (the stages pace their ring all-reduce on their emulated "
+        "links, so a shortfall means the cost model's eq. 5 overestimates it)."
     )
 
 
