@@ -20,10 +20,11 @@ many mini-batches as its timeslot and pipeline allow (the paper's comparison).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,19 @@ def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse_list
 
 
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    # The matrices are tiny; BLAS threads only fight the other process on 2 cores
+    # (one run went 20x slower with them).
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - comes with scikit-learn
+        yield
+        return
+    with threadpool_limits(1):
+        yield
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zpipe.lossy.experiment",
@@ -113,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--idx-dir", type=Path, help="directory of MNIST-format IDX files (e.g. Fashion-MNIST)"
     )
-    p.add_argument("--limit-train", type=_positive_int, help="use only the first N training examples")
+    p.add_argument(
+        "--limit-train", type=_positive_int, help="use only the first N training examples"
+    )
     p.add_argument("--hidden", type=_list_of(_positive_int), default=[128, 128, 128, 128])
     p.add_argument("--lr", type=_positive_float, default=0.01)
     p.add_argument("--batch-size", type=_positive_int, default=100)
@@ -137,9 +153,7 @@ def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float |
         n_data=steps,
         budget_s=args.budget_s,
         lossless=args.lossless,
-        recovery=Recovery(
-            args.recovery, copies=args.rtx_copies, max_attempts=args.ack_attempts
-        ),
+        recovery=Recovery(args.recovery, copies=args.rtx_copies, max_attempts=args.ack_attempts),
         mapping=args.mapping,
         radio=RadioModel(path_loss_exponent=args.path_loss_exponent),
         eval_points=args.eval_points,
@@ -213,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     for k, (cfg, value) in enumerate(configs, 1):
         try:
-            run = run_training(cfg, data)
+            with single_threaded_blas():
+                run = run_training(cfg, data)
         except ConfigError as exc:
             parser.error(f"{cfg.label} seed {cfg.seed}: {exc}")
         run["sweep_value"] = value
