@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
 
 from zpipe import StageFailedError
+from zpipe._errors import ConfigError
+from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster, free_tcp_port
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 
@@ -96,8 +98,63 @@ def test_a_stream_is_replanned_around_a_killed_stage_and_delivers_every_output_o
             torch.testing.assert_close(got[0], reference(*batch)[0])
     assert [r["dead"] for r in report.recoveries] == ["b"]
     assert report.recoveries[0]["replayed"] >= 1  # b held micro-batches when it died
-    assert report.plan.devices == ["a", "c"]
-    assert '"run_recovered"' in logs
+    # lightweight (the default): a and c keep their order and share the 4 units evenly
+    assert [(s.device, s.start, s.end) for s in report.plan.stages] == [("a", 0, 2), ("c", 2, 4)]
+    assert '"run_recovered"' in logs and '"policy": "lightweight"' in logs
+
+
+def test_respipe_and_heavy_recovery_each_deliver_every_output_once() -> None:
+    spec = ModelSpec("mlp", {"dims": [8, 32, 32, 32, 32, 32, 4]}, seed=2)  # 6 units
+    sequence = load_layer_sequence(spec)
+    batches = [sequence.example_input(2, seed=i) for i in range(40)]
+    reference = build_full_model(spec)
+    devices = [DeviceSpec(name) for name in ("a", "b", "c", "d")]
+    with LocalCluster(
+        devices,
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=SUSPECT_AFTER,
+        probe_intervals=PROBE_INTERVALS,
+    ) as cluster:
+
+        def killer(name: str) -> Callable[[int, int], None]:
+            def kill_after_10(received: int, _sent: int) -> None:
+                if received == 10:
+                    cluster.kill(name)
+
+            return kill_after_10
+
+        partition = [[0, 1], [1, 3], [3, 5], [5, 6]]
+        runs = {}
+        runs["respipe"] = cluster.infer(
+            spec, batches, partition=partition, recovery="respipe", max_in_flight=3,
+            progress=killer("b"),
+        )  # fmt: skip
+        runs["heavy"] = cluster.infer(
+            spec, batches, stage_names=["a", "c", "d"], planner="even", recovery="heavy",
+            max_in_flight=3, progress=killer("c"),
+        )  # fmt: skip
+    for outputs, _ in runs.values():
+        assert len(outputs) == len(batches)
+        with torch.inference_mode():
+            for got, batch in zip(outputs, batches, strict=True):
+                torch.testing.assert_close(got[0], reference(*batch)[0])
+    respipe = runs["respipe"][1]
+    assert [r["dead"] for r in respipe.recoveries] == ["b"]
+    # the next stage, c, took all of b's units; the others kept theirs
+    assert [(s.device, s.start, s.end) for s in respipe.plan.stages] == [
+        ("a", 0, 1), ("c", 1, 5), ("d", 5, 6)
+    ]  # fmt: skip
+    heavy = runs["heavy"][1]
+    assert [r["dead"] for r in heavy.recoveries] == ["c"]
+    # planned afresh over the survivors by the run's own planner (even): 3 units each
+    assert [(s.start, s.end) for s in heavy.plan.stages] == [(0, 3), (3, 6)]
+    assert sorted(heavy.plan.devices) == ["a", "d"]
+
+
+def test_an_unknown_recovery_policy_is_refused_before_the_run() -> None:
+    client = PipelineClient("tcp://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="unknown recovery 'fastest'"):
+        asyncio.run(client.infer(ModelSpec("mlp", {"dims": [2, 2]}), [], recovery="fastest"))
 
 
 def test_stage_without_a_coordinator_exits_with_a_clear_message() -> None:

@@ -34,6 +34,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.profile import ModelProfile
+from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
@@ -284,6 +285,7 @@ class PipelineClient:
         wait_for_stages_s: float = 30.0,
         progress: Callable[[int, int], None] | None = None,
         recover: bool = True,
+        recovery: str = "lightweight",
     ) -> AsyncIterator[Outputs]:
         """Yield the outputs of each input batch, in input order.
 
@@ -297,11 +299,19 @@ class PipelineClient:
         micro-batches without a result are sent again (the client keeps each
         input until its result arrives); every output is still delivered once,
         in order. Without it, or when no stage is left, the stream raises
-        :class:`StageFailedError`.
+        :class:`StageFailedError`. ``recovery`` chooses how the survivors are
+        planned: "lightweight" (Asteroid: the same stages in the same order, their
+        boundaries shifted so that each one's work matches its speed, units moving
+        only between neighbours), "heavy" (the full planner over the survivors)
+        or "respipe" (the next stage takes all of the dead one's units).
 
         The run's report (plan, throughput, per-stage counters, recoveries) is in
         :attr:`last_report` once the stream is exhausted.
         """
+        if recovery not in RECOVERY_POLICIES:
+            raise ConfigError(
+                f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
+            )
         if self._control is None or self._sink is None or self._context is None:
             raise PipelineError("open() the client first")
         if microbatch_size is not None and microbatch_size < 1:
@@ -320,6 +330,7 @@ class PipelineClient:
             "sink_endpoint": self.sink_endpoint,
             "wait_for_stages_s": float(wait_for_stages_s),
             "recover": recover,
+            "recovery": recovery,
         }
         reply = await self._control.request(
             Message("run_request", request),

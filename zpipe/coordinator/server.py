@@ -45,6 +45,15 @@ from zpipe.planner.hpp import plan_training
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
+from zpipe.recovery import (
+    POLICIES as RECOVERY_POLICIES,
+)
+from zpipe.recovery import (
+    lightweight_replan,
+    respipe_replan,
+    speeds_from_cluster,
+    unit_work_from_profile,
+)
 from zpipe.training.objectives import check_train_settings
 from zpipe.transport import codec, security
 from zpipe.transport.codec import Message
@@ -61,6 +70,8 @@ from zpipe.transport.sockets import (
 log = get_logger("zpipe.coordinator")
 
 CLIENT_NAME = "client"
+# Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
+DEFAULT_RECOVERY = "lightweight"
 
 
 @dataclass
@@ -470,6 +481,11 @@ class Coordinator:
         mode = message.get("mode") or "infer"
         if mode not in ("infer", "train"):
             raise ConfigError(f"unknown run mode {mode!r}; use infer or train")
+        recovery = message.get("recovery") or DEFAULT_RECOVERY
+        if recovery not in RECOVERY_POLICIES:
+            raise ConfigError(
+                f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
+            )
         settings = dict(message.get("train") or {})
         if mode == "train" and settings.get("plan") is not None:
             given = TrainingPlan.from_dict(settings["plan"])
@@ -589,6 +605,7 @@ class Coordinator:
         """
         request = run.request
         assert request is not None
+        policy = str(request.get("recovery") or DEFAULT_RECOVERY)
         try:
             spec = ModelSpec.from_dict(request["model"])
             num_units = load_layer_sequence(spec).num_units
@@ -603,12 +620,15 @@ class Coordinator:
             if not survivors:
                 raise ConfigError("no stage is left to run the model")
             names = [m.name for m in survivors]
-            # The old partition named the dead stage: plan the survivors afresh.
-            replan = Message(
-                "run_request",
-                {**request.body, "partition": None, "stage_names": names, "stages": None},
-            )
-            plan, _ = await self._plan(spec, num_units, survivors, replan)
+            if policy == "heavy":
+                # The old partition named the dead stage: plan the survivors afresh.
+                replan = Message(
+                    "run_request",
+                    {**request.body, "partition": None, "stage_names": names, "stages": None},
+                )
+                plan, _ = await self._plan(spec, num_units, survivors, replan)
+            else:
+                plan = self._replan_in_place(run, policy, spec, num_units, survivors)
             planned_at = time.monotonic()
             self._epoch += 1
             run.epoch = self._epoch
@@ -631,10 +651,13 @@ class Coordinator:
             run=run.run,
             epoch=run.epoch,
             dead=dead,
+            policy=policy,
             plan=plan.to_dict(),
             **timeline,
         )
-        self.events.append({"event": "run_recovered", "run": run.run, "dead": dead, **timeline})
+        self.events.append(
+            {"event": "run_recovered", "run": run.run, "dead": dead, "policy": policy, **timeline}
+        )
         with contextlib.suppress(TransportTimeout):
             await self._send(
                 run.client,
@@ -652,6 +675,38 @@ class Coordinator:
                 peer=CLIENT_NAME,
                 timeout_s=self.config.timeouts.reply_s,
             )
+
+    def _replan_in_place(
+        self,
+        run: _Run,
+        policy: str,
+        spec: ModelSpec,
+        num_units: int,
+        survivors: list[Member],
+    ) -> Plan:
+        """The surviving stages keep their order; "lightweight" moves unit boundaries so
+        each stage's work matches its speed (from the stages' cached profiles, when the
+        run was planned from them; else every unit and device counts alike), "respipe"
+        hands a dead stage's units to the next one."""
+        request = run.request
+        assert request is not None
+        batch_size = int(request.get("microbatch_size") or 1)
+        dtype = str(request["dtype"])
+        profiles = {
+            m.name: self._profile_cache.get((spec, batch_size, dtype, m.name, m.joined_at, False))
+            for m in survivors
+        }
+        unit_work: list[float] = [1.0] * num_units
+        speeds: dict[str, float] | None = None
+        known = {name: p for name, p in profiles.items() if p is not None}
+        if len(known) == len(survivors):
+            profile = known[survivors[0].name]
+            cluster = cluster_from_members(survivors, known)
+            unit_work = unit_work_from_profile(profile, batch_size)
+            speeds = speeds_from_cluster(profile, cluster, batch_size)
+        if policy == "respipe":
+            return respipe_replan(run.plan, failed=run.failed, speeds=speeds)
+        return lightweight_replan(run.plan, failed=run.failed, unit_work=unit_work, speeds=speeds)
 
     async def _notify_stage_failed(self, run: _Run, name: str, reason: str) -> None:
         with contextlib.suppress(TransportTimeout):

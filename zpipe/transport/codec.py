@@ -176,6 +176,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "train": (_OPT_MAP, False),
         # re-plan without a stage that dies mid-stream, and replay (inference)
         "recover": (_BOOL, False),
+        # how: "lightweight", "heavy" or "respipe" (zpipe.recovery.POLICIES)
+        "recovery": (_STR, False),
     },
     "run_ready": {
         "run": (_INT, True),
