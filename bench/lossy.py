@@ -214,8 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"wins {wins_v}/{seeds} seeds) and horizontal {pts['horizontal']}% "
         f"({'above' if above_horizontal else 'NOT above'}; {wins_h}/{seeds}); hybrid lossless "
         f"{pts['hybrid_lossless']}% vs naive {pts['naive']}% ({-100 * gap:+.1f} points: "
-        f"{'not' if lossless_close else 'MORE than'} 2 points below naive"
-        + ("" if lossless_within_abs else ", though not within 2 points either way")
+        f"{'not more' if lossless_close else 'MORE'} than 2 points below naive"
+        + ("" if lossless_within_abs else "; above it by more than 2, as the paper's is above")
         + f"). r-TX {pts['hybrid_rtx']}%, "
         f"ACK {pts['hybrid_ack']}%. "
         + (

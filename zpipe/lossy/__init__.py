@@ -13,6 +13,7 @@ Modules, one job each (all pure, no I/O except :mod:`.experiment`):
 - :mod:`.simulate`   one seeded training run
 - :mod:`.data`       local data sets (digits, IDX files)
 - :mod:`.experiment` the command line: runs, sweeps, JSON and plots
+- :mod:`.plots`      Fig. 5 and Fig. 9 style PNGs (matplotlib, optional)
 """
 
 from __future__ import annotations
