@@ -596,9 +596,12 @@ class _Stream:
         self.report.recoveries.append(
             {
                 "dead": str(notice["dead"]),
+                "detected_s": float(notice.get("detected_s") or 0.0),
                 "recovered_s": float(notice["recovered_s"]),
                 "replayed": len(replayed),
                 "epoch": notice.epoch,
+                # this process's time.monotonic() when the new plan arrived
+                "at": time.monotonic(),
             }
         )
         log.warning(

@@ -289,7 +289,7 @@ class Coordinator:
                 if fut is not None and not fut.done():
                     fut.set_exception(ConfigError(f"stage {name!r} died: {reason}"))
             if run.recover and run.streaming and run.request is not None:
-                self._spawn(self._recover_inference(run, name, time.monotonic()))
+                self._spawn(self._recover_inference(run, name, time.monotonic(), silent_s))
             else:
                 await self._notify_stage_failed(run, name, reason)
         self.events.append(event)
@@ -595,7 +595,9 @@ class Coordinator:
             build_s={n: round(b, 3) for n, b in zip(run.ready, build_times, strict=False)},
         )
 
-    async def _recover_inference(self, run: _Run, dead: str, detected_at: float) -> None:
+    async def _recover_inference(
+        self, run: _Run, dead: str, detected_at: float, silent_s: float
+    ) -> None:
         """Re-plan a stream without a dead stage and tell the client to replay.
 
         Inference weights come from the model spec, so the survivors only build
@@ -643,6 +645,7 @@ class Coordinator:
             return
         now = time.monotonic()
         timeline = {
+            "detected_s": round(silent_s, 3),
             "replanned_s": round(planned_at - detected_at, 3),
             "recovered_s": round(now - detected_at, 3),
         }
@@ -668,6 +671,7 @@ class Coordinator:
                         "run": run.run,
                         "plan": plan.to_dict(),
                         "dead": dead,
+                        "detected_s": timeline["detected_s"],
                         "recovered_s": timeline["recovered_s"],
                     },
                     epoch=run.epoch,

@@ -202,6 +202,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "run": (_INT, True),
         "plan": (_MAP, True),
         "dead": (_STR, True),
+        # how long the stage was silent when declared dead, and from then to the new plan
+        "detected_s": (_NUM, False),
         "recovered_s": (_NUM, True),
         "first_endpoint": (_STR, True),
         "first_stage": (_STR, True),

@@ -1,0 +1,296 @@
+"""Recovery from a killed stage: lightweight re-planning against heavy re-planning and
+ResPipe's policy, on an inference stream over an emulated heterogeneous cluster.
+
+One :class:`~zpipe.cluster.LocalCluster` of four emulated devices (``nx-a`` and
+``nx-b`` at 1x, ``tx2`` at 1.5x, ``nano`` at 3x slower, every slowdown multiplied by
+one factor that keeps the busy devices within half this machine's cores, as
+``bench/inference.py`` explains; 200 Mbit/s links) streams ``--batches`` batches of a
+shrunk ViT-Base through the PipeEdge plan the coordinator makes from the stages' own
+profiles. After ``--kill-after`` outputs one stage of that plan is killed (SIGKILL);
+the coordinator notices the silence (heartbeats, suspect, probe, dead), re-plans by
+the run's recovery policy, reassigns the survivors under a new epoch, and the client
+replays every micro-batch without a result. Each stage of the plan is killed in turn
+under each policy:
+
+* ``lightweight`` (Asteroid section 3.4): the surviving stages keep their order and
+  their boundaries move so that each stage's profiled work matches its speed;
+* ``heavy``: the full PipeEdge planner over the survivors (from cached profiles and
+  measured links, so no profiling happens during recovery);
+* ``respipe``: the stage after the dead one takes all of its units.
+
+Per trial (one JSON line): ``detection_s`` (how long the stage had been silent when
+the coordinator declared it dead), ``replan_s`` (from then until the survivors were
+reassigned and connected), ``recovery_s`` (from the kill to the first output after
+the client got the new plan: what a user waits), the throughput before the kill and
+after recovery (outputs after the first new-plan output, over their time), both
+plans, and whether every output arrived once and equals a single-process run. The
+killed stage is then started again and one untimed run lets it profile and build,
+so every trial begins from the same cluster.
+
+Summary: for each policy the mean of ``recovery_s`` and of ``throughput_after``,
+and the issue's ratios, ``heavy_over_light_recovery_time``,
+``light_over_heavy_throughput_after`` and ``light_over_respipe_throughput_after``
+(inference; the training half of the issue's benchmark needs training recovery,
+which zpipe does not have yet: ``training_measured`` is false).
+
+Caveats: four stage processes, the coordinator and this client share two cores;
+detection is set by the heartbeat settings (``--heartbeat-s``, suspect after
+``--suspect-after`` silent intervals, dead after ``--probe-intervals`` more);
+inference needs no weight transfer (every stage builds its units from the model
+spec), so heavy and lightweight re-planning differ here only in planning time and in
+the plan they pick, unlike training, where heavy re-planning moves the weights.
+
+Run: ``.venv/bin/python bench/recovery.py`` (about 4 minutes on two cores) or
+``--quick`` (fewer batches and victims: about 90 seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench._common import emit, summary
+from zpipe.client import RunReport
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.log import configure_logging
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.recovery import POLICIES
+
+BENCH = "recovery"
+Batch = tuple[torch.Tensor, ...]
+
+# (name, slowdown before scaling): Jetson Xavier NX, TX2 and Nano, roughly.
+DEVICES = (("nx-a", 1.0), ("nx-b", 1.0), ("tx2", 1.5), ("nano", 3.0))
+BANDWIDTH_MBPS = 200.0
+HOST_CORE_SHARE = 0.5  # see bench/inference.py
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=".venv/bin/python bench/recovery.py",
+        description="Recovery of an inference stream from a killed stage: lightweight "
+        "re-planning against heavy re-planning and ResPipe. Prints JSON lines, then a summary.",
+    )
+    p.add_argument("--batches", type=int, default=60, help="batches per stream (default: 60)")
+    p.add_argument("--batch-size", type=int, default=2, help="samples per batch (default: 2)")
+    p.add_argument("--kill-after", type=int, default=15, help="outputs before the kill")
+    p.add_argument("--max-in-flight", type=int, default=3, help="micro-batches in flight")
+    p.add_argument("--layers", type=int, default=6, help="ViT-Base blocks kept (default: 6)")
+    p.add_argument("--hidden", type=int, default=384, help="hidden size (default: 384)")
+    p.add_argument("--heartbeat-s", type=float, default=0.3, help="heartbeat interval")
+    p.add_argument("--suspect-after", type=int, default=3, help="silent intervals to suspect")
+    p.add_argument("--probe-intervals", type=int, default=2, help="intervals a probe waits")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
+    p.add_argument("--max-victims", type=int, default=4, help="stages killed per policy")
+    p.add_argument("--slowdown-scale", type=float, default=None, help="default: fit the cores")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="fewer batches and victims")
+    return p
+
+
+@dataclass
+class Trial:
+    policy: str
+    victim: str
+    report: RunReport
+    outputs: list[Batch]
+    arrivals: list[float]  # time.monotonic() of each output
+    killed_at: float
+
+
+def _scale(threads: int, cores: int) -> float:
+    demand = sum(threads / s for _, s in DEVICES)
+    return max(1.0, math.ceil(4.0 * demand / (HOST_CORE_SHARE * cores)) / 4.0)
+
+
+def _throughput(arrivals: list[float], samples_per_output: int) -> float | None:
+    if len(arrivals) < 2 or arrivals[-1] <= arrivals[0]:
+        return None
+    return (len(arrivals) - 1) * samples_per_output / (arrivals[-1] - arrivals[0])
+
+
+def _trial_line(trial: Trial, reference: list[Batch], batch_size: int) -> dict[str, Any]:
+    recoveries = trial.report.recoveries
+    recovered = recoveries[0] if recoveries else None
+    before = [t for t in trial.arrivals if t <= trial.killed_at]
+    after: list[float] = []
+    if recovered is not None:
+        after = [t for t in trial.arrivals if t >= recovered["at"]]
+    exact = len(trial.outputs) == len(reference) and all(
+        torch.allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+        for got, want in zip(trial.outputs, reference, strict=True)
+    )
+    return {
+        "bench": BENCH,
+        "kind": "inference",
+        "policy": trial.policy,
+        "victim": trial.victim,
+        "recovered": recovered is not None,
+        "detection_s": recovered["detected_s"] if recovered else None,
+        "replan_s": recovered["recovered_s"] if recovered else None,
+        "recovery_s": (after[0] - trial.killed_at) if after else None,
+        "replayed": recovered["replayed"] if recovered else None,
+        "throughput_before": _throughput(before, batch_size),
+        "throughput_after": _throughput(after, batch_size),
+        "plan_after": trial.report.plan.to_dict()["stages"],
+        "outputs_exact": exact,
+    }
+
+
+def _stream(
+    cluster: LocalCluster,
+    spec: ModelSpec,
+    batches: list[Batch],
+    args: argparse.Namespace,
+    *,
+    policy: str = "lightweight",
+    victim: str | None = None,
+) -> Trial:
+    arrivals: list[float] = []
+    killed_at = [math.inf]
+
+    def progress(received: int, _sent: int) -> None:
+        arrivals.append(time.monotonic())
+        if victim is not None and received == args.kill_after:
+            killed_at[0] = time.monotonic()
+            cluster.kill(victim)
+
+    outputs, report = cluster.infer(
+        spec,
+        batches,
+        planner="pipeedge",
+        microbatch_size=args.batch_size,
+        max_in_flight=args.max_in_flight,
+        recovery=policy,
+        progress=progress,
+    )
+    return Trial(policy, victim or "", report, outputs, arrivals, killed_at[0])
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        args.batches, args.kill_after, args.max_victims, args.layers = 30, 8, 2, 4
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if not 0 < args.kill_after < args.batches:
+        raise SystemExit("--kill-after must lie between 0 and --batches")
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // len(DEVICES))
+    scale = args.slowdown_scale or _scale(threads, cores)
+    devices = {
+        name: DeviceSpec(name, slowdown=s * scale, bandwidth_mbps=BANDWIDTH_MBPS, threads=threads)
+        for name, s in DEVICES
+    }
+    spec = ModelSpec.preset(
+        "vit-base",
+        seed=args.seed,
+        num_layers=args.layers,
+        hidden=args.hidden,
+        heads=6,
+        mlp=4 * args.hidden,
+        image_size=64,
+        patch=16,
+        num_classes=10,
+    )
+    sequence = load_layer_sequence(spec)
+    batches = [
+        sequence.example_input(args.batch_size, seed=args.seed + i) for i in range(args.batches)
+    ]
+    model = build_full_model(spec)
+    with torch.inference_mode():
+        reference = [tuple(model(*b)) for b in batches]
+    described = ", ".join(f"{d.name} {d.slowdown:g}x" for d in devices.values())
+    print(
+        f"recovery bench: devices {described}, {sequence.num_units} units, {args.batches} batches",
+        file=sys.stderr,
+        flush=True,
+    )
+    lines: list[dict[str, Any]] = []
+    with LocalCluster(
+        list(devices.values()),
+        heartbeat_interval_s=args.heartbeat_s,
+        suspect_after=args.suspect_after,
+        probe_intervals=args.probe_intervals,
+        log_level="warning",
+    ) as cluster:
+        warm = _stream(cluster, spec, batches[:6], args)  # profiles, links, shard builds
+        victims = [s.device for s in warm.report.plan.stages][: args.max_victims]
+        print(f"  plan {warm.report.plan.to_dict()['stages']}", file=sys.stderr, flush=True)
+        for policy in policies:
+            for victim in victims:
+                trial = _stream(cluster, spec, batches, args, policy=policy, victim=victim)
+                line = _trial_line(trial, reference, args.batch_size)
+                emit(line)
+                lines.append(line)
+                print(
+                    f"  {policy} kill {victim}: recovery {line['recovery_s']}, after "
+                    f"{line['throughput_after']} samples/s, plan {line['plan_after']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                cluster.start_stage(devices[victim])
+                cluster.wait_for_stages(len(devices), timeout_s=120.0)
+                _stream(cluster, spec, batches[:4], args)  # the newcomer profiles and builds
+    by_policy: dict[str, dict[str, float | None]] = {}
+    for policy in policies:
+        rows = [line for line in lines if line["policy"] == policy]
+        by_policy[policy] = {
+            "recovery_s": _mean([r["recovery_s"] for r in rows]),
+            "detection_s": _mean([r["detection_s"] for r in rows]),
+            "replan_s": _mean([r["replan_s"] for r in rows]),
+            "throughput_after": _mean([r["throughput_after"] for r in rows]),
+            "throughput_before": _mean([r["throughput_before"] for r in rows]),
+        }
+    light, heavy = by_policy.get("lightweight", {}), by_policy.get("heavy", {})
+    respipe = by_policy.get("respipe", {})
+    return {
+        "heavy_over_light_recovery_time": _ratio(heavy.get("recovery_s"), light.get("recovery_s")),
+        "light_over_heavy_throughput_after": _ratio(
+            light.get("throughput_after"), heavy.get("throughput_after")
+        ),
+        "light_over_respipe_throughput_after": _ratio(
+            light.get("throughput_after"), respipe.get("throughput_after")
+        ),
+        "heavy_over_light_replan_time": _ratio(heavy.get("replan_s"), light.get("replan_s")),
+        "by_policy": by_policy,
+        "victims": victims,
+        "all_recovered": all(line["recovered"] for line in lines),
+        "all_outputs_exact": all(line["outputs_exact"] for line in lines),
+        "training_measured": False,
+        "slowdown_scale": scale,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(level="warning")
+    result = run(args)
+    summary(BENCH, **result)
+    return 0 if result["all_recovered"] and result["all_outputs_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
