@@ -309,6 +309,40 @@ def test_activation_bytes_are_counted_per_live_forward_and_released_by_backward(
     assert shard.peak_activation_bytes == 3 * one and shard.peak_live == 3
 
 
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_a_shard_resumed_from_its_training_state_trains_on_identically(
+    optimizer: dict[str, object],
+) -> None:
+    def one_step(shard: TrainShard, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        out, _, _ = shard.forward(0, (torch.randn(6, 12, generator=gen),))
+        shard.backward(0, (torch.randn(out[0].shape, generator=gen),))
+        shard.step()
+
+    def build() -> TrainShard:
+        units = load_layer_sequence(SPEC).build_units(0, 2)
+        return TrainShard(units, start=0, first=True, last=False, loss="mse", optimizer=optimizer)
+
+    original = build()
+    for seed in range(3):
+        one_step(original, seed)
+    state = original.training_state()
+    assert any("#opt." in key for key in state)  # momentum or moments, not only weights
+    resumed = build()  # fresh initial weights and an optimizer that never stepped
+    resumed.load_training_state(state)
+    for seed in (3, 4):
+        one_step(original, seed)
+        one_step(resumed, seed)
+    assert_same_weights(resumed.state_dict(), original.state_dict())
+    # A replica for other units is refused rather than half applied.
+    other = TrainShard(
+        load_layer_sequence(SPEC).build_units(2, 4),
+        start=2, first=False, last=True, loss="mse", optimizer=optimizer,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="does not match units"):
+        other.load_training_state(state)
+
+
 # ---------------------------------------------------------------- data-parallel groups
 
 

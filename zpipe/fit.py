@@ -12,6 +12,15 @@ tensor is the labels, the others the model's inputs. A mini-batch is split
 into exactly ``num_microbatches`` parts (sizes differ by at most one), and one
 optimizer step follows each mini-batch, so the result equals single-process
 training on the same mini-batches (up to float summation order).
+
+With ``recover=True`` a run survives the death of a stage, exactly: every
+``replicate_every`` mini-batches (and before the first) the pipeline drains
+and the coordinator keeps a global replica of every unit's weights and
+optimizer state (FTPipeHD's global replication). When a stage dies, the
+client starts the run again over the survivors from that replica, planned by
+``recovery`` (see :data:`zpipe.recovery.POLICIES`), and replays the
+mini-batches since it, which it keeps until the next replica. The trained
+model then equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -19,7 +28,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,12 +51,14 @@ from zpipe._errors import (
     ProtocolError,
     RemoteStageError,
     StageFailedError,
+    TransportTimeout,
 )
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, build_full_model
 from zpipe.models.weights import save_weights
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
+from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.training.objectives import check_loss, check_optimizer
 from zpipe.training.routing import split_rows
 from zpipe.transport import security
@@ -68,6 +87,10 @@ class TrainReport:
     elapsed_s: float = 0.0
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)
+    # one entry per stage lost mid-run (recover=True): who, when, what was replayed
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    # mini-batches after which the coordinator kept a global replica
+    replicas: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -126,6 +149,9 @@ async def fit(
     max_steps_in_flight: int = 2,
     progress: bool | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    recover: bool = False,
+    replicate_every: int | None = None,
+    recovery: str = "lightweight",
 ) -> TrainReport:
     """Train ``model`` on ``batches``; returns the losses and the trained weights.
 
@@ -139,8 +165,21 @@ async def fit(
     ``microbatch_size``: the samples per micro-batch to plan for (default: the first
     batch's size over ``num_microbatches``, when ``batches`` is a sequence).
     ``progress``: show a progress bar (default: when stderr is a terminal).
-    ``on_step(step, loss)`` is called after each mini-batch's loss is known.
+    ``on_step(step, loss)`` is called after each mini-batch's loss is known (again for
+    a mini-batch that a recovery replays).
+    ``recover``: survive the death of stages (see the module notes); the coordinator
+    keeps a replica every ``replicate_every`` mini-batches (default 50, as FTPipeHD's
+    global replication; each one drains the pipeline once), and ``recovery`` is how
+    the survivors are planned: "lightweight" (the same stages, boundaries moved to
+    their speeds), "heavy" (the planner again over the survivors) or "respipe" (the
+    next stage takes the dead one's units).
     """
+    if recovery not in RECOVERY_POLICIES:
+        raise ConfigError(
+            f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
+        )
+    if replicate_every is not None and (isinstance(replicate_every, bool) or replicate_every < 1):
+        raise ConfigError(f"replicate_every must be >= 1, got {replicate_every}")
     if client._control is None or client._sink is None or client._context is None:
         raise PipelineError("open() the client first")
     check_loss(loss)
@@ -149,6 +188,7 @@ async def fit(
         raise ConfigError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if max_steps_in_flight < 1:
         raise ConfigError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
+    every = (replicate_every or DEFAULT_REPLICATE_EVERY) if recover else None
     if microbatch_size is None and isinstance(batches, Sequence) and batches:
         first = batches[0]
         if first and isinstance(first[0], torch.Tensor) and first[0].dim() > 0:
@@ -175,32 +215,74 @@ async def fit(
             "plan": plan.to_dict() if plan is not None else None,
         },
     }
-    reply = await client._control.request(
-        Message("run_request", request),
-        expect=("run_ready", "run_failed"),
-        timeout_s=wait_for_stages_s + client.timeouts.assign_s + client.timeouts.reply_s,
-        awaited="run_ready",
-    )
-    if reply.kind == "run_failed":
-        raise PipelineError(f"the coordinator could not start the training run: {reply['error']}")
-    if plan is not None:
-        schedule, num_microbatches = plan.schedule, plan.num_microbatches
-    run = _TrainRun(client, reply, model, schedule, num_microbatches, max_steps_in_flight)
-    try:
-        started = await client._control.request(
-            Message("run_go", {"run": run.run}),
-            expect=("run_started", "run_failed"),
-            timeout_s=client.timeouts.reply_s * 2,
-            awaited="run_started",
+    source = _BatchSource(batches)
+    done: list[float] = []  # the losses of the mini-batches before this attempt's first
+    recoveries: list[dict[str, Any]] = []
+    while True:
+        reply = await client._control.request(
+            Message("run_request", request),
+            expect=("run_ready", "run_failed"),
+            timeout_s=wait_for_stages_s + client.timeouts.assign_s + client.timeouts.reply_s,
+            awaited="run_ready",
         )
-        if started.kind == "run_failed":
-            raise PipelineError(f"the coordinator could not start the run: {started['error']}")
-        await run.train(batches, progress, on_step)
-        await run.gather_weights()
-        # The last round ends when every stage has stepped, which the gather waited for.
-        run.report.elapsed_s = time.perf_counter() - run.started
-    finally:
-        await run.close()
+        if reply.kind == "run_failed":
+            raise PipelineError(
+                f"the coordinator could not start the training run: {reply['error']}"
+            )
+        if plan is not None:
+            schedule, num_microbatches = plan.schedule, plan.num_microbatches
+        run = _TrainRun(client, reply, model, schedule, num_microbatches, max_steps_in_flight)
+        run.offset, run.replicate_every = source.replica_step, every
+        if recoveries:
+            recoveries[-1]["restart_s"] = time.monotonic() - recoveries[-1]["noticed_at"]
+        try:
+            started = await client._control.request(
+                Message("run_go", {"run": run.run}),
+                expect=("run_started", "run_failed"),
+                timeout_s=client.timeouts.reply_s * 2,
+                awaited="run_started",
+            )
+            if started.kind == "run_failed":
+                raise PipelineError(f"the coordinator could not start the run: {started['error']}")
+            await run.train(source, progress, on_step)
+            await run.gather_weights()
+            # The last round ends when every stage has stepped, which the gather waited for.
+            run.report.elapsed_s = time.perf_counter() - run.started
+        except StageFailedError as failure:
+            if every is None or source.resume is None:
+                raise
+            tplan = run.report.training_plan
+            assert tplan is not None
+            dead = sorted({*(r["dead"] for r in recoveries), failure.stage})
+            survivors = [d for d in tplan.devices if d not in dead]
+            if not survivors:
+                raise
+            # What the replica holds stays; what came after it is trained again.
+            done = (done + run.report.losses)[: source.replica_step]
+            recoveries.append(
+                {
+                    "dead": failure.stage,
+                    "reason": failure.reason,
+                    "noticed_at": time.monotonic(),
+                    "resumed_from": source.replica_step,
+                    "replayed": len(source.kept),
+                    "policy": recovery,
+                }
+            )
+            log.warning(
+                "training_recovering",
+                run=run.run,
+                dead=failure.stage,
+                resume_from=source.replica_step,
+                replay=len(source.kept),
+                policy=recovery,
+            )
+            request = _resume_request(request, survivors, dead, recovery, source.resume)
+            plan = None
+            continue
+        finally:
+            await run.close()
+        break
     report = await client._control.request(
         Message("run_end", {"run": run.run}),
         expect=("run_report",),
@@ -208,7 +290,92 @@ async def fit(
         awaited="run report",
     )
     run.report.stages = dict(report["stages"])
+    run.report.losses = done + run.report.losses
+    run.report.recoveries = recoveries
+    run.report.replicas = list(source.replicas)
     return run.report
+
+
+# FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
+DEFAULT_REPLICATE_EVERY = 50
+
+
+def _resume_request(
+    request: dict[str, Any],
+    survivors: list[str],
+    dead: list[str],
+    recovery: str,
+    resume: tuple[int, int],
+) -> dict[str, Any]:
+    """The run request that resumes from the replica over the survivors."""
+    resumed = {
+        **request,
+        "partition": None,
+        "stages": None,
+        "stage_names": survivors,
+        "recovery": recovery,
+        "resume": {"run": resume[0], "step": resume[1], "dead": dead},
+        "train": {**request["train"], "plan": None},
+    }
+    if request["partition"] is not None or request["train"].get("plan") is not None:
+        # The user's own partition named the dead: plan the survivors ("heavy") instead.
+        resumed["planner"] = "hpp" if request["microbatch_size"] is not None else "even"
+    return resumed
+
+
+_END = object()
+
+
+class _BatchSource:
+    """The mini-batches, once each, and those since the last replica, kept to replay.
+
+    ``replica_step``: the mini-batch the coordinator's replica was taken before
+    (every mini-batch before it is in the replica); ``resume``: that replica's
+    (run, the run's own step).
+    """
+
+    def __init__(self, batches: Iterable[Batch] | AsyncIterable[Batch]) -> None:
+        self._sync: Iterator[Batch] | None = None
+        self._async: AsyncIterator[Batch] | None = None
+        if isinstance(batches, AsyncIterable):
+            self._async = aiter(batches)
+        else:
+            self._sync = iter(batches)
+        self._pending: asyncio.Future[Any] | None = None
+        self.kept: list[Batch] = []
+        self.replica_step = 0
+        self.resume: tuple[int, int] | None = None
+        self.replicas: list[int] = []
+
+    async def iterate(self) -> AsyncIterator[Batch]:
+        """The kept mini-batches again, then new ones (kept too)."""
+        for batch in list(self.kept):
+            yield batch
+        while True:
+            batch = await self._next()
+            if batch is _END:
+                return
+            self.kept.append(batch)
+            yield batch
+
+    async def _next(self) -> Any:
+        if self._sync is not None:
+            return next(self._sync, _END)
+        assert self._async is not None
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(anext(self._async, _END))
+        # Shielded: a recovery may cancel the feed while the source makes its next
+        # batch; that batch then goes to the next attempt instead of being lost.
+        batch = await asyncio.shield(self._pending)
+        self._pending = None
+        return batch
+
+    def replicated(self, step: int, run: int, run_step: int) -> None:
+        """The coordinator holds a replica taken before mini-batch ``step``."""
+        self.kept = self.kept[step - self.replica_step :]
+        self.replica_step = step
+        self.resume = (run, run_step)
+        self.replicas.append(step)
 
 
 class _TrainRun:
@@ -258,6 +425,10 @@ class _TrainRun:
         self.done_steps = 0
         self.all_sent = asyncio.Event()
         self.finished = asyncio.Event()
+        self.step_finished = asyncio.Event()
+        # the first mini-batch's number across recoveries, and the replica period
+        self.offset = 0
+        self.replicate_every: int | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     def _push(self, endpoint: str, key: object) -> zmq.asyncio.Socket:
@@ -273,7 +444,7 @@ class _TrainRun:
 
     async def train(
         self,
-        batches: Iterable[Batch] | AsyncIterable[Batch],
+        source: _BatchSource,
         progress: bool | None,
         on_step: Callable[[int, float], None] | None,
     ) -> None:
@@ -286,7 +457,7 @@ class _TrainRun:
             elapsed = time.perf_counter() - started
             bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.report.samples / elapsed:.1f}")
             if on_step is not None:
-                on_step(step, loss)
+                on_step(self.offset + step, loss)
 
         async def guarded(coro: Any) -> None:
             try:
@@ -297,7 +468,7 @@ class _TrainRun:
                 raise
 
         self.tasks = [
-            asyncio.create_task(guarded(self._feed(batches))),
+            asyncio.create_task(guarded(self._feed(source))),
             asyncio.create_task(guarded(self._drain(step_done))),
             asyncio.create_task(guarded(self._watch_failures())),
         ]
@@ -312,16 +483,45 @@ class _TrainRun:
             failed.cancel()
             bar.close()
 
-    async def _feed(self, batches: Iterable[Batch] | AsyncIterable[Batch]) -> None:
-        if isinstance(batches, AsyncIterable):
-            async for batch in batches:
-                await self._send_minibatch(batch)
-        else:
-            for batch in batches:
-                await self._send_minibatch(batch)
+    async def _feed(self, source: _BatchSource) -> None:
+        async for batch in source.iterate():
+            step, every = self.offset + self.sent_steps, self.replicate_every
+            # a replica before every ``every``-th mini-batch, the first one included,
+            # unless this run resumed from the one taken there
+            fresh = source.resume is None or source.replica_step != step
+            if every is not None and step % every == 0 and fresh:
+                await self._replicate(source)
+            await self._send_minibatch(batch)
         self.all_sent.set()
         if self.done_steps == self.sent_steps:
             self.finished.set()
+
+    async def _replicate(self, source: _BatchSource) -> None:
+        """Drain the pipeline and have the coordinator keep a replica of every stage."""
+        timeout = self.client.timeouts.result_s
+        while self.done_steps < self.sent_steps:
+            self.step_finished.clear()
+            try:
+                await asyncio.wait_for(self.step_finished.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(
+                    self.last_stage, "the losses before a replica", timeout
+                ) from None
+        control = self.client._control
+        assert control is not None
+        reply = await control.request(
+            Message("replicate", {"run": self.run, "step": self.done_steps}),
+            expect=("replicated",),
+            timeout_s=timeout + self.client.timeouts.reply_s,
+            awaited="the replica",
+        )
+        if reply["error"]:
+            # The previous replica still stands; a recovery replays a little more.
+            log.warning("replica_not_kept", run=self.run, error=reply["error"])
+            return
+        source.replicated(self.offset + self.done_steps, self.run, self.done_steps)
+        log.info("replica_kept", run=self.run, step=self.offset + self.done_steps,
+                 nbytes=reply["bytes"])  # fmt: skip
 
     async def _send_minibatch(self, batch: Batch) -> None:
         parts = split_minibatch(batch, self.m)
@@ -383,6 +583,7 @@ class _TrainRun:
                 loss = sum(self.step_losses.pop(step))
                 self.report.losses.append(loss)
                 self.done_steps += 1
+                self.step_finished.set()
                 self.window.release()
                 step_done(step, loss)
                 if self.all_sent.is_set() and self.done_steps == self.sent_steps:

@@ -28,8 +28,9 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 import zmq
 import zmq.asyncio
 
@@ -40,6 +41,7 @@ from zpipe.coordinator.membership import Member, Membership, MemberState
 from zpipe.coordinator.planning import DEFAULT_PLANNER, choose_plan, cluster_from_members
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models.weights import split_unit_key
 from zpipe.planner import ClusterLink, ClusterSpec, Plan
 from zpipe.planner.hpp import plan_training
 from zpipe.planner.plan import StagePlan
@@ -70,6 +72,7 @@ from zpipe.transport.sockets import (
 log = get_logger("zpipe.coordinator")
 
 CLIENT_NAME = "client"
+PlanT = TypeVar("PlanT", Plan, TrainingPlan)
 # Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
 DEFAULT_RECOVERY = "lightweight"
 
@@ -105,10 +108,23 @@ class _Run:
     request: Message | None = None
     recover: bool = False
     streaming: bool = False
+    # training: the plan of device groups the stages run
+    training_plan: TrainingPlan | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
             self.devices = list(self.plan.devices)
+
+
+@dataclass(frozen=True)
+class _Replica:
+    """A global replica (FTPipeHD): every unit's weights and optimizer state after
+    mini-batch ``step`` of training run ``run``, and the plan it was taken under."""
+
+    run: int
+    step: int
+    plan: TrainingPlan
+    state: dict[str, torch.Tensor]
 
 
 class Coordinator:
@@ -128,6 +144,8 @@ class Coordinator:
         self._epoch = 0
         self._run_counter = 0
         self._run: _Run | None = None
+        # the latest global replica of a training run (FTPipeHD's global replication)
+        self._replica: _Replica | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
         self.endpoint = ""
@@ -305,12 +323,13 @@ class Coordinator:
         if kind == "run_request":
             self._spawn(self._on_run_request(routing_id, user_key, message))
             return
-        if kind in ("run_go", "run_end", "cluster_request", "weights_request"):
+        if kind in ("run_go", "run_end", "cluster_request", "weights_request", "replicate"):
             handler = {
                 "run_go": self._on_run_go,
                 "run_end": self._on_run_end,
                 "cluster_request": self._on_cluster_request,
                 "weights_request": self._on_weights_request,
+                "replicate": self._on_replicate,
             }[kind]
             self._spawn(handler(routing_id, message))
             return
@@ -487,18 +506,30 @@ class Coordinator:
                 f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
             )
         settings = dict(message.get("train") or {})
+        replica = None
+        if mode == "train" and message.get("resume") is not None:
+            replica = self._replica_to_resume(dict(message["resume"]), spec)
+            if recovery != "heavy":
+                given = self._replan_training(replica, recovery, message, spec)
+                return await self._start_training_run(
+                    routing_id, client_key, message, spec, given, replica=replica
+                )
         if mode == "train" and settings.get("plan") is not None:
             given = TrainingPlan.from_dict(settings["plan"])
-            return await self._start_training_run(routing_id, client_key, message, spec, given)
+            return await self._start_training_run(
+                routing_id, client_key, message, spec, given, replica=replica
+            )
         members = await self._choose_devices(message)
         algo = str(message.get("planner") or DEFAULT_PLANNER)
         if mode == "train" and algo in TRAINING_ALGOS and message.get("partition") is None:
             planned = await self._plan_training(spec, members, message, settings)
-            return await self._start_training_run(routing_id, client_key, message, spec, planned)
+            return await self._start_training_run(
+                routing_id, client_key, message, spec, planned, replica=replica
+            )
         plan, baseline = await self._plan(spec, num_units, members, message)
         if mode == "train":
             return await self._start_training_run(
-                routing_id, client_key, message, spec, None, straight=plan
+                routing_id, client_key, message, spec, None, straight=plan, replica=replica
             )
         members = [m for m in members if m.name in plan.devices]
         self._epoch += 1
@@ -630,7 +661,16 @@ class Coordinator:
                 )
                 plan, _ = await self._plan(spec, num_units, survivors, replan)
             else:
-                plan = self._replan_in_place(run, policy, spec, num_units, survivors)
+                plan = self._replan_in_place(
+                    run.plan,
+                    run.failed,
+                    policy,
+                    spec,
+                    survivors,
+                    batch_size=int(request.get("microbatch_size") or 1),
+                    dtype=str(request["dtype"]),
+                    train=False,
+                )
             planned_at = time.monotonic()
             self._epoch += 1
             run.epoch = self._epoch
@@ -682,22 +722,23 @@ class Coordinator:
 
     def _replan_in_place(
         self,
-        run: _Run,
+        plan: PlanT,
+        failed: set[str],
         policy: str,
         spec: ModelSpec,
-        num_units: int,
         survivors: list[Member],
-    ) -> Plan:
+        *,
+        batch_size: int,
+        dtype: str,
+        train: bool,
+    ) -> PlanT:
         """The surviving stages keep their order; "lightweight" moves unit boundaries so
         each stage's work matches its speed (from the stages' cached profiles, when the
         run was planned from them; else every unit and device counts alike), "respipe"
         hands a dead stage's units to the next one."""
-        request = run.request
-        assert request is not None
-        batch_size = int(request.get("microbatch_size") or 1)
-        dtype = str(request["dtype"])
+        num_units = plan.num_units
         profiles = {
-            m.name: self._profile_cache.get((spec, batch_size, dtype, m.name, m.joined_at, False))
+            m.name: self._profile_cache.get((spec, batch_size, dtype, m.name, m.joined_at, train))
             for m in survivors
         }
         unit_work: list[float] = [1.0] * num_units
@@ -706,11 +747,11 @@ class Coordinator:
         if len(known) == len(survivors):
             profile = known[survivors[0].name]
             cluster = cluster_from_members(survivors, known)
-            unit_work = unit_work_from_profile(profile, batch_size)
+            unit_work = unit_work_from_profile(profile, batch_size, training=train)
             speeds = speeds_from_cluster(profile, cluster, batch_size)
         if policy == "respipe":
-            return respipe_replan(run.plan, failed=run.failed, speeds=speeds)
-        return lightweight_replan(run.plan, failed=run.failed, unit_work=unit_work, speeds=speeds)
+            return respipe_replan(plan, failed=failed, speeds=speeds)
+        return lightweight_replan(plan, failed=failed, unit_work=unit_work, speeds=speeds)
 
     async def _notify_stage_failed(self, run: _Run, name: str, reason: str) -> None:
         with contextlib.suppress(TransportTimeout):
@@ -734,8 +775,10 @@ class Coordinator:
         given: TrainingPlan | None,
         *,
         straight: Plan | None = None,
+        replica: _Replica | None = None,
     ) -> Message:
-        """Assign a training run: a plan of device groups, or a straight pipeline."""
+        """Assign a training run: a plan of device groups, or a straight pipeline; with
+        ``replica``, every stage starts from its units' state in it."""
         settings = dict(message.get("train") or {})
         settings.pop("plan", None)
         if given is not None:
@@ -830,9 +873,12 @@ class Coordinator:
                     "downstream_key": down["keys"][0],
                     "dtype": "float32",
                 }
-                await self._send(
-                    by_name[name].routing_id, Message("assign", body, epoch=run.epoch), peer=name
-                )
+                state: dict[str, torch.Tensor] = {}
+                if replica is not None:
+                    state = _units_state(replica.state, start, end)
+                    body["state_keys"] = list(state)
+                assign = Message("assign", body, epoch=run.epoch, tensors=tuple(state.values()))
+                await self._send(by_name[name].routing_id, assign, peer=name)
         await _await_all(
             run.ready, timeout_s=self.config.timeouts.assign_s, awaited="ready after assignment"
         )
@@ -852,6 +898,7 @@ class Coordinator:
                 predicted=dict(view.predicted),
             )
         )
+        run.training_plan = tplan_out
         first, last = groups[0][0], groups[-1][0]
         return Message(
             "run_ready",
@@ -1009,34 +1056,42 @@ class Coordinator:
         finally:
             self._reply_waiters.pop((member.name, reply_kind), None)
 
+    async def _gather_state(
+        self, run: _Run, step: int, *, optimizer: bool
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        """Every device's weights (and optimizer state) once it finished round ``step``."""
+        members = {m.name: m for m in self.membership.alive()}
+        missing = [d for d in run.devices if d not in members]
+        if missing:
+            raise ConfigError(f"stages {missing} are gone; their weights are lost")
+        body: dict[str, Any] = {"run": run.run, "step": step}
+        if optimizer:
+            body["optimizer"] = True
+        request = Message("weights_request", body, epoch=run.epoch)
+        replies = await asyncio.gather(
+            *(
+                self._request(members[d], request, "weights", self.config.timeouts.result_s)
+                for d in run.devices
+            )
+        )
+        keys: list[str] = []
+        tensors: list[torch.Tensor] = []
+        for reply in replies:
+            if reply["error"]:
+                raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
+            if len(reply["keys"]) != len(reply.tensors):
+                raise ProtocolError(f"stage {reply['name']!r} sent mismatched weights")
+            keys += [str(k) for k in reply["keys"]]
+            tensors += list(reply.tensors)
+        return keys, tensors
+
     async def _on_weights_request(self, routing_id: bytes, message: Message) -> None:
         """Gather every stage's weights once it finished round ``step``; reply with all."""
         run = self._run
         try:
             if run is None or run.run != message["run"]:
                 raise ConfigError(f"run {message['run']} is not the current run")
-            members = {m.name: m for m in self.membership.alive()}
-            missing = [d for d in run.devices if d not in members]
-            if missing:
-                raise ConfigError(f"stages {missing} are gone; their weights are lost")
-            request = Message(
-                "weights_request", {"run": run.run, "step": message["step"]}, epoch=run.epoch
-            )
-            replies = await asyncio.gather(
-                *(
-                    self._request(members[d], request, "weights", self.config.timeouts.result_s)
-                    for d in run.devices
-                )
-            )
-            keys: list[str] = []
-            tensors: list[Any] = []
-            for reply in replies:
-                if reply["error"]:
-                    raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
-                if len(reply["keys"]) != len(reply.tensors):
-                    raise ProtocolError(f"stage {reply['name']!r} sent mismatched weights")
-                keys += [str(k) for k in reply["keys"]]
-                tensors += list(reply.tensors)
+            keys, tensors = await self._gather_state(run, int(message["step"]), optimizer=False)
             if len(tensors) > codec.MAX_TENSORS:
                 # Refuse here, with a reply: an encode error after the try would leave
                 # the client waiting for a checkpoint that never comes.
@@ -1056,6 +1111,70 @@ class Coordinator:
         await self._send(
             routing_id, answer, peer=CLIENT_NAME, timeout_s=self.config.timeouts.send_s
         )
+
+    async def _on_replicate(self, routing_id: bytes, message: Message) -> None:
+        """Keep a global replica of the run after round ``step`` (weights and optimizer
+        state of every unit; a group's members hold identical copies, one is kept)."""
+        run, step = self._run, int(message["step"])
+        body: dict[str, Any] = {"run": message["run"], "step": step, "tensors": 0, "bytes": 0}
+        try:
+            if run is None or run.run != message["run"] or run.training_plan is None:
+                raise ConfigError(f"run {message['run']} is not the current training run")
+            keys, tensors = await self._gather_state(run, step, optimizer=True)
+            state: dict[str, torch.Tensor] = {}
+            for key, tensor in zip(keys, tensors, strict=True):
+                if key not in state:
+                    # A copy: the received frame's memory belongs to a zmq message.
+                    state[key] = tensor.clone()
+            self._replica = _Replica(run.run, step, run.training_plan, state)
+            body["tensors"] = len(state)
+            body["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+            body["error"] = ""
+            log.info(
+                "replica_kept", run=run.run, step=step, tensors=len(state), bytes=body["bytes"]
+            )
+        except (ZpipeError, ValueError) as exc:
+            body["error"] = f"{type(exc).__name__}: {exc}"
+            log.error("replica_failed", run=message["run"], step=step, error=body["error"])
+        await self._send(
+            routing_id,
+            Message("replicated", body),
+            peer=CLIENT_NAME,
+            timeout_s=self.config.timeouts.reply_s,
+        )
+
+    def _replica_to_resume(self, resume: dict[str, Any], spec: ModelSpec) -> _Replica:
+        replica = self._replica
+        run, step = resume.get("run"), resume.get("step")
+        if replica is None or replica.run != run or replica.step != step:
+            held = "none" if replica is None else f"run {replica.run} after step {replica.step}"
+            raise ConfigError(f"no replica of run {run} after step {step} to resume (held: {held})")
+        if replica.plan.num_units != load_layer_sequence(spec).num_units:
+            raise ConfigError("the replica is of another model")
+        return replica
+
+    def _replan_training(
+        self, replica: _Replica, policy: str, message: Message, spec: ModelSpec
+    ) -> TrainingPlan:
+        """Lightweight or ResPipe re-planning of the replica's plan without the dead."""
+        alive = {m.name: m for m in self.membership.alive() if m.state is MemberState.ALIVE}
+        dead = {str(d) for d in (message["resume"].get("dead") or [])}
+        failed = dead | {d for d in replica.plan.devices if d not in alive}
+        survivors = [alive[d] for d in replica.plan.devices if d not in failed]
+        if not survivors:
+            raise ConfigError("no stage of the run survives to resume it")
+        plan = self._replan_in_place(
+            replica.plan,
+            failed,
+            policy,
+            spec,
+            survivors,
+            batch_size=replica.plan.microbatch_size,
+            dtype="float32",
+            train=True,
+        )
+        log.info("training_replanned", policy=policy, failed=sorted(failed), plan=plan.to_dict())
+        return plan
 
     def _key_of(self, name: str) -> str | None:
         if name == CLIENT_NAME and self._run is not None:
@@ -1153,3 +1272,13 @@ def _printable(routing_id: bytes) -> str:
         return routing_id.decode("ascii")
     except UnicodeDecodeError:
         return routing_id.hex()
+
+
+def _units_state(state: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """The entries of a replica that belong to units ``[start, end)``."""
+    out = {}
+    for key, tensor in state.items():
+        parsed = split_unit_key(key)
+        if parsed is not None and start <= parsed[0] < end:
+            out[key] = tensor
+    return out

@@ -484,6 +484,7 @@ class StageRuntime:
                 self._shard, reused = None, False
                 loop = asyncio.get_running_loop()
                 train = dict(body["train"])
+                resumed = _resumed_state(message)
                 shard = await loop.run_in_executor(
                     self._compute,
                     lambda: TrainShard.build(
@@ -495,6 +496,7 @@ class StageRuntime:
                         loss=str(train["loss"]),
                         optimizer=dict(train["optimizer"]),
                         slowdown=self.config.slowdown,
+                        state=resumed,
                     ),
                 )
             elif self._shard is not None and reused:
@@ -802,7 +804,8 @@ class StageRuntime:
             if trainer is None or trainer.setup.run != run:
                 raise ConfigError(f"this stage is not training run {run}")
             await trainer.wait_for_step(step, self.config.timeouts.result_s)
-            state = trainer.shard.state_dict()
+            shard = trainer.shard
+            state = shard.training_state() if message.get("optimizer") else shard.state_dict()
             if len(state) > codec.MAX_TENSORS:
                 raise ConfigError(
                     f"this stage holds {len(state)} tensors, more than one message "
@@ -1024,3 +1027,16 @@ class StageRuntime:
             self._authenticator.stop()
         self._compute.shutdown(wait=False, cancel_futures=True)
         self._context.term()
+
+
+def _resumed_state(message: Message) -> dict[str, torch.Tensor] | None:
+    """The replica an assignment carries (weights and optimizer state), if any."""
+    keys = message.get("state_keys")
+    if keys is None:
+        if message.tensors:
+            raise ProtocolError("an assignment carries tensors but no state_keys")
+        return None
+    if len(keys) != len(message.tensors) or not all(isinstance(k, str) for k in keys):
+        raise ProtocolError("an assignment's state_keys do not match its tensors")
+    # Copies: the frames' memory belongs to the zmq message, the shard keeps these.
+    return {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}

@@ -19,6 +19,9 @@ from zpipe.models.weights import unit_key
 from zpipe.training.objectives import check_loss, make_optimizer, microbatch_loss
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
+# Separates a parameter's key from the name of one of its optimizer state tensors.
+OPTIMIZER_KEY = "#opt."
+
 
 class TrainShard:
     def __init__(
@@ -60,14 +63,17 @@ class TrainShard:
         loss: str,
         optimizer: Mapping[str, Any],
         slowdown: float = 1.0,
+        state: Mapping[str, torch.Tensor] | None = None,
     ) -> TrainShard:
+        """Units ``[start, end)`` of ``spec``; ``state`` (from :meth:`training_state`)
+        replaces their initial weights and optimizer state."""
         sequence = load_layer_sequence(spec)
         if not 0 <= start < end <= sequence.num_units:
             raise ConfigError(
                 f"unit range [{start}, {end}) is outside the model's {sequence.num_units} units"
             )
         # build_units loads the spec's weights file, if it names one
-        return cls(
+        shard = cls(
             sequence.build_units(start, end),
             start=start,
             first=first,
@@ -76,6 +82,9 @@ class TrainShard:
             optimizer=optimizer,
             slowdown=slowdown,
         )
+        if state is not None:
+            shard.load_training_state(state)
+        return shard
 
     @property
     def live_activations(self) -> int:
@@ -190,3 +199,64 @@ class TrainShard:
             for offset, unit in enumerate(self.units)
             for name, tensor in unit.state_dict().items()
         }
+
+    def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {
+            unit_key(self.start + offset, name): param
+            for offset, unit in enumerate(self.units)
+            for name, param in unit.named_parameters()
+        }
+
+    def training_state(self) -> dict[str, torch.Tensor]:
+        """Weights and optimizer state: what a replica needs to resume this stage exactly.
+
+        The optimizer's per-parameter state (SGD's momentum buffer, Adam's moments and
+        step) is keyed ``"<parameter key>#opt.<name>"``, so a stage that takes over
+        these units under another partition finds it by the same keys.
+        """
+        state = self.state_dict()
+        if self.optimizer is None:
+            return state
+        for key, param in self._named_parameters().items():
+            for name, value in self.optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    state[f"{key}{OPTIMIZER_KEY}{name}"] = value.detach().clone()
+                elif isinstance(value, (int, float)):
+                    state[f"{key}{OPTIMIZER_KEY}{name}"] = torch.tensor(
+                        float(value), dtype=torch.float64
+                    )
+        return state
+
+    def load_training_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore what :meth:`training_state` gave, for this shard's units.
+
+        Every weight of the shard must be there (a replica that misses one would
+        silently train from the initial weights); optimizer state is optional per
+        parameter (none before its first step). Keys of other units are refused.
+        """
+        weights = {k: v for k, v in state.items() if OPTIMIZER_KEY not in k}
+        own = self.state_dict()
+        missing = sorted(set(own) - set(weights))
+        foreign = sorted(set(weights) - set(own))
+        if missing or foreign:
+            raise ConfigError(
+                f"the replica does not match units [{self.start}, {self.start + len(self.units)})"
+                f": missing {missing[:3]}, foreign {foreign[:3]}"
+            )
+        with torch.no_grad():
+            for offset, unit in enumerate(self.units):
+                prefix = unit_key(self.start + offset, "")
+                unit.load_state_dict(
+                    {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+                )
+        params = self._named_parameters()
+        for key, value in state.items():
+            if OPTIMIZER_KEY not in key:
+                continue
+            owner, _, name = key.partition(OPTIMIZER_KEY)
+            param = params.get(owner)
+            if param is None or self.optimizer is None:
+                raise ConfigError(f"optimizer state {key!r} belongs to no parameter here")
+            entry = self.optimizer.state[param]
+            # Adam keeps its step as a float tensor; a number stays a number.
+            entry[name] = value.clone() if value.dim() > 0 or name == "step" else float(value)

@@ -137,6 +137,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "mode": (_STR, False),
         "train": (_OPT_MAP, False),
         "upstream_endpoint": (_STR, False),
+        # training resumed from a replica: the keys of the tensors that follow, which
+        # are the stage's weights and optimizer state (TrainShard.training_state)
+        "state_keys": (_OPT_LIST, False),
     },
     "ready": {
         "run": (_INT, True),
@@ -178,6 +181,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "recover": (_BOOL, False),
         # how: "lightweight", "heavy" or "respipe" (zpipe.recovery.POLICIES)
         "recovery": (_STR, False),
+        # training: resume run "run" from its replica after mini-batch "step", without
+        # the "dead" stages ({"run", "step", "dead"})
+        "resume": (_OPT_MAP, False),
     },
     "run_ready": {
         "run": (_INT, True),
@@ -213,7 +219,17 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "last_endpoint": (_STR, True),
     },
     # training weights: client -> coordinator -> every stage, gathered back
-    "weights_request": {"run": (_INT, True), "step": (_INT, True)},
+    # ("optimizer": with the optimizer's state, for a replica to resume from)
+    "weights_request": {"run": (_INT, True), "step": (_INT, True), "optimizer": (_BOOL, False)},
+    # a global replica: the coordinator keeps every stage's state after mini-batch "step"
+    "replicate": {"run": (_INT, True), "step": (_INT, True)},
+    "replicated": {
+        "run": (_INT, True),
+        "step": (_INT, True),
+        "tensors": (_INT, True),
+        "bytes": (_INT, True),
+        "error": (_STR, True),
+    },
     "weights": {
         "run": (_INT, True),
         "name": (_STR, True),
@@ -264,7 +280,7 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
 
 # Kinds whose frames carry tensors; every other kind must have none.
 TENSOR_KINDS = frozenset(
-    {"allreduce", "checkpoint", "data", "grad", "labels", "link_burst", "weights"}
+    {"allreduce", "assign", "checkpoint", "data", "grad", "labels", "link_burst", "weights"}
 )
 
 

@@ -1,0 +1,94 @@
+"""Training survives a killed stage: replicas, re-planning over the survivors, replay.
+
+Real stage processes are killed with SIGKILL mid-run; the trained model must equal
+single-process training on the same mini-batches (``exact`` consistency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
+
+from zpipe._errors import ConfigError, StageFailedError
+from zpipe.client import PipelineClient
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.fit import TrainReport
+
+INTERVAL = 0.3
+SUSPECT_AFTER = 3
+PROBE_INTERVALS = 2
+
+
+def _cluster(names: list[str]) -> LocalCluster:
+    return LocalCluster(
+        [DeviceSpec(name) for name in names],
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=SUSPECT_AFTER,
+        probe_intervals=PROBE_INTERVALS,
+    )
+
+
+def _train_killing(
+    cluster: LocalCluster,
+    victims: dict[int, str],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    **fit: object,
+) -> TrainReport:
+    """Train, killing ``victims[step]`` as soon as mini-batch ``step``'s loss is known."""
+    killed: set[str] = set()
+
+    def on_step(step: int, _loss: float) -> None:
+        victim = victims.get(step)
+        if victim is not None and victim not in killed:
+            killed.add(victim)
+            cluster.kill(victim)
+
+    return cluster.fit(
+        SPEC, batches, optimizer=SGD, num_microbatches=3, progress=False, on_step=on_step, **fit
+    )
+
+
+def test_a_killed_stage_is_replaced_and_training_ends_as_if_uninterrupted() -> None:
+    batches = make_batches(8, 9, seed=21)
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    with _cluster(["a", "b", "c", "d"]) as cluster:
+        report = _train_killing(
+            cluster,
+            {
+                4: "b",
+                6: "c",
+            },  # two failures, the second after a replica taken by the first's resumed run
+            batches,
+            partition=[[0, 1], [1, 2], [2, 3], [3, 4]],
+            stage_names=["a", "b", "c", "d"],
+            recover=True,
+            replicate_every=3,
+        )
+        logs = cluster.logs("coordinator")
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)  # momentum included: exact, not close
+    assert [r["dead"] for r in report.recoveries] == ["b", "c"]
+    assert [r["resumed_from"] for r in report.recoveries] == [3, 6]
+    assert report.replicas == [0, 3, 6]
+    assert report.training_plan is not None
+    assert sorted(report.training_plan.devices) == ["a", "d"]
+    assert '"replica_kept"' in logs and '"training_replanned"' in logs
+
+
+def test_without_recover_a_killed_stage_ends_the_run_with_a_clear_error() -> None:
+    batches = make_batches(4, 9, seed=22)
+    with _cluster(["a", "b"]) as cluster, pytest.raises(StageFailedError, match="b"):
+        _train_killing(cluster, {1: "b"}, batches, partition=[[0, 2], [2, 4]])
+
+
+def test_recovery_arguments_are_checked_before_anything_runs() -> None:
+    client = PipelineClient("tcp://127.0.0.1:1")  # never opened: the checks come first
+    for kwargs, problem in [
+        ({"recovery": "pray"}, "unknown recovery 'pray'"),
+        ({"replicate_every": 0}, "replicate_every must be >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=problem):
+            asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, **kwargs))
