@@ -27,21 +27,34 @@ plans, and whether every output arrived once and equals a single-process run. Th
 killed stage is then started again and one untimed run lets it profile and build,
 so every trial begins from the same cluster.
 
-Summary: for each policy the mean of ``recovery_s`` and of ``throughput_after``,
-and the issue's ratios, ``heavy_over_light_recovery_time``,
-``light_over_heavy_throughput_after`` and ``light_over_respipe_throughput_after``
-(inference; the training half of the issue's benchmark needs training recovery,
-which zpipe does not have yet: ``training_measured`` is false).
+Training, on the same cluster (``--skip-training`` leaves it out): the model is
+trained with ``fit(recover=True, replicate_every=R)`` for ``--train-steps``
+mini-batches (SGD with momentum) on the coordinator's HPP plan, and after
+``--train-kill-after`` mini-batches one device of the plan is killed, under each
+policy in turn. Per trial: ``detection_s`` (from the kill to the client's notice),
+``restart_s`` (from the notice until the survivors run again from the replica),
+``recovery_s`` (from the kill to the first mini-batch completed after it: the
+issue's "failure to first completed step"), mini-batches replayed, throughput before
+and after, both plans, and ``weights_exact`` (the trained weights equal
+single-process training on the same mini-batches).
+
+Summary: per section and policy the means; the issue's ratios
+``heavy_over_light_recovery_time``, ``light_over_heavy_throughput_after`` and
+``light_over_respipe_throughput_after`` for training, and the same with an
+``inference_`` prefix for the stream.
 
 Caveats: four stage processes, the coordinator and this client share two cores;
 detection is set by the heartbeat settings (``--heartbeat-s``, suspect after
 ``--suspect-after`` silent intervals, dead after ``--probe-intervals`` more);
 inference needs no weight transfer (every stage builds its units from the model
-spec), so heavy and lightweight re-planning differ here only in planning time and in
-the plan they pick, unlike training, where heavy re-planning moves the weights.
+spec), and training restores every stage from the coordinator's replica under any
+policy (the weights move in both), so heavy and lightweight re-planning differ here
+in planning time (from cached profiles: milliseconds either way) and in the plan
+they pick, not in what Asteroid's heavy path also pays (gathering every stage's
+weights before re-planning).
 
-Run: ``.venv/bin/python bench/recovery.py`` (about 4 minutes on two cores) or
-``--quick`` (fewer batches and victims: about 90 seconds).
+Run: ``.venv/bin/python bench/recovery.py`` (about 8 minutes on two cores) or
+``--quick`` (fewer batches and victims: about 3 minutes).
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ import torch
 from bench._common import emit, summary
 from zpipe.client import RunReport
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.fit import TrainReport
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.recovery import POLICIES
@@ -95,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     p.add_argument("--max-victims", type=int, default=4, help="stages killed per policy")
     p.add_argument("--slowdown-scale", type=float, default=None, help="default: fit the cores")
+    p.add_argument("--train-steps", type=int, default=16, help="mini-batches per training run")
+    p.add_argument("--train-batch-size", type=int, default=8, help="samples per mini-batch")
+    p.add_argument("--train-microbatches", type=int, default=4, help="micro-batches each")
+    p.add_argument("--train-kill-after", type=int, default=7, help="mini-batches before the kill")
+    p.add_argument("--replicate-every", type=int, default=4, help="mini-batches between replicas")
+    p.add_argument("--skip-inference", action="store_true", help="leave the stream section out")
+    p.add_argument("--skip-training", action="store_true", help="leave the training section out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer batches and victims")
     return p
@@ -179,6 +200,91 @@ def _stream(
     return Trial(policy, victim or "", report, outputs, arrivals, killed_at[0])
 
 
+OPTIMIZER = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+@dataclass
+class TrainTrial:
+    policy: str
+    victim: str
+    report: TrainReport
+    steps: list[tuple[int, float]]  # (mini-batch, time.monotonic()) of each completed one
+    killed_at: float
+
+
+def _train(
+    cluster: LocalCluster,
+    spec: ModelSpec,
+    batches: list[Batch],
+    args: argparse.Namespace,
+    *,
+    policy: str = "lightweight",
+    victim: str | None = None,
+) -> TrainTrial:
+    steps: list[tuple[int, float]] = []
+    killed_at = [math.inf]
+
+    def on_step(step: int, _loss: float) -> None:
+        steps.append((step, time.monotonic()))
+        if victim is not None and step == args.train_kill_after and killed_at[0] == math.inf:
+            killed_at[0] = time.monotonic()
+            cluster.kill(victim)
+
+    report = cluster.fit(
+        spec,
+        batches,
+        optimizer=OPTIMIZER,
+        num_microbatches=args.train_microbatches,
+        progress=False,
+        on_step=on_step,
+        recover=True,
+        replicate_every=args.replicate_every,
+        recovery=policy,
+    )
+    return TrainTrial(policy, victim or "", report, steps, killed_at[0])
+
+
+def _train_single_process(spec: ModelSpec, batches: list[Batch]) -> dict[str, torch.Tensor]:
+    model = build_full_model(spec).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for *inputs, labels in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(*inputs)[0], labels).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _train_line(
+    trial: TrainTrial, reference: dict[str, torch.Tensor], batch_size: int
+) -> dict[str, Any]:
+    report = trial.report
+    recovered = report.recoveries[0] if report.recoveries else None
+    before = [t for _, t in trial.steps if t <= trial.killed_at]
+    after = [t for _, t in trial.steps if t > trial.killed_at]
+    exact = set(report.state_dict) == set(reference) and all(
+        torch.allclose(report.state_dict[k].float(), v.float(), rtol=1e-4, atol=1e-5)
+        for k, v in reference.items()
+    )
+    tplan = report.training_plan
+    return {
+        "bench": BENCH,
+        "kind": "training",
+        "policy": trial.policy,
+        "victim": trial.victim,
+        "recovered": recovered is not None,
+        "detection_s": recovered["noticed_at"] - trial.killed_at if recovered else None,
+        "restart_s": recovered.get("restart_s") if recovered else None,
+        "recovery_s": (after[0] - trial.killed_at) if after else None,
+        "resumed_from": recovered["resumed_from"] if recovered else None,
+        "replayed": recovered["replayed"] if recovered else None,
+        "replicas": report.replicas,
+        "throughput_before": _throughput(before, batch_size),
+        "throughput_after": _throughput(after, batch_size),
+        "plan_after": tplan.describe() if tplan is not None else None,
+        "weights_exact": exact,
+    }
+
+
 def _mean(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.fmean(known) if known else None
@@ -191,12 +297,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.batches, args.kill_after, args.max_victims, args.layers = 30, 8, 2, 4
+        args.train_steps, args.train_kill_after = 10, 5
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     if not 0 < args.kill_after < args.batches:
         raise SystemExit("--kill-after must lie between 0 and --batches")
+    if not 0 < args.train_kill_after < args.train_steps - 1:
+        raise SystemExit("--train-kill-after must lie between 0 and --train-steps - 1")
     cores = os.cpu_count() or 1
     threads = max(1, cores // len(DEVICES))
     scale = args.slowdown_scale or _scale(threads, cores)
@@ -229,6 +338,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
     lines: list[dict[str, Any]] = []
+    train_lines: list[dict[str, Any]] = []
+    generator = torch.Generator().manual_seed(args.seed)
+    train_batches: list[Batch] = [
+        (
+            *sequence.example_input(args.train_batch_size, seed=args.seed + 1000 + i),
+            torch.randint(0, 10, (args.train_batch_size,), generator=generator),
+        )
+        for i in range(args.train_steps)
+    ]
     with LocalCluster(
         list(devices.values()),
         heartbeat_interval_s=args.heartbeat_s,
@@ -236,52 +354,92 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         probe_intervals=args.probe_intervals,
         log_level="warning",
     ) as cluster:
-        warm = _stream(cluster, spec, batches[:6], args)  # profiles, links, shard builds
-        victims = [s.device for s in warm.report.plan.stages][: args.max_victims]
-        print(f"  plan {warm.report.plan.to_dict()['stages']}", file=sys.stderr, flush=True)
+
+        def revive(victim: str) -> None:
+            cluster.start_stage(devices[victim])
+            cluster.wait_for_stages(len(devices), timeout_s=120.0)
+
+        if not args.skip_inference:
+            warm = _stream(cluster, spec, batches[:6], args)  # profiles, links, shard builds
+            victims = [s.device for s in warm.report.plan.stages][: args.max_victims]
+            print(f"  plan {warm.report.plan.to_dict()['stages']}", file=sys.stderr, flush=True)
+            for policy in policies:
+                for victim in victims:
+                    trial = _stream(cluster, spec, batches, args, policy=policy, victim=victim)
+                    line = _trial_line(trial, reference, args.batch_size)
+                    emit(line)
+                    lines.append(line)
+                    print(
+                        f"  stream, {policy}, kill {victim}: recovery {line['recovery_s']}, "
+                        f"after {line['throughput_after']} samples/s, plan {line['plan_after']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    revive(victim)
+                    _stream(cluster, spec, batches[:4], args)  # the newcomer profiles, builds
+        if not args.skip_training:
+            want = _train_single_process(spec, train_batches)
+            warm_train = _train(cluster, spec, train_batches[:2], args)  # training profiles
+            tplan = warm_train.report.training_plan
+            assert tplan is not None
+            print(f"  training plan {tplan.describe()}", file=sys.stderr, flush=True)
+            train_victims = list(tplan.devices)[: args.max_victims]
+            for policy in policies:
+                for victim in train_victims:
+                    ttrial = _train(
+                        cluster, spec, train_batches, args, policy=policy, victim=victim
+                    )
+                    line = _train_line(ttrial, want, args.train_batch_size)
+                    emit(line)
+                    train_lines.append(line)
+                    print(
+                        f"  training, {policy}, kill {victim}: recovery {line['recovery_s']}, "
+                        f"after {line['throughput_after']} samples/s, exact "
+                        f"{line['weights_exact']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    revive(victim)
+                    _train(cluster, spec, train_batches[:2], args)  # the newcomer profiles
+    result: dict[str, Any] = {}
+    for prefix, rows_all in (("inference_", lines), ("", train_lines)):
+        if not rows_all:
+            continue
+        by_policy: dict[str, dict[str, float | None]] = {}
         for policy in policies:
-            for victim in victims:
-                trial = _stream(cluster, spec, batches, args, policy=policy, victim=victim)
-                line = _trial_line(trial, reference, args.batch_size)
-                emit(line)
-                lines.append(line)
-                print(
-                    f"  {policy} kill {victim}: recovery {line['recovery_s']}, after "
-                    f"{line['throughput_after']} samples/s, plan {line['plan_after']}",
-                    file=sys.stderr,
-                    flush=True,
+            rows = [line for line in rows_all if line["policy"] == policy]
+            by_policy[policy] = {
+                key: _mean([r.get(key) for r in rows])
+                for key in (
+                    "recovery_s",
+                    "detection_s",
+                    "replan_s",
+                    "restart_s",
+                    "throughput_after",
+                    "throughput_before",
                 )
-                cluster.start_stage(devices[victim])
-                cluster.wait_for_stages(len(devices), timeout_s=120.0)
-                _stream(cluster, spec, batches[:4], args)  # the newcomer profiles and builds
-    by_policy: dict[str, dict[str, float | None]] = {}
-    for policy in policies:
-        rows = [line for line in lines if line["policy"] == policy]
-        by_policy[policy] = {
-            "recovery_s": _mean([r["recovery_s"] for r in rows]),
-            "detection_s": _mean([r["detection_s"] for r in rows]),
-            "replan_s": _mean([r["replan_s"] for r in rows]),
-            "throughput_after": _mean([r["throughput_after"] for r in rows]),
-            "throughput_before": _mean([r["throughput_before"] for r in rows]),
-        }
-    light, heavy = by_policy.get("lightweight", {}), by_policy.get("heavy", {})
-    respipe = by_policy.get("respipe", {})
-    return {
-        "heavy_over_light_recovery_time": _ratio(heavy.get("recovery_s"), light.get("recovery_s")),
-        "light_over_heavy_throughput_after": _ratio(
-            light.get("throughput_after"), heavy.get("throughput_after")
-        ),
-        "light_over_respipe_throughput_after": _ratio(
-            light.get("throughput_after"), respipe.get("throughput_after")
-        ),
-        "heavy_over_light_replan_time": _ratio(heavy.get("replan_s"), light.get("replan_s")),
-        "by_policy": by_policy,
-        "victims": victims,
-        "all_recovered": all(line["recovered"] for line in lines),
-        "all_outputs_exact": all(line["outputs_exact"] for line in lines),
-        "training_measured": False,
-        "slowdown_scale": scale,
-    }
+            }
+        light, heavy = by_policy.get("lightweight", {}), by_policy.get("heavy", {})
+        respipe = by_policy.get("respipe", {})
+        result.update(
+            {
+                f"{prefix}heavy_over_light_recovery_time": _ratio(
+                    heavy.get("recovery_s"), light.get("recovery_s")
+                ),
+                f"{prefix}light_over_heavy_throughput_after": _ratio(
+                    light.get("throughput_after"), heavy.get("throughput_after")
+                ),
+                f"{prefix}light_over_respipe_throughput_after": _ratio(
+                    light.get("throughput_after"), respipe.get("throughput_after")
+                ),
+                f"{prefix}by_policy": by_policy,
+            }
+        )
+    result["all_recovered"] = all(line["recovered"] for line in lines + train_lines)
+    result["all_outputs_exact"] = all(line["outputs_exact"] for line in lines)
+    result["all_weights_exact"] = all(line["weights_exact"] for line in train_lines)
+    result["slowdown_scale"] = scale
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(level="warning")
     result = run(args)
     summary(BENCH, **result)
-    return 0 if result["all_recovered"] and result["all_outputs_exact"] else 1
+    ok = result["all_recovered"] and result["all_outputs_exact"] and result["all_weights_exact"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

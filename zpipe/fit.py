@@ -83,7 +83,7 @@ class TrainReport:
     num_microbatches: int
     training_plan: TrainingPlan | None = None
     losses: list[float] = field(default_factory=list)  # the mean loss of each mini-batch
-    samples: int = 0
+    samples: int = 0  # samples trained (after a recovery, replays count again)
     elapsed_s: float = 0.0
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)
@@ -218,6 +218,7 @@ async def fit(
     source = _BatchSource(batches)
     done: list[float] = []  # the losses of the mini-batches before this attempt's first
     recoveries: list[dict[str, Any]] = []
+    earlier_samples, first_started = 0, None  # of the attempts that failed
     while True:
         reply = await client._control.request(
             Message("run_request", request),
@@ -259,6 +260,8 @@ async def fit(
                 raise
             # What the replica holds stays; what came after it is trained again.
             done = (done + run.report.losses)[: source.replica_step]
+            earlier_samples += run.report.samples
+            first_started = first_started or run.started
             recoveries.append(
                 {
                     "dead": failure.stage,
@@ -291,6 +294,10 @@ async def fit(
     )
     run.report.stages = dict(report["stages"])
     run.report.losses = done + run.report.losses
+    if first_started is not None:
+        # the whole fit, failed attempts included: samples count replays again
+        run.report.samples += earlier_samples
+        run.report.elapsed_s += run.started - first_started
     run.report.recoveries = recoveries
     run.report.replicas = list(source.replicas)
     return run.report
