@@ -92,3 +92,33 @@ def test_recovery_arguments_are_checked_before_anything_runs() -> None:
     ]:
         with pytest.raises(ConfigError, match=problem):
             asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, **kwargs))
+
+
+@pytest.mark.parametrize("recovery", ["heavy", "respipe"])
+def test_heavy_and_respipe_recovery_also_end_as_if_uninterrupted(recovery: str) -> None:
+    batches = make_batches(6, 9, seed=23)
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    with _cluster(["a", "b", "c"]) as cluster:
+        report = _train_killing(
+            cluster,
+            {2: "b"},
+            batches,
+            partition=[[0, 1], [1, 3], [3, 4]],
+            stage_names=["a", "b", "c"],
+            recover=True,
+            replicate_every=2,
+            recovery=recovery,
+        )
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert [(r["dead"], r["resumed_from"], r["policy"]) for r in report.recoveries] == [
+        ("b", 2, recovery)
+    ]
+    assert report.training_plan is not None
+    if recovery == "respipe":
+        # the stage after b took all of b's units; a kept its own
+        assert [(s.devices, s.start, s.end) for s in report.training_plan.stages] == [
+            (("a",), 0, 1), (("c",), 1, 4)
+        ]  # fmt: skip
+    else:
+        assert sorted(report.training_plan.devices) == ["a", "c"]

@@ -298,6 +298,10 @@ class Coordinator:
             "silent_s": silent_s,
             "at": time.time(),
         }
+        for (peer, _), waiter in self._reply_waiters.items():
+            if peer == name and not waiter.done():
+                # a request to the dead stage (weights for a replica, say) fails now
+                waiter.set_exception(ConfigError(f"stage {name!r} died: {reason}"))
         run = self._run
         if run is not None and name in run.devices:
             event["run"] = run.run

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from zpipe._errors import ConfigError
+from zpipe.cli_common import positive_float, positive_int
 from zpipe.lossy.data import load_dataset
 from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
 from zpipe.lossy.partition import ALLOCATION_KINDS
@@ -40,26 +41,6 @@ from zpipe.lossy.simulate import RunConfig, run_training
 
 SWEEPS = ("exponent", "devices", "region")
 DEFAULT_STEPS = 400
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -97,28 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=["hybrid"],
         help="allocations to run (several allowed; default: hybrid)",
     )
-    p.add_argument("--devices", type=_positive_int, default=6, help="edge devices (default 6)")
+    p.add_argument("--devices", type=positive_int, default=6, help="edge devices (default 6)")
     p.add_argument(
-        "--region", type=_positive_float, default=50.0, help="side of the square region, m"
+        "--region", type=positive_float, default=50.0, help="side of the square region, m"
     )
-    p.add_argument("--seeds", type=_positive_int, default=5, help="seeds 0..N-1 (default 5)")
+    p.add_argument("--seeds", type=positive_int, default=5, help="seeds 0..N-1 (default 5)")
     p.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
     p.add_argument("--out", type=Path, required=True, help="directory for results and plots")
     length = p.add_mutually_exclusive_group()
     length.add_argument(
-        "--steps", type=_positive_int, help=f"mini-batches per run (default {DEFAULT_STEPS})"
+        "--steps", type=positive_int, help=f"mini-batches per run (default {DEFAULT_STEPS})"
     )
     length.add_argument(
         "--budget-s",
-        type=_positive_float,
+        type=positive_float,
         help="simulated training time per run, s (each allocation fits what it can)",
     )
     p.add_argument("--lossless", action="store_true", help="deliver every message")
     p.add_argument("--recovery", choices=RECOVERY_SCHEMES, default="none")
-    p.add_argument("--rtx-copies", type=_positive_int, default=2)
-    p.add_argument("--ack-attempts", type=_positive_int, default=4, help="ACK deadline in sends")
+    p.add_argument("--rtx-copies", type=positive_int, default=2)
+    p.add_argument("--ack-attempts", type=positive_int, default=4, help="ACK deadline in sends")
     p.add_argument("--mapping", choices=("genetic", "exhaustive", "random"), default="genetic")
-    p.add_argument("--path-loss-exponent", type=_positive_float, default=3.1)
+    p.add_argument("--path-loss-exponent", type=positive_float, default=3.1)
     p.add_argument(
         "--sweep", choices=SWEEPS, help="sweep path-loss exponent, device count or region"
     )
@@ -128,13 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--idx-dir", type=Path, help="directory of MNIST-format IDX files (e.g. Fashion-MNIST)"
     )
     p.add_argument(
-        "--limit-train", type=_positive_int, help="use only the first N training examples"
+        "--limit-train", type=positive_int, help="use only the first N training examples"
     )
-    p.add_argument("--hidden", type=_list_of(_positive_int), default=[128, 128, 128, 128])
-    p.add_argument("--lr", type=_positive_float, default=0.01)
-    p.add_argument("--batch-size", type=_positive_int, default=100)
-    p.add_argument("--eval-points", type=_positive_int, default=20)
-    p.add_argument("--test-repeats", type=_positive_int, default=5)
+    p.add_argument("--hidden", type=_list_of(positive_int), default=[128, 128, 128, 128])
+    p.add_argument("--lr", type=positive_float, default=0.01)
+    p.add_argument("--batch-size", type=positive_int, default=100)
+    p.add_argument("--eval-points", type=positive_int, default=20)
+    p.add_argument("--test-repeats", type=positive_int, default=5)
     p.add_argument("--no-plots", action="store_true", help="write only results.json")
     return p
 

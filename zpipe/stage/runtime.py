@@ -370,8 +370,11 @@ class StageRuntime:
             if self._link_probe_task is None or self._link_probe_task.done():
                 self._link_probe_task = asyncio.create_task(self._measure_link(message))
         elif kind == "weights_request":
-            if self._weights_task is None or self._weights_task.done():
-                self._weights_task = asyncio.create_task(self._send_weights(message))
+            if self._weights_task is not None and not self._weights_task.done():
+                # The newest request wins: an older one waits for a round of a run that
+                # a failure ended, and would otherwise block every later request.
+                self._weights_task.cancel()
+            self._weights_task = asyncio.create_task(self._send_weights(message))
         elif kind == "metrics_request":
             await self._send_control(
                 "metrics",
