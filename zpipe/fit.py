@@ -246,7 +246,17 @@ async def fit(
             if started.kind == "run_failed":
                 raise PipelineError(f"the coordinator could not start the run: {started['error']}")
             await run.train(source, progress, on_step)
-            await run.gather_weights()
+            try:
+                await run.gather_weights()
+            except PipelineError:
+                # A stage that dies after the last mini-batch fails the gather; with
+                # recover, the run resumes from its replica as for any other death.
+                failure = None
+                if every is not None:
+                    failure = await run.stage_failure_within(client.timeouts.reply_s)
+                if failure is None:
+                    raise
+                raise failure from None
             # The last round ends when every stage has stepped, which the gather waited for.
             run.report.elapsed_s = time.perf_counter() - run.started
         except StageFailedError as failure:
@@ -433,6 +443,8 @@ class _TrainRun:
         self.all_sent = asyncio.Event()
         self.finished = asyncio.Event()
         self.step_finished = asyncio.Event()
+        self.stage_failure: StageFailedError | None = None
+        self.failure_seen = asyncio.Event()
         # the first mini-batch's number across recoveries, and the replica period
         self.offset = 0
         self.replicate_every: int | None = None
@@ -619,7 +631,15 @@ class _TrainRun:
         while True:
             notice = await control.failures.get()
             if notice["run"] == self.run:
-                raise StageFailedError(str(notice["stage"]), str(notice["reason"]))
+                self.stage_failure = StageFailedError(str(notice["stage"]), str(notice["reason"]))
+                self.failure_seen.set()
+                raise self.stage_failure
+
+    async def stage_failure_within(self, timeout_s: float) -> StageFailedError | None:
+        """The death of one of the run's stages, if the coordinator reports one in time."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.failure_seen.wait(), timeout_s)
+        return self.stage_failure
 
     async def gather_weights(self) -> None:
         control = self.client._control

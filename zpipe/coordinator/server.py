@@ -1053,10 +1053,12 @@ class Coordinator:
         waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._reply_waiters[(member.name, reply_kind)] = waiter
         try:
+            # a send that fails says so itself (TransportTimeout is a TimeoutError too)
             await self._send(member.routing_id, message, peer=member.name)
-            return await asyncio.wait_for(waiter, timeout_s)
-        except asyncio.TimeoutError:
-            raise TransportTimeout(member.name, reply_kind, timeout_s) from None
+            try:
+                return await asyncio.wait_for(waiter, timeout_s)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(member.name, reply_kind, timeout_s) from None
         finally:
             self._reply_waiters.pop((member.name, reply_kind), None)
 
