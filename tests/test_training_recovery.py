@@ -59,7 +59,8 @@ def test_a_killed_stage_is_replaced_and_training_ends_as_if_uninterrupted() -> N
             cluster,
             # b dies just as the replica before mini-batch 6 is requested (the survivors
             # are asked for weights of a round that never completes); c dies after the
-            # replica that the resumed run took there
+            # last mini-batch, as the weights are gathered, and the resumed run replays
+            # from the replica it took before mini-batch 6
             {5: "b", 7: "c"},
             batches,
             partition=[[0, 1], [1, 2], [2, 3], [3, 4]],
