@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from types import FrameType
 from typing import Any
 
 
@@ -18,3 +20,16 @@ def summary(bench: str, **ratios: Any) -> dict[str, Any]:
     obj: dict[str, Any] = {"bench": bench, "summary": True, **ratios}
     emit(obj)
     return obj
+
+
+def loadavg() -> list[float] | None:
+    """This machine's 1, 5 and 15 minute load averages, or None where unknown."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def on_alarm(signum: int, frame: FrameType | None) -> None:
+    """SIGALRM handler for a benchmark's ``--timeout``."""
+    raise TimeoutError("the benchmark ran past --timeout")

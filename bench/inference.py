@@ -87,7 +87,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
@@ -95,7 +94,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 
 import torch
 
-from bench._common import emit, summary
+from bench._common import emit, loadavg, on_alarm, summary
 from bench._torch_rpc_baseline import RpcRunResult, StageSetup, TorchRpcPipeline
 from zpipe.cli_common import positive_float, positive_int
 from zpipe.client import RunReport
@@ -341,18 +340,6 @@ async def _metered(batches: list[Outputs], meter: CpuMeter) -> AsyncIterator[Out
     meter.start()
     for batch in batches:
         yield batch
-
-
-def _loadavg() -> list[float] | None:
-    """This machine's 1, 5 and 15 minute load averages, or None where unknown."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _on_alarm(signum: int, frame: FrameType | None) -> None:
-    raise TimeoutError("the benchmark ran past --timeout")
 
 
 # ----------------------------------------------------------------------- rpc section
@@ -673,7 +660,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the sections asked for; emit and return the one summary object."""
     spec = ModelSpec.preset(args.model, seed=args.seed, num_layers=args.layers)
     warmup, batches = _make_batches(args, spec)
-    keys: dict[str, Any] = {"loadavg_start": _loadavg()}
+    keys: dict[str, Any] = {"loadavg_start": loadavg()}
     ok = True
     sections: list[tuple[str, Callable[..., tuple[dict[str, Any], bool]]]] = []
     if not args.skip_rpc:
@@ -684,7 +671,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section_keys, section_ok = section(args, spec, warmup, batches)
         keys.update(section_keys)
         ok = ok and section_ok
-    keys["loadavg_end"] = _loadavg()  # other work on this machine skews every number
+    keys["loadavg_end"] = loadavg()  # other work on this machine skews every number
     return summary(BENCH, sections=[name for name, _ in sections], ok=ok, **keys)
 
 
@@ -695,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--skip-rpc and --skip-hetero leave nothing to run")
     _apply_quick(args)
     configure_logging(level="warning")  # zpipe's logs to stderr: stdout is for JSON lines
-    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(max(1, int(args.timeout)))
     started = time.perf_counter()
     try:

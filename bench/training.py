@@ -133,7 +133,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
@@ -141,7 +140,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 
 import torch
 
-from bench._common import emit, summary
+from bench._common import emit, loadavg, on_alarm, summary
 from bench._torch_pipelining_baseline import TorchPipeline, TorchRun, make_batches
 from zpipe.cli_common import positive_float, positive_int
 from zpipe.cluster import DeviceSpec, LocalCluster
@@ -497,18 +496,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _round(x: float | None, digits: int = 4) -> float | None:
     return round(x, digits) if x is not None else None
-
-
-def _loadavg() -> list[float] | None:
-    """This machine's 1, 5 and 15 minute load averages, or None where unknown."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _on_alarm(signum: int, frame: FrameType | None) -> None:
-    raise TimeoutError("the benchmark ran past --timeout")
 
 
 def _log(text: str) -> None:
@@ -1355,7 +1342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hpp_over_best_baseline_bert": None,
         "predicted_over_measured_round": None,
         "note": SKIPPED_HPP_NOTE,
-        "loadavg_start": _loadavg(),
+        "loadavg_start": loadavg(),
     }
     sections: list[tuple[str, Callable[[argparse.Namespace], tuple[dict[str, Any], bool]]]] = []
     if not args.skip_torch:
@@ -1369,7 +1356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section_keys, section_ok = section(args)
         keys.update(section_keys)
         ok = ok and section_ok
-    keys["loadavg_end"] = _loadavg()  # other work on this machine skews every number
+    keys["loadavg_end"] = loadavg()  # other work on this machine skews every number
     return summary(BENCH, sections=[name for name, _ in sections], ok=ok, **keys)
 
 
@@ -1389,7 +1376,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hpp_batch_size < args.hpp_microbatches:
         parser.error("--hpp-batch-size must be at least --hpp-microbatches")
     configure_logging(level="warning")  # zpipe's logs to stderr: stdout is for JSON lines
-    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(max(1, int(args.timeout)))
     started = time.perf_counter()
     try:
