@@ -16,6 +16,7 @@ from zpipe._errors import ConfigError, StageFailedError
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.fit import TrainReport
+from zpipe.models import ModelSpec
 
 INTERVAL = 0.3
 SUSPECT_AFTER = 3
@@ -123,3 +124,39 @@ def test_heavy_and_respipe_recovery_also_end_as_if_uninterrupted(recovery: str) 
         ]  # fmt: skip
     else:
         assert sorted(report.training_plan.devices) == ["a", "c"]
+
+
+def test_a_slow_stage_is_rebalanced_not_declared_dead() -> None:
+    spec = ModelSpec("mlp", {"dims": [12, *[64] * 6, 4]}, seed=5)  # 7 units
+    batches = make_batches(8, 9, seed=24)
+    want, want_losses = train_single_process(spec, batches, SGD)
+    devices = [DeviceSpec("a"), DeviceSpec("b", slowdown=4.0), DeviceSpec("c")]
+    with LocalCluster(devices, heartbeat_interval_s=INTERVAL) as cluster:
+        report = cluster.fit(
+            spec,
+            batches,
+            optimizer=SGD,
+            num_microbatches=3,
+            partition=[[0, 2], [2, 5], [5, 7]],  # the slow device holds the most units
+            stage_names=["a", "b", "c"],
+            recover=True,
+            replicate_every=2,
+            rebalance=0.2,
+            progress=False,
+        )
+        logs = cluster.logs("coordinator")
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert report.recoveries == []  # slow, not dead
+    assert [r["at"] for r in report.rebalances][:1] == [2]
+    assert report.training_plan is not None
+    ranges = {s.devices[0]: s.end - s.start for s in report.training_plan.stages}
+    assert ranges["b"] < 3 and sum(ranges.values()) == 7
+    assert '"rebalanced"' in logs
+
+
+def test_rebalance_needs_recover_and_a_share() -> None:
+    client = PipelineClient("tcp://127.0.0.1:1")
+    for kwargs in ({"rebalance": 0.2}, {"recover": True, "rebalance": 1.5}):
+        with pytest.raises(ConfigError, match="rebalance needs recover=True"):
+            asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, **kwargs))

@@ -91,6 +91,8 @@ class TrainReport:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     # mini-batches after which the coordinator kept a global replica
     replicas: list[int] = field(default_factory=list)
+    # plans the run moved to at a replica because the stages' speeds changed
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -152,6 +154,7 @@ async def fit(
     recover: bool = False,
     replicate_every: int | None = None,
     recovery: str = "lightweight",
+    rebalance: float | None = None,
 ) -> TrainReport:
     """Train ``model`` on ``batches``; returns the losses and the trained weights.
 
@@ -173,6 +176,10 @@ async def fit(
     the survivors are planned: "lightweight" (the same stages, boundaries moved to
     their speeds), "heavy" (the planner again over the survivors) or "respipe" (the
     next stage takes the dead one's units).
+    ``rebalance`` (with ``recover``): at each replica, when the stages' measured speeds
+    say that moving unit boundaries between neighbours would shorten the slowest
+    stage by at least this share (0.2: 20 %), the run goes on from the replica on
+    that plan (Eco-FL's workload migration, for a device that turned slow).
     """
     if recovery not in RECOVERY_POLICIES:
         raise ConfigError(
@@ -180,6 +187,8 @@ async def fit(
         )
     if replicate_every is not None and (isinstance(replicate_every, bool) or replicate_every < 1):
         raise ConfigError(f"replicate_every must be >= 1, got {replicate_every}")
+    if rebalance is not None and not (recover and 0 < rebalance < 1):
+        raise ConfigError(f"rebalance needs recover=True and a share in (0, 1), got {rebalance}")
     if client._control is None or client._sink is None or client._context is None:
         raise PipelineError("open() the client first")
     check_loss(loss)
@@ -195,7 +204,7 @@ async def fit(
             microbatch_size = -(-int(first[0].shape[0]) // num_microbatches)
     if planner is None:
         planner = "hpp" if microbatch_size is not None else "pipeedge"
-    request = {
+    request: dict[str, Any] = {
         "model": model.to_dict(),
         "partition": [list(r) for r in partition] if partition is not None else None,
         "stages": stages,
@@ -206,6 +215,7 @@ async def fit(
         "sink_endpoint": client.sink_endpoint,
         "wait_for_stages_s": float(wait_for_stages_s),
         "mode": "train",
+        "rebalance": rebalance,
         "train": {
             "schedule": schedule,
             "num_microbatches": num_microbatches,
@@ -219,6 +229,7 @@ async def fit(
     done: list[float] = []  # the losses of the mini-batches before this attempt's first
     recoveries: list[dict[str, Any]] = []
     earlier_samples, first_started = 0, None  # of the attempts that failed
+    rebalances: list[dict[str, Any]] = []
     while True:
         reply = await client._control.request(
             Message("run_request", request),
@@ -245,7 +256,24 @@ async def fit(
             )
             if started.kind == "run_failed":
                 raise PipelineError(f"the coordinator could not start the run: {started['error']}")
-            await run.train(source, progress, on_step)
+            try:
+                await run.train(source, progress, on_step)
+            except _Rebalance as move:
+                done = (done + run.report.losses)[: source.replica_step]
+                earlier_samples += run.report.samples
+                first_started = first_started or run.started
+                rebalances.append({"at": source.replica_step, "plan": move.plan.to_dict()})
+                assert source.resume is not None
+                request = {
+                    **request,
+                    "partition": None,
+                    "stages": None,
+                    "stage_names": list(move.plan.devices),
+                    "resume": {"run": source.resume[0], "step": source.resume[1], "dead": []},
+                    "train": {**request["train"], "plan": move.plan.to_dict()},
+                }
+                plan = move.plan
+                continue
             try:
                 await run.gather_weights()
             except PipelineError:
@@ -309,6 +337,7 @@ async def fit(
         run.report.samples += earlier_samples
         run.report.elapsed_s += run.started - first_started
     run.report.recoveries = recoveries
+    run.report.rebalances = rebalances
     run.report.replicas = list(source.replicas)
     return run.report
 
@@ -338,6 +367,14 @@ def _resume_request(
         # The user's own partition named the dead: plan the survivors ("heavy") instead.
         resumed["planner"] = "hpp" if request["microbatch_size"] is not None else "even"
     return resumed
+
+
+class _Rebalance(Exception):
+    """The coordinator proposes a better-balanced plan at the replica just kept."""
+
+    def __init__(self, plan: TrainingPlan) -> None:
+        super().__init__("rebalance")
+        self.plan = plan
 
 
 _END = object()
@@ -539,6 +576,8 @@ class _TrainRun:
             log.warning("replica_not_kept", run=self.run, error=reply["error"])
             return
         source.replicated(self.offset + self.done_steps, self.run, self.done_steps)
+        if reply.get("rebalance") is not None:
+            raise _Rebalance(TrainingPlan.from_dict(reply["rebalance"]))
         log.info("replica_kept", run=self.run, step=self.offset + self.done_steps,
                  nbytes=reply["bytes"])  # fmt: skip
 

@@ -51,9 +51,12 @@ from zpipe.recovery import (
     POLICIES as RECOVERY_POLICIES,
 )
 from zpipe.recovery import (
+    estimate_capacities,
     lightweight_replan,
     respipe_replan,
+    speeds_from_capacities,
     speeds_from_cluster,
+    stage_work,
     unit_work_from_profile,
 )
 from zpipe.training.objectives import check_train_settings
@@ -108,8 +111,10 @@ class _Run:
     request: Message | None = None
     recover: bool = False
     streaming: bool = False
-    # training: the plan of device groups the stages run
+    # training: the plan of device groups the stages run, and the share by which a
+    # re-balanced plan must shorten the measured bottleneck to be worth a restart
     training_plan: TrainingPlan | None = None
+    rebalance: float | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -509,11 +514,14 @@ class Coordinator:
             raise ConfigError(
                 f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
             )
+        rebalance = message.get("rebalance")
+        if rebalance is not None and not 0 < rebalance < 1:
+            raise ConfigError(f"rebalance must lie in (0, 1), got {rebalance}")
         settings = dict(message.get("train") or {})
         replica = None
         if mode == "train" and message.get("resume") is not None:
             replica = self._replica_to_resume(dict(message["resume"]), spec)
-            if recovery != "heavy":
+            if recovery != "heavy" and settings.get("plan") is None:
                 given = self._replan_training(replica, recovery, message, spec)
                 return await self._start_training_run(
                     routing_id, client_key, message, spec, given, replica=replica
@@ -903,6 +911,8 @@ class Coordinator:
             )
         )
         run.training_plan = tplan_out
+        run.request = message
+        run.rebalance = message.get("rebalance")
         first, last = groups[0][0], groups[-1][0]
         return Message(
             "run_ready",
@@ -1063,7 +1073,7 @@ class Coordinator:
             self._reply_waiters.pop((member.name, reply_kind), None)
 
     async def _gather_state(
-        self, run: _Run, step: int, *, optimizer: bool
+        self, run: _Run, step: int, *, optimizer: bool, metrics: dict[str, Any] | None = None
     ) -> tuple[list[str], list[torch.Tensor]]:
         """Every device's weights (and optimizer state) once it finished round ``step``."""
         members = {m.name: m for m in self.membership.alive()}
@@ -1089,6 +1099,8 @@ class Coordinator:
                 raise ProtocolError(f"stage {reply['name']!r} sent mismatched weights")
             keys += [str(k) for k in reply["keys"]]
             tensors += list(reply.tensors)
+            if metrics is not None and isinstance(reply.get("metrics"), dict):
+                metrics[str(reply["name"])] = reply["metrics"]
         return keys, tensors
 
     async def _on_weights_request(self, routing_id: bytes, message: Message) -> None:
@@ -1126,7 +1138,8 @@ class Coordinator:
         try:
             if run is None or run.run != message["run"] or run.training_plan is None:
                 raise ConfigError(f"run {message['run']} is not the current training run")
-            keys, tensors = await self._gather_state(run, step, optimizer=True)
+            counters: dict[str, Any] = {}
+            keys, tensors = await self._gather_state(run, step, optimizer=True, metrics=counters)
             state: dict[str, torch.Tensor] = {}
             for key, tensor in zip(keys, tensors, strict=True):
                 if key not in state:
@@ -1139,6 +1152,10 @@ class Coordinator:
             log.info(
                 "replica_kept", run=run.run, step=step, tensors=len(state), bytes=body["bytes"]
             )
+            if run.rebalance is not None:
+                balanced = self._rebalanced(run, run.training_plan, counters)
+                if balanced is not None:
+                    body["rebalance"] = balanced.to_dict()
         except (ZpipeError, ValueError) as exc:
             body["error"] = f"{type(exc).__name__}: {exc}"
             log.error("replica_failed", run=message["run"], step=step, error=body["error"])
@@ -1148,6 +1165,64 @@ class Coordinator:
             peer=CLIENT_NAME,
             timeout_s=self.config.timeouts.reply_s,
         )
+
+    def _rebalanced(
+        self, run: _Run, plan: TrainingPlan, counters: dict[str, Any]
+    ) -> TrainingPlan | None:
+        """Eco-FL's workload migration: when the stages' measured speeds (FTPipeHD's
+        capacities, from each device's forward and backward time per micro-batch) say
+        that moving unit boundaries between neighbours shortens the bottleneck by at
+        least ``run.rebalance``, the lightweight plan that does; else None."""
+        assert run.rebalance is not None and run.request is not None
+        spec = ModelSpec.from_dict(run.request["model"])
+        members = {m.name: m for m in self.membership.alive()}
+        unit_work: list[float] = [1.0] * plan.num_units
+        first = members.get(plan.devices[0])
+        if first is not None:
+            key = (spec, plan.microbatch_size, "float32", first.name, first.joined_at, True)
+            profile = self._profile_cache.get(key)
+            if profile is not None:
+                unit_work = unit_work_from_profile(profile, plan.microbatch_size, training=True)
+        measured: dict[str, float] = {}
+        ranges: dict[str, tuple[int, int]] = {}
+        fractions: dict[str, float] = {}
+        for stage in plan.stages:
+            for device, share in zip(stage.devices, stage.shares, strict=True):
+                c = counters.get(device) or {}
+                done = int(c.get("microbatches") or 0)
+                if share == 0:
+                    continue
+                if done == 0:
+                    return None  # not measured yet
+                measured[device] = (float(c["forward_s"]) + float(c["backward_s"])) / done
+                ranges[device] = (stage.start, stage.end)
+                fractions[device] = share / sum(stage.shares)
+        try:
+            speeds = speeds_from_capacities(
+                estimate_capacities(measured, ranges, unit_work, work_fraction=fractions)
+            )
+            # a device with share 0 counts as the slowest measured one
+            for device in plan.devices:
+                speeds.setdefault(device, min(speeds.values()))
+            balanced = lightweight_replan(plan, failed=(), unit_work=unit_work, speeds=speeds)
+        except (ZpipeError, ValueError) as exc:
+            log.warning("rebalance_skipped", run=run.run, error=str(exc))
+            return None
+        now = max(stage_work(plan, unit_work, speeds))
+        then = max(stage_work(balanced, unit_work, speeds))
+        old_ranges = [(st.start, st.end) for st in plan.stages]
+        moved = [(st.start, st.end) for st in balanced.stages] != old_ranges
+        log.info(
+            "rebalance_considered",
+            run=run.run,
+            speeds={d: round(v, 4) for d, v in speeds.items()},
+            bottleneck=round(now, 6),
+            balanced=round(then, 6),
+        )
+        if not moved or then > now * (1.0 - run.rebalance):
+            return None
+        log.info("rebalanced", run=run.run, plan=balanced.to_dict())
+        return balanced
 
     def _replica_to_resume(self, resume: dict[str, Any], spec: ModelSpec) -> _Replica:
         replica = self._replica

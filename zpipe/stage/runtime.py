@@ -815,6 +815,7 @@ class StageRuntime:
                     f"carries ({codec.MAX_TENSORS})"
                 )
             reply["keys"] = list(state)
+            reply["metrics"] = self.counters.to_dict()
             tensors = tuple(state.values())
         except ZpipeError as exc:
             reply["error"] = f"{type(exc).__name__}: {exc}"

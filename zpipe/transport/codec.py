@@ -184,6 +184,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         # training: resume run "run" from its replica after mini-batch "step", without
         # the "dead" stages ({"run", "step", "dead"})
         "resume": (_OPT_MAP, False),
+        # training: re-balance at a replica when the bottleneck would shrink by this share
+        "rebalance": (_OPT_NUM, False),
     },
     "run_ready": {
         "run": (_INT, True),
@@ -229,6 +231,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "tensors": (_INT, True),
         "bytes": (_INT, True),
         "error": (_STR, True),
+        # a plan that balances the stages' measured speeds: resume from the replica on it
+        "rebalance": (_OPT_MAP, False),
     },
     "weights": {
         "run": (_INT, True),
@@ -236,6 +240,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "step": (_INT, True),
         "keys": (_LIST, True),
         "error": (_STR, True),
+        # the stage's counters at that round (forward/backward time, micro-batches)
+        "metrics": (_OPT_MAP, False),
     },
     "checkpoint": {"run": (_INT, True), "step": (_INT, True), "keys": (_LIST, True)},
     "cluster_request": {},
