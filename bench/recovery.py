@@ -38,6 +38,12 @@ issue's "failure to first completed step"), mini-batches replayed, throughput be
 and after, both plans, and ``weights_exact`` (the trained weights equal
 single-process training on the same mini-batches).
 
+Slow stages (``--skip-rebalance`` leaves it out): the even partition over the four
+devices, where the 3x slower nano holds as many units as the others, is trained as
+it is and with ``fit(rebalance=0.2)``, which moves units off the slow stage at a
+replica once its measured speed shows; ``rebalanced_over_static_throughput`` is the
+ratio of their steady throughputs over the second half of the run.
+
 Summary: per section and policy the means; the issue's ratios
 ``heavy_over_light_recovery_time``, ``light_over_heavy_throughput_after`` and
 ``light_over_respipe_throughput_after`` for training, and the same with an
@@ -65,6 +71,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +87,7 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.fit import TrainReport
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.planner import even_ranges
 from zpipe.recovery import POLICIES
 
 BENCH = "recovery"
@@ -116,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicate-every", type=int, default=4, help="mini-batches between replicas")
     p.add_argument("--skip-inference", action="store_true", help="leave the stream section out")
     p.add_argument("--skip-training", action="store_true", help="leave the training section out")
+    p.add_argument("--skip-rebalance", action="store_true", help="leave the slow-stage section out")
+    p.add_argument("--rebalance", type=float, default=0.2, help="rebalance share (default: 0.2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer batches and victims")
     return p
@@ -285,6 +295,63 @@ def _train_line(
     }
 
 
+def _recorder(steps: list[tuple[int, float]]) -> Callable[[int, float], None]:
+    def on_step(step: int, _loss: float) -> None:
+        steps.append((step, time.monotonic()))
+
+    return on_step
+
+
+def _rebalance_section(
+    cluster: LocalCluster, spec: ModelSpec, batches: list[Batch], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The even partition (the slow nano as heavy as the rest) trained as it is, and
+    with ``rebalance``: steady throughput over the second half of the run."""
+    names = [name for name, _ in DEVICES]
+    partition = [list(r) for r in even_ranges(load_layer_sequence(spec).num_units, len(names))]
+    out: dict[str, Any] = {}
+    for label, share in (("static", None), ("rebalanced", args.rebalance)):
+        steps: list[tuple[int, float]] = []
+        report = cluster.fit(
+            spec,
+            batches,
+            optimizer=OPTIMIZER,
+            num_microbatches=args.train_microbatches,
+            partition=partition,
+            stage_names=names,
+            recover=True,
+            replicate_every=args.replicate_every,
+            rebalance=share,
+            progress=False,
+            on_step=_recorder(steps),
+        )
+        tail = [t for step, t in steps if step >= len(batches) // 2]
+        tplan = report.training_plan
+        line = {
+            "bench": BENCH,
+            "kind": "rebalance",
+            "system": label,
+            "rebalance": share,
+            "throughput_second_half": _throughput(tail, args.train_batch_size),
+            "rebalanced_at": [r["at"] for r in report.rebalances],
+            "plan_after": tplan.describe() if tplan is not None else None,
+        }
+        emit(line)
+        print(
+            f"  even partition, {label}: {line['throughput_second_half']} samples/s in the "
+            f"second half, moves at {line['rebalanced_at']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        out[label] = line
+    return {
+        "rebalanced_over_static_throughput": _ratio(
+            out["rebalanced"]["throughput_second_half"], out["static"]["throughput_second_half"]
+        ),
+        "rebalanced_at": out["rebalanced"]["rebalanced_at"],
+    }
+
+
 def _mean(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.fmean(known) if known else None
@@ -401,6 +468,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     revive(victim)
                     _train(cluster, spec, train_batches[:2], args)  # the newcomer profiles
+        slow = (
+            None if args.skip_rebalance else _rebalance_section(cluster, spec, train_batches, args)
+        )
     result: dict[str, Any] = {}
     for prefix, rows_all in (("inference_", lines), ("", train_lines)):
         if not rows_all:
@@ -438,6 +508,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["all_recovered"] = all(line["recovered"] for line in lines + train_lines)
     result["all_outputs_exact"] = all(line["outputs_exact"] for line in lines)
     result["all_weights_exact"] = all(line["weights_exact"] for line in train_lines)
+    if slow is not None:
+        result.update(slow)
     result["slowdown_scale"] = scale
     return result
 
