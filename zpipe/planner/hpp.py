@@ -346,13 +346,17 @@ class _HppSolver:
             # Both only grow with j: past the first stage too long or too large, stop.
             if self.m * self.least_step_s(i, j, g, h) > bound:
                 break
+            rest_entries = rests.get(j)
+            # entries come in order of their first device: none after this group, no plan
+            if not rest_entries or rest_entries[-1][0] < h:
+                continue
             group = self.group(i, j, g, h, warmup)
             if group is None:
                 break
             if self.m * group.step_s > bound:
                 continue
             stage = _Stage(i, j, group)
-            for g2, h2, rest in rests.get(j, ()):
+            for g2, h2, rest in rest_entries:
                 if g2 < h:
                     continue
                 transfer = self.transfer(j, g, h, g2, h2)
