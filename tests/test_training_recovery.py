@@ -160,3 +160,35 @@ def test_rebalance_needs_recover_and_a_share() -> None:
     for kwargs in ({"rebalance": 0.2}, {"recover": True, "rebalance": 1.5}):
         with pytest.raises(ConfigError, match="rebalance needs recover=True"):
             asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, **kwargs))
+
+
+def test_two_stages_killed_at_once_are_both_left_out_of_the_heavy_plan() -> None:
+    batches = make_batches(8, 9, seed=25)
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    with _cluster(["a", "b", "c", "d"]) as cluster:
+        killed: list[str] = []
+
+        def on_step(step: int, _loss: float) -> None:
+            if step == 4 and not killed:
+                killed.extend(["b", "c"])
+                cluster.kill("b")
+                cluster.kill("c")
+
+        report = cluster.fit(
+            SPEC,
+            batches,
+            optimizer=SGD,
+            num_microbatches=3,
+            progress=False,
+            on_step=on_step,
+            partition=[[0, 1], [1, 2], [2, 3], [3, 4]],
+            stage_names=["a", "b", "c", "d"],
+            recover=True,
+            replicate_every=3,
+            recovery="heavy",
+        )
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert report.recoveries[0]["resumed_from"] == 3
+    assert report.training_plan is not None
+    assert set(report.training_plan.devices) <= {"a", "d"}

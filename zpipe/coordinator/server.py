@@ -521,6 +521,14 @@ class Coordinator:
         replica = None
         if mode == "train" and message.get("resume") is not None:
             replica = self._replica_to_resume(dict(message["resume"]), spec)
+            names = message.get("stage_names")
+            if names is not None:
+                # Stages that died with the one the client heard of (not yet declared when
+                # it asked) are left out too, rather than waited for.
+                alive = {m.name for m in self.membership.alive() if m.state is MemberState.ALIVE}
+                dead = set(message["resume"].get("dead") or [])
+                kept = [n for n in names if n in alive and n not in dead]
+                message = Message("run_request", {**message.body, "stage_names": kept})
             if recovery != "heavy" and settings.get("plan") is None:
                 given = self._replan_training(replica, recovery, message, spec)
                 return await self._start_training_run(
