@@ -31,7 +31,10 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         (["zpipe", "keys", "--help"], ["--dir"]),
         (["zpipe", "profile", "--help"], ["--model", "--batch-sizes", "--output"]),
         (["zpipe", "plan", "--help"], ["--profiles", "--cluster", "--algo", "--json"]),
-        (["zpipe", "train", "--help"], ["--local", "--coordinator", "--schedule", "--output"]),
+        (
+            ["zpipe", "train", "--help"],
+            ["--local", "--coordinator", "--schedule", "--output", "--recover", "--rebalance"],
+        ),
         (
             ["zpipe.stage", "--help"],
             [
@@ -90,6 +93,9 @@ def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
         (["zpipe.coordinator", "--bind", "nowhere"], "tcp://HOST:PORT"),
         (["zpipe.coordinator", "--heartbeat-interval", "-1"], "must be > 0"),
         (["zpipe.coordinator", "--log-format", "xml"], "invalid choice"),
+        (["zpipe", "train", "--local", "2", "--rebalance", "0.2"], "need --recover"),
+        (["zpipe", "train", "--local", "2", "--recover", "--rebalance", "2"], "between 0 and 1"),
+        (["zpipe", "train", "--local", "2", "--recover", "--recovery", "pray"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
@@ -115,7 +121,7 @@ def test_train_command_trains_saves_and_matches_single_process(tmp_path: Path) -
     result = run(
         "zpipe", "train", "--local", "2", "--steps", "4", "--batch-size", "8",
         "--microbatches", "2", "--optimizer", "sgd", "--lr", "0.1", "--check",
-        "-o", str(weights), timeout=180,
+        "--recover", "--replicate-every", "2", "-o", str(weights), timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     match = re.search(r"weights differ by at most ([0-9.e+-]+)", result.stdout)

@@ -24,6 +24,7 @@ from zpipe.cluster import LocalCluster
 from zpipe.demo import DEMO_DEVICES
 from zpipe.fit import TrainReport
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
+from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.training.schedules import SCHEDULES
 
 
@@ -82,12 +83,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="also train in this process and compare the weights",
     )
     parser.add_argument(
+        "--recover",
+        action="store_true",
+        help="survive stages that die: resume from the coordinator's replica on the survivors",
+    )
+    parser.add_argument(
+        "--replicate-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --recover: mini-batches between replicas (default: 50)",
+    )
+    parser.add_argument(
+        "--recovery",
+        choices=RECOVERY_POLICIES,
+        default="lightweight",
+        help="with --recover: how the survivors are planned (default: lightweight)",
+    )
+    parser.add_argument(
+        "--rebalance",
+        type=_share,
+        default=None,
+        metavar="SHARE",
+        help="with --recover: move units off a slow stage at a replica when that shortens "
+        "the slowest stage by this share (e.g. 0.2)",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=("debug", "info", "warning", "error"),
         help="level of the local stage and coordinator logs (default: warning)",
     )
     return parser
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must lie between 0 and 1")
+    return value
 
 
 def teacher_batches(
@@ -150,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": args.schedule,
         "progress": None,  # a bar when stderr is a terminal
     }
+    if args.recover:
+        settings.update(
+            recover=True,
+            replicate_every=args.replicate_every,
+            recovery=args.recovery,
+            rebalance=args.rebalance,
+        )
+    elif args.replicate_every is not None or args.rebalance is not None:
+        print("python -m zpipe train: --replicate-every and --rebalance need --recover",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         if args.coordinator is not None:
 
