@@ -5,6 +5,7 @@ from __future__ import annotations
 from zpipe._errors import (
     ConfigError,
     ModelSpecError,
+    PeerGoneError,
     PipelineError,
     ProtocolError,
     RemoteStageError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "ModelSpecError",
+    "PeerGoneError",
     "PipelineError",
     "ProtocolError",
     "RemoteStageError",

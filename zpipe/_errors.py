@@ -6,6 +6,7 @@
     ├── ProtocolError          a message from a peer that fails validation (dropped, logged)
     ├── SecurityError          keys missing or malformed, a peer that is not allowed
     ├── TransportTimeout       a network await ran past its deadline (names peer + what)
+    │   └── PeerGoneError      a peer whose connection is gone: nothing was awaited
     └── PipelineError          a run that cannot go on
         ├── StageFailedError   the coordinator declared a stage dead during a run
         └── RemoteStageError   a stage raised while computing a micro-batch
@@ -45,6 +46,15 @@ class TransportTimeout(ZpipeError, TimeoutError):
         self.peer = peer
         self.awaited = awaited
         self.timeout_s = timeout_s
+
+
+class PeerGoneError(TransportTimeout):
+    """A message could not be sent because the peer's connection is gone (a killed
+    process drops it at once); a TransportTimeout, so callers treat both alike."""
+
+    def __init__(self, peer: str, sending: str) -> None:
+        super().__init__(peer, f"a connection to send {sending}", 0.0)
+        self.args = (f"{peer} is not connected: could not send {sending}",)
 
 
 class PipelineError(ZpipeError):

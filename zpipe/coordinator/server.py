@@ -34,7 +34,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe._errors import (
+    ConfigError,
+    PeerGoneError,
+    ProtocolError,
+    TransportTimeout,
+    ZpipeError,
+)
 from zpipe.config import Timeouts
 from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.membership import Member, Membership, MemberState
@@ -240,7 +246,7 @@ class Coordinator:
                 timeout_s=timeout_s or self.config.timeouts.send_s,
             )
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
-            raise TransportTimeout(peer, f"a connection to send {message.kind}", 0.0) from exc
+            raise PeerGoneError(peer, message.kind) from exc
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
