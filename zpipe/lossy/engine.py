@@ -3,8 +3,9 @@
 :class:`PartitionedMLP` runs the passes of :mod:`zpipe.lossy.schedule` in
 process: each pass runs on every device owning part of its layer, reads what
 reached that device (an *inbox* keyed by mini-batch, pass, layer and
-receiver), null-fills what did not, computes with :mod:`zpipe.lossy.partial`
-and posts its own results through a :class:`LinkChannel`, which asks
+receiver), null-fills what did not, computes with one
+:class:`~zpipe.lossy.shard.DeviceShard` per device (the same class a device
+process runs, :mod:`zpipe.lossy.device`) and posts its own results through a :class:`LinkChannel`, which asks
 :func:`zpipe.lossy.links.deliver` whether each message arrives.
 
 Messages, one per (sender, receiver) pair and pass (a device sends its slice
@@ -26,7 +27,7 @@ the step to the latest weights.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,17 +35,16 @@ import numpy.typing as npt
 
 from zpipe._errors import ConfigError
 from zpipe.lossy.links import Direction, Recovery, Traffic, deliver
-from zpipe.lossy.partial import (
-    FloatArray,
-    assemble,
-    cross_entropy,
-    output_delta,
-    relu_grad,
-    slice_backward,
-    slice_forward,
-    sum_partials,
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import Allocation
+from zpipe.lossy.shard import (
+    DeviceShard,
+    Needed,
+    Outgoing,
+    Partials,
+    Topology,
+    count_received,
 )
-from zpipe.lossy.partition import Allocation, NeuronSlice
 
 IntArray = npt.NDArray[np.int64]
 
@@ -129,6 +129,28 @@ class Propagation:
 
 
 Inbox = dict[tuple[int, str, int, int], dict[int, FloatArray]]
+#: senders whose partial reached a receiver, by (data, kind, key layer, receiver)
+Arrivals = dict[tuple[int, str, int, int], tuple[int, ...]]
+
+PASS_KINDS = {"F": "forward", "S": "share", "B": "backward"}
+
+
+def record_arrival(
+    propagation: Propagation,
+    arrivals: Arrivals | None,
+    data: int,
+    device: int,
+    needed: Needed,
+    got: Partials,
+) -> None:
+    """Count what one receiver needed and got (and, if kept, which senders)."""
+    propagation.record(
+        PASS_KINDS[needed.kind], len(needed.senders), count_received(got, needed.senders)
+    )
+    if arrivals is not None:
+        arrivals[(data, needed.kind, needed.key_layer, device)] = tuple(
+            sorted(src for src, _ in needed.senders if src in got)
+        )
 
 
 class PartitionedMLP:
@@ -142,6 +164,7 @@ class PartitionedMLP:
         *,
         lr: float,
         record_grads: bool = False,
+        record_arrivals: bool = False,
     ) -> None:
         if len(params) != alloc.n_layers - 1:
             raise ConfigError(
@@ -160,35 +183,58 @@ class PartitionedMLP:
         self.channel = channel
         self.lr = lr
         self.n_layers = alloc.n_layers
-        self.owners: list[list[tuple[int, NeuronSlice]]] = [
-            alloc.owners(layer) for layer in range(self.n_layers)
-        ]
-        last = self.n_layers - 1
-        self.receivers: list[list[int]] = [
-            sorted({d for d, _ in self.owners[min(layer + 1, last)]})
-            for layer in range(self.n_layers)
-        ]
-        self.weights: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
-        for layer in range(1, self.n_layers):
-            w, b = params[layer - 1]
-            for device, sl in self.owners[layer]:
-                self.weights[(layer, device)] = (
-                    w[sl.start : sl.stop].copy(),
-                    b[sl.start : sl.stop].copy(),
-                )
+        self.topology = Topology(alloc)
+        self.owners = self.topology.owners
+        self.receivers = self.topology.receivers
+        self.shards: dict[int, DeviceShard] = {
+            device: DeviceShard(
+                self.topology,
+                device,
+                shard_params(self.topology, params, device),
+                lr=lr,
+                record_grads=record_grads,
+            )
+            for device in sorted(set(alloc.device_of))
+        }
         self.inbox: Inbox = defaultdict(dict)
-        self.stash: dict[tuple[int, int, int], tuple[FloatArray, FloatArray, FloatArray]] = {}
         self.propagation = Propagation()
-        # The latest (dW, db) per (layer, device), kept only when asked (tests).
         self.record_grads = record_grads
-        self.grads: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
+        # Which senders reached each receiver, kept only when asked (to compare runs).
+        self.arrivals: Arrivals | None = {} if record_arrivals else None
+
+    @property
+    def weights(self) -> dict[tuple[int, int], tuple[FloatArray, FloatArray]]:
+        """The latest slices by ``(layer, device)``."""
+        return {
+            (layer, device): wb
+            for device, shard in self.shards.items()
+            for layer, wb in shard.weights.items()
+        }
+
+    @property
+    def stash(self) -> dict[tuple[int, int, int], tuple[FloatArray, FloatArray, FloatArray]]:
+        """What forward passes kept for their backward, by ``(data, layer, device)``."""
+        return {
+            (data, layer, device): entry
+            for device, shard in self.shards.items()
+            for (data, layer), entry in shard.stash.items()
+        }
+
+    @property
+    def grads(self) -> dict[tuple[int, int], tuple[FloatArray, FloatArray]]:
+        """The latest ``(dW, db)`` per ``(layer, device)`` (with ``record_grads``)."""
+        return {
+            (layer, device): g
+            for device, shard in self.shards.items()
+            for layer, g in shard.grads.items()
+        }
 
     # -- passes ---------------------------------------------------------------
 
     def forward(self, data: int, layer: int, x: FloatArray) -> None:
         """Forward pass of ``layer`` for mini-batch ``data`` whose inputs are ``x``
         (only the input layer reads them; later layers only need the batch size)."""
-        self._forward(self.inbox, data, layer, x, Direction.FORWARD, Direction.SHARE, train=True)
+        self._forward(self.inbox, data, layer, x, train=True)
 
     def backward(self, data: int, layer: int, labels: IntArray) -> float | None:
         """Backward pass of ``layer`` for mini-batch ``data``; updates the slices.
@@ -196,127 +242,83 @@ class PartitionedMLP:
         Returns the mean training loss over the output owners' views when
         ``layer`` is the output layer.
         """
-        last = self.n_layers - 1
-        batch = len(labels)
+        needed = self.topology.needed("B", layer)
+        assert needed is not None
         losses: list[float] = []
-        for device, sl in self.owners[layer]:
-            x_view, w_used, z = self.stash.pop((data, layer, device))
-            if layer == last:
-                got = self.inbox.get((data, "S", layer, device), {})
-                logits, _ = assemble(
-                    self.alloc.layer_sizes[last],
-                    batch,
-                    [(s.start, s.stop, got.get(src)) for src, s in self.owners[last]],
-                )
-                self.propagation.record(
-                    "share", len(self.owners[last]), _count(got, self.owners[last])
-                )
-                losses.append(cross_entropy(logits, labels))
-                delta = output_delta(logits, labels, sl.start, sl.stop)
-            else:
-                got = self.inbox.get((data, "B", layer, device), {})
-                senders = self.owners[layer + 1]
-                dh = sum_partials((batch, sl.width), [got.get(src) for src, _ in senders])
-                self.propagation.record("backward", len(senders), _count(got, senders))
-                delta = relu_grad(dh, z)
-            dw, db, dx = slice_backward(delta, x_view, w_used)
-            if self.record_grads:
-                self.grads[(layer, device)] = (dw, db)
-            if layer >= 2:  # the input layer needs no gradient
-                for dst, dst_sl in self.owners[layer - 1]:
-                    if self.channel.send(device, dst, layer, data, Direction.BACKWARD):
-                        self.inbox[(data, "B", layer - 1, dst)][device] = dx[
-                            :, dst_sl.start : dst_sl.stop
-                        ]
-            w, b = self.weights[(layer, device)]
-            self.weights[(layer, device)] = (w - self.lr * dw, b - self.lr * db)
+        for device, _ in self.owners[layer]:
+            got = self.inbox.get((data, needed.kind, needed.key_layer, device), {})
+            record_arrival(self.propagation, self.arrivals, data, device, needed, got)
+            outgoing, loss = self.shards[device].backward(data, layer, labels, got)
+            if loss is not None:
+                losses.append(loss)
+            self._post(self.inbox, data, device, outgoing)
         for device in {d for d, _ in self.owners[layer]}:
-            self.inbox.pop((data, "S" if layer == last else "B", layer, device), None)
+            self.inbox.pop((data, needed.kind, needed.key_layer, device), None)
         return float(np.mean(losses)) if losses else None
 
     def predict_views(self, x: FloatArray, step: int) -> list[FloatArray]:
         """A lossy inference pass: each output owner's view of the logits."""
         inbox: Inbox = defaultdict(dict)
         for layer in range(self.n_layers):
-            self._forward(
-                inbox,
-                step,
-                layer,
-                x,
-                Direction.TEST_FORWARD,
-                Direction.TEST_SHARE,
-                train=False,
-            )
+            self._forward(inbox, step, layer, x, train=False)
         last = self.n_layers - 1
-        views = []
-        for device, _ in self.owners[last]:
-            got = inbox.get((step, "S", last, device), {})
-            logits, _ = assemble(
-                self.alloc.layer_sizes[last],
-                len(x),
-                [(s.start, s.stop, got.get(src)) for src, s in self.owners[last]],
-            )
-            views.append(logits)
-        return views
+        return [
+            self.shards[device].logits_view(len(x), inbox.get((step, "S", last, device), {}))
+            for device, _ in self.owners[last]
+        ]
 
     def full_params(self) -> list[tuple[FloatArray, FloatArray]]:
         """The slices stitched back into whole ``(W, b)`` per layer."""
-        out = []
-        for layer in range(1, self.n_layers):
-            parts = [self.weights[(layer, d)] for d, _ in self.owners[layer]]
-            out.append((np.vstack([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
-        return out
+        return stitch_params(self.topology, self.weights)
 
     def clear(self, data: int) -> None:
         """Forget whatever is still held for mini-batch ``data``."""
         for key in [k for k in self.inbox if k[0] == data]:
             del self.inbox[key]
-        for skey in [k for k in self.stash if k[0] == data]:
-            del self.stash[skey]
+        for shard in self.shards.values():
+            shard.forget(data)
 
     # -- internals --------------------------------------------------------------
 
-    def _forward(
-        self,
-        inbox: Inbox,
-        data: int,
-        layer: int,
-        x: FloatArray,
-        direction: Direction,
-        share_direction: Direction,
-        *,
-        train: bool,
-    ) -> None:
-        last = self.n_layers - 1
-        for device, sl in self.owners[layer]:
-            if layer == 0:
-                out = x[:, sl.start : sl.stop]
-            else:
-                got = inbox.get((data, "F", layer - 1, device), {})
-                senders = self.owners[layer - 1]
-                x_view, _ = assemble(
-                    self.alloc.layer_sizes[layer - 1],
-                    len(x),
-                    [(s.start, s.stop, got.get(src)) for src, s in senders],
-                )
+    def _forward(self, inbox: Inbox, data: int, layer: int, x: FloatArray, *, train: bool) -> None:
+        needed = self.topology.needed("F", layer, test=not train)
+        for device, _ in self.owners[layer]:
+            got: Partials = {}
+            if needed is not None:
+                got = inbox.get((data, needed.kind, needed.key_layer, device), {})
                 if train:
-                    self.propagation.record("forward", len(senders), _count(got, senders))
-                w, b = self.weights[(layer, device)]
-                z, out = slice_forward(x_view, w, b, relu=layer < last)
-                if train:
-                    self.stash[(data, layer, device)] = (x_view, w, z)
-            if layer < last:
-                for dst in self.receivers[layer]:
-                    if self.channel.send(device, dst, layer, data, direction):
-                        inbox[(data, "F", layer, dst)][device] = out
-            else:
-                for dst in self.receivers[layer]:
-                    if self.channel.send(device, dst, layer, data, share_direction):
-                        inbox[(data, "S", layer, dst)][device] = out
+                    record_arrival(self.propagation, self.arrivals, data, device, needed, got)
+            outgoing = self.shards[device].forward(data, layer, len(x), got, x=x, train=train)
+            self._post(inbox, data, device, outgoing)
         if layer >= 1:
             for device in self.receivers[layer - 1]:
                 inbox.pop((data, "F", layer - 1, device), None)
 
+    def _post(self, inbox: Inbox, data: int, device: int, outgoing: Sequence[Outgoing]) -> None:
+        for msg in outgoing:
+            if self.channel.send(device, msg.dst, msg.layer, data, msg.direction):
+                inbox[(data, msg.kind, msg.key_layer, msg.dst)][device] = msg.values
 
-def _count(got: dict[int, FloatArray], senders: Sequence[tuple[int, NeuronSlice]]) -> int:
-    return sum(1 for src, _ in senders if src in got)
+
+def shard_params(
+    topology: Topology, params: Sequence[tuple[FloatArray, FloatArray]], device: int
+) -> dict[int, tuple[FloatArray, FloatArray]]:
+    """``device``'s rows of each dense layer it owns part of, by layer."""
+    out = {}
+    for layer in range(1, topology.n_layers):
+        sl = topology.slice_of(layer, device)
+        if sl is not None:
+            w, b = params[layer - 1]
+            out[layer] = (w[sl.start : sl.stop].copy(), b[sl.start : sl.stop].copy())
+    return out
+
+
+def stitch_params(
+    topology: Topology, weights: Mapping[tuple[int, int], tuple[FloatArray, FloatArray]]
+) -> list[tuple[FloatArray, FloatArray]]:
+    """Slices by ``(layer, device)`` stitched back into whole ``(W, b)`` per layer."""
+    out = []
+    for layer in range(1, topology.n_layers):
+        parts = [weights[(layer, d)] for d, _ in topology.owners[layer]]
+        out.append((np.vstack([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
+    return out

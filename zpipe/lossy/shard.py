@@ -1,0 +1,233 @@
+"""One device's part of a partitioned MLP: its slices, its stash and its passes.
+
+A :class:`DeviceShard` computes what one device computes in one pass from
+the partials that reached it, and says what it sends to whom
+(:class:`Outgoing`); it never decides delivery and never touches a socket.
+The in-process engine (:mod:`zpipe.lossy.engine`) runs one shard per device
+and carries the messages in dictionaries; a device process
+(:mod:`zpipe.lossy.device`) runs its own shard and carries them over ZeroMQ.
+Sharing this one class is what makes the two compute the same numbers.
+
+Message keys: a partial is filed at its receiver under ``(data, kind, layer)``
+where ``kind`` is ``"F"`` (forward input of layer ``layer + 1``), ``"S"``
+(output-layer sharing) or ``"B"`` (the gradient of layer ``layer``'s outputs);
+its drop decision is keyed by the *sender's* layer (:mod:`zpipe.lossy.links`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from zpipe.lossy.links import Direction
+from zpipe.lossy.partial import (
+    FloatArray,
+    assemble,
+    cross_entropy,
+    output_delta,
+    relu_grad,
+    slice_backward,
+    slice_forward,
+    sum_partials,
+)
+from zpipe.lossy.partition import Allocation, NeuronSlice
+
+IntArray = npt.NDArray[np.int64]
+#: senders' partials that reached a receiver for one key, by sender device
+Partials = Mapping[int, FloatArray]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message a pass sends: to ``dst``, filed there under ``(data, kind,
+    key_layer)``, its drop decision keyed by the sending ``layer`` and ``direction``."""
+
+    dst: int
+    kind: str
+    key_layer: int
+    layer: int
+    direction: Direction
+    values: FloatArray
+
+
+@dataclass(frozen=True)
+class Needed:
+    """The partials a pass waits for: filed under ``(data, kind, key_layer)``, one
+    from each ``senders`` device, whose drop keys use ``layer`` and ``direction``."""
+
+    kind: str
+    key_layer: int
+    layer: int
+    direction: Direction
+    senders: tuple[tuple[int, NeuronSlice], ...]
+
+
+class Topology:
+    """Who owns and who receives each layer: derived once from an allocation."""
+
+    def __init__(self, alloc: Allocation) -> None:
+        self.alloc = alloc
+        self.n_layers = alloc.n_layers
+        self.last = alloc.n_layers - 1
+        self.owners: list[list[tuple[int, NeuronSlice]]] = [
+            alloc.owners(layer) for layer in range(self.n_layers)
+        ]
+        self.receivers: list[list[int]] = [
+            sorted({d for d, _ in self.owners[min(layer + 1, self.last)]})
+            for layer in range(self.n_layers)
+        ]
+
+    def slice_of(self, layer: int, device: int) -> NeuronSlice | None:
+        for d, sl in self.owners[layer]:
+            if d == device:
+                return sl
+        return None
+
+    def needed(self, kind: str, layer: int, *, test: bool = False) -> Needed | None:
+        """What pass ``kind`` (``"F"``/``"B"``) of ``layer`` waits for (``None``: nothing)."""
+        if kind == "F":
+            if layer == 0:
+                return None
+            direction = Direction.TEST_FORWARD if test else Direction.FORWARD
+            return Needed("F", layer - 1, layer - 1, direction, tuple(self.owners[layer - 1]))
+        if layer == self.last:
+            direction = Direction.TEST_SHARE if test else Direction.SHARE
+            return Needed("S", self.last, self.last, direction, tuple(self.owners[self.last]))
+        return Needed("B", layer, layer + 1, Direction.BACKWARD, tuple(self.owners[layer + 1]))
+
+
+class DeviceShard:
+    """The weight slices of one device and the passes it runs on them.
+
+    Weights follow EdgePipe's equation 3: a forward pass uses the latest
+    weights and stashes them with its input view; the matching backward pass
+    computes its gradient with the stashed ones and applies it to the latest.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        device: int,
+        weights: Mapping[int, tuple[FloatArray, FloatArray]],
+        *,
+        lr: float,
+        record_grads: bool = False,
+    ) -> None:
+        self.topology = topology
+        self.device = device
+        self.lr = lr
+        self.slices: dict[int, NeuronSlice] = {}
+        for layer in range(topology.n_layers):
+            sl = topology.slice_of(layer, device)
+            if sl is not None:
+                self.slices[layer] = sl
+        self.weights: dict[int, tuple[FloatArray, FloatArray]] = {
+            layer: (w.copy(), b.copy()) for layer, (w, b) in weights.items()
+        }
+        self.stash: dict[tuple[int, int], tuple[FloatArray, FloatArray, FloatArray]] = {}
+        self.record_grads = record_grads
+        self.grads: dict[int, tuple[FloatArray, FloatArray]] = {}
+
+    def forward(
+        self,
+        data: int,
+        layer: int,
+        batch: int,
+        got: Partials,
+        *,
+        x: FloatArray | None = None,
+        train: bool = True,
+    ) -> list[Outgoing]:
+        """Forward pass of ``layer`` for mini-batch ``data``.
+
+        ``got`` holds the previous layer's slices that arrived; the input layer
+        reads ``x`` (the whole input, or at least this device's columns of it).
+        """
+        topo = self.topology
+        sl = self.slices[layer]
+        if layer == 0:
+            if x is None:
+                raise ValueError("the input layer's forward pass needs x")
+            out = x[:, sl.start : sl.stop]
+        else:
+            x_view, _ = assemble(
+                topo.alloc.layer_sizes[layer - 1],
+                batch,
+                [(s.start, s.stop, got.get(src)) for src, s in topo.owners[layer - 1]],
+            )
+            w, b = self.weights[layer]
+            z, out = slice_forward(x_view, w, b, relu=layer < topo.last)
+            if train:
+                self.stash[(data, layer)] = (x_view, w, z)
+        if layer < topo.last:
+            kind = "F"
+            direction = Direction.FORWARD if train else Direction.TEST_FORWARD
+        else:
+            kind = "S"
+            direction = Direction.SHARE if train else Direction.TEST_SHARE
+        return [Outgoing(dst, kind, layer, layer, direction, out) for dst in topo.receivers[layer]]
+
+    def logits_view(self, batch: int, got: Partials) -> FloatArray:
+        """This output owner's view of all logits from the shared slices."""
+        topo = self.topology
+        logits, _ = assemble(
+            topo.alloc.layer_sizes[topo.last],
+            batch,
+            [(s.start, s.stop, got.get(src)) for src, s in topo.owners[topo.last]],
+        )
+        return logits
+
+    def backward(
+        self, data: int, layer: int, labels: IntArray, got: Partials
+    ) -> tuple[list[Outgoing], float | None]:
+        """Backward pass of ``layer`` for mini-batch ``data``; updates this slice.
+
+        ``got`` holds the shared logits (output layer) or the next layer's
+        partial gradients that arrived. Returns the messages and, at the output
+        layer, this device's training loss.
+        """
+        topo = self.topology
+        sl = self.slices[layer]
+        batch = len(labels)
+        x_view, w_used, z = self.stash.pop((data, layer))
+        loss: float | None = None
+        if layer == topo.last:
+            logits = self.logits_view(batch, got)
+            loss = cross_entropy(logits, labels)
+            delta = output_delta(logits, labels, sl.start, sl.stop)
+        else:
+            dh = sum_partials(
+                (batch, sl.width), [got.get(src) for src, _ in topo.owners[layer + 1]]
+            )
+            delta = relu_grad(dh, z)
+        dw, db, dx = slice_backward(delta, x_view, w_used)
+        if self.record_grads:
+            self.grads[layer] = (dw, db)
+        out: list[Outgoing] = []
+        if layer >= 2:  # the input layer needs no gradient
+            out = [
+                Outgoing(
+                    dst,
+                    "B",
+                    layer - 1,
+                    layer,
+                    Direction.BACKWARD,
+                    dx[:, dst_sl.start : dst_sl.stop],
+                )
+                for dst, dst_sl in topo.owners[layer - 1]
+            ]
+        w, b = self.weights[layer]
+        self.weights[layer] = (w - self.lr * dw, b - self.lr * db)
+        return out, loss
+
+    def forget(self, data: int) -> None:
+        for key in [k for k in self.stash if k[0] == data]:
+            del self.stash[key]
+
+
+def count_received(got: Partials, senders: Sequence[tuple[int, NeuronSlice]]) -> int:
+    """Senders whose partial arrived (a device's own always has)."""
+    return sum(1 for src, _ in senders if src in got)
