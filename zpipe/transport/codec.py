@@ -478,3 +478,25 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
         raise ProtocolError(f"{len(metas)} tensors announced but {len(frames) - 1} frames follow")
     tensors = tuple(_decode_tensor(meta, views[i + 1], i) for i, meta in enumerate(metas))
     return Message(kind=kind, body=body, epoch=epoch, tensors=tensors)
+
+
+def register_kinds(
+    schemas: Mapping[str, Mapping[str, tuple[tuple[type, ...], bool]]],
+    *,
+    tensor_kinds: Sequence[str] = (),
+) -> None:
+    """Add the message kinds a subsystem owns (``zpipe.lossy.wire`` does, at import).
+
+    They are validated like every built-in kind. Registering a kind again with
+    the same schema is a no-op; with another schema it is a programming error.
+    """
+    global TENSOR_KINDS
+    for kind, schema in schemas.items():
+        known = SCHEMAS.get(kind)
+        if known is not None and known != dict(schema):
+            raise ValueError(f"message kind {kind!r} is already registered with another schema")
+        SCHEMAS[kind] = dict(schema)
+    unknown = set(tensor_kinds) - set(SCHEMAS)
+    if unknown:
+        raise ValueError(f"tensor kinds {sorted(unknown)} have no schema")
+    TENSOR_KINDS = TENSOR_KINDS | frozenset(tensor_kinds)
