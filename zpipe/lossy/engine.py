@@ -5,8 +5,9 @@ process: each pass runs on every device owning part of its layer, reads what
 reached that device (an *inbox* keyed by mini-batch, pass, layer and
 receiver), null-fills what did not, computes with one
 :class:`~zpipe.lossy.shard.DeviceShard` per device (the same class a device
-process runs, :mod:`zpipe.lossy.device`) and posts its own results through a :class:`LinkChannel`, which asks
-:func:`zpipe.lossy.links.deliver` whether each message arrives.
+process runs, :mod:`zpipe.lossy.device`) and posts its own results through a
+:class:`LinkChannel`, which asks :func:`zpipe.lossy.links.deliver` whether
+each message arrives.
 
 Messages, one per (sender, receiver) pair and pass (a device sends its slice
 once to each device that needs it; a device never sends to itself):
@@ -93,6 +94,25 @@ class LinkChannel:
         )
         counter.add(d)
         return d.delivered
+
+    def would_deliver(
+        self, src: int, dst: int, layer: int, step: int, direction: Direction
+    ) -> bool:
+        """The decision :meth:`send` makes, without counting it: what a receiver
+        that shares the seed computes to know which partials will never come."""
+        if src == dst or self.lossless:
+            return True
+        return deliver(
+            self.seed,
+            src,
+            dst,
+            layer,
+            step,
+            direction,
+            prr=float(self.prr[src, dst]),
+            prr_back=float(self.prr[dst, src]),
+            recovery=self.recovery,
+        ).delivered
 
 
 @dataclass

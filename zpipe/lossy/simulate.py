@@ -104,34 +104,95 @@ class RunConfig:
         return out
 
 
-def build_allocation(cfg: RunConfig, layer_sizes: list[int], topology: LinkTopology) -> Allocation:
-    """Partition, then map on the measured reception ratios (naive: one device)."""
+def build_allocation(
+    cfg: RunConfig,
+    layer_sizes: list[int],
+    topology: LinkTopology,
+    measured: np.ndarray | None = None,
+) -> Allocation:
+    """Partition, then map on the measured reception ratios (naive: one device).
+
+    ``measured`` replaces the topology's simulated 50-probe measurement, e.g.
+    with one that device processes made (:mod:`zpipe.lossy.multiprocess`).
+    """
     if cfg.allocation == "naive":
         return partition("naive", layer_sizes, 1)
     alloc = partition(cfg.allocation, layer_sizes, cfg.n_devices)
-    return map_devices(alloc, topology.prr_measured, method=cfg.mapping, seed=cfg.seed)
+    prr = topology.prr_measured if measured is None else measured
+    return map_devices(alloc, prr, method=cfg.mapping, seed=cfg.seed)
 
 
-def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
-    """Simulate one run; a JSON-ready dict of its curves and final numbers."""
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class PreparedRun:
+    """What a run's seed fixes before training starts: the devices and links, the
+    allocation mapped onto them, the initial weights and every mini-batch's rows.
+
+    The in-process simulation and the multi-process run
+    (:mod:`zpipe.lossy.multiprocess`) both start from one of these.
+    """
+
+    config: RunConfig
+    layer_sizes: list[int]
+    topology: LinkTopology
+    alloc: Allocation
+    n_data: int
+    slot_s: float
+    params: list[tuple[np.ndarray, np.ndarray]]
+    #: training-set rows of mini-batch ``i`` (1-based data id) at index ``i - 1``
+    batch_rows: list[np.ndarray]
+
+    @property
+    def lossless(self) -> bool:
+        return self.config.lossless or self.config.allocation == "naive"
+
+    def batch(self, data: Dataset, data_id: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.batch_rows[data_id - 1]
+        return data.x_train[rows], data.y_train[rows]
+
+
+def prepare_run(
+    cfg: RunConfig, data: Dataset, *, measured: np.ndarray | None = None
+) -> PreparedRun:
+    """Place, partition, map, initialise and order the data of one run
+    (``measured``: map on these reception ratios instead of the simulated probes)."""
     layer_sizes = [data.n_features, *cfg.hidden, data.n_classes]
     topology = make_topology(max(cfg.n_devices, 1), cfg.region_m, seed=cfg.seed, model=cfg.radio)
-    alloc = build_allocation(cfg, layer_sizes, topology)
+    alloc = build_allocation(cfg, layer_sizes, topology, measured)
     slot_s = timeslot_ms(alloc) / 1000.0
     if cfg.n_data is not None:
         n_data = cfg.n_data
     else:
         assert cfg.budget_s is not None
         n_data = data_within(alloc, slot_s, cfg.budget_s)
+    stream = _BatchStream(data, cfg.batch_size, seed=cfg.seed)
+    return PreparedRun(
+        config=cfg,
+        layer_sizes=layer_sizes,
+        topology=topology,
+        alloc=alloc,
+        n_data=n_data,
+        slot_s=slot_s,
+        params=init_mlp(layer_sizes, seed=cfg.seed),
+        batch_rows=[stream.next_rows() for _ in range(n_data)],
+    )
+
+
+def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
+    """Simulate one run; a JSON-ready dict of its curves and final numbers."""
+    started = time.perf_counter()
+    prepared = prepare_run(cfg, data)
+    layer_sizes = prepared.layer_sizes
+    topology = prepared.topology
+    alloc = prepared.alloc
+    slot_s = prepared.slot_s
+    n_data = prepared.n_data
     channel = LinkChannel(
         prr=topology.prr,
         seed=cfg.seed,
         recovery=cfg.recovery,
-        lossless=cfg.lossless or cfg.allocation == "naive",
+        lossless=prepared.lossless,
     )
-    model = PartitionedMLP(alloc, init_mlp(layer_sizes, seed=cfg.seed), channel, lr=cfg.lr)
-    batches = _BatchStream(data, cfg.batch_size, seed=cfg.seed)
+    model = PartitionedMLP(alloc, prepared.params, channel, lr=cfg.lr)
     n_slots = total_timeslots(alloc, n_data)
     eval_slots = sorted(
         {round(n_slots * k / cfg.eval_points) for k in range(1, cfg.eval_points + 1)}
@@ -168,7 +229,7 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
             next_eval += 1
         if ev.kind == "F":
             if ev.layer == 0:
-                in_flight[ev.data] = batches.next()
+                in_flight[ev.data] = prepared.batch(data, ev.data)
             model.forward(ev.data, ev.layer, in_flight[ev.data][0])
         else:
             loss = model.backward(ev.data, ev.layer, in_flight[ev.data][1])
@@ -262,10 +323,15 @@ class _BatchStream:
         self._order = self._rng.permutation(len(data.x_train))
         self._pos = 0
 
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
+    def next_rows(self) -> np.ndarray:
+        """The training-set rows of the next mini-batch."""
         if self._pos + self._batch > len(self._order):
             self._order = self._rng.permutation(len(self._data.x_train))
             self._pos = 0
         idx = self._order[self._pos : self._pos + self._batch]
         self._pos += self._batch
+        return idx
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.next_rows()
         return self._data.x_train[idx], self._data.y_train[idx]

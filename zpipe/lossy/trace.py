@@ -1,0 +1,112 @@
+"""What one training run did, message by message: the record two runs are compared on.
+
+A :class:`TrainingTrace` holds each mini-batch's loss, the final weights, the
+propagation counts, the traffic per pass category and which senders reached
+each receiver for every pass. :func:`train_in_process` plays a
+:class:`~zpipe.lossy.simulate.PreparedRun` on the in-process engine;
+:mod:`zpipe.lossy.multiprocess` builds the same record from device processes,
+so "the multi-process run equals the simulation" is a comparison of two traces.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.engine import Arrivals, LinkChannel, PartitionedMLP, Propagation
+from zpipe.lossy.links import Traffic
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.schedule import events
+from zpipe.lossy.simulate import PreparedRun
+
+
+@dataclass
+class TrainingTrace:
+    """One run's outcome; see the module docstring."""
+
+    #: mean training loss over the output owners' views, by data id (1-based)
+    losses: dict[int, float]
+    params: list[tuple[FloatArray, FloatArray]]
+    propagation: Propagation
+    traffic: dict[str, Traffic]
+    arrivals: Arrivals = field(default_factory=dict)
+
+    def test_accuracy(self, data: Dataset) -> float:
+        """Accuracy of the final weights on the test set, nothing lost."""
+        h = data.x_test
+        for k, (w, b) in enumerate(self.params):
+            h = h @ w.T + b
+            if k < len(self.params) - 1:
+                h = np.maximum(h, 0.0)
+        return float(np.mean(h.argmax(axis=1) == data.y_test))
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready numbers (weights and arrivals left out)."""
+        losses = [self.losses[k] for k in sorted(self.losses)]
+        return {
+            "n_data": len(losses),
+            "final_train_loss": losses[-1] if losses else float("nan"),
+            "losses": losses,
+            **self.propagation.as_dict(),
+            "traffic": {k: v.as_dict() for k, v in sorted(self.traffic.items())},
+        }
+
+
+def train_in_process(prepared: PreparedRun, data: Dataset) -> TrainingTrace:
+    """Train ``prepared`` on the in-process engine, keeping the arrivals."""
+    cfg = prepared.config
+    channel = LinkChannel(
+        prr=prepared.topology.prr,
+        seed=cfg.seed,
+        recovery=cfg.recovery,
+        lossless=prepared.lossless,
+    )
+    model = PartitionedMLP(
+        prepared.alloc, prepared.params, channel, lr=cfg.lr, record_arrivals=True
+    )
+    losses: dict[int, float] = {}
+    last = prepared.alloc.n_layers - 1
+    for ev in events(prepared.alloc, prepared.n_data):
+        x, y = prepared.batch(data, ev.data)
+        if ev.kind == "F":
+            model.forward(ev.data, ev.layer, x)
+        else:
+            loss = model.backward(ev.data, ev.layer, y)
+            if ev.layer == last and loss is not None:
+                losses[ev.data] = loss
+    assert model.arrivals is not None
+    return TrainingTrace(
+        losses=losses,
+        params=model.full_params(),
+        propagation=model.propagation,
+        traffic=dict(channel.traffic),
+        arrivals=dict(model.arrivals),
+    )
+
+
+def merge_propagation(parts: list[dict[str, dict[str, int]]]) -> Propagation:
+    """Sum per-device propagation counts (``{"expected": {kind: n}, ...}``)."""
+    out = Propagation()
+    for part in parts:
+        for name in ("expected", "received", "assemblies", "complete"):
+            target: defaultdict[str, int] = getattr(out, name)
+            for kind, n in part.get(name, {}).items():
+                target[kind] += int(n)
+    return out
+
+
+def merge_traffic(parts: list[dict[str, dict[str, int]]]) -> dict[str, Traffic]:
+    """Sum per-device traffic counters by pass category."""
+    out: dict[str, Traffic] = defaultdict(Traffic)
+    for part in parts:
+        for category, counts in part.items():
+            t = out[category]
+            t.messages += int(counts["messages"])
+            t.delivered += int(counts["delivered"])
+            t.data_tx += int(counts["data_tx"])
+            t.ack_tx += int(counts["ack_tx"])
+    return dict(out)

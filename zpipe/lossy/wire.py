@@ -1,0 +1,251 @@
+"""The messages lossy device processes exchange, on zpipe's wire codec.
+
+Kinds (registered with :func:`zpipe.transport.codec.register_kinds`, so they
+are validated like every other kind; nothing is pickled)::
+
+    launcher -> device   lossy_setup          a run: spec, peers; weight slices, inputs, labels
+                         lossy_go             start the passes (deadline mode: at start_at)
+                         lossy_probe_request  measure my links: send probes to every peer
+                         shutdown             exit
+    device -> launcher   lossy_hello          my index, data endpoint and pid
+                         lossy_ready          set up and connected to my peers
+                         lossy_result         losses, counters, arrivals; final weight slices
+                         lossy_probe_report   probes received from each peer
+    device -> device     lossy_partial        one partial (a float64 tensor)
+                         lossy_probe          one link-measurement probe
+                         lossy_probe_end      how many probes the sender tried
+
+msgpack map keys must be strings, so device indices appear as strings in maps.
+A :class:`RunSpec` is what every device of a run must agree on; it crosses
+the wire as plain data (the allocation's own ``to_dict``, the reception
+ratios as a list of float64 lists, which msgpack carries exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import zmq
+
+from zpipe._errors import ConfigError, ProtocolError
+from zpipe.lossy.links import Recovery
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import Allocation
+from zpipe.transport.codec import Message, register_kinds
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_MAP = (dict,)
+_LIST = (list,)
+_BOOL = (bool,)
+
+LOSSY_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "lossy_hello": {"device": (_INT, True), "endpoint": (_STR, True), "pid": (_INT, True)},
+    "lossy_setup": {
+        "run": (_INT, True),
+        "device": (_INT, True),
+        "spec": (_MAP, True),
+        "peers": (_MAP, True),
+        "layers": (_LIST, True),  # dense layers whose (W, b) slices follow, in order
+        "inputs": (_BOOL, True),  # then the inputs of every mini-batch (input owners)
+        "labels": (_BOOL, True),  # then the labels of every mini-batch (output owners)
+    },
+    "lossy_ready": {"run": (_INT, True), "device": (_INT, True), "error": (_STR, True)},
+    "lossy_go": {"run": (_INT, True), "start_at": (_NUM, True)},
+    "lossy_result": {
+        "run": (_INT, True),
+        "device": (_INT, True),
+        "error": (_STR, True),
+        "layers": (_LIST, True),
+        "losses": (_LIST, True),  # [data, loss] of this output owner's view
+        "propagation": (_MAP, True),
+        "traffic": (_MAP, True),
+        "arrivals": (_LIST, True),  # [data, kind, key_layer, [senders]]
+        "waits": (_LIST, True),  # [data, kind, key_layer, missing, deadline, proceeded]
+        "late": (_INT, True),
+        "protocol_errors": (_INT, True),
+        "wall_s": (_NUM, True),
+    },
+    "lossy_partial": {
+        "run": (_INT, True),
+        "data": (_INT, True),
+        "kind": (_STR, True),
+        "layer": (_INT, True),
+        "src": (_INT, True),
+    },
+    "lossy_probe_request": {
+        "run": (_INT, True),
+        "seed": (_INT, True),
+        "count": (_INT, True),
+        "prr": (_LIST, True),
+        "peers": (_MAP, True),
+        "timeout_s": (_NUM, True),
+    },
+    "lossy_probe": {"run": (_INT, True), "src": (_INT, True), "seq": (_INT, True)},
+    "lossy_probe_end": {"run": (_INT, True), "src": (_INT, True), "sent": (_INT, True)},
+    "lossy_probe_report": {
+        "run": (_INT, True),
+        "device": (_INT, True),
+        "received": (_MAP, True),
+        "sent": (_MAP, True),
+        "error": (_STR, True),
+    },
+}
+register_kinds(LOSSY_SCHEMAS, tensor_kinds=("lossy_setup", "lossy_partial", "lossy_result"))
+
+WaitMode = Literal["emulated", "deadline"]
+WAIT_MODES: tuple[WaitMode, ...] = ("emulated", "deadline")
+LINK_TRANSPORTS = ("tcp", "udp")
+
+
+def udp_available() -> bool:
+    """Whether this pyzmq/libzmq has the draft RADIO/DISH (UDP) sockets."""
+    return bool(zmq.has("draft")) and hasattr(zmq, "RADIO") and hasattr(zmq, "DISH")
+
+
+def check_link_transport(name: str) -> str:
+    """``tcp`` (message-level emulated loss over ZeroMQ TCP) is the only one built.
+
+    Real UDP loss would need ZeroMQ's draft RADIO/DISH sockets, which stock
+    pyzmq wheels do not enable; say so rather than fall back silently.
+    """
+    if name == "tcp":
+        return name
+    if name == "udp":
+        if not udp_available():
+            raise ConfigError(
+                "UDP links need ZeroMQ's draft RADIO/DISH sockets, which this pyzmq "
+                f"{zmq.__version__} / libzmq {zmq.zmq_version()} build lacks "
+                "(zmq.has('draft') is False); use --link-transport tcp, whose loss is "
+                "emulated per message with the same seeded decisions"
+            )
+        raise ConfigError(
+            "this pyzmq has draft RADIO/DISH sockets, but zpipe does not drive UDP links "
+            "yet; use --link-transport tcp"
+        )
+    raise ConfigError(f"unknown link transport {name!r}; choose one of {LINK_TRANSPORTS}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every device of one multi-process run agrees on."""
+
+    alloc: Allocation
+    prr: FloatArray
+    seed: int
+    recovery: Recovery
+    lossless: bool
+    lr: float
+    n_data: int
+    batch: int
+    mode: WaitMode
+    slot_s: float
+    wait_s: float
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "alloc": self.alloc.to_dict(),
+            "prr": [[float(v) for v in row] for row in self.prr],
+            "seed": self.seed,
+            "recovery": {
+                "scheme": self.recovery.scheme,
+                "copies": self.recovery.copies,
+                "max_attempts": self.recovery.max_attempts,
+            },
+            "lossless": self.lossless,
+            "lr": self.lr,
+            "n_data": self.n_data,
+            "batch": self.batch,
+            "mode": self.mode,
+            "slot_s": self.slot_s,
+            "wait_s": self.wait_s,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any) -> RunSpec:
+        """The spec a setup message carries; :class:`ProtocolError` if malformed."""
+        try:
+            alloc = Allocation.from_dict(body["alloc"])
+            prr = np.asarray(body["prr"], dtype=np.float64)
+            rec = body["recovery"]
+            spec = cls(
+                alloc=alloc,
+                prr=prr,
+                seed=_int(body["seed"]),
+                recovery=Recovery(
+                    str(rec["scheme"]), _int(rec["copies"]), _int(rec["max_attempts"])
+                ),  # type: ignore[arg-type]
+                lossless=bool(body["lossless"]),
+                lr=float(body["lr"]),
+                n_data=_int(body["n_data"]),
+                batch=_int(body["batch"]),
+                mode=body["mode"],
+                slot_s=float(body["slot_s"]),
+                wait_s=float(body["wait_s"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+            raise ProtocolError(f"lossy_setup: malformed run spec: {exc!r}") from None
+        n = len(spec.prr)
+        if spec.prr.shape != (n, n) or n <= max(alloc.device_of):
+            raise ProtocolError(
+                f"lossy_setup: reception ratios of shape {spec.prr.shape} do not cover devices "
+                f"{sorted(alloc.device_of)}"
+            )
+        if spec.mode not in WAIT_MODES:
+            raise ProtocolError(f"lossy_setup: wait mode must be one of {WAIT_MODES}")
+        if spec.n_data < 1 or spec.batch < 1 or not spec.slot_s > 0 or not spec.wait_s > 0:
+            raise ProtocolError("lossy_setup: n_data, batch, slot_s and wait_s must be positive")
+        return spec
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a tensor for the codec, without a copy where contiguous.
+
+    The array must not be modified afterwards: a zero-copy send only queues it.
+    """
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def to_array(tensor: torch.Tensor, *, shape: tuple[int, ...], dtype: Any, what: str) -> Any:
+    """A received tensor as a numpy array, checked against what was expected."""
+    if tensor.dtype != dtype:
+        raise ProtocolError(f"{what}: dtype {tensor.dtype}, expected {dtype}")
+    if tuple(tensor.shape) != shape:
+        raise ProtocolError(f"{what}: shape {tuple(tensor.shape)}, expected {shape}")
+    return tensor.numpy()
+
+
+def partial_message(
+    run: int, data: int, kind: str, layer: int, src: int, values: FloatArray
+) -> Message:
+    return Message(
+        "lossy_partial",
+        {"run": run, "data": data, "kind": kind, "layer": layer, "src": src},
+        tensors=(to_tensor(values),),
+    )
+
+
+def peers_body(endpoints: dict[int, str]) -> dict[str, str]:
+    return {str(k): v for k, v in endpoints.items()}
+
+
+def peers_from_body(body: Any, what: str) -> dict[int, str]:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{what}: peers must be a map")
+    try:
+        out = {int(k): str(v) for k, v in body.items()}
+    except ValueError:
+        raise ProtocolError(f"{what}: peer keys must be device indices") from None
+    if any(not v.startswith("tcp://") for v in out.values()):
+        raise ProtocolError(f"{what}: peer endpoints must be tcp:// addresses")
+    return out
