@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from zpipe._errors import (
     ConfigError,
@@ -114,6 +115,25 @@ class _ControlChannel:
         self.failures: asyncio.Queue[Message] = asyncio.Queue()
         self._replies: asyncio.Queue[Message] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read())
+        # Reconnections to the coordinator's endpoint (a restarted coordinator): a
+        # request that may have been lost with the old process is sent again.
+        self.reconnections = 0
+        self._reconnected = asyncio.Event()
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._watcher = asyncio.create_task(self._watch_connection())
+
+    async def _watch_connection(self) -> None:
+        disconnected = False
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                disconnected = True
+                log.warning("coordinator_disconnected", endpoint=event["endpoint"])
+            elif event["event"] == zmq.EVENT_CONNECTED and disconnected:
+                disconnected = False
+                self.reconnections += 1
+                self._reconnected.set()
+                log.info("coordinator_reconnected", endpoint=event["endpoint"])
 
     async def _read(self) -> None:
         while True:
@@ -131,24 +151,60 @@ class _ControlChannel:
                 await self._replies.put(message)
 
     async def request(
-        self, message: Message, *, expect: Sequence[str], timeout_s: float, awaited: str
+        self,
+        message: Message,
+        *,
+        expect: Sequence[str],
+        timeout_s: float,
+        awaited: str,
+        resend_on_reconnect: bool = False,
     ) -> Message:
+        """Send ``message`` and wait for a reply of a kind in ``expect``.
+
+        ``resend_on_reconnect``: for a request the coordinator may answer twice
+        (it shares the answer of a duplicate): when the connection to the
+        coordinator is made again while waiting (it was restarted and took its
+        run over from disk), the request goes again, with a fresh deadline.
+        """
+        seen = self.reconnections
         await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
         deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
+            if resend_on_reconnect and self.reconnections != seen:
+                seen = self.reconnections
+                log.warning("request_sent_again", kind=message.kind)
+                await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
+                deadline = time.monotonic() + timeout_s
+            left = max(deadline - time.monotonic(), 0.0)
+            self._reconnected.clear()
+            reply_task = asyncio.ensure_future(self._replies.get())
+            waits: set[asyncio.Future[Any]] = {reply_task}
+            if resend_on_reconnect:
+                waits.add(asyncio.ensure_future(self._reconnected.wait()))
             try:
-                reply = await asyncio.wait_for(self._replies.get(), max(left, 0.0))
-            except asyncio.TimeoutError:
-                raise TransportTimeout("coordinator", awaited, timeout_s) from None
-            if reply.kind in expect:
-                return reply
-            log.debug("unexpected_reply", kind=reply.kind)
+                done, _ = await asyncio.wait(
+                    waits, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for task in waits:
+                    if not task.done():
+                        task.cancel()
+            if reply_task in done:
+                reply = reply_task.result()
+                if reply.kind in expect:
+                    return reply
+                log.debug("unexpected_reply", kind=reply.kind)
+            elif not done:
+                raise TransportTimeout("coordinator", awaited, timeout_s)
 
     async def close(self) -> None:
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        for task in (self._reader, self._watcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self._monitor.close(linger=0)
 
 
 class PipelineClient:

@@ -76,6 +76,7 @@ class LocalCluster:
         python: str = sys.executable,
         start_timeout_s: float = 60.0,
         measure_links: bool = True,
+        state_dir: Path | None = None,
     ) -> None:
         if isinstance(devices, int):
             if devices < 1:
@@ -101,6 +102,8 @@ class LocalCluster:
         self.python = python
         self.start_timeout_s = start_timeout_s
         self.measure_links = measure_links
+        self.state_dir = state_dir
+        self._coordinator_args: list[str] = []
         self.coordinator_endpoint = ""
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -154,21 +157,20 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_tcp_port()
         self.coordinator_endpoint = f"tcp://127.0.0.1:{port}"
-        self._spawn(
-            "coordinator",
-            [
-                "-m",
-                "zpipe.coordinator",
-                "--bind",
-                self.coordinator_endpoint,
-                "--suspect-after",
-                str(self.suspect_after),
-                "--probe-intervals",
-                str(self.probe_intervals),
-                *([] if self.measure_links else ["--no-measure-links"]),
-                *self._common_flags(),
-            ],
-        )
+        self._coordinator_args = [
+            "-m",
+            "zpipe.coordinator",
+            "--bind",
+            self.coordinator_endpoint,
+            "--suspect-after",
+            str(self.suspect_after),
+            "--probe-intervals",
+            str(self.probe_intervals),
+            *([] if self.measure_links else ["--no-measure-links"]),
+            *(["--state-dir", str(self.state_dir)] if self.state_dir is not None else []),
+            *self._common_flags(),
+        ]
+        self._spawn("coordinator", self._coordinator_args)
         for device in self.devices:
             self.start_stage(device)
         try:
@@ -176,6 +178,14 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def restart_coordinator(self) -> subprocess.Popen[bytes]:
+        """Start the coordinator again, on the same endpoint and state directory
+        (after :meth:`kill` of ``"coordinator"``, say); its log file grows on."""
+        old = self.processes.get("coordinator")
+        if old is not None and old.poll() is None:
+            raise PipelineError("the coordinator is still running; kill it first")
+        return self._spawn("coordinator", self._coordinator_args)
 
     def start_stage(self, device: DeviceSpec, *extra: str) -> subprocess.Popen[bytes]:
         return self._spawn(

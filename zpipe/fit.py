@@ -329,6 +329,7 @@ async def fit(
         expect=("run_report",),
         timeout_s=client.timeouts.reply_s * 2,
         awaited="run report",
+        resend_on_reconnect=True,
     )
     run.report.stages = dict(report["stages"])
     run.report.losses = done + run.report.losses
@@ -570,6 +571,7 @@ class _TrainRun:
             expect=("replicated",),
             timeout_s=timeout + self.client.timeouts.reply_s,
             awaited="the replica",
+            resend_on_reconnect=True,
         )
         if reply["error"]:
             # The previous replica still stands; a recovery replays a little more.
@@ -688,6 +690,7 @@ class _TrainRun:
             expect=("checkpoint", "run_failed"),
             timeout_s=self.client.timeouts.result_s + self.client.timeouts.reply_s,
             awaited="the trained weights",
+            resend_on_reconnect=True,
         )
         if reply.kind == "run_failed":
             raise PipelineError(f"could not gather the trained weights: {reply['error']}")

@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan links from what each stage declares (--bandwidth-mbps, --latency-ms) "
         "instead of having the stages measure them before the first planned run",
     )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the current run and its latest training replica in DIR (created if "
+        "missing), so that a coordinator restarted with the same DIR and --bind takes the "
+        "run over: stages that are still running register again, and the client carries "
+        "on (restart within the stages' --coordinator-timeout; default: not kept)",
+    )
     add_common_flags(parser)
     return parser
 
@@ -62,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             bind=args.bind,
             keys_dir=Path(args.keys) if args.keys else None,
             measure_links=args.measure_links,
+            state_dir=Path(args.state_dir) if args.state_dir else None,
             timeouts=timeouts_from_args(
                 args,
                 suspect_after_intervals=args.suspect_after,
@@ -72,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     configure_logging(log_format=args.log_format, level=args.log_level)
     log = get_logger("zpipe.coordinator")
-    coordinator = Coordinator(config)
+    try:
+        coordinator = Coordinator(config)
+    except ZpipeError as exc:
+        parser.error(str(exc))
 
     async def run() -> int:
         try:

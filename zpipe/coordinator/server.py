@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,7 +45,10 @@ from zpipe._errors import (
 from zpipe.config import Timeouts
 from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.membership import Member, Membership, MemberState
+from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState, StateStore
 from zpipe.coordinator.planning import DEFAULT_PLANNER, choose_plan, cluster_from_members
+from zpipe.coordinator.runs import Replica as _Replica
+from zpipe.coordinator.runs import Run as _Run
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.weights import split_unit_key
@@ -94,48 +98,8 @@ class CoordinatorConfig:
     socket_options: SocketOptions = field(default_factory=SocketOptions)
     # Plan from links the stages measure, not only from what they declare.
     measure_links: bool = True
-
-
-@dataclass
-class _Run:
-    run: int
-    epoch: int
-    client: bytes
-    plan: Plan
-    client_key: str | None = None
-    ready: dict[str, asyncio.Future[float]] = field(default_factory=dict)
-    connected: dict[str, asyncio.Future[None]] = field(default_factory=dict)
-    metrics: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.monotonic)
-    failed: set[str] = field(default_factory=set)
-    # every device taking part (a training stage may have several)
-    devices: list[str] = field(default_factory=list)
-    # training with data-parallel groups: each device's all-reduce ring endpoint
-    ring_endpoints: dict[str, str] = field(default_factory=dict)
-    groups: list[list[str]] = field(default_factory=list)
-    # inference streams: the request, to re-plan without a dead stage and replay
-    request: Message | None = None
-    recover: bool = False
-    streaming: bool = False
-    # training: the plan of device groups the stages run, and the share by which a
-    # re-balanced plan must shorten the measured bottleneck to be worth a restart
-    training_plan: TrainingPlan | None = None
-    rebalance: float | None = None
-
-    def __post_init__(self) -> None:
-        if not self.devices:
-            self.devices = list(self.plan.devices)
-
-
-@dataclass(frozen=True)
-class _Replica:
-    """A global replica (FTPipeHD): every unit's weights and optimizer state after
-    mini-batch ``step`` of training run ``run``, and the plan it was taken under."""
-
-    run: int
-    step: int
-    plan: TrainingPlan
-    state: dict[str, torch.Tensor]
+    # Keep the run and its latest replica here, so a restarted coordinator resumes it.
+    state_dir: Path | None = None
 
 
 class Coordinator:
@@ -167,6 +131,13 @@ class Coordinator:
         self._links = LinkMeasurer(
             self._request, self._public_keys, timeout_s=4 * config.timeouts.reply_s
         )
+        self._store = StateStore(config.state_dir) if config.state_dir is not None else None
+        # Members restored from disk that have not spoken to this process yet.
+        self._unconfirmed: set[str] = set()
+        self._confirmed = asyncio.Event()
+        # Client requests being answered, by (kind, run, step): a request the client
+        # sends again (it reconnected to a restarted coordinator) shares the answer.
+        self._answering: dict[tuple[str, int, int], asyncio.Future[Message]] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -187,6 +158,7 @@ class Coordinator:
 
     async def serve(self, *, ready: asyncio.Event | None = None) -> None:
         self._setup()
+        self._restore()
         log.info(
             "coordinator_listening",
             endpoint=self.endpoint,
@@ -213,6 +185,105 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    # ------------------------------------------------------------ persistence
+
+    def _restore(self) -> None:
+        """Take over the members, the run and the replica a previous coordinator saved.
+
+        Restored members count as alive from now: one that does not speak within the
+        usual suspect and probe intervals is declared dead as any other would be.
+        """
+        if self._store is None:
+            return
+        saved = self._store.load_state()
+        replica = self._store.load_replica()
+        if saved is not None:
+            self._epoch = max(self._epoch, saved.epoch)
+            self._run_counter = max(self._run_counter, saved.run_counter)
+            now = time.monotonic()
+            for m in saved.members:
+                self.membership.register(
+                    name=m.name,
+                    routing_id=m.routing_id,
+                    data_endpoint=m.data_endpoint,
+                    info=m.info,
+                    public_key=m.public_key,
+                    now=now,
+                )
+                self._unconfirmed.add(m.name)
+            if saved.run is not None:
+                self._run = _Run.from_saved(saved.run)
+        if replica is not None:
+            self._replica = _Replica(
+                replica.run, replica.step, TrainingPlan.from_dict(replica.plan), replica.state
+            )
+        log.info(
+            "coordinator_restored",
+            state_dir=str(self._store.directory),
+            members=sorted(self._unconfirmed),
+            run=None if self._run is None else self._run.run,
+            epoch=self._epoch,
+            replica=None if replica is None else {"run": replica.run, "step": replica.step},
+        )
+
+    def _persist(self) -> None:
+        """Save counters, live members and the current run (small; on every change)."""
+        if self._store is None:
+            return
+        members = tuple(
+            SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key)
+            for m in self.membership.alive()
+        )
+        run = None if self._run is None else self._run.to_saved()
+        try:
+            self._store.save_state(SavedState(self._epoch, self._run_counter, members, run))
+        except (OSError, ZpipeError) as exc:
+            # The run goes on; only a restart would lose it. Say so loudly.
+            log.error("state_not_saved", state_dir=str(self._store.directory), error=str(exc))
+
+    async def _await_restored(self, names: list[str]) -> None:
+        """Wait until restored members among ``names`` spoke or were declared dead."""
+        t = self.config.timeouts
+        deadline = time.monotonic() + (t.suspect_after_intervals + t.probe_intervals + 1) * (
+            t.heartbeat_interval_s
+        )
+        while any(n in self._unconfirmed for n in names):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._confirmed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._confirmed.wait(), left)
+
+    def _confirm(self, name: str) -> None:
+        """``name`` spoke to this process, or died: it is no longer only restored."""
+        if name in self._unconfirmed:
+            self._unconfirmed.discard(name)
+            self._confirmed.set()
+
+    async def _answer_once(
+        self, key: tuple[str, int, int], answer: Callable[[], Awaitable[Message]]
+    ) -> Message:
+        """``answer()``, or the answer already being prepared for the same request."""
+        pending = self._answering.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._answering[key] = future
+        try:
+            result = await answer()
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: a lone request must not log it as lost
+            raise
+        finally:
+            self._answering.pop(key, None)
+        future.set_result(result)
+        return result
 
     async def _shutdown_stages(self, reason: str) -> None:
         for member in self.membership.alive():
@@ -302,6 +373,7 @@ class Coordinator:
 
     async def _on_death(self, name: str, reason: str, silent_s: float) -> None:
         log.error("stage_dead", stage=name, reason=reason, silent_s=round(silent_s, 2))
+        self._confirm(name)
         event = {
             "event": "stage_dead",
             "stage": name,
@@ -326,6 +398,7 @@ class Coordinator:
             else:
                 await self._notify_stage_failed(run, name, reason)
         self.events.append(event)
+        self._persist()
 
     # --------------------------------------------------------------- handlers
 
@@ -350,8 +423,18 @@ class Coordinator:
             return
         member = self.membership.by_routing_id(routing_id)
         if member is None:
-            # An unknown or dead peer: ask a former stage to register again.
+            if kind == "heartbeat":
+                # A stage this process does not know (it restarted without its state,
+                # or declared the stage dead): it registers again and can be planned.
+                await self._send(
+                    routing_id,
+                    Message("register_again", {"reason": "this coordinator does not know you"}),
+                    peer=_printable(routing_id),
+                    timeout_s=self.config.timeouts.heartbeat_interval_s,
+                )
+                return
             raise ProtocolError(f"{kind!r} from a peer that is not registered")
+        self._confirm(member.name)
         self.membership.heard_from(member.name, now, message.get("metrics"))
         if kind == "heartbeat":
             await self._send(
@@ -408,6 +491,8 @@ class Coordinator:
         log.info(
             "stage_registered", stage=name, data_endpoint=member.data_endpoint, info=member.info
         )
+        self._confirm(name)
+        self._persist()
         await self._send(
             routing_id,
             Message(
@@ -490,8 +575,10 @@ class Coordinator:
             ready = await self._start_run(routing_id, user_key, message)
         except (ZpipeError, ValueError) as exc:
             self._run = None
+            self._persist()
             await self._reply_run_failed(routing_id, exc)
             return
+        self._persist()
         await self._send(
             routing_id, ready, peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s
         )
@@ -705,6 +792,7 @@ class Coordinator:
             by_name = {m.name: m for m in survivors}
             await self._assign_inference(run, spec, by_name, request)
             await self._connect_all(run)
+            self._persist()
         except (ZpipeError, ValueError) as exc:
             log.error("recovery_failed", run=run.run, stage=dead, error=str(exc))
             await self._notify_stage_failed(run, dead, f"died, and recovery failed: {exc}")
@@ -1119,11 +1207,21 @@ class Coordinator:
 
     async def _on_weights_request(self, routing_id: bytes, message: Message) -> None:
         """Gather every stage's weights once it finished round ``step``; reply with all."""
+        run_id, step = int(message["run"]), int(message["step"])
+        answer = await self._answer_once(
+            ("weights", run_id, step), lambda: self._checkpoint(run_id, step)
+        )
+        await self._send(
+            routing_id, answer, peer=CLIENT_NAME, timeout_s=self.config.timeouts.send_s
+        )
+
+    async def _checkpoint(self, run_id: int, step: int) -> Message:
         run = self._run
         try:
-            if run is None or run.run != message["run"]:
-                raise ConfigError(f"run {message['run']} is not the current run")
-            keys, tensors = await self._gather_state(run, int(message["step"]), optimizer=False)
+            if run is None or run.run != run_id:
+                raise ConfigError(f"run {run_id} is not the current run")
+            await self._await_restored(run.devices)
+            keys, tensors = await self._gather_state(run, step, optimizer=False)
             if len(tensors) > codec.MAX_TENSORS:
                 # Refuse here, with a reply: an encode error after the try would leave
                 # the client waiting for a checkpoint that never comes.
@@ -1131,27 +1229,34 @@ class Coordinator:
                     f"the checkpoint holds {len(tensors)} tensors (replicas included), "
                     f"more than one message carries ({codec.MAX_TENSORS})"
                 )
-            answer = Message(
-                "checkpoint",
-                {"run": run.run, "step": message["step"], "keys": keys},
-                epoch=run.epoch,
-                tensors=tuple(tensors),
-            )
         except (ZpipeError, ValueError) as exc:
-            await self._reply_run_failed(routing_id, exc)
-            return
-        await self._send(
-            routing_id, answer, peer=CLIENT_NAME, timeout_s=self.config.timeouts.send_s
+            log.error("run_failed", error=str(exc))
+            return Message("run_failed", {"error": str(exc)})
+        return Message(
+            "checkpoint",
+            {"run": run.run, "step": step, "keys": keys},
+            epoch=run.epoch,
+            tensors=tuple(tensors),
         )
 
     async def _on_replicate(self, routing_id: bytes, message: Message) -> None:
         """Keep a global replica of the run after round ``step`` (weights and optimizer
         state of every unit; a group's members hold identical copies, one is kept)."""
-        run, step = self._run, int(message["step"])
-        body: dict[str, Any] = {"run": message["run"], "step": step, "tensors": 0, "bytes": 0}
+        run_id, step = int(message["run"]), int(message["step"])
+        reply = await self._answer_once(
+            ("replicate", run_id, step), lambda: self._take_replica(run_id, step)
+        )
+        await self._send(
+            routing_id, reply, peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s
+        )
+
+    async def _take_replica(self, run_id: int, step: int) -> Message:
+        run = self._run
+        body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}
         try:
-            if run is None or run.run != message["run"] or run.training_plan is None:
-                raise ConfigError(f"run {message['run']} is not the current training run")
+            if run is None or run.run != run_id or run.training_plan is None:
+                raise ConfigError(f"run {run_id} is not the current training run")
+            await self._await_restored(run.devices)
             counters: dict[str, Any] = {}
             keys, tensors = await self._gather_state(run, step, optimizer=True, metrics=counters)
             state: dict[str, torch.Tensor] = {}
@@ -1159,12 +1264,25 @@ class Coordinator:
                 if key not in state:
                     # A copy: the received frame's memory belongs to a zmq message.
                     state[key] = tensor.clone()
-            self._replica = _Replica(run.run, step, run.training_plan, state)
+            replica = _Replica(run.run, step, run.training_plan, state)
+            if self._store is not None:
+                # On disk before the client hears of it: it then drops what came before.
+                saved = SavedReplica(run.run, step, run.training_plan.to_dict(), state)
+                try:
+                    await asyncio.to_thread(self._store.save_replica, saved)
+                except OSError as exc:
+                    raise ConfigError(f"the replica could not be saved: {exc}") from exc
+            self._replica = replica
             body["tensors"] = len(state)
             body["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
             body["error"] = ""
             log.info(
-                "replica_kept", run=run.run, step=step, tensors=len(state), bytes=body["bytes"]
+                "replica_kept",
+                run=run.run,
+                step=step,
+                tensors=len(state),
+                bytes=body["bytes"],
+                saved=self._store is not None,
             )
             if run.rebalance is not None:
                 balanced = self._rebalanced(run, run.training_plan, counters)
@@ -1172,13 +1290,8 @@ class Coordinator:
                     body["rebalance"] = balanced.to_dict()
         except (ZpipeError, ValueError) as exc:
             body["error"] = f"{type(exc).__name__}: {exc}"
-            log.error("replica_failed", run=message["run"], step=step, error=body["error"])
-        await self._send(
-            routing_id,
-            Message("replicated", body),
-            peer=CLIENT_NAME,
-            timeout_s=self.config.timeouts.reply_s,
-        )
+            log.error("replica_failed", run=run_id, step=step, error=body["error"])
+        return Message("replicated", body)
 
     def _rebalanced(
         self, run: _Run, plan: TrainingPlan, counters: dict[str, Any]
@@ -1290,6 +1403,7 @@ class Coordinator:
             return
         run.streaming = True
         log.info("run_streaming", run=run.run, epoch=run.epoch)
+        self._persist()
         await self._send(
             routing_id,
             Message("run_started", {"run": run.run}, epoch=run.epoch),
@@ -1316,9 +1430,16 @@ class Coordinator:
         await _await_all(run.connected, timeout_s=self.config.timeouts.reply_s, awaited="connected")
 
     async def _on_run_end(self, routing_id: bytes, message: Message) -> None:
+        run_id = int(message["run"])
+        report = await self._answer_once(("run_end", run_id, 0), lambda: self._end_run(run_id))
+        await self._send(
+            routing_id, report, peer=CLIENT_NAME, timeout_s=self.config.timeouts.reply_s
+        )
+
+    async def _end_run(self, run_id: int) -> Message:
         run = self._run
         stages: dict[str, Any] = {}
-        if run is not None and run.run == message["run"]:
+        if run is not None and run.run == run_id:
             loop = asyncio.get_running_loop()
             for device in run.devices:
                 member = self.membership.get(device)
@@ -1337,12 +1458,8 @@ class Coordinator:
                 except (asyncio.TimeoutError, ConfigError):
                     stages[name] = {"error": "no metrics"}
             self._run = None
-        await self._send(
-            routing_id,
-            Message("run_report", {"run": int(message["run"]), "stages": stages}),
-            peer=CLIENT_NAME,
-            timeout_s=self.config.timeouts.reply_s,
-        )
+            self._persist()
+        return Message("run_report", {"run": run_id, "stages": stages})
 
 
 async def _await_all(

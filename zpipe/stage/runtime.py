@@ -229,16 +229,19 @@ class StageRuntime:
             peer="coordinator",
         )
 
-    async def _register(self) -> float:
-        """Register until the coordinator answers or ``connect_s`` runs out."""
-        assert self._control is not None
-        deadline = time.monotonic() + self.config.timeouts.connect_s
-        body = {
+    def _registration(self) -> dict[str, Any]:
+        return {
             "name": self.config.name,
             "data_endpoint": self.data_endpoint,
             "info": self._info(),
             "public_key": self._keypair.public.decode() if self._keypair else None,
         }
+
+    async def _register(self) -> float:
+        """Register until the coordinator answers or ``connect_s`` runs out."""
+        assert self._control is not None
+        deadline = time.monotonic() + self.config.timeouts.connect_s
+        body = self._registration()
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -346,7 +349,14 @@ class StageRuntime:
         kind = message.kind
         if kind in ("heartbeat_ack", "registered"):
             return
-        if kind == "probe":
+        if kind == "register_again":
+            # A coordinator restarted without our registration (or one that had
+            # declared us dead): join it again; what this stage runs is unchanged.
+            log.warning("registering_again", stage=self.config.name, reason=message["reason"])
+            await self._send_control("register", self._registration())
+        elif kind == "refused":
+            raise CoordinatorLost(f"the coordinator refused this stage: {message['reason']}")
+        elif kind == "probe":
             await self._send_control("probe_ack", {"nonce": message["nonce"]})
         elif kind == "assign":
             # Building a shard can take long; keep answering the coordinator meanwhile.

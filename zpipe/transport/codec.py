@@ -119,6 +119,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     "refused": {"reason": (_STR, True)},
     "heartbeat": {"name": (_STR, True), "metrics": (_MAP, True)},
     "heartbeat_ack": {},
+    # a coordinator that does not know a heartbeating stage (it restarted without
+    # its state): the stage registers again and keeps serving
+    "register_again": {"reason": (_STR, True)},
     "probe": {"nonce": (_INT, True)},
     "probe_ack": {"nonce": (_INT, True)},
     "assign": {
@@ -234,6 +237,23 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         # a plan that balances the stages' measured speeds: resume from the replica on it
         "rebalance": (_OPT_MAP, False),
     },
+    # the coordinator's state on disk (zpipe.coordinator.persistence), never on the wire
+    "coordinator_state": {
+        "epoch": (_INT, True),
+        "run_counter": (_INT, True),
+        "members": (_LIST, True),
+        "run": (_OPT_MAP, True),
+        "saved_at": (_NUM, True),
+    },
+    # one chunk of a global replica on disk: "keys" name this chunk's tensors
+    "replica_file": {
+        "run": (_INT, True),
+        "step": (_INT, True),
+        "plan": (_MAP, True),
+        "keys": (_LIST, True),
+        "chunk": (_INT, True),
+        "chunks": (_INT, True),
+    },
     "weights": {
         "run": (_INT, True),
         "name": (_STR, True),
@@ -286,7 +306,17 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
 
 # Kinds whose frames carry tensors; every other kind must have none.
 TENSOR_KINDS = frozenset(
-    {"allreduce", "assign", "checkpoint", "data", "grad", "labels", "link_burst", "weights"}
+    {
+        "allreduce",
+        "assign",
+        "checkpoint",
+        "data",
+        "grad",
+        "labels",
+        "link_burst",
+        "replica_file",
+        "weights",
+    }
 )
 
 

@@ -1,0 +1,287 @@
+"""The coordinator's state on disk, so that a restarted coordinator resumes its run.
+
+Two files live in the state directory (``python -m zpipe.coordinator --state-dir``):
+
+- ``coordinator.state``: plan epoch and run counters, the members it knew, and the
+  current run (its plan, its devices, the client's request). Small; rewritten on
+  every change of membership or run.
+- ``replica.state``: the latest global replica (FTPipeHD): every unit's weights
+  and optimizer state after a mini-batch, and the plan it was taken under. It is
+  written before the client is told the replica is kept, so a replica the client
+  relies on (and drops its replay buffer for) is never only in memory.
+
+Both are sequences of wire-codec messages (msgpack headers and raw tensor bytes:
+nothing is pickled), framed by lengths and closed by a CRC-32, and written
+atomically (a temporary file, fsync, rename), so a coordinator killed in the
+middle of a write leaves the previous file whole. A file that does not parse
+raises :class:`StateFileError` naming the file: never a half-restored state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zpipe._errors import ConfigError, ProtocolError
+from zpipe.transport import codec
+from zpipe.transport.codec import Message
+
+STATE_FILE = "coordinator.state"
+REPLICA_FILE = "replica.state"
+# Format tag and version: a file of another layout is refused, not misread.
+MAGIC = b"ZPSTATE1"
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class StateFileError(ConfigError):
+    """A state file that cannot be read back (corrupt, truncated, another format)."""
+
+
+@dataclass(frozen=True)
+class SavedMember:
+    """What a restarted coordinator needs to know of a stage before it speaks again."""
+
+    name: str
+    routing_id: bytes
+    data_endpoint: str
+    info: Mapping[str, Any]
+    public_key: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "routing_id": self.routing_id,
+            "data_endpoint": self.data_endpoint,
+            "info": dict(self.info),
+            "public_key": self.public_key,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SavedMember:
+        return cls(
+            name=str(data["name"]),
+            routing_id=bytes(data["routing_id"]),
+            data_endpoint=str(data["data_endpoint"]),
+            info=dict(data["info"]),
+            public_key=None if data.get("public_key") is None else str(data["public_key"]),
+        )
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """Counters, members and the current run (a plain map the coordinator defines)."""
+
+    epoch: int
+    run_counter: int
+    members: tuple[SavedMember, ...]
+    run: Mapping[str, Any] | None
+    saved_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class SavedReplica:
+    run: int
+    step: int
+    plan: Mapping[str, Any]
+    state: dict[str, torch.Tensor]
+
+
+# -------------------------------------------------------------- file format
+
+
+def _encode_file(messages: Sequence[Message]) -> list[bytes | memoryview]:
+    parts: list[bytes | memoryview] = [_U32.pack(len(messages))]
+    for message in messages:
+        frames = codec.encode(message)
+        parts.append(_U32.pack(len(frames)))
+        for frame in frames:
+            parts.append(_U64.pack(memoryview(frame).nbytes))
+            parts.append(frame)
+    return parts
+
+
+def write_messages(path: Path, messages: Sequence[Message]) -> int:
+    """Write ``messages`` to ``path`` atomically; returns the file's size in bytes."""
+    parts = _encode_file(messages)
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    size = 0
+    try:
+        with open(tmp, "wb") as out:
+            out.write(MAGIC)
+            for part in parts:
+                out.write(part)
+                size += memoryview(part).nbytes
+            out.write(_U32.pack(crc))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_directory(path.parent)
+    return size + len(MAGIC) + _U32.size
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is; not every OS can.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_messages(path: Path) -> list[Message]:
+    """The messages of a file :func:`write_messages` wrote; :class:`StateFileError` if
+    it is not one, or not whole."""
+    try:
+        # A bytearray: tensors decoded from it are writable, as a received frame's are.
+        data = bytearray(path.read_bytes())
+    except OSError as exc:
+        raise StateFileError(f"cannot read the state file {path}: {exc}") from exc
+    if not data.startswith(MAGIC):
+        raise StateFileError(f"{path} is not a zpipe coordinator state file")
+    body = memoryview(data)[len(MAGIC) :]
+    if body.nbytes < _U32.size * 2:
+        raise StateFileError(f"{path} is truncated")
+    (crc,) = _U32.unpack_from(body, body.nbytes - _U32.size)
+    body = body[: body.nbytes - _U32.size]
+    if zlib.crc32(body) != crc:
+        raise StateFileError(f"{path} is corrupt (checksum mismatch); it was not written whole")
+    try:
+        return _decode_file(body)
+    except (ProtocolError, struct.error, ValueError) as exc:
+        raise StateFileError(f"{path} does not parse: {exc}") from exc
+
+
+def _decode_file(body: memoryview) -> list[Message]:
+    offset = 0
+
+    def take(n: int) -> memoryview:
+        nonlocal offset
+        if offset + n > body.nbytes:
+            raise ValueError("a length runs past the end of the file")
+        view = body[offset : offset + n]
+        offset += n
+        return view
+
+    (count,) = _U32.unpack(take(_U32.size))
+    messages = []
+    for _ in range(count):
+        (nframes,) = _U32.unpack(take(_U32.size))
+        if nframes > codec.MAX_TENSORS + 1:
+            raise ValueError(f"{nframes} frames in one message")
+        frames = [take(_U64.unpack(take(_U64.size))[0]) for _ in range(nframes)]
+        messages.append(codec.decode(frames))
+    if offset != body.nbytes:
+        raise ValueError(f"{body.nbytes - offset} bytes after the last message")
+    return messages
+
+
+# ------------------------------------------------------------------- store
+
+
+class StateStore:
+    """The state directory of one coordinator."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the state directory {directory}: {exc}") from exc
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ConfigError(f"the state directory {directory} is not writable")
+
+    @property
+    def state_path(self) -> Path:
+        return self.directory / STATE_FILE
+
+    @property
+    def replica_path(self) -> Path:
+        return self.directory / REPLICA_FILE
+
+    def save_state(self, state: SavedState) -> None:
+        body = {
+            "epoch": state.epoch,
+            "run_counter": state.run_counter,
+            "members": [m.to_dict() for m in state.members],
+            "run": None if state.run is None else dict(state.run),
+            "saved_at": time.time(),
+        }
+        write_messages(self.state_path, [Message("coordinator_state", body)])
+
+    def load_state(self) -> SavedState | None:
+        if not self.state_path.exists():
+            return None
+        messages = read_messages(self.state_path)
+        if len(messages) != 1 or messages[0].kind != "coordinator_state":
+            raise StateFileError(f"{self.state_path} holds no coordinator state")
+        body = messages[0].body
+        try:
+            members = tuple(SavedMember.from_dict(m) for m in body["members"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateFileError(f"{self.state_path}: a member does not parse: {exc}") from exc
+        return SavedState(
+            epoch=int(body["epoch"]),
+            run_counter=int(body["run_counter"]),
+            members=members,
+            run=body["run"],
+            saved_at=float(body["saved_at"]),
+        )
+
+    def save_replica(self, replica: SavedReplica) -> int:
+        """Write the replica (in chunks: a message carries at most MAX_TENSORS tensors);
+        returns the file's size in bytes."""
+        keys = list(replica.state)
+        per = codec.MAX_TENSORS
+        chunks = max(1, -(-len(keys) // per))
+        messages = []
+        for index in range(chunks):
+            part = keys[index * per : (index + 1) * per]
+            body = {
+                "run": replica.run,
+                "step": replica.step,
+                "plan": dict(replica.plan),
+                "keys": part,
+                "chunk": index,
+                "chunks": chunks,
+            }
+            tensors = tuple(replica.state[k] for k in part)
+            messages.append(Message("replica_file", body, tensors=tensors))
+        return write_messages(self.replica_path, messages)
+
+    def load_replica(self) -> SavedReplica | None:
+        if not self.replica_path.exists():
+            return None
+        messages = read_messages(self.replica_path)
+        if not messages or any(m.kind != "replica_file" for m in messages):
+            raise StateFileError(f"{self.replica_path} holds no replica")
+        first = messages[0]
+        chunks = int(first["chunks"])
+        if [int(m["chunk"]) for m in messages] != list(range(chunks)):
+            raise StateFileError(f"{self.replica_path}: chunks missing or out of order")
+        state: dict[str, torch.Tensor] = {}
+        for message in messages:
+            if (message["run"], message["step"]) != (first["run"], first["step"]):
+                raise StateFileError(f"{self.replica_path} mixes replicas of different steps")
+            if len(message["keys"]) != len(message.tensors):
+                raise StateFileError(f"{self.replica_path}: keys and tensors do not match")
+            for key, tensor in zip(message["keys"], message.tensors, strict=True):
+                state[str(key)] = tensor
+        return SavedReplica(int(first["run"]), int(first["step"]), dict(first["plan"]), state)

@@ -1,0 +1,102 @@
+"""What the coordinator knows of the current run and of its latest replica.
+
+Both turn into plain maps and back (:meth:`Run.to_saved`, :meth:`Run.from_saved`),
+so that :mod:`zpipe.coordinator.persistence` can keep them on disk and a
+restarted coordinator can take the run over where the old one left it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zpipe.planner import Plan
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.transport.codec import Message
+
+
+@dataclass
+class Run:
+    run: int
+    epoch: int
+    client: bytes
+    plan: Plan
+    client_key: str | None = None
+    ready: dict[str, asyncio.Future[float]] = field(default_factory=dict)
+    connected: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    metrics: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    failed: set[str] = field(default_factory=set)
+    # every device taking part (a training stage may have several)
+    devices: list[str] = field(default_factory=list)
+    # training with data-parallel groups: each device's all-reduce ring endpoint
+    ring_endpoints: dict[str, str] = field(default_factory=dict)
+    groups: list[list[str]] = field(default_factory=list)
+    # inference streams: the request, to re-plan without a dead stage and replay
+    request: Message | None = None
+    recover: bool = False
+    streaming: bool = False
+    # training: the plan of device groups the stages run, and the share by which a
+    # re-balanced plan must shorten the measured bottleneck to be worth a restart
+    training_plan: TrainingPlan | None = None
+    rebalance: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = list(self.plan.devices)
+
+    def to_saved(self) -> dict[str, Any]:
+        """The run as plain data (its futures are of this process only and stay out)."""
+        return {
+            "run": self.run,
+            "epoch": self.epoch,
+            "client": self.client,
+            "plan": self.plan.to_dict(),
+            "client_key": self.client_key,
+            "failed": sorted(self.failed),
+            "devices": list(self.devices),
+            "ring_endpoints": dict(self.ring_endpoints),
+            "groups": [list(g) for g in self.groups],
+            "request": None if self.request is None else dict(self.request.body),
+            "recover": self.recover,
+            "streaming": self.streaming,
+            "training_plan": (None if self.training_plan is None else self.training_plan.to_dict()),
+            "rebalance": self.rebalance,
+        }
+
+    @classmethod
+    def from_saved(cls, data: Mapping[str, Any]) -> Run:
+        request = data.get("request")
+        tplan = data.get("training_plan")
+        return cls(
+            run=int(data["run"]),
+            epoch=int(data["epoch"]),
+            client=bytes(data["client"]),
+            plan=Plan.from_dict(data["plan"]),
+            client_key=None if data.get("client_key") is None else str(data["client_key"]),
+            failed={str(d) for d in data.get("failed") or ()},
+            devices=[str(d) for d in data["devices"]],
+            ring_endpoints={str(k): str(v) for k, v in dict(data["ring_endpoints"]).items()},
+            groups=[[str(d) for d in g] for g in data["groups"]],
+            request=None if request is None else Message("run_request", dict(request)),
+            recover=bool(data["recover"]),
+            streaming=bool(data["streaming"]),
+            training_plan=None if tplan is None else TrainingPlan.from_dict(tplan),
+            rebalance=None if data.get("rebalance") is None else float(data["rebalance"]),
+        )
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A global replica (FTPipeHD): every unit's weights and optimizer state after
+    mini-batch ``step`` of training run ``run``, and the plan it was taken under."""
+
+    run: int
+    step: int
+    plan: TrainingPlan
+    state: dict[str, torch.Tensor]
