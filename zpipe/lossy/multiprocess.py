@@ -289,6 +289,11 @@ class DevicePool:
 
     # -- internals --------------------------------------------------------------
 
+    @property
+    def last_run(self) -> int:
+        """The id of the latest run or measurement (0 before the first)."""
+        return self._run
+
     def _call(self, coro: Any) -> Any:
         if self._loop is None:
             raise PipelineError("the device pool is not started (use it as a context manager)")
@@ -307,6 +312,7 @@ class DevicePool:
         budget_s: float,
     ) -> MultiprocessResult:
         started = time.perf_counter()
+        self._check_alive()  # a send to a dead device would only time out
         run = self._next_run()
         topo = Topology(spec.alloc)
         batches = [prepared.batch(data, i) for i in range(1, prepared.n_data + 1)]
@@ -406,6 +412,7 @@ class DevicePool:
     async def _measure(
         self, prr: FloatArray, seed: int, probes: int, timeout_s: float
     ) -> FloatArray:
+        self._check_alive()
         run = self._next_run()
         devices = set(range(self.n_devices))
         request = Message(
