@@ -96,6 +96,8 @@ def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
         (["zpipe", "train", "--local", "2", "--rebalance", "0.2"], "need --recover"),
         (["zpipe", "train", "--local", "2", "--recover", "--rebalance", "2"], "between 0 and 1"),
         (["zpipe", "train", "--local", "2", "--recover", "--recovery", "pray"], "invalid choice"),
+        (["zpipe", "train", "--local", "2", "--consistency", "fast"], "need --recover"),
+        (["zpipe", "train", "--local", "2", "--recover", "--consistency", "eh"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(args: list[str], message: str) -> None:

@@ -7,6 +7,7 @@ single-process training on the same mini-batches (``exact`` consistency).
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -192,3 +193,64 @@ def test_two_stages_killed_at_once_are_both_left_out_of_the_heavy_plan() -> None
     assert report.recoveries[0]["resumed_from"] == 3
     assert report.training_plan is not None
     assert set(report.training_plan.devices) <= {"a", "d"}
+
+
+def _learnable_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four mini-batches of a learnable task (labels from a fixed projection), four epochs."""
+    generator = torch.Generator().manual_seed(41)
+    projection = torch.randn(12, 4, generator=generator)
+    epoch = []
+    for _ in range(4):
+        x = torch.randn(18, 12, generator=generator)
+        epoch.append((x, (x @ projection).argmax(1)))
+    return epoch * 4
+
+
+def test_fast_consistency_keeps_the_survivors_newer_weights_and_the_loss_keeps_falling() -> None:
+    adam = {"name": "adam", "lr": 0.01}
+    batches = _learnable_batches()
+    _, want_losses = train_single_process(SPEC, batches, adam)
+    with _cluster(["a", "b", "c"]) as cluster:
+        killed: set[str] = set()
+
+        def on_step(step: int, _loss: float) -> None:
+            if step == 5 and not killed:
+                killed.add("b")
+                cluster.kill("b")
+
+        report = cluster.fit(
+            SPEC,
+            batches,
+            optimizer=adam,
+            num_microbatches=3,
+            progress=False,
+            on_step=on_step,
+            partition=[[0, 1], [1, 3], [3, 4]],
+            stage_names=["a", "b", "c"],
+            recover=True,
+            replicate_every=4,
+            consistency="fast",
+        )
+        log = cluster.logs("coordinator")
+    # every mini-batch trained once: what had completed was not trained again
+    assert len(report.losses) == len(batches)
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["replica"], recovery["consistency"]) == ("b", 4, "fast")
+    assert recovery["resumed_from"] >= 6  # after the replica: mini-batches 4 and 5 stay
+    # up to the failure the run is the uninterrupted one
+    assert report.losses[:6] == pytest.approx(want_losses[:6], rel=1e-5)
+    epochs = [sum(report.losses[i : i + 4]) / 4 for i in range(0, 16, 4)]
+    assert epochs == sorted(epochs, reverse=True), epochs  # falling, epoch after epoch
+    assert epochs[-1] < epochs[0] - 0.2
+    # only the dead stage's units (1 and 2) came from the replica; a and c kept theirs
+    (fast,) = [json.loads(line) for line in log.splitlines() if '"fast_resume"' in line]
+    assert fast["units_from_replica"] == [1, 2]
+    assert fast["replica_step"] == 4
+    assert set(fast["completed"]) == {"a", "c"}
+    assert all(done >= 5 for done in fast["completed"].values())
+
+
+def test_an_unknown_consistency_is_refused() -> None:
+    client = PipelineClient("tcp://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="unknown consistency 'eventual'"):
+        asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, consistency="eventual"))

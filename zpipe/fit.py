@@ -155,6 +155,7 @@ async def fit(
     replicate_every: int | None = None,
     recovery: str = "lightweight",
     rebalance: float | None = None,
+    consistency: str = "exact",
 ) -> TrainReport:
     """Train ``model`` on ``batches``; returns the losses and the trained weights.
 
@@ -180,7 +181,16 @@ async def fit(
     say that moving unit boundaries between neighbours would shorten the slowest
     stage by at least this share (0.2: 20 %), the run goes on from the replica on
     that plan (Eco-FL's workload migration, for a device that turned slow).
+    ``consistency`` (with ``recover``): "exact" rolls every stage back to the replica
+    and trains the mini-batches since it again, so the model equals an uninterrupted
+    run's; "fast" (as FTPipeHD and Asteroid recover) keeps the survivors' newest
+    weights, takes only the dead stage's units from the replica, and goes on from the
+    first mini-batch whose loss had not come back (nothing completed is trained twice).
     """
+    if consistency not in CONSISTENCIES:
+        raise ConfigError(
+            f"unknown consistency {consistency!r}; choose one of {', '.join(CONSISTENCIES)}"
+        )
     if recovery not in RECOVERY_POLICIES:
         raise ConfigError(
             f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
@@ -244,7 +254,7 @@ async def fit(
         if plan is not None:
             schedule, num_microbatches = plan.schedule, plan.num_microbatches
         run = _TrainRun(client, reply, model, schedule, num_microbatches, max_steps_in_flight)
-        run.offset, run.replicate_every = source.replica_step, every
+        run.offset, run.replicate_every = source.kept_from, every
         if recoveries:
             recoveries[-1]["restart_s"] = time.monotonic() - recoveries[-1]["noticed_at"]
         try:
@@ -296,8 +306,13 @@ async def fit(
             survivors = [d for d in tplan.devices if d not in dead]
             if not survivors:
                 raise
-            # What the replica holds stays; what came after it is trained again.
-            done = (done + run.report.losses)[: source.replica_step]
+            if consistency == "fast":
+                # Every completed mini-batch stays: only those in flight go again.
+                done = done + run.report.losses
+                source.forget_before(len(done))
+            else:
+                # What the replica holds stays; what came after it is trained again.
+                done = (done + run.report.losses)[: source.replica_step]
             earlier_samples += run.report.samples
             first_started = first_started or run.started
             recoveries.append(
@@ -305,20 +320,25 @@ async def fit(
                     "dead": failure.stage,
                     "reason": failure.reason,
                     "noticed_at": time.monotonic(),
-                    "resumed_from": source.replica_step,
+                    "resumed_from": source.kept_from,
+                    "replica": source.replica_step,
                     "replayed": len(source.kept),
                     "policy": recovery,
+                    "consistency": consistency,
                 }
             )
             log.warning(
                 "training_recovering",
                 run=run.run,
                 dead=failure.stage,
-                resume_from=source.replica_step,
+                resume_from=source.kept_from,
+                consistency=consistency,
                 replay=len(source.kept),
                 policy=recovery,
             )
-            request = _resume_request(request, survivors, dead, recovery, source.resume)
+            request = _resume_request(
+                request, survivors, dead, recovery, source.resume, consistency
+            )
             plan = None
             continue
         finally:
@@ -345,6 +365,8 @@ async def fit(
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
 DEFAULT_REPLICATE_EVERY = 50
+# how a recovery treats the work since the replica (see fit's ``consistency``)
+CONSISTENCIES = ("exact", "fast")
 
 
 def _resume_request(
@@ -353,6 +375,7 @@ def _resume_request(
     dead: list[str],
     recovery: str,
     resume: tuple[int, int],
+    consistency: str,
 ) -> dict[str, Any]:
     """The run request that resumes from the replica over the survivors."""
     resumed = {
@@ -361,7 +384,7 @@ def _resume_request(
         "stages": None,
         "stage_names": survivors,
         "recovery": recovery,
-        "resume": {"run": resume[0], "step": resume[1], "dead": dead},
+        "resume": {"run": resume[0], "step": resume[1], "dead": dead, "consistency": consistency},
         "train": {**request["train"], "plan": None},
     }
     if request["partition"] is not None or request["train"].get("plan") is not None:
@@ -386,7 +409,9 @@ class _BatchSource:
 
     ``replica_step``: the mini-batch the coordinator's replica was taken before
     (every mini-batch before it is in the replica); ``resume``: that replica's
-    (run, the run's own step).
+    (run, the run's own step); ``kept_from``: the mini-batch ``kept[0]`` is, where
+    the next attempt starts (the replica's, or with `fast` consistency the first
+    mini-batch that had not completed).
     """
 
     def __init__(self, batches: Iterable[Batch] | AsyncIterable[Batch]) -> None:
@@ -398,9 +423,15 @@ class _BatchSource:
             self._sync = iter(batches)
         self._pending: asyncio.Future[Any] | None = None
         self.kept: list[Batch] = []
+        self.kept_from = 0
         self.replica_step = 0
         self.resume: tuple[int, int] | None = None
         self.replicas: list[int] = []
+
+    def forget_before(self, step: int) -> None:
+        """Mini-batches before ``step`` will not be trained again."""
+        self.kept = self.kept[step - self.kept_from :]
+        self.kept_from = step
 
     async def iterate(self) -> AsyncIterator[Batch]:
         """The kept mini-batches again, then new ones (kept too)."""
@@ -427,7 +458,7 @@ class _BatchSource:
 
     def replicated(self, step: int, run: int, run_step: int) -> None:
         """The coordinator holds a replica taken before mini-batch ``step``."""
-        self.kept = self.kept[step - self.replica_step :]
+        self.forget_before(step)
         self.replica_step = step
         self.resume = (run, run_step)
         self.replicas.append(step)

@@ -22,7 +22,7 @@ from zpipe.cli_common import positive_float, positive_int
 from zpipe.client import PipelineClient
 from zpipe.cluster import LocalCluster
 from zpipe.demo import DEMO_DEVICES
-from zpipe.fit import TrainReport
+from zpipe.fit import CONSISTENCIES, TrainReport
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.training.schedules import SCHEDULES
@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=RECOVERY_POLICIES,
         default="lightweight",
         help="with --recover: how the survivors are planned (default: lightweight)",
+    )
+    parser.add_argument(
+        "--consistency",
+        choices=CONSISTENCIES,
+        default=None,
+        help="with --recover: 'exact' rolls every stage back to the replica and trains "
+        "again from there (the model equals an uninterrupted run's); 'fast' keeps the "
+        "survivors' newest weights and goes on (default: exact)",
     )
     parser.add_argument(
         "--rebalance",
@@ -193,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             replicate_every=args.replicate_every,
             recovery=args.recovery,
             rebalance=args.rebalance,
+            consistency=args.consistency or "exact",
         )
-    elif args.replicate_every is not None or args.rebalance is not None:
-        print("python -m zpipe train: --replicate-every and --rebalance need --recover",
-              file=sys.stderr)  # fmt: skip
+    elif (args.replicate_every, args.rebalance, args.consistency) != (None, None, None):
+        print("python -m zpipe train: --replicate-every, --rebalance and --consistency "
+              "need --recover", file=sys.stderr)  # fmt: skip
         return 2
     try:
         if args.coordinator is not None:

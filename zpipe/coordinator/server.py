@@ -622,6 +622,8 @@ class Coordinator:
                 dead = set(message["resume"].get("dead") or [])
                 kept = [n for n in names if n in alive and n not in dead]
                 message = Message("run_request", {**message.body, "stage_names": kept})
+            if message["resume"].get("consistency") == "fast":
+                replica = await self._fast_replica(replica, message)
             if recovery != "heavy" and settings.get("plan") is None:
                 given = self._replan_training(replica, recovery, message, spec)
                 return await self._start_training_run(
@@ -1360,6 +1362,51 @@ class Coordinator:
         if replica.plan.num_units != load_layer_sequence(spec).num_units:
             raise ConfigError("the replica is of another model")
         return replica
+
+    async def _fast_replica(self, replica: _Replica, message: Message) -> _Replica:
+        """The `fast` consistency (as FTPipeHD and Asteroid recover): the survivors of
+        the broken run keep their newest weights and optimizer state; only the units
+        no survivor holds (the dead's) come from the replica."""
+        run = self._run
+        dead = {str(d) for d in (message["resume"].get("dead") or [])}
+        if run is None or run.training_plan is None:
+            return replica  # no broken run here (a restarted coordinator): exact it is
+        alive = {m.name: m for m in self.membership.alive() if m.state is MemberState.ALIVE}
+        survivors = [d for d in run.devices if d in alive and d not in dead | run.failed]
+        request = Message(
+            "weights_request",
+            {"run": run.run, "step": 0, "optimizer": True, "latest": True},
+            epoch=run.epoch,
+        )
+        replies = await asyncio.gather(
+            *(
+                self._request(alive[d], request, "weights", self.config.timeouts.result_s)
+                for d in survivors
+            ),
+            return_exceptions=True,
+        )
+        newer: dict[str, torch.Tensor] = {}
+        completed: dict[str, int] = {}
+        for name, reply in zip(survivors, replies, strict=True):
+            if isinstance(reply, BaseException) or reply["error"]:
+                # Its units fall back to the replica: still a consistent model.
+                error = reply if isinstance(reply, BaseException) else reply["error"]
+                log.warning("fast_state_missing", stage=name, error=str(error))
+                continue
+            for key, tensor in zip(reply["keys"], reply.tensors, strict=True):
+                # a data-parallel group's members hold identical copies; one is kept
+                newer.setdefault(str(key), tensor.clone())
+            completed[name] = int(reply.get("completed") or 0)
+        log.info(
+            "fast_resume",
+            run=run.run,
+            replica_step=replica.step,
+            completed=completed,
+            units_from_replica=sorted(
+                {u[0] for k in replica.state if k not in newer and (u := split_unit_key(k))}
+            ),
+        )
+        return _Replica(replica.run, replica.step, replica.plan, {**replica.state, **newer})
 
     def _replan_training(
         self, replica: _Replica, policy: str, message: Message, spec: ModelSpec

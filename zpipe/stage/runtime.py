@@ -816,9 +816,17 @@ class StageRuntime:
         try:
             if trainer is None or trainer.setup.run != run:
                 raise ConfigError(f"this stage is not training run {run}")
-            await trainer.wait_for_step(step, self.config.timeouts.result_s)
             shard = trainer.shard
-            state = shard.training_state() if message.get("optimizer") else shard.state_dict()
+            if message.get("latest"):
+                # The run broke elsewhere: stop it here, then read the state in the
+                # compute thread, after whatever step it was running.
+                await self._stop_data_tasks()
+                loop = asyncio.get_running_loop()
+                state = await loop.run_in_executor(self._compute, shard.training_state)
+                reply["completed"] = trainer.completed_steps
+            else:
+                await trainer.wait_for_step(step, self.config.timeouts.result_s)
+                state = shard.training_state() if message.get("optimizer") else shard.state_dict()
             if len(state) > codec.MAX_TENSORS:
                 raise ConfigError(
                     f"this stage holds {len(state)} tensors, more than one message "

@@ -225,7 +225,15 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     },
     # training weights: client -> coordinator -> every stage, gathered back
     # ("optimizer": with the optimizer's state, for a replica to resume from)
-    "weights_request": {"run": (_INT, True), "step": (_INT, True), "optimizer": (_BOOL, False)},
+    # "latest": the state as it is now, without waiting for round "step"; the stage
+    # stops training that run first (its run broke: the `fast` consistency resumes
+    # from the survivors' newest weights)
+    "weights_request": {
+        "run": (_INT, True),
+        "step": (_INT, True),
+        "optimizer": (_BOOL, False),
+        "latest": (_BOOL, False),
+    },
     # a global replica: the coordinator keeps every stage's state after mini-batch "step"
     "replicate": {"run": (_INT, True), "step": (_INT, True)},
     "replicated": {
@@ -262,6 +270,8 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "error": (_STR, True),
         # the stage's counters at that round (forward/backward time, micro-batches)
         "metrics": (_OPT_MAP, False),
+        # the rounds the stage had completed (with "latest")
+        "completed": (_INT, False),
     },
     "checkpoint": {"run": (_INT, True), "step": (_INT, True), "keys": (_LIST, True)},
     "cluster_request": {},
