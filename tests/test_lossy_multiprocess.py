@@ -8,11 +8,13 @@ mini-batches, so the numbers compared are exact.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -20,7 +22,9 @@ import pytest
 import zmq
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe.lossy import experiment
 from zpipe.lossy.data import Dataset, load_digits_dataset
+from zpipe.lossy.linkmodes import check_link_transport, udp_available
 from zpipe.lossy.links import Direction, Recovery, deliver
 from zpipe.lossy.mapping import map_devices
 from zpipe.lossy.multiprocess import DevicePool, run_multiprocess
@@ -28,7 +32,7 @@ from zpipe.lossy.partial import mlp_forward_backward
 from zpipe.lossy.partition import partition
 from zpipe.lossy.simulate import RunConfig, prepare_run, run_training
 from zpipe.lossy.trace import TrainingTrace, train_in_process
-from zpipe.lossy.wire import RunSpec, check_link_transport, udp_available
+from zpipe.lossy.wire import RunSpec
 from zpipe.transport.codec import Message, encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -340,3 +344,32 @@ def test_run_spec_round_trips_and_rejects_garbage(data: Dataset) -> None:
     ):
         with pytest.raises(ProtocolError):
             RunSpec.from_body(broken)
+
+
+# -- the command line -----------------------------------------------------------------
+
+
+def test_experiment_cli_runs_across_processes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "mp"
+    argv = ["--multiprocess", "--measure-links", "--allocation", "horizontal", "--devices", "2",
+            "--seeds", "1", "--steps", "3", "--hidden", "8", "--batch-size", "10",
+            "--region", "80", "--out", str(out)]  # fmt: skip
+    assert experiment.main(argv) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["matches_simulation"] is True
+    assert run["n_data"] == 3 and len(run["measured_prr"]) == 2
+    assert json.loads(capsys.readouterr().out)["matches_simulation"] is True
+
+
+def test_experiment_cli_refuses_udp_links(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if udp_available():
+        pytest.skip("this pyzmq has draft sockets")
+    argv = ["--multiprocess", "--link-transport", "udp", "--steps", "1", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exc:
+        experiment.main(argv)
+    assert exc.value.code == 2
+    assert "draft RADIO/DISH" in capsys.readouterr().err

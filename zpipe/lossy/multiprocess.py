@@ -45,20 +45,13 @@ from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTi
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import Arrivals, shard_params, stitch_params
+from zpipe.lossy.linkmodes import WAIT_MODES, WaitMode, check_link_transport
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.schedule import total_timeslots
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
 from zpipe.lossy.trace import TrainingTrace, merge_propagation, merge_traffic
-from zpipe.lossy.wire import (
-    WAIT_MODES,
-    RunSpec,
-    WaitMode,
-    check_link_transport,
-    peers_body,
-    to_array,
-    to_tensor,
-)
+from zpipe.lossy.wire import RunSpec, peers_body, to_array, to_tensor
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -501,6 +494,7 @@ def run_multiprocess(
     """
     check_link_transport(link_transport)
     if pool is None:
+        # naive runs use device 0 only; every other allocation uses all of them
         with DevicePool(cfg.n_devices) as own:
             return run_multiprocess(
                 cfg,

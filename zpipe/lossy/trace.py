@@ -56,6 +56,23 @@ class TrainingTrace:
         }
 
 
+def same_run(a: TrainingTrace, b: TrainingTrace, *, rtol: float = 1e-12) -> bool:
+    """Whether two traces dropped the same messages and ended with the same
+    losses and weights (to ``rtol``: processes may sum in another order)."""
+    if a.arrivals != b.arrivals or a.losses.keys() != b.losses.keys():
+        return False
+    if {k: v.as_dict() for k, v in a.traffic.items()} != {
+        k: v.as_dict() for k, v in b.traffic.items()
+    }:
+        return False
+    if not np.allclose(list(a.losses.values()), list(b.losses.values()), rtol=rtol, atol=0.0):
+        return False
+    return all(
+        np.allclose(wa, wb, rtol=rtol, atol=1e-14) and np.allclose(ba, bb, rtol=rtol, atol=1e-14)
+        for (wa, ba), (wb, bb) in zip(a.params, b.params, strict=True)
+    )
+
+
 def train_in_process(prepared: PreparedRun, data: Dataset) -> TrainingTrace:
     """Train ``prepared`` on the in-process engine, keeping the arrivals."""
     cfg = prepared.config

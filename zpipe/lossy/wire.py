@@ -24,13 +24,13 @@ ratios as a list of float64 lists, which msgpack carries exactly).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
-from zpipe._errors import ConfigError, ProtocolError
+from zpipe._errors import ProtocolError
+from zpipe.lossy.linkmodes import WAIT_MODES, WaitMode
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
@@ -96,38 +96,6 @@ LOSSY_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
 }
 register_kinds(LOSSY_SCHEMAS, tensor_kinds=("lossy_setup", "lossy_partial", "lossy_result"))
-
-WaitMode = Literal["emulated", "deadline"]
-WAIT_MODES: tuple[WaitMode, ...] = ("emulated", "deadline")
-LINK_TRANSPORTS = ("tcp", "udp")
-
-
-def udp_available() -> bool:
-    """Whether this pyzmq/libzmq has the draft RADIO/DISH (UDP) sockets."""
-    return bool(zmq.has("draft")) and hasattr(zmq, "RADIO") and hasattr(zmq, "DISH")
-
-
-def check_link_transport(name: str) -> str:
-    """``tcp`` (message-level emulated loss over ZeroMQ TCP) is the only one built.
-
-    Real UDP loss would need ZeroMQ's draft RADIO/DISH sockets, which stock
-    pyzmq wheels do not enable; say so rather than fall back silently.
-    """
-    if name == "tcp":
-        return name
-    if name == "udp":
-        if not udp_available():
-            raise ConfigError(
-                "UDP links need ZeroMQ's draft RADIO/DISH sockets, which this pyzmq "
-                f"{zmq.__version__} / libzmq {zmq.zmq_version()} build lacks "
-                "(zmq.has('draft') is False); use --link-transport tcp, whose loss is "
-                "emulated per message with the same seeded decisions"
-            )
-        raise ConfigError(
-            "this pyzmq has draft RADIO/DISH sockets, but zpipe does not drive UDP links "
-            "yet; use --link-transport tcp"
-        )
-    raise ConfigError(f"unknown link transport {name!r}; choose one of {LINK_TRANSPORTS}")
 
 
 @dataclass(frozen=True)
