@@ -39,6 +39,11 @@ hybrid above vertical and horizontal under loss, hybrid without loss within
 paper has it surpassing naive; the signed difference is reported too). The
 experiment is not tuned to make it reproduce.
 
+``--multiprocess N`` adds one line: hybrid, seed 0, ``N`` mini-batches trained
+across real device processes (:mod:`zpipe.lossy.multiprocess`) against the
+same run simulated in process: wall times, their ratio, and whether the two
+dropped the same messages and reached the same weights.
+
 Run: ``.venv/bin/python bench/lossy.py`` (about 2-4 minutes on 2 cores;
 ``--quick`` for a smoke run of 2 seeds; ``--idx-dir DIR`` for Fashion-MNIST
 IDX files, much slower).
@@ -49,6 +54,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -105,6 +111,36 @@ def naive_budget(base: RunConfig, data: Dataset) -> tuple[float, int, bool]:
     return budget, n_data, reached
 
 
+def multiprocess_line(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
+    """One hybrid run across device processes against the in-process simulation."""
+    from zpipe.lossy.multiprocess import DevicePool
+    from zpipe.lossy.simulate import prepare_run
+    from zpipe.lossy.trace import same_run, train_in_process
+
+    cfg = replace(cfg, seed=0, allocation="hybrid")
+    prepared = prepare_run(cfg, data)
+    started = time.perf_counter()
+    simulated = train_in_process(prepared, data)
+    simulation_s = time.perf_counter() - started
+    started = time.perf_counter()
+    with DevicePool(cfg.n_devices) as pool:
+        pool_start_s = time.perf_counter() - started
+        result = pool.train(prepared, data)
+    return {
+        "bench": "lossy",
+        "kind": "multiprocess",
+        "config": "hybrid",
+        "mini_batches": prepared.n_data,
+        "devices": cfg.n_devices,
+        "pool_start_s": pool_start_s,
+        "multiprocess_s": result.wall_s,
+        "simulation_s": simulation_s,
+        "multiprocess_over_simulation": result.wall_s / simulation_s,
+        "matches_simulation": same_run(result.trace, simulated),
+        "propagation_rate": result.trace.propagation.rate("forward", "backward"),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="EdgePipe allocations under lossy links: final test accuracy and "
@@ -120,6 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--equal-steps", type=int, help="give every configuration this many mini-batches instead"
     )
     parser.add_argument("--idx-dir", type=Path, help="Fashion-MNIST IDX directory (local only)")
+    parser.add_argument(
+        "--multiprocess",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N hybrid mini-batches across device processes against the simulation",
+    )
     args = parser.parse_args(argv)
     seeds = 2 if args.quick else args.seeds
     repeats = 2 if args.quick else args.test_repeats
@@ -159,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 length = {"n_data": None, "budget_s": budget}
             for name, overrides in configs.items():
                 results[name].append(run_training(replace(base, **length, **overrides), data))
+
+    if args.multiprocess > 0:
+        emit(multiprocess_line(replace(base, n_data=args.multiprocess, budget_s=None), data))
 
     out: dict[str, Any] = {}
     for name, runs in results.items():

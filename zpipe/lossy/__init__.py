@@ -14,6 +14,15 @@ Modules, one job each (all pure, no I/O except :mod:`.experiment`):
 - :mod:`.data`       local data sets (digits, IDX files)
 - :mod:`.experiment` the command line: runs, sweeps, JSON and plots
 - :mod:`.plots`      Fig. 5 and Fig. 9 style PNGs (matplotlib, optional)
+
+Across real processes (none re-exported here: the wire pulls in torch for the codec):
+
+- :mod:`.shard`        one device's slices and passes (the engine runs one per device)
+- :mod:`.trace`        what a run did, message by message; the in-process reference
+- :mod:`.linkmodes`    wait modes and link transports (UDP needs draft sockets)
+- :mod:`.wire`         the device processes' message kinds on zpipe's codec
+- :mod:`.device`       ``python -m zpipe.lossy.device``: one device process
+- :mod:`.multiprocess` the launcher: a pool of device processes, runs, link probes
 """
 
 from __future__ import annotations

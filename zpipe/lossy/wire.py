@@ -145,8 +145,10 @@ class RunSpec:
                 prr=prr,
                 seed=_int(body["seed"]),
                 recovery=Recovery(
-                    str(rec["scheme"]), _int(rec["copies"]), _int(rec["max_attempts"])
-                ),  # type: ignore[arg-type]
+                    rec["scheme"],  # Recovery refuses an unknown scheme
+                    _int(rec["copies"]),
+                    _int(rec["max_attempts"]),
+                ),
                 lossless=bool(body["lossless"]),
                 lr=float(body["lr"]),
                 n_data=_int(body["n_data"]),
