@@ -10,6 +10,7 @@ from zpipe._errors import ConfigError
 from zpipe.recovery.detection import (
     DeadlinePolicy,
     LatencyWindow,
+    StallWatch,
     Verdict,
     adaptive_deadline,
     judge_wait,
@@ -90,3 +91,54 @@ def test_latencies_must_be_real_durations():
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(ConfigError, match="latency"):
             window.observe(bad)
+
+
+def _quick() -> DeadlinePolicy:
+    return DeadlinePolicy(k=3.0, window=8, min_samples=3, floor_s=0.01, cold_start_s=5.0)
+
+
+def test_a_stall_is_reported_once_per_wait_and_a_late_result_widens_the_window():
+    watch = StallWatch(_quick())
+    assert watch.stalled(100.0) is None  # nothing in flight: nothing to wait for
+    watch.sent(0.0)
+    watch.sent(0.0)
+    assert watch.stalled(4.9) is None  # cold start: the first waits include warm-up
+    assert watch.stalled(5.1) == pytest.approx((5.1, 5.0))
+    assert watch.stalled(6.0) is None  # reported once
+    t = 6.0
+    watch.completed(t)  # the fill window got 6.0; one left in flight
+    for _ in range(4):  # a steady result every 0.1 s
+        watch.sent(t)
+        t += 0.1
+        watch.completed(t)
+    assert watch.outstanding == 1
+    assert watch.deadline() == pytest.approx(0.1 + 3 * 0.05 * 0.1)  # MAD 0: ratio floor
+    assert watch.stalled(t + 0.11) is None
+    assert watch.stalled(t + 0.2) is not None  # a gap twice the usual
+    # the device was slow, not dead: its late result widens the window
+    watch.completed(t + 1.0)
+    assert watch.outstanding == 0 and watch.stalled(t + 50) is None
+    assert watch.gap.samples[-1] == pytest.approx(1.0)
+
+
+def test_a_wait_from_idle_is_judged_by_the_fill_window_not_the_gap_window():
+    watch = StallWatch(_quick())
+    t = 0.0
+    for _ in range(3):  # three fills of 1 s each (the pipeline drained between)
+        watch.sent(t)
+        watch.completed(t + 1.0)
+        t += 2.0
+    for _ in range(3):  # and gaps of 0.1 s while full
+        watch.sent(t)
+        watch.sent(t)
+        watch.completed(t + 1.0)
+        watch.completed(t + 1.1)
+        t += 2.0
+    watch.sent(t)
+    assert watch.stalled(t + 0.5) is None  # 0.5 s from idle: well within a fill
+    assert watch.stalled(t + 1.2) is not None
+
+
+def test_a_result_with_nothing_in_flight_is_a_caller_bug():
+    with pytest.raises(ConfigError, match="no work in flight"):
+        StallWatch().completed(1.0)

@@ -18,6 +18,7 @@ from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.fit import TrainReport
 from zpipe.models import ModelSpec
+from zpipe.recovery import DeadlinePolicy
 
 INTERVAL = 0.3
 SUSPECT_AFTER = 3
@@ -254,3 +255,66 @@ def test_an_unknown_consistency_is_refused() -> None:
     client = PipelineClient("tcp://127.0.0.1:1")
     with pytest.raises(ConfigError, match="unknown consistency 'eventual'"):
         asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, consistency="eventual"))
+
+
+def _events(log: str, event: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in log.splitlines() if f'"event": "{event}"' in line]
+
+
+def test_a_stall_at_the_data_source_finds_a_dead_stage_before_its_heartbeats_lapse() -> None:
+    batches = make_batches(10, 9, seed=26)
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    # heartbeats alone would take 20 intervals (6 s) to suspect anyone
+    with LocalCluster(
+        [DeviceSpec(n) for n in ("a", "b", "c")],
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=20,
+        probe_intervals=PROBE_INTERVALS,
+    ) as cluster:
+        report = _train_killing(
+            cluster,
+            {4: "b"},
+            batches,
+            partition=[[0, 1], [1, 3], [3, 4]],
+            stage_names=["a", "b", "c"],
+            recover=True,
+            replicate_every=6,
+            stall_deadline=DeadlinePolicy(k=5.0, min_samples=2, floor_s=0.25, cold_start_s=10),
+        )
+        log = cluster.logs("coordinator")
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert [r["dead"] for r in report.recoveries] == ["b"]
+    suspected = [e for e in _events(log, "stage_suspect") if e["stage"] == "b"]
+    assert suspected and suspected[0]["reason"] == "stall"  # before any heartbeat lapsed
+    assert _events(log, "stall_reported")
+    assert [e["stage"] for e in _events(log, "stage_dead")] == ["b"]
+
+
+def test_a_slow_stage_answers_the_stall_probe_and_is_not_declared_dead() -> None:
+    batches = make_batches(6, 9, seed=27)
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    devices = [DeviceSpec("a"), DeviceSpec("b", slowdown=3.0), DeviceSpec("c")]
+    # a hair-trigger deadline: every wait past the last one's length is a stall
+    hair_trigger = DeadlinePolicy(k=0.0, min_samples=1, floor_s=0.0, cold_start_s=0.0,
+                                  mad_floor_ratio=0.0)  # fmt: skip
+    with LocalCluster(devices, heartbeat_interval_s=INTERVAL) as cluster:
+        report = cluster.fit(
+            SPEC,
+            batches,
+            optimizer=SGD,
+            num_microbatches=3,
+            progress=False,
+            partition=[[0, 1], [1, 3], [3, 4]],
+            stage_names=["a", "b", "c"],
+            recover=True,
+            replicate_every=3,
+            stall_deadline=hair_trigger,
+        )
+        log = cluster.logs("coordinator")
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert report.recoveries == []
+    assert _events(log, "stall_reported")  # the stalls were reported and probed...
+    assert _events(log, "stage_answered_probe")
+    assert _events(log, "stage_dead") == []  # ...and everyone answered

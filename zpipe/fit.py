@@ -59,6 +59,7 @@ from zpipe.models.weights import save_weights
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
+from zpipe.recovery import DeadlinePolicy, StallWatch
 from zpipe.training.objectives import check_loss, check_optimizer
 from zpipe.training.routing import split_rows
 from zpipe.transport import security
@@ -156,6 +157,7 @@ async def fit(
     recovery: str = "lightweight",
     rebalance: float | None = None,
     consistency: str = "exact",
+    stall_deadline: DeadlinePolicy | None = None,
 ) -> TrainReport:
     """Train ``model`` on ``batches``; returns the losses and the trained weights.
 
@@ -186,6 +188,11 @@ async def fit(
     run's; "fast" (as FTPipeHD and Asteroid recover) keeps the survivors' newest
     weights, takes only the dead stage's units from the replica, and goes on from the
     first mini-batch whose loss had not come back (nothing completed is trained twice).
+    ``stall_deadline``: how long to wait for the next mini-batch's loss before the
+    coordinator probes the run's stages (FTPipeHD's deadline at the data source,
+    adapted to the latencies seen: median + k MAD; default
+    :data:`DEFAULT_STALL_DEADLINE`). A dead stage is then found without waiting for
+    its heartbeats to lapse; a slow one answers the probe and stays.
     """
     if consistency not in CONSISTENCIES:
         raise ConfigError(
@@ -254,6 +261,7 @@ async def fit(
         if plan is not None:
             schedule, num_microbatches = plan.schedule, plan.num_microbatches
         run = _TrainRun(client, reply, model, schedule, num_microbatches, max_steps_in_flight)
+        run.stall = StallWatch(stall_deadline or DEFAULT_STALL_DEADLINE)
         run.offset, run.replicate_every = source.kept_from, every
         if recoveries:
             recoveries[-1]["restart_s"] = time.monotonic() - recoveries[-1]["noticed_at"]
@@ -365,6 +373,12 @@ async def fit(
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
 DEFAULT_REPLICATE_EVERY = 50
+# The data source's deadline: a loss later than median + 5 MAD of the recent gaps
+# (at least 0.25 s; 10 s for the first four, which include warm-up) has the
+# coordinator probe the stages. A false alarm costs one probe message per stage.
+DEFAULT_STALL_DEADLINE = DeadlinePolicy(
+    k=5.0, window=32, min_samples=4, floor_s=0.25, cold_start_s=10.0
+)
 # how a recovery treats the work since the replica (see fit's ``consistency``)
 CONSISTENCIES = ("exact", "fast")
 
@@ -518,6 +532,7 @@ class _TrainRun:
         self.offset = 0
         self.replicate_every: int | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self.stall = StallWatch(DEFAULT_STALL_DEADLINE)
 
     def _push(self, endpoint: str, key: object) -> zmq.asyncio.Socket:
         client = self.client
@@ -559,6 +574,7 @@ class _TrainRun:
             asyncio.create_task(guarded(self._feed(source))),
             asyncio.create_task(guarded(self._drain(step_done))),
             asyncio.create_task(guarded(self._watch_failures())),
+            asyncio.create_task(guarded(self._watch_stalls())),
         ]
         done = asyncio.create_task(self.finished.wait())
         failed = asyncio.create_task(failure.get())
@@ -620,6 +636,7 @@ class _TrainRun:
         await self.window.acquire()  # at most max_steps_in_flight mini-batches outstanding
         step = self.sent_steps
         self.sent_steps += 1
+        self.stall.sent(time.monotonic())
         self.report.samples += samples
         for i, part in enumerate(parts):
             mb = step * self.m + i
@@ -679,6 +696,7 @@ class _TrainRun:
                 loss = sum(self.step_losses.pop(step))
                 self.report.losses.append(loss)
                 self.done_steps += 1
+                self.stall.completed(time.monotonic())
                 self.step_finished.set()
                 self.window.release()
                 step_done(step, loss)
@@ -696,6 +714,29 @@ class _TrainRun:
             step = int(message["step"])
             if not self.done_steps <= step < self.sent_steps:
                 raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
+
+    async def _watch_stalls(self) -> None:
+        """Tell the coordinator when the next loss is later than its deadline."""
+        control = self.client._control
+        assert control is not None
+        while True:
+            await asyncio.sleep(min(max(self.stall.deadline() / 4, 0.02), 0.5))
+            stalled = self.stall.stalled(time.monotonic())
+            if stalled is None:
+                continue
+            waited, deadline = stalled
+            log.warning("training_stalled", run=self.run, waited_s=round(waited, 3),
+                        deadline_s=round(deadline, 3))  # fmt: skip
+            body = {"run": self.run, "waited_s": waited, "deadline_s": deadline}
+            try:
+                await send(
+                    control.sock,
+                    Message("stalled", body),
+                    timeout_s=self.client.timeouts.send_s,
+                    peer="coordinator",
+                )
+            except TransportTimeout as exc:  # heartbeats still find a dead stage
+                log.warning("stall_not_reported", run=self.run, error=str(exc))
 
     async def _watch_failures(self) -> None:
         control = self.client._control

@@ -146,6 +146,18 @@ class Membership:
         member.dead_reason = reason
         return Death(name, reason, now - member.last_seen)
 
+    def suspect(self, name: str, now: float) -> Probe | None:
+        """Suspect ``name`` now, before its heartbeats lapse (its work stalled at the
+        data source): the probe to send, or None if it is not alive or already probed."""
+        member = self._members.get(name)
+        if member is None or member.state is not MemberState.ALIVE:
+            return None
+        member.state = MemberState.SUSPECT
+        member.suspect_since = now
+        member.probe_nonce = self._next_nonce
+        self._next_nonce += 1
+        return Probe(name, member.probe_nonce)
+
     def tick(self, now: float) -> tuple[list[Probe], list[Death]]:
         """Advance time: the probes to send now and the members now declared dead."""
         probes: list[Probe] = []

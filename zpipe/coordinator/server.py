@@ -411,6 +411,9 @@ class Coordinator:
         if kind == "run_request":
             self._spawn(self._on_run_request(routing_id, user_key, message))
             return
+        if kind == "stalled":
+            await self._on_stalled(message, now)
+            return
         if kind in ("run_go", "run_end", "cluster_request", "weights_request", "replicate"):
             handler = {
                 "run_go": self._on_run_go,
@@ -453,6 +456,34 @@ class Coordinator:
             self._resolve_run_reply(member, message)
         else:
             raise ProtocolError(f"unexpected {kind!r} from stage {member.name!r}")
+
+    async def _on_stalled(self, message: Message, now: float) -> None:
+        """The client's results are late: probe every stage of the run now rather than
+        after their heartbeats lapse. One that answers is slow and stays; one that
+        does not is declared dead after the probe intervals, as any other."""
+        run = self._run
+        if run is None or run.run != message["run"]:
+            return  # a late report of a run already over
+        log.warning(
+            "stall_reported",
+            run=run.run,
+            waited_s=round(float(message["waited_s"]), 3),
+            deadline_s=round(float(message["deadline_s"]), 3),
+        )
+        interval = self.config.timeouts.heartbeat_interval_s
+        for name in run.devices:
+            probe = self.membership.suspect(name, now)
+            member = self.membership.get(name)
+            if probe is None or member is None:
+                continue
+            log.warning("stage_suspect", stage=name, reason="stall")
+            with contextlib.suppress(TransportTimeout):
+                await self._send(
+                    member.routing_id,
+                    Message("probe", {"nonce": probe.nonce}),
+                    peer=name,
+                    timeout_s=interval,
+                )
 
     async def _on_register(
         self, routing_id: bytes, user_key: str | None, message: Message, now: float

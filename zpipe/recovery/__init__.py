@@ -31,6 +31,7 @@ from zpipe.recovery.capacity import (
 from zpipe.recovery.detection import (
     DeadlinePolicy,
     LatencyWindow,
+    StallWatch,
     Verdict,
     adaptive_deadline,
     judge_wait,
@@ -83,6 +84,7 @@ __all__ = [
     "ReplicaSend",
     "ReplicationSchedule",
     "StageSpan",
+    "StallWatch",
     "Transfer",
     "Verdict",
     "WeightsLostError",

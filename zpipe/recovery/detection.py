@@ -123,3 +123,55 @@ class LatencyWindow:
 
     def judge(self, elapsed_s: float, *, responsive: bool) -> Verdict:
         return judge_wait(elapsed_s, self.deadline(), responsive=responsive)
+
+
+class StallWatch:
+    """FTPipeHD's deadline at the data source: how long the source may wait for the
+    next result of work in flight before it asks whether a device died.
+
+    The source calls :meth:`sent` when it starts a unit of work (a mini-batch) and
+    :meth:`completed` when one comes back (results come back in order). A wait
+    that starts from an idle pipeline includes filling it, so it is judged
+    against its own window (``fill``); a wait between two results against the
+    ``gap`` window. :meth:`stalled` reports a wait past its deadline once; the
+    caller then has the devices probed: a device that answers is slow, and its
+    late result widens the window, so the deadline follows it.
+    """
+
+    def __init__(self, policy: DeadlinePolicy | None = None) -> None:
+        self.gap = LatencyWindow(policy)
+        self.fill = LatencyWindow(policy)
+        self.outstanding = 0
+        self._since: float | None = None  # when the current wait began
+        self._from_idle = False
+        self._reported = False
+
+    def sent(self, now: float) -> None:
+        if self.outstanding == 0:
+            self._since, self._from_idle, self._reported = now, True, False
+        self.outstanding += 1
+
+    def completed(self, now: float) -> None:
+        if self.outstanding == 0 or self._since is None:
+            raise ConfigError("a result came back with no work in flight")
+        window = self.fill if self._from_idle else self.gap
+        window.observe(now - self._since)
+        self.outstanding -= 1
+        if self.outstanding:
+            self._since, self._from_idle, self._reported = now, False, False
+        else:
+            self._since = None
+
+    def deadline(self) -> float:
+        """The deadline of the current (or next) wait."""
+        return (self.fill if self._from_idle or self._since is None else self.gap).deadline()
+
+    def stalled(self, now: float) -> tuple[float, float] | None:
+        """(waited, deadline) the first time the current wait passes its deadline."""
+        if self._since is None or self._reported:
+            return None
+        waited, deadline = now - self._since, self.deadline()
+        if waited <= deadline:
+            return None
+        self._reported = True
+        return waited, deadline

@@ -236,6 +236,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     },
     # a global replica: the coordinator keeps every stage's state after mini-batch "step"
     "replicate": {"run": (_INT, True), "step": (_INT, True)},
+    # the client waited past its adaptive deadline for the run's next result
+    # (FTPipeHD's deadline at the data source): probe the run's stages now
+    "stalled": {"run": (_INT, True), "waited_s": (_NUM, True), "deadline_s": (_NUM, True)},
     "replicated": {
         "run": (_INT, True),
         "step": (_INT, True),
