@@ -64,6 +64,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import NoReturn
 
+import numpy as np
+
 from zpipe._errors import ConfigError
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.cost import InfeasiblePlanError, fmt_bytes
@@ -72,7 +74,7 @@ from zpipe.planner.plan import even_ranges
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import (
     TrainingCosts,
-    allocate_microbatch,
+    allocate_microbatches,
     estimate_round_s,
     estimate_stages_round_s,
     evaluate_group,
@@ -92,7 +94,7 @@ from zpipe.training.schedules import asteroid_warmup, ecofl_warmup
 # stages, wins (prefix sums are not bit-exact).
 _TIE_RTOL = 1e-9
 # Limit of the HPP DP's work: (stage, next stage) pairs it would examine without pruning.
-# Asteroid Table 7's case, 213 units over 6 devices, is 9.6 million (seconds on 2 cores).
+# Asteroid Table 7's case, 213 units over 6 devices, is 9.6 million (half a second on 2 cores).
 MAX_HPP_WORK = 20_000_000
 
 
@@ -155,43 +157,76 @@ class _Point:
         return out
 
 
-def _single_stage(stage: _Stage, num_microbatches: int) -> _Point:
-    g = stage.group
-    return _Point(num_microbatches * g.step_s, g.allreduce_s, stage, None, len(g.devices), 1)
-
-
-def _prepend(
-    stage: _Stage, transfer: tuple[float, float], rest: _Point, num_microbatches: int
-) -> _Point:
-    """Eq. 10-11: a new execution step and communication step in front of ``rest``."""
-    g, m = stage.group, num_microbatches
-    link = transfer[0] + transfer[1]
-    aligned = max(rest.aligned_s + g.step_s + link, m * g.step_s, m * link + g.step_s)
-    allreduce = max(g.allreduce_s, rest.allreduce_s - g.backward_s - transfer[1])
-    used = rest.num_devices + len(g.devices)
-    return _Point(aligned, allreduce, stage, rest, used, rest.num_stages + 1)
-
-
-def _pareto(points: list[_Point]) -> list[_Point]:
-    """The points no other point beats in both A and R (ties: fewer devices first)."""
-    points.sort(key=lambda q: (q.aligned_s, q.allreduce_s, q.num_devices))
-    front: list[_Point] = []
-    for q in points:
-        if not front or q.allreduce_s < front[-1].allreduce_s:
-            front.append(q)
-    return front
-
-
 # A state's Pareto front, with the group of its head stage: (g, h, front).
 _Entry = tuple[int, int, list[_Point]]
 
 
-class _HppSolver:
-    """Asteroid's Algorithm 2 over memory-ordered ``devices``, with cached stage costs.
+class _GroupTable:
+    """A run of devices' stages at one warm-up, filled in as the DP asks for them.
 
-    Speed matters here (Asteroid Table 7: 213 layers over 6 devices), so the stage loop
-    stops at the first stage too long or too large to be in a better plan: a stage's
-    time and memory never shrink as it takes more units.
+    Stage ``[i, j)`` sits at ``[i, j - i - 1]``: a band that widens as the DP asks for
+    longer stages (its bounds keep them short). ``status``: 0 not evaluated yet, 1 the
+    group runs the stage, 2 it cannot (memory).
+    """
+
+    __slots__ = ("_most", "allreduce", "backward", "shares", "status", "step", "width")
+
+    def __init__(self, num_units: int, size: int) -> None:
+        self._most = num_units  # j - i - 1 < num_units
+        self.width = 0
+        self.status = np.zeros((num_units + 1, 0), dtype=np.int8)
+        self.step = np.zeros((num_units + 1, 0))  # E_f + E_b
+        self.backward = np.zeros((num_units + 1, 0))  # E_b
+        self.allreduce = np.zeros((num_units + 1, 0))  # T_a
+        self.shares = np.zeros((num_units + 1, 0, size), dtype=np.int64)
+
+    def widen(self, width: int) -> None:
+        """Make room for columns ``0..width - 1``."""
+        if width <= self.width:
+            return
+        width = min(max(width, 2 * self.width, 16), self._most)
+
+        def grown(old: np.ndarray) -> np.ndarray:
+            new = np.zeros((old.shape[0], width, *old.shape[2:]), dtype=old.dtype)
+            new[:, : self.width] = old
+            return new
+
+        self.status, self.step, self.backward = (
+            grown(self.status),
+            grown(self.step),
+            grown(self.backward),
+        )
+        self.allreduce, self.shares = grown(self.allreduce), grown(self.shares)
+        self.width = width
+
+
+@dataclass(frozen=True, slots=True)
+class _Level:
+    """The states of one number of stages, as flat arrays of their Pareto points in the
+    order the DP made them: by first unit, then group ``(g, h)``, then front order."""
+
+    offsets: np.ndarray  # the points of states that start at unit j: [offsets[j], offsets[j+1])
+    last_group: np.ndarray  # per unit: the first device g of its last state's group; -1: none
+    unit: np.ndarray  # per point: the first unit of its state
+    first: np.ndarray  # g of its head stage's group
+    pair: np.ndarray  # (g, h) of its head stage's group, as an index of _HppSolver.pairs
+    aligned: np.ndarray  # A
+    allreduce: np.ndarray  # R
+    num_devices: np.ndarray
+    points: list[_Point]
+
+
+class _HppSolver:
+    """Asteroid's Algorithm 2 over memory-ordered ``devices``, vectorised with numpy.
+
+    Speed matters here (Asteroid Table 7: 213 layers over 6 devices), so a state's
+    stage loop stops at the first stage too long or too large to be in a better plan:
+    a stage's time and memory never shrink as it takes more units. The bound only
+    changes at states that start at unit 0 (complete plans), so the DP takes those one
+    by one and then, for each group of devices, evaluates (Algorithm 1 included) every
+    stage the other states of that many stages may need in one batch; each state then
+    extends the next level's Pareto points in one batch too. The arithmetic is the
+    scalar form's, in the same order, and ties break the same way, so the plans are too.
     """
 
     def __init__(
@@ -208,163 +243,354 @@ class _HppSolver:
         self.m = num_microbatches
         self.schedule = schedule
         self.block = block
-        # (start, end, g, h, warmup) -> group; the warm-up only sets the memory caps, so
-        # Algorithm 1's shares are kept by caps and shared between warm-ups.
-        self._groups: dict[tuple[int, int, int, int, int], _Group | None] = {}
-        self._shares: dict[tuple[int, int, int, int, tuple[int, ...]], tuple[int, ...] | None] = {}
-        self._links: dict[tuple[int, int, int, int, int], tuple[float, float]] = {}
-        self._prefix: dict[tuple[int, int], float] = {}
-        rows = [costs.prefix_rows(d) for d in self.devices]
-        self._forward = [f for f, _ in rows]
-        self._backward = [b for _, b in rows]
-
-    def group(self, start: int, end: int, g: int, h: int, warmup: int) -> _Group | None:
-        key = (start, end, g, h, warmup)
-        if key not in self._groups:
-            self._groups[key] = self._evaluate(start, end, g, h, warmup)
-        return self._groups[key]
-
-    def _evaluate(self, start: int, end: int, g: int, h: int, warmup: int) -> _Group | None:
-        """:func:`evaluate_group`'s shares and times (without its memory figures)."""
-        costs, devices, b = self.costs, self.devices[g:h], self.costs.microbatch_size
-        caps = tuple(costs.max_share(d, start, end, warmup) for d in devices)
-        if min(caps) < 0 or sum(caps) < b:
-            return None
-        fwd, bwd = self._forward, self._backward
-        if len(devices) == 1:
-            forward = fwd[g][b][end] - fwd[g][b][start]
-            backward = bwd[g][b][end] - bwd[g][b][start]
-            return _Group((devices[0].name,), (b,), forward + backward, backward, 0.0)
-        key = (start, end, g, h, caps)
-        if key not in self._shares:
-            # the same sums in the same order as TrainingCosts.step_times
-            times = [
-                [f[end] - f[start] + k[end] - k[start] for f, k in zip(fwd[d], bwd[d], strict=True)]
-                for d in range(g, h)
+        n, num_units = len(self.devices), costs.num_units
+        tables = [costs.prefix_tables(d) for d in self.devices]
+        self._forward = [f for f, _ in tables]
+        self._backward = [k for _, k in tables]
+        self._names = [d.name for d in self.devices]
+        self.pairs = [(g, h) for g in range(n) for h in range(g + 1, n + 1)]
+        self._pair = {gh: k for k, gh in enumerate(self.pairs)}
+        # bandwidth[a, c]: the slowest link from a device of run a to another of run c
+        links = [
+            [math.inf if u == v else costs.bandwidth_bps(u, v) for v in self._names]
+            for u in self._names
+        ]
+        self._bandwidth = np.array(
+            [
+                [
+                    min(links[u][v] for u in range(g, h) for v in range(g2, h2))
+                    for g2, h2 in self.pairs
+                ]
+                for g, h in self.pairs
             ]
-            self._shares[key] = allocate_microbatch(times, caps, b, block=self.block)
-        shares = self._shares[key]
-        if shares is None:
-            return None
-        forward = max(fwd[g + k][y][end] - fwd[g + k][y][start] for k, y in enumerate(shares))
-        backward = max(bwd[g + k][y][end] - bwd[g + k][y][start] for k, y in enumerate(shares))
-        names = tuple(d.name for d in devices)
+        )
+        self._bits = np.array(
+            [0.0] + [costs.boundary_bytes(j) * 8.0 for j in range(1, num_units + 1)]
+        )
+        # at the current warm-up: stages that end before the last unit, and those that end there
+        self._tables: dict[tuple[int, int], _GroupTable] = {}
+        self._finals: dict[tuple[int, int], _GroupTable] = {}
+        self._prefix: dict[int, list[float]] = {}
+
+    # -- stages -----------------------------------------------------------------------
+
+    def _table(self, g: int, h: int, *, final: bool = False) -> _GroupTable:
+        tables = self._finals if final else self._tables
+        table = tables.get((g, h))
+        if table is None:
+            table = tables[g, h] = _GroupTable(self.costs.num_units, h - g)
+            if final:  # one column: the stage that ends at the last unit
+                table.widen(1)
+        return table
+
+    def _evaluate(
+        self,
+        table: _GroupTable,
+        g: int,
+        h: int,
+        warmup: int,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        columns: np.ndarray,
+    ) -> None:
+        """Fill in stages ``[starts[r], ends[r])`` on devices ``[g, h)`` at ``columns[r]``:
+        Algorithm 1's shares (:func:`evaluate_group`'s), eq. 8's times and eq. 5's
+        all-reduce."""
+        if not starts.size:
+            return
+        costs, b, size = self.costs, self.costs.microbatch_size, h - g
+        caps = np.stack(
+            [costs.max_shares(self.devices[d], starts, ends, warmup) for d in range(g, h)], axis=1
+        )
+        runs = (caps.min(axis=1) >= 0) & (caps.sum(axis=1) >= b)
+        table.status[starts, columns] = np.where(runs, 1, 2)
+        starts, ends, columns, caps = starts[runs], ends[runs], columns[runs], caps[runs]
+        if not starts.size:
+            return
+        fwd, bwd = self._forward[g:h], self._backward[g:h]
+        if size == 1:
+            shares = np.full((starts.size, 1), b, dtype=np.int64)
+        else:
+            # the same sums in the same order as TrainingCosts.step_times: [stage, device, y]
+            times = np.stack(
+                [
+                    (f[:, ends] - f[:, starts] + k[:, ends]) - k[:, starts]
+                    for f, k in zip(fwd, bwd, strict=True)
+                ],
+                axis=1,
+            ).transpose(2, 1, 0)
+            shares, _ = allocate_microbatches(times, caps, b, block=self.block)
+        forward = backward = None
+        for d, (f, k) in enumerate(zip(fwd, bwd, strict=True)):
+            y = shares[:, d]
+            fd = f[y, ends] - f[y, starts]
+            bd = k[y, ends] - k[y, starts]
+            forward = fd if forward is None else np.maximum(forward, fd)
+            backward = bd if backward is None else np.maximum(backward, bd)
+        assert forward is not None and backward is not None
+        table.step[starts, columns] = forward + backward
+        table.backward[starts, columns] = backward
+        if size > 1:  # TrainingCosts.allreduce_s
+            bandwidth = float(self._bandwidth[self._pair[g, h], self._pair[g, h]])
+            weights = costs.weight_prefix[ends] - costs.weight_prefix[starts]
+            volume = 2.0 * (size - 1) / size * weights * 8.0
+            table.allreduce[starts, columns] = volume / bandwidth if bandwidth != math.inf else 0.0
+        table.shares[starts, columns] = shares
+
+    def _group(self, table: _GroupTable, start: int, column: int, g: int, h: int) -> _Group:
         return _Group(
-            names, shares, forward + backward, backward, costs.allreduce_s(names, start, end)
+            tuple(self._names[g:h]),
+            tuple(int(y) for y in table.shares[start, column]),
+            float(table.step[start, column]),
+            float(table.backward[start, column]),
+            float(table.allreduce[start, column]),
         )
 
-    def least_step_s(self, start: int, end: int, g: int, h: int) -> float:
-        """A lower bound of the group's step on units ``[start, end)``, whatever its shares:
-        some device runs at least ceil(B / k) samples, and times grow with the share."""
+    def _stops(self, g: int, h: int, rows: np.ndarray, bounds: np.ndarray, last: int) -> np.ndarray:
+        """Per row ``i``: the first end ``j`` in ``(i, last]`` at which a lower bound of
+        the group's step on units ``[i, j)``, whatever its shares, times M exceeds the
+        row's bound (``last + 1`` if none): some device runs at least ceil(B / k) samples,
+        and times grow with the share. Looks at ends in widening windows."""
         y = -(-self.costs.microbatch_size // (h - g))
-        fwd, bwd = self._forward, self._backward
-        return min(
-            fwd[d][y][end] - fwd[d][y][start] + (bwd[d][y][end] - bwd[d][y][start])
-            for d in range(g, h)
-        )
+        rates = [(self._forward[d][y], self._backward[d][y]) for d in range(g, h)]
+        stops = np.full(rows.size, last + 1, dtype=np.int64)
+        pending = np.arange(rows.size)
+        following = rows + 1  # per row: the first end not looked at yet
+        width = 16
+        while pending.size:
+            starts = rows[pending][:, None]
+            ends = following[pending][:, None] + np.arange(width)
+            inside = ends <= last
+            at = np.minimum(ends, last)
+            f, k = rates[0]
+            least = (f[at] - f[starts]) + (k[at] - k[starts])
+            for f, k in rates[1:]:
+                least = np.minimum(least, (f[at] - f[starts]) + (k[at] - k[starts]))
+            over = inside & (self.m * least > bounds[pending][:, None])
+            found = over.any(axis=1)
+            stops[pending[found]] = ends[found, over[found].argmax(axis=1)]
+            following[pending] += width
+            pending = pending[~found & inside[:, -1]]
+            width *= 2
+        return stops
 
-    def least_prefix_s(self, i: int, g: int) -> float:
-        """A lower bound of the steps that units ``[0, i)`` add to a round on devices
-        ``[0, g)``: eq. 11 adds every earlier stage's step to A, and each unit runs on
-        some device with a share of at least ceil(B / g)."""
-        if i == 0:
-            return 0.0
-        key = (g, i)
-        if key not in self._prefix:
+    def _least_prefix(self, g: int) -> list[float]:
+        """``[i]``: a lower bound of the steps that units ``[0, i)`` add to a round on
+        devices ``[0, g)`` (``g >= 1``): eq. 11 adds every earlier stage's step to A, and
+        each unit runs on some device with a share of at least ceil(B / g)."""
+        prefix = self._prefix.get(g)
+        if prefix is None:
             y = -(-self.costs.microbatch_size // g)
-            fwd, bwd = self._forward, self._backward
             per_unit = [
-                min(
-                    fwd[d][y][u + 1] - fwd[d][y][u] + (bwd[d][y][u + 1] - bwd[d][y][u])
-                    for d in range(g)
+                min(float(s) for s in unit)
+                for unit in zip(
+                    *(
+                        np.diff(self._forward[d][y]) + np.diff(self._backward[d][y])
+                        for d in range(g)
+                    ),
+                    strict=True,
                 )
-                for u in range(self.costs.num_units)
             ]
-            for k, total in enumerate(itertools.accumulate(per_unit), start=1):
-                self._prefix[g, k] = total
-        return self._prefix[key]
+            prefix = self._prefix[g] = [0.0, *itertools.accumulate(per_unit)]
+        return prefix
 
-    def transfer(self, end: int, g: int, h: int, g2: int, h2: int) -> tuple[float, float]:
-        """The communication step from group ``[g, h)`` to group ``[g2, h2)`` at ``end``."""
-        key = (end, g, h, g2, h2)
-        if key not in self._links:
-            senders = [d.name for d in self.devices[g:h]]
-            receivers = [d.name for d in self.devices[g2:h2]]
-            self._links[key] = self.costs.transfer_s(senders, receivers, end)
-        return self._links[key]
+    # -- the dynamic program ----------------------------------------------------------
 
     def solve(self) -> _Point | None:
         """The least-round plan over every split, grouping and number of stages."""
         num_units, n = self.costs.num_units, len(self.devices)
         _check_hpp_size(num_units, n)
-        # starts[p][i]: the non-empty states of p stages that begin at unit i
-        starts: dict[int, dict[int, list[_Entry]]] = {}
         best: _Point | None = None
+        level: _Level | None = None  # the states of p - 1 stages
+        warmup = 0
         for p in range(1, min(num_units, n) + 1):
-            warmup = stage_warmup(self.schedule, p, self.m)
-            starts[p] = {}
-            for i in range(num_units - p + 1):
+            if stage_warmup(self.schedule, p, self.m) != warmup:
+                warmup = stage_warmup(self.schedule, p, self.m)
+                self._tables, self._finals = {}, {}  # stages are evaluated at one warm-up
+            states: dict[int, list[_Entry]] = {}
+            # States at unit 0, one by one: each complete plan may tighten the bound.
+            for g in range(n - p + 1):
+                for h in range(g + 1, n - p + 2):
+                    bound = math.inf if best is None else best.round_s * (1 + _TIE_RTOL)
+                    one = np.zeros(1, dtype=np.int64)
+                    first = self._prepare(p, g, h, warmup, one, np.array([bound]), level)
+                    front = self._state(p, 0, g, h, bound, level, int(first[0]))
+                    if front:
+                        states.setdefault(0, []).append((g, h, front))
+                        best = _better(best, min(front, key=lambda q: q.round_s))
+            # The others, whose bound no longer changes: units [0, i) need a device
+            # before the group, so g >= 1. Every stage they may look at is evaluated first,
+            # a batch per group.
+            rows = np.arange(1, num_units - p + 1)
+            ceiling = math.inf if best is None else best.round_s * (1 + _TIE_RTOL)
+            stops: dict[tuple[int, int], np.ndarray] = {}
+            for g in range(1, n - p + 1):
+                # every point's round grows by at least the steps before unit i
+                bounds = ceiling - np.array(self._least_prefix(g))[rows]
+                for h in range(g + 1, n - p + 2):
+                    stops[g, h] = self._prepare(p, g, h, warmup, rows, bounds, level)
+            for i in rows.tolist():
                 entries: list[_Entry] = []
-                # units [0, i) need a device before the group: none is before device 0
-                for g in range(0 if i == 0 else 1, n - p + 1):
+                for g in range(1, n - p + 1):
+                    bound = ceiling - self._least_prefix(g)[i]
                     for h in range(g + 1, n - p + 2):
-                        bound = math.inf if best is None else best.round_s * (1 + _TIE_RTOL)
-                        # every point's round grows by at least the steps before unit i
-                        bound -= self.least_prefix_s(i, g)
-                        front = self._state(i, g, h, p, warmup, starts.get(p - 1, {}), bound)
-                        if not front:
-                            continue
-                        entries.append((g, h, front))
-                        if i == 0:
-                            best = _better(best, min(front, key=lambda q: q.round_s))
+                        stop = int(stops[g, h][i - 1])
+                        front = self._state(p, i, g, h, bound, level, stop)
+                        if front:
+                            entries.append((g, h, front))
                 if entries:
-                    starts[p][i] = entries
-            starts.pop(p - 1, None)  # states of p - 1 stages only feed those of p
+                    states[i] = entries
+            if not states:  # no state of p stages: none of more
+                break
+            level = self._level(states)
         return best
 
-    def _state(
+    def _prepare(
         self,
-        i: int,
+        p: int,
         g: int,
         h: int,
-        p: int,
         warmup: int,
-        rests: dict[int, list[_Entry]],
-        bound: float,
+        rows: np.ndarray,
+        bounds: np.ndarray,
+        level: _Level | None,
+    ) -> np.ndarray:
+        """Evaluate, in one batch, the stages on ``[g, h)`` that the states ``(i, g, h, p)``
+        for ``i`` in ``rows`` may look at with ``bounds``, where not done yet (perhaps some
+        past one that does not fit, where :meth:`_state` stops). Returns their stops
+        (:meth:`_stops`; none for ``p == 1``)."""
+        num_units = self.costs.num_units
+        if p == 1:
+            table = self._table(g, h, final=True)
+            todo = rows[table.status[rows, 0] == 0]
+            zeros = np.zeros(todo.shape, dtype=np.int64)
+            self._evaluate(table, g, h, warmup, todo, np.full(todo.shape, num_units), zeros)
+            return zeros
+        assert level is not None
+        table = self._table(g, h)
+        stops = self._stops(g, h, rows, bounds, num_units - p + 1)
+        lengths = stops - rows - 1  # ends i + 1 .. stop - 1
+        total = int(lengths.sum())
+        if not total:
+            return stops
+        table.widen(int(lengths.max()))
+        starts = np.repeat(rows, lengths)
+        columns = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        ends = starts + 1 + columns
+        # entries come in order of their first device: none after this group, no plan
+        wanted = (level.last_group[ends] >= h) & (table.status[starts, columns] == 0)
+        self._evaluate(table, g, h, warmup, starts[wanted], ends[wanted], columns[wanted])
+        return stops
+
+    def _state(
+        self, p: int, i: int, g: int, h: int, bound: float, level: _Level | None, stop: int
     ) -> list[_Point]:
         """The Pareto front of state ``(i, g, h, p)``, without points whose round exceeds
         ``bound`` (a complete plan's): prepending steps never shortens a round.
 
-        ``rests`` holds the states of ``p - 1`` stages by their first unit.
+        ``level`` holds the states of ``p - 1`` stages. The stage ends at most at
+        ``stop - 1``: past it, its least step is too long (:meth:`_stops`). It ends
+        before the first end too large for the group's memory, too: both only grow with
+        the end. :meth:`_prepare` has evaluated the stages this looks at.
         """
-        num_units = self.costs.num_units
+        m = self.m
         if p == 1:
-            group = self.group(i, num_units, g, h, warmup)
-            return [] if group is None else [_single_stage(_Stage(i, num_units, group), self.m)]
-        candidates: list[_Point] = []
-        for j in range(i + 1, num_units - p + 2):
-            # Both only grow with j: past the first stage too long or too large, stop.
-            if self.m * self.least_step_s(i, j, g, h) > bound:
-                break
-            rest_entries = rests.get(j)
-            # entries come in order of their first device: none after this group, no plan
-            if not rest_entries or rest_entries[-1][0] < h:
-                continue
-            group = self.group(i, j, g, h, warmup)
-            if group is None:
-                break
-            if self.m * group.step_s > bound:
-                continue
-            stage = _Stage(i, j, group)
-            for g2, h2, rest in rest_entries:
-                if g2 < h:
-                    continue
-                transfer = self.transfer(j, g, h, g2, h2)
-                for r in rest:
-                    point = _prepend(stage, transfer, r, self.m)
-                    if point.round_s <= bound:
-                        candidates.append(point)
-        return _pareto(candidates)
+            table = self._table(g, h, final=True)
+            if table.status[i, 0] != 1:
+                return []
+            group = self._group(table, i, 0, g, h)
+            stage = _Stage(i, self.costs.num_units, group)
+            return [_Point(m * group.step_s, group.allreduce_s, stage, None, h - g, 1)]
+        assert level is not None
+        table, low = self._table(g, h), i + 1
+        if stop <= low:
+            return []
+        some = level.last_group[low:stop] >= h
+        too_large = np.flatnonzero(some & (table.status[i, : stop - low] == 2))
+        if too_large.size:
+            stop = low + int(too_large[0])
+        a, z = int(level.offsets[low]), int(level.offsets[stop])
+        if a >= z:
+            return []
+        columns = level.unit[a:z] - low
+        step = table.step[i, columns]
+        at = a + np.flatnonzero((level.first[a:z] >= h) & (m * step <= bound))
+        if not at.size:
+            return []
+        # Eq. 10-11: a new execution step and communication step in front of each point.
+        units = level.unit[at]
+        columns = units - low
+        step, backward = table.step[i, columns], table.backward[i, columns]
+        own, their = self._pair[g, h], level.pair[at]
+        bits = self._bits[units]
+        onward, back = self._bandwidth[own, their], self._bandwidth[their, own]
+        send = np.where(onward == math.inf, 0.0, bits / onward)
+        receive = np.where(back == math.inf, 0.0, bits / back)
+        link = send + receive
+        aligned = np.maximum(np.maximum(level.aligned[at] + step + link, m * step), m * link + step)
+        allreduce = np.maximum(
+            table.allreduce[i, columns], level.allreduce[at] - backward - receive
+        )
+        kept = np.flatnonzero(aligned + allreduce <= bound)
+        if not kept.size:
+            return []
+        aligned, allreduce, at, units = aligned[kept], allreduce[kept], at[kept], units[kept]
+        used = level.num_devices[at] + (h - g)
+        # The points no other point beats in both A and R (ties: fewer devices first, then
+        # the order they were made in).
+        order = np.lexsort((kept, used, allreduce, aligned))
+        ranked = allreduce[order]
+        on_front = np.ones(order.size, dtype=bool)
+        on_front[1:] = ranked[1:] < np.minimum.accumulate(ranked)[:-1]
+        front: list[_Point] = []
+        stages: dict[int, _Stage] = {}
+        for k in order[on_front].tolist():
+            j = int(units[k])
+            if j not in stages:
+                stages[j] = _Stage(i, j, self._group(table, i, j - low, g, h))
+            stage = stages[j]
+            rest = level.points[int(at[k])]
+            front.append(
+                _Point(
+                    float(aligned[k]),
+                    float(allreduce[k]),
+                    stage,
+                    rest,
+                    int(used[k]),
+                    rest.num_stages + 1,
+                )
+            )
+        return front
+
+    def _level(self, states: dict[int, list[_Entry]]) -> _Level:
+        num_units = self.costs.num_units
+        counts = np.zeros(num_units + 1, dtype=np.int64)
+        last_group = np.full(num_units + 1, -1, dtype=np.int64)
+        unit: list[int] = []
+        first: list[int] = []
+        pair: list[int] = []
+        points: list[_Point] = []
+        for i, entries in sorted(states.items()):
+            for g, h, front in entries:
+                last_group[i] = g
+                counts[i] += len(front)
+                unit += [i] * len(front)
+                first += [g] * len(front)
+                pair += [self._pair[g, h]] * len(front)
+                points += front
+        offsets = np.zeros(num_units + 2, dtype=np.int64)
+        offsets[1:] = np.cumsum(counts)
+        return _Level(
+            offsets=offsets,
+            last_group=last_group,
+            unit=np.array(unit, dtype=np.int64),
+            first=np.array(first, dtype=np.int64),
+            pair=np.array(pair, dtype=np.int64),
+            aligned=np.array([q.aligned_s for q in points]),
+            allreduce=np.array([q.allreduce_s for q in points]),
+            num_devices=np.array([q.num_devices for q in points], dtype=np.int64),
+            points=points,
+        )
 
 
 def _better(a: _Point | None, b: _Point) -> _Point:

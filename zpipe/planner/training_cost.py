@@ -185,6 +185,22 @@ class TrainingCosts:
         tables = self._compute(device)
         return tables.forward.tolist(), tables.backward.tolist()
 
+    def prefix_tables(self, device: ClusterDevice) -> tuple[np.ndarray, np.ndarray]:
+        """``device``'s forward and backward prefix sums, ``[share, unit]`` (0..B, 0..L):
+        for planners that vectorise over stages. Do not modify them."""
+        tables = self._compute(device)
+        return tables.forward, tables.backward
+
+    @property
+    def weight_prefix(self) -> np.ndarray:
+        """Prefix sums of the units' weight bytes, ``[unit]`` (0..L). Do not modify it."""
+        return self._weights
+
+    @property
+    def saved_prefix(self) -> np.ndarray:
+        """Prefix sums of ``ACT``, ``[share, unit]`` (0..B, 0..L). Do not modify it."""
+        return self._saved
+
     def forward_s(self, device: ClusterDevice, start: int, end: int, share: int) -> float:
         """``t_f``: the forward of units ``[start, end)`` on ``share`` samples on ``device``."""
         row = self._compute(device).forward[share]
@@ -233,6 +249,33 @@ class TrainingCosts:
         if room < 0:
             return -1
         return bisect.bisect_right(self._saved_by_share(start, end), room / warmup) - 1
+
+    def max_shares(
+        self, device: ClusterDevice, starts: np.ndarray, ends: np.ndarray, warmup: int
+    ) -> np.ndarray:
+        """:meth:`max_share` of the stages ``[starts[r], ends[r])`` at once (the same
+        arithmetic and the same binary search, so the same answers)."""
+        starts, ends = np.asarray(starts), np.asarray(ends)
+        b = self.microbatch_size
+        if device.memory_bytes is None:
+            return np.full(starts.shape, b, dtype=np.int64)
+        room = device.memory_bytes - (2 + self.state_copies) * (
+            self._weights[ends] - self._weights[starts]
+        )
+        limit = room / warmup
+        # bisect.bisect_right over the shares 0..B, row by row
+        lo = np.zeros(starts.shape, dtype=np.int64)
+        hi = np.full(starts.shape, b + 1, dtype=np.int64)
+        while True:
+            searching = lo < hi
+            if not searching.any():
+                break
+            mid = (lo + hi) // 2
+            at = np.minimum(mid, b)
+            below = limit < self._saved[at, ends] - self._saved[at, starts]
+            hi = np.where(searching & below, mid, hi)
+            lo = np.where(searching & ~below, mid + 1, lo)
+        return np.where(room < 0, -1, lo - 1)
 
     def _saved_by_share(self, start: int, end: int) -> list[float]:
         """``ACT`` of units ``[start, end)`` at every share ``0..B`` (never decreasing)."""
@@ -322,6 +365,113 @@ def allocate_microbatch(
     capacities = [1.0 / t[b] if t[b] > 0 else math.inf for t in step_times]
     shares = _balance_by_capacity(capacities, caps, b)
     return _offload_stragglers(step_times, caps, shares, block)
+
+
+def allocate_microbatches(
+    step_times: np.ndarray, max_shares: np.ndarray, microbatch_size: int, *, block: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`allocate_microbatch` for many groups of ``k`` devices at once.
+
+    ``step_times[r, d, y]`` and ``max_shares[r, d]`` are group ``r``'s. Returns
+    ``(shares [R, k], ok [R])``: row ``r`` is :func:`allocate_microbatch`'s
+    answer where ``ok[r]``, and None where not. The same arithmetic in the same
+    order, with the same tie-breaks, so the same shares.
+    """
+    b = microbatch_size
+    if block < 1:
+        raise ConfigError(f"block must be >= 1, got {block}")
+    times = np.asarray(step_times, dtype=np.float64)
+    caps = np.clip(np.asarray(max_shares, dtype=np.int64), 0, b)
+    if times.ndim != 3 or caps.ndim != 2 or times.shape[:2] != caps.shape or caps.shape[1] < 1:
+        raise ConfigError("give step times [group, device, share] and caps [group, device]")
+    if times.shape[2] <= b:
+        raise ConfigError(f"step times must cover the shares 0..{b}")
+    ok = caps.sum(axis=1) >= b
+    shares = np.zeros(caps.shape, dtype=np.int64)
+    rows = np.flatnonzero(ok)
+    if not rows.size:
+        return shares, ok
+    times, caps = times[rows], caps[rows]
+    if not np.isfinite(times).all():  # keep the scalar code's tie-breaks among infinities
+        for r, row in enumerate(rows):
+            found = allocate_microbatch(times[r].tolist(), caps[r].tolist(), b, block=block)
+            shares[row] = found  # type: ignore[assignment]  # never None: ok[row]
+        return shares, ok
+    full = times[:, :, b]
+    with np.errstate(divide="ignore"):
+        capacities = np.where(full > 0, 1.0 / np.where(full > 0, full, 1.0), np.inf)
+    start = _balance_by_capacity_batch(capacities, caps, b)
+    shares[rows] = _offload_stragglers_batch(times, caps, start, block)
+    return shares, ok
+
+
+def _balance_by_capacity_batch(capacities: np.ndarray, caps: np.ndarray, total: int) -> np.ndarray:
+    """:func:`_balance_by_capacity` (with :func:`_proportional`) row by row, vectorised."""
+    num_rows, k = caps.shape
+    shares = np.zeros((num_rows, k), dtype=np.int64)
+    left = np.full(num_rows, total, dtype=np.int64)
+    active = caps > 0
+    before = np.arange(k)[None, :] < np.arange(k)[:, None]  # [d, e]: e comes before d
+    while True:
+        rows = np.flatnonzero((left > 0) & active.any(axis=1))
+        if not rows.size:
+            return shares
+        act, todo = active[rows], left[rows]
+        weights = np.where(act, capacities[rows], 0.0)
+        infinite = np.isinf(weights)
+        weights = np.where(np.any(infinite, axis=1)[:, None], infinite.astype(np.float64), weights)
+        whole = weights[:, 0].copy()
+        for d in range(1, k):  # the sum in the scalar code's order
+            whole = whole + weights[:, d]
+        empty = whole <= 0
+        if empty.any():
+            weights = np.where(empty[:, None], act.astype(np.float64), weights)
+            whole = np.where(empty, act.sum(axis=1).astype(np.float64), whole)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ideal = np.where(act, weights / whole[:, None] * todo[:, None], 0.0)
+        quotas = np.floor(ideal).astype(np.int64)
+        spare = todo - quotas.sum(axis=1)
+        remainder = ideal - quotas
+        # rank of each device by (-remainder, index) among the active ones
+        ahead = np.greater(remainder[:, None, :], remainder[:, :, None]) | (
+            np.equal(remainder[:, None, :], remainder[:, :, None]) & before[None]
+        )
+        rank = (ahead & act[:, None, :]).sum(axis=2)
+        quotas += act & (rank < spare[:, None])
+        held = shares[rows]
+        give = np.where(act, np.minimum(quotas, caps[rows] - held), 0)
+        held += give
+        shares[rows] = held
+        left[rows] = todo - give.sum(axis=1)
+        active[rows] = act & (held < caps[rows])
+
+
+def _offload_stragglers_batch(
+    step_times: np.ndarray, caps: np.ndarray, start: np.ndarray, block: int
+) -> np.ndarray:
+    """:func:`_offload_stragglers` row by row, vectorised (finite times)."""
+    shares = start.copy()
+    k = shares.shape[1]
+    devices = np.arange(k)[None, :]
+    moving = np.arange(shares.shape[0])
+    while moving.size:
+        times, held, room_cap = step_times[moving], shares[moving], caps[moving]
+        r = np.arange(moving.size)
+        now = times[r[:, None], devices, held]
+        straggler = now.argmax(axis=1)  # the first of the slowest: the lowest index
+        old = now[r, straggler]
+        move = np.minimum(block, held[r, straggler])
+        room = (devices != straggler[:, None]) & (held + move[:, None] <= room_cap)
+        go = (move > 0) & room.any(axis=1)
+        fastest = np.where(room, now, np.inf).argmin(axis=1)
+        moved = held.copy()
+        moved[r, straggler] -= move * go
+        moved[r, fastest] += move * go
+        new = times[r[:, None], devices, moved].max(axis=1)
+        better = go & (new < old)  # otherwise the scalar code undoes the move and stops
+        shares[moving[better]] = moved[better]
+        moving = moving[better]
+    return shares
 
 
 def _proportional(weights: Sequence[float], total: int) -> list[int]:
