@@ -182,7 +182,10 @@ async def fit(
     ``rebalance`` (with ``recover``): at each replica, when the stages' measured speeds
     say that moving unit boundaries between neighbours would shorten the slowest
     stage by at least this share (0.2: 20 %), the run goes on from the replica on
-    that plan (Eco-FL's workload migration, for a device that turned slow).
+    that plan (Eco-FL's workload migration, for a device that turned slow). A
+    device that registers during the run (one of ``stage_names``, if given; a dead
+    one that comes back, say) joins the run the same way at a replica, when the
+    planner predicts a round shorter by the share with it.
     ``consistency`` (with ``recover``): "exact" rolls every stage back to the replica
     and trains the mini-batches since it again, so the model equals an uninterrupted
     run's; "fast" (as FTPipeHD and Asteroid recover) keeps the survivors' newest
@@ -233,6 +236,8 @@ async def fit(
         "wait_for_stages_s": float(wait_for_stages_s),
         "mode": "train",
         "rebalance": rebalance,
+        # at a replica, devices of these that register (again) may join the plan
+        "admit": list(stage_names) if stage_names is not None else None,
         "train": {
             "schedule": schedule,
             "num_microbatches": num_microbatches,

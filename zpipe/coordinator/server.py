@@ -56,6 +56,7 @@ from zpipe.planner import ClusterLink, ClusterSpec, Plan
 from zpipe.planner.hpp import plan_training
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.profile import ModelProfile
+from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.recovery import (
     POLICIES as RECOVERY_POLICIES,
@@ -500,6 +501,21 @@ class Coordinator:
                     timeout_s=self.config.timeouts.reply_s,
                 )
                 return
+        previous = self.membership.get(name)
+        run = self._run
+        if (
+            previous is not None
+            and previous.state is not MemberState.DEAD
+            and run is not None
+            and name in run.devices
+            and name not in run.failed
+            and previous.data_endpoint != str(message["data_endpoint"])
+        ):
+            # A new process under the name of one of the run's stages: the one that
+            # ran the run is gone (restarted), so the run has lost it.
+            death = self.membership.declare_dead(name, "the stage restarted", now)
+            if death is not None:
+                await self._on_death(death.name, death.reason, death.silent_s)
         try:
             member = self.membership.register(
                 name=name,
@@ -1084,23 +1100,83 @@ class Coordinator:
             raise ConfigError(f"planner {algo!r} needs the micro-batch size (microbatch_size)")
         checked = check_train_settings(settings, 1)
         optimizer = checked["optimizer"]
-        memory_model = str(optimizer["name"])
-        if memory_model == "sgd" and optimizer.get("momentum"):
-            memory_model = "sgd-momentum"
-        profiles = await self._profiles_of(members, spec, int(batch), "float32", train=True)
-        cluster = cluster_from_members(members, profiles, links=await self._measured_links(members))
+        profile, cluster = await self._training_model(spec, members, int(batch))
         plan = plan_training(
-            profiles[members[0].name],
+            profile,
             cluster,
             microbatch_size=int(batch),
             num_microbatches=int(checked["num_microbatches"]),
             algo=algo,
             schedule=str(checked["schedule"]),
-            optimizer=memory_model,
+            optimizer=_memory_model(optimizer),
             devices=[m.name for m in members],
         )
         log.info("training_planned", plan=plan.to_dict())
         return plan
+
+    async def _training_model(
+        self, spec: ModelSpec, members: list[Member], batch: int
+    ) -> tuple[ModelProfile, ClusterSpec]:
+        """The training profile and the cluster (profiled devices, measured links)."""
+        profiles = await self._profiles_of(members, spec, batch, "float32", train=True)
+        cluster = cluster_from_members(members, profiles, links=await self._measured_links(members))
+        return profiles[members[0].name], cluster
+
+    async def _with_newcomers(self, run: _Run, plan: TrainingPlan) -> TrainingPlan | None:
+        """A device that registered (or came back) since the run was planned joins it at
+        a replica when the planner, over it and the run's devices, predicts a round
+        shorter by at least ``run.rebalance`` than the current plan's (same cost model)."""
+        assert run.request is not None and run.rebalance is not None
+        admit = run.request.get("admit")
+        newcomers = [
+            m
+            for m in self.membership.alive()
+            if m.state is MemberState.ALIVE
+            and m.name not in run.devices
+            and (admit is None or m.name in admit)
+        ]
+        current = [self.membership.get(d) for d in plan.devices]
+        if not newcomers or any(m is None for m in current):
+            return None
+        members = [m for m in current if m is not None] + newcomers
+        settings = dict(run.request.get("train") or {})
+        settings.pop("plan", None)
+        settings.update(schedule=plan.schedule, num_microbatches=plan.num_microbatches)
+        planner = str(run.request.get("planner") or "hpp")
+        batch = int(run.request.get("microbatch_size") or plan.microbatch_size)
+        request = Message(
+            "run_request",
+            {
+                **run.request.body,
+                "planner": planner if planner in TRAINING_ALGOS else "hpp",
+                "microbatch_size": batch,
+            },
+        )
+        spec = ModelSpec.from_dict(run.request["model"])
+        try:
+            bigger = await self._plan_training(spec, members, request, settings)
+            profile, cluster = await self._training_model(spec, members, batch)
+            optimizer = check_train_settings(settings, 1)["optimizer"]
+            costs = TrainingCosts(profile, cluster, microbatch_size=batch,
+                                  optimizer=_memory_model(optimizer))  # fmt: skip
+            as_is = _at_microbatch_size(plan, batch)
+            now = predict_training(as_is, costs)["round_s"]
+            then = float(bigger.predicted["round_s"])
+        except (ZpipeError, ValueError, KeyError) as exc:
+            log.warning("admission_skipped", run=run.run, error=str(exc))
+            return None
+        joining = [n for n in bigger.devices if n not in plan.devices]
+        log.info(
+            "admission_considered",
+            run=run.run,
+            newcomers=[m.name for m in newcomers],
+            round_s=round(now, 6),
+            with_newcomers_s=round(then, 6),
+        )
+        if not joining or then > now * (1.0 - run.rebalance):
+            return None
+        log.info("admitted", run=run.run, devices=joining, plan=bigger.to_dict())
+        return bigger
 
     def _ring_of(self, run: _Run, device: str) -> dict[str, Any] | None:
         for group in run.groups:
@@ -1318,7 +1394,9 @@ class Coordinator:
                 saved=self._store is not None,
             )
             if run.rebalance is not None:
-                balanced = self._rebalanced(run, run.training_plan, counters)
+                balanced = await self._with_newcomers(run, run.training_plan)
+                if balanced is None:
+                    balanced = self._rebalanced(run, run.training_plan, counters)
                 if balanced is not None:
                     body["rebalance"] = balanced.to_dict()
         except (ZpipeError, ValueError) as exc:
@@ -1562,6 +1640,25 @@ def _printable(routing_id: bytes) -> str:
         return routing_id.decode("ascii")
     except UnicodeDecodeError:
         return routing_id.hex()
+
+
+def _at_microbatch_size(plan: TrainingPlan, batch: int) -> TrainingPlan:
+    """``plan`` costed at micro-batches of ``batch`` samples (a straight plan the
+    coordinator built without knowing the size records 1)."""
+    if plan.microbatch_size == batch:
+        return plan
+    if any(len(stage.devices) > 1 for stage in plan.stages):
+        raise ConfigError("the plan's groups share micro-batches of another size")
+    data = plan.to_dict()
+    data["microbatch_size"] = batch
+    data["stages"] = [{**stage, "shares": [batch]} for stage in data["stages"]]
+    return TrainingPlan.from_dict(data)
+
+
+def _memory_model(optimizer: dict[str, Any]) -> str:
+    """The planners' name for an optimizer's state (momentum is one more copy)."""
+    name = str(optimizer["name"])
+    return "sgd-momentum" if name == "sgd" and optimizer.get("momentum") else name
 
 
 def _units_state(state: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:

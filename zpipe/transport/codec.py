@@ -189,6 +189,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "resume": (_OPT_MAP, False),
         # training: re-balance at a replica when the bottleneck would shrink by this share
         "rebalance": (_OPT_NUM, False),
+        # training with "rebalance": devices that may join the plan at a replica when
+        # they register (or come back); null: any device that registers
+        "admit": (_OPT_LIST, False),
     },
     "run_ready": {
         "run": (_INT, True),
