@@ -91,3 +91,28 @@ def test_alive_is_in_join_order() -> None:
     m = make()
     m.register(name="c", routing_id=b"c", data_endpoint="e", info={}, public_key=None, now=0.1)
     assert [x.name for x in m.alive()] == ["a", "c", "b"]
+
+
+def test_a_stall_suspect_is_dead_after_the_probe_and_one_silent_interval_more() -> None:
+    m = make()  # interval 1, suspect after 3, probe 2
+    m.heard_from("a", 10.0)
+    m.heard_from("b", 10.0)
+    probe = m.suspect("a", 10.2)  # the run stalled 0.2 s after a's last heartbeat
+    assert probe is not None and probe.name == "a"
+    assert m.suspect("a", 10.3) is None  # already probed
+    assert m.get("a").state is MemberState.SUSPECT  # type: ignore[union-attr]
+    m.heard_from("b", 12.2)
+    assert m.tick(12.2) == ([], [])  # the probe's time is up, but a was heard 2.2 s ago
+    m.heard_from("b", 13.0)
+    _, deaths = m.tick(13.0)  # silent for probe (2) + one interval (1)
+    assert [d.name for d in deaths] == ["a"]
+
+
+def test_a_stall_suspect_that_answers_is_alive_and_slow_not_dead() -> None:
+    m = make()
+    m.suspect("b", 1.0)
+    m.heard_from("b", 1.4)  # its probe answer
+    assert m.get("b").state is MemberState.ALIVE  # type: ignore[union-attr]
+    m.heard_from("a", 4.0)
+    assert m.tick(4.0) == ([], [])
+    assert m.suspect("dead-or-unknown", 1.0) is None

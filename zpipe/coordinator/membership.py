@@ -38,6 +38,8 @@ class Member:
     state: MemberState = MemberState.ALIVE
     suspect_since: float | None = None
     probe_nonce: int = 0
+    # suspected because its run's results stalled, not because its heartbeats lapsed
+    stall_suspect: bool = False
     metrics: Mapping[str, Any] = field(default_factory=dict)
     dead_reason: str = ""
 
@@ -134,6 +136,7 @@ class Membership:
         member.last_seen = now
         member.state = MemberState.ALIVE
         member.suspect_since = None
+        member.stall_suspect = False
         if metrics is not None:
             member.metrics = metrics
         return True
@@ -154,6 +157,7 @@ class Membership:
             return None
         member.state = MemberState.SUSPECT
         member.suspect_since = now
+        member.stall_suspect = True
         member.probe_nonce = self._next_nonce
         self._next_nonce += 1
         return Probe(name, member.probe_nonce)
@@ -173,6 +177,13 @@ class Membership:
                 member.state is MemberState.SUSPECT
                 and member.suspect_since is not None
                 and now - member.suspect_since >= self.probe_timeout_s
+                # A stall probe can reach a stage just after its last heartbeat: it is
+                # dead only once silent for the probe's time and an interval more (a
+                # live one, however loaded, has sent a heartbeat in that time).
+                and (
+                    not member.stall_suspect
+                    or now - member.last_seen >= self.probe_timeout_s + self.interval
+                )
             ):
                 silent = now - member.last_seen
                 death = self.declare_dead(
