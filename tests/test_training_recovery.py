@@ -387,3 +387,43 @@ async def _until_registered_again(client: PipelineClient, name: str, old_endpoin
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"{name} did not register again")
+
+
+@pytest.mark.parametrize("replication", ["chain", "topology"])
+def test_replicas_kept_at_the_stages_recover_a_killed_stage_exactly(replication: str) -> None:
+    batches = make_batches(8, 9, seed=29)
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    with _cluster(["a", "b", "c"]) as cluster:
+        report = _train_killing(
+            cluster,
+            {4: "b"},
+            batches,
+            partition=[[0, 1], [1, 3], [3, 4]],
+            stage_names=["a", "b", "c"],
+            recover=True,
+            replicate_every=3,
+            replication=replication,
+        )
+        log = cluster.logs("coordinator")
+        c_log = cluster.logs("c")
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert [(r["dead"], r["resumed_from"]) for r in report.recoveries] == [("b", 3)]
+    kept = _events(log, "replica_kept")
+    first = kept[0]
+    # each stage backed up to the next; the last to the coordinator (chain) or to the
+    # first stage (topology), so the coordinator held the last stage's units or nothing
+    last_holder = "coordinator" if replication == "chain" else "a"
+    assert first["holders"] == {"a": "b", "b": "c", "c": last_holder}
+    if replication == "chain":
+        assert (
+            0
+            < int(first["bytes"])
+            < sum(  # type: ignore[call-overload]
+                t.numel() * t.element_size() for t in want.values()
+            )
+        )
+    else:
+        assert first["bytes"] == 0
+    # b's units came from the backup c kept of them
+    assert '"backup_kept"' in c_log and '"owner": "b"' in c_log

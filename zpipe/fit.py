@@ -158,6 +158,7 @@ async def fit(
     rebalance: float | None = None,
     consistency: str = "exact",
     stall_deadline: DeadlinePolicy | None = None,
+    replication: str = "global",
 ) -> TrainReport:
     """Train ``model`` on ``batches``; returns the losses and the trained weights.
 
@@ -196,7 +197,19 @@ async def fit(
     adapted to the latencies seen: median + k MAD; default
     :data:`DEFAULT_STALL_DEADLINE`). A dead stage is then found without waiting for
     its heartbeats to lapse; a slow one answers the probe and stays.
+    ``replication`` (with ``recover``): where replicas go. "global" (FTPipeHD's
+    global replication): every unit's state to the coordinator. "chain" (FTPipeHD's
+    chain replication): each device keeps a snapshot and each stage backs it up to
+    the next stage, the last to the coordinator; "topology" (Asteroid): the same,
+    the last stage backing up to the first, and a data-parallel stage keeping no
+    backup (a surviving member restores it). After a failure the stages fetch their
+    units from those snapshots directly (the coordinator sends only what it holds);
+    a stage whose snapshot and backup holder are both lost cannot be recovered.
     """
+    if replication not in REPLICATIONS:
+        raise ConfigError(
+            f"unknown replication {replication!r}; choose one of {', '.join(REPLICATIONS)}"
+        )
     if consistency not in CONSISTENCIES:
         raise ConfigError(
             f"unknown consistency {consistency!r}; choose one of {', '.join(CONSISTENCIES)}"
@@ -236,6 +249,7 @@ async def fit(
         "wait_for_stages_s": float(wait_for_stages_s),
         "mode": "train",
         "rebalance": rebalance,
+        "replication": replication,
         # at a replica, devices of these that register (again) may join the plan
         "admit": list(stage_names) if stage_names is not None else None,
         "train": {
@@ -386,6 +400,8 @@ DEFAULT_STALL_DEADLINE = DeadlinePolicy(
 )
 # how a recovery treats the work since the replica (see fit's ``consistency``)
 CONSISTENCIES = ("exact", "fast")
+# where replicas go (see fit's ``replication``)
+REPLICATIONS = ("global", "chain", "topology")
 
 
 def _resume_request(

@@ -62,7 +62,7 @@ class LinkMeasurer:
             if a is not b and _key(a, b) not in self._cache and b.info.get("probe_endpoint")
         ]
         if todo:
-            await self._allow_peers(members)
+            await self.allow_peers(members)
         for a, b in todo:
             measured = await self._measure_pair(a, b)
             if measured is not None:
@@ -74,7 +74,8 @@ class LinkMeasurer:
             if a is not b and _key(a, b) in self._cache
         }
 
-    async def _allow_peers(self, members: Sequence[Member]) -> None:
+    async def allow_peers(self, members: Sequence[Member]) -> None:
+        """Tell every member which peers may reach its probe socket (their keys)."""
         keys = {
             m.name: self._public_keys[m.name].decode()
             for m in members

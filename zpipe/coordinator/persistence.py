@@ -25,7 +25,7 @@ import struct
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,8 @@ class SavedReplica:
     step: int
     plan: Mapping[str, Any]
     state: dict[str, torch.Tensor]
+    # chain replication: who holds each device's backup (the snapshots are at stages)
+    holders: Mapping[str, str] = field(default_factory=dict)
 
 
 # -------------------------------------------------------------- file format
@@ -261,6 +263,7 @@ class StateStore:
                 "keys": part,
                 "chunk": index,
                 "chunks": chunks,
+                "holders": dict(replica.holders),
             }
             tensors = tuple(replica.state[k] for k in part)
             messages.append(Message("replica_file", body, tensors=tensors))
@@ -284,4 +287,7 @@ class StateStore:
                 raise StateFileError(f"{self.replica_path}: keys and tensors do not match")
             for key, tensor in zip(message["keys"], message.tensors, strict=True):
                 state[str(key)] = tensor
-        return SavedReplica(int(first["run"]), int(first["step"]), dict(first["plan"]), state)
+        holders = {str(k): str(v) for k, v in dict(first.get("holders") or {}).items()}
+        return SavedReplica(
+            int(first["run"]), int(first["step"]), dict(first["plan"]), state, holders
+        )

@@ -45,6 +45,9 @@ class Run:
     # re-balanced plan must shorten the measured bottleneck to be worth a restart
     training_plan: TrainingPlan | None = None
     rebalance: float | None = None
+    # training: where replicas go ("global": all to the coordinator; "chain" and
+    # "topology": each stage keeps a snapshot and backs it up to a neighbour)
+    replication: str = "global"
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -67,6 +70,7 @@ class Run:
             "streaming": self.streaming,
             "training_plan": (None if self.training_plan is None else self.training_plan.to_dict()),
             "rebalance": self.rebalance,
+            "replication": self.replication,
         }
 
     @classmethod
@@ -88,15 +92,24 @@ class Run:
             streaming=bool(data["streaming"]),
             training_plan=None if tplan is None else TrainingPlan.from_dict(tplan),
             rebalance=None if data.get("rebalance") is None else float(data["rebalance"]),
+            replication=str(data.get("replication") or "global"),
         )
 
 
 @dataclass(frozen=True)
 class Replica:
-    """A global replica (FTPipeHD): every unit's weights and optimizer state after
-    mini-batch ``step`` of training run ``run``, and the plan it was taken under."""
+    """A replica of training run ``run`` after mini-batch ``step``, and the plan it was
+    taken under. A global replica (FTPipeHD) holds every unit's weights and
+    optimizer state in ``state``; a chain or topology replica holds here only what
+    was backed up to the coordinator, the rest being snapshots the stages keep:
+    each device its own, and ``holders[device]`` a backup of it."""
 
     run: int
     step: int
     plan: TrainingPlan
     state: dict[str, torch.Tensor]
+    holders: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def at_stages(self) -> bool:
+        return bool(self.holders)

@@ -59,16 +59,19 @@ from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.recovery import (
-    POLICIES as RECOVERY_POLICIES,
-)
-from zpipe.recovery import (
+    COORDINATOR,
+    asteroid_replication,
     estimate_capacities,
+    ftpipehd_replication,
     lightweight_replan,
     respipe_replan,
     speeds_from_capacities,
     speeds_from_cluster,
     stage_work,
     unit_work_from_profile,
+)
+from zpipe.recovery import (
+    POLICIES as RECOVERY_POLICIES,
 )
 from zpipe.training.objectives import check_train_settings
 from zpipe.transport import codec, security
@@ -89,6 +92,10 @@ CLIENT_NAME = "client"
 PlanT = TypeVar("PlanT", Plan, TrainingPlan)
 # Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
 DEFAULT_RECOVERY = "lightweight"
+# Where training replicas go: all to the coordinator (FTPipeHD's global replication),
+# or kept at the stages and backed up to the next stage (FTPipeHD's chain; Asteroid's
+# topology-driven replication, the last stage backing up to the first).
+REPLICATIONS = ("global", "chain", "topology")
 
 
 @dataclass
@@ -217,7 +224,11 @@ class Coordinator:
                 self._run = _Run.from_saved(saved.run)
         if replica is not None:
             self._replica = _Replica(
-                replica.run, replica.step, TrainingPlan.from_dict(replica.plan), replica.state
+                replica.run,
+                replica.step,
+                TrainingPlan.from_dict(replica.plan),
+                replica.state,
+                dict(replica.holders),
             )
         log.info(
             "coordinator_restored",
@@ -449,7 +460,7 @@ class Coordinator:
             )
         elif kind == "probe_ack":
             log.info("stage_answered_probe", stage=member.name)
-        elif kind in ("profile_reply", "link_peers_ok", "link_probe_reply", "weights"):
+        elif kind in ("profile_reply", "link_peers_ok", "link_probe_reply", "weights", "backed_up"):
             waiter = self._reply_waiters.get((member.name, kind))
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
@@ -653,6 +664,11 @@ class Coordinator:
         if recovery not in RECOVERY_POLICIES:
             raise ConfigError(
                 f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
+            )
+        replication = message.get("replication") or "global"
+        if replication not in REPLICATIONS:
+            raise ConfigError(
+                f"unknown replication {replication!r}; choose one of {', '.join(REPLICATIONS)}"
             )
         rebalance = message.get("rebalance")
         if rebalance is not None and not 0 < rebalance < 1:
@@ -1005,6 +1021,11 @@ class Coordinator:
                 "keys": [self._key_of(n) for n in names],
             }
 
+        if replica is not None and replica.at_stages and self._public_keys:
+            # stages fetch units from each other's probe sockets: allowed beforehand
+            await self._links.allow_peers(
+                [m for m in self.membership.alive() if m.state is MemberState.ALIVE]
+            )
         loop = asyncio.get_running_loop()
         for i, (names, start, end, shares) in enumerate(groups):
             for rank, name in enumerate(names):
@@ -1040,6 +1061,8 @@ class Coordinator:
                 if replica is not None:
                     state = _units_state(replica.state, start, end)
                     body["state_keys"] = list(state)
+                    if replica.at_stages:
+                        body["fetch"] = self._fetch_plan(replica, name, start, end, by_name)
                 assign = Message("assign", body, epoch=run.epoch, tensors=tuple(state.values()))
                 await self._send(by_name[name].routing_id, assign, peer=name)
         await _await_all(
@@ -1064,6 +1087,7 @@ class Coordinator:
         run.training_plan = tplan_out
         run.request = message
         run.rebalance = message.get("rebalance")
+        run.replication = str(message.get("replication") or "global")
         first, last = groups[0][0], groups[-1][0]
         return Message(
             "run_ready",
@@ -1367,16 +1391,22 @@ class Coordinator:
                 raise ConfigError(f"run {run_id} is not the current training run")
             await self._await_restored(run.devices)
             counters: dict[str, Any] = {}
-            keys, tensors = await self._gather_state(run, step, optimizer=True, metrics=counters)
+            holders: dict[str, str] = {}
+            if run.replication == "global":
+                keys, tensors = await self._gather_state(
+                    run, step, optimizer=True, metrics=counters
+                )
+            else:
+                keys, tensors, holders = await self._back_up(run, step, counters)
             state: dict[str, torch.Tensor] = {}
             for key, tensor in zip(keys, tensors, strict=True):
                 if key not in state:
                     # A copy: the received frame's memory belongs to a zmq message.
                     state[key] = tensor.clone()
-            replica = _Replica(run.run, step, run.training_plan, state)
+            replica = _Replica(run.run, step, run.training_plan, state, holders)
             if self._store is not None:
                 # On disk before the client hears of it: it then drops what came before.
-                saved = SavedReplica(run.run, step, run.training_plan.to_dict(), state)
+                saved = SavedReplica(run.run, step, run.training_plan.to_dict(), state, holders)
                 try:
                     await asyncio.to_thread(self._store.save_replica, saved)
                 except OSError as exc:
@@ -1392,6 +1422,8 @@ class Coordinator:
                 tensors=len(state),
                 bytes=body["bytes"],
                 saved=self._store is not None,
+                replication=run.replication,
+                holders=holders or None,
             )
             if run.rebalance is not None:
                 balanced = await self._with_newcomers(run, run.training_plan)
@@ -1471,6 +1503,86 @@ class Coordinator:
         if replica.plan.num_units != load_layer_sequence(spec).num_units:
             raise ConfigError("the replica is of another model")
         return replica
+
+    async def _back_up(
+        self, run: _Run, step: int, counters: dict[str, Any]
+    ) -> tuple[list[str], list[torch.Tensor], dict[str, str]]:
+        """Chain (FTPipeHD) or topology-driven (Asteroid) replication after round
+        ``step``: every device keeps a snapshot, each stage's first device backs it up
+        to its holder. Returns what was backed up to the coordinator, and the holders."""
+        assert run.training_plan is not None
+        if run.replication == "topology":
+            schedule = asteroid_replication(run.training_plan, every=1)
+        else:
+            schedule = ftpipehd_replication(run.training_plan, chain_every=1, global_every=1)
+        holders = {s.source: s.dest for s in schedule.sends if s.kind in ("chain", "backup")}
+        members = {m.name: m for m in self.membership.alive()}
+        missing = [d for d in run.devices if d not in members]
+        if missing:
+            raise ConfigError(f"stages {missing} are gone; they cannot back up")
+        if self._public_keys:
+            # peers reach each other's probe sockets: allowed before anyone connects
+            await self._links.allow_peers([members[d] for d in run.devices])
+        requests = []
+        for device in run.devices:
+            holder = holders.get(device, "")
+            body: dict[str, Any] = {"run": run.run, "step": step, "holder": holder}
+            if holder and holder != COORDINATOR:
+                body["holder_endpoint"] = str(members[holder].info["probe_endpoint"])
+                body["holder_key"] = self._key_of(holder)
+            message = Message("backup_request", body, epoch=run.epoch)
+            requests.append(
+                self._request(members[device], message, "backed_up", self.config.timeouts.result_s)
+            )
+        keys: list[str] = []
+        tensors: list[torch.Tensor] = []
+        for reply in await asyncio.gather(*requests):
+            if reply["error"]:
+                raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
+            if len(reply["keys"]) != len(reply.tensors):
+                raise ProtocolError(f"stage {reply['name']!r} sent a mismatched backup")
+            keys += [str(k) for k in reply["keys"]]
+            tensors += list(reply.tensors)
+            if isinstance(reply.get("metrics"), dict):
+                counters[str(reply["name"])] = reply["metrics"]
+        return keys, tensors, {d: holders.get(d, "") for d in run.devices}
+
+    def _fetch_plan(
+        self, replica: _Replica, device: str, start: int, end: int, by_name: dict[str, Member]
+    ) -> list[dict[str, Any]]:
+        """Where ``device`` gets units ``[start, end)`` of a replica kept at the stages:
+        what the coordinator holds comes with the assignment; every other range from
+        the device's own snapshot, a surviving member of the stage that held it, or the
+        backup its holder keeps (FTPipeHD Algorithm 1's sources, nearest first)."""
+        alive = {m.name: m for m in self.membership.alive() if m.state is MemberState.ALIVE}
+        alive.update(by_name)
+        held_here = {u for key in replica.state if (u := split_unit_key(key)) is not None}
+        held_units = {u[0] for u in held_here}
+        fetch: list[dict[str, Any]] = []
+        for old in replica.plan.stages:
+            a, b = max(start, old.start), min(end, old.end)
+            if a >= b or all(u in held_units for u in range(a, b)):
+                continue
+            owner = old.devices[0]
+            holder = replica.holders.get(owner, "")
+            if device in old.devices:
+                source, owner = device, device
+            elif survivors := [d for d in old.devices if d in alive]:
+                source = owner = survivors[0]
+            elif holder and holder != COORDINATOR and holder in alive:
+                source = holder
+            else:
+                raise ConfigError(
+                    f"units [{a}, {b}) are lost: {', '.join(old.devices)} and the holder of "
+                    f"their backup ({holder or 'none'}) are gone"
+                )
+            entry: dict[str, Any] = {"from": source, "owner": owner, "run": replica.run,
+                                     "step": replica.step, "start": a, "end": b}  # fmt: skip
+            if source != device:
+                entry["endpoint"] = str(alive[source].info["probe_endpoint"])
+                entry["key"] = self._key_of(source)
+            fetch.append(entry)
+        return fetch
 
     async def _fast_replica(self, replica: _Replica, message: Message) -> _Replica:
         """The `fast` consistency (as FTPipeHD and Asteroid recover): the survivors of

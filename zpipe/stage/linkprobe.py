@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -76,6 +77,10 @@ class _Burst:
     bytes_after_first: int = 0
 
 
+# Requests from peers that the stage itself answers (zpipe.stage.replicas).
+PEER_KINDS = frozenset({"backup", "fetch_units"})
+
+
 @dataclass
 class ProbeResponder:
     """Answers pings and times bursts on a ROUTER socket; one per stage."""
@@ -85,6 +90,8 @@ class ProbeResponder:
     name: str
     send_timeout_s: float
     max_message_bytes: int
+    # other stage-to-stage requests (backups, unit fetches): the reply to send back
+    peer_handler: Callable[[Message], Awaitable[Message]] | None = None
     _bursts: dict[tuple[bytes, int], _Burst] = field(default_factory=dict)
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -137,6 +144,8 @@ class ProbeResponder:
                 "span_s": (done.last_at - done.first_at) if done else 0.0,
             }
             await self._reply(routing_id, Message("link_burst_report", report))
+        elif self.peer_handler is not None and kind in PEER_KINDS:
+            await self._reply(routing_id, await self.peer_handler(message))
         else:
             raise ProtocolError(f"unexpected {kind!r} on the probe socket")
 

@@ -32,6 +32,7 @@ from zpipe.models import ModelSpec
 from zpipe.profiler import profile_model
 from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder, measure_link
 from zpipe.stage.metrics import StageCounters
+from zpipe.stage.replicas import ReplicaStore, peer_request
 from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import Group, TrainingExecutor, TrainingSetup
@@ -132,6 +133,9 @@ class StageRuntime:
         self._ring: RingAllReduce | None = None
         self._trainer: TrainingExecutor | None = None
         self._weights_task: asyncio.Task[None] | None = None
+        self._backup_task: asyncio.Task[None] | None = None
+        # snapshots for chain replication: this stage's own, and peers' backups
+        self.replicas = ReplicaStore()
         self._link: EmulatedLink | None = None
         self._control: zmq.asyncio.Socket | None = None
         self._data_in: zmq.asyncio.Socket | None = None
@@ -193,6 +197,7 @@ class StageRuntime:
             name=self.config.name,
             send_timeout_s=self.config.timeouts.reply_s,
             max_message_bytes=opts.max_message_bytes,
+            peer_handler=self._on_peer_request,
         )
         self._control = open_socket(self._context, zmq.DEALER, opts)
         self._control.setsockopt(zmq.ROUTING_ID, self.config.name.encode())
@@ -385,6 +390,10 @@ class StageRuntime:
                 # a failure ended, and would otherwise block every later request.
                 self._weights_task.cancel()
             self._weights_task = asyncio.create_task(self._send_weights(message))
+        elif kind == "backup_request":
+            if self._backup_task is not None and not self._backup_task.done():
+                self._backup_task.cancel()  # the newest request wins, as for weights
+            self._backup_task = asyncio.create_task(self._backup(message))
         elif kind == "metrics_request":
             await self._send_control(
                 "metrics",
@@ -498,6 +507,8 @@ class StageRuntime:
                 loop = asyncio.get_running_loop()
                 train = dict(body["train"])
                 resumed = _resumed_state(message)
+                if body.get("fetch"):
+                    resumed = {**(resumed or {}), **await self._fetched_state(list(body["fetch"]))}
                 shard = await loop.run_in_executor(
                     self._compute,
                     lambda: TrainShard.build(
@@ -845,6 +856,125 @@ class StageRuntime:
             timeout_s=self.config.timeouts.send_s,
             peer="coordinator",
         )
+
+    async def _backup(self, message: Message) -> None:
+        """Once round ``step`` is done: keep a snapshot of this stage's state, and send
+        a copy to its backup holder (a peer stage, or the coordinator in the reply)."""
+        run, step = int(message["run"]), int(message["step"])
+        holder = str(message["holder"])
+        reply: dict[str, Any] = {"run": run, "name": self.config.name, "step": step,
+                                 "holder": holder, "keys": [], "bytes": 0, "error": ""}  # fmt: skip
+        tensors: tuple[torch.Tensor, ...] = ()
+        trainer = self._trainer
+        try:
+            if trainer is None or trainer.setup.run != run:
+                raise ConfigError(f"this stage is not training run {run}")
+            await trainer.wait_for_step(step, self.config.timeouts.result_s)
+            loop = asyncio.get_running_loop()
+            state = await loop.run_in_executor(
+                self._compute,
+                lambda: {k: t.clone() for k, t in trainer.shard.training_state().items()},
+            )
+            self.replicas.put(self.config.name, run, step, state)
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            reply["bytes"] = nbytes
+            reply["metrics"] = self.counters.to_dict()
+            if holder == "coordinator":
+                reply["keys"], tensors = list(state), tuple(state.values())
+            elif holder:
+                await self._pace_on_link(nbytes)
+                answer = await peer_request(
+                    self._context,
+                    peer=holder,
+                    endpoint=str(message["holder_endpoint"]),
+                    server_key=message.get("holder_key"),
+                    keypair=self._keypair,
+                    message=Message(
+                        "backup",
+                        {"run": run, "step": step, "owner": self.config.name, "keys": list(state)},
+                        tensors=tuple(state.values()),
+                    ),
+                    expect="backup_ok",
+                    options=self.config.socket_options,
+                    timeout_s=self.config.timeouts.result_s,
+                )
+                if answer["error"]:
+                    raise ConfigError(f"{holder} did not keep the backup: {answer['error']}")
+        except ZpipeError as exc:
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+            log.error("backup_failed", stage=self.config.name, error=reply["error"])
+        assert self._control is not None
+        await send(
+            self._control,
+            Message("backed_up", reply, epoch=message.epoch, tensors=tensors),
+            timeout_s=self.config.timeouts.send_s,
+            peer="coordinator",
+        )
+
+    async def _on_peer_request(self, message: Message) -> Message:
+        """A peer's backup to keep, or units of a snapshot a peer fetches."""
+        if message.kind == "backup":
+            keys = [str(k) for k in message["keys"]]
+            if len(keys) != len(message.tensors):
+                return Message("backup_ok", {"run": message["run"], "step": message["step"],
+                                             "error": "keys and tensors do not match"})  # fmt: skip
+            # Copies: the frames' memory belongs to the zmq message.
+            state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
+            self.replicas.put(
+                str(message["owner"]), int(message["run"]), int(message["step"]), state
+            )
+            log.info("backup_kept", stage=self.config.name, owner=message["owner"],
+                     run=message["run"], step=message["step"])  # fmt: skip
+            return Message(
+                "backup_ok", {"run": message["run"], "step": message["step"], "error": ""}
+            )
+        try:
+            units = self.replicas.units(
+                str(message["owner"]), int(message["run"]), int(message["step"]),
+                int(message["start"]), int(message["end"]),
+            )  # fmt: skip
+        except ConfigError as exc:
+            return Message("units", {"keys": [], "error": str(exc)})
+        return Message("units", {"keys": list(units), "error": ""}, tensors=tuple(units.values()))
+
+    async def _fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
+        """The units an assignment says to take from snapshots: this stage's own or a
+        peer's (its snapshot, or a backup it holds), fetched from that peer."""
+        state: dict[str, torch.Tensor] = {}
+        for entry in fetch:
+            if not isinstance(entry, dict):
+                raise ProtocolError("a fetch entry must be a map")
+            owner, source = str(entry["owner"]), str(entry["from"])
+            run, step = int(entry["run"]), int(entry["step"])
+            start, end = int(entry["start"]), int(entry["end"])
+            if source == self.config.name:
+                units = self.replicas.units(owner, run, step, start, end)
+                state.update({k: t.clone() for k, t in units.items()})
+                continue
+            reply = await peer_request(
+                self._context,
+                peer=source,
+                endpoint=str(entry["endpoint"]),
+                server_key=entry.get("key"),
+                keypair=self._keypair,
+                message=Message(
+                    "fetch_units",
+                    {"owner": owner, "run": run, "step": step, "start": start, "end": end},
+                ),
+                expect="units",
+                options=self.config.socket_options,
+                timeout_s=self.config.timeouts.result_s,
+            )
+            if reply["error"]:
+                raise ConfigError(
+                    f"{source} could not send units [{start}, {end}): {reply['error']}"
+                )
+            if len(reply["keys"]) != len(reply.tensors):
+                raise ProtocolError(f"{source} sent mismatched units")
+            state.update(
+                {str(k): t.clone() for k, t in zip(reply["keys"], reply.tensors, strict=True)}
+            )
+        return state
 
     async def _stop_data_tasks(self) -> None:
         for task in self._data_tasks:

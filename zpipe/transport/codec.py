@@ -143,6 +143,10 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         # training resumed from a replica: the keys of the tensors that follow, which
         # are the stage's weights and optimizer state (TrainShard.training_state)
         "state_keys": (_OPT_LIST, False),
+        # ...and the units the stage gets from snapshots kept by the stages (chain
+        # replication): [{"from", "endpoint", "key", "owner", "run", "step",
+        # "start", "end"}], "from" being this stage for its own snapshot
+        "fetch": (_OPT_LIST, False),
     },
     "ready": {
         "run": (_INT, True),
@@ -189,6 +193,9 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "resume": (_OPT_MAP, False),
         # training: re-balance at a replica when the bottleneck would shrink by this share
         "rebalance": (_OPT_NUM, False),
+        # training: "global" replicas (all at the coordinator), "chain" (FTPipeHD) or
+        # "topology" (Asteroid): snapshots kept at the stages, backed up to neighbours
+        "replication": (_STR, False),
         # training with "rebalance": devices that may join the plan at a replica when
         # they register (or come back); null: any device that registers
         "admit": (_OPT_LIST, False),
@@ -239,6 +246,43 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
     },
     # a global replica: the coordinator keeps every stage's state after mini-batch "step"
     "replicate": {"run": (_INT, True), "step": (_INT, True)},
+    # chain replication (FTPipeHD) and Asteroid's topology-driven replication: after
+    # round "step" a stage keeps a snapshot of its state and sends a copy to its
+    # backup "holder": a stage (at "holder_endpoint", its probe socket), the
+    # coordinator (in the reply), or nobody ("")
+    "backup_request": {
+        "run": (_INT, True),
+        "step": (_INT, True),
+        "holder": (_STR, True),
+        "holder_endpoint": (_OPT_STR, False),
+        "holder_key": (_OPT_STR, False),
+    },
+    "backed_up": {
+        "run": (_INT, True),
+        "name": (_STR, True),
+        "step": (_INT, True),
+        "holder": (_STR, True),
+        "keys": (_LIST, True),
+        "bytes": (_INT, True),
+        "error": (_STR, True),
+        "metrics": (_OPT_MAP, False),
+    },
+    # stage to stage, on the probe socket: a backup to keep, and units to fetch
+    "backup": {
+        "run": (_INT, True),
+        "step": (_INT, True),
+        "owner": (_STR, True),
+        "keys": (_LIST, True),
+    },
+    "backup_ok": {"run": (_INT, True), "step": (_INT, True), "error": (_STR, True)},
+    "fetch_units": {
+        "owner": (_STR, True),
+        "run": (_INT, True),
+        "step": (_INT, True),
+        "start": (_INT, True),
+        "end": (_INT, True),
+    },
+    "units": {"keys": (_LIST, True), "error": (_STR, True)},
     # the client waited past its adaptive deadline for the run's next result
     # (FTPipeHD's deadline at the data source): probe the run's stages now
     "stalled": {"run": (_INT, True), "waited_s": (_NUM, True), "deadline_s": (_NUM, True)},
@@ -267,6 +311,7 @@ SCHEMAS: dict[str, dict[str, tuple[_Types, bool]]] = {
         "keys": (_LIST, True),
         "chunk": (_INT, True),
         "chunks": (_INT, True),
+        "holders": (_OPT_MAP, False),
     },
     "weights": {
         "run": (_INT, True),
@@ -325,12 +370,15 @@ TENSOR_KINDS = frozenset(
     {
         "allreduce",
         "assign",
+        "backed_up",
+        "backup",
         "checkpoint",
         "data",
         "grad",
         "labels",
         "link_burst",
         "replica_file",
+        "units",
         "weights",
     }
 )

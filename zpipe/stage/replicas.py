@@ -1,0 +1,108 @@
+"""Snapshots a stage keeps for chain replication, and the stage-to-stage requests.
+
+With chain replication (FTPipeHD) or Asteroid's topology-driven replication a
+replica never travels whole to the coordinator: after a replicated round each
+stage keeps a snapshot of its own units (weights and optimizer state) and
+sends a copy to its backup holder, the next stage (the last stage's goes to
+the coordinator, or to the first stage). After a failure a stage rebuilds its
+new units from those snapshots: its own, a surviving peer's, or the backup a
+peer holds for a dead one, fetched directly from that peer, so the weights
+move between neighbours and only what changed hands moves at all.
+
+Peers reach each other on their probe sockets (which already accept the
+cluster's keys): :func:`peer_request` opens a DEALER there for one request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ConfigError, ProtocolError
+from zpipe.models.weights import split_unit_key
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import SocketOptions, decode_frames, open_socket, recv_frames, send
+
+# Snapshots kept per owner: the newest and the one before (a replica being taken
+# must not drop the one a recovery may still need).
+KEEP_PER_OWNER = 2
+
+SnapshotKey = tuple[str, int, int]  # (owner, run, step)
+
+
+class ReplicaStore:
+    """Snapshots by (owner, run, step): this stage's own and those peers backed up here."""
+
+    def __init__(self, keep_per_owner: int = KEEP_PER_OWNER) -> None:
+        self.keep_per_owner = keep_per_owner
+        self._snapshots: OrderedDict[SnapshotKey, dict[str, torch.Tensor]] = OrderedDict()
+
+    def put(self, owner: str, run: int, step: int, state: Mapping[str, torch.Tensor]) -> None:
+        key = (owner, run, step)
+        self._snapshots.pop(key, None)
+        self._snapshots[key] = dict(state)
+        mine = [k for k in self._snapshots if k[0] == owner]
+        for old in mine[: max(0, len(mine) - self.keep_per_owner)]:
+            del self._snapshots[old]
+
+    def __contains__(self, key: SnapshotKey) -> bool:
+        return key in self._snapshots
+
+    def units(
+        self, owner: str, run: int, step: int, start: int, end: int
+    ) -> dict[str, torch.Tensor]:
+        """The tensors of units ``[start, end)`` in ``owner``'s snapshot after ``step``."""
+        snapshot = self._snapshots.get((owner, run, step))
+        if snapshot is None:
+            held = sorted(self._snapshots)
+            raise ConfigError(
+                f"no snapshot of {owner!r} after mini-batch {step} of run {run} here (held: {held})"
+            )
+        # units without parameters (an activation, say) hold nothing: an empty answer
+        return units_of(snapshot, start, end)
+
+
+def units_of(state: Mapping[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` (``units.<i>.<name>``, optimizer state included) of
+    units ``[start, end)``."""
+    picked = {}
+    for key, tensor in state.items():
+        unit = split_unit_key(key)  # "units.3.weight#opt.exp_avg" is unit 3's too
+        if unit is not None and start <= unit[0] < end:
+            picked[key] = tensor
+    return picked
+
+
+async def peer_request(
+    context: zmq.asyncio.Context,
+    *,
+    peer: str,
+    endpoint: str,
+    server_key: str | None,
+    keypair: security.KeyPair | None,
+    message: Message,
+    expect: str,
+    options: SocketOptions,
+    timeout_s: float,
+) -> Message:
+    """Send ``message`` to ``peer``'s probe socket and return its ``expect`` reply."""
+    sock = open_socket(context, zmq.DEALER, options)
+    try:
+        if keypair is not None:
+            if server_key is None:
+                raise ProtocolError(f"no public key for {peer!r}")
+            security.secure_client(sock, keypair, server_key.encode())
+        sock.connect(endpoint)
+        await send(sock, message, timeout_s=timeout_s, peer=peer)
+        frames = await recv_frames(sock, timeout_s=timeout_s, peer=peer, awaited=expect)
+        reply = decode_frames(frames, options.max_message_bytes)
+        if reply.kind != expect:
+            raise ProtocolError(f"{peer!r} answered {reply.kind!r}, expected {expect!r}")
+        return reply
+    finally:
+        sock.close(linger=0)
