@@ -97,6 +97,7 @@ def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
         (["zpipe", "train", "--local", "2", "--recover", "--rebalance", "2"], "between 0 and 1"),
         (["zpipe", "train", "--local", "2", "--recover", "--recovery", "pray"], "invalid choice"),
         (["zpipe", "train", "--local", "2", "--consistency", "fast"], "need --recover"),
+        (["zpipe", "train", "--local", "2", "--replication", "chain"], "need --recover"),
         (["zpipe", "train", "--local", "2", "--recover", "--consistency", "eh"], "invalid choice"),
     ],
 )

@@ -252,10 +252,12 @@ def test_fast_consistency_keeps_the_survivors_newer_weights_and_the_loss_keeps_f
     assert all(done >= 5 for done in fast["completed"].values())
 
 
-def test_an_unknown_consistency_is_refused() -> None:
+def test_an_unknown_consistency_or_replication_is_refused() -> None:
     client = PipelineClient("tcp://127.0.0.1:1")
     with pytest.raises(ConfigError, match="unknown consistency 'eventual'"):
         asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, consistency="eventual"))
+    with pytest.raises(ConfigError, match="unknown replication 'gossip'"):
+        asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, replication="gossip"))
 
 
 def _events(log: str, event: str) -> list[dict[str, object]]:
@@ -356,8 +358,8 @@ def test_a_stage_that_restarts_is_replaced_then_taken_back_into_the_plan() -> No
             stage_names=["a", "b", "c"],
             recover=True,
             replicate_every=3,
-            # the predicted gain (a third device for a data-parallel stage) is 18-50 %
-            # with profiles taken on this shared machine: a low bar, so it is taken
+            # the predicted gain of a third device (for the planner's data-parallel
+            # stage) was 18-50 % with profiles taken on this shared machine: a low bar
             rebalance=0.05,
         )
         log = cluster.logs("coordinator")
@@ -369,12 +371,19 @@ def test_a_stage_that_restarts_is_replaced_then_taken_back_into_the_plan() -> No
     # ...and the new one joined the run at the next replica, the planner predicting
     # a shorter round with it
     considered = _events(log, "admission_considered")
-    assert len(considered) == 1, (considered, _events(log, "admitted"))
-    assert considered[0]["newcomers"] == ["b"]
-    assert considered[0]["with_newcomers_s"] < considered[0]["round_s"]  # type: ignore[operator]
-    assert [r["at"] for r in report.rebalances] == [6]
+    assert considered and considered[0]["newcomers"] == ["b"]
+    # b came back into the run at a replica after it registered again (measured speeds
+    # may also move boundaries at a replica: those moves keep the same devices)
+    after = [r for r in report.rebalances if r["at"] > report.recoveries[0]["resumed_from"]]
+    joined = [r["at"] for r in after if "b" in _devices_of(r["plan"])]
+    assert joined and joined[0] in (6, 9)
+    assert [e["devices"] for e in _events(log, "admitted")] == [["b"]]
     assert report.training_plan is not None
     assert sorted(report.training_plan.devices) == ["a", "b", "c"]
+
+
+def _devices_of(plan: dict[str, object]) -> list[str]:
+    return [d for stage in plan["stages"] for d in stage["devices"]]  # type: ignore[attr-defined]
 
 
 async def _until_registered_again(client: PipelineClient, name: str, old_endpoint: str) -> None:

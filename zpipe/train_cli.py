@@ -22,7 +22,7 @@ from zpipe.cli_common import positive_float, positive_int
 from zpipe.client import PipelineClient
 from zpipe.cluster import LocalCluster
 from zpipe.demo import DEMO_DEVICES
-from zpipe.fit import CONSISTENCIES, TrainReport
+from zpipe.fit import CONSISTENCIES, REPLICATIONS, TrainReport
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.training.schedules import SCHEDULES
@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=RECOVERY_POLICIES,
         default="lightweight",
         help="with --recover: how the survivors are planned (default: lightweight)",
+    )
+    parser.add_argument(
+        "--replication",
+        choices=REPLICATIONS,
+        default=None,
+        help="with --recover: 'global' sends every replica to the coordinator; 'chain' "
+        "(FTPipeHD) and 'topology' (Asteroid) keep snapshots at the stages, backed up to "
+        "the next stage (default: global)",
     )
     parser.add_argument(
         "--consistency",
@@ -202,10 +210,16 @@ def main(argv: list[str] | None = None) -> int:
             recovery=args.recovery,
             rebalance=args.rebalance,
             consistency=args.consistency or "exact",
+            replication=args.replication or "global",
         )
-    elif (args.replicate_every, args.rebalance, args.consistency) != (None, None, None):
-        print("python -m zpipe train: --replicate-every, --rebalance and --consistency "
-              "need --recover", file=sys.stderr)  # fmt: skip
+    elif (args.replicate_every, args.rebalance, args.consistency, args.replication) != (
+        None,
+        None,
+        None,
+        None,
+    ):
+        print("python -m zpipe train: --replicate-every, --rebalance, --consistency and "
+              "--replication need --recover", file=sys.stderr)  # fmt: skip
         return 2
     try:
         if args.coordinator is not None:
