@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -210,3 +211,38 @@ def test_a_stage_whose_coordinator_dies_exits_with_a_clear_message() -> None:
         assert "could not reach the coordinator" in cluster.logs("late")
         assert _wait_exit(cluster.processes["orphan"], 30) == 1
         assert "no word from the coordinator" in cluster.logs("orphan")
+
+
+def test_a_stream_stall_finds_a_dead_stage_before_its_heartbeats_lapse() -> None:
+    spec = ModelSpec("mlp", {"dims": [8, 64, 64, 64, 4]}, seed=2)
+    sequence = load_layer_sequence(spec)
+    batches = [sequence.example_input(2, seed=i) for i in range(60)]
+    reference = build_full_model(spec)
+    # heartbeats alone would take 20 intervals (6 s) to suspect anyone
+    with LocalCluster(
+        [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")],
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=20,
+        probe_intervals=PROBE_INTERVALS,
+    ) as cluster:
+
+        def kill_b_after_15(received: int, _sent: int) -> None:
+            if received == 15:
+                cluster.kill("b")
+
+        outputs, report = cluster.infer(
+            spec, batches, planner="even", max_in_flight=3, progress=kill_b_after_15
+        )
+        logs = cluster.logs("coordinator")
+    assert len(outputs) == len(batches)
+    with torch.inference_mode():
+        for got, batch in zip(outputs, batches, strict=True):
+            torch.testing.assert_close(got[0], reference(*batch)[0])
+    assert [r["dead"] for r in report.recoveries] == ["b"]
+    suspected = [
+        json.loads(line)
+        for line in logs.splitlines()
+        if '"event": "stage_suspect"' in line and '"stage": "b"' in line
+    ]
+    assert suspected and suspected[0]["reason"] == "stall"
+    assert '"stall_reported"' in logs

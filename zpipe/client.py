@@ -35,6 +35,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.profile import ModelProfile
+from zpipe.recovery import DEFAULT_STALL_DEADLINE, DeadlinePolicy, StallWatch
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -197,6 +198,29 @@ class _ControlChannel:
             elif not done:
                 raise TransportTimeout("coordinator", awaited, timeout_s)
 
+    async def report_stalls(self, watch: StallWatch, run: Callable[[], int], what: str) -> None:
+        """Until cancelled: when the next result of ``run()`` is later than ``watch``'s
+        deadline (FTPipeHD's deadline at the data source), tell the coordinator, which
+        probes the run's stages at once instead of waiting for heartbeats to lapse."""
+        while True:
+            await asyncio.sleep(min(max(watch.deadline() / 4, 0.02), 0.5))
+            stalled = watch.stalled(time.monotonic())
+            if stalled is None:
+                continue
+            waited, deadline = stalled
+            log.warning(f"{what}_stalled", run=run(), waited_s=round(waited, 3),
+                        deadline_s=round(deadline, 3))  # fmt: skip
+            body = {"run": run(), "waited_s": waited, "deadline_s": deadline}
+            try:
+                await send(
+                    self.sock,
+                    Message("stalled", body),
+                    timeout_s=self.timeouts.send_s,
+                    peer="coordinator",
+                )
+            except TransportTimeout as exc:  # heartbeats still find a dead stage
+                log.warning("stall_not_reported", run=run(), error=str(exc))
+
     async def close(self) -> None:
         for task in (self._reader, self._watcher):
             task.cancel()
@@ -342,6 +366,7 @@ class PipelineClient:
         progress: Callable[[int, int], None] | None = None,
         recover: bool = True,
         recovery: str = "lightweight",
+        stall_deadline: DeadlinePolicy | None = None,
     ) -> AsyncIterator[Outputs]:
         """Yield the outputs of each input batch, in input order.
 
@@ -360,6 +385,9 @@ class PipelineClient:
         boundaries shifted so that each one's work matches its speed, units moving
         only between neighbours), "heavy" (the full planner over the survivors)
         or "respipe" (the next stage takes all of the dead one's units).
+        ``stall_deadline``: how late the next result may be before the coordinator
+        probes the stages (see :func:`zpipe.fit.fit`; default
+        :data:`DEFAULT_STALL_DEADLINE`).
 
         The run's report (plan, throughput, per-stage counters, recoveries) is in
         :attr:`last_report` once the stream is exhausted.
@@ -397,6 +425,7 @@ class PipelineClient:
         if reply.kind == "run_failed":
             raise PipelineError(f"the coordinator could not start the run: {reply['error']}")
         stream = _Stream(self, reply, microbatch_size, max_in_flight, progress)
+        stream.stall = StallWatch(stall_deadline or DEFAULT_STALL_DEADLINE)
         try:
             started = await self._control.request(
                 Message("run_go", {"run": stream.run}),
@@ -420,6 +449,7 @@ class PipelineClient:
             expect=("run_report",),
             timeout_s=self.timeouts.reply_s * 2,
             awaited="run report",
+            resend_on_reconnect=True,
         )
         stream.report.stages = dict(report["stages"])
         self.last_report = stream.report
@@ -488,15 +518,19 @@ class _Stream:
         self.received = 0
         self.total_batches: int | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self.stall = StallWatch(DEFAULT_STALL_DEADLINE)
 
     async def outputs_in_order(
         self, batches: Iterable[Batch] | AsyncIterable[Batch]
     ) -> AsyncIterator[Outputs]:
         started = time.perf_counter()
+        control = self.client._control
+        assert control is not None
         self.tasks = [
             asyncio.create_task(self._feed(batches)),
             asyncio.create_task(self._drain()),
             asyncio.create_task(self._watch_failures()),
+            asyncio.create_task(control.report_stalls(self.stall, lambda: self.run, "stream")),
         ]
         next_batch = 0
         waiting: dict[int, Outputs] = {}
@@ -548,6 +582,7 @@ class _Stream:
             async with self.send_lock:  # not interleaved with a replay to a new first stage
                 mb = self.sent
                 self.sent += 1
+                self.stall.sent(time.monotonic())
                 self.owner[mb] = (index, part)
                 self.unanswered[mb] = mb_tensors
                 await self._send_input(mb, mb_tensors)
@@ -582,6 +617,7 @@ class _Stream:
             self.unanswered.pop(mb, None)
             self.window.release()
             self.received += 1
+            self.stall.completed(time.monotonic())
             if message.kind == "error":
                 await self.results.put(
                     (-1, RemoteStageError(str(message["stage"]), mb, str(message["message"])))

@@ -58,8 +58,8 @@ from zpipe.models import ModelSpec, build_full_model
 from zpipe.models.weights import save_weights
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
+from zpipe.recovery import DEFAULT_STALL_DEADLINE, DeadlinePolicy, StallWatch
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
-from zpipe.recovery import DeadlinePolicy, StallWatch
 from zpipe.training.objectives import check_loss, check_optimizer
 from zpipe.training.routing import split_rows
 from zpipe.transport import security
@@ -392,12 +392,6 @@ async def fit(
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
 DEFAULT_REPLICATE_EVERY = 50
-# The data source's deadline: a loss later than median + 5 MAD of the recent gaps
-# (at least 0.25 s; 10 s for the first four, which include warm-up) has the
-# coordinator probe the stages. A false alarm costs one probe message per stage.
-DEFAULT_STALL_DEADLINE = DeadlinePolicy(
-    k=5.0, window=32, min_samples=4, floor_s=0.25, cold_start_s=10.0
-)
 # how a recovery treats the work since the replica (see fit's ``consistency``)
 CONSISTENCIES = ("exact", "fast")
 # where replicas go (see fit's ``replication``)
@@ -591,11 +585,15 @@ class _TrainRun:
                     failure.put_nowait(exc)
                 raise
 
+        control = self.client._control
+        assert control is not None
         self.tasks = [
             asyncio.create_task(guarded(self._feed(source))),
             asyncio.create_task(guarded(self._drain(step_done))),
             asyncio.create_task(guarded(self._watch_failures())),
-            asyncio.create_task(guarded(self._watch_stalls())),
+            asyncio.create_task(
+                guarded(control.report_stalls(self.stall, lambda: self.run, "training"))
+            ),
         ]
         done = asyncio.create_task(self.finished.wait())
         failed = asyncio.create_task(failure.get())
@@ -735,29 +733,6 @@ class _TrainRun:
             step = int(message["step"])
             if not self.done_steps <= step < self.sent_steps:
                 raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
-
-    async def _watch_stalls(self) -> None:
-        """Tell the coordinator when the next loss is later than its deadline."""
-        control = self.client._control
-        assert control is not None
-        while True:
-            await asyncio.sleep(min(max(self.stall.deadline() / 4, 0.02), 0.5))
-            stalled = self.stall.stalled(time.monotonic())
-            if stalled is None:
-                continue
-            waited, deadline = stalled
-            log.warning("training_stalled", run=self.run, waited_s=round(waited, 3),
-                        deadline_s=round(deadline, 3))  # fmt: skip
-            body = {"run": self.run, "waited_s": waited, "deadline_s": deadline}
-            try:
-                await send(
-                    control.sock,
-                    Message("stalled", body),
-                    timeout_s=self.client.timeouts.send_s,
-                    peer="coordinator",
-                )
-            except TransportTimeout as exc:  # heartbeats still find a dead stage
-                log.warning("stall_not_reported", run=self.run, error=str(exc))
 
     async def _watch_failures(self) -> None:
         control = self.client._control

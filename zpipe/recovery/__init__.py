@@ -29,6 +29,7 @@ from zpipe.recovery.capacity import (
     speeds_from_cluster,
 )
 from zpipe.recovery.detection import (
+    DEFAULT_STALL_DEADLINE,
     DeadlinePolicy,
     LatencyWindow,
     StallWatch,
@@ -69,6 +70,7 @@ from zpipe.recovery.timeline import RecoveryTimeline, summarize_recoveries
 
 __all__ = [
     "COORDINATOR",
+    "DEFAULT_STALL_DEADLINE",
     "POLICIES",
     "TOPOLOGIES",
     "CapacityHistory",

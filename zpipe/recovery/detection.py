@@ -125,6 +125,14 @@ class LatencyWindow:
         return judge_wait(elapsed_s, self.deadline(), responsive=responsive)
 
 
+# The data source's deadline: a result later than median + 5 MAD of the recent gaps
+# (at least 0.25 s; 10 s for the first four, which include warm-up) has the
+# coordinator probe the stages. A false alarm costs one probe message per stage.
+DEFAULT_STALL_DEADLINE = DeadlinePolicy(
+    k=5.0, window=32, min_samples=4, floor_s=0.25, cold_start_s=10.0
+)
+
+
 class StallWatch:
     """FTPipeHD's deadline at the data source: how long the source may wait for the
     next result of work in flight before it asks whether a device died.
