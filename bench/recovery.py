@@ -44,10 +44,47 @@ it is and with ``fit(rebalance=0.2)``, which moves units off the slow stage at a
 replica once its measured speed shows; ``rebalanced_over_static_throughput`` is the
 ratio of their steady throughputs over the second half of the run.
 
+Consistency, stall detection and coordinator restart (``--skip-consistency``,
+``--skip-detection``, ``--skip-restart``), on a second cluster of the same devices
+whose coordinator suspects a stage only after ``--slow-suspect-after`` (default 10)
+silent heartbeats of ``--heartbeat-s`` and keeps its state in a directory
+(``state_dir``). Each run trains ``--fault-steps`` mini-batches (epochs of eight
+distinct ones, SGD at a step size that learns) with ``replicate_every=``
+``--fault-replicate-every``; the stage in the middle of the HPP plan is killed after
+mini-batch ``--fault-kill-after`` (between two replicas):
+
+* ``exact`` against ``fast`` consistency (both with fit's default stall deadline):
+  ``recovery_s`` (kill to the first mini-batch completed after it: under ``exact`` a
+  replay of one the replica had not kept), ``progress_s`` (kill to the first
+  mini-batch past those completed before it), ``retrained_minibatches`` (losses
+  reported again), the whole run's ``wall_s`` and its final and last-epoch losses;
+* detection with the stall deadline (the ``exact`` run above) against heartbeats
+  alone (the same run with a deadline that never passes): ``detection_s`` is the kill
+  to the coordinator's ``stage_dead`` (its log's timestamps against ``time.time()`` at
+  the kill), ``suspected_by`` what made it probe (``stall`` or the heartbeats);
+* the coordinator SIGKILLed after mini-batch ``--restart-after`` (default: just
+  before a replica, so the client's next request waits for the new coordinator: the
+  worst place) and started again at once, against the same run uninterrupted:
+  ``restored_s`` (kill to the new coordinator's ``coordinator_restored``),
+  ``next_replica_s`` (kill to the first replica it kept), ``overhead_s`` (extra wall
+  time), and the weights, which must equal the uninterrupted run's bit for bit with
+  no recovery (else the bench exits 1).
+
+A run of these that fails is recorded as a line with ``error`` (listed in the
+summary's ``fault_failed_runs``; the bench then exits 1) and the cluster is brought
+back before the next one.
+
+``--repeats`` runs each of these that many times (means in the summary).
+
 Summary: per section and policy the means; the issue's ratios
 ``heavy_over_light_recovery_time``, ``light_over_heavy_throughput_after`` and
 ``light_over_respipe_throughput_after`` for training, and the same with an
-``inference_`` prefix for the stream.
+``inference_`` prefix for the stream; ``fast_over_exact_recovery_time``,
+``fast_over_exact_progress_time``, ``fast_over_exact_wall_time``,
+``exact_retrained_minibatches``, ``fast_retrained_minibatches``,
+``stall_over_heartbeat_detection_time`` (lower is better) with
+``stall_detection_s`` and ``heartbeat_detection_s``, ``coordinator_restart_overhead_s``
+and ``restart_weights_exact``.
 
 Caveats: four stage processes, the coordinator and this client share two cores;
 detection is set by the heartbeat settings (``--heartbeat-s``, suspect after
@@ -59,20 +96,24 @@ in planning time (from cached profiles: milliseconds either way) and in the plan
 they pick, not in what Asteroid's heavy path also pays (gathering every stage's
 weights before re-planning).
 
-Run: ``.venv/bin/python bench/recovery.py`` (about 8 minutes on two cores) or
-``--quick`` (fewer batches and victims: about 3 minutes).
+Run: ``.venv/bin/python bench/recovery.py`` (about 9 minutes on two cores, 3 of them
+in the last sections) or ``--quick`` (fewer batches and victims, 16 mini-batches in
+the last sections: about 4 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +123,14 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 import torch
 
 from bench._common import emit, summary
+from zpipe import ZpipeError
 from zpipe.client import RunReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.fit import TrainReport
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.planner import even_ranges
-from zpipe.recovery import POLICIES
+from zpipe.recovery import POLICIES, DeadlinePolicy
 
 BENCH = "recovery"
 Batch = tuple[torch.Tensor, ...]
@@ -126,6 +168,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-training", action="store_true", help="leave the training section out")
     p.add_argument("--skip-rebalance", action="store_true", help="leave the slow-stage section out")
     p.add_argument("--rebalance", type=float, default=0.2, help="rebalance share (default: 0.2)")
+    p.add_argument(
+        "--fault-steps", type=int, default=24, help="mini-batches per run of the last sections"
+    )
+    p.add_argument(
+        "--fault-replicate-every", type=int, default=8, help="their replica period (default: 8)"
+    )
+    p.add_argument(
+        "--fault-kill-after", type=int, default=5, help="mini-batches before a stage is killed"
+    )
+    p.add_argument(
+        "--fault-victim", default=None, help="the stage killed (default: the plan's middle one)"
+    )
+    p.add_argument(
+        "--restart-after",
+        type=int,
+        default=None,
+        help="mini-batches before the coordinator is killed (default: the replica period - 1)",
+    )
+    p.add_argument(
+        "--slow-suspect-after",
+        type=int,
+        default=10,
+        help="silent intervals to suspect, on the cluster of the last sections (default: 10)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="trials of each kind, last sections")
+    p.add_argument("--skip-consistency", action="store_true", help="leave exact/fast out")
+    p.add_argument("--skip-detection", action="store_true", help="leave the stall deadline out")
+    p.add_argument("--skip-restart", action="store_true", help="leave the coordinator restart out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="fewer batches and victims")
     return p
@@ -254,9 +324,14 @@ def _train(
     return TrainTrial(policy, victim or "", report, steps, killed_at[0])
 
 
-def _train_single_process(spec: ModelSpec, batches: list[Batch]) -> dict[str, torch.Tensor]:
+def _train_single_process(
+    spec: ModelSpec, batches: list[Batch], settings: dict[str, Any] = OPTIMIZER
+) -> dict[str, torch.Tensor]:
     model = build_full_model(spec).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    assert settings["name"] == "sgd"
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=settings["lr"], momentum=settings["momentum"]
+    )
     for *inputs, labels in batches:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(*inputs)[0], labels).backward()
@@ -352,6 +427,419 @@ def _rebalance_section(
     }
 
 
+# --------------------------------------------------------- consistency, stalls, restart
+
+# A deadline that never passes: the client never reports a stall, so only the
+# heartbeats (suspect after --slow-suspect-after silent intervals) find a dead stage.
+NO_STALL_DEADLINE = DeadlinePolicy(floor_s=1e6, cold_start_s=1e6)
+# OPTIMIZER's step size makes these longer runs diverge (losses of 10 to 40), and a
+# diverging run amplifies float rounding past any tolerance; this one learns: the
+# loss over FAULT_EPOCH_BATCHES distinct mini-batches, seen again each epoch, falls.
+FAULT_OPTIMIZER = {"name": "sgd", "lr": 0.005, "momentum": 0.9}
+FAULT_EPOCH_BATCHES = 8
+FAULT_EVENTS = frozenset(
+    {"stage_dead", "stage_suspect", "stall_reported", "coordinator_restored", "replica_kept"}
+)
+
+
+@dataclass
+class FaultTrial:
+    """One run of the last sections: ``victim`` killed after mini-batch ``kill_after``
+    (``"coordinator"``: killed and started again at once)."""
+
+    label: str
+    victim: str
+    report: TrainReport
+    steps: list[tuple[int, float]]  # (mini-batch, time.monotonic()), replays included
+    killed_at: float  # time.monotonic() at the kill
+    killed_wall: float  # time.time() at the kill, for the coordinator's log timestamps
+    wall_s: float  # the whole fit call
+    events: list[dict[str, Any]]  # the coordinator's events logged during the run
+
+
+def _coordinator_events(text: str) -> list[dict[str, Any]]:
+    """The coordinator's JSON log lines named in :data:`FAULT_EVENTS`, each with ``t``
+    (its timestamp as seconds since the epoch)."""
+    found: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or record.get("event") not in FAULT_EVENTS:
+            continue
+        stamp = record.get("timestamp")
+        if isinstance(stamp, str):
+            record["t"] = datetime.fromisoformat(stamp).timestamp()
+            found.append(record)
+    return found
+
+
+def _fit_killing(
+    cluster: LocalCluster,
+    spec: ModelSpec,
+    batches: list[Batch],
+    args: argparse.Namespace,
+    *,
+    label: str,
+    victim: str | None,
+    kill_after: int,
+    consistency: str = "exact",
+    stall_deadline: DeadlinePolicy | None = None,
+) -> FaultTrial:
+    steps: list[tuple[int, float]] = []
+    killed = [math.inf, math.inf]
+    log_before = len(cluster.logs("coordinator"))
+
+    def on_step(step: int, _loss: float) -> None:
+        steps.append((step, time.monotonic()))
+        if victim is not None and step == kill_after and killed[0] == math.inf:
+            killed[:] = [time.monotonic(), time.time()]
+            cluster.kill(victim)
+            if victim == "coordinator":
+                cluster.restart_coordinator()
+
+    started = time.monotonic()
+    report = cluster.fit(
+        spec,
+        batches,
+        optimizer=FAULT_OPTIMIZER,
+        num_microbatches=args.train_microbatches,
+        progress=False,
+        on_step=on_step,
+        recover=True,
+        replicate_every=args.fault_replicate_every,
+        consistency=consistency,
+        stall_deadline=stall_deadline,
+    )
+    wall_s = time.monotonic() - started
+    events = _coordinator_events(cluster.logs("coordinator")[log_before:])
+    return FaultTrial(label, victim or "", report, steps, killed[0], killed[1], wall_s, events)
+
+
+def _weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(want) and all(
+        torch.allclose(got[k].float(), v.float(), rtol=1e-4, atol=1e-5) for k, v in want.items()
+    )
+
+
+def _weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def _last_before(trial: FaultTrial) -> int:
+    """The newest mini-batch completed before the kill (-1: none)."""
+    return max((step for step, t in trial.steps if t <= trial.killed_at), default=-1)
+
+
+def _after_kill(trial: FaultTrial, event: str, **match: Any) -> dict[str, Any] | None:
+    """The coordinator's first ``event`` (with fields ``match``) logged after the kill."""
+    for record in trial.events:
+        if record["event"] != event or record["t"] < trial.killed_wall:
+            continue
+        if all(record.get(k) == v for k, v in match.items()):
+            return record
+    return None
+
+
+def _fault_line(
+    trial: FaultTrial, consistency: str, detection: str, want: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """A stage killed mid-run: when the coordinator declared it dead, what the client
+    waited, what was trained twice, and what the run cost in all."""
+    report = trial.report
+    # the victim's recovery: a live stage wrongly declared dead recovers too, and is
+    # listed in ``recoveries`` (each one rolls back and re-trains under exact)
+    recovered = next((r for r in report.recoveries if r["dead"] == trial.victim), None)
+    after = [(step, t) for step, t in trial.steps if t > trial.killed_at]
+    last_before = _last_before(trial)
+    seen: set[int] = set()
+    retrained = 0
+    for step, _ in trial.steps:
+        retrained += step in seen
+        seen.add(step)
+    dead = _after_kill(trial, "stage_dead", stage=trial.victim)
+    suspect = _after_kill(trial, "stage_suspect", stage=trial.victim)
+    stalls = [
+        e for e in trial.events if e["event"] == "stall_reported" and e["t"] >= trial.killed_wall
+    ]
+    progress = [t for step, t in after if step > last_before]
+    return {
+        "bench": BENCH,
+        "kind": "training_kill",
+        "label": trial.label,
+        "consistency": consistency,
+        "detection": detection,
+        "victim": trial.victim,
+        "killed_after": last_before,
+        "recovered": recovered is not None,
+        "recoveries": [r["dead"] for r in report.recoveries],
+        # the kill to the coordinator's stage_dead (its log's clock)
+        "detection_s": dead["t"] - trial.killed_wall if dead else None,
+        "suspected_by": (suspect.get("reason") or "heartbeat") if suspect else None,
+        "stalls_reported": len(stalls),
+        "noticed_s": recovered["noticed_at"] - trial.killed_at if recovered else None,
+        "restart_s": recovered.get("restart_s") if recovered else None,
+        # the kill to the first mini-batch completed after it (a replay, under exact)
+        "recovery_s": after[0][1] - trial.killed_at if after else None,
+        # the kill to the first mini-batch past those completed before it
+        "progress_s": progress[0] - trial.killed_at if progress else None,
+        "resumed_from": recovered["resumed_from"] if recovered else None,
+        "replica": recovered["replica"] if recovered else None,
+        "replayed": recovered["replayed"] if recovered else None,
+        "retrained_minibatches": retrained,
+        "trained_minibatches": len(trial.steps),
+        "wall_s": trial.wall_s,
+        "elapsed_s": report.elapsed_s,
+        "final_loss": report.losses[-1] if report.losses else None,
+        "last_epoch_loss": _mean(list(report.losses[-FAULT_EPOCH_BATCHES:])),
+        "weights_exact": _weights_close(report.state_dict, want),
+    }
+
+
+def _restart_line(trial: FaultTrial, baseline: FaultTrial) -> dict[str, Any]:
+    """The coordinator killed mid-run and started again, against the same run
+    uninterrupted: the extra wall time, when the new one was up and kept a replica."""
+    restored = _after_kill(trial, "coordinator_restored")
+    replica = _after_kill(trial, "replica_kept")
+    got, want = trial.report.state_dict, baseline.report.state_dict
+    diffs = [(got[k].float() - v.float()).abs().max().item() for k, v in want.items() if k in got]
+    return {
+        "bench": BENCH,
+        "kind": "coordinator_restart",
+        "killed_after": _last_before(trial),
+        "restored_s": restored["t"] - trial.killed_wall if restored else None,
+        "restored_run": restored.get("run") if restored else None,
+        "next_replica_s": replica["t"] - trial.killed_wall if replica else None,
+        "next_replica_step": replica.get("step") if replica else None,
+        "wall_s": trial.wall_s,
+        "uninterrupted_wall_s": baseline.wall_s,
+        "overhead_s": trial.wall_s - baseline.wall_s,
+        "recoveries": len(trial.report.recoveries),
+        "replicas": trial.report.replicas,
+        "uninterrupted_replicas": baseline.report.replicas,
+        "losses_equal": trial.report.losses == baseline.report.losses,
+        "weights_exact": _weights_equal(got, want),
+        "weights_max_abs_diff": max(diffs, default=None),
+    }
+
+
+def _fault_section(
+    devices: dict[str, DeviceSpec],
+    spec: ModelSpec,
+    batches: list[Batch],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Exact against fast consistency, heartbeats against the stall deadline, and the
+    coordinator restarted mid-run, on a cluster of its own (slower heartbeat detection,
+    a state directory, info-level coordinator log for the events)."""
+    want = _train_single_process(spec, batches, FAULT_OPTIMIZER)
+    kill_after, restart_after = args.fault_kill_after, args.restart_after
+    kills: list[dict[str, Any]] = []
+    restarts: list[dict[str, Any]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="zpipe-bench-state-") as state,
+        LocalCluster(
+            list(devices.values()),
+            heartbeat_interval_s=args.heartbeat_s,
+            suspect_after=args.slow_suspect_after,
+            probe_intervals=args.probe_intervals,
+            log_level="info",
+            state_dir=Path(state),
+        ) as cluster,
+    ):
+
+        def revive() -> None:
+            """Start again what was killed (or failed), then let newcomers profile."""
+            coordinator = cluster.processes["coordinator"]
+            if coordinator.poll() is not None:
+                cluster.restart_coordinator()
+            for name, device in devices.items():
+                if cluster.processes[name].poll() is not None:
+                    cluster.start_stage(device)
+            cluster.wait_for_stages(len(devices), timeout_s=120.0)
+            _train(cluster, spec, batches[:2], args)  # the newcomer profiles
+
+        def failed(label: str, exc: ZpipeError, **fields: Any) -> dict[str, Any]:
+            """A run that did not survive: recorded (the bench then exits 1), not raised."""
+            line = {"bench": BENCH, "label": label, **fields, "recovered": False}
+            line["error"] = f"{type(exc).__name__}: {exc}"
+            emit(line)
+            print(f"  {label}: FAILED {line['error']}", file=sys.stderr, flush=True)
+            return line
+
+        warm = _train(cluster, spec, batches[:2], args)  # training profiles
+        tplan = warm.report.training_plan
+        assert tplan is not None
+        # a stage in the middle of the pipeline, with neighbours on both sides
+        victim = args.fault_victim or tplan.stages[len(tplan.stages) // 2].devices[0]
+        if victim not in devices:
+            raise SystemExit(f"--fault-victim: no device {victim!r}; choose from {list(devices)}")
+        print(
+            f"  fault sections: {len(batches)} mini-batches, replica every "
+            f"{args.fault_replicate_every}, kill {victim} after {kill_after}, heartbeats "
+            f"suspect after {args.slow_suspect_after} x {args.heartbeat_s} s; plan "
+            f"{tplan.describe()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        trials: list[tuple[str, str, DeadlinePolicy | None]] = []
+        if not (args.skip_consistency and args.skip_detection):
+            trials.append(("exact", "stall", None))  # fit's default stall deadline
+        if not args.skip_consistency:
+            trials.append(("fast", "stall", None))
+        if not args.skip_detection:
+            trials.append(("exact", "heartbeat", NO_STALL_DEADLINE))
+        for repeat in range(args.repeats):
+            for consistency, detection, deadline in trials:
+                label = f"{consistency}/{detection}"
+                try:
+                    trial = _fit_killing(
+                        cluster,
+                        spec,
+                        batches,
+                        args,
+                        label=label,
+                        victim=victim,
+                        kill_after=kill_after,
+                        consistency=consistency,
+                        stall_deadline=deadline,
+                    )
+                except ZpipeError as exc:
+                    kind = {"kind": "training_kill", "consistency": consistency}
+                    kills.append(
+                        failed(
+                            label, exc, **kind, detection=detection, victim=victim, repeat=repeat
+                        )
+                    )
+                    revive()
+                    continue
+                line = {**_fault_line(trial, consistency, detection, want), "repeat": repeat}
+                emit(line)
+                kills.append(line)
+                print(
+                    f"  kill {victim}, {consistency}, {detection}: dead after "
+                    f"{line['detection_s']} s, recovery {line['recovery_s']} s, retrained "
+                    f"{line['retrained_minibatches']}, wall {line['wall_s']:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                revive()
+            if not args.skip_restart:
+                try:
+                    baseline = _fit_killing(
+                        cluster,
+                        spec,
+                        batches,
+                        args,
+                        label="uninterrupted",
+                        victim=None,
+                        kill_after=-1,
+                    )
+                    trial = _fit_killing(
+                        cluster,
+                        spec,
+                        batches,
+                        args,
+                        label="coordinator_restart",
+                        victim="coordinator",
+                        kill_after=restart_after,
+                    )
+                except ZpipeError as exc:
+                    restarts.append(
+                        failed(
+                            "coordinator_restart", exc, kind="coordinator_restart", repeat=repeat
+                        )
+                    )
+                    revive()
+                    continue
+                line = {**_restart_line(trial, baseline), "repeat": repeat}
+                line["weights_exact_single_process"] = _weights_close(trial.report.state_dict, want)
+                emit(line)
+                restarts.append(line)
+                print(
+                    f"  coordinator killed after {restart_after}: restored after "
+                    f"{line['restored_s']} s, next replica after {line['next_replica_s']} s, "
+                    f"overhead {line['overhead_s']:.2f} s, weights equal {line['weights_exact']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return _fault_summary(kills, restarts, args)
+
+
+def _fault_summary(
+    kills: list[dict[str, Any]], restarts: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    def mean(key: str, consistency: str, detection: str) -> float | None:
+        rows = [r for r in kills if (r["consistency"], r["detection"]) == (consistency, detection)]
+        return _mean([r.get(key) for r in rows])
+
+    out: dict[str, Any] = {}
+    if not args.skip_consistency:
+        exact = {k: mean(k, "exact", "stall") for k in ("recovery_s", "progress_s", "wall_s")}
+        fast = {k: mean(k, "fast", "stall") for k in ("recovery_s", "progress_s", "wall_s")}
+        out.update(
+            {
+                "fast_over_exact_recovery_time": _ratio(fast["recovery_s"], exact["recovery_s"]),
+                "fast_over_exact_progress_time": _ratio(fast["progress_s"], exact["progress_s"]),
+                "fast_over_exact_wall_time": _ratio(fast["wall_s"], exact["wall_s"]),
+                "exact_retrained_minibatches": mean("retrained_minibatches", "exact", "stall"),
+                "fast_retrained_minibatches": mean("retrained_minibatches", "fast", "stall"),
+                "exact_recovery_s": exact["recovery_s"],
+                "fast_recovery_s": fast["recovery_s"],
+                "exact_wall_s": exact["wall_s"],
+                "fast_wall_s": fast["wall_s"],
+                "exact_final_loss": mean("final_loss", "exact", "stall"),
+                "fast_final_loss": mean("final_loss", "fast", "stall"),
+                "exact_last_epoch_loss": mean("last_epoch_loss", "exact", "stall"),
+                "fast_last_epoch_loss": mean("last_epoch_loss", "fast", "stall"),
+            }
+        )
+    if not args.skip_detection:
+        stall = mean("detection_s", "exact", "stall")
+        heartbeat = mean("detection_s", "exact", "heartbeat")
+        out.update(
+            {
+                "stall_over_heartbeat_detection_time": _ratio(stall, heartbeat),
+                "stall_detection_s": stall,
+                "heartbeat_detection_s": heartbeat,
+                "stall_over_heartbeat_recovery_time": _ratio(
+                    mean("recovery_s", "exact", "stall"), mean("recovery_s", "exact", "heartbeat")
+                ),
+                "heartbeat_config": {
+                    "interval_s": args.heartbeat_s,
+                    "suspect_after": args.slow_suspect_after,
+                    "probe_intervals": args.probe_intervals,
+                },
+            }
+        )
+    if kills:
+        out["fault_all_recovered"] = all(r["recovered"] for r in kills)
+        # live stages declared dead along the way (each one a recovery of its own)
+        out["fault_live_stages_declared_dead"] = sum(
+            sum(d != r["victim"] for d in r.get("recoveries", [])) for r in kills
+        )
+        out["fault_exact_weights_exact"] = all(
+            r.get("weights_exact", False) for r in kills if r["consistency"] == "exact"
+        )
+    if restarts:
+        out.update(
+            {
+                "coordinator_restart_overhead_s": _mean([r.get("overhead_s") for r in restarts]),
+                "coordinator_restored_s": _mean([r.get("restored_s") for r in restarts]),
+                "coordinator_restart_next_replica_s": _mean(
+                    [r.get("next_replica_s") for r in restarts]
+                ),
+                "coordinator_restart_recoveries": sum(r.get("recoveries", 0) for r in restarts),
+                "restart_weights_exact": all(r.get("weights_exact", False) for r in restarts),
+            }
+        )
+    failures = [r for r in kills + restarts if "error" in r]
+    if kills or restarts:
+        out["fault_failed_runs"] = [f"{r['label']}: {r['error']}" for r in failures]
+    return out
+
+
 def _mean(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.fmean(known) if known else None
@@ -365,6 +853,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.batches, args.kill_after, args.max_victims, args.layers = 30, 8, 2, 4
         args.train_steps, args.train_kill_after = 10, 5
+        args.fault_steps = 16
+    if args.restart_after is None:
+        args.restart_after = args.fault_replicate_every - 1
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -373,6 +864,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--kill-after must lie between 0 and --batches")
     if not 0 < args.train_kill_after < args.train_steps - 1:
         raise SystemExit("--train-kill-after must lie between 0 and --train-steps - 1")
+    if not 0 < args.fault_kill_after < args.fault_steps - 1:
+        raise SystemExit("--fault-kill-after must lie between 0 and --fault-steps - 1")
+    if not 0 <= args.restart_after < args.fault_steps - 1:
+        raise SystemExit("--restart-after must lie between 0 and --fault-steps - 1")
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     cores = os.cpu_count() or 1
     threads = max(1, cores // len(DEVICES))
     scale = args.slowdown_scale or _scale(threads, cores)
@@ -471,6 +968,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         slow = (
             None if args.skip_rebalance else _rebalance_section(cluster, spec, train_batches, args)
         )
+    faults = None
+    if not (args.skip_consistency and args.skip_detection and args.skip_restart):
+        epoch = [
+            (
+                *sequence.example_input(args.train_batch_size, seed=args.seed + 2000 + i),
+                torch.randint(0, 10, (args.train_batch_size,), generator=generator),
+            )
+            for i in range(FAULT_EPOCH_BATCHES)
+        ]
+        fault_batches = [epoch[i % len(epoch)] for i in range(args.fault_steps)]
+        faults = _fault_section(devices, spec, fault_batches, args)
     result: dict[str, Any] = {}
     for prefix, rows_all in (("inference_", lines), ("", train_lines)):
         if not rows_all:
@@ -510,6 +1018,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["all_weights_exact"] = all(line["weights_exact"] for line in train_lines)
     if slow is not None:
         result.update(slow)
+    if faults is not None:
+        result.update(faults)
     result["slowdown_scale"] = scale
     return result
 
@@ -520,7 +1030,22 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     summary(BENCH, **result)
     ok = result["all_recovered"] and result["all_outputs_exact"] and result["all_weights_exact"]
-    return 0 if ok else 1
+    # the last sections: every kill recovered, exact ended exact, and the restarted
+    # coordinator neither rolled back nor changed a bit of the weights
+    failed = [
+        key
+        for key, want in (
+            ("fault_all_recovered", True),
+            ("fault_failed_runs", []),
+            ("fault_exact_weights_exact", True),
+            ("restart_weights_exact", True),
+            ("coordinator_restart_recoveries", 0),
+        )
+        if key in result and result[key] != want
+    ]
+    if failed:
+        print(f"recovery bench: failed checks {failed}", file=sys.stderr, flush=True)
+    return 0 if ok and not failed else 1
 
 
 if __name__ == "__main__":
