@@ -79,7 +79,7 @@ async def send(
     if routing_id is not None:
         frames = [routing_id, *frames]
     nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-    shadow = _shadow(sock)
+    shadow = _shadow(sock, _SEND_ONLY)
     if shadow is not None:
         # Queue it at once when there is room (the common case): an asyncio
         # future, a wait_for timer and an extra loop pass cost more than the
@@ -110,7 +110,7 @@ async def recv_frames(
     Only receive loops that are themselves cancelled on shutdown pass ``None``;
     a wait for a specific reply always has a deadline.
     """
-    shadow = _shadow(sock)
+    shadow = _shadow(sock, _RECEIVE_ONLY)
     if shadow is not None:
         # A message already queued is taken without a future; zmq.asyncio checks
         # the socket's events before every wait, so mixing the two is safe on
@@ -135,10 +135,23 @@ async def recv_frames(
             raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
 
 
-def _shadow(sock: zmq.asyncio.Socket) -> zmq.Socket[Any] | None:
-    """The synchronous socket behind a zmq.asyncio socket, for non-blocking fast paths."""
+# The fast paths are only for sockets that move messages one way. The zmq socket's
+# file descriptor is edge-triggered: a send through the shadow socket on a socket
+# that also receives (ROUTER, DEALER) can consume the edge that announces queued
+# input, and the pending asyncio receive then sleeps until some later event (seen
+# as a coordinator that read nothing for seconds while stages queued replies).
+# zmq.asyncio's own calls re-check the socket's events after each operation.
+_SEND_ONLY = frozenset({zmq.PUSH, zmq.PUB})
+_RECEIVE_ONLY = frozenset({zmq.PULL, zmq.SUB})
+
+
+def _shadow(sock: zmq.asyncio.Socket, kinds: frozenset[int]) -> zmq.Socket[Any] | None:
+    """The synchronous socket behind a zmq.asyncio socket of one of ``kinds``, for
+    non-blocking fast paths; None for any other socket."""
     shadow = getattr(sock, "_shadow_sock", None)
-    return shadow if isinstance(shadow, zmq.Socket) else None
+    if not isinstance(shadow, zmq.Socket) or shadow.socket_type not in kinds:
+        return None
+    return shadow
 
 
 def decode_frames(frames: Sequence[zmq.Frame], max_message_bytes: int) -> Message:
