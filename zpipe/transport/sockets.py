@@ -149,7 +149,7 @@ def _shadow(sock: zmq.asyncio.Socket, kinds: frozenset[int]) -> zmq.Socket[Any] 
     """The synchronous socket behind a zmq.asyncio socket of one of ``kinds``, for
     non-blocking fast paths; None for any other socket."""
     shadow = getattr(sock, "_shadow_sock", None)
-    if not isinstance(shadow, zmq.Socket) or shadow.socket_type not in kinds:
+    if not isinstance(shadow, zmq.Socket) or shadow.type not in kinds:
         return None
     return shadow
 
