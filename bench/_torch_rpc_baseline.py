@@ -73,8 +73,9 @@ class RpcStage:
         wait_s: float,
     ) -> None:
         self.name = name
-        self.shard = Shard.build(ModelSpec.from_dict(spec), start, end, dtype=dtype,
-                                 slowdown=slowdown)
+        self.shard = Shard.build(
+            ModelSpec.from_dict(spec), start, end, dtype=dtype, slowdown=slowdown
+        )
         self.link = LinkModel(LinkSpec(bandwidth_mbps, latency_ms))
         self.link_ideal = bandwidth_mbps is None and latency_ms == 0
         self.wait_s = wait_s
@@ -101,9 +102,13 @@ class RpcStage:
 
     def stats(self) -> dict[str, float | int]:
         with self._stats_lock:
-            return {"busy_s": self.stats_busy_s, "send_blocked_s": self.stats_send_s,
-                    "bytes_out": self.stats_bytes_out, "microbatches": self.stats_microbatches,
-                    "threads": torch.get_num_threads()}
+            return {
+                "busy_s": self.stats_busy_s,
+                "send_blocked_s": self.stats_send_s,
+                "bytes_out": self.stats_bytes_out,
+                "microbatches": self.stats_microbatches,
+                "threads": torch.get_num_threads(),
+            }
 
     def wait_for_ready(self) -> None:
         """Called by the previous stage (or the driver) before it sends a micro-batch."""
@@ -158,14 +163,22 @@ def _request_stop() -> None:
 
 
 def _worker_main(
-    index: int, names: list[str], init_method: str, threads: int, rpc_timeout_s: float,
-    transports: list[str] | None, channels: list[str] | None, parent: int,
+    index: int,
+    names: list[str],
+    init_method: str,
+    threads: int,
+    rpc_timeout_s: float,
+    transports: list[str] | None,
+    channels: list[str] | None,
+    parent: int,
 ) -> None:
     """Entry point of stage worker ``index`` (rank ``index + 1``)."""
     _quiet_warnings()
     torch.set_num_threads(threads)
     rpc.init_rpc(
-        names[index], rank=index + 1, world_size=len(names) + 1,
+        names[index],
+        rank=index + 1,
+        world_size=len(names) + 1,
         rpc_backend_options=_options(init_method, rpc_timeout_s, transports, channels),
     )
     # Serve RPCs until the driver says stop; exit at once if the driver is gone.
@@ -181,12 +194,17 @@ def _quiet_warnings() -> None:
 
 
 def _options(
-    init_method: str, rpc_timeout_s: float, transports: list[str] | None,
+    init_method: str,
+    rpc_timeout_s: float,
+    transports: list[str] | None,
     channels: list[str] | None,
 ) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
-        init_method=init_method, rpc_timeout=rpc_timeout_s, num_worker_threads=16,
-        _transports=transports, _channels=channels,
+        init_method=init_method,
+        rpc_timeout=rpc_timeout_s,
+        num_worker_threads=16,
+        _transports=transports,
+        _channels=channels,
     )
 
 
@@ -288,9 +306,19 @@ class TorchRpcPipeline:
         names = [s.name for s in self.stages]
         self._context = mp.start_processes(
             _worker_main,
-            args=(names, init_method, self.threads, self.rpc_timeout_s, self.transports,
-                  self.channels, os.getpid()),
-            nprocs=len(names), join=False, daemon=True, start_method="spawn",
+            args=(
+                names,
+                init_method,
+                self.threads,
+                self.rpc_timeout_s,
+                self.transports,
+                self.channels,
+                os.getpid(),
+            ),
+            nprocs=len(names),
+            join=False,
+            daemon=True,
+            start_method="spawn",
         )
         # init_rpc waits for every worker to join the world.
         _quiet_warnings()
@@ -299,17 +327,32 @@ class TorchRpcPipeline:
         self._initialised = True
         spec = self.spec.to_dict()
         self._rrefs = [
-            rpc.remote(s.name, RpcStage, args=(
-                s.name, spec, s.start, s.end, self.dtype, s.slowdown, s.bandwidth_mbps,
-                s.latency_ms, self.rpc_timeout_s,
-            ), timeout=self.start_timeout_s)
+            rpc.remote(
+                s.name,
+                RpcStage,
+                args=(
+                    s.name,
+                    spec,
+                    s.start,
+                    s.end,
+                    self.dtype,
+                    s.slowdown,
+                    s.bandwidth_mbps,
+                    s.latency_ms,
+                    self.rpc_timeout_s,
+                ),
+                timeout=self.start_timeout_s,
+            )
             for s in self.stages
         ]
         # Built, or the build's error raised (to_here would pickle the stage itself).
-        torch.futures.wait_all([r.rpc_async(timeout=self.start_timeout_s).stats()
-                                for r in self._rrefs])
-        futures = [a.rpc_async(timeout=self.rpc_timeout_s).set_next(b)
-                   for a, b in zip(self._rrefs, self._rrefs[1:], strict=False)]
+        torch.futures.wait_all(
+            [r.rpc_async(timeout=self.start_timeout_s).stats() for r in self._rrefs]
+        )
+        futures = [
+            a.rpc_async(timeout=self.rpc_timeout_s).set_next(b)
+            for a, b in zip(self._rrefs, self._rrefs[1:], strict=False)
+        ]
         futures.append(self._rrefs[-1].rpc_async(timeout=self.rpc_timeout_s).set_results(DRIVER))
         torch.futures.wait_all(futures)
 
@@ -318,19 +361,26 @@ class TorchRpcPipeline:
         """Each stage's worker process id, by stage name."""
         if self._context is None:
             return {}
-        return {s.name: int(p.pid) for s, p in zip(self.stages, self._context.processes,
-                                                    strict=True) if p.pid is not None}
+        return {
+            s.name: int(p.pid)
+            for s, p in zip(self.stages, self._context.processes, strict=True)
+            if p.pid is not None
+        }
 
     def run(
-        self, batches: Sequence[Sequence[torch.Tensor] | torch.Tensor], *,
-        microbatch_size: int | None, max_in_flight: int,
+        self,
+        batches: Sequence[Sequence[torch.Tensor] | torch.Tensor],
+        *,
+        microbatch_size: int | None,
+        max_in_flight: int,
     ) -> RpcRunResult:
         """Stream ``batches`` through the pipeline; outputs in input order, and timings."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         first = self._rrefs[0]
-        torch.futures.wait_all([r.rpc_async(timeout=self.rpc_timeout_s).reset_stats()
-                                for r in self._rrefs])
+        torch.futures.wait_all(
+            [r.rpc_async(timeout=self.rpc_timeout_s).reset_stats() for r in self._rrefs]
+        )
         with _state.cond:
             _state.results.clear()
             _state.errors.clear()
@@ -370,13 +420,21 @@ class TorchRpcPipeline:
         outputs: list[Tensors] = []
         for index in range(len(pieces)):
             ordered = [pieces[index][p] for p in range(len(pieces[index]))]
-            outputs.append(tuple(torch.cat(group) if len(ordered) > 1 else group[0]
-                                 for group in zip(*ordered, strict=True)))
+            outputs.append(
+                tuple(
+                    torch.cat(group) if len(ordered) > 1 else group[0]
+                    for group in zip(*ordered, strict=True)
+                )
+            )
         elapsed = time.perf_counter() - started
-        stats = torch.futures.wait_all([r.rpc_async(timeout=self.rpc_timeout_s).stats()
-                                        for r in self._rrefs])
+        stats = torch.futures.wait_all(
+            [r.rpc_async(timeout=self.rpc_timeout_s).stats() for r in self._rrefs]
+        )
         return RpcRunResult(
-            outputs=outputs, samples=samples, microbatches=len(owner), elapsed_s=elapsed,
+            outputs=outputs,
+            samples=samples,
+            microbatches=len(owner),
+            elapsed_s=elapsed,
             stages={s.name: dict(st) for s, st in zip(self.stages, stats, strict=True)},
         )
 
@@ -396,10 +454,12 @@ class TorchRpcPipeline:
             self._initialised = False
             if graceful:
                 with contextlib.suppress(Exception):
-                    torch.futures.wait_all([
-                        rpc.rpc_async(s.name, _request_stop, timeout=timeout_s)
-                        for s in self.stages
-                    ])
+                    torch.futures.wait_all(
+                        [
+                            rpc.rpc_async(s.name, _request_stop, timeout=timeout_s)
+                            for s in self.stages
+                        ]
+                    )
             try:
                 rpc.shutdown(graceful=graceful, timeout=timeout_s)
             except Exception:

@@ -140,62 +140,113 @@ def build_parser() -> argparse.ArgumentParser:
         "PipeEdge's plan against the even partition on a cluster with one 4x slower device. "
         "Prints JSON lines: one per system or planner, then a summary.",
     )
-    parser.add_argument("--model", choices=VIT_PRESETS, default="vit-base",
-                        help="ViT preset (default: vit-base)")
-    parser.add_argument("--layers", type=positive_int, default=4,
-                        help="transformer blocks to keep (default: 4)")
-    parser.add_argument("--stages", type=int, choices=(3, 4), default=3,
-                        help="rpc section: emulated devices, the first N of the demo's "
-                             "(default: 3)")
-    parser.add_argument("--batches", type=positive_int, default=8,
-                        help="batches per timed run (default: 8)")
+    parser.add_argument(
+        "--model", choices=VIT_PRESETS, default="vit-base", help="ViT preset (default: vit-base)"
+    )
+    parser.add_argument(
+        "--layers", type=positive_int, default=4, help="transformer blocks to keep (default: 4)"
+    )
+    parser.add_argument(
+        "--stages",
+        type=int,
+        choices=(3, 4),
+        default=3,
+        help="rpc section: emulated devices, the first N of the demo's (default: 3)",
+    )
+    parser.add_argument(
+        "--batches", type=positive_int, default=8, help="batches per timed run (default: 8)"
+    )
     parser.add_argument("--batch-size", type=positive_int, default=8, help="(default: 8)")
-    parser.add_argument("--microbatch-size", type=positive_int, default=2,
-                        help="(default: 2)")
-    parser.add_argument("--max-in-flight", type=positive_int, default=4,
-                        help="rpc section: micro-batches in the pipeline at once, both systems "
-                             "(default: 4)")
-    parser.add_argument("--hetero-max-in-flight", type=positive_int, default=8,
-                        help="hetero section: micro-batches in the pipeline at once (default: 8; "
-                             "the cost model assumes a pipeline that never starves, and one "
-                             "micro-batch's trip through the stages and links takes about four "
-                             "periods of the pipeedge plan)")
-    parser.add_argument("--hetero-slowdown-scale", type=positive_float, default=None,
-                        help="hetero section: multiply every device's slowdown (1, 4, 1.5) by "
-                             "this (default: the least multiple of 0.25, at least 1, at which "
-                             "the devices busy at once need at most half the cores; 2 on two "
-                             "cores; 1 runs the slowdowns as they are)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="compute dtype on the stages (default: float32)")
-    parser.add_argument("--warmup-batches", type=positive_int, default=2,
-                        help="batches streamed before the timed runs (default: 2)")
-    parser.add_argument("--repeats", type=positive_int, default=5,
-                        help="timed runs per system or planner, alternating; the median is "
-                             "reported (default: 5)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads per stage, both systems (default: cores // stages, "
-                             "at least 1, as LocalCluster does)")
-    parser.add_argument("--rpc-transport", choices=("tcp", "auto"), default="tcp",
-                        help="TensorPipe transport: 'tcp' = uv transport and basic channel, "
-                             "loopback TCP as zpipe uses (default); 'auto' = TensorPipe's "
-                             "choice, shared memory on one host, whose reactor thread busy-polls "
-                             "(about 0.4 core per process, which slows both systems on a small "
-                             "machine)")
-    parser.add_argument("--no-links", action="store_true",
-                        help="no link emulation (bandwidth, latency) in either section")
-    parser.add_argument("--skip-rpc", action="store_true",
-                        help="leave out the zpipe vs torch RPC section")
-    parser.add_argument("--skip-hetero", action="store_true",
-                        help="leave out the pipeedge vs even section")
+    parser.add_argument("--microbatch-size", type=positive_int, default=2, help="(default: 2)")
+    parser.add_argument(
+        "--max-in-flight",
+        type=positive_int,
+        default=4,
+        help="rpc section: micro-batches in the pipeline at once, both systems (default: 4)",
+    )
+    parser.add_argument(
+        "--hetero-max-in-flight",
+        type=positive_int,
+        default=8,
+        help="hetero section: micro-batches in the pipeline at once (default: 8; "
+        "the cost model assumes a pipeline that never starves, and one "
+        "micro-batch's trip through the stages and links takes about four "
+        "periods of the pipeedge plan)",
+    )
+    parser.add_argument(
+        "--hetero-slowdown-scale",
+        type=positive_float,
+        default=None,
+        help="hetero section: multiply every device's slowdown (1, 4, 1.5) by "
+        "this (default: the least multiple of 0.25, at least 1, at which "
+        "the devices busy at once need at most half the cores; 2 on two "
+        "cores; 1 runs the slowdowns as they are)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype on the stages (default: float32)",
+    )
+    parser.add_argument(
+        "--warmup-batches",
+        type=positive_int,
+        default=2,
+        help="batches streamed before the timed runs (default: 2)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        help="timed runs per system or planner, alternating; the median is reported (default: 5)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads per stage, both systems (default: cores // stages, "
+        "at least 1, as LocalCluster does)",
+    )
+    parser.add_argument(
+        "--rpc-transport",
+        choices=("tcp", "auto"),
+        default="tcp",
+        help="TensorPipe transport: 'tcp' = uv transport and basic channel, "
+        "loopback TCP as zpipe uses (default); 'auto' = TensorPipe's "
+        "choice, shared memory on one host, whose reactor thread busy-polls "
+        "(about 0.4 core per process, which slows both systems on a small "
+        "machine)",
+    )
+    parser.add_argument(
+        "--no-links",
+        action="store_true",
+        help="no link emulation (bandwidth, latency) in either section",
+    )
+    parser.add_argument(
+        "--skip-rpc", action="store_true", help="leave out the zpipe vs torch RPC section"
+    )
+    parser.add_argument(
+        "--skip-hetero", action="store_true", help="leave out the pipeedge vs even section"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
-    parser.add_argument("--rpc-timeout", type=positive_float, default=120.0,
-                        help="torch.rpc call timeout and per-result wait, seconds (default: 120)")
-    parser.add_argument("--timeout", type=positive_float, default=1800.0,
-                        help="the whole benchmark gives up after this many seconds "
-                             "(default: 1800)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny run: vit-tiny, 2 layers, 2 batches of 4, micro-batches of 2, "
-                             "1 warm-up batch, 1 repeat")
+    parser.add_argument(
+        "--rpc-timeout",
+        type=positive_float,
+        default=120.0,
+        help="torch.rpc call timeout and per-result wait, seconds (default: 120)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=1800.0,
+        help="the whole benchmark gives up after this many seconds (default: 1800)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny run: vit-tiny, 2 layers, 2 batches of 4, micro-batches of 2, "
+        "1 warm-up batch, 1 repeat",
+    )
     return parser
 
 
@@ -205,8 +256,9 @@ def _apply_quick(args: argparse.Namespace) -> None:
         args.microbatch_size, args.warmup_batches, args.repeats = 2, 1, 1
 
 
-def _devices(args: argparse.Namespace, threads: int | None,
-             specs: tuple[DeviceSpec, ...], scale: float = 1.0) -> list[DeviceSpec]:
+def _devices(
+    args: argparse.Namespace, threads: int | None, specs: tuple[DeviceSpec, ...], scale: float = 1.0
+) -> list[DeviceSpec]:
     devices = []
     for d in specs:
         link: dict[str, Any] = {"bandwidth_mbps": d.bandwidth_mbps, "latency_ms": d.latency_ms}
@@ -228,19 +280,29 @@ def _auto_slowdown_scale(specs: tuple[DeviceSpec, ...], threads: int, cores: int
 
 
 def _device_config(devices: list[DeviceSpec]) -> list[dict[str, Any]]:
-    return [{"name": d.name, "slowdown": d.slowdown, "bandwidth_mbps": d.bandwidth_mbps,
-             "latency_ms": d.latency_ms} for d in devices]
+    return [
+        {
+            "name": d.name,
+            "slowdown": d.slowdown,
+            "bandwidth_mbps": d.bandwidth_mbps,
+            "latency_ms": d.latency_ms,
+        }
+        for d in devices
+    ]
 
 
-def _make_batches(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[Outputs],
-                                                                      list[Outputs]]:
+def _make_batches(args: argparse.Namespace, spec: ModelSpec) -> tuple[list[Outputs], list[Outputs]]:
     """The warm-up batches and the timed batches, seeded (the same in both sections)."""
     sequence = load_layer_sequence(spec)
     generator = torch.Generator().manual_seed(args.seed)
 
     def make(count: int) -> list[Outputs]:
-        return [sequence.example_input(args.batch_size, seed=int(
-            torch.randint(0, 2**31 - 1, (1,), generator=generator))) for _ in range(count)]
+        return [
+            sequence.example_input(
+                args.batch_size, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+            )
+            for _ in range(count)
+        ]
 
     return make(args.warmup_batches), make(args.batches)
 
@@ -252,13 +314,28 @@ def _zpipe_line(report: RunReport, runs: list[float]) -> dict[str, Any]:
         utilisation[name] = round(float(m.get("utilisation", 0.0)), 4)
         busy = float(m.get("busy_s", 0.0))
         busy_fraction[name] = round(busy / report.elapsed_s, 4) if report.elapsed_s else 0.0
-        stages[name] = {k: m.get(k) for k in ("busy_s", "idle_s", "blocked_s", "send_s",
-                                              "bytes_in", "bytes_out", "microbatches")}
+        stages[name] = {
+            k: m.get(k)
+            for k in (
+                "busy_s",
+                "idle_s",
+                "blocked_s",
+                "send_s",
+                "bytes_in",
+                "bytes_out",
+                "microbatches",
+            )
+        }
     return {
-        "bench": BENCH, "system": "zpipe", "samples_per_s": round(report.throughput, 4),
-        "samples_per_s_runs": [round(r, 4) for r in runs], "samples": report.samples,
-        "microbatches": report.microbatches, "elapsed_s": round(report.elapsed_s, 4),
-        "stage_utilisation": utilisation, "stage_busy_fraction": busy_fraction,
+        "bench": BENCH,
+        "system": "zpipe",
+        "samples_per_s": round(report.throughput, 4),
+        "samples_per_s_runs": [round(r, 4) for r in runs],
+        "samples": report.samples,
+        "microbatches": report.microbatches,
+        "elapsed_s": round(report.elapsed_s, 4),
+        "stage_utilisation": utilisation,
+        "stage_busy_fraction": busy_fraction,
         "utilisation_definition": "busy_s / (busy_s + idle_s + blocked_s)",
         "stages": stages,
     }
@@ -270,11 +347,17 @@ def _rpc_line(result: RpcRunResult, runs: list[float], transport: str) -> dict[s
         for name, m in result.stages.items()
     }
     return {
-        "bench": BENCH, "system": "torch_rpc", "samples_per_s": round(result.throughput, 4),
-        "samples_per_s_runs": [round(r, 4) for r in runs], "samples": result.samples,
-        "microbatches": result.microbatches, "elapsed_s": round(result.elapsed_s, 4),
-        "stage_utilisation": utilisation, "stage_busy_fraction": utilisation,
-        "utilisation_definition": "busy_s / elapsed_s", "transport": transport,
+        "bench": BENCH,
+        "system": "torch_rpc",
+        "samples_per_s": round(result.throughput, 4),
+        "samples_per_s_runs": [round(r, 4) for r in runs],
+        "samples": result.samples,
+        "microbatches": result.microbatches,
+        "elapsed_s": round(result.elapsed_s, 4),
+        "stage_utilisation": utilisation,
+        "stage_busy_fraction": utilisation,
+        "utilisation_definition": "busy_s / elapsed_s",
+        "transport": transport,
         "stages": result.stages,
     }
 
@@ -345,8 +428,9 @@ async def _metered(batches: list[Outputs], meter: CpuMeter) -> AsyncIterator[Out
 # ----------------------------------------------------------------------- rpc section
 
 
-def run_rpc(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
-            batches: list[Outputs]) -> tuple[dict[str, Any], bool]:
+def run_rpc(
+    args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs], batches: list[Outputs]
+) -> tuple[dict[str, Any], bool]:
     """zpipe against torch RPC on the same even partition: summary keys, outputs match."""
     sequence = load_layer_sequence(spec)
     cores = os.cpu_count() or 1
@@ -358,11 +442,18 @@ def run_rpc(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
     transports, channels = (["uv"], ["basic"]) if args.rpc_transport == "tcp" else (None, None)
     transport = "tensorpipe uv/basic (loopback TCP)" if transports else "tensorpipe auto"
     config = {
-        "model": args.model, "layers": args.layers, "units": sequence.num_units,
-        "batches": args.batches, "batch_size": args.batch_size,
-        "microbatch_size": args.microbatch_size, "max_in_flight": args.max_in_flight,
-        "dtype": args.dtype, "threads_per_stage": threads, "cores": cores,
-        "repeats": args.repeats, "warmup_batches": args.warmup_batches,
+        "model": args.model,
+        "layers": args.layers,
+        "units": sequence.num_units,
+        "batches": args.batches,
+        "batch_size": args.batch_size,
+        "microbatch_size": args.microbatch_size,
+        "max_in_flight": args.max_in_flight,
+        "dtype": args.dtype,
+        "threads_per_stage": threads,
+        "cores": cores,
+        "repeats": args.repeats,
+        "warmup_batches": args.warmup_batches,
         "devices": _device_config(devices),
     }
     microbatches = args.batches * -(-args.batch_size // args.microbatch_size)
@@ -375,13 +466,27 @@ def run_rpc(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
         plan = warm_report.plan
         partition = [[s.start, s.end] for s in plan.stages]
         by_name = {d.name: d for d in devices}
-        setups = [StageSetup(s.device, s.start, s.end, by_name[s.device].slowdown,
-                             by_name[s.device].bandwidth_mbps, by_name[s.device].latency_ms)
-                  for s in plan.stages]
+        setups = [
+            StageSetup(
+                s.device,
+                s.start,
+                s.end,
+                by_name[s.device].slowdown,
+                by_name[s.device].bandwidth_mbps,
+                by_name[s.device].latency_ms,
+            )
+            for s in plan.stages
+        ]
         zpipe_pids = {name: int(p.pid) for name, p in cluster.processes.items()}
-        with TorchRpcPipeline(spec, setups, dtype=args.dtype, threads=threads,
-                              rpc_timeout_s=args.rpc_timeout, transports=transports,
-                              channels=channels) as baseline:
+        with TorchRpcPipeline(
+            spec,
+            setups,
+            dtype=args.dtype,
+            threads=threads,
+            rpc_timeout_s=args.rpc_timeout,
+            transports=transports,
+            channels=channels,
+        ) as baseline:
             baseline.run(warmup, **stream)
             for repeat in range(args.repeats):
                 # Alternate which system goes first, so a drift in machine load hits both.
@@ -395,8 +500,12 @@ def run_rpc(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
                                 meter.stop()
 
                         outputs, report = cluster.infer(
-                            spec, _metered(batches, meter), progress=progress, planner="even",
-                            **order, **stream
+                            spec,
+                            _metered(batches, meter),
+                            progress=progress,
+                            planner="even",
+                            **order,
+                            **stream,
                         )
                         if report.plan.to_dict()["stages"] != plan.to_dict()["stages"]:
                             raise RuntimeError("zpipe changed its partition between runs")
@@ -409,22 +518,33 @@ def run_rpc(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
                         meter.stop()
                         rpc_runs.append((result, meter.cpu_s))
                         tput = result.throughput
-                    print(f"  repeat {repeat + 1}/{args.repeats} {system}: {tput:.2f} samples/s"
-                          f", {meter.cpu_s.get('total', 0.0):.2f} CPU s",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"  repeat {repeat + 1}/{args.repeats} {system}: {tput:.2f} samples/s"
+                        f", {meter.cpu_s.get('total', 0.0):.2f} CPU s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
     z_tputs = [t for t, _, _, _ in zpipe_runs]
     r_tputs = [r.throughput for r, _ in rpc_runs]
     _, z_report, z_outputs, z_cpu = zpipe_runs[_median_index(z_tputs)]
     r_result, r_cpu = rpc_runs[_median_index(r_tputs)]
-    z_line = {**_zpipe_line(z_report, z_tputs), "samples_per_s": round(
-        statistics.median(z_tputs), 4), "cpu_s": z_cpu,
+    z_line = {
+        **_zpipe_line(z_report, z_tputs),
+        "samples_per_s": round(statistics.median(z_tputs), 4),
+        "cpu_s": z_cpu,
         "cpu_ms_per_sample": round(1e3 * z_cpu.get("total", 0.0) / z_report.samples, 3),
-        "partition": partition, **config}
-    r_line = {**_rpc_line(r_result, r_tputs, transport), "samples_per_s": round(
-        statistics.median(r_tputs), 4), "cpu_s": r_cpu,
+        "partition": partition,
+        **config,
+    }
+    r_line = {
+        **_rpc_line(r_result, r_tputs, transport),
+        "samples_per_s": round(statistics.median(r_tputs), 4),
+        "cpu_s": r_cpu,
         "cpu_ms_per_sample": round(1e3 * r_cpu.get("total", 0.0) / r_result.samples, 3),
-        "partition": partition, **config}
+        "partition": partition,
+        **config,
+    }
     emit(z_line)
     emit(r_line)
 
@@ -494,23 +614,34 @@ def _stage_rows(report: RunReport, predicted: Mapping[str, float]) -> list[dict[
         busy, send = float(m.get("busy_s", 0.0)), float(m.get("send_s", 0.0))
         busy_per_mb = busy / count if count else None
         compute = predicted.get(f"stage{i}_compute_s")
-        rows.append({
-            "stage": i, "device": stage.device, "units": [stage.start, stage.end],
-            "microbatches": count,
-            "predicted_compute_s": _round(compute, 5),
-            "busy_per_mb_s": _round(busy_per_mb, 5),
-            "busy_over_predicted": _ratio(busy_per_mb, compute),
-            "predicted_comm_s": _round(predicted.get(f"stage{i}_comm_s"), 5),
-            "send_per_mb_s": round(send / count, 5) if count else None,
-            "utilisation": round(float(m.get("utilisation", 0.0)), 4),
-            "busy_s": round(busy, 4), "idle_s": round(float(m.get("idle_s", 0.0)), 4),
-            "blocked_s": round(float(m.get("blocked_s", 0.0)), 4), "send_s": round(send, 4),
-        })
+        rows.append(
+            {
+                "stage": i,
+                "device": stage.device,
+                "units": [stage.start, stage.end],
+                "microbatches": count,
+                "predicted_compute_s": _round(compute, 5),
+                "busy_per_mb_s": _round(busy_per_mb, 5),
+                "busy_over_predicted": _ratio(busy_per_mb, compute),
+                "predicted_comm_s": _round(predicted.get(f"stage{i}_comm_s"), 5),
+                "send_per_mb_s": round(send / count, 5) if count else None,
+                "utilisation": round(float(m.get("utilisation", 0.0)), 4),
+                "busy_s": round(busy, 4),
+                "idle_s": round(float(m.get("idle_s", 0.0)), 4),
+                "blocked_s": round(float(m.get("blocked_s", 0.0)), 4),
+                "send_s": round(send, 4),
+            }
+        )
     return rows
 
 
-def _timed_hetero_run(cluster: LocalCluster, spec: ModelSpec, batches: list[Outputs],
-                      planner: str, stream: Mapping[str, Any]) -> HeteroRun:
+def _timed_hetero_run(
+    cluster: LocalCluster,
+    spec: ModelSpec,
+    batches: list[Outputs],
+    planner: str,
+    stream: Mapping[str, Any],
+) -> HeteroRun:
     arrivals: list[float] = []
 
     def progress(done: int, sent: int) -> None:
@@ -520,20 +651,27 @@ def _timed_hetero_run(cluster: LocalCluster, spec: ModelSpec, batches: list[Outp
     return HeteroRun(planner, report, outputs, arrivals)
 
 
-def run_hetero(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
-               batches: list[Outputs]) -> tuple[dict[str, Any], bool]:
+def run_hetero(
+    args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs], batches: list[Outputs]
+) -> tuple[dict[str, Any], bool]:
     """PipeEdge's plan against the even partition on one cluster: summary keys, outputs match."""
     sequence = load_layer_sequence(spec)
     cores = os.cpu_count() or 1
     threads = args.threads or max(1, cores // len(HETERO_DEVICES))  # as LocalCluster does
     scale = args.hetero_slowdown_scale or _auto_slowdown_scale(HETERO_DEVICES, threads, cores)
     devices = _devices(args, threads, HETERO_DEVICES, scale)
-    stream = {"microbatch_size": args.microbatch_size, "max_in_flight": args.hetero_max_in_flight,
-              "dtype": args.dtype}
+    stream = {
+        "microbatch_size": args.microbatch_size,
+        "max_in_flight": args.hetero_max_in_flight,
+        "dtype": args.dtype,
+    }
     exact = args.batch_size % args.microbatch_size == 0
-    print(f"hetero section: pipeedge vs even, slowdowns x{scale:g} "
-          f"({', '.join(f'{d.name} {d.slowdown:g}' for d in devices)})",
-          file=sys.stderr, flush=True)
+    print(
+        f"hetero section: pipeedge vs even, slowdowns x{scale:g} "
+        f"({', '.join(f'{d.name} {d.slowdown:g}' for d in devices)})",
+        file=sys.stderr,
+        flush=True,
+    )
     runs: dict[str, list[HeteroRun]] = {p: [] for p in HETERO_PLANNERS}
     warm_plans: dict[str, Plan] = {}
     with LocalCluster(devices, log_level="warning") as cluster:
@@ -541,8 +679,12 @@ def run_hetero(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
             started = time.perf_counter()
             _, warm = cluster.infer(spec, warmup, planner=planner, **stream)
             warm_plans[planner] = warm.plan
-            print(f"  warm-up {planner}: {time.perf_counter() - started:.1f} s, plan "
-                  f"{warm.plan.to_dict()['stages']}", file=sys.stderr, flush=True)
+            print(
+                f"  warm-up {planner}: {time.perf_counter() - started:.1f} s, plan "
+                f"{warm.plan.to_dict()['stages']}",
+                file=sys.stderr,
+                flush=True,
+            )
         for repeat in range(args.repeats):
             turn = HETERO_PLANNERS if repeat % 2 == 0 else HETERO_PLANNERS[::-1]
             for planner in turn:
@@ -551,10 +693,13 @@ def run_hetero(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
                     raise RuntimeError(f"the {planner} plan changed between runs")
                 runs[planner].append(result)
                 rate = result.steady_throughput(args.microbatch_size, exact)
-                print(f"  repeat {repeat + 1}/{args.repeats} {planner}: "
-                      f"{result.throughput:.2f} samples/s"
-                      + (f" (steady {rate:.2f})" if rate is not None else ""),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  repeat {repeat + 1}/{args.repeats} {planner}: "
+                    f"{result.throughput:.2f} samples/s"
+                    + (f" (steady {rate:.2f})" if rate is not None else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     medians = {p: runs[p][_median_index([r.throughput for r in runs[p]])] for p in runs}
     pipeedge, even = medians["pipeedge"], medians["even"]
@@ -575,12 +720,18 @@ def run_hetero(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
         even_predicted, even_source = {}, "none"
 
     config = {
-        "hetero_model": args.model, "hetero_layers": args.layers,
-        "hetero_units": sequence.num_units, "hetero_batches": args.batches,
-        "hetero_batch_size": args.batch_size, "hetero_microbatch_size": args.microbatch_size,
-        "hetero_max_in_flight": args.hetero_max_in_flight, "hetero_dtype": args.dtype,
-        "hetero_threads_per_stage": threads, "hetero_cores": cores,
-        "hetero_repeats": args.repeats, "hetero_devices": _device_config(devices),
+        "hetero_model": args.model,
+        "hetero_layers": args.layers,
+        "hetero_units": sequence.num_units,
+        "hetero_batches": args.batches,
+        "hetero_batch_size": args.batch_size,
+        "hetero_microbatch_size": args.microbatch_size,
+        "hetero_max_in_flight": args.hetero_max_in_flight,
+        "hetero_dtype": args.dtype,
+        "hetero_threads_per_stage": threads,
+        "hetero_cores": cores,
+        "hetero_repeats": args.repeats,
+        "hetero_devices": _device_config(devices),
         "hetero_slowdown_scale": scale,
         "hetero_host_cpu_demand": round(_cpu_demand(devices, threads), 3),
     }
@@ -588,8 +739,10 @@ def run_hetero(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
     steady: dict[str, float | None] = {}
     predicted_tput: dict[str, float | None] = {}
     stage_rows: dict[str, list[dict[str, Any]]] = {}
-    for planner, result, predicted in (("pipeedge", pipeedge, pipeedge.report.plan.predicted),
-                                       ("even", even, even_predicted)):
+    for planner, result, predicted in (
+        ("pipeedge", pipeedge, pipeedge.report.plan.predicted),
+        ("even", even, even_predicted),
+    ):
         tputs = [r.throughput for r in runs[planner]]
         steadies = [r.steady_throughput(args.microbatch_size, exact) for r in runs[planner]]
         known = [s for s in steadies if s is not None]
@@ -598,34 +751,43 @@ def run_hetero(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
         predicted_tput[planner] = predicted.get("throughput_samples_per_s")
         stage_rows[planner] = _stage_rows(result.report, predicted)
         report = result.report
-        emit({
-            "bench": BENCH, "section": "hetero", "system": "zpipe", "planner": planner,
-            "samples_per_s": round(measured[planner], 4),
-            "samples_per_s_runs": [round(t, 4) for t in tputs],
-            "steady_samples_per_s": _round(steady[planner]),
-            "steady_samples_per_s_runs": [_round(s) for s in steadies],
-            "predicted_samples_per_s": _round(predicted_tput[planner]),
-            "prediction_source": "its plan" if planner == "pipeedge" else even_source,
-            "measured_over_predicted": _ratio(measured[planner], predicted_tput[planner]),
-            "measured_period_s": round(report.elapsed_s / report.microbatches, 5)
-            if report.microbatches else None,
-            "predicted_bottleneck_s": _round(predicted.get("bottleneck_s"), 5),
-            "plan": report.plan.to_dict(),
-            "baseline": report.baseline.to_dict() if report.baseline is not None else None,
-            "samples": report.samples, "microbatches": report.microbatches,
-            "elapsed_s": round(report.elapsed_s, 4),
-            "stage_utilisation": {row["device"]: row["utilisation"]
-                                  for row in stage_rows[planner]},
-            "utilisation_definition": "busy_s / (busy_s + idle_s + blocked_s)",
-            "stages": stage_rows[planner],
-            **config,
-        })
+        emit(
+            {
+                "bench": BENCH,
+                "section": "hetero",
+                "system": "zpipe",
+                "planner": planner,
+                "samples_per_s": round(measured[planner], 4),
+                "samples_per_s_runs": [round(t, 4) for t in tputs],
+                "steady_samples_per_s": _round(steady[planner]),
+                "steady_samples_per_s_runs": [_round(s) for s in steadies],
+                "predicted_samples_per_s": _round(predicted_tput[planner]),
+                "prediction_source": "its plan" if planner == "pipeedge" else even_source,
+                "measured_over_predicted": _ratio(measured[planner], predicted_tput[planner]),
+                "measured_period_s": round(report.elapsed_s / report.microbatches, 5)
+                if report.microbatches
+                else None,
+                "predicted_bottleneck_s": _round(predicted.get("bottleneck_s"), 5),
+                "plan": report.plan.to_dict(),
+                "baseline": report.baseline.to_dict() if report.baseline is not None else None,
+                "samples": report.samples,
+                "microbatches": report.microbatches,
+                "elapsed_s": round(report.elapsed_s, 4),
+                "stage_utilisation": {
+                    row["device"]: row["utilisation"] for row in stage_rows[planner]
+                },
+                "utilisation_definition": "busy_s / (busy_s + idle_s + blocked_s)",
+                "stages": stage_rows[planner],
+                **config,
+            }
+        )
 
     tol = 1e-4 if args.dtype == "float32" else 1e-1
     with torch.inference_mode():
         reference = build_full_model(spec)(*batches[0])
-    outputs_match = (_close(pipeedge.outputs[0], even.outputs[0], tol)
-                     and _close(pipeedge.outputs[0], reference, tol))
+    outputs_match = _close(pipeedge.outputs[0], even.outputs[0], tol) and _close(
+        pipeedge.outputs[0], reference, tol
+    )
     keys = {
         "ratio_vs_even": _ratio(measured["pipeedge"], measured["even"]),
         "predicted_ratio_vs_even": _ratio(predicted_tput["pipeedge"], predicted_tput["even"]),
@@ -643,13 +805,17 @@ def run_hetero(args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs],
         "hetero_even_is_baseline": even_is_baseline,
         "hetero_even_prediction_source": even_source,
         "hetero_pipeedge_busy_over_predicted": {
-            row["device"]: row["busy_over_predicted"] for row in stage_rows["pipeedge"]},
+            row["device"]: row["busy_over_predicted"] for row in stage_rows["pipeedge"]
+        },
         "hetero_even_busy_over_predicted": {
-            row["device"]: row["busy_over_predicted"] for row in stage_rows["even"]},
+            row["device"]: row["busy_over_predicted"] for row in stage_rows["even"]
+        },
         "hetero_pipeedge_stage_utilisation": {
-            row["device"]: row["utilisation"] for row in stage_rows["pipeedge"]},
+            row["device"]: row["utilisation"] for row in stage_rows["pipeedge"]
+        },
         "hetero_even_stage_utilisation": {
-            row["device"]: row["utilisation"] for row in stage_rows["even"]},
+            row["device"]: row["utilisation"] for row in stage_rows["even"]
+        },
         "hetero_outputs_match": outputs_match,
         **config,
     }

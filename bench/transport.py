@@ -303,8 +303,9 @@ class Receiver:
         op, path = cmd["op"], cmd["path"]
         if op == "setup":
             keys = Path(cmd["keys_dir"]) if cmd.get("keys_dir") else None
-            ch = open_channel_sockets(path, self.settings.timeout_s, self.settings.raw_hwm, keys,
-                                      RECEIVER_KEY, SENDER_KEY)
+            ch = open_channel_sockets(
+                path, self.settings.timeout_s, self.settings.raw_hwm, keys, RECEIVER_KEY, SENDER_KEY
+            )
             self.channels[path] = ch
             ch.pull.bind(LOOPBACK)
             ch.push.connect(cmd["endpoint"])
@@ -341,30 +342,38 @@ class Receiver:
         # (timeout_s=None); the whole run has one instead.
         async def loop() -> None:
             for _ in range(count):
-                frames = await recv_frames(ch.pull, timeout_s=None, peer=SENDER_KEY,
-                                           awaited="micro-batch")
+                frames = await recv_frames(
+                    ch.pull, timeout_s=None, peer=SENDER_KEY, awaited="micro-batch"
+                )
                 check_sender(ch, frames[0])
                 message = decode_frames(frames, MAX_BYTES)
                 check_tensor(message, size)
 
         await asyncio.wait_for(loop(), run_deadline(self.settings.timeout_s, size, count))
-        await send(ch.push, Message("probe_ack", {"nonce": count}),
-                   timeout_s=self.settings.timeout_s, peer=SENDER_KEY)
+        await send(
+            ch.push,
+            Message("probe_ack", {"nonce": count}),
+            timeout_s=self.settings.timeout_s,
+            peer=SENDER_KEY,
+        )
 
     async def zpipe_echo(self, ch: Channel, size: int, count: int) -> None:
         timeout = self.settings.timeout_s
 
         async def loop() -> None:
             for _ in range(count):
-                frames = await recv_frames(ch.pull, timeout_s=None, peer=SENDER_KEY,
-                                           awaited="ping")
+                frames = await recv_frames(ch.pull, timeout_s=None, peer=SENDER_KEY, awaited="ping")
                 check_sender(ch, frames[0])
                 message = decode_frames(frames, MAX_BYTES)
                 check_tensor(message, size)
                 # Forward the received tensor (a view on the frame), as a stage
                 # forwards its output: zero-copy both ways.
-                await send(ch.push, data_message(int(message["mb"]), message.tensors[0], "echo"),
-                           timeout_s=timeout, peer=SENDER_KEY)
+                await send(
+                    ch.push,
+                    data_message(int(message["mb"]), message.tensors[0], "echo"),
+                    timeout_s=timeout,
+                    peer=SENDER_KEY,
+                )
 
         await asyncio.wait_for(loop(), run_deadline(timeout, size, count))
 
@@ -419,8 +428,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 class Sender:
-    def __init__(self, args: argparse.Namespace, conn: Connection, proc: Any,
-                 keys_dir: Path) -> None:
+    def __init__(
+        self, args: argparse.Namespace, conn: Connection, proc: Any, keys_dir: Path
+    ) -> None:
         self.args = args
         self.conn = conn
         self.proc = proc
@@ -440,9 +450,14 @@ class Sender:
         return reply
 
     async def setup(self, path: str) -> None:
-        ch = open_channel_sockets(path, self.timeout_s, self.args.raw_hwm,
-                                  self.keys_dir if path == "zpipe_curve" else None,
-                                  SENDER_KEY, RECEIVER_KEY)
+        ch = open_channel_sockets(
+            path,
+            self.timeout_s,
+            self.args.raw_hwm,
+            self.keys_dir if path == "zpipe_curve" else None,
+            SENDER_KEY,
+            RECEIVER_KEY,
+        )
         self.channels[path] = ch
         ch.pull.bind(LOOPBACK)
         back = ch.pull.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -475,10 +490,15 @@ class Sender:
         else:
             started = time.perf_counter()
             for mb in range(count):
-                await send(ch.push, data_message(mb, tensor, "bench"), timeout_s=self.timeout_s,
-                           peer=RECEIVER_KEY)
-            frames = await recv_frames(ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY,
-                                       awaited="ack")
+                await send(
+                    ch.push,
+                    data_message(mb, tensor, "bench"),
+                    timeout_s=self.timeout_s,
+                    peer=RECEIVER_KEY,
+                )
+            frames = await recv_frames(
+                ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY, awaited="ack"
+            )
             elapsed = time.perf_counter() - started
             if decode_frames(frames, MAX_BYTES)["nonce"] != count:
                 raise RuntimeError("the receiver acknowledged a different count")
@@ -506,10 +526,15 @@ class Sender:
             async def loop() -> None:
                 for mb in range(count):
                     started = time.perf_counter()
-                    await send(ch.push, data_message(mb, tensor, "bench"),
-                               timeout_s=self.timeout_s, peer=RECEIVER_KEY)
-                    frames = await recv_frames(ch.pull, timeout_s=None, peer=RECEIVER_KEY,
-                                               awaited="pong")
+                    await send(
+                        ch.push,
+                        data_message(mb, tensor, "bench"),
+                        timeout_s=self.timeout_s,
+                        peer=RECEIVER_KEY,
+                    )
+                    frames = await recv_frames(
+                        ch.pull, timeout_s=None, peer=RECEIVER_KEY, awaited="pong"
+                    )
                     message = decode_frames(frames, MAX_BYTES)
                     rtts.append(time.perf_counter() - started)
                     check_tensor(message, size)
@@ -532,8 +557,9 @@ class Sender:
             rates[path] = warm * size / seconds
             await self.echo(path, size, 3)
         rate = rates.get("raw") or max(rates.values())
-        count = args.count or int(min(args.max_count, max(args.min_count,
-                                                          args.seconds * rate / size)))
+        count = args.count or int(
+            min(args.max_count, max(args.min_count, args.seconds * rate / size))
+        )
         per_trip = 2 * size / rate + 100e-6
         trips = args.trips or int(min(2000, max(20, args.rtt_seconds / per_trip)))
         for rep in range(args.repeats):
@@ -560,8 +586,9 @@ def _rotate(paths: list[str], by: int) -> list[str]:
     return paths[k:] + paths[:k]
 
 
-async def run_sender(args: argparse.Namespace, conn: Connection, proc: Any,
-                     keys_dir: Path, has_uvloop: bool) -> dict[str, Any]:
+async def run_sender(
+    args: argparse.Namespace, conn: Connection, proc: Any, keys_dir: Path, has_uvloop: bool
+) -> dict[str, Any]:
     sender = Sender(args, conn, proc, keys_dir)
     try:
         hello = await sender.reply("hello", timeout_s=args.startup_timeout)
@@ -582,20 +609,34 @@ async def run_sender(args: argparse.Namespace, conn: Connection, proc: Any,
     for size, results in all_results.items():
         label = size_label(size)
 
-        def get(path: str, what: Callable[[Result], float | None],
-                results: dict[str, Result] = results) -> float | None:
+        def get(
+            path: str, what: Callable[[Result], float | None], results: dict[str, Result] = results
+        ) -> float | None:
             return what(results[path]) if path in results else None
 
         ratios[f"ratio_{label}"] = _ratio(get("zpipe", Result.gbps), get("raw", Result.gbps))
-        ratios[f"rtt_ratio_{label}"] = _ratio(get("zpipe", Result.rtt_ms),
-                                              get("raw", Result.rtt_ms))
-        ratios[f"curve_over_plain_{label}"] = _ratio(get("zpipe_curve", Result.gbps),
-                                                     get("zpipe", Result.gbps))
-    for key in ("ratio_64kb", "ratio_1mb", "ratio_16mb", "rtt_ratio_1mb",
-                "curve_over_plain_1mb", "curve_over_plain_16mb"):
+        ratios[f"rtt_ratio_{label}"] = _ratio(
+            get("zpipe", Result.rtt_ms), get("raw", Result.rtt_ms)
+        )
+        ratios[f"curve_over_plain_{label}"] = _ratio(
+            get("zpipe_curve", Result.gbps), get("zpipe", Result.gbps)
+        )
+    for key in (
+        "ratio_64kb",
+        "ratio_1mb",
+        "ratio_16mb",
+        "rtt_ratio_1mb",
+        "curve_over_plain_1mb",
+        "curve_over_plain_16mb",
+    ):
         ratios.setdefault(key, None)
-    return {**ratios, "uvloop": uvloop_both, "quick": bool(args.quick),
-            "repeats": args.repeats, "torch_threads": torch.get_num_threads()}
+    return {
+        **ratios,
+        "uvloop": uvloop_both,
+        "quick": bool(args.quick),
+        "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 # -------------------------------------------------------------------------------- main
@@ -607,39 +648,79 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="zpipe tensor send/receive vs raw pyzmq zero-copy multipart on loopback "
         "(throughput, round-trip time, CurveZMQ cost); prints JSON lines.",
     )
-    parser.add_argument("--sizes", default=None,
-                        help="comma-separated tensor sizes in bytes, K or M "
-                        f"(default {DEFAULT_SIZES})")
-    parser.add_argument("--paths", default=",".join(PATHS),
-                        help=f"comma-separated subset of {','.join(PATHS)} (default: all)")
-    parser.add_argument("--quick", action="store_true",
-                        help="fast smoke run: short runs, 1 repeat, few round trips")
-    parser.add_argument("--seconds", type=float, default=None,
-                        help="target duration of one throughput run (default 0.75, quick 0.05)")
-    parser.add_argument("--rtt-seconds", type=float, default=None,
-                        help="target total time of the round trips per path and size "
-                        "(default 0.3, quick 0.03)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="throughput runs per path and size, median reported (default 3, "
-                        "quick 1)")
-    parser.add_argument("--count", type=int, default=0,
-                        help="messages per throughput run (default: from --seconds)")
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help=f"comma-separated tensor sizes in bytes, K or M (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"comma-separated subset of {','.join(PATHS)} (default: all)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fast smoke run: short runs, 1 repeat, few round trips"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="target duration of one throughput run (default 0.75, quick 0.05)",
+    )
+    parser.add_argument(
+        "--rtt-seconds",
+        type=float,
+        default=None,
+        help="target total time of the round trips per path and size (default 0.3, quick 0.03)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="throughput runs per path and size, median reported (default 3, quick 1)",
+    )
+    parser.add_argument(
+        "--count", type=int, default=0, help="messages per throughput run (default: from --seconds)"
+    )
     parser.add_argument("--min-count", type=int, default=5, help="fewest messages per run")
     parser.add_argument("--max-count", type=int, default=100_000, help="most messages per run")
-    parser.add_argument("--trips", type=int, default=0,
-                        help="round trips per path and size (default: from --rtt-seconds)")
-    parser.add_argument("--raw-hwm", type=int, default=_OPTIONS.send_hwm,
-                        help="high-water mark of the raw sockets (default: zpipe's, "
-                        f"{_OPTIONS.send_hwm})")
-    parser.add_argument("--no-retain-memory", dest="tune_malloc", action="store_false",
-                        help="let glibc return freed message memory at once (zpipe's stages "
-                        "keep it; see zpipe.transport.allocator)")
-    parser.add_argument("--timeout", type=float, default=30.0,
-                        help="deadline of every single wait, seconds (default 30)")
-    parser.add_argument("--startup-timeout", type=float, default=120.0,
-                        help="deadline for the receiver process to start, seconds")
-    parser.add_argument("--deadline", type=float, default=900.0,
-                        help="the whole benchmark is aborted after this many seconds")
+    parser.add_argument(
+        "--trips",
+        type=int,
+        default=0,
+        help="round trips per path and size (default: from --rtt-seconds)",
+    )
+    parser.add_argument(
+        "--raw-hwm",
+        type=int,
+        default=_OPTIONS.send_hwm,
+        help=f"high-water mark of the raw sockets (default: zpipe's, {_OPTIONS.send_hwm})",
+    )
+    parser.add_argument(
+        "--no-retain-memory",
+        dest="tune_malloc",
+        action="store_false",
+        help="let glibc return freed message memory at once (zpipe's stages "
+        "keep it; see zpipe.transport.allocator)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="deadline of every single wait, seconds (default 30)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="deadline for the receiver process to start, seconds",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=900.0,
+        help="the whole benchmark is aborted after this many seconds",
+    )
     args = parser.parse_args(argv)
     sizes_text = args.sizes or DEFAULT_SIZES
     try:
@@ -669,10 +750,15 @@ def main(argv: list[str] | None = None) -> int:
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe(duplex=True)
     malloc_tuned = retain_freed_memory() if args.tune_malloc else False
-    settings = ReceiverSettings(timeout_s=args.timeout, deadline_s=args.deadline + 30,
-                                raw_hwm=args.raw_hwm, tune_malloc=args.tune_malloc)
-    proc = spawn.Process(target=receiver_main, args=(child_conn, settings),
-                         name="zpipe-bench-receiver", daemon=True)
+    settings = ReceiverSettings(
+        timeout_s=args.timeout,
+        deadline_s=args.deadline + 30,
+        raw_hwm=args.raw_hwm,
+        tune_malloc=args.tune_malloc,
+    )
+    proc = spawn.Process(
+        target=receiver_main, args=(child_conn, settings), name="zpipe-bench-receiver", daemon=True
+    )
     proc.start()
     child_conn.close()
     status = 1
