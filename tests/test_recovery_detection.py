@@ -97,7 +97,7 @@ def _quick() -> DeadlinePolicy:
     return DeadlinePolicy(k=3.0, window=8, min_samples=3, floor_s=0.01, cold_start_s=5.0)
 
 
-def test_a_stall_is_reported_once_per_wait_and_a_late_result_widens_the_window():
+def test_a_stall_is_reported_once_per_unit_and_a_late_result_widens_the_window():
     watch = StallWatch(_quick())
     assert watch.stalled(100.0) is None  # nothing in flight: nothing to wait for
     watch.sent(0.0)
@@ -105,38 +105,47 @@ def test_a_stall_is_reported_once_per_wait_and_a_late_result_widens_the_window()
     assert watch.stalled(4.9) is None  # cold start: the first waits include warm-up
     assert watch.stalled(5.1) == pytest.approx((5.1, 5.0))
     assert watch.stalled(6.0) is None  # reported once
-    t = 6.0
-    watch.completed(t)  # the fill window got 6.0; one left in flight
-    for _ in range(4):  # a steady result every 0.1 s
+    watch.completed(6.0)  # latency 6.0; the second unit (sent at 0) is next
+    assert watch.stalled(17.9) is None  # cold start: 3 x the slowest latency seen (18 s)
+    assert watch.stalled(18.1) is not None
+    t = 20.0
+    watch.completed(t)  # latency 20
+    for _ in range(4):  # then a steady latency of 0.1 s
         watch.sent(t)
-        t += 0.1
-        watch.completed(t)
-    assert watch.outstanding == 1
-    assert watch.deadline() == pytest.approx(0.1 + 3 * 0.05 * 0.1)  # MAD 0: ratio floor
-    assert watch.stalled(t + 0.11) is None
-    assert watch.stalled(t + 0.2) is not None  # a gap twice the usual
+        watch.completed(t + 0.1)
+        t += 1.0
+    # median 0.1 (two long ones do not move it), MAD 0: its floor, 5 % of the median
+    assert watch.deadline() == pytest.approx(0.1 + 3 * 0.005)
+    watch.sent(t)
+    assert watch.stalled(t + 0.1) is None
+    late = watch.stalled(t + 0.2)
+    assert late is not None and late[0] == pytest.approx(0.2)
     # the device was slow, not dead: its late result widens the window
     watch.completed(t + 1.0)
-    assert watch.outstanding == 0 and watch.stalled(t + 50) is None
-    assert watch.gap.samples[-1] == pytest.approx(1.0)
+    assert watch.outstanding == 0 and watch.stalled(t + 500) is None
+    assert watch.latency.samples[-1] == pytest.approx(1.0)
 
 
-def test_a_wait_from_idle_is_judged_by_the_fill_window_not_the_gap_window():
+def test_the_oldest_units_age_counts_so_a_unit_sent_into_an_idle_pipeline_is_not_late():
     watch = StallWatch(_quick())
     t = 0.0
-    for _ in range(3):  # three fills of 1 s each (the pipeline drained between)
-        watch.sent(t)
-        watch.completed(t + 1.0)
-        t += 2.0
-    for _ in range(3):  # and gaps of 0.1 s while full
-        watch.sent(t)
-        watch.sent(t)
-        watch.completed(t + 1.0)
-        watch.completed(t + 1.1)
-        t += 2.0
-    watch.sent(t)
-    assert watch.stalled(t + 0.5) is None  # 0.5 s from idle: well within a fill
-    assert watch.stalled(t + 1.2) is not None
+    for _ in range(4):  # three in flight at a time: latency 0.3 s, a result every 0.1 s
+        for k in range(3):
+            watch.sent(t + 0.1 * k)
+        for k in range(3):
+            watch.completed(t + 0.3 + 0.1 * k)
+        t += 1.0
+    assert watch.deadline() == pytest.approx(0.3 + 3 * 0.05 * 0.3)
+    watch.sent(t)  # into an empty pipeline
+    assert watch.stalled(t + 0.2) is None  # younger than the usual latency
+    watch.sent(t + 0.25)
+    assert watch.stalled(t + 0.3) is None
+    stall = watch.stalled(t + 0.4)  # the oldest is 0.4 s old: past 0.345 s
+    assert stall is not None and stall[0] == pytest.approx(0.4)
+    watch.completed(t + 0.41)
+    # the next unit is judged afresh, on its own age
+    assert watch.stalled(t + 0.5) is None
+    assert watch.stalled(t + 0.65) is not None
 
 
 def test_a_result_with_nothing_in_flight_is_a_caller_bug():

@@ -125,8 +125,8 @@ class LatencyWindow:
         return judge_wait(elapsed_s, self.deadline(), responsive=responsive)
 
 
-# The data source's deadline: a result later than median + 5 MAD of the recent gaps
-# (at least 0.25 s; 10 s for the first four, which include warm-up) has the
+# The data source's deadline: a unit out for longer than median + 5 MAD of the recent
+# latencies (at least 0.25 s; 10 s for the first four, which include warm-up) has the
 # coordinator probe the stages. A false alarm costs one probe message per stage.
 DEFAULT_STALL_DEADLINE = DeadlinePolicy(
     k=5.0, window=32, min_samples=4, floor_s=0.25, cold_start_s=10.0
@@ -135,51 +135,47 @@ DEFAULT_STALL_DEADLINE = DeadlinePolicy(
 
 class StallWatch:
     """FTPipeHD's deadline at the data source: how long the source may wait for the
-    next result of work in flight before it asks whether a device died.
+    result of work in flight before it asks whether a device died.
 
-    The source calls :meth:`sent` when it starts a unit of work (a mini-batch) and
-    :meth:`completed` when one comes back (results come back in order). A wait
-    that starts from an idle pipeline includes filling it, so it is judged
-    against its own window (``fill``); a wait between two results against the
-    ``gap`` window. :meth:`stalled` reports a wait past its deadline once; the
-    caller then has the devices probed: a device that answers is slow, and its
-    late result widens the window, so the deadline follows it.
+    The source calls :meth:`sent` when it starts a unit of work (a mini-batch, a
+    micro-batch) and :meth:`completed` when one comes back; results come back in
+    order. The deadline is on the age of the oldest unit still out, against the
+    latencies (sent to result) of the units before it: queueing behind earlier
+    units is in those latencies as it is in the age, and a unit sent into an empty
+    pipeline is younger than the usual latency, not older. :meth:`stalled` reports
+    a unit past its deadline once; the caller then has the devices probed: a device
+    that answers is slow, and its late result widens the window, so the deadline
+    follows it.
     """
 
     def __init__(self, policy: DeadlinePolicy | None = None) -> None:
-        self.gap = LatencyWindow(policy)
-        self.fill = LatencyWindow(policy)
-        self.outstanding = 0
-        self._since: float | None = None  # when the current wait began
-        self._from_idle = False
-        self._reported = False
+        self.latency = LatencyWindow(policy)
+        self._out: deque[float] = deque()  # when each unit still out was sent
+        self._reported = False  # the oldest unit's stall was reported
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._out)
 
     def sent(self, now: float) -> None:
-        if self.outstanding == 0:
-            self._since, self._from_idle, self._reported = now, True, False
-        self.outstanding += 1
+        self._out.append(now)
 
     def completed(self, now: float) -> None:
-        if self.outstanding == 0 or self._since is None:
+        if not self._out:
             raise ConfigError("a result came back with no work in flight")
-        window = self.fill if self._from_idle else self.gap
-        window.observe(now - self._since)
-        self.outstanding -= 1
-        if self.outstanding:
-            self._since, self._from_idle, self._reported = now, False, False
-        else:
-            self._since = None
+        self.latency.observe(max(0.0, now - self._out.popleft()))
+        self._reported = False
 
     def deadline(self) -> float:
-        """The deadline of the current (or next) wait."""
-        return (self.fill if self._from_idle or self._since is None else self.gap).deadline()
+        """The deadline on the oldest unit's age."""
+        return self.latency.deadline()
 
     def stalled(self, now: float) -> tuple[float, float] | None:
-        """(waited, deadline) the first time the current wait passes its deadline."""
-        if self._since is None or self._reported:
+        """(age, deadline) the first time the oldest unit passes its deadline."""
+        if not self._out or self._reported:
             return None
-        waited, deadline = now - self._since, self.deadline()
-        if waited <= deadline:
+        age, deadline = now - self._out[0], self.deadline()
+        if age <= deadline:
             return None
         self._reported = True
-        return waited, deadline
+        return age, deadline
