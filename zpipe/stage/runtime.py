@@ -224,12 +224,17 @@ class StageRuntime:
         }
 
     async def _send_control(
-        self, kind: str, body: dict[str, Any], epoch: int = 0, timeout_s: float | None = None
+        self,
+        kind: str,
+        body: dict[str, Any],
+        epoch: int = 0,
+        timeout_s: float | None = None,
+        tensors: tuple[torch.Tensor, ...] = (),
     ) -> None:
         assert self._control is not None
         await send(
             self._control,
-            Message(kind, body, epoch=epoch),
+            Message(kind, body, epoch=epoch, tensors=tensors),
             timeout_s=timeout_s or self.config.timeouts.send_s,
             peer="coordinator",
         )
@@ -849,13 +854,7 @@ class StageRuntime:
         except ZpipeError as exc:
             reply["error"] = f"{type(exc).__name__}: {exc}"
             log.error("weights_not_sent", stage=self.config.name, error=reply["error"])
-        assert self._control is not None
-        await send(
-            self._control,
-            Message("weights", reply, epoch=message.epoch, tensors=tensors),
-            timeout_s=self.config.timeouts.send_s,
-            peer="coordinator",
-        )
+        await self._send_control("weights", reply, epoch=message.epoch, tensors=tensors)
 
     async def _backup(self, message: Message) -> None:
         """Once round ``step`` is done: keep a snapshot of this stage's state, and send
@@ -903,13 +902,7 @@ class StageRuntime:
         except ZpipeError as exc:
             reply["error"] = f"{type(exc).__name__}: {exc}"
             log.error("backup_failed", stage=self.config.name, error=reply["error"])
-        assert self._control is not None
-        await send(
-            self._control,
-            Message("backed_up", reply, epoch=message.epoch, tensors=tensors),
-            timeout_s=self.config.timeouts.send_s,
-            peer="coordinator",
-        )
+        await self._send_control("backed_up", reply, epoch=message.epoch, tensors=tensors)
 
     async def _on_peer_request(self, message: Message) -> Message:
         """A peer's backup to keep, or units of a snapshot a peer fetches."""
