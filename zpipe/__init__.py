@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from zpipe._errors import (
     ConfigError,
+    InfeasiblePlanError,
     ModelSpecError,
     PeerGoneError,
     PipelineError,
     ProtocolError,
     RemoteStageError,
+    RoleError,
     SecurityError,
     StageFailedError,
+    StageLostError,
+    StateFileError,
     TransportTimeout,
+    UnitsLostError,
+    UntrustedCodeError,
     ZpipeError,
 )
 
@@ -19,14 +25,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "InfeasiblePlanError",
     "ModelSpecError",
     "PeerGoneError",
     "PipelineError",
     "ProtocolError",
     "RemoteStageError",
+    "RoleError",
     "SecurityError",
     "StageFailedError",
+    "StageLostError",
+    "StateFileError",
     "TransportTimeout",
+    "UnitsLostError",
+    "UntrustedCodeError",
     "ZpipeError",
     "__version__",
 ]

@@ -2,17 +2,23 @@
 
     ZpipeError
     ├── ConfigError            bad user input: flags, files, model specs, partitions
-    │   └── ModelSpecError     a model spec or weights file that cannot be built
+    │   ├── ModelSpecError     a model spec or weights file that cannot be built
+    │   └── InfeasiblePlanError  no plan fits the devices (memory, count, partition)
     ├── ProtocolError          a message from a peer that fails validation (dropped, logged)
     ├── SecurityError          keys missing or malformed, a peer that is not allowed
+    │   ├── UntrustedCodeError a peer named code (a model factory) this process does not allow
+    │   └── RoleError          a peer sent what its role may not (a stage starting a run)
+    ├── StateFileError         a coordinator state file that cannot be written or read back
     ├── TransportTimeout       a network await ran past its deadline (names peer + what)
     │   └── PeerGoneError      a peer whose connection is gone: nothing was awaited
     └── PipelineError          a run that cannot go on
         ├── StageFailedError   the coordinator declared a stage dead during a run
+        │   └── StageLostError a stage died while the coordinator awaited its reply
+        ├── UnitsLostError     units whose weights, snapshot and backup are all gone
         └── RemoteStageError   a stage raised while computing a micro-batch
 
-A receive loop catches ProtocolError, logs it and keeps serving; everything
-else reaches the user with a message that says what to do.
+A receive loop catches every exception one message causes, logs it and keeps
+serving; everything else reaches the user with a message that says what to do.
 """
 
 from __future__ import annotations
@@ -78,3 +84,35 @@ class RemoteStageError(PipelineError):
         self.stage = stage
         self.microbatch = microbatch
         self.remote_message = message
+
+
+class InfeasiblePlanError(ConfigError):
+    """No plan fits: too few live devices, units that fit no device's memory, a
+    partition that does not cover the model."""
+
+
+class UntrustedCodeError(SecurityError):
+    """A peer named code to import or run (a model factory) that this process's
+    operator did not allow; nothing was imported."""
+
+
+class RoleError(SecurityError):
+    """A peer sent a message its role may not send (a stage key starting a run)."""
+
+
+class StateFileError(ZpipeError):
+    """A coordinator state file that cannot be written, or whose contents are not a
+    valid state (bad checksum, bad schema)."""
+
+
+class StageLostError(StageFailedError):
+    """A stage died (or restarted) while the coordinator awaited its reply."""
+
+
+class UnitsLostError(PipelineError):
+    """Units whose weights are gone: every holder of them, their snapshot and their
+    backup are lost, so the run cannot resume from the replica."""
+
+    def __init__(self, units: tuple[int, int], detail: str) -> None:
+        super().__init__(f"units [{units[0]}, {units[1]}) are lost: {detail}")
+        self.units = units
