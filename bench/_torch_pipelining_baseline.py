@@ -46,9 +46,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from zpipe.cluster import free_tcp_port
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.training.objectives import make_optimizer
+from zpipe.transport.ports import free_tcp_port
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -42,10 +42,10 @@ import torch.multiprocessing as mp
 from torch.distributed import rpc
 
 from zpipe.client import as_tensors, split_microbatches
-from zpipe.cluster import free_tcp_port
 from zpipe.models import ModelSpec
 from zpipe.stage.shard import Shard
 from zpipe.transport.emulation import LinkModel, LinkSpec
+from zpipe.transport.ports import free_tcp_port
 
 DRIVER = "driver"
 # PipeEdge's _sem_fwd: micro-batches a stage admits at once (receiving, computing, sending).

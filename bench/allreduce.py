@@ -72,7 +72,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zpipe.cluster import free_tcp_port
 from zpipe.log import configure_logging
 from zpipe.training.allreduce import (
     DEFAULT_SEGMENT_BYTES,
@@ -80,6 +79,7 @@ from zpipe.training.allreduce import (
     ring_allreduce_cost_s,
 )
 from zpipe.transport.allocator import retain_freed_memory
+from zpipe.transport.ports import free_tcp_port
 from zpipe.transport.sockets import new_context
 
 try:

@@ -23,7 +23,6 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
-from zpipe.cluster import free_tcp_port
 from zpipe.training.allreduce import (
     KIND,
     RingAllReduce,
@@ -35,6 +34,7 @@ from zpipe.training.allreduce import (
 )
 from zpipe.transport import security
 from zpipe.transport.codec import Message
+from zpipe.transport.ports import free_tcp_port
 from zpipe.transport.sockets import new_context, open_socket, send
 
 # Short: dead-peer tests wait this long. Long enough for a first TCP connect

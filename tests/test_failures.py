@@ -16,8 +16,9 @@ import torch
 from zpipe import StageFailedError
 from zpipe._errors import ConfigError
 from zpipe.client import PipelineClient
-from zpipe.cluster import DeviceSpec, LocalCluster, free_tcp_port
+from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.transport.ports import free_tcp_port
 
 INTERVAL = 0.3
 SUSPECT_AFTER = 3

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from zpipe.client import Batch, Outputs, PipelineClient, RunReport
 from zpipe.config import Timeouts
 from zpipe.fit import TrainReport
 from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.transport.ports import free_tcp_port
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,6 @@ class DeviceSpec:
         if self.memory_mb is not None:
             flags += ["--memory-mb", str(self.memory_mb)]
         return flags
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class LocalCluster:

@@ -58,7 +58,7 @@ from zpipe.models import ModelSpec, build_full_model
 from zpipe.models.weights import save_weights
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.recovery import DEFAULT_STALL_DEADLINE, DeadlinePolicy, StallWatch
+from zpipe.recovery import DEFAULT_STALL_DEADLINE, REPLICATIONS, DeadlinePolicy, StallWatch
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.training.objectives import check_loss, check_optimizer
 from zpipe.training.routing import split_rows
@@ -394,8 +394,6 @@ async def fit(
 DEFAULT_REPLICATE_EVERY = 50
 # how a recovery treats the work since the replica (see fit's ``consistency``)
 CONSISTENCIES = ("exact", "fast")
-# where replicas go (see fit's ``replication``)
-REPLICATIONS = ("global", "chain", "topology")
 
 
 def _resume_request(

@@ -22,9 +22,10 @@ from zpipe.cli_common import positive_float, positive_int
 from zpipe.client import PipelineClient
 from zpipe.cluster import LocalCluster
 from zpipe.demo import DEMO_DEVICES
-from zpipe.fit import CONSISTENCIES, REPLICATIONS, TrainReport
+from zpipe.fit import CONSISTENCIES, TrainReport
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
+from zpipe.recovery import REPLICATIONS
 from zpipe.training.schedules import SCHEDULES
 
 

@@ -60,6 +60,7 @@ from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.recovery import (
     COORDINATOR,
+    REPLICATIONS,
     asteroid_replication,
     estimate_capacities,
     ftpipehd_replication,
@@ -92,10 +93,6 @@ CLIENT_NAME = "client"
 PlanT = TypeVar("PlanT", Plan, TrainingPlan)
 # Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
 DEFAULT_RECOVERY = "lightweight"
-# Where training replicas go: all to the coordinator (FTPipeHD's global replication),
-# or kept at the stages and backed up to the next stage (FTPipeHD's chain; Asteroid's
-# topology-driven replication, the last stage backing up to the first).
-REPLICATIONS = ("global", "chain", "topology")
 
 
 @dataclass

@@ -58,6 +58,7 @@ from zpipe.recovery.replanning import (
     unit_work_from_profile,
 )
 from zpipe.recovery.replication import (
+    REPLICATIONS,
     TOPOLOGIES,
     ReplicaSend,
     ReplicationSchedule,
@@ -72,6 +73,7 @@ __all__ = [
     "COORDINATOR",
     "DEFAULT_STALL_DEADLINE",
     "POLICIES",
+    "REPLICATIONS",
     "TOPOLOGIES",
     "CapacityHistory",
     "DeadlinePolicy",

@@ -42,6 +42,11 @@ REPLICA_KINDS = ("backup", "chain", "global")
 FTPIPEHD_CHAIN_EVERY = 50
 FTPIPEHD_GLOBAL_EVERY = 100
 
+# Where a training run's replicas go: all to the coordinator (FTPipeHD's global
+# replication), or kept at the stages and backed up to the next stage (FTPipeHD's
+# chain; Asteroid's topology-driven replication, the last stage backing up to the first).
+REPLICATIONS = ("global", "chain", "topology")
+
 
 def _check_period(name: str, every: int) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from zpipe.training.allreduce import RingAllReduce
 from zpipe.transport import codec, security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
+from zpipe.transport.ports import free_tcp_port
 from zpipe.transport.sockets import (
     SocketOptions,
     advertised_endpoint,
@@ -53,14 +53,6 @@ from zpipe.transport.sockets import (
 )
 
 log = get_logger("zpipe.stage")
-
-
-def free_port(bind_host: str) -> int:
-    """A TCP port free on ``bind_host`` now (for a socket bound a moment later)."""
-    host = bind_host.split("://", 1)[-1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("" if host in ("*", "0.0.0.0") else host, 0))
-        return int(probe.getsockname()[1])
 
 
 class CoordinatorLost(ZpipeError):
@@ -709,7 +701,7 @@ class StageRuntime:
         if len(setup.group.names) > 1:
             host = self.data_endpoint.rsplit(":", 1)[0]
             bind_host = self.config.data_bind.rsplit(":", 1)[0]
-            port = free_port(bind_host)
+            port = free_tcp_port(bind_host)
             assignment.ring_bind = f"{bind_host}:{port}"
             assignment.ring_endpoint = f"{host}:{port}"
         return allowed
