@@ -25,16 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.planner.cluster import CLIENT, ClusterDevice, ClusterSpec
 from zpipe.planner.plan import Plan
 from zpipe.planner.profile import ModelProfile
 
 GB = 1e9
-
-
-class InfeasiblePlanError(ConfigError):
-    """No plan fits the devices' memory (or the chosen partition does not)."""
 
 
 def device_unit_times(profile: ModelProfile, device: ClusterDevice, batch_size: int) -> list[float]:
