@@ -21,15 +21,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zpipe.planner.allocation import allocate_microbatch, allocate_microbatches
 from zpipe.planner.cluster import ClusterDevice, ClusterLink, ClusterSpec
 from zpipe.planner.cost import InfeasiblePlanError
 from zpipe.planner.hpp import memory_order, plan_training, stage_warmup
 from zpipe.planner.profile import ModelProfile, UnitProfile
-from zpipe.planner.training_cost import (
-    TrainingCosts,
-    allocate_microbatch,
-    allocate_microbatches,
-)
+from zpipe.planner.training_cost import TrainingCosts
 
 _TIE_RTOL = 1e-9
 MB = 1_000_000

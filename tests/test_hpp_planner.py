@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError
 from zpipe.plan_cli import main as plan_main
+from zpipe.planner.allocation import _balance_by_capacity, allocate_microbatch
 from zpipe.planner.cluster import ClusterDevice, ClusterLink, ClusterSpec
 from zpipe.planner.cost import InfeasiblePlanError
 from zpipe.planner.hpp import (
@@ -27,8 +28,6 @@ from zpipe.planner.hpp import (
 from zpipe.planner.profile import ModelProfile, UnitProfile, synthetic_profile
 from zpipe.planner.training_cost import (
     TrainingCosts,
-    _balance_by_capacity,
-    allocate_microbatch,
     at_batch_sizes,
     estimate_round_s,
     estimate_stages_round_s,

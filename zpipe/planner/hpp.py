@@ -64,6 +64,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from zpipe._errors import ConfigError
+from zpipe.planner.allocation import allocate_microbatches
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.hpp_state import FrontEntry, Group, GroupTable, Level, Point, Stage
 from zpipe.planner.profile import ModelProfile
@@ -79,7 +80,6 @@ from zpipe.planner.training_common import (
 )
 from zpipe.planner.training_cost import (
     TrainingCosts,
-    allocate_microbatches,
     estimate_round_s,
 )
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
