@@ -25,9 +25,9 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.training.allreduce import (
     KIND,
+    ExpectedMessage,
     RingAllReduce,
-    _Expected,
-    _Layout,
+    SegmentLayout,
     check_message,
     ring_allreduce_cost_s,
     ring_schedule,
@@ -79,7 +79,7 @@ def test_layout_covers_uneven_buffers_exactly() -> None:
         ([0, 5], [4, 2], 2, 4),
         ([1001, 37], [8, 2], 3, 64),
     ]:
-        layout = _Layout.build(numels, itemsizes, n, seg_bytes)
+        layout = SegmentLayout.build(numels, itemsizes, n, seg_bytes)
         for bucket, numel in enumerate(numels):
             spans = [span for chunk in layout.spans[bucket] for span in chunk]
             assert len(spans) == n * layout.segments
@@ -104,7 +104,7 @@ def test_cost_model_is_asteroid_eq5_plus_latency() -> None:
         ring_allreduce_cost_s(1.0, 0, 1e9)
 
 
-def _expected(**changes: Any) -> _Expected:
+def _expected(**changes: Any) -> ExpectedMessage:
     fields: dict[str, Any] = {
         "epoch": 2,
         "round_id": 5,
@@ -115,7 +115,7 @@ def _expected(**changes: Any) -> _Expected:
         "frames": ((torch.float32, 4),),
     }
     fields.update(changes)
-    return _Expected(**fields)
+    return ExpectedMessage(**fields)
 
 
 def _message(epoch: int = 2, tensor: torch.Tensor | None = None, **body: int) -> Message:
