@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # pragma: no cover
+    from typing_extensions import dataclass_transform
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol._message import Message
@@ -83,21 +89,34 @@ class WireField:
 
 
 _WIRE = "zpipe.wire"
+_REQUIRED: Any = dataclasses.MISSING
+_C = TypeVar("_C", bound="WireMessage")
 
 
 def wire(
-    types: Types, *, required: bool = True, key: str | None = None, omit_if_none: bool = False
+    types: Types,
+    *,
+    default: None = _REQUIRED,
+    key: str | None = None,
+    omit_if_none: bool = False,
 ) -> Any:
     """Declare a body field: its msgpack ``types``, and ``key`` where it differs from the name.
 
-    An optional field defaults to ``None`` (absent). ``omit_if_none``: a field
-    whose wire type admits null that senders leave out, rather than send as null,
-    when it has no value.
+    ``default=None`` makes the field optional (``None``: absent). ``omit_if_none``:
+    a field whose wire type admits null that senders leave out, rather than send
+    as null, when it has no value.
     """
+    required = default is _REQUIRED
     meta = {_WIRE: (types, required, key, omit_if_none)}
     if required:
         return dataclasses.field(metadata=meta)
     return dataclasses.field(default=None, metadata=meta)
+
+
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(wire,))
+def wire_message(cls: type[_C]) -> type[_C]:
+    """Make ``cls`` a typed message: a frozen, keyword-only dataclass of :func:`wire` fields."""
+    return dataclass(frozen=True, kw_only=True)(cls)
 
 
 def check_body(kind: str, schema: Schema, body: Any) -> dict[str, Any]:

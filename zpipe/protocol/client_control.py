@@ -11,7 +11,6 @@ On the coordinator's ROUTER and the client's DEALER::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from zpipe.protocol._schema import (
@@ -29,12 +28,11 @@ from zpipe.protocol._schema import (
     TensorMessage,
     WireMessage,
     wire,
+    wire_message,
 )
 
-_frozen = dataclass(frozen=True, kw_only=True)
 
-
-@_frozen
+@wire_message
 class RunRequest(WireMessage):
     """Start a run.
 
@@ -49,72 +47,72 @@ class RunRequest(WireMessage):
 
     KIND: ClassVar[str] = "run_request"
     model: dict[str, Any] = wire(MAP)
-    partition: list[Any] | None = wire(OPT_LIST, required=False)
-    stages: int | None = wire(OPT_INT, required=False)
-    stage_names: list[Any] | None = wire(OPT_LIST, required=False)
+    partition: list[Any] | None = wire(OPT_LIST, default=None)
+    stages: int | None = wire(OPT_INT, default=None)
+    stage_names: list[Any] | None = wire(OPT_LIST, default=None)
     dtype: str = wire(STR)
-    planner: str | None = wire(STR, required=False)
-    microbatch_size: int | None = wire(OPT_INT, required=False)
-    profile: dict[str, Any] | None = wire(OPT_MAP, required=False)
+    planner: str | None = wire(STR, default=None)
+    microbatch_size: int | None = wire(OPT_INT, default=None)
+    profile: dict[str, Any] | None = wire(OPT_MAP, default=None)
     sink_endpoint: str = wire(STR)
     wait_for_stages_s: float = wire(NUM)
-    recover: bool | None = wire(BOOL, required=False)
-    recovery: str | None = wire(STR, required=False)
-    mode: str | None = wire(STR, required=False)
-    rebalance: float | None = wire(OPT_NUM, required=False)
-    replication: str | None = wire(STR, required=False)
-    admit: list[Any] | None = wire(OPT_LIST, required=False)
-    train: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
-    resume: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
+    recover: bool | None = wire(BOOL, default=None)
+    recovery: str | None = wire(STR, default=None)
+    mode: str | None = wire(STR, default=None)
+    rebalance: float | None = wire(OPT_NUM, default=None)
+    replication: str | None = wire(STR, default=None)
+    admit: list[Any] | None = wire(OPT_LIST, default=None)
+    train: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    resume: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
-@_frozen
+@wire_message
 class RunReady(WireMessage):
     KIND: ClassVar[str] = "run_ready"
     run: int = wire(INT)
     plan: dict[str, Any] = wire(MAP)
-    baseline: dict[str, Any] | None = wire(OPT_MAP, required=False)
+    baseline: dict[str, Any] | None = wire(OPT_MAP, default=None)
     first_endpoint: str = wire(STR)
     first_stage: str = wire(STR)
-    first_key: str | None = wire(OPT_STR, required=False)
+    first_key: str | None = wire(OPT_STR, default=None)
     last_stage: str = wire(STR)
-    last_key: str | None = wire(OPT_STR, required=False)
-    last_endpoint: str | None = wire(STR, required=False)
-    training_plan: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
+    last_key: str | None = wire(OPT_STR, default=None)
+    last_endpoint: str | None = wire(STR, default=None)
+    training_plan: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
-@_frozen
+@wire_message
 class RunFailed(WireMessage):
     KIND: ClassVar[str] = "run_failed"
     error: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class RunGo(WireMessage):
     KIND: ClassVar[str] = "run_go"
     run: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class RunStarted(WireMessage):
     KIND: ClassVar[str] = "run_started"
     run: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class RunEnd(WireMessage):
     KIND: ClassVar[str] = "run_end"
     run: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class RunReport(WireMessage):
     KIND: ClassVar[str] = "run_report"
     run: int = wire(INT)
     stages: dict[str, Any] = wire(MAP)
 
 
-@_frozen
+@wire_message
 class StageFailed(WireMessage):
     KIND: ClassVar[str] = "stage_failed"
     run: int = wire(INT)
@@ -122,7 +120,7 @@ class StageFailed(WireMessage):
     reason: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class RunReplanned(WireMessage):
     """A stream re-planned without a dead stage: where to resend what has no result yet.
     ``detected_s``: how long the stage was silent when declared dead; ``recovered_s``:
@@ -132,7 +130,7 @@ class RunReplanned(WireMessage):
     run: int = wire(INT)
     plan: dict[str, Any] = wire(MAP)
     dead: str = wire(STR)
-    detected_s: float | None = wire(NUM, required=False)
+    detected_s: float | None = wire(NUM, default=None)
     recovered_s: float = wire(NUM)
     first_endpoint: str = wire(STR)
     first_stage: str = wire(STR)
@@ -142,7 +140,7 @@ class RunReplanned(WireMessage):
     last_endpoint: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class Stalled(WireMessage):
     """The client waited past its adaptive deadline for the run's next result
     (FTPipeHD's deadline at the data source): probe the run's stages now."""
@@ -153,7 +151,7 @@ class Stalled(WireMessage):
     deadline_s: float = wire(NUM)
 
 
-@_frozen
+@wire_message
 class Replicate(WireMessage):
     """A global replica: the coordinator keeps every stage's state after ``step``."""
 
@@ -162,7 +160,7 @@ class Replicate(WireMessage):
     step: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class Replicated(WireMessage):
     """``rebalance``: a plan that balances the stages' measured speeds, to resume on."""
 
@@ -172,10 +170,10 @@ class Replicated(WireMessage):
     tensor_count: int = wire(INT, key="tensors")
     nbytes: int = wire(INT, key="bytes")
     error: str = wire(STR)
-    rebalance: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
+    rebalance: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
-@_frozen
+@wire_message
 class Checkpoint(TensorMessage):
     KIND: ClassVar[str] = "checkpoint"
     run: int = wire(INT)
@@ -183,12 +181,12 @@ class Checkpoint(TensorMessage):
     keys: list[Any] = wire(LIST)
 
 
-@_frozen
+@wire_message
 class ClusterRequest(WireMessage):
     KIND: ClassVar[str] = "cluster_request"
 
 
-@_frozen
+@wire_message
 class ClusterState(WireMessage):
     KIND: ClassVar[str] = "cluster_state"
     members: list[Any] = wire(LIST)

@@ -17,25 +17,31 @@ A piece may hold no rows, and then no tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from zpipe.protocol._schema import INT, LIST, NUM, STR, TensorMessage, WireMessage, wire
+from zpipe.protocol._schema import (
+    INT,
+    LIST,
+    NUM,
+    STR,
+    TensorMessage,
+    WireMessage,
+    wire,
+    wire_message,
+)
 
-_frozen = dataclass(frozen=True, kw_only=True)
 
-
-@_frozen
+@wire_message
 class Data(TensorMessage):
     KIND: ClassVar[str] = "data"
     run: int = wire(INT)
     mb: int = wire(INT)
     src: str = wire(STR)
-    rows: list[Any] | None = wire(LIST, required=False)
-    total: int | None = wire(INT, required=False)
+    rows: list[Any] | None = wire(LIST, default=None)
+    total: int | None = wire(INT, default=None)
 
 
-@_frozen
+@wire_message
 class Grad(TensorMessage):
     KIND: ClassVar[str] = "grad"
     run: int = wire(INT)
@@ -45,7 +51,7 @@ class Grad(TensorMessage):
     total: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class Labels(TensorMessage):
     KIND: ClassVar[str] = "labels"
     run: int = wire(INT)
@@ -56,7 +62,7 @@ class Labels(TensorMessage):
     total: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class Loss(WireMessage):
     KIND: ClassVar[str] = "loss"
     run: int = wire(INT)
@@ -66,7 +72,7 @@ class Loss(WireMessage):
     src: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class MicroBatchError(WireMessage):
     """Kind ``error``: a micro-batch that failed at ``stage``; ``src`` is the last hop."""
 
@@ -78,7 +84,7 @@ class MicroBatchError(WireMessage):
     message: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class AllReduce(TensorMessage):
     KIND: ClassVar[str] = "allreduce"
     round: int = wire(INT)

@@ -20,15 +20,23 @@ The run spec crosses as plain data; zpipe.lossy.wire.RunSpec reads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from zpipe.protocol._schema import BOOL, INT, LIST, MAP, NUM, STR, TensorMessage, WireMessage, wire
+from zpipe.protocol._schema import (
+    BOOL,
+    INT,
+    LIST,
+    MAP,
+    NUM,
+    STR,
+    TensorMessage,
+    WireMessage,
+    wire,
+    wire_message,
+)
 
-_frozen = dataclass(frozen=True, kw_only=True)
 
-
-@_frozen
+@wire_message
 class LossyHello(WireMessage):
     KIND: ClassVar[str] = "lossy_hello"
     device: int = wire(INT)
@@ -36,7 +44,7 @@ class LossyHello(WireMessage):
     pid: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LossySetup(TensorMessage):
     """The (W, b) slices of the dense ``layers`` follow as tensors, in order; then the
     inputs of every mini-batch (``inputs``: input owners); then the labels (``labels``:
@@ -52,7 +60,7 @@ class LossySetup(TensorMessage):
     labels: bool = wire(BOOL)
 
 
-@_frozen
+@wire_message
 class LossyReady(WireMessage):
     KIND: ClassVar[str] = "lossy_ready"
     run: int = wire(INT)
@@ -60,14 +68,14 @@ class LossyReady(WireMessage):
     error: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class LossyGo(WireMessage):
     KIND: ClassVar[str] = "lossy_go"
     run: int = wire(INT)
     start_at: float = wire(NUM)
 
 
-@_frozen
+@wire_message
 class LossyResult(TensorMessage):
     """``losses``: [data, loss] of this output owner's view; ``arrivals``: [data, kind,
     key_layer, [senders]]; ``waits``: [data, kind, key_layer, missing, deadline,
@@ -88,7 +96,7 @@ class LossyResult(TensorMessage):
     wall_s: float = wire(NUM)
 
 
-@_frozen
+@wire_message
 class LossyPartial(TensorMessage):
     KIND: ClassVar[str] = "lossy_partial"
     run: int = wire(INT)
@@ -98,7 +106,7 @@ class LossyPartial(TensorMessage):
     src: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LossyProbeRequest(WireMessage):
     KIND: ClassVar[str] = "lossy_probe_request"
     run: int = wire(INT)
@@ -109,7 +117,7 @@ class LossyProbeRequest(WireMessage):
     timeout_s: float = wire(NUM)
 
 
-@_frozen
+@wire_message
 class LossyProbe(WireMessage):
     KIND: ClassVar[str] = "lossy_probe"
     run: int = wire(INT)
@@ -117,7 +125,7 @@ class LossyProbe(WireMessage):
     seq: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LossyProbeEnd(WireMessage):
     KIND: ClassVar[str] = "lossy_probe_end"
     run: int = wire(INT)
@@ -125,7 +133,7 @@ class LossyProbeEnd(WireMessage):
     sent: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LossyProbeReport(WireMessage):
     KIND: ClassVar[str] = "lossy_probe_report"
     run: int = wire(INT)

@@ -12,41 +12,47 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from zpipe.protocol._schema import INT, LIST, NUM, STR, TensorMessage, WireMessage, wire
+from zpipe.protocol._schema import (
+    INT,
+    LIST,
+    NUM,
+    STR,
+    TensorMessage,
+    WireMessage,
+    wire,
+    wire_message,
+)
 
-_frozen = dataclass(frozen=True, kw_only=True)
 
-
-@_frozen
+@wire_message
 class LinkPing(WireMessage):
     KIND: ClassVar[str] = "link_ping"
     nonce: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LinkPong(WireMessage):
     KIND: ClassVar[str] = "link_pong"
     nonce: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LinkBurst(TensorMessage):
     KIND: ClassVar[str] = "link_burst"
     burst: int = wire(INT)
     seq: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LinkBurstEnd(WireMessage):
     KIND: ClassVar[str] = "link_burst_end"
     burst: int = wire(INT)
     sent: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class LinkBurstReport(WireMessage):
     KIND: ClassVar[str] = "link_burst_report"
     burst: int = wire(INT)
@@ -55,7 +61,7 @@ class LinkBurstReport(WireMessage):
     span_s: float = wire(NUM)
 
 
-@_frozen
+@wire_message
 class Backup(TensorMessage):
     """``owner``'s state after round ``step``, its tensors named by ``keys``."""
 
@@ -66,7 +72,7 @@ class Backup(TensorMessage):
     keys: list[Any] = wire(LIST)
 
 
-@_frozen
+@wire_message
 class BackupOk(WireMessage):
     KIND: ClassVar[str] = "backup_ok"
     run: int = wire(INT)
@@ -74,7 +80,7 @@ class BackupOk(WireMessage):
     error: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class FetchUnits(WireMessage):
     KIND: ClassVar[str] = "fetch_units"
     owner: str = wire(STR)
@@ -84,7 +90,7 @@ class FetchUnits(WireMessage):
     end: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class Units(TensorMessage):
     KIND: ClassVar[str] = "units"
     keys: list[Any] = wire(LIST)

@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol._message import Message
-from zpipe.protocol._schema import FieldSchema, Schema, WireMessage, check_body, short_repr
+from zpipe.protocol._schema import FieldSchema, WireMessage, check_body, short_repr
 
 
 class Registry:
@@ -35,7 +35,13 @@ class Registry:
         if cls.CARRIES_TENSORS:
             self._tensor_kinds.add(cls.KIND)
 
-    def add_schema(self, kind: str, schema: Schema, *, carries_tensors: bool) -> None:
+    def add_schema(
+        self,
+        kind: str,
+        schema: Mapping[str, tuple[tuple[type, ...], bool]],
+        *,
+        carries_tensors: bool,
+    ) -> None:
         """A kind without a typed class (the deprecated ``codec.register_kinds``).
 
         Registering a kind again with the same schema is a no-op; with another

@@ -15,7 +15,6 @@ On the coordinator's ROUTER and each stage's DEALER::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from zpipe.protocol._schema import (
@@ -32,46 +31,45 @@ from zpipe.protocol._schema import (
     TensorMessage,
     WireMessage,
     wire,
+    wire_message,
 )
 
-_frozen = dataclass(frozen=True, kw_only=True)
 
-
-@_frozen
+@wire_message
 class Register(WireMessage):
     KIND: ClassVar[str] = "register"
     name: str = wire(STR)
     data_endpoint: str = wire(STR)
     info: dict[str, Any] = wire(MAP)
-    public_key: str | None = wire(OPT_STR, required=False)
+    public_key: str | None = wire(OPT_STR, default=None)
 
 
-@_frozen
+@wire_message
 class Registered(WireMessage):
     KIND: ClassVar[str] = "registered"
     name: str = wire(STR)
     heartbeat_interval: float = wire(NUM)
 
 
-@_frozen
+@wire_message
 class Refused(WireMessage):
     KIND: ClassVar[str] = "refused"
     reason: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class Heartbeat(WireMessage):
     KIND: ClassVar[str] = "heartbeat"
     name: str = wire(STR)
     metrics: dict[str, Any] = wire(MAP)
 
 
-@_frozen
+@wire_message
 class HeartbeatAck(WireMessage):
     KIND: ClassVar[str] = "heartbeat_ack"
 
 
-@_frozen
+@wire_message
 class RegisterAgain(WireMessage):
     """A coordinator that does not know a heartbeating stage (it restarted without
     its state): the stage registers again and keeps serving."""
@@ -80,19 +78,19 @@ class RegisterAgain(WireMessage):
     reason: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class Probe(WireMessage):
     KIND: ClassVar[str] = "probe"
     nonce: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class ProbeAck(WireMessage):
     KIND: ClassVar[str] = "probe_ack"
     nonce: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class Assign(TensorMessage):
     """Units [start, end) of a run's model. Training resumed from a replica carries the
     stage's weights and optimizer state as tensors named by ``state_keys``, and the units
@@ -107,45 +105,45 @@ class Assign(TensorMessage):
     index: int = wire(INT)
     num_stages: int = wire(INT)
     upstream: str = wire(STR)
-    upstream_key: str | None = wire(OPT_STR, required=False)
+    upstream_key: str | None = wire(OPT_STR, default=None)
     downstream: str = wire(STR)
     downstream_endpoint: str = wire(STR)
-    downstream_key: str | None = wire(OPT_STR, required=False)
+    downstream_key: str | None = wire(OPT_STR, default=None)
     dtype: str = wire(STR)
-    mode: str | None = wire(STR, required=False)
-    train: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
-    upstream_endpoint: str | None = wire(STR, required=False)
-    state_keys: list[Any] | None = wire(OPT_LIST, required=False, omit_if_none=True)
-    fetch: list[Any] | None = wire(OPT_LIST, required=False, omit_if_none=True)
+    mode: str | None = wire(STR, default=None)
+    train: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    upstream_endpoint: str | None = wire(STR, default=None)
+    state_keys: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    fetch: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
-@_frozen
+@wire_message
 class Ready(WireMessage):
     KIND: ClassVar[str] = "ready"
     run: int = wire(INT)
     name: str = wire(STR)
     build_s: float = wire(NUM)
-    ring_endpoint: str | None = wire(STR, required=False)
+    ring_endpoint: str | None = wire(STR, default=None)
 
 
-@_frozen
+@wire_message
 class Connect(WireMessage):
     """Second phase: connect downstream only once every stage allows its upstream;
     ``ring``: the all-reduce ring of a data-parallel group ({"endpoints", "keys"})."""
 
     KIND: ClassVar[str] = "connect"
     run: int = wire(INT)
-    ring: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
+    ring: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
-@_frozen
+@wire_message
 class Connected(WireMessage):
     KIND: ClassVar[str] = "connected"
     run: int = wire(INT)
     name: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class AssignFailed(WireMessage):
     KIND: ClassVar[str] = "assign_failed"
     run: int = wire(INT)
@@ -153,7 +151,7 @@ class AssignFailed(WireMessage):
     error: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class ProfileRequest(WireMessage):
     """``train``: also backward times and saved activation bytes."""
 
@@ -162,10 +160,10 @@ class ProfileRequest(WireMessage):
     batch_size: int = wire(INT)
     dtype: str = wire(STR)
     repeats: int = wire(INT)
-    train: bool | None = wire(BOOL, required=False)
+    train: bool | None = wire(BOOL, default=None)
 
 
-@_frozen
+@wire_message
 class ProfileReply(WireMessage):
     KIND: ClassVar[str] = "profile_reply"
     name: str = wire(STR)
@@ -173,13 +171,13 @@ class ProfileReply(WireMessage):
     error: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class MetricsRequest(WireMessage):
     KIND: ClassVar[str] = "metrics_request"
     run: int = wire(INT)
 
 
-@_frozen
+@wire_message
 class Metrics(WireMessage):
     KIND: ClassVar[str] = "metrics"
     run: int = wire(INT)
@@ -187,13 +185,13 @@ class Metrics(WireMessage):
     metrics: dict[str, Any] = wire(MAP)
 
 
-@_frozen
+@wire_message
 class Shutdown(WireMessage):
     KIND: ClassVar[str] = "shutdown"
     reason: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class WeightsRequest(WireMessage):
     """Training weights after round ``step`` (``optimizer``: with the optimizer's state,
     for a replica to resume from). ``latest``: the state as it is now, without waiting
@@ -202,11 +200,11 @@ class WeightsRequest(WireMessage):
     KIND: ClassVar[str] = "weights_request"
     run: int = wire(INT)
     step: int = wire(INT)
-    optimizer: bool | None = wire(BOOL, required=False)
-    latest: bool | None = wire(BOOL, required=False)
+    optimizer: bool | None = wire(BOOL, default=None)
+    latest: bool | None = wire(BOOL, default=None)
 
 
-@_frozen
+@wire_message
 class Weights(TensorMessage):
     """A stage's state, its tensors named by ``keys``; ``metrics``: its counters at that
     round; ``completed``: the rounds it had completed (with ``latest``)."""
@@ -217,11 +215,11 @@ class Weights(TensorMessage):
     step: int = wire(INT)
     keys: list[Any] = wire(LIST)
     error: str = wire(STR)
-    metrics: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
-    completed: int | None = wire(INT, required=False)
+    metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    completed: int | None = wire(INT, default=None)
 
 
-@_frozen
+@wire_message
 class BackupRequest(WireMessage):
     """Chain replication (FTPipeHD) and Asteroid's topology-driven replication: after
     round ``step`` a stage keeps a snapshot of its state and sends a copy to its backup
@@ -232,11 +230,11 @@ class BackupRequest(WireMessage):
     run: int = wire(INT)
     step: int = wire(INT)
     holder: str = wire(STR)
-    holder_endpoint: str | None = wire(OPT_STR, required=False, omit_if_none=True)
-    holder_key: str | None = wire(OPT_STR, required=False, omit_if_none=True)
+    holder_endpoint: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    holder_key: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
-@_frozen
+@wire_message
 class BackedUp(TensorMessage):
     KIND: ClassVar[str] = "backed_up"
     run: int = wire(INT)
@@ -246,10 +244,10 @@ class BackedUp(TensorMessage):
     keys: list[Any] = wire(LIST)
     nbytes: int = wire(INT, key="bytes")
     error: str = wire(STR)
-    metrics: dict[str, Any] | None = wire(OPT_MAP, required=False, omit_if_none=True)
+    metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
-@_frozen
+@wire_message
 class LinkPeers(WireMessage):
     """The peers a stage's probe socket allows (name -> public key)."""
 
@@ -257,23 +255,23 @@ class LinkPeers(WireMessage):
     keys: dict[str, Any] = wire(MAP)
 
 
-@_frozen
+@wire_message
 class LinkPeersOk(WireMessage):
     KIND: ClassVar[str] = "link_peers_ok"
     name: str = wire(STR)
 
 
-@_frozen
+@wire_message
 class LinkProbeRequest(WireMessage):
     """Measure the link to ``target`` (one stage at a time)."""
 
     KIND: ClassVar[str] = "link_probe_request"
     target: str = wire(STR)
     endpoint: str = wire(STR)
-    key: str | None = wire(OPT_STR, required=False)
+    key: str | None = wire(OPT_STR, default=None)
 
 
-@_frozen
+@wire_message
 class LinkProbeReply(WireMessage):
     KIND: ClassVar[str] = "link_probe_reply"
     name: str = wire(STR)

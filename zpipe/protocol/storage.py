@@ -7,7 +7,6 @@ the wire.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from zpipe.protocol._schema import (
@@ -19,12 +18,11 @@ from zpipe.protocol._schema import (
     TensorMessage,
     WireMessage,
     wire,
+    wire_message,
 )
 
-_frozen = dataclass(frozen=True, kw_only=True)
 
-
-@_frozen
+@wire_message
 class CoordinatorState(WireMessage):
     """``cluster_epoch`` is the body's "epoch" (the plan epoch the coordinator had reached)."""
 
@@ -36,7 +34,7 @@ class CoordinatorState(WireMessage):
     saved_at: float = wire(NUM)
 
 
-@_frozen
+@wire_message
 class ReplicaFile(TensorMessage):
     KIND: ClassVar[str] = "replica_file"
     run: int = wire(INT)
@@ -45,7 +43,7 @@ class ReplicaFile(TensorMessage):
     keys: list[Any] = wire(LIST)
     chunk: int = wire(INT)
     chunks: int = wire(INT)
-    holders: dict[str, Any] | None = wire(OPT_MAP, required=False)
+    holders: dict[str, Any] | None = wire(OPT_MAP, default=None)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (CoordinatorState, ReplicaFile)
