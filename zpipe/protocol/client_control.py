@@ -59,9 +59,9 @@ class RunRequest(WireMessage):
     recover: bool | None = wire(BOOL, default=None)
     recovery: str | None = wire(STR, default=None)
     mode: str | None = wire(STR, default=None)
-    rebalance: float | None = wire(OPT_NUM, default=None)
+    rebalance: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
     replication: str | None = wire(STR, default=None)
-    admit: list[Any] | None = wire(OPT_LIST, default=None)
+    admit: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     train: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     resume: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
