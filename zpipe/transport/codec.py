@@ -82,7 +82,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_FIELDS = frozenset({"v", "k", "e", "b", "t"})
-_LEAVES = (str, int, float, bytes, bool, type(None))
+_LEAVES = frozenset({str, int, float, bytes, bool, type(None)})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -163,21 +163,27 @@ def _frame_view(frame: Any) -> memoryview:
     raise ProtocolError(f"frame of type {type(frame).__name__} is not a byte buffer")
 
 
-def _check_plain(value: Any) -> None:
+def _check_plain(header: dict[str, Any]) -> None:
     """Refuse nesting deeper than :data:`MAX_NESTING` and values that are not plain data.
 
-    A loop, not recursion: the point is to bound depth before anything recurses.
+    Level by level, not recursion: the point is to bound depth before anything
+    recurses. msgpack gives exact types (ext types and timestamps are others).
     """
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth >= MAX_NESTING:
-                raise ProtocolError(f"header nests deeper than {MAX_NESTING} levels")
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
-        elif not isinstance(item, _LEAVES):
-            raise ProtocolError(f"header holds a {type(item).__name__}, which is not plain data")
+    level: list[Any] = [header]
+    depth = 0
+    while level:
+        if depth >= MAX_NESTING:
+            raise ProtocolError(f"header nests deeper than {MAX_NESTING} levels")
+        below: list[Any] = []
+        for container in level:
+            for child in container.values() if type(container) is dict else container:
+                kind = type(child)
+                if kind is dict or kind is list:
+                    below.append(child)
+                elif kind not in _LEAVES:
+                    raise ProtocolError(f"header holds a {kind.__name__}, which is not plain data")
+        level = below
+        depth += 1
 
 
 def _unpack_header(view: memoryview) -> dict[str, Any]:
