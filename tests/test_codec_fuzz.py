@@ -188,6 +188,14 @@ def test_deep_nesting_is_refused_without_recursion(depth: int) -> None:
         decode(frames)
 
 
+def test_encode_refuses_the_nesting_decode_refuses() -> None:
+    too_deep = Message("heartbeat", {"name": "s", "metrics": {"m": nested(MAX_NESTING, ())}})
+    with pytest.raises(ProtocolError, match="nests deeper"):
+        encode(too_deep)
+    fine = Message("heartbeat", {"name": "s", "metrics": {"m": nested(MAX_NESTING - 4, ())}})
+    assert decode([bytes(f) for f in encode(fine)]).body["metrics"]["m"] is not None
+
+
 def test_msgpack_beyond_its_own_stack_is_refused() -> None:
     with pytest.raises(ProtocolError, match="msgpack"):
         decode([b"\x91" * 100_000 + b"\xc0"])

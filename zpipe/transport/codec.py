@@ -148,6 +148,8 @@ def encode(message: Message, *, registry: Registry = REGISTRY) -> list[bytes | m
         raise ProtocolError(f"{message.kind}: body cannot be encoded: {exc}") from None
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    # what a receiver would refuse, refused here, where the sender's bug is
+    _check_plain({"b": message.body, "t": metas}, received=False)
     return [header, *frames]
 
 
@@ -163,11 +165,13 @@ def _frame_view(frame: Any) -> memoryview:
     raise ProtocolError(f"frame of type {type(frame).__name__} is not a byte buffer")
 
 
-def _check_plain(header: dict[str, Any]) -> None:
-    """Refuse nesting deeper than :data:`MAX_NESTING` and values that are not plain data.
+def _check_plain(header: Any, *, received: bool = True) -> None:
+    """Refuse nesting deeper than :data:`MAX_NESTING` and, in a ``received`` header,
+    values that are not plain data (msgpack gives exact types; ext types and
+    timestamps are others).
 
     Level by level, not recursion: the point is to bound depth before anything
-    recurses. msgpack gives exact types (ext types and timestamps are others).
+    recurses. A header to send may hold tuples and subclasses (msgpack packs them).
     """
     level: list[Any] = [header]
     depth = 0
@@ -176,10 +180,13 @@ def _check_plain(header: dict[str, Any]) -> None:
             raise ProtocolError(f"header nests deeper than {MAX_NESTING} levels")
         below: list[Any] = []
         for container in level:
-            for child in container.values() if type(container) is dict else container:
+            for child in container.values() if isinstance(container, dict) else container:
                 kind = type(child)
                 if kind is dict or kind is list:
                     below.append(child)
+                elif not received:
+                    if isinstance(child, (dict, list, tuple)):
+                        below.append(child)
                 elif kind not in _LEAVES:
                     raise ProtocolError(f"header holds a {kind.__name__}, which is not plain data")
         level = below
