@@ -149,7 +149,7 @@ def encode(message: Message, *, registry: Registry = REGISTRY) -> list[bytes | m
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     # what a receiver would refuse, refused here, where the sender's bug is
-    _check_plain({"b": message.body, "t": metas}, received=False)
+    _check_plain({"b": dict(message.body), "t": metas}, received=False)
     return [header, *frames]
 
 
