@@ -58,7 +58,19 @@ from zpipe.lossy.wire import (
     to_array,
     to_tensor,
 )
-from zpipe.transport.codec import Message
+from zpipe.protocol import Message
+from zpipe.protocol.lossy import (
+    LossyGo,
+    LossyHello,
+    LossyPartial,
+    LossyProbe,
+    LossyProbeEnd,
+    LossyProbeReport,
+    LossyProbeRequest,
+    LossyReady,
+    LossyResult,
+    LossySetup,
+)
 from zpipe.transport.sockets import (
     SocketOptions,
     bind_endpoint,
@@ -144,10 +156,7 @@ class LossyDevice:
         receiver = asyncio.create_task(self._receive_loop())
         try:
             await self._to_launcher(
-                Message(
-                    "lossy_hello",
-                    {"device": self.index, "endpoint": endpoint, "pid": os.getpid()},
-                )
+                LossyHello(device=self.index, endpoint=endpoint, pid=os.getpid()).to_message()
             )
             while True:
                 msg = await self._next_control()
@@ -186,11 +195,11 @@ class LossyDevice:
 
     async def _handle_control(self, msg: Message) -> None:
         if msg.kind == "lossy_setup":
-            await self._setup(msg)
+            await self._setup(LossySetup.from_message(msg))
         elif msg.kind == "lossy_go":
-            await self._run(msg)
+            await self._run(LossyGo.from_message(msg))
         elif msg.kind == "lossy_probe_request":
-            await self._probe(msg)
+            await self._probe(LossyProbeRequest.from_message(msg))
 
     # -- receiving --------------------------------------------------------------
 
@@ -212,24 +221,26 @@ class LossyDevice:
 
     def _dispatch(self, msg: Message) -> None:
         if msg.kind == "lossy_partial":
-            self._on_partial(msg)
+            self._on_partial(LossyPartial.from_message(msg))
         elif msg.kind == "lossy_probe":
-            self._probes.setdefault(msg["run"], {}).setdefault(msg["src"], 0)
-            self._probes[msg["run"]][msg["src"]] += 1
+            probe = LossyProbe.from_message(msg)
+            by_src = self._probes.setdefault(probe.run, {})
+            by_src[probe.src] = by_src.get(probe.src, 0) + 1
         elif msg.kind == "lossy_probe_end":
-            self._probe_ends.setdefault(msg["run"], {})[msg["src"]] = msg["sent"]
+            end = LossyProbeEnd.from_message(msg)
+            self._probe_ends.setdefault(end.run, {})[end.src] = end.sent
             self._arrived.set()
         elif msg.kind in CONTROL_KINDS:
             self._controls.put_nowait(msg)
         else:
             raise ProtocolError(f"a lossy device does not take {msg.kind!r} messages")
 
-    def _on_partial(self, msg: Message) -> None:
+    def _on_partial(self, msg: LossyPartial) -> None:
         st = self.state
-        if st is None or msg["run"] != st.run:
-            log.debug("lossy_stale_partial", device=self.index, run=msg["run"])
+        if st is None or msg.run != st.run:
+            log.debug("lossy_stale_partial", device=self.index, run=msg.run)
             return
-        data, kind, layer, src = msg["data"], msg["kind"], msg["layer"], msg["src"]
+        data, kind, layer, src = msg.data, msg.kind, msg.layer, msg.src
         shape = self._partial_shape(st, data, kind, layer, src)
         if len(msg.tensors) != 1:
             raise ProtocolError(f"lossy_partial: carries {len(msg.tensors)} tensors, not 1")
@@ -274,9 +285,9 @@ class LossyDevice:
 
     # -- a run ------------------------------------------------------------------
 
-    async def _setup(self, msg: Message) -> None:
+    async def _setup(self, msg: LossySetup) -> None:
         error = ""
-        run = msg["run"]
+        run = msg.run
         try:
             self.state = self._build_run(msg)
             for endpoint in self.state.peers.values():
@@ -285,17 +296,15 @@ class LossyDevice:
             self._bad_message(exc)
             self.state = None
             error = str(exc)
-        await self._to_launcher(
-            Message("lossy_ready", {"run": run, "device": self.index, "error": error})
-        )
+        await self._to_launcher(LossyReady(run=run, device=self.index, error=error).to_message())
 
-    def _build_run(self, msg: Message) -> _Run:
-        if msg["device"] != self.index:
-            raise ProtocolError(f"lossy_setup for device {msg['device']} reached {self.index}")
-        spec = RunSpec.from_body(msg["spec"])
+    def _build_run(self, msg: LossySetup) -> _Run:
+        if msg.device != self.index:
+            raise ProtocolError(f"lossy_setup for device {msg.device} reached {self.index}")
+        spec = RunSpec.from_body(msg.spec)
         topo = Topology(spec.alloc)
         sizes = spec.alloc.layer_sizes
-        layers = msg["layers"]
+        layers = msg.layers
         mine = {
             layer
             for layer in range(1, topo.n_layers)
@@ -303,7 +312,7 @@ class LossyDevice:
         }
         if sorted(layers) != sorted(mine):
             raise ProtocolError(f"lossy_setup: weights for layers {layers}, device owns {mine}")
-        n_tensors = 2 * len(layers) + int(msg["inputs"]) + int(msg["labels"])
+        n_tensors = 2 * len(layers) + int(msg.inputs) + int(msg.labels)
         if len(msg.tensors) != n_tensors:
             raise ProtocolError(f"lossy_setup: {len(msg.tensors)} tensors, expected {n_tensors}")
         weights = {}
@@ -325,14 +334,14 @@ class LossyDevice:
             weights[layer] = (w, b)
         rest = list(msg.tensors[2 * len(layers) :])
         inputs = labels = None
-        if msg["inputs"]:
+        if msg.inputs:
             inputs = to_array(
                 rest.pop(0),
                 shape=(spec.n_data, spec.batch, sizes[0]),
                 dtype=torch.float64,
                 what="inputs",
             )
-        if msg["labels"]:
+        if msg.labels:
             labels = to_array(
                 rest.pop(0), shape=(spec.n_data, spec.batch), dtype=torch.int64, what="labels"
             )
@@ -341,23 +350,23 @@ class LossyDevice:
         if (topo.slice_of(topo.last, self.index) is not None) != (labels is not None):
             raise ProtocolError("lossy_setup: labels go to (and only to) output-layer owners")
         return _Run(
-            run=msg["run"],
+            run=msg.run,
             spec=spec,
             topo=topo,
             shard=DeviceShard(topo, self.index, weights, lr=spec.lr),
             channel=LinkChannel(
                 prr=spec.prr, seed=spec.seed, recovery=spec.recovery, lossless=spec.lossless
             ),
-            peers=peers_from_body(msg["peers"], "lossy_setup"),
+            peers=peers_from_body(msg.peers, "lossy_setup"),
             inputs=inputs,
             labels=labels,
         )
 
-    async def _run(self, msg: Message) -> None:
+    async def _run(self, msg: LossyGo) -> None:
         st = self.state
-        if st is None or st.run != msg["run"]:
-            raise ProtocolError(f"lossy_go for run {msg['run']}, which is not set up here")
-        st.start_at = float(msg["start_at"])
+        if st is None or st.run != msg.run:
+            raise ProtocolError(f"lossy_go for run {msg.run}, which is not set up here")
+        st.start_at = float(msg.start_at)
         started = time.perf_counter()
         error = ""
         try:
@@ -466,38 +475,42 @@ class LossyDevice:
             w, b = st.shard.weights[layer]
             tensors += [to_tensor(w), to_tensor(b)]
         prop = st.propagation
-        body = {
-            "run": st.run,
-            "device": self.index,
-            "error": error,
-            "layers": layers,
-            "losses": st.losses,
-            "propagation": {
+        result = LossyResult(
+            run=st.run,
+            device=self.index,
+            error=error,
+            layers=layers,
+            losses=st.losses,
+            propagation={
                 "expected": dict(prop.expected),
                 "received": dict(prop.received),
                 "assemblies": dict(prop.assemblies),
                 "complete": dict(prop.complete),
             },
-            "traffic": {k: v.as_dict() for k, v in st.channel.traffic.items()},
-            "arrivals": [
+            traffic={k: v.as_dict() for k, v in st.channel.traffic.items()},
+            arrivals=[
                 [data, kind, layer, list(senders)]
                 for (data, kind, layer, _), senders in sorted(st.arrivals.items())
             ],
-            "waits": st.waits,
-            "late": st.late,
-            "protocol_errors": self.protocol_errors,
-            "wall_s": wall_s,
-        }
-        await self._to_launcher(Message("lossy_result", body, tensors=tuple(tensors)))
+            waits=st.waits,
+            late=st.late,
+            protocol_errors=self.protocol_errors,
+            wall_s=wall_s,
+            tensors=tuple(tensors),
+        )
+        await self._to_launcher(result.to_message())
 
     # -- link measurement -------------------------------------------------------
 
-    async def _probe(self, msg: Message) -> None:
+    async def _probe(self, msg: LossyProbeRequest) -> None:
         """Send ``count`` probes over each of my links (each decided by the link's
         reception ratio, as partials are), then report what reached me."""
-        run, count, seed = msg["run"], msg["count"], msg["seed"]
-        peers = peers_from_body(msg["peers"], "lossy_probe_request")
-        prr = np.asarray(msg["prr"], dtype=np.float64)
+        run, count, seed = msg.run, msg.count, msg.seed
+        peers = peers_from_body(msg.peers, "lossy_probe_request")
+        try:
+            prr = np.asarray(msg.prr, dtype=np.float64)
+        except (TypeError, ValueError):  # ragged or not numbers
+            raise ProtocolError("lossy_probe_request: bad reception ratios") from None
         n = len(prr)
         if prr.shape != (n, n) or n <= max(peers, default=0) or count < 1:
             raise ProtocolError("lossy_probe_request: bad reception ratios or count")
@@ -511,18 +524,18 @@ class LossyDevice:
                 if fate.delivered:
                     await send(
                         sock,
-                        Message("lossy_probe", {"run": run, "src": self.index, "seq": seq}),
+                        LossyProbe(run=run, src=self.index, seq=seq).to_message(),
                         timeout_s=self.send_timeout_s,
                         peer=f"device {dst}",
                     )
             # TCP keeps a link's order: when this arrives, every probe sent has.
             await send(
                 sock,
-                Message("lossy_probe_end", {"run": run, "src": self.index, "sent": count}),
+                LossyProbeEnd(run=run, src=self.index, sent=count).to_message(),
                 timeout_s=self.send_timeout_s,
                 peer=f"device {dst}",
             )
-        deadline = time.monotonic() + float(msg["timeout_s"])
+        deadline = time.monotonic() + float(msg.timeout_s)
         ends = self._probe_ends.setdefault(run, {})
         while not set(others) <= ends.keys():
             remaining = deadline - time.monotonic()
@@ -536,18 +549,14 @@ class LossyDevice:
         missing = sorted(set(others) - ends.keys())
         received = self._probes.pop(run, {})
         self._probe_ends.pop(run, None)
-        await self._to_launcher(
-            Message(
-                "lossy_probe_report",
-                {
-                    "run": run,
-                    "device": self.index,
-                    "received": {str(src): received.get(src, 0) for src in others},
-                    "sent": {str(src): ends[src] for src in others if src in ends},
-                    "error": f"no probes finished from devices {missing}" if missing else "",
-                },
-            )
+        report = LossyProbeReport(
+            run=run,
+            device=self.index,
+            received={str(src): received.get(src, 0) for src in others},
+            sent={str(src): ends[src] for src in others if src in ends},
+            error=f"no probes finished from devices {missing}" if missing else "",
         )
+        await self._to_launcher(report.to_message())
 
     # -- sockets ----------------------------------------------------------------
 

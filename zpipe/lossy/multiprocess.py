@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -52,7 +52,17 @@ from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
 from zpipe.lossy.trace import TrainingTrace, merge_propagation, merge_traffic
 from zpipe.lossy.wire import RunSpec, peers_body, to_array, to_tensor
-from zpipe.transport.codec import Message
+from zpipe.protocol import Message
+from zpipe.protocol.lossy import (
+    LossyGo,
+    LossyHello,
+    LossyProbeReport,
+    LossyProbeRequest,
+    LossyReady,
+    LossyResult,
+    LossySetup,
+)
+from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport.sockets import (
     SocketOptions,
     bind_endpoint,
@@ -64,6 +74,9 @@ from zpipe.transport.sockets import (
 )
 
 log = get_logger("zpipe.lossy.multiprocess")
+
+# What a device answers the launcher with; each names its device.
+_Reply = TypeVar("_Reply", LossyHello, LossyReady, LossyResult, LossyProbeReport)
 
 SOCKET_OPTIONS = SocketOptions(send_hwm=1024, recv_hwm=1024)
 PROBES_PER_LINK = 50  # EdgePipe measures each link with 50 packets
@@ -175,13 +188,13 @@ class DevicePool:
                     )
                 )
             hellos = self._call(
-                self._gather("lossy_hello", None, set(range(self.n_devices)), self.start_timeout_s)
+                self._gather(LossyHello, None, set(range(self.n_devices)), self.start_timeout_s)
             )
             for k, msg in hellos.items():
-                self.endpoints[k] = msg["endpoint"]
-                self.pids[k] = msg["pid"]
+                self.endpoints[k] = msg.endpoint
+                self.pids[k] = msg.pid
                 sock = open_socket(self._ctx, zmq.PUSH, SOCKET_OPTIONS)
-                sock.connect(msg["endpoint"])
+                sock.connect(msg.endpoint)
                 self._push[k] = sock
         except BaseException:
             self.close()
@@ -193,7 +206,7 @@ class DevicePool:
             for k in list(self._push):
                 try:
                     self._call(
-                        self._send(k, Message("shutdown", {"reason": "pool closed"}), timeout_s=1.0)
+                        self._send(k, Shutdown(reason="pool closed").to_message(), timeout_s=1.0)
                     )
                 except (TransportTimeout, zmq.ZMQError):
                     pass  # it is killed below
@@ -322,44 +335,41 @@ class DevicePool:
                 tensors.append(to_tensor(inputs))
             if owns_output:
                 tensors.append(to_tensor(labels))
-            setup = Message(
-                "lossy_setup",
-                {
-                    "run": run,
-                    "device": d,
-                    "spec": spec.to_body(),
-                    "peers": peers,
-                    "layers": layers,
-                    "inputs": owns_input,
-                    "labels": owns_output,
-                },
+            setup = LossySetup(
+                run=run,
+                device=d,
+                spec=spec.to_body(),
+                peers=peers,
+                layers=layers,
+                inputs=owns_input,
+                labels=owns_output,
                 tensors=tuple(tensors),
             )
-            await self._send(d, setup, timeout_s=self.control_timeout_s)
-        ready = await self._gather("lossy_ready", run, set(devices), self.control_timeout_s)
-        failed = {d: m["error"] for d, m in ready.items() if m["error"]}
+            await self._send(d, setup.to_message(), timeout_s=self.control_timeout_s)
+        ready = await self._gather(LossyReady, run, set(devices), self.control_timeout_s)
+        failed = {d: m.error for d, m in ready.items() if m.error}
         if failed:
             raise PipelineError(f"devices refused the run: {failed}")
         # Room for every device to get "go" before the first timeslot begins.
         start_at = time.time() + 0.05 + 0.01 * len(devices)
         for d in devices:
-            go = Message("lossy_go", {"run": run, "start_at": start_at})
+            go = LossyGo(run=run, start_at=start_at).to_message()
             await self._send(d, go, timeout_s=self.control_timeout_s)
-        results = await self._gather("lossy_result", run, set(devices), budget_s)
-        failed = {d: m["error"] for d, m in results.items() if m["error"]}
+        results = await self._gather(LossyResult, run, set(devices), budget_s)
+        failed = {d: m.error for d, m in results.items() if m.error}
         if failed:
             raise PipelineError(f"devices failed the run: {failed}")
         return self._assemble(topo, results, time.perf_counter() - started)
 
     def _assemble(
-        self, topo: Topology, results: dict[int, Message], wall_s: float
+        self, topo: Topology, results: dict[int, LossyResult], wall_s: float
     ) -> MultiprocessResult:
         weights: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
         loss_by: dict[int, dict[int, float]] = {}
         arrivals: Arrivals = {}
         for d, msg in results.items():
             sizes = topo.alloc.layer_sizes
-            layers = msg["layers"]
+            layers = msg.layers
             if len(msg.tensors) != 2 * len(layers):
                 raise ProtocolError(f"lossy_result from device {d}: tensors do not match layers")
             for k, layer in enumerate(layers):
@@ -376,9 +386,9 @@ class DevicePool:
                     msg.tensors[2 * k + 1], shape=(sl.width,), dtype=torch.float64, what="bias"
                 )
                 weights[(layer, d)] = (w.copy(), b.copy())
-            for data_id, loss in msg["losses"]:
+            for data_id, loss in msg.losses:
                 loss_by.setdefault(int(data_id), {})[d] = float(loss)
-            for data_id, kind, layer, senders in msg["arrivals"]:
+            for data_id, kind, layer, senders in msg.arrivals:
                 arrivals[(int(data_id), str(kind), int(layer), d)] = tuple(int(s) for s in senders)
         # The engine averages the output owners' losses in neuron order: so do we.
         out_owners = [d for d, _ in topo.owners[topo.last]]
@@ -389,17 +399,17 @@ class DevicePool:
         trace = TrainingTrace(
             losses=losses,
             params=stitch_params(topo, weights),
-            propagation=merge_propagation([m["propagation"] for m in results.values()]),
-            traffic=merge_traffic([m["traffic"] for m in results.values()]),
+            propagation=merge_propagation([m.propagation for m in results.values()]),
+            traffic=merge_traffic([m.traffic for m in results.values()]),
             arrivals=arrivals,
         )
         return MultiprocessResult(
             trace=trace,
-            waits={d: list(m["waits"]) for d, m in results.items()},
-            late=sum(int(m["late"]) for m in results.values()),
-            protocol_errors={d: int(m["protocol_errors"]) for d, m in results.items()},
+            waits={d: list(m.waits) for d, m in results.items()},
+            late=sum(m.late for m in results.values()),
+            protocol_errors={d: m.protocol_errors for d, m in results.items()},
             wall_s=wall_s,
-            device_wall_s={d: float(m["wall_s"]) for d, m in results.items()},
+            device_wall_s={d: float(m.wall_s) for d, m in results.items()},
         )
 
     async def _measure(
@@ -408,38 +418,36 @@ class DevicePool:
         self._check_alive()
         run = self._next_run()
         devices = set(range(self.n_devices))
-        request = Message(
-            "lossy_probe_request",
-            {
-                "run": run,
-                "seed": seed,
-                "count": probes,
-                "prr": prr.tolist(),
-                "peers": peers_body(self.endpoints),
-                "timeout_s": timeout_s,
-            },
-        )
+        request = LossyProbeRequest(
+            run=run,
+            seed=seed,
+            count=probes,
+            prr=prr.tolist(),
+            peers=peers_body(self.endpoints),
+            timeout_s=timeout_s,
+        ).to_message()
         for d in sorted(devices):
             await self._send(d, request, timeout_s=self.control_timeout_s)
-        reports = await self._gather("lossy_probe_report", run, devices, timeout_s * 2)
+        reports = await self._gather(LossyProbeReport, run, devices, timeout_s * 2)
         measured = np.eye(self.n_devices)
         for dst, msg in reports.items():
-            if msg["error"]:
-                raise PipelineError(f"device {dst} could not measure its links: {msg['error']}")
-            for src_key, received in msg["received"].items():
+            if msg.error:
+                raise PipelineError(f"device {dst} could not measure its links: {msg.error}")
+            for src_key, received in msg.received.items():
                 src = int(src_key)
-                measured[src, dst] = int(received) / int(msg["sent"][src_key])
+                measured[src, dst] = int(received) / int(msg.sent[src_key])
         return measured
 
     async def _send(self, device: int, msg: Message, *, timeout_s: float) -> None:
         await send(self._push[device], msg, timeout_s=timeout_s, peer=f"device {device}")
 
     async def _gather(
-        self, kind: str, run: int | None, devices: set[int], timeout_s: float
-    ) -> dict[int, Message]:
-        """One ``kind`` message (of ``run``) from each of ``devices``, by a deadline."""
+        self, reply: type[_Reply], run: int | None, devices: set[int], timeout_s: float
+    ) -> dict[int, _Reply]:
+        """One ``reply`` message (of ``run``) from each of ``devices``, by a deadline."""
         assert self._pull is not None
-        got: dict[int, Message] = {}
+        kind = reply.KIND
+        got: dict[int, _Reply] = {}
         deadline = time.monotonic() + timeout_s
         while devices - got.keys():
             self._check_alive()
@@ -455,16 +463,19 @@ class DevicePool:
             except TransportTimeout:
                 continue
             try:
-                msg = decode_frames(frames, SOCKET_OPTIONS.max_message_bytes)
+                raw = decode_frames(frames, SOCKET_OPTIONS.max_message_bytes)
+                if raw.kind != kind:
+                    log.info("lossy_unexpected_message", kind=raw.kind, expected=kind)
+                    continue
+                msg = reply.from_message(raw)
             except ProtocolError as exc:
                 log.warning("lossy_bad_message", error=str(exc))
                 continue
-            if msg.kind != kind or (run is not None and msg.get("run") != run):
-                log.info("lossy_unexpected_message", kind=msg.kind, expected=kind)
+            if run is not None and getattr(msg, "run", None) != run:
+                log.info("lossy_unexpected_message", kind=kind, run=getattr(msg, "run", None))
                 continue
-            device = msg["device"]
-            if device in devices:
-                got[device] = msg
+            if msg.device in devices:
+                got[msg.device] = msg
         return got
 
     def _check_alive(self) -> None:

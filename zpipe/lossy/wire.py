@@ -1,19 +1,8 @@
-"""The messages lossy device processes exchange, on zpipe's wire codec.
+"""What lossy device processes put in their messages, beyond the messages themselves.
 
-Kinds (registered with :func:`zpipe.transport.codec.register_kinds`, so they
-are validated like every other kind; nothing is pickled)::
-
-    launcher -> device   lossy_setup          a run: spec, peers; weight slices, inputs, labels
-                         lossy_go             start the passes (deadline mode: at start_at)
-                         lossy_probe_request  measure my links: send probes to every peer
-                         shutdown             exit
-    device -> launcher   lossy_hello          my index, data endpoint and pid
-                         lossy_ready          set up and connected to my peers
-                         lossy_result         losses, counters, arrivals; final weight slices
-                         lossy_probe_report   probes received from each peer
-    device -> device     lossy_partial        one partial (a float64 tensor)
-                         lossy_probe          one link-measurement probe
-                         lossy_probe_end      how many probes the sender tried
+The kinds are typed classes in :mod:`zpipe.protocol.lossy` (registered with
+every other kind in :data:`zpipe.protocol.REGISTRY`; nothing is pickled). This
+module holds what they carry: the run spec, peer maps and tensors as arrays.
 
 msgpack map keys must be strings, so device indices appear as strings in maps.
 A :class:`RunSpec` is what every device of a run must agree on; it crosses
@@ -34,68 +23,8 @@ from zpipe.lossy.linkmodes import WAIT_MODES, WaitMode
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
-from zpipe.transport.codec import Message, register_kinds
-
-_INT = (int,)
-_NUM = (int, float)
-_STR = (str,)
-_MAP = (dict,)
-_LIST = (list,)
-_BOOL = (bool,)
-
-LOSSY_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "lossy_hello": {"device": (_INT, True), "endpoint": (_STR, True), "pid": (_INT, True)},
-    "lossy_setup": {
-        "run": (_INT, True),
-        "device": (_INT, True),
-        "spec": (_MAP, True),
-        "peers": (_MAP, True),
-        "layers": (_LIST, True),  # dense layers whose (W, b) slices follow, in order
-        "inputs": (_BOOL, True),  # then the inputs of every mini-batch (input owners)
-        "labels": (_BOOL, True),  # then the labels of every mini-batch (output owners)
-    },
-    "lossy_ready": {"run": (_INT, True), "device": (_INT, True), "error": (_STR, True)},
-    "lossy_go": {"run": (_INT, True), "start_at": (_NUM, True)},
-    "lossy_result": {
-        "run": (_INT, True),
-        "device": (_INT, True),
-        "error": (_STR, True),
-        "layers": (_LIST, True),
-        "losses": (_LIST, True),  # [data, loss] of this output owner's view
-        "propagation": (_MAP, True),
-        "traffic": (_MAP, True),
-        "arrivals": (_LIST, True),  # [data, kind, key_layer, [senders]]
-        "waits": (_LIST, True),  # [data, kind, key_layer, missing, deadline, proceeded]
-        "late": (_INT, True),
-        "protocol_errors": (_INT, True),
-        "wall_s": (_NUM, True),
-    },
-    "lossy_partial": {
-        "run": (_INT, True),
-        "data": (_INT, True),
-        "kind": (_STR, True),
-        "layer": (_INT, True),
-        "src": (_INT, True),
-    },
-    "lossy_probe_request": {
-        "run": (_INT, True),
-        "seed": (_INT, True),
-        "count": (_INT, True),
-        "prr": (_LIST, True),
-        "peers": (_MAP, True),
-        "timeout_s": (_NUM, True),
-    },
-    "lossy_probe": {"run": (_INT, True), "src": (_INT, True), "seq": (_INT, True)},
-    "lossy_probe_end": {"run": (_INT, True), "src": (_INT, True), "sent": (_INT, True)},
-    "lossy_probe_report": {
-        "run": (_INT, True),
-        "device": (_INT, True),
-        "received": (_MAP, True),
-        "sent": (_MAP, True),
-        "error": (_STR, True),
-    },
-}
-register_kinds(LOSSY_SCHEMAS, tensor_kinds=("lossy_setup", "lossy_partial", "lossy_result"))
+from zpipe.protocol import Message
+from zpipe.protocol.lossy import LossyPartial
 
 
 @dataclass(frozen=True)
@@ -198,11 +127,9 @@ def to_array(tensor: torch.Tensor, *, shape: tuple[int, ...], dtype: Any, what: 
 def partial_message(
     run: int, data: int, kind: str, layer: int, src: int, values: FloatArray
 ) -> Message:
-    return Message(
-        "lossy_partial",
-        {"run": run, "data": data, "kind": kind, "layer": layer, "src": src},
-        tensors=(to_tensor(values),),
-    )
+    return LossyPartial(
+        run=run, data=data, kind=kind, layer=layer, src=src, tensors=(to_tensor(values),)
+    ).to_message()
 
 
 def peers_body(endpoints: dict[int, str]) -> dict[str, str]:

@@ -1,0 +1,224 @@
+"""How a typed message declares its body, and the one validator of bodies.
+
+Every message kind is a frozen dataclass whose body fields are declared with
+:func:`wire`: the wire key, the accepted msgpack types and whether the field
+is required. That declaration is the only schema of the kind: the codec
+validates bodies against the schema derived from it (:meth:`WireMessage.schema`).
+
+Unknown fields are refused, so a typo in a sender shows up as an error instead
+of a silently ignored setting. Nested maps (plans, model specs) are validated
+by the code that consumes them.
+
+Absent and null: an optional field is ``None`` in the dataclass when it is
+absent on the wire. Where the wire type admits null, ``None`` is sent as an
+explicit null (what today's senders do) unless the field says
+``omit_if_none``; where it does not, ``None`` is never sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import reprlib
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+import torch
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # pragma: no cover
+    from typing_extensions import dataclass_transform
+
+from zpipe._errors import ProtocolError
+from zpipe.protocol._message import Message
+
+Types = tuple[type, ...]
+STR: Types = (str,)
+INT: Types = (int,)
+NUM: Types = (int, float)
+MAP: Types = (dict,)
+LIST: Types = (list,)
+BOOL: Types = (bool,)
+OPT_STR: Types = (str, type(None))
+OPT_INT: Types = (int, type(None))
+OPT_NUM: Types = (int, float, type(None))
+OPT_MAP: Types = (dict, type(None))
+OPT_LIST: Types = (list, type(None))
+
+# Counters and indices that are never negative, in whichever kind they appear.
+NON_NEGATIVE_KEYS = frozenset({"run", "mb", "start", "end", "index"})
+
+# Peer-chosen values in error messages are trimmed: a 1 MiB kind name or a
+# deeply nested value must not become a 1 MiB log line or a RecursionError.
+_short = reprlib.Repr()
+_short.maxstring = 60
+_short.maxother = 60
+_short.maxlevel = 3
+
+
+def short_repr(value: Any) -> str:
+    return _short.repr(value)
+
+
+class FieldSchema(NamedTuple):
+    """One body field on the wire: the msgpack types it accepts, and whether it must be there."""
+
+    types: Types
+    required: bool
+
+
+Schema = Mapping[str, FieldSchema]
+
+
+@dataclass(frozen=True)
+class WireField:
+    """How one dataclass attribute crosses the wire."""
+
+    attr: str
+    key: str
+    schema: FieldSchema
+    omit_if_none: bool
+
+    def encodes(self, value: Any) -> bool:
+        """Whether ``value`` goes into the body (an absent optional field does not)."""
+        if value is not None or self.schema.required:
+            return True
+        return type(None) in self.schema.types and not self.omit_if_none
+
+
+_WIRE = "zpipe.wire"
+_REQUIRED: Any = dataclasses.MISSING
+_C = TypeVar("_C", bound="WireMessage")
+
+
+def wire(
+    types: Types,
+    *,
+    default: None = _REQUIRED,
+    key: str | None = None,
+    omit_if_none: bool = False,
+) -> Any:
+    """Declare a body field: its msgpack ``types``, and ``key`` where it differs from the name.
+
+    ``default=None`` makes the field optional (``None``: absent). ``omit_if_none``:
+    a field whose wire type admits null that senders leave out, rather than send
+    as null, when it has no value.
+    """
+    required = default is _REQUIRED
+    meta = {_WIRE: (types, required, key, omit_if_none)}
+    if required:
+        return dataclasses.field(metadata=meta)
+    return dataclasses.field(default=None, metadata=meta)
+
+
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(wire,))
+def wire_message(cls: type[_C]) -> type[_C]:
+    """Make ``cls`` a typed message: a frozen, keyword-only dataclass of :func:`wire` fields."""
+    return dataclass(frozen=True, kw_only=True)(cls)
+
+
+def check_body(kind: str, schema: Schema, body: Any) -> dict[str, Any]:
+    """``body`` if it fits ``schema``; :class:`ProtocolError` naming the first misfit."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{kind}: body must be a map, got {type(body).__name__}")
+    for key in body:
+        if key not in schema:
+            raise ProtocolError(f"{kind}: unexpected field {short_repr(key)}")
+    for key, (types, required) in schema.items():
+        if key not in body:
+            if required:
+                raise ProtocolError(f"{kind}: missing field {key!r}")
+            continue
+        value = body[key]
+        # bool is an int subclass; a flag where a number belongs is a sender bug.
+        if isinstance(value, bool) and bool not in types:
+            raise ProtocolError(f"{kind}: field {key!r} must not be a bool")
+        if not isinstance(value, types):
+            names = "/".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ProtocolError(
+                f"{kind}: field {key!r} must be {names}, got {type(value).__name__}"
+            )
+        if isinstance(value, int) and key in NON_NEGATIVE_KEYS and value < 0:
+            raise ProtocolError(f"{kind}: field {key!r} must be >= 0, got {value}")
+    return body
+
+
+_M = TypeVar("_M", bound="WireMessage")
+_FIELDS: dict[type, tuple[WireField, ...]] = {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireMessage:
+    """Base of every typed message: one subclass per kind, ``KIND`` its name on the wire.
+
+    ``epoch`` is the plan epoch of the envelope (not a body field).
+    """
+
+    KIND: ClassVar[str] = ""
+    CARRIES_TENSORS: ClassVar[bool] = False
+
+    epoch: int = 0
+
+    @classmethod
+    def wire_fields(cls) -> tuple[WireField, ...]:
+        cached = _FIELDS.get(cls)
+        if cached is None:
+            out = []
+            for f in dataclasses.fields(cls):
+                declared = f.metadata.get(_WIRE)
+                if declared is None:
+                    continue
+                types, required, key, omit = declared
+                out.append(WireField(f.name, key or f.name, FieldSchema(types, required), omit))
+            cached = _FIELDS[cls] = tuple(out)
+        return cached
+
+    @classmethod
+    def schema(cls) -> dict[str, FieldSchema]:
+        """The body schema of this kind, wire key -> (types, required)."""
+        return {f.key: f.schema for f in cls.wire_fields()}
+
+    def body(self) -> dict[str, Any]:
+        """The body as it goes on the wire, in declaration order."""
+        body = {}
+        for f in self.wire_fields():
+            value = getattr(self, f.attr)
+            if f.encodes(value):
+                body[f.key] = value
+        return body
+
+    def to_message(self) -> Message:
+        return Message(self.KIND, self.body(), epoch=self.epoch, tensors=self._tensors())
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    @classmethod
+    def from_message(cls: type[_M], message: Message) -> _M:
+        """The typed form of ``message``; :class:`ProtocolError` if its body does not fit."""
+        if message.kind != cls.KIND:
+            raise ProtocolError(f"{cls.__name__} reads {cls.KIND!r} messages, not {message.kind!r}")
+        if message.tensors and not cls.CARRIES_TENSORS:
+            raise ProtocolError(f"{message.kind}: this kind carries no tensors")
+        body = check_body(cls.KIND, cls.schema(), dict(message.body))
+        values = {f.attr: body.get(f.key) for f in cls.wire_fields()}
+        if cls.CARRIES_TENSORS:
+            values["tensors"] = tuple(message.tensors)
+        return cls(epoch=message.epoch, **values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorMessage(WireMessage):
+    """A kind whose frames carry tensors (raw bytes, one frame each).
+
+    Tensors are left out of ``==``: tensors compare elementwise, not as one bool.
+    """
+
+    CARRIES_TENSORS: ClassVar[bool] = True
+
+    tensors: tuple[torch.Tensor, ...] = dataclasses.field(default=(), compare=False)
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.tensors)

@@ -1,0 +1,211 @@
+"""Client <-> coordinator: starting, watching and ending a run; replicas and the cluster.
+
+On the coordinator's ROUTER and the client's DEALER::
+
+    client -> coordinator   run_request, run_go, run_end, stalled, replicate,
+                            cluster_request (and weights_request, see stage_control)
+    coordinator -> client   run_ready, run_failed, run_started, run_report,
+                            stage_failed, run_replanned, replicated, checkpoint,
+                            cluster_state
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from zpipe.protocol._schema import (
+    BOOL,
+    INT,
+    LIST,
+    MAP,
+    NUM,
+    OPT_INT,
+    OPT_LIST,
+    OPT_MAP,
+    OPT_NUM,
+    OPT_STR,
+    STR,
+    TensorMessage,
+    WireMessage,
+    wire,
+    wire_message,
+)
+
+
+@wire_message
+class RunRequest(WireMessage):
+    """Start a run.
+
+    ``recover``: re-plan without a stage that dies mid-stream, and replay (inference);
+    ``recovery``: how ("lightweight", "heavy" or "respipe", zpipe.recovery.POLICIES).
+    Training: ``resume`` run "run" from its replica after mini-batch "step", without the
+    "dead" stages; ``rebalance`` at a replica when the bottleneck would shrink by this
+    share; ``replication`` "global" (all at the coordinator), "chain" (FTPipeHD) or
+    "topology" (Asteroid); ``admit``: devices that may join the plan at a replica when
+    they register (or come back), null for any.
+    """
+
+    KIND: ClassVar[str] = "run_request"
+    model: dict[str, Any] = wire(MAP)
+    partition: list[Any] | None = wire(OPT_LIST, default=None)
+    stages: int | None = wire(OPT_INT, default=None)
+    stage_names: list[Any] | None = wire(OPT_LIST, default=None)
+    dtype: str = wire(STR)
+    planner: str | None = wire(STR, default=None)
+    microbatch_size: int | None = wire(OPT_INT, default=None)
+    profile: dict[str, Any] | None = wire(OPT_MAP, default=None)
+    sink_endpoint: str = wire(STR)
+    wait_for_stages_s: float = wire(NUM)
+    recover: bool | None = wire(BOOL, default=None)
+    recovery: str | None = wire(STR, default=None)
+    mode: str | None = wire(STR, default=None)
+    rebalance: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
+    replication: str | None = wire(STR, default=None)
+    admit: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    train: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    resume: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+
+@wire_message
+class RunReady(WireMessage):
+    KIND: ClassVar[str] = "run_ready"
+    run: int = wire(INT)
+    plan: dict[str, Any] = wire(MAP)
+    baseline: dict[str, Any] | None = wire(OPT_MAP, default=None)
+    first_endpoint: str = wire(STR)
+    first_stage: str = wire(STR)
+    first_key: str | None = wire(OPT_STR, default=None)
+    last_stage: str = wire(STR)
+    last_key: str | None = wire(OPT_STR, default=None)
+    last_endpoint: str | None = wire(STR, default=None)
+    training_plan: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+
+@wire_message
+class RunFailed(WireMessage):
+    KIND: ClassVar[str] = "run_failed"
+    error: str = wire(STR)
+
+
+@wire_message
+class RunGo(WireMessage):
+    KIND: ClassVar[str] = "run_go"
+    run: int = wire(INT)
+
+
+@wire_message
+class RunStarted(WireMessage):
+    KIND: ClassVar[str] = "run_started"
+    run: int = wire(INT)
+
+
+@wire_message
+class RunEnd(WireMessage):
+    KIND: ClassVar[str] = "run_end"
+    run: int = wire(INT)
+
+
+@wire_message
+class RunReport(WireMessage):
+    KIND: ClassVar[str] = "run_report"
+    run: int = wire(INT)
+    stages: dict[str, Any] = wire(MAP)
+
+
+@wire_message
+class StageFailed(WireMessage):
+    KIND: ClassVar[str] = "stage_failed"
+    run: int = wire(INT)
+    stage: str = wire(STR)
+    reason: str = wire(STR)
+
+
+@wire_message
+class RunReplanned(WireMessage):
+    """A stream re-planned without a dead stage: where to resend what has no result yet.
+    ``detected_s``: how long the stage was silent when declared dead; ``recovered_s``:
+    from then to the new plan."""
+
+    KIND: ClassVar[str] = "run_replanned"
+    run: int = wire(INT)
+    plan: dict[str, Any] = wire(MAP)
+    dead: str = wire(STR)
+    detected_s: float | None = wire(NUM, default=None)
+    recovered_s: float = wire(NUM)
+    first_endpoint: str = wire(STR)
+    first_stage: str = wire(STR)
+    first_key: str | None = wire(OPT_STR)
+    last_stage: str = wire(STR)
+    last_key: str | None = wire(OPT_STR)
+    last_endpoint: str = wire(STR)
+
+
+@wire_message
+class Stalled(WireMessage):
+    """The client waited past its adaptive deadline for the run's next result
+    (FTPipeHD's deadline at the data source): probe the run's stages now."""
+
+    KIND: ClassVar[str] = "stalled"
+    run: int = wire(INT)
+    waited_s: float = wire(NUM)
+    deadline_s: float = wire(NUM)
+
+
+@wire_message
+class Replicate(WireMessage):
+    """A global replica: the coordinator keeps every stage's state after ``step``."""
+
+    KIND: ClassVar[str] = "replicate"
+    run: int = wire(INT)
+    step: int = wire(INT)
+
+
+@wire_message
+class Replicated(WireMessage):
+    """``rebalance``: a plan that balances the stages' measured speeds, to resume on."""
+
+    KIND: ClassVar[str] = "replicated"
+    run: int = wire(INT)
+    step: int = wire(INT)
+    tensor_count: int = wire(INT, key="tensors")
+    nbytes: int = wire(INT, key="bytes")
+    error: str = wire(STR)
+    rebalance: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+
+@wire_message
+class Checkpoint(TensorMessage):
+    KIND: ClassVar[str] = "checkpoint"
+    run: int = wire(INT)
+    step: int = wire(INT)
+    keys: list[Any] = wire(LIST)
+
+
+@wire_message
+class ClusterRequest(WireMessage):
+    KIND: ClassVar[str] = "cluster_request"
+
+
+@wire_message
+class ClusterState(WireMessage):
+    KIND: ClassVar[str] = "cluster_state"
+    members: list[Any] = wire(LIST)
+
+
+MESSAGES: tuple[type[WireMessage], ...] = (
+    RunRequest,
+    RunReady,
+    RunFailed,
+    RunGo,
+    RunStarted,
+    RunEnd,
+    RunReport,
+    StageFailed,
+    RunReplanned,
+    Stalled,
+    Replicate,
+    Replicated,
+    Checkpoint,
+    ClusterRequest,
+    ClusterState,
+)

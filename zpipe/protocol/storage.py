@@ -1,0 +1,49 @@
+"""The coordinator's files (zpipe.coordinator.persistence): codec messages on disk, never on
+the wire.
+
+    coordinator_state   membership, run counter and the current run
+    replica_file        one chunk of a global replica; ``keys`` name this chunk's tensors
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from zpipe.protocol._schema import (
+    INT,
+    LIST,
+    MAP,
+    NUM,
+    OPT_MAP,
+    TensorMessage,
+    WireMessage,
+    wire,
+    wire_message,
+)
+
+
+@wire_message
+class CoordinatorState(WireMessage):
+    """``cluster_epoch`` is the body's "epoch" (the plan epoch the coordinator had reached)."""
+
+    KIND: ClassVar[str] = "coordinator_state"
+    cluster_epoch: int = wire(INT, key="epoch")
+    run_counter: int = wire(INT)
+    members: list[Any] = wire(LIST)
+    run: dict[str, Any] | None = wire(OPT_MAP)
+    saved_at: float = wire(NUM)
+
+
+@wire_message
+class ReplicaFile(TensorMessage):
+    KIND: ClassVar[str] = "replica_file"
+    run: int = wire(INT)
+    step: int = wire(INT)
+    plan: dict[str, Any] = wire(MAP)
+    keys: list[Any] = wire(LIST)
+    chunk: int = wire(INT)
+    chunks: int = wire(INT)
+    holders: dict[str, Any] | None = wire(OPT_MAP, default=None)
+
+
+MESSAGES: tuple[type[WireMessage], ...] = (CoordinatorState, ReplicaFile)
