@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from zpipe._errors import ConfigError, ZpipeError
-from zpipe.cli_common import positive_float, positive_int
+from zpipe.cli_common import non_negative_int, positive_float, positive_int
 from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.planner.profile import ModelProfile, UnitProfile
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
@@ -341,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
     )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed runs first (default: 2)"
+    )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs (default: 5)")
     parser.add_argument(
         "--slowdown",
@@ -372,8 +374,6 @@ def _training_summary(profile: ModelProfile) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.slowdown < 1:

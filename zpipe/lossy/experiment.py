@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from zpipe._errors import ConfigError
-from zpipe.cli_common import positive_float, positive_int
+from zpipe.cli_common import non_negative_int, positive_float, positive_int
 from zpipe.lossy.data import Dataset, load_dataset
 from zpipe.lossy.linkmodes import LINK_TRANSPORTS, WAIT_MODES, check_link_transport
 from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--region", type=positive_float, default=50.0, help="side of the square region, m"
     )
     p.add_argument("--seeds", type=positive_int, default=5, help="seeds 0..N-1 (default 5)")
-    p.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--seed-base", type=non_negative_int, default=0, help="first seed (default 0)")
     p.add_argument("--out", type=Path, required=True, help="directory for results and plots")
     length = p.add_mutually_exclusive_group()
     length.add_argument(
@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sweep", choices=SWEEPS, help="sweep path-loss exponent, device count or region"
     )
-    p.add_argument("--sweep-values", type=_list_of(float), help="comma-separated sweep values")
+    p.add_argument(
+        "--sweep-values", type=_list_of(positive_float), help="comma-separated sweep values"
+    )
     p.add_argument("--dataset", default="digits", help="digits (built in) or a name for --idx-dir")
     p.add_argument(
         "--idx-dir", type=Path, help="directory of MNIST-format IDX files (e.g. Fashion-MNIST)"

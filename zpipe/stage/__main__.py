@@ -11,9 +11,11 @@ from zpipe._errors import ZpipeError
 from zpipe.cli_common import (
     add_common_flags,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
     run_until_signalled,
+    seconds,
     timeouts_from_args,
 )
 from zpipe.log import configure_logging, get_logger
@@ -117,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="probability that the outgoing link loses a message (default: 0)",
     )
-    emu.add_argument("--loss-seed", type=int, default=0, help="seed of the loss draws")
+    emu.add_argument("--loss-seed", type=non_negative_int, default=0, help="seed of the loss draws")
     parser.add_argument(
         "--retain-memory-mb",
-        type=int,
+        type=non_negative_int,
         default=256,
         metavar="MB",
         help="keep up to MB of freed message memory instead of returning it to the kernel, "
@@ -129,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--coordinator-timeout",
-        type=positive_float,
+        type=seconds,
         default=None,
         metavar="S",
         help="exit when the coordinator has been silent for S seconds "
