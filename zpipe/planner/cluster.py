@@ -162,7 +162,7 @@ class ClusterSpec:
                 if end != CLIENT and end not in seen:
                     raise ConfigError(
                         f"link {a!r} -> {b!r} names unknown device {end!r}; known: "
-                        f"{sorted(seen)} and {CLIENT!r}"
+                        f"{_few(seen)} and {CLIENT!r}"
                     )
             if a == b:
                 raise ConfigError(f"link {a!r} -> {b!r} connects a device to itself; remove it")
@@ -177,7 +177,9 @@ class ClusterSpec:
         try:
             return self._by_name[name]
         except KeyError:
-            raise ConfigError(f"the cluster has no device {name!r}; known: {self.names}") from None
+            raise ConfigError(
+                f"the cluster has no device {name!r}; known: {_few(self.names)}"
+            ) from None
 
     def _access(self, name: str) -> tuple[float | None, float]:
         """(bandwidth Mbit/s or None, latency ms) of ``name``'s access link."""
@@ -383,7 +385,9 @@ def profile_from_data(data: Any, *, source: str) -> ModelProfile:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: must hold a JSON object")
     units = data.get("units")
-    if isinstance(units, list) and not all(isinstance(u, Mapping) for u in units):
+    if units is not None and not (
+        isinstance(units, list) and all(isinstance(u, Mapping) for u in units)
+    ):
         raise ConfigError(f"{source}: 'units' must be a list of objects")
     try:
         return ModelProfile.from_dict(data, source=source)
@@ -391,6 +395,14 @@ def profile_from_data(data: Any, *, source: str) -> ModelProfile:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
+
+
+def _few(names: Iterable[str], shown: int = 12) -> str:
+    """Names for a message: sorted, and cut short, so 4,096 devices make one readable line."""
+    ordered = sorted(names)
+    if len(ordered) <= shown:
+        return str(ordered)
+    return f"{ordered[:shown]} and {len(ordered) - shown} more"
 
 
 def _no_unknown_keys(where: str, entry: Mapping[str, Any], known: Iterable[str]) -> None:
@@ -477,7 +489,7 @@ def _parse_link(
             raise ConfigError(f"{where}: {key!r} must be a device name, got {end!r}")
         if end != CLIENT and end not in known:
             raise ConfigError(
-                f"{where}: {key!r} names unknown device {end!r}; known: {sorted(known)} and "
+                f"{where}: {key!r} names unknown device {end!r}; known: {_few(known)} and "
                 f"{CLIENT!r}"
             )
     assert isinstance(a, str) and isinstance(b, str)
