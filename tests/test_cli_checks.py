@@ -195,6 +195,14 @@ def test_timeouts_refuse_infinite_waits() -> None:
         Timeouts(send_s=math.nan)
 
 
+def test_profile_refuses_an_output_directory_that_does_not_exist(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--model", "mlp-small", "-o", "/nonexistent/dir/p.json"]
+    assert exit_status(profiler.main, argv) == 2
+    assert "the directory /nonexistent/dir does not exist" in capsys.readouterr().err
+
+
 # -- train: everything checkable is checked before training ---------------------------------
 
 TINY = ["--steps", "1", "--batch-size", "4", "--microbatches", "2"]
