@@ -157,6 +157,11 @@ STAGE = ["--coordinator", "tcp://127.0.0.1:5550", "--name", "s0"]
         (stage_main.main, [*STAGE, "--retain-memory-mb", "-1"], "--retain-memory-mb"),
         (stage_main.main, [*STAGE, "--coordinator-timeout", "inf"], "--coordinator-timeout"),
         (stage_main.main, [*STAGE, "--memory-mb", "-inf"], "--memory-mb"),
+        (stage_main.main, [*STAGE, "--memory-mb", "1e308"], "--memory-mb"),
+        (stage_main.main, [*STAGE, "--slowdown", "1e300"], "--slowdown"),
+        (stage_main.main, [*STAGE, "--latency-ms", "1e20"], "--latency-ms"),
+        (stage_main.main, [*STAGE, "--bandwidth-mbps", "1e300"], "--bandwidth-mbps"),
+        (stage_main.main, [*STAGE, "--threads", "1000000000"], "--threads"),
         (coordinator_main.main, ["--heartbeat-interval", "inf"], "--heartbeat-interval"),
         (coordinator_main.main, ["--connect-timeout", "-1"], "--connect-timeout"),
         (coordinator_main.main, ["--send-timeout", "1e12"], "--send-timeout"),
@@ -173,11 +178,14 @@ STAGE = ["--coordinator", "tcp://127.0.0.1:5550", "--name", "s0"]
         (demo.main, ["--microbatch-size", "0"], "--microbatch-size"),
         (profiler.main, ["--model", "mlp-small", "-o", "x", "--slowdown", "inf"], "--slowdown"),
         (profiler.main, ["--model", "mlp-small", "-o", "x", "--warmup", "-1"], "--warmup"),
+        (profiler.main, ["--model", "mlp-small", "-o", "x", "--threads", "99999"], "--threads"),
         (plan_cli.main, ["--profile", "p", "--cluster", "c", "--microbatches", "0"], "--microb"),
         (experiment.main, ["--out", "o", "--region", "inf"], "--region"),
         (experiment.main, ["--out", "o", "--seed-base", "-1"], "--seed-base"),
         (experiment.main, ["--out", "o", "--sweep-values", "1,nan"], "--sweep-values"),
         (experiment.main, ["--out", "o", "--slot-s", "-0.1"], "--slot-s"),
+        (experiment.main, ["--out", "o", "--devices", "1000000000"], "--devices"),
+        (experiment.main, ["--out", "o", "--hidden", "16,1000000000"], "--hidden"),
     ],
 )
 def test_numeric_flags_refuse_inf_nan_and_out_of_range(
@@ -378,3 +386,9 @@ def test_plan_refuses_a_malformed_profile_with_a_message(
 def test_keys_command_still_dispatches(tmp_path: Path) -> None:
     assert keys_cli.main(["--dir", str(tmp_path), "client"]) == 0
     assert (tmp_path / "client.key").is_file()
+
+
+def test_lossy_device_sweep_is_capped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--out", str(tmp_path), "--sweep", "devices", "--sweep-values", "6,1e9"]
+    assert exit_status(experiment.main, argv) == 2
+    assert "device counts must be positive integers up to 1024" in capsys.readouterr().err

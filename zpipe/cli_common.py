@@ -15,10 +15,17 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from zpipe.config import Timeouts
 from zpipe.log import LOG_FORMATS, LOG_LEVELS
+
+Number = TypeVar("Number", int, float)
+
+# Bounds of device flags (stage and profile) far beyond any device: a typo is refused
+# instead of asking torch for a billion threads or stretching compute without end.
+MAX_THREADS = 1024
+MAX_SLOWDOWN = 1000.0
 
 # The longest duration a flag of seconds may ask for: a day. Longer waits are typos
 # (or "inf"), and ZeroMQ's millisecond socket timeouts overflow far above it.
@@ -86,6 +93,18 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
     return value
+
+
+def at_most(parse: Callable[[str], Number], limit: Number, why: str) -> Callable[[str], Number]:
+    """``parse``, also refusing values above ``limit`` (``why`` says what the limit is)."""
+
+    def parse_bounded(text: str) -> Number:
+        value = parse(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {limit:g} ({why})")
+        return value
+
+    return parse_bounded
 
 
 def existing_dir(text: str) -> Path:
