@@ -166,6 +166,7 @@ STAGE = ["--coordinator", "tcp://127.0.0.1:5550", "--name", "s0"]
         (coordinator_main.main, ["--connect-timeout", "-1"], "--connect-timeout"),
         (coordinator_main.main, ["--send-timeout", "1e12"], "--send-timeout"),
         (coordinator_main.main, ["--suspect-after", "0"], "--suspect-after"),
+        (coordinator_main.main, ["--probe-intervals", "10000000000"], "--probe-intervals"),
         (train_cli.main, ["--momentum", "2"], "--momentum"),
         (train_cli.main, ["--momentum", "-0.1"], "--momentum"),
         (train_cli.main, ["--lr", "inf"], "--lr"),
