@@ -19,6 +19,7 @@ from zpipe import __main__ as zpipe_main
 from zpipe import demo, keys_cli, plan_cli, profiler, train_cli
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.cli_common import DeprecatedAlias
+from zpipe.cluster import LocalCluster
 from zpipe.config import Timeouts
 from zpipe.coordinator import __main__ as coordinator_main
 from zpipe.lossy import experiment
@@ -393,3 +394,13 @@ def test_lossy_device_sweep_is_capped(tmp_path: Path, capsys: pytest.CaptureFixt
     argv = ["--out", str(tmp_path), "--sweep", "devices", "--sweep-values", "6,1e9"]
     assert exit_status(experiment.main, argv) == 2
     assert "device counts must be positive integers up to 1024" in capsys.readouterr().err
+
+
+def test_train_reaches_a_running_coordinator_and_saves(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weights = tmp_path / "w.safetensors"
+    argv = ["--coordinator", cluster.coordinator_endpoint, "--connect-timeout", "60", *TINY]
+    assert train_cli.main([*argv, "--optimizer", "sgd", "-o", str(weights)]) == 0
+    assert f"weights saved to {weights}" in capsys.readouterr().out
+    assert weights.stat().st_size > 0

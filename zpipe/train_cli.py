@@ -312,7 +312,9 @@ async def reach_coordinator(client: PipelineClient, *, timeout_s: float) -> None
             await asyncio.wait_for(client.cluster_state(), timeout=left)
             return
         except (asyncio.TimeoutError, TimeoutError):  # TransportTimeout is one too
-            continue  # a coordinator still starting answers a later request
+            # a coordinator still starting answers a later request; a refusal that came
+            # at once (a connection gone) must not make this loop spin
+            await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
     raise TransportTimeout("coordinator", "an answer", timeout_s)
 
 
