@@ -26,15 +26,41 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "mentions"),
     [
-        (["zpipe", "--help"], ["demo", "keys", "zpipe.coordinator"]),
-        (["zpipe", "demo", "--help"], ["--stages", "--dtype", "--microbatch-size"]),
+        (
+            ["zpipe", "--help"],
+            [
+                *("demo", "train", "coordinator", "stage", "profile", "plan", "keys", "lossy"),
+                "zpipe.coordinator",
+            ],
+        ),
+        (
+            ["zpipe", "demo", "--help"],
+            ["--local N, --stages N", "deprecated", "--dtype", "--microbatch-size"],
+        ),
         (["zpipe", "keys", "--help"], ["--dir"]),
         (["zpipe", "profile", "--help"], ["--model", "--batch-sizes", "--output"]),
-        (["zpipe", "plan", "--help"], ["--profiles", "--cluster", "--algo", "--json"]),
+        (
+            ["zpipe", "plan", "--help"],
+            [
+                "--profile FILE, --profiles FILE",
+                "--cluster",
+                "--planner PLANNER, --algo PLANNER",
+                "--microbatch-size N, --batch-size N",
+                "--microbatches",
+                "--json",
+            ],
+        ),
         (
             ["zpipe", "train", "--help"],
-            ["--local", "--coordinator", "--schedule", "--output", "--recover", "--rebalance"],
+            [
+                *("--local", "--coordinator", "--schedule", "--output", "--recover"),
+                *("--rebalance", "--connect-timeout", "--planner", "--microbatches"),
+            ],
         ),
+        (["zpipe", "lossy", "--help"], ["--allocation", "--multiprocess", "--out"]),
+        (["zpipe.lossy.experiment", "--help"], ["--allocation", "--sweep"]),
+        (["zpipe", "coordinator", "--help"], ["--bind", "--state-dir"]),
+        (["zpipe", "stage", "--help"], ["--coordinator", "--slowdown"]),
         (
             ["zpipe.stage", "--help"],
             [
@@ -99,12 +125,22 @@ def test_help_documents_the_flags(args: list[str], mentions: list[str]) -> None:
         (["zpipe", "train", "--local", "2", "--consistency", "fast"], "need --recover"),
         (["zpipe", "train", "--local", "2", "--replication", "chain"], "need --recover"),
         (["zpipe", "train", "--local", "2", "--recover", "--consistency", "eh"], "invalid choice"),
+        # issue 19: clear refusals, never a traceback
+        (["zpipe", "train", "--coordinator", "garbage"], "must look like tcp://HOST:PORT"),
+        (["zpipe", "train", "-o", "/nonexistent/dir/f.safetensors"], "does not exist"),
+        (["zpipe", "train", "--momentum", "2"], "argument --momentum"),
+        (
+            ["zpipe", "stage", "--coordinator", "tcp://h:1", "--name", "a", "--slowdown", "inf"],
+            "argument --slowdown: 'inf' must be a finite number",
+        ),
+        (["zpipe", "coordinator", "--heartbeat-interval", "inf"], "argument --heartbeat-interval"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(args: list[str], message: str) -> None:
     result = run(*args)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_coordinator_refuses_a_port_it_cannot_bind() -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError
 from zpipe.planner import (
@@ -18,6 +20,8 @@ from zpipe.planner import (
     load_cluster,
     plan_pipeedge,
 )
+from zpipe.planner import cluster as cluster_module
+from zpipe.planner.cluster import MAX_CLUSTER_DEVICES, MAX_JSON_DEPTH
 from zpipe.planner.profile import synthetic_profile
 
 EXAMPLE: dict[str, Any] = {
@@ -184,3 +188,86 @@ def test_programmatic_specs_are_validated_too() -> None:
         ClusterSpec(())
     with pytest.raises(ConfigError, match="memory must be positive"):
         ClusterDevice("a", memory_bytes=0)
+
+
+# -- hostile files: every malformed document is a ConfigError, nothing else -----------------
+
+_JSON_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 50)
+    | st.sampled_from([MAX_CLUSTER_DEVICES + 1, 10**9, 2**63, -(2**63)])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from(["", "a", "client", "rcc0", "zpipe-cluster/1", "zpipe-profile/1"])
+)
+_KEYS = st.sampled_from(
+    sorted(
+        {"format", "devices", "links", "client", "name", "count", "memory_mb", "speed"}
+        | {"bandwidth_mbps", "latency_ms", "profile", "a", "b", "directed", "units"}
+        | {"batch_sizes", "input_bytes", "time_s", "output_bytes", "param_bytes", "x"}
+    )
+)
+_JSON = st.recursive(
+    _JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_KEYS, inner, max_size=5),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    top=st.dictionaries(_KEYS, _JSON, max_size=4),
+    devices=st.lists(st.dictionaries(_KEYS, _JSON, max_size=6), max_size=3),
+)
+def test_any_document_is_a_spec_or_a_config_error(
+    top: dict[str, Any], devices: list[dict[str, Any]]
+) -> None:
+    doc = {"format": "zpipe-cluster/1", **top}
+    if "devices" not in top:
+        doc["devices"] = devices
+    try:
+        spec = ClusterSpec.from_dict(doc, source="fuzz.json")
+    except ConfigError:
+        return
+    assert 1 <= len(spec.devices) <= MAX_CLUSTER_DEVICES
+
+
+def test_counts_are_capped_at_a_documented_maximum() -> None:
+    at_cap = _doc(devices=[{"name": "d", "count": MAX_CLUSTER_DEVICES}], links=[])
+    assert len(ClusterSpec.from_dict(at_cap).devices) == MAX_CLUSTER_DEVICES
+    with pytest.raises(ConfigError, match=r"unknown device 'e'; known: \['d0', .* and 4084 more"):
+        ClusterSpec.from_dict({**at_cap, "links": [{"a": "d0", "b": "e", "latency_ms": 1}]})
+    with pytest.raises(ConfigError, match=rf"count {10**9} is above {MAX_CLUSTER_DEVICES}"):
+        ClusterSpec.from_dict(_doc(devices=[{"name": "d", "count": 10**9}], links=[]))
+    two_halves = [{"name": n, "count": MAX_CLUSTER_DEVICES // 2 + 1} for n in ("p", "q")]
+    with pytest.raises(ConfigError, match=r"devices\[1\] takes the cluster past"):
+        ClusterSpec.from_dict(_doc(devices=two_halves, links=[]))
+
+
+def test_deep_large_or_binary_files_are_config_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 50_000 + "]" * 50_000)
+    with pytest.raises(ConfigError, match="nests too deep"):
+        load_cluster(deep)
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"format": "zpipe-cluster/1", "x": ' + "[" * 40 + "]" * 40 + "}")
+    with pytest.raises(ConfigError, match=rf"nests 41 deep; .* at most {MAX_JSON_DEPTH}"):
+        load_cluster(nested)
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_cluster(binary)
+    monkeypatch.setattr(cluster_module, "MAX_FILE_BYTES", 100)
+    large = tmp_path / "large.json"
+    large.write_text(json.dumps(_doc()))
+    with pytest.raises(ConfigError, match="is larger than"):
+        load_cluster(large)
+
+
+@pytest.mark.parametrize("units", [[1, 2, 3], "abc", [[]], [{"name": "u", "time_s": 5}]], ids=repr)
+def test_inline_profiles_that_are_malformed_are_config_errors(units: Any) -> None:
+    profile = {"format": "zpipe-profile/1", "batch_sizes": [1], "input_bytes": [0], "units": units}
+    with pytest.raises(ConfigError, match=r"devices\[0\] \(a\): profile"):
+        ClusterSpec.from_dict(_doc(devices=[{"name": "a", "profile": profile}], links=[]))

@@ -1,69 +1,75 @@
-"""``python -m zpipe COMMAND``: the demo and the utilities.
+"""``python -m zpipe COMMAND`` (or the ``zpipe`` script): every zpipe command.
 
-Commands:
-  demo   pipelined inference across emulated heterogeneous devices on this machine
-  keys   generate CurveZMQ key pairs for a secure cluster
-  train  train a built-in model with pipeline parallelism
-
-The coordinator and stages have their own entry points:
-``python -m zpipe.coordinator`` and ``python -m zpipe.stage``.
+Each command lives in its own module with a ``main(argv) -> int``; this one only
+dispatches, so ``python -m zpipe --help`` stays fast (no torch import). The
+process commands keep their own entry points too, because code spawns them:
+``python -m zpipe.coordinator``, ``python -m zpipe.stage`` and
+``python -m zpipe.lossy.experiment`` are the same as ``python -m zpipe coordinator``,
+``stage`` and ``lossy``.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import NamedTuple
 
-COMMANDS = {
-    "demo": "pipelined inference across emulated heterogeneous devices on this machine",
-    "keys": "generate CurveZMQ key pairs (python -m zpipe keys --dir DIR NAME ...)",
-    "profile": "measure a model's units on this device (time, output, weights, memory)",
-    "plan": "choose devices, order and unit ranges from a profile and a cluster file",
-    "train": "train a built-in model with pipeline parallelism (GPipe or 1F1B-Sync)",
+
+class Command(NamedTuple):
+    module: str  # holds main(argv: list[str] | None) -> int
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command(
+        "zpipe.demo", "pipelined inference across emulated heterogeneous devices on this machine"
+    ),
+    "train": Command(
+        "zpipe.train_cli", "train a built-in model with pipeline parallelism (GPipe or 1F1B-Sync)"
+    ),
+    "coordinator": Command(
+        "zpipe.coordinator.__main__", "run the coordinator: membership, plans, recovery"
+    ),
+    "stage": Command("zpipe.stage.__main__", "run one pipeline stage on this device"),
+    "profile": Command(
+        "zpipe.profiler", "measure a model's units on this device (time, output, weights, memory)"
+    ),
+    "plan": Command(
+        "zpipe.plan_cli", "choose devices, order and unit ranges from a profile and a cluster file"
+    ),
+    "keys": Command("zpipe.keys_cli", "generate CurveZMQ key pairs for a secure cluster"),
+    "lossy": Command(
+        "zpipe.lossy.experiment", "EdgePipe lossy-link training experiments (JSON and plots)"
+    ),
 }
 
 
-def _usage() -> str:
-    lines = ["usage: python -m zpipe COMMAND [ARGS]", "", "commands:"]
-    lines += [f"  {name:<6} {text}" for name, text in COMMANDS.items()]
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: python -m zpipe COMMAND [ARGS]   (or: zpipe COMMAND [ARGS])", "", "commands:"]
+    lines += [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
     lines += [
         "",
-        "processes: python -m zpipe.coordinator --help, python -m zpipe.stage --help",
-        "run 'python -m zpipe COMMAND --help' for a command's flags",
+        "run 'python -m zpipe COMMAND --help' for a command's flags; the processes also run as",
+        "python -m zpipe.coordinator, python -m zpipe.stage and python -m zpipe.lossy.experiment",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else list(argv)
     if not args:
-        print(f"python -m zpipe: a command is required\n\n{_usage()}", file=sys.stderr)
+        print(f"python -m zpipe: a command is required\n\n{usage()}", file=sys.stderr)
         return 2
-    if args[0] in ("-h", "--help"):
-        print(_usage())
+    if args[0] in ("-h", "--help", "help"):
+        print(usage())
         return 0
-    command, rest = args[0], args[1:]
-    if command == "demo":
-        from zpipe.demo import main as demo_main
-
-        return demo_main(rest)
-    if command == "plan":
-        from zpipe.plan_cli import main as plan_main
-
-        return plan_main(rest)
-    if command == "profile":
-        from zpipe.profiler import main as profile_main
-
-        return profile_main(rest)
-    if command == "train":
-        from zpipe.train_cli import main as train_main
-
-        return train_main(rest)
-    if command == "keys":
-        from zpipe.keys_cli import main as keys_main
-
-        return keys_main(rest)
-    print(f"python -m zpipe: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
-    return 2
+    name, rest = args[0], args[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"python -m zpipe: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(command.module).main(rest))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ flags of each process set these fields.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from zpipe._errors import ConfigError
@@ -43,8 +44,9 @@ class Timeouts:
             "reply_s",
         ):
             value = getattr(self, name)
-            if not value > 0:
-                raise ConfigError(f"timeout {name} must be > 0 seconds, got {value}")
+            # inf is refused too: a wait without end is the hang a timeout exists to prevent
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"timeout {name} must be finite and > 0 seconds, got {value}")
         if self.suspect_after_intervals < 1 or self.probe_intervals < 1:
             raise ConfigError("suspect_after_intervals and probe_intervals must be >= 1")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from zpipe.cli_common import positive_int
+from zpipe.cli_common import DeprecatedAlias, non_negative_int, positive_int
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.planner import Plan
@@ -50,11 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
         "two cores (default: 4)",
     )
     parser.add_argument(
+        "--local",
         "--stages",
+        action=DeprecatedAlias,
+        deprecated=("--stages",),
+        dest="local",
         type=int,
         default=3,
         choices=range(1, len(DEMO_DEVICES) + 1),
-        help=f"number of stage processes, 1-{len(DEMO_DEVICES)} (default: 3)",
+        metavar="N",
+        help=f"stage processes to start here, each an emulated device, 1-{len(DEMO_DEVICES)} "
+        "(default: 3)",
     )
     parser.add_argument(
         "--batches",
@@ -62,8 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="number of input batches to stream (default: 8)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="(default: 8)")
-    parser.add_argument("--microbatch-size", type=positive_int, default=4, help="(default: 4)")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=8, help="samples per input batch (default: 8)"
+    )
+    parser.add_argument(
+        "--microbatch-size",
+        type=positive_int,
+        default=4,
+        help="samples per micro-batch; each batch is split into micro-batches (default: 4)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -82,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip the second run on the even partition",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="weights and inputs seed")
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -142,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides["num_layers"] = args.layers
     spec = ModelSpec.preset(args.model, seed=args.seed, **overrides)
     sequence = load_layer_sequence(spec)
-    devices = list(DEMO_DEVICES[: args.stages])
+    devices = list(DEMO_DEVICES[: args.local])
     print(
         f"zpipe demo: {args.model} ({sequence.num_units} units) over {len(devices)} emulated "
         "devices"

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from zpipe._errors import ZpipeError
-from zpipe.cli_common import positive_int
+from zpipe.cli_common import DeprecatedAlias, positive_int
 from zpipe.planner import PLANNERS, ClusterSpec, Plan, load_cluster, plan_with, predict_plan
+from zpipe.planner.cluster import read_profile_file
 from zpipe.planner.hpp import plan_training, search_microbatch_and_order
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import OPTIMIZER_STATE_COPIES
@@ -35,8 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         "memory. Prints a table and, with --json, the plan as JSON.",
     )
     parser.add_argument(
-        "--profiles",
         "--profile",
+        "--profiles",
+        action=DeprecatedAlias,
+        deprecated=("--profiles",),
+        dest="profile",
         type=Path,
         required=True,
         metavar="FILE",
@@ -51,19 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster file: devices, memory, speed, links (format in README)",
     )
     parser.add_argument(
+        "--planner",
         "--algo",
+        action=DeprecatedAlias,
+        deprecated=("--algo",),
+        dest="planner",
         choices=sorted(set(PLANNERS) | set(TRAINING_ALGOS)),
         default=None,
+        metavar="PLANNER",
         help=f"inference: pipeedge (optimal, heterogeneity-aware), even (GPipe) or pipedream "
         f"(homogeneous), default {_INFERENCE_DEFAULT}; with --train: hpp (Asteroid: pipeline "
         "of data-parallel groups), straight (Eco-FL: one device per stage), data-parallel or "
         f"even (GPipe), default {_TRAINING_DEFAULT}",
     )
     parser.add_argument(
+        "--microbatch-size",
         "--batch-size",
+        action=DeprecatedAlias,
+        deprecated=("--batch-size",),
+        dest="microbatch_size",
         type=positive_int,
         default=None,
-        help="micro-batch size to plan for (default: the profile's first)",
+        metavar="N",
+        help="samples per micro-batch to plan for (default: the profile's first batch size; "
+        "with --train, its largest)",
     )
     parser.add_argument(
         "--compare", action="store_true", help="also show every other planner's plan and prediction"
@@ -71,12 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     training = parser.add_argument_group("training (--train)")
     training.add_argument(
         "--train", action="store_true", help="plan pipeline training instead of inference"
-    )
-    training.add_argument(
-        "--microbatch-size",
-        type=positive_int,
-        default=None,
-        help="samples per micro-batch (default: the profile's largest batch size)",
     )
     training.add_argument(
         "--microbatches",
@@ -99,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--search",
         action="store_true",
-        help="with --algo straight: also choose the micro-batch size (among the profile's, or "
+        help="with --planner straight: also choose the micro-batch size (among the profile's, or "
         "at most --microbatch-size) and the device order, as Eco-FL does",
     )
     parser.add_argument(
@@ -135,39 +144,28 @@ def _table(plan: Plan, profile: ModelProfile) -> str:
     return "\n".join(rows)
 
 
-def plan_from_files(
-    profile_path: Path, cluster_path: Path, algo: str, batch_size: int | None
-) -> tuple[Plan, ModelProfile, ClusterSpec, int]:
-    profile = ModelProfile.load(profile_path)
-    cluster = load_cluster(cluster_path)
-    size = batch_size if batch_size is not None else profile.batch_sizes[0]
-    return plan_with(algo, profile, cluster, size), profile, cluster, size
-
-
-def _check_algo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_planner(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill in the default planner and refuse one of the other mode's."""
     if args.train:
-        args.algo = args.algo or _TRAINING_DEFAULT
-        if args.algo not in TRAINING_ALGOS:
+        args.planner = args.planner or _TRAINING_DEFAULT
+        if args.planner not in TRAINING_ALGOS:
             parser.error(
-                f"--algo {args.algo} plans inference; with --train use one of "
+                f"--planner {args.planner} plans inference; with --train use one of "
                 f"{', '.join(TRAINING_ALGOS)}"
             )
-        if args.search and args.algo != "straight":
+        if args.search and args.planner != "straight":
             parser.error(
-                "--search chooses a straight pipeline's order; use it with --algo straight"
+                "--search chooses a straight pipeline's order; use it with --planner straight"
             )
-        if args.batch_size is not None:
-            parser.error("--batch-size is for inference; with --train use --microbatch-size")
         return
-    args.algo = args.algo or _INFERENCE_DEFAULT
-    if args.algo not in PLANNERS:
+    args.planner = args.planner or _INFERENCE_DEFAULT
+    if args.planner not in PLANNERS:
         parser.error(
-            f"--algo {args.algo} plans training; add --train, or use one of "
+            f"--planner {args.planner} plans training; add --train, or use one of "
             f"{', '.join(sorted(PLANNERS))}"
         )
-    if args.microbatch_size is not None or args.search:
-        parser.error("--microbatch-size and --search plan training; add --train")
+    if args.search:
+        parser.error("--search plans training; add --train")
 
 
 def _train_plan(
@@ -194,15 +192,15 @@ def _train_plan(
     )
 
 
-def _main_train(args: argparse.Namespace) -> TrainingPlan:
-    profile = ModelProfile.load(args.profiles)
-    cluster = load_cluster(args.cluster)
-    plan = _train_plan(args, profile, cluster, args.algo)
+def _main_train(
+    args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec
+) -> TrainingPlan:
+    plan = _train_plan(args, profile, cluster, args.planner)
     names = [u.name for u in profile.units]
     print(plan.describe(names))
     if args.compare:
         for other in TRAINING_ALGOS:
-            if other == args.algo:
+            if other == args.planner:
                 continue
             try:
                 alternative = _train_plan(args, profile, cluster, other)
@@ -214,18 +212,17 @@ def _main_train(args: argparse.Namespace) -> TrainingPlan:
             mine = plan.predicted.get("samples_per_s", 0.0)
             theirs = alternative.predicted.get("samples_per_s", 0.0)
             if theirs > 0:
-                print(f"  {args.algo} / {other}: {mine / theirs:.2f}x predicted samples/s")
+                print(f"  {args.planner} / {other}: {mine / theirs:.2f}x predicted samples/s")
     return plan
 
 
-def _main_inference(args: argparse.Namespace) -> Plan:
-    plan, profile, cluster, size = plan_from_files(
-        args.profiles, args.cluster, args.algo, args.batch_size
-    )
+def _main_inference(args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec) -> Plan:
+    size = args.microbatch_size if args.microbatch_size is not None else profile.batch_sizes[0]
+    plan = plan_with(args.planner, profile, cluster, size)
     print(_table(plan, profile))
     if args.compare:
         for other in sorted(PLANNERS):
-            if other == args.algo:
+            if other == args.planner:
                 continue
             try:
                 alternative = plan_with(other, profile, cluster, size)
@@ -237,16 +234,26 @@ def _main_inference(args: argparse.Namespace) -> Plan:
             mine = plan.predicted.get("throughput_samples_per_s", 0.0)
             theirs = predict_plan(alternative, profile, cluster, size)["throughput_samples_per_s"]
             if theirs > 0:
-                print(f"  {args.algo} / {other}: {mine / theirs:.2f}x predicted throughput")
+                print(f"  {args.planner} / {other}: {mine / theirs:.2f}x predicted throughput")
     return plan
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_algo(parser, args)
+    _check_planner(parser, args)
     try:
-        plan: Plan | TrainingPlan = _main_train(args) if args.train else _main_inference(args)
+        cluster = load_cluster(args.cluster)
+    except ZpipeError as exc:  # the file a flag names is unusable: a usage error
+        print(f"python -m zpipe plan: --cluster: {exc}", file=sys.stderr)
+        return 2
+    try:
+        profile = read_profile_file(args.profile)
+        plan: Plan | TrainingPlan = (
+            _main_train(args, profile, cluster)
+            if args.train
+            else _main_inference(args, profile, cluster)
+        )
         if args.json is not None:
             text = json.dumps(plan.to_dict(), indent=1)
             if str(args.json) == "-":

@@ -43,7 +43,14 @@ import torch
 from torch import nn
 
 from zpipe._errors import ConfigError, ZpipeError
-from zpipe.cli_common import positive_float, positive_int
+from zpipe.cli_common import (
+    MAX_SLOWDOWN,
+    MAX_THREADS,
+    at_most,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.planner.profile import ModelProfile, UnitProfile
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
@@ -339,13 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
-        "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
+        "--threads",
+        type=at_most(positive_int, MAX_THREADS, "threads"),
+        default=None,
+        help="torch threads (default: torch's)",
     )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed runs first (default: 2)"
+    )
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs (default: 5)")
     parser.add_argument(
         "--slowdown",
-        type=positive_float,
+        type=at_most(positive_float, MAX_SLOWDOWN, "times slower"),
         default=1.0,
         help="profile as a device this many times slower (default: 1)",
     )
@@ -372,12 +384,12 @@ def _training_summary(profile: ModelProfile) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.slowdown < 1:
         parser.error("--slowdown must be >= 1")
+    if not args.output.parent.is_dir():  # found now, not after minutes of profiling
+        parser.error(f"--output {args.output}: the directory {args.output.parent} does not exist")
     try:
         overrides = {"num_layers": args.layers} if args.layers is not None else {}
         spec = ModelSpec.preset(args.model, **overrides)

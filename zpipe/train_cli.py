@@ -2,6 +2,9 @@
 
 With ``--local N`` it starts a coordinator and N emulated devices on this
 machine (the demo's devices); with ``--coordinator`` it uses running ones.
+Everything that can be checked before training is: the endpoint, the output
+file's directory, the key pairs ``--keys`` must hold, and (within
+``--connect-timeout``) that the coordinator answers.
 The data is generated: inputs of the model's shape, labelled by a "teacher"
 (the same architecture with another seed), so the loss has something to learn
 and nothing is downloaded.
@@ -11,27 +14,46 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
 
-from zpipe._errors import ZpipeError
-from zpipe.cli_common import positive_float, positive_int
+from zpipe._errors import TransportTimeout, ZpipeError
+from zpipe.cli_common import (
+    existing_dir,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seconds,
+    unit_interval,
+)
 from zpipe.client import PipelineClient
 from zpipe.cluster import LocalCluster
+from zpipe.config import Timeouts
 from zpipe.demo import DEMO_DEVICES
 from zpipe.fit import CONSISTENCIES, TrainReport
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
+from zpipe.models.weights import SAFETENSORS_SUFFIXES, TORCH_SUFFIXES
+from zpipe.planner.training_plan import TRAINING_ALGOS
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
 from zpipe.training.schedules import SCHEDULES
+from zpipe.transport import security
+from zpipe.transport.sockets import validate_endpoint
+
+PROG = "python -m zpipe train"
+# fit's planners: the training planners, and a straight pipeline from forward times
+PLANNERS = (*TRAINING_ALGOS, "pipeedge")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m zpipe train",
+        prog=PROG,
         description="Train a built-in model with synchronous pipeline parallelism (GPipe or "
         "1F1B-Sync) on generated, teacher-labelled data, and optionally save the weights.",
     )
@@ -42,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         choices=range(1, len(DEMO_DEVICES) + 1),
         metavar="N",
-        help=f"start a coordinator and N emulated devices here, 1-{len(DEMO_DEVICES)} (default: 3)",
+        help="stage processes to start here (with a coordinator), each an emulated device, "
+        f"1-{len(DEMO_DEVICES)} (default: 3)",
     )
     where.add_argument(
         "--coordinator",
@@ -50,7 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="tcp://HOST:PORT",
         help="train on the stages of a running coordinator instead",
     )
-    parser.add_argument("--keys", default=None, metavar="DIR", help="CurveZMQ keys (client pair)")
+    parser.add_argument(
+        "--keys",
+        type=existing_dir,
+        default=None,
+        metavar="DIR",
+        help="CurveZMQ key pairs (python -m zpipe keys): with --coordinator, the client pair "
+        "and the coordinator's public key; with --local, pairs for the coordinator, the "
+        "client and every local stage",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=seconds,
+        default=Timeouts().connect_s,
+        metavar="S",
+        help="with --coordinator: give up when the coordinator has not answered within S "
+        f"seconds (default: {Timeouts().connect_s:g})",
+    )
     parser.add_argument(
         "--model",
         default="mlp-small",
@@ -60,16 +99,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--layers", type=positive_int, default=2, help="transformer blocks to keep (default: 2)"
     )
-    parser.add_argument("--steps", type=positive_int, default=20, help="mini-batches (default: 20)")
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="(default: 32)")
     parser.add_argument(
-        "--microbatches", type=positive_int, default=4, help="per mini-batch (default: 4)"
+        "--steps",
+        type=positive_int,
+        default=20,
+        help="mini-batches, i.e. optimizer steps (default: 20)",
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=32, help="samples per mini-batch (default: 32)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="the number of micro-batches each mini-batch is split into (default: 4)",
+    )
+    parser.add_argument(
+        "--planner",
+        choices=PLANNERS,
+        default=None,
+        help="how the coordinator plans the pipeline (default: hpp, Asteroid's hybrid plan)",
     )
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="(default: 1f1b)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="(default: 0.001)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and data seed")
+    parser.add_argument(
+        "--momentum",
+        type=unit_interval,
+        default=0.9,
+        help="SGD momentum, >= 0 and below 1 (default: 0.9)",
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="weights and data seed")
     parser.add_argument(
         "-o",
         "--output",
@@ -184,26 +245,88 @@ def _train_here(
     return model.state_dict()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    overrides: dict[str, Any] = {}
-    if args.model.startswith(("vit", "bert")):
-        overrides["num_layers"] = args.layers
-    spec = ModelSpec.preset(args.model, seed=args.seed, **overrides)
-    try:
-        batches = teacher_batches(
-            spec, steps=args.steps, batch_size=args.batch_size, seed=args.seed
+def _check_output(parser: argparse.ArgumentParser, output: str | None) -> None:
+    """Refuse, before any training, a weights file that could not be written after it."""
+    if output is None:
+        return
+    path = Path(output)
+    if path.suffix not in (*SAFETENSORS_SUFFIXES, *TORCH_SUFFIXES):
+        parser.error(
+            f"--output {output}: the suffix must be one of "
+            f"{', '.join((*SAFETENSORS_SUFFIXES, *TORCH_SUFFIXES))}"
         )
-    except ZpipeError as exc:
-        print(f"python -m zpipe train: {exc}", file=sys.stderr)
-        return 2
-    optimizer = _optimizer(args)
-    settings = {
-        "optimizer": optimizer,
+    folder = path.parent
+    if not folder.is_dir():
+        parser.error(f"--output {output}: the directory {folder} does not exist; create it first")
+    if path.is_dir():
+        parser.error(f"--output {output} is a directory; name a file in it")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        parser.error(f"--output {output}: this user cannot write there")
+
+
+def _check_keys(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a --keys directory without the keys this command's processes will load."""
+    if args.keys is None:
+        return
+    client, coordinator = security.CLIENT_KEY_NAME, security.COORDINATOR_KEY_NAME
+    if args.coordinator is not None:
+        pairs, public = [client], [coordinator]
+        needs = "the client's key pair and the coordinator's public key"
+    else:  # every process --local starts here runs with its own pair
+        pairs = [coordinator, client, *(d.name for d in DEMO_DEVICES[: args.local])]
+        public = []
+        needs = f"key pairs for {', '.join(pairs)} (--local {args.local})"
+    missing_pairs = []
+    for name in pairs:
+        try:
+            security.load_keypair(args.keys, name)
+        except ZpipeError:
+            missing_pairs.append(name)
+    missing_public = []
+    for name in public:
+        try:
+            security.load_keypair_public(args.keys, name)
+        except ZpipeError:
+            missing_public.append(name)
+    if not (missing_pairs or missing_public):
+        return
+    fixes = []
+    if missing_pairs:
+        fixes.append(f"python -m zpipe keys --dir {args.keys} {' '.join(missing_pairs)}")
+    fixes += [f"copy {name}.key from the coordinator's key directory" for name in missing_public]
+    parser.error(
+        f"--keys {args.keys} needs {needs}; missing or unreadable: "
+        f"{', '.join(missing_pairs + missing_public)}; fix: {'; '.join(fixes)}"
+    )
+
+
+async def reach_coordinator(client: PipelineClient, *, timeout_s: float) -> None:
+    """Return once the coordinator answers a request; TransportTimeout after ``timeout_s``.
+
+    ZeroMQ connects lazily and retries for ever, so an endpoint where nothing
+    listens (or a coordinator that refuses our keys) shows only as silence.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            await asyncio.wait_for(client.cluster_state(), timeout=left)
+            return
+        except (asyncio.TimeoutError, TimeoutError):  # TransportTimeout is one too
+            # a coordinator still starting answers a later request; a refusal that came
+            # at once (a connection gone) must not make this loop spin
+            await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
+    raise TransportTimeout("coordinator", "an answer", timeout_s)
+
+
+def _train(args: argparse.Namespace, spec: ModelSpec, batches: list[Any]) -> TrainReport:
+    settings: dict[str, Any] = {
+        "optimizer": _optimizer(args),
         "num_microbatches": args.microbatches,
         "schedule": args.schedule,
         "progress": None,  # a bar when stderr is a terminal
     }
+    if args.planner is not None:
+        settings["planner"] = args.planner
     if args.recover:
         settings.update(
             recover=True,
@@ -213,32 +336,89 @@ def main(argv: list[str] | None = None) -> int:
             consistency=args.consistency or "exact",
             replication=args.replication or "global",
         )
-    elif (args.replicate_every, args.rebalance, args.consistency, args.replication) != (
-        None,
-        None,
-        None,
-        None,
-    ):
-        print("python -m zpipe train: --replicate-every, --rebalance, --consistency and "
-              "--replication need --recover", file=sys.stderr)  # fmt: skip
+    if args.coordinator is not None:
+
+        async def remote() -> TrainReport:
+            async with PipelineClient(args.coordinator, keys_dir=args.keys) as client:
+                try:
+                    await reach_coordinator(client, timeout_s=args.connect_timeout)
+                except TransportTimeout:
+                    raise TransportTimeout(
+                        f"the coordinator at {args.coordinator} (is it running, with the "
+                        "same --keys?)",
+                        "an answer (--connect-timeout)",
+                        args.connect_timeout,
+                    ) from None
+                return await client.fit(spec, batches, **settings)
+
+        return asyncio.run(remote())
+    devices = list(DEMO_DEVICES[: args.local])
+    print(f"starting a coordinator and {len(devices)} emulated devices ...", flush=True)
+    with LocalCluster(devices, keys_dir=args.keys, log_level=args.log_level) as cluster:
+        return cluster.fit(spec, batches, **settings)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Everything about the flags that can fail, checked before anything starts."""
+    recover_only = (args.replicate_every, args.rebalance, args.consistency, args.replication)
+    if not args.recover and recover_only != (None, None, None, None):
+        parser.error(
+            "--replicate-every, --rebalance, --consistency and --replication need --recover"
+        )
+    if args.microbatches > args.batch_size:
+        parser.error(
+            f"--microbatches {args.microbatches} cannot split a --batch-size of "
+            f"{args.batch_size} samples; use at most {args.batch_size}"
+        )
+    if args.coordinator is not None:
+        try:
+            validate_endpoint(args.coordinator, flag="--coordinator")
+        except ZpipeError as exc:
+            parser.error(str(exc))
+    _check_keys(parser, args)
+    _check_output(parser, args.output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    overrides: dict[str, Any] = {}
+    if args.model.startswith(("vit", "bert")):
+        overrides["num_layers"] = args.layers
+    spec = ModelSpec.preset(args.model, seed=args.seed, **overrides)
+    try:
+        batches = teacher_batches(
+            spec, steps=args.steps, batch_size=args.batch_size, seed=args.seed
+        )
+    except ZpipeError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     try:
-        if args.coordinator is not None:
-
-            async def remote() -> TrainReport:
-                keys = Path(args.keys) if args.keys else None
-                async with PipelineClient(args.coordinator, keys_dir=keys) as client:
-                    return await client.fit(spec, batches, **settings)
-
-            report = asyncio.run(remote())
-        else:
-            devices = list(DEMO_DEVICES[: args.local])
-            print(f"starting a coordinator and {len(devices)} emulated devices ...", flush=True)
-            with LocalCluster(devices, log_level=args.log_level) as cluster:
-                report = cluster.fit(spec, batches, **settings)
+        report = _train(args, spec, batches)
     except ZpipeError as exc:
-        print(f"python -m zpipe train: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+    except zmq.ZMQError as exc:  # an endpoint libzmq refuses, or an address in use
+        print(f"{PROG}: cannot reach {args.coordinator or 'the local cluster'}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    _print_report(report, spec)
+    if args.output:
+        try:
+            report.save(args.output)
+        except (OSError, ZpipeError) as exc:
+            print(f"{PROG}: cannot save the weights to {args.output}: {exc}", file=sys.stderr)
+            return 1
+        print(f"weights saved to {args.output}")
+    if args.check:
+        expected = _train_here(spec, batches, _optimizer(args))
+        worst = max(float((report.state_dict[k] - v).abs().max()) for k, v in expected.items())
+        print(f"single-process training: weights differ by at most {worst:.2e}")
+    return 0
+
+
+def _print_report(report: TrainReport, spec: ModelSpec) -> None:
     print(f"\nplan ({report.plan.algo}), schedule {report.schedule}:")
     print(report.plan.describe(load_layer_sequence(spec).unit_names()))
     print(
@@ -252,11 +432,3 @@ def main(argv: list[str] | None = None) -> int:
             f"  {name:<10} busy {stage.get('busy_s', 0):6.2f} s  peak activations "
             f"{stage.get('peak_live_activations', 0)} ({held_mib:.1f} MiB)"
         )
-    if args.output:
-        report.save(args.output)
-        print(f"weights saved to {args.output}")
-    if args.check:
-        expected = _train_here(spec, batches, optimizer)
-        worst = max(float((report.state_dict[k] - v).abs().max()) for k, v in expected.items())
-        print(f"single-process training: weights differ by at most {worst:.2e}")
-    return 0

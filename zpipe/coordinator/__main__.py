@@ -7,10 +7,19 @@ import sys
 from pathlib import Path
 
 from zpipe._errors import ZpipeError
-from zpipe.cli_common import add_common_flags, positive_int, run_until_signalled, timeouts_from_args
+from zpipe.cli_common import (
+    add_common_flags,
+    at_most,
+    positive_int,
+    run_until_signalled,
+    timeouts_from_args,
+)
 from zpipe.coordinator.server import Coordinator, CoordinatorConfig
 from zpipe.log import configure_logging, get_logger
 from zpipe.transport.sockets import validate_endpoint
+
+# More missed heartbeats than this before acting is no failure detection at all.
+MAX_INTERVALS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,14 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--suspect-after",
-        type=positive_int,
+        type=at_most(positive_int, MAX_INTERVALS, "heartbeat intervals"),
         default=3,
         metavar="N",
         help="missed heartbeat intervals before a stage is suspected and probed (default: 3)",
     )
     parser.add_argument(
         "--probe-intervals",
-        type=positive_int,
+        type=at_most(positive_int, MAX_INTERVALS, "heartbeat intervals"),
         default=2,
         metavar="N",
         help="intervals a suspect stage has to answer the probe before it is "

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from zpipe._errors import ConfigError
-from zpipe.cli_common import positive_float, positive_int
+from zpipe.cli_common import at_most, non_negative_int, positive_float, positive_int
 from zpipe.lossy.data import Dataset, load_dataset
 from zpipe.lossy.linkmodes import LINK_TRANSPORTS, WAIT_MODES, check_link_transport
 from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
@@ -50,6 +50,10 @@ from zpipe.lossy.radio import RadioModel
 from zpipe.lossy.simulate import RunConfig, run_training
 
 SWEEPS = ("exponent", "devices", "region")
+# Far above what the experiment is for (EdgePipe's: 6 devices, 128 neurons wide),
+# far below what would exhaust memory while placing devices or building layers.
+MAX_DEVICES = 1024
+MAX_WIDTH = 1 << 16
 DEFAULT_STEPS = 400
 
 
@@ -88,12 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=["hybrid"],
         help="allocations to run (several allowed; default: hybrid)",
     )
-    p.add_argument("--devices", type=positive_int, default=6, help="edge devices (default 6)")
+    p.add_argument(
+        "--devices",
+        type=at_most(positive_int, MAX_DEVICES, "devices"),
+        default=6,
+        help="edge devices (default 6)",
+    )
     p.add_argument(
         "--region", type=positive_float, default=50.0, help="side of the square region, m"
     )
     p.add_argument("--seeds", type=positive_int, default=5, help="seeds 0..N-1 (default 5)")
-    p.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--seed-base", type=non_negative_int, default=0, help="first seed (default 0)")
     p.add_argument("--out", type=Path, required=True, help="directory for results and plots")
     length = p.add_mutually_exclusive_group()
     length.add_argument(
@@ -113,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sweep", choices=SWEEPS, help="sweep path-loss exponent, device count or region"
     )
-    p.add_argument("--sweep-values", type=_list_of(float), help="comma-separated sweep values")
+    p.add_argument(
+        "--sweep-values", type=_list_of(positive_float), help="comma-separated sweep values"
+    )
     p.add_argument("--dataset", default="digits", help="digits (built in) or a name for --idx-dir")
     p.add_argument(
         "--idx-dir", type=Path, help="directory of MNIST-format IDX files (e.g. Fashion-MNIST)"
@@ -121,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--limit-train", type=positive_int, help="use only the first N training examples"
     )
-    p.add_argument("--hidden", type=_list_of(positive_int), default=[128, 128, 128, 128])
+    p.add_argument(
+        "--hidden",
+        type=_list_of(at_most(positive_int, MAX_WIDTH, "neurons per layer")),
+        default=[128, 128, 128, 128],
+    )
     p.add_argument("--lr", type=positive_float, default=0.01)
     p.add_argument("--batch-size", type=positive_int, default=100)
     p.add_argument("--eval-points", type=positive_int, default=20)
@@ -239,8 +254,11 @@ def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float |
                 if args.sweep == "exponent" and value is not None:
                     cfg = replace(cfg, radio=cfg.radio.with_exponent(value))
                 elif args.sweep == "devices" and value is not None:
-                    if value != int(value) or value < 1:
-                        raise ConfigError(f"device counts must be positive integers, got {value}")
+                    if value != int(value) or not 1 <= value <= MAX_DEVICES:
+                        raise ConfigError(
+                            f"device counts must be positive integers up to {MAX_DEVICES}, "
+                            f"got {value}"
+                        )
                     cfg = replace(cfg, n_devices=int(value))
                 elif args.sweep == "region" and value is not None:
                     cfg = replace(cfg, region_m=value)

@@ -43,6 +43,12 @@ unlimited) and ``latency_ms`` (default 0).
 
 Default rule for a pair without an entry (PipeEdge's): the bandwidth is the
 smaller of the two access links and the latency the sum of the two.
+
+Limits, so that no file can exhaust the planner's memory or stack: a cluster
+holds at most :data:`MAX_CLUSTER_DEVICES` devices (``count`` included), a
+cluster or profile file is at most :data:`MAX_FILE_BYTES` long and nests
+objects and lists at most :data:`MAX_JSON_DEPTH` deep. Anything malformed is a
+:class:`ConfigError` that names the file and the entry.
 """
 
 from __future__ import annotations
@@ -60,6 +66,14 @@ from zpipe.planner.profile import ModelProfile
 CLUSTER_FORMAT = "zpipe-cluster/1"
 CLIENT = "client"
 MIB = 1 << 20
+# Far above any edge cluster a planner can search (PipeEdge's largest has 32
+# devices), far below what would exhaust memory while expanding ``count``.
+MAX_CLUSTER_DEVICES = 4096
+# Cluster and profile files are small; a profile of a 1,000-unit model is ~1 MB.
+MAX_FILE_BYTES = 64 * MIB
+# The formats nest 4 deep (a profile inline in a device entry: 6); json's
+# recursive decoder would hit Python's recursion limit near 1,000.
+MAX_JSON_DEPTH = 32
 
 _DEVICE_KEYS = frozenset(
     {"name", "count", "memory_mb", "speed", "bandwidth_mbps", "latency_ms", "profile"}
@@ -148,7 +162,7 @@ class ClusterSpec:
                 if end != CLIENT and end not in seen:
                     raise ConfigError(
                         f"link {a!r} -> {b!r} names unknown device {end!r}; known: "
-                        f"{sorted(seen)} and {CLIENT!r}"
+                        f"{_few(seen)} and {CLIENT!r}"
                     )
             if a == b:
                 raise ConfigError(f"link {a!r} -> {b!r} connects a device to itself; remove it")
@@ -163,7 +177,9 @@ class ClusterSpec:
         try:
             return self._by_name[name]
         except KeyError:
-            raise ConfigError(f"the cluster has no device {name!r}; known: {self.names}") from None
+            raise ConfigError(
+                f"the cluster has no device {name!r}; known: {_few(self.names)}"
+            ) from None
 
     def _access(self, name: str) -> tuple[float | None, float]:
         """(bandwidth Mbit/s or None, latency ms) of ``name``'s access link."""
@@ -258,7 +274,13 @@ class ClusterSpec:
         devices: list[ClusterDevice] = []
         origin: dict[str, str] = {}
         for k, entry in enumerate(entries):
-            for device in _parse_device(f"{source}: devices[{k}]", entry, base):
+            made = _parse_device(f"{source}: devices[{k}]", entry, base)
+            if len(devices) + len(made) > MAX_CLUSTER_DEVICES:
+                raise ConfigError(
+                    f"{source}: devices[{k}] takes the cluster past {MAX_CLUSTER_DEVICES} "
+                    "devices, the most a cluster file may hold"
+                )
+            for device in made:
                 where = f"devices[{k}]"
                 if device.name in origin:
                     raise ConfigError(
@@ -300,15 +322,87 @@ class ClusterSpec:
 def load_cluster(path: Path | str) -> ClusterSpec:
     """Read a ``zpipe-cluster/1`` file; ``profile`` paths are relative to its folder."""
     p = Path(path)
+    data = read_json_file(p, what="cluster file")
+    return ClusterSpec.from_dict(data, p.parent, source=str(p))
+
+
+def read_json_file(path: Path, *, what: str) -> Any:
+    """The JSON document in ``path``, within :data:`MAX_FILE_BYTES` and :data:`MAX_JSON_DEPTH`.
+
+    Every failure (unreadable, too large, too deep, not JSON) is a ConfigError
+    that names ``what`` and the path.
+    """
     try:
-        text = p.read_text()
+        with path.open("rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"cannot read cluster file {p}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"{what} {path} is larger than {MAX_FILE_BYTES // MIB} MiB")
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {path} is not UTF-8 text: {exc}") from None
+    too_deep = f"the format nests lists and objects at most {MAX_JSON_DEPTH} deep"
+    try:
+        # json's decoder recurses; past Python's limit it raises RecursionError cleanly
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"cluster file {p} is not valid JSON: {exc}") from None
-    return ClusterSpec.from_dict(data, p.parent, source=str(p))
+        raise ConfigError(f"{what} {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} nests too deep for JSON here; {too_deep}") from None
+    depth = _json_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise ConfigError(f"{what} {path} nests {depth} deep; {too_deep}")
+    return data
+
+
+def _json_depth(data: Any) -> int:
+    """How deep lists and objects nest in ``data`` (iterative: no recursion limit)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Iterable[Any] = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def read_profile_file(path: Path) -> ModelProfile:
+    """A ``zpipe-profile/1`` file, with the same limits and errors as a cluster file."""
+    return profile_from_data(read_json_file(path, what="profile"), source=f"profile {path}")
+
+
+def profile_from_data(data: Any, *, source: str) -> ModelProfile:
+    """:meth:`ModelProfile.from_dict` for data read from a file: anything malformed
+    (a unit that is not an object, a number too large for an integer) is a ConfigError."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: must hold a JSON object")
+    units = data.get("units")
+    if units is not None and not (
+        isinstance(units, list) and all(isinstance(u, Mapping) for u in units)
+    ):
+        raise ConfigError(f"{source}: 'units' must be a list of objects")
+    try:
+        return ModelProfile.from_dict(data, source=source)
+    except (AttributeError, OverflowError, TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from None
+
+
+def _few(names: Iterable[str], shown: int = 12) -> str:
+    """Names for a message: sorted, and cut short, so 4,096 devices make one readable line."""
+    ordered = sorted(names)
+    if len(ordered) <= shown:
+        return str(ordered)
+    return f"{ordered[:shown]} and {len(ordered) - shown} more"
 
 
 def _no_unknown_keys(where: str, entry: Mapping[str, Any], known: Iterable[str]) -> None:
@@ -337,6 +431,11 @@ def _parse_device(where: str, entry: Any, base: Path) -> list[ClusterDevice]:
     count = entry.get("count")
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise ConfigError(f"{where}: count must be an integer >= 1, got {count!r}")
+    if count is not None and count > MAX_CLUSTER_DEVICES:
+        raise ConfigError(
+            f"{where}: count {count} is above {MAX_CLUSTER_DEVICES}, the most devices a "
+            "cluster file may hold"
+        )
     try:
         memory_mb = _opt_float(entry, "memory_mb")
         speed = _opt_float(entry, "speed")
@@ -344,7 +443,8 @@ def _parse_device(where: str, entry: Any, base: Path) -> list[ClusterDevice]:
         latency = _opt_float(entry, "latency_ms")
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if memory_mb is not None and not (math.isfinite(memory_mb) and memory_mb > 0):
+    # the product is checked too: 1e308 MiB is finite, its bytes are not
+    if memory_mb is not None and not (math.isfinite(memory_mb * MIB) and memory_mb > 0):
         raise ConfigError(f"{where}: memory_mb must be a positive number, got {memory_mb!r}")
     profile = _parse_profile(where, entry.get("profile"), base)
     names = [name] if count is None else [f"{name}{i}" for i in range(count)]
@@ -369,11 +469,11 @@ def _parse_profile(where: str, value: Any, base: Path) -> ModelProfile | None:
         return None
     if isinstance(value, str):
         try:
-            return ModelProfile.load(base / value)
+            return read_profile_file(base / value)
         except ConfigError as exc:
             raise ConfigError(f"{where}: profile: {exc}") from None
     if isinstance(value, Mapping):
-        return ModelProfile.from_dict(value, source=f"{where}: profile")
+        return profile_from_data(value, source=f"{where}: profile")
     raise ConfigError(f"{where}: profile must be a file path or a profile object, got {value!r}")
 
 
@@ -389,7 +489,7 @@ def _parse_link(
             raise ConfigError(f"{where}: {key!r} must be a device name, got {end!r}")
         if end != CLIENT and end not in known:
             raise ConfigError(
-                f"{where}: {key!r} names unknown device {end!r}; known: {sorted(known)} and "
+                f"{where}: {key!r} names unknown device {end!r}; known: {_few(known)} and "
                 f"{CLIENT!r}"
             )
     assert isinstance(a, str) and isinstance(b, str)

@@ -9,11 +9,16 @@ from pathlib import Path
 
 from zpipe._errors import ZpipeError
 from zpipe.cli_common import (
+    MAX_SLOWDOWN,
+    MAX_THREADS,
     add_common_flags,
+    at_most,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
     run_until_signalled,
+    seconds,
     timeouts_from_args,
 )
 from zpipe.log import configure_logging, get_logger
@@ -23,6 +28,11 @@ from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import validate_endpoint
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Bounds far beyond any device, so that a typo (or "1e308") is refused instead of
+# overflowing a byte count or delaying every message without end.
+MAX_MEMORY_MB = float(2**30)  # a pebibyte
+MAX_BANDWIDTH_MBPS = 1e9  # a petabit per second
+MAX_LATENCY_MS = 3_600_000.0  # an hour
 
 
 def stage_name(text: str) -> str:
@@ -80,34 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=at_most(positive_int, MAX_THREADS, "threads"),
         default=None,
         help="torch compute threads (default: torch's choice); give stages that "
         "share a machine cores // stages each",
     )
     parser.add_argument(
         "--memory-mb",
-        type=positive_float,
+        type=at_most(positive_float, MAX_MEMORY_MB, "a pebibyte"),
         default=None,
         help="memory budget reported to the planner (default: not limited)",
     )
     emu = parser.add_argument_group("emulation (experiments on one machine)")
     emu.add_argument(
         "--slowdown",
-        type=positive_float,
+        type=at_most(positive_float, MAX_SLOWDOWN, "times slower"),
         default=1.0,
         help="play a device this many times slower: compute time is stretched by "
         "this factor (default: 1, must be >= 1)",
     )
     emu.add_argument(
         "--bandwidth-mbps",
-        type=positive_float,
+        type=at_most(positive_float, MAX_BANDWIDTH_MBPS, "a petabit per second"),
         default=None,
         help="emulated bandwidth of the outgoing data link in Mbit/s (default: none)",
     )
     emu.add_argument(
         "--latency-ms",
-        type=non_negative_float,
+        type=at_most(non_negative_float, MAX_LATENCY_MS, "an hour"),
         default=0.0,
         help="emulated one-way latency of the outgoing data link (default: 0)",
     )
@@ -117,10 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="probability that the outgoing link loses a message (default: 0)",
     )
-    emu.add_argument("--loss-seed", type=int, default=0, help="seed of the loss draws")
+    emu.add_argument("--loss-seed", type=non_negative_int, default=0, help="seed of the loss draws")
     parser.add_argument(
         "--retain-memory-mb",
-        type=int,
+        type=non_negative_int,
         default=256,
         metavar="MB",
         help="keep up to MB of freed message memory instead of returning it to the kernel, "
@@ -129,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--coordinator-timeout",
-        type=positive_float,
+        type=seconds,
         default=None,
         metavar="S",
         help="exit when the coordinator has been silent for S seconds "
