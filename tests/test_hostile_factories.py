@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from zpipe.models import (
     load_layer_sequence,
     peer_factories_allowed,
 )
+from zpipe.models.trust import add_allow_factory_arguments, allow_list_from_args
 
 MODULE_SOURCE = """
 from pathlib import Path
@@ -177,3 +179,26 @@ def test_allow_list_files_and_flags(tmp_path: Path) -> None:
     # The refusal names the file that would allow it.
     with pytest.raises(UntrustedCodeError, match="--allow-factories"):
         allow.check("os:system", family="sequential")
+
+
+def test_command_line_flags_build_the_allow_list(tmp_path: Path) -> None:
+    listed = tmp_path / "allowed.txt"
+    listed.write_text("filed.module:make\n")
+    parser = argparse.ArgumentParser()
+    add_allow_factory_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--allow-factory",
+            "a.b:make",
+            "--allow-factory",
+            "c.d:*",
+            "--allow-factories",
+            str(listed),
+        ]
+    )
+    allow = allow_list_from_args(args)
+    assert (
+        allow.allows("a.b:make") and allow.allows("c.d:other") and allow.allows("filed.module:make")
+    )
+    assert not allow.allows("a.b:other")
+    assert allow_list_from_args(parser.parse_args([])) == FactoryAllowList()

@@ -29,6 +29,7 @@ A file lists one pattern per line; `#` starts a comment.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -104,8 +105,8 @@ class FactoryAllowList:
     @classmethod
     def of(cls, *entries: str) -> FactoryAllowList:
         """An allow-list of these patterns, e.g. `FactoryAllowList.of("mypkg.models:*")`."""
-        return cls(tuple(FactoryPattern.parse(e, where=ALLOW_FLAG) for e in entries),
-                   (ALLOW_FLAG,) if entries else ())  # fmt: skip
+        patterns = tuple(FactoryPattern.parse(entry, where=ALLOW_FLAG) for entry in entries)
+        return cls(patterns, (ALLOW_FLAG,) if entries else ())
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> FactoryAllowList:
@@ -176,6 +177,33 @@ class FactoryAllowList:
                 f"{getattr(target, '__module__', 'elsewhere')}); a '{module}:*' pattern "
                 f"allows only the module's own callables: name it with {ALLOW_FLAG} {path}"
             )
+
+
+def add_allow_factory_arguments(parser: argparse.ArgumentParser) -> None:
+    """The two flags of a process that builds specs received from peers."""
+    parser.add_argument(
+        ALLOW_FLAG,
+        dest="allow_factory",
+        action="append",
+        default=[],
+        metavar="MODULE:CALLABLE",
+        help="a model factory that peers' specs may name (families 'sequential' and "
+        "'traced'), or MODULE:* for every callable defined in MODULE; repeatable. "
+        f"Without it only {', '.join(BUILT_IN_PATTERNS)} load",
+    )
+    parser.add_argument(
+        ALLOW_FILE_FLAG,
+        dest="allow_factories",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help=f"a file of allowed model factories, one {ALLOW_FLAG} pattern per line",
+    )
+
+
+def allow_list_from_args(args: argparse.Namespace) -> FactoryAllowList:
+    """The allow-list of the flags added by add_allow_factory_arguments (ConfigError if bad)."""
+    return FactoryAllowList.from_cli(args.allow_factory, args.allow_factories)
 
 
 _BUILT_IN = tuple(FactoryPattern.parse(p) for p in BUILT_IN_PATTERNS)
