@@ -151,6 +151,8 @@ class FactoryAllowList:
             return
         module = path.partition(":")[0] or "package.module"
         allowed = ", ".join(str(p) for p in (*self.patterns, *_BUILT_IN))
+        if self.sources:
+            allowed += f" (from {', '.join(self.sources)} and zpipe's own examples)"
         raise UntrustedCodeError(
             f"model factory {path!r} (family {family!r}) is not allowed in this process, "
             "so nothing was imported. The operator of this process can allow it with "
