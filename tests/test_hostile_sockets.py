@@ -30,6 +30,7 @@ from zpipe.transport.sockets import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+PRE_PLAN_FRAME = ReceiveLimits.before_plan().max_message_bytes
 
 # The child binds a socket made by open_socket (or, for "old", with the ZMTP
 # heartbeats open_socket used to set on every socket), waits until the parent has
@@ -313,4 +314,32 @@ def test_raw_garbage_on_a_router_leaves_it_serving(sync_context: zmq.Context[Any
     dealer.send(b"still here")
     assert receive_until(router, b"still here", limit=ReceiveLimits.before_plan())
     for sock in (bully, dealer, router):
+        sock.close(linger=0)
+
+
+def test_a_flooding_peer_does_not_starve_another_on_a_pull(sync_context: zmq.Context[Any]) -> None:
+    limits = ReceiveLimits(PRE_PLAN_FRAME, 4)
+    pull, endpoint = bound_pull(sync_context, limits)
+    flooder = sync_context.socket(zmq.PUSH)
+    flooder.setsockopt(zmq.LINGER, 0)
+    flooder.setsockopt(zmq.SNDHWM, 40_000)
+    flooder.connect(endpoint)
+    for _ in range(20_000):
+        flooder.send(b"f" * 100)
+    assert pull.poll(10_000)  # the flood is queued and arriving
+    honest = sync_context.socket(zmq.PUSH)
+    honest.setsockopt(zmq.LINGER, 0)
+    connected = honest.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    honest.connect(endpoint)
+    assert connected.poll(10_000)
+    honest.send(b"heartbeat")
+    # Fair queuing: the honest peer's message comes soon after it arrives (the
+    # flooder's queue holds at most recv_hwm messages), not after the whole flood.
+    position = 0
+    while pull.poll(10_000):
+        position += 1
+        if pull.recv() == b"heartbeat":
+            break
+    assert position <= 2000, position
+    for sock in (connected, flooder, honest, pull):
         sock.close(linger=0)
