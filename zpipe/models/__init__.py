@@ -12,20 +12,38 @@ files use the names of `build_full_model(spec).state_dict()`: "units.<i>.<name>"
 from __future__ import annotations
 
 from zpipe.models.presets import available_presets
-from zpipe.models.registry import FAMILIES, build_full_model, load_layer_sequence
+from zpipe.models.registry import (
+    FAMILIES,
+    USER_CODE_FAMILIES,
+    build_full_model,
+    count_units,
+    load_layer_sequence,
+)
 from zpipe.models.sequence import FullModel, LayerSequence, run_units, unit_param_bytes
 from zpipe.models.spec import ModelSpec
+from zpipe.models.trust import (
+    FactoryAllowList,
+    allow_peer_factories,
+    peer_factories,
+    peer_factories_allowed,
+)
 from zpipe.models.weights import load_unit_weights, save_weights
 
 __all__ = [
     "FAMILIES",
+    "USER_CODE_FAMILIES",
+    "FactoryAllowList",
     "FullModel",
     "LayerSequence",
     "ModelSpec",
+    "allow_peer_factories",
     "available_presets",
     "build_full_model",
+    "count_units",
     "load_layer_sequence",
     "load_unit_weights",
+    "peer_factories",
+    "peer_factories_allowed",
     "run_units",
     "save_weights",
     "unit_param_bytes",

@@ -9,8 +9,10 @@ importable on every machine. Both adapters build the user's module *whole*,
 once per build_units() call, under torch.manual_seed(spec.seed), and keep only
 the requested units: a factory module's weights cannot be built piecewise.
 
-Trust: importing and calling a factory runs code named by the spec, so accept
-specs only from an authenticated coordinator.
+Trust: importing and calling a factory runs code named by the spec, so the
+factory path is checked against the process's policy (zpipe.models.trust)
+before anything is imported: a peer's spec may name only what this process's
+operator allowed.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from zpipe._errors import ModelSpecError
+from zpipe._errors import ConfigError, ModelSpecError
 from zpipe.models._config import ConfigReader
 from zpipe.models._seeding import seeded
 from zpipe.models._tracing import trace_and_split
 from zpipe.models.base import check_batch_size, finish_units
 from zpipe.models.sequence import check_unit_range
 from zpipe.models.spec import ModelSpec
+from zpipe.models.trust import FactoryPolicy, factory_policy, split_factory_path
 from zpipe.models.weights import unit_key
 
 DTYPES: dict[str, torch.dtype] = {
@@ -43,11 +46,14 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def resolve_factory(path: str) -> Callable[..., Any]:
-    """The callable named by "package.module:attribute[.attribute...]"."""
-    module_name, sep, attributes = path.partition(":")
-    if not sep or not module_name or not attributes:
-        raise ModelSpecError(f"factory must look like 'package.module:callable', got {path!r}")
+def resolve_factory(path: str, *, policy: FactoryPolicy, family: str) -> Callable[..., Any]:
+    """The callable named by "package.module:attribute[.attribute...]", if `policy` allows
+    it: the check reads the string only, so a refused factory's module is never imported."""
+    try:
+        module_name, attributes = split_factory_path(path)
+    except ConfigError as exc:
+        raise ModelSpecError(str(exc)) from None
+    policy.check(path, family=family)
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:  # an import can fail with anything its module raises
@@ -59,6 +65,7 @@ def resolve_factory(path: str) -> Callable[..., Any]:
         if not hasattr(target, attribute):
             raise ModelSpecError(f"factory {path!r}: {module_name} has no {attributes!r}")
         target = getattr(target, attribute)
+    policy.check_defined_in_module(path, target)
     if not callable(target):
         raise ModelSpecError(f"factory {path!r} is not callable")
     return target
@@ -74,14 +81,14 @@ class FactoryConfig:
     input_range: tuple[int, int]
 
     @classmethod
-    def parse(cls, reader: ConfigReader) -> FactoryConfig:
+    def parse(cls, reader: ConfigReader, *, policy: FactoryPolicy, family: str) -> FactoryConfig:
         path = reader.get_str("factory")
         bounds = reader.get_int_list("input_range", default=[0, 10])
         if len(bounds) != 2 or bounds[0] >= bounds[1]:
             raise reader.error("input_range", f"must be [low, high) with low < high, got {bounds}")
         return cls(
             path=path,
-            factory=resolve_factory(path),
+            factory=resolve_factory(path, policy=policy, family=family),
             kwargs=reader.get_mapping("kwargs", default={}),
             input_shape=tuple(reader.get_int_list("input_shape", minimum=1)),
             input_dtype=DTYPES[reader.get_str("input_dtype", default="float32", choices=DTYPES)],
@@ -127,12 +134,16 @@ def _child_label(name: str, child: nn.Module) -> str:
 
 
 class SequentialSequence:
-    """config: factory, kwargs, input_shape, input_dtype (, input_range for integer inputs)."""
+    """config: factory, kwargs, input_shape, input_dtype (, input_range for integer inputs).
 
-    def __init__(self, spec: ModelSpec) -> None:
+    `factories`: which factories may load (default: zpipe.models.trust.factory_policy).
+    """
+
+    def __init__(self, spec: ModelSpec, *, factories: FactoryPolicy | None = None) -> None:
         self.spec = spec
         reader = ConfigReader(spec.config, family="sequential")
-        self.factory = FactoryConfig.parse(reader)
+        policy = factory_policy(from_peer=spec.from_peer, factories=factories)
+        self.factory = FactoryConfig.parse(reader, policy=policy, family="sequential")
         reader.finish()
         self._names: list[str] | None = None
 
@@ -180,10 +191,11 @@ class TracedSequence:
     only valid at `microbatch_size`: the trace fixes every shape.
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, *, factories: FactoryPolicy | None = None) -> None:
         self.spec = spec
         reader = ConfigReader(spec.config, family="traced")
-        self.factory = FactoryConfig.parse(reader)
+        policy = factory_policy(from_peer=spec.from_peer, factories=factories)
+        self.factory = FactoryConfig.parse(reader, policy=policy, family="traced")
         self.microbatch_size = reader.get_int("microbatch_size", minimum=1)
         self.split_points: list[str] | None = (
             reader.get_str_list("split_points") if reader.has("split_points") else None

@@ -65,6 +65,10 @@ class ModelSpec:
     config: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     weights: str | None = None
+    # True for a spec read with from_dict (every spec off the wire): a factory it
+    # names loads only if this process's operator allowed it (zpipe.models.trust).
+    # Not part of the spec's value: equal specs stay equal, to_dict is unchanged.
+    from_peer: bool = field(default=False, compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, str) or not self.family:
@@ -77,6 +81,8 @@ class ModelSpec:
             raise ModelSpecError(f"model seed must be in [0, 2**63), got {self.seed}")
         if self.weights is not None and not isinstance(self.weights, str):
             raise ModelSpecError(f"weights must be a path string or None, got {self.weights!r}")
+        if not isinstance(self.from_peer, bool):
+            raise ModelSpecError(f"from_peer must be True or False, got {self.from_peer!r}")
         # A private copy: later changes to the caller's dict cannot change the spec.
         object.__setattr__(self, "config", plain_copy(self.config, where="config"))
 
@@ -93,8 +99,12 @@ class ModelSpec:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
-        """Validate a dict (e.g. received from a peer) and build a spec from it."""
+    def from_dict(cls, data: Mapping[str, Any], *, from_peer: bool = True) -> ModelSpec:
+        """Validate a dict (e.g. received from a peer) and build a spec from it.
+
+        The spec counts as a peer's (see zpipe.models.trust) unless `from_peer` is
+        False, which a process passes only for a spec its own operator wrote.
+        """
         if not isinstance(data, Mapping):
             raise ModelSpecError(f"a model spec must be a mapping, got {type(data).__name__}")
         unknown = sorted(str(key) for key in data if key not in _SPEC_KEYS)
@@ -107,6 +117,7 @@ class ModelSpec:
             config=data.get("config", {}),
             seed=data.get("seed", 0),
             weights=data.get("weights"),
+            from_peer=from_peer,
         )
 
     @classmethod

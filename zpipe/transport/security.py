@@ -7,6 +7,9 @@ format::
     DIR/NAME.key          public key  (safe to copy anywhere)
     DIR/NAME.key_secret   public + secret key (mode 0600, stays on device NAME)
 
+plus ``DIR/roles.txt``, each key's role (client, stage or coordinator; see
+:mod:`zpipe.transport.roles`, whose names this module re-exports).
+
 The coordinator's allow-list is every ``NAME.key`` in its DIR, so an administrator
 removes a device by deleting its ``NAME.key`` (and restarting the coordinator). A
 device needs only its own ``NAME.key_secret`` plus ``coordinator.key``; a stage learns
@@ -75,21 +78,42 @@ from zmq.auth.base import Authenticator
 from zmq.utils import z85
 
 from zpipe._errors import ConfigError, SecurityError
+from zpipe.transport.roles import (
+    ROLE_KINDS,
+    ROLES,
+    ROLES_FILE,
+    KeyRoles,
+    Role,
+    check_role,
+    default_role,
+    load_roles,
+    record_roles,
+)
 
 __all__ = [
     "CLIENT_KEY_NAME",
     "COORDINATOR_KEY_NAME",
     "PUBLIC_SUFFIX",
+    "ROLES",
+    "ROLES_FILE",
+    "ROLE_KINDS",
     "SECRET_SUFFIX",
     "ZAP_DOMAIN",
     "CurveAuthenticator",
     "KeyPair",
+    "KeyRoles",
     "PeerAllowList",
+    "Role",
+    "check_role",
+    "default_role",
     "generate_keys",
+    "generate_keys_with_roles",
     "key_prefix",
     "load_keypair",
     "load_keypair_public",
     "load_public_keys",
+    "load_roles",
+    "record_roles",
     "secure_client",
     "secure_server",
     "sender_public_key",
@@ -215,6 +239,23 @@ def generate_keys(keys_dir: Path, names: Iterable[str], *, overwrite: bool = Fal
             shutil.rmtree(scratch, ignore_errors=True)
         written += [public_path, secret_path]
     return written
+
+
+def generate_keys_with_roles(
+    keys_dir: Path, names: Iterable[str], *, role: Role | None = None, overwrite: bool = False
+) -> list[Path]:
+    """generate_keys, then record each new key's role in ``DIR/roles.txt``.
+
+    ``role``: the role of every name (e.g. "client" for a second client key);
+    None gives each its default (``coordinator`` and ``client`` by name, else
+    ``stage``). Returns the files written, the roles file last.
+    """
+    name_list = list(names)
+    if role is not None and role not in ROLES:
+        raise ConfigError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+    written = generate_keys(keys_dir, name_list, overwrite=overwrite)
+    roles = {name: role or default_role(name) for name in name_list}
+    return [*written, record_roles(keys_dir, roles)]
 
 
 def load_keypair(keys_dir: Path, name: str) -> KeyPair:

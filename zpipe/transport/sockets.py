@@ -3,8 +3,35 @@
 Every socket zpipe opens goes through :func:`open_socket`, which sets a bounded
 high-water mark, LINGER (so ``close`` never hangs on a dead peer), a maximum
 message size (so an oversized message drops the connection inside libzmq
-before it reaches Python) and, for ROUTER sockets, ``ROUTER_MANDATORY`` (so a
-message to an unknown peer is an error, not a silent drop).
+before it reaches Python), TCP keepalive and, for ROUTER sockets,
+``ROUTER_MANDATORY`` (so a message to an unknown peer is an error, not a silent
+drop).
+
+ZMTP heartbeats (``HEARTBEAT_IVL``) only on DEALER sockets: libzmq 4.3.5 aborts
+the whole process (``Assertion failed: !_io_error
+(src/stream_engine_base.cpp:310)``, upstream issue 4841) when a socket with
+heartbeats has its input stopped at the receive high-water mark and the peer
+disconnects. Any bound PULL or ROUTER can be filled by whoever reaches its
+port (a data port before its assignment, a probe or coordinator port while its
+loop is busy), so they never get heartbeats; zpipe's own heartbeats find a
+frozen stage and TCP keepalive a vanished host. DEALERs connect to a peer this
+process chose (the coordinator) and are read all the time, and the client's
+and stage's control channels rely on the heartbeats to drop the connection to
+a frozen coordinator.
+
+Bounded memory: libzmq checks ``MAXMSGSIZE`` per frame, before allocating it,
+and counts ``RCVHWM`` in whole messages per connection, so one connection
+queues at most about ``RCVHWM x MAXMSGSIZE`` bytes of single-frame messages.
+:class:`ReceiveLimits` and :func:`apply_receive_limits` set both: small ones
+(:meth:`ReceiveLimits.before_plan`) on a data socket until its assignment, and
+the plan's (:meth:`ReceiveLimits.for_largest_message`) once it is known. Both
+options are copied when the socket binds (into the listener, whose accepted
+connections inherit them): :func:`rebind_with_limits` re-binds with new limits,
+which govern the connections made after it (earlier ones keep theirs), so call
+it before the plan's peers are told to connect. What no
+libzmq option bounds: the frame count of one multipart message (each frame
+under ``MAXMSGSIZE``) and the number of connections; only CURVE allow-lists
+(``--keys``), which refuse unknown peers at the handshake, bound those.
 
 :func:`send` and :func:`recv` wrap the asyncio sends and receives with a
 timeout whose error names the peer and what was awaited.
@@ -25,7 +52,13 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ConfigError, TransportTimeout
-from zpipe.transport.codec import DEFAULT_MAX_MESSAGE_BYTES, Message, decode, encode
+from zpipe.transport.codec import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_HEADER_BYTES,
+    Message,
+    decode,
+    encode,
+)
 
 
 @dataclass(frozen=True)
@@ -36,9 +69,130 @@ class SocketOptions:
     recv_hwm: int = 16
     linger_ms: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # ZMTP heartbeats let libzmq notice a frozen peer (SIGSTOP) on its own.
+    # ZMTP heartbeats let libzmq notice a frozen peer (SIGSTOP) on its own; set only
+    # on ZMTP_HEARTBEAT_KINDS (see the module notes); 0 turns them off everywhere.
     zmtp_heartbeat_ms: int = 1000
     zmtp_heartbeat_timeout_ms: int = 5000
+    # TCP keepalive on every socket: finds a vanished host (power, network) on an
+    # idle connection, without the libzmq abort heartbeats can cause.
+    tcp_keepalive_idle_s: int = 30
+    tcp_keepalive_interval_s: int = 10
+    tcp_keepalive_count: int = 3
+
+
+# Sockets that connect to a chosen peer and are read continuously (see the module notes).
+ZMTP_HEARTBEAT_KINDS = frozenset({zmq.DEALER})
+
+# Before a plan names a data socket's peers and message sizes: nothing but small
+# messages may queue there (a data message before assignment is dropped anyway).
+PRE_PLAN_MAX_MESSAGE_BYTES = 64 << 10
+PRE_PLAN_RECV_HWM = 4
+# What one connection of a data socket may queue once a plan is known.
+DEFAULT_QUEUED_BYTES_PER_PEER = 256 << 20
+# Room for the msgpack header frame: the codec refuses larger ones anyway.
+HEADER_FRAME_ALLOWANCE = MAX_HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class ReceiveLimits:
+    """``MAXMSGSIZE`` (per frame) and ``RCVHWM`` (messages per connection) of a socket."""
+
+    max_message_bytes: int
+    recv_hwm: int
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < 1 or self.recv_hwm < 1:
+            raise ConfigError(
+                f"receive limits must be positive, got max_message_bytes="
+                f"{self.max_message_bytes}, recv_hwm={self.recv_hwm}"
+            )
+
+    @property
+    def queued_bytes_per_peer(self) -> int:
+        """The most bytes of single-frame messages one connection can queue."""
+        return self.max_message_bytes * self.recv_hwm
+
+    @classmethod
+    def before_plan(cls) -> ReceiveLimits:
+        return cls(PRE_PLAN_MAX_MESSAGE_BYTES, PRE_PLAN_RECV_HWM)
+
+    @classmethod
+    def for_largest_message(
+        cls,
+        largest_frame_bytes: int,
+        *,
+        queued_bytes_per_peer: int = DEFAULT_QUEUED_BYTES_PER_PEER,
+        max_hwm: int = 16,
+        min_hwm: int = 2,
+    ) -> ReceiveLimits:
+        """Limits for a plan whose largest tensor frame is ``largest_frame_bytes``.
+
+        Take the largest activation or gradient *any* cut of the model can produce
+        at the run's largest micro-batch (a re-plan moves the cut, and an existing
+        connection keeps the limit it was made with). The queue holds as many such
+        messages as fit in ``queued_bytes_per_peer``, between ``min_hwm`` (so that
+        a pipeline still overlaps transfer and compute) and ``max_hwm``.
+        """
+        if largest_frame_bytes < 0:
+            raise ConfigError(f"a message size cannot be negative, got {largest_frame_bytes}")
+        if not 1 <= min_hwm <= max_hwm:
+            raise ConfigError(f"need 1 <= min_hwm <= max_hwm, got {min_hwm}, {max_hwm}")
+        max_bytes = max(largest_frame_bytes, HEADER_FRAME_ALLOWANCE)
+        hwm = min(max(queued_bytes_per_peer // max_bytes, min_hwm), max_hwm)
+        return cls(max_bytes, hwm)
+
+
+def apply_receive_limits(sock: zmq.Socket[Any], limits: ReceiveLimits) -> None:
+    """Set ``MAXMSGSIZE`` and ``RCVHWM`` for endpoints bound or connected *after* this call.
+
+    libzmq copies the options into a listener when the socket binds, and every
+    connection that listener accepts gets the listener's copy: on a bound socket
+    use :func:`rebind_with_limits` to change them.
+    """
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+    sock.setsockopt(zmq.RCVHWM, limits.recv_hwm)
+
+
+def rebind_with_limits(
+    sock: zmq.Socket[Any], endpoint: str, limits: ReceiveLimits, *, retry_s: float = 0.2
+) -> None:
+    """Apply ``limits`` to a bound socket: set them, unbind ``endpoint`` and bind it again.
+
+    ``endpoint`` is what :func:`bind_endpoint` returned (port resolved).
+    Connections accepted before keep the limits they were made with (the small
+    pre-plan ones): call it when an assignment arrives and before the peers it
+    names are told to connect, so that they connect under the new limits.
+    """
+    apply_receive_limits(sock, limits)
+    try:
+        sock.unbind(endpoint)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"cannot unbind {endpoint} to apply new limits: {exc}") from None
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            # The I/O thread closes the old listener asynchronously: the port can be
+            # busy for a moment.
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise ConfigError(f"cannot bind {endpoint} again: {exc}") from None
+            time.sleep(0.002)
+
+
+def reconfigure_data_socket(
+    sock: zmq.Socket[Any], endpoint: str, largest_frame_bytes: int
+) -> ReceiveLimits:
+    """Give a bound data socket the limits of a newly assigned plan; returns them.
+
+    ``largest_frame_bytes``: the largest tensor frame the plan's peers may send
+    to it (see :meth:`ReceiveLimits.for_largest_message`); connections made
+    before keep their limits (see :func:`rebind_with_limits`).
+    """
+    limits = ReceiveLimits.for_largest_message(largest_frame_bytes)
+    rebind_with_limits(sock, endpoint, limits)
+    return limits
 
 
 def new_context() -> zmq.asyncio.Context:
@@ -47,16 +201,31 @@ def new_context() -> zmq.asyncio.Context:
 
 
 def open_socket(
-    context: zmq.asyncio.Context, kind: int, options: SocketOptions | None = None
+    context: zmq.asyncio.Context,
+    kind: int,
+    options: SocketOptions | None = None,
+    *,
+    limits: ReceiveLimits | None = None,
+    zmtp_heartbeat: bool | None = None,
 ) -> zmq.asyncio.Socket:
+    """A socket with zpipe's options; ``limits`` override the options' receive limits
+    (e.g. ``ReceiveLimits.before_plan()`` for a data socket); ``zmtp_heartbeat``
+    overrides the default by kind (ZMTP_HEARTBEAT_KINDS; never on a socket whose
+    input can sit unread, see the module notes)."""
     opts = options or SocketOptions()
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, opts.linger_ms)
     sock.setsockopt(zmq.SNDHWM, opts.send_hwm)
-    sock.setsockopt(zmq.RCVHWM, opts.recv_hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, opts.zmtp_heartbeat_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmtp_heartbeat_timeout_ms)
+    apply_receive_limits(sock, limits or ReceiveLimits(opts.max_message_bytes, opts.recv_hwm))
+    heartbeat = kind in ZMTP_HEARTBEAT_KINDS if zmtp_heartbeat is None else zmtp_heartbeat
+    if heartbeat and opts.zmtp_heartbeat_ms > 0:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, opts.zmtp_heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmtp_heartbeat_timeout_ms)
+    if opts.tcp_keepalive_idle_s > 0:
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, opts.tcp_keepalive_idle_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, opts.tcp_keepalive_interval_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, opts.tcp_keepalive_count)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     return sock
