@@ -432,3 +432,36 @@ def test_too_many_distinct_devices_is_refused_with_advice() -> None:
     devs = tuple(ClusterDevice(f"d{i}", speed=1.0 + i / 100) for i in range(16))
     with pytest.raises(ConfigError, match=r"16 categories.*share a category"):
         plan_pipeedge(prof, ClusterSpec(devs), batch_size=1)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    units=_JSON,
+    batch_sizes=_JSON,
+    input_bytes=_JSON,
+)
+def test_a_profile_from_a_peer_is_a_profile_or_a_config_error(
+    units: object, batch_sizes: object, input_bytes: object
+) -> None:
+    # The coordinator reads profiles that stages send: nothing in one may raise
+    # anything but ConfigError (a unit that is not an object, int(1e400), ...).
+    good = synthetic_profile([1.0, 2.0], [100, 100]).to_dict()
+    for data in (
+        {**good, "units": units},
+        {**good, "batch_sizes": batch_sizes},
+        {**good, "input_bytes": input_bytes},
+        units,
+    ):
+        try:
+            ModelProfile.from_dict(data)  # type: ignore[arg-type]
+        except ConfigError:
+            pass

@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 from zpipe._errors import ConfigError
+from zpipe.transport.roles import ROLES, ROLES_FILE
 from zpipe.transport.security import (
     CLIENT_KEY_NAME,
     COORDINATOR_KEY_NAME,
     PUBLIC_SUFFIX,
     SECRET_SUFFIX,
-    generate_keys,
+    generate_keys_with_roles,
 )
 
 _DESCRIPTION = f"""\
@@ -31,6 +32,12 @@ NAME{PUBLIC_SUFFIX} and restart the coordinator.
 
 A device needs only its own NAME{SECRET_SUFFIX} plus {COORDINATOR_KEY_NAME}{PUBLIC_SUFFIX}
 in its DIR; the coordinator tells each stage which peers to accept.
+
+Each key's role is recorded in DIR/{ROLES_FILE} ('NAME ROLE' lines): '{COORDINATOR_KEY_NAME}'
+and '{CLIENT_KEY_NAME}' by name, every other NAME a stage, unless --role says otherwise
+(a second client key: --role client). The coordinator lets only client keys start runs
+and read the cluster, and only stage keys register; a key the file does not list keeps
+every role, as before roles existed.
 """
 
 _EPILOG = f"""\
@@ -60,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
         help="participant names: letters, digits, '-', '_' and '.'",
     )
     parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default=None,
+        help="the role of every NAME (default: coordinator and client by name, else stage)",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="replace existing key pairs (devices still holding the old keys are locked out)",
@@ -71,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the keys command; returns the exit status (argparse exits 2 on bad flags)."""
     args = _parser().parse_args(argv)
     try:
-        written = generate_keys(args.dir, args.names, overwrite=args.overwrite)
+        written = generate_keys_with_roles(
+            args.dir, args.names, role=args.role, overwrite=args.overwrite
+        )
     except ConfigError as exc:
         print(f"zpipe keys: error: {exc}", file=sys.stderr)
         return 1
@@ -82,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if path.name.endswith(SECRET_SUFFIX):
             name = path.name[: -len(SECRET_SUFFIX)]
             print(f"wrote {path}  (secret: copy only to device {name!r})")
+        elif path.name == ROLES_FILE:
+            print(f"wrote {path}  (roles: {args.role or 'by name'})")
         else:
             print(f"wrote {path}")
     return 0

@@ -16,6 +16,11 @@ from zpipe.cli_common import (
 )
 from zpipe.coordinator.server import Coordinator, CoordinatorConfig
 from zpipe.log import configure_logging, get_logger
+from zpipe.models.trust import (
+    add_allow_factory_arguments,
+    allow_list_from_args,
+    allow_peer_factories,
+)
 from zpipe.transport.sockets import validate_endpoint
 
 # More missed heartbeats than this before acting is no failure detection at all.
@@ -67,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run over: stages that are still running register again, and the client carries "
         "on (restart within the stages' --coordinator-timeout; default: not kept)",
     )
+    add_allow_factory_arguments(parser)
     add_common_flags(parser)
     return parser
 
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        # Model factories peers' specs may name: what the operator allowed, nothing else.
+        allow_peer_factories(allow_list_from_args(args))
         validate_endpoint(args.bind, flag="--bind")
         config = CoordinatorConfig(
             bind=args.bind,

@@ -175,6 +175,10 @@ class ModelProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "profile") -> ModelProfile:
+        """A profile from plain data (a file, or a stage's reply): any malformed content
+        is a ConfigError naming ``source``, never another exception."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: a profile is a JSON object, got {type(data).__name__}")
         if data.get("format") != PROFILE_FORMAT:
             raise ConfigError(
                 f"{source}: format must be {PROFILE_FORMAT!r}, got {data.get('format')!r}"
@@ -188,7 +192,8 @@ class ModelProfile:
                 model=dict(data.get("model", {})),
                 device=dict(data.get("device", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            # AttributeError: a unit that is not an object; OverflowError: int(1e400)
             if isinstance(exc, ConfigError):
                 raise ConfigError(f"{source}: {exc}") from None
             raise ConfigError(

@@ -42,7 +42,10 @@ class RunRequest(WireMessage):
     "dead" stages; ``rebalance`` at a replica when the bottleneck would shrink by this
     share; ``replication`` "global" (all at the coordinator), "chain" (FTPipeHD) or
     "topology" (Asteroid); ``admit``: devices that may join the plan at a replica when
-    they register (or come back), null for any.
+    they register (or come back), null for any. ``num_units``: the model's unit
+    count as the (trusted) client computed it, sent only for families that run user
+    code (``sequential``, ``traced``), so that the coordinator never imports a
+    peer-named factory to count units (:func:`zpipe.models.count_units`).
     """
 
     KIND: ClassVar[str] = "run_request"
@@ -64,6 +67,7 @@ class RunRequest(WireMessage):
     admit: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     train: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     resume: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    num_units: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -22,6 +22,11 @@ from zpipe.cli_common import (
     timeouts_from_args,
 )
 from zpipe.log import configure_logging, get_logger
+from zpipe.models.trust import (
+    add_allow_factory_arguments,
+    allow_list_from_args,
+    allow_peer_factories,
+)
 from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.emulation import LinkSpec
@@ -145,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit when the coordinator has been silent for S seconds "
         "(default: ten heartbeat intervals, at least 10)",
     )
+    add_allow_factory_arguments(parser)
     add_common_flags(parser)
     return parser
 
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        # Model factories peers' specs may name: what the operator allowed, nothing else.
+        allow_peer_factories(allow_list_from_args(args))
         validate_endpoint(args.coordinator, flag="--coordinator")
         validate_endpoint(args.bind, flag="--bind")
         if args.probe_bind is not None:
