@@ -144,3 +144,20 @@ def test_roles_file_comments_and_names(tmp_path: Path) -> None:
     with pytest.raises(SecurityError, match="unknown role"):
         record_roles(tmp_path, {"b": "admin"})
     assert load_roles(tmp_path) == {"a": "stage"}  # nothing written on a bad update
+
+
+def test_the_keys_command_records_roles(tmp_path: Path) -> None:
+    from zpipe.keys_cli import main as keys_main
+
+    keys = tmp_path / "keys"
+    assert keys_main(["--dir", str(keys), "coordinator", "client", "phone"]) == 0
+    assert keys_main(["--dir", str(keys), "--role", "client", "dashboard"]) == 0
+    roles = KeyRoles.from_dir(keys)
+    public = security.load_public_keys(keys)
+    by_name = {name: roles.role_of(key) for name, key in public.items()}
+    assert by_name == {
+        "coordinator": "coordinator",
+        "client": "client",
+        "phone": "stage",
+        "dashboard": "client",
+    }
