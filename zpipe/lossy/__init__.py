@@ -20,7 +20,8 @@ Across real processes (none re-exported here: the wire pulls in torch for the co
 - :mod:`.shard`        one device's slices and passes (the engine runs one per device)
 - :mod:`.trace`        what a run did, message by message; the in-process reference
 - :mod:`.linkmodes`    wait modes and link transports (UDP needs draft sockets)
-- :mod:`.wire`         the device processes' message kinds on zpipe's codec
+- :mod:`.wire`         run specs and array conversion for the device processes (their
+                       message kinds are in :mod:`zpipe.protocol.lossy`)
 - :mod:`.device`       ``python -m zpipe.lossy.device``: one device process
 - :mod:`.multiprocess` the launcher: a pool of device processes, runs, link probes
 """
