@@ -317,7 +317,7 @@ class StageLifecycle:
             return [SendToCoordinator("metrics", body, epoch=message.epoch, attach_metrics=True)]
         if kind == "shutdown":
             self.phase = Phase.STOPPING
-            return [Exit(f"the coordinator shut this stage down: {message['reason']}")]
+            return [Exit(str(message["reason"]))]  # a clean exit, logged as stage_shutdown
         return [DropMessage("coordinator", f"unexpected control message {kind!r}")]
 
     def _assign(self, message: Message) -> list[Command]:
