@@ -34,16 +34,13 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.log import get_logger
-from zpipe.stage.assignment import Assignment, AssignmentBuilder, push_connector
 from zpipe.stage.config import StageConfig
-from zpipe.stage.dataport import DataPort
-from zpipe.stage.inference import InferenceLoop
+from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.lifecycle import (
     AllowProbePeers,
     Command,
     ConnectAssignment,
     CoordinatorLost,
-    DataRoute,
     DropMessage,
     Exit,
     Job,
@@ -58,11 +55,8 @@ from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts
 from zpipe.stage.replicas import ReplicaStore
-from zpipe.stage.shard import Shard
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
-from zpipe.stage.trainer import TrainingExecutor
-from zpipe.stage.training_plane import TrainingPlane, prepare_training, training_setup
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import decode_frames, new_context, recv_frames, send
 
@@ -90,14 +84,8 @@ class StageRuntime:
         self._lifecycle: StageLifecycle | None = None
         self._supervisor = TaskSupervisor(config.name, self._task_died)
         self._jobs: dict[Job, asyncio.Task[None]] = {}
-        self._builder = AssignmentBuilder(compute=self._compute, slowdown=config.slowdown)
         self._snapshots: SnapshotService | None = None
-        self._pending: Assignment | None = None  # built, waiting for "connect"
-        self._assignment: Assignment | None = None  # connected
-        self._downstream: zmq.asyncio.Socket | None = None  # inference assignments
-        self._inference: InferenceLoop | None = None
-        self._training: TrainingPlane | None = None
-        self._retired_training: TrainingPlane | None = None  # its sockets still drain
+        self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
         self._stopping = asyncio.Event()
         self._exit: Exit | None = None
         self.data_endpoint = ""
@@ -142,6 +130,18 @@ class StageRuntime:
             connect_s=timeouts.connect_s,
             silence_limit_s=timeouts.coordinator_silence_s,
             now=time.monotonic(),
+        )
+        self._plane = DataPlane(
+            config=self.config,
+            context=self._context,
+            compute=self._compute,
+            counters=self.counters,
+            keys=self._keys,
+            data_in=ports.data_in,
+            data_endpoint=self.data_endpoint,
+            lifecycle=self._lifecycle,
+            supervisor=self._supervisor,
+            fetch_state=self._snapshots.fetched_state,
         )
 
     def _info(self) -> dict[str, Any]:
@@ -284,7 +284,8 @@ class StageRuntime:
                 if self._keys.probe_allow is not None:
                     self._keys.probe_allow.replace({n: k.encode() for n, k in command.keys.items()})
             elif isinstance(command, ConnectAssignment):
-                await self._connect(command)
+                assert self._plane is not None
+                await self._carry_out(await self._plane.connect(command))
             elif isinstance(command, DropMessage):
                 self.counters.dropped += 1
                 log.warning(
@@ -362,10 +363,10 @@ class StageRuntime:
             )  # type: ignore[arg-type]
 
     async def _run_job(self, job: Job, message: Message) -> None:
-        name, snapshots = self.config.name, self._snapshots
-        assert snapshots is not None
+        name, snapshots, plane = self.config.name, self._snapshots, self._plane
+        assert snapshots is not None and plane is not None
         if job is Job.ASSIGN:
-            await self._assign(message)
+            await self._carry_out(await plane.assign(message))
         elif job is Job.PROFILE:
             reply = await profile_reply(
                 message, name=name, slowdown=self.config.slowdown, compute=self._compute
@@ -383,207 +384,24 @@ class StageRuntime:
             )
             await self._send_control("link_probe_reply", reply)
         elif job is Job.WEIGHTS:
-            reply, tensors = await snapshots.weights_reply(
-                message, self._trainer, self._stop_data_tasks
-            )
+            reply, tensors = await snapshots.weights_reply(message, plane.trainer, plane.stop)
             await self._send_control("weights", reply, message.epoch, tensors=tensors)
         elif job is Job.BACKUP:
-            reply, tensors = await snapshots.backup_reply(message, self._trainer, self._pace)
+            reply, tensors = await snapshots.backup_reply(message, plane.trainer, plane.pace)
             await self._send_control("backed_up", reply, message.epoch, tensors=tensors)
-
-    @property
-    def _trainer(self) -> TrainingExecutor | None:
-        return self._training.trainer if self._training is not None else None
-
-    async def _pace(self, nbytes: int) -> None:
-        if self._training is not None:
-            await self._training.pace(nbytes)
-
-    # ------------------------------------------------------------ assignment
-
-    async def _assign(self, message: Message) -> None:
-        body = message.body
-        run, epoch = int(body["run"]), message.epoch
-        log.info(
-            "assignment_received",
-            stage=self.config.name,
-            run=run,
-            epoch=epoch,
-            start=body["start"],
-            end=body["end"],
-            downstream=body["downstream"],
-        )
-        await self._stop_data_tasks()
-        self._assignment = None
-        self._pending = None
-        started = time.monotonic()
-        assert self._snapshots is not None
-        try:
-            built = await self._builder.build(
-                message,
-                parse_training=lambda m: training_setup(
-                    m, name=self.config.name, wait_s=self.config.timeouts.result_s
-                ),
-                prepare_training=lambda a, train: prepare_training(
-                    a, train, data_endpoint=self.data_endpoint, data_bind=self.config.data_bind
-                ),
-                fetch_state=self._snapshots.fetched_state,
-            )
-            if self._keys.data_allow is not None:
-                # Allowed before anyone connects: a refused CURVE handshake is not retried.
-                self._keys.data_allow.replace([k.encode() for k in built.senders if k])
-        except Exception as exc:  # any failure to build is reported, and the stage keeps serving
-            log.error("assignment_failed", stage=self.config.name, run=run, error=str(exc))
-            await self._carry_out(self.lifecycle.assignment_failed(run, epoch, describe_error(exc)))
-            return
-        self._pending = built.assignment
-        build_s = time.monotonic() - started
-        log.info(
-            "assignment_ready",
-            stage=self.config.name,
-            run=run,
-            epoch=epoch,
-            build_s=round(build_s, 3),
-            reused=built.reused,
-        )
-        await self._carry_out(
-            self.lifecycle.assignment_ready(
-                run, epoch, build_s=build_s, ring_endpoint=built.assignment.ring_endpoint
-            )
-        )
-
-    async def _connect(self, command: ConnectAssignment) -> None:
-        """Second phase of an assignment: every stage now allows its upstream's key."""
-        assignment, run = self._pending, command.run
-        if assignment is None or assignment.run != run:
-            reason = f"connect for run {run}, which this stage has not built"
-            await self._carry_out([DropMessage("coordinator", reason)])
-            return
-        self._pending = None
-        if self._retired_training is not None:
-            self._retired_training.release_peers()
-            self._retired_training = None
-        connect_push = push_connector(self._context, self.config.socket_options, self._keys.keypair)
-        try:
-            if assignment.training is not None:
-                plane = TrainingPlane(
-                    assignment=assignment,
-                    context=self._context,
-                    connector=connect_push,
-                    compute=self._compute,
-                    counters=self.counters,
-                    link=self.config.link,
-                    socket_options=self.config.socket_options,
-                    keypair=self._keys.keypair,
-                    authenticator=self._keys.authenticator,
-                    timeout_s=self.config.timeouts.result_s,
-                    send_timeout_s=self.config.timeouts.send_s,
-                )
-                self._training = plane
-                await plane.connect(command.ring)
-            else:
-                if self._downstream is not None:
-                    self._downstream.close(linger=0)
-                    self._downstream = None
-                self._downstream = connect_push(
-                    assignment.downstream_endpoint,
-                    assignment.downstream_key,
-                    assignment.downstream,
-                )
-        except Exception as exc:
-            await self._stop_data_tasks()
-            error = describe_error(exc)
-            await self._carry_out(self.lifecycle.connect_failed(run, assignment.epoch, error))
-            return
-        self._assignment = assignment
-        self.counters.reset()
-        commands = self.lifecycle.connected(run, self._route(assignment))
-        self._start_data_tasks(assignment)
-        log.info(
-            "connected",
-            stage=self.config.name,
-            run=run,
-            epoch=assignment.epoch,
-            downstream=assignment.downstream,
-        )
-        await self._carry_out(commands)
-
-    @staticmethod
-    def _route(assignment: Assignment) -> DataRoute:
-        setup = assignment.training
-        if setup is None:
-            return DataRoute.inference(assignment.epoch, assignment.upstream)
-        return DataRoute.training(
-            assignment.epoch, setup.upstream.names, setup.downstream.names, last=setup.last
-        )
-
-    # ------------------------------------------------------------- data plane
-
-    def _start_data_tasks(self, assignment: Assignment) -> None:
-        assert self._ports is not None
-        port = DataPort(
-            socket=self._ports.data_in,
-            lifecycle=self.lifecycle,
-            counters=self.counters,
-            name=self.config.name,
-            max_message_bytes=self.config.socket_options.max_message_bytes,
-            allowed=self._keys.data_allow,
-        )
-        upstream = assignment.upstream
-        if self._training is not None:
-            plane = self._training
-            self._supervisor.start(
-                "data-receive", lambda: port.serve(plane.deliver, upstream=upstream)
-            )
-            self._supervisor.start("compute", plane.run)
-            self._supervisor.start("send", plane.send_loop)
-            return
-        assert isinstance(assignment.shard, Shard) and self._downstream is not None
-        loop = InferenceLoop(
-            name=self.config.name,
-            run=assignment.run,
-            epoch=assignment.epoch,
-            shard=assignment.shard,
-            compute=self._compute,
-            counters=self.counters,
-            downstream=self._downstream,
-            downstream_name=assignment.downstream,
-            link=self.config.link,
-            send_timeout_s=self.config.timeouts.send_s,
-        )
-        self._inference = loop
-        self._supervisor.start("data-receive", lambda: port.serve(loop.deliver, upstream=upstream))
-        self._supervisor.start("compute", loop.compute_loop)
-        self._supervisor.start("send", loop.send_loop)
-
-    async def _stop_data_tasks(self) -> None:
-        await self._supervisor.stop(DATA_TASKS)
-        if self._inference is not None:
-            await self._inference.close()
-            self._inference = None
-        if self._training is not None:
-            await self._training.close()
-            if self._retired_training is not None:
-                self._retired_training.release_peers()
-            self._retired_training, self._training = self._training, None
-        if self._lifecycle is not None:
-            self._lifecycle.data_stopped()
 
     # --------------------------------------------------------------- shutdown
 
     async def close(self) -> None:
         if self._lifecycle is not None:
             self._lifecycle.stop_requested("closing")
-        await self._stop_data_tasks()
+        if self._plane is not None:
+            await self._plane.close()
         for task in self._jobs.values():
             task.cancel()
         await self._supervisor.stop()
         if self._probe_responder is not None:
             await self._probe_responder.close()
-        if self._retired_training is not None:
-            self._retired_training.release_peers()
-        if self._downstream is not None:
-            self._downstream.close(linger=0)
         if self._ports is not None:
             self._ports.close()
         self._keys.stop()
