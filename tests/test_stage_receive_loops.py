@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from zpipe.config import Timeouts
 from zpipe.stage.dataport import DataPort
-from zpipe.stage.lifecycle import DataRoute, StageLifecycle
+from zpipe.stage.lifecycle import DataRoute, StageLifecycle, StageTaskFailed
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.runtime import StageConfig, StageRuntime
@@ -285,6 +285,43 @@ async def test_the_control_loop_survives_any_exception_from_one_message(
         assert not serving.done()
         await send(routing_id, frames_of(Message("shutdown", {"reason": "test over"})))
         await asyncio.wait_for(serving, 10.0)  # a clean exit: no exception
+    finally:
+        if not serving.done():
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+        coordinator.close(linger=0)
+
+
+async def test_a_receive_task_that_keeps_dying_fails_the_stage_loudly(
+    context: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    starts = 0
+
+    async def broken_serve(self: ProbeResponder) -> None:
+        nonlocal starts
+        starts += 1
+        raise zmq.ZMQError(zmq.ENOTSOCK)  # a socket that broke under the loop
+
+    monkeypatch.setattr(ProbeResponder, "serve", broken_serve)
+    port = free_tcp_port("127.0.0.1")
+    coordinator = open_socket(context, zmq.ROUTER, OPTIONS)
+    coordinator.bind(f"tcp://127.0.0.1:{port}")
+    runtime = StageRuntime(
+        StageConfig(
+            name="s0",
+            coordinator=f"tcp://127.0.0.1:{port}",
+            data_bind="tcp://127.0.0.1:0",
+            timeouts=Timeouts(connect_s=10.0),
+        )
+    )
+    serving = asyncio.create_task(runtime.serve())
+    try:
+        routing_id, _ = await _expect(coordinator, "register")
+        registered = Message("registered", {"name": "s0", "heartbeat_interval": 5.0})
+        await coordinator.send_multipart([routing_id, *frames_of(registered)])
+        with pytest.raises(StageTaskFailed, match="probe task died 4 times"):
+            await asyncio.wait_for(serving, 10.0)
+        assert starts == 4  # the first run and three restarts
     finally:
         if not serving.done():
             serving.cancel()

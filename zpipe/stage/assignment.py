@@ -20,7 +20,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError
+from zpipe._errors import ProtocolError
 from zpipe.models import ModelSpec
 from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard
@@ -68,12 +68,12 @@ def push_connector(
 ) -> PushConnector:
     def connect(endpoint: str, key: str | None, peer: str) -> zmq.asyncio.Socket:
         if not endpoint:
-            raise ConfigError(f"the coordinator sent no endpoint for {peer!r}")
+            raise ProtocolError(f"the coordinator sent no endpoint for {peer!r}")
         sock = open_socket(context, zmq.PUSH, options)
         if keypair is not None:
             if not key:
                 sock.close(linger=0)
-                raise ConfigError(f"the coordinator sent no public key for {peer!r}")
+                raise ProtocolError(f"the coordinator sent no public key for {peer!r}")
             security.secure_client(sock, keypair, key.encode())
         sock.connect(endpoint)
         return sock

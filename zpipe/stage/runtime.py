@@ -167,16 +167,16 @@ class StageRuntime:
         """Run until shut down by the coordinator, a signal, or coordinator loss."""
         if self.config.threads is not None:
             torch.set_num_threads(self.config.threads)
-        self._open()
-        log.info(
-            "stage_starting",
-            stage=self.config.name,
-            data_endpoint=self.data_endpoint,
-            coordinator=self.config.coordinator,
-            threads=torch.get_num_threads(),
-            slowdown=self.config.slowdown,
-        )
         try:
+            self._open()  # inside: what a failed start opened is closed again
+            log.info(
+                "stage_starting",
+                stage=self.config.name,
+                data_endpoint=self.data_endpoint,
+                coordinator=self.config.coordinator,
+                threads=torch.get_num_threads(),
+                slowdown=self.config.slowdown,
+            )
             await self._register()
             log.info(
                 "stage_registered",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError
+from zpipe._errors import ConfigError, PipelineError, ProtocolError, UnitsLostError
 from zpipe.log import get_logger
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.replicas import ReplicaStore, peer_request
@@ -79,7 +79,7 @@ class SnapshotService:
         tensors: tuple[torch.Tensor, ...] = ()
         try:
             if trainer is None or trainer.setup.run != run:
-                raise ConfigError(f"this stage is not training run {run}")
+                raise PipelineError(f"this stage is not training run {run}")
             shard = trainer.shard
             if message.get("latest"):
                 # The run broke elsewhere: stop it here, then read the state in the
@@ -126,7 +126,7 @@ class SnapshotService:
         tensors: tuple[torch.Tensor, ...] = ()
         try:
             if trainer is None or trainer.setup.run != run:
-                raise ConfigError(f"this stage is not training run {run}")
+                raise PipelineError(f"this stage is not training run {run}")
             await trainer.wait_for_step(step, self._timeout_s)
             loop = asyncio.get_running_loop()
             state = await loop.run_in_executor(
@@ -157,7 +157,7 @@ class SnapshotService:
                     timeout_s=self._timeout_s,
                 )
                 if answer["error"]:
-                    raise ConfigError(f"{holder} did not keep the backup: {answer['error']}")
+                    raise PipelineError(f"{holder} did not keep the backup: {answer['error']}")
         except Exception as exc:  # reported: the coordinator decides what it means
             reply["error"] = describe_error(exc)
             log.error("backup_failed", stage=self.name, error=reply["error"])
@@ -232,8 +232,8 @@ class SnapshotService:
                 timeout_s=self._timeout_s,
             )
             if reply["error"]:
-                raise ConfigError(
-                    f"{source} could not send units [{start}, {end}): {reply['error']}"
+                raise UnitsLostError(
+                    (start, end), f"{source} could not send them: {reply['error']}"
                 )
             if len(reply["keys"]) != len(reply.tensors):
                 raise ProtocolError(f"{source} sent mismatched units")

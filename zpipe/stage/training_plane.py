@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ZpipeError
+from zpipe._errors import PeerGoneError, ProtocolError, ZpipeError
 from zpipe.log import get_logger
 from zpipe.stage.assignment import Assignment, PushConnector
 from zpipe.stage.lifecycle import CLIENT
@@ -36,11 +36,11 @@ log = get_logger("zpipe.stage")
 
 
 def training_setup(message: Message, *, name: str, wait_s: float) -> TrainingSetup:
-    """A training assignment's settings, checked; :class:`ConfigError` if malformed."""
+    """A training assignment's settings, checked; a :class:`ProtocolError` if malformed."""
     body = message.body
     train = body.get("train")
     if not isinstance(train, dict):
-        raise ConfigError("a training assignment needs its 'train' settings")
+        raise ProtocolError("a training assignment needs its 'train' settings")
 
     def group(entry: Any) -> Group:
         names = tuple(str(n) for n in entry["names"])
@@ -70,7 +70,7 @@ def training_setup(message: Message, *, name: str, wait_s: float) -> TrainingSet
             wait_s=wait_s,
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"malformed training settings: {exc!r}") from None
+        raise ProtocolError(f"malformed training settings: {exc!r}") from None
 
 
 def prepare_training(
@@ -142,7 +142,7 @@ class TrainingPlane:
         setup = self.setup
         if len(setup.group.names) > 1:
             if not isinstance(ring, dict):
-                raise ConfigError("a shared stage was not told its all-reduce ring")
+                raise ProtocolError("a shared stage was not told its all-reduce ring")
             keys = ring.get("keys")
             self._ring = RingAllReduce(
                 context=self._context,
@@ -224,7 +224,7 @@ class TrainingPlane:
         peer, message = item
         sock = self._peers.get(peer)
         if sock is None:
-            raise ConfigError(f"no socket to send {message.kind} to {peer!r}")
+            raise PeerGoneError(peer, message.kind)  # not a neighbour of this assignment
         self._counters.bytes_out += await send(
             sock, message, timeout_s=self._send_timeout_s, peer=peer
         )
