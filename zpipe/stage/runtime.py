@@ -354,13 +354,11 @@ class StageRuntime:
         self._jobs[command.job] = task
 
     def _job_ended(self, job: Job, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:  # the coordinator's own deadline covers the missing reply
             log.error(
-                "job_failed",
-                stage=self.config.name,
-                job=job.value,
-                error=describe_error(task.exception()),
-            )  # type: ignore[arg-type]
+                "job_failed", stage=self.config.name, job=job.value, error=describe_error(error)
+            )
 
     async def _run_job(self, job: Job, message: Message) -> None:
         name, snapshots, plane = self.config.name, self._snapshots, self._plane
