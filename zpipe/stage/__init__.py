@@ -13,7 +13,7 @@ Where each part lives (decisions in pure modules, I/O in the shells)::
         dataport.DataPort           data in: key, framing, sender and epoch checks
         inference.InferenceLoop     receive -> compute (thread) -> send
         training_plane.TrainingPlane  neighbours, ring, sends of a training run
-          trainer.TrainingExecutor      pure schedule of F/B/ALLREDUCE/STEP actions
+          trainer.TrainingExecutor      runs the schedule's F/B/ALLREDUCE/STEP actions
       snapshots.SnapshotService   weights, backups and unit fetches for recovery
       measurements                profiles and link measurements for the planner
       linkprobe.ProbeResponder    the probe port (link probes, peer requests)
