@@ -1,0 +1,20 @@
+"""One pipeline stage: ``python -m zpipe.stage`` on each device.
+
+Where each part lives (decisions in pure modules, I/O in the shells)::
+
+    runtime.StageRuntime        the process: sockets, tasks; carries out commands
+      lifecycle.StageLifecycle    pure: registration, assignments, liveness, which
+                                  data message is computed, restart-or-fail
+      supervision                 receive loops that survive one bad message;
+                                  tasks that never die silently
+      ports                       control / data / probe sockets and keys
+      dataplane.DataPlane         the assignment being built, the one running
+        assignment                  building shards (kept for a repeated run)
+        dataport.DataPort           data in: key, framing, sender and epoch checks
+        inference.InferenceLoop     receive -> compute (thread) -> send
+        training_plane.TrainingPlane  neighbours, ring, sends of a training run
+          trainer.TrainingExecutor      runs the schedule's F/B/ALLREDUCE/STEP actions
+      snapshots.SnapshotService   weights, backups and unit fetches for recovery
+      measurements                profiles and link measurements for the planner
+      linkprobe.ProbeResponder    the probe port (link probes, peer requests)
+"""

@@ -108,8 +108,14 @@ class ProbeResponder:
             try:
                 message = decode_frames(frames[1:], self.max_message_bytes)
                 await self._handle(routing_id, message, arrived)
+            except asyncio.CancelledError:
+                raise
             except (ProtocolError, TransportTimeout, zmq.ZMQError) as exc:
-                log.warning("probe_dropped", stage=self.name, error=str(exc))
+                log.warning("probe_dropped", stage=self.name, peer=routing_id.hex(),
+                            error=str(exc))  # fmt: skip
+            except Exception as exc:  # one message never takes the probe port down
+                log.error("probe_failed", stage=self.name, peer=routing_id.hex(),
+                          error=f"{type(exc).__name__}: {exc}")  # fmt: skip
 
     async def _handle(self, routing_id: bytes, message: Message, arrived: float) -> None:
         kind = message.kind

@@ -1,0 +1,177 @@
+"""An assignment of units to this stage, and building its shard.
+
+An ``assign`` message names the model, the unit range, the neighbours and the
+plan epoch; :class:`AssignmentBuilder` builds the shard in the compute thread
+(inference shards are kept and reused when the next run asks for the same
+units; training shards are built afresh, from a replica or from snapshots
+fetched from peers) and returns the :class:`Assignment` the runtime connects
+once the coordinator says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ProtocolError
+from zpipe.models import ModelSpec
+from zpipe.stage.shard import Shard
+from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.trainer import TrainingSetup
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import SocketOptions, open_socket
+
+
+@dataclass
+class Assignment:
+    run: int
+    epoch: int
+    start: int
+    end: int
+    index: int
+    num_stages: int
+    upstream: str
+    downstream: str
+    downstream_endpoint: str
+    shard: Shard | TrainShard
+    upstream_key: str | None = None
+    downstream_key: str | None = None
+    # training runs only: the round's settings, every neighbour device's (endpoint, key)
+    # that this one sends to, and this device's port in its group's all-reduce ring
+    training: TrainingSetup | None = None
+    peers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    ring_bind: str = ""
+    ring_endpoint: str = ""
+
+
+@dataclass(frozen=True)
+class BuiltAssignment:
+    assignment: Assignment
+    reused: bool  # the previous run's shard, kept
+    senders: list[str | None]  # the public keys that may send to the data port
+
+
+# (endpoint, public key, peer name) -> a connected PUSH socket
+PushConnector = Callable[[str, "str | None", str], zmq.asyncio.Socket]
+
+
+def push_connector(
+    context: zmq.asyncio.Context, options: SocketOptions, keypair: security.KeyPair | None
+) -> PushConnector:
+    def connect(endpoint: str, key: str | None, peer: str) -> zmq.asyncio.Socket:
+        if not endpoint:
+            raise ProtocolError(f"the coordinator sent no endpoint for {peer!r}")
+        sock = open_socket(context, zmq.PUSH, options)
+        if keypair is not None:
+            if not key:
+                sock.close(linger=0)
+                raise ProtocolError(f"the coordinator sent no public key for {peer!r}")
+            security.secure_client(sock, keypair, key.encode())
+        sock.connect(endpoint)
+        return sock
+
+    return connect
+
+
+def resumed_state(message: Message) -> dict[str, torch.Tensor] | None:
+    """The replica an assignment carries (weights and optimizer state), if any."""
+    keys = message.get("state_keys")
+    if keys is None:
+        if message.tensors:
+            raise ProtocolError("an assignment carries tensors but no state_keys")
+        return None
+    if len(keys) != len(message.tensors) or not all(isinstance(k, str) for k in keys):
+        raise ProtocolError("an assignment's state_keys do not match its tensors")
+    # Copies: the frames' memory belongs to the zmq message, the shard keeps these.
+    return {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
+
+
+ShardKey = tuple[ModelSpec, int, int, str]  # (spec, start, end, dtype)
+# the units an assignment's "fetch" list names, from snapshots here or at peers
+FetchState = Callable[[list[Any]], Awaitable[dict[str, torch.Tensor]]]
+# (assignment, its "train" settings) -> the senders to allow
+PrepareTraining = Callable[[Assignment, dict[str, Any]], list["str | None"]]
+ParseTraining = Callable[[Message], TrainingSetup]
+
+
+class AssignmentBuilder:
+    """Builds assignments' shards in the compute thread; keeps the last inference shard."""
+
+    def __init__(self, *, compute: ThreadPoolExecutor, slowdown: float) -> None:
+        self._compute = compute
+        self._slowdown = slowdown
+        # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.
+        self._cached: tuple[ShardKey, Shard] | None = None
+
+    async def build(
+        self,
+        message: Message,
+        *,
+        parse_training: ParseTraining,
+        prepare_training: PrepareTraining,
+        fetch_state: FetchState,
+    ) -> BuiltAssignment:
+        body = message.body
+        spec = ModelSpec.from_dict(body["model"])
+        key: ShardKey = (spec, int(body["start"]), int(body["end"]), str(body["dtype"]))
+        reused = self._cached is not None and self._cached[0] == key
+        training = parse_training(message) if body.get("mode") == "train" else None
+        loop = asyncio.get_running_loop()
+        shard: Shard | TrainShard
+        if training is not None:
+            # Trained weights are never reused by another run: build afresh.
+            self._cached, reused = None, False
+            train = dict(body["train"])
+            resumed = resumed_state(message)
+            if body.get("fetch"):
+                resumed = {**(resumed or {}), **await fetch_state(list(body["fetch"]))}
+            shard = await loop.run_in_executor(
+                self._compute,
+                lambda: TrainShard.build(
+                    spec,
+                    key[1],
+                    key[2],
+                    first=training.index == 0,
+                    last=training.index == training.num_stages - 1,
+                    loss=str(train["loss"]),
+                    optimizer=dict(train["optimizer"]),
+                    slowdown=self._slowdown,
+                    state=resumed,
+                ),
+            )
+        elif self._cached is not None and reused:
+            shard = self._cached[1]  # the same units again: keep them, build nothing
+        else:
+            self._cached = None  # let the old units go before the new ones are built
+            shard = await loop.run_in_executor(
+                self._compute,
+                lambda: Shard.build(spec, key[1], key[2], dtype=key[3], slowdown=self._slowdown),
+            )
+            self._cached = (key, shard)
+        assignment = Assignment(
+            run=int(body["run"]),
+            epoch=message.epoch,
+            start=key[1],
+            end=key[2],
+            index=int(body["index"]),
+            num_stages=int(body["num_stages"]),
+            upstream=str(body["upstream"]),
+            downstream=str(body["downstream"]),
+            downstream_endpoint=str(body["downstream_endpoint"]),
+            shard=shard,
+            upstream_key=body.get("upstream_key"),
+            downstream_key=body.get("downstream_key"),
+            training=training,
+        )
+        senders = [assignment.upstream_key]
+        if training is not None:
+            senders = prepare_training(assignment, dict(body["train"]))
+        return BuiltAssignment(assignment, reused, senders)

@@ -1,0 +1,232 @@
+"""The stage's data plane: the assignment being built, the one running, and its tasks.
+
+An assignment goes through two phases the coordinator drives: ``assign``
+(build the shard, allow the senders' keys, answer ``ready``) and ``connect``
+(connect to the neighbours once every stage allows its upstream, start the
+data tasks, answer ``connected``). The data tasks are the data port's receive
+loop feeding either the inference loop or the training plane, run under the
+stage's task supervisor. Each method returns the lifecycle controller's
+commands for the runtime to carry out.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq.asyncio
+
+from zpipe.log import get_logger
+from zpipe.stage.assignment import Assignment, AssignmentBuilder, FetchState, push_connector
+from zpipe.stage.config import StageConfig
+from zpipe.stage.dataport import DataPort
+from zpipe.stage.inference import InferenceLoop
+from zpipe.stage.lifecycle import Command, ConnectAssignment, DataRoute, DropMessage, StageLifecycle
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.ports import StageKeys
+from zpipe.stage.shard import Shard
+from zpipe.stage.supervision import TaskSupervisor, describe_error
+from zpipe.stage.trainer import TrainingExecutor
+from zpipe.stage.training_plane import TrainingPlane, prepare_training, training_setup
+from zpipe.transport.codec import Message
+
+log = get_logger("zpipe.stage")
+
+# the tasks of a running assignment, stopped with it
+DATA_TASKS = ["data-receive", "compute", "send"]
+
+
+class DataPlane:
+    def __init__(
+        self,
+        *,
+        config: StageConfig,
+        context: zmq.asyncio.Context,
+        compute: ThreadPoolExecutor,
+        counters: StageCounters,
+        keys: StageKeys,
+        data_in: zmq.asyncio.Socket,
+        data_endpoint: str,
+        lifecycle: StageLifecycle,
+        supervisor: TaskSupervisor,
+        fetch_state: FetchState,
+    ) -> None:
+        self.config = config
+        self._context = context
+        self._compute = compute
+        self._counters = counters
+        self._keys = keys
+        self._data_in = data_in
+        self._data_endpoint = data_endpoint
+        self._lifecycle = lifecycle
+        self._supervisor = supervisor
+        self._fetch_state = fetch_state
+        self._builder = AssignmentBuilder(compute=compute, slowdown=config.slowdown)
+        self._pending: Assignment | None = None  # built, waiting for "connect"
+        self._downstream: zmq.asyncio.Socket | None = None  # inference assignments
+        self._inference: InferenceLoop | None = None
+        self._training: TrainingPlane | None = None
+        self._retired_training: TrainingPlane | None = None  # its sockets still drain
+
+    @property
+    def trainer(self) -> TrainingExecutor | None:
+        return self._training.trainer if self._training is not None else None
+
+    async def pace(self, nbytes: int) -> None:
+        """Traffic beside the data (backups) crosses the device's one emulated radio too."""
+        if self._training is not None:
+            await self._training.pace(nbytes)
+
+    # ------------------------------------------------------------ assignment
+
+    async def assign(self, message: Message) -> list[Command]:
+        """Stop what runs, build the new assignment's shard, allow its senders."""
+        name, body = self.config.name, message.body
+        run, epoch = int(body["run"]), message.epoch
+        log.info("assignment_received", stage=name, run=run, epoch=epoch, start=body["start"],
+                 end=body["end"], downstream=body["downstream"])  # fmt: skip
+        await self.stop()
+        self._pending = None
+        started = time.monotonic()
+        try:
+            built = await self._builder.build(
+                message,
+                parse_training=lambda m: training_setup(
+                    m, name=name, wait_s=self.config.timeouts.result_s
+                ),
+                prepare_training=lambda a, train: prepare_training(
+                    a, train, data_endpoint=self._data_endpoint, data_bind=self.config.data_bind
+                ),
+                fetch_state=self._fetch_state,
+            )
+            if self._keys.data_allow is not None:
+                # Allowed before anyone connects: a refused CURVE handshake is not retried.
+                self._keys.data_allow.replace([k.encode() for k in built.senders if k])
+        except Exception as exc:  # any failure to build is reported, and the stage keeps serving
+            log.error("assignment_failed", stage=name, run=run, error=str(exc))
+            return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))
+        self._pending = built.assignment
+        build_s = time.monotonic() - started
+        log.info("assignment_ready", stage=name, run=run, epoch=epoch,
+                 build_s=round(build_s, 3), reused=built.reused)  # fmt: skip
+        return self._lifecycle.assignment_ready(
+            run, epoch, build_s=build_s, ring_endpoint=built.assignment.ring_endpoint
+        )
+
+    async def connect(self, command: ConnectAssignment) -> list[Command]:
+        """Second phase of an assignment: every stage now allows its upstream's key."""
+        assignment, run = self._pending, command.run
+        if assignment is None or assignment.run != run:
+            return [DropMessage("coordinator", f"connect for run {run}, which this stage "
+                                               "has not built")]  # fmt: skip
+        self._pending = None
+        if self._retired_training is not None:
+            self._retired_training.release_peers()
+            self._retired_training = None
+        try:
+            if assignment.training is not None:
+                self._training = self._training_plane(assignment)
+                await self._training.connect(command.ring)
+            else:
+                self._connect_downstream(assignment)
+        except Exception as exc:
+            await self.stop()
+            error = describe_error(exc)
+            return self._lifecycle.connect_failed(run, assignment.epoch, error)
+        self._counters.reset()
+        commands = self._lifecycle.connected(run, _route(assignment))
+        self._start_tasks(assignment)
+        log.info("connected", stage=self.config.name, run=run, epoch=assignment.epoch,
+                 downstream=assignment.downstream)  # fmt: skip
+        return commands
+
+    def _connect_downstream(self, assignment: Assignment) -> None:
+        if self._downstream is not None:
+            self._downstream.close(linger=0)
+            self._downstream = None
+        connect = push_connector(self._context, self.config.socket_options, self._keys.keypair)
+        self._downstream = connect(
+            assignment.downstream_endpoint, assignment.downstream_key, assignment.downstream
+        )
+
+    def _training_plane(self, assignment: Assignment) -> TrainingPlane:
+        return TrainingPlane(
+            assignment=assignment,
+            context=self._context,
+            connector=push_connector(self._context, self.config.socket_options, self._keys.keypair),
+            compute=self._compute,
+            counters=self._counters,
+            link=self.config.link,
+            socket_options=self.config.socket_options,
+            keypair=self._keys.keypair,
+            authenticator=self._keys.authenticator,
+            timeout_s=self.config.timeouts.result_s,
+            send_timeout_s=self.config.timeouts.send_s,
+        )
+
+    # ------------------------------------------------------------ data tasks
+
+    def _start_tasks(self, assignment: Assignment) -> None:
+        port = DataPort(
+            socket=self._data_in,
+            lifecycle=self._lifecycle,
+            counters=self._counters,
+            name=self.config.name,
+            max_message_bytes=self.config.socket_options.max_message_bytes,
+            allowed=self._keys.data_allow,
+        )
+        upstream, supervisor = assignment.upstream, self._supervisor
+        if self._training is not None:
+            plane = self._training
+            supervisor.start("data-receive", lambda: port.serve(plane.deliver, upstream=upstream))
+            supervisor.start("compute", plane.run)
+            supervisor.start("send", plane.send_loop)
+            return
+        assert isinstance(assignment.shard, Shard) and self._downstream is not None
+        loop = InferenceLoop(
+            name=self.config.name,
+            run=assignment.run,
+            epoch=assignment.epoch,
+            shard=assignment.shard,
+            compute=self._compute,
+            counters=self._counters,
+            downstream=self._downstream,
+            downstream_name=assignment.downstream,
+            link=self.config.link,
+            send_timeout_s=self.config.timeouts.send_s,
+        )
+        self._inference = loop
+        supervisor.start("data-receive", lambda: port.serve(loop.deliver, upstream=upstream))
+        supervisor.start("compute", loop.compute_loop)
+        supervisor.start("send", loop.send_loop)
+
+    async def stop(self) -> None:
+        """Stop the running assignment's tasks (a new assignment, a run broken elsewhere)."""
+        await self._supervisor.stop(DATA_TASKS)
+        if self._inference is not None:
+            await self._inference.close()
+            self._inference = None
+        if self._training is not None:
+            await self._training.close()
+            if self._retired_training is not None:
+                self._retired_training.release_peers()
+            self._retired_training, self._training = self._training, None
+        self._lifecycle.data_stopped()
+
+    async def close(self) -> None:
+        await self.stop()
+        if self._retired_training is not None:
+            self._retired_training.release_peers()
+            self._retired_training = None
+        if self._downstream is not None:
+            self._downstream.close(linger=0)
+            self._downstream = None
+
+
+def _route(assignment: Assignment) -> DataRoute:
+    setup = assignment.training
+    if setup is None:
+        return DataRoute.inference(assignment.epoch, assignment.upstream)
+    return DataRoute.training(
+        assignment.epoch, setup.upstream.names, setup.downstream.names, last=setup.last
+    )

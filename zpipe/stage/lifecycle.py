@@ -1,0 +1,436 @@
+"""The stage's lifecycle controller: events in, commands out, no sockets and no asyncio.
+
+Every decision of a stage's run control is made here and tested by feeding
+events (``tests/test_stage_lifecycle.py``), the way h11 is tested by feeding
+bytes; :mod:`zpipe.stage.runtime` owns the sockets and tasks and carries out
+the commands this returns::
+
+    REGISTERING ──registered──> IDLE ──assign──> ASSIGNING ──built──> ASSIGNED
+                                 ^                  │ failed             │ connect
+                                 └──────────────────┴─────────<─── RUNNING ──data──> compute
+    any phase ──shutdown / refused / coordinator silent / a task dying too often──> STOPPING
+
+Which data message reaches compute is decided here too (:meth:`data_verdict`):
+only a message from a sender the running assignment names, of the running
+assignment's plan epoch. Every other is dropped (a wrong sender or kind) or
+counted stale (another epoch), so after a re-partition nothing of an older
+plan is computed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zpipe._errors import ConfigError, ZpipeError
+from zpipe.transport.codec import Message
+
+# The client feeds the last training stage its labels on the data port.
+CLIENT = "client"
+
+
+class CoordinatorLost(ZpipeError):
+    """The coordinator could not be reached, or went silent, or refused this stage."""
+
+
+class StageTaskFailed(ZpipeError):
+    """A task the stage cannot serve without (a receive loop, the heartbeat) kept dying."""
+
+
+class Phase(enum.Enum):
+    REGISTERING = "registering"
+    IDLE = "idle"  # registered, no assignment (or its data tasks stopped)
+    ASSIGNING = "assigning"  # building the shard of an assignment
+    ASSIGNED = "assigned"  # built, waiting for the coordinator's "connect"
+    RUNNING = "running"  # connected: data tasks stream micro-batches
+    STOPPING = "stopping"
+
+
+class Job(enum.Enum):
+    """Requests that run beside the control loop, because they take long."""
+
+    ASSIGN = "assign"
+    PROFILE = "profile"
+    LINK_PROBE = "link_probe"
+    WEIGHTS = "weights"
+    BACKUP = "backup"
+
+
+# ----------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class SendToCoordinator:
+    kind: str
+    body: Mapping[str, Any]
+    epoch: int = 0
+    # the shell adds ``"metrics": counters`` last (heartbeats, metrics replies)
+    attach_metrics: bool = False
+    timeout_s: float | None = None  # None: the configured send timeout
+
+
+@dataclass(frozen=True)
+class StartJob:
+    job: Job
+    message: Message
+    # True: cancel a running job of the same kind; False: skip while one runs
+    newest_wins: bool
+
+
+@dataclass(frozen=True)
+class AllowProbePeers:
+    """Every cluster member's key, by name, may now reach the probe socket."""
+
+    keys: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ConnectAssignment:
+    """Connect the built assignment of ``run`` to its neighbours and start its data tasks."""
+
+    run: int
+    epoch: int
+    ring: Any  # the all-reduce ring of a shared training stage (endpoints, keys), or None
+
+
+@dataclass(frozen=True)
+class DropMessage:
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartTask:
+    name: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Stop serving; ``error`` None is a clean shutdown, otherwise the process fails."""
+
+    reason: str
+    error: ZpipeError | None = None
+
+
+Command = (
+    SendToCoordinator
+    | StartJob
+    | AllowProbePeers
+    | ConnectAssignment
+    | DropMessage
+    | RestartTask
+    | Exit
+)
+
+
+# ------------------------------------------------------------ data routing
+
+
+@dataclass(frozen=True)
+class DataRoute:
+    """Who may send which kind of data message to a running assignment."""
+
+    epoch: int
+    senders: Mapping[str, tuple[str, ...]]
+    # inference data and gradients carry tensors; a training piece may be empty
+    needs_tensors: bool
+
+    @classmethod
+    def inference(cls, epoch: int, upstream: str) -> DataRoute:
+        return cls(epoch, {"data": (upstream,), "error": (upstream,)}, needs_tensors=True)
+
+    @classmethod
+    def training(
+        cls, epoch: int, upstream: tuple[str, ...], downstream: tuple[str, ...], *, last: bool
+    ) -> DataRoute:
+        senders = {"data": upstream, "error": upstream, "grad": downstream}
+        if last:
+            senders["labels"] = (CLIENT,)
+        return cls(epoch, senders, needs_tensors=False)
+
+
+class Verdict(enum.Enum):
+    DELIVER = "deliver"
+    STALE = "stale"  # of another plan epoch: counted, not computed
+    DROP = "drop"  # not a message this assignment accepts: counted, logged
+
+
+@dataclass(frozen=True)
+class DataDecision:
+    verdict: Verdict
+    reason: str = ""
+
+
+# ------------------------------------------------------------- the controller
+
+
+@dataclass
+class _Pending:
+    run: int
+    epoch: int
+
+
+@dataclass
+class RestartPolicy:
+    """A task may die ``limit`` times within ``window_s`` and be restarted; once more fails."""
+
+    limit: int = 3
+    window_s: float = 60.0
+    _deaths: dict[str, deque[float]] = field(default_factory=dict)
+
+    def allows(self, name: str, now: float) -> bool:
+        deaths = self._deaths.setdefault(name, deque())
+        deaths.append(now)
+        while deaths and now - deaths[0] > self.window_s:
+            deaths.popleft()
+        return len(deaths) <= self.limit
+
+
+class StageLifecycle:
+    """The run control of one stage: registration, assignment, connection, liveness."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        coordinator: str,
+        registration: Mapping[str, Any],
+        connect_s: float,
+        silence_limit_s: float,
+        now: float,
+        restart_policy: RestartPolicy | None = None,
+    ) -> None:
+        self.name = name
+        self.coordinator = coordinator
+        self.registration = dict(registration)
+        self.connect_s = connect_s
+        self.silence_limit_s = silence_limit_s
+        self.phase = Phase.REGISTERING
+        self.heartbeat_interval_s = 0.0
+        self._register_deadline = now + connect_s
+        self._heard_at = now
+        self._building: _Pending | None = None  # the assignment whose shard is being built
+        self._pending: _Pending | None = None  # built, awaiting "connect"
+        self._route: DataRoute | None = None  # the running assignment's
+        self.newest_epoch = -1  # of every assignment received
+        self._restarts = restart_policy or RestartPolicy()
+
+    # ------------------------------------------------------------ registration
+
+    def registration_time_left(self, now: float) -> float:
+        return self._register_deadline - now
+
+    def registration_due(self, now: float) -> list[Command]:
+        """Time to (re)send the registration, unless ``connect_s`` has run out."""
+        if self.registration_time_left(now) <= 0:
+            return [
+                self._exit(
+                    CoordinatorLost(
+                        f"could not reach the coordinator at {self.coordinator} within "
+                        f"{self.connect_s:g} s; is it running, and are --coordinator "
+                        "and --keys right?"
+                    )
+                )
+            ]
+        return [SendToCoordinator("register", self.registration)]
+
+    def registration_reply(self, message: Message, now: float) -> list[Command]:
+        """The coordinator's answer to a registration (other kinds are ignored)."""
+        if self.phase is not Phase.REGISTERING:
+            return []
+        if message.kind == "refused":
+            error = ConfigError(f"the coordinator refused this stage: {message['reason']}")
+            return [self._exit(error)]
+        if message.kind == "registered":
+            self.heartbeat_interval_s = float(message["heartbeat_interval"])
+            self.phase = Phase.IDLE
+            self._heard_at = now
+        return []
+
+    # ------------------------------------------------------------- liveness
+
+    def heard_from_coordinator(self, now: float) -> None:
+        """Any frames from the coordinator, even undecodable ones, show it is alive."""
+        self._heard_at = max(self._heard_at, now)
+
+    def heartbeat_due(self, now: float) -> list[Command]:
+        silent = now - self._heard_at
+        if silent > self.silence_limit_s:
+            return [
+                self._exit(
+                    CoordinatorLost(
+                        f"no word from the coordinator at {self.coordinator} for "
+                        f"{silent:.1f} s (limit {self.silence_limit_s:g} s)"
+                    )
+                )
+            ]
+        # A DEALER blocks while the coordinator is unreachable; never for longer
+        # than an interval, so the silence check keeps running.
+        return [
+            SendToCoordinator(
+                "heartbeat",
+                {"name": self.name},
+                attach_metrics=True,
+                timeout_s=self.heartbeat_interval_s,
+            )
+        ]
+
+    # ------------------------------------------------------- control messages
+
+    def control_message(self, message: Message, now: float) -> list[Command]:
+        self.heard_from_coordinator(now)
+        kind = message.kind
+        if self.phase is Phase.STOPPING or kind in ("heartbeat_ack", "registered"):
+            return []
+        if kind == "register_again":
+            # A coordinator restarted without our registration (or one that had
+            # declared us dead): join it again; what this stage runs is unchanged.
+            return [SendToCoordinator("register", self.registration)]
+        if kind == "refused":
+            error = CoordinatorLost(f"the coordinator refused this stage: {message['reason']}")
+            return [self._exit(error)]
+        if kind == "probe":
+            return [SendToCoordinator("probe_ack", {"nonce": message["nonce"]})]
+        if kind == "assign":
+            return self._assign(message)
+        if kind == "connect":
+            return self._connect(message)
+        if kind == "profile_request":
+            # Profiling runs for seconds: off the control loop, and only one at a time.
+            return [StartJob(Job.PROFILE, message, newest_wins=False)]
+        if kind == "link_peers":
+            keys = {str(n): str(k) for n, k in dict(message["keys"]).items()}
+            return [AllowProbePeers(keys), SendToCoordinator("link_peers_ok", {"name": self.name})]
+        if kind == "link_probe_request":
+            return [StartJob(Job.LINK_PROBE, message, newest_wins=False)]
+        if kind == "weights_request":
+            # The newest request wins: an older one waits for a round of a run that a
+            # failure ended, and would otherwise block every later request.
+            return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
+        if kind == "backup_request":
+            return [StartJob(Job.BACKUP, message, newest_wins=True)]
+        if kind == "metrics_request":
+            body = {"run": message["run"], "name": self.name}
+            return [SendToCoordinator("metrics", body, epoch=message.epoch, attach_metrics=True)]
+        if kind == "shutdown":
+            self.phase = Phase.STOPPING
+            return [Exit(str(message["reason"]))]  # a clean exit, logged as stage_shutdown
+        return [DropMessage("coordinator", f"unexpected control message {kind!r}")]
+
+    def _assign(self, message: Message) -> list[Command]:
+        # Building a shard can take long: a job, and a newer assignment replaces it.
+        self.phase = Phase.ASSIGNING
+        self._building = _Pending(int(message["run"]), message.epoch)
+        self._pending = None
+        self._route = None
+        self.newest_epoch = max(self.newest_epoch, message.epoch)
+        return [StartJob(Job.ASSIGN, message, newest_wins=True)]
+
+    def assignment_ready(
+        self, run: int, epoch: int, *, build_s: float, ring_endpoint: str = ""
+    ) -> list[Command]:
+        if self._building != _Pending(run, epoch):
+            return []  # a newer assignment replaced this one meanwhile
+        self._building = None
+        self._pending = _Pending(run, epoch)
+        self.phase = Phase.ASSIGNED
+        body: dict[str, Any] = {"run": run, "name": self.name, "build_s": build_s}
+        if ring_endpoint:
+            body["ring_endpoint"] = ring_endpoint
+        return [SendToCoordinator("ready", body, epoch=epoch)]
+
+    def assignment_failed(self, run: int, epoch: int, error: str) -> list[Command]:
+        if self._building == _Pending(run, epoch):
+            self._building = None
+            self.phase = Phase.IDLE
+        return [self._assign_failed(run, epoch, error)]
+
+    def _connect(self, message: Message) -> list[Command]:
+        """Second phase of an assignment: every stage now allows its upstream's key."""
+        run = int(message["run"])
+        pending = self._pending
+        if pending is None or pending.run != run:
+            return [
+                DropMessage(
+                    "coordinator", f"connect for run {run}, which this stage was not assigned"
+                )
+            ]
+        self._pending = None
+        return [ConnectAssignment(run, pending.epoch, message.get("ring"))]
+
+    def connected(self, run: int, route: DataRoute) -> list[Command]:
+        """The assignment is connected; its data tasks start with ``route``."""
+        self._route = route
+        self.phase = Phase.RUNNING
+        return [SendToCoordinator("connected", {"run": run, "name": self.name}, epoch=route.epoch)]
+
+    def connect_failed(self, run: int, epoch: int, error: str) -> list[Command]:
+        self.phase = Phase.IDLE
+        return [self._assign_failed(run, epoch, error)]
+
+    def data_stopped(self) -> None:
+        """The data tasks were stopped (a new assignment, a run ended elsewhere)."""
+        self._route = None
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.IDLE
+
+    def _assign_failed(self, run: int, epoch: int, error: str) -> SendToCoordinator:
+        return SendToCoordinator(
+            "assign_failed", {"run": run, "name": self.name, "error": error}, epoch=epoch
+        )
+
+    # ---------------------------------------------------------------- data
+
+    @property
+    def route(self) -> DataRoute | None:
+        return self._route
+
+    def data_verdict(
+        self, kind: str, src: object, epoch: int, *, has_tensors: bool
+    ) -> DataDecision:
+        """Whether a data message goes to compute: from an assigned sender, of this epoch."""
+        route = self._route
+        if route is None or self.phase is not Phase.RUNNING:
+            return DataDecision(Verdict.DROP, "no assignment is running")
+        expected = route.senders.get(kind)
+        if expected is None:
+            return DataDecision(Verdict.DROP, f"{kind!r} does not belong on the data port")
+        if src not in expected:
+            return DataDecision(
+                Verdict.DROP, f"{kind} from {src!r}, but it must come from {list(expected)}"
+            )
+        if route.needs_tensors and kind != "error" and not has_tensors:
+            return DataDecision(Verdict.DROP, f"a {kind} message carries no tensors")
+        if epoch != route.epoch:
+            return DataDecision(Verdict.STALE, f"epoch {epoch}, running {route.epoch}")
+        return DataDecision(Verdict.DELIVER)
+
+    # ------------------------------------------------------------ supervision
+
+    def task_died(self, name: str, error: str, now: float) -> list[Command]:
+        """A long-lived task ended with an exception: restart it, or fail loudly."""
+        if self.phase is Phase.STOPPING:
+            return []
+        if self._restarts.allows(name, now):
+            return [RestartTask(name)]
+        return [
+            self._exit(
+                StageTaskFailed(
+                    f"the stage's {name} task died {self._restarts.limit + 1} times within "
+                    f"{self._restarts.window_s:g} s; last: {error}"
+                )
+            )
+        ]
+
+    def stop_requested(self, reason: str) -> list[Command]:
+        if self.phase is Phase.STOPPING:
+            return []
+        self.phase = Phase.STOPPING
+        return [Exit(reason)]
+
+    def _exit(self, error: ZpipeError) -> Exit:
+        self.phase = Phase.STOPPING
+        return Exit(str(error), error)

@@ -1,0 +1,243 @@
+"""A training stage's state on request: weights to the coordinator, backups, peer fetches.
+
+- ``weights_request``: once round ``step`` is done here (or at once, with
+  ``latest``, when the run broke elsewhere), this stage's weights (and optimizer
+  state, if asked) go to the coordinator.
+- ``backup_request``: once round ``step`` is done, keep a snapshot of this
+  stage's state and send a copy to its backup holder (a peer stage's probe
+  socket, or the coordinator in the reply).
+- a peer's ``backup`` to keep, or its ``fetch_units`` of a snapshot held here,
+  arrive on the probe socket (:meth:`SnapshotService.on_peer_request`).
+- an assignment's ``fetch`` list: the units to take from snapshots, here or at
+  peers (:meth:`SnapshotService.fetched_state`).
+
+Each method returns the reply to send; a failure becomes the reply's ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import zmq.asyncio
+
+from zpipe._errors import ConfigError, PipelineError, ProtocolError, UnitsLostError
+from zpipe.log import get_logger
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.replicas import ReplicaStore, peer_request
+from zpipe.stage.supervision import describe_error
+from zpipe.stage.trainer import TrainingExecutor
+from zpipe.transport import codec, security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import SocketOptions
+
+log = get_logger("zpipe.stage")
+
+Reply = tuple[dict[str, Any], tuple[torch.Tensor, ...]]
+
+
+class SnapshotService:
+    def __init__(
+        self,
+        *,
+        name: str,
+        context: zmq.asyncio.Context,
+        keypair: security.KeyPair | None,
+        socket_options: SocketOptions,
+        timeout_s: float,
+        compute: ThreadPoolExecutor,
+        counters: StageCounters,
+        replicas: ReplicaStore,
+    ) -> None:
+        self.name = name
+        self._context = context
+        self._keypair = keypair
+        self._options = socket_options
+        self._timeout_s = timeout_s
+        self._compute = compute
+        self._counters = counters
+        self.replicas = replicas
+
+    async def weights_reply(
+        self,
+        message: Message,
+        trainer: TrainingExecutor | None,
+        stop_run: Callable[[], Awaitable[None]],
+    ) -> Reply:
+        """Once round ``step`` is done here, this stage's weights for the coordinator."""
+        run, step = int(message["run"]), int(message["step"])
+        reply: dict[str, Any] = {
+            "run": run,
+            "name": self.name,
+            "step": step,
+            "keys": [],
+            "error": "",
+        }
+        tensors: tuple[torch.Tensor, ...] = ()
+        try:
+            if trainer is None or trainer.setup.run != run:
+                raise PipelineError(f"this stage is not training run {run}")
+            shard = trainer.shard
+            if message.get("latest"):
+                # The run broke elsewhere: stop it here, then read the state in the
+                # compute thread, after whatever step it was running.
+                await stop_run()
+                loop = asyncio.get_running_loop()
+                state = await loop.run_in_executor(self._compute, shard.training_state)
+                reply["completed"] = trainer.completed_steps
+            else:
+                await trainer.wait_for_step(step, self._timeout_s)
+                state = shard.training_state() if message.get("optimizer") else shard.state_dict()
+            if len(state) > codec.MAX_TENSORS:
+                raise ConfigError(
+                    f"this stage holds {len(state)} tensors, more than one message "
+                    f"carries ({codec.MAX_TENSORS})"
+                )
+            reply["keys"] = list(state)
+            reply["metrics"] = self._counters.to_dict()
+            tensors = tuple(state.values())
+        except Exception as exc:  # reported: the coordinator decides what it means
+            reply["error"] = describe_error(exc)
+            log.error("weights_not_sent", stage=self.name, error=reply["error"])
+        return reply, tensors
+
+    async def backup_reply(
+        self,
+        message: Message,
+        trainer: TrainingExecutor | None,
+        pace: Callable[[int], Awaitable[None]],
+    ) -> Reply:
+        """Once round ``step`` is done: keep a snapshot of this stage's state, and send
+        a copy to its backup holder (a peer stage, or the coordinator in the reply)."""
+        run, step = int(message["run"]), int(message["step"])
+        holder = str(message["holder"])
+        reply: dict[str, Any] = {
+            "run": run,
+            "name": self.name,
+            "step": step,
+            "holder": holder,
+            "keys": [],
+            "bytes": 0,
+            "error": "",
+        }
+        tensors: tuple[torch.Tensor, ...] = ()
+        try:
+            if trainer is None or trainer.setup.run != run:
+                raise PipelineError(f"this stage is not training run {run}")
+            await trainer.wait_for_step(step, self._timeout_s)
+            loop = asyncio.get_running_loop()
+            state = await loop.run_in_executor(
+                self._compute,
+                lambda: {k: t.clone() for k, t in trainer.shard.training_state().items()},
+            )
+            self.replicas.put(self.name, run, step, state)
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            reply["bytes"] = nbytes
+            reply["metrics"] = self._counters.to_dict()
+            if holder == "coordinator":
+                reply["keys"], tensors = list(state), tuple(state.values())
+            elif holder:
+                await pace(nbytes)
+                answer = await peer_request(
+                    self._context,
+                    peer=holder,
+                    endpoint=str(message["holder_endpoint"]),
+                    server_key=message.get("holder_key"),
+                    keypair=self._keypair,
+                    message=Message(
+                        "backup",
+                        {"run": run, "step": step, "owner": self.name, "keys": list(state)},
+                        tensors=tuple(state.values()),
+                    ),
+                    expect="backup_ok",
+                    options=self._options,
+                    timeout_s=self._timeout_s,
+                )
+                if answer["error"]:
+                    raise PipelineError(f"{holder} did not keep the backup: {answer['error']}")
+        except Exception as exc:  # reported: the coordinator decides what it means
+            reply["error"] = describe_error(exc)
+            log.error("backup_failed", stage=self.name, error=reply["error"])
+        return reply, tensors
+
+    async def on_peer_request(self, message: Message) -> Message:
+        """A peer's backup to keep, or units of a snapshot a peer fetches."""
+        if message.kind == "backup":
+            keys = [str(k) for k in message["keys"]]
+            if len(keys) != len(message.tensors):
+                return Message(
+                    "backup_ok",
+                    {
+                        "run": message["run"],
+                        "step": message["step"],
+                        "error": "keys and tensors do not match",
+                    },
+                )
+            # Copies: the frames' memory belongs to the zmq message.
+            state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
+            self.replicas.put(
+                str(message["owner"]), int(message["run"]), int(message["step"]), state
+            )
+            log.info(
+                "backup_kept",
+                stage=self.name,
+                owner=message["owner"],
+                run=message["run"],
+                step=message["step"],
+            )
+            return Message(
+                "backup_ok", {"run": message["run"], "step": message["step"], "error": ""}
+            )
+        try:
+            units = self.replicas.units(
+                str(message["owner"]),
+                int(message["run"]),
+                int(message["step"]),
+                int(message["start"]),
+                int(message["end"]),
+            )
+        except ConfigError as exc:
+            return Message("units", {"keys": [], "error": str(exc)})
+        return Message("units", {"keys": list(units), "error": ""}, tensors=tuple(units.values()))
+
+    async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
+        """The units an assignment says to take from snapshots: this stage's own or a
+        peer's (its snapshot, or a backup it holds), fetched from that peer."""
+        state: dict[str, torch.Tensor] = {}
+        for entry in fetch:
+            if not isinstance(entry, dict):
+                raise ProtocolError("a fetch entry must be a map")
+            owner, source = str(entry["owner"]), str(entry["from"])
+            run, step = int(entry["run"]), int(entry["step"])
+            start, end = int(entry["start"]), int(entry["end"])
+            if source == self.name:
+                units = self.replicas.units(owner, run, step, start, end)
+                state.update({k: t.clone() for k, t in units.items()})
+                continue
+            reply = await peer_request(
+                self._context,
+                peer=source,
+                endpoint=str(entry["endpoint"]),
+                server_key=entry.get("key"),
+                keypair=self._keypair,
+                message=Message(
+                    "fetch_units",
+                    {"owner": owner, "run": run, "step": step, "start": start, "end": end},
+                ),
+                expect="units",
+                options=self._options,
+                timeout_s=self._timeout_s,
+            )
+            if reply["error"]:
+                raise UnitsLostError(
+                    (start, end), f"{source} could not send them: {reply['error']}"
+                )
+            if len(reply["keys"]) != len(reply.tensors):
+                raise ProtocolError(f"{source} sent mismatched units")
+            state.update(
+                {str(k): t.clone() for k, t in zip(reply["keys"], reply.tensors, strict=True)}
+            )
+        return state

@@ -1,0 +1,247 @@
+"""The training glue of a stage: its settings, its neighbours, its ring, its sends.
+
+:mod:`zpipe.stage.trainer` runs a schedule's actions; this module connects it
+to the world: it reads a training assignment's settings
+(:func:`training_setup`), notes every neighbour device's endpoint and key and
+reserves the all-reduce port (:func:`prepare_training`), then, once the
+coordinator says connect, opens a PUSH to every neighbour and joins the
+group's ring (:class:`TrainingPlane`), hands arrived pieces to the executor
+and sends what it queues, over the device's one (possibly emulated) radio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq.asyncio
+
+from zpipe._errors import PeerGoneError, ProtocolError, ZpipeError
+from zpipe.log import get_logger
+from zpipe.stage.assignment import Assignment, PushConnector
+from zpipe.stage.lifecycle import CLIENT
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.trainer import Group, TrainingExecutor, TrainingSetup
+from zpipe.training.allreduce import RingAllReduce
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.emulation import EmulatedLink, LinkSpec
+from zpipe.transport.ports import free_tcp_port
+from zpipe.transport.sockets import SocketOptions, send
+
+log = get_logger("zpipe.stage")
+
+
+def training_setup(message: Message, *, name: str, wait_s: float) -> TrainingSetup:
+    """A training assignment's settings, checked; a :class:`ProtocolError` if malformed."""
+    body = message.body
+    train = body.get("train")
+    if not isinstance(train, dict):
+        raise ProtocolError("a training assignment needs its 'train' settings")
+
+    def group(entry: Any) -> Group:
+        names = tuple(str(n) for n in entry["names"])
+        shares = tuple(int(x) for x in entry["shares"])
+        if not names or len(names) != len(shares):
+            raise ValueError(f"a group needs one share per device: {entry!r}")
+        return Group(names, shares)
+
+    try:
+        own = group(train["group"])
+        rank = int(train["group"]["rank"])
+        if not 0 <= rank < len(own.names) or own.names[rank] != name:
+            raise ValueError(f"rank {rank} of {own.names} is not {name!r}")
+        return TrainingSetup(
+            run=int(body["run"]),
+            epoch=message.epoch,
+            name=name,
+            index=int(body["index"]),
+            num_stages=int(body["num_stages"]),
+            schedule=str(train["schedule"]),
+            num_microbatches=int(train["num_microbatches"]),
+            warmup=int(train["warmup"]),
+            group=own,
+            rank=rank,
+            upstream=group(train["upstream"]),
+            downstream=group(train["downstream"]),
+            wait_s=wait_s,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed training settings: {exc!r}") from None
+
+
+def prepare_training(
+    assignment: Assignment, train: dict[str, Any], *, data_endpoint: str, data_bind: str
+) -> list[str | None]:
+    """Note every neighbour's endpoint and key, reserve a ring port; the senders to allow."""
+    allowed: list[str | None] = []
+    for side in ("upstream", "downstream"):
+        entry = train[side]
+        keys = list(entry.get("keys") or [None] * len(entry["names"]))
+        allowed += keys
+        for name, endpoint, key in zip(entry["names"], entry["endpoints"], keys, strict=True):
+            if side == "downstream" or name != CLIENT:
+                assignment.peers[str(name)] = (str(endpoint), key)
+    setup = assignment.training
+    assert setup is not None
+    if len(setup.group.names) > 1:
+        host = data_endpoint.rsplit(":", 1)[0]
+        bind_host = data_bind.rsplit(":", 1)[0]
+        port = free_tcp_port(bind_host)
+        assignment.ring_bind = f"{bind_host}:{port}"
+        assignment.ring_endpoint = f"{host}:{port}"
+    return allowed
+
+
+class TrainingPlane:
+    """One training assignment's sockets to its neighbours, its ring and its executor."""
+
+    def __init__(
+        self,
+        *,
+        assignment: Assignment,
+        context: zmq.asyncio.Context,
+        connector: PushConnector,
+        compute: ThreadPoolExecutor,
+        counters: StageCounters,
+        link: LinkSpec,
+        socket_options: SocketOptions,
+        keypair: security.KeyPair | None,
+        authenticator: security.CurveAuthenticator | None,
+        timeout_s: float,
+        send_timeout_s: float,
+    ) -> None:
+        assert assignment.training is not None and isinstance(assignment.shard, TrainShard)
+        self.assignment = assignment
+        self.setup: TrainingSetup = assignment.training
+        self._context = context
+        self._connector = connector
+        self._compute = compute
+        self._counters = counters
+        self._options = socket_options
+        self._keypair = keypair
+        self._authenticator = authenticator
+        self._timeout_s = timeout_s
+        self._send_timeout_s = send_timeout_s
+        self._peers: dict[str, zmq.asyncio.Socket] = {}
+        self._ring: RingAllReduce | None = None
+        self._outbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue()
+        # One emulated link for both directions: a device has one radio.
+        self._link = None if link.is_ideal else EmulatedLink(link, self._send_to_neighbour)
+        self.trainer: TrainingExecutor | None = None
+
+    async def connect(self, ring: Any) -> None:
+        """Open a PUSH to every neighbour, join the group's ring, make the executor."""
+        self._peers = {
+            name: self._connector(endpoint, key, name)
+            for name, (endpoint, key) in self.assignment.peers.items()
+        }
+        setup = self.setup
+        if len(setup.group.names) > 1:
+            if not isinstance(ring, dict):
+                raise ProtocolError("a shared stage was not told its all-reduce ring")
+            keys = ring.get("keys")
+            self._ring = RingAllReduce(
+                context=self._context,
+                rank=setup.rank,
+                endpoints=[str(e) for e in ring["endpoints"]],
+                bind=self.assignment.ring_bind,
+                socket_options=self._options,
+                keypair=self._keypair,
+                peer_keys=[str(k).encode() for k in keys] if self._keypair and keys else None,
+                authenticator=self._authenticator,
+                timeout_s=self._timeout_s,
+                epoch=self.assignment.epoch,
+                name=f"stage {setup.index}",
+                pace=self.pace,
+            )
+            await self._ring.start()
+        shard = self.assignment.shard
+        assert isinstance(shard, TrainShard)
+        self.trainer = TrainingExecutor(
+            setup,
+            shard,
+            send=self._queue_send,
+            compute=self._compute,
+            counters=self._counters,
+            reducer=self._ring,
+        )
+
+    async def _queue_send(self, target: str, message: Message) -> None:
+        self._outbox.put_nowait((target, message))
+
+    async def pace(self, nbytes: int) -> None:
+        """All-reduce traffic and backups cross the device's one (emulated) radio too."""
+        if self._link is not None:
+            await self._link.pace(nbytes)
+
+    async def deliver(self, message: Message) -> None:
+        """A checked piece of this assignment's epoch, for the executor."""
+        trainer = self.trainer
+        assert trainer is not None
+        if message.kind == "error":
+            # A stage upstream failed: the round cannot finish; tell the client.
+            await trainer.pass_on_error(message)
+            return
+        try:
+            trainer.deliver(message)
+        except ZpipeError as exc:
+            self._counters.dropped += 1
+            log.warning(
+                "dropped_message", stage=self.setup.name, peer=message.get("src"), error=str(exc)
+            )
+
+    async def run(self) -> None:
+        assert self.trainer is not None
+        await self.trainer.run()
+
+    async def send_loop(self) -> None:
+        while True:
+            target, message = await self._outbox.get()
+            started = time.perf_counter()
+            try:
+                if self._link is not None:
+                    nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
+                    await self._link.submit((target, message), nbytes)
+                else:
+                    await self._send_to_neighbour((target, message))
+            except ZpipeError as exc:  # the coordinator decides what a stuck peer means
+                log.error(
+                    "send_failed",
+                    stage=self.setup.name,
+                    epoch=self.assignment.epoch,
+                    kind=message.kind,
+                    peer=target,
+                    error=str(exc),
+                )
+            self._counters.send_s += time.perf_counter() - started
+
+    async def _send_to_neighbour(self, item: object) -> None:
+        assert isinstance(item, tuple)
+        peer, message = item
+        sock = self._peers.get(peer)
+        if sock is None:
+            raise PeerGoneError(peer, message.kind)  # not a neighbour of this assignment
+        self._counters.bytes_out += await send(
+            sock, message, timeout_s=self._send_timeout_s, peer=peer
+        )
+
+    async def close(self) -> None:
+        # Before the next assignment sets its allow-list: closing the ring takes the
+        # ring neighbour's key back out of it.
+        if self._ring is not None:
+            await self._ring.close()
+            self._ring = None
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
+
+    def release_peers(self) -> None:
+        """Close the sockets to the neighbours: only once the next assignment connects
+        (or the stage closes), so what they still queue gets a chance to leave."""
+        for sock in self._peers.values():
+            sock.close(linger=0)
+        self._peers = {}
