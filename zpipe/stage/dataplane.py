@@ -29,6 +29,7 @@ from zpipe.stage.supervision import TaskSupervisor, describe_error
 from zpipe.stage.trainer import TrainingExecutor
 from zpipe.stage.training_plane import TrainingPlane, prepare_training, training_setup
 from zpipe.transport.codec import Message
+from zpipe.transport.sockets import ReceiveLimits, rebind_with_limits
 
 log = get_logger("zpipe.stage")
 
@@ -47,6 +48,7 @@ class DataPlane:
         keys: StageKeys,
         data_in: zmq.asyncio.Socket,
         data_endpoint: str,
+        data_bound: str,
         lifecycle: StageLifecycle,
         supervisor: TaskSupervisor,
         fetch_state: FetchState,
@@ -58,6 +60,9 @@ class DataPlane:
         self._keys = keys
         self._data_in = data_in
         self._data_endpoint = data_endpoint
+        self._data_bound = data_bound
+        # the data port keeps its small pre-plan limits until the first assignment
+        self._plan_limits = False
         self._lifecycle = lifecycle
         self._supervisor = supervisor
         self._fetch_state = fetch_state
@@ -102,6 +107,7 @@ class DataPlane:
             if self._keys.data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
                 self._keys.data_allow.replace([k.encode() for k in built.senders if k])
+            self._raise_data_limits()
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=name, run=run, error=str(exc))
             return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))
@@ -112,6 +118,18 @@ class DataPlane:
         return self._lifecycle.assignment_ready(
             run, epoch, build_s=build_s, ring_endpoint=built.assignment.ring_endpoint
         )
+
+    def _raise_data_limits(self) -> None:
+        """Give the data port the run's receive limits, once, before any peer connects
+        (libzmq fixes a connection's limits when it is accepted: a peer that connected
+        before stays under the small pre-plan ones)."""
+        if self._plan_limits or not self._data_bound:
+            return
+        opts = self.config.socket_options
+        rebind_with_limits(
+            self._data_in, self._data_bound, ReceiveLimits(opts.max_message_bytes, opts.recv_hwm)
+        )
+        self._plan_limits = True
 
     async def connect(self, command: ConnectAssignment) -> list[Command]:
         """Second phase of an assignment: every stage now allows its upstream's key."""

@@ -208,7 +208,10 @@ async def measure_link(
     """
     cfg = settings or ProbeSettings()
     started = time.monotonic()
-    sock = open_socket(context, zmq.DEALER, socket_options)
+    # No ZMTP heartbeats: the peer is another stage, which could fill this socket and
+    # hang up (libzmq 4.3.5 then aborts; see zpipe.transport.sockets); the reply's
+    # deadline finds a silent peer.
+    sock = open_socket(context, zmq.DEALER, socket_options, zmtp_heartbeat=False)
     if keypair is not None:
         if server_key is None:
             raise ProtocolError(f"no public key for {target!r}'s probe socket")

@@ -19,7 +19,12 @@ from zpipe.log import get_logger
 from zpipe.stage.config import StageConfig
 from zpipe.stage.linkprobe import PROBE_DOMAIN
 from zpipe.transport import security
-from zpipe.transport.sockets import advertised_endpoint, bind_endpoint, open_socket
+from zpipe.transport.sockets import (
+    ReceiveLimits,
+    advertised_endpoint,
+    bind_endpoint,
+    open_socket,
+)
 
 log = get_logger("zpipe.stage")
 
@@ -65,11 +70,14 @@ class StagePorts:
     probe_in: zmq.asyncio.Socket
     data_endpoint: str
     probe_endpoint: str
+    # what the data socket is bound to (port resolved): rebound when a plan raises its limits
+    data_bound: str = ""
 
     @classmethod
     def open(cls, context: zmq.asyncio.Context, config: StageConfig, keys: StageKeys) -> StagePorts:
         opts = config.socket_options
-        data_in = open_socket(context, zmq.PULL, opts)
+        # Small limits until an assignment: nothing may queue megabytes at an idle stage.
+        data_in = open_socket(context, zmq.PULL, opts, limits=ReceiveLimits.before_plan())
         if keys.keypair is not None:
             security.secure_server(data_in, keys.keypair)
         bound = bind_endpoint(data_in, config.data_bind)
@@ -88,7 +96,7 @@ class StagePorts:
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(control, keys.keypair, keys.coordinator_key)
         control.connect(config.coordinator)
-        return cls(control, data_in, probe_in, data_endpoint, probe_endpoint)
+        return cls(control, data_in, probe_in, data_endpoint, probe_endpoint, bound)
 
     def close(self) -> None:
         for sock in (self.data_in, self.probe_in, self.control):

@@ -91,7 +91,10 @@ async def peer_request(
     timeout_s: float,
 ) -> Message:
     """Send ``message`` to ``peer``'s probe socket and return its ``expect`` reply."""
-    sock = open_socket(context, zmq.DEALER, options)
+    # No ZMTP heartbeats: the peer is another stage, which could fill this socket and
+    # hang up (libzmq 4.3.5 then aborts; see zpipe.transport.sockets); the reply's
+    # deadline finds a silent peer.
+    sock = open_socket(context, zmq.DEALER, options, zmtp_heartbeat=False)
     try:
         if keypair is not None:
             if server_key is None:

@@ -139,6 +139,7 @@ class StageRuntime:
             keys=self._keys,
             data_in=ports.data_in,
             data_endpoint=self.data_endpoint,
+            data_bound=ports.data_bound,
             lifecycle=self._lifecycle,
             supervisor=self._supervisor,
             fetch_state=self._snapshots.fetched_state,
