@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zpipe._errors import ConfigError, ProtocolError
+from zpipe._errors import ConfigError, ProtocolError, StateFileError
 from zpipe.transport import codec
 from zpipe.transport.codec import Message
 
@@ -43,8 +43,17 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-class StateFileError(ConfigError):
-    """A state file that cannot be read back (corrupt, truncated, another format)."""
+__all__ = [
+    "REPLICA_FILE",
+    "STATE_FILE",
+    "SavedMember",
+    "SavedReplica",
+    "SavedState",
+    "StateFileError",
+    "StateStore",
+    "read_messages",
+    "write_messages",
+]
 
 
 @dataclass(frozen=True)
