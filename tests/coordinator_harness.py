@@ -190,3 +190,10 @@ class Harness:
         self.answer_all("connected", list(run.devices), run=run.run)
         assert self.to_client("run_started")
         return run.run
+
+
+def _feed_message(self: Harness, name: str, message: Message) -> list[Command]:
+    return self.feed(StageSpoke(name.encode(), message))
+
+
+Harness.feed_message = _feed_message  # type: ignore[attr-defined]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from coordinator_harness import CLIENT, Harness
 from hypothesis import given, settings
@@ -258,7 +260,7 @@ def test_every_death_is_answered_once_with_a_larger_epoch_and_units_owned_once(
         owners = [device for device, start, end in plan["stages"] for _ in range(start, end)]
         assert len(owners) == 6 and not set(owners) & set(dead)
         bounds = [(start, end) for _, start, end in plan["stages"]]
-        assert bounds[0][0] == 0 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert bounds[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert epochs == sorted(set(epochs))  # strictly increasing
     assert not h.to_client("stage_failed")
 

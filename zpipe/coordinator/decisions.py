@@ -143,12 +143,12 @@ def fetch_plans(
             version=replica.step,
         )
     except WeightsLostError as exc:
-        holders = {s.devices[0]: replica.holders.get(s.devices[0], "") for s in old.stages}
         lost = exc.units
+        stages = [s for s in old.stages if any(s.start <= u < s.end for u in lost)]
+        ran = ", ".join(d for s in stages for d in s.devices)
+        held = ", ".join(replica.holders.get(s.devices[0]) or "none" for s in stages)
         raise UnitsLostError(
-            (lost[0], lost[-1] + 1),
-            "every device that ran them and the holders of their backups "
-            f"({', '.join(sorted(h or 'none' for h in holders.values()))}) are gone",
+            (lost[0], lost[-1] + 1), f"{ran} and the holder of their backup ({held}) are gone"
         ) from exc
     ranges = [(t.dest, t.source, t.start, t.end) for t in moves.transfers]
     ranges += [(k.device, k.device, k.start, k.end) for k in moves.kept]
