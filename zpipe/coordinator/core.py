@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zpipe._errors import ConfigError, StageLostError
+from zpipe._errors import ConfigError, StageLostError, StateFileError
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Send
 from zpipe.coordinator.events import (
     ClientRequest,
@@ -359,14 +359,17 @@ class CoordinatorCore:
                 )
                 state.unconfirmed.add(m.name)
             if saved.run is not None:
-                state.current = controller_for(state, Run.from_saved(saved.run))
+                try:
+                    state.current = controller_for(state, Run.from_saved(saved.run))
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
         if replica is not None:
+            try:
+                plan = TrainingPlan.from_dict(replica.plan)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StateFileError(f"the saved replica's plan does not parse: {exc!r}") from exc
             state.replica = Replica(
-                replica.run,
-                replica.step,
-                TrainingPlan.from_dict(replica.plan),
-                replica.state,
-                dict(replica.holders),
+                replica.run, replica.step, plan, replica.state, dict(replica.holders)
             )
 
 
