@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from zpipe._errors import ConfigError, StageLostError, StateFileError
-from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Send
+from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
 from zpipe.coordinator.events import (
     ClientRequest,
     Event,
@@ -280,7 +280,7 @@ class CoordinatorCore:
             event["run"] = run.run
             run.failed.add(name)
             out += state.current.on_event(StageDied(name, reason, silent_s), now)
-        state.events.append(event)
+        out.append(Record(event))
         out.append(Persist())
         return out
 

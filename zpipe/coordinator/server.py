@@ -313,30 +313,37 @@ class Coordinator:
         for command in commands:
             if isinstance(command, Send):
                 sends.append(command)
-            elif isinstance(command, Log):
-                getattr(log, command.level)(command.event, **command.fields)
-            elif isinstance(command, Persist):
-                self._persist()
-            elif isinstance(command, Record):
-                self.state.events.append({**command.event, "at": time.time()})
-            elif isinstance(command, StartTimer):
-                self._timers[command.tag] = asyncio.get_running_loop().call_later(
-                    command.delay_s, self._timer_fired, command.tag
-                )
-            elif isinstance(command, RunJob):
-                self._spawn(self._run_job(command))
-            elif isinstance(command, Deliver):
-                waiter = self._reply_waiters.get((command.stage, command.message.kind))
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(command.message)
-            elif isinstance(command, FailRequests):
-                for (peer, _), waiter in self._reply_waiters.items():
-                    if peer == command.stage and not waiter.done():
-                        waiter.set_exception(command.error)
-            else:
-                log.error("unknown_command", command=repr(command))
+                continue
+            try:
+                self._do(command)
+            except Exception as exc:  # one command that fails must not take the rest
+                log.error("command_failed", command=type(command).__name__, error=repr(exc))
         if sends:
             self._spawn(self._send_all(sends))
+
+    def _do(self, command: Command) -> None:
+        if isinstance(command, Log):
+            getattr(log, command.level)(command.event, **command.fields)
+        elif isinstance(command, Persist):
+            self._persist()
+        elif isinstance(command, Record):
+            self.state.events.append({**command.event, "at": time.time()})
+        elif isinstance(command, StartTimer):
+            self._timers[command.tag] = asyncio.get_running_loop().call_later(
+                command.delay_s, self._timer_fired, command.tag
+            )
+        elif isinstance(command, RunJob):
+            self._spawn(self._run_job(command))
+        elif isinstance(command, Deliver):
+            waiter = self._reply_waiters.get((command.stage, command.message.kind))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(command.message)
+        elif isinstance(command, FailRequests):
+            for (peer, _), waiter in self._reply_waiters.items():
+                if peer == command.stage and not waiter.done():
+                    waiter.set_exception(command.error)
+        else:
+            log.error("unknown_command", command=repr(command))
 
     def _timer_fired(self, tag: int) -> None:
         self._timers.pop(tag, None)
@@ -353,6 +360,12 @@ class Coordinator:
                     self._feed(RequestFailed(command.stage, exc))
                 else:
                     log.warning("reply_failed", peer=command.peer, error=str(exc))
+            except Exception as exc:  # a message that cannot be encoded, say: this one only
+                log.error(
+                    "send_failed", peer=command.peer, kind=command.message.kind, error=repr(exc)
+                )
+                if command.stage is not None:
+                    self._feed(RequestFailed(command.stage, exc))
 
     async def _run_job(self, command: RunJob) -> None:
         try:
