@@ -36,7 +36,8 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.transport.codec import Message
 
-Flow = Generator[Any, Any, None]
+# A flow may return a value to the flow that runs it with `yield from`.
+Flow = Generator[Any, Any, Any]
 
 
 @dataclass
