@@ -39,9 +39,14 @@ def test_a_stage_that_fails_to_build_fails_the_run_with_its_error() -> None:
     for name in NAMES:
         h.register(name)
     h.client(
-        "run_request", model=h_spec(), dtype="float32", sink_endpoint="tcp://client:9",
-        wait_for_stages_s=0.0, planner="even", stage_names=NAMES,
-    )  # fmt: skip
+        "run_request",
+        model=h_spec(),
+        dtype="float32",
+        sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0,
+        planner="even",
+        stage_names=NAMES,
+    )
     run = h.core.run
     assert run is not None
     h.stage("a", "ready", run=run.run, build_s=0.1)
@@ -56,9 +61,14 @@ def test_a_run_that_names_missing_stages_is_refused() -> None:
     h = Harness()
     h.register("a")
     h.client(
-        "run_request", model=h_spec(), dtype="float32", sink_endpoint="tcp://client:9",
-        wait_for_stages_s=0.0, planner="even", stage_names=["a", "z"],
-    )  # fmt: skip
+        "run_request",
+        model=h_spec(),
+        dtype="float32",
+        sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0,
+        planner="even",
+        stage_names=["a", "z"],
+    )
     (failed,) = h.to_client("run_failed")
     assert "stages ['z'] are not registered" in failed["error"]
 
@@ -68,9 +78,14 @@ def test_ready_that_never_comes_times_out_naming_the_silent_stages() -> None:
     for name in NAMES:
         h.register(name)
     h.client(
-        "run_request", model=h_spec(), dtype="float32", sink_endpoint="tcp://client:9",
-        wait_for_stages_s=0.0, planner="even", stage_names=NAMES,
-    )  # fmt: skip
+        "run_request",
+        model=h_spec(),
+        dtype="float32",
+        sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0,
+        planner="even",
+        stage_names=NAMES,
+    )
     run = h.core.run
     assert run is not None
     h.stage("a", "ready", run=run.run, build_s=0.1)
@@ -94,9 +109,7 @@ def test_a_dead_stage_is_replanned_around_and_the_client_told_to_replay() -> Non
     h.answer_all("connected", ["a", "c"], run=run)
     (notice,) = h.to_client("run_replanned")
     assert notice.epoch == epoch + 1 and notice["dead"] == "b"
-    assert [tuple(s) for s in notice["plan"]["stages"]] == [
-        ("a", 0, 3), ("c", 3, 6)
-    ]  # fmt: skip
+    assert [tuple(s) for s in notice["plan"]["stages"]] == [("a", 0, 3), ("c", 3, 6)]
     (recovered,) = h.events("run_recovered")
     assert recovered["policy"] == "lightweight"
     assert recovered["detected_s"] >= 3.0 and recovered["recovered_s"] >= 0
@@ -124,8 +137,10 @@ def test_the_end_of_a_run_gathers_metrics_and_a_silent_stage_reports_none() -> N
     reports = h.to_client("run_report")
     assert len(reports) == 2
     assert reports[0]["stages"] == {
-        "a": {"microbatches": 3}, "b": {"microbatches": 3}, "c": {"error": "no metrics"}
-    }  # fmt: skip
+        "a": {"microbatches": 3},
+        "b": {"microbatches": 3},
+        "c": {"error": "no metrics"},
+    }
     assert h.core.run is None
 
 
@@ -285,3 +300,34 @@ def test_requests_for_a_run_that_is_not_current_fail_clearly(kind: str) -> None:
     h.client(kind, run=9, step=0)
     (failed,) = h.to_client("run_failed")
     assert failed["error"] == "run 9 is not the current run"
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"model": {"family": "no-such-family", "config": {}}}, "no-such-family"),
+        ({"mode": "dream"}, "unknown run mode 'dream'"),
+        ({"recovery": "pray"}, "unknown recovery 'pray'"),
+        ({"rebalance": 1.5}, "rebalance must lie in (0, 1)"),
+        ({"stage_names": None, "stages": 4}, "3 stages registered, 4 needed"),
+    ],
+)
+def test_a_bad_run_request_is_answered_with_run_failed(
+    change: dict[str, object], problem: str
+) -> None:
+    h = Harness()
+    for name in NAMES:
+        h.register(name)
+    body = {
+        "model": h_spec(),
+        "dtype": "float32",
+        "sink_endpoint": "tcp://client:9",
+        "wait_for_stages_s": 0.0,
+        "planner": "even",
+        "stage_names": NAMES,
+        **change,
+    }
+    h.client("run_request", **body)
+    (failed,) = h.to_client("run_failed")
+    assert problem in failed["error"]
+    assert h.core.run is None and not h.to("a", "assign")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.config import Timeouts
 from zpipe.coordinator.commands import (
     AllowPeers,
@@ -97,7 +97,7 @@ class JobRunner:
             if not isinstance(chosen, str):
                 return chosen
             if time.monotonic() >= deadline:
-                raise ConfigError(f"{chosen} after waiting {job.wait_s} s")
+                raise InfeasiblePlanError(f"{chosen} after waiting {job.wait_s} s")
             await asyncio.sleep(_POLL_S)
 
     async def _await_confirmed(self, names: Sequence[str]) -> None:

@@ -56,7 +56,9 @@ def run_request(
     reply_s = state.timeouts.reply_s
     try:
         ready = yield from _start_run(state, routing_id, user_key, message)
-    except (ZpipeError, ValueError) as exc:
+    except Exception as exc:  # whatever it was, the client hears that its run failed
+        if not isinstance(exc, (ZpipeError, ValueError)):
+            yield Log("error", "run_start_crashed", {"error": repr(exc)})
         state.current = None
         yield Persist()
         yield from run_failed(routing_id, exc, reply_s)
