@@ -331,3 +331,36 @@ def test_a_bad_run_request_is_answered_with_run_failed(
     (failed,) = h.to_client("run_failed")
     assert problem in failed["error"]
     assert h.core.run is None and not h.to("a", "assign")
+
+
+def test_a_send_that_fails_ends_the_wait_on_that_stage_at_once() -> None:
+    from zpipe._errors import PeerGoneError
+    from zpipe.coordinator.events import RequestFailed
+
+    h = Harness()
+    for name in NAMES:
+        h.register(name)
+    h.client(
+        "run_request",
+        model=h_spec(),
+        dtype="float32",
+        sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0,
+        planner="even",
+        stage_names=NAMES,
+    )
+    assert [s.stage for s in h.sent if s.message.kind == "assign"] == NAMES
+    h.feed(RequestFailed("b", PeerGoneError("b", "assign")))
+    (failed,) = h.to_client("run_failed")
+    assert failed["error"] == "b is not connected: could not send assign"
+
+
+def test_metrics_of_a_stage_that_dies_at_the_end_are_none_not_a_wait() -> None:
+    h = Harness()
+    run = h.start_stream(NAMES)
+    h.client("run_end", run=run)
+    h.stage("a", "metrics", run=run, metrics={"microbatches": 1})
+    h.stage("c", "metrics", run=run, metrics={"microbatches": 1})
+    h.advance(6.0, alive=("a", "c"))  # b dies before it answers: no need to wait longer
+    (report,) = h.to_client("run_report")
+    assert report["stages"]["b"] == {"error": "no metrics"}
