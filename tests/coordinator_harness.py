@@ -16,6 +16,7 @@ from zpipe.coordinator.commands import (
     AwaitConfirmed,
     AwaitStages,
     Command,
+    CountUnits,
     Log,
     PlanInference,
     Record,
@@ -39,7 +40,7 @@ from zpipe.coordinator.events import (
 from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.planning import choose_plan
 from zpipe.coordinator.state import CoordinatorState
-from zpipe.models import ModelSpec
+from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.transport.codec import Message
 
 CLIENT = b"client-route"
@@ -99,6 +100,8 @@ class Harness:
             if isinstance(chosen, str):
                 raise ConfigError(f"{chosen} after waiting {job.wait_s} s")
             return chosen
+        if isinstance(job, CountUnits):
+            return load_layer_sequence(job.spec).num_units
         if isinstance(job, (AwaitConfirmed, AllowPeers, SaveReplica)):
             return None
         if isinstance(job, PlanInference):

@@ -128,6 +128,13 @@ class AwaitStages(Job):
 
 
 @dataclass(frozen=True)
+class CountUnits(Job):
+    """The number of units of ``spec``'s model (built off the loop: it may be large)."""
+
+    spec: ModelSpec
+
+
+@dataclass(frozen=True)
 class AwaitConfirmed(Job):
     """Until every member among ``names`` restored from disk spoke or was declared dead."""
 

@@ -22,6 +22,7 @@ from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitConfirmed,
     AwaitStages,
+    CountUnits,
     Job,
     PlanInference,
     PlanTraining,
@@ -35,7 +36,7 @@ from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.log import get_logger
-from zpipe.models import ModelSpec
+from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec
 from zpipe.planner.hpp import plan_training
 from zpipe.planner.profile import ModelProfile
@@ -73,6 +74,8 @@ class JobRunner:
     async def run(self, job: Job) -> Any:
         if isinstance(job, AwaitStages):
             return await self._await_stages(job)
+        if isinstance(job, CountUnits):
+            return await asyncio.to_thread(lambda: load_layer_sequence(job.spec).num_units)
         if isinstance(job, AwaitConfirmed):
             return await self._await_confirmed(job.names)
         if isinstance(job, PlanInference):

@@ -17,6 +17,7 @@ from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitReplies,
     AwaitStages,
+    CountUnits,
     Log,
     Persist,
     PlanInference,
@@ -39,7 +40,7 @@ from zpipe.coordinator.runs import Replica, Run
 from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.coordinator.training_balance import memory_model
-from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
@@ -108,8 +109,8 @@ def _start_run(
     if state.current is not None:
         yield Log("warning", "run_replaced", {"previous": state.current.run.run})
     spec = ModelSpec.from_dict(message["model"])
-    num_units = load_layer_sequence(spec).num_units
     mode = _check_request(message)
+    num_units = yield CountUnits(spec)
     recovery = message.get("recovery") or DEFAULT_RECOVERY
     settings = dict(message.get("train") or {})
     replica = None
@@ -281,7 +282,7 @@ class _Training:
         settings = dict(message.get("train") or {})
         settings.pop("plan", None)
         if given is not None:
-            num_units = load_layer_sequence(spec).num_units
+            num_units = yield CountUnits(spec)
             if given.num_units != num_units:
                 raise ConfigError(
                     f"the training plan covers {given.num_units} units, the model has {num_units}"
