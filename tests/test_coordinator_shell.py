@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -55,3 +56,18 @@ def test_a_message_whose_handling_raises_is_logged_and_the_loop_goes_on() -> Non
     reply = asyncio.run(_serve_and_ask(coordinator, [first, garbage, [b""]]))
     assert raised == ["cluster_request"]
     assert reply.kind == "cluster_state" and reply["members"] == []
+
+
+def test_a_loop_that_dies_fails_the_coordinator_loudly() -> None:
+    coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0"))
+
+    async def broken_ticks() -> None:
+        raise RuntimeError("the tick loop broke")
+
+    coordinator._tick_loop = broken_ticks  # type: ignore[method-assign]
+
+    async def serve() -> None:
+        await asyncio.wait_for(coordinator.serve(), 10)
+
+    with pytest.raises(RuntimeError, match="the tick loop broke"):
+        asyncio.run(serve())
