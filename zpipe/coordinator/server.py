@@ -102,7 +102,7 @@ class CoordinatorConfig:
 EventOf = Callable[[bytes, "str | None", Message], Event]
 
 
-def _client(routing_id: bytes, user_key: str | None, message: Message) -> Event:
+def _client_request(routing_id: bytes, user_key: str | None, message: Message) -> Event:
     return ClientRequest(routing_id, user_key, message)
 
 
@@ -112,7 +112,7 @@ DISPATCH: dict[str, EventOf] = {
     "register": lambda routing_id, user_key, message: Registered(routing_id, user_key, message),
     "stalled": lambda _routing_id, _user_key, message: StallReported(message),
     **{
-        kind: _client
+        kind: _client_request
         for kind in (
             "run_request",
             "run_go",
