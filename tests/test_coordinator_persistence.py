@@ -163,3 +163,25 @@ def test_a_state_dir_that_cannot_be_made_is_a_clear_error(tmp_path: Path) -> Non
     )  # fmt: skip
     assert result.returncode == 2
     assert "cannot create the state directory" in result.stderr
+
+
+def test_a_state_file_with_a_valid_checksum_but_a_bad_run_is_refused(tmp_path: Path) -> None:
+    from zpipe.config import Timeouts
+    from zpipe.coordinator.core import CoordinatorCore
+    from zpipe.coordinator.membership import Membership
+    from zpipe.coordinator.state import CoordinatorState
+
+    store = StateStore(tmp_path)
+    store.save_state(SavedState(3, 2, (), {"run": 1, "plan": "not a plan"}))
+    store.save_replica(SavedReplica(1, 2, {"stages": "none"}, {}, {}))
+    state = CoordinatorState(
+        timeouts=Timeouts(),
+        membership=Membership(
+            heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2
+        ),
+    )
+    core = CoordinatorCore(state)
+    with pytest.raises(StateFileError, match="the saved run does not parse"):
+        core.restore(store.load_state(), None, 0.0)
+    with pytest.raises(StateFileError, match="the saved replica's plan does not parse"):
+        core.restore(None, store.load_replica(), 0.0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
+from zpipe._errors import ZpipeError
 from zpipe.coordinator.membership import Member
 from zpipe.log import get_logger
 from zpipe.planner import ClusterLink
@@ -86,7 +86,7 @@ class LinkMeasurer:
                 await self._request(
                     member, Message("link_peers", {"keys": keys}), "link_peers_ok", self._timeout_s
                 )
-            except (TransportTimeout, ProtocolError, ConfigError) as exc:  # ConfigError: it died
+            except ZpipeError as exc:  # timed out, malformed, or the stage died
                 log.warning("link_peers_failed", stage=member.name, error=str(exc))
 
     async def _measure_pair(self, a: Member, b: Member) -> MeasuredLink | None:
@@ -100,7 +100,7 @@ class LinkMeasurer:
             reply = await self._request(
                 a, Message("link_probe_request", body), "link_probe_reply", self._timeout_s
             )
-        except (TransportTimeout, ProtocolError, ConfigError) as exc:  # ConfigError: it died
+        except ZpipeError as exc:  # timed out, malformed, or the stage died
             log.warning("link_unmeasured", sender=a.name, receiver=b.name, error=str(exc))
             return None
         bandwidth, rtt = reply["bandwidth_bps"], reply["rtt_s"]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zpipe._errors import ConfigError, ProtocolError
+from zpipe._errors import ConfigError, ProtocolError, StateFileError
 from zpipe.transport import codec
 from zpipe.transport.codec import Message
 
@@ -43,8 +43,17 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-class StateFileError(ConfigError):
-    """A state file that cannot be read back (corrupt, truncated, another format)."""
+__all__ = [
+    "REPLICA_FILE",
+    "STATE_FILE",
+    "SavedMember",
+    "SavedReplica",
+    "SavedState",
+    "StateFileError",
+    "StateStore",
+    "read_messages",
+    "write_messages",
+]
 
 
 @dataclass(frozen=True)
@@ -239,13 +248,20 @@ class StateStore:
             members = tuple(SavedMember.from_dict(m) for m in body["members"])
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFileError(f"{self.state_path}: a member does not parse: {exc}") from exc
-        return SavedState(
-            epoch=int(body["epoch"]),
-            run_counter=int(body["run_counter"]),
-            members=members,
-            run=body["run"],
-            saved_at=float(body["saved_at"]),
-        )
+        try:
+            run = body["run"]
+            if run is not None and not isinstance(run, Mapping):
+                raise TypeError(f"the run is a {type(run).__name__}, not a map")
+            return SavedState(
+                epoch=int(body["epoch"]),
+                run_counter=int(body["run_counter"]),
+                members=members,
+                run=run,
+                saved_at=float(body["saved_at"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            # A CRC guards against torn writes, not against a file of another shape.
+            raise StateFileError(f"{self.state_path} does not hold a valid state: {exc}") from exc
 
     def save_replica(self, replica: SavedReplica) -> int:
         """Write the replica (in chunks: a message carries at most MAX_TENSORS tensors);
@@ -275,6 +291,14 @@ class StateStore:
         messages = read_messages(self.replica_path)
         if not messages or any(m.kind != "replica_file" for m in messages):
             raise StateFileError(f"{self.replica_path} holds no replica")
+        try:
+            return self._replica_of(messages)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateFileError(
+                f"{self.replica_path} does not hold a valid replica: {exc}"
+            ) from exc
+
+    def _replica_of(self, messages: Sequence[Message]) -> SavedReplica:
         first = messages[0]
         chunks = int(first["chunks"])
         if [int(m["chunk"]) for m in messages] != list(range(chunks)):

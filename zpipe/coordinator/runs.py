@@ -7,8 +7,6 @@ restarted coordinator can take the run over where the old one left it.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +25,6 @@ class Run:
     client: bytes
     plan: Plan
     client_key: str | None = None
-    ready: dict[str, asyncio.Future[float]] = field(default_factory=dict)
-    connected: dict[str, asyncio.Future[None]] = field(default_factory=dict)
-    metrics: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.monotonic)
     failed: set[str] = field(default_factory=set)
     # every device taking part (a training stage may have several)
     devices: list[str] = field(default_factory=list)
@@ -54,7 +48,7 @@ class Run:
             self.devices = list(self.plan.devices)
 
     def to_saved(self) -> dict[str, Any]:
-        """The run as plain data (its futures are of this process only and stay out)."""
+        """The run as plain data."""
         return {
             "run": self.run,
             "epoch": self.epoch,

@@ -1,0 +1,185 @@
+"""The synchronous training controller, in-process: replicas, resume, fetch plans, balance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from coordinator_harness import SPEC, Harness
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zpipe._errors import UnitsLostError
+from zpipe.coordinator.decisions import fetch_plans, held_at_coordinator
+from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.training_balance import rebalanced
+from zpipe.planner.training_plan import TrainingPlan, TrainStage
+from zpipe.recovery import COORDINATOR, StageSpan, lightweight_replan
+from zpipe.transport.codec import Message
+
+TRAIN = {"num_microbatches": 3, "optimizer": {"name": "sgd", "lr": 0.1}}
+
+
+def _plan(ranges: list[tuple[str, int, int]]) -> TrainingPlan:
+    return TrainingPlan(
+        algo="explicit", schedule="1f1b", num_units=ranges[-1][2], microbatch_size=1,
+        num_microbatches=3,
+        stages=tuple(TrainStage((d,), a, b, (1,), 1) for d, a, b in ranges),
+    )  # fmt: skip
+
+
+def _start_training(h: Harness, names: list[str], **request: Any) -> int:
+    for name in names:
+        h.register(name)
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", stage_names=names, train=TRAIN, recover=True,
+        **request,
+    )  # fmt: skip
+    run = h.core.run
+    assert run is not None
+    h.answer_all("ready", list(run.devices), run=run.run, build_s=0.01)
+    h.client("run_go", run=run.run)
+    h.answer_all("connected", list(run.devices), run=run.run)
+    assert h.to_client("run_started")
+    return run.run
+
+
+def _weights(name: str, units: range, **extra: Any) -> Message:
+    keys = [f"units.{u}.weight" for u in units]
+    body = {"name": name, "keys": keys, "error": "", **extra}
+    return Message("weights", body, tensors=tuple(torch.full((2,), float(u)) for u in units))
+
+
+def test_a_global_replica_gathers_every_units_state_and_answers_once() -> None:
+    h = Harness()
+    run = _start_training(h, ["a", "b", "c"], partition=[[0, 2], [2, 4], [4, 6]])
+    assert isinstance(h.state.current, SyncTrainingRun)
+    h.client("replicate", run=run, step=0)
+    h.client("replicate", run=run, step=0)  # the client asked again: one gather
+    assert [len(h.to(n, "weights_request")) for n in "abc"] == [1, 1, 1]
+    assert h.to("a", "weights_request")[0]["optimizer"] is True
+    for name, units in (("a", range(0, 2)), ("b", range(2, 4)), ("c", range(4, 6))):
+        h.feed_message(name, _weights(name, units))
+    replies = h.to_client("replicated")
+    assert len(replies) == 2 and replies[0]["error"] == "" and replies[0]["tensors"] == 6
+    assert h.state.replica is not None and h.state.replica.step == 0
+    assert held_at_coordinator(h.state.replica.state) == set(range(6))
+
+
+def test_a_stage_that_dies_during_a_replica_fails_that_replica_and_the_run_is_told() -> None:
+    h = Harness()
+    run = _start_training(h, ["a", "b", "c"], partition=[[0, 2], [2, 4], [4, 6]])
+    h.client("replicate", run=run, step=3)
+    h.feed_message("a", _weights("a", range(0, 2)))
+    h.advance(8.0, alive=("a", "c"))
+    (reply,) = h.to_client("replicated")
+    assert reply["error"].startswith("StageLostError: stage 'b' failed")
+    (failed,) = h.to_client("stage_failed")
+    assert failed["stage"] == "b"
+    assert h.state.replica is None
+
+
+def test_a_resumed_chain_run_fetches_the_dead_stages_units_from_its_backup() -> None:
+    h = Harness()
+    old = _plan([("a", 0, 2), ("b", 2, 4), ("c", 4, 6)])
+    # chain replication: a backed up to b, b to c, c to the coordinator (which holds 4-5)
+    state = {f"units.{u}.weight": torch.zeros(2) for u in (4, 5)}
+    h.state.replica = Replica(1, 3, old, state, {"a": "b", "b": "c", "c": COORDINATOR})
+    for name in "abc":
+        h.register(name)
+    h.advance(8.0, alive=("a", "c"))  # b dies
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", stage_names=["a", "b", "c"], train=TRAIN,
+        recover=True, resume={"run": 1, "step": 3, "dead": ["b"]},
+    )  # fmt: skip
+    assigns = {n: h.to(n, "assign")[-1] for n in ("a", "c")}
+    ranges = {n: (m["start"], m["end"]) for n, m in assigns.items()}
+    assert ranges == {"a": (0, 3), "c": (3, 6)}
+    # a keeps its own snapshot of 0-1 and fetches b's unit 2 from the backup c holds
+    assert [(e["from"], e["owner"], e["start"], e["end"]) for e in assigns["a"]["fetch"]] == [
+        ("a", "a", 0, 2), ("c", "b", 2, 3)
+    ]  # fmt: skip
+    assert assigns["a"]["fetch"][1]["endpoint"] == "tcp://c:2"
+    # c has b's unit 3 in the backup it holds; 4-5 come with the assignment
+    assert [(e["from"], e["owner"], e["start"], e["end"]) for e in assigns["c"]["fetch"]] == [
+        ("c", "b", 3, 4)
+    ]  # fmt: skip
+    assert assigns["c"]["state_keys"] == ["units.4.weight", "units.5.weight"]
+    assert [e["policy"] for e in h.events("training_replanned")] == ["lightweight"]
+
+
+def test_units_with_no_live_holder_are_lost_clearly() -> None:
+    old = _plan([("a", 0, 2), ("b", 2, 4), ("c", 4, 6)])
+    replica = Replica(1, 3, old, {}, {"a": "b", "b": "c", "c": "a"})
+    new = [StageSpan(("a",), 0, 6)]
+    with pytest.raises(
+        UnitsLostError,
+        match=r"units \[2, 4\) are lost: b and the holder of their backup \(c\) are gone",
+    ):
+        fetch_plans(replica, new, alive={"a"})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=3), min_size=2, max_size=5),
+    dead_mask=st.lists(st.booleans(), min_size=5, max_size=5),
+    topology=st.sampled_from(["chain", "ring"]),
+)
+def test_after_a_failure_every_unit_has_exactly_one_source(
+    sizes: list[int], dead_mask: list[bool], topology: str
+) -> None:
+    names = [f"d{i}" for i in range(len(sizes))]
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    old = _plan([(n, bounds[i], bounds[i + 1]) for i, n in enumerate(names)])
+    holders = {n: names[i + 1] for i, n in enumerate(names[:-1])}
+    holders[names[-1]] = COORDINATOR if topology == "chain" else names[0]
+    here = range(bounds[-2], bounds[-1]) if topology == "chain" else range(0)
+    state = {f"units.{u}.weight": torch.zeros(1) for u in here}
+    replica = Replica(1, 5, old, state, holders)
+    dead = {n for n, d in zip(names, dead_mask, strict=False) if d}
+    if len(dead) == len(names):
+        dead.discard(names[0])
+    alive = set(names) - dead
+    new_plan = lightweight_replan(old, failed=dead, unit_work=[1.0] * bounds[-1])
+    new = [StageSpan(s.devices, s.start, s.end) for s in new_plan.stages]
+    try:
+        fetches = fetch_plans(replica, new, alive)
+    except UnitsLostError as exc:
+        lost = range(*exc.units)
+        # truly lost: no live device ran them, and no live holder has their backup
+        for unit in (lost[0], lost[-1]):
+            owner = next(n for i, n in enumerate(names) if bounds[i] <= unit < bounds[i + 1])
+            assert owner in dead and holders[owner] not in alive and unit not in here
+        return
+    for span in new:
+        (device,) = span.devices
+        covered = [u for e in fetches[device] for u in range(e["start"], e["end"])]
+        covered += [u for u in here if span.start <= u < span.end]
+        assert sorted(covered) == list(range(span.start, span.end))  # each unit once
+        for entry in fetches[device]:
+            assert entry["from"] in alive and entry["step"] == 5
+            # from its owner's own snapshot, or from the holder of the owner's backup
+            assert entry["owner"] == entry["from"] or holders[entry["owner"]] == entry["from"]
+
+
+def test_rebalancing_moves_units_off_a_slow_device_only_when_worth_it() -> None:
+    plan = _plan([("a", 0, 2), ("b", 2, 4), ("c", 4, 6)])
+    counters = {
+        "a": {"microbatches": 3, "forward_s": 0.3, "backward_s": 0.3},
+        "b": {"microbatches": 3, "forward_s": 1.2, "backward_s": 1.2},  # four times slower
+        "c": {"microbatches": 3, "forward_s": 0.3, "backward_s": 0.3},
+    }
+    found = rebalanced(plan, counters, [1.0] * 6, threshold=0.2)
+    assert found.plan is not None
+    sizes = {s.devices[0]: s.end - s.start for s in found.plan.stages}
+    assert sizes["b"] < 2 and sum(sizes.values()) == 6
+    assert found.fields["balanced"] < found.fields["bottleneck"]
+    assert rebalanced(plan, counters, [1.0] * 6, threshold=0.99).plan is None
+    unmeasured = {**counters, "c": {"microbatches": 0}}
+    assert rebalanced(plan, unmeasured, [1.0] * 6, threshold=0.2).plan is None

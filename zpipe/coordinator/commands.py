@@ -1,0 +1,192 @@
+"""What the coordinator's controllers ask the shell to do: commands, as plain data.
+
+A controller never touches a socket, a clock or a file. It returns these and
+the shell (:mod:`zpipe.coordinator.server`) carries them out:
+
+- :class:`Send`, :class:`Persist`, :class:`Log`, :class:`Record`,
+  :class:`StartTimer` and :class:`FailRequests` are done at once, in order;
+- an :class:`Await` suspends the flow that yielded it (:mod:`zpipe.coordinator.flows`)
+  until its result comes back as an event: :class:`AwaitReplies` is answered by the
+  stages' replies themselves, a :class:`Job` by the shell, which gathers or computes
+  off the event loop and feeds back one ``JobDone`` (or ``JobFailed``) event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.persistence import SavedReplica
+from zpipe.models import ModelSpec
+from zpipe.transport.codec import Message
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``message`` to the peer at ``to``; ``stage``: a failed send to this stage
+    becomes a ``RequestFailed`` event (waits on its replies fail at once)."""
+
+    to: bytes
+    message: Message
+    peer: str
+    timeout_s: float | None = None  # None: the send deadline from configuration
+    stage: str | None = None
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Save counters, live members and the current run (small; on every change)."""
+
+
+@dataclass(frozen=True)
+class Log:
+    level: str  # "debug", "info", "warning", "error"
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Record:
+    """Append ``event`` to the coordinator's event list (what happened to runs)."""
+
+    event: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class StartTimer:
+    """Feed ``TimerFired(tag)`` after ``delay_s`` seconds."""
+
+    tag: int
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class FailRequests:
+    """A stage died: requests the shell has out to it (profiles, link probes) fail now."""
+
+    stage: str
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """A stage's reply to a request the shell made itself (a profile, a link probe)."""
+
+    stage: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """Carry out ``job`` and feed back ``JobDone(tag, result)`` or ``JobFailed(tag, error)``."""
+
+    tag: int
+    job: Job
+
+
+@dataclass(frozen=True)
+class Now:
+    """Yielded by a flow to learn the time of the event that resumed it."""
+
+
+class Await:
+    """Something a flow waits for; the flow resumes with its result."""
+
+
+@dataclass(frozen=True)
+class AwaitReplies(Await):
+    """Every stage's reply of ``kind``: resumes with ``{stage: message}``.
+
+    A reply of ``fail_kind`` from one of them, its death, or no reply within
+    ``timeout_s`` raise in the flow, unless ``partial``: then the flow resumes with
+    the replies that came. ``run``: replies of another run are late, and dropped.
+    """
+
+    stages: tuple[str, ...]
+    kind: str
+    timeout_s: float
+    awaited: str
+    run: int | None = None
+    fail_kind: str | None = None
+    partial: bool = False
+
+
+class Job(Await):
+    """Work for the shell: I/O gathers and planning, which runs off the event loop."""
+
+
+@dataclass(frozen=True)
+class AwaitStages(Job):
+    """The live stages a run asks for, waiting up to ``wait_s`` for them to register
+    (chosen by :func:`zpipe.coordinator.decisions.pick_stages`)."""
+
+    names: tuple[str, ...] | None
+    count: int | None
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class CountUnits(Job):
+    """The number of units of ``spec``'s model (built off the loop: it may be large)."""
+
+    spec: ModelSpec
+
+
+@dataclass(frozen=True)
+class AwaitConfirmed(Job):
+    """Until every member among ``names`` restored from disk spoke or was declared dead."""
+
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PlanInference(Job):
+    """Profile (and measure links) as needed, then plan off the loop: ``(plan, baseline)``."""
+
+    spec: ModelSpec
+    num_units: int
+    members: tuple[Member, ...]
+    algo: str
+    partition: Sequence[Sequence[int]] | None
+    batch_size: int
+    dtype: str
+    profile: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PlanTraining(Job):
+    """Training profiles and links of ``members``, then HPP (or another) off the loop."""
+
+    spec: ModelSpec
+    members: tuple[Member, ...]
+    microbatch_size: int
+    num_microbatches: int
+    algo: str
+    schedule: str
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class TrainingModel(Job):
+    """The training profile and cluster of ``members``: ``(ModelProfile, ClusterSpec)``."""
+
+    spec: ModelSpec
+    members: tuple[Member, ...]
+    microbatch_size: int
+
+
+@dataclass(frozen=True)
+class AllowPeers(Job):
+    """Tell every member which peers may reach its probe socket."""
+
+    members: tuple[Member, ...]
+
+
+@dataclass(frozen=True)
+class SaveReplica(Job):
+    replica: SavedReplica
+
+
+Command = Send | Persist | Log | Record | StartTimer | FailRequests | Deliver | RunJob

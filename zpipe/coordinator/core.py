@@ -1,0 +1,381 @@
+"""The coordinator's core: membership, registration, liveness, and routing to runs. Pure.
+
+It takes every event (:mod:`zpipe.coordinator.events`) with the time and returns
+commands (:mod:`zpipe.coordinator.commands`); the shell
+(:mod:`zpipe.coordinator.server`) carries them out. Decisions of a run are its
+controller's (:mod:`~zpipe.coordinator.inference`, :mod:`~zpipe.coordinator.training`),
+the start of one :mod:`~zpipe.coordinator.starting`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zpipe._errors import ConfigError, StageLostError, StateFileError
+from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
+from zpipe.coordinator.events import (
+    ClientRequest,
+    Event,
+    JobDone,
+    JobFailed,
+    Registered,
+    RequestFailed,
+    StageDied,
+    StageSpoke,
+    StallReported,
+    Tick,
+    TimerFired,
+)
+from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.membership import MemberState
+from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState
+from zpipe.coordinator.runbase import run_failed
+from zpipe.coordinator.runs import Replica, Run
+from zpipe.coordinator.starting import run_request
+from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
+from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.models import ModelSpec
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.transport.codec import Message
+
+# Replies of stages to what a run's flows asked (routed to the flow that waits).
+REPLY_KINDS = ("ready", "assign_failed", "connected", "metrics", "weights", "backed_up")
+# Replies to requests the shell makes itself while it plans (profiles, link probes).
+SHELL_REPLY_KINDS = ("profile_reply", "link_peers_ok", "link_probe_reply")
+
+
+def printable(routing_id: bytes) -> str:
+    try:
+        return routing_id.decode("ascii")
+    except UnicodeDecodeError:
+        return routing_id.hex()
+
+
+class CoordinatorCore:
+    """Events in, commands out, for the whole coordinator."""
+
+    def __init__(self, state: CoordinatorState) -> None:
+        self.state = state
+
+    @property
+    def run(self) -> Run | None:
+        current = self.state.current
+        return None if current is None else current.run
+
+    def on_event(self, event: Event, now: float) -> list[Command]:
+        flows = self.state.flows
+        if isinstance(event, StageSpoke):
+            return self._stage_spoke(event, now)
+        if isinstance(event, Registered):
+            return self._register(event, now)
+        if isinstance(event, ClientRequest):
+            return self._client_request(event, now)
+        if isinstance(event, StallReported):
+            return self._stalled(event.message, now)
+        if isinstance(event, Tick):
+            return self._tick(now)
+        if isinstance(event, TimerFired):
+            return flows.timer(event.tag, now)
+        if isinstance(event, JobDone):
+            return flows.job_done(event.tag, event.result, now)
+        if isinstance(event, JobFailed):
+            return flows.job_failed(event.tag, event.error, now)
+        if isinstance(event, RequestFailed):
+            return flows.stage_lost(event.stage, event.error, now)
+        raise TypeError(f"unknown event {event!r}")
+
+    # ------------------------------------------------------------ stages
+
+    def _stage_spoke(self, event: StageSpoke, now: float) -> list[Command]:
+        message, membership = event.message, self.state.membership
+        kind = message.kind
+        member = membership.by_routing_id(event.routing_id)
+        heartbeat_s = self.state.timeouts.heartbeat_interval_s
+        if member is None:
+            if kind == "heartbeat":
+                # A stage this process does not know (it restarted without its state,
+                # or declared the stage dead): it registers again and can be planned.
+                again = Message("register_again", {"reason": "this coordinator does not know you"})
+                return [Send(event.routing_id, again, printable(event.routing_id), heartbeat_s)]
+            return [
+                Log(
+                    "warning",
+                    "dropped_message",
+                    {
+                        "peer": printable(event.routing_id),
+                        "error": f"{kind!r} from a peer that is not registered",
+                    },
+                )
+            ]
+        self.state.confirm(member.name)
+        membership.heard_from(member.name, now, message.get("metrics"))
+        if kind == "heartbeat":
+            return [Send(event.routing_id, Message("heartbeat_ack"), member.name, heartbeat_s)]
+        if kind == "probe_ack":
+            return [Log("info", "stage_answered_probe", {"stage": member.name})]
+        if kind in SHELL_REPLY_KINDS:
+            return [Deliver(member.name, message)]
+        if kind in REPLY_KINDS:
+            routed = self.state.flows.reply(member.name, message, now)
+            if routed is None:
+                return [
+                    Log(
+                        "debug",
+                        "late_reply",
+                        {"stage": member.name, "kind": kind, "run": message.get("run")},
+                    )
+                ]
+            return routed
+        return [
+            Log(
+                "warning",
+                "dropped_message",
+                {"peer": member.name, "error": f"unexpected {kind!r} from stage {member.name!r}"},
+            )
+        ]
+
+    def _register(self, event: Registered, now: float) -> list[Command]:
+        message, state = event.message, self.state
+        name = str(message["name"])
+        reply_s = state.timeouts.reply_s
+        if state.public_keys:
+            expected = state.public_keys.get(name)
+            if expected is None or event.user_key is None or expected.decode() != event.user_key:
+                refused = Message(
+                    "refused", {"reason": f"the key this stage uses is not {name}.key"}
+                )
+                return [
+                    Log(
+                        "warning",
+                        "registration_refused",
+                        {"stage": name, "reason": "key does not match name"},
+                    ),
+                    Send(event.routing_id, refused, name, reply_s),
+                ]
+        out: list[Command] = []
+        previous = state.membership.get(name)
+        run = self.run
+        data_endpoint = str(message["data_endpoint"])
+        if (
+            previous is not None
+            and previous.state is not MemberState.DEAD
+            and run is not None
+            and name in run.devices
+            and name not in run.failed
+            and previous.data_endpoint != data_endpoint
+        ):
+            # A new process under the name of one of the run's stages: the one that
+            # ran the run is gone (restarted), so the run has lost it.
+            death = state.membership.declare_dead(name, "the stage restarted", now)
+            if death is not None:
+                out += self._death(death.name, death.reason, death.silent_s, now)
+        try:
+            member = state.membership.register(
+                name=name,
+                routing_id=event.routing_id,
+                data_endpoint=data_endpoint,
+                info=dict(message["info"]),
+                public_key=state.key_of(name),
+                now=now,
+            )
+        except ConfigError as exc:
+            return [
+                *out,
+                Send(event.routing_id, Message("refused", {"reason": str(exc)}), name, reply_s),
+            ]
+        state.confirm(name)
+        registered = Message(
+            "registered",
+            {"name": name, "heartbeat_interval": state.timeouts.heartbeat_interval_s},
+        )
+        return [
+            *out,
+            Log(
+                "info",
+                "stage_registered",
+                {"stage": name, "data_endpoint": member.data_endpoint, "info": member.info},
+            ),
+            Persist(),
+            Send(event.routing_id, registered, name, reply_s),
+        ]
+
+    def _tick(self, now: float) -> list[Command]:
+        out: list[Command] = []
+        probes, deaths = self.state.membership.tick(now)
+        interval = self.state.timeouts.heartbeat_interval_s
+        for probe in probes:
+            member = self.state.membership.get(probe.name)
+            assert member is not None
+            out.append(
+                Log(
+                    "warning",
+                    "stage_suspect",
+                    {"stage": probe.name, "silent_s": round(now - member.last_seen, 2)},
+                )
+            )
+            out.append(
+                Send(
+                    member.routing_id,
+                    Message("probe", {"nonce": probe.nonce}),
+                    probe.name,
+                    interval,
+                )
+            )
+        for death in deaths:
+            out += self._death(death.name, death.reason, death.silent_s, now)
+        return out
+
+    def _stalled(self, message: Message, now: float) -> list[Command]:
+        """The client's results are late: probe every stage of the run now rather than
+        after their heartbeats lapse. One that answers is slow and stays; one that
+        does not is declared dead after the probe intervals, as any other."""
+        run = self.run
+        if run is None or run.run != message["run"]:
+            return []  # a late report of a run already over
+        out: list[Command] = [
+            Log(
+                "warning",
+                "stall_reported",
+                {
+                    "run": run.run,
+                    "waited_s": round(float(message["waited_s"]), 3),
+                    "deadline_s": round(float(message["deadline_s"]), 3),
+                },
+            )
+        ]
+        interval = self.state.timeouts.heartbeat_interval_s
+        for name in run.devices:
+            probe = self.state.membership.suspect(name, now)
+            member = self.state.membership.get(name)
+            if probe is None or member is None:
+                continue
+            out.append(Log("warning", "stage_suspect", {"stage": name, "reason": "stall"}))
+            out.append(
+                Send(member.routing_id, Message("probe", {"nonce": probe.nonce}), name, interval)
+            )
+        return out
+
+    def _death(self, name: str, reason: str, silent_s: float, now: float) -> list[Command]:
+        state = self.state
+        out: list[Command] = [
+            Log(
+                "error",
+                "stage_dead",
+                {"stage": name, "reason": reason, "silent_s": round(silent_s, 2)},
+            )
+        ]
+        state.confirm(name)
+        event: dict[str, Any] = {
+            "event": "stage_dead",
+            "stage": name,
+            "reason": reason,
+            "silent_s": silent_s,
+        }
+        error = StageLostError(name, reason)
+        # requests to the dead stage (weights for a replica, say) fail now
+        out.append(FailRequests(name, error))
+        out += state.flows.stage_lost(name, error, now)
+        run = self.run
+        if run is not None and name in run.devices:
+            event["run"] = run.run
+            run.failed.add(name)
+            out += state.current.on_event(StageDied(name, reason, silent_s), now)
+        out.append(Record(event))
+        out.append(Persist())
+        return out
+
+    # ------------------------------------------------------------ clients
+
+    def _client_request(self, event: ClientRequest, now: float) -> list[Command]:
+        message, state = event.message, self.state
+        kind = message.kind
+        reply_s = state.timeouts.reply_s
+        if kind == "run_request":
+            flow = run_request(state, event.routing_id, event.user_key, message)
+            return state.flows.start(flow, now)
+        if kind == "cluster_request":
+            members = [m.to_dict() for m in state.membership.all()]
+            reply = Message("cluster_state", {"members": members})
+            return [Send(event.routing_id, reply, CLIENT_NAME, reply_s)]
+        current = state.current
+        if current is not None and int(message["run"]) == current.run.run:
+            return current.on_event(event, now)
+        # a request for a run that is not (or no longer) the current one
+        run_id = int(message["run"])
+        if kind == "run_end":
+            report = Message("run_report", {"run": run_id, "stages": {}})
+            return [Send(event.routing_id, report, CLIENT_NAME, reply_s)]
+        if kind == "replicate":
+            error = f"ConfigError: run {run_id} is not the current training run"
+            body = {
+                "run": run_id,
+                "step": int(message["step"]),
+                "tensors": 0,
+                "bytes": 0,
+                "error": error,
+            }
+            return [
+                Log(
+                    "error", "replica_failed", {"run": run_id, "step": body["step"], "error": error}
+                ),
+                Send(event.routing_id, Message("replicated", body), CLIENT_NAME, reply_s),
+            ]
+        error_ = ConfigError(f"run {run_id} is not the current run")
+        return state.flows.start(run_failed(event.routing_id, error_, reply_s), now)
+
+    # ------------------------------------------------------------ persistence
+
+    def saved_state(self) -> SavedState:
+        members = tuple(
+            SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key)
+            for m in self.state.membership.alive()
+        )
+        run = self.run
+        return SavedState(
+            self.state.epoch,
+            self.state.run_counter,
+            members,
+            None if run is None else run.to_saved(),
+        )
+
+    def restore(self, saved: SavedState | None, replica: SavedReplica | None, now: float) -> None:
+        """Take over the members, the run and the replica a previous coordinator saved.
+
+        Restored members count as alive from now: one that does not speak within the
+        usual suspect and probe intervals is declared dead as any other would be.
+        """
+        state = self.state
+        if saved is not None:
+            state.epoch = max(state.epoch, saved.epoch)
+            state.run_counter = max(state.run_counter, saved.run_counter)
+            for m in saved.members:
+                state.membership.register(
+                    name=m.name,
+                    routing_id=m.routing_id,
+                    data_endpoint=m.data_endpoint,
+                    info=m.info,
+                    public_key=m.public_key,
+                    now=now,
+                )
+                state.unconfirmed.add(m.name)
+            if saved.run is not None:
+                try:
+                    state.current = controller_for(state, Run.from_saved(saved.run))
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
+        if replica is not None:
+            try:
+                plan = TrainingPlan.from_dict(replica.plan)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StateFileError(f"the saved replica's plan does not parse: {exc!r}") from exc
+            state.replica = Replica(
+                replica.run, replica.step, plan, replica.state, dict(replica.holders)
+            )
+
+
+def controller_for(state: CoordinatorState, run: Run) -> Any:
+    """The controller of a run restored from disk, by its kind."""
+    if run.training_plan is not None or run.groups:
+        return SyncTrainingRun(state, run)
+    assert run.request is not None
+    return InferenceRun(state, run, ModelSpec.from_dict(run.request["model"]))

@@ -1,0 +1,202 @@
+"""Flows: a controller's multi-step conversations, written as generators, run without I/O.
+
+A flow is a generator that yields commands (:mod:`zpipe.coordinator.commands`).
+Plain commands are collected and the flow goes on at once; an ``Await`` suspends
+it until the event that answers it, which :class:`FlowRunner` routes back::
+
+    def start(self):
+        members = yield AwaitStages(names, None, wait_s)     # the shell waits
+        yield Send(...)                                       # collected
+        replies = yield AwaitReplies(names, "ready", ...)     # stages' replies
+        return
+
+Nothing here awaits: ``FlowRunner`` methods take one event and return the
+commands it caused, so a test drives a flow by feeding events, as h11's tests
+feed bytes. An exception a flow does not catch ends that flow only; it is
+logged, and the coordinator goes on serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from zpipe._errors import ConfigError, TransportTimeout
+from zpipe.coordinator.commands import (
+    Await,
+    AwaitReplies,
+    Command,
+    Job,
+    Log,
+    Now,
+    RunJob,
+    Send,
+    StartTimer,
+)
+from zpipe.transport.codec import Message
+
+# A flow may return a value to the flow that runs it with `yield from`.
+Flow = Generator[Any, Any, Any]
+
+
+@dataclass
+class _Wait:
+    flow: Flow
+    request: AwaitReplies
+    pending: set[str]
+    replies: dict[str, Message] = field(default_factory=dict)
+
+
+class FlowRunner:
+    """Runs flows: starts them, and resumes each with the event its await named."""
+
+    def __init__(self) -> None:
+        self._next_tag = 1
+        self._jobs: dict[int, Flow] = {}
+        self._waits: dict[int, _Wait] = {}
+        self.now = 0.0
+
+    @property
+    def suspended(self) -> int:
+        """Flows waiting now (for tests and logs)."""
+        return len(self._jobs) + len(self._waits)
+
+    def start(self, flow: Flow, now: float) -> list[Command]:
+        self.now = now
+        return self._advance(flow, None, None)
+
+    # ----------------------------------------------------------------- events
+
+    def job_done(self, tag: int, result: Any, now: float) -> list[Command]:
+        self.now = now
+        flow = self._jobs.pop(tag, None)
+        return [] if flow is None else self._advance(flow, result, None)
+
+    def job_failed(self, tag: int, error: Exception, now: float) -> list[Command]:
+        self.now = now
+        flow = self._jobs.pop(tag, None)
+        return [] if flow is None else self._advance(flow, None, error)
+
+    def reply(self, stage: str, message: Message, now: float) -> list[Command] | None:
+        """Route a stage's reply to the wait that asked for it; None if none did."""
+        self.now = now
+        for tag, wait in list(self._waits.items()):
+            request = wait.request
+            if stage not in wait.pending or message.kind not in (request.kind, request.fail_kind):
+                continue
+            if request.run is not None and message.get("run") != request.run:
+                continue
+            if message.kind == request.fail_kind:
+                del self._waits[tag]
+                error = ConfigError(f"stage {stage!r}: {message['error']}")
+                return self._advance(wait.flow, None, error)
+            wait.pending.discard(stage)
+            wait.replies[stage] = message
+            if not wait.pending:
+                del self._waits[tag]
+                return self._advance(wait.flow, wait.replies, None)
+            return []
+        return None
+
+    def stage_lost(self, stage: str, error: Exception, now: float) -> list[Command]:
+        """``stage`` died (or cannot be reached): every wait on it ends now."""
+        self.now = now
+        out: list[Command] = []
+        for tag, wait in list(self._waits.items()):
+            if tag not in self._waits or stage not in wait.pending:
+                continue
+            if wait.request.partial:
+                wait.pending.discard(stage)
+                if wait.pending:
+                    continue
+                del self._waits[tag]
+                out += self._advance(wait.flow, wait.replies, None)
+            else:
+                del self._waits[tag]
+                out += self._advance(wait.flow, None, error)
+        return out
+
+    def timer(self, tag: int, now: float) -> list[Command]:
+        self.now = now
+        wait = self._waits.pop(tag, None)
+        if wait is None:
+            return []  # answered in time
+        if wait.request.partial:
+            return self._advance(wait.flow, wait.replies, None)
+        silent = ", ".join(n for n in wait.request.stages if n in wait.pending)
+        error = TransportTimeout(silent, wait.request.awaited, wait.request.timeout_s)
+        return self._advance(wait.flow, None, error)
+
+    # ------------------------------------------------------------------ driver
+
+    def _advance(self, flow: Flow, value: Any, error: Exception | None) -> list[Command]:
+        out: list[Command] = []
+        while True:
+            try:
+                item = flow.throw(error) if error is not None else flow.send(value)
+            except StopIteration:
+                return out
+            except Exception as exc:  # a flow's bug ends that flow, not the coordinator
+                out.append(Log("error", "flow_failed", {"error": repr(exc)}))
+                return out
+            value, error = None, None
+            if isinstance(item, Now):
+                value = self.now
+            elif isinstance(item, AwaitReplies):
+                if not item.stages:
+                    value = {}
+                    continue
+                tag = self._tag()
+                self._waits[tag] = _Wait(flow, item, set(item.stages))
+                out.append(StartTimer(tag, item.timeout_s))
+                return out
+            elif isinstance(item, Job):
+                tag = self._tag()
+                self._jobs[tag] = flow
+                out.append(RunJob(tag, item))
+                return out
+            elif isinstance(item, Await):
+                error = TypeError(f"unknown await {item!r}")
+            else:
+                out.append(item)
+
+    def _tag(self) -> int:
+        tag = self._next_tag
+        self._next_tag += 1
+        return tag
+
+
+class Answers:
+    """Client requests being answered, by (kind, run, step): a request the client sends
+    again (it reconnected to a restarted coordinator) shares the answer being made."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, int, int], list[bytes]] = {}
+
+    def answer(
+        self,
+        runner: FlowRunner,
+        key: tuple[str, int, int],
+        routing_id: bytes,
+        make: Callable[[], Generator[Any, Any, Message]],
+        *,
+        peer: str,
+        timeout_s: float,
+        now: float,
+    ) -> list[Command]:
+        """Start ``make()`` and send its answer to every requester of ``key``."""
+        if key in self._waiting:
+            self._waiting[key].append(routing_id)
+            return []
+        self._waiting[key] = [routing_id]
+
+        def flow() -> Flow:
+            try:
+                answer = yield from make()
+            finally:
+                routes = self._waiting.pop(key, [])
+            for route in routes:
+                yield Send(route, answer, peer, timeout_s)
+
+        return runner.start(flow(), now)

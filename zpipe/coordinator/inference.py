@@ -1,0 +1,245 @@
+"""An inference stream's controller: assignment, connection, recovery by re-plan, end.
+
+    assign (epoch) ─> every stage ─> ready ─> run_ready to the client
+    run_go ─> connect ─> every stage ─> connected ─> run_started
+    a stage dies: re-plan the survivors (lightweight, respipe, heavy), assign and
+    connect them under a new epoch, tell the client (run_replanned) to replay
+    every micro-batch whose result it has not received; or, without ``recover``,
+    tell it the stage failed (stage_failed)
+
+Pure: events in, commands out (:class:`~zpipe.coordinator.runbase.RunController`).
+Inference weights come from the model spec, so recovery moves no weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zpipe._errors import InfeasiblePlanError, ZpipeError
+from zpipe.coordinator.commands import (
+    AwaitReplies,
+    Command,
+    Log,
+    Now,
+    Persist,
+    PlanInference,
+    Record,
+    Send,
+)
+from zpipe.coordinator.decisions import live_members, replan_in_place
+from zpipe.coordinator.events import Event, StageDied
+from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.planning import DEFAULT_PLANNER
+from zpipe.coordinator.runbase import BaseRun
+from zpipe.coordinator.runs import Run
+from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
+from zpipe.models import ModelSpec
+from zpipe.planner import Plan
+from zpipe.recovery import RecoveryTimeline
+from zpipe.transport.codec import Message
+
+
+def endpoints_of(plan: Plan, by_name: dict[str, Member], run: BaseRun) -> dict[str, Any]:
+    """Where the client sends inputs and whose results it accepts."""
+    first, last = plan.stages[0].device, plan.stages[-1].device
+    return {
+        "first_endpoint": by_name[first].data_endpoint,
+        "first_stage": first,
+        "first_key": run.key_of(first),
+        "last_stage": last,
+        "last_key": run.key_of(last),
+        "last_endpoint": by_name[last].data_endpoint,
+    }
+
+
+def inference_assignments(
+    run: BaseRun, spec: ModelSpec, by_name: dict[str, Member], request: Message
+) -> list[tuple[Member, Message]]:
+    """Every stage's ``assign``: its units, its neighbours, their endpoints and keys."""
+    plan = run.run.plan
+    out = []
+    for i, stage in enumerate(plan.stages):
+        last = i == len(plan.stages) - 1
+        downstream = CLIENT_NAME if last else plan.stages[i + 1].device
+        endpoint = (
+            str(request["sink_endpoint"])
+            if last
+            else by_name[plan.stages[i + 1].device].data_endpoint
+        )
+        upstream = CLIENT_NAME if i == 0 else plan.stages[i - 1].device
+        body = {
+            "run": run.run.run,
+            "model": spec.to_dict(),
+            "start": stage.start,
+            "end": stage.end,
+            "index": i,
+            "num_stages": len(plan.stages),
+            "upstream": upstream,
+            "upstream_key": run.key_of(upstream),
+            "downstream": downstream,
+            "downstream_endpoint": endpoint,
+            "downstream_key": run.key_of(downstream),
+            "dtype": str(request["dtype"]),
+        }
+        out.append((by_name[stage.device], Message("assign", body, epoch=run.run.epoch)))
+    return out
+
+
+class InferenceRun(BaseRun):
+    kind = "infer"
+
+    def __init__(self, state: CoordinatorState, run: Run, spec: ModelSpec) -> None:
+        super().__init__(state, run)
+        self.spec = spec
+
+    def on_event(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, StageDied):
+            run = self.run
+            if run.recover and run.streaming and run.request is not None:
+                flow = self.recover(event.name, now, event.silent_s)
+            else:
+                flow = self.notify_stage_failed(event.name, event.reason)
+            return self.state.flows.start(flow, now)
+        return super().on_event(event, now)
+
+    # ------------------------------------------------------------------- flows
+
+    def assign(self, by_name: dict[str, Member], request: Message) -> Flow:
+        """Send every stage of the plan its assignment; wait until all are ready."""
+        run = self.run
+        for member, message in inference_assignments(self, self.spec, by_name, request):
+            yield Send(member.routing_id, message, member.name, stage=member.name)
+        devices = tuple(s.device for s in run.plan.stages)
+        replies = yield AwaitReplies(
+            devices,
+            "ready",
+            self.state.timeouts.assign_s,
+            "ready after assignment",
+            run=run.run,
+            fail_kind="assign_failed",
+        )
+        build_s = {n: round(float(replies[n]["build_s"]), 3) for n in devices}
+        yield Log("info", "run_ready", {"run": run.run, "epoch": run.epoch, "build_s": build_s})
+
+    def ready_message(self, by_name: dict[str, Member], baseline: Plan | None) -> Message:
+        run = self.run
+        body = {
+            **endpoints_of(run.plan, by_name, self),
+            "run": run.run,
+            "plan": run.plan.to_dict(),
+            "baseline": baseline.to_dict() if baseline is not None else None,
+        }
+        return Message("run_ready", body, epoch=run.epoch)
+
+    def recover(self, dead: str, detected_at: float, silent_s: float) -> Flow:
+        """Re-plan the stream without a dead stage and tell the client to replay.
+
+        The client resends every micro-batch whose result it has not received and
+        drops results of the old epoch, so each output arrives once.
+        """
+        run = self.run
+        request = run.request
+        assert request is not None
+        policy = str(request.get("recovery") or DEFAULT_RECOVERY)
+        batch = int(request.get("microbatch_size") or 1)
+        dtype = str(request["dtype"])
+        try:
+            names = request.get("stage_names")
+            survivors = sorted(
+                (
+                    m
+                    for m in live_members(self.state.membership)
+                    if m.name not in run.failed and (names is None or m.name in names)
+                ),
+                key=lambda m: m.name,
+            )
+            if not survivors:
+                raise InfeasiblePlanError("no stage is left to run the model")
+            if policy == "heavy":
+                # The old partition named the dead stage: plan the survivors afresh.
+                plan, _ = yield PlanInference(
+                    self.spec,
+                    run.plan.num_units,
+                    tuple(survivors),
+                    algo=str(request.get("planner") or DEFAULT_PLANNER),
+                    partition=None,
+                    batch_size=batch,
+                    dtype=dtype,
+                    profile=request.get("profile"),
+                )
+            else:
+                profiles = {
+                    m.name: self.state.profiles.get(self.spec, batch, dtype, m, train=False)
+                    for m in survivors
+                }
+                plan = replan_in_place(
+                    run.plan,
+                    run.failed,
+                    policy,
+                    survivors,
+                    profiles,
+                    batch_size=batch,
+                    train=False,
+                )
+            planned_at = yield Now()
+            run.epoch = self.state.next_epoch()
+            run.plan = plan
+            run.devices = list(plan.devices)
+            by_name = {m.name: m for m in survivors}
+            yield from self.assign(by_name, request)
+            yield from self.connect_all()
+            yield Persist()
+        except (ZpipeError, ValueError) as exc:
+            yield Log(
+                "error", "recovery_failed", {"run": run.run, "stage": dead, "error": str(exc)}
+            )
+            yield from self.notify_stage_failed(dead, f"died, and recovery failed: {exc}")
+            return
+        now = yield Now()
+        timeline = RecoveryTimeline(
+            run=str(run.run),
+            cause="failure",
+            devices=(dead,),
+            policy=policy,
+            epoch=run.epoch,
+            failed_at=detected_at - silent_s,
+            detected_at=detected_at,
+            replanned_at=planned_at,
+            first_step_at=now,
+        )
+        spans = timeline.summary()
+        times = {
+            "detected_s": round(spans["detection_s"], 3),
+            "replanned_s": round(spans["replan_s"], 3),
+            "recovered_s": round(spans["recovery_s"], 3),
+        }
+        yield Log(
+            "info",
+            "run_recovered",
+            {
+                "run": run.run,
+                "epoch": run.epoch,
+                "dead": dead,
+                "policy": policy,
+                "plan": plan.to_dict(),
+                **times,
+            },
+        )
+        yield Record(
+            {"event": "run_recovered", "run": run.run, "dead": dead, "policy": policy, **times}
+        )
+        notice = {
+            **endpoints_of(plan, by_name, self),
+            "run": run.run,
+            "plan": plan.to_dict(),
+            "dead": dead,
+            "detected_s": times["detected_s"],
+            "recovered_s": times["recovered_s"],
+        }
+        yield Send(
+            run.client,
+            Message("run_replanned", notice, epoch=run.epoch),
+            CLIENT_NAME,
+            self.reply_s,
+        )

@@ -1,0 +1,218 @@
+"""The shell's side of the coordinator's jobs: gathers from stages, planning off the loop.
+
+A controller yields a :class:`~zpipe.coordinator.commands.Job` when it needs
+something that takes I/O or seconds of CPU; :class:`JobRunner` carries it out
+and its result comes back to the controller as one event. What to ask, of whom,
+and what to do with the answer stay the controller's.
+
+Planning (the PipeEdge DP, HPP) runs in a thread (``asyncio.to_thread``), so the
+event loop keeps answering heartbeats while it plans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from zpipe._errors import ConfigError, InfeasiblePlanError
+from zpipe.config import Timeouts
+from zpipe.coordinator.commands import (
+    AllowPeers,
+    AwaitConfirmed,
+    AwaitStages,
+    CountUnits,
+    Job,
+    PlanInference,
+    PlanTraining,
+    SaveReplica,
+    TrainingModel,
+)
+from zpipe.coordinator.decisions import pick_stages
+from zpipe.coordinator.links import LinkMeasurer
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.persistence import StateStore
+from zpipe.coordinator.planning import choose_plan, cluster_from_members
+from zpipe.coordinator.state import CoordinatorState
+from zpipe.log import get_logger
+from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.planner import ClusterLink, ClusterSpec
+from zpipe.planner.hpp import plan_training
+from zpipe.planner.profile import ModelProfile
+from zpipe.transport.codec import Message
+
+log = get_logger("zpipe.coordinator")
+
+# request(member, message, reply_kind, timeout_s) -> the member's reply
+Request = Callable[[Member, Message, str, float], Awaitable[Message]]
+
+# How often a wait for stages (to register, to speak again after a restart) looks again.
+_POLL_S = 0.05
+
+
+class JobRunner:
+    def __init__(
+        self,
+        state: CoordinatorState,
+        request: Request,
+        links: LinkMeasurer,
+        *,
+        measure_links: bool,
+        store: StateStore | None,
+    ) -> None:
+        self.state = state
+        self._request = request
+        self._links = links
+        self._measure_links = measure_links
+        self._store = store
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self.state.timeouts
+
+    async def run(self, job: Job) -> Any:
+        if isinstance(job, AwaitStages):
+            return await self._await_stages(job)
+        if isinstance(job, CountUnits):
+            return await asyncio.to_thread(lambda: load_layer_sequence(job.spec).num_units)
+        if isinstance(job, AwaitConfirmed):
+            return await self._await_confirmed(job.names)
+        if isinstance(job, PlanInference):
+            return await self._plan_inference(job)
+        if isinstance(job, PlanTraining):
+            return await self._plan_training(job)
+        if isinstance(job, TrainingModel):
+            return await self._training_model(job.spec, list(job.members), job.microbatch_size)
+        if isinstance(job, AllowPeers):
+            await self._links.allow_peers(list(job.members))
+            return None
+        if isinstance(job, SaveReplica):
+            assert self._store is not None
+            return await asyncio.to_thread(self._store.save_replica, job.replica)
+        raise TypeError(f"unknown job {job!r}")
+
+    async def _await_stages(self, job: AwaitStages) -> list[Member]:
+        """The stages for a run, waiting up to ``wait_s`` for enough to register."""
+        deadline = time.monotonic() + float(job.wait_s)
+        while True:
+            chosen = pick_stages(self.state.membership, job.names, job.count)
+            if not isinstance(chosen, str):
+                return chosen
+            if time.monotonic() >= deadline:
+                raise InfeasiblePlanError(f"{chosen} after waiting {job.wait_s} s")
+            await asyncio.sleep(_POLL_S)
+
+    async def _await_confirmed(self, names: Sequence[str]) -> None:
+        """Wait until restored members among ``names`` spoke or were declared dead."""
+        t = self.timeouts
+        wait_s = (t.suspect_after_intervals + t.probe_intervals + 1) * t.heartbeat_interval_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            if not any(n in self.state.unconfirmed for n in names) or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(_POLL_S)
+
+    async def _plan_inference(self, job: PlanInference) -> Any:
+        members = list(job.members)
+        names = [m.name for m in members]
+        profile: ModelProfile | None = None
+        cluster: ClusterSpec | None = None
+        if job.partition is None and job.profile is not None:
+            profile = ModelProfile.from_dict(job.profile, source="the run's profile")
+            cluster = cluster_from_members(members, links=await self._measured_links(members))
+        elif job.partition is None and job.algo != "even":
+            profiles = await self._profiles_of(members, job.spec, job.batch_size, job.dtype)
+            profile = profiles[names[0]]
+            cluster = cluster_from_members(
+                members, profiles, links=await self._measured_links(members)
+            )
+        return await asyncio.to_thread(
+            choose_plan,
+            algo=job.algo,
+            num_units=job.num_units,
+            names=names,
+            partition=job.partition,
+            profile=profile,
+            cluster=cluster,
+            batch_size=job.batch_size,
+        )
+
+    async def _plan_training(self, job: PlanTraining) -> Any:
+        """Plan a training run from every stage's own training profile and measured links."""
+        members = list(job.members)
+        profile, cluster = await self._training_model(job.spec, members, job.microbatch_size)
+        plan = await asyncio.to_thread(
+            plan_training,
+            profile,
+            cluster,
+            microbatch_size=job.microbatch_size,
+            num_microbatches=job.num_microbatches,
+            algo=job.algo,
+            schedule=job.schedule,
+            optimizer=job.optimizer,
+            devices=[m.name for m in members],
+        )
+        log.info("training_planned", plan=plan.to_dict())
+        return plan
+
+    async def _training_model(
+        self, spec: ModelSpec, members: list[Member], batch: int
+    ) -> tuple[ModelProfile, ClusterSpec]:
+        """The training profile and the cluster (profiled devices, measured links)."""
+        profiles = await self._profiles_of(members, spec, batch, "float32", train=True)
+        links = await self._measured_links(members)
+        cluster = cluster_from_members(members, profiles, links=links)
+        return profiles[members[0].name], cluster
+
+    async def _measured_links(self, members: list[Member]) -> dict[tuple[str, str], ClusterLink]:
+        if not self._measure_links or len(members) < 2:
+            return {}
+        measured = await self._links.measure(members)
+        return {pair: link.as_cluster_link() for pair, link in measured.items()}
+
+    async def _profiles_of(
+        self,
+        members: list[Member],
+        spec: ModelSpec,
+        batch_size: int,
+        dtype: str,
+        *,
+        train: bool = False,
+    ) -> dict[str, ModelProfile]:
+        """Each stage's own profile of the model, cached until the stage registers again.
+
+        All stages profile at once: on separate devices that costs nothing, and
+        stages that share one machine then measure under the same contention for
+        its cores that they will see while the pipeline runs.
+        """
+        profiles = await asyncio.gather(
+            *(self._profile_of(m, spec, batch_size, dtype, train) for m in members)
+        )
+        return {m.name: p for m, p in zip(members, profiles, strict=True)}
+
+    async def _profile_of(
+        self, member: Member, spec: ModelSpec, batch_size: int, dtype: str, train: bool
+    ) -> ModelProfile:
+        cache = self.state.profiles
+        cached = cache.get(spec, batch_size, dtype, member, train=train)
+        if cached is not None:
+            return cached
+        body = {
+            "model": spec.to_dict(),
+            "batch_size": batch_size,
+            "dtype": dtype,
+            "repeats": 3,
+            "train": train,
+        }
+        reply = await self._request(
+            member, Message("profile_request", body), "profile_reply", self.timeouts.assign_s
+        )
+        if reply["profile"] is None:
+            raise ConfigError(f"stage {member.name!r} could not profile: {reply['error']}")
+        profile = ModelProfile.from_dict(reply["profile"], source=f"{member.name}'s profile")
+        cache.put(spec, batch_size, dtype, member, profile, train=train)
+        log.info(
+            "stage_profiled", stage=member.name, forward_s=round(sum(profile.times(batch_size)), 4)
+        )
+        return profile

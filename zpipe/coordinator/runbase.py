@@ -1,0 +1,161 @@
+"""What every run kind does alike: connect, end, report a failure; the controller interface.
+
+A run's controller is pure: it takes events with the time and returns commands
+(:mod:`zpipe.coordinator.commands`); its multi-step conversations are flows
+(:mod:`zpipe.coordinator.flows`). The next run kinds (asynchronous training,
+federated groups, lossy layers) are new modules with a class like these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from zpipe._errors import ConfigError, StageLostError, ZpipeError
+from zpipe.coordinator.commands import AwaitReplies, Command, Log, Persist, Send
+from zpipe.coordinator.events import ClientRequest, Event
+from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.membership import MemberState
+from zpipe.coordinator.runs import Run
+from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
+from zpipe.transport.codec import Message
+
+
+class RunController(Protocol):
+    """One run of one kind: the core routes the run's events here."""
+
+    kind: str
+    run: Run
+
+    def on_event(self, event: Event, now: float) -> list[Command]: ...
+
+
+def run_failed(routing_id: bytes, error: Exception, timeout_s: float) -> Flow:
+    yield Log("error", "run_failed", {"error": str(error)})
+    yield Send(routing_id, Message("run_failed", {"error": str(error)}), CLIENT_NAME, timeout_s)
+
+
+class BaseRun:
+    """The parts of a run's control every kind shares (start, connect, end)."""
+
+    kind = "base"
+
+    def __init__(self, state: CoordinatorState, run: Run) -> None:
+        self.state = state
+        self.run = run
+
+    @property
+    def reply_s(self) -> float:
+        return self.state.timeouts.reply_s
+
+    def key_of(self, name: str) -> str | None:
+        return self.state.key_of(name, self.run.client_key)
+
+    def ring_of(self, device: str) -> dict[str, Any] | None:
+        """A data-parallel group's all-reduce ring, for the kinds that have them."""
+        return None
+
+    def on_event(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, ClientRequest):
+            return self.on_request(event, now)
+        return []
+
+    def on_request(self, event: ClientRequest, now: float) -> list[Command]:
+        kind = event.message.kind
+        if kind == "run_go":
+            return self.state.flows.start(self.go(event.routing_id, event.message), now)
+        if kind == "run_end":
+            run_id = int(event.message["run"])
+            return self.state.answers.answer(
+                self.state.flows,
+                ("run_end", run_id, 0),
+                event.routing_id,
+                lambda: self.end(run_id),
+                peer=CLIENT_NAME,
+                timeout_s=self.reply_s,
+                now=now,
+            )
+        return [
+            Log("warning", "dropped_message", {"kind": kind, "error": f"not for a {self.kind} run"})
+        ]
+
+    # ------------------------------------------------------------------- flows
+
+    def go(self, routing_id: bytes, message: Message) -> Flow:
+        """The client allows the last stage and is connected: stages connect downstream."""
+        run = self.run
+        try:
+            if run.run != message["run"] or self.state.current is not self:
+                raise ConfigError(f"run {message['run']} is not the current run")
+            yield from self.connect_all()
+        except (ZpipeError, ValueError) as exc:
+            yield from run_failed(routing_id, exc, self.reply_s)
+            return
+        run.streaming = True
+        yield Log("info", "run_streaming", {"run": run.run, "epoch": run.epoch})
+        yield Persist()
+        yield Send(
+            routing_id,
+            Message("run_started", {"run": run.run}, epoch=run.epoch),
+            CLIENT_NAME,
+            self.reply_s,
+        )
+
+    def connect_all(self) -> Flow:
+        """Second phase: every stage connects to its neighbours, now that all allow theirs."""
+        run = self.run
+        for device in run.devices:
+            member = self.state.membership.get(device)
+            if member is None or member.state is MemberState.DEAD:
+                raise StageLostError(device, "it is gone")
+            body: dict[str, Any] = {"run": run.run}
+            ring = self.ring_of(device)
+            if ring is not None:
+                body["ring"] = ring
+            yield Send(
+                member.routing_id, Message("connect", body, epoch=run.epoch), device, stage=device
+            )
+        yield AwaitReplies(
+            tuple(run.devices),
+            "connected",
+            self.reply_s,
+            "connected",
+            run=run.run,
+            fail_kind="assign_failed",
+        )
+
+    def end(self, run_id: int) -> Flow:
+        """Every live stage's metrics (or ``no metrics``), then the run is over."""
+        run = self.run
+        stages: dict[str, Any] = {}
+        if run.run == run_id and self.state.current is self:
+            asked = []
+            for device in run.devices:
+                member = self.state.membership.get(device)
+                if member is None or device in run.failed:
+                    continue
+                request = Message("metrics_request", {"run": run.run}, epoch=run.epoch)
+                yield Send(member.routing_id, request, device, stage=device)
+                asked.append(device)
+            replies = yield AwaitReplies(
+                tuple(asked), "metrics", self.reply_s, "metrics", run=run.run, partial=True
+            )
+            for device in asked:
+                reply = replies.get(device)
+                stages[device] = (
+                    {"error": "no metrics"} if reply is None else dict(reply["metrics"])
+                )
+            if self.state.current is self:
+                self.state.current = None
+            yield Persist()
+        return Message("run_report", {"run": run_id, "stages": stages})
+
+    def notify_stage_failed(self, name: str, reason: str) -> Flow:
+        run = self.run
+        yield Send(
+            run.client,
+            Message(
+                "stage_failed", {"run": run.run, "stage": name, "reason": reason}, epoch=run.epoch
+            ),
+            CLIENT_NAME,
+            self.reply_s,
+        )

@@ -1,0 +1,446 @@
+"""Starting a run: from a client's ``run_request`` to a run controller and ``run_ready``.
+
+    run_request ─> check the request ─> (resume: the replica; fast consistency: the
+    survivors' newest state; re-plan without the dead) ─> the stages (waiting for
+    them to register) ─> plan (profiles and links gathered, planner off the loop)
+    ─> an InferenceRun or a SyncTrainingRun ─> assignments ─> run_ready
+
+A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
+from zpipe.coordinator.commands import (
+    AllowPeers,
+    AwaitReplies,
+    AwaitStages,
+    CountUnits,
+    Log,
+    Persist,
+    PlanInference,
+    PlanTraining,
+    Send,
+)
+from zpipe.coordinator.decisions import (
+    fetch_plans,
+    live_members,
+    merge_fast_state,
+    replan_in_place,
+    replica_to_resume,
+    units_state,
+)
+from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.planning import DEFAULT_PLANNER
+from zpipe.coordinator.runbase import run_failed
+from zpipe.coordinator.runs import Replica, Run
+from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
+from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.training_balance import memory_model
+from zpipe.models import ModelSpec
+from zpipe.planner import Plan
+from zpipe.planner.plan import StagePlan
+from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
+from zpipe.recovery import POLICIES as RECOVERY_POLICIES
+from zpipe.recovery import REPLICATIONS, StageSpan
+from zpipe.training.objectives import check_train_settings
+from zpipe.transport.codec import Message
+
+
+def run_request(
+    state: CoordinatorState, routing_id: bytes, user_key: str | None, message: Message
+) -> Flow:
+    """Answer a ``run_request``: ``run_ready`` once every stage is ready, or ``run_failed``."""
+    reply_s = state.timeouts.reply_s
+    try:
+        ready = yield from _start_run(state, routing_id, user_key, message)
+    except Exception as exc:  # whatever it was, the client hears that its run failed
+        if not isinstance(exc, (ZpipeError, ValueError)):
+            yield Log("error", "run_start_crashed", {"error": repr(exc)})
+        state.current = None
+        yield Persist()
+        yield from run_failed(routing_id, exc, reply_s)
+        return
+    yield Persist()
+    yield Send(routing_id, ready, CLIENT_NAME, reply_s)
+
+
+def _await_stages(message: Message, names: Any = None) -> AwaitStages:
+    """The stages a request names (or counts), waited for up to ``wait_for_stages_s``."""
+    if names is None:
+        names = message.get("stage_names")
+    count = message.get("stages")
+    partition = message.get("partition")
+    if count is None and partition is not None:
+        count = len(partition)
+    return AwaitStages(
+        None if names is None else tuple(str(n) for n in names),
+        None if count is None else int(count),
+        message["wait_for_stages_s"],
+    )
+
+
+def _check_request(message: Message) -> str:
+    mode = message.get("mode") or "infer"
+    if mode not in ("infer", "train"):
+        raise ConfigError(f"unknown run mode {mode!r}; use infer or train")
+    recovery = message.get("recovery") or DEFAULT_RECOVERY
+    if recovery not in RECOVERY_POLICIES:
+        raise ConfigError(
+            f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
+        )
+    replication = message.get("replication") or "global"
+    if replication not in REPLICATIONS:
+        raise ConfigError(
+            f"unknown replication {replication!r}; choose one of {', '.join(REPLICATIONS)}"
+        )
+    rebalance = message.get("rebalance")
+    if rebalance is not None and not 0 < rebalance < 1:
+        raise ConfigError(f"rebalance must lie in (0, 1), got {rebalance}")
+    return str(mode)
+
+
+def _start_run(
+    state: CoordinatorState, routing_id: bytes, client_key: str | None, message: Message
+) -> Flow:
+    if state.current is not None:
+        yield Log("warning", "run_replaced", {"previous": state.current.run.run})
+    spec = ModelSpec.from_dict(message["model"])
+    mode = _check_request(message)
+    num_units = yield CountUnits(spec)
+    recovery = message.get("recovery") or DEFAULT_RECOVERY
+    settings = dict(message.get("train") or {})
+    replica = None
+    start = _Training(state, routing_id, client_key, spec)
+    if mode == "train" and message.get("resume") is not None:
+        resume = dict(message["resume"])
+        replica = replica_to_resume(state.replica, resume, num_units)
+        names = message.get("stage_names")
+        if names is not None:
+            # Stages that died with the one the client heard of (not yet declared when
+            # it asked) are left out too, rather than waited for.
+            alive = {m.name for m in live_members(state.membership)}
+            dead = set(resume.get("dead") or [])
+            kept = [n for n in names if n in alive and n not in dead]
+            message = Message("run_request", {**message.body, "stage_names": kept})
+        if resume.get("consistency") == "fast":
+            replica = yield from _fast_replica(state, replica, message)
+        if recovery != "heavy" and settings.get("plan") is None:
+            given = yield from _replan_training(state, replica, str(recovery), message, spec)
+            return (yield from start.assign(message, given, replica=replica))
+    if mode == "train" and settings.get("plan") is not None:
+        given = TrainingPlan.from_dict(settings["plan"])
+        return (yield from start.assign(message, given, replica=replica))
+    members = yield _await_stages(message)
+    algo = str(message.get("planner") or DEFAULT_PLANNER)
+    if mode == "train" and algo in TRAINING_ALGOS and message.get("partition") is None:
+        batch = message.get("microbatch_size")
+        if batch is None:
+            raise ConfigError(f"planner {algo!r} needs the micro-batch size (microbatch_size)")
+        checked = check_train_settings(settings, 1)
+        planned = yield PlanTraining(
+            spec,
+            tuple(members),
+            int(batch),
+            int(checked["num_microbatches"]),
+            algo=algo,
+            schedule=str(checked["schedule"]),
+            optimizer=memory_model(checked["optimizer"]),
+        )
+        return (yield from start.assign(message, planned, replica=replica))
+    plan, baseline = yield PlanInference(
+        spec,
+        num_units,
+        tuple(members),
+        algo=algo,
+        partition=message.get("partition"),
+        batch_size=int(message.get("microbatch_size") or 1),
+        dtype=str(message["dtype"]),
+        profile=message.get("profile"),
+    )
+    if mode == "train":
+        return (yield from start.assign(message, None, straight=plan, replica=replica))
+    members = [m for m in members if m.name in plan.devices]
+    epoch, counter = state.next_epoch(), state.next_run()
+    run = Run(
+        run=counter,
+        epoch=epoch,
+        client=routing_id,
+        plan=plan,
+        client_key=client_key,
+        request=message,
+        recover=bool(message.get("recover", False)),
+    )
+    controller = InferenceRun(state, run, spec)
+    state.current = controller
+    yield Log(
+        "info",
+        "run_planned",
+        {
+            "run": run.run,
+            "epoch": run.epoch,
+            "plan": plan.to_dict(),
+            "baseline": baseline.to_dict() if baseline is not None else None,
+        },
+    )
+    by_name = {m.name: m for m in members}
+    yield from controller.assign(by_name, message)
+    return controller.ready_message(by_name, baseline)
+
+
+def _fast_replica(state: CoordinatorState, replica: Replica, message: Message) -> Flow:
+    """The `fast` consistency (as FTPipeHD and Asteroid recover): the survivors of
+    the broken run keep their newest weights and optimizer state; only the units
+    no survivor holds (the dead's) come from the replica."""
+    current = state.current
+    dead = {str(d) for d in (message["resume"].get("dead") or [])}
+    if not isinstance(current, SyncTrainingRun) or current.run.training_plan is None:
+        return replica  # no broken run here (a restarted coordinator): exact it is
+    run = current.run
+    alive = {m.name: m for m in live_members(state.membership)}
+    survivors = [d for d in run.devices if d in alive and d not in dead | run.failed]
+    request = Message(
+        "weights_request",
+        {"run": run.run, "step": 0, "optimizer": True, "latest": True},
+        epoch=run.epoch,
+    )
+    for name in survivors:
+        yield Send(alive[name].routing_id, request, name, stage=name)
+    replies = yield AwaitReplies(
+        tuple(survivors), "weights", state.timeouts.result_s, "weights", partial=True
+    )
+    merged, completed, from_replica, missing = merge_fast_state(
+        replica, {name: replies.get(name) for name in survivors}
+    )
+    for name in missing:
+        # Its units fall back to the replica: still a consistent model.
+        reply = replies.get(name)
+        error = "no reply" if reply is None else reply["error"]
+        yield Log("warning", "fast_state_missing", {"stage": name, "error": str(error)})
+    yield Log(
+        "info",
+        "fast_resume",
+        {
+            "run": run.run,
+            "replica_step": replica.step,
+            "completed": completed,
+            "units_from_replica": from_replica,
+        },
+    )
+    return merged
+
+
+def _replan_training(
+    state: CoordinatorState, replica: Replica, policy: str, message: Message, spec: ModelSpec
+) -> Flow:
+    """Lightweight or ResPipe re-planning of the replica's plan without the dead."""
+    alive = {m.name: m for m in live_members(state.membership)}
+    dead = {str(d) for d in (message["resume"].get("dead") or [])}
+    failed = dead | {d for d in replica.plan.devices if d not in alive}
+    survivors = [alive[d] for d in replica.plan.devices if d not in failed]
+    if not survivors:
+        raise InfeasiblePlanError("no stage of the run survives to resume it")
+    batch = replica.plan.microbatch_size
+    profiles = {
+        m.name: state.profiles.get(spec, batch, "float32", m, train=True) for m in survivors
+    }
+    plan = replan_in_place(
+        replica.plan, failed, policy, survivors, profiles, batch_size=batch, train=True
+    )
+    yield Log(
+        "info",
+        "training_replanned",
+        {"policy": policy, "failed": sorted(failed), "plan": plan.to_dict()},
+    )
+    return plan
+
+
+class _Training:
+    """Assigning a training run: a plan of device groups, or a straight pipeline."""
+
+    def __init__(
+        self, state: CoordinatorState, routing_id: bytes, client_key: str | None, spec: ModelSpec
+    ) -> None:
+        self.state = state
+        self.routing_id = routing_id
+        self.client_key = client_key
+        self.spec = spec
+
+    def assign(
+        self,
+        message: Message,
+        given: TrainingPlan | None,
+        *,
+        straight: Plan | None = None,
+        replica: Replica | None = None,
+    ) -> Flow:
+        """With ``replica``, every stage starts from its units' state in it."""
+        state, spec = self.state, self.spec
+        settings = dict(message.get("train") or {})
+        settings.pop("plan", None)
+        if given is not None:
+            num_units = yield CountUnits(spec)
+            if given.num_units != num_units:
+                raise ConfigError(
+                    f"the training plan covers {given.num_units} units, the model has {num_units}"
+                )
+            settings["schedule"] = given.schedule
+            settings["num_microbatches"] = given.num_microbatches
+            settings["warmups"] = given.warmups
+            members = yield _await_stages(message, names=given.devices)
+            groups = [(list(st.devices), st.start, st.end, list(st.shares)) for st in given.stages]
+            source: Plan | TrainingPlan = given
+        else:
+            assert straight is not None
+            members = yield _await_stages(message)
+            groups = [([st.device], st.start, st.end, [1]) for st in straight.stages]
+            source = straight
+        training = check_train_settings(settings, len(groups))
+        by_name = {m.name: m for m in members}
+        epoch, counter = state.next_epoch(), state.next_run()
+        view = Plan(
+            algo=source.algo,
+            num_units=groups[-1][2],
+            stages=tuple(StagePlan(g[0][0], g[1], g[2]) for g in groups),
+            predicted=dict(source.predicted),
+        )
+        run = Run(
+            run=counter,
+            epoch=epoch,
+            client=self.routing_id,
+            plan=view,
+            client_key=self.client_key,
+            devices=[d for g in groups for d in g[0]],
+            groups=[list(g[0]) for g in groups],
+        )
+        controller = SyncTrainingRun(state, run)
+        state.current = controller
+        yield Log(
+            "info",
+            "run_planned",
+            {"run": run.run, "epoch": run.epoch, "mode": "train", "groups": groups},
+        )
+        fetches: dict[str, list[dict[str, Any]]] = {}
+        if replica is not None and replica.at_stages:
+            live = {m.name: m for m in live_members(state.membership)}
+            if state.public_keys:
+                # stages fetch units from each other's probe sockets: allowed beforehand
+                yield AllowPeers(tuple(live.values()))
+            live.update(by_name)
+            spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
+            fetches = fetch_plans(replica, spans, set(live))
+            for dest, entries in fetches.items():
+                for entry in entries:
+                    if entry["from"] != dest:
+                        entry["endpoint"] = str(live[entry["from"]].info["probe_endpoint"])
+                        entry["key"] = controller.key_of(entry["from"])
+        client = {
+            "names": [CLIENT_NAME],
+            "shares": [1],
+            "endpoints": [str(message["sink_endpoint"])],
+            "keys": [controller.key_of(CLIENT_NAME)],
+        }
+
+        def side(i: int) -> dict[str, Any]:
+            if i < 0 or i >= len(groups):
+                return client
+            names, _, _, shares = groups[i]
+            return {
+                "names": names,
+                "shares": shares,
+                "endpoints": [by_name[n].data_endpoint for n in names],
+                "keys": [controller.key_of(n) for n in names],
+            }
+
+        for i, (names, start, end, shares) in enumerate(groups):
+            for rank, name in enumerate(names):
+                up, down = side(i - 1), side(i + 1)
+                train = {
+                    "schedule": training["schedule"],
+                    "num_microbatches": training["num_microbatches"],
+                    "warmup": training["warmups"][i],
+                    "loss": training["loss"],
+                    "optimizer": training["optimizer"],
+                    "group": {"names": names, "shares": shares, "rank": rank},
+                    "upstream": up,
+                    "downstream": down,
+                }
+                body: dict[str, Any] = {
+                    "mode": "train",
+                    "train": train,
+                    "run": run.run,
+                    "model": spec.to_dict(),
+                    "start": start,
+                    "end": end,
+                    "index": i,
+                    "num_stages": len(groups),
+                    "upstream": up["names"][0],
+                    "upstream_key": up["keys"][0],
+                    "downstream": down["names"][0],
+                    "downstream_endpoint": down["endpoints"][0],
+                    "downstream_key": down["keys"][0],
+                    "dtype": "float32",
+                }
+                tensors: dict[str, Any] = {}
+                if replica is not None:
+                    tensors = units_state(replica.state, start, end)
+                    body["state_keys"] = list(tensors)
+                    if replica.at_stages:
+                        body["fetch"] = fetches.get(name, [])
+                assign = Message("assign", body, epoch=run.epoch, tensors=tuple(tensors.values()))
+                yield Send(by_name[name].routing_id, assign, name, stage=name)
+        replies = yield AwaitReplies(
+            tuple(run.devices),
+            "ready",
+            state.timeouts.assign_s,
+            "ready after assignment",
+            run=run.run,
+            fail_kind="assign_failed",
+        )
+        for name, reply in replies.items():
+            if reply.get("ring_endpoint"):
+                run.ring_endpoints[name] = str(reply["ring_endpoint"])
+        tplan = (
+            given
+            if given is not None
+            else TrainingPlan(
+                algo=view.algo,
+                schedule=training["schedule"],
+                num_units=view.num_units,
+                microbatch_size=1,
+                num_microbatches=training["num_microbatches"],
+                stages=tuple(
+                    TrainStage((n[0],), a, b, (1,), w)
+                    for (n, a, b, _), w in zip(groups, training["warmups"], strict=True)
+                ),
+                predicted=dict(view.predicted),
+            )
+        )
+        run.training_plan = tplan
+        run.request = message
+        run.rebalance = message.get("rebalance")
+        run.replication = str(message.get("replication") or "global")
+        first, last = groups[0][0], groups[-1][0]
+        return Message(
+            "run_ready",
+            {
+                "run": run.run,
+                "plan": view.to_dict(),
+                "baseline": None,
+                "first_endpoint": by_name[first[0]].data_endpoint,
+                "first_stage": first[0],
+                "first_key": controller.key_of(first[0]),
+                "last_stage": last[0],
+                "last_key": controller.key_of(last[0]),
+                "last_endpoint": by_name[last[0]].data_endpoint,
+                "training_plan": {
+                    **tplan.to_dict(),
+                    "endpoints": {n: by_name[n].data_endpoint for n in run.devices},
+                    "keys": {n: controller.key_of(n) for n in run.devices},
+                },
+            },
+            epoch=run.epoch,
+        )

@@ -1,0 +1,95 @@
+"""What the coordinator's controllers share: membership, counters, keys, profiles, flows.
+
+Plain data and pure methods only; the shell owns one and hands it to the core,
+which hands it to each run's controller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zpipe.config import Timeouts
+from zpipe.coordinator.flows import Answers, FlowRunner
+from zpipe.coordinator.membership import Member, Membership
+from zpipe.coordinator.runs import Replica
+from zpipe.models import ModelSpec
+from zpipe.planner.profile import ModelProfile
+
+CLIENT_NAME = "client"
+# Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
+DEFAULT_RECOVERY = "lightweight"
+
+_ProfileKey = tuple[ModelSpec, int, str, str, float, bool]
+
+
+class ProfileCache:
+    """Each stage's own profile of a model, kept until the stage registers again."""
+
+    def __init__(self) -> None:
+        self._profiles: dict[_ProfileKey, ModelProfile] = {}
+
+    @staticmethod
+    def _key(
+        spec: ModelSpec, batch_size: int, dtype: str, member: Member, train: bool
+    ) -> _ProfileKey:
+        return (spec, batch_size, dtype, member.name, member.joined_at, train)
+
+    def get(
+        self, spec: ModelSpec, batch_size: int, dtype: str, member: Member, *, train: bool
+    ) -> ModelProfile | None:
+        return self._profiles.get(self._key(spec, batch_size, dtype, member, train))
+
+    def put(
+        self,
+        spec: ModelSpec,
+        batch_size: int,
+        dtype: str,
+        member: Member,
+        profile: ModelProfile,
+        *,
+        train: bool,
+    ) -> None:
+        self._profiles[self._key(spec, batch_size, dtype, member, train)] = profile
+
+
+@dataclass
+class CoordinatorState:
+    timeouts: Timeouts
+    membership: Membership
+    public_keys: Mapping[str, bytes] = field(default_factory=dict)
+    profiles: ProfileCache = field(default_factory=ProfileCache)
+    flows: FlowRunner = field(default_factory=FlowRunner)
+    epoch: int = 0
+    run_counter: int = 0
+    # the latest replica of a training run (FTPipeHD's global replication)
+    replica: Replica | None = None
+    # members restored from disk that have not spoken to this process yet
+    unconfirmed: set[str] = field(default_factory=set)
+    # what happened to runs (deaths, recoveries), newest last
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # whether a state directory keeps replicas on disk
+    saves_replicas: bool = False
+    # the current run's controller (an InferenceRun or a SyncTrainingRun), if any
+    current: Any = None
+    answers: Answers = field(default_factory=Answers)
+
+    def key_of(self, name: str, client_key: str | None = None) -> str | None:
+        """A peer's public key (the client's: the key it authenticated with)."""
+        if name == CLIENT_NAME:
+            return client_key
+        key = self.public_keys.get(name)
+        return key.decode() if key is not None else None
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def next_run(self) -> int:
+        self.run_counter += 1
+        return self.run_counter
+
+    def confirm(self, name: str) -> None:
+        """``name`` spoke to this process, or died: it is no longer only restored."""
+        self.unconfirmed.discard(name)

@@ -1,0 +1,347 @@
+"""A synchronous training run's controller: start, replicas, rebalancing, admission.
+
+    assign (epoch; with a replica: each unit's state, and where to fetch the rest)
+        ─> every device ─> ready ─> run_ready (plan of device groups)
+    run_go ─> connect (with each group's all-reduce ring) ─> connected ─> run_started
+    replicate after round s: every device's weights and optimizer state (global), or
+        a backup of each stage at its neighbour (chain, topology); then, with
+        ``rebalance``, admission of newcomers or migration of work (the reply says)
+    weights_request: the checkpoint the client writes
+    a stage dies: the client is told (stage_failed) and resumes a new run from the
+        replica (:mod:`zpipe.coordinator.starting`)
+
+Pure: events in, commands out; asynchronous training, federated groups and lossy
+runs are further modules beside this one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zpipe._errors import ConfigError, ProtocolError, StageLostError, StateFileError, ZpipeError
+from zpipe.coordinator.commands import (
+    AllowPeers,
+    AwaitConfirmed,
+    AwaitReplies,
+    Command,
+    Log,
+    PlanTraining,
+    SaveReplica,
+    Send,
+    TrainingModel,
+)
+from zpipe.coordinator.decisions import live_members
+from zpipe.coordinator.events import ClientRequest, Event, StageDied
+from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.persistence import SavedReplica
+from zpipe.coordinator.runbase import BaseRun
+from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.state import CLIENT_NAME
+from zpipe.coordinator.training_balance import (
+    admits,
+    at_microbatch_size,
+    memory_model,
+    rebalanced,
+)
+from zpipe.models import ModelSpec
+from zpipe.planner.training_cost import TrainingCosts, predict_training
+from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan
+from zpipe.recovery import (
+    COORDINATOR,
+    asteroid_replication,
+    ftpipehd_replication,
+    unit_work_from_profile,
+)
+from zpipe.training.objectives import check_train_settings
+from zpipe.transport import codec
+from zpipe.transport.codec import Message
+
+
+class SyncTrainingRun(BaseRun):
+    kind = "train"
+
+    def ring_of(self, device: str) -> dict[str, Any] | None:
+        for group in self.run.groups:
+            if device in group and len(group) > 1:
+                return {
+                    "endpoints": [self.run.ring_endpoints.get(n, "") for n in group],
+                    "keys": [self.key_of(n) for n in group],
+                }
+        return None
+
+    def on_event(self, event: Event, now: float) -> list[Command]:
+        if isinstance(event, StageDied):
+            return self.state.flows.start(self.notify_stage_failed(event.name, event.reason), now)
+        if isinstance(event, ClientRequest) and event.message.kind in (
+            "weights_request",
+            "replicate",
+        ):
+            message = event.message
+            run_id, step = int(message["run"]), int(message["step"])
+            if message.kind == "weights_request":
+                key, make, timeout = (
+                    ("weights", run_id, step),
+                    self.checkpoint,
+                    self.state.timeouts.send_s,
+                )
+            else:
+                key, make, timeout = ("replicate", run_id, step), self.take_replica, self.reply_s
+            return self.state.answers.answer(
+                self.state.flows,
+                key,
+                event.routing_id,
+                lambda: make(run_id, step),
+                peer=CLIENT_NAME,
+                timeout_s=timeout,
+                now=now,
+            )
+        return super().on_event(event, now)
+
+    def is_current(self, run_id: int) -> bool:
+        return self.state.current is self and self.run.run == run_id
+
+    # ------------------------------------------------------------- weights
+
+    def gather_state(
+        self, step: int, *, optimizer: bool, metrics: dict[str, Any] | None = None
+    ) -> Flow:
+        """Every device's weights (and optimizer state) once it finished round ``step``:
+        returns ``(keys, tensors)``."""
+        run = self.run
+        members = {m.name: m for m in self.state.membership.alive()}
+        missing = [d for d in run.devices if d not in members]
+        if missing:
+            raise StageLostError(", ".join(missing), "gone, and its weights with it")
+        body: dict[str, Any] = {"run": run.run, "step": step}
+        if optimizer:
+            body["optimizer"] = True
+        request = Message("weights_request", body, epoch=run.epoch)
+        for device in run.devices:
+            yield Send(members[device].routing_id, request, device, stage=device)
+        replies = yield AwaitReplies(
+            tuple(run.devices), "weights", self.state.timeouts.result_s, "weights"
+        )
+        keys: list[str] = []
+        tensors: list[torch.Tensor] = []
+        for device in run.devices:
+            reply = replies[device]
+            if reply["error"]:
+                raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
+            if len(reply["keys"]) != len(reply.tensors):
+                raise ProtocolError(f"stage {reply['name']!r} sent mismatched weights")
+            keys += [str(k) for k in reply["keys"]]
+            tensors += list(reply.tensors)
+            if metrics is not None and isinstance(reply.get("metrics"), dict):
+                metrics[str(reply["name"])] = reply["metrics"]
+        return keys, tensors
+
+    def back_up(self, step: int, counters: dict[str, Any]) -> Flow:
+        """Chain (FTPipeHD) or topology-driven (Asteroid) replication after round
+        ``step``: every device keeps a snapshot, each stage's first device backs it up
+        to its holder. Returns what was backed up to the coordinator, and the holders."""
+        run = self.run
+        assert run.training_plan is not None
+        if run.replication == "topology":
+            schedule = asteroid_replication(run.training_plan, every=1)
+        else:
+            schedule = ftpipehd_replication(run.training_plan, chain_every=1, global_every=1)
+        holders = {s.source: s.dest for s in schedule.sends if s.kind in ("chain", "backup")}
+        members = {m.name: m for m in self.state.membership.alive()}
+        missing = [d for d in run.devices if d not in members]
+        if missing:
+            raise StageLostError(", ".join(missing), "gone; it cannot back up")
+        if self.state.public_keys:
+            # peers reach each other's probe sockets: allowed before anyone connects
+            yield AllowPeers(tuple(members[d] for d in run.devices))
+        for device in run.devices:
+            holder = holders.get(device, "")
+            body: dict[str, Any] = {"run": run.run, "step": step, "holder": holder}
+            if holder and holder != COORDINATOR:
+                body["holder_endpoint"] = str(members[holder].info["probe_endpoint"])
+                body["holder_key"] = self.key_of(holder)
+            message = Message("backup_request", body, epoch=run.epoch)
+            yield Send(members[device].routing_id, message, device, stage=device)
+        replies = yield AwaitReplies(
+            tuple(run.devices), "backed_up", self.state.timeouts.result_s, "backed_up"
+        )
+        keys: list[str] = []
+        tensors: list[torch.Tensor] = []
+        for device in run.devices:
+            reply = replies[device]
+            if reply["error"]:
+                raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
+            if len(reply["keys"]) != len(reply.tensors):
+                raise ProtocolError(f"stage {reply['name']!r} sent a mismatched backup")
+            keys += [str(k) for k in reply["keys"]]
+            tensors += list(reply.tensors)
+            if isinstance(reply.get("metrics"), dict):
+                counters[str(reply["name"])] = reply["metrics"]
+        return keys, tensors, {d: holders.get(d, "") for d in run.devices}
+
+    def checkpoint(self, run_id: int, step: int) -> Flow:
+        """Every stage's weights once it finished round ``step``, for the client."""
+        run = self.run
+        try:
+            if not self.is_current(run_id):
+                raise ConfigError(f"run {run_id} is not the current run")
+            yield AwaitConfirmed(tuple(run.devices))
+            keys, tensors = yield from self.gather_state(step, optimizer=False)
+            if len(tensors) > codec.MAX_TENSORS:
+                raise ConfigError(
+                    f"the checkpoint holds {len(tensors)} tensors (replicas included), "
+                    f"more than one message carries ({codec.MAX_TENSORS})"
+                )
+        except (ZpipeError, ValueError) as exc:
+            yield Log("error", "run_failed", {"error": str(exc)})
+            return Message("run_failed", {"error": str(exc)})
+        return Message(
+            "checkpoint",
+            {"run": run.run, "step": step, "keys": keys},
+            epoch=run.epoch,
+            tensors=tuple(tensors),
+        )
+
+    def take_replica(self, run_id: int, step: int) -> Flow:
+        """Keep a replica of the run after round ``step`` (weights and optimizer state of
+        every unit; a group's members hold identical copies, one is kept); then, with
+        ``rebalance``, say whether the run should change shape."""
+        run = self.run
+        body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}
+        try:
+            if not self.is_current(run_id) or run.training_plan is None:
+                raise ConfigError(f"run {run_id} is not the current training run")
+            yield AwaitConfirmed(tuple(run.devices))
+            counters: dict[str, Any] = {}
+            holders: dict[str, str] = {}
+            if run.replication == "global":
+                keys, tensors = yield from self.gather_state(step, optimizer=True, metrics=counters)
+            else:
+                keys, tensors, holders = yield from self.back_up(step, counters)
+            state: dict[str, torch.Tensor] = {}
+            for key, tensor in zip(keys, tensors, strict=True):
+                if key not in state:
+                    # A copy: the received frame's memory belongs to a zmq message.
+                    state[key] = tensor.clone()
+            if self.state.saves_replicas:
+                # On disk before the client hears of it: it then drops what came before.
+                saved = SavedReplica(run.run, step, run.training_plan.to_dict(), state, holders)
+                try:
+                    yield SaveReplica(saved)
+                except (OSError, StateFileError) as exc:
+                    raise StateFileError(f"the replica could not be saved: {exc}") from exc
+            self.state.replica = Replica(run.run, step, run.training_plan, state, holders)
+            body["tensors"] = len(state)
+            body["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+            body["error"] = ""
+            yield Log(
+                "info",
+                "replica_kept",
+                {
+                    "run": run.run,
+                    "step": step,
+                    "tensors": len(state),
+                    "bytes": body["bytes"],
+                    "saved": self.state.saves_replicas,
+                    "replication": run.replication,
+                    "holders": holders or None,
+                },
+            )
+            if run.rebalance is not None:
+                balanced = yield from self.with_newcomers(run.training_plan)
+                if balanced is None:
+                    balanced = yield from self.rebalance(run.training_plan, counters)
+                if balanced is not None:
+                    body["rebalance"] = balanced.to_dict()
+        except (ZpipeError, ValueError) as exc:
+            body["error"] = f"{type(exc).__name__}: {exc}"
+            yield Log(
+                "error", "replica_failed", {"run": run_id, "step": step, "error": body["error"]}
+            )
+        return Message("replicated", body)
+
+    # ------------------------------------------------------------ run shape
+
+    def rebalance(self, plan: TrainingPlan, counters: dict[str, Any]) -> Flow:
+        """Eco-FL's workload migration from the measured speeds (see
+        :func:`zpipe.coordinator.training_balance.rebalanced`)."""
+        run = self.run
+        assert run.rebalance is not None and run.request is not None
+        spec = ModelSpec.from_dict(run.request["model"])
+        unit_work: list[float] = [1.0] * plan.num_units
+        first = self.state.membership.get(plan.devices[0])
+        if first is not None:
+            profile = self.state.profiles.get(
+                spec, plan.microbatch_size, "float32", first, train=True
+            )
+            if profile is not None:
+                unit_work = unit_work_from_profile(profile, plan.microbatch_size, training=True)
+        found = rebalanced(plan, counters, unit_work, run.rebalance)
+        if found.skipped:
+            yield Log("warning", "rebalance_skipped", {"run": run.run, "error": found.skipped})
+        elif found.fields:
+            yield Log("info", "rebalance_considered", {"run": run.run, **found.fields})
+        if found.plan is not None:
+            yield Log("info", "rebalanced", {"run": run.run, "plan": found.plan.to_dict()})
+        return found.plan
+
+    def with_newcomers(self, plan: TrainingPlan) -> Flow:
+        """A device that registered (or came back) since the run was planned joins it at
+        a replica when the planner, over it and the run's devices, predicts a round
+        shorter by at least ``run.rebalance`` than the current plan's (same cost model)."""
+        run = self.run
+        assert run.request is not None and run.rebalance is not None
+        admit = run.request.get("admit")
+        newcomers = [
+            m
+            for m in live_members(self.state.membership)
+            if m.name not in run.devices and (admit is None or m.name in admit)
+        ]
+        current = [self.state.membership.get(d) for d in plan.devices]
+        if not newcomers or any(m is None for m in current):
+            return None
+        members: tuple[Member, ...] = (*(m for m in current if m is not None), *newcomers)
+        settings = dict(run.request.get("train") or {})
+        settings.pop("plan", None)
+        settings.update(schedule=plan.schedule, num_microbatches=plan.num_microbatches)
+        planner = str(run.request.get("planner") or "hpp")
+        batch = int(run.request.get("microbatch_size") or plan.microbatch_size)
+        spec = ModelSpec.from_dict(run.request["model"])
+        try:
+            checked = check_train_settings(settings, 1)
+            optimizer = memory_model(checked["optimizer"])
+            bigger = yield PlanTraining(
+                spec,
+                members,
+                batch,
+                int(checked["num_microbatches"]),
+                algo=planner if planner in TRAINING_ALGOS else "hpp",
+                schedule=str(checked["schedule"]),
+                optimizer=optimizer,
+            )
+            profile, cluster = yield TrainingModel(spec, members, batch)
+            costs = TrainingCosts(profile, cluster, microbatch_size=batch, optimizer=optimizer)
+            now = predict_training(at_microbatch_size(plan, batch), costs)["round_s"]
+            then = float(bigger.predicted["round_s"])
+        except (ZpipeError, ValueError, KeyError) as exc:
+            yield Log("warning", "admission_skipped", {"run": run.run, "error": str(exc)})
+            return None
+        yield Log(
+            "info",
+            "admission_considered",
+            {
+                "run": run.run,
+                "newcomers": [m.name for m in newcomers],
+                "round_s": round(now, 6),
+                "with_newcomers_s": round(then, 6),
+            },
+        )
+        if not admits(now, bigger, plan, run.rebalance):
+            return None
+        joining = [n for n in bigger.devices if n not in plan.devices]
+        yield Log(
+            "info", "admitted", {"run": run.run, "devices": joining, "plan": bigger.to_dict()}
+        )
+        return bigger

@@ -1,0 +1,112 @@
+"""When a training run changes shape at a replica: rebalancing and admission, pure.
+
+- Rebalancing (Eco-FL's workload migration): from each device's measured time per
+  micro-batch, FTPipeHD's capacities (:func:`zpipe.recovery.estimate_capacities`)
+  give speeds; the lightweight plan for those speeds
+  (:func:`zpipe.recovery.plan_recovery` with no failure) is taken when it
+  shortens the bottleneck by at least the run's ``rebalance`` share.
+- Admission: a device that registered since the run was planned joins when the
+  planner, over it and the run's devices, predicts a round shorter by that share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zpipe._errors import ConfigError, ZpipeError
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.recovery import (
+    estimate_capacities,
+    plan_recovery,
+    speeds_from_capacities,
+    stage_work,
+)
+
+
+def memory_model(optimizer: Mapping[str, Any]) -> str:
+    """The planners' name for an optimizer's state (momentum is one more copy)."""
+    name = str(optimizer["name"])
+    return "sgd-momentum" if name == "sgd" and optimizer.get("momentum") else name
+
+
+def at_microbatch_size(plan: TrainingPlan, batch: int) -> TrainingPlan:
+    """``plan`` costed at micro-batches of ``batch`` samples (a straight plan the
+    coordinator built without knowing the size records 1)."""
+    if plan.microbatch_size == batch:
+        return plan
+    if any(len(stage.devices) > 1 for stage in plan.stages):
+        raise ConfigError("the plan's groups share micro-batches of another size")
+    data = plan.to_dict()
+    data["microbatch_size"] = batch
+    data["stages"] = [{**stage, "shares": [batch]} for stage in data["stages"]]
+    return TrainingPlan.from_dict(data)
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """What rebalancing found: the plan to switch to (None: stay), and why."""
+
+    plan: TrainingPlan | None
+    fields: Mapping[str, Any]
+    skipped: str = ""
+
+
+def rebalanced(
+    plan: TrainingPlan,
+    counters: Mapping[str, Any],
+    unit_work: list[float],
+    threshold: float,
+) -> Rebalance:
+    """The lightweight plan for the devices' measured speeds, if it shortens the
+    bottleneck by at least ``threshold``; a plan not measured yet stays."""
+    measured: dict[str, float] = {}
+    ranges: dict[str, tuple[int, int]] = {}
+    fractions: dict[str, float] = {}
+    for stage in plan.stages:
+        for device, share in zip(stage.devices, stage.shares, strict=True):
+            c = counters.get(device) or {}
+            done = int(c.get("microbatches") or 0)
+            if share == 0:
+                continue
+            if done == 0:
+                return Rebalance(None, {})  # not measured yet
+            measured[device] = (float(c["forward_s"]) + float(c["backward_s"])) / done
+            ranges[device] = (stage.start, stage.end)
+            fractions[device] = share / sum(stage.shares)
+    try:
+        speeds = speeds_from_capacities(
+            estimate_capacities(measured, ranges, unit_work, work_fraction=fractions)
+        )
+        # a device with share 0 counts as the slowest measured one
+        for device in plan.devices:
+            speeds.setdefault(device, min(speeds.values()))
+        balanced = plan_recovery(
+            plan, failed=(), policy="lightweight", unit_work=unit_work, speeds=speeds
+        ).plan
+        assert isinstance(balanced, TrainingPlan)
+    except (ZpipeError, ValueError) as exc:
+        return Rebalance(None, {}, skipped=str(exc))
+    now = max(stage_work(plan, unit_work, speeds))
+    then = max(stage_work(balanced, unit_work, speeds))
+    moved = [(st.start, st.end) for st in balanced.stages] != [
+        (st.start, st.end) for st in plan.stages
+    ]
+    fields = {
+        "speeds": {d: round(v, 4) for d, v in speeds.items()},
+        "bottleneck": round(now, 6),
+        "balanced": round(then, 6),
+    }
+    if not moved or then > now * (1.0 - threshold):
+        return Rebalance(None, fields)
+    return Rebalance(balanced, fields)
+
+
+def admits(
+    current_round_s: float, bigger: TrainingPlan, plan: TrainingPlan, threshold: float
+) -> bool:
+    """Whether ``bigger`` (the plan with newcomers) is worth a restart over ``plan``."""
+    joining = [n for n in bigger.devices if n not in plan.devices]
+    then = float(bigger.predicted["round_s"])
+    return bool(joining) and then <= current_round_s * (1.0 - threshold)
