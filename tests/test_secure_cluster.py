@@ -16,6 +16,7 @@ import zmq
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.transport import security
+from zpipe.transport.codec import Message, decode, encode
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +162,41 @@ def test_secure_training_with_a_group_and_a_pipeline(keys: dict[str, Path]) -> N
     for report in (grouped, piped):
         for key, value in model.state_dict().items():
             torch.testing.assert_close(report.state_dict[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_key_cannot_read_the_cluster_or_start_a_run(tmp_path: Path) -> None:
+    # Issue 19, roles: with roles.txt, only client keys may start runs or read the
+    # cluster; a stage's own (allowed) key is refused for them, and the client works.
+    trusted = tmp_path / "keys"
+    security.generate_keys_with_roles(trusted, ["coordinator", "client", "r0"])
+    with LocalCluster([DeviceSpec("r0")], keys_dir=trusted, heartbeat_interval_s=0.5) as cluster:
+        server_key = security.load_keypair_public(trusted, "coordinator")
+        context = zmq.Context()
+
+        def ask(name: str, kind: str, body: dict[str, object]) -> str | None:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            security.secure_client(sock, security.load_keypair(trusted, name), server_key)
+            sock.connect(cluster.coordinator_endpoint)
+            try:
+                sock.send_multipart(encode(Message(kind, body)))
+                if not sock.poll(3000):
+                    return None
+                return decode(sock.recv_multipart(copy=False)).kind
+            finally:
+                sock.close(linger=0)
+
+        try:
+            assert ask("r0", "cluster_request", {}) is None
+            request = {
+                "model": {"family": "mlp", "config": {"dims": [4, 4]}},
+                "dtype": "float32",
+                "sink_endpoint": "tcp://127.0.0.1:9",
+                "wait_for_stages_s": 1.0,
+            }
+            assert ask("r0", "run_request", request) is None
+            assert ask("client", "cluster_request", {}) == "cluster_state"
+        finally:
+            context.term()
+        log = cluster.logs("coordinator")
+    assert log.count("role_refused") >= 2

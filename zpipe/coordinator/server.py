@@ -40,7 +40,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import PeerGoneError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe._errors import PeerGoneError, ProtocolError, RoleError, TransportTimeout, ZpipeError
 from zpipe.config import Timeouts
 from zpipe.coordinator.commands import (
     Command,
@@ -74,6 +74,7 @@ from zpipe.coordinator.state import CoordinatorState
 from zpipe.log import get_logger
 from zpipe.transport import security
 from zpipe.transport.codec import Message
+from zpipe.transport.roles import KeyRoles
 from zpipe.transport.sockets import (
     SocketOptions,
     bind_endpoint,
@@ -151,6 +152,10 @@ class Coordinator:
         self._router: zmq.asyncio.Socket | None = None
         self._authenticator: security.CurveAuthenticator | None = None
         self._keypair: security.KeyPair | None = None
+        # With --keys: what each key's role lets it send (roles.txt; a key it does not
+        # list keeps every role, as before roles existed).
+        self._roles: KeyRoles | None = None
+        self._unchecked_keys: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._stopping = asyncio.Event()
@@ -174,6 +179,7 @@ class Coordinator:
         if keys_dir is not None:
             self._keypair = security.load_keypair(keys_dir, "coordinator")
             self._public_keys.update(security.load_public_keys(keys_dir))
+            self._roles = KeyRoles.from_dir(keys_dir)
             allow = security.PeerAllowList()
             allow.replace(key for name, key in self._public_keys.items() if name != "coordinator")
             self._authenticator = security.CurveAuthenticator(self._context, allow)
@@ -276,14 +282,31 @@ class Coordinator:
             try:
                 user_key = _curve_user_id(frames[1])
                 message = decode_frames(frames[1:], max_bytes)
+                self._check_role(message.kind, user_key)
                 event_of = DISPATCH.get(message.kind, _stage_message)
                 self._feed(event_of(routing_id, user_key, message), peer=routing_id)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer=printable(routing_id), error=str(exc))
+            except RoleError as exc:
+                log.warning("role_refused", peer=printable(routing_id), error=str(exc))
             except Exception as exc:  # one message must never end the loop
                 log.error(
                     "message_failed", peer=printable(routing_id), error=repr(exc), exc_info=True
                 )
+
+    def _check_role(self, kind: str, user_key: str | None) -> None:
+        """Raise RoleError when the sender's key may not send ``kind`` (a stage key
+        starting a run, a client key registering as a stage)."""
+        if self._roles is None or user_key is None:
+            return  # an open cluster: no keys, no roles
+        if not self._roles.check(kind, user_key) and user_key not in self._unchecked_keys:
+            self._unchecked_keys.add(user_key)
+            log.warning(
+                "role_unchecked",
+                key=user_key[:8],
+                detail="this key has no role in roles.txt; it may send every kind",
+                fix="record roles with python -m zpipe keys (or add 'NAME ROLE' lines)",
+            )
 
     async def _tick_loop(self) -> None:
         interval = self.config.timeouts.heartbeat_interval_s
