@@ -129,9 +129,12 @@ class AwaitStages(Job):
 
 @dataclass(frozen=True)
 class CountUnits(Job):
-    """The number of units of ``spec``'s model (built off the loop: it may be large)."""
+    """The number of units of ``spec``'s model (built off the loop: it may be large).
+    ``declared``: the count the client sent (run_request's num_units), which spares
+    the coordinator building a user-code model at all."""
 
     spec: ModelSpec
+    declared: int | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.log import get_logger
-from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models import USER_CODE_FAMILIES, ModelSpec, count_units, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec
 from zpipe.planner.hpp import plan_training
 from zpipe.planner.profile import ModelProfile
@@ -75,7 +75,7 @@ class JobRunner:
         if isinstance(job, AwaitStages):
             return await self._await_stages(job)
         if isinstance(job, CountUnits):
-            return await asyncio.to_thread(lambda: load_layer_sequence(job.spec).num_units)
+            return await asyncio.to_thread(_count_units, job.spec, job.declared)
         if isinstance(job, AwaitConfirmed):
             return await self._await_confirmed(job.names)
         if isinstance(job, PlanInference):
@@ -216,3 +216,12 @@ class JobRunner:
             "stage_profiled", stage=member.name, forward_s=round(sum(profile.times(batch_size)), 4)
         )
         return profile
+
+
+def _count_units(spec: ModelSpec, declared: int | None) -> int:
+    """The model's unit count without running user code when the client declared it;
+    a client that did not (an older one) gets it counted only for a factory this
+    process allows (--allow-factory), as for any peer's spec."""
+    if declared is not None or spec.family not in USER_CODE_FAMILIES:
+        return count_units(spec, declared=declared)
+    return load_layer_sequence(spec).num_units

@@ -110,7 +110,7 @@ def _start_run(
         yield Log("warning", "run_replaced", {"previous": state.current.run.run})
     spec = ModelSpec.from_dict(message["model"])
     mode = _check_request(message)
-    num_units = yield CountUnits(spec)
+    num_units = yield CountUnits(spec, message.get("num_units"))
     recovery = message.get("recovery") or DEFAULT_RECOVERY
     settings = dict(message.get("train") or {})
     replica = None
@@ -282,7 +282,7 @@ class _Training:
         settings = dict(message.get("train") or {})
         settings.pop("plan", None)
         if given is not None:
-            num_units = yield CountUnits(spec)
+            num_units = yield CountUnits(spec, message.get("num_units"))
             if given.num_units != num_units:
                 raise ConfigError(
                     f"the training plan covers {given.num_units} units, the model has {num_units}"
