@@ -162,9 +162,17 @@ class RunSession:
         return task
 
     def _task_done(self, task: asyncio.Task[None], name: str, essential: bool) -> None:
-        if self._closing or task.cancelled():
+        if self._closing:
             return
-        exc = task.exception()
+        if task.cancelled():
+            if not essential:
+                return
+            # not by close(): a socket closed under a pending receive, say
+            exc: BaseException | None = PipelineError(
+                f"the client's {name} task of run {self.run} was cancelled"
+            )
+        else:
+            exc = task.exception()
         if exc is None and (not essential or self._failure.done()):
             return  # it finished its job, or it stopped after the run failed
         if exc is None:
