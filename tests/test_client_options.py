@@ -176,6 +176,8 @@ def test_training_requests_for_a_start_a_recovery_and_a_rebalance() -> None:
     [
         ("units [2, 4) are lost: b and the holder of their backup (c) are gone", UnitsLostError),
         ("stages ['b'] are gone; their weights are lost", StageLostError),
+        ("stage 'b' died: no heartbeat for 2.6 s and no answer to a probe", StageLostError),
+        ("stage 'b' failed: no heartbeat for 2.6 s", StageLostError),
         ("1 stages registered, 3 needed after waiting 30.0 s", InfeasiblePlanError),
         ("stages ['x'] are not registered after waiting 5 s", InfeasiblePlanError),
         ("the model needs 2 GB but 2 devices hold 1 GB; 1 GB short: add", InfeasiblePlanError),

@@ -3,7 +3,8 @@
 ``run_failed`` carries only a text (the wire has no error type), so the client
 recognises the shapes the coordinator's errors are written in: lost units
 (``units [a, b) are lost: ...``, :class:`~zpipe.UnitsLostError`'s own text),
-stages that are gone while their weights were awaited, and too few stages or
+stages that died or are gone while the coordinator awaited them
+(:class:`~zpipe.StageLostError`), and too few stages or
 no plan that fits (:class:`~zpipe.InfeasiblePlanError`). Anything else stays a
 :class:`~zpipe.PipelineError` that quotes the coordinator.
 """
@@ -24,6 +25,9 @@ from zpipe.transport.codec import Message
 
 _UNITS_LOST = re.compile(r"units \[(\d+), (\d+)\) are lost: (.*)", re.DOTALL)
 _STAGES_GONE = re.compile(r"stages \[(.*?)\] are gone")
+# a stage that died while the coordinator awaited its reply (StageLostError's own text,
+# or the older "died")
+_STAGE_DIED = re.compile(r"stage '([^']+)' (?:died|failed): (.*)", re.DOTALL)
 # a run_request the live stages cannot serve: too few of them, or no plan fits them
 _INFEASIBLE = (
     re.compile(r"\d+ stages registered, \d+ needed after waiting"),
@@ -43,6 +47,9 @@ def run_failed_error(error: str, doing: str) -> ZpipeError:
     if gone is not None:
         names = re.findall(r"'([^']*)'", gone[1]) or [gone[1]]
         return StageLostError(", ".join(names), f"gone while the client waited to {doing}")
+    died = _STAGE_DIED.search(error)
+    if died is not None:
+        return StageLostError(died[1], died[2])
     if any(pattern.search(error) for pattern in _INFEASIBLE):
         return InfeasiblePlanError(f"the coordinator could not {doing}: {error}")
     return PipelineError(f"the coordinator could not {doing}: {error}")
