@@ -200,9 +200,10 @@ class RunSession:
         """``awaitable``'s result, unless the run fails first (its error is raised) or
         ``timeout_s`` passes (:class:`asyncio.TimeoutError`)."""
         task = asyncio.ensure_future(awaitable)
+        waits: set[asyncio.Future[Any]] = {task, self._failure}
         try:
             done, _ = await asyncio.wait(
-                {task, self._failure}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+                waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             if not task.done():
