@@ -44,7 +44,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner.training_plan import TrainingPlan
 
-log = get_logger("zpipe.fit")
+log = get_logger("zpipe.client")
 
 
 async def fit(

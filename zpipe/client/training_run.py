@@ -33,7 +33,7 @@ from zpipe.training.routing import split_rows
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
 
-log = get_logger("zpipe.fit")
+log = get_logger("zpipe.client")
 
 
 @dataclass(frozen=True)
