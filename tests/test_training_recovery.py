@@ -15,9 +15,8 @@ import torch
 from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
 
 from zpipe._errors import ConfigError, StageFailedError
-from zpipe.client import PipelineClient
+from zpipe.client import PipelineClient, TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
-from zpipe.fit import TrainReport
 from zpipe.models import ModelSpec
 from zpipe.recovery import DeadlinePolicy
 

@@ -15,14 +15,22 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError
-from zpipe.client import Batch, Outputs, PipelineClient, RunReport
+from zpipe.client import (
+    Batch,
+    InferOptions,
+    Outputs,
+    PipelineClient,
+    RunReport,
+    TrainBatch,
+    TrainOptions,
+    TrainReport,
+)
 from zpipe.config import Timeouts
-from zpipe.fit import TrainReport
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.transport.ports import free_tcp_port
 
@@ -83,8 +91,7 @@ class LocalCluster:
         # Stages that share this machine must not fight over its cores.
         per_stage = max(1, cores // max(1, len(devices)))
         self.devices = [
-            d if d.threads is not None else DeviceSpec(**{**d.__dict__, "threads": per_stage})
-            for d in devices
+            d if d.threads is not None else replace(d, threads=per_stage) for d in devices
         ]
         self.keys_dir = keys_dir
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -214,47 +221,65 @@ class LocalCluster:
         return PipelineClient(self.coordinator_endpoint, **kwargs)
 
     def infer(
-        self, model: ModelSpec, batches: Iterable[Batch] | AsyncIterable[Batch], **kwargs: Any
+        self,
+        model: ModelSpec,
+        batches: Iterable[Batch] | AsyncIterable[Batch],
+        *,
+        options: InferOptions | None = None,
+        **keywords: Any,
     ) -> tuple[list[Outputs], RunReport]:
         """Run a whole inference stream from synchronous code: outputs in order, and the report.
 
+        The settings are ``options`` or :class:`~zpipe.client.InferOptions`' keywords.
         Without ``stage_names`` or ``stages`` the pipeline runs through the devices in the
         order they were given (the first ``len(partition)`` of them with a partition).
         """
-        if kwargs.get("stage_names") is None and kwargs.get("stages") is None:
-            names = [d.name for d in self.devices]
-            partition = kwargs.get("partition")
-            if partition is not None:
-                names = names[: len(partition)]
-            else:
-                units = load_layer_sequence(model).num_units
-                names = names[:units]
-            kwargs["stage_names"] = names
+        settings = InferOptions.from_keywords(options, keywords, caller="infer")
+        if settings.stage_names is None and settings.stages is None:
+            count = (
+                len(settings.partition)
+                if settings.partition is not None
+                else load_layer_sequence(model).num_units
+            )
+            settings = replace(settings, stage_names=self._device_names(count))
 
         async def run() -> tuple[list[Outputs], RunReport]:
             async with self.client() as client:
-                outputs = await client.infer(model, batches, **kwargs)
+                outputs = await client.infer(model, batches, options=settings)
                 assert client.last_report is not None
                 return outputs, client.last_report
 
         return asyncio.run(run())
 
-    def fit(self, model: ModelSpec, batches: Iterable[Any], **kwargs: Any) -> TrainReport:
-        """Train from synchronous code (see :func:`zpipe.fit.fit`); the stages default to
-        the devices in the order they were given."""
-        if kwargs.get("stage_names") is None and kwargs.get("stages") is None:
-            names = [d.name for d in self.devices]
-            partition = kwargs.get("partition")
+    def fit(
+        self,
+        model: ModelSpec,
+        batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch],
+        *,
+        options: TrainOptions | None = None,
+        **keywords: Any,
+    ) -> TrainReport:
+        """Train from synchronous code (see :func:`zpipe.client.fit`; the settings are
+        ``options`` or :class:`~zpipe.client.TrainOptions`' keywords); the stages default
+        to the devices in the order they were given."""
+        settings = TrainOptions.from_keywords(options, keywords, caller="fit")
+        if settings.stage_names is None and settings.stages is None:
             count = (
-                len(partition) if partition is not None else load_layer_sequence(model).num_units
+                len(settings.partition)
+                if settings.partition is not None
+                else load_layer_sequence(model).num_units
             )
-            kwargs["stage_names"] = names[:count]
+            settings = replace(settings, stage_names=self._device_names(count))
 
         async def run() -> TrainReport:
             async with self.client() as client:
-                return await client.fit(model, batches, **kwargs)
+                return await client.fit(model, batches, options=settings)
 
         return asyncio.run(run())
+
+    def _device_names(self, count: int) -> list[str]:
+        """The first ``count`` devices, in the order they were given."""
+        return [d.name for d in self.devices][:count]
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes[name]

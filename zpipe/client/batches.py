@@ -1,0 +1,139 @@
+"""The user's batches: splitting them into micro-batches, and keeping them to replay.
+
+Pure data handling (no sockets): inference batches are split by size
+(:func:`split_microbatches`), training mini-batches into a count of parts
+(:func:`split_minibatch`), and :class:`BatchSource` hands a training run its
+mini-batches once each while keeping those since the last replica, which a
+recovery trains again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from zpipe._errors import ConfigError
+
+Batch = torch.Tensor | Sequence[torch.Tensor]
+Outputs = tuple[torch.Tensor, ...]
+# a training mini-batch: (inputs..., labels)
+TrainBatch = Sequence[torch.Tensor]
+
+
+def as_tensors(batch: Batch) -> tuple[torch.Tensor, ...]:
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    tensors = tuple(batch)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ConfigError("a batch must be a tensor or a non-empty sequence of tensors")
+    return tensors
+
+
+def split_microbatches(
+    tensors: tuple[torch.Tensor, ...], microbatch_size: int | None
+) -> list[tuple[torch.Tensor, ...]]:
+    """Split along dim 0; every tensor of a batch must have the same batch size."""
+    if any(t.dim() == 0 for t in tensors):
+        raise ConfigError("every tensor of a batch needs a batch dimension; got a scalar")
+    sizes = {int(t.shape[0]) for t in tensors}
+    if len(sizes) != 1:
+        raise ConfigError(f"every tensor of a batch needs the same batch size, got {sizes}")
+    (batch_size,) = sizes
+    if microbatch_size is None or microbatch_size >= batch_size:
+        return [tuple(t.contiguous() for t in tensors)]
+    parts = [torch.split(t, microbatch_size) for t in tensors]
+    return [tuple(p.contiguous() for p in group) for group in zip(*parts, strict=False)]
+
+
+def split_minibatch(batch: TrainBatch, num_microbatches: int) -> list[tuple[torch.Tensor, ...]]:
+    """``num_microbatches`` parts along dim 0, sizes differing by at most one."""
+    tensors = tuple(batch)
+    if len(tensors) < 2 or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ConfigError("a training batch is a sequence of tensors: (inputs..., labels)")
+    sizes = {int(t.shape[0]) if t.dim() > 0 else -1 for t in tensors}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ConfigError(f"every tensor of a batch needs the same batch size, got {sizes}")
+    (size,) = sizes
+    if size < num_microbatches:
+        raise ConfigError(
+            f"a mini-batch of {size} samples cannot be split into {num_microbatches} "
+            "micro-batches; drop the last incomplete batch (drop_last=True) or use fewer"
+        )
+    parts = [torch.tensor_split(t, num_microbatches) for t in tensors]
+    return [tuple(p[i].contiguous() for p in parts) for i in range(num_microbatches)]
+
+
+def first_batch_size(batches: object) -> int | None:
+    """The first batch's size when ``batches`` is a sequence we can look into."""
+    if not isinstance(batches, Sequence) or not batches:
+        return None
+    first = batches[0]
+    if first and isinstance(first[0], torch.Tensor) and first[0].dim() > 0:
+        return int(first[0].shape[0])
+    return None
+
+
+_END = object()
+
+
+class BatchSource:
+    """The mini-batches, once each, and those since the last replica, kept to replay.
+
+    ``replica_step``: the mini-batch the coordinator's replica was taken before
+    (every mini-batch before it is in the replica); ``resume``: that replica's
+    (run, the run's own step); ``kept_from``: the mini-batch ``kept[0]`` is, where
+    the next attempt starts (the replica's, or with `fast` consistency the first
+    mini-batch that had not completed).
+    """
+
+    def __init__(self, batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch]) -> None:
+        self._sync: Iterator[TrainBatch] | None = None
+        self._async: AsyncIterator[TrainBatch] | None = None
+        if isinstance(batches, AsyncIterable):
+            self._async = aiter(batches)
+        else:
+            self._sync = iter(batches)
+        self._pending: asyncio.Future[Any] | None = None
+        self.kept: list[TrainBatch] = []
+        self.kept_from = 0
+        self.replica_step = 0
+        self.resume: tuple[int, int] | None = None
+        self.replicas: list[int] = []
+
+    def forget_before(self, step: int) -> None:
+        """Mini-batches before ``step`` will not be trained again."""
+        self.kept = self.kept[step - self.kept_from :]
+        self.kept_from = step
+
+    async def iterate(self) -> AsyncIterator[TrainBatch]:
+        """The kept mini-batches again, then new ones (kept too)."""
+        for batch in list(self.kept):
+            yield batch
+        while True:
+            batch = await self._next()
+            if batch is _END:
+                return
+            self.kept.append(batch)
+            yield batch
+
+    async def _next(self) -> Any:
+        if self._sync is not None:
+            return next(self._sync, _END)
+        assert self._async is not None
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(anext(self._async, _END))
+        # Shielded: a recovery may cancel the feed while the source makes its next
+        # batch; that batch then goes to the next attempt instead of being lost.
+        batch = await asyncio.shield(self._pending)
+        self._pending = None
+        return batch
+
+    def replicated(self, step: int, run: int, run_step: int) -> None:
+        """The coordinator holds a replica taken before mini-batch ``step``."""
+        self.forget_before(step)
+        self.replica_step = step
+        self.resume = (run, run_step)
+        self.replicas.append(step)

@@ -1,0 +1,149 @@
+"""What an open client holds: its zmq context, control channel, sink and keys.
+
+:class:`ClientConnection` is what runs use (the handshake of a session, the
+sockets a stream or a training run sends on); :class:`~zpipe.client.PipelineClient`
+opens and closes it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import PipelineError, ProtocolError
+from zpipe.client.control import ControlChannel
+from zpipe.config import Timeouts
+from zpipe.log import get_logger
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import (
+    SocketOptions,
+    advertised_endpoint,
+    bind_endpoint,
+    decode_frames,
+    new_context,
+    open_socket,
+)
+
+log = get_logger("zpipe.client")
+
+CLIENT_NAME = "client"
+_warned_open = [False]
+
+
+class ClientConnection:
+    """An open client's sockets: the control channel, the sink (a PULL every run's last
+    stage sends to) and, with keys, the keypair and the sink's allow-list."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        control: ControlChannel,
+        sink: zmq.asyncio.Socket,
+        sink_endpoint: str,
+        *,
+        timeouts: Timeouts,
+        options: SocketOptions,
+        keypair: security.KeyPair | None = None,
+        sink_allow: security.PeerAllowList | None = None,
+        authenticator: security.CurveAuthenticator | None = None,
+    ) -> None:
+        self.context = context
+        self.control = control
+        self.sink = sink
+        self.sink_endpoint = sink_endpoint
+        self.timeouts = timeouts
+        self.options = options
+        self.keypair = keypair
+        self.sink_allow = sink_allow
+        self.authenticator = authenticator
+
+    @classmethod
+    def open(
+        cls,
+        coordinator: str,
+        *,
+        keys_dir: Path | None,
+        key_name: str,
+        sink_bind: str,
+        advertise_host: str | None,
+        timeouts: Timeouts,
+        options: SocketOptions,
+    ) -> ClientConnection:
+        context = new_context()
+        dealer = open_socket(context, zmq.DEALER, options)
+        dealer.setsockopt(zmq.ROUTING_ID, f"{CLIENT_NAME}-{uuid.uuid4().hex[:12]}".encode())
+        sink = open_socket(context, zmq.PULL, options)
+        keypair = sink_allow = authenticator = None
+        if keys_dir is not None:
+            keypair = security.load_keypair(keys_dir, key_name)
+            coordinator_key = security.load_keypair_public(keys_dir, "coordinator")
+            security.secure_client(dealer, keypair, coordinator_key)
+            sink_allow = security.PeerAllowList()
+            authenticator = security.CurveAuthenticator(context, sink_allow)
+            authenticator.start()
+            security.secure_server(sink, keypair)
+        elif not _warned_open[0]:
+            # Once per process: an embedding program opens many clients.
+            _warned_open[0] = True
+            security.warn_open_cluster(log, "client")
+        dealer.connect(coordinator)
+        bound = bind_endpoint(sink, sink_bind)
+        sink_endpoint = advertised_endpoint(
+            bound, advertise_host=advertise_host, toward=coordinator
+        )
+        return cls(
+            context,
+            ControlChannel(dealer, options, timeouts),
+            sink,
+            sink_endpoint,
+            timeouts=timeouts,
+            options=options,
+            keypair=keypair,
+            sink_allow=sink_allow,
+            authenticator=authenticator,
+        )
+
+    async def close(self) -> None:
+        await self.control.close()
+        self.sink.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.context.term()
+
+    def push_to(self, endpoint: str, key: object, peer: str) -> zmq.asyncio.Socket:
+        """A PUSH connected to ``peer``'s data endpoint; with keys, it must be ``key``."""
+        sock = open_socket(self.context, zmq.PUSH, self.options)
+        if self.keypair is not None:
+            if not key:
+                sock.close(linger=0)
+                raise PipelineError(f"the coordinator sent no key for {peer} ({endpoint})")
+            security.secure_client(sock, self.keypair, str(key).encode())
+        sock.connect(endpoint)
+        return sock
+
+    def allow_sink_senders(self, keys: Iterable[object]) -> None:
+        """With keys: only these public keys (the run's last stages) may send to the sink."""
+        if self.sink_allow is not None:
+            self.sink_allow.replace([str(k).encode() for k in keys if k])
+
+    def decode_sink_message(self, frames: Sequence[zmq.Frame]) -> Message:
+        """A message that reached the sink, decoded; with keys, only from an allowed peer
+        (CURVE checks keys at the handshake only, so each message is checked again)."""
+        if self.sink_allow is not None:
+            key = security.sender_public_key(frames[0])
+            if key is None or key not in self.sink_allow:
+                raise ProtocolError("a message from a peer that is not an assigned last stage")
+        return decode_frames(frames, self.options.max_message_bytes)
+
+
+class ConnectedClient(Protocol):
+    """Anything that holds an open connection (a :class:`PipelineClient`)."""
+
+    @property
+    def connection(self) -> ClientConnection: ...

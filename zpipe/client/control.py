@@ -1,0 +1,165 @@
+"""The client's control channel: a DEALER to the coordinator.
+
+Requests wait for their reply with a deadline (and go again when the
+coordinator was restarted meanwhile, for requests it may answer twice);
+failure notices (``stage_failed``, ``run_replanned``) go to their own queue,
+which the run's session watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from zpipe._errors import TransportTimeout
+from zpipe.config import Timeouts
+from zpipe.log import get_logger
+from zpipe.recovery import StallWatch
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import SocketOptions, decode_frames, recv_frames, send
+
+log = get_logger("zpipe.client")
+
+# the kinds the coordinator sends unasked, about a run that is going on
+NOTICE_KINDS = ("stage_failed", "run_replanned")
+
+
+class ControlChannel:
+    """The client's DEALER to the coordinator: requests with deadlines, failure notices."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, options: SocketOptions, timeouts: Timeouts):
+        self.sock = sock
+        self.options = options
+        self.timeouts = timeouts
+        self.failures: asyncio.Queue[Message] = asyncio.Queue()
+        self._replies: asyncio.Queue[Message] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+        # Reconnections to the coordinator's endpoint (a restarted coordinator): a
+        # request that may have been lost with the old process is sent again.
+        self.reconnections = 0
+        self._reconnected = asyncio.Event()
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._watcher = asyncio.create_task(self._watch_connection())
+
+    async def _watch_connection(self) -> None:
+        disconnected = False
+        while True:
+            frames = await self._monitor.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)
+            except Exception as exc:  # a malformed monitor event must not end the watch
+                log.warning("monitor_event_dropped", error=repr(exc))
+                continue
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                disconnected = True
+                log.warning("coordinator_disconnected", endpoint=event["endpoint"])
+            elif event["event"] == zmq.EVENT_CONNECTED and disconnected:
+                disconnected = False
+                self.reconnections += 1
+                self._reconnected.set()
+                log.info("coordinator_reconnected", endpoint=event["endpoint"])
+
+    async def _read(self) -> None:
+        while True:
+            frames = await recv_frames(
+                self.sock, timeout_s=None, peer="coordinator", awaited="control message"
+            )
+            try:
+                message = decode_frames(frames, self.options.max_message_bytes)
+            except Exception as exc:
+                # Any exception one message causes (a ProtocolError, or a bug the
+                # decoder lets through) drops that message; the channel keeps serving.
+                log.warning("dropped_message", peer="coordinator", error=str(exc),
+                            error_type=type(exc).__name__)  # fmt: skip
+                continue
+            if message.kind in NOTICE_KINDS:
+                await self.failures.put(message)
+            else:
+                await self._replies.put(message)
+
+    async def request(
+        self,
+        message: Message,
+        *,
+        expect: Sequence[str],
+        timeout_s: float,
+        awaited: str,
+        resend_on_reconnect: bool = False,
+    ) -> Message:
+        """Send ``message`` and wait for a reply of a kind in ``expect``.
+
+        ``resend_on_reconnect``: for a request the coordinator may answer twice
+        (it shares the answer of a duplicate): when the connection to the
+        coordinator is made again while waiting (it was restarted and took its
+        run over from disk), the request goes again, with a fresh deadline.
+        """
+        seen = self.reconnections
+        await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if resend_on_reconnect and self.reconnections != seen:
+                seen = self.reconnections
+                log.warning("request_sent_again", kind=message.kind)
+                await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
+                deadline = time.monotonic() + timeout_s
+            left = max(deadline - time.monotonic(), 0.0)
+            self._reconnected.clear()
+            reply_task = asyncio.ensure_future(self._replies.get())
+            waits: set[asyncio.Future[Any]] = {reply_task}
+            if resend_on_reconnect:
+                waits.add(asyncio.ensure_future(self._reconnected.wait()))
+            try:
+                done, _ = await asyncio.wait(
+                    waits, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for task in waits:
+                    if not task.done():
+                        task.cancel()
+            if reply_task in done:
+                reply = reply_task.result()
+                if reply.kind in expect:
+                    return reply
+                log.debug("unexpected_reply", kind=reply.kind)
+            elif not done:
+                raise TransportTimeout("coordinator", awaited, timeout_s)
+
+    async def report_stalls(self, watch: StallWatch, run: Callable[[], int], what: str) -> None:
+        """Until cancelled: when the next result of ``run()`` is later than ``watch``'s
+        deadline (FTPipeHD's deadline at the data source), tell the coordinator, which
+        probes the run's stages at once instead of waiting for heartbeats to lapse."""
+        while True:
+            await asyncio.sleep(min(max(watch.deadline() / 4, 0.02), 0.5))
+            stalled = watch.stalled(time.monotonic())
+            if stalled is None:
+                continue
+            waited, deadline = stalled
+            log.warning(f"{what}_stalled", run=run(), waited_s=round(waited, 3),
+                        deadline_s=round(deadline, 3))  # fmt: skip
+            body = {"run": run(), "waited_s": waited, "deadline_s": deadline}
+            try:
+                await send(
+                    self.sock,
+                    Message("stalled", body),
+                    timeout_s=self.timeouts.send_s,
+                    peer="coordinator",
+                )
+            except TransportTimeout as exc:  # heartbeats still find a dead stage
+                log.warning("stall_not_reported", run=run(), error=str(exc))
+
+    async def close(self) -> None:
+        for task in (self._reader, self._watcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self.sock.close(linger=0)

@@ -1,0 +1,60 @@
+"""The coordinator's failures as typed errors, where the client can tell which they are.
+
+``run_failed`` carries only a text (the wire has no error type), so the client
+recognises the shapes the coordinator's errors are written in: lost units
+(``units [a, b) are lost: ...``, :class:`~zpipe.UnitsLostError`'s own text),
+stages that died or are gone while the coordinator awaited them
+(:class:`~zpipe.StageLostError`), and too few stages or
+no plan that fits (:class:`~zpipe.InfeasiblePlanError`). Anything else stays a
+:class:`~zpipe.PipelineError` that quotes the coordinator.
+"""
+
+from __future__ import annotations
+
+import re
+
+from zpipe._errors import (
+    InfeasiblePlanError,
+    PipelineError,
+    StageFailedError,
+    StageLostError,
+    UnitsLostError,
+    ZpipeError,
+)
+from zpipe.transport.codec import Message
+
+_UNITS_LOST = re.compile(r"units \[(\d+), (\d+)\) are lost: (.*)", re.DOTALL)
+_STAGES_GONE = re.compile(r"stages \[(.*?)\] are gone")
+# a stage that died while the coordinator awaited its reply (StageLostError's own text,
+# or the older "died")
+_STAGE_DIED = re.compile(r"stage '([^']+)' (?:died|failed): (.*)", re.DOTALL)
+# a run_request the live stages cannot serve: too few of them, or no plan fits them
+_INFEASIBLE = (
+    re.compile(r"\d+ stages registered, \d+ needed after waiting"),
+    re.compile(r"stages \[.*?\] are not registered after waiting"),
+    re.compile(r"fits? every (device's|stage into its device's) memory"),
+    re.compile(r"\bshort: "),
+)
+
+
+def run_failed_error(error: str, doing: str) -> ZpipeError:
+    """The error for a ``run_failed`` reply whose text is ``error``; ``doing`` says what
+    the client asked for ("start the run", "gather the trained weights")."""
+    found = _UNITS_LOST.search(error)
+    if found is not None:
+        return UnitsLostError((int(found[1]), int(found[2])), found[3])
+    gone = _STAGES_GONE.search(error)
+    if gone is not None:
+        names = re.findall(r"'([^']*)'", gone[1]) or [gone[1]]
+        return StageLostError(", ".join(names), f"gone while the client waited to {doing}")
+    died = _STAGE_DIED.search(error)
+    if died is not None:
+        return StageLostError(died[1], died[2])
+    if any(pattern.search(error) for pattern in _INFEASIBLE):
+        return InfeasiblePlanError(f"the coordinator could not {doing}: {error}")
+    return PipelineError(f"the coordinator could not {doing}: {error}")
+
+
+def stage_failed_error(notice: Message) -> StageFailedError:
+    """A ``stage_failed`` notice: the coordinator declared one of the run's stages dead."""
+    return StageFailedError(str(notice["stage"]), str(notice["reason"]))

@@ -1,0 +1,275 @@
+"""An inference stream on the client side: the data source, the sink's results, the order.
+
+The client sends micro-batches straight to the first stage and receives
+results straight from the last one, keeping at most ``max_in_flight``
+micro-batches in the pipeline (backpressure), and yields results in input
+order whatever order they arrive in. After a re-plan (a stage died) it sends
+every input without a result again to the new first stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+import torch
+import zmq.asyncio
+
+from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
+from zpipe.client.batches import Batch, Outputs, as_tensors, split_microbatches
+from zpipe.client.connection import CLIENT_NAME, ClientConnection
+from zpipe.client.options import InferOptions
+from zpipe.client.reports import RunReport
+from zpipe.client.session import RunSession
+from zpipe.log import get_logger
+from zpipe.models import ModelSpec
+from zpipe.planner import Plan
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import send
+
+log = get_logger("zpipe.client")
+
+
+def inference_request(
+    model: ModelSpec, options: InferOptions, sink_endpoint: str
+) -> dict[str, Any]:
+    """The body of the ``run_request`` that starts an inference stream."""
+    partition = options.partition
+    names = options.stage_names
+    return {
+        "model": model.to_dict(),
+        "partition": [list(r) for r in partition] if partition is not None else None,
+        "stages": options.stages,
+        "stage_names": list(names) if names is not None else None,
+        "dtype": options.dtype,
+        "planner": options.planner or "pipeedge",
+        "microbatch_size": options.microbatch_size,
+        "profile": options.profile.to_dict() if options.profile is not None else None,
+        "sink_endpoint": sink_endpoint,
+        "wait_for_stages_s": float(options.wait_for_stages_s),
+        "recover": options.recover,
+        "recovery": options.recovery,
+    }
+
+
+class InferenceRun:
+    """One inference stream: ``async for outputs in run.outputs(batches)``, then
+    :attr:`report` (plan, throughput, each stage's counters, recoveries)."""
+
+    def __init__(self, connection: ClientConnection, model: ModelSpec, options: InferOptions):
+        self.connection = connection
+        self.model = model
+        self.options = options
+        self.report: RunReport | None = None
+
+    async def outputs(
+        self, batches: Iterable[Batch] | AsyncIterable[Batch]
+    ) -> AsyncIterator[Outputs]:
+        session = RunSession(
+            self.connection, what="stream", stall_deadline=self.options.stall_deadline
+        )
+        ready = await session.request_run(
+            inference_request(self.model, self.options, self.connection.sink_endpoint),
+            wait_for_stages_s=self.options.wait_for_stages_s,
+            doing="start the run",
+        )
+        stream = _Stream(session, ready, self.options)
+        try:
+            await session.go()
+            async for outputs in stream.outputs_in_order(batches):
+                yield outputs
+        finally:
+            await session.close()
+            stream.close()
+        stream.report.stages = await session.finish()
+        self.report = stream.report
+
+
+class _Stream:
+    """The data plane of one stream: source, sink results and reordering."""
+
+    def __init__(self, session: RunSession, ready: Message, options: InferOptions) -> None:
+        self.session = session
+        self.connection = session.connection
+        self.timeouts = session.timeouts
+        self.plan = Plan.from_dict(ready["plan"])
+        self.first_stage = str(ready["first_stage"])
+        self.microbatch_size = options.microbatch_size
+        self.window = asyncio.Semaphore(options.max_in_flight)
+        self.progress = options.progress
+        baseline = ready.get("baseline")
+        self.report = RunReport(
+            run=session.run,
+            plan=self.plan,
+            baseline=Plan.from_dict(baseline) if baseline is not None else None,
+        )
+        self.source: zmq.asyncio.Socket = self.connection.push_to(
+            str(ready["first_endpoint"]), ready.get("first_key"), self.first_stage
+        )
+        session.allow_sink_senders([ready.get("last_key")])
+        # inputs whose results have not arrived, to send again after a re-plan
+        self.unanswered: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.send_lock = asyncio.Lock()
+        # micro-batch id -> (batch index, part index); batch index -> number of parts
+        self.owner: dict[int, tuple[int, int]] = {}
+        self.parts: dict[int, int] = {}
+        self.arrived: dict[int, dict[int, Outputs]] = {}
+        self.results: asyncio.Queue[tuple[int, Outputs | None]] = asyncio.Queue()
+        self.sent = 0
+        self.received = 0
+        self.total_batches: int | None = None
+
+    async def outputs_in_order(
+        self, batches: Iterable[Batch] | AsyncIterable[Batch]
+    ) -> AsyncIterator[Outputs]:
+        started = time.perf_counter()
+        session = self.session
+        session.watch(
+            self._check_result, self._take_result, awaited="results", on_replanned=self._replay
+        )
+        session.spawn(self._feed(batches), "feed")
+        next_batch = 0
+        waiting: dict[int, Outputs] = {}
+        result_s = self.timeouts.result_s
+        while self.total_batches is None or next_batch < self.total_batches:
+            try:
+                # results that arrived before a failure are delivered first
+                if not self.results.empty():
+                    index, value = self.results.get_nowait()
+                else:
+                    index, value = await session.race(self.results.get(), timeout_s=result_s)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(
+                    session.last_stage, f"the result of batch {next_batch}", result_s
+                ) from None
+            if value is None:  # the feeder finished: now the number of batches is known
+                continue
+            waiting[index] = value
+            while next_batch in waiting:
+                yield waiting.pop(next_batch)
+                next_batch += 1
+        self.report.elapsed_s = time.perf_counter() - started
+        self.report.microbatches = self.received
+
+    async def _feed(self, batches: Iterable[Batch] | AsyncIterable[Batch]) -> None:
+        index = 0
+        if isinstance(batches, AsyncIterable):
+            async for batch in batches:
+                await self._send_batch(index, batch)
+                index += 1
+        else:
+            for batch in batches:
+                await self._send_batch(index, batch)
+                index += 1
+        self.total_batches = index
+        await self.results.put((-1, None))
+
+    async def _send_batch(self, index: int, batch: Batch) -> None:
+        tensors = as_tensors(batch)
+        micro = split_microbatches(tensors, self.microbatch_size)
+        self.parts[index] = len(micro)
+        self.report.samples += int(tensors[0].shape[0])
+        for part, mb_tensors in enumerate(micro):
+            await self.window.acquire()
+            async with self.send_lock:  # not interleaved with a replay to a new first stage
+                mb = self.sent
+                self.sent += 1
+                self.session.stall.sent(time.monotonic())
+                self.owner[mb] = (index, part)
+                self.unanswered[mb] = mb_tensors
+                await self._send_input(mb, mb_tensors)
+
+    async def _send_input(self, mb: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        await send(
+            self.source,
+            Message(
+                "data",
+                {"run": self.session.run, "mb": mb, "src": CLIENT_NAME},
+                epoch=self.session.epoch,
+                tensors=tensors,
+            ),
+            timeout_s=self.timeouts.send_s,
+            peer=self.first_stage,
+        )
+
+    def _check_result(self, message: Message) -> None:
+        session = self.session
+        if message.kind not in ("data", "error"):
+            raise ProtocolError(f"{message.kind!r} does not belong on the sink")
+        if message.epoch != session.epoch or message["run"] != session.run:
+            raise ProtocolError(f"a result of epoch {message.epoch}, expected {session.epoch}")
+        if message.kind == "data" and message["src"] != session.last_stage:
+            raise ProtocolError(f"a result from {message['src']!r}, not {session.last_stage!r}")
+        if int(message["mb"]) not in self.owner:
+            raise ProtocolError(f"a result for unknown or finished micro-batch {message['mb']}")
+
+    async def _take_result(self, message: Message) -> None:
+        mb = int(message["mb"])
+        index, part = self.owner.pop(mb)
+        self.unanswered.pop(mb, None)
+        self.window.release()
+        self.received += 1
+        self.session.stall.completed(time.monotonic())
+        pieces = self.arrived.setdefault(index, {})
+        pieces[part] = message.tensors
+        if self.progress is not None:
+            try:
+                self.progress(self.received, self.sent)
+            except Exception as exc:  # the caller's callback: its error ends the stream
+                self.session.fail(exc)
+                return
+        if len(pieces) < self.parts[index]:
+            return
+        del self.arrived[index]
+        ordered = [pieces[p] for p in range(len(pieces))]
+        try:
+            outputs = tuple(
+                torch.cat(group) if len(ordered) > 1 else group[0]
+                for group in zip(*ordered, strict=False)
+            )
+        except RuntimeError as exc:
+            self.session.fail(
+                PipelineError(f"the results of batch {index}'s micro-batches do not fit: {exc}")
+            )
+            return
+        await self.results.put((index, outputs))
+
+    async def _replay(self, notice: Message) -> None:
+        """Follow a re-plan: the new first and last stage, then every unanswered input."""
+        async with self.send_lock:
+            first_stage = str(notice["first_stage"])
+            source = self.connection.push_to(
+                str(notice["first_endpoint"]), notice["first_key"], first_stage
+            )
+            self.source.close(linger=0)
+            self.source, self.first_stage = source, first_stage
+            # results of the old epoch are dropped from now on
+            self.session.follow(notice.epoch, str(notice["last_stage"]), notice["last_key"])
+            self.plan = Plan.from_dict(notice["plan"])
+            self.report.plan = self.plan
+            replayed = sorted(self.unanswered)
+            for mb in replayed:
+                await self._send_input(mb, self.unanswered[mb])
+        self.report.recoveries.append(
+            {
+                "dead": str(notice["dead"]),
+                "detected_s": float(notice.get("detected_s") or 0.0),
+                "recovered_s": float(notice["recovered_s"]),
+                "replayed": len(replayed),
+                "epoch": notice.epoch,
+                # this process's time.monotonic() when the new plan arrived
+                "at": time.monotonic(),
+            }
+        )
+        log.warning(
+            "stream_replanned",
+            run=self.session.run,
+            dead=notice["dead"],
+            replayed=len(replayed),
+            plan=notice["plan"]["stages"],
+        )
+
+    def close(self) -> None:
+        self.source.close(linger=0)

@@ -1,0 +1,269 @@
+"""The options of a run: :class:`InferOptions` and :class:`TrainOptions`.
+
+Frozen and checked when made, so a bad value is refused with a
+:class:`~zpipe.ConfigError` that names it before anything is sent. The keyword
+calls (``client.infer_stream(spec, batches, microbatch_size=4)``,
+``client.fit(spec, batches, optimizer=..., num_microbatches=4)``) build these
+through :meth:`InferOptions.from_keywords` / :meth:`TrainOptions.from_keywords`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from zpipe._errors import ConfigError
+from zpipe.planner.profile import ModelProfile
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.recovery import POLICIES as RECOVERY_POLICIES
+from zpipe.recovery import REPLICATIONS, DeadlinePolicy
+from zpipe.training.objectives import check_loss, check_optimizer
+
+# FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
+DEFAULT_REPLICATE_EVERY = 50
+# how a recovery treats the work since the replica (see TrainOptions.consistency)
+CONSISTENCIES = ("exact", "fast")
+
+_Options = TypeVar("_Options", "InferOptions", "TrainOptions")
+
+
+def _from_keywords(
+    cls: type[_Options], options: _Options | None, keywords: Mapping[str, Any], caller: str
+) -> _Options:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for name in keywords:
+        if name not in known:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    if options is None:
+        return cls(**keywords)
+    if not isinstance(options, cls):
+        raise ConfigError(f"options must be {cls.__name__}, got {type(options).__name__}")
+    return dataclasses.replace(options, **keywords) if keywords else options
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check_count(name: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+
+
+def _check_wait(value: object) -> None:
+    if isinstance(value, bool) or not (
+        isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    ):
+        raise ConfigError(f"wait_for_stages_s must be a number of seconds >= 0, got {value!r}")
+
+
+def _ranges(partition: Sequence[Sequence[int]] | None) -> tuple[tuple[int, ...], ...] | None:
+    if partition is None:
+        return None
+    try:
+        return tuple(tuple(int(u) for u in r) for r in partition)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"partition must be unit ranges such as [[0, 2], [2, 4]], got {partition!r}"
+        ) from None
+
+
+def _names(stage_names: Sequence[str] | None) -> tuple[str, ...] | None:
+    if stage_names is None:
+        return None
+    if isinstance(stage_names, str):
+        raise ConfigError(f"stage_names must be a list of names, got the string {stage_names!r}")
+    return tuple(str(n) for n in stage_names)
+
+
+def _normalize_placement(options: InferOptions | TrainOptions) -> None:
+    # frozen: lists become tuples so that the options cannot change under a run
+    object.__setattr__(options, "partition", _ranges(options.partition))
+    object.__setattr__(options, "stage_names", _names(options.stage_names))
+    _check_count("stages", options.stages, optional=True)
+    _check_count("microbatch_size", options.microbatch_size, optional=True)
+    _check_wait(options.wait_for_stages_s)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InferOptions:
+    """How an inference stream runs (:meth:`PipelineClient.infer_stream`).
+
+    The coordinator plans the run with ``planner`` ("pipeedge" by default,
+    "pipedream" or "even") from each stage's own profile of the model at
+    ``microbatch_size`` (or from ``profile``, scaled by each stage's
+    slowdown), unless ``partition`` gives the unit ranges; ``stage_names`` says
+    which stages may take part, ``stages`` how many (waiting up to
+    ``wait_for_stages_s`` for them). ``dtype="bfloat16"`` computes under
+    autocast. At most ``max_in_flight`` micro-batches are in the pipeline;
+    ``progress(received, sent)`` is called after each result.
+
+    With ``recover`` (the default), a stage that dies mid-stream is planned
+    around: the coordinator re-plans over the surviving stages, and the
+    micro-batches without a result are sent again (the client keeps each
+    input until its result arrives); every output is still delivered once,
+    in order. Without it, or when no stage is left, the stream raises
+    :class:`StageFailedError`. ``recovery`` chooses how the survivors are
+    planned: "lightweight" (Asteroid: the same stages in the same order, their
+    boundaries shifted so that each one's work matches its speed, units moving
+    only between neighbours), "heavy" (the full planner over the survivors)
+    or "respipe" (the next stage takes all of the dead one's units).
+    ``stall_deadline``: how late the next result may be before the coordinator
+    probes the stages (see :class:`TrainOptions`; default
+    :data:`zpipe.recovery.DEFAULT_STALL_DEADLINE`).
+    """
+
+    microbatch_size: int | None = None
+    partition: Sequence[Sequence[int]] | None = None
+    stages: int | None = None
+    stage_names: Sequence[str] | None = None
+    dtype: str = "float32"
+    planner: str | None = None
+    profile: ModelProfile | None = None
+    max_in_flight: int = 4
+    wait_for_stages_s: float = 30.0
+    progress: Callable[[int, int], None] | None = None
+    recover: bool = True
+    recovery: str = "lightweight"
+    stall_deadline: DeadlinePolicy | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("recovery", self.recovery, RECOVERY_POLICIES)
+        _normalize_placement(self)
+        _check_count("max_in_flight", self.max_in_flight)
+
+    @classmethod
+    def from_keywords(
+        cls,
+        options: InferOptions | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        *,
+        caller: str = "infer_stream",
+    ) -> InferOptions:
+        """``options`` (or the defaults) with ``keywords`` in place of its fields."""
+        return _from_keywords(cls, options, keywords or {}, caller)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """How a training run goes (:func:`zpipe.client.fit`).
+
+    ``optimizer``: the optimizer's settings (``{"name": "sgd", "lr": 0.1}``);
+    ``num_microbatches``: the parts each mini-batch is split into; ``loss``: the
+    objective; ``schedule``: "1f1b" or "gpipe"; ``warmups``: each stage's
+    forwards before its first backward (1F1B's K_p); ``max_steps_in_flight``:
+    mini-batches fed ahead of their losses.
+    ``plan``: a training plan (device groups, unit ranges, shares, warm-ups; e.g. from
+    :func:`zpipe.planner.hpp.plan_training`); its schedule, micro-batch count and
+    warm-ups replace those arguments. Without one the coordinator plans a straight
+    pipeline or groups: ``planner`` is ``"hpp"`` (the default when the micro-batch size is
+    known: Asteroid's hybrid plan from every stage's training profile), ``"straight"``,
+    ``"data-parallel"`` or ``"even"`` (training planners), or ``"pipeedge"`` (a straight
+    pipeline planned from forward times); ``partition`` over ``stage_names`` skips planning.
+    ``microbatch_size``: the samples per micro-batch to plan for (default: the first
+    batch's size over ``num_microbatches``, when ``batches`` is a sequence).
+    ``progress``: show a progress bar (default: when stderr is a terminal).
+    ``on_step(step, loss)`` is called after each mini-batch's loss is known (again for
+    a mini-batch that a recovery replays).
+    ``recover``: survive the death of stages (see the module notes); the coordinator
+    keeps a replica every ``replicate_every`` mini-batches (default 50, as FTPipeHD's
+    global replication; each one drains the pipeline once), and ``recovery`` is how
+    the survivors are planned: "lightweight" (the same stages, boundaries moved to
+    their speeds), "heavy" (the planner again over the survivors) or "respipe" (the
+    next stage takes the dead one's units).
+    ``rebalance`` (with ``recover``): at each replica, when the stages' measured speeds
+    say that moving unit boundaries between neighbours would shorten the slowest
+    stage by at least this share (0.2: 20 %), the run goes on from the replica on
+    that plan (Eco-FL's workload migration, for a device that turned slow). A
+    device that registers during the run (one of ``stage_names``, if given; a dead
+    one that comes back, say) joins the run the same way at a replica, when the
+    planner predicts a round shorter by the share with it.
+    ``consistency`` (with ``recover``): "exact" rolls every stage back to the replica
+    and trains the mini-batches since it again, so the model equals an uninterrupted
+    run's; "fast" (as FTPipeHD and Asteroid recover) keeps the survivors' newest
+    weights, takes only the dead stage's units from the replica, and goes on from the
+    first mini-batch whose loss had not come back (nothing completed is trained twice).
+    ``stall_deadline``: how long to wait for the next mini-batch's loss before the
+    coordinator probes the run's stages (FTPipeHD's deadline at the data source,
+    adapted to the latencies seen: median + k MAD; default
+    :data:`zpipe.recovery.DEFAULT_STALL_DEADLINE`). A dead stage is then found without waiting for
+    its heartbeats to lapse; a slow one answers the probe and stays.
+    ``replication`` (with ``recover``): where replicas go. "global" (FTPipeHD's
+    global replication): every unit's state to the coordinator. "chain" (FTPipeHD's
+    chain replication): each device keeps a snapshot and each stage backs it up to
+    the next stage, the last to the coordinator; "topology" (Asteroid): the same,
+    the last stage backing up to the first, and a data-parallel stage keeping no
+    backup (a surviving member restores it). After a failure the stages fetch their
+    units from those snapshots directly (the coordinator sends only what it holds);
+    a stage whose snapshot and backup holder are both lost cannot be recovered.
+    """
+
+    optimizer: Mapping[str, Any]
+    num_microbatches: int
+    loss: str = "cross_entropy"
+    schedule: str = "1f1b"
+    warmups: Sequence[int] | None = None
+    plan: TrainingPlan | None = None
+    partition: Sequence[Sequence[int]] | None = None
+    stages: int | None = None
+    stage_names: Sequence[str] | None = None
+    planner: str | None = None
+    microbatch_size: int | None = None
+    wait_for_stages_s: float = 30.0
+    max_steps_in_flight: int = 2
+    progress: bool | None = None
+    on_step: Callable[[int, float], None] | None = None
+    recover: bool = False
+    replicate_every: int | None = None
+    recovery: str = "lightweight"
+    rebalance: float | None = None
+    consistency: str = "exact"
+    stall_deadline: DeadlinePolicy | None = None
+    replication: str = "global"
+
+    def __post_init__(self) -> None:
+        _check_choice("replication", self.replication, REPLICATIONS)
+        _check_choice("consistency", self.consistency, CONSISTENCIES)
+        _check_choice("recovery", self.recovery, RECOVERY_POLICIES)
+        _check_count("replicate_every", self.replicate_every, optional=True)
+        if self.rebalance is not None and not (self.recover and 0 < self.rebalance < 1):
+            raise ConfigError(
+                f"rebalance needs recover=True and a share in (0, 1), got {self.rebalance}"
+            )
+        check_loss(self.loss)
+        check_optimizer(self.optimizer)
+        # a copy: the caller's dict may change while the run goes on
+        object.__setattr__(self, "optimizer", dict(self.optimizer))
+        _check_count("num_microbatches", self.num_microbatches)
+        _check_count("max_steps_in_flight", self.max_steps_in_flight)
+        if self.warmups is not None:
+            object.__setattr__(self, "warmups", tuple(self.warmups))
+        _normalize_placement(self)
+
+    @property
+    def replica_period(self) -> int | None:
+        """Mini-batches between replicas (None: no replicas, the run does not recover)."""
+        if not self.recover:
+            return None
+        return self.replicate_every or DEFAULT_REPLICATE_EVERY
+
+    @classmethod
+    def from_keywords(
+        cls,
+        options: TrainOptions | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        *,
+        caller: str = "fit",
+    ) -> TrainOptions:
+        """``options`` with ``keywords`` in place of its fields (without ``options``,
+        ``optimizer`` and ``num_microbatches`` are required keywords)."""
+        if options is None:
+            missing = [n for n in ("optimizer", "num_microbatches") if n not in (keywords or {})]
+            if missing:
+                raise TypeError(f"{caller}() needs the keyword arguments {', '.join(missing)}")
+        return _from_keywords(cls, options, keywords or {}, caller)

@@ -1,0 +1,75 @@
+"""What a finished run looked like: :class:`RunReport` (inference), :class:`TrainReport`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zpipe.models import ModelSpec, build_full_model
+from zpipe.models.weights import save_weights
+from zpipe.planner import Plan
+from zpipe.planner.training_plan import TrainingPlan
+
+
+@dataclass
+class RunReport:
+    """What a finished run looked like: the plan, timing and each stage's counters."""
+
+    run: int
+    plan: Plan
+    baseline: Plan | None = None  # the even partition the planner's choice was compared with
+    microbatches: int = 0
+    samples: int = 0
+    elapsed_s: float = 0.0
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # one entry per stage lost mid-stream: who, how long recovery took, what was replayed
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over the streaming part of the run."""
+        return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass
+class TrainReport:
+    """A finished training run: its plan, losses, timing and the trained weights."""
+
+    run: int
+    plan: Plan
+    model_spec: ModelSpec
+    schedule: str
+    num_microbatches: int
+    training_plan: TrainingPlan | None = None
+    losses: list[float] = field(default_factory=list)  # the mean loss of each mini-batch
+    samples: int = 0  # samples trained (after a recovery, replays count again)
+    elapsed_s: float = 0.0
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict)
+    # one entry per stage lost mid-run (recover=True): who, when, what was replayed
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    # mini-batches after which the coordinator kept a global replica
+    replicas: list[int] = field(default_factory=list)
+    # plans the run moved to at a replica because the stages' speeds changed
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def model(self) -> torch.nn.Module:
+        """The trained model, in one process (``build_full_model(spec)`` + the weights)."""
+        full = build_full_model(self.model_spec)
+        full.load_state_dict(self.state_dict)
+        return full
+
+    def save(self, path: str | Path) -> None:
+        """Write the trained weights (.safetensors or .pt), loadable with ``ModelSpec.weights``."""
+        save_weights(self.model(), path)

@@ -1,0 +1,301 @@
+"""Training a model across the cluster from Python: :func:`fit`.
+
+``await client.fit(spec, batches, optimizer={...}, num_microbatches=4)`` asks
+the coordinator for a training run, feeds each mini-batch's micro-batches to
+the first stage and their labels to the last, collects the per-micro-batch
+losses, and at the end gathers the trained weights (through the coordinator)
+into one state dict with the full model's keys, which
+:meth:`TrainReport.model` loads into ``build_full_model(spec)``.
+
+Each item of ``batches`` is one mini-batch ``(inputs..., labels)``: the last
+tensor is the labels, the others the model's inputs. A mini-batch is split
+into exactly ``num_microbatches`` parts (sizes differ by at most one), and one
+optimizer step follows each mini-batch, so the result equals single-process
+training on the same mini-batches (up to float summation order).
+
+With ``recover=True`` a run survives the death of a stage, exactly: every
+``replicate_every`` mini-batches (and before the first) the pipeline drains
+and the coordinator keeps a global replica of every unit's weights and
+optimizer state (FTPipeHD's global replication). When a stage dies, the
+client starts the run again over the survivors from that replica, planned by
+``recovery`` (see :data:`zpipe.recovery.POLICIES`), and replays the
+mini-batches since it, which it keeps until the next replica. The trained
+model then equals an uninterrupted run's.
+
+Each start (the first, after a recovery, after a rebalance) is one attempt
+(:class:`~zpipe.client.training_run.TrainingRun`); :class:`_Training` carries
+what goes from one attempt to the next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable, Iterable
+from typing import Any
+
+from zpipe._errors import PipelineError, StageFailedError
+from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
+from zpipe.client.connection import ClientConnection, ConnectedClient
+from zpipe.client.options import TrainOptions
+from zpipe.client.reports import TrainReport
+from zpipe.client.session import RunSession
+from zpipe.client.training_run import AttemptEnd, TrainingRun
+from zpipe.log import get_logger
+from zpipe.models import ModelSpec
+from zpipe.planner.training_plan import TrainingPlan
+
+log = get_logger("zpipe.client")
+
+
+async def fit(
+    client: ConnectedClient,
+    model: ModelSpec,
+    batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch],
+    options: TrainOptions | None = None,
+    **keywords: Any,
+) -> TrainReport:
+    """Train ``model`` on ``batches``; returns the losses and the trained weights.
+
+    The run's settings are ``options`` or the keywords of :class:`TrainOptions`
+    (``optimizer`` and ``num_microbatches`` are required; keywords given with
+    ``options`` replace its fields). They are checked before anything is sent.
+    """
+    settings = TrainOptions.from_keywords(options, keywords)
+    return await _Training(client.connection, model, batches, settings).run()
+
+
+def training_request(
+    model: ModelSpec, options: TrainOptions, microbatch_size: int | None, sink_endpoint: str
+) -> dict[str, Any]:
+    """The body of the ``run_request`` that starts a training run."""
+    names = list(options.stage_names) if options.stage_names is not None else None
+    plan = options.plan
+    return {
+        "model": model.to_dict(),
+        "partition": (
+            [list(r) for r in options.partition] if options.partition is not None else None
+        ),
+        "stages": options.stages,
+        "stage_names": names,
+        "dtype": "float32",
+        "planner": options.planner or ("hpp" if microbatch_size is not None else "pipeedge"),
+        "microbatch_size": microbatch_size,
+        "sink_endpoint": sink_endpoint,
+        "wait_for_stages_s": float(options.wait_for_stages_s),
+        "mode": "train",
+        "rebalance": options.rebalance,
+        "replication": options.replication,
+        # at a replica, devices of these that register (again) may join the plan
+        "admit": names,
+        "train": {
+            "schedule": options.schedule,
+            "num_microbatches": options.num_microbatches,
+            "loss": options.loss,
+            "optimizer": dict(options.optimizer),
+            "warmups": list(options.warmups) if options.warmups is not None else None,
+            "plan": plan.to_dict() if plan is not None else None,
+        },
+    }
+
+
+def resume_request(
+    request: dict[str, Any],
+    survivors: list[str],
+    dead: list[str],
+    recovery: str,
+    resume: tuple[int, int],
+    consistency: str,
+) -> dict[str, Any]:
+    """The run request that resumes from the replica over the survivors."""
+    resumed = {
+        **request,
+        "partition": None,
+        "stages": None,
+        "stage_names": survivors,
+        "recovery": recovery,
+        "resume": {"run": resume[0], "step": resume[1], "dead": dead, "consistency": consistency},
+        "train": {**request["train"], "plan": None},
+    }
+    if request["partition"] is not None or request["train"].get("plan") is not None:
+        # The user's own partition named the dead: plan the survivors ("heavy") instead.
+        resumed["planner"] = "hpp" if request["microbatch_size"] is not None else "even"
+    return resumed
+
+
+def rebalance_request(
+    request: dict[str, Any], plan: TrainingPlan, resume: tuple[int, int]
+) -> dict[str, Any]:
+    """The run request that goes on from the replica on the better-balanced ``plan``."""
+    return {
+        **request,
+        "partition": None,
+        "stages": None,
+        "stage_names": list(plan.devices),
+        "resume": {"run": resume[0], "step": resume[1], "dead": []},
+        "train": {**request["train"], "plan": plan.to_dict()},
+    }
+
+
+class _Training:
+    """A whole fit: its attempts, and what carries from one to the next."""
+
+    def __init__(
+        self,
+        connection: ClientConnection,
+        model: ModelSpec,
+        batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch],
+        options: TrainOptions,
+    ) -> None:
+        self.connection = connection
+        self.model = model
+        self.options = options
+        self.every = options.replica_period
+        microbatch_size = options.microbatch_size
+        size = first_batch_size(batches)
+        if microbatch_size is None and size is not None:
+            microbatch_size = -(-size // options.num_microbatches)
+        self.request = training_request(model, options, microbatch_size, connection.sink_endpoint)
+        self.plan = options.plan
+        self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
+        self.source = BatchSource(batches)
+        self.done: list[float] = []  # the losses of the mini-batches before this attempt's
+        self.recoveries: list[dict[str, Any]] = []
+        self.rebalances: list[dict[str, Any]] = []
+        self.earlier_samples = 0  # of the attempts that ended early
+        self.first_started: float | None = None
+
+    async def run(self) -> TrainReport:
+        while True:
+            session = RunSession(
+                self.connection, what="training", stall_deadline=self.options.stall_deadline
+            )
+            ready = await session.request_run(
+                self.request,
+                wait_for_stages_s=self.options.wait_for_stages_s,
+                doing="start the training run",
+            )
+            if self.plan is not None:
+                self.schedule, self.num_microbatches = (
+                    self.plan.schedule,
+                    self.plan.num_microbatches,
+                )
+            run: TrainingRun | None = None
+            try:
+                run = TrainingRun(
+                    session,
+                    ready,
+                    self.model,
+                    schedule=self.schedule,
+                    num_microbatches=self.num_microbatches,
+                    max_steps_in_flight=self.options.max_steps_in_flight,
+                    offset=self.source.kept_from,
+                    replicate_every=self.every,
+                )
+                if self.recoveries:
+                    noticed = self.recoveries[-1]["noticed_at"]
+                    self.recoveries[-1]["restart_s"] = time.monotonic() - noticed
+                end = await self._attempt(session, run)
+            finally:
+                await session.close()
+                if run is not None:
+                    run.close()
+            if end.rebalance_to is not None:
+                self._move_to(run, end.rebalance_to)
+            elif end.stage_failure is not None:
+                self._recover_from(run, end.stage_failure)
+            else:
+                break
+        run.report.stages = await session.finish()
+        return self._final_report(run)
+
+    async def _attempt(self, session: RunSession, run: TrainingRun) -> AttemptEnd:
+        await session.go()
+        end = await run.train(self.source, self.options.progress, self.options.on_step)
+        if end.stage_failure is not None or end.rebalance_to is not None:
+            return end
+        try:
+            await run.gather_weights()
+        except PipelineError:
+            # A stage that dies after the last mini-batch fails the gather; with
+            # recover, the run resumes from its replica as for any other death.
+            failure = None
+            if self.every is not None:
+                reply_s = self.connection.timeouts.reply_s
+                failure = await session.stage_failure_within(reply_s)
+            if failure is None:
+                raise
+            return AttemptEnd(stage_failure=failure)
+        # The last round ends when every stage has stepped, which the gather waited for.
+        run.report.elapsed_s = time.perf_counter() - run.started
+        return AttemptEnd()
+
+    def _move_to(self, run: TrainingRun, plan: TrainingPlan) -> None:
+        """Go on from the replica just kept, on the better-balanced ``plan``."""
+        source = self.source
+        self.done = (self.done + run.report.losses)[: source.replica_step]
+        self._count_attempt(run)
+        self.rebalances.append({"at": source.replica_step, "plan": plan.to_dict()})
+        assert source.resume is not None  # the replica was just kept
+        self.request = rebalance_request(self.request, plan, source.resume)
+        self.plan = plan
+
+    def _recover_from(self, run: TrainingRun, failure: StageFailedError) -> None:
+        """Resume from the replica over the survivors, or raise ``failure``."""
+        source, options = self.source, self.options
+        if self.every is None or source.resume is None:
+            raise failure
+        tplan = run.report.training_plan
+        assert tplan is not None
+        dead = sorted({*(r["dead"] for r in self.recoveries), failure.stage})
+        survivors = [d for d in tplan.devices if d not in dead]
+        if not survivors:
+            raise failure
+        if options.consistency == "fast":
+            # Every completed mini-batch stays: only those in flight go again.
+            self.done = self.done + run.report.losses
+            source.forget_before(len(self.done))
+        else:
+            # What the replica holds stays; what came after it is trained again.
+            self.done = (self.done + run.report.losses)[: source.replica_step]
+        self._count_attempt(run)
+        self.recoveries.append(
+            {
+                "dead": failure.stage,
+                "reason": failure.reason,
+                "noticed_at": time.monotonic(),
+                "resumed_from": source.kept_from,
+                "replica": source.replica_step,
+                "replayed": len(source.kept),
+                "policy": options.recovery,
+                "consistency": options.consistency,
+            }
+        )
+        log.warning(
+            "training_recovering",
+            run=run.run,
+            dead=failure.stage,
+            resume_from=source.kept_from,
+            consistency=options.consistency,
+            replay=len(source.kept),
+            policy=options.recovery,
+        )
+        self.request = resume_request(
+            self.request, survivors, dead, options.recovery, source.resume, options.consistency
+        )
+        self.plan = None
+
+    def _count_attempt(self, run: TrainingRun) -> None:
+        self.earlier_samples += run.report.samples
+        self.first_started = self.first_started or run.started
+
+    def _final_report(self, run: TrainingRun) -> TrainReport:
+        report = run.report
+        report.losses = self.done + report.losses
+        if self.first_started is not None:
+            # the whole fit, earlier attempts included: samples count replays again
+            report.samples += self.earlier_samples
+            report.elapsed_s += run.started - self.first_started
+        report.recoveries = self.recoveries
+        report.rebalances = self.rebalances
+        report.replicas = list(self.source.replicas)
+        return report

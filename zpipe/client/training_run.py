@@ -1,0 +1,302 @@
+"""One attempt of a training run on the client side: feed, losses, replicas, weights.
+
+:func:`zpipe.client.fit` makes one :class:`TrainingRun` per attempt (a
+recovery or a rebalance starts the next one from the replica). The attempt
+feeds each mini-batch's micro-batches to the first stage's devices and their
+labels to the last's, collects the losses from the sink, has the coordinator
+keep a replica every ``replicate_every`` mini-batches, and gathers the trained
+weights at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import zmq.asyncio
+from tqdm import tqdm
+
+from zpipe._errors import PipelineError, ProtocolError, StageFailedError, TransportTimeout
+from zpipe.client.batches import BatchSource, TrainBatch, split_minibatch
+from zpipe.client.connection import CLIENT_NAME
+from zpipe.client.failures import run_failed_error
+from zpipe.client.reports import TrainReport
+from zpipe.client.session import RunSession
+from zpipe.log import get_logger
+from zpipe.models import ModelSpec
+from zpipe.planner import Plan
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.training.routing import split_rows
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import send
+
+log = get_logger("zpipe.client")
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How an attempt ended, when not with an error: it finished (both None), a stage
+    died (``stage_failure``: resume from the replica), or the coordinator proposed a
+    better-balanced plan at the replica just kept (``rebalance_to``)."""
+
+    stage_failure: StageFailedError | None = None
+    rebalance_to: TrainingPlan | None = None
+
+
+class TrainingRun:
+    """One attempt: its data sockets, its losses and its report."""
+
+    def __init__(
+        self,
+        session: RunSession,
+        ready: Message,
+        spec: ModelSpec,
+        *,
+        schedule: str,
+        num_microbatches: int,
+        max_steps_in_flight: int,
+        offset: int,
+        replicate_every: int | None,
+    ) -> None:
+        self.session = session
+        self.connection = session.connection
+        self.timeouts = session.timeouts
+        self.run = session.run
+        self.m = num_microbatches
+        self.report = TrainReport(
+            run=self.run,
+            plan=Plan.from_dict(ready["plan"]),
+            model_spec=spec,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+        )
+        self.first_group: list[tuple[str, zmq.asyncio.Socket]] = []
+        self.last_group: list[tuple[str, zmq.asyncio.Socket]] = []
+        described = ready.get("training_plan")
+        if not isinstance(described, dict):
+            raise PipelineError("the coordinator sent no training plan")
+        tplan = TrainingPlan.from_dict(described)
+        self.report.training_plan = tplan
+        endpoints, keys = dict(described["endpoints"]), dict(described["keys"])
+        first, last = tplan.stages[0], tplan.stages[-1]
+        # (device, socket): inputs go to the first group, labels to the last, by shares
+        push = self.connection.push_to
+        try:
+            for n in first.devices:
+                self.first_group.append((n, push(str(endpoints[n]), keys.get(n), n)))
+            for n in last.devices:
+                self.last_group.append((n, push(str(endpoints[n]), keys.get(n), n)))
+        except BaseException:
+            self.close()  # an open socket would keep the context from terminating
+            raise
+        self.first_shares = list(first.shares)
+        self.last_shares = list(last.shares)
+        self.last_names = set(last.devices)
+        session.allow_sink_senders([keys.get(n) for n in last.devices])
+        self.window = asyncio.Semaphore(max_steps_in_flight)
+        self.started = time.perf_counter()
+        self.step_losses: dict[int, list[float]] = {}
+        self.losses_per_step = self.m * len(self.last_group)
+        self.sent_steps = 0
+        self.done_steps = 0
+        self.all_sent = asyncio.Event()
+        self.finished = asyncio.Event()
+        self.step_finished = asyncio.Event()
+        self.rebalance_to: TrainingPlan | None = None
+        # the first mini-batch's number across recoveries, and the replica period
+        self.offset = offset
+        self.replicate_every = replicate_every
+        self._step_done: Callable[[int, float], None] = lambda step, loss: None
+
+    async def train(
+        self,
+        source: BatchSource,
+        progress: bool | None,
+        on_step: Callable[[int, float], None] | None,
+    ) -> AttemptEnd:
+        """Feed every mini-batch and collect its loss; an error of the run is raised,
+        a stage's death and a rebalance are returned."""
+        bar = tqdm(unit="batch", desc=f"training run {self.run}", disable=_no_bar(progress))
+        self.started = started = time.perf_counter()
+
+        def step_done(step: int, loss: float) -> None:
+            bar.update(1)
+            elapsed = time.perf_counter() - started
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.report.samples / elapsed:.1f}")
+            if on_step is not None:
+                on_step(self.offset + step, loss)
+
+        self._step_done = step_done
+        session = self.session
+        session.watch(
+            self._check,
+            self._take_loss,
+            awaited="the losses of the next mini-batch",
+            idle_timeout_s=self.timeouts.result_s,
+            # nothing in flight (a replica drained the pipeline): no loss is due
+            idle_ok=lambda: self.done_steps >= self.sent_steps,
+        )
+        session.spawn(self._feed(source), "feed")
+        try:
+            await session.race(self.finished.wait(), timeout_s=None)
+        except StageFailedError as failure:
+            if failure is not session.stage_failure:
+                raise
+            return AttemptEnd(stage_failure=failure)
+        finally:
+            bar.close()
+        return AttemptEnd(rebalance_to=self.rebalance_to)
+
+    async def _feed(self, source: BatchSource) -> None:
+        async for batch in source.iterate():
+            step, every = self.offset + self.sent_steps, self.replicate_every
+            # a replica before every ``every``-th mini-batch, the first one included,
+            # unless this run resumed from the one taken there
+            fresh = source.resume is None or source.replica_step != step
+            if every is not None and step % every == 0 and fresh:
+                self.rebalance_to = await self._replicate(source)
+                if self.rebalance_to is not None:
+                    self.finished.set()  # this attempt ends here; the next one moves
+                    return
+            await self._send_minibatch(batch)
+        self.all_sent.set()
+        if self.done_steps == self.sent_steps:
+            self.finished.set()
+
+    async def _replicate(self, source: BatchSource) -> TrainingPlan | None:
+        """Drain the pipeline and have the coordinator keep a replica of every stage;
+        the better-balanced plan it proposes there, if any."""
+        timeout = self.timeouts.result_s
+        while self.done_steps < self.sent_steps:
+            self.step_finished.clear()
+            try:
+                await asyncio.wait_for(self.step_finished.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(
+                    self.session.last_stage, "the losses before a replica", timeout
+                ) from None
+        reply = await self.session.control.request(
+            Message("replicate", {"run": self.run, "step": self.done_steps}),
+            expect=("replicated",),
+            timeout_s=timeout + self.timeouts.reply_s,
+            awaited="the replica",
+            resend_on_reconnect=True,
+        )
+        if reply["error"]:
+            # The previous replica still stands; a recovery replays a little more.
+            log.warning("replica_not_kept", run=self.run, error=reply["error"])
+            return None
+        source.replicated(self.offset + self.done_steps, self.run, self.done_steps)
+        if reply.get("rebalance") is not None:
+            return TrainingPlan.from_dict(reply["rebalance"])
+        log.info("replica_kept", run=self.run, step=self.offset + self.done_steps,
+                 nbytes=reply["bytes"])  # fmt: skip
+        return None
+
+    async def _send_minibatch(self, batch: TrainBatch) -> None:
+        parts = split_minibatch(batch, self.m)
+        samples = int(batch[0].shape[0])
+        await self.window.acquire()  # at most max_steps_in_flight mini-batches outstanding
+        step = self.sent_steps
+        self.sent_steps += 1
+        self.session.stall.sent(time.monotonic())
+        self.report.samples += samples
+        epoch = self.session.epoch
+        for i, part in enumerate(parts):
+            mb = step * self.m + i
+            total = int(part[0].shape[0])
+            labels = part[-1:]
+            for (name, sock), (lo, hi) in zip(
+                self.last_group, split_rows(total, self.last_shares), strict=True
+            ):
+                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
+                body.update(total=total, samples=samples)
+                rows = tuple(t[lo:hi] for t in labels) if hi > lo else ()
+                await self._send(sock, Message("labels", body, epoch=epoch, tensors=rows), name)
+            inputs = part[:-1]
+            for (name, sock), (lo, hi) in zip(
+                self.first_group, split_rows(total, self.first_shares), strict=True
+            ):
+                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
+                body["total"] = total
+                rows = tuple(t[lo:hi] for t in inputs) if hi > lo else ()
+                await self._send(sock, Message("data", body, epoch=epoch, tensors=rows), name)
+
+    async def _send(self, sock: zmq.asyncio.Socket, message: Message, peer: str) -> None:
+        await send(sock, message, timeout_s=self.timeouts.send_s, peer=peer)
+
+    def _check(self, message: Message) -> None:
+        session = self.session
+        if message.kind not in ("loss", "error"):
+            raise ProtocolError(f"{message.kind!r} does not belong on a training sink")
+        if message.epoch != session.epoch or message["run"] != self.run:
+            raise ProtocolError(f"a message of epoch {message.epoch}, expected {session.epoch}")
+        if message.kind == "loss":
+            if message["src"] not in self.last_names:
+                raise ProtocolError(f"a loss from {message['src']!r}, not a last-stage device")
+            step = int(message["step"])
+            if not self.done_steps <= step < self.sent_steps:
+                raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
+
+    async def _take_loss(self, message: Message) -> None:
+        step, value = int(message["step"]), float(message["loss"])
+        losses = self.step_losses.setdefault(step, [])
+        losses.append(value)
+        if len(losses) < self.losses_per_step:
+            return
+        # Steps finish in order: a stage runs its rounds one after another.
+        loss = sum(self.step_losses.pop(step))
+        self.report.losses.append(loss)
+        self.done_steps += 1
+        self.session.stall.completed(time.monotonic())
+        self.step_finished.set()
+        self.window.release()
+        try:
+            self._step_done(step, loss)
+        except Exception as exc:  # the caller's on_step: its error ends the run
+            self.session.fail(exc)
+            return
+        if self.all_sent.is_set() and self.done_steps == self.sent_steps:
+            self.finished.set()
+
+    async def gather_weights(self) -> None:
+        reply = await self.session.control.request(
+            Message("weights_request", {"run": self.run, "step": self.done_steps}),
+            expect=("checkpoint", "run_failed"),
+            timeout_s=self.timeouts.result_s + self.timeouts.reply_s,
+            awaited="the trained weights",
+            resend_on_reconnect=True,
+        )
+        if reply.kind == "run_failed":
+            raise run_failed_error(str(reply["error"]), "gather the trained weights")
+        keys = [str(k) for k in reply["keys"]]
+        if len(keys) != len(reply.tensors):
+            raise ProtocolError("the checkpoint's keys and tensors do not match")
+        state: dict[str, torch.Tensor] = {}
+        for key, tensor in zip(keys, reply.tensors, strict=True):
+            kept = state.get(key)
+            if kept is None:
+                # A copy: the received frame's memory belongs to a zmq message.
+                state[key] = tensor.clone()
+            elif not tensor.is_floating_point():
+                # Counters such as BatchNorm's num_batches_tracked count the forwards each
+                # replica ran (none for a share of 0): keep the largest.
+                state[key] = torch.maximum(kept, tensor)
+            elif not torch.equal(kept, tensor):
+                # Every device of a data-parallel group must hold the same weights.
+                raise PipelineError(f"the replicas of {key} differ after training")
+        self.report.state_dict = state
+
+    def close(self) -> None:
+        for _, sock in [*self.first_group, *self.last_group]:
+            sock.close(linger=0)
+
+
+def _no_bar(progress: bool | None) -> bool | None:
+    # tqdm: disable=None hides the bar when stderr is not a terminal
+    if progress is None:
+        return None
+    return not progress
