@@ -24,7 +24,7 @@ from zpipe.client import (
 from zpipe.client.failures import run_failed_error
 from zpipe.client.infer import inference_request
 from zpipe.client.train import rebalance_request, resume_request, training_request
-from zpipe.models import ModelSpec
+from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 
 SGD = {"name": "sgd", "lr": 0.1}
@@ -133,6 +133,23 @@ def test_the_inference_request_is_the_wire_body_of_the_options() -> None:
         "recover": True,
         "recovery": "lightweight",
     }
+
+
+def test_a_user_code_model_declares_its_unit_count_and_a_built_in_one_does_not() -> None:
+    # The coordinator counts units without running a peer's factory (issue 19): the
+    # client, which named the factory, counts them and says so; built-in families are
+    # counted from their config, and their requests keep today's bytes.
+    user = ModelSpec(
+        "sequential", {"factory": "zpipe.models.examples:tiny_sequential", "input_shape": [8]}
+    )
+    options = InferOptions()
+    body = inference_request(user, options, "tcp://127.0.0.1:9")
+    assert body["num_units"] == load_layer_sequence(user).num_units > 1
+    assert "num_units" not in inference_request(SPEC, options, "tcp://127.0.0.1:9")
+    train = TrainOptions(optimizer=SGD, num_microbatches=1)
+    assert (
+        training_request(user, train, None, "tcp://127.0.0.1:9")["num_units"] == (body["num_units"])
+    )
 
 
 def test_training_requests_for_a_start_a_recovery_and_a_rebalance() -> None:

@@ -22,7 +22,7 @@ from zpipe.client.batches import Batch, Outputs, as_tensors, split_microbatches
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.options import InferOptions
 from zpipe.client.reports import RunReport
-from zpipe.client.session import RunSession
+from zpipe.client.session import RunSession, model_fields
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
@@ -39,7 +39,7 @@ def inference_request(
     partition = options.partition
     names = options.stage_names
     return {
-        "model": model.to_dict(),
+        **model_fields(model),
         "partition": [list(r) for r in partition] if partition is not None else None,
         "stages": options.stages,
         "stage_names": list(names) if names is not None else None,

@@ -37,6 +37,7 @@ from zpipe._errors import (
 from zpipe.client.connection import ClientConnection
 from zpipe.client.failures import run_failed_error, stage_failed_error
 from zpipe.log import get_logger
+from zpipe.models import ModelSpec, declared_units
 from zpipe.recovery import DEFAULT_STALL_DEADLINE, DeadlinePolicy, StallWatch
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import recv_frames
@@ -278,3 +279,11 @@ class RunSession:
                 log.warning("notice_ignored", run=self.run, kind=notice.kind)
                 continue
             await on_replanned(notice)
+
+
+def model_fields(model: ModelSpec) -> dict[str, Any]:
+    """The model of a run request: its spec, and for a user-code model its unit count
+    (``num_units``, see :func:`zpipe.models.declared_units`), which spares the
+    coordinator running the factory."""
+    units = declared_units(model)
+    return {"model": model.to_dict(), **({} if units is None else {"num_units": units})}

@@ -38,7 +38,7 @@ from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
 from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
-from zpipe.client.session import RunSession
+from zpipe.client.session import RunSession, model_fields
 from zpipe.client.training_run import AttemptEnd, TrainingRun
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
@@ -71,7 +71,7 @@ def training_request(
     names = list(options.stage_names) if options.stage_names is not None else None
     plan = options.plan
     return {
-        "model": model.to_dict(),
+        **model_fields(model),
         "partition": (
             [list(r) for r in options.partition] if options.partition is not None else None
         ),

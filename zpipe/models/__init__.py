@@ -17,6 +17,7 @@ from zpipe.models.registry import (
     USER_CODE_FAMILIES,
     build_full_model,
     count_units,
+    declared_units,
     load_layer_sequence,
 )
 from zpipe.models.sequence import FullModel, LayerSequence, run_units, unit_param_bytes
@@ -40,6 +41,7 @@ __all__ = [
     "available_presets",
     "build_full_model",
     "count_units",
+    "declared_units",
     "load_layer_sequence",
     "load_unit_weights",
     "peer_factories",

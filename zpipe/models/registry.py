@@ -94,3 +94,13 @@ def count_units(spec: ModelSpec, *, declared: Any = None) -> int:
     if declared is not None and declared != counted:
         raise ModelSpecError(f"the request declares {declared} units, but the model has {counted}")
     return counted
+
+
+def declared_units(spec: ModelSpec) -> int | None:
+    """What a client sends as run_request's ``num_units``: the unit count of a
+    user-code model, built here, in the process that named its factory (so that the
+    coordinator never has to run it); None for a built-in family, which the
+    coordinator counts from its config."""
+    if spec.family not in USER_CODE_FAMILIES:
+        return None
+    return load_layer_sequence(spec).num_units
