@@ -124,9 +124,8 @@ import torch
 
 from bench._common import emit, summary
 from zpipe import ZpipeError
-from zpipe.client import RunReport
+from zpipe.client import RunReport, TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
-from zpipe.fit import TrainReport
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.planner import even_ranges

@@ -143,9 +143,9 @@ import torch
 from bench._common import emit, loadavg, on_alarm, summary
 from bench._torch_pipelining_baseline import TorchPipeline, TorchRun, make_batches
 from zpipe.cli_common import positive_float, positive_int
+from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.config import Timeouts
-from zpipe.fit import TrainReport
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner import even_ranges

@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
 
+from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.coordinator.persistence import STATE_FILE, StateStore
-from zpipe.fit import TrainReport
 
 INTERVAL = 0.3
 

@@ -32,11 +32,10 @@ from zpipe.cli_common import (
     seconds,
     unit_interval,
 )
-from zpipe.client import PipelineClient
+from zpipe.client import CONSISTENCIES, PipelineClient, TrainReport
 from zpipe.cluster import LocalCluster
 from zpipe.config import Timeouts
 from zpipe.demo import DEMO_DEVICES
-from zpipe.fit import CONSISTENCIES, TrainReport
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.models.weights import SAFETENSORS_SUFFIXES, TORCH_SUFFIXES
 from zpipe.planner.training_plan import TRAINING_ALGOS
