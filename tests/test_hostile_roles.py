@@ -10,17 +10,16 @@ import zmq
 from zpipe._errors import ConfigError, RoleError, SecurityError
 from zpipe.transport import security
 from zpipe.transport.codec import SCHEMAS
-from zpipe.transport.security import (
+from zpipe.transport.roles import (
     ROLE_KINDS,
     ROLES_FILE,
     KeyRoles,
     check_role,
-    generate_keys,
     generate_keys_with_roles,
-    load_keypair_public,
     load_roles,
     record_roles,
 )
+from zpipe.transport.security import generate_keys, load_keypair_public
 
 CLIENT_ONLY = ("run_request", "run_go", "run_end", "cluster_request", "replicate", "stalled")
 COORDINATOR_ONLY = ("assign", "connect", "probe", "profile_request", "backup_request")

@@ -17,6 +17,7 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.transport import security
 from zpipe.transport.codec import Message, decode, encode
+from zpipe.transport.roles import generate_keys_with_roles
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ def test_a_stage_key_cannot_read_the_cluster_or_start_a_run(tmp_path: Path) -> N
     # Issue 19, roles: with roles.txt, only client keys may start runs or read the
     # cluster; a stage's own (allowed) key is refused for them, and the client works.
     trusted = tmp_path / "keys"
-    security.generate_keys_with_roles(trusted, ["coordinator", "client", "r0"])
+    generate_keys_with_roles(trusted, ["coordinator", "client", "r0"])
     with LocalCluster([DeviceSpec("r0")], keys_dir=trusted, heartbeat_interval_s=0.5) as cluster:
         server_key = security.load_keypair_public(trusted, "coordinator")
         context = zmq.Context()

@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 from zpipe._errors import ConfigError
-from zpipe.transport.roles import ROLES, ROLES_FILE
+from zpipe.transport.roles import ROLES, ROLES_FILE, generate_keys_with_roles
 from zpipe.transport.security import (
     CLIENT_KEY_NAME,
     COORDINATOR_KEY_NAME,
     PUBLIC_SUFFIX,
     SECRET_SUFFIX,
-    generate_keys_with_roles,
 )
 
 _DESCRIPTION = f"""\

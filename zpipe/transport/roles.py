@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Literal, cast
 
-from zpipe._errors import RoleError, SecurityError
+from zpipe._errors import ConfigError, RoleError, SecurityError
+from zpipe.transport.keys import generate_keys, load_public_keys, validate_key_name
 
 Role = Literal["client", "stage", "coordinator"]
 ROLES: tuple[Role, ...] = ("client", "stage", "coordinator")
@@ -195,9 +196,6 @@ def record_roles(keys_dir: str | os.PathLike[str], roles: Mapping[str, str]) -> 
     ``record_roles(dir, {name: default_role(name) for name in names})``. Other
     names in the file keep their roles; the file is replaced atomically.
     """
-    # Imported here: security imports this module to re-export its names.
-    from zpipe.transport.security import validate_key_name
-
     keys_dir = Path(keys_dir)
     updates = {
         validate_key_name(name): _parse_role(role, f"role of {name!r}")
@@ -232,8 +230,6 @@ class KeyRoles:
     @classmethod
     def from_dir(cls, keys_dir: str | os.PathLike[str]) -> KeyRoles:
         """Every ``NAME.key`` of the directory with its role from ``roles.txt``."""
-        from zpipe.transport.security import load_public_keys
-
         return cls(load_public_keys(Path(keys_dir)), load_roles(keys_dir))
 
     def role_of(self, public_key: bytes | str | None) -> Role | None:
@@ -260,3 +256,20 @@ class KeyRoles:
 
     def keys_with_role(self, role: Role) -> Iterable[bytes]:
         return [key for key, (_, r) in self._by_key.items() if r == role]
+
+
+def generate_keys_with_roles(
+    keys_dir: Path, names: Iterable[str], *, role: Role | None = None, overwrite: bool = False
+) -> list[Path]:
+    """generate_keys, then record each new key's role in ``DIR/roles.txt``.
+
+    ``role``: the role of every name (e.g. "client" for a second client key);
+    None gives each its default (``coordinator`` and ``client`` by name, else
+    ``stage``). Returns the files written, the roles file last.
+    """
+    name_list = list(names)
+    if role is not None and role not in ROLES:
+        raise ConfigError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
+    written = generate_keys(keys_dir, name_list, overwrite=overwrite)
+    roles = {name: role or default_role(name) for name in name_list}
+    return [*written, record_roles(keys_dir, roles)]

@@ -8,7 +8,7 @@ format::
     DIR/NAME.key_secret   public + secret key (mode 0600, stays on device NAME)
 
 plus ``DIR/roles.txt``, each key's role (client, stage or coordinator; see
-:mod:`zpipe.transport.roles`, whose names this module re-exports).
+:mod:`zpipe.transport.roles`).
 
 The coordinator's allow-list is every ``NAME.key`` in its DIR, so an administrator
 removes a device by deleting its ``NAME.key`` (and restarting the coordinator). A
@@ -59,14 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
-import shutil
-import stat
-import struct
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -75,45 +68,38 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.base import Authenticator
-from zmq.utils import z85
 
-from zpipe._errors import ConfigError, SecurityError
-from zpipe.transport.roles import (
-    ROLE_KINDS,
-    ROLES,
-    ROLES_FILE,
-    KeyRoles,
-    Role,
-    check_role,
-    default_role,
-    load_roles,
-    record_roles,
+from zpipe._errors import SecurityError
+from zpipe.transport.keys import (
+    CLIENT_KEY_NAME,
+    COORDINATOR_KEY_NAME,
+    PUBLIC_SUFFIX,
+    SECRET_SUFFIX,
+    Z85_KEY_LEN,
+    KeyPair,
+    check_z85_key,
+    generate_keys,
+    key_prefix,
+    load_keypair,
+    load_keypair_public,
+    load_public_keys,
+    validate_key_name,
 )
 
 __all__ = [
     "CLIENT_KEY_NAME",
     "COORDINATOR_KEY_NAME",
     "PUBLIC_SUFFIX",
-    "ROLES",
-    "ROLES_FILE",
-    "ROLE_KINDS",
     "SECRET_SUFFIX",
     "ZAP_DOMAIN",
     "CurveAuthenticator",
     "KeyPair",
-    "KeyRoles",
     "PeerAllowList",
-    "Role",
-    "check_role",
-    "default_role",
     "generate_keys",
-    "generate_keys_with_roles",
     "key_prefix",
     "load_keypair",
     "load_keypair_public",
     "load_public_keys",
-    "load_roles",
-    "record_roles",
     "secure_client",
     "secure_server",
     "sender_public_key",
@@ -123,238 +109,8 @@ __all__ = [
 
 log = structlog.get_logger("zpipe.security")
 
-COORDINATOR_KEY_NAME = "coordinator"
-CLIENT_KEY_NAME = "client"
-PUBLIC_SUFFIX = ".key"
-SECRET_SUFFIX = ".key_secret"
 # Set on every server socket so that ZAP is mandatory for it (see the module notes).
 ZAP_DOMAIN = "zpipe"
-
-# A leading dot is refused because zmq.auth.load_certificates (glob) skips hidden
-# files, so such a key would silently be missing from an allow-list.
-_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-_Z85_KEY_LEN = 40  # a 32-byte CURVE key in Z85 text
-_KEYS_HINT = "python -m zpipe keys --dir {dir} {name}"
-
-
-def validate_key_name(name: str) -> str:
-    """Return ``name`` if it can name a key pair, else raise :class:`ConfigError`."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ConfigError(
-            f"invalid key name {name!r}: use letters, digits, '-', '_' and '.', "
-            "not starting with '.' (it names the files NAME.key and NAME.key_secret)"
-        )
-    return name
-
-
-def key_prefix(key: bytes) -> str:
-    """First characters of a Z85 public key: enough to tell keys apart in logs."""
-    return key[:8].decode("ascii", "replace")
-
-
-def _check_z85_key(key: bytes, what: str) -> bytes:
-    """Return ``key`` if it is a Z85-encoded 32-byte CURVE key, else raise SecurityError."""
-    if isinstance(key, str):
-        key = key.encode("ascii", "replace")
-    if not isinstance(key, bytes) or len(key) != _Z85_KEY_LEN:
-        raise SecurityError(
-            f"{what} is not a CURVE key ({_Z85_KEY_LEN} Z85 characters); "
-            "regenerate it with `python -m zpipe keys`"
-        )
-    try:
-        z85.decode(key)
-    except (ValueError, KeyError, IndexError, struct.error) as exc:
-        raise SecurityError(
-            f"{what} is not valid Z85 text; regenerate it with `python -m zpipe keys`"
-        ) from exc
-    return key
-
-
-# --------------------------------------------------------------------------- key files
-
-
-@dataclass(frozen=True)
-class KeyPair:
-    """A participant's CURVE key pair, both keys Z85-encoded (40 bytes)."""
-
-    name: str
-    public: bytes
-    secret: bytes = field(repr=False)  # never end up in a log line or traceback
-
-
-def _key_files(keys_dir: Path, name: str) -> tuple[Path, Path]:
-    return keys_dir / f"{name}{PUBLIC_SUFFIX}", keys_dir / f"{name}{SECRET_SUFFIX}"
-
-
-def generate_keys(keys_dir: Path, names: Iterable[str], *, overwrite: bool = False) -> list[Path]:
-    """Create a key pair per name in ``keys_dir`` and return the files written.
-
-    ``keys_dir`` is created with mode 0700 when missing; secret files get mode 0600.
-    Nothing is written unless every name is valid and, without ``overwrite``, none of
-    them has a key file yet: replacing a key locks out every device still using it.
-    """
-    keys_dir = Path(keys_dir)
-    name_list = [validate_key_name(n) for n in names]
-    if not name_list:
-        raise ConfigError("no key names given: name at least one participant")
-    seen: set[str] = set()
-    for name in name_list:
-        if name in seen:
-            raise ConfigError(f"key name {name!r} given twice")
-        seen.add(name)
-    if keys_dir.exists() and not keys_dir.is_dir():
-        raise ConfigError(f"{keys_dir} exists and is not a directory; pick another --dir")
-
-    if not overwrite and keys_dir.is_dir():
-        existing = [
-            str(path) for name in name_list for path in _key_files(keys_dir, name) if path.exists()
-        ]
-        if existing:
-            raise ConfigError(
-                "refusing to replace existing keys: " + ", ".join(existing) + "; "
-                "pass --overwrite (overwrite=True) to replace them, then copy the new "
-                "keys to every device that uses them"
-            )
-
-    if not keys_dir.exists():
-        keys_dir.mkdir(mode=0o700, parents=True)
-        # mkdir's mode is filtered by the umask; set it exactly.
-        keys_dir.chmod(0o700)
-
-    written: list[Path] = []
-    for name in name_list:
-        public_path, secret_path = _key_files(keys_dir, name)
-        # Create each pair in a private (0700) scratch directory and move it in, so a
-        # secret is never visible with pyzmq's default (umask) permissions and an
-        # overwrite replaces a whole file atomically.
-        scratch = Path(tempfile.mkdtemp(prefix=".zpipe-keys-", dir=keys_dir))
-        try:
-            zmq.auth.create_certificates(scratch, name)
-            new_public, new_secret = _key_files(scratch, name)
-            new_secret.chmod(0o600)
-            new_public.chmod(0o644)  # public keys are meant to be copied around
-            os.replace(new_secret, secret_path)
-            os.replace(new_public, public_path)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        written += [public_path, secret_path]
-    return written
-
-
-def generate_keys_with_roles(
-    keys_dir: Path, names: Iterable[str], *, role: Role | None = None, overwrite: bool = False
-) -> list[Path]:
-    """generate_keys, then record each new key's role in ``DIR/roles.txt``.
-
-    ``role``: the role of every name (e.g. "client" for a second client key);
-    None gives each its default (``coordinator`` and ``client`` by name, else
-    ``stage``). Returns the files written, the roles file last.
-    """
-    name_list = list(names)
-    if role is not None and role not in ROLES:
-        raise ConfigError(f"unknown role {role!r}; use one of {', '.join(ROLES)}")
-    written = generate_keys(keys_dir, name_list, overwrite=overwrite)
-    roles = {name: role or default_role(name) for name in name_list}
-    return [*written, record_roles(keys_dir, roles)]
-
-
-def load_keypair(keys_dir: Path, name: str) -> KeyPair:
-    """Load ``NAME.key_secret`` from ``keys_dir``; raise SecurityError if it is unusable."""
-    keys_dir = Path(keys_dir)
-    validate_key_name(name)
-    _, secret_path = _key_files(keys_dir, name)
-    hint = _KEYS_HINT.format(dir=keys_dir, name=name)
-    if not secret_path.is_file():
-        raise SecurityError(
-            f"no secret key for {name!r}: {secret_path} does not exist; create it with "
-            f"`{hint}` (or copy it from the machine where the keys were made)"
-        )
-    try:
-        public, secret = zmq.auth.load_certificate(secret_path)
-    except (OSError, ValueError) as exc:
-        raise SecurityError(
-            f"cannot read key file {secret_path}: {exc}; regenerate it with `{hint} --overwrite`"
-        ) from exc
-    if not secret:
-        raise SecurityError(
-            f"{secret_path} holds no secret-key line; regenerate it with `{hint} --overwrite`"
-        )
-    public = _check_z85_key(public, f"public key in {secret_path}")
-    secret = _check_z85_key(secret, f"secret key in {secret_path}")
-    if zmq.curve_public(secret) != public:
-        raise SecurityError(
-            f"{secret_path}: the public key does not belong to the secret key (edited or "
-            f"corrupted file); regenerate it with `{hint} --overwrite`"
-        )
-    mode = secret_path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        # Warn rather than refuse: some filesystems (FAT on SD cards) cannot hold modes.
-        log.warning(
-            "secret_key_exposed",
-            path=str(secret_path),
-            mode=oct(stat.S_IMODE(mode)),
-            fix=f"chmod 600 {secret_path}",
-        )
-    return KeyPair(name=name, public=public, secret=secret)
-
-
-def load_keypair_public(keys_dir: Path, name: str) -> bytes:
-    """The Z85 public key of participant ``name``: what a client needs of its server.
-
-    Reads ``NAME.key``; on the machine that owns the pair, ``NAME.key_secret`` (which
-    holds the public key too) is used when ``NAME.key`` is absent.
-    """
-    keys_dir = Path(keys_dir)
-    validate_key_name(name)
-    public_path, secret_path = _key_files(keys_dir, name)
-    path = public_path if public_path.is_file() or not secret_path.is_file() else secret_path
-    if not path.is_file():
-        raise SecurityError(
-            f"no public key for {name!r}: {public_path} does not exist; copy {public_path.name} "
-            "from the key directory where it was made "
-            f"(`{_KEYS_HINT.format(dir='DIR', name=name)}`)"
-        )
-    try:
-        public, _ = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise SecurityError(
-            f"cannot read public key file {path}: {exc}; copy a fresh {public_path.name} "
-            "from the key directory where it was made"
-        ) from exc
-    return _check_z85_key(public, f"public key in {path}")
-
-
-def load_public_keys(keys_dir: Path) -> dict[str, bytes]:
-    """Map NAME to the public key of every ``NAME.key`` in ``keys_dir``.
-
-    This is the coordinator's allow-list: every public key in the directory is trusted,
-    so an administrator removes a device by deleting its ``NAME.key``. Secret files
-    are not needed here. An empty directory gives an empty dict (nobody may connect).
-    """
-    keys_dir = Path(keys_dir)
-    if not keys_dir.is_dir():
-        raise SecurityError(
-            f"key directory {keys_dir} does not exist; create keys with "
-            f"`{_KEYS_HINT.format(dir=keys_dir, name='coordinator client STAGE ...')}`"
-        )
-    keys: dict[str, bytes] = {}
-    for path in sorted(keys_dir.glob(f"*{PUBLIC_SUFFIX}")):
-        # Same rule as zmq.auth.load_certificates: hidden files are not keys.
-        if path.name.startswith(".") or not path.is_file():
-            continue
-        name = path.name[: -len(PUBLIC_SUFFIX)]
-        try:
-            public, _ = zmq.auth.load_certificate(path)
-        except (OSError, ValueError) as exc:
-            raise SecurityError(
-                f"cannot read public key file {path}: {exc}; delete it or regenerate it "
-                f"with `{_KEYS_HINT.format(dir=keys_dir, name=name)} --overwrite`"
-            ) from exc
-        keys[name] = _check_z85_key(public, f"public key in {path}")
-    return keys
-
-
-# ------------------------------------------------------------------------- allow-list
 
 
 class PeerAllowList:
@@ -375,7 +131,7 @@ class PeerAllowList:
 
     def allow(self, key: bytes, name: str | None = None) -> None:
         """Allow ``key`` (Z85) from now on; ``name`` is only used in log lines."""
-        key = _check_z85_key(key, f"public key for {name or 'peer'!r}")
+        key = check_z85_key(key, f"public key for {name or 'peer'!r}")
         self._names[key] = name
 
     def replace(self, peers: Mapping[str, bytes] | Iterable[bytes]) -> None:
@@ -386,10 +142,10 @@ class PeerAllowList:
         # Validate everything first so a bad key leaves the old list in force.
         if isinstance(peers, Mapping):
             new = {
-                _check_z85_key(key, f"public key for {name!r}"): name for name, key in peers.items()
+                check_z85_key(key, f"public key for {name!r}"): name for name, key in peers.items()
             }
         else:
-            new = {_check_z85_key(key, "public key"): None for key in peers}
+            new = {check_z85_key(key, "public key"): None for key in peers}
         self._names = dict(new)
 
     def discard(self, key: bytes) -> None:
@@ -631,7 +387,7 @@ def secure_client(socket: zmq.Socket[Any], keypair: KeyPair, server_public_key: 
     (the client retries) without reaching the server's authenticator.
     """
     _check_not_attached(socket, "secure_client", "connect")
-    server_public_key = _check_z85_key(server_public_key, "server public key")
+    server_public_key = check_z85_key(server_public_key, "server public key")
     socket.setsockopt(zmq.CURVE_SERVERKEY, server_public_key)
     socket.setsockopt(zmq.CURVE_PUBLICKEY, keypair.public)
     socket.setsockopt(zmq.CURVE_SECRETKEY, keypair.secret)
@@ -647,7 +403,7 @@ def sender_public_key(frame: zmq.Frame) -> bytes | None:
         user_id = frame.get("User-Id")
     except zmq.ZMQError:
         return None
-    if not isinstance(user_id, str) or len(user_id) != _Z85_KEY_LEN:
+    if not isinstance(user_id, str) or len(user_id) != Z85_KEY_LEN:
         return None
     return user_id.encode("ascii")
 
