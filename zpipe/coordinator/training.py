@@ -124,19 +124,7 @@ class SyncTrainingRun(BaseRun):
         replies = yield AwaitReplies(
             tuple(run.devices), "weights", self.state.timeouts.result_s, "weights"
         )
-        keys: list[str] = []
-        tensors: list[torch.Tensor] = []
-        for device in run.devices:
-            reply = replies[device]
-            if reply["error"]:
-                raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
-            if len(reply["keys"]) != len(reply.tensors):
-                raise ProtocolError(f"stage {reply['name']!r} sent mismatched weights")
-            keys += [str(k) for k in reply["keys"]]
-            tensors += list(reply.tensors)
-            if metrics is not None and isinstance(reply.get("metrics"), dict):
-                metrics[str(reply["name"])] = reply["metrics"]
-        return keys, tensors
+        return _state_of(replies, run.devices, "weights reply", metrics)
 
     def back_up(self, step: int, counters: dict[str, Any]) -> Flow:
         """Chain (FTPipeHD) or topology-driven (Asteroid) replication after round
@@ -167,18 +155,7 @@ class SyncTrainingRun(BaseRun):
         replies = yield AwaitReplies(
             tuple(run.devices), "backed_up", self.state.timeouts.result_s, "backed_up"
         )
-        keys: list[str] = []
-        tensors: list[torch.Tensor] = []
-        for device in run.devices:
-            reply = replies[device]
-            if reply["error"]:
-                raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
-            if len(reply["keys"]) != len(reply.tensors):
-                raise ProtocolError(f"stage {reply['name']!r} sent a mismatched backup")
-            keys += [str(k) for k in reply["keys"]]
-            tensors += list(reply.tensors)
-            if isinstance(reply.get("metrics"), dict):
-                counters[str(reply["name"])] = reply["metrics"]
+        keys, tensors = _state_of(replies, run.devices, "backup", counters)
         return keys, tensors, {d: holders.get(d, "") for d in run.devices}
 
     def checkpoint(self, run_id: int, step: int) -> Flow:
@@ -345,3 +322,28 @@ class SyncTrainingRun(BaseRun):
             "info", "admitted", {"run": run.run, "devices": joining, "plan": bigger.to_dict()}
         )
         return bigger
+
+
+def _state_of(
+    replies: dict[str, Message],
+    devices: list[str],
+    what: str,
+    metrics: dict[str, Any] | None,
+) -> tuple[list[str], list[torch.Tensor]]:
+    """The keys and tensors of every device's ``weights`` or ``backed_up`` reply, in
+    device order; each device's counters go to ``metrics`` when given."""
+    keys: list[str] = []
+    tensors: list[torch.Tensor] = []
+    for device in devices:
+        reply = replies[device]
+        if reply["error"]:
+            raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
+        if len(reply["keys"]) != len(reply.tensors):
+            raise ProtocolError(
+                f"stage {reply['name']!r} sent a {what} whose keys and tensors differ"
+            )
+        keys += [str(k) for k in reply["keys"]]
+        tensors += list(reply.tensors)
+        if metrics is not None and isinstance(reply.get("metrics"), dict):
+            metrics[str(reply["name"])] = reply["metrics"]
+    return keys, tensors
