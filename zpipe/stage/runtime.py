@@ -246,6 +246,10 @@ class StageRuntime:
 
         async def handle(frames: list[zmq.Frame]) -> None:
             message = decode_frames(frames, self.config.socket_options.max_message_bytes)
+            if message.kind == "register_again":
+                # A coordinator restarted without our registration, or one that had
+                # declared us dead: say so, the lifecycle registers again.
+                log.warning("registering_again", stage=self.config.name, reason=message["reason"])
             await self._carry_out(self.lifecycle.control_message(message, time.monotonic()))
 
         await serve_messages(receive, handle, self._control_message_failed)
