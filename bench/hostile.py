@@ -237,7 +237,8 @@ def run_stream_client(
         asyncio.run(run())
     except Exception as exc:
         (folder / "started").touch()
-        return {"ok": False, "error": repr(exc), "batches": len(outputs)}
+        peak = _rss_kib(os.getpid(), "VmHWM")
+        return {"ok": False, "error": repr(exc), "batches": len(outputs), "peak": peak}
     model = build_full_model(SPEC).eval()
     with torch.no_grad():
         expected = [model(*b) for b in sent]
@@ -245,7 +246,8 @@ def run_stream_client(
         torch.allclose(o[0], e[0], atol=1e-5) for o, e in zip(outputs, expected, strict=True)
     )
     seconds = round(time.monotonic() - started, 3)
-    return {"ok": True, "exact": exact, "batches": len(outputs), "seconds": seconds}
+    peak = _rss_kib(os.getpid(), "VmHWM")
+    return {"ok": True, "exact": exact, "batches": len(outputs), "seconds": seconds, "peak": peak}
 
 
 def _attacks(
@@ -405,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         result_file = folder / "stream.json"
         stream = json.loads(result_file.read_text()) if result_file.exists() else {}
         peak = {name: _rss_kib(pid, "VmHWM") for name, pid in pids.items()}
+        # the client measured its own peak before it exited
+        peak["client"] = stream.pop("peak", None)
         log = cluster.logs("coordinator")
         deaths = [
             json.loads(line)
