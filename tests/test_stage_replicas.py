@@ -37,3 +37,55 @@ def test_the_store_keeps_the_newest_two_snapshots_of_each_owner() -> None:
     store.put("a", 1, 9, {"units.0.w": torch.full((1,), 99.0)})
     assert store.units("a", 1, 9, 0, 1)["units.0.w"].item() == 99.0
     assert ("a", 1, 6) in store
+
+
+async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
+    # Issue 19: an allowed peer once planted 24 x 25 MiB of backups under made-up
+    # owners, which fetch_units then served back. Only the devices the running
+    # training plan names as backing up here are kept now.
+    import zmq.asyncio
+
+    from zpipe.stage.metrics import StageCounters
+    from zpipe.stage.snapshots import SnapshotService
+    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.transport.codec import Message
+    from zpipe.transport.sockets import SocketOptions
+
+    store = ReplicaStore()
+    service = SnapshotService(
+        name="b",
+        context=zmq.asyncio.Context.instance(),
+        keypair=None,
+        socket_options=SocketOptions(),
+        timeout_s=1.0,
+        compute=None,  # type: ignore[arg-type]  # not used by backups
+        counters=StageCounters(),
+        replicas=store,
+    )
+    setup = TrainingSetup(
+        run=7, epoch=1, name="b", index=1, num_stages=2, schedule="1f1b",
+        num_microbatches=2, warmup=1, group=Group(("b",), (1,)), rank=0,
+        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        backup_from=("a",),
+    )  # fmt: skip
+
+    class Trainer:
+        def __init__(self, setup: TrainingSetup) -> None:
+            self.setup = setup
+
+    def backup(owner: str, run: int = 7) -> Message:
+        body = {"run": run, "step": 3, "owner": owner, "keys": ["units.0.w"]}
+        return Message("backup", body, tensors=(torch.ones(4),))
+
+    trainer = Trainer(setup)
+    kept = await service.on_peer_request(backup("a"), trainer)  # type: ignore[arg-type]
+    assert kept["error"] == "" and ("a", 7, 3) in store
+    for message, why in (
+        (backup("mallory"), "does not back up to this stage"),
+        (backup("a", run=8), "not training run 8"),
+    ):
+        refused = await service.on_peer_request(message, trainer)  # type: ignore[arg-type]
+        assert why in refused["error"]
+    refused = await service.on_peer_request(backup("a"), None)
+    assert "not training run 7" in refused["error"]
+    assert ("mallory", 7, 3) not in store and ("a", 8, 3) not in store

@@ -38,7 +38,7 @@ from zpipe.coordinator.planning import DEFAULT_PLANNER
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
 from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
-from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.training import SyncTrainingRun, backup_holders
 from zpipe.coordinator.training_balance import memory_model
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
@@ -355,6 +355,25 @@ class _Training:
                 "keys": [controller.key_of(n) for n in names],
             }
 
+        tplan = (
+            given
+            if given is not None
+            else TrainingPlan(
+                algo=view.algo,
+                schedule=training["schedule"],
+                num_units=view.num_units,
+                microbatch_size=1,
+                num_microbatches=training["num_microbatches"],
+                stages=tuple(
+                    TrainStage((n[0],), a, b, (1,), w)
+                    for (n, a, b, _), w in zip(groups, training["warmups"], strict=True)
+                ),
+                predicted=dict(view.predicted),
+            )
+        )
+        # Who backs up to whom (chain, topology): a stage keeps backups only from these.
+        replication = str(message.get("replication") or "global")
+        holders = backup_holders(tplan, replication)
         for i, (names, start, end, shares) in enumerate(groups):
             for rank, name in enumerate(names):
                 up, down = side(i - 1), side(i + 1)
@@ -368,6 +387,8 @@ class _Training:
                     "upstream": up,
                     "downstream": down,
                 }
+                if holders:
+                    train["backup_from"] = sorted(o for o, h in holders.items() if h == name)
                 body: dict[str, Any] = {
                     "mode": "train",
                     "train": train,
@@ -403,26 +424,10 @@ class _Training:
         for name, reply in replies.items():
             if reply.get("ring_endpoint"):
                 run.ring_endpoints[name] = str(reply["ring_endpoint"])
-        tplan = (
-            given
-            if given is not None
-            else TrainingPlan(
-                algo=view.algo,
-                schedule=training["schedule"],
-                num_units=view.num_units,
-                microbatch_size=1,
-                num_microbatches=training["num_microbatches"],
-                stages=tuple(
-                    TrainStage((n[0],), a, b, (1,), w)
-                    for (n, a, b, _), w in zip(groups, training["warmups"], strict=True)
-                ),
-                predicted=dict(view.predicted),
-            )
-        )
         run.training_plan = tplan
         run.request = message
         run.rebalance = message.get("rebalance")
-        run.replication = str(message.get("replication") or "global")
+        run.replication = replication
         first, last = groups[0][0], groups[-1][0]
         return Message(
             "run_ready",

@@ -132,11 +132,7 @@ class SyncTrainingRun(BaseRun):
         to its holder. Returns what was backed up to the coordinator, and the holders."""
         run = self.run
         assert run.training_plan is not None
-        if run.replication == "topology":
-            schedule = asteroid_replication(run.training_plan, every=1)
-        else:
-            schedule = ftpipehd_replication(run.training_plan, chain_every=1, global_every=1)
-        holders = {s.source: s.dest for s in schedule.sends if s.kind in ("chain", "backup")}
+        holders = backup_holders(run.training_plan, run.replication)
         members = {m.name: m for m in self.state.membership.alive()}
         missing = [d for d in run.devices if d not in members]
         if missing:
@@ -347,3 +343,15 @@ def _state_of(
         if metrics is not None and isinstance(reply.get("metrics"), dict):
             metrics[str(reply["name"])] = reply["metrics"]
     return keys, tensors
+
+
+def backup_holders(plan: TrainingPlan, replication: str) -> dict[str, str]:
+    """Who keeps whose backup under chain or topology replication: the device that
+    backs its stage up -> its holder (a device, or COORDINATOR); empty for global."""
+    if replication == "topology":
+        schedule = asteroid_replication(plan, every=1)
+    elif replication == "chain":
+        schedule = ftpipehd_replication(plan, chain_every=1, global_every=1)
+    else:
+        return {}
+    return {s.source: s.dest for s in schedule.sends if s.kind in ("chain", "backup")}

@@ -115,7 +115,7 @@ class StageRuntime:
             name=self.config.name,
             send_timeout_s=timeouts.reply_s,
             max_message_bytes=opts.max_message_bytes,
-            peer_handler=self._snapshots.on_peer_request,
+            peer_handler=self._on_peer_request,
         )
         keypair = self._keys.keypair
         self._lifecycle = StageLifecycle(
@@ -196,6 +196,11 @@ class StageRuntime:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _on_peer_request(self, message: Message) -> Message:
+        """A peer's backup or fetch, judged against the running training plan."""
+        trainer = self._plane.trainer if self._plane is not None else None
+        return await self._snapshots.on_peer_request(message, trainer)
 
     async def _register(self) -> None:
         """Register until the coordinator answers or ``connect_s`` runs out."""

@@ -163,18 +163,22 @@ class SnapshotService:
             log.error("backup_failed", stage=self.name, error=reply["error"])
         return reply, tensors
 
-    async def on_peer_request(self, message: Message) -> Message:
-        """A peer's backup to keep, or units of a snapshot a peer fetches."""
+    async def on_peer_request(
+        self, message: Message, trainer: TrainingExecutor | None = None
+    ) -> Message:
+        """A peer's backup to keep, or units of a snapshot a peer fetches. A backup is
+        kept only from a device the running training plan names as backing up here."""
         if message.kind == "backup":
             keys = [str(k) for k in message["keys"]]
-            if len(keys) != len(message.tensors):
+            refusal = _backup_refusal(message, trainer)
+            if refusal is None and len(keys) != len(message.tensors):
+                refusal = "keys and tensors do not match"
+            if refusal is not None:
+                log.warning("backup_refused", stage=self.name, owner=message["owner"],
+                            error=refusal)  # fmt: skip
                 return Message(
                     "backup_ok",
-                    {
-                        "run": message["run"],
-                        "step": message["step"],
-                        "error": "keys and tensors do not match",
-                    },
+                    {"run": message["run"], "step": message["step"], "error": refusal},
                 )
             # Copies: the frames' memory belongs to the zmq message.
             state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
@@ -241,3 +245,16 @@ class SnapshotService:
                 {str(k): t.clone() for k, t in zip(reply["keys"], reply.tensors, strict=True)}
             )
         return state
+
+
+def _backup_refusal(message: Message, trainer: TrainingExecutor | None) -> str | None:
+    """Why a peer's backup is not kept here, or None: only the devices the current
+    training run's plan names (``backup_from``) back up to this stage, so a peer
+    cannot fill its memory with snapshots under made-up owners."""
+    owner, run = str(message["owner"]), int(message["run"])
+    if trainer is None or trainer.setup.run != run:
+        return f"this stage is not training run {run}"
+    if owner not in trainer.setup.backup_from:
+        named = ", ".join(trainer.setup.backup_from) or "nobody"
+        return f"{owner!r} does not back up to this stage in run {run} (the plan names {named})"
+    return None

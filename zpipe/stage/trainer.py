@@ -78,6 +78,9 @@ class TrainingSetup:
     upstream: Group  # the client alone on the first stage
     downstream: Group  # the client alone on the last stage
     wait_s: float
+    # the devices whose backups this one keeps (chain and topology replication);
+    # a backup from anyone else is refused
+    backup_from: tuple[str, ...] = ()
 
     @property
     def first(self) -> bool:

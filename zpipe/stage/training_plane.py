@@ -68,6 +68,7 @@ def training_setup(message: Message, *, name: str, wait_s: float) -> TrainingSet
             upstream=group(train["upstream"]),
             downstream=group(train["downstream"]),
             wait_s=wait_s,
+            backup_from=tuple(str(n) for n in train.get("backup_from") or ()),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed training settings: {exc!r}") from None
