@@ -295,7 +295,11 @@ def _attacks(
 def _factory_request(marker: Path) -> list[bytes]:
     model = {
         "family": "sequential",
-        "config": {"factory": "os:system", "kwargs": {"command": f"touch {marker}"}},
+        "config": {
+            "factory": "os:system",
+            "kwargs": {"command": f"touch {marker}"},
+            "input_shape": [4],
+        },
     }
     body = {
         "model": model,
