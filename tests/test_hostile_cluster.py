@@ -4,6 +4,8 @@ frames (item 5), and the stream that follows is exact."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,9 @@ from zpipe.transport.codec import Message, decode, encode
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster([DeviceSpec("a"), DeviceSpec("b")]) as running:
+    # generous liveness (8 silent intervals before a probe): a loaded machine must not
+    # make a live stage look dead while it is being attacked
+    with LocalCluster([DeviceSpec("a"), DeviceSpec("b")], suspect_after=8) as running:
         yield running
 
 
@@ -103,3 +107,122 @@ def test_a_run_request_naming_os_system_is_refused_and_nothing_runs(
         for got, batch in zip(outputs, batches, strict=True):
             torch.testing.assert_close(got[0], reference(*batch)[0])
     assert not marker.exists()
+
+
+def _poison() -> list[list[bytes]]:
+    """Messages that once killed a receive loop: shapes torch.empty refuses, short
+    frames, unknown dtypes, garbage headers."""
+    import msgpack
+
+    body = {"run": 1, "mb": 0, "src": "mallory"}
+    out = []
+    for shape in ([0, 2**63], [0, 2**62, 2**62], [-1, 4], [2**40, 2**40]):
+        header = {"v": 1, "k": "data", "e": 1, "b": body, "t": [["float32", shape]]}
+        out.append([msgpack.packb(header), b""])
+    out.append([msgpack.packb({"v": 1, "k": "data", "e": 1, "b": body, "t": [["c64", [1]]]}), b""])
+    out.append([b"\xff" * 40, b"garbage"])
+    return out
+
+
+def test_poison_floods_and_hang_ups_during_a_stream_leave_every_process_serving(
+    cluster: LocalCluster,
+) -> None:
+    import asyncio
+    import threading
+
+    from zpipe.transport.ports import free_tcp_port
+
+    members = {m["name"]: m for m in cluster.wait_for_stages(2, timeout_s=60)}
+    spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=9)
+    sequence = load_layer_sequence(spec)
+    sink = f"tcp://127.0.0.1:{free_tcp_port()}"
+    started, stop = threading.Event(), threading.Event()
+    sent: list[tuple[torch.Tensor, ...]] = []
+    outputs: list[tuple[torch.Tensor, ...]] = []
+    errors: list[BaseException] = []
+
+    async def feed():  # type: ignore[no-untyped-def]
+        while not stop.is_set() and len(sent) < 2000:
+            sent.append(sequence.example_input(2, seed=len(sent)))
+            yield sent[-1]
+            await asyncio.sleep(0.01)
+
+    async def stream() -> None:
+        async with cluster.client(sink_bind=sink) as client:
+            async for out in client.infer_stream(spec, feed(), stage_names=["a", "b"]):
+                outputs.append(out)
+                started.set()
+
+    def run() -> None:
+        try:
+            asyncio.run(stream())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(120), "the stream did not start"
+    context = zmq.Context()
+    try:
+        routers = [cluster.coordinator_endpoint] + [
+            str(m["info"]["probe_endpoint"]) for m in members.values()
+        ]
+        pulls = [sink] + [str(m["data_endpoint"]) for m in members.values()]
+        for endpoint, kind in [(e, zmq.DEALER) for e in routers] + [(e, zmq.PUSH) for e in pulls]:
+            sock = context.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            for frames in _poison() * 20:
+                sock.send_multipart(frames)
+            sock.close(linger=1000)
+        flood = context.socket(zmq.DEALER)  # a probe port flooded for two seconds
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.setsockopt(zmq.SNDTIMEO, 0)
+        flood.connect(routers[1])
+        header = _poison()[-1]
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                flood.send_multipart(header)
+            except zmq.Again:
+                time.sleep(0.001)
+        flood.close(linger=0)
+    finally:
+        stop.set()
+        context.term()
+    thread.join(180)
+    assert not thread.is_alive(), "the stream hung"
+    assert not errors, errors
+    for name, process in cluster.processes.items():
+        assert process.poll() is None, f"{name} exited:\n{cluster.logs(name)[-2000:]}"
+    assert '"stage_dead"' not in cluster.logs("coordinator")
+    reference = build_full_model(spec)
+    assert len(outputs) == len(sent) > 0
+    with torch.inference_mode():
+        for got, batch in zip(outputs, sent, strict=True):
+            torch.testing.assert_close(got[0], reference(*batch)[0])
+
+    # Now idle (nothing reads their data ports): fill each and hang up, which made
+    # libzmq 4.3.5 abort a socket with ZMTP heartbeats. The stages live on and serve.
+    context = zmq.Context()
+    try:
+        for endpoint in pulls[1:]:
+            for _ in range(5):
+                push = context.socket(zmq.PUSH)
+                push.setsockopt(zmq.SNDTIMEO, 1000)
+                push.connect(endpoint)
+                for _ in range(40):
+                    try:
+                        push.send(b"x" * 64)
+                    except zmq.Again:
+                        break
+                push.close(linger=0)
+    finally:
+        context.term()
+    for name in ("a", "b"):
+        with pytest.raises(subprocess.TimeoutExpired):
+            cluster.processes[name].wait(timeout=2.0)  # an abort comes at the hang-up
+    again, _ = cluster.infer(spec, sent[:2], stage_names=["a", "b"])
+    with torch.inference_mode():
+        torch.testing.assert_close(again[1][0], reference(*sent[1])[0])
