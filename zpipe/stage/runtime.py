@@ -199,6 +199,7 @@ class StageRuntime:
 
     async def _on_peer_request(self, message: Message) -> Message:
         """A peer's backup or fetch, judged against the running training plan."""
+        assert self._snapshots is not None  # made with the probe port that calls this
         trainer = self._plane.trainer if self._plane is not None else None
         return await self._snapshots.on_peer_request(message, trainer)
 
