@@ -36,8 +36,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -46,13 +44,13 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.log import LOG_FORMATS, LOG_LEVELS, configure_logging, get_logger
-from zpipe.lossy.engine import Arrivals, LinkChannel, Propagation, record_arrival
+from zpipe.lossy.device_run import DeviceRun, build_run, partial_shape
+from zpipe.lossy.engine import record_arrival
 from zpipe.lossy.links import Direction, deliver
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.schedule import PassEvent, events
-from zpipe.lossy.shard import DeviceShard, Needed, Outgoing, Topology
+from zpipe.lossy.shard import Needed, Outgoing
 from zpipe.lossy.wire import (
-    RunSpec,
     partial_message,
     peers_from_body,
     to_array,
@@ -92,28 +90,6 @@ CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go", "lossy_probe_request", "sh
 _PARENT_CHECK_S = 1.0
 
 
-@dataclass
-class _Run:
-    """One run's state on this device."""
-
-    run: int
-    spec: RunSpec
-    topo: Topology
-    shard: DeviceShard
-    channel: LinkChannel
-    peers: dict[int, str]
-    inputs: FloatArray | None
-    labels: np.ndarray | None
-    inbox: dict[tuple[int, str, int], dict[int, FloatArray]] = field(default_factory=dict)
-    consumed: set[tuple[int, str, int]] = field(default_factory=set)
-    propagation: Propagation = field(default_factory=Propagation)
-    arrivals: Arrivals = field(default_factory=dict)
-    losses: list[list[float]] = field(default_factory=list)
-    waits: list[list[Any]] = field(default_factory=list)
-    late: int = 0
-    start_at: float = 0.0
-
-
 class LossyDevice:
     """The device process's sockets, receive loop and pass runner."""
 
@@ -134,7 +110,7 @@ class LossyDevice:
         self.idle_timeout_s = idle_timeout_s
         self.send_timeout_s = send_timeout_s
         self.protocol_errors = 0
-        self.state: _Run | None = None
+        self.state: DeviceRun | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._control: zmq.asyncio.Socket | None = None
@@ -241,7 +217,7 @@ class LossyDevice:
             log.debug("lossy_stale_partial", device=self.index, run=msg.run)
             return
         data, kind, layer, src = msg.data, msg.kind, msg.layer, msg.src
-        shape = self._partial_shape(st, data, kind, layer, src)
+        shape = partial_shape(st, self.index, data, kind, layer, src)
         if len(msg.tensors) != 1:
             raise ProtocolError(f"lossy_partial: carries {len(msg.tensors)} tensors, not 1")
         what = f"lossy_partial {kind}{layer}:{data} from device {src}"
@@ -255,41 +231,13 @@ class LossyDevice:
         st.inbox.setdefault(key, {}).setdefault(src, values)
         self._arrived.set()
 
-    def _partial_shape(
-        self, st: _Run, data: int, kind: str, layer: int, src: int
-    ) -> tuple[int, int]:
-        """The shape a partial must have; :class:`ProtocolError` if this device
-        could never need it."""
-        topo, mine = st.topo, st.shard.slices
-        if not 1 <= data <= st.spec.n_data:
-            raise ProtocolError(f"lossy_partial: data id {data} outside 1..{st.spec.n_data}")
-        if not 0 <= layer < topo.n_layers:
-            raise ProtocolError(f"lossy_partial: no layer {layer}")
-        receiving = {"F": layer + 1, "S": layer, "B": layer}.get(kind)
-        sending = {"F": layer, "S": layer, "B": layer + 1}.get(kind)
-        if receiving is None or sending is None:
-            raise ProtocolError(f"lossy_partial: unknown pass kind {kind!r}")
-        if kind == "S" and layer != topo.last:
-            raise ProtocolError("lossy_partial: sharing is of the output layer only")
-        if kind == "B" and layer < 1:
-            raise ProtocolError("lossy_partial: the input layer takes no gradient")
-        if receiving not in mine or sending >= topo.n_layers:
-            raise ProtocolError(
-                f"lossy_partial: device {self.index} owns no part of layer {receiving}"
-            )
-        src_slice = topo.slice_of(sending, src)
-        if src_slice is None:
-            raise ProtocolError(f"lossy_partial: device {src} owns no part of layer {sending}")
-        width = mine[layer].width if kind == "B" else src_slice.width
-        return (st.spec.batch, width)
-
     # -- a run ------------------------------------------------------------------
 
     async def _setup(self, msg: LossySetup) -> None:
         error = ""
         run = msg.run
         try:
-            self.state = self._build_run(msg)
+            self.state = build_run(msg, self.index)
             for endpoint in self.state.peers.values():
                 self._peer(endpoint)
         except ProtocolError as exc:
@@ -297,70 +245,6 @@ class LossyDevice:
             self.state = None
             error = str(exc)
         await self._to_launcher(LossyReady(run=run, device=self.index, error=error).to_message())
-
-    def _build_run(self, msg: LossySetup) -> _Run:
-        if msg.device != self.index:
-            raise ProtocolError(f"lossy_setup for device {msg.device} reached {self.index}")
-        spec = RunSpec.from_body(msg.spec)
-        topo = Topology(spec.alloc)
-        sizes = spec.alloc.layer_sizes
-        layers = msg.layers
-        mine = {
-            layer
-            for layer in range(1, topo.n_layers)
-            if topo.slice_of(layer, self.index) is not None
-        }
-        if sorted(layers) != sorted(mine):
-            raise ProtocolError(f"lossy_setup: weights for layers {layers}, device owns {mine}")
-        n_tensors = 2 * len(layers) + int(msg.inputs) + int(msg.labels)
-        if len(msg.tensors) != n_tensors:
-            raise ProtocolError(f"lossy_setup: {len(msg.tensors)} tensors, expected {n_tensors}")
-        weights = {}
-        for k, layer in enumerate(layers):
-            sl = topo.slice_of(layer, self.index)
-            assert sl is not None
-            w = to_array(
-                msg.tensors[2 * k],
-                shape=(sl.width, sizes[layer - 1]),
-                dtype=torch.float64,
-                what=f"weights of layer {layer}",
-            )
-            b = to_array(
-                msg.tensors[2 * k + 1],
-                shape=(sl.width,),
-                dtype=torch.float64,
-                what=f"bias of layer {layer}",
-            )
-            weights[layer] = (w, b)
-        rest = list(msg.tensors[2 * len(layers) :])
-        inputs = labels = None
-        if msg.inputs:
-            inputs = to_array(
-                rest.pop(0),
-                shape=(spec.n_data, spec.batch, sizes[0]),
-                dtype=torch.float64,
-                what="inputs",
-            )
-        if msg.labels:
-            labels = to_array(
-                rest.pop(0), shape=(spec.n_data, spec.batch), dtype=torch.int64, what="labels"
-            )
-        if (topo.slice_of(0, self.index) is not None) != (inputs is not None):
-            raise ProtocolError("lossy_setup: inputs go to (and only to) input-layer owners")
-        if (topo.slice_of(topo.last, self.index) is not None) != (labels is not None):
-            raise ProtocolError("lossy_setup: labels go to (and only to) output-layer owners")
-        return _Run(
-            run=msg.run,
-            spec=spec,
-            topo=topo,
-            shard=DeviceShard(topo, self.index, weights, lr=spec.lr),
-            channel=LinkChannel(
-                prr=spec.prr, seed=spec.seed, recovery=spec.recovery, lossless=spec.lossless
-            ),
-            peers=peers_from_body(msg.peers, "lossy_setup"),
-            inputs=inputs,
-            labels=labels,
-        )
 
     async def _run(self, msg: LossyGo) -> None:
         st = self.state
@@ -382,7 +266,7 @@ class LossyDevice:
             error = f"{type(exc).__name__}: {exc}"
         await self._send_result(st, error, time.perf_counter() - started)
 
-    async def _pass(self, st: _Run, ev: PassEvent) -> None:
+    async def _pass(self, st: DeviceRun, ev: PassEvent) -> None:
         needed = st.topo.needed(ev.kind, ev.layer)
         got: dict[int, FloatArray] = {}
         if needed is not None:
@@ -409,7 +293,7 @@ class LossyDevice:
                 st.losses.append([ev.data, loss])
         await self._post(st, ev.data, outgoing)
 
-    async def _collect(self, st: _Run, ev: PassEvent, needed: Needed) -> dict[int, FloatArray]:
+    async def _collect(self, st: DeviceRun, ev: PassEvent, needed: Needed) -> dict[int, FloatArray]:
         """The partials of one pass: wait until all that can come have, or the deadline."""
         key = (ev.data, needed.kind, needed.key_layer)
         senders = [src for src, _ in needed.senders]
@@ -454,7 +338,7 @@ class LossyDevice:
             )
         return got
 
-    async def _post(self, st: _Run, data: int, outgoing: Sequence[Outgoing]) -> None:
+    async def _post(self, st: DeviceRun, data: int, outgoing: Sequence[Outgoing]) -> None:
         for out in outgoing:
             if out.dst == self.index:  # no link to cross
                 st.inbox.setdefault((data, out.kind, out.key_layer), {})[self.index] = out.values
@@ -468,7 +352,7 @@ class LossyDevice:
                 peer=f"device {out.dst}",
             )
 
-    async def _send_result(self, st: _Run, error: str, wall_s: float) -> None:
+    async def _send_result(self, st: DeviceRun, error: str, wall_s: float) -> None:
         layers = sorted(st.shard.weights)
         tensors = []
         for layer in layers:

@@ -1,0 +1,129 @@
+"""One lossy run's state on a device process, built from its ``lossy_setup``, and the
+shape check of every partial it may receive (pure: no sockets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from zpipe._errors import ProtocolError
+from zpipe.lossy.engine import Arrivals, LinkChannel, Propagation
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.shard import DeviceShard, Topology
+from zpipe.lossy.wire import RunSpec, peers_from_body, to_array
+from zpipe.protocol.lossy import LossySetup
+
+
+@dataclass
+class DeviceRun:
+    """One run's state on this device."""
+
+    run: int
+    spec: RunSpec
+    topo: Topology
+    shard: DeviceShard
+    channel: LinkChannel
+    peers: dict[int, str]
+    inputs: FloatArray | None
+    labels: np.ndarray | None
+    inbox: dict[tuple[int, str, int], dict[int, FloatArray]] = field(default_factory=dict)
+    consumed: set[tuple[int, str, int]] = field(default_factory=set)
+    propagation: Propagation = field(default_factory=Propagation)
+    arrivals: Arrivals = field(default_factory=dict)
+    losses: list[list[float]] = field(default_factory=list)
+    waits: list[list[Any]] = field(default_factory=list)
+    late: int = 0
+    start_at: float = 0.0
+
+
+def build_run(msg: LossySetup, index: int) -> DeviceRun:
+    """One run's state on device ``index`` from its ``lossy_setup``: its slices' weights,
+    the inputs and labels it owns, its peers; :class:`ProtocolError` if it does not fit."""
+    if msg.device != index:
+        raise ProtocolError(f"lossy_setup for device {msg.device} reached {index}")
+    spec = RunSpec.from_body(msg.spec)
+    topo = Topology(spec.alloc)
+    sizes = spec.alloc.layer_sizes
+    layers = msg.layers
+    mine = {layer for layer in range(1, topo.n_layers) if topo.slice_of(layer, index) is not None}
+    if sorted(layers) != sorted(mine):
+        raise ProtocolError(f"lossy_setup: weights for layers {layers}, device owns {mine}")
+    n_tensors = 2 * len(layers) + int(msg.inputs) + int(msg.labels)
+    if len(msg.tensors) != n_tensors:
+        raise ProtocolError(f"lossy_setup: {len(msg.tensors)} tensors, expected {n_tensors}")
+    weights = {}
+    for k, layer in enumerate(layers):
+        sl = topo.slice_of(layer, index)
+        assert sl is not None
+        w = to_array(
+            msg.tensors[2 * k],
+            shape=(sl.width, sizes[layer - 1]),
+            dtype=torch.float64,
+            what=f"weights of layer {layer}",
+        )
+        b = to_array(
+            msg.tensors[2 * k + 1],
+            shape=(sl.width,),
+            dtype=torch.float64,
+            what=f"bias of layer {layer}",
+        )
+        weights[layer] = (w, b)
+    rest = list(msg.tensors[2 * len(layers) :])
+    inputs = labels = None
+    if msg.inputs:
+        inputs = to_array(
+            rest.pop(0),
+            shape=(spec.n_data, spec.batch, sizes[0]),
+            dtype=torch.float64,
+            what="inputs",
+        )
+    if msg.labels:
+        labels = to_array(
+            rest.pop(0), shape=(spec.n_data, spec.batch), dtype=torch.int64, what="labels"
+        )
+    if (topo.slice_of(0, index) is not None) != (inputs is not None):
+        raise ProtocolError("lossy_setup: inputs go to (and only to) input-layer owners")
+    if (topo.slice_of(topo.last, index) is not None) != (labels is not None):
+        raise ProtocolError("lossy_setup: labels go to (and only to) output-layer owners")
+    return DeviceRun(
+        run=msg.run,
+        spec=spec,
+        topo=topo,
+        shard=DeviceShard(topo, index, weights, lr=spec.lr),
+        channel=LinkChannel(
+            prr=spec.prr, seed=spec.seed, recovery=spec.recovery, lossless=spec.lossless
+        ),
+        peers=peers_from_body(msg.peers, "lossy_setup"),
+        inputs=inputs,
+        labels=labels,
+    )
+
+
+def partial_shape(
+    st: DeviceRun, index: int, data: int, kind: str, layer: int, src: int
+) -> tuple[int, int]:
+    """The shape a partial must have; :class:`ProtocolError` if this device
+    could never need it."""
+    topo, mine = st.topo, st.shard.slices
+    if not 1 <= data <= st.spec.n_data:
+        raise ProtocolError(f"lossy_partial: data id {data} outside 1..{st.spec.n_data}")
+    if not 0 <= layer < topo.n_layers:
+        raise ProtocolError(f"lossy_partial: no layer {layer}")
+    receiving = {"F": layer + 1, "S": layer, "B": layer}.get(kind)
+    sending = {"F": layer, "S": layer, "B": layer + 1}.get(kind)
+    if receiving is None or sending is None:
+        raise ProtocolError(f"lossy_partial: unknown pass kind {kind!r}")
+    if kind == "S" and layer != topo.last:
+        raise ProtocolError("lossy_partial: sharing is of the output layer only")
+    if kind == "B" and layer < 1:
+        raise ProtocolError("lossy_partial: the input layer takes no gradient")
+    if receiving not in mine or sending >= topo.n_layers:
+        raise ProtocolError(f"lossy_partial: device {index} owns no part of layer {receiving}")
+    src_slice = topo.slice_of(sending, src)
+    if src_slice is None:
+        raise ProtocolError(f"lossy_partial: device {src} owns no part of layer {sending}")
+    width = mine[layer].width if kind == "B" else src_slice.width
+    return (st.spec.batch, width)
