@@ -77,6 +77,7 @@ from zpipe.training.ring import (
     ScratchBuffers,
     SegmentLayout,
     check_message,
+    check_ring_settings,
     flatten_into,
     group_by_dtype,
     ring_allreduce_cost_s,
@@ -157,28 +158,18 @@ class RingAllReduce:
         pace: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         n = len(endpoints)
-        if n < 1:
-            raise ConfigError("an all-reduce group needs at least one endpoint")
-        if not 0 <= rank < n:
-            raise ConfigError(f"rank {rank} is outside a group of {n} endpoints")
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
-        if epoch < 0:
-            raise ConfigError(f"epoch must be >= 0, got {epoch}")
         self.options = socket_options or SocketOptions()
-        if not 8 <= segment_bytes <= self.options.max_message_bytes // 2:
-            raise ConfigError(
-                f"segment_bytes must lie in [8, {self.options.max_message_bytes // 2}] "
-                f"(half the socket's maximum message size), got {segment_bytes}"
-            )
-        if keypair is not None:
-            if peer_keys is None or len(peer_keys) != n:
-                raise ConfigError(
-                    "with a keypair, peer_keys must hold one public key per rank "
-                    f"({n}), in rank order"
-                )
-        elif authenticator is not None:
-            raise ConfigError("an authenticator without a keypair would secure nothing")
+        check_ring_settings(
+            world_size=n,
+            rank=rank,
+            timeout_s=timeout_s,
+            epoch=epoch,
+            segment_bytes=segment_bytes,
+            max_message_bytes=self.options.max_message_bytes,
+            secured=keypair is not None,
+            peer_keys=None if peer_keys is None else len(peer_keys),
+            authenticator=authenticator is not None,
+        )
         self.context = context
         self.rank = rank
         self.world_size = n

@@ -262,3 +262,39 @@ class ScratchBuffers:
     def clear(self) -> None:
         """Let the buffers go (the group is closed)."""
         self._by_dtype.clear()
+
+
+def check_ring_settings(
+    *,
+    world_size: int,
+    rank: int,
+    timeout_s: float,
+    epoch: int,
+    segment_bytes: int,
+    max_message_bytes: int,
+    secured: bool,
+    peer_keys: int | None,
+    authenticator: bool,
+) -> None:
+    """ConfigError for a rank's settings that cannot work (see RingAllReduce)."""
+    n = world_size
+    if n < 1:
+        raise ConfigError("an all-reduce group needs at least one endpoint")
+    if not 0 <= rank < n:
+        raise ConfigError(f"rank {rank} is outside a group of {n} endpoints")
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+    if epoch < 0:
+        raise ConfigError(f"epoch must be >= 0, got {epoch}")
+    if not 8 <= segment_bytes <= max_message_bytes // 2:
+        raise ConfigError(
+            f"segment_bytes must lie in [8, {max_message_bytes // 2}] "
+            f"(half the socket's maximum message size), got {segment_bytes}"
+        )
+    if secured:
+        if peer_keys != n:
+            raise ConfigError(
+                f"with a keypair, peer_keys must hold one public key per rank ({n}), in rank order"
+            )
+    elif authenticator:
+        raise ConfigError("an authenticator without a keypair would secure nothing")
