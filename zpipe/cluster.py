@@ -236,12 +236,7 @@ class LocalCluster:
         """
         settings = InferOptions.from_keywords(options, keywords, caller="infer")
         if settings.stage_names is None and settings.stages is None:
-            count = (
-                len(settings.partition)
-                if settings.partition is not None
-                else load_layer_sequence(model).num_units
-            )
-            settings = replace(settings, stage_names=self._device_names(count))
+            settings = replace(settings, stage_names=self._default_stages(model, settings))
 
         async def run() -> tuple[list[Outputs], RunReport]:
             async with self.client() as client:
@@ -250,6 +245,16 @@ class LocalCluster:
                 return outputs, client.last_report
 
         return asyncio.run(run())
+
+    def _default_stages(self, model: ModelSpec, settings: InferOptions | TrainOptions) -> list[str]:
+        """The devices in the order they were given: as many as the partition has
+        stages, or as the model has units."""
+        count = (
+            len(settings.partition)
+            if settings.partition is not None
+            else load_layer_sequence(model).num_units
+        )
+        return [d.name for d in self.devices][:count]
 
     def fit(
         self,
@@ -264,22 +269,13 @@ class LocalCluster:
         to the devices in the order they were given."""
         settings = TrainOptions.from_keywords(options, keywords, caller="fit")
         if settings.stage_names is None and settings.stages is None:
-            count = (
-                len(settings.partition)
-                if settings.partition is not None
-                else load_layer_sequence(model).num_units
-            )
-            settings = replace(settings, stage_names=self._device_names(count))
+            settings = replace(settings, stage_names=self._default_stages(model, settings))
 
         async def run() -> TrainReport:
             async with self.client() as client:
                 return await client.fit(model, batches, options=settings)
 
         return asyncio.run(run())
-
-    def _device_names(self, count: int) -> list[str]:
-        """The first ``count`` devices, in the order they were given."""
-        return [d.name for d in self.devices][:count]
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes[name]
