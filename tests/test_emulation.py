@@ -74,8 +74,9 @@ async def test_latency_is_paid_in_flight_and_order_is_kept() -> None:
     await asyncio.sleep(0.4)
     await link.close()
     assert [i for i, _ in delivered] == [0, 1, 2, 3, 4]
-    # Five messages in flight at once: the sender did not wait for the latency.
-    assert submit_s < 0.1
+    # Five messages in flight at once: the sender did not wait for the latency
+    # (waiting would take 5 x 0.2 s; the margin absorbs a loaded machine).
+    assert submit_s < 0.5
     assert all(at - started >= 0.19 for _, at in delivered)
 
 
