@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
-from zpipe.testing.netlab import NetLab
+from zpipe.testing.netlab import LinkCut, NetLab
 
 COORDINATOR = "coordinator"
 
@@ -119,7 +118,7 @@ class LabCluster(LocalCluster):
         kwargs.setdefault("sink_bind", f"tcp://{self.lab.host_address}:0")
         return super().client(**kwargs)
 
-    def cut_for(self, name: str, seconds: float) -> threading.Timer:
+    def cut_for(self, name: str, seconds: float) -> LinkCut:
         """Pull process ``name``'s cable (a stage, or "coordinator") for ``seconds``."""
         return self.lab.cut_for(self.node_of(name), seconds)
 

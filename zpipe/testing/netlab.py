@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import IO, Any
@@ -182,6 +183,15 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@dataclass
+class LinkCut:
+    """A cut made by :meth:`NetLab.cut_for`: ``restored`` is set once the link is up again."""
+
+    node: str
+    seconds: float
+    restored: threading.Event = field(default_factory=threading.Event)
+
+
 _OPEN_LABS: set[NetLab] = set()
 
 
@@ -291,20 +301,23 @@ class NetLab:
     def set_link(self, node: str, *, up: bool) -> None:
         _run(self.layout.link_command(node, up=up))
 
-    def cut_for(self, node: str, seconds: float) -> threading.Timer:
+    def cut_for(self, node: str, seconds: float) -> LinkCut:
         """Cut ``node`` off now and restore its link after ``seconds`` (on a timer
-        thread, so the caller's event loop runs on); :meth:`close` restores it early."""
+        thread, so the caller's event loop runs on); :meth:`close` cancels it."""
         self.set_link(node, up=False)
-        timer = threading.Timer(seconds, self._restore, args=(node,))
+        cut = LinkCut(node, seconds)
+        timer = threading.Timer(seconds, self._restore, args=(node, cut))
         timer.daemon = True
         with self._lock:
             self._timers.append(timer)
         timer.start()
-        return timer
+        return cut
 
-    def _restore(self, node: str) -> None:
+    def _restore(self, node: str, cut: LinkCut | None = None) -> None:
         if self._layout is not None:
             _run(self.layout.link_command(node, up=True), check=False)
+        if cut is not None:
+            cut.restored.set()
 
     def restore_links(self) -> None:
         """Cancel pending restores and bring every node's link up now."""

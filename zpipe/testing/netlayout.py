@@ -32,6 +32,11 @@ class LayoutError(ValueError):
     """No lab can be laid out so (a bad name, cap or subnet, or no free subnet)."""
 
 
+def _check_rate(rate_mbit: float) -> None:
+    if not (math.isfinite(rate_mbit) and 0.001 <= rate_mbit <= 100_000):
+        raise LayoutError(f"rate_mbit must lie in [0.001, 100000], got {rate_mbit}")
+
+
 @dataclass(frozen=True)
 class TokenBucket:
     """A ``tc tbf`` cap on one direction of a link.
@@ -47,8 +52,7 @@ class TokenBucket:
     latency_ms: float
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.rate_mbit) and 0.001 <= self.rate_mbit <= 100_000):
-            raise LayoutError(f"rate_mbit must lie in [0.001, 100000], got {self.rate_mbit}")
+        _check_rate(self.rate_mbit)
         if not 1500 <= self.burst_bytes <= 1 << 30:
             raise LayoutError(f"burst_bytes must lie in [1500, 2**30], got {self.burst_bytes}")
         if not (math.isfinite(self.latency_ms) and 1 <= self.latency_ms <= 10_000):
@@ -66,6 +70,7 @@ class TokenBucket:
         waits at most that long in the kernel, so any longer delay is the
         application's own queueing.
         """
+        _check_rate(rate_mbit)
         burst = max(MIN_BURST_BYTES, int(rate_mbit * 1e6 / 8 * BURST_S))
         return cls(rate_mbit=rate_mbit, burst_bytes=burst, latency_ms=latency_ms)
 
