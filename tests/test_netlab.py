@@ -244,3 +244,20 @@ def test_a_lab_is_removed_on_ctrl_c_and_one_left_by_a_killed_run_by_the_next() -
     removed = remove_stale_labs()
     assert set(_objects_of(stale_id)) == set()
     assert stale_id in {lab_id_of(n) for n in removed}
+
+
+def test_without_root_or_iproute2_the_reason_to_skip_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from zpipe.testing import netlab
+
+    reason = netlab.unavailable_reason.__wrapped__  # uncached
+    monkeypatch.setattr(netlab.sys, "platform", "linux")
+    monkeypatch.setattr(netlab.os, "geteuid", lambda: 1000)
+    assert reason() == "real-link tests need root (network namespaces, veth pairs, tc)"
+    monkeypatch.setattr(netlab.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netlab.shutil, "which", lambda tool: None if tool == "tc" else "/bin/x")
+    assert reason() == "real-link tests need `tc` (iproute2) on PATH"
+    with pytest.raises(netlab.NetLabUnavailable, match="root"):
+        monkeypatch.setattr(netlab.os, "geteuid", lambda: 1000)
+        NetLab(["a"]).start()
