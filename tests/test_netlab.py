@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -213,8 +214,32 @@ def test_a_lab_caps_cuts_restores_and_leaves_nothing_behind() -> None:
         lab.restore_links()  # early: the timer is cancelled
         assert not cut.restored.is_set()
         assert _connects(lab, "a", lab.address("b"), within_s=30)
+        # a process the lab did not start itself (a child's child) goes with it too
+        lab.popen("a", ["sh", "-c", "sleep 300 & sleep 300"])
+        ns_pids = _pids_in(lab.namespace("a"), count=3)  # sh and its two sleeps
     assert server.poll() is not None  # killed with its lab
     assert _objects_of(lab_id) == []
+    assert not any(_running(pid) for pid in ns_pids)
+
+
+def _pids_in(namespace: str, *, count: int) -> list[int]:
+    """The processes in ``namespace`` once there are ``count`` of them."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        pids = [int(pid) for pid in out.stdout.split()]
+        if len(pids) >= count:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"{namespace} holds {pids}, not {count} processes")
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie waits only to be reaped
 
 
 _ACCEPT = "while True: s.accept()[0].close()"

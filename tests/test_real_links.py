@@ -152,7 +152,7 @@ def test_a_replica_and_the_final_gather_of_tens_of_megabytes_cross_a_20_mbit_upl
     assert report.recoveries == []
     # the premise: the replica after step 2 (weights and momentum) was tens of megabytes
     assert report.replicas[:2] == [0, 2]
-    assert max(e["nbytes"] for e in kept) > 30e6
+    assert max(e["bytes"] for e in kept) > 30e6
 
 
 def test_a_stage_cut_off_past_the_suspect_time_is_kept_and_the_run_ends_exactly(

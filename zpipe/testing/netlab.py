@@ -155,10 +155,13 @@ def _remove_stale_locked(registry_dir: Path) -> list[str]:
     entries = _registry(registry_dir)
     live = [lab for lab, entry in entries.items() if _alive(entry)]
     stale_ns, stale_links = stale_objects(namespaces, links, live)
+    # Processes a dead owner left in its namespaces are not killed here (they are not
+    # this process's); without their links they are cut off, and stages exit on their
+    # own once the coordinator is silent.
+    for link in stale_links:
+        _run(["ip", "link", "delete", link], check=False)
     for ns in stale_ns:
         _run(["ip", "netns", "delete", ns], check=False)
-    for link in stale_links:  # outer veth ends went with their namespaces; bridges remain
-        _run(["ip", "link", "delete", link], check=False)
     for lab in set(entries) - set(live):
         (registry_dir / f"{lab}.json").unlink(missing_ok=True)
     return stale_ns + stale_links
@@ -357,6 +360,14 @@ class NetLab:
         """Run ``argv`` in ``node``'s namespace to its end (it must exit 0)."""
         return _run(self.layout.exec_command(node, argv))
 
+    def _kill_processes_in(self, node: str) -> None:
+        """SIGKILL what still runs in ``node``'s namespace: only this lab starts
+        processes there."""
+        done = _run(["ip", "netns", "pids", self.layout.namespace(node)], check=False)
+        for pid in done.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
     def close(self) -> None:
         if self._layout is None:
             return
@@ -369,6 +380,8 @@ class NetLab:
         for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=10)
+        for node in self._nodes:  # what those processes started in the lab, if anything
+            self._kill_processes_in(node.name)
         for command in self._layout.teardown_commands():
             _run(command, check=False)
         (self._registry_dir / f"{self._layout.lab_id}.json").unlink(missing_ok=True)
