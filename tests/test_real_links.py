@@ -8,11 +8,14 @@ must end exactly as training in one process does, and must declare no live stage
 dead (the coordinator's JSON log is read for ``stage_dead``).
 
 Needs root, ``ip`` and ``tc`` (CI runs as root); skipped with the reason otherwise.
+The cuts are timed from the defaults: a stage is cut off past its suspect time but
+inside its probe; the coordinator past the whole detection bound but inside the
+stages' coordinator timeout (the coordinator alone is the one cut off: it must not
+take every stage for dead).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -180,13 +183,12 @@ def test_the_coordinator_cut_off_alone_declares_no_stage_dead_and_the_run_ends_e
     want, want_losses = train_single_process(SPEC, batches, SGD)
     with _cluster(links, ["s0", "s1"]) as cluster:
         cuts, on_step = _cut_at(cluster, 1, COORDINATOR, COORDINATOR_CUT_S)
-        started = time.monotonic()
         report = _fit(
             cluster, SPEC, batches, on_step, partition=[[0, 2], [2, 4]], replicate_every=3
         )
-        elapsed = time.monotonic() - started
         _assert_no_live_stage_declared_dead(cluster)
-    assert len(cuts) == 1 and cuts[0].restored.is_set(), f"the run ended in {elapsed:.1f} s"
+    # the premise: the cut was made mid-run, and the run (its final gather at least) outlasted it
+    assert len(cuts) == 1 and cuts[0].restored.is_set()
     assert report.losses == pytest.approx(want_losses, rel=1e-5)
     assert_same_weights(report.state_dict, want)
     assert report.recoveries == []
