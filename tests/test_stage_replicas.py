@@ -89,3 +89,57 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
     refused = await service.on_peer_request(backup("a"), None)
     assert "not training run 7" in refused["error"]
     assert ("mallory", 7, 3) not in store and ("a", 8, 3) not in store
+
+
+async def test_the_service_judges_the_sender_and_the_budget() -> None:
+    import zmq.asyncio
+
+    from zpipe.stage.metrics import StageCounters
+    from zpipe.stage.peer_policy import PeerIdentity
+    from zpipe.stage.snapshots import SnapshotService
+    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.transport.codec import Message
+    from zpipe.transport.sockets import SocketOptions
+
+    store = ReplicaStore()
+    service = SnapshotService(
+        name="b",
+        context=zmq.asyncio.Context.instance(),
+        keypair=None,
+        socket_options=SocketOptions(),
+        timeout_s=1.0,
+        compute=None,  # type: ignore[arg-type]  # not used by backups
+        counters=StageCounters(),
+        replicas=store,
+        backup_budget_bytes=100,
+    )
+    setup = TrainingSetup(
+        run=7, epoch=1, name="b", index=1, num_stages=2, schedule="1f1b",
+        num_microbatches=2, warmup=1, group=Group(("b",), (1,)), rank=0,
+        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        backup_from=("a",),
+    )  # fmt: skip
+
+    class Trainer:
+        def __init__(self, setup: TrainingSetup) -> None:
+            self.setup = setup
+
+    def backup(step: int, floats: int) -> Message:
+        body = {"run": 7, "step": step, "owner": "a", "keys": ["units.0.w"]}
+        return Message("backup", body, tensors=(torch.ones(floats),))
+
+    trainer = Trainer(setup)
+    a, c = PeerIdentity(True, "a"), PeerIdentity(True, "c")
+    planted = await service.on_peer_request(backup(1, 4), trainer, c)  # type: ignore[arg-type]
+    assert "not by its owner" in planted["error"] and ("a", 7, 1) not in store
+    assert (await service.on_peer_request(backup(1, 4), trainer, a))["error"] == ""  # type: ignore[arg-type]
+    huge = await service.on_peer_request(backup(2, 100), trainer, a)  # type: ignore[arg-type]
+    assert "more than it can" in huge["error"] and ("a", 7, 2) not in store
+
+    def fetch(run: int) -> Message:
+        return Message("fetch_units", {"owner": "a", "run": run, "step": 1, "start": 0, "end": 1})
+
+    units = await service.on_peer_request(fetch(7), None, c)
+    assert units["error"] == "" and units["keys"] == ["units.0.w"]
+    stranger = await service.on_peer_request(fetch(7), None, PeerIdentity(True, None))
+    assert "named" in stranger["error"] and not stranger.tensors

@@ -92,7 +92,8 @@ class ProbeResponder:
     send_timeout_s: float
     max_message_bytes: int
     # other stage-to-stage requests (backups, unit fetches): the reply to send back
-    peer_handler: Callable[[Message], Awaitable[Message]] | None = None
+    # (the request, the sender's CURVE key or None without keys) -> the reply
+    peer_handler: Callable[[Message, bytes | None], Awaitable[Message]] | None = None
     # per-peer token buckets: a flooding peer's excess is dropped before decoding
     limiter: PeerRateLimiter = field(default_factory=PeerRateLimiter)
     _bursts: dict[tuple[bytes, int], _Burst] = field(default_factory=dict)
@@ -112,7 +113,7 @@ class ProbeResponder:
                 continue
             try:
                 message = decode_frames(frames[1:], self.max_message_bytes)
-                await self._handle(routing_id, message, arrived)
+                await self._handle(routing_id, message, arrived, frames[1])
             except asyncio.CancelledError:
                 raise
             except (ProtocolError, TransportTimeout, zmq.ZMQError) as exc:
@@ -136,7 +137,9 @@ class ProbeResponder:
                         dropped_total=self.limiter.dropped_total)  # fmt: skip
         return False
 
-    async def _handle(self, routing_id: bytes, message: Message, arrived: float) -> None:
+    async def _handle(
+        self, routing_id: bytes, message: Message, arrived: float, first: zmq.Frame | None = None
+    ) -> None:
         kind = message.kind
         if kind == "link_ping":
             reply = Message("link_pong", {"nonce": message["nonce"]})
@@ -170,7 +173,8 @@ class ProbeResponder:
             }
             await self._reply(routing_id, Message("link_burst_report", report))
         elif self.peer_handler is not None and kind in PEER_KINDS:
-            await self._reply(routing_id, await self.peer_handler(message))
+            sender = security.sender_public_key(first) if first is not None else None
+            await self._reply(routing_id, await self.peer_handler(message, sender))
         else:
             raise ProtocolError(f"unexpected {kind!r} on the probe socket")
 
