@@ -132,3 +132,30 @@ def count_in_phase(start: int, end: int, *, offset: int, period: int, phase: int
         return 0 if span <= 0 else (span + period - 1) // period
 
     return below(end) - below(start)
+
+
+def largest_tensor_bytes_per_sample(sequence: object, *, max_units: int) -> int | None:
+    """Bytes per sample of the largest tensor that crosses any unit boundary of the model
+    (its inputs, every unit's outputs; a gradient has its activation's size), found by
+    running the units on the meta device, which allocates nothing. None for a sequence
+    that cannot build units on the meta device (user code) or has more than ``max_units``.
+    """
+    # Imported here: the families import this module for count_in_phase.
+    import torch
+
+    from zpipe.models.base import UnitwiseSequence
+    from zpipe.models.sequence import as_tuple
+
+    if not isinstance(sequence, UnitwiseSequence) or sequence.num_units > max_units:
+        return None
+
+    def largest(values: tuple[torch.Tensor, ...]) -> int:
+        return max((t.numel() * t.element_size() for t in values), default=0)
+
+    values = tuple(t.to("meta") for t in sequence.example_input(1))
+    most = largest(values)
+    with torch.device("meta"), torch.no_grad():
+        for index in range(sequence.num_units):
+            values = as_tuple(sequence.make_unit(index)(*values), unit=index)
+            most = max(most, largest(values))
+    return most

@@ -28,6 +28,7 @@ from zpipe.models.trust import (
     allow_list_from_args,
     allow_peer_factories,
 )
+from zpipe.stage.config import DEFAULT_MAX_BATCH_ROWS
 from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.emulation import LinkSpec
@@ -115,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         "model specs; a larger request is refused before anything is allocated "
         "(default: --memory-mb, else the machine's memory)",
     )
+    parser.add_argument(
+        "--max-batch-rows",
+        type=at_most(positive_int, 2**31, "rows"),
+        default=DEFAULT_MAX_BATCH_ROWS,
+        metavar="N",
+        help="the most rows (samples) of one data message: once assigned, the data port "
+        "refuses frames larger than N samples of the model's largest activation "
+        f"(default: {DEFAULT_MAX_BATCH_ROWS})",
+    )
     emu = parser.add_argument_group("emulation (experiments on one machine)")
     emu.add_argument(
         "--slowdown",
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             slowdown=args.slowdown,
             link=LinkSpec(args.bandwidth_mbps, args.latency_ms, args.loss, args.loss_seed),
             memory_mb=args.memory_mb,
+            max_batch_rows=args.max_batch_rows,
             keys_dir=Path(args.keys) if args.keys else None,
             timeouts=timeouts_from_args(
                 args,

@@ -16,8 +16,13 @@ import zmq
 import zmq.asyncio
 
 from zpipe.log import get_logger
+from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models.registry import MAX_DECLARED_UNITS
+from zpipe.models.size import largest_tensor_bytes_per_sample
 from zpipe.stage.config import StageConfig
 from zpipe.stage.linkprobe import PROBE_DOMAIN
+from zpipe.stage.peer_policy import UNAUTHENTICATED, PeerIdentity
+from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
 from zpipe.transport.sockets import (
     ReceiveLimits,
@@ -63,6 +68,14 @@ class StageKeys:
             self.authenticator.stop()
 
 
+def peer_identity(allowed: security.PeerAllowList | None, key: bytes | None) -> PeerIdentity:
+    """Who sent a request on the probe port: without keys nobody can tell; with keys,
+    the name the coordinator gave the sender's key (``link_peers``), if any."""
+    if allowed is None:
+        return UNAUTHENTICATED
+    return PeerIdentity(True, allowed.name_of(key) if key is not None else None)
+
+
 @dataclass
 class StagePorts:
     control: zmq.asyncio.Socket
@@ -101,3 +114,29 @@ class StagePorts:
     def close(self) -> None:
         for sock in (self.data_in, self.probe_in, self.control):
             sock.close(linger=0)
+
+
+def data_port_limits(
+    spec: ModelSpec, *, max_rows: int, fallback: ReceiveLimits
+) -> tuple[ReceiveLimits, str]:
+    """The data port's receive limits for a plan of ``spec``, and how they were found.
+
+    ``MAXMSGSIZE``: the largest tensor any cut of the model sends (an activation, or
+    the gradient of one), per sample, times ``max_rows``, plus header room; taken
+    over every cut, not only this stage's, because a connection keeps the limit it
+    was accepted under while a re-plan moves the cut. ``RCVHWM``: as many such
+    messages as fit a connection's byte budget
+    (:meth:`ReceiveLimits.for_largest_message`). A model whose units cannot be
+    sized without building them (user code) gets ``fallback``.
+    """
+    try:
+        per_sample = largest_tensor_bytes_per_sample(
+            load_layer_sequence(spec), max_units=MAX_DECLARED_UNITS
+        )
+    except Exception as exc:  # a model that cannot be traced on meta keeps the fallback
+        log.warning("data_limits_unsized", family=spec.family, error=describe_error(exc))
+        return fallback, "fallback"
+    if per_sample is None:
+        return fallback, "fallback"
+    largest = min(per_sample * max_rows, fallback.max_message_bytes)
+    return ReceiveLimits.for_largest_message(largest), "model"
