@@ -355,7 +355,7 @@ def _planted_backups(count: int) -> list[list[bytes]]:
 
 def _fetches(owner: str, count: int) -> list[list[bytes]]:
     body = {"owner": owner, "run": 1, "step": 0, "start": 0, "end": 4}
-    return [_header("fetch_units", {**body, "step": i}, [], epoch=0) for i in range(count)]
+    return [[_header("fetch_units", {**body, "step": i}, [], epoch=0)] for i in range(count)]
 
 
 def _peer_request_attacks(

@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.models.registry import MAX_DECLARED_UNITS
+from zpipe.models.registry import MAX_DECLARED_UNITS, USER_CODE_FAMILIES
 from zpipe.models.size import largest_tensor_bytes_per_sample
 from zpipe.stage.config import StageConfig
 from zpipe.stage.linkprobe import PROBE_DOMAIN
@@ -129,6 +129,8 @@ def data_port_limits(
     (:meth:`ReceiveLimits.for_largest_message`). A model whose units cannot be
     sized without building them (user code) gets ``fallback``.
     """
+    if spec.family in USER_CODE_FAMILIES:
+        return fallback, "fallback"  # sized only by building it: not again
     try:
         per_sample = largest_tensor_bytes_per_sample(
             load_layer_sequence(spec), max_units=MAX_DECLARED_UNITS
