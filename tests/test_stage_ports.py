@@ -31,10 +31,9 @@ def _largest_real(spec: ModelSpec) -> int:
 
 
 @pytest.mark.parametrize("name", ["vit-tiny", "bert-tiny", "mlp-small", "cnn-small"])
-def test_the_meta_run_finds_the_largest_tensor_a_real_run_sends(name: str) -> None:
+def test_the_config_gives_the_largest_tensor_a_real_run_sends(name: str) -> None:
     spec = ModelSpec.preset(name)
-    found = largest_tensor_bytes_per_sample(load_layer_sequence(spec), max_units=1000)
-    assert found == _largest_real(spec)
+    assert largest_tensor_bytes_per_sample(load_layer_sequence(spec)) == _largest_real(spec)
 
 
 def test_limits_are_the_largest_tensor_times_the_rows_and_bound_the_queue() -> None:
@@ -54,9 +53,25 @@ def test_a_user_code_model_keeps_the_sockets_limits() -> None:
     assert data_port_limits(spec, max_rows=8, fallback=FALLBACK) == (FALLBACK, "fallback")
 
 
-def test_presets_are_sized_without_building_weights() -> None:
+def test_big_presets_are_sized_without_building_weights() -> None:
     family, config = PRESETS["vit-huge"]  # 2.5 GB of weights were it built for real
-    found = largest_tensor_bytes_per_sample(
-        load_layer_sequence(ModelSpec(family, config)), max_units=1000
-    )
+    found = largest_tensor_bytes_per_sample(load_layer_sequence(ModelSpec(family, config)))
     assert found == 257 * 5120 * 4  # fc1's output, per sample
+    family, config = PRESETS["bert-base"]  # a sequence of up to max_positions tokens
+    found = largest_tensor_bytes_per_sample(load_layer_sequence(ModelSpec(family, config)))
+    assert found == 512 * 3072 * 4
+
+
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [
+        ("mlp", {"dims": [3, 50, 7]}),
+        ("cnn", {"channels": [4, 9], "image_size": 12, "pool": [False, True], "num_classes": 3}),
+        ("cnn", {"channels": [2], "image_size": 4, "in_channels": 1, "num_classes": 40}),
+        ("transformer", {"kind": "vit", "num_layers": 1, "hidden": 8, "heads": 2, "mlp": 4,
+                         "image_size": 8, "patch": 4, "num_classes": 3}),
+    ],
+)  # fmt: skip
+def test_other_configs_match_a_real_run_too(family: str, config: dict[str, object]) -> None:
+    spec = ModelSpec(family, config)
+    assert largest_tensor_bytes_per_sample(load_layer_sequence(spec)) == _largest_real(spec)

@@ -94,6 +94,14 @@ class CnnSequence(UnitwiseSequence):
             total += 9 * previous * out + 4 * out + 1
         return total
 
+    def largest_boundary_bytes(self) -> int:
+        """The largest float32 feature map (the image, each conv's output), per sample."""
+        size, most = self.image_size, self.in_channels * self.image_size**2
+        for channels, pool in zip(self.channels, self.pool, strict=True):
+            size = size // 2 if pool else size
+            most = max(most, channels * size**2)
+        return 4 * max(most, self.num_classes)
+
     def make_unit(self, index: int) -> nn.Module:
         if index == len(self.channels):
             features = self.channels[-1] * self.final_size**2

@@ -134,28 +134,20 @@ def count_in_phase(start: int, end: int, *, offset: int, period: int, phase: int
     return below(end) - below(start)
 
 
-def largest_tensor_bytes_per_sample(sequence: object, *, max_units: int) -> int | None:
-    """Bytes per sample of the largest tensor that crosses any unit boundary of the model
-    (its inputs, every unit's outputs; a gradient has its activation's size), found by
-    running the units on the meta device, which allocates nothing. None for a sequence
-    that cannot build units on the meta device (user code) or has more than ``max_units``.
-    """
-    # Imported here: the families import this module for count_in_phase.
-    import torch
+@runtime_checkable
+class BoundarySizedSequence(Protocol):
+    """A layer sequence that knows, from its config, its largest boundary tensor."""
 
-    from zpipe.models.base import UnitwiseSequence
-    from zpipe.models.sequence import as_tuple
+    def largest_boundary_bytes(self) -> int:
+        """Bytes per sample of the largest tensor that crosses any unit boundary (the
+        inputs, every unit's outputs; a gradient has its activation's size)."""
+        ...
 
-    if not isinstance(sequence, UnitwiseSequence) or sequence.num_units > max_units:
+
+def largest_tensor_bytes_per_sample(sequence: object) -> int | None:
+    """Bytes per sample of the largest tensor any cut of the model sends, from the
+    config alone (no torch, nothing built); None for a sequence that cannot say
+    without building its units (user code)."""
+    if not isinstance(sequence, BoundarySizedSequence):
         return None
-
-    def largest(values: tuple[torch.Tensor, ...]) -> int:
-        return max((t.numel() * t.element_size() for t in values), default=0)
-
-    values = tuple(t.to("meta") for t in sequence.example_input(1))
-    most = largest(values)
-    with torch.device("meta"), torch.no_grad():
-        for index in range(sequence.num_units):
-            values = as_tuple(sequence.make_unit(index)(*values), unit=index)
-            most = max(most, largest(values))
-    return most
+    return sequence.largest_boundary_bytes()

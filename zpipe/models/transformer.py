@@ -279,6 +279,19 @@ class TransformerSequence(UnitwiseSequence):
             total += size * count_in_phase(lo, hi, offset=1, period=PARTS_PER_BLOCK, phase=phase)
         return total
 
+    def largest_boundary_bytes(self) -> int:
+        """The largest tensor between units, per sample: the input (an image, or int64
+        token ids of up to max_positions), a token's hidden or MLP width over the
+        sequence, or the logits."""
+        cfg = self.config
+        if cfg.kind == "vit":
+            tokens = (cfg.image_size // cfg.patch) ** 2 + 1
+            inputs = 4 * cfg.channels * cfg.image_size**2
+        else:
+            tokens = cfg.max_positions
+            inputs = 8 * tokens
+        return max(inputs, 4 * tokens * max(cfg.hidden, cfg.mlp), 4 * cfg.num_classes)
+
     def make_unit(self, index: int) -> nn.Module:
         cfg = self.config
         if index == 0:

@@ -11,7 +11,6 @@ commands for the runtime to carry out.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -110,7 +109,7 @@ class DataPlane:
             if self._keys.data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
                 self._keys.data_allow.replace([k.encode() for k in built.senders if k])
-            await self._apply_data_limits(ModelSpec.from_dict(body["model"]))
+            self._apply_data_limits(ModelSpec.from_dict(body["model"]))
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=name, run=run, error=str(exc))
             return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))
@@ -122,7 +121,7 @@ class DataPlane:
             run, epoch, build_s=build_s, ring_endpoint=built.assignment.ring_endpoint
         )
 
-    async def _apply_data_limits(self, spec: ModelSpec) -> None:
+    def _apply_data_limits(self, spec: ModelSpec) -> None:
         """Give the data port the receive limits of this assignment's model before any
         of its peers connect (libzmq fixes a connection's limits when it is accepted:
         a peer that connected before keeps the ones it had)."""
@@ -133,12 +132,9 @@ class DataPlane:
         else:
             opts = self.config.socket_options
             fallback = ReceiveLimits(opts.max_message_bytes, opts.recv_hwm)
-            loop = asyncio.get_running_loop()
-            limits, source = await loop.run_in_executor(
-                self._compute,
-                lambda: data_port_limits(
-                    spec, max_rows=self.config.max_batch_rows, fallback=fallback
-                ),
+            # from the config alone: cheap, and nothing of a peer's is built or run
+            limits, source = data_port_limits(
+                spec, max_rows=self.config.max_batch_rows, fallback=fallback
             )
             log.info("data_limits", stage=self.config.name, source=source,
                      max_message_bytes=limits.max_message_bytes,

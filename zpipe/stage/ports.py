@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.models.registry import MAX_DECLARED_UNITS, USER_CODE_FAMILIES
+from zpipe.models.registry import USER_CODE_FAMILIES
 from zpipe.models.size import largest_tensor_bytes_per_sample
 from zpipe.stage.config import StageConfig
 from zpipe.stage.linkprobe import PROBE_DOMAIN
@@ -122,7 +122,8 @@ def data_port_limits(
     """The data port's receive limits for a plan of ``spec``, and how they were found.
 
     ``MAXMSGSIZE``: the largest tensor any cut of the model sends (an activation, or
-    the gradient of one), per sample, times ``max_rows``, plus header room; taken
+    the gradient of one), per sample (from the config: nothing is built or run),
+    times ``max_rows``, plus header room; taken
     over every cut, not only this stage's, because a connection keeps the limit it
     was accepted under while a re-plan moves the cut. ``RCVHWM``: as many such
     messages as fit a connection's byte budget
@@ -132,9 +133,7 @@ def data_port_limits(
     if spec.family in USER_CODE_FAMILIES:
         return fallback, "fallback"  # sized only by building it: not again
     try:
-        per_sample = largest_tensor_bytes_per_sample(
-            load_layer_sequence(spec), max_units=MAX_DECLARED_UNITS
-        )
+        per_sample = largest_tensor_bytes_per_sample(load_layer_sequence(spec))
     except Exception as exc:  # a model that cannot be traced on meta keeps the fallback
         log.warning("data_limits_unsized", family=spec.family, error=describe_error(exc))
         return fallback, "fallback"
