@@ -3,9 +3,11 @@
 - control: a DEALER to the coordinator, named by the stage's name;
 - data: a PULL where the assigned upstream (and, training, the neighbours and
   the client) send; with keys, only the keys the current assignment names may
-  connect (until then, nobody);
+  connect (until then, nobody); small receive limits until an assignment, then
+  the limits of its model (:func:`data_port_limits`);
 - probe: a ROUTER where cluster members measure links, keep backups and fetch
-  units; with keys, every member the coordinator names (``link_peers``).
+  units; with keys, every member the coordinator names (``link_peers``), whose
+  names say who sent a backup or a fetch (:func:`peer_identity`).
 """
 
 from __future__ import annotations
