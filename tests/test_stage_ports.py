@@ -75,3 +75,21 @@ def test_big_presets_are_sized_without_building_weights() -> None:
 def test_other_configs_match_a_real_run_too(family: str, config: dict[str, object]) -> None:
     spec = ModelSpec(family, config)
     assert largest_tensor_bytes_per_sample(load_layer_sequence(spec)) == _largest_real(spec)
+
+
+def test_the_probe_port_takes_no_frame_larger_than_the_device_builds() -> None:
+    from zpipe.models.size import peer_build_limit, set_peer_build_limit
+    from zpipe.stage.ports import PROBE_MIN_FRAME_BYTES, probe_port_limits
+    from zpipe.transport.sockets import SocketOptions
+
+    options = SocketOptions()
+    previous = set_peer_build_limit(64 << 20)  # --max-model-mb 64
+    try:
+        assert probe_port_limits(options).max_message_bytes == 64 << 20
+        set_peer_build_limit(1 << 10)  # link bursts still fit
+        assert probe_port_limits(options).max_message_bytes == PROBE_MIN_FRAME_BYTES
+        set_peer_build_limit(1 << 40)  # never above the socket's own limit
+        assert probe_port_limits(options).max_message_bytes == options.max_message_bytes
+    finally:
+        set_peer_build_limit(previous)
+    assert peer_build_limit() == previous

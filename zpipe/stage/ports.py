@@ -20,7 +20,7 @@ import zmq.asyncio
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.registry import USER_CODE_FAMILIES
-from zpipe.models.size import largest_tensor_bytes_per_sample
+from zpipe.models.size import largest_tensor_bytes_per_sample, peer_build_limit
 from zpipe.stage.config import StageConfig
 from zpipe.stage.linkprobe import PROBE_DOMAIN
 from zpipe.stage.peer_policy import UNAUTHENTICATED, PeerIdentity
@@ -28,6 +28,7 @@ from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
 from zpipe.transport.sockets import (
     ReceiveLimits,
+    SocketOptions,
     advertised_endpoint,
     bind_endpoint,
     open_socket,
@@ -99,7 +100,7 @@ class StagePorts:
         data_endpoint = advertised_endpoint(
             bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
-        probe_in = open_socket(context, zmq.ROUTER, opts)
+        probe_in = open_socket(context, zmq.ROUTER, opts, limits=probe_port_limits(opts))
         if keys.keypair is not None:
             security.secure_server(probe_in, keys.keypair, domain=PROBE_DOMAIN)
         probe_bound = bind_endpoint(probe_in, config.probe_endpoint_to_bind)
@@ -116,6 +117,18 @@ class StagePorts:
     def close(self) -> None:
         for sock in (self.data_in, self.probe_in, self.control):
             sock.close(linger=0)
+
+
+# Link-measurement bursts send frames of up to 1 MiB (zpipe.stage.linkprobe).
+PROBE_MIN_FRAME_BYTES = 2 << 20
+
+
+def probe_port_limits(options: SocketOptions) -> ReceiveLimits:
+    """The probe port's limits: a backup's tensor (one frame) is never larger than the
+    parameters this device builds (--max-model-mb, else --memory-mb), which it could
+    not hold anyway; link bursts always fit."""
+    frame = min(options.max_message_bytes, max(PROBE_MIN_FRAME_BYTES, peer_build_limit()))
+    return ReceiveLimits(frame, options.recv_hwm)
 
 
 def data_port_limits(
