@@ -19,7 +19,12 @@ attacks every port it can reach, one attack class after another:
 * ``big_frames``: ``--big-count`` frames of ``--big-mb`` MB to each stage's data port
   (memory must stay bounded where nothing reads);
 * ``factory``: a ``run_request`` naming ``os:system`` as a model factory, whose
-  command would create a marker file (it must not appear).
+  command would create a marker file (it must not appear);
+* ``model_bomb``: a ``run_request`` for a built-in MLP of ``dims [10**9, 10**9]``
+  (4 EB of weights), which must be refused before anything is allocated;
+* ``backup_plant``: ``backup`` messages of 4 MiB under made-up owners to every
+  stage's probe port (none may be kept), and ``fetch_units`` of another stage's
+  snapshot from every probe port (no units may come back).
 
 Targets: the coordinator's ROUTER, every stage's data (PULL) and probe (ROUTER)
 ports, and the client's sink (PULL). After the attacks the stream must have finished
@@ -55,6 +60,7 @@ import zmq
 from bench._common import emit, loadavg, summary
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.transport.codec import Message, decode, encode
 from zpipe.transport.ports import free_tcp_port
 
 PROTOCOL_VERSION = 1
@@ -177,6 +183,21 @@ class Attacker:
             except OSError:
                 pass
         return sent
+
+    def requests(
+        self, endpoint: str, messages: list[list[bytes]], timeout_s: float = 10.0
+    ) -> list[Message]:
+        """Send each message on one DEALER and collect the replies that come back."""
+        sock = self._socket(zmq.DEALER, endpoint)
+        replies: list[Message] = []
+        try:
+            for frames in messages:
+                sock.send_multipart(frames)
+                if sock.poll(int(timeout_s * 1000)):
+                    replies.append(decode(sock.recv_multipart(copy=False)))
+        finally:
+            sock.close(linger=0)
+        return replies
 
     def big_frames(self, endpoint: str, count: int, megabytes: int) -> int:
         sock = self._socket(zmq.PUSH, endpoint)
@@ -311,6 +332,57 @@ def _factory_request(marker: Path) -> list[bytes]:
     return [_header("run_request", body, [], epoch=0)]
 
 
+def _model_bomb_request() -> list[bytes]:
+    body = {
+        "model": {"family": "mlp", "config": {"dims": [10**9, 10**9]}},
+        "dtype": "float32",
+        "wait_for_stages_s": 1.0,
+        "mode": "infer",
+        "sink_endpoint": "tcp://127.0.0.1:1",
+    }
+    return [_header("run_request", body, [], epoch=0)]
+
+
+def _planted_backups(count: int) -> list[list[bytes]]:
+    """Backups of 4 MiB each under made-up owners (frames as the codec writes them)."""
+    out = []
+    for i in range(count):
+        body = {"run": 1, "step": i, "owner": f"mallory{i}", "keys": ["units.0.linear.weight"]}
+        message = Message("backup", body, tensors=(torch.zeros(1 << 20),))
+        out.append([bytes(memoryview(f)) for f in encode(message)])
+    return out
+
+
+def _fetches(owner: str, count: int) -> list[list[bytes]]:
+    body = {"owner": owner, "run": 1, "step": 0, "start": 0, "end": 4}
+    return [[_header("fetch_units", {**body, "step": i}, [], epoch=0)] for i in range(count)]
+
+
+def _peer_request_attacks(
+    attacker: Attacker, members: list[dict[str, Any]], count: int
+) -> dict[str, dict[str, Any]]:
+    """Backups planted on, and units fetched from, every stage's probe port."""
+    plant: dict[str, Any] = {"sent": 0, "targets": 0, "kept": 0, "refused": 0}
+    fetch: dict[str, Any] = {"sent": 0, "targets": 0, "leaked_units": 0, "refused": 0}
+    names = [str(m["name"]) for m in members]
+    for member in members:
+        endpoint = str(member["info"].get("probe_endpoint") or "")
+        if not endpoint:
+            continue
+        replies = attacker.requests(endpoint, _planted_backups(count))
+        plant["sent"] += count
+        plant["targets"] += 1
+        plant["kept"] += sum(1 for r in replies if r.kind == "backup_ok" and not r["error"])
+        plant["refused"] += sum(1 for r in replies if r.kind == "backup_ok" and r["error"])
+        other = next((n for n in names if n != member["name"]), names[0])
+        replies = attacker.requests(endpoint, _fetches(other, count))
+        fetch["sent"] += count
+        fetch["targets"] += 1
+        fetch["leaked_units"] += sum(len(r.tensors) for r in replies if r.kind == "units")
+        fetch["refused"] += sum(1 for r in replies if r.kind == "units" and r["error"])
+    return {"backup_plant": plant, "fetch_units": fetch}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=3, help="stage processes (default: 3)")
@@ -371,6 +443,15 @@ def main(argv: list[str] | None = None) -> int:
             zmq.DEALER, cluster.coordinator_endpoint, iter([_factory_request(marker)]), 1
         )
         per_class["factory"] = {"sent": sent, "targets": 1}
+        bomb = attacker.requests(cluster.coordinator_endpoint, [_model_bomb_request()], 60.0)
+        bomb_error = str(bomb[0]["error"]) if bomb and bomb[0].kind == "run_failed" else ""
+        per_class["model_bomb"] = {
+            "sent": 1,
+            "targets": 1,
+            "reply": bomb[0].kind if bomb else None,
+            "error": bomb_error[:160],
+        }
+        per_class.update(_peer_request_attacks(attacker, members, min(args.messages, 24)))
         for klass, endpoint, attack in _attacks(members, cluster.coordinator_endpoint, sink, args):
             t0 = time.monotonic()
             try:
@@ -450,12 +531,18 @@ def main(argv: list[str] | None = None) -> int:
         false_deaths=len(deaths),
         stream_exact=exact,
         code_executed=code_executed,
+        model_bomb_refused=bool(per_class["model_bomb"]["error"]),
+        backups_planted=per_class["backup_plant"]["kept"],
+        units_leaked=per_class["fetch_units"]["leaked_units"],
         max_peak_over_idle_rss=max(ratios.values()) if ratios else None,
         goals_met=crashes == 0
         and not hung
         and not deaths
         and exact
         and not code_executed
+        and bool(per_class["model_bomb"]["error"])
+        and per_class["backup_plant"]["kept"] == 0
+        and per_class["fetch_units"]["leaked_units"] == 0
         and all(r < 2.0 for r in ratios.values()),
         messages_sent=sum(int(e.get("sent", 0)) for e in per_class.values()),
     )

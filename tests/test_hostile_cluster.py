@@ -62,6 +62,44 @@ def test_an_idle_stage_does_not_queue_big_frames(cluster: LocalCluster) -> None:
     assert grown_mib < 100, f"an idle stage grew {grown_mib:.0f} MiB on frames nothing reads"
 
 
+def test_an_assigned_stage_takes_no_frame_larger_than_its_model_sends(
+    cluster: LocalCluster,
+) -> None:
+    # Issue 19, item 5: once assigned, the data port's MAXMSGSIZE was 2 GiB with 16
+    # queued per connection. Now it is the model's largest activation times
+    # --max-batch-rows (a tiny MLP: the 1 MiB floor), so 64 MiB frames are refused.
+    members = {m["name"]: m for m in cluster.wait_for_stages(2, timeout_s=60)}
+    spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=9)
+    batches = [load_layer_sequence(spec).example_input(3, seed=i) for i in range(3)]
+    outputs, _ = cluster.infer(spec, batches, stage_names=["a", "b"])
+    assert len(outputs) == 3
+    assert '"data_limits"' in cluster.logs("a")
+    pid = cluster.processes["a"].pid
+    before = _rss_kib(pid, "VmRSS")
+    context = zmq.Context()
+    try:
+        push = context.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDTIMEO, 5000)
+        push.connect(members["a"]["data_endpoint"])
+        frame = bytes(64 << 20)
+        for _ in range(8):
+            try:
+                push.send(frame, copy=False)
+            except zmq.Again:
+                break
+        push.close(linger=3000)
+    finally:
+        context.term()
+    assert cluster.processes["a"].poll() is None
+    grown_mib = (_rss_kib(pid, "VmRSS") - before) / 1024
+    assert grown_mib < 100, f"an assigned stage kept {grown_mib:.0f} MiB of oversized frames"
+    outputs, _ = cluster.infer(spec, batches, stage_names=["a", "b"])  # still serving
+    with torch.inference_mode():
+        want = build_full_model(spec)(*batches[0])[0]
+    torch.testing.assert_close(outputs[0][0], want)
+
+
 def test_a_run_request_naming_os_system_is_refused_and_nothing_runs(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:

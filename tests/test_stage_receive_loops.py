@@ -184,7 +184,7 @@ async def test_the_probe_port_survives_a_peer_request_that_raises(
     router = open_socket(context, zmq.ROUTER, OPTIONS)
     endpoint = bind_endpoint(router, "tcp://127.0.0.1:0")
 
-    async def peer_handler(message: Message) -> Message:
+    async def peer_handler(message: Message, sender: bytes | None) -> Message:
         raise KeyError("owner")  # what a malformed backup did to the old handler
 
     responder = ProbeResponder(

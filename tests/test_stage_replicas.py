@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -89,3 +91,132 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
     refused = await service.on_peer_request(backup("a"), None)
     assert "not training run 7" in refused["error"]
     assert ("mallory", 7, 3) not in store and ("a", 8, 3) not in store
+
+
+async def test_the_service_judges_the_sender_and_the_budget() -> None:
+    import zmq.asyncio
+
+    from zpipe.stage.metrics import StageCounters
+    from zpipe.stage.peer_policy import PeerIdentity
+    from zpipe.stage.snapshots import SnapshotService
+    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.transport.codec import Message
+    from zpipe.transport.sockets import SocketOptions
+
+    store = ReplicaStore()
+    service = SnapshotService(
+        name="b",
+        context=zmq.asyncio.Context.instance(),
+        keypair=None,
+        socket_options=SocketOptions(),
+        timeout_s=1.0,
+        compute=None,  # type: ignore[arg-type]  # not used by backups
+        counters=StageCounters(),
+        replicas=store,
+        backup_budget_bytes=100,
+    )
+    setup = TrainingSetup(
+        run=7, epoch=1, name="b", index=1, num_stages=2, schedule="1f1b",
+        num_microbatches=2, warmup=1, group=Group(("b",), (1,)), rank=0,
+        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        backup_from=("a",),
+    )  # fmt: skip
+
+    class Trainer:
+        def __init__(self, setup: TrainingSetup) -> None:
+            self.setup = setup
+
+    def backup(step: int, floats: int) -> Message:
+        body = {"run": 7, "step": step, "owner": "a", "keys": ["units.0.w"]}
+        return Message("backup", body, tensors=(torch.ones(floats),))
+
+    trainer = Trainer(setup)
+    a, c = PeerIdentity(True, "a"), PeerIdentity(True, "c")
+    planted = await service.on_peer_request(backup(1, 4), trainer, c)  # type: ignore[arg-type]
+    assert "not by its owner" in planted["error"] and ("a", 7, 1) not in store
+    assert (await service.on_peer_request(backup(1, 4), trainer, a))["error"] == ""  # type: ignore[arg-type]
+    huge = await service.on_peer_request(backup(2, 100), trainer, a)  # type: ignore[arg-type]
+    assert "more than it can" in huge["error"] and ("a", 7, 2) not in store
+
+    def fetch(run: int) -> Message:
+        return Message("fetch_units", {"owner": "a", "run": run, "step": 1, "start": 0, "end": 1})
+
+    units = await service.on_peer_request(fetch(7), None, c)
+    assert units["error"] == "" and units["keys"] == ["units.0.w"]
+    stranger = await service.on_peer_request(fetch(7), None, PeerIdentity(True, None))
+    assert "named" in stranger["error"] and not stranger.tensors
+
+
+async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
+    tmp_path: Path,
+) -> None:
+    # The probe port of a real stage shell (ROUTER, CURVE, the cluster's names): k2 is
+    # an allowed member but claims to send k0's backup; k0's own key is kept.
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder
+    from zpipe.stage.metrics import StageCounters
+    from zpipe.stage.ports import peer_identity
+    from zpipe.stage.replicas import peer_request
+    from zpipe.stage.snapshots import SnapshotService
+    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.transport import security
+    from zpipe.transport.codec import Message
+    from zpipe.transport.emulation import LinkSpec
+    from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
+
+    security.generate_keys(tmp_path, ["k0", "k1", "k2"])
+    pairs = {n: security.load_keypair(tmp_path, n) for n in ("k0", "k1", "k2")}
+    members = security.PeerAllowList({n: p.public for n, p in pairs.items()})
+    context = new_context()
+    auth = security.CurveAuthenticator(context, security.PeerAllowList())
+    auth.add_domain(PROBE_DOMAIN, members)
+    auth.start()
+    router = open_socket(context, zmq.ROUTER, SocketOptions())
+    security.secure_server(router, pairs["k1"], domain=PROBE_DOMAIN)
+    endpoint = bind_endpoint(router, "tcp://127.0.0.1:0")
+    store = ReplicaStore()
+    service = SnapshotService(
+        name="k1", context=context, keypair=pairs["k1"], socket_options=SocketOptions(),
+        timeout_s=5.0, compute=None, counters=StageCounters(), replicas=store,  # type: ignore[arg-type]
+    )  # fmt: skip
+    setup = TrainingSetup(
+        run=7, epoch=1, name="k1", index=1, num_stages=2, schedule="1f1b",
+        num_microbatches=2, warmup=1, group=Group(("k1",), (1,)), rank=0,
+        upstream=Group(("k0",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        backup_from=("k0",),
+    )  # fmt: skip
+    trainer = type("Trainer", (), {"setup": setup})()
+
+    async def handler(message: Message, key: bytes | None) -> Message:
+        return await service.on_peer_request(message, trainer, peer_identity(members, key))
+
+    responder = ProbeResponder(
+        socket=router, link=LinkSpec(), name="k1", send_timeout_s=5.0,
+        max_message_bytes=2**30, peer_handler=handler,
+    )  # fmt: skip
+    task = asyncio.create_task(responder.serve())
+
+    async def plant(sender: str, step: int) -> str:
+        body = {"run": 7, "step": step, "owner": "k0", "keys": ["units.0.w"]}
+        reply = await peer_request(
+            context, peer="k1", endpoint=endpoint, server_key=pairs["k1"].public.decode(),
+            keypair=pairs[sender], message=Message("backup", body, tensors=(torch.ones(8),)),
+            expect="backup_ok", options=SocketOptions(), timeout_s=20.0,
+        )  # fmt: skip
+        return str(reply["error"])
+
+    try:
+        assert "sent by k2, not by its owner" in await plant("k2", 1)
+        assert ("k0", 7, 1) not in store
+        assert await plant("k0", 2) == ""
+        assert ("k0", 7, 2) in store
+    finally:
+        task.cancel()
+        await responder.close()
+        router.close(linger=0)
+        auth.stop()
+        context.term()

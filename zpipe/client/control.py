@@ -23,12 +23,29 @@ from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.recovery import StallWatch
 from zpipe.transport.codec import Message
+from zpipe.transport.roles import ROLE_KINDS
 from zpipe.transport.sockets import SocketOptions, decode_frames, recv_frames, send
 
 log = get_logger("zpipe.client")
 
 # the kinds the coordinator sends unasked, about a run that is going on
 NOTICE_KINDS = ("stage_failed", "run_replanned")
+
+
+# Kinds that only stages or clients may send (zpipe.transport.roles): never the
+# coordinator's. A kind no role lists is left to the codec's registry.
+_NOT_THE_COORDINATORS = frozenset(
+    kind
+    for role, kinds in ROLE_KINDS.items()
+    if role != "coordinator"
+    for kind in kinds
+    if kind not in ROLE_KINDS["coordinator"]
+)
+
+
+def coordinator_may_send(kind: str) -> bool:
+    """Whether a control message of ``kind`` can be the coordinator's."""
+    return kind not in _NOT_THE_COORDINATORS
 
 
 class ControlChannel:
@@ -78,6 +95,12 @@ class ControlChannel:
                 # decoder lets through) drops that message; the channel keeps serving.
                 log.warning("dropped_message", peer="coordinator", error=str(exc),
                             error_type=type(exc).__name__)  # fmt: skip
+                continue
+            if not coordinator_may_send(message.kind):
+                # Only the coordinator is connected here (with keys: by its CURVE key),
+                # but what it sends must be what a coordinator sends.
+                log.warning("dropped_message", peer="coordinator", kind=message.kind,
+                            error="a kind only stages or clients send")  # fmt: skip
                 continue
             if message.kind in NOTICE_KINDS:
                 await self.failures.put(message)

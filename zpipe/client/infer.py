@@ -200,8 +200,10 @@ class _Stream:
             raise ProtocolError(f"{message.kind!r} does not belong on the sink")
         if message.epoch != session.epoch or message["run"] != session.run:
             raise ProtocolError(f"a result of epoch {message.epoch}, expected {session.epoch}")
-        if message.kind == "data" and message["src"] != session.last_stage:
-            raise ProtocolError(f"a result from {message['src']!r}, not {session.last_stage!r}")
+        if message["src"] != session.last_stage:  # a failure notice too: it ends the run
+            raise ProtocolError(
+                f"{message.kind!r} from {message['src']!r}, not {session.last_stage!r}"
+            )
         if int(message["mb"]) not in self.owner:
             raise ProtocolError(f"a result for unknown or finished micro-batch {message['mb']}")
 

@@ -234,9 +234,11 @@ class TrainingRun:
             raise ProtocolError(f"{message.kind!r} does not belong on a training sink")
         if message.epoch != session.epoch or message["run"] != self.run:
             raise ProtocolError(f"a message of epoch {message.epoch}, expected {session.epoch}")
+        if message["src"] not in self.last_names:  # a failure notice too: it ends the run
+            raise ProtocolError(
+                f"{message.kind!r} from {message['src']!r}, not a last-stage device"
+            )
         if message.kind == "loss":
-            if message["src"] not in self.last_names:
-                raise ProtocolError(f"a loss from {message['src']!r}, not a last-stage device")
             step = int(message["step"])
             if not self.done_steps <= step < self.sent_steps:
                 raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")

@@ -9,6 +9,7 @@ from torch import nn
 
 from zpipe.models._seeding import seeded, unit_seed
 from zpipe.models.sequence import check_unit_range
+from zpipe.models.size import check_peer_build
 from zpipe.models.spec import ModelSpec
 from zpipe.models.weights import load_unit_weights, unit_key
 
@@ -49,6 +50,9 @@ class UnitwiseSequence(ABC):
 
     def build_units(self, start: int, end: int) -> list[nn.Module]:
         check_unit_range(start, end, self.num_units)
+        if self.spec.from_peer:
+            # A peer's config can name any size: count before allocating anything.
+            check_peer_build(self, start, end)
         units = []
         for index in range(start, end):
             with seeded(unit_seed(self.spec.seed, index)):

@@ -80,6 +80,28 @@ class CnnSequence(UnitwiseSequence):
     def unit_names(self) -> list[str]:
         return [*(f"conv{i}" for i in range(len(self.channels))), "head"]
 
+    def parameter_elements(self, start: int, end: int) -> int:
+        """Parameters and buffers of units ``[start, end)``, from the config alone."""
+        total = 0
+        for index in range(start, end):
+            if index == len(self.channels):
+                features = self.channels[-1] * self.final_size**2
+                total += features * self.num_classes + self.num_classes
+                continue
+            previous = self.in_channels if index == 0 else self.channels[index - 1]
+            out = self.channels[index]
+            # 3x3 conv without bias; BatchNorm: weight, bias, mean, var, step count
+            total += 9 * previous * out + 4 * out + 1
+        return total
+
+    def largest_boundary_bytes(self) -> int:
+        """The largest float32 feature map (the image, each conv's output), per sample."""
+        size, most = self.image_size, self.in_channels * self.image_size**2
+        for channels, pool in zip(self.channels, self.pool, strict=True):
+            size = size // 2 if pool else size
+            most = max(most, channels * size**2)
+        return 4 * max(most, self.num_classes)
+
     def make_unit(self, index: int) -> nn.Module:
         if index == len(self.channels):
             features = self.channels[-1] * self.final_size**2

@@ -46,6 +46,14 @@ class MlpSequence(UnitwiseSequence):
     def unit_names(self) -> list[str]:
         return [f"fc{i}" for i in range(self.num_units)]
 
+    def parameter_elements(self, start: int, end: int) -> int:
+        """Weights and biases of units ``[start, end)``, from the config alone."""
+        return sum(self.dims[i] * self.dims[i + 1] + self.dims[i + 1] for i in range(start, end))
+
+    def largest_boundary_bytes(self) -> int:
+        """The widest layer's float32 activation, per sample."""
+        return 4 * max(self.dims)
+
     def make_unit(self, index: int) -> nn.Module:
         last = index == self.num_units - 1
         return Dense(

@@ -17,6 +17,7 @@ from zpipe.models.adapters import SequentialSequence, TracedSequence
 from zpipe.models.cnn import CnnSequence
 from zpipe.models.mlp import MlpSequence
 from zpipe.models.sequence import FullModel, LayerSequence
+from zpipe.models.size import DEFAULT_PEER_MODEL_BYTES, check_model_size
 from zpipe.models.spec import ModelSpec
 from zpipe.models.transformer import TransformerSequence
 from zpipe.models.trust import FactoryPolicy
@@ -72,6 +73,8 @@ def count_units(spec: ModelSpec, *, declared: Any = None) -> int:
     module, so it must be `declared` by a process that may build it (the client
     computes `load_layer_sequence(spec).num_units` and sends it with its request);
     a stage that builds the units refuses a range outside the real count.
+    A peer's built-in model is also bounded (units, and parameters counted from
+    its config, see zpipe.models.size) before anything is planned for it.
     """
     if declared is not None and (
         isinstance(declared, bool)
@@ -90,7 +93,16 @@ def count_units(spec: ModelSpec, *, declared: Any = None) -> int:
                 "request (load_layer_sequence(spec).num_units on the client)"
             )
         return int(declared)
-    counted = load_layer_sequence(spec).num_units
+    sequence = load_layer_sequence(spec)
+    counted = sequence.num_units
+    if spec.from_peer:
+        # A peer's config can name any size; the planner sizes its tables by units.
+        if counted > MAX_DECLARED_UNITS:
+            raise ModelSpecError(
+                f"the model has {counted} units, more than {MAX_DECLARED_UNITS} that a "
+                "peer may ask for"
+            )
+        check_model_size(sequence, limit_bytes=DEFAULT_PEER_MODEL_BYTES, what="any device")
     if declared is not None and declared != counted:
         raise ModelSpecError(f"the request declares {declared} units, but the model has {counted}")
     return counted

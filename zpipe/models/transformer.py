@@ -22,6 +22,7 @@ from torch import nn
 from zpipe._errors import ModelSpecError
 from zpipe.models._config import ConfigReader
 from zpipe.models.base import UnitwiseSequence, check_batch_size
+from zpipe.models.size import count_in_phase
 from zpipe.models.spec import ModelSpec
 
 KINDS = ("vit", "bert")
@@ -254,6 +255,42 @@ class TransformerSequence(UnitwiseSequence):
             for part in _PART_NAMES
         ]
         return ["embed", *blocks, "head"]
+
+    def parameter_elements(self, start: int, end: int) -> int:
+        """Parameters of units ``[start, end)``, from the config alone, in time that
+        does not grow with ``num_layers`` (a peer may ask for any number)."""
+        cfg, last = self.config, self.num_units - 1
+        h, m, c = cfg.hidden, cfg.mlp, cfg.num_classes
+        total = 0
+        if start <= 0 < end:
+            if cfg.kind == "vit":
+                patches = (cfg.image_size // cfg.patch) ** 2
+                total += cfg.channels * h * cfg.patch**2 + h + h + (patches + 1) * h
+            else:
+                positions = cfg.max_positions + cfg.type_vocab_size
+                total += (cfg.vocab_size + positions) * h + 2 * h
+        if start <= last < end and last > 0:
+            pooler = h * h + h if cfg.kind == "bert" else 0
+            total += 2 * h + pooler + h * c + c
+        # attn (LayerNorm + qkv), proj, fc1 (LayerNorm + dense), fc2
+        parts = (2 * h + 3 * h * h + 3 * h, h * h + h, 2 * h + h * m + m, m * h + h)
+        lo, hi = max(start, 1), min(end, last)
+        for phase, size in enumerate(parts):
+            total += size * count_in_phase(lo, hi, offset=1, period=PARTS_PER_BLOCK, phase=phase)
+        return total
+
+    def largest_boundary_bytes(self) -> int:
+        """The largest tensor between units, per sample: the input (an image, or int64
+        token ids of up to max_positions), a token's hidden or MLP width over the
+        sequence, or the logits."""
+        cfg = self.config
+        if cfg.kind == "vit":
+            tokens = (cfg.image_size // cfg.patch) ** 2 + 1
+            inputs = 4 * cfg.channels * cfg.image_size**2
+        else:
+            tokens = cfg.max_positions
+            inputs = 8 * tokens
+        return max(inputs, 4 * tokens * max(cfg.hidden, cfg.mlp), 4 * cfg.num_classes)
 
     def make_unit(self, index: int) -> nn.Module:
         cfg = self.config

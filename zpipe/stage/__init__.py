@@ -15,6 +15,8 @@ Where each part lives (decisions in pure modules, I/O in the shells)::
         training_plane.TrainingPlane  neighbours, ring, sends of a training run
           trainer.TrainingExecutor      runs the schedule's F/B/ALLREDUCE/STEP actions
       snapshots.SnapshotService   weights, backups and unit fetches for recovery
+        peer_policy                 pure: whose backups are kept, who may fetch units
       measurements                profiles and link measurements for the planner
-      linkprobe.ProbeResponder    the probe port (link probes, peer requests)
+      linkprobe.ProbeResponder    the probe port (link probes, peer requests), with
+                                  a token bucket per peer (transport.ratelimit)
 """

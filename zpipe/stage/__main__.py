@@ -22,11 +22,13 @@ from zpipe.cli_common import (
     timeouts_from_args,
 )
 from zpipe.log import configure_logging, get_logger
+from zpipe.models.size import default_build_limit, set_peer_build_limit
 from zpipe.models.trust import (
     add_allow_factory_arguments,
     allow_list_from_args,
     allow_peer_factories,
 )
+from zpipe.stage.config import DEFAULT_MAX_BATCH_ROWS
 from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.emulation import LinkSpec
@@ -106,6 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="memory budget reported to the planner (default: not limited)",
     )
+    parser.add_argument(
+        "--max-model-mb",
+        type=at_most(positive_float, MAX_MEMORY_MB, "a pebibyte"),
+        default=None,
+        help="the most parameters (MiB, float32) this stage builds for the coordinator's "
+        "model specs; a larger request is refused before anything is allocated "
+        "(default: --memory-mb, else the machine's memory)",
+    )
+    parser.add_argument(
+        "--max-batch-rows",
+        type=at_most(positive_int, 2**31, "rows"),
+        default=DEFAULT_MAX_BATCH_ROWS,
+        metavar="N",
+        help="the most rows (samples) of one data message: once assigned, the data port "
+        "refuses frames larger than N samples of the model's largest activation "
+        f"(default: {DEFAULT_MAX_BATCH_ROWS})",
+    )
     emu = parser.add_argument_group("emulation (experiments on one machine)")
     emu.add_argument(
         "--slowdown",
@@ -161,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Model factories peers' specs may name: what the operator allowed, nothing else.
         allow_peer_factories(allow_list_from_args(args))
+        # How big a model a peer's spec may make this device build.
+        set_peer_build_limit(
+            default_build_limit(args.max_model_mb if args.max_model_mb else args.memory_mb)
+        )
         validate_endpoint(args.coordinator, flag="--coordinator")
         validate_endpoint(args.bind, flag="--bind")
         if args.probe_bind is not None:
@@ -175,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             slowdown=args.slowdown,
             link=LinkSpec(args.bandwidth_mbps, args.latency_ms, args.loss, args.loss_seed),
             memory_mb=args.memory_mb,
+            max_batch_rows=args.max_batch_rows,
             keys_dir=Path(args.keys) if args.keys else None,
             timeouts=timeouts_from_args(
                 args,

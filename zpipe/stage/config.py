@@ -10,6 +10,10 @@ from zpipe.config import Timeouts
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions
 
+# Rows of one data message a stage accepts by default (--max-batch-rows): a micro-batch
+# of this many samples of the model's largest boundary tensor fits in one frame.
+DEFAULT_MAX_BATCH_ROWS = 4096
+
 
 @dataclass(frozen=True)
 class StageConfig:
@@ -23,6 +27,8 @@ class StageConfig:
     slowdown: float = 1.0
     link: LinkSpec = field(default_factory=LinkSpec)
     memory_mb: float | None = None
+    # rows of one data message the data port accepts (see zpipe.stage.ports.data_port_limits)
+    max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS
     keys_dir: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     socket_options: SocketOptions = field(default_factory=SocketOptions)
@@ -32,6 +38,8 @@ class StageConfig:
             raise ConfigError(
                 f"--slowdown must be >= 1 (a factor on compute time), got {self.slowdown}"
             )
+        if self.max_batch_rows < 1:
+            raise ConfigError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
 

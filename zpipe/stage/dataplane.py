@@ -17,13 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq.asyncio
 
 from zpipe.log import get_logger
+from zpipe.models import ModelSpec
 from zpipe.stage.assignment import Assignment, AssignmentBuilder, FetchState, push_connector
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.inference import InferenceLoop
 from zpipe.stage.lifecycle import Command, ConnectAssignment, DataRoute, DropMessage, StageLifecycle
 from zpipe.stage.metrics import StageCounters
-from zpipe.stage.ports import StageKeys
+from zpipe.stage.ports import StageKeys, data_port_limits
 from zpipe.stage.shard import Shard
 from zpipe.stage.supervision import TaskSupervisor, describe_error
 from zpipe.stage.trainer import TrainingExecutor
@@ -61,8 +62,9 @@ class DataPlane:
         self._data_in = data_in
         self._data_endpoint = data_endpoint
         self._data_bound = data_bound
-        # the data port keeps its small pre-plan limits until the first assignment
-        self._plan_limits = False
+        # the data port keeps its small pre-plan limits until the first assignment, then
+        # the limits of each assignment's model (by spec: the last one computed)
+        self._plan_limits: tuple[ModelSpec, ReceiveLimits] | None = None
         self._lifecycle = lifecycle
         self._supervisor = supervisor
         self._fetch_state = fetch_state
@@ -107,7 +109,7 @@ class DataPlane:
             if self._keys.data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
                 self._keys.data_allow.replace([k.encode() for k in built.senders if k])
-            self._raise_data_limits()
+            self._apply_data_limits(ModelSpec.from_dict(body["model"]))
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=name, run=run, error=str(exc))
             return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))
@@ -119,17 +121,26 @@ class DataPlane:
             run, epoch, build_s=build_s, ring_endpoint=built.assignment.ring_endpoint
         )
 
-    def _raise_data_limits(self) -> None:
-        """Give the data port the run's receive limits, once, before any peer connects
-        (libzmq fixes a connection's limits when it is accepted: a peer that connected
-        before stays under the small pre-plan ones)."""
-        if self._plan_limits or not self._data_bound:
+    def _apply_data_limits(self, spec: ModelSpec) -> None:
+        """Give the data port the receive limits of this assignment's model before any
+        of its peers connect (libzmq fixes a connection's limits when it is accepted:
+        a peer that connected before keeps the ones it had)."""
+        if not self._data_bound:
             return
-        opts = self.config.socket_options
-        rebind_with_limits(
-            self._data_in, self._data_bound, ReceiveLimits(opts.max_message_bytes, opts.recv_hwm)
-        )
-        self._plan_limits = True
+        if self._plan_limits is not None and self._plan_limits[0] == spec:
+            limits = self._plan_limits[1]
+        else:
+            opts = self.config.socket_options
+            fallback = ReceiveLimits(opts.max_message_bytes, opts.recv_hwm)
+            # from the config alone: cheap, and nothing of a peer's is built or run
+            limits, source = data_port_limits(
+                spec, max_rows=self.config.max_batch_rows, fallback=fallback
+            )
+            log.info("data_limits", stage=self.config.name, source=source,
+                     max_message_bytes=limits.max_message_bytes,
+                     recv_hwm=limits.recv_hwm)  # fmt: skip
+        rebind_with_limits(self._data_in, self._data_bound, limits)
+        self._plan_limits = (spec, limits)
 
     async def connect(self, command: ConnectAssignment) -> list[Command]:
         """Second phase of an assignment: every stage now allows its upstream's key."""

@@ -38,6 +38,7 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
+from zpipe.transport.ratelimit import PeerRateLimiter
 from zpipe.transport.sockets import (
     SocketOptions,
     decode_frames,
@@ -91,7 +92,10 @@ class ProbeResponder:
     send_timeout_s: float
     max_message_bytes: int
     # other stage-to-stage requests (backups, unit fetches): the reply to send back
-    peer_handler: Callable[[Message], Awaitable[Message]] | None = None
+    # (the request, the sender's CURVE key or None without keys) -> the reply
+    peer_handler: Callable[[Message, bytes | None], Awaitable[Message]] | None = None
+    # per-peer token buckets: a flooding peer's excess is dropped before decoding
+    limiter: PeerRateLimiter = field(default_factory=PeerRateLimiter)
     _bursts: dict[tuple[bytes, int], _Burst] = field(default_factory=dict)
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -105,9 +109,11 @@ class ProbeResponder:
             if len(frames) < 2:
                 continue
             routing_id = frames[0].bytes
+            if not self._within_rate(routing_id, frames[1], arrived):
+                continue
             try:
                 message = decode_frames(frames[1:], self.max_message_bytes)
-                await self._handle(routing_id, message, arrived)
+                await self._handle(routing_id, message, arrived, frames[1])
             except asyncio.CancelledError:
                 raise
             except (ProtocolError, TransportTimeout, zmq.ZMQError) as exc:
@@ -117,7 +123,23 @@ class ProbeResponder:
                 log.error("probe_failed", stage=self.name, peer=routing_id.hex(),
                           error=f"{type(exc).__name__}: {exc}")  # fmt: skip
 
-    async def _handle(self, routing_id: bytes, message: Message, arrived: float) -> None:
+    def _within_rate(self, routing_id: bytes, first: zmq.Frame, now: float) -> bool:
+        """The peer's rate limit, by its CURVE key (new connections do not give a flooder
+        new buckets), else by connection; a report of the excess every few seconds."""
+        peer = security.sender_public_key(first) or routing_id
+        if self.limiter.allow(peer, now):
+            return True
+        report = self.limiter.report_due(now)
+        if report is not None:
+            log.warning("probe_flood_dropped", stage=self.name, dropped=report.dropped,
+                        over_s=round(report.over_s, 3), worst_peer=report.worst_peer[:8].hex(),
+                        worst_dropped=report.worst_dropped,
+                        dropped_total=self.limiter.dropped_total)  # fmt: skip
+        return False
+
+    async def _handle(
+        self, routing_id: bytes, message: Message, arrived: float, first: zmq.Frame | None = None
+    ) -> None:
         kind = message.kind
         if kind == "link_ping":
             reply = Message("link_pong", {"nonce": message["nonce"]})
@@ -151,7 +173,8 @@ class ProbeResponder:
             }
             await self._reply(routing_id, Message("link_burst_report", report))
         elif self.peer_handler is not None and kind in PEER_KINDS:
-            await self._reply(routing_id, await self.peer_handler(message))
+            sender = security.sender_public_key(first) if first is not None else None
+            await self._reply(routing_id, await self.peer_handler(message, sender))
         else:
             raise ProtocolError(f"unexpected {kind!r} on the probe socket")
 

@@ -3,9 +3,11 @@
 - control: a DEALER to the coordinator, named by the stage's name;
 - data: a PULL where the assigned upstream (and, training, the neighbours and
   the client) send; with keys, only the keys the current assignment names may
-  connect (until then, nobody);
+  connect (until then, nobody); small receive limits until an assignment, then
+  the limits of its model (:func:`data_port_limits`);
 - probe: a ROUTER where cluster members measure links, keep backups and fetch
-  units; with keys, every member the coordinator names (``link_peers``).
+  units; with keys, every member the coordinator names (``link_peers``), whose
+  names say who sent a backup or a fetch (:func:`peer_identity`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,17 @@ import zmq
 import zmq.asyncio
 
 from zpipe.log import get_logger
+from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models.registry import USER_CODE_FAMILIES
+from zpipe.models.size import largest_tensor_bytes_per_sample, peer_build_limit
 from zpipe.stage.config import StageConfig
 from zpipe.stage.linkprobe import PROBE_DOMAIN
+from zpipe.stage.peer_policy import UNAUTHENTICATED, PeerIdentity
+from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
 from zpipe.transport.sockets import (
     ReceiveLimits,
+    SocketOptions,
     advertised_endpoint,
     bind_endpoint,
     open_socket,
@@ -63,6 +71,14 @@ class StageKeys:
             self.authenticator.stop()
 
 
+def peer_identity(allowed: security.PeerAllowList | None, key: bytes | None) -> PeerIdentity:
+    """Who sent a request on the probe port: without keys nobody can tell; with keys,
+    the name the coordinator gave the sender's key (``link_peers``), if any."""
+    if allowed is None:
+        return UNAUTHENTICATED
+    return PeerIdentity(True, allowed.name_of(key) if key is not None else None)
+
+
 @dataclass
 class StagePorts:
     control: zmq.asyncio.Socket
@@ -84,7 +100,7 @@ class StagePorts:
         data_endpoint = advertised_endpoint(
             bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
-        probe_in = open_socket(context, zmq.ROUTER, opts)
+        probe_in = open_socket(context, zmq.ROUTER, opts, limits=probe_port_limits(opts))
         if keys.keypair is not None:
             security.secure_server(probe_in, keys.keypair, domain=PROBE_DOMAIN)
         probe_bound = bind_endpoint(probe_in, config.probe_endpoint_to_bind)
@@ -101,3 +117,42 @@ class StagePorts:
     def close(self) -> None:
         for sock in (self.data_in, self.probe_in, self.control):
             sock.close(linger=0)
+
+
+# Link-measurement bursts send frames of up to 1 MiB (zpipe.stage.linkprobe).
+PROBE_MIN_FRAME_BYTES = 2 << 20
+
+
+def probe_port_limits(options: SocketOptions) -> ReceiveLimits:
+    """The probe port's limits: a backup's tensor (one frame) is never larger than the
+    parameters this device builds (--max-model-mb, else --memory-mb), which it could
+    not hold anyway; link bursts always fit."""
+    frame = min(options.max_message_bytes, max(PROBE_MIN_FRAME_BYTES, peer_build_limit()))
+    return ReceiveLimits(frame, options.recv_hwm)
+
+
+def data_port_limits(
+    spec: ModelSpec, *, max_rows: int, fallback: ReceiveLimits
+) -> tuple[ReceiveLimits, str]:
+    """The data port's receive limits for a plan of ``spec``, and how they were found.
+
+    ``MAXMSGSIZE``: the largest tensor any cut of the model sends (an activation, or
+    the gradient of one), per sample (from the config: nothing is built or run),
+    times ``max_rows``, plus header room; taken
+    over every cut, not only this stage's, because a connection keeps the limit it
+    was accepted under while a re-plan moves the cut. ``RCVHWM``: as many such
+    messages as fit a connection's byte budget
+    (:meth:`ReceiveLimits.for_largest_message`). A model whose units cannot be
+    sized without building them (user code) gets ``fallback``.
+    """
+    if spec.family in USER_CODE_FAMILIES:
+        return fallback, "fallback"  # sized only by building it: not again
+    try:
+        per_sample = largest_tensor_bytes_per_sample(load_layer_sequence(spec))
+    except Exception as exc:  # a model that cannot be traced on meta keeps the fallback
+        log.warning("data_limits_unsized", family=spec.family, error=describe_error(exc))
+        return fallback, "fallback"
+    if per_sample is None:
+        return fallback, "fallback"
+    largest = min(per_sample * max_rows, fallback.max_message_bytes)
+    return ReceiveLimits.for_largest_message(largest), "model"

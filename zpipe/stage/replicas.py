@@ -50,6 +50,23 @@ class ReplicaStore:
         for old in mine[: max(0, len(mine) - self.keep_per_owner)]:
             del self._snapshots[old]
 
+    def peer_bytes_if_put(self, owner: str, run: int, step: int, nbytes: int, *, me: str) -> int:
+        """Bytes held for owners other than ``me`` once ``owner``'s snapshot of
+        ``nbytes`` is put (with the snapshots :meth:`put` would drop, dropped)."""
+        key = (owner, run, step)
+        mine = [k for k in self._snapshots if k[0] == owner and k != key] + [key]
+        dropped = set(mine[: max(0, len(mine) - self.keep_per_owner)])
+        held = sum(
+            _nbytes(state)
+            for k, state in self._snapshots.items()
+            if k[0] != me and k != key and k not in dropped
+        )
+        return held + (nbytes if owner != me else 0)
+
+    def newest_run(self) -> int | None:
+        """The newest run of any snapshot held here."""
+        return max((k[1] for k in self._snapshots), default=None)
+
     def __contains__(self, key: SnapshotKey) -> bool:
         return key in self._snapshots
 
@@ -65,6 +82,10 @@ class ReplicaStore:
             )
         # units without parameters (an activation, say) hold nothing: an empty answer
         return units_of(snapshot, start, end)
+
+
+def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def units_of(state: Mapping[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ from zpipe.stage.lifecycle import (
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.metrics import StageCounters
-from zpipe.stage.ports import StageKeys, StagePorts
+from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
@@ -197,11 +197,13 @@ class StageRuntime:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def _on_peer_request(self, message: Message) -> Message:
-        """A peer's backup or fetch, judged against the running training plan."""
+    async def _on_peer_request(self, message: Message, sender_key: bytes | None) -> Message:
+        """A peer's backup or fetch, judged against the running training plan and the
+        name the coordinator gave the sender's key."""
         assert self._snapshots is not None  # made with the probe port that calls this
         trainer = self._plane.trainer if self._plane is not None else None
-        return await self._snapshots.on_peer_request(message, trainer)
+        sender = peer_identity(self._keys.probe_allow, sender_key)
+        return await self._snapshots.on_peer_request(message, trainer, sender)
 
     async def _register(self) -> None:
         """Register until the coordinator answers or ``connect_s`` runs out."""

@@ -7,7 +7,8 @@
   stage's state and send a copy to its backup holder (a peer stage's probe
   socket, or the coordinator in the reply).
 - a peer's ``backup`` to keep, or its ``fetch_units`` of a snapshot held here,
-  arrive on the probe socket (:meth:`SnapshotService.on_peer_request`).
+  arrive on the probe socket (:meth:`SnapshotService.on_peer_request`), judged by
+  :mod:`zpipe.stage.peer_policy` (the plan's owners, the sender's key, a budget).
 - an assignment's ``fetch`` list: the units to take from snapshots, here or at
   peers (:meth:`SnapshotService.fetched_state`).
 
@@ -26,7 +27,18 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, UnitsLostError
 from zpipe.log import get_logger
+from zpipe.models.size import peer_build_limit
 from zpipe.stage.metrics import StageCounters
+from zpipe.stage.peer_policy import (
+    UNAUTHENTICATED,
+    BackupOffer,
+    BackupPlan,
+    FetchRequest,
+    PeerIdentity,
+    backup_refusal,
+    fetch_refusal,
+    foreign_units,
+)
 from zpipe.stage.replicas import ReplicaStore, peer_request
 from zpipe.stage.supervision import describe_error
 from zpipe.stage.trainer import TrainingExecutor
@@ -51,6 +63,7 @@ class SnapshotService:
         compute: ThreadPoolExecutor,
         counters: StageCounters,
         replicas: ReplicaStore,
+        backup_budget_bytes: int | None = None,
     ) -> None:
         self.name = name
         self._context = context
@@ -60,6 +73,10 @@ class SnapshotService:
         self._compute = compute
         self._counters = counters
         self.replicas = replicas
+        # what this device holds for peers' backups at most: its model memory limit
+        self.backup_budget_bytes = (
+            peer_build_limit() if backup_budget_bytes is None else backup_budget_bytes
+        )
 
     async def weights_reply(
         self,
@@ -164,48 +181,61 @@ class SnapshotService:
         return reply, tensors
 
     async def on_peer_request(
-        self, message: Message, trainer: TrainingExecutor | None = None
+        self,
+        message: Message,
+        trainer: TrainingExecutor | None = None,
+        sender: PeerIdentity = UNAUTHENTICATED,
     ) -> Message:
-        """A peer's backup to keep, or units of a snapshot a peer fetches. A backup is
-        kept only from a device the running training plan names as backing up here."""
+        """A peer's backup to keep, or units of a snapshot a peer fetches, judged by
+        :mod:`zpipe.stage.peer_policy` against the running plan and the sender."""
         if message.kind == "backup":
-            keys = [str(k) for k in message["keys"]]
-            refusal = _backup_refusal(message, trainer)
-            if refusal is None and len(keys) != len(message.tensors):
-                refusal = "keys and tensors do not match"
-            if refusal is not None:
-                log.warning("backup_refused", stage=self.name, owner=message["owner"],
-                            error=refusal)  # fmt: skip
-                return Message(
-                    "backup_ok",
-                    {"run": message["run"], "step": message["step"], "error": refusal},
-                )
-            # Copies: the frames' memory belongs to the zmq message.
-            state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
-            self.replicas.put(
-                str(message["owner"]), int(message["run"]), int(message["step"]), state
-            )
-            log.info(
-                "backup_kept",
-                stage=self.name,
-                owner=message["owner"],
-                run=message["run"],
-                step=message["step"],
-            )
-            return Message(
-                "backup_ok", {"run": message["run"], "step": message["step"], "error": ""}
-            )
+            return self._keep_backup(message, trainer, sender)
+        request = FetchRequest(
+            owner=str(message["owner"]),
+            run=int(message["run"]),
+            step=int(message["step"]),
+            start=int(message["start"]),
+            end=int(message["end"]),
+        )
+        refusal = fetch_refusal(request, sender, newest_run=self.replicas.newest_run())
+        if refusal is not None:
+            log.warning("fetch_refused", stage=self.name, owner=request.owner,
+                        peer=sender.describe(), error=refusal)  # fmt: skip
+            return Message("units", {"keys": [], "error": refusal})
         try:
             units = self.replicas.units(
-                str(message["owner"]),
-                int(message["run"]),
-                int(message["step"]),
-                int(message["start"]),
-                int(message["end"]),
+                request.owner, request.run, request.step, request.start, request.end
             )
         except ConfigError as exc:
             return Message("units", {"keys": [], "error": str(exc)})
         return Message("units", {"keys": list(units), "error": ""}, tensors=tuple(units.values()))
+
+    def _keep_backup(
+        self, message: Message, trainer: TrainingExecutor | None, sender: PeerIdentity
+    ) -> Message:
+        owner, run, step = str(message["owner"]), int(message["run"]), int(message["step"])
+        keys = tuple(str(k) for k in message["keys"])
+        nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
+        setup = trainer.setup if trainer is not None else None
+        plan = BackupPlan(setup.run, setup.backup_from) if setup else BackupPlan(None)
+        held_after = self.replicas.peer_bytes_if_put(owner, run, step, nbytes, me=self.name)
+        refusal = backup_refusal(
+            BackupOffer(owner, run, keys, len(message.tensors), nbytes),
+            sender,
+            plan,
+            held_after_bytes=held_after,
+            budget_bytes=self.backup_budget_bytes,
+        )
+        if refusal is not None:
+            self._counters.dropped += 1
+            log.warning("backup_refused", stage=self.name, owner=owner, peer=sender.describe(),
+                        error=refusal)  # fmt: skip
+            return Message("backup_ok", {"run": run, "step": step, "error": refusal})
+        # Copies: the frames' memory belongs to the zmq message.
+        state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
+        self.replicas.put(owner, run, step, state)
+        log.info("backup_kept", stage=self.name, owner=owner, run=run, step=step, bytes=nbytes)
+        return Message("backup_ok", {"run": run, "step": step, "error": ""})
 
     async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a
@@ -241,20 +271,10 @@ class SnapshotService:
                 )
             if len(reply["keys"]) != len(reply.tensors):
                 raise ProtocolError(f"{source} sent mismatched units")
+            foreign = foreign_units([str(k) for k in reply["keys"]], start, end)
+            if foreign:
+                raise ProtocolError(f"{source} sent state of other units: {foreign[:3]}")
             state.update(
                 {str(k): t.clone() for k, t in zip(reply["keys"], reply.tensors, strict=True)}
             )
         return state
-
-
-def _backup_refusal(message: Message, trainer: TrainingExecutor | None) -> str | None:
-    """Why a peer's backup is not kept here, or None: only the devices the current
-    training run's plan names (``backup_from``) back up to this stage, so a peer
-    cannot fill its memory with snapshots under made-up owners."""
-    owner, run = str(message["owner"]), int(message["run"])
-    if trainer is None or trainer.setup.run != run:
-        return f"this stage is not training run {run}"
-    if owner not in trainer.setup.backup_from:
-        named = ", ".join(trainer.setup.backup_from) or "nobody"
-        return f"{owner!r} does not back up to this stage in run {run} (the plan names {named})"
-    return None
