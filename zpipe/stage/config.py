@@ -22,6 +22,8 @@ class StageConfig:
     threads: int | None = None
     slowdown: float = 1.0
     link: LinkSpec = field(default_factory=LinkSpec)
+    # the emulated uplink to the coordinator (control and bulk state share it)
+    uplink: LinkSpec = field(default_factory=LinkSpec)
     memory_mb: float | None = None
     keys_dir: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
