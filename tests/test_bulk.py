@@ -250,6 +250,20 @@ WEIGHTS = Message(
 )
 
 
+def test_a_registration_sent_again_on_one_connection_keeps_its_token() -> None:
+    harness = Harness()
+    _register(harness, "b", "first")
+    _register(harness, "b", "second")  # the stage's retry, its first answer being slow
+    assert [m["bulk_token"] for m in harness.to("b", "registered")] == ["first", "first"]
+    body = {"name": "b", "data_endpoint": "tcp://b:1", "info": {}}
+    # another connection under the name (a new process, once the old one is dead)
+    member = harness.state.membership.get("b")
+    assert member is not None
+    harness.state.membership.declare_dead("b", "gone", harness.now)
+    harness.feed(Registered(b"b-again", None, Message("register", body), bulk_token="third"))
+    assert harness.to("b", "registered")[-1]["bulk_token"] == "third"
+
+
 def test_a_stage_s_chunks_are_progress_and_its_whole_reply_is_handled_as_sent() -> None:
     harness = Harness(interval=1.0)
     _register(harness, "b", "tok-b")
@@ -359,7 +373,10 @@ def test_a_stage_reassembles_the_coordinator_s_state_and_refuses_other_tokens() 
 def test_a_refused_transfer_is_handed_back_for_the_control_connection() -> None:
     bulk = _stage_bulk()
     bulk.registered("tok")
-    bulk._unsettled[3] = WEIGHTS  # sent, not yet confirmed
+    bulk._unsettled[2] = (WEIGHTS, "older")  # sent before the latest registration
+    bulk._unsettled[3] = (WEIGHTS, "tok")  # sent, not yet confirmed
+    got = bulk.received(Message("bulk_refused", {"transfer": 2, "reason": "old token"}))
+    assert got.resend is WEIGHTS and bulk.usable  # the current token still stands
     got = bulk.received(Message("bulk_refused", {"transfer": 3, "reason": "restarted"}))
     assert got.resend is WEIGHTS and not bulk.usable
     assert bulk.received(Message("bulk_done", {"transfer": 9})).resend is None

@@ -33,9 +33,17 @@ class BulkLinks:
     _links: dict[str, BulkLink] = field(default_factory=dict)
     _refused: dict[bytes, list[int]] = field(default_factory=dict)
 
-    def issue(self, name: str, token: str, control_route: bytes) -> None:
-        """A stage (re)registered with ``token``: what came before is void."""
+    def issue(self, name: str, token: str, control_route: bytes) -> str:
+        """A stage (re)registered: the token it is to use. A registration sent again on
+        the same connection (its first answer was slow) keeps the token it was given,
+        so the answers a stage sees in any order all name one token; transfers in
+        progress are void either way."""
+        link = self._links.get(name)
+        if link is not None and link.control_route == control_route:
+            link.inbox.clear()
+            return link.token
         self._links[name] = BulkLink(name, token, control_route, Inbox(cap_bytes=self.cap_bytes))
+        return token
 
     def get(self, name: str) -> BulkLink | None:
         return self._links.get(name)

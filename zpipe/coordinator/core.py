@@ -197,8 +197,7 @@ class CoordinatorCore:
             "heartbeat_interval": state.timeouts.heartbeat_interval_s,
         }
         if event.bulk_token:
-            state.bulk.issue(name, event.bulk_token, event.routing_id)
-            body["bulk_token"] = event.bulk_token
+            body["bulk_token"] = state.bulk.issue(name, event.bulk_token, event.routing_id)
         registered = Message("registered", body)
         return [
             *out,

@@ -60,7 +60,8 @@ class StageBulk:
         self._inbox = Inbox(cap_bytes=max_message_bytes)
         self._token: str | None = None
         self._next_transfer = 0
-        self._unsettled: OrderedDict[int, Message] = OrderedDict()
+        # transfer -> (its message, the token it was sent with)
+        self._unsettled: OrderedDict[int, tuple[Message, str]] = OrderedDict()
         self.opened = False
 
     @property
@@ -89,7 +90,7 @@ class StageBulk:
         assert token is not None, "send bulk state only when usable"
         self._next_transfer += 1
         transfer = OutgoingTransfer(self._next_transfer, encode(message))
-        self._unsettled[transfer.transfer] = message
+        self._unsettled[transfer.transfer] = (message, token)
         while len(self._unsettled) > _UNSETTLED_KEPT:
             self._unsettled.popitem(last=False)
         for chunk in transfer.messages(name=self.name, token=token):
@@ -131,9 +132,13 @@ class StageBulk:
                 reason=message["reason"],
                 resent=refused is not None,
             )
-            # this coordinator does not take our bulk state until we register again
-            self._token = None
-            return Received(resend=refused)
+            if refused is None:
+                return Received()
+            resend, token = refused
+            if token == self._token:
+                # this coordinator takes no bulk state from us until we register again
+                self._token = None
+            return Received(resend=resend)
         if kind != "bulk_chunk":
             raise ProtocolError(f"unexpected {kind!r} on the bulk connection")
         if message["name"] != self.name or message["token"] != self._token:
