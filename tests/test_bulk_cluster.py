@@ -7,6 +7,9 @@ coordinator suspects a silent stage; the run must end with exact weights and
 no stage declared dead. With the state on the control connection (the design
 before the bulk connection) its heartbeats queue behind it and ``b`` is
 declared dead: that is what this test reproduces if bulk is turned off.
+
+The cluster runs with keys and roles: the coordinator attributes each chunk by
+the stage's CURVE key as well as its token, and the bulk kinds pass the roles.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from test_training import SGD, assert_same_weights, make_batches, train_single_p
 
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
+from zpipe.transport.roles import generate_keys_with_roles
 
 # b holds units 1-2: a 512 x 512 layer, 1.1 MB of weights (2.1 MB with momentum).
 BIG = ModelSpec("mlp", {"dims": [12, 512, 512, 4], "activation": "gelu"}, seed=3)
@@ -40,6 +44,8 @@ def test_a_replica_and_the_final_weights_over_a_slow_uplink_kill_no_stage(
     # found (the replica, with momentum, twice as long)
     assert transfer_s > (SUSPECT_AFTER + PROBE_INTERVALS + 1) * INTERVAL
     devices = [DeviceSpec("a"), DeviceSpec("b", uplink_mbps=UPLINK_MBPS)]
+    keys = tmp_path / "keys"
+    generate_keys_with_roles(keys, ["coordinator", "client", "a", "b"])
     with LocalCluster(
         devices,
         heartbeat_interval_s=INTERVAL,
@@ -47,6 +53,7 @@ def test_a_replica_and_the_final_weights_over_a_slow_uplink_kill_no_stage(
         probe_intervals=PROBE_INTERVALS,
         measure_links=False,
         log_dir=tmp_path,
+        keys_dir=keys,
     ) as cluster:
         report = cluster.fit(
             BIG,
@@ -68,3 +75,4 @@ def test_a_replica_and_the_final_weights_over_a_slow_uplink_kill_no_stage(
     # the state did cross on the bulk connection (chunks), not on the control one
     assert '"bulk_opened"' in coordinator_log
     assert "bulk_refused" not in coordinator_log + stage_log
+    assert "role_refused" not in coordinator_log
