@@ -6,6 +6,7 @@ The multi-process test (a gather over a slow uplink) is in test_bulk_cluster.py.
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -131,6 +132,18 @@ def test_chunks_out_of_order_or_of_the_wrong_size_are_refused(
     with pytest.raises(ProtocolError, match=problem):
         for header, payload in chunks:
             reassembly.add(header, payload)
+
+
+def test_what_a_peer_announces_allocates_nothing_until_its_bytes_arrive() -> None:
+    gigabyte = 1 << 30
+    tracemalloc.start()
+    try:
+        reassembly = Reassembly(ChunkHeader(1, 0, 1024, gigabyte, (gigabyte,)), cap_bytes=2 << 30)
+        reassembly.add(ChunkHeader(1, 0, 1024, gigabyte), b"x" * 1000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
 
 
 def test_a_bad_chunk_ends_its_transfer_and_later_chunks_of_it_are_refused() -> None:

@@ -176,7 +176,9 @@ class Reassembly:
                 f"{first.nbytes} bytes (between {fewest} and {most})"
             )
         self.header = first
-        self._buffer = bytearray(first.nbytes)
+        # grown as chunks come, never allocated from what a peer announces: memory
+        # follows the bytes a peer actually sent
+        self._buffer = bytearray()
         self.received_bytes = 0
         self.next_seq = 0
 
@@ -215,7 +217,7 @@ class Reassembly:
             raise ProtocolError(
                 f"transfer {transfer}: too few bytes left for the {first.chunks} chunks announced"
             )
-        self._buffer[self.received_bytes : self.received_bytes + size] = payload
+        self._buffer += payload
         self.received_bytes += size
         self.next_seq += 1
         return self.complete
