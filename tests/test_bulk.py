@@ -19,9 +19,16 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.config import Timeouts
 from zpipe.coordinator.commands import AwaitReplies, Send, StartTimer
 from zpipe.coordinator.core import CoordinatorCore
-from zpipe.coordinator.events import BulkChunkArrived, BulkOpenAsked, Registered, Tick
+from zpipe.coordinator.events import (
+    BulkChunkArrived,
+    BulkOpenAsked,
+    Registered,
+    StageSpoke,
+    Tick,
+)
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.membership import Membership
+from zpipe.coordinator.persistence import SavedMember, SavedState
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.stage.bulk import StageBulk
 from zpipe.transport.bulk import (
@@ -342,6 +349,20 @@ def test_with_keys_a_chunk_must_come_from_the_stage_s_own_key() -> None:
     assign = Message("assign", {}, tensors=(torch.ones(2),))
     assert state.bulk.route_for(b"b", assign) is link
     assert state.bulk.route_for(b"b", Message("heartbeat_ack")) is None
+
+
+def test_a_stage_restored_from_disk_gets_a_token_when_it_first_speaks() -> None:
+    harness = Harness()
+    harness.state.new_token = lambda: "renewed"
+    saved = SavedState(0, 0, (SavedMember("b", b"b", "tcp://b:1", {}, None),), None)
+    harness.core.restore(saved, None, harness.now)
+    harness.feed(StageSpoke(b"b", Message("heartbeat", {"name": "b", "metrics": {}})))
+    assert [m["bulk_token"] for m in harness.to("b", "registered")] == ["renewed"]
+    harness.feed(StageSpoke(b"b", Message("heartbeat", {"name": "b", "metrics": {}})))  # once
+    assert len(harness.to("b", "registered")) == 1
+    for event in _chunk_events(WEIGHTS, "b", "renewed"):
+        harness.feed(event)
+    assert harness.events("late_reply") == [{"stage": "b", "kind": "weights", "run": 1}]
 
 
 def test_a_whole_transfer_in_another_stage_s_name_is_refused() -> None:

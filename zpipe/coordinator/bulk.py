@@ -43,6 +43,25 @@ def _attributed(state: CoordinatorState, name: str, token: str, user_key: str | 
     return link
 
 
+def retie_restored(state: CoordinatorState, event: StageSpoke) -> list[Command]:
+    """A stage restored from disk speaks for the first time: this process never gave it a
+    token, so it gets one now (a ``registered`` it takes as its registration's, without
+    registering again) and its state goes on its bulk connection again."""
+    member = state.membership.by_routing_id(event.routing_id)
+    if member is None or member.name not in state.unconfirmed or state.bulk.get(member.name):
+        return []
+    token = state.bulk.issue(member.name, state.new_token(), event.routing_id)
+    body = {
+        "name": member.name,
+        "heartbeat_interval": state.timeouts.heartbeat_interval_s,
+        "bulk_token": token,
+    }
+    return [
+        Log("info", "bulk_token_renewed", {"stage": member.name}),
+        Send(event.routing_id, Message("registered", body), member.name, state.timeouts.reply_s),
+    ]
+
+
 def bulk_open(state: CoordinatorState, event: BulkOpenAsked, now: float) -> list[Command]:
     """A stage's bulk connection says whose it is: the coordinator's bulk to it goes there."""
     message = event.message

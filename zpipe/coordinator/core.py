@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from zpipe._errors import ConfigError, StageLostError, StateFileError
-from zpipe.coordinator.bulk import bulk_chunk, bulk_open
+from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
 from zpipe.coordinator.events import (
     BulkChunkArrived,
@@ -68,7 +68,7 @@ class CoordinatorCore:
     def on_event(self, event: Event, now: float) -> list[Command]:
         flows = self.state.flows
         if isinstance(event, StageSpoke):
-            return self._stage_spoke(event, now)
+            return [*retie_restored(self.state, event), *self._stage_spoke(event, now)]
         if isinstance(event, Registered):
             return self._register(event, now)
         if isinstance(event, BulkChunkArrived):

@@ -8,7 +8,8 @@ with tensors from it, each as a stream of ``bulk_chunk`` messages
 It is used once the coordinator gave a token in ``registered`` (an older
 coordinator gives none: the state then goes on the control connection, as
 before). A transfer the coordinator refuses (it restarted and no longer knows
-the token) is handed back to be sent on the control connection instead.
+the token) is handed back to be sent on the control connection instead; a
+restarted coordinator sends a new token when the stage first speaks to it.
 """
 
 from __future__ import annotations
