@@ -365,6 +365,15 @@ def test_a_stage_restored_from_disk_gets_a_token_when_it_first_speaks() -> None:
     assert harness.events("late_reply") == [{"stage": "b", "kind": "weights", "run": 1}]
 
 
+def test_a_chunk_with_a_negative_count_is_dropped_and_the_core_goes_on() -> None:
+    harness = Harness()
+    _register(harness, "b", "tok-b")
+    (event,) = _chunk_events(Message("heartbeat_ack"), "b", "tok-b")
+    bad = Message("bulk_chunk", {**event.message.body, "seq": -1}, tensors=event.message.tensors)
+    harness.feed(BulkChunkArrived(b"bulk", None, bad))
+    assert "seq must be an integer >= 0" in harness.events("dropped_message")[-1]["error"]
+
+
 def test_a_whole_transfer_in_another_stage_s_name_is_refused() -> None:
     harness = Harness()
     _register(harness, "c", "tok-c")

@@ -85,8 +85,12 @@ def bulk_chunk(
     carries (to handle as a message on the stage's control connection)."""
     message = event.message
     name, token = str(message["name"]), str(message["token"])
-    header = ChunkHeader.from_body(dict(message.body))
     reply_s = state.timeouts.reply_s
+    try:
+        header = ChunkHeader.from_body(dict(message.body))
+    except ProtocolError as exc:
+        fields = {"peer": name, "kind": "bulk_chunk", "error": str(exc)}
+        return [Log("warning", "dropped_message", fields)], None
     try:
         link = _attributed(state, name, token, event.user_key)
         if len(message.tensors) != 1:
