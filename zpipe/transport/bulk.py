@@ -242,6 +242,7 @@ class Inbox:
         self.cap_bytes = cap_bytes
         self.max_open = max_open
         self._open: dict[int, Reassembly] = {}
+        self.abandoned = 0  # transfers dropped half-done to make room for newer ones
 
     @property
     def open_transfers(self) -> int:
@@ -251,15 +252,18 @@ class Inbox:
         """Take one chunk; the frames of its transfer once whole, else None.
 
         A chunk 0 for a transfer id in progress starts it over (the sender gave up
-        on it and tried again). A bad chunk ends its transfer and raises.
+        on it and tried again); one beyond ``max_open`` transfers in progress drops
+        the oldest. A bad chunk ends its transfer and raises.
         """
         if header.seq == 0:
             self._open.pop(header.transfer, None)
-            if len(self._open) >= self.max_open:
-                raise ProtocolError(
-                    f"transfer {header.transfer}: {len(self._open)} transfers are open already"
-                )
-            self._open[header.transfer] = Reassembly(header, cap_bytes=self.cap_bytes)
+            started = Reassembly(header, cap_bytes=self.cap_bytes)
+            while len(self._open) >= self.max_open:
+                # the oldest was abandoned (its sender was cancelled mid-way): it goes,
+                # so that what a peer leaves half-sent never blocks what it sends next
+                self.abandoned += 1
+                del self._open[next(iter(self._open))]
+            self._open[header.transfer] = started
         reassembly = self._open.get(header.transfer)
         if reassembly is None:
             raise ProtocolError(f"chunk {header.seq} of transfer {header.transfer}, never begun")
