@@ -46,6 +46,8 @@ class DeviceSpec:
     loss: float = 0.0
     threads: int | None = None
     memory_mb: float | None = None
+    # emulated bandwidth of the link to the coordinator (control and bulk state)
+    uplink_mbps: float | None = None
 
     def stage_flags(self) -> list[str]:
         flags = ["--name", self.name, "--slowdown", str(self.slowdown)]
@@ -59,6 +61,8 @@ class DeviceSpec:
             flags += ["--threads", str(self.threads)]
         if self.memory_mb is not None:
             flags += ["--memory-mb", str(self.memory_mb)]
+        if self.uplink_mbps is not None:
+            flags += ["--uplink-mbps", str(self.uplink_mbps)]
         return flags
 
 

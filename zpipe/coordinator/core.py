@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from zpipe._errors import ConfigError, StageLostError, StateFileError
+from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
 from zpipe.coordinator.events import (
+    BulkChunkArrived,
+    BulkOpenAsked,
     ClientRequest,
     Event,
     JobDone,
@@ -65,9 +68,14 @@ class CoordinatorCore:
     def on_event(self, event: Event, now: float) -> list[Command]:
         flows = self.state.flows
         if isinstance(event, StageSpoke):
-            return self._stage_spoke(event, now)
+            return [*retie_restored(self.state, event), *self._stage_spoke(event, now)]
         if isinstance(event, Registered):
             return self._register(event, now)
+        if isinstance(event, BulkChunkArrived):
+            out, whole = bulk_chunk(self.state, event, now)
+            return out if whole is None else [*out, *self._stage_spoke(whole, now)]
+        if isinstance(event, BulkOpenAsked):
+            return bulk_open(self.state, event, now)
         if isinstance(event, ClientRequest):
             return self._client_request(event, now)
         if isinstance(event, StallReported):
@@ -184,10 +192,13 @@ class CoordinatorCore:
                 Send(event.routing_id, Message("refused", {"reason": str(exc)}), name, reply_s),
             ]
         state.confirm(name)
-        registered = Message(
-            "registered",
-            {"name": name, "heartbeat_interval": state.timeouts.heartbeat_interval_s},
-        )
+        body: dict[str, Any] = {
+            "name": name,
+            "heartbeat_interval": state.timeouts.heartbeat_interval_s,
+        }
+        if event.bulk_token:
+            body["bulk_token"] = state.bulk.issue(name, event.bulk_token, event.routing_id)
+        registered = Message("registered", body)
         return [
             *out,
             Log(

@@ -20,6 +20,26 @@ class Registered:
     routing_id: bytes
     user_key: str | None
     message: Message
+    # ties the stage's bulk connection to it (chosen by the shell: randomness is I/O)
+    bulk_token: str = ""
+
+
+@dataclass(frozen=True)
+class BulkOpenAsked:
+    """A stage's bulk connection says whose it is (``bulk_open``)."""
+
+    routing_id: bytes
+    user_key: str | None
+    message: Message
+
+
+@dataclass(frozen=True)
+class BulkChunkArrived:
+    """One chunk of a stage's bulk transfer (``bulk_chunk``), on its bulk connection."""
+
+    routing_id: bytes
+    user_key: str | None
+    message: Message
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,8 @@ class RequestFailed:
 
 Event = (
     Registered
+    | BulkOpenAsked
+    | BulkChunkArrived
     | StageSpoke
     | ClientRequest
     | StallReported

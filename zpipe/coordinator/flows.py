@@ -34,6 +34,7 @@ from zpipe.coordinator.commands import (
     Send,
     StartTimer,
 )
+from zpipe.transport.bulk import progress_deadline
 from zpipe.transport.codec import Message
 
 # A flow may return a value to the flow that runs it with `yield from`.
@@ -45,6 +46,7 @@ class _Wait:
     flow: Flow
     request: AwaitReplies
     pending: set[str]
+    started: float = 0.0
     replies: dict[str, Message] = field(default_factory=dict)
 
 
@@ -55,6 +57,8 @@ class FlowRunner:
         self._next_tag = 1
         self._jobs: dict[int, Flow] = {}
         self._waits: dict[int, _Wait] = {}
+        # when each stage last moved a chunk of bulk state (zpipe.coordinator.bulk)
+        self._progress: dict[str, float] = {}
         self.now = 0.0
 
     @property
@@ -117,11 +121,23 @@ class FlowRunner:
                 out += self._advance(wait.flow, None, error)
         return out
 
+    def progress(self, stage: str, now: float) -> list[Command]:
+        """``stage`` moved part of a reply (a chunk of its weights): a wait on it gives
+        up only ``timeout_s`` after its latest progress (see :meth:`timer`)."""
+        self.now = now
+        self._progress[stage] = now
+        return []
+
     def timer(self, tag: int, now: float) -> list[Command]:
         self.now = now
-        wait = self._waits.pop(tag, None)
+        wait = self._waits.get(tag)
         if wait is None:
             return []  # answered in time
+        moved = [self._progress[n] for n in wait.pending if n in self._progress]
+        deadline = progress_deadline(wait.started, wait.request.timeout_s, max(moved, default=None))
+        if now < deadline:
+            return [StartTimer(tag, deadline - now)]  # still moving: wait on
+        del self._waits[tag]
         if wait.request.partial:
             return self._advance(wait.flow, wait.replies, None)
         silent = ", ".join(n for n in wait.request.stages if n in wait.pending)
@@ -148,7 +164,7 @@ class FlowRunner:
                     value = {}
                     continue
                 tag = self._tag()
-                self._waits[tag] = _Wait(flow, item, set(item.stages))
+                self._waits[tag] = _Wait(flow, item, set(item.stages), started=self.now)
                 out.append(StartTimer(tag, item.timeout_s))
                 return out
             elif isinstance(item, Job):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import zmq.asyncio
 
 from zpipe._errors import PeerGoneError, ProtocolError, RoleError, TransportTimeout, ZpipeError
 from zpipe.config import Timeouts
+from zpipe.coordinator.bulk_links import BulkLink, BulkLinks
 from zpipe.coordinator.commands import (
     Command,
     Deliver,
@@ -55,6 +57,8 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.coordinator.core import CoordinatorCore, printable
 from zpipe.coordinator.events import (
+    BulkChunkArrived,
+    BulkOpenAsked,
     ClientRequest,
     Event,
     JobDone,
@@ -73,7 +77,8 @@ from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.log import get_logger
 from zpipe.transport import security
-from zpipe.transport.codec import Message
+from zpipe.transport.bulk import OutgoingTransfer
+from zpipe.transport.codec import Message, encode
 from zpipe.transport.roles import KeyRoles
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -107,10 +112,19 @@ def _client_request(routing_id: bytes, user_key: str | None, message: Message) -
     return ClientRequest(routing_id, user_key, message)
 
 
+def _registered(routing_id: bytes, user_key: str | None, message: Message) -> Event:
+    # a fresh token for each registration ties the stage's bulk connection to it
+    return Registered(routing_id, user_key, message, bulk_token=secrets.token_urlsafe(16))
+
+
 # Every kind a peer may send, and the event it becomes; any other kind is a stage's
 # message that the core judges (and drops, if unexpected).
 DISPATCH: dict[str, EventOf] = {
-    "register": lambda routing_id, user_key, message: Registered(routing_id, user_key, message),
+    "register": _registered,
+    "bulk_open": lambda routing_id, user_key, message: BulkOpenAsked(routing_id, user_key, message),
+    "bulk_chunk": lambda routing_id, user_key, message: BulkChunkArrived(
+        routing_id, user_key, message
+    ),
     "stalled": lambda _routing_id, _user_key, message: StallReported(message),
     **{
         kind: _client_request
@@ -146,6 +160,7 @@ class Coordinator:
             membership=self.membership,
             public_keys=self._public_keys,
             saves_replicas=self._store is not None,
+            bulk=BulkLinks(cap_bytes=config.socket_options.max_message_bytes),
         )
         self.core = CoordinatorCore(self.state)
         self._context = new_context()
@@ -162,6 +177,7 @@ class Coordinator:
         self.endpoint = ""
         # Replies the shell's own requests await, by (stage, reply kind).
         self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
+        self._bulk_transfers = 0  # ids of the bulk transfers this process sends
         links = LinkMeasurer(self._request, self._public_keys, timeout_s=4 * t.reply_s)
         self._jobs = JobRunner(
             self.state, self._request, links, measure_links=config.measure_links, store=self._store
@@ -406,6 +422,10 @@ class Coordinator:
         self, routing_id: bytes, message: Message, *, peer: str, timeout_s: float | None = None
     ) -> None:
         assert self._router is not None
+        bulk = self.state.bulk.route_for(routing_id, message)
+        if bulk is not None:  # state for a stage: on its bulk connection, chunked
+            await self._send_bulk(bulk, message, timeout_s=timeout_s)
+            return
         try:
             await send(
                 self._router,
@@ -416,6 +436,33 @@ class Coordinator:
             )
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
             raise PeerGoneError(peer, message.kind) from exc
+
+    async def _send_bulk(
+        self, link: BulkLink, message: Message, *, timeout_s: float | None
+    ) -> None:
+        """``message`` to a stage as chunks on its bulk connection: its heartbeat acks
+        and probes never queue behind it. Each chunk has the send deadline of its own."""
+        assert self._router is not None and link.route is not None
+        self._bulk_transfers += 1
+        transfer = OutgoingTransfer(self._bulk_transfers, encode(message))
+        for chunk in transfer.messages(name=link.name, token=link.token):
+            try:
+                await send(
+                    self._router,
+                    chunk,
+                    routing_id=link.route,
+                    peer=link.name,
+                    timeout_s=timeout_s or self.config.timeouts.send_s,
+                )
+            except zmq.ZMQError as exc:
+                raise PeerGoneError(link.name, message.kind) from exc
+        log.info(
+            "bulk_sent",
+            stage=link.name,
+            kind=message.kind,
+            bytes=transfer.nbytes,
+            chunks=transfer.chunks,
+        )
 
     async def _request(
         self, member: Member, message: Message, reply_kind: str, timeout_s: float

@@ -6,11 +6,13 @@ which hands it to each run's controller.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe.config import Timeouts
+from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.flows import Answers, FlowRunner
 from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.runs import Replica
@@ -74,6 +76,10 @@ class CoordinatorState:
     # the current run's controller (an InferenceRun or a SyncTrainingRun), if any
     current: Any = None
     answers: Answers = field(default_factory=Answers)
+    # every registered stage's bulk connection (zpipe.coordinator.bulk)
+    bulk: BulkLinks = field(default_factory=BulkLinks)
+    # where new bulk tokens come from (tests give a predictable one)
+    new_token: Callable[[], str] = lambda: secrets.token_urlsafe(16)
 
     def key_of(self, name: str, client_key: str | None = None) -> str | None:
         """A peer's public key (the client's: the key it authenticated with)."""

@@ -1,6 +1,7 @@
 """zpipe's typed protocol: one frozen dataclass per message kind, grouped by conversation.
 
     stage_control    stage <-> coordinator (membership, assignment, weights, links)
+    bulk             stage <-> coordinator bulk state, chunked, on its own connection
     client_control   client <-> coordinator (runs, replicas, the cluster)
     data_plane       micro-batches, gradients, labels, losses, all-reduce
     peer             stage <-> stage on the probe socket (link probes, backups, fetches)
@@ -16,12 +17,20 @@ a kind is validated against is derived from its fields (``_schema.wire``);
 
 from __future__ import annotations
 
-from zpipe.protocol import client_control, data_plane, lossy, peer, stage_control, storage
+from zpipe.protocol import (
+    bulk,
+    client_control,
+    data_plane,
+    lossy,
+    peer,
+    stage_control,
+    storage,
+)
 from zpipe.protocol._message import Message
 from zpipe.protocol._schema import FieldSchema, TensorMessage, WireMessage
 from zpipe.protocol.registry import Registry
 
-CONVERSATIONS = (stage_control, client_control, data_plane, peer, storage, lossy)
+CONVERSATIONS = (stage_control, bulk, client_control, data_plane, peer, storage, lossy)
 
 REGISTRY = Registry(cls for module in CONVERSATIONS for cls in module.MESSAGES)
 
@@ -33,6 +42,7 @@ __all__ = [
     "Registry",
     "TensorMessage",
     "WireMessage",
+    "bulk",
     "client_control",
     "data_plane",
     "lossy",

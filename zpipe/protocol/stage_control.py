@@ -49,6 +49,9 @@ class Registered(WireMessage):
     KIND: ClassVar[str] = "registered"
     name: str = wire(STR)
     heartbeat_interval: float = wire(NUM)
+    # ties the stage's bulk connection to it (zpipe.protocol.bulk); an older coordinator
+    # sends none, and the stage then sends its state on this connection as before
+    bulk_token: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 @wire_message

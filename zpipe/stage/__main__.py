@@ -151,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="probability that the outgoing link loses a message (default: 0)",
     )
+    emu.add_argument(
+        "--uplink-mbps",
+        type=at_most(positive_float, MAX_BANDWIDTH_MBPS, "a petabit per second"),
+        default=None,
+        help="emulated bandwidth of the link to the coordinator in Mbit/s, which its "
+        "control messages and its bulk state (weights, replicas) share (default: none)",
+    )
     emu.add_argument("--loss-seed", type=non_negative_int, default=0, help="seed of the loss draws")
     parser.add_argument(
         "--retain-memory-mb",
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             slowdown=args.slowdown,
             link=LinkSpec(args.bandwidth_mbps, args.latency_ms, args.loss, args.loss_seed),
+            uplink=LinkSpec(args.uplink_mbps),
             memory_mb=args.memory_mb,
             max_batch_rows=args.max_batch_rows,
             keys_dir=Path(args.keys) if args.keys else None,

@@ -26,6 +26,8 @@ class StageConfig:
     threads: int | None = None
     slowdown: float = 1.0
     link: LinkSpec = field(default_factory=LinkSpec)
+    # the emulated uplink to the coordinator (control and bulk state share it)
+    uplink: LinkSpec = field(default_factory=LinkSpec)
     memory_mb: float | None = None
     # rows of one data message the data port accepts (see zpipe.stage.ports.data_port_limits)
     max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS

@@ -1,6 +1,9 @@
 """A stage's sockets and keys: control (to the coordinator), data in, probes in.
 
 - control: a DEALER to the coordinator, named by the stage's name;
+- bulk: a second DEALER to the coordinator, for state (weights, replicas, an
+  assignment's tensors) in chunks (:mod:`zpipe.stage.bulk`), so that liveness on
+  the control one never queues behind it;
 - data: a PULL where the assigned upstream (and, training, the neighbours and
   the client) send; with keys, only the keys the current assignment names may
   connect (until then, nobody); small receive limits until an assignment, then
@@ -12,7 +15,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 import zmq.asyncio
@@ -35,6 +38,11 @@ from zpipe.transport.sockets import (
 )
 
 log = get_logger("zpipe.stage")
+
+# chunks of bulk state queued in the stage at most (zpipe.transport.bulk.CHUNK_BYTES each)
+BULK_SEND_HWM = 2
+# the bulk connection's routing id: the stage's name and this, so it keeps it on reconnect
+BULK_ROUTING_SUFFIX = b"\x00bulk"
 
 
 @dataclass
@@ -86,6 +94,7 @@ class StagePorts:
     probe_in: zmq.asyncio.Socket
     data_endpoint: str
     probe_endpoint: str
+    bulk: zmq.asyncio.Socket | None = None
     # what the data socket is bound to (port resolved): rebound when a plan raises its limits
     data_bound: str = ""
 
@@ -112,11 +121,23 @@ class StagePorts:
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(control, keys.keypair, keys.coordinator_key)
         control.connect(config.coordinator)
-        return cls(control, data_in, probe_in, data_endpoint, probe_endpoint, bound)
+        # A few chunks queued at most: the sender feels a slow link at once, and the
+        # coordinator hears progress as the chunks land. No ZMTP heartbeats: behind
+        # megabytes in the kernel's buffer on a slow link a ping would time out and
+        # drop a connection that is moving bytes (liveness is the control one's job).
+        bulk = open_socket(
+            context, zmq.DEALER, replace(opts, send_hwm=BULK_SEND_HWM), zmtp_heartbeat=False
+        )
+        bulk.setsockopt(zmq.ROUTING_ID, config.name.encode() + BULK_ROUTING_SUFFIX)
+        if keys.keypair is not None and keys.coordinator_key is not None:
+            security.secure_client(bulk, keys.keypair, keys.coordinator_key)
+        bulk.connect(config.coordinator)
+        return cls(control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound)
 
     def close(self) -> None:
-        for sock in (self.data_in, self.probe_in, self.control):
-            sock.close(linger=0)
+        for sock in (self.data_in, self.probe_in, self.control, self.bulk):
+            if sock is not None:
+                sock.close(linger=0)
 
 
 # Link-measurement bursts send frames of up to 1 MiB (zpipe.stage.linkprobe).

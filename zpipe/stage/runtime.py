@@ -7,6 +7,9 @@ sockets and tasks and carries out the commands it returns:
 - control loop: coordinator messages -> controller -> commands (send, start a
   job, connect an assignment, drop, exit);
 - heartbeat loop: every interval, the controller says beat or give up;
+- bulk loop: the second connection to the coordinator (:mod:`~zpipe.stage.bulk`),
+  where weights and backups leave and assignments with tensors arrive in chunks,
+  so that nothing big ever queues in front of a heartbeat or a probe's answer;
 - jobs beside the control loop, for requests that take long: building an
   assignment (:mod:`~zpipe.stage.assignment`), profiling and link measurement
   (:mod:`~zpipe.stage.measurements`), weights and backups
@@ -34,6 +37,7 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.log import get_logger
+from zpipe.stage.bulk import StageBulk
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.lifecycle import (
@@ -58,6 +62,7 @@ from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport.codec import Message
+from zpipe.transport.emulation import SharedUplink
 from zpipe.transport.sockets import decode_frames, new_context, recv_frames, send
 
 __all__ = ["CoordinatorLost", "StageConfig", "StageRuntime"]
@@ -86,6 +91,10 @@ class StageRuntime:
         self._jobs: dict[Job, asyncio.Task[None]] = {}
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
+        self._bulk: StageBulk | None = None
+        # the (emulated) link to the coordinator: control and bulk connections share it
+        self._uplink = SharedUplink(config.uplink)
+        self._control_uplink = self._uplink.connection()
         self._stopping = asyncio.Event()
         self._exit: Exit | None = None
         self.data_endpoint = ""
@@ -108,6 +117,14 @@ class StageRuntime:
             compute=self._compute,
             counters=self.counters,
             replicas=self.replicas,
+        )
+        assert ports.bulk is not None
+        self._bulk = StageBulk(
+            name=self.config.name,
+            socket=ports.bulk,
+            uplink=self._uplink.connection(),
+            send_timeout_s=timeouts.send_s,
+            max_message_bytes=opts.max_message_bytes,
         )
         self._probe_responder = ProbeResponder(
             socket=ports.probe_in,
@@ -187,6 +204,7 @@ class StageRuntime:
             assert self._probe_responder is not None
             self._supervisor.start("control", self._control_loop)
             self._supervisor.start("heartbeat", self._heartbeat_loop)
+            self._supervisor.start("bulk", self._bulk_loop)
             self._supervisor.start("probe", self._probe_responder.serve)
             await self._stopping.wait()
             if self._exit is not None and self._exit.error is not None:
@@ -229,6 +247,7 @@ class StageRuntime:
                 )
                 reply = decode_frames(frames, self.config.socket_options.max_message_bytes)
                 commands = lifecycle.registration_reply(reply, time.monotonic())
+                await self._on_registered(reply)
             except TransportTimeout:
                 continue
             except Exception as exc:  # a bad reply: the next attempt may get a good one
@@ -258,7 +277,48 @@ class StageRuntime:
                 # A coordinator restarted without our registration, or one that had
                 # declared us dead: say so, the lifecycle registers again.
                 log.warning("registering_again", stage=self.config.name, reason=message["reason"])
+            await self._on_registered(message)
             await self._carry_out(self.lifecycle.control_message(message, time.monotonic()))
+
+        await serve_messages(receive, handle, self._control_message_failed)
+
+    async def _on_registered(self, message: Message) -> None:
+        """A (new) registration: its token ties the bulk connection to this stage."""
+        if message.kind != "registered" or self._bulk is None:
+            return
+        if self._bulk.registered(message.get("bulk_token")):
+            try:
+                await self._bulk.open()
+            except TransportTimeout as exc:  # state goes on the control connection meanwhile
+                log.warning("bulk_not_opened", stage=self.config.name, error=str(exc))
+
+    async def _bulk_loop(self) -> None:
+        """Chunks of the coordinator's bulk (an assignment's state) and its answers to
+        ours. Every message is word from the coordinator: a long transfer to this stage
+        keeps it from counting the coordinator as silent."""
+        ports, bulk = self._ports, self._bulk
+        assert ports is not None and ports.bulk is not None and bulk is not None
+        socket = ports.bulk
+
+        async def receive() -> list[zmq.Frame]:
+            frames = await recv_frames(
+                socket, timeout_s=None, peer="coordinator", awaited="bulk message"
+            )
+            self.lifecycle.heard_from_coordinator(time.monotonic())
+            return frames
+
+        async def handle(frames: list[zmq.Frame]) -> None:
+            received = bulk.received(
+                decode_frames(frames, self.config.socket_options.max_message_bytes)
+            )
+            if received.resend is not None:
+                resend = received.resend
+                await self._send_control(
+                    resend.kind, dict(resend.body), resend.epoch, tensors=resend.tensors
+                )
+            if received.message is not None:
+                now = time.monotonic()
+                await self._carry_out(self.lifecycle.control_message(received.message, now))
 
         await serve_messages(receive, handle, self._control_message_failed)
 
@@ -337,12 +397,23 @@ class StageRuntime:
         tensors: tuple[torch.Tensor, ...] = (),
     ) -> None:
         assert self._ports is not None
-        await send(
-            self._ports.control,
-            Message(kind, body, epoch=epoch, tensors=tensors),
-            timeout_s=timeout_s or self.config.timeouts.send_s,
-            peer="coordinator",
-        )
+        message = Message(kind, body, epoch=epoch, tensors=tensors)
+        if tensors and self._bulk is not None and self._bulk.usable:
+            # state on the bulk connection, chunked: heartbeats never wait behind it
+            await self._bulk.send(message)
+            return
+        control = self._ports.control
+
+        async def go() -> int:
+            return await send(
+                control,
+                message,
+                timeout_s=timeout_s or self.config.timeouts.send_s,
+                peer="coordinator",
+            )
+
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) + 256
+        await self._control_uplink.send(nbytes, go)
 
     def _task_died(self, name: str, error: BaseException) -> None:
         if self._lifecycle is None:

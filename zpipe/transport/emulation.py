@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from zpipe._errors import ConfigError
 
@@ -149,6 +150,63 @@ class EmulatedLink:
             except asyncio.CancelledError:
                 pass
             self._task = None
+
+
+_T = TypeVar("_T")
+
+# What a shared uplink carries at a time: a few dozen packets, about what a real
+# link's queue holds of one connection before another's packets get their turn.
+UPLINK_SLICE_BYTES = 64 * 1024
+
+
+class SharedUplink:
+    """One device's emulated uplink, shared by several connections (to the coordinator:
+    the control one and the bulk one), each of which keeps its own order.
+
+    A connection's messages leave one after another, as on one TCP connection: a
+    heartbeat queued behind a 30 MB message on the same connection waits for all of
+    it. Connections share the link slice by slice (:data:`UPLINK_SLICE_BYTES`), as
+    packets of two TCP connections share a real link's queue, so a heartbeat on its
+    own connection waits for one slice of someone else's transfer, not the whole.
+    """
+
+    def __init__(self, spec: LinkSpec, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.model = LinkModel(spec)
+        self._clock = clock
+
+    @property
+    def is_ideal(self) -> bool:
+        return self.model.spec.bandwidth_mbps is None
+
+    def connection(self) -> UplinkConnection:
+        return UplinkConnection(self)
+
+    async def carry(self, nbytes: int) -> None:
+        """Wait while the link carries ``nbytes``, a slice at a time."""
+        left = nbytes
+        while True:
+            piece = min(left, UPLINK_SLICE_BYTES)
+            free_at = self.model.occupy(piece, self._clock())
+            await asyncio.sleep(max(0.0, free_at - self._clock()))
+            left -= piece
+            if left <= 0:
+                return
+
+
+class UplinkConnection:
+    """One connection over a :class:`SharedUplink`: its sends in order, each paying
+    its bytes' time on the link before it is handed to the socket."""
+
+    def __init__(self, uplink: SharedUplink) -> None:
+        self._uplink = uplink
+        self._lock = asyncio.Lock()
+
+    async def send(self, nbytes: int, send: Callable[[], Awaitable[_T]]) -> _T:
+        if self._uplink.is_ideal:
+            return await send()
+        async with self._lock:
+            await self._uplink.carry(nbytes)
+            return await send()
 
 
 def emulate_slowdown(factor: float, elapsed_s: float, cpu_s: float | None = None) -> float:

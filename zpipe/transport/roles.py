@@ -75,6 +75,11 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "link_peers",
             "link_probe_request",
             "shutdown",
+            # to stages, on their bulk connections
+            "bulk_opened",
+            "bulk_chunk",
+            "bulk_done",
+            "bulk_refused",
             # to clients
             "run_ready",
             "run_failed",
@@ -103,6 +108,9 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "link_probe_reply",
             "weights",
             "backed_up",
+            # to the coordinator, on the bulk connection
+            "bulk_open",
+            "bulk_chunk",
             # on data sockets, to stages and the client's sink
             "data",
             "grad",

@@ -1,0 +1,132 @@
+"""The coordinator's side of the stages' bulk connections: whose they are, what came. Pure.
+
+Each registered stage gets a token in ``registered``; its bulk connection
+(:mod:`zpipe.protocol.bulk`) names the stage and the token in ``bulk_open`` and in
+every ``bulk_chunk``. A chunk counts for a stage only when the stage is alive, the
+token is the one it was given and, with keys, the chunk's CURVE key is the
+stage's: nobody else can send weights or a replica in its name. Every chunk that
+counts is progress: the stage is heard from (liveness) and the waits on its replies
+run on from now (:meth:`~zpipe.coordinator.flows.FlowRunner.progress`). A whole
+transfer is decoded and handled as the reply it carries, as if it had come on the
+stage's control connection.
+"""
+
+from __future__ import annotations
+
+from zpipe._errors import ProtocolError
+from zpipe.coordinator.bulk_links import BulkLink
+from zpipe.coordinator.commands import Command, Log, Send
+from zpipe.coordinator.events import BulkChunkArrived, BulkOpenAsked, StageSpoke
+from zpipe.coordinator.membership import MemberState
+from zpipe.coordinator.state import CoordinatorState
+from zpipe.transport.bulk import ChunkHeader, payload_view
+from zpipe.transport.codec import Message, decode
+
+# What a stage sends through its bulk connection: its replies that carry state.
+STAGE_BULK_KINDS = frozenset({"weights", "backed_up"})
+
+
+def _attributed(state: CoordinatorState, name: str, token: str, user_key: str | None) -> BulkLink:
+    """The link of stage ``name`` if this sender may speak for it; ProtocolError if not."""
+    member = state.membership.get(name)
+    if member is None or member.state is MemberState.DEAD:
+        raise ProtocolError(f"bulk data for {name!r}, which is not a registered stage")
+    link = state.bulk.get(name)
+    if link is None:
+        raise ProtocolError(f"stage {name!r} holds no bulk token here (register again)")
+    if token != link.token:
+        raise ProtocolError(f"bulk data for {name!r} with a token that is not its own")
+    if state.public_keys:
+        expected = state.key_of(name)
+        if expected is None or user_key != expected:
+            raise ProtocolError(f"bulk data for {name!r} from a key that is not {name}.key")
+    return link
+
+
+def retie_restored(state: CoordinatorState, event: StageSpoke) -> list[Command]:
+    """A stage restored from disk speaks for the first time: this process never gave it a
+    token, so it gets one now (a ``registered`` it takes as its registration's, without
+    registering again) and its state goes on its bulk connection again."""
+    member = state.membership.by_routing_id(event.routing_id)
+    if member is None or member.name not in state.unconfirmed or state.bulk.get(member.name):
+        return []
+    token = state.bulk.issue(member.name, state.new_token(), event.routing_id)
+    body = {
+        "name": member.name,
+        "heartbeat_interval": state.timeouts.heartbeat_interval_s,
+        "bulk_token": token,
+    }
+    return [
+        Log("info", "bulk_token_renewed", {"stage": member.name}),
+        Send(event.routing_id, Message("registered", body), member.name, state.timeouts.reply_s),
+    ]
+
+
+def bulk_open(state: CoordinatorState, event: BulkOpenAsked, now: float) -> list[Command]:
+    """A stage's bulk connection says whose it is: the coordinator's bulk to it goes there."""
+    message = event.message
+    name, token = str(message["name"]), str(message["token"])
+    try:
+        link = _attributed(state, name, token, event.user_key)
+    except ProtocolError as exc:
+        return [Log("warning", "bulk_refused", {"stage": name, "error": str(exc)})]
+    link.route = event.routing_id
+    interval = state.timeouts.heartbeat_interval_s
+    return [
+        Log("info", "bulk_opened", {"stage": name}),
+        Send(event.routing_id, Message("bulk_opened", {"name": name}), name, 4 * interval),
+    ]
+
+
+def bulk_chunk(
+    state: CoordinatorState, event: BulkChunkArrived, now: float
+) -> tuple[list[Command], StageSpoke | None]:
+    """One chunk: progress of its stage and, once its transfer is whole, the reply it
+    carries (to handle as a message on the stage's control connection)."""
+    message = event.message
+    name, token = str(message["name"]), str(message["token"])
+    reply_s = state.timeouts.reply_s
+    try:
+        header = ChunkHeader.from_body(dict(message.body))
+    except ProtocolError as exc:
+        fields = {"peer": name, "kind": "bulk_chunk", "error": str(exc)}
+        return [Log("warning", "dropped_message", fields)], None
+    try:
+        link = _attributed(state, name, token, event.user_key)
+        if len(message.tensors) != 1:
+            raise ProtocolError(f"a bulk chunk carries one payload, not {len(message.tensors)}")
+        frames = link.inbox.add(header, payload_view(message.tensors[0]))
+        whole = None if frames is None else _stage_reply(frames, name, state.bulk.cap_bytes)
+    except ProtocolError as exc:
+        out: list[Command] = [
+            Log(
+                "warning",
+                "dropped_message",
+                {
+                    "peer": name,
+                    "kind": "bulk_chunk",
+                    "transfer": header.transfer,
+                    "error": str(exc),
+                },
+            )
+        ]
+        if state.bulk.refuse_once(event.routing_id, header.transfer):
+            refused = Message("bulk_refused", {"transfer": header.transfer, "reason": str(exc)})
+            out.append(Send(event.routing_id, refused, name, reply_s))
+        return out, None
+    # progress is liveness: the stage is heard from, and waits on it run on from now
+    state.membership.heard_from(name, now)
+    out = state.flows.progress(name, now)
+    if whole is None:
+        return out, None
+    out.append(Send(event.routing_id, Message("bulk_done", {"transfer": header.transfer}), name))
+    return out, StageSpoke(link.control_route, whole)
+
+
+def _stage_reply(frames: list[memoryview], name: str, cap_bytes: int) -> Message:
+    message = decode(frames, max_message_bytes=cap_bytes)
+    if message.kind not in STAGE_BULK_KINDS:
+        raise ProtocolError(f"{message.kind!r} is not state a stage sends in bulk")
+    if message.get("name") != name:
+        raise ProtocolError(f"{name!r} sent state in the name of {message.get('name')!r}")
+    return message

@@ -1,0 +1,70 @@
+"""Every registered stage's bulk link: its token, its bulk connection, its transfers. Plain data.
+
+See :mod:`zpipe.coordinator.bulk` for what the coordinator does with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zpipe.transport.bulk import Inbox
+from zpipe.transport.codec import DEFAULT_MAX_MESSAGE_BYTES, Message
+
+# Transfers refused whose later chunks are not answered again, per connection.
+_REFUSED_REMEMBERED = 64
+
+
+@dataclass
+class BulkLink:
+    """One registered stage's bulk side: its token and, once opened, its connection."""
+
+    name: str
+    token: str
+    control_route: bytes
+    inbox: Inbox
+    route: bytes | None = None
+
+
+@dataclass
+class BulkLinks:
+    """Every stage's bulk link, by name; ``cap_bytes``: the most one transfer may carry."""
+
+    cap_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    _links: dict[str, BulkLink] = field(default_factory=dict)
+    _refused: dict[bytes, list[int]] = field(default_factory=dict)
+
+    def issue(self, name: str, token: str, control_route: bytes) -> str:
+        """A stage (re)registered: the token it is to use. A registration sent again on
+        the same connection (its first answer was slow) keeps the token it was given,
+        so the answers a stage sees in any order all name one token; transfers in
+        progress are void either way."""
+        link = self._links.get(name)
+        if link is not None and link.control_route == control_route:
+            link.inbox.clear()
+            return link.token
+        self._links[name] = BulkLink(name, token, control_route, Inbox(cap_bytes=self.cap_bytes))
+        return token
+
+    def get(self, name: str) -> BulkLink | None:
+        return self._links.get(name)
+
+    def route_for(self, control_route: bytes, message: Message) -> BulkLink | None:
+        """The open bulk link a message to ``control_route`` goes through instead: one
+        that carries tensors, to a stage whose bulk connection is open."""
+        if not message.tensors:
+            return None
+        for link in self._links.values():
+            if link.control_route == control_route and link.route is not None:
+                return link
+        return None
+
+    def refuse_once(self, route: bytes, transfer: int) -> bool:
+        """Whether a refusal of ``transfer`` on ``route`` is the first (it is answered once)."""
+        refused = self._refused.setdefault(route, [])
+        if transfer in refused:
+            return False
+        refused.append(transfer)
+        del refused[:-_REFUSED_REMEMBERED]
+        if len(self._refused) > _REFUSED_REMEMBERED:
+            self._refused.pop(next(iter(self._refused)))
+        return True
