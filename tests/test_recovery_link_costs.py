@@ -217,3 +217,28 @@ def test_with_speeds_replaces_compute_and_keeps_links_and_memory():
     assert a.bandwidth_mbps == 5.0 and a.memory_bytes == 10
     assert changed.device("b") == cluster.device("b")
     assert with_speeds(cluster, None) is cluster
+
+
+# -- the coordinator's call --------------------------------------------------------------------
+
+
+def test_the_coordinators_in_place_recovery_costs_declared_links_from_cached_profiles():
+    from zpipe.coordinator.decisions import replan_in_place
+    from zpipe.coordinator.membership import Member
+
+    def member(name: str, mbps: float) -> Member:
+        info = {"link": {"bandwidth_mbps": mbps}}
+        return Member(name, name.encode(), f"tcp://{name}:1", info, None, 0.0, 0.0)
+
+    plan = plan_from_partition(N, ["a", "b", "c"], [[0, 4], [4, 8], [8, 12]])
+    survivors = [member("a", SLOW_MBPS), member("b", 10_000.0)]
+    profiles = {"a": INFERENCE, "b": INFERENCE}
+    new = replan_in_place(
+        plan, {"c"}, "lightweight", survivors, profiles, batch_size=1, train=False
+    )
+    assert cut_of(new) == 5 and new.predicted["bottleneck_s"] == pytest.approx(0.7)
+    # without every survivor's profile: units and devices count alike, as before
+    blind = replan_in_place(
+        plan, {"c"}, "lightweight", survivors, {"a": INFERENCE}, batch_size=1, train=False
+    )
+    assert cut_of(blind) == 6 and blind.predicted == {}
