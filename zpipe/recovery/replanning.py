@@ -378,7 +378,9 @@ def lightweight_replan(
         capacities = [sum(_speed(speeds, d) for d in g) for g in kept]
         ranges = rebalance_boundaries(old_ranges, alive, capacities, unit_work, unit_bytes)
     else:
-        weights = unit_bytes if unit_bytes is not None else model.profile.param_bytes()
+        weights = unit_bytes
+        if weights is None and any(model.profile.param_bytes()):
+            weights = [float(b) for b in model.profile.param_bytes()]
         try:
             cost = _link_aware_cost(plan, model, kept, shapes, memory=True)
             ranges = balance_cuts(old_ranges, alive, plan.num_units, cost, weights)
