@@ -24,6 +24,7 @@ from zpipe.coordinator.commands import (
     SaveReplica,
     Send,
     StartTimer,
+    TrainingModel,
 )
 from zpipe.coordinator.core import CoordinatorCore
 from zpipe.coordinator.decisions import pick_stages
@@ -38,7 +39,7 @@ from zpipe.coordinator.events import (
     TimerFired,
 )
 from zpipe.coordinator.membership import Membership
-from zpipe.coordinator.planning import choose_plan
+from zpipe.coordinator.planning import choose_plan, cluster_from_members
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.transport.codec import Message
@@ -114,6 +115,17 @@ class Harness:
                 cluster=None,
                 batch_size=job.batch_size,
             )
+        if isinstance(job, TrainingModel):
+            # the profiles a test put in the cache, links as the stages declared them
+            members = list(job.members)
+            profiles = {}
+            for m in members:
+                found = self.state.profiles.get(
+                    job.spec, job.microbatch_size, "float32", m, train=True
+                )
+                assert found is not None, f"no cached training profile of {m.name}"
+                profiles[m.name] = found
+            return profiles[members[0].name], cluster_from_members(members, profiles)
         raise AssertionError(f"no stand-in for {job!r}")
 
     def advance(self, seconds: float, *, alive: tuple[str, ...] = (), answer: bool = True) -> None:
@@ -141,11 +153,13 @@ class Harness:
 
     # ------------------------------------------------------------------ peers
 
-    def register(self, name: str, endpoint: str | None = None) -> None:
+    def register(
+        self, name: str, endpoint: str | None = None, info: dict[str, Any] | None = None
+    ) -> None:
         body = {
             "name": name,
             "data_endpoint": endpoint or f"tcp://{name}:1",
-            "info": {"probe_endpoint": f"tcp://{name}:2"},
+            "info": {"probe_endpoint": f"tcp://{name}:2", **(info or {})},
         }
         self.feed(Registered(name.encode(), None, Message("register", body)))
 

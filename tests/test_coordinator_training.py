@@ -30,9 +30,20 @@ def _plan(ranges: list[tuple[str, int, int]]) -> TrainingPlan:
     )  # fmt: skip
 
 
-def _start_training(h: Harness, names: list[str], **request: Any) -> int:
+def _start_training(
+    h: Harness,
+    names: list[str],
+    *,
+    links: dict[str, float] | None = None,
+    then: Any = None,
+    **request: Any,
+) -> int:
+    """Register ``names`` (declaring ``links``' uplink in Mbit/s), call ``then(name)`` on
+    each, start a training run over them."""
     for name in names:
-        h.register(name)
+        h.register(name, info={"link": {"bandwidth_mbps": links[name]}} if links else None)
+        if then is not None:
+            then(name)
     h.client(
         "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
         wait_for_stages_s=0.0, mode="train", stage_names=names, train=TRAIN, recover=True,
@@ -183,3 +194,39 @@ def test_rebalancing_moves_units_off_a_slow_device_only_when_worth_it() -> None:
     assert rebalanced(plan, counters, [1.0] * 6, threshold=0.99).plan is None
     unmeasured = {**counters, "c": {"microbatches": 0}}
     assert rebalanced(plan, unmeasured, [1.0] * 6, threshold=0.2).plan is None
+
+
+def test_rebalancing_a_profiled_run_keeps_a_big_activation_off_a_slow_uplink() -> None:
+    # a and b run the same units as fast, but b holds 5 of the 6 units; the even cut
+    # (after unit 2) would make a send unit 2's 4.8 MB over its 50 Mbit/s uplink.
+    from zpipe.planner.profile import synthetic_profile
+
+    h = Harness()
+    outputs = [1_000] * 6
+    outputs[2] = 4_800_000
+    profile = synthetic_profile(
+        [0.05] * 6, outputs, param_bytes=[100] * 6, backward_times_s=[0.1] * 6,
+        activation_bytes=[10] * 6,
+    )  # fmt: skip
+    links = {"a": 50.0, "b": 10_000.0}
+
+    def profiled(name: str) -> None:  # the run was planned: every stage's profile is cached
+        member = h.state.membership.get(name)
+        assert member is not None
+        h.state.profiles.put(SPEC, 1, "float32", member, profile, train=True)
+
+    run = _start_training(
+        h, ["a", "b"], partition=[[0, 1], [1, 6]], rebalance=0.1, links=links, then=profiled
+    )
+    h.client("replicate", run=run, step=2)
+    for name, units in (("a", range(0, 1)), ("b", range(1, 6))):
+        done = len(units) * 3  # 3 micro-batches at 0.15 s a unit
+        metrics = {"microbatches": 3, "forward_s": done * 0.05, "backward_s": done * 0.1}
+        h.feed_message(name, _weights(name, units, metrics=metrics))
+    (reply,) = h.to_client("replicated")
+    assert reply["error"] == ""
+    moved = TrainingPlan.from_dict(reply["rebalance"])
+    assert [(s.start, s.end) for s in moved.stages] == [(0, 2), (2, 6)]  # not (0, 3)
+    assert moved.predicted["stage0_send_forward_s"] < 0.01
+    (considered,) = h.events("rebalance_considered")
+    assert considered["balanced_round_s"] < considered["round_s"]

@@ -9,7 +9,6 @@ data-parallel device groups, micro-batch shares and warm-ups: see
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from zpipe.cli_common import DeprecatedAlias, positive_int
 from zpipe.planner import PLANNERS, ClusterSpec, Plan, load_cluster, plan_with, predict_plan
 from zpipe.planner.cluster import read_profile_file
 from zpipe.planner.hpp import plan_training, search_microbatch_and_order
+from zpipe.planner.plan import plan_json
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import OPTIMIZER_STATE_COPIES
 from zpipe.planner.training_plan import TRAINING_ALGOS, TRAINING_SCHEDULES, TrainingPlan
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             else _main_inference(args, profile, cluster)
         )
         if args.json is not None:
-            text = json.dumps(plan.to_dict(), indent=1)
+            text = plan_json(plan.to_dict())
             if str(args.json) == "-":
                 print(text)
             else:

@@ -27,8 +27,6 @@ from zpipe.recovery import (
     WeightsLostError,
     plan_recovery,
     plan_redistribution,
-    speeds_from_cluster,
-    unit_work_from_profile,
 )
 from zpipe.recovery import Replica as HeldUnits
 from zpipe.recovery.replanning import RecoveryError
@@ -71,22 +69,31 @@ def replan_in_place(
     *,
     batch_size: int,
     train: bool,
+    optimizer: str = "sgd",
 ) -> PlanT:
     """The surviving stages keep their order (:func:`zpipe.recovery.plan_recovery`):
-    "lightweight" moves unit boundaries so each stage's work matches its speed (from
-    the survivors' cached profiles when every one has one; else every unit and device
-    counts alike), "respipe" hands a dead stage's units to the next one."""
+    "lightweight" moves unit boundaries so each stage's work matches its speed,
+    "respipe" hands a dead stage's units to the next one. When every survivor has a
+    cached profile, the cuts are costed as the planners cost them (each device's own
+    times, the links the stages declared, memory) and the plan carries the planners'
+    prediction; else every unit and device counts alike."""
     unit_work: list[float] = [1.0] * plan.num_units
-    speeds: dict[str, float] | None = None
+    profile: ModelProfile | None = None
+    cluster = None
     known = {m.name: p for m in survivors if (p := profiles.get(m.name)) is not None}
     if survivors and len(known) == len(survivors):
         profile = known[survivors[0].name]
         cluster = cluster_from_members(survivors, known)
-        unit_work = unit_work_from_profile(profile, batch_size, training=train)
-        speeds = speeds_from_cluster(profile, cluster, batch_size)
     try:
         recovered = plan_recovery(
-            plan, failed=failed, policy=policy, unit_work=unit_work, speeds=speeds
+            plan,
+            failed=failed,
+            policy=policy,
+            unit_work=None if cluster is not None else unit_work,
+            profile=profile,
+            cluster=cluster,
+            batch_size=batch_size,
+            optimizer=optimizer,
         )
     except RecoveryError as exc:
         raise InfeasiblePlanError(str(exc)) from exc

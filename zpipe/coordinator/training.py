@@ -45,6 +45,7 @@ from zpipe.coordinator.training_balance import (
     at_microbatch_size,
     memory_model,
     rebalanced,
+    run_optimizer,
 )
 from zpipe.models import ModelSpec
 from zpipe.planner.training_cost import TrainingCosts, predict_training
@@ -55,6 +56,7 @@ from zpipe.recovery import (
     ftpipehd_replication,
     unit_work_from_profile,
 )
+from zpipe.recovery.stage_costs import CostModel
 from zpipe.training.objectives import check_train_settings
 from zpipe.transport import codec
 from zpipe.transport.codec import Message
@@ -244,14 +246,27 @@ class SyncTrainingRun(BaseRun):
         assert run.rebalance is not None and run.request is not None
         spec = ModelSpec.from_dict(run.request["model"])
         unit_work: list[float] = [1.0] * plan.num_units
-        first = self.state.membership.get(plan.devices[0])
-        if first is not None:
-            profile = self.state.profiles.get(
-                spec, plan.microbatch_size, "float32", first, train=True
+        model: CostModel | None = None
+        batch = plan.microbatch_size
+        members = [self.state.membership.get(d) for d in plan.devices]
+        known = [
+            p
+            for m in members
+            if m is not None
+            and (p := self.state.profiles.get(spec, batch, "float32", m, train=True)) is not None
+        ]
+        if known:
+            unit_work = unit_work_from_profile(known[0], batch, training=True)
+        if len(known) == len(members) and all(m is not None for m in members):
+            # every device profiled (when the run was planned): cost links as the planner
+            # did, from the cached profiles and measured links
+            profile, cluster = yield TrainingModel(
+                spec, tuple(m for m in members if m is not None), batch
             )
-            if profile is not None:
-                unit_work = unit_work_from_profile(profile, plan.microbatch_size, training=True)
-        found = rebalanced(plan, counters, unit_work, run.rebalance)
+            unit_work = unit_work_from_profile(profile, batch, training=True)
+            optimizer = run_optimizer(plan, run.request.get("train"))
+            model = CostModel(profile, cluster, optimizer=optimizer)
+        found = rebalanced(plan, counters, unit_work, run.rebalance, model)
         if found.skipped:
             yield Log("warning", "rebalance_skipped", {"run": run.run, "error": found.skipped})
         elif found.fields:

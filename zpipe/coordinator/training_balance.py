@@ -4,7 +4,9 @@
   micro-batch, FTPipeHD's capacities (:func:`zpipe.recovery.estimate_capacities`)
   give speeds; the lightweight plan for those speeds
   (:func:`zpipe.recovery.plan_recovery` with no failure) is taken when it
-  shortens the bottleneck by at least the run's ``rebalance`` share.
+  shortens the bottleneck by at least the run's ``rebalance`` share. Given the
+  profile and the cluster, the cuts and the comparison are the planners' cost
+  model's, links included (a cut's activation is not moved onto a slow sender).
 - Admission: a device that registered since the run was planned joins when the
   planner, over it and the run's devices, predicts a round shorter by that share.
 """
@@ -12,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zpipe._errors import ConfigError, ZpipeError
@@ -23,6 +25,8 @@ from zpipe.recovery import (
     speeds_from_capacities,
     stage_work,
 )
+from zpipe.recovery.stage_costs import CostModel, predict, with_speeds
+from zpipe.training.objectives import check_train_settings
 
 
 def memory_model(optimizer: Mapping[str, Any]) -> str:
@@ -44,6 +48,15 @@ def at_microbatch_size(plan: TrainingPlan, batch: int) -> TrainingPlan:
     return TrainingPlan.from_dict(data)
 
 
+def run_optimizer(plan: TrainingPlan, train: Mapping[str, Any] | None) -> str:
+    """The planners' name for the optimizer a run's ``train`` settings train ``plan`` with."""
+    settings = dict(train or {})
+    for key in ("plan", "warmups"):
+        settings.pop(key, None)
+    settings.update(schedule=plan.schedule, num_microbatches=plan.num_microbatches)
+    return memory_model(check_train_settings(settings, 1)["optimizer"])
+
+
 @dataclass(frozen=True)
 class Rebalance:
     """What rebalancing found: the plan to switch to (None: stay), and why."""
@@ -58,9 +71,16 @@ def rebalanced(
     counters: Mapping[str, Any],
     unit_work: list[float],
     threshold: float,
+    model: CostModel | None = None,
 ) -> Rebalance:
     """The lightweight plan for the devices' measured speeds, if it shortens the
-    bottleneck by at least ``threshold``; a plan not measured yet stays."""
+    bottleneck by at least ``threshold``; a plan not measured yet stays.
+
+    With a cost ``model`` (the profile ``unit_work`` came from, and the cluster with
+    its links) the cuts are placed by the planners' cost model at the measured
+    speeds, and "shortens" means its predicted round (``round_s``) against the
+    current plan's under the same model; the new plan carries that prediction.
+    """
     measured: dict[str, float] = {}
     ranges: dict[str, tuple[int, int]] = {}
     fractions: dict[str, float] = {}
@@ -83,9 +103,20 @@ def rebalanced(
         for device in plan.devices:
             speeds.setdefault(device, min(speeds.values()))
         balanced = plan_recovery(
-            plan, failed=(), policy="lightweight", unit_work=unit_work, speeds=speeds
+            plan,
+            failed=(),
+            policy="lightweight",
+            unit_work=unit_work,
+            speeds=speeds,
+            profile=None if model is None else model.profile,
+            cluster=None if model is None else model.cluster,
+            optimizer="sgd" if model is None else model.optimizer,
         ).plan
         assert isinstance(balanced, TrainingPlan)
+        current = None
+        if model is not None:
+            at_speeds = replace(model, cluster=with_speeds(model.cluster, speeds))
+            current = predict(plan, at_speeds)["round_s"]
     except (ZpipeError, ValueError) as exc:
         return Rebalance(None, {}, skipped=str(exc))
     now = max(stage_work(plan, unit_work, speeds))
@@ -93,11 +124,15 @@ def rebalanced(
     moved = [(st.start, st.end) for st in balanced.stages] != [
         (st.start, st.end) for st in plan.stages
     ]
-    fields = {
+    fields: dict[str, Any] = {
         "speeds": {d: round(v, 4) for d, v in speeds.items()},
         "bottleneck": round(now, 6),
         "balanced": round(then, 6),
     }
+    if current is not None:
+        # links and memory counted: the planners' round, now and after the move
+        now, then = current, float(balanced.predicted["round_s"])
+        fields.update(round_s=round(now, 6), balanced_round_s=round(then, 6))
     if not moved or then > now * (1.0 - threshold):
         return Rebalance(None, fields)
     return Rebalance(balanced, fields)

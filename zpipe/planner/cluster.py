@@ -20,14 +20,14 @@ File format (JSON)::
 - ``name``: the device's name; with ``count`` the entry stands for ``count``
   devices named ``NAME0`` .. ``NAME{count-1}``, without it for one device
   named ``NAME``. ``client`` is reserved for the data source/sink.
-- ``memory_mb``: memory the device gives the model, in MiB (2**20 bytes);
-  omitted or ``null`` means unlimited.
+- ``memory_mb``: memory the device gives the model, in MiB (2**20 bytes), at
+  most 2**33 (2**53 bytes); omitted or ``null`` means unlimited.
 - ``speed``: compute speed relative to the device the model profile was
   measured on: 1.0 is as fast, 0.25 four times slower (PipeEdge's "CPU 25%").
-  Default 1.0.
-- ``bandwidth_mbps``: the device's access link in Mbit/s (10**6 bit/s);
-  omitted or ``null`` means unlimited.
-- ``latency_ms``: the device's access-link latency. Default 0.
+  Default 1.0; within 1e-6 .. 1e6.
+- ``bandwidth_mbps``: the device's access link in Mbit/s (10**6 bit/s),
+  within 1e-6 .. 1e9; omitted or ``null`` means unlimited.
+- ``latency_ms``: the device's access-link latency, 0 .. 1e6. Default 0.
 - ``profile``: a profile measured on this device (a ``zpipe-profile/1`` file
   path, relative to the cluster file, or the profile object inline); its
   unit times are used instead of scaling the model profile by ``speed``.
@@ -83,14 +83,34 @@ _CLIENT_KEYS = frozenset({"bandwidth_mbps", "latency_ms"})
 _TOP_KEYS = frozenset({"format", "devices", "links", "client"})
 
 
+# Sane ranges, so that no time a planner derives from them overflows to inf (a speed
+# of 1e-320 made every stage "take forever" and the plan read as out of memory) and
+# no memory size leaves int64: a relative speed within 10**-6..10**6, a bandwidth
+# within 10**-6..10**9 Mbit/s (1 bit/s to 1 Pbit/s), a latency up to 10**6 ms, a
+# device's memory up to 2**53 bytes (8 PiB).
+MIN_SPEED, MAX_SPEED = 1e-6, 1e6
+MIN_BANDWIDTH_MBPS, MAX_BANDWIDTH_MBPS = 1e-6, 1e9
+MAX_LATENCY_MS = 1e6
+MAX_MEMORY_BYTES = 2**53
+
+
+def _check_range(what: str, value: float | None, low: float, high: float) -> None:
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise ConfigError(
+            f"{what} must be a positive number between {low:g} and {high:g}, got {value!r}"
+        )
+
+
 def _check_positive(what: str, value: float | None) -> None:
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{what} must be a positive number, got {value!r}")
+    """A bandwidth: positive, within the sane range."""
+    _check_range(what, value, MIN_BANDWIDTH_MBPS, MAX_BANDWIDTH_MBPS)
 
 
 def _check_latency(what: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{what} must be a number >= 0, got {value!r}")
+    if not (math.isfinite(value) and 0 <= value <= MAX_LATENCY_MS):
+        raise ConfigError(
+            f"{what} must be a number >= 0 and at most {MAX_LATENCY_MS:g}, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,7 +132,11 @@ class ClusterDevice:
             raise ConfigError(f"{CLIENT!r} is reserved for the data source/sink; rename the device")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ConfigError(f"{where}: memory must be positive, got {self.memory_bytes} bytes")
-        _check_positive(f"{where}: speed", self.speed)
+        if self.memory_bytes is not None and self.memory_bytes > MAX_MEMORY_BYTES:
+            raise ConfigError(
+                f"{where}: memory must be at most 2**53 bytes, got {self.memory_bytes} bytes"
+            )
+        _check_range(f"{where}: speed", self.speed, MIN_SPEED, MAX_SPEED)
         _check_positive(f"{where}: bandwidth_mbps", self.bandwidth_mbps)
         _check_latency(f"{where}: latency_ms", self.latency_ms)
 
@@ -443,9 +467,15 @@ def _parse_device(where: str, entry: Any, base: Path) -> list[ClusterDevice]:
         latency = _opt_float(entry, "latency_ms")
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    # the product is checked too: 1e308 MiB is finite, its bytes are not
-    if memory_mb is not None and not (math.isfinite(memory_mb * MIB) and memory_mb > 0):
-        raise ConfigError(f"{where}: memory_mb must be a positive number, got {memory_mb!r}")
+    # the product is checked too: 1e308 MiB is finite, its bytes are not; and past 2**63
+    # bytes no int64 holds them
+    if memory_mb is not None and not (
+        math.isfinite(memory_mb * MIB) and 0 < memory_mb * MIB <= MAX_MEMORY_BYTES
+    ):
+        raise ConfigError(
+            f"{where}: memory_mb must be a positive number of at most {MAX_MEMORY_BYTES // MIB} "
+            f"(2**53 bytes), got {memory_mb!r}"
+        )
     profile = _parse_profile(where, entry.get("profile"), base)
     names = [name] if count is None else [f"{name}{i}" for i in range(count)]
     try:

@@ -117,6 +117,9 @@ class _HppSolver:
         schedule: str,
         block: int,
     ) -> None:
+        # Refused before anything is built: the link table below alone grows with the
+        # fourth power of the devices (minutes for a few dozen).
+        _check_hpp_size(costs.num_units, len(devices))
         self.costs = costs
         self.devices = list(devices)
         self.m = num_microbatches
@@ -278,7 +281,6 @@ class _HppSolver:
     def solve(self) -> Point | None:
         """The least-round plan over every split, grouping and number of stages."""
         num_units, n = self.costs.num_units, len(self.devices)
-        _check_hpp_size(num_units, n)
         best: Point | None = None
         level: Level | None = None  # the states of p - 1 stages
         warmup = 0

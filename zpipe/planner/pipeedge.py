@@ -80,41 +80,62 @@ def _compute_key(device: ClusterDevice) -> tuple[str, object]:
     return ("speed", device.speed)
 
 
+def _interchangeable(cluster: ClusterSpec, x: str, y: str) -> bool:
+    """Whether ``x`` and ``y`` differ only in name: memory, compute, and every link to and
+    from every third device and the client."""
+    dx, dy = cluster.device(x), cluster.device(y)
+    if dx.memory_bytes != dy.memory_bytes or _compute_key(dx) != _compute_key(dy):
+        return False
+
+    def link(u: str, v: str) -> tuple[float, float]:
+        return cluster.bandwidth_bps(u, v), cluster.latency_s(u, v)
+
+    if link(x, y) != link(y, x):
+        return False
+    return all(
+        link(x, w) == link(y, w) and link(w, x) == link(w, y)
+        for w in (*cluster.names, CLIENT)
+        if w != x and w != y
+    )
+
+
 def device_categories(cluster: ClusterSpec) -> list[list[str]]:
     """Group the cluster's devices into interchangeable categories, in cluster order.
 
     Devices that differ only in name share a category; a device whose link to
     some third device (or the client) differs from another's does not.
+
+    Linear in the number of devices when they come in a few kinds: devices that
+    declare the same memory, compute and access link and that no link entry
+    names are interchangeable by construction (every link of theirs follows the
+    default rule from the same access link), so they are bucketed by those
+    fields at once; only one device of each bucket is then compared, link by
+    link, with one of each category found so far (devices that declare
+    different access links can still be interchangeable, when every other
+    link caps theirs). Swapping two devices of a bucket changes nothing in the
+    cluster, so the result is what comparing every device would give.
     """
-    names = cluster.names
-    ends = [*names, CLIENT]
-    link = {
-        (u, v): (cluster.bandwidth_bps(u, v), cluster.latency_s(u, v))
-        for u in ends
-        for v in ends
-        if u != v
-    }
-
-    def interchangeable(x: str, y: str) -> bool:
-        dx, dy = cluster.device(x), cluster.device(y)
-        if dx.memory_bytes != dy.memory_bytes or _compute_key(dx) != _compute_key(dy):
-            return False
-        if link[x, y] != link[y, x]:
-            return False
-        return all(
-            link[x, w] == link[y, w] and link[w, x] == link[w, y] for w in ends if w != x and w != y
-        )
-
+    named = {end for pair in cluster.links for end in pair}
+    buckets: dict[object, list[str]] = {}
+    for device in cluster.devices:
+        key: object = device.name  # named by a link entry: a bucket of its own
+        if device.name not in named:
+            compute = _compute_key(device)
+            # a profile is compared by value below; here its identity is enough
+            compute_id = (compute[0], id(compute[1]) if device.profile is not None else compute[1])
+            key = (device.memory_bytes, compute_id, device.bandwidth_mbps, device.latency_ms)
+        buckets.setdefault(key, []).append(device.name)
     # Comparing with one representative is enough: the relation is transitive.
-    categories: list[list[str]] = []
-    for name in names:
-        for members in categories:
-            if interchangeable(members[0], name):
-                members.append(name)
+    categories: list[list[list[str]]] = []
+    for bucket in buckets.values():  # in order of each bucket's first device
+        for found in categories:
+            if _interchangeable(cluster, found[0][0], bucket[0]):
+                found.append(bucket)
                 break
         else:
-            categories.append([name])
-    return categories
+            categories.append([bucket])
+    order = {name: i for i, name in enumerate(cluster.names)}
+    return [sorted((n for b in found for n in b), key=order.__getitem__) for found in categories]
 
 
 def plan_pipeedge(profile: ModelProfile, cluster: ClusterSpec, *, batch_size: int) -> Plan:

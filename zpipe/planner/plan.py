@@ -6,6 +6,8 @@ previous plan; every data message carries the epoch of the plan it belongs to.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +58,7 @@ class Plan:
                 algo=str(data["algo"]),
                 num_units=int(data["num_units"]),
                 stages=stages,
-                predicted={str(k): float(v) for k, v in dict(data.get("predicted", {})).items()},
+                predicted=read_predicted(data.get("predicted", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed plan: {exc}") from None
@@ -72,6 +74,28 @@ class Plan:
                 f"{i:>5}  {s.device:<16} {f'[{s.start}, {s.end})':>11}  {s.num_units:>5}  {span}"
             )
         return "\n".join(rows)
+
+
+def read_predicted(data: Any) -> dict[str, float]:
+    """A plan's ``predicted`` as read from a file: numbers, and null for an unbounded
+    one (:func:`plan_json` writes an infinite throughput so)."""
+    return {str(k): math.inf if v is None else float(v) for k, v in dict(data).items()}
+
+
+def plan_json(data: Mapping[str, Any]) -> str:
+    """Standard JSON of a plan's ``to_dict()``: a value without bound (the throughput of
+    a model whose every time is 0) is written null, never ``Infinity``, which is not JSON."""
+    return json.dumps(_null_if_unbounded(data), indent=1, allow_nan=False)
+
+
+def _null_if_unbounded(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _null_if_unbounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_null_if_unbounded(v) for v in value]
+    return value
 
 
 def validate_stages(num_units: int, stages: Sequence[StagePlan]) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +49,17 @@ from typing import Any
 from zpipe._errors import ConfigError
 
 PROFILE_FORMAT = "zpipe-profile/1"
+# Sane ranges, so that no sum or quotient a planner forms overflows (to inf, or past
+# int64 in numpy) and then reads as something else ("out of memory"): a unit's time at
+# most 10**6 s (11 days); a byte count an integer of at most 2**53 (8 PiB, exact as a
+# float), and one batch size's units together at most 2**62 bytes.
+MAX_UNIT_TIME_S = 1e6
+MAX_BYTES = 2**53
+MAX_TOTAL_BYTES = 2**62
 _NO_TRAINING = "profile has no training measurements; profile with --train"
 _PER_BATCH_KEYS: tuple[str, ...] = ("time_s", "output_bytes", "memory_bytes")
 _TRAINING_KEYS: tuple[str, ...] = ("backward_time_s", "activation_bytes")
+_TIME_KEYS = frozenset({"time_s", "backward_time_s"})
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ class ModelProfile:
             raise ConfigError(
                 f"profile batch sizes must be increasing and distinct, got {self.batch_sizes}"
             )
+        if not all(_is_integer(b) for b in self.batch_sizes):
+            raise ConfigError(f"profile batch sizes must be integers, got {self.batch_sizes}")
         if any(b < 1 for b in self.batch_sizes):
             raise ConfigError(f"profile batch sizes must be >= 1, got {self.batch_sizes}")
         if not self.units:
@@ -89,6 +100,7 @@ class ModelProfile:
         n = len(self.batch_sizes)
         if len(self.input_bytes) != n:
             raise ConfigError(f"input_bytes has {len(self.input_bytes)} entries, expected {n}")
+        _check_byte_counts("input_bytes", self.input_bytes)
         trained = [u.has_training for u in self.units]
         if any(trained) and not all(trained):
             raise ConfigError(
@@ -98,17 +110,26 @@ class ModelProfile:
             )
         keys = _PER_BATCH_KEYS + (_TRAINING_KEYS if all(trained) else ())
         for i, unit in enumerate(self.units):
+            where = f"unit {i} ({unit.name})"
             for key in keys:
                 values = getattr(unit, key)
                 if len(values) != n:
                     raise ConfigError(
-                        f"unit {i} ({unit.name}): {key} has {len(values)} entries, one per batch "
+                        f"{where}: {key} has {len(values)} entries, one per batch "
                         f"size ({n}) expected"
                     )
-                if any(not math.isfinite(v) or v < 0 for v in values):
-                    raise ConfigError(f"unit {i} ({unit.name}): {key} must be finite and >= 0")
-            if unit.param_bytes < 0:
-                raise ConfigError(f"unit {i} ({unit.name}): param_bytes must be >= 0")
+                if key in _TIME_KEYS:
+                    _check_times(f"{where}: {key}", values)
+                else:
+                    _check_byte_counts(f"{where}: {key}", values)
+            _check_byte_count(f"{where}: param_bytes", unit.param_bytes)
+        for k, b in enumerate(self.batch_sizes):
+            total = sum(u.param_bytes + u.memory_bytes[k] for u in self.units)
+            if total > MAX_TOTAL_BYTES:
+                raise ConfigError(
+                    f"param_bytes and memory_bytes at batch size {b} add up to {total} bytes "
+                    f"over the units, more than 2**62: not a model any device holds"
+                )
 
     @property
     def num_units(self) -> int:
@@ -184,11 +205,11 @@ class ModelProfile:
                 f"{source}: format must be {PROFILE_FORMAT!r}, got {data.get('format')!r}"
             )
         try:
-            units = tuple(_unit_from_dict(u) for u in data["units"])
+            units = tuple(_unit_from_dict(k, u) for k, u in enumerate(data["units"]))
             return cls(
-                batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
+                batch_sizes=_integers("batch_sizes", data["batch_sizes"]),
                 units=units,
-                input_bytes=tuple(int(b) for b in data["input_bytes"]),
+                input_bytes=_integers("input_bytes", data["input_bytes"]),
                 model=dict(data.get("model", {})),
                 device=dict(data.get("device", {})),
             )
@@ -201,7 +222,7 @@ class ModelProfile:
             ) from None
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        path.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> ModelProfile:
@@ -232,18 +253,78 @@ def _unit_to_dict(u: UnitProfile) -> dict[str, Any]:
     return entry
 
 
-def _unit_from_dict(u: Mapping[str, Any]) -> UnitProfile:
+def _unit_from_dict(k: int, u: Mapping[str, Any]) -> UnitProfile:
+    name = str(u["name"])
+    where = f"unit {k} ({name})"
     backward = u.get("backward_time_s")
     activations = u.get("activation_bytes")
     return UnitProfile(
-        name=str(u["name"]),
-        param_bytes=int(u["param_bytes"]),
-        time_s=tuple(float(t) for t in u["time_s"]),
-        output_bytes=tuple(int(b) for b in u["output_bytes"]),
-        memory_bytes=tuple(int(b) for b in u["memory_bytes"]),
-        backward_time_s=None if backward is None else tuple(float(t) for t in backward),
-        activation_bytes=None if activations is None else tuple(int(b) for b in activations),
+        name=name,
+        param_bytes=_integer(f"{where}: param_bytes", u["param_bytes"]),
+        time_s=_numbers(f"{where}: time_s", u["time_s"]),
+        output_bytes=_integers(f"{where}: output_bytes", u["output_bytes"]),
+        memory_bytes=_integers(f"{where}: memory_bytes", u["memory_bytes"]),
+        backward_time_s=(
+            None if backward is None else _numbers(f"{where}: backward_time_s", backward)
+        ),
+        activation_bytes=(
+            None if activations is None else _integers(f"{where}: activation_bytes", activations)
+        ),
     )
+
+
+def _integer(what: str, value: Any) -> int:
+    """A count from a file: 3 and 3.0 pass; 3.5, "3", true and 1e400 are refused by name
+    (``int()`` would truncate 3.5 to 3 without a word)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{what} must be an integer, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"{what} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _integers(what: str, values: Any) -> tuple[int, ...]:
+    if isinstance(values, (str, Mapping)) or not isinstance(values, Sequence):
+        raise ConfigError(f"{what} must be a list of integers, got {values!r}")
+    return tuple(_integer(f"{what}[{k}]", v) for k, v in enumerate(values))
+
+
+def _numbers(what: str, values: Any) -> tuple[float, ...]:
+    if isinstance(values, (str, Mapping)) or not isinstance(values, Sequence):
+        raise ConfigError(f"{what} must be a list of numbers, got {values!r}")
+    out = []
+    for k, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{what}[{k}] must be a number, got {v!r}")
+        out.append(float(v))
+    return tuple(out)
+
+
+def _check_times(what: str, values: Sequence[float]) -> None:
+    for k, v in enumerate(values):
+        if not (math.isfinite(v) and 0 <= v <= MAX_UNIT_TIME_S):
+            raise ConfigError(
+                f"{what} must be finite and >= 0 and at most {MAX_UNIT_TIME_S:g} s; "
+                f"entry {k} is {v!r}"
+            )
+
+
+def _check_byte_counts(what: str, values: Sequence[int]) -> None:
+    for k, v in enumerate(values):
+        _check_byte_count(what, v, f"; entry {k} is {v!r}")
+
+
+def _check_byte_count(what: str, value: int, which: str = "") -> None:
+    which = which or f", got {value!r}"
+    if not _is_integer(value):
+        raise ConfigError(f"{what} must be whole numbers of bytes{which}")
+    if not 0 <= value <= MAX_BYTES:
+        raise ConfigError(f"{what} must be between 0 and 2**53 bytes{which}")
+
+
+def _is_integer(value: object) -> bool:
+    # numbers.Integral: numpy's integers count too; a float (3.5, or even 3.0) does not
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def synthetic_profile(

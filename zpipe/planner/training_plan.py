@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe._errors import ConfigError
+from zpipe.planner.plan import read_predicted
 
 TRAINING_SCHEDULES = ("1f1b", "gpipe")
 TRAINING_ALGOS = ("hpp", "straight", "data-parallel", "even")
@@ -146,7 +147,7 @@ class TrainingPlan:
                 microbatch_size=_as_int(data["microbatch_size"]),
                 num_microbatches=_as_int(data["num_microbatches"]),
                 stages=tuple(TrainStage.from_dict(s) for s in raw_stages),
-                predicted={str(k): float(v) for k, v in predicted.items()},
+                predicted=read_predicted(predicted),
             )
         except ConfigError as exc:
             raise ConfigError(f"malformed training plan: {exc}") from None

@@ -28,6 +28,7 @@ from zpipe.recovery.replanning import (
     respipe_replan,
     unit_work_from_profile,
 )
+from zpipe.recovery.stage_costs import CostModel
 
 POLICIES = ("lightweight", "heavy", "respipe")
 
@@ -90,6 +91,11 @@ def plan_recovery(
     - ``lightweight`` needs ``unit_work`` (or a ``profile`` and, for inference,
       ``batch_size``); ``speeds`` default to 1.0 (give
       :func:`~zpipe.recovery.capacity.speeds_from_capacities` of measured ones).
+      With the ``profile`` and the ``cluster`` (and, for inference, ``batch_size``)
+      it places the cuts by the planners' cost model, links included, and
+      ``speeds`` (if given) replace the cluster's compute speeds.
+    - Every policy's plan carries the planners' prediction when the profile and
+      the cluster are given.
     - ``heavy`` needs ``profile`` and ``cluster`` (and ``batch_size`` for
       inference); training reuses ``old``'s micro-batch size, count and schedule.
     - ``respipe`` needs nothing.
@@ -99,8 +105,12 @@ def plan_recovery(
     """
     training = isinstance(old, TrainingPlan)
     new: Plan | TrainingPlan
+    # With the profile and the cluster every policy costs links as the planners do.
+    model = None
+    if profile is not None and cluster is not None and (training or batch_size is not None):
+        model = CostModel(profile, cluster, batch_size=batch_size, optimizer=optimizer)
     if policy == "lightweight":
-        if unit_work is None:
+        if unit_work is None and model is None:
             if profile is None:
                 raise ConfigError("lightweight re-planning needs unit_work or a profile")
             size = old.microbatch_size if isinstance(old, TrainingPlan) else batch_size
@@ -108,7 +118,12 @@ def plan_recovery(
                 raise ConfigError("lightweight re-planning of inference needs the batch size")
             unit_work = unit_work_from_profile(profile, size, training=training)
         new = lightweight_replan(
-            old, failed=failed, unit_work=unit_work, speeds=speeds, unit_bytes=unit_bytes
+            old,
+            failed=failed,
+            unit_work=unit_work,
+            speeds=speeds,
+            unit_bytes=unit_bytes,
+            model=model,
         )
     elif policy == "heavy":
         if profile is None or cluster is None:
@@ -135,7 +150,7 @@ def plan_recovery(
                 algo=heavy_algo or "pipeedge",
             )
     elif policy == "respipe":
-        new = respipe_replan(old, failed=failed, speeds=speeds)
+        new = respipe_replan(old, failed=failed, speeds=speeds, model=model)
     else:
         raise ConfigError(f"unknown recovery policy {policy!r}; use one of {POLICIES}")
     redistribution = None
