@@ -18,6 +18,7 @@ from zpipe.stage.lifecycle import (
     DropMessage,
     Exit,
     Job,
+    Note,
     Phase,
     RestartPolicy,
     RestartTask,
@@ -116,6 +117,46 @@ def test_a_silent_coordinator_is_lost_and_any_message_counts_as_word() -> None:
     [exit_] = stage.heartbeat_due(18.5)
     assert isinstance(exit_, Exit) and isinstance(exit_.error, CoordinatorLost)
     assert "for 10.5 s (limit 10 s)" in exit_.reason
+
+
+def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
+    stage = running(now=0.0)
+    assert [type(c) for c in stage.heartbeat_due(2.9)] == [SendToCoordinator]
+    away, beat = stage.heartbeat_due(3.5)  # three intervals of silence
+    assert isinstance(away, Note) and away.event == "coordinator_away"
+    assert away.fields["limit_s"] == 10.0 and away.fields["phase"] == "running"
+    assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
+    assert stage.coordinator_away
+    # heartbeats go on, said once; data of the run is still computed
+    assert sends(stage.heartbeat_due(6.0)) == [("heartbeat", {"name": "s0"}, 0)]
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
+    assert stage.phase is Phase.RUNNING
+
+
+def test_the_first_word_after_an_absence_is_reported_and_answered_with_a_heartbeat() -> None:
+    stage = running(now=0.0)
+    stage.heartbeat_due(4.0)
+    back, beat = stage.control_message(Message("heartbeat_ack"), 9.0)
+    assert isinstance(back, Note) and back.event == "coordinator_back"
+    assert back.fields == {"away_s": 9.0, "phase": "running"}
+    assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
+    assert not stage.coordinator_away
+    assert stage.control_message(Message("heartbeat_ack"), 9.5) == []  # said once
+    # a coordinator that forgot this stage has it register again; the run is untouched
+    stage.heartbeat_due(14.0)
+    back, beat, register = stage.control_message(Message("register_again", {"reason": "x"}), 15.0)
+    assert isinstance(back, Note)
+    assert sends([register]) == [("register", REGISTRATION, 0)]
+    assert stage.phase is Phase.RUNNING and stage.route is not None
+
+
+def test_a_frame_that_does_not_decode_also_ends_the_absence() -> None:
+    stage = registered(now=0.0)
+    stage.heartbeat_due(5.0)
+    stage.heard_from_coordinator(6.0)  # the shell saw frames; the message was bad
+    [back, _beat, drop] = stage.control_message(Message("data", {}), 6.0)
+    assert isinstance(back, Note) and back.fields["away_s"] == 6.0
+    assert isinstance(drop, DropMessage)
 
 
 def test_a_control_message_resets_the_silence_clock() -> None:

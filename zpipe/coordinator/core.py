@@ -28,6 +28,7 @@ from zpipe.coordinator.events import (
 )
 from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.membership import MemberState
+from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
@@ -56,6 +57,12 @@ class CoordinatorCore:
 
     def __init__(self, state: CoordinatorState) -> None:
         self.state = state
+        t = state.timeouts
+        # A partition may last as long as the stages serve on without this process.
+        self.partition = PartitionWatch(
+            quiet_after_s=t.suspect_after_intervals * t.heartbeat_interval_s,
+            give_up_after_s=t.coordinator_silence_s,
+        )
 
     @property
     def run(self) -> Run | None:
@@ -200,7 +207,9 @@ class CoordinatorCore:
         ]
 
     def _tick(self, now: float) -> list[Command]:
-        out: list[Command] = []
+        out = self._judge_partition(now)
+        if self.partition.suspecting:
+            return out  # cut off, most likely: nobody is declared dead meanwhile
         probes, deaths = self.state.membership.tick(now)
         interval = self.state.timeouts.heartbeat_interval_s
         for probe in probes:
@@ -224,6 +233,43 @@ class CoordinatorCore:
         for death in deaths:
             out += self._death(death.name, death.reason, death.silent_s, now)
         return out
+
+    def _judge_partition(self, now: float) -> list[Command]:
+        """Whether this process is cut off from its stages (:mod:`~zpipe.coordinator.partition`)."""
+        state = self.state
+        heard = {
+            m.name: m.last_seen
+            for m in state.membership.alive()
+            if m.name not in state.unconfirmed  # restored from disk: never heard here
+        }
+        transition = self.partition.tick(heard, now)
+        if transition is None or isinstance(transition, Holding):
+            return []
+        if isinstance(transition, Suspected):
+            fields: dict[str, Any] = {
+                "silent_s": round(transition.silent_s, 2),
+                "members": transition.members,
+                "detail": "every stage went silent at once: this coordinator is likely cut "
+                "off; no stage is declared dead until one is heard again",
+            }
+            event = "coordinator_partitioned"
+            level = "warning"
+        elif isinstance(transition, Rejoined):
+            for name in transition.refreshed:  # their silence was this process's
+                state.membership.heard_from(name, now)
+            fields = {
+                "away_s": round(transition.away_s, 2),
+                "refreshed": list(transition.refreshed),
+            }
+            event, level = "coordinator_rejoined", "info"
+        else:
+            assert isinstance(transition, GaveUp)
+            fields = {
+                "away_s": round(transition.away_s, 2),
+                "detail": "no stage spoke again; judging them as usual",
+            }
+            event, level = "coordinator_partition_over", "warning"
+        return [Log(level, event, fields), Record({"event": event, **fields})]
 
     def _stalled(self, message: Message, now: float) -> list[Command]:
         """The client's results are late: probe every stage of the run now rather than

@@ -1,0 +1,113 @@
+"""A coordinator cut off from every stage suspects itself, fed events with a fake clock."""
+
+from __future__ import annotations
+
+from coordinator_harness import Harness
+
+from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
+
+NAMES = ["a", "b", "c", "d"]
+
+
+# ------------------------------------------------------------------ the watch alone
+
+
+def test_several_members_silent_at_once_make_the_coordinator_suspect_itself() -> None:
+    watch = PartitionWatch(quiet_after_s=3.0, give_up_after_s=60.0)
+    heard = {"a": 10.0, "b": 10.5, "c": 9.8}
+    assert watch.tick(heard, 13.4) is None  # b spoke 2.9 s ago
+    assert watch.tick(heard, 13.5) == Suspected(3.0, 3)
+    assert watch.suspecting
+    assert watch.tick(heard, 40.0) == Holding()
+
+
+def test_one_member_alone_going_silent_is_its_own_failure() -> None:
+    watch = PartitionWatch(quiet_after_s=3.0, give_up_after_s=60.0)
+    assert watch.tick({"a": 0.0}, 100.0) is None
+    assert watch.tick({}, 100.0) is None
+    assert not watch.suspecting
+
+
+def test_a_word_from_anyone_ends_it_and_only_those_speaking_when_it_began_are_refreshed() -> None:
+    watch = PartitionWatch(quiet_after_s=3.0, give_up_after_s=60.0)
+    # c had been silent for 2.5 s when the others went quiet at 10; d for 4 s: d was
+    # already failing on its own, and is judged as before
+    heard = {"a": 10.0, "b": 9.0, "c": 7.5, "d": 6.0}
+    assert isinstance(watch.tick(heard, 13.0), Suspected)
+    assert watch.tick(heard, 20.0) == Holding()
+    back = watch.tick({**heard, "a": 20.5}, 21.0)
+    assert back == Rejoined(11.0, ("b", "c"))
+    assert not watch.suspecting
+
+
+def test_nobody_coming_back_for_the_limit_gives_up_once_until_someone_speaks() -> None:
+    watch = PartitionWatch(quiet_after_s=3.0, give_up_after_s=60.0)
+    heard = {"a": 0.0, "b": 0.0}
+    assert isinstance(watch.tick(heard, 5.0), Suspected)
+    assert watch.tick(heard, 64.9) == Holding()
+    assert watch.tick(heard, 65.0) == GaveUp(65.0)
+    assert watch.tick(heard, 66.0) is None  # judged as usual from now on
+    # a later silence after new words is suspected again
+    assert watch.tick({"a": 70.0, "b": 70.0}, 71.0) is None
+    assert isinstance(watch.tick({"a": 70.0, "b": 70.0}, 73.0), Suspected)
+
+
+def test_the_limit_counts_from_the_first_tick_that_saw_the_silence() -> None:
+    # a coordinator paused for 100 s (SIGSTOP) first reads what queued meanwhile
+    watch = PartitionWatch(quiet_after_s=3.0, give_up_after_s=60.0)
+    heard = {"a": 0.0, "b": 0.0}
+    assert watch.tick(heard, 100.0) == Suspected(100.0, 2)
+    assert watch.tick(heard, 100.25) == Holding()
+    assert watch.tick({"a": 100.3, "b": 0.0}, 100.5) == Rejoined(100.5, ("b",))
+
+
+# ------------------------------------------------------------------ the core
+
+
+def test_a_coordinator_cut_off_from_every_stage_declares_nobody_dead_and_the_run_goes_on() -> None:
+    h = Harness()
+    run = h.start_stream(NAMES, recover=True)
+    epoch = h.core.run.epoch  # type: ignore[union-attr]
+    h.advance(2.0, alive=tuple(NAMES))
+    h.advance(8.0, alive=())  # the coordinator hears nobody for 8 s
+    assert h.events("stage_dead") == []
+    (cut,) = h.events("coordinator_partitioned")
+    assert cut["members"] == 4 and cut["silent_s"] >= 3.0
+    h.advance(10.0, alive=tuple(NAMES))
+    (back,) = h.events("coordinator_rejoined")
+    assert back["away_s"] >= 8.0
+    assert h.events("stage_dead") == []
+    current = h.core.run
+    assert current is not None and current.run == run and current.epoch == epoch
+    assert current.failed == set()
+    assert not h.to_client("stage_failed") and not h.to_client("run_replanned")
+    assert all(m.state.value == "alive" for m in h.state.membership.all())
+    assert [r["event"] for r in h.records] == ["coordinator_partitioned", "coordinator_rejoined"]
+
+
+def test_a_stage_that_died_during_the_partition_is_still_found_afterwards() -> None:
+    h = Harness()
+    h.start_stream(NAMES, recover=True)
+    h.advance(2.0, alive=tuple(NAMES))
+    h.advance(8.0, alive=())
+    assert h.events("stage_dead") == []
+    h.advance(10.0, alive=("a", "c", "d"))  # b does not come back
+    assert [e["stage"] for e in h.events("stage_dead")] == ["b"]
+    assert h.events("coordinator_rejoined")
+
+
+def test_a_partition_longer_than_the_stages_outlive_ends_in_deaths() -> None:
+    h = Harness()
+    h.start_stream(NAMES)
+    limit = h.state.timeouts.coordinator_silence_s
+    h.advance(limit + 10.0, alive=())
+    assert h.events("coordinator_partition_over")
+    assert sorted(e["stage"] for e in h.events("stage_dead")) == NAMES
+
+
+def test_one_stage_going_silent_among_several_is_declared_dead_as_before() -> None:
+    h = Harness()
+    h.start_stream(NAMES)
+    h.advance(8.0, alive=("a", "c", "d"))
+    assert [e["stage"] for e in h.events("stage_dead")] == ["b"]
+    assert h.events("coordinator_partitioned") == []
