@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from coordinator_harness import Harness
 
+from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
+from zpipe.transport.codec import Message
 
 NAMES = ["a", "b", "c", "d"]
 
@@ -111,3 +113,57 @@ def test_one_stage_going_silent_among_several_is_declared_dead_as_before() -> No
     h.advance(8.0, alive=("a", "c", "d"))
     assert [e["stage"] for e in h.events("stage_dead")] == ["b"]
     assert h.events("coordinator_partitioned") == []
+
+
+# ------------------------------------------------------------------ notices the client missed
+
+
+def test_a_notice_is_numbered_and_sent_again_until_acknowledged() -> None:
+    outbox = NoticeOutbox(resend_s=2.0, keep_s=120.0)
+    first = outbox.post(b"c", Message("stage_failed", {"run": 4, "stage": "b", "reason": "x"}), 0.0)
+    second = outbox.post(
+        b"c", Message("stage_failed", {"run": 4, "stage": "d", "reason": "y"}), 0.5
+    )
+    assert (first["seq"], second["seq"]) == (1, 2)
+    assert outbox.due(4, 1.9) == []
+    assert outbox.due(4, 2.0) == [(b"c", first)]
+    assert outbox.due(4, 2.5) == [(b"c", second)]
+    assert outbox.acknowledged(4, 1) and not outbox.acknowledged(4, 1)  # a repeat ack
+    assert outbox.due(4, 4.5) == [(b"c", second)]
+    assert outbox.unacknowledged(4) == [2]
+    # another run's numbers start again at 1; a run no longer current is forgotten
+    other = outbox.post(b"c", Message("stage_failed", {"run": 5, "stage": "b", "reason": "x"}), 5.0)
+    assert other["seq"] == 1
+    assert outbox.due(5, 7.0) == [(b"c", other)]
+    assert outbox.unacknowledged(4) == []
+
+
+def test_a_notice_is_forgotten_once_the_client_would_have_given_up() -> None:
+    outbox = NoticeOutbox(resend_s=2.0, keep_s=10.0)
+    outbox.post(b"c", Message("stage_failed", {"run": 1, "stage": "b", "reason": "x"}), 0.0)
+    assert len(outbox.due(1, 9.0)) == 1
+    assert outbox.due(1, 10.0) == [] and outbox.unacknowledged(1) == []
+
+
+def test_a_stage_failure_the_client_missed_is_sent_again_until_it_acknowledges() -> None:
+    h = Harness(ack_notices=False)  # the client is cut off
+    run = h.start_stream(NAMES)
+    h.advance(6.5, alive=("a", "c", "d"))  # b is declared dead after 5 s
+    first = h.to_client("stage_failed")
+    assert [n["stage"] for n in first] == ["b"] and first[0]["seq"] == 1
+    h.advance(6.0, alive=("a", "c", "d"))
+    again = h.to_client("stage_failed")
+    assert len(again) >= 3 and {(n["stage"], n["seq"]) for n in again} == {("b", 1)}
+    assert h.events("notice_sent_again")
+    h.client("notice_ack", run=run, seq=1)  # the client is back and has it
+    sent = len(h.to_client("stage_failed"))
+    h.advance(6.0, alive=("a", "c", "d"))
+    assert len(h.to_client("stage_failed")) == sent
+
+
+def test_a_connected_client_gets_each_notice_once() -> None:
+    h = Harness()
+    h.start_stream(NAMES)
+    h.advance(20.0, alive=("a", "c", "d"))
+    assert [n["seq"] for n in h.to_client("stage_failed")] == [1]
+    assert h.events("notice_sent_again") == []

@@ -37,7 +37,14 @@ def _type_names(schema: FieldSchema) -> str:
 # Optional fields added within version 1: a sender leaves them out unless it needs them
 # (run_request's num_units: only for user-code model families, which an older
 # coordinator would have imported itself), so what older peers exchange is unchanged.
-ADDED_IN_V1 = {"run_request": {"num_units": ["int/null", False]}}
+ADDED_IN_V1 = {
+    "run_request": {"num_units": ["int/null", False]},
+    # a notice's number, which the client acknowledges (an older client ignores it)
+    "stage_failed": {"seq": ["int/null", False]},
+    "run_replanned": {"seq": ["int/null", False]},
+}
+# Kinds added within version 1 (an older peer never sends them).
+KINDS_ADDED_IN_V1 = {"notice_ack": {"run": ["int", True], "seq": ["int", True]}}
 
 
 def test_every_kind_keeps_its_version_1_schema() -> None:
@@ -48,6 +55,7 @@ def test_every_kind_keeps_its_version_1_schema() -> None:
     expected = {
         kind: {**fields, **ADDED_IN_V1.get(kind, {})} for kind, fields in V1["schemas"].items()
     }
+    expected.update(KINDS_ADDED_IN_V1)
     assert got == expected
     assert sorted(REGISTRY.tensor_kinds) == V1["tensor_kinds"]
     assert codec.PROTOCOL_VERSION == 1
