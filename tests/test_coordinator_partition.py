@@ -1,9 +1,14 @@
-"""A coordinator cut off from every stage suspects itself, fed events with a fake clock."""
+"""A coordinator cut off from every stage suspects itself, fed events with a fake clock;
+notices a cut-off client missed are sent again; stages left running on exit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from coordinator_harness import Harness
 
+from zpipe.coordinator.__main__ import build_parser, config_from_args
 from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.transport.codec import Message
@@ -167,3 +172,23 @@ def test_a_connected_client_gets_each_notice_once() -> None:
     h.advance(20.0, alive=("a", "c", "d"))
     assert [n["seq"] for n in h.to_client("stage_failed")] == [1]
     assert h.events("notice_sent_again") == []
+
+
+# ------------------------------------------------------------------ stages on exit
+
+
+@pytest.mark.parametrize(
+    ("flags", "shuts_down"),
+    [
+        ([], True),  # nothing to take the stages over: they stop with it
+        (["--state-dir", "STATE"], False),  # a restarted coordinator takes them over
+        (["--state-dir", "STATE", "--shutdown-stages-on-exit"], True),
+        (["--shutdown-stages-on-exit"], True),
+    ],
+)
+def test_a_coordinator_with_a_state_dir_leaves_its_stages_running_unless_told(
+    flags: list[str], shuts_down: bool, tmp_path: Path
+) -> None:
+    argv = [f.replace("STATE", str(tmp_path)) for f in flags]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.shuts_down_stages is shuts_down

@@ -127,8 +127,11 @@ def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
     assert away.fields["limit_s"] == 10.0 and away.fields["phase"] == "running"
     assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
     assert stage.coordinator_away
-    # heartbeats go on, said once; data of the run is still computed
-    assert sends(stage.heartbeat_due(6.0)) == [("heartbeat", {"name": "s0"}, 0)]
+    # heartbeats go on, every three intervals now (what is sent queues meanwhile), and
+    # the absence is said once; data of the run is still computed
+    assert stage.heartbeat_due(4.5) == []
+    assert sends(stage.heartbeat_due(6.5)) == [("heartbeat", {"name": "s0"}, 0)]
+    assert stage.heartbeat_due(7.5) == []
     assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
     assert stage.phase is Phase.RUNNING
 

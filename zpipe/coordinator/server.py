@@ -186,6 +186,10 @@ class Coordinator:
     def _setup(self) -> None:
         keys_dir = self.config.keys_dir
         self._router = open_socket(self._context, zmq.ROUTER, self.config.socket_options)
+        # A peer that reconnects (its ZMTP heartbeats dropped the connection to a paused or
+        # cut-off coordinator) takes over its routing id at once; without this, the new
+        # connection stays unread while the stale one is not yet torn down (seen: 30 s).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if keys_dir is not None:
             self._keypair = security.load_keypair(keys_dir, "coordinator")
             self._public_keys.update(security.load_public_keys(keys_dir))

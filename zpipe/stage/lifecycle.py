@@ -12,7 +12,7 @@ the commands this returns::
 
 A coordinator that goes silent is *away* after a few heartbeat intervals (cut
 off, paused, restarting): the stage says so once and serves its run on, and
-keeps sending heartbeats, which reach the coordinator when it is back; the
+keeps sending heartbeats, fewer, which reach the coordinator when it is back; the
 first word from it ends the absence (a heartbeat goes at once, and a
 coordinator that no longer knows the stage asks it to register again, which
 leaves the run as it is). Only ``silence_limit_s`` of silence makes it exit.
@@ -145,6 +145,13 @@ Command = (
 # Heartbeat intervals of silence after which the coordinator counts as away (its own
 # default for suspecting a stage).
 AWAY_AFTER_INTERVALS = 3
+# While it is away, a heartbeat every this many intervals (and at least this many
+# seconds): what is sent queues until it is back, and a long queue of stale heartbeats
+# only delays it then. (libzmq 4.3.5 also aborts a process whose ROUTER finds a peer's
+# connection closed while its input is stopped at the high-water mark, which a
+# stage's backlog on a connection its ZMTP heartbeats dropped can cause.)
+AWAY_BEAT_INTERVALS = 3
+AWAY_BEAT_MIN_S = 1.0
 
 
 # ------------------------------------------------------------ data routing
@@ -234,6 +241,7 @@ class StageLifecycle:
         self._register_deadline = now + connect_s
         self._heard_at = now
         self._away = False  # the coordinator has been silent for a while
+        self._beat_at = now  # when the last heartbeat was due
         self._back_after: float | None = None  # silence to report on its first word
         self._building: _Pending | None = None  # the assignment whose shard is being built
         self._pending: _Pending | None = None  # built, awaiting "connect"
@@ -298,7 +306,11 @@ class StageLifecycle:
                 )
             ]
         out: list[Command] = []
-        if not self._away and silent > AWAY_AFTER_INTERVALS * self.heartbeat_interval_s:
+        interval = self.heartbeat_interval_s
+        if self._away:
+            if now - self._beat_at < max(AWAY_BEAT_INTERVALS * interval, AWAY_BEAT_MIN_S):
+                return []
+        elif silent > AWAY_AFTER_INTERVALS * interval:
             self._away = True
             out.append(
                 Note(
@@ -314,6 +326,7 @@ class StageLifecycle:
             )
         # A DEALER blocks while the coordinator is unreachable; never for longer
         # than an interval, so the silence check keeps running.
+        self._beat_at = now
         out.append(self._heartbeat())
         return out
 
