@@ -121,19 +121,35 @@ def test_a_silent_coordinator_is_lost_and_any_message_counts_as_word() -> None:
 
 def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
     stage = running(now=0.0)
-    assert [type(c) for c in stage.heartbeat_due(2.9)] == [SendToCoordinator]
+    assert [type(c) for c in stage.heartbeat_due(1.0)] == [SendToCoordinator]
+    assert [type(c) for c in stage.heartbeat_due(2.0)] == [SendToCoordinator]
     away, beat = stage.heartbeat_due(3.5)  # three intervals of silence
     assert isinstance(away, Note) and away.event == "coordinator_away"
     assert away.fields["limit_s"] == 10.0 and away.fields["phase"] == "running"
     assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
     assert stage.coordinator_away
-    # heartbeats go on, every three intervals now (what is sent queues meanwhile), and
-    # the absence is said once; data of the run is still computed
-    assert stage.heartbeat_due(4.5) == []
-    assert sends(stage.heartbeat_due(6.5)) == [("heartbeat", {"name": "s0"}, 0)]
-    assert stage.heartbeat_due(7.5) == []
+    # the usual cadence for eight heartbeats without an answer (a coordinator that is
+    # only slow hears it), then one every three intervals; the absence is said once
+    beats = [t for t in range(4, 10) if sends(stage.heartbeat_due(float(t)))]
+    assert beats == [4, 5, 6, 7, 8]
     assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
     assert stage.phase is Phase.RUNNING
+
+
+def test_after_eight_unanswered_heartbeats_one_goes_every_three_intervals() -> None:
+    stage = StageLifecycle(
+        name="s0",
+        coordinator="tcp://127.0.0.1:4000",
+        registration=REGISTRATION,
+        connect_s=15.0,
+        silence_limit_s=60.0,
+        now=0.0,
+    )
+    stage.registration_reply(Message("registered", {"name": "s0", "heartbeat_interval": 1.0}), 0.0)
+    beats = [t for t in range(1, 30) if sends(stage.heartbeat_due(float(t)))]
+    assert beats == [1, 2, 3, 4, 5, 6, 7, 8, 11, 14, 17, 20, 23, 26, 29]
+    stage.control_message(Message("heartbeat_ack"), 29.5)  # the usual cadence again
+    assert [t for t in range(30, 34) if sends(stage.heartbeat_due(float(t)))] == [30, 31, 32, 33]
 
 
 def test_the_first_word_after_an_absence_is_reported_and_answered_with_a_heartbeat() -> None:

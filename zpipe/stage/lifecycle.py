@@ -12,10 +12,11 @@ the commands this returns::
 
 A coordinator that goes silent is *away* after a few heartbeat intervals (cut
 off, paused, restarting): the stage says so once and serves its run on, and
-keeps sending heartbeats, fewer, which reach the coordinator when it is back; the
-first word from it ends the absence (a heartbeat goes at once, and a
-coordinator that no longer knows the stage asks it to register again, which
-leaves the run as it is). Only ``silence_limit_s`` of silence makes it exit.
+keeps sending heartbeats (fewer after a while), which reach the coordinator
+when it is back; the first word from it ends the absence (a heartbeat goes at
+once, and a coordinator that no longer knows the stage asks it to register
+again, which leaves the run as it is). Only ``silence_limit_s`` of silence
+makes it exit.
 
 Which data message reaches compute is decided here too (:meth:`data_verdict`):
 only a message from a sender the running assignment names, of the running
@@ -145,11 +146,14 @@ Command = (
 # Heartbeat intervals of silence after which the coordinator counts as away (its own
 # default for suspecting a stage).
 AWAY_AFTER_INTERVALS = 3
-# While it is away, a heartbeat every this many intervals (and at least this many
-# seconds): what is sent queues until it is back, and a long queue of stale heartbeats
-# only delays it then. (libzmq 4.3.5 also aborts a process whose ROUTER finds a peer's
-# connection closed while its input is stopped at the high-water mark, which a
-# stage's backlog on a connection its ZMTP heartbeats dropped can cause.)
+# Heartbeats sent without a word back before the stage beats less often: one every
+# AWAY_BEAT_INTERVALS intervals, at least AWAY_BEAT_MIN_S apart. Not sooner, so a
+# coordinator that is only slow to answer keeps hearing the usual cadence; but the
+# backlog a paused coordinator finds on a connection stays below the receive
+# high-water mark (16): libzmq 4.3.5 aborts a process whose ROUTER finds such a
+# connection closed (the stage's ZMTP heartbeats drop it after 5 s) while its input
+# is stopped at that mark. At most 8 + 5 heartbeats queue on it before it is dropped.
+BEATS_BEFORE_SLOWING = 8
 AWAY_BEAT_INTERVALS = 3
 AWAY_BEAT_MIN_S = 1.0
 
@@ -242,6 +246,7 @@ class StageLifecycle:
         self._heard_at = now
         self._away = False  # the coordinator has been silent for a while
         self._beat_at = now  # when the last heartbeat was due
+        self._unanswered = 0  # heartbeats sent since the coordinator's last word
         self._back_after: float | None = None  # silence to report on its first word
         self._building: _Pending | None = None  # the assignment whose shard is being built
         self._pending: _Pending | None = None  # built, awaiting "connect"
@@ -289,6 +294,7 @@ class StageLifecycle:
             self._away = False
             self._back_after = now - self._heard_at
         self._heard_at = max(self._heard_at, now)
+        self._unanswered = 0
 
     @property
     def coordinator_away(self) -> bool:
@@ -307,10 +313,11 @@ class StageLifecycle:
             ]
         out: list[Command] = []
         interval = self.heartbeat_interval_s
-        if self._away:
-            if now - self._beat_at < max(AWAY_BEAT_INTERVALS * interval, AWAY_BEAT_MIN_S):
-                return []
-        elif silent > AWAY_AFTER_INTERVALS * interval:
+        if self._unanswered >= BEATS_BEFORE_SLOWING and now - self._beat_at < max(
+            AWAY_BEAT_INTERVALS * interval, AWAY_BEAT_MIN_S
+        ):
+            return []
+        if not self._away and silent > AWAY_AFTER_INTERVALS * interval:
             self._away = True
             out.append(
                 Note(
@@ -327,6 +334,7 @@ class StageLifecycle:
         # A DEALER blocks while the coordinator is unreachable; never for longer
         # than an interval, so the silence check keeps running.
         self._beat_at = now
+        self._unanswered += 1
         out.append(self._heartbeat())
         return out
 
