@@ -3,14 +3,20 @@ notices a cut-off client missed are sent again; stages left running on exit."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 from coordinator_harness import Harness
 
+from zpipe.config import Timeouts
 from zpipe.coordinator.__main__ import build_parser, config_from_args
+from zpipe.coordinator.commands import AwaitStages
+from zpipe.coordinator.jobs import JobRunner
+from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
+from zpipe.coordinator.state import CoordinatorState
 from zpipe.transport.codec import Message
 
 NAMES = ["a", "b", "c", "d"]
@@ -192,3 +198,22 @@ def test_a_coordinator_with_a_state_dir_leaves_its_stages_running_unless_told(
     argv = [f.replace("STATE", str(tmp_path)) for f in flags]
     config = config_from_args(build_parser().parse_args(argv))
     assert config.shuts_down_stages is shuts_down
+
+
+async def test_a_run_after_a_restart_waits_for_restored_stages_to_speak() -> None:
+    timeouts = Timeouts()
+    membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
+    state = CoordinatorState(timeouts=timeouts, membership=membership)
+    for name in ("a", "b"):
+        membership.register(
+            name=name, routing_id=name.encode(), data_endpoint=f"tcp://{name}:1", info={},
+            public_key=None, now=0.0,
+        )  # fmt: skip
+    state.unconfirmed.add("b")  # restored from disk, not heard by this process yet
+    runner = JobRunner(state, None, None, measure_links=False, store=None)  # type: ignore[arg-type]
+    picked = asyncio.create_task(runner.run(AwaitStages(("a", "b"), None, 30.0)))
+    await asyncio.sleep(0.3)
+    assert not picked.done()
+    state.confirm("b")  # b spoke
+    chosen = await asyncio.wait_for(picked, 10)
+    assert [m.name for m in chosen] == ["a", "b"]
