@@ -150,9 +150,10 @@ AWAY_AFTER_INTERVALS = 3
 # AWAY_BEAT_INTERVALS intervals, at least AWAY_BEAT_MIN_S apart. Not sooner, so a
 # coordinator that is only slow to answer keeps hearing the usual cadence; but the
 # backlog a paused coordinator finds on a connection stays below the receive
-# high-water mark (16): libzmq 4.3.5 aborts a process whose ROUTER finds such a
-# connection closed (the stage's ZMTP heartbeats drop it after 5 s) while its input
-# is stopped at that mark. At most 8 + 5 heartbeats queue on it before it is dropped.
+# high-water mark (16). A coordinator paused for 12 s with 0.3 s heartbeats aborted
+# in libzmq 4.3.5 ("!_io_error", stream_engine_base.cpp:310) on SIGCONT, reading such
+# a backlog from connections the stages' ZMTP heartbeats had dropped after 5 s; at
+# most 8 + 5 heartbeats queue on one now.
 BEATS_BEFORE_SLOWING = 8
 AWAY_BEAT_INTERVALS = 3
 AWAY_BEAT_MIN_S = 1.0
