@@ -49,7 +49,14 @@ SPEC = ModelSpec("mlp", {"dims": [8, 16, 16, 16, 16, 16, 4]}, seed=0)  # 6 units
 
 
 class Harness:
-    def __init__(self, *, interval: float = 1.0, suspect_after: int = 3, probes: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        interval: float = 1.0,
+        suspect_after: int = 3,
+        probes: int = 2,
+        ack_notices: bool = True,
+    ) -> None:
         timeouts = Timeouts(
             heartbeat_interval_s=interval,
             suspect_after_intervals=suspect_after,
@@ -68,6 +75,8 @@ class Harness:
         self.records: list[dict[str, Any]] = []
         self.timers: dict[int, float] = {}
         self.jobs: list[Any] = []
+        # the client acknowledges every numbered notice at once, as a connected one does
+        self.ack_notices = ack_notices
 
     # ------------------------------------------------------------------ feeding
 
@@ -80,6 +89,9 @@ class Harness:
         for command in commands:
             if isinstance(command, Send):
                 self.sent.append(command)
+                seq = command.message.get("seq")
+                if self.ack_notices and command.to == CLIENT and seq is not None:
+                    self.client("notice_ack", run=command.message["run"], seq=seq)
             elif isinstance(command, Log):
                 self.logs.append(command)
             elif isinstance(command, Record):

@@ -204,13 +204,17 @@ def test_sigterm_stops_a_stage_and_the_coordinator_stops_its_stages() -> None:
 
 
 def test_a_stage_whose_coordinator_dies_exits_with_a_clear_message() -> None:
-    with LocalCluster([DeviceSpec("orphan")], heartbeat_interval_s=0.2) as cluster:
+    with LocalCluster([DeviceSpec("x")], heartbeat_interval_s=0.2) as cluster:
+        # serves on while the coordinator is away, up to its --coordinator-timeout
+        cluster.start_stage(DeviceSpec("orphan"), "--coordinator-timeout", "3")
+        cluster.wait_for_stages(2, timeout_s=60)
         cluster.kill("coordinator")
         # one that starts now never reaches it and gives up after its connect timeout
         late = cluster.start_stage(DeviceSpec("late"), "--connect-timeout", "2")
         assert _wait_exit(late, 30) == 1
         assert "could not reach the coordinator" in cluster.logs("late")
         assert _wait_exit(cluster.processes["orphan"], 30) == 1
+        assert '"coordinator_away"' in cluster.logs("orphan")
         assert "no word from the coordinator" in cluster.logs("orphan")
 
 

@@ -41,9 +41,13 @@ ADDED_IN_V1 = {
     "run_request": {"num_units": ["int/null", False]},
     # the token of the stage's bulk connection, from a coordinator that has one
     "registered": {"bulk_token": ["str/null", False]},
+    # a notice's number, which the client acknowledges (an older client ignores it)
+    "stage_failed": {"seq": ["int/null", False]},
+    "run_replanned": {"seq": ["int/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
-# connection: a stage uses it once ``registered`` gave it a token).
+# connection: a stage uses it once ``registered`` gave it a token; a client
+# acknowledges numbered notices).
 KINDS_ADDED_IN_V1 = {
     "bulk_open": {"name": ["str", True], "token": ["str", True]},
     "bulk_opened": {"name": ["str", True]},
@@ -58,6 +62,7 @@ KINDS_ADDED_IN_V1 = {
     },
     "bulk_done": {"transfer": ["int", True]},
     "bulk_refused": {"transfer": ["int", True], "reason": ["str", True]},
+    "notice_ack": {"run": ["int", True], "seq": ["int", True]},
 }
 TENSOR_KINDS_ADDED_IN_V1 = ["bulk_chunk"]
 

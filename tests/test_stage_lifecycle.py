@@ -18,6 +18,7 @@ from zpipe.stage.lifecycle import (
     DropMessage,
     Exit,
     Job,
+    Note,
     Phase,
     RestartPolicy,
     RestartTask,
@@ -116,6 +117,65 @@ def test_a_silent_coordinator_is_lost_and_any_message_counts_as_word() -> None:
     [exit_] = stage.heartbeat_due(18.5)
     assert isinstance(exit_, Exit) and isinstance(exit_.error, CoordinatorLost)
     assert "for 10.5 s (limit 10 s)" in exit_.reason
+
+
+def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
+    stage = running(now=0.0)
+    assert [type(c) for c in stage.heartbeat_due(1.0)] == [SendToCoordinator]
+    assert [type(c) for c in stage.heartbeat_due(2.0)] == [SendToCoordinator]
+    away, beat = stage.heartbeat_due(3.5)  # three intervals of silence
+    assert isinstance(away, Note) and away.event == "coordinator_away"
+    assert away.fields["limit_s"] == 10.0 and away.fields["phase"] == "running"
+    assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
+    assert stage.coordinator_away
+    # the usual cadence for eight heartbeats without an answer (a coordinator that is
+    # only slow hears it), then one every three intervals; the absence is said once
+    beats = [t for t in range(4, 10) if sends(stage.heartbeat_due(float(t)))]
+    assert beats == [4, 5, 6, 7, 8]
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
+    assert stage.phase is Phase.RUNNING
+
+
+def test_after_eight_unanswered_heartbeats_one_goes_every_three_intervals() -> None:
+    stage = StageLifecycle(
+        name="s0",
+        coordinator="tcp://127.0.0.1:4000",
+        registration=REGISTRATION,
+        connect_s=15.0,
+        silence_limit_s=60.0,
+        now=0.0,
+    )
+    stage.registration_reply(Message("registered", {"name": "s0", "heartbeat_interval": 1.0}), 0.0)
+    beats = [t for t in range(1, 30) if sends(stage.heartbeat_due(float(t)))]
+    assert beats == [1, 2, 3, 4, 5, 6, 7, 8, 11, 14, 17, 20, 23, 26, 29]
+    stage.control_message(Message("heartbeat_ack"), 29.5)  # the usual cadence again
+    assert [t for t in range(30, 34) if sends(stage.heartbeat_due(float(t)))] == [30, 31, 32, 33]
+
+
+def test_the_first_word_after_an_absence_is_reported_and_answered_with_a_heartbeat() -> None:
+    stage = running(now=0.0)
+    stage.heartbeat_due(4.0)
+    back, beat = stage.control_message(Message("heartbeat_ack"), 9.0)
+    assert isinstance(back, Note) and back.event == "coordinator_back"
+    assert back.fields == {"away_s": 9.0, "phase": "running"}
+    assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
+    assert not stage.coordinator_away
+    assert stage.control_message(Message("heartbeat_ack"), 9.5) == []  # said once
+    # a coordinator that forgot this stage has it register again; the run is untouched
+    stage.heartbeat_due(14.0)
+    back, beat, register = stage.control_message(Message("register_again", {"reason": "x"}), 15.0)
+    assert isinstance(back, Note)
+    assert sends([register]) == [("register", REGISTRATION, 0)]
+    assert stage.phase is Phase.RUNNING and stage.route is not None
+
+
+def test_a_frame_that_does_not_decode_also_ends_the_absence() -> None:
+    stage = registered(now=0.0)
+    stage.heartbeat_due(5.0)
+    stage.heard_from_coordinator(6.0)  # the shell saw frames; the message was bad
+    [back, _beat, drop] = stage.control_message(Message("data", {}), 6.0)
+    assert isinstance(back, Note) and back.fields["away_s"] == 6.0
+    assert isinstance(drop, DropMessage)
 
 
 def test_a_control_message_resets_the_silence_clock() -> None:

@@ -202,7 +202,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def timeouts_from_args(args: argparse.Namespace, **overrides: Any) -> Timeouts:
     interval = args.heartbeat_interval
-    overrides.setdefault("coordinator_silence_s", max(10.0, 10 * interval))
+    overrides.setdefault("coordinator_silence_s", max(60.0, 10 * interval))
     return Timeouts(
         connect_s=args.connect_timeout,
         heartbeat_interval_s=interval,

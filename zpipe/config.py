@@ -22,8 +22,10 @@ class Timeouts:
     suspect_after_intervals: int = 3
     # Intervals a suspect stage has to answer the probe before it is declared dead.
     probe_intervals: int = 2
-    # A stage that hears nothing from its coordinator for this long exits.
-    coordinator_silence_s: float = 10.0
+    # A stage that hears nothing from its coordinator for this long exits; until then it
+    # serves its run on (a partition, a coordinator restarted). The coordinator, cut off
+    # from every stage, withholds its judgement of them as long.
+    coordinator_silence_s: float = 60.0
     # A blocked send to a peer (its queue full) gives up after this long.
     send_s: float = 30.0
     # Building a shard (import, init, load weights) may take long for big models.

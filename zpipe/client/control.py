@@ -3,7 +3,9 @@
 Requests wait for their reply with a deadline (and go again when the
 coordinator was restarted meanwhile, for requests it may answer twice);
 failure notices (``stage_failed``, ``run_replanned``) go to their own queue,
-which the run's session watches.
+which the run's session watches. Each numbered notice is acknowledged
+(``notice_ack``; the coordinator sends it again until then) and goes to the
+queue once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from zpipe._errors import TransportTimeout
+from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.recovery import StallWatch
@@ -56,6 +59,7 @@ class ControlChannel:
         self.options = options
         self.timeouts = timeouts
         self.failures: asyncio.Queue[Message] = asyncio.Queue()
+        self._notices = NoticeFilter()
         self._replies: asyncio.Queue[Message] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read())
         # Reconnections to the coordinator's endpoint (a restarted coordinator): a
@@ -103,9 +107,22 @@ class ControlChannel:
                             error="a kind only stages or clients send")  # fmt: skip
                 continue
             if message.kind in NOTICE_KINDS:
-                await self.failures.put(message)
+                await self._acknowledge(message)
+                if self._notices.first_time(message):
+                    await self.failures.put(message)
             else:
                 await self._replies.put(message)
+
+    async def _acknowledge(self, notice: Message) -> None:
+        """Every copy is acknowledged: the acknowledgement of an earlier one may be lost."""
+        seq = notice.get("seq")
+        if seq is None:
+            return
+        ack = Message("notice_ack", {"run": notice["run"], "seq": seq})
+        try:
+            await send(self.sock, ack, timeout_s=self.timeouts.reply_s, peer="coordinator")
+        except TransportTimeout as exc:  # the coordinator sends it again; ack that one
+            log.warning("notice_not_acknowledged", kind=notice.kind, seq=seq, error=str(exc))
 
     async def request(
         self,

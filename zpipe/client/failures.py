@@ -7,6 +7,10 @@ stages that died or are gone while the coordinator awaited them
 (:class:`~zpipe.StageLostError`), and too few stages or
 no plan that fits (:class:`~zpipe.InfeasiblePlanError`). Anything else stays a
 :class:`~zpipe.PipelineError` that quotes the coordinator.
+
+Notices (``stage_failed``, ``run_replanned``) come numbered within their run and
+are sent again until acknowledged, so a client cut off when one went still gets
+it; :class:`NoticeFilter` lets each number through once.
 """
 
 from __future__ import annotations
@@ -53,6 +57,24 @@ def run_failed_error(error: str, doing: str) -> ZpipeError:
     if any(pattern.search(error) for pattern in _INFEASIBLE):
         return InfeasiblePlanError(f"the coordinator could not {doing}: {error}")
     return PipelineError(f"the coordinator could not {doing}: {error}")
+
+
+class NoticeFilter:
+    """Which notices are new: each (run, seq) once; a notice without ``seq`` (from an
+    older coordinator, never sent again) always."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, int]] = set()
+
+    def first_time(self, notice: Message) -> bool:
+        seq = notice.get("seq")
+        if seq is None:
+            return True
+        key = (int(notice["run"]), int(seq))
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
 
 def stage_failed_error(notice: Message) -> StageFailedError:

@@ -278,6 +278,10 @@ class RunSession:
             if on_replanned is None:
                 log.warning("notice_ignored", run=self.run, kind=notice.kind)
                 continue
+            if notice.epoch <= self.epoch:
+                # a re-plan missed and sent again after a newer one was followed
+                log.warning("stale_replan_ignored", run=self.run, epoch=notice.epoch)
+                continue
             await on_replanned(notice)
 
 

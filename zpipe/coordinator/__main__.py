@@ -70,11 +70,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the current run and its latest training replica in DIR (created if "
         "missing), so that a coordinator restarted with the same DIR and --bind takes the "
         "run over: stages that are still running register again, and the client carries "
-        "on (restart within the stages' --coordinator-timeout; default: not kept)",
+        "on (restart within the stages' --coordinator-timeout; default: not kept). On SIGTERM "
+        "or SIGINT the stages are left running for the next coordinator",
+    )
+    parser.add_argument(
+        "--shutdown-stages-on-exit",
+        action="store_true",
+        help="on SIGTERM or SIGINT, tell every stage to shut down even with --state-dir "
+        "(without --state-dir they always are)",
     )
     add_allow_factory_arguments(parser)
     add_common_flags(parser)
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    """The coordinator's configuration from its parsed flags (ConfigError if they clash)."""
+    validate_endpoint(args.bind, flag="--bind")
+    return CoordinatorConfig(
+        bind=args.bind,
+        keys_dir=Path(args.keys) if args.keys else None,
+        measure_links=args.measure_links,
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+        shutdown_stages_on_exit=True if args.shutdown_stages_on_exit else None,
+        timeouts=timeouts_from_args(
+            args,
+            suspect_after_intervals=args.suspect_after,
+            probe_intervals=args.probe_intervals,
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,18 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Model factories peers' specs may name: what the operator allowed, nothing else.
         allow_peer_factories(allow_list_from_args(args))
-        validate_endpoint(args.bind, flag="--bind")
-        config = CoordinatorConfig(
-            bind=args.bind,
-            keys_dir=Path(args.keys) if args.keys else None,
-            measure_links=args.measure_links,
-            state_dir=Path(args.state_dir) if args.state_dir else None,
-            timeouts=timeouts_from_args(
-                args,
-                suspect_after_intervals=args.suspect_after,
-                probe_intervals=args.probe_intervals,
-            ),
-        )
+        config = config_from_args(args)
     except ZpipeError as exc:
         parser.error(str(exc))
     configure_logging(log_format=args.log_format, level=args.log_level)

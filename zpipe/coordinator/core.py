@@ -9,6 +9,7 @@ the start of one :mod:`~zpipe.coordinator.starting`'s.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError, StageLostError, StateFileError
@@ -31,6 +32,8 @@ from zpipe.coordinator.events import (
 )
 from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.membership import MemberState
+from zpipe.coordinator.notices import NOTICE_KINDS, NoticeOutbox
+from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
@@ -59,6 +62,15 @@ class CoordinatorCore:
 
     def __init__(self, state: CoordinatorState) -> None:
         self.state = state
+        t = state.timeouts
+        # A partition may last as long as the stages serve on without this process.
+        self.partition = PartitionWatch(
+            quiet_after_s=t.suspect_after_intervals * t.heartbeat_interval_s,
+            give_up_after_s=t.coordinator_silence_s,
+        )
+        # A client cut off when a notice went misses it: sent again until acknowledged,
+        # for as long as the client would wait for a result of its run.
+        self.notices = NoticeOutbox(resend_s=2 * t.heartbeat_interval_s, keep_s=t.result_s)
 
     @property
     def run(self) -> Run | None:
@@ -66,6 +78,9 @@ class CoordinatorCore:
         return None if current is None else current.run
 
     def on_event(self, event: Event, now: float) -> list[Command]:
+        return self._number_notices(self._on_event(event, now), now)
+
+    def _on_event(self, event: Event, now: float) -> list[Command]:
         flows = self.state.flows
         if isinstance(event, StageSpoke):
             return [*retie_restored(self.state, event), *self._stage_spoke(event, now)]
@@ -211,7 +226,10 @@ class CoordinatorCore:
         ]
 
     def _tick(self, now: float) -> list[Command]:
-        out: list[Command] = []
+        out = self._notices_due(now)
+        out += self._judge_partition(now)
+        if self.partition.suspecting:
+            return out  # cut off, most likely: nobody is declared dead meanwhile
         probes, deaths = self.state.membership.tick(now)
         interval = self.state.timeouts.heartbeat_interval_s
         for probe in probes:
@@ -235,6 +253,43 @@ class CoordinatorCore:
         for death in deaths:
             out += self._death(death.name, death.reason, death.silent_s, now)
         return out
+
+    def _judge_partition(self, now: float) -> list[Command]:
+        """Whether this process is cut off from its stages (:mod:`~zpipe.coordinator.partition`)."""
+        state = self.state
+        heard = {
+            m.name: m.last_seen
+            for m in state.membership.alive()
+            if m.name not in state.unconfirmed  # restored from disk: never heard here
+        }
+        transition = self.partition.tick(heard, now)
+        if transition is None or isinstance(transition, Holding):
+            return []
+        if isinstance(transition, Suspected):
+            fields: dict[str, Any] = {
+                "silent_s": round(transition.silent_s, 2),
+                "members": transition.members,
+                "detail": "every stage went silent at once: this coordinator is likely cut "
+                "off; no stage is declared dead until one is heard again",
+            }
+            event = "coordinator_partitioned"
+            level = "warning"
+        elif isinstance(transition, Rejoined):
+            for name in transition.refreshed:  # their silence was this process's
+                state.membership.heard_from(name, now)
+            fields = {
+                "away_s": round(transition.away_s, 2),
+                "refreshed": list(transition.refreshed),
+            }
+            event, level = "coordinator_rejoined", "info"
+        else:
+            assert isinstance(transition, GaveUp)
+            fields = {
+                "away_s": round(transition.away_s, 2),
+                "detail": "no stage spoke again; judging them as usual",
+            }
+            event, level = "coordinator_partition_over", "warning"
+        return [Log(level, event, fields), Record({"event": event, **fields})]
 
     def _stalled(self, message: Message, now: float) -> list[Command]:
         """The client's results are late: probe every stage of the run now rather than
@@ -297,6 +352,40 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------ clients
 
+    def _number_notices(self, commands: list[Command], now: float) -> list[Command]:
+        """Every notice to a client (whichever run's flow sent it) is numbered and kept
+        until the client acknowledges it."""
+        out: list[Command] = []
+        for command in commands:
+            if (
+                isinstance(command, Send)
+                and command.peer == CLIENT_NAME
+                and command.message.kind in NOTICE_KINDS
+                and "seq" not in command.message.body
+            ):
+                numbered = self.notices.post(command.to, command.message, now)
+                command = replace(command, message=numbered)
+            out.append(command)
+        return out
+
+    def _notices_due(self, now: float) -> list[Command]:
+        run = self.run
+        out: list[Command] = []
+        for to, message in self.notices.due(None if run is None else run.run, now):
+            out.append(
+                Log(
+                    "info",
+                    "notice_sent_again",
+                    {"run": message["run"], "kind": message.kind, "seq": message["seq"]},
+                )
+            )
+            out.append(Send(to, message, CLIENT_NAME, self.state.timeouts.reply_s))
+        return out
+
+    def _notice_acknowledged(self, message: Message) -> list[Command]:
+        self.notices.acknowledged(int(message["run"]), int(message["seq"]))
+        return []
+
     def _client_request(self, event: ClientRequest, now: float) -> list[Command]:
         message, state = event.message, self.state
         kind = message.kind
@@ -304,6 +393,8 @@ class CoordinatorCore:
         if kind == "run_request":
             flow = run_request(state, event.routing_id, event.user_key, message)
             return state.flows.start(flow, now)
+        if kind == "notice_ack":
+            return self._notice_acknowledged(message)
         if kind == "cluster_request":
             members = [m.to_dict() for m in state.membership.all()]
             reply = Message("cluster_state", {"members": members})

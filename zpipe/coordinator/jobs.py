@@ -98,8 +98,13 @@ class JobRunner:
         while True:
             chosen = pick_stages(self.state.membership, job.names, job.count)
             if not isinstance(chosen, str):
-                return chosen
-            if time.monotonic() >= deadline:
+                # A member restored from disk is taken once it spoke to this process (or
+                # was declared dead): a coordinator restarted a moment ago has not heard
+                # from it yet, and its connection may not be there to assign it.
+                unheard = any(m.name in self.state.unconfirmed for m in chosen)
+                if not unheard or time.monotonic() >= deadline:
+                    return chosen
+            elif time.monotonic() >= deadline:
                 raise InfeasiblePlanError(f"{chosen} after waiting {job.wait_s} s")
             await asyncio.sleep(_POLL_S)
 

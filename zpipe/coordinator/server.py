@@ -103,6 +103,15 @@ class CoordinatorConfig:
     measure_links: bool = True
     # Keep the run and its latest replica here, so a restarted coordinator resumes it.
     state_dir: Path | None = None
+    # On exit, tell every stage to shut down. None: only without a state directory (with
+    # one, the stages serve on for the coordinator that takes over).
+    shutdown_stages_on_exit: bool | None = None
+
+    @property
+    def shuts_down_stages(self) -> bool:
+        if self.shutdown_stages_on_exit is not None:
+            return self.shutdown_stages_on_exit
+        return self.state_dir is None
 
 
 EventOf = Callable[[bytes, "str | None", Message], Event]
@@ -135,6 +144,7 @@ DISPATCH: dict[str, EventOf] = {
             "cluster_request",
             "weights_request",
             "replicate",
+            "notice_ack",
         )
     },
 }
@@ -192,6 +202,10 @@ class Coordinator:
     def _setup(self) -> None:
         keys_dir = self.config.keys_dir
         self._router = open_socket(self._context, zmq.ROUTER, self.config.socket_options)
+        # A peer that reconnects (its ZMTP heartbeats dropped the connection to a paused or
+        # cut-off coordinator) takes over its routing id at once; without this, the new
+        # connection stays unread while the stale one is not yet torn down (seen: 30 s).
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if keys_dir is not None:
             self._keypair = security.load_keypair(keys_dir, "coordinator")
             self._public_keys.update(security.load_public_keys(keys_dir))
@@ -234,7 +248,14 @@ class Coordinator:
                 task.cancel()
             for timer in self._timers.values():
                 timer.cancel()
-            await self._shutdown_stages("coordinator stopping")
+            if self.config.shuts_down_stages:
+                await self._shutdown_stages("coordinator stopping")
+            else:
+                log.info(
+                    "stages_left_running",
+                    stages=[m.name for m in self.membership.alive()],
+                    detail="a coordinator started with the same --state-dir takes them over",
+                )
             self._close()
 
     def stop(self) -> None:

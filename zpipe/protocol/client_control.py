@@ -7,6 +7,7 @@ On the coordinator's ROUTER and the client's DEALER::
     coordinator -> client   run_ready, run_failed, run_started, run_report,
                             stage_failed, run_replanned, replicated, checkpoint,
                             cluster_state
+    client -> coordinator   notice_ack (for a stage_failed or run_replanned with a seq)
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ class StageFailed(WireMessage):
     run: int = wire(INT)
     stage: str = wire(STR)
     reason: str = wire(STR)
+    # the notice's number within its run: sent again until the client acknowledges it
+    seq: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -142,6 +145,17 @@ class RunReplanned(WireMessage):
     last_stage: str = wire(STR)
     last_key: str | None = wire(OPT_STR)
     last_endpoint: str = wire(STR)
+    seq: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class NoticeAck(WireMessage):
+    """The client has the run's notice ``seq`` (``stage_failed``, ``run_replanned``):
+    the coordinator stops sending it again."""
+
+    KIND: ClassVar[str] = "notice_ack"
+    run: int = wire(INT)
+    seq: int = wire(INT)
 
 
 @wire_message
@@ -206,6 +220,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     RunReport,
     StageFailed,
     RunReplanned,
+    NoticeAck,
     Stalled,
     Replicate,
     Replicated,

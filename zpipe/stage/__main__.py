@@ -173,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=seconds,
         default=None,
         metavar="S",
-        help="exit when the coordinator has been silent for S seconds "
-        "(default: ten heartbeat intervals, at least 10)",
+        help="serve the current run on while the coordinator is silent (cut off, "
+        "restarting), and exit once it has been silent for S seconds (default: 60, or ten "
+        "heartbeat intervals if longer)",
     )
     add_allow_factory_arguments(parser)
     add_common_flags(parser)

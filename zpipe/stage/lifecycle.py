@@ -10,6 +10,14 @@ the commands this returns::
                                  └──────────────────┴─────────<─── RUNNING ──data──> compute
     any phase ──shutdown / refused / coordinator silent / a task dying too often──> STOPPING
 
+A coordinator that goes silent is *away* after a few heartbeat intervals (cut
+off, paused, restarting): the stage says so once and serves its run on, and
+keeps sending heartbeats (fewer after a while), which reach the coordinator
+when it is back; the first word from it ends the absence (a heartbeat goes at
+once, and a coordinator that no longer knows the stage asks it to register
+again, which leaves the run as it is). Only ``silence_limit_s`` of silence
+makes it exit.
+
 Which data message reaches compute is decided here too (:meth:`data_verdict`):
 only a message from a sender the running assignment names, of the running
 assignment's plan epoch. Every other is dropped (a wrong sender or kind) or
@@ -97,6 +105,15 @@ class ConnectAssignment:
 
 
 @dataclass(frozen=True)
+class Note:
+    """Log ``event`` (a change the operator should see); nothing else to do."""
+
+    level: str  # "info", "warning"
+    event: str
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class DropMessage:
     peer: str
     reason: str
@@ -123,7 +140,23 @@ Command = (
     | DropMessage
     | RestartTask
     | Exit
+    | Note
 )
+
+# Heartbeat intervals of silence after which the coordinator counts as away (its own
+# default for suspecting a stage).
+AWAY_AFTER_INTERVALS = 3
+# Heartbeats sent without a word back before the stage beats less often: one every
+# AWAY_BEAT_INTERVALS intervals, at least AWAY_BEAT_MIN_S apart. Not sooner, so a
+# coordinator that is only slow to answer keeps hearing the usual cadence; but the
+# backlog a paused coordinator finds on a connection stays below the receive
+# high-water mark (16). A coordinator paused for 12 s with 0.3 s heartbeats aborted
+# in libzmq 4.3.5 ("!_io_error", stream_engine_base.cpp:310) on SIGCONT, reading such
+# a backlog from connections the stages' ZMTP heartbeats had dropped after 5 s; at
+# most 8 + 5 heartbeats queue on one now.
+BEATS_BEFORE_SLOWING = 8
+AWAY_BEAT_INTERVALS = 3
+AWAY_BEAT_MIN_S = 1.0
 
 
 # ------------------------------------------------------------ data routing
@@ -212,6 +245,10 @@ class StageLifecycle:
         self.heartbeat_interval_s = 0.0
         self._register_deadline = now + connect_s
         self._heard_at = now
+        self._away = False  # the coordinator has been silent for a while
+        self._beat_at = now  # when the last heartbeat was due
+        self._unanswered = 0  # heartbeats sent since the coordinator's last word
+        self._back_after: float | None = None  # silence to report on its first word
         self._building: _Pending | None = None  # the assignment whose shard is being built
         self._pending: _Pending | None = None  # built, awaiting "connect"
         self._route: DataRoute | None = None  # the running assignment's
@@ -254,7 +291,15 @@ class StageLifecycle:
 
     def heard_from_coordinator(self, now: float) -> None:
         """Any frames from the coordinator, even undecodable ones, show it is alive."""
+        if self._away:
+            self._away = False
+            self._back_after = now - self._heard_at
         self._heard_at = max(self._heard_at, now)
+        self._unanswered = 0
+
+    @property
+    def coordinator_away(self) -> bool:
+        return self._away
 
     def heartbeat_due(self, now: float) -> list[Command]:
         silent = now - self._heard_at
@@ -267,21 +312,59 @@ class StageLifecycle:
                     )
                 )
             ]
+        out: list[Command] = []
+        interval = self.heartbeat_interval_s
+        if self._unanswered >= BEATS_BEFORE_SLOWING and now - self._beat_at < max(
+            AWAY_BEAT_INTERVALS * interval, AWAY_BEAT_MIN_S
+        ):
+            return []
+        if not self._away and silent > AWAY_AFTER_INTERVALS * interval:
+            self._away = True
+            out.append(
+                Note(
+                    "warning",
+                    "coordinator_away",
+                    {
+                        "silent_s": round(silent, 2),
+                        "limit_s": self.silence_limit_s,
+                        "phase": self.phase.value,
+                        "detail": "serving on; exiting if it stays silent for the limit",
+                    },
+                )
+            )
         # A DEALER blocks while the coordinator is unreachable; never for longer
         # than an interval, so the silence check keeps running.
-        return [
-            SendToCoordinator(
-                "heartbeat",
-                {"name": self.name},
-                attach_metrics=True,
-                timeout_s=self.heartbeat_interval_s,
-            )
-        ]
+        self._beat_at = now
+        self._unanswered += 1
+        out.append(self._heartbeat())
+        return out
+
+    def _heartbeat(self) -> SendToCoordinator:
+        return SendToCoordinator(
+            "heartbeat",
+            {"name": self.name},
+            attach_metrics=True,
+            timeout_s=self.heartbeat_interval_s,
+        )
+
+    def _coordinator_back(self) -> list[Command]:
+        """After an absence: say so, and beat at once, so the coordinator hears this
+        stage as soon as it can (it may be waiting for one word to trust itself)."""
+        away, self._back_after = self._back_after, None
+        if away is None or self.phase is Phase.STOPPING:
+            return []
+        back = Note(
+            "info", "coordinator_back", {"away_s": round(away, 2), "phase": self.phase.value}
+        )
+        return [back, self._heartbeat()]
 
     # ------------------------------------------------------- control messages
 
     def control_message(self, message: Message, now: float) -> list[Command]:
         self.heard_from_coordinator(now)
+        return [*self._coordinator_back(), *self._control_message(message)]
+
+    def _control_message(self, message: Message) -> list[Command]:
         kind = message.kind
         if self.phase is Phase.STOPPING or kind in ("heartbeat_ack", "registered"):
             return []

@@ -48,6 +48,7 @@ from zpipe.stage.lifecycle import (
     DropMessage,
     Exit,
     Job,
+    Note,
     Phase,
     RestartTask,
     SendToCoordinator,
@@ -371,6 +372,8 @@ class StageRuntime:
                 self._supervisor.restart(command.name)
             elif isinstance(command, Exit):
                 self._exit_with(command)
+            elif isinstance(command, Note):
+                getattr(log, command.level)(command.event, stage=self.config.name, **command.fields)
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:

@@ -53,6 +53,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "weights_request",
             "replicate",
             "stalled",
+            "notice_ack",
             # to the first and last stages: inputs and labels
             "data",
             "labels",

@@ -1,0 +1,66 @@
+"""Notices to a run's client, kept until it acknowledges them. Pure.
+
+``stage_failed`` and ``run_replanned`` are sent unasked. One sent while the
+client was cut off is lost (a ROUTER drops what it cannot deliver, a
+reconnection drops what was queued), and the client would wait for results
+that never come. So each notice gets a number within its run (``seq``) and is
+sent again every ``resend_s`` until the client answers ``notice_ack`` with
+that number, for as long as the run is the current one and at most
+``keep_s`` (the client gives up on a silent run by then). The client drops a
+number it has seen, so a notice sent twice acts once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zpipe.transport.codec import Message
+
+# The kinds the coordinator sends a client unasked, about a run that goes on.
+NOTICE_KINDS = ("stage_failed", "run_replanned")
+
+
+@dataclass
+class _Kept:
+    to: bytes
+    message: Message
+    first_sent: float
+    last_sent: float
+
+
+class NoticeOutbox:
+    """Every run's notices not yet acknowledged, by (run, seq)."""
+
+    def __init__(self, *, resend_s: float, keep_s: float) -> None:
+        self.resend_s = resend_s
+        self.keep_s = keep_s
+        self._kept: dict[tuple[int, int], _Kept] = {}
+        self._last_seq: dict[int, int] = {}
+
+    def post(self, to: bytes, message: Message, now: float) -> Message:
+        """``message`` numbered within its run, kept until acknowledged; send what this returns."""
+        run = int(message["run"])
+        seq = self._last_seq.get(run, 0) + 1
+        self._last_seq[run] = seq
+        numbered = Message(message.kind, {**message.body, "seq": seq}, epoch=message.epoch)
+        self._kept[(run, seq)] = _Kept(to, numbered, now, now)
+        return numbered
+
+    def acknowledged(self, run: int, seq: int) -> bool:
+        """The client has notice ``seq`` of ``run``; False if it was not kept (a repeat)."""
+        return self._kept.pop((run, seq), None) is not None
+
+    def due(self, current_run: int | None, now: float) -> list[tuple[bytes, Message]]:
+        """The notices to send again now, oldest first; those of a run that is no longer
+        current, or older than ``keep_s``, are forgotten."""
+        out = []
+        for key, kept in list(self._kept.items()):
+            if key[0] != current_run or now - kept.first_sent >= self.keep_s:
+                del self._kept[key]
+            elif now - kept.last_sent >= self.resend_s:
+                kept.last_sent = now
+                out.append((kept.to, kept.message))
+        return out
+
+    def unacknowledged(self, run: int) -> list[int]:
+        return sorted(seq for r, seq in self._kept if r == run)
