@@ -74,6 +74,9 @@ class CoordinatorState:
     # the current run's controller (an InferenceRun or a SyncTrainingRun), if any
     current: Any = None
     answers: Answers = field(default_factory=Answers)
+    # this host's own addresses and names: a stage advertising one of them shares the
+    # host of a client with a loopback sink (see zpipe.coordinator.sink_check)
+    local_hosts: frozenset[str] = frozenset()
 
     def key_of(self, name: str, client_key: str | None = None) -> str | None:
         """A peer's public key (the client's: the key it authenticated with)."""

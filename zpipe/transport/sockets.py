@@ -383,6 +383,25 @@ def _local_address_toward(endpoint: str | None) -> str:
         probe.close()
 
 
+def this_host_addresses(bound: str | None = None) -> frozenset[str]:
+    """This host's names and addresses, as far as its resolver and ``bound`` tell (best
+    effort, no packets sent): whether a peer's advertised address is this host."""
+    found: set[str] = set()
+    host = (urlsplit(bound).hostname or "") if bound else ""
+    if host:
+        found.add(host)
+    for name in {pysocket.gethostname(), pysocket.getfqdn()}:
+        if not name:
+            continue
+        found.add(name)
+        try:
+            infos = pysocket.getaddrinfo(name, None, proto=pysocket.IPPROTO_TCP)
+        except OSError:
+            continue
+        found.update(str(info[4][0]) for info in infos)
+    return frozenset(found)
+
+
 def validate_endpoint(endpoint: str, *, flag: str) -> str:
     """Check a user-given endpoint early, so a typo fails with the flag's name."""
     parts = urlsplit(endpoint)
