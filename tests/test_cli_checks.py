@@ -509,3 +509,20 @@ def test_train_advertise_host_needs_a_coordinator(
 ) -> None:
     assert exit_status(train_cli.main, ["--advertise-host", "10.0.0.2"]) == 2
     assert "--advertise-host needs --coordinator" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("main", "argv"),
+    [
+        (stage_main.main, ["--coordinator", "tcp://no-such-host.invalid:5550", "--name", "x"]),
+        (train_cli.main, ["--coordinator", "tcp://no-such-host.invalid:5550"]),
+    ],
+    ids=["stage", "train"],
+)
+def test_a_coordinator_host_that_does_not_resolve_is_named_not_waited_for(
+    main: Main, argv: list[str], no_training: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert exit_status(main, argv) == 2
+    err = capsys.readouterr().err
+    assert "the host 'no-such-host.invalid'" in err and "cannot be resolved" in err
+    assert "is it running" not in err

@@ -45,7 +45,7 @@ from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
 from zpipe.training.schedules import SCHEDULES
 from zpipe.transport import security
-from zpipe.transport.sockets import validate_endpoint
+from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
 PROG = "python -m zpipe train"
 # fit's planners: the training planners, and a straight pipeline from forward times
@@ -397,6 +397,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.coordinator is not None:
         try:
             validate_endpoint(args.coordinator, flag="--coordinator")
+            check_resolvable(args.coordinator, flag="--coordinator")
         except ZpipeError as exc:
             parser.error(str(exc))
     _check_keys(parser, args)

@@ -30,7 +30,7 @@ from zpipe.models.trust import (
 from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.emulation import LinkSpec
-from zpipe.transport.sockets import validate_endpoint
+from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Bounds far beyond any device, so that a typo (or "1e308") is refused instead of
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         # Model factories peers' specs may name: what the operator allowed, nothing else.
         allow_peer_factories(allow_list_from_args(args))
         validate_endpoint(args.coordinator, flag="--coordinator")
+        check_resolvable(args.coordinator, flag="--coordinator")
         validate_endpoint(args.bind, flag="--bind")
         if args.probe_bind is not None:
             validate_endpoint(args.probe_bind, flag="--probe-bind")

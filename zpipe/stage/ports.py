@@ -1,6 +1,7 @@
 """A stage's sockets and keys: control (to the coordinator), data in, probes in.
 
-- control: a DEALER to the coordinator, named by the stage's name;
+- control: a DEALER to the coordinator, named by the stage's name and a suffix of
+  this process's own;
 - data: a PULL where the assigned upstream (and, training, the neighbours and
   the client) send; with keys, only the keys the current assignment names may
   connect (until then, nobody);
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import zmq
@@ -92,7 +94,10 @@ class StagePorts:
             probe_bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
         control = open_socket(context, zmq.DEALER, opts)
-        control.setsockopt(zmq.ROUTING_ID, config.name.encode())
+        # This process's own routing id: a second process under the same name is then a
+        # registration the coordinator can judge (refuse, or let take over a dead one),
+        # where one routing id would have the coordinator's ROUTER silently drop it.
+        control.setsockopt(zmq.ROUTING_ID, f"{config.name}#{uuid.uuid4().hex[:12]}".encode())
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(control, keys.keypair, keys.coordinator_key)
         control.connect(config.coordinator)

@@ -383,6 +383,28 @@ def _local_address_toward(endpoint: str | None) -> str:
         probe.close()
 
 
+def check_resolvable(endpoint: str, *, flag: str) -> None:
+    """Refuse a tcp endpoint whose host name does not resolve, at once and by name:
+    ZeroMQ would retry it silently for ever, which looks like a peer that is not running."""
+    parts = urlsplit(endpoint)
+    host = parts.hostname
+    if parts.scheme != "tcp" or not host or host == "*":
+        return
+    try:
+        ipaddress.ip_address(host)
+        return  # an address: nothing to resolve
+    except ValueError:
+        pass
+    try:
+        pysocket.getaddrinfo(host, None, proto=pysocket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as exc:
+        detail = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(
+            f"{flag}: the host {host!r} of {endpoint} cannot be resolved ({detail}); "
+            "check its spelling and this machine's name service, or give an IP address"
+        ) from None
+
+
 def this_host_addresses(bound: str | None = None) -> frozenset[str]:
     """This host's names and addresses, as far as its resolver and ``bound`` tell (best
     effort, no packets sent): whether a peer's advertised address is this host."""
