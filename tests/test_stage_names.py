@@ -69,9 +69,10 @@ def test_a_holder_whose_connection_is_gone_is_taken_over_at_once() -> None:
     assert "connection is gone" in h.events("stage_dead")[0]["reason"]
 
 
-def test_a_frozen_holder_that_does_not_answer_is_taken_over_after_the_probe_window() -> None:
+def test_a_frozen_holder_that_does_not_answer_is_taken_over_when_it_would_be_dead() -> None:
     h = _claimed()
-    h.advance(h.state.membership.probe_timeout_s - 0.3)
+    membership = h.state.membership
+    h.advance(membership.suspect_after_s + membership.probe_timeout_s - 0.3)
     assert not _to(h, b"a#2", "registered")
     h.advance(0.6)
     assert _to(h, b"a#2", "registered")

@@ -173,7 +173,10 @@ class CoordinatorCore:
 
     def _claim(self, holder: Member, event: Registered, now: float) -> list[Command]:
         """Another process registers under ``holder``'s name: ask the holder first."""
-        window = self.state.membership.probe_timeout_s
+        # as long as the liveness rules would take to find the holder dead: a loaded
+        # holder that answers late is not taken over sooner than it would be declared dead
+        membership = self.state.membership
+        window = membership.suspect_after_s + membership.probe_timeout_s
         claim = self.claims.open(holder.name, event, now, window)
         if claim is None:
             return []  # the newcomer repeated its registration; the probe is out

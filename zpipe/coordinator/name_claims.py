@@ -8,7 +8,7 @@ asks the holder with a probe, and the claim is settled by what happens:
 
     the probe cannot be sent (the holder's connection is gone) ─> the newcomer takes over
     the holder answers the probe                                ─> the newcomer is refused
-    no answer within the probe window (a frozen holder)         ─> the newcomer takes over
+    no answer within the suspect and probe times (frozen)       ─> the newcomer takes over
 
 A holder that the coordinator has not heard from for its suspect time is not
 asked: the newcomer takes over at once. Pure bookkeeping; the core sends and
