@@ -470,6 +470,8 @@ def test_weights_difference_of_a_missing_or_reshaped_tensor_is_infinite() -> Non
     assert train_cli.weights_difference({}, expected) == math.inf
     assert train_cli.weights_difference({"w": torch.zeros(4)}, expected) == math.inf
     assert train_cli.weights_difference({"w": torch.full((3,), 0.5)}, expected) == 0.5
+    nan = torch.tensor([0.0, float("nan"), 0.0])
+    assert train_cli.weights_difference({"w": nan}, expected) == math.inf
 
 
 def test_train_report_shows_groups_and_lists_recoveries() -> None:

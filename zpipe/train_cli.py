@@ -456,15 +456,18 @@ def main(argv: list[str] | None = None) -> int:
 def weights_difference(
     trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 ) -> float:
-    """The largest absolute difference of any weight; infinite when a tensor is missing
-    or has another shape (the models are not the same)."""
+    """The largest absolute difference of any weight; infinite when a tensor is missing,
+    has another shape or holds a NaN where the other does not agree."""
     worst = 0.0
     for name, want in expected.items():
         got = trained.get(name)
         if got is None or got.shape != want.shape:
             return math.inf
         if want.numel():
-            worst = max(worst, float((got.float() - want.float()).abs().max()))
+            gap = float((got.float() - want.float()).abs().max())
+            if math.isnan(gap):  # max() would pass over a NaN
+                return math.inf
+            worst = max(worst, gap)
     return worst
 
 
