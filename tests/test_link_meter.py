@@ -50,10 +50,7 @@ async def _stalled_then_drained(window: int, messages: int) -> tuple[StageCounte
         stuck = meter.in_flight
         for _ in range(sent):  # the receiver reads: the link moves again
             await recv_frames(receiver, timeout_s=60.0, peer="upstream", awaited="data")
-        for _ in range(600):
-            if meter.in_flight == 0:
-                break
-            await asyncio.sleep(0.1)
+        await meter.drained(timeout_s=60.0, peer="downstream")
         meter.close()
         return counters, sent, stuck
     finally:

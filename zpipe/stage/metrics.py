@@ -96,6 +96,8 @@ class LinkMeter:
         self._counters = counters
         self._room = asyncio.Semaphore(window)
         self._in_flight = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
         self._counted_to = 0.0  # link_s covers the busy time up to here
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: queue.SimpleQueue[tuple[zmq.MessageTracker, int] | None] = (
@@ -124,6 +126,7 @@ class LinkMeter:
         now = time.perf_counter()
         if self._in_flight == 0:
             self._counted_to = now
+            self._drained.clear()
         self._in_flight += 1
         counters = self._counters
         counters.link_peak_in_flight = max(counters.link_peak_in_flight, self._in_flight)
@@ -162,10 +165,19 @@ class LinkMeter:
         counters.link_s += max(done_at - self._counted_to, 0.0)
         self._counted_to = max(self._counted_to, done_at)
         self._in_flight -= 1
+        if self._in_flight == 0:
+            self._drained.set()
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    async def drained(self, *, timeout_s: float, peer: str) -> None:
+        """Wait until every message sent has been written out (a benchmark's end)."""
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(peer, "the link to drain", timeout_s) from None
 
     def close(self) -> None:
         """Stop waiting (the sockets are closed or about to be): the thread ends."""
