@@ -162,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         # Model factories peers' specs may name: what the operator allowed, nothing else.
         allow_peer_factories(allow_list_from_args(args))
         validate_endpoint(args.coordinator, flag="--coordinator")
-        check_resolvable(args.coordinator, flag="--coordinator")
         validate_endpoint(args.bind, flag="--bind")
         if args.probe_bind is not None:
             validate_endpoint(args.probe_bind, flag="--probe-bind")
@@ -186,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ),
         )
+        # last: every other flag is checked without a name lookup
+        check_resolvable(args.coordinator, flag="--coordinator")
     except ZpipeError as exc:
         parser.error(str(exc))
     configure_logging(log_format=args.log_format, level=args.log_level)
