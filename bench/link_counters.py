@@ -71,7 +71,7 @@ async def _send(endpoint: str, messages: int, message_bytes: int, windowed: bool
     for _ in range(messages):
         began = time.perf_counter()
         if windowed:
-            await meter.room(timeout_s=600, peer="receiver")
+            await meter.room(timeout_s=600)
             await send(sock, message, timeout_s=600, peer="receiver", on_queued=meter.track)
         else:
             await send(sock, message, timeout_s=600, peer="receiver")

@@ -147,7 +147,7 @@ class InferenceLoop:
     async def _send_downstream(self, item: object) -> None:
         assert isinstance(item, Message)
         peer, timeout_s = self._downstream_name, self._send_timeout_s
-        await self._meter.room(timeout_s=timeout_s, peer=peer)
+        await self._meter.room(timeout_s=timeout_s)
         try:
             self._counters.bytes_out += await send(
                 self._downstream, item, timeout_s=timeout_s, peer=peer, on_queued=self._meter.track

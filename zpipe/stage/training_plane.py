@@ -228,7 +228,7 @@ class TrainingPlane:
         sock = self._peers.get(peer)
         if sock is None:
             raise PeerGoneError(peer, message.kind)  # not a neighbour of this assignment
-        await self._meter.room(timeout_s=self._send_timeout_s, peer=peer)
+        await self._meter.room(timeout_s=self._send_timeout_s)
         try:
             self._counters.bytes_out += await send(
                 sock,
