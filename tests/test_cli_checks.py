@@ -404,3 +404,127 @@ def test_train_reaches_a_running_coordinator_and_saves(
     assert train_cli.main([*argv, "--optimizer", "sgd", "-o", str(weights)]) == 0
     assert f"weights saved to {weights}" in capsys.readouterr().out
     assert weights.stat().st_size > 0
+
+
+# -- train: --check fails beyond its tolerance; the report lists recoveries and groups -------
+
+
+def _fake_report(state: dict[str, Any], **fields: Any) -> Any:
+    from zpipe.client import TrainReport
+    from zpipe.models import ModelSpec
+    from zpipe.planner import Plan
+    from zpipe.planner.plan import StagePlan
+
+    spec = ModelSpec.preset("mlp-small", seed=0)
+    plan = Plan(algo="hpp", num_units=4, stages=(StagePlan("a", 0, 2), StagePlan("c", 2, 4)))
+    return TrainReport(
+        run=1,
+        plan=plan,
+        model_spec=spec,
+        schedule="1f1b",
+        num_microbatches=2,
+        losses=[1.0, 0.5],
+        samples=8,
+        elapsed_s=1.0,
+        state_dict=state,
+        **fields,
+    )
+
+
+@pytest.fixture
+def trained_off_by(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """`train --check` where the pipeline's weights differ from one process's by ``gap``."""
+    import torch
+
+    def setup(gap: float) -> None:
+        expected = {"w": torch.zeros(3), "b": torch.ones(2)}
+        trained = {"w": torch.tensor([0.0, gap, 0.0]), "b": torch.ones(2)}
+        monkeypatch.setattr(train_cli, "_train", lambda *a: _fake_report(trained))
+        monkeypatch.setattr(train_cli, "_train_here", lambda *a: expected)
+
+    return setup
+
+
+def test_train_check_exits_1_beyond_its_tolerance_and_says_both(
+    trained_off_by: Callable[[float], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    trained_off_by(0.25)
+    assert train_cli.main([*TINY, "--check", "--check-tolerance", "0.1"]) == 1
+    captured = capsys.readouterr()
+    assert "differ by 2.50e-01, more than the tolerance 1.00e-01" in captured.err
+    assert "(tolerance 1.00e-01)" in captured.out
+
+
+def test_train_check_passes_within_its_tolerance(
+    trained_off_by: Callable[[float], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    trained_off_by(1e-6)
+    assert train_cli.main([*TINY, "--check"]) == 0
+    assert "differ by at most 1.00e-06 (tolerance 1.00e-04)" in capsys.readouterr().out
+
+
+def test_weights_difference_of_a_missing_or_reshaped_tensor_is_infinite() -> None:
+    import torch
+
+    expected = {"w": torch.zeros(3)}
+    assert train_cli.weights_difference({}, expected) == math.inf
+    assert train_cli.weights_difference({"w": torch.zeros(4)}, expected) == math.inf
+    assert train_cli.weights_difference({"w": torch.full((3,), 0.5)}, expected) == 0.5
+    nan = torch.tensor([0.0, float("nan"), 0.0])
+    assert train_cli.weights_difference({"w": nan}, expected) == math.inf
+
+
+def test_train_report_shows_groups_and_lists_recoveries() -> None:
+    from zpipe.planner.training_plan import TrainingPlan, TrainStage
+
+    tplan = TrainingPlan(
+        algo="hpp",
+        schedule="1f1b",
+        num_units=4,
+        microbatch_size=4,
+        num_microbatches=2,
+        stages=(TrainStage(("a", "b"), 0, 2, (3, 1), 2), TrainStage(("c",), 2, 4, (4,), 1)),
+    )
+    recovery = {
+        "dead": "b",
+        "reason": "no heartbeat for 5.0 s",
+        "replica": 4,
+        "replayed": 2,
+        "policy": "lightweight",
+        "consistency": "exact",
+    }
+    rebalance = {"at": 6, "plan": {"stages": [{"devices": ["a"], "start": 0, "end": 3}]}}
+    report = _fake_report({}, training_plan=tplan, recoveries=[recovery], rebalances=[rebalance])
+    table = train_cli.describe_stages(report, ["u0", "u1", "u2", "u3"])
+    assert "a (3), b (1)" in table and "u0 .. u1" in table
+    assert "c " in table.splitlines()[2]
+    changes = "\n".join(train_cli.describe_changes(report))
+    assert "recoveries: 1" in changes
+    assert "stage 'b' lost (no heartbeat for 5.0 s)" in changes
+    assert "after mini-batch 4, 2 replayed" in changes
+    assert "after mini-batch 6: a [0, 3)" in changes
+    assert train_cli.describe_changes(_fake_report({})) == []
+
+
+def test_train_advertise_host_needs_a_coordinator(
+    no_training: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert exit_status(train_cli.main, ["--advertise-host", "10.0.0.2"]) == 2
+    assert "--advertise-host needs --coordinator" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("main", "argv"),
+    [
+        (stage_main.main, ["--coordinator", "tcp://no-such-host.invalid:5550", "--name", "x"]),
+        (train_cli.main, ["--coordinator", "tcp://no-such-host.invalid:5550"]),
+    ],
+    ids=["stage", "train"],
+)
+def test_a_coordinator_host_that_does_not_resolve_is_named_not_waited_for(
+    main: Main, argv: list[str], no_training: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert exit_status(main, argv) == 2
+    err = capsys.readouterr().err
+    assert "the host 'no-such-host.invalid'" in err and "cannot be resolved" in err
+    assert "is it running" not in err

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ import zmq
 from zpipe._errors import TransportTimeout, ZpipeError
 from zpipe.cli_common import (
     existing_dir,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -43,11 +45,14 @@ from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
 from zpipe.training.schedules import SCHEDULES
 from zpipe.transport import security
-from zpipe.transport.sockets import validate_endpoint
+from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
 PROG = "python -m zpipe train"
 # fit's planners: the training planners, and a straight pipeline from forward times
 PLANNERS = (*TRAINING_ALGOS, "pipeedge")
+# --check: float32 training of the same mini-batches in another order of reductions
+# differs by rounding only, far below this
+DEFAULT_CHECK_TOLERANCE = 1e-4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="also train in this process and compare the weights",
+        help="also train in this process and compare the weights; exit 1 when they differ "
+        "by more than --check-tolerance",
+    )
+    parser.add_argument(
+        "--check-tolerance",
+        type=non_negative_float,
+        default=DEFAULT_CHECK_TOLERANCE,
+        metavar="X",
+        help="with --check: the largest difference of any weight that passes "
+        f"(default: {DEFAULT_CHECK_TOLERANCE:g})",
+    )
+    parser.add_argument(
+        "--advertise-host",
+        default=None,
+        metavar="HOST",
+        help="with --coordinator: the address the stages send results to (this machine's, "
+        "as the last stage reaches it); default: the address that routes to the coordinator",
     )
     parser.add_argument(
         "--recover",
@@ -338,7 +359,9 @@ def _train(args: argparse.Namespace, spec: ModelSpec, batches: list[Any]) -> Tra
     if args.coordinator is not None:
 
         async def remote() -> TrainReport:
-            async with PipelineClient(args.coordinator, keys_dir=args.keys) as client:
+            async with PipelineClient(
+                args.coordinator, keys_dir=args.keys, advertise_host=args.advertise_host
+            ) as client:
                 try:
                     await reach_coordinator(client, timeout_s=args.connect_timeout)
                 except TransportTimeout:
@@ -360,6 +383,8 @@ def _train(args: argparse.Namespace, spec: ModelSpec, batches: list[Any]) -> Tra
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Everything about the flags that can fail, checked before anything starts."""
     recover_only = (args.replicate_every, args.rebalance, args.consistency, args.replication)
+    if args.advertise_host is not None and args.coordinator is None:
+        parser.error("--advertise-host needs --coordinator (--local runs on this machine)")
     if not args.recover and recover_only != (None, None, None, None):
         parser.error(
             "--replicate-every, --rebalance, --consistency and --replication need --recover"
@@ -372,6 +397,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.coordinator is not None:
         try:
             validate_endpoint(args.coordinator, flag="--coordinator")
+            check_resolvable(args.coordinator, flag="--coordinator")
         except ZpipeError as exc:
             parser.error(str(exc))
     _check_keys(parser, args)
@@ -412,22 +438,93 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weights saved to {args.output}")
     if args.check:
         expected = _train_here(spec, batches, _optimizer(args))
-        worst = max(float((report.state_dict[k] - v).abs().max()) for k, v in expected.items())
-        print(f"single-process training: weights differ by at most {worst:.2e}")
+        worst = weights_difference(report.state_dict, expected)
+        print(
+            f"single-process training: weights differ by at most {worst:.2e} "
+            f"(tolerance {args.check_tolerance:.2e})"
+        )
+        if not worst <= args.check_tolerance:  # NaN fails too
+            print(
+                f"{PROG}: --check failed: the weights differ by {worst:.2e}, more than the "
+                f"tolerance {args.check_tolerance:.2e} (--check-tolerance)",
+                file=sys.stderr,
+            )
+            return 1
     return 0
+
+
+def weights_difference(
+    trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> float:
+    """The largest absolute difference of any weight; infinite when a tensor is missing,
+    has another shape or holds a NaN where the other does not agree."""
+    worst = 0.0
+    for name, want in expected.items():
+        got = trained.get(name)
+        if got is None or got.shape != want.shape:
+            return math.inf
+        if want.numel():
+            gap = float((got.float() - want.float()).abs().max())
+            if math.isnan(gap):  # max() would pass over a NaN
+                return math.inf
+            worst = max(worst, gap)
+    return worst
 
 
 def _print_report(report: TrainReport, spec: ModelSpec) -> None:
     print(f"\nplan ({report.plan.algo}), schedule {report.schedule}:")
-    print(report.plan.describe(load_layer_sequence(spec).unit_names()))
+    print(describe_stages(report, load_layer_sequence(spec).unit_names()))
     print(
         f"\nloss {report.losses[0]:.4f} -> {report.losses[-1]:.4f} over {report.steps} "
         f"mini-batches; {report.samples_per_s:.1f} samples/s"
     )
-    for name in report.plan.devices:
+    devices = report.training_plan.devices if report.training_plan else report.plan.devices
+    for name in devices:
         stage = report.stages.get(name, {})
         held_mib = stage.get("peak_activation_bytes", 0) / 2**20
         print(
             f"  {name:<10} busy {stage.get('busy_s', 0):6.2f} s  peak activations "
             f"{stage.get('peak_live_activations', 0)} ({held_mib:.1f} MiB)"
         )
+    for line in describe_changes(report):
+        print(line)
+
+
+def describe_stages(report: TrainReport, unit_names: list[str]) -> str:
+    """One row per stage; a data-parallel stage lists every device of its group with
+    the samples of each micro-batch it runs."""
+    tplan = report.training_plan
+    if tplan is None:
+        return report.plan.describe(unit_names)
+    rows = [f"{'stage':>5}  {'devices (samples each)':<32} {'units':>11}  first .. last"]
+    for i, st in enumerate(tplan.stages):
+        if len(st.devices) == 1:
+            who = st.devices[0]
+        else:
+            who = ", ".join(f"{d} ({s})" for d, s in zip(st.devices, st.shares, strict=True))
+        span = f"{unit_names[st.start]} .. {unit_names[st.end - 1]}"
+        rows.append(f"{i:>5}  {who:<32} {f'[{st.start}, {st.end})':>11}  {span}")
+    return "\n".join(rows)
+
+
+def describe_changes(report: TrainReport) -> list[str]:
+    """The recoveries (a stage lost, where the run resumed) and rebalances of the run."""
+    lines = []
+    if report.recoveries:
+        lines.append(f"\nrecoveries: {len(report.recoveries)}")
+    for r in report.recoveries:
+        lines.append(
+            f"  stage {r.get('dead')!r} lost ({r.get('reason', 'no reason given')}); resumed "
+            f"from the replica after mini-batch {r.get('replica')}, {r.get('replayed', 0)} "
+            f"replayed ({r.get('policy')} re-plan, {r.get('consistency')} consistency)"
+        )
+    if report.rebalances:
+        lines.append(f"\nrebalances: {len(report.rebalances)}")
+    for r in report.rebalances:
+        stages = (r.get("plan") or {}).get("stages") or []
+        ranges = ", ".join(
+            f"{'+'.join(st.get('devices', []))} [{st.get('start')}, {st.get('end')})"
+            for st in stages
+        )
+        lines.append(f"  after mini-batch {r.get('at')}: {ranges}")
+    return lines

@@ -25,6 +25,7 @@ from zpipe.transport.sockets import (
     SocketOptions,
     advertised_endpoint,
     bind_endpoint,
+    check_resolvable,
     decode_frames,
     new_context,
     open_socket,
@@ -75,6 +76,8 @@ class ClientConnection:
         timeouts: Timeouts,
         options: SocketOptions,
     ) -> ClientConnection:
+        # before any socket: a name that does not resolve would look like silence
+        check_resolvable(coordinator, flag="the coordinator endpoint")
         context = new_context()
         dealer = open_socket(context, zmq.DEALER, options)
         dealer.setsockopt(zmq.ROUTING_ID, f"{CLIENT_NAME}-{uuid.uuid4().hex[:12]}".encode())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from zpipe._errors import ConfigError, StageLostError, StateFileError
+from zpipe._errors import ConfigError, StageLostError, StateFileError, TransportTimeout
 from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
 from zpipe.coordinator.events import (
@@ -31,7 +31,8 @@ from zpipe.coordinator.events import (
     TimerFired,
 )
 from zpipe.coordinator.inference import InferenceRun
-from zpipe.coordinator.membership import MemberState
+from zpipe.coordinator.membership import Member, MemberState
+from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NOTICE_KINDS, NoticeOutbox
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState
@@ -71,6 +72,8 @@ class CoordinatorCore:
         # A client cut off when a notice went misses it: sent again until acknowledged,
         # for as long as the client would wait for a result of its run.
         self.notices = NoticeOutbox(resend_s=2 * t.heartbeat_interval_s, keep_s=t.result_s)
+        # registrations under a name a live stage holds, until the holder answers or not
+        self.claims = NameClaims()
 
     @property
     def run(self) -> Run | None:
@@ -104,7 +107,8 @@ class CoordinatorCore:
         if isinstance(event, JobFailed):
             return flows.job_failed(event.tag, event.error, now)
         if isinstance(event, RequestFailed):
-            return flows.stage_lost(event.stage, event.error, now)
+            out = flows.stage_lost(event.stage, event.error, now)
+            return [*out, *self._holder_unreachable(event, now)]
         raise TypeError(f"unknown event {event!r}")
 
     # ------------------------------------------------------------ stages
@@ -135,6 +139,9 @@ class CoordinatorCore:
         if kind == "heartbeat":
             return [Send(event.routing_id, Message("heartbeat_ack"), member.name, heartbeat_s)]
         if kind == "probe_ack":
+            claim = self.claims.answered(member.name, message.get("nonce"))
+            if claim is not None:
+                return self._refuse_claim(claim, member)
             return [Log("info", "stage_answered_probe", {"stage": member.name})]
         if kind in SHELL_REPLY_KINDS:
             return [Deliver(member.name, message)]
@@ -175,6 +182,87 @@ class CoordinatorCore:
                     ),
                     Send(event.routing_id, refused, name, reply_s),
                 ]
+        previous = state.membership.get(name)
+        if (
+            previous is not None
+            and previous.state is not MemberState.DEAD
+            and previous.routing_id != event.routing_id
+            and now - previous.last_seen < state.membership.suspect_after_s
+        ):
+            return self._claim(previous, event, now)
+        return self._admit(event, now)
+
+    # -- a name a live stage holds (see zpipe.coordinator.name_claims) --
+
+    def _claim(self, holder: Member, event: Registered, now: float) -> list[Command]:
+        """Another process registers under ``holder``'s name: ask the holder first."""
+        # as long as the liveness rules would take to find the holder dead: a loaded
+        # holder that answers late is not taken over sooner than it would be declared dead
+        membership = self.state.membership
+        window = membership.suspect_after_s + membership.probe_timeout_s
+        claim = self.claims.open(holder.name, event, now, window)
+        if claim is None:
+            return []  # the newcomer repeated its registration; the probe is out
+        probe = Message("probe", {"nonce": claim.nonce})
+        return [
+            Log(
+                "info",
+                "stage_name_claimed",
+                {"stage": holder.name, "newcomer": printable(event.routing_id)},
+            ),
+            # stage=: a holder whose connection is gone fails this send at once
+            Send(holder.routing_id, probe, holder.name, window, stage=holder.name),
+        ]
+
+    def _refuse_claim(self, claim: Claim, holder: Member) -> list[Command]:
+        reason = (
+            f"the name {claim.name!r} is taken: a stage registered under it (data endpoint "
+            f"{holder.data_endpoint}) is alive and answering; start this one with another "
+            "--name, or stop that one first"
+        )
+        refused = Message("refused", {"reason": reason})
+        return [
+            Log(
+                "warning",
+                "registration_refused",
+                {
+                    "stage": claim.name,
+                    "newcomer": printable(claim.registration.routing_id),
+                    "reason": "name taken by a live stage",
+                    "holder_endpoint": holder.data_endpoint,
+                },
+            ),
+            Send(claim.registration.routing_id, refused, claim.name, self.state.timeouts.reply_s),
+        ]
+
+    def _take_over(self, claim: Claim, why: str, now: float) -> list[Command]:
+        """The holder is gone or frozen: it is dead, and the newcomer registers."""
+        holder = self.state.membership.get(claim.name)
+        if holder is None or holder.state is MemberState.DEAD:
+            return self._admit(claim.registration, now)  # declared dead meanwhile
+        out: list[Command] = [
+            Log("warning", "stage_name_taken_over", {"stage": claim.name, "why": why})
+        ]
+        death = self.state.membership.declare_dead(
+            claim.name, f"a new process registered under its name ({why})", now
+        )
+        if death is not None:
+            out += self._death(death.name, death.reason, death.silent_s, now)
+        return out + self._admit(claim.registration, now)
+
+    def _holder_unreachable(self, event: RequestFailed, now: float) -> list[Command]:
+        if event.stage not in self.claims or not isinstance(event.error, TransportTimeout):
+            return []
+        claim = self.claims.holder_gone(event.stage)
+        assert claim is not None
+        return self._take_over(claim, "its connection is gone", now)
+
+    def _admit(self, event: Registered, now: float) -> list[Command]:
+        message, state = event.message, self.state
+        name = str(message["name"])
+        # a claim on the name, should one be pending, is settled by this registration
+        self.claims.holder_gone(name)
+        reply_s = state.timeouts.reply_s
         out: list[Command] = []
         previous = state.membership.get(name)
         run = self.run
@@ -204,6 +292,7 @@ class CoordinatorCore:
         except ConfigError as exc:
             return [
                 *out,
+                Log("warning", "registration_refused", {"stage": name, "reason": str(exc)}),
                 Send(event.routing_id, Message("refused", {"reason": str(exc)}), name, reply_s),
             ]
         state.confirm(name)
@@ -230,6 +319,8 @@ class CoordinatorCore:
         out += self._judge_partition(now)
         if self.partition.suspecting:
             return out  # cut off, most likely: nobody is declared dead meanwhile
+        for claim in self.claims.expired(now):
+            out += self._take_over(claim, "it did not answer a probe", now)
         probes, deaths = self.state.membership.tick(now)
         interval = self.state.timeouts.heartbeat_interval_s
         for probe in probes:

@@ -88,6 +88,7 @@ from zpipe.transport.sockets import (
     open_socket,
     recv_frames,
     send,
+    this_host_addresses,
 )
 
 log = get_logger("zpipe.coordinator")
@@ -218,6 +219,7 @@ class Coordinator:
         else:
             security.warn_open_cluster(log, "coordinator")
         self.endpoint = bind_endpoint(self._router, self.config.bind)
+        self.state.local_hosts = this_host_addresses(self.endpoint)
 
     async def serve(self, *, ready: asyncio.Event | None = None) -> None:
         self._setup()

@@ -37,6 +37,7 @@ from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.planning import DEFAULT_PLANNER
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
+from zpipe.coordinator.sink_check import check_sink_reachable
 from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
 from zpipe.coordinator.training import SyncTrainingRun, backup_holders
 from zpipe.coordinator.training_balance import memory_model
@@ -164,6 +165,10 @@ def _start_run(
     if mode == "train":
         return (yield from start.assign(message, None, straight=plan, replica=replica))
     members = [m for m in members if m.name in plan.devices]
+    last = next(m for m in members if m.name == plan.stages[-1].device)
+    check_sink_reachable(
+        str(message["sink_endpoint"]), {last.name: last.data_endpoint}, state.local_hosts
+    )
     epoch, counter = state.next_epoch(), state.next_run()
     run = Run(
         run=counter,
@@ -300,6 +305,11 @@ class _Training:
             source = straight
         training = check_train_settings(settings, len(groups))
         by_name = {m.name: m for m in members}
+        check_sink_reachable(
+            str(message["sink_endpoint"]),
+            {n: by_name[n].data_endpoint for n in groups[-1][0]},
+            state.local_hosts,
+        )
         epoch, counter = state.next_epoch(), state.next_run()
         view = Plan(
             algo=source.algo,

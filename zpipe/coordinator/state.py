@@ -80,6 +80,9 @@ class CoordinatorState:
     bulk: BulkLinks = field(default_factory=BulkLinks)
     # where new bulk tokens come from (tests give a predictable one)
     new_token: Callable[[], str] = lambda: secrets.token_urlsafe(16)
+    # this host's own addresses and names: a stage advertising one of them shares the
+    # host of a client with a loopback sink (see zpipe.coordinator.sink_check)
+    local_hosts: frozenset[str] = frozenset()
 
     def key_of(self, name: str, client_key: str | None = None) -> str | None:
         """A peer's public key (the client's: the key it authenticated with)."""

@@ -32,7 +32,7 @@ from zpipe.stage.config import DEFAULT_MAX_BATCH_ROWS
 from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.emulation import LinkSpec
-from zpipe.transport.sockets import validate_endpoint
+from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Bounds far beyond any device, so that a typo (or "1e308") is refused instead of
@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ),
         )
+        # last: every other flag is checked without a name lookup
+        check_resolvable(args.coordinator, flag="--coordinator")
     except ZpipeError as exc:
         parser.error(str(exc))
     configure_logging(log_format=args.log_format, level=args.log_level)

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
 from zpipe.log import get_logger
-from zpipe.stage.metrics import StageCounters
+from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
@@ -60,6 +60,8 @@ class InferenceLoop:
         self._inbox: asyncio.Queue[Message] = asyncio.Queue(QUEUE_DEPTH)
         self._outbox: asyncio.Queue[Message] = asyncio.Queue(QUEUE_DEPTH)
         self._link = None if link.is_ideal else EmulatedLink(link, self._send_downstream)
+        # how long the bytes take to leave, and a bound on what is on its way
+        self._meter = LinkMeter(counters)
 
     async def deliver(self, message: Message) -> None:
         """A checked message of this assignment's epoch (waits while the inbox is full)."""
@@ -144,11 +146,18 @@ class InferenceLoop:
 
     async def _send_downstream(self, item: object) -> None:
         assert isinstance(item, Message)
-        self._counters.bytes_out += await send(
-            self._downstream, item, timeout_s=self._send_timeout_s, peer=self._downstream_name
-        )
+        peer, timeout_s = self._downstream_name, self._send_timeout_s
+        await self._meter.room(timeout_s=timeout_s)
+        try:
+            self._counters.bytes_out += await send(
+                self._downstream, item, timeout_s=timeout_s, peer=peer, on_queued=self._meter.track
+            )
+        except BaseException:
+            self._meter.release()  # not queued: its place in the window is free again
+            raise
 
     async def close(self) -> None:
+        self._meter.close()
         if self._link is not None:
             await self._link.close()
             self._link = None

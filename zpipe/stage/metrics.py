@@ -1,9 +1,32 @@
-"""Per-stage counters: where a stage's time went and what crossed its links."""
+"""Per-stage counters: where a stage's time went and what crossed its links.
+
+A zmq send only queues: the sender's ``send_s`` stays near zero while a slow
+link takes seconds to move the bytes. :class:`LinkMeter` measures the link
+itself: every data message is sent with a libzmq tracker, which completes when
+libzmq releases the message, that is once its last byte went into the kernel's
+socket (the kernel then buffers at most its send buffer, a few MB, on top).
+``link_s`` is the wall time during which the stage had bytes on their way out,
+``link_delivered_bytes`` what completed; the sender waits while ``window``
+messages are on their way (up to its send deadline), so a slow link makes the
+sender wait (``send_s``) and, once the outbox is full, the compute loop too
+(``blocked_s``): backpressure a person can see.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 import time
 from dataclasses import asdict, dataclass, field
+
+import zmq
+
+from zpipe._errors import TransportTimeout
+
+# messages on their way to peers at once: one being written, the rest queued behind
+# it, so the link never idles between messages and a slow one is felt at once
+SEND_WINDOW = 4
 
 
 @dataclass
@@ -17,6 +40,9 @@ class StageCounters:
     idle_s: float = 0.0  # waiting for input (counted from the first input on)
     blocked_s: float = 0.0  # waiting for room to hand an output to the sender
     send_s: float = 0.0  # the sender waiting on the link or the downstream queue
+    link_s: float = 0.0  # wall time with sent bytes not yet out to the peer (LinkMeter)
+    link_delivered_bytes: int = 0  # bytes whose last byte left for the peer
+    link_peak_in_flight: int = 0  # most messages on their way out at once
     bytes_in: int = 0
     bytes_out: int = 0
     microbatches: int = 0
@@ -44,9 +70,122 @@ class StageCounters:
         data = asdict(self)
         data["uptime_s"] = time.monotonic() - data.pop("started_at")
         data["utilisation"] = self.utilisation
+        # the rate the links moved data while busy (0 before anything was sent)
+        data["link_mbps"] = (
+            self.link_delivered_bytes * 8 / 1e6 / self.link_s if self.link_s > 0 else 0.0
+        )
         return data
 
     def reset(self) -> None:
         fresh = StageCounters()
         for name, value in asdict(fresh).items():
             setattr(self, name, value)
+
+
+class LinkMeter:
+    """Tracks the data messages a stage sends until libzmq has written them out.
+
+    :meth:`room` waits (up to a deadline) for a place in the window before a send;
+    :meth:`track` takes the send's tracker. One waiter thread per meter waits on the
+    trackers in order (a tracker offers no callback, and polling would cost the
+    event loop) and reports each completion, stamped when it happened, back to the
+    loop. The results land in ``counters``.
+    """
+
+    def __init__(self, counters: StageCounters, *, window: int = SEND_WINDOW) -> None:
+        self._counters = counters
+        self._room = asyncio.Semaphore(window)
+        self._overdraft = 0  # places taken past the window (room waited its deadline out)
+        self._in_flight = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._counted_to = 0.0  # link_s covers the busy time up to here
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: queue.SimpleQueue[tuple[zmq.MessageTracker, int] | None] = (
+            queue.SimpleQueue()
+        )
+        self._waiter: threading.Thread | None = None
+        self._closed = False
+
+    async def room(self, *, timeout_s: float) -> None:
+        """Wait for a place in the window, at most ``timeout_s``: past it the message
+        goes anyway (zmq's own queue bound and send deadline then decide, as before the
+        window), so a link too slow to move one message within the deadline is never a
+        new failure."""
+        try:
+            await asyncio.wait_for(self._room.acquire(), timeout_s)
+        except asyncio.TimeoutError:
+            self._overdraft += 1
+
+    def release(self) -> None:
+        """Give back the place :meth:`room` gave when nothing was sent after all."""
+        if self._overdraft > 0:
+            self._overdraft -= 1
+        else:
+            self._room.release()
+
+    def track(self, tracker: zmq.MessageTracker, nbytes: int) -> None:
+        """A message just queued with ``tracker`` (its place in the window taken)."""
+        if self._closed:
+            self.release()
+            return
+        now = time.perf_counter()
+        if self._in_flight == 0:
+            self._counted_to = now
+            self._drained.clear()
+        self._in_flight += 1
+        counters = self._counters
+        counters.link_peak_in_flight = max(counters.link_peak_in_flight, self._in_flight)
+        if self._waiter is None:
+            self._loop = asyncio.get_running_loop()
+            self._waiter = threading.Thread(target=self._wait_all, name="zpipe-link", daemon=True)
+            self._waiter.start()
+        self._pending.put((tracker, nbytes))
+
+    def _wait_all(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            tracker, nbytes = item
+            while not self._closed:
+                try:
+                    tracker.wait(0.5)
+                    break
+                except zmq.NotDone:
+                    continue
+            done_at = time.perf_counter()
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._done, nbytes, done_at)
+            except RuntimeError:  # the loop closed: nobody reads the counters any more
+                return
+
+    def _done(self, nbytes: int, done_at: float) -> None:
+        self.release()
+        if self._closed:
+            return
+        counters = self._counters
+        counters.link_delivered_bytes += nbytes
+        # counted as each message completes, so a reading mid-stream is current
+        counters.link_s += max(done_at - self._counted_to, 0.0)
+        self._counted_to = max(self._counted_to, done_at)
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._drained.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def drained(self, *, timeout_s: float, peer: str) -> None:
+        """Wait until every message sent has been written out (a benchmark's end)."""
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(peer, "the link to drain", timeout_s) from None
+
+    def close(self) -> None:
+        """Stop waiting (the sockets are closed or about to be): the thread ends."""
+        self._closed = True
+        self._pending.put(None)

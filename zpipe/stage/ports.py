@@ -1,6 +1,7 @@
 """A stage's sockets and keys: control (to the coordinator), data in, probes in.
 
-- control: a DEALER to the coordinator, named by the stage's name;
+- control: a DEALER to the coordinator, named by the stage's name and a suffix of
+  this process's own;
 - bulk: a second DEALER to the coordinator, for state (weights, replicas, an
   assignment's tensors) in chunks (:mod:`zpipe.stage.bulk`), so that liveness on
   the control one never queues behind it;
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, replace
 
 import zmq
@@ -117,7 +119,11 @@ class StagePorts:
             probe_bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
         control = open_socket(context, zmq.DEALER, opts)
-        control.setsockopt(zmq.ROUTING_ID, config.name.encode())
+        # This process's own routing id: a second process under the same name is then a
+        # registration the coordinator can judge (refuse, or let take over a dead one),
+        # where one routing id would have the coordinator's ROUTER silently drop it.
+        routing_id = f"{config.name}#{uuid.uuid4().hex[:12]}".encode()
+        control.setsockopt(zmq.ROUTING_ID, routing_id)
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(control, keys.keypair, keys.coordinator_key)
         control.connect(config.coordinator)
@@ -128,7 +134,7 @@ class StagePorts:
         bulk = open_socket(
             context, zmq.DEALER, replace(opts, send_hwm=BULK_SEND_HWM), zmtp_heartbeat=False
         )
-        bulk.setsockopt(zmq.ROUTING_ID, config.name.encode() + BULK_ROUTING_SUFFIX)
+        bulk.setsockopt(zmq.ROUTING_ID, routing_id + BULK_ROUTING_SUFFIX)
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(bulk, keys.keypair, keys.coordinator_key)
         bulk.connect(config.coordinator)

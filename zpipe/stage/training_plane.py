@@ -22,7 +22,7 @@ from zpipe._errors import PeerGoneError, ProtocolError, ZpipeError
 from zpipe.log import get_logger
 from zpipe.stage.assignment import Assignment, PushConnector
 from zpipe.stage.lifecycle import CLIENT
-from zpipe.stage.metrics import StageCounters
+from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import Group, TrainingExecutor, TrainingSetup
 from zpipe.training.allreduce import RingAllReduce
@@ -122,6 +122,8 @@ class TrainingPlane:
         self._connector = connector
         self._compute = compute
         self._counters = counters
+        # how long the bytes take to leave, and a bound on what is on its way
+        self._meter = LinkMeter(counters)
         self._options = socket_options
         self._keypair = keypair
         self._authenticator = authenticator
@@ -226,11 +228,21 @@ class TrainingPlane:
         sock = self._peers.get(peer)
         if sock is None:
             raise PeerGoneError(peer, message.kind)  # not a neighbour of this assignment
-        self._counters.bytes_out += await send(
-            sock, message, timeout_s=self._send_timeout_s, peer=peer
-        )
+        await self._meter.room(timeout_s=self._send_timeout_s)
+        try:
+            self._counters.bytes_out += await send(
+                sock,
+                message,
+                timeout_s=self._send_timeout_s,
+                peer=peer,
+                on_queued=self._meter.track,
+            )
+        except BaseException:
+            self._meter.release()  # not queued: its place in the window is free again
+            raise
 
     async def close(self) -> None:
+        self._meter.close()
         # Before the next assignment sets its allow-list: closing the ring takes the
         # ring neighbour's key back out of it.
         if self._ring is not None:

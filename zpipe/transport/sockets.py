@@ -43,7 +43,7 @@ import asyncio
 import ipaddress
 import socket as pysocket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -238,16 +238,21 @@ async def send(
     timeout_s: float,
     peer: str,
     routing_id: bytes | None = None,
+    on_queued: Callable[[zmq.MessageTracker, int], None] | None = None,
 ) -> int:
     """Send ``message`` (zero-copy for tensors); returns the bytes sent.
 
     Raises :class:`TransportTimeout` if the peer's queue stays full past the
     deadline, which is what a dead or stalled peer looks like to a sender.
+    With ``on_queued``, the message is sent with a tracker, which is handed over
+    with its size once queued (it completes when libzmq has written the message
+    out; see :class:`zpipe.stage.metrics.LinkMeter`).
     """
     frames: list[Any] = encode(message)
     if routing_id is not None:
         frames = [routing_id, *frames]
     nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    track = on_queued is not None
     shadow = _shadow(sock, _SEND_ONLY)
     if shadow is not None:
         # Queue it at once when there is room (the common case): an asyncio
@@ -255,19 +260,23 @@ async def send(
         # send itself for megabyte messages. A multipart message is queued whole
         # or not at all, so on EAGAIN nothing was sent and the awaited path runs.
         try:
-            shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            return nbytes
+            tracker = shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=track)
         except zmq.Again:
             pass
+        else:
+            if on_queued is not None and tracker is not None:
+                on_queued(tracker, nbytes)
+            return nbytes
     # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
-    pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False))
-    if pending.done():
-        pending.result()
-        return nbytes
-    try:
-        await asyncio.wait_for(pending, timeout_s)
-    except asyncio.TimeoutError:
-        raise TransportTimeout(peer, f"room to send {message.kind}", timeout_s) from None
+    pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False, track=track))
+    if not pending.done():
+        try:
+            await asyncio.wait_for(pending, timeout_s)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(peer, f"room to send {message.kind}", timeout_s) from None
+    tracker = pending.result()
+    if on_queued is not None:
+        on_queued(tracker, nbytes)
     return nbytes
 
 
@@ -381,6 +390,47 @@ def _local_address_toward(endpoint: str | None) -> str:
         return "127.0.0.1"
     finally:
         probe.close()
+
+
+def check_resolvable(endpoint: str, *, flag: str) -> None:
+    """Refuse a tcp endpoint whose host name does not resolve, at once and by name:
+    ZeroMQ would retry it silently for ever, which looks like a peer that is not running."""
+    parts = urlsplit(endpoint)
+    host = parts.hostname
+    if parts.scheme != "tcp" or not host or host == "*":
+        return
+    try:
+        ipaddress.ip_address(host)
+        return  # an address: nothing to resolve
+    except ValueError:
+        pass
+    try:
+        pysocket.getaddrinfo(host, None, proto=pysocket.IPPROTO_TCP)
+    except (OSError, UnicodeError) as exc:
+        detail = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(
+            f"{flag}: the host {host!r} of {endpoint} cannot be resolved ({detail}); "
+            "check its spelling and this machine's name service, or give an IP address"
+        ) from None
+
+
+def this_host_addresses(bound: str | None = None) -> frozenset[str]:
+    """This host's names and addresses, as far as its resolver and ``bound`` tell (best
+    effort, no packets sent): whether a peer's advertised address is this host."""
+    found: set[str] = set()
+    host = (urlsplit(bound).hostname or "") if bound else ""
+    if host:
+        found.add(host)
+    for name in {pysocket.gethostname(), pysocket.getfqdn()}:
+        if not name:
+            continue
+        found.add(name)
+        try:
+            infos = pysocket.getaddrinfo(name, None, proto=pysocket.IPPROTO_TCP)
+        except OSError:
+            continue
+        found.update(str(info[4][0]) for info in infos)
+    return frozenset(found)
 
 
 def validate_endpoint(endpoint: str, *, flag: str) -> str:

@@ -1,0 +1,114 @@
+"""The link meter: the time bytes take to leave for a peer, and a bounded window of them.
+
+Real sockets on loopback, one process: a receiver that reads nothing stops the
+link, so the window fills and a send waits (then times out, naming the peer);
+once it reads, every message completes and its bytes are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import zmq
+
+from zpipe._errors import TransportTimeout
+from zpipe.stage.metrics import LinkMeter, StageCounters
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import (
+    SocketOptions,
+    bind_endpoint,
+    new_context,
+    open_socket,
+    recv_frames,
+    send,
+)
+
+MESSAGE_BYTES = 16 * 2**20  # far more than the kernel's socket buffers hold
+
+
+async def _stalled_then_drained(window: int, messages: int) -> tuple[StageCounters, int, int]:
+    context = new_context()
+    options = SocketOptions(send_hwm=1, recv_hwm=1)
+    receiver = open_socket(context, zmq.PULL, options)
+    sender = open_socket(context, zmq.PUSH, options)
+    try:
+        endpoint = bind_endpoint(receiver, "tcp://127.0.0.1:0")
+        sender.connect(endpoint)
+        counters = StageCounters()
+        meter = LinkMeter(counters, window=window)
+        message = Message(
+            "data", {"run": 1, "mb": 0, "src": "s0"}, tensors=(torch.zeros(MESSAGE_BYTES // 4),)
+        )
+        sent = 0
+        # the window holds the sender up to its deadline; then the message goes to zmq's
+        # own queue (one message here), whose send deadline stops the sender
+        with pytest.raises(TransportTimeout, match="downstream"):
+            for _ in range(messages):
+                await meter.room(timeout_s=1.0)
+                try:
+                    await send(
+                        sender, message, timeout_s=1.0, peer="downstream", on_queued=meter.track
+                    )
+                except TransportTimeout:
+                    meter.release()
+                    raise
+                sent += 1
+        stuck = meter.in_flight
+        for _ in range(sent):  # the receiver reads: the link moves again
+            await recv_frames(receiver, timeout_s=60.0, peer="upstream", awaited="data")
+        await meter.drained(timeout_s=60.0, peer="downstream")
+        meter.close()
+        return counters, sent, stuck
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+        context.term()
+
+
+def test_a_stalled_link_fills_the_window_and_a_drained_one_counts_every_byte() -> None:
+    counters, sent, stuck = asyncio.run(_stalled_then_drained(window=2, messages=8))
+    assert 2 <= sent < 8  # the window let some through, then the link stopped them
+    assert stuck >= 2  # the window was full when the send gave up
+    assert counters.link_peak_in_flight == stuck
+    assert counters.link_delivered_bytes >= sent * MESSAGE_BYTES
+    assert counters.link_s > 0
+    assert counters.to_dict()["link_mbps"] > 0
+
+
+class _HeldTracker:
+    """A tracker that completes when the test says so (libzmq wrote the message out)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.written = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self.written.wait(timeout):
+            raise zmq.NotDone
+
+
+async def _window_of_one() -> tuple[bool, bool, StageCounters]:
+    counters = StageCounters()
+    meter = LinkMeter(counters, window=1)
+    await meter.room(timeout_s=60.0)
+    first = _HeldTracker()
+    meter.track(first, 1000)  # type: ignore[arg-type]
+    waiting = asyncio.create_task(meter.room(timeout_s=60.0))
+    for _ in range(20):  # the event loop runs; the window stays full
+        await asyncio.sleep(0)
+    held = not waiting.done()
+    first.written.set()
+    await asyncio.wait_for(waiting, 60.0)
+    await meter.drained(timeout_s=60.0, peer="downstream")
+    meter.close()
+    return held, waiting.done(), counters
+
+
+def test_a_full_window_holds_the_next_send_until_a_message_is_written_out() -> None:
+    held, released, counters = asyncio.run(_window_of_one())
+    assert held and released
+    assert counters.link_delivered_bytes == 1000
+    assert counters.link_peak_in_flight == 1
