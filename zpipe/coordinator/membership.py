@@ -17,6 +17,11 @@ interval, the same over its probe round trips and heartbeat lateness)``. A membe
 starved of CPU whose heartbeats come late but come is suspected less and waited
 for longer; a punctual one keeps the configured times, so its death is found as
 fast as with fixed deadlines.
+
+A tick that comes more than ``local_pause_s`` (a heartbeat interval) after the
+one before means this process itself was paused (starved of CPU, as Cassandra's
+detector checks for too): nobody could be heard meanwhile, so the pause is not
+held against the members (their silence clocks move on by it).
 """
 
 from __future__ import annotations
@@ -90,12 +95,15 @@ class Membership:
         suspect_after_intervals: int,
         probe_intervals: int,
         gap_policy: DeadlinePolicy = DEFAULT_HEARTBEAT_GAPS,
+        local_pause_s: float | None = None,
     ) -> None:
         self.interval = heartbeat_interval_s
         # the floors of every member's deadlines (the configured, fixed times)
         self.suspect_after_s = suspect_after_intervals * heartbeat_interval_s
         self.probe_timeout_s = probe_intervals * heartbeat_interval_s
         self.gap_policy = gap_policy
+        self.local_pause_s = heartbeat_interval_s if local_pause_s is None else local_pause_s
+        self._last_tick: float | None = None
         self._members: dict[str, Member] = {}
         self._next_nonce = 1
 
@@ -221,6 +229,7 @@ class Membership:
         """Advance time: the probes to send now and the members now declared dead."""
         probes: list[Probe] = []
         deaths: list[Death] = []
+        self._forgive_local_pause(now)
         for member in self._members.values():
             suspect_s, probe_s = self.deadlines(member.name)
             if member.state is MemberState.ALIVE and now - member.last_seen >= suspect_s:
@@ -249,3 +258,19 @@ class Membership:
                 if death is not None:
                     deaths.append(death)
         return probes, deaths
+
+    def _forgive_local_pause(self, now: float) -> None:
+        last, self._last_tick = self._last_tick, now
+        if last is None:
+            return
+        paused = now - last - self.local_pause_s
+        if paused <= 0:
+            return
+        for member in self._members.values():
+            if member.state is MemberState.DEAD:
+                continue
+            member.last_seen = min(now, member.last_seen + paused)
+            if member.liveness is not None:
+                member.liveness.forgive(paused)
+            if member.suspect_since is not None:
+                member.suspect_since = min(now, member.suspect_since + paused)

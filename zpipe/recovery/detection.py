@@ -257,6 +257,12 @@ class HeartbeatWatch:
             self._deadlines = None
         self._last_heartbeat = now
 
+    def forgive(self, paused_s: float) -> None:
+        """The watcher itself was paused for ``paused_s``: the gap now running is not
+        the member's lateness, so it is measured as if the pause had not happened."""
+        if self._last_heartbeat is not None and paused_s > 0:
+            self._last_heartbeat += paused_s
+
     def probe_answered(self, round_trip_s: float) -> None:
         self.responses.observe(max(0.0, round_trip_s))
         self._deadlines = None
