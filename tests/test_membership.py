@@ -307,3 +307,20 @@ def test_a_pause_of_the_coordinator_itself_is_not_held_against_the_members() -> 
         _, deaths = m.tick(t)
         dead_at = t if any(d.name == "b" for d in deaths) else None
     assert dead_at == pytest.approx(19.25)  # its last word at 14.05, then 3 + 2 s
+
+
+def test_silence_shared_by_several_members_is_waited_out_once_more() -> None:
+    m = make()
+    m.register(name="c", routing_id=b"c", data_endpoint="e", info={}, public_key=None, now=0.5)
+    m.heard_from("a", 1.0)
+    m.heard_from("b", 1.0)
+    dead: dict[str, float] = {}
+    t = 1.0
+    while t < 20 and len(dead) < 2:
+        t = round(t + 0.25, 9)
+        m.heard_from("c", t)  # c keeps talking; a and b fall silent together at 1.0
+        _, deaths = m.tick(t)
+        dead.update({d.name: t for d in deaths})
+    # alone, each would be dead after 3 + 2 s; silent together, after 3 + 2 + 3 s
+    assert dead == {"a": pytest.approx(9.0), "b": pytest.approx(9.0)}
+    assert m.get("c").state is MemberState.ALIVE  # type: ignore[union-attr]

@@ -22,6 +22,12 @@ A tick that comes more than ``local_pause_s`` (a heartbeat interval) after the
 one before means this process itself was paused (starved of CPU, as Cassandra's
 detector checks for too): nobody could be heard meanwhile, so the pause is not
 held against the members (their silence clocks move on by it).
+
+Silence that several members share (each past its own suspect deadline at once)
+is more often this process's, the machine's or the network's trouble than
+simultaneous deaths: while another member is silent too, a suspect is given its
+suspect deadline once more before it is declared dead (simultaneous deaths are
+found after about twice their deadlines; a lone death is not delayed).
 """
 
 from __future__ import annotations
@@ -230,8 +236,15 @@ class Membership:
         probes: list[Probe] = []
         deaths: list[Death] = []
         self._forgive_local_pause(now)
+        silent_names = {
+            m.name
+            for m in self._members.values()
+            if m.state is not MemberState.DEAD and now - m.last_seen >= self.deadlines(m.name)[0]
+        }
         for member in self._members.values():
             suspect_s, probe_s = self.deadlines(member.name)
+            if silent_names - {member.name}:
+                probe_s += suspect_s  # the silence is shared: wait once more
             if member.state is MemberState.ALIVE and now - member.last_seen >= suspect_s:
                 member.state = MemberState.SUSPECT
                 member.suspect_since = now
