@@ -898,11 +898,9 @@ def _liveness_run(
     burners: int = 0,
 ) -> dict[str, Any]:
     """Train with a replica every mini-batch and nothing killed: every stage declared
-    dead is a false death (with ``burners`` busy processes taking the CPU)."""
-    busy = [
-        subprocess.Popen([sys.executable, "-c", _BURNER], stdin=subprocess.PIPE)
-        for _ in range(burners)
-    ]
+    dead is a false death (with ``burners`` busy processes taking the CPU from the
+    moment the stages have registered: the load is on the run, not on start-up)."""
+    busy: list[subprocess.Popen[bytes]] = []
     line: dict[str, Any] = {"bench": BENCH, "kind": "liveness", "label": label}
     line["burners"] = burners
     try:
@@ -912,7 +910,12 @@ def _liveness_run(
             suspect_after=args.suspect_after,
             probe_intervals=args.probe_intervals,
             log_level="info",
+            start_timeout_s=180.0,
         ) as cluster:
+            busy += [
+                subprocess.Popen([sys.executable, "-c", _BURNER], stdin=subprocess.PIPE)
+                for _ in range(burners)
+            ]
             started = time.monotonic()
             try:
                 report = cluster.fit(
