@@ -9,6 +9,7 @@ import pytest
 from zpipe._errors import ConfigError
 from zpipe.recovery.detection import (
     DeadlinePolicy,
+    HeartbeatWatch,
     LatencyWindow,
     StallWatch,
     Verdict,
@@ -151,3 +152,37 @@ def test_the_oldest_units_age_counts_so_a_unit_sent_into_an_idle_pipeline_is_not
 def test_a_result_with_nothing_in_flight_is_a_caller_bug():
     with pytest.raises(ConfigError, match="no work in flight"):
         StallWatch().completed(1.0)
+
+
+def test_the_tail_factor_keeps_the_longest_gap_in_the_window():
+    policy = DeadlinePolicy(k=5.0, window=16, min_samples=4, floor_s=0.0, tail_factor=2.0)
+    calm = [1.0] * 15
+    # median and MAD ignore one stall; the tail term does not
+    assert adaptive_deadline([*calm, 4.0], POLICY) == pytest.approx(1.25)
+    assert adaptive_deadline([*calm, 4.0], policy) == pytest.approx(8.0)
+    # once the stall leaves the window, the deadline is the median's again
+    assert adaptive_deadline([4.0, *calm, 1.0], policy) == pytest.approx(2.0)
+    with pytest.raises(ConfigError, match="tail_factor"):
+        DeadlinePolicy(tail_factor=-1.0)
+
+
+def test_a_heartbeat_watch_learns_gaps_and_lateness_above_its_floors():
+    watch = HeartbeatWatch(interval_s=1.0, suspect_floor_s=3.0, probe_floor_s=2.0)
+    assert watch.deadlines() == (3.0, 2.0)  # nothing seen: the floors
+    for t in (0.0, 1.0, 2.0, 3.0, 4.0):
+        watch.heartbeat(t)
+    assert watch.deadlines() == (3.0, 2.0)  # punctual: still the floors
+    watch.heartbeat(6.5)  # 2.5 s gap, 1.5 s late
+    assert watch.deadlines() == pytest.approx((5.0, 3.0))
+    watch.probe_answered(2.5)
+    assert watch.probe_deadline() == pytest.approx(5.0)
+
+
+def test_a_heartbeat_watch_forgives_the_watchers_own_pause():
+    watch = HeartbeatWatch(interval_s=1.0, suspect_floor_s=3.0, probe_floor_s=2.0)
+    for t in (0.0, 1.0, 2.0, 3.0, 4.0):
+        watch.heartbeat(t)
+    watch.forgive(3.0)  # the watcher was paused 3 s: the next gap is measured without it
+    watch.heartbeat(8.0)
+    assert watch.gaps.samples[-1] == pytest.approx(1.0)
+    assert watch.deadlines() == (3.0, 2.0)

@@ -18,9 +18,11 @@ class Timeouts:
     connect_s: float = 15.0
     # Stages send a heartbeat this often; the coordinator acknowledges each.
     heartbeat_interval_s: float = 1.0
-    # Missed heartbeat intervals before the coordinator suspects and probes a stage.
+    # Missed heartbeat intervals before the coordinator suspects and probes a stage
+    # (a floor: a stage whose heartbeats come late gets a deadline from its gaps).
     suspect_after_intervals: int = 3
-    # Intervals a suspect stage has to answer the probe before it is declared dead.
+    # Intervals a suspect stage has to answer the probe before it is declared dead
+    # (a floor too: late probe answers and late heartbeats lengthen it).
     probe_intervals: int = 2
     # A stage that hears nothing from its coordinator for this long exits; until then it
     # serves its run on (a partition, a coordinator restarted). The coordinator, cut off
@@ -54,7 +56,9 @@ class Timeouts:
 
     @property
     def detection_bound_s(self) -> float:
-        """The longest a dead stage can go unnoticed: suspect, then an unanswered probe."""
+        """The longest a dead stage that was punctual can go unnoticed: suspect, then an
+        unanswered probe. These are floors: a stage whose heartbeats came late is
+        given deadlines that follow its gaps (:mod:`zpipe.coordinator.membership`)."""
         return (self.suspect_after_intervals + self.probe_intervals + 1) * (
             self.heartbeat_interval_s
         )

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=at_most(positive_int, MAX_INTERVALS, "heartbeat intervals"),
         default=3,
         metavar="N",
-        help="missed heartbeat intervals before a stage is suspected and probed (default: 3)",
+        help="missed heartbeat intervals before a stage is suspected and probed; a floor: "
+        "a stage whose heartbeats come late gets a deadline from its gaps (default: 3)",
     )
     parser.add_argument(
         "--probe-intervals",
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         metavar="N",
         help="intervals a suspect stage has to answer the probe before it is "
-        "declared dead (default: 2)",
+        "declared dead; a floor, lengthened for a stage that answers late (default: 2)",
     )
     parser.add_argument(
         "--no-measure-links",

@@ -135,7 +135,7 @@ class CoordinatorCore:
                 )
             ]
         self.state.confirm(member.name)
-        membership.heard_from(member.name, now, message.get("metrics"))
+        membership.heard_from(member.name, now, message.get("metrics"), kind=kind)
         if kind == "heartbeat":
             return [Send(event.routing_id, Message("heartbeat_ack"), member.name, heartbeat_s)]
         if kind == "probe_ack":
@@ -326,11 +326,17 @@ class CoordinatorCore:
         for probe in probes:
             member = self.state.membership.get(probe.name)
             assert member is not None
+            suspect_s, probe_s = self.state.membership.deadlines(probe.name)
             out.append(
                 Log(
                     "warning",
                     "stage_suspect",
-                    {"stage": probe.name, "silent_s": round(now - member.last_seen, 2)},
+                    {
+                        "stage": probe.name,
+                        "silent_s": round(now - member.last_seen, 2),
+                        "deadline_s": round(suspect_s, 3),
+                        "probe_deadline_s": round(probe_s, 3),
+                    },
                 )
             )
             out.append(

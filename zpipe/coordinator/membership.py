@@ -5,9 +5,29 @@ answers) and the time, and asks it on each tick which stages to probe and
 which to declare dead. No sockets, no clock of its own, so it is tested with
 plain numbers.
 
-    alive --(no heartbeat for suspect_after intervals)--> suspect
+    alive --(silent past its suspect deadline)--> suspect
     suspect --(anything heard)--> alive
-    suspect --(no answer to the probe for probe_intervals)--> dead
+    suspect --(no answer to the probe by its probe deadline)--> dead
+
+The deadlines are each member's own and adapt to what it showed
+(:class:`~zpipe.recovery.detection.HeartbeatWatch`): the suspect deadline is
+``max(suspect_after_intervals x interval, median + k MAD of its heartbeat gaps,
+1.5 x its longest recent gap)``, the probe deadline ``max(probe_intervals x
+interval, the same over its probe round trips and heartbeat lateness)``. A member
+starved of CPU whose heartbeats come late but come is suspected less and waited
+for longer; a punctual one keeps the configured times, so its death is found as
+fast as with fixed deadlines.
+
+A tick that comes more than ``local_pause_s`` (a heartbeat interval) after the
+one before means this process itself was paused (starved of CPU, as Cassandra's
+detector checks for too): nobody could be heard meanwhile, so the pause is not
+held against the members (their silence clocks move on by it).
+
+Silence that several members share (each past its own suspect deadline at once)
+is more often this process's, the machine's or the network's trouble than
+simultaneous deaths: while another member is silent too, a suspect is given its
+suspect deadline once more before it is declared dead (simultaneous deaths are
+found after about twice their deadlines; a lone death is not delayed).
 """
 
 from __future__ import annotations
@@ -18,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe._errors import ConfigError
+from zpipe.recovery.detection import DEFAULT_HEARTBEAT_GAPS, DeadlinePolicy, HeartbeatWatch
 
 
 class MemberState(enum.Enum):
@@ -42,6 +63,8 @@ class Member:
     stall_suspect: bool = False
     metrics: Mapping[str, Any] = field(default_factory=dict)
     dead_reason: str = ""
+    # its adaptive deadlines (None only for a Member built outside Membership)
+    liveness: HeartbeatWatch | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,17 +88,46 @@ class Death:
     name: str
     reason: str
     silent_s: float
+    # the deadlines it was judged by (for logs and the recovery bench)
+    suspect_deadline_s: float = 0.0
+    probe_deadline_s: float = 0.0
 
 
 class Membership:
     def __init__(
-        self, *, heartbeat_interval_s: float, suspect_after_intervals: int, probe_intervals: int
+        self,
+        *,
+        heartbeat_interval_s: float,
+        suspect_after_intervals: int,
+        probe_intervals: int,
+        gap_policy: DeadlinePolicy = DEFAULT_HEARTBEAT_GAPS,
+        local_pause_s: float | None = None,
     ) -> None:
         self.interval = heartbeat_interval_s
+        # the floors of every member's deadlines (the configured, fixed times)
         self.suspect_after_s = suspect_after_intervals * heartbeat_interval_s
         self.probe_timeout_s = probe_intervals * heartbeat_interval_s
+        self.gap_policy = gap_policy
+        self.local_pause_s = heartbeat_interval_s if local_pause_s is None else local_pause_s
+        self._last_tick: float | None = None
         self._members: dict[str, Member] = {}
         self._next_nonce = 1
+
+    def _watch(self) -> HeartbeatWatch:
+        return HeartbeatWatch(
+            interval_s=self.interval,
+            suspect_floor_s=self.suspect_after_s,
+            probe_floor_s=self.probe_timeout_s,
+            policy=self.gap_policy,
+        )
+
+    def deadlines(self, name: str) -> tuple[float, float]:
+        """``name``'s (suspect, probe) deadlines now; the floors for an unknown name."""
+        member = self._members.get(name)
+        watch = None if member is None else member.liveness
+        if watch is None:
+            return self.suspect_after_s, self.probe_timeout_s
+        return watch.deadlines()
 
     def __contains__(self, name: str) -> bool:
         return name in self._members
@@ -113,7 +165,7 @@ class Membership:
             current is not None
             and current.state is not MemberState.DEAD
             and current.routing_id != routing_id
-            and now - current.last_seen < self.suspect_after_s
+            and now - current.last_seen < self.deadlines(name)[0]
         ):
             raise ConfigError(f"a live stage is already registered as {name!r}")
         member = Member(
@@ -124,15 +176,31 @@ class Membership:
             public_key=public_key,
             joined_at=current.joined_at if current is not None else now,
             last_seen=now,
+            # a new connection is a new process (or a restored one): a cold start
+            liveness=self._watch(),
         )
         self._members[name] = member
         return member
 
-    def heard_from(self, name: str, now: float, metrics: Mapping[str, Any] | None = None) -> bool:
-        """Record life from ``name``; False if it is unknown or already declared dead."""
+    def heard_from(
+        self,
+        name: str,
+        now: float,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        kind: str = "",
+    ) -> bool:
+        """Record life from ``name`` (any message; ``kind`` "heartbeat" times its gaps,
+        "probe_ack" its probe's round trip); False if it is unknown or already dead."""
         member = self._members.get(name)
         if member is None or member.state is MemberState.DEAD:
             return False
+        watch = member.liveness
+        if watch is not None:
+            if kind == "heartbeat":
+                watch.heartbeat(now)
+            elif kind == "probe_ack" and member.suspect_since is not None:
+                watch.probe_answered(now - member.suspect_since)
         member.last_seen = now
         member.state = MemberState.ALIVE
         member.suspect_since = None
@@ -147,7 +215,8 @@ class Membership:
             return None
         member.state = MemberState.DEAD
         member.dead_reason = reason
-        return Death(name, reason, now - member.last_seen)
+        suspect_s, probe_s = self.deadlines(name)
+        return Death(name, reason, now - member.last_seen, suspect_s, probe_s)
 
     def suspect(self, name: str, now: float) -> Probe | None:
         """Suspect ``name`` now, before its heartbeats lapse (its work stalled at the
@@ -166,8 +235,17 @@ class Membership:
         """Advance time: the probes to send now and the members now declared dead."""
         probes: list[Probe] = []
         deaths: list[Death] = []
+        self._forgive_local_pause(now)
+        silent_names = {
+            m.name
+            for m in self._members.values()
+            if m.state is not MemberState.DEAD and now - m.last_seen >= self.deadlines(m.name)[0]
+        }
         for member in self._members.values():
-            if member.state is MemberState.ALIVE and now - member.last_seen >= self.suspect_after_s:
+            suspect_s, probe_s = self.deadlines(member.name)
+            if silent_names - {member.name}:
+                probe_s += suspect_s  # the silence is shared: wait once more
+            if member.state is MemberState.ALIVE and now - member.last_seen >= suspect_s:
                 member.state = MemberState.SUSPECT
                 member.suspect_since = now
                 member.probe_nonce = self._next_nonce
@@ -176,21 +254,36 @@ class Membership:
             elif (
                 member.state is MemberState.SUSPECT
                 and member.suspect_since is not None
-                and now - member.suspect_since >= self.probe_timeout_s
+                and now - member.suspect_since >= probe_s
                 # A stall probe can reach a stage just after its last heartbeat: it is
                 # dead only once silent for the probe's time and an interval more (a
                 # live one, however loaded, has sent a heartbeat in that time).
-                and (
-                    not member.stall_suspect
-                    or now - member.last_seen >= self.probe_timeout_s + self.interval
-                )
+                and (not member.stall_suspect or now - member.last_seen >= probe_s + self.interval)
             ):
                 silent = now - member.last_seen
+                waited = now - member.suspect_since
                 death = self.declare_dead(
                     member.name,
-                    f"no heartbeat for {silent:.1f} s and no answer to a probe",
+                    f"no heartbeat for {silent:.1f} s (its deadline {suspect_s:.1f} s) "
+                    f"and no answer to a probe in {waited:.1f} s",
                     now,
                 )
                 if death is not None:
                     deaths.append(death)
         return probes, deaths
+
+    def _forgive_local_pause(self, now: float) -> None:
+        last, self._last_tick = self._last_tick, now
+        if last is None:
+            return
+        paused = now - last - self.local_pause_s
+        if paused <= 0:
+            return
+        for member in self._members.values():
+            if member.state is MemberState.DEAD:
+                continue
+            member.last_seen = min(now, member.last_seen + paused)
+            if member.liveness is not None:
+                member.liveness.forgive(paused)
+            if member.suspect_since is not None:
+                member.suspect_since = min(now, member.suspect_since + paused)
