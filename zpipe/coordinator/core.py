@@ -318,6 +318,7 @@ class CoordinatorCore:
         out = self._notices_due(now)
         out += self._judge_partition(now)
         if self.partition.suspecting:
+            self.state.membership.hold(now)
             return out  # cut off, most likely: nobody is declared dead meanwhile
         for claim in self.claims.expired(now):
             out += self._take_over(claim, "it did not answer a probe", now)

@@ -272,6 +272,12 @@ class Membership:
                     deaths.append(death)
         return probes, deaths
 
+    def hold(self, now: float) -> None:
+        """Let time pass without judging anyone (the coordinator suspects itself of being
+        cut off): the clock moves on, so the hold is not later forgiven as a pause of
+        this process, and members silent through it are judged by their real silence."""
+        self._last_tick = now
+
     def _forgive_local_pause(self, now: float) -> None:
         last, self._last_tick = self._last_tick, now
         if last is None:
