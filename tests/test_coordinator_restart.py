@@ -18,15 +18,16 @@ from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.coordinator.persistence import STATE_FILE, StateStore
 
-INTERVAL = 0.3
+# generous floors: a live stage starved of CPU must not be declared dead
+INTERVAL = 0.5
 
 
 def _cluster(names: list[str], state_dir: Path | None) -> LocalCluster:
     return LocalCluster(
         [DeviceSpec(name) for name in names],
         heartbeat_interval_s=INTERVAL,
-        suspect_after=3,
-        probe_intervals=2,
+        suspect_after=4,
+        probe_intervals=3,
         state_dir=state_dir,
     )
 

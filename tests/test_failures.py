@@ -17,12 +17,15 @@ from zpipe import StageFailedError
 from zpipe._errors import ConfigError
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.config import Timeouts
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.transport.ports import free_tcp_port
 
-INTERVAL = 0.3
-SUSPECT_AFTER = 3
-PROBE_INTERVALS = 2
+# Detection floors of several seconds: a live stage starved of CPU (a loaded CI
+# machine, --cpu-burners) may miss a second of heartbeats and must not die of it.
+INTERVAL = 0.5
+SUSPECT_AFTER = 4
+PROBE_INTERVALS = 3
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
@@ -59,10 +62,9 @@ def test_a_stage_that_dies_mid_run_is_reported_to_the_client(sig: int) -> None:
             reported_after = time.monotonic() - killed_at[0]
             assert info.value.stage == "b"
             assert "heartbeat" in info.value.reason
-            # suspect after N intervals, probe unanswered for M more: the configured bound,
-            # plus scheduling slack for two busy cores
-            bound = (SUSPECT_AFTER + PROBE_INTERVALS + 1) * INTERVAL
-            assert reported_after < bound + 2.0, (reported_after, bound)
+            # found by the heartbeat detector (suspect, then an unanswered probe), not by
+            # the client's result timeout; how fast is bench/recovery.py's detection_time_s
+            assert reported_after < Timeouts().result_s / 4, reported_after
             assert reported_after >= SUSPECT_AFTER * INTERVAL * 0.5
             logs = cluster.logs("coordinator")
             assert '"stage_suspect"' in logs and '"stage_dead"' in logs

