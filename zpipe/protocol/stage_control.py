@@ -252,10 +252,13 @@ class BackedUp(TensorMessage):
 
 @wire_message
 class LinkPeers(WireMessage):
-    """The peers a stage's probe socket allows (name -> public key)."""
+    """The peers a stage's probe socket allows (name -> public key); ``fetches``, when
+    present, replaces the unit fetches this stage answers: maps of ``peer`` (the device
+    the new plan assigns the units to), ``owner``, ``run``, ``step``, ``start``, ``end``."""
 
     KIND: ClassVar[str] = "link_peers"
     keys: dict[str, Any] = wire(MAP)
+    fetches: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe._errors import ConfigError, ZpipeError
+from zpipe.stage.peer_policy import FetchGrant, fetch_grants
 from zpipe.transport.codec import Message
 
 # The client feeds the last training stage its labels on the data port.
@@ -90,9 +91,11 @@ class StartJob:
 
 @dataclass(frozen=True)
 class AllowProbePeers:
-    """Every cluster member's key, by name, may now reach the probe socket."""
+    """Every cluster member's key, by name, may now reach the probe socket; ``fetches``
+    (None: unchanged) the unit fetches the probe socket answers from now on."""
 
     keys: Mapping[str, str]
+    fetches: tuple[FetchGrant, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -386,7 +389,12 @@ class StageLifecycle:
             return [StartJob(Job.PROFILE, message, newest_wins=False)]
         if kind == "link_peers":
             keys = {str(n): str(k) for n, k in dict(message["keys"]).items()}
-            return [AllowProbePeers(keys), SendToCoordinator("link_peers_ok", {"name": self.name})]
+            fetches = message.get("fetches")
+            grants = fetch_grants(fetches) if fetches is not None else None
+            return [
+                AllowProbePeers(keys, grants),
+                SendToCoordinator("link_peers_ok", {"name": self.name}),
+            ]
         if kind == "link_probe_request":
             return [StartJob(Job.LINK_PROBE, message, newest_wins=False)]
         if kind == "weights_request":
