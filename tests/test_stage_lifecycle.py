@@ -251,10 +251,11 @@ def test_an_assignment_is_built_then_connected_then_running() -> None:
     stage = registered()
     stage.control_message(assign(2, 5), 1.0)
     assert stage.phase is Phase.ASSIGNING
-    ready = stage.assignment_ready(2, 5, build_s=1.5, ring_endpoint="tcp://h:9")
-    assert sends(ready) == [
-        ("ready", {"run": 2, "name": "s0", "build_s": 1.5, "ring_endpoint": "tcp://h:9"}, 5)
-    ]
+    ready = stage.assignment_ready(
+        2, 5, build_s=1.5, ring_endpoint="tcp://h:9", max_message_bytes=4096
+    )
+    body = {"run": 2, "name": "s0", "build_s": 1.5, "ring_endpoint": "tcp://h:9"}
+    assert sends(ready) == [("ready", {**body, "max_message_bytes": 4096}, 5)]
     assert stage.phase is Phase.ASSIGNED
     [connect] = stage.control_message(Message("connect", {"run": 2, "ring": {"r": 1}}), 2.0)
     assert connect == ConnectAssignment(2, 5, {"r": 1})

@@ -440,9 +440,12 @@ class _Training:
         run.rebalance = message.get("rebalance")
         run.replication = replication
         first, last = groups[0][0], groups[-1][0]
+        limit = replies[first[0]].get("max_message_bytes")
         return Message(
             "run_ready",
             {
+                # the client refuses inputs the first stage's data port would drop
+                **({"first_max_message_bytes": int(limit)} if limit is not None else {}),
                 "run": run.run,
                 "plan": view.to_dict(),
                 "baseline": None,

@@ -421,8 +421,16 @@ class StageLifecycle:
         return [StartJob(Job.ASSIGN, message, newest_wins=True)]
 
     def assignment_ready(
-        self, run: int, epoch: int, *, build_s: float, ring_endpoint: str = ""
+        self,
+        run: int,
+        epoch: int,
+        *,
+        build_s: float,
+        ring_endpoint: str = "",
+        max_message_bytes: int | None = None,
     ) -> list[Command]:
+        """``max_message_bytes``: the data port's limit per frame under this plan, so
+        that a sender can refuse a larger message before libzmq drops it."""
         if self._building != _Pending(run, epoch):
             return []  # a newer assignment replaced this one meanwhile
         self._building = None
@@ -431,6 +439,8 @@ class StageLifecycle:
         body: dict[str, Any] = {"run": run, "name": self.name, "build_s": build_s}
         if ring_endpoint:
             body["ring_endpoint"] = ring_endpoint
+        if max_message_bytes is not None:
+            body["max_message_bytes"] = max_message_bytes
         return [SendToCoordinator("ready", body, epoch=epoch)]
 
     def assignment_failed(self, run: int, epoch: int, error: str) -> list[Command]:
