@@ -42,3 +42,20 @@ def test_a_batch_too_big_for_the_first_stage_fails_at_once_and_the_stage_serves_
         model = build_full_model(SPEC)
         for got, inputs in zip(outputs, small, strict=True):
             torch.testing.assert_close(got[0], model(*inputs)[0])
+
+
+def test_training_inputs_too_big_for_the_first_stage_fail_at_once() -> None:
+    inputs = load_layer_sequence(SPEC).example_input(1024, seed=2)[0]
+    batch = (inputs, torch.randint(0, 4, (1024,)))
+    with LocalCluster([DeviceSpec("a", max_batch_rows=64), DeviceSpec("b")]) as cluster:
+        with pytest.raises(ConfigError, match="--max-batch-rows") as info:
+            cluster.fit(
+                SPEC,
+                [batch],
+                optimizer={"name": "sgd", "lr": 0.1},
+                num_microbatches=2,
+                partition=[[0, 1], [1, 2]],
+                stage_names=["a", "b"],
+                progress=False,
+            )
+    assert "512 rows" in str(info.value) and "'a'" in str(info.value)

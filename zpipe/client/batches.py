@@ -67,7 +67,8 @@ def check_fits_first_stage(
             raise ConfigError(
                 f"a micro-batch of {rows} rows sends a tensor of {nbytes} bytes, but the "
                 f"first stage {first_stage!r} accepts at most {limit} bytes per tensor "
-                f"under this plan; use a smaller micro-batch (microbatch_size) or start "
+                f"under this plan; use smaller micro-batches (microbatch_size, or more "
+                f"micro-batches per mini-batch) or start "
                 f"the stage with a larger --max-batch-rows"
             )
 
