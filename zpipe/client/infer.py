@@ -29,6 +29,7 @@ from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.options import InferOptions
 from zpipe.client.reports import RunReport
 from zpipe.client.session import RunSession, model_fields
+from zpipe.client.sink_limits import most_rows, sink_limits
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
@@ -83,6 +84,11 @@ class InferenceRun:
         )
         stream = _Stream(session, ready, self.options)
         try:
+            # before the last stage connects (on go): the sink takes what this run sends
+            rows = most_rows(batches, self.options.microbatch_size)
+            self.connection.limit_sink(
+                sink_limits(self.model, rows, self.connection.sink_fallback)
+            )
             await session.go()
             async for outputs in stream.outputs_in_order(batches):
                 yield outputs
