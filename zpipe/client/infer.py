@@ -86,9 +86,7 @@ class InferenceRun:
         try:
             # before the last stage connects (on go): the sink takes what this run sends
             rows = most_rows(batches, self.options.microbatch_size)
-            self.connection.limit_sink(
-                sink_limits(self.model, rows, self.connection.sink_fallback)
-            )
+            self.connection.limit_sink(sink_limits(self.model, rows, self.connection.sink_fallback))
             await session.go()
             async for outputs in stream.outputs_in_order(batches):
                 yield outputs
