@@ -34,6 +34,32 @@ def test_a_stream_is_assigned_made_ready_and_connected() -> None:
     assert isinstance(h.state.current, InferenceRun) and h.state.current.run.streaming
 
 
+def test_run_ready_tells_the_client_the_first_stages_data_port_limit() -> None:
+    h = Harness()
+    for name in NAMES:
+        h.register(name)
+    h.client(
+        "run_request",
+        model=h_spec(),
+        dtype="float32",
+        sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0,
+        planner="even",
+        stage_names=NAMES,
+    )
+    run = h.core.run
+    assert run is not None
+    for name, limit in zip(NAMES, (1 << 20, 1 << 30, None), strict=True):
+        body = {"max_message_bytes": limit} if limit is not None else {}
+        h.stage(name, "ready", run=run.run, build_s=0.1, **body)
+    (ready,) = h.to_client("run_ready")
+    assert ready["first_stage"] == "a" and ready["first_max_message_bytes"] == 1 << 20
+    # a first stage that says nothing (an older one): the field is left out
+    older = Harness()
+    older.start_stream(NAMES)
+    assert "first_max_message_bytes" not in dict(older.to_client("run_ready")[0].body)
+
+
 def test_a_stage_that_fails_to_build_fails_the_run_with_its_error() -> None:
     h = Harness()
     for name in NAMES:

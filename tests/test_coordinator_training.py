@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import UnitsLostError
-from zpipe.coordinator.decisions import fetch_plans, held_at_coordinator
+from zpipe.coordinator.decisions import fetch_grants, fetch_plans, held_at_coordinator
 from zpipe.coordinator.runs import Replica
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.coordinator.training_balance import rebalanced
@@ -177,6 +177,19 @@ def test_after_a_failure_every_unit_has_exactly_one_source(
             assert entry["from"] in alive and entry["step"] == 5
             # from its owner's own snapshot, or from the holder of the owner's backup
             assert entry["owner"] == entry["from"] or holders[entry["owner"]] == entry["from"]
+    # every holder is told exactly the fetches made from it, and by whom
+    grants = fetch_grants(fetches)
+    made = sorted(
+        (e["from"], d, e["owner"], e["start"], e["end"])
+        for d, entries in fetches.items()
+        for e in entries
+        if e["from"] != d
+    )
+    told = sorted(
+        (h, g["peer"], g["owner"], g["start"], g["end"]) for h, gs in grants.items() for g in gs
+    )
+    assert made == told
+    assert all(g["run"] == 1 and g["step"] == 5 for gs in grants.values() for g in gs)
 
 
 def test_rebalancing_moves_units_off_a_slow_device_only_when_worth_it() -> None:

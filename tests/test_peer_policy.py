@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from zpipe._errors import ProtocolError
 from zpipe.stage.peer_policy import (
     UNAUTHENTICATED,
     BackupOffer,
     BackupPlan,
+    FetchGrant,
     FetchRequest,
     PeerIdentity,
     backup_refusal,
+    fetch_grants,
     fetch_refusal,
     foreign_units,
     is_state_key,
@@ -66,13 +70,51 @@ def test_state_keys_are_units_with_optional_optimizer_state() -> None:
 
 def test_fetches_go_only_to_named_devices_for_ranges_of_the_newest_run() -> None:
     ok = FetchRequest("a", run=7, step=3, start=2, end=5)
-    assert fetch_refusal(ok, PeerIdentity(True, "c"), newest_run=7) is None
-    assert fetch_refusal(ok, UNAUTHENTICATED, newest_run=None) is None
-    assert "named" in str(fetch_refusal(ok, PeerIdentity(True, None), newest_run=7))
-    assert "no longer served" in str(fetch_refusal(ok, PeerIdentity(True, "c"), newest_run=8))
+    grants = (FetchGrant("c", "a", 7, 3, 0, 5),)
+    assert fetch_refusal(ok, PeerIdentity(True, "c"), newest_run=7, grants=grants) is None
+    assert fetch_refusal(ok, UNAUTHENTICATED, newest_run=None, grants=grants) is None
+    assert "named" in str(fetch_refusal(ok, PeerIdentity(True, None), newest_run=7, grants=grants))
+    assert "no longer served" in str(
+        fetch_refusal(ok, PeerIdentity(True, "c"), newest_run=8, grants=grants)
+    )
     for start, end in ((5, 5), (-1, 2), (0, 10**9)):
         bad = FetchRequest("a", 7, 3, start, end)
         assert "not a range" in str(fetch_refusal(bad, UNAUTHENTICATED, newest_run=7))
+
+
+def test_fetches_are_answered_only_as_the_coordinator_granted_them() -> None:
+    # c takes units [0, 5) of a's snapshot in the new plan; d takes [5, 8)
+    grants = (FetchGrant("c", "a", 7, 3, 0, 5), FetchGrant("d", "a", 7, 3, 5, 8))
+    c, d = PeerIdentity(True, "c"), PeerIdentity(True, "d")
+
+    def refusal(request: FetchRequest, sender: PeerIdentity) -> str | None:
+        return fetch_refusal(request, sender, newest_run=7, grants=grants)
+
+    assert refusal(FetchRequest("a", 7, 3, 5, 8), d) is None
+    assert refusal(FetchRequest("a", 7, 3, 1, 3), c) is None  # within the grant
+    stolen = refusal(FetchRequest("a", 7, 3, 0, 5), d)
+    assert stolen is not None and "go to c in the current plan, not to d" in stolen
+    for other in (
+        FetchRequest("a", 7, 3, 0, 6),  # beyond c's range, across two grants
+        FetchRequest("b", 7, 3, 0, 5),  # another owner's snapshot
+        FetchRequest("a", 7, 2, 0, 5),  # another step
+    ):
+        assert "did not name anyone" in str(refusal(other, c))
+        # without keys the sender is unknown, but the grants still bound what is read
+        assert "did not name anyone" in str(
+            fetch_refusal(other, UNAUTHENTICATED, newest_run=7, grants=grants)
+        )
+    assert "did not name anyone" in str(
+        fetch_refusal(FetchRequest("a", 7, 3, 0, 5), c, newest_run=7)
+    )
+
+
+def test_grants_from_the_wire_are_checked() -> None:
+    entry = {"peer": "c", "owner": "a", "run": 7, "step": 3, "start": 0, "end": 5}
+    assert fetch_grants([entry]) == (FetchGrant("c", "a", 7, 3, 0, 5),)
+    for bad in ([1], [{**entry, "run": "x"}], [{"peer": "c"}]):
+        with pytest.raises(ProtocolError, match="fetch grant"):
+            fetch_grants(bad)
 
 
 def test_a_fetcher_refuses_units_it_did_not_ask_for() -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.stage.lifecycle import (
     AllowProbePeers,
     Command,
@@ -28,6 +28,7 @@ from zpipe.stage.lifecycle import (
     StartJob,
     Verdict,
 )
+from zpipe.stage.peer_policy import FetchGrant
 from zpipe.transport.codec import Message
 
 REGISTRATION = {"name": "s0", "data_endpoint": "tcp://127.0.0.1:5000", "info": {}}
@@ -205,6 +206,11 @@ def test_simple_requests_are_answered_at_once() -> None:
     allow, ok = stage.control_message(Message("link_peers", {"keys": {"s1": "KEY"}}), 1.0)
     assert allow == AllowProbePeers({"s1": "KEY"})
     assert sends([ok]) == [("link_peers_ok", {"name": "s0"}, 0)]
+    grant = {"peer": "s2", "owner": "s1", "run": 3, "step": 4, "start": 2, "end": 5}
+    allow, _ = stage.control_message(Message("link_peers", {"keys": {}, "fetches": [grant]}), 1.0)
+    assert allow == AllowProbePeers({}, (FetchGrant("s2", "s1", 3, 4, 2, 5),))
+    with pytest.raises(ProtocolError, match="fetch grant"):
+        stage.control_message(Message("link_peers", {"keys": {}, "fetches": [{"peer": 1}]}), 1.0)
     assert stage.control_message(Message("heartbeat_ack"), 1.0) == []
 
 
@@ -245,10 +251,11 @@ def test_an_assignment_is_built_then_connected_then_running() -> None:
     stage = registered()
     stage.control_message(assign(2, 5), 1.0)
     assert stage.phase is Phase.ASSIGNING
-    ready = stage.assignment_ready(2, 5, build_s=1.5, ring_endpoint="tcp://h:9")
-    assert sends(ready) == [
-        ("ready", {"run": 2, "name": "s0", "build_s": 1.5, "ring_endpoint": "tcp://h:9"}, 5)
-    ]
+    ready = stage.assignment_ready(
+        2, 5, build_s=1.5, ring_endpoint="tcp://h:9", max_message_bytes=4096
+    )
+    body = {"run": 2, "name": "s0", "build_s": 1.5, "ring_endpoint": "tcp://h:9"}
+    assert sends(ready) == [("ready", {**body, "max_message_bytes": 4096}, 5)]
     assert stage.phase is Phase.ASSIGNED
     [connect] = stage.control_message(Message("connect", {"run": 2, "ring": {"r": 1}}), 2.0)
     assert connect == ConnectAssignment(2, 5, {"r": 1})

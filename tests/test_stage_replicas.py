@@ -97,7 +97,7 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
     import zmq.asyncio
 
     from zpipe.stage.metrics import StageCounters
-    from zpipe.stage.peer_policy import PeerIdentity
+    from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
     from zpipe.stage.snapshots import SnapshotService
     from zpipe.stage.trainer import Group, TrainingSetup
     from zpipe.transport.codec import Message
@@ -141,8 +141,13 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
     def fetch(run: int) -> Message:
         return Message("fetch_units", {"owner": "a", "run": run, "step": 1, "start": 0, "end": 1})
 
+    ungranted = await service.on_peer_request(fetch(7), None, c)
+    assert "did not name anyone" in ungranted["error"] and not ungranted.tensors
+    service.fetch_grants = (FetchGrant("c", "a", 7, 1, 0, 1),)
     units = await service.on_peer_request(fetch(7), None, c)
     assert units["error"] == "" and units["keys"] == ["units.0.w"]
+    not_granted = await service.on_peer_request(fetch(7), None, PeerIdentity(True, "d"))
+    assert "go to c in the current plan" in not_granted["error"] and not not_granted.tensors
     stranger = await service.on_peer_request(fetch(7), None, PeerIdentity(True, None))
     assert "named" in stranger["error"] and not stranger.tensors
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -440,3 +441,41 @@ def test_replicas_kept_at_the_stages_recover_a_killed_stage_exactly(replication:
         assert first["bytes"] == 0
     # b's units came from the backup c kept of them
     assert '"backup_kept"' in c_log and '"owner": "b"' in c_log
+
+
+def test_with_keys_the_holder_serves_the_units_the_new_plan_gives_a_peer(
+    tmp_path: Path,
+) -> None:
+    # The coordinator tells c (b's backup holder) who fetches b's units in the new
+    # plan; with keys, c answers that device's fetch (and would refuse any other).
+    from zpipe.transport.roles import generate_keys_with_roles
+
+    batches = make_batches(8, 9, seed=29)
+    want, want_losses = train_single_process(SPEC, batches, SGD)
+    keys = tmp_path / "keys"
+    generate_keys_with_roles(keys, ["coordinator", "client", "a", "b", "c"])
+    with LocalCluster(
+        [DeviceSpec(name) for name in ("a", "b", "c")],
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=SUSPECT_AFTER,
+        probe_intervals=PROBE_INTERVALS,
+        keys_dir=keys,
+    ) as cluster:
+        report = _train_killing(
+            cluster,
+            {4: "b"},
+            batches,
+            partition=[[0, 1], [1, 3], [3, 4]],
+            stage_names=["a", "b", "c"],
+            recover=True,
+            replicate_every=3,
+            replication="chain",
+        )
+        logs = cluster.logs("a") + cluster.logs("c")
+        c_log = cluster.logs("c")
+    assert report.losses == pytest.approx(want_losses, rel=1e-5)
+    assert_same_weights(report.state_dict, want)
+    assert [(r["dead"], r["resumed_from"]) for r in report.recoveries] == [("b", 3)]
+    assert "fetch_refused" not in logs
+    # a took some of b's units in the new plan: c served them from its backup of b
+    assert '"units_served"' in c_log and '"peer": "a"' in c_log

@@ -48,6 +48,8 @@ class DeviceSpec:
     memory_mb: float | None = None
     # emulated bandwidth of the link to the coordinator (control and bulk state)
     uplink_mbps: float | None = None
+    # rows of one data message the stage's data port accepts (--max-batch-rows)
+    max_batch_rows: int | None = None
 
     def stage_flags(self) -> list[str]:
         flags = ["--name", self.name, "--slowdown", str(self.slowdown)]
@@ -63,6 +65,8 @@ class DeviceSpec:
             flags += ["--memory-mb", str(self.memory_mb)]
         if self.uplink_mbps is not None:
             flags += ["--uplink-mbps", str(self.uplink_mbps)]
+        if self.max_batch_rows is not None:
+            flags += ["--max-batch-rows", str(self.max_batch_rows)]
         return flags
 
 

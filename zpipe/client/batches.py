@@ -48,6 +48,31 @@ def split_microbatches(
     return [tuple(p.contiguous() for p in group) for group in zip(*parts, strict=False)]
 
 
+def check_fits_first_stage(
+    tensors: Sequence[torch.Tensor], limit: int | None, first_stage: str
+) -> None:
+    """Refuse a micro-batch that the first stage's data port would drop.
+
+    ``limit``: the port's most bytes per frame under this plan (the stage's
+    ``--max-batch-rows`` times the model's largest tensor per sample; None: not
+    known). libzmq closes a connection that sends a larger frame without a word,
+    which the client would only see as a stall until the result deadline.
+    """
+    if limit is None:
+        return
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if nbytes > limit:
+            rows = int(t.shape[0]) if t.dim() > 0 else 1
+            raise ConfigError(
+                f"a micro-batch of {rows} rows sends a tensor of {nbytes} bytes, but the "
+                f"first stage {first_stage!r} accepts at most {limit} bytes per tensor "
+                f"under this plan; use smaller micro-batches (microbatch_size, or more "
+                f"micro-batches per mini-batch) or start "
+                f"the stage with a larger --max-batch-rows"
+            )
+
+
 def split_minibatch(batch: TrainBatch, num_microbatches: int) -> list[tuple[torch.Tensor, ...]]:
     """``num_microbatches`` parts along dim 0, sizes differing by at most one."""
     tensors = tuple(batch)

@@ -22,6 +22,7 @@ from zpipe.log import get_logger
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
+    ReceiveLimits,
     SocketOptions,
     advertised_endpoint,
     bind_endpoint,
@@ -29,6 +30,7 @@ from zpipe.transport.sockets import (
     decode_frames,
     new_context,
     open_socket,
+    rebind_with_limits,
 )
 
 log = get_logger("zpipe.client")
@@ -53,6 +55,7 @@ class ClientConnection:
         keypair: security.KeyPair | None = None,
         sink_allow: security.PeerAllowList | None = None,
         authenticator: security.CurveAuthenticator | None = None,
+        sink_bound: str = "",
     ) -> None:
         self.context = context
         self.control = control
@@ -63,6 +66,10 @@ class ClientConnection:
         self.keypair = keypair
         self.sink_allow = sink_allow
         self.authenticator = authenticator
+        # what the sink is bound to (port resolved; "": not rebound) and its limits
+        self._sink_bound = sink_bound
+        self.sink_fallback = ReceiveLimits(options.max_message_bytes, options.recv_hwm)
+        self._sink_limits = self.sink_fallback
 
     @classmethod
     def open(
@@ -110,6 +117,7 @@ class ClientConnection:
             keypair=keypair,
             sink_allow=sink_allow,
             authenticator=authenticator,
+            sink_bound=bound,
         )
 
     async def close(self) -> None:
@@ -129,6 +137,13 @@ class ClientConnection:
             security.secure_client(sock, self.keypair, str(key).encode())
         sock.connect(endpoint)
         return sock
+
+    def limit_sink(self, limits: ReceiveLimits) -> None:
+        """Give the sink ``limits`` for the connections made from now on (a run's
+        last stages connect once it goes): called between ``run_ready`` and ``go``."""
+        if self._sink_bound and limits != self._sink_limits:
+            rebind_with_limits(self.sink, self._sink_bound, limits)
+            self._sink_limits = limits
 
     def allow_sink_senders(self, keys: Iterable[object]) -> None:
         """With keys: only these public keys (the run's last stages) may send to the sink."""

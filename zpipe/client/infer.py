@@ -18,11 +18,18 @@ import torch
 import zmq.asyncio
 
 from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
-from zpipe.client.batches import Batch, Outputs, as_tensors, split_microbatches
+from zpipe.client.batches import (
+    Batch,
+    Outputs,
+    as_tensors,
+    check_fits_first_stage,
+    split_microbatches,
+)
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.options import InferOptions
 from zpipe.client.reports import RunReport
 from zpipe.client.session import RunSession, model_fields
+from zpipe.client.sink_limits import most_rows, sink_limits
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
@@ -77,6 +84,9 @@ class InferenceRun:
         )
         stream = _Stream(session, ready, self.options)
         try:
+            # before the last stage connects (on go): the sink takes what this run sends
+            rows = most_rows(batches, self.options.microbatch_size)
+            self.connection.limit_sink(sink_limits(self.model, rows, self.connection.sink_fallback))
             await session.go()
             async for outputs in stream.outputs_in_order(batches):
                 yield outputs
@@ -96,6 +106,8 @@ class _Stream:
         self.timeouts = session.timeouts
         self.plan = Plan.from_dict(ready["plan"])
         self.first_stage = str(ready["first_stage"])
+        # the first stage's data port limit per frame (None: an older coordinator)
+        self.first_limit: int | None = ready.get("first_max_message_bytes")
         self.microbatch_size = options.microbatch_size
         self.window = asyncio.Semaphore(options.max_in_flight)
         self.progress = options.progress
@@ -182,6 +194,7 @@ class _Stream:
                 await self._send_input(mb, mb_tensors)
 
     async def _send_input(self, mb: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        check_fits_first_stage(tensors, self.first_limit, self.first_stage)
         await send(
             self.source,
             Message(
@@ -247,6 +260,7 @@ class _Stream:
             )
             self.source.close(linger=0)
             self.source, self.first_stage = source, first_stage
+            self.first_limit = notice.get("first_max_message_bytes")
             # results of the old epoch are dropped from now on
             self.session.follow(notice.epoch, str(notice["last_stage"]), notice["last_key"])
             self.plan = Plan.from_dict(notice["plan"])

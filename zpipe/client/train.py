@@ -209,6 +209,9 @@ class _Training:
         return self._final_report(run)
 
     async def _attempt(self, session: RunSession, run: TrainingRun) -> AttemptEnd:
+        # losses and notices only: the socket's limits (an inference run may have
+        # lowered them for its own outputs)
+        session.connection.limit_sink(session.connection.sink_fallback)
         await session.go()
         end = await run.train(self.source, self.options.progress, self.options.on_step)
         if end.stage_failure is not None or end.rebalance_to is not None:

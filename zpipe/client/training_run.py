@@ -20,7 +20,12 @@ import zmq.asyncio
 from tqdm import tqdm
 
 from zpipe._errors import PipelineError, ProtocolError, StageFailedError, TransportTimeout
-from zpipe.client.batches import BatchSource, TrainBatch, split_minibatch
+from zpipe.client.batches import (
+    BatchSource,
+    TrainBatch,
+    check_fits_first_stage,
+    split_minibatch,
+)
 from zpipe.client.connection import CLIENT_NAME
 from zpipe.client.failures import run_failed_error
 from zpipe.client.reports import TrainReport
@@ -93,6 +98,8 @@ class TrainingRun:
             self.close()  # an open socket would keep the context from terminating
             raise
         self.first_shares = list(first.shares)
+        # the first stage's data port limit per frame (None: not said)
+        self.first_limit: int | None = ready.get("first_max_message_bytes")
         self.last_shares = list(last.shares)
         self.last_names = set(last.devices)
         session.allow_sink_senders([keys.get(n) for n in last.devices])
@@ -223,6 +230,7 @@ class TrainingRun:
                 body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
                 body["total"] = total
                 rows = tuple(t[lo:hi] for t in inputs) if hi > lo else ()
+                check_fits_first_stage(rows, self.first_limit, name)
                 await self._send(sock, Message("data", body, epoch=epoch, tensors=rows), name)
 
     async def _send(self, sock: zmq.asyncio.Socket, message: Message, peer: str) -> None:

@@ -182,9 +182,12 @@ class TrainingModel(Job):
 
 @dataclass(frozen=True)
 class AllowPeers(Job):
-    """Tell every member which peers may reach its probe socket."""
+    """Tell every member which peers may reach its probe socket; ``fetches`` (None:
+    unchanged) which unit fetches each member answers from now on (by member name;
+    a member not named answers none)."""
 
     members: tuple[Member, ...]
+    fetches: Mapping[str, Sequence[Any]] | None = None
 
 
 @dataclass(frozen=True)

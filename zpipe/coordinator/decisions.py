@@ -183,6 +183,25 @@ def fetch_plans(
     return out
 
 
+_GRANT_FIELDS = ("owner", "run", "step", "start", "end")
+
+
+def fetch_grants(fetches: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, list[Any]]:
+    """What each holder of :func:`fetch_plans` is told it may serve (``link_peers``'s
+    ``fetches``): who fetches which units of whose snapshot. A holder answers no other
+    fetch, so a peer cannot read units the new plan does not give it."""
+    out: dict[str, list[Any]] = {}
+    for dest, entries in sorted(fetches.items()):
+        for e in entries:
+            if e["from"] != dest:
+                grant = {
+                    "peer": dest,
+                    **{k: e[k] for k in ("owner", "run", "step", "start", "end")},
+                }
+                out.setdefault(str(e["from"]), []).append(grant)
+    return out
+
+
 def replica_to_resume(
     replica: Replica | None, resume: Mapping[str, Any], num_units: int
 ) -> Replica:

@@ -13,6 +13,7 @@ Inference weights come from the model spec, so recovery moves no weights.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from zpipe._errors import InfeasiblePlanError, ZpipeError
@@ -40,10 +41,16 @@ from zpipe.recovery import RecoveryTimeline
 from zpipe.transport.codec import Message
 
 
-def endpoints_of(plan: Plan, by_name: dict[str, Member], run: BaseRun) -> dict[str, Any]:
-    """Where the client sends inputs and whose results it accepts."""
+def endpoints_of(
+    plan: Plan,
+    by_name: dict[str, Member],
+    run: BaseRun,
+    data_limits: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """Where the client sends inputs and whose results it accepts; ``data_limits``:
+    each stage's data port limit per frame, as its ``ready`` said."""
     first, last = plan.stages[0].device, plan.stages[-1].device
-    return {
+    out: dict[str, Any] = {
         "first_endpoint": by_name[first].data_endpoint,
         "first_stage": first,
         "first_key": run.key_of(first),
@@ -51,6 +58,10 @@ def endpoints_of(plan: Plan, by_name: dict[str, Member], run: BaseRun) -> dict[s
         "last_key": run.key_of(last),
         "last_endpoint": by_name[last].data_endpoint,
     }
+    limit = data_limits.get(first) if data_limits is not None else None
+    if limit is not None:
+        out["first_max_message_bytes"] = limit  # the client refuses larger frames itself
+    return out
 
 
 def inference_assignments(
@@ -92,6 +103,8 @@ class InferenceRun(BaseRun):
     def __init__(self, state: CoordinatorState, run: Run, spec: ModelSpec) -> None:
         super().__init__(state, run)
         self.spec = spec
+        # each stage's data port limit per frame (``ready``), for the client's check
+        self.data_limits: dict[str, int] = {}
 
     def on_event(self, event: Event, now: float) -> list[Command]:
         if isinstance(event, StageDied):
@@ -120,12 +133,17 @@ class InferenceRun(BaseRun):
             fail_kind="assign_failed",
         )
         build_s = {n: round(float(replies[n]["build_s"]), 3) for n in devices}
+        self.data_limits = {
+            n: int(replies[n]["max_message_bytes"])
+            for n in devices
+            if replies[n].get("max_message_bytes") is not None
+        }
         yield Log("info", "run_ready", {"run": run.run, "epoch": run.epoch, "build_s": build_s})
 
     def ready_message(self, by_name: dict[str, Member], baseline: Plan | None) -> Message:
         run = self.run
         body = {
-            **endpoints_of(run.plan, by_name, self),
+            **endpoints_of(run.plan, by_name, self, self.data_limits),
             "run": run.run,
             "plan": run.plan.to_dict(),
             "baseline": baseline.to_dict() if baseline is not None else None,
@@ -230,7 +248,7 @@ class InferenceRun(BaseRun):
             {"event": "run_recovered", "run": run.run, "dead": dead, "policy": policy, **times}
         )
         notice = {
-            **endpoints_of(plan, by_name, self),
+            **endpoints_of(plan, by_name, self, self.data_limits),
             "run": run.run,
             "plan": plan.to_dict(),
             "dead": dead,

@@ -85,7 +85,7 @@ class JobRunner:
         if isinstance(job, TrainingModel):
             return await self._training_model(job.spec, list(job.members), job.microbatch_size)
         if isinstance(job, AllowPeers):
-            await self._links.allow_peers(list(job.members))
+            await self._links.allow_peers(list(job.members), job.fetches)
             return None
         if isinstance(job, SaveReplica):
             assert self._store is not None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from zpipe._errors import ZpipeError
 from zpipe.coordinator.membership import Member
@@ -74,8 +75,11 @@ class LinkMeasurer:
             if a is not b and _key(a, b) in self._cache
         }
 
-    async def allow_peers(self, members: Sequence[Member]) -> None:
-        """Tell every member which peers may reach its probe socket (their keys)."""
+    async def allow_peers(
+        self, members: Sequence[Member], fetches: Mapping[str, Sequence[Any]] | None = None
+    ) -> None:
+        """Tell every member which peers may reach its probe socket (their keys) and,
+        with ``fetches``, which unit fetches it answers (see :func:`fetch_grants`)."""
         keys = {
             m.name: self._public_keys[m.name].decode()
             for m in members
@@ -83,8 +87,11 @@ class LinkMeasurer:
         }
         for member in members:
             try:
+                body: dict[str, Any] = {"keys": keys}
+                if fetches is not None:
+                    body["fetches"] = list(fetches.get(member.name, ()))
                 await self._request(
-                    member, Message("link_peers", {"keys": keys}), "link_peers_ok", self._timeout_s
+                    member, Message("link_peers", body), "link_peers_ok", self._timeout_s
                 )
             except ZpipeError as exc:  # timed out, malformed, or the stage died
                 log.warning("link_peers_failed", stage=member.name, error=str(exc))

@@ -25,6 +25,7 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.decisions import (
+    fetch_grants,
     fetch_plans,
     live_members,
     merge_fast_state,
@@ -336,12 +337,12 @@ class _Training:
         fetches: dict[str, list[dict[str, Any]]] = {}
         if replica is not None and replica.at_stages:
             live = {m.name: m for m in live_members(state.membership)}
-            if state.public_keys:
-                # stages fetch units from each other's probe sockets: allowed beforehand
-                yield AllowPeers(tuple(live.values()))
             live.update(by_name)
             spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
             fetches = fetch_plans(replica, spans, set(live))
+            # Stages fetch units from each other's probe sockets: allowed beforehand,
+            # each holder told who fetches what (it answers nothing else).
+            yield AllowPeers(tuple(live.values()), fetch_grants(fetches))
             for dest, entries in fetches.items():
                 for entry in entries:
                     if entry["from"] != dest:
@@ -439,9 +440,12 @@ class _Training:
         run.rebalance = message.get("rebalance")
         run.replication = replication
         first, last = groups[0][0], groups[-1][0]
+        limit = replies[first[0]].get("max_message_bytes")
         return Message(
             "run_ready",
             {
+                # the client refuses inputs the first stage's data port would drop
+                **({"first_max_message_bytes": int(limit)} if limit is not None else {}),
                 "run": run.run,
                 "plan": view.to_dict(),
                 "baseline": None,

@@ -84,6 +84,8 @@ class RunReady(WireMessage):
     last_key: str | None = wire(OPT_STR, default=None)
     last_endpoint: str | None = wire(STR, default=None)
     training_plan: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # the first stage's data port limit per frame: a client checks what it sends
+    first_max_message_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -146,6 +148,7 @@ class RunReplanned(WireMessage):
     last_key: str | None = wire(OPT_STR)
     last_endpoint: str = wire(STR)
     seq: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    first_max_message_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message

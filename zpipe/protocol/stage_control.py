@@ -23,6 +23,7 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_INT,
     OPT_LIST,
     OPT_MAP,
     OPT_NUM,
@@ -127,6 +128,8 @@ class Ready(WireMessage):
     name: str = wire(STR)
     build_s: float = wire(NUM)
     ring_endpoint: str | None = wire(STR, default=None)
+    # the most bytes one frame may have on this stage's data port (its MAXMSGSIZE)
+    max_message_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -252,10 +255,13 @@ class BackedUp(TensorMessage):
 
 @wire_message
 class LinkPeers(WireMessage):
-    """The peers a stage's probe socket allows (name -> public key)."""
+    """The peers a stage's probe socket allows (name -> public key); ``fetches``, when
+    present, replaces the unit fetches this stage answers: maps of ``peer`` (the device
+    the new plan assigns the units to), ``owner``, ``run``, ``step``, ``start``, ``end``."""
 
     KIND: ClassVar[str] = "link_peers"
     keys: dict[str, Any] = wire(MAP)
+    fetches: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
 @wire_message

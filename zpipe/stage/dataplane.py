@@ -117,8 +117,13 @@ class DataPlane:
         build_s = time.monotonic() - started
         log.info("assignment_ready", stage=name, run=run, epoch=epoch,
                  build_s=round(build_s, 3), reused=built.reused)  # fmt: skip
+        limits = self._plan_limits[1] if self._plan_limits is not None else None
         return self._lifecycle.assignment_ready(
-            run, epoch, build_s=build_s, ring_endpoint=built.assignment.ring_endpoint
+            run,
+            epoch,
+            build_s=build_s,
+            ring_endpoint=built.assignment.ring_endpoint,
+            max_message_bytes=limits.max_message_bytes if limits is not None else None,
         )
 
     def _apply_data_limits(self, spec: ModelSpec) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe._errors import ConfigError, ZpipeError
+from zpipe.stage.peer_policy import FetchGrant, fetch_grants
 from zpipe.transport.codec import Message
 
 # The client feeds the last training stage its labels on the data port.
@@ -90,9 +91,11 @@ class StartJob:
 
 @dataclass(frozen=True)
 class AllowProbePeers:
-    """Every cluster member's key, by name, may now reach the probe socket."""
+    """Every cluster member's key, by name, may now reach the probe socket; ``fetches``
+    (None: unchanged) the unit fetches the probe socket answers from now on."""
 
     keys: Mapping[str, str]
+    fetches: tuple[FetchGrant, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -386,7 +389,12 @@ class StageLifecycle:
             return [StartJob(Job.PROFILE, message, newest_wins=False)]
         if kind == "link_peers":
             keys = {str(n): str(k) for n, k in dict(message["keys"]).items()}
-            return [AllowProbePeers(keys), SendToCoordinator("link_peers_ok", {"name": self.name})]
+            fetches = message.get("fetches")
+            grants = fetch_grants(fetches) if fetches is not None else None
+            return [
+                AllowProbePeers(keys, grants),
+                SendToCoordinator("link_peers_ok", {"name": self.name}),
+            ]
         if kind == "link_probe_request":
             return [StartJob(Job.LINK_PROBE, message, newest_wins=False)]
         if kind == "weights_request":
@@ -413,8 +421,16 @@ class StageLifecycle:
         return [StartJob(Job.ASSIGN, message, newest_wins=True)]
 
     def assignment_ready(
-        self, run: int, epoch: int, *, build_s: float, ring_endpoint: str = ""
+        self,
+        run: int,
+        epoch: int,
+        *,
+        build_s: float,
+        ring_endpoint: str = "",
+        max_message_bytes: int | None = None,
     ) -> list[Command]:
+        """``max_message_bytes``: the data port's limit per frame under this plan, so
+        that a sender can refuse a larger message before libzmq drops it."""
         if self._building != _Pending(run, epoch):
             return []  # a newer assignment replaced this one meanwhile
         self._building = None
@@ -423,6 +439,8 @@ class StageLifecycle:
         body: dict[str, Any] = {"run": run, "name": self.name, "build_s": build_s}
         if ring_endpoint:
             body["ring_endpoint"] = ring_endpoint
+        if max_message_bytes is not None:
+            body["max_message_bytes"] = max_message_bytes
         return [SendToCoordinator("ready", body, epoch=epoch)]
 
     def assignment_failed(self, run: int, epoch: int, error: str) -> list[Command]:

@@ -11,18 +11,22 @@ was allowed under) and what this stage's plan says (:class:`BackupPlan`):
   up here (``backup_from``), for that run, only from the owner itself when keys
   say who sent it, only of unit tensors, and only while everything held for
   peers stays within the device's budget (:func:`backup_refusal`);
-- a fetch is answered only to a peer the coordinator named, for a well-formed
-  unit range of a snapshot of the newest run held here (:func:`fetch_refusal`).
+- a fetch is answered only when the coordinator granted it (:class:`FetchGrant`,
+  sent with ``link_peers`` before the new plan's assignments): that device, that
+  owner's snapshot, units within the granted range, of the newest run held here
+  (:func:`fetch_refusal`).
 
 Without keys nobody's name can be checked: the plan's owner list, the run, the
-key shapes and the budget still hold.
+granted snapshots and ranges, the key shapes and the budget still hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from zpipe._errors import ProtocolError
 from zpipe.models.registry import MAX_DECLARED_UNITS
 from zpipe.models.weights import split_unit_key
 from zpipe.stage.train_shard import OPTIMIZER_KEY
@@ -114,17 +118,75 @@ class FetchRequest:
     end: int
 
 
+@dataclass(frozen=True)
+class FetchGrant:
+    """The coordinator's word that ``peer`` (the device the new plan assigns these
+    units to) may fetch units ``[start, end)`` of ``owner``'s snapshot of ``run`` at
+    ``step`` from this stage."""
+
+    peer: str
+    owner: str
+    run: int
+    step: int
+    start: int
+    end: int
+
+    def covers(self, request: FetchRequest) -> bool:
+        return (
+            (self.owner, self.run, self.step) == (request.owner, request.run, request.step)
+            and self.start <= request.start
+            and request.end <= self.end
+        )
+
+
+def fetch_grants(entries: Sequence[Any]) -> tuple[FetchGrant, ...]:
+    """The grants of a ``link_peers`` message's ``fetches`` list; ``ProtocolError``
+    for an entry that is not a map of those fields."""
+    out = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise ProtocolError("a fetch grant must be a map")
+        try:
+            grant = FetchGrant(
+                peer=str(entry["peer"]),
+                owner=str(entry["owner"]),
+                run=int(entry["run"]),
+                step=int(entry["step"]),
+                start=int(entry["start"]),
+                end=int(entry["end"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"a malformed fetch grant: {exc!r}") from exc
+        out.append(grant)
+    return tuple(out)
+
+
 def fetch_refusal(
-    request: FetchRequest, sender: PeerIdentity, *, newest_run: int | None
+    request: FetchRequest,
+    sender: PeerIdentity,
+    *,
+    newest_run: int | None,
+    grants: Sequence[FetchGrant] = (),
 ) -> str | None:
     """Why a fetch of units is not answered, or None to answer it (if the snapshot is
-    held). ``newest_run``: the newest run of any snapshot held here."""
+    held). ``newest_run``: the newest run of any snapshot held here; ``grants``: the
+    fetches the coordinator said the new plan makes from here."""
     if sender.authenticated and sender.name is None:
         return "units are sent only to devices the coordinator named"
     if not 0 <= request.start < request.end <= MAX_DECLARED_UNITS:
         return f"unit range [{request.start}, {request.end}) is not a range of units"
     if newest_run is not None and request.run < newest_run:
         return f"snapshots of run {request.run} are no longer served (run {newest_run} is newer)"
+    wanted = (
+        f"units [{request.start}, {request.end}) of {request.owner!r} "
+        f"(run {request.run}, step {request.step})"
+    )
+    covering = [g for g in grants if g.covers(request)]
+    if not covering:
+        return f"the coordinator did not name anyone to fetch {wanted} from this stage"
+    if sender.authenticated and all(g.peer != sender.name for g in covering):
+        named = ", ".join(sorted({g.peer for g in covering}))
+        return f"{wanted} go to {named} in the current plan, not to {sender.describe()}"
     return None
 
 

@@ -357,6 +357,8 @@ class StageRuntime:
                 # Every cluster member may probe this stage's links; allowed before anyone does.
                 if self._keys.probe_allow is not None:
                     self._keys.probe_allow.replace({n: k.encode() for n, k in command.keys.items()})
+                if command.fetches is not None and self._snapshots is not None:
+                    self._snapshots.fetch_grants = command.fetches
             elif isinstance(command, ConnectAssignment):
                 assert self._plane is not None
                 await self._carry_out(await self._plane.connect(command))

@@ -33,6 +33,7 @@ from zpipe.stage.peer_policy import (
     UNAUTHENTICATED,
     BackupOffer,
     BackupPlan,
+    FetchGrant,
     FetchRequest,
     PeerIdentity,
     backup_refusal,
@@ -77,6 +78,8 @@ class SnapshotService:
         self.backup_budget_bytes = (
             peer_build_limit() if backup_budget_bytes is None else backup_budget_bytes
         )
+        # the fetches the coordinator's newest plan makes from here (``link_peers``)
+        self.fetch_grants: tuple[FetchGrant, ...] = ()
 
     async def weights_reply(
         self,
@@ -197,7 +200,9 @@ class SnapshotService:
             start=int(message["start"]),
             end=int(message["end"]),
         )
-        refusal = fetch_refusal(request, sender, newest_run=self.replicas.newest_run())
+        refusal = fetch_refusal(
+            request, sender, newest_run=self.replicas.newest_run(), grants=self.fetch_grants
+        )
         if refusal is not None:
             log.warning("fetch_refused", stage=self.name, owner=request.owner,
                         peer=sender.describe(), error=refusal)  # fmt: skip
@@ -208,6 +213,8 @@ class SnapshotService:
             )
         except ConfigError as exc:
             return Message("units", {"keys": [], "error": str(exc)})
+        log.info("units_served", stage=self.name, owner=request.owner, peer=sender.describe(),
+                 start=request.start, end=request.end)  # fmt: skip
         return Message("units", {"keys": list(units), "error": ""}, tensors=tuple(units.values()))
 
     def _keep_backup(
