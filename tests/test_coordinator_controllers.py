@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError, TransportTimeout
-from zpipe.coordinator.commands import AwaitReplies, Log, Now, PlanInference, Send
+from zpipe.coordinator.commands import AwaitReplies, Log, Now, PlanInference, Send, StartTimer
 from zpipe.coordinator.events import StallReported, Tick
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.inference import InferenceRun
@@ -217,6 +217,58 @@ def test_a_wait_that_times_out_raises_in_its_flow_naming_the_silent() -> None:
     assert runner.reply("a", Message("weights", {}), 2.0) == []
     runner.timer(timer.tag, 6.0)  # type: ignore[attr-defined]
     assert "weights from b" in str(seen[0]) and seen[1] == 6.0
+
+
+def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> None:
+    """A request sent while a connection is replaced can vanish: the wait asks again,
+    every resend_s, only the stages that neither answered nor moved a chunk."""
+    runner = FlowRunner()
+    seen: list[object] = []
+    ask = {n: Send(n.encode(), Message("backup_request", {"step": 3}), n, stage=n) for n in "abc"}
+
+    def backing_up():  # type: ignore[no-untyped-def]
+        seen.append(
+            (
+                yield AwaitReplies(
+                    tuple(ask),
+                    "backed_up",
+                    60.0,
+                    "backups",
+                    requests=tuple(ask.values()),
+                    resend_s=4.0,
+                )
+            )
+        )
+
+    first = runner.start(backing_up(), 0.0)
+    assert first[:3] == list(ask.values())  # the requests go out when the wait starts
+    (timer,) = first[3:]
+    assert isinstance(timer, StartTimer) and timer.delay_s == 4.0
+    runner.reply("a", Message("backed_up", {}), 1.0)  # a answered
+    runner.progress("b", 3.0)  # b is sending its answer in chunks
+    again = runner.timer(timer.tag, 4.0)
+    assert [c for c in again if isinstance(c, Send)] == [ask["c"]]
+    (timer,) = [c for c in again if isinstance(c, StartTimer)]
+    assert timer.delay_s == pytest.approx(4.0)
+    # b's chunks stopped before the last asking: it is asked again too
+    again = runner.timer(timer.tag, 8.0)
+    assert [c for c in again if isinstance(c, Send)] == [ask["b"], ask["c"]]
+    runner.reply("b", Message("backed_up", {}), 9.0)
+    runner.reply("c", Message("backed_up", {}), 9.5)
+    assert seen and set(seen[0]) == {"a", "b", "c"}  # type: ignore[arg-type]
+
+
+def test_a_wait_without_resend_asks_once_and_times_out_at_its_deadline() -> None:
+    runner = FlowRunner()
+    ask = Send(b"a", Message("weights_request", {}), "a", stage="a")
+
+    def waiting():  # type: ignore[no-untyped-def]
+        with pytest.raises(TransportTimeout):
+            yield AwaitReplies(("a",), "weights", 5.0, "weights", requests=(ask,))
+
+    out = runner.start(waiting(), 0.0)
+    assert out[0] == ask and isinstance(out[1], StartTimer) and out[1].delay_s == 5.0
+    assert runner.timer(out[1].tag, 5.0) == [] and runner.suspended == 0
 
 
 def test_a_jobs_failure_is_raised_in_the_flow_that_asked() -> None:

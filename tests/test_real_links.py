@@ -176,15 +176,6 @@ def test_a_stage_cut_off_past_the_suspect_time_is_kept_and_the_run_ends_exactly(
     assert report.recoveries == []
 
 
-# Known bug (issue 17, left open): a request the coordinator sends while a stage's
-# control connection is being replaced after the cut (ROUTER_HANDOVER) can go down
-# the stale pipe and be lost; the replica flow then waits its 120 s and the client,
-# which waits for that replica, stops feeding the pipeline. No stage is declared
-# dead either way. About half the runs here; the fix is re-sending unanswered requests.
-@pytest.mark.xfail(
-    reason="a request lost on the stale connection after the cut stalls the replica flow",
-    strict=False,
-)
 def test_the_coordinator_cut_off_alone_declares_no_stage_dead_and_the_run_ends_exactly(
     links: NetLab,
 ) -> None:

@@ -242,3 +242,27 @@ def test_the_coordinators_in_place_recovery_costs_declared_links_from_cached_pro
         plan, {"c"}, "lightweight", survivors, {"a": INFERENCE}, batch_size=1, train=False
     )
     assert cut_of(blind) == 6 and blind.predicted == {}
+
+
+def test_the_coordinators_in_place_recovery_prefers_a_measured_link_to_a_declared_one():
+    """Real devices declare nothing (the default declared link is fast); the link the
+    coordinator measured before the run is what the re-planner must cost."""
+    from zpipe.coordinator.decisions import replan_in_place
+    from zpipe.coordinator.membership import Member
+    from zpipe.planner.cluster import ClusterLink
+
+    def member(name: str) -> Member:
+        return Member(name, name.encode(), f"tcp://{name}:1", {}, None, 0.0, 0.0)
+
+    plan = plan_from_partition(N, ["a", "b", "c"], [[0, 4], [4, 8], [8, 12]])
+    survivors = [member("a"), member("b")]
+    profiles = {"a": INFERENCE, "b": INFERENCE}
+    declared = replan_in_place(
+        plan, {"c"}, "lightweight", survivors, profiles, batch_size=1, train=False
+    )
+    assert cut_of(declared) == 6  # nothing declared slow: the balanced cut
+    measured = {("a", "b"): ClusterLink(bandwidth_mbps=SLOW_MBPS, latency_ms=0.0)}
+    new = replan_in_place(
+        plan, {"c"}, "lightweight", survivors, profiles, batch_size=1, train=False, links=measured
+    )
+    assert cut_of(new) == 5 and new.predicted["bottleneck_s"] == pytest.approx(0.7)

@@ -225,3 +225,64 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
         router.close(linger=0)
         auth.stop()
         context.term()
+
+
+async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_later_one() -> None:
+    """The coordinator re-sends a request that may have been lost; by then this stage may
+    have trained on. The answer is the snapshot the first request made."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zmq.asyncio
+
+    from zpipe.stage.metrics import StageCounters
+    from zpipe.stage.snapshots import SnapshotService, request_identity
+    from zpipe.transport.codec import Message
+    from zpipe.transport.sockets import SocketOptions
+
+    class Shard:
+        def __init__(self) -> None:
+            self.weight = torch.zeros(3)
+
+        def training_state(self) -> dict[str, torch.Tensor]:
+            return {"units.0.weight": self.weight}
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.shard = Shard()
+            self.setup = type("Setup", (), {"run": 7})()
+            self.waited: list[int] = []
+
+        async def wait_for_step(self, step: int, timeout_s: float) -> None:
+            self.waited.append(step)
+
+    trainer = Trainer()
+    with ThreadPoolExecutor(1) as compute:
+        service = SnapshotService(
+            name="a",
+            context=zmq.asyncio.Context.instance(),
+            keypair=None,
+            socket_options=SocketOptions(),
+            timeout_s=1.0,
+            compute=compute,
+            counters=StageCounters(),
+            replicas=ReplicaStore(),
+        )
+        request = Message("backup_request", {"run": 7, "step": 3, "holder": "coordinator"}, 2)
+
+        async def pace(nbytes: int) -> None:
+            return None
+
+        first, first_tensors = await service.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
+        trainer.shard.weight += 1.0  # trains on
+        again, again_tensors = await service.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
+        later = Message("backup_request", {"run": 7, "step": 4, "holder": "coordinator"}, 2)
+        _, later_tensors = await service.backup_reply(later, trainer, pace)  # type: ignore[arg-type]
+    assert first["error"] == "" and again == first and trainer.waited == [3, 4]
+    assert again_tensors is first_tensors and torch.equal(again_tensors[0], torch.zeros(3))
+    assert torch.equal(later_tensors[0], torch.ones(3))
+    # a request is the same one sent twice only with the same kind, epoch and body
+    assert request_identity(request) == request_identity(
+        Message("backup_request", {"holder": "coordinator", "step": 3, "run": 7}, 2)
+    )
+    assert request_identity(request) != request_identity(later)
+    assert request_identity(request) != request_identity(Message("backup_request", request.body, 3))

@@ -102,6 +102,12 @@ class AwaitReplies(Await):
     A reply of ``fail_kind`` from one of them, its death, or no reply within
     ``timeout_s`` raise in the flow, unless ``partial``: then the flow resumes with
     the replies that came. ``run``: replies of another run are late, and dropped.
+
+    ``requests``: the sends that ask for the replies, made when the wait starts;
+    with ``resend_s``, a stage that has neither answered nor moved a chunk since
+    gets its request again every ``resend_s``. A request sent while a stage's
+    connection is being replaced (a healed partition: ``ROUTER_HANDOVER``) goes
+    down the stale connection and is lost; stages answer a repeated request once.
     """
 
     stages: tuple[str, ...]
@@ -111,6 +117,8 @@ class AwaitReplies(Await):
     run: int | None = None
     fail_kind: str | None = None
     partial: bool = False
+    requests: tuple[Send, ...] = ()
+    resend_s: float | None = None
 
 
 class Job(Await):

@@ -18,7 +18,7 @@ from zpipe.coordinator.membership import Member, Membership, MemberState
 from zpipe.coordinator.planning import cluster_from_members
 from zpipe.coordinator.runs import Replica
 from zpipe.models.weights import split_unit_key
-from zpipe.planner import Plan
+from zpipe.planner import ClusterLink, Plan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import (
@@ -70,20 +70,22 @@ def replan_in_place(
     batch_size: int,
     train: bool,
     optimizer: str = "sgd",
+    links: Mapping[tuple[str, str], ClusterLink] | None = None,
 ) -> PlanT:
     """The surviving stages keep their order (:func:`zpipe.recovery.plan_recovery`):
     "lightweight" moves unit boundaries so each stage's work matches its speed,
     "respipe" hands a dead stage's units to the next one. When every survivor has a
     cached profile, the cuts are costed as the planners cost them (each device's own
-    times, the links the stages declared, memory) and the plan carries the planners'
-    prediction; else every unit and device counts alike."""
+    times, the measured ``links`` where there are, else the links the stages declared,
+    memory) and the plan carries the planners' prediction; else every unit and device
+    counts alike."""
     unit_work: list[float] = [1.0] * plan.num_units
     profile: ModelProfile | None = None
     cluster = None
     known = {m.name: p for m in survivors if (p := profiles.get(m.name)) is not None}
     if survivors and len(known) == len(survivors):
         profile = known[survivors[0].name]
-        cluster = cluster_from_members(survivors, known)
+        cluster = cluster_from_members(survivors, known, links=links)
     try:
         recovered = plan_recovery(
             plan,

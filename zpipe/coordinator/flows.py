@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe._errors import ConfigError, TransportTimeout
+from zpipe.config import Timeouts
 from zpipe.coordinator.commands import (
     Await,
     AwaitReplies,
@@ -40,6 +41,16 @@ from zpipe.transport.codec import Message
 # A flow may return a value to the flow that runs it with `yield from`.
 Flow = Generator[Any, Any, Any]
 
+# A request a stage neither answered nor made progress on goes again after this many
+# heartbeat intervals (and never sooner than the floor): rare enough to cost nothing,
+# soon enough that a request lost while a partition healed does not stall a run.
+RESEND_INTERVALS = 5
+RESEND_FLOOR_S = 2.0
+
+
+def request_resend_s(timeouts: Timeouts) -> float:
+    return max(RESEND_FLOOR_S, RESEND_INTERVALS * timeouts.heartbeat_interval_s)
+
 
 @dataclass
 class _Wait:
@@ -48,6 +59,14 @@ class _Wait:
     pending: set[str]
     started: float = 0.0
     replies: dict[str, Message] = field(default_factory=dict)
+    sent: float = 0.0  # when the requests last went out
+
+    def next_timer(self, deadline: float) -> float:
+        """When this wait next needs a look: its deadline, or the next resend."""
+        resend_s = self.request.resend_s
+        if resend_s is None or not self.request.requests:
+            return deadline
+        return min(deadline, self.sent + resend_s)
 
 
 class FlowRunner:
@@ -136,13 +155,27 @@ class FlowRunner:
         moved = [self._progress[n] for n in wait.pending if n in self._progress]
         deadline = progress_deadline(wait.started, wait.request.timeout_s, max(moved, default=None))
         if now < deadline:
-            return [StartTimer(tag, deadline - now)]  # still moving: wait on
+            out = self._resend(wait, now)
+            return [*out, StartTimer(tag, max(0.0, wait.next_timer(deadline) - now))]
         del self._waits[tag]
         if wait.request.partial:
             return self._advance(wait.flow, wait.replies, None)
         silent = ", ".join(n for n in wait.request.stages if n in wait.pending)
         error = TransportTimeout(silent, wait.request.awaited, wait.request.timeout_s)
         return self._advance(wait.flow, None, error)
+
+    def _resend(self, wait: _Wait, now: float) -> list[Command]:
+        """Ask again the stages that neither answered nor moved a chunk since the last
+        asking (their request may have gone down a connection that was replaced)."""
+        resend_s = wait.request.resend_s
+        if resend_s is None or now < wait.sent + resend_s:
+            return []
+        last_sent, wait.sent = wait.sent, now
+        return [
+            send
+            for send in wait.request.requests
+            if send.stage in wait.pending and self._progress.get(send.stage, -1.0) < last_sent
+        ]
 
     # ------------------------------------------------------------------ driver
 
@@ -164,8 +197,11 @@ class FlowRunner:
                     value = {}
                     continue
                 tag = self._tag()
-                self._waits[tag] = _Wait(flow, item, set(item.stages), started=self.now)
-                out.append(StartTimer(tag, item.timeout_s))
+                wait = _Wait(flow, item, set(item.stages), started=self.now, sent=self.now)
+                self._waits[tag] = wait
+                out.extend(item.requests)
+                deadline = self.now + item.timeout_s
+                out.append(StartTimer(tag, wait.next_timer(deadline) - self.now))
                 return out
             elif isinstance(item, Job):
                 tag = self._tag()

@@ -199,6 +199,7 @@ class InferenceRun(BaseRun):
                     profiles,
                     batch_size=batch,
                     train=False,
+                    links=self.state.measured_links(survivors),
                 )
             planned_at = yield Now()
             run.epoch = self.state.next_epoch()

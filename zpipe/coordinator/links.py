@@ -68,12 +68,20 @@ class LinkMeasurer:
             measured = await self._measure_pair(a, b)
             if measured is not None:
                 self._cache[_key(a, b)] = measured
+        return self.known(members)
+
+    def known(self, members: Sequence[Member]) -> dict[tuple[str, str], MeasuredLink]:
+        """What is measured already between ``members``, measuring nothing: a re-planner
+        after a death costs links from these and has no time to probe."""
         return {
             (a.name, b.name): self._cache[_key(a, b)]
             for a in members
             for b in members
             if a is not b and _key(a, b) in self._cache
         }
+
+    def known_cluster_links(self, members: Sequence[Member]) -> dict[tuple[str, str], ClusterLink]:
+        return {pair: link.as_cluster_link() for pair, link in self.known(members).items()}
 
     async def allow_peers(
         self, members: Sequence[Member], fetches: Mapping[str, Sequence[Any]] | None = None

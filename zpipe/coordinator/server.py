@@ -190,6 +190,8 @@ class Coordinator:
         self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
         self._bulk_transfers = 0  # ids of the bulk transfers this process sends
         links = LinkMeasurer(self._request, self._public_keys, timeout_s=4 * t.reply_s)
+        if config.measure_links:
+            self.state.measured_links = links.known_cluster_links
         self._jobs = JobRunner(
             self.state, self._request, links, measure_links=config.measure_links, store=self._store
         )

@@ -254,7 +254,14 @@ def _replan_training(
         m.name: state.profiles.get(spec, batch, "float32", m, train=True) for m in survivors
     }
     plan = replan_in_place(
-        replica.plan, failed, policy, survivors, profiles, batch_size=batch, train=True
+        replica.plan,
+        failed,
+        policy,
+        survivors,
+        profiles,
+        batch_size=batch,
+        train=True,
+        links=state.measured_links(survivors),
     )
     yield Log(
         "info",

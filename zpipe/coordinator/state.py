@@ -7,7 +7,7 @@ which hands it to each run's controller.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ from zpipe.coordinator.flows import Answers, FlowRunner
 from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.runs import Replica
 from zpipe.models import ModelSpec
+from zpipe.planner import ClusterLink
 from zpipe.planner.profile import ModelProfile
 
 CLIENT_NAME = "client"
@@ -83,6 +84,11 @@ class CoordinatorState:
     # this host's own addresses and names: a stage advertising one of them shares the
     # host of a client with a loopback sink (see zpipe.coordinator.sink_check)
     local_hosts: frozenset[str] = frozenset()
+    # the links measured so far between members (the shell's cache; measures nothing):
+    # re-planners cost links from them, as the planner did
+    measured_links: Callable[[Sequence[Member]], Mapping[tuple[str, str], ClusterLink]] = (
+        lambda members: {}
+    )
 
     def key_of(self, name: str, client_key: str | None = None) -> str | None:
         """A peer's public key (the client's: the key it authenticated with)."""

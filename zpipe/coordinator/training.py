@@ -34,7 +34,7 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.coordinator.decisions import live_members
 from zpipe.coordinator.events import ClientRequest, Event, StageDied
-from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.persistence import SavedReplica
 from zpipe.coordinator.runbase import BaseRun
@@ -121,10 +121,17 @@ class SyncTrainingRun(BaseRun):
         if optimizer:
             body["optimizer"] = True
         request = Message("weights_request", body, epoch=run.epoch)
-        for device in run.devices:
-            yield Send(members[device].routing_id, request, device, stage=device)
+        requests = tuple(
+            Send(members[device].routing_id, request, device, stage=device)
+            for device in run.devices
+        )
         replies = yield AwaitReplies(
-            tuple(run.devices), "weights", self.state.timeouts.result_s, "weights"
+            tuple(run.devices),
+            "weights",
+            self.state.timeouts.result_s,
+            "weights",
+            requests=requests,
+            resend_s=request_resend_s(self.state.timeouts),
         )
         return _state_of(replies, run.devices, "weights reply", metrics)
 
@@ -142,6 +149,7 @@ class SyncTrainingRun(BaseRun):
         if self.state.public_keys:
             # peers reach each other's probe sockets: allowed before anyone connects
             yield AllowPeers(tuple(members[d] for d in run.devices))
+        requests: list[Send] = []
         for device in run.devices:
             holder = holders.get(device, "")
             body: dict[str, Any] = {"run": run.run, "step": step, "holder": holder}
@@ -149,9 +157,14 @@ class SyncTrainingRun(BaseRun):
                 body["holder_endpoint"] = str(members[holder].info["probe_endpoint"])
                 body["holder_key"] = self.key_of(holder)
             message = Message("backup_request", body, epoch=run.epoch)
-            yield Send(members[device].routing_id, message, device, stage=device)
+            requests.append(Send(members[device].routing_id, message, device, stage=device))
         replies = yield AwaitReplies(
-            tuple(run.devices), "backed_up", self.state.timeouts.result_s, "backed_up"
+            tuple(run.devices),
+            "backed_up",
+            self.state.timeouts.result_s,
+            "backed_up",
+            requests=tuple(requests),
+            resend_s=request_resend_s(self.state.timeouts),
         )
         keys, tensors = _state_of(replies, run.devices, "backup", counters)
         return keys, tensors, {d: holders.get(d, "") for d in run.devices}

@@ -60,7 +60,7 @@ from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
 from zpipe.stage.replicas import ReplicaStore
-from zpipe.stage.snapshots import SnapshotService
+from zpipe.stage.snapshots import SnapshotService, request_identity
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import SharedUplink
@@ -90,6 +90,7 @@ class StageRuntime:
         self._lifecycle: StageLifecycle | None = None
         self._supervisor = TaskSupervisor(config.name, self._task_died)
         self._jobs: dict[Job, asyncio.Task[None]] = {}
+        self._job_requests: dict[Job, tuple[object, ...]] = {}  # what each running job answers
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
         self._bulk: StageBulk | None = None
@@ -434,10 +435,14 @@ class StageRuntime:
 
     def _start_job(self, command: StartJob) -> None:
         running = self._jobs.get(command.job)
+        request = request_identity(command.message)
         if running is not None and not running.done():
-            if not command.newest_wins:
-                return  # only one at a time
+            if not command.newest_wins or self._job_requests.get(command.job) == request:
+                # only one at a time; and a request the coordinator sent again (it may
+                # have been lost) is answered by the job already at it
+                return
             running.cancel()
+        self._job_requests[command.job] = request
         task = asyncio.create_task(self._run_job(command.job, command.message))
         task.add_done_callback(lambda done: self._job_ended(command.job, done))
         self._jobs[command.job] = task

@@ -52,6 +52,12 @@ log = get_logger("zpipe.stage")
 Reply = tuple[dict[str, Any], tuple[torch.Tensor, ...]]
 
 
+def request_identity(message: Message) -> tuple[object, ...]:
+    """What makes two requests the same one sent twice: kind, epoch and body."""
+    body = tuple(sorted((key, repr(value)) for key, value in message.body.items()))
+    return (message.kind, message.epoch, body)
+
+
 class SnapshotService:
     def __init__(
         self,
@@ -80,6 +86,8 @@ class SnapshotService:
         )
         # the fetches the coordinator's newest plan makes from here (``link_peers``)
         self.fetch_grants: tuple[FetchGrant, ...] = ()
+        # the last backup made, by request: a request sent again gets the same answer
+        self._last_backup: tuple[tuple[object, ...], Reply] | None = None
 
     async def weights_reply(
         self,
@@ -132,6 +140,11 @@ class SnapshotService:
     ) -> Reply:
         """Once round ``step`` is done: keep a snapshot of this stage's state, and send
         a copy to its backup holder (a peer stage, or the coordinator in the reply)."""
+        request = request_identity(message)
+        if self._last_backup is not None and self._last_backup[0] == request:
+            # Asked again (the first answer, or the request, may have been lost while a
+            # connection was replaced): the snapshot of that round, not a later state.
+            return self._last_backup[1]
         run, step = int(message["run"]), int(message["step"])
         holder = str(message["holder"])
         reply: dict[str, Any] = {
@@ -178,6 +191,7 @@ class SnapshotService:
                 )
                 if answer["error"]:
                     raise PipelineError(f"{holder} did not keep the backup: {answer['error']}")
+            self._last_backup = (request, (reply, tensors))
         except Exception as exc:  # reported: the coordinator decides what it means
             reply["error"] = describe_error(exc)
             log.error("backup_failed", stage=self.name, error=reply["error"])
