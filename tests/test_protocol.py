@@ -49,6 +49,8 @@ ADDED_IN_V1 = {
     # a stage's data port limit per frame, and the first stage's for the client
     "ready": {"max_message_bytes": ["int/null", False]},
     "run_ready": {"first_max_message_bytes": ["int/null", False]},
+    # a requester that takes a big answer in state_chunk messages of this size
+    "fetch_units": {"chunk_bytes": ["int/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client
@@ -68,8 +70,19 @@ KINDS_ADDED_IN_V1 = {
     "bulk_done": {"transfer": ["int", True]},
     "bulk_refused": {"transfer": ["int", True], "reason": ["str", True]},
     "notice_ack": {"run": ["int", True], "seq": ["int", True]},
+    # big stage-to-stage state in chunks: a backup's (acknowledged one by one), or a
+    # fetch's answer to a requester that offered chunk_bytes
+    "state_chunk": {
+        "owner": ["str", True],
+        "transfer": ["int", True],
+        "seq": ["int", True],
+        "chunks": ["int", True],
+        "bytes": ["int", True],
+        "frames": ["list/null", False],
+    },
+    "state_chunk_ok": {"transfer": ["int", True], "seq": ["int", True], "error": ["str", True]},
 }
-TENSOR_KINDS_ADDED_IN_V1 = ["bulk_chunk"]
+TENSOR_KINDS_ADDED_IN_V1 = ["bulk_chunk", "state_chunk"]
 
 
 def test_every_kind_keeps_its_version_1_schema() -> None:

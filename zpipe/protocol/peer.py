@@ -8,6 +8,20 @@
     link_burst_report              what arrived, and over which span after the first
     backup -> backup_ok            a neighbour's snapshot to keep (chain replication)
     fetch_units -> units           units of a kept snapshot, fetched back on recovery
+
+State bigger than one chunk (:data:`zpipe.transport.bulk.CHUNK_BYTES`) crosses as
+``state_chunk`` messages, the codec frames of the whole message cut as the
+coordinator's bulk state is (:mod:`zpipe.transport.bulk`), so that no single
+message outlasts a deadline on a slow link and every chunk is progress::
+
+    state_chunk -> state_chunk_ok ... state_chunk -> backup_ok    a big backup, one
+                                                                   chunk per round trip
+    fetch_units (chunk_bytes) -> state_chunk ... state_chunk      a big fetch's answer,
+                                                                   streamed (then decoded
+                                                                   as ``units``)
+
+A backup's sender chunks only a backup that does not fit one chunk; a fetch's
+answer is chunked only for a requester that offered ``chunk_bytes``.
 """
 
 from __future__ import annotations
@@ -18,6 +32,8 @@ from zpipe.protocol._schema import (
     INT,
     LIST,
     NUM,
+    OPT_INT,
+    OPT_LIST,
     STR,
     TensorMessage,
     WireMessage,
@@ -88,6 +104,35 @@ class FetchUnits(WireMessage):
     step: int = wire(INT)
     start: int = wire(INT)
     end: int = wire(INT)
+    # offered by a requester that takes the answer as state_chunk messages of at most
+    # this many bytes each (added within version 1; absent: one ``units`` message)
+    chunk_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class StateChunk(TensorMessage):
+    """Chunk ``seq`` of ``chunks`` of transfer ``transfer`` (the sender's counter) of
+    ``owner``'s state, one uint8 payload tensor; the transfer is ``bytes`` long and is
+    the codec frames of one ``backup`` or ``units`` message, of the sizes ``frames``
+    (in chunk 0 only)."""
+
+    KIND: ClassVar[str] = "state_chunk"
+    owner: str = wire(STR)
+    transfer: int = wire(INT)
+    seq: int = wire(INT)
+    chunks: int = wire(INT)
+    nbytes: int = wire(INT, key="bytes")
+    frames: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+
+
+@wire_message
+class StateChunkOk(WireMessage):
+    """A backup's chunk taken (``error`` empty) or its transfer refused and dropped."""
+
+    KIND: ClassVar[str] = "state_chunk_ok"
+    transfer: int = wire(INT)
+    seq: int = wire(INT)
+    error: str = wire(STR)
 
 
 @wire_message
@@ -106,5 +151,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     Backup,
     BackupOk,
     FetchUnits,
+    StateChunk,
+    StateChunkOk,
     Units,
 )

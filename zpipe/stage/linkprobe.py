@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -79,7 +79,7 @@ class _Burst:
 
 
 # Requests from peers that the stage itself answers (zpipe.stage.replicas).
-PEER_KINDS = frozenset({"backup", "fetch_units"})
+PEER_KINDS = frozenset({"backup", "fetch_units", "state_chunk"})
 
 
 @dataclass
@@ -91,9 +91,12 @@ class ProbeResponder:
     name: str
     send_timeout_s: float
     max_message_bytes: int
-    # other stage-to-stage requests (backups, unit fetches): the reply to send back
-    # (the request, the sender's CURVE key or None without keys) -> the reply
-    peer_handler: Callable[[Message, bytes | None], Awaitable[Message]] | None = None
+    # other stage-to-stage requests (backups, unit fetches): (the request, the sender's
+    # CURVE key or None without keys) -> one reply, or a stream of them (a big fetch's
+    # chunks)
+    peer_handler: (
+        Callable[[Message, bytes | None], Awaitable[Message | Iterator[Message]]] | None
+    ) = None
     # per-peer token buckets: a flooding peer's excess is dropped before decoding
     limiter: PeerRateLimiter = field(default_factory=PeerRateLimiter)
     _bursts: dict[tuple[bytes, int], _Burst] = field(default_factory=dict)
@@ -174,7 +177,10 @@ class ProbeResponder:
             await self._reply(routing_id, Message("link_burst_report", report))
         elif self.peer_handler is not None and kind in PEER_KINDS:
             sender = security.sender_public_key(first) if first is not None else None
-            await self._reply(routing_id, await self.peer_handler(message, sender))
+            answer = await self.peer_handler(message, sender)
+            # Each reply has its own deadline: a long stream that keeps moving is alive.
+            for reply in [answer] if isinstance(answer, Message) else answer:
+                await self._reply(routing_id, reply)
         else:
             raise ProtocolError(f"unexpected {kind!r} on the probe socket")
 

@@ -88,14 +88,9 @@ def backup_refusal(
     """
     if plan.run is None or plan.run != offer.run:
         return f"this stage is not training run {offer.run}"
-    if offer.owner not in plan.backup_from:
-        named = ", ".join(plan.backup_from) or "nobody"
-        return (
-            f"{offer.owner!r} does not back up to this stage in run {offer.run} "
-            f"(the plan names {named})"
-        )
-    if sender.authenticated and sender.name != offer.owner:
-        return f"a backup of {offer.owner!r} sent by {sender.describe()}, not by its owner"
+    refusal = backup_owner_refusal(offer.owner, sender, plan)
+    if refusal is not None:
+        return refusal
     if len(offer.keys) != offer.tensors:
         return "keys and tensors do not match"
     strange = [k for k in offer.keys if not is_state_key(k)]
@@ -106,6 +101,22 @@ def backup_refusal(
             f"a backup of {offer.nbytes} bytes would make this stage hold {held_after_bytes} "
             f"bytes for peers, more than it can ({budget_bytes})"
         )
+    return None
+
+
+def backup_owner_refusal(owner: str, sender: PeerIdentity, plan: BackupPlan) -> str | None:
+    """Why a backup of ``owner`` from ``sender`` is not kept, judged before its content
+    is known (at chunk 0 of a chunked one, so no bytes are held for a backup that
+    would be refused whole), or None."""
+    if plan.run is None:
+        return "this stage is not training"
+    if owner not in plan.backup_from:
+        named = ", ".join(plan.backup_from) or "nobody"
+        return (
+            f"{owner!r} does not back up to this stage in run {plan.run} (the plan names {named})"
+        )
+    if sender.authenticated and sender.name != owner:
+        return f"a backup of {owner!r} sent by {sender.describe()}, not by its owner"
     return None
 
 

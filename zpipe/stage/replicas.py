@@ -19,14 +19,14 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
-import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError
+from zpipe._errors import ConfigError
 from zpipe.models.weights import split_unit_key
+from zpipe.stage.peer_transfer import PeerLink
 from zpipe.transport import security
 from zpipe.transport.codec import Message
-from zpipe.transport.sockets import SocketOptions, decode_frames, open_socket, recv_frames, send
+from zpipe.transport.sockets import SocketOptions
 
 # Snapshots kept per owner: the newest and the one before (a replica being taken
 # must not drop the one a recovery may still need).
@@ -112,21 +112,14 @@ async def peer_request(
     timeout_s: float,
 ) -> Message:
     """Send ``message`` to ``peer``'s probe socket and return its ``expect`` reply."""
-    # No ZMTP heartbeats: the peer is another stage, which could fill this socket and
-    # hang up (libzmq 4.3.5 then aborts; see zpipe.transport.sockets); the reply's
-    # deadline finds a silent peer.
-    sock = open_socket(context, zmq.DEALER, options, zmtp_heartbeat=False)
-    try:
-        if keypair is not None:
-            if server_key is None:
-                raise ProtocolError(f"no public key for {peer!r}")
-            security.secure_client(sock, keypair, server_key.encode())
-        sock.connect(endpoint)
-        await send(sock, message, timeout_s=timeout_s, peer=peer)
-        frames = await recv_frames(sock, timeout_s=timeout_s, peer=peer, awaited=expect)
-        reply = decode_frames(frames, options.max_message_bytes)
-        if reply.kind != expect:
-            raise ProtocolError(f"{peer!r} answered {reply.kind!r}, expected {expect!r}")
-        return reply
-    finally:
-        sock.close(linger=0)
+    link = PeerLink(
+        context,
+        peer=peer,
+        endpoint=endpoint,
+        server_key=server_key,
+        keypair=keypair,
+        options=options,
+        timeout_s=timeout_s,
+    )
+    async with link:
+        return await link.request(message, expect)

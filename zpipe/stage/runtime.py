@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -217,7 +218,9 @@ class StageRuntime:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def _on_peer_request(self, message: Message, sender_key: bytes | None) -> Message:
+    async def _on_peer_request(
+        self, message: Message, sender_key: bytes | None
+    ) -> Message | Iterator[Message]:
         """A peer's backup or fetch, judged against the running training plan and the
         name the coordinator gave the sender's key."""
         assert self._snapshots is not None  # made with the probe port that calls this

@@ -8,7 +8,8 @@
   socket, or the coordinator in the reply).
 - a peer's ``backup`` to keep, or its ``fetch_units`` of a snapshot held here,
   arrive on the probe socket (:meth:`SnapshotService.on_peer_request`), judged by
-  :mod:`zpipe.stage.peer_policy` (the plan's owners, the sender's key, a budget).
+  :mod:`zpipe.stage.peer_policy` (the plan's owners, the sender's key, a budget);
+  either crosses in chunks when it is big (:mod:`zpipe.stage.peer_transfer`).
 - an assignment's ``fetch`` list: the units to take from snapshots, here or at
   peers (:meth:`SnapshotService.fetched_state`).
 
@@ -18,7 +19,8 @@ Each method returns the reply to send; a failure becomes the reply's ``error``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import itertools
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,20 +38,27 @@ from zpipe.stage.peer_policy import (
     FetchGrant,
     FetchRequest,
     PeerIdentity,
+    backup_owner_refusal,
     backup_refusal,
     fetch_refusal,
     foreign_units,
 )
-from zpipe.stage.replicas import ReplicaStore, peer_request
+from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
+from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
 from zpipe.stage.trainer import TrainingExecutor
 from zpipe.transport import codec, security
+from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions
 
 log = get_logger("zpipe.stage")
 
 Reply = tuple[dict[str, Any], tuple[torch.Tensor, ...]]
+
+# A fetch's answer is streamed in chunks of at least this size, whatever a requester
+# asks: smaller ones would only make the holder send (and rate-limit) more messages.
+MIN_FETCH_CHUNK_BYTES = 64 * 1024
 
 
 def request_identity(message: Message) -> tuple[object, ...]:
@@ -88,6 +97,10 @@ class SnapshotService:
         self.fetch_grants: tuple[FetchGrant, ...] = ()
         # the last backup made, by request: a request sent again gets the same answer
         self._last_backup: tuple[tuple[object, ...], Reply] | None = None
+        # state bigger than this crosses between stages in chunks of this size
+        self.chunk_bytes = CHUNK_BYTES
+        self._chunked_backups = ChunkedState(cap_bytes=self.backup_budget_bytes)
+        self._transfers = itertools.count()
 
     async def weights_reply(
         self,
@@ -173,22 +186,27 @@ class SnapshotService:
             if holder == "coordinator":
                 reply["keys"], tensors = list(state), tuple(state.values())
             elif holder:
-                await pace(nbytes)
-                answer = await peer_request(
+                link = PeerLink(
                     self._context,
                     peer=holder,
                     endpoint=str(message["holder_endpoint"]),
                     server_key=message.get("holder_key"),
                     keypair=self._keypair,
-                    message=Message(
-                        "backup",
-                        {"run": run, "step": step, "owner": self.name, "keys": list(state)},
-                        tensors=tuple(state.values()),
-                    ),
-                    expect="backup_ok",
                     options=self._options,
                     timeout_s=self._timeout_s,
                 )
+                backup = Message(
+                    "backup",
+                    {"run": run, "step": step, "owner": self.name, "keys": list(state)},
+                    tensors=tuple(state.values()),
+                )
+                async with link:
+                    answer = await link.send_backup(
+                        backup,
+                        pace=pace,
+                        transfer=next(self._transfers),
+                        chunk_bytes=self.chunk_bytes,
+                    )
                 if answer["error"]:
                     raise PipelineError(f"{holder} did not keep the backup: {answer['error']}")
             self._last_backup = (request, (reply, tensors))
@@ -202,11 +220,15 @@ class SnapshotService:
         message: Message,
         trainer: TrainingExecutor | None = None,
         sender: PeerIdentity = UNAUTHENTICATED,
-    ) -> Message:
-        """A peer's backup to keep, or units of a snapshot a peer fetches, judged by
-        :mod:`zpipe.stage.peer_policy` against the running plan and the sender."""
+    ) -> Message | Iterator[Message]:
+        """A peer's backup to keep (whole, or a chunk of it), or units of a snapshot a
+        peer fetches (one message, or a stream of chunks for a requester that offered
+        ``chunk_bytes``), judged by :mod:`zpipe.stage.peer_policy` against the running
+        plan and the sender."""
         if message.kind == "backup":
             return self._keep_backup(message, trainer, sender)
+        if message.kind == "state_chunk":
+            return self._backup_chunk(message, trainer, sender)
         request = FetchRequest(
             owner=str(message["owner"]),
             run=int(message["run"]),
@@ -229,7 +251,48 @@ class SnapshotService:
             return Message("units", {"keys": [], "error": str(exc)})
         log.info("units_served", stage=self.name, owner=request.owner, peer=sender.describe(),
                  start=request.start, end=request.end)  # fmt: skip
-        return Message("units", {"keys": list(units), "error": ""}, tensors=tuple(units.values()))
+        answer = Message("units", {"keys": list(units), "error": ""}, tensors=tuple(units.values()))
+        offered = message.get("chunk_bytes")
+        if offered is None:
+            return answer
+        chunk_bytes = min(max(int(offered), MIN_FETCH_CHUNK_BYTES), MAX_CHUNK_BYTES)
+        frames, nbytes = encoded_size(answer)
+        if nbytes <= chunk_bytes:
+            return answer
+        return state_chunks(
+            frames, owner=request.owner, transfer=next(self._transfers), chunk_bytes=chunk_bytes
+        )
+
+    def _backup_chunk(
+        self, chunk: Message, trainer: TrainingExecutor | None, sender: PeerIdentity
+    ) -> Message:
+        """One chunk of a big backup: acknowledged, or (the last) kept as a backup is."""
+        owner, transfer, seq = str(chunk["owner"]), int(chunk["transfer"]), int(chunk["seq"])
+
+        def refused(error: str) -> Message:
+            self._chunked_backups.drop(sender, owner)
+            self._counters.dropped += 1
+            log.warning("backup_refused", stage=self.name, owner=owner, peer=sender.describe(),
+                        error=error)  # fmt: skip
+            return Message("state_chunk_ok", {"transfer": transfer, "seq": seq, "error": error})
+
+        if seq == 0:
+            setup = trainer.setup if trainer is not None else None
+            plan = BackupPlan(setup.run, setup.backup_from) if setup else BackupPlan(None)
+            refusal = backup_owner_refusal(owner, sender, plan)
+            if refusal is not None:
+                return refused(refusal)
+        try:
+            whole = self._chunked_backups.add(
+                sender, chunk, max_message_bytes=self.backup_budget_bytes
+            )
+        except ProtocolError as exc:
+            return refused(str(exc))
+        if whole is None:
+            return Message("state_chunk_ok", {"transfer": transfer, "seq": seq, "error": ""})
+        if whole.kind != "backup" or str(whole["owner"]) != owner:
+            return refused(f"the chunks of {owner!r}'s backup made a {whole.kind!r} of another")
+        return self._keep_backup(whole, trainer, sender)
 
     def _keep_backup(
         self, message: Message, trainer: TrainingExecutor | None, sender: PeerIdentity
@@ -272,20 +335,20 @@ class SnapshotService:
                 units = self.replicas.units(owner, run, step, start, end)
                 state.update({k: t.clone() for k, t in units.items()})
                 continue
-            reply = await peer_request(
+            link = PeerLink(
                 self._context,
                 peer=source,
                 endpoint=str(entry["endpoint"]),
                 server_key=entry.get("key"),
                 keypair=self._keypair,
-                message=Message(
-                    "fetch_units",
-                    {"owner": owner, "run": run, "step": step, "start": start, "end": end},
-                ),
-                expect="units",
                 options=self._options,
                 timeout_s=self._timeout_s,
             )
+            request = {"owner": owner, "run": run, "step": step, "start": start, "end": end}
+            async with link:
+                reply = await link.fetch(
+                    Message("fetch_units", {**request, "chunk_bytes": self.chunk_bytes})
+                )
             if reply["error"]:
                 raise UnitsLostError(
                     (start, end), f"{source} could not send them: {reply['error']}"

@@ -129,6 +129,8 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "backup_ok",
             "fetch_units",
             "units",
+            "state_chunk",
+            "state_chunk_ok",
         }
     ),
 }

@@ -1,0 +1,196 @@
+"""Stage-to-stage state on the probe sockets, in chunks when it is big.
+
+A backup (chain replication) or a fetched snapshot can be tens of megabytes; as
+one message on a 20 Mbit/s link it outlasts any per-message deadline, and
+nothing shows that it is moving. So state that does not fit one chunk
+(:data:`zpipe.transport.bulk.CHUNK_BYTES`) crosses as ``state_chunk`` messages
+(:mod:`zpipe.protocol.peer`), the codec frames of the whole message cut and put
+together again by :mod:`zpipe.transport.bulk`, which checks every chunk against
+what chunk 0 announced. Each chunk has its own deadline, so a transfer that keeps
+moving never times out however long it takes:
+
+- a backup is sent one chunk per round trip (the holder acknowledges each, and
+  refuses at chunk 0 a backup it would never keep);
+- a fetch's answer is streamed by the holder, for a requester that offered
+  ``chunk_bytes``, and read one chunk per deadline.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator
+from types import TracebackType
+
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import PipelineError, ProtocolError
+from zpipe.transport import codec, security
+from zpipe.transport.bulk import (
+    CHUNK_BYTES,
+    ChunkHeader,
+    Inbox,
+    OutgoingTransfer,
+    payload_view,
+)
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import SocketOptions, decode_frames, open_socket, recv_frames, send
+
+# Owners whose half-sent backups one holder keeps at once (beyond: the oldest goes).
+MAX_OWNERS_IN_PROGRESS = 8
+
+
+def encoded_size(message: Message) -> tuple[list[bytes | memoryview], int]:
+    """``message``'s codec frames and their total size."""
+    frames = codec.encode(message)
+    return frames, sum(memoryview(f).nbytes for f in frames)
+
+
+def state_chunks(
+    frames: list[bytes | memoryview], *, owner: str, transfer: int, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[Message]:
+    """The ``state_chunk`` messages that carry ``frames``, in order."""
+    outgoing = OutgoingTransfer(transfer, frames, chunk_bytes=chunk_bytes)
+    for seq, payload in enumerate(outgoing.payloads()):
+        data = (
+            torch.frombuffer(payload, dtype=torch.uint8)
+            if payload
+            else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses an empty buffer
+        )
+        yield Message("state_chunk", {"owner": owner, **outgoing.header(seq)}, tensors=(data,))
+
+
+class ChunkedState:
+    """The chunked transfers in progress from peers, by (sender, owner)."""
+
+    def __init__(self, *, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self._inboxes: OrderedDict[tuple[object, str], Inbox] = OrderedDict()
+
+    def add(self, sender: object, chunk: Message, *, max_message_bytes: int) -> Message | None:
+        """Take one ``state_chunk``; the decoded message once its transfer is whole.
+        ProtocolError for a chunk that does not fit (its transfer is dropped)."""
+        if len(chunk.tensors) != 1:
+            raise ProtocolError("a state chunk carries exactly one payload tensor")
+        key = (sender, str(chunk["owner"]))
+        inbox = self._inboxes.get(key)
+        if inbox is None:
+            while len(self._inboxes) >= MAX_OWNERS_IN_PROGRESS:
+                self._inboxes.popitem(last=False)
+            inbox = self._inboxes[key] = Inbox(cap_bytes=self.cap_bytes, max_open=1)
+        self._inboxes.move_to_end(key)
+        frames = inbox.add(ChunkHeader.from_body(dict(chunk.body)), payload_view(chunk.tensors[0]))
+        if frames is None:
+            return None
+        if not inbox.open_transfers:
+            del self._inboxes[key]
+        return codec.decode(frames, max_message_bytes=max_message_bytes)
+
+    def drop(self, sender: object, owner: str) -> None:
+        self._inboxes.pop((sender, owner), None)
+
+
+class PeerLink:
+    """One DEALER connection to a peer stage's probe socket, for a conversation of
+    several messages (a chunked backup or fetch); every send and receive has its
+    deadline."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        *,
+        peer: str,
+        endpoint: str,
+        server_key: str | None,
+        keypair: security.KeyPair | None,
+        options: SocketOptions,
+        timeout_s: float,
+    ) -> None:
+        self.peer = peer
+        self.timeout_s = timeout_s
+        self._options = options
+        # No ZMTP heartbeats: the peer is another stage, which could fill this socket and
+        # hang up (libzmq 4.3.5 then aborts; see zpipe.transport.sockets); the replies'
+        # deadlines find a silent peer.
+        self._sock = open_socket(context, zmq.DEALER, options, zmtp_heartbeat=False)
+        try:
+            if keypair is not None:
+                if server_key is None:
+                    raise ProtocolError(f"no public key for {peer!r}")
+                security.secure_client(self._sock, keypair, server_key.encode())
+            self._sock.connect(endpoint)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
+
+    async def __aenter__(self) -> PeerLink:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._sock.close(linger=0)
+
+    async def send(self, message: Message) -> None:
+        await send(self._sock, message, timeout_s=self.timeout_s, peer=self.peer)
+
+    async def receive(self, *expect: str) -> Message:
+        awaited = " or ".join(expect)
+        frames = await recv_frames(
+            self._sock, timeout_s=self.timeout_s, peer=self.peer, awaited=awaited
+        )
+        reply = decode_frames(frames, self._options.max_message_bytes)
+        if reply.kind not in expect:
+            raise ProtocolError(f"{self.peer!r} answered {reply.kind!r}, expected {awaited}")
+        return reply
+
+    async def request(self, message: Message, *expect: str) -> Message:
+        await self.send(message)
+        return await self.receive(*expect)
+
+    async def send_backup(
+        self,
+        backup: Message,
+        *,
+        pace: Callable[[int], Awaitable[None]],
+        transfer: int,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> Message:
+        """Send ``backup``; the holder's ``backup_ok``. In one message when it fits a
+        chunk, else one chunk per round trip (each paced and with its own deadline)."""
+        frames, nbytes = encoded_size(backup)
+        if nbytes <= chunk_bytes:
+            await pace(nbytes)
+            return await self.request(backup, "backup_ok")
+        owner = str(backup["owner"])
+        chunks = list(state_chunks(frames, owner=owner, transfer=transfer, chunk_bytes=chunk_bytes))
+        for chunk in chunks[:-1]:
+            await pace(chunk.tensors[0].numel())
+            taken = await self.request(chunk, "state_chunk_ok")
+            if taken["error"]:
+                raise PipelineError(f"{self.peer} refused the backup: {taken['error']}")
+        await pace(chunks[-1].tensors[0].numel())
+        answer = await self.request(chunks[-1], "backup_ok", "state_chunk_ok")
+        if answer.kind == "state_chunk_ok":
+            raise PipelineError(f"{self.peer} refused the backup: {answer['error']}")
+        return answer
+
+    async def fetch(self, request: Message) -> Message:
+        """Send a ``fetch_units`` request; the ``units`` answer, put together from
+        ``state_chunk`` messages when the holder streams it (each read has its own
+        deadline, so a big answer on a slow link is fine while it moves)."""
+        reply = await self.request(request, "units", "state_chunk")
+        if reply.kind == "units":
+            return reply
+        state = ChunkedState(cap_bytes=self._options.max_message_bytes)
+        while True:
+            whole = state.add(self.peer, reply, max_message_bytes=self._options.max_message_bytes)
+            if whole is not None:
+                if whole.kind != "units":
+                    raise ProtocolError(f"{self.peer!r} streamed {whole.kind!r}, not units")
+                return whole
+            reply = await self.receive("state_chunk")
