@@ -126,3 +126,59 @@ async def test_a_replan_older_than_the_one_followed_is_ignored() -> None:
         sink.close(linger=0)
         context.term()
     assert followed == [EPOCH + 2, EPOCH + 3]
+
+
+async def _answer_late_with_progress(
+    router: zmq.asyncio.Socket, *, run: int, notices: int, gap_s: float
+) -> None:
+    """The coordinator's side of a slow gather: progress every ``gap_s``, then the
+    checkpoint."""
+    await _receive(router)  # the request
+    for _ in range(notices):
+        await asyncio.sleep(gap_s)
+        await _send(router, Message("progress", {"run": run, "awaited": "weights"}))
+    await _send(router, Message("checkpoint", {"run": run, "step": 4, "keys": []}))
+
+
+async def test_progress_notices_of_the_run_keep_a_request_waiting_past_its_deadline(
+    pair: tuple[zmq.asyncio.Socket, ControlChannel],
+) -> None:
+    """Issue 17: final weights that take longer than the client's deadline to gather
+    (a slow link) are not given up on while the coordinator says they are moving."""
+    router, channel = pair
+    coordinator = asyncio.ensure_future(
+        _answer_late_with_progress(router, run=3, notices=8, gap_s=0.25)
+    )
+    reply = await channel.request(
+        Message("weights_request", {"run": 3, "step": 4}),
+        expect=("checkpoint",),
+        timeout_s=1.0,  # the whole answer takes 2 s: only the notices keep it alive
+        awaited="the trained weights",
+        progress_run=3,
+    )
+    await coordinator
+    assert reply.kind == "checkpoint" and reply["step"] == 4
+
+
+async def test_without_progress_or_with_another_runs_the_deadline_holds(
+    pair: tuple[zmq.asyncio.Socket, ControlChannel],
+) -> None:
+    from zpipe._errors import TransportTimeout
+
+    router, channel = pair
+    for progress_run in (None, 99):  # not asked for; notices of another run
+        coordinator = asyncio.ensure_future(
+            _answer_late_with_progress(router, run=3, notices=8, gap_s=0.25)
+        )
+        with pytest.raises(TransportTimeout, match="the trained weights"):
+            await channel.request(
+                Message("weights_request", {"run": 3, "step": 4}),
+                expect=("checkpoint",),
+                timeout_s=1.0,
+                awaited="the trained weights",
+                progress_run=progress_run,
+            )
+        await coordinator
+        # what came after the deadline, up to the checkpoint: the next round starts clean
+        while (await asyncio.wait_for(channel._replies.get(), 10)).kind != "checkpoint":
+            pass

@@ -243,3 +243,61 @@ def test_rebalancing_a_profiled_run_keeps_a_big_activation_off_a_slow_uplink() -
     assert moved.predicted["stage0_send_forward_s"] < 0.01
     (considered,) = h.events("rebalance_considered")
     assert considered["balanced_round_s"] < considered["round_s"]
+
+
+def _backed_up(name: str, **extra: Any) -> Message:
+    return Message("backed_up", {"name": name, "keys": [], "error": "", **extra})
+
+
+def _replicating_over_chain(h: Harness) -> int:
+    run = _start_training(
+        h, ["a", "b", "c"], partition=[[0, 2], [2, 4], [4, 6]], replication="chain",
+        progress=True,
+    )  # fmt: skip
+    h.client("replicate", run=run, step=0)
+    assert [len(h.to(n, "backup_request")) for n in "abc"] == [1, 1, 1]
+    h.feed_message("a", _backed_up("a"))
+    h.feed_message("c", _backed_up("c"))
+    return run
+
+
+def test_a_backup_still_moving_to_its_peer_keeps_the_replica_wait_and_the_client_waiting() -> None:
+    """Issue 17: b's backup to c crosses the probe sockets for longer than the result
+    deadline (a big one on a slow link); its chunks, counted on b's heartbeats, are
+    progress, and the client hears that the replica it awaits is moving."""
+    h = Harness()
+    run = _replicating_over_chain(h)
+    result_s = h.state.timeouts.result_s
+    moved = 0
+    for _ in range(int(result_s * 1.5)):
+        moved += 1 << 20
+        h.stage("b", "heartbeat", metrics={"peer_state_bytes": moved})
+        h.advance(1.0, alive=("a", "c"))
+    assert h.to_client("replicated") == []  # still waiting, not given up
+    notices = h.to_client("progress")
+    assert notices and all(n["run"] == run and n["awaited"] == "backed_up" for n in notices)
+    # at most one notice per PROGRESS_NOTICE_S (2 s) of heartbeats every second
+    assert len(notices) <= int(result_s * 1.5) // 2 + 1
+    h.feed_message("b", _backed_up("b"))
+    (reply,) = h.to_client("replicated")
+    assert reply["error"] == ""
+
+
+def test_a_backup_that_stops_moving_times_out_at_the_result_deadline() -> None:
+    h = Harness()
+    _replicating_over_chain(h)
+    h.stage("b", "heartbeat", metrics={"peer_state_bytes": 1 << 20})
+    result_s = h.state.timeouts.result_s
+    h.advance(result_s + 5.0, alive=("a", "b", "c"))  # b alive, its backup stuck
+    (reply,) = h.to_client("replicated")
+    assert "backed_up from b" in reply["error"]
+
+
+def test_without_the_clients_offer_no_progress_notice_is_sent() -> None:
+    h = Harness()
+    run = _start_training(h, ["a", "b", "c"], partition=[[0, 2], [2, 4], [4, 6]])
+    h.client("replicate", run=run, step=0)
+    for step in range(1, 6):
+        h.stage("a", "heartbeat", metrics={"peer_state_bytes": step})
+        h.advance(1.0, alive=("b", "c"))
+    assert h.to_client("progress") == []

@@ -38,7 +38,8 @@ def _type_names(schema: FieldSchema) -> str:
 # (run_request's num_units: only for user-code model families, which an older
 # coordinator would have imported itself), so what older peers exchange is unchanged.
 ADDED_IN_V1 = {
-    "run_request": {"num_units": ["int/null", False]},
+    # num_units; progress: the client takes progress notices while state moves
+    "run_request": {"num_units": ["int/null", False], "progress": ["bool", False]},
     # the token of the stage's bulk connection, from a coordinator that has one
     "registered": {"bulk_token": ["str/null", False]},
     # a notice's number, which the client acknowledges (an older client ignores it)
@@ -81,6 +82,8 @@ KINDS_ADDED_IN_V1 = {
         "frames": ["list/null", False],
     },
     "state_chunk_ok": {"transfer": ["int", True], "seq": ["int", True], "error": ["str", True]},
+    # to a client whose run_request offered progress: the state it awaits is moving
+    "progress": {"run": ["int", True], "awaited": ["str", True]},
 }
 TENSOR_KINDS_ADDED_IN_V1 = ["bulk_chunk", "state_chunk"]
 

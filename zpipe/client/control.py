@@ -132,8 +132,13 @@ class ControlChannel:
         timeout_s: float,
         awaited: str,
         resend_on_reconnect: bool = False,
+        progress_run: int | None = None,
     ) -> Message:
         """Send ``message`` and wait for a reply of a kind in ``expect``.
+
+        ``progress_run``: the coordinator's ``progress`` notices of this run (the
+        state awaited is still moving) restart the deadline, so an answer that keeps
+        moving on a slow link is never given up on.
 
         ``resend_on_reconnect``: for a request the coordinator may answer twice
         (it shares the answer of a duplicate): when the connection to the
@@ -167,6 +172,10 @@ class ControlChannel:
                 reply = reply_task.result()
                 if reply.kind in expect:
                     return reply
+                if reply.kind == "progress" and progress_run is not None:
+                    if reply["run"] == progress_run:
+                        deadline = time.monotonic() + timeout_s
+                    continue
                 log.debug("unexpected_reply", kind=reply.kind)
             elif not done:
                 raise TransportTimeout("coordinator", awaited, timeout_s)

@@ -87,6 +87,9 @@ def training_request(
         "replication": options.replication,
         # at a replica, devices of these that register (again) may join the plan
         "admit": names,
+        # a replica or the final weights may take long on slow links: while they move,
+        # the coordinator says so, and the waits run on from the latest word
+        "progress": True,
         "train": {
             "schedule": options.schedule,
             "num_microbatches": options.num_microbatches,

@@ -191,6 +191,7 @@ class TrainingRun:
             timeout_s=timeout + self.timeouts.reply_s,
             awaited="the replica",
             resend_on_reconnect=True,
+            progress_run=self.run,
         )
         if reply["error"]:
             # The previous replica still stands; a recovery replays a little more.
@@ -279,6 +280,7 @@ class TrainingRun:
             timeout_s=self.timeouts.result_s + self.timeouts.reply_s,
             awaited="the trained weights",
             resend_on_reconnect=True,
+            progress_run=self.run,
         )
         if reply.kind == "run_failed":
             raise run_failed_error(str(reply["error"]), "gather the trained weights")

@@ -119,6 +119,9 @@ class AwaitReplies(Await):
     partial: bool = False
     requests: tuple[Send, ...] = ()
     resend_s: float | None = None
+    # sent (at most every PROGRESS_NOTICE_S) while a stage it waits on moves state: a
+    # client waiting on this flow's answer then waits on from the latest progress too
+    on_progress: Send | None = None
 
 
 class Job(Await):

@@ -9,6 +9,7 @@ the start of one :mod:`~zpipe.coordinator.starting`'s.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -49,6 +50,12 @@ from zpipe.transport.codec import Message
 REPLY_KINDS = ("ready", "assign_failed", "connected", "metrics", "weights", "backed_up")
 # Replies to requests the shell makes itself while it plans (profiles, link probes).
 SHELL_REPLY_KINDS = ("profile_reply", "link_peers_ok", "link_probe_reply")
+
+
+def peer_state_bytes(metrics: Any) -> object:
+    """A stage's count of state bytes moved with its peers, from its heartbeat's metrics
+    (None when it sends none)."""
+    return metrics.get("peer_state_bytes") if isinstance(metrics, Mapping) else None
 
 
 def printable(routing_id: bytes) -> str:
@@ -135,9 +142,16 @@ class CoordinatorCore:
                 )
             ]
         self.state.confirm(member.name)
+        moved_before = peer_state_bytes(member.metrics)
         membership.heard_from(member.name, now, message.get("metrics"), kind=kind)
         if kind == "heartbeat":
-            return [Send(event.routing_id, Message("heartbeat_ack"), member.name, heartbeat_s)]
+            ack = Send(event.routing_id, Message("heartbeat_ack"), member.name, heartbeat_s)
+            moved = peer_state_bytes(message.get("metrics"))
+            if moved is not None and moved != moved_before:
+                # state moving between stages (a chunked backup or fetch) is progress
+                # on the answer a flow awaits from this stage, as bulk chunks are
+                return [ack, *self.state.flows.progress(member.name, now)]
+            return [ack]
         if kind == "probe_ack":
             claim = self.claims.answered(member.name, message.get("nonce"))
             if claim is not None:

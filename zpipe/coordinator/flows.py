@@ -48,6 +48,10 @@ RESEND_INTERVALS = 5
 RESEND_FLOOR_S = 2.0
 
 
+# A waiting client hears that the state it awaits is moving at most this often.
+PROGRESS_NOTICE_S = 2.0
+
+
 def request_resend_s(timeouts: Timeouts) -> float:
     return max(RESEND_FLOOR_S, RESEND_INTERVALS * timeouts.heartbeat_interval_s)
 
@@ -60,6 +64,7 @@ class _Wait:
     started: float = 0.0
     replies: dict[str, Message] = field(default_factory=dict)
     sent: float = 0.0  # when the requests last went out
+    noticed: float = float("-inf")  # when on_progress last went out
 
     def next_timer(self, deadline: float) -> float:
         """When this wait next needs a look: its deadline, or the next resend."""
@@ -141,11 +146,20 @@ class FlowRunner:
         return out
 
     def progress(self, stage: str, now: float) -> list[Command]:
-        """``stage`` moved part of a reply (a chunk of its weights): a wait on it gives
-        up only ``timeout_s`` after its latest progress (see :meth:`timer`)."""
+        """``stage`` moved part of a reply (a chunk of its weights, or of a backup to a
+        peer): a wait on it gives up only ``timeout_s`` after its latest progress (see
+        :meth:`timer`), and the waits that tell a client so send their notice."""
         self.now = now
         self._progress[stage] = now
-        return []
+        out: list[Command] = []
+        for wait in self._waits.values():
+            notice = wait.request.on_progress
+            if notice is None or stage not in wait.pending:
+                continue
+            if now >= wait.noticed + PROGRESS_NOTICE_S:
+                wait.noticed = now
+                out.append(notice)
+        return out
 
     def timer(self, tag: int, now: float) -> list[Command]:
         self.now = now

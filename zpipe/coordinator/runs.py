@@ -42,6 +42,8 @@ class Run:
     # training: where replicas go ("global": all to the coordinator; "chain" and
     # "topology": each stage keeps a snapshot and backs it up to a neighbour)
     replication: str = "global"
+    # the client takes progress notices while it waits on slow state (it offered them)
+    client_progress: bool = False
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -65,6 +67,7 @@ class Run:
             "training_plan": (None if self.training_plan is None else self.training_plan.to_dict()),
             "rebalance": self.rebalance,
             "replication": self.replication,
+            "client_progress": self.client_progress,
         }
 
     @classmethod
@@ -87,6 +90,7 @@ class Run:
             training_plan=None if tplan is None else TrainingPlan.from_dict(tplan),
             rebalance=None if data.get("rebalance") is None else float(data["rebalance"]),
             replication=str(data.get("replication") or "global"),
+            client_progress=bool(data.get("client_progress", False)),
         )
 
 

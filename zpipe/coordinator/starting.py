@@ -333,6 +333,7 @@ class _Training:
             client_key=self.client_key,
             devices=[d for g in groups for d in g[0]],
             groups=[list(g[0]) for g in groups],
+            client_progress=bool(message.get("progress", False)),
         )
         controller = SyncTrainingRun(state, run)
         state.current = controller

@@ -107,6 +107,14 @@ class SyncTrainingRun(BaseRun):
 
     # ------------------------------------------------------------- weights
 
+    def progress_notice(self, awaited: str) -> Send | None:
+        """What tells the client that the state it awaits is moving (if it asked)."""
+        run = self.run
+        if not run.client_progress:
+            return None
+        notice = Message("progress", {"run": run.run, "awaited": awaited})
+        return Send(run.client, notice, CLIENT_NAME, self.state.timeouts.heartbeat_interval_s)
+
     def gather_state(
         self, step: int, *, optimizer: bool, metrics: dict[str, Any] | None = None
     ) -> Flow:
@@ -132,6 +140,7 @@ class SyncTrainingRun(BaseRun):
             "weights",
             requests=requests,
             resend_s=request_resend_s(self.state.timeouts),
+            on_progress=self.progress_notice("weights"),
         )
         return _state_of(replies, run.devices, "weights reply", metrics)
 
@@ -165,6 +174,7 @@ class SyncTrainingRun(BaseRun):
             "backed_up",
             requests=tuple(requests),
             resend_s=request_resend_s(self.state.timeouts),
+            on_progress=self.progress_notice("backed_up"),
         )
         keys, tensors = _state_of(replies, run.devices, "backup", counters)
         return keys, tensors, {d: holders.get(d, "") for d in run.devices}

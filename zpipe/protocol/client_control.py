@@ -69,6 +69,8 @@ class RunRequest(WireMessage):
     train: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     resume: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     num_units: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # the client takes ``progress`` notices while it waits on state that moves slowly
+    progress: bool | None = wire(BOOL, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -203,6 +205,17 @@ class Checkpoint(TensorMessage):
 
 
 @wire_message
+class Progress(WireMessage):
+    """State the client awaits (``awaited``: "weights", "backed_up") is still moving
+    for run ``run``: its wait runs on from now. Sent (at most every few seconds) only
+    to a client whose ``run_request`` offered ``progress``."""
+
+    KIND: ClassVar[str] = "progress"
+    run: int = wire(INT)
+    awaited: str = wire(STR)
+
+
+@wire_message
 class ClusterRequest(WireMessage):
     KIND: ClassVar[str] = "cluster_request"
 
@@ -228,6 +241,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     Replicate,
     Replicated,
     Checkpoint,
+    Progress,
     ClusterRequest,
     ClusterState,
 )

@@ -59,6 +59,9 @@ class StageCounters:
     backward_s: float = 0.0
     step_s: float = 0.0
     backwards: int = 0  # micro-batches whose backward ran here (forwards: microbatches)
+    # state moved with peer stages (backup chunks sent, fetched chunks received): it
+    # rides on heartbeats, and a change is progress on an answer the coordinator awaits
+    peer_state_bytes: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     @property

@@ -106,9 +106,12 @@ class PeerLink:
         keypair: security.KeyPair | None,
         options: SocketOptions,
         timeout_s: float,
+        moved: Callable[[int], None] | None = None,
     ) -> None:
         self.peer = peer
         self.timeout_s = timeout_s
+        # told the bytes of each chunk that crossed (the stage's progress counter)
+        self._moved = moved or (lambda nbytes: None)
         self._options = options
         # No ZMTP heartbeats: the peer is another stage, which could fill this socket and
         # hang up (libzmq 4.3.5 then aborts; see zpipe.transport.sockets); the replies'
@@ -173,10 +176,12 @@ class PeerLink:
             taken = await self.request(chunk, "state_chunk_ok")
             if taken["error"]:
                 raise PipelineError(f"{self.peer} refused the backup: {taken['error']}")
+            self._moved(chunk.tensors[0].numel())
         await pace(chunks[-1].tensors[0].numel())
         answer = await self.request(chunks[-1], "backup_ok", "state_chunk_ok")
         if answer.kind == "state_chunk_ok":
             raise PipelineError(f"{self.peer} refused the backup: {answer['error']}")
+        self._moved(chunks[-1].tensors[0].numel())
         return answer
 
     async def fetch(self, request: Message) -> Message:
@@ -189,6 +194,7 @@ class PeerLink:
         state = ChunkedState(cap_bytes=self._options.max_message_bytes)
         while True:
             whole = state.add(self.peer, reply, max_message_bytes=self._options.max_message_bytes)
+            self._moved(reply.tensors[0].numel())
             if whole is not None:
                 if whole.kind != "units":
                     raise ProtocolError(f"{self.peer!r} streamed {whole.kind!r}, not units")

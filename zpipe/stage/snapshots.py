@@ -102,6 +102,9 @@ class SnapshotService:
         self._chunked_backups = ChunkedState(cap_bytes=self.backup_budget_bytes)
         self._transfers = itertools.count()
 
+    def _moved(self, nbytes: int) -> None:
+        self._counters.peer_state_bytes += nbytes
+
     async def weights_reply(
         self,
         message: Message,
@@ -194,6 +197,7 @@ class SnapshotService:
                     keypair=self._keypair,
                     options=self._options,
                     timeout_s=self._timeout_s,
+                    moved=self._moved,
                 )
                 backup = Message(
                     "backup",
@@ -343,6 +347,7 @@ class SnapshotService:
                 keypair=self._keypair,
                 options=self._options,
                 timeout_s=self._timeout_s,
+                moved=self._moved,
             )
             request = {"owner": owner, "run": run, "step": step, "start": start, "end": end}
             async with link:

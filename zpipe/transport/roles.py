@@ -92,6 +92,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "weights",
             "replicated",
             "checkpoint",
+            "progress",
         }
     ),
     "stage": frozenset(
