@@ -95,3 +95,17 @@ def test_the_coordinator_refuses_the_run_before_assigning_anything(mode: dict[st
     # the same run with a sink the stages can reach starts
     h.client("run_request", **_request("tcp://10.0.0.9:5600", **mode))
     assert h.to("b", "assign")
+
+
+def test_a_recovery_that_would_make_a_remote_stage_last_fails_the_run_saying_why() -> None:
+    """Issue 17: the sink was checked only at the start; a re-plan that moves the end of
+    the pipeline to another host would leave the client waiting for lost results."""
+    h = Harness()
+    h.register("a", "tcp://10.0.0.1:5555")  # another host
+    h.register("b", "tcp://127.0.0.1:5555")  # this one: the last stage at the start
+    h.start_stream(["a", "b"], recover=True, sink_endpoint=LOOPBACK_SINK)
+    h.advance(8.0, alive=("a",))  # b dies; a alone would be the last stage
+    assert not h.to_client("run_replanned")
+    (failed,) = h.to_client("stage_failed")
+    assert failed["stage"] == "b"
+    assert "recovery failed" in failed["reason"] and "runs at 10.0.0.1" in failed["reason"]

@@ -34,6 +34,7 @@ from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import DEFAULT_PLANNER
 from zpipe.coordinator.runbase import BaseRun
 from zpipe.coordinator.runs import Run
+from zpipe.coordinator.sink_check import check_sink_reachable
 from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
@@ -201,11 +202,19 @@ class InferenceRun(BaseRun):
                     train=False,
                     links=self.state.measured_links(survivors),
                 )
+            by_name = {m.name: m for m in survivors}
+            # A new last stage on another host could never reach a loopback sink: the
+            # run fails saying so, rather than the client waiting for lost results.
+            last = by_name[plan.stages[-1].device]
+            check_sink_reachable(
+                str(request["sink_endpoint"]),
+                {last.name: last.data_endpoint},
+                self.state.local_hosts,
+            )
             planned_at = yield Now()
             run.epoch = self.state.next_epoch()
             run.plan = plan
             run.devices = list(plan.devices)
-            by_name = {m.name: m for m in survivors}
             yield from self.assign(by_name, request)
             yield from self.connect_all()
             yield Persist()
