@@ -141,6 +141,7 @@ class Grouping:
         self.groups: list[Group] = []
         self.group_of: dict[int, int] = {}
         self.dropped: set[int] = set()
+        self.association_order: list[tuple[int, int]] = []  # (client, group) as picked
         self._initial_grouping()
 
     # -- eq. 4 ------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class Grouping:
                 # argmin takes the first of equal costs: the smallest client id
                 chosen = int(candidates[int(np.argmin(costs))])
                 self._join(int(pool[chosen]), group.group_id)
+                self.association_order.append((int(pool[chosen]), group.group_id))
                 in_pool[chosen] = False
                 progressed = True
                 if not in_pool.any():
