@@ -54,14 +54,21 @@ def loss_and_gradient(
     flat: FloatArray, shape: MLPShape, x: FloatArray, y: IntArray
 ) -> tuple[float, FloatArray]:
     """Mean softmax cross-entropy over the batch and its gradient (flat)."""
+    probs, grad = _probs_and_gradient(flat, shape, x, y)
+    loss = float(-np.mean(np.log(probs[np.arange(len(y)), y] + 1e-12)))
+    return loss, grad
+
+
+def _probs_and_gradient(
+    flat: FloatArray, shape: MLPShape, x: FloatArray, y: IntArray
+) -> tuple[FloatArray, FloatArray]:
     _, _, w2, _ = shape.unpack(flat)
     hidden, logits = _logits(flat, shape, x)
     logits = logits - logits.max(axis=1, keepdims=True)
     probs = np.exp(logits)
     probs /= probs.sum(axis=1, keepdims=True)
     n = len(y)
-    loss = float(-np.mean(np.log(probs[np.arange(n), y] + 1e-12)))
-    d_logits = probs
+    d_logits = probs.copy()
     d_logits[np.arange(n), y] -= 1.0
     d_logits /= n
     g_w2 = hidden.T @ d_logits
@@ -69,7 +76,7 @@ def loss_and_gradient(
     d_hidden = (d_logits @ w2.T) * (hidden > 0)
     g_w1 = x.T @ d_hidden
     g_b1 = d_hidden.sum(axis=0)
-    return loss, np.concatenate([g_w1.ravel(), g_b1, g_w2.ravel(), g_b2])
+    return probs, np.concatenate([g_w1.ravel(), g_b1, g_w2.ravel(), g_b2])
 
 
 def local_train(
@@ -89,7 +96,7 @@ def local_train(
     weights = flat.copy()
     for _ in range(steps):
         idx = rng.choice(len(y), size=min(batch_size, len(y)), replace=False)
-        _, grad = loss_and_gradient(weights, shape, x[idx], y[idx])
+        _, grad = _probs_and_gradient(weights, shape, x[idx], y[idx])
         if mu > 0:
             grad += proximal_gradient(weights, anchor, mu)
         weights -= lr * grad

@@ -33,6 +33,7 @@ from zpipe.federated.grouping import ClientProfile, GroupingPolicy
 from zpipe.federated.model import MLPShape, accuracy, init_weights, local_train
 from zpipe.federated.server import METHODS, ClientUpdate, ServerConfig, TrainTask, make_server
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.experiment import single_threaded_blas
 
 DEGREES = (0.2, 0.4, 0.6, 0.8, 1.0)
 
@@ -130,6 +131,12 @@ def build_federation(config: SimConfig, dataset: Dataset) -> Federation:
 
 def run_simulation(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
     """One federated run; returns its accuracy curve against simulated time and its stats."""
+    # the matrices are tiny: BLAS threads would only fight other processes for the cores
+    with single_threaded_blas():
+        return _run(config, dataset)
+
+
+def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
     started = time.perf_counter()
     federation = build_federation(config, dataset)
     shape = MLPShape(dataset.n_features, config.hidden, dataset.n_classes)
