@@ -69,6 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.6, help="accuracy for time-to-accuracy")
     p.add_argument("--lambdas", default="0,10,100,inf", help="Eco-FL lambda sweep ('' skips)")
     p.add_argument("--lambda-seeds", type=int, default=3)
+    # the investigation's knobs: each applies to every method alike
+    p.add_argument("--alpha", type=float, default=0.6, help="FedAsync alpha (all methods)")
+    p.add_argument("--staleness", default="polynomial", help="polynomial, hinge or constant")
+    p.add_argument("--lam", type=_lambda, default=10.0, help="Eco-FL lambda")
+    p.add_argument("--rt-factor", type=float, default=1.0, help="Eco-FL RT^g / K-means radius")
     args = p.parse_args(argv)
     seeds = 2 if args.quick else args.seeds
     lambdas = [_lambda(t) for t in args.lambdas.split(",") if t.strip()]
@@ -78,15 +83,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda_seeds = args.lambda_seeds
     if seeds < 1:
         p.error("--seeds must be >= 1")
+    common: dict[str, Any] = {
+        "partition": args.partition,
+        "budget_s": args.budget_s,
+        "alpha": args.alpha,
+        "staleness": args.staleness,
+        "rt_factor": args.rt_factor,
+    }
     data = load_digits_dataset()
     started = time.perf_counter()
     acc: dict[str, list[float]] = {m: [] for m in METHODS}
     tta: dict[str, list[float]] = {m: [] for m in METHODS}
     for seed in range(seeds):
         for method in METHODS:
-            config = SimConfig(
-                method=method, partition=args.partition, budget_s=args.budget_s, seed=seed
-            )
+            config = SimConfig(method=method, seed=seed, lam=args.lam, **common)
             run = run_simulation(config, data)
             acc[method].append(tail_accuracy(run))
             reached = time_to_accuracy(run, args.target)
@@ -107,9 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for lam in lambdas:
         rows = []
         for seed in range(lambda_seeds):
-            config = SimConfig(
-                method="ecofl", partition=args.partition, budget_s=args.budget_s, seed=seed, lam=lam
-            )
+            config = SimConfig(method="ecofl", seed=seed, lam=lam, **common)
             run = run_simulation(config, data)
             rows.append(
                 (
@@ -149,7 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ecofl_over_fedavg_time_to_acc=round(
             time_or_budget(tta["ecofl"]) / time_or_budget(tta["fedavg"]), 3
         ),
+        ecofl_over_fedasync_time_to_acc=round(
+            time_or_budget(tta["ecofl"]) / time_or_budget(tta["fedasync"]), 3
+        ),
         target_acc=args.target,
+        settings={k: v for k, v in common.items() if k not in ("partition", "budget_s")}
+        | {"lam": args.lam},
         lambda_sweep=sweep,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
