@@ -382,6 +382,8 @@ class HierarchicalServer(FederatedServer):
         self.version += 1
 
     def _handle_latency(self, client_id: int, latency_s: float) -> list[TrainTask]:
+        # a moved client that is training finishes its task for the round it was given:
+        # only future selections follow the new membership
         change = self.grouping.observe_latency(client_id, latency_s)
         if change is None:
             return []
