@@ -41,6 +41,9 @@ COMMANDS: dict[str, Command] = {
     "lossy": Command(
         "zpipe.lossy.experiment", "EdgePipe lossy-link training experiments (JSON and plots)"
     ),
+    "fl-sim": Command(
+        "zpipe.federated.cli", "Eco-FL grouped federated learning vs baselines, simulated time"
+    ),
 }
 
 
