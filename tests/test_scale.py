@@ -77,8 +77,14 @@ def test_emulate_compute_refuses_a_bad_profile_file(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(SystemExit) as exc:
         stage_main(
-            ["--coordinator", "tcp://127.0.0.1:1", "--name", "x", "--emulate-compute",
-             str(tmp_path / "bad.json")]  # fmt: skip
+            [
+                "--coordinator",
+                "tcp://127.0.0.1:1",
+                "--name",
+                "x",
+                "--emulate-compute",
+                str(tmp_path / "bad.json"),
+            ]
         )
     assert exc.value.code == 2
 
