@@ -1,8 +1,8 @@
 """How late the coordinator's event loop wakes: its lag, as a window of samples. Pure.
 
-The tick loop asks to wake every quarter heartbeat interval; how much later than
-asked it woke is the time the loop was busy with other work (or the process was
-starved of CPU). Heartbeat acknowledgements and probes wait as long, so this is
+A task asks to wake every few tens of milliseconds; how much later than asked it
+woke is the time the loop was busy with other work (or the process was starved
+of CPU). Heartbeat acknowledgements and probes wait as long, so this is
 the number that must stay small while a coordinator holds hundreds of members.
 """
 

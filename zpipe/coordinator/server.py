@@ -94,6 +94,9 @@ from zpipe.transport.sockets import (
 
 log = get_logger("zpipe.coordinator")
 
+# how often the event loop's lag is sampled (zpipe.coordinator.loop_lag)
+LAG_SAMPLE_S = 0.05
+
 
 @dataclass
 class CoordinatorConfig:
@@ -187,7 +190,7 @@ class Coordinator:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._stopping = asyncio.Event()
         self.endpoint = ""
-        # how late the tick loop wakes (logged as loop_lag every ten seconds)
+        # how late the loop wakes (sampled by _lag_loop, logged as loop_lag every 10 s)
         self.loop_lag = LoopLag()
         # Replies the shell's own requests await, by (stage, reply kind).
         self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
@@ -239,6 +242,7 @@ class Coordinator:
             ready.set()
         receive = asyncio.create_task(self._receive_loop(), name="coordinator-receive")
         ticker = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
+        self._spawn(self._lag_loop())
         stopping = asyncio.create_task(self._stopping.wait())
         try:
             done, _ = await asyncio.wait(
@@ -355,11 +359,17 @@ class Coordinator:
     async def _tick_loop(self) -> None:
         interval = self.config.timeouts.heartbeat_interval_s
         while True:
-            asked_at = time.monotonic() + interval / 4
             await asyncio.sleep(interval / 4)
+            self._feed(Tick())
+
+    async def _lag_loop(self) -> None:
+        """Sample how late the loop wakes (``LAG_SAMPLE_S`` apart) and log it now and then."""
+        interval = self.config.timeouts.heartbeat_interval_s
+        while True:
+            asked_at = time.monotonic() + LAG_SAMPLE_S
+            await asyncio.sleep(LAG_SAMPLE_S)
             woke_at = time.monotonic()
             self.loop_lag.woke(asked_at, woke_at)
-            self._feed(Tick())
             lag = self.loop_lag.due(woke_at)
             if lag is not None:
                 # debug: a bench reads it; a person needs it only when it grows
