@@ -110,8 +110,8 @@ class FakePeer:
                 return
         raise FakePeerError(f"{self.name}: no registration reply within {timeout_s:g} s")
 
-    async def _send(self, message: Message) -> None:
-        await send(self._socket, message, timeout_s=self._reply_s, peer="coordinator")
+    async def _send(self, message: Message, timeout_s: float | None = None) -> None:
+        await send(self._socket, message, timeout_s=timeout_s or self._reply_s, peer="coordinator")
 
     async def heartbeat_loop(self, phase_s: float) -> None:
         await asyncio.sleep(phase_s)
@@ -119,9 +119,11 @@ class FakePeer:
         while True:
             self._sent_at.append(time.monotonic())
             self.stats.heartbeats += 1
+            # never blocked for longer than an interval, as a stage's heartbeat
             with contextlib.suppress(TransportTimeout):
                 await self._send(
-                    Message("heartbeat", {"name": self.name, "metrics": self._metrics})
+                    Message("heartbeat", {"name": self.name, "metrics": self._metrics}),
+                    timeout_s=self.heartbeat_interval_s,
                 )
             # on a fixed schedule, as a stage's own loop would be, late turns not piling up
             next_at = max(next_at + self.heartbeat_interval_s, time.monotonic())
