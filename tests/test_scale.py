@@ -16,6 +16,7 @@ import torch
 
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.coordinator.loop_lag import LoopLag
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.stage.__main__ import main as stage_main
 from zpipe.stage.emulated_compute import (
@@ -26,6 +27,7 @@ from zpipe.stage.emulated_compute import (
 )
 from zpipe.stage.shard import Shard
 from zpipe.testing.fake_peers import FakePeers
+from zpipe.testing.forked_stages import fork_stage
 from zpipe.transport.ports import free_tcp_port
 
 UNITS = 24
@@ -87,6 +89,28 @@ def test_emulate_compute_refuses_a_bad_profile_file(tmp_path: Path) -> None:
             ]
         )
     assert exc.value.code == 2
+
+
+def test_loop_lag_reports_quantiles_of_a_window_then_starts_a_new_one() -> None:
+    lag = LoopLag(report_every_s=10.0)
+    assert lag.due(0.0) is None  # the first call starts the clock
+    for i in range(100):
+        lag.woke(asked_at=float(i), woke_at=i + (0.5 if i == 99 else 0.001))
+    assert lag.due(5.0) is None
+    report = lag.due(10.0)
+    assert report is not None
+    assert report.samples == 100
+    assert report.p50_s == pytest.approx(0.001)
+    assert report.max_s == pytest.approx(0.5)
+    assert lag.summary() is None  # a new window
+
+
+def test_a_forked_stage_reports_its_exit_code_and_writes_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "bad.log"
+    process = fork_stage(["--coordinator", "not-an-endpoint", "--name", "x"], log)
+    assert process.wait(timeout=60) == 2  # argparse's usage error, in the child
+    assert "--coordinator" in log.read_text()
+    assert process.poll() == 2
 
 
 # ------------------------------------------------------------ emulated stages
