@@ -32,6 +32,11 @@ the coordinator's event-loop lag (how late its tick loop woke; p50, p99, from it
 ``loop_lag`` log), the heartbeat round trips the peers saw, its CPU share, and
 false deaths (``stage_dead`` in its log, or a peer asked to register again).
 
+Launching (``--launch-stages``, 4): the time to start that many emulated stages and
+see them registered, forked against fresh interpreters (``python -m zpipe.stage``),
+and their mean proportional memory: ``fork_over_spawn_start_s``,
+``fork_over_spawn_pss``.
+
 Every figure is measured on this machine's cores, shared with whatever else runs
 (load average printed): the emulated stages sleep, but their messages, heartbeats
 and the coordinator really run. Prints JSON lines, then a summary.
@@ -93,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-peers", type=int, default=30, help="fake peers of the baseline")
     p.add_argument("--hold-s", type=float, default=30.0, help="seconds the peers are held")
     p.add_argument("--peer-heartbeat-s", type=float, default=1.0, help="their heartbeat interval")
+    p.add_argument("--launch-stages", type=int, default=4, help="stages of the launch section")
+    p.add_argument("--skip-launch", action="store_true", help="leave fork against spawn out")
     p.add_argument("--skip-emulated", action="store_true", help="leave the clusters out")
     p.add_argument("--skip-recovery", action="store_true", help="leave the recovery run out")
     p.add_argument("--skip-peers", action="store_true", help="leave the fake peers out")
@@ -317,6 +324,38 @@ def recovery_run(
     }
 
 
+# ------------------------------------------------------------ launching
+
+
+def launch_section(args: argparse.Namespace) -> dict[str, Any]:
+    spec = ModelSpec.preset(args.model)
+    profile = flop_profile(spec, args.batch_size, args.model_s)
+    devices = [DeviceSpec(f"l{i}") for i in range(args.launch_stages)]
+    seen: dict[str, tuple[float, float | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="zpipe-launch-") as tmp:
+        path = Path(tmp) / "profile.json"
+        profile.save(path)
+        for how, fork in (("spawn", False), ("fork", True)):
+            started = time.monotonic()
+            with LocalCluster(
+                devices,
+                emulate_compute=path,
+                fork_stages=fork,
+                measure_links=False,
+                start_timeout_s=300.0,
+                log_level="warning",
+            ) as cluster:
+                seen[how] = (time.monotonic() - started, _stage_pss_mb(cluster))
+            emit({"bench": BENCH, "kind": "launch", "how": how, "stages": len(devices),
+                  "start_s": round(seen[how][0], 2), "stage_pss_mb_mean": seen[how][1],
+                  "loadavg": loadavg()})  # fmt: skip
+    spawn_pss, fork_pss = seen["spawn"][1], seen["fork"][1]
+    return {
+        "fork_over_spawn_start_s": round(seen["fork"][0] / seen["spawn"][0], 3),
+        "fork_over_spawn_pss": round(fork_pss / spawn_pss, 3) if fork_pss and spawn_pss else None,
+    }
+
+
 # ------------------------------------------------------------ fake peers
 
 
@@ -427,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     emit({"bench": BENCH, "kind": "setup", "sizes": sizes, "cores": os.cpu_count(),
           "loadavg": loadavg()})  # fmt: skip
     result: dict[str, Any] = {}
+    if not args.skip_launch:
+        result.update(launch_section(args))
     if not args.skip_emulated:
         result.update(emulated_section(args, sizes))
     if not args.skip_peers:
