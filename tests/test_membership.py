@@ -324,3 +324,39 @@ def test_silence_shared_by_several_members_is_waited_out_once_more() -> None:
     # alone, each would be dead after 3 + 2 s; silent together, after 3 + 2 + 3 s
     assert dead == {"a": pytest.approx(9.0), "b": pytest.approx(9.0)}
     assert m.get("c").state is MemberState.ALIVE  # type: ignore[union-attr]
+
+
+def test_routing_ids_follow_registrations_and_deaths() -> None:
+    m = make()
+    assert m.by_routing_id(b"a") is m.get("a")
+    m.register(
+        name="a", routing_id=b"a2", data_endpoint="tcp://h:3", info={}, public_key=None, now=9.0
+    )
+    assert m.by_routing_id(b"a") is None  # the old connection speaks for nobody now
+    assert m.by_routing_id(b"a2") is m.get("a")
+    m.declare_dead("b", "test", 10.0)
+    assert m.by_routing_id(b"b") is None
+    assert [x.name for x in m.live()] == ["a"]
+
+
+def test_hundreds_of_members_one_silent_only_it_is_suspected_and_declared_dead() -> None:
+    m = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
+    for i in range(300):
+        m.register(
+            name=f"p{i}", routing_id=f"p{i}".encode(), data_endpoint="tcp://h:1", info={},
+            public_key=None, now=0.0,
+        )  # fmt: skip
+    probed: list[str] = []
+    dead: list[str] = []
+    t = 0.0
+    while t < 12:
+        t += 0.25
+        if t == int(t):  # a heartbeat a second from everyone but p7
+            for i in range(300):
+                if i != 7:
+                    m.heard_from(f"p{i}", t, kind="heartbeat")
+        probes, deaths = m.tick(t)
+        probed += [p.name for p in probes]
+        dead += [d.name for d in deaths]
+    assert probed == ["p7"]
+    assert dead == ["p7"]

@@ -3,6 +3,12 @@
 For experiments and tests on one machine: each stage is a real
 ``python -m zpipe.stage`` process that can emulate a slower device and a
 slower link, exactly as it would run on a device of its own.
+
+For clusters of many stages, ``emulate_compute`` (a profile file) makes every
+stage emulate its compute from the profile (``--emulate-compute``) and
+``fork_stages`` forks the stages from this process instead of starting fresh
+interpreters (:mod:`zpipe.testing.forked_stages`): 64 stages start in seconds
+and share the imported torch.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 from collections.abc import AsyncIterable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.client import (
@@ -70,6 +76,21 @@ class DeviceSpec:
         return flags
 
 
+class StageProcess(Protocol):
+    """What the cluster needs of a process: :class:`subprocess.Popen`, or a forked stage."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 class LocalCluster:
     """``with LocalCluster(3) as cluster: outputs = cluster.infer(spec, batches)``."""
 
@@ -87,6 +108,8 @@ class LocalCluster:
         start_timeout_s: float = 60.0,
         measure_links: bool = True,
         state_dir: Path | None = None,
+        emulate_compute: Path | None = None,
+        fork_stages: bool = False,
     ) -> None:
         if isinstance(devices, int):
             if devices < 1:
@@ -112,9 +135,11 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.measure_links = measure_links
         self.state_dir = state_dir
+        self.emulate_compute = emulate_compute
+        self.fork_stages = fork_stages
         self._coordinator_args: list[str] = []
         self.coordinator_endpoint = ""
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes: dict[str, StageProcess] = {}
 
     @property
     def timeouts(self) -> Timeouts:
@@ -196,21 +221,30 @@ class LocalCluster:
             raise PipelineError("the coordinator is still running; kill it first")
         return self._spawn("coordinator", self._coordinator_args)
 
-    def start_stage(self, device: DeviceSpec, *extra: str) -> subprocess.Popen[bytes]:
-        return self._spawn(
-            device.name,
-            [
-                "-m",
-                "zpipe.stage",
-                "--coordinator",
-                self.coordinator_endpoint,
-                "--bind",
-                "tcp://127.0.0.1:0",
-                *device.stage_flags(),
-                *self._common_flags(),
-                *extra,
-            ],
-        )
+    def start_stage(self, device: DeviceSpec, *extra: str) -> StageProcess:
+        args = [
+            "--coordinator",
+            self.coordinator_endpoint,
+            "--bind",
+            "tcp://127.0.0.1:0",
+            *device.stage_flags(),
+            *self._common_flags(),
+            *(
+                ["--emulate-compute", str(self.emulate_compute)]
+                if self.emulate_compute is not None
+                else []
+            ),
+            *extra,
+        ]
+        if not self.fork_stages:
+            return self._spawn(device.name, ["-m", "zpipe.stage", *args])
+        # imported only here: it imports the stage (and torch) into this process
+        from zpipe.testing.forked_stages import fork_stage
+
+        assert self.log_dir is not None
+        process = fork_stage(args, self.log_dir / f"{device.name}.log")
+        self.processes[device.name] = process
+        return process
 
     def wait_for_stages(self, count: int, *, timeout_s: float) -> list[dict[str, Any]]:
         async def wait() -> list[dict[str, Any]]:

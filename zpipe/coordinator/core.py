@@ -371,7 +371,7 @@ class CoordinatorCore:
         state = self.state
         heard = {
             m.name: m.last_seen
-            for m in state.membership.alive()
+            for m in state.membership.live()  # unsorted: this runs on every tick
             if m.name not in state.unconfirmed  # restored from disk: never heard here
         }
         transition = self.partition.tick(heard, now)

@@ -28,6 +28,11 @@ is more often this process's, the machine's or the network's trouble than
 simultaneous deaths: while another member is silent too, a suspect is given its
 suspect deadline once more before it is declared dead (simultaneous deaths are
 found after about twice their deadlines; a lone death is not delayed).
+
+At scale (hundreds of members, a tick a few times per heartbeat interval) a tick
+costs one comparison per member: only members silent for at least the configured
+suspect time (every deadline's floor) or already suspect have their adaptive
+deadlines computed, and a message finds its sender by routing id in a dict.
 """
 
 from __future__ import annotations
@@ -111,6 +116,9 @@ class Membership:
         self.local_pause_s = heartbeat_interval_s if local_pause_s is None else local_pause_s
         self._last_tick: float | None = None
         self._members: dict[str, Member] = {}
+        # live members by the routing id of their control connection (every message
+        # a stage sends is looked up here: a scan would cost O(members) each)
+        self._by_route: dict[bytes, Member] = {}
         self._next_nonce = 1
 
     def _watch(self) -> HeartbeatWatch:
@@ -136,10 +144,14 @@ class Membership:
         return self._members.get(name)
 
     def by_routing_id(self, routing_id: bytes) -> Member | None:
-        for member in self._members.values():
-            if member.routing_id == routing_id and member.state is not MemberState.DEAD:
-                return member
-        return None
+        member = self._by_route.get(routing_id)
+        if member is None or member.state is MemberState.DEAD:
+            return None
+        return member
+
+    def live(self) -> list[Member]:
+        """Members that are not dead, in no particular order (:meth:`alive` sorts)."""
+        return [m for m in self._members.values() if m.state is not MemberState.DEAD]
 
     def alive(self) -> list[Member]:
         """Members that can take work, in the order they joined."""
@@ -179,7 +191,10 @@ class Membership:
             # a new connection is a new process (or a restored one): a cold start
             liveness=self._watch(),
         )
+        if current is not None and self._by_route.get(current.routing_id) is current:
+            del self._by_route[current.routing_id]
         self._members[name] = member
+        self._by_route[routing_id] = member
         return member
 
     def heard_from(
@@ -215,6 +230,8 @@ class Membership:
             return None
         member.state = MemberState.DEAD
         member.dead_reason = reason
+        if self._by_route.get(member.routing_id) is member:
+            del self._by_route[member.routing_id]
         suspect_s, probe_s = self.deadlines(name)
         return Death(name, reason, now - member.last_seen, suspect_s, probe_s)
 
@@ -236,14 +253,23 @@ class Membership:
         probes: list[Probe] = []
         deaths: list[Death] = []
         self._forgive_local_pause(now)
-        silent_names = {
-            m.name
+        # Every suspect deadline is at least the floor: a member heard from more recently
+        # than that is neither suspected nor judged now, and costs one comparison.
+        floor = self.suspect_after_s
+        candidates = [
+            m
             for m in self._members.values()
-            if m.state is not MemberState.DEAD and now - m.last_seen >= self.deadlines(m.name)[0]
+            if m.state is MemberState.SUSPECT
+            or (m.state is MemberState.ALIVE and now - m.last_seen >= floor)
+        ]
+        if not candidates:
+            return probes, deaths
+        silent_names = {
+            m.name for m in candidates if now - m.last_seen >= self.deadlines(m.name)[0]
         }
-        for member in self._members.values():
+        for member in candidates:
             suspect_s, probe_s = self.deadlines(member.name)
-            if silent_names - {member.name}:
+            if len(silent_names) > (member.name in silent_names):
                 probe_s += suspect_s  # the silence is shared: wait once more
             if member.state is MemberState.ALIVE and now - member.last_seen >= suspect_s:
                 member.state = MemberState.SUSPECT

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -72,6 +72,7 @@ from zpipe.coordinator.events import (
 )
 from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.links import LinkMeasurer
+from zpipe.coordinator.loop_lag import LoopLag
 from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.state import CoordinatorState
@@ -92,6 +93,9 @@ from zpipe.transport.sockets import (
 )
 
 log = get_logger("zpipe.coordinator")
+
+# how often the event loop's lag is sampled (zpipe.coordinator.loop_lag)
+LAG_SAMPLE_S = 0.05
 
 
 @dataclass
@@ -186,6 +190,8 @@ class Coordinator:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._stopping = asyncio.Event()
         self.endpoint = ""
+        # how late the loop wakes (sampled by _lag_loop, logged as loop_lag every 10 s)
+        self.loop_lag = LoopLag()
         # Replies the shell's own requests await, by (stage, reply kind).
         self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
         self._bulk_transfers = 0  # ids of the bulk transfers this process sends
@@ -236,6 +242,7 @@ class Coordinator:
             ready.set()
         receive = asyncio.create_task(self._receive_loop(), name="coordinator-receive")
         ticker = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
+        self._spawn(self._lag_loop())
         stopping = asyncio.create_task(self._stopping.wait())
         try:
             done, _ = await asyncio.wait(
@@ -355,6 +362,22 @@ class Coordinator:
             await asyncio.sleep(interval / 4)
             self._feed(Tick())
 
+    async def _lag_loop(self) -> None:
+        """Sample how late the loop wakes (``LAG_SAMPLE_S`` apart) and log it now and then."""
+        interval = self.config.timeouts.heartbeat_interval_s
+        while True:
+            asked_at = time.monotonic() + LAG_SAMPLE_S
+            await asyncio.sleep(LAG_SAMPLE_S)
+            woke_at = time.monotonic()
+            self.loop_lag.woke(asked_at, woke_at)
+            lag = self.loop_lag.due(woke_at)
+            if lag is not None:
+                # debug: a bench reads it; a person needs it only when it grows
+                level = "warning" if lag.p99_s > interval / 4 else "debug"
+                getattr(log, level)(
+                    "loop_lag", members=len(self.membership.live()), **lag.to_fields()
+                )
+
     # --------------------------------------------------------------- commands
 
     def _feed(self, event: Event, *, peer: bytes | None = None) -> None:
@@ -383,7 +406,7 @@ class Coordinator:
             except Exception as exc:  # one command that fails must not take the rest
                 log.error("command_failed", command=type(command).__name__, error=repr(exc))
         if sends:
-            self._spawn(self._send_all(sends))
+            self._send_soon(sends)
 
     def _do(self, command: Command) -> None:
         if isinstance(command, Log):
@@ -413,7 +436,64 @@ class Coordinator:
         self._timers.pop(tag, None)
         self._feed(TimerFired(tag))
 
-    async def _send_all(self, sends: list[Send]) -> None:
+    def _send_soon(self, sends: list[Send]) -> None:
+        """Queue ``sends`` in order: at once while the socket takes them (the common
+        case), in a task from the first one that has to wait. A task for every
+        heartbeat answer cost more than the send itself with hundreds of stages."""
+        assert self._router is not None
+        for index, command in enumerate(sends):
+            if self.state.bulk.route_for(command.to, command.message) is not None:
+                self._spawn(self._send_all(sends[index:]))  # chunked: awaited
+                return
+            try:
+                frames = [command.to, *encode(command.message)]
+                # zmq.asyncio tries a non-blocking send first and queues behind any
+                # send still waiting, so the order holds; a future done now was sent
+                pending = cast(
+                    "asyncio.Future[Any]", self._router.send_multipart(frames, copy=False)
+                )
+            except Exception as exc:  # a message that cannot be encoded, say: this one only
+                self._send_failed(command, exc)
+                continue
+            if not pending.done():
+                self._spawn(self._send_all(sends[index + 1 :], waiting=(command, pending)))
+                return
+            error = pending.exception()
+            if error is not None:
+                self._send_failed(command, error)
+
+    def _send_failed(self, command: Send, error: BaseException) -> None:
+        if isinstance(error, zmq.ZMQError):  # ROUTER_MANDATORY: the peer is not connected
+            error = PeerGoneError(command.peer, command.message.kind)
+        if isinstance(error, TransportTimeout):
+            if command.stage is None:
+                log.warning("reply_failed", peer=command.peer, error=str(error))
+        else:
+            log.error(
+                "send_failed", peer=command.peer, kind=command.message.kind, error=repr(error)
+            )
+        if command.stage is not None:
+            # later, not inside the event being carried out
+            asyncio.get_running_loop().call_soon(
+                self._feed, RequestFailed(command.stage, cast(Exception, error))
+            )
+
+    async def _send_all(
+        self, sends: list[Send], *, waiting: tuple[Send, asyncio.Future[Any]] | None = None
+    ) -> None:
+        """Finish ``waiting`` (a send queued but not yet taken), then send ``sends``."""
+        if waiting is not None:
+            command, pending = waiting
+            timeout_s = command.timeout_s or self.config.timeouts.send_s
+            try:
+                await asyncio.wait_for(pending, timeout_s)
+            except asyncio.TimeoutError:
+                error = TransportTimeout(
+                    command.peer, f"room to send {command.message.kind}", timeout_s
+                )
+                self._send_failed(command, error)
+            except Exception as exc:
+                self._send_failed(command, exc)
         for command in sends:
             try:
                 await self._send(

@@ -10,6 +10,8 @@ Where each part lives (decisions in pure modules, I/O in the shells)::
       ports                       control / data / probe sockets and keys
       dataplane.DataPlane         the assignment being built, the one running
         assignment                  building shards (kept for a repeated run)
+          emulated_compute            --emulate-compute: shards that sleep for their
+                                      profiled time and ship the real shapes
         dataport.DataPort           data in: key, framing, sender and epoch checks
         inference.InferenceLoop     receive -> compute (thread) -> send
         training_plane.TrainingPlane  neighbours, ring, sends of a training run

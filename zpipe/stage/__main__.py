@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from zpipe.models.trust import (
     allow_list_from_args,
     allow_peer_factories,
 )
+from zpipe.planner.profile import ModelProfile
 from zpipe.stage.config import DEFAULT_MAX_BATCH_ROWS
 from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
 from zpipe.transport.allocator import retain_freed_memory
@@ -159,6 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
         "control messages and its bulk state (weights, replicas) share (default: none)",
     )
     emu.add_argument("--loss-seed", type=non_negative_int, default=0, help="seed of the loss draws")
+    emu.add_argument(
+        "--emulate-compute",
+        type=Path,
+        default=None,
+        metavar="PROFILE.json",
+        help="do not compute: for each micro-batch sleep for this profile's time of the "
+        "assigned units (times --slowdown) and send zero tensors of the real output shapes; "
+        "profile requests are answered from the file (inference only; for emulating large "
+        "clusters on one machine)",
+    )
     parser.add_argument(
         "--retain-memory-mb",
         type=non_negative_int,
@@ -196,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         validate_endpoint(args.bind, flag="--bind")
         if args.probe_bind is not None:
             validate_endpoint(args.probe_bind, flag="--probe-bind")
+        emulate_compute = (
+            ModelProfile.load(args.emulate_compute) if args.emulate_compute is not None else None
+        )
         config = StageConfig(
             name=args.name,
             coordinator=args.coordinator,
@@ -208,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             uplink=LinkSpec(args.uplink_mbps),
             memory_mb=args.memory_mb,
             max_batch_rows=args.max_batch_rows,
+            emulate_compute=emulate_compute,
             keys_dir=Path(args.keys) if args.keys else None,
             timeouts=timeouts_from_args(
                 args,
@@ -226,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     retain_freed_memory(args.retain_memory_mb)
     log = get_logger("zpipe.stage")
     runtime = StageRuntime(config)
+    # torch and the rest are imported for good: out of the collector's way, so that a
+    # full collection does not pause the loop that answers heartbeats
+    gc.collect()
+    gc.freeze()
 
     async def run() -> int:
         try:

@@ -20,8 +20,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.models import ModelSpec
+from zpipe.planner.profile import ModelProfile
+from zpipe.stage.emulated_compute import EmulatedShard
 from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import TrainingSetup
@@ -105,9 +107,16 @@ ParseTraining = Callable[[Message], TrainingSetup]
 class AssignmentBuilder:
     """Builds assignments' shards in the compute thread; keeps the last inference shard."""
 
-    def __init__(self, *, compute: ThreadPoolExecutor, slowdown: float) -> None:
+    def __init__(
+        self,
+        *,
+        compute: ThreadPoolExecutor,
+        slowdown: float,
+        emulate_compute: ModelProfile | None = None,
+    ) -> None:
         self._compute = compute
         self._slowdown = slowdown
+        self._emulate = emulate_compute  # build emulated shards from this profile
         # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.
         self._cached: tuple[ShardKey, Shard] | None = None
 
@@ -126,6 +135,8 @@ class AssignmentBuilder:
         training = parse_training(message) if body.get("mode") == "train" else None
         loop = asyncio.get_running_loop()
         shard: Shard | TrainShard
+        if training is not None and self._emulate is not None:
+            raise ConfigError("--emulate-compute emulates inference only; it cannot train")
         if training is not None:
             # Trained weights are never reused by another run: build afresh.
             self._cached, reused = None, False
@@ -151,10 +162,7 @@ class AssignmentBuilder:
             shard = self._cached[1]  # the same units again: keep them, build nothing
         else:
             self._cached = None  # let the old units go before the new ones are built
-            shard = await loop.run_in_executor(
-                self._compute,
-                lambda: Shard.build(spec, key[1], key[2], dtype=key[3], slowdown=self._slowdown),
-            )
+            shard = await loop.run_in_executor(self._compute, lambda: self._build_shard(key))
             self._cached = (key, shard)
         assignment = Assignment(
             run=int(body["run"]),
@@ -175,3 +183,11 @@ class AssignmentBuilder:
         if training is not None:
             senders = prepare_training(assignment, dict(body["train"]))
         return BuiltAssignment(assignment, reused, senders)
+
+    def _build_shard(self, key: ShardKey) -> Shard:
+        spec, start, end, dtype = key
+        if self._emulate is not None:
+            return EmulatedShard.build_emulated(
+                spec, start, end, self._emulate, dtype=dtype, slowdown=self._slowdown
+            )
+        return Shard.build(spec, start, end, dtype=dtype, slowdown=self._slowdown)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from zpipe._errors import ConfigError
 from zpipe.config import Timeouts
+from zpipe.planner.profile import ModelProfile
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions
 
@@ -34,6 +35,9 @@ class StageConfig:
     keys_dir: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     socket_options: SocketOptions = field(default_factory=SocketOptions)
+    # --emulate-compute: sleep for this profile's times instead of computing
+    # (zpipe.stage.emulated_compute)
+    emulate_compute: ModelProfile | None = None
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1.0:

@@ -41,6 +41,7 @@ from zpipe.log import get_logger
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
+from zpipe.stage.emulated_compute import emulated_profile_reply
 from zpipe.stage.lifecycle import (
     AllowProbePeers,
     Command,
@@ -175,6 +176,7 @@ class StageRuntime:
             "link": self.config.link.to_dict(),
             "probe_endpoint": self.probe_endpoint,
             "torch": torch.__version__,
+            **({"emulated_compute": True} if self.config.emulate_compute is not None else {}),
         }
 
     @property
@@ -462,6 +464,14 @@ class StageRuntime:
         assert snapshots is not None and plane is not None
         if job is Job.ASSIGN:
             await self._carry_out(await plane.assign(message))
+        elif job is Job.PROFILE and self.config.emulate_compute is not None:
+            reply = emulated_profile_reply(
+                message,
+                name=name,
+                slowdown=self.config.slowdown,
+                profile=self.config.emulate_compute,
+            )
+            await self._send_control("profile_reply", reply)
         elif job is Job.PROFILE:
             reply = await profile_reply(
                 message, name=name, slowdown=self.config.slowdown, compute=self._compute
