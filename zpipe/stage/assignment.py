@@ -105,9 +105,12 @@ ParseTraining = Callable[[Message], TrainingSetup]
 class AssignmentBuilder:
     """Builds assignments' shards in the compute thread; keeps the last inference shard."""
 
-    def __init__(self, *, compute: ThreadPoolExecutor, slowdown: float) -> None:
+    def __init__(
+        self, *, compute: ThreadPoolExecutor, slowdown: float, device: torch.device | str = "cpu"
+    ) -> None:
         self._compute = compute
         self._slowdown = slowdown
+        self._device = torch.device(device)  # where the shards compute (--device)
         # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.
         self._cached: tuple[ShardKey, Shard] | None = None
 
@@ -145,6 +148,7 @@ class AssignmentBuilder:
                     optimizer=dict(train["optimizer"]),
                     slowdown=self._slowdown,
                     state=resumed,
+                    device=self._device,
                 ),
             )
         elif self._cached is not None and reused:
@@ -153,7 +157,14 @@ class AssignmentBuilder:
             self._cached = None  # let the old units go before the new ones are built
             shard = await loop.run_in_executor(
                 self._compute,
-                lambda: Shard.build(spec, key[1], key[2], dtype=key[3], slowdown=self._slowdown),
+                lambda: Shard.build(
+                    spec,
+                    key[1],
+                    key[2],
+                    dtype=key[3],
+                    slowdown=self._slowdown,
+                    device=self._device,
+                ),
             )
             self._cached = (key, shard)
         assignment = Assignment(
