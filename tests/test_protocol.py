@@ -49,6 +49,8 @@ ADDED_IN_V1 = {
     # a stage's data port limit per frame, and the first stage's for the client
     "ready": {"max_message_bytes": ["int/null", False]},
     "run_ready": {"first_max_message_bytes": ["int/null", False]},
+    # every batch size a training profile measures, sent to stages that reported a device
+    "profile_request": {"batch_sizes": ["list/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client

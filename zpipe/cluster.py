@@ -31,6 +31,7 @@ from zpipe.client import (
     TrainReport,
 )
 from zpipe.config import Timeouts
+from zpipe.devices import check_device_text
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.transport.ports import free_tcp_port
 
@@ -54,6 +55,10 @@ class DeviceSpec:
     # where the stage computes (--device: auto, cpu, cuda[:N], mps); None: the stage's
     # default (auto)
     device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device is not None:
+            check_device_text(self.device)  # a typo is refused before any process starts
 
     def stage_flags(self) -> list[str]:
         flags = ["--name", self.name, "--slowdown", str(self.slowdown)]

@@ -39,7 +39,7 @@ from zpipe.log import get_logger
 from zpipe.models import USER_CODE_FAMILIES, ModelSpec, count_units, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec
 from zpipe.planner.hpp import plan_training
-from zpipe.planner.profile import ModelProfile
+from zpipe.planner.profile import ModelProfile, training_profile_sizes
 from zpipe.transport.codec import Message
 
 log = get_logger("zpipe.coordinator")
@@ -203,13 +203,16 @@ class JobRunner:
         cached = cache.get(spec, batch_size, dtype, member, train=train)
         if cached is not None:
             return cached
-        body = {
+        body: dict[str, Any] = {
             "model": spec.to_dict(),
             "batch_size": batch_size,
             "dtype": dtype,
             "repeats": 3,
             "train": train,
         }
+        if train and "device" in member.info:
+            # a stage that reports its device understands several batch sizes
+            body["batch_sizes"] = training_profile_sizes(batch_size)
         reply = await self._request(
             member, Message("profile_request", body), "profile_reply", self.timeouts.assign_s
         )

@@ -62,6 +62,15 @@ _TRAINING_KEYS: tuple[str, ...] = ("backward_time_s", "activation_bytes")
 _TIME_KEYS = frozenset({"time_s", "backward_time_s"})
 
 
+def training_profile_sizes(microbatch_size: int) -> list[int]:
+    """The batch sizes a live training profile measures for micro-batches of ``B``:
+    1, B/4, B/2 and B. A stage of a data-parallel group computes a share of ``B``
+    (Asteroid's Algorithm 1), and time per sample falls with the batch size, so
+    the shares are read from this curve, not from a line through ``B`` alone."""
+    b = max(1, int(microbatch_size))
+    return sorted({1, max(1, b // 4), max(1, b // 2), b})
+
+
 @dataclass(frozen=True)
 class UnitProfile:
     name: str

@@ -469,7 +469,11 @@ class StageRuntime:
             await self._carry_out(await plane.assign(message))
         elif job is Job.PROFILE:
             reply = await profile_reply(
-                message, name=name, slowdown=self.config.slowdown, compute=self._compute
+                message,
+                name=name,
+                slowdown=self.config.slowdown,
+                compute=self._compute,
+                device=self.config.resolved_device,
             )
             await self._send_control("profile_reply", reply)
         elif job is Job.LINK_PROBE:
