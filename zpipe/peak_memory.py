@@ -67,10 +67,13 @@ class _LiveStorages(TorchDispatchMode):
 
 
 class PeakMemory:
-    """``with PeakMemory.on(device) as peak: run()``; then ``peak.bytes``."""
+    """``with PeakMemory.on(device) as peak: run()``; then ``peak.bytes`` (the peak above
+    the start) and ``peak.retained_bytes`` (what is still allocated at the end: a
+    training forward's saved activations and outputs)."""
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.retained_bytes = 0
 
     @classmethod
     @contextmanager
@@ -87,6 +90,7 @@ class PeakMemory:
                     yield result
             finally:
                 result.bytes = tracker.peak
+                result.retained_bytes = tracker.live
 
 
 @contextmanager
@@ -99,6 +103,7 @@ def _cuda_peak(device: torch.device, result: PeakMemory) -> Iterator[None]:
     finally:
         torch.cuda.synchronize(device)
         result.bytes = max(0, torch.cuda.max_memory_allocated(device) - before)
+        result.retained_bytes = max(0, torch.cuda.memory_allocated(device) - before)
 
 
 def peak_bytes(step: Callable[[], object], device: torch.device | str = "cpu") -> int:

@@ -98,6 +98,13 @@ class TrainShard:
             shard.load_training_state(state)
         return shard
 
+    def _weight_storages(self) -> set[int]:
+        return {
+            t.untyped_storage().data_ptr()
+            for unit in self.units
+            for t in (*unit.parameters(), *unit.buffers())
+        }
+
     @property
     def live_activations(self) -> int:
         return len(self._saved)
@@ -128,11 +135,14 @@ class TrainShard:
             for t in self.mover.to_device(inputs)
         )
         storages: dict[int, int] = {}
+        weights = self._weight_storages()
 
         def remember(t: torch.Tensor) -> torch.Tensor:
-            # One count per storage: views of one tensor share it.
+            # One count per storage: views of one tensor share it. Weights a layer saves
+            # (a Linear its weight) are not activations: they stay whatever is in flight.
             storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in weights:
+                storages[storage.data_ptr()] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t):
