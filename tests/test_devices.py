@@ -4,7 +4,6 @@ shard's edges, per-device planning inputs, and the install file without torch.""
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,9 @@ from zpipe.devices import (
 )
 from zpipe.models import ModelSpec
 from zpipe.peak_memory import peak_bytes
+from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.profile import training_profile_sizes
+from zpipe.planner.training_cost import TrainingCosts
 from zpipe.profiler import profile_model
 from zpipe.stage.__main__ import main as stage_main
 from zpipe.stage.config import StageConfig
@@ -79,7 +80,7 @@ def test_unavailable_devices_are_refused_by_name_with_what_torch_sees() -> None:
         resolve_device("cuda:2", backends=Backends(cuda_devices=2, cuda_build="12.4"))
     with pytest.raises(DeviceUnavailableError, match="CPU-only build"):
         resolve_device("cuda", backends=NO_GPU)
-    with pytest.raises(DeviceUnavailableError, match="built for CUDA 12.4 but sees no GPU"):
+    with pytest.raises(DeviceUnavailableError, match=r"built for CUDA 12\.4 but sees no GPU"):
         resolve_device("cuda:0", backends=Backends(cuda_build="12.4"))
     with pytest.raises(DeviceUnavailableError, match="no Apple MPS"):
         resolve_device("mps", backends=NO_GPU)
@@ -357,9 +358,22 @@ def _name(requirement: str) -> str:
 
 
 def test_requirements_without_torch_match_the_declared_dependencies() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     lines = (ROOT / "requirements-without-torch.txt").read_text().splitlines()
     listed = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     # the same requirements, specifiers included, torch alone left out
     assert sorted(listed) == sorted(r for r in declared if _name(r) != "torch")
     assert "torch" in {_name(r) for r in declared}
+
+
+def test_the_training_planner_reads_shares_from_the_measured_curve() -> None:
+    spec = ModelSpec.preset("mlp-small")
+    sizes = training_profile_sizes(8)
+    profile = profile_model(spec, batch_sizes=sizes, warmup=0, repeats=1, train=True)
+    cluster = ClusterSpec(devices=(ClusterDevice(name="d", profile=profile),), links={})
+    costs = TrainingCosts(profile, cluster, microbatch_size=8)
+    device, n = cluster.device("d"), profile.num_units
+    for y in sizes:  # every measured share is the measurement, not a line through B
+        assert costs.forward_s(device, 0, n, y) == pytest.approx(sum(profile.times(y)))
+        assert costs.backward_s(device, 0, n, y) == pytest.approx(sum(profile.backward_times(y)))
