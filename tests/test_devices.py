@@ -33,6 +33,7 @@ from zpipe.peak_memory import peak_bytes
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.profile import training_profile_sizes
 from zpipe.planner.training_cost import TrainingCosts
+from zpipe.profiler import main as profile_main
 from zpipe.profiler import profile_model
 from zpipe.stage.__main__ import main as stage_main
 from zpipe.stage.config import StageConfig
@@ -107,6 +108,17 @@ def test_stage_command_refuses_an_unavailable_device_before_starting(
     with pytest.raises(SystemExit):
         stage_main([*argv[:-1], "tpu"])
     assert "expected auto|cpu|cuda[:N]|mps" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a GPU")
+def test_profile_command_refuses_an_unavailable_device_before_profiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as exited:
+        profile_main(["--model", "mlp-small", "--device", "cuda:0", "-o", str(output)])
+    assert exited.value.code == 2
+    assert "--device cuda:0" in capsys.readouterr().err and not output.exists()
 
 
 def test_stage_config_and_device_spec_check_the_name() -> None:

@@ -439,12 +439,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.slowdown < 1:
         parser.error("--slowdown must be >= 1")
+    try:
+        device = resolve_device(args.device)  # a device this machine lacks: refused now
+    except ConfigError as exc:
+        parser.error(str(exc))
     if not args.output.parent.is_dir():  # found now, not after minutes of profiling
         parser.error(f"--output {args.output}: the directory {args.output.parent} does not exist")
     try:
         overrides = {"num_layers": args.layers} if args.layers is not None else {}
         spec = ModelSpec.preset(args.model, **overrides)
-        device = resolve_device(args.device)
         profile = profile_model(
             spec,
             batch_sizes=args.batch_sizes,

@@ -51,7 +51,9 @@ ALIKE_TOLERANCE = 0.2
 def _declared(member: Member) -> tuple[Any, ...]:
     info = member.info
     link = info.get("link") or {}
-    device = info.get("device") or {}
+    device = info.get("device")
+    if not isinstance(device, Mapping):  # an older stage reports none
+        device = {}
     # A stage that reports its device separates declared from measured memory: free
     # memory measured at two starts is never equal, declarations are.
     memory = info.get("declared_memory_mb") if "device" in info else info.get("memory_mb")
