@@ -13,7 +13,8 @@ File format (JSON)::
     {
       "format": "zpipe-profile/1",
       "model": {...ModelSpec.to_dict()...},
-      "device": {"name": "laptop", "threads": 4, "dtype": "float32", "torch": "2.13.0"},
+      "device": {"name": "laptop", "threads": 4, "dtype": "float32", "torch": "2.13.0",
+                 "kind": "cpu", "device": "cpu"},       # kind: cpu, cuda, mps (--device)
       "batch_sizes": [1, 2, 4, 8],
       "input_bytes": [b1, b2, b4, b8],             # the first unit's input per batch size
       "units": [
@@ -21,7 +22,7 @@ File format (JSON)::
          "param_bytes": 2359296,                    # weights and buffers
          "time_s": [t1, t2, t4, t8],                # median forward time per batch size
          "output_bytes": [o1, o2, o4, o8],          # what crosses to the next unit
-         "memory_bytes": [m1, m2, m4, m8],          # peak extra memory of a forward
+         "memory_bytes": [m1, m2, m4, m8],          # input + measured peak of a forward
          "backward_time_s": [g1, g2, g4, g8],       # optional (--train): median backward
          "activation_bytes": [s1, s2, s4, s8]},     # optional (--train): saved for backward
         ...
