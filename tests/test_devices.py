@@ -288,6 +288,11 @@ def test_peak_memory_follows_live_tensors() -> None:
         return b * 2  # 8000 live again, a freed
 
     assert peak_bytes(step) == 8000
+    weight = torch.randn(100, 100)
+    # views of memory that existed before, and in-place results, allocate nothing
+    assert peak_bytes(lambda: weight.t()) == 0
+    assert peak_bytes(lambda: weight.add_(1.0)) == 0
+    assert peak_bytes(lambda: weight.t() @ weight[0]) == 100 * 4
     layer = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
     x = torch.randn(16, 64)
     with torch.inference_mode():

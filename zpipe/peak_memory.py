@@ -6,7 +6,9 @@ other devices every tensor an operator returns is followed from the moment
 it is made until its storage is freed (a ``TorchDispatchMode`` sees each
 operator's outputs, a weak reference to the storage sees it go): the largest
 sum of live bytes is the peak. Storages that existed before the measurement
-(weights, inputs) are not counted, and views share their storage's count.
+(weights, inputs) are not counted, nor are views of them or in-place results
+(an output that shares an argument's memory), and views share their storage's
+count.
 Scratch memory a kernel allocates inside itself (never a tensor Python sees)
 is invisible there, so the CPU figure errs low by it; an operator that runs
 below the dispatcher's Python key (inside one fused kernel) is counted by its
@@ -23,6 +25,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where ``t``'s memory starts (its storage's, which views share); 0 if it has none."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -42,8 +52,10 @@ class _LiveStorages(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an argument's memory: nothing new.
+        shared = {_address(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and _address(leaf) not in shared:
                 self._track(leaf)
         return out
 
