@@ -8,7 +8,8 @@ it would receive, on ``--device``. Per stage:
   the sum over the stage's units of their profiled activation memory (each
   unit's input plus the peak its forward allocates). ``tight`` is the
   largest single unit's figure plus the stage's input (which its sender
-  keeps alive while later units run) instead of the sum. Measured: the stage's
+  keeps alive while later units run) instead of the sum; ``estimate`` is the
+  profiler's former figure, each unit's input plus output, summed. Measured: the stage's
   input plus the peak its whole forward allocates (zpipe.peak_memory: CUDA's
   allocator statistics, live tensor storages on the CPU).
 - saved for backward (training, Asteroid eq. 3's ``ACT``): the sum of the
@@ -85,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     b = args.batch
     profile = profile_model(spec, batch_sizes=[b], warmup=1, repeats=1, train=True, device=device)
     k = profile.batch_sizes.index(b)
+    unit_input_bytes = [profile.input_bytes[k], *(u.output_bytes[k] for u in profile.units[:-1])]
     sequence = load_layer_sequence(spec)
     plan = plan_even_partition(profile.num_units, [f"s{i}" for i in range(args.stages)])
     inputs = tuple(t.to(device) for t in sequence.example_input(b, seed=b))
-    ratios: dict[str, list[float]] = {"forward": [], "tight": [], "saved": [], "retained": []}
+    ratios: dict[str, list[float]] = {"forward": [], "tight": [], "saved": [], "estimate": []}
     for index, stage in enumerate(plan.stages):
         units = [u.to(device) for u in sequence.build_units(stage.start, stage.end)]
         profiled = profile.units[stage.start : stage.end]
@@ -98,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
                 outputs = run_units(units, inputs)
         measured_forward = _nbytes(inputs) + forward_peak.bytes
         predicted_forward = sum(u.memory_bytes[k] for u in profiled)
+        # the profiler's former estimate, a unit's input plus its output, summed
+        unit_inputs = unit_input_bytes[stage.start : stage.end]
+        estimated_forward = sum(
+            i + u.output_bytes[k] for i, u in zip(unit_inputs, profiled, strict=True)
+        )
         # the stage's input stays alive (its sender holds it) while later units run
         stage_input = _nbytes(inputs)
         tight_forward = max(
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             "weights_mib": round(weights / MIB, 3),
             "forward_predicted_mib": round(predicted_forward / MIB, 3),
             "forward_tight_mib": round(tight_forward / MIB, 3),
+            "forward_estimate_mib": round(estimated_forward / MIB, 3),
             "forward_measured_mib": round(measured_forward / MIB, 3),
             "saved_predicted_mib": round(predicted_saved / MIB, 3),
             "saved_measured_mib": round(measured_saved / MIB, 3),
@@ -132,12 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             "training_retained_mib": round(training_forward.retained_bytes / MIB, 3),
             "forward_pred_over_measured": round(predicted_forward / measured_forward, 3),
             "forward_tight_over_measured": round(tight_forward / measured_forward, 3),
+            "forward_estimate_over_measured": round(estimated_forward / measured_forward, 3),
             "saved_pred_over_measured": round(predicted_saved / max(1, measured_saved), 3),
         }
         emit(row)
         ratios["forward"].append(row["forward_pred_over_measured"])
         ratios["tight"].append(row["forward_tight_over_measured"])
         ratios["saved"].append(row["saved_pred_over_measured"])
+        ratios["estimate"].append(row["forward_estimate_over_measured"])
         shard.backward(0, tuple(torch.zeros_like(t) for t in sent))
         inputs = tuple(t.to(device) for t in outputs)
         del shard, units
@@ -152,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         forward_pred_over_measured=[min(ratios["forward"]), max(ratios["forward"])],
         forward_tight_over_measured=[min(ratios["tight"]), max(ratios["tight"])],
         saved_pred_over_measured=[min(ratios["saved"]), max(ratios["saved"])],
+        forward_estimate_over_measured=[min(ratios["estimate"]), max(ratios["estimate"])],
     )
     return 0
 
