@@ -52,6 +52,8 @@ ADDED_IN_V1 = {
     "run_ready": {"first_max_message_bytes": ["int/null", False]},
     # a requester that takes a big answer in state_chunk messages of this size
     "fetch_units": {"chunk_bytes": ["int/null", False]},
+    # every batch size a training profile measures, sent to stages that reported a device
+    "profile_request": {"batch_sizes": ["list/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client

@@ -37,13 +37,15 @@ from zpipe.client import (
     TrainReport,
 )
 from zpipe.config import Timeouts
+from zpipe.devices import check_device_text
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.transport.ports import free_tcp_port
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One emulated device: its name, how much slower it computes, its outgoing link."""
+    """One device: its name, how much slower it computes, its outgoing link, where it
+    computes (``device``)."""
 
     name: str
     slowdown: float = 1.0
@@ -56,6 +58,13 @@ class DeviceSpec:
     uplink_mbps: float | None = None
     # rows of one data message the stage's data port accepts (--max-batch-rows)
     max_batch_rows: int | None = None
+    # where the stage computes (--device: auto, cpu, cuda[:N], mps); None: the stage's
+    # default (auto)
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device is not None:
+            check_device_text(self.device)  # a typo is refused before any process starts
 
     def stage_flags(self) -> list[str]:
         flags = ["--name", self.name, "--slowdown", str(self.slowdown)]
@@ -73,6 +82,8 @@ class DeviceSpec:
             flags += ["--uplink-mbps", str(self.uplink_mbps)]
         if self.max_batch_rows is not None:
             flags += ["--max-batch-rows", str(self.max_batch_rows)]
+        if self.device is not None:
+            flags += ["--device", self.device]
         return flags
 
 

@@ -6,9 +6,16 @@ recorded. Times of a larger batch are never reported below those of a smaller
 one (a running maximum over batch sizes), so noise cannot make a planner
 believe that more work is cheaper.
 
-Activation memory is an estimate: the bytes of a unit's inputs and outputs,
-which are alive together while it runs (torch has no cheap per-module peak
-memory counter on CPU).
+Activation memory (``memory_bytes``) is measured: the bytes of a unit's
+inputs (alive while it runs) plus the peak memory its forward allocates, its
+outputs included (:mod:`zpipe.peak_memory`: torch's allocator statistics on
+CUDA, every operator's output storages followed from creation to release on
+the CPU). It is never reported below the old estimate, inputs plus outputs.
+
+``--device`` (``auto``, ``cpu``, ``cuda[:N]``, ``mps``) profiles on that
+device: units and inputs are moved there, and each timed run waits for the
+device to finish. The profile records the device kind, and the coordinator
+plans each stage from its own profile on its own device.
 
 With ``train=True`` (``--train``) each unit also gets the numbers training
 planners need, measured in training mode (``module.train()``, autograd on):
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -51,7 +59,9 @@ from zpipe.cli_common import (
     positive_float,
     positive_int,
 )
+from zpipe.devices import DEVICE_CHOICES, resolve_device
 from zpipe.models import ModelSpec, available_presets, load_layer_sequence
+from zpipe.peak_memory import peak_bytes
 from zpipe.planner.profile import ModelProfile, UnitProfile
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
@@ -69,9 +79,9 @@ def _as_tuple(value: object) -> tuple[torch.Tensor, ...]:
 
 
 @contextlib.contextmanager
-def _compute_dtype(dtype: str) -> Iterator[None]:
+def _compute_dtype(dtype: str, device_type: str = "cpu") -> Iterator[None]:
     if dtype == "bfloat16":
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
             yield
     elif dtype == "float32":
         yield
@@ -79,16 +89,32 @@ def _compute_dtype(dtype: str) -> Iterator[None]:
         raise ConfigError(f"dtype must be float32 or bfloat16, got {dtype!r}")
 
 
+def _no_wait() -> None:
+    pass
+
+
+def _waiter(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device`` to finish queued work (a CUDA kernel returns at once)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return _no_wait
+
+
 @dataclass(frozen=True)
 class _Timing:
     warmup: int
     repeats: int
     slowdown: float
+    wait: Callable[[], None] = _no_wait
 
     def once(self, step: Callable[[], object]) -> float:
         """How long ``step`` takes, as a stage with this slowdown would see it."""
+        self.wait()
         started, cpu_started = time.perf_counter(), time.thread_time()
         step()
+        self.wait()
         elapsed = time.perf_counter() - started
         # as a stage runs it: stretched from the CPU time (see emulation)
         return emulate_slowdown(
@@ -149,6 +175,7 @@ def _measure_training(
     dtype: str,
     first: bool,
     name: str,
+    device_type: str = "cpu",
 ) -> tuple[float, int]:
     """(median backward seconds, bytes saved for the backward) of ``unit`` on ``inputs``."""
     weights = {_storage_key(t)[0] for t in (*unit.parameters(), *unit.buffers())}
@@ -169,7 +196,7 @@ def _measure_training(
         args = _training_inputs(inputs, first=first)
         with (
             torch.autograd.graph.saved_tensors_hooks(pack, _unpack),
-            _compute_dtype(dtype),
+            _compute_dtype(dtype, device_type),
         ):
             result = _as_tuple(unit(*args))
         pending[:] = [[t for t in result if t.requires_grad]]
@@ -214,12 +241,15 @@ def profile_model(
     slowdown: float = 1.0,
     device_name: str = "local",
     train: bool = False,
+    device: torch.device | str = "cpu",
 ) -> ModelProfile:
     """Profile every unit of ``spec`` at each batch size on this device.
 
     With ``train`` the profile also holds each unit's backward time and the
-    bytes it saves for its backward (see the module docstring).
+    bytes it saves for its backward (see the module docstring). ``device`` is
+    the torch device the units run on.
     """
+    device = torch.device(device)
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ConfigError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
@@ -238,26 +268,38 @@ def profile_model(
     memory: list[list[int]] = [[] for _ in range(count)]
     backward: list[list[float]] = [[] for _ in range(count)]
     saved: list[list[int]] = [[] for _ in range(count)]
-    activations = {b: sequence.example_input(b, seed=b) for b in sizes}
-    input_bytes = [_nbytes(activations[b]) for b in sizes]
-    timing = _Timing(warmup=warmup, repeats=repeats, slowdown=slowdown)
+    examples = {b: sequence.example_input(b, seed=b) for b in sizes}
+    input_bytes = [_nbytes(examples[b]) for b in sizes]
+    activations = {b: tuple(t.to(device) for t in examples[b]) for b in sizes}
+    del examples
+    timing = _Timing(warmup=warmup, repeats=repeats, slowdown=slowdown, wait=_waiter(device))
     for index in range(count):
         # Built outside inference mode: parameters made in it could never get gradients.
         unit = whole[index] if whole is not None else sequence.build_units(index, index + 1)[0]
+        unit = unit.to(device)
         param_bytes.append(
             sum(p.numel() * p.element_size() for p in unit.parameters())
             + sum(b.numel() * b.element_size() for b in unit.buffers())
         )
         for batch_size in sizes:
             inputs = activations[batch_size]
-            with torch.inference_mode(), _compute_dtype(dtype):
+            with torch.inference_mode(), _compute_dtype(dtype, device.type):
                 took, result = _time_forward(unit, inputs, timing)
+                # measured in a run of its own: following allocations slows the timed ones
+                peak = peak_bytes(functools.partial(unit, *inputs), device)
             times[index].append(took)
             outputs[index].append(_nbytes(result))
-            memory[index].append(_nbytes(inputs) + _nbytes(result))
+            estimate = _nbytes(inputs) + _nbytes(result)
+            memory[index].append(max(_nbytes(inputs) + peak, estimate))
             if train:
                 took, kept = _measure_training(
-                    unit, inputs, timing, dtype=dtype, first=index == 0, name=names[index]
+                    unit,
+                    inputs,
+                    timing,
+                    dtype=dtype,
+                    first=index == 0,
+                    name=names[index],
+                    device_type=device.type,
                 )
                 backward[index].append(took)
                 saved[index].append(kept)
@@ -287,6 +329,8 @@ def profile_model(
             "dtype": dtype,
             "torch": torch.__version__,
             "slowdown": slowdown,
+            "kind": device.type,
+            "device": str(device),
         },
     )
 
@@ -363,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--name", default="local", help="device name recorded in the file")
     parser.add_argument(
+        "--device",
+        default="auto",
+        metavar=DEVICE_CHOICES,
+        help="where to run the units: auto (CUDA if torch sees a GPU, else MPS, else the "
+        "CPU), cpu, cuda, cuda:N or mps (default: auto)",
+    )
+    parser.add_argument(
         "--train",
         action="store_true",
         help="also measure what training planners need: each unit's backward time and the "
@@ -388,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.slowdown < 1:
         parser.error("--slowdown must be >= 1")
+    try:
+        device = resolve_device(args.device)  # a device this machine lacks: refused now
+    except ConfigError as exc:
+        parser.error(str(exc))
     if not args.output.parent.is_dir():  # found now, not after minutes of profiling
         parser.error(f"--output {args.output}: the directory {args.output.parent} does not exist")
     try:
@@ -402,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             slowdown=args.slowdown,
             device_name=args.name,
             train=args.train,
+            device=device,
         )
         profile.save(args.output)
     except ZpipeError as exc:

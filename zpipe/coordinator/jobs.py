@@ -39,7 +39,7 @@ from zpipe.log import get_logger
 from zpipe.models import USER_CODE_FAMILIES, ModelSpec, count_units, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec
 from zpipe.planner.hpp import plan_training
-from zpipe.planner.profile import ModelProfile
+from zpipe.planner.profile import ModelProfile, training_profile_sizes
 from zpipe.transport.codec import Message
 
 log = get_logger("zpipe.coordinator")
@@ -203,13 +203,7 @@ class JobRunner:
         cached = cache.get(spec, batch_size, dtype, member, train=train)
         if cached is not None:
             return cached
-        body = {
-            "model": spec.to_dict(),
-            "batch_size": batch_size,
-            "dtype": dtype,
-            "repeats": 3,
-            "train": train,
-        }
+        body = profile_request_body(member, spec, batch_size, dtype, train=train)
         reply = await self._request(
             member, Message("profile_request", body), "profile_reply", self.timeouts.assign_s
         )
@@ -221,6 +215,24 @@ class JobRunner:
             "stage_profiled", stage=member.name, forward_s=round(sum(profile.times(batch_size)), 4)
         )
         return profile
+
+
+def profile_request_body(
+    member: Member, spec: ModelSpec, batch_size: int, dtype: str, *, train: bool
+) -> dict[str, Any]:
+    """What ``member`` is asked to profile. A training profile covers 1, B/4, B/2 and B
+    (the planner splits micro-batches across data-parallel groups) for a stage that
+    reported its device at registration: an older stage would refuse the field."""
+    body: dict[str, Any] = {
+        "model": spec.to_dict(),
+        "batch_size": batch_size,
+        "dtype": dtype,
+        "repeats": 3,
+        "train": train,
+    }
+    if train and "device" in member.info:
+        body["batch_sizes"] = training_profile_sizes(batch_size)
+    return body
 
 
 def _count_units(spec: ModelSpec, declared: int | None) -> int:

@@ -1,8 +1,10 @@
 """From registered stages and profiles to a plan: the coordinator's planning step, pure.
 
-Each stage reports its memory budget and its outgoing link (declared or
-emulated) when it registers, and profiles the model on request (its own
-threads and slowdown included), so every device is planned from its own
+Each stage reports its memory budget (the smaller of the free memory it
+measured on its device and what its operator declared), its device kind
+(cpu, cuda, mps) and its outgoing link (declared or emulated) when it
+registers, and profiles the model on request (its own threads, slowdown and
+device included), so every device is planned from its own
 measured unit times. Links between stages are measured by the stages
 (``zpipe.coordinator.links``); a link that was not measured, and every hop to
 the client, is the sender's declared outgoing link: that is what a stage's
@@ -49,9 +51,17 @@ ALIKE_TOLERANCE = 0.2
 def _declared(member: Member) -> tuple[Any, ...]:
     info = member.info
     link = info.get("link") or {}
+    device = info.get("device")
+    if not isinstance(device, Mapping):  # an older stage reports none
+        device = {}
+    # A stage that reports its device separates declared from measured memory: free
+    # memory measured at two starts is never equal, declarations are.
+    memory = info.get("declared_memory_mb") if "device" in info else info.get("memory_mb")
     return (
         info.get("slowdown"),
-        info.get("memory_mb"),
+        memory,
+        str(device.get("type", "cpu")),
+        str(device.get("name", "cpu")),
         link.get("bandwidth_mbps"),
         link.get("latency_ms"),
         info.get("cores"),
@@ -85,6 +95,33 @@ def merge_alike_profiles(
     return merged
 
 
+def _memory_mb(member: Member) -> float | None:
+    value = member.info.get("memory_mb")
+    return float(value) if value else None
+
+
+def merge_alike_memory(members: Sequence[Member]) -> dict[str, float | None]:
+    """Each device's memory for the planner: devices that declare the same hardware and
+    measured nearly the same free memory (within :data:`ALIKE_TOLERANCE` of the
+    smallest of them) get the smallest, so that the planner sees them as one category,
+    on the safe side."""
+    merged = {m.name: _memory_mb(m) for m in members}
+    groups: dict[tuple[Any, ...], list[tuple[float, str]]] = {}
+    for member in members:
+        measured = merged[member.name]
+        if measured is not None:
+            groups.setdefault(_declared(member), []).append((measured, member.name))
+    for found in groups.values():
+        known = sorted(found)
+        while known:
+            low = known[0][0]
+            alike = [name for mb, name in known if mb <= low * (1 + ALIKE_TOLERANCE)]
+            for name in alike:
+                merged[name] = low
+            known = known[len(alike) :]
+    return merged
+
+
 def cluster_from_members(
     members: Sequence[Member],
     profiles: Mapping[str, ModelProfile] | None = None,
@@ -103,14 +140,15 @@ def cluster_from_members(
         profiles = merge_alike_profiles(members, profiles)
     devices = []
     planned: dict[tuple[str, str], ClusterLink] = {}
+    memory = merge_alike_memory(members)
     for member in members:
-        memory_mb = member.info.get("memory_mb")
+        memory_mb = memory[member.name]
         slowdown = float(member.info.get("slowdown") or 1.0)
         own = profiles.get(member.name) if profiles is not None else None
         devices.append(
             ClusterDevice(
                 name=member.name,
-                memory_bytes=int(float(memory_mb) * 2**20) if memory_mb else None,
+                memory_bytes=int(memory_mb * 2**20) if memory_mb else None,
                 speed=1.0 if own is not None else 1.0 / slowdown,
                 profile=own,
             )

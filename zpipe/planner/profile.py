@@ -13,7 +13,8 @@ File format (JSON)::
     {
       "format": "zpipe-profile/1",
       "model": {...ModelSpec.to_dict()...},
-      "device": {"name": "laptop", "threads": 4, "dtype": "float32", "torch": "2.13.0"},
+      "device": {"name": "laptop", "threads": 4, "dtype": "float32", "torch": "2.13.0",
+                 "kind": "cpu", "device": "cpu"},       # kind: cpu, cuda, mps (--device)
       "batch_sizes": [1, 2, 4, 8],
       "input_bytes": [b1, b2, b4, b8],             # the first unit's input per batch size
       "units": [
@@ -21,7 +22,7 @@ File format (JSON)::
          "param_bytes": 2359296,                    # weights and buffers
          "time_s": [t1, t2, t4, t8],                # median forward time per batch size
          "output_bytes": [o1, o2, o4, o8],          # what crosses to the next unit
-         "memory_bytes": [m1, m2, m4, m8],          # peak extra memory of a forward
+         "memory_bytes": [m1, m2, m4, m8],          # input + measured peak of a forward
          "backward_time_s": [g1, g2, g4, g8],       # optional (--train): median backward
          "activation_bytes": [s1, s2, s4, s8]},     # optional (--train): saved for backward
         ...
@@ -60,6 +61,15 @@ _NO_TRAINING = "profile has no training measurements; profile with --train"
 _PER_BATCH_KEYS: tuple[str, ...] = ("time_s", "output_bytes", "memory_bytes")
 _TRAINING_KEYS: tuple[str, ...] = ("backward_time_s", "activation_bytes")
 _TIME_KEYS = frozenset({"time_s", "backward_time_s"})
+
+
+def training_profile_sizes(microbatch_size: int) -> list[int]:
+    """The batch sizes a live training profile measures for micro-batches of ``B``:
+    1, B/4, B/2 and B. A stage of a data-parallel group computes a share of ``B``
+    (Asteroid's Algorithm 1), and time per sample falls with the batch size, so
+    the shares are read from this curve, not from a line through ``B`` alone."""
+    b = max(1, int(microbatch_size))
+    return sorted({1, max(1, b // 4), max(1, b // 2), b})
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,9 @@ class AssignFailed(WireMessage):
 
 @wire_message
 class ProfileRequest(WireMessage):
-    """``train``: also backward times and saved activation bytes."""
+    """``train``: also backward times and saved activation bytes. ``batch_sizes``: every
+    size to profile (``batch_size`` among them), sent only to stages that reported their
+    device at registration (they understand it); an older stage profiles ``batch_size``."""
 
     KIND: ClassVar[str] = "profile_request"
     model: dict[str, Any] = wire(MAP)
@@ -167,6 +169,7 @@ class ProfileRequest(WireMessage):
     dtype: str = wire(STR)
     repeats: int = wire(INT)
     train: bool | None = wire(BOOL, default=None)
+    batch_sizes: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -22,6 +22,7 @@ from zpipe.cli_common import (
     seconds,
     timeouts_from_args,
 )
+from zpipe.devices import DEVICE_CHOICES, resolve_device
 from zpipe.log import configure_logging, get_logger
 from zpipe.models.size import default_build_limit, set_peer_build_limit
 from zpipe.models.trust import (
@@ -108,7 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-mb",
         type=at_most(positive_float, MAX_MEMORY_MB, "a pebibyte"),
         default=None,
-        help="memory budget reported to the planner (default: not limited)",
+        help="memory budget (MiB) reported to the planner; the stage reports the smaller of "
+        "this and the free memory it measures on its device at start (default: the measured "
+        "free memory)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar=DEVICE_CHOICES,
+        help="where this stage computes: auto (CUDA if torch sees a GPU, else MPS, else the "
+        "CPU), cpu, cuda, cuda:N or mps; the wire always carries CPU tensors (default: auto)",
     )
     parser.add_argument(
         "--max-model-mb",
@@ -222,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             link=LinkSpec(args.bandwidth_mbps, args.latency_ms, args.loss, args.loss_seed),
             uplink=LinkSpec(args.uplink_mbps),
             memory_mb=args.memory_mb,
+            device=args.device,
             max_batch_rows=args.max_batch_rows,
             emulate_compute=emulate_compute,
             keys_dir=Path(args.keys) if args.keys else None,
@@ -234,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ),
         )
+        resolve_device(config.device)  # an unavailable device is refused now, by name
         # last: every other flag is checked without a name lookup
         check_resolvable(args.coordinator, flag="--coordinator")
     except ZpipeError as exc:

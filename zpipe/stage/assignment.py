@@ -113,10 +113,12 @@ class AssignmentBuilder:
         compute: ThreadPoolExecutor,
         slowdown: float,
         emulate_compute: ModelProfile | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self._compute = compute
         self._slowdown = slowdown
         self._emulate = emulate_compute  # build emulated shards from this profile
+        self._device = torch.device(device)  # where the shards compute (--device)
         # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.
         self._cached: tuple[ShardKey, Shard] | None = None
 
@@ -156,6 +158,7 @@ class AssignmentBuilder:
                     optimizer=dict(train["optimizer"]),
                     slowdown=self._slowdown,
                     state=resumed,
+                    device=self._device,
                 ),
             )
         elif self._cached is not None and reused:
@@ -190,4 +193,6 @@ class AssignmentBuilder:
             return EmulatedShard.build_emulated(
                 spec, start, end, self._emulate, dtype=dtype, slowdown=self._slowdown
             )
-        return Shard.build(spec, start, end, dtype=dtype, slowdown=self._slowdown)
+        return Shard.build(
+            spec, start, end, dtype=dtype, slowdown=self._slowdown, device=self._device
+        )

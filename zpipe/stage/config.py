@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+
+import torch
 
 from zpipe._errors import ConfigError
 from zpipe.config import Timeouts
+from zpipe.devices import check_device_text, resolve_device
 from zpipe.planner.profile import ModelProfile
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions
@@ -29,7 +33,11 @@ class StageConfig:
     link: LinkSpec = field(default_factory=LinkSpec)
     # the emulated uplink to the coordinator (control and bulk state share it)
     uplink: LinkSpec = field(default_factory=LinkSpec)
+    # the memory budget the operator declared (--memory-mb); the stage reports the
+    # smaller of it and the free memory it measures on its device
     memory_mb: float | None = None
+    # where the shard computes (--device): auto, cpu, cuda[:N], mps
+    device: str = "auto"
     # rows of one data message the data port accepts (see zpipe.stage.ports.data_port_limits)
     max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS
     keys_dir: Path | None = None
@@ -48,6 +56,12 @@ class StageConfig:
             raise ConfigError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        check_device_text(self.device)
+
+    @cached_property
+    def resolved_device(self) -> torch.device:
+        """The torch device ``device`` names here (``auto``: CUDA, else MPS, else CPU)."""
+        return resolve_device(self.device)
 
     @property
     def probe_endpoint_to_bind(self) -> str:

@@ -69,7 +69,10 @@ class DataPlane:
         self._supervisor = supervisor
         self._fetch_state = fetch_state
         self._builder = AssignmentBuilder(
-            compute=compute, slowdown=config.slowdown, emulate_compute=config.emulate_compute
+            compute=compute,
+            slowdown=config.slowdown,
+            emulate_compute=config.emulate_compute,
+            device=config.resolved_device,
         )
         self._pending: Assignment | None = None  # built, waiting for "connect"
         self._downstream: zmq.asyncio.Socket | None = None  # inference assignments

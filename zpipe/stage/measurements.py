@@ -8,12 +8,15 @@ reply body for the coordinator; a failure is reported in the reply's
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 import zmq
 import zmq.asyncio
 
+from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.profiler import profile_model
@@ -27,26 +30,55 @@ from zpipe.transport.sockets import SocketOptions
 log = get_logger("zpipe.stage")
 
 
+# The most batch sizes one request may ask for, and the largest: a profile request
+# makes this device compute, so a malformed one must not make it compute for hours.
+MAX_PROFILED_SIZES = 16
+MAX_PROFILED_BATCH = 2**20
+
+
+def requested_batch_sizes(body: Mapping[str, Any]) -> list[int]:
+    """The batch sizes a ``profile_request`` asks for: its ``batch_sizes`` (several, so
+    training planners see how time grows with the batch), else its one ``batch_size``."""
+    sizes = body.get("batch_sizes") or [body["batch_size"]]
+    if len(sizes) > MAX_PROFILED_SIZES or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_PROFILED_BATCH
+        for b in sizes
+    ):
+        raise ProtocolError(
+            f"profile_request: batch sizes must be at most {MAX_PROFILED_SIZES} integers in "
+            f"1..{MAX_PROFILED_BATCH}, got {sizes[: MAX_PROFILED_SIZES + 1]!r}"
+        )
+    return sorted(set(sizes))
+
+
 async def profile_reply(
-    message: Message, *, name: str, slowdown: float, compute: ThreadPoolExecutor
+    message: Message,
+    *,
+    name: str,
+    slowdown: float,
+    compute: ThreadPoolExecutor,
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """Profile the requested model on this device (its threads, its slowdown)."""
+    """Profile the requested model on this device (its threads, its slowdown, its
+    ``--device``)."""
     body = message.body
     reply: dict[str, Any] = {"name": name, "profile": None, "error": ""}
     try:
         spec = ModelSpec.from_dict(body["model"])
+        sizes = requested_batch_sizes(body)
         loop = asyncio.get_running_loop()
         profile = await loop.run_in_executor(
             compute,
             lambda: profile_model(
                 spec,
-                batch_sizes=[int(body["batch_size"])],
+                batch_sizes=sizes,
                 dtype=str(body["dtype"]),
                 warmup=1,
                 repeats=max(1, int(body["repeats"])),
                 slowdown=slowdown,
                 device_name=name,
                 train=bool(body.get("train", False)),
+                device=device,
             ),
         )
         reply["profile"] = profile.to_dict()
@@ -54,7 +86,8 @@ async def profile_reply(
             "profiled",
             stage=name,
             units=profile.num_units,
-            forward_s=round(sum(profile.times(int(body["batch_size"]))), 4),
+            batch_sizes=sizes,
+            forward_s=[round(sum(profile.times(b)), 4) for b in sizes],
         )
     except Exception as exc:  # reported to the coordinator, which plans without us
         reply["error"] = describe_error(exc)

@@ -37,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.config import StageConfig
@@ -167,12 +168,19 @@ class StageRuntime:
         )
 
     def _info(self) -> dict[str, Any]:
+        device = self.config.resolved_device
+        # Measured once, at start: what the planner's memory limit protects.
+        free = free_memory_bytes(device)
         return {
             "pid": os.getpid(),
             "cores": os.cpu_count() or 1,
             "threads": torch.get_num_threads(),
             "slowdown": self.config.slowdown,
-            "memory_mb": self.config.memory_mb,
+            "memory_mb": usable_memory_mb(free, self.config.memory_mb),
+            # what the operator declared, apart from the measured memory above: devices
+            # that declare alike are planned alike (zpipe.coordinator.planning)
+            "declared_memory_mb": self.config.memory_mb,
+            "device": describe_device(device, free_bytes=free),
             "link": self.config.link.to_dict(),
             "probe_endpoint": self.probe_endpoint,
             "torch": torch.__version__,
@@ -474,7 +482,11 @@ class StageRuntime:
             await self._send_control("profile_reply", reply)
         elif job is Job.PROFILE:
             reply = await profile_reply(
-                message, name=name, slowdown=self.config.slowdown, compute=self._compute
+                message,
+                name=name,
+                slowdown=self.config.slowdown,
+                compute=self._compute,
+                device=self.config.resolved_device,
             )
             await self._send_control("profile_reply", reply)
         elif job is Job.LINK_PROBE:

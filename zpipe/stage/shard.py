@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from zpipe._errors import ConfigError
+from zpipe.devices import BoundaryMover
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
@@ -25,11 +26,13 @@ class Shard:
         *,
         dtype: str = "float32",
         slowdown: float = 1.0,
-        device: str = "cpu",
+        device: torch.device | str = "cpu",
     ) -> None:
         if dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {dtype!r}")
         self.device = torch.device(device)
+        # the wire carries CPU tensors: moved on and off the device at the shard's edges
+        self.mover = BoundaryMover(self.device)
         self.units = [u.to(self.device).eval() for u in units]
         self.dtype = dtype
         self.slowdown = slowdown
@@ -43,7 +46,7 @@ class Shard:
         *,
         dtype: str = "float32",
         slowdown: float = 1.0,
-        device: str = "cpu",
+        device: torch.device | str = "cpu",
     ) -> Shard:
         sequence = load_layer_sequence(spec)
         if not 0 <= start < end <= sequence.num_units:
@@ -63,11 +66,9 @@ class Shard:
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], float]:
         """Outputs of this shard for one micro-batch, and the compute seconds it took."""
         started, cpu_started = time.perf_counter(), time.thread_time()
-        moved = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+        moved = self.mover.to_device(inputs)
         with torch.inference_mode(), self._autocast():
-            outputs = run_units(self.units, moved)
-        if self.device.type != "cpu":
-            outputs = tuple(t.to("cpu") for t in outputs)
+            outputs = self.mover.to_host(run_units(self.units, moved))
         elapsed = time.perf_counter() - started
         took = emulate_slowdown(
             self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)

@@ -3,6 +3,12 @@
 Runs in the stage's compute thread, never on the event loop. Each forward
 keeps its autograd graph (the activation) until that micro-batch's backward,
 so the number of live activations is what a schedule's warm-up bounds.
+
+On an accelerator (``--device``) activations, labels and gradients cross the
+shard's edges as CPU tensors (:class:`zpipe.devices.BoundaryMover`); weights,
+optimizer state and saved activations stay on the device. What leaves the
+process (all-reduce, snapshots, replicas) is a host copy, written back after
+an all-reduce (:meth:`TrainShard.keep_reduced`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 import torch
 
 from zpipe._errors import ConfigError, PipelineError
+from zpipe.devices import BoundaryMover
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.models.weights import unit_key
 from zpipe.training.objectives import check_loss, make_optimizer, microbatch_loss
@@ -34,8 +41,11 @@ class TrainShard:
         loss: str,
         optimizer: Mapping[str, Any],
         slowdown: float = 1.0,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.units = [u.train() for u in units]
+        self.device = torch.device(device)
+        self.mover = BoundaryMover(self.device)
+        self.units = [u.to(self.device).train() for u in units]
         self.start = start
         self.first = first
         self.last = last
@@ -64,6 +74,7 @@ class TrainShard:
         optimizer: Mapping[str, Any],
         slowdown: float = 1.0,
         state: Mapping[str, torch.Tensor] | None = None,
+        device: torch.device | str = "cpu",
     ) -> TrainShard:
         """Units ``[start, end)`` of ``spec``; ``state`` (from :meth:`training_state`)
         replaces their initial weights and optimizer state."""
@@ -81,10 +92,18 @@ class TrainShard:
             loss=loss,
             optimizer=optimizer,
             slowdown=slowdown,
+            device=device,
         )
         if state is not None:
             shard.load_training_state(state)
         return shard
+
+    def _weight_storages(self) -> set[int]:
+        return {
+            t.untyped_storage().data_ptr()
+            for unit in self.units
+            for t in (*unit.parameters(), *unit.buffers())
+        }
 
     @property
     def live_activations(self) -> int:
@@ -112,14 +131,18 @@ class TrainShard:
             raise PipelineError(f"micro-batch {mb} was forwarded twice")
         started, cpu_started = time.perf_counter(), time.thread_time()
         leaves = tuple(
-            t.detach().requires_grad_(not self.first and t.is_floating_point()) for t in inputs
+            t.detach().requires_grad_(not self.first and t.is_floating_point())
+            for t in self.mover.to_device(inputs)
         )
         storages: dict[int, int] = {}
+        weights = self._weight_storages()
 
         def remember(t: torch.Tensor) -> torch.Tensor:
-            # One count per storage: views of one tensor share it.
+            # One count per storage: views of one tensor share it. Weights a layer saves
+            # (a Linear its weight) are not activations: they stay whatever is in flight.
             storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in weights:
+                storages[storage.data_ptr()] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(remember, lambda t: t):
@@ -128,13 +151,14 @@ class TrainShard:
         if self.last:
             if target is None:
                 raise PipelineError(f"micro-batch {mb} reached the last stage without labels")
-            loss = microbatch_loss(self.loss, outputs[0], target, minibatch_samples)
+            (on_device,) = self.mover.to_device((target,))
+            loss = microbatch_loss(self.loss, outputs[0], on_device, minibatch_samples)
             loss_value = float(loss.detach())
             self._saved[mb] = (leaves, (loss,))
             sent: tuple[torch.Tensor, ...] = ()
         else:
             self._saved[mb] = (leaves, outputs)
-            sent = tuple(t.detach() for t in outputs)
+            sent = self.mover.to_host(tuple(t.detach() for t in outputs))
         self._saved_bytes[mb] = sum(storages.values())
         self.live_activation_bytes += self._saved_bytes[mb]
         self.peak_live = max(self.peak_live, len(self._saved))
@@ -154,12 +178,15 @@ class TrainShard:
         if self.last:
             torch.autograd.backward(roots[0])
         else:
-            pairs = [(r, g) for r, g in zip(roots, grad_outputs, strict=True) if r.requires_grad]
+            grads_in = self.mover.to_device(grad_outputs)
+            pairs = [(r, g) for r, g in zip(roots, grads_in, strict=True) if r.requires_grad]
             if pairs:
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         grads: tuple[torch.Tensor, ...] = ()
         if not self.first:
-            grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
+            grads = self.mover.to_host(
+                tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
+            )
         return grads, self._timed(started, cpu_started)
 
     def step(self) -> float:
@@ -176,7 +203,10 @@ class TrainShard:
 
     def all_gradients(self) -> list[torch.Tensor]:
         """Every trainable parameter's gradient, zeros where none accumulated (a device
-        that computed no rows), so every member of a group reduces the same list."""
+        that computed no rows), so every member of a group reduces the same list.
+
+        On the CPU the gradients themselves (reduced in place); on an accelerator host
+        copies, which :meth:`keep_reduced` writes back."""
         grads = []
         for unit in self.units:
             for p in unit.parameters():
@@ -185,17 +215,35 @@ class TrainShard:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-        return grads
+        return list(self.mover.to_host(grads))
+
+    def _device_float_buffers(self) -> list[torch.Tensor]:
+        return [b for u in self.units for b in u.buffers() if b.is_floating_point()]
 
     def float_buffers(self) -> list[torch.Tensor]:
         """Floating-point buffers (BatchNorm's running statistics): what replicas of a
-        data-parallel group update from different rows and must average."""
-        return [b for u in self.units for b in u.buffers() if b.is_floating_point()]
+        data-parallel group update from different rows and must average (host copies
+        on an accelerator, as :meth:`all_gradients`)."""
+        return list(self.mover.to_host(self._device_float_buffers()))
+
+    def keep_reduced(self, grads: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        """Write the all-reduced host copies back onto the device (nothing to do on the
+        CPU, where they were reduced in place)."""
+        if self.mover.is_host:
+            return
+        targets = [p.grad for u in self.units for p in u.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for target, value in zip(
+                [*targets, *self._device_float_buffers()], [*grads, *buffers], strict=True
+            ):
+                assert target is not None  # all_gradients made every gradient
+                target.copy_(value)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's weights under the full model's keys ("units.<index>.<name>")."""
+        """This stage's weights under the full model's keys ("units.<index>.<name>"), on
+        the host."""
         return {
-            unit_key(self.start + offset, name): tensor.detach().clone()
+            unit_key(self.start + offset, name): tensor.detach().to("cpu", copy=True)
             for offset, unit in enumerate(self.units)
             for name, tensor in unit.state_dict().items()
         }
@@ -220,7 +268,7 @@ class TrainShard:
         for key, param in self._named_parameters().items():
             for name, value in self.optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    state[f"{key}{OPTIMIZER_KEY}{name}"] = value.detach().clone()
+                    state[f"{key}{OPTIMIZER_KEY}{name}"] = value.detach().to("cpu", copy=True)
                 elif isinstance(value, (int, float)):
                     state[f"{key}{OPTIMIZER_KEY}{name}"] = torch.tensor(
                         float(value), dtype=torch.float64
@@ -259,4 +307,8 @@ class TrainShard:
                 raise ConfigError(f"optimizer state {key!r} belongs to no parameter here")
             entry = self.optimizer.state[param]
             # Adam keeps its step as a float tensor; a number stays a number.
-            entry[name] = value.clone() if value.dim() > 0 or name == "step" else float(value)
+            # Adam's step stays on the host, as torch keeps it; moments go to the device.
+            if value.dim() > 0:
+                entry[name] = value.to(param.device, copy=True)
+            else:
+                entry[name] = value.clone() if name == "step" else float(value)

@@ -235,12 +235,14 @@ class TrainingExecutor:
         started = time.perf_counter()
         grads = await self._in_thread(self.shard.all_gradients)
         await self._reducer.allreduce_(grads, op="sum", round_id=2 * step)
-        buffers = self.shard.float_buffers()
+        buffers = await self._in_thread(self.shard.float_buffers)
         if buffers:
             weight = self._round_rows / self._round_total if self._round_total else 0.0
             for buffer in buffers:
                 buffer.mul_(weight)
             await self._reducer.allreduce_(buffers, op="sum", round_id=2 * step + 1)
+        # on an accelerator the reduced host copies go back onto the device
+        await self._in_thread(self.shard.keep_reduced, grads, buffers)
         self.counters.allreduce_s += time.perf_counter() - started
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
