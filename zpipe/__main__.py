@@ -41,6 +41,10 @@ COMMANDS: dict[str, Command] = {
     "lossy": Command(
         "zpipe.lossy.experiment", "EdgePipe lossy-link training experiments (JSON and plots)"
     ),
+    "import": Command(
+        "zpipe.models.importers",
+        "convert a timm or Hugging Face ViT / BERT checkpoint into zpipe's weights layout",
+    ),
 }
 
 

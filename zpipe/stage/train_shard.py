@@ -15,12 +15,11 @@ import torch
 
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
-from zpipe.models.weights import unit_key
+from zpipe.models.weights import OPTIMIZER_KEY, unit_key
 from zpipe.training.objectives import check_loss, make_optimizer, microbatch_loss
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
-# Separates a parameter's key from the name of one of its optimizer state tensors.
-OPTIMIZER_KEY = "#opt."
+__all__ = ["OPTIMIZER_KEY", "TrainShard"]
 
 
 class TrainShard:
