@@ -94,6 +94,9 @@ def training_request(
             "optimizer": dict(options.optimizer),
             "warmups": list(options.warmups) if options.warmups is not None else None,
             "plan": plan.to_dict() if plan is not None else None,
+            "lr_schedule": dict(options.lr_schedule) if options.lr_schedule else None,
+            "start_step": options.start_step,
+            "resume_optimizer": options.resume_optimizer,
         },
     }
 
@@ -169,6 +172,11 @@ class _Training:
             session = RunSession(
                 self.connection, what="training", stall_deadline=self.options.stall_deadline
             )
+            # the learning-rate schedule goes on from this attempt's first mini-batch
+            self.request["train"] = {
+                **self.request["train"],
+                "start_step": self.options.start_step + self.source.kept_from,
+            }
             ready = await session.request_run(
                 self.request,
                 wait_for_stages_s=self.options.wait_for_stages_s,
@@ -217,7 +225,7 @@ class _Training:
         if end.stage_failure is not None or end.rebalance_to is not None:
             return end
         try:
-            await run.gather_weights()
+            await run.gather_weights(optimizer=self.options.optimizer_state)
         except PipelineError:
             # A stage that dies after the last mini-batch fails the gather; with
             # recover, the run resumes from its replica as for any other death.
@@ -301,4 +309,5 @@ class _Training:
         report.recoveries = self.recoveries
         report.rebalances = self.rebalances
         report.replicas = list(self.source.replicas)
+        report.start_step = self.options.start_step
         return report

@@ -392,6 +392,7 @@ def read_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor], dict[s
         path = found[0]
     if not path.is_file():
         raise ModelSpecError(f"checkpoint {path} does not exist")
+    state: Any
     if path.suffix in SAFETENSORS_SUFFIXES:
         from safetensors.torch import load_file
 

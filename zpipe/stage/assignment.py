@@ -145,6 +145,9 @@ class AssignmentBuilder:
                     optimizer=dict(train["optimizer"]),
                     slowdown=self._slowdown,
                     state=resumed,
+                    lr_schedule=train.get("lr_schedule"),
+                    start_step=int(train.get("start_step") or 0),
+                    resume_optimizer=bool(train.get("resume_optimizer")),
                 ),
             )
         elif self._cached is not None and reused:

@@ -3,6 +3,10 @@
 Runs in the stage's compute thread, never on the event loop. Each forward
 keeps its autograd graph (the activation) until that micro-batch's backward,
 so the number of live activations is what a schedule's warm-up bounds.
+
+A learning-rate schedule scales the optimizer's initial rates by the factor of
+the mini-batch about to step (``start_step`` counts those trained before this
+shard was built: a resumed run goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import torch
 
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
-from zpipe.models.weights import OPTIMIZER_KEY, unit_key
-from zpipe.training.objectives import check_loss, make_optimizer, microbatch_loss
+from zpipe.models.trust import FactoryPolicy, factory_policy
+from zpipe.models.weights import OPTIMIZER_KEY, read_matching, unit_key
+from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
+from zpipe.training.objectives import check_loss, make_loss, make_optimizer
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
 __all__ = ["OPTIMIZER_KEY", "TrainShard"]
@@ -33,15 +39,29 @@ class TrainShard:
         loss: str,
         optimizer: Mapping[str, Any],
         slowdown: float = 1.0,
+        lr_schedule: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+        policy: FactoryPolicy | None = None,
     ) -> None:
+        """``policy``: which loss and optimizer callables may load (None: any, the
+        caller's own choice; a stage passes its peer allow-list)."""
         self.units = [u.train() for u in units]
         self.start = start
         self.first = first
         self.last = last
         self.loss = check_loss(loss)
+        self._loss_fn = make_loss(loss, policy=policy)
         self.slowdown = slowdown
         params = [p for u in self.units for p in u.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(optimizer, params) if params else None
+        self.optimizer = make_optimizer(optimizer, params, policy=policy) if params else None
+        self.lr_schedule = check_lr_schedule(lr_schedule)
+        self._initial_lrs = (
+            [float(group.get("lr", 0.0)) for group in self.optimizer.param_groups]
+            if self.optimizer is not None
+            else []
+        )
+        # the mini-batch the next step() applies, counted over the whole training
+        self.next_step = start_step
         # micro-batch -> (inputs that need a gradient, outputs or the loss)
         self._saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self._saved_bytes: dict[int, int] = {}
@@ -63,9 +83,14 @@ class TrainShard:
         optimizer: Mapping[str, Any],
         slowdown: float = 1.0,
         state: Mapping[str, torch.Tensor] | None = None,
+        lr_schedule: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+        resume_optimizer: bool = False,
     ) -> TrainShard:
         """Units ``[start, end)`` of ``spec``; ``state`` (from :meth:`training_state`)
-        replaces their initial weights and optimizer state."""
+        replaces their initial weights and optimizer state. Without it,
+        ``resume_optimizer`` reads these units' optimizer state from the spec's
+        weights file (a checkpoint saved with it), and only theirs."""
         sequence = load_layer_sequence(spec)
         if not 0 <= start < end <= sequence.num_units:
             raise ConfigError(
@@ -80,9 +105,26 @@ class TrainShard:
             loss=loss,
             optimizer=optimizer,
             slowdown=slowdown,
+            lr_schedule=lr_schedule,
+            start_step=start_step,
+            policy=factory_policy(from_peer=spec.from_peer),
         )
         if state is not None:
             shard.load_training_state(state)
+        elif resume_optimizer:
+            if spec.weights is None:
+                raise ConfigError("resuming the optimizer needs a weights file in the spec")
+            owners = set(shard._named_parameters())
+            saved = read_matching(
+                spec.weights,
+                lambda key: OPTIMIZER_KEY in key and key.partition(OPTIMIZER_KEY)[0] in owners,
+            )
+            if not saved and shard.optimizer is not None:
+                raise ConfigError(
+                    f"the checkpoint {spec.weights} holds no optimizer state for units "
+                    f"[{start}, {end}); save it with optimizer_state=True"
+                )
+            shard.load_optimizer_state(saved)
         return shard
 
     @property
@@ -127,7 +169,7 @@ class TrainShard:
         if self.last:
             if target is None:
                 raise PipelineError(f"micro-batch {mb} reached the last stage without labels")
-            loss = microbatch_loss(self.loss, outputs[0], target, minibatch_samples)
+            loss = self._loss_fn(outputs[0], target, minibatch_samples)
             loss_value = float(loss.detach())
             self._saved[mb] = (leaves, (loss,))
             sent: tuple[torch.Tensor, ...] = ()
@@ -169,8 +211,15 @@ class TrainShard:
             )
         started, cpu_started = time.perf_counter(), time.thread_time()
         if self.optimizer is not None:
+            if self.lr_schedule is not None:
+                factor = lr_factor(self.lr_schedule, self.next_step)
+                for group, initial in zip(
+                    self.optimizer.param_groups, self._initial_lrs, strict=True
+                ):
+                    group["lr"] = initial * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.next_step += 1
         return self._timed(started, cpu_started)
 
     def all_gradients(self) -> list[torch.Tensor]:
@@ -248,6 +297,10 @@ class TrainShard:
                 unit.load_state_dict(
                     {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
                 )
+        self.load_optimizer_state(state)
+
+    def load_optimizer_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore the ``"<parameter key>#opt.<name>"`` entries of ``state``."""
         params = self._named_parameters()
         for key, value in state.items():
             if OPTIMIZER_KEY not in key:
