@@ -87,7 +87,11 @@ class LocalCluster:
         start_timeout_s: float = 60.0,
         measure_links: bool = True,
         state_dir: Path | None = None,
+        allow_factories: Sequence[str] = (),
     ) -> None:
+        """``allow_factories``: user code (model factories, loss and optimizer
+        callables, "package.module:function" or "package.module:*") that the
+        processes may import and run for a run's request (``--allow-factory``)."""
         if isinstance(devices, int):
             if devices < 1:
                 raise ConfigError(f"a cluster needs at least one device, got {devices}")
@@ -112,6 +116,7 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.measure_links = measure_links
         self.state_dir = state_dir
+        self.allow_factories = tuple(allow_factories)
         self._coordinator_args: list[str] = []
         self.coordinator_endpoint = ""
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -157,6 +162,8 @@ class LocalCluster:
         ]
         if self.keys_dir is not None:
             flags += ["--keys", str(self.keys_dir)]
+        for pattern in self.allow_factories:
+            flags += ["--allow-factory", pattern]
         return flags
 
     def start(self) -> None:

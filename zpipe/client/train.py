@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
-from zpipe._errors import PipelineError, StageFailedError
+from zpipe._errors import ConfigError, PipelineError, StageFailedError
 from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
 from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
@@ -101,6 +101,24 @@ def training_request(
     }
 
 
+def check_traced_microbatches(
+    model: ModelSpec, batch_size: int | None, num_microbatches: int
+) -> None:
+    """A traced model's units take only the micro-batch size of the trace: refuse,
+    before anything starts, mini-batches that do not split into exactly that."""
+    if model.family != "traced" or batch_size is None:
+        return
+    traced = model.config.get("microbatch_size")
+    if isinstance(traced, int) and batch_size != traced * num_microbatches:
+        raise ConfigError(
+            f"the traced model was traced at micro-batches of {traced} samples, but "
+            f"mini-batches of {batch_size} split into {num_microbatches} micro-batches "
+            f"are not that: use mini-batches of {traced * num_microbatches} samples, or "
+            f"set the spec's microbatch_size to {batch_size // num_microbatches or 1} "
+            "(and divide evenly)"
+        )
+
+
 def resume_request(
     request: dict[str, Any],
     survivors: list[str],
@@ -157,6 +175,7 @@ class _Training:
         size = first_batch_size(batches)
         if microbatch_size is None and size is not None:
             microbatch_size = -(-size // options.num_microbatches)
+        check_traced_microbatches(model, size, options.num_microbatches)
         self.request = training_request(model, options, microbatch_size, connection.sink_endpoint)
         self.plan = options.plan
         self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
