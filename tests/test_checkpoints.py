@@ -313,7 +313,5 @@ def test_fit_saves_optimizer_state_and_a_resumed_fit_continues_identically(
     checkpoint = tmp_path / "half.safetensors"
     first.save(checkpoint)
     resumed_spec = ModelSpec(MLP.family, dict(MLP.config), seed=MLP.seed, weights=str(checkpoint))
-    second = cluster.fit(
-        resumed_spec, batches[3:], resume_optimizer=True, start_step=3, **common
-    )
+    second = cluster.fit(resumed_spec, batches[3:], resume_optimizer=True, start_step=3, **common)
     assert_same_weights(second.state_dict, want)

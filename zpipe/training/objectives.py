@@ -204,7 +204,11 @@ def make_optimizer(
     params = list(params)
     name = str(checked["name"])
     if is_factory_name(name):
-        optimizer = _resolve(name, policy, "optimizer")(params, **kwargs)
+        function = _resolve(name, policy, "optimizer")
+        try:
+            optimizer = function(params, **kwargs)
+        except Exception as exc:  # user code fails with whatever it raises
+            raise ConfigError(f"optimizer {name!r} raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer {name!r} returned {type(optimizer).__name__}, "
