@@ -315,3 +315,20 @@ def test_fit_saves_optimizer_state_and_a_resumed_fit_continues_identically(
     resumed_spec = ModelSpec(MLP.family, dict(MLP.config), seed=MLP.seed, weights=str(checkpoint))
     second = cluster.fit(resumed_spec, batches[3:], resume_optimizer=True, start_step=3, **common)
     assert_same_weights(second.state_dict, want)
+
+
+def test_an_imported_bert_runs_through_a_pipeline_with_its_mask(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    torch.manual_seed(5)
+    hf = transformers.BertForSequenceClassification(bert_config(num_labels=2)).eval()
+    imported = import_checkpoint("hf-bert", hf.state_dict(), config=hf.config.to_dict())
+    path = tmp_path / "bert.safetensors"
+    weights_module.write_state(imported.state, path)
+    spec = imported.spec(weights=str(path))
+    inputs = load_layer_sequence(spec).example_input(3, seed=6)
+    # the mask and the token types cross both stage boundaries as integer tensors
+    outputs, _ = cluster.infer(spec, [inputs], partition=[[0, 3], [3, 7], [7, 10]])
+    with torch.no_grad():
+        want = hf(input_ids=inputs[0], attention_mask=inputs[1], token_type_ids=inputs[2]).logits
+    assert max_difference(outputs[0][0], want) <= 1e-5
