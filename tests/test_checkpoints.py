@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from zpipe._errors import ModelSpecError
+from zpipe._errors import ConfigError, ModelSpecError
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence, run_units
 from zpipe.models import weights as weights_module
@@ -332,3 +332,39 @@ def test_an_imported_bert_runs_through_a_pipeline_with_its_mask(
     with torch.no_grad():
         want = hf(input_ids=inputs[0], attention_mask=inputs[1], token_type_ids=inputs[2]).logits
     assert max_difference(outputs[0][0], want) <= 1e-5
+
+
+def test_resuming_from_weights_without_optimizer_state_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "weights_only.safetensors"
+    weights_module.save_weights(build_full_model(MLP), path)
+    spec = ModelSpec(MLP.family, dict(MLP.config), seed=MLP.seed, weights=str(path))
+    with pytest.raises(ConfigError, match="optimizer_state=True"):
+        train_shard(spec, [], resume=True)
+
+
+def test_post_ln_bert_trains_split_like_whole_with_its_integer_mask() -> None:
+    spec = ModelSpec.preset("bert-post-tiny", seed=1)
+    sequence = load_layer_sequence(spec)
+    ids, mask, types = sequence.example_input(4, seed=2)
+    labels = torch.randint(0, 2, (4,), generator=torch.Generator().manual_seed(0))
+    sgd = {"name": "sgd", "lr": 0.1}
+
+    def shard(start: int, end: int) -> TrainShard:
+        return TrainShard(
+            sequence.build_units(start, end), start=start, first=start == 0,
+            last=end == sequence.num_units, loss="cross_entropy", optimizer=sgd,
+        )  # fmt: skip
+
+    first, second = shard(0, 5), shard(5, sequence.num_units)
+    hidden, _, _ = first.forward(0, (ids, mask, types))
+    assert hidden[-1].dtype == torch.int64  # the mask rides along, needing no gradient
+    second.forward(0, hidden, labels, 4)
+    grads, _ = second.backward(0)
+    first.backward(0, grads)
+    first.step()
+    second.step()
+    model = build_full_model(spec).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.nn.functional.cross_entropy(model(ids, mask, types)[0], labels).backward()
+    optimizer.step()
+    assert_same_weights({**first.state_dict(), **second.state_dict()}, model.state_dict())

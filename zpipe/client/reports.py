@@ -57,6 +57,8 @@ class TrainReport:
     rebalances: list[dict[str, Any]] = field(default_factory=list)
     # mini-batches trained before this run (a resumed run's start_step)
     start_step: int = 0
+    # whether state_dict holds the optimizer's state (fit's optimizer_state=True)
+    with_optimizer_state: bool = False
 
     @property
     def steps(self) -> int:
@@ -83,8 +85,8 @@ class TrainReport:
         with the optimizer's state, when gathered, and the mini-batches trained so far,
         a checkpoint that a run resumes from (``resume_optimizer``, ``start_step``)."""
         state = dict(self.model().state_dict())
-        optimizer = self.optimizer_state
-        if optimizer:
-            state.update(optimizer)
+        if self.with_optimizer_state:
+            # (plain SGD keeps no state: the step count still marks a checkpoint)
+            state.update(self.optimizer_state)
             state[STEPS_KEY] = torch.tensor(self.start_step + self.steps, dtype=torch.int64)
         write_state(state, path)

@@ -329,4 +329,5 @@ class _Training:
         report.rebalances = self.rebalances
         report.replicas = list(self.source.replicas)
         report.start_step = self.options.start_step
+        report.with_optimizer_state = self.options.optimizer_state
         return report

@@ -20,7 +20,7 @@ import torch
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.models.trust import FactoryPolicy, factory_policy
-from zpipe.models.weights import OPTIMIZER_KEY, read_matching, unit_key
+from zpipe.models.weights import OPTIMIZER_KEY, STEPS_KEY, read_matching, unit_key
 from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
 from zpipe.training.objectives import check_loss, make_loss, make_optimizer
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
@@ -117,13 +117,19 @@ class TrainShard:
             owners = set(shard._named_parameters())
             saved = read_matching(
                 spec.weights,
-                lambda key: OPTIMIZER_KEY in key and key.partition(OPTIMIZER_KEY)[0] in owners,
+                lambda key: (
+                    key == STEPS_KEY
+                    or (OPTIMIZER_KEY in key and key.partition(OPTIMIZER_KEY)[0] in owners)
+                ),
             )
-            if not saved and shard.optimizer is not None:
+            # a checkpoint always has its step count; an optimizer may keep no state
+            if STEPS_KEY not in saved:
                 raise ConfigError(
-                    f"the checkpoint {spec.weights} holds no optimizer state for units "
-                    f"[{start}, {end}); save it with optimizer_state=True"
+                    f"{spec.weights} is not a checkpoint with optimizer state (no step "
+                    "count): save one with fit(..., optimizer_state=True) and "
+                    "TrainReport.save, or train from its weights without resume_optimizer"
                 )
+            del saved[STEPS_KEY]
             shard.load_optimizer_state(saved)
         return shard
 
