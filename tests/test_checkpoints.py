@@ -18,11 +18,11 @@ from torch import nn
 
 from zpipe._errors import ConfigError, ModelSpecError
 from zpipe.cluster import LocalCluster
+from zpipe.import_cli import main as import_main
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence, run_units
 from zpipe.models import weights as weights_module
 from zpipe.models.examples import tiny_residual, tiny_sequential
 from zpipe.models.importers import import_checkpoint
-from zpipe.models.importers import main as import_main
 from zpipe.models.weights import STEPS_KEY, unit_key
 from zpipe.stage.train_shard import TrainShard
 

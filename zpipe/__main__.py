@@ -42,7 +42,7 @@ COMMANDS: dict[str, Command] = {
         "zpipe.lossy.experiment", "EdgePipe lossy-link training experiments (JSON and plots)"
     ),
     "import": Command(
-        "zpipe.models.importers",
+        "zpipe.import_cli",
         "convert a timm or Hugging Face ViT / BERT checkpoint into zpipe's weights layout",
     ),
 }
