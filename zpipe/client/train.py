@@ -70,6 +70,21 @@ def training_request(
     """The body of the ``run_request`` that starts a training run."""
     names = list(options.stage_names) if options.stage_names is not None else None
     plan = options.plan
+    train: dict[str, Any] = {
+        "schedule": options.schedule,
+        "num_microbatches": options.num_microbatches,
+        "loss": options.loss,
+        "optimizer": dict(options.optimizer),
+        "warmups": list(options.warmups) if options.warmups is not None else None,
+        "plan": plan.to_dict() if plan is not None else None,
+    }
+    # Only when used: a coordinator that predates them refuses unknown settings.
+    if options.lr_schedule is not None:
+        train["lr_schedule"] = dict(options.lr_schedule)
+    if options.start_step:
+        train["start_step"] = options.start_step
+    if options.resume_optimizer:
+        train["resume_optimizer"] = True
     return {
         **model_fields(model),
         "partition": (
@@ -87,17 +102,7 @@ def training_request(
         "replication": options.replication,
         # at a replica, devices of these that register (again) may join the plan
         "admit": names,
-        "train": {
-            "schedule": options.schedule,
-            "num_microbatches": options.num_microbatches,
-            "loss": options.loss,
-            "optimizer": dict(options.optimizer),
-            "warmups": list(options.warmups) if options.warmups is not None else None,
-            "plan": plan.to_dict() if plan is not None else None,
-            "lr_schedule": dict(options.lr_schedule) if options.lr_schedule else None,
-            "start_step": options.start_step,
-            "resume_optimizer": options.resume_optimizer,
-        },
+        "train": train,
     }
 
 
@@ -192,10 +197,9 @@ class _Training:
                 self.connection, what="training", stall_deadline=self.options.stall_deadline
             )
             # the learning-rate schedule goes on from this attempt's first mini-batch
-            self.request["train"] = {
-                **self.request["train"],
-                "start_step": self.options.start_step + self.source.kept_from,
-            }
+            start_step = self.options.start_step + self.source.kept_from
+            if start_step:
+                self.request["train"] = {**self.request["train"], "start_step": start_step}
             ready = await session.request_run(
                 self.request,
                 wait_for_stages_s=self.options.wait_for_stages_s,
