@@ -44,6 +44,10 @@ COMMANDS: dict[str, Command] = {
     "fl-sim": Command(
         "zpipe.federated.cli", "Eco-FL grouped federated learning vs baselines, simulated time"
     ),
+    "import": Command(
+        "zpipe.import_cli",
+        "convert a timm or Hugging Face ViT / BERT checkpoint into zpipe's weights layout",
+    ),
 }
 
 

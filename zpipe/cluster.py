@@ -121,7 +121,11 @@ class LocalCluster:
         state_dir: Path | None = None,
         emulate_compute: Path | None = None,
         fork_stages: bool = False,
+        allow_factories: Sequence[str] = (),
     ) -> None:
+        """``allow_factories``: user code (model factories, loss and optimizer
+        callables, "package.module:function" or "package.module:*") that the
+        processes may import and run for a run's request (``--allow-factory``)."""
         if isinstance(devices, int):
             if devices < 1:
                 raise ConfigError(f"a cluster needs at least one device, got {devices}")
@@ -148,6 +152,7 @@ class LocalCluster:
         self.state_dir = state_dir
         self.emulate_compute = emulate_compute
         self.fork_stages = fork_stages
+        self.allow_factories = tuple(allow_factories)
         self._coordinator_args: list[str] = []
         self.coordinator_endpoint = ""
         self.processes: dict[str, StageProcess] = {}
@@ -193,6 +198,8 @@ class LocalCluster:
         ]
         if self.keys_dir is not None:
             flags += ["--keys", str(self.keys_dir)]
+        for pattern in self.allow_factories:
+            flags += ["--allow-factory", pattern]
         return flags
 
     def start(self) -> None:

@@ -7,7 +7,8 @@ file's directory, the key pairs ``--keys`` must hold, and (within
 ``--connect-timeout``) that the coordinator answers.
 The data is generated: inputs of the model's shape, labelled by a "teacher"
 (the same architecture with another seed), so the loss has something to learn
-and nothing is downloaded.
+and nothing is downloaded. Mini-batch ``s`` is the same whatever run trains it,
+so ``--resume`` goes on with the data an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -39,10 +40,18 @@ from zpipe.cluster import LocalCluster
 from zpipe.config import Timeouts
 from zpipe.demo import DEMO_DEVICES
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
-from zpipe.models.weights import SAFETENSORS_SUFFIXES, TORCH_SUFFIXES
+from zpipe.models.trust import FactoryAllowList
+from zpipe.models.weights import (
+    SAFETENSORS_SUFFIXES,
+    STEPS_KEY,
+    TORCH_SUFFIXES,
+    read_matching,
+)
 from zpipe.planner.training_plan import TRAINING_ALGOS
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
+from zpipe.training.lr_schedules import LR_SCHEDULES
+from zpipe.training.objectives import LOSSES, OPTIMIZERS, is_factory_name
 from zpipe.training.schedules import SCHEDULES
 from zpipe.transport import security
 from zpipe.transport.sockets import check_resolvable, validate_endpoint
@@ -126,8 +135,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the coordinator plans the pipeline (default: hpp, Asteroid's hybrid plan)",
     )
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="(default: 1f1b)")
-    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")
+    parser.add_argument(
+        "--optimizer",
+        type=_optimizer_name,
+        default="adam",
+        metavar="|".join(OPTIMIZERS) + "|MODULE:FN",
+        help="the optimizer (default: adam); MODULE:FN is user code, called as "
+        "FN(params, lr=...) in every stage: it needs --allow-factory",
+    )
+    parser.add_argument(
+        "--loss",
+        type=_loss_name,
+        default="cross_entropy",
+        metavar="cross_entropy|MODULE:FN",
+        help="the loss (default: cross_entropy); MODULE:FN is user code, called as "
+        "FN(logits, labels) -> mean loss in the last stage: it needs --allow-factory",
+    )
+    parser.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        metavar="MODULE:FN",
+        help="allow user code that --loss or --optimizer names (MODULE:* for every "
+        "function of MODULE); it is imported and RUN in this process and, with --local, "
+        "in every stage (remote stages need their own --allow-factory); repeatable",
+    )
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="(default: 0.001)")
+    parser.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        default=None,
+        metavar="X",
+        help="weight decay of sgd, adam or adamw (default: the optimizer's own)",
+    )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default=None,
+        help="scale the learning rate per mini-batch: constant, or linear/cosine decay to 0 "
+        "at --total-steps (default: no schedule)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="with --lr-schedule: mini-batches of linear warm-up (default: 0)",
+    )
+    parser.add_argument(
+        "--total-steps",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --lr-schedule linear or cosine: where the rate reaches 0 (default: the "
+        "mini-batches trained before a --resume plus --steps)",
+    )
     parser.add_argument(
         "--momentum",
         type=unit_interval,
@@ -135,6 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGD momentum, >= 0 and below 1 (default: 0.9)",
     )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weights and data seed")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
+        "--weights",
+        default=None,
+        metavar="FILE",
+        help="start from these weights instead of the seed's (.safetensors or .pt: zpipe's "
+        "layout, an nn.Sequential of the model's units, or python -m zpipe import's output)",
+    )
+    start.add_argument(
+        "--resume",
+        default=None,
+        metavar="CKPT",
+        help="go on from a checkpoint written with -o CKPT --optimizer-state: its weights, "
+        "optimizer state and mini-batch count (the data and the learning-rate schedule "
+        "continue from there); use the same --model, --seed and optimizer flags",
+    )
     parser.add_argument(
         "-o",
         "--output",
@@ -142,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="save the trained weights "
         "(.safetensors or .pt); load them later with ModelSpec(..., weights=FILE)",
+    )
+    parser.add_argument(
+        "--optimizer-state",
+        action="store_true",
+        help="with --output: also save the optimizer's state and the mini-batch count, "
+        "a checkpoint that --resume goes on from",
     )
     parser.add_argument(
         "--check",
@@ -225,15 +309,34 @@ def _share(text: str) -> float:
     return value
 
 
+def _optimizer_name(text: str) -> str:
+    if text in OPTIMIZERS or is_factory_name(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: choose {', '.join(OPTIMIZERS)} or a MODULE:FN callable"
+    )
+
+
+def _loss_name(text: str) -> str:
+    if text == "cross_entropy" or is_factory_name(text):
+        return text
+    others = [loss for loss in LOSSES if loss != "cross_entropy"]
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: the generated data has class labels: use cross_entropy or a MODULE:FN "
+        f"callable ({', '.join(others)} does not fit class labels)"
+    )
+
+
 def teacher_batches(
-    spec: ModelSpec, *, steps: int, batch_size: int, seed: int
+    spec: ModelSpec, *, steps: int, batch_size: int, seed: int, first_step: int = 0
 ) -> list[tuple[torch.Tensor, ...]]:
-    """Inputs of the model's shape labelled with a same-shaped teacher's argmax."""
+    """Inputs of the model's shape labelled with a same-shaped teacher's argmax:
+    mini-batches ``first_step`` .. ``first_step + steps - 1`` of the seed's stream."""
     sequence = load_layer_sequence(spec)
     teacher = build_full_model(ModelSpec(spec.family, dict(spec.config), seed=seed + 10_000))
     batches = []
     with torch.no_grad():  # not inference_mode: the batches are trained on later
-        for step in range(steps):
+        for step in range(first_step, first_step + steps):
             inputs = sequence.example_input(batch_size, seed=seed * 100_003 + step)
             logits = teacher(*inputs)[0]
             if logits.dim() != 2:
@@ -246,23 +349,59 @@ def teacher_batches(
 
 
 def _optimizer(args: argparse.Namespace) -> dict[str, Any]:
+    optimizer: dict[str, Any] = {"name": args.optimizer, "lr": args.lr}
     if args.optimizer == "sgd":
-        return {"name": "sgd", "lr": args.lr, "momentum": args.momentum}
-    return {"name": "adam", "lr": args.lr}
+        optimizer["momentum"] = args.momentum
+    if args.weight_decay is not None:
+        optimizer["weight_decay"] = args.weight_decay
+    return optimizer
+
+
+def _lr_schedule(args: argparse.Namespace, start_step: int) -> dict[str, Any] | None:
+    if args.lr_schedule is None:
+        return None
+    schedule: dict[str, Any] = {"name": args.lr_schedule, "warmup_steps": args.warmup_steps}
+    if args.lr_schedule != "constant":
+        schedule["total_steps"] = args.total_steps or start_step + args.steps
+    return schedule
+
+
+def checkpoint_steps(path: str) -> int:
+    """The mini-batches a checkpoint was trained for (what ``--resume`` goes on from)."""
+    found = read_matching(path, lambda key: key == STEPS_KEY)
+    if STEPS_KEY not in found:
+        raise ZpipeError(
+            f"{path} is not a checkpoint to resume from (no optimizer state and step "
+            "count): write one with -o FILE --optimizer-state, or start from its weights "
+            "with --weights"
+        )
+    return int(found[STEPS_KEY])
 
 
 def _train_here(
-    spec: ModelSpec, batches: list[tuple[torch.Tensor, ...]], optimizer: dict[str, Any]
+    spec: ModelSpec, batches: list[tuple[torch.Tensor, ...]], settings: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    from zpipe.training.objectives import make_optimizer
+    """The same training in this process: one stage of every unit, one micro-batch per
+    mini-batch (the shard a stage runs, so losses, schedules and resuming agree)."""
+    from zpipe.stage.train_shard import TrainShard
 
-    model = build_full_model(spec).train()
-    opt = make_optimizer(optimizer, model.parameters())
-    for *inputs, labels in batches:
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(*inputs)[0], labels).backward()
-        opt.step()
-    return model.state_dict()
+    shard = TrainShard.build(
+        spec,
+        0,
+        load_layer_sequence(spec).num_units,
+        first=True,
+        last=True,
+        loss=settings.get("loss", "cross_entropy"),
+        optimizer=settings["optimizer"],
+        lr_schedule=settings.get("lr_schedule"),
+        start_step=settings.get("start_step", 0),
+        resume_optimizer=settings.get("resume_optimizer", False),
+    )
+    for step, (*inputs, labels) in enumerate(batches):
+        shard.forward(step, inputs, labels, int(labels.shape[0]))
+        shard.backward(step)
+        shard.step()
+    return shard.state_dict()
 
 
 def _check_output(parser: argparse.ArgumentParser, output: str | None) -> None:
@@ -338,9 +477,24 @@ async def reach_coordinator(client: PipelineClient, *, timeout_s: float) -> None
     raise TransportTimeout("coordinator", "an answer", timeout_s)
 
 
-def _train(args: argparse.Namespace, spec: ModelSpec, batches: list[Any]) -> TrainReport:
+def _settings(args: argparse.Namespace, start_step: int) -> dict[str, Any]:
+    """fit's keywords for the loss, optimizer, schedule and checkpoint flags."""
     settings: dict[str, Any] = {
         "optimizer": _optimizer(args),
+        "loss": args.loss,
+        "lr_schedule": _lr_schedule(args, start_step),
+        "start_step": start_step,
+        "resume_optimizer": args.resume is not None,
+        "optimizer_state": bool(args.output and args.optimizer_state),
+    }
+    return settings
+
+
+def _train(
+    args: argparse.Namespace, spec: ModelSpec, batches: list[Any], start_step: int
+) -> TrainReport:
+    settings: dict[str, Any] = {
+        **_settings(args, start_step),
         "num_microbatches": args.microbatches,
         "schedule": args.schedule,
         "progress": None,  # a bar when stderr is a terminal
@@ -376,7 +530,12 @@ def _train(args: argparse.Namespace, spec: ModelSpec, batches: list[Any]) -> Tra
         return asyncio.run(remote())
     devices = list(DEMO_DEVICES[: args.local])
     print(f"starting a coordinator and {len(devices)} emulated devices ...", flush=True)
-    with LocalCluster(devices, keys_dir=args.keys, log_level=args.log_level) as cluster:
+    with LocalCluster(
+        devices,
+        keys_dir=args.keys,
+        log_level=args.log_level,
+        allow_factories=args.allow_factory,
+    ) as cluster:
         return cluster.fit(spec, batches, **settings)
 
 
@@ -402,6 +561,25 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(str(exc))
     _check_keys(parser, args)
     _check_output(parser, args.output)
+    _check_checkpoint_flags(parser, args)
+
+
+def _check_checkpoint_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The user-code, schedule and checkpoint flags, before anything starts."""
+    allowed = FactoryAllowList.of(*args.allow_factory)
+    for flag, name in (("--loss", args.loss), ("--optimizer", args.optimizer)):
+        if is_factory_name(name) and not allowed.allows(name):
+            parser.error(
+                f"{flag} {name} names user code, which runs in every stage: allow it "
+                f"explicitly with --allow-factory {name}"
+            )
+    if args.optimizer_state and args.output is None:
+        parser.error("--optimizer-state needs --output (the checkpoint file)")
+    if args.lr_schedule is None and (args.warmup_steps or args.total_steps is not None):
+        parser.error("--warmup-steps and --total-steps need --lr-schedule")
+    for flag, path in (("--weights", args.weights), ("--resume", args.resume)):
+        if path is not None and not Path(path).is_file():
+            parser.error(f"{flag} {path}: no such file")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,16 +589,24 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, Any] = {}
     if args.model.startswith(("vit", "bert")):
         overrides["num_layers"] = args.layers
-    spec = ModelSpec.preset(args.model, seed=args.seed, **overrides)
+    weights = args.resume or args.weights
+    spec = ModelSpec.preset(args.model, seed=args.seed, weights=weights, **overrides)
     try:
+        start_step = checkpoint_steps(args.resume) if args.resume else 0
         batches = teacher_batches(
-            spec, steps=args.steps, batch_size=args.batch_size, seed=args.seed
+            spec,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            first_step=start_step,
         )
     except ZpipeError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    if start_step:
+        print(f"resuming after mini-batch {start_step} of {args.resume}", flush=True)
     try:
-        report = _train(args, spec, batches)
+        report = _train(args, spec, batches, start_step)
     except ZpipeError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
@@ -437,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"weights saved to {args.output}")
     if args.check:
-        expected = _train_here(spec, batches, _optimizer(args))
+        expected = _train_here(spec, batches, _settings(args, start_step))
         worst = weights_difference(report.state_dict, expected)
         print(
             f"single-process training: weights differ by at most {worst:.2e} "

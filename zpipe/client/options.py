@@ -19,6 +19,7 @@ from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, DeadlinePolicy
+from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.objectives import check_loss, check_optimizer
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
@@ -201,6 +202,16 @@ class TrainOptions:
     backup (a surviving member restores it). After a failure the stages fetch their
     units from those snapshots directly (the coordinator sends only what it holds);
     a stage whose snapshot and backup holder are both lost cannot be recovered.
+    ``loss`` and ``optimizer["name"]`` may name user code, "package.module:function"
+    (see :mod:`zpipe.training.objectives`): each stage imports it only if its
+    operator allowed it with ``--allow-factory``.
+    ``lr_schedule``: ``{"name": "constant" | "linear" | "cosine", "warmup_steps": W,
+    "total_steps": T}`` (see :mod:`zpipe.training.lr_schedules`), counted from
+    ``start_step``, the mini-batches trained before this run (when resuming).
+    ``optimizer_state``: gather the optimizer's state with the trained weights, so
+    that :meth:`TrainReport.save` writes a checkpoint a later run resumes from.
+    ``resume_optimizer``: every stage restores its units' optimizer state from the
+    spec's weights file (such a checkpoint), reading only its own tensors.
     """
 
     optimizer: Mapping[str, Any]
@@ -225,6 +236,10 @@ class TrainOptions:
     consistency: str = "exact"
     stall_deadline: DeadlinePolicy | None = None
     replication: str = "global"
+    lr_schedule: Mapping[str, Any] | None = None
+    start_step: int = 0
+    optimizer_state: bool = False
+    resume_optimizer: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("replication", self.replication, REPLICATIONS)
@@ -237,6 +252,11 @@ class TrainOptions:
             )
         check_loss(self.loss)
         check_optimizer(self.optimizer)
+        object.__setattr__(self, "lr_schedule", check_lr_schedule(self.lr_schedule))
+        if isinstance(self.start_step, bool) or not isinstance(self.start_step, int):
+            raise ConfigError(f"start_step must be an integer >= 0, got {self.start_step!r}")
+        if self.start_step < 0:
+            raise ConfigError(f"start_step must be an integer >= 0, got {self.start_step}")
         # a copy: the caller's dict may change while the run goes on
         object.__setattr__(self, "optimizer", dict(self.optimizer))
         _check_count("num_microbatches", self.num_microbatches)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from zpipe.models import ModelSpec, build_full_model
-from zpipe.models.weights import save_weights
+from zpipe.models.weights import STEPS_KEY, is_weight_key, write_state
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 
@@ -55,6 +55,10 @@ class TrainReport:
     replicas: list[int] = field(default_factory=list)
     # plans the run moved to at a replica because the stages' speeds changed
     rebalances: list[dict[str, Any]] = field(default_factory=list)
+    # mini-batches trained before this run (a resumed run's start_step)
+    start_step: int = 0
+    # whether state_dict holds the optimizer's state (fit's optimizer_state=True)
+    with_optimizer_state: bool = False
 
     @property
     def steps(self) -> int:
@@ -64,12 +68,25 @@ class TrainReport:
     def samples_per_s(self) -> float:
         return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @property
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state (``"<weight key>#opt.<name>"``; empty unless the run
+        gathered it with ``optimizer_state=True``)."""
+        return {k: v for k, v in self.state_dict.items() if not is_weight_key(k)}
+
     def model(self) -> torch.nn.Module:
         """The trained model, in one process (``build_full_model(spec)`` + the weights)."""
         full = build_full_model(self.model_spec)
-        full.load_state_dict(self.state_dict)
+        full.load_state_dict({k: v for k, v in self.state_dict.items() if is_weight_key(k)})
         return full
 
     def save(self, path: str | Path) -> None:
-        """Write the trained weights (.safetensors or .pt), loadable with ``ModelSpec.weights``."""
-        save_weights(self.model(), path)
+        """Write the trained weights (.safetensors or .pt), loadable with ``ModelSpec.weights``;
+        with the optimizer's state, when gathered, and the mini-batches trained so far,
+        a checkpoint that a run resumes from (``resume_optimizer``, ``start_step``)."""
+        state = dict(self.model().state_dict())
+        if self.with_optimizer_state:
+            # (plain SGD keeps no state: the step count still marks a checkpoint)
+            state.update(self.optimizer_state)
+            state[STEPS_KEY] = torch.tensor(self.start_step + self.steps, dtype=torch.int64)
+        write_state(state, path)

@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
-from zpipe._errors import PipelineError, StageFailedError
+from zpipe._errors import ConfigError, PipelineError, StageFailedError
 from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
 from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
@@ -70,6 +70,21 @@ def training_request(
     """The body of the ``run_request`` that starts a training run."""
     names = list(options.stage_names) if options.stage_names is not None else None
     plan = options.plan
+    train: dict[str, Any] = {
+        "schedule": options.schedule,
+        "num_microbatches": options.num_microbatches,
+        "loss": options.loss,
+        "optimizer": dict(options.optimizer),
+        "warmups": list(options.warmups) if options.warmups is not None else None,
+        "plan": plan.to_dict() if plan is not None else None,
+    }
+    # Only when used: a coordinator that predates them refuses unknown settings.
+    if options.lr_schedule is not None:
+        train["lr_schedule"] = dict(options.lr_schedule)
+    if options.start_step:
+        train["start_step"] = options.start_step
+    if options.resume_optimizer:
+        train["resume_optimizer"] = True
     return {
         **model_fields(model),
         "partition": (
@@ -90,15 +105,26 @@ def training_request(
         # a replica or the final weights may take long on slow links: while they move,
         # the coordinator says so, and the waits run on from the latest word
         "progress": True,
-        "train": {
-            "schedule": options.schedule,
-            "num_microbatches": options.num_microbatches,
-            "loss": options.loss,
-            "optimizer": dict(options.optimizer),
-            "warmups": list(options.warmups) if options.warmups is not None else None,
-            "plan": plan.to_dict() if plan is not None else None,
-        },
+        "train": train,
     }
+
+
+def check_traced_microbatches(
+    model: ModelSpec, batch_size: int | None, num_microbatches: int
+) -> None:
+    """A traced model's units take only the micro-batch size of the trace: refuse,
+    before anything starts, mini-batches that do not split into exactly that."""
+    if model.family != "traced" or batch_size is None:
+        return
+    traced = model.config.get("microbatch_size")
+    if isinstance(traced, int) and batch_size != traced * num_microbatches:
+        raise ConfigError(
+            f"the traced model was traced at micro-batches of {traced} samples, but "
+            f"mini-batches of {batch_size} split into {num_microbatches} micro-batches "
+            f"are not that: use mini-batches of {traced * num_microbatches} samples, or "
+            f"set the spec's microbatch_size to {batch_size // num_microbatches or 1} "
+            "(and divide evenly)"
+        )
 
 
 def resume_request(
@@ -157,6 +183,7 @@ class _Training:
         size = first_batch_size(batches)
         if microbatch_size is None and size is not None:
             microbatch_size = -(-size // options.num_microbatches)
+        check_traced_microbatches(model, size, options.num_microbatches)
         self.request = training_request(model, options, microbatch_size, connection.sink_endpoint)
         self.plan = options.plan
         self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
@@ -172,6 +199,10 @@ class _Training:
             session = RunSession(
                 self.connection, what="training", stall_deadline=self.options.stall_deadline
             )
+            # the learning-rate schedule goes on from this attempt's first mini-batch
+            start_step = self.options.start_step + self.source.kept_from
+            if start_step:
+                self.request["train"] = {**self.request["train"], "start_step": start_step}
             ready = await session.request_run(
                 self.request,
                 wait_for_stages_s=self.options.wait_for_stages_s,
@@ -220,7 +251,7 @@ class _Training:
         if end.stage_failure is not None or end.rebalance_to is not None:
             return end
         try:
-            await run.gather_weights()
+            await run.gather_weights(optimizer=self.options.optimizer_state)
         except PipelineError:
             # A stage that dies after the last mini-batch fails the gather; with
             # recover, the run resumes from its replica as for any other death.
@@ -304,4 +335,6 @@ class _Training:
         report.recoveries = self.recoveries
         report.rebalances = self.rebalances
         report.replicas = list(self.source.replicas)
+        report.start_step = self.options.start_step
+        report.with_optimizer_state = self.options.optimizer_state
         return report

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zmq.asyncio
@@ -273,9 +274,13 @@ class TrainingRun:
         if self.all_sent.is_set() and self.done_steps == self.sent_steps:
             self.finished.set()
 
-    async def gather_weights(self) -> None:
+    async def gather_weights(self, *, optimizer: bool = False) -> None:
+        """The trained weights (``optimizer``: and the optimizer's state) of every stage."""
+        body: dict[str, Any] = {"run": self.run, "step": self.done_steps}
+        if optimizer:
+            body["optimizer"] = True
         reply = await self.session.control.request(
-            Message("weights_request", {"run": self.run, "step": self.done_steps}),
+            Message("weights_request", body),
             expect=("checkpoint", "run_failed"),
             timeout_s=self.timeouts.result_s + self.timeouts.reply_s,
             awaited="the trained weights",

@@ -241,3 +241,45 @@ def merge_fast_state(
     )
     merged = Replica(replica.run, replica.step, replica.plan, {**replica.state, **newer})
     return merged, completed, from_replica, missing
+
+
+# Families whose units take only the micro-batch size they were traced at.
+FIXED_BATCH_FAMILIES = frozenset({"traced"})
+
+
+def training_planner_for(family: str, algo: str) -> str:
+    """The training planner that plans a ``family`` model when ``algo`` was asked for.
+
+    A data-parallel group splits each micro-batch among its devices, but a traced
+    model's units only take the micro-batch size of the trace. So the default
+    "hpp" (Asteroid's hybrid plan, groups included) plans such a model "straight"
+    (one device per stage), and "data-parallel" is refused with a message that
+    names the planner to use instead.
+    """
+    if family not in FIXED_BATCH_FAMILIES:
+        return algo
+    if algo == "hpp":
+        return "straight"
+    if algo == "data-parallel":
+        raise ConfigError(_fixed_batch_problem(family, "planner 'data-parallel'"))
+    return algo
+
+
+def check_plan_fits_model(family: str, plan: TrainingPlan) -> None:
+    """Refuse a given training plan whose data-parallel groups a ``family`` model
+    cannot run (see :func:`training_planner_for`)."""
+    if family not in FIXED_BATCH_FAMILIES:
+        return
+    grouped = [st for st in plan.stages if len(st.devices) > 1]
+    if grouped:
+        what = f"the training plan's group {list(grouped[0].devices)}"
+        raise ConfigError(_fixed_batch_problem(family, what))
+
+
+def _fixed_batch_problem(family: str, what: str) -> str:
+    return (
+        f"a {family!r} model runs only at the micro-batch size it was traced at, so "
+        f"{what} cannot split its micro-batches across a data-parallel group; plan it "
+        "with planner 'straight' (python -m zpipe train --planner straight; "
+        "fit(..., planner='straight')) or give a plan with one device per stage"
+    )

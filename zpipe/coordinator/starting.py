@@ -25,12 +25,14 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.decisions import (
+    check_plan_fits_model,
     fetch_grants,
     fetch_plans,
     live_members,
     merge_fast_state,
     replan_in_place,
     replica_to_resume,
+    training_planner_for,
     units_state,
 )
 from zpipe.coordinator.flows import Flow
@@ -135,10 +137,12 @@ def _start_run(
             return (yield from start.assign(message, given, replica=replica))
     if mode == "train" and settings.get("plan") is not None:
         given = TrainingPlan.from_dict(settings["plan"])
+        check_plan_fits_model(spec.family, given)
         return (yield from start.assign(message, given, replica=replica))
     members = yield _await_stages(message)
     algo = str(message.get("planner") or DEFAULT_PLANNER)
     if mode == "train" and algo in TRAINING_ALGOS and message.get("partition") is None:
+        algo = training_planner_for(spec.family, algo)
         batch = message.get("microbatch_size")
         if batch is None:
             raise ConfigError(f"planner {algo!r} needs the micro-batch size (microbatch_size)")
@@ -402,6 +406,9 @@ class _Training:
                     "warmup": training["warmups"][i],
                     "loss": training["loss"],
                     "optimizer": training["optimizer"],
+                    "lr_schedule": training["lr_schedule"],
+                    "start_step": training["start_step"],
+                    "resume_optimizer": training["resume_optimizer"],
                     "group": {"names": names, "shares": shares, "rank": rank},
                     "upstream": up,
                     "downstream": down,

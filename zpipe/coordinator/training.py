@@ -32,7 +32,7 @@ from zpipe.coordinator.commands import (
     Send,
     TrainingModel,
 )
-from zpipe.coordinator.decisions import live_members
+from zpipe.coordinator.decisions import live_members, training_planner_for
 from zpipe.coordinator.events import ClientRequest, Event, StageDied
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
@@ -84,18 +84,23 @@ class SyncTrainingRun(BaseRun):
             message = event.message
             run_id, step = int(message["run"]), int(message["step"])
             if message.kind == "weights_request":
-                key, make, timeout = (
-                    ("weights", run_id, step),
-                    self.checkpoint,
-                    self.state.timeouts.send_s,
-                )
+                optimizer = bool(message.get("optimizer"))
+                key = ("weights", run_id, step)
+                timeout = self.state.timeouts.send_s
+
+                def make() -> Flow:
+                    return self.checkpoint(run_id, step, optimizer=optimizer)
             else:
-                key, make, timeout = ("replicate", run_id, step), self.take_replica, self.reply_s
+                key, timeout = ("replicate", run_id, step), self.reply_s
+
+                def make() -> Flow:
+                    return self.take_replica(run_id, step)
+
             return self.state.answers.answer(
                 self.state.flows,
                 key,
                 event.routing_id,
-                lambda: make(run_id, step),
+                make,
                 peer=CLIENT_NAME,
                 timeout_s=timeout,
                 now=now,
@@ -179,14 +184,15 @@ class SyncTrainingRun(BaseRun):
         keys, tensors = _state_of(replies, run.devices, "backup", counters)
         return keys, tensors, {d: holders.get(d, "") for d in run.devices}
 
-    def checkpoint(self, run_id: int, step: int) -> Flow:
-        """Every stage's weights once it finished round ``step``, for the client."""
+    def checkpoint(self, run_id: int, step: int, *, optimizer: bool = False) -> Flow:
+        """Every stage's weights (``optimizer``: and optimizer state) once it finished
+        round ``step``, for the client."""
         run = self.run
         try:
             if not self.is_current(run_id):
                 raise ConfigError(f"run {run_id} is not the current run")
             yield AwaitConfirmed(tuple(run.devices))
-            keys, tensors = yield from self.gather_state(step, optimizer=False)
+            keys, tensors = yield from self.gather_state(step, optimizer=optimizer)
             if len(tensors) > codec.MAX_TENSORS:
                 raise ConfigError(
                     f"the checkpoint holds {len(tensors)} tensors (replicas included), "
@@ -328,7 +334,9 @@ class SyncTrainingRun(BaseRun):
                 members,
                 batch,
                 int(checked["num_microbatches"]),
-                algo=planner if planner in TRAINING_ALGOS else "hpp",
+                algo=training_planner_for(
+                    spec.family, planner if planner in TRAINING_ALGOS else "hpp"
+                ),
                 schedule=str(checked["schedule"]),
                 optimizer=optimizer,
             )

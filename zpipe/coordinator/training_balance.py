@@ -26,12 +26,15 @@ from zpipe.recovery import (
     stage_work,
 )
 from zpipe.recovery.stage_costs import CostModel, predict, with_speeds
-from zpipe.training.objectives import check_train_settings
+from zpipe.training.objectives import check_train_settings, is_factory_name
 
 
 def memory_model(optimizer: Mapping[str, Any]) -> str:
     """The planners' name for an optimizer's state (momentum is one more copy)."""
     name = str(optimizer["name"])
+    if is_factory_name(name):
+        # user code: its state cannot be known before it runs; plan for Adam's two copies
+        return "adam"
     return "sgd-momentum" if name == "sgd" and optimizer.get("momentum") else name
 
 

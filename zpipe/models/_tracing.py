@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from zpipe._errors import ModelSpecError
 
-_BODY = "body"
+TRACED_BODY = "body"
 
 
 class _ShapeGuard:
@@ -163,8 +163,8 @@ def _make_unit(
         copy = graph.node_copy(node, lambda n: env[n])
         if node.op == "call_module":
             # One submodule per unit, always called "body": state-dict keys "body.<fqn>".
-            copy.target = _BODY
+            copy.target = TRACED_BODY
         env[node] = copy
     graph.output(tuple(env[node] for node in live_out))
     # The unit holds only its own submodule, never the whole split graph (memory).
-    return fx.GraphModule({_BODY: body}, graph, class_name=f"TracedUnit{index}")
+    return fx.GraphModule({TRACED_BODY: body}, graph, class_name=f"TracedUnit{index}")

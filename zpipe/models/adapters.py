@@ -29,7 +29,7 @@ from torch import nn
 from zpipe._errors import ConfigError, ModelSpecError
 from zpipe.models._config import ConfigReader
 from zpipe.models._seeding import seeded
-from zpipe.models._tracing import trace_and_split
+from zpipe.models._tracing import TRACED_BODY, trace_and_split
 from zpipe.models.base import check_batch_size, finish_units
 from zpipe.models.sequence import check_unit_range
 from zpipe.models.spec import ModelSpec
@@ -129,6 +129,13 @@ class FactoryConfig:
         return (torch.randint(low, high, shape, generator=generator, dtype=self.input_dtype),)
 
 
+def traced_plain_key(index: int, name: str) -> str:
+    """A traced unit keeps the traced module's parameter names under "body." (see
+    _tracing.py): the module's own state dict names them without it."""
+    del index  # the names are unique across the whole traced module
+    return name.removeprefix(f"{TRACED_BODY}.")
+
+
 def _child_label(name: str, child: nn.Module) -> str:
     return f"{type(child).__name__.lower()}{name}" if name.isdigit() else name
 
@@ -171,9 +178,15 @@ class SequentialSequence:
         return len(self.unit_names())
 
     def build_units(self, start: int, end: int) -> list[nn.Module]:
-        children = list(self._build(meta=False).children())
-        check_unit_range(start, end, len(children))
-        return finish_units(children[start:end], start=start, spec=self.spec)
+        named = list(self._build(meta=False).named_children())
+        check_unit_range(start, end, len(named))
+        children = [child for _, child in named]
+
+        def plain_key(index: int, name: str) -> str:
+            # the user's own nn.Sequential state dict: "<child name>.<name>"
+            return f"{named[index][0]}.{name}"
+
+        return finish_units(children[start:end], start=start, spec=self.spec, plain_key=plain_key)
 
     def example_input(self, batch_size: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
         return self.factory.example_input(batch_size, seed=seed)
@@ -246,7 +259,9 @@ class TracedSequence:
     def build_units(self, start: int, end: int) -> list[nn.Module]:
         units = self._build_all()
         check_unit_range(start, end, len(units))
-        return finish_units(units[start:end], start=start, spec=self.spec)
+        return finish_units(
+            units[start:end], start=start, spec=self.spec, plain_key=traced_plain_key
+        )
 
     def example_input(self, batch_size: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
         return self.factory.example_input(batch_size, seed=seed)

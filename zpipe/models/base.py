@@ -11,13 +11,27 @@ from zpipe.models._seeding import seeded, unit_seed
 from zpipe.models.sequence import check_unit_range
 from zpipe.models.size import check_peer_build
 from zpipe.models.spec import ModelSpec
-from zpipe.models.weights import load_unit_weights, unit_key
+from zpipe.models.weights import (
+    PlainKey,
+    load_unit_weights,
+    sequential_of_units_key,
+    unit_key,
+)
 
 
-def finish_units(units: list[nn.Module], *, start: int, spec: ModelSpec) -> list[nn.Module]:
-    """Load the spec's weights file (if any) into units start.., and switch to eval mode."""
+def finish_units(
+    units: list[nn.Module],
+    *,
+    start: int,
+    spec: ModelSpec,
+    plain_key: PlainKey = sequential_of_units_key,
+) -> list[nn.Module]:
+    """Load the spec's weights file (if any) into units start.., and switch to eval mode.
+
+    `plain_key`: where a file without zpipe's "units.<i>." keys keeps each weight.
+    """
     if spec.weights is not None:
-        load_unit_weights(units, start=start, path=spec.weights)
+        load_unit_weights(units, start=start, path=spec.weights, plain_key=plain_key)
     for unit in units:
         unit.eval()
     return units

@@ -101,6 +101,36 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_classes": 2,
         },
     ),
+    # BERT's own post-LN layout, with attention mask and token types: Hugging Face
+    # BertModel checkpoints map onto it (python -m zpipe import hf-bert).
+    "bert-post-tiny": (
+        "transformer",
+        {
+            "kind": "bert-post",
+            "num_layers": 2,
+            "hidden": 32,
+            "heads": 2,
+            "mlp": 64,
+            "vocab_size": 100,
+            "seq_len": 16,
+            "max_positions": 16,
+            "num_classes": 2,
+        },
+    ),
+    "bert-post-base": (
+        "transformer",
+        {
+            "kind": "bert-post",
+            "num_layers": 12,
+            "hidden": 768,
+            "heads": 12,
+            "mlp": 3072,
+            "vocab_size": 30522,
+            "seq_len": 512,
+            "max_positions": 512,
+            "num_classes": 2,
+        },
+    ),
     "mlp-small": (
         "mlp",
         {"dims": [784, 512, 256, 128, 10], "activation": "relu"},

@@ -7,8 +7,12 @@ Units: embed, then four per block (PipeEdge, Fig. 3), then head:
     blockN.fc1   LayerNorm + first dense layer + GELU          -> (intermediate, residual)
     blockN.fc2   second dense layer + residual                 -> hidden
 
-Blocks are pre-LN (as ViT) for both kinds; so the BERT head applies a final
-LayerNorm before its pooler, like the ViT head does before its classifier.
+Blocks are pre-LN (as ViT) for kinds "vit" and "bert"; so the BERT head applies
+a final LayerNorm before its pooler, like the ViT head does before its classifier.
+Kind "bert-post" is BERT's own post-LN layout with an attention mask and token
+types (zpipe.models.bert_post), onto which BERT checkpoints map. num_classes 0
+leaves the classifier out: the head returns the features (ViT: the normalised
+class token; BERT: the pooled output).
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from zpipe._errors import ModelSpecError
+from zpipe.models import bert_post
 from zpipe.models._config import ConfigReader
 from zpipe.models.base import UnitwiseSequence, check_batch_size
 from zpipe.models.size import count_in_phase
 from zpipe.models.spec import ModelSpec
 
-KINDS = ("vit", "bert")
+KINDS = ("vit", "bert", "bert-post")
 _VIT_KEYS = ("image_size", "patch", "channels")
 _BERT_KEYS = ("vocab_size", "seq_len", "max_positions", "type_vocab_size")
 PARTS_PER_BLOCK = 4
@@ -63,7 +68,7 @@ class TransformerConfig:
             heads=heads,
             mlp=reader.get_int("mlp", default=4 * hidden, minimum=1),
             num_classes=reader.get_int(
-                "num_classes", default=1000 if kind == "vit" else 2, minimum=1
+                "num_classes", default=1000 if kind == "vit" else 2, minimum=0
             ),
             layer_norm_eps=reader.get_float(
                 "layer_norm_eps", default=1e-6 if kind == "vit" else 1e-12, positive=True
@@ -213,11 +218,12 @@ class VitHead(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-        self.classifier = nn.Linear(cfg.hidden, cfg.num_classes)
+        self.classifier = nn.Linear(cfg.hidden, cfg.num_classes) if cfg.num_classes else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # LayerNorm is per token, so normalising only the cls token gives the same logits.
-        return self.classifier(self.norm(hidden[:, 0]))
+        features = self.norm(hidden[:, 0])
+        return self.classifier(features) if self.classifier is not None else features
 
 
 class BertHead(nn.Module):
@@ -227,11 +233,11 @@ class BertHead(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
         self.pooler = nn.Linear(cfg.hidden, cfg.hidden)
-        self.classifier = nn.Linear(cfg.hidden, cfg.num_classes)
+        self.classifier = nn.Linear(cfg.hidden, cfg.num_classes) if cfg.num_classes else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         pooled = torch.tanh(self.pooler(self.norm(hidden[:, 0])))
-        return self.classifier(pooled)
+        return self.classifier(pooled) if self.classifier is not None else pooled
 
 
 _BLOCK_PARTS: tuple[type[nn.Module], ...] = (AttentionCore, AttentionOutput, MlpIn, MlpOut)
@@ -270,10 +276,15 @@ class TransformerSequence(UnitwiseSequence):
                 positions = cfg.max_positions + cfg.type_vocab_size
                 total += (cfg.vocab_size + positions) * h + 2 * h
         if start <= last < end and last > 0:
-            pooler = h * h + h if cfg.kind == "bert" else 0
-            total += 2 * h + pooler + h * c + c
+            if cfg.kind == "bert-post":
+                total += bert_post.head_elements(cfg)
+            else:
+                pooler = h * h + h if cfg.kind == "bert" else 0
+                total += 2 * h + pooler + h * c + c
         # attn (LayerNorm + qkv), proj, fc1 (LayerNorm + dense), fc2
         parts = (2 * h + 3 * h * h + 3 * h, h * h + h, 2 * h + h * m + m, m * h + h)
+        if cfg.kind == "bert-post":
+            parts = bert_post.block_part_elements(cfg)
         lo, hi = max(start, 1), min(end, last)
         for phase, size in enumerate(parts):
             total += size * count_in_phase(lo, hi, offset=1, period=PARTS_PER_BLOCK, phase=phase)
@@ -294,12 +305,18 @@ class TransformerSequence(UnitwiseSequence):
 
     def make_unit(self, index: int) -> nn.Module:
         cfg = self.config
+        if not 0 <= index < self.num_units:
+            raise ModelSpecError(f"unit index {index} is outside [0, {self.num_units})")
+        if cfg.kind == "bert-post":
+            if index == 0:
+                return bert_post.PostLnEmbedding(cfg)
+            if index == self.num_units - 1:
+                return bert_post.PostLnBertHead(cfg)
+            return bert_post.BLOCK_PARTS[(index - 1) % PARTS_PER_BLOCK](cfg)
         if index == 0:
             return PatchEmbedding(cfg) if cfg.kind == "vit" else TokenEmbedding(cfg)
         if index == self.num_units - 1:
             return VitHead(cfg) if cfg.kind == "vit" else BertHead(cfg)
-        if not 0 < index < self.num_units:
-            raise ModelSpecError(f"unit index {index} is outside [0, {self.num_units})")
         return _BLOCK_PARTS[(index - 1) % PARTS_PER_BLOCK](cfg)
 
     def example_input(self, batch_size: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -309,5 +326,7 @@ class TransformerSequence(UnitwiseSequence):
         if cfg.kind == "vit":
             shape = (batch_size, cfg.channels, cfg.image_size, cfg.image_size)
             return (torch.randn(shape, generator=generator),)
+        if cfg.kind == "bert-post":
+            return bert_post.example_input(cfg, batch_size, generator)
         ids = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), generator=generator)
         return (ids,)

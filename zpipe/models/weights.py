@@ -1,15 +1,23 @@
 """Weights files: write a full model's state dict, read back only one stage's units.
 
-Keys are "units.<index>.<name inside the unit>", as in
-`build_full_model(spec).state_dict()`. A stage reads only its own units' keys:
+zpipe's own keys are "units.<index>.<name inside the unit>", as in
+`build_full_model(spec).state_dict()`. A file without any such key is read in
+the model's *plain* layout instead, which each family names (`PlainKey`): the
+state dict of an `nn.Sequential` of the units ("<index>.<name>"), of the user's
+own `nn.Sequential` ("<child name>.<name>") or of the module a traced model was
+traced from (its own parameter names). A stage reads only its own units' keys:
 safetensors lets us fetch single tensors, and .pt files are memory-mapped so
 the other units' tensors are never read from disk.
+
+A checkpoint may also hold optimizer state, "<unit key>#opt.<name>" (see
+`zpipe.stage.train_shard`), and the mini-batches trained so far (`STEPS_KEY`);
+loading weights skips both.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +30,19 @@ from zpipe._errors import ModelSpecError
 UNITS_PREFIX = "units"
 SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+# Separates a parameter's key from the name of one of its optimizer state tensors.
+OPTIMIZER_KEY = "#opt."
+# A checkpoint's count of mini-batches trained (an int64 scalar): where a resumed
+# run's learning-rate schedule goes on from.
+STEPS_KEY = "#steps"
+
+# (unit index, name inside the unit) -> the key in the model's plain layout
+PlainKey = Callable[[int, str], str]
+
+
+def sequential_of_units_key(index: int, name: str) -> str:
+    """The plain layout of a built-in model: ``nn.Sequential(*units).state_dict()``."""
+    return f"{index}.{name}"
 
 
 def unit_key(index: int, name: str) -> str:
@@ -38,14 +59,20 @@ def split_unit_key(key: str) -> tuple[int, str] | None:
 
 
 def save_weights(
-    model: nn.Module | Sequence[nn.Module], path: str | os.PathLike[str], *, start: int = 0
+    model: nn.Module | Sequence[nn.Module] | Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    *,
+    start: int = 0,
 ) -> None:
     """Write weights; .safetensors by suffix, else a torch state-dict file.
 
     `model` is a full model (e.g. `build_full_model(spec)`), whose state dict is
-    written as is, or a list of units whose first one is unit `start`.
+    written as is, a state dict itself, or a list of units whose first one is
+    unit `start`.
     """
-    if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
+    if isinstance(model, Mapping):
+        state = dict(model)
+    elif isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList):
         state = dict(model.state_dict())
     else:
         state = {
@@ -53,6 +80,11 @@ def save_weights(
             for offset, unit in enumerate(model)
             for name, tensor in unit.state_dict().items()
         }
+    write_state(state, path)
+
+
+def write_state(state: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Write a flat name -> tensor dict; .safetensors by suffix, else torch.save."""
     target = Path(path)
     if target.suffix in SAFETENSORS_SUFFIXES:
         from safetensors.torch import save_file
@@ -147,17 +179,34 @@ def _open_weights(path: Path) -> Iterator[_WeightsReader]:
         raise ModelSpecError(_suffix_problem(path))
 
 
+def is_weight_key(key: str) -> bool:
+    """A model weight's key, not optimizer state nor the step count of a checkpoint."""
+    return OPTIMIZER_KEY not in key and key != STEPS_KEY
+
+
 def load_unit_weights(
-    units: Sequence[nn.Module], *, start: int, path: str | os.PathLike[str]
+    units: Sequence[nn.Module],
+    *,
+    start: int,
+    path: str | os.PathLike[str],
+    plain_key: PlainKey = sequential_of_units_key,
 ) -> None:
-    """Fill units start.. from `path`, reading only their keys; strict about names/shapes."""
+    """Fill units start.. from `path`, reading only their keys; strict about names/shapes.
+
+    A file with "units.<i>." keys is zpipe's own layout; a file without any is read
+    in the model's plain layout, `plain_key`.
+    """
     file = Path(path)
     with _open_weights(file) as reader:
+        keys = [key for key in reader.keys() if is_weight_key(key)]
         by_unit: dict[int, set[str]] = {}
-        for key in reader.keys():
+        for key in keys:
             parsed = split_unit_key(key)
             if parsed is not None:
                 by_unit.setdefault(parsed[0], set()).add(parsed[1])
+        if not by_unit:
+            _load_plain(units, start=start, file=file, reader=reader, plain_key=plain_key)
+            return
         for offset, unit in enumerate(units):
             index = start + offset
             expected = unit.state_dict()
@@ -176,14 +225,57 @@ def load_unit_weights(
                     f"weights file {file} has key {unit_key(index, unexpected[0])!r} that "
                     f"unit {index} does not have; was it saved from a different model config?"
                 )
-            loaded = {}
-            for name, reference in expected.items():
-                tensor = reader.get(unit_key(index, name))
-                if tensor.shape != reference.shape:
-                    raise ModelSpecError(
-                        f"weights file {file}: {unit_key(index, name)!r} has shape "
-                        f"{tuple(tensor.shape)} but the model expects {tuple(reference.shape)}; "
-                        "check the spec's config against the one the file was saved from"
-                    )
-                loaded[name] = tensor
+            loaded = {
+                name: _checked(reader, unit_key(index, name), reference, file)
+                for name, reference in expected.items()
+            }
             unit.load_state_dict(loaded, strict=True)
+
+
+def _checked(reader: _WeightsReader, key: str, reference: torch.Tensor, file: Path) -> torch.Tensor:
+    tensor = reader.get(key)
+    if tensor.shape != reference.shape:
+        raise ModelSpecError(
+            f"weights file {file}: {key!r} has shape {tuple(tensor.shape)} but the model "
+            f"expects {tuple(reference.shape)}; check the spec's config against the one the "
+            "file was saved from"
+        )
+    return tensor
+
+
+def _load_plain(
+    units: Sequence[nn.Module],
+    *,
+    start: int,
+    file: Path,
+    reader: _WeightsReader,
+    plain_key: PlainKey,
+) -> None:
+    """Units from a file in the model's plain layout: every key a unit needs must be
+    there; keys of other units are left unread."""
+    present = set(reader.keys())
+    for offset, unit in enumerate(units):
+        index = start + offset
+        expected = unit.state_dict()
+        wanted = {name: plain_key(index, name) for name in expected}
+        missing = [key for key in wanted.values() if key not in present]
+        if missing:
+            example = next(iter(sorted(present)), "(none)")
+            raise ModelSpecError(
+                f"weights file {file} has no 'units.<i>.' keys (zpipe's layout) and lacks "
+                f"{missing[0]!r} of unit {index} in the model's plain layout"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; its keys "
+                f"look like {example!r}. Convert a foreign checkpoint with python -m zpipe "
+                "import, or save the model's own state dict"
+            )
+        loaded = {name: _checked(reader, key, expected[name], file) for name, key in wanted.items()}
+        unit.load_state_dict(loaded, strict=True)
+
+
+def read_matching(
+    path: str | os.PathLike[str], wanted: Callable[[str], bool]
+) -> dict[str, torch.Tensor]:
+    """Only the tensors of `path` whose keys `wanted` accepts (e.g. one stage's
+    optimizer state), each read alone."""
+    with _open_weights(Path(path)) as reader:
+        return {key: reader.get(key) for key in reader.keys() if wanted(key)}

@@ -159,6 +159,9 @@ class AssignmentBuilder:
                     slowdown=self._slowdown,
                     state=resumed,
                     device=self._device,
+                    lr_schedule=train.get("lr_schedule"),
+                    start_step=int(train.get("start_step") or 0),
+                    resume_optimizer=bool(train.get("resume_optimizer")),
                 ),
             )
         elif self._cached is not None and reused:

@@ -9,6 +9,10 @@ shard's edges as CPU tensors (:class:`zpipe.devices.BoundaryMover`); weights,
 optimizer state and saved activations stay on the device. What leaves the
 process (all-reduce, snapshots, replicas) is a host copy, written back after
 an all-reduce (:meth:`TrainShard.keep_reduced`).
+
+A learning-rate schedule scales the optimizer's initial rates by the factor of
+the mini-batch about to step (``start_step`` counts those trained before this
+shard was built: a resumed run goes on where it stopped).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import torch
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.devices import BoundaryMover
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
-from zpipe.models.weights import unit_key
-from zpipe.training.objectives import check_loss, make_optimizer, microbatch_loss
+from zpipe.models.trust import FactoryPolicy, factory_policy
+from zpipe.models.weights import OPTIMIZER_KEY, STEPS_KEY, read_matching, unit_key
+from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
+from zpipe.training.objectives import check_loss, make_loss, make_optimizer
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
-# Separates a parameter's key from the name of one of its optimizer state tensors.
-OPTIMIZER_KEY = "#opt."
+__all__ = ["OPTIMIZER_KEY", "TrainShard"]
 
 
 class TrainShard:
@@ -41,8 +46,13 @@ class TrainShard:
         loss: str,
         optimizer: Mapping[str, Any],
         slowdown: float = 1.0,
+        lr_schedule: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+        policy: FactoryPolicy | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
+        """``policy``: which loss and optimizer callables may load (None: any, the
+        caller's own choice; a stage passes its peer allow-list)."""
         self.device = torch.device(device)
         self.mover = BoundaryMover(self.device)
         self.units = [u.to(self.device).train() for u in units]
@@ -50,9 +60,18 @@ class TrainShard:
         self.first = first
         self.last = last
         self.loss = check_loss(loss)
+        self._loss_fn = make_loss(loss, policy=policy)
         self.slowdown = slowdown
         params = [p for u in self.units for p in u.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(optimizer, params) if params else None
+        self.optimizer = make_optimizer(optimizer, params, policy=policy) if params else None
+        self.lr_schedule = check_lr_schedule(lr_schedule)
+        self._initial_lrs = (
+            [float(group.get("lr", 0.0)) for group in self.optimizer.param_groups]
+            if self.optimizer is not None
+            else []
+        )
+        # the mini-batch the next step() applies, counted over the whole training
+        self.next_step = start_step
         # micro-batch -> (inputs that need a gradient, outputs or the loss)
         self._saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self._saved_bytes: dict[int, int] = {}
@@ -74,10 +93,15 @@ class TrainShard:
         optimizer: Mapping[str, Any],
         slowdown: float = 1.0,
         state: Mapping[str, torch.Tensor] | None = None,
+        lr_schedule: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+        resume_optimizer: bool = False,
         device: torch.device | str = "cpu",
     ) -> TrainShard:
         """Units ``[start, end)`` of ``spec``; ``state`` (from :meth:`training_state`)
-        replaces their initial weights and optimizer state."""
+        replaces their initial weights and optimizer state. Without it,
+        ``resume_optimizer`` reads these units' optimizer state from the spec's
+        weights file (a checkpoint saved with it), and only theirs."""
         sequence = load_layer_sequence(spec)
         if not 0 <= start < end <= sequence.num_units:
             raise ConfigError(
@@ -92,10 +116,33 @@ class TrainShard:
             loss=loss,
             optimizer=optimizer,
             slowdown=slowdown,
+            lr_schedule=lr_schedule,
+            start_step=start_step,
+            policy=factory_policy(from_peer=spec.from_peer),
             device=device,
         )
         if state is not None:
             shard.load_training_state(state)
+        elif resume_optimizer:
+            if spec.weights is None:
+                raise ConfigError("resuming the optimizer needs a weights file in the spec")
+            owners = set(shard._named_parameters())
+            saved = read_matching(
+                spec.weights,
+                lambda key: (
+                    key == STEPS_KEY
+                    or (OPTIMIZER_KEY in key and key.partition(OPTIMIZER_KEY)[0] in owners)
+                ),
+            )
+            # a checkpoint always has its step count; an optimizer may keep no state
+            if STEPS_KEY not in saved:
+                raise ConfigError(
+                    f"{spec.weights} is not a checkpoint with optimizer state (no step "
+                    "count): save one with fit(..., optimizer_state=True) and "
+                    "TrainReport.save, or train from its weights without resume_optimizer"
+                )
+            del saved[STEPS_KEY]
+            shard.load_optimizer_state(saved)
         return shard
 
     def _weight_storages(self) -> set[int]:
@@ -152,7 +199,7 @@ class TrainShard:
             if target is None:
                 raise PipelineError(f"micro-batch {mb} reached the last stage without labels")
             (on_device,) = self.mover.to_device((target,))
-            loss = microbatch_loss(self.loss, outputs[0], on_device, minibatch_samples)
+            loss = self._loss_fn(outputs[0], on_device, minibatch_samples)
             loss_value = float(loss.detach())
             self._saved[mb] = (leaves, (loss,))
             sent: tuple[torch.Tensor, ...] = ()
@@ -197,8 +244,15 @@ class TrainShard:
             )
         started, cpu_started = time.perf_counter(), time.thread_time()
         if self.optimizer is not None:
+            if self.lr_schedule is not None:
+                factor = lr_factor(self.lr_schedule, self.next_step)
+                for group, initial in zip(
+                    self.optimizer.param_groups, self._initial_lrs, strict=True
+                ):
+                    group["lr"] = initial * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.next_step += 1
         return self._timed(started, cpu_started)
 
     def all_gradients(self) -> list[torch.Tensor]:
@@ -297,6 +351,10 @@ class TrainShard:
                 unit.load_state_dict(
                     {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
                 )
+        self.load_optimizer_state(state)
+
+    def load_optimizer_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore the ``"<parameter key>#opt.<name>"`` entries of ``state``."""
         params = self._named_parameters()
         for key, value in state.items():
             if OPTIMIZER_KEY not in key:

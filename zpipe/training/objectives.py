@@ -2,11 +2,23 @@
 
 Nothing crosses the wire as code: a run names its loss ("cross_entropy", "mse")
 and describes its optimizer as plain data, e.g.
-``{"name": "sgd", "lr": 0.1, "momentum": 0.9}`` or
-``{"name": "adam", "lr": 1e-3, "betas": [0.9, 0.999]}``; each stage builds its
-own optimizer over its own parameters. SGD and Adam update every parameter
-elementwise, so per-stage optimizers give exactly the weights one optimizer
-over the whole model would.
+``{"name": "sgd", "lr": 0.1, "momentum": 0.9}``,
+``{"name": "adam", "lr": 1e-3, "betas": [0.9, 0.999]}`` or
+``{"name": "adamw", "lr": 1e-3, "weight_decay": 0.01}``; each stage builds its
+own optimizer over its own parameters. SGD, Adam and AdamW update every
+parameter elementwise, so per-stage optimizers give exactly the weights one
+optimizer over the whole model would.
+
+User code, by name: a loss may be ``"package.module:function"``, called as
+``function(output, target)`` and returning the *mean* loss over the samples it
+is given (as ``reduction="mean"``); an optimizer's name may be
+``"package.module:function"``, called as ``function(params, **fields)`` and
+returning a ``torch.optim.Optimizer``. The name crosses the wire, never the
+code: each stage imports it only if its operator allowed it
+(``--allow-factory``, as for model factories; see zpipe.models.trust), because
+naming it runs that code there. A per-sample loss gives the same gradients
+split over micro-batches; an optimizer that is not elementwise (one that
+normalises across all parameters, say) sees one stage's parameters only.
 
 Losses are computed per micro-batch but scaled to the whole mini-batch
 (:func:`microbatch_loss`), so the gradients accumulated over a mini-batch's
@@ -17,16 +29,24 @@ usual ``reduction="mean"``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from zpipe._errors import ConfigError
+from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.schedules import SCHEDULES, asteroid_warmup
 
+if TYPE_CHECKING:
+    from zpipe.models.trust import FactoryPolicy
+
 LOSSES = ("cross_entropy", "mse")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+# (output, target, samples in the whole mini-batch) -> this micro-batch's share of the loss
+LossFunction = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+_PLAIN_VALUES = (int, float, str, bool, list, tuple, type(None))
 
 _OPTIMIZER_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "sgd": {
@@ -44,11 +64,33 @@ _OPTIMIZER_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "amsgrad": bool,
     },
 }
+_OPTIMIZER_FIELDS["adamw"] = dict(_OPTIMIZER_FIELDS["adam"])
+
+
+def is_factory_name(name: object) -> bool:
+    """Whether a loss or optimizer name is user code ("package.module:function")."""
+    return isinstance(name, str) and ":" in name
+
+
+def _check_factory_name(name: str, what: str) -> None:
+    from zpipe.models.trust import split_factory_path
+
+    try:
+        split_factory_path(name)
+    except ConfigError:
+        raise ConfigError(
+            f"{what} {name!r}: user code is named 'package.module:function'"
+        ) from None
 
 
 def check_loss(name: str) -> str:
+    if is_factory_name(name):
+        _check_factory_name(name, "loss")
+        return name
     if name not in LOSSES:
-        raise ConfigError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
+        raise ConfigError(
+            f"unknown loss {name!r}; known: {', '.join(LOSSES)}, or 'package.module:function'"
+        )
     return name
 
 
@@ -75,9 +117,12 @@ def check_optimizer(config: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(config, Mapping):
         raise ConfigError(f"an optimizer is described by a mapping, got {config!r}")
     name = config.get("name")
+    if is_factory_name(name):
+        return _check_factory_optimizer(str(name), config)
     if name not in _OPTIMIZER_FIELDS:
         raise ConfigError(
-            f"unknown optimizer {name!r}; known: {', '.join(sorted(_OPTIMIZER_FIELDS))}"
+            f"unknown optimizer {name!r}; known: {', '.join(sorted(_OPTIMIZER_FIELDS))}, "
+            "or 'package.module:function'"
         )
     fields = _OPTIMIZER_FIELDS[str(name)]
     checked: dict[str, Any] = {"name": name}
@@ -104,20 +149,92 @@ def check_optimizer(config: Mapping[str, Any]) -> dict[str, Any]:
     return checked
 
 
+def _check_factory_optimizer(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """A user optimizer's fields are its keyword arguments: plain data only."""
+    _check_factory_name(name, "optimizer")
+    checked: dict[str, Any] = {"name": name}
+    for key, value in config.items():
+        if key == "name":
+            continue
+        if not isinstance(key, str) or not isinstance(value, _PLAIN_VALUES):
+            raise ConfigError(
+                f"optimizer {name}: field {key!r} must be a number, string, bool or list"
+            )
+        checked[key] = list(value) if isinstance(value, tuple) else value
+    return checked
+
+
+def _resolve(name: str, policy: FactoryPolicy | None, what: str) -> Callable[..., Any]:
+    """The callable a loss or optimizer names, if ``policy`` allows it (the stage's
+    allow-list for a peer's run; None: this process's own choice)."""
+    from zpipe.models.adapters import resolve_factory
+    from zpipe.models.trust import TRUST_CALLER
+
+    return resolve_factory(name, policy=policy or TRUST_CALLER, family=what)
+
+
+def make_loss(name: str, *, policy: FactoryPolicy | None = None) -> LossFunction:
+    """The function that computes a micro-batch's share of the mini-batch's loss."""
+    check_loss(name)
+    if not is_factory_name(name):
+        return lambda output, target, samples: microbatch_loss(name, output, target, samples)
+    function = _resolve(name, policy, "loss")
+
+    def user_loss(output: torch.Tensor, target: torch.Tensor, samples: int) -> torch.Tensor:
+        if samples < 1:
+            raise ConfigError(f"a mini-batch needs at least one sample, got {samples}")
+        value = function(output, target)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ConfigError(f"loss {name!r} must return a scalar Tensor, got {value!r}")
+        # the mean over this micro-batch, weighed by its share of the mini-batch
+        rows = output.shape[0] if output.dim() > 0 else 1
+        return value.reshape(()) * (rows / samples)
+
+    return user_loss
+
+
 def make_optimizer(
-    config: Mapping[str, Any], params: Iterable[torch.nn.Parameter]
+    config: Mapping[str, Any],
+    params: Iterable[torch.nn.Parameter],
+    *,
+    policy: FactoryPolicy | None = None,
 ) -> torch.optim.Optimizer:
     checked = check_optimizer(config)
     kwargs = {k: v for k, v in checked.items() if k != "name"}
+    params = list(params)
+    name = str(checked["name"])
+    if is_factory_name(name):
+        function = _resolve(name, policy, "optimizer")
+        try:
+            optimizer = function(params, **kwargs)
+        except Exception as exc:  # user code fails with whatever it raises
+            raise ConfigError(f"optimizer {name!r} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer {name!r} returned {type(optimizer).__name__}, "
+                "not a torch.optim.Optimizer"
+            )
+        return optimizer
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    params = list(params)
-    if checked["name"] == "sgd":
+    if name == "sgd":
         return torch.optim.SGD(params, **kwargs)
+    if name == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
     return torch.optim.Adam(params, **kwargs)
 
 
-TRAIN_SETTINGS = ("schedule", "num_microbatches", "loss", "optimizer", "warmups", "plan")
+TRAIN_SETTINGS = (
+    "schedule",
+    "num_microbatches",
+    "loss",
+    "optimizer",
+    "warmups",
+    "plan",
+    "lr_schedule",
+    "start_step",
+    "resume_optimizer",
+)
 
 
 def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[str, Any]:
@@ -156,10 +273,16 @@ def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[s
             )
         if schedule == "gpipe" and any(w != m for w in warmups):
             raise ConfigError("gpipe runs every forward first: leave warmups out or use M")
+    start_step = settings.get("start_step", 0)
+    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+        raise ConfigError(f"start_step must be an integer >= 0, got {start_step!r}")
     return {
         "schedule": schedule,
         "num_microbatches": m,
         "loss": check_loss(str(settings.get("loss", "cross_entropy"))),
         "optimizer": check_optimizer(settings.get("optimizer") or {}),
         "warmups": warmups,
+        "lr_schedule": check_lr_schedule(settings.get("lr_schedule")),
+        "start_step": start_step,
+        "resume_optimizer": bool(settings.get("resume_optimizer", False)),
     }
