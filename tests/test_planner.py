@@ -413,7 +413,7 @@ def test_a_bench_sized_problem_solves() -> None:
 
 
 def test_chunked_layers_give_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    import zpipe.planner.pipeedge as pipeedge
+    import zpipe.planner.category_dp as category_dp
 
     prof = synthetic_profile(
         [1.0 + (i % 3) for i in range(12)], [100_000 * (i % 4) for i in range(12)]
@@ -423,15 +423,17 @@ def test_chunked_layers_give_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> N
     )
     cl = ClusterSpec(devs)
     whole = plan_pipeedge(prof, cl, batch_size=1)
-    monkeypatch.setattr(pipeedge, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(category_dp, "CHUNK_ELEMENTS", 1)
     assert plan_pipeedge(prof, cl, batch_size=1) == whole
 
 
 def test_too_many_distinct_devices_is_refused_with_advice() -> None:
+    # Exact planning only: bucketing (the default, "auto") plans these (see
+    # test_planner_bucketing.py); the sparse DP solves 16 exactly, not 20.
     prof = synthetic_profile([1.0] * 96, [0] * 96)
-    devs = tuple(ClusterDevice(f"d{i}", speed=1.0 + i / 100) for i in range(16))
-    with pytest.raises(ConfigError, match=r"16 categories.*share a category"):
-        plan_pipeedge(prof, ClusterSpec(devs), batch_size=1)
+    devs = tuple(ClusterDevice(f"d{i}", speed=1.0 + i / 100) for i in range(20))
+    with pytest.raises(ConfigError, match=r"20 categories.*share a category.*bucket"):
+        plan_pipeedge(prof, ClusterSpec(devs), batch_size=1, bucketing="exact")
 
 
 _JSON = st.recursive(
