@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from zpipe._errors import ConfigError
+from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
@@ -116,6 +117,10 @@ class InferOptions:
     ``stall_deadline``: how late the next result may be before the coordinator
     probes the stages (see :class:`TrainOptions`; default
     :data:`zpipe.recovery.DEFAULT_STALL_DEADLINE`).
+    ``bucketing``: how the PipeEdge planner treats the stages' measured speeds and
+    links: "auto" (the default: exact for a few distinct devices, else snapped to 5 %
+    buckets, with a certified bound in the plan's prediction), "exact", or a
+    tolerance such as 0.05 (:mod:`zpipe.planner.bucketing`).
     """
 
     microbatch_size: int | None = None
@@ -124,6 +129,7 @@ class InferOptions:
     stage_names: Sequence[str] | None = None
     dtype: str = "float32"
     planner: str | None = None
+    bucketing: str | float = "auto"
     profile: ModelProfile | None = None
     max_in_flight: int = 4
     wait_for_stages_s: float = 30.0
@@ -136,6 +142,7 @@ class InferOptions:
         _check_choice("recovery", self.recovery, RECOVERY_POLICIES)
         _normalize_placement(self)
         _check_count("max_in_flight", self.max_in_flight)
+        parse_bucketing(self.bucketing)
 
     @classmethod
     def from_keywords(

@@ -35,7 +35,7 @@ from zpipe.coordinator.decisions import (
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.inference import InferenceRun
-from zpipe.coordinator.planning import DEFAULT_PLANNER
+from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
 from zpipe.coordinator.sink_check import check_sink_reachable
@@ -162,6 +162,7 @@ def _start_run(
         batch_size=int(message.get("microbatch_size") or 1),
         dtype=str(message["dtype"]),
         profile=message.get("profile"),
+        bucketing=bucketing_of(message.get("bucketing")),
     )
     if mode == "train":
         return (yield from start.assign(message, None, straight=plan, replica=replica))

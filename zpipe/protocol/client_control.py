@@ -69,6 +69,9 @@ class RunRequest(WireMessage):
     train: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     resume: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     num_units: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # how PipeEdge treats measured values ("exact" or a tolerance such as "0.05"); sent
+    # only when not "auto", so that an older coordinator still understands the request
+    bucketing: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 @wire_message
