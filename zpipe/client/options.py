@@ -21,6 +21,7 @@ from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, DeadlinePolicy
 from zpipe.training.objectives import check_loss, check_optimizer
+from zpipe.training.warmup import check_warmup_policy
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
 DEFAULT_REPLICATE_EVERY = 50
@@ -163,7 +164,10 @@ class TrainOptions:
     ``optimizer``: the optimizer's settings (``{"name": "sgd", "lr": 0.1}``);
     ``num_microbatches``: the parts each mini-batch is split into; ``loss``: the
     objective; ``schedule``: "1f1b" or "gpipe"; ``warmups``: each stage's
-    forwards before its first backward (1F1B's K_p); ``max_steps_in_flight``:
+    forwards before its first backward (1F1B's K_p); without them, ``warmup`` picks the
+    rule: "asteroid" (2(P - p) - 1), "torch" (P - p, as Schedule1F1B) or "auto" (the
+    default: torch's when stages share a host's cores, Asteroid's otherwise; see
+    :mod:`zpipe.training.warmup`); ``max_steps_in_flight``:
     mini-batches fed ahead of their losses.
     ``plan``: a training plan (device groups, unit ranges, shares, warm-ups; e.g. from
     :func:`zpipe.planner.hpp.plan_training`); its schedule, micro-batch count and
@@ -215,6 +219,7 @@ class TrainOptions:
     loss: str = "cross_entropy"
     schedule: str = "1f1b"
     warmups: Sequence[int] | None = None
+    warmup: str = "auto"
     plan: TrainingPlan | None = None
     partition: Sequence[Sequence[int]] | None = None
     stages: int | None = None
@@ -250,6 +255,7 @@ class TrainOptions:
         _check_count("max_steps_in_flight", self.max_steps_in_flight)
         if self.warmups is not None:
             object.__setattr__(self, "warmups", tuple(self.warmups))
+        check_warmup_policy(self.warmup)
         _normalize_placement(self)
 
     @property
