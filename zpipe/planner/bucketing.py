@@ -29,8 +29,11 @@ exact optimum ``OPT``::
 
     bucketed(B) <= bucketed(OPT's plan) <= r * OPT   so   OPT >= bucketed(B) / r
 
-:func:`certify` turns that into numbers: ``lower_bound_s = bucketed(B) / r``,
-and ``certified_ratio = exact(B) / lower_bound_s <= r`` (``exact(B)`` re-costs
+A second lower bound, usually much tighter: the same buckets snapped the other
+way (each to its fastest value) make every time shrink, so that cluster's
+optimum is at most ``OPT`` too (one more DP of the same size).
+:func:`certify` turns that into numbers: ``lower_bound_s`` is the larger of the
+two bounds, and ``certified_ratio = exact(B) / lower_bound_s <= r`` (``exact(B)`` re-costs
 the chosen plan on the real values). A certified ratio of 1.02 says the plan's
 real bottleneck is within 2 % of the best possible, whatever the exact DP
 would have found.
@@ -88,13 +91,22 @@ def parse_bucketing(value: object) -> Bucketing:
 def bucket_lows(values: Iterable[float], tolerance: float) -> dict[float, float]:
     """Each value's bucket low end: buckets ``[low, low * (1 + tolerance)]`` laid from the
     smallest value up, each starting at the smallest value not yet covered."""
-    lows: dict[float, float] = {}
-    low = math.nan
-    for value in sorted(set(values)):
-        if not value <= low * (1 + tolerance):  # also true for the first (nan) and inf
-            low = value
-        lows[value] = low
-    return lows
+    return {value: low for value, (low, _) in bucket_ends(values, tolerance).items()}
+
+
+def bucket_ends(values: Iterable[float], tolerance: float) -> dict[float, tuple[float, float]]:
+    """Each value's bucket as (smallest, largest value in it); see :func:`bucket_lows`."""
+    ordered = sorted(set(values))
+    ends: dict[float, tuple[float, float]] = {}
+    start = 0
+    for k, value in enumerate(ordered):
+        if not value <= ordered[start] * (1 + tolerance):
+            for member in ordered[start:k]:
+                ends[member] = (ordered[start], ordered[k - 1])
+            start = k
+    for member in ordered[start:]:
+        ends[member] = (ordered[start], ordered[-1])
+    return ends
 
 
 @dataclass(frozen=True)
@@ -103,27 +115,39 @@ class BucketedCluster:
 
     cluster: ClusterSpec
     tolerance: float
-    max_snap: float  # >= 1: the largest factor any time grew by
+    max_snap: float  # >= 1: the largest factor any time moved by
 
 
-def bucket_cluster(cluster: ClusterSpec, tolerance: float, *, batch_size: int) -> BucketedCluster:
+def bucket_cluster(
+    cluster: ClusterSpec, tolerance: float, *, batch_size: int, optimistic: bool = False
+) -> BucketedCluster:
     """``cluster`` with speeds, bandwidths and own profiles snapped (see the module notes).
 
-    Linear in the devices and links (plus a sort): devices that share a profile
-    object are snapped once.
+    ``optimistic`` snaps the other way, to each bucket's fastest value: every time only
+    shrinks, so that cluster's optimum is a lower bound of the exact one (the same
+    buckets, so the same categories). Linear in the devices and links (plus a sort):
+    devices that share a profile object are snapped once.
     """
     if not (math.isfinite(tolerance) and 0 < tolerance <= MAX_TOLERANCE):
         raise ConfigError(f"tolerance must be in (0, {MAX_TOLERANCE:g}], got {tolerance!r}")
-    speeds = bucket_lows((d.speed for d in cluster.devices if d.profile is None), tolerance)
-    bandwidths = bucket_lows(_bandwidths(cluster), tolerance)
+    side = 1 if optimistic else 0
+    speeds = {
+        value: ends[side]
+        for value, ends in bucket_ends(
+            (d.speed for d in cluster.devices if d.profile is None), tolerance
+        ).items()
+    }
+    bandwidths = {
+        value: ends[side] for value, ends in bucket_ends(_bandwidths(cluster), tolerance).items()
+    }
     profiles, profile_snap = _bucket_profiles(
-        [d.profile for d in cluster.devices if d.profile is not None], tolerance, batch_size
+        [d.profile for d in cluster.devices if d.profile is not None],
+        tolerance,
+        batch_size,
+        optimistic=optimistic,
     )
-    snap = max(
-        [1.0, profile_snap]
-        + [value / low for value, low in speeds.items()]
-        + [value / low for value, low in bandwidths.items() if math.isfinite(value)]
-    )
+    moved = [value / snapped for value, snapped in (*speeds.items(), *bandwidths.items())]
+    snap = max([1.0, profile_snap] + [max(m, 1 / m) for m in moved])
 
     def bw(value: float | None) -> float | None:
         return None if value is None else bandwidths[value]
@@ -159,11 +183,12 @@ def _bandwidths(cluster: ClusterSpec) -> list[float]:
 
 
 def _bucket_profiles(
-    owns: Sequence[ModelProfile], tolerance: float, batch_size: int
+    owns: Sequence[ModelProfile], tolerance: float, batch_size: int, *, optimistic: bool
 ) -> tuple[dict[int, ModelProfile], float]:
     """Own profiles grouped when every unit's time is within ``1 + tolerance`` across the
-    group; each member is planned with the group's slowest time per unit. Returns the
-    profile to use by ``id`` of the original, and the largest factor a time grew by."""
+    group; each member is planned with the group's slowest time per unit (``optimistic``:
+    fastest). Returns the profile to use by ``id`` of the original, and the largest
+    factor a time moved by."""
     distinct: dict[int, ModelProfile] = {}
     for own in owns:
         distinct.setdefault(id(own), own)
@@ -186,12 +211,13 @@ def _bucket_profiles(
             groups.append((list(row), list(row), [key]))
     chosen: dict[int, ModelProfile] = {}
     snap = 1.0
-    for _, high, members in groups:
+    for low, high, members in groups:
         first = distinct[members[0]]
-        rep = first if len(members) == 1 else _with_times(first, high, batch_size)
+        end = low if optimistic else high
+        rep = first if len(members) == 1 else _with_times(first, end, batch_size)
         for key in members:
             chosen[key] = rep
-            snap = max(snap, _largest_growth(times[key], high))
+            snap = max(snap, _largest_move(times[key], end))
     return chosen, snap
 
 
@@ -206,8 +232,11 @@ def _with_times(profile: ModelProfile, times: Sequence[float], batch_size: int) 
     return dataclasses.replace(profile, units=units)
 
 
-def _largest_growth(before: Sequence[float], after: Sequence[float]) -> float:
-    return max((b / a for a, b in zip(before, after, strict=True) if a > 0), default=1.0)
+def _largest_move(before: Sequence[float], after: Sequence[float]) -> float:
+    return max(
+        (max(b / a, a / b) for a, b in zip(before, after, strict=True) if a > 0 and b > 0),
+        default=1.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -238,13 +267,19 @@ class Certificate:
         }
 
 
-def certify(bucketed: BucketedCluster, bucketed_optimum_s: float, exact_s: float) -> Certificate:
+def certify(
+    bucketed: BucketedCluster,
+    bucketed_optimum_s: float,
+    exact_s: float,
+    optimistic_optimum_s: float = 0.0,
+) -> Certificate:
     """The certificate of a plan that is optimal on ``bucketed`` (``bucketed_optimum_s``) and
-    whose bottleneck on the real cluster is ``exact_s``."""
+    whose bottleneck on the real cluster is ``exact_s``; ``optimistic_optimum_s``, the
+    optimum on the optimistic buckets, is a second lower bound (often the tighter)."""
     return Certificate(
         tolerance=bucketed.tolerance,
         max_snap=bucketed.max_snap,
         bucketed_bottleneck_s=bucketed_optimum_s,
         exact_bottleneck_s=exact_s,
-        lower_bound_s=bucketed_optimum_s / bucketed.max_snap,
+        lower_bound_s=max(bucketed_optimum_s / bucketed.max_snap, optimistic_optimum_s),
     )

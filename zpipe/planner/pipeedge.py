@@ -207,12 +207,33 @@ def solve_pipeedge(
                 "devices that are alike the same memory, or plan over fewer devices"
             ) from None
         predicted = predict_plan(plan, profile, cluster, batch_size)
-        certificate = certify(bucketed, optimum, predicted["bottleneck_s"])
+        certificate = certify(
+            bucketed,
+            optimum,
+            predicted["bottleneck_s"],
+            _optimistic_optimum(profile, cluster, batch_size, tolerance, categories),
+        )
         predicted.update(plan.predicted)
         predicted.update(certificate.as_prediction())
         predicted["planner_objective_s"] = optimum
         return replace(plan, predicted=predicted), predicted["bottleneck_s"]
     raise AssertionError("unreachable: at least one tolerance is tried")
+
+
+def _optimistic_optimum(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    batch_size: int,
+    tolerance: float,
+    categories: list[list[str]],
+) -> float:
+    """The optimum with every bucket at its fastest value: a lower bound of the exact
+    optimum (0 when that DP is too large; the a-priori bound still holds)."""
+    optimistic = bucket_cluster(cluster, tolerance, batch_size=batch_size, optimistic=True)
+    try:
+        return _solve_categories(profile, optimistic.cluster, batch_size, categories)[1]
+    except DPTooLargeError:
+        return 0.0
 
 
 def _widening(start: float) -> list[float]:
