@@ -20,6 +20,7 @@ from zpipe.planner import (
     ClusterLink,
     ClusterSpec,
     device_categories,
+    load_cluster,
     plan_pipeedge,
     predict_plan,
     solve_pipeedge,
@@ -190,8 +191,6 @@ def test_identical_devices_group_without_comparing_pairs(
         }
         path = tmp_path / f"c{count}.json"
         path.write_text(json.dumps(spec))
-        from zpipe.planner import load_cluster
-
         cluster = load_cluster(path)
         calls.update(compare=0, bandwidth=0)
         assert [len(c) for c in device_categories(cluster)] == [count]

@@ -25,17 +25,19 @@ Transition to a next stage on category ``v`` covering ``[j, k)``:
     g(k, S + v, v) = min over (j, u) of max(g(j, S, u), T_comm(u -> v, P_j), T_comp(j..k, v))
 
 The hop's cost does not depend on ``k`` and the stage's compute does not
-depend on ``u``, so the min over ``u`` is taken first; that turns the paper's
-``L^2 * prod(n_c + 1) * N^2`` into ``L * (N^2 + N * L)`` per count vector.
-Order of evaluation: a state using ``t`` devices follows only from states
-using ``t - 1``, so the DP runs one layer of count vectors at a time and
-handles every ``(S, j, k)`` of a layer and category in a few numpy calls
-(``O(D * N)`` calls in all, in chunks that keep temporaries to a few MB)
-instead of a Python loop over ``j``. The memory check is Algorithm 1's break,
-as a mask: ``k`` stops at the last unit that still fits category ``v``'s
-memory (a binary search over prefix sums). The client's send of the input is
-the first hop; the last stage's send of the result to the client closes the
-pipeline.
+depend on ``u``, so the min over ``u`` is taken first. A state using ``t``
+devices follows only from states using ``t - 1``, so the DP runs one layer of
+count vectors at a time, in numpy, expanding only the vectors that can still
+win (:mod:`zpipe.planner.category_dp`: dominated partial plans and ones that
+cannot beat a greedy plan are dropped). The memory check is Algorithm 1's
+break, as a mask: ``k`` stops at the last unit that still fits category
+``v``'s memory. The client's send of the input is the first hop; the last
+stage's send of the result to the client closes the pipeline.
+
+Measured values: a coordinator's measured speeds and links make every device a
+category of its own; ``bucketing`` (:mod:`zpipe.planner.bucketing`) snaps them
+to buckets so that the categories stay few, and certifies how far the plan can
+be from the exact optimum.
 
 Ties: among plans with the least bottleneck the one with fewest devices wins,
 then the first found in a deterministic order (categories in cluster order,
