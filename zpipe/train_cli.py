@@ -44,6 +44,7 @@ from zpipe.planner.training_plan import TRAINING_ALGOS
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
 from zpipe.training.schedules import SCHEDULES
+from zpipe.training.warmup import WARMUP_POLICIES
 from zpipe.transport import security
 from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
@@ -126,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the coordinator plans the pipeline (default: hpp, Asteroid's hybrid plan)",
     )
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="(default: 1f1b)")
+    parser.add_argument(
+        "--warmup",
+        choices=WARMUP_POLICIES,
+        default="auto",
+        help="1F1B warm-up counts: asteroid (2(P-p)-1), torch (P-p, as Schedule1F1B) or auto "
+        "(default: torch's when stages share a host's cores, else Asteroid's)",
+    )
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="adam")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="(default: 0.001)")
     parser.add_argument(
@@ -343,6 +351,7 @@ def _train(args: argparse.Namespace, spec: ModelSpec, batches: list[Any]) -> Tra
         "optimizer": _optimizer(args),
         "num_microbatches": args.microbatches,
         "schedule": args.schedule,
+        "warmup": args.warmup,
         "progress": None,  # a bar when stderr is a terminal
     }
     if args.planner is not None:
