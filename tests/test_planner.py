@@ -148,6 +148,24 @@ def test_pipeedge_is_optimal_and_infeasible_exactly_when_brute_force_finds_nothi
     assert again["memory_violations"] == 0
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances())
+def test_the_greedy_bound_prunes_nothing_that_could_win(inst: Instance) -> None:
+    # Small lattices skip the greedy bound; force it on, and the plan must stay optimal
+    # with the fewest devices (a partial plan is only dropped when strictly worse).
+    import zpipe.planner.category_dp as category_dp
+
+    expected = brute_force(inst)
+    if expected is None:
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(category_dp, "SMALL_LATTICE", 0)
+        plan, objective = solve_pipeedge(inst.profile, inst.cluster, batch_size=1)
+    assert objective == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+    assert len(plan.stages) == expected[1]
+    assert_valid(plan, inst)
+
+
 @settings(max_examples=60, deadline=None)
 @given(inst=instances())
 def test_baselines_are_valid_and_never_beat_pipeedge(inst: Instance) -> None:

@@ -44,6 +44,9 @@ from zpipe._errors import ConfigError
 # Count vectors per numpy call, so that no temporary array outgrows a few MB.
 CHUNK_ELEMENTS = 1 << 20
 
+# Count-vector lattices up to this size skip the greedy bound: it costs more than it saves.
+SMALL_LATTICE = 1024
+
 # Bottlenecks within this relative distance count as equal when choosing the
 # plan with fewer devices: prefix-sum differences are not bit-exact.
 TIE_RTOL = 1e-9
@@ -159,7 +162,9 @@ def solve_categories(
     upper = math.inf  # the best complete plan so far (it used fewer devices)
     # A plan found greedily: partial plans that cannot beat it, even finishing on all the
     # devices left at their best rates, are dropped (strictly worse only: ties survive).
-    ceiling = greedy_upper_bound(tables) * (1 + 2 * TIE_RTOL)
+    # (A small lattice is cheaper to expand than to bound.)
+    small = math.prod(int(n) + 1 for n in counts) <= SMALL_LATTICE
+    ceiling = math.inf if small else greedy_upper_bound(tables) * (1 + 2 * TIE_RTOL)
     rest_work, rates = _rest_work_and_rates(tables.unit_times)
     work = live_states = 0
     dominance = True
