@@ -12,7 +12,10 @@ import pytest
 
 import zpipe.planner.pipeedge as pipeedge
 from zpipe._errors import ConfigError
+from zpipe.client.infer import inference_request
+from zpipe.client.options import InferOptions
 from zpipe.coordinator.planning import bucketing_of
+from zpipe.models import ModelSpec
 from zpipe.plan_cli import main as plan_main
 from zpipe.planner import (
     CLIENT,
@@ -219,3 +222,15 @@ def test_plan_cli_takes_bucketing(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert exit_info.value.code == 2
     assert "bucketing must be" in capsys.readouterr().err
     assert math.isfinite(plan["predicted"]["bucketing_certified_ratio"])
+
+
+def test_the_client_asks_for_bucketing_only_when_it_is_not_auto() -> None:
+    model = ModelSpec("mlp", {"dims": [4, 4]})
+    auto = inference_request(model, InferOptions(), "tcp://127.0.0.1:1")
+    assert "bucketing" not in auto  # an older coordinator refuses fields it does not know
+    exact = inference_request(model, InferOptions(bucketing="exact"), "tcp://127.0.0.1:1")
+    assert bucketing_of(exact["bucketing"]) == "exact"
+    wide = inference_request(model, InferOptions(bucketing=0.1), "tcp://127.0.0.1:1")
+    assert float(bucketing_of(wide["bucketing"])) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="bucketing must be"):
+        InferOptions(bucketing="coarse")
