@@ -234,3 +234,25 @@ def test_the_client_asks_for_bucketing_only_when_it_is_not_auto() -> None:
     assert float(bucketing_of(wide["bucketing"])) == pytest.approx(0.1)
     with pytest.raises(ConfigError, match="bucketing must be"):
         InferOptions(bucketing="coarse")
+
+
+def test_measured_profiles_share_a_bucket_and_keep_the_bound() -> None:
+    # Each device profiled the model itself: unit times within 3 % of its kind's.
+    rng = random.Random(5)
+    model = synthetic_profile([0.02 * (1 + i % 4) for i in range(10)], [300_000] * 10)
+    devices = []
+    for i in range(12):
+        scale = (1.0, 2.0, 3.5)[i % 3] * rng.uniform(0.985, 1.015)
+        own = synthetic_profile([t * scale for t in model.times(1)], [300_000] * 10)
+        devices.append(ClusterDevice(f"p{i}", bandwidth_mbps=400.0, profile=own))
+    cluster = ClusterSpec(tuple(devices))
+    bucketed = bucket_cluster(cluster, 0.05, batch_size=1)
+    assert len(device_categories(bucketed.cluster)) == 3
+    assert 1.0 < bucketed.max_snap <= 1.05
+    _, optimum = solve_pipeedge(model, cluster, batch_size=1, bucketing="exact")
+    plan = plan_pipeedge(model, cluster, batch_size=1, bucketing=0.05)
+    pred = plan.predicted
+    assert (
+        pred["bucketing_lower_bound_s"] <= optimum * (1 + 1e-9) <= pred["bottleneck_s"] * (1 + 1e-9)
+    )
+    assert pred["bucketing_certified_ratio"] <= bucketed.max_snap * (1 + 1e-9)
