@@ -31,11 +31,13 @@ Throughput, two ways (both in every JSON line):
    model (``bert-base`` shrunk: 4 blocks, hidden 256; 128 with ``--quick``), ``--stages``
    stages (4) on the same even split (``even_ranges``), the same M, mini-batches and
    optimizer, homogeneous (no slowdown, no link cap), ``cores // stages`` torch threads
-   (at least 1) per stage process in both. zpipe's 1F1B uses Asteroid's warm-ups
-   ``K_p = min(2 (P - p) - 1, M)``, torch's ``P - p``. The loss sequences of the two are
-   compared (``loss_max_abs_diff``): equal losses show that the baseline does the same
-   work. ``zpipe_1f1b_torch_warmups`` (zpipe 1F1B with torch's warm-ups ``P - p``) tells
-   the runtimes apart from the schedules: ``ratio_vs_torch_1f1b_same_warmups``. zpipe
+   (at least 1) per stage process in both. zpipe's 1F1B runs with its default warm-up
+   policy, ``warmup="auto"`` (:mod:`zpipe.training.warmup`): the stages share this
+   host's cores, so it takes torch's counts ``P - p``, as Schedule1F1B does. The loss
+   sequences of the two are compared (``loss_max_abs_diff``): equal losses show that the
+   baseline does the same work. ``zpipe_1f1b_asteroid_warmups`` (``warmup="asteroid"``:
+   Asteroid's ``K_p = min(2 (P - p) - 1, M)``) measures what the deeper warm-up costs
+   here: ``ratio_vs_torch_1f1b_asteroid_warmups`` and ``asteroid_over_auto_warmups``. zpipe
    GPipe runs on the same split too, all four alternating:
    ``gpipe_over_1f1b_peak_memory_stage0`` is the ratio of stage 0's peak bytes of saved
    activations (``peak_activation_bytes``, counted by the stage) under GPipe and under
@@ -151,7 +153,8 @@ from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner import even_ranges
 from zpipe.planner.profile import ModelProfile
 from zpipe.profiler import profile_model
-from zpipe.training.schedules import asteroid_warmup, pipeline_actions, simulate
+from zpipe.training.schedules import pipeline_actions, simulate
+from zpipe.training.warmup import resolve_warmup_policy, warmup_counts
 
 BENCH = "training"
 OPTIMIZER: dict[str, Any] = {"name": "sgd", "lr": 0.05}
@@ -503,10 +506,12 @@ def _log(text: str) -> None:
 
 
 def _warmups(schedule: str, num_stages: int, m: int) -> list[int]:
-    """The warm-ups a run gets when it names none (what the coordinator fills in)."""
+    """The warm-ups a run gets when it names none (what the coordinator fills in): every
+    stage of these clusters runs on this host, so "auto" takes torch's counts."""
     if schedule == "gpipe":
         return [m] * num_stages
-    return [asteroid_warmup(num_stages, p, m) for p in range(num_stages)]
+    policy = resolve_warmup_policy("auto", stages_share_cores=True)
+    return warmup_counts(policy, num_stages, m)
 
 
 def _profile(spec: ModelSpec, microbatch_size: int, threads: int) -> ModelProfile:
@@ -617,7 +622,7 @@ def _run_line(
 
 # ------------------------------------------------------------------------ torch section
 
-TORCH_SYSTEMS = ("zpipe_1f1b", "torch_1f1b", "zpipe_gpipe", "zpipe_1f1b_torch_warmups")
+TORCH_SYSTEMS = ("zpipe_1f1b", "torch_1f1b", "zpipe_gpipe", "zpipe_1f1b_asteroid_warmups")
 
 
 def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
@@ -635,12 +640,12 @@ def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         "zpipe_1f1b": _warmups("1f1b", p, m),
         "torch_1f1b": torch_warmups,
         "zpipe_gpipe": _warmups("gpipe", p, m),
-        "zpipe_1f1b_torch_warmups": torch_warmups,
+        "zpipe_1f1b_asteroid_warmups": warmup_counts("asteroid", p, m),
     }
     zpipe_fits: dict[str, dict[str, Any]] = {
         "zpipe_1f1b": {"schedule": "1f1b"},
         "zpipe_gpipe": {"schedule": "gpipe"},
-        "zpipe_1f1b_torch_warmups": {"schedule": "1f1b", "warmups": torch_warmups},
+        "zpipe_1f1b_asteroid_warmups": {"schedule": "1f1b", "warmup": "asteroid"},
     }
     warm = make_batches(spec, args.warmup_steps, args.batch_size, args.seed + 1)
     batches = make_batches(spec, args.steps, args.batch_size, args.seed)
@@ -695,7 +700,7 @@ def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
 
     medians = {s: _median_run(runs[s]) for s in TORCH_SYSTEMS}
     z1, tt, zg = medians["zpipe_1f1b"], medians["torch_1f1b"], medians["zpipe_gpipe"]
-    zk = medians["zpipe_1f1b_torch_warmups"]
+    zk = medians["zpipe_1f1b_asteroid_warmups"]
     assert z1.report is not None and zg.report is not None
     # Every run trains the same weights on the same data: one loss sequence for all.
     loss_diff = max(
@@ -747,13 +752,14 @@ def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     keys = {
         "ratio_vs_torch_1f1b": _ratio(z1.steady_samples_per_s, tt.steady_samples_per_s),
         "ratio_vs_torch_1f1b_whole_run": _ratio(z1.samples_per_s, tt.samples_per_s),
-        "ratio_vs_torch_1f1b_same_warmups": _ratio(
+        "ratio_vs_torch_1f1b_asteroid_warmups": _ratio(
             zk.steady_samples_per_s, tt.steady_samples_per_s
         ),
+        "asteroid_over_auto_warmups": _ratio(zk.steady_samples_per_s, z1.steady_samples_per_s),
         "zpipe_1f1b_steady_samples_per_s": _round(z1.steady_samples_per_s),
         "torch_1f1b_steady_samples_per_s": _round(tt.steady_samples_per_s),
         "zpipe_gpipe_steady_samples_per_s": _round(zg.steady_samples_per_s),
-        "zpipe_1f1b_torch_warmups_steady_samples_per_s": _round(zk.steady_samples_per_s),
+        "zpipe_1f1b_asteroid_warmups_steady_samples_per_s": _round(zk.steady_samples_per_s),
         "zpipe_1f1b_over_gpipe": _ratio(z1.steady_samples_per_s, zg.steady_samples_per_s),
         "loss_max_abs_diff": loss_diff,
         "losses_match_torch": losses_match,

@@ -148,6 +148,24 @@ def test_pipeedge_is_optimal_and_infeasible_exactly_when_brute_force_finds_nothi
     assert again["memory_violations"] == 0
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances())
+def test_the_greedy_bound_prunes_nothing_that_could_win(inst: Instance) -> None:
+    # Small lattices skip the greedy bound; force it on, and the plan must stay optimal
+    # with the fewest devices (a partial plan is only dropped when strictly worse).
+    import zpipe.planner.category_dp as category_dp
+
+    expected = brute_force(inst)
+    if expected is None:
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(category_dp, "SMALL_LATTICE", 0)
+        plan, objective = solve_pipeedge(inst.profile, inst.cluster, batch_size=1)
+    assert objective == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+    assert len(plan.stages) == expected[1]
+    assert_valid(plan, inst)
+
+
 @settings(max_examples=60, deadline=None)
 @given(inst=instances())
 def test_baselines_are_valid_and_never_beat_pipeedge(inst: Instance) -> None:
@@ -413,7 +431,7 @@ def test_a_bench_sized_problem_solves() -> None:
 
 
 def test_chunked_layers_give_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    import zpipe.planner.pipeedge as pipeedge
+    import zpipe.planner.category_dp as category_dp
 
     prof = synthetic_profile(
         [1.0 + (i % 3) for i in range(12)], [100_000 * (i % 4) for i in range(12)]
@@ -423,15 +441,17 @@ def test_chunked_layers_give_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> N
     )
     cl = ClusterSpec(devs)
     whole = plan_pipeedge(prof, cl, batch_size=1)
-    monkeypatch.setattr(pipeedge, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(category_dp, "CHUNK_ELEMENTS", 1)
     assert plan_pipeedge(prof, cl, batch_size=1) == whole
 
 
 def test_too_many_distinct_devices_is_refused_with_advice() -> None:
+    # Exact planning only: bucketing (the default, "auto") plans these (see
+    # test_planner_bucketing.py); the sparse DP solves 16 exactly, not 20.
     prof = synthetic_profile([1.0] * 96, [0] * 96)
-    devs = tuple(ClusterDevice(f"d{i}", speed=1.0 + i / 100) for i in range(16))
-    with pytest.raises(ConfigError, match=r"16 categories.*share a category"):
-        plan_pipeedge(prof, ClusterSpec(devs), batch_size=1)
+    devs = tuple(ClusterDevice(f"d{i}", speed=1.0 + i / 100) for i in range(20))
+    with pytest.raises(ConfigError, match=r"20 categories.*share a category.*bucket"):
+        plan_pipeedge(prof, ClusterSpec(devs), batch_size=1, bucketing="exact")
 
 
 _JSON = st.recursive(

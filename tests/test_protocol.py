@@ -38,8 +38,13 @@ def _type_names(schema: FieldSchema) -> str:
 # (run_request's num_units: only for user-code model families, which an older
 # coordinator would have imported itself), so what older peers exchange is unchanged.
 ADDED_IN_V1 = {
-    # num_units; progress: the client takes progress notices while state moves
-    "run_request": {"num_units": ["int/null", False], "progress": ["bool", False]},
+    # num_units; progress: the client takes progress notices while state moves;
+    # bucketing: how PipeEdge treats measured values, when not "auto"
+    "run_request": {
+        "num_units": ["int/null", False],
+        "progress": ["bool", False],
+        "bucketing": ["str/null", False],
+    },
     # the token of the stage's bulk connection, from a coordinator that has one
     "registered": {"bulk_token": ["str/null", False]},
     # a notice's number, which the client acknowledges (an older client ignores it)

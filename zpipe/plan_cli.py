@@ -12,9 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from zpipe._errors import ZpipeError
+from zpipe._errors import ConfigError, ZpipeError
 from zpipe.cli_common import DeprecatedAlias, positive_int
 from zpipe.planner import PLANNERS, ClusterSpec, Plan, load_cluster, plan_with, predict_plan
+from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.cluster import read_profile_file
 from zpipe.planner.hpp import plan_training, search_microbatch_and_order
 from zpipe.planner.plan import plan_json
@@ -81,6 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         "with --train, its largest)",
     )
     parser.add_argument(
+        "--bucketing",
+        type=_bucketing_arg,
+        default="auto",
+        metavar="MODE",
+        help="pipeedge: how measured speeds and bandwidths are grouped into categories: "
+        "'auto' (default: exact while the devices form few categories, else snapped to 5%% "
+        "buckets), 'exact', or a tolerance such as 0.1 or 10%%; a bucketed plan prints its "
+        "certified bound (real bottleneck over a proven lower bound of the optimum)",
+    )
+    parser.add_argument(
         "--compare", action="store_true", help="also show every other planner's plan and prediction"
     )
     training = parser.add_argument_group("training (--train)")
@@ -121,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bucketing_arg(text: str) -> str | float:
+    try:
+        return parse_bucketing(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _table(plan: Plan, profile: ModelProfile) -> str:
     names = [u.name for u in profile.units]
     pred = plan.predicted
@@ -140,6 +158,12 @@ def _table(plan: Plan, profile: ModelProfile) -> str:
             f"{pred.get(f'stage{i}_comm_s', 0.0) * 1e3:>8.1f}  "
             f"{pred.get(f'stage{i}_memory_bytes', 0.0) / 2**20:>9.1f}  "
             f"{names[s.start]} .. {names[s.end - 1]}"
+        )
+    if "bucketing_certified_ratio" in pred:
+        rows.append(
+            f"  bucketed to {pred['bucketing_tolerance']:.0%}: within "
+            f"{pred['bucketing_certified_ratio']:.3f}x of the exact optimum (certified; "
+            f"lower bound {pred['bucketing_lower_bound_s'] * 1e3:.1f} ms)"
         )
     return "\n".join(rows)
 
@@ -218,14 +242,14 @@ def _main_train(
 
 def _main_inference(args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec) -> Plan:
     size = args.microbatch_size if args.microbatch_size is not None else profile.batch_sizes[0]
-    plan = plan_with(args.planner, profile, cluster, size)
+    plan = plan_with(args.planner, profile, cluster, size, bucketing=args.bucketing)
     print(_table(plan, profile))
     if args.compare:
         for other in sorted(PLANNERS):
             if other == args.planner:
                 continue
             try:
-                alternative = plan_with(other, profile, cluster, size)
+                alternative = plan_with(other, profile, cluster, size, bucketing=args.bucketing)
             except ZpipeError as exc:
                 print(f"\n{other}: no plan ({exc})")
                 continue

@@ -53,6 +53,7 @@ from zpipe.recovery import REPLICATIONS
 from zpipe.training.lr_schedules import LR_SCHEDULES
 from zpipe.training.objectives import LOSSES, OPTIMIZERS, is_factory_name
 from zpipe.training.schedules import SCHEDULES
+from zpipe.training.warmup import WARMUP_POLICIES
 from zpipe.transport import security
 from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
@@ -135,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the coordinator plans the pipeline (default: hpp, Asteroid's hybrid plan)",
     )
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="(default: 1f1b)")
+    parser.add_argument(
+        "--warmup",
+        choices=WARMUP_POLICIES,
+        default="auto",
+        help="1F1B warm-up counts: asteroid (2(P-p)-1), torch (P-p, as Schedule1F1B) or auto "
+        "(default: torch's when stages share a host's cores, else Asteroid's)",
+    )
     parser.add_argument(
         "--optimizer",
         type=_optimizer_name,
@@ -497,6 +505,7 @@ def _train(
         **_settings(args, start_step),
         "num_microbatches": args.microbatches,
         "schedule": args.schedule,
+        "warmup": args.warmup,
         "progress": None,  # a bar when stderr is a terminal
     }
     if args.planner is not None:

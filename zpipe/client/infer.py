@@ -58,6 +58,8 @@ def inference_request(
         "wait_for_stages_s": float(options.wait_for_stages_s),
         "recover": options.recover,
         "recovery": options.recovery,
+        # left out when "auto", so that an older coordinator understands the request
+        **({} if options.bucketing == "auto" else {"bucketing": str(options.bucketing)}),
     }
 
 

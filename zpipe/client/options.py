@@ -15,12 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from zpipe._errors import ConfigError
+from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, DeadlinePolicy
 from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.objectives import check_loss, check_optimizer
+from zpipe.training.warmup import check_warmup_policy
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
 DEFAULT_REPLICATE_EVERY = 50
@@ -117,6 +119,10 @@ class InferOptions:
     ``stall_deadline``: how late the next result may be before the coordinator
     probes the stages (see :class:`TrainOptions`; default
     :data:`zpipe.recovery.DEFAULT_STALL_DEADLINE`).
+    ``bucketing``: how the PipeEdge planner treats the stages' measured speeds and
+    links: "auto" (the default: exact for a few distinct devices, else snapped to 5 %
+    buckets, with a certified bound in the plan's prediction), "exact", or a
+    tolerance such as 0.05 (:mod:`zpipe.planner.bucketing`).
     """
 
     microbatch_size: int | None = None
@@ -125,6 +131,7 @@ class InferOptions:
     stage_names: Sequence[str] | None = None
     dtype: str = "float32"
     planner: str | None = None
+    bucketing: str | float = "auto"
     profile: ModelProfile | None = None
     max_in_flight: int = 4
     wait_for_stages_s: float = 30.0
@@ -137,6 +144,7 @@ class InferOptions:
         _check_choice("recovery", self.recovery, RECOVERY_POLICIES)
         _normalize_placement(self)
         _check_count("max_in_flight", self.max_in_flight)
+        parse_bucketing(self.bucketing)
 
     @classmethod
     def from_keywords(
@@ -157,7 +165,10 @@ class TrainOptions:
     ``optimizer``: the optimizer's settings (``{"name": "sgd", "lr": 0.1}``);
     ``num_microbatches``: the parts each mini-batch is split into; ``loss``: the
     objective; ``schedule``: "1f1b" or "gpipe"; ``warmups``: each stage's
-    forwards before its first backward (1F1B's K_p); ``max_steps_in_flight``:
+    forwards before its first backward (1F1B's K_p); without them, ``warmup`` picks the
+    rule: "asteroid" (2(P - p) - 1), "torch" (P - p, as Schedule1F1B) or "auto" (the
+    default: torch's when stages share a host's cores, Asteroid's otherwise; see
+    :mod:`zpipe.training.warmup`); ``max_steps_in_flight``:
     mini-batches fed ahead of their losses.
     ``plan``: a training plan (device groups, unit ranges, shares, warm-ups; e.g. from
     :func:`zpipe.planner.hpp.plan_training`); its schedule, micro-batch count and
@@ -219,6 +230,7 @@ class TrainOptions:
     loss: str = "cross_entropy"
     schedule: str = "1f1b"
     warmups: Sequence[int] | None = None
+    warmup: str = "auto"
     plan: TrainingPlan | None = None
     partition: Sequence[Sequence[int]] | None = None
     stages: int | None = None
@@ -263,6 +275,7 @@ class TrainOptions:
         _check_count("max_steps_in_flight", self.max_steps_in_flight)
         if self.warmups is not None:
             object.__setattr__(self, "warmups", tuple(self.warmups))
+        check_warmup_policy(self.warmup)
         _normalize_placement(self)
 
     @property

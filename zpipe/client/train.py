@@ -76,6 +76,8 @@ def training_request(
         "loss": options.loss,
         "optimizer": dict(options.optimizer),
         "warmups": list(options.warmups) if options.warmups is not None else None,
+        # left out when "auto", so that an older coordinator understands the request
+        **({} if options.warmup == "auto" else {"warmup": options.warmup}),
         "plan": plan.to_dict() if plan is not None else None,
     }
     # Only when used: a coordinator that predates them refuses unknown settings.

@@ -167,6 +167,7 @@ class PlanInference(Job):
     batch_size: int
     dtype: str
     profile: Mapping[str, Any] | None = None
+    bucketing: str = "auto"  # measured values for PipeEdge: "auto", "exact" or a tolerance
 
 
 @dataclass(frozen=True)

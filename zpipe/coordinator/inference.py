@@ -31,7 +31,7 @@ from zpipe.coordinator.decisions import live_members, replan_in_place
 from zpipe.coordinator.events import Event, StageDied
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.planning import DEFAULT_PLANNER
+from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
 from zpipe.coordinator.runbase import BaseRun
 from zpipe.coordinator.runs import Run
 from zpipe.coordinator.sink_check import check_sink_reachable
@@ -186,6 +186,7 @@ class InferenceRun(BaseRun):
                     batch_size=batch,
                     dtype=dtype,
                     profile=request.get("profile"),
+                    bucketing=bucketing_of(request.get("bucketing")),
                 )
             else:
                 profiles = {

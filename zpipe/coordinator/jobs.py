@@ -141,6 +141,7 @@ class JobRunner:
             profile=profile,
             cluster=cluster,
             batch_size=job.batch_size,
+            bucketing=job.bucketing,
         )
 
     async def _plan_training(self, job: PlanTraining) -> Any:

@@ -28,10 +28,18 @@ from zpipe.planner import (
     plan_from_partition,
     plan_with,
 )
+from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.cluster import CLIENT
 from zpipe.planner.profile import ModelProfile
 
 DEFAULT_PLANNER = "pipeedge"
+
+
+def bucketing_of(value: object) -> str:
+    """A run request's ``bucketing`` (absent: ``"auto"``), checked: ``"auto"``, ``"exact"``
+    or a tolerance as a string. A bad value is a ConfigError the client is told."""
+    mode = parse_bucketing("auto" if value is None else value)
+    return mode if isinstance(mode, str) else repr(mode)
 
 
 def _link_of(member: Member) -> ClusterLink:
@@ -170,8 +178,10 @@ def choose_plan(
     profile: ModelProfile | None,
     cluster: ClusterSpec | None,
     batch_size: int,
+    bucketing: object = "auto",
 ) -> tuple[Plan, Plan | None]:
-    """The plan for a run, and the even partition it is compared with (if it differs)."""
+    """The plan for a run, and the even partition it is compared with (if it differs).
+    ``bucketing``: how the PipeEdge planner treats measured values (``plan_with``)."""
     if partition is not None:
         return plan_from_partition(num_units, names, partition), None
     if algo not in PLANNERS:
@@ -184,7 +194,7 @@ def choose_plan(
         raise ConfigError(
             f"the profile describes {profile.num_units} units but the model has {num_units}"
         )
-    plan = plan_with(algo, profile, cluster, batch_size)
+    plan = plan_with(algo, profile, cluster, batch_size, bucketing=bucketing)
     if algo == "even":
         return plan, None
     try:

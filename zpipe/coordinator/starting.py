@@ -10,6 +10,7 @@ A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
@@ -37,7 +38,7 @@ from zpipe.coordinator.decisions import (
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.inference import InferenceRun
-from zpipe.coordinator.planning import DEFAULT_PLANNER
+from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
 from zpipe.coordinator.sink_check import check_sink_reachable
@@ -51,6 +52,7 @@ from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
 from zpipe.training.objectives import check_train_settings
+from zpipe.training.warmup import stages_share_cores
 from zpipe.transport.codec import Message
 
 
@@ -166,6 +168,7 @@ def _start_run(
         batch_size=int(message.get("microbatch_size") or 1),
         dtype=str(message["dtype"]),
         profile=message.get("profile"),
+        bucketing=bucketing_of(message.get("bucketing")),
     )
     if mode == "train":
         return (yield from start.assign(message, None, straight=plan, replica=replica))
@@ -297,7 +300,9 @@ class _Training:
         """With ``replica``, every stage starts from its units' state in it."""
         state, spec = self.state, self.spec
         settings = dict(message.get("train") or {})
-        settings.pop("plan", None)
+        # The user's plan or warm-ups are kept as given; a plan the coordinator made takes
+        # the counts of the run's warm-up policy (zpipe.training.warmup).
+        own_counts = settings.pop("plan", None) is not None or settings.get("warmups") is not None
         if given is not None:
             num_units = yield CountUnits(spec, message.get("num_units"))
             if given.num_units != num_units:
@@ -306,7 +311,7 @@ class _Training:
                 )
             settings["schedule"] = given.schedule
             settings["num_microbatches"] = given.num_microbatches
-            settings["warmups"] = given.warmups
+            settings["warmups"] = given.warmups if own_counts else None
             members = yield _await_stages(message, names=given.devices)
             groups = [(list(st.devices), st.start, st.end, list(st.shares)) for st in given.stages]
             source: Plan | TrainingPlan = given
@@ -315,8 +320,17 @@ class _Training:
             members = yield _await_stages(message)
             groups = [([st.device], st.start, st.end, [1]) for st in straight.stages]
             source = straight
-        training = check_train_settings(settings, len(groups))
         by_name = {m.name: m for m in members}
+        shared = stages_share_cores(by_name[n].data_endpoint for g in groups for n in g[0])
+        training = check_train_settings(settings, len(groups), stages_share_cores=shared)
+        if given is not None and training["warmups"] != given.warmups:
+            given = replace(
+                given,
+                stages=tuple(
+                    replace(st, warmup=w)
+                    for st, w in zip(given.stages, training["warmups"], strict=True)
+                ),
+            )
         check_sink_reachable(
             str(message["sink_endpoint"]),
             {n: by_name[n].data_endpoint for n in groups[-1][0]},

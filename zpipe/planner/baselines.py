@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from zpipe._errors import ConfigError
+from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.cluster import ClusterSpec
 from zpipe.planner.cost import (
     InfeasiblePlanError,
@@ -168,12 +169,24 @@ PLANNERS: dict[str, Planner] = {
 }
 
 
-def plan_with(algo: str, profile: ModelProfile, cluster: ClusterSpec, batch_size: int) -> Plan:
-    """Run the planner called ``algo`` (see :data:`PLANNERS`)."""
+def plan_with(
+    algo: str,
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    batch_size: int,
+    *,
+    bucketing: object = "auto",
+) -> Plan:
+    """Run the planner called ``algo`` (see :data:`PLANNERS`). ``bucketing``
+    (:mod:`zpipe.planner.bucketing`) applies to ``pipeedge``, the one planner whose
+    cost grows with the number of distinct devices; it is checked for every planner."""
+    parse_bucketing(bucketing)
     try:
         planner = PLANNERS[algo]
     except KeyError:
         raise ConfigError(
             f"unknown planner {algo!r}; known: {', '.join(sorted(PLANNERS))}"
         ) from None
+    if algo == "pipeedge":
+        return plan_pipeedge(profile, cluster, batch_size=batch_size, bucketing=bucketing)
     return planner(profile, cluster, batch_size=batch_size)

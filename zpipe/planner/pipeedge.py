@@ -25,17 +25,19 @@ Transition to a next stage on category ``v`` covering ``[j, k)``:
     g(k, S + v, v) = min over (j, u) of max(g(j, S, u), T_comm(u -> v, P_j), T_comp(j..k, v))
 
 The hop's cost does not depend on ``k`` and the stage's compute does not
-depend on ``u``, so the min over ``u`` is taken first; that turns the paper's
-``L^2 * prod(n_c + 1) * N^2`` into ``L * (N^2 + N * L)`` per count vector.
-Order of evaluation: a state using ``t`` devices follows only from states
-using ``t - 1``, so the DP runs one layer of count vectors at a time and
-handles every ``(S, j, k)`` of a layer and category in a few numpy calls
-(``O(D * N)`` calls in all, in chunks that keep temporaries to a few MB)
-instead of a Python loop over ``j``. The memory check is Algorithm 1's break,
-as a mask: ``k`` stops at the last unit that still fits category ``v``'s
-memory (a binary search over prefix sums). The client's send of the input is
-the first hop; the last stage's send of the result to the client closes the
-pipeline.
+depend on ``u``, so the min over ``u`` is taken first. A state using ``t``
+devices follows only from states using ``t - 1``, so the DP runs one layer of
+count vectors at a time, in numpy, expanding only the vectors that can still
+win (:mod:`zpipe.planner.category_dp`: dominated partial plans and ones that
+cannot beat a greedy plan are dropped). The memory check is Algorithm 1's
+break, as a mask: ``k`` stops at the last unit that still fits category
+``v``'s memory. The client's send of the input is the first hop; the last
+stage's send of the result to the client closes the pipeline.
+
+Measured values: a coordinator's measured speeds and links make every device a
+category of its own; ``bucketing`` (:mod:`zpipe.planner.bucketing`) snaps them
+to buckets so that the categories stay few, and certifies how far the plan can
+be from the exact optimum.
 
 Ties: among plans with the least bottleneck the one with fewest devices wins,
 then the first found in a deterministic order (categories in cluster order,
@@ -46,10 +48,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import NoReturn
 
 import numpy as np
 
 from zpipe._errors import ConfigError
+from zpipe.planner.bucketing import (
+    DEFAULT_TOLERANCE,
+    MAX_TOLERANCE,
+    bucket_cluster,
+    certify,
+    parse_bucketing,
+)
+from zpipe.planner.category_dp import CategoryTables, DPTooLargeError, solve_categories
 from zpipe.planner.cluster import CLIENT, ClusterDevice, ClusterSpec
 from zpipe.planner.cost import (
     InfeasiblePlanError,
@@ -61,16 +73,15 @@ from zpipe.planner.cost import (
 from zpipe.planner.plan import Plan, StagePlan
 from zpipe.planner.profile import ModelProfile
 
-# Limits of an exact solve. Cells: g and its two parent arrays take 8 + 4 + 2 bytes
-# each. Work: element operations of the (S, i, k) arrays, about 2 ns each on one core,
-# so the limit is several seconds.
-MAX_DP_CELLS = 20_000_000
-MAX_DP_WORK = 2_500_000_000
-_CHUNK_ELEMENTS = 1 << 20
-
-# Bottlenecks within this relative distance count as equal when choosing the
-# plan with fewer devices: prefix-sum differences are not bit-exact.
-_TIE_RTOL = 1e-9
+# Limit of one solve: element operations of the DP's (S, i, k) arrays, about 2 ns each
+# on one core, so a few seconds. The sparse DP stores only live count vectors.
+MAX_DP_WORK = 1_500_000_000
+# A lattice this many times the limit is refused before the DP starts: even pruning
+# away most of it, the solve would pass the limit, after seconds of work.
+HOPELESS_FACTOR = 8
+# "auto" plans exactly while the full lattice of count vectors is at most this large
+# (12 distinct devices, or 4 categories of 7): the DP then takes well under a second.
+AUTO_EXACT_STATES = 1 << 12
 
 
 def _compute_key(device: ClusterDevice) -> tuple[str, object]:
@@ -138,43 +149,150 @@ def device_categories(cluster: ClusterSpec) -> list[list[str]]:
     return [sorted((n for b in found for n in b), key=order.__getitem__) for found in categories]
 
 
-def plan_pipeedge(profile: ModelProfile, cluster: ClusterSpec, *, batch_size: int) -> Plan:
+def plan_pipeedge(
+    profile: ModelProfile, cluster: ClusterSpec, *, batch_size: int, bucketing: object = "auto"
+) -> Plan:
     """PipeEdge's optimal plan: least bottleneck, then fewest devices.
 
-    Raises :class:`InfeasiblePlanError` when no choice of devices, order and
-    split fits every device's memory.
+    ``bucketing``: ``"auto"`` (the default), ``"exact"`` or a tolerance; see
+    :func:`solve_pipeedge`. Raises :class:`InfeasiblePlanError` when no choice of
+    devices, order and split fits every device's memory.
     """
-    plan, _ = solve_pipeedge(profile, cluster, batch_size=batch_size)
+    plan, _ = solve_pipeedge(profile, cluster, batch_size=batch_size, bucketing=bucketing)
     return plan
 
 
 def solve_pipeedge(
-    profile: ModelProfile, cluster: ClusterSpec, *, batch_size: int
+    profile: ModelProfile, cluster: ClusterSpec, *, batch_size: int, bucketing: object = "auto"
 ) -> tuple[Plan, float]:
-    """:func:`plan_pipeedge` and the DP's optimal bottleneck in seconds."""
+    """:func:`plan_pipeedge` and the plan's bottleneck in seconds (the DP's optimum when exact).
+
+    ``bucketing`` (:mod:`zpipe.planner.bucketing`): ``"exact"`` plans on the
+    values as given, and refuses a cluster whose categories are too many;
+    a tolerance (``0.05``) plans on speeds and bandwidths snapped to buckets
+    of that width, and the plan's ``predicted`` carries the certified bound
+    (``bucketing_certified_ratio``: its real bottleneck over a proven lower
+    bound of the exact optimum, at most ``1 + tolerance``); ``"auto"`` is
+    exact while the count vectors are at most :data:`AUTO_EXACT_STATES` (so
+    every cluster that PipeEdge's DP plans quickly gets the exact plan), else
+    bucketed at :data:`DEFAULT_TOLERANCE`, widened (doubling, up to
+    :data:`MAX_TOLERANCE`) only while the DP would still be too large.
+    """
+    mode = parse_bucketing(bucketing)
+    check_memory_totals(profile.memory_bytes(batch_size), cluster.devices, profile)
+    if mode == "exact":
+        return _solve_exact(profile, cluster, batch_size)
+    if mode == "auto":
+        categories = device_categories(cluster)
+        if _lattice_size([len(c) for c in categories]) <= AUTO_EXACT_STATES:
+            return _solve_exact(profile, cluster, batch_size, categories)
+        tolerances = _widening(DEFAULT_TOLERANCE)
+    else:
+        assert isinstance(mode, float)
+        tolerances = [mode]
+    tried = math.inf
+    for k, tolerance in enumerate(tolerances):
+        last = k + 1 == len(tolerances)
+        bucketed = bucket_cluster(cluster, tolerance, batch_size=batch_size)
+        categories = device_categories(bucketed.cluster)
+        if len(categories) >= tried and not last:
+            continue  # a wider bucket merged nothing: the DP would fail as before
+        tried = len(categories)
+        try:
+            plan, optimum = _solve_categories(profile, bucketed.cluster, batch_size, categories)
+        except DPTooLargeError as exc:
+            if not last:
+                continue
+            raise ConfigError(
+                f"{exc}: even with speeds and bandwidths bucketed to {tolerance:.0%} the "
+                f"cluster's {len(cluster.devices)} devices form too many categories; give "
+                "devices that are alike the same memory, or plan over fewer devices"
+            ) from None
+        predicted = predict_plan(plan, profile, cluster, batch_size)
+        certificate = certify(
+            bucketed,
+            optimum,
+            predicted["bottleneck_s"],
+            _optimistic_optimum(profile, cluster, batch_size, tolerance, categories),
+        )
+        predicted.update(plan.predicted)
+        predicted.update(certificate.as_prediction())
+        predicted["planner_objective_s"] = optimum
+        return replace(plan, predicted=predicted), predicted["bottleneck_s"]
+    raise AssertionError("unreachable: at least one tolerance is tried")
+
+
+def _optimistic_optimum(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    batch_size: int,
+    tolerance: float,
+    categories: list[list[str]],
+) -> float:
+    """The optimum with every bucket at its fastest value: a lower bound of the exact
+    optimum (0 when that DP is too large; the a-priori bound still holds)."""
+    optimistic = bucket_cluster(cluster, tolerance, batch_size=batch_size, optimistic=True)
+    try:
+        return _solve_categories(profile, optimistic.cluster, batch_size, categories)[1]
+    except DPTooLargeError:
+        return 0.0
+
+
+def _widening(start: float) -> list[float]:
+    """``start``, then doubled until :data:`MAX_TOLERANCE`."""
+    out = [start]
+    while out[-1] < MAX_TOLERANCE:
+        out.append(min(MAX_TOLERANCE, out[-1] * 2))
+    return out
+
+
+def _lattice_size(counts: Sequence[int]) -> int:
+    return math.prod(n + 1 for n in counts)
+
+
+def _solve_exact(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    batch_size: int,
+    categories: list[list[str]] | None = None,
+) -> tuple[Plan, float]:
+    try:
+        plan, optimum = _solve_categories(profile, cluster, batch_size, categories)
+    except DPTooLargeError as exc:
+        n_cat = len(device_categories(cluster)) if categories is None else len(categories)
+        raise ConfigError(
+            f"the cluster's {len(cluster.devices)} devices form {n_cat} categories of "
+            f"interchangeable devices, too many to plan {profile.num_units} units exactly "
+            f"in reasonable time and memory ({exc}); give devices that are alike the same "
+            "speed, memory and links so that they share a category, plan over fewer "
+            "devices, or bucket measured values (bucketing='auto' or a tolerance)"
+        ) from None
+    predicted = predict_plan(plan, profile, cluster, batch_size)
+    predicted.update(plan.predicted)
+    return replace(plan, predicted=predicted), optimum
+
+
+def _solve_categories(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    batch_size: int,
+    categories: list[list[str]] | None = None,
+) -> tuple[Plan, float]:
+    """The category DP on ``cluster`` as given: the plan (its ``predicted`` holds only the
+    DP's own figures) and the optimal bottleneck."""
     num_units = profile.num_units
     memory = profile.memory_bytes(batch_size)
     out_bytes = profile.output_bytes(batch_size)
     in_bytes = profile.input_bytes_at(batch_size)
-    check_memory_totals(memory, cluster.devices, profile)
-
-    categories = device_categories(cluster)
+    if categories is None:
+        categories = device_categories(cluster)
     reps = [cluster.device(members[0]) for members in categories]
     counts = [len(members) for members in categories]
     n_cat = len(categories)
-    strides = [1] * n_cat
-    for c in range(1, n_cat):
-        strides[c] = strides[c - 1] * (counts[c - 1] + 1)
-    n_states = strides[-1] * (counts[-1] + 1)
-    cells = n_cat * n_states * (num_units + 1)
-    work = n_cat * n_states * num_units * (num_units + 1)
-    if cells > MAX_DP_CELLS or work > MAX_DP_WORK:
-        raise ConfigError(
-            f"the cluster's {len(cluster.devices)} devices form {n_cat} categories of "
-            f"interchangeable devices ({n_states} device-count combinations), too many to plan "
-            f"{num_units} units exactly in reasonable time and memory; give devices that are "
-            "alike the same speed, memory and links so that they share a category, or plan "
-            "over fewer devices"
+    dense_work = _lattice_size(counts) * n_cat * num_units * (num_units + 1)
+    if dense_work > HOPELESS_FACTOR * MAX_DP_WORK:
+        raise DPTooLargeError(
+            f"{_lattice_size(counts)} device-count combinations, far past the DP's limit"
         )
 
     # Per-category tables over unit boundaries 0..L.
@@ -209,10 +327,6 @@ def solve_pipeedge(
     source = np.array([cluster.comm_time_s(CLIENT, r.name, in_bytes) for r in reps])
     sink = np.array([cluster.comm_time_s(r.name, CLIENT, out_bytes[-1]) for r in reps])
 
-    digits = np.arange(n_states)
-    used = np.stack([(digits // strides[c]) % (counts[c] + 1) for c in range(n_cat)])
-    total_used = used.sum(axis=0)
-
     # comp[c][i, k]: compute time of units [i, k) on category c; inf where the range is
     # empty or no longer fits c's memory (Algorithm 1's break, as a mask).
     k_idx = np.arange(num_units + 1)[None, :]
@@ -223,78 +337,36 @@ def solve_pipeedge(
         fits = (k_idx > i_idx) & (k_idx <= jmax[c][:, None])
         comp[c] = np.where(fits, spans, np.inf)
 
-    g = np.full((n_cat, n_states, num_units + 1), np.inf)
-    par_i = np.full((n_cat, n_states, num_units + 1), -1, dtype=np.int32)
-    par_u = np.full((n_cat, n_states, num_units + 1), -2, dtype=np.int16)
-    # Count vectors per numpy call, so that no temporary array outgrows a few MB.
-    chunk = max(1, _CHUNK_ELEMENTS // (num_units * max(num_units + 1, n_cat * n_cat)))
-
-    # A state with t devices follows only from states with t - 1, so one layer of count
-    # vectors at a time handles every (S, i, k) of that layer in a few array operations.
-    for t in range(1, len(cluster.devices) + 1):
-        layer = np.nonzero(total_used == t - 1)[0]
-        any_live = False
-        for lo in range(0, layer.size, chunk):
-            rows = layer[lo : lo + chunk]
-            if t == 1:
-                base = np.full((1, num_units, n_cat), np.inf)  # [S, i, v]
-                base[0, 0] = source
-                arg = np.full((1, num_units, n_cat), -1, dtype=np.int16)
-            else:
-                src = np.moveaxis(g[:, rows, :num_units], 0, -1)  # [S, i, u]
-                live = np.isfinite(src).any(axis=(1, 2))
-                if not live.any():
-                    continue
-                rows, src = rows[live], src[live]
-                cand = np.maximum(src[:, :, :, None], hop[None, :num_units])  # [S, i, u, v]
-                arg = cand.argmin(axis=2).astype(np.int16)
-                base = np.take_along_axis(cand, arg[:, :, None, :], axis=2)[:, :, 0, :]
-            any_live = True
-            for v in range(n_cat):
-                sel = np.nonzero(used[v, rows] < counts[v])[0]
-                if sel.size == 0:
-                    continue
-                cost = np.maximum(base[sel, :, v][:, :, None], comp[v][None])  # [S, i, k]
-                best_i = cost.argmin(axis=1)  # [S, k]
-                dst = rows[sel] + strides[v]
-                g[v, dst] = np.take_along_axis(cost, best_i[:, None, :], axis=1)[:, 0, :]
-                par_i[v, dst] = best_i
-                par_u[v, dst] = np.take_along_axis(arg[sel, :, v], best_i, axis=1)
-        if not any_live:
-            break  # no state with t - 1 devices is reachable, so none with more is
-
-    final = np.maximum(g[:, :, num_units], sink[:, None])  # [u, S]
-    best = float(final.min())
-    if not math.isfinite(best):
+    solution = solve_categories(
+        CategoryTables(
+            counts=counts,
+            comp=comp,
+            hop=hop,
+            source=source,
+            sink=sink,
+            unit_times=np.diff(comp_prefix, axis=1),
+        ),
+        max_devices=len(cluster.devices),
+        max_work=MAX_DP_WORK,
+    )
+    if solution is None:
         _raise_fragmented(memory, cluster.devices)
-    # Fewest devices among the (near-)optimal end states, then the lowest (u, S).
-    near = np.argwhere(final <= best * (1 + _TIE_RTOL))
-    u_end, s_end = min(near.tolist(), key=lambda us: (int(total_used[us[1]]), us[0], us[1]))
-
-    stages_rev: list[tuple[int, int, int]] = []
-    k, s, u = num_units, s_end, u_end
-    while k > 0:
-        i = int(par_i[u, s, k])
-        prev = int(par_u[u, s, k])
-        stages_rev.append((u, i, k))
-        s -= strides[u]
-        k, u = i, prev
+    assert solution is not None
     next_member = [0] * n_cat
     stages = []
-    for c, start, end in reversed(stages_rev):
+    for c, start, end in solution.stages:
         stages.append(StagePlan(categories[c][next_member[c]], start, end))
         next_member[c] += 1
-    plan = Plan(algo="pipeedge", num_units=num_units, stages=tuple(stages))
-    predicted = predict_plan(plan, profile, cluster, batch_size)
-    predicted["planner_objective_s"] = float(final[u_end, s_end])
-    predicted["num_categories"] = float(n_cat)
-    return (
-        Plan(algo="pipeedge", num_units=num_units, stages=plan.stages, predicted=predicted),
-        float(final[u_end, s_end]),
-    )
+    predicted = {
+        "planner_objective_s": solution.bottleneck_s,
+        "num_categories": float(n_cat),
+        "dp_live_states": float(solution.live_states),
+    }
+    plan = Plan(algo="pipeedge", num_units=num_units, stages=tuple(stages), predicted=predicted)
+    return plan, solution.bottleneck_s
 
 
-def _raise_fragmented(memory: Sequence[int], devices: Sequence[ClusterDevice]) -> None:
+def _raise_fragmented(memory: Sequence[int], devices: Sequence[ClusterDevice]) -> NoReturn:
     held = sum(d.memory_bytes or 0 for d in devices)
     raise InfeasiblePlanError(
         f"the model needs {fmt_bytes(sum(memory))} and the {len(devices)} devices together "

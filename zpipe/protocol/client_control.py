@@ -71,6 +71,9 @@ class RunRequest(WireMessage):
     num_units: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     # the client takes ``progress`` notices while it waits on state that moves slowly
     progress: bool | None = wire(BOOL, default=None, omit_if_none=True)
+    # how PipeEdge treats measured values ("exact" or a tolerance such as "0.05"); sent
+    # only when not "auto", so that an older coordinator still understands the request
+    bucketing: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 @wire_message

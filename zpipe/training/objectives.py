@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from zpipe._errors import ConfigError
 from zpipe.training.lr_schedules import check_lr_schedule
-from zpipe.training.schedules import SCHEDULES, asteroid_warmup
+from zpipe.training.schedules import SCHEDULES
+from zpipe.training.warmup import check_warmup_policy, resolve_warmup_policy, warmup_counts
 
 if TYPE_CHECKING:
     from zpipe.models.trust import FactoryPolicy
@@ -234,14 +235,19 @@ TRAIN_SETTINGS = (
     "lr_schedule",
     "start_step",
     "resume_optimizer",
+    "warmup",
 )
 
 
-def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[str, Any]:
+def check_train_settings(
+    settings: Mapping[str, Any], num_stages: int, *, stages_share_cores: bool = False
+) -> dict[str, Any]:
     """A run's training settings, checked, with each stage's warm-up filled in.
 
-    ``warmups`` (optional) gives K_p per stage; without it GPipe uses M and
-    1F1B Asteroid's K_p = min(2(P - p) - 1, M).
+    ``warmups`` (optional) gives K_p per stage; without it GPipe uses M and 1F1B
+    the ``warmup`` policy's counts (:mod:`zpipe.training.warmup`): ``"asteroid"``
+    K_p = min(2(P - p) - 1, M), ``"torch"`` min(P - p, M), ``"auto"`` (the default)
+    torch's when ``stages_share_cores``, else Asteroid's.
     """
     if not isinstance(settings, Mapping):
         raise ConfigError(f"training settings must be a mapping, got {settings!r}")
@@ -254,12 +260,14 @@ def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[s
     m = settings.get("num_microbatches")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ConfigError(f"num_microbatches must be an integer >= 1, got {m!r}")
+    policy = check_warmup_policy(settings.get("warmup") or "auto")
     warmups = settings.get("warmups")
     if warmups is None:
         if schedule == "gpipe":
             warmups = [m] * num_stages
         else:
-            warmups = [asteroid_warmup(num_stages, p, m) for p in range(num_stages)]
+            resolved = resolve_warmup_policy(policy, stages_share_cores=stages_share_cores)
+            warmups = warmup_counts(resolved, num_stages, m)
     else:
         warmups = [int(w) for w in warmups]
         if len(warmups) != num_stages:

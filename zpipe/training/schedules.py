@@ -68,6 +68,15 @@ def asteroid_warmup(num_stages: int, stage: int, num_microbatches: int) -> int:
     return min(2 * (num_stages - stage) - 1, num_microbatches)
 
 
+def torch_warmup(num_stages: int, stage: int, num_microbatches: int) -> int:
+    """``torch.distributed.pipelining``'s ``Schedule1F1B`` warm-up ``min(P - p, M)`` for
+    0-indexed stage ``p``: for P = 3, 3, 2, 1 (see :mod:`zpipe.training.warmup` for
+    when zpipe uses it)."""
+    _check_stage(stage, num_stages)
+    _check_count("num_microbatches", num_microbatches)
+    return min(num_stages - stage, num_microbatches)
+
+
 def _check_times(name: str, values: Sequence[float], lengths: tuple[int, ...]) -> list[float]:
     if len(values) not in lengths:
         if len(lengths) == 1:
