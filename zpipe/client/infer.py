@@ -30,13 +30,18 @@ from zpipe.client.options import InferOptions
 from zpipe.client.reports import RunReport
 from zpipe.client.session import RunSession, model_fields
 from zpipe.client.sink_limits import most_rows, sink_limits
+from zpipe.client.trace import write_trace
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
+from zpipe.progress import Progress
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
 
 log = get_logger("zpipe.client")
+
+# what the client waits for between its request and the plan: named, for the person
+PLANNING = "planning: stages profile the model, the coordinator measures links and plans"
 
 
 def inference_request(
@@ -77,13 +82,16 @@ class InferenceRun:
         session = RunSession(
             self.connection, what="stream", stall_deadline=self.options.stall_deadline
         )
-        ready = await session.request_run(
-            inference_request(self.model, self.options, self.connection.sink_endpoint),
-            wait_for_stages_s=self.options.wait_for_stages_s,
-            doing="start the run",
-        )
+        async with Progress(self.options.phases).waiting(PLANNING):
+            ready = await session.request_run(
+                inference_request(self.model, self.options, self.connection.sink_endpoint),
+                wait_for_stages_s=self.options.wait_for_stages_s,
+                doing="start the run",
+            )
         stream = _Stream(session, ready, self.options)
         try:
+            if self.options.on_plan is not None:
+                self.options.on_plan(stream.plan)
             # before the last stage connects (on go): the sink takes what this run sends
             rows = most_rows(batches, self.options.microbatch_size)
             self.connection.limit_sink(sink_limits(self.model, rows, self.connection.sink_fallback))
@@ -93,8 +101,11 @@ class InferenceRun:
         finally:
             await session.close()
             stream.close()
-        stream.report.stages = await session.finish()
+        trace = self.options.trace
+        stream.report.stages = await session.finish(timeline=trace is not None)
         self.report = stream.report
+        if trace is not None:
+            write_trace(trace, session.timelines, run=session.run)
 
 
 class _Stream:
@@ -111,6 +122,7 @@ class _Stream:
         self.microbatch_size = options.microbatch_size
         self.window = asyncio.Semaphore(options.max_in_flight)
         self.progress = options.progress
+        self.on_plan = options.on_plan
         baseline = ready.get("baseline")
         self.report = RunReport(
             run=session.run,
@@ -265,6 +277,8 @@ class _Stream:
             self.session.follow(notice.epoch, str(notice["last_stage"]), notice["last_key"])
             self.plan = Plan.from_dict(notice["plan"])
             self.report.plan = self.plan
+            if self.on_plan is not None:
+                self.on_plan(self.plan)
             replayed = sorted(self.unanswered)
             for mb in replayed:
                 await self._send_input(mb, self.unanswered[mb])

@@ -137,7 +137,11 @@ class CoordinatorCore:
         self.state.confirm(member.name)
         membership.heard_from(member.name, now, message.get("metrics"), kind=kind)
         if kind == "heartbeat":
-            return [Send(event.routing_id, Message("heartbeat_ack"), member.name, heartbeat_s)]
+            # a stamped heartbeat gets its stamp back with this clock's (clock offsets)
+            sent = message.get("clock")
+            stamps = {} if sent is None else {"echo": sent, "clock": now}
+            ack = Message("heartbeat_ack", stamps)
+            return [Send(event.routing_id, ack, member.name, heartbeat_s)]
         if kind == "probe_ack":
             claim = self.claims.answered(member.name, message.get("nonce"))
             if claim is not None:
@@ -302,6 +306,7 @@ class CoordinatorCore:
         }
         if event.bulk_token:
             body["bulk_token"] = state.bulk.issue(name, event.bulk_token, event.routing_id)
+        body["clock"] = now  # this coordinator stamps heartbeat acks
         registered = Message("registered", body)
         return [
             *out,

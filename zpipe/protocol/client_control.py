@@ -20,6 +20,7 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_BOOL,
     OPT_INT,
     OPT_LIST,
     OPT_MAP,
@@ -110,6 +111,8 @@ class RunStarted(WireMessage):
 class RunEnd(WireMessage):
     KIND: ClassVar[str] = "run_end"
     run: int = wire(INT)
+    # the client wants each stage's timeline in the report (a trace)
+    timeline: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -117,6 +120,8 @@ class RunReport(WireMessage):
     KIND: ClassVar[str] = "run_report"
     run: int = wire(INT)
     stages: dict[str, Any] = wire(MAP)
+    # stage name -> its timeline (see Metrics), when the run_end asked for them
+    timelines: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message
