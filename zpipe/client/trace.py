@@ -119,6 +119,9 @@ def chrome_trace(timelines: Mapping[str, Mapping[str, Any]], *, run: int = 0) ->
             "run": run,
             "clock": "coordinator",
             "stages": list(timelines),
+            # each stage's clock offset to the coordinator's, and the round trip that
+            # measured it (None: not measured, the stage's own clock is used)
+            "offset_s": {stage: timelines[stage].get("offset_s") for stage in timelines},
             "offset_rtt_s": {stage: timelines[stage].get("rtt_s") for stage in timelines},
         },
     }

@@ -254,6 +254,7 @@ class StageRuntime:
                 )
                 reply = decode_frames(frames, self.config.socket_options.max_message_bytes)
                 commands = lifecycle.registration_reply(reply, time.monotonic())
+                self._on_clock(reply)
                 await self._on_registered(reply)
             except TransportTimeout:
                 continue
@@ -264,8 +265,10 @@ class StageRuntime:
 
     async def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
-            await asyncio.sleep(self.lifecycle.heartbeat_interval_s)
+            # the first beat at once: its acknowledgement measures the clock offset
+            # (timelines) before a run can start
             await self._carry_out(self.lifecycle.heartbeat_due(time.monotonic()))
+            await asyncio.sleep(self.lifecycle.heartbeat_interval_s)
 
     async def _control_loop(self) -> None:
         ports = self._ports
