@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -101,7 +102,10 @@ class Progress:
             desc=desc,
             file=self.stream,
             disable=not self.enabled,
-            dynamic_ncols=True,
+            # a terminal that reports no size (a pty under `script`, some CI
+            # consoles) would make tqdm draw nothing at all
+            ncols=shutil.get_terminal_size().columns,
+            nrows=shutil.get_terminal_size().lines,
             **extra,
         )
 
