@@ -47,8 +47,10 @@ def test_counters_reset_clears_the_timeline_but_heartbeats_never_carry_it() -> N
     counters.timeline.record(0, "recv", 1.0, 2.0)
     assert "timeline" not in counters.to_dict()
     counters.busy_s = 3.0
-    counters.reset()
-    assert counters.busy_s == 0.0 and counters.timeline.spans() == []
+    counters.reset(keep_timeline=True)  # a re-plan of the same run
+    assert counters.busy_s == 0.0 and len(counters.timeline.spans()) == 1
+    counters.reset()  # the next run
+    assert counters.timeline.spans() == []
 
 
 def test_the_offset_comes_from_the_shortest_round_trip() -> None:

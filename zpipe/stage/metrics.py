@@ -83,11 +83,12 @@ class StageCounters:
         )
         return data
 
-    def reset(self) -> None:
+    def reset(self, *, keep_timeline: bool = False) -> None:
         fresh = StageCounters()
         for name, value in fresh._numbers().items():
             setattr(self, name, value)
-        self.timeline.clear()
+        if not keep_timeline:
+            self.timeline.clear()
 
 
 class LinkMeter:
