@@ -43,7 +43,12 @@ ADDED_IN_V1 = {
     "registered": {"bulk_token": ["str/null", False], "clock": ["int/float/null", False]},
     # a notice's number, which the client acknowledges (an older client ignores it)
     "stage_failed": {"seq": ["int/null", False]},
-    "run_replanned": {"seq": ["int/null", False], "first_max_message_bytes": ["int/null", False]},
+    "run_replanned": {
+        "seq": ["int/null", False],
+        "first_max_message_bytes": ["int/null", False],
+        # the coordinator's clock at the recovery (a trace marks it)
+        "clock": ["int/float/null", False],
+    },
     # the unit fetches the new plan makes from this stage (a holder refuses others)
     "link_peers": {"fetches": ["list/null", False]},
     # a stage's data port limit per frame, and the first stage's for the client

@@ -16,7 +16,7 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.client import InferOptions
-from zpipe.client.trace import TRACKS, chrome_trace, write_trace
+from zpipe.client.trace import TRACKS, chrome_trace, recovery_marks, write_trace
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.stage.metrics import StageCounters
@@ -101,6 +101,22 @@ def test_the_trace_puts_each_stage_on_its_own_process_and_shifts_its_clock() -> 
     assert by_name[(1, "recv mb0")]["tid"] == tid["recv"]
     assert by_name[(2, "step")]["tid"] == tid["compute"]
     assert trace["otherData"]["run"] == 7 and trace["displayTimeUnit"] == "ms"
+
+
+def test_a_recovery_is_marked_where_it_happened_on_the_coordinators_clock() -> None:
+    class Report:
+        recoveries = [
+            {"dead": "b", "recovered_s": 1.5, "replayed": 3, "clock": 20.0},
+            {"dead": "c", "recovered_s": 1.0, "replayed": 1, "clock": None},  # an older one
+        ]
+
+    marks = recovery_marks(Report())
+    assert marks == [("stage b failed", 18.5), ("re-planned without b (3 replayed)", 20.0)]
+    trace = chrome_trace({"a": {"spans": [[0, "compute", 18.0, 19.0]]}}, marks=marks)
+    instants = {e["name"]: e for e in trace["traceEvents"] if e["ph"] == "i"}
+    assert instants["stage b failed"]["ts"] == pytest.approx(0.5e6)
+    assert instants["re-planned without b (3 replayed)"]["ts"] == pytest.approx(2e6)
+    assert all(e["s"] == "g" for e in instants.values())
 
 
 def test_dropped_spans_are_marked_and_an_empty_trace_is_still_a_trace(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from zpipe.client.options import InferOptions
 from zpipe.client.reports import RunReport
 from zpipe.client.session import RunSession, model_fields
 from zpipe.client.sink_limits import most_rows, sink_limits
-from zpipe.client.trace import write_trace
+from zpipe.client.trace import recovery_marks, write_trace
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
@@ -105,7 +105,9 @@ class InferenceRun:
         stream.report.stages = await session.finish(timeline=trace is not None)
         self.report = stream.report
         if trace is not None:
-            write_trace(trace, session.timelines, run=session.run)
+            write_trace(
+                trace, session.timelines, run=session.run, marks=recovery_marks(self.report)
+            )
 
 
 class _Stream:
@@ -291,6 +293,8 @@ class _Stream:
                 "epoch": notice.epoch,
                 # this process's time.monotonic() when the new plan arrived
                 "at": time.monotonic(),
+                # the coordinator's clock when the new plan ran (None: an older one)
+                "clock": notice.get("clock"),
             }
         )
         log.warning(

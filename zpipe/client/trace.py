@@ -13,13 +13,15 @@ half the best round trip). Times start at the run's first span.
 
 The format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 (the "JSON Object Format", ``{"traceEvents": [...], "displayTimeUnit": "ms"}``).
+A recovery of an inference stream is marked with global instants: the stage's
+failure and the new plan running.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +69,32 @@ def _offset(timeline: Mapping[str, Any]) -> float:
     return 0.0  # not measured (an older coordinator): the stage's own clock
 
 
-def chrome_trace(timelines: Mapping[str, Mapping[str, Any]], *, run: int = 0) -> dict[str, Any]:
+def recovery_marks(report: Any) -> list[tuple[str, float]]:
+    """The instants to mark in a run's trace: for each recovery whose notice carried the
+    coordinator's clock, the stage's failure and the new plan running."""
+    marks: list[tuple[str, float]] = []
+    for recovery in getattr(report, "recoveries", None) or []:
+        clock = recovery.get("clock")
+        if not isinstance(clock, (int, float)) or not math.isfinite(clock):
+            continue
+        dead = recovery.get("dead")
+        took = recovery.get("recovered_s")
+        if isinstance(took, (int, float)) and math.isfinite(took):
+            marks.append((f"stage {dead} failed", float(clock) - float(took)))
+        replayed = recovery.get("replayed", 0)
+        marks.append((f"re-planned without {dead} ({replayed} replayed)", float(clock)))
+    return marks
+
+
+def chrome_trace(
+    timelines: Mapping[str, Mapping[str, Any]],
+    *,
+    run: int = 0,
+    marks: Sequence[tuple[str, float]] = (),
+) -> dict[str, Any]:
     """The trace-event document of every stage's timeline (stage name -> its timeline,
-    as the run report carries it), in the order given."""
+    as the run report carries it), in the order given; ``marks``: (name, time on the
+    coordinator's clock) drawn as instants across every track (recoveries)."""
     shifted: dict[str, list[tuple[int, str, float, float]]] = {}
     for stage, timeline in timelines.items():
         offset = _offset(timeline)
@@ -112,6 +137,10 @@ def chrome_trace(timelines: Mapping[str, Mapping[str, Any]], *, run: int = 0) ->
                     "tid": 1,
                 }
             )
+    for name, at in marks:
+        events.append(
+            {"name": name, "ph": "i", "s": "g", "ts": round((at - origin) * 1e6, 3), "pid": 0}
+        )
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -132,11 +161,15 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 
 def write_trace(
-    path: str | Path, timelines: Mapping[str, Mapping[str, Any]], *, run: int = 0
+    path: str | Path,
+    timelines: Mapping[str, Mapping[str, Any]],
+    *,
+    run: int = 0,
+    marks: Sequence[tuple[str, float]] = (),
 ) -> Path:
     """Write :func:`chrome_trace` to ``path``; returns it."""
     target = Path(path)
     if not timelines:
         log.warning("trace_empty", path=str(target), reason="no stage sent a timeline")
-    target.write_text(json.dumps(chrome_trace(timelines, run=run)))
+    target.write_text(json.dumps(chrome_trace(timelines, run=run, marks=marks)))
     return target

@@ -154,6 +154,8 @@ class RunReplanned(WireMessage):
     last_endpoint: str = wire(STR)
     seq: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     first_max_message_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # the coordinator's clock when the new plan ran (a trace marks the recovery there)
+    clock: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
 
 
 @wire_message
