@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zpipe import demo, plan_cli, profiler, train_cli
+from zpipe.client.batches import microbatch_count
 from zpipe.cluster import LocalCluster
 from zpipe.lossy.multiprocess import DevicePool
 from zpipe.models import ModelSpec
@@ -144,6 +145,23 @@ def test_fit_hears_the_plan_before_the_first_step_and_its_bar_has_a_total(
     err = capsys.readouterr().err
     assert "3/3" in err  # the bar knew how many mini-batches there were
     assert "planning:" in err  # the wait for the plan was named
+
+
+def test_infer_names_the_wait_and_counts_microbatches_against_a_total(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = ModelSpec("mlp", {"dims": [6, 8, 3]}, seed=2)
+    batches = [(torch.randn(5, 6),), (torch.randn(2, 6),)]
+    assert microbatch_count(batches, 2) == 4 and microbatch_count(batches, None) == 2
+    assert microbatch_count(iter(batches), 2) is None  # not known before the end
+    plans: list[object] = []
+    capsys.readouterr()
+    cluster.infer(
+        spec, batches, microbatch_size=2, planner="even", phases=True, on_plan=plans.append
+    )
+    err = capsys.readouterr().err
+    assert "planning:" in err and "4/4" in err  # 3 + 1 micro-batches
+    assert len(plans) == 1 and plans[0].devices[:2] == ["s0", "s1"]  # type: ignore[attr-defined]
 
 
 def test_train_prints_the_plan_before_training(

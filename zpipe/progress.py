@@ -115,7 +115,7 @@ class ResultBar:
     micro-batches, made at the first result so that its rate is the stream's
     (the time to start, profile and plan left out)."""
 
-    def __init__(self, progress: Progress, *, total: int, desc: str = "streaming") -> None:
+    def __init__(self, progress: Progress, *, total: int | None, desc: str = "streaming") -> None:
         self.progress = progress
         self.total = total
         self.desc = desc

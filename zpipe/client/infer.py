@@ -23,6 +23,7 @@ from zpipe.client.batches import (
     Outputs,
     as_tensors,
     check_fits_first_stage,
+    microbatch_count,
     split_microbatches,
 )
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
@@ -34,7 +35,7 @@ from zpipe.client.trace import recovery_marks, write_trace
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
-from zpipe.progress import Progress
+from zpipe.progress import Progress, ResultBar
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
 
@@ -89,6 +90,9 @@ class InferenceRun:
                 doing="start the run",
             )
         stream = _Stream(session, ready, self.options)
+        bar = _default_bar(self.options, batches)
+        if bar is not None:
+            stream.progress = bar
         try:
             if self.options.on_plan is not None:
                 self.options.on_plan(stream.plan)
@@ -101,6 +105,8 @@ class InferenceRun:
         finally:
             await session.close()
             stream.close()
+            if bar is not None:
+                bar.close()
         trace = self.options.trace
         stream.report.stages = await session.finish(timeline=trace is not None)
         self.report = stream.report
@@ -108,6 +114,15 @@ class InferenceRun:
             write_trace(
                 trace, session.timelines, run=session.run, marks=recovery_marks(self.report)
             )
+
+
+def _default_bar(options: InferOptions, batches: object) -> ResultBar | None:
+    """A bar of micro-batches on a terminal, unless the caller follows progress itself."""
+    progress = Progress(options.phases)
+    if options.progress is not None or not progress.enabled:
+        return None
+    total = microbatch_count(batches, options.microbatch_size)
+    return ResultBar(progress, total=total, desc="streaming")
 
 
 class _Stream:
