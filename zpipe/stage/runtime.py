@@ -298,6 +298,8 @@ class StageRuntime:
         ack is a round trip for the clock offset (the run's timeline)."""
         if message.kind == "registered":
             self._coordinator_stamps = message.get("clock") is not None
+            # a (re)started coordinator may keep another clock: measure afresh
+            self._clock_offset = ClockOffset()
         elif message.kind == "heartbeat_ack":
             echo, stamp = message.get("echo"), message.get("clock")
             if echo is not None and stamp is not None:
