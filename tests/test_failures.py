@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,7 +74,9 @@ def test_a_stage_that_dies_mid_run_is_reported_to_the_client(sig: int) -> None:
                 cluster.kill("b", signal.SIGKILL)
 
 
-def test_a_stream_is_replanned_around_a_killed_stage_and_delivers_every_output_once() -> None:
+def test_a_stream_is_replanned_around_a_killed_stage_and_delivers_every_output_once(
+    tmp_path: Path,
+) -> None:
     devices = [DeviceSpec("a"), DeviceSpec("b"), DeviceSpec("c")]
     spec = ModelSpec("mlp", {"dims": [8, 64, 64, 64, 4]}, seed=1)
     sequence = load_layer_sequence(spec)
@@ -92,8 +95,9 @@ def test_a_stream_is_replanned_around_a_killed_stage_and_delivers_every_output_o
                 cluster.kill("b")
 
         # the even partition, so that b is in the pipeline when it dies
+        trace = tmp_path / "trace.json"
         outputs, report = cluster.infer(
-            spec, batches, planner="even", max_in_flight=3, progress=kill_b_after_15
+            spec, batches, planner="even", max_in_flight=3, progress=kill_b_after_15, trace=trace
         )
         logs = cluster.logs("coordinator")
     assert len(outputs) == len(batches)
@@ -105,6 +109,16 @@ def test_a_stream_is_replanned_around_a_killed_stage_and_delivers_every_output_o
     # lightweight (the default): a and c keep their order and share the 4 units evenly
     assert [(s.device, s.start, s.end) for s in report.plan.stages] == [("a", 0, 2), ("c", 2, 4)]
     assert '"run_recovered"' in logs and '"policy": "lightweight"' in logs
+    # the trace marks the failure and the re-plan, and the survivors' spans of the
+    # whole run are in it (a re-plan keeps a stage's timeline)
+    events = json.loads(trace.read_text())["traceEvents"]
+    instants = [e["name"] for e in events if e["ph"] == "i"]
+    assert instants[0] == "stage b failed" and instants[1].startswith("re-planned without b")
+    first = next(
+        e["pid"] for e in events if e["name"] == "process_name" and e["args"]["name"] == "a"
+    )
+    computed = {e["args"]["mb"] for e in events if e["pid"] == first and e.get("cat") == "compute"}
+    assert computed == set(range(60))
 
 
 def test_respipe_and_heavy_recovery_each_deliver_every_output_once() -> None:

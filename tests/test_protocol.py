@@ -46,10 +46,15 @@ ADDED_IN_V1 = {
         "bucketing": ["str/null", False],
     },
     # the token of the stage's bulk connection, from a coordinator that has one
-    "registered": {"bulk_token": ["str/null", False]},
+    "registered": {"bulk_token": ["str/null", False], "clock": ["int/float/null", False]},
     # a notice's number, which the client acknowledges (an older client ignores it)
     "stage_failed": {"seq": ["int/null", False]},
-    "run_replanned": {"seq": ["int/null", False], "first_max_message_bytes": ["int/null", False]},
+    "run_replanned": {
+        "seq": ["int/null", False],
+        "first_max_message_bytes": ["int/null", False],
+        # the coordinator's clock at the recovery (a trace marks it)
+        "clock": ["int/float/null", False],
+    },
     # the unit fetches the new plan makes from this stage (a holder refuses others)
     "link_peers": {"fetches": ["list/null", False]},
     # a stage's data port limit per frame, and the first stage's for the client
@@ -59,6 +64,15 @@ ADDED_IN_V1 = {
     "fetch_units": {"chunk_bytes": ["int/null", False]},
     # every batch size a training profile measures, sent to stages that reported a device
     "profile_request": {"batch_sizes": ["list/null", False]},
+    # clock offsets for timelines: a coordinator that stamps acks says so on registering
+    # (registered's clock), and only then do heartbeats carry the stage's clock
+    "heartbeat": {"clock": ["int/float/null", False]},
+    "heartbeat_ack": {"echo": ["int/float/null", False], "clock": ["int/float/null", False]},
+    # each stage's timeline (a trace), only when the client asks for one
+    "metrics_request": {"timeline": ["bool/null", False]},
+    "metrics": {"timeline": ["dict/null", False]},
+    "run_end": {"timeline": ["bool/null", False]},
+    "run_report": {"timelines": ["dict/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client

@@ -9,6 +9,10 @@ stage emulate its compute from the profile (``--emulate-compute``) and
 ``fork_stages`` forks the stages from this process instead of starting fresh
 interpreters (:mod:`zpipe.testing.forked_stages`): 64 stages start in seconds
 and share the imported torch.
+
+:class:`LocalCluster` is for synchronous code (``with``; each call runs its own
+event loop); :class:`AsyncLocalCluster` is the same cluster for code that already
+runs in an event loop, such as a Jupyter notebook (``async with``, ``await``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from zpipe.client import (
 from zpipe.config import Timeouts
 from zpipe.devices import check_device_text
 from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.progress import Progress
 from zpipe.transport.ports import free_tcp_port
 
 
@@ -122,6 +127,7 @@ class LocalCluster:
         emulate_compute: Path | None = None,
         fork_stages: bool = False,
         allow_factories: Sequence[str] = (),
+        progress: bool | None = None,
     ) -> None:
         """``allow_factories``: user code (model factories, loss and optimizer
         callables, "package.module:function" or "package.module:*") that the
@@ -156,6 +162,8 @@ class LocalCluster:
         self._coordinator_args: list[str] = []
         self.coordinator_endpoint = ""
         self.processes: dict[str, StageProcess] = {}
+        # "starting N stages: k registered" on stderr (None: when it is a terminal)
+        self.progress = Progress(progress)
 
     @property
     def timeouts(self) -> Timeouts:
@@ -203,6 +211,15 @@ class LocalCluster:
         return flags
 
     def start(self) -> None:
+        _no_running_loop("start")
+        self._spawn_all()
+        try:
+            self.wait_for_stages(len(self.devices), timeout_s=self.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn_all(self) -> None:
         if self.log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="zpipe-cluster-")
             self.log_dir = Path(self._tmp.name)
@@ -225,11 +242,6 @@ class LocalCluster:
         self._spawn("coordinator", self._coordinator_args)
         for device in self.devices:
             self.start_stage(device)
-        try:
-            self.wait_for_stages(len(self.devices), timeout_s=self.start_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
 
     def restart_coordinator(self) -> subprocess.Popen[bytes]:
         """Start the coordinator again, on the same endpoint and state directory
@@ -265,14 +277,24 @@ class LocalCluster:
         return process
 
     def wait_for_stages(self, count: int, *, timeout_s: float) -> list[dict[str, Any]]:
-        async def wait() -> list[dict[str, Any]]:
-            async with self.client() as client:
-                return await client.wait_for_stages(count, timeout_s=timeout_s)
+        _no_running_loop("wait_for_stages")
+        return asyncio.run(self._wait_for_stages(count, timeout_s=timeout_s))
 
+    async def _wait_for_stages(self, count: int, *, timeout_s: float) -> list[dict[str, Any]]:
         for name, process in self.processes.items():
             if process.poll() is not None:
                 raise PipelineError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
-        return asyncio.run(wait())
+        desc = f"starting {count} stage{'s' if count != 1 else ''} (import torch, register)"
+        bar = self.progress.bar(total=count, unit="stage", desc=desc)
+
+        def registered(alive: int) -> None:
+            bar.update(min(alive, count) - bar.n)
+
+        try:
+            async with self.client() as client:
+                return await client.wait_for_stages(count, timeout_s=timeout_s, on_alive=registered)
+        finally:
+            bar.close()
 
     def client(self, **kwargs: Any) -> PipelineClient:
         kwargs.setdefault("keys_dir", self.keys_dir)
@@ -294,17 +316,23 @@ class LocalCluster:
         Without ``stage_names`` or ``stages`` the pipeline runs through the devices in the
         order they were given (the first ``len(partition)`` of them with a partition).
         """
+        _no_running_loop("infer")
+        return asyncio.run(self._infer(model, batches, options, keywords))
+
+    async def _infer(
+        self,
+        model: ModelSpec,
+        batches: Iterable[Batch] | AsyncIterable[Batch],
+        options: InferOptions | None,
+        keywords: dict[str, Any],
+    ) -> tuple[list[Outputs], RunReport]:
         settings = InferOptions.from_keywords(options, keywords, caller="infer")
         if settings.stage_names is None and settings.stages is None:
             settings = replace(settings, stage_names=self._default_stages(model, settings))
-
-        async def run() -> tuple[list[Outputs], RunReport]:
-            async with self.client() as client:
-                outputs = await client.infer(model, batches, options=settings)
-                assert client.last_report is not None
-                return outputs, client.last_report
-
-        return asyncio.run(run())
+        async with self.client() as client:
+            outputs = await client.infer(model, batches, options=settings)
+            assert client.last_report is not None
+            return outputs, client.last_report
 
     def _default_stages(self, model: ModelSpec, settings: InferOptions | TrainOptions) -> list[str]:
         """The devices in the order they were given: as many as the partition has
@@ -327,15 +355,21 @@ class LocalCluster:
         """Train from synchronous code (see :func:`zpipe.client.fit`; the settings are
         ``options`` or :class:`~zpipe.client.TrainOptions`' keywords); the stages default
         to the devices in the order they were given."""
+        _no_running_loop("fit")
+        return asyncio.run(self._fit(model, batches, options, keywords))
+
+    async def _fit(
+        self,
+        model: ModelSpec,
+        batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch],
+        options: TrainOptions | None,
+        keywords: dict[str, Any],
+    ) -> TrainReport:
         settings = TrainOptions.from_keywords(options, keywords, caller="fit")
         if settings.stage_names is None and settings.stages is None:
             settings = replace(settings, stage_names=self._default_stages(model, settings))
-
-        async def run() -> TrainReport:
-            async with self.client() as client:
-                return await client.fit(model, batches, options=settings)
-
-        return asyncio.run(run())
+        async with self.client() as client:
+            return await client.fit(model, batches, options=settings)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes[name]
@@ -369,3 +403,75 @@ class LocalCluster:
             self._tmp.cleanup()
             self._tmp = None
             self.log_dir = None
+
+
+class AsyncLocalCluster(LocalCluster):
+    """:class:`LocalCluster` for code inside a running event loop (a Jupyter cell)::
+
+        async with AsyncLocalCluster(3) as cluster:
+            outputs, report = await cluster.infer(spec, batches)
+            report = await cluster.fit(spec, train_batches, optimizer=..., num_microbatches=2)
+
+    The same processes and settings; the calls are awaited instead of running an
+    event loop of their own, and stopping the processes waits in a thread.
+    """
+
+    def __enter__(self) -> LocalCluster:
+        raise TypeError("use 'async with AsyncLocalCluster(...)' (or 'with LocalCluster(...)')")
+
+    async def __aenter__(self) -> AsyncLocalCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.stop)
+
+    async def start(self) -> None:  # type: ignore[override]
+        self._spawn_all()
+        try:
+            await self._wait_for_stages(len(self.devices), timeout_s=self.start_timeout_s)
+        except BaseException:
+            await asyncio.to_thread(self.stop)
+            raise
+
+    async def wait_for_stages(  # type: ignore[override]
+        self, count: int, *, timeout_s: float
+    ) -> list[dict[str, Any]]:
+        return await self._wait_for_stages(count, timeout_s=timeout_s)
+
+    async def infer(  # type: ignore[override]
+        self,
+        model: ModelSpec,
+        batches: Iterable[Batch] | AsyncIterable[Batch],
+        *,
+        options: InferOptions | None = None,
+        **keywords: Any,
+    ) -> tuple[list[Outputs], RunReport]:
+        """See :meth:`LocalCluster.infer`."""
+        return await self._infer(model, batches, options, keywords)
+
+    async def fit(  # type: ignore[override]
+        self,
+        model: ModelSpec,
+        batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch],
+        *,
+        options: TrainOptions | None = None,
+        **keywords: Any,
+    ) -> TrainReport:
+        """See :meth:`LocalCluster.fit`."""
+        return await self._fit(model, batches, options, keywords)
+
+
+def _no_running_loop(call: str) -> None:
+    """asyncio.run refuses to run inside a running loop with a message that does not
+    say what to do instead; this one does."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise PipelineError(
+        f"LocalCluster.{call}() runs its own event loop and cannot be called from a "
+        "running one (a Jupyter cell, an async function); use "
+        "'async with AsyncLocalCluster(...) as cluster:' and 'await cluster."
+        f"{call}(...)' there"
+    )

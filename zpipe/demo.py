@@ -9,9 +9,8 @@ equal a single-process run of the same model.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +19,9 @@ from zpipe.cli_common import DeprecatedAlias, non_negative_int, positive_int
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.planner import Plan
+from zpipe.progress import Progress, ResultBar
+
+DEMO_TRACE = "zpipe-demo-trace.json"
 
 # Phones, boards and laptops on Wi-Fi: slower compute and slower links.
 DEMO_DEVICES = (
@@ -97,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="weights and inputs seed")
     parser.add_argument(
+        "--trace",
+        type=Path,
+        default=Path(DEMO_TRACE),
+        metavar="FILE",
+        help="where to write the run's per-micro-batch timeline, Chrome trace-event JSON "
+        f"for https://ui.perfetto.dev or chrome://tracing (default: {DEMO_TRACE})",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines or bars on stderr (they show only on a terminal anyway)",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=("debug", "info", "warning", "error"),
@@ -105,22 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _progress_bar(total: int) -> Callable[[int, int], None]:
-    started = time.perf_counter()
-
-    def show(done: int, _sent: int) -> None:
-        width = 30
-        filled = int(width * done / max(total, 1))
-        rate = done / max(time.perf_counter() - started, 1e-9)
-        print(
-            f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} micro-batches, "
-            f"{rate:.1f}/s",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    return show
+def _print_plan(plan: Plan, names: list[str]) -> None:
+    # called as soon as the coordinator has planned, before the stream starts
+    print(f"\nthe plan ({plan.algo}):")
+    print(plan.describe(names))
+    _print_prediction(plan)
+    print(flush=True)
 
 
 def _print_prediction(plan: Plan) -> None:
@@ -172,38 +177,42 @@ def main(argv: list[str] | None = None) -> int:
         )
         for _ in range(args.batches)
     ]
+    progress = Progress(False if args.quiet else None)
     print("starting the coordinator and stages ...", flush=True)
     total = args.batches * -(-args.batch_size // args.microbatch_size)
+    names = sequence.unit_names()
     even_report = None
-    with LocalCluster(devices, log_level=args.log_level) as cluster:
+    with LocalCluster(devices, log_level=args.log_level, progress=progress.enabled) as cluster:
         print(
             f"each stage profiles the model, the coordinator plans with {args.planner} ...",
             flush=True,
         )
+        bar = ResultBar(progress, total=total, desc="streaming")
         outputs, report = cluster.infer(
             spec,
             batches,
             microbatch_size=args.microbatch_size,
             dtype=args.dtype,
             planner=args.planner,
-            progress=_progress_bar(total),
+            progress=bar,
+            on_plan=lambda plan: _print_plan(plan, names),
+            phases=progress.enabled,
+            trace=args.trace,
         )
-        print(file=sys.stderr)
+        bar.close()
         if args.compare and args.planner != "even":
-            print("the same stream on the even partition, for comparison ...", flush=True)
+            print("\nthe same stream on the even partition, for comparison ...", flush=True)
+            bar = ResultBar(progress, total=total, desc="streaming (even)")
             _, even_report = cluster.infer(
                 spec,
                 batches,
                 microbatch_size=args.microbatch_size,
                 dtype=args.dtype,
                 planner="even",
-                progress=_progress_bar(total),
+                progress=bar,
+                phases=progress.enabled,
             )
-            print(file=sys.stderr)
-    names = sequence.unit_names()
-    print(f"\nthe plan ({report.plan.algo}):")
-    print(report.plan.describe(names))
-    _print_prediction(report.plan)
+            bar.close()
     if report.baseline is not None:
         print("\nthe even partition it beat (GPipe's):")
         print(report.baseline.describe(names))
@@ -223,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         "sender,\nlink time spent sending (concurrent with compute), util = busy share:"
     )
     print(_stage_table(report.stages, report.plan.devices))
+    print(
+        f"\neach micro-batch's receive, compute and send per stage: {args.trace}\n"
+        "(open it in https://ui.perfetto.dev or chrome://tracing)"
+    )
 
     print("\nchecking against a single-process run ...", flush=True)
     reference = build_full_model(spec)

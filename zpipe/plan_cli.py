@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from zpipe._errors import ConfigError, ZpipeError
 from zpipe.cli_common import DeprecatedAlias, positive_int
@@ -22,6 +23,7 @@ from zpipe.planner.plan import plan_json
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import OPTIMIZER_STATE_COPIES
 from zpipe.planner.training_plan import TRAINING_ALGOS, TRAINING_SCHEDULES, TrainingPlan
+from zpipe.progress import Progress
 
 _INFERENCE_DEFAULT = "pipeedge"
 _TRAINING_DEFAULT = "hpp"
@@ -127,7 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help="write the chosen plan as JSON ('-' for standard output)",
+        help="write the chosen plan as JSON ('-' for standard output: the JSON alone, "
+        "the tables then go to standard error)",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines on stderr (they show only on a terminal anyway)",
     )
     return parser
 
@@ -217,11 +225,11 @@ def _train_plan(
 
 
 def _main_train(
-    args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec
+    args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec, out: TextIO
 ) -> TrainingPlan:
     plan = _train_plan(args, profile, cluster, args.planner)
     names = [u.name for u in profile.units]
-    print(plan.describe(names))
+    print(plan.describe(names), file=out)
     if args.compare:
         for other in TRAINING_ALGOS:
             if other == args.planner:
@@ -229,21 +237,26 @@ def _main_train(
             try:
                 alternative = _train_plan(args, profile, cluster, other)
             except ZpipeError as exc:
-                print(f"\n{other}: no plan ({exc})")
+                print(f"\n{other}: no plan ({exc})", file=out)
                 continue
-            print()
-            print(alternative.describe(names))
+            print(file=out)
+            print(alternative.describe(names), file=out)
             mine = plan.predicted.get("samples_per_s", 0.0)
             theirs = alternative.predicted.get("samples_per_s", 0.0)
             if theirs > 0:
-                print(f"  {args.planner} / {other}: {mine / theirs:.2f}x predicted samples/s")
+                print(
+                    f"  {args.planner} / {other}: {mine / theirs:.2f}x predicted samples/s",
+                    file=out,
+                )
     return plan
 
 
-def _main_inference(args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec) -> Plan:
+def _main_inference(
+    args: argparse.Namespace, profile: ModelProfile, cluster: ClusterSpec, out: TextIO
+) -> Plan:
     size = args.microbatch_size if args.microbatch_size is not None else profile.batch_sizes[0]
     plan = plan_with(args.planner, profile, cluster, size, bucketing=args.bucketing)
-    print(_table(plan, profile))
+    print(_table(plan, profile), file=out)
     if args.compare:
         for other in sorted(PLANNERS):
             if other == args.planner:
@@ -251,14 +264,17 @@ def _main_inference(args: argparse.Namespace, profile: ModelProfile, cluster: Cl
             try:
                 alternative = plan_with(other, profile, cluster, size, bucketing=args.bucketing)
             except ZpipeError as exc:
-                print(f"\n{other}: no plan ({exc})")
+                print(f"\n{other}: no plan ({exc})", file=out)
                 continue
-            print()
-            print(_table(alternative, profile))
+            print(file=out)
+            print(_table(alternative, profile), file=out)
             mine = plan.predicted.get("throughput_samples_per_s", 0.0)
             theirs = predict_plan(alternative, profile, cluster, size)["throughput_samples_per_s"]
             if theirs > 0:
-                print(f"  {args.planner} / {other}: {mine / theirs:.2f}x predicted throughput")
+                print(
+                    f"  {args.planner} / {other}: {mine / theirs:.2f}x predicted throughput",
+                    file=out,
+                )
     return plan
 
 
@@ -273,11 +289,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         profile = read_profile_file(args.profile)
-        plan: Plan | TrainingPlan = (
-            _main_train(args, profile, cluster)
-            if args.train
-            else _main_inference(args, profile, cluster)
-        )
+        # with --json -, stdout is the JSON alone: the tables go to stderr
+        out = sys.stderr if str(args.json) == "-" else sys.stdout
+        progress = Progress(False if args.quiet else None)
+        what = "a training plan" if args.train else "a plan"
+        with progress.phase(f"planning {what} over {len(cluster.devices)} devices"):
+            plan: Plan | TrainingPlan = (
+                _main_train(args, profile, cluster, out)
+                if args.train
+                else _main_inference(args, profile, cluster, out)
+            )
         if args.json is not None:
             text = plan_json(plan.to_dict())
             if str(args.json) == "-":

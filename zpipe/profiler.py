@@ -63,6 +63,7 @@ from zpipe.devices import DEVICE_CHOICES, resolve_device
 from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.peak_memory import peak_bytes
 from zpipe.planner.profile import ModelProfile, UnitProfile
+from zpipe.progress import Progress
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
 
 BUILT_IN_FAMILIES = ("transformer", "mlp", "cnn")
@@ -242,12 +243,14 @@ def profile_model(
     device_name: str = "local",
     train: bool = False,
     device: torch.device | str = "cpu",
+    on_unit: Callable[[int, int], None] | None = None,
 ) -> ModelProfile:
     """Profile every unit of ``spec`` at each batch size on this device.
 
     With ``train`` the profile also holds each unit's backward time and the
     bytes it saves for its backward (see the module docstring). ``device`` is
-    the torch device the units run on.
+    the torch device the units run on. ``on_unit(done, total)`` hears of each unit
+    profiled (a progress bar).
     """
     device = torch.device(device)
     sizes = sorted(set(batch_sizes))
@@ -305,6 +308,8 @@ def profile_model(
                 saved[index].append(kept)
             activations[batch_size] = result
         del unit
+        if on_unit is not None:
+            on_unit(index + 1, count)
     for rows in (times, backward):
         _never_cheaper_when_larger(rows)
     return ModelProfile(
@@ -419,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure what training planners need: each unit's backward time and the "
         "bytes it saves for its backward (python -m zpipe plan --train)",
     )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar on stderr (it shows only on a terminal anyway)",
+    )
     parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
     return parser
 
@@ -448,17 +458,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = {"num_layers": args.layers} if args.layers is not None else {}
         spec = ModelSpec.preset(args.model, **overrides)
-        profile = profile_model(
-            spec,
-            batch_sizes=args.batch_sizes,
-            dtype=args.dtype,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            slowdown=args.slowdown,
-            device_name=args.name,
-            train=args.train,
-            device=device,
+        sizes = ",".join(str(b) for b in args.batch_sizes)
+        what = "forward and backward" if args.train else "forward"
+        bar = Progress(False if args.quiet else None).bar(
+            total=load_layer_sequence(spec).num_units,
+            unit="unit",
+            desc=f"profiling {args.model} ({what}, batch sizes {sizes})",
         )
+
+        def unit_done(done: int, _total: int) -> None:
+            bar.update(done - bar.n)
+
+        with bar:
+            profile = profile_model(
+                spec,
+                batch_sizes=args.batch_sizes,
+                dtype=args.dtype,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                slowdown=args.slowdown,
+                device_name=args.name,
+                train=args.train,
+                device=device,
+                on_unit=unit_done,
+            )
         profile.save(args.output)
     except ZpipeError as exc:
         print(f"python -m zpipe profile: {exc}", file=sys.stderr)

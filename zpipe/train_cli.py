@@ -47,7 +47,7 @@ from zpipe.models.weights import (
     TORCH_SUFFIXES,
     read_matching,
 )
-from zpipe.planner.training_plan import TRAINING_ALGOS
+from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
 from zpipe.training.lr_schedules import LR_SCHEDULES
@@ -304,6 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         help="level of the local stage and coordinator logs (default: warning)",
     )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write each micro-batch's receive, forward, backward, all-reduce, step and "
+        "send per stage to FILE: Chrome trace-event JSON for https://ui.perfetto.dev or "
+        "chrome://tracing",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines or bars on stderr (they show only on a terminal anyway)",
+    )
     return parser
 
 
@@ -422,13 +436,17 @@ def _check_output(parser: argparse.ArgumentParser, output: str | None) -> None:
             f"--output {output}: the suffix must be one of "
             f"{', '.join((*SAFETENSORS_SUFFIXES, *TORCH_SUFFIXES))}"
         )
+    _check_writable(parser, "--output", path)
+
+
+def _check_writable(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
     folder = path.parent
     if not folder.is_dir():
-        parser.error(f"--output {output}: the directory {folder} does not exist; create it first")
+        parser.error(f"{flag} {path}: the directory {folder} does not exist; create it first")
     if path.is_dir():
-        parser.error(f"--output {output} is a directory; name a file in it")
+        parser.error(f"{flag} {path} is a directory; name a file in it")
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        parser.error(f"--output {output}: this user cannot write there")
+        parser.error(f"{flag} {path}: this user cannot write there")
 
 
 def _check_keys(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -501,12 +519,16 @@ def _settings(args: argparse.Namespace, start_step: int) -> dict[str, Any]:
 def _train(
     args: argparse.Namespace, spec: ModelSpec, batches: list[Any], start_step: int
 ) -> TrainReport:
+    unit_names = load_layer_sequence(spec).unit_names()
     settings: dict[str, Any] = {
         **_settings(args, start_step),
         "num_microbatches": args.microbatches,
         "schedule": args.schedule,
         "warmup": args.warmup,
-        "progress": None,  # a bar when stderr is a terminal
+        "progress": False if args.quiet else None,  # a bar when stderr is a terminal
+        # the plan is shown before the first mini-batch, not after the last
+        "on_plan": lambda plan: _print_plan(plan, unit_names),
+        "trace": args.trace,
     }
     if args.planner is not None:
         settings["planner"] = args.planner
@@ -539,11 +561,13 @@ def _train(
         return asyncio.run(remote())
     devices = list(DEMO_DEVICES[: args.local])
     print(f"starting a coordinator and {len(devices)} emulated devices ...", flush=True)
+    shown = False if args.quiet else None
     with LocalCluster(
         devices,
         keys_dir=args.keys,
         log_level=args.log_level,
         allow_factories=args.allow_factory,
+        progress=shown,
     ) as cluster:
         return cluster.fit(spec, batches, **settings)
 
@@ -570,6 +594,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(str(exc))
     _check_keys(parser, args)
     _check_output(parser, args.output)
+    if args.trace is not None:
+        _check_writable(parser, "--trace", args.trace)
     _check_checkpoint_flags(parser, args)
 
 
@@ -666,9 +692,15 @@ def weights_difference(
     return worst
 
 
+def _print_plan(plan: TrainingPlan, unit_names: list[str]) -> None:
+    print(f"\nplan ({plan.algo}), schedule {plan.schedule}:")
+    print(describe_training_plan(plan, unit_names), flush=True)
+
+
 def _print_report(report: TrainReport, spec: ModelSpec) -> None:
-    print(f"\nplan ({report.plan.algo}), schedule {report.schedule}:")
-    print(describe_stages(report, load_layer_sequence(spec).unit_names()))
+    if report.recoveries or report.rebalances:  # the plan printed first changed since
+        print(f"\nthe last plan ({report.plan.algo}), schedule {report.schedule}:")
+        print(describe_stages(report, load_layer_sequence(spec).unit_names()))
     print(
         f"\nloss {report.losses[0]:.4f} -> {report.losses[-1]:.4f} over {report.steps} "
         f"mini-batches; {report.samples_per_s:.1f} samples/s"
@@ -691,6 +723,11 @@ def describe_stages(report: TrainReport, unit_names: list[str]) -> str:
     tplan = report.training_plan
     if tplan is None:
         return report.plan.describe(unit_names)
+    return describe_training_plan(tplan, unit_names)
+
+
+def describe_training_plan(tplan: TrainingPlan, unit_names: list[str]) -> str:
+    """One row per stage of ``tplan`` (see :func:`describe_stages`)."""
     rows = [f"{'stage':>5}  {'devices (samples each)':<32} {'units':>11}  first .. last"]
     for i, st in enumerate(tplan.stages):
         if len(st.devices) == 1:

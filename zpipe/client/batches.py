@@ -32,6 +32,19 @@ def as_tensors(batch: Batch) -> tuple[torch.Tensor, ...]:
     return tensors
 
 
+def microbatch_count(batches: object, microbatch_size: int | None) -> int | None:
+    """How many micro-batches ``batches`` splits into, when it is a sequence we can
+    look into (a progress bar's total); None otherwise."""
+    if not isinstance(batches, Sequence):
+        return None
+    count = 0
+    for batch in batches:
+        first = as_tensors(batch)[0]
+        rows = int(first.shape[0]) if first.dim() > 0 else 1
+        count += 1 if microbatch_size is None else max(1, -(-rows // microbatch_size))
+    return count
+
+
 def split_microbatches(
     tensors: tuple[torch.Tensor, ...], microbatch_size: int | None
 ) -> list[tuple[torch.Tensor, ...]]:

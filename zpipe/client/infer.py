@@ -23,6 +23,7 @@ from zpipe.client.batches import (
     Outputs,
     as_tensors,
     check_fits_first_stage,
+    microbatch_count,
     split_microbatches,
 )
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
@@ -30,13 +31,18 @@ from zpipe.client.options import InferOptions
 from zpipe.client.reports import RunReport
 from zpipe.client.session import RunSession, model_fields
 from zpipe.client.sink_limits import most_rows, sink_limits
+from zpipe.client.trace import recovery_marks, write_trace
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
+from zpipe.progress import Progress, ResultBar
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
 
 log = get_logger("zpipe.client")
+
+# what the client waits for between its request and the plan: named, for the person
+PLANNING = "planning: stages profile the model, the coordinator measures links and plans"
 
 
 def inference_request(
@@ -79,13 +85,19 @@ class InferenceRun:
         session = RunSession(
             self.connection, what="stream", stall_deadline=self.options.stall_deadline
         )
-        ready = await session.request_run(
-            inference_request(self.model, self.options, self.connection.sink_endpoint),
-            wait_for_stages_s=self.options.wait_for_stages_s,
-            doing="start the run",
-        )
+        async with Progress(self.options.phases).waiting(PLANNING):
+            ready = await session.request_run(
+                inference_request(self.model, self.options, self.connection.sink_endpoint),
+                wait_for_stages_s=self.options.wait_for_stages_s,
+                doing="start the run",
+            )
         stream = _Stream(session, ready, self.options)
+        bar = _default_bar(self.options, batches)
+        if bar is not None:
+            stream.progress = bar
         try:
+            if self.options.on_plan is not None:
+                self.options.on_plan(stream.plan)
             # before the last stage connects (on go): the sink takes what this run sends
             rows = most_rows(batches, self.options.microbatch_size)
             self.connection.limit_sink(sink_limits(self.model, rows, self.connection.sink_fallback))
@@ -95,8 +107,24 @@ class InferenceRun:
         finally:
             await session.close()
             stream.close()
-        stream.report.stages = await session.finish()
+            if bar is not None:
+                bar.close()
+        trace = self.options.trace
+        stream.report.stages = await session.finish(timeline=trace is not None)
         self.report = stream.report
+        if trace is not None:
+            write_trace(
+                trace, session.timelines, run=session.run, marks=recovery_marks(self.report)
+            )
+
+
+def _default_bar(options: InferOptions, batches: object) -> ResultBar | None:
+    """A bar of micro-batches on a terminal, unless the caller follows progress itself."""
+    progress = Progress(options.phases)
+    if options.progress is not None or not progress.enabled:
+        return None
+    total = microbatch_count(batches, options.microbatch_size)
+    return ResultBar(progress, total=total, desc="streaming")
 
 
 class _Stream:
@@ -113,6 +141,7 @@ class _Stream:
         self.microbatch_size = options.microbatch_size
         self.window = asyncio.Semaphore(options.max_in_flight)
         self.progress = options.progress
+        self.on_plan = options.on_plan
         baseline = ready.get("baseline")
         self.report = RunReport(
             run=session.run,
@@ -267,6 +296,8 @@ class _Stream:
             self.session.follow(notice.epoch, str(notice["last_stage"]), notice["last_key"])
             self.plan = Plan.from_dict(notice["plan"])
             self.report.plan = self.plan
+            if self.on_plan is not None:
+                self.on_plan(self.plan)
             replayed = sorted(self.unanswered)
             for mb in replayed:
                 await self._send_input(mb, self.unanswered[mb])
@@ -279,6 +310,8 @@ class _Stream:
                 "epoch": notice.epoch,
                 # this process's time.monotonic() when the new plan arrived
                 "at": time.monotonic(),
+                # the coordinator's clock when the new plan ran (None: an older one)
+                "clock": notice.get("clock"),
             }
         )
         log.warning(

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from zpipe._errors import ConfigError
 from zpipe.planner.bucketing import parse_bucketing
+from zpipe.planner.plan import Plan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
@@ -84,6 +86,17 @@ def _names(stage_names: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(str(n) for n in stage_names)
 
 
+def _check_trace(trace: object) -> None:
+    # found now, not after the whole run
+    if trace is None:
+        return
+    if not isinstance(trace, (str, Path)) or not str(trace):
+        raise ConfigError(f"trace must be a file path, got {trace!r}")
+    folder = Path(trace).parent
+    if not folder.is_dir():
+        raise ConfigError(f"trace {trace}: the directory {folder} does not exist")
+
+
 def _normalize_placement(options: InferOptions | TrainOptions) -> None:
     # frozen: lists become tuples so that the options cannot change under a run
     object.__setattr__(options, "partition", _ranges(options.partition))
@@ -123,6 +136,13 @@ class InferOptions:
     links: "auto" (the default: exact for a few distinct devices, else snapped to 5 %
     buckets, with a certified bound in the plan's prediction), "exact", or a
     tolerance such as 0.05 (:mod:`zpipe.planner.bucketing`).
+
+    ``on_plan(plan)`` is called with the coordinator's :class:`~zpipe.planner.Plan`
+    once it arrives, before any input is sent (again after each re-plan).
+    ``phases``: name the long phases on stderr (waiting for the plan while the stages
+    profile and the coordinator measures links and plans; default: when stderr is a
+    terminal). ``trace``: a file to write the run's per-micro-batch timeline to, as
+    Chrome trace-event JSON (open it in https://ui.perfetto.dev or chrome://tracing).
     """
 
     microbatch_size: int | None = None
@@ -139,12 +159,16 @@ class InferOptions:
     recover: bool = True
     recovery: str = "lightweight"
     stall_deadline: DeadlinePolicy | None = None
+    on_plan: Callable[[Plan], None] | None = None
+    phases: bool | None = None
+    trace: str | Path | None = None
 
     def __post_init__(self) -> None:
         _check_choice("recovery", self.recovery, RECOVERY_POLICIES)
         _normalize_placement(self)
         _check_count("max_in_flight", self.max_in_flight)
         parse_bucketing(self.bucketing)
+        _check_trace(self.trace)
 
     @classmethod
     def from_keywords(
@@ -223,6 +247,10 @@ class TrainOptions:
     that :meth:`TrainReport.save` writes a checkpoint a later run resumes from.
     ``resume_optimizer``: every stage restores its units' optimizer state from the
     spec's weights file (such a checkpoint), reading only its own tensors.
+    ``on_plan(plan)``: called with each attempt's :class:`TrainingPlan` as soon as the
+    coordinator sends it, before training starts. ``progress`` also names the wait for
+    the plan on stderr. ``trace``: a file for the per-micro-batch timeline (Chrome
+    trace-event JSON, see :class:`InferOptions`).
     """
 
     optimizer: Mapping[str, Any]
@@ -252,8 +280,11 @@ class TrainOptions:
     start_step: int = 0
     optimizer_state: bool = False
     resume_optimizer: bool = False
+    on_plan: Callable[[TrainingPlan], None] | None = None
+    trace: str | Path | None = None
 
     def __post_init__(self) -> None:
+        _check_trace(self.trace)
         _check_choice("replication", self.replication, REPLICATIONS)
         _check_choice("consistency", self.consistency, CONSISTENCIES)
         _check_choice("recovery", self.recovery, RECOVERY_POLICIES)

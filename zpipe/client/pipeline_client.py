@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +103,15 @@ class PipelineClient:
         )
         return list(reply["members"])
 
-    async def wait_for_stages(self, count: int, *, timeout_s: float) -> list[dict[str, Any]]:
-        """Poll until ``count`` stages are alive; ``TransportTimeout`` past the deadline."""
+    async def wait_for_stages(
+        self,
+        count: int,
+        *,
+        timeout_s: float,
+        on_alive: Callable[[int], None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Poll until ``count`` stages are alive; ``TransportTimeout`` past the deadline.
+        ``on_alive(n)`` hears how many are alive after each poll (a progress bar)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -116,6 +123,8 @@ class PipelineClient:
                     raise
                 continue
             members = [m for m in state if m["state"] == "alive"]
+            if on_alive is not None:
+                on_alive(len(members))
             if len(members) >= count:
                 return members
             if time.monotonic() > deadline:

@@ -74,6 +74,8 @@ class RunSession:
         self._failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
+        # stage name -> its timeline of the run (finish(timeline=True))
+        self.timelines: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ handshake
 
@@ -117,15 +119,22 @@ class RunSession:
         self.last_stage = last_stage
         self.allow_sink_senders([last_key])
 
-    async def finish(self) -> dict[str, Any]:
-        """``run_end`` -> ``run_report``: each stage's counters for the run."""
+    async def finish(self, *, timeline: bool = False) -> dict[str, Any]:
+        """``run_end`` -> ``run_report``: each stage's counters for the run; with
+        ``timeline``, each stage's spans too (in :attr:`timelines`; a coordinator
+        older than timelines sends none)."""
+        body: dict[str, Any] = {"run": self.run}
+        if timeline:
+            body["timeline"] = True
         report = await self.control.request(
-            Message("run_end", {"run": self.run}),
+            Message("run_end", body),
             expect=("run_report",),
             timeout_s=self.timeouts.reply_s * 2,
             awaited="run report",
             resend_on_reconnect=True,
         )
+        timelines = report.get("timelines")
+        self.timelines = dict(timelines) if isinstance(timelines, dict) else {}
         return dict(report["stages"])
 
     # ------------------------------------------------------------------ tasks and failure

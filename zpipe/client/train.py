@@ -30,7 +30,7 @@ what goes from one attempt to the next.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Iterable, Sized
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError, StageFailedError
@@ -39,12 +39,16 @@ from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
 from zpipe.client.session import RunSession, model_fields
+from zpipe.client.trace import write_trace
 from zpipe.client.training_run import AttemptEnd, TrainingRun
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner.training_plan import TrainingPlan
+from zpipe.progress import Progress
 
 log = get_logger("zpipe.client")
+
+PLANNING = "planning: stages profile training, the coordinator measures links and plans"
 
 
 async def fit(
@@ -190,6 +194,7 @@ class _Training:
         self.plan = options.plan
         self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
         self.source = BatchSource(batches)
+        self.total = len(batches) if isinstance(batches, Sized) else None
         self.done: list[float] = []  # the losses of the mini-batches before this attempt's
         self.recoveries: list[dict[str, Any]] = []
         self.rebalances: list[dict[str, Any]] = []
@@ -205,11 +210,12 @@ class _Training:
             start_step = self.options.start_step + self.source.kept_from
             if start_step:
                 self.request["train"] = {**self.request["train"], "start_step": start_step}
-            ready = await session.request_run(
-                self.request,
-                wait_for_stages_s=self.options.wait_for_stages_s,
-                doing="start the training run",
-            )
+            async with Progress(self.options.progress).waiting(PLANNING):
+                ready = await session.request_run(
+                    self.request,
+                    wait_for_stages_s=self.options.wait_for_stages_s,
+                    doing="start the training run",
+                )
             if self.plan is not None:
                 self.schedule, self.num_microbatches = (
                     self.plan.schedule,
@@ -227,6 +233,9 @@ class _Training:
                     offset=self.source.kept_from,
                     replicate_every=self.every,
                 )
+                tplan = run.report.training_plan
+                if self.options.on_plan is not None and tplan is not None:
+                    self.options.on_plan(tplan)
                 if self.recoveries:
                     noticed = self.recoveries[-1]["noticed_at"]
                     self.recoveries[-1]["restart_s"] = time.monotonic() - noticed
@@ -241,7 +250,10 @@ class _Training:
                 self._recover_from(run, end.stage_failure)
             else:
                 break
-        run.report.stages = await session.finish()
+        trace = self.options.trace
+        run.report.stages = await session.finish(timeline=trace is not None)
+        if trace is not None:
+            write_trace(trace, session.timelines, run=session.run)
         return self._final_report(run)
 
     async def _attempt(self, session: RunSession, run: TrainingRun) -> AttemptEnd:
@@ -249,7 +261,9 @@ class _Training:
         # lowered them for its own outputs)
         session.connection.limit_sink(session.connection.sink_fallback)
         await session.go()
-        end = await run.train(self.source, self.options.progress, self.options.on_step)
+        end = await run.train(
+            self.source, self.options.progress, self.options.on_step, total=self.total
+        )
         if end.stage_failure is not None or end.rebalance_to is not None:
             return end
         try:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import zmq.asyncio
-from tqdm import tqdm
 
 from zpipe._errors import PipelineError, ProtocolError, StageFailedError, TransportTimeout
 from zpipe.client.batches import (
@@ -35,6 +34,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
+from zpipe.progress import Progress
 from zpipe.training.routing import split_rows
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
@@ -107,6 +107,7 @@ class TrainingRun:
         self.window = asyncio.Semaphore(max_steps_in_flight)
         self.started = time.perf_counter()
         self.step_losses: dict[int, list[float]] = {}
+        self.step_samples: dict[int, int] = {}  # samples of each mini-batch in flight
         self.losses_per_step = self.m * len(self.last_group)
         self.sent_steps = 0
         self.done_steps = 0
@@ -124,16 +125,23 @@ class TrainingRun:
         source: BatchSource,
         progress: bool | None,
         on_step: Callable[[int, float], None] | None,
+        *,
+        total: int | None = None,
     ) -> AttemptEnd:
         """Feed every mini-batch and collect its loss; an error of the run is raised,
-        a stage's death and a rebalance are returned."""
-        bar = tqdm(unit="batch", desc=f"training run {self.run}", disable=_no_bar(progress))
+        a stage's death and a rebalance are returned. ``total``: the mini-batches of
+        the whole fit, when known (the bar's length and time left)."""
+        left = None if total is None else max(total - self.offset, 0)
+        bar = Progress(progress).bar(total=left, unit="batch", desc=f"training run {self.run}")
         self.started = started = time.perf_counter()
+        trained = 0  # samples of the mini-batches whose loss came back
 
         def step_done(step: int, loss: float) -> None:
+            nonlocal trained
+            trained += self.step_samples.pop(step, 0)
             bar.update(1)
             elapsed = time.perf_counter() - started
-            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.report.samples / elapsed:.1f}")
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{trained / elapsed:.1f}")
             if on_step is not None:
                 on_step(self.offset + step, loss)
 
@@ -213,6 +221,7 @@ class TrainingRun:
         self.sent_steps += 1
         self.session.stall.sent(time.monotonic())
         self.report.samples += samples
+        self.step_samples[step] = samples
         epoch = self.session.epoch
         for i, part in enumerate(parts):
             mb = step * self.m + i
@@ -310,10 +319,3 @@ class TrainingRun:
     def close(self) -> None:
         for _, sock in [*self.first_group, *self.last_group]:
             sock.close(linger=0)
-
-
-def _no_bar(progress: bool | None) -> bool | None:
-    # tqdm: disable=None hides the bar when stderr is not a terminal
-    if progress is None:
-        return None
-    return not progress

@@ -145,7 +145,10 @@ class CoordinatorCore:
         moved_before = peer_state_bytes(member.metrics)
         membership.heard_from(member.name, now, message.get("metrics"), kind=kind)
         if kind == "heartbeat":
-            ack = Send(event.routing_id, Message("heartbeat_ack"), member.name, heartbeat_s)
+            # a stamped heartbeat gets its stamp back with this clock's (clock offsets)
+            sent = message.get("clock")
+            stamps = {} if sent is None else {"echo": sent, "clock": now}
+            ack = Send(event.routing_id, Message("heartbeat_ack", stamps), member.name, heartbeat_s)
             moved = peer_state_bytes(message.get("metrics"))
             if moved is not None and moved != moved_before:
                 # state moving between stages (a chunked backup or fetch) is progress
@@ -316,6 +319,7 @@ class CoordinatorCore:
         }
         if event.bulk_token:
             body["bulk_token"] = state.bulk.issue(name, event.bulk_token, event.routing_id)
+        body["clock"] = now  # this coordinator stamps heartbeat acks
         registered = Message("registered", body)
         return [
             *out,

@@ -265,6 +265,7 @@ class InferenceRun(BaseRun):
             "dead": dead,
             "detected_s": times["detected_s"],
             "recovered_s": times["recovered_s"],
+            "clock": now,
         }
         yield Send(
             run.client,

@@ -65,11 +65,12 @@ class BaseRun:
             return self.state.flows.start(self.go(event.routing_id, event.message), now)
         if kind == "run_end":
             run_id = int(event.message["run"])
+            timeline = bool(event.message.get("timeline"))
             return self.state.answers.answer(
                 self.state.flows,
                 ("run_end", run_id, 0),
                 event.routing_id,
-                lambda: self.end(run_id),
+                lambda: self.end(run_id, timeline=timeline),
                 peer=CLIENT_NAME,
                 timeout_s=self.reply_s,
                 now=now,
@@ -123,17 +124,20 @@ class BaseRun:
             fail_kind="assign_failed",
         )
 
-    def end(self, run_id: int) -> Flow:
-        """Every live stage's metrics (or ``no metrics``), then the run is over."""
+    def end(self, run_id: int, *, timeline: bool = False) -> Flow:
+        """Every live stage's metrics (or ``no metrics``), then the run is over; with
+        ``timeline``, each stage's timeline too (the client writes a trace)."""
         run = self.run
         stages: dict[str, Any] = {}
+        timelines: dict[str, Any] = {}
         if run.run == run_id and self.state.current is self:
             asked = []
+            ask: dict[str, Any] = {"run": run.run, **({"timeline": True} if timeline else {})}
             for device in run.devices:
                 member = self.state.membership.get(device)
                 if member is None or device in run.failed:
                     continue
-                request = Message("metrics_request", {"run": run.run}, epoch=run.epoch)
+                request = Message("metrics_request", ask, epoch=run.epoch)
                 yield Send(member.routing_id, request, device, stage=device)
                 asked.append(device)
             replies = yield AwaitReplies(
@@ -144,10 +148,15 @@ class BaseRun:
                 stages[device] = (
                     {"error": "no metrics"} if reply is None else dict(reply["metrics"])
                 )
+                if reply is not None and isinstance(reply.get("timeline"), dict):
+                    timelines[device] = reply["timeline"]
             if self.state.current is self:
                 self.state.current = None
             yield Persist()
-        return Message("run_report", {"run": run_id, "stages": stages})
+        body: dict[str, Any] = {"run": run_id, "stages": stages}
+        if timeline:
+            body["timelines"] = timelines
+        return Message("run_report", body)
 
     def notify_stage_failed(self, name: str, reason: str) -> Flow:
         run = self.run

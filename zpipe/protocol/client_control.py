@@ -20,6 +20,7 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_BOOL,
     OPT_INT,
     OPT_LIST,
     OPT_MAP,
@@ -115,6 +116,8 @@ class RunStarted(WireMessage):
 class RunEnd(WireMessage):
     KIND: ClassVar[str] = "run_end"
     run: int = wire(INT)
+    # the client wants each stage's timeline in the report (a trace)
+    timeline: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -122,6 +125,8 @@ class RunReport(WireMessage):
     KIND: ClassVar[str] = "run_report"
     run: int = wire(INT)
     stages: dict[str, Any] = wire(MAP)
+    # stage name -> its timeline (see Metrics), when the run_end asked for them
+    timelines: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -154,6 +159,8 @@ class RunReplanned(WireMessage):
     last_endpoint: str = wire(STR)
     seq: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     first_max_message_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # the coordinator's clock when the new plan ran (a trace marks the recovery there)
+    clock: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
 
 
 @wire_message

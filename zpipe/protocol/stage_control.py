@@ -23,6 +23,7 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_BOOL,
     OPT_INT,
     OPT_LIST,
     OPT_MAP,
@@ -53,6 +54,9 @@ class Registered(WireMessage):
     # ties the stage's bulk connection to it (zpipe.protocol.bulk); an older coordinator
     # sends none, and the stage then sends its state on this connection as before
     bulk_token: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # the coordinator's clock: it stamps heartbeat_acks, so the stage's heartbeats may
+    # carry ``clock`` (an older coordinator sends none, and gets none)
+    clock: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -66,11 +70,18 @@ class Heartbeat(WireMessage):
     KIND: ClassVar[str] = "heartbeat"
     name: str = wire(STR)
     metrics: dict[str, Any] = wire(MAP)
+    # the stage's clock when it sent this, for a coordinator that stamps its acks
+    clock: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
 
 
 @wire_message
 class HeartbeatAck(WireMessage):
+    """``echo``: the heartbeat's ``clock``; ``clock``: the coordinator's, when it
+    answered: a round trip that estimates the offset of the two clocks."""
+
     KIND: ClassVar[str] = "heartbeat_ack"
+    echo: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
+    clock: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -184,6 +195,8 @@ class ProfileReply(WireMessage):
 class MetricsRequest(WireMessage):
     KIND: ClassVar[str] = "metrics_request"
     run: int = wire(INT)
+    # ask for the run's timeline too (only when the client asked for a trace)
+    timeline: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -192,6 +205,8 @@ class Metrics(WireMessage):
     run: int = wire(INT)
     name: str = wire(STR)
     metrics: dict[str, Any] = wire(MAP)
+    # when asked: {"spans": [[mb, phase, start, end], ...], "dropped", "offset_s", "rtt_s"}
+    timeline: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -79,6 +79,7 @@ class DataPlane:
         self._inference: InferenceLoop | None = None
         self._training: TrainingPlane | None = None
         self._retired_training: TrainingPlane | None = None  # its sockets still drain
+        self._timeline_run: int | None = None  # the run the counters' timeline belongs to
 
     @property
     def trainer(self) -> TrainingExecutor | None:
@@ -172,7 +173,9 @@ class DataPlane:
             await self.stop()
             error = describe_error(exc)
             return self._lifecycle.connect_failed(run, assignment.epoch, error)
-        self._counters.reset()
+        # a re-plan of the same run (a new epoch) keeps the run's timeline whole
+        self._counters.reset(keep_timeline=run == self._timeline_run)
+        self._timeline_run = run
         commands = self._lifecycle.connected(run, _route(assignment))
         self._start_tasks(assignment)
         log.info("connected", stage=self.config.name, run=run, epoch=assignment.epoch,

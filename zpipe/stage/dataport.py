@@ -21,6 +21,7 @@ from zpipe.log import get_logger
 from zpipe.stage.lifecycle import StageLifecycle, Verdict
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.supervision import describe_error, serve_messages
+from zpipe.stage.timeline import clock
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import decode_frames, frames_nbytes, recv_frames
@@ -64,6 +65,7 @@ class DataPort:
         await serve_messages(receive, handle, self._on_error)
 
     async def handle(self, frames: list[zmq.Frame], deliver: Deliver) -> None:
+        received_at = clock()
         self._counters.bytes_in += frames_nbytes(frames)
         self._check_sender(frames[0])
         message = decode_frames(frames, self._max_bytes)
@@ -79,6 +81,9 @@ class DataPort:
             )
             return
         await deliver(message)
+        mb = message.get("mb")
+        if isinstance(mb, int) and not isinstance(mb, bool):
+            self._counters.timeline.record(mb, "recv", received_at, clock())
 
     def _check_sender(self, frame: zmq.Frame) -> None:
         if self._allowed is None:

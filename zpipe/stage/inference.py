@@ -87,7 +87,9 @@ class InferenceLoop:
                     outputs, _ = await loop.run_in_executor(
                         self._compute, self._shard.forward, message.tensors
                     )
-                    counters.busy_s += time.perf_counter() - computing_from
+                    computed_at = time.perf_counter()
+                    counters.busy_s += computed_at - computing_from
+                    counters.timeline.record(mb, "compute", computing_from, computed_at)
                     counters.microbatches += 1
                     out = Message(
                         "data",
@@ -142,7 +144,9 @@ class InferenceLoop:
                     mb=message["mb"],
                     error=str(exc),
                 )
-            self._counters.send_s += time.perf_counter() - started
+            sent_at = time.perf_counter()
+            self._counters.send_s += sent_at - started
+            self._counters.timeline.record(int(message["mb"]), "send", started, sent_at)
 
     async def _send_downstream(self, item: object) -> None:
         assert isinstance(item, Message)

@@ -78,6 +78,8 @@ class SendToCoordinator:
     epoch: int = 0
     # the shell adds ``"metrics": counters`` last (heartbeats, metrics replies)
     attach_metrics: bool = False
+    # the shell adds ``"timeline"``: the run's spans and the clock offset
+    attach_timeline: bool = False
     timeout_s: float | None = None  # None: the configured send timeout
 
 
@@ -405,7 +407,15 @@ class StageLifecycle:
             return [StartJob(Job.BACKUP, message, newest_wins=True)]
         if kind == "metrics_request":
             body = {"run": message["run"], "name": self.name}
-            return [SendToCoordinator("metrics", body, epoch=message.epoch, attach_metrics=True)]
+            return [
+                SendToCoordinator(
+                    "metrics",
+                    body,
+                    epoch=message.epoch,
+                    attach_metrics=True,
+                    attach_timeline=bool(message.get("timeline")),
+                )
+            ]
         if kind == "shutdown":
             self.phase = Phase.STOPPING
             return [Exit(str(message["reason"]))]  # a clean exit, logged as stage_shutdown

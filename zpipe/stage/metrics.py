@@ -18,11 +18,12 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import zmq
 
 from zpipe._errors import TransportTimeout
+from zpipe.stage.timeline import Timeline
 
 # messages on their way to peers at once: one being written, the rest queued behind
 # it, so the link never idles between messages and a slow one is felt at once
@@ -63,14 +64,20 @@ class StageCounters:
     # rides on heartbeats, and a change is progress on an answer the coordinator awaits
     peer_state_bytes: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    # each micro-batch's spans (sent only when asked, never with the counters)
+    timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
 
     @property
     def utilisation(self) -> float:
         total = self.busy_s + self.idle_s + self.blocked_s
         return self.busy_s / total if total > 0 else 0.0
 
+    def _numbers(self) -> dict[str, float | int]:
+        # not asdict: it would deep-copy the timeline at every heartbeat
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "timeline"}
+
     def to_dict(self) -> dict[str, float | int]:
-        data = asdict(self)
+        data = self._numbers()
         data["uptime_s"] = time.monotonic() - data.pop("started_at")
         data["utilisation"] = self.utilisation
         # the rate the links moved data while busy (0 before anything was sent)
@@ -79,10 +86,12 @@ class StageCounters:
         )
         return data
 
-    def reset(self) -> None:
+    def reset(self, *, keep_timeline: bool = False) -> None:
         fresh = StageCounters()
-        for name, value in asdict(fresh).items():
+        for name, value in fresh._numbers().items():
             setattr(self, name, value)
+        if not keep_timeline:
+            self.timeline.clear()
 
 
 class LinkMeter:

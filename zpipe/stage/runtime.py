@@ -65,6 +65,8 @@ from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService, request_identity
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
+from zpipe.stage.timeline import ClockOffset
+from zpipe.stage.timeline import clock as timeline_clock
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import SharedUplink
 from zpipe.transport.sockets import decode_frames, new_context, recv_frames, send
@@ -81,6 +83,9 @@ class StageRuntime:
     def __init__(self, config: StageConfig) -> None:
         self.config = config
         self.counters = StageCounters()
+        # the coordinator's clock against this one (heartbeat round trips), for timelines
+        self._clock_offset = ClockOffset()
+        self._coordinator_stamps = False
         # snapshots for chain replication: this stage's own, and peers' backups
         self.replicas = ReplicaStore()
         self._context = new_context()
@@ -262,6 +267,7 @@ class StageRuntime:
                 )
                 reply = decode_frames(frames, self.config.socket_options.max_message_bytes)
                 commands = lifecycle.registration_reply(reply, time.monotonic())
+                self._on_clock(reply)
                 await self._on_registered(reply)
             except TransportTimeout:
                 continue
@@ -272,8 +278,10 @@ class StageRuntime:
 
     async def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
-            await asyncio.sleep(self.lifecycle.heartbeat_interval_s)
+            # the first beat at once: its acknowledgement measures the clock offset
+            # (timelines) before a run can start
             await self._carry_out(self.lifecycle.heartbeat_due(time.monotonic()))
+            await asyncio.sleep(self.lifecycle.heartbeat_interval_s)
 
     async def _control_loop(self) -> None:
         ports = self._ports
@@ -292,10 +300,23 @@ class StageRuntime:
                 # A coordinator restarted without our registration, or one that had
                 # declared us dead: say so, the lifecycle registers again.
                 log.warning("registering_again", stage=self.config.name, reason=message["reason"])
+            self._on_clock(message)
             await self._on_registered(message)
             await self._carry_out(self.lifecycle.control_message(message, time.monotonic()))
 
         await serve_messages(receive, handle, self._control_message_failed)
+
+    def _on_clock(self, message: Message) -> None:
+        """A registration says whether the coordinator stamps heartbeat acks; a stamped
+        ack is a round trip for the clock offset (the run's timeline)."""
+        if message.kind == "registered":
+            self._coordinator_stamps = message.get("clock") is not None
+            # a (re)started coordinator may keep another clock: measure afresh
+            self._clock_offset = ClockOffset()
+        elif message.kind == "heartbeat_ack":
+            echo, stamp = message.get("echo"), message.get("clock")
+            if echo is not None and stamp is not None:
+                self._clock_offset.observe(float(echo), float(stamp), timeline_clock())
 
     async def _on_registered(self, message: Message) -> None:
         """A (new) registration: its token ties the bulk connection to this stage."""
@@ -404,6 +425,10 @@ class StageRuntime:
         body = dict(command.body)
         if command.attach_metrics:
             body["metrics"] = self.counters.to_dict()
+        if command.attach_timeline:
+            body["timeline"] = self.counters.timeline.to_wire(self._clock_offset)
+        if command.kind == "heartbeat" and self._coordinator_stamps:
+            body["clock"] = timeline_clock()
         await self._send_control(command.kind, body, command.epoch, timeout_s=command.timeout_s)
 
     async def _send_control(

@@ -215,7 +215,9 @@ class TrainingExecutor:
             elif action.kind == "STEP":
                 started = time.perf_counter()
                 await self._in_thread(self.shard.step)
-                self.counters.step_s += time.perf_counter() - started
+                stepped = time.perf_counter()
+                self.counters.step_s += stepped - started
+                self.counters.timeline.record(-1, "step", started, stepped)
                 self._round_rows = self._round_total = 0
                 async with self._step_done:
                     self.completed_steps = step + 1
@@ -243,7 +245,9 @@ class TrainingExecutor:
             await self._reducer.allreduce_(buffers, op="sum", round_id=2 * step + 1)
         # on an accelerator the reduced host copies go back onto the device
         await self._in_thread(self.shard.keep_reduced, grads, buffers)
-        self.counters.allreduce_s += time.perf_counter() - started
+        reduced = time.perf_counter()
+        self.counters.allreduce_s += reduced - started
+        self.counters.timeline.record(-1, "allreduce", started, reduced)
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         started = time.perf_counter()
@@ -276,7 +280,9 @@ class TrainingExecutor:
             outputs, loss, _ = await self._in_thread(
                 self.shard.forward, mb, inputs, target, samples
             )
-            self.counters.forward_s += time.perf_counter() - started
+            done = time.perf_counter()
+            self.counters.forward_s += done - started
+            self.counters.timeline.record(mb, "forward", started, done)
             self.counters.microbatches += 1
             self.counters.peak_live_activations = self.shard.peak_live
             self.counters.peak_activation_bytes = self.shard.peak_activation_bytes
@@ -297,7 +303,9 @@ class TrainingExecutor:
         if hi > lo:
             started = time.perf_counter()
             grads, _ = await self._in_thread(self.shard.backward, mb, grad_outputs)
-            self.counters.backward_s += time.perf_counter() - started
+            done = time.perf_counter()
+            self.counters.backward_s += done - started
+            self.counters.timeline.record(mb, "backward", started, done)
             self.counters.backwards += 1
         if not s.first:
             await self._scatter("grad", mb, grads, (lo, hi, total), s.upstream)

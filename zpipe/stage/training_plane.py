@@ -220,7 +220,11 @@ class TrainingPlane:
                     peer=target,
                     error=str(exc),
                 )
-            self._counters.send_s += time.perf_counter() - started
+            sent_at = time.perf_counter()
+            self._counters.send_s += sent_at - started
+            mb = message.get("mb")
+            if isinstance(mb, int):
+                self._counters.timeline.record(mb, "send", started, sent_at)
 
     async def _send_to_neighbour(self, item: object) -> None:
         assert isinstance(item, tuple)
