@@ -213,9 +213,9 @@ def test_plan_cli_takes_bucketing(tmp_path: Path, capsys: pytest.CaptureFixture[
     (tmp_path / "c.json").write_text(json.dumps(cluster.to_dict()))
     args = ["--profile", str(tmp_path / "p.json"), "--cluster", str(tmp_path / "c.json")]
     assert plan_main([*args, "--bucketing", "10%", "--json", "-"]) == 0
-    out = capsys.readouterr().out
-    assert "bucketed to 10%" in out
-    plan = json.loads(out[out.index("{") :])
+    captured = capsys.readouterr()
+    assert "bucketed to 10%" in captured.err  # the table; stdout holds the JSON alone
+    plan = json.loads(captured.out)
     assert plan["predicted"]["bucketing_tolerance"] == pytest.approx(0.1)
     with pytest.raises(SystemExit) as exit_info:
         plan_main([*args, "--bucketing", "lots"])
