@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from zpipe._errors import ConfigError
+from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model
 from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.async_schedule import (
@@ -25,6 +26,7 @@ from zpipe.training.objectives import make_optimizer
 
 SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 4], "activation": "gelu"}, seed=11)
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
 
 
 def make_batches(
@@ -186,3 +188,40 @@ def test_aggregation_averages_the_newest_versions_and_gets_no_version_of_its_own
     torch.testing.assert_close(out[0], fresh(x))
     with pytest.raises(Exception, match="aggregate"):
         stage.aggregate(5)
+
+
+# ---------------------------------------------------------------- real processes
+
+
+@pytest.mark.parametrize(
+    ("aggregate", "vertical_sync", "partition"),
+    [
+        (False, True, [[0, 1], [1, 3], [3, 4]]),
+        (True, True, [[0, 1], [1, 3], [3, 4]]),
+        (True, False, [[0, 2], [2, 4]]),
+    ],
+    ids=["3-stages", "3-stages-aggregate", "2-stages-aggregate-no-vsync"],
+)
+def test_cluster_async_run_equals_the_reference(
+    cluster: LocalCluster, aggregate: bool, vertical_sync: bool, partition: list[list[int]]
+) -> None:
+    batches = make_batches(8, 5, seed=7)
+    settings = AsyncSettings(vertical_sync=vertical_sync, aggregate=aggregate)
+    bounds = [r[0] for r in partition] + [partition[-1][1]]
+    want = train_async_reference(SPEC, batches, bounds=bounds, optimizer=ADAM, settings=settings)
+    report = cluster.fit(
+        SPEC,
+        batches,
+        optimizer=ADAM,
+        num_microbatches=1,
+        schedule="async-1f1b",
+        partition=partition,
+        aggregate=aggregate,
+        vertical_sync=vertical_sync,
+        progress=False,
+    )
+    assert report.steps == len(batches)
+    assert report.losses == pytest.approx(want.losses, rel=1e-6)
+    assert set(report.state_dict) == set(want.state_dict)
+    for key, value in want.state_dict.items():
+        torch.testing.assert_close(report.state_dict[key], value, rtol=1e-6, atol=1e-7)

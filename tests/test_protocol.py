@@ -49,6 +49,8 @@ ADDED_IN_V1 = {
     # a stage's data port limit per frame, and the first stage's for the client
     "ready": {"max_message_bytes": ["int/null", False]},
     "run_ready": {"first_max_message_bytes": ["int/null", False]},
+    # asynchronous training's end of the feed (only async stages are sent one)
+    "data": {"end": ["bool/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client

@@ -46,6 +46,7 @@ OPT_INT: Types = (int, type(None))
 OPT_NUM: Types = (int, float, type(None))
 OPT_MAP: Types = (dict, type(None))
 OPT_LIST: Types = (list, type(None))
+OPT_BOOL: Types = (bool, type(None))
 
 # Counters and indices that are never negative, in whichever kind they appear.
 NON_NEGATIVE_KEYS = frozenset({"run", "mb", "start", "end", "index"})

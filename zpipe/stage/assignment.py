@@ -22,9 +22,11 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError
 from zpipe.models import ModelSpec
+from zpipe.stage.async_shard import AsyncShard
 from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import TrainingSetup
+from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions, open_socket
@@ -133,9 +135,11 @@ class AssignmentBuilder:
             resumed = resumed_state(message)
             if body.get("fetch"):
                 resumed = {**(resumed or {}), **await fetch_state(list(body["fetch"]))}
+            # asynchronous 1F1B keeps weight versions (zpipe.stage.async_shard)
+            kind = AsyncShard if training.schedule == ASYNC_SCHEDULE else TrainShard
             shard = await loop.run_in_executor(
                 self._compute,
-                lambda: TrainShard.build(
+                lambda: kind.build(
                     spec,
                     key[1],
                     key[2],

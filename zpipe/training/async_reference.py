@@ -10,7 +10,7 @@ order, which is the same too: the same ops run on the same tensors).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,51 +20,13 @@ from zpipe._errors import ConfigError
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.weights import unit_key
 from zpipe.training.async_schedule import (
+    AsyncSettings,
     aggregation_intervals,
     async_global_order,
     concurrent_versions,
     forward_version,
 )
 from zpipe.training.async_stage import AsyncStageCompute
-
-
-@dataclass(frozen=True)
-class AsyncSettings:
-    """An asynchronous run's settings: vertical sync (on by default), aggregation
-    (every ``aggregate_multiple * (n - i)`` backwards on stage ``i``), and the bound on
-    mini-batches in flight (None: the number of stages)."""
-
-    vertical_sync: bool = True
-    aggregate: bool = False
-    aggregate_multiple: int = 1
-    max_in_flight: int | None = None
-
-    def __post_init__(self) -> None:
-        m = self.aggregate_multiple
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ConfigError(f"aggregate_multiple must be an integer >= 1, got {m!r}")
-        w = self.max_in_flight
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ConfigError(f"max_in_flight must be an integer >= 1, got {w!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "vertical_sync": self.vertical_sync,
-            "aggregate": self.aggregate,
-            "aggregate_multiple": self.aggregate_multiple,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> AsyncSettings:
-        data = data or {}
-        try:
-            return cls(
-                vertical_sync=bool(data.get("vertical_sync", True)),
-                aggregate=bool(data.get("aggregate", False)),
-                aggregate_multiple=int(data.get("aggregate_multiple", 1)),
-            )
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"malformed asynchronous settings {data!r}: {exc}") from None
 
 
 @dataclass

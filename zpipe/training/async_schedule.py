@@ -34,13 +34,58 @@ endless list without the forwards and backwards of batches ``>= N``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from zpipe._errors import ConfigError
 
 ASYNC_SCHEDULE = "async-1f1b"
 ASYNC_KINDS = ("F", "B", "STEP", "AGG")
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    """An asynchronous run's settings: vertical sync (on by default), aggregation
+    (every ``aggregate_multiple * (n - i)`` backwards on stage ``i``), and the bound on
+    mini-batches in flight (None: the number of stages)."""
+
+    vertical_sync: bool = True
+    aggregate: bool = False
+    aggregate_multiple: int = 1
+    max_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        m = self.aggregate_multiple
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"aggregate_multiple must be an integer >= 1, got {m!r}")
+        w = self.max_in_flight
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ConfigError(f"max_in_flight must be an integer >= 1, got {w!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "vertical_sync": self.vertical_sync,
+            "aggregate": self.aggregate,
+            "aggregate_multiple": self.aggregate_multiple,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> AsyncSettings:
+        data = data or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"asynchronous settings must be a mapping, got {data!r}")
+        unknown = sorted(set(data) - {"vertical_sync", "aggregate", "aggregate_multiple"})
+        if unknown:
+            raise ConfigError(f"unknown asynchronous settings {unknown}")
+        try:
+            return cls(
+                vertical_sync=bool(data.get("vertical_sync", True)),
+                aggregate=bool(data.get("aggregate", False)),
+                aggregate_multiple=int(data.get("aggregate_multiple", 1)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed asynchronous settings {data!r}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ class AsyncStageCompute:
     def _copy_live(self) -> list[dict[str, torch.Tensor]]:
         return [{n: p.detach().clone() for n, p in unit.items()} for unit in self._params]
 
+    def restart_versions(self) -> None:
+        """The live weights were replaced (a resumed state): they are the only version."""
+        self._versions = {self.updates: self._copy_live()}
+
     @property
     def versions_kept(self) -> list[int]:
         return sorted(self._versions)
