@@ -23,6 +23,7 @@ from zpipe.training.async_schedule import (
     forward_version,
 )
 from zpipe.training.objectives import make_optimizer
+from zpipe.transport.slowdown import SlowdownClock, SlowdownSchedule, slowdown_factor
 
 SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 4], "activation": "gelu"}, seed=11)
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
@@ -225,3 +226,57 @@ def test_cluster_async_run_equals_the_reference(
     assert set(report.state_dict) == set(want.state_dict)
     for key, value in want.state_dict.items():
         torch.testing.assert_close(report.state_dict[key], value, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- slowdown schedule
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("", "seconds:factor"),
+        ("0:1,60", "seconds:factor"),
+        ("0:1,x:10", "numbers"),
+        ("5:1", "starts at 0"),
+        ("0:1,60:10,30:2", "increase"),
+        ("0:0.5", "1..1000"),
+        ("0:1,10:nan", "1..1000"),
+    ],
+)
+def test_slowdown_schedule_refuses_bad_text(text: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        SlowdownSchedule.parse(text)
+
+
+def test_slowdown_factor_changes_on_schedule_from_the_first_step() -> None:
+    schedule = SlowdownSchedule.parse("0:1, 60:10 ,90:2.5")
+    assert str(schedule) == "0:1,60:10,90:2.5"
+    assert [schedule.factor_at(t) for t in (0, 59.9, 60, 89, 1e6)] == [1, 1, 10, 10, 2.5]
+    now = [1000.0]
+    clock = SlowdownClock(schedule, clock=lambda: now[0])
+    assert slowdown_factor(clock) == 1  # the first step starts the clock
+    now[0] += 61
+    assert slowdown_factor(clock) == 10
+    now[0] += 30
+    assert slowdown_factor(clock) == 2.5
+    assert slowdown_factor(3.0) == 3.0
+
+
+def test_a_stage_takes_a_slowdown_schedule_instead_of_a_factor() -> None:
+    from zpipe.stage.__main__ import build_parser
+    from zpipe.stage.config import StageConfig
+
+    args = build_parser().parse_args(
+        ["--name", "s", "--coordinator", "tcp://127.0.0.1:1", "--slowdown-schedule", "0:1,60:10"]
+    )
+    assert args.slowdown_schedule == SlowdownSchedule.parse("0:1,60:10")
+    config = StageConfig("s", "tcp://127.0.0.1:1", slowdown_schedule=args.slowdown_schedule)
+    assert isinstance(config.emulated_slowdown(), SlowdownClock)
+    with pytest.raises(ConfigError, match="not both"):
+        StageConfig(
+            "s", "tcp://127.0.0.1:1", slowdown=2.0, slowdown_schedule=args.slowdown_schedule
+        )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(
+            ["--name", "s", "--coordinator", "tcp://h:1", "--slowdown-schedule", "9:1"]
+        )

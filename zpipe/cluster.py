@@ -50,6 +50,8 @@ class DeviceSpec:
     uplink_mbps: float | None = None
     # rows of one data message the stage's data port accepts (--max-batch-rows)
     max_batch_rows: int | None = None
+    # a slowdown that changes over time ("0:1,60:10", --slowdown-schedule)
+    slowdown_schedule: str | None = None
 
     def stage_flags(self) -> list[str]:
         flags = ["--name", self.name, "--slowdown", str(self.slowdown)]
@@ -67,6 +69,8 @@ class DeviceSpec:
             flags += ["--uplink-mbps", str(self.uplink_mbps)]
         if self.max_batch_rows is not None:
             flags += ["--max-batch-rows", str(self.max_batch_rows)]
+        if self.slowdown_schedule is not None:
+            flags += ["--slowdown-schedule", self.slowdown_schedule]
         return flags
 
 

@@ -29,6 +29,7 @@ from zpipe.stage.trainer import TrainingSetup
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.codec import Message
+from zpipe.transport.slowdown import Slowdown
 from zpipe.transport.sockets import SocketOptions, open_socket
 
 
@@ -107,7 +108,7 @@ ParseTraining = Callable[[Message], TrainingSetup]
 class AssignmentBuilder:
     """Builds assignments' shards in the compute thread; keeps the last inference shard."""
 
-    def __init__(self, *, compute: ThreadPoolExecutor, slowdown: float) -> None:
+    def __init__(self, *, compute: ThreadPoolExecutor, slowdown: Slowdown) -> None:
         self._compute = compute
         self._slowdown = slowdown
         # The last shard built, by (spec, start, end, dtype), so a repeated run reuses it.

@@ -18,6 +18,7 @@ import torch
 from zpipe._errors import PipelineError
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.async_stage import AsyncStageCompute
+from zpipe.transport.slowdown import Slowdown
 
 
 class AsyncShard(TrainShard):
@@ -30,7 +31,7 @@ class AsyncShard(TrainShard):
         last: bool,
         loss: str,
         optimizer: Mapping[str, Any],
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
     ) -> None:
         super().__init__(
             units,

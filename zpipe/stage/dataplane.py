@@ -68,7 +68,7 @@ class DataPlane:
         self._lifecycle = lifecycle
         self._supervisor = supervisor
         self._fetch_state = fetch_state
-        self._builder = AssignmentBuilder(compute=compute, slowdown=config.slowdown)
+        self._builder = AssignmentBuilder(compute=compute, slowdown=config.emulated_slowdown())
         self._pending: Assignment | None = None  # built, waiting for "connect"
         self._downstream: zmq.asyncio.Socket | None = None  # inference assignments
         self._inference: InferenceLoop | None = None

@@ -14,6 +14,7 @@ import torch
 from zpipe._errors import ConfigError
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
+from zpipe.transport.slowdown import Slowdown, slowdown_factor
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -24,7 +25,7 @@ class Shard:
         units: Sequence[torch.nn.Module],
         *,
         dtype: str = "float32",
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
         device: str = "cpu",
     ) -> None:
         if dtype not in COMPUTE_DTYPES:
@@ -42,7 +43,7 @@ class Shard:
         end: int,
         *,
         dtype: str = "float32",
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
         device: str = "cpu",
     ) -> Shard:
         sequence = load_layer_sequence(spec)
@@ -70,6 +71,6 @@ class Shard:
             outputs = tuple(t.to("cpu") for t in outputs)
         elapsed = time.perf_counter() - started
         took = emulate_slowdown(
-            self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+            slowdown_factor(self.slowdown), elapsed, compute_cpu_s(time.thread_time() - cpu_started)
         )
         return outputs, took

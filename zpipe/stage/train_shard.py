@@ -18,6 +18,7 @@ from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.models.weights import unit_key
 from zpipe.training.objectives import check_loss, make_optimizer, microbatch_loss
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
+from zpipe.transport.slowdown import Slowdown, slowdown_factor
 
 # Separates a parameter's key from the name of one of its optimizer state tensors.
 OPTIMIZER_KEY = "#opt."
@@ -33,7 +34,7 @@ class TrainShard:
         last: bool,
         loss: str,
         optimizer: Mapping[str, Any],
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
     ) -> None:
         self.units = [u.train() for u in units]
         self.start = start
@@ -62,7 +63,7 @@ class TrainShard:
         last: bool,
         loss: str,
         optimizer: Mapping[str, Any],
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
         state: Mapping[str, torch.Tensor] | None = None,
     ) -> TrainShard:
         """Units ``[start, end)`` of ``spec``; ``state`` (from :meth:`training_state`)
@@ -93,7 +94,7 @@ class TrainShard:
     def _timed(self, started: float, cpu_started: float) -> float:
         elapsed = time.perf_counter() - started
         return emulate_slowdown(
-            self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+            slowdown_factor(self.slowdown), elapsed, compute_cpu_s(time.thread_time() - cpu_started)
         )
 
     def forward(
