@@ -280,3 +280,54 @@ def test_a_stage_takes_a_slowdown_schedule_instead_of_a_factor() -> None:
         build_parser().parse_args(
             ["--name", "s", "--coordinator", "tcp://h:1", "--slowdown-schedule", "9:1"]
         )
+
+
+# ---------------------------------------------------------------- options
+
+
+def test_async_options_are_checked_before_anything_is_sent() -> None:
+    from zpipe.client.options import TrainOptions
+    from zpipe.training.objectives import check_train_settings
+
+    with pytest.raises(ConfigError, match="num_microbatches=1"):
+        TrainOptions(optimizer=SGD, num_microbatches=2, schedule="async-1f1b")
+    with pytest.raises(ConfigError, match="recover"):
+        TrainOptions(optimizer=SGD, num_microbatches=1, schedule="async-1f1b", recover=True)
+    checked = check_train_settings(
+        {
+            "schedule": "async-1f1b",
+            "num_microbatches": 1,
+            "optimizer": SGD,
+            "async": {"aggregate": True},
+        },
+        3,
+    )
+    assert checked["warmups"] == [3, 2, 1] and checked["async"]["aggregate"] is True
+    with pytest.raises(ConfigError, match="unknown asynchronous"):
+        check_train_settings(
+            {
+                "schedule": "async-1f1b",
+                "num_microbatches": 1,
+                "optimizer": SGD,
+                "async": {"agg": 1},
+            },
+            3,
+        )
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--schedule", "async-1f1b", "--microbatches", "2"], "--microbatches 1"),
+        (["--schedule", "async-1f1b", "--recover"], "does not recover"),
+        (["--aggregate"], "need --schedule async-1f1b"),
+    ],
+)
+def test_train_cli_refuses_async_flags_that_do_not_fit(
+    flags: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zpipe.train_cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--local", "2", *flags])
+    assert error in capsys.readouterr().err
