@@ -19,7 +19,7 @@ from the first send to the last loss. Accuracy is the test accuracy after
 
 ``straggler`` (``--skip-straggler`` leaves it out): a second cluster whose first
 device (the most compute) follows ``--slowdown-schedule`` (default: 10x slower from
-2 s after its first step): the asynchronous run's samples/s before and after the
+1.5 s after its first step): the asynchronous run's samples/s before and after the
 change, from the losses' arrival times (``after_over_before``), showing a device
 that turns slow mid-run.
 
@@ -109,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     parser.add_argument("--skip-straggler", action="store_true")
     parser.add_argument("--skip-comparison", action="store_true")
-    parser.add_argument("--slowdown-schedule", default="0:1,2:10")
-    parser.add_argument("--straggler-epochs", type=int, default=4)
+    parser.add_argument("--slowdown-schedule", default="0:1,1.5:10")
+    parser.add_argument("--straggler-epochs", type=int, default=10)
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGALRM, on_alarm)
