@@ -73,6 +73,8 @@ ADDED_IN_V1 = {
     "metrics": {"timeline": ["dict/null", False]},
     "run_end": {"timeline": ["bool/null", False]},
     "run_report": {"timelines": ["dict/null", False]},
+    # asynchronous training's end of the feed (only async stages are sent one)
+    "data": {"end": ["bool/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client

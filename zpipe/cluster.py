@@ -66,6 +66,8 @@ class DeviceSpec:
     # where the stage computes (--device: auto, cpu, cuda[:N], mps); None: the stage's
     # default (auto)
     device: str | None = None
+    # a slowdown that changes over time ("0:1,60:10", --slowdown-schedule)
+    slowdown_schedule: str | None = None
 
     def __post_init__(self) -> None:
         if self.device is not None:
@@ -89,6 +91,8 @@ class DeviceSpec:
             flags += ["--max-batch-rows", str(self.max_batch_rows)]
         if self.device is not None:
             flags += ["--device", self.device]
+        if self.slowdown_schedule is not None:
+            flags += ["--slowdown-schedule", self.slowdown_schedule]
         return flags
 
 

@@ -50,6 +50,8 @@ from zpipe.models.weights import (
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
+from zpipe.training.async_reference import train_async_reference
+from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.training.lr_schedules import LR_SCHEDULES
 from zpipe.training.objectives import LOSSES, OPTIMIZERS, is_factory_name
 from zpipe.training.schedules import SCHEDULES
@@ -125,9 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--microbatches",
         type=positive_int,
-        default=4,
+        default=None,
         metavar="N",
-        help="the number of micro-batches each mini-batch is split into (default: 4)",
+        help="the number of micro-batches each mini-batch is split into (default: 4; "
+        "async-1f1b: 1, the only choice)",
     )
     parser.add_argument(
         "--planner",
@@ -135,7 +138,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="how the coordinator plans the pipeline (default: hpp, Asteroid's hybrid plan)",
     )
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="(default: 1f1b)")
+    parser.add_argument(
+        "--schedule",
+        choices=(*SCHEDULES, ASYNC_SCHEDULE),
+        default="1f1b",
+        help="(default: 1f1b); async-1f1b: asynchronous 1F1B (PipeDream, FTPipeHD) with "
+        "weight stashing, an update after every backward",
+    )
+    parser.add_argument(
+        "--no-vertical-sync",
+        dest="vertical_sync",
+        action="store_false",
+        help="async-1f1b: each stage forwards with its newest weights, not the version the "
+        "first stage used",
+    )
+    parser.add_argument(
+        "--aggregate",
+        action="store_true",
+        help="async-1f1b: FTPipeHD's weight aggregation (stage i of n averages its newest "
+        "n - i weight versions every n - i backwards)",
+    )
+    parser.add_argument(
+        "--aggregate-multiple",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="with --aggregate: aggregate every K * (n - i) backwards (default: 1)",
+    )
     parser.add_argument(
         "--warmup",
         choices=WARMUP_POLICIES,
@@ -426,6 +455,25 @@ def _train_here(
     return shard.state_dict()
 
 
+def _train_async_here(
+    spec: ModelSpec,
+    batches: list[tuple[torch.Tensor, ...]],
+    report: TrainReport,
+    args: argparse.Namespace,
+) -> dict[str, torch.Tensor]:
+    """The single-process reference of the asynchronous run, on the plan it ran."""
+    bounds = [s.start for s in report.plan.stages] + [report.plan.stages[-1].end]
+    settings = AsyncSettings(
+        vertical_sync=args.vertical_sync,
+        aggregate=args.aggregate,
+        aggregate_multiple=args.aggregate_multiple,
+    )
+    result = train_async_reference(
+        spec, batches, bounds=bounds, optimizer=_optimizer(args), settings=settings
+    )
+    return result.state_dict
+
+
 def _check_output(parser: argparse.ArgumentParser, output: str | None) -> None:
     """Refuse, before any training, a weights file that could not be written after it."""
     if output is None:
@@ -530,6 +578,12 @@ def _train(
         "on_plan": lambda plan: _print_plan(plan, unit_names),
         "trace": args.trace,
     }
+    if args.schedule == ASYNC_SCHEDULE:
+        settings.update(
+            vertical_sync=args.vertical_sync,
+            aggregate=args.aggregate,
+            aggregate_multiple=args.aggregate_multiple,
+        )
     if args.planner is not None:
         settings["planner"] = args.planner
     if args.recover:
@@ -575,6 +629,17 @@ def _train(
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Everything about the flags that can fail, checked before anything starts."""
     recover_only = (args.replicate_every, args.rebalance, args.consistency, args.replication)
+    asynchronous = args.schedule == ASYNC_SCHEDULE
+    if args.microbatches is None:
+        args.microbatches = 1 if asynchronous else 4
+    if asynchronous and args.microbatches != 1:
+        parser.error(f"--schedule {ASYNC_SCHEDULE} trains every mini-batch whole: --microbatches 1")
+    if asynchronous and args.recover:
+        parser.error(f"--schedule {ASYNC_SCHEDULE} does not recover yet: leave --recover out")
+    if asynchronous and (args.lr_schedule is not None or args.resume is not None):
+        parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --lr-schedule or --resume yet")
+    if not asynchronous and (args.aggregate or not args.vertical_sync):
+        parser.error(f"--aggregate and --no-vertical-sync need --schedule {ASYNC_SCHEDULE}")
     if args.advertise_host is not None and args.coordinator is None:
         parser.error("--advertise-host needs --coordinator (--local runs on this machine)")
     if not args.recover and recover_only != (None, None, None, None):
@@ -658,7 +723,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"weights saved to {args.output}")
     if args.check:
-        expected = _train_here(spec, batches, _settings(args, start_step))
+        expected = (
+            _train_async_here(spec, batches, report, args)
+            if args.schedule == ASYNC_SCHEDULE
+            else _train_here(spec, batches, _settings(args, start_step))
+        )
         worst = weights_difference(report.state_dict, expected)
         print(
             f"single-process training: weights differ by at most {worst:.2e} "

@@ -22,6 +22,7 @@ from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, DeadlinePolicy
+from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.objectives import check_loss, check_optimizer
 from zpipe.training.warmup import check_warmup_policy
@@ -193,7 +194,14 @@ class TrainOptions:
     rule: "asteroid" (2(P - p) - 1), "torch" (P - p, as Schedule1F1B) or "auto" (the
     default: torch's when stages share a host's cores, Asteroid's otherwise; see
     :mod:`zpipe.training.warmup`); ``max_steps_in_flight``:
-    mini-batches fed ahead of their losses.
+    mini-batches fed ahead of their losses (default 2; for "async-1f1b" the number of
+    stages, FTPipeHD's semaphore).
+    ``schedule="async-1f1b"``: asynchronous 1F1B (PipeDream, FTPipeHD): every stage
+    updates after each backward, with weight stashing; ``num_microbatches`` must be 1.
+    ``vertical_sync`` (default on): every stage forwards a mini-batch with the weight
+    version the first stage used; ``aggregate``: FTPipeHD's weight aggregation, stage
+    ``i`` of ``n`` averaging its newest ``n - i`` versions every
+    ``aggregate_multiple * (n - i)`` backwards.
     ``plan``: a training plan (device groups, unit ranges, shares, warm-ups; e.g. from
     :func:`zpipe.planner.hpp.plan_training`); its schedule, micro-batch count and
     warm-ups replace those arguments. Without one the coordinator plans a straight
@@ -266,7 +274,7 @@ class TrainOptions:
     planner: str | None = None
     microbatch_size: int | None = None
     wait_for_stages_s: float = 30.0
-    max_steps_in_flight: int = 2
+    max_steps_in_flight: int | None = None
     progress: bool | None = None
     on_step: Callable[[int, float], None] | None = None
     recover: bool = False
@@ -282,6 +290,9 @@ class TrainOptions:
     resume_optimizer: bool = False
     on_plan: Callable[[TrainingPlan], None] | None = None
     trace: str | Path | None = None
+    vertical_sync: bool = True
+    aggregate: bool = False
+    aggregate_multiple: int = 1
 
     def __post_init__(self) -> None:
         _check_trace(self.trace)
@@ -303,7 +314,17 @@ class TrainOptions:
         # a copy: the caller's dict may change while the run goes on
         object.__setattr__(self, "optimizer", dict(self.optimizer))
         _check_count("num_microbatches", self.num_microbatches)
-        _check_count("max_steps_in_flight", self.max_steps_in_flight)
+        _check_count("max_steps_in_flight", self.max_steps_in_flight, optional=True)
+        _check_count("aggregate_multiple", self.aggregate_multiple)
+        if self.schedule.lower() == ASYNC_SCHEDULE:
+            if self.num_microbatches != 1:
+                raise ConfigError(
+                    f"{ASYNC_SCHEDULE} trains every mini-batch whole: use num_microbatches=1"
+                )
+            if self.recover or self.rebalance is not None:
+                raise ConfigError(
+                    f"{ASYNC_SCHEDULE} runs do not recover or rebalance yet: leave recover off"
+                )
         if self.warmups is not None:
             object.__setattr__(self, "warmups", tuple(self.warmups))
         check_warmup_policy(self.warmup)

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterable, Iterable, Sized
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError, StageFailedError
+from zpipe.client.async_training import AsyncTrainingRun
 from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
 from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
@@ -45,6 +46,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.progress import Progress
+from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 
 log = get_logger("zpipe.client")
 
@@ -91,7 +93,8 @@ def training_request(
         train["start_step"] = options.start_step
     if options.resume_optimizer:
         train["resume_optimizer"] = True
-    return {
+    asynchronous = options.schedule.lower() == ASYNC_SCHEDULE
+    request: dict[str, Any] = {
         **model_fields(model),
         "partition": (
             [list(r) for r in options.partition] if options.partition is not None else None
@@ -99,7 +102,11 @@ def training_request(
         "stages": options.stages,
         "stage_names": names,
         "dtype": "float32",
-        "planner": options.planner or ("hpp" if microbatch_size is not None else "pipeedge"),
+        "planner": options.planner
+        or (
+            # asynchronous 1F1B runs one device per stage: a straight pipeline
+            ("straight" if asynchronous else "hpp") if microbatch_size is not None else "pipeedge"
+        ),
         "microbatch_size": microbatch_size,
         "sink_endpoint": sink_endpoint,
         "wait_for_stages_s": float(options.wait_for_stages_s),
@@ -113,6 +120,14 @@ def training_request(
         "progress": True,
         "train": train,
     }
+    if asynchronous:
+        settings = AsyncSettings(
+            vertical_sync=options.vertical_sync,
+            aggregate=options.aggregate,
+            aggregate_multiple=options.aggregate_multiple,
+        )
+        request["train"]["async"] = settings.to_dict()
+    return request
 
 
 def check_traced_microbatches(
@@ -222,8 +237,10 @@ class _Training:
                     self.plan.num_microbatches,
                 )
             run: TrainingRun | None = None
+            # asynchronous 1F1B: its own attempt, which ends its feed explicitly
+            attempt = AsyncTrainingRun if self.schedule == ASYNC_SCHEDULE else TrainingRun
             try:
-                run = TrainingRun(
+                run = attempt(
                     session,
                     ready,
                     self.model,

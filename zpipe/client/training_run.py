@@ -63,7 +63,7 @@ class TrainingRun:
         *,
         schedule: str,
         num_microbatches: int,
-        max_steps_in_flight: int,
+        max_steps_in_flight: int | None,
         offset: int,
         replicate_every: int | None,
     ) -> None:
@@ -104,7 +104,7 @@ class TrainingRun:
         self.last_shares = list(last.shares)
         self.last_names = set(last.devices)
         session.allow_sink_senders([keys.get(n) for n in last.devices])
-        self.window = asyncio.Semaphore(max_steps_in_flight)
+        self.window = asyncio.Semaphore(max_steps_in_flight or self.default_window(tplan))
         self.started = time.perf_counter()
         self.step_losses: dict[int, list[float]] = {}
         self.step_samples: dict[int, int] = {}  # samples of each mini-batch in flight
@@ -119,6 +119,13 @@ class TrainingRun:
         self.offset = offset
         self.replicate_every = replicate_every
         self._step_done: Callable[[int, float], None] = lambda step, loss: None
+
+    def default_window(self, plan: TrainingPlan) -> int:
+        """Mini-batches fed ahead of their losses when the options name no bound."""
+        return 2
+
+    async def feed_ended(self) -> None:
+        """Every mini-batch was sent (a run kind that must say so, says so here)."""
 
     async def train(
         self,
@@ -178,6 +185,7 @@ class TrainingRun:
                     self.finished.set()  # this attempt ends here; the next one moves
                     return
             await self._send_minibatch(batch)
+        await self.feed_ended()
         self.all_sent.set()
         if self.done_steps == self.sent_steps:
             self.finished.set()

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
+from zpipe.coordinator.async_training import AsyncTrainingRun, as_async_plan, planning_schedule
 from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitReplies,
@@ -51,6 +52,7 @@ from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
+from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.objectives import check_train_settings
 from zpipe.training.warmup import stages_share_cores
 from zpipe.transport.codec import Message
@@ -155,9 +157,11 @@ def _start_run(
             int(batch),
             int(checked["num_microbatches"]),
             algo=algo,
-            schedule=str(checked["schedule"]),
+            schedule=planning_schedule(str(checked["schedule"])),
             optimizer=memory_model(checked["optimizer"]),
         )
+        if checked["schedule"] == ASYNC_SCHEDULE:
+            planned = as_async_plan(planned)
         return (yield from start.assign(message, planned, replica=replica))
     plan, baseline = yield PlanInference(
         spec,
@@ -353,7 +357,10 @@ class _Training:
             groups=[list(g[0]) for g in groups],
             client_progress=bool(message.get("progress", False)),
         )
-        controller = SyncTrainingRun(state, run)
+        controller_kind = (
+            AsyncTrainingRun if training["schedule"] == ASYNC_SCHEDULE else SyncTrainingRun
+        )
+        controller = controller_kind(state, run)
         state.current = controller
         yield Log(
             "info",
@@ -427,6 +434,8 @@ class _Training:
                     "upstream": up,
                     "downstream": down,
                 }
+                if "async" in training:
+                    train["async"] = training["async"]
                 if holders:
                     train["backup_from"] = sorted(o for o, h in holders.items() if h == name)
                 body: dict[str, Any] = {

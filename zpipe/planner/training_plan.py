@@ -24,6 +24,7 @@ from typing import Any
 
 from zpipe._errors import ConfigError
 from zpipe.planner.plan import read_predicted
+from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
 
 TRAINING_SCHEDULES = ("1f1b", "gpipe")
 TRAINING_ALGOS = ("hpp", "straight", "data-parallel", "even")
@@ -208,10 +209,9 @@ def validate_training_plan(plan: TrainingPlan) -> None:
     """
     if not plan.algo or not isinstance(plan.algo, str):
         raise ConfigError(f"a training plan needs an algo name, got {plan.algo!r}")
-    if plan.schedule not in TRAINING_SCHEDULES:
-        raise ConfigError(
-            f"unknown schedule {plan.schedule!r}; use one of {', '.join(TRAINING_SCHEDULES)}"
-        )
+    if plan.schedule not in (*TRAINING_SCHEDULES, ASYNC_SCHEDULE):
+        known = ", ".join((*TRAINING_SCHEDULES, ASYNC_SCHEDULE))
+        raise ConfigError(f"unknown schedule {plan.schedule!r}; use one of {known}")
     for name in ("num_units", "microbatch_size", "num_microbatches"):
         value = getattr(plan, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -259,6 +259,16 @@ def _check_stage(plan: TrainingPlan, i: int, stage: TrainStage, expected: int) -
             f"micro-batch has {plan.microbatch_size} samples"
         )
     w = stage.warmup
+    if plan.schedule == ASYNC_SCHEDULE:
+        # asynchronous 1F1B: one micro-batch per mini-batch, warm-up n - i
+        want = async_warmup(i, len(plan.stages))
+        if plan.num_microbatches != 1 or len(stage.devices) != 1 or w != want:
+            raise ConfigError(
+                f"stage {i}: {ASYNC_SCHEDULE} runs one device per stage, one micro-batch "
+                f"per mini-batch and warm-up n - i = {want}; got {len(stage.devices)} "
+                f"devices, {plan.num_microbatches} micro-batches, warm-up {w!r}"
+            )
+        return
     if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= plan.num_microbatches:
         raise ConfigError(
             f"stage {i}: warmup must be in 1..{plan.num_microbatches} (the number of "

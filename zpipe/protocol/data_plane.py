@@ -3,7 +3,8 @@
 On the stages' PUSH/PULL data sockets (and the client's sink)::
 
     data     activations of micro-batch ``mb`` (training pieces: ``rows`` [lo, hi) of
-             a micro-batch of ``total`` rows, which data-parallel groups split)
+             a micro-batch of ``total`` rows, which data-parallel groups split);
+             with ``end`` (asynchronous training), no batch from ``mb`` on follows
     grad     the gradient of the receiver's outputs
     labels   labels for the last stage (``samples``: the mini-batch's size, which
              the loss is averaged over)
@@ -23,6 +24,7 @@ from zpipe.protocol._schema import (
     INT,
     LIST,
     NUM,
+    OPT_BOOL,
     STR,
     TensorMessage,
     WireMessage,
@@ -39,6 +41,8 @@ class Data(TensorMessage):
     src: str = wire(STR)
     rows: list[Any] | None = wire(LIST, default=None)
     total: int | None = wire(INT, default=None)
+    # asynchronous training: no batch numbered ``mb`` or later follows (no rows)
+    end: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -16,6 +16,8 @@ Where each part lives (decisions in pure modules, I/O in the shells)::
         inference.InferenceLoop     receive -> compute (thread) -> send
         training_plane.TrainingPlane  neighbours, ring, sends of a training run
           trainer.TrainingExecutor      runs the schedule's F/B/ALLREDUCE/STEP actions
+          async_trainer.AsyncTrainingExecutor  asynchronous 1F1B (F/B/STEP/AGG, the
+                                        feed's end), over async_shard.AsyncShard
       snapshots.SnapshotService   weights, backups and unit fetches for recovery
         peer_policy                 pure: whose backups are kept, who may fetch units
       measurements                profiles and link measurements for the planner

@@ -35,6 +35,7 @@ from zpipe.stage.config import DEFAULT_MAX_BATCH_ROWS
 from zpipe.stage.runtime import CoordinatorLost, StageConfig, StageRuntime
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.emulation import LinkSpec
+from zpipe.transport.slowdown import SlowdownSchedule
 from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -58,6 +59,13 @@ def probability(text: str) -> float:
     if value >= 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be below 1")
     return value
+
+
+def _slowdown_schedule(text: str) -> SlowdownSchedule:
+    try:
+        return SlowdownSchedule.parse(text)
+    except ZpipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         "this factor (default: 1, must be >= 1)",
     )
     emu.add_argument(
+        "--slowdown-schedule",
+        type=_slowdown_schedule,
+        default=None,
+        metavar="S:F,...",
+        help="a slowdown that changes over time, seconds:factor from the stage's first "
+        "compute step (e.g. '0:1,60:10': 10 times slower after 60 s); instead of --slowdown",
+    )
+    emu.add_argument(
         "--bandwidth-mbps",
         type=at_most(positive_float, MAX_BANDWIDTH_MBPS, "a petabit per second"),
         default=None,
@@ -229,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             advertise_host=args.advertise_host,
             threads=args.threads,
             slowdown=args.slowdown,
+            slowdown_schedule=args.slowdown_schedule,
             link=LinkSpec(args.bandwidth_mbps, args.latency_ms, args.loss, args.loss_seed),
             uplink=LinkSpec(args.uplink_mbps),
             memory_mb=args.memory_mb,

@@ -23,12 +23,15 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.models import ModelSpec
 from zpipe.planner.profile import ModelProfile
+from zpipe.stage.async_shard import AsyncShard
 from zpipe.stage.emulated_compute import EmulatedShard
 from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import TrainingSetup
+from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.codec import Message
+from zpipe.transport.slowdown import Slowdown, slowdown_factor
 from zpipe.transport.sockets import SocketOptions, open_socket
 
 
@@ -111,7 +114,7 @@ class AssignmentBuilder:
         self,
         *,
         compute: ThreadPoolExecutor,
-        slowdown: float,
+        slowdown: Slowdown,
         emulate_compute: ModelProfile | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -146,9 +149,11 @@ class AssignmentBuilder:
             resumed = resumed_state(message)
             if body.get("fetch"):
                 resumed = {**(resumed or {}), **await fetch_state(list(body["fetch"]))}
+            # asynchronous 1F1B keeps weight versions (zpipe.stage.async_shard)
+            kind = AsyncShard if training.schedule == ASYNC_SCHEDULE else TrainShard
             shard = await loop.run_in_executor(
                 self._compute,
-                lambda: TrainShard.build(
+                lambda: kind.build(
                     spec,
                     key[1],
                     key[2],
@@ -194,7 +199,12 @@ class AssignmentBuilder:
         spec, start, end, dtype = key
         if self._emulate is not None:
             return EmulatedShard.build_emulated(
-                spec, start, end, self._emulate, dtype=dtype, slowdown=self._slowdown
+                spec,
+                start,
+                end,
+                self._emulate,
+                dtype=dtype,
+                slowdown=slowdown_factor(self._slowdown),  # a schedule: its factor now
             )
         return Shard.build(
             spec, start, end, dtype=dtype, slowdown=self._slowdown, device=self._device

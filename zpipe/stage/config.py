@@ -13,6 +13,7 @@ from zpipe.config import Timeouts
 from zpipe.devices import check_device_text, resolve_device
 from zpipe.planner.profile import ModelProfile
 from zpipe.transport.emulation import LinkSpec
+from zpipe.transport.slowdown import Slowdown, SlowdownClock, SlowdownSchedule
 from zpipe.transport.sockets import SocketOptions
 
 # Rows of one data message a stage accepts by default (--max-batch-rows): a micro-batch
@@ -30,6 +31,8 @@ class StageConfig:
     advertise_host: str | None = None
     threads: int | None = None
     slowdown: float = 1.0
+    # a slowdown that changes over time (--slowdown-schedule), instead of ``slowdown``
+    slowdown_schedule: SlowdownSchedule | None = None
     link: LinkSpec = field(default_factory=LinkSpec)
     # the emulated uplink to the coordinator (control and bulk state share it)
     uplink: LinkSpec = field(default_factory=LinkSpec)
@@ -52,6 +55,8 @@ class StageConfig:
             raise ConfigError(
                 f"--slowdown must be >= 1 (a factor on compute time), got {self.slowdown}"
             )
+        if self.slowdown_schedule is not None and self.slowdown != 1.0:
+            raise ConfigError("give --slowdown or --slowdown-schedule, not both")
         if self.max_batch_rows < 1:
             raise ConfigError(f"--max-batch-rows must be >= 1, got {self.max_batch_rows}")
         if self.threads is not None and self.threads < 1:
@@ -62,6 +67,13 @@ class StageConfig:
     def resolved_device(self) -> torch.device:
         """The torch device ``device`` names here (``auto``: CUDA, else MPS, else CPU)."""
         return resolve_device(self.device)
+
+    def emulated_slowdown(self) -> Slowdown:
+        """What the stage's shards stretch compute by: the fixed factor, or a new clock
+        of the schedule (its seconds count from the first compute step)."""
+        if self.slowdown_schedule is not None:
+            return SlowdownClock(self.slowdown_schedule)
+        return self.slowdown
 
     @property
     def probe_endpoint_to_bind(self) -> str:

@@ -70,7 +70,7 @@ class DataPlane:
         self._fetch_state = fetch_state
         self._builder = AssignmentBuilder(
             compute=compute,
-            slowdown=config.slowdown,
+            slowdown=config.emulated_slowdown(),
             emulate_compute=config.emulate_compute,
             device=config.resolved_device,
         )

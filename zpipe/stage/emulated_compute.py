@@ -38,6 +38,7 @@ from zpipe.planner.profile import ModelProfile, UnitProfile
 from zpipe.stage.shard import COMPUTE_DTYPES, Shard
 from zpipe.stage.supervision import describe_error
 from zpipe.transport.codec import Message
+from zpipe.transport.slowdown import slowdown_factor
 
 log = get_logger("zpipe.stage")
 
@@ -162,7 +163,8 @@ class EmulatedShard(Shard):
 
     def emulated_s(self, rows: int) -> float:
         """Seconds one micro-batch of ``rows`` samples takes here (slowdown included)."""
-        return self.slowdown * sum(_at_batch(self._batch_sizes, t, rows) for t in self._times)
+        factor = slowdown_factor(self.slowdown)  # a schedule's factor now
+        return factor * sum(_at_batch(self._batch_sizes, t, rows) for t in self._times)
 
     def _outputs_for(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         signature: Signature = tuple((tuple(t.shape), t.dtype) for t in inputs)

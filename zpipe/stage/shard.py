@@ -15,6 +15,7 @@ from zpipe._errors import ConfigError
 from zpipe.devices import BoundaryMover
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
+from zpipe.transport.slowdown import Slowdown, slowdown_factor
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -25,7 +26,7 @@ class Shard:
         units: Sequence[torch.nn.Module],
         *,
         dtype: str = "float32",
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
         device: torch.device | str = "cpu",
     ) -> None:
         if dtype not in COMPUTE_DTYPES:
@@ -45,7 +46,7 @@ class Shard:
         end: int,
         *,
         dtype: str = "float32",
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
         device: torch.device | str = "cpu",
     ) -> Shard:
         sequence = load_layer_sequence(spec)
@@ -71,6 +72,6 @@ class Shard:
             outputs = self.mover.to_host(run_units(self.units, moved))
         elapsed = time.perf_counter() - started
         took = emulate_slowdown(
-            self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+            slowdown_factor(self.slowdown), elapsed, compute_cpu_s(time.thread_time() - cpu_started)
         )
         return outputs, took

@@ -31,6 +31,7 @@ from zpipe.models.weights import OPTIMIZER_KEY, STEPS_KEY, read_matching, unit_k
 from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
 from zpipe.training.objectives import check_loss, make_loss, make_optimizer
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
+from zpipe.transport.slowdown import Slowdown, slowdown_factor
 
 __all__ = ["OPTIMIZER_KEY", "TrainShard"]
 
@@ -45,7 +46,7 @@ class TrainShard:
         last: bool,
         loss: str,
         optimizer: Mapping[str, Any],
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
         lr_schedule: Mapping[str, Any] | None = None,
         start_step: int = 0,
         policy: FactoryPolicy | None = None,
@@ -91,7 +92,7 @@ class TrainShard:
         last: bool,
         loss: str,
         optimizer: Mapping[str, Any],
-        slowdown: float = 1.0,
+        slowdown: Slowdown = 1.0,
         state: Mapping[str, torch.Tensor] | None = None,
         lr_schedule: Mapping[str, Any] | None = None,
         start_step: int = 0,
@@ -159,7 +160,7 @@ class TrainShard:
     def _timed(self, started: float, cpu_started: float) -> float:
         elapsed = time.perf_counter() - started
         return emulate_slowdown(
-            self.slowdown, elapsed, compute_cpu_s(time.thread_time() - cpu_started)
+            slowdown_factor(self.slowdown), elapsed, compute_cpu_s(time.thread_time() - cpu_started)
         )
 
     def forward(

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -36,7 +36,7 @@ from zpipe.log import get_logger
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.routing import split_rows
-from zpipe.training.schedules import stage_actions
+from zpipe.training.schedules import Action, stage_actions
 from zpipe.transport.codec import Message
 
 log = get_logger("zpipe.stage")
@@ -81,6 +81,8 @@ class TrainingSetup:
     # the devices whose backups this one keeps (chain and topology replication);
     # a backup from anyone else is refused
     backup_from: tuple[str, ...] = ()
+    # asynchronous 1F1B's settings (zpipe.training.async_schedule.AsyncSettings.to_dict)
+    async_settings: dict[str, Any] | None = None
 
     @property
     def first(self) -> bool:
@@ -121,13 +123,17 @@ class TrainingExecutor:
         self._rows: dict[int, tuple[int, int, int]] = {}
         self._round_rows = 0  # rows this device computed this round, of all rows
         self._round_total = 0
-        self.actions = stage_actions(
-            setup.schedule,
-            stage=setup.index,
-            num_stages=setup.num_stages,
-            num_microbatches=setup.num_microbatches,
-            warmup=setup.warmup,
-            data_parallel=len(setup.group.names) > 1,
+        self.actions = self._schedule_actions()
+
+    def _schedule_actions(self) -> list[Action]:
+        s = self.setup
+        return stage_actions(
+            s.schedule,
+            stage=s.index,
+            num_stages=s.num_stages,
+            num_microbatches=s.num_microbatches,
+            warmup=s.warmup,
+            data_parallel=len(s.group.names) > 1,
         )
 
     # ------------------------------------------------------------ arrivals
@@ -188,8 +194,7 @@ class TrainingExecutor:
     async def run(self) -> None:
         """Run rounds until cancelled; a failure is reported downstream and ends the run."""
         try:
-            while True:
-                await self._round(self.completed_steps)
+            await self._train()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -200,6 +205,10 @@ class TrainingExecutor:
                 self.failure = f"{type(exc).__name__}: {exc}"
                 self._step_done.notify_all()
             await self._report_failure(exc)
+
+    async def _train(self) -> None:
+        while True:
+            await self._round(self.completed_steps)
 
     async def _round(self, step: int) -> None:
         base = step * self.setup.num_microbatches

@@ -21,11 +21,13 @@ import zmq.asyncio
 from zpipe._errors import PeerGoneError, ProtocolError, ZpipeError
 from zpipe.log import get_logger
 from zpipe.stage.assignment import Assignment, PushConnector
+from zpipe.stage.async_trainer import AsyncTrainingExecutor
 from zpipe.stage.lifecycle import CLIENT
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import Group, TrainingExecutor, TrainingSetup
 from zpipe.training.allreduce import RingAllReduce
+from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
@@ -69,6 +71,7 @@ def training_setup(message: Message, *, name: str, wait_s: float) -> TrainingSet
             downstream=group(train["downstream"]),
             wait_s=wait_s,
             backup_from=tuple(str(n) for n in train.get("backup_from") or ()),
+            async_settings=dict(train["async"]) if train.get("async") is not None else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed training settings: {exc!r}") from None
@@ -164,7 +167,8 @@ class TrainingPlane:
             await self._ring.start()
         shard = self.assignment.shard
         assert isinstance(shard, TrainShard)
-        self.trainer = TrainingExecutor(
+        executor = AsyncTrainingExecutor if setup.schedule == ASYNC_SCHEDULE else TrainingExecutor
+        self.trainer = executor(
             setup,
             shard,
             send=self._queue_send,

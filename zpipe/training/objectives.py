@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from zpipe._errors import ConfigError
+from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings, async_warmup
 from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.schedules import SCHEDULES
 from zpipe.training.warmup import check_warmup_policy, resolve_warmup_policy, warmup_counts
@@ -236,6 +237,7 @@ TRAIN_SETTINGS = (
     "start_step",
     "resume_optimizer",
     "warmup",
+    "async",
 )
 
 
@@ -255,8 +257,11 @@ def check_train_settings(
     if unknown:
         raise ConfigError(f"unknown training settings {unknown}; known: {list(TRAIN_SETTINGS)}")
     schedule = str(settings.get("schedule", "1f1b")).lower()
+    if schedule == ASYNC_SCHEDULE:
+        return _check_async_settings(settings, num_stages)
     if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+        known = ", ".join((*SCHEDULES, ASYNC_SCHEDULE))
+        raise ConfigError(f"unknown schedule {schedule!r}; known: {known}")
     m = settings.get("num_microbatches")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ConfigError(f"num_microbatches must be an integer >= 1, got {m!r}")
@@ -293,4 +298,29 @@ def check_train_settings(
         "lr_schedule": check_lr_schedule(settings.get("lr_schedule")),
         "start_step": start_step,
         "resume_optimizer": bool(settings.get("resume_optimizer", False)),
+    }
+
+
+def _check_async_settings(settings: Mapping[str, Any], num_stages: int) -> dict[str, Any]:
+    """Asynchronous 1F1B: one micro-batch per mini-batch, warm-ups ``n - i``, and its
+    own settings under ``async`` (:class:`~zpipe.training.async_schedule.AsyncSettings`)."""
+    m = settings.get("num_microbatches")
+    if m != 1 or isinstance(m, bool):
+        raise ConfigError(
+            f"{ASYNC_SCHEDULE} trains every mini-batch whole (num_microbatches=1), got {m!r}"
+        )
+    for key in ("lr_schedule", "start_step", "resume_optimizer"):
+        if settings.get(key):  # not yet: the versions' arithmetic does not model them
+            raise ConfigError(f"{ASYNC_SCHEDULE} does not take {key} yet")
+    warmups = [async_warmup(p, num_stages) for p in range(num_stages)]
+    given = settings.get("warmups")
+    if given is not None and [int(w) for w in given] != warmups:
+        raise ConfigError(f"{ASYNC_SCHEDULE}'s warm-ups are n - i ({warmups}), got {given}")
+    return {
+        "schedule": ASYNC_SCHEDULE,
+        "num_microbatches": 1,
+        "loss": check_loss(str(settings.get("loss", "cross_entropy"))),
+        "optimizer": check_optimizer(settings.get("optimizer") or {}),
+        "warmups": warmups,
+        "async": AsyncSettings.from_dict(settings.get("async")).to_dict(),
     }

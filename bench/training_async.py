@@ -1,0 +1,230 @@
+"""Asynchronous 1F1B (PipeDream, FTPipeHD) against synchronous 1F1B, on a real small data set.
+
+One LocalCluster of three emulated devices (``--slowdowns``, default 1, 1.5, 2: a
+heterogeneous chain), one plan for every system (``--partition``), an MLP on
+scikit-learn's handwritten digits (8 x 8, 1437 train / 360 test, fixed split), Adam
+(lr 1e-3), the same seeded mini-batches (``--batch-size``) and epochs for all:
+
+* ``sync_1f1b``: zpipe's synchronous 1F1B, ``--microbatches`` per mini-batch, one
+  optimizer step per mini-batch (the result equals single-process training);
+* ``async``: asynchronous 1F1B with weight stashing and vertical sync (each stage
+  updates after each backward; up to n mini-batches in flight);
+* ``async_aggregate``: the same with FTPipeHD's weight aggregation.
+
+Every system first trains ``--warmup-steps`` mini-batches (not timed: stage processes
+warm up), then the timed runs alternate between the systems (``--repeats`` each; the
+median by throughput is reported). Throughput is the client's samples over the time
+from the first send to the last loss. Accuracy is the test accuracy after
+``--epochs`` epochs of the same mini-batches (one run each, after the timed ones).
+
+``straggler`` (``--skip-straggler`` leaves it out): a second cluster whose first
+device (the most compute) follows ``--slowdown-schedule`` (default: 10x slower from
+1.5 s after its first step): the asynchronous run's samples/s before and after the
+change, from the losses' arrival times (``after_over_before``), showing a device
+that turns slow mid-run.
+
+Prints JSON lines, then one summary with same-run ratios; every line has the load
+average (timings on a loaded 2-core machine are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bench._common import emit, loadavg, on_alarm, summary
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.lossy.data import load_digits_dataset
+from zpipe.models import ModelSpec
+
+BENCH = "training_async"
+# Adam: SGD with momentum 0.9 at lr 0.05 diverges under the staleness of async 1F1B here
+ADAM = {"name": "adam", "lr": 1e-3}
+
+
+def minibatches(
+    x: torch.Tensor, y: torch.Tensor, *, batch_size: int, epochs: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=generator)
+        for start in range(0, len(x) - batch_size + 1, batch_size):
+            idx = order[start : start + batch_size]
+            out.append((x[idx], y[idx]))
+    return out
+
+
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.inference_mode():
+        return float((model(x)[0].argmax(dim=1) == y).float().mean())
+
+
+def systems(microbatches: int) -> dict[str, dict[str, Any]]:
+    return {
+        "sync_1f1b": {"schedule": "1f1b", "num_microbatches": microbatches},
+        "async": {"schedule": "async-1f1b", "num_microbatches": 1},
+        "async_aggregate": {"schedule": "async-1f1b", "num_microbatches": 1, "aggregate": True},
+    }
+
+
+def run_once(
+    cluster: LocalCluster,
+    spec: ModelSpec,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    partition: list[list[int]],
+    settings: dict[str, Any],
+) -> tuple[Any, list[float]]:
+    arrivals: list[float] = []
+    report = cluster.fit(
+        spec,
+        batches,
+        optimizer=ADAM,
+        partition=partition,
+        progress=False,
+        on_step=lambda step, loss: arrivals.append(time.perf_counter()),
+        **settings,
+    )
+    return report, arrivals
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slowdowns", type=float, nargs=3, default=[1.0, 1.5, 2.0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40, help="timed mini-batches per run")
+    parser.add_argument("--warmup-steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of the accuracy runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")
+    parser.add_argument("--skip-straggler", action="store_true")
+    parser.add_argument("--skip-comparison", action="store_true")
+    parser.add_argument("--slowdown-schedule", default="0:1,1.5:10")
+    parser.add_argument("--straggler-epochs", type=int, default=10)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(args.timeout)
+
+    torch.manual_seed(0)
+    data = load_digits_dataset()
+    x_train = torch.tensor(data.x_train, dtype=torch.float32)
+    y_train = torch.tensor(data.y_train)
+    x_test = torch.tensor(data.x_test, dtype=torch.float32)
+    y_test = torch.tensor(data.y_test)
+    h = args.hidden
+    spec = ModelSpec("mlp", {"dims": [64, h, h, h, 10], "activation": "relu"}, seed=1)
+    partition = [[0, 2], [2, 3], [3, 4]]
+    names = ["fast", "mid", "slow"]
+    devices = [
+        DeviceSpec(n, slowdown=s, threads=args.threads)
+        for n, s in zip(names, args.slowdowns, strict=True)
+    ]
+    timed = minibatches(x_train, y_train, batch_size=args.batch_size, epochs=1, seed=1)
+    timed = timed[: args.steps]
+    warm = timed[: args.warmup_steps]
+    train = minibatches(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, seed=2)
+    kinds = systems(args.microbatches)
+    throughput: dict[str, list[float]] = {k: [] for k in kinds}
+    acc: dict[str, float] = {}
+    if not args.skip_comparison:
+        with LocalCluster(devices, log_level="warning") as cluster:
+            for settings in kinds.values():
+                run_once(cluster, spec, warm, partition, settings)
+            for repeat in range(args.repeats):
+                for kind, settings in kinds.items():
+                    report, _ = run_once(cluster, spec, timed, partition, settings)
+                    throughput[kind].append(report.samples_per_s)
+                    emit(
+                        {
+                            "bench": BENCH,
+                            "system": kind,
+                            "repeat": repeat,
+                            "samples_per_s": round(report.samples_per_s, 2),
+                            "steps": report.steps,
+                            "final_loss": round(report.losses[-1], 4),
+                            "loadavg": loadavg(),
+                        }
+                    )
+            for kind, settings in kinds.items():
+                started = time.perf_counter()
+                report, _ = run_once(cluster, spec, train, partition, settings)
+                acc[kind] = accuracy(report.model(), x_test, y_test)
+                emit(
+                    {
+                        "bench": BENCH,
+                        "system": kind,
+                        "epochs": args.epochs,
+                        "steps": report.steps,
+                        "test_accuracy": round(acc[kind], 4),
+                        "wall_s": round(time.perf_counter() - started, 2),
+                        "samples_per_s": round(report.samples_per_s, 2),
+                        "loadavg": loadavg(),
+                    }
+                )
+    median = {k: statistics.median(v) for k, v in throughput.items() if v}
+    straggler: dict[str, Any] = {}
+    if not args.skip_straggler:
+        # the first device (the most compute: units [0, 2)) turns slow mid-run
+        slow = [
+            DeviceSpec(names[0], threads=args.threads, slowdown_schedule=args.slowdown_schedule),
+            *(
+                DeviceSpec(n, slowdown=f, threads=args.threads)
+                for n, f in zip(names[1:], args.slowdowns[1:], strict=True)
+            ),
+        ]
+        with LocalCluster(slow, log_level="warning") as cluster:
+            long = minibatches(
+                x_train, y_train, batch_size=args.batch_size, epochs=args.straggler_epochs, seed=3
+            )
+            report, arrivals = run_once(cluster, spec, long, partition, kinds["async"])
+        change = float(args.slowdown_schedule.split(",")[1].split(":")[0])
+        gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+        start = arrivals[0]
+        # the first half second warms up; the half second after the change drains
+        timed_gaps = list(zip(gaps, arrivals[1:], strict=True))
+        before = [g for g, t in timed_gaps if 0.5 < t - start < change]
+        after = [g for g, t in timed_gaps if t - start > change + 0.5]
+        if before and after:
+            straggler = {
+                "before_samples_per_s": round(args.batch_size / statistics.median(before), 2),
+                "after_samples_per_s": round(args.batch_size / statistics.median(after), 2),
+            }
+            straggler["after_over_before"] = round(
+                straggler["after_samples_per_s"] / straggler["before_samples_per_s"], 3
+            )
+        emit({"bench": BENCH, "section": "straggler", "schedule": args.slowdown_schedule,
+              "steps": report.steps, "run_s": round(arrivals[-1] - start, 2),
+              "gaps_before": len(before), "gaps_after": len(after),
+              **straggler, "loadavg": loadavg()})  # fmt: skip
+    compared = bool(median) and bool(acc)
+    summary(
+        BENCH,
+        async_over_sync_1f1b_throughput=(
+            round(median["async"] / median["sync_1f1b"], 3) if compared else None
+        ),
+        async_aggregate_over_sync_1f1b_throughput=(
+            round(median["async_aggregate"] / median["sync_1f1b"], 3) if compared else None
+        ),
+        samples_per_s={k: round(v, 2) for k, v in median.items()},
+        test_accuracy={k: round(v, 4) for k, v in acc.items()},
+        aggregation_acc_gain=round(acc["async_aggregate"] - acc["async"], 4) if compared else None,
+        async_acc_minus_sync=round(acc["async"] - acc["sync_1f1b"], 4) if compared else None,
+        straggler_after_over_before=straggler.get("after_over_before"),
+        loadavg=loadavg(),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

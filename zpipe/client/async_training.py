@@ -1,0 +1,30 @@
+"""One attempt of an asynchronous 1F1B run on the client side.
+
+As a synchronous attempt (:class:`~zpipe.client.training_run.TrainingRun`): feed
+each mini-batch to the first stage and its labels to the last, one loss back per
+mini-batch, at most ``max_steps_in_flight`` mini-batches in flight (FTPipeHD's
+semaphore; by default the number of stages). The stages do not know how long the
+run is, so the feed ends with a ``data`` message that carries ``end`` and no rows
+(:mod:`zpipe.stage.async_trainer`); the final weights are gathered once every
+stage has backwarded every mini-batch.
+"""
+
+from __future__ import annotations
+
+from zpipe.client.connection import CLIENT_NAME
+from zpipe.client.training_run import TrainingRun
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.transport.codec import Message
+
+
+class AsyncTrainingRun(TrainingRun):
+    def default_window(self, plan: TrainingPlan) -> int:
+        # stage 0 forwards n mini-batches before its first backward
+        return len(plan.stages)
+
+    async def feed_ended(self) -> None:
+        body = {"run": self.run, "mb": self.sent_steps, "src": CLIENT_NAME}
+        body.update(rows=[0, 0], total=0, end=True)
+        message = Message("data", body, epoch=self.session.epoch)
+        for name, sock in self.first_group:
+            await self._send(sock, message, name)

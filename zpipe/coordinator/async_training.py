@@ -1,0 +1,56 @@
+"""An asynchronous training run's controller (PipeDream's and FTPipeHD's 1F1B).
+
+The same start as a synchronous run (assign, ready, go, connect: see
+:mod:`zpipe.coordinator.training`), and the same checkpoint at the end (every
+stage's weights once it has backwarded every batch), but no replicas: the stages
+never drain, so a global replica would need every stage's weights at one batch
+boundary, which asynchronous stages reach at different times. Recovery,
+replication and live re-partitioning of asynchronous runs are later work; a
+``replicate`` request is answered with an error, and the client keeps no
+replicas for such a run.
+
+Pure: events in, commands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from zpipe._errors import ConfigError
+from zpipe.coordinator.commands import Log
+from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
+from zpipe.transport.codec import Message
+
+
+class AsyncTrainingRun(SyncTrainingRun):
+    kind = "train-async"
+
+    def take_replica(self, run_id: int, step: int) -> Flow:
+        error = "an asynchronous run keeps no replicas (recovery is not supported yet)"
+        yield Log("warning", "replica_failed", {"run": run_id, "step": step, "error": error})
+        body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}
+        body["error"] = error
+        return Message("replicated", body)
+
+
+def planning_schedule(schedule: str) -> str:
+    """The schedule a training planner costs a run of ``schedule`` with: asynchronous
+    1F1B runs one mini-batch per round, as synchronous 1F1B with M = 1 does."""
+    return "1f1b" if schedule == ASYNC_SCHEDULE else schedule
+
+
+def as_async_plan(plan: TrainingPlan) -> TrainingPlan:
+    """A planned pipeline, run asynchronously: one device per stage, warm-ups n - i."""
+    shared = [list(s.devices) for s in plan.stages if len(s.devices) > 1]
+    if shared:
+        raise ConfigError(
+            f"{ASYNC_SCHEDULE} runs one device per stage; the planner shared stages "
+            f"{shared}: use planner 'straight', 'even' or 'pipeedge', or a partition"
+        )
+    n = len(plan.stages)
+    stages = tuple(replace(s, warmup=async_warmup(i, n)) for i, s in enumerate(plan.stages))
+    return replace(plan, schedule=ASYNC_SCHEDULE, num_microbatches=1, stages=stages)

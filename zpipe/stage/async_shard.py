@@ -1,0 +1,121 @@
+"""A stage's shard for asynchronous 1F1B: weight versions, stashing, aggregation.
+
+A :class:`~zpipe.stage.train_shard.TrainShard` whose forwards take a weight version
+and whose backwards are each followed by their own update; the arithmetic is
+:class:`~zpipe.training.async_stage.AsyncStageCompute`'s, the same the
+single-process reference runs. Weights, optimizer state and replicas are the
+live units', as for synchronous training. Runs in the stage's compute thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from zpipe._errors import ConfigError, PipelineError
+from zpipe.models.trust import FactoryPolicy
+from zpipe.stage.train_shard import TrainShard
+from zpipe.training.async_stage import AsyncStageCompute
+from zpipe.training.objectives import is_factory_name
+from zpipe.transport.slowdown import Slowdown
+
+
+class AsyncShard(TrainShard):
+    def __init__(
+        self,
+        units: Sequence[torch.nn.Module],
+        *,
+        start: int,
+        first: bool,
+        last: bool,
+        loss: str,
+        optimizer: Mapping[str, Any],
+        slowdown: Slowdown = 1.0,
+        lr_schedule: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+        policy: FactoryPolicy | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        # Not yet for asynchronous runs: what the versions' arithmetic does not model.
+        if lr_schedule is not None:
+            raise ConfigError("async-1f1b does not take a learning-rate schedule yet")
+        if torch.device(device).type != "cpu":
+            raise ConfigError(f"async-1f1b runs on the CPU only for now, not on {device}")
+        for what, name in (("loss", loss), ("optimizer", optimizer.get("name"))):
+            if is_factory_name(name):
+                raise ConfigError(f"async-1f1b takes only a built-in {what}, not {name!r}")
+        super().__init__(
+            units,
+            start=start,
+            first=first,
+            last=last,
+            loss=loss,
+            optimizer=optimizer,
+            slowdown=slowdown,
+            start_step=start_step,
+            policy=policy,
+        )
+        self.compute = AsyncStageCompute(
+            self.units, first=first, last=last, loss=self.loss, optimizer=dict(optimizer)
+        )
+        # One optimizer: its state is what replicas and checkpoints read.
+        self.optimizer = self.compute.optimizer
+
+    @property
+    def live_activations(self) -> int:
+        return self.compute.in_flight
+
+    def load_training_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        super().load_training_state(state)
+        self.compute.restart_versions()
+
+    def forward_at(
+        self,
+        batch: int,
+        version: int,
+        inputs: Sequence[torch.Tensor],
+        target: torch.Tensor | None,
+        samples: int,
+        keep_newest: int,
+    ) -> tuple[tuple[torch.Tensor, ...], float | None, float]:
+        """Forward ``batch`` with weight ``version``: (outputs, loss on the last stage,
+        seconds); versions no longer needed are let go."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        outputs, loss = self.compute.forward(batch, version, inputs, target, samples)
+        self.compute.forget_versions_before(version, keep_newest=keep_newest)
+        self.peak_live = max(self.peak_live, self.compute.in_flight)
+        return outputs, loss, self._timed(started, cpu_started)
+
+    def forward(
+        self,
+        mb: int,
+        inputs: Sequence[torch.Tensor],
+        target: torch.Tensor | None = None,
+        minibatch_samples: int = 0,
+    ) -> tuple[tuple[torch.Tensor, ...], float | None, float]:
+        raise PipelineError("an asynchronous stage forwards with a weight version (forward_at)")
+
+    def backward(
+        self, mb: int, grad_outputs: Sequence[torch.Tensor] = ()
+    ) -> tuple[tuple[torch.Tensor, ...], float]:
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        grads = self.compute.backward(mb, grad_outputs)
+        return grads, self._timed(started, cpu_started)
+
+    def step(self) -> float:
+        raise PipelineError("an asynchronous stage updates after each backward (step_batch)")
+
+    def step_batch(self, batch: int) -> float:
+        """Apply ``batch``'s gradients to the live weights; seconds taken."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        self.compute.step(batch)
+        return self._timed(started, cpu_started)
+
+    def aggregate(self, count: int) -> float:
+        """FTPipeHD's weight aggregation of the newest ``count`` versions; seconds."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        self.compute.aggregate(count)
+        return self._timed(started, cpu_started)

@@ -1,0 +1,197 @@
+"""The executor of an asynchronous 1F1B stage (PipeDream, FTPipeHD).
+
+Runs the stage's endless action list (:func:`zpipe.training.async_schedule.
+iter_async_actions`): warm-up forwards, then a backward, its update and a forward
+in turn, an aggregation every so many backwards when asked for. A forward uses
+the weight version :func:`~zpipe.training.async_schedule.forward_version` names
+(vertical sync, on by default: the version the first stage used), its backward
+the same one (weight stashing, :mod:`zpipe.stage.async_shard`).
+
+The run's length is not known in advance: the client ends its feed with a
+``data`` message that carries ``end`` and no rows (no batch from ``mb`` on
+follows); each stage passes it on once it has forwarded every batch before it,
+skips the forwards and backwards that will not come, and so runs exactly the
+action list of a run of that many batches, which the single-process reference
+runs too. The number of batches in flight is bounded by the client's window
+(FTPipeHD's semaphore) and by the warm-up.
+
+Micro-batch ids are batch numbers; ``completed_steps`` counts backwards (one
+update each), so a checkpoint after ``N`` batches waits for all ``N``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from zpipe._errors import PipelineError, TransportTimeout
+from zpipe.stage.async_shard import AsyncShard
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.trainer import (
+    CLIENT,
+    Group,
+    GroupReducer,
+    Sender,
+    TrainingExecutor,
+    TrainingSetup,
+)
+from zpipe.training.async_schedule import (
+    AsyncSettings,
+    aggregation_interval,
+    concurrent_versions,
+    forward_version,
+    iter_async_actions,
+)
+from zpipe.training.schedules import Action
+from zpipe.transport.codec import Message
+
+
+class AsyncTrainingExecutor(TrainingExecutor):
+    def __init__(
+        self,
+        setup: TrainingSetup,
+        shard: TrainShard,
+        *,
+        send: Sender,
+        compute: ThreadPoolExecutor,
+        counters: StageCounters,
+        reducer: GroupReducer | None = None,
+    ) -> None:
+        if len(setup.group.names) > 1 or reducer is not None:
+            raise PipelineError("asynchronous 1F1B runs one device per stage")
+        if not isinstance(shard, AsyncShard):
+            raise PipelineError("asynchronous 1F1B needs an AsyncShard")
+        super().__init__(setup, shard, send=send, compute=compute, counters=counters)
+        self.async_shard = shard
+        self.settings = AsyncSettings.from_dict(setup.async_settings)
+        n, i = setup.num_stages, setup.index
+        self._every = (
+            aggregation_interval(i, n, self.settings.aggregate_multiple)
+            if self.settings.aggregate
+            else None
+        )
+        self._versions = concurrent_versions(i, n)
+        self._end: int | None = None  # the number of batches, once the feed ended
+        self._end_passed = False
+        self.aggregations = 0
+
+    def _schedule_actions(self) -> list[Action]:
+        return []  # endless: iter_async_actions, in _train
+
+    # ------------------------------------------------------------ arrivals
+
+    def deliver(self, message: Message) -> None:
+        if message.kind == "data" and message.get("end"):
+            end = int(message["mb"])
+            if self._end is not None and end != self._end:
+                raise PipelineError(f"the feed ended at batch {end}, earlier at {self._end}")
+            self._end = end
+            for waiter in self._waiters.values():
+                waiter.set()  # a forward waiting for a batch that will not come
+            return
+        super().deliver(message)
+
+    async def _arrives(self, batch: int) -> bool:
+        """Wait for ``batch``'s activations; False once the feed ended before it."""
+        key = ("data", batch)
+        deadline = time.monotonic() + self.setup.wait_s
+        waited_from = time.perf_counter()
+        try:
+            while True:
+                if len(self._arrived.get(key, {})) >= len(self.setup.upstream.names):
+                    return True
+                if self._end is not None and batch >= self._end:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout(
+                        ", ".join(self.setup.upstream.names),
+                        f"data of batch {batch}",
+                        self.setup.wait_s,
+                    )
+                event = self._waiters.setdefault(key, asyncio.Event())
+                event.clear()
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except asyncio.TimeoutError:
+                    continue
+        finally:
+            self._waiters.pop(key, None)
+            self.counters.idle_s += time.perf_counter() - waited_from
+
+    # ------------------------------------------------------------ the run
+
+    async def _train(self) -> None:
+        s = self.setup
+        for action in iter_async_actions(s.index, s.num_stages, aggregate_every=self._every):
+            b = action.batch
+            if action.kind == "F":
+                assert b is not None
+                if not await self._arrives(b):
+                    await self._pass_end()
+                    continue
+                await self._forward_batch(b)
+            elif action.kind == "B":
+                assert b is not None
+                if self._end is not None and b >= self._end:
+                    return  # every batch of the run is done here
+                await self._backward(b)
+            elif action.kind == "STEP":
+                await self._step(self.completed_steps)
+            elif action.kind == "AGG":
+                # before the backward of batch ``completed_steps``; none when it will
+                # not come (the feed's end is known by then: its forward was skipped)
+                if self._end is None or self.completed_steps < self._end:
+                    started = time.perf_counter()
+                    await self._in_thread(self.async_shard.aggregate, self._versions)
+                    self.counters.step_s += time.perf_counter() - started
+                    self.aggregations += 1
+
+    async def _forward_batch(self, b: int) -> None:
+        s = self.setup
+        self._current_mb = b
+        inputs, total, _ = await self._gather("data", b, s.upstream)
+        target, samples = None, 0
+        if s.last:
+            labels, label_total, piece = await self._gather("labels", b, Group((CLIENT,), (1,)))
+            if label_total != total:
+                raise PipelineError(f"labels of batch {b} have {label_total} rows, not {total}")
+            target, samples = (labels[0] if labels else None), int(piece["samples"])
+        version = forward_version(
+            s.index, s.num_stages, b, vertical_sync=self.settings.vertical_sync
+        )
+        started = time.perf_counter()
+        outputs, loss, _ = await self._in_thread(
+            self.async_shard.forward_at, b, version, inputs, target, samples, self._versions
+        )
+        self.counters.forward_s += time.perf_counter() - started
+        self.counters.microbatches += 1
+        self.counters.peak_live_activations = self.async_shard.peak_live
+        self._rows[b] = (0, total, total)
+        if s.last:
+            body = {"run": s.run, "mb": b, "step": b, "loss": loss or 0.0, "src": s.name}
+            await self._send(CLIENT, Message("loss", body, epoch=s.epoch))
+        else:
+            await self._scatter("data", b, outputs, (0, total, total), s.downstream)
+
+    async def _step(self, b: int) -> None:
+        started = time.perf_counter()
+        await self._in_thread(self.async_shard.step_batch, b)
+        self.counters.step_s += time.perf_counter() - started
+        async with self._step_done:
+            self.completed_steps = b + 1
+            self._step_done.notify_all()
+
+    async def _pass_end(self) -> None:
+        """Tell the next stage the feed ended, once: after this stage's last forward."""
+        s = self.setup
+        if self._end_passed or s.last:
+            return
+        self._end_passed = True
+        assert self._end is not None
+        body = {"run": s.run, "mb": self._end, "src": s.name, "rows": [0, 0], "total": 0}
+        body["end"] = True
+        for name in s.downstream.names:
+            await self._send(name, Message("data", body, epoch=s.epoch))

@@ -1,0 +1,113 @@
+"""Asynchronous 1F1B training in one process: the reference a pipeline run must equal.
+
+Runs every stage's action list (:mod:`zpipe.training.async_schedule`) in one valid
+global order, each stage an :class:`~zpipe.training.async_stage.AsyncStageCompute`,
+moving activations and gradients by hand. Each stage's order is fixed and its
+weight versions are its own, so any valid order, and so a multi-process run of
+the same settings, gives the same weights and losses (up to float summation
+order, which is the same too: the same ops run on the same tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zpipe._errors import ConfigError
+from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models.weights import unit_key
+from zpipe.training.async_schedule import (
+    AsyncSettings,
+    aggregation_intervals,
+    async_global_order,
+    concurrent_versions,
+    forward_version,
+)
+from zpipe.training.async_stage import AsyncStageCompute
+
+
+@dataclass
+class AsyncReferenceResult:
+    state_dict: dict[str, torch.Tensor]
+    losses: list[float]
+    # per stage: batch -> the weight version its forward / backward used
+    forward_versions: list[dict[int, int]] = field(default_factory=list)
+    backward_versions: list[dict[int, int]] = field(default_factory=list)
+
+
+def train_async_reference(
+    spec: ModelSpec,
+    batches: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    bounds: Sequence[int],
+    optimizer: dict[str, Any],
+    loss: str = "cross_entropy",
+    settings: AsyncSettings | None = None,
+) -> AsyncReferenceResult:
+    """Train ``spec`` split at ``bounds`` (unit indices, first 0, last the unit count)
+    on ``batches`` (``(inputs..., labels)``) as an asynchronous pipeline would."""
+    settings = settings or AsyncSettings()
+    n = len(bounds) - 1
+    if n < 1:
+        raise ConfigError(f"bounds {list(bounds)} describe no stage")
+    sequence = load_layer_sequence(spec)
+    stages = [
+        AsyncStageCompute(
+            sequence.build_units(bounds[i], bounds[i + 1]),
+            first=i == 0,
+            last=i == n - 1,
+            loss=loss,
+            optimizer=optimizer,
+        )
+        for i in range(n)
+    ]
+    every = aggregation_intervals(
+        n, aggregate=settings.aggregate, multiple=settings.aggregate_multiple
+    )
+    order = async_global_order(
+        n, len(batches), max_in_flight=settings.max_in_flight, aggregate_every=every
+    )
+    activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+    grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+    losses: dict[int, float] = {}
+    last_backward = [-1] * n
+    for i, action in order:
+        stage = stages[i]
+        b = action.batch
+        if action.kind == "F":
+            assert b is not None
+            inputs = tuple(batches[b][:-1]) if i == 0 else activations.pop((i, b))
+            version = forward_version(i, n, b, vertical_sync=settings.vertical_sync)
+            target = batches[b][-1] if i == n - 1 else None
+            samples = int(batches[b][0].shape[0])
+            outputs, value = stage.forward(b, version, inputs, target, samples)
+            if i == n - 1:
+                assert value is not None
+                losses[b] = value
+            else:
+                activations[(i + 1, b)] = outputs
+            stage.forget_versions_before(version, keep_newest=concurrent_versions(i, n))
+        elif action.kind == "B":
+            assert b is not None
+            upstream = stage.backward(b, grads.pop((i, b), ()))
+            if i > 0:
+                grads[(i - 1, b)] = upstream
+            last_backward[i] = b
+        elif action.kind == "STEP":
+            stage.step(last_backward[i])
+        elif action.kind == "AGG":
+            stage.aggregate(concurrent_versions(i, n))
+    state: dict[str, torch.Tensor] = {}
+    for i, stage in enumerate(stages):
+        for offset, unit in enumerate(stage.units):
+            for name, tensor in unit.state_dict().items():
+                state[unit_key(bounds[i] + offset, name)] = tensor.detach().clone()
+    return AsyncReferenceResult(
+        state_dict=state,
+        losses=[losses[b] for b in range(len(batches))],
+        forward_versions=[dict(s.forward_versions) for s in stages],
+        backward_versions=[dict(s.backward_versions) for s in stages],
+    )

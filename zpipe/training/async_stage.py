@@ -1,0 +1,194 @@
+"""One stage's asynchronous-training arithmetic: weight versions, stashing, aggregation.
+
+No I/O and no threads: the stage's shard (:mod:`zpipe.stage.async_shard`) runs it in
+its compute thread, and the single-process reference
+(:mod:`zpipe.training.async_reference`) runs one per stage in a global order.
+
+The live parameters are the newest weights; the optimizer updates them in place.
+Version ``t`` (the weights right after the ``t``-th update, see
+:mod:`zpipe.training.async_schedule`) is kept as a copy for as long as a forward may
+still use it, a forwarded batch's backward still needs it (weight stashing), or an
+aggregation will average it. A forward runs the units with the version's tensors
+in place of the parameters (``torch.func.functional_call``), so its graph holds
+that version; the backward's parameter gradients are then applied to the live
+weights: ``W(t+1) = W(t) - lr * grad(W(stashed))``, PipeDream's update.
+
+Buffers (BatchNorm's running statistics) are not versioned: every forward updates
+the live ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from zpipe._errors import PipelineError
+from zpipe.training.objectives import make_optimizer, microbatch_loss
+
+
+@dataclass
+class _Stashed:
+    version: int
+    leaves: tuple[torch.Tensor, ...]  # the inputs that need a gradient
+    params: list[dict[str, torch.Tensor]]  # per unit: the version's tensors, as graph leaves
+    roots: tuple[torch.Tensor, ...]  # outputs, or the loss on the last stage
+
+
+class AsyncStageCompute:
+    def __init__(
+        self,
+        units: Sequence[torch.nn.Module],
+        *,
+        first: bool,
+        last: bool,
+        loss: str,
+        optimizer: dict[str, Any],
+    ) -> None:
+        self.units = [u.train() for u in units]
+        self.first = first
+        self.last = last
+        self.loss = loss
+        self._params = [
+            {n: p for n, p in u.named_parameters() if p.requires_grad} for u in self.units
+        ]
+        flat = [p for unit in self._params for p in unit.values()]
+        self.optimizer = make_optimizer(optimizer, flat) if flat else None
+        self.updates = 0  # the newest version
+        self._versions: dict[int, list[dict[str, torch.Tensor]]] = {0: self._copy_live()}
+        self._stashed: dict[int, _Stashed] = {}
+        self._pending: dict[int, _Stashed] = {}  # backwarded, its update not yet applied
+        self.forward_versions: dict[int, int] = {}  # batch -> version (what tests check)
+        self.backward_versions: dict[int, int] = {}
+
+    # ------------------------------------------------------------- versions
+
+    def _copy_live(self) -> list[dict[str, torch.Tensor]]:
+        return [{n: p.detach().clone() for n, p in unit.items()} for unit in self._params]
+
+    def restart_versions(self) -> None:
+        """The live weights were replaced (a resumed state): they are the only version."""
+        self._versions = {self.updates: self._copy_live()}
+
+    @property
+    def versions_kept(self) -> list[int]:
+        return sorted(self._versions)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._stashed)
+
+    def forget_versions_before(self, oldest: int, *, keep_newest: int = 1) -> None:
+        """Drop versions older than ``oldest`` that no stashed batch uses, keeping the
+        newest ``keep_newest`` (what an aggregation averages)."""
+        used = {s.version for s in self._stashed.values()}
+        for version in list(self._versions):
+            if version < oldest and version not in used and version <= self.updates - keep_newest:
+                del self._versions[version]
+
+    # ------------------------------------------------------------- compute
+
+    def forward(
+        self,
+        batch: int,
+        version: int,
+        inputs: Sequence[torch.Tensor],
+        target: torch.Tensor | None = None,
+        samples: int = 0,
+    ) -> tuple[tuple[torch.Tensor, ...], float | None]:
+        """Forward ``batch`` with weight ``version``: the outputs to send on (detached),
+        and the loss on the last stage."""
+        if batch in self._stashed:
+            raise PipelineError(f"batch {batch} was forwarded twice")
+        weights = self._versions.get(version)
+        if weights is None:
+            raise PipelineError(
+                f"batch {batch} needs weight version {version}; kept: {self.versions_kept}"
+            )
+        leaves = tuple(
+            t.detach().requires_grad_(not self.first and t.is_floating_point()) for t in inputs
+        )
+        params = [{n: t.detach().requires_grad_(True) for n, t in unit.items()} for unit in weights]
+        values: tuple[torch.Tensor, ...] = leaves
+        for unit, unit_params in zip(self.units, params, strict=True):
+            out = functional_call(unit, unit_params, values)
+            values = _as_tuple(out)
+        loss_value: float | None = None
+        if self.last:
+            if target is None:
+                raise PipelineError(f"batch {batch} reached the last stage without labels")
+            loss = microbatch_loss(self.loss, values[0], target, samples or len(target))
+            loss_value = float(loss.detach())
+            roots: tuple[torch.Tensor, ...] = (loss,)
+            sent: tuple[torch.Tensor, ...] = ()
+        else:
+            roots = values
+            sent = tuple(t.detach() for t in values)
+        self._stashed[batch] = _Stashed(version, leaves, params, roots)
+        self.forward_versions[batch] = version
+        return sent, loss_value
+
+    def backward(
+        self, batch: int, grad_outputs: Sequence[torch.Tensor] = ()
+    ) -> tuple[torch.Tensor, ...]:
+        """Backward ``batch`` through the version it was forwarded with (weight
+        stashing); the gradients of its inputs (empty on the first stage). The
+        update follows with :meth:`step`."""
+        stashed = self._stashed.pop(batch, None)
+        if stashed is None:
+            raise PipelineError(f"backward of batch {batch}, which has no stashed forward")
+        if self.last:
+            torch.autograd.backward(stashed.roots[0])
+        else:
+            pairs = [
+                (r, g) for r, g in zip(stashed.roots, grad_outputs, strict=True) if r.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        self.backward_versions[batch] = stashed.version
+        self._pending[batch] = stashed
+        if self.first:
+            return ()
+        return tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in stashed.leaves)
+
+    def step(self, batch: int) -> None:
+        """Apply ``batch``'s gradients (taken at its stashed version) to the live
+        weights: the next version."""
+        stashed = self._pending.pop(batch, None)
+        if stashed is None:
+            raise PipelineError(f"optimizer step for batch {batch}, which was not backwarded")
+        if self.optimizer is not None:
+            for live, used in zip(self._params, stashed.params, strict=True):
+                for name, param in live.items():
+                    grad = used[name].grad
+                    param.grad = grad if grad is not None else torch.zeros_like(param)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
+        self._versions[self.updates] = self._copy_live()
+
+    def aggregate(self, count: int) -> None:
+        """Replace the live weights by the mean of the newest ``count`` versions
+        (FTPipeHD's weight aggregation). The aggregate gets no version of its own: the
+        next update applies to it and makes the next version (FTPipeHD's Fig. 2: no
+        forward uses the aggregate itself), so a version names one set of weights."""
+        wanted = list(range(self.updates - count + 1, self.updates + 1))
+        missing = [v for v in wanted if v not in self._versions]
+        if count < 1 or missing:
+            raise PipelineError(f"cannot aggregate versions {wanted}: missing {missing}")
+        with torch.no_grad():
+            for index, unit in enumerate(self._params):
+                for name, param in unit.items():
+                    stacked = torch.stack([self._versions[v][index][name] for v in wanted])
+                    param.copy_(stacked.mean(dim=0))
+
+
+def _as_tuple(value: object) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(value)
+    raise PipelineError(f"a unit returned {type(value).__name__}, not tensors")
