@@ -322,5 +322,8 @@ def _check_async_settings(settings: Mapping[str, Any], num_stages: int) -> dict[
         "loss": check_loss(str(settings.get("loss", "cross_entropy"))),
         "optimizer": check_optimizer(settings.get("optimizer") or {}),
         "warmups": warmups,
+        "lr_schedule": None,
+        "start_step": 0,
+        "resume_optimizer": False,
         "async": AsyncSettings.from_dict(settings.get("async")).to_dict(),
     }
