@@ -36,7 +36,7 @@ PROBE_INTERVALS = 2
 def test_a_replica_and_the_final_weights_over_a_slow_uplink_kill_no_stage(
     tmp_path: Path,
 ) -> None:
-    batches = make_batches(4, 8, seed=9)
+    batches = make_batches(3, 8, seed=9)  # one replica (after 2), then the final weights
     want, want_losses = train_single_process(BIG, batches, SGD)
     stage_bytes = (512 * 512 + 512 + 512 * 4 + 4) * 4
     transfer_s = stage_bytes * 8 / (UPLINK_MBPS * 1e6)
