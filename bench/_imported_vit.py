@@ -17,7 +17,8 @@ Memory per stage: the planners' prediction ``M(i..j)`` (the sum over the
 stage's units of their profiled weights plus activation memory, PipeEdge's
 additive model) at the micro-batch size, against the stage's weights plus its
 input plus the peak its forward allocates (zpipe.peak_memory, as
-bench/memory.py measures it), and the stage process's own resident memory:
+bench/memory.py measures it; its "tight" figure too: the largest unit's activation
+memory plus the stage's input), and the stage process's own resident memory:
 its peak (``VmHWM``) after the timed runs and how much that grew from before
 the model was sent to it (which includes receive buffers and the runtime's
 allocations, not only the model's).
@@ -171,6 +172,10 @@ def stage_memory_rows(
             outputs = run_units(units, inputs)
         measured = weights + _nbytes(inputs) + peak.bytes
         stage_predicted = sum(predicted[stage.start : stage.end])
+        # bench/memory.py's "tight" figure: the largest unit's activation memory, plus
+        # the stage's input that its sender keeps alive while later units run
+        activations = [u.memory_bytes[0] for u in profile.units[stage.start : stage.end]]
+        tight = weights + max(activations[0], *(_nbytes(inputs) + a for a in activations[1:]))
         process = rss.get(stage.device, {})
         rows.append(
             {
@@ -182,6 +187,8 @@ def stage_memory_rows(
                 "predicted_mib": round(stage_predicted / MIB, 3),
                 "measured_mib": round(measured / MIB, 3),
                 "predicted_over_measured": round(stage_predicted / measured, 3),
+                "tight_mib": round(tight / MIB, 3),
+                "tight_over_measured": round(tight / measured, 3),
                 "activations_predicted_mib": round((stage_predicted - weights) / MIB, 3),
                 "activations_measured_mib": round((measured - weights) / MIB, 3),
                 **process,
@@ -294,6 +301,9 @@ def run_imported(
         "imported_single_max_abs_diff_vs_hf": single_vs_hf,
         "imported_memory_predicted_over_measured": {
             row["device"]: row["predicted_over_measured"] for row in memory_rows
+        },
+        "imported_memory_tight_over_measured": {
+            row["device"]: row["tight_over_measured"] for row in memory_rows
         },
         "imported_memory_predicted_mib": {
             row["device"]: row["predicted_mib"] for row in memory_rows

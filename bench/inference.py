@@ -66,6 +66,19 @@ of a run, pipeline fill and drain included.
    without the pipeline's fill, which the cost model's ``b / bottleneck``
    leaves out) and the other ``hetero_*`` keys.
 
+3. ``imported`` (only with ``--imported-hf-vit``; needs transformers): real
+   imported weights. A random-init ``transformers`` ViTForImageClassification
+   of ``--model``'s size with ``--layers`` blocks is converted by ``python -m
+   zpipe import hf-vit`` and run over ``--imported-stages`` equal devices (no
+   link emulation, even partition); its outputs are compared with the
+   transformers model's logits, and its samples/s with the transformers model
+   and zpipe's model each run whole in this process (see
+   ``bench/_imported_vit.py``). One JSON line per stage gives the planners'
+   predicted memory against the measured (and the stage process's peak RSS).
+   Summary keys: ``imported_ratio_vs_hf``, ``imported_outputs_match_hf``,
+   ``imported_max_abs_diff_vs_hf``, ``imported_memory_predicted_over_measured``
+   and the other ``imported_*`` keys.
+
 Output: JSON lines (one per system or planner), then one summary object with
 the keys of the sections that ran, and the machine's load averages at the start
 and the end (other work on the machine skews every number).
@@ -233,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add the imported section: a random-init Hugging Face ViT (--model's size, "
         "--layers blocks) converted by 'python -m zpipe import hf-vit' and run over "
-        "--imported-stages stages, against transformers' own outputs and samples/s, "
+        "--imported-stages stages in float32, against transformers' own outputs and samples/s, "
         "with memory predicted against measured per stage (needs transformers)",
     )
     parser.add_argument(
