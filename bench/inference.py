@@ -66,6 +66,19 @@ of a run, pipeline fill and drain included.
    without the pipeline's fill, which the cost model's ``b / bottleneck``
    leaves out) and the other ``hetero_*`` keys.
 
+3. ``imported`` (only with ``--imported-hf-vit``; needs transformers): real
+   imported weights. A random-init ``transformers`` ViTForImageClassification
+   of ``--model``'s size with ``--layers`` blocks is converted by ``python -m
+   zpipe import hf-vit`` and run over ``--imported-stages`` equal devices (no
+   link emulation, even partition); its outputs are compared with the
+   transformers model's logits, and its samples/s with the transformers model
+   and zpipe's model each run whole in this process (see
+   ``bench/_imported_vit.py``). One JSON line per stage gives the planners'
+   predicted memory against the measured (and the stage process's peak RSS).
+   Summary keys: ``imported_ratio_vs_hf``, ``imported_outputs_match_hf``,
+   ``imported_max_abs_diff_vs_hf``, ``imported_memory_predicted_over_measured``
+   and the other ``imported_*`` keys.
+
 Output: JSON lines (one per system or planner), then one summary object with
 the keys of the sections that ran, and the machine's load averages at the start
 and the end (other work on the machine skews every number).
@@ -227,6 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--skip-hetero", action="store_true", help="leave out the pipeedge vs even section"
+    )
+    parser.add_argument(
+        "--imported-hf-vit",
+        action="store_true",
+        help="add the imported section: a random-init Hugging Face ViT (--model's size, "
+        "--layers blocks) converted by 'python -m zpipe import hf-vit' and run over "
+        "--imported-stages stages in float32, against transformers' own outputs and samples/s, "
+        "with memory predicted against measured per stage (needs transformers)",
+    )
+    parser.add_argument(
+        "--imported-stages",
+        type=positive_int,
+        default=2,
+        help="imported section: stages, equal devices without link emulation (default: 2)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights and inputs seed")
     parser.add_argument(
@@ -833,6 +860,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sections.append(("rpc", run_rpc))
     if not args.skip_hetero:
         sections.append(("hetero", run_hetero))
+    if args.imported_hf_vit:
+        from bench._imported_vit import run_imported  # transformers only when asked
+
+        sections.append(("imported", run_imported))
     for _, section in sections:
         section_keys, section_ok = section(args, spec, warmup, batches)
         keys.update(section_keys)
@@ -844,7 +875,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.skip_rpc and args.skip_hetero:
+    if args.skip_rpc and args.skip_hetero and not args.imported_hf_vit:
         parser.error("--skip-rpc and --skip-hetero leave nothing to run")
     _apply_quick(args)
     configure_logging(level="warning")  # zpipe's logs to stderr: stdout is for JSON lines
