@@ -21,6 +21,7 @@ from zpipe.lossy.engine import Arrivals, LinkChannel, PartitionedMLP, Propagatio
 from zpipe.lossy.links import Traffic
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.schedule import events
+from zpipe.lossy.shard import DeviceShard, ShardFactory
 from zpipe.lossy.simulate import PreparedRun
 
 
@@ -73,8 +74,11 @@ def same_run(a: TrainingTrace, b: TrainingTrace, *, rtol: float = 1e-12) -> bool
     )
 
 
-def train_in_process(prepared: PreparedRun, data: Dataset) -> TrainingTrace:
-    """Train ``prepared`` on the in-process engine, keeping the arrivals."""
+def train_in_process(
+    prepared: PreparedRun, data: Dataset, *, shard_factory: ShardFactory = DeviceShard
+) -> TrainingTrace:
+    """Train ``prepared`` on the in-process engine, keeping the arrivals
+    (``shard_factory``: numpy shards, or torch ones)."""
     cfg = prepared.config
     channel = LinkChannel(
         prr=prepared.topology.prr,
@@ -83,7 +87,12 @@ def train_in_process(prepared: PreparedRun, data: Dataset) -> TrainingTrace:
         lossless=prepared.lossless,
     )
     model = PartitionedMLP(
-        prepared.alloc, prepared.params, channel, lr=cfg.lr, record_arrivals=True
+        prepared.alloc,
+        prepared.params,
+        channel,
+        lr=cfg.lr,
+        record_arrivals=True,
+        shard_factory=shard_factory,
     )
     losses: dict[int, float] = {}
     last = prepared.alloc.n_layers - 1
