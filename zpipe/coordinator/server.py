@@ -146,6 +146,7 @@ DISPATCH: dict[str, EventOf] = {
             "weights_request",
             "replicate",
             "notice_ack",
+            "lossy_run_request",
         )
     },
 }
