@@ -11,7 +11,9 @@ in-process simulation message by message.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ import pytest
 from zpipe._errors import PipelineError
 from zpipe.client.lossy_run import StagesLossyResult, lossy_request, run_lossy
 from zpipe.cluster import LocalCluster
+from zpipe.lossy import experiment
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.partial import mlp_forward_backward
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
@@ -142,3 +145,19 @@ def test_a_bad_lossy_request_fails_with_a_clear_error(
     assert "tensors" in str(reply["error"])
     with pytest.raises(PipelineError, match="not registered"):
         _run(cluster, prepared, data, stage_names=["nobody"], wait_for_stages_s=0.5)
+
+
+def test_the_lossy_command_runs_on_the_clusters_stages(
+    cluster: LocalCluster, stages: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--coordinator", cluster.coordinator_endpoint, "--allocation", "hybrid"]
+    argv += ["--devices", "3", "--region", "80", "--seeds", "1", "--steps", "2"]
+    argv += ["--hidden", "8,8", "--batch-size", "5", "--limit-train", "40"]
+    argv += ["--mapping", "exhaustive", "--out", str(tmp_path)]
+    assert experiment.main(argv) == 0  # 0: the run on stages matched its simulation
+    rows = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert len(rows) == 1 and rows[0]["matches_simulation"] and rows[0]["n_data"] == 2
+    assert sorted(rows[0]["stages"]) == sorted(stages)
+    with pytest.raises(SystemExit):
+        experiment.main([*argv, "--multiprocess"])
+    assert "--coordinator runs on ordinary stages" in capsys.readouterr().err
