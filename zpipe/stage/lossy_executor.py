@@ -101,6 +101,8 @@ class LossyExecutor:
         self.index = -1
         self.protocol_errors = 0
         self._peers: dict[int, zmq.asyncio.Socket] = {}
+        # by device: (data endpoint, CURVE key, name) of the set-up run's peers
+        self._pending_peers: dict[int, tuple[str, str | None, str]] = {}
         self._arrived = asyncio.Event()
 
     # ------------------------------------------------------------ control
@@ -114,6 +116,9 @@ class LossyExecutor:
             st = self.state
             if st is None or st.run != go.run or message.epoch != self.epoch:
                 raise ProtocolError(f"lossy_go for run {go.run}, which is not set up here")
+            self._close_peers()
+            for device, (endpoint, key, peer) in self._pending_peers.items():
+                self._peers[device] = self._connect(endpoint, key, peer)
             self._supervisor.start(RUN_TASK, lambda: self._run(st, go))
         else:
             raise ProtocolError(f"{message.kind!r} is not a lossy control message")
@@ -122,6 +127,7 @@ class LossyExecutor:
         setup = LossySetup.from_message(message)
         await self._stop_data()  # the run takes the data socket: no other assignment runs
         self._close_peers()
+        self._pending_peers = {}
         self.state = None
         error = ""
         try:
@@ -133,12 +139,15 @@ class LossyExecutor:
                 self._data_allow.replace(
                     {names.get(d, str(d)): k.encode() for d, k in keys.items()}
                 )
-            for device, endpoint in st.peers.items():
-                if device != setup.device:
-                    peer = names.get(device, f"device {device}")
-                    self._peers[device] = self._connect(endpoint, keys.get(device), peer)
+            # Connected at lossy_go, once every stage allows this one's key (a refused
+            # CURVE handshake is not retried), as an assignment connects at "connect".
+            self._pending_peers = {
+                d: (endpoint, keys.get(d), names.get(d, f"device {d}"))
+                for d, endpoint in st.peers.items()
+                if d != setup.device
+            }
         except Exception as exc:  # any failure to set up is reported: the stage keeps serving
-            self._close_peers()
+            self._pending_peers = {}
             self.protocol_errors += 1
             error = describe_error(exc)
             log.warning("lossy_setup_refused", stage=self.name, run=setup.run, error=error)
