@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from zpipe._errors import ProtocolError
-from zpipe.coordinator.lossy_run import allocate
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.links import Recovery
+from zpipe.lossy.mapping import partition_and_map
 from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, partial_message, to_tensor
@@ -52,7 +52,7 @@ def _executor(sent: list[Message]) -> LossyExecutor:
 
 
 def _setup(device: int) -> Message:
-    alloc = allocate(SIZES, "vertical", 3, np.ones((3, 3)), mapping="identity", seed=0)
+    alloc = partition_and_map(SIZES, "vertical", 3, np.ones((3, 3)), mapping="identity", seed=0)
     topo = Topology(alloc)
     spec = RunSpec(alloc=alloc, prr=np.ones((3, 3)), seed=0, recovery=Recovery(), lossless=True,
                    lr=0.1, n_data=2, batch=2, mode="emulated", slot_s=0.1, wait_s=1.0)  # fmt: skip

@@ -22,30 +22,25 @@ import numpy as np
 import torch
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
-from zpipe.coordinator.commands import AwaitReplies, AwaitStages, Log, Persist, Send
+from zpipe.coordinator.commands import (
+    AwaitReplies,
+    AwaitStages,
+    Log,
+    Persist,
+    PlanLossy,
+    Send,
+)
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.lossy.engine import shard_params
-from zpipe.lossy.mapping import map_devices
 from zpipe.lossy.partial import FloatArray
-from zpipe.lossy.partition import Allocation, partition
+from zpipe.lossy.partition import Allocation
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, to_array, to_tensor
 from zpipe.protocol.lossy import LossyGo, LossyRunReport, LossyRunRequest, LossySetup
 from zpipe.transport.codec import Message
-
-
-def allocate(
-    layer_sizes: Sequence[int], allocation: str, n_devices: int, prr: FloatArray, *, mapping: str,
-    seed: int,
-) -> Allocation:  # fmt: skip
-    """Algorithm 1, then Algorithm 2 on ``prr`` (naive: everything on device 0)."""
-    if allocation == "naive":
-        return partition("naive", layer_sizes, 1)
-    alloc = partition(allocation, layer_sizes, n_devices)
-    return map_devices(alloc, prr, method=mapping, seed=seed)
 
 
 def lossy_run_request(
@@ -85,7 +80,10 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     seed = request.spec.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
-    alloc = allocate(sizes, request.allocation, n, prr_measured, mapping=request.mapping, seed=seed)
+    # the genetic search takes a while: off the event loop
+    alloc: Allocation = yield PlanLossy(
+        tuple(sizes), request.allocation, n, prr_measured, request.mapping, seed
+    )
     spec = RunSpec.from_body({**request.spec, "alloc": alloc.to_dict()})
     if inputs.shape != (spec.n_data, spec.batch, sizes[0]) or labels.shape != inputs.shape[:2]:
         raise ConfigError(
