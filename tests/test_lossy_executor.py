@@ -46,6 +46,7 @@ def _executor(sent: list[Message]) -> LossyExecutor:
         supervisor=TaskSupervisor("s0", lambda name, error: None),
         send_control=send_control,
         stop_data=stop_data,
+        apply_limits=lambda limits: None,
         max_message_bytes=1 << 20,
         send_timeout_s=1.0,
     )

@@ -161,3 +161,20 @@ def test_the_lossy_command_runs_on_the_clusters_stages(
     with pytest.raises(SystemExit):
         experiment.main([*argv, "--multiprocess"])
     assert "--coordinator runs on ordinary stages" in capsys.readouterr().err
+
+
+def test_partials_larger_than_an_idle_data_port_takes_cross(
+    cluster: LocalCluster, stages: list[str]
+) -> None:
+    # 40 samples x 256 neurons x 8 bytes = 80 KiB a partial: above the 64 KiB an idle
+    # stage's data port accepts, so the run raises its stages' receive limits first.
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(80, 256))
+    y = rng.integers(0, 4, size=80)
+    y[0] = 3
+    wide = Dataset("wide", x, y, x[:10], y[:10])
+    cfg = replace(BASE, hidden=(256,), batch_size=40, n_data=1, lossless=True)  # vertical
+    prepared = prepare_run(cfg, wide)
+    result = _run(cluster, prepared, wide, stage_names=stages, wait_s=10.0)
+    assert result.trace.propagation.rate("forward", "backward", "share") == 1.0
+    _assert_same_trace(result.trace, train_in_process(prepared, wide))

@@ -55,7 +55,7 @@ from zpipe.stage.assignment import PushConnector
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
-from zpipe.transport.sockets import decode_frames, recv_frames, send
+from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames, send
 
 log = get_logger("zpipe.stage")
 
@@ -83,6 +83,7 @@ class LossyExecutor:
         supervisor: TaskSupervisor,
         send_control: SendControl,
         stop_data: Callable[[], Awaitable[None]],
+        apply_limits: Callable[[ReceiveLimits], None],
         max_message_bytes: int,
         send_timeout_s: float,
     ) -> None:
@@ -94,6 +95,7 @@ class LossyExecutor:
         self._supervisor = supervisor
         self._send_control = send_control
         self._stop_data = stop_data
+        self._apply_limits = apply_limits
         self._max_bytes = max_message_bytes
         self._send_timeout_s = send_timeout_s
         self.state: DeviceRun | None = None
@@ -132,6 +134,10 @@ class LossyExecutor:
         error = ""
         try:
             st = build_run(setup, setup.device, shard_factory=TorchDeviceShard)
+            # An idle port takes 64 KiB messages, an assignment's those of its model: a
+            # larger partial would cost its connection. Set before any peer connects.
+            largest = st.spec.batch * max(st.spec.alloc.layer_sizes) * 8
+            self._apply_limits(ReceiveLimits.for_largest_message(min(largest, self._max_bytes)))
             names = _by_index(setup.names, "names")
             keys = _by_index(setup.keys, "keys")
             if self._data_allow is not None:

@@ -179,6 +179,7 @@ class StageRuntime:
                 m.kind, dict(m.body), m.epoch, tensors=m.tensors
             ),
             stop_data=self._plane.stop,
+            apply_limits=self._plane.apply_limits,
             max_message_bytes=opts.max_message_bytes,
             send_timeout_s=timeouts.send_s,
         )
