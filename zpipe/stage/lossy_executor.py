@@ -243,9 +243,6 @@ class LossyExecutor:
             log.exception("lossy_run_failed", stage=self.name, run=st.run)
             error = describe_error(exc)
         await self._send_result(st, error, time.perf_counter() - started)
-        # Idle again: new connections get an idle port's small limits (the run's peers
-        # keep theirs until they reconnect; their partials are no longer read).
-        self._apply_limits(ReceiveLimits.before_plan())
 
     async def _pass(self, st: DeviceRun, ev: PassEvent) -> None:
         needed = st.topo.needed(ev.kind, ev.layer)
