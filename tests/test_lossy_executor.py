@@ -27,6 +27,13 @@ SIZES = [6, 4, 4, 3]
 EPOCH = 7
 
 
+class _UnlimitedPort:
+    """The data socket's limit is all the executor reads of it outside a receive loop."""
+
+    def getsockopt(self, option: int) -> int:
+        return -1
+
+
 def _executor(sent: list[Message]) -> LossyExecutor:
     async def send_control(message: Message) -> None:
         sent.append(message)
@@ -39,7 +46,7 @@ def _executor(sent: list[Message]) -> LossyExecutor:
 
     return LossyExecutor(
         name="s0",
-        data_in=None,  # type: ignore[arg-type]  # no receive loop runs in these tests
+        data_in=_UnlimitedPort(),  # type: ignore[arg-type]  # no receive loop runs here
         data_allow=None,
         connector=connect,
         compute=ThreadPoolExecutor(max_workers=1),

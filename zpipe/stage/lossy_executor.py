@@ -67,6 +67,8 @@ RECEIVE_TASK = "data-receive"
 RUN_TASK = "compute"
 
 SendControl = Callable[[Message], Awaitable[None]]
+# How long a partial still queued when a run ends may take to reach its peer.
+PEER_LINGER_S = 5.0
 
 
 class LossyExecutor:
@@ -136,8 +138,7 @@ class LossyExecutor:
             st = build_run(setup, setup.device, shard_factory=TorchDeviceShard)
             # An idle port takes 64 KiB messages, an assignment's those of its model: a
             # larger partial would cost its connection. Set before any peer connects.
-            largest = st.spec.batch * max(st.spec.alloc.layer_sizes) * 8
-            self._apply_limits(ReceiveLimits.for_largest_message(min(largest, self._max_bytes)))
+            self._raise_limits(st.spec.batch * max(st.spec.alloc.layer_sizes) * 8)
             names = _by_index(setup.names, "names")
             keys = _by_index(setup.keys, "keys")
             if self._data_allow is not None:
@@ -165,14 +166,24 @@ class LossyExecutor:
         ready = LossyReady(run=setup.run, device=setup.device, error=error).to_message()
         await self._send_control(Message(ready.kind, ready.body, epoch=message.epoch))
 
+    def _raise_limits(self, largest: int) -> None:
+        """Rebind the data port with room for a ``largest``-byte partial, only where its
+        limit is smaller: rebinding tears down the connections it has, and libzmq
+        has been seen to crash (SIGSEGV in its I/O thread) rebinding a port again
+        and again while peers connect and leave."""
+        limit = self._data_in.getsockopt(zmq.MAXMSGSIZE)
+        needed = ReceiveLimits.for_largest_message(min(largest, self._max_bytes))
+        if 0 <= int(limit) < needed.max_message_bytes:
+            self._apply_limits(needed)
+
     async def close(self) -> None:
         await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
         self._close_peers()
         self.state = None
 
-    def _close_peers(self) -> None:
+    def _close_peers(self, *, linger_s: float = 0.0) -> None:
         for sock in self._peers.values():
-            sock.close(linger=0)
+            sock.close(linger=int(linger_s * 1000))
         self._peers.clear()
 
     # ------------------------------------------------------------ receiving
@@ -242,6 +253,9 @@ class LossyExecutor:
         except Exception as exc:  # the coordinator hears it instead of waiting out its deadline
             log.exception("lossy_run_failed", stage=self.name, run=st.run)
             error = describe_error(exc)
+        # Done sending: the peers' connections end now rather than at the next run's
+        # set-up (a partial still queued gets PEER_LINGER_S to be delivered).
+        self._close_peers(linger_s=min(self._send_timeout_s, PEER_LINGER_S))
         await self._send_result(st, error, time.perf_counter() - started)
 
     async def _pass(self, st: DeviceRun, ev: PassEvent) -> None:
