@@ -75,6 +75,10 @@ ADDED_IN_V1 = {
     "run_report": {"timelines": ["dict/null", False]},
     # asynchronous training's end of the feed (only async stages are sent one)
     "data": {"end": ["bool/null", False]},
+    # a lossy run on ordinary stages: the peers' names and keys; a start relative to receipt
+    "lossy_setup": {"names": ["dict/null", False], "keys": ["dict/null", False]},
+    "lossy_go": {"start_in_s": ["int/float/null", False]},
+    "lossy_result": {"name": ["str/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client
@@ -107,8 +111,27 @@ KINDS_ADDED_IN_V1 = {
     "state_chunk_ok": {"transfer": ["int", True], "seq": ["int", True], "error": ["str", True]},
     # to a client whose run_request offered progress: the state it awaits is moving
     "progress": {"run": ["int", True], "awaited": ["str", True]},
+    # a lossy (EdgePipe) run on ordinary stages, from a client and back to it
+    "lossy_run_request": {
+        "layer_sizes": ["list", True],
+        "allocation": ["str", True],
+        "mapping": ["str", True],
+        "prr_measured": ["list", True],
+        "spec": ["dict", True],
+        "stages": ["int/null", False],
+        "stage_names": ["list/null", False],
+        "wait_for_stages_s": ["int/float", True],
+        "result_s": ["int/float", True],
+        "start_in_s": ["int/float/null", False],
+    },
+    "lossy_run_report": {
+        "run": ["int", True],
+        "alloc": ["dict", True],
+        "stages": ["list", True],
+        "results": ["list", True],
+    },
 }
-TENSOR_KINDS_ADDED_IN_V1 = ["bulk_chunk", "state_chunk"]
+TENSOR_KINDS_ADDED_IN_V1 = ["bulk_chunk", "state_chunk", "lossy_run_request", "lossy_run_report"]
 
 
 def test_every_kind_keeps_its_version_1_schema() -> None:

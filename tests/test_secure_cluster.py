@@ -9,11 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import zmq
 
+from zpipe.client.lossy_run import StagesLossyResult, run_lossy
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.simulate import RunConfig, prepare_run
+from zpipe.lossy.trace import same_run, train_in_process
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.transport import security
 from zpipe.transport.codec import Message, decode, encode
@@ -102,6 +107,8 @@ def test_secure_cluster_runs_and_refuses_unknown_keys(keys: dict[str, Path]) -> 
         coordinator_log = cluster.logs("coordinator")
         assert coordinator_log.count('"link_measured"') == 2
         assert "link_unmeasured" not in coordinator_log
+        # A lossy (EdgePipe) run: its partials cross the stages' CURVE data ports.
+        _lossy_run_equals_its_simulation(cluster)
 
 
 def test_a_client_without_an_allowed_key_cannot_start_a_run(keys: dict[str, Path]) -> None:
@@ -201,3 +208,21 @@ def test_a_stage_key_cannot_read_the_cluster_or_start_a_run(tmp_path: Path) -> N
             context.term()
         log = cluster.logs("coordinator")
     assert log.count("role_refused") >= 2
+
+
+def _lossy_run_equals_its_simulation(cluster: LocalCluster) -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(30, 6)), rng.integers(0, 4, size=30)
+    y[0] = 3
+    data = Dataset("random", x, y, x[:5], y[:5])
+    cfg = RunConfig(allocation="vertical", n_devices=2, region_m=60.0, seed=1, hidden=(8, 8),
+                    lr=0.1, batch_size=5, n_data=3, mapping="exhaustive")  # fmt: skip
+    prepared = prepare_run(cfg, data)
+
+    async def run() -> StagesLossyResult:
+        async with cluster.client() as client:
+            return await run_lossy(client, prepared, data, stage_names=["k0", "k1"])
+
+    result = asyncio.run(run())
+    assert same_run(result.trace, train_in_process(prepared, data), rtol=1e-10)
+    assert not any(result.protocol_errors.values())

@@ -184,6 +184,19 @@ class PlanTraining(Job):
 
 
 @dataclass(frozen=True)
+class PlanLossy(Job):
+    """A lossy run's allocation: Algorithm 1, then Algorithm 2 on ``prr`` (the genetic
+    search runs for a while), by :func:`zpipe.lossy.mapping.partition_and_map`."""
+
+    layer_sizes: tuple[int, ...]
+    allocation: str
+    n_devices: int
+    prr: Any  # the reception ratios, an n x n float64 array
+    mapping: str
+    seed: int
+
+
+@dataclass(frozen=True)
 class TrainingModel(Job):
     """The training profile and cluster of ``members``: ``(ModelProfile, ClusterSpec)``."""
 

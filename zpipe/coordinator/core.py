@@ -32,6 +32,7 @@ from zpipe.coordinator.events import (
     TimerFired,
 )
 from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.lossy_run import lossy_run_request
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NOTICE_KINDS, NoticeOutbox
@@ -47,7 +48,16 @@ from zpipe.planner.training_plan import TrainingPlan
 from zpipe.transport.codec import Message
 
 # Replies of stages to what a run's flows asked (routed to the flow that waits).
-REPLY_KINDS = ("ready", "assign_failed", "connected", "metrics", "weights", "backed_up")
+REPLY_KINDS = (
+    "ready",
+    "assign_failed",
+    "connected",
+    "metrics",
+    "weights",
+    "backed_up",
+    "lossy_ready",
+    "lossy_result",
+)
 # Replies to requests the shell makes itself while it plans (profiles, link probes).
 SHELL_REPLY_KINDS = ("profile_reply", "link_peers_ok", "link_probe_reply")
 
@@ -508,6 +518,9 @@ class CoordinatorCore:
         reply_s = state.timeouts.reply_s
         if kind == "run_request":
             flow = run_request(state, event.routing_id, event.user_key, message)
+            return state.flows.start(flow, now)
+        if kind == "lossy_run_request":
+            flow = lossy_run_request(state, event.routing_id, event.user_key, message)
             return state.flows.start(flow, now)
         if kind == "notice_ack":
             return self._notice_acknowledged(message)

@@ -25,6 +25,7 @@ from zpipe.coordinator.commands import (
     CountUnits,
     Job,
     PlanInference,
+    PlanLossy,
     PlanTraining,
     SaveReplica,
     TrainingModel,
@@ -36,6 +37,7 @@ from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.log import get_logger
+from zpipe.lossy.mapping import partition_and_map
 from zpipe.models import USER_CODE_FAMILIES, ModelSpec, count_units, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec
 from zpipe.planner.hpp import plan_training
@@ -82,6 +84,16 @@ class JobRunner:
             return await self._plan_inference(job)
         if isinstance(job, PlanTraining):
             return await self._plan_training(job)
+        if isinstance(job, PlanLossy):
+            return await asyncio.to_thread(
+                partition_and_map,
+                job.layer_sizes,
+                job.allocation,
+                job.n_devices,
+                job.prr,
+                mapping=job.mapping,
+                seed=job.seed,
+            )
         if isinstance(job, TrainingModel):
             return await self._training_model(job.spec, list(job.members), job.microbatch_size)
         if isinstance(job, AllowPeers):

@@ -150,6 +150,7 @@ DISPATCH: dict[str, EventOf] = {
             "weights_request",
             "replicate",
             "notice_ack",
+            "lossy_run_request",
         )
     },
 }

@@ -12,7 +12,7 @@ import torch
 from zpipe._errors import ProtocolError
 from zpipe.lossy.engine import Arrivals, LinkChannel, Propagation
 from zpipe.lossy.partial import FloatArray
-from zpipe.lossy.shard import DeviceShard, Topology
+from zpipe.lossy.shard import DeviceShard, PassRunner, ShardFactory, Topology
 from zpipe.lossy.wire import RunSpec, peers_from_body, to_array
 from zpipe.protocol.lossy import LossySetup
 
@@ -24,7 +24,7 @@ class DeviceRun:
     run: int
     spec: RunSpec
     topo: Topology
-    shard: DeviceShard
+    shard: PassRunner
     channel: LinkChannel
     peers: dict[int, str]
     inputs: FloatArray | None
@@ -39,9 +39,12 @@ class DeviceRun:
     start_at: float = 0.0
 
 
-def build_run(msg: LossySetup, index: int) -> DeviceRun:
+def build_run(
+    msg: LossySetup, index: int, *, shard_factory: ShardFactory = DeviceShard
+) -> DeviceRun:
     """One run's state on device ``index`` from its ``lossy_setup``: its slices' weights,
-    the inputs and labels it owns, its peers; :class:`ProtocolError` if it does not fit."""
+    the inputs and labels it owns, its peers; :class:`ProtocolError` if it does not fit.
+    ``shard_factory``: numpy shards (device processes) or torch ones (stages)."""
     if msg.device != index:
         raise ProtocolError(f"lossy_setup for device {msg.device} reached {index}")
     spec = RunSpec.from_body(msg.spec)
@@ -92,7 +95,7 @@ def build_run(msg: LossySetup, index: int) -> DeviceRun:
         run=msg.run,
         spec=spec,
         topo=topo,
-        shard=DeviceShard(topo, index, weights, lr=spec.lr),
+        shard=shard_factory(topo, index, weights, lr=spec.lr),
         channel=LinkChannel(
             prr=spec.prr, seed=spec.seed, recovery=spec.recovery, lossless=spec.lossless
         ),

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +44,8 @@ from zpipe.lossy.shard import (
     Needed,
     Outgoing,
     Partials,
+    PassRunner,
+    ShardFactory,
     Topology,
     count_received,
 )
@@ -185,6 +188,7 @@ class PartitionedMLP:
         lr: float,
         record_grads: bool = False,
         record_arrivals: bool = False,
+        shard_factory: ShardFactory = DeviceShard,
     ) -> None:
         if len(params) != alloc.n_layers - 1:
             raise ConfigError(
@@ -206,8 +210,8 @@ class PartitionedMLP:
         self.topology = Topology(alloc)
         self.owners = self.topology.owners
         self.receivers = self.topology.receivers
-        self.shards: dict[int, DeviceShard] = {
-            device: DeviceShard(
+        self.shards: dict[int, PassRunner] = {
+            device: shard_factory(
                 self.topology,
                 device,
                 shard_params(self.topology, params, device),
@@ -232,7 +236,7 @@ class PartitionedMLP:
         }
 
     @property
-    def stash(self) -> dict[tuple[int, int, int], tuple[FloatArray, FloatArray, FloatArray]]:
+    def stash(self) -> dict[tuple[int, int, int], Any]:
         """What forward passes kept for their backward, by ``(data, layer, device)``."""
         return {
             (data, layer, device): entry

@@ -40,8 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from zpipe._errors import ConfigError
-from zpipe.cli_common import at_most, non_negative_int, positive_float, positive_int
+from zpipe._errors import ConfigError, ZpipeError
+from zpipe.cli_common import (
+    at_most,
+    existing_dir,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from zpipe.lossy.data import Dataset, load_dataset
 from zpipe.lossy.linkmodes import LINK_TRANSPORTS, WAIT_MODES, check_link_transport
 from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
@@ -169,6 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
         default="tcp",
         help="tcp (loss emulated per message); udp needs draft RADIO/DISH sockets",
     )
+    st = p.add_argument_group("runs on ordinary stages")
+    st.add_argument(
+        "--coordinator",
+        metavar="EP",
+        help="train on the stages of the coordinator at EP (python -m zpipe coordinator and "
+        "python -m zpipe.stage) and compare with the simulation; uses --wait-mode, --slot-s",
+    )
+    st.add_argument(
+        "--keys",
+        type=existing_dir,
+        metavar="DIR",
+        help="with --coordinator: the directory of CurveZMQ key pairs (the client's)",
+    )
+    st.add_argument(
+        "--wait-for-stages-s",
+        type=at_most(positive_float, 86400.0, "a day"),
+        default=30.0,
+        help="with --coordinator: how long the coordinator waits for --devices stages",
+    )
     return p
 
 
@@ -295,6 +320,31 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _main_on_stages(
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    configs: list[tuple[RunConfig, float | None]],
+    data: Dataset,
+) -> int:
+    from zpipe.lossy.on_stages import run_stage_configs
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        with single_threaded_blas():
+            rows = run_stage_configs(args, configs, data)
+    except ZpipeError as exc:  # a cluster that is not there, a run that failed
+        print(f"python -m zpipe lossy: error: {exc}", file=sys.stderr)
+        return 1
+    results = args.out / "results.json"
+    results.write_text(
+        json.dumps({"argv": list(sys.argv[1:] if argv is None else argv), "runs": rows})
+    )
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k not in ("config", "traffic")}))
+    print(f"wrote {results}", file=sys.stderr)
+    return 0 if all(row["matches_simulation"] for row in rows) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -305,6 +355,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             data = data.limit(n_train=args.limit_train)
     except ConfigError as exc:
         parser.error(str(exc))
+    if args.coordinator is not None and (
+        args.multiprocess or args.measure_links or args.link_transport != "tcp"
+    ):
+        parser.error(
+            "--coordinator runs on ordinary stages: it takes no --multiprocess, "
+            "--measure-links or --link-transport"
+        )
+    if args.keys is not None and args.coordinator is None:
+        parser.error("--keys goes with --coordinator")
+    if args.coordinator is not None:
+        return _main_on_stages(args, argv, configs, data)
     if not args.no_plots and not args.multiprocess:
         try:
             from zpipe.lossy.plots import require_matplotlib

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zpipe._errors import ConfigError
-from zpipe.lossy.partition import Allocation
+from zpipe.lossy.partition import Allocation, partition
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -166,3 +166,20 @@ def _check_graphs(snn: FloatArray, prr: FloatArray) -> int:
     if snn.shape[0] < 1:
         raise ConfigError("need at least one device")
     return int(snn.shape[0])
+
+
+def partition_and_map(
+    layer_sizes: Sequence[int],
+    allocation: str,
+    n_devices: int,
+    prr: FloatArray,
+    *,
+    mapping: str,
+    seed: int,
+) -> Allocation:
+    """Algorithm 1, then Algorithm 2 on ``prr`` (naive: everything on device 0)."""
+    if allocation == "naive":
+        return partition("naive", layer_sizes, 1)
+    return map_devices(
+        partition(allocation, layer_sizes, n_devices), prr, method=mapping, seed=seed
+    )

@@ -37,21 +37,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 import zmq
 import zmq.asyncio
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTimeout
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.engine import Arrivals, shard_params, stitch_params
+from zpipe.lossy.engine import shard_params
 from zpipe.lossy.linkmodes import WAIT_MODES, WaitMode, check_link_transport
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.schedule import total_timeslots
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
-from zpipe.lossy.trace import TrainingTrace, merge_propagation, merge_traffic
-from zpipe.lossy.wire import RunSpec, peers_body, to_array, to_tensor
+from zpipe.lossy.trace import TrainingTrace, trace_from_results
+from zpipe.lossy.wire import RunSpec, peers_body, to_tensor
 from zpipe.protocol import Message
 from zpipe.protocol.lossy import (
     LossyGo,
@@ -364,47 +363,8 @@ class DevicePool:
     def _assemble(
         self, topo: Topology, results: dict[int, LossyResult], wall_s: float
     ) -> MultiprocessResult:
-        weights: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
-        loss_by: dict[int, dict[int, float]] = {}
-        arrivals: Arrivals = {}
-        for d, msg in results.items():
-            sizes = topo.alloc.layer_sizes
-            layers = msg.layers
-            if len(msg.tensors) != 2 * len(layers):
-                raise ProtocolError(f"lossy_result from device {d}: tensors do not match layers")
-            for k, layer in enumerate(layers):
-                sl = topo.slice_of(layer, d)
-                if sl is None:
-                    raise ProtocolError(f"lossy_result: device {d} owns no part of layer {layer}")
-                w = to_array(
-                    msg.tensors[2 * k],
-                    shape=(sl.width, sizes[layer - 1]),
-                    dtype=torch.float64,
-                    what=f"device {d} weights",
-                )
-                b = to_array(
-                    msg.tensors[2 * k + 1], shape=(sl.width,), dtype=torch.float64, what="bias"
-                )
-                weights[(layer, d)] = (w.copy(), b.copy())
-            for data_id, loss in msg.losses:
-                loss_by.setdefault(int(data_id), {})[d] = float(loss)
-            for data_id, kind, layer, senders in msg.arrivals:
-                arrivals[(int(data_id), str(kind), int(layer), d)] = tuple(int(s) for s in senders)
-        # The engine averages the output owners' losses in neuron order: so do we.
-        out_owners = [d for d, _ in topo.owners[topo.last]]
-        losses = {
-            data_id: float(np.mean([by[d] for d in out_owners]))
-            for data_id, by in sorted(loss_by.items())
-        }
-        trace = TrainingTrace(
-            losses=losses,
-            params=stitch_params(topo, weights),
-            propagation=merge_propagation([m.propagation for m in results.values()]),
-            traffic=merge_traffic([m.traffic for m in results.values()]),
-            arrivals=arrivals,
-        )
         return MultiprocessResult(
-            trace=trace,
+            trace=trace_from_results(topo, results),
             waits={d: list(m.waits) for d, m in results.items()},
             late=sum(m.late for m in results.values()),
             protocol_errors={d: m.protocol_errors for d, m in results.items()},

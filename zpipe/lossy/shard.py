@@ -16,8 +16,9 @@ its drop decision is keyed by the *sender's* layer (:mod:`zpipe.lossy.links`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -97,6 +98,43 @@ class Topology:
             direction = Direction.TEST_SHARE if test else Direction.SHARE
             return Needed("S", self.last, self.last, direction, tuple(self.owners[self.last]))
         return Needed("B", layer, layer + 1, Direction.BACKWARD, tuple(self.owners[layer + 1]))
+
+
+class PassRunner(Protocol):
+    """What the engine and a stage need of one device's shard: :class:`DeviceShard`
+    (numpy) or :class:`zpipe.lossy.torch_partial.TorchDeviceShard` (torch modules)."""
+
+    slices: dict[int, NeuronSlice]
+    grads: dict[int, tuple[FloatArray, FloatArray]]
+
+    @property
+    def stash(self) -> Mapping[tuple[int, int], Any]: ...
+
+    @property
+    def weights(self) -> Mapping[int, tuple[FloatArray, FloatArray]]: ...
+
+    def forward(
+        self,
+        data: int,
+        layer: int,
+        batch: int,
+        got: Partials,
+        *,
+        x: FloatArray | None = None,
+        train: bool = True,
+    ) -> list[Outgoing]: ...
+
+    def backward(
+        self, data: int, layer: int, labels: IntArray, got: Partials
+    ) -> tuple[list[Outgoing], float | None]: ...
+
+    def logits_view(self, batch: int, got: Partials) -> FloatArray: ...
+
+    def forget(self, data: int) -> None: ...
+
+
+#: builds one device's shard: ``(topology, device, weights, lr=, record_grads=)``
+ShardFactory = Callable[..., PassRunner]
 
 
 class DeviceShard:

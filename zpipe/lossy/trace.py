@@ -11,17 +11,23 @@ so "the multi-process run equals the simulation" is a comparison of two traces.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from zpipe._errors import ProtocolError
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.engine import Arrivals, LinkChannel, PartitionedMLP, Propagation
+from zpipe.lossy.engine import Arrivals, LinkChannel, PartitionedMLP, Propagation, stitch_params
 from zpipe.lossy.links import Traffic
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.schedule import events
+from zpipe.lossy.shard import DeviceShard, ShardFactory, Topology
 from zpipe.lossy.simulate import PreparedRun
+from zpipe.lossy.wire import to_array
+from zpipe.protocol.lossy import LossyResult
 
 
 @dataclass
@@ -73,8 +79,11 @@ def same_run(a: TrainingTrace, b: TrainingTrace, *, rtol: float = 1e-12) -> bool
     )
 
 
-def train_in_process(prepared: PreparedRun, data: Dataset) -> TrainingTrace:
-    """Train ``prepared`` on the in-process engine, keeping the arrivals."""
+def train_in_process(
+    prepared: PreparedRun, data: Dataset, *, shard_factory: ShardFactory = DeviceShard
+) -> TrainingTrace:
+    """Train ``prepared`` on the in-process engine, keeping the arrivals
+    (``shard_factory``: numpy shards, or torch ones)."""
     cfg = prepared.config
     channel = LinkChannel(
         prr=prepared.topology.prr,
@@ -83,7 +92,12 @@ def train_in_process(prepared: PreparedRun, data: Dataset) -> TrainingTrace:
         lossless=prepared.lossless,
     )
     model = PartitionedMLP(
-        prepared.alloc, prepared.params, channel, lr=cfg.lr, record_arrivals=True
+        prepared.alloc,
+        prepared.params,
+        channel,
+        lr=cfg.lr,
+        record_arrivals=True,
+        shard_factory=shard_factory,
     )
     losses: dict[int, float] = {}
     last = prepared.alloc.n_layers - 1
@@ -102,6 +116,54 @@ def train_in_process(prepared: PreparedRun, data: Dataset) -> TrainingTrace:
         propagation=model.propagation,
         traffic=dict(channel.traffic),
         arrivals=dict(model.arrivals),
+    )
+
+
+def trace_from_results(topo: Topology, results: Mapping[int, LossyResult]) -> TrainingTrace:
+    """The trace of a run on processes (device processes or stages), from each device's
+    ``lossy_result``; :class:`ProtocolError` if a result does not fit the allocation."""
+    weights: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
+    loss_by: dict[int, dict[int, float]] = {}
+    arrivals: Arrivals = {}
+    sizes = topo.alloc.layer_sizes
+    for d, msg in results.items():
+        layers = msg.layers
+        if len(msg.tensors) != 2 * len(layers):
+            raise ProtocolError(f"lossy_result from device {d}: tensors do not match layers")
+        for k, layer in enumerate(layers):
+            sl = topo.slice_of(layer, d)
+            if sl is None:
+                raise ProtocolError(f"lossy_result: device {d} owns no part of layer {layer}")
+            w = to_array(
+                msg.tensors[2 * k],
+                shape=(sl.width, sizes[layer - 1]),
+                dtype=torch.float64,
+                what=f"device {d} weights",
+            )
+            b = to_array(
+                msg.tensors[2 * k + 1], shape=(sl.width,), dtype=torch.float64, what="bias"
+            )
+            weights[(layer, d)] = (w.copy(), b.copy())
+        for data_id, loss in msg.losses:
+            loss_by.setdefault(int(data_id), {})[d] = float(loss)
+        for data_id, kind, layer, senders in msg.arrivals:
+            arrivals[(int(data_id), str(kind), int(layer), d)] = tuple(int(s) for s in senders)
+    # The engine averages the output owners' losses in neuron order: so do we.
+    out_owners = [d for d, _ in topo.owners[topo.last]]
+    try:
+        losses = {
+            data_id: float(np.mean([by[d] for d in out_owners]))
+            for data_id, by in sorted(loss_by.items())
+        }
+        params = stitch_params(topo, weights)
+    except KeyError as exc:
+        raise ProtocolError(f"lossy results lack {exc}") from None
+    return TrainingTrace(
+        losses=losses,
+        params=params,
+        propagation=merge_propagation([m.propagation for m in results.values()]),
+        traffic=merge_traffic([m.traffic for m in results.values()]),
+        arrivals=arrivals,
     )
 
 

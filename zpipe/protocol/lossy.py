@@ -1,6 +1,16 @@
-"""The messages of EdgePipe's lossy device processes (zpipe.lossy.multiprocess, .device).
+"""The messages of EdgePipe's lossy runs: on ordinary stages, and on the older device
+processes (zpipe.lossy.multiprocess, .device).
 
-::
+On ordinary stages (zpipe.coordinator.lossy_run, zpipe.stage.lossy_executor)::
+
+    client -> coordinator  lossy_run_request  run parameters; initial weights, inputs, labels
+    coordinator -> stage   lossy_setup        as below, plus the peers' names and keys
+                           lossy_go           start the passes (start_in_s after receipt)
+    stage -> coordinator   lossy_ready, lossy_result
+    stage -> stage         lossy_partial      on the stages' data sockets
+    coordinator -> client  lossy_run_report   the allocation; every device's result and weights
+
+Device processes::
 
     launcher -> device   lossy_setup          a run: spec, peers; weight slices, inputs, labels
                          lossy_go             start the passes (deadline mode: at start_at)
@@ -28,6 +38,11 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_INT,
+    OPT_LIST,
+    OPT_MAP,
+    OPT_NUM,
+    OPT_STR,
     STR,
     TensorMessage,
     WireMessage,
@@ -58,6 +73,9 @@ class LossySetup(TensorMessage):
     layers: list[Any] = wire(LIST)
     inputs: bool = wire(BOOL)
     labels: bool = wire(BOOL)
+    # on ordinary stages: each device's stage name and CURVE public key, by device index
+    names: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    keys: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -73,6 +91,8 @@ class LossyGo(WireMessage):
     KIND: ClassVar[str] = "lossy_go"
     run: int = wire(INT)
     start_at: float = wire(NUM)
+    # on ordinary stages: start this long after receipt (start_at is then ignored)
+    start_in_s: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -94,6 +114,8 @@ class LossyResult(TensorMessage):
     late: int = wire(INT)
     protocol_errors: int = wire(INT)
     wall_s: float = wire(NUM)
+    # from a stage: its name (state a stage sends on its bulk connection names its sender)
+    name: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -143,6 +165,42 @@ class LossyProbeReport(WireMessage):
     error: str = wire(STR)
 
 
+@wire_message
+class LossyRunRequest(TensorMessage):
+    """An EdgePipe run on ordinary stages. ``layer_sizes``: the MLP's neuron layers
+    (input first); ``allocation``: naive, vertical, hybrid or horizontal (Algorithm 1);
+    ``mapping``: genetic, exhaustive, random or identity (Algorithm 2) on
+    ``prr_measured`` (by device index; the stages in ``stage_names`` order, or by
+    name); ``spec``: the rest of a zpipe.lossy.wire.RunSpec body (no ``alloc``).
+    Tensors: ``(W, b)`` of every dense layer in order, then the inputs
+    ``(n_data, batch, features)`` (float64) and labels ``(n_data, batch)`` (int64)."""
+
+    KIND: ClassVar[str] = "lossy_run_request"
+    layer_sizes: list[Any] = wire(LIST)
+    allocation: str = wire(STR)
+    mapping: str = wire(STR)
+    prr_measured: list[Any] = wire(LIST)
+    spec: dict[str, Any] = wire(MAP)
+    stages: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    stage_names: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    wait_for_stages_s: float = wire(NUM)
+    result_s: float = wire(NUM)
+    start_in_s: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyRunReport(TensorMessage):
+    """The end of a lossy run on stages: ``alloc`` as mapped, ``stages`` the stage name
+    of each device index, ``results`` each device's ``lossy_result`` body (no tensors);
+    the final weight slices follow as tensors, device by device in ``results`` order."""
+
+    KIND: ClassVar[str] = "lossy_run_report"
+    run: int = wire(INT)
+    alloc: dict[str, Any] = wire(MAP)
+    stages: list[Any] = wire(LIST)
+    results: list[Any] = wire(LIST)
+
+
 MESSAGES: tuple[type[WireMessage], ...] = (
     LossyHello,
     LossySetup,
@@ -154,4 +212,6 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     LossyProbe,
     LossyProbeEnd,
     LossyProbeReport,
+    LossyRunRequest,
+    LossyRunReport,
 )

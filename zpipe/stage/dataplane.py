@@ -153,6 +153,14 @@ class DataPlane:
         rebind_with_limits(self._data_in, self._data_bound, limits)
         self._plan_limits = (spec, limits)
 
+    def apply_limits(self, limits: ReceiveLimits) -> None:
+        """Give the data port ``limits`` for a run that is not an assignment (a lossy
+        run's partials), before its peers connect; the next assignment sets its own."""
+        if not self._data_bound:
+            return
+        rebind_with_limits(self._data_in, self._data_bound, limits)
+        self._plan_limits = None
+
     async def connect(self, command: ConnectAssignment) -> list[Command]:
         """Second phase of an assignment: every stage now allows its upstream's key."""
         assignment, run = self._pending, command.run

@@ -110,6 +110,14 @@ class ConnectAssignment:
 
 
 @dataclass(frozen=True)
+class LossyControl:
+    """Hand a lossy run's control message to the lossy executor
+    (:mod:`zpipe.stage.lossy_executor`)."""
+
+    message: Message
+
+
+@dataclass(frozen=True)
 class Note:
     """Log ``event`` (a change the operator should see); nothing else to do."""
 
@@ -146,6 +154,7 @@ Command = (
     | RestartTask
     | Exit
     | Note
+    | LossyControl
 )
 
 # Heartbeat intervals of silence after which the coordinator counts as away (its own
@@ -405,6 +414,8 @@ class StageLifecycle:
             return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
         if kind == "backup_request":
             return [StartJob(Job.BACKUP, message, newest_wins=True)]
+        if kind in ("lossy_setup", "lossy_go"):
+            return [LossyControl(message)]
         if kind == "metrics_request":
             body = {"run": message["run"], "name": self.name}
             return [

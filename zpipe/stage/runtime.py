@@ -39,6 +39,7 @@ import zmq.asyncio
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
+from zpipe.stage.assignment import push_connector
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
@@ -51,6 +52,7 @@ from zpipe.stage.lifecycle import (
     DropMessage,
     Exit,
     Job,
+    LossyControl,
     Note,
     Phase,
     RestartTask,
@@ -59,6 +61,7 @@ from zpipe.stage.lifecycle import (
     StartJob,
 )
 from zpipe.stage.linkprobe import ProbeResponder
+from zpipe.stage.lossy_executor import LossyExecutor
 from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
@@ -101,6 +104,7 @@ class StageRuntime:
         self._job_requests: dict[Job, tuple[object, ...]] = {}  # what each running job answers
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
+        self._lossy: LossyExecutor | None = None  # EdgePipe runs' partial layers
         self._bulk: StageBulk | None = None
         # the (emulated) link to the coordinator: control and bulk connections share it
         self._uplink = SharedUplink(config.uplink)
@@ -170,6 +174,21 @@ class StageRuntime:
             lifecycle=self._lifecycle,
             supervisor=self._supervisor,
             fetch_state=self._snapshots.fetched_state,
+        )
+        self._lossy = LossyExecutor(
+            name=self.config.name,
+            data_in=ports.data_in,
+            data_allow=self._keys.data_allow,
+            connector=push_connector(self._context, opts, keypair),
+            compute=self._compute,
+            supervisor=self._supervisor,
+            send_control=lambda m: self._send_control(
+                m.kind, dict(m.body), m.epoch, tensors=m.tensors
+            ),
+            stop_data=self._plane.stop,
+            apply_limits=self._plane.apply_limits,
+            max_message_bytes=opts.max_message_bytes,
+            send_timeout_s=timeouts.send_s,
         )
 
     def _info(self) -> dict[str, Any]:
@@ -411,6 +430,9 @@ class StageRuntime:
                 self._exit_with(command)
             elif isinstance(command, Note):
                 getattr(log, command.level)(command.event, stage=self.config.name, **command.fields)
+            elif isinstance(command, LossyControl):
+                assert self._lossy is not None
+                await self._lossy.on_control(command.message)
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:
@@ -537,6 +559,8 @@ class StageRuntime:
     async def close(self) -> None:
         if self._lifecycle is not None:
             self._lifecycle.stop_requested("closing")
+        if self._lossy is not None:
+            await self._lossy.close()
         if self._plane is not None:
             await self._plane.close()
         for task in self._jobs.values():

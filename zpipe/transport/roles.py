@@ -54,6 +54,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "replicate",
             "stalled",
             "notice_ack",
+            "lossy_run_request",
             # to the first and last stages: inputs and labels
             "data",
             "labels",
@@ -76,6 +77,8 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "link_peers",
             "link_probe_request",
             "shutdown",
+            "lossy_setup",
+            "lossy_go",
             # to stages, on their bulk connections
             "bulk_opened",
             "bulk_chunk",
@@ -93,6 +96,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "replicated",
             "checkpoint",
             "progress",
+            "lossy_run_report",
         }
     ),
     "stage": frozenset(
@@ -110,6 +114,8 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "link_probe_reply",
             "weights",
             "backed_up",
+            "lossy_ready",
+            "lossy_result",
             # to the coordinator, on the bulk connection
             "bulk_open",
             "bulk_chunk",
@@ -120,6 +126,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "loss",
             "error",
             "allreduce",
+            "lossy_partial",
             # on probe sockets, stage to stage
             "link_ping",
             "link_pong",

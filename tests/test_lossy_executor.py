@@ -1,0 +1,140 @@
+"""The stage's lossy executor judges every partial before it files it (no sockets:
+its checks are fed messages directly)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from zpipe._errors import ProtocolError
+from zpipe.lossy.engine import shard_params
+from zpipe.lossy.links import Recovery
+from zpipe.lossy.mapping import partition_and_map
+from zpipe.lossy.partial import init_mlp
+from zpipe.lossy.shard import Topology
+from zpipe.lossy.wire import RunSpec, partial_message, to_tensor
+from zpipe.protocol.lossy import LossySetup
+from zpipe.stage.lossy_executor import LossyExecutor
+from zpipe.stage.supervision import TaskSupervisor
+from zpipe.transport.codec import Message
+
+SIZES = [6, 4, 4, 3]
+EPOCH = 7
+
+
+class _UnlimitedPort:
+    """The data socket's limit is all the executor reads of it outside a receive loop."""
+
+    def getsockopt(self, option: int) -> int:
+        return -1
+
+
+def _executor(sent: list[Message]) -> LossyExecutor:
+    async def send_control(message: Message) -> None:
+        sent.append(message)
+
+    async def stop_data() -> None:
+        return None
+
+    def connect(endpoint: str, key: str | None, peer: str) -> Any:
+        raise AssertionError("set-up connects to nobody: peers connect at lossy_go")
+
+    return LossyExecutor(
+        name="s0",
+        data_in=_UnlimitedPort(),  # type: ignore[arg-type]  # no receive loop runs here
+        data_allow=None,
+        connector=connect,
+        compute=ThreadPoolExecutor(max_workers=1),
+        supervisor=TaskSupervisor("s0", lambda name, error: None),
+        send_control=send_control,
+        stop_data=stop_data,
+        apply_limits=lambda limits: None,
+        max_message_bytes=1 << 20,
+        send_timeout_s=1.0,
+    )
+
+
+def _setup(device: int) -> Message:
+    alloc = partition_and_map(SIZES, "vertical", 3, np.ones((3, 3)), mapping="identity", seed=0)
+    topo = Topology(alloc)
+    spec = RunSpec(alloc=alloc, prr=np.ones((3, 3)), seed=0, recovery=Recovery(), lossless=True,
+                   lr=0.1, n_data=2, batch=2, mode="emulated", slot_s=0.1, wait_s=1.0)  # fmt: skip
+    weights = shard_params(topo, init_mlp(SIZES, seed=0), device)
+    tensors = [to_tensor(a) for layer in sorted(weights) for a in weights[layer]]
+    owns_input = topo.slice_of(0, device) is not None
+    owns_output = topo.slice_of(topo.last, device) is not None
+    if owns_input:
+        tensors.append(to_tensor(np.zeros((2, 2, SIZES[0]))))
+    if owns_output:
+        tensors.append(to_tensor(np.zeros((2, 2), dtype=np.int64)))
+    setup = LossySetup(run=5, device=device, spec=spec.to_body(),
+                       peers={str(d): f"tcp://127.0.0.1:{9000 + d}" for d in range(3)},
+                       layers=sorted(weights), inputs=owns_input, labels=owns_output,
+                       tensors=tuple(tensors), epoch=EPOCH)  # fmt: skip
+    return setup.to_message()
+
+
+def _partial(data: int, kind: str, layer: int, src: int, shape: tuple[int, int]) -> Message:
+    m = partial_message(5, data, kind, layer, src, np.ones(shape))
+    return Message(m.kind, m.body, epoch=EPOCH, tensors=m.tensors)
+
+
+def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_ignored() -> None:
+    sent: list[Message] = []
+    executor = _executor(sent)
+    setup = _setup(1)  # vertical on 3 devices: device 1 owns layer 1 only
+
+    async def scenario() -> None:
+        await executor.on_control(setup)
+        await executor.close()
+
+    asyncio.run(scenario())
+    assert [m.kind for m in sent] == ["lossy_ready"] and sent[0]["error"] == ""
+    assert sent[0].epoch == EPOCH
+    assert executor.state is None  # closed; set it up again without a receive loop
+    asyncio.run(_setup_only(executor, setup))
+    st = executor.state
+    assert st is not None
+    # device 0 (the input owner) sends layer 0's slice: filed for the forward of layer 1
+    executor._on_partial(_partial(1, "F", 0, 0, (2, 6)))
+    assert set(st.inbox[(1, "F", 0)]) == {0}
+    with pytest.raises(ProtocolError, match="owns no part"):  # a layer it does not own
+        executor._on_partial(_partial(1, "F", 1, 0, (2, 4)))
+    with pytest.raises(ProtocolError, match="shape"):
+        executor._on_partial(_partial(2, "F", 0, 0, (2, 5)))
+    with pytest.raises(ProtocolError, match="outside"):  # a mini-batch beyond the run
+        executor._on_partial(_partial(9, "F", 0, 0, (2, 6)))
+    with pytest.raises(ProtocolError, match="not a peer"):
+        executor._on_partial(_partial(1, "F", 0, 7, (2, 6)))
+    # another plan epoch: ignored, nothing filed
+    old = _partial(2, "F", 0, 0, (2, 6))
+    executor._on_partial(Message(old.kind, old.body, epoch=EPOCH - 1, tensors=old.tensors))
+    assert (2, "F", 0) not in st.inbox
+    # after its pass ran (null-filled), a partial is late: counted, not filed
+    st.consumed.add((2, "F", 0))
+    executor._on_partial(_partial(2, "F", 0, 0, (2, 6)))
+    assert st.late == 1 and (2, "F", 0) not in st.inbox
+    assert torch.equal(torch.from_numpy(st.inbox[(1, "F", 0)][0]), torch.ones(2, 6).double())
+
+
+async def _setup_only(executor: LossyExecutor, setup: Message) -> None:
+    await executor.on_control(setup)
+    await executor._supervisor.stop()  # no socket to receive on in this test
+
+
+def test_a_setup_that_does_not_fit_is_refused_in_lossy_ready() -> None:
+    sent: list[Message] = []
+    executor = _executor(sent)
+    setup = _setup(1)
+    wrong_device = Message(setup.kind, {**setup.body, "device": 0}, epoch=EPOCH,
+                           tensors=setup.tensors)  # fmt: skip
+    asyncio.run(_setup_only(executor, wrong_device))
+    assert sent[-1].kind == "lossy_ready" and "weights for layers" in sent[-1]["error"]
+    assert executor.state is None and executor.protocol_errors == 1
+    with pytest.raises(ProtocolError, match="not set up"):
+        asyncio.run(executor.on_control(Message("lossy_go", {"run": 5, "start_at": 0.0})))

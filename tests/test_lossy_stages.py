@@ -1,0 +1,180 @@
+"""EdgePipe runs on ordinary stages (``python -m zpipe.stage``) and the ordinary coordinator.
+
+The session's shared cluster (three stages, tests/conftest.py) runs every test:
+the coordinator partitions and maps, the stages run their partial layers and
+exchange partials over their data sockets. Models and runs are tiny, so the
+numbers compared are exact: a lossless run is the unpartitioned network under
+sequential SGD, and a lossy run (seeded drops, no retransmission) is its
+in-process simulation message by message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zpipe._errors import PipelineError
+from zpipe.client.lossy_run import StagesLossyResult, lossy_request, run_lossy
+from zpipe.cluster import LocalCluster
+from zpipe.lossy import experiment
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.partial import mlp_forward_backward
+from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
+from zpipe.lossy.trace import TrainingTrace, train_in_process
+from zpipe.transport.codec import Message
+
+pytestmark = pytest.mark.timeout(180)
+
+FEATURES, CLASSES = 12, 5
+# Region 80 m gives lossy links for three devices (see test_lossy_multiprocess.py).
+BASE = RunConfig(
+    allocation="vertical",
+    n_devices=3,
+    region_m=80.0,
+    seed=3,
+    hidden=(8, 6),
+    lr=0.1,
+    batch_size=5,
+    n_data=4,
+    mapping="exhaustive",
+)
+
+
+@pytest.fixture(scope="module")
+def data() -> Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, FEATURES))
+    y = rng.integers(0, CLASSES, size=60)
+    y[0] = CLASSES - 1  # every class appears: the output layer has CLASSES neurons
+    return Dataset("random", x, y, x[:10], y[:10])
+
+
+@pytest.fixture(scope="module")
+def stages(cluster: LocalCluster) -> list[str]:
+    cluster.wait_for_stages(3, timeout_s=60)
+    return [d.name for d in cluster.devices]
+
+
+def _run(
+    cluster: LocalCluster, prepared: PreparedRun, data: Dataset, **options: Any
+) -> StagesLossyResult:
+    async def go() -> StagesLossyResult:
+        async with cluster.client() as client:
+            return await run_lossy(client, prepared, data, **options)
+
+    return asyncio.run(go())
+
+
+def _assert_same_trace(got: TrainingTrace, want: TrainingTrace) -> None:
+    assert got.arrivals == want.arrivals  # the same partials reached the same receivers
+    assert {k: v.as_dict() for k, v in got.traffic.items()} == {
+        k: v.as_dict() for k, v in want.traffic.items()
+    }
+    assert dict(got.propagation.expected) == dict(want.propagation.expected)
+    assert dict(got.propagation.received) == dict(want.propagation.received)
+    assert got.losses.keys() == want.losses.keys()
+    # torch (stages) and numpy (simulation) may sum in another order: float64 closeness
+    np.testing.assert_allclose(list(got.losses.values()), list(want.losses.values()), rtol=1e-10)
+    for (w1, b1), (w2, b2) in zip(got.params, want.params, strict=True):
+        np.testing.assert_allclose(w1, w2, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(b1, b2, rtol=1e-10, atol=1e-13)
+
+
+def test_lossless_run_on_stages_equals_sequential_sgd(
+    cluster: LocalCluster, stages: list[str], data: Dataset
+) -> None:
+    # Horizontal pipelines one mini-batch at a time (period 2L - 1), so equation 3's
+    # stashed weights are the latest ones: plain SGD on the whole network.
+    cfg = replace(BASE, allocation="horizontal", lossless=True, n_data=3)
+    prepared = prepare_run(cfg, data)
+    result = _run(cluster, prepared, data, stage_names=stages)
+    assert result.stages == stages
+    assert result.alloc == prepared.alloc  # Algorithms 1 and 2 ran at the coordinator
+    params = [(w.copy(), b.copy()) for w, b in prepared.params]
+    for i in range(1, prepared.n_data + 1):
+        x, y = prepared.batch(data, i)
+        loss, _, grads = mlp_forward_backward(params, x, y)
+        assert result.trace.losses[i] == pytest.approx(loss, rel=1e-10)
+        params = [
+            (w - cfg.lr * dw, b - cfg.lr * db)
+            for (w, b), (dw, db) in zip(params, grads, strict=True)
+        ]
+    for (w, b), (w_got, b_got) in zip(params, result.trace.params, strict=True):
+        np.testing.assert_allclose(w_got, w, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(b_got, b, rtol=1e-10, atol=1e-13)
+    assert result.trace.propagation.rate("forward", "backward", "share") == 1.0
+    assert result.late == 0 and not any(result.protocol_errors.values())
+
+
+def test_lossy_run_on_stages_equals_its_simulation(
+    cluster: LocalCluster, stages: list[str], data: Dataset
+) -> None:
+    prepared = prepare_run(BASE, data)
+    want = train_in_process(prepared, data)
+    assert want.propagation.rate("forward", "backward") < 1.0  # partials were lost
+    result = _run(cluster, prepared, data, stage_names=stages)
+    assert result.alloc == prepared.alloc
+    _assert_same_trace(result.trace, want)
+    # every null-filled pass is one the simulation null-filled too
+    null_filled = sum(len(w) for w in result.waits.values())
+    prop = want.propagation
+    assert null_filled == sum(prop.assemblies[k] - prop.complete[k] for k in prop.assemblies) > 0
+    assert result.late == 0  # emulated mode waits only for what can come
+
+
+def test_a_bad_lossy_request_fails_with_a_clear_error(
+    cluster: LocalCluster, stages: list[str], data: Dataset
+) -> None:
+    prepared = prepare_run(replace(BASE, n_data=1), data)
+    request = lossy_request(prepared, data, stage_names=stages)
+    truncated = Message(request.kind, dict(request.body), tensors=request.tensors[:-1])
+
+    async def go() -> Message:
+        async with cluster.client() as client:
+            return await client.connection.control.request(
+                truncated, expect=("run_failed",), timeout_s=30, awaited="run_failed"
+            )
+
+    reply = asyncio.run(go())
+    assert "tensors" in str(reply["error"])
+    with pytest.raises(PipelineError, match="not registered"):
+        _run(cluster, prepared, data, stage_names=["nobody"], wait_for_stages_s=0.5)
+
+
+def test_the_lossy_command_runs_on_the_clusters_stages(
+    cluster: LocalCluster, stages: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--coordinator", cluster.coordinator_endpoint, "--allocation", "hybrid"]
+    argv += ["--devices", "3", "--region", "80", "--seeds", "1", "--steps", "2"]
+    argv += ["--hidden", "8,8", "--batch-size", "5", "--limit-train", "40"]
+    argv += ["--mapping", "exhaustive", "--out", str(tmp_path)]
+    assert experiment.main(argv) == 0  # 0: the run on stages matched its simulation
+    rows = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert len(rows) == 1 and rows[0]["matches_simulation"] and rows[0]["n_data"] == 2
+    assert sorted(rows[0]["stages"]) == sorted(stages)
+    with pytest.raises(SystemExit):
+        experiment.main([*argv, "--multiprocess"])
+    assert "--coordinator runs on ordinary stages" in capsys.readouterr().err
+
+
+def test_partials_larger_than_an_idle_data_port_takes_cross(
+    cluster: LocalCluster, stages: list[str]
+) -> None:
+    # 40 samples x 256 neurons x 8 bytes = 80 KiB a partial: above the 64 KiB an idle
+    # stage's data port accepts, so the run raises its stages' receive limits first.
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(80, 256))
+    y = rng.integers(0, 4, size=80)
+    y[0] = 3
+    wide = Dataset("wide", x, y, x[:10], y[:10])
+    cfg = replace(BASE, hidden=(256,), batch_size=40, n_data=1, lossless=True)  # vertical
+    prepared = prepare_run(cfg, wide)
+    result = _run(cluster, prepared, wide, stage_names=stages, wait_s=10.0)
+    assert result.trace.propagation.rate("forward", "backward", "share") == 1.0
+    _assert_same_trace(result.trace, train_in_process(prepared, wide))

@@ -1,0 +1,177 @@
+"""The embedded API of an EdgePipe (lossy) run on ordinary stages.
+
+::
+
+    async with PipelineClient(coordinator) as client:
+        result = await run_lossy(client, prepared, data, stages=4)
+        result.trace.losses, result.trace.params, result.alloc
+
+``prepared`` (:func:`zpipe.lossy.simulate.prepare_run`) fixes what the run's seed
+fixes: the emulated links, the initial weights and every mini-batch's rows. The
+client sends them with the run parameters (``lossy_run_request``); the
+coordinator partitions and maps on the stages (:mod:`zpipe.coordinator.lossy_run`)
+and answers with every stage's result, which :func:`result_from_report` turns into
+the :class:`~zpipe.lossy.trace.TrainingTrace` the in-process simulation
+(:func:`zpipe.lossy.trace.train_in_process`) builds, so the two compare directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe.client.pipeline_client import PipelineClient
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.linkmodes import WAIT_MODES
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import Allocation
+from zpipe.lossy.schedule import total_timeslots
+from zpipe.lossy.shard import Topology
+from zpipe.lossy.simulate import PreparedRun
+from zpipe.lossy.trace import TrainingTrace, trace_from_results
+from zpipe.lossy.wire import to_tensor
+from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
+from zpipe.transport.codec import Message
+
+
+@dataclass
+class StagesLossyResult:
+    """A lossy run on stages: its trace, and what only real processes have."""
+
+    trace: TrainingTrace
+    alloc: Allocation
+    #: the stage name of each device index
+    stages: list[str]
+    #: per device: passes that ran with partials missing (see zpipe.lossy.multiprocess)
+    waits: dict[int, list[list[Any]]] = field(default_factory=dict)
+    #: partials that came after their pass had run, all devices
+    late: int = 0
+    #: malformed or foreign messages each device dropped during the run
+    protocol_errors: dict[int, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    device_wall_s: dict[int, float] = field(default_factory=dict)
+
+
+def lossy_request(
+    prepared: PreparedRun,
+    data: Dataset,
+    *,
+    stages: int | None = None,
+    stage_names: Sequence[str] | None = None,
+    prr_measured: FloatArray | None = None,
+    mode: str = "emulated",
+    slot_s: float = 0.1,
+    wait_s: float = 30.0,
+    wait_for_stages_s: float = 30.0,
+    result_s: float = 120.0,
+    start_in_s: float = 0.05,
+) -> Message:
+    """The ``lossy_run_request`` of ``prepared`` (pure).
+
+    ``prr_measured``: the reception ratios the coordinator maps on (default: the
+    prepared run's simulated 50-probe measurement, which its allocation was mapped
+    on); the emulated loss uses the topology's true ratios, as the simulation does.
+    """
+    if mode not in WAIT_MODES:
+        raise ConfigError(f"wait mode must be one of {WAIT_MODES}, got {mode!r}")
+    if not slot_s > 0 or not wait_s > 0 or not result_s > 0 or not start_in_s >= 0:
+        raise ConfigError("slot_s, wait_s and result_s must be positive, start_in_s not negative")
+    cfg = prepared.config
+    n = prepared.topology.prr.shape[0]
+    if stage_names is None and stages is None:
+        stages = n
+    measured = prepared.topology.prr_measured if prr_measured is None else prr_measured
+    if mode == "deadline":
+        # every timeslot of the run must fit in the wait for its results
+        result_s += total_timeslots(prepared.alloc, prepared.n_data) * slot_s
+    batches = [prepared.batch(data, i) for i in range(1, prepared.n_data + 1)]
+    inputs = np.stack([x for x, _ in batches]).astype(np.float64)
+    labels = np.stack([y for _, y in batches]).astype(np.int64)
+    tensors = [to_tensor(np.asarray(a, dtype=np.float64)) for wb in prepared.params for a in wb]
+    request = LossyRunRequest(
+        layer_sizes=list(prepared.layer_sizes),
+        allocation=cfg.allocation,
+        mapping=cfg.mapping,
+        prr_measured=[[float(v) for v in row] for row in measured],
+        spec={
+            "prr": [[float(v) for v in row] for row in prepared.topology.prr],
+            "seed": cfg.seed,
+            "recovery": {
+                "scheme": cfg.recovery.scheme,
+                "copies": cfg.recovery.copies,
+                "max_attempts": cfg.recovery.max_attempts,
+            },
+            "lossless": prepared.lossless,
+            "lr": cfg.lr,
+            "n_data": prepared.n_data,
+            "batch": cfg.batch_size,
+            "mode": mode,
+            "slot_s": slot_s,
+            "wait_s": wait_s,
+        },
+        stages=stages,
+        stage_names=None if stage_names is None else list(stage_names),
+        wait_for_stages_s=wait_for_stages_s,
+        result_s=result_s,
+        start_in_s=start_in_s,
+        tensors=(*tensors, to_tensor(inputs), to_tensor(labels)),
+    )
+    return request.to_message()
+
+
+def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyResult:
+    """A ``lossy_run_report`` as traces (pure); :class:`ProtocolError` if it does not fit."""
+    parsed = LossyRunReport.from_message(report)
+    alloc = Allocation.from_dict(parsed.alloc)
+    topo = Topology(alloc)
+    results: dict[int, LossyResult] = {}
+    tensors = list(parsed.tensors)
+    for body in parsed.results:
+        if not isinstance(body, dict):
+            raise ProtocolError("lossy_run_report: every result must be a map")
+        layers = body.get("layers")
+        if not isinstance(layers, list) or len(tensors) < 2 * len(layers):
+            raise ProtocolError("lossy_run_report: results and tensors do not match")
+        mine, tensors = tensors[: 2 * len(layers)], tensors[2 * len(layers) :]
+        result = LossyResult.from_message(Message("lossy_result", body, tensors=tuple(mine)))
+        results[result.device] = result
+    if tensors:
+        raise ProtocolError("lossy_run_report: more tensors than results")
+    return StagesLossyResult(
+        trace=trace_from_results(topo, results),
+        alloc=alloc,
+        stages=[str(s) for s in parsed.stages],
+        waits={d: list(m.waits) for d, m in results.items()},
+        late=sum(m.late for m in results.values()),
+        protocol_errors={d: m.protocol_errors for d, m in results.items()},
+        wall_s=wall_s,
+        device_wall_s={d: float(m.wall_s) for d, m in results.items()},
+    )
+
+
+async def run_lossy(
+    client: PipelineClient, prepared: PreparedRun, data: Dataset, **options: Any
+) -> StagesLossyResult:
+    """Train ``prepared`` on the coordinator's stages (``options``: :func:`lossy_request`'s)."""
+    request = lossy_request(prepared, data, **options)
+    started = time.perf_counter()
+    # the coordinator answers once every stage's result is in: its waits, and a margin
+    timeout_s = (
+        float(request["wait_for_stages_s"])
+        + float(request["result_s"])
+        + 2 * client.timeouts.reply_s
+    )
+    reply = await client.connection.control.request(
+        request,
+        expect=("lossy_run_report", "run_failed"),
+        timeout_s=timeout_s,
+        awaited="lossy run report",
+    )
+    if reply.kind == "run_failed":
+        raise PipelineError(f"the lossy run failed: {reply['error']}")
+    return result_from_report(reply, wall_s=time.perf_counter() - started)

@@ -1,0 +1,197 @@
+"""An EdgePipe (lossy) run on ordinary stages: from ``lossy_run_request`` to ``lossy_run_report``.
+
+    lossy_run_request ─> the stages (waiting for them to register) ─> partition
+    (Algorithm 1) and map super neurons to stages (Algorithm 2) on the reception
+    ratios given ─> lossy_setup to each stage (its partial layers, its data, its
+    peers) ─> every lossy_ready ─> lossy_go ─> every lossy_result ─> lossy_run_report
+
+A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events. Device ``k`` of
+the run is the ``k``-th stage (``stage_names`` order, or by name); the stages
+exchange partials between themselves over their data sockets, the coordinator
+carries control only. A stage that dies or does not answer in time fails the
+run (the client hears ``run_failed``); null-filling a dead stage's super
+neurons and re-mapping them come in later increments of issue 15.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
+from zpipe.coordinator.commands import (
+    AwaitReplies,
+    AwaitStages,
+    Log,
+    Persist,
+    PlanLossy,
+    Send,
+)
+from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.runbase import run_failed
+from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
+from zpipe.lossy.engine import shard_params
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import Allocation
+from zpipe.lossy.shard import Topology
+from zpipe.lossy.wire import RunSpec, to_array, to_tensor
+from zpipe.protocol.lossy import LossyGo, LossyRunReport, LossyRunRequest, LossySetup
+from zpipe.transport.codec import Message
+
+
+def lossy_run_request(
+    state: CoordinatorState, routing_id: bytes, client_key: str | None, message: Message
+) -> Flow:
+    """Answer a ``lossy_run_request``: ``lossy_run_report`` once every stage's result is
+    in, or ``run_failed``."""
+    reply_s = state.timeouts.reply_s
+    try:
+        report = yield from _run(state, message)
+    except Exception as exc:  # whatever it was, the client hears that its run failed
+        if not isinstance(exc, (ZpipeError, ValueError)):
+            yield Log("error", "lossy_run_crashed", {"error": repr(exc)})
+        yield from run_failed(routing_id, exc, reply_s)
+        return
+    yield Send(routing_id, report, CLIENT_NAME, reply_s)
+
+
+def _run(state: CoordinatorState, message: Message) -> Flow:
+    request = LossyRunRequest.from_message(message)
+    sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
+    if len(sizes) < 2:
+        raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
+    params, inputs, labels = _tensors(request, sizes)
+    members: list[Member] = yield AwaitStages(
+        None if request.stage_names is None else tuple(str(n) for n in request.stage_names),
+        request.stages,
+        float(request.wait_for_stages_s),
+    )
+    n = len(members)
+    try:
+        prr_measured = np.asarray(request.prr_measured, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError("prr_measured must be a square matrix of numbers") from None
+    if prr_measured.shape != (n, n):
+        raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
+    seed = request.spec.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
+    # the genetic search takes a while: off the event loop
+    alloc: Allocation = yield PlanLossy(
+        tuple(sizes), request.allocation, n, prr_measured, request.mapping, seed
+    )
+    spec = RunSpec.from_body({**request.spec, "alloc": alloc.to_dict()})
+    if inputs.shape != (spec.n_data, spec.batch, sizes[0]) or labels.shape != inputs.shape[:2]:
+        raise ConfigError(
+            f"inputs {inputs.shape} and labels {labels.shape} do not fit n_data "
+            f"{spec.n_data}, batch {spec.batch} and {sizes[0]} input neurons"
+        )
+    if state.current is not None:
+        # its stages take the lossy run instead: the run they ran is over
+        yield Log("warning", "run_replaced", {"previous": state.current.run.run})
+        state.current = None
+        yield Persist()
+    run, epoch = state.next_run(), state.next_epoch()
+    yield Log("info", "lossy_run_planned", {"run": run, "epoch": epoch, "alloc": alloc.to_dict()})
+    topo = Topology(alloc)
+    devices = sorted(set(alloc.device_of))
+    taking_part = {d: members[d] for d in devices}
+    peers = {str(d): m.data_endpoint for d, m in taking_part.items()}
+    names = {str(d): m.name for d, m in taking_part.items()}
+    keys = {str(d): k for d, m in taking_part.items() if (k := state.key_of(m.name)) is not None}
+    for d, member in taking_part.items():
+        weights = shard_params(topo, params, d)
+        layers = sorted(weights)
+        tensors = [to_tensor(a) for layer in layers for a in weights[layer]]
+        owns_input = topo.slice_of(0, d) is not None
+        owns_output = topo.slice_of(topo.last, d) is not None
+        if owns_input:
+            tensors.append(to_tensor(inputs))
+        if owns_output:
+            tensors.append(to_tensor(labels))
+        setup = LossySetup(
+            run=run,
+            device=d,
+            spec=spec.to_body(),
+            peers=peers,
+            layers=layers,
+            inputs=owns_input,
+            labels=owns_output,
+            names=names,
+            keys=keys or None,
+            tensors=tuple(tensors),
+            epoch=epoch,
+        )
+        yield Send(member.routing_id, setup.to_message(), member.name, stage=member.name)
+    stage_names = tuple(m.name for m in taking_part.values())
+    reply_s = state.timeouts.reply_s
+    ready = yield AwaitReplies(stage_names, "lossy_ready", reply_s, "lossy_ready", run=run)
+    refused = {name: str(m["error"]) for name, m in ready.items() if m["error"]}
+    if refused:
+        raise PipelineError(f"stages refused the lossy run: {refused}")
+    start_in_s = 0.0 if request.start_in_s is None else float(request.start_in_s)
+    for member in taking_part.values():
+        go = LossyGo(run=run, start_at=0.0, start_in_s=start_in_s, epoch=epoch)
+        yield Send(member.routing_id, go.to_message(), member.name, stage=member.name)
+    results = yield AwaitReplies(
+        stage_names, "lossy_result", float(request.result_s), "lossy_result", run=run
+    )
+    failed = {name: str(m["error"]) for name, m in results.items() if m["error"]}
+    if failed:
+        raise PipelineError(f"stages failed the lossy run: {failed}")
+    yield Log("info", "lossy_run_done", {"run": run})
+    bodies: list[dict[str, Any]] = []
+    out: list[torch.Tensor] = []
+    for member in taking_part.values():
+        result = results[member.name]
+        bodies.append(dict(result.body))
+        out.extend(result.tensors)
+    return LossyRunReport(
+        run=run,
+        alloc=alloc.to_dict(),
+        stages=[m.name for m in members],
+        results=bodies,
+        tensors=tuple(out),
+    ).to_message()
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _tensors(
+    request: LossyRunRequest, sizes: Sequence[int]
+) -> tuple[list[tuple[FloatArray, FloatArray]], np.ndarray, np.ndarray]:
+    """The initial ``(W, b)`` per dense layer, the inputs and the labels the request carries."""
+    n_dense = len(sizes) - 1
+    tensors = request.tensors
+    if len(tensors) != 2 * n_dense + 2:
+        raise ProtocolError(
+            f"lossy_run_request: {len(tensors)} tensors, expected {2 * n_dense + 2} "
+            "(W and b of each dense layer, inputs, labels)"
+        )
+    params = []
+    for k in range(n_dense):
+        shape = (sizes[k + 1], sizes[k])
+        w = to_array(tensors[2 * k], shape=shape, dtype=torch.float64, what=f"W of layer {k + 2}")
+        b = to_array(
+            tensors[2 * k + 1],
+            shape=(sizes[k + 1],),
+            dtype=torch.float64,
+            what=f"b of layer {k + 2}",
+        )
+        params.append((w, b))
+    inputs, labels = tensors[-2], tensors[-1]
+    if inputs.dtype != torch.float64 or inputs.dim() != 3:
+        raise ProtocolError("lossy_run_request: inputs must be float64 (n_data, batch, features)")
+    if labels.dtype != torch.int64 or labels.dim() != 2:
+        raise ProtocolError("lossy_run_request: labels must be int64 (n_data, batch)")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= sizes[-1]):
+        raise ConfigError(f"labels must lie in [0, {sizes[-1]})")
+    return params, inputs.numpy(), labels.numpy()

@@ -1,0 +1,72 @@
+"""``python -m zpipe lossy --coordinator EP``: the experiment's runs on ordinary stages.
+
+Each configuration trains on the first ``--devices`` stages (by name) of the
+cluster the coordinator at ``EP`` keeps (``python -m zpipe coordinator`` and
+``python -m zpipe.stage``): the coordinator partitions and maps, the stages run
+their partial layers (:mod:`zpipe.client.lossy_run`). Each run is checked
+against the in-process simulation of the same seed, as ``--multiprocess`` runs
+are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from zpipe.client.lossy_run import run_lossy
+from zpipe.client.pipeline_client import PipelineClient
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.simulate import RunConfig, prepare_run
+from zpipe.lossy.trace import same_run, train_in_process
+
+
+def run_stage_configs(
+    args: argparse.Namespace, configs: list[tuple[RunConfig, float | None]], data: Dataset
+) -> list[dict[str, Any]]:
+    """Every configuration on the cluster's stages, each checked against the simulation."""
+    keys: Path | None = args.keys
+
+    async def run_all() -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        async with PipelineClient(args.coordinator, keys_dir=keys) as client:
+            for cfg, value in configs:
+                prepared = prepare_run(cfg, data)
+                result = await run_lossy(
+                    client,
+                    prepared,
+                    data,
+                    stages=cfg.n_devices,
+                    mode=args.wait_mode,
+                    slot_s=args.slot_s,
+                    wait_for_stages_s=args.wait_for_stages_s,
+                )
+                simulated = train_in_process(prepared, data)
+                summary = result.trace.summary()
+                summary.pop("losses")
+                rows.append(
+                    {
+                        "config": cfg.as_dict(),
+                        "sweep_value": value,
+                        "wait_mode": args.wait_mode,
+                        "stages": result.stages,
+                        **summary,
+                        "late": result.late,
+                        "wall_s": result.wall_s,
+                        "protocol_errors": sum(result.protocol_errors.values()),
+                        "final_test_acc_lossless": result.trace.test_accuracy(data),
+                        "matches_simulation": same_run(result.trace, simulated, rtol=1e-10),
+                    }
+                )
+                print(
+                    f"[{len(rows)}/{len(configs)}] {cfg.label} seed={cfg.seed} on stages"
+                    f" steps={summary['n_data']} prop={summary['propagation_rate']:.3f}"
+                    f" wall={result.wall_s:.2f}s"
+                    f" matches_simulation={rows[-1]['matches_simulation']}",
+                    file=sys.stderr,
+                )
+        return rows
+
+    return asyncio.run(run_all())

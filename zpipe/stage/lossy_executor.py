@@ -1,0 +1,392 @@
+"""A stage's part of an EdgePipe (lossy) run: its super neuron's partial layers.
+
+The coordinator's lossy run (:mod:`zpipe.coordinator.lossy_run`) sends each
+stage a ``lossy_setup`` (its device index, the run spec, its weight slices and,
+for input and output owners, every mini-batch's inputs or labels, its peers'
+data endpoints, names and keys) and then ``lossy_go``. The executor:
+
+- stops whatever assignment ran and takes the stage's data socket for the run:
+  ``lossy_partial`` messages from the run's peers only (their CURVE keys, the
+  run id, the plan epoch and a shape check per partial; anything else is
+  counted and dropped, and the loop goes on);
+- runs its passes of the eq. 2 timeslot pipeline in order
+  (:func:`zpipe.lossy.schedule.events`) on a
+  :class:`~zpipe.lossy.torch_partial.TorchDeviceShard`, compute in the stage's
+  compute thread, never on the event loop;
+- sends each pass's partials once to every device that needs them, over PUSH
+  sockets to their data ports, each send with a deadline;
+- waits for a pass's partials with an explicit timeout and null-fills what has
+  not come (:mod:`zpipe.lossy.device_run`'s state, the device process's rules:
+  ``emulated``: until every partial that the shared seeded loss lets through
+  has arrived, at most ``wait_s``; ``deadline``: until the end of the timeslot
+  the partials were sent in);
+- answers ``lossy_ready`` and, at the end, ``lossy_result`` with its counters,
+  its arrivals and its final weight slices.
+
+Loss is emulated at the sender with :func:`zpipe.lossy.links.deliver`, keyed as
+in the in-process simulation, so that a run on stages drops exactly the
+messages its simulation drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe.log import get_logger
+from zpipe.lossy.device_run import DeviceRun, build_run, partial_shape
+from zpipe.lossy.engine import record_arrival
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.schedule import PassEvent, events
+from zpipe.lossy.shard import Needed, Outgoing
+from zpipe.lossy.torch_partial import TorchDeviceShard
+from zpipe.lossy.wire import partial_message, to_array, to_tensor
+from zpipe.protocol.lossy import LossyGo, LossyPartial, LossyReady, LossyResult, LossySetup
+from zpipe.stage.assignment import PushConnector
+from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
+from zpipe.transport import security
+from zpipe.transport.codec import Message
+from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames, send
+
+log = get_logger("zpipe.stage")
+
+#: the control kinds this module takes (the lifecycle hands them over)
+LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go"})
+# The supervisor's names of a running assignment's data tasks: a later assignment
+# (DataPlane.stop) stops a lossy run's tasks as it stops any other run's.
+RECEIVE_TASK = "data-receive"
+RUN_TASK = "compute"
+
+SendControl = Callable[[Message], Awaitable[None]]
+# How long a partial still queued when a run ends may take to reach its peer.
+PEER_LINGER_S = 5.0
+
+
+class LossyExecutor:
+    """One stage's lossy runs, one at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        data_in: zmq.asyncio.Socket,
+        data_allow: security.PeerAllowList | None,
+        connector: PushConnector,
+        compute: ThreadPoolExecutor,
+        supervisor: TaskSupervisor,
+        send_control: SendControl,
+        stop_data: Callable[[], Awaitable[None]],
+        apply_limits: Callable[[ReceiveLimits], None],
+        max_message_bytes: int,
+        send_timeout_s: float,
+    ) -> None:
+        self.name = name
+        self._data_in = data_in
+        self._data_allow = data_allow
+        self._connect = connector
+        self._compute = compute
+        self._supervisor = supervisor
+        self._send_control = send_control
+        self._stop_data = stop_data
+        self._apply_limits = apply_limits
+        self._max_bytes = max_message_bytes
+        self._send_timeout_s = send_timeout_s
+        self.state: DeviceRun | None = None
+        self.epoch = 0
+        self.index = -1
+        self.protocol_errors = 0
+        self._peers: dict[int, zmq.asyncio.Socket] = {}
+        # by device: (data endpoint, CURVE key, name) of the set-up run's peers
+        self._pending_peers: dict[int, tuple[str, str | None, str]] = {}
+        self._arrived = asyncio.Event()
+
+    # ------------------------------------------------------------ control
+
+    async def on_control(self, message: Message) -> None:
+        """A ``lossy_setup`` or ``lossy_go`` from the coordinator."""
+        if message.kind == "lossy_setup":
+            await self._setup(message)
+        elif message.kind == "lossy_go":
+            go = LossyGo.from_message(message)
+            st = self.state
+            if st is None or st.run != go.run or message.epoch != self.epoch:
+                raise ProtocolError(f"lossy_go for run {go.run}, which is not set up here")
+            self._close_peers()
+            for device, (endpoint, key, peer) in self._pending_peers.items():
+                self._peers[device] = self._connect(endpoint, key, peer)
+            self._supervisor.start(RUN_TASK, lambda: self._run(st, go))
+        else:
+            raise ProtocolError(f"{message.kind!r} is not a lossy control message")
+
+    async def _setup(self, message: Message) -> None:
+        setup = LossySetup.from_message(message)
+        await self._stop_data()  # the run takes the data socket: no other assignment runs
+        self._close_peers()
+        self._pending_peers = {}
+        self.state = None
+        error = ""
+        try:
+            st = build_run(setup, setup.device, shard_factory=TorchDeviceShard)
+            # An idle port takes 64 KiB messages, an assignment's those of its model: a
+            # larger partial would cost its connection. Set before any peer connects.
+            self._raise_limits(st.spec.batch * max(st.spec.alloc.layer_sizes) * 8)
+            names = _by_index(setup.names, "names")
+            keys = _by_index(setup.keys, "keys")
+            if self._data_allow is not None:
+                # Allowed before anyone connects: a refused CURVE handshake is not retried.
+                self._data_allow.replace(
+                    {names.get(d, str(d)): k.encode() for d, k in keys.items()}
+                )
+            # Connected at lossy_go, once every stage allows this one's key (a refused
+            # CURVE handshake is not retried), as an assignment connects at "connect".
+            self._pending_peers = {
+                d: (endpoint, keys.get(d), names.get(d, f"device {d}"))
+                for d, endpoint in st.peers.items()
+                if d != setup.device
+            }
+        except Exception as exc:  # any failure to set up is reported: the stage keeps serving
+            self._pending_peers = {}
+            self.protocol_errors += 1
+            error = describe_error(exc)
+            log.warning("lossy_setup_refused", stage=self.name, run=setup.run, error=error)
+        else:
+            self.state, self.epoch, self.index = st, message.epoch, setup.device
+            self._supervisor.start(RECEIVE_TASK, self._receive_loop)
+            log.info("lossy_setup", stage=self.name, run=setup.run, device=setup.device,
+                     layers=sorted(st.shard.slices))  # fmt: skip
+        ready = LossyReady(run=setup.run, device=setup.device, error=error).to_message()
+        await self._send_control(Message(ready.kind, ready.body, epoch=message.epoch))
+
+    def _raise_limits(self, largest: int) -> None:
+        """Rebind the data port with room for a ``largest``-byte partial, only where its
+        limit is smaller: rebinding tears down the connections it has, and libzmq
+        has been seen to crash (SIGSEGV in its I/O thread) rebinding a port again
+        and again while peers connect and leave."""
+        limit = self._data_in.getsockopt(zmq.MAXMSGSIZE)
+        needed = ReceiveLimits.for_largest_message(min(largest, self._max_bytes))
+        if 0 <= int(limit) < needed.max_message_bytes:
+            self._apply_limits(needed)
+
+    async def close(self) -> None:
+        await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
+        self._close_peers()
+        self.state = None
+
+    def _close_peers(self, *, linger_s: float = 0.0) -> None:
+        for sock in self._peers.values():
+            sock.close(linger=int(linger_s * 1000))
+        self._peers.clear()
+
+    # ------------------------------------------------------------ receiving
+
+    async def _receive_loop(self) -> None:
+        async def receive() -> list[zmq.Frame]:
+            # cancelled when the run is replaced or the stage stops: no deadline needed
+            return await recv_frames(
+                self._data_in, timeout_s=None, peer="lossy peers", awaited="a partial"
+            )
+
+        async def handle(frames: list[zmq.Frame]) -> None:
+            self._check_sender(frames[0])
+            self._on_partial(decode_frames(frames, self._max_bytes))
+
+        await serve_messages(receive, handle, self._dropped)
+
+    def _check_sender(self, frame: zmq.Frame) -> None:
+        if self._data_allow is None:
+            return
+        key = security.sender_public_key(frame)
+        if key is None or key not in self._data_allow:
+            raise ProtocolError("a partial from a peer that is not in this lossy run")
+
+    def _dropped(self, frames: list[zmq.Frame], exc: Exception) -> None:
+        self.protocol_errors += 1
+        log.warning(
+            "dropped_message", stage=self.name, peer="lossy peer", error=describe_error(exc)
+        )
+
+    def _on_partial(self, message: Message) -> None:
+        if message.kind != "lossy_partial":
+            raise ProtocolError(f"{message.kind!r} does not belong on a lossy run's data port")
+        msg = LossyPartial.from_message(message)
+        st = self.state
+        if st is None or msg.run != st.run or message.epoch != self.epoch:
+            log.debug("lossy_stale_partial", stage=self.name, run=msg.run, epoch=message.epoch)
+            return
+        if msg.src not in st.peers or msg.src == self.index:
+            raise ProtocolError(f"lossy_partial from device {msg.src}, not a peer of this run")
+        shape = partial_shape(st, self.index, msg.data, msg.kind, msg.layer, msg.src)
+        if len(msg.tensors) != 1:
+            raise ProtocolError(f"lossy_partial: carries {len(msg.tensors)} tensors, not 1")
+        what = f"lossy_partial {msg.kind}{msg.layer}:{msg.data} from device {msg.src}"
+        values = to_array(msg.tensors[0], shape=shape, dtype=torch.float64, what=what)
+        key = (msg.data, msg.kind, msg.layer)
+        if key in st.consumed:
+            st.late += 1  # its pass ran with zeros in its place
+            log.info("lossy_late_partial", stage=self.name, key=key, src=msg.src)
+            return
+        st.inbox.setdefault(key, {}).setdefault(msg.src, values)
+        self._arrived.set()
+
+    # ------------------------------------------------------------ the run
+
+    async def _run(self, st: DeviceRun, go: LossyGo) -> None:
+        started = time.perf_counter()
+        delay = 0.0 if go.start_in_s is None else max(0.0, float(go.start_in_s))
+        # Deadline mode counts timeslots from start_at on this stage's wall clock.
+        st.start_at = time.time() + delay if go.start_in_s is not None else float(go.start_at)
+        error = ""
+        try:
+            await asyncio.sleep(max(0.0, st.start_at - time.time()))
+            for ev in events(st.spec.alloc, st.spec.n_data):
+                if ev.layer in st.shard.slices:
+                    await self._pass(st, ev)
+        except Exception as exc:  # the coordinator hears it instead of waiting out its deadline
+            log.exception("lossy_run_failed", stage=self.name, run=st.run)
+            error = describe_error(exc)
+        # Done sending: the peers' connections end now rather than at the next run's
+        # set-up (a partial still queued gets PEER_LINGER_S to be delivered).
+        self._close_peers(linger_s=min(self._send_timeout_s, PEER_LINGER_S))
+        await self._send_result(st, error, time.perf_counter() - started)
+
+    async def _pass(self, st: DeviceRun, ev: PassEvent) -> None:
+        needed = st.topo.needed(ev.kind, ev.layer)
+        got: dict[int, FloatArray] = {}
+        if needed is not None:
+            got = await self._collect(st, ev, needed)
+            record_arrival(st.propagation, st.arrivals, ev.data, self.index, needed, got)
+        loop = asyncio.get_running_loop()
+        outgoing: list[Outgoing]
+        if ev.kind == "F":
+            x = st.inputs[ev.data - 1] if st.inputs is not None and ev.layer == 0 else None
+            outgoing = await loop.run_in_executor(
+                self._compute,
+                lambda: st.shard.forward(ev.data, ev.layer, st.spec.batch, got, x=x),
+            )
+        else:
+            # only the output layer reads the labels; other layers only their count
+            labels = (
+                st.labels[ev.data - 1]
+                if st.labels is not None and ev.layer == st.topo.last
+                else np.zeros(st.spec.batch, dtype=np.int64)
+            )
+            outgoing, loss = await loop.run_in_executor(
+                self._compute, lambda: st.shard.backward(ev.data, ev.layer, labels, got)
+            )
+            if loss is not None:
+                st.losses.append([ev.data, loss])
+        await self._post(st, ev.data, outgoing)
+
+    async def _collect(self, st: DeviceRun, ev: PassEvent, needed: Needed) -> dict[int, FloatArray]:
+        """One pass's partials: all that can come, or what came by the deadline."""
+        key = (ev.data, needed.kind, needed.key_layer)
+        senders = [src for src, _ in needed.senders]
+        clock: Callable[[], float]
+        if st.spec.mode == "emulated":
+            expect = {
+                src
+                for src in senders
+                if st.channel.would_deliver(
+                    src, self.index, needed.layer, ev.data, needed.direction
+                )
+            }
+            clock = time.monotonic
+            deadline = clock() + st.spec.wait_s
+        else:
+            expect = set(senders)
+            clock = time.time
+            deadline = st.start_at + ev.timeslot * st.spec.slot_s  # the end of the send's slot
+        while not expect <= st.inbox.get(key, {}).keys():
+            remaining = deadline - clock()
+            if remaining <= 0:
+                break
+            self._arrived.clear()  # no await since the check above: no wake-up is lost
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        proceeded = clock()
+        st.consumed.add(key)
+        got = st.inbox.pop(key, {})
+        missing = len(senders) - sum(1 for src in senders if src in got)
+        if missing:  # null-filled by the shard
+            st.waits.append([ev.data, needed.kind, needed.key_layer, missing, deadline, proceeded])
+        if st.spec.mode == "emulated" and not expect <= got.keys():
+            log.warning("lossy_partial_overdue", stage=self.name, key=key,
+                        missing=sorted(expect - got.keys()), wait_s=st.spec.wait_s)  # fmt: skip
+        return got
+
+    async def _post(self, st: DeviceRun, data: int, outgoing: Sequence[Outgoing]) -> None:
+        for out in outgoing:
+            if out.dst == self.index:  # no link to cross
+                st.inbox.setdefault((data, out.kind, out.key_layer), {})[self.index] = out.values
+                continue
+            if not st.channel.send(self.index, out.dst, out.layer, data, out.direction):
+                continue  # decided lost: it never reaches the wire
+            message = partial_message(st.run, data, out.kind, out.key_layer, self.index, out.values)
+            try:
+                await send(
+                    self._peers[out.dst],
+                    Message(message.kind, message.body, epoch=self.epoch, tensors=message.tensors),
+                    timeout_s=self._send_timeout_s,
+                    peer=f"device {out.dst}",
+                )
+            except TransportTimeout as exc:  # the receiver null-fills it at its deadline
+                log.warning("lossy_partial_not_sent", stage=self.name, error=str(exc))
+
+    async def _send_result(self, st: DeviceRun, error: str, wall_s: float) -> None:
+        weights = st.shard.weights
+        layers = sorted(weights)
+        tensors = []
+        for layer in layers:
+            w, b = weights[layer]
+            tensors += [to_tensor(w), to_tensor(b)]
+        prop = st.propagation
+        result = LossyResult(
+            run=st.run,
+            device=self.index,
+            error=error,
+            layers=layers,
+            losses=st.losses,
+            propagation={
+                "expected": dict(prop.expected),
+                "received": dict(prop.received),
+                "assemblies": dict(prop.assemblies),
+                "complete": dict(prop.complete),
+            },
+            traffic={k: v.as_dict() for k, v in st.channel.traffic.items()},
+            arrivals=[
+                [data, kind, layer, list(senders)]
+                for (data, kind, layer, _), senders in sorted(st.arrivals.items())
+            ],
+            waits=st.waits,
+            late=st.late,
+            protocol_errors=self.protocol_errors,
+            wall_s=wall_s,
+            name=self.name,
+            tensors=tuple(tensors),
+        ).to_message()
+        await self._send_control(
+            Message(result.kind, result.body, epoch=self.epoch, tensors=result.tensors)
+        )
+
+
+def _by_index(body: Any, what: str) -> dict[int, str]:
+    """A map keyed by device index as a string (msgpack keys are strings)."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ProtocolError(f"lossy_setup: {what} must be a map")
+    try:
+        return {int(k): str(v) for k, v in body.items()}
+    except ValueError:
+        raise ProtocolError(f"lossy_setup: {what} keys must be device indices") from None
