@@ -166,7 +166,9 @@ def test_more_frames_than_any_message_has_are_refused_before_reading_them() -> N
         decode(frames)
 
 
-@pytest.mark.parametrize("frame", [None, 7, "text", object(), [b"x"], 1.5], ids=repr)
+@pytest.mark.parametrize(
+    "frame", [None, 7, "text", object(), [b"x"], 1.5], ids=lambda f: type(f).__name__
+)
 def test_frames_that_are_not_buffers_are_refused(frame: Any) -> None:
     with pytest.raises(ProtocolError, match="not a byte buffer"):
         decode([header(t=[["uint8", [1]]]), frame])
