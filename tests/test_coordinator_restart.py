@@ -26,8 +26,8 @@ def _cluster(names: list[str], state_dir: Path | None) -> LocalCluster:
     return LocalCluster(
         [DeviceSpec(name) for name in names],
         heartbeat_interval_s=INTERVAL,
-        suspect_after=4,
-        probe_intervals=3,
+        suspect_after=6,
+        probe_intervals=4,
         state_dir=state_dir,
     )
 

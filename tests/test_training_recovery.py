@@ -24,8 +24,8 @@ from zpipe.recovery import DeadlinePolicy
 # Detection floors of several seconds: a live stage starved of CPU (a loaded CI
 # machine, --cpu-burners) may miss a second of heartbeats and must not die of it.
 INTERVAL = 0.5
-SUSPECT_AFTER = 4
-PROBE_INTERVALS = 3
+SUSPECT_AFTER = 6
+PROBE_INTERVALS = 4
 
 
 def _cluster(names: list[str]) -> LocalCluster:
