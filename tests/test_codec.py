@@ -44,6 +44,7 @@ SAMPLE_VALUES = {
     (int, type(None)): 2,
     (int, float, type(None)): 2.5,
     (bool,): True,
+    (bool, type(None)): False,
 }
 
 
