@@ -46,6 +46,10 @@ then one summary line::
 ``ratio_X`` is zpipe/raw throughput (the goal is >= 0.9 at 1 MiB and 16 MiB),
 ``rtt_ratio_X`` is zpipe/raw median round-trip time (1.0 is parity, higher is
 slower) and ``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
+``cpu_ratio_X`` is zpipe/raw CPU time per message of a throughput run, both
+processes and all their threads (``time.process_time``; median over the
+repeats): the per-message software cost, which moves far less than wall-clock
+ratios when other work shares the cores.
 
 Run it from the repository root::
 
@@ -314,6 +318,7 @@ class Receiver:
         size, count = int(cmd["size"]), int(cmd["count"])
         self.conn.send({"ok": "armed"})
         started = time.perf_counter()
+        cpu_started = time.process_time()
         if op == "tput":
             if path == "raw":
                 self.raw_sink(ch, count)
@@ -326,7 +331,11 @@ class Receiver:
                 await self.zpipe_echo(ch, size, count)
         else:
             raise ValueError(f"unknown op {op!r}")
-        return {"ok": "done", "elapsed_s": time.perf_counter() - started}
+        return {
+            "ok": "done",
+            "elapsed_s": time.perf_counter() - started,
+            "cpu_s": time.process_time() - cpu_started,
+        }
 
     def raw_sink(self, ch: Channel, count: int) -> None:
         for _ in range(count):
@@ -388,6 +397,8 @@ class Result:
     count: int = 0
     seconds: list[float] = field(default_factory=list)
     rtts: list[float] = field(default_factory=list)
+    # CPU seconds of both processes (all their threads) per throughput run
+    cpu_seconds: list[float] = field(default_factory=list)
 
     def gbps_runs(self) -> list[float]:
         return [self.count * self.size / s / 1e9 for s in self.seconds]
@@ -395,6 +406,11 @@ class Result:
     def gbps(self) -> float | None:
         runs = self.gbps_runs()
         return statistics.median(runs) if runs else None
+
+    def cpu_us_per_message(self) -> float | None:
+        if not self.cpu_seconds or not self.count:
+            return None
+        return statistics.median(self.cpu_seconds) / self.count * 1e6
 
     def rtt_ms(self) -> float | None:
         return statistics.median(self.rtts) * 1e3 if self.rtts else None
@@ -410,6 +426,7 @@ class Result:
             "gbps_runs": [_round(g) for g in self.gbps_runs()],
             "messages": self.count,
             "rtt_ms": _round(rtt),
+            "cpu_us_per_message": _round(self.cpu_us_per_message(), 2),
             "rtt_p10_ms": _round(q[0] * 1e3 if q[0] is not None else None),
             "rtt_p90_ms": _round(q[-1] * 1e3 if q[-1] is not None else None),
             "round_trips": len(self.rtts),
@@ -474,12 +491,14 @@ class Sender:
             self.buffers[size] = raw_buffer(self.tensors[size])
         return self.tensors[size]
 
-    async def throughput(self, path: str, size: int, count: int) -> float:
-        """Seconds from the first send to the receiver's ack of the last message."""
+    async def throughput(self, path: str, size: int, count: int) -> tuple[float, float]:
+        """Seconds from the first send to the receiver's ack of the last message, and
+        the CPU seconds both processes spent meanwhile."""
         ch = self.channels[path]
         tensor = self.tensor(size)
         self.conn.send({"op": "tput", "path": path, "size": size, "count": count})
         await self.reply("armed")
+        cpu_started = time.process_time()
         if path == "raw":
             buf = self.buffers[size]
             started = time.perf_counter()
@@ -502,8 +521,9 @@ class Sender:
             elapsed = time.perf_counter() - started
             if decode_frames(frames, MAX_BYTES)["nonce"] != count:
                 raise RuntimeError("the receiver acknowledged a different count")
-        await self.reply("done")
-        return elapsed
+        cpu = time.process_time() - cpu_started
+        done = await self.reply("done")
+        return elapsed, cpu + float(done["cpu_s"])
 
     async def echo(self, path: str, size: int, count: int) -> list[float]:
         """Round-trip times of ``count`` ping-pongs of ``size`` bytes."""
@@ -553,7 +573,7 @@ class Sender:
             warm = max(2, warm // 8)
         rates: dict[str, float] = {}
         for path in paths:
-            seconds = await self.throughput(path, size, warm)
+            seconds, _ = await self.throughput(path, size, warm)
             rates[path] = warm * size / seconds
             await self.echo(path, size, 3)
         rate = rates.get("raw") or max(rates.values())
@@ -565,7 +585,9 @@ class Sender:
         for rep in range(args.repeats):
             for path in _rotate(paths, rep):
                 results[path].count = count
-                results[path].seconds.append(await self.throughput(path, size, count))
+                seconds, cpu = await self.throughput(path, size, count)
+                results[path].seconds.append(seconds)
+                results[path].cpu_seconds.append(cpu)
         chunks = max(1, args.repeats)
         for rep in range(chunks):
             for path in _rotate(paths, rep):
@@ -617,6 +639,9 @@ async def run_sender(
         ratios[f"ratio_{label}"] = _ratio(get("zpipe", Result.gbps), get("raw", Result.gbps))
         ratios[f"rtt_ratio_{label}"] = _ratio(
             get("zpipe", Result.rtt_ms), get("raw", Result.rtt_ms)
+        )
+        ratios[f"cpu_ratio_{label}"] = _ratio(
+            get("zpipe", Result.cpu_us_per_message), get("raw", Result.cpu_us_per_message)
         )
         ratios[f"curve_over_plain_{label}"] = _ratio(
             get("zpipe_curve", Result.gbps), get("zpipe", Result.gbps)

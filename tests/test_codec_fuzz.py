@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol import REGISTRY, Message
+from zpipe.transport import codec
 from zpipe.transport.codec import (
     MAX_DIMS,
     MAX_HEADER_BYTES,
@@ -406,3 +407,98 @@ def test_valid_messages_with_mutated_frames(message: Message, data: Any) -> None
 def test_any_shape_with_the_frame_it_announces(dtype: str, shape: list[int], data: Any) -> None:
     frames = data.draw(_frames_for([[dtype, shape]]))
     decodes_or_refuses([header(t=[[dtype, shape]]), *frames])
+
+
+# -- the fast paths: a one-pass check may accept only what the full checks accept -------
+
+
+def _received(fields: Any) -> Any:
+    """What the codec's unpacker hands the checks for ``fields``."""
+    return msgpack.unpackb(msgpack.packb(fields, use_bin_type=True), strict_map_key=False)
+
+
+@FUZZ
+@given(header_and_frames=_headers(), structure=_plain)
+def test_the_one_pass_header_check_accepts_only_what_the_full_check_accepts(
+    header_and_frames: Any, structure: Any
+) -> None:
+    fields, _ = header_and_frames
+    for candidate in (_received(fields), _received(structure)):
+        if codec._fits_fast(candidate, REGISTRY):
+            codec._check_header(candidate, REGISTRY)  # must not raise
+
+
+@FUZZ
+@given(
+    kind=st.sampled_from(sorted(REGISTRY.schemas)),
+    extra=st.dictionaries(st.text(max_size=4), _plain, max_size=2),
+    data=st.data(),
+)
+def test_the_flat_body_check_accepts_only_what_check_body_accepts(
+    kind: str, extra: dict[str, Any], data: Any
+) -> None:
+    schema = REGISTRY.schemas[kind]
+    body = {
+        key: data.draw(_value_for(types) | _leaf)
+        for key, (types, _) in schema.items()
+        if data.draw(st.integers(0, 5))
+    }
+    if data.draw(st.booleans()):
+        body.update(extra)
+    if REGISTRY.fits_flat(kind, body):
+        assert REGISTRY.check_body(kind, body) is body
+        codec._check_plain(body)
+
+
+@pytest.mark.parametrize(
+    "body, fits",
+    [
+        (DATA_BODY, True),
+        ({"run": 0, "mb": -1, "src": "s"}, False),  # negative counter
+        ({"run": 0, "mb": True, "src": "s"}, False),  # a flag where a number belongs
+        ({"run": 0, "mb": 1.0, "src": "s"}, False),
+        ({"run": 0, "src": "s"}, False),  # a required field missing
+        ({**DATA_BODY, "zz": 1}, False),  # an unknown field
+        ({**DATA_BODY, "src": b"s"}, False),
+        ({**DATA_BODY, "src": ["s"]}, False),
+        ([("run", 0)], False),
+    ],
+    ids=str,
+)
+def test_the_flat_body_check_on_data_bodies(body: Any, fits: bool) -> None:
+    assert REGISTRY.fits_flat("data", body) is fits
+    if not fits:  # what the one-pass check leaves to the full one, the full one refuses
+        frames = [header(b=body), b""]
+        with pytest.raises(ProtocolError):
+            decode(frames)
+
+
+def test_a_data_plane_header_takes_the_one_pass_path() -> None:
+    frames = encode(Message("data", DATA_BODY, epoch=3, tensors=(torch.ones(2, 3),)))
+    assert codec._fits_fast(_received(msgpack.unpackb(frames[0])), REGISTRY)
+    message = decode([bytes(f) for f in frames])
+    assert message.epoch == 3 and torch.equal(message.tensors[0], torch.ones(2, 3))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(12.0).view(3, 4),
+        torch.arange(12.0).view(3, 4).t(),  # not contiguous
+        torch.arange(12.0).view(3, 4)[1:],  # storage offset
+        torch.arange(6.0, requires_grad=True) * 2,
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.tensor(2.5),  # zero dims
+        torch.zeros(0, 4),
+        torch.tensor([True, False, True]),
+        torch.arange(5, dtype=torch.int8),
+        torch.arange(4.0).neg(),
+    ],
+    ids=lambda t: f"{t.dtype}{tuple(t.shape)}",
+)
+def test_the_fast_tensor_bytes_are_the_general_paths_bytes(tensor: torch.Tensor) -> None:
+    expected = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert bytes(codec._tensor_bytes(tensor)) == expected
+    frames = [bytes(f) for f in encode(Message("data", DATA_BODY, tensors=(tensor,)))]
+    (back,) = decode(frames).tensors
+    assert back.shape == tensor.shape and torch.equal(back, tensor.detach())

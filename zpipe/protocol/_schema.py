@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
@@ -144,6 +144,46 @@ def check_body(kind: str, schema: Schema, body: Any) -> dict[str, Any]:
         if isinstance(value, int) and key in NON_NEGATIVE_KEYS and value < 0:
             raise ProtocolError(f"{kind}: field {key!r} must be >= 0, got {value}")
     return body
+
+
+# Values a body field may hold without any nesting: the exact types msgpack decodes
+# scalars to (a subclass, a map or a list takes :func:`check_body`'s full path).
+PLAIN_LEAF_TYPES = frozenset({str, int, float, bytes, bool, type(None)})
+
+
+def flat_body_check(schema: Schema) -> Callable[[Any], bool]:
+    """A one-pass test that ``body`` fits ``schema`` and holds only plain scalars.
+
+    True proves that :func:`check_body` accepts ``body`` unchanged and that it
+    nests no deeper than one level; False proves nothing (a nested field, a
+    subclass or a misfit): the caller runs :func:`check_body` and the nesting
+    check, which accept or name the problem. Precompiled per kind because the
+    data plane validates every message against the same few schemas.
+    """
+    allowed = {
+        key: frozenset(t for t in field.types if t in PLAIN_LEAF_TYPES)
+        for key, field in schema.items()
+    }
+    required_count = sum(1 for field in schema.values() if field.required)
+    required = frozenset(key for key, field in schema.items() if field.required)
+    non_negative = NON_NEGATIVE_KEYS & allowed.keys()
+
+    def fits(body: Any) -> bool:
+        if type(body) is not dict:
+            return False
+        present = 0
+        for key, value in body.items():
+            types = allowed.get(key)
+            kind = type(value)
+            if types is None or kind not in types:
+                return False
+            if kind is int and value < 0 and key in non_negative:
+                return False
+            if key in required:
+                present += 1
+        return present == required_count
+
+    return fits
 
 
 _M = TypeVar("_M", bound="WireMessage")

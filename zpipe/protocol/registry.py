@@ -6,12 +6,18 @@ and is what the codec validates against. Nothing registers itself at import.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol._message import Message
-from zpipe.protocol._schema import FieldSchema, WireMessage, check_body, short_repr
+from zpipe.protocol._schema import (
+    FieldSchema,
+    WireMessage,
+    check_body,
+    flat_body_check,
+    short_repr,
+)
 
 
 class Registry:
@@ -21,6 +27,8 @@ class Registry:
         self._schemas: dict[str, dict[str, FieldSchema]] = {}
         self._tensor_kinds: set[str] = set()
         self._classes: dict[str, type[WireMessage]] = {}
+        # precompiled flat_body_check per kind, built on first use
+        self._flat_checks: dict[str, Callable[[object], bool]] = {}
         for cls in classes:
             self.add(cls)
 
@@ -31,6 +39,7 @@ class Registry:
         if cls.KIND in self._schemas:
             raise ValueError(f"message kind {cls.KIND!r} is already registered")
         self._schemas[cls.KIND] = cls.schema()
+        self._flat_checks.pop(cls.KIND, None)
         self._classes[cls.KIND] = cls
         if cls.CARRIES_TENSORS:
             self._tensor_kinds.add(cls.KIND)
@@ -52,6 +61,7 @@ class Registry:
         if known is not None and known != given:
             raise ValueError(f"message kind {kind!r} is already registered with another schema")
         self._schemas[kind] = given
+        self._flat_checks.pop(kind, None)
         if carries_tensors:
             self._tensor_kinds.add(kind)
 
@@ -80,6 +90,17 @@ class Registry:
         if schema is None:
             raise ProtocolError(f"unknown message kind {short_repr(kind)}")
         return check_body(kind, schema, body)
+
+    def fits_flat(self, kind: str, body: object) -> bool:
+        """True when ``body`` fits ``kind``'s schema and holds only plain scalars (one
+        precompiled pass); False proves nothing: use :meth:`check_body`."""
+        check = self._flat_checks.get(kind)
+        if check is None:
+            schema = self._schemas.get(kind)
+            if schema is None:
+                return False
+            check = self._flat_checks[kind] = flat_body_check(schema)
+        return check(body)
 
     def parse(self, message: Message) -> WireMessage:
         """The typed form of ``message``; :class:`ProtocolError` if it has none or does not fit."""
