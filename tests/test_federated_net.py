@@ -1,9 +1,11 @@
-"""fl-server and fl-client as real processes on loopback.
+"""fl-server and fl-client as real processes on loopback, one shared secure run.
 
-One open run (four clients, one killed mid-run, a rogue peer sending junk) and
-one run with --keys (an unlisted key is refused). The server's --trace is
-replayed through a fresh server object: the networked shell must have made
-exactly the decisions of the pure server code fl-sim drives.
+A server with --keys and three listed clients (one killed mid-run); meanwhile a
+client with an unlisted key tries to join and a listed but buggy peer sends
+junk. The server's --trace is replayed through a fresh server object: the
+networked shell must have made exactly the decisions of the pure server code
+fl-sim drives. (Process start-up dominates: about 2.5 CPU-s each, for torch and
+scikit-learn, so the run is shared.)
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,8 +37,14 @@ from zpipe.federated.model import MLPShape, accuracy
 from zpipe.federated.net_trace import read_trace, replay
 from zpipe.lossy.data import load_digits_dataset
 from zpipe.protocol.federated import FlRegister, FlUpdate
+from zpipe.transport import security
 from zpipe.transport.codec import decode, encode
-from zpipe.transport.keys import generate_keys
+from zpipe.transport.keys import (
+    generate_keys,
+    key_prefix,
+    load_keypair,
+    load_keypair_public,
+)
 
 DEADLINE_S = 120.0  # generous: the machine is shared and loaded
 
@@ -54,6 +64,7 @@ class Proc:
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
+        self._stderr: str | None = None
         assert self.popen.stdout is not None
         threading.Thread(target=self._read, args=(self.popen.stdout,), daemon=True).start()
 
@@ -86,7 +97,9 @@ class Proc:
     def stderr_tail(self) -> str:
         if self.popen.poll() is None or self.popen.stderr is None:
             return "(running)"
-        return self.popen.stderr.read()[-2000:]
+        if self._stderr is None:
+            self._stderr = self.popen.stderr.read()
+        return self._stderr[-4000:]
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -94,46 +107,37 @@ class Proc:
         self.popen.wait(timeout=10)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop()
+SERVER_FLAGS = ["--register-timeout", "90", "--duration", "120"]
 
 
-SERVER_FLAGS = ["--bind", "tcp://127.0.0.1:0", "--register-timeout", "90", "--duration", "120"]
+def free_endpoint() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
-def client_args(endpoint: str, client: int, classes: str, delay: float) -> list[str]:
+def client_args(endpoint: str, keys: Path, name: str, client: int, classes: str) -> list[str]:
     return [
-        "fl-client",
-        "--server",
-        endpoint,
-        "--id",
-        str(client),
-        "--classes",
-        classes,
-        "--samples",
-        "60",
-        "--delay",
-        str(delay),
-        "--idle-timeout",
-        "60",
+        *("fl-client", "--server", endpoint, "--id", str(client), "--classes", classes),
+        *("--samples", "60", "--idle-timeout", "60", "--connect-timeout", "60"),
+        *("--keys", str(keys), "--key-name", name),
     ]
 
 
-def send_junk(endpoint: str) -> list[dict[str, Any]]:
-    """What a buggy or hostile peer sends; returns what the server answered."""
+def send_junk(endpoint: str, keys: Path) -> dict[str, Any]:
+    """What a buggy peer with a listed key sends; returns the server's answer."""
     context = zmq.Context.instance()
     rogue = context.socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 0)
-    rogue.setsockopt(zmq.RCVTIMEO, 20_000)
+    rogue.setsockopt(zmq.RCVTIMEO, int(DEADLINE_S * 1000))
+    security.secure_client(
+        rogue, load_keypair(keys, "rogue"), load_keypair_public(keys, "fl-server")
+    )
     rogue.connect(endpoint)
     try:
         rogue.send(b"\x00 not msgpack at all")
         rogue.send(msgpack.packb({"v": 1, "k": "no_such_kind", "e": 0, "b": {}, "t": []}))
-        forged = FlUpdate(
+        forged = FlUpdate(  # client 0's first task, from a peer that is not client 0
             task=0,
             client=0,
             n_samples=60,
@@ -143,127 +147,135 @@ def send_junk(endpoint: str) -> list[dict[str, Any]]:
         rogue.send_multipart(encode(forged.to_message()))
         bad = FlRegister(client=77, label_counts=[1, 2], latency_s=0.1)  # 2 classes, not 10
         rogue.send_multipart(encode(bad.to_message()))
-        return [dict(decode(rogue.recv_multipart()).body) | {"kind": "fl_error"}]
+        answer = decode(rogue.recv_multipart())
+        return {"kind": answer.kind, **answer.body}
     finally:
         rogue.close()
 
 
-def test_server_and_clients_train_drop_a_killed_client_and_survive_junk(
-    tmp_path: Path, procs: list[Proc]
-) -> None:
-    trace = tmp_path / "trace.jsonl"
+@dataclass
+class Run:
+    server: Proc
+    clients: list[Proc]
+    victim: Proc
+    mallory: Proc
+    summary: dict[str, Any]
+    failed: dict[str, Any]
+    junk_answer: dict[str, Any]
+    trace: Path
+    mallory_key: bytes
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    tmp = tmp_path_factory.mktemp("flnet")
+    keys = tmp / "keys"
+    generate_keys(keys, ["fl-server", "c0", "c1", "c2", "rogue"])
+    other = tmp / "other"
+    generate_keys(other, ["mallory"])
+    shutil.copy(keys / "fl-server.key", other / "fl-server.key")  # she knows the server
+    trace = tmp / "trace.jsonl"
+    endpoint = free_endpoint()
+    # two latency groups: client 0 answers in about 0.1 s, 1 and 2 in 0.3 s; a group's
+    # range is 1.5 times its centre, so a 1.5 s timeout is out of every range
     server = Proc(
         [
-            "fl-server",
-            *SERVER_FLAGS,
-            "--clients",
-            "4",
-            "--method",
-            "ecofl",
-            "--groups",
-            "2",
-            "--rt-floor",
-            "1.5",
-            "--updates",
-            "40",
-            "--eval-every",
-            "5",
-            "--task-timeout",
-            "1.5",
-            "--trace",
-            str(trace),
+            *("fl-server", *SERVER_FLAGS, "--bind", endpoint, "--keys", str(keys)),
+            *("--clients", "3", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
+            *("--updates", "40", "--eval-every", "5", "--task-timeout", "1.5"),
+            *("--trace", str(trace)),
         ],
-        tmp_path,
+        tmp,
     )
-    procs.append(server)
-    endpoint = server.wait_event("listening")["endpoint"]
-    # two latency groups: clients 0 and 1 answer in about 0.1 s, 2 and 3 in 0.3 s; a
-    # group's range is 1.5 times its centre, so a 1.5 s timeout is out of every range
-    layout = {0: ("0,1,2,3,4", 0.1), 1: ("5,6,7,8,9", 0.1), 2: ("0,2,4,6,8", 0.3)}
-    for client, (classes, delay) in layout.items():
-        procs.append(Proc(client_args(endpoint, client, classes, delay), tmp_path))
-    victim = Proc(client_args(endpoint, 3, "1,3,5,7,9", 0.3), tmp_path)
-    procs.append(victim)
+    started = [server]
+    try:
+        layout = {0: ("0,1,2,3,4", "0.1"), 1: ("5,6,7,8,9", "0.3"), 2: ("0,2,4,6,8", "0.3")}
+        clients = [
+            Proc([*client_args(endpoint, keys, f"c{c}", c, classes), "--delay", delay], tmp)
+            for c, (classes, delay) in layout.items()
+        ]
+        started += clients
+        server.wait_event("listening")  # so that a timeout cannot be a server not yet up
+        mallory = Proc(
+            [*client_args(endpoint, other, "mallory", 3, "0,1"), "--connect-timeout", "3"], tmp
+        )
+        started.append(mallory)
+        junk_answer = send_junk(endpoint, keys)
+        victim = clients[2]
+        victim.wait_event("task")
+        victim.popen.send_signal(signal.SIGKILL)
+        failed = server.wait_event("task_failed", client=2)
+        summary = server.wait_event("fl_server_done")
+        yield Run(
+            server,
+            clients,
+            victim,
+            mallory,
+            summary,
+            failed,
+            junk_answer,
+            trace,
+            load_keypair_public(other, "mallory"),
+        )
+    finally:
+        for proc in started:
+            proc.stop()
 
-    answers = send_junk(endpoint)
-    assert answers[0]["kind"] == "fl_error" and "label_counts" in answers[0]["reason"]
 
-    victim.wait_event("task")
-    victim.popen.send_signal(signal.SIGKILL)
-    failed = server.wait_event("task_failed", client=3)
-    summary = server.wait_event("fl_server_done")
-    assert server.finish() == 0
+def test_the_run_ends_by_its_budget_and_the_live_clients_exit_cleanly(run: Run) -> None:
+    assert run.server.finish() == 0, run.server.stderr_tail()
+    assert run.summary["reason"] == "updates" and run.summary["global_updates"] == 40
+    assert run.summary["clients"] == [0, 1, 2]
+    for client in run.clients[:2]:
+        assert client.finish() == 0, client.stderr_tail()
+        assert client.wait_event("done")["reason"] == "updates"
 
-    # the run ended by its own budget, without the killed client
-    assert summary["reason"] == "updates" and summary["global_updates"] == 40
-    assert summary["clients"] == [0, 1, 2, 3]
-    later = [
+
+def test_the_federation_learns_well_above_chance(run: Run) -> None:
+    curve = run.summary["curve"]
+    assert curve[0]["global_updates"] == 0 and curve[0]["test_acc"] < 0.2  # 10 classes
+    assert run.summary["final_acc"] > 0.3
+
+
+def test_a_killed_client_times_out_and_drops_out(run: Run) -> None:
+    later_updates = [
         e
-        for e in server.seen
-        if e.get("event") == "update" and e["client"] == 3 and e["task"] > failed["task"]
+        for e in run.server.seen
+        if e.get("event") == "update" and e["client"] == 2 and e["task"] > run.failed["task"]
     ]
-    assert later == []
-    assert summary["stats"]["failed_tasks"] >= 1
-    assert summary["stats"]["clients_dropped"] >= 1  # a timeout is a latency out of range
-    assert summary["dropped_messages"] >= 4
-    for proc in procs[1:4]:
-        assert proc.finish() == 0, proc.stderr_tail()
+    assert later_updates == []
+    stats = run.summary["stats"]
+    assert stats["failed_tasks"] >= 1
+    assert stats["clients_dropped"] >= 1  # the timeout is a latency out of every range
 
-    # learning happened: well above chance (10 classes) and above the start
-    assert summary["curve"][0]["test_acc"] < 0.2
-    assert summary["final_acc"] > 0.3
 
-    # the shell decided nothing itself: a fresh server object given the same inputs
-    # dispatches the same tasks and ends with the same model
-    events = read_trace(trace)
+def test_junk_is_dropped_with_a_typed_answer_and_the_server_serves_on(run: Run) -> None:
+    assert run.junk_answer["kind"] == "fl_error"
+    assert "label_counts" in run.junk_answer["reason"]
+    assert run.summary["dropped_messages"] >= 4
+    log = run.server.stderr_tail()
+    for reason in ("not valid msgpack", "no_such_kind", "fl_update", "label_counts"):
+        assert reason in log
+
+
+def test_an_unlisted_key_is_refused(run: Run) -> None:
+    assert run.mallory.finish() == 1
+    assert "fl_welcome" in run.mallory.stderr_tail()
+    assert 3 not in run.summary["clients"]
+    log = run.server.stderr_tail()
+    assert "peer_refused" in log and key_prefix(run.mallory_key) in log
+
+
+def test_the_shell_made_exactly_the_pure_servers_decisions(run: Run) -> None:
+    events = read_trace(run.trace)
     replayed = replay(events)
     recorded = [(e["task"], e["client"], e["version"]) for e in events if e["event"] == "dispatch"]
     assert replayed.dispatches == recorded
-    assert replayed.version == summary["global_updates"]
+    assert any(e["event"] == "failed" for e in events)  # the drop-out was replayed too
+    assert replayed.version == run.summary["global_updates"]
     end = events[-1]
     assert end["event"] == "end" and np.array_equal(replayed.weights, np.asarray(end["weights"]))
     dataset = load_digits_dataset()
     shape = MLPShape(dataset.n_features, 32, dataset.n_classes)
     acc = accuracy(replayed.weights, shape, dataset.x_test, dataset.y_test)
-    assert round(acc, 4) == summary["final_acc"]
-
-
-def test_an_unlisted_key_is_refused(tmp_path: Path, procs: list[Proc]) -> None:
-    keys = tmp_path / "keys"
-    generate_keys(keys, ["fl-server", "alice", "bob"])
-    other = tmp_path / "other"
-    generate_keys(other, ["mallory"])
-    shutil.copy(keys / "fl-server.key", other / "fl-server.key")  # she knows the server
-
-    server = Proc(
-        [
-            *("fl-server", *SERVER_FLAGS, "--clients", "2", "--method", "fedavg"),
-            *("--updates", "3", "--keys", str(keys), "--task-timeout", "20"),
-        ],
-        tmp_path,
-    )
-    procs.append(server)
-    endpoint = server.wait_event("listening")["endpoint"]
-    mallory = Proc(
-        [
-            *client_args(endpoint, 2, "0,1", 0.0),
-            *("--keys", str(other), "--key-name", "mallory", "--connect-timeout", "5"),
-        ],
-        tmp_path,
-    )
-    procs.append(mallory)
-    for client, name in enumerate(["alice", "bob"]):
-        procs.append(
-            Proc(
-                [
-                    *client_args(endpoint, client, "0,1,2,3,4,5,6,7,8,9", 0.0),
-                    *("--keys", str(keys), "--key-name", name),
-                ],
-                tmp_path,
-            )
-        )
-    summary = server.wait_event("fl_server_done")
-    assert server.finish() == 0
-    assert summary["clients"] == [0, 1] and summary["global_updates"] == 3
-    assert mallory.finish() == 1
-    assert "fl_welcome" in mallory.stderr_tail()
+    assert round(acc, 4) == run.summary["final_acc"]

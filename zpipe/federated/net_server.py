@@ -394,9 +394,15 @@ class FederatedShell:
     ) -> None:
         profile = self._clients.get(routing_id)
         if profile is None:
-            self._drop(routing_id, f"{message.KIND} from a peer that has not registered")
+            reason = f"{message.KIND} from a peer that has not registered"
             if isinstance(message, FlRegister):
-                await self._send(routing_id, FlError(reason="the run has started"), "late client")
+                try:
+                    self._profile_of(routing_id, message)
+                    reason = "the run has started: registrations are closed"
+                except ProtocolError as exc:
+                    reason = str(exc)
+                await self._send(routing_id, FlError(reason=reason), "late client")
+            self._drop(routing_id, reason)
             return
         if not isinstance(message, FlUpdate):
             self._drop(routing_id, f"{message.KIND} is not expected from a client now")
