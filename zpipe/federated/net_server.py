@@ -176,9 +176,8 @@ class FederatedShell:
                 peer=peer,
                 timeout_s=self.config.send_timeout_s,
             )
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
+        except zmq.ZMQError:  # ROUTER_MANDATORY: the peer is not connected
             log.warning("fl_send_failed", peer=peer, error=str(PeerGoneError(peer, message.KIND)))
-            del exc
             return False
         except TransportTimeout as exc:
             log.warning("fl_send_failed", peer=peer, error=str(exc))
