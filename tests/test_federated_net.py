@@ -11,6 +11,7 @@ scikit-learn, so the run is shared.)
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import shutil
@@ -33,8 +34,12 @@ import zmq
 
 pytest.importorskip("sklearn")
 
+from zpipe._errors import ProtocolError
+from zpipe.federated.grouping import GroupingPolicy
 from zpipe.federated.model import MLPShape, accuracy
-from zpipe.federated.net_trace import read_trace, replay
+from zpipe.federated.net_trace import config_from_json, config_to_json, read_trace, replay
+from zpipe.federated.net_wire import shape_from, weights_from
+from zpipe.federated.server import ServerConfig
 from zpipe.lossy.data import load_digits_dataset
 from zpipe.protocol.federated import FlRegister, FlUpdate
 from zpipe.transport import security
@@ -279,3 +284,36 @@ def test_the_shell_made_exactly_the_pure_servers_decisions(run: Run) -> None:
     shape = MLPShape(dataset.n_features, 32, dataset.n_classes)
     acc = accuracy(replayed.weights, shape, dataset.x_test, dataset.y_test)
     assert round(acc, 4) == run.summary["final_acc"]
+
+
+def test_weights_from_the_wire_are_checked() -> None:
+    good = torch.arange(6, dtype=torch.float64)
+    assert np.array_equal(weights_from((good,), 6, what="t"), np.arange(6.0))
+    bad = [
+        (),
+        (good, good),
+        (good.float(),),
+        (good.reshape(2, 3),),
+        (torch.arange(5, dtype=torch.float64),),
+        (torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, float("nan")], dtype=torch.float64),),
+    ]
+    for tensors in bad:
+        with pytest.raises(ProtocolError):
+            weights_from(tensors, 6, what="t")
+    assert shape_from([64, 32, 10]) == MLPShape(64, 32, 10)
+    for values in ([64, 32], [64, 0, 10], [64, True, 10], [64, 10**9, 10], [64, 3.0, 10]):
+        with pytest.raises(ProtocolError):
+            shape_from(values)
+
+
+def test_a_server_config_survives_the_trace() -> None:
+    config = ServerConfig(
+        method="astraea",
+        max_concurrent=7,
+        alpha=0.3,
+        staleness="hinge",
+        grouping=GroupingPolicy(n_groups=3, lam=math.inf, rt_factor=2.0, rt_floor_fraction=0.5),
+        seed=4,
+    )
+    text = json.dumps(config_to_json(config))
+    assert config_from_json(json.loads(text)) == config

@@ -155,28 +155,36 @@ class FederatedClient:
             return None
 
     async def register(self) -> None:
+        """Register within ``--connect-timeout``; a refused key looks like a silent server
+        (the CURVE handshake fails before the server sees a message), so both say so."""
         counts = list(self.shard.label_counts(self.n_classes))
         latency = self.profile_latency()
-        await self._send(
-            FlRegister(client=self.config.client, label_counts=counts, latency_s=latency)
-        )
+        register = FlRegister(client=self.config.client, label_counts=counts, latency_s=latency)
         deadline = time.monotonic() + self.config.connect_timeout_s
-        while True:
-            try:
-                message = await self._receive(max(0.0, deadline - time.monotonic()), "fl_welcome")
-            except TransportTimeout as exc:
-                raise TransportTimeout(
-                    "fl-server",
-                    "fl_welcome: is the server running at "
-                    f"{self.config.server}, and (with --keys) is this client's key in its "
-                    "key directory?",
-                    exc.timeout_s,
-                ) from None
-            if isinstance(message, FlWelcome):
-                self._emit({"event": "registered", "latency_s": round(latency, 4)})
-                return
-            if isinstance(message, FlError):
-                raise ProtocolError(f"the server refused this client: {message.reason}")
+        try:
+            assert self._dealer is not None
+            # no connection (refused, or no server yet) leaves no room to queue: the same wait
+            await send(
+                self._dealer,
+                register.to_message(),
+                peer="fl-server",
+                timeout_s=self.config.connect_timeout_s,
+            )
+            while True:
+                left = max(0.0, deadline - time.monotonic())
+                message = await self._receive(left, "fl_welcome")
+                if isinstance(message, FlWelcome):
+                    self._emit({"event": "registered", "latency_s": round(latency, 4)})
+                    return
+                if isinstance(message, FlError):
+                    raise ProtocolError(f"the server refused this client: {message.reason}")
+        except TransportTimeout:
+            raise TransportTimeout(
+                "fl-server",
+                f"fl_welcome: is the server running at {self.config.server}, and (with "
+                "--keys) is this client's key in its key directory?",
+                self.config.connect_timeout_s,
+            ) from None
 
     async def serve(self) -> str:
         await self.register()

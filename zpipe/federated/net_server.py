@@ -411,6 +411,11 @@ class FederatedShell:
             self._drop(routing_id, f"task {message.task} is not outstanding for this client")
             return
         try:
+            if message.n_samples != profile.n_samples:
+                # the weight of its model in every average: the count it registered with
+                raise ProtocolError(
+                    f"fl_update: {message.n_samples} samples, registered with {profile.n_samples}"
+                )
             weights = weights_from(message.tensors, self.shape.size, what="fl_update")
             update = ClientUpdate(message.task, profile.client_id, weights, message.n_samples)
             tasks = server.on_update(update)
