@@ -49,6 +49,7 @@ from zpipe.transport.sockets import (
     open_socket,
     recv_frames,
     send,
+    validate_endpoint,
 )
 
 log = get_logger("zpipe.federated.client")
@@ -284,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> NetClientConfig:
     return NetClientConfig(
-        server=args.server,
+        server=validate_endpoint(args.server, flag="--server"),
         client=args.id,
         classes=args.classes,
         samples=args.samples,

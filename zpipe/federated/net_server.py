@@ -66,6 +66,7 @@ from zpipe.transport.sockets import (
     open_socket,
     recv_frames,
     send,
+    validate_endpoint,
 )
 
 log = get_logger("zpipe.federated.server")
@@ -106,6 +107,12 @@ class NetServerConfig:
         )
         if not all(t > 0 and math.isfinite(t) for t in timeouts):
             raise ConfigError("timeouts and the duration must be finite and > 0")
+        grouped = self.server.method not in ("fedavg", "fedasync")
+        if grouped and self.server.max_concurrent < self.server.grouping.n_groups:
+            raise ConfigError(
+                f"--concurrent {self.server.max_concurrent} cannot serve "
+                f"--groups {self.server.grouping.n_groups}: every group needs a client in flight"
+            )
 
 
 @dataclass
@@ -297,7 +304,15 @@ class FederatedShell:
                 "profiles": [[p.client_id, p.latency_s, list(p.label_counts)] for p in profiles],
             }
         )
-        server = make_server(profiles, initial, config.server)
+        try:
+            server = make_server(profiles, initial, config.server)
+        except ConfigError as exc:
+            # the clients would otherwise wait for tasks until their idle timeout
+            for routing_id, profile in self._clients.items():
+                await self._send(
+                    routing_id, FlDone(reason=f"server error: {exc}"), self._peer(profile)
+                )
+            raise
         curve: list[dict[str, float | int]] = []
         self._evaluate(server, started, curve)
         await self._dispatch(server.start())
@@ -521,7 +536,7 @@ def config_from_args(args: argparse.Namespace) -> NetServerConfig:
             ),
             seed=args.seed,
         ),
-        bind=args.bind,
+        bind=validate_endpoint(args.bind, flag="--bind"),
         clients=args.clients,
         hidden=args.hidden,
         local_steps=args.local_steps,
