@@ -1,6 +1,7 @@
 """fl-server and fl-client as real processes on loopback, one shared secure run.
 
-A server with --keys and three listed clients (one killed mid-run); meanwhile a
+A server with --keys and four listed clients (one training on a 2-stage zpipe
+pipeline, one killed mid-run); meanwhile a
 client with an unlisted key tries to join and a listed but buggy peer sends
 junk. The server's --trace is replayed through a fresh server object: the
 networked shell must have made exactly the decisions of the pure server code
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,7 +37,8 @@ pytest.importorskip("sklearn")
 
 from zpipe._errors import ProtocolError
 from zpipe.federated.grouping import GroupingPolicy
-from zpipe.federated.model import MLPShape, accuracy
+from zpipe.federated.model import MLPShape, accuracy, local_train
+from zpipe.federated.net_client import NetClientConfig, client_shard
 from zpipe.federated.net_trace import config_from_json, config_to_json, read_trace, replay
 from zpipe.federated.net_wire import shape_from, weights_from
 from zpipe.federated.server import ServerConfig
@@ -175,7 +177,7 @@ class Run:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     tmp = tmp_path_factory.mktemp("flnet")
     keys = tmp / "keys"
-    generate_keys(keys, ["fl-server", "c0", "c1", "c2", "rogue"])
+    generate_keys(keys, ["fl-server", "c0", "c1", "c2", "c3", "rogue"])
     other = tmp / "other"
     generate_keys(other, ["mallory"])
     shutil.copy(keys / "fl-server.key", other / "fl-server.key")  # she knows the server
@@ -186,7 +188,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     server = Proc(
         [
             *("fl-server", *SERVER_FLAGS, "--bind", endpoint, "--keys", str(keys)),
-            *("--clients", "3", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
+            *("--clients", "4", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
             *("--updates", "40", "--eval-every", "5", "--task-timeout", "1.5"),
             *("--trace", str(trace)),
         ],
@@ -199,10 +201,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             Proc([*client_args(endpoint, keys, f"c{c}", c, classes), "--delay", delay], tmp)
             for c, (classes, delay) in layout.items()
         ]
-        started += clients
+        # client 3 trains on a 2-stage zpipe pipeline (a coordinator and two stage processes)
+        piped = Proc(
+            [*client_args(endpoint, keys, "c3", 3, "1,3,5,7,9"), "--pipeline-stages", "2"], tmp
+        )
+        started += [*clients, piped]
         server.wait_event("listening")  # so that a timeout cannot be a server not yet up
         mallory = Proc(
-            [*client_args(endpoint, other, "mallory", 3, "0,1"), "--connect-timeout", "3"], tmp
+            [*client_args(endpoint, other, "mallory", 4, "0,1"), "--connect-timeout", "3"], tmp
         )
         started.append(mallory)
         junk_answer = send_junk(endpoint, keys)
@@ -213,7 +219,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         summary = server.wait_event("fl_server_done")
         yield Run(
             server,
-            clients,
+            [*clients, piped],
             victim,
             mallory,
             summary,
@@ -230,8 +236,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
 def test_the_run_ends_by_its_budget_and_the_live_clients_exit_cleanly(run: Run) -> None:
     assert run.server.finish() == 0, run.server.stderr_tail()
     assert run.summary["reason"] == "updates" and run.summary["global_updates"] == 40
-    assert run.summary["clients"] == [0, 1, 2]
-    for client in run.clients[:2]:
+    assert run.summary["clients"] == [0, 1, 2, 3]
+    for client in [*run.clients[:2], run.clients[3]]:
         assert client.finish() == 0, client.stderr_tail()
         assert client.wait_event("done")["reason"] == "updates"
 
@@ -240,6 +246,33 @@ def test_the_federation_learns_well_above_chance(run: Run) -> None:
     curve = run.summary["curve"]
     assert curve[0]["global_updates"] == 0 and curve[0]["test_acc"] < 0.2  # 10 classes
     assert run.summary["final_acc"] > 0.3
+
+
+def test_a_client_trains_on_a_zpipe_pipeline(run: Run) -> None:
+    events = read_trace(run.trace)
+    updates = [e for e in events if e["event"] == "update" and e["client"] == 3]
+    assert updates, "the pipeline client's updates never reached the server"
+    # its pipeline trained what the numpy trainer would (no FedProx term on a pipeline)
+    dataset = load_digits_dataset()
+    config = NetClientConfig(server="tcp://127.0.0.1:1", client=3, classes=(1, 3, 5, 7, 9))
+    shard = client_shard(replace(config, samples=60), dataset)
+    sent = replay(events).task_weights
+    shape = MLPShape(dataset.n_features, 32, dataset.n_classes)
+    for update in updates:
+        want = local_train(
+            sent[update["task"]],
+            shape,
+            shard.x,
+            shard.y,
+            steps=10,
+            batch_size=10,
+            lr=0.1,
+            mu=0.0,
+            rng=np.random.default_rng([0, 5, update["task"]]),
+        )
+        got = np.asarray(update["weights"])
+        assert not np.allclose(got, sent[update["task"]])
+        np.testing.assert_allclose(got, want, atol=1e-5)  # float32 on the stages
 
 
 def test_a_killed_client_times_out_and_drops_out(run: Run) -> None:
@@ -266,7 +299,7 @@ def test_junk_is_dropped_with_a_typed_answer_and_the_server_serves_on(run: Run) 
 def test_an_unlisted_key_is_refused(run: Run) -> None:
     assert run.mallory.finish() == 1
     assert "fl_welcome" in run.mallory.stderr_tail()
-    assert 3 not in run.summary["clients"]
+    assert 4 not in run.summary["clients"]
     log = run.server.stderr_tail()
     assert "peer_refused" in log and key_prefix(run.mallory_key) in log
 

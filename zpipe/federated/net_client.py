@@ -5,7 +5,9 @@ augmented training images, as fl-sim's clients do), registers with its label
 counts and a profiled latency (the time ``--profile-steps`` SGD steps take,
 plus ``--delay``), then trains every task it gets: the task's weights,
 ``local_steps`` mini-batch SGD steps with FedProx's mu (the plain numpy MLP
-trainer of :mod:`zpipe.federated.model`), and sends the weights back. It
+trainer of :mod:`zpipe.federated.model`, or with ``--pipeline-stages N`` a
+zpipe pipeline of N local stage processes, :mod:`zpipe.federated.pipeline_trainer`),
+and sends the weights back. It
 exits on ``fl_done``, on ``fl_error`` or when the server stays silent for
 ``--idle-timeout`` seconds. ``--delay S`` adds S seconds to every task, to
 emulate a slower device on one machine.
@@ -21,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -29,7 +31,7 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
 from zpipe.federated.data import ClientShard, make_shards
-from zpipe.federated.model import MLPShape, init_weights, local_train
+from zpipe.federated.model import FloatArray, MLPShape, init_weights, local_train
 from zpipe.federated.net_wire import (
     CLIENT_KEY_NAME,
     SERVER_KEY_NAME,
@@ -39,6 +41,9 @@ from zpipe.federated.net_wire import (
 )
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
+
+if TYPE_CHECKING:
+    from zpipe.federated.pipeline_trainer import PipelineTrainer
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.federated import FlDone, FlError, FlRegister, FlTask, FlUpdate, FlWelcome
 from zpipe.transport import security
@@ -73,6 +78,7 @@ class NetClientConfig:
     keys_dir: Path | None = None
     key_name: str = CLIENT_KEY_NAME
     server_key_name: str = SERVER_KEY_NAME
+    pipeline_stages: int = 0  # 0: the numpy trainer; N: a zpipe pipeline of N stages
 
 
 def client_shard(config: NetClientConfig, dataset: Dataset) -> ClientShard:
@@ -86,8 +92,11 @@ def client_shard(config: NetClientConfig, dataset: Dataset) -> ClientShard:
 
 
 class FederatedClient:
-    def __init__(self, config: NetClientConfig, dataset: Dataset) -> None:
+    def __init__(
+        self, config: NetClientConfig, dataset: Dataset, pipeline: PipelineTrainer | None = None
+    ) -> None:
         self.config = config
+        self.pipeline = pipeline
         self.shard = client_shard(config, dataset)
         self.n_classes = dataset.n_classes
         self.n_features = dataset.n_features
@@ -116,23 +125,52 @@ class FederatedClient:
     def _emit(self, event: dict[str, Any]) -> None:
         print(json.dumps({"client": self.config.client, **event}), flush=True)
 
-    def profile_latency(self) -> float:
-        """Seconds a task of ``--profile-steps`` steps takes here (what the server groups by)."""
+    async def profile_latency(self) -> float:
+        """Seconds a task of ``--profile-steps`` steps takes here (what the server groups by).
+
+        On a pipeline this is also its warm-up: the first run's set-up is not a task's."""
         shape = MLPShape(self.n_features, 32, self.n_classes)
         weights = init_weights(shape, np.random.default_rng(0))
+        if self.pipeline is not None:
+            await self._local_train(weights, shape, self.config.profile_steps, 10, 0.1, 0.0, 0)
         started = time.perf_counter()
-        local_train(
+        await self._local_train(weights, shape, self.config.profile_steps, 10, 0.1, 0.0, 0)
+        return time.perf_counter() - started + self.config.delay_s
+
+    async def _local_train(
+        self,
+        weights: FloatArray,
+        shape: MLPShape,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        mu: float,
+        seed: Sequence[int] | int,
+    ) -> FloatArray:
+        rng = np.random.default_rng(seed)
+        if self.pipeline is not None:
+            # FedProx's mu is not applied on a pipeline (see pipeline_trainer)
+            return await self.pipeline.train(
+                weights,
+                shape,
+                self.shard.x,
+                self.shard.y,
+                steps=steps,
+                batch_size=batch_size,
+                lr=lr,
+                rng=rng,
+            )
+        return local_train(
             weights,
             shape,
             self.shard.x,
             self.shard.y,
-            steps=self.config.profile_steps,
-            batch_size=10,
-            lr=0.1,
-            mu=0.0,
-            rng=np.random.default_rng(0),
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            mu=mu,
+            rng=rng,
         )
-        return time.perf_counter() - started + self.config.delay_s
 
     async def _send(self, message: WireMessage) -> None:
         assert self._dealer is not None
@@ -159,7 +197,7 @@ class FederatedClient:
         """Register within ``--connect-timeout``; a refused key looks like a silent server
         (the CURVE handshake fails before the server sees a message), so both say so."""
         counts = list(self.shard.label_counts(self.n_classes))
-        latency = self.profile_latency()
+        latency = await self.profile_latency()
         register = FlRegister(client=self.config.client, label_counts=counts, latency_s=latency)
         deadline = time.monotonic() + self.config.connect_timeout_s
         try:
@@ -216,17 +254,14 @@ class FederatedClient:
             return
         self._emit({"event": "task", "task": task.task})
         started = time.perf_counter()
-        trained = local_train(
+        trained = await self._local_train(
             weights,
             shape,
-            self.shard.x,
-            self.shard.y,
-            steps=task.local_steps,
-            batch_size=task.batch_size,
-            lr=task.lr,
-            mu=task.mu,
-            # the seeds fl-sim's clients use for the same task
-            rng=np.random.default_rng([task.seed, 5, task.task]),
+            task.local_steps,
+            task.batch_size,
+            task.lr,
+            task.mu,
+            [task.seed, 5, task.task],  # the seeds fl-sim's clients use for the same task
         )
         if self.config.delay_s > 0:
             await asyncio.sleep(self.config.delay_s)
@@ -280,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", type=existing_dir, default=None, metavar="DIR", help="CurveZMQ keys")
     p.add_argument("--key-name", default=CLIENT_KEY_NAME, help="this client's key in --keys")
     p.add_argument("--server-key-name", default=SERVER_KEY_NAME, help="the server's key name")
+    p.add_argument(
+        "--pipeline-stages",
+        type=non_negative_int,
+        default=0,
+        help="train on a zpipe pipeline of N local stage processes (1 or 2; default 0: numpy)",
+    )
     return p
 
 
@@ -298,13 +339,23 @@ def config_from_args(args: argparse.Namespace) -> NetClientConfig:
         keys_dir=args.keys,
         key_name=args.key_name,
         server_key_name=args.server_key_name,
+        pipeline_stages=args.pipeline_stages,
     )
 
 
 async def _run(config: NetClientConfig) -> str:
     from zpipe.lossy.data import load_digits_dataset
 
-    client = FederatedClient(config, load_digits_dataset())
+    dataset = load_digits_dataset()
+    if config.pipeline_stages == 0:
+        return await _serve(FederatedClient(config, dataset))
+    from zpipe.federated.pipeline_trainer import PipelineTrainer
+
+    async with PipelineTrainer(config.pipeline_stages) as pipeline:
+        return await _serve(FederatedClient(config, dataset, pipeline))
+
+
+async def _serve(client: FederatedClient) -> str:
     try:
         client.open()
         return await client.serve()

@@ -59,6 +59,7 @@ class Replay:
     dispatches: list[tuple[int, int, int]]  # (task, client, version), in order
     weights: FloatArray
     version: int
+    task_weights: dict[int, FloatArray]  # what each task sent its client to train
 
 
 def dispatch_events(tasks: Iterable[TrainTask]) -> list[dict[str, Any]]:
@@ -111,4 +112,5 @@ def replay(events: Iterable[Mapping[str, Any]]) -> Replay:
         [(t.task_id, t.client_id, t.version) for t in dispatched],
         server.global_weights,
         server.version,
+        {t.task_id: t.weights for t in dispatched},
     )
