@@ -130,8 +130,40 @@ KINDS_ADDED_IN_V1 = {
         "stages": ["list", True],
         "results": ["list", True],
     },
+    # federated learning over the network: fl-server and fl-client on their own socket
+    "fl_register": {
+        "client": ["int", True],
+        "label_counts": ["list", True],
+        "latency_s": ["int/float", True],
+    },
+    "fl_welcome": {"client": ["int", True]},
+    "fl_task": {
+        "task": ["int", True],
+        "version": ["int", True],
+        "shape": ["list", True],
+        "local_steps": ["int", True],
+        "batch_size": ["int", True],
+        "lr": ["int/float", True],
+        "mu": ["int/float", True],
+        "seed": ["int", True],
+    },
+    "fl_update": {
+        "task": ["int", True],
+        "client": ["int", True],
+        "n_samples": ["int", True],
+        "train_s": ["int/float", True],
+    },
+    "fl_error": {"reason": ["str", True]},
+    "fl_done": {"reason": ["str", True]},
 }
-TENSOR_KINDS_ADDED_IN_V1 = ["bulk_chunk", "state_chunk", "lossy_run_request", "lossy_run_report"]
+TENSOR_KINDS_ADDED_IN_V1 = [
+    "bulk_chunk",
+    "state_chunk",
+    "lossy_run_request",
+    "lossy_run_report",
+    "fl_task",
+    "fl_update",
+]
 
 
 def test_every_kind_keeps_its_version_1_schema() -> None:
@@ -229,7 +261,7 @@ REPRESENTATIVES: dict[str, WireMessage] = {
 def test_representatives_cover_every_conversation() -> None:
     modules = {type(message).__module__ for message in REPRESENTATIVES.values()}
     # bulk: a conversation added within version 1, of which main produced no frames
-    added = {"zpipe.protocol.bulk"}
+    added = {"zpipe.protocol.bulk", "zpipe.protocol.federated"}
     assert modules == {module.__name__ for module in CONVERSATIONS} - added
     assert set(REPRESENTATIVES) == set(V1["frames"])
 

@@ -7,6 +7,7 @@
     peer             stage <-> stage on the probe socket (link probes, backups, fetches)
     storage          the coordinator's files (codec messages on disk)
     lossy            EdgePipe's lossy device processes
+    federated        the federated server and its clients (fl-server, fl-client)
 
 Each class has ``to_message()`` and ``from_message(message)`` (which raises
 :class:`~zpipe._errors.ProtocolError` on a body that does not fit). The schema
@@ -21,6 +22,7 @@ from zpipe.protocol import (
     bulk,
     client_control,
     data_plane,
+    federated,
     lossy,
     peer,
     stage_control,
@@ -30,7 +32,7 @@ from zpipe.protocol._message import Message
 from zpipe.protocol._schema import FieldSchema, TensorMessage, WireMessage
 from zpipe.protocol.registry import Registry
 
-CONVERSATIONS = (stage_control, bulk, client_control, data_plane, peer, storage, lossy)
+CONVERSATIONS = (stage_control, bulk, client_control, data_plane, peer, storage, lossy, federated)
 
 REGISTRY = Registry(cls for module in CONVERSATIONS for cls in module.MESSAGES)
 
@@ -45,6 +47,7 @@ __all__ = [
     "bulk",
     "client_control",
     "data_plane",
+    "federated",
     "lossy",
     "peer",
     "stage_control",

@@ -39,8 +39,9 @@ Role = Literal["client", "stage", "coordinator"]
 ROLES: tuple[Role, ...] = ("client", "stage", "coordinator")
 ROLES_FILE = "roles.txt"
 
-# What each role may send. Kinds of the lossy launcher (zpipe.lossy.wire) travel
-# on their own sockets and are not listed; a kind listed nowhere is refused for
+# What each role may send. Kinds of the lossy launcher (zpipe.lossy.wire) and of
+# fl-server / fl-client (zpipe.protocol.federated) travel on their own sockets and
+# are not listed; a kind listed nowhere is refused for
 # every known role (fail closed): add new kinds here.
 ROLE_KINDS: dict[Role, frozenset[str]] = {
     "client": frozenset(

@@ -1,0 +1,378 @@
+"""``python -m zpipe fl-client``: one federated client, training on its own digits shard.
+
+The client holds a shard of scikit-learn's digits (``--classes``, ``--samples``
+augmented training images, as fl-sim's clients do), registers with its label
+counts and a profiled latency (the time ``--profile-steps`` SGD steps take,
+plus ``--delay``), then trains every task it gets: the task's weights,
+``local_steps`` mini-batch SGD steps with FedProx's mu (the plain numpy MLP
+trainer of :mod:`zpipe.federated.model`, or with ``--pipeline-stages N`` a
+zpipe pipeline of N local stage processes, :mod:`zpipe.federated.pipeline_trainer`),
+and sends the weights back. It
+exits on ``fl_done``, on ``fl_error`` or when the server stays silent for
+``--idle-timeout`` seconds. ``--delay S`` adds S seconds to every task, to
+emulate a slower device on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe.federated.data import ClientShard, make_shards
+from zpipe.federated.model import FloatArray, MLPShape, init_weights, local_train
+from zpipe.federated.net_wire import (
+    CLIENT_KEY_NAME,
+    SERVER_KEY_NAME,
+    shape_from,
+    weights_from,
+    weights_tensor,
+)
+from zpipe.log import get_logger
+from zpipe.lossy.data import Dataset
+
+if TYPE_CHECKING:
+    from zpipe.federated.pipeline_trainer import PipelineTrainer
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.federated import FlDone, FlError, FlRegister, FlTask, FlUpdate, FlWelcome
+from zpipe.transport import security
+from zpipe.transport.sockets import (
+    SocketOptions,
+    decode_frames,
+    new_context,
+    open_socket,
+    recv_frames,
+    send,
+    validate_endpoint,
+)
+
+log = get_logger("zpipe.federated.client")
+
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_LOCAL_STEPS = 100_000
+
+
+@dataclass(frozen=True)
+class NetClientConfig:
+    server: str
+    client: int
+    classes: tuple[int, ...] = ()  # empty: two classes drawn from the seed
+    samples: int = 40
+    seed: int = 0
+    delay_s: float = 0.0
+    profile_steps: int = 10
+    connect_timeout_s: float = 15.0
+    idle_timeout_s: float = 600.0
+    send_timeout_s: float = 5.0
+    keys_dir: Path | None = None
+    key_name: str = CLIENT_KEY_NAME
+    server_key_name: str = SERVER_KEY_NAME
+    pipeline_stages: int = 0  # 0: the numpy trainer; N: a zpipe pipeline of N stages
+
+
+def client_shard(config: NetClientConfig, dataset: Dataset) -> ClientShard:
+    rng = np.random.default_rng([config.seed, 11, config.client])
+    classes = config.classes or tuple(
+        sorted(int(c) for c in rng.choice(dataset.n_classes, size=2, replace=False))
+    )
+    if any(not 0 <= c < dataset.n_classes for c in classes):
+        raise ConfigError(f"--classes must lie in 0..{dataset.n_classes - 1}")
+    return make_shards(dataset, [classes], samples_per_client=config.samples, rng=rng)[0]
+
+
+class FederatedClient:
+    def __init__(
+        self, config: NetClientConfig, dataset: Dataset, pipeline: PipelineTrainer | None = None
+    ) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.shard = client_shard(config, dataset)
+        self.n_classes = dataset.n_classes
+        self.n_features = dataset.n_features
+        self._context = new_context()
+        self._dealer: zmq.asyncio.Socket | None = None
+        self.tasks_done = 0
+
+    def open(self) -> None:
+        options = SocketOptions(max_message_bytes=MAX_MESSAGE_BYTES)
+        dealer = open_socket(self._context, zmq.DEALER, options)
+        if self.config.keys_dir is not None:
+            keys = self.config.keys_dir
+            security.secure_client(
+                dealer,
+                security.load_keypair(keys, self.config.key_name),
+                security.load_keypair_public(keys, self.config.server_key_name),
+            )
+        dealer.connect(self.config.server)
+        self._dealer = dealer
+
+    def close(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        self._context.term()
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        print(json.dumps({"client": self.config.client, **event}), flush=True)
+
+    async def profile_latency(self) -> float:
+        """Seconds a task of ``--profile-steps`` steps takes here (what the server groups by).
+
+        On a pipeline this is also its warm-up: the first run's set-up is not a task's."""
+        shape = MLPShape(self.n_features, 32, self.n_classes)
+        weights = init_weights(shape, np.random.default_rng(0))
+        if self.pipeline is not None:
+            await self._local_train(weights, shape, self.config.profile_steps, 10, 0.1, 0.0, 0)
+        started = time.perf_counter()
+        await self._local_train(weights, shape, self.config.profile_steps, 10, 0.1, 0.0, 0)
+        return time.perf_counter() - started + self.config.delay_s
+
+    async def _local_train(
+        self,
+        weights: FloatArray,
+        shape: MLPShape,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        mu: float,
+        seed: Sequence[int] | int,
+    ) -> FloatArray:
+        rng = np.random.default_rng(seed)
+        if self.pipeline is not None:
+            # FedProx's mu is not applied on a pipeline (see pipeline_trainer)
+            return await self.pipeline.train(
+                weights,
+                shape,
+                self.shard.x,
+                self.shard.y,
+                steps=steps,
+                batch_size=batch_size,
+                lr=lr,
+                rng=rng,
+            )
+        return local_train(
+            weights,
+            shape,
+            self.shard.x,
+            self.shard.y,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            mu=mu,
+            rng=rng,
+        )
+
+    async def _send(self, message: WireMessage) -> None:
+        assert self._dealer is not None
+        await send(
+            self._dealer,
+            message.to_message(),
+            peer="fl-server",
+            timeout_s=self.config.send_timeout_s,
+        )
+
+    async def _receive(self, timeout_s: float, awaited: str) -> WireMessage | None:
+        """The server's next message; None if it did not decode (logged and dropped)."""
+        assert self._dealer is not None
+        frames = await recv_frames(
+            self._dealer, timeout_s=timeout_s, peer="fl-server", awaited=awaited
+        )
+        try:
+            return REGISTRY.parse(decode_frames(frames, MAX_MESSAGE_BYTES))
+        except ProtocolError as exc:
+            log.warning("fl_message_dropped", reason=str(exc))
+            return None
+
+    async def register(self) -> None:
+        """Register within ``--connect-timeout``; a refused key looks like a silent server
+        (the CURVE handshake fails before the server sees a message), so both say so."""
+        counts = list(self.shard.label_counts(self.n_classes))
+        latency = await self.profile_latency()
+        register = FlRegister(client=self.config.client, label_counts=counts, latency_s=latency)
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        try:
+            assert self._dealer is not None
+            # no connection (refused, or no server yet) leaves no room to queue: the same wait
+            await send(
+                self._dealer,
+                register.to_message(),
+                peer="fl-server",
+                timeout_s=self.config.connect_timeout_s,
+            )
+            while True:
+                left = max(0.0, deadline - time.monotonic())
+                message = await self._receive(left, "fl_welcome")
+                if isinstance(message, FlWelcome):
+                    self._emit({"event": "registered", "latency_s": round(latency, 4)})
+                    return
+                if isinstance(message, FlError):
+                    raise ProtocolError(f"the server refused this client: {message.reason}")
+        except TransportTimeout:
+            raise TransportTimeout(
+                "fl-server",
+                f"fl_welcome: is the server running at {self.config.server}, and (with "
+                "--keys) is this client's key in its key directory?",
+                self.config.connect_timeout_s,
+            ) from None
+
+    async def serve(self) -> str:
+        await self.register()
+        while True:
+            message = await self._receive(self.config.idle_timeout_s, "a task or the run's end")
+            if isinstance(message, FlTask):
+                await self._train(message)
+            elif isinstance(message, FlDone):
+                self._emit({"event": "done", "reason": message.reason, "tasks": self.tasks_done})
+                return message.reason
+            elif isinstance(message, FlError):
+                raise ProtocolError(f"the server refused a message: {message.reason}")
+            elif message is not None:
+                log.warning("fl_message_dropped", reason=f"unexpected {message.KIND}")
+
+    async def _train(self, task: FlTask) -> None:
+        try:
+            shape = shape_from(task.shape)
+            if (shape.n_in, shape.n_out) != (self.n_features, self.n_classes):
+                raise ProtocolError(f"model shape {task.shape} does not fit this client's data")
+            if not (0 < task.local_steps <= MAX_LOCAL_STEPS and task.batch_size > 0):
+                raise ProtocolError("local_steps and batch_size must be positive")
+            if not (task.lr > 0 and task.mu >= 0):
+                raise ProtocolError("lr must be > 0 and mu >= 0")
+            weights = weights_from(task.tensors, shape.size, what="fl_task")
+        except ProtocolError as exc:
+            log.warning("fl_task_refused", task=task.task, reason=str(exc))
+            return
+        self._emit({"event": "task", "task": task.task})
+        started = time.perf_counter()
+        trained = await self._local_train(
+            weights,
+            shape,
+            task.local_steps,
+            task.batch_size,
+            task.lr,
+            task.mu,
+            [task.seed, 5, task.task],  # the seeds fl-sim's clients use for the same task
+        )
+        if self.config.delay_s > 0:
+            await asyncio.sleep(self.config.delay_s)
+        update = FlUpdate(
+            task=task.task,
+            client=self.config.client,
+            n_samples=len(self.shard.y),
+            train_s=time.perf_counter() - started,
+            tensors=(weights_tensor(trained),),
+        )
+        await self._send(update)
+        self.tasks_done += 1
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _classes(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
+    if not values:
+        raise argparse.ArgumentTypeError("name at least one class")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zpipe.cli_common import (
+        existing_dir,
+        non_negative_float,
+        non_negative_int,
+        positive_float,
+        positive_int,
+    )
+
+    p = argparse.ArgumentParser(
+        prog="python -m zpipe fl-client",
+        description="A federated client: train on a local digits shard for an fl-server.",
+    )
+    p.add_argument("--server", required=True, help="the fl-server's endpoint, tcp://HOST:PORT")
+    p.add_argument("--id", type=non_negative_int, required=True, help="this client's id")
+    p.add_argument("--classes", type=_classes, default=(), help="e.g. 3,7 (default: 2 random)")
+    p.add_argument("--samples", type=positive_int, default=40, help="images in the shard")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seeds the shard")
+    p.add_argument("--delay", type=non_negative_float, default=0.0, help="extra s per task")
+    p.add_argument("--profile-steps", type=positive_int, default=10)
+    p.add_argument("--connect-timeout", type=positive_float, default=15.0, metavar="S")
+    p.add_argument("--idle-timeout", type=positive_float, default=600.0, metavar="S")
+    p.add_argument("--send-timeout", type=positive_float, default=5.0, metavar="S")
+    p.add_argument("--keys", type=existing_dir, default=None, metavar="DIR", help="CurveZMQ keys")
+    p.add_argument("--key-name", default=CLIENT_KEY_NAME, help="this client's key in --keys")
+    p.add_argument("--server-key-name", default=SERVER_KEY_NAME, help="the server's key name")
+    p.add_argument(
+        "--pipeline-stages",
+        type=non_negative_int,
+        default=0,
+        help="train on a zpipe pipeline of N local stage processes (1 or 2; default 0: numpy)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> NetClientConfig:
+    return NetClientConfig(
+        server=validate_endpoint(args.server, flag="--server"),
+        client=args.id,
+        classes=args.classes,
+        samples=args.samples,
+        seed=args.seed,
+        delay_s=args.delay,
+        profile_steps=args.profile_steps,
+        connect_timeout_s=args.connect_timeout,
+        idle_timeout_s=args.idle_timeout,
+        send_timeout_s=args.send_timeout,
+        keys_dir=args.keys,
+        key_name=args.key_name,
+        server_key_name=args.server_key_name,
+        pipeline_stages=args.pipeline_stages,
+    )
+
+
+async def _run(config: NetClientConfig) -> str:
+    from zpipe.lossy.data import load_digits_dataset
+
+    dataset = load_digits_dataset()
+    if config.pipeline_stages == 0:
+        return await _serve(FederatedClient(config, dataset))
+    from zpipe.federated.pipeline_trainer import PipelineTrainer
+
+    async with PipelineTrainer(config.pipeline_stages) as pipeline:
+        return await _serve(FederatedClient(config, dataset, pipeline))
+
+
+async def _serve(client: FederatedClient) -> str:
+    try:
+        client.open()
+        return await client.serve()
+    finally:
+        client.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from zpipe.log import configure_logging
+    from zpipe.lossy.experiment import single_threaded_blas
+
+    args = build_parser().parse_args(argv)
+    configure_logging(log_format="console", level="info")
+    try:
+        with single_threaded_blas():
+            asyncio.run(_run(config_from_args(args)))
+    except ZpipeError as exc:
+        print(f"python -m zpipe fl-client: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    return 0
