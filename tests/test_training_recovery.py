@@ -332,7 +332,15 @@ def test_a_stage_that_restarts_is_replaced_then_taken_back_into_the_plan() -> No
     spec = ModelSpec("mlp", {"dims": [12, *[48] * 8, 4]}, seed=5)
     batches = make_batches(12, 12, seed=28)
     want, want_losses = train_single_process(spec, batches, SGD)
-    with _cluster(["a", "b", "c"]) as cluster:
+    # Longer floors than the other tests: starting b's new process (import torch) while
+    # the run re-plans starved a live stage of heartbeats for 3.5-5.1 s twice when the
+    # suite ran in two workers; the old b is found by its replacement anyway.
+    with LocalCluster(
+        [DeviceSpec(name) for name in ("a", "b", "c")],
+        heartbeat_interval_s=INTERVAL,
+        suspect_after=2 * SUSPECT_AFTER,
+        probe_intervals=2 * PROBE_INTERVALS,
+    ) as cluster:
         first_endpoint: list[str] = []
 
         def on_step(step: int, _loss: float) -> None:
