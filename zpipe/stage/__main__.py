@@ -23,6 +23,7 @@ from zpipe.cli_common import (
     timeouts_from_args,
 )
 from zpipe.devices import DEVICE_CHOICES, resolve_device
+from zpipe.lazy_torch import import_lazy_torch_modules
 from zpipe.log import configure_logging, get_logger
 from zpipe.models.size import default_build_limit, set_peer_build_limit
 from zpipe.models.trust import (
@@ -271,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     retain_freed_memory(args.retain_memory_mb)
     log = get_logger("zpipe.stage")
     runtime = StageRuntime(config)
+    # before registering: torch's lazy imports would otherwise hold the GIL for
+    # seconds on the compute thread at the first step, while heartbeats are judged
+    import_lazy_torch_modules()
     # torch and the rest are imported for good: out of the collector's way, so that a
     # full collection does not pause the loop that answers heartbeats
     gc.collect()

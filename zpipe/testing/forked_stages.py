@@ -29,6 +29,7 @@ from pathlib import Path
 
 # The stage's own modules, imported here so that every child shares them.
 import zpipe.stage.__main__ as stage_main
+from zpipe.lazy_torch import import_lazy_torch_modules
 
 
 class ForkedStage:
@@ -95,6 +96,7 @@ def fork_stage(args: Sequence[str], log_path: Path) -> ForkedStage:
     appended to ``log_path``."""
     sys.stdout.flush()
     sys.stderr.flush()
+    import_lazy_torch_modules()  # once here, shared by every child
     gc.collect()
     gc.freeze()
     pid = os.fork()

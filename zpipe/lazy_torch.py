@@ -1,0 +1,27 @@
+"""Import, up front, what torch would import on a compute thread in the middle of a run.
+
+torch imports ``torch._dynamo`` (and with it sympy, mpmath and several hundred
+other modules) lazily, the first time a function wrapped by its internal
+``_disable_dynamo`` runs: an optimizer's first ``step``, a forward under a
+dispatch mode such as the stage's memory profiler. That import is seconds of
+pure Python work, holding the GIL; on a stage's compute thread it starves the
+event loop that answers heartbeats. On a loaded machine (two cores, fifteen busy
+processes) a live stage then went silent for 2-3 s at its first profile or
+training step, long enough for a stall probe to find it "dead".
+
+A process that will run torch work beside an event loop calls
+:func:`import_lazy_torch_modules` before it starts the loop and registers, when
+nobody is judging its silence yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# What torch imports on first use rather than at ``import torch``.
+LAZY_TORCH_MODULES = ("torch._dynamo",)
+
+
+def import_lazy_torch_modules() -> None:
+    for name in LAZY_TORCH_MODULES:
+        importlib.import_module(name)
