@@ -125,7 +125,9 @@ class LocalCluster:
         log_level: str = "info",
         log_dir: Path | None = None,
         python: str = sys.executable,
-        start_timeout_s: float = 60.0,
+        # a stage imports torch and torch._dynamo before it registers: 25-40 s each
+        # when a dozen processes start at once on two loaded cores
+        start_timeout_s: float = 120.0,
         measure_links: bool = True,
         state_dir: Path | None = None,
         emulate_compute: Path | None = None,
