@@ -54,6 +54,7 @@ from zpipe.transport.keys import (
 )
 
 DEADLINE_S = 120.0  # generous: the machine is shared and loaded
+MU = 0.2  # FedProx's mu, sent with every task (the pipeline client must apply it too)
 
 
 class Proc:
@@ -190,7 +191,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             *("fl-server", *SERVER_FLAGS, "--bind", endpoint, "--keys", str(keys)),
             *("--clients", "4", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
             *("--updates", "40", "--eval-every", "5", "--task-timeout", "1.5"),
-            *("--trace", str(trace)),
+            *("--trace", str(trace), "--mu", str(MU)),
         ],
         tmp,
     )
@@ -252,27 +253,32 @@ def test_a_client_trains_on_a_zpipe_pipeline(run: Run) -> None:
     events = read_trace(run.trace)
     updates = [e for e in events if e["event"] == "update" and e["client"] == 3]
     assert updates, "the pipeline client's updates never reached the server"
-    # its pipeline trained what the numpy trainer would (no FedProx term on a pipeline)
+    # its pipeline trained what the numpy trainer would, FedProx's mu included
     dataset = load_digits_dataset()
     config = NetClientConfig(server="tcp://127.0.0.1:1", client=3, classes=(1, 3, 5, 7, 9))
     shard = client_shard(replace(config, samples=60), dataset)
     sent = replay(events).task_weights
     shape = MLPShape(dataset.n_features, 32, dataset.n_classes)
-    for update in updates:
-        want = local_train(
-            sent[update["task"]],
+
+    def numpy_update(task: int, mu: float) -> np.ndarray:
+        return local_train(
+            sent[task],
             shape,
             shard.x,
             shard.y,
             steps=10,
             batch_size=10,
             lr=0.1,
-            mu=0.0,
-            rng=np.random.default_rng([0, 5, update["task"]]),
+            mu=mu,
+            rng=np.random.default_rng([0, 5, task]),
         )
+
+    for update in updates:
         got = np.asarray(update["weights"])
         assert not np.allclose(got, sent[update["task"]])
-        np.testing.assert_allclose(got, want, atol=1e-5)  # float32 on the stages
+        np.testing.assert_allclose(got, numpy_update(update["task"], MU), atol=1e-5)  # float32
+        without_prox = numpy_update(update["task"], 0.0)
+        assert np.abs(got - without_prox).max() > 1e-4  # mu reached the stages
 
 
 def test_a_killed_client_times_out_and_drops_out(run: Run) -> None:

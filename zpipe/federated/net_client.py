@@ -149,7 +149,6 @@ class FederatedClient:
     ) -> FloatArray:
         rng = np.random.default_rng(seed)
         if self.pipeline is not None:
-            # FedProx's mu is not applied on a pipeline (see pipeline_trainer)
             return await self.pipeline.train(
                 weights,
                 shape,
@@ -158,6 +157,7 @@ class FederatedClient:
                 steps=steps,
                 batch_size=batch_size,
                 lr=lr,
+                mu=mu,
                 rng=rng,
             )
         return local_train(
