@@ -81,12 +81,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     trace = tmp / "trace.jsonl"
     endpoint = free_endpoint()
     # groups near 0.2 s and 0.5 s, each admitting up to 2.5 times its centre: a 2.5 s
-    # timeout (or a probe answered after the 4 s task) is out of every range
+    # timeout is out of every range
     server = Proc(
         [
             *("fl-server", "--bind", endpoint, "--keys", str(keys), "--trace", str(trace)),
             *("--clients", "3", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
-            *("--updates", "50", "--eval-every", "10", "--task-timeout", "2.5"),
+            *("--updates", "60", "--eval-every", "10", "--task-timeout", "2.5"),
             *("--probe-interval", "1", "--probe-timeout", "2.5"),
             *("--register-timeout", "90", "--duration", "150"),
         ],
@@ -98,11 +98,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         clients = [
             Proc(client_args(endpoint, keys, 0, "0,1,2,3,4", "0.2"), tmp),
             Proc(client_args(endpoint, keys, 1, "5,6,7,8,9", "0.5"), tmp),
-            # fast for two answers, one task of 4 s, then fast again
+            # fast for two answers, one task of 3 s (past the timeout), then fast again
             Proc(
                 [
                     *client_args(endpoint, keys, SLOW_CLIENT, "0,2,4,6,8", "0.5"),
-                    *("--delay-from", "2:4", "--delay-from", "3:0.5"),
+                    *("--delay-from", "2:3", "--delay-from", "3:0.5"),
                 ],
                 tmp,
             ),
@@ -154,6 +154,15 @@ def test_a_dropped_client_is_probed_and_readmitted_when_it_is_fast_again(run: Ru
     stats = run.summary["stats"]
     assert stats["clients_dropped"] >= 1 and stats["clients_readmitted"] >= 1
     assert any(e.get("event") == "probed" for e in _client_events(run.clients[SLOW_CLIENT]))
+    # while it was out it got no task, not even from the round its failure ended
+    events = read_trace(run.trace)
+    mine_latency = [
+        i for i, e in enumerate(events) if e["event"] == "latency" and e["client"] == SLOW_CLIENT
+    ]
+    out = next(i for i in mine_latency if events[i]["latency_s"] == 2.5)
+    back = next(i for i in mine_latency if i > out and events[i]["latency_s"] < 1.25)
+    between = events[out:back]
+    assert not [e for e in between if e["event"] == "dispatch" and e["client"] == SLOW_CLIENT]
 
 
 def test_a_late_client_is_associated_and_trains(run: Run) -> None:

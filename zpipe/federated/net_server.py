@@ -9,9 +9,10 @@ nothing itself (``--trace`` records every input, and
     fl_register from N clients (label counts and a profiled latency, never samples)
         -> ClientProfiles -> make_server(...).start() -> fl_task to each chosen client
     fl_update     -> on_update(), then observe_latency(client, measured round trip)
-    no fl_update within --task-timeout -> on_task_failed(), then
-                     observe_latency(client, --task-timeout): a lower bound of its latency,
-                     which puts a silent client out of its group's range (a drop-out)
+    no fl_update within --task-timeout -> observe_latency(client, --task-timeout), then
+                     on_task_failed(): the timeout is a lower bound of its latency, which
+                     puts a silent client out of its group's range (a drop-out) before the
+                     failure can start a round that would pick it again
 
     a dropped client (Eco-FL) -> fl_probe every --probe-interval s; its round trip
                      -> observe_latency(): Algorithm 1 re-admits it once it fits a range
@@ -425,9 +426,11 @@ class FederatedShell:
         outstanding = self._outstanding.pop(task_id)
         log.warning("fl_task_timed_out", task=task_id, client=outstanding.client)
         self._emit({"event": "task_failed", "task": task_id, "client": outstanding.client})
+        # the timeout is its latency first: a client that it drops out must not be picked
+        # again by the new round its failure may start
+        await self._observe(server, outstanding.client, self.config.task_timeout_s)
         self._record({"event": "failed", "task": task_id})
         await self._dispatch(server.on_task_failed(task_id))
-        await self._observe(server, outstanding.client, self.config.task_timeout_s)
 
     async def _observe(self, server: FederatedServer, client: int, latency_s: float) -> None:
         self._record({"event": "latency", "client": client, "latency_s": latency_s})
