@@ -27,6 +27,14 @@ least 80% of seeds).
 
 Run: ``.venv/bin/python bench/federated.py`` (10 seeds: about 5-10 minutes on
 2 idle cores; ``--quick`` for 2 seeds and a short sweep).
+
+Networked section (``--network``, or ``--network-only``; :mod:`bench.federated_net`):
+an fl-server and six fl-client processes on loopback (emulated latencies 0.2-0.8 s,
+2 groups, K = 6, ``--network-updates`` global updates) per method of
+``--network-methods``, against fl-sim's prediction of the same configuration.
+Summary keys ``net_<method>_acc``, ``predicted_<method>_acc``,
+``net_minus_predicted_<method>_acc`` and ``net_over_predicted_time_<method>``
+(the server's wall time over the simulated time to the same number of updates).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, loadavg, summary
+from bench.federated_net import compare
 from zpipe.federated.data import PARTITIONS
 from zpipe.federated.simulate import SimConfig, run_simulation, time_to_accuracy
 from zpipe.lossy.data import load_digits_dataset
@@ -74,7 +83,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--staleness", default="polynomial", help="polynomial, hinge or constant")
     p.add_argument("--lam", type=_lambda, default=10.0, help="Eco-FL lambda")
     p.add_argument("--rt-factor", type=float, default=1.0, help="Eco-FL RT^g / K-means radius")
+    p.add_argument("--network", action="store_true", help="add the networked section")
+    p.add_argument("--network-only", action="store_true", help="only the networked section")
+    p.add_argument("--network-methods", default="ecofl,fedasync")
+    p.add_argument("--network-updates", type=int, default=60)
     args = p.parse_args(argv)
+    network: dict[str, Any] = {}
+    if args.network or args.network_only:
+        network = network_section(args)
+        if args.network_only:
+            summary("federated", **network, loadavg=loadavg())
+            return 0
     seeds = 2 if args.quick else args.seeds
     lambdas = [_lambda(t) for t in args.lambdas.split(",") if t.strip()]
     if args.quick:
@@ -164,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings={k: v for k, v in common.items() if k not in ("partition", "budget_s")}
         | {"lam": args.lam},
         lambda_sweep=sweep,
+        **network,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
         note=(
@@ -174,6 +194,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     )
     return 0
+
+
+def network_section(args: argparse.Namespace) -> dict[str, Any]:
+    methods = [m.strip() for m in args.network_methods.split(",") if m.strip()]
+    started = time.perf_counter()
+    out: dict[str, Any] = {"network_updates": args.network_updates}
+    for row in compare(methods, load_digits_dataset(), updates=args.network_updates):
+        emit({**row, "loadavg": loadavg()})
+        key = row["method"].replace("-", "_")
+        out[f"net_{key}_acc"] = row["net_acc"]
+        out[f"predicted_{key}_acc"] = row["predicted_acc"]
+        out[f"net_minus_predicted_{key}_acc"] = round(row["net_acc"] - row["predicted_acc"], 4)
+        out[f"net_over_predicted_time_{key}"] = round(row["net_wall_s"] / row["predicted_s"], 3)
+    out["network_wall_s"] = round(time.perf_counter() - started, 1)
+    return out
 
 
 if __name__ == "__main__":

@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import queue
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -34,6 +27,8 @@ import torch
 import zmq
 
 pytest.importorskip("sklearn")
+
+from fl_procs import DEADLINE_S, Proc, free_endpoint
 
 from zpipe._errors import ProtocolError
 from zpipe.federated.grouping import GroupingPolicy
@@ -53,74 +48,10 @@ from zpipe.transport.keys import (
     load_keypair_public,
 )
 
-DEADLINE_S = 120.0  # generous: the machine is shared and loaded
-
-
-class Proc:
-    """A zpipe command with its stdout JSON lines collected by a thread."""
-
-    def __init__(self, args: list[str], cwd: Path) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "zpipe", *args],
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.seen: list[dict[str, Any]] = []
-        self._stderr: str | None = None
-        assert self.popen.stdout is not None
-        threading.Thread(target=self._read, args=(self.popen.stdout,), daemon=True).start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            try:
-                self.events.put(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-
-    def wait_event(self, name: str, **match: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
-            try:
-                event = self.events.get(timeout=1.0)
-            except queue.Empty:
-                if self.popen.poll() is not None and self.events.empty():
-                    break
-                continue
-            self.seen.append(event)
-            if event.get("event") == name and all(event.get(k) == v for k, v in match.items()):
-                return event
-        raise AssertionError(
-            f"no {name} event {match} after {self.seen[-30:]}; stderr: {self.stderr_tail()}"
-        )
-
-    def finish(self) -> int:
-        return self.popen.wait(timeout=DEADLINE_S)
-
-    def stderr_tail(self) -> str:
-        if self.popen.poll() is None or self.popen.stderr is None:
-            return "(running)"
-        if self._stderr is None:
-            self._stderr = self.popen.stderr.read()
-        return self._stderr[-4000:]
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait(timeout=10)
+MU = 0.2  # FedProx's mu, sent with every task (the pipeline client must apply it too)
 
 
 SERVER_FLAGS = ["--register-timeout", "90", "--duration", "120"]
-
-
-def free_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
 def client_args(endpoint: str, keys: Path, name: str, client: int, classes: str) -> list[str]:
@@ -190,7 +121,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             *("fl-server", *SERVER_FLAGS, "--bind", endpoint, "--keys", str(keys)),
             *("--clients", "4", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
             *("--updates", "40", "--eval-every", "5", "--task-timeout", "1.5"),
-            *("--trace", str(trace)),
+            *("--trace", str(trace), "--mu", str(MU)),
         ],
         tmp,
     )
@@ -252,27 +183,32 @@ def test_a_client_trains_on_a_zpipe_pipeline(run: Run) -> None:
     events = read_trace(run.trace)
     updates = [e for e in events if e["event"] == "update" and e["client"] == 3]
     assert updates, "the pipeline client's updates never reached the server"
-    # its pipeline trained what the numpy trainer would (no FedProx term on a pipeline)
+    # its pipeline trained what the numpy trainer would, FedProx's mu included
     dataset = load_digits_dataset()
     config = NetClientConfig(server="tcp://127.0.0.1:1", client=3, classes=(1, 3, 5, 7, 9))
     shard = client_shard(replace(config, samples=60), dataset)
     sent = replay(events).task_weights
     shape = MLPShape(dataset.n_features, 32, dataset.n_classes)
-    for update in updates:
-        want = local_train(
-            sent[update["task"]],
+
+    def numpy_update(task: int, mu: float) -> np.ndarray:
+        return local_train(
+            sent[task],
             shape,
             shard.x,
             shard.y,
             steps=10,
             batch_size=10,
             lr=0.1,
-            mu=0.0,
-            rng=np.random.default_rng([0, 5, update["task"]]),
+            mu=mu,
+            rng=np.random.default_rng([0, 5, task]),
         )
+
+    for update in updates:
         got = np.asarray(update["weights"])
         assert not np.allclose(got, sent[update["task"]])
-        np.testing.assert_allclose(got, want, atol=1e-5)  # float32 on the stages
+        np.testing.assert_allclose(got, numpy_update(update["task"], MU), atol=1e-5)  # float32
+        without_prox = numpy_update(update["task"], 0.0)
+        assert np.abs(got - without_prox).max() > 1e-4  # mu reached the stages
 
 
 def test_a_killed_client_times_out_and_drops_out(run: Run) -> None:

@@ -155,6 +155,12 @@ KINDS_ADDED_IN_V1 = {
     },
     "fl_error": {"reason": ["str", True]},
     "fl_done": {"reason": ["str", True]},
+    "fl_probe": {"probe": ["int", True]},
+    "fl_probe_reply": {
+        "probe": ["int", True],
+        "client": ["int", True],
+        "work_s": ["int/float", True],
+    },
 }
 TENSOR_KINDS_ADDED_IN_V1 = [
     "bulk_chunk",

@@ -49,7 +49,7 @@ COMMANDS: dict[str, Command] = {
         "convert a timm or Hugging Face ViT / BERT checkpoint into zpipe's weights layout",
     ),
     "fl-server": Command(
-        "zpipe.federated.net_server", "serve Eco-FL (or a baseline) to fl-client processes"
+        "zpipe.federated.net_server_cli", "serve Eco-FL (or a baseline) to fl-client processes"
     ),
     "fl-client": Command(
         "zpipe.federated.net_client", "a federated client training on its digits shard"

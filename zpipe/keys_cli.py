@@ -33,10 +33,11 @@ A device needs only its own NAME{SECRET_SUFFIX} plus {COORDINATOR_KEY_NAME}{PUBL
 in its DIR; the coordinator tells each stage which peers to accept.
 
 Each key's role is recorded in DIR/{ROLES_FILE} ('NAME ROLE' lines): '{COORDINATOR_KEY_NAME}'
-and '{CLIENT_KEY_NAME}' by name, every other NAME a stage, unless --role says otherwise
-(a second client key: --role client). The coordinator lets only client keys start runs
-and read the cluster, and only stage keys register; a key the file does not list keeps
-every role, as before roles existed.
+and '{CLIENT_KEY_NAME}' (and 'fl-client') by name, every other NAME a stage, unless --role
+says otherwise (a second client key: --role client). The coordinator lets only client keys
+start runs and read the cluster, and only stage keys register; fl-server lets only client
+keys act as federated clients; a key the file does not list keeps every role, as before
+roles existed.
 """
 
 _EPILOG = f"""\

@@ -18,6 +18,9 @@ response latency L_n and its label counts (never its samples).
   or drops it out.
 - Re-admission: a dropped client whose latency comes back inside some
   group's range joins the eligible group of smallest cost.
+- Late joins: a client that registers after the run started is associated
+  like a re-admitted one (the eligible group of smallest eq. 4 cost, FedAT's
+  nearest tier in ``latency`` mode), or dropped out until its latency fits.
 
 Modes give the baselines the same interface: ``latency`` keeps the K-means
 clusters as they are (FedAT's tiers, lambda = 0, never regrouped), ``data``
@@ -228,6 +231,35 @@ class Grouping:
         group.members.discard(client_id)
         group.label_counts = group.label_counts - self.counts[client_id]
         return group_id
+
+    # -- late joins -------------------------------------------------------------------
+
+    def add_client(self, profile: ClientProfile) -> GroupChange:
+        """Associate a client that joined a started run (eq. 4 against the current groups).
+
+        pi_iid becomes the label distribution of every client, the new one included."""
+        client_id = profile.client_id
+        if client_id in self.latency:
+            raise ConfigError(f"client {client_id} is already in the run")
+        if len(profile.label_counts) != len(self.pi_iid):
+            raise ConfigError("every client must report label counts over the same classes")
+        if not (profile.latency_s >= 0 and math.isfinite(profile.latency_s)):
+            raise ConfigError(f"client {client_id} reported a latency of {profile.latency_s!r}")
+        self.client_ids = sorted([*self.client_ids, client_id])
+        self.latency[client_id] = float(profile.latency_s)
+        self.counts[client_id] = np.asarray(profile.label_counts, dtype=np.float64)
+        self.pi_iid = label_distribution(sum(self.counts.values()))
+        if self.policy.mode == "latency":
+            target: int | None = min(
+                self.groups, key=lambda g: (abs(g.center_s - profile.latency_s), g.group_id)
+            ).group_id
+        else:
+            target = self._best_eligible_group(client_id)
+        if target is None:
+            self.dropped.add(client_id)
+            return GroupChange(client_id, "dropped", None, None)
+        self._join(client_id, target)
+        return GroupChange(client_id, "joined", None, target)
 
     # -- Algorithm 1 and re-admission -------------------------------------------------
 

@@ -10,7 +10,12 @@ zpipe pipeline of N local stage processes, :mod:`zpipe.federated.pipeline_traine
 and sends the weights back. It
 exits on ``fl_done``, on ``fl_error`` or when the server stays silent for
 ``--idle-timeout`` seconds. ``--delay S`` adds S seconds to every task, to
-emulate a slower device on one machine.
+emulate a slower device on one machine; ``--delay-from N:S`` changes that to S
+from the client's N-th answer on (tasks and probes counted from 0), to
+emulate a device whose speed changes mid-run (Eco-FL section 6.1). An
+``fl_probe`` (the server measuring a dropped client's latency again) gets the
+work of a small task, ``--profile-steps`` steps at the current delay, and an
+``fl_probe_reply``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,16 @@ from zpipe.lossy.data import Dataset
 if TYPE_CHECKING:
     from zpipe.federated.pipeline_trainer import PipelineTrainer
 from zpipe.protocol import REGISTRY, WireMessage
-from zpipe.protocol.federated import FlDone, FlError, FlRegister, FlTask, FlUpdate, FlWelcome
+from zpipe.protocol.federated import (
+    FlDone,
+    FlError,
+    FlProbe,
+    FlProbeReply,
+    FlRegister,
+    FlTask,
+    FlUpdate,
+    FlWelcome,
+)
 from zpipe.transport import security
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -79,6 +93,15 @@ class NetClientConfig:
     key_name: str = CLIENT_KEY_NAME
     server_key_name: str = SERVER_KEY_NAME
     pipeline_stages: int = 0  # 0: the numpy trainer; N: a zpipe pipeline of N stages
+    delay_changes: tuple[tuple[int, float], ...] = ()  # (from answer N, delay S)
+
+    def delay_at(self, answer: int) -> float:
+        """The extra seconds of the ``answer``-th answer (tasks and probes, from 0)."""
+        delay = self.delay_s
+        for first, changed in sorted(self.delay_changes):
+            if answer >= first:
+                delay = changed
+        return delay
 
 
 def client_shard(config: NetClientConfig, dataset: Dataset) -> ClientShard:
@@ -103,6 +126,7 @@ class FederatedClient:
         self._context = new_context()
         self._dealer: zmq.asyncio.Socket | None = None
         self.tasks_done = 0
+        self.answers = 0  # tasks and probes answered: what --delay-from counts
 
     def open(self) -> None:
         options = SocketOptions(max_message_bytes=MAX_MESSAGE_BYTES)
@@ -135,7 +159,22 @@ class FederatedClient:
             await self._local_train(weights, shape, self.config.profile_steps, 10, 0.1, 0.0, 0)
         started = time.perf_counter()
         await self._local_train(weights, shape, self.config.profile_steps, 10, 0.1, 0.0, 0)
-        return time.perf_counter() - started + self.config.delay_s
+        return time.perf_counter() - started + self.config.delay_at(self.answers)
+
+    async def _probe(self, probe: FlProbe) -> None:
+        """A probe's work: a small task's steps at this client's current speed."""
+        shape = MLPShape(self.n_features, 32, self.n_classes)
+        weights = init_weights(shape, np.random.default_rng(0))
+        started = time.perf_counter()
+        await self._local_train(weights, shape, self.config.profile_steps, 10, 0.1, 0.0, 0)
+        delay = self.config.delay_at(self.answers)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        work_s = time.perf_counter() - started
+        reply = FlProbeReply(probe=probe.probe, client=self.config.client, work_s=work_s)
+        await self._send(reply)
+        self.answers += 1
+        self._emit({"event": "probed", "probe": probe.probe, "work_s": round(work_s, 4)})
 
     async def _local_train(
         self,
@@ -149,7 +188,6 @@ class FederatedClient:
     ) -> FloatArray:
         rng = np.random.default_rng(seed)
         if self.pipeline is not None:
-            # FedProx's mu is not applied on a pipeline (see pipeline_trainer)
             return await self.pipeline.train(
                 weights,
                 shape,
@@ -158,6 +196,7 @@ class FederatedClient:
                 steps=steps,
                 batch_size=batch_size,
                 lr=lr,
+                mu=mu,
                 rng=rng,
             )
         return local_train(
@@ -231,6 +270,8 @@ class FederatedClient:
             message = await self._receive(self.config.idle_timeout_s, "a task or the run's end")
             if isinstance(message, FlTask):
                 await self._train(message)
+            elif isinstance(message, FlProbe):
+                await self._probe(message)
             elif isinstance(message, FlDone):
                 self._emit({"event": "done", "reason": message.reason, "tasks": self.tasks_done})
                 return message.reason
@@ -263,8 +304,9 @@ class FederatedClient:
             task.mu,
             [task.seed, 5, task.task],  # the seeds fl-sim's clients use for the same task
         )
-        if self.config.delay_s > 0:
-            await asyncio.sleep(self.config.delay_s)
+        delay = self.config.delay_at(self.answers)
+        if delay > 0:
+            await asyncio.sleep(delay)
         update = FlUpdate(
             task=task.task,
             client=self.config.client,
@@ -274,6 +316,7 @@ class FederatedClient:
         )
         await self._send(update)
         self.tasks_done += 1
+        self.answers += 1
 
 
 # --------------------------------------------------------------------------- CLI
@@ -286,6 +329,17 @@ def _classes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
     if not values:
         raise argparse.ArgumentTypeError("name at least one class")
+    return values
+
+
+def _delay_change(text: str) -> tuple[int, float]:
+    first, sep, delay = text.partition(":")
+    try:
+        values = (int(first), float(delay))
+    except ValueError:
+        values = (-1, -1.0)
+    if not sep or values[0] < 0 or not 0 <= values[1] < 1e6:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N:S (answer N >= 0, delay S >= 0)")
     return values
 
 
@@ -308,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=positive_int, default=40, help="images in the shard")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seeds the shard")
     p.add_argument("--delay", type=non_negative_float, default=0.0, help="extra s per task")
+    p.add_argument(
+        "--delay-from",
+        type=_delay_change,
+        action="append",
+        default=[],
+        metavar="N:S",
+        help="from the N-th answer (tasks and probes, from 0) on, the extra delay is S s",
+    )
     p.add_argument("--profile-steps", type=positive_int, default=10)
     p.add_argument("--connect-timeout", type=positive_float, default=15.0, metavar="S")
     p.add_argument("--idle-timeout", type=positive_float, default=600.0, metavar="S")
@@ -332,6 +394,7 @@ def config_from_args(args: argparse.Namespace) -> NetClientConfig:
         samples=args.samples,
         seed=args.seed,
         delay_s=args.delay,
+        delay_changes=tuple(args.delay_from),
         profile_steps=args.profile_steps,
         connect_timeout_s=args.connect_timeout,
         idle_timeout_s=args.idle_timeout,

@@ -9,23 +9,27 @@ nothing itself (``--trace`` records every input, and
     fl_register from N clients (label counts and a profiled latency, never samples)
         -> ClientProfiles -> make_server(...).start() -> fl_task to each chosen client
     fl_update     -> on_update(), then observe_latency(client, measured round trip)
-    no fl_update within --task-timeout -> on_task_failed(), then
-                     observe_latency(client, --task-timeout): a lower bound of its latency,
-                     which puts a silent client out of its group's range (a drop-out)
+    no fl_update within --task-timeout -> observe_latency(client, --task-timeout), then
+                     on_task_failed(): the timeout is a lower bound of its latency, which
+                     puts a silent client out of its group's range (a drop-out) before the
+                     failure can start a round that would pick it again
+
+    a dropped client (Eco-FL) -> fl_probe every --probe-interval s; its round trip
+                     -> observe_latency(): Algorithm 1 re-admits it once it fits a range
+    fl_register after the start -> add_client() (eq. 4 association), then its tasks
 
 The run ends after ``--updates`` global model updates, after ``--duration``
-seconds, or when nothing is in flight and nothing can be dispatched. Every
+seconds, or when nothing is in flight and nothing can be dispatched or probed. Every
 wait has a deadline; a message that does not decode, does not fit its kind,
 comes from an unregistered peer or names a task that is not the sender's is
 dropped (counted, logged) and the server goes on. With ``--keys DIR`` the
 socket is a CurveZMQ server whose allow-list is every ``NAME.key`` in DIR but
-its own (``fl-server``).
+its own (``fl-server``), and whose ``roles.txt`` decides which keys may act as
+fl clients (:mod:`zpipe.federated.net_admission`).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import math
 import sys
@@ -39,14 +43,20 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, PeerGoneError, ProtocolError, TransportTimeout, ZpipeError
-from zpipe.federated.cli import _alpha, _lambda
-from zpipe.federated.grouping import ClientProfile, GroupingPolicy
+from zpipe._errors import (
+    ConfigError,
+    PeerGoneError,
+    ProtocolError,
+    RoleError,
+    TransportTimeout,
+)
+from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.model import MLPShape, accuracy, init_weights
+from zpipe.federated.net_admission import SenderRoles, profile_from_register
 from zpipe.federated.net_trace import config_to_json, dispatch_events
 from zpipe.federated.net_wire import SERVER_KEY_NAME, weights_from, weights_tensor
+from zpipe.federated.probing import ProbeResult, ProbeSchedule
 from zpipe.federated.server import (
-    METHODS,
     ClientUpdate,
     FederatedServer,
     ServerConfig,
@@ -56,7 +66,16 @@ from zpipe.federated.server import (
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
 from zpipe.protocol import REGISTRY, WireMessage
-from zpipe.protocol.federated import FlDone, FlError, FlRegister, FlTask, FlUpdate, FlWelcome
+from zpipe.protocol.federated import (
+    FlDone,
+    FlError,
+    FlProbe,
+    FlProbeReply,
+    FlRegister,
+    FlTask,
+    FlUpdate,
+    FlWelcome,
+)
 from zpipe.transport import security
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -66,12 +85,10 @@ from zpipe.transport.sockets import (
     open_socket,
     recv_frames,
     send,
-    validate_endpoint,
 )
 
 log = get_logger("zpipe.federated.server")
 
-MAX_CLIENT_ID = 1_000_000
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -88,6 +105,8 @@ class NetServerConfig:
     seed: int = 0
     register_timeout_s: float = 60.0
     task_timeout_s: float = 30.0
+    probe_interval_s: float = 5.0  # 0: never probe dropped clients
+    probe_timeout_s: float = 30.0
     send_timeout_s: float = 5.0
     max_updates: int = 50
     duration_s: float = 600.0
@@ -103,10 +122,13 @@ class NetServerConfig:
             self.register_timeout_s,
             self.task_timeout_s,
             self.send_timeout_s,
+            self.probe_timeout_s,
             self.duration_s,
         )
         if not all(t > 0 and math.isfinite(t) for t in timeouts):
             raise ConfigError("timeouts and the duration must be finite and > 0")
+        if not (self.probe_interval_s >= 0 and math.isfinite(self.probe_interval_s)):
+            raise ConfigError("--probe-interval must be finite and >= 0")
         grouped = self.server.method not in ("fedavg", "fedasync")
         if grouped and self.server.max_concurrent < self.server.grouping.n_groups:
             raise ConfigError(
@@ -138,6 +160,8 @@ class FederatedShell:
         self._routes: dict[int, bytes] = {}  # client id -> routing id
         self._clients: dict[bytes, ClientProfile] = {}
         self._outstanding: dict[int, _Outstanding] = {}
+        self._probes = ProbeSchedule(config.probe_interval_s, config.probe_timeout_s)
+        self._roles: SenderRoles | None = None
         self._trace: IO[str] | None = None
         self.dropped_messages = 0
         self.endpoint = ""
@@ -157,6 +181,7 @@ class FederatedShell:
             )
             self._authenticator = security.CurveAuthenticator(self._context, allow)
             self._authenticator.start()
+            self._roles = SenderRoles(keys_dir)
             security.secure_server(router, keypair)
         else:
             security.warn_open_cluster(log, "fl-server")
@@ -204,8 +229,16 @@ class FederatedShell:
         try:
             message = decode_frames(frames[1:], MAX_MESSAGE_BYTES)
             typed = REGISTRY.parse(message)
+            if self._roles is not None and len(frames) > 1:
+                self._roles.check(typed.KIND, frames[1])
         except ProtocolError as exc:
             self._drop(routing_id, str(exc))
+            return None
+        except RoleError as exc:
+            self.dropped_messages += 1
+            log.warning("role_refused", error=str(exc))
+            if typed.KIND == FlRegister.KIND:  # tell a would-be client why, once
+                await self._send(routing_id, FlError(reason=str(exc)), "refused key")
             return None
         return routing_id, typed
 
@@ -257,26 +290,15 @@ class FederatedShell:
             raise ConfigError(f"no client registered within {self.config.register_timeout_s:g} s")
 
     def _profile_of(self, routing_id: bytes, message: FlRegister) -> ClientProfile:
-        client = message.client
-        if not 0 <= client <= MAX_CLIENT_ID:
-            raise ProtocolError(f"client id {client} is not in 0..{MAX_CLIENT_ID}")
-        known = self._routes.get(client)
+        profile = profile_from_register(message, self.dataset.n_classes)
+        known = self._routes.get(profile.client_id)
         if known is not None and known != routing_id:
-            raise ProtocolError(f"client id {client} is already registered by another peer")
-        if routing_id in self._clients and self._clients[routing_id].client_id != client:
+            raise ProtocolError(
+                f"client id {profile.client_id} is already registered by another peer"
+            )
+        if routing_id in self._clients and self._clients[routing_id].client_id != profile.client_id:
             raise ProtocolError("a peer registers once, under one client id")
-        counts = message.label_counts
-        n_classes = self.dataset.n_classes
-        if len(counts) != n_classes or not all(
-            isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 1 << 31 for c in counts
-        ):
-            raise ProtocolError(f"label_counts must be {n_classes} non-negative integers")
-        if sum(counts) <= 0:
-            raise ProtocolError("a client without samples cannot train")
-        latency = float(message.latency_s)
-        if not (latency >= 0 and math.isfinite(latency)):
-            raise ProtocolError(f"latency_s must be finite and >= 0, got {latency!r}")
-        return ClientProfile(client, latency, tuple(int(c) for c in counts))
+        return profile
 
     @staticmethod
     def _peer(profile: ClientProfile) -> str:
@@ -322,13 +344,21 @@ class FederatedShell:
             if now >= end_at:
                 reason = "duration"
                 break
-            if server.outstanding() == 0:
-                reason = "nothing to dispatch"  # every client dropped out or failed
-                break
             for task_id in [t for t, o in self._outstanding.items() if o.deadline <= now]:
                 await self._fail(server, task_id)
-            next_deadline = min((o.deadline for o in self._outstanding.values()), default=end_at)
-            received = await self._receive(min(next_deadline, end_at) - time.monotonic())
+            for result in self._probes.expired(now):
+                await self._probed(server, result)
+            await self._send_probes(server, now)
+            candidates = server.probe_candidates() if self._probes.enabled else []
+            if server.outstanding() == 0 and self._probes.outstanding() == 0 and not candidates:
+                reason = "nothing to dispatch"  # every client dropped out or failed
+                break
+            next_deadline = min(
+                min((o.deadline for o in self._outstanding.values()), default=end_at),
+                self._probes.next_event(candidates),
+                end_at,
+            )
+            received = await self._receive(next_deadline - time.monotonic())
             if received is None:
                 continue
             before = server.version
@@ -351,6 +381,7 @@ class FederatedShell:
             "final_acc": curve[-1]["test_acc"],
             "curve": curve,
             "dropped_messages": self.dropped_messages,
+            "probes": self._probes.sent,
             "stats": server.stats(),
             "wall_s": round(time.monotonic() - started, 3),
         }
@@ -395,28 +426,85 @@ class FederatedShell:
         outstanding = self._outstanding.pop(task_id)
         log.warning("fl_task_timed_out", task=task_id, client=outstanding.client)
         self._emit({"event": "task_failed", "task": task_id, "client": outstanding.client})
+        # the timeout is its latency first: a client that it drops out must not be picked
+        # again by the new round its failure may start
+        await self._observe(server, outstanding.client, self.config.task_timeout_s)
         self._record({"event": "failed", "task": task_id})
         await self._dispatch(server.on_task_failed(task_id))
-        await self._observe(server, outstanding.client, self.config.task_timeout_s)
 
     async def _observe(self, server: FederatedServer, client: int, latency_s: float) -> None:
         self._record({"event": "latency", "client": client, "latency_s": latency_s})
-        await self._dispatch(server.observe_latency(client, latency_s))
+        was_dropped = server.is_dropped(client)
+        tasks = server.observe_latency(client, latency_s)
+        if server.is_dropped(client) != was_dropped:
+            kind = "readmitted" if was_dropped else "dropped"
+            self._emit({"event": kind, "client": client, "latency_s": round(latency_s, 4)})
+        await self._dispatch(tasks)
+
+    async def _send_probes(self, server: FederatedServer, now: float) -> None:
+        if not self._probes.enabled:
+            return
+        for probe_id, client in self._probes.due(now, server.probe_candidates()):
+            # an unsendable probe (the client is gone) times out like an unanswered one
+            await self._send(self._routes[client], FlProbe(probe=probe_id), f"fl client {client}")
+
+    async def _probed(self, server: FederatedServer, result: ProbeResult) -> None:
+        self._emit(
+            {
+                "event": "probe",
+                "client": result.client_id,
+                "latency_s": round(result.latency_s, 4),
+                "answered": result.answered,
+            }
+        )
+        await self._observe(server, result.client_id, result.latency_s)
+
+    async def _join(self, server: FederatedServer, routing_id: bytes, message: FlRegister) -> None:
+        """A registration after the start: the client joins the run (eq. 4 for groups)."""
+        try:
+            profile = self._profile_of(routing_id, message)
+        except ProtocolError as exc:
+            self._drop(routing_id, str(exc))
+            await self._send(routing_id, FlError(reason=str(exc)), "late client")
+            return
+        self._clients[routing_id] = profile
+        self._routes[profile.client_id] = routing_id
+        await self._send(routing_id, FlWelcome(client=profile.client_id), self._peer(profile))
+        self._record(
+            {
+                "event": "join",
+                "client": profile.client_id,
+                "latency_s": profile.latency_s,
+                "label_counts": list(profile.label_counts),
+            }
+        )
+        tasks = server.add_client(profile)
+        self._emit(
+            {
+                "event": "joined",
+                "client": profile.client_id,
+                "latency_s": profile.latency_s,
+                "dropped": server.is_dropped(profile.client_id),
+            }
+        )
+        await self._dispatch(tasks)
 
     async def _handle(
         self, server: FederatedServer, routing_id: bytes, message: WireMessage
     ) -> None:
         profile = self._clients.get(routing_id)
         if profile is None:
-            reason = f"{message.KIND} from a peer that has not registered"
             if isinstance(message, FlRegister):
-                try:
-                    self._profile_of(routing_id, message)
-                    reason = "the run has started: registrations are closed"
-                except ProtocolError as exc:
-                    reason = str(exc)
-                await self._send(routing_id, FlError(reason=reason), "late client")
-            self._drop(routing_id, reason)
+                await self._join(server, routing_id, message)
+            else:
+                self._drop(routing_id, f"{message.KIND} from a peer that has not registered")
+            return
+        if isinstance(message, FlProbeReply):
+            result = self._probes.answered(message.probe, profile.client_id, time.monotonic())
+            if result is None:
+                self._drop(routing_id, f"probe {message.probe} is not outstanding for this client")
+            else:
+                await self._probed(server, result)
             return
         if not isinstance(message, FlUpdate):
             self._drop(routing_id, f"{message.KIND} is not expected from a client now")
@@ -466,118 +554,3 @@ class FederatedShell:
         self._emit({"event": "listening", "endpoint": self.endpoint or self.open()})
         await self.register_clients()
         return await self.run()
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from zpipe.cli_common import (
-        existing_dir,
-        non_negative_float,
-        non_negative_int,
-        positive_float,
-        positive_int,
-    )
-    from zpipe.federated.aggregation import STALENESS_FUNCTIONS
-
-    defaults = NetServerConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m zpipe fl-server",
-        description="Serve federated learning (Eco-FL or a baseline) to fl-client processes.",
-    )
-    p.add_argument("--bind", default="tcp://0.0.0.0:5600", help="ZeroMQ endpoint to listen on")
-    p.add_argument("--clients", type=positive_int, default=3, help="registrations to await")
-    p.add_argument("--method", choices=METHODS, default="ecofl")
-    p.add_argument("--groups", type=positive_int, default=2, help="latency groups")
-    p.add_argument("--concurrent", type=positive_int, default=20, help="K: clients in flight")
-    p.add_argument("--lam", type=_lambda, default=10.0, help="eq. 4's lambda, s (inf allowed)")
-    p.add_argument("--rt-factor", type=positive_float, default=1.0, help="RT^g / K-means radius")
-    p.add_argument(
-        "--rt-floor", type=non_negative_float, default=0.1, help="RT^g at least this x centre"
-    )
-    p.add_argument("--alpha", type=_alpha, default=0.6, help="FedAsync mixing alpha")
-    p.add_argument("--staleness", choices=STALENESS_FUNCTIONS, default="polynomial")
-    p.add_argument("--staleness-a", type=non_negative_float, default=0.5)
-    p.add_argument("--intra-syncs", type=positive_int, default=1)
-    p.add_argument("--hidden", type=positive_int, default=defaults.hidden, help="MLP width")
-    p.add_argument("--local-steps", type=positive_int, default=defaults.local_steps)
-    p.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
-    p.add_argument("--lr", type=positive_float, default=defaults.lr)
-    p.add_argument("--mu", type=non_negative_float, default=defaults.mu, help="FedProx mu")
-    p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--updates", type=positive_int, default=50, help="global updates to run")
-    p.add_argument("--duration", type=positive_float, default=600.0, help="wall-clock limit, s")
-    p.add_argument("--eval-every", type=positive_int, default=5, help="updates between evals")
-    p.add_argument("--register-timeout", type=positive_float, default=60.0, metavar="S")
-    p.add_argument("--task-timeout", type=positive_float, default=30.0, metavar="S")
-    p.add_argument("--send-timeout", type=positive_float, default=5.0, metavar="S")
-    p.add_argument("--keys", type=existing_dir, default=None, metavar="DIR", help="CurveZMQ keys")
-    p.add_argument("--key-name", default=SERVER_KEY_NAME, help="this server's key in --keys")
-    p.add_argument("--trace", type=Path, default=None, help="JSON lines of the server's inputs")
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> NetServerConfig:
-    return NetServerConfig(
-        server=ServerConfig(
-            method=args.method,
-            max_concurrent=args.concurrent,
-            alpha=args.alpha,
-            staleness=args.staleness,
-            staleness_a=args.staleness_a,
-            intra_syncs=args.intra_syncs,
-            grouping=GroupingPolicy(
-                n_groups=args.groups,
-                lam=args.lam,
-                rt_factor=args.rt_factor,
-                rt_floor_fraction=args.rt_floor,
-                seed=args.seed,
-            ),
-            seed=args.seed,
-        ),
-        bind=validate_endpoint(args.bind, flag="--bind"),
-        clients=args.clients,
-        hidden=args.hidden,
-        local_steps=args.local_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        mu=args.mu,
-        seed=args.seed,
-        register_timeout_s=args.register_timeout,
-        task_timeout_s=args.task_timeout,
-        send_timeout_s=args.send_timeout,
-        max_updates=args.updates,
-        duration_s=args.duration,
-        eval_every=args.eval_every,
-        keys_dir=args.keys,
-        key_name=args.key_name,
-        trace=args.trace,
-    )
-
-
-async def _serve(config: NetServerConfig) -> dict[str, Any]:
-    from zpipe.lossy.data import load_digits_dataset
-
-    shell = FederatedShell(config, load_digits_dataset())
-    try:
-        shell.open()
-        return await shell.serve()
-    finally:
-        shell.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from zpipe.log import configure_logging
-    from zpipe.lossy.experiment import single_threaded_blas
-
-    args = build_parser().parse_args(argv)
-    configure_logging(log_format="console", level="info")
-    try:
-        with single_threaded_blas():
-            summary = asyncio.run(_serve(config_from_args(args)))
-    except ZpipeError as exc:
-        print(f"python -m zpipe fl-server: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    print(json.dumps(summary), flush=True)
-    return 0

@@ -9,7 +9,8 @@ server object got, in order, as JSON lines::
     {"event": "dispatch", "task": 0, "client": 3, "version": 0}   (an output)
     {"event": "update", "task": 0, "client": 3, "n_samples": 40, "weights": [...]}
     {"event": "failed", "task": 5}
-    {"event": "latency", "client": 3, "latency_s": 0.21}
+    {"event": "latency", "client": 3, "latency_s": 0.21}          (a task's or a probe's)
+    {"event": "join", "client": 7, "latency_s": 0.3, "label_counts": [...]}  (a late client)
     {"event": "end", "version": 12, "weights": [...]}
 
 :func:`replay` feeds the inputs to a fresh server object and returns what it
@@ -106,6 +107,11 @@ def replay(events: Iterable[Mapping[str, Any]]) -> Replay:
             dispatched += server.on_task_failed(int(event["task"]))
         elif kind == "latency":
             dispatched += server.observe_latency(int(event["client"]), float(event["latency_s"]))
+        elif kind == "join":
+            profile = ClientProfile(
+                int(event["client"]), float(event["latency_s"]), tuple(event["label_counts"])
+            )
+            dispatched += server.add_client(profile)
     if server is None:
         raise ConfigError("the trace holds no profiles: the run never started")
     return Replay(

@@ -5,8 +5,9 @@ of N stage processes (the client's devices, emulated on this machine) and trains
 every task there with the synchronous 1F1B pipeline: the task's flat weights
 become the ``mlp`` family's units (one Linear a unit), each of the task's
 ``local_steps`` mini-batches is split into micro-batches, and the trained units
-come back as flat weights. FedProx's proximal term is not applied on this path
-(zpipe's training loss is the plain objective), so ``mu`` is ignored here.
+come back as flat weights. FedProx's proximal term lives in the stages'
+optimizer (:mod:`zpipe.federated.fedprox`: SGD pulled towards the weights each
+stage loaded), so a pipeline client trains what the numpy trainer does, mu included.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.cluster import AsyncLocalCluster
+from zpipe.federated.fedprox import FACTORY, optimizer_config
 from zpipe.federated.model import MLPShape
 from zpipe.models.spec import ModelSpec
 from zpipe.models.weights import write_state
@@ -61,7 +63,9 @@ class PipelineTrainer:
         if not 1 <= stages <= MLP_UNITS:
             raise ConfigError(f"--pipeline-stages must be 1..{MLP_UNITS} (the MLP has 2 layers)")
         self.stages = stages
-        self._cluster = AsyncLocalCluster(stages, heartbeat_interval_s=0.5, measure_links=False)
+        self._cluster = AsyncLocalCluster(
+            stages, heartbeat_interval_s=0.5, measure_links=False, allow_factories=(FACTORY,)
+        )
         self._workdir = tempfile.TemporaryDirectory(prefix="zpipe-fl-")
 
     async def __aenter__(self) -> PipelineTrainer:
@@ -82,6 +86,7 @@ class PipelineTrainer:
         steps: int,
         batch_size: int,
         lr: float,
+        mu: float = 0.0,
         rng: np.random.Generator,
     ) -> FloatArray:
         path = Path(self._workdir.name) / "task.safetensors"
@@ -102,7 +107,7 @@ class PipelineTrainer:
         report = await self._cluster.fit(
             spec,
             batches,
-            optimizer={"name": "sgd", "lr": lr},
+            optimizer=optimizer_config(lr, mu),
             num_microbatches=2 if size % 2 == 0 else 1,
             partition=partition,
             progress=False,

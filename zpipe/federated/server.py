@@ -7,6 +7,10 @@ shell drive them alike::
     on_update(ClientUpdate)        -> [TrainTask, ...]   a client's trained model came back
     on_task_failed(task_id)        -> [TrainTask, ...]   a client timed out or left mid-task
     observe_latency(client, L_n)   -> [TrainTask, ...]   a new response latency was profiled
+    add_client(profile)            -> [TrainTask, ...]   a client joined the started run
+
+and says which clients a networked shell should probe for their latency
+(``probe_candidates``: Eco-FL's dropped clients, whom no task measures).
 
 A :class:`TrainTask` says "train these weights and send them back"; the
 client trains ``local_steps`` steps with the proximal term mu around the
@@ -173,8 +177,29 @@ class FederatedServer:
             raise ConfigError(f"client {client_id} reported a latency of {latency_s!r}")
         return self._handle_latency(client_id, latency_s)
 
+    def add_client(self, profile: ClientProfile) -> list[TrainTask]:
+        """A client registered after start(): profile it into the run (eq. 4 for groups)."""
+        if profile.client_id in self.profiles:
+            raise ConfigError(f"client {profile.client_id} is already in the run")
+        width = len(next(iter(self.profiles.values())).label_counts)
+        if len(profile.label_counts) != width:
+            raise ConfigError(
+                f"client {profile.client_id} reports {len(profile.label_counts)} "
+                f"label counts, the run has {width} classes"
+            )
+        self.profiles[profile.client_id] = profile
+        return self._handle_join(profile)
+
     def outstanding(self) -> int:
         return len(self._tasks)
+
+    def probe_candidates(self) -> list[int]:
+        """Clients whose latency only a probe can measure, and whose latency could
+        change a decision (none for the flat methods)."""
+        return []
+
+    def is_dropped(self, client_id: int) -> bool:
+        return False
 
     # -- the method's decisions ----------------------------------------------------------
 
@@ -189,6 +214,9 @@ class FederatedServer:
 
     def _handle_latency(self, client_id: int, latency_s: float) -> list[TrainTask]:
         return []  # flat methods do not group, so a latency change decides nothing
+
+    def _handle_join(self, profile: ClientProfile) -> list[TrainTask]:
+        raise NotImplementedError
 
     def stats(self) -> dict[str, float | int]:
         return {"global_updates": self.version, "failed_tasks": self.failed_tasks}
@@ -240,6 +268,10 @@ class FedAvgServer(FederatedServer):
     def _handle_failure(self, task: _Task) -> list[TrainTask]:
         return self._round_step()
 
+    def _handle_join(self, profile: ClientProfile) -> list[TrainTask]:
+        # a round in progress keeps its clients; with none (nobody was left), start one
+        return [] if self._pending > 0 else self._new_round()
+
 
 class FedAsyncServer(FederatedServer):
     """K clients in flight; each returned model is mixed in with alpha * s(staleness)."""
@@ -266,6 +298,11 @@ class FedAsyncServer(FederatedServer):
 
     def _handle_failure(self, task: _Task) -> list[TrainTask]:
         return self._replace()
+
+    def _handle_join(self, profile: ClientProfile) -> list[TrainTask]:
+        free = self.config.max_concurrent - len(self.busy)
+        clients = self._sample(self._idle_clients(list(self.profiles)), free)
+        return [self._dispatch(c, self.global_weights, self.version, -1) for c in clients]
 
 
 @dataclass
@@ -298,7 +335,7 @@ class HierarchicalServer(FederatedServer):
         self._rounds: dict[int, _GroupRound] = {}
         self.tier_models = [self.global_weights.copy() for _ in range(n_groups)]
         self.tier_updates = [0] * n_groups
-        self.changes = {"moved": 0, "dropped": 0, "readmitted": 0}
+        self.changes = {"moved": 0, "dropped": 0, "readmitted": 0, "joined": 0}
         self.initial_mean_js = self.grouping.mean_js()
         self.initial_mean_group_latency = self.grouping.mean_group_latency()
         self.initial_dropped = len(self.grouping.dropped)
@@ -389,6 +426,20 @@ class HierarchicalServer(FederatedServer):
             return []
         self.changes[change.kind] += 1
         return self._start_idle_groups()
+
+    def _handle_join(self, profile: ClientProfile) -> list[TrainTask]:
+        change = self.grouping.add_client(profile)
+        self.changes[change.kind] += 1
+        return self._start_idle_groups()
+
+    def probe_candidates(self) -> list[int]:
+        policy = self.grouping.policy
+        if policy.mode != "eco" or not policy.dynamic:
+            return []  # nothing re-admits a dropped client: its latency decides nothing
+        return sorted(c for c in self.grouping.dropped if c not in self.busy)
+
+    def is_dropped(self, client_id: int) -> bool:
+        return client_id in self.grouping.dropped
 
     def stats(self) -> dict[str, float | int]:
         return {

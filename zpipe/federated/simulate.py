@@ -46,6 +46,7 @@ class SimConfig:
     max_concurrent: int = 20
     lam: float = 10.0
     rt_factor: float = 1.0
+    rt_floor_fraction: float = 0.1
     alpha: float = 0.6
     staleness: str = "polynomial"
     staleness_a: float = 0.5
@@ -137,8 +138,20 @@ def run_simulation(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
 
 
 def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
+    return run_federation(config, build_federation(config, dataset), dataset)
+
+
+def run_federation(
+    config: SimConfig,
+    federation: Federation,
+    dataset: Dataset,
+    *,
+    max_updates: int | None = None,
+) -> dict[str, Any]:
+    """One run over given clients (``config.n_clients`` of them). With ``max_updates``
+    it also stops once the global model has had that many updates, and reports the
+    simulated time that took and the accuracy then (what fl-server's --updates ends at)."""
     started = time.perf_counter()
-    federation = build_federation(config, dataset)
     shape = MLPShape(dataset.n_features, config.hidden, dataset.n_classes)
     initial = init_weights(shape, np.random.default_rng([config.seed, 3]))
     server = make_server(
@@ -155,6 +168,7 @@ def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
                 n_groups=config.n_groups,
                 lam=config.lam,
                 rt_factor=config.rt_factor,
+                rt_floor_fraction=config.rt_floor_fraction,
                 seed=config.seed,
             ),
             seed=config.seed,
@@ -179,6 +193,7 @@ def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
     curve_t: list[float] = []
     curve_acc: list[float] = []
     client_tasks = 0
+    reached: dict[str, float] = {}
     schedule(0.0, server.start())
     while events:
         now, _, kind, payload = heapq.heappop(events)
@@ -208,6 +223,10 @@ def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
             client_tasks += 1
             update = ClientUpdate(task.task_id, task.client_id, weights, len(shard.y))
             schedule(now, server.on_update(update))
+            if max_updates is not None and server.version >= max_updates:
+                acc = accuracy(server.global_weights, shape, dataset.x_test, dataset.y_test)
+                reached = {"updates_reached_s": now, "acc_at_updates": acc}
+                break
     return {
         "method": config.method,
         "seed": config.seed,
@@ -215,6 +234,7 @@ def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
         "curve": {"time_s": curve_t, "test_acc": curve_acc},
         "final_acc": curve_acc[-1],
         "client_tasks": client_tasks,
+        **reached,
         "stats": server.stats(),
         "wall_s": round(time.perf_counter() - started, 3),
     }

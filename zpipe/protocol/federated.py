@@ -4,10 +4,12 @@
 
     client -> server   fl_register   my id, label counts (never samples), profiled latency
                        fl_update     a task's trained weights (one float64 tensor)
+                       fl_probe_reply  a probe's work is done (the round trip is my latency)
     server -> client   fl_welcome    registered: wait for tasks
                        fl_task       train these weights (one float64 tensor) and send them back
                        fl_error      your message was refused (why)
                        fl_done       the run is over: exit
+                       fl_probe      do a small task's work and answer (latency probe)
 
 The weights cross as one flat float64 tensor, a raw frame: nothing is pickled.
 These kinds travel on the federated server's own socket, not the coordinator's,
@@ -81,4 +83,33 @@ class FlDone(WireMessage):
     reason: str = wire(STR)
 
 
-MESSAGES: tuple[type[WireMessage], ...] = (FlRegister, FlWelcome, FlTask, FlUpdate, FlError, FlDone)
+@wire_message
+class FlProbe(WireMessage):
+    """Do the work of a small task (``--profile-steps`` steps at your current speed) and
+    answer with ``fl_probe_reply``: how a dropped client's latency is measured again."""
+
+    KIND: ClassVar[str] = "fl_probe"
+    probe: int = wire(INT)
+
+
+@wire_message
+class FlProbeReply(WireMessage):
+    """``work_s``: what the probe's work took on the client (informational: the server
+    measures the round trip)."""
+
+    KIND: ClassVar[str] = "fl_probe_reply"
+    probe: int = wire(INT)
+    client: int = wire(INT)
+    work_s: float = wire(NUM)
+
+
+MESSAGES: tuple[type[WireMessage], ...] = (
+    FlRegister,
+    FlWelcome,
+    FlTask,
+    FlUpdate,
+    FlError,
+    FlDone,
+    FlProbe,
+    FlProbeReply,
+)

@@ -39,10 +39,11 @@ Role = Literal["client", "stage", "coordinator"]
 ROLES: tuple[Role, ...] = ("client", "stage", "coordinator")
 ROLES_FILE = "roles.txt"
 
-# What each role may send. Kinds of the lossy launcher (zpipe.lossy.wire) and of
-# fl-server / fl-client (zpipe.protocol.federated) travel on their own sockets and
-# are not listed; a kind listed nowhere is refused for
-# every known role (fail closed): add new kinds here.
+# What each role may send. Kinds of the lossy launcher (zpipe.lossy.wire) travel on
+# their own sockets and are not listed; fl-server checks what fl-clients send on its
+# socket (zpipe.protocol.federated) against the client role, and fl-server's own kinds
+# are not listed (a client pins the server's key). A kind listed nowhere is refused
+# for every known role (fail closed): add new kinds here.
 ROLE_KINDS: dict[Role, frozenset[str]] = {
     "client": frozenset(
         {
@@ -59,6 +60,10 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             # to the first and last stages: inputs and labels
             "data",
             "labels",
+            # to an fl-server, as a federated client (a portal of its own pipeline)
+            "fl_register",
+            "fl_update",
+            "fl_probe_reply",
         }
     ),
     "coordinator": frozenset(
@@ -167,10 +172,11 @@ def check_role(kind: str, role: Role | None) -> bool:
 
 def default_role(name: str) -> Role:
     """The role a new key of this name gets: its own name for the coordinator and the
-    client, else stage (give other client keys their role with record_roles)."""
+    client (``fl-client`` too, fl-client's default key), else stage (give other client
+    keys their role with record_roles)."""
     if name == "coordinator":
         return "coordinator"
-    if name == "client":
+    if name in ("client", "fl-client"):
         return "client"
     return "stage"
 
