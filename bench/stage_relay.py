@@ -42,6 +42,7 @@ import faulthandler
 import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -93,19 +94,35 @@ def _running_lifecycle() -> StageLifecycle:
 # ------------------------------------------------------------------------- relay
 
 
-def _usage() -> tuple[float, int]:
-    """This process's CPU seconds and how often its threads have blocked so far
-    (voluntary context switches of every thread: each is a sleep that some other
-    thread's hand-off, or the network, had to end)."""
-    switches = 0
-    for status in Path("/proc/self/task").glob("*/status"):
+def _thread_role(name: str) -> str:
+    """Which part of the relay a thread is, by its name."""
+    if name == "MainThread":
+        return "loop"
+    if name.startswith("compute"):
+        return "compute"
+    if name.startswith("zpipe-link"):
+        return "link_meter"
+    if name.startswith("ZMQbg"):
+        return "libzmq"
+    return "other"  # pyzmq's garbage collector of zero-copy frames is an unnamed Thread-N
+
+
+def _usage() -> tuple[float, dict[str, int]]:
+    """This process's CPU seconds and how often each of its threads has blocked so
+    far (voluntary context switches: each is a sleep that some other thread's
+    hand-off, the network or a wait for the GIL had to end), by thread role."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    switches: dict[str, int] = {}
+    for task in Path("/proc/self/task").iterdir():
         try:
-            text = status.read_text()
-        except OSError:  # a thread that just ended
+            status = (task / "status").read_text()
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+        except (OSError, ValueError):  # a thread that just ended
             continue
-        for line in text.splitlines():
+        for line in status.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
-                switches += int(line.split()[1])
+                role = _thread_role(name)
+                switches[role] = switches.get(role, 0) + int(line.split()[1])
     return time.process_time(), switches
 
 
@@ -281,12 +298,12 @@ def measure(
         parent.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
         _feed(push, pull, 64, 50, 1)  # connections up, code paths warm
 
-        def relay_usage() -> tuple[float, int]:
+        def relay_usage() -> tuple[float, dict[str, int]]:
             parent.send("usage")
             if not parent.poll(args.timeout):
                 raise TimeoutError("the relay did not answer")
             cpu, switches = parent.recv()
-            return float(cpu), int(switches)
+            return float(cpu), dict(switches)
 
         for size in sizes:
             count = max(args.min_count, int(args.messages_mb * (1 << 20) / size))
@@ -303,7 +320,11 @@ def measure(
                 "rtt_ms": statistics.median(trips) * 1e3,
                 "cpu_us_per_message": (cpu_feeder + cpu_relay) / count * 1e6,
                 "relay_cpu_us": cpu_relay / count * 1e6,
-                "relay_switches": (switches1 - switches0) / count,
+                "relay_switches": sum(switches1.values()) / count - sum(switches0.values()) / count,
+                **{
+                    f"relay_switches_{role}": (n - switches0.get(role, 0)) / count
+                    for role, n in sorted(switches1.items())
+                },
                 "count": count,
                 "trips": trips_n,
             }
@@ -365,13 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [r[size] for r in path_runs]
             m = {
                 key: statistics.median(r[key] for r in rows)
-                for key in (
-                    "msgs_per_s",
-                    "rtt_ms",
-                    "cpu_us_per_message",
-                    "relay_cpu_us",
-                    "relay_switches",
-                )
+                for key in rows[0]
+                if key not in ("count", "trips") and all(key in r for r in rows)
             }
             med[path][size] = m
             emit({"bench": BENCH, "path": path, "size_bytes": size,
