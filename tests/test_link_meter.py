@@ -112,3 +112,38 @@ def test_a_full_window_holds_the_next_send_until_a_message_is_written_out() -> N
     assert held and released
     assert counters.link_delivered_bytes == 1000
     assert counters.link_peak_in_flight == 1
+
+
+async def _written_together(count: int) -> tuple[StageCounters, int, list[int]]:
+    counters = StageCounters()
+    meter = LinkMeter(counters, window=count)
+    trackers = [_HeldTracker() for _ in range(count)]
+    wakeups: list[int] = []
+    done_all = meter._done_all
+
+    def counting(completed: list[tuple[int, float]]) -> None:
+        wakeups.append(len(completed))
+        done_all(completed)
+
+    meter._done_all = counting  # type: ignore[method-assign]
+    for i, tracker in enumerate(trackers):
+        assert meter.has_room()
+        await meter.room(timeout_s=60.0)
+        meter.track(tracker, 100 * (i + 1))  # type: ignore[arg-type]
+    assert not meter.has_room()  # the window is full
+    # every message is written out before the waiter thread looks at the second one
+    for tracker in reversed(trackers):
+        tracker.written.set()
+    await meter.drained(timeout_s=60.0, peer="downstream")
+    in_flight = meter.in_flight
+    meter.close()
+    return counters, in_flight, wakeups
+
+
+def test_messages_written_out_together_all_count_and_free_their_places() -> None:
+    counters, in_flight, wakeups = asyncio.run(_written_together(4))
+    assert in_flight == 0
+    assert counters.link_delivered_bytes == 100 + 200 + 300 + 400
+    # the waiter was held on the first: it found the other three written out behind
+    # it and reported all four in one wake-up of the loop
+    assert wakeups == [4]

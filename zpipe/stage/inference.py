@@ -8,14 +8,23 @@ The bounded queues are the backpressure: a slow downstream fills the outbox,
 which stalls compute, which fills the inbox, which stops receiving, which
 fills the upstream's zmq queue. The event loop never computes, so it keeps
 answering heartbeats while a layer runs for seconds.
+
+When nothing waits in the outbox or in the send task, the link is not
+emulated and both the send window and the downstream's queue have room, the
+compute task queues its output itself, in the same loop pass (a send that
+could wait still goes through the send task, with its deadline): a hand-off
+between tasks costs more than a small message's send.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import torch
 import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
@@ -24,11 +33,27 @@ from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
-from zpipe.transport.sockets import send
+from zpipe.transport.sockets import send, send_nowait
 
 log = get_logger("zpipe.stage")
+# structlog runs its processors before the level filter: checked once per message instead
+_std_log = logging.getLogger("zpipe.stage")
 
 QUEUE_DEPTH = 2
+# Forwards shorter than this (the last group's longest) take the inputs already
+# waiting behind them along to the compute thread, at most MAX_GROUP at once: one
+# hand-off each way for the group instead of one per micro-batch, where the
+# hand-offs cost more than the compute; the first output then waits for the
+# others' compute, at most (MAX_GROUP - 1) x GROUP_BELOW_S.
+GROUP_BELOW_S = 0.002
+MAX_GROUP = QUEUE_DEPTH + 1
+
+
+@dataclass(frozen=True)
+class ComputedMicrobatch:
+    outputs: tuple[torch.Tensor, ...]
+    started: float  # perf_counter, in the compute thread
+    ended: float
 
 
 class InferenceLoop:
@@ -62,6 +87,7 @@ class InferenceLoop:
         self._link = None if link.is_ideal else EmulatedLink(link, self._send_downstream)
         # how long the bytes take to leave, and a bound on what is on its way
         self._meter = LinkMeter(counters)
+        self._sending = False  # the send task holds a message (later ones queue behind it)
 
     async def deliver(self, message: Message) -> None:
         """A checked message of this assignment's epoch (waits while the inbox is full)."""
@@ -71,61 +97,114 @@ class InferenceLoop:
         loop = asyncio.get_running_loop()
         counters = self._counters
         streaming = False  # idle time counts from the first input, not from the assignment
+        grouping = False  # the last forwards were short: send waiting inputs along
         while True:
             waited_from = time.perf_counter()
-            message = await self._inbox.get()
+            group = [await self._inbox.get()]
             if streaming:
                 counters.idle_s += time.perf_counter() - waited_from
             streaming = True
-            mb = int(message["mb"])
+            while grouping and len(group) < MAX_GROUP and not self._inbox.empty():
+                group.append(self._inbox.get_nowait())
+            computing_from = time.perf_counter()
+            # One trip to the compute thread and back for the whole group; messages
+            # of kind "error" (someone upstream failed) pass the word on uncomputed.
+            results = await loop.run_in_executor(self._compute, self._forward_all, group)
+            counters.busy_s += time.perf_counter() - computing_from
+            longest = 0.0
+            for message, result in zip(group, results, strict=True):
+                if isinstance(result, ComputedMicrobatch):
+                    longest = max(longest, result.ended - result.started)
+                out = self._output(message, result)
+                if _std_log.isEnabledFor(logging.DEBUG):
+                    log.debug("microbatch_done", stage=self.name, epoch=self.epoch,
+                              mb=int(message["mb"]))  # fmt: skip
+                await self._hand_to_sender(out)
+            grouping = longest < GROUP_BELOW_S
+
+    def _forward_all(self, group: list[Message]) -> list[ComputedMicrobatch | Exception | None]:
+        """In the compute thread: each data message's outputs (or what it raised)."""
+        results: list[ComputedMicrobatch | Exception | None] = []
+        for message in group:
             if message.kind == "error":
-                # Someone upstream failed on this micro-batch: pass the word on.
-                out = Message("error", {**message.body, "src": self.name}, epoch=self.epoch)
-            else:
-                computing_from = time.perf_counter()
-                try:
-                    outputs, _ = await loop.run_in_executor(
-                        self._compute, self._shard.forward, message.tensors
-                    )
-                    computed_at = time.perf_counter()
-                    counters.busy_s += computed_at - computing_from
-                    counters.timeline.record(mb, "compute", computing_from, computed_at)
-                    counters.microbatches += 1
-                    out = Message(
-                        "data",
-                        {"run": self.run, "mb": mb, "src": self.name},
-                        epoch=self.epoch,
-                        tensors=outputs,
-                    )
-                except Exception as exc:  # a bad input must not take the stage down
-                    counters.busy_s += time.perf_counter() - computing_from
-                    counters.errors += 1
-                    log.warning(
-                        "microbatch_failed",
-                        stage=self.name,
-                        epoch=self.epoch,
-                        mb=mb,
-                        error=str(exc),
-                    )
-                    out = Message(
-                        "error",
-                        {
-                            "run": self.run,
-                            "mb": mb,
-                            "src": self.name,
-                            "stage": self.name,
-                            "message": f"{type(exc).__name__}: {exc}",
-                        },
-                        epoch=self.epoch,
-                    )
-            log.debug("microbatch_done", stage=self.name, epoch=self.epoch, mb=mb)
-            blocked_from = time.perf_counter()
-            await self._outbox.put(out)
-            counters.blocked_s += time.perf_counter() - blocked_from
+                results.append(None)
+                continue
+            started = time.perf_counter()
+            try:
+                outputs, _ = self._shard.forward(message.tensors)
+            except Exception as exc:  # a bad input must not take the stage down
+                results.append(exc)
+                continue
+            results.append(ComputedMicrobatch(outputs, started, time.perf_counter()))
+        return results
+
+    def _output(self, message: Message, result: ComputedMicrobatch | Exception | None) -> Message:
+        """What goes downstream for ``message``, given what computing it gave."""
+        mb = int(message["mb"])
+        counters = self._counters
+        if result is None:
+            return Message("error", {**message.body, "src": self.name}, epoch=self.epoch)
+        if isinstance(result, ComputedMicrobatch):
+            counters.timeline.record(mb, "compute", result.started, result.ended)
+            counters.microbatches += 1
+            return Message(
+                "data",
+                {"run": self.run, "mb": mb, "src": self.name},
+                epoch=self.epoch,
+                tensors=result.outputs,
+            )
+        counters.errors += 1
+        log.warning("microbatch_failed", stage=self.name, epoch=self.epoch, mb=mb,
+                    error=str(result))  # fmt: skip
+        return Message(
+            "error",
+            {
+                "run": self.run,
+                "mb": mb,
+                "src": self.name,
+                "stage": self.name,
+                "message": f"{type(result).__name__}: {result}",
+            },
+            epoch=self.epoch,
+        )
+
+    async def _hand_to_sender(self, out: Message) -> None:
+        if await self._send_now(out):
+            return
+        blocked_from = time.perf_counter()
+        await self._outbox.put(out)
+        self._counters.blocked_s += time.perf_counter() - blocked_from
+
+    async def _send_now(self, message: Message) -> bool:
+        """Queue ``message`` downstream at once if nothing is ahead of it and there is
+        room everywhere; False (nothing sent, the window place given back) otherwise."""
+        if (
+            self._link is not None
+            or self._sending
+            or not self._outbox.empty()
+            or not self._meter.has_room()
+        ):
+            return False
+        started = time.perf_counter()
+        await self._meter.room(timeout_s=self._send_timeout_s)  # at once: there is room
+        try:
+            nbytes = send_nowait(self._downstream, message, on_queued=self._meter.track)
+        except Exception:  # e.g. an output the codec refuses: the send task reports it
+            nbytes = None
+        if nbytes is None:
+            self._meter.release()
+            return False
+        self._counters.bytes_out += nbytes
+        sent_at = time.perf_counter()
+        self._counters.send_s += sent_at - started
+        self._counters.timeline.record(int(message["mb"]), "send", started, sent_at)
+        return True
 
     async def send_loop(self) -> None:
         while True:
+            self._sending = False
             message = await self._outbox.get()
+            self._sending = True
             started = time.perf_counter()
             try:
                 if self._link is not None:

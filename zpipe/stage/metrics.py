@@ -94,6 +94,15 @@ class StageCounters:
             self.timeline.clear()
 
 
+def _written(tracker: zmq.MessageTracker) -> bool:
+    """Whether libzmq has released the tracked message, without waiting."""
+    try:
+        tracker.wait(0)
+    except zmq.NotDone:
+        return False
+    return True
+
+
 class LinkMeter:
     """Tracks the data messages a stage sends until libzmq has written them out.
 
@@ -124,10 +133,18 @@ class LinkMeter:
         goes anyway (zmq's own queue bound and send deadline then decide, as before the
         window), so a link too slow to move one message within the deadline is never a
         new failure."""
+        if self.has_room():
+            # taken without suspending: no task, timer or loop pass for the common case
+            await self._room.acquire()
+            return
         try:
             await asyncio.wait_for(self._room.acquire(), timeout_s)
         except asyncio.TimeoutError:
             self._overdraft += 1
+
+    def has_room(self) -> bool:
+        """Whether :meth:`room` would return at once (a place is free, nobody waits)."""
+        return not self._room.locked()
 
     def release(self) -> None:
         """Give back the place :meth:`room` gave when nothing was sent after all."""
@@ -155,8 +172,10 @@ class LinkMeter:
         self._pending.put((tracker, nbytes))
 
     def _wait_all(self) -> None:
+        following: tuple[zmq.MessageTracker, int] | None = None
         while True:
-            item = self._pending.get()
+            item = following if following is not None else self._pending.get()
+            following = None
             if item is None:
                 return
             tracker, nbytes = item
@@ -166,12 +185,33 @@ class LinkMeter:
                     break
                 except zmq.NotDone:
                     continue
-            done_at = time.perf_counter()
+            completed = [(nbytes, time.perf_counter())]
+            # The messages queued behind it that are written out too go back in the
+            # same wake-up of the event loop (each wake-up is a thread hand-off).
+            ended = False
+            while True:
+                try:
+                    item = self._pending.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    ended = True
+                    break
+                if not _written(item[0]):
+                    following = item
+                    break
+                completed.append((item[1], time.perf_counter()))
             assert self._loop is not None
             try:
-                self._loop.call_soon_threadsafe(self._done, nbytes, done_at)
+                self._loop.call_soon_threadsafe(self._done_all, completed)
             except RuntimeError:  # the loop closed: nobody reads the counters any more
                 return
+            if ended:
+                return
+
+    def _done_all(self, completed: list[tuple[int, float]]) -> None:
+        for nbytes, done_at in completed:
+            self._done(nbytes, done_at)
 
     def _done(self, nbytes: int, done_at: float) -> None:
         self.release()

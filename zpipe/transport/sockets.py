@@ -251,22 +251,11 @@ async def send(
     frames: list[Any] = encode(message)
     if routing_id is not None:
         frames = [routing_id, *frames]
-    nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    nbytes = _queue_now(sock, frames, on_queued)
+    if nbytes is not None:
+        return nbytes
+    nbytes = _frames_nbytes(frames)
     track = on_queued is not None
-    shadow = _shadow(sock, _SEND_ONLY)
-    if shadow is not None:
-        # Queue it at once when there is room (the common case): an asyncio
-        # future, a wait_for timer and an extra loop pass cost more than the
-        # send itself for megabyte messages. A multipart message is queued whole
-        # or not at all, so on EAGAIN nothing was sent and the awaited path runs.
-        try:
-            tracker = shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=track)
-        except zmq.Again:
-            pass
-        else:
-            if on_queued is not None and tracker is not None:
-                on_queued(tracker, nbytes)
-            return nbytes
     # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
     pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False, track=track))
     if not pending.done():
@@ -276,6 +265,49 @@ async def send(
             raise TransportTimeout(peer, f"room to send {message.kind}", timeout_s) from None
     tracker = pending.result()
     if on_queued is not None:
+        on_queued(tracker, nbytes)
+    return nbytes
+
+
+def send_nowait(
+    sock: zmq.asyncio.Socket,
+    message: Message,
+    *,
+    on_queued: Callable[[zmq.MessageTracker, int], None] | None = None,
+) -> int | None:
+    """Queue ``message`` on a send-only socket (PUSH, PUB) without waiting: the bytes
+    queued, or None when nothing was sent (no room, or a socket that also receives).
+
+    For a caller that has something better to do than wait (hand the message to
+    its send task instead); :func:`send` is the one with a deadline.
+    """
+    return _queue_now(sock, encode(message), on_queued)
+
+
+def _frames_nbytes(frames: Sequence[Any]) -> int:
+    return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+
+
+def _queue_now(
+    sock: zmq.asyncio.Socket,
+    frames: list[Any],
+    on_queued: Callable[[zmq.MessageTracker, int], None] | None,
+) -> int | None:
+    """Queue ``frames`` through the synchronous shadow of a send-only socket when
+    there is room (the common case): an asyncio future, a wait_for timer and an
+    extra loop pass cost more than the send itself. A multipart message is queued
+    whole or not at all, so on EAGAIN nothing was sent (None)."""
+    shadow = _shadow(sock, _SEND_ONLY)
+    if shadow is None:
+        return None
+    try:
+        tracker = shadow.send_multipart(
+            frames, flags=zmq.NOBLOCK, copy=False, track=on_queued is not None
+        )
+    except zmq.Again:
+        return None
+    nbytes = _frames_nbytes(frames)
+    if on_queued is not None and tracker is not None:
         on_queued(tracker, nbytes)
     return nbytes
 

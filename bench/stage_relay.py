@@ -1,0 +1,411 @@
+"""Per-message cost of a stage's data path: zpipe's relay against a raw pyzmq relay.
+
+A *feeder* (this process, plain synchronous pyzmq) pushes data messages of one
+float32 tensor (``--sizes``, default 64 KiB and 1 MiB) into a spawned *relay*
+process over loopback TCP and receives what the relay forwards on a second
+PUSH/PULL pair. The relay is one of:
+
+``raw``
+    The ceiling: a synchronous PULL -> PUSH loop, ``recv_multipart(copy=False)``
+    then ``send_multipart(frames, copy=False)``; nothing decoded.
+``stage``
+    What a running inference stage does with each message, in-process: the
+    real :class:`~zpipe.stage.dataport.DataPort` (framing, kind, sender and
+    epoch checks) feeding the real :class:`~zpipe.stage.inference.InferenceLoop`
+    (bounded inbox, compute thread, bounded outbox, send task with the link
+    meter and its tracker) over a one-unit identity shard, on uvloop when it is
+    importable, as the CLI runs stages.
+
+Two measurements per size and path, with the relay's and the feeder's CPU time:
+
+* ``tput``: the feeder keeps at most ``--window`` messages in the relay (as a
+  client's ``max_in_flight`` does) and reports messages per second;
+* ``rtt``: one message at a time; the median round trip through the relay.
+
+Summary keys (same-run ratios, stage over raw): ``ratio_64kb``, ``ratio_1mb``
+(throughput), ``rtt_ratio_64kb``, ``rtt_ratio_1mb`` and ``cpu_ratio_X`` (CPU of
+both processes per message), plus ``loadavg``. ``--profile FILE`` writes the
+stage relay's cProfile statistics (pstats) for the last size.
+
+    .venv/bin/python bench/stage_relay.py            # about half a minute
+    .venv/bin/python bench/stage_relay.py --quick    # a few seconds
+
+Every wait has a deadline (``--timeout``); the relay is killed if anything fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import faulthandler
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from zpipe.log import configure_logging
+from zpipe.stage.dataport import DataPort
+from zpipe.stage.inference import InferenceLoop
+from zpipe.stage.lifecycle import DataRoute, StageLifecycle
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.shard import Shard
+from zpipe.transport.allocator import retain_freed_memory
+from zpipe.transport.codec import Message, encode
+from zpipe.transport.emulation import LinkSpec
+from zpipe.transport.sockets import SocketOptions, new_context, open_socket
+
+try:
+    from bench._common import emit, loadavg, summary
+except ImportError:  # run as a script: bench/ itself is sys.path[0]
+    from _common import emit, loadavg, summary  # type: ignore[no-redef]
+
+BENCH = "stage_relay"
+PATHS = ("raw", "stage")
+LOOPBACK = "tcp://127.0.0.1:*"
+EPOCH = 1
+RUN = 1
+OPTIONS = SocketOptions()
+
+
+def _running_lifecycle() -> StageLifecycle:
+    """A stage lifecycle in the RUNNING phase of inference run RUN, upstream 'client'."""
+    lifecycle = StageLifecycle(
+        name="relay", coordinator="c", registration={}, connect_s=1.0, silence_limit_s=1.0, now=0.0
+    )
+    lifecycle.registration_reply(
+        Message("registered", {"name": "relay", "heartbeat_interval": 1}), 0
+    )
+    lifecycle.control_message(Message("assign", {"run": RUN}, epoch=EPOCH), 0.0)
+    lifecycle.assignment_ready(RUN, EPOCH, build_s=0.0)
+    lifecycle.control_message(Message("connect", {"run": RUN}, epoch=EPOCH), 0.0)
+    lifecycle.connected(RUN, DataRoute.inference(EPOCH, "client"))
+    return lifecycle
+
+
+# ------------------------------------------------------------------------- relay
+
+
+def _thread_role(name: str) -> str:
+    """Which part of the relay a thread is, by its name."""
+    if name == "MainThread":
+        return "loop"
+    if name.startswith("compute"):
+        return "compute"
+    if name.startswith("zpipe-link"):
+        return "link_meter"
+    if name.startswith("ZMQbg"):
+        return "libzmq"
+    return "other"  # pyzmq's garbage collector of zero-copy frames is an unnamed Thread-N
+
+
+def _usage() -> tuple[float, dict[str, int]]:
+    """This process's CPU seconds and how often each of its threads has blocked so
+    far (voluntary context switches: each is a sleep that some other thread's
+    hand-off, the network or a wait for the GIL had to end), by thread role."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    switches: dict[str, int] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+        except (OSError, ValueError):  # a thread that just ended
+            continue
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                role = _thread_role(name)
+                switches[role] = switches.get(role, 0) + int(line.split()[1])
+    return time.process_time(), switches
+
+
+def relay_main(conn: Connection, path: str, profile: str | None, timeout_s: float) -> None:
+    faulthandler.dump_traceback_later(timeout_s * 4, exit=True)
+    configure_logging(level="warning")
+    retain_freed_memory()
+    torch.set_num_threads(1)
+    if path == "raw":
+        _raw_relay(conn)
+        return
+    try:
+        import uvloop
+
+        run: Any = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    profiler = cProfile.Profile() if profile else None
+    try:
+        run(_stage_relay(conn, profiler))
+    finally:
+        if profiler is not None and profile:
+            profiler.dump_stats(profile)
+
+
+def _raw_relay(conn: Connection) -> None:
+    ctx = zmq.Context(io_threads=1)
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, OPTIONS.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, OPTIONS.recv_hwm)
+    pull.bind(LOOPBACK)
+    conn.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
+    push.connect(conn.recv())
+    pull.setsockopt(zmq.RCVTIMEO, 50)
+    while True:
+        try:
+            frames = pull.recv_multipart(copy=False)
+        except zmq.Again:  # idle: the feeder's requests come between runs
+            if conn.poll(0):
+                if conn.recv() == "stop":
+                    break
+                conn.send(_usage())
+            continue
+        push.send_multipart(frames, copy=False)
+    pull.close()
+    push.close()
+    ctx.term()
+
+
+async def _readable(conn: Connection) -> None:
+    """Until the feeder's next request is there (the run's own deadline bounds it)."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    loop.add_reader(conn.fileno(), ready.set)
+    try:
+        await ready.wait()
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+async def _stage_relay(conn: Connection, profiler: cProfile.Profile | None) -> None:
+    ctx = new_context()
+    data_in = open_socket(ctx, zmq.PULL, OPTIONS)
+    data_in.bind(LOOPBACK)
+    conn.send(data_in.getsockopt_string(zmq.LAST_ENDPOINT))
+    await _readable(conn)
+    downstream = open_socket(ctx, zmq.PUSH, OPTIONS)
+    downstream.connect(conn.recv())
+    counters = StageCounters()
+    lifecycle = _running_lifecycle()
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-relay")
+    loop = InferenceLoop(
+        name="relay",
+        run=RUN,
+        epoch=EPOCH,
+        shard=Shard([torch.nn.Identity()]),
+        compute=compute,
+        counters=counters,
+        downstream=downstream,
+        downstream_name="sink",
+        link=LinkSpec(),
+        send_timeout_s=30.0,
+    )
+    port = DataPort(
+        socket=data_in,
+        lifecycle=lifecycle,
+        counters=counters,
+        name="relay",
+        max_message_bytes=OPTIONS.max_message_bytes,
+    )
+    tasks = [
+        asyncio.create_task(port.serve(loop.deliver, upstream="client")),
+        asyncio.create_task(loop.compute_loop()),
+        asyncio.create_task(loop.send_loop()),
+    ]
+    if profiler is not None:
+        profiler.enable()
+    while True:
+        await _readable(conn)
+        if conn.recv() == "stop":
+            break
+        conn.send(_usage())
+    if profiler is not None:
+        profiler.disable()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await loop.close()
+    compute.shutdown(wait=True)
+    data_in.close(linger=0)
+    downstream.close(linger=0)
+    ctx.term()
+
+
+# ------------------------------------------------------------------------ feeder
+
+
+def _headers(count: int, size: int) -> tuple[list[bytes], memoryview]:
+    tensor = torch.arange(size // 4, dtype=torch.float32)
+    headers = []
+    for mb in range(count):
+        frames = encode(
+            Message("data", {"run": RUN, "mb": mb, "src": "client"}, epoch=EPOCH, tensors=(tensor,))
+        )
+        headers.append(bytes(frames[0]))
+    return headers, frames[1]  # type: ignore[return-value]
+
+
+def _feed(
+    push: zmq.Socket[Any], pull: zmq.Socket[Any], size: int, count: int, window: int
+) -> tuple[float, list[float]]:
+    """Seconds for ``count`` messages with at most ``window`` in the relay, and each
+    message's time from its send to its return."""
+    headers, payload = _headers(count, size)
+    sent_at: list[float] = []
+    trips: list[float] = []
+    started = time.perf_counter()
+    sent = received = 0
+    while received < count:
+        while sent < count and sent - received < window:
+            sent_at.append(time.perf_counter())
+            push.send_multipart([headers[sent], payload], copy=False)
+            sent += 1
+        frames = pull.recv_multipart(copy=False)
+        trips.append(time.perf_counter() - sent_at[received])
+        if len(frames) != 2 or len(frames[1]) != size:
+            raise RuntimeError("the relay returned a different message")
+        received += 1
+    return time.perf_counter() - started, trips
+
+
+def measure(
+    path: str, sizes: list[int], args: argparse.Namespace, profile: str | None
+) -> dict[int, dict[str, float]]:
+    spawn = mp.get_context("spawn")
+    parent, child = spawn.Pipe()
+    proc = spawn.Process(target=relay_main, args=(child, path, profile, args.timeout), daemon=True)
+    proc.start()
+    ctx = zmq.Context(io_threads=1)
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    results: dict[int, dict[str, float]] = {}
+    try:
+        for sock in (push, pull):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, int(args.timeout * 1000))
+            sock.setsockopt(zmq.RCVTIMEO, int(args.timeout * 1000))
+        pull.bind(LOOPBACK)
+        if not parent.poll(args.timeout):
+            raise TimeoutError("the relay did not start")
+        push.connect(parent.recv())
+        parent.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        _feed(push, pull, 64, 50, 1)  # connections up, code paths warm
+
+        def relay_usage() -> tuple[float, dict[str, int]]:
+            parent.send("usage")
+            if not parent.poll(args.timeout):
+                raise TimeoutError("the relay did not answer")
+            cpu, switches = parent.recv()
+            return float(cpu), dict(switches)
+
+        for size in sizes:
+            count = max(args.min_count, int(args.messages_mb * (1 << 20) / size))
+            _feed(push, pull, size, min(count, 200), args.window)
+            (relay0, switches0), cpu0 = relay_usage(), time.process_time()
+            seconds, _ = _feed(push, pull, size, count, args.window)
+            cpu_feeder = time.process_time() - cpu0
+            relay1, switches1 = relay_usage()
+            cpu_relay = relay1 - relay0
+            trips_n = max(20, count // 4)
+            _, trips = _feed(push, pull, size, trips_n, 1)
+            results[size] = {
+                "msgs_per_s": count / seconds,
+                "rtt_ms": statistics.median(trips) * 1e3,
+                "cpu_us_per_message": (cpu_feeder + cpu_relay) / count * 1e6,
+                "relay_cpu_us": cpu_relay / count * 1e6,
+                "relay_switches": sum(switches1.values()) / count - sum(switches0.values()) / count,
+                **{
+                    f"relay_switches_{role}": (n - switches0.get(role, 0)) / count
+                    for role, n in sorted(switches1.items())
+                },
+                "count": count,
+                "trips": trips_n,
+            }
+        parent.send("stop")
+    finally:
+        push.close()
+        pull.close()
+        ctx.term()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/stage_relay.py", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--sizes", default="64K,1M", help="tensor sizes, K or M (default 64K,1M)")
+    parser.add_argument("--window", type=int, default=4, help="messages in the relay at once")
+    parser.add_argument(
+        "--messages-mb", type=float, default=400.0, help="MiB per throughput run (default 400)"
+    )
+    parser.add_argument("--min-count", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per path, alternating")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of every wait, s")
+    parser.add_argument("--profile", default=None, help="write the stage relay's pstats here")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--quick", action="store_true", help="small runs, one repeat")
+    args = parser.parse_args(argv)
+    units = {"K": 1 << 10, "M": 1 << 20}
+    args.sizes = [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+                  for s in args.sizes.upper().split(",")]  # fmt: skip
+    args.paths = [p for p in args.paths.split(",") if p]
+    if args.quick:
+        args.messages_mb, args.repeats, args.min_count = 40.0, 1, 50
+    return args
+
+
+def _label(size: int) -> str:
+    return f"{size >> 20}mb" if size % (1 << 20) == 0 else f"{size >> 10}kb"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(level="warning")
+    retain_freed_memory()
+    runs: dict[str, list[dict[int, dict[str, float]]]] = {p: [] for p in args.paths}
+    for rep in range(args.repeats):
+        order = args.paths if rep % 2 == 0 else list(reversed(args.paths))
+        for path in order:
+            last = rep == args.repeats - 1
+            runs[path].append(measure(path, args.sizes, args, args.profile if last else None))
+    med: dict[str, dict[int, dict[str, float]]] = {}
+    for path, path_runs in runs.items():
+        med[path] = {}
+        for size in args.sizes:
+            rows = [r[size] for r in path_runs]
+            m = {
+                key: statistics.median(r[key] for r in rows)
+                for key in rows[0]
+                if key not in ("count", "trips") and all(key in r for r in rows)
+            }
+            med[path][size] = m
+            emit({"bench": BENCH, "path": path, "size_bytes": size,
+                  **{k: round(v, 4) for k, v in m.items()},
+                  "msgs_per_s_runs": [round(r["msgs_per_s"], 1) for r in rows]})  # fmt: skip
+    ratios: dict[str, Any] = {}
+    if "raw" in med and "stage" in med:
+        for size in args.sizes:
+            raw, stage = med["raw"][size], med["stage"][size]
+            label = _label(size)
+            ratios[f"ratio_{label}"] = round(stage["msgs_per_s"] / raw["msgs_per_s"], 4)
+            ratios[f"rtt_ratio_{label}"] = round(stage["rtt_ms"] / raw["rtt_ms"], 4)
+            ratios[f"cpu_ratio_{label}"] = round(
+                stage["cpu_us_per_message"] / raw["cpu_us_per_message"], 4
+            )
+    summary(BENCH, **ratios, window=args.window, repeats=args.repeats, loadavg=loadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The inference loop of one assignment, in-process over real loopback sockets.
+
+What it must keep whatever path a micro-batch takes (sent by the compute task
+itself when there is room, or through the send task; computed alone or in a
+group with the inputs waiting behind it): every output goes downstream once,
+in the order the inputs came, with its compute recorded; a forward that raises
+becomes an "error" message and the loop goes on; an upstream "error" is passed
+on uncomputed; a downstream that stops reading holds the loop back (nothing is
+dropped) and everything arrives once it reads again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe.stage import inference
+from zpipe.stage.inference import InferenceLoop
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.shard import Shard
+from zpipe.transport.codec import Message
+from zpipe.transport.emulation import LinkSpec
+from zpipe.transport.sockets import (
+    SocketOptions,
+    bind_endpoint,
+    decode_frames,
+    new_context,
+    open_socket,
+)
+
+WAIT_S = 60.0
+
+
+class DoublingShard(Shard):
+    """Doubles its input; raises on an input whose first element is negative; can be
+    held (the test releases it) to let inputs pile up; records each call's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.nn.Identity()])
+        self.calls: list[float] = []
+        self.threads: set[str] = set()
+        self.release = threading.Event()
+        self.release.set()
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], float]:
+        self.release.wait(WAIT_S)
+        self.threads.add(threading.current_thread().name)
+        first = float(inputs[0][0])
+        self.calls.append(first)
+        if first < 0:
+            raise ValueError("negative input")
+        return (inputs[0] * 2,), 0.0
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.asyncio.Context]:
+    ctx = new_context()
+    yield ctx
+    ctx.term()
+
+
+def data(mb: int, value: float, size: int = 16) -> Message:
+    return Message(
+        "data", {"run": 1, "mb": mb, "src": "up"}, epoch=3, tensors=(torch.full((size,), value),)
+    )
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` (state of the loop under test) until it holds, at most WAIT_S."""
+    for _ in range(int(WAIT_S / 0.001)):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"still not the case after {WAIT_S} s")
+
+
+async def _run(
+    context: zmq.asyncio.Context,
+    inputs: list[Message],
+    *,
+    options: SocketOptions,
+    hold_downstream: bool = False,
+    hold_compute: bool = False,
+) -> tuple[list[Message], DoublingShard, StageCounters]:
+    # TCP, not inproc: over inproc a zero-copy message is released (its tracker
+    # done, its place in the send window free) only when the receiver frees it
+    sink = open_socket(context, zmq.PULL, options)
+    endpoint = bind_endpoint(sink, "tcp://127.0.0.1:0")
+    downstream = open_socket(context, zmq.PUSH, options)
+    downstream.connect(endpoint)
+    shard = DoublingShard()
+    counters = StageCounters()
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-test")
+    loop = InferenceLoop(
+        name="s1",
+        run=1,
+        epoch=3,
+        shard=shard,
+        compute=compute,
+        counters=counters,
+        downstream=downstream,
+        downstream_name="s2",
+        link=LinkSpec(),
+        send_timeout_s=WAIT_S,
+    )
+    tasks = [asyncio.create_task(loop.compute_loop()), asyncio.create_task(loop.send_loop())]
+    received: list[Message] = []
+    try:
+        if hold_compute:
+            shard.release.clear()
+
+        async def feed() -> None:
+            for message in inputs:
+                await asyncio.wait_for(loop.deliver(message), WAIT_S)
+
+        feeding = asyncio.create_task(feed())
+        if hold_compute:
+            # the first input is in the compute thread, the next ones wait in the inbox
+            await until(lambda: loop._inbox.qsize() == inference.QUEUE_DEPTH)
+            shard.release.set()
+        if hold_downstream:
+            # nobody reads: zmq's queue, the window, the outbox and the inbox fill up
+            await until(lambda: loop._inbox.full() and loop._outbox.full())
+            assert not feeding.done()
+        for _ in inputs:
+            frames = await asyncio.wait_for(sink.recv_multipart(copy=False), WAIT_S)
+            received.append(decode_frames(frames, 1 << 30))
+        await asyncio.wait_for(feeding, WAIT_S)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await loop.close()
+        compute.shutdown(wait=True)
+        downstream.close(linger=0)
+        sink.close(linger=0)
+    return received, shard, counters
+
+
+def test_every_output_goes_downstream_once_in_order(context: zmq.asyncio.Context) -> None:
+    inputs = [data(mb, float(mb)) for mb in range(40)]
+    received, shard, counters = asyncio.run(_run(context, inputs, options=SocketOptions()))
+    assert [m["mb"] for m in received] == list(range(40))
+    assert all(m.kind == "data" and m["src"] == "s1" and m.epoch == 3 for m in received)
+    assert [float(m.tensors[0][0]) for m in received] == [2.0 * mb for mb in range(40)]
+    assert counters.microbatches == 40 and counters.errors == 0
+    assert shard.threads == {"compute-test_0"}  # never on the event loop's thread
+    spans = counters.timeline.spans()
+    assert sorted(s.mb for s in spans if s.phase == "compute") == list(range(40))
+    assert sorted(s.mb for s in spans if s.phase == "send") == list(range(40))
+    assert counters.bytes_out > 40 * 16 * 4
+
+
+def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
+    context: zmq.asyncio.Context,
+) -> None:
+    inputs = [data(mb, float(mb)) for mb in range(12)]
+    trips: list[int] = []
+    original = InferenceLoop._forward_all
+
+    def counting(self: InferenceLoop, group: list[Message]) -> object:
+        trips.append(len(group))
+        return original(self, group)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(InferenceLoop, "_forward_all", counting)
+        received, _, _ = asyncio.run(
+            _run(context, inputs, options=SocketOptions(), hold_compute=True)
+        )
+    assert [m["mb"] for m in received] == list(range(12))
+    assert sum(trips) == 12
+    assert max(trips) > 1  # the inputs held in the inbox went together
+    assert max(trips) <= inference.MAX_GROUP
+
+
+def test_a_failing_forward_becomes_an_error_and_upstream_errors_pass_on(
+    context: zmq.asyncio.Context,
+) -> None:
+    upstream_error = Message(
+        "error",
+        {"run": 1, "mb": 2, "src": "up", "stage": "s0", "message": "boom"},
+        epoch=3,
+    )
+    inputs = [data(0, 1.0), data(1, -1.0), upstream_error, data(3, 3.0)]
+    received, shard, counters = asyncio.run(_run(context, inputs, options=SocketOptions()))
+    assert [(m.kind, m["mb"]) for m in received] == [
+        ("data", 0),
+        ("error", 1),
+        ("error", 2),
+        ("data", 3),
+    ]
+    assert "ValueError: negative input" in received[1]["message"]
+    assert received[2]["message"] == "boom" and received[2]["src"] == "s1"
+    assert shard.calls == [1.0, -1.0, 3.0]  # the upstream error was not computed
+    assert counters.errors == 1 and counters.microbatches == 2
+
+
+def test_a_downstream_that_stops_reading_holds_the_loop_and_loses_nothing(
+    context: zmq.asyncio.Context,
+) -> None:
+    # One-message queues: the compute task's own send finds no room at once, so
+    # later outputs take the send task's path behind it, and order must hold.
+    options = SocketOptions(send_hwm=1, recv_hwm=1)
+    inputs = [data(mb, float(mb), size=1 << 16) for mb in range(30)]
+    received, _, counters = asyncio.run(
+        _run(context, inputs, options=options, hold_downstream=True)
+    )
+    assert [m["mb"] for m in received] == list(range(30))
+    assert [float(m.tensors[0][0]) for m in received] == [2.0 * mb for mb in range(30)]
+    assert counters.microbatches == 30
