@@ -7,6 +7,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -138,3 +139,23 @@ def test_a_setup_that_does_not_fit_is_refused_in_lossy_ready() -> None:
     assert executor.state is None and executor.protocol_errors == 1
     with pytest.raises(ProtocolError, match="not set up"):
         asyncio.run(executor.on_control(Message("lossy_go", {"run": 5, "start_at": 0.0})))
+
+
+def test_run_spec_round_trips_and_rejects_garbage() -> None:
+    alloc = partition_and_map(SIZES, "hybrid", 3, np.ones((3, 3)), mapping="identity", seed=0)
+    spec = RunSpec(alloc=alloc, prr=np.full((3, 3), 0.75), seed=3,
+                   recovery=Recovery("ack", max_attempts=3), lossless=False, lr=0.1, n_data=4,
+                   batch=20, mode="emulated", slot_s=0.1, wait_s=5.0)  # fmt: skip
+    body = msgpack.unpackb(msgpack.packb(spec.to_body()))
+    again = RunSpec.from_body(body)
+    assert again.alloc == spec.alloc and np.array_equal(again.prr, spec.prr)
+    assert again.recovery == spec.recovery
+    for broken in (
+        {**body, "prr": [[1.0]]},
+        {**body, "mode": "psychic"},
+        {**body, "n_data": "4"},
+        {**body, "recovery": {"scheme": "pray", "copies": 1, "max_attempts": 1}},
+        {k: v for k, v in body.items() if k != "alloc"},
+    ):
+        with pytest.raises(ProtocolError):
+            RunSpec.from_body(broken)

@@ -47,7 +47,9 @@ class StagesLossyResult:
     alloc: Allocation
     #: the stage name of each device index
     stages: list[str]
-    #: per device: passes that ran with partials missing (see zpipe.lossy.multiprocess)
+    #: per device: passes that ran with partials missing,
+    #: ``[data, kind, key_layer, missing, deadline, proceeded]`` (deadline mode:
+    #: wall-clock seconds; emulated mode: the stage's monotonic clock)
     waits: dict[int, list[list[Any]]] = field(default_factory=dict)
     #: partials that came after their pass had run, all devices
     late: int = 0

@@ -4,8 +4,9 @@ A :class:`TrainingTrace` holds each mini-batch's loss, the final weights, the
 propagation counts, the traffic per pass category and which senders reached
 each receiver for every pass. :func:`train_in_process` plays a
 :class:`~zpipe.lossy.simulate.PreparedRun` on the in-process engine;
-:mod:`zpipe.lossy.multiprocess` builds the same record from device processes,
-so "the multi-process run equals the simulation" is a comparison of two traces.
+:func:`trace_from_results` builds the same record from the stages' results
+(:mod:`zpipe.client.lossy_run`), so "the multi-process run equals the
+simulation" is a comparison of two traces.
 """
 
 from __future__ import annotations

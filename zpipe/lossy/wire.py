@@ -1,4 +1,4 @@
-"""What lossy device processes put in their messages, beyond the messages themselves.
+"""What a lossy run's stages put in their messages, beyond the messages themselves.
 
 The kinds are typed classes in :mod:`zpipe.protocol.lossy` (registered with
 every other kind in :data:`zpipe.protocol.REGISTRY`; nothing is pickled). This

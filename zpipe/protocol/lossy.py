@@ -1,28 +1,13 @@
-"""The messages of EdgePipe's lossy runs: on ordinary stages, and on the older device
-processes (zpipe.lossy.multiprocess, .device).
-
-On ordinary stages (zpipe.coordinator.lossy_run, zpipe.stage.lossy_executor)::
+"""The messages of EdgePipe's lossy runs on ordinary stages (zpipe.coordinator.lossy_run,
+zpipe.stage.lossy_executor)::
 
     client -> coordinator  lossy_run_request  run parameters; initial weights, inputs, labels
-    coordinator -> stage   lossy_setup        as below, plus the peers' names and keys
+    coordinator -> stage   lossy_setup        a run: spec, peers' endpoints, names and keys;
+                                              weight slices, inputs, labels
                            lossy_go           start the passes (start_in_s after receipt)
     stage -> coordinator   lossy_ready, lossy_result
     stage -> stage         lossy_partial      on the stages' data sockets
     coordinator -> client  lossy_run_report   the allocation; every device's result and weights
-
-Device processes::
-
-    launcher -> device   lossy_setup          a run: spec, peers; weight slices, inputs, labels
-                         lossy_go             start the passes (deadline mode: at start_at)
-                         lossy_probe_request  measure my links: send probes to every peer
-                         shutdown             exit (stage_control.Shutdown)
-    device -> launcher   lossy_hello          my index, data endpoint and pid
-                         lossy_ready          set up and connected to my peers
-                         lossy_result         losses, counters, arrivals; final weight slices
-                         lossy_probe_report   probes received from each peer
-    device -> device     lossy_partial        one partial (a float64 tensor)
-                         lossy_probe          one link-measurement probe
-                         lossy_probe_end      how many probes the sender tried
 
 msgpack map keys must be strings, so device indices appear as strings in maps.
 The run spec crosses as plain data; zpipe.lossy.wire.RunSpec reads it.
@@ -49,14 +34,6 @@ from zpipe.protocol._schema import (
     wire,
     wire_message,
 )
-
-
-@wire_message
-class LossyHello(WireMessage):
-    KIND: ClassVar[str] = "lossy_hello"
-    device: int = wire(INT)
-    endpoint: str = wire(STR)
-    pid: int = wire(INT)
 
 
 @wire_message
@@ -129,43 +106,6 @@ class LossyPartial(TensorMessage):
 
 
 @wire_message
-class LossyProbeRequest(WireMessage):
-    KIND: ClassVar[str] = "lossy_probe_request"
-    run: int = wire(INT)
-    seed: int = wire(INT)
-    count: int = wire(INT)
-    prr: list[Any] = wire(LIST)
-    peers: dict[str, Any] = wire(MAP)
-    timeout_s: float = wire(NUM)
-
-
-@wire_message
-class LossyProbe(WireMessage):
-    KIND: ClassVar[str] = "lossy_probe"
-    run: int = wire(INT)
-    src: int = wire(INT)
-    seq: int = wire(INT)
-
-
-@wire_message
-class LossyProbeEnd(WireMessage):
-    KIND: ClassVar[str] = "lossy_probe_end"
-    run: int = wire(INT)
-    src: int = wire(INT)
-    sent: int = wire(INT)
-
-
-@wire_message
-class LossyProbeReport(WireMessage):
-    KIND: ClassVar[str] = "lossy_probe_report"
-    run: int = wire(INT)
-    device: int = wire(INT)
-    received: dict[str, Any] = wire(MAP)
-    sent: dict[str, Any] = wire(MAP)
-    error: str = wire(STR)
-
-
-@wire_message
 class LossyRunRequest(TensorMessage):
     """An EdgePipe run on ordinary stages. ``layer_sizes``: the MLP's neuron layers
     (input first); ``allocation``: naive, vertical, hybrid or horizontal (Algorithm 1);
@@ -202,16 +142,11 @@ class LossyRunReport(TensorMessage):
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
-    LossyHello,
     LossySetup,
     LossyReady,
     LossyGo,
     LossyResult,
     LossyPartial,
-    LossyProbeRequest,
-    LossyProbe,
-    LossyProbeEnd,
-    LossyProbeReport,
     LossyRunRequest,
     LossyRunReport,
 )
