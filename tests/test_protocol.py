@@ -78,7 +78,7 @@ ADDED_IN_V1 = {
     # a lossy run on ordinary stages: the peers' names and keys; a start relative to receipt
     "lossy_setup": {"names": ["dict/null", False], "keys": ["dict/null", False]},
     "lossy_go": {"start_in_s": ["int/float/null", False]},
-    "lossy_result": {"name": ["str/null", False]},
+    "lossy_result": {"name": ["str/null", False], "dead": ["dict/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client
@@ -129,7 +129,10 @@ KINDS_ADDED_IN_V1 = {
         "alloc": ["dict", True],
         "stages": ["list", True],
         "results": ["list", True],
+        "dead": ["list/null", False],
     },
+    # to a lossy run's surviving stages: a device of the run died
+    "lossy_dead": {"run": ["int", True], "device": ["int", True]},
     # federated learning over the network: fl-server and fl-client on their own socket
     "fl_register": {
         "client": ["int", True],

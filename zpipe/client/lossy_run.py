@@ -57,6 +57,9 @@ class StagesLossyResult:
     protocol_errors: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0
     device_wall_s: dict[int, float] = field(default_factory=dict)
+    #: devices declared dead during the run: device -> (its stage, the first mini-batch
+    #: whose passes ran without its partials; None if none needed them after)
+    dead: dict[int, tuple[str, int | None]] = field(default_factory=dict)
 
 
 def lossy_request(
@@ -144,8 +147,9 @@ def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyRe
         results[result.device] = result
     if tensors:
         raise ProtocolError("lossy_run_report: more tensors than results")
+    dead = _dead_devices(parsed.dead, topo)
     return StagesLossyResult(
-        trace=trace_from_results(topo, results),
+        trace=trace_from_results(topo, results, dead=dead.keys()),
         alloc=alloc,
         stages=[str(s) for s in parsed.stages],
         waits={d: list(m.waits) for d, m in results.items()},
@@ -153,7 +157,22 @@ def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyRe
         protocol_errors={d: m.protocol_errors for d, m in results.items()},
         wall_s=wall_s,
         device_wall_s={d: float(m.wall_s) for d, m in results.items()},
+        dead=dead,
     )
+
+
+def _dead_devices(body: Any, topo: Topology) -> dict[int, tuple[str, int | None]]:
+    """``lossy_run_report``'s ``dead``: ``[[device, stage, first mini-batch], ...]``."""
+    out: dict[int, tuple[str, int | None]] = {}
+    for entry in body or []:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise ProtocolError("lossy_run_report: dead must list [device, stage, step]")
+        device, stage, first = entry
+        ints = isinstance(device, int) and (first is None or isinstance(first, int))
+        if not ints or not isinstance(stage, str) or device not in topo.alloc.device_of:
+            raise ProtocolError(f"lossy_run_report: bad dead device {entry!r}")
+        out[device] = (stage, first)
+    return out
 
 
 async def run_lossy(

@@ -8,20 +8,23 @@
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events. Device ``k`` of
 the run is the ``k``-th stage (``stage_names`` order, or by name); the stages
 exchange partials between themselves over their data sockets, the coordinator
-carries control only. A stage that dies or does not answer in time fails the
-run (the client hears ``run_failed``); null-filling a dead stage's super
-neurons and re-mapping them come in later increments of issue 15.
+carries control only. A stage that dies or does not answer before the run
+starts fails it (the client hears ``run_failed``). One the heartbeats declare
+dead once the passes run is null-filled: the others hear ``lossy_dead`` and stop
+waiting for its partials, the run goes on, and the report names it with the
+first mini-batch that ran without it (``dead``). Re-mapping its super neurons
+is not built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
+from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTimeout, ZpipeError
 from zpipe.coordinator.commands import (
     AwaitReplies,
     AwaitStages,
@@ -31,7 +34,7 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.membership import Member
+from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.lossy.engine import shard_params
@@ -39,7 +42,7 @@ from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, to_array, to_tensor
-from zpipe.protocol.lossy import LossyGo, LossyRunReport, LossyRunRequest, LossySetup
+from zpipe.protocol.lossy import LossyDead, LossyGo, LossyRunReport, LossyRunRequest, LossySetup
 from zpipe.transport.codec import Message
 
 
@@ -137,26 +140,75 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     for member in taking_part.values():
         go = LossyGo(run=run, start_at=0.0, start_in_s=start_in_s, epoch=epoch)
         yield Send(member.routing_id, go.to_message(), member.name, stage=member.name)
-    results = yield AwaitReplies(
-        stage_names, "lossy_result", float(request.result_s), "lossy_result", run=run
+    # A stage declared dead during the run: the others hear it at once and null-fill its
+    # partials from then on (EdgePipe's device malfunction case); the run goes on.
+    notices = tuple(
+        (
+            member.name,
+            tuple(
+                Send(
+                    other.routing_id,
+                    LossyDead(run=run, device=d, epoch=epoch).to_message(),
+                    other.name,
+                    stage=other.name,
+                )
+                for od, other in taking_part.items()
+                if od != d
+            ),
+        )
+        for d, member in taking_part.items()
     )
+    results = yield AwaitReplies(
+        stage_names,
+        "lossy_result",
+        float(request.result_s),
+        "lossy_result",
+        run=run,
+        partial=True,
+        on_lost=notices,
+    )
+    dead = {d: m for d, m in taking_part.items() if m.name not in results}
+    silent = [m.name for m in dead.values() if not _declared_dead(state, m.name)]
+    if silent:
+        raise TransportTimeout(", ".join(silent), "lossy_result", float(request.result_s))
+    if not results:
+        raise PipelineError("every stage of the lossy run died")
     failed = {name: str(m["error"]) for name, m in results.items() if m["error"]}
     if failed:
         raise PipelineError(f"stages failed the lossy run: {failed}")
-    yield Log("info", "lossy_run_done", {"run": run})
+    yield Log("info", "lossy_run_done", {"run": run, "dead": sorted(m.name for m in dead.values())})
     bodies: list[dict[str, Any]] = []
     out: list[torch.Tensor] = []
     for member in taking_part.values():
-        result = results[member.name]
-        bodies.append(dict(result.body))
-        out.extend(result.tensors)
+        if member.name in results:
+            result = results[member.name]
+            bodies.append(dict(result.body))
+            out.extend(result.tensors)
     return LossyRunReport(
         run=run,
         alloc=alloc.to_dict(),
         stages=[m.name for m in members],
         results=bodies,
+        dead=[[d, m.name, _first_null_filled(results.values(), d)] for d, m in dead.items()]
+        or None,
         tensors=tuple(out),
     ).to_message()
+
+
+def _declared_dead(state: CoordinatorState, name: str) -> bool:
+    member = state.membership.get(name)
+    return member is None or member.state is MemberState.DEAD
+
+
+def _first_null_filled(results: Iterable[Message], device: int) -> int | None:
+    """The first mini-batch whose passes ran without ``device``'s partials, by the
+    survivors' results (None: no survivor needed them after its death)."""
+    firsts = []
+    for result in results:
+        first = (result.get("dead") or {}).get(str(device))
+        if isinstance(first, int) and not isinstance(first, bool):
+            firsts.append(first)
+    return min(firsts, default=None)
 
 
 def _positive_int(value: Any, what: str) -> int:

@@ -79,6 +79,8 @@ def _run_all(
                         "late": result.late,
                         "wall_s": result.wall_s,
                         "protocol_errors": sum(result.protocol_errors.values()),
+                        # device -> [stage, first mini-batch that ran without it]
+                        "dead": {str(d): list(v) for d, v in result.dead.items()},
                         "final_test_acc_lossless": result.trace.test_accuracy(data),
                         "matches_simulation": same_run(result.trace, simulated, rtol=1e-10),
                     }

@@ -5,6 +5,7 @@ zpipe.stage.lossy_executor)::
     coordinator -> stage   lossy_setup        a run: spec, peers' endpoints, names and keys;
                                               weight slices, inputs, labels
                            lossy_go           start the passes (start_in_s after receipt)
+                           lossy_dead         a device of the run died: null-fill its partials
     stage -> coordinator   lossy_ready, lossy_result
     stage -> stage         lossy_partial      on the stages' data sockets
     coordinator -> client  lossy_run_report   the allocation; every device's result and weights
@@ -93,6 +94,19 @@ class LossyResult(TensorMessage):
     wall_s: float = wire(NUM)
     # from a stage: its name (state a stage sends on its bulk connection names its sender)
     name: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # devices the coordinator declared dead during the run: device -> the first
+    # mini-batch whose passes here ran without its partials (null if none needed them)
+    dead: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyDead(WireMessage):
+    """Coordinator -> the run's other stages: ``device`` was declared dead; wait no more
+    for its partials (null-fill them) and send it none."""
+
+    KIND: ClassVar[str] = "lossy_dead"
+    run: int = wire(INT)
+    device: int = wire(INT)
 
 
 @wire_message
@@ -139,6 +153,8 @@ class LossyRunReport(TensorMessage):
     alloc: dict[str, Any] = wire(MAP)
     stages: list[Any] = wire(LIST)
     results: list[Any] = wire(LIST)
+    # devices declared dead during the run: [device, stage, first mini-batch null-filled]
+    dead: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
@@ -146,6 +162,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     LossyReady,
     LossyGo,
     LossyResult,
+    LossyDead,
     LossyPartial,
     LossyRunRequest,
     LossyRunReport,

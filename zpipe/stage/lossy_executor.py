@@ -40,7 +40,14 @@ from zpipe.log import get_logger
 from zpipe.lossy.device_run import DeviceRun, build_run, partial_shape
 from zpipe.lossy.torch_partial import TorchDeviceShard
 from zpipe.lossy.wire import to_array, to_tensor
-from zpipe.protocol.lossy import LossyGo, LossyPartial, LossyReady, LossyResult, LossySetup
+from zpipe.protocol.lossy import (
+    LossyDead,
+    LossyGo,
+    LossyPartial,
+    LossyReady,
+    LossyResult,
+    LossySetup,
+)
 from zpipe.stage.assignment import PushConnector
 from zpipe.stage.lossy_passes import PassLoop, SharedInbox
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
@@ -51,7 +58,7 @@ from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames
 log = get_logger("zpipe.stage")
 
 #: the control kinds this module takes (the lifecycle hands them over)
-LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go"})
+LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go", "lossy_dead"})
 # The supervisor's names of a running assignment's data tasks: a later assignment
 # (DataPlane.stop) stops a lossy run's tasks as it stops any other run's.
 RECEIVE_TASK = "data-receive"
@@ -115,8 +122,22 @@ class LossyExecutor:
             for device, (endpoint, key, peer) in self._pending_peers.items():
                 self._peers[device] = self._connect(endpoint, key, peer)
             self._supervisor.start(RUN_TASK, lambda: self._run(st, go))
+        elif message.kind == "lossy_dead":
+            self._peer_died(LossyDead.from_message(message), message.epoch)
         else:
             raise ProtocolError(f"{message.kind!r} is not a lossy control message")
+
+    def _peer_died(self, notice: LossyDead, epoch: int) -> None:
+        """The coordinator declared a device of this run dead: its partials are
+        null-filled from now on (EdgePipe's device malfunction case)."""
+        st, inbox = self.state, self._inbox
+        if st is None or inbox is None or st.run != notice.run or epoch != self.epoch:
+            log.info("lossy_stale_notice", stage=self.name, run=notice.run, device=notice.device)
+            return
+        if notice.device == self.index or notice.device not in st.peers:
+            raise ProtocolError(f"lossy_dead: device {notice.device} is not a peer of this run")
+        inbox.mark_dead(notice.device)
+        log.warning("lossy_peer_dead", stage=self.name, run=st.run, device=notice.device)
 
     async def _setup(self, message: Message) -> None:
         setup = LossySetup.from_message(message)
@@ -247,6 +268,7 @@ class LossyExecutor:
             stage=self.name,
         )
         error = ""
+        log.info("lossy_started", stage=self.name, run=st.run, device=self.index)
         try:
             await asyncio.sleep(max(0.0, st.start_at - time.time()))
             running = asyncio.get_running_loop().run_in_executor(self._compute, passes.run)
@@ -296,6 +318,9 @@ class LossyExecutor:
             protocol_errors=self.protocol_errors,
             wall_s=wall_s,
             name=self.name,
+            dead={str(d): first for d, first in self._inbox.dead.items()}
+            if self._inbox is not None and self._inbox.dead
+            else None,
             tensors=tuple(tensors),
         ).to_message()
         await self._send_control(
