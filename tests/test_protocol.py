@@ -78,7 +78,11 @@ ADDED_IN_V1 = {
     # a lossy run on ordinary stages: the peers' names and keys; a start relative to receipt
     "lossy_setup": {"names": ["dict/null", False], "keys": ["dict/null", False]},
     "lossy_go": {"start_in_s": ["int/float/null", False]},
-    "lossy_result": {"name": ["str/null", False], "dead": ["dict/null", False]},
+    "lossy_result": {
+        "name": ["str/null", False],
+        "dead": ["dict/null", False],
+        "stale": ["int/null", False],
+    },
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client

@@ -55,6 +55,8 @@ class StagesLossyResult:
     late: int = 0
     #: malformed or foreign messages each device dropped during the run
     protocol_errors: dict[int, int] = field(default_factory=dict)
+    #: partials of another run or plan epoch each device dropped since the run's set-up
+    stale: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0
     device_wall_s: dict[int, float] = field(default_factory=dict)
     #: devices declared dead during the run: device -> (its stage, the first mini-batch
@@ -155,6 +157,7 @@ def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyRe
         waits={d: list(m.waits) for d, m in results.items()},
         late=sum(m.late for m in results.values()),
         protocol_errors={d: m.protocol_errors for d, m in results.items()},
+        stale={d: m.stale or 0 for d, m in results.items()},
         wall_s=wall_s,
         device_wall_s={d: float(m.wall_s) for d, m in results.items()},
         dead=dead,

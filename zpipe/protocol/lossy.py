@@ -97,6 +97,8 @@ class LossyResult(TensorMessage):
     # devices the coordinator declared dead during the run: device -> the first
     # mini-batch whose passes here ran without its partials (null if none needed them)
     dead: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # partials of another run or plan epoch this stage dropped since the run's set-up
+    stale: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -102,6 +102,8 @@ class LossyExecutor:
         self.epoch = 0
         self.index = -1
         self.protocol_errors = 0
+        # partials of another run or plan epoch, dropped since the latest set-up
+        self.stale = 0
         self._peers: dict[int, zmq.asyncio.Socket] = {}
         # by device: (data endpoint, CURVE key, name) of the set-up run's peers
         self._pending_peers: dict[int, tuple[str, str | None, str]] = {}
@@ -145,6 +147,7 @@ class LossyExecutor:
         self._close_peers()
         self._pending_peers = {}
         self.state = None
+        self.stale = 0
         error = ""
         try:
             st = build_run(setup, setup.device, shard_factory=TorchDeviceShard)
@@ -233,6 +236,7 @@ class LossyExecutor:
         msg = LossyPartial.from_message(message)
         st = self.state
         if st is None or msg.run != st.run or message.epoch != self.epoch:
+            self.stale += 1  # a late one of an earlier run, or one for a run not set up here
             log.debug("lossy_stale_partial", stage=self.name, run=msg.run, epoch=message.epoch)
             return
         if msg.src not in st.peers or msg.src == self.index:
@@ -316,6 +320,7 @@ class LossyExecutor:
             waits=st.waits,
             late=st.late,
             protocol_errors=self.protocol_errors,
+            stale=self.stale,
             wall_s=wall_s,
             name=self.name,
             dead={str(d): first for d, first in self._inbox.dead.items()}
