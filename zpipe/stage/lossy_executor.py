@@ -283,6 +283,8 @@ class LossyExecutor:
                 # and must have let go of the sockets before anyone closes them.
                 inbox.stop()
                 await asyncio.wait([running], timeout=PEER_LINGER_S)
+                if running.done() and not running.cancelled():
+                    running.exception()  # RunStopped, as asked: retrieved, not logged
                 raise
         except Exception as exc:  # the coordinator hears it instead of waiting out its deadline
             log.exception("lossy_run_failed", stage=self.name, run=st.run)
