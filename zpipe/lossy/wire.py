@@ -132,10 +132,6 @@ def partial_message(
     ).to_message()
 
 
-def peers_body(endpoints: dict[int, str]) -> dict[str, str]:
-    return {str(k): v for k, v in endpoints.items()}
-
-
 def peers_from_body(body: Any, what: str) -> dict[int, str]:
     if not isinstance(body, dict):
         raise ProtocolError(f"{what}: peers must be a map")
