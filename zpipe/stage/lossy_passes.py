@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,10 +93,12 @@ class SharedInbox:
         deadline: float,
         clock: Callable[[], float],
         data: int,
+        senders: Collection[int] = (),
     ) -> tuple[dict[int, FloatArray], float]:
         """Wait until every device of ``expect`` that is not dead has filed under
         ``key`` or ``deadline`` passes; take what came. Returns it and the time
-        the wait ended."""
+        the wait ended. A dead device among ``senders`` (all the pass reads from)
+        is recorded as missing from mini-batch ``data`` on, if not yet."""
         with self._cond:
             while not self.stopped:
                 alive = expect - self.dead.keys()
@@ -109,7 +111,7 @@ class SharedInbox:
             if self.stopped:
                 raise RunStopped()
             for device, since in self.dead.items():
-                if since is None and device in expect:
+                if since is None and (device in expect or device in senders):
                     self.dead[device] = data
             self.st.consumed.add(key)
             return self.st.inbox.pop(key, {}), clock()
@@ -196,7 +198,7 @@ class PassLoop:
             expect = set(senders)
             clock = time.time
             deadline = st.start_at + ev.timeslot * st.spec.slot_s  # the end of the send's slot
-        got, proceeded = self.inbox.take(key, expect, deadline, clock, ev.data)
+        got, proceeded = self.inbox.take(key, expect, deadline, clock, ev.data, senders)
         missing = len(senders) - sum(1 for src in senders if src in got)
         if missing:  # null-filled by the shard
             st.waits.append([ev.data, needed.kind, needed.key_layer, missing, deadline, proceeded])
