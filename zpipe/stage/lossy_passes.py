@@ -125,6 +125,10 @@ class SharedInbox:
         with self._cond:
             return device in self.dead
 
+    def dead_devices(self) -> set[int]:
+        with self._cond:
+            return set(self.dead)
+
 
 class PassLoop:
     """One run's passes on this stage (see the module docstring)."""
@@ -202,7 +206,7 @@ class PassLoop:
         missing = len(senders) - sum(1 for src in senders if src in got)
         if missing:  # null-filled by the shard
             st.waits.append([ev.data, needed.kind, needed.key_layer, missing, deadline, proceeded])
-        overdue = expect - got.keys() - self.inbox.dead.keys()
+        overdue = expect - got.keys() - self.inbox.dead_devices()
         if st.spec.mode == "emulated" and overdue:
             log.warning("lossy_partial_overdue", stage=self._stage, key=key,
                         missing=sorted(overdue), wait_s=st.spec.wait_s)  # fmt: skip
