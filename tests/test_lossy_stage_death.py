@@ -20,8 +20,8 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.coordinator.commands import AwaitReplies, Send
 from zpipe.coordinator.flows import Flow, FlowRunner
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import RunConfig, prepare_run
-from zpipe.lossy.trace import train_in_process
 from zpipe.transport.codec import Message
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(240)
 INTERVAL = 0.5
 SUSPECT_AFTER = 6
 PROBE_INTERVALS = 4
-N_DATA = 40
+# seconds of passes on two loaded cores, far more than the kill takes to land
+N_DATA = 800
 
 
 def _data() -> Dataset:
@@ -57,8 +58,10 @@ def test_a_stage_killed_mid_run_is_null_filled_and_the_run_goes_on() -> None:
     ) as cluster:
 
         def kill_b_once_it_runs() -> None:
-            # b logs lossy_started when its passes begin; the survivors then wait for
-            # its partials (at most wait_s) until the coordinator says it is dead.
+            # b logs lossy_started when it takes lossy_go; the run has seconds of passes
+            # left. The survivors then wait for b's partials (wait_s: longer than the
+            # detection) until the coordinator says b is dead, so the run cannot end
+            # before they hear it, however late that is.
             deadline = time.monotonic() + 120
             while "lossy_started" not in cluster.logs("b") and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -77,21 +80,24 @@ def test_a_stage_killed_mid_run_is_null_filled_and_the_run_goes_on() -> None:
         assert "lossy_peer_dead" in cluster.logs("a") + cluster.logs("c")
     assert set(result.dead) == {1}  # device k is the k-th stage: b is device 1
     stage, first = result.dead[1]
-    assert stage == "b" and first is not None and 1 <= first <= N_DATA
+    assert stage == "b" and first is not None and 1 <= first < N_DATA
     assert set(result.device_wall_s) == {0, 2}  # the survivors finished the run
-    want = train_in_process(prepared, data)  # lossless: every partial arrives
-    # before b died the run was the lossless one; from `first` on b's partials are missing
-    assert result.trace.propagation.rate("forward", "backward", "share") < 1.0
-    for step in range(1, first):
-        if step in result.trace.losses:
-            assert result.trace.losses[step] == pytest.approx(want.losses[step], rel=1e-10)
     # b's slices come back null (zeros): what the survivors computed with in their place
-    for layer, (w, b) in enumerate(result.trace.params, 1):
-        owned = [sl for d, sl in result.alloc.owners(layer) if d == 1]
-        for sl in owned:
-            assert not w[sl.start : sl.stop].any() and not b[sl.start : sl.stop].any()
-    null_filled = [w for d in (0, 2) for w in result.waits[d] if w[0] >= first]
-    assert null_filled  # passes after the death ran with b's partials missing
+    for layer, (w, bias) in enumerate(result.trace.params, 1):
+        for d, sl in result.alloc.owners(layer):
+            rows = (w[sl.start : sl.stop], bias[sl.start : sl.stop])
+            assert (d == 1) == (not rows[0].any() and not rows[1].any())
+    # the last mini-batch ran after the death: each of its passes that reads from b ran
+    # without b's partial, null-filled
+    topo = Topology(result.alloc)
+    read_b = 0
+    for (data_id, kind, key_layer, d), senders in result.trace.arrivals.items():
+        sending_layer = key_layer + 1 if kind == "B" else key_layer
+        if data_id == N_DATA and any(src == 1 for src, _ in topo.owners[sending_layer]):
+            read_b += 1
+            assert 1 not in senders
+            assert [data_id, kind, key_layer] in [w[:3] for w in result.waits[d]]
+    assert read_b > 0
 
 
 def test_a_wait_tells_the_others_when_a_stage_it_waits_on_is_lost() -> None:
