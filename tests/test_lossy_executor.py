@@ -15,7 +15,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import PipelineError, ProtocolError
+from zpipe.coordinator.lossy_probe import measured_matrix
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.mapping import partition_and_map
@@ -205,3 +206,24 @@ def test_bad_partials_reaching_the_data_port_are_dropped_and_counted() -> None:
 
     executor, _ = asyncio.run(scenario())
     assert executor.protocol_errors == 3 and executor.stale == 2
+
+
+def test_a_probe_report_that_does_not_fit_is_refused() -> None:
+    def report(received: dict[str, Any], sent: dict[str, Any], error: str = "") -> Message:
+        return Message("lossy_probe_report", {"run": 1, "device": 0, "received": received,
+                                              "sent": sent, "error": error})  # fmt: skip
+
+    good = [report({"1": 40}, {"1": 50}), report({"0": 50}, {"0": 50})]
+    # device 0 heard 40 of device 1's 50: the link [src 1][dst 0]
+    np.testing.assert_array_equal(measured_matrix(good), [[1.0, 1.0], [0.8, 1.0]])
+    for bad in (
+        report({"1": 60}, {"1": 50}),  # more received than sent
+        report({"1": 40}, {"1": 0}),
+        report({"1": "40"}, {"1": 50}),
+        report({"2": 40}, {"2": 50}),  # not a peer
+        report({}, {}),
+    ):
+        with pytest.raises(ProtocolError):
+            measured_matrix([bad, good[1]])
+    with pytest.raises(PipelineError, match="could not measure"):
+        measured_matrix([report({"1": 0}, {}, error="no probes finished"), good[1]])

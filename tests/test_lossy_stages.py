@@ -22,9 +22,10 @@ import pytest
 from zpipe._errors import PipelineError
 from zpipe.client.lossy_run import StagesLossyResult, lossy_request, run_lossy
 from zpipe.cluster import LocalCluster
+from zpipe.coordinator.lossy_probe import PROBES_PER_LINK
 from zpipe.lossy import experiment
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.links import Recovery
+from zpipe.lossy.links import Direction, Recovery, deliver
 from zpipe.lossy.partial import mlp_forward_backward
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run, run_training
 from zpipe.lossy.trace import TrainingTrace, train_in_process
@@ -186,6 +187,29 @@ def test_a_stage_never_waits_past_its_deadline(
         assert proceeded >= deadline - 0.005  # it did wait for the missing partial
     if result.late == 0:  # nothing arrived after its deadline: as simulated
         _assert_same_trace(result.trace, train_in_process(prepared, data))
+
+
+def test_the_stages_measure_their_links_with_fifty_probes_and_the_run_maps_on_them(
+    cluster: LocalCluster, stages: list[str], data: Dataset
+) -> None:
+    cfg = replace(BASE, allocation="hybrid", n_data=2)
+    prepared = prepare_run(cfg, data)
+    result = _run(cluster, prepared, data, stage_names=stages, probes=PROBES_PER_LINK)
+    # each probe's fate is the seeded decision on the link's true ratio
+    prr = prepared.topology.prr
+    want = np.eye(3)
+    for src in range(3):
+        for dst in set(range(3)) - {src}:
+            fates = [deliver(cfg.seed, src, dst, 0, seq, Direction.PROBE, prr=prr[src, dst])
+                     for seq in range(PROBES_PER_LINK)]  # fmt: skip
+            want[src, dst] = sum(f.delivered for f in fates) / PROBES_PER_LINK
+    assert result.measured_prr is not None
+    np.testing.assert_array_equal(result.measured_prr, want)
+    assert 0 < want[~np.eye(3, dtype=bool)].mean() < 1  # lossy links, measured
+    # the coordinator mapped on the measurement: the run is the simulation of that mapping
+    on_measured = prepare_run(cfg, data, measured=result.measured_prr)
+    assert result.alloc == on_measured.alloc
+    _assert_same_trace(result.trace, train_in_process(on_measured, data))
 
 
 def test_a_bad_lossy_request_fails_with_a_clear_error(

@@ -78,6 +78,12 @@ ADDED_IN_V1 = {
     # a lossy run on ordinary stages: the peers' names and keys; a start relative to receipt
     "lossy_setup": {"names": ["dict/null", False], "keys": ["dict/null", False]},
     "lossy_go": {"start_in_s": ["int/float/null", False]},
+    # measured by ordinary stages: the stage's device index, its peers' names and keys
+    "lossy_probe_request": {
+        "device": ["int/null", False],
+        "names": ["dict/null", False],
+        "keys": ["dict/null", False],
+    },
     "lossy_result": {
         "name": ["str/null", False],
         "dead": ["dict/null", False],
@@ -127,6 +133,7 @@ KINDS_ADDED_IN_V1 = {
         "wait_for_stages_s": ["int/float", True],
         "result_s": ["int/float", True],
         "start_in_s": ["int/float/null", False],
+        "probes": ["int/null", False],
     },
     "lossy_run_report": {
         "run": ["int", True],
@@ -134,6 +141,7 @@ KINDS_ADDED_IN_V1 = {
         "stages": ["list", True],
         "results": ["list", True],
         "dead": ["list/null", False],
+        "measured": ["list/null", False],
     },
     # to a lossy run's surviving stages: a device of the run died
     "lossy_dead": {"run": ["int", True], "device": ["int", True]},
@@ -163,15 +171,9 @@ KINDS_ADDED_IN_V1 = {
     "fl_error": {"reason": ["str", True]},
     "fl_done": {"reason": ["str", True]},
 }
-# EdgePipe's separate device processes and their link probes, gone with them (lossy runs
-# take ordinary stages): a peer that still sends these hears "unknown kind".
-KINDS_REMOVED_SINCE_V1 = {
-    "lossy_hello",
-    "lossy_probe",
-    "lossy_probe_end",
-    "lossy_probe_report",
-    "lossy_probe_request",
-}
+# EdgePipe's separate device processes, gone (lossy runs take ordinary stages): a peer
+# that still says hello hears "unknown kind".
+KINDS_REMOVED_SINCE_V1 = {"lossy_hello"}
 TENSOR_KINDS_ADDED_IN_V1 = [
     "bulk_chunk",
     "state_chunk",

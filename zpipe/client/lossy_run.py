@@ -38,6 +38,10 @@ from zpipe.lossy.wire import to_tensor
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
 from zpipe.transport.codec import Message
 
+# What the stages' link measurement may add to a run (the coordinator's probe wait
+# and its replies' deadlines, zpipe.coordinator.lossy_probe).
+LINK_MEASUREMENT_S = 60.0
+
 
 @dataclass
 class StagesLossyResult:
@@ -62,6 +66,8 @@ class StagesLossyResult:
     #: devices declared dead during the run: device -> (its stage, the first mini-batch
     #: whose passes ran without its partials; None if none needed them after)
     dead: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    #: the reception ratios the stages measured (``[src][dst]``), when asked (``probes``)
+    measured_prr: FloatArray | None = None
 
 
 def lossy_request(
@@ -77,12 +83,16 @@ def lossy_request(
     wait_for_stages_s: float = 30.0,
     result_s: float = 120.0,
     start_in_s: float = 0.05,
+    probes: int | None = None,
 ) -> Message:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
     ``prr_measured``: the reception ratios the coordinator maps on (default: the
     prepared run's simulated 50-probe measurement, which its allocation was mapped
     on); the emulated loss uses the topology's true ratios, as the simulation does.
+    ``probes``: have the stages measure their links with this many probes each
+    (EdgePipe: 50) and map on that instead (the result's ``measured_prr``; the same
+    run simulated: ``prepare_run(cfg, data, measured=result.measured_prr)``).
     """
     if mode not in WAIT_MODES:
         raise ConfigError(f"wait mode must be one of {WAIT_MODES}, got {mode!r}")
@@ -126,6 +136,7 @@ def lossy_request(
         wait_for_stages_s=wait_for_stages_s,
         result_s=result_s,
         start_in_s=start_in_s,
+        probes=probes,
         tensors=(*tensors, to_tensor(inputs), to_tensor(labels)),
     )
     return request.to_message()
@@ -161,7 +172,20 @@ def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyRe
         wall_s=wall_s,
         device_wall_s={d: float(m.wall_s) for d, m in results.items()},
         dead=dead,
+        measured_prr=_measured(parsed.measured, len(parsed.stages)),
     )
+
+
+def _measured(body: Any, n: int) -> FloatArray | None:
+    if body is None:
+        return None
+    try:
+        measured = np.asarray(body, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ProtocolError("lossy_run_report: measured must be a matrix of numbers") from None
+    if measured.ndim != 2 or measured.shape[0] != measured.shape[1] or measured.shape[0] > n:
+        raise ProtocolError(f"lossy_run_report: measured is {measured.shape}")
+    return measured
 
 
 def _dead_devices(body: Any, topo: Topology) -> dict[int, tuple[str, int | None]]:
@@ -190,6 +214,8 @@ async def run_lossy(
         + float(request["result_s"])
         + 2 * client.timeouts.reply_s
     )
+    if request.get("probes") is not None:
+        timeout_s += LINK_MEASUREMENT_S
     reply = await client.connection.control.request(
         request,
         expect=("lossy_run_report", "run_failed"),

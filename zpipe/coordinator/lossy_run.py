@@ -1,8 +1,9 @@
 """An EdgePipe (lossy) run on ordinary stages: from ``lossy_run_request`` to ``lossy_run_report``.
 
-    lossy_run_request ─> the stages (waiting for them to register) ─> partition
+    lossy_run_request ─> the stages (waiting for them to register) ─> [the stages
+    measure their links, 50 probes each: zpipe.coordinator.lossy_probe] ─> partition
     (Algorithm 1) and map super neurons to stages (Algorithm 2) on the reception
-    ratios given ─> lossy_setup to each stage (its partial layers, its data, its
+    ratios measured or given ─> lossy_setup to each stage (its partial layers, its data, its
     peers) ─> every lossy_ready ─> lossy_go ─> every lossy_result ─> lossy_run_report
 
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events. Device ``k`` of
@@ -34,6 +35,7 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.lossy_probe import measure_links
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
@@ -44,6 +46,9 @@ from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, to_array, to_tensor
 from zpipe.protocol.lossy import LossyDead, LossyGo, LossyRunReport, LossyRunRequest, LossySetup
 from zpipe.transport.codec import Message
+
+# The stages' replies a lossy run's flow waits for (routed to it by the core).
+LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report")
 
 
 def lossy_run_request(
@@ -74,15 +79,29 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         float(request.wait_for_stages_s),
     )
     n = len(members)
-    try:
-        prr_measured = np.asarray(request.prr_measured, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ConfigError("prr_measured must be a square matrix of numbers") from None
-    if prr_measured.shape != (n, n):
-        raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
     seed = request.spec.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
+    measured: FloatArray | None = None
+    if request.probes is None:
+        try:
+            prr_measured = np.asarray(request.prr_measured, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ConfigError("prr_measured must be a square matrix of numbers") from None
+        if prr_measured.shape != (n, n):
+            raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
+    else:
+        yield from _replace_current(state)  # the measurement takes the stages' data sockets
+        prr_measured = measured = yield from measure_links(
+            state,
+            members,
+            prr=request.spec.get("prr"),
+            seed=seed,
+            probes=request.probes,
+            run=state.next_run(),
+            epoch=state.next_epoch(),
+        )
+        yield Log("info", "lossy_links_measured", {"prr": measured.round(3).tolist()})
     # the genetic search takes a while: off the event loop
     alloc: Allocation = yield PlanLossy(
         tuple(sizes), request.allocation, n, prr_measured, request.mapping, seed
@@ -93,11 +112,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
             f"inputs {inputs.shape} and labels {labels.shape} do not fit n_data "
             f"{spec.n_data}, batch {spec.batch} and {sizes[0]} input neurons"
         )
-    if state.current is not None:
-        # its stages take the lossy run instead: the run they ran is over
-        yield Log("warning", "run_replaced", {"previous": state.current.run.run})
-        state.current = None
-        yield Persist()
+    yield from _replace_current(state)
     run, epoch = state.next_run(), state.next_epoch()
     yield Log("info", "lossy_run_planned", {"run": run, "epoch": epoch, "alloc": alloc.to_dict()})
     topo = Topology(alloc)
@@ -191,8 +206,17 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         results=bodies,
         dead=[[d, m.name, _first_null_filled(results.values(), d)] for d, m in dead.items()]
         or None,
+        measured=None if measured is None else measured.tolist(),
         tensors=tuple(out),
     ).to_message()
+
+
+def _replace_current(state: CoordinatorState) -> Flow:
+    if state.current is not None:
+        # its stages take the lossy run instead: the run they ran is over
+        yield Log("warning", "run_replaced", {"previous": state.current.run.run})
+        state.current = None
+        yield Persist()
 
 
 def _declared_dead(state: CoordinatorState, name: str) -> bool:

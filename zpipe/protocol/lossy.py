@@ -6,6 +6,10 @@ zpipe.stage.lossy_executor)::
                                               weight slices, inputs, labels
                            lossy_go           start the passes (start_in_s after receipt)
                            lossy_dead         a device of the run died: null-fill its partials
+                           lossy_probe_request  before mapping: measure your links (then
+                                              lossy_ready; lossy_go starts the probes)
+    stage -> coordinator   lossy_probe_report probes received from each peer
+    stage -> stage         lossy_probe, lossy_probe_end  on the data sockets
     stage -> coordinator   lossy_ready, lossy_result
     stage -> stage         lossy_partial      on the stages' data sockets
     coordinator -> client  lossy_run_report   the allocation; every device's result and weights
@@ -122,6 +126,59 @@ class LossyPartial(TensorMessage):
 
 
 @wire_message
+class LossyProbeRequest(WireMessage):
+    """Coordinator -> stage: measure my links before a lossy run is mapped: ``count``
+    probes to every peer of ``peers`` (device -> data endpoint), each one's fate the
+    seeded decision of ``prr`` (``[src][dst]``), then ``lossy_probe_end``. The stage
+    answers ``lossy_ready`` once it takes probes, and probes at ``lossy_go``."""
+
+    KIND: ClassVar[str] = "lossy_probe_request"
+    run: int = wire(INT)
+    seed: int = wire(INT)
+    count: int = wire(INT)
+    prr: list[Any] = wire(LIST)
+    peers: dict[str, Any] = wire(MAP)
+    timeout_s: float = wire(NUM)
+    # on ordinary stages: this stage's device index, and its peers' names and keys
+    device: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    names: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    keys: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyProbe(WireMessage):
+    """Stage -> stage, on the data port: one link-measurement probe."""
+
+    KIND: ClassVar[str] = "lossy_probe"
+    run: int = wire(INT)
+    src: int = wire(INT)
+    seq: int = wire(INT)
+
+
+@wire_message
+class LossyProbeEnd(WireMessage):
+    """Stage -> stage, after its probes on the same link: how many it tried."""
+
+    KIND: ClassVar[str] = "lossy_probe_end"
+    run: int = wire(INT)
+    src: int = wire(INT)
+    sent: int = wire(INT)
+
+
+@wire_message
+class LossyProbeReport(WireMessage):
+    """Stage -> coordinator: probes received from each peer (``src`` -> n), and how
+    many each peer tried."""
+
+    KIND: ClassVar[str] = "lossy_probe_report"
+    run: int = wire(INT)
+    device: int = wire(INT)
+    received: dict[str, Any] = wire(MAP)
+    sent: dict[str, Any] = wire(MAP)
+    error: str = wire(STR)
+
+
+@wire_message
 class LossyRunRequest(TensorMessage):
     """An EdgePipe run on ordinary stages. ``layer_sizes``: the MLP's neuron layers
     (input first); ``allocation``: naive, vertical, hybrid or horizontal (Algorithm 1);
@@ -142,6 +199,9 @@ class LossyRunRequest(TensorMessage):
     wait_for_stages_s: float = wire(NUM)
     result_s: float = wire(NUM)
     start_in_s: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
+    # have the stages measure their links with this many probes each (EdgePipe: 50)
+    # and map on that instead of prr_measured
+    probes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -157,6 +217,8 @@ class LossyRunReport(TensorMessage):
     results: list[Any] = wire(LIST)
     # devices declared dead during the run: [device, stage, first mini-batch null-filled]
     dead: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    # the reception ratios the stages measured (``[src][dst]``), when the run asked
+    measured: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
@@ -166,6 +228,10 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     LossyResult,
     LossyDead,
     LossyPartial,
+    LossyProbeRequest,
+    LossyProbe,
+    LossyProbeEnd,
+    LossyProbeReport,
     LossyRunRequest,
     LossyRunReport,
 )

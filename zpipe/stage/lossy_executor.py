@@ -29,6 +29,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,12 +45,16 @@ from zpipe.protocol.lossy import (
     LossyDead,
     LossyGo,
     LossyPartial,
+    LossyProbe,
+    LossyProbeEnd,
+    LossyProbeRequest,
     LossyReady,
     LossyResult,
     LossySetup,
 )
 from zpipe.stage.assignment import PushConnector
 from zpipe.stage.lossy_passes import PassLoop, SharedInbox
+from zpipe.stage.lossy_probes import LinkProbes, probe_links
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -58,7 +63,7 @@ from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames
 log = get_logger("zpipe.stage")
 
 #: the control kinds this module takes (the lifecycle hands them over)
-LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go", "lossy_dead"})
+LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go", "lossy_dead", "lossy_probe_request"})
 # The supervisor's names of a running assignment's data tasks: a later assignment
 # (DataPlane.stop) stops a lossy run's tasks as it stops any other run's.
 RECEIVE_TASK = "data-receive"
@@ -108,21 +113,27 @@ class LossyExecutor:
         # by device: (data endpoint, CURVE key, name) of the set-up run's peers
         self._pending_peers: dict[int, tuple[str, str | None, str]] = {}
         self._inbox: SharedInbox | None = None
+        self._probes: LinkProbes | None = None  # a link measurement, before a run
 
     # ------------------------------------------------------------ control
 
     async def on_control(self, message: Message) -> None:
-        """A ``lossy_setup`` or ``lossy_go`` from the coordinator."""
+        """A lossy run's control message from the coordinator."""
         if message.kind == "lossy_setup":
             await self._setup(message)
+        elif message.kind == "lossy_probe_request":
+            await self._setup_probes(message)
         elif message.kind == "lossy_go":
             go = LossyGo.from_message(message)
+            probes = self._probes
+            if probes is not None and probes.run == go.run and message.epoch == self.epoch:
+                self._connect_peers()
+                self._supervisor.start(RUN_TASK, lambda: self._probe(probes))
+                return
             st = self.state
             if st is None or st.run != go.run or message.epoch != self.epoch:
                 raise ProtocolError(f"lossy_go for run {go.run}, which is not set up here")
-            self._close_peers()
-            for device, (endpoint, key, peer) in self._pending_peers.items():
-                self._peers[device] = self._connect(endpoint, key, peer)
+            self._connect_peers()
             self._supervisor.start(RUN_TASK, lambda: self._run(st, go))
         elif message.kind == "lossy_dead":
             self._peer_died(LossyDead.from_message(message), message.epoch)
@@ -141,13 +152,71 @@ class LossyExecutor:
         inbox.mark_dead(notice.device)
         log.warning("lossy_peer_dead", stage=self.name, run=st.run, device=notice.device)
 
-    async def _setup(self, message: Message) -> None:
-        setup = LossySetup.from_message(message)
-        await self._stop_data()  # the run takes the data socket: no other assignment runs
+    def _connect_peers(self) -> None:
+        self._close_peers()
+        for device, (endpoint, key, peer) in self._pending_peers.items():
+            self._peers[device] = self._connect(endpoint, key, peer)
+
+    def _allow_peers(self, names: dict[int, str], keys: dict[int, str], me: int,
+                     endpoints: dict[int, str]) -> None:  # fmt: skip
+        """Allow the peers' keys before any connects (a refused CURVE handshake is not
+        retried); connect to them at lossy_go, once every stage allows this one's."""
+        if self._data_allow is not None:
+            self._data_allow.replace({names.get(d, str(d)): k.encode() for d, k in keys.items()})
+        self._pending_peers = {
+            d: (endpoint, keys.get(d), names.get(d, f"device {d}"))
+            for d, endpoint in endpoints.items()
+            if d != me
+        }
+
+    async def _setup_probes(self, message: Message) -> None:
+        """A ``lossy_probe_request``: take probes on the data port, answer
+        ``lossy_ready``; the probes go at ``lossy_go`` (:mod:`zpipe.stage.lossy_probes`)."""
+        req = LossyProbeRequest.from_message(message)
+        await self._reset()
+        error = ""
+        try:
+            probes = LinkProbes.from_request(req)
+            names = _by_index(req.names, "names")
+            self._allow_peers(names, _by_index(req.keys, "keys"), probes.device, probes.peers)
+        except ProtocolError as exc:
+            self._pending_peers = {}
+            self.protocol_errors += 1
+            error = describe_error(exc)
+            log.warning("lossy_probes_refused", stage=self.name, run=req.run, error=error)
+        else:
+            self._probes, self.epoch, self.index = probes, message.epoch, probes.device
+            self._supervisor.start(RECEIVE_TASK, self._receive_loop)
+        device = -1 if req.device is None else req.device
+        ready = LossyReady(run=req.run, device=device, error=error).to_message()
+        await self._send_control(Message(ready.kind, ready.body, epoch=message.epoch))
+
+    async def _probe(self, probes: LinkProbes) -> None:
+        try:
+            report = await probe_links(
+                probes, self._peers, epoch=self.epoch, timeout_s=self._send_timeout_s
+            )
+        except Exception as exc:  # the coordinator hears it instead of waiting out its deadline
+            log.exception("lossy_probes_failed", stage=self.name, run=probes.run)
+            report = replace(probes.report(), error=describe_error(exc))
+        self._close_peers(linger_s=min(self._send_timeout_s, PEER_LINGER_S))
+        message = report.to_message()
+        await self._send_control(Message(message.kind, message.body, epoch=self.epoch))
+
+    async def _reset(self) -> None:
+        """Whatever ran on the data socket stops: a new run or measurement takes it."""
+        await self._stop_data()
+        await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
         self._close_peers()
         self._pending_peers = {}
         self.state = None
+        self._inbox = None
+        self._probes = None
         self.stale = 0
+
+    async def _setup(self, message: Message) -> None:
+        setup = LossySetup.from_message(message)
+        await self._reset()
         error = ""
         try:
             st = build_run(setup, setup.device, shard_factory=TorchDeviceShard)
@@ -155,19 +224,7 @@ class LossyExecutor:
             # larger partial would cost its connection. Set before any peer connects.
             self._raise_limits(st.spec.batch * max(st.spec.alloc.layer_sizes) * 8)
             names = _by_index(setup.names, "names")
-            keys = _by_index(setup.keys, "keys")
-            if self._data_allow is not None:
-                # Allowed before anyone connects: a refused CURVE handshake is not retried.
-                self._data_allow.replace(
-                    {names.get(d, str(d)): k.encode() for d, k in keys.items()}
-                )
-            # Connected at lossy_go, once every stage allows this one's key (a refused
-            # CURVE handshake is not retried), as an assignment connects at "connect".
-            self._pending_peers = {
-                d: (endpoint, keys.get(d), names.get(d, f"device {d}"))
-                for d, endpoint in st.peers.items()
-                if d != setup.device
-            }
+            self._allow_peers(names, _by_index(setup.keys, "keys"), setup.device, st.peers)
         except Exception as exc:  # any failure to set up is reported: the stage keeps serving
             self._pending_peers = {}
             self.protocol_errors += 1
@@ -231,6 +288,9 @@ class LossyExecutor:
         )
 
     def _on_partial(self, message: Message) -> None:
+        if message.kind in ("lossy_probe", "lossy_probe_end"):
+            self._on_probe(message)
+            return
         if message.kind != "lossy_partial":
             raise ProtocolError(f"{message.kind!r} does not belong on a lossy run's data port")
         msg = LossyPartial.from_message(message)
@@ -250,6 +310,19 @@ class LossyExecutor:
         assert self._inbox is not None  # set up with the state
         if not self._inbox.file(key, msg.src, values):  # its pass ran with zeros instead
             log.info("lossy_late_partial", stage=self.name, key=key, src=msg.src)
+
+    def _on_probe(self, message: Message) -> None:
+        probe = (LossyProbe if message.kind == "lossy_probe" else LossyProbeEnd).from_message(
+            message
+        )
+        probes = self._probes
+        if probes is None or probe.run != probes.run or message.epoch != self.epoch:
+            self.stale += 1
+            return
+        if isinstance(probe, LossyProbe):
+            probes.on_probe(probe)
+        else:
+            probes.on_end(probe)
 
     # ------------------------------------------------------------ the run
 
