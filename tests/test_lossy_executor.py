@@ -4,14 +4,19 @@ its checks are fed messages directly)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import PipelineError, ProtocolError
+from zpipe.coordinator.lossy_probe import measured_matrix
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.mapping import partition_and_map
@@ -21,7 +26,7 @@ from zpipe.lossy.wire import RunSpec, partial_message, to_tensor
 from zpipe.protocol.lossy import LossySetup
 from zpipe.stage.lossy_executor import LossyExecutor
 from zpipe.stage.supervision import TaskSupervisor
-from zpipe.transport.codec import Message
+from zpipe.transport.codec import Message, encode
 
 SIZES = [6, 4, 4, 3]
 EPOCH = 7
@@ -34,7 +39,7 @@ class _UnlimitedPort:
         return -1
 
 
-def _executor(sent: list[Message]) -> LossyExecutor:
+def _executor(sent: list[Message], *, data_in: Any = None) -> LossyExecutor:
     async def send_control(message: Message) -> None:
         sent.append(message)
 
@@ -46,7 +51,8 @@ def _executor(sent: list[Message]) -> LossyExecutor:
 
     return LossyExecutor(
         name="s0",
-        data_in=_UnlimitedPort(),  # type: ignore[arg-type]  # no receive loop runs here
+        # no receive loop reads _UnlimitedPort: it only answers the limit the port has
+        data_in=data_in if data_in is not None else _UnlimitedPort(),
         data_allow=None,
         connector=connect,
         compute=ThreadPoolExecutor(max_workers=1),
@@ -84,7 +90,7 @@ def _partial(data: int, kind: str, layer: int, src: int, shape: tuple[int, int])
     return Message(m.kind, m.body, epoch=EPOCH, tensors=m.tensors)
 
 
-def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_ignored() -> None:
+def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_dropped() -> None:
     sent: list[Message] = []
     executor = _executor(sent)
     setup = _setup(1)  # vertical on 3 devices: device 1 owns layer 1 only
@@ -114,7 +120,7 @@ def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_ignored() -> N
     # another plan epoch: ignored, nothing filed
     old = _partial(2, "F", 0, 0, (2, 6))
     executor._on_partial(Message(old.kind, old.body, epoch=EPOCH - 1, tensors=old.tensors))
-    assert (2, "F", 0) not in st.inbox
+    assert (2, "F", 0) not in st.inbox and executor.stale == 1  # dropped, counted
     # after its pass ran (null-filled), a partial is late: counted, not filed
     st.consumed.add((2, "F", 0))
     executor._on_partial(_partial(2, "F", 0, 0, (2, 6)))
@@ -138,3 +144,86 @@ def test_a_setup_that_does_not_fit_is_refused_in_lossy_ready() -> None:
     assert executor.state is None and executor.protocol_errors == 1
     with pytest.raises(ProtocolError, match="not set up"):
         asyncio.run(executor.on_control(Message("lossy_go", {"run": 5, "start_at": 0.0})))
+
+
+def test_run_spec_round_trips_and_rejects_garbage() -> None:
+    alloc = partition_and_map(SIZES, "hybrid", 3, np.ones((3, 3)), mapping="identity", seed=0)
+    spec = RunSpec(alloc=alloc, prr=np.full((3, 3), 0.75), seed=3,
+                   recovery=Recovery("ack", max_attempts=3), lossless=False, lr=0.1, n_data=4,
+                   batch=20, mode="emulated", slot_s=0.1, wait_s=5.0)  # fmt: skip
+    body = msgpack.unpackb(msgpack.packb(spec.to_body()))
+    again = RunSpec.from_body(body)
+    assert again.alloc == spec.alloc and np.array_equal(again.prr, spec.prr)
+    assert again.recovery == spec.recovery
+    for broken in (
+        {**body, "prr": [[1.0]]},
+        {**body, "mode": "psychic"},
+        {**body, "n_data": "4"},
+        {**body, "recovery": {"scheme": "pray", "copies": 1, "max_attempts": 1}},
+        {k: v for k, v in body.items() if k != "alloc"},
+    ):
+        with pytest.raises(ProtocolError):
+            RunSpec.from_body(broken)
+
+
+def test_bad_partials_reaching_the_data_port_are_dropped_and_counted() -> None:
+    # Through the executor's real receive loop: each bad message is dropped and counted,
+    # and the loop goes on to file the good one sent after them.
+    async def scenario() -> tuple[LossyExecutor, list[Message]]:
+        ctx = zmq.asyncio.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind("inproc://lossy-data")
+        push = ctx.socket(zmq.PUSH)
+        push.connect("inproc://lossy-data")
+        sent: list[Message] = []
+        executor = _executor(sent, data_in=pull)
+        await executor.on_control(_setup(1))  # vertical on 3 devices: device 1 owns layer 1
+        st = executor.state
+        assert st is not None
+        good = _partial(2, "F", 0, 0, (2, 6))
+        other_run = Message(good.kind, {**good.body, "run": 4}, epoch=EPOCH, tensors=good.tensors)
+        other_epoch = Message(good.kind, good.body, epoch=EPOCH + 1, tensors=good.tensors)
+        for frames in (
+            [b"\xc1 not msgpack"],
+            encode(_partial(1, "F", 1, 0, (2, 4))),  # a layer device 1 does not own
+            encode(_partial(7, "F", 0, 0, (2, 6))),  # a mini-batch beyond the run's 2
+            encode(other_run),
+            encode(other_epoch),
+            encode(good),  # last: once it is filed, every earlier one was handled
+        ):
+            await push.send_multipart(frames)
+        assert executor._inbox is not None
+        # the pass loop's own wait: until device 0's partial is filed under the key
+        got, _ = await asyncio.to_thread(
+            executor._inbox.take, (2, "F", 0), {0}, time.monotonic() + 30, time.monotonic, 2
+        )
+        await executor.close()
+        for sock in (push, pull):
+            sock.close(linger=0)
+        ctx.term()
+        assert set(got) == {0}
+        return executor, sent
+
+    executor, _ = asyncio.run(scenario())
+    assert executor.protocol_errors == 3 and executor.stale == 2
+
+
+def test_a_probe_report_that_does_not_fit_is_refused() -> None:
+    def report(received: dict[str, Any], sent: dict[str, Any], error: str = "") -> Message:
+        return Message("lossy_probe_report", {"run": 1, "device": 0, "received": received,
+                                              "sent": sent, "error": error})  # fmt: skip
+
+    good = [report({"1": 40}, {"1": 50}), report({"0": 50}, {"0": 50})]
+    # device 0 heard 40 of device 1's 50: the link [src 1][dst 0]
+    np.testing.assert_array_equal(measured_matrix(good), [[1.0, 1.0], [0.8, 1.0]])
+    for bad in (
+        report({"1": 60}, {"1": 50}),  # more received than sent
+        report({"1": 40}, {"1": 0}),
+        report({"1": "40"}, {"1": 50}),
+        report({"2": 40}, {"2": 50}),  # not a peer
+        report({}, {}),
+    ):
+        with pytest.raises(ProtocolError):
+            measured_matrix([bad, good[1]])
+    with pytest.raises(PipelineError, match="could not measure"):
+        measured_matrix([report({"1": 0}, {}, error="no probes finished"), good[1]])

@@ -13,7 +13,6 @@ import torch
 from zpipe import demo, plan_cli, profiler, train_cli
 from zpipe.client.batches import microbatch_count
 from zpipe.cluster import LocalCluster
-from zpipe.lossy.multiprocess import DevicePool
 from zpipe.models import ModelSpec
 from zpipe.planner.profile import synthetic_profile
 from zpipe.planner.training_plan import TrainingPlan
@@ -205,18 +204,3 @@ def test_a_trace_in_a_missing_directory_is_a_usage_error(
         train_cli.main(["--trace", str(tmp_path / "nowhere" / "t.json")])
     assert exited.value.code == 2
     assert "--trace" in capsys.readouterr().err
-
-
-# -- a clean run ends without warnings -------------------------------------------------
-
-
-def test_lossy_devices_exit_on_their_own_when_the_pool_closes(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    pool = DevicePool(2)
-    pool.start()
-    processes = list(pool.processes)
-    pool.close()
-    # asked to shut down, each device ended by itself (exit 0), none was killed
-    assert [p.returncode for p in processes] == [0, 0]
-    assert "lossy_device_killed" not in capsys.readouterr().err

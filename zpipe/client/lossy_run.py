@@ -38,6 +38,10 @@ from zpipe.lossy.wire import to_tensor
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
 from zpipe.transport.codec import Message
 
+# What the stages' link measurement may add to a run (the coordinator's probe wait
+# and its replies' deadlines, zpipe.coordinator.lossy_probe).
+LINK_MEASUREMENT_S = 60.0
+
 
 @dataclass
 class StagesLossyResult:
@@ -47,14 +51,23 @@ class StagesLossyResult:
     alloc: Allocation
     #: the stage name of each device index
     stages: list[str]
-    #: per device: passes that ran with partials missing (see zpipe.lossy.multiprocess)
+    #: per device: passes that ran with partials missing,
+    #: ``[data, kind, key_layer, missing, deadline, proceeded]`` (deadline mode:
+    #: wall-clock seconds; emulated mode: the stage's monotonic clock)
     waits: dict[int, list[list[Any]]] = field(default_factory=dict)
     #: partials that came after their pass had run, all devices
     late: int = 0
     #: malformed or foreign messages each device dropped during the run
     protocol_errors: dict[int, int] = field(default_factory=dict)
+    #: partials of another run or plan epoch each device dropped since the run's set-up
+    stale: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0
     device_wall_s: dict[int, float] = field(default_factory=dict)
+    #: devices declared dead during the run: device -> (its stage, the first mini-batch
+    #: whose passes ran without its partials; None if none needed them after)
+    dead: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    #: the reception ratios the stages measured (``[src][dst]``), when asked (``probes``)
+    measured_prr: FloatArray | None = None
 
 
 def lossy_request(
@@ -70,12 +83,16 @@ def lossy_request(
     wait_for_stages_s: float = 30.0,
     result_s: float = 120.0,
     start_in_s: float = 0.05,
+    probes: int | None = None,
 ) -> Message:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
     ``prr_measured``: the reception ratios the coordinator maps on (default: the
     prepared run's simulated 50-probe measurement, which its allocation was mapped
     on); the emulated loss uses the topology's true ratios, as the simulation does.
+    ``probes``: have the stages measure their links with this many probes each
+    (EdgePipe: 50) and map on that instead (the result's ``measured_prr``; the same
+    run simulated: ``prepare_run(cfg, data, measured=result.measured_prr)``).
     """
     if mode not in WAIT_MODES:
         raise ConfigError(f"wait mode must be one of {WAIT_MODES}, got {mode!r}")
@@ -119,6 +136,7 @@ def lossy_request(
         wait_for_stages_s=wait_for_stages_s,
         result_s=result_s,
         start_in_s=start_in_s,
+        probes=probes,
         tensors=(*tensors, to_tensor(inputs), to_tensor(labels)),
     )
     return request.to_message()
@@ -142,16 +160,46 @@ def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyRe
         results[result.device] = result
     if tensors:
         raise ProtocolError("lossy_run_report: more tensors than results")
+    dead = _dead_devices(parsed.dead, topo)
     return StagesLossyResult(
-        trace=trace_from_results(topo, results),
+        trace=trace_from_results(topo, results, dead=dead.keys()),
         alloc=alloc,
         stages=[str(s) for s in parsed.stages],
         waits={d: list(m.waits) for d, m in results.items()},
         late=sum(m.late for m in results.values()),
         protocol_errors={d: m.protocol_errors for d, m in results.items()},
+        stale={d: m.stale or 0 for d, m in results.items()},
         wall_s=wall_s,
         device_wall_s={d: float(m.wall_s) for d, m in results.items()},
+        dead=dead,
+        measured_prr=_measured(parsed.measured, len(parsed.stages)),
     )
+
+
+def _measured(body: Any, n: int) -> FloatArray | None:
+    if body is None:
+        return None
+    try:
+        measured = np.asarray(body, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ProtocolError("lossy_run_report: measured must be a matrix of numbers") from None
+    if measured.ndim != 2 or measured.shape[0] != measured.shape[1] or measured.shape[0] > n:
+        raise ProtocolError(f"lossy_run_report: measured is {measured.shape}")
+    return measured
+
+
+def _dead_devices(body: Any, topo: Topology) -> dict[int, tuple[str, int | None]]:
+    """``lossy_run_report``'s ``dead``: ``[[device, stage, first mini-batch], ...]``."""
+    out: dict[int, tuple[str, int | None]] = {}
+    for entry in body or []:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise ProtocolError("lossy_run_report: dead must list [device, stage, step]")
+        device, stage, first = entry
+        ints = isinstance(device, int) and (first is None or isinstance(first, int))
+        if not ints or not isinstance(stage, str) or device not in topo.alloc.device_of:
+            raise ProtocolError(f"lossy_run_report: bad dead device {entry!r}")
+        out[device] = (stage, first)
+    return out
 
 
 async def run_lossy(
@@ -166,6 +214,8 @@ async def run_lossy(
         + float(request["result_s"])
         + 2 * client.timeouts.reply_s
     )
+    if request.get("probes") is not None:
+        timeout_s += LINK_MEASUREMENT_S
     reply = await client.connection.control.request(
         request,
         expect=("lossy_run_report", "run_failed"),

@@ -119,6 +119,9 @@ class AwaitReplies(Await):
     partial: bool = False
     requests: tuple[Send, ...] = ()
     resend_s: float | None = None
+    # (stage, commands): carried out if that stage dies while the wait is on it
+    # (telling the others, say); a partial wait then goes on without it
+    on_lost: tuple[tuple[str, tuple[Send, ...]], ...] = ()
     # sent (at most every PROGRESS_NOTICE_S) while a stage it waits on moves state: a
     # client waiting on this flow's answer then waits on from the latest progress too
     on_progress: Send | None = None

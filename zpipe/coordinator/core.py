@@ -32,7 +32,7 @@ from zpipe.coordinator.events import (
     TimerFired,
 )
 from zpipe.coordinator.inference import InferenceRun
-from zpipe.coordinator.lossy_run import lossy_run_request
+from zpipe.coordinator.lossy_run import LOSSY_REPLY_KINDS, lossy_run_request
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NOTICE_KINDS, NoticeOutbox
@@ -55,8 +55,7 @@ REPLY_KINDS = (
     "metrics",
     "weights",
     "backed_up",
-    "lossy_ready",
-    "lossy_result",
+    *LOSSY_REPLY_KINDS,
 )
 # Replies to requests the shell makes itself while it plans (profiles, link probes).
 SHELL_REPLY_KINDS = ("profile_reply", "link_peers_ok", "link_probe_reply")

@@ -134,6 +134,9 @@ class FlowRunner:
         for tag, wait in list(self._waits.items()):
             if tag not in self._waits or stage not in wait.pending:
                 continue
+            for lost, commands in wait.request.on_lost:
+                if lost == stage:
+                    out += commands
             if wait.request.partial:
                 wait.pending.discard(stage)
                 if wait.pending:

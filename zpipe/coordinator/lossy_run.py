@@ -1,27 +1,31 @@
 """An EdgePipe (lossy) run on ordinary stages: from ``lossy_run_request`` to ``lossy_run_report``.
 
-    lossy_run_request ─> the stages (waiting for them to register) ─> partition
+    lossy_run_request ─> the stages (waiting for them to register) ─> [the stages
+    measure their links, 50 probes each: zpipe.coordinator.lossy_probe] ─> partition
     (Algorithm 1) and map super neurons to stages (Algorithm 2) on the reception
-    ratios given ─> lossy_setup to each stage (its partial layers, its data, its
+    ratios measured or given ─> lossy_setup to each stage (its partial layers, its data, its
     peers) ─> every lossy_ready ─> lossy_go ─> every lossy_result ─> lossy_run_report
 
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events. Device ``k`` of
 the run is the ``k``-th stage (``stage_names`` order, or by name); the stages
 exchange partials between themselves over their data sockets, the coordinator
-carries control only. A stage that dies or does not answer in time fails the
-run (the client hears ``run_failed``); null-filling a dead stage's super
-neurons and re-mapping them come in later increments of issue 15.
+carries control only. A stage that dies or does not answer before the run
+starts fails it (the client hears ``run_failed``). One the heartbeats declare
+dead once the passes run is null-filled: the others hear ``lossy_dead`` and stop
+waiting for its partials, the run goes on, and the report names it with the
+first mini-batch that ran without it (``dead``). Re-mapping its super neurons
+is not built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
+from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTimeout, ZpipeError
 from zpipe.coordinator.commands import (
     AwaitReplies,
     AwaitStages,
@@ -31,7 +35,8 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.membership import Member
+from zpipe.coordinator.lossy_probe import measure_links
+from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.lossy.engine import shard_params
@@ -39,8 +44,11 @@ from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, to_array, to_tensor
-from zpipe.protocol.lossy import LossyGo, LossyRunReport, LossyRunRequest, LossySetup
+from zpipe.protocol.lossy import LossyDead, LossyGo, LossyRunReport, LossyRunRequest, LossySetup
 from zpipe.transport.codec import Message
+
+# The stages' replies a lossy run's flow waits for (routed to it by the core).
+LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report")
 
 
 def lossy_run_request(
@@ -71,15 +79,29 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         float(request.wait_for_stages_s),
     )
     n = len(members)
-    try:
-        prr_measured = np.asarray(request.prr_measured, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ConfigError("prr_measured must be a square matrix of numbers") from None
-    if prr_measured.shape != (n, n):
-        raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
     seed = request.spec.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
+    measured: FloatArray | None = None
+    if request.probes is None:
+        try:
+            prr_measured = np.asarray(request.prr_measured, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ConfigError("prr_measured must be a square matrix of numbers") from None
+        if prr_measured.shape != (n, n):
+            raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
+    else:
+        yield from _replace_current(state)  # the measurement takes the stages' data sockets
+        prr_measured = measured = yield from measure_links(
+            state,
+            members,
+            prr=request.spec.get("prr"),
+            seed=seed,
+            probes=request.probes,
+            run=state.next_run(),
+            epoch=state.next_epoch(),
+        )
+        yield Log("info", "lossy_links_measured", {"prr": measured.round(3).tolist()})
     # the genetic search takes a while: off the event loop
     alloc: Allocation = yield PlanLossy(
         tuple(sizes), request.allocation, n, prr_measured, request.mapping, seed
@@ -90,11 +112,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
             f"inputs {inputs.shape} and labels {labels.shape} do not fit n_data "
             f"{spec.n_data}, batch {spec.batch} and {sizes[0]} input neurons"
         )
-    if state.current is not None:
-        # its stages take the lossy run instead: the run they ran is over
-        yield Log("warning", "run_replaced", {"previous": state.current.run.run})
-        state.current = None
-        yield Persist()
+    yield from _replace_current(state)
     run, epoch = state.next_run(), state.next_epoch()
     yield Log("info", "lossy_run_planned", {"run": run, "epoch": epoch, "alloc": alloc.to_dict()})
     topo = Topology(alloc)
@@ -137,26 +155,84 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     for member in taking_part.values():
         go = LossyGo(run=run, start_at=0.0, start_in_s=start_in_s, epoch=epoch)
         yield Send(member.routing_id, go.to_message(), member.name, stage=member.name)
-    results = yield AwaitReplies(
-        stage_names, "lossy_result", float(request.result_s), "lossy_result", run=run
+    # A stage declared dead during the run: the others hear it at once and null-fill its
+    # partials from then on (EdgePipe's device malfunction case); the run goes on.
+    notices = tuple(
+        (
+            member.name,
+            tuple(
+                Send(
+                    other.routing_id,
+                    LossyDead(run=run, device=d, epoch=epoch).to_message(),
+                    other.name,
+                    stage=other.name,
+                )
+                for od, other in taking_part.items()
+                if od != d
+            ),
+        )
+        for d, member in taking_part.items()
     )
+    results = yield AwaitReplies(
+        stage_names,
+        "lossy_result",
+        float(request.result_s),
+        "lossy_result",
+        run=run,
+        partial=True,
+        on_lost=notices,
+    )
+    dead = {d: m for d, m in taking_part.items() if m.name not in results}
+    silent = [m.name for m in dead.values() if not _declared_dead(state, m.name)]
+    if silent:
+        raise TransportTimeout(", ".join(silent), "lossy_result", float(request.result_s))
+    if not results:
+        raise PipelineError("every stage of the lossy run died")
     failed = {name: str(m["error"]) for name, m in results.items() if m["error"]}
     if failed:
         raise PipelineError(f"stages failed the lossy run: {failed}")
-    yield Log("info", "lossy_run_done", {"run": run})
+    yield Log("info", "lossy_run_done", {"run": run, "dead": sorted(m.name for m in dead.values())})
     bodies: list[dict[str, Any]] = []
     out: list[torch.Tensor] = []
     for member in taking_part.values():
-        result = results[member.name]
-        bodies.append(dict(result.body))
-        out.extend(result.tensors)
+        if member.name in results:
+            result = results[member.name]
+            bodies.append(dict(result.body))
+            out.extend(result.tensors)
     return LossyRunReport(
         run=run,
         alloc=alloc.to_dict(),
         stages=[m.name for m in members],
         results=bodies,
+        dead=[[d, m.name, _first_null_filled(results.values(), d)] for d, m in dead.items()]
+        or None,
+        measured=None if measured is None else measured.tolist(),
         tensors=tuple(out),
     ).to_message()
+
+
+def _replace_current(state: CoordinatorState) -> Flow:
+    if state.current is not None:
+        # its stages take the lossy run instead: the run they ran is over
+        yield Log("warning", "run_replaced", {"previous": state.current.run.run})
+        state.current = None
+        yield Persist()
+
+
+def _declared_dead(state: CoordinatorState, name: str) -> bool:
+    member = state.membership.get(name)
+    return member is None or member.state is MemberState.DEAD
+
+
+def _first_null_filled(results: Iterable[Message], device: int) -> int | None:
+    """The first mini-batch whose passes ran without ``device``'s partials, by the
+    survivors' results (None: no survivor needed them after its death)."""
+    firsts = []
+    for result in results:
+        first = (result.get("dead") or {}).get(str(device))
+        if isinstance(first, int) and not isinstance(first, bool):
+            firsts.append(first)
+    return min(firsts, default=None)
 
 
 def _positive_int(value: Any, what: str) -> int:

@@ -20,12 +20,12 @@ Across real processes (none re-exported here: the wire pulls in torch for the co
 - :mod:`.shard`        one device's slices and passes (the engine runs one per device)
 - :mod:`.torch_partial` the same passes on partial layers as torch modules (what stages run)
 - :mod:`.trace`        what a run did, message by message; the in-process reference
-- :mod:`.linkmodes`    wait modes and link transports (UDP needs draft sockets)
-- :mod:`.wire`         run specs and array conversion for the device processes (their
-                       message kinds are in :mod:`zpipe.protocol.lossy`)
-- :mod:`.device`       ``python -m zpipe.lossy.device``: one device process
-- :mod:`.multiprocess` the launcher: a pool of device processes, runs, link probes
-- :mod:`.on_stages`    ``python -m zpipe lossy --coordinator EP``: runs on ordinary stages
+- :mod:`.linkmodes`    how receivers wait for partials (emulated, deadline)
+- :mod:`.wire`         run specs and array conversion for the stages (the message
+                       kinds are in :mod:`zpipe.protocol.lossy`)
+- :mod:`.device_run`   one run's state on a stage, built from its ``lossy_setup``
+- :mod:`.on_stages`    ``python -m zpipe lossy --coordinator EP`` (or ``--multiprocess``,
+                       a local cluster): runs on ordinary stages
                        (:mod:`zpipe.coordinator.lossy_run`, :mod:`zpipe.stage.lossy_executor`,
                        :mod:`zpipe.client.lossy_run`)
 """

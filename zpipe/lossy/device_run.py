@@ -1,5 +1,5 @@
-"""One lossy run's state on a device process, built from its ``lossy_setup``, and the
-shape check of every partial it may receive (pure: no sockets)."""
+"""One lossy run's state on a stage, built from its ``lossy_setup``, and the shape
+check of every partial it may receive (pure: no sockets)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def build_run(
 ) -> DeviceRun:
     """One run's state on device ``index`` from its ``lossy_setup``: its slices' weights,
     the inputs and labels it owns, its peers; :class:`ProtocolError` if it does not fit.
-    ``shard_factory``: numpy shards (device processes) or torch ones (stages)."""
+    ``shard_factory``: torch shards (stages) or numpy ones."""
     if msg.device != index:
         raise ProtocolError(f"lossy_setup for device {msg.device} reached {index}")
     spec = RunSpec.from_body(msg.spec)

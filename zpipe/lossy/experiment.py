@@ -12,11 +12,12 @@ training loss and test accuracy against simulated training time, propagation
 rate). ``--sweep region --sweep-values 25,50,75,100`` (or ``exponent``,
 ``devices``) repeats that per value and adds ``sweep_<name>.png`` (Fig. 9).
 
-``--multiprocess`` trains each configuration across real device processes
-on this machine instead (one ``python -m zpipe.lossy.device`` per device,
-linked by ZeroMQ, loss decided per message with the same seeded decisions),
-checks that it dropped the same messages and reached the same weights as the
-in-process simulation, and writes those runs' numbers (no plots)::
+``--multiprocess`` trains each configuration across real processes on this
+machine instead: a local cluster of ordinary stages (one ``python -m zpipe.stage``
+per device and a coordinator, started for the command), on which the runs go as
+with ``--coordinator``; each is checked against the in-process simulation (same
+dropped messages, same weights) and the command writes those runs' numbers (no
+plots)::
 
     python -m zpipe.lossy.experiment --multiprocess --allocation hybrid \
         --devices 6 --seeds 1 --steps 20 --out results/lossy-mp
@@ -49,7 +50,7 @@ from zpipe.cli_common import (
     positive_int,
 )
 from zpipe.lossy.data import Dataset, load_dataset
-from zpipe.lossy.linkmodes import LINK_TRANSPORTS, WAIT_MODES, check_link_transport
+from zpipe.lossy.linkmodes import WAIT_MODES
 from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
 from zpipe.lossy.partition import ALLOCATION_KINDS
 from zpipe.lossy.radio import RadioModel
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument(
         "--multiprocess",
         action="store_true",
-        help="train across device processes over ZeroMQ and compare with the simulation",
+        help="train on a local cluster of ordinary stages started for the command "
+        "(--devices of them) and compare with the simulation",
     )
     mp.add_argument(
         "--wait-mode",
@@ -163,17 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mp.add_argument(
         "--slot-s", type=positive_float, default=0.1, help="deadline mode's timeslot, s"
-    )
-    mp.add_argument(
-        "--measure-links",
-        action="store_true",
-        help="map on reception ratios the devices measure with 50 probes per link",
-    )
-    mp.add_argument(
-        "--link-transport",
-        choices=LINK_TRANSPORTS,
-        default="tcp",
-        help="tcp (loss emulated per message); udp needs draft RADIO/DISH sockets",
     )
     st = p.add_argument_group("runs on ordinary stages")
     st.add_argument(
@@ -195,59 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --coordinator: how long the coordinator waits for --devices stages",
     )
     return p
-
-
-def run_multiprocess_configs(
-    args: argparse.Namespace, configs: list[tuple[RunConfig, float | None]], data: Dataset
-) -> list[dict[str, Any]]:
-    """Every configuration across device processes, each checked against the
-    simulation; one pool per device count (start-up costs seconds)."""
-    from zpipe.lossy.multiprocess import DevicePool, run_multiprocess
-    from zpipe.lossy.simulate import prepare_run
-    from zpipe.lossy.trace import same_run, train_in_process
-
-    check_link_transport(args.link_transport)
-    rows = []
-    by_devices: dict[int, list[tuple[RunConfig, float | None]]] = defaultdict(list)
-    for cfg, value in configs:
-        by_devices[cfg.n_devices].append((cfg, value))
-    for n_devices, group in by_devices.items():
-        with DevicePool(n_devices) as pool:
-            for cfg, value in group:
-                result = run_multiprocess(
-                    cfg,
-                    data,
-                    pool=pool,
-                    mode=args.wait_mode,
-                    slot_s=args.slot_s,
-                    measure_links=args.measure_links,
-                )
-                simulated = train_in_process(
-                    prepare_run(cfg, data, measured=result.measured_prr), data
-                )
-                summary = result.summary()
-                summary.pop("losses")
-                rows.append(
-                    {
-                        "config": cfg.as_dict(),
-                        "sweep_value": value,
-                        "wait_mode": args.wait_mode,
-                        **summary,
-                        "final_test_acc_lossless": result.trace.test_accuracy(data),
-                        "matches_simulation": same_run(result.trace, simulated),
-                        "measured_prr": None
-                        if result.measured_prr is None
-                        else result.measured_prr.tolist(),
-                    }
-                )
-                print(
-                    f"[{len(rows)}/{len(configs)}] {cfg.label} seed={cfg.seed} multiprocess"
-                    f" steps={summary['n_data']} prop={summary['propagation_rate']:.3f}"
-                    f" wall={summary['wall_s']:.2f}s"
-                    f" matches_simulation={rows[-1]['matches_simulation']}",
-                    file=sys.stderr,
-                )
-    return rows
 
 
 def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float | None]]:
@@ -326,12 +264,15 @@ def _main_on_stages(
     configs: list[tuple[RunConfig, float | None]],
     data: Dataset,
 ) -> int:
-    from zpipe.lossy.on_stages import run_stage_configs
+    from zpipe.lossy.on_stages import run_on_local_cluster, run_stage_configs
 
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         with single_threaded_blas():
-            rows = run_stage_configs(args, configs, data)
+            if args.multiprocess:
+                rows = run_on_local_cluster(args, configs, data)
+            else:
+                rows = run_stage_configs(args, configs, data)
     except ZpipeError as exc:  # a cluster that is not there, a run that failed
         print(f"python -m zpipe lossy: error: {exc}", file=sys.stderr)
         return 1
@@ -355,18 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             data = data.limit(n_train=args.limit_train)
     except ConfigError as exc:
         parser.error(str(exc))
-    if args.coordinator is not None and (
-        args.multiprocess or args.measure_links or args.link_transport != "tcp"
-    ):
-        parser.error(
-            "--coordinator runs on ordinary stages: it takes no --multiprocess, "
-            "--measure-links or --link-transport"
-        )
+    if args.coordinator is not None and args.multiprocess:
+        parser.error("--coordinator runs on that cluster's stages: it takes no --multiprocess")
     if args.keys is not None and args.coordinator is None:
         parser.error("--keys goes with --coordinator")
-    if args.coordinator is not None:
+    if args.coordinator is not None or args.multiprocess:
         return _main_on_stages(args, argv, configs, data)
-    if not args.no_plots and not args.multiprocess:
+    if not args.no_plots:
         try:
             from zpipe.lossy.plots import require_matplotlib
 
@@ -374,20 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.multiprocess:
-        try:
-            with single_threaded_blas():
-                rows = run_multiprocess_configs(args, configs, data)
-        except ConfigError as exc:
-            parser.error(str(exc))
-        results = args.out / "results.json"
-        results.write_text(
-            json.dumps({"argv": list(sys.argv[1:] if argv is None else argv), "runs": rows})
-        )
-        for row in rows:
-            print(json.dumps({k: v for k, v in row.items() if k not in ("config", "traffic")}))
-        print(f"wrote {results}", file=sys.stderr)
-        return 0 if all(row["matches_simulation"] for row in rows) else 1
     runs = []
     for k, (cfg, value) in enumerate(configs, 1):
         try:

@@ -43,7 +43,7 @@ class Direction(IntEnum):
     TEST_FORWARD = 3  # forward during a (lossy) test pass
     TEST_SHARE = 4  # output sharing during a test pass
     ACK = 5  # an acknowledgement of a data message (ACK scheme)
-    PROBE = 6  # a link-measurement probe (zpipe.lossy.device: 50 per link)
+    PROBE = 6  # a link-measurement probe (EdgePipe: 50 per link)
 
 
 RecoveryScheme = Literal["none", "rtx", "ack"]

@@ -1,11 +1,13 @@
-"""``python -m zpipe lossy --coordinator EP``: the experiment's runs on ordinary stages.
+"""``python -m zpipe lossy --coordinator EP`` and ``--multiprocess``: the experiment's
+runs on ordinary stages.
 
 Each configuration trains on the first ``--devices`` stages (by name) of the
 cluster the coordinator at ``EP`` keeps (``python -m zpipe coordinator`` and
-``python -m zpipe.stage``): the coordinator partitions and maps, the stages run
-their partial layers (:mod:`zpipe.client.lossy_run`). Each run is checked
-against the in-process simulation of the same seed, as ``--multiprocess`` runs
-are.
+``python -m zpipe.stage``), or, with ``--multiprocess``, of a
+:class:`~zpipe.cluster.LocalCluster` started for the command: the coordinator
+partitions and maps, the stages run their partial layers
+(:mod:`zpipe.client.lossy_run`). Each run is checked against the in-process
+simulation of the same seed.
 """
 
 from __future__ import annotations
@@ -27,11 +29,32 @@ def run_stage_configs(
     args: argparse.Namespace, configs: list[tuple[RunConfig, float | None]], data: Dataset
 ) -> list[dict[str, Any]]:
     """Every configuration on the cluster's stages, each checked against the simulation."""
-    keys: Path | None = args.keys
+    return _run_all(args, configs, data, coordinator=args.coordinator, keys=args.keys)
 
+
+def run_on_local_cluster(
+    args: argparse.Namespace, configs: list[tuple[RunConfig, float | None]], data: Dataset
+) -> list[dict[str, Any]]:
+    """Every configuration on a local cluster of ordinary stages started for it (as many
+    stages as the largest configuration has devices), then stopped."""
+    from zpipe.cluster import LocalCluster
+
+    n_stages = max(cfg.n_devices for cfg, _ in configs)
+    with LocalCluster(n_stages, log_level="warning") as cluster:
+        return _run_all(args, configs, data, coordinator=cluster.coordinator_endpoint, keys=None)
+
+
+def _run_all(
+    args: argparse.Namespace,
+    configs: list[tuple[RunConfig, float | None]],
+    data: Dataset,
+    *,
+    coordinator: str,
+    keys: Path | None,
+) -> list[dict[str, Any]]:
     async def run_all() -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
-        async with PipelineClient(args.coordinator, keys_dir=keys) as client:
+        async with PipelineClient(coordinator, keys_dir=keys) as client:
             for cfg, value in configs:
                 prepared = prepare_run(cfg, data)
                 result = await run_lossy(
@@ -56,6 +79,8 @@ def run_stage_configs(
                         "late": result.late,
                         "wall_s": result.wall_s,
                         "protocol_errors": sum(result.protocol_errors.values()),
+                        # device -> [stage, first mini-batch that ran without it]
+                        "dead": {str(d): list(v) for d, v in result.dead.items()},
                         "final_test_acc_lossless": result.trace.test_accuracy(data),
                         "matches_simulation": same_run(result.trace, simulated, rtol=1e-10),
                     }

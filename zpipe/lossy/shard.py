@@ -4,9 +4,10 @@ A :class:`DeviceShard` computes what one device computes in one pass from
 the partials that reached it, and says what it sends to whom
 (:class:`Outgoing`); it never decides delivery and never touches a socket.
 The in-process engine (:mod:`zpipe.lossy.engine`) runs one shard per device
-and carries the messages in dictionaries; a device process
-(:mod:`zpipe.lossy.device`) runs its own shard and carries them over ZeroMQ.
-Sharing this one class is what makes the two compute the same numbers.
+and carries the messages in dictionaries; a stage runs its own shard (the torch
+twin, :class:`zpipe.lossy.torch_partial.TorchDeviceShard`) and carries them over
+ZeroMQ (:mod:`zpipe.stage.lossy_passes`). Sharing these passes is what makes the
+two compute the same numbers.
 
 Message keys: a partial is filed at its receiver under ``(data, kind, layer)``
 where ``kind`` is ``"F"`` (forward input of layer ``layer + 1``), ``"S"``

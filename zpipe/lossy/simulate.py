@@ -113,7 +113,7 @@ def build_allocation(
     """Partition, then map on the measured reception ratios (naive: one device).
 
     ``measured`` replaces the topology's simulated 50-probe measurement, e.g.
-    with one that device processes made (:mod:`zpipe.lossy.multiprocess`).
+    with one measured between stages.
     """
     if cfg.allocation == "naive":
         return partition("naive", layer_sizes, 1)
@@ -127,8 +127,8 @@ class PreparedRun:
     """What a run's seed fixes before training starts: the devices and links, the
     allocation mapped onto them, the initial weights and every mini-batch's rows.
 
-    The in-process simulation and the multi-process run
-    (:mod:`zpipe.lossy.multiprocess`) both start from one of these.
+    The in-process simulation and a run on stages
+    (:mod:`zpipe.client.lossy_run`) both start from one of these.
     """
 
     config: RunConfig

@@ -4,14 +4,15 @@ A :class:`TrainingTrace` holds each mini-batch's loss, the final weights, the
 propagation counts, the traffic per pass category and which senders reached
 each receiver for every pass. :func:`train_in_process` plays a
 :class:`~zpipe.lossy.simulate.PreparedRun` on the in-process engine;
-:mod:`zpipe.lossy.multiprocess` builds the same record from device processes,
-so "the multi-process run equals the simulation" is a comparison of two traces.
+:func:`trace_from_results` builds the same record from the stages' results
+(:mod:`zpipe.client.lossy_run`), so "the multi-process run equals the
+simulation" is a comparison of two traces.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,13 +120,27 @@ def train_in_process(
     )
 
 
-def trace_from_results(topo: Topology, results: Mapping[int, LossyResult]) -> TrainingTrace:
-    """The trace of a run on processes (device processes or stages), from each device's
-    ``lossy_result``; :class:`ProtocolError` if a result does not fit the allocation."""
+def trace_from_results(
+    topo: Topology, results: Mapping[int, LossyResult], *, dead: Collection[int] = ()
+) -> TrainingTrace:
+    """The trace of a run on stages, from each device's ``lossy_result``;
+    :class:`ProtocolError` if a result does not fit the allocation.
+
+    ``dead``: devices that died during the run and sent no result. Their slices come
+    back as zeros, what the survivors computed with in their place (a null-filled
+    hidden slice is ``relu(0) = 0``, a null-filled logit 0); a mini-batch's loss is
+    the mean over the output owners that reported it."""
+    if set(dead) & results.keys():
+        raise ProtocolError(f"lossy results from devices declared dead: {sorted(dead)}")
     weights: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
+    sizes = topo.alloc.layer_sizes
+    for d in dead:
+        for layer in range(1, topo.n_layers):
+            sl = topo.slice_of(layer, d)
+            if sl is not None:
+                weights[(layer, d)] = (np.zeros((sl.width, sizes[layer - 1])), np.zeros(sl.width))
     loss_by: dict[int, dict[int, float]] = {}
     arrivals: Arrivals = {}
-    sizes = topo.alloc.layer_sizes
     for d, msg in results.items():
         layers = msg.layers
         if len(msg.tensors) != 2 * len(layers):
@@ -152,7 +167,7 @@ def trace_from_results(topo: Topology, results: Mapping[int, LossyResult]) -> Tr
     out_owners = [d for d, _ in topo.owners[topo.last]]
     try:
         losses = {
-            data_id: float(np.mean([by[d] for d in out_owners]))
+            data_id: float(np.mean([by[d] for d in out_owners if d not in dead]))
             for data_id, by in sorted(loss_by.items())
         }
         params = stitch_params(topo, weights)

@@ -1,4 +1,4 @@
-"""What lossy device processes put in their messages, beyond the messages themselves.
+"""What a lossy run's stages put in their messages, beyond the messages themselves.
 
 The kinds are typed classes in :mod:`zpipe.protocol.lossy` (registered with
 every other kind in :data:`zpipe.protocol.REGISTRY`; nothing is pickled). This
@@ -130,10 +130,6 @@ def partial_message(
     return LossyPartial(
         run=run, data=data, kind=kind, layer=layer, src=src, tensors=(to_tensor(values),)
     ).to_message()
-
-
-def peers_body(endpoints: dict[int, str]) -> dict[str, str]:
-    return {str(k): v for k, v in endpoints.items()}
 
 
 def peers_from_body(body: Any, what: str) -> dict[int, str]:

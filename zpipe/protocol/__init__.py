@@ -6,7 +6,7 @@
     data_plane       micro-batches, gradients, labels, losses, all-reduce
     peer             stage <-> stage on the probe socket (link probes, backups, fetches)
     storage          the coordinator's files (codec messages on disk)
-    lossy            EdgePipe's lossy device processes
+    lossy            EdgePipe's lossy runs on ordinary stages
     federated        the federated server and its clients (fl-server, fl-client)
 
 Each class has ``to_message()`` and ``from_message(message)`` (which raises

@@ -1,28 +1,18 @@
-"""The messages of EdgePipe's lossy runs: on ordinary stages, and on the older device
-processes (zpipe.lossy.multiprocess, .device).
-
-On ordinary stages (zpipe.coordinator.lossy_run, zpipe.stage.lossy_executor)::
+"""The messages of EdgePipe's lossy runs on ordinary stages (zpipe.coordinator.lossy_run,
+zpipe.stage.lossy_executor)::
 
     client -> coordinator  lossy_run_request  run parameters; initial weights, inputs, labels
-    coordinator -> stage   lossy_setup        as below, plus the peers' names and keys
+    coordinator -> stage   lossy_setup        a run: spec, peers' endpoints, names and keys;
+                                              weight slices, inputs, labels
                            lossy_go           start the passes (start_in_s after receipt)
+                           lossy_dead         a device of the run died: null-fill its partials
+                           lossy_probe_request  before mapping: measure your links (then
+                                              lossy_ready; lossy_go starts the probes)
+    stage -> coordinator   lossy_probe_report probes received from each peer
+    stage -> stage         lossy_probe, lossy_probe_end  on the data sockets
     stage -> coordinator   lossy_ready, lossy_result
     stage -> stage         lossy_partial      on the stages' data sockets
     coordinator -> client  lossy_run_report   the allocation; every device's result and weights
-
-Device processes::
-
-    launcher -> device   lossy_setup          a run: spec, peers; weight slices, inputs, labels
-                         lossy_go             start the passes (deadline mode: at start_at)
-                         lossy_probe_request  measure my links: send probes to every peer
-                         shutdown             exit (stage_control.Shutdown)
-    device -> launcher   lossy_hello          my index, data endpoint and pid
-                         lossy_ready          set up and connected to my peers
-                         lossy_result         losses, counters, arrivals; final weight slices
-                         lossy_probe_report   probes received from each peer
-    device -> device     lossy_partial        one partial (a float64 tensor)
-                         lossy_probe          one link-measurement probe
-                         lossy_probe_end      how many probes the sender tried
 
 msgpack map keys must be strings, so device indices appear as strings in maps.
 The run spec crosses as plain data; zpipe.lossy.wire.RunSpec reads it.
@@ -49,14 +39,6 @@ from zpipe.protocol._schema import (
     wire,
     wire_message,
 )
-
-
-@wire_message
-class LossyHello(WireMessage):
-    KIND: ClassVar[str] = "lossy_hello"
-    device: int = wire(INT)
-    endpoint: str = wire(STR)
-    pid: int = wire(INT)
 
 
 @wire_message
@@ -116,6 +98,21 @@ class LossyResult(TensorMessage):
     wall_s: float = wire(NUM)
     # from a stage: its name (state a stage sends on its bulk connection names its sender)
     name: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # devices the coordinator declared dead during the run: device -> the first
+    # mini-batch whose passes here ran without its partials (null if none needed them)
+    dead: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # partials of another run or plan epoch this stage dropped since the run's set-up
+    stale: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyDead(WireMessage):
+    """Coordinator -> the run's other stages: ``device`` was declared dead; wait no more
+    for its partials (null-fill them) and send it none."""
+
+    KIND: ClassVar[str] = "lossy_dead"
+    run: int = wire(INT)
+    device: int = wire(INT)
 
 
 @wire_message
@@ -130,6 +127,11 @@ class LossyPartial(TensorMessage):
 
 @wire_message
 class LossyProbeRequest(WireMessage):
+    """Coordinator -> stage: measure my links before a lossy run is mapped: ``count``
+    probes to every peer of ``peers`` (device -> data endpoint), each one's fate the
+    seeded decision of ``prr`` (``[src][dst]``), then ``lossy_probe_end``. The stage
+    answers ``lossy_ready`` once it takes probes, and probes at ``lossy_go``."""
+
     KIND: ClassVar[str] = "lossy_probe_request"
     run: int = wire(INT)
     seed: int = wire(INT)
@@ -137,10 +139,16 @@ class LossyProbeRequest(WireMessage):
     prr: list[Any] = wire(LIST)
     peers: dict[str, Any] = wire(MAP)
     timeout_s: float = wire(NUM)
+    # on ordinary stages: this stage's device index, and its peers' names and keys
+    device: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    names: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    keys: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message
 class LossyProbe(WireMessage):
+    """Stage -> stage, on the data port: one link-measurement probe."""
+
     KIND: ClassVar[str] = "lossy_probe"
     run: int = wire(INT)
     src: int = wire(INT)
@@ -149,6 +157,8 @@ class LossyProbe(WireMessage):
 
 @wire_message
 class LossyProbeEnd(WireMessage):
+    """Stage -> stage, after its probes on the same link: how many it tried."""
+
     KIND: ClassVar[str] = "lossy_probe_end"
     run: int = wire(INT)
     src: int = wire(INT)
@@ -157,6 +167,9 @@ class LossyProbeEnd(WireMessage):
 
 @wire_message
 class LossyProbeReport(WireMessage):
+    """Stage -> coordinator: probes received from each peer (``src`` -> n), and how
+    many each peer tried."""
+
     KIND: ClassVar[str] = "lossy_probe_report"
     run: int = wire(INT)
     device: int = wire(INT)
@@ -186,6 +199,9 @@ class LossyRunRequest(TensorMessage):
     wait_for_stages_s: float = wire(NUM)
     result_s: float = wire(NUM)
     start_in_s: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
+    # have the stages measure their links with this many probes each (EdgePipe: 50)
+    # and map on that instead of prr_measured
+    probes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -199,14 +215,18 @@ class LossyRunReport(TensorMessage):
     alloc: dict[str, Any] = wire(MAP)
     stages: list[Any] = wire(LIST)
     results: list[Any] = wire(LIST)
+    # devices declared dead during the run: [device, stage, first mini-batch null-filled]
+    dead: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    # the reception ratios the stages measured (``[src][dst]``), when the run asked
+    measured: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
-    LossyHello,
     LossySetup,
     LossyReady,
     LossyGo,
     LossyResult,
+    LossyDead,
     LossyPartial,
     LossyProbeRequest,
     LossyProbe,

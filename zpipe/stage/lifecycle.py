@@ -414,7 +414,7 @@ class StageLifecycle:
             return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
         if kind == "backup_request":
             return [StartJob(Job.BACKUP, message, newest_wins=True)]
-        if kind in ("lossy_setup", "lossy_go"):
+        if kind in ("lossy_setup", "lossy_go", "lossy_dead", "lossy_probe_request"):
             return [LossyControl(message)]
         if kind == "metrics_request":
             body = {"run": message["run"], "name": self.name}

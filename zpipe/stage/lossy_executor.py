@@ -9,17 +9,12 @@ data endpoints, names and keys) and then ``lossy_go``. The executor:
   ``lossy_partial`` messages from the run's peers only (their CURVE keys, the
   run id, the plan epoch and a shape check per partial; anything else is
   counted and dropped, and the loop goes on);
-- runs its passes of the eq. 2 timeslot pipeline in order
-  (:func:`zpipe.lossy.schedule.events`) on a
-  :class:`~zpipe.lossy.torch_partial.TorchDeviceShard`, compute in the stage's
-  compute thread, never on the event loop;
-- sends each pass's partials once to every device that needs them, over PUSH
-  sockets to their data ports, each send with a deadline;
-- waits for a pass's partials with an explicit timeout and null-fills what has
-  not come (:mod:`zpipe.lossy.device_run`'s state, the device process's rules:
-  ``emulated``: until every partial that the shared seeded loss lets through
-  has arrived, at most ``wait_s``; ``deadline``: until the end of the timeslot
-  the partials were sent in);
+- runs its passes of the eq. 2 timeslot pipeline in order on a
+  :class:`~zpipe.lossy.torch_partial.TorchDeviceShard`, the whole pass sequence
+  in the stage's compute thread (:mod:`zpipe.stage.lossy_passes`: waiting for a
+  pass's partials with an explicit timeout, null-filling what has not come,
+  sending each pass's partials once to every device that needs them, each send
+  with a deadline); the event loop only receives partials and hands them over;
 - answers ``lossy_ready`` and, at the end, ``lossy_result`` with its counters,
   its arrivals and its final weight slices.
 
@@ -32,35 +27,43 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
 from zpipe.lossy.device_run import DeviceRun, build_run, partial_shape
-from zpipe.lossy.engine import record_arrival
-from zpipe.lossy.partial import FloatArray
-from zpipe.lossy.schedule import PassEvent, events
-from zpipe.lossy.shard import Needed, Outgoing
 from zpipe.lossy.torch_partial import TorchDeviceShard
-from zpipe.lossy.wire import partial_message, to_array, to_tensor
-from zpipe.protocol.lossy import LossyGo, LossyPartial, LossyReady, LossyResult, LossySetup
+from zpipe.lossy.wire import to_array, to_tensor
+from zpipe.protocol.lossy import (
+    LossyDead,
+    LossyGo,
+    LossyPartial,
+    LossyProbe,
+    LossyProbeEnd,
+    LossyProbeRequest,
+    LossyReady,
+    LossyResult,
+    LossySetup,
+)
 from zpipe.stage.assignment import PushConnector
+from zpipe.stage.lossy_passes import PassLoop, SharedInbox
+from zpipe.stage.lossy_probes import LinkProbes, probe_links
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
-from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames, send
+from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames
 
 log = get_logger("zpipe.stage")
 
 #: the control kinds this module takes (the lifecycle hands them over)
-LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go"})
+LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go", "lossy_dead", "lossy_probe_request"})
 # The supervisor's names of a running assignment's data tasks: a later assignment
 # (DataPlane.stop) stops a lossy run's tasks as it stops any other run's.
 RECEIVE_TASK = "data-receive"
@@ -104,35 +107,116 @@ class LossyExecutor:
         self.epoch = 0
         self.index = -1
         self.protocol_errors = 0
+        # partials of another run or plan epoch, dropped since the latest set-up
+        self.stale = 0
         self._peers: dict[int, zmq.asyncio.Socket] = {}
         # by device: (data endpoint, CURVE key, name) of the set-up run's peers
         self._pending_peers: dict[int, tuple[str, str | None, str]] = {}
-        self._arrived = asyncio.Event()
+        self._inbox: SharedInbox | None = None
+        self._probes: LinkProbes | None = None  # a link measurement, before a run
 
     # ------------------------------------------------------------ control
 
     async def on_control(self, message: Message) -> None:
-        """A ``lossy_setup`` or ``lossy_go`` from the coordinator."""
+        """A lossy run's control message from the coordinator."""
         if message.kind == "lossy_setup":
             await self._setup(message)
+        elif message.kind == "lossy_probe_request":
+            await self._setup_probes(message)
         elif message.kind == "lossy_go":
             go = LossyGo.from_message(message)
+            probes = self._probes
+            if probes is not None and probes.run == go.run and message.epoch == self.epoch:
+                self._connect_peers()
+                self._supervisor.start(RUN_TASK, lambda: self._probe(probes))
+                return
             st = self.state
             if st is None or st.run != go.run or message.epoch != self.epoch:
                 raise ProtocolError(f"lossy_go for run {go.run}, which is not set up here")
-            self._close_peers()
-            for device, (endpoint, key, peer) in self._pending_peers.items():
-                self._peers[device] = self._connect(endpoint, key, peer)
+            self._connect_peers()
             self._supervisor.start(RUN_TASK, lambda: self._run(st, go))
+        elif message.kind == "lossy_dead":
+            self._peer_died(LossyDead.from_message(message), message.epoch)
         else:
             raise ProtocolError(f"{message.kind!r} is not a lossy control message")
 
-    async def _setup(self, message: Message) -> None:
-        setup = LossySetup.from_message(message)
-        await self._stop_data()  # the run takes the data socket: no other assignment runs
+    def _peer_died(self, notice: LossyDead, epoch: int) -> None:
+        """The coordinator declared a device of this run dead: its partials are
+        null-filled from now on (EdgePipe's device malfunction case)."""
+        st, inbox = self.state, self._inbox
+        if st is None or inbox is None or st.run != notice.run or epoch != self.epoch:
+            log.info("lossy_stale_notice", stage=self.name, run=notice.run, device=notice.device)
+            return
+        if notice.device == self.index or notice.device not in st.peers:
+            raise ProtocolError(f"lossy_dead: device {notice.device} is not a peer of this run")
+        inbox.mark_dead(notice.device)
+        log.warning("lossy_peer_dead", stage=self.name, run=st.run, device=notice.device)
+
+    def _connect_peers(self) -> None:
+        self._close_peers()
+        for device, (endpoint, key, peer) in self._pending_peers.items():
+            self._peers[device] = self._connect(endpoint, key, peer)
+
+    def _allow_peers(self, names: dict[int, str], keys: dict[int, str], me: int,
+                     endpoints: dict[int, str]) -> None:  # fmt: skip
+        """Allow the peers' keys before any connects (a refused CURVE handshake is not
+        retried); connect to them at lossy_go, once every stage allows this one's."""
+        if self._data_allow is not None:
+            self._data_allow.replace({names.get(d, str(d)): k.encode() for d, k in keys.items()})
+        self._pending_peers = {
+            d: (endpoint, keys.get(d), names.get(d, f"device {d}"))
+            for d, endpoint in endpoints.items()
+            if d != me
+        }
+
+    async def _setup_probes(self, message: Message) -> None:
+        """A ``lossy_probe_request``: take probes on the data port, answer
+        ``lossy_ready``; the probes go at ``lossy_go`` (:mod:`zpipe.stage.lossy_probes`)."""
+        req = LossyProbeRequest.from_message(message)
+        await self._reset()
+        error = ""
+        try:
+            probes = LinkProbes.from_request(req)
+            names = _by_index(req.names, "names")
+            self._allow_peers(names, _by_index(req.keys, "keys"), probes.device, probes.peers)
+        except ProtocolError as exc:
+            self._pending_peers = {}
+            self.protocol_errors += 1
+            error = describe_error(exc)
+            log.warning("lossy_probes_refused", stage=self.name, run=req.run, error=error)
+        else:
+            self._probes, self.epoch, self.index = probes, message.epoch, probes.device
+            self._supervisor.start(RECEIVE_TASK, self._receive_loop)
+        device = -1 if req.device is None else req.device
+        ready = LossyReady(run=req.run, device=device, error=error).to_message()
+        await self._send_control(Message(ready.kind, ready.body, epoch=message.epoch))
+
+    async def _probe(self, probes: LinkProbes) -> None:
+        try:
+            report = await probe_links(
+                probes, self._peers, epoch=self.epoch, timeout_s=self._send_timeout_s
+            )
+        except Exception as exc:  # the coordinator hears it instead of waiting out its deadline
+            log.exception("lossy_probes_failed", stage=self.name, run=probes.run)
+            report = replace(probes.report(), error=describe_error(exc))
+        self._close_peers(linger_s=min(self._send_timeout_s, PEER_LINGER_S))
+        message = report.to_message()
+        await self._send_control(Message(message.kind, message.body, epoch=self.epoch))
+
+    async def _reset(self) -> None:
+        """Whatever ran on the data socket stops: a new run or measurement takes it."""
+        await self._stop_data()
+        await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
         self._close_peers()
         self._pending_peers = {}
         self.state = None
+        self._inbox = None
+        self._probes = None
+        self.stale = 0
+
+    async def _setup(self, message: Message) -> None:
+        setup = LossySetup.from_message(message)
+        await self._reset()
         error = ""
         try:
             st = build_run(setup, setup.device, shard_factory=TorchDeviceShard)
@@ -140,19 +224,7 @@ class LossyExecutor:
             # larger partial would cost its connection. Set before any peer connects.
             self._raise_limits(st.spec.batch * max(st.spec.alloc.layer_sizes) * 8)
             names = _by_index(setup.names, "names")
-            keys = _by_index(setup.keys, "keys")
-            if self._data_allow is not None:
-                # Allowed before anyone connects: a refused CURVE handshake is not retried.
-                self._data_allow.replace(
-                    {names.get(d, str(d)): k.encode() for d, k in keys.items()}
-                )
-            # Connected at lossy_go, once every stage allows this one's key (a refused
-            # CURVE handshake is not retried), as an assignment connects at "connect".
-            self._pending_peers = {
-                d: (endpoint, keys.get(d), names.get(d, f"device {d}"))
-                for d, endpoint in st.peers.items()
-                if d != setup.device
-            }
+            self._allow_peers(names, _by_index(setup.keys, "keys"), setup.device, st.peers)
         except Exception as exc:  # any failure to set up is reported: the stage keeps serving
             self._pending_peers = {}
             self.protocol_errors += 1
@@ -160,6 +232,7 @@ class LossyExecutor:
             log.warning("lossy_setup_refused", stage=self.name, run=setup.run, error=error)
         else:
             self.state, self.epoch, self.index = st, message.epoch, setup.device
+            self._inbox = SharedInbox(st)
             self._supervisor.start(RECEIVE_TASK, self._receive_loop)
             log.info("lossy_setup", stage=self.name, run=setup.run, device=setup.device,
                      layers=sorted(st.shard.slices))  # fmt: skip
@@ -215,11 +288,15 @@ class LossyExecutor:
         )
 
     def _on_partial(self, message: Message) -> None:
+        if message.kind in ("lossy_probe", "lossy_probe_end"):
+            self._on_probe(message)
+            return
         if message.kind != "lossy_partial":
             raise ProtocolError(f"{message.kind!r} does not belong on a lossy run's data port")
         msg = LossyPartial.from_message(message)
         st = self.state
         if st is None or msg.run != st.run or message.epoch != self.epoch:
+            self.stale += 1  # a late one of an earlier run, or one for a run not set up here
             log.debug("lossy_stale_partial", stage=self.name, run=msg.run, epoch=message.epoch)
             return
         if msg.src not in st.peers or msg.src == self.index:
@@ -230,12 +307,22 @@ class LossyExecutor:
         what = f"lossy_partial {msg.kind}{msg.layer}:{msg.data} from device {msg.src}"
         values = to_array(msg.tensors[0], shape=shape, dtype=torch.float64, what=what)
         key = (msg.data, msg.kind, msg.layer)
-        if key in st.consumed:
-            st.late += 1  # its pass ran with zeros in its place
+        assert self._inbox is not None  # set up with the state
+        if not self._inbox.file(key, msg.src, values):  # its pass ran with zeros instead
             log.info("lossy_late_partial", stage=self.name, key=key, src=msg.src)
+
+    def _on_probe(self, message: Message) -> None:
+        probe = (LossyProbe if message.kind == "lossy_probe" else LossyProbeEnd).from_message(
+            message
+        )
+        probes = self._probes
+        if probes is None or probe.run != probes.run or message.epoch != self.epoch:
+            self.stale += 1
             return
-        st.inbox.setdefault(key, {}).setdefault(msg.src, values)
-        self._arrived.set()
+        if isinstance(probe, LossyProbe):
+            probes.on_probe(probe)
+        else:
+            probes.on_end(probe)
 
     # ------------------------------------------------------------ the run
 
@@ -244,12 +331,34 @@ class LossyExecutor:
         delay = 0.0 if go.start_in_s is None else max(0.0, float(go.start_in_s))
         # Deadline mode counts timeslots from start_at on this stage's wall clock.
         st.start_at = time.time() + delay if go.start_in_s is not None else float(go.start_at)
+        inbox = self._inbox
+        assert inbox is not None and inbox.st is st
+        # The pass loop owns the peers' sockets (their synchronous shadows) until it
+        # returns: no socket is used from two threads.
+        passes = PassLoop(
+            st,
+            inbox,
+            index=self.index,
+            epoch=self.epoch,
+            peers={d: zmq.Socket.shadow(sock.underlying) for d, sock in self._peers.items()},
+            send_timeout_s=self._send_timeout_s,
+            stage=self.name,
+        )
         error = ""
+        log.info("lossy_started", stage=self.name, run=st.run, device=self.index)
         try:
             await asyncio.sleep(max(0.0, st.start_at - time.time()))
-            for ev in events(st.spec.alloc, st.spec.n_data):
-                if ev.layer in st.shard.slices:
-                    await self._pass(st, ev)
+            running = asyncio.get_running_loop().run_in_executor(self._compute, passes.run)
+            try:
+                await asyncio.shield(running)
+            except asyncio.CancelledError:
+                # Replaced or stopping: the pass loop ends at its next wait or send,
+                # and must have let go of the sockets before anyone closes them.
+                inbox.stop()
+                await asyncio.wait([running], timeout=PEER_LINGER_S)
+                if running.done() and not running.cancelled():
+                    running.exception()  # RunStopped, as asked: retrieved, not logged
+                raise
         except Exception as exc:  # the coordinator hears it instead of waiting out its deadline
             log.exception("lossy_run_failed", stage=self.name, run=st.run)
             error = describe_error(exc)
@@ -257,91 +366,6 @@ class LossyExecutor:
         # set-up (a partial still queued gets PEER_LINGER_S to be delivered).
         self._close_peers(linger_s=min(self._send_timeout_s, PEER_LINGER_S))
         await self._send_result(st, error, time.perf_counter() - started)
-
-    async def _pass(self, st: DeviceRun, ev: PassEvent) -> None:
-        needed = st.topo.needed(ev.kind, ev.layer)
-        got: dict[int, FloatArray] = {}
-        if needed is not None:
-            got = await self._collect(st, ev, needed)
-            record_arrival(st.propagation, st.arrivals, ev.data, self.index, needed, got)
-        loop = asyncio.get_running_loop()
-        outgoing: list[Outgoing]
-        if ev.kind == "F":
-            x = st.inputs[ev.data - 1] if st.inputs is not None and ev.layer == 0 else None
-            outgoing = await loop.run_in_executor(
-                self._compute,
-                lambda: st.shard.forward(ev.data, ev.layer, st.spec.batch, got, x=x),
-            )
-        else:
-            # only the output layer reads the labels; other layers only their count
-            labels = (
-                st.labels[ev.data - 1]
-                if st.labels is not None and ev.layer == st.topo.last
-                else np.zeros(st.spec.batch, dtype=np.int64)
-            )
-            outgoing, loss = await loop.run_in_executor(
-                self._compute, lambda: st.shard.backward(ev.data, ev.layer, labels, got)
-            )
-            if loss is not None:
-                st.losses.append([ev.data, loss])
-        await self._post(st, ev.data, outgoing)
-
-    async def _collect(self, st: DeviceRun, ev: PassEvent, needed: Needed) -> dict[int, FloatArray]:
-        """One pass's partials: all that can come, or what came by the deadline."""
-        key = (ev.data, needed.kind, needed.key_layer)
-        senders = [src for src, _ in needed.senders]
-        clock: Callable[[], float]
-        if st.spec.mode == "emulated":
-            expect = {
-                src
-                for src in senders
-                if st.channel.would_deliver(
-                    src, self.index, needed.layer, ev.data, needed.direction
-                )
-            }
-            clock = time.monotonic
-            deadline = clock() + st.spec.wait_s
-        else:
-            expect = set(senders)
-            clock = time.time
-            deadline = st.start_at + ev.timeslot * st.spec.slot_s  # the end of the send's slot
-        while not expect <= st.inbox.get(key, {}).keys():
-            remaining = deadline - clock()
-            if remaining <= 0:
-                break
-            self._arrived.clear()  # no await since the check above: no wake-up is lost
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
-                break
-        proceeded = clock()
-        st.consumed.add(key)
-        got = st.inbox.pop(key, {})
-        missing = len(senders) - sum(1 for src in senders if src in got)
-        if missing:  # null-filled by the shard
-            st.waits.append([ev.data, needed.kind, needed.key_layer, missing, deadline, proceeded])
-        if st.spec.mode == "emulated" and not expect <= got.keys():
-            log.warning("lossy_partial_overdue", stage=self.name, key=key,
-                        missing=sorted(expect - got.keys()), wait_s=st.spec.wait_s)  # fmt: skip
-        return got
-
-    async def _post(self, st: DeviceRun, data: int, outgoing: Sequence[Outgoing]) -> None:
-        for out in outgoing:
-            if out.dst == self.index:  # no link to cross
-                st.inbox.setdefault((data, out.kind, out.key_layer), {})[self.index] = out.values
-                continue
-            if not st.channel.send(self.index, out.dst, out.layer, data, out.direction):
-                continue  # decided lost: it never reaches the wire
-            message = partial_message(st.run, data, out.kind, out.key_layer, self.index, out.values)
-            try:
-                await send(
-                    self._peers[out.dst],
-                    Message(message.kind, message.body, epoch=self.epoch, tensors=message.tensors),
-                    timeout_s=self._send_timeout_s,
-                    peer=f"device {out.dst}",
-                )
-            except TransportTimeout as exc:  # the receiver null-fills it at its deadline
-                log.warning("lossy_partial_not_sent", stage=self.name, error=str(exc))
 
     async def _send_result(self, st: DeviceRun, error: str, wall_s: float) -> None:
         weights = st.shard.weights
@@ -371,8 +395,12 @@ class LossyExecutor:
             waits=st.waits,
             late=st.late,
             protocol_errors=self.protocol_errors,
+            stale=self.stale,
             wall_s=wall_s,
             name=self.name,
+            dead={str(d): first for d, first in self._inbox.dead.items()}
+            if self._inbox is not None and self._inbox.dead
+            else None,
             tensors=tuple(tensors),
         ).to_message()
         await self._send_control(

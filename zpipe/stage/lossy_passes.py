@@ -1,0 +1,249 @@
+"""A stage's passes of one lossy run, run whole in the stage's compute thread.
+
+A pass of a lossy run is small (a slice of a dense layer on one mini-batch:
+well under a millisecond of compute), so handing every pass from the event
+loop to the compute thread and back costs more than the pass itself: two
+cross-thread wake-ups per pass, on a machine whose cores the other stages
+share. So the compute thread runs the whole pass sequence
+(:func:`zpipe.lossy.schedule.events`): it waits for a pass's partials on a
+condition the receive loop notifies, computes, and queues the pass's partials
+itself on the peers' PUSH sockets (non-blocking, then polled until the send's
+deadline). The event loop only receives: it files each partial in the
+:class:`SharedInbox` and keeps answering heartbeats. The loop never computes,
+and no socket is used by two threads: the PUSH sockets belong to the pass loop
+from ``run`` until it returns (the executor closes them after).
+
+Waiting rules (as the simulation's and the former device processes'):
+``emulated``: until every partial that the shared seeded loss lets through has
+arrived, at most ``wait_s``; ``deadline``: until the end of the timeslot the
+partials were sent in. A device the coordinator declared dead (``mark_dead``)
+is not waited for and not sent to: its partials are null-filled from then on
+(EdgePipe's device malfunction case).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from zpipe._errors import TransportTimeout
+from zpipe.log import get_logger
+from zpipe.lossy.device_run import DeviceRun
+from zpipe.lossy.engine import record_arrival
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.schedule import PassEvent, events
+from zpipe.lossy.shard import Needed, Outgoing
+from zpipe.lossy.wire import partial_message
+from zpipe.transport.codec import Message, encode
+
+log = get_logger("zpipe.stage")
+
+# How often a blocked send looks whether the run was stopped.
+_STOP_POLL_S = 0.2
+
+
+class RunStopped(Exception):
+    """The run was replaced or the stage is stopping: the pass loop ends early."""
+
+
+class SharedInbox:
+    """The partials of one run, filed by the receive loop and taken by the pass loop.
+
+    One lock guards ``st.inbox``, ``st.consumed``, ``st.late`` and the dead set:
+    the receive loop (event loop thread) and the pass loop (compute thread) both
+    touch them.
+    """
+
+    def __init__(self, st: DeviceRun) -> None:
+        self.st = st
+        self._cond = threading.Condition()
+        self.stopped = False
+        #: device -> the first mini-batch whose passes ran without it
+        self.dead: dict[int, int | None] = {}
+
+    def file(self, key: tuple[int, str, int], src: int, values: FloatArray) -> bool:
+        """File a partial; False if its pass has already run (it came late)."""
+        with self._cond:
+            if key in self.st.consumed:
+                self.st.late += 1
+                return False
+            self.st.inbox.setdefault(key, {}).setdefault(src, values)
+            self._cond.notify_all()
+            return True
+
+    def mark_dead(self, device: int) -> None:
+        with self._cond:
+            self.dead.setdefault(device, None)
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
+
+    def take(
+        self,
+        key: tuple[int, str, int],
+        expect: set[int],
+        deadline: float,
+        clock: Callable[[], float],
+        data: int,
+        senders: Collection[int] = (),
+    ) -> tuple[dict[int, FloatArray], float]:
+        """Wait until every device of ``expect`` that is not dead has filed under
+        ``key`` or ``deadline`` passes; take what came. Returns it and the time
+        the wait ended. A dead device among ``senders`` (all the pass reads from)
+        is recorded as missing from mini-batch ``data`` on, if not yet."""
+        with self._cond:
+            while not self.stopped:
+                alive = expect - self.dead.keys()
+                if alive <= self.st.inbox.get(key, {}).keys():
+                    break
+                remaining = deadline - clock()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self.stopped:
+                raise RunStopped()
+            for device, since in self.dead.items():
+                if since is None and (device in expect or device in senders):
+                    self.dead[device] = data
+            self.st.consumed.add(key)
+            return self.st.inbox.pop(key, {}), clock()
+
+    def keep_own(self, key: tuple[int, str, int], src: int, values: FloatArray) -> None:
+        """A partial this device sends itself: no link to cross."""
+        with self._cond:
+            self.st.inbox.setdefault(key, {})[src] = values
+
+    def is_dead(self, device: int) -> bool:
+        with self._cond:
+            return device in self.dead
+
+    def dead_devices(self) -> set[int]:
+        with self._cond:
+            return set(self.dead)
+
+
+class PassLoop:
+    """One run's passes on this stage (see the module docstring)."""
+
+    def __init__(
+        self,
+        st: DeviceRun,
+        inbox: SharedInbox,
+        *,
+        index: int,
+        epoch: int,
+        peers: Mapping[int, zmq.Socket[Any]],
+        send_timeout_s: float,
+        stage: str,
+    ) -> None:
+        self.st = st
+        self.inbox = inbox
+        self.index = index
+        self.epoch = epoch
+        self._peers = peers
+        self._send_timeout_s = send_timeout_s
+        self._stage = stage
+
+    def run(self) -> None:
+        """Every pass of this device, in order; raises what stopped it."""
+        st = self.st
+        for ev in events(st.spec.alloc, st.spec.n_data):
+            if ev.layer in st.shard.slices:
+                self._pass(ev)
+
+    def _pass(self, ev: PassEvent) -> None:
+        st = self.st
+        needed = st.topo.needed(ev.kind, ev.layer)
+        got: dict[int, FloatArray] = {}
+        if needed is not None:
+            got = self._collect(ev, needed)
+            record_arrival(st.propagation, st.arrivals, ev.data, self.index, needed, got)
+        outgoing: list[Outgoing]
+        if ev.kind == "F":
+            x = st.inputs[ev.data - 1] if st.inputs is not None and ev.layer == 0 else None
+            outgoing = st.shard.forward(ev.data, ev.layer, st.spec.batch, got, x=x)
+        else:
+            # only the output layer reads the labels; other layers only their count
+            labels = (
+                st.labels[ev.data - 1]
+                if st.labels is not None and ev.layer == st.topo.last
+                else np.zeros(st.spec.batch, dtype=np.int64)
+            )
+            outgoing, loss = st.shard.backward(ev.data, ev.layer, labels, got)
+            if loss is not None:
+                st.losses.append([ev.data, loss])
+        self._post(ev.data, outgoing)
+
+    def _collect(self, ev: PassEvent, needed: Needed) -> dict[int, FloatArray]:
+        """One pass's partials: all that can come, or what came by the deadline."""
+        st = self.st
+        key = (ev.data, needed.kind, needed.key_layer)
+        senders = [src for src, _ in needed.senders]
+        clock: Callable[[], float]
+        if st.spec.mode == "emulated":
+            expect = {
+                src
+                for src in senders
+                if st.channel.would_deliver(
+                    src, self.index, needed.layer, ev.data, needed.direction
+                )
+            }
+            clock = time.monotonic
+            deadline = clock() + st.spec.wait_s
+        else:
+            expect = set(senders)
+            clock = time.time
+            deadline = st.start_at + ev.timeslot * st.spec.slot_s  # the end of the send's slot
+        got, proceeded = self.inbox.take(key, expect, deadline, clock, ev.data, senders)
+        missing = len(senders) - sum(1 for src in senders if src in got)
+        if missing:  # null-filled by the shard
+            st.waits.append([ev.data, needed.kind, needed.key_layer, missing, deadline, proceeded])
+        overdue = expect - got.keys() - self.inbox.dead_devices()
+        if st.spec.mode == "emulated" and overdue:
+            log.warning("lossy_partial_overdue", stage=self._stage, key=key,
+                        missing=sorted(overdue), wait_s=st.spec.wait_s)  # fmt: skip
+        return got
+
+    def _post(self, data: int, outgoing: Sequence[Outgoing]) -> None:
+        st = self.st
+        for out in outgoing:
+            if out.dst == self.index:
+                self.inbox.keep_own((data, out.kind, out.key_layer), self.index, out.values)
+                continue
+            if not st.channel.send(self.index, out.dst, out.layer, data, out.direction):
+                continue  # decided lost: it never reaches the wire
+            if self.inbox.is_dead(out.dst):
+                continue  # nobody to receive it
+            message = partial_message(st.run, data, out.kind, out.key_layer, self.index, out.values)
+            try:
+                self._send(
+                    out.dst,
+                    Message(message.kind, message.body, epoch=self.epoch, tensors=message.tensors),
+                )
+            except TransportTimeout as exc:  # the receiver null-fills it at its deadline
+                log.warning("lossy_partial_not_sent", stage=self._stage, error=str(exc))
+
+    def _send(self, dst: int, message: Message) -> None:
+        """Queue ``message`` on ``dst``'s PUSH socket by the send deadline."""
+        sock = self._peers[dst]
+        frames = encode(message)
+        deadline = time.monotonic() + self._send_timeout_s
+        while True:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.inbox.stopped or self.inbox.is_dead(dst):
+                raise TransportTimeout(f"device {dst}", f"room to send {message.kind}",
+                                       self._send_timeout_s)  # fmt: skip
+            sock.poll(int(1000 * min(remaining, _STOP_POLL_S)) + 1, zmq.POLLOUT)
