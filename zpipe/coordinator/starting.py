@@ -27,19 +27,21 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.decisions import (
+    RestoreChoice,
     check_plan_fits_model,
     fetch_grants,
-    fetch_plans,
     live_members,
     merge_fast_state,
     replan_in_place,
     replica_to_resume,
+    restore_from,
     training_planner_for,
     units_state,
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
+from zpipe.coordinator.restoring import gather_for_heavy
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
 from zpipe.coordinator.sink_check import check_sink_reachable
@@ -367,20 +369,34 @@ class _Training:
             "run_planned",
             {"run": run.run, "epoch": run.epoch, "mode": "train", "groups": groups},
         )
-        fetches: dict[str, list[dict[str, Any]]] = {}
-        if replica is not None and replica.at_stages:
+        restore: RestoreChoice | None = None
+        if replica is not None:
             live = {m.name: m for m in live_members(state.membership)}
             live.update(by_name)
             spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
-            fetches = fetch_plans(replica, spans, set(live))
-            # Stages fetch units from each other's probe sockets: allowed beforehand,
-            # each holder told who fetches what (it answers nothing else).
-            yield AllowPeers(tuple(live.values()), fetch_grants(fetches))
-            for dest, entries in fetches.items():
+            resume = dict(message.get("resume") or {})
+            # `fast` merged the survivors' newest state here: nothing older to fall to
+            restore = restore_from(replica, spans, set(live))
+            if message.get("recovery") == "heavy" and resume.get("dead"):
+                restore = yield from gather_for_heavy(state, restore, spans, live)
+            if restore.fell_back:
+                yield Log(
+                    "warning",
+                    "restored_from_global",
+                    {"asked": [replica.run, replica.step],
+                     "global": [restore.replica.run, restore.replica.step]},
+                )  # fmt: skip
+            if any(e["from"] != d for d, es in restore.fetches.items() for e in es):
+                # Stages fetch units from each other's probe sockets: allowed
+                # beforehand, each holder told who fetches what (it answers nothing else).
+                yield AllowPeers(tuple(live.values()), fetch_grants(restore.fetches))
+            for dest, entries in restore.fetches.items():
                 for entry in entries:
                     if entry["from"] != dest:
                         entry["endpoint"] = str(live[entry["from"]].info["probe_endpoint"])
                         entry["key"] = controller.key_of(entry["from"])
+            if isinstance(controller, SyncTrainingRun):
+                controller.fallback = restore.replica.newest_global()
         client = {
             "names": [CLIENT_NAME],
             "shares": [1],
@@ -455,11 +471,13 @@ class _Training:
                     "dtype": "float32",
                 }
                 tensors: dict[str, Any] = {}
-                if replica is not None:
-                    tensors = units_state(replica.state, start, end)
+                if restore is not None:
+                    # only what no stage holds nearer comes from here
+                    for a, b in restore.from_coordinator.get(name, []):
+                        tensors.update(units_state(restore.replica.state, a, b))
                     body["state_keys"] = list(tensors)
-                    if replica.at_stages:
-                        body["fetch"] = fetches.get(name, [])
+                    if restore.fetches.get(name):
+                        body["fetch"] = restore.fetches[name]
                 assign = Message("assign", body, epoch=run.epoch, tensors=tuple(tensors.values()))
                 yield Send(by_name[name].routing_id, assign, name, stage=name)
         replies = yield AwaitReplies(
@@ -493,6 +511,12 @@ class _Training:
                 "last_stage": last[0],
                 "last_key": controller.key_of(last[0]),
                 "last_endpoint": by_name[last[0]].data_endpoint,
+                # the replica's global fallback was resumed from: the client replays more
+                **(
+                    {"resumed": {"run": restore.replica.run, "step": restore.replica.step}}
+                    if restore is not None and restore.fell_back
+                    else {}
+                ),
                 "training_plan": {
                     **tplan.to_dict(),
                     "endpoints": {n: by_name[n].data_endpoint for n in run.devices},
