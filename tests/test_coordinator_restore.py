@@ -84,9 +84,10 @@ def test_two_adjacent_deaths_resume_from_the_global_copy_and_say_so() -> None:
     _replicate(h, run, 0, global_copy=True)
     _replicate(h, run, 2, global_copy=False)
     h.advance(8.0, alive=("a",))  # b and c die: c held b's backup
+    global_copy = {"run": run, "step": 0, "start_step": 0}
     _request(
         h, stage_names=["a"], replication="chain",
-        resume={"run": run, "step": 2, "dead": ["b", "c"]},
+        resume={"run": run, "step": 2, "dead": ["b", "c"], "global": global_copy},
     )  # fmt: skip
     h.answer_all("ready", ["a"], run=2, build_s=0.01)
     ready = h.to_client("run_ready")[-1]
@@ -147,3 +148,18 @@ def test_heavy_recovery_gathers_every_unit_then_sends_each_stage_all_of_its_own(
         sent[name] = (assign["start"], assign["end"], len(assign["state_keys"]))
     # every unit of the new plan came from the coordinator
     assert sorted(sent.values()) == [(0, 3, 3), (3, 6, 3)]
+
+
+def test_without_the_clients_global_copy_two_adjacent_deaths_lose_units_clearly() -> None:
+    h = Harness()
+    run = _start_chain_run(h)
+    _replicate(h, run, 0, global_copy=True)
+    _replicate(h, run, 2, global_copy=False)
+    h.advance(8.0, alive=("a",))
+    # the client no longer holds the mini-batches since the global copy: no fallback
+    _request(
+        h, stage_names=["a"], replication="chain",
+        resume={"run": run, "step": 2, "dead": ["b", "c"]},
+    )  # fmt: skip
+    (failed,) = h.to_client("run_failed")
+    assert "units [2, 4) are lost" in failed["error"]

@@ -1,4 +1,9 @@
-"""Heavy recovery's gather: every unit's state at the coordinator before it is sent out.
+"""Where a resumed run's weights come from, and heavy recovery's gather.
+
+:func:`choose_restore` decides it for a run resumed from a replica: each unit
+from its nearest holder at that replica (:func:`zpipe.coordinator.decisions.restore_from`),
+or from the older global copy behind it when the client said it can train again
+from there (its ``resume`` names that copy under ``global``).
 
 Asteroid (section 3.4) measures its lightweight recovery against "heavy
 rescheduling": aggregate every stage's model at one node, run the planner again,
@@ -15,7 +20,7 @@ A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,9 +28,10 @@ import torch
 
 from zpipe._errors import ConfigError, UnitsLostError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
-from zpipe.coordinator.decisions import RestoreChoice, replica_points
+from zpipe.coordinator.decisions import RestoreChoice, replica_points, restore_from
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
+from zpipe.coordinator.runs import Replica
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.recovery import StageSpan, WeightsLostError, heavy_restore
 from zpipe.transport.codec import Message
@@ -105,3 +111,46 @@ def gather_for_heavy(
     everything = {d: [(s.start, s.end)] for s in new for d in s.devices}
     full = replace(used, state=gathered, holders={}, global_copy=True)
     return RestoreChoice(full, {d: [] for d in everything}, everything, choice.fell_back)
+
+
+def choose_restore(
+    state: CoordinatorState,
+    replica: Replica,
+    message: Message,
+    new: Sequence[StageSpan],
+    live: Mapping[str, Member],
+) -> Flow:
+    """How the devices of ``new`` get their units from ``replica`` (see the module
+    notes); heavy recovery (``recovery`` "heavy" after a death) gathers them here first."""
+    resume = dict(message.get("resume") or {})
+    older = replica.fallback
+    offered = resume.get("global")
+    # the client replays from the global copy only if it still holds what came after it
+    fallback = (
+        older is not None
+        and isinstance(offered, dict)
+        and (offered.get("run"), offered.get("step")) == (older.run, older.step)
+        and isinstance(offered.get("start_step"), int)
+    )
+    restore = restore_from(replica, new, set(live), fallback=fallback)
+    if message.get("recovery") == "heavy" and resume.get("dead"):
+        restore = yield from gather_for_heavy(state, restore, new, live)
+    if restore.fell_back:
+        yield Log(
+            "warning",
+            "restored_from_global",
+            {"asked": [replica.run, replica.step],
+             "global": [restore.replica.run, restore.replica.step]},
+        )  # fmt: skip
+    return restore
+
+
+def allow_fetches(
+    restore: RestoreChoice, live: Mapping[str, Member], key_of: Callable[[str], str | None]
+) -> None:
+    """Name each peer a device fetches from: its probe endpoint and key."""
+    for dest, entries in restore.fetches.items():
+        for entry in entries:
+            if entry["from"] != dest:
+                entry["endpoint"] = str(live[entry["from"]].info["probe_endpoint"])
+                entry["key"] = key_of(entry["from"])

@@ -34,14 +34,13 @@ from zpipe.coordinator.decisions import (
     merge_fast_state,
     replan_in_place,
     replica_to_resume,
-    restore_from,
     training_planner_for,
     units_state,
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
-from zpipe.coordinator.restoring import gather_for_heavy
+from zpipe.coordinator.restoring import allow_fetches, choose_restore
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
 from zpipe.coordinator.sink_check import check_sink_reachable
@@ -327,6 +326,15 @@ class _Training:
             groups = [([st.device], st.start, st.end, [1]) for st in straight.stages]
             source = straight
         by_name = {m.name: m for m in members}
+        live = {m.name: m for m in live_members(state.membership)}
+        live.update(by_name)
+        restore: RestoreChoice | None = None
+        if replica is not None:
+            spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
+            restore = yield from choose_restore(state, replica, message, spans, live)
+            if restore.fell_back:
+                # the learning-rate schedule goes on from the global copy's mini-batch
+                settings["start_step"] = message["resume"]["global"]["start_step"]
         shared = stages_share_cores(by_name[n].data_endpoint for g in groups for n in g[0])
         training = check_train_settings(settings, len(groups), stages_share_cores=shared)
         if given is not None and training["warmups"] != given.warmups:
@@ -369,32 +377,12 @@ class _Training:
             "run_planned",
             {"run": run.run, "epoch": run.epoch, "mode": "train", "groups": groups},
         )
-        restore: RestoreChoice | None = None
-        if replica is not None:
-            live = {m.name: m for m in live_members(state.membership)}
-            live.update(by_name)
-            spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
-            resume = dict(message.get("resume") or {})
-            # `fast` merged the survivors' newest state here: nothing older to fall to
-            restore = restore_from(replica, spans, set(live))
-            if message.get("recovery") == "heavy" and resume.get("dead"):
-                restore = yield from gather_for_heavy(state, restore, spans, live)
-            if restore.fell_back:
-                yield Log(
-                    "warning",
-                    "restored_from_global",
-                    {"asked": [replica.run, replica.step],
-                     "global": [restore.replica.run, restore.replica.step]},
-                )  # fmt: skip
+        if restore is not None:
+            allow_fetches(restore, live, controller.key_of)
             if any(e["from"] != d for d, es in restore.fetches.items() for e in es):
                 # Stages fetch units from each other's probe sockets: allowed
                 # beforehand, each holder told who fetches what (it answers nothing else).
                 yield AllowPeers(tuple(live.values()), fetch_grants(restore.fetches))
-            for dest, entries in restore.fetches.items():
-                for entry in entries:
-                    if entry["from"] != dest:
-                        entry["endpoint"] = str(live[entry["from"]].info["probe_endpoint"])
-                        entry["key"] = controller.key_of(entry["from"])
             if isinstance(controller, SyncTrainingRun):
                 controller.fallback = restore.replica.newest_global()
         client = {
