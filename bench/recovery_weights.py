@@ -30,6 +30,10 @@ where six processes training ViT-Base would measure CPU contention, not links):
   1F1B's with ``--microbatches`` per mini-batch (the schedule simulator), whose
   fill and drain dilute the slowest stage.
 
+Each trial also runs with global replication alone (every unit at the coordinator,
+nothing at the stages), where every policy fetches every unit from the coordinator:
+the ``global_replication_`` ratios show how little heavy and lightweight differ there.
+
 Cluster: ``--stages`` devices (default 6) with speeds from ``--speeds`` (the first
 is the fastest), the straight plan the planner makes over them, chain replication
 (each stage's state at the next stage, the last stage's at the coordinator). Each
@@ -165,6 +169,14 @@ def chain_point(plan: TrainingPlan, version: int) -> ReplicaPoint:
     return ReplicaPoint(version, plan, tuple(copies), own_snapshots=True)
 
 
+def global_point(plan: TrainingPlan, version: int) -> ReplicaPoint:
+    """Global replication alone: every unit at the coordinator, nothing kept at the
+    stages (how a run with the default replication recovers)."""
+    return ReplicaPoint(
+        version, plan, (Replica(COORDINATOR, 0, plan.num_units, version),), own_snapshots=False
+    )
+
+
 def _timed(fn: Any) -> tuple[Any, float]:
     started = time.perf_counter()
     out = fn()
@@ -179,6 +191,7 @@ def trial(
     cluster: ClusterSpec,
     unit_bytes: list[int],
     args: argparse.Namespace,
+    replication: str = "chain",
 ) -> dict[str, Any]:
     failed = {victim}
     recovered, plan_s = _timed(
@@ -192,7 +205,7 @@ def trial(
         )
     )
     new = recovered.plan
-    point = chain_point(old, 1)
+    point = chain_point(old, 1) if replication == "chain" else global_point(old, 1)
     if policy == "heavy":
         moves = heavy_restore(new, failed=failed, point=point)
         gather_s = phase_s(moves.gather, unit_bytes, args.mbps)
@@ -213,6 +226,7 @@ def trial(
     return {
         "victim": victim,
         "policy": policy,
+        "replication": replication,
         "plan_s": round(plan_s, 6),
         "transfer_s": round(transfer_s, 3),
         "recovery_s": round(plan_s + transfer_s, 3),
@@ -271,11 +285,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for policy in ("lightweight", "respipe", "heavy"):
         trial(old, old.devices[0], policy, profile, cluster, unit_bytes, args)
     rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for victim in old.devices:
-        for policy in ("lightweight", "respipe", "heavy"):
-            line = trial(old, victim, policy, profile, cluster, unit_bytes, args)
-            rows[policy].append(line)
-            print(json.dumps(line), flush=True)
+    for replication in ("chain", "global"):
+        for victim in old.devices:
+            for policy in ("lightweight", "respipe", "heavy"):
+                line = trial(old, victim, policy, profile, cluster, unit_bytes, args, replication)
+                rows[policy if replication == "chain" else f"{policy}@global"].append(line)
+                print(json.dumps(line), flush=True)
     means = {
         policy: {
             key: _mean([float(r[key]) for r in lines])
@@ -291,6 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for policy, lines in rows.items()
     }
     light, heavy, respipe = means["lightweight"], means["heavy"], means["respipe"]
+    light_g, heavy_g = means["lightweight@global"], means["heavy@global"]
     return {
         "summary": True,
         "stages": args.stages,
@@ -308,6 +324,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "light_over_heavy_throughput_after": round(
             light["throughput_after"] / heavy["throughput_after"], 3
+        ),
+        # the same recoveries when only the coordinator holds copies
+        "global_replication_heavy_over_light_recovery_time": round(
+            heavy_g["recovery_s"] / light_g["recovery_s"], 3
+        ),
+        "global_replication_bytes_moved_light_over_heavy": round(
+            light_g["bytes_moved"] / heavy_g["bytes_moved"], 4
         ),
         "load_average": os.getloadavg()[0],
     }
