@@ -163,3 +163,37 @@ def test_without_the_clients_global_copy_two_adjacent_deaths_lose_units_clearly(
     )  # fmt: skip
     (failed,) = h.to_client("run_failed")
     assert "units [2, 4) are lost" in failed["error"]
+
+
+def test_fast_consistency_takes_the_dead_stages_units_from_its_neighbours_backup() -> None:
+    h = Harness()
+    run = _start_chain_run(h)
+    _replicate(h, run, 2, global_copy=False)
+    h.advance(8.0, alive=("a", "c"))
+    _request(
+        h, stage_names=["a", "c"], replication="chain",
+        resume={"run": run, "step": 2, "dead": ["b"], "consistency": "fast"},
+    )  # fmt: skip
+    # the survivors' newest state (after mini-batch 5) comes to the coordinator
+    for name in ("a", "c"):
+        (ask,) = h.to(name, "weights_request")[-1:]
+        assert ask["latest"] is True
+        keys, tensors = _state(name, UNITS[name], 100)
+        body = {"name": name, "keys": keys, "error": "", "step": 0, "run": run, "completed": 5}
+        h.feed_message(name, Message("weights", body, tensors=tensors))
+    assigns = {n: h.to(n, "assign")[-1] for n in ("a", "c")}
+    assert {n: (m["start"], m["end"]) for n, m in assigns.items()} == {"a": (0, 3), "c": (3, 6)}
+    sent = {
+        n: {k: float(t[0]) for k, t in zip(m["state_keys"], m.tensors, strict=True)}
+        for n, m in assigns.items()
+    }
+    # the survivors' newest units from here; b's from the backup c keeps (mini-batch 2)
+    assert sent == {
+        "a": {"units.0.weight": 100.0, "units.1.weight": 101.0},
+        "c": {"units.4.weight": 104.0, "units.5.weight": 105.0},
+    }
+    fetched = {
+        n: [(e["from"], e["owner"], e["step"], e["start"], e["end"]) for e in m["fetch"]]
+        for n, m in assigns.items()
+    }
+    assert fetched == {"a": [("c", "b", 2, 2, 3)], "c": [("c", "b", 2, 3, 4)]}

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
-from test_training_recovery import _cluster, _events
+from test_training_recovery import _cluster, _events, _learnable_batches
 
 from zpipe.cluster import DeviceSpec, LocalCluster
 
@@ -88,3 +88,40 @@ def test_heavy_recovery_gathers_every_unit_at_the_coordinator_first(
     # d's units it held already (d backs up to it)
     assert set(gathered["holders"]) == {"a", "c"}  # type: ignore[arg-type]
     assert int(gathered["bytes"]) > 0  # type: ignore[call-overload]
+    _bring_back(cluster, ["b"])
+
+
+def test_fast_consistency_over_chain_replicas_takes_the_dead_units_from_the_backup(
+    cluster: LocalCluster,
+) -> None:
+    adam = {"name": "adam", "lr": 0.01}
+    batches = _learnable_batches()[:10]
+    _, want_losses = train_single_process(SPEC, batches, adam)
+    since = {n: len(cluster.logs(n)) for n in ("coordinator", "c")}
+    killed: list[str] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        if step == 5 and not killed:
+            killed.append("b")
+            cluster.kill("b")
+
+    report = cluster.fit(
+        SPEC, batches, optimizer=adam, num_microbatches=3, progress=False, on_step=on_step,
+        partition=PARTITION, stage_names=NAMES, recover=True, replication="chain",
+        chain_every=4, consistency="fast",
+    )  # fmt: skip
+    # every mini-batch trained once; up to the failure the run is the uninterrupted one
+    assert len(report.losses) == len(batches)
+    assert report.losses[:6] == pytest.approx(want_losses[:6], rel=1e-5)
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["replica"]) == ("b", 4)
+    # b's unit came from the backup c kept of it: the coordinator never held it
+    log = cluster.logs("coordinator")[since["coordinator"] :]
+    (fast,) = _events(log, "fast_resume")
+    assert fast["units_from_replica"] == [1]
+    assert _events(log, "replica_kept")[0]["holders"] == {
+        "a": "b",
+        "b": "c",
+        "c": "d",
+        "d": "coordinator",
+    }

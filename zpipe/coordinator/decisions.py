@@ -146,13 +146,17 @@ def replica_points(
     for stage in replica.plan.stages:
         holder = replica.holders.get(stage.devices[0], "")
         if holder and holder != COORDINATOR:
-            copies.append(HeldUnits(holder, stage.start, stage.end, replica.step))
+            for unit in range(stage.start, stage.end):
+                # `fast`: a backup is older than the survivors' newest state held here
+                if not (replica.fast and unit in here):
+                    copies.append(HeldUnits(holder, unit, unit + 1, replica.step))
     for unit in sorted(here):
         copies.append(HeldUnits(COORDINATOR, unit, unit + 1, replica.step))
     if replica.complete:
         # every unit is here, those without parameters too (they hold nothing)
         copies.append(HeldUnits(COORDINATOR, 0, replica.plan.num_units, replica.step))
-    points = [(replica, ReplicaPoint(replica.step, replica.plan, tuple(copies), replica.at_stages))]
+    own = replica.at_stages and not replica.fast
+    points = [(replica, ReplicaPoint(replica.step, replica.plan, tuple(copies), own))]
     older = replica.fallback
     if fallback and older is not None:
         whole = (HeldUnits(COORDINATOR, 0, older.plan.num_units, older.step),)
@@ -264,17 +268,24 @@ def merge_fast_state(
             # a data-parallel group's members hold identical copies; one is kept
             newer.setdefault(str(key), tensor.clone())
         completed[name] = int(reply.get("completed") or 0)
-    from_replica = sorted(
-        {u[0] for k in replica.state if k not in newer and (u := split_unit_key(k))}
-    )
-    # complete only if the replica was: a unit no survivor sent and the replica does not
-    # hold here stays lost (a clear error), rather than built afresh
+    # the units of the stages no survivor sent (a chain replica holds them at the stages)
+    from_replica = [
+        u
+        for stage in replica.plan.stages
+        if not any(d in completed for d in stage.devices)
+        for u in range(stage.start, stage.end)
+    ]
+    # complete only if the replica was; a unit no survivor sent comes from the backup a
+    # neighbour keeps (chain replication), or stays lost (a clear error) rather than
+    # being built afresh
     merged = Replica(
         replica.run,
         replica.step,
         replica.plan,
         {**replica.state, **newer},
+        holders=replica.holders,
         global_copy=replica.complete,
+        fast=True,
     )
     return merged, completed, from_replica, missing
 

@@ -113,6 +113,9 @@ class Replica:
     fallback: Replica | None = None
     # every unit's state is here (None: as the holders say, none for a global replica)
     global_copy: bool | None = None
+    # `fast` consistency: the survivors' newest state was merged in here; the stages'
+    # snapshots are older than it and serve only the units no survivor sent
+    fast: bool = False
 
     @property
     def at_stages(self) -> bool:
