@@ -185,7 +185,7 @@ class BatchSource:
             self.since_global = []
             self.global_step = step if global_copy else None
             self.global_resume = (run, run_step) if global_copy else None
-        else:
+        elif self.global_step is not None:  # nothing to keep without a global copy
             self.since_global += self.kept[: step - self.kept_from]
         self.forget_before(step)
         self.replica_step = step
