@@ -100,6 +100,8 @@ def test_two_adjacent_deaths_resume_from_the_global_copy_and_say_so() -> None:
     got = dict(zip(assign["state_keys"], assign.tensors, strict=True))
     assert {k: float(t[0]) for k, t in got.items()} == {f"units.{u}.weight": u for u in range(6)}
     assert h.events("restored_from_global")
+    (planned,) = h.events("restore_planned")
+    assert (planned["local"], planned["from_peers"], planned["from_coordinator"]) == (0, 0, 6)
 
 
 def test_one_death_resumes_from_the_chain_copies_without_the_coordinator() -> None:
@@ -119,6 +121,9 @@ def test_one_death_resumes_from_the_chain_copies_without_the_coordinator() -> No
         assign = h.to(name, "assign")[-1]
         assert assign["state_keys"] == []  # own snapshots and c's backup of b
         assert {e["step"] for e in assign["fetch"]} == {2}
+    (planned,) = h.events("restore_planned")
+    # a keeps 0-1 and fetches b's unit 2 from c; c keeps 3 (its backup of b) and 4-5
+    assert (planned["local"], planned["from_peers"], planned["from_coordinator"]) == (5, 1, 0)
 
 
 def test_heavy_recovery_gathers_every_unit_then_sends_each_stage_all_of_its_own() -> None:
@@ -148,6 +153,12 @@ def test_heavy_recovery_gathers_every_unit_then_sends_each_stage_all_of_its_own(
         sent[name] = (assign["start"], assign["end"], len(assign["state_keys"]))
     # every unit of the new plan came from the coordinator
     assert sorted(sent.values()) == [(0, 3, 3), (3, 6, 3)]
+    (planned,) = h.events("restore_planned")
+    assert (planned["recovery"], planned["from_coordinator"], planned["from_peers"]) == (
+        "heavy",
+        6,
+        0,
+    )
 
 
 def test_without_the_clients_global_copy_two_adjacent_deaths_lose_units_clearly() -> None:

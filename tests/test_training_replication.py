@@ -56,6 +56,8 @@ def test_two_adjacent_stages_killed_resume_from_the_global_copy(cluster: LocalCl
     (recovery,) = report.recoveries
     assert recovery["resumed_from"] == 4 and recovery["from_global"] is True
     assert _events(log, "restored_from_global")
+    (planned,) = _events(log, "restore_planned")
+    assert planned["from_coordinator"] == 4 and planned["from_peers"] == 0
     assert report.training_plan is not None
     assert set(report.training_plan.devices) == {"a", "d"}
     _bring_back(cluster, ["b", "c"])
@@ -88,6 +90,8 @@ def test_heavy_recovery_gathers_every_unit_at_the_coordinator_first(
     # d's units it held already (d backs up to it)
     assert set(gathered["holders"]) == {"a", "c"}  # type: ignore[arg-type]
     assert int(gathered["bytes"]) > 0  # type: ignore[call-overload]
+    (planned,) = _events(log, "restore_planned")
+    assert planned["from_coordinator"] == 4 and planned["local"] == 0
     _bring_back(cluster, ["b"])
 
 

@@ -135,6 +135,9 @@ def choose_restore(
     restore = restore_from(replica, new, set(live), fallback=fallback)
     if message.get("recovery") == "heavy" and resume.get("dead"):
         restore = yield from gather_for_heavy(state, restore, new, live)
+    yield Log(
+        "info", "restore_planned", {"recovery": message.get("recovery"), **units_moved(restore)}
+    )
     if restore.fell_back:
         yield Log(
             "warning",
@@ -154,3 +157,23 @@ def allow_fetches(
             if entry["from"] != dest:
                 entry["endpoint"] = str(live[entry["from"]].info["probe_endpoint"])
                 entry["key"] = key_of(entry["from"])
+
+
+def units_moved(restore: RestoreChoice) -> dict[str, Any]:
+    """Units of the new plan by where they come from: a snapshot on the device itself
+    (its own, or a backup it keeps: ``local``), another device (``from_peers``), the
+    coordinator (``from_coordinator``); and the replica they are of."""
+    local = from_peers = 0
+    for dest, entries in restore.fetches.items():
+        for e in entries:
+            if e["from"] == dest:
+                local += e["end"] - e["start"]
+            else:
+                from_peers += e["end"] - e["start"]
+    here = sum(b - a for ranges in restore.from_coordinator.values() for a, b in ranges)
+    return {
+        "replica": [restore.replica.run, restore.replica.step],
+        "local": local,
+        "from_peers": from_peers,
+        "from_coordinator": here,
+    }
