@@ -109,11 +109,12 @@ Caveats: four stage processes, the coordinator and this client share two cores;
 detection is set by the heartbeat settings (``--heartbeat-s``, suspect after
 ``--suspect-after`` silent intervals, dead after ``--probe-intervals`` more);
 inference needs no weight transfer (every stage builds its units from the model
-spec), and training restores every stage from the coordinator's replica under any
-policy (the weights move in both), so heavy and lightweight re-planning differ here
-in planning time (from cached profiles: milliseconds either way) and in the plan
-they pick, not in what Asteroid's heavy path also pays (gathering every stage's
-weights before re-planning).
+spec), and training here uses global replication, so every stage restores its
+units from the coordinator's replica under any policy: heavy and lightweight
+re-planning differ in planning time and in the plan they pick. With chain
+replication heavy recovery also gathers every unit at the coordinator and
+lightweight moves only the units that change hands; ``bench/recovery_weights.py``
+measures that difference on ViT-Base's units over 100 Mbit/s links.
 
 Run: ``.venv/bin/python bench/recovery.py`` (about 9 minutes on two cores, 3 of them
 in the last sections) or ``--quick`` (fewer batches and victims, 16 mini-batches in

@@ -239,6 +239,9 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--keys", "/nonexistent/keys"], "not a directory"),
         (["--microbatches", "8", "--batch-size", "4"], "cannot split a --batch-size of 4"),
         (["--rebalance", "0.2"], "need --recover"),
+        (["--global-every", "4"], "need --recover"),
+        (["--recover", "--global-every", "4"], "need --replication chain or topology"),
+        (["--recover", "--replication", "chain", "--chain-every", "0"], "--chain-every"),
     ],
 )
 def test_train_refuses_bad_input_before_training(

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from zpipe._errors import (
     ConfigError,
@@ -21,6 +22,7 @@ from zpipe.client import (
     PipelineClient,
     TrainOptions,
 )
+from zpipe.client.batches import BatchSource
 from zpipe.client.failures import run_failed_error
 from zpipe.client.infer import inference_request
 from zpipe.client.train import rebalance_request, resume_request, training_request
@@ -114,6 +116,47 @@ def test_the_replica_period_follows_recover() -> None:
     every = dataclasses.replace(recovering, replicate_every=3)
     assert every.replica_period == 3
     assert CONSISTENCIES == ("exact", "fast")
+
+
+def test_chain_and_global_periods_go_together_with_chain_replication() -> None:
+    both = TrainOptions(
+        optimizer=SGD, num_microbatches=1, recover=True, replication="chain",
+        chain_every=2, global_every=6,
+    )  # fmt: skip
+    assert (both.replica_period, both.global_period) == (2, 6)
+    assert dataclasses.replace(both, recover=False).global_period is None
+    with pytest.raises(ConfigError, match="go with replication='chain' or 'topology'"):
+        TrainOptions(optimizer=SGD, num_microbatches=1, recover=True, global_every=4)
+    with pytest.raises(ConfigError, match="name the same period"):
+        dataclasses.replace(both, replicate_every=3)
+    with pytest.raises(ConfigError, match="global_every must be >= 1"):
+        dataclasses.replace(both, global_every=0)
+
+
+def test_the_batches_since_the_global_copy_are_kept_to_train_again() -> None:
+    source = BatchSource([(torch.full((1,), float(i)), torch.zeros(1)) for i in range(7)])
+
+    async def take(n: int) -> list[float]:
+        out: list[float] = []
+        async for batch in source.iterate():
+            out.append(float(batch[0][0]))
+            if len(out) == n:
+                break
+        return out
+
+    source.replicated(0, 1, 0, global_copy=True, keep=True)
+    assert asyncio.run(take(4)) == [0.0, 1.0, 2.0, 3.0]
+    source.replicated(2, 1, 2, keep=True)  # a chain replica: 0-1 kept aside
+    source.replicated(4, 1, 4, keep=True)
+    assert (source.kept_from, source.global_step, len(source.since_global)) == (4, 0, 4)
+    source.rewind_to_global()
+    assert (source.kept_from, source.replica_step, source.resume) == (0, 0, (1, 0))
+    # the next attempt trains 0-3 again, then goes on
+    assert asyncio.run(take(6)) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    source.replicated(6, 2, 6)  # without keep (no global copies): nothing kept aside
+    assert source.since_global == [] and source.global_step is None
+    with pytest.raises(ConfigError, match="no global copy"):
+        source.rewind_to_global()
 
 
 def test_the_inference_request_is_the_wire_body_of_the_options() -> None:

@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import UnitsLostError
-from zpipe.coordinator.decisions import fetch_grants, fetch_plans, held_at_coordinator
+from zpipe.coordinator.decisions import (
+    fetch_grants,
+    fetch_plans,
+    held_at_coordinator,
+    restore_from,
+)
 from zpipe.coordinator.runs import Replica
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.coordinator.training_balance import rebalanced
@@ -115,11 +120,13 @@ def test_a_resumed_chain_run_fetches_the_dead_stages_units_from_its_backup() -> 
         ("a", "a", 0, 2), ("c", "b", 2, 3)
     ]  # fmt: skip
     assert assigns["a"]["fetch"][1]["endpoint"] == "tcp://c:2"
-    # c has b's unit 3 in the backup it holds; 4-5 come with the assignment
+    # c has b's unit 3 in the backup it holds and keeps its own 4-5: the coordinator's
+    # copy of them (c's backup) is not sent again
     assert [(e["from"], e["owner"], e["start"], e["end"]) for e in assigns["c"]["fetch"]] == [
-        ("c", "b", 3, 4)
+        ("c", "b", 3, 4), ("c", "c", 4, 6)
     ]  # fmt: skip
-    assert assigns["c"]["state_keys"] == ["units.4.weight", "units.5.weight"]
+    assert assigns["c"]["state_keys"] == []
+    assert assigns["a"]["state_keys"] == []
     assert [e["policy"] for e in h.events("training_replanned")] == ["lightweight"]
 
 
@@ -160,7 +167,7 @@ def test_after_a_failure_every_unit_has_exactly_one_source(
     new_plan = lightweight_replan(old, failed=dead, unit_work=[1.0] * bounds[-1])
     new = [StageSpan(s.devices, s.start, s.end) for s in new_plan.stages]
     try:
-        fetches = fetch_plans(replica, new, alive)
+        choice = restore_from(replica, new, alive)
     except UnitsLostError as exc:
         lost = range(*exc.units)
         # truly lost: no live device ran them, and no live holder has their backup
@@ -168,11 +175,14 @@ def test_after_a_failure_every_unit_has_exactly_one_source(
             owner = next(n for i, n in enumerate(names) if bounds[i] <= unit < bounds[i + 1])
             assert owner in dead and holders[owner] not in alive and unit not in here
         return
+    fetches = choice.fetches
     for span in new:
         (device,) = span.devices
         covered = [u for e in fetches[device] for u in range(e["start"], e["end"])]
-        covered += [u for u in here if span.start <= u < span.end]
+        covered += [u for a, b in choice.from_coordinator[device] for u in range(a, b)]
         assert sorted(covered) == list(range(span.start, span.end))  # each unit once
+        # the coordinator sends only what no live device holds
+        assert all(u in here for a, b in choice.from_coordinator[device] for u in range(a, b))
         for entry in fetches[device]:
             assert entry["from"] in alive and entry["step"] == 5
             # from its owner's own snapshot, or from the holder of the owner's backup

@@ -59,7 +59,12 @@ ADDED_IN_V1 = {
     "link_peers": {"fetches": ["list/null", False]},
     # a stage's data port limit per frame, and the first stage's for the client
     "ready": {"max_message_bytes": ["int/null", False]},
-    "run_ready": {"first_max_message_bytes": ["int/null", False]},
+    "run_ready": {"first_max_message_bytes": ["int/null", False], "resumed": ["dict/null", False]},
+    # chain replication with a global copy (FTPipeHD runs both), and whether one was kept
+    "replicate": {"global": ["bool", False]},
+    "replicated": {"global": ["bool", False]},
+    # heavy recovery gathers snapshots kept at the stages
+    "weights_request": {"snapshot": ["list/null", False]},
     # a requester that takes a big answer in state_chunk messages of this size
     "fetch_units": {"chunk_bytes": ["int/null", False]},
     # every batch size a training profile measures, sent to stages that reported a device

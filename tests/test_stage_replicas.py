@@ -286,3 +286,50 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
     )
     assert request_identity(request) != request_identity(later)
     assert request_identity(request) != request_identity(Message("backup_request", request.body, 3))
+
+
+async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> None:
+    import zmq.asyncio
+
+    from zpipe.stage.metrics import StageCounters
+    from zpipe.stage.snapshots import SnapshotService
+    from zpipe.transport.codec import Message
+    from zpipe.transport.sockets import SocketOptions
+
+    store = ReplicaStore()
+    store.put("c", 4, 3, {"units.4.w": torch.full((1,), 4.0), "units.5.w": torch.ones(1)})
+    store.put("b", 4, 3, {"units.2.w": torch.full((1,), 2.0), "units.3.w": torch.ones(1)})
+    service = SnapshotService(
+        name="c",
+        context=zmq.asyncio.Context.instance(),
+        keypair=None,
+        socket_options=SocketOptions(),
+        timeout_s=1.0,
+        compute=None,  # type: ignore[arg-type]  # not used here
+        counters=StageCounters(),
+        replicas=store,
+    )
+
+    async def never() -> None:
+        raise AssertionError("a snapshot request stops nothing")
+
+    ranges = [
+        {"owner": "b", "run": 4, "step": 3, "start": 2, "end": 3},
+        {"owner": "c", "run": 4, "step": 3, "start": 4, "end": 6},
+    ]
+    request = Message("weights_request", {"run": 4, "step": 3, "snapshot": ranges})
+    # no trainer: the run that took the snapshots is over
+    reply, tensors = await service.weights_reply(request, None, never)
+    assert reply["error"] == ""
+    got = dict(zip(reply["keys"], tensors, strict=True))
+    assert sorted(got) == ["units.2.w", "units.4.w", "units.5.w"]
+    assert got["units.2.w"].item() == 2.0
+    missing = Message(
+        "weights_request",
+        {"run": 4, "step": 3, "snapshot": [{**ranges[0], "step": 9}]},
+    )
+    reply, tensors = await service.weights_reply(missing, None, never)
+    assert "no snapshot of 'b' after mini-batch 9" in reply["error"] and tensors == ()
+    malformed = Message("weights_request", {"run": 4, "step": 3, "snapshot": [{"owner": "b"}]})
+    reply, _ = await service.weights_reply(malformed, None, never)
+    assert "malformed snapshot range" in reply["error"]

@@ -280,6 +280,23 @@ def build_parser() -> argparse.ArgumentParser:
         "the next stage (default: global)",
     )
     parser.add_argument(
+        "--chain-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --replication chain or topology: mini-batches between chain replicas "
+        "(the same as --replicate-every; default: 50)",
+    )
+    parser.add_argument(
+        "--global-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --replication chain or topology: also a global copy of every unit to "
+        "the coordinator every N mini-batches (FTPipeHD runs both); a recovery whose chain "
+        "copies of some unit all died goes on from it (default: none)",
+    )
+    parser.add_argument(
         "--consistency",
         choices=CONSISTENCIES,
         default=None,

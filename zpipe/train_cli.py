@@ -269,6 +269,8 @@ def _train(
             rebalance=args.rebalance,
             consistency=args.consistency or "exact",
             replication=args.replication or "global",
+            chain_every=args.chain_every,
+            global_every=args.global_every,
         )
     if args.coordinator is not None:
 
@@ -303,7 +305,14 @@ def _train(
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Everything about the flags that can fail, checked before anything starts."""
-    recover_only = (args.replicate_every, args.rebalance, args.consistency, args.replication)
+    recover_only = (
+        args.replicate_every,
+        args.rebalance,
+        args.consistency,
+        args.replication,
+        args.chain_every,
+        args.global_every,
+    )
     asynchronous = args.schedule == ASYNC_SCHEDULE
     if args.microbatches is None:
         args.microbatches = 1 if asynchronous else 4
@@ -317,10 +326,14 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--aggregate and --no-vertical-sync need --schedule {ASYNC_SCHEDULE}")
     if args.advertise_host is not None and args.coordinator is None:
         parser.error("--advertise-host needs --coordinator (--local runs on this machine)")
-    if not args.recover and recover_only != (None, None, None, None):
+    if not args.recover and any(v is not None for v in recover_only):
         parser.error(
-            "--replicate-every, --rebalance, --consistency and --replication need --recover"
+            "--replicate-every, --rebalance, --consistency, --replication, --chain-every "
+            "and --global-every need --recover"
         )
+    periods = (args.chain_every, args.global_every)
+    if periods != (None, None) and args.replication in (None, "global"):
+        parser.error("--chain-every and --global-every need --replication chain or topology")
     if args.microbatches > args.batch_size:
         parser.error(
             f"--microbatches {args.microbatches} cannot split a --batch-size of "

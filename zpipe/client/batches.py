@@ -140,6 +140,12 @@ class BatchSource:
         self.replica_step = 0
         self.resume: tuple[int, int] | None = None
         self.replicas: list[int] = []
+        # chain replicas with global copies between them: the newest global copy (its
+        # mini-batch and (run, run step)) and the mini-batches from it to replica_step,
+        # which a recovery from that copy trains again
+        self.global_step: int | None = None
+        self.global_resume: tuple[int, int] | None = None
+        self.since_global: list[TrainBatch] = []
 
     def forget_before(self, step: int) -> None:
         """Mini-batches before ``step`` will not be trained again."""
@@ -169,9 +175,29 @@ class BatchSource:
         self._pending = None
         return batch
 
-    def replicated(self, step: int, run: int, run_step: int) -> None:
-        """The coordinator holds a replica taken before mini-batch ``step``."""
+    def replicated(
+        self, step: int, run: int, run_step: int, *, global_copy: bool = False, keep: bool = False
+    ) -> None:
+        """The coordinator holds a replica taken before mini-batch ``step``; with
+        ``global_copy`` a copy of every unit. ``keep``: global copies are taken between
+        chain replicas, so the mini-batches since the newest one are kept too."""
+        if global_copy or not keep:
+            self.since_global = []
+            self.global_step = step if global_copy else None
+            self.global_resume = (run, run_step) if global_copy else None
+        elif self.global_step is not None:  # nothing to keep without a global copy
+            self.since_global += self.kept[: step - self.kept_from]
         self.forget_before(step)
         self.replica_step = step
         self.resume = (run, run_step)
         self.replicas.append(step)
+
+    def rewind_to_global(self) -> None:
+        """The run resumes from the newest global copy, older than the replica:
+        the mini-batches since that copy are trained again."""
+        if self.global_step is None or self.global_resume is None:
+            raise ConfigError("no global copy to resume from is known here")
+        self.kept = self.since_global + self.kept
+        self.kept_from = self.replica_step = self.global_step
+        self.resume = self.global_resume
+        self.since_global = []

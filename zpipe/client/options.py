@@ -243,8 +243,18 @@ class TrainOptions:
     the next stage, the last to the coordinator; "topology" (Asteroid): the same,
     the last stage backing up to the first, and a data-parallel stage keeping no
     backup (a surviving member restores it). After a failure the stages fetch their
-    units from those snapshots directly (the coordinator sends only what it holds);
-    a stage whose snapshot and backup holder are both lost cannot be recovered.
+    units from those snapshots directly (the coordinator sends only what no live
+    stage holds); a stage whose snapshot and backup holder are both lost cannot be
+    recovered from them.
+    ``chain_every`` and ``global_every`` (with "chain" or "topology"): FTPipeHD runs
+    both replications at once, chain every ``chain_every`` mini-batches (default
+    ``replicate_every``) and a global copy of every unit to the coordinator every
+    ``global_every`` (default: none). With both, a recovery takes each unit from
+    its nearest holder (the stage's own snapshot, a neighbour's backup, the
+    coordinator) at the newest chain replica, and when some unit lost every chain
+    copy (two adjacent stages died: one held the other's backup) the run goes on
+    from the newest global copy instead of failing (``exact`` consistency; the
+    client keeps the mini-batches since that copy to train them again).
     ``loss`` and ``optimizer["name"]`` may name user code, "package.module:function"
     (see :mod:`zpipe.training.objectives`): each stage imports it only if its
     operator allowed it with ``--allow-factory``.
@@ -284,6 +294,8 @@ class TrainOptions:
     consistency: str = "exact"
     stall_deadline: DeadlinePolicy | None = None
     replication: str = "global"
+    chain_every: int | None = None
+    global_every: int | None = None
     lr_schedule: Mapping[str, Any] | None = None
     start_step: int = 0
     optimizer_state: bool = False
@@ -300,6 +312,21 @@ class TrainOptions:
         _check_choice("consistency", self.consistency, CONSISTENCIES)
         _check_choice("recovery", self.recovery, RECOVERY_POLICIES)
         _check_count("replicate_every", self.replicate_every, optional=True)
+        _check_count("chain_every", self.chain_every, optional=True)
+        _check_count("global_every", self.global_every, optional=True)
+        periods = (self.chain_every, self.global_every)
+        if periods != (None, None) and self.replication == "global":
+            raise ConfigError(
+                "chain_every and global_every go with replication='chain' or 'topology' "
+                "(with 'global' replication, replicate_every is the period)"
+            )
+        if None not in (self.chain_every, self.replicate_every) and (
+            self.chain_every != self.replicate_every
+        ):
+            raise ConfigError(
+                f"chain_every={self.chain_every} and replicate_every={self.replicate_every} "
+                "name the same period; give one"
+            )
         if self.rebalance is not None and not (self.recover and 0 < self.rebalance < 1):
             raise ConfigError(
                 f"rebalance needs recover=True and a share in (0, 1), got {self.rebalance}"
@@ -335,7 +362,12 @@ class TrainOptions:
         """Mini-batches between replicas (None: no replicas, the run does not recover)."""
         if not self.recover:
             return None
-        return self.replicate_every or DEFAULT_REPLICATE_EVERY
+        return self.chain_every or self.replicate_every or DEFAULT_REPLICATE_EVERY
+
+    @property
+    def global_period(self) -> int | None:
+        """Mini-batches between global copies beside chain replicas (None: none)."""
+        return self.global_every if self.recover else None
 
     @classmethod
     def from_keywords(

@@ -231,6 +231,8 @@ class _Training:
                     wait_for_stages_s=self.options.wait_for_stages_s,
                     doing="start the training run",
                 )
+            if ready.get("resumed") is not None:
+                self._rewind_to_global(ready["resumed"])
             if self.plan is not None:
                 self.schedule, self.num_microbatches = (
                     self.plan.schedule,
@@ -249,6 +251,7 @@ class _Training:
                     max_steps_in_flight=self.options.max_steps_in_flight,
                     offset=self.source.kept_from,
                     replicate_every=self.every,
+                    global_every=self.options.global_period,
                 )
                 tplan = run.report.training_plan
                 if self.options.on_plan is not None and tplan is not None:
@@ -352,7 +355,38 @@ class _Training:
         self.request = resume_request(
             self.request, survivors, dead, options.recovery, source.resume, options.consistency
         )
+        if options.consistency == "exact" and source.global_resume is not None:
+            # the older copy to resume from if some unit lost every chain copy; the
+            # learning-rate schedule then goes on from its mini-batch
+            self.request["resume"]["global"] = {
+                "run": source.global_resume[0],
+                "step": source.global_resume[1],
+                "start_step": self.options.start_step + (source.global_step or 0),
+            }
         self.plan = None
+
+    def _rewind_to_global(self, resumed: Any) -> None:
+        """The coordinator resumed from the newest global copy, older than the replica
+        asked for (some unit lost every chain copy): train again from there."""
+        source = self.source
+        if source.global_resume is None or [source.global_resume[0], source.global_resume[1]] != [
+            resumed.get("run"),
+            resumed.get("step"),
+        ]:
+            raise PipelineError(
+                f"the coordinator resumed from replica {resumed}, which this client does "
+                f"not hold the mini-batches since (its global copy: {source.global_resume})"
+            )
+        source.rewind_to_global()
+        self.done = self.done[: source.kept_from]
+        if self.recoveries:
+            self.recoveries[-1].update(
+                resumed_from=source.kept_from,
+                replica=source.replica_step,
+                replayed=len(source.kept),
+                from_global=True,
+            )
+        log.warning("training_resumed_from_global", step=source.kept_from)
 
     def _count_attempt(self, run: TrainingRun) -> None:
         self.earlier_samples += run.report.samples

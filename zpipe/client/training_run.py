@@ -35,6 +35,7 @@ from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.progress import Progress
+from zpipe.recovery import replicas_due
 from zpipe.training.routing import split_rows
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
@@ -66,6 +67,7 @@ class TrainingRun:
         max_steps_in_flight: int | None,
         offset: int,
         replicate_every: int | None,
+        global_every: int | None = None,
     ) -> None:
         self.session = session
         self.connection = session.connection
@@ -118,6 +120,8 @@ class TrainingRun:
         # the first mini-batch's number across recoveries, and the replica period
         self.offset = offset
         self.replicate_every = replicate_every
+        # chain replicas with a global copy every ``global_every`` mini-batches
+        self.global_every = global_every if replicate_every is not None else None
         self._step_done: Callable[[int, float], None] = lambda step, loss: None
 
     def default_window(self, plan: TrainingPlan) -> int:
@@ -175,12 +179,18 @@ class TrainingRun:
 
     async def _feed(self, source: BatchSource) -> None:
         async for batch in source.iterate():
-            step, every = self.offset + self.sent_steps, self.replicate_every
-            # a replica before every ``every``-th mini-batch, the first one included,
-            # unless this run resumed from the one taken there
+            step = self.offset + self.sent_steps
+            # a replica before every ``replicate_every``-th mini-batch (and a global copy
+            # before every ``global_every``-th), the first one included, unless this run
+            # resumed from the one taken there
             fresh = source.resume is None or source.replica_step != step
-            if every is not None and step % every == 0 and fresh:
-                self.rebalance_to = await self._replicate(source)
+            chain, whole = (
+                replicas_due(step, chain_every=self.replicate_every, global_every=self.global_every)
+                if self.replicate_every is not None
+                else (False, False)
+            )
+            if (chain or whole) and fresh:
+                self.rebalance_to = await self._replicate(source, global_copy=whole)
                 if self.rebalance_to is not None:
                     self.finished.set()  # this attempt ends here; the next one moves
                     return
@@ -190,7 +200,9 @@ class TrainingRun:
         if self.done_steps == self.sent_steps:
             self.finished.set()
 
-    async def _replicate(self, source: BatchSource) -> TrainingPlan | None:
+    async def _replicate(
+        self, source: BatchSource, *, global_copy: bool = False
+    ) -> TrainingPlan | None:
         """Drain the pipeline and have the coordinator keep a replica of every stage;
         the better-balanced plan it proposes there, if any."""
         timeout = self.timeouts.result_s
@@ -203,7 +215,14 @@ class TrainingRun:
                     self.session.last_stage, "the losses before a replica", timeout
                 ) from None
         reply = await self.session.control.request(
-            Message("replicate", {"run": self.run, "step": self.done_steps}),
+            Message(
+                "replicate",
+                {
+                    "run": self.run,
+                    "step": self.done_steps,
+                    **({"global": True} if global_copy else {}),
+                },
+            ),
             expect=("replicated",),
             timeout_s=timeout + self.timeouts.reply_s,
             awaited="the replica",
@@ -214,7 +233,13 @@ class TrainingRun:
             # The previous replica still stands; a recovery replays a little more.
             log.warning("replica_not_kept", run=self.run, error=reply["error"])
             return None
-        source.replicated(self.offset + self.done_steps, self.run, self.done_steps)
+        source.replicated(
+            self.offset + self.done_steps,
+            self.run,
+            self.done_steps,
+            global_copy=bool(reply.get("global")),
+            keep=self.global_every is not None,
+        )
         if reply.get("rebalance") is not None:
             return TrainingPlan.from_dict(reply["rebalance"])
         log.info("replica_kept", run=self.run, step=self.offset + self.done_steps,

@@ -29,7 +29,7 @@ from zpipe.transport.codec import Message
 class AsyncTrainingRun(SyncTrainingRun):
     kind = "train-async"
 
-    def take_replica(self, run_id: int, step: int) -> Flow:
+    def take_replica(self, run_id: int, step: int, *, global_copy: bool = False) -> Flow:
         error = "an asynchronous run keeps no replicas (recovery is not supported yet)"
         yield Log("warning", "replica_failed", {"run": run_id, "step": step, "error": error})
         body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}

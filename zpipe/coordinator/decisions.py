@@ -9,6 +9,7 @@ recovering stage gets its units' weights: each decided here from plain data
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -23,10 +24,11 @@ from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import (
     COORDINATOR,
+    ReplicaPoint,
     StageSpan,
     WeightsLostError,
     plan_recovery,
-    plan_redistribution,
+    plan_restore,
 )
 from zpipe.recovery import Replica as HeldUnits
 from zpipe.recovery.replanning import RecoveryError
@@ -119,70 +121,100 @@ def units_state(state: Mapping[str, torch.Tensor], start: int, end: int) -> dict
     return out
 
 
-def fetch_plans(
-    replica: Replica, new: Sequence[StageSpan], alive: Collection[str]
-) -> dict[str, list[dict[str, Any]]]:
-    """Where each device of ``new`` gets its units of a replica kept at the stages.
+@dataclass(frozen=True)
+class RestoreChoice:
+    """How a resumed run gets its weights: from ``replica`` (the one resumed from, or
+    its older global ``fallback``), each device's ``fetches`` (snapshots kept at the
+    stages: its own, a peer's, a backup) and the ranges ``from_coordinator`` (sent
+    with the assignment)."""
 
-    FTPipeHD's Algorithm 1 (:func:`zpipe.recovery.plan_redistribution`) at the
-    replica's step: every live device of the replica's plan holds a snapshot of its
-    own units, every live holder a backup of its owner's, the coordinator what it
-    holds here. What the coordinator holds comes with the assignment; every other
-    range is fetched from the device's own snapshot (``from`` itself), a surviving
-    member of the stage that held it, or the backup its holder keeps. Each entry
-    names its ``owner``: whose snapshot it is.
-    """
-    old = replica.plan
+    replica: Replica
+    fetches: dict[str, list[dict[str, Any]]]
+    from_coordinator: dict[str, list[tuple[int, int]]]
+    # the replica resumed from lost some unit: its older global fallback serves
+    fell_back: bool = False
+
+
+def replica_points(
+    replica: Replica, *, fallback: bool = True
+) -> list[tuple[Replica, ReplicaPoint]]:
+    """The copies a recovery may restore from, newest first: ``replica`` (each device's
+    own snapshot and the backups its holder keeps, when kept at the stages; what the
+    coordinator holds) and, with ``fallback``, the older global replica behind it."""
     here = held_at_coordinator(replica.state)
-    failed = {d for d in old.devices if d not in alive}
-    backups: list[HeldUnits] = []
-    for stage in old.stages:
+    copies: list[HeldUnits] = []
+    for stage in replica.plan.stages:
         holder = replica.holders.get(stage.devices[0], "")
         if holder and holder != COORDINATOR:
-            backups.append(HeldUnits(holder, stage.start, stage.end, replica.step))
+            for unit in range(stage.start, stage.end):
+                # `fast`: a backup is older than the survivors' newest state held here
+                if not (replica.fast and unit in here):
+                    copies.append(HeldUnits(holder, unit, unit + 1, replica.step))
     for unit in sorted(here):
-        backups.append(HeldUnits(COORDINATOR, unit, unit + 1, replica.step))
+        copies.append(HeldUnits(COORDINATOR, unit, unit + 1, replica.step))
+    if replica.complete:
+        # every unit is here, those without parameters too (they hold nothing)
+        copies.append(HeldUnits(COORDINATOR, 0, replica.plan.num_units, replica.step))
+    own = replica.at_stages and not replica.fast
+    points = [(replica, ReplicaPoint(replica.step, replica.plan, tuple(copies), own))]
+    older = replica.fallback
+    if fallback and older is not None:
+        whole = (HeldUnits(COORDINATOR, 0, older.plan.num_units, older.step),)
+        points.append((older, ReplicaPoint(older.step, older.plan, whole, False)))
+    return points
+
+
+def restore_from(
+    replica: Replica, new: Sequence[StageSpan], alive: Collection[str], *, fallback: bool = True
+) -> RestoreChoice:
+    """Where each device of ``new`` gets its units: FTPipeHD's Algorithm 1
+    (:func:`zpipe.recovery.plan_restore`) over the replica's copies, each unit from
+    the nearest live holder (the device's own snapshot, a surviving member of the
+    stage that held it, the backup a neighbour keeps, the coordinator), or, when
+    some unit has no live holder there (two adjacent stages died: one held the
+    other's backup), from the older global replica behind it. Each fetch entry
+    names its ``owner``: whose snapshot it is."""
+    points = replica_points(replica, fallback=fallback)
+    failed = {d for r, _ in points for d in r.plan.devices if d not in alive}
     try:
-        moves = plan_redistribution(
-            old,
-            new,
-            failed=failed,
-            live_version=replica.step,
-            replicas=backups,
-            version=replica.step,
-        )
+        restore = plan_restore(new, failed=failed, points=[p for _, p in points])
     except WeightsLostError as exc:
         lost = exc.units
-        stages = [s for s in old.stages if any(s.start <= u < s.end for u in lost)]
+        stages = [s for s in replica.plan.stages if any(s.start <= u < s.end for u in lost)]
         ran = ", ".join(d for s in stages for d in s.devices)
         held = ", ".join(replica.holders.get(s.devices[0]) or "none" for s in stages)
         raise UnitsLostError(
             (lost[0], lost[-1] + 1), f"{ran} and the holder of their backup ({held}) are gone"
         ) from exc
+    used = points[restore.index][0]
+    moves = restore.moves
     ranges = [(t.dest, t.source, t.start, t.end) for t in moves.transfers]
     ranges += [(k.device, k.device, k.start, k.end) for k in moves.kept]
-    out: dict[str, list[dict[str, Any]]] = {d: [] for s in new for d in s.devices}
+    fetches: dict[str, list[dict[str, Any]]] = {d: [] for s in new for d in s.devices}
+    here: dict[str, list[tuple[int, int]]] = {d: [] for s in new for d in s.devices}
     for dest, source, start, end in sorted(ranges, key=lambda r: (r[0], r[2])):
         if source == COORDINATOR:
-            continue  # comes with the assignment
-        for stage in old.stages:
+            here[dest].append((start, end))  # comes with the assignment
+            continue
+        for stage in used.plan.stages:
             a, b = max(start, stage.start), min(end, stage.end)
-            if a >= b or all(u in here for u in range(a, b)):
+            if a >= b:
                 continue
             owner = source if source in stage.devices else stage.devices[0]
-            out[dest].append(
-                {
-                    "from": source,
-                    "owner": owner,
-                    "run": replica.run,
-                    "step": replica.step,
-                    "start": a,
-                    "end": b,
-                }
-            )
-    for entries in out.values():
+            fetches[dest].append(
+                {"from": source, "owner": owner, "run": used.run, "step": used.step,
+                 "start": a, "end": b}
+            )  # fmt: skip
+    for entries in fetches.values():
         entries.sort(key=lambda e: e["start"])
-    return out
+    return RestoreChoice(used, fetches, here, fell_back=restore.index > 0)
+
+
+def fetch_plans(
+    replica: Replica, new: Sequence[StageSpan], alive: Collection[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """The fetches of :func:`restore_from` from ``replica`` itself (no fallback)."""
+    return restore_from(replica, new, alive, fallback=False).fetches
 
 
 _GRANT_FIELDS = ("owner", "run", "step", "start", "end")
@@ -236,10 +268,25 @@ def merge_fast_state(
             # a data-parallel group's members hold identical copies; one is kept
             newer.setdefault(str(key), tensor.clone())
         completed[name] = int(reply.get("completed") or 0)
-    from_replica = sorted(
-        {u[0] for k in replica.state if k not in newer and (u := split_unit_key(k))}
+    # the units of the stages no survivor sent (a chain replica holds them at the stages)
+    from_replica = [
+        u
+        for stage in replica.plan.stages
+        if not any(d in completed for d in stage.devices)
+        for u in range(stage.start, stage.end)
+    ]
+    # complete only if the replica was; a unit no survivor sent comes from the backup a
+    # neighbour keeps (chain replication), or stays lost (a clear error) rather than
+    # being built afresh
+    merged = Replica(
+        replica.run,
+        replica.step,
+        replica.plan,
+        {**replica.state, **newer},
+        holders=replica.holders,
+        global_copy=replica.complete,
+        fast=True,
     )
-    merged = Replica(replica.run, replica.step, replica.plan, {**replica.state, **newer})
     return merged, completed, from_replica, missing
 
 

@@ -100,14 +100,32 @@ class Replica:
     taken under. A global replica (FTPipeHD) holds every unit's weights and
     optimizer state in ``state``; a chain or topology replica holds here only what
     was backed up to the coordinator, the rest being snapshots the stages keep:
-    each device its own, and ``holders[device]`` a backup of it."""
+    each device its own, and ``holders[device]`` a backup of it. Chain replication
+    with a global copy (FTPipeHD runs both) holds every unit here at the steps the
+    global copy was taken; between them ``fallback`` is the newest such replica,
+    older, which a recovery takes when the chain copies of some unit all died."""
 
     run: int
     step: int
     plan: TrainingPlan
     state: dict[str, torch.Tensor]
     holders: Mapping[str, str] = field(default_factory=dict)
+    fallback: Replica | None = None
+    # every unit's state is here (None: as the holders say, none for a global replica)
+    global_copy: bool | None = None
+    # `fast` consistency: the survivors' newest state was merged in here; the stages'
+    # snapshots are older than it and serve only the units no survivor sent
+    fast: bool = False
 
     @property
     def at_stages(self) -> bool:
         return bool(self.holders)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every unit's state is here (a global copy)."""
+        return not self.holders if self.global_copy is None else self.global_copy
+
+    def newest_global(self) -> Replica | None:
+        """This replica if it holds every unit here, else its fallback."""
+        return self if self.complete else self.fallback

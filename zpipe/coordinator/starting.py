@@ -27,9 +27,9 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.decisions import (
+    RestoreChoice,
     check_plan_fits_model,
     fetch_grants,
-    fetch_plans,
     live_members,
     merge_fast_state,
     replan_in_place,
@@ -40,6 +40,7 @@ from zpipe.coordinator.decisions import (
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
+from zpipe.coordinator.restoring import allow_fetches, choose_restore
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Replica, Run
 from zpipe.coordinator.sink_check import check_sink_reachable
@@ -325,6 +326,15 @@ class _Training:
             groups = [([st.device], st.start, st.end, [1]) for st in straight.stages]
             source = straight
         by_name = {m.name: m for m in members}
+        live = {m.name: m for m in live_members(state.membership)}
+        live.update(by_name)
+        restore: RestoreChoice | None = None
+        if replica is not None:
+            spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
+            restore = yield from choose_restore(state, replica, message, spans, live)
+            if restore.fell_back:
+                # the learning-rate schedule goes on from the global copy's mini-batch
+                settings["start_step"] = message["resume"]["global"]["start_step"]
         shared = stages_share_cores(by_name[n].data_endpoint for g in groups for n in g[0])
         training = check_train_settings(settings, len(groups), stages_share_cores=shared)
         if given is not None and training["warmups"] != given.warmups:
@@ -367,20 +377,14 @@ class _Training:
             "run_planned",
             {"run": run.run, "epoch": run.epoch, "mode": "train", "groups": groups},
         )
-        fetches: dict[str, list[dict[str, Any]]] = {}
-        if replica is not None and replica.at_stages:
-            live = {m.name: m for m in live_members(state.membership)}
-            live.update(by_name)
-            spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
-            fetches = fetch_plans(replica, spans, set(live))
-            # Stages fetch units from each other's probe sockets: allowed beforehand,
-            # each holder told who fetches what (it answers nothing else).
-            yield AllowPeers(tuple(live.values()), fetch_grants(fetches))
-            for dest, entries in fetches.items():
-                for entry in entries:
-                    if entry["from"] != dest:
-                        entry["endpoint"] = str(live[entry["from"]].info["probe_endpoint"])
-                        entry["key"] = controller.key_of(entry["from"])
+        if restore is not None:
+            allow_fetches(restore, live, controller.key_of)
+            if any(e["from"] != d for d, es in restore.fetches.items() for e in es):
+                # Stages fetch units from each other's probe sockets: allowed
+                # beforehand, each holder told who fetches what (it answers nothing else).
+                yield AllowPeers(tuple(live.values()), fetch_grants(restore.fetches))
+            if isinstance(controller, SyncTrainingRun):
+                controller.fallback = restore.replica.newest_global()
         client = {
             "names": [CLIENT_NAME],
             "shares": [1],
@@ -455,11 +459,13 @@ class _Training:
                     "dtype": "float32",
                 }
                 tensors: dict[str, Any] = {}
-                if replica is not None:
-                    tensors = units_state(replica.state, start, end)
+                if restore is not None:
+                    # only what no stage holds nearer comes from here
+                    for a, b in restore.from_coordinator.get(name, []):
+                        tensors.update(units_state(restore.replica.state, a, b))
                     body["state_keys"] = list(tensors)
-                    if replica.at_stages:
-                        body["fetch"] = fetches.get(name, [])
+                    if restore.fetches.get(name):
+                        body["fetch"] = restore.fetches[name]
                 assign = Message("assign", body, epoch=run.epoch, tensors=tuple(tensors.values()))
                 yield Send(by_name[name].routing_id, assign, name, stage=name)
         replies = yield AwaitReplies(
@@ -493,6 +499,12 @@ class _Training:
                 "last_stage": last[0],
                 "last_key": controller.key_of(last[0]),
                 "last_endpoint": by_name[last[0]].data_endpoint,
+                # the replica's global fallback was resumed from: the client replays more
+                **(
+                    {"resumed": {"run": restore.replica.run, "step": restore.replica.step}}
+                    if restore is not None and restore.fell_back
+                    else {}
+                ),
                 "training_plan": {
                     **tplan.to_dict(),
                     "endpoints": {n: by_name[n].data_endpoint for n in run.devices},

@@ -64,6 +64,9 @@ from zpipe.transport.codec import Message
 
 class SyncTrainingRun(BaseRun):
     kind = "train"
+    # the newest replica of this fit that holds every unit here (global replication):
+    # what a recovery falls back to when chain copies of some unit all died
+    fallback: Replica | None = None
 
     def ring_of(self, device: str) -> dict[str, Any] | None:
         for group in self.run.groups:
@@ -92,9 +95,10 @@ class SyncTrainingRun(BaseRun):
                     return self.checkpoint(run_id, step, optimizer=optimizer)
             else:
                 key, timeout = ("replicate", run_id, step), self.reply_s
+                global_copy = bool(message.get("global"))
 
                 def make() -> Flow:
-                    return self.take_replica(run_id, step)
+                    return self.take_replica(run_id, step, global_copy=global_copy)
 
             return self.state.answers.answer(
                 self.state.flows,
@@ -208,10 +212,12 @@ class SyncTrainingRun(BaseRun):
             tensors=tuple(tensors),
         )
 
-    def take_replica(self, run_id: int, step: int) -> Flow:
+    def take_replica(self, run_id: int, step: int, *, global_copy: bool = False) -> Flow:
         """Keep a replica of the run after round ``step`` (weights and optimizer state of
         every unit; a group's members hold identical copies, one is kept); then, with
-        ``rebalance``, say whether the run should change shape."""
+        ``rebalance``, say whether the run should change shape. Under chain or topology
+        replication ``global_copy`` also gathers every unit here (FTPipeHD runs both);
+        a chain replica without one keeps the newest that had one as its fallback."""
         run = self.run
         body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}
         try:
@@ -220,10 +226,14 @@ class SyncTrainingRun(BaseRun):
             yield AwaitConfirmed(tuple(run.devices))
             counters: dict[str, Any] = {}
             holders: dict[str, str] = {}
+            whole = run.replication == "global" or global_copy
             if run.replication == "global":
                 keys, tensors = yield from self.gather_state(step, optimizer=True, metrics=counters)
             else:
                 keys, tensors, holders = yield from self.back_up(step, counters)
+                if global_copy:
+                    more_keys, more = yield from self.gather_state(step, optimizer=True)
+                    keys, tensors = keys + more_keys, tensors + more
             state: dict[str, torch.Tensor] = {}
             for key, tensor in zip(keys, tensors, strict=True):
                 if key not in state:
@@ -236,7 +246,19 @@ class SyncTrainingRun(BaseRun):
                     yield SaveReplica(saved)
                 except (OSError, StateFileError) as exc:
                     raise StateFileError(f"the replica could not be saved: {exc}") from exc
-            self.state.replica = Replica(run.run, step, run.training_plan, state, holders)
+            replica = Replica(
+                run.run,
+                step,
+                run.training_plan,
+                state,
+                holders,
+                fallback=None if whole else self.fallback,
+                global_copy=whole,
+            )
+            self.state.replica = replica
+            if whole:
+                self.fallback = replica
+            body["global"] = whole
             body["tensors"] = len(state)
             body["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
             body["error"] = ""
@@ -251,6 +273,8 @@ class SyncTrainingRun(BaseRun):
                     "saved": self.state.saves_replicas,
                     "replication": run.replication,
                     "holders": holders or None,
+                    "global": whole,
+                    "fallback": None if replica.fallback is None else replica.fallback.step,
                 },
             )
             if run.rebalance is not None:

@@ -92,6 +92,9 @@ class RunReady(WireMessage):
     training_plan: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     # the first stage's data port limit per frame: a client checks what it sends
     first_max_message_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # a resumed run restored from an older global replica than the one it asked for
+    # (the chain copies of some unit all died): {"run", "step"}; the client replays more
+    resumed: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -191,6 +194,8 @@ class Replicate(WireMessage):
     KIND: ClassVar[str] = "replicate"
     run: int = wire(INT)
     step: int = wire(INT)
+    # chain replication: also a global copy of every unit (FTPipeHD runs both at once)
+    global_copy: bool | None = wire(BOOL, key="global", default=None, omit_if_none=True)
 
 
 @wire_message
@@ -204,6 +209,8 @@ class Replicated(WireMessage):
     nbytes: int = wire(INT, key="bytes")
     error: str = wire(STR)
     rebalance: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # every unit's state is at the coordinator now (global replication, or a global copy)
+    global_copy: bool | None = wire(BOOL, key="global", default=None, omit_if_none=True)
 
 
 @wire_message

@@ -226,6 +226,9 @@ class WeightsRequest(WireMessage):
     step: int = wire(INT)
     optimizer: bool | None = wire(BOOL, default=None)
     latest: bool | None = wire(BOOL, default=None)
+    # heavy recovery: the snapshots kept here to send instead (this stage's own, or
+    # backups), as [{"owner", "run", "step", "start", "end"}]
+    snapshot: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
 
 
 @wire_message

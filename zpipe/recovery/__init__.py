@@ -13,6 +13,8 @@ measured and applies what it returns.
   schedules, versioned by mini-batch.
 - :mod:`~zpipe.recovery.redistribution`: FTPipeHD's Algorithm 1, the fewest
   weight transfers from live holders.
+- :mod:`~zpipe.recovery.restore`: chain and global copies as replica points,
+  restored from the newest that covers every unit; heavy recovery's moves.
 - :mod:`~zpipe.recovery.recover`: one call for the coordinator, by policy.
 - :mod:`~zpipe.recovery.timeline`: the recovery timeline for structured logs.
 """
@@ -65,7 +67,9 @@ from zpipe.recovery.replication import (
     asteroid_replication,
     ftpipehd_replication,
     plan_replication,
+    replicas_due,
 )
+from zpipe.recovery.restore import HeavyMoves, ReplicaPoint, Restore, heavy_restore, plan_restore
 from zpipe.recovery.spans import COORDINATOR, StageSpan, device_ranges, stage_spans
 from zpipe.recovery.timeline import RecoveryTimeline, summarize_recoveries
 
@@ -78,6 +82,7 @@ __all__ = [
     "CapacityHistory",
     "DeadlinePolicy",
     "Deviation",
+    "HeavyMoves",
     "Kept",
     "LatencyWindow",
     "RecoveryError",
@@ -85,8 +90,10 @@ __all__ = [
     "RecoveryTimeline",
     "Redistribution",
     "Replica",
+    "ReplicaPoint",
     "ReplicaSend",
     "ReplicationSchedule",
+    "Restore",
     "StageSpan",
     "StallWatch",
     "Transfer",
@@ -100,13 +107,16 @@ __all__ = [
     "ftpipehd_replication",
     "heavy_replan_inference",
     "heavy_replan_training",
+    "heavy_restore",
     "judge_wait",
     "lightweight_replan",
     "own_replicas",
     "plan_recovery",
     "plan_redistribution",
     "plan_replication",
+    "plan_restore",
     "rebalance_boundaries",
+    "replicas_due",
     "respipe_replan",
     "scaled_unit_times",
     "speeds_from_capacities",

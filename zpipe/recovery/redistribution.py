@@ -199,6 +199,7 @@ def plan_redistribution(
     live_version: int,
     replicas: Sequence[Replica] = (),
     version: int | None = None,
+    own_copies: bool = True,
 ) -> Redistribution:
     """The fewest unit transfers that give every device of ``new`` its units.
 
@@ -206,7 +207,9 @@ def plan_redistribution(
     ``live_version``). ``replicas``: every other copy (chain, backup and global
     replicas; the coordinator's under :data:`COORDINATOR`). ``version``: the
     mini-batch every unit must be at (``exact`` consistency), or ``None`` for
-    the newest version any live holder has (``fast``). Raises
+    the newest version any live holder has (``fast``). ``own_copies=False``:
+    the devices of ``old`` hold nothing of their own at ``live_version`` (a
+    global replica older than their snapshots), only ``replicas`` count. Raises
     :class:`WeightsLostError` naming the units no live holder has.
     """
     old_spans, new_spans = stage_spans(old), stage_spans(new)
@@ -223,7 +226,8 @@ def plan_redistribution(
 
     # holders[u]: version -> live holders of unit u at that version.
     holders: list[dict[int, set[str]]] = [{} for _ in range(num_units)]
-    for r in [*own_replicas(old_spans, live_version), *replicas]:
+    own = own_replicas(old_spans, live_version) if own_copies else []
+    for r in [*own, *replicas]:
         if not 0 <= r.start < r.end <= num_units:
             raise ConfigError(
                 f"replica on {r.holder!r} covers [{r.start}, {r.end}), outside the model's "

@@ -243,3 +243,19 @@ def plan_replication(
             raise ConfigError("ftpipehd replication needs a global_every period")
         return ftpipehd_replication(plan, chain_every=every, global_every=global_every)
     raise ConfigError(f"unknown replication topology {topology!r}; use one of {TOPOLOGIES}")
+
+
+def replicas_due(
+    step: int, *, chain_every: int | None, global_every: int | None
+) -> tuple[bool, bool]:
+    """Whether (chain, global) replication is due before mini-batch ``step`` (0-based,
+    counted over the whole fit): every ``chain_every``-th and every ``global_every``-th
+    mini-batch, both before the first one. ``None`` leaves a kind out."""
+    if step < 0:
+        raise ConfigError(f"a replica step must be >= 0, got {step}")
+    for name, every in (("chain_every", chain_every), ("global_every", global_every)):
+        if every is not None:
+            _check_period(name, every)
+    chain = chain_every is not None and step % chain_every == 0
+    whole = global_every is not None and step % global_every == 0
+    return chain, whole

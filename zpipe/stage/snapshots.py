@@ -122,10 +122,14 @@ class SnapshotService:
         }
         tensors: tuple[torch.Tensor, ...] = ()
         try:
-            if trainer is None or trainer.setup.run != run:
+            snapshot = message.get("snapshot")
+            if snapshot is not None:
+                # heavy recovery gathers snapshots kept here, whatever runs now
+                state = self.snapshot_units(snapshot)
+            elif trainer is None or trainer.setup.run != run:
                 raise PipelineError(f"this stage is not training run {run}")
-            shard = trainer.shard
-            if message.get("latest"):
+            elif message.get("latest"):
+                shard = trainer.shard
                 # The run broke elsewhere: stop it here, then read the state in the
                 # compute thread, after whatever step it was running.
                 await stop_run()
@@ -133,6 +137,7 @@ class SnapshotService:
                 state = await loop.run_in_executor(self._compute, shard.training_state)
                 reply["completed"] = trainer.completed_steps
             else:
+                shard = trainer.shard
                 await trainer.wait_for_step(step, self._timeout_s)
                 state = shard.training_state() if message.get("optimizer") else shard.state_dict()
             if len(state) > codec.MAX_TENSORS:
@@ -147,6 +152,23 @@ class SnapshotService:
             reply["error"] = describe_error(exc)
             log.error("weights_not_sent", stage=self.name, error=reply["error"])
         return reply, tensors
+
+    def snapshot_units(self, ranges: object) -> dict[str, torch.Tensor]:
+        """The units of the snapshots kept here that ``ranges`` names:
+        ``[{"owner", "run", "step", "start", "end"}]``."""
+        if not isinstance(ranges, list):
+            raise ProtocolError("a snapshot request lists ranges")
+        state: dict[str, torch.Tensor] = {}
+        for entry in ranges:
+            if not isinstance(entry, dict):
+                raise ProtocolError("a snapshot range must be a map")
+            try:
+                owner, run, step = str(entry["owner"]), int(entry["run"]), int(entry["step"])
+                start, end = int(entry["start"]), int(entry["end"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(f"a malformed snapshot range: {exc!r}") from None
+            state.update(self.replicas.units(owner, run, step, start, end))
+        return state
 
     async def backup_reply(
         self,
