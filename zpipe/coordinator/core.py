@@ -10,7 +10,6 @@ the start of one :mod:`~zpipe.coordinator.starting`'s.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError, StageLostError, StateFileError, TransportTimeout
@@ -35,7 +34,7 @@ from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.lossy_run import LOSSY_REPLY_KINDS, lossy_run_request
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
-from zpipe.coordinator.notices import NOTICE_KINDS, NoticeOutbox
+from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.runbase import run_failed
@@ -97,7 +96,7 @@ class CoordinatorCore:
         return None if current is None else current.run
 
     def on_event(self, event: Event, now: float) -> list[Command]:
-        return self._number_notices(self._on_event(event, now), now)
+        return number_notices(self.notices, self._on_event(event, now), now)
 
     def _on_event(self, event: Event, now: float) -> list[Command]:
         flows = self.state.flows
@@ -342,7 +341,9 @@ class CoordinatorCore:
         ]
 
     def _tick(self, now: float) -> list[Command]:
-        out = self._notices_due(now)
+        run = self.run
+        reply_s = self.state.timeouts.reply_s
+        out = notices_due(self.notices, None if run is None else run.run, now, reply_s=reply_s)
         out += self._judge_partition(now)
         if self.partition.suspecting:
             self.state.membership.hold(now)
@@ -476,36 +477,6 @@ class CoordinatorCore:
         return out
 
     # ------------------------------------------------------------ clients
-
-    def _number_notices(self, commands: list[Command], now: float) -> list[Command]:
-        """Every notice to a client (whichever run's flow sent it) is numbered and kept
-        until the client acknowledges it."""
-        out: list[Command] = []
-        for command in commands:
-            if (
-                isinstance(command, Send)
-                and command.peer == CLIENT_NAME
-                and command.message.kind in NOTICE_KINDS
-                and "seq" not in command.message.body
-            ):
-                numbered = self.notices.post(command.to, command.message, now)
-                command = replace(command, message=numbered)
-            out.append(command)
-        return out
-
-    def _notices_due(self, now: float) -> list[Command]:
-        run = self.run
-        out: list[Command] = []
-        for to, message in self.notices.due(None if run is None else run.run, now):
-            out.append(
-                Log(
-                    "info",
-                    "notice_sent_again",
-                    {"run": message["run"], "kind": message.kind, "seq": message["seq"]},
-                )
-            )
-            out.append(Send(to, message, CLIENT_NAME, self.state.timeouts.reply_s))
-        return out
 
     def _notice_acknowledged(self, message: Message) -> list[Command]:
         self.notices.acknowledged(int(message["run"]), int(message["seq"]))

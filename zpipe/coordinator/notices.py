@@ -12,8 +12,10 @@ number it has seen, so a notice sent twice acts once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from zpipe.coordinator.commands import Command, Log, Send
+from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.transport.codec import Message
 
 # The kinds the coordinator sends a client unasked, about a run that goes on.
@@ -64,3 +66,32 @@ class NoticeOutbox:
 
     def unacknowledged(self, run: int) -> list[int]:
         return sorted(seq for r, seq in self._kept if r == run)
+
+
+def number_notices(outbox: NoticeOutbox, commands: list[Command], now: float) -> list[Command]:
+    """Every notice to a client (whichever run's flow sent it) numbered and kept in
+    ``outbox`` until the client acknowledges it."""
+    out: list[Command] = []
+    for command in commands:
+        if (
+            isinstance(command, Send)
+            and command.peer == CLIENT_NAME
+            and command.message.kind in NOTICE_KINDS
+            and "seq" not in command.message.body
+        ):
+            numbered = outbox.post(command.to, command.message, now)
+            command = replace(command, message=numbered)
+        out.append(command)
+    return out
+
+
+def notices_due(
+    outbox: NoticeOutbox, run: int | None, now: float, *, reply_s: float
+) -> list[Command]:
+    """The notices of ``run`` to send again now, each with a log line."""
+    out: list[Command] = []
+    for to, message in outbox.due(run, now):
+        fields = {"run": message["run"], "kind": message.kind, "seq": message["seq"]}
+        out.append(Log("info", "notice_sent_again", fields))
+        out.append(Send(to, message, CLIENT_NAME, reply_s))
+    return out
