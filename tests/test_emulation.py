@@ -94,20 +94,21 @@ async def test_lost_messages_are_not_delivered() -> None:
     assert delivered == [i for i, ok in enumerate(results) if ok]
 
 
-def test_slowdown_stretches_the_cpu_time_not_the_time_spent_waiting_for_a_core(
+def test_slowdown_adds_the_slower_devices_extra_work_not_a_multiple_of_the_wait_for_a_core(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from zpipe.transport.emulation import emulate_slowdown
 
     sleeps: list[float] = []
     monkeypatch.setattr("zpipe.transport.emulation.time.sleep", sleeps.append)
-    # 1 s of CPU work that took 1.5 s of wall time because another process had the core
-    assert emulate_slowdown(4.0, 1.5, 1.0) == pytest.approx(4.0)
-    assert sleeps == [pytest.approx(2.5)]
-    # contention already beyond the emulated device's time: no sleep at all
-    assert emulate_slowdown(2.0, 3.0, 1.0) == pytest.approx(3.0)
+    # 1 s of CPU work that took 1.5 s of wall time because another process had the core:
+    # a 4x slower device does 3 s more work
+    assert emulate_slowdown(4.0, 1.5, 1.0) == pytest.approx(4.5)
+    assert sleeps == [pytest.approx(3.0)]
+    # contention beyond the emulated device's time still leaves the device slower
+    assert emulate_slowdown(2.0, 3.0, 1.0) == pytest.approx(4.0)
     # without a CPU time, the wall time is the work
     assert emulate_slowdown(2.0, 1.0) == pytest.approx(2.0)
     # a full-speed device is never slowed
     assert emulate_slowdown(1.0, 1.5, 1.0) == pytest.approx(1.5)
-    assert len(sleeps) == 2
+    assert len(sleeps) == 3

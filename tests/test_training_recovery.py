@@ -133,8 +133,12 @@ def test_heavy_and_respipe_recovery_also_end_as_if_uninterrupted(recovery: str) 
 
 
 def test_a_slow_stage_is_rebalanced_not_declared_dead() -> None:
-    spec = ModelSpec("mlp", {"dims": [12, *[64] * 6, 4]}, seed=5)  # 7 units
-    batches = make_batches(8, 9, seed=24)
+    # Wide layers and 32-row micro-batches: b's 4x slowdown stretches its compute
+    # (CPU time), which must outweigh the waits for a core that a loaded machine adds
+    # to every stage alike (with 64-wide layers and 3 rows it did not, and b measured
+    # as fast as the others).
+    spec = ModelSpec("mlp", {"dims": [12, *[384] * 6, 4]}, seed=5)  # 7 units
+    batches = make_batches(8, 96, seed=24)
     want, want_losses = train_single_process(spec, batches, SGD)
     devices = [DeviceSpec("a"), DeviceSpec("b", slowdown=4.0), DeviceSpec("c")]
     with LocalCluster(devices, heartbeat_interval_s=INTERVAL) as cluster:

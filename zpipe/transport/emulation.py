@@ -210,22 +210,30 @@ class UplinkConnection:
 
 
 def emulate_slowdown(factor: float, elapsed_s: float, cpu_s: float | None = None) -> float:
-    """Sleep (in the compute thread) so a step takes ``factor`` times its work.
+    """Sleep (in the compute thread) so a step takes as long as on a device ``factor``
+    times slower.
 
     The work is ``cpu_s`` when given: the compute thread's CPU time, which is
-    what the step costs on an idle core. Stretching the wall time instead would
-    multiply whatever time the step spent waiting for a core that other stages
-    on the same machine were using, and a 4x slower device would turn its
-    share of that contention into four times as much. Returns how long the
-    step took in the end.
+    what the step costs on an idle core. A slower device does ``factor`` times
+    that work, so the step is held for the extra ``(factor - 1) * cpu_s`` on top
+    of what it took. Stretching the wall time instead would multiply whatever
+    time the step spent waiting for a core that other stages on the same
+    machine were using (a 4x slower device would turn its share of that
+    contention into four times as much); stretching only to ``factor * cpu_s``
+    would hide the slower device entirely once waits for a core exceed its
+    extra work, and every stage of a loaded machine would measure alike.
+    Without a CPU time the wall time is the work. Returns how long the step
+    took in the end.
     """
     if factor <= 1.0:
         return elapsed_s
-    work = cpu_s if cpu_s is not None else elapsed_s
-    target = factor * work
-    if target > elapsed_s:
-        time.sleep(target - elapsed_s)
-    return max(target, elapsed_s)
+    if cpu_s is None:
+        extra = (factor - 1.0) * elapsed_s
+    else:
+        extra = (factor - 1.0) * cpu_s
+    if extra > 0:
+        time.sleep(extra)
+    return elapsed_s + extra
 
 
 def compute_cpu_s(thread_cpu_s: float) -> float | None:
