@@ -26,6 +26,7 @@ allocation without pipelining (Fig. 7's *Model*: one mini-batch at a time).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,10 @@ from zpipe.lossy.schedule import events, pipeline_period, sequential_period, tim
 MAX_DATA = 200_000
 #: The most evaluation points along a run (each one is a full test pass).
 MAX_EVAL_POINTS = 10_000
+#: The most devices (the paper uses 2-10; the link model holds an n x n x 60 array).
+MAX_DEVICES = 64
+#: The most weights of the whole network (80 MB of float64).
+MAX_PARAMETERS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,8 @@ class RunConfig:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not (self.region_m > 0 and math.isfinite(self.region_m)):
             raise ConfigError(f"region must be a positive finite side in m, got {self.region_m}")
-        if self.n_devices < 1:
-            raise ConfigError(f"n_devices must be >= 1, got {self.n_devices}")
+        if not 1 <= self.n_devices <= MAX_DEVICES:
+            raise ConfigError(f"n_devices must be in [1, {MAX_DEVICES}], got {self.n_devices}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"learning rate must be positive, got {self.lr}")
         if self.batch_size < 1:
@@ -180,6 +185,12 @@ def prepare_run(
     """Place, partition, map, initialise and order the data of one run
     (``measured``: map on these reception ratios instead of the simulated probes)."""
     layer_sizes = [data.n_features, *cfg.hidden, data.n_classes]
+    n_weights = sum(a * b for a, b in itertools.pairwise(layer_sizes))
+    if n_weights > MAX_PARAMETERS:
+        raise ConfigError(
+            f"layers {layer_sizes} hold {n_weights} weights, more than {MAX_PARAMETERS}; "
+            "use narrower or fewer hidden layers"
+        )
     topology = make_topology(max(cfg.n_devices, 1), cfg.region_m, seed=cfg.seed, model=cfg.radio)
     alloc = build_allocation(cfg, layer_sizes, topology, measured)
     slot_s = timeslot_ms(alloc) / 1000.0
