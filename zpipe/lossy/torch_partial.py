@@ -33,7 +33,14 @@ from zpipe._errors import ConfigError
 from zpipe.lossy.links import Direction
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import NeuronSlice
-from zpipe.lossy.shard import IntArray, Outgoing, Partials, Topology
+from zpipe.lossy.shard import (
+    IntArray,
+    Outgoing,
+    Partials,
+    Topology,
+    arrived_senders,
+    gradient_partials,
+)
 
 DTYPE = torch.float64
 
@@ -175,6 +182,8 @@ class TorchDeviceShard:
                 start=self.slices[layer].start,
             )
         self.stash: dict[tuple[int, int], _Stashed] = {}
+        #: senders whose forward partial arrived (as ``DeviceShard.arrived``)
+        self.arrived: dict[tuple[int, int], frozenset[int]] = {}
         self.record_grads = record_grads
         self.grads: dict[int, tuple[FloatArray, FloatArray]] = {}
 
@@ -229,6 +238,7 @@ class TorchDeviceShard:
                     z = functional.linear(x_in, weight, bias)
                     h = torch.relu(z) if module.relu else z
                 self.stash[(data, layer)] = _Stashed(x_in, weight, bias, h)
+                self.arrived[(data, layer)] = arrived_senders(topo, layer, got)
                 out = h.detach().numpy()
             else:
                 with torch.no_grad():
@@ -262,6 +272,7 @@ class TorchDeviceShard:
         sl = self.slices[layer]
         batch = len(labels)
         stashed = self.stash.pop((data, layer))
+        arrived = self.arrived.pop((data, layer), frozenset())
         loss: float | None = None
         if layer == topo.last:
             logits = self._logits(batch, got)
@@ -282,18 +293,7 @@ class TorchDeviceShard:
             self.grads[layer] = (dw.numpy().copy(), db.numpy().copy())
         out: list[Outgoing] = []
         if layer >= 2:  # the input layer needs no gradient
-            dx = grads[2].numpy()
-            out = [
-                Outgoing(
-                    dst,
-                    "B",
-                    layer - 1,
-                    layer,
-                    Direction.BACKWARD,
-                    dx[:, dst_sl.start : dst_sl.stop],
-                )
-                for dst, dst_sl in topo.owners[layer - 1]
-            ]
+            out = gradient_partials(topo, layer, grads[2].numpy(), arrived)
         module = self.module(layer)
         with torch.no_grad():
             # out of place, as the numpy shard does: a stashed copy never aliases these
@@ -304,3 +304,4 @@ class TorchDeviceShard:
     def forget(self, data: int) -> None:
         for key in [k for k in self.stash if k[0] == data]:
             del self.stash[key]
+            self.arrived.pop(key, None)
