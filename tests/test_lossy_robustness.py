@@ -78,3 +78,22 @@ def test_eight_devices_on_six_layers_pair_up_as_the_paper_intends() -> None:
     alloc = partition("hybrid", [64, 128, 128, 128, 128, 10], 8)
     assert alloc.allocated_layer == [[1], [2], [3, 4], [5, 6]]
     assert alloc.allocated_device == [2, 2, 2, 2]
+
+
+def test_grid_summary_counts_wins_and_keeps_identical_allocations_apart() -> None:
+    from bench.lossy_grid import grid_summary
+
+    def row(layers: int, hybrid: float, vertical: float, same: bool) -> dict[str, object]:
+        return {"dataset": "d", "layers": layers, "devices": 8, "seed": 0, "budget": "full",
+                "acc_hybrid": hybrid, "acc_vertical": vertical, "acc_horizontal": 0.1,
+                "steps_hybrid": 10, "steps_vertical": 20, "steps_horizontal": 5,
+                "same_as_vertical": same}  # fmt: skip
+
+    rows = [row(4, 0.8, 0.8, True), row(6, 0.9, 0.7, False), row(6, 0.6, 0.7, False)]
+    out = grid_summary(rows)
+    assert out["hybrid_wins_share_vertical"] == pytest.approx(1 / 3)
+    assert out["hybrid_wins_share_vertical_distinct"] == pytest.approx(1 / 2)
+    assert out["hybrid_wins_share_horizontal"] == 1.0
+    assert out["grid_runs_same_as_vertical"] == 1
+    assert out["hybrid_wins_share_vertical_by"]["layers"] == {"6": 0.5}
+    assert [c["hybrid_wins_vertical"] for c in out["grid_table"]] == [0, 1]
