@@ -159,7 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sweep-values", type=_list_of(positive_float), help="comma-separated sweep values"
     )
-    p.add_argument("--dataset", default="digits", help="digits (built in) or a name for --idx-dir")
+    p.add_argument(
+        "--dataset",
+        default="digits",
+        help="digits or generated (built in), or a name for --idx-dir",
+    )
     p.add_argument(
         "--idx-dir", type=Path, help="directory of MNIST-format IDX files (e.g. Fashion-MNIST)"
     )

@@ -103,13 +103,24 @@ def plot_training(
     )
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="[seeds]", title_fontsize=7)
+    for ax in axes[:2]:
+        ax.legend(fontsize=7, title="configuration [seeds]", title_fontsize=7)
+    axes[2].legend(fontsize=7)
     fig.suptitle("time is simulated (timeslots x slot duration), not measured", fontsize=9)
     fig.tight_layout()
     path = out_dir / "training.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+def _length_text(runs: list[dict[str, Any]]) -> str:
+    budgets = {run["config"].get("budget_s") for run in runs}
+    if budgets != {None}:
+        shown = ", ".join(f"{b:g}" for b in sorted(b for b in budgets if b is not None))
+        return f"after {shown} s of simulated training time"
+    steps = sorted({run["config"].get("n_data") for run in runs})
+    return f"after {', '.join(str(s) for s in steps)} mini-batches"
 
 
 def plot_sweep(runs: list[dict[str, Any]], sweep: str, out_dir: Path) -> list[Path]:
@@ -140,8 +151,7 @@ def plot_sweep(runs: list[dict[str, Any]], sweep: str, out_dir: Path) -> list[Pa
     ax.set(
         xlabel=f"{sweep} (mean PRR)",
         ylabel="final test accuracy (lossy inference)",
-        title=f"sweep: {sweep}; mean of {n} seeds, error bars ±1 std\n"
-        "at equal simulated training time or steps",
+        title=f"sweep: {sweep}; mean of {n} seeds, error bars ±1 std\n{_length_text(runs)}",
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
