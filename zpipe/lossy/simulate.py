@@ -76,6 +76,9 @@ class RunConfig:
     eval_points: int = 20
     test_repeats: int = 5
     pipelined: bool = True
+    #: lossy test passes averaged at each point of the curve (the final point
+    #: takes ``test_repeats``)
+    curve_test_repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATION_KINDS:
@@ -99,10 +102,12 @@ class RunConfig:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"hidden layer widths must be positive, got {self.hidden}")
-        if not 1 <= self.eval_points <= MAX_EVAL_POINTS or self.test_repeats < 1:
-            raise ConfigError(
-                f"eval_points must be in [1, {MAX_EVAL_POINTS}] and test_repeats >= 1"
-            )
+        if (
+            not 1 <= self.eval_points <= MAX_EVAL_POINTS
+            or self.test_repeats < 1
+            or self.curve_test_repeats < 1
+        ):
+            raise ConfigError(f"eval_points must be in [1, {MAX_EVAL_POINTS}], test repeats >= 1")
 
     @property
     def label(self) -> str:
@@ -266,7 +271,9 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
 
     def evaluate(at_slot: int) -> None:
         nonlocal eval_index, losses
-        acc, acc_clean = _test_accuracy(model, data, cfg.batch_size, eval_index, repeats=1)
+        acc, acc_clean = _test_accuracy(
+            model, data, cfg.batch_size, eval_index, repeats=cfg.curve_test_repeats
+        )
         eval_index += 1
         curve["time_s"].append(clock.time_at(at_slot))
         curve["data_done"].append(done)
