@@ -23,7 +23,10 @@ in-process simulation, and writes those runs' numbers (no plots)::
 
 Training length is either ``--steps`` mini-batches for every configuration or
 ``--budget-s`` seconds of simulated time, in which each allocation finishes as
-many mini-batches as its timeslot and pipeline allow (the paper's comparison).
+many mini-batches as its timeslot and pipeline allow (the paper's comparison);
+``--recovery rtx|ack`` copies and acknowledgements are charged on that clock
+(:mod:`zpipe.lossy.airtime`), so they fit fewer mini-batches. Counts, seeds
+and sizes are bounded (see ``--help``) so a typo is refused, not allocated.
 """
 
 from __future__ import annotations
