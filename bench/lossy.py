@@ -39,6 +39,17 @@ hybrid above vertical and horizontal under loss, hybrid without loss within
 paper has it surpassing naive; the signed difference is reported too). The
 experiment is not tuned to make it reproduce.
 
+Recovery costs airtime (:mod:`zpipe.lossy.airtime`): at equal time r-TX and
+ACK train on fewer mini-batches than no recovery; ``acc_rtx``/``acc_ack``
+and their transmission factors ``tx_factor_rtx``/``tx_factor_ack`` (paper:
+2.0 and 2.16) report that trade.
+
+Robustness grid (:mod:`bench.lossy_grid`): two data sets, depths 4-7,
+4/6/8 devices, two budgets, ``--seeds`` seeds:
+``hybrid_wins_share_vertical`` and ``hybrid_wins_share_horizontal`` with the
+per-cell table. Fig. 7: ``time_to_80pct_model_over_edgepipe`` (paper 2.47).
+``--no-grid`` / ``--no-fig7`` skip them.
+
 ``--multiprocess N`` adds one line: hybrid, seed 0, ``N`` mini-batches trained
 across real processes, on a local cluster of ordinary stages
 (:mod:`zpipe.client.lossy_run`), against the same run simulated in process: wall
@@ -46,9 +57,10 @@ times (the run on the stages, from ``lossy_go`` to the last stage's result, and 
 client's, from request to report), their ratio, and whether the two dropped the
 same messages and reached the same weights.
 
-Run: ``.venv/bin/python bench/lossy.py`` (about 2-4 minutes on 2 cores;
-``--quick`` for a smoke run of 2 seeds; ``--idx-dir DIR`` for Fashion-MNIST
-IDX files, much slower).
+Run: ``.venv/bin/python bench/lossy.py`` (10 seeds and the full grid: about
+an hour on 2 idle cores; ``--quick``: 2 seeds, a 16-cell grid of one seed
+and Fig. 7 on 2 seeds, a few minutes; ``--idx-dir DIR`` for Fashion-MNIST IDX
+files, much slower).
 """
 
 from __future__ import annotations
@@ -65,7 +77,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, summary
+from bench._common import emit, loadavg, summary
+from bench.lossy_grid import FULL_GRID, QUICK_GRID, fig7, grid_summary, run_grid
 from zpipe.lossy.data import Dataset, load_dataset
 from zpipe.lossy.experiment import single_threaded_blas
 from zpipe.lossy.links import Recovery
@@ -160,7 +173,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "propagation rate at equal simulated training time. Prints JSON lines and one summary.",
     )
     parser.add_argument("--seeds", type=int, default=10, help="seeds 0..N-1 (at least 5)")
-    parser.add_argument("--quick", action="store_true", help="2 seeds, 2 test repeats: a smoke run")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 seeds, 2 test repeats, a one-seed grid of 16 cells: a few minutes",
+    )
+    parser.add_argument("--no-grid", action="store_true", help="skip the robustness grid")
+    parser.add_argument("--no-fig7", action="store_true", help="skip Fig. 7 (time to 80 %%)")
     parser.add_argument("--devices", type=int, default=6)
     parser.add_argument("--region", type=float, default=50.0)
     parser.add_argument("--ack-attempts", type=int, default=4)
@@ -218,6 +237,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.multiprocess > 0:
         emit(multiprocess_line(replace(base, n_data=args.multiprocess, budget_s=None), data))
+
+    extra: dict[str, Any] = {}
+    with single_threaded_blas():
+        if not args.no_fig7 and not args.equal_steps:
+            extra.update(
+                fig7(
+                    data,
+                    budgets,
+                    n_devices=args.devices,
+                    region_m=args.region,
+                    factor=3.0,
+                    eval_points=30,
+                    emit=emit,
+                )
+            )
+        if not args.no_grid:
+            spec = QUICK_GRID if args.quick else replace(FULL_GRID, seeds=seeds)
+            rows = run_grid(spec, lambda cfg, d: naive_budget(cfg, d), emit)
+            extra.update(grid_summary(rows))
 
     out: dict[str, Any] = {}
     for name, runs in results.items():
@@ -292,6 +330,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         **{f"prop_{name}": out[name]["propagation_rate"] for name in out},
         tx_factor_hybrid_rtx=out["hybrid_rtx"]["tx_factor"],
         tx_factor_hybrid_ack=out["hybrid_ack"]["tx_factor"],
+        # at equal simulated time with every copy and acknowledgement on the clock
+        acc_rtx=acc["hybrid_rtx"],
+        acc_ack=acc["hybrid_ack"],
+        tx_factor_rtx=out["hybrid_rtx"]["tx_factor"],
+        tx_factor_ack=out["hybrid_ack"]["tx_factor"],
+        mini_batches_rtx_over_none=out["hybrid_rtx"]["mini_batches_mean"]
+        / out["hybrid"]["mini_batches_mean"],
+        mini_batches_ack_over_none=out["hybrid_ack"]["mini_batches_mean"]
+        / out["hybrid"]["mini_batches_mean"],
         mini_batches={name: out[name]["mini_batches_mean"] for name in out},
         mean_prr=out["hybrid"]["mean_prr"],
         budget_s_mean=None if args.equal_steps else statistics.fmean(budgets),
@@ -300,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         hybrid_lossless_minus_naive=acc["hybrid_lossless"] - acc["naive"],
         hybrid_lossless_within_2_points_abs=lossless_within_abs,
         ordering_reproduced=reproduced,
+        **extra,
+        load=loadavg(),
         note=note,
     )
     return 0

@@ -396,7 +396,7 @@ def test_keys_command_still_dispatches(tmp_path: Path) -> None:
 def test_lossy_device_sweep_is_capped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--out", str(tmp_path), "--sweep", "devices", "--sweep-values", "6,1e9"]
     assert exit_status(experiment.main, argv) == 2
-    assert "device counts must be positive integers up to 1024" in capsys.readouterr().err
+    assert "device counts must be positive integers up to 64" in capsys.readouterr().err
 
 
 def test_train_reaches_a_running_coordinator_and_saves(

@@ -3,6 +3,8 @@
 - ``digits``: scikit-learn's 8 x 8 handwritten digits (1797 images shipped
   inside the package), pixels scaled to [0, 1], a fixed stratified 80/20
   split so every run and seed sees the same test set;
+- ``generated``: a seeded synthetic 8-class set (:func:`load_generated_dataset`),
+  for checking that a result does not hold for digits alone;
 - Fashion-MNIST (or MNIST) from the four IDX files in a directory the user
   names (``train-images-idx3-ubyte`` etc., optionally ``.gz``).
 """
@@ -78,6 +80,46 @@ def load_digits_dataset(*, test_fraction: float = 0.2, split_seed: int = 0) -> D
     return Dataset("digits", x[~is_test], y[~is_test], x[is_test], y[is_test])
 
 
+def load_generated_dataset(
+    *,
+    n_classes: int = 8,
+    n_features: int = 32,
+    n_informative: int = 12,
+    per_class: int = 225,
+    separation: float = 1.2,
+    seed: int = 0,
+) -> Dataset:
+    """A synthetic classification set in the manner of scikit-learn's
+    ``make_classification``: two Gaussian clusters per class around vertices
+    of a hypercube in ``n_informative`` dimensions, the informative features
+    mixed by a random linear map, plus pure-noise features; standardised, and
+    split 80/20 per class. Fixed by ``seed``, so every run sees the same data."""
+    rng = np.random.default_rng([seed, 0x6E4])
+    n_clusters = 2 * n_classes
+    signs = rng.choice([-1.0, 1.0], size=(n_clusters, n_informative))
+    centres = separation * signs
+    per_cluster = per_class // 2
+    parts = []
+    labels = []
+    for k in range(n_clusters):
+        scale = rng.uniform(0.6, 1.4, size=n_informative)
+        parts.append(centres[k] + rng.normal(size=(per_cluster, n_informative)) * scale)
+        labels.append(np.full(per_cluster, k % n_classes, dtype=np.int64))
+    informative = np.vstack(parts) @ rng.normal(size=(n_informative, n_informative))
+    noise = rng.normal(size=(len(informative), n_features - n_informative))
+    x = np.hstack([informative, noise])
+    x = (x - x.mean(axis=0)) / x.std(axis=0)
+    y = np.concatenate(labels)
+    is_test = np.zeros(len(y), dtype=bool)
+    for label in range(n_classes):
+        idx = np.flatnonzero(y == label)
+        rng.shuffle(idx)
+        is_test[idx[: round(len(idx) * 0.2)]] = True
+    order = rng.permutation(len(y))
+    x, y, is_test = x[order], y[order], is_test[order]
+    return Dataset("generated", x[~is_test], y[~is_test], x[is_test], y[is_test])
+
+
 def load_idx_dataset(directory: str | Path, *, name: str = "fashion-mnist") -> Dataset:
     """MNIST-format IDX files from ``directory``; pixels scaled to [0, 1]."""
     root = Path(directory)
@@ -98,6 +140,8 @@ def load_dataset(name: str, *, idx_dir: str | Path | None = None) -> Dataset:
         return load_idx_dataset(idx_dir, name=name if name != "digits" else "fashion-mnist")
     if name == "digits":
         return load_digits_dataset()
+    if name == "generated":
+        return load_generated_dataset()
     raise ConfigError(
         f"data set {name!r} needs local IDX files: pass --idx-dir DIR (nothing is downloaded)"
     )

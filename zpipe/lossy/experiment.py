@@ -24,14 +24,16 @@ plots)::
 
 Training length is either ``--steps`` mini-batches for every configuration or
 ``--budget-s`` seconds of simulated time, in which each allocation finishes as
-many mini-batches as its timeslot and pipeline allow (the paper's comparison).
+many mini-batches as its timeslot and pipeline allow (the paper's comparison);
+``--recovery rtx|ack`` copies and acknowledgements are charged on that clock
+(:mod:`zpipe.lossy.airtime`), so they fit fewer mini-batches. Counts, seeds
+and sizes are bounded (see ``--help``) so a typo is refused, not allocated.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -54,13 +56,24 @@ from zpipe.lossy.linkmodes import WAIT_MODES
 from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
 from zpipe.lossy.partition import ALLOCATION_KINDS
 from zpipe.lossy.radio import RadioModel
-from zpipe.lossy.simulate import RunConfig, run_training
+from zpipe.lossy.results_json import dumps_strict, write_results
+from zpipe.lossy.simulate import (
+    MAX_DATA,
+    MAX_DEVICES,
+    MAX_EVAL_POINTS,
+    RunConfig,
+    run_training,
+)
 
 SWEEPS = ("exponent", "devices", "region")
-# Far above what the experiment is for (EdgePipe's: 6 devices, 128 neurons wide),
-# far below what would exhaust memory while placing devices or building layers.
-MAX_DEVICES = 1024
+# Far above what the experiment is for (EdgePipe's: 6 devices, 128 neurons wide,
+# 5 seeds), far below what would exhaust memory or run for days.
 MAX_WIDTH = 1 << 16
+MAX_HIDDEN_LAYERS = 64
+MAX_SEEDS = 10_000
+MAX_SEED = (1 << 32) - 1
+MAX_REPEATS = 1000
+MAX_COPIES = 16
 DEFAULT_STEPS = 400
 
 
@@ -108,12 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--region", type=positive_float, default=50.0, help="side of the square region, m"
     )
-    p.add_argument("--seeds", type=positive_int, default=5, help="seeds 0..N-1 (default 5)")
-    p.add_argument("--seed-base", type=non_negative_int, default=0, help="first seed (default 0)")
+    p.add_argument(
+        "--seeds",
+        type=at_most(positive_int, MAX_SEEDS, "seeds"),
+        default=5,
+        help="seeds 0..N-1 (default 5)",
+    )
+    p.add_argument(
+        "--seed-base",
+        type=at_most(non_negative_int, MAX_SEED, "a 32-bit seed"),
+        default=0,
+        help="first seed (default 0)",
+    )
     p.add_argument("--out", type=Path, required=True, help="directory for results and plots")
     length = p.add_mutually_exclusive_group()
     length.add_argument(
-        "--steps", type=positive_int, help=f"mini-batches per run (default {DEFAULT_STEPS})"
+        "--steps",
+        type=at_most(positive_int, MAX_DATA, "mini-batches"),
+        help=f"mini-batches per run (default {DEFAULT_STEPS})",
     )
     length.add_argument(
         "--budget-s",
@@ -122,8 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lossless", action="store_true", help="deliver every message")
     p.add_argument("--recovery", choices=RECOVERY_SCHEMES, default="none")
-    p.add_argument("--rtx-copies", type=positive_int, default=2)
-    p.add_argument("--ack-attempts", type=positive_int, default=4, help="ACK deadline in sends")
+    p.add_argument("--rtx-copies", type=at_most(positive_int, MAX_COPIES, "copies"), default=2)
+    p.add_argument(
+        "--ack-attempts",
+        type=at_most(positive_int, MAX_COPIES, "sends"),
+        default=4,
+        help="ACK deadline in sends",
+    )
     p.add_argument("--mapping", choices=("genetic", "exhaustive", "random"), default="genetic")
     p.add_argument("--path-loss-exponent", type=positive_float, default=3.1)
     p.add_argument(
@@ -132,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sweep-values", type=_list_of(positive_float), help="comma-separated sweep values"
     )
-    p.add_argument("--dataset", default="digits", help="digits (built in) or a name for --idx-dir")
+    p.add_argument(
+        "--dataset",
+        default="digits",
+        help="digits or generated (built in), or a name for --idx-dir",
+    )
     p.add_argument(
         "--idx-dir", type=Path, help="directory of MNIST-format IDX files (e.g. Fashion-MNIST)"
     )
@@ -146,8 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lr", type=positive_float, default=0.01)
     p.add_argument("--batch-size", type=positive_int, default=100)
-    p.add_argument("--eval-points", type=positive_int, default=20)
-    p.add_argument("--test-repeats", type=positive_int, default=5)
+    p.add_argument(
+        "--eval-points", type=at_most(positive_int, MAX_EVAL_POINTS, "test passes"), default=20
+    )
+    p.add_argument(
+        "--test-repeats", type=at_most(positive_int, MAX_REPEATS, "test passes"), default=5
+    )
     p.add_argument("--no-plots", action="store_true", help="write only results.json")
     mp = p.add_argument_group("multi-process runs")
     mp.add_argument(
@@ -192,6 +230,10 @@ def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float |
     """Every (config, sweep value) the arguments ask for."""
     if (args.sweep is None) != (args.sweep_values is None):
         raise ConfigError("--sweep and --sweep-values go together")
+    if len(args.hidden) > MAX_HIDDEN_LAYERS:
+        raise ConfigError(f"at most {MAX_HIDDEN_LAYERS} hidden layers, got {len(args.hidden)}")
+    if args.seed_base + args.seeds - 1 > MAX_SEED:
+        raise ConfigError(f"seeds must stay below 2^32: --seed-base + --seeds - 1 > {MAX_SEED}")
     steps = args.steps if args.steps is not None or args.budget_s is not None else DEFAULT_STEPS
     base = RunConfig(
         n_devices=args.devices,
@@ -276,20 +318,27 @@ def _main_on_stages(
     except ZpipeError as exc:  # a cluster that is not there, a run that failed
         print(f"python -m zpipe lossy: error: {exc}", file=sys.stderr)
         return 1
-    results = args.out / "results.json"
-    results.write_text(
-        json.dumps({"argv": list(sys.argv[1:] if argv is None else argv), "runs": rows})
+    results = write_results(
+        args.out / "results.json",
+        {"argv": list(sys.argv[1:] if argv is None else argv), "runs": rows},
     )
     for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k not in ("config", "traffic")}))
+        print(dumps_strict({k: v for k, v in row.items() if k not in ("config", "traffic")}))
     print(f"wrote {results}", file=sys.stderr)
     return 0 if all(row["matches_simulation"] for row in rows) else 1
+
+
+def check_out_dir(out: Path) -> None:
+    """``--out`` must be a directory or not exist yet (it is created)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory; name a directory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_out_dir(args.out)
         configs = configs_from_args(args)
         data = load_dataset(args.dataset, idx_dir=args.idx_dir)
         if args.limit_train is not None:
@@ -334,17 +383,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "runs": runs,
     }
-    results = args.out / "results.json"
-    results.write_text(json.dumps(payload, indent=1))
-    written = [results]
+    written = [write_results(args.out / "results.json", payload, indent=1)]
     if not args.no_plots:
         from zpipe.lossy.plots import plot_sweep, plot_training
 
-        written += plot_training(runs, args.out)
+        written += plot_training(runs, args.out, sweep=args.sweep)
         if args.sweep is not None:
             written += plot_sweep(runs, args.sweep, args.out)
     for row in summary:
-        print(json.dumps(row))
+        print(dumps_strict(row))
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 

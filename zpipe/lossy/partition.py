@@ -35,7 +35,14 @@ inputs (none changes the paper's worked example):
 
 - line 6's ``rounding(N / L * len)`` can give more or fewer devices than
   exist (10 devices over 6 layers: 2+2+2+2+3 = 11); we apportion by largest
-  remainder, at least one device per group, so the counts always sum to N;
+  remainder, so the counts always sum to N;
+- hybrid gives every group at least two devices: equation 1 makes
+  ``floor(N / 2)`` groups precisely so that "at least two devices [are] in
+  charge of [a] single layer" (section VI-A), but line 6's proportional
+  share gives 8 devices over 6 layers ``[1, 1, 3, 3]``, leaving the input and
+  first hidden layers each on one device (a vertical allocation's single
+  point of failure, which cost hybrid about 20 points of accuracy); the
+  stated aim wins, ``[2, 2, 2, 2]``;
 - ``task-division(n, n / n_devices)`` with a non-integer chunk size leaves a
   tiny remainder chunk; we cut into ``n_devices`` ranges whose sizes differ by
   at most one (the paper's stated aim is "task balancing");
@@ -242,7 +249,9 @@ def partition_hybrid(layer_sizes: Sequence[int], n_devices: int) -> Allocation:
     lengths = [per_group] * n_groups
     for w in range(n_groups - extra, n_groups):
         lengths[w] += 1
-    return _build("hybrid", sizes, _contiguous(lengths), n_devices)
+    # at least two devices per group whenever there are enough (see the module docstring)
+    pairs = 2 if n_devices >= 2 * n_groups else 1
+    return _build("hybrid", sizes, _contiguous(lengths), n_devices, min_share=pairs)
 
 
 def partition_vertical(layer_sizes: Sequence[int], n_devices: int) -> Allocation:
@@ -313,19 +322,22 @@ def split_range(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def apportion(weights: Sequence[int], total: int) -> list[int]:
-    """Largest-remainder shares of ``total`` in proportion to ``weights``, each >= 1."""
-    if total < len(weights):
-        raise ConfigError(f"{total} devices cannot cover {len(weights)} layer groups")
+def apportion(weights: Sequence[int], total: int, *, min_share: int = 1) -> list[int]:
+    """Largest-remainder shares of ``total`` in proportion to ``weights``, each
+    at least ``min_share``."""
+    if total < min_share * len(weights):
+        raise ConfigError(
+            f"{total} devices cannot give {len(weights)} layer groups {min_share} each"
+        )
     wsum = sum(weights)
     exact = [total * w / wsum for w in weights]
-    shares = [max(1, int(x)) for x in exact]
+    shares = [max(min_share, int(x)) for x in exact]
     # Hand out (or take back) single devices by how far each share is from exact.
     while sum(shares) < total:
         k = max(range(len(shares)), key=lambda i: (exact[i] - shares[i], -i))
         shares[k] += 1
     while sum(shares) > total:
-        candidates = [i for i in range(len(shares)) if shares[i] > 1]
+        candidates = [i for i in range(len(shares)) if shares[i] > min_share]
         k = max(candidates, key=lambda i: (shares[i] - exact[i], i))
         shares[k] -= 1
     return shares
@@ -341,9 +353,14 @@ def _contiguous(lengths: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 def _build(
-    kind: str, sizes: tuple[int, ...], groups: list[tuple[int, ...]], n_devices: int
+    kind: str,
+    sizes: tuple[int, ...],
+    groups: list[tuple[int, ...]],
+    n_devices: int,
+    *,
+    min_share: int = 1,
 ) -> Allocation:
-    devices = apportion([len(g) for g in groups], n_devices)
+    devices = apportion([len(g) for g in groups], n_devices, min_share=min_share)
     super_neurons: list[SuperNeuron] = []
     for w, (group, n_dev) in enumerate(zip(groups, devices, strict=True)):
         narrowest = min(sizes[layer] for layer in group)

@@ -100,19 +100,27 @@ def theorem1_timeslots(n_layers: int, max_layers: int, n_data: int, *, horizonta
     return 2 * n_layers + 2 * max_layers * (n_data - 1) - n_cut
 
 
+def sequential_period(alloc: Allocation) -> int:
+    """Model parallelism without pipelining (Fig. 7's *Model*): a mini-batch's
+    ``2L - 1`` passes finish before the next one starts."""
+    return 2 * alloc.n_layers - 1
+
+
 def data_within(alloc: Allocation, timeslot_s: float, budget_s: float) -> int:
-    """How many mini-batches finish within ``budget_s`` (at least one)."""
-    slots = int(budget_s // timeslot_s)
+    """How many mini-batches finish within ``budget_s`` (at least one); a budget
+    of exactly ``N`` mini-batches' time gives ``N`` despite float rounding."""
+    slots = int(budget_s * (1.0 + 1e-9) // timeslot_s)
     first = 2 * alloc.n_layers - 1
     if slots < first:
         return 1
     return 1 + (slots - first) // pipeline_period(alloc)
 
 
-def events(alloc: Allocation, n_data: int) -> Iterator[PassEvent]:
-    """Every pass of ``n_data`` mini-batches, in timeslot order."""
+def events(alloc: Allocation, n_data: int, *, period: int | None = None) -> Iterator[PassEvent]:
+    """Every pass of ``n_data`` mini-batches, in timeslot order (``period``: the
+    pipeline's, or :func:`sequential_period` for no pipelining)."""
     n_layers = alloc.n_layers
-    period = pipeline_period(alloc)
+    period = pipeline_period(alloc) if period is None else period
     kinds: list[tuple[PassKind, int]] = [("F", layer) for layer in range(n_layers)]
     kinds += [("B", layer) for layer in range(n_layers - 1, 0, -1)]
     out = [
@@ -161,6 +169,16 @@ def worst_forward_macs(alloc: Allocation) -> int:
         for layer in range(1, alloc.n_layers)
         for _, sl in alloc.owners(layer)
     )
+
+
+def compute_margin_ms(alloc: Allocation, *, ms_per_mac: float = PI2_MS_PER_MAC) -> float:
+    """The part of a timeslot that is not on the air: worst compute + margin."""
+    return worst_forward_macs(alloc) * ms_per_mac + MARGIN_MS
+
+
+def message_airtime_ms(alloc: Allocation, *, link_bits_per_s: float = LINK_BITS_PER_S) -> float:
+    """Equation 4: airtime of the largest message, one transmission."""
+    return max_message_values(alloc) * BITS_PER_VALUE / link_bits_per_s * 1000.0
 
 
 def timeslot_ms(

@@ -9,6 +9,14 @@ twin, :class:`zpipe.lossy.torch_partial.TorchDeviceShard`) and carries them over
 ZeroMQ (:mod:`zpipe.stage.lossy_passes`). Sharing these passes is what makes the
 two compute the same numbers.
 
+A lost forward partial is null-filled, so the receiver's output did not depend
+on the sender's values for that mini-batch: the gradient partial the receiver
+sends back to that sender is zero (:func:`gradient_partials`). Sending it the
+gradient taken at the null-filled zeros instead credits the sender's weights
+with an output nobody used; in vertical allocations, where one lost message
+blanks a whole layer, that spurious gradient never shrinks as training
+converges and drove lossy runs to divergence.
+
 Message keys: a partial is filed at its receiver under ``(data, kind, layer)``
 where ``kind`` is ``"F"`` (forward input of layer ``layer + 1``), ``"S"``
 (output-layer sharing) or ``"B"`` (the gradient of layer ``layer``'s outputs);
@@ -167,6 +175,8 @@ class DeviceShard:
             layer: (w.copy(), b.copy()) for layer, (w, b) in weights.items()
         }
         self.stash: dict[tuple[int, int], tuple[FloatArray, FloatArray, FloatArray]] = {}
+        #: senders whose forward partial arrived, by (data, layer): who gets a gradient
+        self.arrived: dict[tuple[int, int], frozenset[int]] = {}
         self.record_grads = record_grads
         self.grads: dict[int, tuple[FloatArray, FloatArray]] = {}
 
@@ -201,6 +211,7 @@ class DeviceShard:
             z, out = slice_forward(x_view, w, b, relu=layer < topo.last)
             if train:
                 self.stash[(data, layer)] = (x_view, w, z)
+                self.arrived[(data, layer)] = arrived_senders(topo, layer, got)
         if layer < topo.last:
             kind = "F"
             direction = Direction.FORWARD if train else Direction.TEST_FORWARD
@@ -232,6 +243,7 @@ class DeviceShard:
         sl = self.slices[layer]
         batch = len(labels)
         x_view, w_used, z = self.stash.pop((data, layer))
+        arrived = self.arrived.pop((data, layer), frozenset())
         loss: float | None = None
         if layer == topo.last:
             logits = self.logits_view(batch, got)
@@ -247,17 +259,7 @@ class DeviceShard:
             self.grads[layer] = (dw, db)
         out: list[Outgoing] = []
         if layer >= 2:  # the input layer needs no gradient
-            out = [
-                Outgoing(
-                    dst,
-                    "B",
-                    layer - 1,
-                    layer,
-                    Direction.BACKWARD,
-                    dx[:, dst_sl.start : dst_sl.stop],
-                )
-                for dst, dst_sl in topo.owners[layer - 1]
-            ]
+            out = gradient_partials(topo, layer, dx, arrived)
         w, b = self.weights[layer]
         self.weights[layer] = (w - self.lr * dw, b - self.lr * db)
         return out, loss
@@ -265,6 +267,33 @@ class DeviceShard:
     def forget(self, data: int) -> None:
         for key in [k for k in self.stash if k[0] == data]:
             del self.stash[key]
+            self.arrived.pop(key, None)
+
+
+def arrived_senders(topology: Topology, layer: int, got: Partials) -> frozenset[int]:
+    """The owners of ``layer - 1`` whose forward partial reached this pass."""
+    return frozenset(src for src, _ in topology.owners[layer - 1] if src in got)
+
+
+def gradient_partials(
+    topology: Topology, layer: int, dx: FloatArray, arrived: frozenset[int]
+) -> list[Outgoing]:
+    """The backward messages of ``layer`` (``>= 2``): each owner of ``layer - 1``
+    gets its columns of ``dL/dx``, or zeros when its forward partial was lost
+    (the null-filled input did not depend on it)."""
+    return [
+        Outgoing(
+            dst,
+            "B",
+            layer - 1,
+            layer,
+            Direction.BACKWARD,
+            dx[:, dst_sl.start : dst_sl.stop]
+            if dst in arrived
+            else np.zeros((dx.shape[0], dst_sl.width)),
+        )
+        for dst, dst_sl in topology.owners[layer - 1]
+    ]
 
 
 def count_received(got: Partials, senders: Sequence[tuple[int, NeuronSlice]]) -> int:

@@ -14,14 +14,20 @@ Runs of different allocations with the same seed therefore share devices,
 links, initial weights and data order, so their differences are the
 allocation's.
 
-Training time is simulated: timeslots times the timeslot duration of
-:func:`zpipe.lossy.schedule.timeslot_ms`. A run gets either a number of
-mini-batches or a time budget, from which the number of mini-batches its
-pipeline finishes follows (Table III's comparison at equal time).
+Training time is simulated: the sum of the timeslots' durations, each the
+timeslot of :func:`zpipe.lossy.schedule.timeslot_ms` plus the airtime of the
+extra copies and acknowledgements a recovery scheme sent in it
+(:mod:`zpipe.lossy.airtime`). A run gets either a number of mini-batches or a
+time budget, from which the number of mini-batches its pipeline finishes
+follows (Table III's comparison at equal time): at equal time a scheme that
+retransmits trains on fewer mini-batches. ``pipelined=False`` runs the same
+allocation without pipelining (Fig. 7's *Model*: one mini-batch at a time).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from zpipe._errors import ConfigError
+from zpipe.lossy.airtime import LinkCosts, SlotClock, data_within_budget, plan_clock
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel, PartitionedMLP
 from zpipe.lossy.links import Recovery
@@ -36,13 +43,17 @@ from zpipe.lossy.mapping import connectivity, map_devices, mapping_score
 from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.partition import ALLOCATION_KINDS, Allocation, partition
 from zpipe.lossy.radio import LinkTopology, RadioModel, make_topology, mean_offdiagonal
-from zpipe.lossy.schedule import (
-    data_within,
-    events,
-    pipeline_period,
-    timeslot_ms,
-    total_timeslots,
-)
+from zpipe.lossy.schedule import events, pipeline_period, sequential_period, timeslot_ms
+
+#: The most mini-batches a run may train (each keeps its rows until it starts, so
+#: a typo'd budget or step count would otherwise allocate gigabytes).
+MAX_DATA = 200_000
+#: The most evaluation points along a run (each one is a full test pass).
+MAX_EVAL_POINTS = 10_000
+#: The most devices (the paper uses 2-10; the link model holds an n x n x 60 array).
+MAX_DEVICES = 64
+#: The most weights of the whole network (80 MB of float64).
+MAX_PARAMETERS = 10_000_000
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,10 @@ class RunConfig:
     radio: RadioModel = field(default_factory=RadioModel)
     eval_points: int = 20
     test_repeats: int = 5
+    pipelined: bool = True
+    #: lossy test passes averaged at each point of the curve (the final point
+    #: takes ``test_repeats``)
+    curve_test_repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATION_KINDS:
@@ -71,20 +86,28 @@ class RunConfig:
             raise ConfigError(f"unknown allocation {self.allocation!r}; choose one of {choices}")
         if (self.n_data is None) == (self.budget_s is None):
             raise ConfigError("give exactly one of n_data (mini-batches) and budget_s (seconds)")
-        if self.n_data is not None and self.n_data < 1:
-            raise ConfigError(f"n_data must be >= 1, got {self.n_data}")
-        if self.budget_s is not None and not self.budget_s > 0:
-            raise ConfigError(f"budget_s must be positive, got {self.budget_s}")
-        if self.n_devices < 1:
-            raise ConfigError(f"n_devices must be >= 1, got {self.n_devices}")
-        if not self.lr > 0:
+        if self.n_data is not None and not 1 <= self.n_data <= MAX_DATA:
+            raise ConfigError(f"n_data must be in [1, {MAX_DATA}], got {self.n_data}")
+        if self.budget_s is not None and not (self.budget_s > 0 and math.isfinite(self.budget_s)):
+            raise ConfigError(f"budget_s must be a positive finite number, got {self.budget_s}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if not (self.region_m > 0 and math.isfinite(self.region_m)):
+            raise ConfigError(f"region must be a positive finite side in m, got {self.region_m}")
+        if not 1 <= self.n_devices <= MAX_DEVICES:
+            raise ConfigError(f"n_devices must be in [1, {MAX_DEVICES}], got {self.n_devices}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"learning rate must be positive, got {self.lr}")
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"hidden layer widths must be positive, got {self.hidden}")
-        if self.eval_points < 1 or self.test_repeats < 1:
-            raise ConfigError("eval_points and test_repeats must be >= 1")
+        if (
+            not 1 <= self.eval_points <= MAX_EVAL_POINTS
+            or self.test_repeats < 1
+            or self.curve_test_repeats < 1
+        ):
+            raise ConfigError(f"eval_points must be in [1, {MAX_EVAL_POINTS}], test repeats >= 1")
 
     @property
     def label(self) -> str:
@@ -95,6 +118,8 @@ class RunConfig:
             parts.append("lossless")
         if self.recovery.scheme != "none":
             parts.append(self.recovery.scheme)
+        if not self.pipelined:
+            parts.append("nopipe")
         return "_".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -136,10 +161,19 @@ class PreparedRun:
     topology: LinkTopology
     alloc: Allocation
     n_data: int
+    #: the timeslot with one transmission (compute + eq. 4 airtime + margin)
     slot_s: float
     params: list[tuple[np.ndarray, np.ndarray]]
     #: training-set rows of mini-batch ``i`` (1-based data id) at index ``i - 1``
     batch_rows: list[np.ndarray]
+    #: timeslots between mini-batches (the pipeline's, or 2L - 1 without pipelining)
+    period: int = 0
+    #: every timeslot's duration, recovery airtime charged (None: ``slot_s`` each)
+    clock: SlotClock | None = None
+
+    def __post_init__(self) -> None:
+        if self.period == 0:
+            object.__setattr__(self, "period", pipeline_period(self.alloc))
 
     @property
     def lossless(self) -> bool:
@@ -156,14 +190,22 @@ def prepare_run(
     """Place, partition, map, initialise and order the data of one run
     (``measured``: map on these reception ratios instead of the simulated probes)."""
     layer_sizes = [data.n_features, *cfg.hidden, data.n_classes]
+    n_weights = sum(a * b for a, b in itertools.pairwise(layer_sizes))
+    if n_weights > MAX_PARAMETERS:
+        raise ConfigError(
+            f"layers {layer_sizes} hold {n_weights} weights, more than {MAX_PARAMETERS}; "
+            "use narrower or fewer hidden layers"
+        )
     topology = make_topology(max(cfg.n_devices, 1), cfg.region_m, seed=cfg.seed, model=cfg.radio)
     alloc = build_allocation(cfg, layer_sizes, topology, measured)
     slot_s = timeslot_ms(alloc) / 1000.0
+    period = pipeline_period(alloc) if cfg.pipelined else sequential_period(alloc)
+    links = link_costs(cfg, topology)
     if cfg.n_data is not None:
         n_data = cfg.n_data
     else:
         assert cfg.budget_s is not None
-        n_data = data_within(alloc, slot_s, cfg.budget_s)
+        n_data = data_within_budget(alloc, links, cfg.budget_s, period=period, max_data=MAX_DATA)
     stream = _BatchStream(data, cfg.batch_size, seed=cfg.seed)
     return PreparedRun(
         config=cfg,
@@ -174,6 +216,19 @@ def prepare_run(
         slot_s=slot_s,
         params=init_mlp(layer_sizes, seed=cfg.seed),
         batch_rows=[stream.next_rows() for _ in range(n_data)],
+        period=period,
+        clock=plan_clock(alloc, links, n_data, period=period),
+    )
+
+
+def link_costs(cfg: RunConfig, topology: LinkTopology) -> LinkCosts:
+    """What decides a run's transmissions: the same links, seed and scheme as its
+    :class:`~zpipe.lossy.engine.LinkChannel` (naive: nothing crosses a link)."""
+    return LinkCosts(
+        prr=topology.prr,
+        seed=cfg.seed,
+        recovery=cfg.recovery,
+        lossless=cfg.lossless or cfg.allocation == "naive",
     )
 
 
@@ -185,6 +240,9 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
     topology = prepared.topology
     alloc = prepared.alloc
     slot_s = prepared.slot_s
+    clock = prepared.clock or plan_clock(
+        alloc, link_costs(cfg, topology), prepared.n_data, period=prepared.period
+    )
     n_data = prepared.n_data
     channel = LinkChannel(
         prr=topology.prr,
@@ -193,7 +251,7 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
         lossless=prepared.lossless,
     )
     model = PartitionedMLP(alloc, prepared.params, channel, lr=cfg.lr)
-    n_slots = total_timeslots(alloc, n_data)
+    n_slots = clock.n_slots
     eval_slots = sorted(
         {round(n_slots * k / cfg.eval_points) for k in range(1, cfg.eval_points + 1)}
     )
@@ -213,9 +271,11 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
 
     def evaluate(at_slot: int) -> None:
         nonlocal eval_index, losses
-        acc, acc_clean = _test_accuracy(model, data, cfg.batch_size, eval_index, repeats=1)
+        acc, acc_clean = _test_accuracy(
+            model, data, cfg.batch_size, eval_index, repeats=cfg.curve_test_repeats
+        )
         eval_index += 1
-        curve["time_s"].append(at_slot * slot_s)
+        curve["time_s"].append(clock.time_at(at_slot))
         curve["data_done"].append(done)
         curve["train_loss"].append(float(np.mean(losses)) if losses else float("nan"))
         curve["test_acc"].append(acc)
@@ -223,7 +283,7 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
         losses = []
 
     last_layer = alloc.n_layers - 1
-    for ev in events(alloc, n_data):
+    for ev in events(alloc, n_data, period=prepared.period):
         while next_eval < len(eval_slots) - 1 and ev.timeslot >= eval_slots[next_eval]:
             evaluate(eval_slots[next_eval])
             next_eval += 1
@@ -241,7 +301,7 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
     final_acc, final_clean = _test_accuracy(
         model, data, cfg.batch_size, eval_index, repeats=cfg.test_repeats
     )
-    curve["time_s"].append(n_slots * slot_s)
+    curve["time_s"].append(clock.total_s)
     curve["data_done"].append(done)
     curve["train_loss"].append(float(np.mean(losses)) if losses else float("nan"))
     curve["test_acc"].append(final_acc)
@@ -259,10 +319,11 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
         if alloc.n_devices > 1
         else 0.0,
         "timeslot_ms": slot_s * 1000.0,
-        "pipeline_period": pipeline_period(alloc),
+        "pipeline_period": prepared.period,
         "timeslots": n_slots,
         "n_data": n_data,
-        "train_time_s": n_slots * slot_s,
+        "train_time_s": clock.total_s,
+        "airtime_s": clock.airtime_s,
         "curve": curve,
         "final_test_acc": final_acc,
         "final_test_acc_lossless": final_clean,

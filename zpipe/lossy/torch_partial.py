@@ -35,7 +35,14 @@ from zpipe._errors import ConfigError
 from zpipe.lossy.links import Direction
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import NeuronSlice
-from zpipe.lossy.shard import IntArray, Outgoing, Partials, Topology
+from zpipe.lossy.shard import (
+    IntArray,
+    Outgoing,
+    Partials,
+    Topology,
+    arrived_senders,
+    gradient_partials,
+)
 
 DTYPE = torch.float64
 
@@ -174,6 +181,8 @@ class TorchDeviceShard:
                 start=self.slices[layer].start,
             )
         self.stash: dict[tuple[int, int], _Stashed] = {}
+        #: senders whose forward partial arrived (as ``DeviceShard.arrived``)
+        self.arrived: dict[tuple[int, int], frozenset[int]] = {}
         self.record_grads = record_grads
         self.grads: dict[int, tuple[FloatArray, FloatArray]] = {}
 
@@ -225,6 +234,7 @@ class TorchDeviceShard:
             h = torch.relu(z) if module.relu else z
             if train:
                 self.stash[(data, layer)] = _Stashed(x_view, weight, z)
+                self.arrived[(data, layer)] = arrived_senders(topo, layer, got)
             out = h.numpy()
         if layer < topo.last:
             kind = "F"
@@ -255,6 +265,7 @@ class TorchDeviceShard:
         sl = self.slices[layer]
         batch = len(labels)
         stashed = self.stash.pop((data, layer))
+        arrived = self.arrived.pop((data, layer), frozenset())
         loss: float | None = None
         if layer == topo.last:
             logits = self._logits(batch, got)
@@ -274,18 +285,7 @@ class TorchDeviceShard:
             self.grads[layer] = (dw.numpy().copy(), db.numpy().copy())
         out: list[Outgoing] = []
         if layer >= 2:  # the input layer needs no gradient
-            dx = (delta @ stashed.weight).numpy()
-            out = [
-                Outgoing(
-                    dst,
-                    "B",
-                    layer - 1,
-                    layer,
-                    Direction.BACKWARD,
-                    dx[:, dst_sl.start : dst_sl.stop],
-                )
-                for dst, dst_sl in topo.owners[layer - 1]
-            ]
+            out = gradient_partials(topo, layer, (delta @ stashed.weight).numpy(), arrived)
         module = self.module(layer)
         # out of place, as the numpy shard does: a stashed tensor never aliases these
         module.weight.data = module.weight.data - self.lr * dw
@@ -295,3 +295,4 @@ class TorchDeviceShard:
     def forget(self, data: int) -> None:
         for key in [k for k in self.stash if k[0] == data]:
             del self.stash[key]
+            self.arrived.pop(key, None)

@@ -102,7 +102,7 @@ def train_in_process(
     )
     losses: dict[int, float] = {}
     last = prepared.alloc.n_layers - 1
-    for ev in events(prepared.alloc, prepared.n_data):
+    for ev in events(prepared.alloc, prepared.n_data, period=prepared.period):
         x, y = prepared.batch(data, ev.data)
         if ev.kind == "F":
             model.forward(ev.data, ev.layer, x)
