@@ -1,0 +1,158 @@
+"""Live re-partitioning of asynchronous runs (FTPipeHD III-D, III-F): pure parts.
+
+The decision (capacities from measured times, eq. 5 / eq. 7, a gain threshold,
+checks after ``first`` and then every ``every`` batches) is fed events; moving a
+flushed pipeline's units between stages must not change what it computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.training.async_reference import AsyncSettings, train_async_reference
+from zpipe.training.async_regroup import (
+    needed_versions,
+    unit_state_from_tensors,
+    unit_state_tensors,
+)
+from zpipe.training.async_schedule import async_global_order, async_stage_actions
+from zpipe.training.async_stage import AsyncStageCompute
+
+SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 20, 4], "activation": "gelu"}, seed=5)
+ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+def make_batches(count: int, size: int = 4, *, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 12, generator=g), torch.randint(0, 4, (size,), generator=g))
+            for _ in range(count)]  # fmt: skip
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-6) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=rtol, atol=1e-7) for k in a)
+
+
+# ---------------------------------------------------------------- schedule after a flush
+
+
+def test_the_list_after_a_flush_warms_up_again_from_its_first_batch() -> None:
+    actions = [str(a) for a in async_stage_actions(0, 3, 9, first_batch=5)]
+    assert actions[:6] == ["F5", "F6", "F7", "B5", "STEP", "F8"]
+    assert async_stage_actions(1, 3, 5, first_batch=5) == []
+    # aggregation keeps counting backwards from the run's start: before B6 (every 3)
+    agg = [str(a) for a in async_stage_actions(0, 3, 12, aggregate_every=3, first_batch=5)]
+    assert agg.index("AGG") == agg.index("B6") - 1
+    order = async_global_order(3, 9, first_batch=5)
+    assert {a.batch for _, a in order if a.kind == "B"} == {5, 6, 7, 8}
+    with pytest.raises(ConfigError):
+        async_stage_actions(0, 3, 9, first_batch=-1)
+
+
+# ---------------------------------------------------------------- exactness in one process
+
+
+@pytest.mark.parametrize("optimizer", [ADAM, SGD], ids=["adam", "sgd"])
+def test_moving_units_at_a_flush_changes_nothing_with_vertical_sync(optimizer: dict) -> None:
+    batches = make_batches(14, seed=1)
+    plain = train_async_reference(SPEC, batches, bounds=[0, 1, 2, 5], optimizer=optimizer)
+    moved = train_async_reference(
+        SPEC,
+        batches,
+        bounds=[0, 1, 2, 5],
+        optimizer=optimizer,
+        repartitions={4: [0, 3, 4, 5], 9: [0, 2, 3, 5]},
+    )
+    # the flushes change the order things run in, never a batch's version
+    assert moved.forward_versions[0] == plain.forward_versions[0]
+    assert torch.allclose(torch.tensor(moved.losses), torch.tensor(plain.losses), rtol=1e-6)
+    assert close(moved.state_dict, plain.state_dict)
+
+
+def test_with_aggregation_a_moved_unit_follows_its_new_stage() -> None:
+    batches = make_batches(14, seed=2)
+    settings = AsyncSettings(aggregate=True)
+    plain = train_async_reference(
+        SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM, settings=settings
+    )
+    moved = train_async_reference(
+        SPEC,
+        batches,
+        bounds=[0, 1, 2, 5],
+        optimizer=ADAM,
+        settings=settings,
+        repartitions={5: [0, 3, 4, 5]},
+    )
+    # unit 2 moved from the last stage (no aggregation) to the first (3 versions)
+    assert moved.losses[:6] == plain.losses[:6]
+    assert not close(moved.state_dict, plain.state_dict)
+
+
+def test_a_repartition_needs_vertical_sync_and_a_batch_inside_the_run() -> None:
+    batches = make_batches(6)
+    with pytest.raises(ConfigError, match="vertical sync"):
+        train_async_reference(
+            SPEC,
+            batches,
+            bounds=[0, 2, 5],
+            optimizer=SGD,
+            settings=AsyncSettings(vertical_sync=False),
+            repartitions={3: [0, 3, 5]},
+        )
+    with pytest.raises(ConfigError, match="outside"):
+        train_async_reference(
+            SPEC, batches, bounds=[0, 2, 5], optimizer=SGD, repartitions={6: [0, 3, 5]}
+        )
+
+
+# ---------------------------------------------------------------- a unit's state on the wire
+
+
+def trained_stage(batches: int) -> AsyncStageCompute:
+    units = load_layer_sequence(SPEC).build_units(0, 2)
+    compute = AsyncStageCompute(units, first=True, last=False, loss="cross_entropy", optimizer=ADAM)
+    for b, (x, _) in enumerate(make_batches(batches)):
+        out, _ = compute.forward(b, compute.updates, (x,))
+        compute.backward(b, tuple(torch.ones_like(t) for t in out))
+        compute.step(b)
+    return compute
+
+
+def test_a_unit_state_crosses_as_named_tensors_and_trains_on_identically() -> None:
+    compute = trained_stage(4)
+    states = compute.export_units()
+    fresh = load_layer_sequence(SPEC).build_units(0, 2)
+    moved = [
+        unit_state_from_tensors(m, unit_state_tensors(s, needed_versions(4, 3)))
+        for m, s in zip(fresh, states, strict=True)
+    ]
+    copy = AsyncStageCompute.adopt(
+        moved, updates=4, first=True, last=False, loss="cross_entropy", optimizer=ADAM
+    )
+    assert copy.versions_kept == [2, 3, 4]
+    x = make_batches(1, seed=9)[0][0]
+    for c in (compute, copy):
+        out, _ = c.forward(4, 2, (x,))
+        c.backward(4, tuple(torch.ones_like(t) for t in out))
+        c.step(4)
+    for a, b in zip(compute.units, copy.units, strict=True):
+        assert close(a.state_dict(), b.state_dict(), rtol=0)
+
+
+def test_units_do_not_move_with_a_batch_in_flight_and_bad_keys_are_refused() -> None:
+    compute = trained_stage(2)
+    x = make_batches(1)[0][0]
+    compute.forward(2, 1, (x,))
+    with pytest.raises(PipelineError, match="in flight"):
+        compute.export_units()
+    state = trained_stage(2).export_units()[0]
+    with pytest.raises(PipelineError, match="no longer kept"):
+        unit_state_tensors(state, range(0, 9))
+    module = load_layer_sequence(SPEC).build_units(0, 1)[0]
+    with pytest.raises(ProtocolError):
+        unit_state_from_tensors(module, {"weights/x": torch.zeros(1)})
+    with pytest.raises(ProtocolError):
+        unit_state_from_tensors(module, {"opt/nothing/exp_avg": torch.zeros(1)})
