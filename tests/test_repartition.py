@@ -20,6 +20,11 @@ from zpipe.training.async_regroup import (
 )
 from zpipe.training.async_schedule import async_global_order, async_stage_actions
 from zpipe.training.async_stage import AsyncStageCompute
+from zpipe.training.repartition import (
+    RepartitionController,
+    RepartitionSettings,
+    decide_repartition,
+)
 
 SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 20, 4], "activation": "gelu"}, seed=5)
 ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
@@ -156,3 +161,91 @@ def test_units_do_not_move_with_a_batch_in_flight_and_bad_keys_are_refused() -> 
         unit_state_from_tensors(module, {"weights/x": torch.zeros(1)})
     with pytest.raises(ProtocolError):
         unit_state_from_tensors(module, {"opt/nothing/exp_avg": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------- the decision
+
+
+def counters(seconds: float, batches: int) -> dict[str, float]:
+    return {"forward_s": seconds / 2, "backward_s": seconds / 2, "step_s": 0.0,
+            "microbatches": batches}  # fmt: skip
+
+
+def test_looks_after_first_then_every() -> None:
+    settings = RepartitionSettings(first=10, every=100)
+    assert [d for d in range(1, 400) if settings.due(d)] == [10, 110, 210, 310]
+    with pytest.raises(ConfigError):
+        RepartitionSettings(first=0)
+    with pytest.raises(ConfigError):
+        RepartitionSettings(gain=1.0)
+    with pytest.raises(ConfigError, match="unknown"):
+        RepartitionSettings.from_dict({"firts": 3})
+    again = RepartitionSettings.from_dict(RepartitionSettings(3, 7, 0.2, (0, 2, 4)).to_dict())
+    assert again == RepartitionSettings(3, 7, 0.2, (0, 2, 4))
+
+
+def test_a_slow_stage_sheds_units_to_the_fast_ones() -> None:
+    controller = RepartitionController(
+        RepartitionSettings(first=2, every=4, gain=0.1),
+        devices=["a", "b", "c"],
+        bounds=[0, 2, 4, 6],
+        reference_unit_s=[1.0] * 6,
+    )
+    # b is 4x slower than a and c over the same two units
+    decision = controller.look(2, {"a": counters(4, 2), "b": counters(16, 2), "c": counters(4, 2)})
+    assert decision.measured and decision.moves
+    assert decision.capacities == {"a": 1.0, "b": 4.0, "c": 1.0}
+    assert decision.bounds is not None and decision.bounds[2] - decision.bounds[1] == 1
+    assert decision.period_s == 8.0 and decision.new_period_s < decision.period_s
+    # Algorithm 1: every unit that changes stage comes from its current holder
+    assert decision.redistribution is not None
+    old = {
+        u: d
+        for d, (lo, hi) in zip("abc", [(0, 2), (2, 4), (4, 6)], strict=True)
+        for u in range(lo, hi)
+    }
+    for t in decision.redistribution.transfers:
+        assert t.dest != t.source and {old[u] for u in range(t.start, t.end)} == {t.source}
+    assert decision.redistribution.units_moved > 0
+    assert controller.committed(decision) == 1 and controller.bounds == decision.bounds
+
+
+def test_the_times_since_the_last_look_count_not_the_run_average() -> None:
+    controller = RepartitionController(
+        RepartitionSettings(first=1, every=1, gain=0.05),
+        devices=["a", "b"],
+        bounds=[0, 2, 4],
+        reference_unit_s=[1.0] * 4,
+    )
+    first = controller.look(4, {"a": counters(8, 4), "b": counters(8, 4)})
+    assert not first.moves and first.reason == "the best cuts are the current ones"
+    # b becomes 3x slower: 4 more batches at 6 s each, its whole average only 4 s
+    later = controller.look(8, {"a": counters(16, 8), "b": counters(32, 8)})
+    assert later.capacities["b"] == pytest.approx(3.0) and later.moves
+
+
+def test_small_gains_and_unmeasured_stages() -> None:
+    base = dict(devices=["a", "b"], bounds=[0, 2, 4], reference_unit_s=[1.0, 1.0, 1.0, 1.2])
+    # b 1.2x slower over 10 of 20 units: one unit less saves 1/12 of the period
+    fine = dict(devices=["a", "b"], bounds=[0, 10, 20], reference_unit_s=[1.0] * 20)
+    slight = decide_repartition(
+        RepartitionSettings(gain=0.1), at=3, measured_s={"a": 10.0, "b": 12.0}, **fine
+    )
+    assert not slight.moves and "below" in slight.reason
+    assert slight.gain == pytest.approx(1 / 12)
+    taken = decide_repartition(
+        RepartitionSettings(gain=0.05), at=3, measured_s={"a": 10.0, "b": 12.0}, **fine
+    )
+    assert taken.bounds == (0, 11, 20)
+    # nothing measured from b: eq. 7 on the reference times (all capacities 1)
+    eq7 = decide_repartition(RepartitionSettings(gain=0.0), at=3, measured_s={"a": 2.0}, **base)
+    assert not eq7.measured and eq7.capacities == {"a": 1.0, "b": 1.0}
+    assert not eq7.moves  # [0, 2, 4] already balances 2.0 against 2.2 best
+    forced = decide_repartition(RepartitionSettings(bounds=(0, 3, 4)), at=3, measured_s={}, **base)
+    assert forced.moves and forced.bounds == (0, 3, 4)
+    assert forced.redistribution is not None
+    assert [t.to_dict() for t in forced.redistribution.transfers] == [
+        {"dest": "a", "source": "b", "start": 2, "end": 3, "version": 3}
+    ]
+    with pytest.raises(ConfigError):
+        decide_repartition(RepartitionSettings(bounds=(0, 4)), at=3, **base)
