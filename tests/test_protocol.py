@@ -155,6 +155,31 @@ KINDS_ADDED_IN_V1 = {
     },
     "fl_error": {"reason": ["str", True]},
     "fl_done": {"reason": ["str", True]},
+    "repartition": {"run": ["int", True], "step": ["int", True]},
+    "repartitioned": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "error": ["str", True],
+        "bounds": ["list/null", False],
+        "plan_epoch": ["int/null", False],
+        "decision": ["dict/null", False],
+    },
+    "repartition_request": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "phase": ["str", True],
+        "bounds": ["list/null", False],
+        "fetch": ["list/null", False],
+        "plan_epoch": ["int/null", False],
+    },
+    "repartition_reply": {
+        "run": ["int", True],
+        "name": ["str", True],
+        "step": ["int", True],
+        "phase": ["str", True],
+        "error": ["str", True],
+        "metrics": ["dict/null", False],
+    },
 }
 TENSOR_KINDS_ADDED_IN_V1 = [
     "bulk_chunk",
@@ -261,7 +286,7 @@ REPRESENTATIVES: dict[str, WireMessage] = {
 def test_representatives_cover_every_conversation() -> None:
     modules = {type(message).__module__ for message in REPRESENTATIVES.values()}
     # bulk: a conversation added within version 1, of which main produced no frames
-    added = {"zpipe.protocol.bulk", "zpipe.protocol.federated"}
+    added = {"zpipe.protocol.bulk", "zpipe.protocol.federated", "zpipe.protocol.repartition"}
     assert modules == {module.__name__ for module in CONVERSATIONS} - added
     assert set(REPRESENTATIVES) == set(V1["frames"])
 
