@@ -130,10 +130,11 @@ def test_a_unit_state_crosses_as_named_tensors_and_trains_on_identically() -> No
     compute = trained_stage(4)
     states = compute.export_units()
     fresh = load_layer_sequence(SPEC).build_units(0, 2)
-    moved = [
-        unit_state_from_tensors(m, unit_state_tensors(s, needed_versions(4, 3)))
-        for m, s in zip(fresh, states, strict=True)
-    ]
+    wire: dict[str, torch.Tensor] = {}
+    for u, s in enumerate(states):
+        wire.update(unit_state_tensors(u, s, needed_versions(4, 3)))
+    assert "units.0.linear.weight#v2" in wire and "units.1.linear.weight#opt.exp_avg" in wire
+    moved = [unit_state_from_tensors(u, m, wire) for u, m in enumerate(fresh)]
     copy = AsyncStageCompute.adopt(
         moved, updates=4, first=True, last=False, loss="cross_entropy", optimizer=ADAM
     )
@@ -155,12 +156,14 @@ def test_units_do_not_move_with_a_batch_in_flight_and_bad_keys_are_refused() -> 
         compute.export_units()
     state = trained_stage(2).export_units()[0]
     with pytest.raises(PipelineError, match="no longer kept"):
-        unit_state_tensors(state, range(0, 9))
+        unit_state_tensors(0, state, range(0, 9))
     module = load_layer_sequence(SPEC).build_units(0, 1)[0]
     with pytest.raises(ProtocolError):
-        unit_state_from_tensors(module, {"weights/x": torch.zeros(1)})
+        unit_state_from_tensors(0, module, {"units.0.nothing#opt.exp_avg": torch.zeros(1)})
     with pytest.raises(ProtocolError):
-        unit_state_from_tensors(module, {"opt/nothing/exp_avg": torch.zeros(1)})
+        unit_state_from_tensors(0, module, {"units.0.linear.weight#vx": torch.zeros(1)})
+    with pytest.raises(ProtocolError):
+        unit_state_from_tensors(0, module, {"units.0.linear.weight": torch.zeros(1)})
 
 
 # ---------------------------------------------------------------- the decision

@@ -40,6 +40,7 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
 from zpipe.stage.assignment import push_connector
+from zpipe.stage.async_repartition import StageRepartition
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
@@ -132,6 +133,10 @@ class StageRuntime:
             counters=self.counters,
             replicas=self.replicas,
         )
+        self._repartition = StageRepartition(
+            name=self.config.name, snapshots=self._snapshots, counters=self.counters,
+            compute=self._compute, timeout_s=timeouts.result_s,
+        )  # fmt: skip
         assert ports.bulk is not None
         self._bulk = StageBulk(
             name=self.config.name,
@@ -553,6 +558,9 @@ class StageRuntime:
         elif job is Job.BACKUP:
             reply, tensors = await snapshots.backup_reply(message, plane.trainer, plane.pace)
             await self._send_control("backed_up", reply, message.epoch, tensors=tensors)
+        elif job is Job.REPARTITION:
+            body = await self._repartition.reply(message, plane.trainer)
+            await self._send_control("repartition_reply", body, message.epoch)
 
     # --------------------------------------------------------------- shutdown
 

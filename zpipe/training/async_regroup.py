@@ -16,13 +16,13 @@ has made equally many of, so a unit continues exactly where it stopped.
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from zpipe._errors import PipelineError, ProtocolError
+from zpipe.models.weights import OPTIMIZER_KEY, unit_key
 from zpipe.training.async_stage import AsyncStageCompute, UnitState
 
 
@@ -72,51 +72,55 @@ def needed_versions(updates: int, num_stages: int) -> range:
     return range(max(0, updates - num_stages + 1), updates + 1)
 
 
-_KEY = re.compile(r"^(live|opt|v(\d+))/(.+)$")
+VERSION_KEY = "#v"
 
 
-def unit_state_tensors(state: UnitState, versions: range) -> dict[str, torch.Tensor]:
-    """One unit's state as named tensors: ``live/<name>`` (its state dict),
-    ``v<t>/<param>`` (version ``t``) and ``opt/<param>/<key>`` (optimizer state)."""
-    out = {f"live/{k}": t.detach() for k, t in state.module.state_dict().items()}
+def unit_state_tensors(unit: int, state: UnitState, versions: range) -> dict[str, torch.Tensor]:
+    """Unit ``unit``'s state under the full model's keys, as a training state names
+    it (``units.<unit>.<name>``, ``...<param>#opt.<key>`` for the optimizer), and its
+    weight versions as ``units.<unit>.<param>#v<t>``: what a peer fetches."""
+    out = {unit_key(unit, k): t.detach() for k, t in state.module.state_dict().items()}
     for v in versions:
         kept = state.versions.get(v)
         if kept is None:
             raise PipelineError(f"weight version {v} is no longer kept: {sorted(state.versions)}")
-        out.update({f"v{v}/{name}": t for name, t in kept.items()})
+        out.update({f"{unit_key(unit, name)}{VERSION_KEY}{v}": t for name, t in kept.items()})
     for name, entries in state.optimizer.items():
         for key, value in entries.items():
             if not isinstance(value, torch.Tensor):
                 raise PipelineError(f"optimizer state {name}.{key} is not a tensor: {value!r}")
-            out[f"opt/{name}/{key}"] = value
+            out[f"{unit_key(unit, name)}{OPTIMIZER_KEY}{key}"] = value
     return out
 
 
 def unit_state_from_tensors(
-    module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
+    unit: int, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
 ) -> UnitState:
-    """The :class:`UnitState` a peer sent (:func:`unit_state_tensors`), on ``module``
-    (the unit built fresh: its weights are replaced). ProtocolError on a bad key."""
+    """Unit ``unit``'s :class:`UnitState` from :func:`unit_state_tensors`' entries
+    (others are ignored), on ``module`` (built fresh: its weights are replaced).
+    ProtocolError on an entry that does not fit the unit."""
+    prefix = unit_key(unit, "")
     live: dict[str, torch.Tensor] = {}
     versions: dict[int, dict[str, torch.Tensor]] = {}
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     params = {n for n, p in module.named_parameters() if p.requires_grad}
     for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if match is None:
-            raise ProtocolError(f"unexpected unit state key {key!r}")
-        kind, version, rest = match.group(1), match.group(2), match.group(3)
-        if kind == "live":
-            live[rest] = tensor
-        elif kind == "opt":
-            name, _, entry = rest.rpartition("/")
+        if not key.startswith(prefix):
+            continue
+        rest = key[len(prefix) :]
+        name, opt, entry = rest.partition(OPTIMIZER_KEY)
+        if opt:
             if name not in params or not entry:
                 raise ProtocolError(f"optimizer state {key!r} names no parameter of the unit")
             optimizer.setdefault(name, {})[entry] = tensor.clone()
-        else:
-            if rest not in params:
+            continue
+        name, tag, version = rest.partition(VERSION_KEY)
+        if tag:
+            if name not in params or not version.isdigit():
                 raise ProtocolError(f"version tensor {key!r} names no parameter of the unit")
-            versions.setdefault(int(version), {})[rest] = tensor.clone()
+            versions.setdefault(int(version), {})[name] = tensor.clone()
+            continue
+        live[name] = tensor
     for v, kept in versions.items():
         if set(kept) != params:
             raise ProtocolError(f"version {v} lacks parameters {sorted(params - set(kept))}")
