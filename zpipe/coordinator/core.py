@@ -55,6 +55,7 @@ REPLY_KINDS = (
     "metrics",
     "weights",
     "backed_up",
+    "repartition_reply",
     "lossy_ready",
     "lossy_result",
 )
