@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.async_regroup import (
@@ -252,3 +253,42 @@ def test_small_gains_and_unmeasured_stages() -> None:
     ]
     with pytest.raises(ConfigError):
         decide_repartition(RepartitionSettings(bounds=(0, 4)), at=3, **base)
+
+
+# ---------------------------------------------------------------- a real pipeline
+
+
+def test_cluster_async_run_repartitions_live_and_equals_the_reference(
+    cluster: LocalCluster,
+) -> None:
+    batches = make_batches(10, 5, seed=7)
+    report = cluster.fit(
+        SPEC,
+        batches,
+        optimizer=ADAM,
+        num_microbatches=1,
+        schedule="async-1f1b",
+        partition=[[0, 1], [1, 2], [2, 5]],
+        # the first look moves two units forward (the test hook); the second, at a
+        # gain no measurement reaches, keeps the cuts
+        repartition={"first": 3, "every": 4, "gain": 0.95, "bounds": [0, 3, 4, 5]},
+        progress=False,
+    )
+    assert report.steps == len(batches)
+    looks = report.repartitions
+    assert [r["at"] for r in looks] == [3, 7]
+    assert looks[0]["bounds"] == [0, 3, 4, 5] and looks[0]["plan_epoch"] == 1
+    assert looks[1]["bounds"] == [0, 3, 4, 5] and looks[1]["plan_epoch"] == 1
+    assert looks[1]["measured"] and set(looks[1]["capacities"]) == {"s0", "s1", "s2"}
+    # the stages themselves say which units they train after each commit
+    after = {"s0": [0, 3], "s1": [3, 4], "s2": [4, 5]}
+    assert looks[0]["held"] == after and looks[1]["held"] == after
+    moved = train_async_reference(
+        SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM, repartitions={3: [0, 3, 4, 5]}
+    )
+    plain = train_async_reference(SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM)
+    for want in (moved, plain):
+        assert report.losses == pytest.approx(want.losses, rel=1e-6)
+        assert set(report.state_dict) == set(want.state_dict)
+        for key, value in want.state_dict.items():
+            torch.testing.assert_close(report.state_dict[key], value, rtol=1e-6, atol=1e-7)

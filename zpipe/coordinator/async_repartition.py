@@ -119,14 +119,19 @@ class AsyncRepartitioning:
                 yield from self._fetch(members, plan, step, decision.bounds)
             commit: dict[str, Any] = {"phase": "commit", "bounds": list(target)}
             commit["plan_epoch"] = controller.plan_epoch + (1 if decision.moves else 0)
-            yield from self._ask(members, devices, step, commit)
+            committed = yield from self._ask(members, devices, step, commit)
             if decision.moves:
                 controller.committed(decision)
                 run.training_plan = with_bounds(plan, target)
                 yield Log("info", "repartitioned", {"run": run.run, "step": step,
                           "bounds": list(target), "plan_epoch": controller.plan_epoch})  # fmt: skip
             body.update(bounds=list(target), plan_epoch=controller.plan_epoch)
-            body["decision"] = decision.to_dict()
+            # where each stage says its units are now
+            held = {d: (r.get("metrics") or {}) for d, r in committed.items()}
+            body["decision"] = {
+                **decision.to_dict(),
+                "held": {d: [m.get("start"), m.get("end")] for d, m in held.items()},
+            }
         except (ZpipeError, ValueError) as exc:
             body["error"] = f"{type(exc).__name__}: {exc}"
             yield Log("error", "repartition_failed", {"run": run_id, "step": step,

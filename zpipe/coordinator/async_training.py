@@ -7,8 +7,8 @@ never drain, so a global replica would need every stage's weights at one batch
 boundary, which asynchronous stages reach at different times. A live
 re-partition (the client pauses its feed, the stages flush, move units and
 commit) is :mod:`zpipe.coordinator.async_repartition`'s. Recovery and
-replication of asynchronous runs are later work; a ``replicate`` request is answered with an error, and the client keeps no
-replicas for such a run.
+replication of asynchronous runs are later work; a ``replicate`` request is
+answered with an error, and the client keeps no replicas for such a run.
 
 Pure: events in, commands out.
 """

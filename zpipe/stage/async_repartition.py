@@ -75,6 +75,8 @@ class StageRepartition:
                 self._fetched = (run, step, bounds, state)
             elif phase == "commit":
                 await self._commit(trainer, run, step, _bounds(message))
+                shard = trainer.async_shard  # the units it trains from here on
+                body["metrics"] = {"start": shard.start, "end": shard.start + len(shard.units)}
             else:
                 raise PipelineError(f"unknown repartition phase {phase!r}")
         except Exception as exc:  # reported: the coordinator decides what it means
