@@ -277,6 +277,7 @@ def test_cluster_async_run_repartitions_live_and_equals_the_reference(
     assert report.steps == len(batches)
     looks = report.repartitions
     assert [r["at"] for r in looks] == [3, 7]
+    assert [r["moved"] for r in looks] == [True, False]
     assert looks[0]["bounds"] == [0, 3, 4, 5] and looks[0]["plan_epoch"] == 1
     assert looks[1]["bounds"] == [0, 3, 4, 5] and looks[1]["plan_epoch"] == 1
     assert looks[1]["measured"] and set(looks[1]["capacities"]) == {"s0", "s1", "s2"}
@@ -292,3 +293,57 @@ def test_cluster_async_run_repartitions_live_and_equals_the_reference(
         assert set(report.state_dict) == set(want.state_dict)
         for key, value in want.state_dict.items():
             torch.testing.assert_close(report.state_dict[key], value, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- options and flags
+
+
+def test_fit_options_take_repartition_only_for_async_runs_with_vertical_sync() -> None:
+    from zpipe.client.options import TrainOptions
+
+    base = {"optimizer": ADAM, "num_microbatches": 1, "schedule": "async-1f1b"}
+    assert TrainOptions(**base, repartition=True).repartition_settings == RepartitionSettings()
+    given = TrainOptions(**base, repartition={"first": 2, "gain": 0.0}).repartition_settings
+    assert given == RepartitionSettings(first=2, gain=0.0)
+    assert TrainOptions(**base).repartition_settings is None
+    with pytest.raises(ConfigError, match="synchronous runs"):
+        TrainOptions(optimizer=ADAM, num_microbatches=2, repartition=True)
+    with pytest.raises(ConfigError, match="vertical sync"):
+        TrainOptions(**base, vertical_sync=False, repartition=True)
+    with pytest.raises(ConfigError, match="unknown"):
+        TrainOptions(**base, repartition={"often": 3})
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--repartition"], "need --schedule async-1f1b"),
+        (
+            ["--schedule", "async-1f1b", "--no-vertical-sync", "--repartition-every", "5"],
+            "vertical sync",
+        ),
+        (["--schedule", "async-1f1b", "--repartition-gain", "1.5"], "[0, 1)"),
+    ],
+)
+def test_train_cli_refuses_repartition_flags_that_do_not_fit(
+    flags: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zpipe.train_cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--local", "2", *flags])
+    assert error in capsys.readouterr().err
+
+
+def test_train_flags_make_the_repartition_settings() -> None:
+    from zpipe.train_args import build_parser, repartition_of
+
+    parser = build_parser()
+    args = parser.parse_args(["--local", "2", "--schedule", "async-1f1b"])
+    assert repartition_of(args) is None
+    args = parser.parse_args(
+        ["--local", "2", "--repartition-first", "4", "--repartition-gain", "0"]
+    )
+    assert RepartitionSettings.from_dict(repartition_of(args) or {}) == RepartitionSettings(
+        first=4, gain=0.0
+    )

@@ -81,8 +81,15 @@ class AsyncTrainingRun(TrainingRun):
             raise PipelineError(f"the re-partition before mini-batch {step} failed: "
                                 f"{reply['error']}")  # fmt: skip
         decision = dict(reply.get("decision") or {})
+        moved = decision.get("bounds") is not None
         self.report.repartitions.append(
-            {**decision, "bounds": reply.get("bounds"), "plan_epoch": reply.get("plan_epoch")}
+            # bounds: the cuts from ``at`` on (the same as before when it did not move)
+            {
+                **decision,
+                "moved": moved,
+                "bounds": reply.get("bounds"),
+                "plan_epoch": reply.get("plan_epoch"),
+            }
         )
         log.info("repartition_looked", run=self.run, step=step, bounds=reply.get("bounds"),
-                 moved=decision.get("bounds") is not None)  # fmt: skip
+                 moved=moved)  # fmt: skip
