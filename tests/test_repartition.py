@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.cluster import LocalCluster
-from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.async_regroup import (
     needed_versions,
@@ -21,6 +22,7 @@ from zpipe.training.async_regroup import (
 )
 from zpipe.training.async_schedule import async_global_order, async_stage_actions
 from zpipe.training.async_stage import AsyncStageCompute
+from zpipe.training.objectives import make_optimizer
 from zpipe.training.repartition import (
     RepartitionController,
     RepartitionSettings,
@@ -306,8 +308,10 @@ def test_fit_options_take_repartition_only_for_async_runs_with_vertical_sync() -
     given = TrainOptions(**base, repartition={"first": 2, "gain": 0.0}).repartition_settings
     assert given == RepartitionSettings(first=2, gain=0.0)
     assert TrainOptions(**base).repartition_settings is None
-    with pytest.raises(ConfigError, match="synchronous runs"):
-        TrainOptions(optimizer=ADAM, num_microbatches=2, repartition=True)
+    sync = TrainOptions(optimizer=ADAM, num_microbatches=2, repartition={"every": 5})
+    assert sync.repartition_settings == RepartitionSettings(every=5)
+    with pytest.raises(ConfigError, match="rebalance"):
+        TrainOptions(optimizer=ADAM, num_microbatches=2, recover=True, repartition=True)
     with pytest.raises(ConfigError, match="vertical sync"):
         TrainOptions(**base, vertical_sync=False, repartition=True)
     with pytest.raises(ConfigError, match="unknown"):
@@ -317,7 +321,7 @@ def test_fit_options_take_repartition_only_for_async_runs_with_vertical_sync() -
 @pytest.mark.parametrize(
     ("flags", "error"),
     [
-        (["--repartition"], "need --schedule async-1f1b"),
+        (["--repartition", "--recover"], "no --recover"),
         (
             ["--schedule", "async-1f1b", "--no-vertical-sync", "--repartition-every", "5"],
             "vertical sync",
@@ -347,3 +351,35 @@ def test_train_flags_make_the_repartition_settings() -> None:
     assert RepartitionSettings.from_dict(repartition_of(args) or {}) == RepartitionSettings(
         first=4, gain=0.0
     )
+
+
+def test_cluster_sync_run_repartitions_live_and_equals_plain_training(
+    cluster: LocalCluster,
+) -> None:
+    batches = make_batches(8, 6, seed=9)
+    report = cluster.fit(
+        SPEC,
+        batches,
+        optimizer=ADAM,
+        num_microbatches=1,
+        schedule="1f1b",
+        partition=[[0, 2], [2, 4], [4, 5]],
+        repartition={"first": 3, "every": 100, "bounds": [0, 1, 2, 5]},
+        progress=False,
+    )
+    assert report.steps == len(batches)
+    [look] = report.repartitions
+    assert look["at"] == 3 and look["moved"] and look["plan_epoch"] == 1
+    assert look["held"] == {"s0": [0, 1], "s1": [1, 2], "s2": [2, 5]}
+    model = build_full_model(SPEC).train()
+    optimizer = make_optimizer(ADAM, model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x)[0], y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert report.losses == pytest.approx(losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(report.state_dict[key], value, rtol=1e-5, atol=1e-6)

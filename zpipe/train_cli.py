@@ -324,10 +324,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --lr-schedule or --resume yet")
     if not asynchronous and (args.aggregate or not args.vertical_sync):
         parser.error(f"--aggregate and --no-vertical-sync need --schedule {ASYNC_SCHEDULE}")
-    if repartition_of(args) is not None and not (asynchronous and args.vertical_sync):
-        parser.error(
-            f"--repartition and its flags need --schedule {ASYNC_SCHEDULE} with vertical sync"
-        )
+    if repartition_of(args) is not None and (args.recover or not args.vertical_sync):
+        parser.error("--repartition and its flags need vertical sync, and no --recover")
     if args.advertise_host is not None and args.coordinator is None:
         parser.error("--advertise-host needs --coordinator (--local runs on this machine)")
     if not args.recover and recover_only != (None, None, None, None):

@@ -202,8 +202,8 @@ class TrainOptions:
     ``vertical_sync`` (default on): every stage forwards a mini-batch with the weight
     version the first stage used; ``aggregate``: FTPipeHD's weight aggregation, stage
     ``i`` of ``n`` averaging its newest ``n - i`` versions every
-    ``aggregate_multiple * (n - i)`` backwards. ``repartition`` (asynchronous runs):
-    FTPipeHD's live re-partitioning, True or a
+    ``aggregate_multiple * (n - i)`` backwards. ``repartition`` (one device per
+    stage; not with ``recover``): FTPipeHD's live re-partitioning, True or a
     :class:`~zpipe.training.repartition.RepartitionSettings` (or its map: ``first``,
     ``every``, ``gain``): the feed pauses after ``first`` mini-batches and then every
     ``every``, the stages' capacities are measured and their units move between
@@ -370,15 +370,12 @@ class TrainOptions:
 
 def _repartition_settings(options: TrainOptions) -> RepartitionSettings | None:
     """``repartition`` as settings: True takes FTPipeHD's (after 10 mini-batches, then
-    every 100, a gain of 0.1); only asynchronous runs with vertical sync take them."""
+    every 100, a gain of 0.1); an asynchronous run needs vertical sync for them."""
     given = options.repartition
     if given is None or given is False:
         return None
-    if options.schedule.lower() != ASYNC_SCHEDULE:
-        raise ConfigError(
-            f"repartition re-partitions {ASYNC_SCHEDULE} runs live; synchronous runs "
-            "rebalance at a replica (recover=True, rebalance=...)"
-        )
+    if options.recover:
+        raise ConfigError("repartition moves units live; with recover=True use rebalance=...")
     if not options.vertical_sync:
         raise ConfigError("repartition needs vertical sync (the weight versions it moves)")
     if given is True:

@@ -125,13 +125,10 @@ def training_request(
             vertical_sync=options.vertical_sync,
             aggregate=options.aggregate,
             aggregate_multiple=options.aggregate_multiple,
-            repartition=(
-                None
-                if options.repartition_settings is None
-                else options.repartition_settings.to_dict()
-            ),
         )
         request["train"]["async"] = settings.to_dict()
+    if options.repartition_settings is not None:
+        request["train"]["repartition"] = options.repartition_settings.to_dict()
     return request
 
 
@@ -255,8 +252,7 @@ class _Training:
                     offset=self.source.kept_from,
                     replicate_every=self.every,
                 )
-                if isinstance(run, AsyncTrainingRun):
-                    run.repartition = self.options.repartition_settings
+                run.repartition = self.options.repartition_settings
                 tplan = run.report.training_plan
                 if self.options.on_plan is not None and tplan is not None:
                     self.options.on_plan(tplan)

@@ -6,7 +6,7 @@ stage's weights once it has backwarded every batch), but no replicas: the stages
 never drain, so a global replica would need every stage's weights at one batch
 boundary, which asynchronous stages reach at different times. A live
 re-partition (the client pauses its feed, the stages flush, move units and
-commit) is :mod:`zpipe.coordinator.async_repartition`'s. Recovery and
+commit) is :mod:`zpipe.coordinator.repartition`'s, as for synchronous runs. Recovery and
 replication of asynchronous runs are later work; a ``replicate`` request is
 answered with an error, and the client keeps no replicas for such a run.
 
@@ -19,11 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError
-from zpipe.coordinator.async_repartition import AsyncRepartitioning
-from zpipe.coordinator.commands import Command, Log
-from zpipe.coordinator.events import ClientRequest, Event
+from zpipe.coordinator.commands import Log
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
@@ -32,25 +29,6 @@ from zpipe.transport.codec import Message
 
 class AsyncTrainingRun(SyncTrainingRun):
     kind = "train-async"
-
-    def on_event(self, event: Event, now: float) -> list[Command]:
-        if isinstance(event, ClientRequest) and event.message.kind == "repartition":
-            run_id, step = int(event.message["run"]), int(event.message["step"])
-            if self._repartitioning is None:
-                self._repartitioning = AsyncRepartitioning(self)
-            flows = self._repartitioning
-            return self.state.answers.answer(
-                self.state.flows,
-                ("repartition", run_id, step),
-                event.routing_id,
-                lambda: flows.flow(run_id, step),
-                peer=CLIENT_NAME,
-                timeout_s=self.reply_s,
-                now=now,
-            )
-        return super().on_event(event, now)
-
-    _repartitioning: AsyncRepartitioning | None = None
 
     def take_replica(self, run_id: int, step: int) -> Flow:
         error = "an asynchronous run keeps no replicas (recovery is not supported yet)"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from zpipe._errors import ConfigError, PipelineError
-from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models import load_layer_sequence
 from zpipe.models.trust import FactoryPolicy
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.async_regroup import (
@@ -64,20 +64,11 @@ class AsyncShard(TrainShard):
             start_step=start_step,
             policy=policy,
         )
-        self.optimizer_config = dict(optimizer)
         self.compute = AsyncStageCompute(
             self.units, first=first, last=last, loss=self.loss, optimizer=dict(optimizer)
         )
         # One optimizer: its state is what replicas and checkpoints read.
         self.optimizer = self.compute.optimizer
-        self.spec: ModelSpec | None = None  # what a re-partition builds other units of
-
-    @classmethod
-    def build(cls, spec: ModelSpec, start: int, end: int, **kwargs: Any) -> TrainShard:
-        shard = super().build(spec, start, end, **kwargs)
-        assert isinstance(shard, AsyncShard)
-        shard.spec = spec
-        return shard
 
     @property
     def live_activations(self) -> int:
@@ -137,7 +128,7 @@ class AsyncShard(TrainShard):
 
     # ------------------------------------------------------------ a live re-partition
 
-    def unit_snapshot(self, num_stages: int) -> dict[str, torch.Tensor]:
+    def repartition_snapshot(self, num_stages: int) -> dict[str, torch.Tensor]:
         """Every unit's state at a flush, under the full model's keys, with the weight
         versions the next forwards and aggregations read (what peers fetch)."""
         versions = needed_versions(self.compute.updates, num_stages)

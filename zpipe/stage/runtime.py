@@ -40,7 +40,6 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
 from zpipe.stage.assignment import push_connector
-from zpipe.stage.async_repartition import StageRepartition
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
@@ -66,6 +65,7 @@ from zpipe.stage.lossy_executor import LossyExecutor
 from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
+from zpipe.stage.repartition import StageRepartition
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService, request_identity
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages

@@ -48,16 +48,12 @@ ASYNC_KINDS = ("F", "B", "STEP", "AGG")
 class AsyncSettings:
     """An asynchronous run's settings: vertical sync (on by default), aggregation
     (every ``aggregate_multiple * (n - i)`` backwards on stage ``i``), and the bound on
-    mini-batches in flight (None: the number of stages); ``repartition``: live
-    re-partitioning's settings (:class:`zpipe.training.repartition.
-    RepartitionSettings`'s map; None: the partition stays), which the coordinator and
-    the client read."""
+    mini-batches in flight (None: the number of stages)."""
 
     vertical_sync: bool = True
     aggregate: bool = False
     aggregate_multiple: int = 1
     max_in_flight: int | None = None
-    repartition: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         m = self.aggregate_multiple
@@ -68,35 +64,25 @@ class AsyncSettings:
             raise ConfigError(f"max_in_flight must be an integer >= 1, got {w!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        return {
             "vertical_sync": self.vertical_sync,
             "aggregate": self.aggregate,
             "aggregate_multiple": self.aggregate_multiple,
         }
-        if self.repartition is not None:
-            out["repartition"] = dict(self.repartition)
-        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> AsyncSettings:
         data = data or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"asynchronous settings must be a mapping, got {data!r}")
-        known = {"vertical_sync", "aggregate", "aggregate_multiple", "repartition"}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - {"vertical_sync", "aggregate", "aggregate_multiple"})
         if unknown:
             raise ConfigError(f"unknown asynchronous settings {unknown}")
-        repartition = data.get("repartition")
-        if repartition is not None and not isinstance(repartition, Mapping):
-            raise ConfigError(f"repartition settings must be a mapping, got {repartition!r}")
-        if repartition is not None and not data.get("vertical_sync", True):
-            raise ConfigError("a live re-partition needs vertical sync (the versions it keeps)")
         try:
             return cls(
                 vertical_sync=bool(data.get("vertical_sync", True)),
                 aggregate=bool(data.get("aggregate", False)),
                 aggregate_multiple=int(data.get("aggregate_multiple", 1)),
-                repartition=None if repartition is None else dict(repartition),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed asynchronous settings {data!r}: {exc}") from None

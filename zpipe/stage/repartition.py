@@ -1,18 +1,23 @@
-"""A stage's part in a live re-partition of an asynchronous run (FTPipeHD III-D, III-F).
+"""A stage's part in a live re-partition of a training run (FTPipeHD III-D, III-F).
+
+Asynchronous runs flush at the pause (:class:`~zpipe.stage.async_trainer.
+AsyncTrainingExecutor`); a synchronous stage is between two rounds there anyway
+(every round ends with its update), so it only waits for round ``step - 1``'s.
 
 The coordinator's ``repartition_request`` comes in three phases
 (:mod:`zpipe.protocol.repartition`):
 
 - ``prepare``: wait until the executor flushed before batch ``step`` (the client
   paused its feed there), keep a snapshot of every unit here (weights, optimizer
-  state, the weight versions still read) in the replica store under this stage's
-  name, and answer with the stage's counters (the coordinator's execution profile);
+  state, and for an asynchronous stage the weight versions still read) in the
+  replica store under this stage's name, and answer with the stage's counters
+  (the coordinator's execution profile);
 - ``fetch``: take the units of the new cuts from those snapshots, this stage's own
   or a peer's, fetched straight from the peer's probe socket (the peer answers
   from its snapshot, so it may go on serving after it switched); kept until the
   commit, nothing changes yet;
-- ``commit``: build the shard of the new range from what was fetched and resume the
-  executor from batch ``step`` (without new cuts: resume on the same shard).
+- ``commit``: build the shard of the new range from what was fetched and go on
+  from batch ``step`` (without new cuts: on the same shard).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from zpipe.stage.async_trainer import AsyncTrainingExecutor
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import describe_error
+from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import TrainingExecutor
 from zpipe.transport.codec import Message
 
@@ -64,8 +70,10 @@ class StageRepartition:
             "error": "",
         }
         try:
-            if not isinstance(trainer, AsyncTrainingExecutor) or trainer.setup.run != run:
-                raise PipelineError(f"this stage is not training asynchronous run {run}")
+            if trainer is None or trainer.setup.run != run:
+                raise PipelineError(f"this stage is not training run {run}")
+            if len(trainer.setup.group.names) > 1:
+                raise PipelineError("a live re-partition moves units of one-device stages only")
             if phase == "prepare":
                 await self._prepare(trainer, run, step)
                 body["metrics"] = self._counters.to_dict()
@@ -75,7 +83,7 @@ class StageRepartition:
                 self._fetched = (run, step, bounds, state)
             elif phase == "commit":
                 await self._commit(trainer, run, step, _bounds(message))
-                shard = trainer.async_shard  # the units it trains from here on
+                shard = trainer.shard  # the units it trains from here on
                 body["metrics"] = {"start": shard.start, "end": shard.start + len(shard.units)}
             else:
                 raise PipelineError(f"unknown repartition phase {phase!r}")
@@ -84,28 +92,37 @@ class StageRepartition:
             log.error("repartition_failed", stage=self.name, phase=phase, error=body["error"])
         return body
 
-    async def _prepare(self, trainer: AsyncTrainingExecutor, run: int, step: int) -> None:
-        await trainer.wait_flushed(step, self._timeout_s)
-        shard = trainer.async_shard
+    async def _prepare(self, trainer: TrainingExecutor, run: int, step: int) -> None:
+        if isinstance(trainer, AsyncTrainingExecutor):
+            await trainer.wait_flushed(step, self._timeout_s)
+        else:
+            await trainer.wait_for_step(step, self._timeout_s)
+            if trainer.completed_steps != step:
+                raise PipelineError(f"round {trainer.completed_steps} ran past the pause at {step}")
+        shard = trainer.shard
         loop = asyncio.get_running_loop()
         n = trainer.setup.num_stages
-        snapshot = await loop.run_in_executor(self._compute, shard.unit_snapshot, n)
+        snapshot = await loop.run_in_executor(self._compute, shard.repartition_snapshot, n)
         self._snapshots.replicas.put(self.name, run, step, snapshot)
         self._fetched = None
         log.info("repartition_prepared", stage=self.name, run=run, step=step,
                  units=[shard.start, shard.start + len(shard.units)])  # fmt: skip
 
     async def _commit(
-        self, trainer: AsyncTrainingExecutor, run: int, step: int, bounds: tuple[int, ...]
+        self, trainer: TrainingExecutor, run: int, step: int, bounds: tuple[int, ...]
     ) -> None:
-        if trainer.flushed_at != step:
-            if trainer.flushed_at is None and self._fetched is None:
+        asynchronous = isinstance(trainer, AsyncTrainingExecutor)
+        at = trainer.flushed_at if isinstance(trainer, AsyncTrainingExecutor) else None
+        if asynchronous and at != step:
+            if at is None and self._fetched is None:
                 return  # a commit sent again after it resumed: done already
-            raise PipelineError(f"commit at batch {step}, but flushed at {trainer.flushed_at}")
+            raise PipelineError(f"commit at batch {step}, but flushed at {at}")
+        if not asynchronous and trainer.completed_steps != step:
+            raise PipelineError(f"commit at round {step}, but {trainer.completed_steps} are done")
         i = trainer.setup.index
         start, end = bounds[i], bounds[i + 1]
-        shard = trainer.async_shard
-        new: AsyncShard | None = None
+        shard = trainer.shard
+        new: TrainShard | None = None
         if (start, end) != (shard.start, shard.start + len(shard.units)):
             fetched = self._fetched
             if fetched is None or fetched[:3] != (run, step, bounds):
@@ -113,7 +130,11 @@ class StageRepartition:
             loop = asyncio.get_running_loop()
             new = await loop.run_in_executor(self._compute, shard.regrouped, start, end, fetched[3])
         self._fetched = None
-        trainer.resume(step, new)
+        if isinstance(trainer, AsyncTrainingExecutor):
+            assert new is None or isinstance(new, AsyncShard)
+            trainer.resume(step, new)
+        elif new is not None:
+            trainer.shard = new  # the next round's forward runs the new units
         log.info("repartition_committed", stage=self.name, run=run, step=step,
                  units=[start, end], moved=new is not None)  # fmt: skip
 

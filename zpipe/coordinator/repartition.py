@@ -1,6 +1,8 @@
-"""The coordinator's part in a live re-partition of an asynchronous run (FTPipeHD III-D).
+"""The coordinator's part in a live re-partition of a training run (FTPipeHD III-D).
 
-The client paused its feed before mini-batch ``step`` and asks (``repartition``).
+The client paused its feed before mini-batch ``step`` (an asynchronous run's
+stages flush there, a synchronous run is between rounds) and asks
+(``repartition``).
 This flow asks every stage to flush and keep a snapshot (``prepare``: they answer
 with their counters), lets the pure controller
 (:class:`zpipe.training.repartition.RepartitionController`) decide, and, when
@@ -26,7 +28,7 @@ from zpipe.coordinator.runs import Replica
 from zpipe.models import ModelSpec
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery.replanning import unit_work_from_profile
-from zpipe.training.async_schedule import AsyncSettings
+from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.training.repartition import RepartitionController, RepartitionSettings, spans_of
 from zpipe.transport.codec import Message
 
@@ -34,12 +36,20 @@ from zpipe.transport.codec import Message
 def repartition_settings(request: Any) -> RepartitionSettings | None:
     """The run's re-partitioning settings, from its request (None: it does not)."""
     train = (request or {}).get("train") or {}
-    given = AsyncSettings.from_dict(train.get("async")).repartition
-    return None if given is None else RepartitionSettings.from_dict(given)
+    given = train.get("repartition")
+    if given is None:
+        return None
+    if train.get("schedule") == ASYNC_SCHEDULE:
+        if not AsyncSettings.from_dict(train.get("async")).vertical_sync:
+            raise ConfigError("a live re-partition needs vertical sync (the versions it moves)")
+    return RepartitionSettings.from_dict(given)
 
 
 def plan_bounds(plan: TrainingPlan) -> tuple[list[str], list[int]]:
     """The devices in stage order and the cuts of a one-device-per-stage plan."""
+    shared = [list(s.devices) for s in plan.stages if len(s.devices) > 1]
+    if shared:
+        raise ConfigError(f"a live re-partition moves units of one-device stages, not {shared}")
     devices = [s.devices[0] for s in plan.stages]
     return devices, [s.start for s in plan.stages] + [plan.stages[-1].end]
 
@@ -51,8 +61,8 @@ def with_bounds(plan: TrainingPlan, bounds: tuple[int, ...]) -> TrainingPlan:
     return replace(plan, stages=stages)
 
 
-class AsyncRepartitioning:
-    """One asynchronous run's re-partitions: its controller, and the flow of each."""
+class LiveRepartitioning:
+    """One training run's re-partitions: its controller, and the flow of each."""
 
     def __init__(self, run: BaseRun) -> None:
         self.owner = run
