@@ -307,16 +307,16 @@ def repartition_section(
                 optimizer={"name": "adam", "lr": 3e-4},
             )
         runs[kind] = (report, [t - started for t in arrivals])
-        moves = [
-            {"at": r["at"], "bounds": r["bounds"], "capacities": r.get("capacities")}
+        looks = [
+            {"at": r["at"], "t_s": round(arrivals[r["at"] - 1] - started, 2),
+             "moved": r["moved"], "bounds": r["bounds"], "capacities": r.get("capacities")}
             for r in report.repartitions
-            if r.get("moved")
-        ]
+        ]  # fmt: skip
         emit({"bench": BENCH, "section": "repartition", "system": kind,
               "steps": report.steps, "run_s": round(arrivals[-1] - started, 2),
               "samples_per_s": round(report.samples_per_s, 2),
-              "final_loss": round(report.losses[-1], 4), "looks": len(report.repartitions),
-              "moves": moves, "loadavg": loadavg()})  # fmt: skip
+              "final_loss": round(report.losses[-1], 4), "looks": looks,
+              "loadavg": loadavg()})  # fmt: skip
     pipedream, ftpipehd = runs["pipedream"], runs["ftpipehd"]
     # the lowest (smoothed) loss PipeDream reaches: late in its run, not a noisy dip
     target = min(smoothed(pipedream[0].losses, window=20))
