@@ -383,3 +383,47 @@ def test_cluster_sync_run_repartitions_live_and_equals_plain_training(
     assert report.losses == pytest.approx(losses, rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(report.state_dict[key], value, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- a stream to a full queue
+
+
+@pytest.mark.parametrize("fails", [2, 1000])
+def test_a_probe_reply_waits_for_room_in_a_full_peer_queue(
+    monkeypatch: pytest.MonkeyPatch, fails: int
+) -> None:
+    # ROUTER_MANDATORY answers EAGAIN while one peer's queue is full (a big fetch's
+    # chunks, two fetchers of one holder): the stream waits for room, within its deadline
+    import asyncio
+
+    import zmq
+
+    from zpipe._errors import TransportTimeout
+    from zpipe.stage import linkprobe
+    from zpipe.transport.codec import Message
+    from zpipe.transport.emulation import LinkSpec
+
+    attempts: list[float] = []
+
+    async def full_then_room(*args: object, **kwargs: object) -> int:
+        attempts.append(float(kwargs["timeout_s"]))  # type: ignore[arg-type]
+        if len(attempts) <= fails:
+            raise zmq.Again()
+        return 1
+
+    monkeypatch.setattr(linkprobe, "send", full_then_room)
+    responder = linkprobe.ProbeResponder(
+        socket=None,  # type: ignore[arg-type]
+        link=LinkSpec(),
+        name="s",
+        send_timeout_s=0.2,
+        max_message_bytes=1 << 20,
+    )
+    reply = Message("link_pong", {"nonce": 1})
+    if fails == 2:
+        asyncio.run(responder._reply(b"peer", reply))
+        assert len(attempts) == 3 and all(0 < t <= 0.2 for t in attempts)
+    else:
+        with pytest.raises(TransportTimeout):
+            asyncio.run(responder._reply(b"peer", reply))
+        assert 2 < len(attempts) < fails
