@@ -181,6 +181,31 @@ KINDS_ADDED_IN_V1 = {
         "client": ["int", True],
         "work_s": ["int/float", True],
     },
+    "repartition": {"run": ["int", True], "step": ["int", True]},
+    "repartitioned": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "error": ["str", True],
+        "bounds": ["list/null", False],
+        "plan_epoch": ["int/null", False],
+        "decision": ["dict/null", False],
+    },
+    "repartition_request": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "phase": ["str", True],
+        "bounds": ["list/null", False],
+        "fetch": ["list/null", False],
+        "plan_epoch": ["int/null", False],
+    },
+    "repartition_reply": {
+        "run": ["int", True],
+        "name": ["str", True],
+        "step": ["int", True],
+        "phase": ["str", True],
+        "error": ["str", True],
+        "metrics": ["dict/null", False],
+    },
 }
 # EdgePipe's separate device processes, gone (lossy runs take ordinary stages): a peer
 # that still says hello hears "unknown kind".
@@ -292,7 +317,7 @@ REPRESENTATIVES: dict[str, WireMessage] = {
 def test_representatives_cover_every_conversation() -> None:
     modules = {type(message).__module__ for message in REPRESENTATIVES.values()}
     # bulk: a conversation added within version 1, of which main produced no frames
-    added = {"zpipe.protocol.bulk", "zpipe.protocol.federated"}
+    added = {"zpipe.protocol.bulk", "zpipe.protocol.federated", "zpipe.protocol.repartition"}
     assert modules == {module.__name__ for module in CONVERSATIONS} - added
     assert set(REPRESENTATIVES) == set(V1["frames"])
 

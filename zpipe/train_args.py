@@ -134,6 +134,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --aggregate: aggregate every K * (n - i) backwards (default: 1)",
     )
     parser.add_argument(
+        "--repartition",
+        action="store_true",
+        help="async-1f1b: FTPipeHD's live re-partitioning: the stages' measured speeds move "
+        "units between them, weights handed stage to stage (the flags below imply it)",
+    )
+    parser.add_argument(
+        "--repartition-first",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --repartition: the first look after N mini-batches (default: 10)",
+    )
+    parser.add_argument(
+        "--repartition-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --repartition: then a look every N mini-batches (default: 100)",
+    )
+    parser.add_argument(
+        "--repartition-gain",
+        type=_gain,
+        default=None,
+        metavar="SHARE",
+        help="with --repartition: move when the predicted period shrinks by at least this "
+        "share, in [0, 1) (default: 0.1)",
+    )
+    parser.add_argument(
         "--warmup",
         choices=WARMUP_POLICIES,
         default="auto",
@@ -333,6 +361,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="no progress lines or bars on stderr (they show only on a terminal anyway)",
     )
     return parser
+
+
+def _gain(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"a gain lies in [0, 1), got {value}")
+    return value
+
+
+def repartition_of(args: argparse.Namespace) -> dict[str, float] | None:
+    """The ``repartition`` settings the flags ask for (None: none of them given)."""
+    given = {
+        key: value
+        for key, value in (
+            ("first", args.repartition_first),
+            ("every", args.repartition_every),
+            ("gain", args.repartition_gain),
+        )
+        if value is not None
+    }
+    return given if args.repartition or given else None
 
 
 def _share(text: str) -> float:

@@ -45,6 +45,7 @@ from zpipe.train_args import (  # noqa: F401
     PLANNERS,
     PROG,
     build_parser,
+    repartition_of,
 )
 from zpipe.training.async_reference import train_async_reference
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
@@ -143,8 +144,15 @@ def _train_async_here(
         aggregate=args.aggregate,
         aggregate_multiple=args.aggregate_multiple,
     )
+    # the live re-partitions the run made, where it made them
+    moves = {int(r["at"]): list(r["bounds"]) for r in report.repartitions if r.get("moved")}
     result = train_async_reference(
-        spec, batches, bounds=bounds, optimizer=_optimizer(args), settings=settings
+        spec,
+        batches,
+        bounds=bounds,
+        optimizer=_optimizer(args),
+        settings=settings,
+        repartitions=moves,
     )
     return result.state_dict
 
@@ -258,6 +266,7 @@ def _train(
             vertical_sync=args.vertical_sync,
             aggregate=args.aggregate,
             aggregate_multiple=args.aggregate_multiple,
+            repartition=repartition_of(args),
         )
     if args.planner is not None:
         settings["planner"] = args.planner
@@ -324,6 +333,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --lr-schedule or --resume yet")
     if not asynchronous and (args.aggregate or not args.vertical_sync):
         parser.error(f"--aggregate and --no-vertical-sync need --schedule {ASYNC_SCHEDULE}")
+    if repartition_of(args) is not None and (args.recover or not args.vertical_sync):
+        parser.error("--repartition and its flags need vertical sync, and no --recover")
     if args.advertise_host is not None and args.coordinator is None:
         parser.error("--advertise-host needs --coordinator (--local runs on this machine)")
     if not args.recover and any(v is not None for v in recover_only):

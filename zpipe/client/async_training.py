@@ -7,6 +7,10 @@ semaphore; by default the number of stages). The stages do not know how long the
 run is, so the feed ends with a ``data`` message that carries ``end`` and no rows
 (:mod:`zpipe.stage.async_trainer`); the final weights are gathered once every
 stage has backwarded every mini-batch.
+
+With ``repartition`` (FTPipeHD's live re-partitioning), the feed pauses before
+each mini-batch the settings name (:mod:`zpipe.client.repartition`): the same
+``end`` marker flushes the stages there.
 """
 
 from __future__ import annotations
@@ -28,3 +32,6 @@ class AsyncTrainingRun(TrainingRun):
         message = Message("data", body, epoch=self.session.epoch)
         for name, sock in self.first_group:
             await self._send(sock, message, name)
+
+    async def pause_feed(self) -> None:
+        await self.feed_ended()  # the stages finish every mini-batch before the pause

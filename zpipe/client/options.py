@@ -25,6 +25,7 @@ from zpipe.recovery import REPLICATIONS, DeadlinePolicy
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.objectives import check_loss, check_optimizer
+from zpipe.training.repartition import RepartitionSettings
 from zpipe.training.warmup import check_warmup_policy
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
@@ -201,7 +202,12 @@ class TrainOptions:
     ``vertical_sync`` (default on): every stage forwards a mini-batch with the weight
     version the first stage used; ``aggregate``: FTPipeHD's weight aggregation, stage
     ``i`` of ``n`` averaging its newest ``n - i`` versions every
-    ``aggregate_multiple * (n - i)`` backwards.
+    ``aggregate_multiple * (n - i)`` backwards. ``repartition`` (one device per
+    stage; not with ``recover``): FTPipeHD's live re-partitioning, True or a
+    :class:`~zpipe.training.repartition.RepartitionSettings` (or its map: ``first``,
+    ``every``, ``gain``): the feed pauses after ``first`` mini-batches and then every
+    ``every``, the stages' capacities are measured and their units move between
+    them when the predicted period shrinks by ``gain``.
     ``plan``: a training plan (device groups, unit ranges, shares, warm-ups; e.g. from
     :func:`zpipe.planner.hpp.plan_training`); its schedule, micro-batch count and
     warm-ups replace those arguments. Without one the coordinator plans a straight
@@ -305,6 +311,7 @@ class TrainOptions:
     vertical_sync: bool = True
     aggregate: bool = False
     aggregate_multiple: int = 1
+    repartition: RepartitionSettings | Mapping[str, Any] | bool | None = None
 
     def __post_init__(self) -> None:
         _check_trace(self.trace)
@@ -352,10 +359,17 @@ class TrainOptions:
                 raise ConfigError(
                     f"{ASYNC_SCHEDULE} runs do not recover or rebalance yet: leave recover off"
                 )
+        object.__setattr__(self, "repartition", _repartition_settings(self))
         if self.warmups is not None:
             object.__setattr__(self, "warmups", tuple(self.warmups))
         check_warmup_policy(self.warmup)
         _normalize_placement(self)
+
+    @property
+    def repartition_settings(self) -> RepartitionSettings | None:
+        """Live re-partitioning's settings (None: the partition stays)."""
+        assert self.repartition is None or isinstance(self.repartition, RepartitionSettings)
+        return self.repartition
 
     @property
     def replica_period(self) -> int | None:
@@ -384,3 +398,22 @@ class TrainOptions:
             if missing:
                 raise TypeError(f"{caller}() needs the keyword arguments {', '.join(missing)}")
         return _from_keywords(cls, options, keywords or {}, caller)
+
+
+def _repartition_settings(options: TrainOptions) -> RepartitionSettings | None:
+    """``repartition`` as settings: True takes FTPipeHD's (after 10 mini-batches, then
+    every 100, a gain of 0.1); an asynchronous run needs vertical sync for them."""
+    given = options.repartition
+    if given is None or given is False:
+        return None
+    if options.recover:
+        raise ConfigError("repartition moves units live; with recover=True use rebalance=...")
+    if not options.vertical_sync:
+        raise ConfigError("repartition needs vertical sync (the weight versions it moves)")
+    if given is True:
+        return RepartitionSettings()
+    if isinstance(given, RepartitionSettings):
+        return given
+    if isinstance(given, Mapping):
+        return RepartitionSettings.from_dict(given)
+    raise ConfigError(f"repartition takes True, a mapping or RepartitionSettings, not {given!r}")

@@ -55,6 +55,8 @@ class TrainReport:
     replicas: list[int] = field(default_factory=list)
     # plans the run moved to at a replica because the stages' speeds changed
     rebalances: list[dict[str, Any]] = field(default_factory=list)
+    # live re-partitions of an asynchronous run: each look's decision, where it moved
+    repartitions: list[dict[str, Any]] = field(default_factory=list)
     # mini-batches trained before this run (a resumed run's start_step)
     start_step: int = 0
     # whether state_dict holds the optimizer's state (fit's optimizer_state=True)

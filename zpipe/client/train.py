@@ -127,6 +127,8 @@ def training_request(
             aggregate_multiple=options.aggregate_multiple,
         )
         request["train"]["async"] = settings.to_dict()
+    if options.repartition_settings is not None:
+        request["train"]["repartition"] = options.repartition_settings.to_dict()
     return request
 
 
@@ -253,6 +255,7 @@ class _Training:
                     replicate_every=self.every,
                     global_every=self.options.global_period,
                 )
+                run.repartition = self.options.repartition_settings
                 tplan = run.report.training_plan
                 if self.options.on_plan is not None and tplan is not None:
                     self.options.on_plan(tplan)

@@ -28,6 +28,7 @@ from zpipe.client.batches import (
 )
 from zpipe.client.connection import CLIENT_NAME
 from zpipe.client.failures import run_failed_error
+from zpipe.client.repartition import repartition_before
 from zpipe.client.reports import TrainReport
 from zpipe.client.session import RunSession
 from zpipe.log import get_logger
@@ -36,6 +37,7 @@ from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.progress import Progress
 from zpipe.recovery import replicas_due
+from zpipe.training.repartition import RepartitionSettings
 from zpipe.training.routing import split_rows
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
@@ -123,6 +125,8 @@ class TrainingRun:
         # chain replicas with a global copy every ``global_every`` mini-batches
         self.global_every = global_every if replicate_every is not None else None
         self._step_done: Callable[[int, float], None] = lambda step, loss: None
+        # live re-partitioning's settings (None: the cuts stay), set by fit
+        self.repartition: RepartitionSettings | None = None
 
     def default_window(self, plan: TrainingPlan) -> int:
         """Mini-batches fed ahead of their losses when the options name no bound."""
@@ -130,6 +134,10 @@ class TrainingRun:
 
     async def feed_ended(self) -> None:
         """Every mini-batch was sent (a run kind that must say so, says so here)."""
+
+    async def pause_feed(self) -> None:
+        """The feed stops for a live re-partition (a run kind whose stages must be told
+        to flush, tells them here); a synchronous round ends with its update anyway."""
 
     async def train(
         self,
@@ -180,6 +188,8 @@ class TrainingRun:
     async def _feed(self, source: BatchSource) -> None:
         async for batch in source.iterate():
             step = self.offset + self.sent_steps
+            if self.repartition is not None and self.repartition.due(step):
+                await repartition_before(self, step)
             # a replica before every ``replicate_every``-th mini-batch (and a global copy
             # before every ``global_every``-th), the first one included, unless this run
             # resumed from the one taken there

@@ -4,10 +4,11 @@ The same start as a synchronous run (assign, ready, go, connect: see
 :mod:`zpipe.coordinator.training`), and the same checkpoint at the end (every
 stage's weights once it has backwarded every batch), but no replicas: the stages
 never drain, so a global replica would need every stage's weights at one batch
-boundary, which asynchronous stages reach at different times. Recovery,
-replication and live re-partitioning of asynchronous runs are later work; a
-``replicate`` request is answered with an error, and the client keeps no
-replicas for such a run.
+boundary, which asynchronous stages reach at different times. A live
+re-partition (the client pauses its feed, the stages flush, move units and
+commit) is :mod:`zpipe.coordinator.repartition`'s, as for synchronous runs. Recovery and
+replication of asynchronous runs are later work; a ``replicate`` request is
+answered with an error, and the client keeps no replicas for such a run.
 
 Pure: events in, commands out.
 """

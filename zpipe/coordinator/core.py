@@ -55,6 +55,7 @@ REPLY_KINDS = (
     "weights",
     "backed_up",
     *LOSSY_REPLY_KINDS,
+    "repartition_reply",
 )
 # Replies to requests the shell makes itself while it plans (profiles, link probes).
 SHELL_REPLY_KINDS = ("profile_reply", "link_peers_ok", "link_probe_reply")

@@ -151,6 +151,7 @@ DISPATCH: dict[str, EventOf] = {
             "replicate",
             "notice_ack",
             "lossy_run_request",
+            "repartition",
         )
     },
 }

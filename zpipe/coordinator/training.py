@@ -37,6 +37,7 @@ from zpipe.coordinator.events import ClientRequest, Event, StageDied
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.persistence import SavedReplica
+from zpipe.coordinator.repartition import LiveRepartitioning
 from zpipe.coordinator.runbase import BaseRun
 from zpipe.coordinator.runs import Replica
 from zpipe.coordinator.state import CLIENT_NAME
@@ -77,9 +78,26 @@ class SyncTrainingRun(BaseRun):
                 }
         return None
 
+    _repartitioning: LiveRepartitioning | None = None
+
     def on_event(self, event: Event, now: float) -> list[Command]:
         if isinstance(event, StageDied):
             return self.state.flows.start(self.notify_stage_failed(event.name, event.reason), now)
+        if isinstance(event, ClientRequest) and event.message.kind == "repartition":
+            # a live re-partition (zpipe.coordinator.repartition), its flow answered once
+            run_id, step = int(event.message["run"]), int(event.message["step"])
+            if self._repartitioning is None:
+                self._repartitioning = LiveRepartitioning(self)
+            flows = self._repartitioning
+            return self.state.answers.answer(
+                self.state.flows,
+                ("repartition", run_id, step),
+                event.routing_id,
+                lambda: flows.flow(run_id, step),
+                peer=CLIENT_NAME,
+                timeout_s=self.reply_s,
+                now=now,
+            )
         if isinstance(event, ClientRequest) and event.message.kind in (
             "weights_request",
             "replicate",

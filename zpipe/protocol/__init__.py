@@ -8,6 +8,7 @@
     storage          the coordinator's files (codec messages on disk)
     lossy            EdgePipe's lossy runs on ordinary stages
     federated        the federated server and its clients (fl-server, fl-client)
+    repartition      a live re-partition of an asynchronous run (client, coordinator, stages)
 
 Each class has ``to_message()`` and ``from_message(message)`` (which raises
 :class:`~zpipe._errors.ProtocolError` on a body that does not fit). The schema
@@ -25,6 +26,7 @@ from zpipe.protocol import (
     federated,
     lossy,
     peer,
+    repartition,
     stage_control,
     storage,
 )
@@ -32,7 +34,17 @@ from zpipe.protocol._message import Message
 from zpipe.protocol._schema import FieldSchema, TensorMessage, WireMessage
 from zpipe.protocol.registry import Registry
 
-CONVERSATIONS = (stage_control, bulk, client_control, data_plane, peer, storage, lossy, federated)
+CONVERSATIONS = (
+    stage_control,
+    bulk,
+    client_control,
+    data_plane,
+    peer,
+    storage,
+    lossy,
+    federated,
+    repartition,
+)
 
 REGISTRY = Registry(cls for module in CONVERSATIONS for cls in module.MESSAGES)
 

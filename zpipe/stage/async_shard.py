@@ -16,8 +16,14 @@ from typing import Any
 import torch
 
 from zpipe._errors import ConfigError, PipelineError
+from zpipe.models import load_layer_sequence
 from zpipe.models.trust import FactoryPolicy
 from zpipe.stage.train_shard import TrainShard
+from zpipe.training.async_regroup import (
+    needed_versions,
+    unit_state_from_tensors,
+    unit_state_tensors,
+)
 from zpipe.training.async_stage import AsyncStageCompute
 from zpipe.training.objectives import is_factory_name
 from zpipe.transport.slowdown import Slowdown
@@ -119,3 +125,46 @@ class AsyncShard(TrainShard):
         started, cpu_started = time.perf_counter(), time.thread_time()
         self.compute.aggregate(count)
         return self._timed(started, cpu_started)
+
+    # ------------------------------------------------------------ a live re-partition
+
+    def repartition_snapshot(self, num_stages: int) -> dict[str, torch.Tensor]:
+        """Every unit's state at a flush, under the full model's keys, with the weight
+        versions the next forwards and aggregations read (what peers fetch)."""
+        versions = needed_versions(self.compute.updates, num_stages)
+        out: dict[str, torch.Tensor] = {}
+        for offset, state in enumerate(self.compute.export_units()):
+            for key, tensor in unit_state_tensors(self.start + offset, state, versions).items():
+                out[key] = tensor.detach().clone()
+        return out
+
+    def regrouped(self, start: int, end: int, state: Mapping[str, torch.Tensor]) -> AsyncShard:
+        """This stage's shard over units ``[start, end)`` instead, each unit's state
+        (:meth:`unit_snapshot`'s entries, its own or a peer's) taken from ``state``;
+        same settings, same number of updates."""
+        if self.spec is None:
+            raise PipelineError("this shard was not built from a model spec: it cannot regroup")
+        units = load_layer_sequence(self.spec).build_units(start, end)
+        states = [unit_state_from_tensors(start + i, u, state) for i, u in enumerate(units)]
+        shard = AsyncShard(
+            [s.module for s in states],
+            start=start,
+            first=self.first,
+            last=self.last,
+            loss=self.loss,
+            optimizer=self.optimizer_config,
+            slowdown=self.slowdown,
+        )
+        shard.compute = AsyncStageCompute.adopt(
+            states,
+            updates=self.compute.updates,
+            first=self.first,
+            last=self.last,
+            loss=self.loss,
+            optimizer=self.optimizer_config,
+        )
+        shard.units = shard.compute.units
+        shard.optimizer = shard.compute.optimizer
+        shard.peak_live = self.peak_live
+        shard.spec = self.spec
+        return shard

@@ -76,6 +76,13 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self._end: int | None = None  # the number of batches, once the feed ended
         self._end_passed = False
         self.aggregations = 0
+        # A live re-partition pauses the feed: the stage runs until every batch
+        # before the pause is backwarded (``flushed_at``), then waits to be resumed
+        # from that batch (:meth:`resume`), its units possibly changed.
+        self._first = 0  # the batch this segment of the run starts at
+        self.flushed_at: int | None = None
+        self._flush_changed = asyncio.Condition()
+        self._resume: asyncio.Event = asyncio.Event()
 
     def _schedule_actions(self) -> list[Action]:
         return []  # endless: iter_async_actions, in _train
@@ -124,8 +131,47 @@ class AsyncTrainingExecutor(TrainingExecutor):
     # ------------------------------------------------------------ the run
 
     async def _train(self) -> None:
+        while True:
+            await self._segment()
+            async with self._flush_changed:
+                self.flushed_at = self._end
+                self._flush_changed.notify_all()
+            # the run's end, or a pause for a re-partition: resumed by the latter
+            await self._resume.wait()
+            self._resume.clear()
+
+    async def wait_flushed(self, batch: int, timeout_s: float) -> None:
+        """Wait until every batch before ``batch`` was backwarded and the stage waits to
+        be resumed there; TransportTimeout after ``timeout_s``."""
+        async with self._flush_changed:
+            try:
+                await asyncio.wait_for(
+                    self._flush_changed.wait_for(
+                        lambda: self.flushed_at == batch or self.failure is not None
+                    ),
+                    timeout_s,
+                )
+            except asyncio.TimeoutError:
+                raise TransportTimeout(
+                    self.setup.name, f"the flush before batch {batch}", timeout_s
+                ) from None
+        if self.failure is not None:
+            raise PipelineError(f"the stage failed before the flush: {self.failure}")
+
+    def resume(self, batch: int, shard: AsyncShard | None = None) -> None:
+        """Go on from ``batch`` after a flush there, on ``shard`` if the units changed."""
+        if self.flushed_at != batch:
+            raise PipelineError(f"resume from batch {batch}, but flushed at {self.flushed_at}")
+        if shard is not None:
+            self.shard = self.async_shard = shard
+        self._first, self._end, self._end_passed, self.flushed_at = batch, None, False, None
+        self._resume.set()
+
+    async def _segment(self) -> None:
         s = self.setup
-        for action in iter_async_actions(s.index, s.num_stages, aggregate_every=self._every):
+        for action in iter_async_actions(
+            s.index, s.num_stages, aggregate_every=self._every, first_batch=self._first
+        ):
             b = action.batch
             if action.kind == "F":
                 assert b is not None

@@ -66,6 +66,7 @@ class Job(enum.Enum):
     LINK_PROBE = "link_probe"
     WEIGHTS = "weights"
     BACKUP = "backup"
+    REPARTITION = "repartition"
 
 
 # ----------------------------------------------------------------- commands
@@ -414,6 +415,8 @@ class StageLifecycle:
             return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
         if kind == "backup_request":
             return [StartJob(Job.BACKUP, message, newest_wins=True)]
+        if kind == "repartition_request":
+            return [StartJob(Job.REPARTITION, message, newest_wins=True)]
         if kind in ("lossy_setup", "lossy_go", "lossy_dead", "lossy_probe_request"):
             return [LossyControl(message)]
         if kind == "metrics_request":

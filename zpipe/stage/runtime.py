@@ -65,6 +65,7 @@ from zpipe.stage.lossy_executor import LossyExecutor
 from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
+from zpipe.stage.repartition import StageRepartition
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService, request_identity
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
@@ -132,6 +133,10 @@ class StageRuntime:
             counters=self.counters,
             replicas=self.replicas,
         )
+        self._repartition = StageRepartition(
+            name=self.config.name, snapshots=self._snapshots, counters=self.counters,
+            compute=self._compute, timeout_s=timeouts.result_s,
+        )  # fmt: skip
         assert ports.bulk is not None
         self._bulk = StageBulk(
             name=self.config.name,
@@ -553,6 +558,9 @@ class StageRuntime:
         elif job is Job.BACKUP:
             reply, tensors = await snapshots.backup_reply(message, plane.trainer, plane.pace)
             await self._send_control("backed_up", reply, message.epoch, tensors=tensors)
+        elif job is Job.REPARTITION:
+            body = await self._repartition.reply(message, plane.trainer)
+            await self._send_control("repartition_reply", body, message.epoch)
 
     # --------------------------------------------------------------- shutdown
 

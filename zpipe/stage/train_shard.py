@@ -27,7 +27,13 @@ from zpipe._errors import ConfigError, PipelineError
 from zpipe.devices import BoundaryMover
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.models.trust import FactoryPolicy, factory_policy
-from zpipe.models.weights import OPTIMIZER_KEY, STEPS_KEY, read_matching, unit_key
+from zpipe.models.weights import (
+    OPTIMIZER_KEY,
+    STEPS_KEY,
+    read_matching,
+    split_unit_key,
+    unit_key,
+)
 from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
 from zpipe.training.objectives import check_loss, make_loss, make_optimizer
 from zpipe.transport.emulation import compute_cpu_s, emulate_slowdown
@@ -65,6 +71,9 @@ class TrainShard:
         self.slowdown = slowdown
         params = [p for u in self.units for p in u.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, params, policy=policy) if params else None
+        # what a live re-partition builds other units with (build() sets the spec)
+        self.optimizer_config = dict(optimizer)
+        self.spec: ModelSpec | None = None
         self.lr_schedule = check_lr_schedule(lr_schedule)
         self._initial_lrs = (
             [float(group.get("lr", 0.0)) for group in self.optimizer.param_groups]
@@ -122,6 +131,7 @@ class TrainShard:
             policy=factory_policy(from_peer=spec.from_peer),
             device=device,
         )
+        shard.spec = spec
         if state is not None:
             shard.load_training_state(state)
         elif resume_optimizer:
@@ -145,6 +155,31 @@ class TrainShard:
             del saved[STEPS_KEY]
             shard.load_optimizer_state(saved)
         return shard
+
+    def repartition_snapshot(self, num_stages: int) -> dict[str, torch.Tensor]:
+        """This stage's state between two rounds, for peers to fetch units of at a live
+        re-partition (:mod:`zpipe.stage.repartition`)."""
+        return self.training_state()
+
+    def regrouped(self, start: int, end: int, state: Mapping[str, torch.Tensor]) -> TrainShard:
+        """This stage's shard over units ``[start, end)`` instead, their state taken
+        from ``state`` (:meth:`repartition_snapshot`'s entries, its own or a peer's)."""
+        if self.spec is None:
+            raise PipelineError("this shard was not built from a model spec: it cannot regroup")
+        return TrainShard.build(
+            self.spec,
+            start,
+            end,
+            first=self.first,
+            last=self.last,
+            loss=self.loss,
+            optimizer=self.optimizer_config,
+            slowdown=self.slowdown,
+            state={k: v for k, v in state.items() if _unit_in(k, start, end)},
+            lr_schedule=self.lr_schedule,
+            start_step=self.next_step,
+            device=self.device,
+        )
 
     def _weight_storages(self) -> set[int]:
         return {
@@ -371,3 +406,8 @@ class TrainShard:
                 entry[name] = value.to(param.device, copy=True)
             else:
                 entry[name] = value.clone() if name == "step" else float(value)
+
+
+def _unit_in(key: str, start: int, end: int) -> bool:
+    unit = split_unit_key(key.partition(OPTIMIZER_KEY)[0])
+    return unit is not None and start <= unit[0] < end

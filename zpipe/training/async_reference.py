@@ -10,7 +10,7 @@ order, which is the same too: the same ops run on the same tensors).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,9 @@ import torch
 from zpipe._errors import ConfigError
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.weights import unit_key
+from zpipe.training.async_regroup import regroup_stages
 from zpipe.training.async_schedule import (
+    AsyncAction,
     AsyncSettings,
     aggregation_intervals,
     async_global_order,
@@ -46,13 +48,23 @@ def train_async_reference(
     optimizer: dict[str, Any],
     loss: str = "cross_entropy",
     settings: AsyncSettings | None = None,
+    repartitions: Mapping[int, Sequence[int]] | None = None,
 ) -> AsyncReferenceResult:
     """Train ``spec`` split at ``bounds`` (unit indices, first 0, last the unit count)
-    on ``batches`` (``(inputs..., labels)``) as an asynchronous pipeline would."""
+    on ``batches`` (``(inputs..., labels)``) as an asynchronous pipeline would.
+
+    ``repartitions``: batch ``R`` -> the bounds the pipeline is cut at from batch ``R``
+    on (a live re-partition: the pipeline flushes after batch ``R - 1`` and every
+    unit moves with its state, :mod:`zpipe.training.async_regroup`)."""
     settings = settings or AsyncSettings()
     n = len(bounds) - 1
     if n < 1:
         raise ConfigError(f"bounds {list(bounds)} describe no stage")
+    cuts = {int(r): tuple(int(b) for b in c) for r, c in (repartitions or {}).items()}
+    if any(not 0 < r < len(batches) for r in cuts):
+        raise ConfigError(f"re-partitions at {sorted(cuts)} fall outside 1..{len(batches) - 1}")
+    if cuts and not settings.vertical_sync:
+        raise ConfigError("a live re-partition needs vertical sync (the versions it keeps)")
     sequence = load_layer_sequence(spec)
     stages = [
         AsyncStageCompute(
@@ -67,13 +79,55 @@ def train_async_reference(
     every = aggregation_intervals(
         n, aggregate=settings.aggregate, multiple=settings.aggregate_multiple
     )
-    order = async_global_order(
-        n, len(batches), max_in_flight=settings.max_in_flight, aggregate_every=every
-    )
     activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     losses: dict[int, float] = {}
     last_backward = [-1] * n
+    forward_versions: list[dict[int, int]] = [{} for _ in range(n)]
+    backward_versions: list[dict[int, int]] = [{} for _ in range(n)]
+    segment_starts = [0, *sorted(cuts)]
+    for lo, hi in zip(segment_starts, [*segment_starts[1:], len(batches)], strict=True):
+        if lo in cuts:
+            for i, stage in enumerate(stages):
+                forward_versions[i].update(stage.forward_versions)
+                backward_versions[i].update(stage.backward_versions)
+            stages = regroup_stages(stages, cuts[lo], loss=loss, optimizer=optimizer)
+            bounds = cuts[lo]
+        order = async_global_order(
+            n,
+            hi,
+            max_in_flight=settings.max_in_flight,
+            aggregate_every=every,
+            first_batch=lo,
+        )
+        _run_order(stages, order, batches, settings, activations, grads, losses, last_backward)
+    for i, stage in enumerate(stages):
+        forward_versions[i].update(stage.forward_versions)
+        backward_versions[i].update(stage.backward_versions)
+    state: dict[str, torch.Tensor] = {}
+    for i, stage in enumerate(stages):
+        for offset, unit in enumerate(stage.units):
+            for name, tensor in unit.state_dict().items():
+                state[unit_key(bounds[i] + offset, name)] = tensor.detach().clone()
+    return AsyncReferenceResult(
+        state_dict=state,
+        losses=[losses[b] for b in range(len(batches))],
+        forward_versions=forward_versions,
+        backward_versions=backward_versions,
+    )
+
+
+def _run_order(
+    stages: Sequence[AsyncStageCompute],
+    order: Sequence[tuple[int, AsyncAction]],
+    batches: Sequence[tuple[torch.Tensor, ...]],
+    settings: AsyncSettings,
+    activations: dict[tuple[int, int], tuple[torch.Tensor, ...]],
+    grads: dict[tuple[int, int], tuple[torch.Tensor, ...]],
+    losses: dict[int, float],
+    last_backward: list[int],
+) -> None:
+    n = len(stages)
     for i, action in order:
         stage = stages[i]
         b = action.batch
@@ -100,14 +154,3 @@ def train_async_reference(
             stage.step(last_backward[i])
         elif action.kind == "AGG":
             stage.aggregate(concurrent_versions(i, n))
-    state: dict[str, torch.Tensor] = {}
-    for i, stage in enumerate(stages):
-        for offset, unit in enumerate(stage.units):
-            for name, tensor in unit.state_dict().items():
-                state[unit_key(bounds[i] + offset, name)] = tensor.detach().clone()
-    return AsyncReferenceResult(
-        state_dict=state,
-        losses=[losses[b] for b in range(len(batches))],
-        forward_versions=[dict(s.forward_versions) for s in stages],
-        backward_versions=[dict(s.backward_versions) for s in stages],
-    )

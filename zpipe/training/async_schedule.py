@@ -143,16 +143,28 @@ def forward_version(stage: int, num_stages: int, batch: int, *, vertical_sync: b
 
 
 def iter_async_actions(
-    stage: int, num_stages: int, *, aggregate_every: int | None = None
+    stage: int,
+    num_stages: int,
+    *,
+    aggregate_every: int | None = None,
+    first_batch: int = 0,
 ) -> Iterator[AsyncAction]:
     """The endless action list of ``stage``; ``aggregate_every`` backwards (a multiple
-    of ``n - i``, see :func:`aggregation_interval`) an ``AGG`` before the next one."""
+    of ``n - i``, see :func:`aggregation_interval`) an ``AGG`` before the next one.
+
+    ``first_batch``: the list of a pipeline that was flushed after ``first_batch``
+    batches (every earlier batch backwarded everywhere, a re-partition's boundary:
+    :mod:`zpipe.training.repartition`): a warm-up again from that batch on. Versions
+    and aggregations keep counting from the run's start, so the flush changes when
+    things run, never which version a batch uses."""
     warmup = async_warmup(stage, num_stages)
     if aggregate_every is not None and aggregate_every < 1:
         raise ConfigError(f"aggregate_every must be >= 1, got {aggregate_every}")
-    for b in range(warmup):
+    if isinstance(first_batch, bool) or not isinstance(first_batch, int) or first_batch < 0:
+        raise ConfigError(f"first_batch must be an integer >= 0, got {first_batch!r}")
+    for b in range(first_batch, first_batch + warmup):
         yield AsyncAction("F", b)
-    k = 0
+    k = first_batch
     while True:
         if aggregate_every is not None and k > 0 and k % aggregate_every == 0:
             yield AsyncAction("AGG")
@@ -163,16 +175,24 @@ def iter_async_actions(
 
 
 def async_stage_actions(
-    stage: int, num_stages: int, num_batches: int, *, aggregate_every: int | None = None
+    stage: int,
+    num_stages: int,
+    num_batches: int,
+    *,
+    aggregate_every: int | None = None,
+    first_batch: int = 0,
 ) -> list[AsyncAction]:
     """The action list of a run of ``num_batches`` batches: the endless list without
-    the batches that never come."""
+    the batches that never come (from ``first_batch`` on: see
+    :func:`iter_async_actions`)."""
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
         raise ConfigError(f"num_batches must be an integer >= 0, got {num_batches!r}")
     out: list[AsyncAction] = []
-    if num_batches == 0:
+    if num_batches <= first_batch:
         return out
-    for action in iter_async_actions(stage, num_stages, aggregate_every=aggregate_every):
+    for action in iter_async_actions(
+        stage, num_stages, aggregate_every=aggregate_every, first_batch=first_batch
+    ):
         if action.kind in ("F", "B") and action.batch is not None and action.batch >= num_batches:
             if action.kind == "B":
                 break
@@ -200,6 +220,7 @@ def async_global_order(
     *,
     max_in_flight: int | None = None,
     aggregate_every: list[int | None] | None = None,
+    first_batch: int = 0,
 ) -> list[tuple[int, AsyncAction]]:
     """One valid global order of every stage's actions: ``(stage, action)`` pairs.
 
@@ -214,7 +235,10 @@ def async_global_order(
     if window < 1:
         raise ConfigError(f"max_in_flight must be >= 1, got {window}")
     every = aggregate_every or [None] * n
-    lists = [async_stage_actions(i, n, num_batches, aggregate_every=every[i]) for i in range(n)]
+    lists = [
+        async_stage_actions(i, n, num_batches, aggregate_every=every[i], first_batch=first_batch)
+        for i in range(n)
+    ]
     cursor = [0] * n
     forwarded: list[set[int]] = [set() for _ in range(n)]
     backwarded: list[set[int]] = [set() for _ in range(n)]
@@ -228,7 +252,7 @@ def async_global_order(
                 if action.kind == "F":
                     assert b is not None
                     if i == 0:
-                        ready = b - window < 0 or (b - window) in forwarded[n - 1]
+                        ready = b - window < first_batch or (b - window) in forwarded[n - 1]
                     else:
                         ready = b in forwarded[i - 1]
                     if not ready:

@@ -31,6 +31,17 @@ from zpipe.training.objectives import make_optimizer, microbatch_loss
 
 
 @dataclass
+class UnitState:
+    """One unit's whole training state at a flush, as it moves to another stage: the
+    module (live parameters and buffers), the optimizer's state of each parameter,
+    and the weight versions later forwards and aggregations still use."""
+
+    module: torch.nn.Module
+    optimizer: dict[str, dict[str, torch.Tensor]]  # parameter -> its optimizer state
+    versions: dict[int, dict[str, torch.Tensor]]  # version -> the unit's parameters
+
+
+@dataclass
 class _Stashed:
     version: int
     leaves: tuple[torch.Tensor, ...]  # the inputs that need a gradient
@@ -169,6 +180,56 @@ class AsyncStageCompute:
             self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
         self._versions[self.updates] = self._copy_live()
+
+    # ------------------------------------------------------------- moving units
+
+    def export_units(self) -> list[UnitState]:
+        """Every unit's state, to move them at a flush (nothing in flight: a stashed
+        forward's graph cannot move). The units stay usable here until dropped."""
+        if self._stashed or self._pending:
+            raise PipelineError(
+                f"units move only when nothing is in flight; batches "
+                f"{sorted({*self._stashed, *self._pending})} are"
+            )
+        opt_state = self.optimizer.state if self.optimizer is not None else {}
+        out = []
+        for index, (unit, params) in enumerate(zip(self.units, self._params, strict=True)):
+            optimizer: dict[str, dict[str, torch.Tensor]] = {}
+            for name, param in params.items():
+                state = opt_state.get(param)
+                if state:
+                    optimizer[name] = dict(state)
+            versions = {v: kept[index] for v, kept in self._versions.items()}
+            out.append(UnitState(unit, optimizer, versions))
+        return out
+
+    @classmethod
+    def adopt(
+        cls,
+        states: Sequence[UnitState],
+        *,
+        updates: int,
+        first: bool,
+        last: bool,
+        loss: str,
+        optimizer: dict[str, Any],
+    ) -> AsyncStageCompute:
+        """A stage's compute over moved units (:meth:`export_units`), at ``updates``:
+        the versions every unit kept, the optimizer's state of every parameter."""
+        compute = cls(
+            [s.module for s in states], first=first, last=last, loss=loss, optimizer=optimizer
+        )
+        compute.updates = updates
+        common = set.intersection(*(set(s.versions) for s in states)) if states else set()
+        if updates not in common:
+            raise PipelineError(f"the moved units do not all have version {updates}")
+        compute._versions = {v: [s.versions[v] for s in states] for v in sorted(common)}
+        if compute.optimizer is not None:
+            for params, state in zip(compute._params, states, strict=True):
+                for name, param in params.items():
+                    if name in state.optimizer:
+                        compute.optimizer.state[param] = dict(state.optimizer[name])
+        return compute
 
     def aggregate(self, count: int) -> None:
         """Replace the live weights by the mean of the newest ``count`` versions

@@ -238,6 +238,9 @@ TRAIN_SETTINGS = (
     "resume_optimizer",
     "warmup",
     "async",
+    # live re-partitioning (zpipe.training.repartition.RepartitionSettings' map): the
+    # coordinator reads it; stages need none of it
+    "repartition",
 )
 
 

@@ -1,0 +1,429 @@
+"""Live re-partitioning of asynchronous runs (FTPipeHD III-D, III-F): pure parts.
+
+The decision (capacities from measured times, eq. 5 / eq. 7, a gain threshold,
+checks after ``first`` and then every ``every`` batches) is fed events; moving a
+flushed pipeline's units between stages must not change what it computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe.cluster import LocalCluster
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.training.async_reference import AsyncSettings, train_async_reference
+from zpipe.training.async_regroup import (
+    needed_versions,
+    unit_state_from_tensors,
+    unit_state_tensors,
+)
+from zpipe.training.async_schedule import async_global_order, async_stage_actions
+from zpipe.training.async_stage import AsyncStageCompute
+from zpipe.training.objectives import make_optimizer
+from zpipe.training.repartition import (
+    RepartitionController,
+    RepartitionSettings,
+    decide_repartition,
+)
+
+SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 20, 4], "activation": "gelu"}, seed=5)
+ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+def make_batches(count: int, size: int = 4, *, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 12, generator=g), torch.randint(0, 4, (size,), generator=g))
+            for _ in range(count)]  # fmt: skip
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-6) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=rtol, atol=1e-7) for k in a)
+
+
+# ---------------------------------------------------------------- schedule after a flush
+
+
+def test_the_list_after_a_flush_warms_up_again_from_its_first_batch() -> None:
+    actions = [str(a) for a in async_stage_actions(0, 3, 9, first_batch=5)]
+    assert actions[:6] == ["F5", "F6", "F7", "B5", "STEP", "F8"]
+    assert async_stage_actions(1, 3, 5, first_batch=5) == []
+    # aggregation keeps counting backwards from the run's start: before B6 (every 3)
+    agg = [str(a) for a in async_stage_actions(0, 3, 12, aggregate_every=3, first_batch=5)]
+    assert agg.index("AGG") == agg.index("B6") - 1
+    order = async_global_order(3, 9, first_batch=5)
+    assert {a.batch for _, a in order if a.kind == "B"} == {5, 6, 7, 8}
+    with pytest.raises(ConfigError):
+        async_stage_actions(0, 3, 9, first_batch=-1)
+
+
+# ---------------------------------------------------------------- exactness in one process
+
+
+@pytest.mark.parametrize("optimizer", [ADAM, SGD], ids=["adam", "sgd"])
+def test_moving_units_at_a_flush_changes_nothing_with_vertical_sync(optimizer: dict) -> None:
+    batches = make_batches(14, seed=1)
+    plain = train_async_reference(SPEC, batches, bounds=[0, 1, 2, 5], optimizer=optimizer)
+    moved = train_async_reference(
+        SPEC,
+        batches,
+        bounds=[0, 1, 2, 5],
+        optimizer=optimizer,
+        repartitions={4: [0, 3, 4, 5], 9: [0, 2, 3, 5]},
+    )
+    # the flushes change the order things run in, never a batch's version
+    assert moved.forward_versions[0] == plain.forward_versions[0]
+    assert torch.allclose(torch.tensor(moved.losses), torch.tensor(plain.losses), rtol=1e-6)
+    assert close(moved.state_dict, plain.state_dict)
+
+
+def test_with_aggregation_a_moved_unit_follows_its_new_stage() -> None:
+    batches = make_batches(14, seed=2)
+    settings = AsyncSettings(aggregate=True)
+    plain = train_async_reference(
+        SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM, settings=settings
+    )
+    moved = train_async_reference(
+        SPEC,
+        batches,
+        bounds=[0, 1, 2, 5],
+        optimizer=ADAM,
+        settings=settings,
+        repartitions={5: [0, 3, 4, 5]},
+    )
+    # unit 2 moved from the last stage (no aggregation) to the first (3 versions)
+    assert moved.losses[:6] == plain.losses[:6]
+    assert not close(moved.state_dict, plain.state_dict)
+
+
+def test_a_repartition_needs_vertical_sync_and_a_batch_inside_the_run() -> None:
+    batches = make_batches(6)
+    with pytest.raises(ConfigError, match="vertical sync"):
+        train_async_reference(
+            SPEC,
+            batches,
+            bounds=[0, 2, 5],
+            optimizer=SGD,
+            settings=AsyncSettings(vertical_sync=False),
+            repartitions={3: [0, 3, 5]},
+        )
+    with pytest.raises(ConfigError, match="outside"):
+        train_async_reference(
+            SPEC, batches, bounds=[0, 2, 5], optimizer=SGD, repartitions={6: [0, 3, 5]}
+        )
+
+
+# ---------------------------------------------------------------- a unit's state on the wire
+
+
+def trained_stage(batches: int) -> AsyncStageCompute:
+    units = load_layer_sequence(SPEC).build_units(0, 2)
+    compute = AsyncStageCompute(units, first=True, last=False, loss="cross_entropy", optimizer=ADAM)
+    for b, (x, _) in enumerate(make_batches(batches)):
+        out, _ = compute.forward(b, compute.updates, (x,))
+        compute.backward(b, tuple(torch.ones_like(t) for t in out))
+        compute.step(b)
+    return compute
+
+
+def test_a_unit_state_crosses_as_named_tensors_and_trains_on_identically() -> None:
+    compute = trained_stage(4)
+    states = compute.export_units()
+    fresh = load_layer_sequence(SPEC).build_units(0, 2)
+    wire: dict[str, torch.Tensor] = {}
+    for u, s in enumerate(states):
+        wire.update(unit_state_tensors(u, s, needed_versions(4, 3)))
+    assert "units.0.linear.weight#v2" in wire and "units.1.linear.weight#opt.exp_avg" in wire
+    moved = [unit_state_from_tensors(u, m, wire) for u, m in enumerate(fresh)]
+    copy = AsyncStageCompute.adopt(
+        moved, updates=4, first=True, last=False, loss="cross_entropy", optimizer=ADAM
+    )
+    assert copy.versions_kept == [2, 3, 4]
+    x = make_batches(1, seed=9)[0][0]
+    for c in (compute, copy):
+        out, _ = c.forward(4, 2, (x,))
+        c.backward(4, tuple(torch.ones_like(t) for t in out))
+        c.step(4)
+    for a, b in zip(compute.units, copy.units, strict=True):
+        assert close(a.state_dict(), b.state_dict(), rtol=0)
+
+
+def test_units_do_not_move_with_a_batch_in_flight_and_bad_keys_are_refused() -> None:
+    compute = trained_stage(2)
+    x = make_batches(1)[0][0]
+    compute.forward(2, 1, (x,))
+    with pytest.raises(PipelineError, match="in flight"):
+        compute.export_units()
+    state = trained_stage(2).export_units()[0]
+    with pytest.raises(PipelineError, match="no longer kept"):
+        unit_state_tensors(0, state, range(0, 9))
+    module = load_layer_sequence(SPEC).build_units(0, 1)[0]
+    with pytest.raises(ProtocolError):
+        unit_state_from_tensors(0, module, {"units.0.nothing#opt.exp_avg": torch.zeros(1)})
+    with pytest.raises(ProtocolError):
+        unit_state_from_tensors(0, module, {"units.0.linear.weight#vx": torch.zeros(1)})
+    with pytest.raises(ProtocolError):
+        unit_state_from_tensors(0, module, {"units.0.linear.weight": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------- the decision
+
+
+def counters(seconds: float, batches: int) -> dict[str, float]:
+    return {"forward_s": seconds / 2, "backward_s": seconds / 2, "step_s": 0.0,
+            "microbatches": batches}  # fmt: skip
+
+
+def test_looks_after_first_then_every() -> None:
+    settings = RepartitionSettings(first=10, every=100)
+    assert [d for d in range(1, 400) if settings.due(d)] == [10, 110, 210, 310]
+    with pytest.raises(ConfigError):
+        RepartitionSettings(first=0)
+    with pytest.raises(ConfigError):
+        RepartitionSettings(gain=1.0)
+    with pytest.raises(ConfigError, match="unknown"):
+        RepartitionSettings.from_dict({"firts": 3})
+    again = RepartitionSettings.from_dict(RepartitionSettings(3, 7, 0.2, (0, 2, 4)).to_dict())
+    assert again == RepartitionSettings(3, 7, 0.2, (0, 2, 4))
+
+
+def test_a_slow_stage_sheds_units_to_the_fast_ones() -> None:
+    controller = RepartitionController(
+        RepartitionSettings(first=2, every=4, gain=0.1),
+        devices=["a", "b", "c"],
+        bounds=[0, 2, 4, 6],
+        reference_unit_s=[1.0] * 6,
+    )
+    # b is 4x slower than a and c over the same two units
+    decision = controller.look(2, {"a": counters(4, 2), "b": counters(16, 2), "c": counters(4, 2)})
+    assert decision.measured and decision.moves
+    assert decision.capacities == {"a": 1.0, "b": 4.0, "c": 1.0}
+    assert decision.bounds is not None and decision.bounds[2] - decision.bounds[1] == 1
+    assert decision.period_s == 8.0 and decision.new_period_s < decision.period_s
+    # Algorithm 1: every unit that changes stage comes from its current holder
+    assert decision.redistribution is not None
+    old = {
+        u: d
+        for d, (lo, hi) in zip("abc", [(0, 2), (2, 4), (4, 6)], strict=True)
+        for u in range(lo, hi)
+    }
+    for t in decision.redistribution.transfers:
+        assert t.dest != t.source and {old[u] for u in range(t.start, t.end)} == {t.source}
+    assert decision.redistribution.units_moved > 0
+    assert controller.committed(decision) == 1 and controller.bounds == decision.bounds
+
+
+def test_the_times_since_the_last_look_count_not_the_run_average() -> None:
+    controller = RepartitionController(
+        RepartitionSettings(first=1, every=1, gain=0.05),
+        devices=["a", "b"],
+        bounds=[0, 2, 4],
+        reference_unit_s=[1.0] * 4,
+    )
+    first = controller.look(4, {"a": counters(8, 4), "b": counters(8, 4)})
+    assert not first.moves and first.reason == "the best cuts are the current ones"
+    # b becomes 3x slower: 4 more batches at 6 s each, its whole average only 4 s
+    later = controller.look(8, {"a": counters(16, 8), "b": counters(32, 8)})
+    assert later.capacities["b"] == pytest.approx(3.0) and later.moves
+
+
+def test_small_gains_and_unmeasured_stages() -> None:
+    base = dict(devices=["a", "b"], bounds=[0, 2, 4], reference_unit_s=[1.0, 1.0, 1.0, 1.2])
+    # b 1.2x slower over 10 of 20 units: one unit less saves 1/12 of the period
+    fine = dict(devices=["a", "b"], bounds=[0, 10, 20], reference_unit_s=[1.0] * 20)
+    slight = decide_repartition(
+        RepartitionSettings(gain=0.1), at=3, measured_s={"a": 10.0, "b": 12.0}, **fine
+    )
+    assert not slight.moves and "below" in slight.reason
+    assert slight.gain == pytest.approx(1 / 12)
+    taken = decide_repartition(
+        RepartitionSettings(gain=0.05), at=3, measured_s={"a": 10.0, "b": 12.0}, **fine
+    )
+    assert taken.bounds == (0, 11, 20)
+    # nothing measured from b: eq. 7 on the reference times (all capacities 1)
+    eq7 = decide_repartition(RepartitionSettings(gain=0.0), at=3, measured_s={"a": 2.0}, **base)
+    assert not eq7.measured and eq7.capacities == {"a": 1.0, "b": 1.0}
+    assert not eq7.moves  # [0, 2, 4] already balances 2.0 against 2.2 best
+    forced = decide_repartition(RepartitionSettings(bounds=(0, 3, 4)), at=3, measured_s={}, **base)
+    assert forced.moves and forced.bounds == (0, 3, 4)
+    assert forced.redistribution is not None
+    assert [t.to_dict() for t in forced.redistribution.transfers] == [
+        {"dest": "a", "source": "b", "start": 2, "end": 3, "version": 3}
+    ]
+    with pytest.raises(ConfigError):
+        decide_repartition(RepartitionSettings(bounds=(0, 4)), at=3, **base)
+
+
+# ---------------------------------------------------------------- a real pipeline
+
+
+def test_cluster_async_run_repartitions_live_and_equals_the_reference(
+    cluster: LocalCluster,
+) -> None:
+    batches = make_batches(10, 5, seed=7)
+    report = cluster.fit(
+        SPEC,
+        batches,
+        optimizer=ADAM,
+        num_microbatches=1,
+        schedule="async-1f1b",
+        partition=[[0, 1], [1, 2], [2, 5]],
+        # the first look moves two units forward (the test hook); the second, at a
+        # gain no measurement reaches, keeps the cuts
+        repartition={"first": 3, "every": 4, "gain": 0.95, "bounds": [0, 3, 4, 5]},
+        progress=False,
+    )
+    assert report.steps == len(batches)
+    looks = report.repartitions
+    assert [r["at"] for r in looks] == [3, 7]
+    assert [r["moved"] for r in looks] == [True, False]
+    assert looks[0]["bounds"] == [0, 3, 4, 5] and looks[0]["plan_epoch"] == 1
+    assert looks[1]["bounds"] == [0, 3, 4, 5] and looks[1]["plan_epoch"] == 1
+    assert looks[1]["measured"] and set(looks[1]["capacities"]) == {"s0", "s1", "s2"}
+    # the stages themselves say which units they train after each commit
+    after = {"s0": [0, 3], "s1": [3, 4], "s2": [4, 5]}
+    assert looks[0]["held"] == after and looks[1]["held"] == after
+    moved = train_async_reference(
+        SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM, repartitions={3: [0, 3, 4, 5]}
+    )
+    plain = train_async_reference(SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM)
+    for want in (moved, plain):
+        assert report.losses == pytest.approx(want.losses, rel=1e-6)
+        assert set(report.state_dict) == set(want.state_dict)
+        for key, value in want.state_dict.items():
+            torch.testing.assert_close(report.state_dict[key], value, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- options and flags
+
+
+def test_fit_options_take_repartition_only_for_async_runs_with_vertical_sync() -> None:
+    from zpipe.client.options import TrainOptions
+
+    base = {"optimizer": ADAM, "num_microbatches": 1, "schedule": "async-1f1b"}
+    assert TrainOptions(**base, repartition=True).repartition_settings == RepartitionSettings()
+    given = TrainOptions(**base, repartition={"first": 2, "gain": 0.0}).repartition_settings
+    assert given == RepartitionSettings(first=2, gain=0.0)
+    assert TrainOptions(**base).repartition_settings is None
+    sync = TrainOptions(optimizer=ADAM, num_microbatches=2, repartition={"every": 5})
+    assert sync.repartition_settings == RepartitionSettings(every=5)
+    with pytest.raises(ConfigError, match="rebalance"):
+        TrainOptions(optimizer=ADAM, num_microbatches=2, recover=True, repartition=True)
+    with pytest.raises(ConfigError, match="vertical sync"):
+        TrainOptions(**base, vertical_sync=False, repartition=True)
+    with pytest.raises(ConfigError, match="unknown"):
+        TrainOptions(**base, repartition={"often": 3})
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--repartition", "--recover"], "no --recover"),
+        (
+            ["--schedule", "async-1f1b", "--no-vertical-sync", "--repartition-every", "5"],
+            "vertical sync",
+        ),
+        (["--schedule", "async-1f1b", "--repartition-gain", "1.5"], "[0, 1)"),
+    ],
+)
+def test_train_cli_refuses_repartition_flags_that_do_not_fit(
+    flags: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zpipe.train_cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--local", "2", *flags])
+    assert error in capsys.readouterr().err
+
+
+def test_train_flags_make_the_repartition_settings() -> None:
+    from zpipe.train_args import build_parser, repartition_of
+
+    parser = build_parser()
+    args = parser.parse_args(["--local", "2", "--schedule", "async-1f1b"])
+    assert repartition_of(args) is None
+    args = parser.parse_args(
+        ["--local", "2", "--repartition-first", "4", "--repartition-gain", "0"]
+    )
+    assert RepartitionSettings.from_dict(repartition_of(args) or {}) == RepartitionSettings(
+        first=4, gain=0.0
+    )
+
+
+def test_cluster_sync_run_repartitions_live_and_equals_plain_training(
+    cluster: LocalCluster,
+) -> None:
+    batches = make_batches(8, 6, seed=9)
+    report = cluster.fit(
+        SPEC,
+        batches,
+        optimizer=ADAM,
+        num_microbatches=1,
+        schedule="1f1b",
+        partition=[[0, 2], [2, 4], [4, 5]],
+        repartition={"first": 3, "every": 100, "bounds": [0, 1, 2, 5]},
+        progress=False,
+    )
+    assert report.steps == len(batches)
+    [look] = report.repartitions
+    assert look["at"] == 3 and look["moved"] and look["plan_epoch"] == 1
+    assert look["held"] == {"s0": [0, 1], "s1": [1, 2], "s2": [2, 5]}
+    model = build_full_model(SPEC).train()
+    optimizer = make_optimizer(ADAM, model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x)[0], y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert report.losses == pytest.approx(losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(report.state_dict[key], value, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- a stream to a full queue
+
+
+@pytest.mark.parametrize("fails", [2, 1000])
+def test_a_probe_reply_waits_for_room_in_a_full_peer_queue(
+    monkeypatch: pytest.MonkeyPatch, fails: int
+) -> None:
+    # ROUTER_MANDATORY answers EAGAIN while one peer's queue is full (a big fetch's
+    # chunks, two fetchers of one holder): the stream waits for room, within its deadline
+    import asyncio
+
+    import zmq
+
+    from zpipe._errors import TransportTimeout
+    from zpipe.stage import linkprobe
+    from zpipe.transport.codec import Message
+    from zpipe.transport.emulation import LinkSpec
+
+    attempts: list[float] = []
+
+    async def full_then_room(*args: object, **kwargs: object) -> int:
+        attempts.append(float(kwargs["timeout_s"]))  # type: ignore[arg-type]
+        if len(attempts) <= fails:
+            raise zmq.Again()
+        return 1
+
+    monkeypatch.setattr(linkprobe, "send", full_then_room)
+    responder = linkprobe.ProbeResponder(
+        socket=None,  # type: ignore[arg-type]
+        link=LinkSpec(),
+        name="s",
+        send_timeout_s=0.2,
+        max_message_bytes=1 << 20,
+    )
+    reply = Message("link_pong", {"nonce": 1})
+    if fails == 2:
+        asyncio.run(responder._reply(b"peer", reply))
+        assert len(attempts) == 3 and all(0 < t <= 0.2 for t in attempts)
+    else:
+        with pytest.raises(TransportTimeout):
+            asyncio.run(responder._reply(b"peer", reply))
+        assert 2 < len(attempts) < fails

@@ -1,0 +1,63 @@
+"""The client's part in a live re-partition (FTPipeHD III-D): pause, ask, go on.
+
+Before each mini-batch the run's :class:`~zpipe.training.repartition.
+RepartitionSettings` name, the feed stops: the run kind's ``pause_feed`` (an
+asynchronous run sends its ``end`` marker, so the stages flush), then every loss
+in flight comes back, then the coordinator looks and, when the cuts move, has the
+stages move units between them and commit
+(:mod:`zpipe.coordinator.repartition`). The feed goes on from the same
+mini-batch; what the look found is kept in ``TrainReport.repartitions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from zpipe._errors import PipelineError, TransportTimeout
+from zpipe.log import get_logger
+from zpipe.transport.codec import Message
+
+if TYPE_CHECKING:
+    from zpipe.client.training_run import TrainingRun
+
+log = get_logger("zpipe.client")
+
+
+async def repartition_before(run: TrainingRun, step: int) -> None:
+    """Pause ``run`` before mini-batch ``step`` and have the coordinator look."""
+    await run.pause_feed()
+    timeout = run.timeouts.result_s
+    while run.done_steps < run.sent_steps:
+        run.step_finished.clear()
+        try:
+            await asyncio.wait_for(run.step_finished.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise TransportTimeout(
+                run.session.last_stage, "the losses before a re-partition", timeout
+            ) from None
+    reply = await run.session.control.request(
+        Message("repartition", {"run": run.run, "step": step}),
+        expect=("repartitioned",),
+        # a flush, the stages' fetches and the commit, each within result_s
+        timeout_s=3 * timeout + run.timeouts.reply_s,
+        awaited="the re-partition",
+        resend_on_reconnect=True,
+        progress_run=run.run,
+    )
+    if reply["error"]:
+        # the stages may be paused at a cut they cannot leave: the run ends here
+        raise PipelineError(f"the re-partition before mini-batch {step} failed: {reply['error']}")
+    decision = dict(reply.get("decision") or {})
+    moved = decision.get("bounds") is not None
+    run.report.repartitions.append(
+        # bounds: the cuts from ``at`` on (the same as before when it did not move)
+        {
+            **decision,
+            "moved": moved,
+            "bounds": reply.get("bounds"),
+            "plan_epoch": reply.get("plan_epoch"),
+        }
+    )
+    log.info("repartition_looked", run=run.run, step=step, bounds=reply.get("bounds"),
+             moved=moved)  # fmt: skip

@@ -1,0 +1,200 @@
+"""The coordinator's part in a live re-partition of a training run (FTPipeHD III-D).
+
+The client paused its feed before mini-batch ``step`` (an asynchronous run's
+stages flush there, a synchronous run is between rounds) and asks
+(``repartition``).
+This flow asks every stage to flush and keep a snapshot (``prepare``: they answer
+with their counters), lets the pure controller
+(:class:`zpipe.training.repartition.RepartitionController`) decide, and, when
+the cuts move, has the stages fetch their new units from each other's snapshots
+(``fetch``: the entries of :func:`zpipe.coordinator.decisions.fetch_plans`, that
+is FTPipeHD's Algorithm 1 through :func:`zpipe.recovery.plan_redistribution`;
+each holder told beforehand which fetches it answers) before the ``commit`` that
+switches them all and resumes them at ``step``. Weights never pass through here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from zpipe._errors import ConfigError, PipelineError, StageLostError, ZpipeError
+from zpipe.coordinator.commands import AllowPeers, AwaitReplies, Log, Send
+from zpipe.coordinator.decisions import fetch_grants, fetch_plans
+from zpipe.coordinator.flows import Flow, request_resend_s
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.runbase import BaseRun
+from zpipe.coordinator.runs import Replica
+from zpipe.models import ModelSpec
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.recovery.replanning import unit_work_from_profile
+from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
+from zpipe.training.repartition import RepartitionController, RepartitionSettings, spans_of
+from zpipe.transport.codec import Message
+
+
+def repartition_settings(request: Any) -> RepartitionSettings | None:
+    """The run's re-partitioning settings, from its request (None: it does not)."""
+    train = (request or {}).get("train") or {}
+    given = train.get("repartition")
+    if given is None:
+        return None
+    if train.get("schedule") == ASYNC_SCHEDULE:
+        if not AsyncSettings.from_dict(train.get("async")).vertical_sync:
+            raise ConfigError("a live re-partition needs vertical sync (the versions it moves)")
+    return RepartitionSettings.from_dict(given)
+
+
+def plan_bounds(plan: TrainingPlan) -> tuple[list[str], list[int]]:
+    """The devices in stage order and the cuts of a one-device-per-stage plan."""
+    shared = [list(s.devices) for s in plan.stages if len(s.devices) > 1]
+    if shared:
+        raise ConfigError(f"a live re-partition moves units of one-device stages, not {shared}")
+    devices = [s.devices[0] for s in plan.stages]
+    return devices, [s.start for s in plan.stages] + [plan.stages[-1].end]
+
+
+def with_bounds(plan: TrainingPlan, bounds: tuple[int, ...]) -> TrainingPlan:
+    stages = tuple(
+        replace(s, start=bounds[i], end=bounds[i + 1]) for i, s in enumerate(plan.stages)
+    )
+    return replace(plan, stages=stages)
+
+
+class LiveRepartitioning:
+    """One training run's re-partitions: its controller, and the flow of each."""
+
+    def __init__(self, run: BaseRun) -> None:
+        self.owner = run
+        self.controller: RepartitionController | None = None
+
+    def _controller(
+        self, plan: TrainingPlan, settings: RepartitionSettings
+    ) -> RepartitionController:
+        if self.controller is None:
+            devices, bounds = plan_bounds(plan)
+            self.controller = RepartitionController(
+                settings,
+                devices=devices,
+                bounds=bounds,
+                reference_unit_s=self._reference_unit_s(plan),
+            )
+        return self.controller
+
+    def _reference_unit_s(self, plan: TrainingPlan) -> list[float]:
+        """Each unit's profiled training time on the first device, if profiled; else
+        every unit alike (capacities then compare stages unit for unit)."""
+        owner, run = self.owner, self.owner.run
+        try:
+            spec = ModelSpec.from_dict(dict(run.request["model"]))  # type: ignore[index]
+        except (ZpipeError, KeyError, TypeError):
+            return [1.0] * plan.num_units
+        member = owner.state.membership.get(plan.devices[0])
+        profile = (
+            None
+            if member is None
+            else owner.state.profiles.get(spec, plan.microbatch_size, "float32", member, train=True)
+        )
+        if profile is None:
+            return [1.0] * plan.num_units
+        work = unit_work_from_profile(profile, plan.microbatch_size, training=True)
+        return (
+            work
+            if len(work) == plan.num_units and all(w > 0 for w in work)
+            else ([1.0] * plan.num_units)
+        )
+
+    def flow(self, run_id: int, step: int) -> Flow:
+        owner, run = self.owner, self.owner.run
+        body: dict[str, Any] = {"run": run_id, "step": step, "error": ""}
+        try:
+            if owner.state.current is not owner or run.run != run_id:
+                raise ConfigError(f"run {run_id} is not the current training run")
+            plan = run.training_plan
+            settings = repartition_settings(run.request)
+            if plan is None or settings is None:
+                raise ConfigError(f"run {run_id} does not re-partition")
+            controller = self._controller(plan, settings)
+            devices = list(controller.devices)
+            members = {m.name: m for m in owner.state.membership.alive()}
+            missing = [d for d in devices if d not in members]
+            if missing:
+                raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
+            replies = yield from self._ask(members, devices, step, {"phase": "prepare"})
+            counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
+            decision = controller.look(step, counters)
+            yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict()})
+            target = decision.bounds if decision.bounds is not None else controller.bounds
+            if decision.bounds is not None:
+                yield from self._fetch(members, plan, step, decision.bounds)
+            commit: dict[str, Any] = {"phase": "commit", "bounds": list(target)}
+            commit["plan_epoch"] = controller.plan_epoch + (1 if decision.moves else 0)
+            committed = yield from self._ask(members, devices, step, commit)
+            if decision.moves:
+                controller.committed(decision)
+                run.training_plan = with_bounds(plan, target)
+                yield Log("info", "repartitioned", {"run": run.run, "step": step,
+                          "bounds": list(target), "plan_epoch": controller.plan_epoch})  # fmt: skip
+            body.update(bounds=list(target), plan_epoch=controller.plan_epoch)
+            # where each stage says its units are now
+            held = {d: (r.get("metrics") or {}) for d, r in committed.items()}
+            body["decision"] = {
+                **decision.to_dict(),
+                "held": {d: [m.get("start"), m.get("end")] for d, m in held.items()},
+            }
+        except (ZpipeError, ValueError) as exc:
+            body["error"] = f"{type(exc).__name__}: {exc}"
+            yield Log("error", "repartition_failed", {"run": run_id, "step": step,
+                      "error": body["error"]})  # fmt: skip
+        return Message("repartitioned", body)
+
+    def _fetch(
+        self, members: dict[str, Member], plan: TrainingPlan, step: int, bounds: tuple[int, ...]
+    ) -> Flow:
+        """Every stage fetches the units of ``bounds`` it lacks from the others' snapshots."""
+        owner, run = self.owner, self.owner.run
+        devices, _ = plan_bounds(plan)
+        # every device's snapshot at this step is at the device itself; nothing is here
+        own = {d: d for d in devices}
+        replica = Replica(run.run, step, plan, {}, holders=own, global_copy=False)
+        fetches = fetch_plans(replica, spans_of(devices, bounds), set(members))
+        yield AllowPeers(tuple(members[d] for d in devices), fetch_grants(fetches))
+        for dest, entries in fetches.items():
+            for entry in entries:
+                if entry["from"] != dest:
+                    entry["endpoint"] = str(members[entry["from"]].info["probe_endpoint"])
+                    entry["key"] = owner.key_of(entry["from"])
+        per_device = {d: {"phase": "fetch", "bounds": list(bounds), "fetch": fetches.get(d, [])}
+                      for d in devices}  # fmt: skip
+        yield from self._ask(members, devices, step, per_device)
+
+    def _ask(
+        self,
+        members: dict[str, Member],
+        devices: list[str],
+        step: int,
+        fields: dict[str, Any],
+    ) -> Flow:
+        """One phase: the request to every device (``fields``, or per device), every reply."""
+        owner, run = self.owner, self.owner.run
+        timeouts = owner.state.timeouts
+        requests = []
+        for d in devices:
+            extra = fields[d] if d in fields else fields
+            message = Message("repartition_request", {"run": run.run, "step": step, **extra},
+                              epoch=run.epoch)  # fmt: skip
+            requests.append(Send(members[d].routing_id, message, d, stage=d))
+        phase = str(requests[0].message["phase"])
+        replies = yield AwaitReplies(
+            tuple(devices),
+            "repartition_reply",
+            timeouts.result_s,
+            f"repartition {phase}",
+            run=run.run,
+            requests=tuple(requests),
+            resend_s=request_resend_s(timeouts),
+        )
+        failed = {d: str(r["error"]) for d, r in replies.items() if r["error"]}
+        if failed:
+            raise PipelineError(f"the {phase} of a re-partition failed: {failed}")
+        return replies

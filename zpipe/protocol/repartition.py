@@ -1,0 +1,86 @@
+"""A live re-partition of an asynchronous training run (FTPipeHD III-D, III-F).
+
+    client -> coordinator   repartition -> repartitioned
+    coordinator -> stage    repartition_request (phase) -> repartition_reply
+
+The client pauses its feed after mini-batch ``step - 1`` (the feed's ``end``
+marker, so every stage finishes every batch before it) and asks the coordinator
+to look. The coordinator asks every stage in three phases:
+
+- ``prepare``: once flushed at ``step``, keep a snapshot of your units (with their
+  weight versions and optimizer state) and answer with your counters (``metrics``);
+- ``fetch`` (when the cuts move): fetch the units of ``bounds`` you lack, from the
+  snapshots of the stages that held them (``fetch``: entries as an assignment's),
+  straight from their probe sockets;
+- ``commit``: every stage has fetched; switch to ``bounds`` (plan epoch
+  ``plan_epoch``) and go on from batch ``step``. A look that keeps the cuts sends
+  only this phase, with the current ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from zpipe.protocol._schema import (
+    INT,
+    OPT_INT,
+    OPT_LIST,
+    OPT_MAP,
+    STR,
+    WireMessage,
+    wire,
+    wire_message,
+)
+
+PHASES = ("prepare", "fetch", "commit")
+
+
+@wire_message
+class Repartition(WireMessage):
+    KIND: ClassVar[str] = "repartition"
+    run: int = wire(INT)
+    step: int = wire(INT)
+
+
+@wire_message
+class Repartitioned(WireMessage):
+    """``decision``: what the look found (:class:`~zpipe.training.repartition.
+    RepartitionDecision`'s map); ``bounds``: the cuts from ``step`` on."""
+
+    KIND: ClassVar[str] = "repartitioned"
+    run: int = wire(INT)
+    step: int = wire(INT)
+    error: str = wire(STR)
+    bounds: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    plan_epoch: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    decision: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+
+@wire_message
+class RepartitionRequest(WireMessage):
+    KIND: ClassVar[str] = "repartition_request"
+    run: int = wire(INT)
+    step: int = wire(INT)
+    phase: str = wire(STR)
+    bounds: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    fetch: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    plan_epoch: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class RepartitionReply(WireMessage):
+    KIND: ClassVar[str] = "repartition_reply"
+    run: int = wire(INT)
+    name: str = wire(STR)
+    step: int = wire(INT)
+    phase: str = wire(STR)
+    error: str = wire(STR)
+    metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+
+MESSAGES: tuple[type[WireMessage], ...] = (
+    Repartition,
+    Repartitioned,
+    RepartitionRequest,
+    RepartitionReply,
+)

@@ -1,0 +1,146 @@
+"""A stage's part in a live re-partition of a training run (FTPipeHD III-D, III-F).
+
+Asynchronous runs flush at the pause (:class:`~zpipe.stage.async_trainer.
+AsyncTrainingExecutor`); a synchronous stage is between two rounds there anyway
+(every round ends with its update), so it only waits for round ``step - 1``'s.
+
+The coordinator's ``repartition_request`` comes in three phases
+(:mod:`zpipe.protocol.repartition`):
+
+- ``prepare``: wait until the executor flushed before batch ``step`` (the client
+  paused its feed there), keep a snapshot of every unit here (weights, optimizer
+  state, and for an asynchronous stage the weight versions still read) in the
+  replica store under this stage's name, and answer with the stage's counters
+  (the coordinator's execution profile);
+- ``fetch``: take the units of the new cuts from those snapshots, this stage's own
+  or a peer's, fetched straight from the peer's probe socket (the peer answers
+  from its snapshot, so it may go on serving after it switched); kept until the
+  commit, nothing changes yet;
+- ``commit``: build the shard of the new range from what was fetched and go on
+  from batch ``step`` (without new cuts: on the same shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from zpipe._errors import PipelineError
+from zpipe.log import get_logger
+from zpipe.stage.async_shard import AsyncShard
+from zpipe.stage.async_trainer import AsyncTrainingExecutor
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.snapshots import SnapshotService
+from zpipe.stage.supervision import describe_error
+from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.trainer import TrainingExecutor
+from zpipe.transport.codec import Message
+
+log = get_logger("zpipe.stage")
+
+
+class StageRepartition:
+    def __init__(
+        self,
+        *,
+        name: str,
+        snapshots: SnapshotService,
+        counters: StageCounters,
+        compute: ThreadPoolExecutor,
+        timeout_s: float,
+    ) -> None:
+        self.name = name
+        self._compute = compute
+        self._snapshots = snapshots
+        self._counters = counters
+        self._timeout_s = timeout_s
+        # (run, step, bounds, the fetched state) between the fetch and the commit
+        self._fetched: tuple[int, int, tuple[int, ...], dict[str, torch.Tensor]] | None = None
+
+    async def reply(self, message: Message, trainer: TrainingExecutor | None) -> dict[str, Any]:
+        run, step, phase = int(message["run"]), int(message["step"]), str(message["phase"])
+        body: dict[str, Any] = {
+            "run": run,
+            "name": self.name,
+            "step": step,
+            "phase": phase,
+            "error": "",
+        }
+        try:
+            if trainer is None or trainer.setup.run != run:
+                raise PipelineError(f"this stage is not training run {run}")
+            if len(trainer.setup.group.names) > 1:
+                raise PipelineError("a live re-partition moves units of one-device stages only")
+            if phase == "prepare":
+                await self._prepare(trainer, run, step)
+                body["metrics"] = self._counters.to_dict()
+            elif phase == "fetch":
+                bounds = _bounds(message)
+                state = await self._snapshots.fetched_state(list(message.get("fetch") or []))
+                self._fetched = (run, step, bounds, state)
+            elif phase == "commit":
+                await self._commit(trainer, run, step, _bounds(message))
+                shard = trainer.shard  # the units it trains from here on
+                body["metrics"] = {"start": shard.start, "end": shard.start + len(shard.units)}
+            else:
+                raise PipelineError(f"unknown repartition phase {phase!r}")
+        except Exception as exc:  # reported: the coordinator decides what it means
+            body["error"] = describe_error(exc)
+            log.error("repartition_failed", stage=self.name, phase=phase, error=body["error"])
+        return body
+
+    async def _prepare(self, trainer: TrainingExecutor, run: int, step: int) -> None:
+        if isinstance(trainer, AsyncTrainingExecutor):
+            await trainer.wait_flushed(step, self._timeout_s)
+        else:
+            await trainer.wait_for_step(step, self._timeout_s)
+            if trainer.completed_steps != step:
+                raise PipelineError(f"round {trainer.completed_steps} ran past the pause at {step}")
+        shard = trainer.shard
+        loop = asyncio.get_running_loop()
+        n = trainer.setup.num_stages
+        snapshot = await loop.run_in_executor(self._compute, shard.repartition_snapshot, n)
+        self._snapshots.replicas.put(self.name, run, step, snapshot)
+        self._fetched = None
+        log.info("repartition_prepared", stage=self.name, run=run, step=step,
+                 units=[shard.start, shard.start + len(shard.units)])  # fmt: skip
+
+    async def _commit(
+        self, trainer: TrainingExecutor, run: int, step: int, bounds: tuple[int, ...]
+    ) -> None:
+        asynchronous = isinstance(trainer, AsyncTrainingExecutor)
+        at = trainer.flushed_at if isinstance(trainer, AsyncTrainingExecutor) else None
+        if asynchronous and at != step:
+            if at is None and self._fetched is None:
+                return  # a commit sent again after it resumed: done already
+            raise PipelineError(f"commit at batch {step}, but flushed at {at}")
+        if not asynchronous and trainer.completed_steps != step:
+            raise PipelineError(f"commit at round {step}, but {trainer.completed_steps} are done")
+        i = trainer.setup.index
+        start, end = bounds[i], bounds[i + 1]
+        shard = trainer.shard
+        new: TrainShard | None = None
+        if (start, end) != (shard.start, shard.start + len(shard.units)):
+            fetched = self._fetched
+            if fetched is None or fetched[:3] != (run, step, bounds):
+                raise PipelineError(f"commit of cuts {list(bounds)} that were not fetched")
+            loop = asyncio.get_running_loop()
+            new = await loop.run_in_executor(self._compute, shard.regrouped, start, end, fetched[3])
+        self._fetched = None
+        if isinstance(trainer, AsyncTrainingExecutor):
+            assert new is None or isinstance(new, AsyncShard)
+            trainer.resume(step, new)
+        elif new is not None:
+            trainer.shard = new  # the next round's forward runs the new units
+        log.info("repartition_committed", stage=self.name, run=run, step=step,
+                 units=[start, end], moved=new is not None)  # fmt: skip
+
+
+def _bounds(message: Message) -> tuple[int, ...]:
+    bounds = message.get("bounds")
+    if not isinstance(bounds, list) or not all(isinstance(b, int) for b in bounds):
+        raise PipelineError(f"a repartition needs its bounds, got {bounds!r}")
+    return tuple(bounds)

@@ -1,0 +1,296 @@
+"""FTPipeHD's live re-partition (section III-D): when to look, and whether to move.
+
+Pure: events in, decisions out; no I/O. An asynchronous run's coordinator feeds
+it the batches done and the stages' execution counters, and carries out what it
+decides (:mod:`zpipe.coordinator.repartition`).
+
+- When: after ``first`` batches (FTPipeHD: 10, to reach a good partition soon),
+  then every ``every`` batches (FTPipeHD: 100).
+- Execution profiling: each stage's compute time per batch since the last look
+  (its counters' difference: FTPipeHD's per-worker average ``T_e^i``).
+- Re-partition: capacities from those times (eqs. 1-3) and the cuts of eq. 5
+  (:func:`zpipe.planner.ftpipehd.repartition_from_measurements`); with no time
+  measured yet, eq. 7 on the reference times alone (every ``C_i = 1``).
+- Whether: the new cuts are taken when they shorten the predicted period by at
+  least ``gain`` (a share of the current one, costed by the same model; 0 takes
+  any different cut). ``bounds`` is a test hook: move to those cuts at the first
+  look, whatever was measured.
+- Weight redistribution: who fetches which units from whom
+  (:func:`zpipe.recovery.plan_redistribution`, no failure: every unit's holder is
+  its current stage; FTPipeHD's Algorithm 1 without the failed index).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zpipe._errors import ConfigError
+from zpipe.planner.ftpipehd import ftpipehd_partition, repartition_from_measurements
+from zpipe.recovery.capacity import estimate_capacities
+from zpipe.recovery.redistribution import Redistribution, plan_redistribution
+from zpipe.recovery.spans import StageSpan
+
+# the counters a stage reports whose sum is its compute time (seconds, cumulative)
+COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
+
+
+@dataclass(frozen=True)
+class RepartitionSettings:
+    """When to look (after ``first`` batches, then every ``every``) and the predicted
+    gain (a share of the period) a move must bring; ``bounds``: a test hook."""
+
+    first: int = 10
+    every: int = 100
+    gain: float = 0.1
+    bounds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("first", "every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"repartition {name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.gain, (int, float)) and math.isfinite(self.gain)):
+            raise ConfigError(f"repartition gain must be a number, got {self.gain!r}")
+        if not 0 <= self.gain < 1:
+            raise ConfigError(f"repartition gain must lie in [0, 1), got {self.gain}")
+
+    def due(self, done: int) -> bool:
+        """Whether the pipeline is looked at after ``done`` batches."""
+        return done == self.first or (done > self.first and (done - self.first) % self.every == 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"first": self.first, "every": self.every, "gain": self.gain}
+        if self.bounds is not None:
+            out["bounds"] = list(self.bounds)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RepartitionSettings:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"repartition settings must be a mapping, got {data!r}")
+        unknown = sorted(set(data) - {"first", "every", "gain", "bounds"})
+        if unknown:
+            raise ConfigError(f"unknown repartition settings {unknown}")
+        try:
+            bounds = data.get("bounds")
+            return cls(
+                first=int(data.get("first", 10)),
+                every=int(data.get("every", 100)),
+                gain=float(data.get("gain", 0.1)),
+                bounds=None if bounds is None else tuple(int(b) for b in bounds),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed repartition settings {data!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RepartitionDecision:
+    """What a look found: the cuts to move to (``bounds``, None: stay) at batch ``at``."""
+
+    at: int
+    current: tuple[int, ...]
+    bounds: tuple[int, ...] | None
+    period_s: float  # the current cuts' predicted period (measured, or eq. 7)
+    new_period_s: float  # the best cuts' (eq. 5, or eq. 7)
+    measured: bool  # False: eq. 7 (no time measured yet)
+    capacities: dict[str, float] = field(default_factory=dict)
+    redistribution: Redistribution | None = None
+    reason: str = ""
+
+    @property
+    def moves(self) -> bool:
+        return self.bounds is not None
+
+    @property
+    def gain(self) -> float:
+        """The predicted period's share saved (0 when nothing is predicted)."""
+        if self.period_s <= 0:
+            return 0.0
+        return 1.0 - self.new_period_s / self.period_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "current": list(self.current),
+            "bounds": None if self.bounds is None else list(self.bounds),
+            "period_s": round(self.period_s, 6),
+            "new_period_s": round(self.new_period_s, 6),
+            "gain": round(self.gain, 4),
+            "measured": self.measured,
+            "capacities": {d: round(c, 4) for d, c in self.capacities.items()},
+            "reason": self.reason,
+        }
+
+
+def spans_of(devices: Sequence[str], bounds: Sequence[int]) -> list[StageSpan]:
+    return [StageSpan((d,), int(bounds[i]), int(bounds[i + 1])) for i, d in enumerate(devices)]
+
+
+def _period_at(
+    bounds: Sequence[int],
+    reference_unit_s: Sequence[float],
+    capacities: Sequence[float],
+    output_bytes: Sequence[float] | None,
+    bandwidths_bps: Sequence[float] | None,
+) -> float:
+    """Eq. 5's period of the given cuts: the slowest stage (eq. 7) or link (2 x eq. 6)."""
+    worst = 0.0
+    for i, cap in enumerate(capacities):
+        worst = max(worst, math.fsum(reference_unit_s[bounds[i] : bounds[i + 1]]) * cap)
+    if output_bytes is not None and bandwidths_bps is not None:
+        for i, bandwidth in enumerate(bandwidths_bps):
+            worst = max(worst, 2.0 * float(output_bytes[bounds[i + 1] - 1]) / bandwidth)
+    return worst
+
+
+def decide_repartition(
+    settings: RepartitionSettings,
+    *,
+    at: int,
+    devices: Sequence[str],
+    bounds: Sequence[int],
+    reference_unit_s: Sequence[float],
+    measured_s: Mapping[str, float] | None = None,
+    output_bytes: Sequence[float] | None = None,
+    bandwidths_bps: Sequence[float] | None = None,
+) -> RepartitionDecision:
+    """Whether the pipeline of ``devices`` (in stage order) cut at ``bounds`` moves
+    after batch ``at``. ``measured_s``: each device's compute seconds per batch since
+    the last look (eq. 7 when a device has none)."""
+    current = tuple(int(b) for b in bounds)
+    n = len(devices)
+    if len(current) != n + 1:
+        raise ConfigError(f"{n} stages need {n + 1} bounds, got {list(current)}")
+    times = {d: float(t) for d, t in (measured_s or {}).items() if t and t > 0}
+    measured = all(d in times for d in devices)
+    if measured:
+        best = repartition_from_measurements(
+            times,
+            devices,
+            current,
+            reference_unit_s,
+            output_bytes=output_bytes,
+            bandwidths_bps=bandwidths_bps,
+        )
+        caps = dict(
+            zip(devices, _capacities(times, devices, current, reference_unit_s), strict=True)
+        )
+    else:
+        best = ftpipehd_partition(
+            reference_unit_s,
+            num_stages=n,
+            output_bytes=output_bytes,
+            bandwidths_bps=bandwidths_bps,
+        )
+        caps = dict.fromkeys(devices, 1.0)
+    period = _period_at(
+        current, reference_unit_s, list(caps.values()), output_bytes, bandwidths_bps
+    )
+    target: tuple[int, ...] | None = tuple(best.bounds)
+    reason = "eq. 5 on measured capacities" if measured else "eq. 7: nothing measured yet"
+    new_period = best.period_s
+    if settings.bounds is not None:
+        target = tuple(settings.bounds)
+        if len(target) != n + 1 or target[0] != 0 or target[-1] != current[-1]:
+            raise ConfigError(f"bounds {list(target)} do not cut the same units into {n} stages")
+        new_period = _period_at(
+            target, reference_unit_s, list(caps.values()), output_bytes, bandwidths_bps
+        )
+        reason = "forced by the settings' bounds"
+    elif target == current:
+        target, reason = None, "the best cuts are the current ones"
+    elif period > 0 and 1.0 - new_period / period < settings.gain:
+        target = None
+        reason = f"predicted gain below {settings.gain:g}"
+    if target == current:
+        target = None
+    redistribution = None
+    if target is not None:
+        redistribution = plan_redistribution(
+            spans_of(devices, current), spans_of(devices, target), failed=(), live_version=at
+        )
+    return RepartitionDecision(
+        at, current, target, period, new_period, measured, caps, redistribution, reason
+    )
+
+
+def _capacities(
+    times: Mapping[str, float],
+    devices: Sequence[str],
+    bounds: Sequence[int],
+    reference_unit_s: Sequence[float],
+) -> list[float]:
+    ranges = {d: (int(bounds[i]), int(bounds[i + 1])) for i, d in enumerate(devices)}
+    caps = estimate_capacities({d: times[d] for d in devices}, ranges, reference_unit_s)
+    return [caps[d] for d in devices]
+
+
+class RepartitionController:
+    """One run's re-partitioning: fed the batches done and the stages' cumulative
+    counters, it says when to look and what to do; told of a commit, it moves on."""
+
+    def __init__(
+        self,
+        settings: RepartitionSettings,
+        *,
+        devices: Sequence[str],
+        bounds: Sequence[int],
+        reference_unit_s: Sequence[float],
+        output_bytes: Sequence[float] | None = None,
+        bandwidths_bps: Sequence[float] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.devices = tuple(devices)
+        self.bounds = tuple(int(b) for b in bounds)
+        self.reference_unit_s = [float(t) for t in reference_unit_s]
+        if len(self.reference_unit_s) != self.bounds[-1]:
+            raise ConfigError(
+                f"{len(self.reference_unit_s)} reference unit times for {self.bounds[-1]} units"
+            )
+        self.output_bytes = output_bytes
+        self.bandwidths_bps = bandwidths_bps
+        self.plan_epoch = 0  # commits so far
+        self.decisions: list[RepartitionDecision] = []
+        self._seen: dict[str, tuple[float, int]] = {}  # counters at the last look
+
+    def due(self, done: int) -> bool:
+        return self.settings.due(done)
+
+    def look(self, at: int, counters: Mapping[str, Mapping[str, Any]]) -> RepartitionDecision:
+        """The decision after batch ``at`` from each device's cumulative counters
+        (``forward_s``, ``backward_s``, ``step_s``, ``microbatches``)."""
+        measured: dict[str, float] = {}
+        for device in self.devices:
+            c = counters.get(device) or {}
+            seconds = math.fsum(float(c.get(k) or 0.0) for k in COMPUTE_COUNTERS)
+            batches = int(c.get("microbatches") or 0)
+            before_s, before_n = self._seen.get(device, (0.0, 0))
+            self._seen[device] = (seconds, batches)
+            if batches > before_n and seconds > before_s:
+                measured[device] = (seconds - before_s) / (batches - before_n)
+        settings = self.settings
+        if self.plan_epoch > 0 and settings.bounds is not None:
+            settings = RepartitionSettings(settings.first, settings.every, settings.gain)
+        decision = decide_repartition(
+            settings,
+            at=at,
+            devices=self.devices,
+            bounds=self.bounds,
+            reference_unit_s=self.reference_unit_s,
+            measured_s=measured,
+            output_bytes=self.output_bytes,
+            bandwidths_bps=self.bandwidths_bps,
+        )
+        self.decisions.append(decision)
+        return decision
+
+    def committed(self, decision: RepartitionDecision) -> int:
+        """Every stage switched to ``decision``'s cuts: the new plan epoch."""
+        if decision.bounds is None:
+            raise ConfigError("a decision to stay has nothing to commit")
+        self.bounds = decision.bounds
+        self.plan_epoch += 1
+        return self.plan_epoch
