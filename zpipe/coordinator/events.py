@@ -7,6 +7,8 @@ same way. Each event is handled with the time it happened (``now``, monotonic).
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,3 +121,50 @@ Event = (
     | RequestFailed
     | StageDied
 )
+
+
+EventOf = Callable[[bytes, "str | None", Message], Event]
+
+
+def _client_request(routing_id: bytes, user_key: str | None, message: Message) -> Event:
+    return ClientRequest(routing_id, user_key, message)
+
+
+def _registered(routing_id: bytes, user_key: str | None, message: Message) -> Event:
+    # a fresh token for each registration ties the stage's bulk connection to it
+    return Registered(routing_id, user_key, message, bulk_token=secrets.token_urlsafe(16))
+
+
+# Every kind a peer may send, and the event it becomes; any other kind is a stage's
+# message that the core judges (and drops, if unexpected).
+DISPATCH: dict[str, EventOf] = {
+    "register": _registered,
+    "bulk_open": lambda routing_id, user_key, message: BulkOpenAsked(routing_id, user_key, message),
+    "bulk_chunk": lambda routing_id, user_key, message: BulkChunkArrived(
+        routing_id, user_key, message
+    ),
+    "stalled": lambda _routing_id, _user_key, message: StallReported(message),
+    **{
+        kind: _client_request
+        for kind in (
+            "run_request",
+            "run_go",
+            "run_end",
+            "cluster_request",
+            "weights_request",
+            "replicate",
+            "notice_ack",
+            "lossy_run_request",
+            "repartition",
+        )
+    },
+}
+
+
+def _stage_message(routing_id: bytes, _user_key: str | None, message: Message) -> Event:
+    return StageSpoke(routing_id, message)
+
+
+def event_of_kind(kind: str) -> EventOf:
+    """How a received message of ``kind`` becomes an event."""
+    return DISPATCH.get(kind, _stage_message)

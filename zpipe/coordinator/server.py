@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -57,18 +56,13 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.coordinator.core import CoordinatorCore, printable
 from zpipe.coordinator.events import (
-    BulkChunkArrived,
-    BulkOpenAsked,
-    ClientRequest,
     Event,
     JobDone,
     JobFailed,
-    Registered,
     RequestFailed,
-    StageSpoke,
-    StallReported,
     Tick,
     TimerFired,
+    event_of_kind,
 )
 from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.links import LinkMeasurer
@@ -117,48 +111,6 @@ class CoordinatorConfig:
         if self.shutdown_stages_on_exit is not None:
             return self.shutdown_stages_on_exit
         return self.state_dir is None
-
-
-EventOf = Callable[[bytes, "str | None", Message], Event]
-
-
-def _client_request(routing_id: bytes, user_key: str | None, message: Message) -> Event:
-    return ClientRequest(routing_id, user_key, message)
-
-
-def _registered(routing_id: bytes, user_key: str | None, message: Message) -> Event:
-    # a fresh token for each registration ties the stage's bulk connection to it
-    return Registered(routing_id, user_key, message, bulk_token=secrets.token_urlsafe(16))
-
-
-# Every kind a peer may send, and the event it becomes; any other kind is a stage's
-# message that the core judges (and drops, if unexpected).
-DISPATCH: dict[str, EventOf] = {
-    "register": _registered,
-    "bulk_open": lambda routing_id, user_key, message: BulkOpenAsked(routing_id, user_key, message),
-    "bulk_chunk": lambda routing_id, user_key, message: BulkChunkArrived(
-        routing_id, user_key, message
-    ),
-    "stalled": lambda _routing_id, _user_key, message: StallReported(message),
-    **{
-        kind: _client_request
-        for kind in (
-            "run_request",
-            "run_go",
-            "run_end",
-            "cluster_request",
-            "weights_request",
-            "replicate",
-            "notice_ack",
-            "lossy_run_request",
-            "repartition",
-        )
-    },
-}
-
-
-def _stage_message(routing_id: bytes, _user_key: str | None, message: Message) -> Event:
-    return StageSpoke(routing_id, message)
 
 
 class Coordinator:
@@ -333,7 +285,7 @@ class Coordinator:
                 user_key = _curve_user_id(frames[1])
                 message = decode_frames(frames[1:], max_bytes)
                 self._check_role(message.kind, user_key)
-                event_of = DISPATCH.get(message.kind, _stage_message)
+                event_of = event_of_kind(message.kind)
                 self._feed(event_of(routing_id, user_key, message), peer=routing_id)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer=printable(routing_id), error=str(exc))

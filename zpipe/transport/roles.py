@@ -39,8 +39,7 @@ Role = Literal["client", "stage", "coordinator"]
 ROLES: tuple[Role, ...] = ("client", "stage", "coordinator")
 ROLES_FILE = "roles.txt"
 
-# What each role may send. Kinds of the lossy launcher (zpipe.lossy.wire) travel on
-# their own sockets and are not listed; fl-server checks what fl-clients send on its
+# What each role may send. fl-server checks what fl-clients send on its
 # socket (zpipe.protocol.federated) against the client role, and fl-server's own kinds
 # are not listed (a client pins the server's key). A kind listed nowhere is refused
 # for every known role (fail closed): add new kinds here.
@@ -57,6 +56,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "stalled",
             "notice_ack",
             "lossy_run_request",
+            "repartition",
             # to the first and last stages: inputs and labels
             "data",
             "labels",
@@ -85,6 +85,9 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "shutdown",
             "lossy_setup",
             "lossy_go",
+            "lossy_dead",
+            "lossy_probe_request",
+            "repartition_request",
             # to stages, on their bulk connections
             "bulk_opened",
             "bulk_chunk",
@@ -103,6 +106,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "checkpoint",
             "progress",
             "lossy_run_report",
+            "repartitioned",
         }
     ),
     "stage": frozenset(
@@ -122,6 +126,8 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "backed_up",
             "lossy_ready",
             "lossy_result",
+            "lossy_probe_report",
+            "repartition_reply",
             # to the coordinator, on the bulk connection
             "bulk_open",
             "bulk_chunk",
@@ -133,6 +139,8 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "error",
             "allreduce",
             "lossy_partial",
+            "lossy_probe",
+            "lossy_probe_end",
             # on probe sockets, stage to stage
             "link_ping",
             "link_pong",
