@@ -25,10 +25,11 @@ from zpipe.cluster import LocalCluster
 from zpipe.coordinator.lossy_probe import PROBES_PER_LINK
 from zpipe.lossy import experiment
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.links import Direction, Recovery, deliver
 from zpipe.lossy.partial import mlp_forward_backward
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run, run_training
-from zpipe.lossy.trace import TrainingTrace, train_in_process
+from zpipe.lossy.trace import TrainingTrace, evaluate_in_process, train_in_process
 from zpipe.transport.codec import Message
 
 pytestmark = pytest.mark.timeout(180)
@@ -145,7 +146,7 @@ def test_lossy_run_on_stages_equals_its_simulation(
         assert sum(t.delivered for t in train) < sum(t.messages for t in train)
     else:
         assert sum(t.data_tx for t in train) > sum(t.messages for t in train)
-    result = _run(cluster, prepared, data, stage_names=stages)
+    result = _run(cluster, prepared, data, stage_names=stages, test_repeats=3)
     assert result.alloc == prepared.alloc
     _assert_same_trace(result.trace, want)
     # every null-filled pass is one the simulation null-filled too
@@ -153,6 +154,20 @@ def test_lossy_run_on_stages_equals_its_simulation(
     prop = want.propagation
     assert null_filled == sum(prop.assemblies[k] - prop.complete[k] for k in prop.assemblies)
     assert result.late == 0  # emulated mode waits only for what can come
+    # test-time inference under loss on the final weights: the same test partials
+    # lost, the same classes predicted by every output owner, the same accuracy
+    assert result.test is not None and result.test_acc is not None
+    spec = EvalSpec(len(data.x_test), BASE.batch_size, repeats=3)
+    simulated = evaluate_in_process(prepared, want.params, data.x_test, spec)
+    assert result.test.traffic.as_dict() == simulated.traffic.as_dict()
+    assert result.test.same_as(simulated)
+    assert result.test_acc == simulated.accuracy(data.y_test)
+    assert result.test_acc_lossless == want.test_accuracy(data)
+    test = result.test.traffic
+    if recovery.scheme == "none":  # lossy test passes: some partials never came
+        assert 0 < result.test.null_filled and test.delivered < test.messages
+    else:
+        assert test.data_tx > test.messages
 
 
 def test_a_lossy_run_on_stages_matches_the_experiments_simulation(

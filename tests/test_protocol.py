@@ -93,6 +93,7 @@ ADDED_IN_V1 = {
         "name": ["str/null", False],
         "dead": ["dict/null", False],
         "stale": ["int/null", False],
+        "test": ["dict/null", False],
     },
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk

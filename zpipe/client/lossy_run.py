@@ -5,6 +5,7 @@
     async with PipelineClient(coordinator) as client:
         result = await run_lossy(client, prepared, data, stages=4)
         result.trace.losses, result.trace.params, result.alloc
+        result.test_acc, result.test_acc_lossless, result.test.predictions
 
 ``prepared`` (:func:`zpipe.lossy.simulate.prepare_run`) fixes what the run's seed
 fixes: the emulated links, the initial weights and every mini-batch's rows. The
@@ -13,6 +14,12 @@ coordinator partitions and maps on the stages (:mod:`zpipe.coordinator.lossy_run
 and answers with every stage's result, which :func:`result_from_report` turns into
 the :class:`~zpipe.lossy.trace.TrainingTrace` the in-process simulation
 (:func:`zpipe.lossy.trace.train_in_process`) builds, so the two compare directly.
+
+After training the stages run test-time inference under loss on their final weights
+(:mod:`zpipe.lossy.evaluation`: each test mini-batch over the same seeded lossy
+links); the result holds every output owner's predictions (``test``, the
+:class:`~zpipe.lossy.trace.EvalTrace` that :func:`zpipe.lossy.trace.evaluate_in_process`
+simulates), their accuracy and that of the same weights with nothing lost.
 """
 
 from __future__ import annotations
@@ -27,14 +34,15 @@ import numpy as np
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.evaluation import EvalSpec, eval_steps
 from zpipe.lossy.linkmodes import WAIT_MODES
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.schedule import total_timeslots
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun
-from zpipe.lossy.trace import TrainingTrace, trace_from_results
-from zpipe.lossy.wire import to_tensor
+from zpipe.lossy.trace import EvalTrace, TrainingTrace, evaluation_from_results, trace_from_results
+from zpipe.lossy.wire import eval_body, to_tensor
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
 from zpipe.transport.codec import Message
 
@@ -68,6 +76,12 @@ class StagesLossyResult:
     dead: dict[int, tuple[str, int | None]] = field(default_factory=dict)
     #: the reception ratios the stages measured (``[src][dst]``), when asked (``probes``)
     measured_prr: FloatArray | None = None
+    #: the test passes under loss on the final weights (None: not asked for)
+    test: EvalTrace | None = None
+    #: their accuracy (each output owner's view counting equally), and the final
+    #: weights' with nothing lost (None: no test set)
+    test_acc: float | None = None
+    test_acc_lossless: float | None = None
 
 
 def lossy_request(
@@ -84,6 +98,8 @@ def lossy_request(
     result_s: float = 120.0,
     start_in_s: float = 0.05,
     probes: int | None = None,
+    test_repeats: int | None = 1,
+    test_eval_index: int = 0,
 ) -> Message:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
@@ -93,6 +109,9 @@ def lossy_request(
     ``probes``: have the stages measure their links with this many probes each
     (EdgePipe: 50) and map on that instead (the result's ``measured_prr``; the same
     run simulated: ``prepare_run(cfg, data, measured=result.measured_prr)``).
+    ``test_repeats``: passes over the test set under loss after training (None or no
+    test rows: none), keyed as evaluation point ``test_eval_index`` (the simulation's
+    final one: :func:`zpipe.lossy.simulate.final_eval_index`).
     """
     if mode not in WAIT_MODES:
         raise ConfigError(f"wait mode must be one of {WAIT_MODES}, got {mode!r}")
@@ -103,13 +122,21 @@ def lossy_request(
     if stage_names is None and stages is None:
         stages = n
     measured = prepared.topology.prr_measured if prr_measured is None else prr_measured
+    test = test_spec(prepared, data, test_repeats, test_eval_index)
     if mode == "deadline":
-        # every timeslot of the run must fit in the wait for its results
-        result_s += total_timeslots(prepared.alloc, prepared.n_data) * slot_s
+        # every timeslot of the run must fit in the wait for its results (a test pass
+        # takes a timeslot per layer and one to share the logits)
+        n_slots = total_timeslots(prepared.alloc, prepared.n_data)
+        if test is not None:
+            n_slots += len(eval_steps(test)) * (prepared.alloc.n_layers + 1)
+        result_s += n_slots * slot_s
     batches = [prepared.batch(data, i) for i in range(1, prepared.n_data + 1)]
     inputs = np.stack([x for x, _ in batches]).astype(np.float64)
     labels = np.stack([y for _, y in batches]).astype(np.int64)
     tensors = [to_tensor(np.asarray(a, dtype=np.float64)) for wb in prepared.params for a in wb]
+    tensors += [to_tensor(inputs), to_tensor(labels)]
+    if test is not None:
+        tensors.append(to_tensor(np.asarray(data.x_test, dtype=np.float64)))
     request = LossyRunRequest(
         layer_sizes=list(prepared.layer_sizes),
         allocation=cfg.allocation,
@@ -130,6 +157,7 @@ def lossy_request(
             "mode": mode,
             "slot_s": slot_s,
             "wait_s": wait_s,
+            **({} if test is None else {"test": eval_body(test)}),
         },
         stages=stages,
         stage_names=None if stage_names is None else list(stage_names),
@@ -137,13 +165,25 @@ def lossy_request(
         result_s=result_s,
         start_in_s=start_in_s,
         probes=probes,
-        tensors=(*tensors, to_tensor(inputs), to_tensor(labels)),
+        tensors=tuple(tensors),
     )
     return request.to_message()
 
 
-def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyResult:
-    """A ``lossy_run_report`` as traces (pure); :class:`ProtocolError` if it does not fit."""
+def test_spec(
+    prepared: PreparedRun, data: Dataset, repeats: int | None, eval_index: int = 0
+) -> EvalSpec | None:
+    """The test passes a run on stages makes (None: none asked for, or no test rows)."""
+    if repeats is None or len(data.x_test) == 0:
+        return None
+    return EvalSpec(len(data.x_test), prepared.config.batch_size, repeats, eval_index)
+
+
+def result_from_report(
+    report: Message, *, wall_s: float = 0.0, test: EvalSpec | None = None
+) -> StagesLossyResult:
+    """A ``lossy_run_report`` as traces (pure); :class:`ProtocolError` if it does not fit.
+    ``test``: the test passes the request asked for."""
     parsed = LossyRunReport.from_message(report)
     alloc = Allocation.from_dict(parsed.alloc)
     topo = Topology(alloc)
@@ -161,6 +201,9 @@ def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyRe
     if tensors:
         raise ProtocolError("lossy_run_report: more tensors than results")
     dead = _dead_devices(parsed.dead, topo)
+    tests = {d: m.test for d, m in results.items() if m.test is not None}
+    if test is not None and len(tests) != len(results):
+        raise ProtocolError("lossy_run_report: a stage's result lacks its test passes")
     return StagesLossyResult(
         trace=trace_from_results(topo, results, dead=dead.keys()),
         alloc=alloc,
@@ -173,6 +216,7 @@ def result_from_report(report: Message, *, wall_s: float = 0.0) -> StagesLossyRe
         device_wall_s={d: float(m.wall_s) for d, m in results.items()},
         dead=dead,
         measured_prr=_measured(parsed.measured, len(parsed.stages)),
+        test=None if test is None else evaluation_from_results(topo, test, tests),
     )
 
 
@@ -224,4 +268,12 @@ async def run_lossy(
     )
     if reply.kind == "run_failed":
         raise PipelineError(f"the lossy run failed: {reply['error']}")
-    return result_from_report(reply, wall_s=time.perf_counter() - started)
+    test = test_spec(
+        prepared, data, options.get("test_repeats", 1), options.get("test_eval_index", 0)
+    )
+    result = result_from_report(reply, wall_s=time.perf_counter() - started, test=test)
+    if test is not None and result.test is not None:
+        result.test_acc = result.test.accuracy(data.y_test)
+    if len(data.x_test):
+        result.test_acc_lossless = result.trace.test_accuracy(data)
+    return result

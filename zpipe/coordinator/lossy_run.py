@@ -72,7 +72,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
     if len(sizes) < 2:
         raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
-    params, inputs, labels = _tensors(request, sizes)
+    params, inputs, labels, x_test = _tensors(request, sizes)
     members: list[Member] = yield AwaitStages(
         None if request.stage_names is None else tuple(str(n) for n in request.stage_names),
         request.stages,
@@ -112,6 +112,9 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
             f"inputs {inputs.shape} and labels {labels.shape} do not fit n_data "
             f"{spec.n_data}, batch {spec.batch} and {sizes[0]} input neurons"
         )
+    n_test = None if spec.test is None else spec.test.n_test
+    if x_test is not None and x_test.shape != (n_test, sizes[0]):
+        raise ConfigError(f"test inputs {x_test.shape} do not fit {n_test} rows of {sizes[0]}")
     yield from _replace_current(state)
     run, epoch = state.next_run(), state.next_epoch()
     yield Log("info", "lossy_run_planned", {"run": run, "epoch": epoch, "alloc": alloc.to_dict()})
@@ -129,6 +132,8 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         owns_output = topo.slice_of(topo.last, d) is not None
         if owns_input:
             tensors.append(to_tensor(inputs))
+            if x_test is not None:  # after the training inputs: the test passes' rows
+                tensors.append(to_tensor(x_test))
         if owns_output:
             tensors.append(to_tensor(labels))
         setup = LossySetup(
@@ -243,15 +248,24 @@ def _positive_int(value: Any, what: str) -> int:
 
 def _tensors(
     request: LossyRunRequest, sizes: Sequence[int]
-) -> tuple[list[tuple[FloatArray, FloatArray]], np.ndarray, np.ndarray]:
-    """The initial ``(W, b)`` per dense layer, the inputs and the labels the request carries."""
+) -> tuple[list[tuple[FloatArray, FloatArray]], np.ndarray, np.ndarray, np.ndarray | None]:
+    """The initial ``(W, b)`` per dense layer, the inputs, the labels and (when the spec
+    asks for test passes) the test inputs the request carries."""
     n_dense = len(sizes) - 1
     tensors = request.tensors
-    if len(tensors) != 2 * n_dense + 2:
+    testing = request.spec.get("test") is not None
+    want = 2 * n_dense + 2 + int(testing)
+    if len(tensors) != want:
         raise ProtocolError(
-            f"lossy_run_request: {len(tensors)} tensors, expected {2 * n_dense + 2} "
-            "(W and b of each dense layer, inputs, labels)"
+            f"lossy_run_request: {len(tensors)} tensors, expected {want} (W and b of each "
+            "dense layer, inputs, labels" + (", test inputs)" if testing else ")")
         )
+    x_test = None
+    if testing:
+        x_test_t, tensors = tensors[-1], tensors[:-1]
+        if x_test_t.dtype != torch.float64 or x_test_t.dim() != 2:
+            raise ProtocolError("lossy_run_request: test inputs must be float64 (rows, features)")
+        x_test = x_test_t.numpy()
     params = []
     for k in range(n_dense):
         shape = (sizes[k + 1], sizes[k])
@@ -270,4 +284,4 @@ def _tensors(
         raise ProtocolError("lossy_run_request: labels must be int64 (n_data, batch)")
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= sizes[-1]):
         raise ConfigError(f"labels must lie in [0, {sizes[-1]})")
-    return params, inputs.numpy(), labels.numpy()
+    return params, inputs.numpy(), labels.numpy(), x_test

@@ -1,5 +1,9 @@
 """One lossy run's state on a stage, built from its ``lossy_setup``, and the shape
-check of every partial it may receive (pure: no sockets)."""
+check of every partial it may receive (pure: no sockets).
+
+A test pass's partials (:mod:`zpipe.lossy.evaluation`) travel as kinds ``"TF"`` and
+``"TS"`` keyed by their test step, so they never meet a training pass's ``"F"`` and
+``"S"`` partials of the same id in the inbox."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 
 from zpipe._errors import ProtocolError
 from zpipe.lossy.engine import Arrivals, LinkChannel, Propagation
+from zpipe.lossy.evaluation import EvalStep, eval_steps
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.shard import DeviceShard, PassRunner, ShardFactory, Topology
 from zpipe.lossy.wire import RunSpec, peers_from_body, to_array
@@ -37,6 +42,19 @@ class DeviceRun:
     waits: list[list[Any]] = field(default_factory=list)
     late: int = 0
     start_at: float = 0.0
+    #: input owners: the rows of the test passes (``spec.test``)
+    x_test: FloatArray | None = None
+    #: the test passes by step, and what they did on this device
+    tests: dict[int, EvalStep] = field(default_factory=dict)
+    #: output owners: this view's predicted classes by test step
+    predictions: dict[int, list[int]] = field(default_factory=dict)
+    test_arrivals: Arrivals = field(default_factory=dict)
+    #: test passes that ran with partials missing
+    test_null_filled: int = 0
+
+
+#: the wire kind of a test pass's partial, by the training kind it mirrors
+TEST_KINDS = {"F": "TF", "S": "TS"}
 
 
 def build_run(
@@ -54,7 +72,8 @@ def build_run(
     mine = {layer for layer in range(1, topo.n_layers) if topo.slice_of(layer, index) is not None}
     if sorted(layers) != sorted(mine):
         raise ProtocolError(f"lossy_setup: weights for layers {layers}, device owns {mine}")
-    n_tensors = 2 * len(layers) + int(msg.inputs) + int(msg.labels)
+    testing = spec.test is not None
+    n_tensors = 2 * len(layers) + int(msg.inputs) * (1 + int(testing)) + int(msg.labels)
     if len(msg.tensors) != n_tensors:
         raise ProtocolError(f"lossy_setup: {len(msg.tensors)} tensors, expected {n_tensors}")
     weights = {}
@@ -83,6 +102,14 @@ def build_run(
             dtype=torch.float64,
             what="inputs",
         )
+    x_test = None
+    if msg.inputs and spec.test is not None:
+        x_test = to_array(
+            rest.pop(0),
+            shape=(spec.test.n_test, sizes[0]),
+            dtype=torch.float64,
+            what="test inputs",
+        )
     if msg.labels:
         labels = to_array(
             rest.pop(0), shape=(spec.n_data, spec.batch), dtype=torch.int64, what="labels"
@@ -102,6 +129,8 @@ def build_run(
         peers=peers_from_body(msg.peers, "lossy_setup"),
         inputs=inputs,
         labels=labels,
+        x_test=x_test,
+        tests={t.step: t for t in eval_steps(spec.test)} if spec.test is not None else {},
     )
 
 
@@ -111,7 +140,13 @@ def partial_shape(
     """The shape a partial must have; :class:`ProtocolError` if this device
     could never need it."""
     topo, mine = st.topo, st.shard.slices
-    if not 1 <= data <= st.spec.n_data:
+    rows = st.spec.batch
+    if kind in ("TF", "TS"):
+        test = st.tests.get(data)
+        if test is None:
+            raise ProtocolError(f"lossy_partial: {data} is not a test step of this run")
+        kind, rows = kind[1], test.rows
+    elif not 1 <= data <= st.spec.n_data:
         raise ProtocolError(f"lossy_partial: data id {data} outside 1..{st.spec.n_data}")
     if not 0 <= layer < topo.n_layers:
         raise ProtocolError(f"lossy_partial: no layer {layer}")
@@ -129,4 +164,4 @@ def partial_shape(
     if src_slice is None:
         raise ProtocolError(f"lossy_partial: device {src} owns no part of layer {sending}")
     width = mine[layer].width if kind == "B" else src_slice.width
-    return (st.spec.batch, width)
+    return (rows, width)

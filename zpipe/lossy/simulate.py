@@ -38,6 +38,7 @@ from zpipe._errors import ConfigError
 from zpipe.lossy.airtime import LinkCosts, SlotClock, data_within_budget, plan_clock
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel, PartitionedMLP
+from zpipe.lossy.evaluation import EvalSpec, accuracy, lossy_predictions
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.mapping import connectivity, map_devices, mapping_score
 from zpipe.lossy.partial import init_mlp
@@ -252,9 +253,7 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
     )
     model = PartitionedMLP(alloc, prepared.params, channel, lr=cfg.lr)
     n_slots = clock.n_slots
-    eval_slots = sorted(
-        {round(n_slots * k / cfg.eval_points) for k in range(1, cfg.eval_points + 1)}
-    )
+    eval_slots = _eval_slots(cfg, n_slots)
 
     in_flight: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     losses: list[float] = []
@@ -346,18 +345,20 @@ def _test_accuracy(
 ) -> tuple[float, float]:
     """Mean accuracy of lossy inference passes (each output owner's view counts
     equally) and the accuracy of the same weights with nothing lost."""
-    n_batches = -(-len(data.x_test) // batch_size)
-    correct = 0.0
-    for r in range(repeats):
-        for k in range(n_batches):
-            xs = data.x_test[k * batch_size : (k + 1) * batch_size]
-            ys = data.y_test[k * batch_size : (k + 1) * batch_size]
-            step = (eval_index * 1000 + r) * n_batches + k
-            views = model.predict_views(xs, step)
-            correct += float(np.mean([np.sum(v.argmax(axis=1) == ys) for v in views]))
-    lossy = correct / (repeats * len(data.x_test))
+    spec = EvalSpec(len(data.x_test), batch_size, repeats=repeats, eval_index=eval_index)
+    lossy = accuracy(lossy_predictions(model, data.x_test, spec), spec, data.y_test)
     clean = _clean_accuracy(model, data)
     return lossy, clean
+
+
+def final_eval_index(cfg: RunConfig, n_slots: int) -> int:
+    """The evaluation index of a run's final test (its drop keys' evaluation point):
+    one after the curve's points, each evaluated once its timeslot is reached."""
+    return len(_eval_slots(cfg, n_slots)) - 1
+
+
+def _eval_slots(cfg: RunConfig, n_slots: int) -> list[int]:
+    return sorted({round(n_slots * k / cfg.eval_points) for k in range(1, cfg.eval_points + 1)})
 
 
 def _clean_accuracy(model: PartitionedMLP, data: Dataset) -> float:

@@ -22,6 +22,7 @@ import torch
 from zpipe._errors import ProtocolError
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import Arrivals, LinkChannel, PartitionedMLP, Propagation, stitch_params
+from zpipe.lossy.evaluation import EvalSpec, Predictions, accuracy, eval_steps, simulate_predictions
 from zpipe.lossy.links import Traffic
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.schedule import events
@@ -78,6 +79,77 @@ def same_run(a: TrainingTrace, b: TrainingTrace, *, rtol: float = 1e-12) -> bool
         np.allclose(wa, wb, rtol=rtol, atol=1e-14) and np.allclose(ba, bb, rtol=rtol, atol=1e-14)
         for (wa, ba), (wb, bb) in zip(a.params, b.params, strict=True)
     )
+
+
+@dataclass
+class EvalTrace:
+    """What a run's test passes under loss did: each output owner's predictions by
+    test step (owner order) and their traffic."""
+
+    spec: EvalSpec
+    predictions: Predictions
+    traffic: Traffic
+    #: passes (any device's) that ran with a partial missing; None if not counted
+    null_filled: int | None = None
+
+    def accuracy(self, y_test: np.ndarray) -> float:
+        return accuracy(self.predictions, self.spec, y_test)
+
+    def same_as(self, other: EvalTrace) -> bool:
+        """The same test passes, drops and predictions."""
+        return (
+            self.spec == other.spec
+            and self.traffic.as_dict() == other.traffic.as_dict()
+            and self.predictions.keys() == other.predictions.keys()
+            and all(
+                len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+                for a, b in ((self.predictions[k], other.predictions[k]) for k in self.predictions)
+            )
+        )
+
+
+def evaluate_in_process(
+    prepared: PreparedRun,
+    params: list[tuple[FloatArray, FloatArray]],
+    x_test: FloatArray,
+    spec: EvalSpec,
+) -> EvalTrace:
+    """The test passes of weights ``params`` (a run's final ones) on ``prepared``'s
+    links, as the in-process simulation runs them."""
+    channel = LinkChannel(
+        prr=prepared.topology.prr,
+        seed=prepared.config.seed,
+        recovery=prepared.config.recovery,
+        lossless=prepared.lossless,
+    )
+    predictions = simulate_predictions(prepared.alloc, params, channel, x_test, spec)
+    return EvalTrace(spec, predictions, channel.traffic.get("test", Traffic()))
+
+
+def evaluation_from_results(topo: Topology, spec: EvalSpec, bodies: Mapping[int, Any]) -> EvalTrace:
+    """The test passes of a run on stages from each device's ``lossy_result`` ``test``
+    map; :class:`ProtocolError` if one does not fit."""
+    by_owner: dict[int, dict[int, np.ndarray]] = {}
+    traffic: list[dict[str, dict[str, int]]] = []
+    null_filled = 0
+    steps = {t.step: t.rows for t in eval_steps(spec)}
+    for d, body in bodies.items():
+        try:
+            for step, classes in body["predictions"]:
+                if steps.get(step) != len(classes):
+                    raise ProtocolError(f"lossy_result: device {d} predicted step {step} badly")
+                by_owner.setdefault(d, {})[int(step)] = np.asarray(classes, dtype=np.int64)
+            if body["traffic"]:
+                traffic.append({"test": body["traffic"]})
+            null_filled += int(body["null_filled"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"lossy_result: malformed test of device {d}: {exc!r}") from None
+    out_owners = [d for d, _ in topo.owners[topo.last] if d in by_owner]
+    predictions = {
+        step: [by_owner[d][step] for d in out_owners if step in by_owner[d]] for step in steps
+    }
+    merged = merge_traffic(traffic).get("test") if traffic else None
+    return EvalTrace(spec, predictions, merged or Traffic(), null_filled)
 
 
 def train_in_process(

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from zpipe._errors import ProtocolError
+from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.linkmodes import WAIT_MODES, WaitMode
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.partial import FloatArray
@@ -42,9 +43,11 @@ class RunSpec:
     mode: WaitMode
     slot_s: float
     wait_s: float
+    #: the test passes under loss after training (None: none)
+    test: EvalSpec | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "alloc": self.alloc.to_dict(),
             "prr": [[float(v) for v in row] for row in self.prr],
             "seed": self.seed,
@@ -61,6 +64,9 @@ class RunSpec:
             "slot_s": self.slot_s,
             "wait_s": self.wait_s,
         }
+        if self.test is not None:
+            body["test"] = eval_body(self.test)
+        return body
 
     @classmethod
     def from_body(cls, body: Any) -> RunSpec:
@@ -85,6 +91,7 @@ class RunSpec:
                 mode=body["mode"],
                 slot_s=float(body["slot_s"]),
                 wait_s=float(body["wait_s"]),
+                test=eval_from_body(body.get("test")),
             )
         except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
             raise ProtocolError(f"lossy_setup: malformed run spec: {exc!r}") from None
@@ -99,6 +106,28 @@ class RunSpec:
         if spec.n_data < 1 or spec.batch < 1 or not spec.slot_s > 0 or not spec.wait_s > 0:
             raise ProtocolError("lossy_setup: n_data, batch, slot_s and wait_s must be positive")
         return spec
+
+
+def eval_body(spec: EvalSpec) -> dict[str, int]:
+    return {
+        "n_test": spec.n_test,
+        "batch": spec.batch,
+        "repeats": spec.repeats,
+        "eval_index": spec.eval_index,
+    }
+
+
+def eval_from_body(body: Any) -> EvalSpec | None:
+    """A run's test passes as the wire carries them (KeyError, TypeError or
+    ValueError if malformed)."""
+    if body is None:
+        return None
+    return EvalSpec(
+        n_test=_int(body["n_test"]),
+        batch=_int(body["batch"]),
+        repeats=_int(body["repeats"]),
+        eval_index=_int(body["eval_index"]),
+    )
 
 
 def _int(value: Any) -> int:

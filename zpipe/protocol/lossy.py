@@ -103,6 +103,10 @@ class LossyResult(TensorMessage):
     dead: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     # partials of another run or plan epoch this stage dropped since the run's set-up
     stale: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # the test passes under loss after training (when the spec asked for them):
+    # {"predictions": [[step, [class, ...]], ...] (output owners), "traffic": {...},
+    #  "arrivals": [[step, kind, key_layer, [senders]], ...], "null_filled": n}
+    test: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message

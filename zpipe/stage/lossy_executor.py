@@ -387,7 +387,7 @@ class LossyExecutor:
                 "assemblies": dict(prop.assemblies),
                 "complete": dict(prop.complete),
             },
-            traffic={k: v.as_dict() for k, v in st.channel.traffic.items()},
+            traffic={k: v.as_dict() for k, v in st.channel.traffic.items() if k != "test"},
             arrivals=[
                 [data, kind, layer, list(senders)]
                 for (data, kind, layer, _), senders in sorted(st.arrivals.items())
@@ -396,6 +396,7 @@ class LossyExecutor:
             late=st.late,
             protocol_errors=self.protocol_errors,
             stale=self.stale,
+            test=_test_body(st),
             wall_s=wall_s,
             name=self.name,
             dead={str(d): first for d, first in self._inbox.dead.items()}
@@ -406,6 +407,22 @@ class LossyExecutor:
         await self._send_control(
             Message(result.kind, result.body, epoch=self.epoch, tensors=result.tensors)
         )
+
+
+def _test_body(st: DeviceRun) -> dict[str, Any] | None:
+    """What this device's test passes did (None: the run had none)."""
+    if not st.tests:
+        return None
+    test = st.channel.traffic.get("test")
+    return {
+        "predictions": [[step, classes] for step, classes in st.predictions.items()],
+        "traffic": test.as_dict() if test is not None else {},
+        "arrivals": [
+            [step, kind, layer, list(senders)]
+            for (step, kind, layer, _), senders in sorted(st.test_arrivals.items())
+        ],
+        "null_filled": st.test_null_filled,
+    }
 
 
 def _by_index(body: Any, what: str) -> dict[int, str]:

@@ -19,6 +19,12 @@ arrived, at most ``wait_s``; ``deadline``: until the end of the timeslot the
 partials were sent in. A device the coordinator declared dead (``mark_dead``)
 is not waited for and not sent to: its partials are null-filled from then on
 (EdgePipe's device malfunction case).
+
+After its training passes, a run whose spec asks for test passes
+(:mod:`zpipe.lossy.evaluation`) runs them the same way: each test step's forward
+passes layer by layer over the same lossy links (their own drop keys), then each
+output owner assembles its view of the logits and keeps its predictions. In
+deadline mode a test pass takes ``L + 1`` timeslots after the training's.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ import zmq
 
 from zpipe._errors import TransportTimeout
 from zpipe.log import get_logger
-from zpipe.lossy.device_run import DeviceRun
+from zpipe.lossy.device_run import TEST_KINDS, DeviceRun
 from zpipe.lossy.engine import record_arrival
 from zpipe.lossy.partial import FloatArray
-from zpipe.lossy.schedule import PassEvent, events
+from zpipe.lossy.schedule import PassEvent, events, total_timeslots
 from zpipe.lossy.shard import Needed, Outgoing
 from zpipe.lossy.wire import partial_message
 from zpipe.transport.codec import Message, encode
@@ -158,13 +164,39 @@ class PassLoop:
         for ev in events(st.spec.alloc, st.spec.n_data):
             if ev.layer in st.shard.slices:
                 self._pass(ev)
+        if st.tests:
+            self._test_passes()
+
+    def _test_passes(self) -> None:
+        """Every test pass of the run's spec, in order, on the final weights."""
+        st = self.st
+        topo, mine = st.topo, st.shard.slices
+        first_slot = total_timeslots(st.spec.alloc, st.spec.n_data)
+        for i, t in enumerate(st.tests.values()):
+            slot = first_slot + i * (topo.n_layers + 1)
+            for layer in range(topo.n_layers):
+                if layer not in mine:
+                    continue
+                needed = topo.needed("F", layer, test=True)
+                got = (
+                    {} if needed is None else self._collect(t.step, slot + layer, needed, test=True)
+                )
+                x = st.x_test[t.start : t.stop] if st.x_test is not None and layer == 0 else None
+                outgoing = st.shard.forward(t.step, layer, t.rows, got, x=x, train=False)
+                self._post(t.step, outgoing, test=True)
+            if topo.last in mine:
+                share = topo.needed("B", topo.last, test=True)
+                assert share is not None
+                got = self._collect(t.step, slot + topo.n_layers, share, test=True)
+                logits = st.shard.logits_view(t.rows, got)
+                st.predictions[t.step] = [int(c) for c in np.argmax(logits, axis=1)]
 
     def _pass(self, ev: PassEvent) -> None:
         st = self.st
         needed = st.topo.needed(ev.kind, ev.layer)
         got: dict[int, FloatArray] = {}
         if needed is not None:
-            got = self._collect(ev, needed)
+            got = self._collect(ev.data, ev.timeslot, needed)
             record_arrival(st.propagation, st.arrivals, ev.data, self.index, needed, got)
         outgoing: list[Outgoing]
         if ev.kind == "F":
@@ -182,47 +214,55 @@ class PassLoop:
                 st.losses.append([ev.data, loss])
         self._post(ev.data, outgoing)
 
-    def _collect(self, ev: PassEvent, needed: Needed) -> dict[int, FloatArray]:
-        """One pass's partials: all that can come, or what came by the deadline."""
+    def _collect(
+        self, data: int, timeslot: int, needed: Needed, *, test: bool = False
+    ) -> dict[int, FloatArray]:
+        """One pass's partials: all that can come, or what came by the deadline
+        (the end of the timeslot before the pass's ``timeslot``)."""
         st = self.st
-        key = (ev.data, needed.kind, needed.key_layer)
+        kind = TEST_KINDS[needed.kind] if test else needed.kind
+        key = (data, kind, needed.key_layer)
         senders = [src for src, _ in needed.senders]
         clock: Callable[[], float]
         if st.spec.mode == "emulated":
             expect = {
                 src
                 for src in senders
-                if st.channel.would_deliver(
-                    src, self.index, needed.layer, ev.data, needed.direction
-                )
+                if st.channel.would_deliver(src, self.index, needed.layer, data, needed.direction)
             }
             clock = time.monotonic
             deadline = clock() + st.spec.wait_s
         else:
             expect = set(senders)
             clock = time.time
-            deadline = st.start_at + ev.timeslot * st.spec.slot_s  # the end of the send's slot
-        got, proceeded = self.inbox.take(key, expect, deadline, clock, ev.data, senders)
+            deadline = st.start_at + timeslot * st.spec.slot_s  # the end of the send's slot
+        got, proceeded = self.inbox.take(key, expect, deadline, clock, data, senders)
         missing = len(senders) - sum(1 for src in senders if src in got)
-        if missing:  # null-filled by the shard
-            st.waits.append([ev.data, needed.kind, needed.key_layer, missing, deadline, proceeded])
+        if test:
+            st.test_arrivals[(data, kind, needed.key_layer, self.index)] = tuple(
+                sorted(src for src in senders if src in got)
+            )
+            st.test_null_filled += int(missing > 0)
+        elif missing:  # null-filled by the shard
+            st.waits.append([data, needed.kind, needed.key_layer, missing, deadline, proceeded])
         overdue = expect - got.keys() - self.inbox.dead_devices()
         if st.spec.mode == "emulated" and overdue:
             log.warning("lossy_partial_overdue", stage=self._stage, key=key,
                         missing=sorted(overdue), wait_s=st.spec.wait_s)  # fmt: skip
         return got
 
-    def _post(self, data: int, outgoing: Sequence[Outgoing]) -> None:
+    def _post(self, data: int, outgoing: Sequence[Outgoing], *, test: bool = False) -> None:
         st = self.st
         for out in outgoing:
+            kind = TEST_KINDS[out.kind] if test else out.kind
             if out.dst == self.index:
-                self.inbox.keep_own((data, out.kind, out.key_layer), self.index, out.values)
+                self.inbox.keep_own((data, kind, out.key_layer), self.index, out.values)
                 continue
             if not st.channel.send(self.index, out.dst, out.layer, data, out.direction):
                 continue  # decided lost: it never reaches the wire
             if self.inbox.is_dead(out.dst):
                 continue  # nobody to receive it
-            message = partial_message(st.run, data, out.kind, out.key_layer, self.index, out.values)
+            message = partial_message(st.run, data, kind, out.key_layer, self.index, out.values)
             try:
                 self._send(
                     out.dst,
