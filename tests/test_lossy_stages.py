@@ -28,7 +28,13 @@ from zpipe.lossy.data import Dataset
 from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.links import Direction, Recovery, deliver
 from zpipe.lossy.partial import mlp_forward_backward
-from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run, run_training
+from zpipe.lossy.simulate import (
+    PreparedRun,
+    RunConfig,
+    final_eval_index,
+    prepare_run,
+    run_training,
+)
 from zpipe.lossy.trace import TrainingTrace, evaluate_in_process, train_in_process
 from zpipe.transport.codec import Message
 
@@ -175,9 +181,15 @@ def test_a_lossy_run_on_stages_matches_the_experiments_simulation(
 ) -> None:
     # The experiment's own run (simulate.run_training, with its test passes) reports
     # the same training propagation, traffic and loss (with one evaluation point, its
-    # loss is the mean over every mini-batch).
-    cfg = replace(BASE, allocation="hybrid", eval_points=1, test_repeats=1)
-    result = _run(cluster, prepare_run(cfg, data), data, stage_names=stages)
+    # loss is the mean over every mini-batch), and its final test under loss is the
+    # stages' (keyed as its final evaluation point, after the curve's).
+    cfg = replace(BASE, allocation="hybrid", eval_points=1, test_repeats=2)
+    prepared = prepare_run(cfg, data)
+    assert prepared.clock is not None
+    eval_index = final_eval_index(replace(cfg, eval_points=3), prepared.clock.n_slots)
+    assert eval_index > 0
+    result = _run(cluster, prepared, data, stage_names=stages, test_repeats=2,
+                  test_eval_index=eval_index)  # fmt: skip
     simulated = run_training(cfg, data)
     assert result.trace.propagation.as_dict()["propagation_rate"] == simulated["propagation_rate"]
     assert np.mean(list(result.trace.losses.values())) == pytest.approx(
@@ -185,6 +197,12 @@ def test_a_lossy_run_on_stages_matches_the_experiments_simulation(
     )
     for category in ("forward", "backward", "share"):
         assert result.trace.traffic[category].as_dict() == simulated["traffic"][category]
+    assert result.test_acc_lossless == simulated["final_test_acc_lossless"]
+    # three evaluation points: the final test is keyed after the curve's two
+    curved = run_training(replace(cfg, eval_points=3), data)
+    assert result.test_acc == curved["final_test_acc"]
+    assert result.test is not None
+    assert result.test.traffic.messages < curved["traffic"]["test"]["messages"]
 
 
 def test_a_stage_never_waits_past_its_deadline(
@@ -256,6 +274,9 @@ def test_the_lossy_command_runs_on_the_clusters_stages(
     assert experiment.main(argv) == 0  # 0: the run on stages matched its simulation
     rows = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert len(rows) == 1 and rows[0]["matches_simulation"] and rows[0]["n_data"] == 2
+    # its test-time inference ran under loss across the stages, as simulated
+    assert rows[0]["test_matches_simulation"] and 0 <= rows[0]["final_test_acc"] <= 1
+    assert rows[0]["test_traffic"]["messages"] > 0
     assert sorted(rows[0]["stages"]) == sorted(stages)
     with pytest.raises(SystemExit):
         experiment.main([*argv, "--multiprocess"])

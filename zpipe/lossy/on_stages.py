@@ -7,7 +7,10 @@ cluster the coordinator at ``EP`` keeps (``python -m zpipe coordinator`` and
 :class:`~zpipe.cluster.LocalCluster` started for the command: the coordinator
 partitions and maps, the stages run their partial layers
 (:mod:`zpipe.client.lossy_run`). Each run is checked against the in-process
-simulation of the same seed.
+simulation of the same seed: its training (drops, losses, weights) and its final
+test-time inference under loss (the stages' test passes on their final weights,
+keyed as :func:`zpipe.lossy.simulate.run_training`'s final evaluation, against the
+simulation's on the simulated weights: the same drops and predictions).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any
 from zpipe.client.lossy_run import run_lossy
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.simulate import RunConfig, prepare_run
-from zpipe.lossy.trace import same_run, train_in_process
+from zpipe.lossy.simulate import RunConfig, final_eval_index, prepare_run
+from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
 
 
 def run_stage_configs(
@@ -57,6 +60,8 @@ def _run_all(
         async with PipelineClient(coordinator, keys_dir=keys) as client:
             for cfg, value in configs:
                 prepared = prepare_run(cfg, data)
+                n_slots = prepared.clock.n_slots if prepared.clock is not None else 0
+                eval_index = final_eval_index(cfg, n_slots)
                 result = await run_lossy(
                     client,
                     prepared,
@@ -65,8 +70,16 @@ def _run_all(
                     mode=args.wait_mode,
                     slot_s=args.slot_s,
                     wait_for_stages_s=args.wait_for_stages_s,
+                    test_repeats=cfg.test_repeats,
+                    test_eval_index=eval_index,
                 )
                 simulated = train_in_process(prepared, data)
+                test_matches = True
+                if result.test is not None:
+                    simulated_test = evaluate_in_process(
+                        prepared, simulated.params, data.x_test, result.test.spec
+                    )
+                    test_matches = result.test.same_as(simulated_test)
                 summary = result.trace.summary()
                 summary.pop("losses")
                 rows.append(
@@ -81,13 +94,22 @@ def _run_all(
                         "protocol_errors": sum(result.protocol_errors.values()),
                         # device -> [stage, first mini-batch that ran without it]
                         "dead": {str(d): list(v) for d, v in result.dead.items()},
-                        "final_test_acc_lossless": result.trace.test_accuracy(data),
-                        "matches_simulation": same_run(result.trace, simulated, rtol=1e-10),
+                        # test-time inference under loss across the stages
+                        "final_test_acc": result.test_acc,
+                        "final_test_acc_lossless": result.test_acc_lossless,
+                        "test_traffic": None
+                        if result.test is None
+                        else result.test.traffic.as_dict(),
+                        "test_matches_simulation": test_matches,
+                        "matches_simulation": test_matches
+                        and same_run(result.trace, simulated, rtol=1e-10),
                     }
                 )
                 print(
                     f"[{len(rows)}/{len(configs)}] {cfg.label} seed={cfg.seed} on stages"
                     f" steps={summary['n_data']} prop={summary['propagation_rate']:.3f}"
+                    f" acc={rows[-1]['final_test_acc']}"
+                    f" lossless={rows[-1]['final_test_acc_lossless']}"
                     f" wall={result.wall_s:.2f}s"
                     f" matches_simulation={rows[-1]['matches_simulation']}",
                     file=sys.stderr,
