@@ -18,7 +18,7 @@ from zpipe.client.lossy_run import StagesLossyResult, run_lossy
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.simulate import RunConfig, prepare_run
-from zpipe.lossy.trace import same_run, train_in_process
+from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.transport import security
 from zpipe.transport.codec import Message, decode, encode
@@ -224,5 +224,11 @@ def _lossy_run_equals_its_simulation(cluster: LocalCluster) -> None:
             return await run_lossy(client, prepared, data, stage_names=["k0", "k1"])
 
     result = asyncio.run(run())
-    assert same_run(result.trace, train_in_process(prepared, data), rtol=1e-10)
+    simulated = train_in_process(prepared, data)
+    assert same_run(result.trace, simulated, rtol=1e-10)
     assert not any(result.protocol_errors.values())
+    # its test passes' partials crossed the CURVE data ports too
+    assert result.test is not None and result.test.traffic.messages > 0
+    assert result.test.same_as(
+        evaluate_in_process(prepared, simulated.params, data.x_test, result.test.spec)
+    )
