@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -18,6 +19,7 @@ import zmq.asyncio
 from zpipe._errors import PipelineError, ProtocolError
 from zpipe.coordinator.lossy_probe import measured_matrix
 from zpipe.lossy.engine import shard_params
+from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.mapping import partition_and_map
 from zpipe.lossy.partial import init_mlp
@@ -65,17 +67,20 @@ def _executor(sent: list[Message], *, data_in: Any = None) -> LossyExecutor:
     )
 
 
-def _setup(device: int) -> Message:
+def _setup(device: int, test: EvalSpec | None = None) -> Message:
     alloc = partition_and_map(SIZES, "vertical", 3, np.ones((3, 3)), mapping="identity", seed=0)
     topo = Topology(alloc)
     spec = RunSpec(alloc=alloc, prr=np.ones((3, 3)), seed=0, recovery=Recovery(), lossless=True,
-                   lr=0.1, n_data=2, batch=2, mode="emulated", slot_s=0.1, wait_s=1.0)  # fmt: skip
+                   lr=0.1, n_data=2, batch=2, mode="emulated", slot_s=0.1, wait_s=1.0,
+                   test=test)  # fmt: skip
     weights = shard_params(topo, init_mlp(SIZES, seed=0), device)
     tensors = [to_tensor(a) for layer in sorted(weights) for a in weights[layer]]
     owns_input = topo.slice_of(0, device) is not None
     owns_output = topo.slice_of(topo.last, device) is not None
     if owns_input:
         tensors.append(to_tensor(np.zeros((2, 2, SIZES[0]))))
+        if test is not None:
+            tensors.append(to_tensor(np.zeros((test.n_test, SIZES[0]))))
     if owns_output:
         tensors.append(to_tensor(np.zeros((2, 2), dtype=np.int64)))
     setup = LossySetup(run=5, device=device, spec=spec.to_body(),
@@ -128,6 +133,34 @@ def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_dropped() -> N
     assert torch.equal(torch.from_numpy(st.inbox[(1, "F", 0)][0]), torch.ones(2, 6).double())
 
 
+def test_a_test_pass_partial_is_filed_apart_and_one_for_no_test_step_refused() -> None:
+    # Three test rows in mini-batches of two: test steps 0 (2 rows) and 1 (1 row).
+    test = EvalSpec(n_test=3, batch=2)
+    sent: list[Message] = []
+    executor = _executor(sent)
+    asyncio.run(_setup_only(executor, _setup(0, test)))  # the input owner takes the rows
+    assert sent[-1]["error"] == ""
+    assert executor.state is not None and executor.state.x_test is not None
+    asyncio.run(_setup_only(executor, _setup(1, test)))
+    st = executor.state
+    assert st is not None and sorted(st.tests) == [0, 1]
+    executor._on_partial(_partial(1, "TF", 0, 0, (1, 6)))
+    executor._on_partial(_partial(1, "F", 0, 0, (2, 6)))  # training's mini-batch 1: apart
+    assert set(st.inbox[(1, "TF", 0)]) == {0} and st.inbox[(1, "TF", 0)][0].shape == (1, 6)
+    assert set(st.inbox[(1, "F", 0)]) == {0}
+    with pytest.raises(ProtocolError, match="not a test step"):
+        executor._on_partial(_partial(2, "TF", 0, 0, (1, 6)))
+    with pytest.raises(ProtocolError, match="shape"):  # step 0 has two rows
+        executor._on_partial(_partial(0, "TF", 0, 0, (1, 6)))
+    with pytest.raises(ProtocolError, match="sharing"):  # sharing is of the output layer
+        executor._on_partial(_partial(0, "TS", 0, 0, (2, 6)))
+    # a setup whose test rows are missing is refused
+    setup = _setup(0, test)
+    short = Message(setup.kind, setup.body, epoch=EPOCH, tensors=setup.tensors[:-1])
+    asyncio.run(_setup_only(executor, short))
+    assert "tensors" in sent[-1]["error"] and executor.state is None
+
+
 async def _setup_only(executor: LossyExecutor, setup: Message) -> None:
     await executor.on_control(setup)
     await executor._supervisor.stop()  # no socket to receive on in this test
@@ -154,8 +187,14 @@ def test_run_spec_round_trips_and_rejects_garbage() -> None:
     body = msgpack.unpackb(msgpack.packb(spec.to_body()))
     again = RunSpec.from_body(body)
     assert again.alloc == spec.alloc and np.array_equal(again.prr, spec.prr)
-    assert again.recovery == spec.recovery
+    assert again.recovery == spec.recovery and again.test is None
+    test = EvalSpec(n_test=7, batch=3, repeats=2, eval_index=4)
+    tested = RunSpec.from_body(msgpack.unpackb(msgpack.packb(replace(spec, test=test).to_body())))
+    assert tested.test == test
     for broken in (
+        {**body, "test": {"n_test": 0, "batch": 3, "repeats": 1, "eval_index": 0}},
+        {**body, "test": {"n_test": 7, "batch": 3, "repeats": 1}},
+        {**body, "test": [7, 3]},
         {**body, "prr": [[1.0]]},
         {**body, "mode": "psychic"},
         {**body, "n_data": "4"},
