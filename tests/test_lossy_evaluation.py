@@ -23,7 +23,7 @@ def test_test_passes_cover_the_test_set_once_per_repeat_with_distinct_keys() -> 
     keys = [t.step for t in steps] + [t.step for t in later]
     assert len(set(keys)) == len(keys)  # no two passes share drop keys
     with pytest.raises(ConfigError):
-        EvalSpec(n_test=7, batch=3, repeats=1000)
+        EvalSpec(n_test=7, batch=3, repeats=1001)
     with pytest.raises(ConfigError):
         EvalSpec(n_test=0, batch=3)
 

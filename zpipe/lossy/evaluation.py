@@ -31,7 +31,7 @@ IntArray = npt.NDArray[np.int64]
 Predictions = dict[int, list[IntArray]]
 
 # Test steps of one evaluation point are (point * STEPS_PER_POINT + repeat) * batches
-# + batch: distinct across points and repeats as long as repeats stay below this.
+# + batch: distinct across points and repeats as long as repeats stay within this.
 STEPS_PER_POINT = 1000
 
 
@@ -50,9 +50,9 @@ class EvalSpec:
             raise ConfigError(
                 f"a test needs rows and a batch size, got {self.n_test}, {self.batch}"
             )
-        if not 1 <= self.repeats < STEPS_PER_POINT or self.eval_index < 0:
+        if not 1 <= self.repeats <= STEPS_PER_POINT or self.eval_index < 0:
             raise ConfigError(
-                f"test repeats must be in [1, {STEPS_PER_POINT}) and the evaluation index "
+                f"test repeats must be in [1, {STEPS_PER_POINT}] and the evaluation index "
                 f">= 0, got {self.repeats} and {self.eval_index}"
             )
 

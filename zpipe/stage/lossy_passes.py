@@ -100,11 +100,14 @@ class SharedInbox:
         clock: Callable[[], float],
         data: int,
         senders: Collection[int] = (),
+        *,
+        record_dead: bool = True,
     ) -> tuple[dict[int, FloatArray], float]:
         """Wait until every device of ``expect`` that is not dead has filed under
         ``key`` or ``deadline`` passes; take what came. Returns it and the time
         the wait ended. A dead device among ``senders`` (all the pass reads from)
-        is recorded as missing from mini-batch ``data`` on, if not yet."""
+        is recorded as missing from mini-batch ``data`` on, if not yet (``record_dead``:
+        a test pass's step is no mini-batch)."""
         with self._cond:
             while not self.stopped:
                 alive = expect - self.dead.keys()
@@ -117,7 +120,7 @@ class SharedInbox:
             if self.stopped:
                 raise RunStopped()
             for device, since in self.dead.items():
-                if since is None and (device in expect or device in senders):
+                if record_dead and since is None and (device in expect or device in senders):
                     self.dead[device] = data
             self.st.consumed.add(key)
             return self.st.inbox.pop(key, {}), clock()
@@ -236,7 +239,9 @@ class PassLoop:
             expect = set(senders)
             clock = time.time
             deadline = st.start_at + timeslot * st.spec.slot_s  # the end of the send's slot
-        got, proceeded = self.inbox.take(key, expect, deadline, clock, data, senders)
+        got, proceeded = self.inbox.take(
+            key, expect, deadline, clock, data, senders, record_dead=not test
+        )
         missing = len(senders) - sum(1 for src in senders if src in got)
         if test:
             st.test_arrivals[(data, kind, needed.key_layer, self.index)] = tuple(
