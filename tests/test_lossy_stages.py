@@ -219,7 +219,12 @@ def test_a_stage_never_waits_past_its_deadline(
         assert missing >= 1
         assert proceeded >= deadline - 0.005  # it did wait for the missing partial
     if result.late == 0:  # nothing arrived after its deadline: as simulated
-        _assert_same_trace(result.trace, train_in_process(prepared, data))
+        want = train_in_process(prepared, data)
+        _assert_same_trace(result.trace, want)
+        assert result.test is not None  # the test passes after training, on deadlines too
+        assert result.test.same_as(
+            evaluate_in_process(prepared, want.params, data.x_test, result.test.spec)
+        )
 
 
 def test_the_stages_measure_their_links_with_fifty_probes_and_the_run_maps_on_them(
