@@ -32,7 +32,7 @@ SEND_WINDOW = 4
 # how long the event loop watches a sent message itself before the waiter thread
 # takes it: below it a completion is stamped at most half this late (or early); a
 # slower message is stamped by the thread when libzmq releases it
-LOOK_AGAIN_S = 0.001
+LOOK_AGAIN_S = 0.002
 
 
 @dataclass
