@@ -8,6 +8,7 @@ once it reads, every message completes and its bytes are counted.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -131,10 +132,15 @@ async def _written_together(count: int) -> tuple[StageCounters, int, list[int]]:
         await meter.room(timeout_s=60.0)
         meter.track(tracker, 100 * (i + 1))  # type: ignore[arg-type]
     assert not meter.has_room()  # the window is full
+    # waiting for the drain hands every message to the waiter thread at once
+    draining = asyncio.create_task(meter.drained(timeout_s=60.0, peer="downstream"))
+    await asyncio.sleep(0)
+    handed_off = meter._handed_off
     # every message is written out before the waiter thread looks at the second one
     for tracker in reversed(trackers):
         tracker.written.set()
-    await meter.drained(timeout_s=60.0, peer="downstream")
+    await asyncio.wait_for(draining, 60.0)
+    assert handed_off == count
     in_flight = meter.in_flight
     meter.close()
     return counters, in_flight, wakeups
@@ -147,3 +153,90 @@ def test_messages_written_out_together_all_count_and_free_their_places() -> None
     # the waiter was held on the first: it found the other three written out behind
     # it and reported all four in one wake-up of the loop
     assert wakeups == [4]
+
+
+async def _written_at_once() -> tuple[StageCounters, float, bool, int]:
+    counters = StageCounters()
+    meter = LinkMeter(counters, window=2)
+    tracker = _HeldTracker()
+    await meter.room(timeout_s=60.0)
+    before = time.perf_counter()
+    meter.track(tracker, 1000)  # type: ignore[arg-type]
+    tracker.written.set()
+    room = meter.has_room()  # the loop looks: the message is out
+    elapsed = time.perf_counter() - before
+    in_flight = meter.in_flight
+    meter.close()
+    return counters, elapsed, room and meter._waiter is None, in_flight
+
+
+def test_a_message_written_out_at_once_is_counted_by_the_loop_without_a_thread() -> None:
+    counters, elapsed, no_thread, in_flight = asyncio.run(_written_at_once())
+    assert no_thread and in_flight == 0
+    assert counters.link_delivered_bytes == 1000
+    # stamped between the two looks: never more link time than actually passed
+    assert 0 <= counters.link_s <= elapsed
+
+
+async def _held_past_the_look() -> tuple[StageCounters, float, bool]:
+    counters = StageCounters()
+    meter = LinkMeter(counters, window=2)
+    tracker = _HeldTracker()
+    handing = asyncio.Event()
+    to_waiter = meter._to_waiter
+
+    def noting(tracker: zmq.MessageTracker, nbytes: int) -> None:
+        to_waiter(tracker, nbytes)
+        handing.set()
+
+    meter._to_waiter = noting  # type: ignore[method-assign]
+    await meter.room(timeout_s=60.0)
+    meter.track(tracker, 1000)  # type: ignore[arg-type]
+    tracked_at = time.perf_counter()
+    # nothing else happens: the loop's own look, LOOK_AGAIN_S on, hands it to the waiter
+    await asyncio.wait_for(handing.wait(), 60.0)
+    handed_off = meter._handed_off == 1 and meter._waiter is not None
+    tracker.written.set()
+    held_s = time.perf_counter() - tracked_at
+    await meter.drained(timeout_s=60.0, peer="downstream")
+    meter.close()
+    return counters, held_s, handed_off
+
+
+def test_a_message_still_on_its_way_is_timed_by_the_waiter_for_its_whole_time() -> None:
+    counters, held_s, handed_off = asyncio.run(_held_past_the_look())
+    assert handed_off
+    assert counters.link_delivered_bytes == 1000
+    assert counters.link_s >= held_s  # stamped when written out, not when looked at
+
+
+async def _fast_stream(messages: int, nbytes: int) -> tuple[StageCounters, float]:
+    context = new_context()
+    receiver = open_socket(context, zmq.PULL, SocketOptions())
+    sender = open_socket(context, zmq.PUSH, SocketOptions())
+    try:
+        sender.connect(bind_endpoint(receiver, "tcp://127.0.0.1:0"))
+        counters = StageCounters()
+        meter = LinkMeter(counters)
+        message = Message(
+            "data", {"run": 1, "mb": 0, "src": "s0"}, tensors=(torch.zeros(nbytes // 4),)
+        )
+        started = time.perf_counter()
+        for _ in range(messages):
+            await meter.room(timeout_s=60.0)
+            await send(sender, message, timeout_s=60.0, peer="downstream", on_queued=meter.track)
+            await recv_frames(receiver, timeout_s=60.0, peer="upstream", awaited="data")
+        await meter.drained(timeout_s=60.0, peer="downstream")
+        elapsed = time.perf_counter() - started
+        meter.close()
+        return counters, elapsed
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+        context.term()
+
+
+def test_a_fast_link_counts_every_byte_and_no_more_time_than_passed() -> None:
+    counters, elapsed = asyncio.run(_fast_stream(50, 64 * 1024))
+    assert counters.link_delivered_bytes >= 50 * 64 * 1024
+    assert 0 < counters.link_s <= elapsed

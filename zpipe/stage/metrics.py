@@ -18,6 +18,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 
 import zmq
@@ -28,6 +29,10 @@ from zpipe.stage.timeline import Timeline
 # messages on their way to peers at once: one being written, the rest queued behind
 # it, so the link never idles between messages and a slow one is felt at once
 SEND_WINDOW = 4
+# how long the event loop watches a sent message itself before the waiter thread
+# takes it: below it a completion is stamped at most half this late (or early); a
+# slower message is stamped by the thread when libzmq releases it
+LOOK_AGAIN_S = 0.002
 
 
 @dataclass
@@ -103,14 +108,37 @@ def _written(tracker: zmq.MessageTracker) -> bool:
     return True
 
 
+@dataclass
+class _Watched:
+    """A message the event loop watches: queued at ``queued_at``, last seen on its way
+    at ``looked_at``."""
+
+    tracker: zmq.MessageTracker
+    nbytes: int
+    queued_at: float
+    looked_at: float
+
+
 class LinkMeter:
     """Tracks the data messages a stage sends until libzmq has written them out.
 
     :meth:`room` waits (up to a deadline) for a place in the window before a send;
-    :meth:`track` takes the send's tracker. One waiter thread per meter waits on the
-    trackers in order (a tracker offers no callback, and polling would cost the
-    event loop) and reports each completion, stamped when it happened, back to the
-    loop. The results land in ``counters``.
+    :meth:`track` takes the send's tracker. The results land in ``counters``.
+
+    A tracker offers no callback, so completions are seen in one of two ways:
+
+    * the event loop looks (without waiting) whenever it asks for room or tracks a
+      send, and at the latest ``LOOK_AGAIN_S`` after the oldest watched message was
+      sent. A message found written out is stamped halfway between the look that
+      saw it on its way and the one that saw it written, so ``link_s`` is off by at
+      most half that gap (at most ``LOOK_AGAIN_S`` / 2 unless the loop runs late):
+      this is how fast links are measured, and it costs no thread hand-off;
+    * a message still on its way ``LOOK_AGAIN_S`` after it was sent, or while a send
+      waits for room or a caller for the drain, goes to the waiter thread, with every
+      message sent after it until none is on its way: the thread waits on each
+      tracker and stamps it when libzmq released it, so slow links (the ones whose
+      time matters) are timed as precisely as before and a full window frees its
+      place the moment the link moves.
     """
 
     def __init__(self, counters: StageCounters, *, window: int = SEND_WINDOW) -> None:
@@ -122,6 +150,9 @@ class LinkMeter:
         self._drained.set()
         self._counted_to = 0.0  # link_s covers the busy time up to here
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched: deque[_Watched] = deque()  # on their way, watched by the loop
+        self._look_timer: asyncio.TimerHandle | None = None
+        self._handed_off = 0  # on their way, owned by the waiter thread
         self._pending: queue.SimpleQueue[tuple[zmq.MessageTracker, int] | None] = (
             queue.SimpleQueue()
         )
@@ -137,6 +168,7 @@ class LinkMeter:
             # taken without suspending: no task, timer or loop pass for the common case
             await self._room.acquire()
             return
+        self._hand_off()  # the waiter frees the place the moment the link moves
         try:
             await asyncio.wait_for(self._room.acquire(), timeout_s)
         except asyncio.TimeoutError:
@@ -144,6 +176,8 @@ class LinkMeter:
 
     def has_room(self) -> bool:
         """Whether :meth:`room` would return at once (a place is free, nobody waits)."""
+        if self._watched:
+            self._look(time.perf_counter())
         return not self._room.locked()
 
     def release(self) -> None:
@@ -165,8 +199,64 @@ class LinkMeter:
         self._in_flight += 1
         counters = self._counters
         counters.link_peak_in_flight = max(counters.link_peak_in_flight, self._in_flight)
-        if self._waiter is None:
+        if self._loop is None:
             self._loop = asyncio.get_running_loop()
+        if self._handed_off > 0:  # the waiter owns the older ones: it keeps the order
+            self._to_waiter(tracker, nbytes)
+            return
+        self._watched.append(_Watched(tracker, nbytes, now, now))
+        if self._look_timer is None:
+            self._look_timer = self._loop.call_at(
+                self._loop.time() + LOOK_AGAIN_S, self._look_or_hand_off
+            )
+
+    def _look(self, now: float) -> None:
+        """Count the watched messages written out by now (each at most one look late)."""
+        still: deque[_Watched] = deque()
+        for sent in self._watched:
+            if _written(sent.tracker):
+                self._done(sent.nbytes, (sent.looked_at + now) / 2)
+            else:
+                sent.looked_at = now
+                still.append(sent)
+        self._watched = still
+        if not still and self._look_timer is not None:
+            self._look_timer.cancel()
+            self._look_timer = None
+
+    def _look_or_hand_off(self) -> None:
+        self._look_timer = None
+        if self._closed or not self._watched:
+            return
+        now = time.perf_counter()
+        self._look(now)
+        if not self._watched:
+            return
+        oldest = self._watched[0].queued_at
+        if now - oldest >= LOOK_AGAIN_S:
+            self._hand_off()
+        else:
+            assert self._loop is not None
+            wait_s = oldest + LOOK_AGAIN_S - now
+            self._look_timer = self._loop.call_at(
+                self._loop.time() + wait_s, self._look_or_hand_off
+            )
+
+    def _hand_off(self) -> None:
+        """Give every watched message to the waiter thread, oldest first."""
+        if not self._watched:
+            return
+        self._look(time.perf_counter())
+        if self._look_timer is not None:
+            self._look_timer.cancel()
+            self._look_timer = None
+        watched, self._watched = self._watched, deque()
+        for sent in watched:
+            self._to_waiter(sent.tracker, sent.nbytes)
+
+    def _to_waiter(self, tracker: zmq.MessageTracker, nbytes: int) -> None:
+        self._handed_off += 1
+        if self._waiter is None:
             self._waiter = threading.Thread(target=self._wait_all, name="zpipe-link", daemon=True)
             self._waiter.start()
         self._pending.put((tracker, nbytes))
@@ -210,6 +300,7 @@ class LinkMeter:
                 return
 
     def _done_all(self, completed: list[tuple[int, float]]) -> None:
+        self._handed_off -= len(completed)
         for nbytes, done_at in completed:
             self._done(nbytes, done_at)
 
@@ -232,6 +323,7 @@ class LinkMeter:
 
     async def drained(self, *, timeout_s: float, peer: str) -> None:
         """Wait until every message sent has been written out (a benchmark's end)."""
+        self._hand_off()
         try:
             await asyncio.wait_for(self._drained.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -240,4 +332,8 @@ class LinkMeter:
     def close(self) -> None:
         """Stop waiting (the sockets are closed or about to be): the thread ends."""
         self._closed = True
+        if self._look_timer is not None:
+            self._look_timer.cancel()
+            self._look_timer = None
+        self._watched.clear()
         self._pending.put(None)
