@@ -240,7 +240,7 @@ def decide_repartition(
         reason = "forced by the settings' bounds"
     elif target == current:
         target, reason = None, "the best cuts are the current ones"
-    else:
+    elif target is not None:
         ran = (tried or {}).get(target, 0.0)
         if ran > new_period:
             # eq. 3 flatters cuts it has seen run: judge them by what they measured
