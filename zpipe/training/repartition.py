@@ -55,7 +55,9 @@ class RepartitionSettings:
     every: int = 100
     gain: float = 0.1
     bounds: tuple[int, ...] | None = None
-    smoothing: float = 0.5  # the past looks' weight in a device's capacity
+    # the past looks' weight in a device's capacity: low, since a look's window that
+    # straddles a real change shows only part of it, and more would delay the answer
+    smoothing: float = 0.25
     deviation: float = 1.0  # beyond 1 + this times either way: a real change, not noise
 
     def __post_init__(self) -> None:
