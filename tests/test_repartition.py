@@ -7,6 +7,8 @@ flushed pipeline's units between stages must not change what it computes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,6 +257,85 @@ def test_small_gains_and_unmeasured_stages() -> None:
     ]
     with pytest.raises(ConfigError):
         decide_repartition(RepartitionSettings(bounds=(0, 4)), at=3, **base)
+
+
+def noisy_run(
+    settings: RepartitionSettings,
+    noise: list[list[float]],
+    *,
+    overhead: float = 2.0,
+    forget: bool = False,
+) -> list[tuple[int, ...] | None]:
+    """Feed a controller looks of four stages over 12 units, capacities 10, 2, 5, 10:
+    each stage's time per batch ``overhead + C * units``, times ``noise[look][stage]``;
+    ``forget``: drop the periods the cuts measured (no memory)."""
+    devices, capacities = ["a", "b", "c", "d"], [10.0, 2.0, 5.0, 10.0]
+    controller = RepartitionController(
+        settings, devices=devices, bounds=[0, 3, 6, 9, 12], reference_unit_s=[1.0] * 12
+    )
+    total = dict.fromkeys(devices, 0.0)
+    moves = []
+    for look, factors in enumerate(noise, start=1):
+        b = controller.bounds
+        for i, d in enumerate(devices):
+            total[d] += 10 * (overhead + capacities[i] * (b[i + 1] - b[i])) * factors[i]
+        if forget:
+            controller.tried.clear()
+        decision = controller.look(10 * look, {d: counters(total[d], 10 * look) for d in devices})
+        if decision.moves:
+            controller.committed(decision)
+        moves.append(decision.bounds)
+    return moves
+
+
+# b's time swings 1.6x on every other look, d's 1.3x on every third (load spikes)
+NOISY = [[1.0, 1.6 if k % 2 else 1.0, 1.0, 1.3 if k % 3 == 0 else 1.0] for k in range(10)]
+
+
+def test_noisy_times_do_not_make_the_cuts_oscillate() -> None:
+    undamped = RepartitionSettings(first=1, every=1, gain=0.1, smoothing=0.0)
+    swinging = noisy_run(undamped, NOISY, forget=True)
+    assert sum(m is not None for m in swinging) >= 8  # a move at nearly every look
+    # either damping alone stops it: the cuts move once or twice, then stay
+    for kept in (
+        noisy_run(undamped, NOISY),
+        noisy_run(replace(undamped, smoothing=0.5), NOISY, forget=True),
+    ):
+        assert sum(m is not None for m in kept) <= 3
+        assert all(m is None for m in kept[4:])
+
+
+def test_a_move_back_is_judged_by_the_period_those_cuts_measured() -> None:
+    settings = RepartitionSettings(first=1, every=1, gain=0.1, smoothing=0.0)
+    # b's time swings: every other look it calls for the cuts just left
+    moves = noisy_run(settings, NOISY[:4])
+    first, *rest = [m for m in moves if m is not None]
+    back = [d for d in noisy_run(settings, NOISY[:4], forget=True) if d is not None]
+    assert back[2] == back[0]  # without the memory it goes back to the cuts it left
+    assert first not in rest  # with it, it does not
+
+
+def test_a_real_change_is_taken_at_once_and_forgets_what_cuts_measured() -> None:
+    settings = RepartitionSettings(first=1, every=1, gain=0.1)
+    controller = RepartitionController(
+        settings, devices=["a", "b"], bounds=[0, 4, 8], reference_unit_s=[1.0] * 8
+    )
+    controller.look(1, {"a": counters(4, 1), "b": counters(4, 1)})
+    assert controller.tried == {(0, 4, 8): 4.0}
+    # noise (1.5x, within 1 + deviation): averaged with the past look
+    noisy = controller.look(2, {"a": counters(8, 2), "b": counters(10, 2)})
+    assert noisy.capacities == {"a": 1.0, "b": pytest.approx(1.375)} and not noisy.moves
+    # a 10x slower: taken whole, and the old period is forgotten
+    slow = controller.look(3, {"a": counters(48, 3), "b": counters(15, 3)})
+    assert slow.capacities["a"] == pytest.approx(10.0)
+    assert slow.moves and controller.tried == {(0, 4, 8): pytest.approx(40.0)}
+    with pytest.raises(ConfigError):
+        RepartitionSettings(smoothing=1.0)
+    with pytest.raises(ConfigError):
+        RepartitionSettings(deviation=-0.5)
+    damped = RepartitionSettings(smoothing=0.25, deviation=3.0)
+    assert RepartitionSettings.from_dict(damped.to_dict()) == damped
+    assert "smoothing" not in RepartitionSettings().to_dict()  # old coordinators refuse it
 
 
 # ---------------------------------------------------------------- a real pipeline

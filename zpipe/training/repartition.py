@@ -15,6 +15,14 @@ decides (:mod:`zpipe.coordinator.repartition`).
   least ``gain`` (a share of the current one, costed by the same model; 0 takes
   any different cut). ``bounds`` is a test hook: move to those cuts at the first
   look, whatever was measured.
+- Damping (the controller, across looks): eq. 3 scales a stage's time with its
+  units, but a stage also has a per-batch cost of its own, so a stage cut down to
+  one unit looks slower per unit than it was and the next look moves units back.
+  Two rules keep the cuts from oscillating: each device's capacity is averaged
+  with its past looks (``smoothing``: the past's weight) unless it changed by more
+  than ``1 + deviation`` times either way (Eco-FL's deviation check: a real change,
+  taken at once); and cuts already run since the last such change are judged by
+  the period they measured, not by the model (a move back needs a measured gain).
 - Weight redistribution: who fetches which units from whom
   (:func:`zpipe.recovery.plan_redistribution`, no failure: every unit's holder is
   its current stage; FTPipeHD's Algorithm 1 without the failed index).
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zpipe._errors import ConfigError
@@ -35,6 +43,7 @@ from zpipe.recovery.spans import StageSpan
 
 # the counters a stage reports whose sum is its compute time (seconds, cumulative)
 COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
+_DAMPING = ("smoothing", "deviation")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,10 @@ class RepartitionSettings:
     every: int = 100
     gain: float = 0.1
     bounds: tuple[int, ...] | None = None
+    # the past looks' weight in a device's capacity: low, since a look's window that
+    # straddles a real change shows only part of it, and more would delay the answer
+    smoothing: float = 0.25
+    deviation: float = 1.0  # beyond 1 + this times either way: a real change, not noise
 
     def __post_init__(self) -> None:
         for name in ("first", "every"):
@@ -56,6 +69,14 @@ class RepartitionSettings:
             raise ConfigError(f"repartition gain must be a number, got {self.gain!r}")
         if not 0 <= self.gain < 1:
             raise ConfigError(f"repartition gain must lie in [0, 1), got {self.gain}")
+        for name, low, high in (("smoothing", 0.0, 1.0), ("deviation", 0.0, math.inf)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"repartition {name} must be a number, got {value!r}")
+            if not low <= value < high:
+                raise ConfigError(
+                    f"repartition {name} must lie in [{low:g}, {high:g}), got {value}"
+                )
 
     def due(self, done: int) -> bool:
         """Whether the pipeline is looked at after ``done`` batches."""
@@ -65,13 +86,17 @@ class RepartitionSettings:
         out: dict[str, Any] = {"first": self.first, "every": self.every, "gain": self.gain}
         if self.bounds is not None:
             out["bounds"] = list(self.bounds)
+        # only when set: a coordinator from before damping refuses keys it does not know
+        for name in ("smoothing", "deviation"):
+            if getattr(self, name) != getattr(RepartitionSettings, name):
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RepartitionSettings:
         if not isinstance(data, Mapping):
             raise ConfigError(f"repartition settings must be a mapping, got {data!r}")
-        unknown = sorted(set(data) - {"first", "every", "gain", "bounds"})
+        unknown = sorted(set(data) - {"first", "every", "gain", "bounds", *_DAMPING})
         if unknown:
             raise ConfigError(f"unknown repartition settings {unknown}")
         try:
@@ -81,6 +106,7 @@ class RepartitionSettings:
                 every=int(data.get("every", 100)),
                 gain=float(data.get("gain", 0.1)),
                 bounds=None if bounds is None else tuple(int(b) for b in bounds),
+                **{k: float(data[k]) for k in _DAMPING if k in data},
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed repartition settings {data!r}: {exc}") from None
@@ -156,17 +182,31 @@ def decide_repartition(
     measured_s: Mapping[str, float] | None = None,
     output_bytes: Sequence[float] | None = None,
     bandwidths_bps: Sequence[float] | None = None,
+    capacities: Mapping[str, float] | None = None,
+    tried: Mapping[tuple[int, ...], float] | None = None,
 ) -> RepartitionDecision:
     """Whether the pipeline of ``devices`` (in stage order) cut at ``bounds`` moves
     after batch ``at``. ``measured_s``: each device's compute seconds per batch since
-    the last look (eq. 7 when a device has none)."""
+    the last look (eq. 7 when a device has none); ``capacities``: every device's
+    ``C_i`` when already estimated (the controller's smoothed ones), instead of
+    eqs. 1-2 on ``measured_s``; ``tried``: the period each of these cuts measured
+    when run (a best cut found there is costed no lower than that)."""
     current = tuple(int(b) for b in bounds)
     n = len(devices)
     if len(current) != n + 1:
         raise ConfigError(f"{n} stages need {n + 1} bounds, got {list(current)}")
     times = {d: float(t) for d, t in (measured_s or {}).items() if t and t > 0}
     measured = all(d in times for d in devices)
-    if measured:
+    if capacities is not None and all(d in capacities for d in devices):
+        measured = True
+        caps = {d: float(capacities[d]) for d in devices}
+        best = ftpipehd_partition(
+            reference_unit_s,
+            capacities=list(caps.values()),
+            output_bytes=output_bytes,
+            bandwidths_bps=bandwidths_bps,
+        )
+    elif measured:
         best = repartition_from_measurements(
             times,
             devices,
@@ -202,9 +242,17 @@ def decide_repartition(
         reason = "forced by the settings' bounds"
     elif target == current:
         target, reason = None, "the best cuts are the current ones"
-    elif period > 0 and 1.0 - new_period / period < settings.gain:
-        target = None
-        reason = f"predicted gain below {settings.gain:g}"
+    elif target is not None:
+        ran = (tried or {}).get(target, 0.0)
+        if ran > new_period:
+            # eq. 3 flatters cuts it has seen run: judge them by what they measured
+            new_period = ran
+            reason = "the best cuts, costed by the period they measured when run"
+        if period > 0 and 1.0 - new_period / period < settings.gain:
+            target = None
+            reason = f"predicted gain below {settings.gain:g}" + (
+                " (the best cuts measured slower when run)" if ran >= new_period > 0 else ""
+            )
     if target == current:
         target = None
     redistribution = None
@@ -255,6 +303,9 @@ class RepartitionController:
         self.plan_epoch = 0  # commits so far
         self.decisions: list[RepartitionDecision] = []
         self._seen: dict[str, tuple[float, int]] = {}  # counters at the last look
+        self.capacities: dict[str, float] = {}  # smoothed across looks
+        # the period each cut measured since the last real change of a capacity
+        self.tried: dict[tuple[int, ...], float] = {}
 
     def due(self, done: int) -> bool:
         return self.settings.due(done)
@@ -273,7 +324,18 @@ class RepartitionController:
                 measured[device] = (seconds - before_s) / (batches - before_n)
         settings = self.settings
         if self.plan_epoch > 0 and settings.bounds is not None:
-            settings = RepartitionSettings(settings.first, settings.every, settings.gain)
+            settings = replace(settings, bounds=None)
+        smoothed = None
+        if all(d in measured for d in self.devices):
+            caps = _capacities(measured, self.devices, self.bounds, self.reference_unit_s)
+            smoothed = self._smooth(dict(zip(self.devices, caps, strict=True)))
+            self.tried[self.bounds] = _period_at(
+                self.bounds,
+                self.reference_unit_s,
+                [smoothed[d] for d in self.devices],
+                self.output_bytes,
+                self.bandwidths_bps,
+            )
         decision = decide_repartition(
             settings,
             at=at,
@@ -283,9 +345,27 @@ class RepartitionController:
             measured_s=measured,
             output_bytes=self.output_bytes,
             bandwidths_bps=self.bandwidths_bps,
+            capacities=smoothed,
+            tried=self.tried,
         )
         self.decisions.append(decision)
         return decision
+
+    def _smooth(self, measured: Mapping[str, float]) -> dict[str, float]:
+        """Each device's capacity averaged with its past looks; a change beyond
+        ``1 + deviation`` times replaces it, and forgets what every cut measured."""
+        keep, limit = self.settings.smoothing, 1.0 + self.settings.deviation
+        changed = False
+        for device, value in measured.items():
+            past = self.capacities.get(device)
+            if past is None or max(value / past, past / value) > limit:
+                changed = changed or past is not None
+                self.capacities[device] = value
+            else:
+                self.capacities[device] = keep * past + (1.0 - keep) * value
+        if changed:
+            self.tried.clear()
+        return dict(self.capacities)
 
     def committed(self, decision: RepartitionDecision) -> int:
         """Every stage switched to ``decision``'s cuts: the new plan epoch."""
