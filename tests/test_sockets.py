@@ -1,10 +1,18 @@
-"""Which sockets take the non-blocking shadow fast paths (zpipe.transport.sockets)."""
+"""zpipe.transport.sockets: which sockets take the non-blocking shadow fast paths, and
+sends to one peer of a ROUTER whose queue is full."""
 
 from __future__ import annotations
 
-import zmq
+import asyncio
 
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import TransportTimeout
 from zpipe.transport import sockets
+from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions, new_context, open_socket
 
 
@@ -25,4 +33,67 @@ def test_only_one_way_sockets_take_the_shadow_fast_paths() -> None:
     finally:
         for sock in made.values():
             sock.close(linger=0)
+        context.term()
+
+
+async def _router_with_a_slow_reader() -> tuple[
+    zmq.asyncio.Context, zmq.asyncio.Socket, zmq.asyncio.Socket
+]:
+    context = new_context()
+    options = SocketOptions()
+    router = open_socket(context, zmq.ROUTER, options)  # ROUTER_MANDATORY, as zpipe's are
+    router.setsockopt(zmq.SNDHWM, 2)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    reader = context.socket(zmq.DEALER)
+    reader.setsockopt(zmq.RCVHWM, 2)
+    reader.setsockopt(zmq.ROUTING_ID, b"reader")
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.connect(f"tcp://127.0.0.1:{port}")
+    other = context.socket(zmq.DEALER)  # a second peer keeps the ROUTER polling writable
+    other.setsockopt(zmq.LINGER, 0)
+    other.connect(f"tcp://127.0.0.1:{port}")
+    await reader.send(b"hello")
+    await other.send(b"hello")
+    for _ in range(2):
+        await asyncio.wait_for(router.recv_multipart(), 10)
+    other.close()
+    return context, router, reader
+
+
+async def test_a_router_send_to_one_full_peer_queue_waits_for_room_not_gone() -> None:
+    # ROUTER_MANDATORY answers EAGAIN for one peer's full queue: a stream of 1 MB
+    # chunks to a slow reader must wait for it, not report the peer as gone
+    context, router, reader = await _router_with_a_slow_reader()
+    chunk = Message("units", {"keys": ["w"], "error": ""}, tensors=(torch.zeros(1 << 18),))
+    received: list[object] = []
+
+    async def read_slowly() -> None:
+        for _ in range(30):
+            await asyncio.sleep(0.01)
+            received.append(await asyncio.wait_for(reader.recv_multipart(), 30))
+
+    try:
+        reading = asyncio.create_task(read_slowly())
+        for _ in range(30):
+            await sockets.send(router, chunk, routing_id=b"reader", peer="reader", timeout_s=30)
+        await asyncio.wait_for(reading, 60)
+        assert len(received) == 30
+    finally:
+        router.close(linger=0)
+        reader.close()
+        context.term()
+
+
+async def test_a_router_send_to_a_peer_that_never_reads_times_out_by_its_deadline() -> None:
+    context, router, reader = await _router_with_a_slow_reader()
+    chunk = Message("units", {"keys": ["w"], "error": ""}, tensors=(torch.zeros(1 << 18),))
+    try:
+        with pytest.raises(TransportTimeout, match="room to send units"):
+            for _ in range(200):
+                await sockets.send(
+                    router, chunk, routing_id=b"reader", peer="reader", timeout_s=0.5
+                )
+    finally:
+        router.close(linger=0)
+        reader.close()
         context.term()

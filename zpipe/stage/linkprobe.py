@@ -192,35 +192,16 @@ class ProbeResponder:
             log.warning("probe_reply_failed", stage=self.name, error=str(exc))
 
     async def _reply(self, routing_id: bytes, reply: Message) -> None:
-        deadline = time.monotonic() + self.send_timeout_s
-        while True:
-            try:
-                await send(
-                    self.socket,
-                    reply,
-                    routing_id=routing_id,
-                    timeout_s=max(deadline - time.monotonic(), 0.001),
-                    peer="prober",
-                )
-                return
-            except zmq.Again:
-                # ROUTER_MANDATORY says EAGAIN when this one peer's queue is full (a
-                # fetch's stream of chunks to a reader slower than this side, another
-                # stream beside it): wait for room within the deadline, as for any send
-                if time.monotonic() >= deadline:
-                    raise TransportTimeout(
-                        "prober", f"room to send {reply.kind}", self.send_timeout_s
-                    ) from None
-                await asyncio.sleep(_ROOM_POLL_S)
+        # a fetch's stream of chunks to a reader slower than this side waits for room
+        # in that one peer's queue within the deadline (zpipe.transport.sockets.send)
+        await send(
+            self.socket, reply, routing_id=routing_id, timeout_s=self.send_timeout_s, peer="prober"
+        )
 
     async def close(self) -> None:
         for task in list(self._pending):
             task.cancel()
         self._bursts.clear()
-
-
-# How often a stream's send looks again for room in a full peer queue.
-_ROOM_POLL_S = 0.005
 
 
 @dataclass(frozen=True)

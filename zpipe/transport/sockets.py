@@ -231,6 +231,10 @@ def open_socket(
     return sock
 
 
+# How often a send to one full peer queue of a ROUTER looks again for room.
+_ROOM_POLL_S = 0.005
+
+
 async def send(
     sock: zmq.asyncio.Socket,
     message: Message,
@@ -256,14 +260,25 @@ async def send(
         return nbytes
     nbytes = _frames_nbytes(frames)
     track = on_queued is not None
-    # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
-    pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False, track=track))
-    if not pending.done():
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
+        pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False, track=track))
         try:
-            await asyncio.wait_for(pending, timeout_s)
+            if not pending.done():
+                await asyncio.wait_for(pending, max(deadline - time.monotonic(), 0.0))
+            tracker = pending.result()
+            break
         except asyncio.TimeoutError:
             raise TransportTimeout(peer, f"room to send {message.kind}", timeout_s) from None
-    tracker = pending.result()
+        except zmq.Again:
+            # A ROUTER with ROUTER_MANDATORY says EAGAIN (nothing queued) when this one
+            # peer's queue is full, while others have room, so the socket still polls
+            # writable: look again for room until the deadline, as for any send. (A
+            # stream of state chunks to a reader slower than this side hit it.)
+            if routing_id is None or time.monotonic() >= deadline:
+                raise TransportTimeout(peer, f"room to send {message.kind}", timeout_s) from None
+            await asyncio.sleep(_ROOM_POLL_S)
     if on_queued is not None:
         on_queued(tracker, nbytes)
     return nbytes
