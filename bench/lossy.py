@@ -60,8 +60,8 @@ times (the run on the stages, from ``lossy_go`` to the last stage's result, and 
 client's, from request to report), their ratio, and whether the two dropped the
 same messages and reached the same weights.
 
-Run: ``.venv/bin/python bench/lossy.py`` (10 seeds and the full grid: about
-an hour on 2 idle cores; ``--quick``: 2 seeds, a 16-cell grid of one seed,
+Run: ``.venv/bin/python bench/lossy.py`` (10 seeds, the full grid and the sweeps: about
+an hour and a half on 2 idle cores; ``--quick``: 2 seeds, a 16-cell grid of one seed,
 Fig. 7 and the M_layers sweep on 2 seeds, depths 4, 6 and 8 on one seed, a
 few minutes; ``--idx-dir DIR`` for Fashion-MNIST IDX
 files, much slower).
