@@ -47,8 +47,11 @@ and their transmission factors ``tx_factor_rtx``/``tx_factor_ack`` (paper:
 Robustness grid (:mod:`bench.lossy_grid`): two data sets, depths 4-7,
 4/6/8 devices, two budgets, ``--seeds`` seeds:
 ``hybrid_wins_share_vertical`` and ``hybrid_wins_share_horizontal`` with the
-per-cell table. Fig. 7: ``time_to_80pct_model_over_edgepipe`` (paper 2.47).
-``--no-grid`` / ``--no-fig7`` skip them.
+per-cell table. Fig. 7: ``time_to_80pct_model_over_edgepipe`` (paper 2.47) and
+``time_to_80pct_gpipe_over_edgepipe`` (GPipe with vertical allocation,
+:mod:`zpipe.lossy.gpipe`). Fig. 6 and 10(a) (:mod:`bench.lossy_sweeps`): the
+``M_layers`` sweep (``m_layers_*``) at the main budget and the depth sweep on
+6 devices (``depth_*``). ``--no-grid`` / ``--no-fig7`` / ``--no-sweeps`` skip them.
 
 ``--multiprocess N`` adds one line: hybrid, seed 0, ``N`` mini-batches trained
 across real processes, on a local cluster of ordinary stages
@@ -57,9 +60,10 @@ times (the run on the stages, from ``lossy_go`` to the last stage's result, and 
 client's, from request to report), their ratio, and whether the two dropped the
 same messages and reached the same weights.
 
-Run: ``.venv/bin/python bench/lossy.py`` (10 seeds and the full grid: about
-an hour on 2 idle cores; ``--quick``: 2 seeds, a 16-cell grid of one seed
-and Fig. 7 on 2 seeds, a few minutes; ``--idx-dir DIR`` for Fashion-MNIST IDX
+Run: ``.venv/bin/python bench/lossy.py`` (10 seeds, the full grid and the sweeps: about
+an hour and a half on 2 idle cores; ``--quick``: 2 seeds, a 16-cell grid of one seed,
+Fig. 7 and the M_layers sweep on 2 seeds, depths 4, 6 and 8 on one seed, a
+few minutes; ``--idx-dir DIR`` for Fashion-MNIST IDX
 files, much slower).
 """
 
@@ -79,6 +83,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 
 from bench._common import emit, loadavg, summary
 from bench.lossy_grid import FULL_GRID, QUICK_GRID, fig7, grid_summary, run_grid
+from bench.lossy_sweeps import FULL_DEPTHS, QUICK_DEPTHS, depth_sweep, m_layers_sweep
 from zpipe.lossy.data import Dataset, load_dataset
 from zpipe.lossy.experiment import single_threaded_blas
 from zpipe.lossy.links import Recovery
@@ -180,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-grid", action="store_true", help="skip the robustness grid")
     parser.add_argument("--no-fig7", action="store_true", help="skip Fig. 7 (time to 80 %%)")
+    parser.add_argument(
+        "--no-sweeps", action="store_true", help="skip Fig. 6 (M_layers) and 10(a) (depth)"
+    )
     parser.add_argument("--devices", type=int, default=6)
     parser.add_argument("--region", type=float, default=50.0)
     parser.add_argument("--ack-attempts", type=int, default=4)
@@ -252,10 +260,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                     emit=emit,
                 )
             )
+        grid_rows: list[dict[str, Any]] = []
         if not args.no_grid:
             spec = QUICK_GRID if args.quick else replace(FULL_GRID, seeds=seeds)
-            rows = run_grid(spec, lambda cfg, d: naive_budget(cfg, d), emit)
-            extra.update(grid_summary(rows))
+            grid_rows = run_grid(spec, lambda cfg, d: naive_budget(cfg, d), emit)
+            extra.update(grid_summary(grid_rows))
+        if not args.no_sweeps and not args.equal_steps:
+            extra.update(
+                m_layers_sweep(
+                    data,
+                    budgets,
+                    n_devices=args.devices,
+                    region_m=args.region,
+                    test_repeats=repeats,
+                    emit=emit,
+                )
+            )
+            extra.update(
+                depth_sweep(
+                    QUICK_DEPTHS if args.quick else FULL_DEPTHS,
+                    1 if args.quick else seeds,
+                    lambda cfg, d: naive_budget(cfg, d),
+                    emit,
+                    grid_rows=grid_rows,
+                    test_repeats=2 if args.quick else 10,
+                )
+            )
 
     out: dict[str, Any] = {}
     for name, runs in results.items():

@@ -260,11 +260,14 @@ class PartitionedMLP:
         (only the input layer reads them; later layers only need the batch size)."""
         self._forward(self.inbox, data, layer, x, train=True)
 
-    def backward(self, data: int, layer: int, labels: IntArray) -> float | None:
+    def backward(
+        self, data: int, layer: int, labels: IntArray, *, lr_scale: float = 1.0
+    ) -> float | None:
         """Backward pass of ``layer`` for mini-batch ``data``; updates the slices.
 
         Returns the mean training loss over the output owners' views when
-        ``layer`` is the output layer.
+        ``layer`` is the output layer. ``lr_scale`` scales this pass's step
+        (GPipe: a micro-batch's share of its mini-batch's rows).
         """
         needed = self.topology.needed("B", layer)
         assert needed is not None
@@ -272,7 +275,12 @@ class PartitionedMLP:
         for device, _ in self.owners[layer]:
             got = self.inbox.get((data, needed.kind, needed.key_layer, device), {})
             record_arrival(self.propagation, self.arrivals, data, device, needed, got)
-            outgoing, loss = self.shards[device].backward(data, layer, labels, got)
+            shard = self.shards[device]
+            shard.lr = self.lr * lr_scale
+            try:
+                outgoing, loss = shard.backward(data, layer, labels, got)
+            finally:
+                shard.lr = self.lr
             if loss is not None:
                 losses.append(loss)
             self._post(self.inbox, data, device, outgoing)

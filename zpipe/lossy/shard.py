@@ -115,6 +115,8 @@ class PassRunner(Protocol):
 
     slices: dict[int, NeuronSlice]
     grads: dict[int, tuple[FloatArray, FloatArray]]
+    #: the step size the next backward pass applies
+    lr: float
 
     @property
     def stash(self) -> Mapping[tuple[int, int], Any]: ...

@@ -21,7 +21,10 @@ extra copies and acknowledgements a recovery scheme sent in it
 time budget, from which the number of mini-batches its pipeline finishes
 follows (Table III's comparison at equal time): at equal time a scheme that
 retransmits trains on fewer mini-batches. ``pipelined=False`` runs the same
-allocation without pipelining (Fig. 7's *Model*: one mini-batch at a time).
+allocation without pipelining (Fig. 7's *Model*: one mini-batch at a time);
+``gpipe=True`` runs GPipe's micro-batch schedule with a flush per mini-batch
+(Fig. 7's *GPipe*, :mod:`zpipe.lossy.gpipe`); ``max_layers`` partitions into
+groups of exactly that many layers (Fig. 6's ``M_layers`` sweep).
 """
 
 from __future__ import annotations
@@ -39,10 +42,18 @@ from zpipe.lossy.airtime import LinkCosts, SlotClock, data_within_budget, plan_c
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel, PartitionedMLP
 from zpipe.lossy.evaluation import EvalSpec, accuracy, lossy_predictions
+from zpipe.lossy.gpipe import (
+    gpipe_clock,
+    gpipe_data_within,
+    gpipe_period,
+    gpipe_steps,
+    gpipe_timeslot_ms,
+    split_micro,
+)
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.mapping import connectivity, map_devices, mapping_score
 from zpipe.lossy.partial import init_mlp
-from zpipe.lossy.partition import ALLOCATION_KINDS, Allocation, partition
+from zpipe.lossy.partition import ALLOCATION_KINDS, Allocation, partition, partition_layers
 from zpipe.lossy.radio import LinkTopology, RadioModel, make_topology, mean_offdiagonal
 from zpipe.lossy.schedule import events, pipeline_period, sequential_period, timeslot_ms
 
@@ -80,6 +91,13 @@ class RunConfig:
     #: lossy test passes averaged at each point of the curve (the final point
     #: takes ``test_repeats``)
     curve_test_repeats: int = 1
+    #: GPipe's schedule: micro-batches pipelined, one synchronous update per mini-batch
+    gpipe: bool = False
+    #: GPipe's micro-batches per mini-batch (0: as many as devices, as the paper)
+    microbatches: int = 0
+    #: groups of exactly this many layers instead of the allocation's own (0: off;
+    #: only with ``allocation="hybrid"``)
+    max_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATION_KINDS:
@@ -109,6 +127,28 @@ class RunConfig:
             or self.curve_test_repeats < 1
         ):
             raise ConfigError(f"eval_points must be in [1, {MAX_EVAL_POINTS}], test repeats >= 1")
+        if self.gpipe and not self.pipelined:
+            raise ConfigError("gpipe is a pipelined schedule; drop pipelined=False")
+        if self.gpipe and self.recovery.scheme != "none":
+            raise ConfigError("GPipe runs send once; recovery schemes are not modelled for it")
+        if self.microbatches < 0 or (self.microbatches and not self.gpipe):
+            raise ConfigError(f"microbatches needs gpipe and must be >= 1, got {self.microbatches}")
+        if not 1 <= self.micro_count <= self.batch_size:
+            raise ConfigError(
+                f"GPipe needs 1 to batch_size ({self.batch_size}) micro-batches, "
+                f"got {self.micro_count}"
+            )
+        if self.max_layers < 0 or (self.max_layers and self.allocation != "hybrid"):
+            raise ConfigError(
+                f"max_layers applies to allocation 'hybrid' and must be >= 1, got {self.max_layers}"
+            )
+
+    @property
+    def micro_count(self) -> int:
+        """Micro-batches per mini-batch (1 unless GPipe)."""
+        if not self.gpipe:
+            return 1
+        return self.microbatches or self.n_devices
 
     @property
     def label(self) -> str:
@@ -121,6 +161,10 @@ class RunConfig:
             parts.append(self.recovery.scheme)
         if not self.pipelined:
             parts.append("nopipe")
+        if self.gpipe:
+            parts.append("gpipe")
+        if self.max_layers:
+            parts.append(f"m{self.max_layers}")
         return "_".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -143,7 +187,10 @@ def build_allocation(
     """
     if cfg.allocation == "naive":
         return partition("naive", layer_sizes, 1)
-    alloc = partition(cfg.allocation, layer_sizes, cfg.n_devices)
+    if cfg.max_layers:
+        alloc = partition_layers(layer_sizes, cfg.n_devices, cfg.max_layers)
+    else:
+        alloc = partition(cfg.allocation, layer_sizes, cfg.n_devices)
     prr = topology.prr_measured if measured is None else measured
     return map_devices(alloc, prr, method=cfg.mapping, seed=cfg.seed)
 
@@ -202,8 +249,15 @@ def prepare_run(
     slot_s = timeslot_ms(alloc) / 1000.0
     period = pipeline_period(alloc) if cfg.pipelined else sequential_period(alloc)
     links = link_costs(cfg, topology)
+    micro = cfg.micro_count
+    if cfg.gpipe:
+        slot_s = gpipe_timeslot_ms(alloc, micro) / 1000.0
+        period = gpipe_period(alloc, micro)
     if cfg.n_data is not None:
         n_data = cfg.n_data
+    elif cfg.gpipe:
+        assert cfg.budget_s is not None
+        n_data = gpipe_data_within(alloc, micro, cfg.budget_s, max_data=MAX_DATA)
     else:
         assert cfg.budget_s is not None
         n_data = data_within_budget(alloc, links, cfg.budget_s, period=period, max_data=MAX_DATA)
@@ -218,7 +272,9 @@ def prepare_run(
         params=init_mlp(layer_sizes, seed=cfg.seed),
         batch_rows=[stream.next_rows() for _ in range(n_data)],
         period=period,
-        clock=plan_clock(alloc, links, n_data, period=period),
+        clock=gpipe_clock(alloc, micro, n_data)
+        if cfg.gpipe
+        else plan_clock(alloc, links, n_data, period=period),
     )
 
 
@@ -282,21 +338,24 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
         losses = []
 
     last_layer = alloc.n_layers - 1
-    for ev in events(alloc, n_data, period=prepared.period):
+    micro = cfg.micro_count
+    finished = 0  # micro-batches (mini-batches unless GPipe) through their last pass
+    for ev in run_passes(prepared):
         while next_eval < len(eval_slots) - 1 and ev.timeslot >= eval_slots[next_eval]:
             evaluate(eval_slots[next_eval])
             next_eval += 1
         if ev.kind == "F":
             if ev.layer == 0:
-                in_flight[ev.data] = prepared.batch(data, ev.data)
-            model.forward(ev.data, ev.layer, in_flight[ev.data][0])
+                in_flight[ev.step] = pass_batch(prepared, data, ev)
+            model.forward(ev.step, ev.layer, in_flight[ev.step][0])
         else:
-            loss = model.backward(ev.data, ev.layer, in_flight[ev.data][1])
+            loss = model.backward(ev.step, ev.layer, in_flight[ev.step][1], lr_scale=ev.lr_scale)
             if ev.layer == last_layer and loss is not None:
                 losses.append(loss)
             if ev.layer == 1:
-                del in_flight[ev.data]
-                done += 1
+                del in_flight[ev.step]
+                finished += 1
+                done = finished // micro
     final_acc, final_clean = _test_accuracy(
         model, data, cfg.batch_size, eval_index, repeats=cfg.test_repeats
     )
@@ -332,6 +391,46 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
         "tx_factor": _tx_factor(channel),
         "wall_s": time.perf_counter() - started,
     }
+
+
+@dataclass(frozen=True)
+class RunPass:
+    """One pass of a run under its schedule (EdgePipe, no pipelining or GPipe)."""
+
+    timeslot: int
+    kind: str
+    layer: int
+    #: mini-batch (1-based data id)
+    data: int
+    #: the engine's and the links' step: the data id, or GPipe's micro-batch id
+    step: int
+    #: micro-batch index within the mini-batch (0 unless GPipe)
+    micro: int
+    lr_scale: float
+
+
+def run_passes(prepared: PreparedRun) -> list[RunPass]:
+    """Every pass of the run in timeslot order, under its schedule."""
+    cfg = prepared.config
+    if not cfg.gpipe:
+        return [
+            RunPass(ev.timeslot, ev.kind, ev.layer, ev.data, ev.data, 0, 1.0)
+            for ev in events(prepared.alloc, prepared.n_data, period=prepared.period)
+        ]
+    micro = cfg.micro_count
+    shares = [len(p) / cfg.batch_size for p in split_micro(np.arange(cfg.batch_size), micro)]
+    return [
+        RunPass(s.timeslot, s.kind, s.layer, s.data, s.step, s.micro, shares[s.micro])
+        for s in gpipe_steps(prepared.alloc, micro, prepared.n_data)
+    ]
+
+
+def pass_batch(prepared: PreparedRun, data: Dataset, ev: RunPass) -> tuple[np.ndarray, np.ndarray]:
+    """The inputs and labels one pass's (micro-)batch trains on."""
+    rows = prepared.batch_rows[ev.data - 1]
+    if prepared.config.gpipe:
+        rows = split_micro(rows, prepared.config.micro_count)[ev.micro]
+    return data.x_train[rows], data.y_train[rows]
 
 
 def _tx_factor(channel: LinkChannel) -> float:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import Arrivals, LinkChannel, PartitionedMLP, Propagation, stitch_params
 from zpipe.lossy.evaluation import EvalSpec, Predictions, accuracy, eval_steps, simulate_predictions
@@ -158,6 +158,8 @@ def train_in_process(
     """Train ``prepared`` on the in-process engine, keeping the arrivals
     (``shard_factory``: numpy shards, or torch ones)."""
     cfg = prepared.config
+    if cfg.gpipe:
+        raise ConfigError("GPipe runs are simulated only (zpipe.lossy.simulate.run_training)")
     channel = LinkChannel(
         prr=prepared.topology.prr,
         seed=cfg.seed,
