@@ -191,7 +191,10 @@ class FederatedShell:
 
     def close(self) -> None:
         if self._router is not None:
-            self._router.close(linger=0)
+            # a bounded linger: the run's last messages (every client's fl_done) are only
+            # queued when close comes, and linger 0 dropped one a loaded client then
+            # waited for until its own idle limit
+            self._router.close(linger=int(1000 * min(self.config.send_timeout_s, 2.0)))
         if self._authenticator is not None:
             self._authenticator.stop()
         self._context.term()
