@@ -115,7 +115,10 @@ def test_bfloat16_compute_is_close_to_float32(cluster: LocalCluster) -> None:
 
 def test_a_bad_input_is_reported_and_the_stages_keep_serving(cluster: LocalCluster) -> None:
     spec = ModelSpec("mlp", {"dims": [6, 16, 4]}, seed=2)
-    with pytest.raises(RemoteStageError, match="s0") as info:
+    # the stage the planner put first (which one depends on measured speeds) says why
+    with pytest.raises(
+        RemoteStageError, match=r"stage 's\d' failed on micro-batch 0: .*shapes"
+    ) as info:
         cluster.infer(spec, [torch.zeros(2, 7)])  # 7 features where the model takes 6
     assert info.value.microbatch == 0
     batches = make_batches(spec, count=2, batch_size=2)
