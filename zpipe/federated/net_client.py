@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,9 +33,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.federated.data import ClientShard, make_shards
 from zpipe.federated.model import FloatArray, MLPShape, init_weights, local_train
+from zpipe.federated.net_command import run_net_command
 from zpipe.federated.net_wire import (
     CLIENT_KEY_NAME,
     SERVER_KEY_NAME,
@@ -427,15 +427,7 @@ async def _serve(client: FederatedClient) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from zpipe.log import configure_logging
-    from zpipe.lossy.experiment import single_threaded_blas
-
     args = build_parser().parse_args(argv)
-    configure_logging(log_format="console", level="info")
-    try:
-        with single_threaded_blas():
-            asyncio.run(_run(config_from_args(args)))
-    except ZpipeError as exc:
-        print(f"python -m zpipe fl-client: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    return 0
+    # the flags are checked inside, so a bad one is a one-line error, not a traceback
+    status, _ = run_net_command("fl-client", lambda: _run(config_from_args(args)))
+    return status

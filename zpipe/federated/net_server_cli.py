@@ -6,16 +6,14 @@ The server itself is :mod:`zpipe.federated.net_server`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zpipe._errors import ConfigError, ZpipeError
 from zpipe.federated.cli import _alpha, _lambda
 from zpipe.federated.grouping import GroupingPolicy
+from zpipe.federated.net_command import run_net_command
 from zpipe.federated.net_server import FederatedShell, NetServerConfig
 from zpipe.federated.net_wire import SERVER_KEY_NAME
 from zpipe.federated.server import METHODS, ServerConfig
@@ -135,16 +133,9 @@ async def _serve(config: NetServerConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from zpipe.log import configure_logging
-    from zpipe.lossy.experiment import single_threaded_blas
-
     args = build_parser().parse_args(argv)
-    configure_logging(log_format="console", level="info")
-    try:
-        with single_threaded_blas():
-            summary = asyncio.run(_serve(config_from_args(args)))
-    except ZpipeError as exc:
-        print(f"python -m zpipe fl-server: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    print(json.dumps(summary), flush=True)
-    return 0
+    # the flags are checked inside, so a bad one is a one-line error, not a traceback
+    status, summary = run_net_command("fl-server", lambda: _serve(config_from_args(args)))
+    if summary is not None:
+        print(json.dumps(summary), flush=True)
+    return status
