@@ -358,6 +358,13 @@ class _Training:
         self.request = resume_request(
             self.request, survivors, dead, options.recovery, source.resume, options.consistency
         )
+        if self.schedule == ASYNC_SCHEDULE:
+            # the survivors keep the staleness of the pipeline the run started with
+            # (zpipe.coordinator.async_replicas): what makes the recovery exact
+            settings = dict(self.request["train"].get("async") or {})
+            settings.setdefault("depth", len(tplan.stages))
+            self.request["train"] = {**self.request["train"], "async": settings}
+            self.recoveries[-1]["depth"] = settings["depth"]
         if options.consistency == "exact" and source.global_resume is not None:
             # the older copy to resume from if some unit lost every chain copy; the
             # learning-rate schedule then goes on from its mini-batch

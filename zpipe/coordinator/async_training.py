@@ -2,13 +2,12 @@
 
 The same start as a synchronous run (assign, ready, go, connect: see
 :mod:`zpipe.coordinator.training`), and the same checkpoint at the end (every
-stage's weights once it has backwarded every batch), but no replicas: the stages
-never drain, so a global replica would need every stage's weights at one batch
-boundary, which asynchronous stages reach at different times. A live
-re-partition (the client pauses its feed, the stages flush, move units and
-commit) is :mod:`zpipe.coordinator.repartition`'s, as for synchronous runs. Recovery and
-replication of asynchronous runs are later work; a ``replicate`` request is
-answered with an error, and the client keeps no replicas for such a run.
+stage's weights once it has backwarded every batch). A live re-partition (the
+client pauses its feed, the stages flush, move units and commit) is
+:mod:`zpipe.coordinator.repartition`'s, as for synchronous runs. Replicas are taken
+at flush points the client makes (:mod:`zpipe.coordinator.async_replicas`): global
+copies of every unit with its weight versions; a recovery resumes from one as a
+synchronous run's does.
 
 Pure: events in, commands out.
 """
@@ -19,23 +18,20 @@ from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError
-from zpipe.coordinator.commands import Log
+from zpipe.coordinator.async_replicas import collect_async_replica
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
-from zpipe.transport.codec import Message
 
 
 class AsyncTrainingRun(SyncTrainingRun):
     kind = "train-async"
 
-    def take_replica(self, run_id: int, step: int, *, global_copy: bool = False) -> Flow:
-        error = "an asynchronous run keeps no replicas (recovery is not supported yet)"
-        yield Log("warning", "replica_failed", {"run": run_id, "step": step, "error": error})
-        body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}
-        body["error"] = error
-        return Message("replicated", body)
+    def collect_replica(self, step: int, global_copy: bool, counters: dict[str, Any]) -> Flow:
+        # every unit here, always: chain replicas of asynchronous runs are later work
+        keys, tensors = yield from collect_async_replica(self, step, counters)
+        return keys, tensors, {}, True
 
 
 def planning_schedule(schedule: str) -> str:
