@@ -207,8 +207,16 @@ def test_a_killed_stage_of_an_async_run_recovers_exactly(recovering: LocalCluste
     want = train_async_reference(
         SPEC, batches, bounds=[0, 1, 3, 4], optimizer=ADAM, flushes=[3, 6, 9]
     )
-    settings = dict(optimizer=ADAM, num_microbatches=1, schedule="async-1f1b", progress=False,
-                    partition=PARTITION, stage_names=NAMES, recover=True, replicate_every=3)  # fmt: skip
+    settings = {
+        "optimizer": ADAM,
+        "num_microbatches": 1,
+        "schedule": "async-1f1b",
+        "progress": False,
+        "partition": PARTITION,
+        "stage_names": NAMES,
+        "recover": True,
+        "replicate_every": 3,
+    }
     since = len(cluster.logs("coordinator"))
     uninterrupted = cluster.fit(SPEC, batches, **settings)  # type: ignore[arg-type]
     log = cluster.logs("coordinator")[since:]

@@ -225,7 +225,8 @@ class _Training:
             )
             # the learning-rate schedule goes on from this attempt's first mini-batch
             start_step = self.options.start_step + self.source.kept_from
-            if start_step:
+            # (an asynchronous run's replica carries its update count instead)
+            if start_step and self.schedule != ASYNC_SCHEDULE:
                 self.request["train"] = {**self.request["train"], "start_step": start_step}
             async with Progress(self.options.progress).waiting(PLANNING):
                 ready = await session.request_run(

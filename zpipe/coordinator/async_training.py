@@ -51,3 +51,12 @@ def as_async_plan(plan: TrainingPlan) -> TrainingPlan:
     n = len(plan.stages)
     stages = tuple(replace(s, warmup=async_warmup(i, n)) for i, s in enumerate(plan.stages))
     return replace(plan, schedule=ASYNC_SCHEDULE, num_microbatches=1, stages=stages)
+
+
+def as_planning_plan(plan: TrainingPlan) -> TrainingPlan:
+    """An asynchronous plan as the synchronous 1F1B plan (M = 1) the planners re-plan
+    (:func:`planning_schedule`); :func:`as_async_plan` turns the result back."""
+    if plan.schedule != ASYNC_SCHEDULE:
+        return plan
+    stages = tuple(replace(s, warmup=1) for s in plan.stages)
+    return replace(plan, schedule=planning_schedule(plan.schedule), stages=stages)
