@@ -156,13 +156,12 @@ def test_a_shard_without_versions_in_its_state_starts_a_version_count_of_its_own
 def test_the_combinations_a_recovery_does_not_support_are_refused() -> None:
     from zpipe.client.options import TrainOptions
 
-    fine = dict(vertical_sync=True, aggregate=False, replication="global", consistency="exact",
-                rebalance=None, repartition=False)  # fmt: skip
+    fine = dict(vertical_sync=True, aggregate=False, consistency="exact", rebalance=None,
+                repartition=False)  # fmt: skip
     assert async_recovery_refusal(**fine) is None  # type: ignore[arg-type]
     for change, words in [
         ({"vertical_sync": False}, "vertical sync"),
         ({"aggregate": True}, "aggregation"),
-        ({"replication": "chain"}, "global replicas"),
         ({"consistency": "fast"}, "exact"),
         ({"rebalance": 0.2}, "rebalance"),
         ({"repartition": True}, "re-partition"),
@@ -175,8 +174,10 @@ def test_the_combinations_a_recovery_does_not_support_are_refused() -> None:
         TrainOptions(**base, aggregate=True)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="re-partition"):
         TrainOptions(**base, repartition=True)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="global replicas"):
-        TrainOptions(**base, replication="chain", chain_every=2)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="exact"):
+        TrainOptions(**base, consistency="fast")  # type: ignore[arg-type]
+    chain = TrainOptions(**base, replication="chain", chain_every=2, global_every=4)  # type: ignore[arg-type]
+    assert (chain.replica_period, chain.global_period) == (2, 4)
 
 
 def test_train_cli_takes_recover_for_async_runs_but_not_with_aggregation(
@@ -255,3 +256,42 @@ def test_a_killed_stage_of_an_async_run_recovers_exactly(recovering: LocalCluste
     )  # fmt: skip
     assert report.losses == pytest.approx(recovered.losses, rel=1e-6)
     assert_same(report.state_dict, recovered.state_dict)
+
+
+def test_chain_replicas_of_an_async_run_restore_a_killed_stage_from_its_backup(
+    recovering: LocalCluster,
+) -> None:
+    cluster = recovering
+    batches = make_batches(9, 5, seed=9)
+    want = train_async_reference(SPEC, batches, bounds=[0, 1, 3, 4], optimizer=SGD)
+    since = len(cluster.logs("coordinator"))
+    killed: list[str] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        if step == 5 and not killed:
+            killed.append("b")
+            cluster.kill("b")
+
+    # chain replicas before mini-batches 0, 2, 4, 6, 8, global copies before 0 and 4;
+    # b dies after 5: its units come back from the backup c kept of them at 4
+    try:
+        report = cluster.fit(
+            SPEC, batches, optimizer=SGD, num_microbatches=1, schedule="async-1f1b",
+            progress=False, partition=PARTITION, stage_names=NAMES, recover=True,
+            replication="chain", chain_every=2, global_every=4, on_step=on_step,
+        )  # fmt: skip
+    finally:
+        for name in killed:
+            cluster.start_stage(DeviceSpec(name))
+        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+    assert killed == ["b"]
+    log = cluster.logs("coordinator")[since:]
+    kept = _events(log, "replica_kept")
+    assert kept[1]["holders"] == {"a": "b", "b": "c", "c": "coordinator"}
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["resumed_from"]) == ("b", 4)
+    # every unit came from a stage's own snapshot or a neighbour's backup, with versions
+    (planned,) = _events(log, "restore_planned")
+    assert planned["from_coordinator"] == 0
+    assert report.losses == pytest.approx(want.losses, rel=1e-6)
+    assert_same(report.state_dict, want.state_dict)

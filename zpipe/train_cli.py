@@ -334,7 +334,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         async_recovery_refusal(
             vertical_sync=args.vertical_sync,
             aggregate=args.aggregate,
-            replication=args.replication or "global",
             consistency=args.consistency or "exact",
             rebalance=args.rebalance,
             repartition=repartition_of(args) is not None,

@@ -360,7 +360,6 @@ class TrainOptions:
                 async_recovery_refusal(
                     vertical_sync=self.vertical_sync,
                     aggregate=self.aggregate,
-                    replication=self.replication,
                     consistency=self.consistency,
                     rebalance=self.rebalance,
                     repartition=self.repartition not in (None, False),

@@ -372,7 +372,10 @@ class _Training:
             self.request["resume"]["global"] = {
                 "run": source.global_resume[0],
                 "step": source.global_resume[1],
-                "start_step": self.options.start_step + (source.global_step or 0),
+                # (an asynchronous run's replica carries its update count instead)
+                "start_step": 0
+                if self.schedule == ASYNC_SCHEDULE
+                else self.options.start_step + (source.global_step or 0),
             }
         self.plan = None
 

@@ -9,7 +9,9 @@ waits there. Then, in three steps that reuse a re-partition's phases:
     prepare (repartition_request) ─> each stage, once flushed, keeps a snapshot of
         its units: weights, optimizer state, and the weight versions the next
         forwards read (the run's depth of them)
-    weights_request with ``snapshot`` ─> those snapshots come here: the global copy
+    weights_request with ``snapshot`` ─> those snapshots come here: the global copy;
+        or, under chain (topology) replication, backup_request ─> each stage backs
+        the same state up to its holder, with a global copy every ``global_every``
     commit with the same cuts ─> every stage goes on from the same batch
 
 A recovery then resumes as a synchronous run's does
@@ -36,14 +38,13 @@ from zpipe.coordinator.training import SyncTrainingRun, state_of_replies
 from zpipe.transport.codec import Message
 
 
-def collect_async_replica(owner: SyncTrainingRun, step: int, counters: dict[str, Any]) -> Flow:
-    """Every unit's state at the flush before batch ``step`` (see the module notes):
-    ``(keys, tensors)``; the stages go on from ``step`` whether it was kept or not."""
+def collect_async_replica(
+    owner: SyncTrainingRun, step: int, global_copy: bool, counters: dict[str, Any]
+) -> Flow:
+    """A replica at the flush before batch ``step`` (see the module notes): ``(keys,
+    tensors, holders, whole)`` as :meth:`SyncTrainingRun.collect_replica` returns
+    them; the stages go on from ``step`` whether it was kept or not."""
     run = owner.run
-    if run.replication != "global":
-        raise ConfigError(
-            f"an asynchronous run keeps global replicas only, not {run.replication!r}"
-        )
     if run.training_plan is None:
         raise ConfigError(f"run {run.run} has no training plan")
     devices, bounds = plan_bounds(run.training_plan)
@@ -54,15 +55,26 @@ def collect_async_replica(owner: SyncTrainingRun, step: int, counters: dict[str,
     stages = LiveRepartitioning(owner)
     prepared = yield from stages.ask(members, devices, step, {"phase": "prepare"})
     counters.update({d: dict(r.get("metrics") or {}) for d, r in prepared.items()})
+    holders: dict[str, str] = {}
+    whole = run.replication == "global" or global_copy
     try:
-        keys, tensors = yield from _gather_snapshots(owner, members, devices, bounds, step)
+        if run.replication == "global":
+            keys, tensors = yield from _gather_snapshots(owner, members, devices, bounds, step)
+        else:
+            # chain (FTPipeHD) or topology backups of the flushed state, versions included
+            keys, tensors, holders = yield from owner.back_up(step, {})
+            if global_copy:
+                more_keys, more = yield from _gather_snapshots(
+                    owner, members, devices, bounds, step
+                )
+                keys, tensors = keys + more_keys, tensors + more
     except (ZpipeError, ValueError) as exc:
         # the stages still go on: a recovery replays from the replica before this one
-        yield Log("warning", "async_replica_not_gathered", {"run": run.run, "error": str(exc)})
+        yield Log("warning", "async_replica_not_kept", {"run": run.run, "error": str(exc)})
         yield from stages.ask(members, devices, step, _commit(bounds))
         raise
     yield from stages.ask(members, devices, step, _commit(bounds))
-    return keys, tensors
+    return keys, tensors, holders, whole
 
 
 def _commit(bounds: list[int]) -> dict[str, Any]:

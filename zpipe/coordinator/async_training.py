@@ -29,9 +29,7 @@ class AsyncTrainingRun(SyncTrainingRun):
     kind = "train-async"
 
     def collect_replica(self, step: int, global_copy: bool, counters: dict[str, Any]) -> Flow:
-        # every unit here, always: chain replicas of asynchronous runs are later work
-        keys, tensors = yield from collect_async_replica(self, step, counters)
-        return keys, tensors, {}, True
+        return (yield from collect_async_replica(self, step, global_copy, counters))
 
 
 def planning_schedule(schedule: str) -> str:

@@ -27,6 +27,8 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.stage.metrics import StageCounters
@@ -92,6 +94,10 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.flushed_at: int | None = None
         self._flush_changed = asyncio.Condition()
         self._resume: asyncio.Event = asyncio.Event()
+
+    def replica_state(self) -> dict[str, torch.Tensor]:
+        # at a flush: every unit with the versions the run's depth reads next
+        return self.async_shard.repartition_snapshot(self.depth)
 
     def _schedule_actions(self) -> list[Action]:
         return []  # endless: iter_async_actions, in _train

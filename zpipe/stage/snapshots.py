@@ -202,7 +202,7 @@ class SnapshotService:
             loop = asyncio.get_running_loop()
             state = await loop.run_in_executor(
                 self._compute,
-                lambda: {k: t.clone() for k, t in trainer.shard.training_state().items()},
+                lambda: {k: t.clone() for k, t in trainer.replica_state().items()},
             )
             self.replicas.put(self.name, run, step, state)
             nbytes = sum(t.numel() * t.element_size() for t in state.values())

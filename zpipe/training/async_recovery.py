@@ -17,7 +17,6 @@ def async_recovery_refusal(
     *,
     vertical_sync: bool,
     aggregate: bool,
-    replication: str,
     consistency: str,
     rebalance: float | None,
     repartition: bool,
@@ -27,8 +26,6 @@ def async_recovery_refusal(
         return f"{ASYNC_SCHEDULE} recovers with vertical sync only (its versions move)"
     if aggregate:
         return f"{ASYNC_SCHEDULE} does not recover with weight aggregation yet"
-    if replication != "global":
-        return f"{ASYNC_SCHEDULE} keeps global replicas only, not {replication!r} replication"
     if consistency != "exact":
         return f"{ASYNC_SCHEDULE} recovers with exact consistency only, not {consistency!r}"
     if rebalance is not None:
