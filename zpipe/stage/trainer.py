@@ -361,11 +361,6 @@ class TrainingExecutor:
         for name in s.downstream.names:
             await self._send(name, Message("error", {**message.body, "src": s.name}, epoch=s.epoch))
 
-    def replica_state(self) -> dict[str, torch.Tensor]:
-        """What a replica (a backup) of this stage keeps: weights and optimizer state
-        (an asynchronous stage adds its weight versions). Read in the compute thread."""
-        return self.shard.training_state()
-
     async def wait_for_step(self, step: int, timeout_s: float) -> None:
         """Return once ``step`` rounds have completed on this stage."""
 
