@@ -295,3 +295,35 @@ def test_chain_replicas_of_an_async_run_restore_a_killed_stage_from_its_backup(
     assert planned["from_coordinator"] == 0
     assert report.losses == pytest.approx(want.losses, rel=1e-6)
     assert_same(report.state_dict, want.state_dict)
+
+
+def test_heavy_recovery_of_an_async_run_replans_a_straight_pipeline_exactly(
+    recovering: LocalCluster,
+) -> None:
+    cluster = recovering
+    batches = make_batches(8, 5, seed=11)
+    want = train_async_reference(SPEC, batches, bounds=[0, 1, 3, 4], optimizer=ADAM)
+    killed: list[str] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        if step == 3 and not killed:
+            killed.append("c")
+            cluster.kill("c")
+
+    try:
+        report = cluster.fit(
+            SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
+            progress=False, partition=PARTITION, stage_names=NAMES, recover=True,
+            replicate_every=2, recovery="heavy", on_step=on_step,
+        )  # fmt: skip
+    finally:
+        for name in killed:
+            cluster.start_stage(DeviceSpec(name))
+        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+    assert killed == ["c"]
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["resumed_from"], recovery["policy"]) == ("c", 2, "heavy")
+    assert report.training_plan is not None
+    assert all(len(s.devices) == 1 for s in report.training_plan.stages)
+    assert report.losses == pytest.approx(want.losses, rel=1e-6)
+    assert_same(report.state_dict, want.state_dict)

@@ -360,6 +360,8 @@ class _Training:
             self.request, survivors, dead, options.recovery, source.resume, options.consistency
         )
         if self.schedule == ASYNC_SCHEDULE:
+            if self.request.get("planner") == "hpp":
+                self.request["planner"] = "straight"  # one device per stage, re-planned
             # the survivors keep the staleness of the pipeline the run started with
             # (zpipe.coordinator.async_replicas): what makes the recovery exact
             settings = dict(self.request["train"].get("async") or {})
