@@ -291,8 +291,10 @@ def test_async_options_are_checked_before_anything_is_sent() -> None:
 
     with pytest.raises(ConfigError, match="num_microbatches=1"):
         TrainOptions(optimizer=SGD, num_microbatches=2, schedule="async-1f1b")
-    with pytest.raises(ConfigError, match="recover"):
-        TrainOptions(optimizer=SGD, num_microbatches=1, schedule="async-1f1b", recover=True)
+    with pytest.raises(ConfigError, match="does not recover with weight aggregation"):
+        TrainOptions(
+            optimizer=SGD, num_microbatches=1, schedule="async-1f1b", recover=True, aggregate=True
+        )
     checked = check_train_settings(
         {
             "schedule": "async-1f1b",
@@ -319,7 +321,7 @@ def test_async_options_are_checked_before_anything_is_sent() -> None:
     ("flags", "error"),
     [
         (["--schedule", "async-1f1b", "--microbatches", "2"], "--microbatches 1"),
-        (["--schedule", "async-1f1b", "--recover"], "does not recover"),
+        (["--schedule", "async-1f1b", "--recover", "--no-vertical-sync"], "vertical sync only"),
         (["--aggregate"], "need --schedule async-1f1b"),
     ],
 )

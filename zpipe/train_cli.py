@@ -47,6 +47,7 @@ from zpipe.train_args import (  # noqa: F401
     build_parser,
     repartition_of,
 )
+from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.async_reference import train_async_reference
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.training.objectives import is_factory_name
@@ -143,6 +144,8 @@ def _train_async_here(
         vertical_sync=args.vertical_sync,
         aggregate=args.aggregate,
         aggregate_multiple=args.aggregate_multiple,
+        # a recovered run kept the staleness of the pipeline it started with
+        depth=int(report.recoveries[0]["depth"]) if report.recoveries else None,
     )
     # the live re-partitions the run made, where it made them
     moves = {int(r["at"]): list(r["bounds"]) for r in report.repartitions if r.get("moved")}
@@ -327,8 +330,19 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.microbatches = 1 if asynchronous else 4
     if asynchronous and args.microbatches != 1:
         parser.error(f"--schedule {ASYNC_SCHEDULE} trains every mini-batch whole: --microbatches 1")
-    if asynchronous and args.recover:
-        parser.error(f"--schedule {ASYNC_SCHEDULE} does not recover yet: leave --recover out")
+    refusal = (
+        async_recovery_refusal(
+            vertical_sync=args.vertical_sync,
+            aggregate=args.aggregate,
+            consistency=args.consistency or "exact",
+            rebalance=args.rebalance,
+            repartition=repartition_of(args) is not None,
+        )
+        if asynchronous and args.recover
+        else None
+    )
+    if refusal is not None:
+        parser.error(refusal)
     if asynchronous and (args.lr_schedule is not None or args.resume is not None):
         parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --lr-schedule or --resume yet")
     if not asynchronous and (args.aggregate or not args.vertical_sync):

@@ -10,7 +10,9 @@ stage has backwarded every mini-batch.
 
 With ``repartition`` (FTPipeHD's live re-partitioning), the feed pauses before
 each mini-batch the settings name (:mod:`zpipe.client.repartition`): the same
-``end`` marker flushes the stages there.
+``end`` marker flushes the stages there. With ``recover``, it pauses before every
+replica too, and the coordinator keeps one at the flush
+(:mod:`zpipe.coordinator.async_replicas`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, DeadlinePolicy
+from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.objectives import check_loss, check_optimizer
@@ -355,10 +356,19 @@ class TrainOptions:
                 raise ConfigError(
                     f"{ASYNC_SCHEDULE} trains every mini-batch whole: use num_microbatches=1"
                 )
-            if self.recover or self.rebalance is not None:
-                raise ConfigError(
-                    f"{ASYNC_SCHEDULE} runs do not recover or rebalance yet: leave recover off"
+            refusal = (
+                async_recovery_refusal(
+                    vertical_sync=self.vertical_sync,
+                    aggregate=self.aggregate,
+                    consistency=self.consistency,
+                    rebalance=self.rebalance,
+                    repartition=self.repartition not in (None, False),
                 )
+                if self.recover
+                else None
+            )
+            if refusal is not None:
+                raise ConfigError(refusal)
         object.__setattr__(self, "repartition", _repartition_settings(self))
         if self.warmups is not None:
             object.__setattr__(self, "warmups", tuple(self.warmups))

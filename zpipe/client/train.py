@@ -225,7 +225,8 @@ class _Training:
             )
             # the learning-rate schedule goes on from this attempt's first mini-batch
             start_step = self.options.start_step + self.source.kept_from
-            if start_step:
+            # (an asynchronous run's replica carries its update count instead)
+            if start_step and self.schedule != ASYNC_SCHEDULE:
                 self.request["train"] = {**self.request["train"], "start_step": start_step}
             async with Progress(self.options.progress).waiting(PLANNING):
                 ready = await session.request_run(
@@ -358,13 +359,25 @@ class _Training:
         self.request = resume_request(
             self.request, survivors, dead, options.recovery, source.resume, options.consistency
         )
+        if self.schedule == ASYNC_SCHEDULE:
+            if self.request.get("planner") == "hpp":
+                self.request["planner"] = "straight"  # one device per stage, re-planned
+            # the survivors keep the staleness of the pipeline the run started with
+            # (zpipe.coordinator.async_replicas): what makes the recovery exact
+            settings = dict(self.request["train"].get("async") or {})
+            settings.setdefault("depth", len(tplan.stages))
+            self.request["train"] = {**self.request["train"], "async": settings}
+            self.recoveries[-1]["depth"] = settings["depth"]
         if options.consistency == "exact" and source.global_resume is not None:
             # the older copy to resume from if some unit lost every chain copy; the
             # learning-rate schedule then goes on from its mini-batch
             self.request["resume"]["global"] = {
                 "run": source.global_resume[0],
                 "step": source.global_resume[1],
-                "start_step": self.options.start_step + (source.global_step or 0),
+                # (an asynchronous run's replica carries its update count instead)
+                "start_step": 0
+                if self.schedule == ASYNC_SCHEDULE
+                else self.options.start_step + (source.global_step or 0),
             }
         self.plan = None
 

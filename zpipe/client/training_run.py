@@ -200,6 +200,7 @@ class TrainingRun:
                 else (False, False)
             )
             if (chain or whole) and fresh:
+                await self.pause_feed()  # asynchronous stages flush here (a no-op for sync)
                 self.rebalance_to = await self._replicate(source, global_copy=whole)
                 if self.rebalance_to is not None:
                     self.finished.set()  # this attempt ends here; the next one moves

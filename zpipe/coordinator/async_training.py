@@ -2,13 +2,12 @@
 
 The same start as a synchronous run (assign, ready, go, connect: see
 :mod:`zpipe.coordinator.training`), and the same checkpoint at the end (every
-stage's weights once it has backwarded every batch), but no replicas: the stages
-never drain, so a global replica would need every stage's weights at one batch
-boundary, which asynchronous stages reach at different times. A live
-re-partition (the client pauses its feed, the stages flush, move units and
-commit) is :mod:`zpipe.coordinator.repartition`'s, as for synchronous runs. Recovery and
-replication of asynchronous runs are later work; a ``replicate`` request is
-answered with an error, and the client keeps no replicas for such a run.
+stage's weights once it has backwarded every batch). A live re-partition (the
+client pauses its feed, the stages flush, move units and commit) is
+:mod:`zpipe.coordinator.repartition`'s, as for synchronous runs. Replicas are taken
+at flush points the client makes (:mod:`zpipe.coordinator.async_replicas`): global
+copies of every unit with its weight versions; a recovery resumes from one as a
+synchronous run's does.
 
 Pure: events in, commands out.
 """
@@ -19,23 +18,18 @@ from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError
-from zpipe.coordinator.commands import Log
+from zpipe.coordinator.async_replicas import collect_async_replica
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
-from zpipe.transport.codec import Message
 
 
 class AsyncTrainingRun(SyncTrainingRun):
     kind = "train-async"
 
-    def take_replica(self, run_id: int, step: int, *, global_copy: bool = False) -> Flow:
-        error = "an asynchronous run keeps no replicas (recovery is not supported yet)"
-        yield Log("warning", "replica_failed", {"run": run_id, "step": step, "error": error})
-        body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}
-        body["error"] = error
-        return Message("replicated", body)
+    def collect_replica(self, step: int, global_copy: bool, counters: dict[str, Any]) -> Flow:
+        return (yield from collect_async_replica(self, step, global_copy, counters))
 
 
 def planning_schedule(schedule: str) -> str:
@@ -55,3 +49,12 @@ def as_async_plan(plan: TrainingPlan) -> TrainingPlan:
     n = len(plan.stages)
     stages = tuple(replace(s, warmup=async_warmup(i, n)) for i, s in enumerate(plan.stages))
     return replace(plan, schedule=ASYNC_SCHEDULE, num_microbatches=1, stages=stages)
+
+
+def as_planning_plan(plan: TrainingPlan) -> TrainingPlan:
+    """An asynchronous plan as the synchronous 1F1B plan (M = 1) the planners re-plan
+    (:func:`planning_schedule`); :func:`as_async_plan` turns the result back."""
+    if plan.schedule != ASYNC_SCHEDULE:
+        return plan
+    stages = tuple(replace(s, warmup=1) for s in plan.stages)
+    return replace(plan, schedule=planning_schedule(plan.schedule), stages=stages)

@@ -120,7 +120,7 @@ class LiveRepartitioning:
             missing = [d for d in devices if d not in members]
             if missing:
                 raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
-            replies = yield from self._ask(members, devices, step, {"phase": "prepare"})
+            replies = yield from self.ask(members, devices, step, {"phase": "prepare"})
             counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
             decision = controller.look(step, counters)
             yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict()})
@@ -129,7 +129,7 @@ class LiveRepartitioning:
                 yield from self._fetch(members, plan, step, decision.bounds)
             commit: dict[str, Any] = {"phase": "commit", "bounds": list(target)}
             commit["plan_epoch"] = controller.plan_epoch + (1 if decision.moves else 0)
-            committed = yield from self._ask(members, devices, step, commit)
+            committed = yield from self.ask(members, devices, step, commit)
             if decision.moves:
                 controller.committed(decision)
                 run.training_plan = with_bounds(plan, target)
@@ -166,9 +166,9 @@ class LiveRepartitioning:
                     entry["key"] = owner.key_of(entry["from"])
         per_device = {d: {"phase": "fetch", "bounds": list(bounds), "fetch": fetches.get(d, [])}
                       for d in devices}  # fmt: skip
-        yield from self._ask(members, devices, step, per_device)
+        yield from self.ask(members, devices, step, per_device)
 
-    def _ask(
+    def ask(
         self,
         members: dict[str, Member],
         devices: list[str],

@@ -14,7 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
-from zpipe.coordinator.async_training import AsyncTrainingRun, as_async_plan, planning_schedule
+from zpipe.coordinator.async_training import (
+    AsyncTrainingRun,
+    as_async_plan,
+    as_planning_plan,
+    planning_schedule,
+)
 from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitReplies,
@@ -266,7 +271,7 @@ def _replan_training(
         m.name: state.profiles.get(spec, batch, "float32", m, train=True) for m in survivors
     }
     plan = replan_in_place(
-        replica.plan,
+        as_planning_plan(replica.plan),
         failed,
         policy,
         survivors,
@@ -275,6 +280,8 @@ def _replan_training(
         train=True,
         links=state.measured_links(survivors),
     )
+    if replica.plan.schedule == ASYNC_SCHEDULE:
+        plan = as_async_plan(plan)
     yield Log(
         "info",
         "training_replanned",

@@ -169,7 +169,7 @@ class SyncTrainingRun(BaseRun):
             resend_s=request_resend_s(self.state.timeouts),
             on_progress=self.progress_notice("weights"),
         )
-        return _state_of(replies, run.devices, "weights reply", metrics)
+        return state_of_replies(replies, run.devices, "weights reply", metrics)
 
     def back_up(self, step: int, counters: dict[str, Any]) -> Flow:
         """Chain (FTPipeHD) or topology-driven (Asteroid) replication after round
@@ -203,7 +203,7 @@ class SyncTrainingRun(BaseRun):
             resend_s=request_resend_s(self.state.timeouts),
             on_progress=self.progress_notice("backed_up"),
         )
-        keys, tensors = _state_of(replies, run.devices, "backup", counters)
+        keys, tensors = state_of_replies(replies, run.devices, "backup", counters)
         return keys, tensors, {d: holders.get(d, "") for d in run.devices}
 
     def checkpoint(self, run_id: int, step: int, *, optimizer: bool = False) -> Flow:
@@ -243,15 +243,9 @@ class SyncTrainingRun(BaseRun):
                 raise ConfigError(f"run {run_id} is not the current training run")
             yield AwaitConfirmed(tuple(run.devices))
             counters: dict[str, Any] = {}
-            holders: dict[str, str] = {}
-            whole = run.replication == "global" or global_copy
-            if run.replication == "global":
-                keys, tensors = yield from self.gather_state(step, optimizer=True, metrics=counters)
-            else:
-                keys, tensors, holders = yield from self.back_up(step, counters)
-                if global_copy:
-                    more_keys, more = yield from self.gather_state(step, optimizer=True)
-                    keys, tensors = keys + more_keys, tensors + more
+            keys, tensors, holders, whole = yield from self.collect_replica(
+                step, global_copy, counters
+            )
             state: dict[str, torch.Tensor] = {}
             for key, tensor in zip(keys, tensors, strict=True):
                 if key not in state:
@@ -307,6 +301,22 @@ class SyncTrainingRun(BaseRun):
                 "error", "replica_failed", {"run": run_id, "step": step, "error": body["error"]}
             )
         return Message("replicated", body)
+
+    def collect_replica(self, step: int, global_copy: bool, counters: dict[str, Any]) -> Flow:
+        """The state a replica after round ``step`` keeps here: ``(keys, tensors,
+        holders, whole)`` (the holders of chain or topology backups; ``whole``: every
+        unit is here). Each device's counters go to ``counters``."""
+        run = self.run
+        holders: dict[str, str] = {}
+        whole = run.replication == "global" or global_copy
+        if run.replication == "global":
+            keys, tensors = yield from self.gather_state(step, optimizer=True, metrics=counters)
+        else:
+            keys, tensors, holders = yield from self.back_up(step, counters)
+            if global_copy:
+                more_keys, more = yield from self.gather_state(step, optimizer=True)
+                keys, tensors = keys + more_keys, tensors + more
+        return keys, tensors, holders, whole
 
     # ------------------------------------------------------------ run shape
 
@@ -408,7 +418,7 @@ class SyncTrainingRun(BaseRun):
         return bigger
 
 
-def _state_of(
+def state_of_replies(
     replies: dict[str, Message],
     devices: list[str],
     what: str,

@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-from zpipe._errors import ConfigError, PipelineError
+from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.models import load_layer_sequence
 from zpipe.models.trust import FactoryPolicy
+from zpipe.models.weights import split_unit_key
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.async_regroup import (
+    VERSION_KEY,
     needed_versions,
     unit_state_from_tensors,
     unit_state_tensors,
@@ -75,8 +77,55 @@ class AsyncShard(TrainShard):
         return self.compute.in_flight
 
     def load_training_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        super().load_training_state(state)
-        self.compute.restart_versions()
+        """Restore weights and optimizer state; with weight versions (a replica of an
+        asynchronous run, :meth:`repartition_snapshot`'s entries) the versions too, and
+        the update count they end at: the run goes on exactly where it was kept."""
+        if not any(VERSION_KEY in key for key in state):
+            super().load_training_state(state)
+            self.compute.restart_versions()
+            return
+        # "units.3.weight#v5" and "units.3.weight#opt.momentum_buffer" are unit 3's
+        foreign = sorted(
+            k
+            for k in state
+            if (unit := split_unit_key(k)) is None or not self.start <= unit[0] < self.end
+        )
+        if foreign:
+            raise ConfigError(
+                f"the replica does not match units [{self.start}, {self.end}): "
+                f"foreign {foreign[:3]}"
+            )
+        try:
+            states = [
+                unit_state_from_tensors(self.start + i, unit, state)
+                for i, unit in enumerate(self.units)
+            ]
+        except ProtocolError as exc:
+            raise ConfigError(
+                f"the replica does not fit units [{self.start}, {self.end}): {exc}"
+            ) from None
+        versions = set.intersection(*(set(s.versions) for s in states))
+        if not versions:
+            raise ConfigError("the replica's units share no weight version")
+        self.compute = AsyncStageCompute.adopt(
+            states,
+            updates=max(versions),
+            first=self.first,
+            last=self.last,
+            loss=self.loss,
+            optimizer=self.optimizer_config,
+        )
+        self.units = self.compute.units
+        self.optimizer = self.compute.optimizer
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.units)
+
+    @property
+    def updates(self) -> int:
+        """The updates the run made before this stage's next one (its newest version)."""
+        return self.compute.updates
 
     def forward_at(
         self,
@@ -130,7 +179,8 @@ class AsyncShard(TrainShard):
 
     def repartition_snapshot(self, num_stages: int) -> dict[str, torch.Tensor]:
         """Every unit's state at a flush, under the full model's keys, with the weight
-        versions the next forwards and aggregations read (what peers fetch)."""
+        versions the next forwards and aggregations read (what peers fetch, and what a
+        replica keeps); ``num_stages``: the run's depth."""
         versions = needed_versions(self.compute.updates, num_stages)
         out: dict[str, torch.Tensor] = {}
         for offset, state in enumerate(self.compute.export_units()):

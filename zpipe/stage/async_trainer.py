@@ -16,7 +16,9 @@ runs too. The number of batches in flight is bounded by the client's window
 (FTPipeHD's semaphore) and by the warm-up.
 
 Micro-batch ids are batch numbers; ``completed_steps`` counts backwards (one
-update each), so a checkpoint after ``N`` batches waits for all ``N``.
+update each), so a checkpoint after ``N`` batches waits for all ``N``. A run
+resumed from a replica numbers its batches from 0 again; its weight versions go
+on from the replica's (``origin``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.stage.async_shard import AsyncShard
@@ -73,6 +77,13 @@ class AsyncTrainingExecutor(TrainingExecutor):
             else None
         )
         self._versions = concurrent_versions(i, n)
+        # A run resumed from a replica (zpipe.coordinator.async_replicas): its batches
+        # are numbered from 0 again, its versions go on from the replica's update
+        # count, and its forwards keep the staleness of the depth the run started with.
+        self.depth = self.settings.depth_of(n)
+        self.origin = shard.updates
+        if self.origin and self._every is not None:
+            raise PipelineError("a run that aggregates does not resume from a replica")
         self._end: int | None = None  # the number of batches, once the feed ended
         self._end_passed = False
         self.aggregations = 0
@@ -83,6 +94,10 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.flushed_at: int | None = None
         self._flush_changed = asyncio.Condition()
         self._resume: asyncio.Event = asyncio.Event()
+
+    def replica_state(self) -> dict[str, torch.Tensor]:
+        # at a flush: every unit with the versions the run's depth reads next
+        return self.async_shard.repartition_snapshot(self.depth)
 
     def _schedule_actions(self) -> list[Action]:
         return []  # endless: iter_async_actions, in _train
@@ -206,7 +221,11 @@ class AsyncTrainingExecutor(TrainingExecutor):
                 raise PipelineError(f"labels of batch {b} have {label_total} rows, not {total}")
             target, samples = (labels[0] if labels else None), int(piece["samples"])
         version = forward_version(
-            s.index, s.num_stages, b, vertical_sync=self.settings.vertical_sync
+            s.index,
+            s.num_stages,
+            self.origin + b,
+            vertical_sync=self.settings.vertical_sync,
+            depth=self.depth,
         )
         started = time.perf_counter()
         outputs, loss, _ = await self._in_thread(

@@ -101,7 +101,12 @@ class StageRepartition:
                 raise PipelineError(f"round {trainer.completed_steps} ran past the pause at {step}")
         shard = trainer.shard
         loop = asyncio.get_running_loop()
-        n = trainer.setup.num_stages
+        # the versions the run's depth reads (a recovered run's may exceed its stages)
+        n = (
+            trainer.depth
+            if isinstance(trainer, AsyncTrainingExecutor)
+            else trainer.setup.num_stages
+        )
         snapshot = await loop.run_in_executor(self._compute, shard.repartition_snapshot, n)
         self._snapshots.replicas.put(self.name, run, step, snapshot)
         self._fetched = None

@@ -30,6 +30,7 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, UnitsLostError
 from zpipe.log import get_logger
 from zpipe.models.size import peer_build_limit
+from zpipe.stage.async_trainer import AsyncTrainingExecutor
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import (
     UNAUTHENTICATED,
@@ -202,7 +203,7 @@ class SnapshotService:
             loop = asyncio.get_running_loop()
             state = await loop.run_in_executor(
                 self._compute,
-                lambda: {k: t.clone() for k, t in trainer.shard.training_state().items()},
+                lambda: {k: t.clone() for k, t in _replica_state(trainer).items()},
             )
             self.replicas.put(self.name, run, step, state)
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -389,3 +390,11 @@ class SnapshotService:
                 {str(k): t.clone() for k, t in zip(reply["keys"], reply.tensors, strict=True)}
             )
         return state
+
+
+def _replica_state(trainer: TrainingExecutor) -> dict[str, torch.Tensor]:
+    """What a backup of this stage keeps: weights and optimizer state, and an
+    asynchronous stage's weight versions (it backs up at a flush). Compute thread."""
+    if isinstance(trainer, AsyncTrainingExecutor):
+        return trainer.replica_state()
+    return trainer.shard.training_state()

@@ -49,22 +49,32 @@ def train_async_reference(
     loss: str = "cross_entropy",
     settings: AsyncSettings | None = None,
     repartitions: Mapping[int, Sequence[int]] | None = None,
+    flushes: Sequence[int] = (),
 ) -> AsyncReferenceResult:
     """Train ``spec`` split at ``bounds`` (unit indices, first 0, last the unit count)
     on ``batches`` (``(inputs..., labels)``) as an asynchronous pipeline would.
 
     ``repartitions``: batch ``R`` -> the bounds the pipeline is cut at from batch ``R``
     on (a live re-partition: the pipeline flushes after batch ``R - 1`` and every
-    unit moves with its state, :mod:`zpipe.training.async_regroup`)."""
+    unit moves with its state, :mod:`zpipe.training.async_regroup`). Bounds of fewer
+    stages are a recovery onto the survivors at a replica taken there: the forwards
+    keep the staleness of the depth the run started with (vertical sync, no
+    aggregation). ``flushes``: batches before which the pipeline only flushes (a
+    replica of a run that recovers; a re-partition that keeps the cuts)."""
     settings = settings or AsyncSettings()
     n = len(bounds) - 1
     if n < 1:
         raise ConfigError(f"bounds {list(bounds)} describe no stage")
+    depth = settings.depth_of(n)
     cuts = {int(r): tuple(int(b) for b in c) for r, c in (repartitions or {}).items()}
+    for r in flushes:
+        cuts.setdefault(int(r), ())  # () : the cuts of the moment
     if any(not 0 < r < len(batches) for r in cuts):
         raise ConfigError(f"re-partitions at {sorted(cuts)} fall outside 1..{len(batches) - 1}")
-    if cuts and not settings.vertical_sync:
+    if any(cuts.values()) and not settings.vertical_sync:
         raise ConfigError("a live re-partition needs vertical sync (the versions it keeps)")
+    if settings.aggregate and any(c and len(c) - 1 != n for c in cuts.values()):
+        raise ConfigError("a run that aggregates keeps its number of stages")
     sequence = load_layer_sequence(spec)
     stages = [
         AsyncStageCompute(
@@ -76,9 +86,6 @@ def train_async_reference(
         )
         for i in range(n)
     ]
-    every = aggregation_intervals(
-        n, aggregate=settings.aggregate, multiple=settings.aggregate_multiple
-    )
     activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     losses: dict[int, float] = {}
@@ -87,12 +94,17 @@ def train_async_reference(
     backward_versions: list[dict[int, int]] = [{} for _ in range(n)]
     segment_starts = [0, *sorted(cuts)]
     for lo, hi in zip(segment_starts, [*segment_starts[1:], len(batches)], strict=True):
-        if lo in cuts:
+        if cuts.get(lo):
             for i, stage in enumerate(stages):
                 forward_versions[i].update(stage.forward_versions)
                 backward_versions[i].update(stage.backward_versions)
             stages = regroup_stages(stages, cuts[lo], loss=loss, optimizer=optimizer)
             bounds = cuts[lo]
+            n = len(bounds) - 1
+            settings.depth_of(n)  # a pipeline no deeper than the run's
+        every = aggregation_intervals(
+            n, aggregate=settings.aggregate, multiple=settings.aggregate_multiple
+        )
         order = async_global_order(
             n,
             hi,
@@ -100,8 +112,12 @@ def train_async_reference(
             aggregate_every=every,
             first_batch=lo,
         )
-        _run_order(stages, order, batches, settings, activations, grads, losses, last_backward)
+        _run_order(
+            stages, order, batches, settings, depth, activations, grads, losses, last_backward
+        )
     for i, stage in enumerate(stages):
+        if i >= len(forward_versions):
+            break
         forward_versions[i].update(stage.forward_versions)
         backward_versions[i].update(stage.backward_versions)
     state: dict[str, torch.Tensor] = {}
@@ -122,6 +138,7 @@ def _run_order(
     order: Sequence[tuple[int, AsyncAction]],
     batches: Sequence[tuple[torch.Tensor, ...]],
     settings: AsyncSettings,
+    depth: int,
     activations: dict[tuple[int, int], tuple[torch.Tensor, ...]],
     grads: dict[tuple[int, int], tuple[torch.Tensor, ...]],
     losses: dict[int, float],
@@ -134,7 +151,7 @@ def _run_order(
         if action.kind == "F":
             assert b is not None
             inputs = tuple(batches[b][:-1]) if i == 0 else activations.pop((i, b))
-            version = forward_version(i, n, b, vertical_sync=settings.vertical_sync)
+            version = forward_version(i, n, b, vertical_sync=settings.vertical_sync, depth=depth)
             target = batches[b][-1] if i == n - 1 else None
             samples = int(batches[b][0].shape[0])
             outputs, value = stage.forward(b, version, inputs, target, samples)

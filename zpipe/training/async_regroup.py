@@ -45,12 +45,13 @@ def regroup_stages(
     loss: str,
     optimizer: dict[str, Any],
 ) -> list[AsyncStageCompute]:
-    """The same pipeline's stages cut at ``bounds`` instead, every unit's state kept."""
+    """The same pipeline's units cut at ``bounds`` instead, every unit's state kept;
+    ``bounds`` may name fewer stages (a recovery onto the survivors)."""
     updates = {c.updates for c in computes}
     if len(updates) != 1:
         raise PipelineError(f"the stages are at different updates {sorted(updates)}: no flush")
     states = [state for c in computes for state in c.export_units()]
-    n = len(computes)
+    n = len(bounds) - 1
     cuts = check_bounds(bounds, len(states), n)
     return [
         AsyncStageCompute.adopt(

@@ -17,6 +17,10 @@ update (the update of ``B(t-1)``); version 0 is the initial weights.
 - vertical sync (on by default): every stage forwards batch ``b`` with the version
   the first stage used for it, ``max(0, b - n + 1)``; without it, stage ``i`` uses its
   newest version, ``max(0, b - (n - i) + 1)`` (:func:`forward_version`).
+- the run's depth: a run that recovered onto fewer stages
+  (:mod:`zpipe.coordinator.async_replicas`) keeps the staleness of the pipeline it
+  started with, ``max(0, b - depth + 1)``, an older version than its own depth needs,
+  so the recovered run trains exactly as the uninterrupted one (vertical sync only).
 
 Weight aggregation (FTPipeHD, section III-C): stage ``i`` trains ``n - i`` versions
 concurrently, each the previous one plus a gradient taken at an older version. Every
@@ -47,13 +51,16 @@ ASYNC_KINDS = ("F", "B", "STEP", "AGG")
 @dataclass(frozen=True)
 class AsyncSettings:
     """An asynchronous run's settings: vertical sync (on by default), aggregation
-    (every ``aggregate_multiple * (n - i)`` backwards on stage ``i``), and the bound on
-    mini-batches in flight (None: the number of stages)."""
+    (every ``aggregate_multiple * (n - i)`` backwards on stage ``i``), the bound on
+    mini-batches in flight (None: the number of stages), and the depth whose staleness
+    the forwards keep (None: the number of stages; a recovered run's is the depth
+    it started with)."""
 
     vertical_sync: bool = True
     aggregate: bool = False
     aggregate_multiple: int = 1
     max_in_flight: int | None = None
+    depth: int | None = None
 
     def __post_init__(self) -> None:
         m = self.aggregate_multiple
@@ -62,20 +69,37 @@ class AsyncSettings:
         w = self.max_in_flight
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ConfigError(f"max_in_flight must be an integer >= 1, got {w!r}")
+        d = self.depth
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ConfigError(f"depth must be an integer >= 1, got {d!r}")
+        if d is not None and not self.vertical_sync:
+            raise ConfigError("a run's depth other than its stages' needs vertical sync")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "vertical_sync": self.vertical_sync,
             "aggregate": self.aggregate,
             "aggregate_multiple": self.aggregate_multiple,
         }
+        if self.depth is not None:
+            out["depth"] = self.depth  # only when set: older peers refuse unknown settings
+        return out
+
+    def depth_of(self, num_stages: int) -> int:
+        """The depth whose staleness a pipeline of ``num_stages`` stages keeps: ConfigError
+        when it is shallower than the pipeline (its versions would not exist yet)."""
+        depth = num_stages if self.depth is None else self.depth
+        if depth < num_stages:
+            raise ConfigError(f"a run of depth {depth} cannot run on {num_stages} stages")
+        return depth
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> AsyncSettings:
         data = data or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"asynchronous settings must be a mapping, got {data!r}")
-        unknown = sorted(set(data) - {"vertical_sync", "aggregate", "aggregate_multiple"})
+        known = {"vertical_sync", "aggregate", "aggregate_multiple", "depth"}
+        unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown asynchronous settings {unknown}")
         try:
@@ -83,6 +107,7 @@ class AsyncSettings:
                 vertical_sync=bool(data.get("vertical_sync", True)),
                 aggregate=bool(data.get("aggregate", False)),
                 aggregate_multiple=int(data.get("aggregate_multiple", 1)),
+                depth=None if data.get("depth") is None else int(data["depth"]),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed asynchronous settings {data!r}: {exc}") from None
@@ -133,11 +158,21 @@ def aggregation_interval(stage: int, num_stages: int, multiple: int = 1) -> int 
     return multiple * versions if versions > 1 else None
 
 
-def forward_version(stage: int, num_stages: int, batch: int, *, vertical_sync: bool) -> int:
-    """The weight version ``stage`` forwards ``batch`` with (see the module notes)."""
+def forward_version(
+    stage: int, num_stages: int, batch: int, *, vertical_sync: bool, depth: int | None = None
+) -> int:
+    """The weight version ``stage`` forwards ``batch`` with (see the module notes);
+    ``depth``: the run's depth when it differs from ``num_stages`` (vertical sync)."""
     _check(stage, num_stages)
     if batch < 0:
         raise ConfigError(f"batch must be >= 0, got {batch}")
+    if depth is not None and depth != num_stages:
+        if not vertical_sync or depth < num_stages:
+            raise ConfigError(
+                f"a run of depth {depth} runs on at most as many stages, with vertical "
+                f"sync (got {num_stages} stages)"
+            )
+        return max(0, batch - depth + 1)
     deciding = 0 if vertical_sync else stage
     return max(0, batch - async_warmup(deciding, num_stages) + 1)
 

@@ -1,0 +1,110 @@
+"""Replicas of an asynchronous training run, taken at flush points (FTPipeHD III-E).
+
+Asynchronous stages never drain at a batch boundary by themselves, so the client
+makes one: before every ``replicate_every``-th mini-batch it ends its feed for a
+moment (the ``end`` marker a live re-partition pauses with,
+:mod:`zpipe.client.async_training`), every stage backwards every earlier batch and
+waits there. Then, in three steps that reuse a re-partition's phases:
+
+    prepare (repartition_request) ─> each stage, once flushed, keeps a snapshot of
+        its units: weights, optimizer state, and the weight versions the next
+        forwards read (the run's depth of them)
+    weights_request with ``snapshot`` ─> those snapshots come here: the global copy;
+        or, under chain (topology) replication, backup_request ─> each stage backs
+        the same state up to its holder, with a global copy every ``global_every``
+    commit with the same cuts ─> every stage goes on from the same batch
+
+A recovery then resumes as a synchronous run's does
+(:mod:`zpipe.coordinator.starting`): each stage of the new plan gets its units,
+versions included, from the replica (:meth:`zpipe.stage.async_shard.AsyncShard.
+load_training_state`), its update count goes on from the replica's, and its forwards
+keep the staleness of the depth the run started with (``AsyncSettings.depth``, which
+the client sets when it resumes), so the recovered run trains exactly as the
+uninterrupted one with the same flushes (which change nothing either).
+
+Pure: events in, commands out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zpipe._errors import ConfigError, StageLostError, ZpipeError
+from zpipe.coordinator.commands import AwaitReplies, Log, Send
+from zpipe.coordinator.flows import Flow, request_resend_s
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.repartition import LiveRepartitioning, plan_bounds
+from zpipe.coordinator.training import SyncTrainingRun, state_of_replies
+from zpipe.transport.codec import Message
+
+
+def collect_async_replica(
+    owner: SyncTrainingRun, step: int, global_copy: bool, counters: dict[str, Any]
+) -> Flow:
+    """A replica at the flush before batch ``step`` (see the module notes): ``(keys,
+    tensors, holders, whole)`` as :meth:`SyncTrainingRun.collect_replica` returns
+    them; the stages go on from ``step`` whether it was kept or not."""
+    run = owner.run
+    if run.training_plan is None:
+        raise ConfigError(f"run {run.run} has no training plan")
+    devices, bounds = plan_bounds(run.training_plan)
+    members = {m.name: m for m in owner.state.membership.alive()}
+    missing = [d for d in devices if d not in members]
+    if missing:
+        raise StageLostError(", ".join(missing), "gone; the run cannot keep a replica")
+    stages = LiveRepartitioning(owner)
+    prepared = yield from stages.ask(members, devices, step, {"phase": "prepare"})
+    counters.update({d: dict(r.get("metrics") or {}) for d, r in prepared.items()})
+    holders: dict[str, str] = {}
+    whole = run.replication == "global" or global_copy
+    try:
+        if run.replication == "global":
+            keys, tensors = yield from _gather_snapshots(owner, members, devices, bounds, step)
+        else:
+            # chain (FTPipeHD) or topology backups of the flushed state, versions included
+            keys, tensors, holders = yield from owner.back_up(step, {})
+            if global_copy:
+                more_keys, more = yield from _gather_snapshots(
+                    owner, members, devices, bounds, step
+                )
+                keys, tensors = keys + more_keys, tensors + more
+    except (ZpipeError, ValueError) as exc:
+        # the stages still go on: a recovery replays from the replica before this one
+        yield Log("warning", "async_replica_not_kept", {"run": run.run, "error": str(exc)})
+        yield from stages.ask(members, devices, step, _commit(bounds))
+        raise
+    yield from stages.ask(members, devices, step, _commit(bounds))
+    return keys, tensors, holders, whole
+
+
+def _commit(bounds: list[int]) -> dict[str, Any]:
+    return {"phase": "commit", "bounds": list(bounds)}
+
+
+def _gather_snapshots(
+    owner: SyncTrainingRun,
+    members: dict[str, Member],
+    devices: list[str],
+    bounds: list[int],
+    step: int,
+) -> Flow:
+    """Each stage's snapshot of its own units at ``step``, as kept by ``prepare``."""
+    run = owner.run
+    timeouts = owner.state.timeouts
+    requests = []
+    for i, device in enumerate(devices):
+        own = {"owner": device, "run": run.run, "step": step}
+        ranges = [{**own, "start": bounds[i], "end": bounds[i + 1]}]
+        body: dict[str, Any] = {"run": run.run, "step": step, "snapshot": ranges}
+        message = Message("weights_request", body, epoch=run.epoch)
+        requests.append(Send(members[device].routing_id, message, device, stage=device))
+    replies = yield AwaitReplies(
+        tuple(devices),
+        "weights",
+        timeouts.result_s,
+        "the snapshots of an asynchronous replica",
+        requests=tuple(requests),
+        resend_s=request_resend_s(timeouts),
+        on_progress=owner.progress_notice("weights"),
+    )
+    return state_of_replies(replies, devices, "snapshot", None)
