@@ -7,13 +7,16 @@ sender gets a zero gradient for that mini-batch."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from zpipe._errors import ConfigError
+from zpipe.lossy import experiment
 from zpipe.lossy.cnn import CnnSpec, default_conv_devices, partition_cnn
 from zpipe.lossy.data import Dataset, load_generated_dataset
 from zpipe.lossy.engine import LinkChannel
@@ -204,3 +207,41 @@ def test_cnn_runs_are_seeded_and_lose_messages(data: Dataset) -> None:
     lossless = run_training(replace(cfg, lossless=True), data)
     assert lossless["propagation_rate"] == 1.0
     assert lossless["final_test_acc"] == lossless["final_test_acc_lossless"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "cnn", "--dataset", "generated"], "square one-channel images"),
+        (["--model", "cnn", "--conv-devices", "4"], "conv_devices must be in [0, 3]"),
+        (["--conv-channels", "3,4"], "go with --model cnn"),
+        (["--model", "cnn", "--conv-channels", "0,4"], "must be >= 1"),
+        (["--model", "cnn", "--conv-channels", "4000,4000,4000"], "weights"),
+        (["--model", "cnn", "--conv-channels", "2,2,2,2,2"], "pooled away"),
+        (["--model", "cnn", "--conv-channels", ",".join(["2"] * 17)], "at most 16"),
+        (["--model", "cnn", "--multiprocess"], "simulation only"),
+        (["--model", "rnn"], "invalid choice"),
+    ],
+)
+def test_the_experiments_cnn_options_refuse_bad_input(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        experiment.main([*argv, "--seeds", "1", "--out", str(tmp_path / "o"), "--no-plots"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_experiment_trains_the_cnn(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    argv = ["--model", "cnn", "--conv-channels", "2,3,3", "--hidden", "8,8,8",
+            "--allocation", "hybrid", "vertical", "--devices", "6", "--steps", "3",
+            "--seeds", "1", "--eval-points", "1", "--test-repeats", "1",
+            "--limit-train", "200", "--out", str(out), "--no-plots"]  # fmt: skip
+    assert experiment.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [row["label"] for row in results["summary"]] == ["cnn_hybrid", "cnn_vertical"]
+    run = results["runs"][0]
+    assert run["layer_sizes"] == [64, 128, 48, 12, 8, 8, 8, 10]
+    assert run["config"]["conv_channels"] == [2, 3, 3]
