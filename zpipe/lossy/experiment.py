@@ -102,14 +102,22 @@ def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 @contextlib.contextmanager
 def single_threaded_blas() -> Iterator[None]:
     # The matrices are tiny; BLAS threads only fight the other process on 2 cores
-    # (one run went 20x slower with them).
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - comes with scikit-learn
-        yield
-        return
-    with threadpool_limits(1):
-        yield
+    # (one run went 20x slower with them). torch's own pool too, when it is loaded
+    # (the CNN): under load its threads made a convolution's backward ten times
+    # slower than on one thread.
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 0
+    with contextlib.ExitStack() as stack:
+        if torch is not None:
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # pragma: no cover - comes with scikit-learn
+            yield
+            return
+        with threadpool_limits(1):
+            yield
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -426,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.model == "cnn":  # loaded before the runs, so they run it on one thread
+        import zpipe.lossy.torch_cnn  # noqa: F401
     runs = []
     for k, (cfg, value) in enumerate(configs, 1):
         try:
