@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import grad as conv_grad
 from torch.nn import functional
 
 from zpipe._errors import ConfigError
@@ -116,13 +117,15 @@ def conv_backward(
     oh, ow = conv.out_hw
     grad = grad_out.reshape(-1, conv.out_channels, oh, ow)
     if stashed.indices is not None:
-        grad = functional.max_unpool2d(grad, stashed.indices, POOL, output_size=z.shape[-2:])
+        grad = functional.max_unpool2d(
+            grad, stashed.indices, (POOL, POOL), output_size=z.shape[-2:]
+        )
     grad = grad * (z > 0.0)
-    dw = torch.nn.grad.conv2d_weight(stashed.x_image, conv.weight_shape, grad, padding=PADDING)
+    dw = conv_grad.conv2d_weight(stashed.x_image, conv.weight_shape, grad, padding=PADDING)
     db = grad.sum(dim=(0, 2, 3))
     dx = None
     if need_input:
-        dx = torch.nn.grad.conv2d_input(
+        dx = conv_grad.conv2d_input(
             stashed.x_image.shape, stashed.weight, grad, padding=PADDING
         ).reshape(grad.shape[0], -1)
     return dw, db, dx
