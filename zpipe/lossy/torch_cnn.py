@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import grad as conv_grad
 from torch.nn import functional
+from torch.nn import grad as conv_grad
 
 from zpipe._errors import ConfigError
 from zpipe.lossy.cnn import PADDING, POOL, CnnSpec, ConvShape
