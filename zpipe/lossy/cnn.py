@@ -214,6 +214,20 @@ class CnnSpec:
             raise ConfigError(f"malformed CNN spec: {exc!r}") from None
 
 
+def part_shapes(
+    cnn: CnnSpec | None, layer_sizes: Sequence[int], layer: int, width: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``(W, b)`` shapes of a device's ``width`` neurons of ``layer`` (>= 1): rows of
+    a dense layer, or a whole convolution layer's kernels (``cnn``: None for an MLP);
+    :class:`ConfigError` for a convolution layer cut into slices."""
+    if cnn is None or not cnn.is_conv(layer):
+        return (width, layer_sizes[layer - 1]), (width,)
+    if width != layer_sizes[layer]:
+        raise ConfigError(f"convolution layer {layer} must be owned whole, got {width} neurons")
+    conv = cnn.convs[layer - 1]
+    return conv.weight_shape, (conv.out_channels,)
+
+
 def _ints(values: object) -> tuple[int, ...]:
     if not isinstance(values, list | tuple) or any(
         isinstance(v, bool) or not isinstance(v, int) for v in values
