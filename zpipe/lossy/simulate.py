@@ -281,11 +281,7 @@ def cnn_spec(cfg: RunConfig, layer_sizes: Sequence[int]) -> CnnSpec:
 
 def run_network(cfg: RunConfig, data: Dataset) -> CnnSpec | None:
     """The CNN a run trains (None: an MLP)."""
-    if cfg.model != "cnn":
-        return None
-    return CnnSpec.for_features(
-        data.n_features, data.n_classes, channels=cfg.conv_channels, hidden=cfg.hidden
-    )
+    return None if cfg.model != "cnn" else cnn_spec(cfg, [data.n_features, data.n_classes])
 
 
 def prepare_run(
@@ -466,27 +462,13 @@ def partitioned_model(
     """The run's devices in process: numpy slices for an MLP, torch layers for a CNN."""
     cfg = prepared.config
     cnn = run_network(cfg, data)
-    if cnn is None:
-        return PartitionedMLP(
-            prepared.alloc,
-            prepared.params,
-            channel,
-            lr=cfg.lr,
-            record_grads=record_grads,
-            record_arrivals=record_arrivals,
-        )
-    from zpipe.lossy.torch_cnn import TorchCnnShard  # torch only for the CNN
+    options: dict[str, Any] = {"record_grads": record_grads, "record_arrivals": record_arrivals}
+    if cnn is not None:
+        from zpipe.lossy.torch_cnn import TorchCnnShard  # torch only for the CNN
 
-    return PartitionedMLP(
-        prepared.alloc,
-        prepared.params,
-        channel,
-        lr=cfg.lr,
-        record_grads=record_grads,
-        record_arrivals=record_arrivals,
-        shard_factory=TorchCnnShard.factory(cnn),
-        weight_shapes=[w for w, _ in cnn.param_shapes()],
-    )
+        options["shard_factory"] = TorchCnnShard.factory(cnn)
+        options["weight_shapes"] = [w for w, _ in cnn.param_shapes()]
+    return PartitionedMLP(prepared.alloc, prepared.params, channel, lr=cfg.lr, **options)
 
 
 @dataclass(frozen=True)
