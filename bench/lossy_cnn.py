@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: bench/ is a package beside zpi
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zpipe.lossy.torch_cnn  # noqa: F401  (torch loaded: single_threaded_blas limits it)
-from zpipe.lossy.cnn import partition_cnn
+from zpipe.lossy.cnn import PAPER_CHANNELS, partition_cnn
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.experiment import single_threaded_blas
 from zpipe.lossy.schedule import sequential_period, timeslot_ms
@@ -95,15 +95,25 @@ def cnn_section(
     n_devices: int = CNN_DEVICES,
     region_m: float = 50.0,
     test_repeats: int = 10,
+    channels: tuple[int, ...] = PAPER_CHANNELS,
+    hidden: tuple[int, ...] = (128, 128, 128),
     emit: Emit,
 ) -> dict[str, Any]:
     """Fig. 10(c): the CNN's allocations at equal simulated time, ``seeds`` seeds, with
     the convolution layers on one device each (the default) and all on one device."""
+    template = RunConfig(
+        model="cnn",
+        conv_channels=channels,
+        hidden=hidden,
+        n_devices=n_devices,
+        region_m=region_m,
+        n_data=1,
+        eval_points=2,
+        test_repeats=test_repeats,
+    )
     budgets = []
     for seed in range(seeds):
-        budget, probe_steps, reached = cnn_budget(
-            _base(n_devices, region_m, seed, test_repeats, conv_devices=0), data
-        )
+        budget, probe_steps, reached = cnn_budget(replace(template, seed=seed), data)
         budgets.append(budget)
         emit(
             {
@@ -117,10 +127,11 @@ def cnn_section(
         )
     if not budgets:
         return {}
-    setting = {"n_devices": n_devices, "region_m": region_m, "test_repeats": test_repeats}
     return (
-        _compare(data, budgets, setting, conv_devices=0, prefix="cnn_", emit=emit)
-        | _compare(data, budgets, setting, conv_devices=1, prefix="cnn_conv1dev_", emit=emit)
+        _compare(data, budgets, template, prefix="cnn_", emit=emit)
+        | _compare(
+            data, budgets, replace(template, conv_devices=1), prefix="cnn_conv1dev_", emit=emit
+        )
         | {
             "cnn_seeds": seeds,
             "cnn_devices": n_devices,
@@ -129,41 +140,14 @@ def cnn_section(
     )
 
 
-def _base(
-    n_devices: int, region_m: float, seed: int, test_repeats: int, *, conv_devices: int
-) -> RunConfig:
-    return RunConfig(
-        model="cnn",
-        hidden=(128, 128, 128),
-        n_devices=n_devices,
-        region_m=region_m,
-        seed=seed,
-        n_data=1,
-        eval_points=2,
-        test_repeats=test_repeats,
-        conv_devices=conv_devices,
-    )
-
-
 def _compare(
-    data: Dataset,
-    budgets: Sequence[float],
-    setting: dict[str, Any],
-    *,
-    conv_devices: int,
-    prefix: str,
-    emit: Emit,
+    data: Dataset, budgets: Sequence[float], template: RunConfig, *, prefix: str, emit: Emit
 ) -> dict[str, Any]:
     """Every configuration at each seed's budget; the summary keys under ``prefix``."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CNN_CONFIGS}
+    conv_devices = template.conv_devices
     for seed, budget in enumerate(budgets):
-        base = _base(
-            setting["n_devices"],
-            setting["region_m"],
-            seed,
-            setting["test_repeats"],
-            conv_devices=conv_devices,
-        )
+        base = replace(template, seed=seed)
         for name, overrides in CNN_CONFIGS.items():
             run = run_training(replace(base, n_data=None, budget_s=budget, **overrides), data)
             runs[name].append(run)
