@@ -245,3 +245,23 @@ def test_the_experiment_trains_the_cnn(tmp_path: Path) -> None:
     run = results["runs"][0]
     assert run["layer_sizes"] == [64, 128, 48, 12, 8, 8, 8, 10]
     assert run["config"]["conv_channels"] == [2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [1, 2],
+        {"image": [1, 8], "channels": [2], "hidden": [4], "n_classes": 3},
+        {"image": [1, 8, 8], "channels": [True], "hidden": [4], "n_classes": 3},
+        {"image": [1, 8, 8], "channels": [2], "hidden": [4]},
+        {"image": [1, 8, 8], "channels": [0], "hidden": [4], "n_classes": 3},
+    ],
+)
+def test_a_malformed_cnn_spec_is_refused(body: object) -> None:
+    with pytest.raises(ConfigError):
+        CnnSpec.from_dict(body)
+
+
+def test_a_cnn_spec_round_trips() -> None:
+    spec = CnnSpec((1, 6, 6), (3, 4), (5,), 4)
+    assert CnnSpec.from_dict(spec.to_dict()) == spec

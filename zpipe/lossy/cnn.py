@@ -202,15 +202,19 @@ class CnnSpec:
     @classmethod
     def from_dict(cls, body: object) -> CnnSpec:
         """The spec as :meth:`to_dict` wrote it; :class:`ConfigError` if malformed."""
+        if not isinstance(body, dict):
+            raise ConfigError(f"malformed CNN spec: expected a map, got {body!r}")
         try:
-            assert isinstance(body, dict)
+            image = _ints(body["image"])
+            if len(image) != 3:
+                raise TypeError(f"an image is (channels, height, width), got {image}")
             return cls(
-                image=_ints(body["image"]),  # type: ignore[arg-type]
+                image=(image[0], image[1], image[2]),
                 channels=_ints(body["channels"]),
                 hidden=_ints(body["hidden"]),
                 n_classes=_ints([body["n_classes"]])[0],
             )
-        except (AssertionError, KeyError, TypeError) as exc:
+        except (KeyError, TypeError) as exc:
             raise ConfigError(f"malformed CNN spec: {exc!r}") from None
 
 

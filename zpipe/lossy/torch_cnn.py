@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +33,14 @@ from zpipe._errors import ConfigError
 from zpipe.lossy.cnn import PADDING, POOL, CnnSpec, ConvShape
 from zpipe.lossy.links import Direction
 from zpipe.lossy.partial import FloatArray
-from zpipe.lossy.shard import IntArray, Outgoing, Partials, Topology, arrived_senders
+from zpipe.lossy.shard import (
+    IntArray,
+    Outgoing,
+    Partials,
+    ShardFactory,
+    Topology,
+    arrived_senders,
+)
 from zpipe.lossy.shard import gradient_partials as dense_gradient_partials
 from zpipe.lossy.torch_partial import (
     DTYPE,
@@ -167,7 +173,7 @@ class TorchCnnShard(TorchDeviceShard):
         self.conv_stash: dict[tuple[int, int], _ConvStashed] = {}
 
     @classmethod
-    def factory(cls, cnn: CnnSpec) -> Any:
+    def factory(cls, cnn: CnnSpec) -> ShardFactory:
         """A :data:`~zpipe.lossy.shard.ShardFactory` for this network."""
         return partial(cls, cnn=cnn)
 
