@@ -67,8 +67,8 @@ same messages and reached the same weights.
 Run: ``.venv/bin/python bench/lossy.py`` (10 seeds, the full grid and the sweeps: about
 an hour and a half on 2 idle cores; ``--quick``: 2 seeds, a 16-cell grid of one seed,
 Fig. 7 and the M_layers sweep on 2 seeds, depths 4, 6 and 8 on one seed, a
-few minutes; ``--idx-dir DIR`` for Fashion-MNIST IDX
-files, much slower).
+few minutes; the CNN section adds about 15 minutes for 3 seeds at load 10, 5 with ``--quick``;
+``--idx-dir DIR`` for Fashion-MNIST IDX files, much slower).
 """
 
 from __future__ import annotations
