@@ -51,7 +51,11 @@ per-cell table. Fig. 7: ``time_to_80pct_model_over_edgepipe`` (paper 2.47) and
 ``time_to_80pct_gpipe_over_edgepipe`` (GPipe with vertical allocation,
 :mod:`zpipe.lossy.gpipe`). Fig. 6 and 10(a) (:mod:`bench.lossy_sweeps`): the
 ``M_layers`` sweep (``m_layers_*``) at the main budget and the depth sweep on
-6 devices (``depth_*``). ``--no-grid`` / ``--no-fig7`` / ``--no-sweeps`` skip them.
+6 devices (``depth_*``). ``--no-grid`` / ``--no-fig7`` / ``--no-sweeps`` skip them. Fig. 10(c)
+(:mod:`bench.lossy_cnn`): the CNN (3 convolution layers allocated layer-wise, 4
+dense layers of super neurons) on 8 devices, hybrid / vertical / horizontal and
+hybrid without loss or pipelining at equal simulated time (``cnn_*`` keys,
+``--cnn-seeds`` seeds, default 3); ``--no-cnn`` skips it.
 
 ``--multiprocess N`` adds one line: hybrid, seed 0, ``N`` mini-batches trained
 across real processes, on a local cluster of ordinary stages
@@ -63,8 +67,8 @@ same messages and reached the same weights.
 Run: ``.venv/bin/python bench/lossy.py`` (10 seeds, the full grid and the sweeps: about
 an hour and a half on 2 idle cores; ``--quick``: 2 seeds, a 16-cell grid of one seed,
 Fig. 7 and the M_layers sweep on 2 seeds, depths 4, 6 and 8 on one seed, a
-few minutes; ``--idx-dir DIR`` for Fashion-MNIST IDX
-files, much slower).
+few minutes; the CNN section adds about 15 minutes for 3 seeds at load 10, 5 with ``--quick``;
+``--idx-dir DIR`` for Fashion-MNIST IDX files, much slower).
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, loadavg, summary
+from bench.lossy_cnn import cnn_section
 from bench.lossy_grid import FULL_GRID, QUICK_GRID, fig7, grid_summary, run_grid
 from bench.lossy_sweeps import FULL_DEPTHS, QUICK_DEPTHS, depth_sweep, m_layers_sweep
 from zpipe.lossy.data import Dataset, load_dataset
@@ -188,6 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-sweeps", action="store_true", help="skip Fig. 6 (M_layers) and 10(a) (depth)"
     )
+    parser.add_argument("--no-cnn", action="store_true", help="skip Fig. 10(c) (the CNN)")
+    parser.add_argument(
+        "--cnn-seeds", type=int, default=3, help="seeds of the CNN section (--quick: 1)"
+    )
     parser.add_argument("--devices", type=int, default=6)
     parser.add_argument("--region", type=float, default=50.0)
     parser.add_argument("--ack-attempts", type=int, default=4)
@@ -206,8 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = 2 if args.quick else args.seeds
     repeats = 2 if args.quick else args.test_repeats
-    if seeds < 1:
-        parser.error("--seeds must be >= 1")
+    if seeds < 1 or args.cnn_seeds < 1:
+        parser.error("--seeds and --cnn-seeds must be >= 1")
 
     data = load_dataset("fashion-mnist" if args.idx_dir else "digits", idx_dir=args.idx_dir)
     configs = configurations(args.ack_attempts)
@@ -284,6 +293,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     emit,
                     grid_rows=grid_rows,
                     test_repeats=2 if args.quick else 10,
+                )
+            )
+        if not args.no_cnn and not args.equal_steps:
+            extra.update(
+                cnn_section(
+                    data if data.name == "digits" else load_dataset("digits"),
+                    1 if args.quick else args.cnn_seeds,
+                    region_m=args.region,
+                    test_repeats=repeats,
+                    emit=emit,
                 )
             )
 

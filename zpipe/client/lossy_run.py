@@ -33,6 +33,7 @@ import numpy as np
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.client.pipeline_client import PipelineClient
+from zpipe.lossy.cnn import CnnSpec
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.evaluation import EvalSpec, eval_steps
 from zpipe.lossy.linkmodes import WAIT_MODES
@@ -40,7 +41,7 @@ from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.schedule import total_timeslots
 from zpipe.lossy.shard import Topology
-from zpipe.lossy.simulate import PreparedRun
+from zpipe.lossy.simulate import PreparedRun, cnn_spec
 from zpipe.lossy.trace import EvalTrace, TrainingTrace, evaluation_from_results, trace_from_results
 from zpipe.lossy.wire import eval_body, to_tensor
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
@@ -158,6 +159,7 @@ def lossy_request(
             "slot_s": slot_s,
             "wait_s": wait_s,
             **({} if test is None else {"test": eval_body(test)}),
+            **_cnn_body(prepared),
         },
         stages=stages,
         stage_names=None if stage_names is None else list(stage_names),
@@ -179,11 +181,31 @@ def test_spec(
     return EvalSpec(len(data.x_test), prepared.config.batch_size, repeats, eval_index)
 
 
+def _cnn_body(prepared: PreparedRun) -> dict[str, Any]:
+    """A CNN run's spec fields: the network the stages build (``cnn``) and the devices
+    its convolution layers get (``conv_devices``, for the coordinator's partition)."""
+    cnn = run_cnn(prepared)
+    if cnn is None:
+        return {}
+    return {"cnn": cnn.to_dict(), "conv_devices": prepared.config.conv_devices}
+
+
+def run_cnn(prepared: PreparedRun) -> CnnSpec | None:
+    """The CNN a prepared run trains (None: an MLP)."""
+    if prepared.config.model != "cnn":
+        return None
+    return cnn_spec(prepared.config, prepared.layer_sizes)
+
+
 def result_from_report(
-    report: Message, *, wall_s: float = 0.0, test: EvalSpec | None = None
+    report: Message,
+    *,
+    wall_s: float = 0.0,
+    test: EvalSpec | None = None,
+    cnn: CnnSpec | None = None,
 ) -> StagesLossyResult:
     """A ``lossy_run_report`` as traces (pure); :class:`ProtocolError` if it does not fit.
-    ``test``: the test passes the request asked for."""
+    ``test``: the test passes the request asked for; ``cnn``: the run's CNN."""
     parsed = LossyRunReport.from_message(report)
     alloc = Allocation.from_dict(parsed.alloc)
     topo = Topology(alloc)
@@ -205,7 +227,7 @@ def result_from_report(
     if test is not None and len(tests) != len(results):
         raise ProtocolError("lossy_run_report: a stage's result lacks its test passes")
     return StagesLossyResult(
-        trace=trace_from_results(topo, results, dead=dead.keys()),
+        trace=trace_from_results(topo, results, dead=dead.keys(), cnn=cnn),
         alloc=alloc,
         stages=[str(s) for s in parsed.stages],
         waits={d: list(m.waits) for d, m in results.items()},
@@ -271,9 +293,10 @@ async def run_lossy(
     test = test_spec(
         prepared, data, options.get("test_repeats", 1), options.get("test_eval_index", 0)
     )
-    result = result_from_report(reply, wall_s=time.perf_counter() - started, test=test)
+    cnn = run_cnn(prepared)
+    result = result_from_report(reply, wall_s=time.perf_counter() - started, test=test, cnn=cnn)
     if test is not None and result.test is not None:
         result.test_acc = result.test.accuracy(data.y_test)
     if len(data.x_test):
-        result.test_acc_lossless = result.trace.test_accuracy(data)
+        result.test_acc_lossless = result.trace.test_accuracy(data, cnn)
     return result

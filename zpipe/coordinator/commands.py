@@ -197,6 +197,10 @@ class PlanLossy(Job):
     prr: Any  # the reception ratios, an n x n float64 array
     mapping: str
     seed: int
+    # a CNN's layers (zpipe.lossy.cnn.CnnSpec): convolution layers allocated layer-wise
+    # on conv_devices devices (None: an MLP)
+    cnn: Any = None
+    conv_devices: int = 0
 
 
 @dataclass(frozen=True)

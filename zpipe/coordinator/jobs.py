@@ -93,6 +93,8 @@ class JobRunner:
                 job.prr,
                 mapping=job.mapping,
                 seed=job.seed,
+                cnn=job.cnn,
+                conv_devices=job.conv_devices,
             )
         if isinstance(job, TrainingModel):
             return await self._training_model(job.spec, list(job.members), job.microbatch_size)

@@ -9,6 +9,7 @@ Modules, one job each (all pure, no I/O except :mod:`.experiment`):
 - :mod:`.links`      the per-message drop decision and recovery schemes
 - :mod:`.schedule`   equation 2's timeslot pipeline, Theorem 1, timeslot length
 - :mod:`.partial`    neuron-sliced dense layers and the reference MLP
+- :mod:`.cnn`        Fig. 10(c)'s CNN: convolution layers whole, the dense head partitioned
 - :mod:`.engine`     devices exchanging partials, null-filling what is lost
 - :mod:`.simulate`   one seeded training run
 - :mod:`.data`       local data sets (digits, IDX files)
@@ -19,6 +20,7 @@ Across real processes (none re-exported here: the wire pulls in torch for the co
 
 - :mod:`.shard`        one device's slices and passes (the engine runs one per device)
 - :mod:`.torch_partial` the same passes on partial layers as torch modules (what stages run)
+- :mod:`.torch_cnn`    the CNN's whole convolution layers beside torch dense slices
 - :mod:`.trace`        what a run did, message by message; the in-process reference
 - :mod:`.linkmodes`    how receivers wait for partials (emulated, deadline)
 - :mod:`.wire`         run specs and array conversion for the stages (the message

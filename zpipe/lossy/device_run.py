@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import ConfigError, ProtocolError
+from zpipe.lossy.cnn import part_shapes
 from zpipe.lossy.engine import Arrivals, LinkChannel, Propagation
 from zpipe.lossy.evaluation import EvalStep, eval_steps
 from zpipe.lossy.partial import FloatArray
@@ -80,19 +81,24 @@ def build_run(
     for k, layer in enumerate(layers):
         sl = topo.slice_of(layer, index)
         assert sl is not None
+        w_shape, b_shape = _param_shapes(spec, layer, sl.width)
         w = to_array(
             msg.tensors[2 * k],
-            shape=(sl.width, sizes[layer - 1]),
+            shape=w_shape,
             dtype=torch.float64,
             what=f"weights of layer {layer}",
         )
         b = to_array(
             msg.tensors[2 * k + 1],
-            shape=(sl.width,),
+            shape=b_shape,
             dtype=torch.float64,
             what=f"bias of layer {layer}",
         )
         weights[layer] = (w, b)
+    if spec.cnn is not None:  # whole convolution layers beside the dense slices
+        from zpipe.lossy.torch_cnn import TorchCnnShard
+
+        shard_factory = TorchCnnShard.factory(spec.cnn)
     rest = list(msg.tensors[2 * len(layers) :])
     inputs = labels = None
     if msg.inputs:
@@ -132,6 +138,13 @@ def build_run(
         x_test=x_test,
         tests={t.step: t for t in eval_steps(spec.test)} if spec.test is not None else {},
     )
+
+
+def _param_shapes(spec: RunSpec, layer: int, width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    try:
+        return part_shapes(spec.cnn, spec.alloc.layer_sizes, layer, width)
+    except ConfigError as exc:
+        raise ProtocolError(f"lossy_setup: {exc}") from None
 
 
 def partial_shape(

@@ -189,13 +189,19 @@ class PartitionedMLP:
         record_grads: bool = False,
         record_arrivals: bool = False,
         shard_factory: ShardFactory = DeviceShard,
+        weight_shapes: Sequence[tuple[int, ...]] | None = None,
     ) -> None:
         if len(params) != alloc.n_layers - 1:
             raise ConfigError(
                 f"{len(params)} dense layers for an allocation of {alloc.n_layers} layers"
             )
         for k, (w, _) in enumerate(params):
-            want = (alloc.layer_sizes[k + 1], alloc.layer_sizes[k])
+            # a CNN's convolution kernels are not (out, in): the caller names their shapes
+            want = (
+                (alloc.layer_sizes[k + 1], alloc.layer_sizes[k])
+                if weight_shapes is None
+                else tuple(weight_shapes[k])
+            )
             if w.shape != want:
                 raise ConfigError(f"layer {k + 2} weights have shape {w.shape}, expected {want}")
         if channel.prr.shape[0] <= max(alloc.device_of):
@@ -341,7 +347,10 @@ def shard_params(
         sl = topology.slice_of(layer, device)
         if sl is not None:
             w, b = params[layer - 1]
-            out[layer] = (w[sl.start : sl.stop].copy(), b[sl.start : sl.stop].copy())
+            if sl.width == topology.alloc.layer_sizes[layer]:  # whole (a CNN's kernels too)
+                out[layer] = (w.copy(), b.copy())
+            else:
+                out[layer] = (w[sl.start : sl.stop].copy(), b[sl.start : sl.stop].copy())
     return out
 
 

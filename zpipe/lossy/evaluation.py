@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zpipe._errors import ConfigError
+from zpipe.lossy.cnn import CnnSpec
 from zpipe.lossy.engine import LinkChannel, PartitionedMLP
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
@@ -116,8 +117,23 @@ def simulate_predictions(
     channel: LinkChannel,
     x_test: FloatArray,
     spec: EvalSpec,
+    *,
+    cnn: CnnSpec | None = None,
 ) -> Predictions:
     """The in-process test passes of weights ``params`` (e.g. a run's final ones) over
-    ``channel``'s links; its traffic counts them under ``"test"``."""
+    ``channel``'s links; its traffic counts them under ``"test"`` (``cnn``: the
+    layers are that CNN's)."""
+    if cnn is not None:
+        from zpipe.lossy.torch_cnn import TorchCnnShard  # torch only for the CNN
+
+        model = PartitionedMLP(
+            alloc,
+            params,
+            channel,
+            lr=0.0,
+            shard_factory=TorchCnnShard.factory(cnn),
+            weight_shapes=[w for w, _ in cnn.param_shapes()],
+        )
+        return lossy_predictions(model, x_test, spec)
     model = PartitionedMLP(alloc, params, channel, lr=0.0)
     return lossy_predictions(model, x_test, spec)

@@ -22,6 +22,11 @@ plots)::
     python -m zpipe.lossy.experiment --multiprocess --allocation hybrid \
         --devices 6 --seeds 1 --steps 20 --out results/lossy-mp
 
+``--model cnn`` trains Fig. 10(c)'s CNN instead (three convolution layers, each
+whole on one device, and four dense layers whose super neurons ``--allocation``
+places; :mod:`zpipe.lossy.cnn`), in the simulation only; it needs square
+one-channel images (digits; the generated set is a feature vector and is refused).
+
 Training length is either ``--steps`` mini-batches for every configuration or
 ``--budget-s`` seconds of simulated time, in which each allocation finishes as
 many mini-batches as its timeslot and pipeline allow (the paper's comparison);
@@ -51,6 +56,7 @@ from zpipe.cli_common import (
     positive_float,
     positive_int,
 )
+from zpipe.lossy.cnn import PAPER_CHANNELS, CnnSpec
 from zpipe.lossy.data import Dataset, load_dataset
 from zpipe.lossy.linkmodes import WAIT_MODES
 from zpipe.lossy.links import RECOVERY_SCHEMES, Recovery
@@ -61,6 +67,8 @@ from zpipe.lossy.simulate import (
     MAX_DATA,
     MAX_DEVICES,
     MAX_EVAL_POINTS,
+    MAX_PARAMETERS,
+    MODELS,
     RunConfig,
     run_training,
 )
@@ -75,6 +83,10 @@ MAX_SEED = (1 << 32) - 1
 MAX_REPEATS = 1000
 MAX_COPIES = 16
 DEFAULT_STEPS = 400
+MAX_CHANNELS = 4096
+MAX_CONV_LAYERS = 16
+#: hidden dense widths when --hidden is not given: the paper's DNN, and its CNN's head
+DEFAULT_HIDDEN = {"mlp": [128, 128, 128, 128], "cnn": [128, 128, 128]}
 
 
 def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -90,14 +102,22 @@ def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 @contextlib.contextmanager
 def single_threaded_blas() -> Iterator[None]:
     # The matrices are tiny; BLAS threads only fight the other process on 2 cores
-    # (one run went 20x slower with them).
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - comes with scikit-learn
-        yield
-        return
-    with threadpool_limits(1):
-        yield
+    # (one run went 20x slower with them). torch's own pool too, when it is loaded
+    # (the CNN): under load its threads made a convolution's backward ten times
+    # slower than on one thread.
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 0
+    with contextlib.ExitStack() as stack:
+        if torch is not None:
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # pragma: no cover - comes with scikit-learn
+            yield
+            return
+        with threadpool_limits(1):
+            yield
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,7 +196,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hidden",
         type=_list_of(at_most(positive_int, MAX_WIDTH, "neurons per layer")),
-        default=[128, 128, 128, 128],
+        help="hidden dense widths, comma-separated (default: 128,128,128,128; with "
+        "--model cnn 128,128,128, the paper's four dense layers with the output)",
+    )
+    cnn = p.add_argument_group("the CNN (EdgePipe Fig. 10(c))")
+    cnn.add_argument(
+        "--model",
+        choices=MODELS,
+        default="mlp",
+        help="mlp, or cnn: convolution layers allocated layer-wise (each whole on one "
+        "device), the dense head partitioned by --allocation (needs square images: digits)",
+    )
+    cnn.add_argument(
+        "--conv-channels",
+        type=_list_of(at_most(positive_int, MAX_CHANNELS, "filters")),
+        help="with --model cnn: filters per convolution layer (default 32,64,64)",
+    )
+    cnn.add_argument(
+        "--conv-devices",
+        type=at_most(non_negative_int, MAX_DEVICES, "devices"),
+        help="with --model cnn: devices for the convolution layers (default 0: one per "
+        "layer while the dense head keeps four)",
     )
     p.add_argument("--lr", type=positive_float, default=0.01)
     p.add_argument("--batch-size", type=positive_int, default=100)
@@ -230,7 +270,7 @@ def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float |
     """Every (config, sweep value) the arguments ask for."""
     if (args.sweep is None) != (args.sweep_values is None):
         raise ConfigError("--sweep and --sweep-values go together")
-    if len(args.hidden) > MAX_HIDDEN_LAYERS:
+    if args.hidden is not None and len(args.hidden) > MAX_HIDDEN_LAYERS:
         raise ConfigError(f"at most {MAX_HIDDEN_LAYERS} hidden layers, got {len(args.hidden)}")
     if args.seed_base + args.seeds - 1 > MAX_SEED:
         raise ConfigError(f"seeds must stay below 2^32: --seed-base + --seeds - 1 > {MAX_SEED}")
@@ -238,7 +278,7 @@ def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float |
     base = RunConfig(
         n_devices=args.devices,
         region_m=args.region,
-        hidden=tuple(args.hidden),
+        hidden=tuple(args.hidden or DEFAULT_HIDDEN[args.model]),
         lr=args.lr,
         batch_size=args.batch_size,
         n_data=steps,
@@ -249,6 +289,7 @@ def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float |
         radio=RadioModel(path_loss_exponent=args.path_loss_exponent),
         eval_points=args.eval_points,
         test_repeats=args.test_repeats,
+        **model_options(args),
     )
     values: Sequence[float | None] = args.sweep_values or [None]
     out = []
@@ -269,6 +310,37 @@ def configs_from_args(args: argparse.Namespace) -> list[tuple[RunConfig, float |
                     cfg = replace(cfg, region_m=value)
                 out.append((cfg, value))
     return out
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The RunConfig fields of ``--model`` and its CNN options (refused with an MLP)."""
+    if args.model != "cnn":
+        if args.conv_channels is not None or args.conv_devices is not None:
+            raise ConfigError("--conv-channels and --conv-devices go with --model cnn")
+        return {}
+    channels = args.conv_channels or list(PAPER_CHANNELS)
+    if len(channels) > MAX_CONV_LAYERS:
+        raise ConfigError(f"at most {MAX_CONV_LAYERS} convolution layers, got {len(channels)}")
+    return {
+        "model": "cnn",
+        "conv_channels": tuple(channels),
+        "conv_devices": args.conv_devices or 0,
+    }
+
+
+def check_model_fits(args: argparse.Namespace, data: Dataset) -> None:
+    """A CNN needs square images (digits: 8 x 8) and a network of bounded size."""
+    if args.model == "cnn":
+        configs = configs_from_args(args)
+        cfg = configs[0][0]
+        spec = CnnSpec.for_features(
+            data.n_features, data.n_classes, channels=cfg.conv_channels, hidden=cfg.hidden
+        )
+        if spec.n_parameters > MAX_PARAMETERS:
+            raise ConfigError(
+                f"the CNN holds {spec.n_parameters} weights, more than {MAX_PARAMETERS}; "
+                "use fewer filters or narrower layers"
+            )
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -343,12 +415,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = load_dataset(args.dataset, idx_dir=args.idx_dir)
         if args.limit_train is not None:
             data = data.limit(n_train=args.limit_train)
+        check_model_fits(args, data)
     except ConfigError as exc:
         parser.error(str(exc))
     if args.coordinator is not None and args.multiprocess:
         parser.error("--coordinator runs on that cluster's stages: it takes no --multiprocess")
     if args.keys is not None and args.coordinator is None:
         parser.error("--keys goes with --coordinator")
+    if args.model == "cnn" and (args.coordinator is not None or args.multiprocess):
+        parser.error("--model cnn runs in the in-process simulation only (not on stages yet)")
     if args.coordinator is not None or args.multiprocess:
         return _main_on_stages(args, argv, configs, data)
     if not args.no_plots:
@@ -359,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.model == "cnn":  # loaded before the runs, so they run it on one thread
+        import zpipe.lossy.torch_cnn  # noqa: F401
     runs = []
     for k, (cfg, value) in enumerate(configs, 1):
         try:

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from zpipe._errors import ConfigError
+from zpipe.lossy.cnn import CnnSpec, partition_cnn
 from zpipe.lossy.partition import Allocation, partition
 
 FloatArray = npt.NDArray[np.float64]
@@ -176,8 +177,20 @@ def partition_and_map(
     *,
     mapping: str,
     seed: int,
+    cnn: CnnSpec | None = None,
+    conv_devices: int = 0,
 ) -> Allocation:
-    """Algorithm 1, then Algorithm 2 on ``prr`` (naive: everything on device 0)."""
+    """Algorithm 1, then Algorithm 2 on ``prr`` (naive: everything on device 0).
+
+    ``cnn``: the layers are that CNN's, its convolution layers allocated layer-wise
+    on ``conv_devices`` devices (:func:`zpipe.lossy.cnn.partition_cnn`)."""
+    if cnn is not None:
+        if list(layer_sizes) != cnn.layer_sizes:
+            raise ConfigError(f"layers {list(layer_sizes)} are not the CNN's {cnn.layer_sizes}")
+        alloc = partition_cnn(allocation, cnn, n_devices, conv_devices=conv_devices)
+        if allocation == "naive":
+            return alloc
+        return map_devices(alloc, prr, method=mapping, seed=seed)
     if allocation == "naive":
         return partition("naive", layer_sizes, 1)
     return map_devices(

@@ -110,6 +110,9 @@ class Allocation:
     groups: tuple[tuple[int, ...], ...]
     super_neurons: tuple[SuperNeuron, ...]
     device_of: tuple[int, ...] = field(default=())
+    #: multiply-accumulates of each whole layer per example (empty: dense layers,
+    #: ``in x out``); a CNN's convolution layers cost more than their widths say
+    layer_macs: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not self.device_of:
@@ -158,10 +161,17 @@ class Allocation:
             groups=self.groups,
             super_neurons=self.super_neurons,
             device_of=tuple(int(d) for d in device_of),
+            layer_macs=self.layer_macs,
         )
 
+    def macs(self, layer: int) -> int:
+        """Multiply-accumulates of the whole of ``layer`` (>= 1) per example."""
+        if self.layer_macs:
+            return self.layer_macs[layer]
+        return self.layer_sizes[layer - 1] * self.layer_sizes[layer]
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "layer_sizes": list(self.layer_sizes),
             "groups": [list(g) for g in self.groups],
@@ -175,6 +185,9 @@ class Allocation:
             ],
             "device_of": list(self.device_of),
         }
+        if self.layer_macs:  # optional: an MLP's allocation reads as it always did
+            out["layer_macs"] = list(self.layer_macs)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Allocation:
@@ -194,6 +207,7 @@ class Allocation:
                     for sn in data["super_neurons"]
                 ),
                 device_of=tuple(int(d) for d in data["device_of"]),
+                layer_macs=tuple(int(n) for n in data.get("layer_macs", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed allocation: {exc!r}") from exc
@@ -406,6 +420,13 @@ def _validate(alloc: Allocation) -> None:
     if len(set(alloc.device_of)) != len(alloc.device_of) or any(d < 0 for d in alloc.device_of):
         raise ConfigError(
             f"device_of must name distinct non-negative devices, got {alloc.device_of}"
+        )
+    if alloc.layer_macs and (
+        len(alloc.layer_macs) != len(alloc.layer_sizes) or any(n < 0 for n in alloc.layer_macs)
+    ):
+        raise ConfigError(
+            f"layer_macs must give a non-negative count per layer ({len(alloc.layer_sizes)}), "
+            f"got {list(alloc.layer_macs)}"
         )
     covered: dict[int, list[tuple[int, int]]] = {
         layer: [] for layer in range(len(alloc.layer_sizes))

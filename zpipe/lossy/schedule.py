@@ -164,8 +164,10 @@ def max_message_values(alloc: Allocation) -> int:
 
 def worst_forward_macs(alloc: Allocation) -> int:
     """Multiply-accumulates of the heaviest forward pass any device runs."""
+    # a slice of a layer costs its share of the layer's (a CNN's convolution layers
+    # are owned whole, and cost their kernels' work, not in x out)
     return max(
-        alloc.layer_sizes[layer - 1] * sl.width
+        -(-alloc.macs(layer) * sl.width // alloc.layer_sizes[layer])
         for layer in range(1, alloc.n_layers)
         for _, sl in alloc.owners(layer)
     )

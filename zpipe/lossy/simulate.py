@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ import numpy as np
 
 from zpipe._errors import ConfigError
 from zpipe.lossy.airtime import LinkCosts, SlotClock, data_within_budget, plan_clock
+from zpipe.lossy.cnn import PAPER_CHANNELS, CnnSpec, partition_cnn
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel, PartitionedMLP
 from zpipe.lossy.evaluation import EvalSpec, accuracy, lossy_predictions
@@ -66,6 +68,8 @@ MAX_EVAL_POINTS = 10_000
 MAX_DEVICES = 64
 #: The most weights of the whole network (80 MB of float64).
 MAX_PARAMETERS = 10_000_000
+#: the networks a run can train
+MODELS = ("mlp", "cnn")
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,13 @@ class RunConfig:
     #: groups of exactly this many layers instead of the allocation's own (0: off;
     #: only with ``allocation="hybrid"``)
     max_layers: int = 0
+    #: ``"mlp"``, or ``"cnn"``: convolution layers of ``conv_channels`` filters allocated
+    #: layer-wise, then ``hidden`` and the output as the dense head (:mod:`zpipe.lossy.cnn`)
+    model: str = "mlp"
+    conv_channels: tuple[int, ...] = PAPER_CHANNELS
+    #: devices the CNN's convolution layers get (0: one per layer, as many as leave the
+    #: dense head four devices; see :func:`zpipe.lossy.cnn.default_conv_devices`)
+    conv_devices: int = 0
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATION_KINDS:
@@ -142,6 +153,26 @@ class RunConfig:
             raise ConfigError(
                 f"max_layers applies to allocation 'hybrid' and must be >= 1, got {self.max_layers}"
             )
+        self._check_model()
+
+    def _check_model(self) -> None:
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if self.model == "mlp":
+            if self.conv_devices:
+                raise ConfigError("conv_devices applies to model 'cnn'")
+            return
+        if not self.conv_channels or any(c < 1 for c in self.conv_channels):
+            raise ConfigError(f"conv_channels must be positive, got {self.conv_channels}")
+        if not 0 <= self.conv_devices <= len(self.conv_channels):
+            raise ConfigError(
+                f"conv_devices must be in [0, {len(self.conv_channels)}] (0: automatic), "
+                f"got {self.conv_devices}"
+            )
+        if self.allocation != "naive" and self.n_devices < 2:
+            raise ConfigError("a partitioned CNN needs at least 2 devices")
+        if self.gpipe or self.max_layers:
+            raise ConfigError("the CNN runs EdgePipe's schedule (no gpipe, no max_layers)")
 
     @property
     def micro_count(self) -> int:
@@ -155,6 +186,8 @@ class RunConfig:
         if self.allocation == "naive":
             return "naive"
         parts = [self.allocation]
+        if self.model != "mlp":
+            parts.insert(0, self.model)
         if self.lossless:
             parts.append("lossless")
         if self.recovery.scheme != "none":
@@ -170,6 +203,7 @@ class RunConfig:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["hidden"] = list(self.hidden)
+        out["conv_channels"] = list(self.conv_channels)
         out["label"] = self.label
         return out
 
@@ -185,9 +219,15 @@ def build_allocation(
     ``measured`` replaces the topology's simulated 50-probe measurement, e.g.
     with one measured between stages.
     """
-    if cfg.allocation == "naive":
+    if cfg.model == "cnn":
+        alloc = partition_cnn(
+            cfg.allocation, cnn_spec(cfg, layer_sizes), cfg.n_devices, conv_devices=cfg.conv_devices
+        )
+        if cfg.allocation == "naive":
+            return alloc
+    elif cfg.allocation == "naive":
         return partition("naive", layer_sizes, 1)
-    if cfg.max_layers:
+    elif cfg.max_layers:
         alloc = partition_layers(layer_sizes, cfg.n_devices, cfg.max_layers)
     else:
         alloc = partition(cfg.allocation, layer_sizes, cfg.n_devices)
@@ -232,13 +272,28 @@ class PreparedRun:
         return data.x_train[rows], data.y_train[rows]
 
 
+def cnn_spec(cfg: RunConfig, layer_sizes: Sequence[int]) -> CnnSpec:
+    """The CNN of a ``model="cnn"`` run whose input and output are ``layer_sizes``'."""
+    return CnnSpec.for_features(
+        layer_sizes[0], layer_sizes[-1], channels=cfg.conv_channels, hidden=cfg.hidden
+    )
+
+
+def run_network(cfg: RunConfig, data: Dataset) -> CnnSpec | None:
+    """The CNN a run trains (None: an MLP)."""
+    return None if cfg.model != "cnn" else cnn_spec(cfg, [data.n_features, data.n_classes])
+
+
 def prepare_run(
     cfg: RunConfig, data: Dataset, *, measured: np.ndarray | None = None
 ) -> PreparedRun:
     """Place, partition, map, initialise and order the data of one run
     (``measured``: map on these reception ratios instead of the simulated probes)."""
+    cnn = run_network(cfg, data)
     layer_sizes = [data.n_features, *cfg.hidden, data.n_classes]
     n_weights = sum(a * b for a, b in itertools.pairwise(layer_sizes))
+    if cnn is not None:
+        layer_sizes, n_weights = cnn.layer_sizes, cnn.n_parameters
     if n_weights > MAX_PARAMETERS:
         raise ConfigError(
             f"layers {layer_sizes} hold {n_weights} weights, more than {MAX_PARAMETERS}; "
@@ -269,7 +324,9 @@ def prepare_run(
         alloc=alloc,
         n_data=n_data,
         slot_s=slot_s,
-        params=init_mlp(layer_sizes, seed=cfg.seed),
+        params=init_mlp(layer_sizes, seed=cfg.seed)
+        if cnn is None
+        else cnn.init_params(seed=cfg.seed),
         batch_rows=[stream.next_rows() for _ in range(n_data)],
         period=period,
         clock=gpipe_clock(alloc, micro, n_data)
@@ -307,7 +364,8 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
         recovery=cfg.recovery,
         lossless=prepared.lossless,
     )
-    model = PartitionedMLP(alloc, prepared.params, channel, lr=cfg.lr)
+    model = partitioned_model(prepared, data, channel)
+    cnn = run_network(cfg, data)
     n_slots = clock.n_slots
     eval_slots = _eval_slots(cfg, n_slots)
 
@@ -327,7 +385,7 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
     def evaluate(at_slot: int) -> None:
         nonlocal eval_index, losses
         acc, acc_clean = _test_accuracy(
-            model, data, cfg.batch_size, eval_index, repeats=cfg.curve_test_repeats
+            model, data, cfg.batch_size, eval_index, repeats=cfg.curve_test_repeats, cnn=cnn
         )
         eval_index += 1
         curve["time_s"].append(clock.time_at(at_slot))
@@ -357,7 +415,7 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
                 finished += 1
                 done = finished // micro
     final_acc, final_clean = _test_accuracy(
-        model, data, cfg.batch_size, eval_index, repeats=cfg.test_repeats
+        model, data, cfg.batch_size, eval_index, repeats=cfg.test_repeats, cnn=cnn
     )
     curve["time_s"].append(clock.total_s)
     curve["data_done"].append(done)
@@ -391,6 +449,26 @@ def run_training(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
         "tx_factor": _tx_factor(channel),
         "wall_s": time.perf_counter() - started,
     }
+
+
+def partitioned_model(
+    prepared: PreparedRun,
+    data: Dataset,
+    channel: LinkChannel,
+    *,
+    record_grads: bool = False,
+    record_arrivals: bool = False,
+) -> PartitionedMLP:
+    """The run's devices in process: numpy slices for an MLP, torch layers for a CNN."""
+    cfg = prepared.config
+    cnn = run_network(cfg, data)
+    options: dict[str, Any] = {"record_grads": record_grads, "record_arrivals": record_arrivals}
+    if cnn is not None:
+        from zpipe.lossy.torch_cnn import TorchCnnShard  # torch only for the CNN
+
+        options["shard_factory"] = TorchCnnShard.factory(cnn)
+        options["weight_shapes"] = [w for w, _ in cnn.param_shapes()]
+    return PartitionedMLP(prepared.alloc, prepared.params, channel, lr=cfg.lr, **options)
 
 
 @dataclass(frozen=True)
@@ -440,13 +518,19 @@ def _tx_factor(channel: LinkChannel) -> float:
 
 
 def _test_accuracy(
-    model: PartitionedMLP, data: Dataset, batch_size: int, eval_index: int, *, repeats: int
+    model: PartitionedMLP,
+    data: Dataset,
+    batch_size: int,
+    eval_index: int,
+    *,
+    repeats: int,
+    cnn: CnnSpec | None = None,
 ) -> tuple[float, float]:
     """Mean accuracy of lossy inference passes (each output owner's view counts
     equally) and the accuracy of the same weights with nothing lost."""
     spec = EvalSpec(len(data.x_test), batch_size, repeats=repeats, eval_index=eval_index)
     lossy = accuracy(lossy_predictions(model, data.x_test, spec), spec, data.y_test)
-    clean = _clean_accuracy(model, data)
+    clean = _clean_accuracy(model, data, cnn)
     return lossy, clean
 
 
@@ -460,7 +544,12 @@ def _eval_slots(cfg: RunConfig, n_slots: int) -> list[int]:
     return sorted({round(n_slots * k / cfg.eval_points) for k in range(1, cfg.eval_points + 1)})
 
 
-def _clean_accuracy(model: PartitionedMLP, data: Dataset) -> float:
+def _clean_accuracy(model: PartitionedMLP, data: Dataset, cnn: CnnSpec | None = None) -> float:
+    if cnn is not None:
+        from zpipe.lossy.torch_cnn import cnn_predict
+
+        logits = cnn_predict(cnn, model.full_params(), data.x_test)
+        return float(np.mean(logits.argmax(axis=1) == data.y_test))
     h = data.x_test
     params = model.full_params()
     for k, (w, b) in enumerate(params):

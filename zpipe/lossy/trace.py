@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from zpipe._errors import ConfigError, ProtocolError
+from zpipe.lossy.cnn import CnnSpec, part_shapes
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import Arrivals, LinkChannel, PartitionedMLP, Propagation, stitch_params
 from zpipe.lossy.evaluation import EvalSpec, Predictions, accuracy, eval_steps, simulate_predictions
@@ -27,7 +28,7 @@ from zpipe.lossy.links import Traffic
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.schedule import events
 from zpipe.lossy.shard import DeviceShard, ShardFactory, Topology
-from zpipe.lossy.simulate import PreparedRun
+from zpipe.lossy.simulate import PreparedRun, cnn_spec, partitioned_model
 from zpipe.lossy.wire import to_array
 from zpipe.protocol.lossy import LossyResult
 
@@ -43,8 +44,14 @@ class TrainingTrace:
     traffic: dict[str, Traffic]
     arrivals: Arrivals = field(default_factory=dict)
 
-    def test_accuracy(self, data: Dataset) -> float:
-        """Accuracy of the final weights on the test set, nothing lost."""
+    def test_accuracy(self, data: Dataset, cnn: CnnSpec | None = None) -> float:
+        """Accuracy of the final weights on the test set, nothing lost (``cnn``: the
+        weights are that CNN's)."""
+        if cnn is not None:
+            from zpipe.lossy.torch_cnn import cnn_predict
+
+            logits = cnn_predict(cnn, self.params, data.x_test)
+            return float(np.mean(logits.argmax(axis=1) == data.y_test))
         h = data.x_test
         for k, (w, b) in enumerate(self.params):
             h = h @ w.T + b
@@ -122,7 +129,10 @@ def evaluate_in_process(
         recovery=prepared.config.recovery,
         lossless=prepared.lossless,
     )
-    predictions = simulate_predictions(prepared.alloc, params, channel, x_test, spec)
+    cnn = None
+    if prepared.config.model == "cnn":
+        cnn = cnn_spec(prepared.config, prepared.layer_sizes)
+    predictions = simulate_predictions(prepared.alloc, params, channel, x_test, spec, cnn=cnn)
     return EvalTrace(spec, predictions, channel.traffic.get("test", Traffic()))
 
 
@@ -166,14 +176,17 @@ def train_in_process(
         recovery=cfg.recovery,
         lossless=prepared.lossless,
     )
-    model = PartitionedMLP(
-        prepared.alloc,
-        prepared.params,
-        channel,
-        lr=cfg.lr,
-        record_arrivals=True,
-        shard_factory=shard_factory,
-    )
+    if cfg.model == "cnn":  # torch layers, whole convolutions (its only shards)
+        model = partitioned_model(prepared, data, channel, record_arrivals=True)
+    else:
+        model = PartitionedMLP(
+            prepared.alloc,
+            prepared.params,
+            channel,
+            lr=cfg.lr,
+            record_arrivals=True,
+            shard_factory=shard_factory,
+        )
     losses: dict[int, float] = {}
     last = prepared.alloc.n_layers - 1
     for ev in events(prepared.alloc, prepared.n_data, period=prepared.period):
@@ -195,7 +208,11 @@ def train_in_process(
 
 
 def trace_from_results(
-    topo: Topology, results: Mapping[int, LossyResult], *, dead: Collection[int] = ()
+    topo: Topology,
+    results: Mapping[int, LossyResult],
+    *,
+    dead: Collection[int] = (),
+    cnn: CnnSpec | None = None,
 ) -> TrainingTrace:
     """The trace of a run on stages, from each device's ``lossy_result``;
     :class:`ProtocolError` if a result does not fit the allocation.
@@ -203,7 +220,8 @@ def trace_from_results(
     ``dead``: devices that died during the run and sent no result. Their slices come
     back as zeros, what the survivors computed with in their place (a null-filled
     hidden slice is ``relu(0) = 0``, a null-filled logit 0); a mini-batch's loss is
-    the mean over the output owners that reported it."""
+    the mean over the output owners that reported it. ``cnn``: the layers are that
+    CNN's (whole convolution layers come back as their kernels)."""
     if set(dead) & results.keys():
         raise ProtocolError(f"lossy results from devices declared dead: {sorted(dead)}")
     weights: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
@@ -212,7 +230,8 @@ def trace_from_results(
         for layer in range(1, topo.n_layers):
             sl = topo.slice_of(layer, d)
             if sl is not None:
-                weights[(layer, d)] = (np.zeros((sl.width, sizes[layer - 1])), np.zeros(sl.width))
+                w_shape, b_shape = part_shapes(cnn, sizes, layer, sl.width)
+                weights[(layer, d)] = (np.zeros(w_shape), np.zeros(b_shape))
     loss_by: dict[int, dict[int, float]] = {}
     arrivals: Arrivals = {}
     for d, msg in results.items():
@@ -223,15 +242,14 @@ def trace_from_results(
             sl = topo.slice_of(layer, d)
             if sl is None:
                 raise ProtocolError(f"lossy_result: device {d} owns no part of layer {layer}")
+            try:
+                w_shape, b_shape = part_shapes(cnn, sizes, layer, sl.width)
+            except ConfigError as exc:
+                raise ProtocolError(f"lossy_result from device {d}: {exc}") from None
             w = to_array(
-                msg.tensors[2 * k],
-                shape=(sl.width, sizes[layer - 1]),
-                dtype=torch.float64,
-                what=f"device {d} weights",
+                msg.tensors[2 * k], shape=w_shape, dtype=torch.float64, what=f"device {d} weights"
             )
-            b = to_array(
-                msg.tensors[2 * k + 1], shape=(sl.width,), dtype=torch.float64, what="bias"
-            )
+            b = to_array(msg.tensors[2 * k + 1], shape=b_shape, dtype=torch.float64, what="bias")
             weights[(layer, d)] = (w.copy(), b.copy())
         for data_id, loss in msg.losses:
             loss_by.setdefault(int(data_id), {})[d] = float(loss)

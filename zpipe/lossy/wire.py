@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from zpipe._errors import ProtocolError
+from zpipe.lossy.cnn import CnnSpec
 from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.linkmodes import WAIT_MODES, WaitMode
 from zpipe.lossy.links import Recovery
@@ -45,6 +46,8 @@ class RunSpec:
     wait_s: float
     #: the test passes under loss after training (None: none)
     test: EvalSpec | None = None
+    #: the CNN whose layers these are (None: an MLP); optional on the wire ("cnn")
+    cnn: CnnSpec | None = None
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -66,6 +69,8 @@ class RunSpec:
         }
         if self.test is not None:
             body["test"] = eval_body(self.test)
+        if self.cnn is not None:
+            body["cnn"] = self.cnn.to_dict()
         return body
 
     @classmethod
@@ -92,6 +97,7 @@ class RunSpec:
                 slot_s=float(body["slot_s"]),
                 wait_s=float(body["wait_s"]),
                 test=eval_from_body(body.get("test")),
+                cnn=None if body.get("cnn") is None else CnnSpec.from_dict(body["cnn"]),
             )
         except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
             raise ProtocolError(f"lossy_setup: malformed run spec: {exc!r}") from None
@@ -100,6 +106,11 @@ class RunSpec:
             raise ProtocolError(
                 f"lossy_setup: reception ratios of shape {spec.prr.shape} do not cover devices "
                 f"{sorted(alloc.device_of)}"
+            )
+        if spec.cnn is not None and list(alloc.layer_sizes) != spec.cnn.layer_sizes:
+            raise ProtocolError(
+                f"lossy_setup: the CNN's layers {spec.cnn.layer_sizes} are not the "
+                f"allocation's {list(alloc.layer_sizes)}"
             )
         if spec.mode not in WAIT_MODES:
             raise ProtocolError(f"lossy_setup: wait mode must be one of {WAIT_MODES}")
