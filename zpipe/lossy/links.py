@@ -116,8 +116,7 @@ def drop_uniform(
 
 def copy_lost(seed: int, key: LossKey, prr: float) -> bool:
     """Whether the transmission ``key`` names is lost on a link of reception ratio ``prr``."""
-    uniform = drop_uniform(seed, key.src, key.dst, key.layer, key.step, key.kind, key.copy)
-    return not uniform < prr
+    return not drop_uniform(seed, *key) < prr
 
 
 def seeded_link_loss(seed: int, prr: npt.NDArray[np.float64]) -> KeyedLoss:

@@ -28,7 +28,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from zpipe._errors import ConfigError
 
@@ -63,12 +63,11 @@ class LinkSpec:
         }
 
 
-@dataclass(frozen=True)
-class LossKey:
+class LossKey(NamedTuple):
     """The identity of one transmission on a keyed-loss link: the sender and receiver,
     the layer and step (mini-batch, test step or timeslot) it belongs to, what it
     carries (``kind``) and which copy (attempt, or probe index) it is. All
-    non-negative."""
+    non-negative. A named tuple, not a dataclass: a simulation sweep makes millions."""
 
     src: int
     dst: int
