@@ -43,7 +43,8 @@ def measure_links(
 ) -> Flow:
     """Have ``members`` (device ``k`` is ``members[k]``) probe each other; returns the
     measured reception ratios, 1 on the diagonal. ``prr``: the links' true ratios
-    (the run spec's), which decide each probe's fate as they decide each partial's."""
+    (the run spec's): each stage's emulated links drop its probes by the keyed decision
+    they drop its partials by."""
     n = len(members)
     try:
         true_prr = np.asarray(prr, dtype=np.float64)

@@ -36,7 +36,15 @@ import numpy as np
 import numpy.typing as npt
 
 from zpipe._errors import ConfigError
-from zpipe.lossy.links import Direction, Recovery, Traffic, deliver
+from zpipe.lossy.links import (
+    Direction,
+    Recovery,
+    Traffic,
+    Transmit,
+    deliver,
+    deliver_over,
+    seeded_link_loss,
+)
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.shard import (
@@ -49,6 +57,7 @@ from zpipe.lossy.shard import (
     Topology,
     count_received,
 )
+from zpipe.transport.emulation import KeyedLoss
 
 IntArray = npt.NDArray[np.int64]
 
@@ -67,6 +76,8 @@ class LinkChannel:
 
     ``prr[a, b]`` is the reception ratio from physical device ``a`` to ``b``;
     ``lossless`` delivers everything (still counting one transmission each).
+    The simulation asks the seeded decision itself; a stage passes its emulated
+    links' ``transmit`` (given :meth:`keyed_loss`), and the links decide.
     """
 
     prr: FloatArray
@@ -75,7 +86,19 @@ class LinkChannel:
     lossless: bool = False
     traffic: dict[str, Traffic] = field(default_factory=lambda: defaultdict(Traffic))
 
-    def send(self, src: int, dst: int, layer: int, step: int, direction: Direction) -> bool:
+    def send(
+        self,
+        src: int,
+        dst: int,
+        layer: int,
+        step: int,
+        direction: Direction,
+        *,
+        transmit: Transmit | None = None,
+    ) -> bool:
+        """Whether the message arrives, counting what it cost; ``transmit``: the
+        emulated links that carry (and drop) each copy, instead of the seeded
+        decision asked here."""
         if src == dst:
             return True
         counter = self.traffic[_CATEGORY[direction]]
@@ -84,19 +107,26 @@ class LinkChannel:
             counter.delivered += 1
             counter.data_tx += 1
             return True
-        d = deliver(
-            self.seed,
-            src,
-            dst,
-            layer,
-            step,
-            direction,
-            prr=float(self.prr[src, dst]),
-            prr_back=float(self.prr[dst, src]),
-            recovery=self.recovery,
-        )
+        if transmit is None:
+            d = deliver(
+                self.seed,
+                src,
+                dst,
+                layer,
+                step,
+                direction,
+                prr=float(self.prr[src, dst]),
+                prr_back=float(self.prr[dst, src]),
+                recovery=self.recovery,
+            )
+        else:
+            d = deliver_over(transmit, src, dst, layer, step, direction, recovery=self.recovery)
         counter.add(d)
         return d.delivered
+
+    def keyed_loss(self) -> KeyedLoss:
+        """The keyed loss decision this channel's links are emulated with."""
+        return seeded_link_loss(self.seed, self.prr)
 
     def would_deliver(
         self, src: int, dst: int, layer: int, step: int, direction: Direction

@@ -2,9 +2,13 @@
 
 Every decision is a function of ``(seed, src, dst, layer, step, direction,
 attempt)`` and the link's reception ratio, never of a shared random stream.
-So the in-process simulation and a later multi-process run (where each
-sender asks the same function before putting an attempt on the wire) drop
-exactly the same messages, whatever order the processes run in.
+So the in-process simulation and a later multi-process run drop exactly the
+same messages, whatever order the processes run in: the simulation asks the
+function directly (:func:`deliver`), while a stage hands every copy to its
+emulated link (:class:`zpipe.transport.emulation.KeyedLinks`), which is given the
+same function as its keyed loss decision (:func:`seeded_link_loss`) and drops
+the copy itself. Both run one recovery procedure (:func:`deliver_over`) over
+"does this copy arrive", so they count the same transmissions too.
 
 The hash is SplitMix64 over the fields: stable across platforms, Python and
 numpy versions, and a few microseconds per message.
@@ -24,11 +28,19 @@ Every transmission is counted (:class:`Traffic`), acknowledgements apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from zpipe._errors import ConfigError
+from zpipe.transport.emulation import KeyedLoss, LossKey
+
+#: Puts one copy on its link and says whether it arrived.
+Transmit = Callable[[LossKey], bool]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -102,6 +114,22 @@ def drop_uniform(
     return (h >> 11) * (1.0 / (1 << 53))
 
 
+def copy_lost(seed: int, key: LossKey, prr: float) -> bool:
+    """Whether the transmission ``key`` names is lost on a link of reception ratio ``prr``."""
+    return not drop_uniform(seed, *key) < prr
+
+
+def seeded_link_loss(seed: int, prr: npt.NDArray[np.float64]) -> KeyedLoss:
+    """The keyed loss decision of a run's links (``prr[a, b]``: device a to b): what
+    an emulated link is given, and what :func:`deliver` asks."""
+    ratios = np.asarray(prr, dtype=np.float64)
+
+    def lost(key: LossKey) -> bool:
+        return copy_lost(seed, key, float(ratios[key.src, key.dst]))
+
+    return lost
+
+
 def deliver(
     seed: int,
     src: int,
@@ -120,28 +148,49 @@ def deliver(
     src``, default the same) matters only for ACK's acknowledgements. A
     message to oneself never touches a link.
     """
+    back = prr if prr_back is None else prr_back
+
+    def arrives(key: LossKey) -> bool:
+        return not copy_lost(seed, key, prr if key.src == src else back)
+
+    return deliver_over(arrives, src, dst, layer, step, direction, recovery=recovery)
+
+
+def deliver_over(
+    transmit: Transmit,
+    src: int,
+    dst: int,
+    layer: int,
+    step: int,
+    direction: int,
+    *,
+    recovery: Recovery = Recovery(),
+) -> Delivery:
+    """A recovery scheme's transmissions of one message, each copy handed to
+    ``transmit`` (which says whether it arrived): whether the message arrives, and
+    what it cost. An acknowledgement is a copy on the reverse link."""
     if src == dst:
         return Delivery(True, 0, 0)
+
+    def copy(attempt: int) -> bool:
+        return transmit(LossKey(src, dst, layer, step, int(direction), attempt))
+
     if recovery.scheme == "none":
-        ok = drop_uniform(seed, src, dst, layer, step, direction) < prr
-        return Delivery(ok, 1, 0)
+        return Delivery(copy(0), 1, 0)
     if recovery.scheme == "rtx":
-        ok = any(
-            drop_uniform(seed, src, dst, layer, step, direction, attempt) < prr
-            for attempt in range(recovery.copies)
-        )
-        return Delivery(ok, recovery.copies, 0)
-    back = prr if prr_back is None else prr_back
+        # every copy goes on the link, even after one has arrived
+        arrived = [copy(attempt) for attempt in range(recovery.copies)]
+        return Delivery(any(arrived), recovery.copies, 0)
     delivered = False
     acks = 0
     # ACK keys use the data's direction shifted into the ACK space, so an
     # acknowledgement's fate never correlates with its data message's.
     ack_direction = int(Direction.ACK) * 8 + int(direction)
     for attempt in range(recovery.max_attempts):
-        if drop_uniform(seed, src, dst, layer, step, direction, attempt) < prr:
+        if copy(attempt):
             delivered = True
             acks += 1
-            if drop_uniform(seed, dst, src, layer, step, ack_direction, attempt) < back:
+            if transmit(LossKey(dst, src, layer, step, ack_direction, attempt)):
                 return Delivery(True, attempt + 1, acks)
     return Delivery(delivered, recovery.max_attempts, acks)
 

@@ -46,6 +46,7 @@ from zpipe.lossy.schedule import PassEvent, events, total_timeslots
 from zpipe.lossy.shard import Needed, Outgoing
 from zpipe.lossy.wire import partial_message
 from zpipe.transport.codec import Message, encode
+from zpipe.transport.emulation import KeyedLinks
 
 log = get_logger("zpipe.stage")
 
@@ -160,6 +161,8 @@ class PassLoop:
         self._peers = peers
         self._send_timeout_s = send_timeout_s
         self._stage = stage
+        # this device's emulated links: they, not the sender, drop each copy
+        self._links = KeyedLinks(st.channel.keyed_loss())
 
     def run(self) -> None:
         """Every pass of this device, in order; raises what stopped it."""
@@ -263,8 +266,10 @@ class PassLoop:
             if out.dst == self.index:
                 self.inbox.keep_own((data, kind, out.key_layer), self.index, out.values)
                 continue
-            if not st.channel.send(self.index, out.dst, out.layer, data, out.direction):
-                continue  # decided lost: it never reaches the wire
+            if not st.channel.send(
+                self.index, out.dst, out.layer, data, out.direction, transmit=self._links.transmit
+            ):
+                continue  # the emulated link lost every copy: nothing reaches the wire
             if self.inbox.is_dead(out.dst):
                 continue  # nobody to receive it
             message = partial_message(st.run, data, kind, out.key_layer, self.index, out.values)

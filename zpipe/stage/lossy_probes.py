@@ -6,9 +6,10 @@ index, the peers' data endpoints, the probe count, the seed and the links' true
 reception ratios); the stage takes probes on its data port, answers
 ``lossy_ready``, and at ``lossy_go`` sends ``count`` ``lossy_probe`` messages to
 each peer and one ``lossy_probe_end`` saying how many it tried. A probe's fate
-is the seeded decision the partials use (:func:`zpipe.lossy.links.deliver`,
-keyed by :attr:`~zpipe.lossy.links.Direction.PROBE` and the probe's number): a
-probe decided lost never reaches the wire. Once every peer's end has come (a
+is decided by the stage's emulated links, given the seeded decision the partials'
+links use (:func:`zpipe.lossy.links.seeded_link_loss`, keyed by
+:attr:`~zpipe.lossy.links.Direction.PROBE` and the probe's number): a probe the
+link lost never reaches the wire. Once every peer's end has come (a
 link keeps its order: then all its probes have), or the request's timeout
 passed, the stage answers ``lossy_probe_report``: what it received from whom.
 """
@@ -24,7 +25,7 @@ import numpy as np
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError
-from zpipe.lossy.links import Direction, deliver
+from zpipe.lossy.links import Direction, seeded_link_loss
 from zpipe.lossy.wire import peers_from_body
 from zpipe.protocol.lossy import (
     LossyProbe,
@@ -32,6 +33,7 @@ from zpipe.protocol.lossy import (
     LossyProbeReport,
     LossyProbeRequest,
 )
+from zpipe.transport.emulation import KeyedLinks, LossKey
 from zpipe.transport.sockets import send
 
 # Far above EdgePipe's 50, far below what would flood a peer's queue.
@@ -106,11 +108,11 @@ async def probe_links(
     """Send this stage's probes and ends, then wait (at most the request's timeout) for
     every peer's end; ``timeout_s``: each send's deadline."""
     me = probes.device
+    links = KeyedLinks(seeded_link_loss(probes.seed, probes.prr))
     for dst in probes.others:
         sock, peer = peers[dst], f"device {dst}"
         for seq in range(probes.count):
-            fate = deliver(probes.seed, me, dst, 0, seq, Direction.PROBE, prr=probes.prr[me, dst])
-            if fate.delivered:
+            if links.transmit(LossKey(me, dst, 0, seq, Direction.PROBE)):
                 probe = LossyProbe(run=probes.run, src=me, seq=seq, epoch=epoch)
                 await send(sock, probe.to_message(), timeout_s=timeout_s, peer=peer)
         end = LossyProbeEnd(run=probes.run, src=me, sent=probes.count, epoch=epoch)

@@ -2,7 +2,17 @@
 
 A :class:`LinkModel` turns a message size into when it leaves and arrives on a
 link of given bandwidth and latency, and decides (seeded) whether it is lost.
-It is pure; :class:`EmulatedLink` applies it to real sends. Serialisation time
+It is pure; :class:`EmulatedLink` applies it to real sends.
+
+A link's loss is either random (``LinkSpec.loss``: a seeded stream, one draw per
+message) or *keyed*: a pure decision over each transmission's identity
+(:class:`LossKey`), which a lossy run's links are given
+(:func:`zpipe.lossy.links.seeded_link_loss`). A keyed decision does not depend on
+the order messages are sent in, so the in-process simulation, which asks the same
+decision, drops exactly what the stages' emulated links drop.
+:class:`KeyedLinks` are those links as a stage's senders use them: every copy of
+a partial or probe is handed to its link, and the link decides whether it
+arrives; the sender no longer decides. Serialisation time
 is paid by the sender (so a slow link throttles the pipeline, as a real one
 does) while latency is paid in flight (so a long link does not lower the
 throughput of a pipeline that keeps several messages in flight).
@@ -18,7 +28,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from zpipe._errors import ConfigError
 
@@ -53,25 +63,56 @@ class LinkSpec:
         }
 
 
+class LossKey(NamedTuple):
+    """The identity of one transmission on a keyed-loss link: the sender and receiver,
+    the layer and step (mini-batch, test step or timeslot) it belongs to, what it
+    carries (``kind``) and which copy (attempt, or probe index) it is. All
+    non-negative. A named tuple, not a dataclass: a simulation sweep makes millions."""
+
+    src: int
+    dst: int
+    layer: int
+    step: int
+    kind: int
+    copy: int = 0
+
+
+#: A keyed loss decision: True when the transmission ``key`` names is lost. Must be
+#: pure (the same key, the same answer), so every process that asks agrees.
+KeyedLoss = Callable[[LossKey], bool]
+
+
 @dataclass
 class LinkModel:
-    """When each message leaves and arrives, and whether it is lost (pure, seeded)."""
+    """When each message leaves and arrives, and whether it is lost (pure, seeded).
+
+    With ``keyed_loss``, a message sent with a :class:`LossKey` is lost as that
+    decision says; messages without a key still draw from the seeded stream
+    (``spec.loss``), whose draws a keyed message does not consume.
+    """
 
     spec: LinkSpec
     _busy_until: float = 0.0
     _rng: random.Random = field(init=False)
+    keyed_loss: KeyedLoss | None = None
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.spec.seed)
 
-    def schedule(self, nbytes: int, now: float) -> tuple[float, float, bool]:
-        """(sender free at, delivered at, lost) for a message of ``nbytes`` sent at ``now``."""
+    def schedule(
+        self, nbytes: int, now: float, key: LossKey | None = None
+    ) -> tuple[float, float, bool]:
+        """(sender free at, delivered at, lost) for a message of ``nbytes`` sent at ``now``;
+        ``key``: its identity, for a link with a keyed loss decision."""
         start = max(now, self._busy_until)
         tx = 0.0
         if self.spec.bandwidth_mbps is not None:
             tx = nbytes * 8.0 / (self.spec.bandwidth_mbps * 1e6)
         self._busy_until = start + tx
-        lost = self.spec.loss > 0 and self._rng.random() < self.spec.loss
+        if key is not None and self.keyed_loss is not None:
+            lost = self.keyed_loss(key)
+        else:
+            lost = self.spec.loss > 0 and self._rng.random() < self.spec.loss
         return self._busy_until, self._busy_until + self.spec.latency_ms / 1e3, lost
 
     def occupy(self, nbytes: int, now: float) -> float:
@@ -95,8 +136,9 @@ class EmulatedLink:
         *,
         max_in_flight: int = 64,
         clock: Callable[[], float] = time.monotonic,
+        keyed_loss: KeyedLoss | None = None,
     ) -> None:
-        self.model = LinkModel(spec)
+        self.model = LinkModel(spec, keyed_loss=keyed_loss)
         self._deliver = deliver
         self._clock = clock
         self._queue: asyncio.Queue[tuple[float, object]] = asyncio.Queue(max_in_flight)
@@ -104,16 +146,17 @@ class EmulatedLink:
         self.lost = 0
         self._error: BaseException | None = None
 
-    async def submit(self, item: object, nbytes: int) -> bool:
+    async def submit(self, item: object, nbytes: int, key: LossKey | None = None) -> bool:
         """Pay the serialisation time, then hand ``item`` to the in-flight queue.
 
-        Returns False when the emulated link lost the message.
+        Returns False when the emulated link lost the message; ``key``: its identity,
+        for a link given a keyed loss decision.
         """
         if self._error is not None:
             raise self._error
         if self._task is None:
             self._task = asyncio.create_task(self._run())
-        free_at, deliver_at, lost = self.model.schedule(nbytes, self._clock())
+        free_at, deliver_at, lost = self.model.schedule(nbytes, self._clock(), key)
         await asyncio.sleep(max(0.0, free_at - self._clock()))
         if lost:
             self.lost += 1
@@ -150,6 +193,39 @@ class EmulatedLink:
             except asyncio.CancelledError:
                 pass
             self._task = None
+
+
+class KeyedLinks:
+    """A sender's emulated links with a keyed loss decision, one per directed link.
+
+    :meth:`transmit` puts one copy of a message on the link ``key.src -> key.dst``
+    and says whether it arrives; the sender puts the message's bytes on the wire
+    only once some copy has arrived (the receiving link layer passes one frame up
+    and discards later copies, as an 802.15.4 MAC discards a repeated sequence
+    number). Per-link counts of copies sent and lost are kept. Synchronous and
+    without timing (a lossy run's timeslots are its clock), so the compute thread
+    that runs a stage's passes and the event loop that sends its probes both use
+    it; each instance belongs to one thread.
+    """
+
+    def __init__(self, keyed_loss: KeyedLoss, spec: LinkSpec = LinkSpec()) -> None:
+        self._keyed_loss = keyed_loss
+        self._spec = spec
+        self._models: dict[tuple[int, int], LinkModel] = {}
+        self.sent: dict[tuple[int, int], int] = {}
+        self.lost: dict[tuple[int, int], int] = {}
+
+    def transmit(self, key: LossKey) -> bool:
+        """One copy over ``key``'s link: True when it arrives."""
+        link = (key.src, key.dst)
+        model = self._models.get(link)
+        if model is None:
+            model = self._models[link] = LinkModel(self._spec, keyed_loss=self._keyed_loss)
+        _, _, lost = model.schedule(0, 0.0, key)
+        self.sent[link] = self.sent.get(link, 0) + 1
+        if lost:
+            self.lost[link] = self.lost.get(link, 0) + 1
+        return not lost
 
 
 _T = TypeVar("_T")
