@@ -140,6 +140,7 @@ KINDS_ADDED_IN_V1 = {
         "result_s": ["int/float", True],
         "start_in_s": ["int/float/null", False],
         "probes": ["int/null", False],
+        "on_death": ["str/null", False],
     },
     "lossy_run_report": {
         "run": ["int", True],
@@ -148,9 +149,19 @@ KINDS_ADDED_IN_V1 = {
         "results": ["list", True],
         "dead": ["list/null", False],
         "measured": ["list/null", False],
+        "remaps": ["list/null", False],
     },
-    # to a lossy run's surviving stages: a device of the run died
-    "lossy_dead": {"run": ["int", True], "device": ["int", True]},
+    # to a lossy run's surviving stages: a device of the run died (remap: re-mapped)
+    "lossy_dead": {"run": ["int", True], "device": ["int", True], "remap": ["bool/null", False]},
+    "lossy_hold": {"run": ["int", True], "device": ["int", True], "frontier": ["int", True]},
+    "lossy_remap": {
+        "run": ["int", True],
+        "switch_at": ["int/null", False],
+        "alloc": ["dict/null", False],
+        "pieces": ["list/null", False],
+        "inputs": ["bool/null", False],
+        "labels": ["bool/null", False],
+    },
     # federated learning over the network: fl-server and fl-client on their own socket
     "fl_register": {
         "client": ["int", True],
@@ -216,6 +227,7 @@ TENSOR_KINDS_ADDED_IN_V1 = [
     "state_chunk",
     "lossy_run_request",
     "lossy_run_report",
+    "lossy_remap",
     "fl_task",
     "fl_update",
 ]

@@ -34,6 +34,7 @@ import numpy as np
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.death_sim import DeviceDeath, heard_from_arrivals
 from zpipe.lossy.evaluation import EvalSpec, eval_steps
 from zpipe.lossy.linkmodes import WAIT_MODES
 from zpipe.lossy.partial import FloatArray
@@ -82,6 +83,25 @@ class StagesLossyResult:
     #: weights' with nothing lost (None: no test set)
     test_acc: float | None = None
     test_acc_lossless: float | None = None
+    #: re-mapped deaths (``on_death="remap"``), in order: (device, its stage, the first
+    #: mini-batch of the new allocation, that allocation)
+    remaps: list[tuple[int, str, int, Allocation]] = field(default_factory=list)
+
+    def death(self, n_data: int) -> DeviceDeath | None:
+        """The run's death as :func:`zpipe.lossy.death_sim.train_with_death` simulates it
+        (None: nobody died): which of the dead device's partials each survivor used (by
+        the arrivals) and, if re-mapped, where the allocation switched. ``n_data``: the
+        run's mini-batches. One death only."""
+        if not self.dead:
+            return None
+        if len(self.dead) > 1 or len(self.remaps) > 1:
+            raise ConfigError("the simulation plays one death per run")
+        (device,) = self.dead
+        heard = heard_from_arrivals(self.alloc, n_data, device, self.trace.arrivals)
+        if not self.remaps:
+            return DeviceDeath(device, heard)
+        _, _, switch_at, after = self.remaps[0]
+        return DeviceDeath(device, heard, switch_at, after)
 
 
 def lossy_request(
@@ -100,6 +120,7 @@ def lossy_request(
     probes: int | None = None,
     test_repeats: int | None = 1,
     test_eval_index: int = 0,
+    on_death: str = "null-fill",
 ) -> Message:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
@@ -165,6 +186,7 @@ def lossy_request(
         result_s=result_s,
         start_in_s=start_in_s,
         probes=probes,
+        on_death=None if on_death == "null-fill" else on_death,
         tensors=tuple(tensors),
     )
     return request.to_message()
@@ -186,7 +208,9 @@ def result_from_report(
     ``test``: the test passes the request asked for."""
     parsed = LossyRunReport.from_message(report)
     alloc = Allocation.from_dict(parsed.alloc)
-    topo = Topology(alloc)
+    remaps = _remaps(parsed.remaps, alloc)
+    # the results hold the slices of the last allocation the run switched to
+    topo = Topology(remaps[-1][3] if remaps else alloc)
     results: dict[int, LossyResult] = {}
     tensors = list(parsed.tensors)
     for body in parsed.results:
@@ -200,7 +224,7 @@ def result_from_report(
         results[result.device] = result
     if tensors:
         raise ProtocolError("lossy_run_report: more tensors than results")
-    dead = _dead_devices(parsed.dead, topo)
+    dead = _dead_devices(parsed.dead, Topology(alloc))
     tests = {d: m.test for d, m in results.items() if m.test is not None}
     if test is not None and len(tests) != len(results):
         raise ProtocolError("lossy_run_report: a stage's result lacks its test passes")
@@ -217,7 +241,27 @@ def result_from_report(
         dead=dead,
         measured_prr=_measured(parsed.measured, len(parsed.stages)),
         test=None if test is None else evaluation_from_results(topo, test, tests),
+        remaps=remaps,
     )
+
+
+def _remaps(body: Any, alloc: Allocation) -> list[tuple[int, str, int, Allocation]]:
+    """``lossy_run_report``'s ``remaps``: ``[[device, stage, switch_at, alloc], ...]``."""
+    out: list[tuple[int, str, int, Allocation]] = []
+    for entry in body or []:
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise ProtocolError("lossy_run_report: remaps must list [device, stage, step, alloc]")
+        device, stage, switch_at, after = entry
+        if not (isinstance(device, int) and isinstance(stage, str) and isinstance(switch_at, int)):
+            raise ProtocolError(f"lossy_run_report: bad remap {entry[:3]!r}")
+        try:
+            new = Allocation.from_dict(after)
+        except ConfigError as exc:
+            raise ProtocolError(f"lossy_run_report: remap allocation: {exc}") from None
+        if new.layer_sizes != alloc.layer_sizes:
+            raise ProtocolError("lossy_run_report: a remap changed the network")
+        out.append((device, stage, switch_at, new))
+    return out
 
 
 def _measured(body: Any, n: int) -> FloatArray | None:

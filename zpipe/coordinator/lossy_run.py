@@ -13,8 +13,9 @@ carries control only. A stage that dies or does not answer before the run
 starts fails it (the client hears ``run_failed``). One the heartbeats declare
 dead once the passes run is null-filled: the others hear ``lossy_dead`` and stop
 waiting for its partials, the run goes on, and the report names it with the
-first mini-batch that ran without it (``dead``). Re-mapping its super neurons
-is not built.
+first mini-batch that ran without it (``dead``). With ``on_death="remap"`` the
+survivors take its super neurons over instead (:mod:`zpipe.coordinator.lossy_remap`)
+and the report lists each switch (``remaps``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.lossy_probe import measure_links
+from zpipe.coordinator.lossy_remap import ON_DEATH, RemapRun, results_remapping
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
@@ -48,7 +50,7 @@ from zpipe.protocol.lossy import LossyDead, LossyGo, LossyRunReport, LossyRunReq
 from zpipe.transport.codec import Message
 
 # The stages' replies a lossy run's flow waits for (routed to it by the core).
-LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report")
+LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report", "lossy_hold")
 
 
 def lossy_run_request(
@@ -79,6 +81,12 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         float(request.wait_for_stages_s),
     )
     n = len(members)
+    on_death = "null-fill" if request.on_death is None else str(request.on_death)
+    if on_death not in ON_DEATH:
+        raise ConfigError(f"on_death must be one of {ON_DEATH}, got {request.on_death!r}")
+    if on_death == "remap" and request.spec.get("mode") != "emulated":
+        # deadline mode cuts by the clock: a hold would make the survivors miss theirs
+        raise ConfigError("on_death='remap' needs the emulated wait mode")
     seed = request.spec.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
@@ -160,33 +168,16 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     for member in taking_part.values():
         go = LossyGo(run=run, start_at=0.0, start_in_s=start_in_s, epoch=epoch)
         yield Send(member.routing_id, go.to_message(), member.name, stage=member.name)
-    # A stage declared dead during the run: the others hear it at once and null-fill its
-    # partials from then on (EdgePipe's device malfunction case); the run goes on.
-    notices = tuple(
-        (
-            member.name,
-            tuple(
-                Send(
-                    other.routing_id,
-                    LossyDead(run=run, device=d, epoch=epoch).to_message(),
-                    other.name,
-                    stage=other.name,
-                )
-                for od, other in taking_part.items()
-                if od != d
-            ),
+    if on_death == "remap":
+        remap = RemapRun(run, epoch, spec.n_data, prr_measured, params, inputs, labels, x_test,
+                         alloc)  # fmt: skip
+        results = yield from results_remapping(
+            state, remap, dict(taking_part), float(request.result_s)
         )
-        for d, member in taking_part.items()
-    )
-    results = yield AwaitReplies(
-        stage_names,
-        "lossy_result",
-        float(request.result_s),
-        "lossy_result",
-        run=run,
-        partial=True,
-        on_lost=notices,
-    )
+        remaps = remap.remaps
+    else:
+        results = yield from _results_null_filling(state, run, epoch, taking_part, request)
+        remaps = []
     dead = {d: m for d, m in taking_part.items() if m.name not in results}
     silent = [m.name for m in dead.values() if not _declared_dead(state, m.name)]
     if silent:
@@ -212,8 +203,46 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         dead=[[d, m.name, _first_null_filled(results.values(), d)] for d, m in dead.items()]
         or None,
         measured=None if measured is None else measured.tolist(),
+        remaps=remaps or None,
         tensors=tuple(out),
     ).to_message()
+
+
+def _results_null_filling(
+    state: CoordinatorState,
+    run: int,
+    epoch: int,
+    taking_part: dict[int, Member],
+    request: LossyRunRequest,
+) -> Flow:
+    # A stage declared dead during the run: the others hear it at once and null-fill its
+    # partials from then on (EdgePipe's device malfunction case); the run goes on.
+    notices = tuple(
+        (
+            member.name,
+            tuple(
+                Send(
+                    other.routing_id,
+                    LossyDead(run=run, device=d, epoch=epoch).to_message(),
+                    other.name,
+                    stage=other.name,
+                )
+                for od, other in taking_part.items()
+                if od != d
+            ),
+        )
+        for d, member in taking_part.items()
+    )
+    results: dict[str, Message] = yield AwaitReplies(
+        tuple(m.name for m in taking_part.values()),
+        "lossy_result",
+        float(request.result_s),
+        "lossy_result",
+        run=run,
+        partial=True,
+        on_lost=notices,
+    )
+    return results
 
 
 def _replace_current(state: CoordinatorState) -> Flow:
