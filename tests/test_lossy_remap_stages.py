@@ -69,8 +69,15 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation() 
         async def go() -> StagesLossyResult:
             async with cluster.client() as client:
                 killer = asyncio.create_task(asyncio.to_thread(kill_b_once_it_runs))
-                result = await run_lossy(client, prepared, data, stage_names=names,
-                                         wait_s=120.0, on_death="remap", test_repeats=None)  # fmt: skip
+                result = await run_lossy(
+                    client,
+                    prepared,
+                    data,
+                    stage_names=names,
+                    wait_s=120.0,
+                    on_death="remap",
+                    test_repeats=None,
+                )
                 await asyncio.wait_for(killer, 30)
                 return result
 
