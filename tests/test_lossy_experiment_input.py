@@ -47,6 +47,7 @@ def _strict_loads(text: str) -> object:
         (["--test-repeats", "1000000000"], "at most"),
         (["--rtx-copies", "1000000000"], "at most"),
         (["--hidden", "60000,60000"], "weights"),
+        (["--on-death", "remap", "--wait-mode", "deadline", "--multiprocess"], "emulated"),
     ],
 )
 def test_bad_values_are_refused_without_traceback(

@@ -223,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="with --coordinator: how long the coordinator waits for --devices stages",
     )
+    st.add_argument(
+        "--on-death",
+        choices=("null-fill", "remap"),
+        default="null-fill",
+        help="with --coordinator or --multiprocess: a stage that dies mid-run has its "
+        "partials null-filled to the end, or its super neurons re-mapped onto the "
+        "survivors (emulated --wait-mode only)",
+    )
     return p
 
 
@@ -349,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--coordinator runs on that cluster's stages: it takes no --multiprocess")
     if args.keys is not None and args.coordinator is None:
         parser.error("--keys goes with --coordinator")
+    if args.on_death == "remap" and args.wait_mode != "emulated":
+        parser.error("--on-death remap needs --wait-mode emulated (a hold breaks deadlines)")
     if args.coordinator is not None or args.multiprocess:
         return _main_on_stages(args, argv, configs, data)
     if not args.no_plots:

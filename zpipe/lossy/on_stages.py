@@ -24,6 +24,7 @@ from typing import Any
 from zpipe.client.lossy_run import run_lossy
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.death_sim import train_with_death
 from zpipe.lossy.simulate import RunConfig, final_eval_index, prepare_run
 from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
 
@@ -72,8 +73,15 @@ def _run_all(
                     wait_for_stages_s=args.wait_for_stages_s,
                     test_repeats=cfg.test_repeats,
                     test_eval_index=eval_index,
+                    on_death=getattr(args, "on_death", "null-fill"),
                 )
-                simulated = train_in_process(prepared, data)
+                # a stage that died mid-run: the simulation plays the same death
+                death = result.death(prepared.n_data) if len(result.dead) == 1 else None
+                simulated = (
+                    train_in_process(prepared, data)
+                    if death is None
+                    else train_with_death(prepared, data, death)
+                )
                 test_matches = True
                 if result.test is not None:
                     simulated_test = evaluate_in_process(
@@ -94,6 +102,8 @@ def _run_all(
                         "protocol_errors": sum(result.protocol_errors.values()),
                         # device -> [stage, first mini-batch that ran without it]
                         "dead": {str(d): list(v) for d, v in result.dead.items()},
+                        # device -> first mini-batch of the allocation it was re-mapped by
+                        "remapped": {str(d): k for d, _, k, _ in result.remaps},
                         # test-time inference under loss across the stages
                         "final_test_acc": result.test_acc,
                         "final_test_acc_lossless": result.test_acc_lossless,
