@@ -141,6 +141,7 @@ KINDS_ADDED_IN_V1 = {
         "start_in_s": ["int/float/null", False],
         "probes": ["int/null", False],
         "on_death": ["str/null", False],
+        "request_id": ["int/null", False],
     },
     "lossy_run_report": {
         "run": ["int", True],
@@ -150,6 +151,7 @@ KINDS_ADDED_IN_V1 = {
         "dead": ["list/null", False],
         "measured": ["list/null", False],
         "remaps": ["list/null", False],
+        "metrics": ["dict/null", False],
     },
     # to a lossy run's surviving stages: a device of the run died (remap: re-mapped)
     "lossy_dead": {"run": ["int", True], "device": ["int", True], "remap": ["bool/null", False]},

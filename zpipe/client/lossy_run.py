@@ -24,6 +24,7 @@ simulates), their accuracy and that of the same weights with nothing lost.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,8 @@ class StagesLossyResult:
     #: re-mapped deaths (``on_death="remap"``), in order: (device, its stage, the first
     #: mini-batch of the new allocation, that allocation)
     remaps: list[tuple[int, str, int, Allocation]] = field(default_factory=list)
+    #: each stage's counters at the run's end, by stage name (as a run_report's stages)
+    stage_metrics: dict[str, Any] = field(default_factory=dict)
 
     def death(self, n_data: int) -> DeviceDeath | None:
         """The run's death as :func:`zpipe.lossy.death_sim.train_with_death` simulates it
@@ -121,6 +124,7 @@ def lossy_request(
     test_repeats: int | None = 1,
     test_eval_index: int = 0,
     on_death: str = "null-fill",
+    request_id: int | None = None,
 ) -> Message:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
@@ -187,6 +191,7 @@ def lossy_request(
         start_in_s=start_in_s,
         probes=probes,
         on_death=None if on_death == "null-fill" else on_death,
+        request_id=request_id,
         tensors=tuple(tensors),
     )
     return request.to_message()
@@ -242,6 +247,7 @@ def result_from_report(
         measured_prr=_measured(parsed.measured, len(parsed.stages)),
         test=None if test is None else evaluation_from_results(topo, test, tests),
         remaps=remaps,
+        stage_metrics=dict(parsed.metrics or {}),
     )
 
 
@@ -294,7 +300,10 @@ async def run_lossy(
     client: PipelineClient, prepared: PreparedRun, data: Dataset, **options: Any
 ) -> StagesLossyResult:
     """Train ``prepared`` on the coordinator's stages (``options``: :func:`lossy_request`'s)."""
-    request = lossy_request(prepared, data, **options)
+    # The coordinator may be restarted while the run goes on: the request then goes again
+    # (the same id: a coordinator that still runs it shares its answer; a restarted
+    # one, which lost the run with its memory, runs it again from the start).
+    request = lossy_request(prepared, data, request_id=secrets.randbits(62), **options)
     started = time.perf_counter()
     # the coordinator answers once every stage's result is in: its waits, and a margin
     timeout_s = (
@@ -309,6 +318,7 @@ async def run_lossy(
         expect=("lossy_run_report", "run_failed"),
         timeout_s=timeout_s,
         awaited="lossy run report",
+        resend_on_reconnect=True,
     )
     if reply.kind == "run_failed":
         raise PipelineError(f"the lossy run failed: {reply['error']}")

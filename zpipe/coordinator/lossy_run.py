@@ -30,16 +30,18 @@ from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTi
 from zpipe.coordinator.commands import (
     AwaitReplies,
     AwaitStages,
+    Command,
     Log,
     Persist,
     PlanLossy,
+    Record,
     Send,
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.lossy_probe import measure_links
 from zpipe.coordinator.lossy_remap import ON_DEATH, RemapRun, results_remapping
 from zpipe.coordinator.membership import Member, MemberState
-from zpipe.coordinator.runbase import run_failed
+from zpipe.coordinator.runbase import stage_metrics
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
@@ -53,20 +55,44 @@ from zpipe.transport.codec import Message
 LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report", "lossy_hold")
 
 
-def lossy_run_request(
-    state: CoordinatorState, routing_id: bytes, client_key: str | None, message: Message
-) -> Flow:
+def start_lossy_run(
+    state: CoordinatorState, routing_id: bytes, message: Message, now: float
+) -> list[Command]:
     """Answer a ``lossy_run_request``: ``lossy_run_report`` once every stage's result is
-    in, or ``run_failed``."""
-    reply_s = state.timeouts.reply_s
+    in, or ``run_failed``. A request sent again with the same ``request_id`` (its
+    client reconnected) shares the answer being made; one that reaches a restarted
+    coordinator runs the whole run again (see the module docstring)."""
+    request_id = message.get("request_id")
+    if isinstance(request_id, bool) or not isinstance(request_id, int):
+        return state.flows.start(lossy_run_request(state, routing_id, message), now)
+    return state.answers.answer(
+        state.flows,
+        ("lossy_run_request", request_id, 0),
+        routing_id,
+        lambda: lossy_answer(state, message),
+        peer=CLIENT_NAME,
+        timeout_s=state.timeouts.reply_s,
+        now=now,
+    )
+
+
+def lossy_run_request(state: CoordinatorState, routing_id: bytes, message: Message) -> Flow:
+    """The run, its answer sent to ``routing_id``."""
+    answer = yield from lossy_answer(state, message)
+    yield Send(routing_id, answer, CLIENT_NAME, state.timeouts.reply_s)
+
+
+def lossy_answer(state: CoordinatorState, message: Message) -> Flow:
+    """The run; returns its ``lossy_run_report``, or ``run_failed``."""
     try:
-        report = yield from _run(state, message)
+        report: Message = yield from _run(state, message)
     except Exception as exc:  # whatever it was, the client hears that its run failed
         if not isinstance(exc, (ZpipeError, ValueError)):
             yield Log("error", "lossy_run_crashed", {"error": repr(exc)})
-        yield from run_failed(routing_id, exc, reply_s)
-        return
-    yield Send(routing_id, report, CLIENT_NAME, reply_s)
+        yield Log("error", "run_failed", {"error": str(exc)})
+        yield Record({"event": "run_failed", "kind": "lossy", "error": str(exc)})
+        return Message("run_failed", {"error": str(exc)})
+    return report
 
 
 def _run(state: CoordinatorState, message: Message) -> Flow:
@@ -187,7 +213,18 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     failed = {name: str(m["error"]) for name, m in results.items() if m["error"]}
     if failed:
         raise PipelineError(f"stages failed the lossy run: {failed}")
-    yield Log("info", "lossy_run_done", {"run": run, "dead": sorted(m.name for m in dead.values())})
+    # the run-end counters every run kind reports (zpipe.coordinator.runbase.stage_metrics)
+    metrics, _ = yield from stage_metrics(state, sorted(results), run, epoch)
+    done = {
+        "run": run,
+        "kind": "lossy",
+        "stages": sorted(results),
+        "dead": sorted(m.name for m in dead.values()),
+        "remapped": [[d, name, switch_at] for d, name, switch_at, _ in remaps],
+        "wall_s": max((float(r["wall_s"]) for r in results.values()), default=0.0),
+    }
+    yield Log("info", "lossy_run_done", done)
+    yield Record({"event": "run_done", **done})
     bodies: list[dict[str, Any]] = []
     out: list[torch.Tensor] = []
     for member in taking_part.values():
@@ -204,6 +241,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         or None,
         measured=None if measured is None else measured.tolist(),
         remaps=remaps or None,
+        metrics=metrics,
         tensors=tuple(out),
     ).to_message()
 

@@ -245,6 +245,9 @@ class LossyRunRequest(TensorMessage):
     probes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     # what a stage's death does to the run: "null-fill" (the default) or "remap"
     on_death: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # the client's id of this request: one sent again after a reconnection shares the
+    # answer being made (a restarted coordinator runs it again from the start)
+    request_id: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -264,6 +267,8 @@ class LossyRunReport(TensorMessage):
     measured: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     # re-mapped deaths: [device, stage, switch_at, allocation after] in order
     remaps: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    # each stage's counters at the run's end, as a run_report's stages
+    metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
