@@ -126,14 +126,16 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
             raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
     else:
         yield from _replace_current(state)  # the measurement takes the stages' data sockets
+        probe_run, probe_epoch = state.next_run(), state.next_epoch()
+        yield Persist()  # as the run's own ids below
         prr_measured = measured = yield from measure_links(
             state,
             members,
             prr=request.spec.get("prr"),
             seed=seed,
             probes=request.probes,
-            run=state.next_run(),
-            epoch=state.next_epoch(),
+            run=probe_run,
+            epoch=probe_epoch,
         )
         yield Log("info", "lossy_links_measured", {"prr": measured.round(3).tolist()})
     # the genetic search takes a while: off the event loop
@@ -151,6 +153,9 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         raise ConfigError(f"test inputs {x_test.shape} do not fit {n_test} rows of {sizes[0]}")
     yield from _replace_current(state)
     run, epoch = state.next_run(), state.next_epoch()
+    # saved before any stage hears them: a restarted coordinator numbers its runs past
+    # this one, so the stages tell this run's late partials from the next one's
+    yield Persist()
     yield Log("info", "lossy_run_planned", {"run": run, "epoch": epoch, "alloc": alloc.to_dict()})
     topo = Topology(alloc)
     devices = sorted(set(alloc.device_of))
