@@ -1,0 +1,124 @@
+"""The coordinator's side of a re-mapped death (zpipe.coordinator.lossy_remap), pure:
+a flow driven by feeding events, as h11's tests feed bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from zpipe.config import Timeouts
+from zpipe.coordinator.commands import Command, Send
+from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.lossy_remap import RemapRun, results_remapping
+from zpipe.coordinator.membership import Member, Membership
+from zpipe.coordinator.state import CoordinatorState
+from zpipe.lossy.partial import init_mlp
+from zpipe.lossy.partition import partition
+from zpipe.lossy.shard import Topology
+from zpipe.protocol.lossy import LossyRemap
+from zpipe.transport.codec import Message
+
+SIZES = [6, 8, 8, 3]
+N_DATA = 50
+
+
+def _state() -> tuple[CoordinatorState, dict[int, Member]]:
+    timeouts = Timeouts(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
+    membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
+    state = CoordinatorState(timeouts=timeouts, membership=membership)
+    members = {
+        d: membership.register(
+            name=n,
+            routing_id=n.encode(),
+            data_endpoint=f"tcp://h:{d}",
+            info={},
+            public_key=None,
+            now=0.0,
+        )
+        for d, n in enumerate("abcd")
+    }
+    return state, members
+
+
+def _run(alloc: Any) -> RemapRun:
+    rng = np.random.default_rng(0)
+    prr = rng.uniform(0.5, 1.0, size=(4, 4))
+    np.fill_diagonal(prr, 1.0)
+    return RemapRun(run=7, epoch=3, n_data=N_DATA, prr=prr, params=init_mlp(SIZES, seed=0),
+                    inputs=np.zeros((N_DATA, 2, 6)), labels=np.zeros((N_DATA, 2), dtype=np.int64),
+                    x_test=None, alloc=alloc)  # fmt: skip
+
+
+def _sent(commands: list[Command], kind: str) -> dict[str, Message]:
+    return {c.peer: c.message for c in commands if isinstance(c, Send) and c.message.kind == kind}
+
+
+def _start(state: CoordinatorState, remap: RemapRun, members: dict[int, Member]) -> list[Any]:
+    got: list[Any] = []
+
+    def flow() -> Flow:
+        got.append((yield from results_remapping(state, remap, dict(members), 100.0)))
+
+    state.flows.start(flow(), now=0.0)
+    return got
+
+
+def _die(state: CoordinatorState, name: str, now: float) -> list[Command]:
+    state.membership.declare_dead(name, "test", now)
+    return state.flows.stage_lost(name, RuntimeError("dead"), now)
+
+
+def test_a_death_holds_the_survivors_and_switches_after_the_furthest() -> None:
+    state, members = _state()
+    alloc = partition("hybrid", SIZES, 4)
+    remap = _run(alloc)
+    got = _start(state, remap, members)
+    notices = _die(state, "b", 1.0)
+    dead = _sent(notices, "lossy_dead")
+    assert sorted(dead) == ["a", "c", "d"] and all(m["remap"] for m in dead.values())
+    assert all(m["device"] == 1 and m.epoch == 3 for m in dead.values())
+    # nothing is decided before every survivor said how far it got
+    frontiers = {"a": 12, "c": 15, "d": 9}
+    out: list[Command] = []
+    for name, frontier in frontiers.items():
+        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": frontier})
+        out += state.flows.reply(name, hold, now=2.0) or []
+    remapped = _sent(out, "lossy_remap")
+    assert sorted(remapped) == ["a", "c", "d"]
+    bodies = {n: LossyRemap.from_message(m) for n, m in remapped.items()}
+    assert {b.switch_at for b in bodies.values()} == {16}
+    after = remap.alloc
+    assert 1 not in after.device_of and bodies["a"].alloc == after.to_dict()
+    # the taker gets b's rows at their run-start values; the others nothing
+    topo = Topology(alloc)
+    takers = [n for n, b in bodies.items() if b.pieces]
+    assert len(takers) == 1
+    taker = bodies[takers[0]]
+    for (layer, a, z), w in zip(taker.pieces or [], remapped[takers[0]].tensors[::2], strict=False):
+        sl = topo.slice_of(layer, 1)
+        assert sl is not None and (sl.start, sl.stop) == (a, z)
+        assert np.array_equal(w.numpy(), remap.params[layer - 1][0][a:z])
+    assert remap.remaps == [[1, "b", 16, after.to_dict()]]
+    # the run then waits for the survivors' results only
+    for name in ("a", "c"):
+        state.flows.reply(name, Message("lossy_result", {"run": 7}), now=3.0)
+    assert not got
+    state.flows.reply("d", Message("lossy_result", {"run": 7}), now=3.0)
+    assert sorted(got[0]) == ["a", "c", "d"]
+
+
+def test_no_switch_when_a_survivor_is_past_training() -> None:
+    state, members = _state()
+    remap = _run(partition("hybrid", SIZES, 4))
+    before = remap.alloc
+    _start(state, remap, members)
+    _die(state, "c", 1.0)
+    out: list[Command] = []
+    for name, frontier in {"a": 20, "b": N_DATA + 1, "d": 30}.items():
+        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": frontier})
+        out += state.flows.reply(name, hold, now=2.0) or []
+    remapped = _sent(out, "lossy_remap")
+    assert sorted(remapped) == ["a", "b", "d"]
+    assert all(LossyRemap.from_message(m).switch_at is None for m in remapped.values())
+    assert remap.alloc is before and remap.remaps == []
