@@ -23,7 +23,7 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.death_sim import train_with_death
 from zpipe.lossy.simulate import RunConfig, prepare_run
-from zpipe.lossy.trace import same_run
+from zpipe.lossy.trace import evaluate_in_process, same_run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,7 +76,7 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation() 
                     stage_names=names,
                     wait_s=120.0,
                     on_death="remap",
-                    test_repeats=None,
+                    test_repeats=1,
                 )
                 await asyncio.wait_for(killer, 30)
                 return result
@@ -96,8 +96,12 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation() 
     assert death is not None and death.switch_at == switch_at
     simulated = train_with_death(prepared, data, death)
     assert same_run(result.trace, simulated, rtol=1e-10)
+    # the test passes under loss after training ran on the allocation switched to
+    assert result.test is not None
+    tested = replace(prepared, alloc=after, period=0)
+    want = evaluate_in_process(tested, simulated.params, data.x_test, result.test.spec)
+    assert result.test.same_as(want)
     # the comparison sees the cut: a switch one mini-batch later is another run
     if switch_at < N_DATA:
         later = replace(death, switch_at=switch_at + 1)
         assert not same_run(result.trace, train_with_death(prepared, data, later), rtol=1e-10)
-    print("switch_at", switch_at, "heard", dict(death.heard), "after", after.device_of)
