@@ -3,7 +3,9 @@ death (zpipe.lossy.death_sim), pure."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,12 +13,14 @@ import pytest
 from zpipe._errors import ConfigError
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.death_sim import DeviceDeath, heard_from_arrivals, train_with_death
+from zpipe.lossy.device_run import Switch
 from zpipe.lossy.mapping import mapping_score, pass_counts
 from zpipe.lossy.partition import Allocation, partition
 from zpipe.lossy.remap import assemble_slices, initial_pieces, merge_super_neurons, remap_dead
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
 from zpipe.lossy.trace import same_run, train_in_process
+from zpipe.stage.lossy_passes import SharedInbox
 
 
 def _data() -> Dataset:
@@ -156,3 +160,36 @@ def test_a_remap_at_the_first_mini_batch_is_the_new_allocation_from_the_start() 
     assert same_run(remapped, fresh, rtol=0.0)
     with pytest.raises(ConfigError):
         DeviceDeath(dead, {}, 1, None)
+
+
+def test_a_stage_holds_at_its_frontier_until_the_coordinator_decides() -> None:
+    st = SimpleNamespace(spec=SimpleNamespace(n_data=10), inbox={}, consumed=set(), late=0)
+    inbox = SharedInbox(st)  # type: ignore[arg-type]
+    assert [inbox.begin(d) for d in (1, 2, 3)] == [True, True, True]
+    assert inbox.hold(2) == 3 and inbox.is_dead(2)
+    assert inbox.begin(3)  # at the frontier: goes on
+    assert (inbox.route(3, False), inbox.route(4, False), inbox.route(1, True)) == (
+        "now",
+        "hold",
+        "hold",
+    )
+    with ThreadPoolExecutor(1) as pool:
+        later = pool.submit(inbox.begin, 4)
+        assert not later.done()  # held until the decision
+        alloc = partition("hybrid", [6, 4, 3], 2)
+        switch = Switch(4, alloc, Topology(alloc), ())
+        inbox.decide(switch)
+        assert later.result(timeout=30) is False  # mini-batch 4 belongs to the new allocation
+    assert (inbox.route(3, False), inbox.route(4, False), inbox.route(1, True)) == (
+        "now",
+        "next",
+        "next",
+    )
+    assert inbox.next_switch() is switch
+    inbox.switched()
+    assert inbox.begin(4) and inbox.route(4, False) == "now"
+    # a second death, declined: the passes go on as they were
+    assert inbox.hold(0) == 4
+    inbox.decide(None)
+    assert inbox.begin(5) and inbox.next_switch() is None and inbox.past_training
+    assert inbox.hold(1) == 11  # past training: nothing left to switch

@@ -151,12 +151,18 @@ class SharedInbox:
                 self._cond.wait()
             if self.stopped:
                 raise RunStopped()
-            switch, self.pending = self.pending, None
+            switch = self.pending
             if switch is None:
                 self.past_training = True
             else:
                 self.segment_end = self.st.spec.n_data
             return switch
+
+    def switched(self) -> None:
+        """The switch is made: partials are checked against the run's state again (until
+        now those of the new allocation were checked against the switch)."""
+        with self._cond:
+            self.pending = None
 
     def finish(self) -> None:
         """Before the result goes: no hold may be left undecided."""
@@ -255,6 +261,7 @@ class PassLoop:
             if switch is None:
                 break
             self._switch(switch)
+            self.inbox.switched()
             alloc, first = switch.alloc, switch.first
         if st.tests:
             self._test_passes()
