@@ -6,17 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from zpipe.config import Timeouts
 from zpipe.coordinator.commands import Command, Send
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.lossy_remap import RemapRun, results_remapping
+from zpipe.coordinator.lossy_remap import RemapRun, keep_replica, results_remapping
 from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.partition import partition
 from zpipe.lossy.shard import Topology
-from zpipe.protocol.lossy import LossyRemap
+from zpipe.protocol.lossy import LossyRemap, LossyReplica
 from zpipe.transport.codec import Message
 
 SIZES = [6, 8, 8, 3]
@@ -45,9 +46,17 @@ def _run(alloc: Any) -> RemapRun:
     rng = np.random.default_rng(0)
     prr = rng.uniform(0.5, 1.0, size=(4, 4))
     np.fill_diagonal(prr, 1.0)
-    return RemapRun(run=7, epoch=3, n_data=N_DATA, prr=prr, params=init_mlp(SIZES, seed=0),
-                    inputs=np.zeros((N_DATA, 2, 6)), labels=np.zeros((N_DATA, 2), dtype=np.int64),
-                    x_test=None, alloc=alloc)  # fmt: skip
+    return RemapRun(
+        run=7,
+        epoch=3,
+        n_data=N_DATA,
+        prr=prr,
+        params=init_mlp(SIZES, seed=0),
+        inputs=np.zeros((N_DATA, 2, 6)),
+        labels=np.zeros((N_DATA, 2), dtype=np.int64),
+        x_test=None,
+        alloc=alloc,
+    )
 
 
 def _sent(commands: list[Command], kind: str) -> dict[str, Message]:
@@ -99,13 +108,47 @@ def test_a_death_holds_the_survivors_and_switches_after_the_furthest() -> None:
         sl = topo.slice_of(layer, 1)
         assert sl is not None and (sl.start, sl.stop) == (a, z)
         assert np.array_equal(w.numpy(), remap.params[layer - 1][0][a:z])
-    assert remap.remaps == [[1, "b", 16, after.to_dict()]]
+    assert remap.remaps == [[1, "b", 16, after.to_dict(), None]]  # no replica: run start
     # the run then waits for the survivors' results only
     for name in ("a", "c"):
         state.flows.reply(name, Message("lossy_result", {"run": 7}), now=3.0)
     assert not got
     state.flows.reply("d", Message("lossy_result", {"run": 7}), now=3.0)
     assert sorted(got[0]) == ["a", "c", "d"]
+
+
+def test_the_taken_over_rows_come_from_the_dead_devices_latest_replica() -> None:
+    state, members = _state()
+    alloc = partition("hybrid", SIZES, 4)
+    remap = _run(alloc)
+    _start(state, remap, members)
+    topo = Topology(alloc)
+    mine = [(n, topo.slice_of(n, 1)) for n in range(1, len(SIZES))]
+    slices = [[n, sl.start, sl.stop] for n, sl in mine if sl is not None]
+
+    def replica(step: int, value: float, sender: str = "b") -> list[Command]:
+        tensors = []
+        for n, a, z in slices:
+            tensors += [
+                torch.full((z - a, SIZES[n - 1]), value, dtype=torch.float64),
+                torch.full((z - a,), value, dtype=torch.float64),
+            ]
+        message = LossyReplica(run=7, device=1, step=step, slices=slices, tensors=tuple(tensors))
+        return keep_replica(state, sender, message.to_message())
+
+    assert replica(10, 1.0) == [] and replica(20, 2.0) == [] and replica(15, 3.0) == []
+    assert replica(30, 9.0, sender="c")  # another stage's word for b: dropped, logged
+    _die(state, "b", 1.0)
+    out: list[Command] = []
+    for name in ("a", "c", "d"):
+        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": 25})
+        out += state.flows.reply(name, hold, now=2.0) or []
+    remapped = _sent(out, "lossy_remap")
+    taker = next(n for n, m in remapped.items() if m["pieces"])
+    rows = remapped[taker].tensors[: 2 * len(remapped[taker]["pieces"])]
+    assert rows and all(bool((t == 2.0).all()) for t in rows)  # step 20's, the newest
+    assert remap.remaps[0][4] == 20
+    assert 7 not in state.lossy_runs or state.lossy_runs[7] is remap
 
 
 def test_no_switch_when_a_survivor_is_past_training() -> None:

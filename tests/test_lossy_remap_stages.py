@@ -34,6 +34,9 @@ SUSPECT_AFTER = 6
 PROBE_INTERVALS = 4
 # seconds of passes on two loaded cores, far more than the kill takes to land
 N_DATA = 600
+# b sends the coordinator its slices every this many mini-batches: its neurons resume
+# from the latest one it sent
+REPLICA_EVERY = 20
 
 
 def _data() -> Dataset:
@@ -77,6 +80,7 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation() 
                     wait_s=120.0,
                     on_death="remap",
                     test_repeats=1,
+                    replica_every=REPLICA_EVERY,
                 )
                 await asyncio.wait_for(killer, 30)
                 return result
@@ -85,8 +89,9 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation() 
         survivor_logs = "".join(cluster.logs(n) for n in ("a", "c", "d"))
     assert set(result.dead) == {1}  # device k is the k-th stage: b is device 1
     assert len(result.remaps) == 1
-    device, stage, switch_at, after = result.remaps[0]
+    device, stage, switch_at, after, replica_step = result.remaps[0]
     assert (device, stage) == (1, "b") and 1 < switch_at <= N_DATA
+    assert replica_step is None or (replica_step % REPLICA_EVERY == 0 and replica_step < switch_at)
     assert 1 not in after.device_of and set(after.device_of) == {0, 2, 3}
     assert "lossy_switched" in survivor_logs
     assert set(result.device_wall_s) == {0, 2, 3}
@@ -94,6 +99,7 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation() 
     assert sorted(result.trace.losses) == list(range(1, N_DATA + 1))
     death = result.death(prepared.n_data)
     assert death is not None and death.switch_at == switch_at
+    assert death.replica_step == replica_step
     simulated = train_with_death(prepared, data, death)
     assert same_run(result.trace, simulated, rtol=1e-10)
     # the test passes under loss after training ran on the allocation switched to
@@ -105,3 +111,9 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation() 
     if switch_at < N_DATA:
         later = replace(death, switch_at=switch_at + 1)
         assert not same_run(result.trace, train_with_death(prepared, data, later), rtol=1e-10)
+    # and so does where the taken-over neurons' weights came from
+    other = None if replica_step is not None else REPLICA_EVERY
+    if other is None or other < switch_at:
+        moved = replace(death, replica_step=other)
+        assert not same_run(result.trace, train_with_death(prepared, data, moved), rtol=1e-10)
+    print("switch_at", switch_at, "replica", replica_step, "heard", dict(death.heard))

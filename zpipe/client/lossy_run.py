@@ -85,8 +85,9 @@ class StagesLossyResult:
     test_acc: float | None = None
     test_acc_lossless: float | None = None
     #: re-mapped deaths (``on_death="remap"``), in order: (device, its stage, the first
-    #: mini-batch of the new allocation, that allocation)
-    remaps: list[tuple[int, str, int, Allocation]] = field(default_factory=list)
+    #: mini-batch of the new allocation, that allocation, the mini-batch of the replica
+    #: its neurons resumed from: None for the run's start)
+    remaps: list[tuple[int, str, int, Allocation, int | None]] = field(default_factory=list)
     #: each stage's counters at the run's end, by stage name (as a run_report's stages)
     stage_metrics: dict[str, Any] = field(default_factory=dict)
 
@@ -103,8 +104,8 @@ class StagesLossyResult:
         heard = heard_from_arrivals(self.alloc, n_data, device, self.trace.arrivals)
         if not self.remaps:
             return DeviceDeath(device, heard)
-        _, _, switch_at, after = self.remaps[0]
-        return DeviceDeath(device, heard, switch_at, after)
+        _, _, switch_at, after, replica_step = self.remaps[0]
+        return DeviceDeath(device, heard, switch_at, after, replica_step)
 
 
 def lossy_request(
@@ -125,6 +126,7 @@ def lossy_request(
     test_eval_index: int = 0,
     on_death: str = "null-fill",
     request_id: int | None = None,
+    replica_every: int | None = None,
 ) -> Message:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
@@ -192,6 +194,7 @@ def lossy_request(
         probes=probes,
         on_death=None if on_death == "null-fill" else on_death,
         request_id=request_id,
+        replica_every=replica_every,
         tensors=tuple(tensors),
     )
     return request.to_message()
@@ -251,14 +254,18 @@ def result_from_report(
     )
 
 
-def _remaps(body: Any, alloc: Allocation) -> list[tuple[int, str, int, Allocation]]:
-    """``lossy_run_report``'s ``remaps``: ``[[device, stage, switch_at, alloc], ...]``."""
-    out: list[tuple[int, str, int, Allocation]] = []
+def _remaps(body: Any, alloc: Allocation) -> list[tuple[int, str, int, Allocation, int | None]]:
+    """``lossy_run_report``'s ``remaps``: ``[[device, stage, switch_at, alloc, replica
+    step], ...]``."""
+    out: list[tuple[int, str, int, Allocation, int | None]] = []
     for entry in body or []:
-        if not isinstance(entry, list) or len(entry) != 4:
-            raise ProtocolError("lossy_run_report: remaps must list [device, stage, step, alloc]")
-        device, stage, switch_at, after = entry
-        if not (isinstance(device, int) and isinstance(stage, str) and isinstance(switch_at, int)):
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise ProtocolError(
+                "lossy_run_report: remaps must list [device, stage, step, alloc, replica]"
+            )
+        device, stage, switch_at, after, replica = entry
+        ints = all(isinstance(v, int) for v in (device, switch_at))
+        if not (ints and isinstance(stage, str) and (replica is None or isinstance(replica, int))):
             raise ProtocolError(f"lossy_run_report: bad remap {entry[:3]!r}")
         try:
             new = Allocation.from_dict(after)
@@ -266,7 +273,7 @@ def _remaps(body: Any, alloc: Allocation) -> list[tuple[int, str, int, Allocatio
             raise ProtocolError(f"lossy_run_report: remap allocation: {exc}") from None
         if new.layer_sizes != alloc.layer_sizes:
             raise ProtocolError("lossy_run_report: a remap changed the network")
-        out.append((device, stage, switch_at, new))
+        out.append((device, stage, switch_at, new, replica))
     return out
 
 

@@ -31,6 +31,7 @@ from zpipe.coordinator.events import (
     TimerFired,
 )
 from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.lossy_remap import keep_replica
 from zpipe.coordinator.lossy_run import LOSSY_REPLY_KINDS, start_lossy_run
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
@@ -171,6 +172,8 @@ class CoordinatorCore:
             return [Log("info", "stage_answered_probe", {"stage": member.name})]
         if kind in SHELL_REPLY_KINDS:
             return [Deliver(member.name, message)]
+        if kind == "lossy_replica":
+            return keep_replica(self.state, member.name, message)
         if kind in REPLY_KINDS:
             routed = self.state.flows.reply(member.name, message, now)
             if routed is None:

@@ -113,6 +113,9 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     if on_death == "remap" and request.spec.get("mode") != "emulated":
         # deadline mode cuts by the clock: a hold would make the survivors miss theirs
         raise ConfigError("on_death='remap' needs the emulated wait mode")
+    replica_every = request.replica_every
+    if replica_every is not None and (isinstance(replica_every, bool) or replica_every < 1):
+        raise ConfigError(f"replica_every must be a positive integer, got {replica_every!r}")
     seed = request.spec.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
@@ -185,6 +188,8 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
             labels=owns_output,
             names=names,
             keys=keys or None,
+            # replicas serve only a remap
+            replica_every=replica_every if on_death == "remap" else None,
             tensors=tuple(tensors),
             epoch=epoch,
         )
@@ -225,7 +230,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         "kind": "lossy",
         "stages": sorted(results),
         "dead": sorted(m.name for m in dead.values()),
-        "remapped": [[d, name, switch_at] for d, name, switch_at, _ in remaps],
+        "remapped": [[d, name, switch_at] for d, name, switch_at, *_ in remaps],
         "wall_s": max((float(r["wall_s"]) for r in results.values()), default=0.0),
     }
     yield Log("info", "lossy_run_done", done)

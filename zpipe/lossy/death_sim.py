@@ -19,7 +19,9 @@ What a run on stages does when a stage is killed (:mod:`zpipe.coordinator.lossy_
 - ``switch_at = k``: the passes of mini-batches before ``k`` finish on the old
   allocation (null-filling the dead device), then mini-batches ``k..n`` run the
   pipeline of ``alloc_after`` from its first timeslot, the survivors with their
-  trained slices and the taken-over neurons at their run-start values.
+  trained slices and the taken-over neurons from the dead device's replica
+  (``replica_step``: its slices right after its last pass of that mini-batch) or at
+  their run-start values.
 """
 
 from __future__ import annotations
@@ -51,10 +53,15 @@ class DeviceDeath:
     #: the first mini-batch of the remapped allocation (None: null-filled to the end)
     switch_at: int | None = None
     alloc_after: Allocation | None = None
+    #: the mini-batch of the dead device's replica its neurons resume from (None: the
+    #: run's start): its slices right after its last pass of that mini-batch
+    replica_step: int | None = None
 
     def __post_init__(self) -> None:
         if (self.switch_at is None) != (self.alloc_after is None):
             raise ConfigError("a remap needs both switch_at and alloc_after")
+        if self.replica_step is not None and self.switch_at is None:
+            raise ConfigError("a replica serves only a remap")
 
 
 @dataclass
@@ -123,21 +130,34 @@ def train_with_death(
         dead=d,
         heard=dict(death.heard),
     )
-    model = PartitionedMLP(alloc, prepared.params, channel, lr=cfg.lr, record_arrivals=True,
-                           shard_factory=shard_factory)  # fmt: skip
+    model = PartitionedMLP(
+        alloc,
+        prepared.params,
+        channel,
+        lr=cfg.lr,
+        record_arrivals=True,
+        shard_factory=shard_factory,
+    )
     model.unrecorded = {d}
     end = n if death.switch_at is None else death.switch_at - 1
     # each mini-batch's loss by output owner: averaged at the end as a run on stages
     # averages its survivors' views (zpipe.lossy.trace.trace_from_results)
     losses: dict[int, dict[int, float]] = {}
+    topo = Topology(alloc)
+    dense = [layer for layer in range(1, alloc.n_layers) if topo.slice_of(layer, d) is not None]
+    replica_at = (
+        None if death.replica_step is None or not dense else ("B", min(dense), death.replica_step)
+    )
+    replica: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
     for i, ev in enumerate(events(alloc, n, period=prepared.period)):
         channel.event_index = i
         if ev.data <= end:
             _play(model, prepared, data, ev, ev.data, losses, dead={d})
+            if (ev.kind, ev.layer, ev.data) == replica_at:
+                replica = {k: (w.copy(), b.copy()) for k, (w, b) in model.shards[d].weights.items()}
     assert model.arrivals is not None
     arrivals = dict(model.arrivals)
     propagation = [model.propagation]
-    topo = Topology(alloc)
     if death.switch_at is None or death.alloc_after is None:
         weights = dict(model.weights)
         for layer in range(1, alloc.n_layers):
@@ -147,15 +167,20 @@ def train_with_death(
                 weights[(layer, d)] = (np.zeros_like(w), np.zeros_like(b))
         final_topo = topo
         params = [
-            (np.vstack([weights[(layer, o)][0] for o, _ in topo.owners[layer]]),
-             np.concatenate([weights[(layer, o)][1] for o, _ in topo.owners[layer]]))
+            (
+                np.vstack([weights[(layer, o)][0] for o, _ in topo.owners[layer]]),
+                np.concatenate([weights[(layer, o)][1] for o, _ in topo.owners[layer]]),
+            )
             for layer in range(1, alloc.n_layers)
-        ]  # fmt: skip
+        ]
     else:
         after = death.alloc_after
-        params = _params_after_switch(model, topo, prepared, d)
-        later = PartitionedMLP(after, params, channel, lr=cfg.lr, record_arrivals=True,
-                               shard_factory=shard_factory)  # fmt: skip
+        if death.replica_step is not None and replica is None:
+            raise ConfigError(f"device {d} ran no last pass of mini-batch {death.replica_step}")
+        params = _params_after_switch(model, topo, prepared, d, replica)
+        later = PartitionedMLP(
+            after, params, channel, lr=cfg.lr, record_arrivals=True, shard_factory=shard_factory
+        )
         first = death.switch_at
         for ev in events(after, n - first + 1):
             _play(later, prepared, data, ev, ev.data + first - 1, losses, dead=set())
@@ -196,17 +221,23 @@ def _play(
 
 
 def _params_after_switch(
-    model: PartitionedMLP, topo: Topology, prepared: PreparedRun, dead: int
+    model: PartitionedMLP,
+    topo: Topology,
+    prepared: PreparedRun,
+    dead: int,
+    replica: dict[int, tuple[np.ndarray, np.ndarray]] | None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The whole network at the switch: the survivors' trained slices, the dead
-    device's rows at their run-start values (:mod:`zpipe.lossy.remap`)."""
+    device's rows from its replica, or at their run-start values (:mod:`zpipe.lossy.remap`)."""
     out = []
     for (w, b), (w0, b0), layer in zip(
         model.full_params(), prepared.params, range(1, topo.n_layers), strict=True
     ):
         w, b = w.copy(), b.copy()
         sl = topo.slice_of(layer, dead)
-        if sl is not None:
+        if sl is not None and replica is not None:
+            w[sl.start : sl.stop], b[sl.start : sl.stop] = replica[layer]
+        elif sl is not None:
             w[sl.start : sl.stop] = w0[sl.start : sl.stop]
             b[sl.start : sl.stop] = b0[sl.start : sl.stop]
         out.append((w, b))

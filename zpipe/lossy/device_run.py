@@ -52,6 +52,8 @@ class DeviceRun:
     test_arrivals: Arrivals = field(default_factory=dict)
     #: test passes that ran with partials missing
     test_null_filled: int = 0
+    #: send the coordinator a replica of the slices every this many mini-batches
+    replica_every: int | None = None
 
 
 #: the wire kind of a test pass's partial, by the training kind it mirrors
@@ -192,6 +194,9 @@ def build_run(
         labels = to_array(
             rest.pop(0), shape=(spec.n_data, spec.batch), dtype=torch.int64, what="labels"
         )
+    every = msg.replica_every
+    if every is not None and (isinstance(every, bool) or every < 1):
+        raise ProtocolError(f"lossy_setup: replica_every must be positive, got {every!r}")
     if (topo.slice_of(0, index) is not None) != (inputs is not None):
         raise ProtocolError("lossy_setup: inputs go to (and only to) input-layer owners")
     if (topo.slice_of(topo.last, index) is not None) != (labels is not None):
@@ -209,6 +214,7 @@ def build_run(
         labels=labels,
         x_test=x_test,
         tests={t.step: t for t in eval_steps(spec.test)} if spec.test is not None else {},
+        replica_every=every,
     )
 
 

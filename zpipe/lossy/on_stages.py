@@ -112,7 +112,7 @@ def _run_all(
                         # device -> [stage, first mini-batch that ran without it]
                         "dead": {str(d): list(v) for d, v in result.dead.items()},
                         # device -> first mini-batch of the allocation it was re-mapped by
-                        "remapped": {str(d): k for d, _, k, _ in result.remaps},
+                        "remapped": {str(d): k for d, _, k, *_ in result.remaps},
                         # test-time inference under loss across the stages
                         "final_test_acc": result.test_acc,
                         "final_test_acc_lossless": result.test_acc_lossless,

@@ -119,13 +119,32 @@ def initial_pieces(
     after: Allocation,
     device: int,
     params: Sequence[tuple[FloatArray, FloatArray]],
+    replica: Mapping[int, tuple[int, int, FloatArray, FloatArray]] | None = None,
 ) -> list[Piece]:
-    """The rows ``device`` takes over, at their run-start values (``params``: the run's
-    initial ``(W, b)`` per dense layer)."""
-    return [
-        (layer, a, b, params[layer - 1][0][a:b].copy(), params[layer - 1][1][a:b].copy())
-        for layer, a, b in taken_over(before, after, device)
-    ]
+    """The rows ``device`` takes over: from ``replica`` (the dead device's slices by layer,
+    ``(start, stop, W, b)``, from its latest replica) where it holds them, else at their
+    run-start values (``params``: the run's initial ``(W, b)`` per dense layer)."""
+    out: list[Piece] = []
+    for layer, a, b in taken_over(before, after, device):
+        kept = (replica or {}).get(layer)
+        if kept is not None and kept[:2] == (a, b):
+            out.append((layer, a, b, kept[2].copy(), kept[3].copy()))
+        else:
+            out.append((layer, a, b, params[layer - 1][0][a:b].copy(),
+                        params[layer - 1][1][a:b].copy()))  # fmt: skip
+    return out
+
+
+def replica_covers(
+    alloc: Allocation, device: int, replica: Mapping[int, tuple[int, int, FloatArray, FloatArray]]
+) -> bool:
+    """Whether ``replica`` holds every dense slice ``device`` owns under ``alloc``."""
+    mine = {
+        layer: (sl.start, sl.stop)
+        for layer in range(1, alloc.n_layers)
+        if (sl := _slice(alloc, layer, device)) is not None
+    }
+    return mine == {layer: rows[:2] for layer, rows in replica.items()}
 
 
 def assemble_slices(

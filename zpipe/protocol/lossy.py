@@ -13,7 +13,8 @@ zpipe.stage.lossy_executor)::
                                               lossy_ready; lossy_go starts the probes)
     stage -> coordinator   lossy_probe_report probes received from each peer
     stage -> stage         lossy_probe, lossy_probe_end  on the data sockets
-    stage -> coordinator   lossy_ready, lossy_result, lossy_hold
+    stage -> coordinator   lossy_ready, lossy_result, lossy_hold, lossy_replica (its
+                                              slices every replica_every mini-batches)
     stage -> stage         lossy_partial      on the stages' data sockets
     coordinator -> client  lossy_run_report   the allocation; every device's result and weights
 
@@ -62,6 +63,24 @@ class LossySetup(TensorMessage):
     # on ordinary stages: each device's stage name and CURVE public key, by device index
     names: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     keys: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # send the coordinator a replica of your slices (lossy_replica) after every
+    # replica_every-th mini-batch: what a remap gives the survivors of your neurons
+    replica_every: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyReplica(TensorMessage):
+    """Stage -> coordinator: this device's slices right after its last pass of
+    mini-batch ``step`` (its backward pass of its lowest dense layer). Tensors: ``(W, b)``
+    of each ``[layer, start, stop]`` of ``slices``."""
+
+    KIND: ClassVar[str] = "lossy_replica"
+    run: int = wire(INT)
+    device: int = wire(INT)
+    step: int = wire(INT)
+    slices: list[Any] = wire(LIST)
+    # its stage's name (state a stage sends on its bulk connection names its sender)
+    name: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -248,6 +267,8 @@ class LossyRunRequest(TensorMessage):
     # the client's id of this request: one sent again after a reconnection shares the
     # answer being made (a restarted coordinator runs it again from the start)
     request_id: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # each stage sends a replica of its slices every this many mini-batches (remap)
+    replica_every: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -265,7 +286,8 @@ class LossyRunReport(TensorMessage):
     dead: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     # the reception ratios the stages measured (``[src][dst]``), when the run asked
     measured: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
-    # re-mapped deaths: [device, stage, switch_at, allocation after] in order
+    # re-mapped deaths, in order: [device, stage, switch_at, allocation after, the
+    # mini-batch of the dead device's replica its neurons resumed from (null: run start)]
     remaps: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     # each stage's counters at the run's end, as a run_report's stages
     metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
@@ -279,6 +301,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     LossyDead,
     LossyHold,
     LossyRemap,
+    LossyReplica,
     LossyPartial,
     LossyProbeRequest,
     LossyProbe,

@@ -39,6 +39,8 @@ import zmq.asyncio
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
 from zpipe.lossy.device_run import DeviceRun, build_run, build_switch, partial_shape
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import NeuronSlice
 from zpipe.lossy.torch_partial import TorchDeviceShard
 from zpipe.lossy.wire import to_array, to_tensor
 from zpipe.protocol.lossy import (
@@ -51,11 +53,12 @@ from zpipe.protocol.lossy import (
     LossyProbeRequest,
     LossyReady,
     LossyRemap,
+    LossyReplica,
     LossyResult,
     LossySetup,
 )
 from zpipe.stage.assignment import PushConnector
-from zpipe.stage.lossy_passes import PassLoop, SharedInbox
+from zpipe.stage.lossy_passes import PassLoop, ReplicaSink, SharedInbox
 from zpipe.stage.lossy_probes import LinkProbes, probe_links
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
@@ -391,6 +394,7 @@ class LossyExecutor:
             send_timeout_s=self._send_timeout_s,
             stage=self.name,
             shard_factory=TorchDeviceShard,
+            on_replica=self._replica_sink(st, asyncio.get_running_loop()),
         )
         error = ""
         log.info("lossy_started", stage=self.name, run=st.run, device=self.index)
@@ -414,6 +418,33 @@ class LossyExecutor:
         # set-up (a partial still queued gets PEER_LINGER_S to be delivered).
         self._close_peers(linger_s=min(self._send_timeout_s, PEER_LINGER_S))
         await self._send_result(st, error, time.perf_counter() - started)
+
+    def _replica_sink(self, st: DeviceRun, loop: asyncio.AbstractEventLoop) -> ReplicaSink:
+        """What the pass loop (compute thread) calls with a replica of the slices: the
+        event loop sends it to the coordinator (``lossy_replica``)."""
+        epoch = self.epoch
+
+        def sink(step: int, slices: dict[int, tuple[NeuronSlice, FloatArray, FloatArray]]) -> None:
+            layers = sorted(slices)
+            message = LossyReplica(
+                run=st.run,
+                device=self.index,
+                step=step,
+                slices=[[n, slices[n][0].start, slices[n][0].stop] for n in layers],
+                name=self.name,
+                tensors=tuple(to_tensor(a) for n in layers for a in slices[n][1:]),
+            ).to_message()
+            replica = Message(message.kind, message.body, epoch=epoch, tensors=message.tensors)
+
+            async def send() -> None:
+                try:
+                    await self._send_control(replica)
+                except Exception as exc:  # a lost replica costs a remap only training
+                    log.warning("lossy_replica_not_sent", stage=self.name, error=repr(exc))
+
+            asyncio.run_coroutine_threadsafe(send(), loop)
+
+        return sink
 
     async def _send_result(self, st: DeviceRun, error: str, wall_s: float) -> None:
         weights = st.shard.weights

@@ -43,6 +43,7 @@ from zpipe.log import get_logger
 from zpipe.lossy.device_run import TEST_KINDS, DeviceRun, Switch
 from zpipe.lossy.engine import record_arrival
 from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import NeuronSlice
 from zpipe.lossy.remap import assemble_slices
 from zpipe.lossy.schedule import PassEvent, events, total_timeslots
 from zpipe.lossy.shard import DeviceShard, Needed, Outgoing, ShardFactory
@@ -53,6 +54,10 @@ log = get_logger("zpipe.stage")
 
 # How often a blocked send looks whether the run was stopped.
 _STOP_POLL_S = 0.2
+
+
+#: takes a replica: the mini-batch it follows, and by layer (slice, W, b)
+ReplicaSink = Callable[[int, dict[int, tuple[NeuronSlice, FloatArray, FloatArray]]], None]
 
 
 class RunStopped(Exception):
@@ -236,8 +241,10 @@ class PassLoop:
         send_timeout_s: float,
         stage: str,
         shard_factory: ShardFactory = DeviceShard,
+        on_replica: ReplicaSink | None = None,
     ) -> None:
         self._shard_factory = shard_factory
+        self._on_replica = on_replica
         self.st = st
         self.inbox = inbox
         self.index = index
@@ -257,6 +264,7 @@ class PassLoop:
                 data = ev.data + first - 1
                 if ev.layer in st.shard.slices and self.inbox.begin(data):
                     self._pass(ev if first == 1 else replace(ev, data=data))
+                    self._replica_after(ev.kind, ev.layer, data)
             switch = self.inbox.next_switch()
             if switch is None:
                 break
@@ -266,6 +274,18 @@ class PassLoop:
         if st.tests:
             self._test_passes()
         self.inbox.finish()
+
+    def _replica_after(self, kind: str, layer: int, data: int) -> None:
+        """Every ``replica_every``-th mini-batch, once this device's last pass of it (the
+        backward pass of its lowest dense layer) is done: its slices to the coordinator,
+        what a remap gives whoever takes its neurons over (zpipe.lossy.remap)."""
+        st, every = self.st, self.st.replica_every
+        dense = [n for n in st.shard.slices if n >= 1]
+        if self._on_replica is None or every is None or kind != "B" or not dense:
+            return
+        if layer == min(dense) and data % every == 0:
+            weights = st.shard.weights
+            self._on_replica(data, {n: (st.shard.slices[n], *weights[n]) for n in weights})
 
     def _switch(self, switch: Switch) -> None:
         """Take the new allocation: this device's slices grown by what it takes over."""
