@@ -231,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
         "partials null-filled to the end, or its super neurons re-mapped onto the "
         "survivors (emulated --wait-mode only)",
     )
+    st.add_argument(
+        "--replica-every",
+        type=at_most(positive_int, MAX_DATA, "the most mini-batches"),
+        default=None,
+        metavar="K",
+        help="with --on-death remap: each stage sends the coordinator its slices every K "
+        "mini-batches, and a dead stage's neurons resume from its latest (default: from "
+        "their initial values)",
+    )
     return p
 
 
@@ -359,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--keys goes with --coordinator")
     if args.on_death == "remap" and args.wait_mode != "emulated":
         parser.error("--on-death remap needs --wait-mode emulated (a hold breaks deadlines)")
+    if args.replica_every is not None and args.on_death != "remap":
+        parser.error("--replica-every goes with --on-death remap")
     if args.coordinator is not None or args.multiprocess:
         return _main_on_stages(args, argv, configs, data)
     if not args.no_plots:

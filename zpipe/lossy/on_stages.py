@@ -75,6 +75,7 @@ def _run_all(
                     test_repeats=cfg.test_repeats,
                     test_eval_index=eval_index,
                     on_death=getattr(args, "on_death", "null-fill"),
+                    replica_every=getattr(args, "replica_every", None),
                 )
                 # a stage that died mid-run: the simulation plays the same death
                 death = result.death(prepared.n_data) if len(result.dead) == 1 else None

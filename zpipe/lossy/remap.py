@@ -14,13 +14,14 @@ range per layer (the shards hold one slice per layer): a super neuron of another
 layer group (no layer in common), or its neighbour in the same group (adjacent
 ranges, merged into one). The taker then runs both super neurons' passes.
 
-Where the taken-over neurons' weights come from: their values at the run's start
-(the initial weights the client sent, which the coordinator keeps for the run).
-The dead device's trained values are lost with it; the run's start is the one
-copy every party holds, needs no replica traffic during the run, and makes a
-remapped run deterministic, so its simulation (:mod:`zpipe.lossy.death_sim`)
-reproduces it exactly. A periodic replica of each device's slices would keep more
-of the training; it is not built.
+Where the taken-over neurons' weights come from: the dead device's trained values
+died with it, so from the coordinator's copy. When the run asks for replicas, each
+stage sends the coordinator its slices after every ``replica_every``-th mini-batch
+(right after its last pass of it, a fixed point of its pass sequence: deterministic),
+and the neurons resume from the dead device's latest replica; otherwise from their
+values at the run's start (the initial weights the client sent, which every party
+holds). Either keeps a remapped run deterministic, so its simulation
+(:mod:`zpipe.lossy.death_sim`) reproduces it exactly.
 """
 
 from __future__ import annotations
