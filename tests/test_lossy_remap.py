@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.death_sim import DeviceDeath, heard_from_arrivals, train_with_death
 from zpipe.lossy.device_run import Switch
@@ -163,7 +163,9 @@ def test_a_remap_at_the_first_mini_batch_is_the_new_allocation_from_the_start() 
 
 
 def test_a_stage_holds_at_its_frontier_until_the_coordinator_decides() -> None:
-    st = SimpleNamespace(spec=SimpleNamespace(n_data=10), inbox={}, consumed=set(), late=0)
+    st = SimpleNamespace(
+        spec=SimpleNamespace(n_data=10, wait_s=60.0), inbox={}, consumed=set(), late=0
+    )
     inbox = SharedInbox(st)  # type: ignore[arg-type]
     assert [inbox.begin(d) for d in (1, 2, 3)] == [True, True, True]
     assert inbox.hold(2) == 3 and inbox.is_dead(2)
@@ -193,3 +195,15 @@ def test_a_stage_holds_at_its_frontier_until_the_coordinator_decides() -> None:
     inbox.decide(None)
     assert inbox.begin(5) and inbox.next_switch() is None and inbox.past_training
     assert inbox.hold(1) == 11  # past training: nothing left to switch
+
+
+def test_a_hold_the_coordinator_never_decides_ends_the_run_with_a_timeout() -> None:
+    st = SimpleNamespace(
+        spec=SimpleNamespace(n_data=10, wait_s=0.05), inbox={}, consumed=set(), late=0
+    )
+    inbox = SharedInbox(st)  # type: ignore[arg-type]
+    assert inbox.begin(1) and inbox.hold(2) == 1
+    with pytest.raises(TransportTimeout, match="lossy_remap"):
+        inbox.begin(2)
+    with pytest.raises(TransportTimeout):
+        inbox.finish()

@@ -87,6 +87,7 @@ class SharedInbox:
         self.held: int | None = None
         self.segment_end = st.spec.n_data
         self.pending: Switch | None = None
+        self._decide_by = 0.0
 
     def file(self, key: tuple[int, str, int], src: int, values: FloatArray) -> bool:
         """File a partial; False if its pass has already run (it came late)."""
@@ -111,8 +112,18 @@ class SharedInbox:
             self.dead.setdefault(device, None)
             frontier = self.st.spec.n_data + 1 if self.past_training else self.started
             self.held = frontier
+            self._decide_by = time.monotonic() + self.st.spec.wait_s
             self._cond.notify_all()
             return frontier
+
+    def _wait_decision(self) -> None:
+        """Wait (the lock held) for the coordinator's decision on a hold, at most the
+        run's ``wait_s`` after the hold: a coordinator that never decides ends the run
+        with a clear error, never a hang (a restarted one sets the stages up anew)."""
+        remaining = self._decide_by - time.monotonic()
+        if remaining <= 0:
+            raise TransportTimeout("coordinator", "lossy_remap", self.st.spec.wait_s)
+        self._cond.wait(remaining)
 
     def decide(self, switch: Switch | None) -> None:
         """The coordinator's answer to a hold: switch allocation from ``switch.first``
@@ -140,7 +151,7 @@ class SharedInbox:
         runs it); waits while a hold keeps this stage from starting it."""
         with self._cond:
             while self.held is not None and data > self.held and not self.stopped:
-                self._cond.wait()
+                self._wait_decision()
             if self.stopped:
                 raise RunStopped()
             if data > self.segment_end:
@@ -153,7 +164,7 @@ class SharedInbox:
         is over here), once no hold is undecided."""
         with self._cond:
             while self.held is not None and not self.stopped:
-                self._cond.wait()
+                self._wait_decision()
             if self.stopped:
                 raise RunStopped()
             switch = self.pending
@@ -173,7 +184,7 @@ class SharedInbox:
         """Before the result goes: no hold may be left undecided."""
         with self._cond:
             while self.held is not None and not self.stopped:
-                self._cond.wait()
+                self._wait_decision()
 
     def stop(self) -> None:
         with self._cond:
