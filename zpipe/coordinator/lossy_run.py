@@ -16,6 +16,17 @@ waiting for its partials, the run goes on, and the report names it with the
 first mini-batch that ran without it (``dead``). With ``on_death="remap"`` the
 survivors take its super neurons over instead (:mod:`zpipe.coordinator.lossy_remap`)
 and the report lists each switch (``remaps``).
+
+At the end, as every run kind does (:func:`zpipe.coordinator.runbase.stage_metrics`),
+the report carries every live stage's counters (``metrics``) and the coordinator
+records ``run_done`` (or ``run_failed``) in its event list.
+
+A coordinator restart: the run's progress lives in this flow and in the stages, not
+on disk, but the client's request fixes the whole run (its seed decides every
+drop). The client sends it again when its connection is made again; a coordinator
+still running it shares the answer being made (``request_id``), a restarted one runs
+it from the start, and the stages drop the old run at the new one's set-up and its
+late partials by run id and epoch, which are saved before any stage hears them.
 """
 
 from __future__ import annotations
