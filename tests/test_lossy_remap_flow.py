@@ -165,3 +165,22 @@ def test_no_switch_when_a_survivor_is_past_training() -> None:
     assert sorted(remapped) == ["a", "b", "d"]
     assert all(LossyRemap.from_message(m).switch_at is None for m in remapped.values())
     assert remap.alloc is before and remap.remaps == []
+
+
+def test_the_taker_of_the_input_or_output_layer_gets_the_inputs_or_labels() -> None:
+    state, members = _state()
+    remap = _run(partition("vertical", SIZES, 4))  # device k owns layer k alone
+    _start(state, remap, members)
+    _die(state, "a", 1.0)  # the input layer's only owner
+    out: list[Command] = []
+    for name in ("b", "c", "d"):
+        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": 5})
+        out += state.flows.reply(name, hold, now=2.0) or []
+    bodies = {n: LossyRemap.from_message(m) for n, m in _sent(out, "lossy_remap").items()}
+    owners = {d for d, _ in remap.alloc.owners(0)}
+    assert len(owners) == 1 and 0 not in owners
+    taker = "abcd"[owners.pop()]
+    assert bodies[taker].inputs and not bodies[taker].pieces  # the input layer has no weights
+    (inputs,) = bodies[taker].tensors
+    assert tuple(inputs.shape) == (N_DATA, 2, 6)
+    assert all(not b.inputs and not b.tensors for n, b in bodies.items() if n != taker)
