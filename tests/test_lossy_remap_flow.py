@@ -8,15 +8,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from zpipe._errors import ConfigError
+from zpipe.client.lossy_run import lossy_request
 from zpipe.config import Timeouts
-from zpipe.coordinator.commands import Command, Send
+from zpipe.coordinator.commands import AwaitStages, Command, RunJob, Send
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.lossy_remap import RemapRun, keep_replica, results_remapping
+from zpipe.coordinator.lossy_run import start_lossy_run
 from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.state import CoordinatorState
+from zpipe.lossy.data import Dataset
 from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.partition import partition
 from zpipe.lossy.shard import Topology
+from zpipe.lossy.simulate import RunConfig, prepare_run
 from zpipe.protocol.lossy import LossyRemap, LossyReplica
 from zpipe.transport.codec import Message
 
@@ -184,3 +189,26 @@ def test_the_taker_of_the_input_or_output_layer_gets_the_inputs_or_labels() -> N
     (inputs,) = bodies[taker].tensors
     assert tuple(inputs.shape) == (N_DATA, 2, 6)
     assert all(not b.inputs and not b.tensors for n, b in bodies.items() if n != taker)
+
+
+def test_a_request_sent_again_shares_the_run_being_made() -> None:
+    # The client sends its lossy_run_request again when its connection is made again:
+    # a coordinator still running it must not start a second run over the same stages.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 6)), rng.integers(0, 3, size=40)
+    data = Dataset("random", x, y, x[:4], y[:4])
+    cfg = RunConfig(
+        allocation="hybrid", n_devices=2, hidden=(4,), batch_size=4, n_data=3, mapping="identity"
+    )
+    request = lossy_request(prepare_run(cfg, data), data, stages=2, request_id=99)
+    state, _ = _state()
+    first = start_lossy_run(state, b"route-1", request, now=0.0)
+    jobs = [c for c in first if isinstance(c, RunJob) and isinstance(c.job, AwaitStages)]
+    assert len(jobs) == 1
+    assert start_lossy_run(state, b"route-2", request, now=1.0) == []  # shares the first
+    out = state.flows.job_failed(jobs[0].tag, ConfigError("no stages"), now=2.0)
+    answers = [c for c in out if isinstance(c, Send) and c.message.kind == "run_failed"]
+    assert sorted(c.to for c in answers) == [b"route-1", b"route-2"]
+    # once answered, the same id starts a run again (a restarted coordinator's case)
+    again = start_lossy_run(state, b"route-3", request, now=3.0)
+    assert any(isinstance(c, RunJob) for c in again)
