@@ -1,4 +1,5 @@
-"""The coordinator's side of a re-mapped death (zpipe.coordinator.lossy_remap), pure:
+"""The coordinator's side of a re-mapped death (zpipe.coordinator.lossy_remap) and of a
+request sent again (zpipe.coordinator.lossy_run.start_lossy_run), pure:
 a flow driven by feeding events, as h11's tests feed bytes."""
 
 from __future__ import annotations
