@@ -47,6 +47,9 @@ def _strict_loads(text: str) -> object:
         (["--test-repeats", "1000000000"], "at most"),
         (["--rtx-copies", "1000000000"], "at most"),
         (["--hidden", "60000,60000"], "weights"),
+        (["--on-death", "remap", "--wait-mode", "deadline", "--multiprocess"], "emulated"),
+        (["--replica-every", "5", "--multiprocess"], "--on-death remap"),
+        (["--on-death", "remap", "--replica-every", "0"], "must be >= 1"),
     ],
 )
 def test_bad_values_are_refused_without_traceback(

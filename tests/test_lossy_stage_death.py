@@ -20,8 +20,10 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.coordinator.commands import AwaitReplies, Send
 from zpipe.coordinator.flows import Flow, FlowRunner
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.death_sim import train_with_death
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import RunConfig, prepare_run
+from zpipe.lossy.trace import same_run
 from zpipe.transport.codec import Message
 
 pytestmark = pytest.mark.timeout(240)
@@ -98,6 +100,11 @@ def test_a_stage_killed_mid_run_is_null_filled_and_the_run_goes_on() -> None:
             assert 1 not in senders
             assert [data_id, kind, key_layer] in [w[:3] for w in result.waits[d]]
     assert read_b > 0
+    # and the run is its simulation with b dying where its streams were cut
+    # (zpipe.lossy.death_sim): the same drops, losses and weights
+    death = result.death(N_DATA)
+    assert death is not None and death.switch_at is None
+    assert same_run(result.trace, train_with_death(prepared, data, death), rtol=1e-10)
 
 
 def test_a_wait_tells_the_others_when_a_stage_it_waits_on_is_lost() -> None:

@@ -81,7 +81,11 @@ ADDED_IN_V1 = {
     # asynchronous training's end of the feed (only async stages are sent one)
     "data": {"end": ["bool/null", False]},
     # a lossy run on ordinary stages: the peers' names and keys; a start relative to receipt
-    "lossy_setup": {"names": ["dict/null", False], "keys": ["dict/null", False]},
+    "lossy_setup": {
+        "names": ["dict/null", False],
+        "keys": ["dict/null", False],
+        "replica_every": ["int/null", False],
+    },
     "lossy_go": {"start_in_s": ["int/float/null", False]},
     # measured by ordinary stages: the stage's device index, its peers' names and keys
     "lossy_probe_request": {
@@ -140,6 +144,9 @@ KINDS_ADDED_IN_V1 = {
         "result_s": ["int/float", True],
         "start_in_s": ["int/float/null", False],
         "probes": ["int/null", False],
+        "on_death": ["str/null", False],
+        "request_id": ["int/null", False],
+        "replica_every": ["int/null", False],
     },
     "lossy_run_report": {
         "run": ["int", True],
@@ -148,9 +155,27 @@ KINDS_ADDED_IN_V1 = {
         "results": ["list", True],
         "dead": ["list/null", False],
         "measured": ["list/null", False],
+        "remaps": ["list/null", False],
+        "metrics": ["dict/null", False],
     },
-    # to a lossy run's surviving stages: a device of the run died
-    "lossy_dead": {"run": ["int", True], "device": ["int", True]},
+    # to a lossy run's surviving stages: a device of the run died (remap: re-mapped)
+    "lossy_dead": {"run": ["int", True], "device": ["int", True], "remap": ["bool/null", False]},
+    "lossy_hold": {"run": ["int", True], "device": ["int", True], "frontier": ["int", True]},
+    "lossy_replica": {
+        "run": ["int", True],
+        "device": ["int", True],
+        "step": ["int", True],
+        "slices": ["list", True],
+        "name": ["str/null", False],
+    },
+    "lossy_remap": {
+        "run": ["int", True],
+        "switch_at": ["int/null", False],
+        "alloc": ["dict/null", False],
+        "pieces": ["list/null", False],
+        "inputs": ["bool/null", False],
+        "labels": ["bool/null", False],
+    },
     # federated learning over the network: fl-server and fl-client on their own socket
     "fl_register": {
         "client": ["int", True],
@@ -216,6 +241,8 @@ TENSOR_KINDS_ADDED_IN_V1 = [
     "state_chunk",
     "lossy_run_request",
     "lossy_run_report",
+    "lossy_remap",
+    "lossy_replica",
     "fl_task",
     "fl_update",
 ]

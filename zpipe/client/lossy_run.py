@@ -24,6 +24,7 @@ simulates), their accuracy and that of the same weights with nothing lost.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.cnn import CnnSpec
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.death_sim import DeviceDeath, heard_from_arrivals
 from zpipe.lossy.evaluation import EvalSpec, eval_steps
 from zpipe.lossy.linkmodes import WAIT_MODES
 from zpipe.lossy.partial import FloatArray
@@ -83,6 +85,28 @@ class StagesLossyResult:
     #: weights' with nothing lost (None: no test set)
     test_acc: float | None = None
     test_acc_lossless: float | None = None
+    #: re-mapped deaths (``on_death="remap"``), in order: (device, its stage, the first
+    #: mini-batch of the new allocation, that allocation, the mini-batch of the replica
+    #: its neurons resumed from: None for the run's start)
+    remaps: list[tuple[int, str, int, Allocation, int | None]] = field(default_factory=list)
+    #: each stage's counters at the run's end, by stage name (as a run_report's stages)
+    stage_metrics: dict[str, Any] = field(default_factory=dict)
+
+    def death(self, n_data: int) -> DeviceDeath | None:
+        """The run's death as :func:`zpipe.lossy.death_sim.train_with_death` simulates it
+        (None: nobody died): which of the dead device's partials each survivor used (by
+        the arrivals) and, if re-mapped, where the allocation switched. ``n_data``: the
+        run's mini-batches. One death only."""
+        if not self.dead:
+            return None
+        if len(self.dead) > 1 or len(self.remaps) > 1:
+            raise ConfigError("the simulation plays one death per run")
+        (device,) = self.dead
+        heard = heard_from_arrivals(self.alloc, n_data, device, self.trace.arrivals)
+        if not self.remaps:
+            return DeviceDeath(device, heard)
+        _, _, switch_at, after, replica_step = self.remaps[0]
+        return DeviceDeath(device, heard, switch_at, after, replica_step)
 
 
 def lossy_request(
@@ -101,6 +125,9 @@ def lossy_request(
     probes: int | None = None,
     test_repeats: int | None = 1,
     test_eval_index: int = 0,
+    on_death: str = "null-fill",
+    request_id: int | None = None,
+    replica_every: int | None = None,
 ) -> Message:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
@@ -167,6 +194,9 @@ def lossy_request(
         result_s=result_s,
         start_in_s=start_in_s,
         probes=probes,
+        on_death=None if on_death == "null-fill" else on_death,
+        request_id=request_id,
+        replica_every=replica_every,
         tensors=tuple(tensors),
     )
     return request.to_message()
@@ -208,7 +238,9 @@ def result_from_report(
     ``test``: the test passes the request asked for; ``cnn``: the run's CNN."""
     parsed = LossyRunReport.from_message(report)
     alloc = Allocation.from_dict(parsed.alloc)
-    topo = Topology(alloc)
+    remaps = _remaps(parsed.remaps, alloc)
+    # the results hold the slices of the last allocation the run switched to
+    topo = Topology(remaps[-1][3] if remaps else alloc)
     results: dict[int, LossyResult] = {}
     tensors = list(parsed.tensors)
     for body in parsed.results:
@@ -222,7 +254,7 @@ def result_from_report(
         results[result.device] = result
     if tensors:
         raise ProtocolError("lossy_run_report: more tensors than results")
-    dead = _dead_devices(parsed.dead, topo)
+    dead = _dead_devices(parsed.dead, Topology(alloc))
     tests = {d: m.test for d, m in results.items() if m.test is not None}
     if test is not None and len(tests) != len(results):
         raise ProtocolError("lossy_run_report: a stage's result lacks its test passes")
@@ -239,7 +271,32 @@ def result_from_report(
         dead=dead,
         measured_prr=_measured(parsed.measured, len(parsed.stages)),
         test=None if test is None else evaluation_from_results(topo, test, tests),
+        remaps=remaps,
+        stage_metrics=dict(parsed.metrics or {}),
     )
+
+
+def _remaps(body: Any, alloc: Allocation) -> list[tuple[int, str, int, Allocation, int | None]]:
+    """``lossy_run_report``'s ``remaps``: ``[[device, stage, switch_at, alloc, replica
+    step], ...]``."""
+    out: list[tuple[int, str, int, Allocation, int | None]] = []
+    for entry in body or []:
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise ProtocolError(
+                "lossy_run_report: remaps must list [device, stage, step, alloc, replica]"
+            )
+        device, stage, switch_at, after, replica = entry
+        ints = all(isinstance(v, int) for v in (device, switch_at))
+        if not (ints and isinstance(stage, str) and (replica is None or isinstance(replica, int))):
+            raise ProtocolError(f"lossy_run_report: bad remap {entry[:3]!r}")
+        try:
+            new = Allocation.from_dict(after)
+        except ConfigError as exc:
+            raise ProtocolError(f"lossy_run_report: remap allocation: {exc}") from None
+        if new.layer_sizes != alloc.layer_sizes:
+            raise ProtocolError("lossy_run_report: a remap changed the network")
+        out.append((device, stage, switch_at, new, replica))
+    return out
 
 
 def _measured(body: Any, n: int) -> FloatArray | None:
@@ -272,7 +329,10 @@ async def run_lossy(
     client: PipelineClient, prepared: PreparedRun, data: Dataset, **options: Any
 ) -> StagesLossyResult:
     """Train ``prepared`` on the coordinator's stages (``options``: :func:`lossy_request`'s)."""
-    request = lossy_request(prepared, data, **options)
+    # The coordinator may be restarted while the run goes on: the request then goes again
+    # (the same id: a coordinator that still runs it shares its answer; a restarted
+    # one, which lost the run with its memory, runs it again from the start).
+    request = lossy_request(prepared, data, request_id=secrets.randbits(62), **options)
     started = time.perf_counter()
     # the coordinator answers once every stage's result is in: its waits, and a margin
     timeout_s = (
@@ -287,6 +347,7 @@ async def run_lossy(
         expect=("lossy_run_report", "run_failed"),
         timeout_s=timeout_s,
         awaited="lossy run report",
+        resend_on_reconnect=True,
     )
     if reply.kind == "run_failed":
         raise PipelineError(f"the lossy run failed: {reply['error']}")

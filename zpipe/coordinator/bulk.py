@@ -23,7 +23,7 @@ from zpipe.transport.bulk import ChunkHeader, payload_view
 from zpipe.transport.codec import Message, decode
 
 # What a stage sends through its bulk connection: its replies that carry state.
-STAGE_BULK_KINDS = frozenset({"weights", "backed_up", "lossy_result"})
+STAGE_BULK_KINDS = frozenset({"weights", "backed_up", "lossy_result", "lossy_replica"})
 
 
 def _attributed(state: CoordinatorState, name: str, token: str, user_key: str | None) -> BulkLink:

@@ -122,6 +122,9 @@ class AwaitReplies(Await):
     # (stage, commands): carried out if that stage dies while the wait is on it
     # (telling the others, say); a partial wait then goes on without it
     on_lost: tuple[tuple[str, tuple[Send, ...]], ...] = ()
+    # a partial wait ends at the first death of a stage it waits on (the flow decides
+    # what the death changes, and waits again for the rest)
+    stop_on_lost: bool = False
     # sent (at most every PROGRESS_NOTICE_S) while a stage it waits on moves state: a
     # client waiting on this flow's answer then waits on from the latest progress too
     on_progress: Send | None = None

@@ -31,7 +31,8 @@ from zpipe.coordinator.events import (
     TimerFired,
 )
 from zpipe.coordinator.inference import InferenceRun
-from zpipe.coordinator.lossy_run import LOSSY_REPLY_KINDS, lossy_run_request
+from zpipe.coordinator.lossy_remap import keep_replica
+from zpipe.coordinator.lossy_run import LOSSY_REPLY_KINDS, start_lossy_run
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
@@ -171,6 +172,8 @@ class CoordinatorCore:
             return [Log("info", "stage_answered_probe", {"stage": member.name})]
         if kind in SHELL_REPLY_KINDS:
             return [Deliver(member.name, message)]
+        if kind == "lossy_replica":
+            return keep_replica(self.state, member.name, message)
         if kind in REPLY_KINDS:
             routed = self.state.flows.reply(member.name, message, now)
             if routed is None:
@@ -491,8 +494,7 @@ class CoordinatorCore:
             flow = run_request(state, event.routing_id, event.user_key, message)
             return state.flows.start(flow, now)
         if kind == "lossy_run_request":
-            flow = lossy_run_request(state, event.routing_id, event.user_key, message)
-            return state.flows.start(flow, now)
+            return start_lossy_run(state, event.routing_id, message, now)
         if kind == "notice_ack":
             return self._notice_acknowledged(message)
         if kind == "cluster_request":

@@ -139,7 +139,7 @@ class FlowRunner:
                     out += commands
             if wait.request.partial:
                 wait.pending.discard(stage)
-                if wait.pending:
+                if wait.pending and not wait.request.stop_on_lost:
                     continue
                 del self._waits[tag]
                 out += self._advance(wait.flow, wait.replies, None)

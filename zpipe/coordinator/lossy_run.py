@@ -13,8 +13,20 @@ carries control only. A stage that dies or does not answer before the run
 starts fails it (the client hears ``run_failed``). One the heartbeats declare
 dead once the passes run is null-filled: the others hear ``lossy_dead`` and stop
 waiting for its partials, the run goes on, and the report names it with the
-first mini-batch that ran without it (``dead``). Re-mapping its super neurons
-is not built.
+first mini-batch that ran without it (``dead``). With ``on_death="remap"`` the
+survivors take its super neurons over instead (:mod:`zpipe.coordinator.lossy_remap`)
+and the report lists each switch (``remaps``).
+
+At the end, as every run kind does (:func:`zpipe.coordinator.runbase.stage_metrics`),
+the report carries every live stage's counters (``metrics``) and the coordinator
+records ``run_done`` (or ``run_failed``) in its event list.
+
+A coordinator restart: the run's progress lives in this flow and in the stages, not
+on disk, but the client's request fixes the whole run (its seed decides every
+drop). The client sends it again when its connection is made again; a coordinator
+still running it shares the answer being made (``request_id``), a restarted one runs
+it from the start, and the stages drop the old run at the new one's set-up and its
+late partials by run id and epoch, which are saved before any stage hears them.
 """
 
 from __future__ import annotations
@@ -29,15 +41,18 @@ from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTi
 from zpipe.coordinator.commands import (
     AwaitReplies,
     AwaitStages,
+    Command,
     Log,
     Persist,
     PlanLossy,
+    Record,
     Send,
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.lossy_probe import measure_links
+from zpipe.coordinator.lossy_remap import ON_DEATH, RemapRun, results_remapping
 from zpipe.coordinator.membership import Member, MemberState
-from zpipe.coordinator.runbase import run_failed
+from zpipe.coordinator.runbase import stage_metrics
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
@@ -48,23 +63,47 @@ from zpipe.protocol.lossy import LossyDead, LossyGo, LossyRunReport, LossyRunReq
 from zpipe.transport.codec import Message
 
 # The stages' replies a lossy run's flow waits for (routed to it by the core).
-LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report")
+LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report", "lossy_hold")
 
 
-def lossy_run_request(
-    state: CoordinatorState, routing_id: bytes, client_key: str | None, message: Message
-) -> Flow:
+def start_lossy_run(
+    state: CoordinatorState, routing_id: bytes, message: Message, now: float
+) -> list[Command]:
     """Answer a ``lossy_run_request``: ``lossy_run_report`` once every stage's result is
-    in, or ``run_failed``."""
-    reply_s = state.timeouts.reply_s
+    in, or ``run_failed``. A request sent again with the same ``request_id`` (its
+    client reconnected) shares the answer being made; one that reaches a restarted
+    coordinator runs the whole run again (see the module docstring)."""
+    request_id = message.get("request_id")
+    if isinstance(request_id, bool) or not isinstance(request_id, int):
+        return state.flows.start(lossy_run_request(state, routing_id, message), now)
+    return state.answers.answer(
+        state.flows,
+        ("lossy_run_request", request_id, 0),
+        routing_id,
+        lambda: lossy_answer(state, message),
+        peer=CLIENT_NAME,
+        timeout_s=state.timeouts.reply_s,
+        now=now,
+    )
+
+
+def lossy_run_request(state: CoordinatorState, routing_id: bytes, message: Message) -> Flow:
+    """The run, its answer sent to ``routing_id``."""
+    answer = yield from lossy_answer(state, message)
+    yield Send(routing_id, answer, CLIENT_NAME, state.timeouts.reply_s)
+
+
+def lossy_answer(state: CoordinatorState, message: Message) -> Flow:
+    """The run; returns its ``lossy_run_report``, or ``run_failed``."""
     try:
-        report = yield from _run(state, message)
+        report: Message = yield from _run(state, message)
     except Exception as exc:  # whatever it was, the client hears that its run failed
         if not isinstance(exc, (ZpipeError, ValueError)):
             yield Log("error", "lossy_run_crashed", {"error": repr(exc)})
-        yield from run_failed(routing_id, exc, reply_s)
-        return
-    yield Send(routing_id, report, CLIENT_NAME, reply_s)
+        yield Log("error", "run_failed", {"error": str(exc)})
+        yield Record({"event": "run_failed", "kind": "lossy", "error": str(exc)})
+        return Message("run_failed", {"error": str(exc)})
+    return report
 
 
 def _run(state: CoordinatorState, message: Message) -> Flow:
@@ -79,6 +118,15 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         float(request.wait_for_stages_s),
     )
     n = len(members)
+    on_death = "null-fill" if request.on_death is None else str(request.on_death)
+    if on_death not in ON_DEATH:
+        raise ConfigError(f"on_death must be one of {ON_DEATH}, got {request.on_death!r}")
+    if on_death == "remap" and request.spec.get("mode") != "emulated":
+        # deadline mode cuts by the clock: a hold would make the survivors miss theirs
+        raise ConfigError("on_death='remap' needs the emulated wait mode")
+    replica_every = request.replica_every
+    if replica_every is not None and (isinstance(replica_every, bool) or replica_every < 1):
+        raise ConfigError(f"replica_every must be a positive integer, got {replica_every!r}")
     seed = request.spec.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
@@ -92,14 +140,16 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
             raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
     else:
         yield from _replace_current(state)  # the measurement takes the stages' data sockets
+        probe_run, probe_epoch = state.next_run(), state.next_epoch()
+        yield Persist()  # as the run's own ids below
         prr_measured = measured = yield from measure_links(
             state,
             members,
             prr=request.spec.get("prr"),
             seed=seed,
             probes=request.probes,
-            run=state.next_run(),
-            epoch=state.next_epoch(),
+            run=probe_run,
+            epoch=probe_epoch,
         )
         yield Log("info", "lossy_links_measured", {"prr": measured.round(3).tolist()})
     # the genetic search takes a while: off the event loop
@@ -117,6 +167,9 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         raise ConfigError(f"test inputs {x_test.shape} do not fit {n_test} rows of {sizes[0]}")
     yield from _replace_current(state)
     run, epoch = state.next_run(), state.next_epoch()
+    # saved before any stage hears them: a restarted coordinator numbers its runs past
+    # this one, so the stages tell this run's late partials from the next one's
+    yield Persist()
     yield Log("info", "lossy_run_planned", {"run": run, "epoch": epoch, "alloc": alloc.to_dict()})
     topo = Topology(alloc)
     devices = sorted(set(alloc.device_of))
@@ -146,6 +199,8 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
             labels=owns_output,
             names=names,
             keys=keys or None,
+            # replicas serve only a remap
+            replica_every=replica_every if on_death == "remap" else None,
             tensors=tuple(tensors),
             epoch=epoch,
         )
@@ -160,6 +215,65 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     for member in taking_part.values():
         go = LossyGo(run=run, start_at=0.0, start_in_s=start_in_s, epoch=epoch)
         yield Send(member.routing_id, go.to_message(), member.name, stage=member.name)
+    if on_death == "remap":
+        remap = RemapRun(run, epoch, spec.n_data, prr_measured, params, inputs, labels, x_test,
+                         alloc)  # fmt: skip
+        results = yield from results_remapping(
+            state, remap, dict(taking_part), float(request.result_s)
+        )
+        remaps = remap.remaps
+    else:
+        results = yield from _results_null_filling(state, run, epoch, taking_part, request)
+        remaps = []
+    dead = {d: m for d, m in taking_part.items() if m.name not in results}
+    silent = [m.name for m in dead.values() if not _declared_dead(state, m.name)]
+    if silent:
+        raise TransportTimeout(", ".join(silent), "lossy_result", float(request.result_s))
+    if not results:
+        raise PipelineError("every stage of the lossy run died")
+    failed = {name: str(m["error"]) for name, m in results.items() if m["error"]}
+    if failed:
+        raise PipelineError(f"stages failed the lossy run: {failed}")
+    # the run-end counters every run kind reports (zpipe.coordinator.runbase.stage_metrics)
+    metrics, _ = yield from stage_metrics(state, sorted(results), run, epoch)
+    done = {
+        "run": run,
+        "kind": "lossy",
+        "stages": sorted(results),
+        "dead": sorted(m.name for m in dead.values()),
+        "remapped": [[d, name, switch_at] for d, name, switch_at, *_ in remaps],
+        "wall_s": max((float(r["wall_s"]) for r in results.values()), default=0.0),
+    }
+    yield Log("info", "lossy_run_done", done)
+    yield Record({"event": "run_done", **done})
+    bodies: list[dict[str, Any]] = []
+    out: list[torch.Tensor] = []
+    for member in taking_part.values():
+        if member.name in results:
+            result = results[member.name]
+            bodies.append(dict(result.body))
+            out.extend(result.tensors)
+    return LossyRunReport(
+        run=run,
+        alloc=alloc.to_dict(),
+        stages=[m.name for m in members],
+        results=bodies,
+        dead=[[d, m.name, _first_null_filled(results.values(), d)] for d, m in dead.items()]
+        or None,
+        measured=None if measured is None else measured.tolist(),
+        remaps=remaps or None,
+        metrics=metrics,
+        tensors=tuple(out),
+    ).to_message()
+
+
+def _results_null_filling(
+    state: CoordinatorState,
+    run: int,
+    epoch: int,
+    taking_part: dict[int, Member],
+    request: LossyRunRequest,
+) -> Flow:
     # A stage declared dead during the run: the others hear it at once and null-fill its
     # partials from then on (EdgePipe's device malfunction case); the run goes on.
     notices = tuple(
@@ -178,8 +292,8 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         )
         for d, member in taking_part.items()
     )
-    results = yield AwaitReplies(
-        stage_names,
+    results: dict[str, Message] = yield AwaitReplies(
+        tuple(m.name for m in taking_part.values()),
         "lossy_result",
         float(request.result_s),
         "lossy_result",
@@ -187,33 +301,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         partial=True,
         on_lost=notices,
     )
-    dead = {d: m for d, m in taking_part.items() if m.name not in results}
-    silent = [m.name for m in dead.values() if not _declared_dead(state, m.name)]
-    if silent:
-        raise TransportTimeout(", ".join(silent), "lossy_result", float(request.result_s))
-    if not results:
-        raise PipelineError("every stage of the lossy run died")
-    failed = {name: str(m["error"]) for name, m in results.items() if m["error"]}
-    if failed:
-        raise PipelineError(f"stages failed the lossy run: {failed}")
-    yield Log("info", "lossy_run_done", {"run": run, "dead": sorted(m.name for m in dead.values())})
-    bodies: list[dict[str, Any]] = []
-    out: list[torch.Tensor] = []
-    for member in taking_part.values():
-        if member.name in results:
-            result = results[member.name]
-            bodies.append(dict(result.body))
-            out.extend(result.tensors)
-    return LossyRunReport(
-        run=run,
-        alloc=alloc.to_dict(),
-        stages=[m.name for m in members],
-        results=bodies,
-        dead=[[d, m.name, _first_null_filled(results.values(), d)] for d, m in dead.items()]
-        or None,
-        measured=None if measured is None else measured.tolist(),
-        tensors=tuple(out),
-    ).to_message()
+    return results
 
 
 def _replace_current(state: CoordinatorState) -> Flow:

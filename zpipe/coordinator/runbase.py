@@ -34,6 +34,39 @@ def run_failed(routing_id: bytes, error: Exception, timeout_s: float) -> Flow:
     yield Send(routing_id, Message("run_failed", {"error": str(error)}), CLIENT_NAME, timeout_s)
 
 
+def stage_metrics(
+    state: CoordinatorState,
+    devices: list[str],
+    run: int,
+    epoch: int,
+    *,
+    timeline: bool = False,
+) -> Flow:
+    """Every live stage's counters at a run's end (``{"error": "no metrics"}`` for one
+    that does not answer), and with ``timeline`` each one's timeline: returns
+    ``(stages, timelines)`` by stage name, what a ``run_report`` carries."""
+    stages: dict[str, Any] = {}
+    timelines: dict[str, Any] = {}
+    asked = []
+    ask: dict[str, Any] = {"run": run, **({"timeline": True} if timeline else {})}
+    for device in devices:
+        member = state.membership.get(device)
+        if member is None:
+            continue
+        request = Message("metrics_request", ask, epoch=epoch)
+        yield Send(member.routing_id, request, device, stage=device)
+        asked.append(device)
+    replies = yield AwaitReplies(
+        tuple(asked), "metrics", state.timeouts.reply_s, "metrics", run=run, partial=True
+    )
+    for device in asked:
+        reply = replies.get(device)
+        stages[device] = {"error": "no metrics"} if reply is None else dict(reply["metrics"])
+        if reply is not None and isinstance(reply.get("timeline"), dict):
+            timelines[device] = reply["timeline"]
+    return stages, timelines
+
+
 class BaseRun:
     """The parts of a run's control every kind shares (start, connect, end)."""
 
@@ -131,25 +164,10 @@ class BaseRun:
         stages: dict[str, Any] = {}
         timelines: dict[str, Any] = {}
         if run.run == run_id and self.state.current is self:
-            asked = []
-            ask: dict[str, Any] = {"run": run.run, **({"timeline": True} if timeline else {})}
-            for device in run.devices:
-                member = self.state.membership.get(device)
-                if member is None or device in run.failed:
-                    continue
-                request = Message("metrics_request", ask, epoch=run.epoch)
-                yield Send(member.routing_id, request, device, stage=device)
-                asked.append(device)
-            replies = yield AwaitReplies(
-                tuple(asked), "metrics", self.reply_s, "metrics", run=run.run, partial=True
+            devices = [d for d in run.devices if d not in run.failed]
+            stages, timelines = yield from stage_metrics(
+                self.state, devices, run.run, run.epoch, timeline=timeline
             )
-            for device in asked:
-                reply = replies.get(device)
-                stages[device] = (
-                    {"error": "no metrics"} if reply is None else dict(reply["metrics"])
-                )
-                if reply is not None and isinstance(reply.get("timeline"), dict):
-                    timelines[device] = reply["timeline"]
             if self.state.current is self:
                 self.state.current = None
             yield Persist()

@@ -77,6 +77,9 @@ class CoordinatorState:
     # the current run's controller (an InferenceRun or a SyncTrainingRun), if any
     current: Any = None
     answers: Answers = field(default_factory=Answers)
+    # lossy runs waiting for their results, by run id (their stages' replicas go there:
+    # zpipe.coordinator.lossy_remap)
+    lossy_runs: dict[int, Any] = field(default_factory=dict)
     # every registered stage's bulk connection (zpipe.coordinator.bulk)
     bulk: BulkLinks = field(default_factory=BulkLinks)
     # where new bulk tokens come from (tests give a predictable one)

@@ -18,9 +18,10 @@ from zpipe.lossy.cnn import part_shapes
 from zpipe.lossy.engine import Arrivals, LinkChannel, Propagation
 from zpipe.lossy.evaluation import EvalStep, eval_steps
 from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import Allocation, NeuronSlice
 from zpipe.lossy.shard import DeviceShard, PassRunner, ShardFactory, Topology
 from zpipe.lossy.wire import RunSpec, peers_from_body, to_array
-from zpipe.protocol.lossy import LossySetup
+from zpipe.protocol.lossy import LossyRemap, LossySetup
 
 
 @dataclass
@@ -52,10 +53,89 @@ class DeviceRun:
     test_arrivals: Arrivals = field(default_factory=dict)
     #: test passes that ran with partials missing
     test_null_filled: int = 0
+    #: send the coordinator a replica of the slices every this many mini-batches
+    replica_every: int | None = None
 
 
 #: the wire kind of a test pass's partial, by the training kind it mirrors
 TEST_KINDS = {"F": "TF", "S": "TS"}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A remap this device makes once its passes before ``first`` are done
+    (:mod:`zpipe.lossy.remap`): the new allocation, the rows it takes over
+    ``(layer, start, stop, W, b)``, and the inputs, test inputs or labels it now needs."""
+
+    first: int
+    alloc: Allocation
+    topo: Topology
+    pieces: tuple[tuple[int, int, int, FloatArray, FloatArray], ...]
+    inputs: FloatArray | None = None
+    x_test: FloatArray | None = None
+    labels: np.ndarray | None = None
+
+    def slices(self, device: int) -> dict[int, NeuronSlice]:
+        return {
+            layer: sl
+            for layer in range(self.topo.n_layers)
+            if (sl := self.topo.slice_of(layer, device)) is not None
+        }
+
+
+def build_switch(msg: LossyRemap, st: DeviceRun, index: int) -> Switch | None:
+    """The switch a ``lossy_remap`` asks of device ``index`` (None: no remap);
+    :class:`ProtocolError` if it does not fit the run."""
+    if msg.switch_at is None:
+        return None
+    if msg.alloc is None or not 1 <= msg.switch_at <= st.spec.n_data:
+        raise ProtocolError(f"lossy_remap: switch at {msg.switch_at} without an allocation")
+    try:
+        alloc = Allocation.from_dict(msg.alloc)
+    except ConfigError as exc:
+        raise ProtocolError(f"lossy_remap: {exc}") from None
+    if alloc.layer_sizes != st.spec.alloc.layer_sizes or index not in alloc.device_of:
+        raise ProtocolError("lossy_remap: the allocation does not fit this run or device")
+    topo = Topology(alloc)
+    sizes = alloc.layer_sizes
+    tensors = list(msg.tensors)
+    pieces = []
+    for entry in msg.pieces or []:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise ProtocolError("lossy_remap: pieces must be [layer, start, stop] with W and b")
+        layer, start, stop = (int(v) for v in entry)
+        if not (1 <= layer < len(sizes) and 0 <= start < stop <= sizes[layer]):
+            raise ProtocolError(f"lossy_remap: bad piece {entry!r}")
+        w = to_array(
+            _next(tensors),
+            shape=(stop - start, sizes[layer - 1]),
+            dtype=torch.float64,
+            what="taken-over weights",
+        )
+        b = to_array(_next(tensors), shape=(stop - start,), dtype=torch.float64, what="bias")
+        pieces.append((layer, start, stop, w, b))
+    inputs = x_test = labels = None
+    if msg.inputs:
+        inputs = to_array(
+            _next(tensors),
+            dtype=torch.float64,
+            what="inputs",
+            shape=(st.spec.n_data, st.spec.batch, sizes[0]),
+        )
+        if st.spec.test is not None:
+            x_test = to_array(
+                _next(tensors),
+                dtype=torch.float64,
+                shape=(st.spec.test.n_test, sizes[0]),
+                what="test inputs",
+            )
+    if msg.labels:
+        labels = to_array(
+            _next(tensors), dtype=torch.int64, what="labels", shape=(st.spec.n_data, st.spec.batch)
+        )
+    if tensors:
+        raise ProtocolError(f"lossy_remap: {len(tensors)} tensors too many")
+    return Switch(msg.switch_at, alloc, topo, tuple(pieces), inputs, x_test, labels)
 
 
 def build_run(
@@ -120,6 +200,9 @@ def build_run(
         labels = to_array(
             rest.pop(0), shape=(spec.n_data, spec.batch), dtype=torch.int64, what="labels"
         )
+    every = msg.replica_every
+    if every is not None and (isinstance(every, bool) or every < 1):
+        raise ProtocolError(f"lossy_setup: replica_every must be positive, got {every!r}")
     if (topo.slice_of(0, index) is not None) != (inputs is not None):
         raise ProtocolError("lossy_setup: inputs go to (and only to) input-layer owners")
     if (topo.slice_of(topo.last, index) is not None) != (labels is not None):
@@ -137,6 +220,7 @@ def build_run(
         labels=labels,
         x_test=x_test,
         tests={t.step: t for t in eval_steps(spec.test)} if spec.test is not None else {},
+        replica_every=every,
     )
 
 
@@ -147,12 +231,27 @@ def _param_shapes(spec: RunSpec, layer: int, width: int) -> tuple[tuple[int, ...
         raise ProtocolError(f"lossy_setup: {exc}") from None
 
 
+def _next(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        raise ProtocolError("lossy_remap: fewer tensors than its fields announce")
+    return tensors.pop(0)
+
+
 def partial_shape(
-    st: DeviceRun, index: int, data: int, kind: str, layer: int, src: int
+    st: DeviceRun,
+    index: int,
+    data: int,
+    kind: str,
+    layer: int,
+    src: int,
+    *,
+    switch: Switch | None = None,
 ) -> tuple[int, int]:
     """The shape a partial must have; :class:`ProtocolError` if this device
-    could never need it."""
+    could never need it (``switch``: under the allocation a remap switches to)."""
     topo, mine = st.topo, st.shard.slices
+    if switch is not None:
+        topo, mine = switch.topo, switch.slices(index)
     rows = st.spec.batch
     if kind in ("TF", "TS"):
         test = st.tests.get(data)

@@ -261,6 +261,11 @@ class PartitionedMLP:
         self.record_grads = record_grads
         # Which senders reached each receiver, kept only when asked (to compare runs).
         self.arrivals: Arrivals | None = {} if record_arrivals else None
+        #: devices whose receptions are not counted: a device that died during a run
+        #: took its counts with it (zpipe.lossy.death_sim)
+        self.unrecorded: set[int] = set()
+        #: each output owner's loss in the latest output-layer backward pass
+        self.last_losses: dict[int, float] = {}
 
     @property
     def weights(self) -> dict[tuple[int, int], tuple[FloatArray, FloatArray]]:
@@ -308,9 +313,11 @@ class PartitionedMLP:
         needed = self.topology.needed("B", layer)
         assert needed is not None
         losses: list[float] = []
+        self.last_losses = {}
         for device, _ in self.owners[layer]:
             got = self.inbox.get((data, needed.kind, needed.key_layer, device), {})
-            record_arrival(self.propagation, self.arrivals, data, device, needed, got)
+            if device not in self.unrecorded:
+                record_arrival(self.propagation, self.arrivals, data, device, needed, got)
             shard = self.shards[device]
             shard.lr = self.lr * lr_scale
             try:
@@ -319,6 +326,7 @@ class PartitionedMLP:
                 shard.lr = self.lr
             if loss is not None:
                 losses.append(loss)
+                self.last_losses[device] = loss
             self._post(self.inbox, data, device, outgoing)
         for device in {d for d, _ in self.owners[layer]}:
             self.inbox.pop((data, needed.kind, needed.key_layer, device), None)
@@ -354,7 +362,7 @@ class PartitionedMLP:
             got: Partials = {}
             if needed is not None:
                 got = inbox.get((data, needed.kind, needed.key_layer, device), {})
-                if train:
+                if train and device not in self.unrecorded:
                     record_arrival(self.propagation, self.arrivals, data, device, needed, got)
             outgoing = self.shards[device].forward(data, layer, len(x), got, x=x, train=train)
             self._post(inbox, data, device, outgoing)

@@ -263,6 +263,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="with --coordinator: how long the coordinator waits for --devices stages",
     )
+    st.add_argument(
+        "--on-death",
+        choices=("null-fill", "remap"),
+        default="null-fill",
+        help="with --coordinator or --multiprocess: a stage that dies mid-run has its "
+        "partials null-filled to the end, or its super neurons re-mapped onto the "
+        "survivors (emulated --wait-mode only)",
+    )
+    st.add_argument(
+        "--replica-every",
+        type=at_most(positive_int, MAX_DATA, "the most mini-batches"),
+        default=None,
+        metavar="K",
+        help="with --on-death remap: each stage sends the coordinator its slices every K "
+        "mini-batches, and a dead stage's neurons resume from its latest (default: from "
+        "their initial values)",
+    )
     return p
 
 
@@ -424,6 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--keys goes with --coordinator")
     if args.model == "cnn" and (args.coordinator is not None or args.multiprocess):
         parser.error("--model cnn runs in the in-process simulation only (not on stages yet)")
+    if args.on_death == "remap" and args.wait_mode != "emulated":
+        parser.error("--on-death remap needs --wait-mode emulated (a hold breaks deadlines)")
+    if args.replica_every is not None and args.on_death != "remap":
+        parser.error("--replica-every goes with --on-death remap")
     if args.coordinator is not None or args.multiprocess:
         return _main_on_stages(args, argv, configs, data)
     if not args.no_plots:

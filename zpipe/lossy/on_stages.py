@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from zpipe.client.lossy_run import run_lossy
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.death_sim import train_with_death
 from zpipe.lossy.simulate import RunConfig, final_eval_index, prepare_run
 from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
 
@@ -72,12 +74,28 @@ def _run_all(
                     wait_for_stages_s=args.wait_for_stages_s,
                     test_repeats=cfg.test_repeats,
                     test_eval_index=eval_index,
+                    on_death=getattr(args, "on_death", "null-fill"),
+                    replica_every=getattr(args, "replica_every", None),
                 )
-                simulated = train_in_process(prepared, data)
-                test_matches = True
-                if result.test is not None:
+                # a stage that died mid-run: the simulation plays the same death
+                death = result.death(prepared.n_data) if len(result.dead) == 1 else None
+                simulated = (
+                    train_in_process(prepared, data)
+                    if death is None
+                    else train_with_death(prepared, data, death)
+                )
+                test_matches: bool | None = True
+                if result.test is not None and death is not None and death.alloc_after is None:
+                    # the survivors' test passes null-fill the dead device, whose sends
+                    # the simulated test passes would count: not compared
+                    test_matches = None
+                elif result.test is not None:
+                    # after a remap the test passes run on the allocation switched to
+                    tested = prepared
+                    if death is not None and death.alloc_after is not None:
+                        tested = replace(prepared, alloc=death.alloc_after, period=0)
                     simulated_test = evaluate_in_process(
-                        prepared, simulated.params, data.x_test, result.test.spec
+                        tested, simulated.params, data.x_test, result.test.spec
                     )
                     test_matches = result.test.same_as(simulated_test)
                 summary = result.trace.summary()
@@ -94,6 +112,8 @@ def _run_all(
                         "protocol_errors": sum(result.protocol_errors.values()),
                         # device -> [stage, first mini-batch that ran without it]
                         "dead": {str(d): list(v) for d, v in result.dead.items()},
+                        # device -> first mini-batch of the allocation it was re-mapped by
+                        "remapped": {str(d): k for d, _, k, *_ in result.remaps},
                         # test-time inference under loss across the stages
                         "final_test_acc": result.test_acc,
                         "final_test_acc_lossless": result.test_acc_lossless,
@@ -101,7 +121,7 @@ def _run_all(
                         if result.test is None
                         else result.test.traffic.as_dict(),
                         "test_matches_simulation": test_matches,
-                        "matches_simulation": test_matches
+                        "matches_simulation": test_matches is not False
                         and same_run(result.trace, simulated, rtol=1e-10),
                     }
                 )

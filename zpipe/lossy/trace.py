@@ -12,7 +12,7 @@ simulation" is a comparison of two traces.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,13 +255,9 @@ def trace_from_results(
             loss_by.setdefault(int(data_id), {})[d] = float(loss)
         for data_id, kind, layer, senders in msg.arrivals:
             arrivals[(int(data_id), str(kind), int(layer), d)] = tuple(int(s) for s in senders)
-    # The engine averages the output owners' losses in neuron order: so do we.
     out_owners = [d for d, _ in topo.owners[topo.last]]
     try:
-        losses = {
-            data_id: float(np.mean([by[d] for d in out_owners if d not in dead]))
-            for data_id, by in sorted(loss_by.items())
-        }
+        losses = {data_id: mean_loss(by, out_owners) for data_id, by in sorted(loss_by.items())}
         params = stitch_params(topo, weights)
     except KeyError as exc:
         raise ProtocolError(f"lossy results lack {exc}") from None
@@ -272,6 +268,15 @@ def trace_from_results(
         traffic=merge_traffic([m.traffic for m in results.values()]),
         arrivals=arrivals,
     )
+
+
+def mean_loss(by_device: Mapping[int, float], order: Sequence[int]) -> float:
+    """A mini-batch's loss: the mean of the views that reported it, in ``order`` (the
+    output owners' neuron order, as the engine averages), any others after by index
+    (a remapped run's earlier output owners)."""
+    keys = [d for d in order if d in by_device]
+    keys += sorted(d for d in by_device if d not in keys)
+    return float(np.mean([by_device[d] for d in keys]))
 
 
 def merge_propagation(parts: list[dict[str, dict[str, int]]]) -> Propagation:

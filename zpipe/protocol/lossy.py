@@ -6,11 +6,15 @@ zpipe.stage.lossy_executor)::
                                               weight slices, inputs, labels
                            lossy_go           start the passes (start_in_s after receipt)
                            lossy_dead         a device of the run died: null-fill its partials
+                                              (remap: and say how far you got: lossy_hold)
+                           lossy_remap        from mini-batch switch_at on, run this
+                                              allocation (or, without one, go on null-filling)
                            lossy_probe_request  before mapping: measure your links (then
                                               lossy_ready; lossy_go starts the probes)
     stage -> coordinator   lossy_probe_report probes received from each peer
     stage -> stage         lossy_probe, lossy_probe_end  on the data sockets
-    stage -> coordinator   lossy_ready, lossy_result
+    stage -> coordinator   lossy_ready, lossy_result, lossy_hold, lossy_replica (its
+                                              slices every replica_every mini-batches)
     stage -> stage         lossy_partial      on the stages' data sockets
     coordinator -> client  lossy_run_report   the allocation; every device's result and weights
 
@@ -28,6 +32,7 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_BOOL,
     OPT_INT,
     OPT_LIST,
     OPT_MAP,
@@ -58,6 +63,24 @@ class LossySetup(TensorMessage):
     # on ordinary stages: each device's stage name and CURVE public key, by device index
     names: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     keys: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # send the coordinator a replica of your slices (lossy_replica) after every
+    # replica_every-th mini-batch: what a remap gives the survivors of your neurons
+    replica_every: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyReplica(TensorMessage):
+    """Stage -> coordinator: this device's slices right after its last pass of
+    mini-batch ``step`` (its backward pass of its lowest dense layer). Tensors: ``(W, b)``
+    of each ``[layer, start, stop]`` of ``slices``."""
+
+    KIND: ClassVar[str] = "lossy_replica"
+    run: int = wire(INT)
+    device: int = wire(INT)
+    step: int = wire(INT)
+    slices: list[Any] = wire(LIST)
+    # its stage's name (state a stage sends on its bulk connection names its sender)
+    name: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -117,6 +140,39 @@ class LossyDead(WireMessage):
     KIND: ClassVar[str] = "lossy_dead"
     run: int = wire(INT)
     device: int = wire(INT)
+    # the run re-maps the dead device's neurons: answer lossy_hold, and start no
+    # mini-batch beyond the one you reached until lossy_remap says where it switches
+    remap: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyHold(WireMessage):
+    """Stage -> coordinator, answering a ``lossy_dead`` with ``remap``: ``frontier``, the
+    last mini-batch whose passes it started (``n_data + 1``: it is past training)."""
+
+    KIND: ClassVar[str] = "lossy_hold"
+    run: int = wire(INT)
+    device: int = wire(INT)
+    frontier: int = wire(INT)
+
+
+@wire_message
+class LossyRemap(TensorMessage):
+    """Coordinator -> the survivors, after every ``lossy_hold``: finish the mini-batches
+    before ``switch_at`` on the old allocation, then run ``switch_at..n_data`` on
+    ``alloc`` (zpipe.lossy.remap). ``switch_at`` null: no remap, go on null-filling.
+    Tensors: ``(W, b)`` of each ``pieces`` entry ``[layer, start, stop]`` (the rows this
+    stage takes over, at their run-start values); then, if ``inputs``, every mini-batch's
+    inputs (and the test inputs, when the run has test passes); then, if ``labels``,
+    the labels."""
+
+    KIND: ClassVar[str] = "lossy_remap"
+    run: int = wire(INT)
+    switch_at: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    alloc: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    pieces: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    inputs: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
+    labels: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -206,6 +262,13 @@ class LossyRunRequest(TensorMessage):
     # have the stages measure their links with this many probes each (EdgePipe: 50)
     # and map on that instead of prr_measured
     probes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # what a stage's death does to the run: "null-fill" (the default) or "remap"
+    on_death: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # the client's id of this request: one sent again after a reconnection shares the
+    # answer being made (a restarted coordinator runs it again from the start)
+    request_id: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # each stage sends a replica of its slices every this many mini-batches (remap)
+    replica_every: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -223,6 +286,11 @@ class LossyRunReport(TensorMessage):
     dead: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     # the reception ratios the stages measured (``[src][dst]``), when the run asked
     measured: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    # re-mapped deaths, in order: [device, stage, switch_at, allocation after, the
+    # mini-batch of the dead device's replica its neurons resumed from (null: run start)]
+    remaps: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    # each stage's counters at the run's end, as a run_report's stages
+    metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
@@ -231,6 +299,9 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     LossyGo,
     LossyResult,
     LossyDead,
+    LossyHold,
+    LossyRemap,
+    LossyReplica,
     LossyPartial,
     LossyProbeRequest,
     LossyProbe,

@@ -417,7 +417,7 @@ class StageLifecycle:
             return [StartJob(Job.BACKUP, message, newest_wins=True)]
         if kind == "repartition_request":
             return [StartJob(Job.REPARTITION, message, newest_wins=True)]
-        if kind in ("lossy_setup", "lossy_go", "lossy_dead", "lossy_probe_request"):
+        if kind in ("lossy_setup", "lossy_go", "lossy_dead", "lossy_remap", "lossy_probe_request"):
             return [LossyControl(message)]
         if kind == "metrics_request":
             body = {"run": message["run"], "name": self.name}

@@ -38,22 +38,27 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
-from zpipe.lossy.device_run import DeviceRun, build_run, partial_shape
+from zpipe.lossy.device_run import DeviceRun, build_run, build_switch, partial_shape
+from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import NeuronSlice
 from zpipe.lossy.torch_partial import TorchDeviceShard
 from zpipe.lossy.wire import to_array, to_tensor
 from zpipe.protocol.lossy import (
     LossyDead,
     LossyGo,
+    LossyHold,
     LossyPartial,
     LossyProbe,
     LossyProbeEnd,
     LossyProbeRequest,
     LossyReady,
+    LossyRemap,
+    LossyReplica,
     LossyResult,
     LossySetup,
 )
 from zpipe.stage.assignment import PushConnector
-from zpipe.stage.lossy_passes import PassLoop, SharedInbox
+from zpipe.stage.lossy_passes import PassLoop, ReplicaSink, SharedInbox
 from zpipe.stage.lossy_probes import LinkProbes, probe_links
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
@@ -63,7 +68,9 @@ from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames
 log = get_logger("zpipe.stage")
 
 #: the control kinds this module takes (the lifecycle hands them over)
-LOSSY_CONTROL_KINDS = frozenset({"lossy_setup", "lossy_go", "lossy_dead", "lossy_probe_request"})
+LOSSY_CONTROL_KINDS = frozenset(
+    {"lossy_setup", "lossy_go", "lossy_dead", "lossy_remap", "lossy_probe_request"}
+)
 # The supervisor's names of a running assignment's data tasks: a later assignment
 # (DataPlane.stop) stops a lossy run's tasks as it stops any other run's.
 RECEIVE_TASK = "data-receive"
@@ -114,6 +121,8 @@ class LossyExecutor:
         self._pending_peers: dict[int, tuple[str, str | None, str]] = {}
         self._inbox: SharedInbox | None = None
         self._probes: LinkProbes | None = None  # a link measurement, before a run
+        # partials that came while a remap was undecided (zpipe.lossy.remap)
+        self._held_partials: list[Message] = []
 
     # ------------------------------------------------------------ control
 
@@ -136,21 +145,55 @@ class LossyExecutor:
             self._connect_peers()
             self._supervisor.start(RUN_TASK, lambda: self._run(st, go))
         elif message.kind == "lossy_dead":
-            self._peer_died(LossyDead.from_message(message), message.epoch)
+            await self._peer_died(LossyDead.from_message(message), message.epoch)
+        elif message.kind == "lossy_remap":
+            self._remap(LossyRemap.from_message(message), message.epoch)
         else:
             raise ProtocolError(f"{message.kind!r} is not a lossy control message")
 
-    def _peer_died(self, notice: LossyDead, epoch: int) -> None:
+    async def _peer_died(self, notice: LossyDead, epoch: int) -> None:
         """The coordinator declared a device of this run dead: its partials are
-        null-filled from now on (EdgePipe's device malfunction case)."""
+        null-filled from now on (EdgePipe's device malfunction case). When the run
+        re-maps it, this stage also holds at the last mini-batch it started and says
+        which (``lossy_hold``) until ``lossy_remap`` says where the allocation switches."""
         st, inbox = self.state, self._inbox
         if st is None or inbox is None or st.run != notice.run or epoch != self.epoch:
             log.info("lossy_stale_notice", stage=self.name, run=notice.run, device=notice.device)
             return
         if notice.device == self.index or notice.device not in st.peers:
             raise ProtocolError(f"lossy_dead: device {notice.device} is not a peer of this run")
-        inbox.mark_dead(notice.device)
-        log.warning("lossy_peer_dead", stage=self.name, run=st.run, device=notice.device)
+        if not notice.remap:
+            inbox.mark_dead(notice.device)
+            log.warning("lossy_peer_dead", stage=self.name, run=st.run, device=notice.device)
+            return
+        frontier = inbox.hold(notice.device)
+        log.warning("lossy_peer_dead", stage=self.name, run=st.run, device=notice.device,
+                    held_at=frontier)  # fmt: skip
+        hold = LossyHold(run=st.run, device=self.index, frontier=frontier).to_message()
+        await self._send_control(Message(hold.kind, hold.body, epoch=epoch))
+
+    def _remap(self, msg: LossyRemap, epoch: int) -> None:
+        """The coordinator's answer to the holds: switch allocation (or not), then file
+        the partials kept while it was undecided."""
+        st, inbox = self.state, self._inbox
+        if st is None or inbox is None or st.run != msg.run or epoch != self.epoch:
+            log.info("lossy_stale_notice", stage=self.name, run=msg.run, kind="lossy_remap")
+            return
+        try:
+            switch = build_switch(msg, st, self.index)
+        except ProtocolError:
+            inbox.decide(None)  # a bad remap must not leave the passes held forever
+            raise
+        finally:
+            held, self._held_partials = self._held_partials, []
+        inbox.decide(switch)
+        log.info("lossy_remap", stage=self.name, run=st.run,
+                 switch_at=None if switch is None else switch.first)  # fmt: skip
+        for message in held:
+            try:
+                self._on_partial(message)
+            except ProtocolError as exc:
+                self._dropped([], exc)
 
     def _connect_peers(self) -> None:
         self._close_peers()
@@ -212,6 +255,7 @@ class LossyExecutor:
         self.state = None
         self._inbox = None
         self._probes = None
+        self._held_partials = []
         self.stale = 0
 
     async def _setup(self, message: Message) -> None:
@@ -301,13 +345,19 @@ class LossyExecutor:
             return
         if msg.src not in st.peers or msg.src == self.index:
             raise ProtocolError(f"lossy_partial from device {msg.src}, not a peer of this run")
-        shape = partial_shape(st, self.index, msg.data, msg.kind, msg.layer, msg.src)
+        assert self._inbox is not None  # set up with the state
+        where = self._inbox.route(msg.data, msg.kind in ("TF", "TS"))
+        if where == "hold":  # it may belong to an allocation not decided yet
+            self._held_partials.append(message)
+            return
+        switch = self._inbox.pending if where == "next" else None
+        shape = partial_shape(st, self.index, msg.data, msg.kind, msg.layer, msg.src,
+                              switch=switch)  # fmt: skip
         if len(msg.tensors) != 1:
             raise ProtocolError(f"lossy_partial: carries {len(msg.tensors)} tensors, not 1")
         what = f"lossy_partial {msg.kind}{msg.layer}:{msg.data} from device {msg.src}"
         values = to_array(msg.tensors[0], shape=shape, dtype=torch.float64, what=what)
         key = (msg.data, msg.kind, msg.layer)
-        assert self._inbox is not None  # set up with the state
         if not self._inbox.file(key, msg.src, values):  # its pass ran with zeros instead
             log.info("lossy_late_partial", stage=self.name, key=key, src=msg.src)
 
@@ -343,6 +393,8 @@ class LossyExecutor:
             peers={d: zmq.Socket.shadow(sock.underlying) for d, sock in self._peers.items()},
             send_timeout_s=self._send_timeout_s,
             stage=self.name,
+            shard_factory=TorchDeviceShard,
+            on_replica=self._replica_sink(st, asyncio.get_running_loop()),
         )
         error = ""
         log.info("lossy_started", stage=self.name, run=st.run, device=self.index)
@@ -366,6 +418,33 @@ class LossyExecutor:
         # set-up (a partial still queued gets PEER_LINGER_S to be delivered).
         self._close_peers(linger_s=min(self._send_timeout_s, PEER_LINGER_S))
         await self._send_result(st, error, time.perf_counter() - started)
+
+    def _replica_sink(self, st: DeviceRun, loop: asyncio.AbstractEventLoop) -> ReplicaSink:
+        """What the pass loop (compute thread) calls with a replica of the slices: the
+        event loop sends it to the coordinator (``lossy_replica``)."""
+        epoch = self.epoch
+
+        def sink(step: int, slices: dict[int, tuple[NeuronSlice, FloatArray, FloatArray]]) -> None:
+            layers = sorted(slices)
+            message = LossyReplica(
+                run=st.run,
+                device=self.index,
+                step=step,
+                slices=[[n, slices[n][0].start, slices[n][0].stop] for n in layers],
+                name=self.name,
+                tensors=tuple(to_tensor(a) for n in layers for a in slices[n][1:]),
+            ).to_message()
+            replica = Message(message.kind, message.body, epoch=epoch, tensors=message.tensors)
+
+            async def send() -> None:
+                try:
+                    await self._send_control(replica)
+                except Exception as exc:  # a lost replica costs a remap only training
+                    log.warning("lossy_replica_not_sent", stage=self.name, error=repr(exc))
+
+            asyncio.run_coroutine_threadsafe(send(), loop)
+
+        return sink
 
     async def _send_result(self, st: DeviceRun, error: str, wall_s: float) -> None:
         weights = st.shard.weights

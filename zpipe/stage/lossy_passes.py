@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -39,11 +40,13 @@ import zmq
 
 from zpipe._errors import TransportTimeout
 from zpipe.log import get_logger
-from zpipe.lossy.device_run import TEST_KINDS, DeviceRun
+from zpipe.lossy.device_run import TEST_KINDS, DeviceRun, Switch
 from zpipe.lossy.engine import record_arrival
 from zpipe.lossy.partial import FloatArray
+from zpipe.lossy.partition import NeuronSlice
+from zpipe.lossy.remap import assemble_slices
 from zpipe.lossy.schedule import PassEvent, events, total_timeslots
-from zpipe.lossy.shard import Needed, Outgoing
+from zpipe.lossy.shard import DeviceShard, Needed, Outgoing, ShardFactory
 from zpipe.lossy.wire import partial_message
 from zpipe.transport.codec import Message, encode
 from zpipe.transport.emulation import KeyedLinks
@@ -52,6 +55,10 @@ log = get_logger("zpipe.stage")
 
 # How often a blocked send looks whether the run was stopped.
 _STOP_POLL_S = 0.2
+
+
+#: takes a replica: the mini-batch it follows, and by layer (slice, W, b)
+ReplicaSink = Callable[[int, dict[int, tuple[NeuronSlice, FloatArray, FloatArray]]], None]
 
 
 class RunStopped(Exception):
@@ -72,6 +79,16 @@ class SharedInbox:
         self.stopped = False
         #: device -> the first mini-batch whose passes ran without it
         self.dead: dict[int, int | None] = {}
+        # A remap (zpipe.lossy.remap): the last mini-batch whose passes started, whether
+        # training is over here, the frontier this stage holds at until the coordinator
+        # decides (None: not held), the last mini-batch of the running allocation and
+        # the switch decided and not yet made.
+        self.started = 0
+        self.past_training = False
+        self.held: int | None = None
+        self.segment_end = st.spec.n_data
+        self.pending: Switch | None = None
+        self._decide_by = 0.0
 
     def file(self, key: tuple[int, str, int], src: int, values: FloatArray) -> bool:
         """File a partial; False if its pass has already run (it came late)."""
@@ -87,6 +104,88 @@ class SharedInbox:
         with self._cond:
             self.dead.setdefault(device, None)
             self._cond.notify_all()
+
+    def hold(self, device: int) -> int:
+        """``device`` died and the run re-maps it: null-fill it from now on, and start
+        no mini-batch beyond the last one started until :meth:`decide`. Returns that
+        frontier (``n_data + 1`` once training is over here)."""
+        with self._cond:
+            self.dead.setdefault(device, None)
+            frontier = self.st.spec.n_data + 1 if self.past_training else self.started
+            self.held = frontier
+            self._decide_by = time.monotonic() + self.st.spec.wait_s
+            self._cond.notify_all()
+            return frontier
+
+    def _wait_decision(self) -> None:
+        """Wait (the lock held) for the coordinator's decision on a hold, at most the
+        run's ``wait_s`` after the hold: a coordinator that never decides ends the run
+        with a clear error, never a hang (a restarted one sets the stages up anew)."""
+        remaining = self._decide_by - time.monotonic()
+        if remaining <= 0:
+            raise TransportTimeout("coordinator", "lossy_remap", self.st.spec.wait_s)
+        self._cond.wait(remaining)
+
+    def decide(self, switch: Switch | None) -> None:
+        """The coordinator's answer to a hold: switch allocation from ``switch.first``
+        on, or (None) go on as before, null-filling the dead device."""
+        with self._cond:
+            if switch is not None:
+                self.segment_end = switch.first - 1
+                self.pending = switch
+            self.held = None
+            self._cond.notify_all()
+
+    def route(self, data: int, test: bool) -> str:
+        """Where a partial of mini-batch (or test step) ``data`` belongs: ``"hold"``
+        (a hold is undecided and it may belong to a switch not yet known: keep it
+        until the decision), ``"next"`` (the decided switch's allocation) or ``"now"``."""
+        with self._cond:
+            if self.held is not None and (test or data > self.held):
+                return "hold"
+            if self.pending is not None and (test or data >= self.pending.first):
+                return "next"
+            return "now"
+
+    def begin(self, data: int) -> bool:
+        """Whether to run a pass of mini-batch ``data`` now (False: a later allocation
+        runs it); waits while a hold keeps this stage from starting it."""
+        with self._cond:
+            while self.held is not None and data > self.held and not self.stopped:
+                self._wait_decision()
+            if self.stopped:
+                raise RunStopped()
+            if data > self.segment_end:
+                return False
+            self.started = max(self.started, data)
+            return True
+
+    def next_switch(self) -> Switch | None:
+        """At the end of an allocation's passes: the switch to make, or None (training
+        is over here), once no hold is undecided."""
+        with self._cond:
+            while self.held is not None and not self.stopped:
+                self._wait_decision()
+            if self.stopped:
+                raise RunStopped()
+            switch = self.pending
+            if switch is None:
+                self.past_training = True
+            else:
+                self.segment_end = self.st.spec.n_data
+            return switch
+
+    def switched(self) -> None:
+        """The switch is made: partials are checked against the run's state again (until
+        now those of the new allocation were checked against the switch)."""
+        with self._cond:
+            self.pending = None
+
+    def finish(self) -> None:
+        """Before the result goes: no hold may be left undecided."""
+        with self._cond:
+            while self.held is not None and not self.stopped:
+                self._wait_decision()
 
     def stop(self) -> None:
         with self._cond:
@@ -153,7 +252,11 @@ class PassLoop:
         peers: Mapping[int, zmq.Socket[Any]],
         send_timeout_s: float,
         stage: str,
+        shard_factory: ShardFactory = DeviceShard,
+        on_replica: ReplicaSink | None = None,
     ) -> None:
+        self._shard_factory = shard_factory
+        self._on_replica = on_replica
         self.st = st
         self.inbox = inbox
         self.index = index
@@ -165,13 +268,54 @@ class PassLoop:
         self._links = KeyedLinks(st.channel.keyed_loss())
 
     def run(self) -> None:
-        """Every pass of this device, in order; raises what stopped it."""
+        """Every pass of this device, in order; raises what stopped it. After a remap's
+        switch, mini-batches ``switch.first..n_data`` run the new allocation's
+        pipeline from its first timeslot (as zpipe.lossy.death_sim simulates)."""
         st = self.st
-        for ev in events(st.spec.alloc, st.spec.n_data):
-            if ev.layer in st.shard.slices:
-                self._pass(ev)
+        alloc, first = st.spec.alloc, 1
+        while True:
+            for ev in events(alloc, st.spec.n_data - first + 1):
+                data = ev.data + first - 1
+                if ev.layer in st.shard.slices and self.inbox.begin(data):
+                    self._pass(ev if first == 1 else replace(ev, data=data))
+                    self._replica_after(ev.kind, ev.layer, data)
+            switch = self.inbox.next_switch()
+            if switch is None:
+                break
+            self._switch(switch)
+            self.inbox.switched()
+            alloc, first = switch.alloc, switch.first
         if st.tests:
             self._test_passes()
+        self.inbox.finish()
+
+    def _replica_after(self, kind: str, layer: int, data: int) -> None:
+        """Every ``replica_every``-th mini-batch, once this device's last pass of it (the
+        backward pass of its lowest dense layer) is done: its slices to the coordinator,
+        what a remap gives whoever takes its neurons over (zpipe.lossy.remap)."""
+        st, every = self.st, self.st.replica_every
+        dense = [n for n in st.shard.slices if n >= 1]
+        if self._on_replica is None or every is None or kind != "B" or not dense:
+            return
+        if layer == min(dense) and data % every == 0:
+            weights = st.shard.weights
+            self._on_replica(data, {n: (st.shard.slices[n], *weights[n]) for n in weights})
+
+    def _switch(self, switch: Switch) -> None:
+        """Take the new allocation: this device's slices grown by what it takes over."""
+        st = self.st
+        own = {layer: (st.shard.slices[layer], w, b) for layer, (w, b) in st.shard.weights.items()}
+        weights = assemble_slices(switch.alloc, self.index, own, switch.pieces)
+        st.topo = switch.topo
+        st.spec = replace(st.spec, alloc=switch.alloc)
+        st.shard = self._shard_factory(switch.topo, self.index, weights, lr=st.spec.lr)
+        if switch.inputs is not None:
+            st.inputs = switch.inputs
+            st.x_test = switch.x_test
+        if switch.labels is not None:
+            st.labels = switch.labels
+        log.info("lossy_switched", stage=self._stage, run=st.run, first=switch.first,
+                 layers=sorted(st.shard.slices))  # fmt: skip
 
     def _test_passes(self) -> None:
         """Every test pass of the run's spec, in order, on the final weights."""

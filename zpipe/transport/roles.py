@@ -86,6 +86,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "lossy_setup",
             "lossy_go",
             "lossy_dead",
+            "lossy_remap",
             "lossy_probe_request",
             "repartition_request",
             # to stages, on their bulk connections
@@ -126,6 +127,8 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "backed_up",
             "lossy_ready",
             "lossy_result",
+            "lossy_hold",
+            "lossy_replica",
             "lossy_probe_report",
             "repartition_reply",
             # to the coordinator, on the bulk connection
