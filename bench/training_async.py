@@ -50,22 +50,38 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import signal
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import torch
 
 from bench._common import emit, loadavg, on_alarm, summary
+from bench._repartition_bounds import (
+    SLOWING_FACTOR,
+    Setup,
+    after_change,
+    even_bounds,
+    phase_bound,
+    run_bound,
+)
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import load_digits_dataset
 from zpipe.models import ModelSpec
 
 BENCH = "training_async"
+SETUP_NAMES = ("u12_best", "u24_best", "u24_middle")
+HEADLINE = "u24_middle"
+SETUP_SUMMARY_KEYS = (
+    "ratio", "bound_run", "measured_over_bound", "bound_before", "measured_before",
+    "bound_after", "measured_after", "whole", "repartitions", "look_pauses_s", "target_step",
+)  # fmt: skip
 # Adam: SGD with momentum 0.9 at lr 0.05 diverges under the staleness of async 1F1B here
 ADAM = {"name": "adam", "lr": 1e-3}
 
@@ -144,6 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--change-s", type=float, default=10.0)
     parser.add_argument("--repartition-first", type=int, default=5)
     parser.add_argument("--repartition-every", type=int, default=20)
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=SETUP_NAMES,
+        default=list(SETUP_NAMES),
+        help="repartition set-ups to run (the headline is u24_middle's when it runs)",
+    )
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGALRM, on_alarm)
@@ -240,7 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "steps": report.steps, "run_s": round(arrivals[-1] - start, 2),
               "gaps_before": len(before), "gaps_after": len(after),
               **straggler, "loadavg": loadavg()})  # fmt: skip
-    headline = {} if args.skip_repartition else repartition_section(args, x_train, y_train)
+    results = {} if args.skip_repartition else repartition_section(args, x_train, y_train)
+    # the headline set-up and why: the module notes; every set-up is in the summary
+    chosen = HEADLINE if HEADLINE in results else next(iter(results), None)
+    headline = results.get(chosen, {}) if chosen is not None else {}
     compared = bool(median) and bool(acc)
     summary(
         BENCH,
@@ -256,6 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         async_acc_minus_sync=round(acc["async"] - acc["sync_1f1b"], 4) if compared else None,
         straggler_after_over_before=straggler.get("after_over_before"),
         ftpipehd_over_pipedream_time_to_loss=headline.get("ratio"),
+        ftpipehd_headline_setup=chosen,
+        ftpipehd_headline_bound=headline.get("bound_run"),
+        ftpipehd_headline_measured_over_bound=headline.get("measured_over_bound"),
+        ftpipehd_time_to_loss_by_setup={k: v["ratio"] for k, v in results.items()},
+        ftpipehd_setups={
+            k: {key: v[key] for key in SETUP_SUMMARY_KEYS if key in v} for k, v in results.items()
+        },
         ftpipehd_over_pipedream_whole_run=headline.get("whole"),
         repartitions=headline.get("repartitions"),
         ftpipehd_look_pauses_s=headline.get("look_pauses_s"),
@@ -273,26 +306,119 @@ def smoothed(losses: Sequence[float], window: int = 8) -> list[float]:
     return out
 
 
+def setups(args: argparse.Namespace) -> list[Setup]:
+    """The repartition set-ups asked for (see the module notes); ``u12_best`` takes
+    the original flags."""
+    table = {
+        "u12_best": Setup("u12_best", args.units, 0, args.repartition_steps, args.change_s),
+        "u24_best": Setup("u24_best", 24, 0, 160, 8.0),
+        "u24_middle": Setup("u24_middle", 24, 1, 120, 5.0),
+    }
+    return [table[name] for name in args.setups]
+
+
+def _stamp(record: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(record["timestamp"])).timestamp()
+
+
+def _events(text: str, *names: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") in names:
+            out.append(record)
+    return out
+
+
+COORDINATOR_EVENTS = (
+    "repartition_started",
+    "repartition_fetching",
+    "repartition_considered",
+    "repartitioned",
+)
+
+
+def pause_parts(
+    logs: dict[str, str], step: int, last_loss: float, next_loss: float
+) -> dict[str, Any]:
+    """A look's pause in parts, from the client's loss times (wall clock) and the
+    stamps of the coordinator's and stages' events (same host, same clock)."""
+    coordinator = {
+        r["event"]: _stamp(r)
+        for r in _events(logs["coordinator"], *COORDINATOR_EVENTS)
+        if r.get("step") == step
+    }
+    stages: dict[str, list[dict[str, Any]]] = {}
+    for name, text in logs.items():
+        if name == "coordinator":
+            continue
+        for r in _events(text, "repartition_prepared", "repartition_fetched",
+                         "repartition_committed"):  # fmt: skip
+            if r.get("step") == step:
+                stages.setdefault(str(r["event"]), []).append(r)
+    if "repartition_started" not in coordinator or "repartition_prepared" not in stages:
+        return {}
+    started = coordinator["repartition_started"]
+    prepared = max(_stamp(r) for r in stages["repartition_prepared"])
+    considered = coordinator.get("repartition_considered", prepared)
+    fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=considered)
+    committed = max(_stamp(r) for r in stages.get("repartition_committed", [])) if stages.get(
+        "repartition_committed") else fetched  # fmt: skip
+    parts = {
+        "request_s": started - last_loss,  # the client's drain check and its request
+        "prepare_s": prepared - started,  # every stage flushed and kept a snapshot
+        "look_s": considered - prepared,  # the replies and the decision
+        "allow_s": coordinator.get("repartition_fetching", considered) - considered,
+        "fetch_s": fetched - coordinator.get("repartition_fetching", considered),
+        "commit_s": committed - fetched,  # includes building the new shards
+        "resume_s": next_loss - committed,  # the reply, the feed, one batch through
+        "flush_wait_max_s": max(float(r["flush_wait_s"]) for r in stages["repartition_prepared"]),
+        "snapshot_max_s": max(float(r["snapshot_s"]) for r in stages["repartition_prepared"]),
+        "regroup_max_s": max(
+            (float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_committed", [])),
+            default=0.0,
+        ),
+    }
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
+def _gaps(times: Sequence[float], low: float, high: float) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times) if low < b <= high]
+
+
 def repartition_section(
     args: argparse.Namespace, x_train: torch.Tensor, y_train: torch.Tensor
 ) -> dict[str, Any]:
+    """Every set-up asked for, then the headline (see the module notes)."""
+    results = {s.name: one_setup(args, s, x_train, y_train) for s in setups(args)}
+    return results
+
+
+def one_setup(
+    args: argparse.Namespace, setup: Setup, x_train: torch.Tensor, y_train: torch.Tensor
+) -> dict[str, Any]:
     """FTPipeHD (live re-partitioning) against PipeDream (its even start, kept)."""
-    n, units = 4, args.units
+    n, units = 4, setup.units
     h = args.repartition_hidden
     # gelu and Adam at 3e-4: deeper plain MLPs barely train under async staleness
     dims = [64, *[h] * (units - 1), 10]
     spec = ModelSpec("mlp", {"dims": dims, "activation": "gelu"}, seed=1)
-    per = units // n
-    even = [[i * per, units if i == n - 1 else (i + 1) * per] for i in range(n)]
+    cuts = even_bounds(units, n)
+    even = [[a, b] for a, b in itertools.pairwise(cuts)]
     names = [f"d{i}" for i in range(n)]
-    best = args.capacities[0]
-    schedule = f"0:{best:g},{args.change_s:g}:{best * 10:g}"
+    caps = list(args.capacities)
+    slow = caps[setup.slowing]
+    schedule = f"0:{slow:g},{setup.change_s:g}:{slow * SLOWING_FACTOR:g}"
     per_epoch = len(x_train) // args.batch_size
-    epochs = -(-args.repartition_steps // per_epoch)  # enough for every step asked for
+    epochs = -(-setup.steps // per_epoch)  # enough for every step asked for
     batches = minibatches(x_train, y_train, batch_size=args.batch_size, epochs=epochs, seed=4)
-    batches = batches[: args.repartition_steps]
+    batches = batches[: setup.steps]
     runs: dict[str, tuple[Any, list[float]]] = {}
     pauses: dict[str, float] = {}
+    looks_of: dict[str, list[dict[str, Any]]] = {}
     kinds = {
         "pipedream": {},
         "ftpipehd": {
@@ -305,14 +431,16 @@ def repartition_section(
     }
     for kind, extra in kinds.items():
         devices = [
-            DeviceSpec(names[0], threads=args.threads, slowdown_schedule=schedule),
-            *(
-                DeviceSpec(d, slowdown=c, threads=args.threads)
-                for d, c in zip(names[1:], args.capacities[1:], strict=True)
-            ),
+            DeviceSpec(d, threads=args.threads, slowdown_schedule=schedule)
+            if i == setup.slowing
+            else DeviceSpec(d, slowdown=c, threads=args.threads)
+            for i, (d, c) in enumerate(zip(names, caps, strict=True))
         ]
-        with LocalCluster(devices, log_level="warning") as cluster:
+        # info: the pause's parts come from the events' stamps (a few lines per look)
+        level = "info" if kind == "ftpipehd" else "warning"
+        with LocalCluster(devices, log_level=level) as cluster:
             started = time.perf_counter()
+            wall = time.time() - started  # perf_counter + wall: the logs' clock
             report, arrivals = run_once(
                 cluster,
                 spec,
@@ -321,25 +449,31 @@ def repartition_section(
                 {"schedule": "async-1f1b", "num_microbatches": 1, **extra},
                 optimizer={"name": "adam", "lr": 3e-4},
             )
+            logs = {name: cluster.logs(name) for name in ["coordinator", *names]}
         runs[kind] = (report, [t - started for t in arrivals])
         gap = statistics.median(b - a for a, b in itertools.pairwise(arrivals))
         # a look pauses the feed before batch ``at``: its loss comes that much later
         looks = [
             {"at": r["at"], "t_s": round(arrivals[r["at"] - 1] - started, 2),
              "pause_s": round(arrivals[r["at"]] - arrivals[r["at"] - 1] - gap, 3),
-             "moved": r["moved"], "bounds": r["bounds"], "capacities": r.get("capacities")}
+             "moved": r["moved"], "bounds": r["bounds"], "capacities": r.get("capacities"),
+             "parts": pause_parts(logs, r["at"], wall + arrivals[r["at"] - 1],
+                                  wall + arrivals[r["at"]])}
             for r in report.repartitions
             if r["at"] < len(arrivals)
         ]  # fmt: skip
+        looks_of[kind] = looks
         pauses[kind] = math.fsum(look["pause_s"] for look in looks)
-        emit({"bench": BENCH, "section": "repartition", "system": kind,
+        emit({"bench": BENCH, "section": "repartition", "setup": setup.name, "system": kind,
               "steps": report.steps, "run_s": round(arrivals[-1] - started, 2),
               "samples_per_s": round(report.samples_per_s, 2),
               "final_loss": round(report.losses[-1], 4), "looks": looks,
               "loadavg": loadavg()})  # fmt: skip
     pipedream, ftpipehd = runs["pipedream"], runs["ftpipehd"]
     # the lowest (smoothed) loss PipeDream reaches: late in its run, not a noisy dip
-    target = min(smoothed(pipedream[0].losses, window=20))
+    curve = smoothed(pipedream[0].losses, window=20)
+    target = min(curve)
+    target_step = curve.index(target) + 1
 
     def time_to(run: tuple[Any, list[float]]) -> float:
         for loss, at in zip(smoothed(run[0].losses, window=20), run[1], strict=True):
@@ -356,16 +490,50 @@ def repartition_section(
         abs(a - b) / max(abs(a), 1e-12)
         for a, b in zip(pipedream[0].losses, ftpipehd[0].losses, strict=True)
     )
-    emit({"bench": BENCH, "section": "repartition", "target_loss": round(target, 4),
-          "pipedream_s": round(time_to(pipedream), 2), "ftpipehd_s": round(time_to(ftpipehd), 2),
-          "max_loss_rel_diff": same, "ratio": round(ratio, 3),
-          "whole_run_ratio": round(whole, 3),
-          "ftpipehd_look_pauses_s": round(pauses["ftpipehd"], 2),
-          "loadavg": loadavg()})  # fmt: skip
-    moved = [r for r in ftpipehd[0].repartitions if r.get("moved")]
-    return {"ratio": round(ratio, 3), "whole": round(whole, 3), "repartitions": len(moved),
-            "look_pauses_s": round(pauses["ftpipehd"], 2),
-            "look_share": round(pauses["ftpipehd"] / ftpipehd[1][-1], 3)}  # fmt: skip
+    # each phase's measured periods (median gaps): the change comes change_s after the
+    # slowing device's first step, about its run's first loss; FTPipeHD's phases start
+    # after the move that answers them
+    pd_t, ft_t = pipedream[1], ftpipehd[1]
+    pd_change, ft_change = pd_t[0] + setup.change_s, ft_t[0] + setup.change_s
+    moved_at = [
+        ft_t[r["at"]] for r in ftpipehd[0].repartitions if r["moved"] and r["at"] < len(ft_t)
+    ]
+    first_move = moved_at[0] if moved_at else ft_t[0]
+    last_move = max([ft_change + 0.5, *(t for t in moved_at if t > ft_change)])
+    pd_before = _gaps(pd_t, pd_t[0] + 0.5, pd_change)
+    pd_after = _gaps(pd_t, pd_change + 0.5, math.inf)
+    ft_before = _gaps(ft_t, first_move, ft_change)
+    ft_after = _gaps(ft_t, last_move, math.inf)
+    measured: dict[str, float | None] = {"before": None, "after": None}
+    if pd_before and ft_before:
+        measured["before"] = round(statistics.median(pd_before) / statistics.median(ft_before), 3)
+    if pd_after and ft_after:
+        measured["after"] = round(statistics.median(pd_after) / statistics.median(ft_after), 3)
+    before_bound = phase_bound(caps, units)
+    # one unit-time in seconds, from PipeDream's own period before the change
+    unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
+    before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
+    out = {
+        "setup": setup.name, "units": units, "slowing": names[setup.slowing],
+        "capacities_before": caps, "capacities_after": after_change(caps, setup.slowing),
+        "steps": setup.steps, "change_s": setup.change_s,
+        "target_loss": round(target, 4), "target_step": target_step,
+        "pipedream_s": round(time_to(pipedream), 2), "ftpipehd_s": round(time_to(ftpipehd), 2),
+        "max_loss_rel_diff": same, "ratio": round(ratio, 3), "whole": round(whole, 3),
+        "bound_before": round(before.ratio, 3), "bound_after": round(after.ratio, 3),
+        "best_cuts_before": list(before.best_bounds), "best_cuts_after": list(after.best_bounds),
+        "bound_run": round(bound, 3), "measured_over_bound": round(ratio / bound, 3),
+        "measured_before": measured["before"], "measured_after": measured["after"],
+        "unit_s": round(unit_s, 5),
+        "repartitions": len(moved_at),
+        "look_pauses_s": round(pauses["ftpipehd"], 2),
+        "look_share": round(pauses["ftpipehd"] / ftpipehd[1][-1], 3),
+        "longest_move_pause": max(
+            (look for look in looks_of["ftpipehd"] if look["moved"]),
+            key=lambda look: look["pause_s"], default=None),
+    }  # fmt: skip
+    emit({"bench": BENCH, "section": "repartition", **out, "loadavg": loadavg()})
+    return out
 
 
 if __name__ == "__main__":

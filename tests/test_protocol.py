@@ -63,6 +63,8 @@ ADDED_IN_V1 = {
     # chain replication with a global copy (FTPipeHD runs both), and whether one was kept
     "replicate": {"global": ["bool", False]},
     "replicated": {"global": ["bool", False]},
+    # a replica file says whether it holds every unit (the newest global copy's file)
+    "replica_file": {"global": ["bool/null", False]},
     # heavy recovery gathers snapshots kept at the stages
     "weights_request": {"snapshot": ["list/null", False]},
     # a requester that takes a big answer in state_chunk messages of this size

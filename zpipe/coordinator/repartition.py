@@ -120,6 +120,8 @@ class LiveRepartitioning:
             missing = [d for d in devices if d not in members]
             if missing:
                 raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
+            # the pause's parts are read from these events' stamps (bench/training_async.py)
+            yield Log("info", "repartition_started", {"run": run.run, "step": step})
             replies = yield from self._ask(members, devices, step, {"phase": "prepare"})
             counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
             decision = controller.look(step, counters)
@@ -159,6 +161,7 @@ class LiveRepartitioning:
         replica = Replica(run.run, step, plan, {}, holders=own, global_copy=False)
         fetches = fetch_plans(replica, spans_of(devices, bounds), set(members))
         yield AllowPeers(tuple(members[d] for d in devices), fetch_grants(fetches))
+        yield Log("info", "repartition_fetching", {"run": run.run, "step": step})
         for dest, entries in fetches.items():
             for entry in entries:
                 if entry["from"] != dest:

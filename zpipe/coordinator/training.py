@@ -259,7 +259,9 @@ class SyncTrainingRun(BaseRun):
                     state[key] = tensor.clone()
             if self.state.saves_replicas:
                 # On disk before the client hears of it: it then drops what came before.
-                saved = SavedReplica(run.run, step, run.training_plan.to_dict(), state, holders)
+                saved = SavedReplica(
+                    run.run, step, run.training_plan.to_dict(), state, holders, whole
+                )
                 try:
                     yield SaveReplica(saved)
                 except (OSError, StateFileError) as exc:

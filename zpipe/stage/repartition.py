@@ -23,6 +23,7 @@ The coordinator's ``repartition_request`` comes in three phases
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -79,8 +80,12 @@ class StageRepartition:
                 body["metrics"] = self._counters.to_dict()
             elif phase == "fetch":
                 bounds = _bounds(message)
-                state = await self._snapshots.fetched_state(list(message.get("fetch") or []))
+                entries = list(message.get("fetch") or [])
+                state = await self._snapshots.fetched_state(entries)
                 self._fetched = (run, step, bounds, state)
+                log.info("repartition_fetched", stage=self.name, run=run, step=step,
+                         units=sum(int(e["end"]) - int(e["start"]) for e in entries),
+                         peers=sorted({str(e["from"]) for e in entries} - {self.name}))  # fmt: skip
             elif phase == "commit":
                 await self._commit(trainer, run, step, _bounds(message))
                 shard = trainer.shard  # the units it trains from here on
@@ -93,12 +98,14 @@ class StageRepartition:
         return body
 
     async def _prepare(self, trainer: TrainingExecutor, run: int, step: int) -> None:
+        started = time.perf_counter()
         if isinstance(trainer, AsyncTrainingExecutor):
             await trainer.wait_flushed(step, self._timeout_s)
         else:
             await trainer.wait_for_step(step, self._timeout_s)
             if trainer.completed_steps != step:
                 raise PipelineError(f"round {trainer.completed_steps} ran past the pause at {step}")
+        flushed = time.perf_counter()
         shard = trainer.shard
         loop = asyncio.get_running_loop()
         n = trainer.setup.num_stages
@@ -106,7 +113,9 @@ class StageRepartition:
         self._snapshots.replicas.put(self.name, run, step, snapshot)
         self._fetched = None
         log.info("repartition_prepared", stage=self.name, run=run, step=step,
-                 units=[shard.start, shard.start + len(shard.units)])  # fmt: skip
+                 units=[shard.start, shard.start + len(shard.units)],
+                 flush_wait_s=round(flushed - started, 4),
+                 snapshot_s=round(time.perf_counter() - flushed, 4))  # fmt: skip
 
     async def _commit(
         self, trainer: TrainingExecutor, run: int, step: int, bounds: tuple[int, ...]
@@ -123,6 +132,7 @@ class StageRepartition:
         start, end = bounds[i], bounds[i + 1]
         shard = trainer.shard
         new: TrainShard | None = None
+        started = time.perf_counter()
         if (start, end) != (shard.start, shard.start + len(shard.units)):
             fetched = self._fetched
             if fetched is None or fetched[:3] != (run, step, bounds):
@@ -136,7 +146,8 @@ class StageRepartition:
         elif new is not None:
             trainer.shard = new  # the next round's forward runs the new units
         log.info("repartition_committed", stage=self.name, run=run, step=step,
-                 units=[start, end], moved=new is not None)  # fmt: skip
+                 units=[start, end], moved=new is not None,
+                 regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
 
 
 def _bounds(message: Message) -> tuple[int, ...]:
