@@ -33,6 +33,7 @@ class Setup:
     slowing: int
     steps: int
     change_s: float
+    activation: str = "gelu"
 
 
 @dataclass(frozen=True)
