@@ -63,6 +63,9 @@ ADDED_IN_V1 = {
     # chain replication with a global copy (FTPipeHD runs both), and whether one was kept
     "replicate": {"global": ["bool", False]},
     "replicated": {"global": ["bool", False]},
+    # a re-partition's look before any flush, and its answer that the client must pause
+    "repartition": {"look": ["bool/null", False]},
+    "repartitioned": {"pause": ["bool/null", False]},
     # a replica file says whether it holds every unit (the newest global copy's file)
     "replica_file": {"global": ["bool/null", False]},
     # heavy recovery gathers snapshots kept at the stages

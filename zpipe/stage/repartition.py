@@ -5,7 +5,8 @@ AsyncTrainingExecutor`); a synchronous stage is between two rounds there anyway
 (every round ends with its update), so it only waits for round ``step - 1``'s.
 
 The coordinator's ``repartition_request`` comes in three phases
-(:mod:`zpipe.protocol.repartition`):
+(:mod:`zpipe.protocol.repartition`), after a ``profile`` (the counters as they
+are, no flush) when the coordinator looks before the client pauses:
 
 - ``prepare``: wait until the executor flushed before batch ``step`` (the client
   paused its feed there), keep a snapshot of every unit here (weights, optimizer
@@ -75,7 +76,11 @@ class StageRepartition:
                 raise PipelineError(f"this stage is not training run {run}")
             if len(trainer.setup.group.names) > 1:
                 raise PipelineError("a live re-partition moves units of one-device stages only")
-            if phase == "prepare":
+            if phase == "profile":
+                # the counters as they are, while the pipeline runs: a look before
+                # any flush (most looks keep the cuts, and then nothing pauses)
+                body["metrics"] = self._counters.to_dict()
+            elif phase == "prepare":
                 await self._prepare(trainer, run, step)
                 body["metrics"] = self._counters.to_dict()
             elif phase == "fetch":
