@@ -204,7 +204,9 @@ class LiveRepartitioning:
                       **decision.to_dict()})  # fmt: skip
             self.pending = decision if decision.moves else None
             body.update(bounds=list(controller.bounds), plan_epoch=controller.plan_epoch)
-            body["decision"] = decision.to_dict()
+            # where each stage says its units are now (as a commit's replies say)
+            held = {d: [c.get("start"), c.get("end")] for d, c in counters.items()}
+            body["decision"] = {**decision.to_dict(), "held": held}
             if decision.moves:
                 body["pause"] = True
         except (ZpipeError, ValueError) as exc:

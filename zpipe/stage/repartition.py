@@ -79,7 +79,12 @@ class StageRepartition:
             if phase == "profile":
                 # the counters as they are, while the pipeline runs: a look before
                 # any flush (most looks keep the cuts, and then nothing pauses)
-                body["metrics"] = self._counters.to_dict()
+                shard = trainer.shard  # and the units it trains now, as a commit says
+                body["metrics"] = {
+                    **self._counters.to_dict(),
+                    "start": shard.start,
+                    "end": shard.start + len(shard.units),
+                }
             elif phase == "prepare":
                 await self._prepare(trainer, run, step)
                 body["metrics"] = self._counters.to_dict()
