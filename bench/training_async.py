@@ -120,7 +120,7 @@ HEADLINE = "u16_middle"
 SETUP_SUMMARY_KEYS = (
     "ratio", "bound_run", "measured_over_bound", "bound_before", "measured_before",
     "bound_after", "measured_after", "whole", "repartitions", "look_pauses_s", "target_step",
-    "loss_drop",
+    "loss_drop", "change_inside_both",
 )  # fmt: skip
 # Adam: SGD with momentum 0.9 at lr 0.05 diverges under the staleness of async 1F1B here
 ADAM = {"name": "adam", "lr": 1e-3}
@@ -503,6 +503,8 @@ def one_setup(
         "bound_run": round(bound, 3), "measured_over_bound": round(ratio / bound, 3),
         "measured_before": measured["before"], "measured_after": measured["after"],
         "unit_s": round(unit_s, 5),
+        # the change must fall inside both runs, or the set-up was not measured
+        "change_inside_both": ft_t[-1] > ft_change + 1.0 and pd_t[-1] > pd_change + 1.0,
         "repartitions": len(moved_at),
         "look_pauses_s": round(pauses["ftpipehd"], 2),
         "look_share": round(pauses["ftpipehd"] / ftpipehd[1][-1], 3),
