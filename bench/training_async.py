@@ -115,13 +115,27 @@ from zpipe.lossy.data import load_digits_dataset
 from zpipe.models import ModelSpec
 
 BENCH = "training_async"
-SETUP_NAMES = ("u12_best", "u16_best", "u16_middle")
-HEADLINE = "u16_middle"
+SETUP_NAMES = ("u12_best", "u12_middle", "u16_best", "u16_middle")
+HEADLINE = "u12_middle"
 SETUP_SUMMARY_KEYS = (
-    "ratio", "bound_run", "measured_over_bound", "bound_before", "measured_before",
-    "bound_after", "measured_after", "whole", "repartitions", "look_pauses_s", "target_step",
-    "loss_drop", "change_inside_both",
-)  # fmt: skip
+    "ratio",
+    "bound_run",
+    "measured_over_bound",
+    "bound_before",
+    "measured_before",
+    "bound_after",
+    "measured_after",
+    "whole",
+    "repartitions",
+    "look_pauses_s",
+    "target_step",
+    "loss_drop",
+    "ratio_kind",
+    "change_inside_both",
+)
+# the smoothed loss must fall this much below its first 20 mini-batches' for a time to
+# a loss to mean anything (the 12-layer model falls about 0.5; deeper ones about 0)
+MIN_LOSS_DROP = 0.1
 # Adam: SGD with momentum 0.9 at lr 0.05 diverges under the staleness of async 1F1B here
 ADAM = {"name": "adam", "lr": 1e-3}
 
@@ -205,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=SETUP_NAMES,
         default=list(SETUP_NAMES),
-        help="repartition set-ups to run (the headline is u16_middle's when it runs)",
+        help="repartition set-ups to run (the headline is u12_middle's when it runs)",
     )
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
     args = parser.parse_args(argv)
@@ -351,10 +365,11 @@ def setups(args: argparse.Namespace) -> list[Setup]:
     the original flags."""
     table = {
         "u12_best": Setup("u12_best", args.units, 0, args.repartition_steps, args.change_s),
-        # relu: a plain gelu MLP of 16 layers barely moves from ln 10 in 160 steps at this
-        # learning rate; 20 and 24 layers (either activation) do not train at all
-        "u16_best": Setup("u16_best", 16, 0, 160, 6.0, "relu"),
-        "u16_middle": Setup("u16_middle", 16, 1, 140, 5.0, "relu"),
+        "u12_middle": Setup("u12_middle", args.units, 1, 160, 6.0),
+        # 16 plain layers do not learn under async staleness (see the module notes):
+        # these measure periods, their ratio is the time to their last step
+        "u16_best": Setup("u16_best", 16, 0, 120, 5.0, "relu"),
+        "u16_middle": Setup("u16_middle", 16, 1, 100, 4.0, "relu"),
     }
     return [table[name] for name in args.setups]
 
@@ -448,8 +463,15 @@ def one_setup(
     curve = smoothed(pipedream[0].losses, window=20)
     target = min(curve)
     target_step = curve.index(target) + 1
+    # a model that did not learn has no loss to reach: its "lowest" is a noisy dip
+    # anywhere; the time to its last step is then what the run measured
+    learned = curve[min(19, len(curve) - 1)] - target >= MIN_LOSS_DROP
+    if not learned:
+        target, target_step = curve[-1], len(curve)
 
     def time_to(run: tuple[Any, list[float]]) -> float:
+        if not learned:
+            return run[1][-1]
         for loss, at in zip(smoothed(run[0].losses, window=20), run[1], strict=True):
             if loss <= target:
                 return at
@@ -495,7 +517,8 @@ def one_setup(
         "target_loss": round(target, 4), "target_step": target_step,
         # how far the smoothed loss fell from its first 20 mini-batches: ~0 means the
         # model did not learn and the time to loss means nothing
-        "loss_drop": round(curve[min(19, len(curve) - 1)] - target, 3),
+        "loss_drop": round(curve[min(19, len(curve) - 1)] - min(curve), 3),
+        "ratio_kind": "time_to_loss" if learned else "time_to_last_step",
         "pipedream_s": round(time_to(pipedream), 2), "ftpipehd_s": round(time_to(ftpipehd), 2),
         "max_loss_rel_diff": same, "ratio": round(ratio, 3), "whole": round(whole, 3),
         "bound_before": round(before.ratio, 3), "bound_after": round(after.ratio, 3),
