@@ -34,17 +34,23 @@ mini-batches; with vertical sync both compute the same losses step by step, so
 time to a loss is time to a step: ``ftpipehd_over_pipedream_time_to_loss`` is
 PipeDream's time over FTPipeHD's to the lowest loss (averaged over 20 mini-batches)
 PipeDream reaches (FTPipeHD reports 6.8x). The issue names neither the model's
-depth nor which device slows, so three set-ups, equally faithful (``--setups``):
+depth nor which device slows, so four set-ups, equally faithful (``--setups``):
 
 * ``u12_best``: an MLP of ``--units`` (12) gelu layers, the best device slowing
   ``--change-s`` (10) s after its first step, ``--repartition-steps`` (240);
-* ``u16_best``: 16 relu layers, the best device slowing after 6 s, 160 steps;
-* ``u16_middle``: 16 relu layers, the second device (slowdown 8) slowing to 80
-  after 5 s, 140 steps.
+* ``u12_middle``: the same model, the second device (slowdown 8) slowing to 80
+  after 6 s, 160 steps;
+* ``u16_best`` and ``u16_middle``: 16 relu layers, the same two changes (after 5 s,
+  120 steps; after 4 s, 100 steps).
 
-More units than 16 would not measure anything: plain MLPs of 20 and 24 layers do
-not train here (their loss stays at ln 10 for 160 steps, sync or async, gelu or
-relu, Adam at 3e-4 or 1e-3), so a time to loss would be a time to a noisy dip.
+Only the 12-layer model learns here. Plain MLPs of 16 layers stay at ln 10 under
+asynchronous staleness (``train_async_reference``, 140 steps, relu or gelu, Adam at
+3e-4 or 1e-3), and 20 or 24 layers do not learn even synchronously. The 16-unit
+set-ups still measure what more units allow (their periods: the cuts are not
+limited to 12 units' granularity), but their ratio is the time to their last step
+(``ratio_kind``; with the same losses step by step that is the time to the same
+point of training), not a time to a loss (``loss_drop``: how far the smoothed loss
+fell; under ``MIN_LOSS_DROP`` the lowest loss is a noisy dip).
 
 Each set-up prints its bounds from zpipe's own cost model: ``bound_before`` and
 ``bound_after``, the even cuts' bottleneck period over the best integer cuts'
@@ -55,23 +61,30 @@ PipeDream's measured period before the change; a faster pipeline does more of it
 mini-batches before the change, so the run's bound need not lie between the
 phases'); the measured phases (``measured_before``, ``measured_after``: the
 median gaps' ratio, FTPipeHD's after the move that answers the phase) and
-``measured_over_bound``. Bounds: u12_best 3.0 then 2.0, u16_best 4.0 then 2.0,
-u16_middle 4.0 then 4.0 (a continuous split: 4.5, then 2.25 when the best
-slows). Once the best device slows to the worst's speed the even cuts' bottleneck
-(the worst device) does not change and no cut can win more than 2.25: no set-up
-where the best device slows can reach 3 after the change.
+``measured_over_bound``. Bounds: u12_best 3.0 then 2.0, u12_middle 3.0 then 3.0,
+u16_best 4.0 then 2.0, u16_middle 4.0 then 4.0 (a continuous split: 4.5 before;
+2.25 after the best slows, 6.75 after the second does). Once the best device
+slows to the worst's speed the even cuts' bottleneck (the worst device) does not
+change and no cut can win more than 2.25: no set-up where the best device slows
+can reach 3 after the change. The measured ratios stay well under the bounds
+because a stage also has a per-mini-batch cost of its own (about 1.3 ms of CPU at
+hidden 256 against 0.45 ms per unit, from the looks' capacities at load 2), which the
+emulation, like a real slower device, multiplies by the slowdown, while eq. 3
+scales a stage's time with its units only: a device cut down to one unit keeps
+that cost (``--repartition-hidden 512`` makes the units' work dominate it).
 
-The headline key is u16_middle's (``ftpipehd_headline_setup``). Why: 16 units let
-the cuts follow the speeds (4.0 of a continuous 4.5 before the change, where 12
-units allow 3.0), and a middle device turning slow is a new straggler that a kept
-even partition cannot leave, the case FTPipeHD's dynamic partition is for (its
-experiment: "assigning less layer to the straggler"); the best device slowing to
-the worst's speed makes the cluster less heterogeneous instead (best over worst
-5x). This was chosen knowing its bound is the highest of the three: every
-set-up's ratio, bounds and measured/bound are in the summary
-(``ftpipehd_setups``, ``ftpipehd_time_to_loss_by_setup``; the original set-up is
-``u12_best``). ``ftpipehd_over_pipedream_whole_run``, ``repartitions`` and the look
-pauses describe the headline set-up.
+The headline key is u12_middle's (``ftpipehd_headline_setup``). Why: of the
+set-ups whose model learns (the 12-layer ones, so a time to loss means
+something), it is the one where the change makes a new straggler that a kept even
+partition cannot leave, the case FTPipeHD's dynamic partition is for (its
+experiment: "assigning less layer to the straggler"); when the best device slows
+to the worst's speed the cluster becomes less heterogeneous instead (best over
+worst 5x) and the even cuts' bottleneck does not change. Its bound is 3.0, the
+issue's goal exactly, so the goal could only be met at the bound. This was
+chosen knowing the bounds; every set-up's ratio, bounds and measured/bound are in
+the summary (``ftpipehd_setups``, ``ftpipehd_time_to_loss_by_setup``; the
+original set-up is ``u12_best``). ``ftpipehd_over_pipedream_whole_run``,
+``repartitions`` and the look pauses describe the headline set-up.
 
 Each look's pause (``pause_s``: its gap between two losses beyond the run's median
 gap; ``ftpipehd_look_pauses_s`` sums them) is also given in parts (``parts``),
