@@ -63,9 +63,6 @@ ADDED_IN_V1 = {
     # chain replication with a global copy (FTPipeHD runs both), and whether one was kept
     "replicate": {"global": ["bool", False]},
     "replicated": {"global": ["bool", False]},
-    # a re-partition's look before any flush, and its answer that the client must pause
-    "repartition": {"look": ["bool/null", False]},
-    "repartitioned": {"pause": ["bool/null", False]},
     # a replica file says whether it holds every unit (the newest global copy's file)
     "replica_file": {"global": ["bool/null", False]},
     # heavy recovery gathers snapshots kept at the stages
@@ -187,7 +184,8 @@ KINDS_ADDED_IN_V1 = {
         "client": ["int", True],
         "work_s": ["int/float", True],
     },
-    "repartition": {"run": ["int", True], "step": ["int", True]},
+    # look: a look before any flush; pause: its answer that the cuts move (pause, ask again)
+    "repartition": {"run": ["int", True], "step": ["int", True], "look": ["bool/null", False]},
     "repartitioned": {
         "run": ["int", True],
         "step": ["int", True],
@@ -195,6 +193,7 @@ KINDS_ADDED_IN_V1 = {
         "bounds": ["list/null", False],
         "plan_epoch": ["int/null", False],
         "decision": ["dict/null", False],
+        "pause": ["bool/null", False],
     },
     "repartition_request": {
         "run": ["int", True],
