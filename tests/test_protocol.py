@@ -63,6 +63,8 @@ ADDED_IN_V1 = {
     # chain replication with a global copy (FTPipeHD runs both), and whether one was kept
     "replicate": {"global": ["bool", False]},
     "replicated": {"global": ["bool", False]},
+    # a replica file says whether it holds every unit (the newest global copy's file)
+    "replica_file": {"global": ["bool/null", False]},
     # heavy recovery gathers snapshots kept at the stages
     "weights_request": {"snapshot": ["list/null", False]},
     # a requester that takes a big answer in state_chunk messages of this size
@@ -207,7 +209,8 @@ KINDS_ADDED_IN_V1 = {
         "client": ["int", True],
         "work_s": ["int/float", True],
     },
-    "repartition": {"run": ["int", True], "step": ["int", True]},
+    # look: a look before any flush; pause: its answer that the cuts move (pause, ask again)
+    "repartition": {"run": ["int", True], "step": ["int", True], "look": ["bool/null", False]},
     "repartitioned": {
         "run": ["int", True],
         "step": ["int", True],
@@ -215,6 +218,7 @@ KINDS_ADDED_IN_V1 = {
         "bounds": ["list/null", False],
         "plan_epoch": ["int/null", False],
         "decision": ["dict/null", False],
+        "pause": ["bool/null", False],
     },
     "repartition_request": {
         "run": ["int", True],

@@ -7,7 +7,9 @@ flushed pipeline's units between stages must not change what it computes.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -341,10 +343,24 @@ def test_a_real_change_is_taken_at_once_and_forgets_what_cuts_measured() -> None
 # ---------------------------------------------------------------- a real pipeline
 
 
+def _logged(text: str, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines of ``event``."""
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            out.append(record)
+    return out
+
+
 def test_cluster_async_run_repartitions_live_and_equals_the_reference(
     cluster: LocalCluster,
 ) -> None:
     batches = make_batches(10, 5, seed=7)
+    since = {name: len(cluster.logs(name)) for name in ("coordinator", "s0", "s1", "s2")}
     report = cluster.fit(
         SPEC,
         batches,
@@ -367,6 +383,14 @@ def test_cluster_async_run_repartitions_live_and_equals_the_reference(
     # the stages themselves say which units they train after each commit
     after = {"s0": [0, 3], "s1": [3, 4], "s2": [4, 5]}
     assert looks[0]["held"] == after and looks[1]["held"] == after
+    # both looked while the pipeline ran; only the one that moved paused it and flushed
+    considered = _logged(
+        cluster.logs("coordinator")[since["coordinator"] :], "repartition_considered"
+    )
+    assert [(e["at"], e["flush"]) for e in considered if "flush" in e] == [(3, False), (7, False)]
+    for name in ("s0", "s1", "s2"):
+        prepared = _logged(cluster.logs(name)[since[name] :], "repartition_prepared")
+        assert [e["step"] for e in prepared] == [3], name
     moved = train_async_reference(
         SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM, repartitions={3: [0, 3, 4, 5]}
     )

@@ -1,10 +1,11 @@
 """The client's part in a live re-partition (FTPipeHD III-D): pause, ask, go on.
 
 Before each mini-batch the run's :class:`~zpipe.training.repartition.
-RepartitionSettings` name, the feed stops: the run kind's ``pause_feed`` (an
-asynchronous run sends its ``end`` marker, so the stages flush), then every loss
-in flight comes back, then the coordinator looks and, when the cuts move, has the
-stages move units between them and commit
+RepartitionSettings` name, the coordinator looks first while the pipeline runs
+(``look``: the stages' counters as they are). Only when the cuts move does the
+feed stop: the run kind's ``pause_feed`` (an asynchronous run sends its ``end``
+marker, so the stages flush), then every loss in flight comes back, then the
+coordinator has the stages move units between them and commit
 (:mod:`zpipe.coordinator.repartition`). The feed goes on from the same
 mini-batch; what the look found is kept in ``TrainReport.repartitions``.
 """
@@ -25,7 +26,14 @@ log = get_logger("zpipe.client")
 
 
 async def repartition_before(run: TrainingRun, step: int) -> None:
-    """Pause ``run`` before mini-batch ``step`` and have the coordinator look."""
+    """Have the coordinator look before mini-batch ``step``, pausing ``run`` only when
+    the cuts move: the look itself reads the stages' counters while the pipeline
+    runs, so a look that keeps the cuts costs no flush (the pipeline's drain and
+    fill, most of a look's pause)."""
+    reply = await _ask(run, step, look=True)
+    if not reply.get("pause"):
+        _record(run, step, reply)
+        return
     await run.pause_feed()
     timeout = run.timeouts.result_s
     while run.done_steps < run.sent_steps:
@@ -36,18 +44,26 @@ async def repartition_before(run: TrainingRun, step: int) -> None:
             raise TransportTimeout(
                 run.session.last_stage, "the losses before a re-partition", timeout
             ) from None
+    _record(run, step, await _ask(run, step, look=False))
+
+
+async def _ask(run: TrainingRun, step: int, *, look: bool) -> Message:
     reply = await run.session.control.request(
-        Message("repartition", {"run": run.run, "step": step}),
+        Message("repartition", {"run": run.run, "step": step, **({"look": True} if look else {})}),
         expect=("repartitioned",),
         # a flush, the stages' fetches and the commit, each within result_s
-        timeout_s=3 * timeout + run.timeouts.reply_s,
-        awaited="the re-partition",
+        timeout_s=3 * run.timeouts.result_s + run.timeouts.reply_s,
+        awaited="the re-partition's look" if look else "the re-partition",
         resend_on_reconnect=True,
         progress_run=run.run,
     )
     if reply["error"]:
         # the stages may be paused at a cut they cannot leave: the run ends here
         raise PipelineError(f"the re-partition before mini-batch {step} failed: {reply['error']}")
+    return reply
+
+
+def _record(run: TrainingRun, step: int, reply: Message) -> None:
     decision = dict(reply.get("decision") or {})
     moved = decision.get("bounds") is not None
     run.report.repartitions.append(

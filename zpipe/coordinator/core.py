@@ -38,13 +38,13 @@ from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState
+from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.runbase import run_failed
-from zpipe.coordinator.runs import Replica, Run
+from zpipe.coordinator.runs import Run
 from zpipe.coordinator.starting import run_request
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.models import ModelSpec
-from zpipe.planner.training_plan import TrainingPlan
 from zpipe.transport.codec import Message
 
 # Replies of stages to what a run's flows asked (routed to the flow that waits).
@@ -542,8 +542,15 @@ class CoordinatorCore:
             None if run is None else run.to_saved(),
         )
 
-    def restore(self, saved: SavedState | None, replica: SavedReplica | None, now: float) -> None:
-        """Take over the members, the run and the replica a previous coordinator saved.
+    def restore(
+        self,
+        saved: SavedState | None,
+        replica: SavedReplica | None,
+        now: float,
+        newest_global: SavedReplica | None = None,
+    ) -> None:
+        """Take over the members, the run and the replica a previous coordinator saved
+        (with ``newest_global`` behind it as its fallback: restored_replica.py).
 
         Restored members count as alive from now: one that does not speak within the
         usual suspect and probe intervals is declared dead as any other would be.
@@ -568,13 +575,9 @@ class CoordinatorCore:
                 except (KeyError, TypeError, ValueError) as exc:
                     raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
         if replica is not None:
-            try:
-                plan = TrainingPlan.from_dict(replica.plan)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise StateFileError(f"the saved replica's plan does not parse: {exc!r}") from exc
-            state.replica = Replica(
-                replica.run, replica.step, plan, replica.state, dict(replica.holders)
-            )
+            state.replica = replica_from_saved(replica, newest_global)
+            if isinstance(state.current, SyncTrainingRun):
+                state.current.fallback = state.replica.newest_global()
 
 
 def controller_for(state: CoordinatorState, run: Run) -> Any:

@@ -9,6 +9,14 @@ Two files live in the state directory (``python -m zpipe.coordinator --state-dir
   and optimizer state after a mini-batch, and the plan it was taken under. It is
   written before the client is told the replica is kept, so a replica the client
   relies on (and drops its replay buffer for) is never only in memory.
+- ``global.state``: the newest replica that held every unit here (a global copy).
+  Under chain replication with a global copy (FTPipeHD runs both) the latest
+  replica holds here only the last stage's backup, and the newest global copy
+  behind it is what a recovery falls back to when two adjacent stages died; the
+  next chain replica overwrites ``replica.state``, so the global copy keeps a
+  file of its own. It is the same file as ``replica.state`` when written (a hard
+  link, else a copy), so it costs no second encoding; at most two replicas are
+  ever on disk.
 
 Both are sequences of wire-codec messages (msgpack headers and raw tensor bytes:
 nothing is pickled), framed by lengths and closed by a CRC-32, and written
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import struct
 import time
 import zlib
@@ -37,6 +46,7 @@ from zpipe.transport.codec import Message
 
 STATE_FILE = "coordinator.state"
 REPLICA_FILE = "replica.state"
+GLOBAL_FILE = "global.state"
 # Format tag and version: a file of another layout is refused, not misread.
 MAGIC = b"ZPSTATE1"
 _U32 = struct.Struct("<I")
@@ -44,6 +54,7 @@ _U64 = struct.Struct("<Q")
 
 
 __all__ = [
+    "GLOBAL_FILE",
     "REPLICA_FILE",
     "STATE_FILE",
     "SavedMember",
@@ -105,6 +116,12 @@ class SavedReplica:
     state: dict[str, torch.Tensor]
     # chain replication: who holds each device's backup (the snapshots are at stages)
     holders: Mapping[str, str] = field(default_factory=dict)
+    # every unit's state is here (None: as the holders say; see runs.Replica)
+    global_copy: bool | None = None
+
+    @property
+    def complete(self) -> bool:
+        return not self.holders if self.global_copy is None else self.global_copy
 
 
 # -------------------------------------------------------------- file format
@@ -145,6 +162,27 @@ def write_messages(path: Path, messages: Sequence[Message]) -> int:
         raise
     _fsync_directory(path.parent)
     return size + len(MAGIC) + _U32.size
+
+
+def link_atomically(source: Path, path: Path) -> None:
+    """Make ``path`` the file ``source`` is now (a hard link; a copy where the file
+    system has none), atomically: a temporary name, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+            with open(tmp, "rb") as copied:
+                os.fsync(copied.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_directory(path.parent)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -227,6 +265,10 @@ class StateStore:
     def replica_path(self) -> Path:
         return self.directory / REPLICA_FILE
 
+    @property
+    def global_path(self) -> Path:
+        return self.directory / GLOBAL_FILE
+
     def save_state(self, state: SavedState) -> None:
         body = {
             "epoch": state.epoch,
@@ -264,8 +306,15 @@ class StateStore:
             raise StateFileError(f"{self.state_path} does not hold a valid state: {exc}") from exc
 
     def save_replica(self, replica: SavedReplica) -> int:
-        """Write the replica (in chunks: a message carries at most MAX_TENSORS tensors);
-        returns the file's size in bytes."""
+        """Write the replica (in chunks: a message carries at most MAX_TENSORS tensors),
+        and keep it as the newest global copy too when it holds every unit; returns the
+        file's size in bytes."""
+        size = self._write_replica(replica)
+        if replica.complete:
+            link_atomically(self.replica_path, self.global_path)
+        return size
+
+    def _write_replica(self, replica: SavedReplica) -> int:
         keys = list(replica.state)
         per = codec.MAX_TENSORS
         chunks = max(1, -(-len(keys) // per))
@@ -281,37 +330,47 @@ class StateStore:
                 "chunks": chunks,
                 "holders": dict(replica.holders),
             }
+            if replica.global_copy is not None:
+                body["global"] = replica.global_copy
             tensors = tuple(replica.state[k] for k in part)
             messages.append(Message("replica_file", body, tensors=tensors))
         return write_messages(self.replica_path, messages)
 
     def load_replica(self) -> SavedReplica | None:
-        if not self.replica_path.exists():
-            return None
-        messages = read_messages(self.replica_path)
-        if not messages or any(m.kind != "replica_file" for m in messages):
-            raise StateFileError(f"{self.replica_path} holds no replica")
-        try:
-            return self._replica_of(messages)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateFileError(
-                f"{self.replica_path} does not hold a valid replica: {exc}"
-            ) from exc
+        return self._load_replica(self.replica_path)
 
-    def _replica_of(self, messages: Sequence[Message]) -> SavedReplica:
+    def load_global(self) -> SavedReplica | None:
+        """The newest global copy (see the module notes), or None."""
+        return self._load_replica(self.global_path)
+
+    def _load_replica(self, path: Path) -> SavedReplica | None:
+        if not path.exists():
+            return None
+        messages = read_messages(path)
+        if not messages or any(m.kind != "replica_file" for m in messages):
+            raise StateFileError(f"{path} holds no replica")
+        try:
+            return self._replica_of(path, messages)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateFileError(f"{path} does not hold a valid replica: {exc}") from exc
+
+    def _replica_of(self, path: Path, messages: Sequence[Message]) -> SavedReplica:
         first = messages[0]
         chunks = int(first["chunks"])
         if [int(m["chunk"]) for m in messages] != list(range(chunks)):
-            raise StateFileError(f"{self.replica_path}: chunks missing or out of order")
+            raise StateFileError(f"{path}: chunks missing or out of order")
         state: dict[str, torch.Tensor] = {}
         for message in messages:
             if (message["run"], message["step"]) != (first["run"], first["step"]):
-                raise StateFileError(f"{self.replica_path} mixes replicas of different steps")
+                raise StateFileError(f"{path} mixes replicas of different steps")
             if len(message["keys"]) != len(message.tensors):
-                raise StateFileError(f"{self.replica_path}: keys and tensors do not match")
+                raise StateFileError(f"{path}: keys and tensors do not match")
             for key, tensor in zip(message["keys"], message.tensors, strict=True):
                 state[str(key)] = tensor
         holders = {str(k): str(v) for k, v in dict(first.get("holders") or {}).items()}
+        whole = first.get("global")
+        if whole is not None and not isinstance(whole, bool):
+            raise StateFileError(f"{path}: 'global' must be true or false, got {whole!r}")
         return SavedReplica(
-            int(first["run"]), int(first["step"]), dict(first["plan"]), state, holders
+            int(first["run"]), int(first["step"]), dict(first["plan"]), state, holders, whole
         )

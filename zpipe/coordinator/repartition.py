@@ -29,7 +29,12 @@ from zpipe.models import ModelSpec
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery.replanning import unit_work_from_profile
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
-from zpipe.training.repartition import RepartitionController, RepartitionSettings, spans_of
+from zpipe.training.repartition import (
+    RepartitionController,
+    RepartitionDecision,
+    RepartitionSettings,
+    spans_of,
+)
 from zpipe.transport.codec import Message
 
 
@@ -67,6 +72,9 @@ class LiveRepartitioning:
     def __init__(self, run: BaseRun) -> None:
         self.owner = run
         self.controller: RepartitionController | None = None
+        # a look before the flush that decided to move: carried out by the next
+        # (flushing) request of the same mini-batch
+        self.pending: RepartitionDecision | None = None
 
     def _controller(
         self, plan: TrainingPlan, settings: RepartitionSettings
@@ -104,7 +112,11 @@ class LiveRepartitioning:
             else ([1.0] * plan.num_units)
         )
 
-    def flow(self, run_id: int, step: int) -> Flow:
+    def flow(self, run_id: int, step: int, *, look: bool = False) -> Flow:
+        """A re-partition before mini-batch ``step``; with ``look``, only its decision,
+        from counters taken without a flush (see :meth:`look_flow`)."""
+        if look:
+            return (yield from self.look_flow(run_id, step))
         owner, run = self.owner, self.owner.run
         body: dict[str, Any] = {"run": run_id, "step": step, "error": ""}
         try:
@@ -120,9 +132,15 @@ class LiveRepartitioning:
             missing = [d for d in devices if d not in members]
             if missing:
                 raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
+            # the pause's parts are read from these events' stamps (bench/training_async.py)
+            yield Log("info", "repartition_started", {"run": run.run, "step": step})
             replies = yield from self.ask(members, devices, step, {"phase": "prepare"})
-            counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
-            decision = controller.look(step, counters)
+            pending, self.pending = self.pending, None
+            if pending is not None and pending.at == step:
+                decision = pending  # decided before the flush (look_flow)
+            else:
+                counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
+                decision = controller.look(step, counters)
             yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict()})
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None:
@@ -148,6 +166,55 @@ class LiveRepartitioning:
                       "error": body["error"]})  # fmt: skip
         return Message("repartitioned", body)
 
+    def look_flow(self, run_id: int, step: int) -> Flow:
+        """The look alone, while the pipeline runs: every stage's counters as they are
+        (``profile``: no flush), the controller's decision. When it keeps the cuts the
+        client goes on without pausing (a flush costs the pipeline's drain and fill
+        at every look, and most looks keep the cuts); when it moves them the reply
+        says ``pause``: the client pauses, and its next request carries this decision
+        out (prepare, fetch, commit). A stage that cannot profile (an older one)
+        also gets ``pause``, and the look then happens at the flush as before."""
+        owner, run = self.owner, self.owner.run
+        body: dict[str, Any] = {"run": run_id, "step": step, "error": ""}
+        try:
+            if owner.state.current is not owner or run.run != run_id:
+                raise ConfigError(f"run {run_id} is not the current training run")
+            plan = run.training_plan
+            settings = repartition_settings(run.request)
+            if plan is None or settings is None:
+                raise ConfigError(f"run {run_id} does not re-partition")
+            controller = self._controller(plan, settings)
+            devices = list(controller.devices)
+            members = {m.name: m for m in owner.state.membership.alive()}
+            missing = [d for d in devices if d not in members]
+            if missing:
+                raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
+            yield Log("info", "repartition_started", {"run": run.run, "step": step,
+                      "flush": False})  # fmt: skip
+            try:
+                replies = yield from self.ask(members, devices, step, {"phase": "profile"})
+            except PipelineError as exc:
+                yield Log("warning", "repartition_profile_failed", {"run": run.run,
+                          "step": step, "error": str(exc)})  # fmt: skip
+                body["pause"] = True
+                return Message("repartitioned", body)
+            counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
+            decision = controller.look(step, counters)
+            yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
+                      **decision.to_dict()})  # fmt: skip
+            self.pending = decision if decision.moves else None
+            body.update(bounds=list(controller.bounds), plan_epoch=controller.plan_epoch)
+            # where each stage says its units are now (as a commit's replies say)
+            held = {d: [c.get("start"), c.get("end")] for d, c in counters.items()}
+            body["decision"] = {**decision.to_dict(), "held": held}
+            if decision.moves:
+                body["pause"] = True
+        except (ZpipeError, ValueError) as exc:
+            body["error"] = f"{type(exc).__name__}: {exc}"
+            yield Log("error", "repartition_failed", {"run": run_id, "step": step,
+                      "error": body["error"]})  # fmt: skip
+        return Message("repartitioned", body)
+
     def _fetch(
         self, members: dict[str, Member], plan: TrainingPlan, step: int, bounds: tuple[int, ...]
     ) -> Flow:
@@ -159,6 +226,7 @@ class LiveRepartitioning:
         replica = Replica(run.run, step, plan, {}, holders=own, global_copy=False)
         fetches = fetch_plans(replica, spans_of(devices, bounds), set(members))
         yield AllowPeers(tuple(members[d] for d in devices), fetch_grants(fetches))
+        yield Log("info", "repartition_fetching", {"run": run.run, "step": step})
         for dest, entries in fetches.items():
             for entry in entries:
                 if entry["from"] != dest:

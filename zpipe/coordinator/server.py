@@ -69,6 +69,7 @@ from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.loop_lag import LoopLag
 from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.persistence import StateStore
+from zpipe.coordinator.restored_replica import fallback_named
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.log import get_logger
 from zpipe.transport import security
@@ -231,7 +232,8 @@ class Coordinator:
             return
         saved = self._store.load_state()
         replica = self._store.load_replica()
-        self.core.restore(saved, replica, time.monotonic())
+        newest_global = self._store.load_global()
+        self.core.restore(saved, replica, time.monotonic(), newest_global)
         run = self.core.run
         log.info(
             "coordinator_restored",
@@ -240,6 +242,7 @@ class Coordinator:
             run=None if run is None else run.run,
             epoch=self.state.epoch,
             replica=None if replica is None else {"run": replica.run, "step": replica.step},
+            fallback=fallback_named(self.state.replica),
         )
 
     def _persist(self) -> None:

@@ -86,14 +86,15 @@ class SyncTrainingRun(BaseRun):
         if isinstance(event, ClientRequest) and event.message.kind == "repartition":
             # a live re-partition (zpipe.coordinator.repartition), its flow answered once
             run_id, step = int(event.message["run"]), int(event.message["step"])
+            look = bool(event.message.get("look"))  # a look before any flush
             if self._repartitioning is None:
                 self._repartitioning = LiveRepartitioning(self)
             flows = self._repartitioning
             return self.state.answers.answer(
                 self.state.flows,
-                ("repartition", run_id, step),
+                ("repartition_look" if look else "repartition", run_id, step),
                 event.routing_id,
-                lambda: flows.flow(run_id, step),
+                lambda: flows.flow(run_id, step, look=look),
                 peer=CLIENT_NAME,
                 timeout_s=self.reply_s,
                 now=now,
@@ -253,7 +254,9 @@ class SyncTrainingRun(BaseRun):
                     state[key] = tensor.clone()
             if self.state.saves_replicas:
                 # On disk before the client hears of it: it then drops what came before.
-                saved = SavedReplica(run.run, step, run.training_plan.to_dict(), state, holders)
+                saved = SavedReplica(
+                    run.run, step, run.training_plan.to_dict(), state, holders, whole
+                )
                 try:
                     yield SaveReplica(saved)
                 except (OSError, StateFileError) as exc:

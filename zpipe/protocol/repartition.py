@@ -3,9 +3,14 @@
     client -> coordinator   repartition -> repartitioned
     coordinator -> stage    repartition_request (phase) -> repartition_reply
 
-The client pauses its feed after mini-batch ``step - 1`` (the feed's ``end``
-marker, so every stage finishes every batch before it) and asks the coordinator
-to look. The coordinator asks every stage in three phases:
+First the client asks with ``look`` and goes on feeding: the coordinator asks
+every stage for its counters as they are (phase ``profile``, no flush) and
+decides. When the cuts stay, that is all (the reply carries the decision). When
+they move (the reply says ``pause``), or from a client that does not look first,
+the client pauses its feed after mini-batch ``step - 1`` (the feed's ``end``
+marker, so every stage finishes every batch before it) and asks again without
+``look``; the coordinator then carries the decision out, asking every stage in
+three phases:
 
 - ``prepare``: once flushed at ``step``, keep a snapshot of your units (with their
   weight versions and optimizer state) and answer with your counters (``metrics``);
@@ -23,6 +28,7 @@ from typing import Any, ClassVar
 
 from zpipe.protocol._schema import (
     INT,
+    OPT_BOOL,
     OPT_INT,
     OPT_LIST,
     OPT_MAP,
@@ -32,7 +38,7 @@ from zpipe.protocol._schema import (
     wire_message,
 )
 
-PHASES = ("prepare", "fetch", "commit")
+PHASES = ("profile", "prepare", "fetch", "commit")
 
 
 @wire_message
@@ -40,6 +46,8 @@ class Repartition(WireMessage):
     KIND: ClassVar[str] = "repartition"
     run: int = wire(INT)
     step: int = wire(INT)
+    # look first, with no pause: the client pauses only if the reply says ``pause``
+    look: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -54,6 +62,8 @@ class Repartitioned(WireMessage):
     bounds: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     plan_epoch: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     decision: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # to a look: the cuts move (or the stages could not profile); pause, then ask again
+    pause: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message

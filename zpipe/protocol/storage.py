@@ -2,7 +2,7 @@
 the wire.
 
     coordinator_state   membership, run counter and the current run
-    replica_file        one chunk of a global replica; ``keys`` name this chunk's tensors
+    replica_file        one chunk of a replica; ``keys`` name this chunk's tensors
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_BOOL,
     OPT_MAP,
     TensorMessage,
     WireMessage,
@@ -44,6 +45,8 @@ class ReplicaFile(TensorMessage):
     chunk: int = wire(INT)
     chunks: int = wire(INT)
     holders: dict[str, Any] | None = wire(OPT_MAP, default=None)
+    # every unit's state is in the file (None: as ``holders`` say); written only when known
+    global_copy: bool | None = wire(OPT_BOOL, key="global", default=None)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (CoordinatorState, ReplicaFile)

@@ -5,7 +5,8 @@ AsyncTrainingExecutor`); a synchronous stage is between two rounds there anyway
 (every round ends with its update), so it only waits for round ``step - 1``'s.
 
 The coordinator's ``repartition_request`` comes in three phases
-(:mod:`zpipe.protocol.repartition`):
+(:mod:`zpipe.protocol.repartition`), after a ``profile`` (the counters as they
+are, no flush) when the coordinator looks before the client pauses:
 
 - ``prepare``: wait until the executor flushed before batch ``step`` (the client
   paused its feed there), keep a snapshot of every unit here (weights, optimizer
@@ -23,6 +24,7 @@ The coordinator's ``repartition_request`` comes in three phases
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -74,13 +76,26 @@ class StageRepartition:
                 raise PipelineError(f"this stage is not training run {run}")
             if len(trainer.setup.group.names) > 1:
                 raise PipelineError("a live re-partition moves units of one-device stages only")
-            if phase == "prepare":
+            if phase == "profile":
+                # the counters as they are, while the pipeline runs: a look before
+                # any flush (most looks keep the cuts, and then nothing pauses)
+                shard = trainer.shard  # and the units it trains now, as a commit says
+                body["metrics"] = {
+                    **self._counters.to_dict(),
+                    "start": shard.start,
+                    "end": shard.start + len(shard.units),
+                }
+            elif phase == "prepare":
                 await self._prepare(trainer, run, step)
                 body["metrics"] = self._counters.to_dict()
             elif phase == "fetch":
                 bounds = _bounds(message)
-                state = await self._snapshots.fetched_state(list(message.get("fetch") or []))
+                entries = list(message.get("fetch") or [])
+                state = await self._snapshots.fetched_state(entries)
                 self._fetched = (run, step, bounds, state)
+                log.info("repartition_fetched", stage=self.name, run=run, step=step,
+                         units=sum(int(e["end"]) - int(e["start"]) for e in entries),
+                         peers=sorted({str(e["from"]) for e in entries} - {self.name}))  # fmt: skip
             elif phase == "commit":
                 await self._commit(trainer, run, step, _bounds(message))
                 shard = trainer.shard  # the units it trains from here on
@@ -93,12 +108,14 @@ class StageRepartition:
         return body
 
     async def _prepare(self, trainer: TrainingExecutor, run: int, step: int) -> None:
+        started = time.perf_counter()
         if isinstance(trainer, AsyncTrainingExecutor):
             await trainer.wait_flushed(step, self._timeout_s)
         else:
             await trainer.wait_for_step(step, self._timeout_s)
             if trainer.completed_steps != step:
                 raise PipelineError(f"round {trainer.completed_steps} ran past the pause at {step}")
+        flushed = time.perf_counter()
         shard = trainer.shard
         loop = asyncio.get_running_loop()
         # the versions the run's depth reads (a recovered run's may exceed its stages)
@@ -111,7 +128,9 @@ class StageRepartition:
         self._snapshots.replicas.put(self.name, run, step, snapshot)
         self._fetched = None
         log.info("repartition_prepared", stage=self.name, run=run, step=step,
-                 units=[shard.start, shard.start + len(shard.units)])  # fmt: skip
+                 units=[shard.start, shard.start + len(shard.units)],
+                 flush_wait_s=round(flushed - started, 4),
+                 snapshot_s=round(time.perf_counter() - flushed, 4))  # fmt: skip
 
     async def _commit(
         self, trainer: TrainingExecutor, run: int, step: int, bounds: tuple[int, ...]
@@ -128,6 +147,7 @@ class StageRepartition:
         start, end = bounds[i], bounds[i + 1]
         shard = trainer.shard
         new: TrainShard | None = None
+        started = time.perf_counter()
         if (start, end) != (shard.start, shard.start + len(shard.units)):
             fetched = self._fetched
             if fetched is None or fetched[:3] != (run, step, bounds):
@@ -141,7 +161,8 @@ class StageRepartition:
         elif new is not None:
             trainer.shard = new  # the next round's forward runs the new units
         log.info("repartition_committed", stage=self.name, run=run, step=step,
-                 units=[start, end], moved=new is not None)  # fmt: skip
+                 units=[start, end], moved=new is not None,
+                 regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
 
 
 def _bounds(message: Message) -> tuple[int, ...]:

@@ -1,0 +1,83 @@
+"""A live re-partition's pause in parts, from the stamps of the run's log events.
+
+For ``bench/training_async.py``: the client's loss times (wall clock) and the JSON
+events of the coordinator (``repartition_started``, ``repartition_fetching``,
+``repartition_considered``) and of the stages (``repartition_prepared`` with its
+``flush_wait_s`` and ``snapshot_s``, ``repartition_fetched``,
+``repartition_committed`` with its ``regroup_s``); every process runs on this host,
+so the stamps share one clock.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+
+def _stamp(record: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(record["timestamp"])).timestamp()
+
+
+def _events(text: str, *names: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") in names:
+            out.append(record)
+    return out
+
+
+COORDINATOR_EVENTS = (
+    "repartition_started",
+    "repartition_fetching",
+    "repartition_considered",
+    "repartitioned",
+)
+
+
+def pause_parts(
+    logs: dict[str, str], step: int, last_loss: float, next_loss: float
+) -> dict[str, Any]:
+    """A look's pause in parts, from the client's loss times (wall clock) and the
+    stamps of the coordinator's and stages' events (same host, same clock)."""
+    coordinator = {
+        r["event"]: _stamp(r)
+        for r in _events(logs["coordinator"], *COORDINATOR_EVENTS)
+        if r.get("step") == step
+    }
+    stages: dict[str, list[dict[str, Any]]] = {}
+    for name, text in logs.items():
+        if name == "coordinator":
+            continue
+        for r in _events(text, "repartition_prepared", "repartition_fetched",
+                         "repartition_committed"):  # fmt: skip
+            if r.get("step") == step:
+                stages.setdefault(str(r["event"]), []).append(r)
+    if "repartition_started" not in coordinator or "repartition_prepared" not in stages:
+        return {}
+    started = coordinator["repartition_started"]
+    prepared = max(_stamp(r) for r in stages["repartition_prepared"])
+    considered = coordinator.get("repartition_considered", prepared)
+    fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=considered)
+    committed = max(_stamp(r) for r in stages.get("repartition_committed", [])) if stages.get(
+        "repartition_committed") else fetched  # fmt: skip
+    parts = {
+        "request_s": started - last_loss,  # the client's drain check and its request
+        "prepare_s": prepared - started,  # every stage flushed and kept a snapshot
+        "look_s": considered - prepared,  # the replies and the decision
+        "allow_s": coordinator.get("repartition_fetching", considered) - considered,
+        "fetch_s": fetched - coordinator.get("repartition_fetching", considered),
+        "commit_s": committed - fetched,  # includes building the new shards
+        "resume_s": next_loss - committed,  # the reply, the feed, one batch through
+        "flush_wait_max_s": max(float(r["flush_wait_s"]) for r in stages["repartition_prepared"]),
+        "snapshot_max_s": max(float(r["snapshot_s"]) for r in stages["repartition_prepared"]),
+        "regroup_max_s": max(
+            (float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_committed", [])),
+            default=0.0,
+        ),
+    }
+    return {k: round(v, 3) for k, v in parts.items()}

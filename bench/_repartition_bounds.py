@@ -1,0 +1,101 @@
+"""What FTPipeHD's live cuts can gain over PipeDream's even ones, from zpipe's own cost model.
+
+Pure arithmetic for ``bench/training_async.py``'s repartition section. A set-up is
+four devices of emulated slowdowns (capacities ``C_i``, eq. 3: a unit takes
+``C_i`` times its reference time), a model of equal units, and one device
+slowing 10x at ``change_s``. The bound of a phase is the even partition's
+bottleneck period over the best integer partition's (eq. 5 on equal units,
+:func:`zpipe.planner.ftpipehd.ftpipehd_partition`, the planner the coordinator
+re-partitions with). The bound of a run follows both pipelines at those periods
+through the change (each to the same mini-batch: with vertical sync both
+compute the same losses step by step): a faster pipeline does more of its
+mini-batches before the change, so a run's bound is not simply between the two
+phases' bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zpipe.planner.ftpipehd import ftpipehd_partition
+
+SLOWING_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One repartition set-up: ``units`` equal units; device ``slowing`` (0: the
+    best) turns 10x slower ``change_s`` after its first step; ``steps`` mini-batches."""
+
+    name: str
+    units: int
+    slowing: int
+    steps: int
+    change_s: float
+    activation: str = "gelu"
+
+
+@dataclass(frozen=True)
+class PhaseBound:
+    """Periods in unit-times (one unit on a device of capacity 1)."""
+
+    even_period: float
+    best_period: float
+    best_bounds: tuple[int, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.even_period / self.best_period
+
+
+def even_bounds(units: int, stages: int) -> list[int]:
+    """PipeDream's even start: ``units // stages`` each, the rest on the last stage."""
+    per = units // stages
+    return [i * per for i in range(stages)] + [units]
+
+
+def after_change(capacities: Sequence[float], slowing: int) -> list[float]:
+    out = [float(c) for c in capacities]
+    out[slowing] *= SLOWING_FACTOR
+    return out
+
+
+def phase_bound(capacities: Sequence[float], units: int) -> PhaseBound:
+    """The even cuts' period and the best integer cuts' (eq. 5), equal units."""
+    reference = [1.0] * units
+    best = ftpipehd_partition(reference, capacities=capacities)
+    cuts = even_bounds(units, len(capacities))
+    even = max(sum(reference[a:b]) * c for a, b, c in zip(cuts, cuts[1:], capacities, strict=False))
+    return PhaseBound(even, best.period_s, best.bounds)
+
+
+def time_to_step(step: int, *, before_s: float, after_s: float, change_s: float) -> float:
+    """Seconds to finish ``step`` mini-batches at one period before ``change_s`` and
+    another after it."""
+    if step * before_s <= change_s:
+        return step * before_s
+    done = change_s / before_s
+    return change_s + (step - done) * after_s
+
+
+def run_bound(
+    capacities: Sequence[float], setup: Setup, *, unit_s: float, step: int
+) -> tuple[PhaseBound, PhaseBound, float]:
+    """The phases' bounds and the run's: PipeDream's time to ``step`` over FTPipeHD's,
+    each at its ideal period (``unit_s`` seconds per unit-time) around the change."""
+    before = phase_bound(capacities, setup.units)
+    after = phase_bound(after_change(capacities, setup.slowing), setup.units)
+    even = time_to_step(
+        step,
+        before_s=before.even_period * unit_s,
+        after_s=after.even_period * unit_s,
+        change_s=setup.change_s,
+    )
+    best = time_to_step(
+        step,
+        before_s=before.best_period * unit_s,
+        after_s=after.best_period * unit_s,
+        change_s=setup.change_s,
+    )
+    return before, after, even / best
