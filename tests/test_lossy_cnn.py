@@ -219,7 +219,6 @@ def test_cnn_runs_are_seeded_and_lose_messages(data: Dataset) -> None:
         (["--model", "cnn", "--conv-channels", "4000,4000,4000"], "weights"),
         (["--model", "cnn", "--conv-channels", "2,2,2,2,2"], "pooled away"),
         (["--model", "cnn", "--conv-channels", ",".join(["2"] * 17)], "at most 16"),
-        (["--model", "cnn", "--multiprocess"], "simulation only"),
         (["--model", "rnn"], "invalid choice"),
     ],
 )

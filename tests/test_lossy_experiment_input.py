@@ -50,6 +50,7 @@ def _strict_loads(text: str) -> object:
         (["--on-death", "remap", "--wait-mode", "deadline", "--multiprocess"], "emulated"),
         (["--replica-every", "5", "--multiprocess"], "--on-death remap"),
         (["--on-death", "remap", "--replica-every", "0"], "must be >= 1"),
+        (["--model", "cnn", "--on-death", "remap", "--multiprocess"], "not with --model cnn"),
     ],
 )
 def test_bad_values_are_refused_without_traceback(

@@ -54,6 +54,7 @@ from zpipe.coordinator.lossy_remap import ON_DEATH, RemapRun, results_remapping
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.runbase import stage_metrics
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
+from zpipe.lossy.cnn import CnnSpec, part_shapes
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
@@ -111,7 +112,11 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
     if len(sizes) < 2:
         raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
-    params, inputs, labels, x_test = _tensors(request, sizes)
+    cnn = None if request.spec.get("cnn") is None else CnnSpec.from_dict(request.spec["cnn"])
+    conv_devices = request.spec.get("conv_devices", 0)
+    if isinstance(conv_devices, bool) or not isinstance(conv_devices, int):
+        raise ConfigError(f"conv_devices must be an integer, got {conv_devices!r}")
+    params, inputs, labels, x_test = _tensors(request, sizes, cnn)
     members: list[Member] = yield AwaitStages(
         None if request.stage_names is None else tuple(str(n) for n in request.stage_names),
         request.stages,
@@ -124,6 +129,9 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     if on_death == "remap" and request.spec.get("mode") != "emulated":
         # deadline mode cuts by the clock: a hold would make the survivors miss theirs
         raise ConfigError("on_death='remap' needs the emulated wait mode")
+    if on_death == "remap" and cnn is not None:
+        # a convolution layer lives whole on one device: no survivor can take a slice of it
+        raise ConfigError("on_death='remap' re-maps dense super neurons: not with a CNN")
     replica_every = request.replica_every
     if replica_every is not None and (isinstance(replica_every, bool) or replica_every < 1):
         raise ConfigError(f"replica_every must be a positive integer, got {replica_every!r}")
@@ -154,7 +162,14 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         yield Log("info", "lossy_links_measured", {"prr": measured.round(3).tolist()})
     # the genetic search takes a while: off the event loop
     alloc: Allocation = yield PlanLossy(
-        tuple(sizes), request.allocation, n, prr_measured, request.mapping, seed
+        tuple(sizes),
+        request.allocation,
+        n,
+        prr_measured,
+        request.mapping,
+        seed,
+        cnn=cnn,
+        conv_devices=conv_devices,
     )
     spec = RunSpec.from_body({**request.spec, "alloc": alloc.to_dict()})
     if inputs.shape != (spec.n_data, spec.batch, sizes[0]) or labels.shape != inputs.shape[:2]:
@@ -335,7 +350,7 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def _tensors(
-    request: LossyRunRequest, sizes: Sequence[int]
+    request: LossyRunRequest, sizes: Sequence[int], cnn: CnnSpec | None = None
 ) -> tuple[list[tuple[FloatArray, FloatArray]], np.ndarray, np.ndarray, np.ndarray | None]:
     """The initial ``(W, b)`` per dense layer, the inputs, the labels and (when the spec
     asks for test passes) the test inputs the request carries."""
@@ -354,13 +369,16 @@ def _tensors(
         if x_test_t.dtype != torch.float64 or x_test_t.dim() != 2:
             raise ProtocolError("lossy_run_request: test inputs must be float64 (rows, features)")
         x_test = x_test_t.numpy()
+    if cnn is not None and list(sizes) != cnn.layer_sizes:
+        raise ConfigError(f"layer sizes {list(sizes)} are not the CNN's {cnn.layer_sizes}")
     params = []
     for k in range(n_dense):
-        shape = (sizes[k + 1], sizes[k])
+        # a CNN's convolution layers travel as their kernels
+        shape, b_shape = part_shapes(cnn, sizes, k + 1, sizes[k + 1])
         w = to_array(tensors[2 * k], shape=shape, dtype=torch.float64, what=f"W of layer {k + 2}")
         b = to_array(
             tensors[2 * k + 1],
-            shape=(sizes[k + 1],),
+            shape=b_shape,
             dtype=torch.float64,
             what=f"b of layer {k + 2}",
         )

@@ -439,8 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--coordinator runs on that cluster's stages: it takes no --multiprocess")
     if args.keys is not None and args.coordinator is None:
         parser.error("--keys goes with --coordinator")
-    if args.model == "cnn" and (args.coordinator is not None or args.multiprocess):
-        parser.error("--model cnn runs in the in-process simulation only (not on stages yet)")
+    if args.model == "cnn" and args.on_death == "remap":
+        parser.error("--on-death remap re-maps dense super neurons: not with --model cnn")
     if args.on_death == "remap" and args.wait_mode != "emulated":
         parser.error("--on-death remap needs --wait-mode emulated (a hold breaks deadlines)")
     if args.replica_every is not None and args.on_death != "remap":
