@@ -19,12 +19,18 @@ import torch
 from test_async_training import ADAM, SGD, SPEC, make_batches
 from test_training_recovery import _cluster, _events
 
-from zpipe._errors import ConfigError, PipelineError
+from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.async_reference import train_async_reference
+from zpipe.training.async_regroup import (
+    needed_versions,
+    unit_state_from_tensors,
+    unit_state_tensors,
+)
 from zpipe.training.async_schedule import AsyncSettings, forward_version
+from zpipe.training.async_stage import AsyncStageCompute, UnitState, common_versions
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -327,3 +333,124 @@ def test_heavy_recovery_of_an_async_run_replans_a_straight_pipeline_exactly(
     assert all(len(s.devices) == 1 for s in report.training_plan.stages)
     assert report.losses == pytest.approx(want.losses, rel=1e-6)
     assert_same(report.state_dict, want.state_dict)
+
+
+# ------------------------------------------------ units without trainable parameters
+
+
+def _trained_compute() -> AsyncStageCompute:
+    torch.manual_seed(3)
+    units = [torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)]
+    compute = AsyncStageCompute(units, first=True, last=True, loss="cross_entropy",
+                                optimizer=SGD)  # fmt: skip
+    generator = torch.Generator().manual_seed(4)
+    for b in range(3):
+        x = torch.randn(5, 6, generator=generator)
+        y = torch.randint(0, 3, (5,), generator=generator)
+        compute.forward(b, b, (x,), y, 5)
+        compute.backward(b)
+        compute.step(b)
+    return compute
+
+
+def _through_the_wire(compute: AsyncStageCompute) -> list[UnitState]:
+    fresh = [torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)]
+    out = []
+    for unit, (state, module) in enumerate(zip(compute.export_units(), fresh, strict=True)):
+        tensors = unit_state_tensors(unit, state, needed_versions(compute.updates, 2))
+        out.append(unit_state_from_tensors(unit, module, tensors))
+    return out
+
+
+def test_a_unit_without_parameters_moves_with_its_stage_and_keeps_every_version() -> None:
+    compute = _trained_compute()
+    states = _through_the_wire(compute)
+    assert states[1].versions == {}  # an activation carries no version tensors
+    assert common_versions(states) == {2, 3}
+    adopted = AsyncStageCompute.adopt(states, updates=3, first=True, last=True,
+                                      loss="cross_entropy", optimizer=SGD)  # fmt: skip
+    assert adopted.versions_kept == [2, 3]
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
+    y = torch.tensor([0, 1, 2, 0])
+    # the adopted stage computes what the original does at the same version
+    assert adopted.forward(7, 3, (x,), y, 4)[1] == compute.forward(7, 3, (x,), y, 4)[1]
+
+
+def test_only_activations_cannot_say_their_update_count() -> None:
+    assert common_versions([UnitState(torch.nn.ReLU(), {}, {})]) == set()
+    assert common_versions([UnitState(torch.nn.ReLU(), {}, {})], default=5) == {5}
+
+
+def test_version_and_optimizer_tensors_of_the_wrong_shape_are_refused() -> None:
+    compute = _trained_compute()
+    state = compute.export_units()[0]
+    tensors = unit_state_tensors(0, state, needed_versions(compute.updates, 2))
+    bad_version = {**tensors, "units.0.bias#v3": torch.zeros(1)}
+    with pytest.raises(ProtocolError, match="version tensor"):
+        unit_state_from_tensors(0, torch.nn.Linear(6, 8), bad_version)
+    bad_dtype = {**tensors, "units.0.bias#v3": torch.zeros(8, dtype=torch.float64)}
+    with pytest.raises(ProtocolError, match="float64"):
+        unit_state_from_tensors(0, torch.nn.Linear(6, 8), bad_dtype)
+    opt_key = next(k for k in tensors if "#opt." in k and k.startswith("units.0.weight"))
+    with pytest.raises(ProtocolError, match="optimizer state"):
+        unit_state_from_tensors(0, torch.nn.Linear(6, 8), {**tensors, opt_key: torch.zeros(3)})
+
+
+def test_async_options_refuse_what_the_versions_do_not_model() -> None:
+    from zpipe.client.options import TrainOptions
+
+    for extra in ({"start_step": 4}, {"resume_optimizer": True},
+                  {"lr_schedule": {"name": "cosine", "total_steps": 8}}):  # fmt: skip
+        with pytest.raises(ConfigError, match="does not take"):
+            TrainOptions(schedule="async-1f1b", num_microbatches=1, optimizer=SGD, **extra)
+
+
+# ------------------------------------------------ a replica that fails resumes the stages
+
+
+def test_a_failed_async_replica_still_resumes_every_flushed_stage() -> None:
+    """The client paused its feed and every stage waits for a commit once flushed: a
+    replica whose prepare fails must still send the commit (with the same cuts), or
+    the next mini-batch would wait forever behind a paused pipeline."""
+    from types import SimpleNamespace
+
+    from zpipe.config import Timeouts
+    from zpipe.coordinator.async_replicas import collect_async_replica
+    from zpipe.coordinator.commands import Send
+    from zpipe.coordinator.flows import FlowRunner
+    from zpipe.planner.training_plan import TrainingPlan, TrainStage
+    from zpipe.transport.codec import Message
+
+    plan = TrainingPlan(
+        algo="even", num_units=4, schedule="async-1f1b", microbatch_size=1, num_microbatches=1,
+        stages=(TrainStage(("a",), 0, 2, (1,), 2), TrainStage(("b",), 2, 4, (1,), 1)),
+    )  # fmt: skip
+    alive = [SimpleNamespace(name=n, routing_id=n.encode()) for n in "ab"]
+    owner = SimpleNamespace(
+        run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global"),
+        state=SimpleNamespace(membership=SimpleNamespace(alive=lambda: alive),
+                              timeouts=Timeouts()),
+    )  # fmt: skip
+    runner = FlowRunner()
+    failures: list[BaseException] = []
+
+    def flow():  # type: ignore[no-untyped-def]
+        try:
+            yield from collect_async_replica(owner, 12, False, {})  # type: ignore[arg-type]
+        except PipelineError as exc:
+            failures.append(exc)
+
+    def phases(commands: list) -> list[tuple[str, str]]:  # type: ignore[type-arg]
+        return [(c.stage, c.message["phase"]) for c in commands if isinstance(c, Send)]
+
+    assert phases(runner.start(flow(), 0.0)) == [("a", "prepare"), ("b", "prepare")]
+    reply = {"run": 7, "step": 12, "phase": "prepare", "error": ""}
+    runner.reply("a", Message("repartition_reply", {**reply, "name": "a"}), 1.0)
+    after = runner.reply(
+        "b", Message("repartition_reply", {**reply, "name": "b", "error": "flush timed out"}), 2.0
+    )
+    assert phases(after) == [("a", "commit"), ("b", "commit")]
+    commit = {**reply, "phase": "commit"}
+    runner.reply("a", Message("repartition_reply", {**commit, "name": "a"}), 3.0)
+    runner.reply("b", Message("repartition_reply", {**commit, "name": "b"}), 3.5)
+    assert failures and "flush timed out" in str(failures[0])

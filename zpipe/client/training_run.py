@@ -235,7 +235,9 @@ class TrainingRun:
                 },
             ),
             expect=("replicated",),
-            timeout_s=timeout + self.timeouts.reply_s,
+            # up to four phases at the coordinator, each within result_s (an
+            # asynchronous run's prepare, backups, global copy and commit)
+            timeout_s=4 * timeout + self.timeouts.reply_s,
             awaited="the replica",
             resend_on_reconnect=True,
             progress_run=self.run,

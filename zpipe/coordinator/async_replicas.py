@@ -49,15 +49,15 @@ def collect_async_replica(
         raise ConfigError(f"run {run.run} has no training plan")
     devices, bounds = plan_bounds(run.training_plan)
     members = {m.name: m for m in owner.state.membership.alive()}
-    missing = [d for d in devices if d not in members]
-    if missing:
-        raise StageLostError(", ".join(missing), "gone; the run cannot keep a replica")
     stages = LiveRepartitioning(owner)
-    prepared = yield from stages.ask(members, devices, step, {"phase": "prepare"})
-    counters.update({d: dict(r.get("metrics") or {}) for d, r in prepared.items()})
     holders: dict[str, str] = {}
     whole = run.replication == "global" or global_copy
     try:
+        missing = [d for d in devices if d not in members]
+        if missing:
+            raise StageLostError(", ".join(missing), "gone; the run cannot keep a replica")
+        prepared = yield from stages.ask(members, devices, step, {"phase": "prepare"})
+        counters.update({d: dict(r.get("metrics") or {}) for d, r in prepared.items()})
         if run.replication == "global":
             keys, tensors = yield from _gather_snapshots(owner, members, devices, bounds, step)
         else:
@@ -69,9 +69,17 @@ def collect_async_replica(
                 )
                 keys, tensors = keys + more_keys, tensors + more
     except (ZpipeError, ValueError) as exc:
-        # the stages still go on: a recovery replays from the replica before this one
+        # The client paused its feed and every flushed stage waits for a commit: resume
+        # the live ones (a recovery replays from the replica before this one), so a
+        # replica that failed without a death does not leave the pipeline paused.
         yield Log("warning", "async_replica_not_kept", {"run": run.run, "error": str(exc)})
-        yield from stages.ask(members, devices, step, _commit(bounds))
+        live = [d for d in devices if d in members]
+        try:
+            if live:
+                yield from stages.ask(members, live, step, _commit(bounds))
+        except ZpipeError as resume_error:
+            yield Log("warning", "async_resume_failed",
+                      {"run": run.run, "error": str(resume_error)})  # fmt: skip
         raise
     yield from stages.ask(members, devices, step, _commit(bounds))
     return keys, tensors, holders, whole

@@ -26,7 +26,7 @@ from zpipe.training.async_regroup import (
     unit_state_from_tensors,
     unit_state_tensors,
 )
-from zpipe.training.async_stage import AsyncStageCompute
+from zpipe.training.async_stage import AsyncStageCompute, common_versions, has_trainable
 from zpipe.training.objectives import is_factory_name
 from zpipe.transport.slowdown import Slowdown
 
@@ -104,7 +104,13 @@ class AsyncShard(TrainShard):
             raise ConfigError(
                 f"the replica does not fit units [{self.start}, {self.end}): {exc}"
             ) from None
-        versions = set.intersection(*(set(s.versions) for s in states))
+        if not any(has_trainable(s.module) for s in states):
+            # the update count travels with the versions of trainable parameters
+            raise ConfigError(
+                f"units [{self.start}, {self.end}) have no trainable parameters: an "
+                "asynchronous replica cannot say how many updates they are at"
+            )
+        versions = common_versions(states)
         if not versions:
             raise ConfigError("the replica's units share no weight version")
         self.compute = AsyncStageCompute.adopt(

@@ -104,7 +104,8 @@ def unit_state_from_tensors(
     live: dict[str, torch.Tensor] = {}
     versions: dict[int, dict[str, torch.Tensor]] = {}
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
-    params = {n for n, p in module.named_parameters() if p.requires_grad}
+    shapes = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    params = set(shapes)
     for key, tensor in tensors.items():
         if not key.startswith(prefix):
             continue
@@ -113,12 +114,21 @@ def unit_state_from_tensors(
         if opt:
             if name not in params or not entry:
                 raise ProtocolError(f"optimizer state {key!r} names no parameter of the unit")
+            if tensor.shape not in (shapes[name].shape, torch.Size()):
+                # per-parameter state (moments, momentum) or a scalar (Adam's step)
+                raise ProtocolError(f"optimizer state {key!r} has shape {tuple(tensor.shape)}")
             optimizer.setdefault(name, {})[entry] = tensor.clone()
             continue
         name, tag, version = rest.partition(VERSION_KEY)
         if tag:
             if name not in params or not version.isdigit():
                 raise ProtocolError(f"version tensor {key!r} names no parameter of the unit")
+            param = shapes[name]
+            if tensor.shape != param.shape or tensor.dtype != param.dtype:
+                raise ProtocolError(
+                    f"version tensor {key!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                    f"the parameter {param.dtype} {tuple(param.shape)}"
+                )
             versions.setdefault(int(version), {})[name] = tensor.clone()
             continue
         live[name] = tensor

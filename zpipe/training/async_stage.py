@@ -220,10 +220,11 @@ class AsyncStageCompute:
             [s.module for s in states], first=first, last=last, loss=loss, optimizer=optimizer
         )
         compute.updates = updates
-        common = set.intersection(*(set(s.versions) for s in states)) if states else set()
+        common = common_versions(states, default=updates)
         if updates not in common:
             raise PipelineError(f"the moved units do not all have version {updates}")
-        compute._versions = {v: [s.versions[v] for s in states] for v in sorted(common)}
+        # a unit without trainable parameters has every version (of nothing)
+        compute._versions = {v: [s.versions.get(v, {}) for s in states] for v in sorted(common)}
         if compute.optimizer is not None:
             for params, state in zip(compute._params, states, strict=True):
                 for name, param in params.items():
@@ -253,3 +254,17 @@ def _as_tuple(value: object) -> tuple[torch.Tensor, ...]:
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
     raise PipelineError(f"a unit returned {type(value).__name__}, not tensors")
+
+
+def has_trainable(module: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def common_versions(states: Sequence[UnitState], *, default: int | None = None) -> set[int]:
+    """The weight versions every unit with trainable parameters keeps (a unit without
+    any, an activation or a frozen layer, carries none and constrains nothing);
+    ``{default}`` when no unit has any (empty without a default)."""
+    kept = [set(s.versions) for s in states if has_trainable(s.module)]
+    if kept:
+        return set.intersection(*kept)
+    return set() if default is None else {default}
