@@ -92,6 +92,7 @@ from zpipe.transport import security
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
+    COPY_BELOW_BYTES,
     SocketOptions,
     decode_frames,
     new_context,
@@ -101,9 +102,9 @@ from zpipe.transport.sockets import (
 )
 
 try:
-    from bench._common import emit, summary
+    from bench._common import emit, loadavg, summary
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from _common import emit, summary  # type: ignore[no-redef]
+    from _common import emit, loadavg, summary  # type: ignore[no-redef]
 
 BENCH = "transport"
 PATHS = ("raw", "zpipe", "zpipe_curve")
@@ -262,6 +263,7 @@ class ReceiverSettings:
     deadline_s: float
     raw_hwm: int
     tune_malloc: bool
+    copy_below: int = COPY_BELOW_BYTES
 
 
 def receiver_main(conn: Connection, settings: ReceiverSettings) -> None:
@@ -382,6 +384,7 @@ class Receiver:
                     data_message(int(message["mb"]), message.tensors[0], "echo"),
                     timeout_s=timeout,
                     peer=SENDER_KEY,
+                    copy_below=self.settings.copy_below,
                 )
 
         await asyncio.wait_for(loop(), run_deadline(timeout, size, count))
@@ -514,6 +517,7 @@ class Sender:
                     data_message(mb, tensor, "bench"),
                     timeout_s=self.timeout_s,
                     peer=RECEIVER_KEY,
+                    copy_below=self.args.copy_below,
                 )
             frames = await recv_frames(
                 ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY, awaited="ack"
@@ -551,6 +555,7 @@ class Sender:
                         data_message(mb, tensor, "bench"),
                         timeout_s=self.timeout_s,
                         peer=RECEIVER_KEY,
+                        copy_below=self.args.copy_below,
                     )
                     frames = await recv_frames(
                         ch.pull, timeout_s=None, peer=RECEIVER_KEY, awaited="pong"
@@ -658,6 +663,8 @@ async def run_sender(
     return {
         **ratios,
         "uvloop": uvloop_both,
+        "copy_below": args.copy_below,
+        "loadavg": loadavg(),
         "quick": bool(args.quick),
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
@@ -729,6 +736,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "keep it; see zpipe.transport.allocator)",
     )
     parser.add_argument(
+        "--copy-below",
+        type=int,
+        default=COPY_BELOW_BYTES,
+        help="zpipe's sends copy tensor buffers under this many bytes instead of sharing "
+        f"them (default COPY_BELOW_BYTES, {COPY_BELOW_BYTES}; 0: share from 64 KiB, "
+        "as zpipe did before)",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=30.0,
@@ -780,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline_s=args.deadline + 30,
         raw_hwm=args.raw_hwm,
         tune_malloc=args.tune_malloc,
+        copy_below=args.copy_below,
     )
     proc = spawn.Process(
         target=receiver_main, args=(child_conn, settings), name="zpipe-bench-receiver", daemon=True

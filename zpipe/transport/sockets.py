@@ -234,6 +234,15 @@ def open_socket(
 # How often a send to one full peer queue of a ROUTER looks again for room.
 _ROOM_POLL_S = 0.005
 
+# An untracked send copies tensor buffers smaller than this into libzmq's own
+# message (one memcpy) instead of sharing them. A shared Python buffer costs a
+# wake-up of pyzmq's garbage-collector thread, which takes the GIL, when libzmq
+# releases it; a message libzmq owns it frees itself. bench/send_copy.py on this
+# 2-core machine: copying is as fast or faster up to 1 MiB (at 1 MiB 1.28x the
+# messages/s, 0.62x the round trip, one context switch less per message) and
+# slower from 2 MiB (0.85-0.87x the messages/s). pyzmq copies under 64 KiB anyway.
+COPY_BELOW_BYTES = 3 << 19  # 1.5 MiB
+
 
 async def send(
     sock: zmq.asyncio.Socket,
@@ -243,27 +252,29 @@ async def send(
     peer: str,
     routing_id: bytes | None = None,
     on_queued: Callable[[zmq.MessageTracker, int], None] | None = None,
+    copy_below: int = COPY_BELOW_BYTES,
 ) -> int:
-    """Send ``message`` (zero-copy for tensors); returns the bytes sent.
+    """Send ``message`` (zero-copy for large tensors); returns the bytes sent.
 
     Raises :class:`TransportTimeout` if the peer's queue stays full past the
     deadline, which is what a dead or stalled peer looks like to a sender.
     With ``on_queued``, the message is sent with a tracker, which is handed over
     with its size once queued (it completes when libzmq has written the message
-    out; see :class:`zpipe.stage.metrics.LinkMeter`).
+    out; see :class:`zpipe.stage.metrics.LinkMeter`). Without, tensor buffers
+    under ``copy_below`` bytes are copied (see :data:`COPY_BELOW_BYTES`).
     """
-    frames: list[Any] = encode(message)
+    track = on_queued is not None
+    frames, copy = _outgoing(encode(message), track=track, copy_below=copy_below)
     if routing_id is not None:
         frames = [routing_id, *frames]
-    nbytes = _queue_now(sock, frames, on_queued)
+    nbytes = _queue_now(sock, frames, on_queued, copy=copy)
     if nbytes is not None:
         return nbytes
     nbytes = _frames_nbytes(frames)
-    track = on_queued is not None
     deadline = time.monotonic() + timeout_s
     while True:
         # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
-        pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False, track=track))
+        pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=copy, track=track))
         try:
             if not pending.done():
                 await asyncio.wait_for(pending, max(deadline - time.monotonic(), 0.0))
@@ -289,6 +300,7 @@ def send_nowait(
     message: Message,
     *,
     on_queued: Callable[[zmq.MessageTracker, int], None] | None = None,
+    copy_below: int = COPY_BELOW_BYTES,
 ) -> int | None:
     """Queue ``message`` on a send-only socket (PUSH, PUB) without waiting: the bytes
     queued, or None when nothing was sent (no room, or a socket that also receives).
@@ -296,17 +308,44 @@ def send_nowait(
     For a caller that has something better to do than wait (hand the message to
     its send task instead); :func:`send` is the one with a deadline.
     """
-    return _queue_now(sock, encode(message), on_queued)
+    frames, copy = _outgoing(encode(message), track=on_queued is not None, copy_below=copy_below)
+    return _queue_now(sock, frames, on_queued, copy=copy)
+
+
+def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[Any], bool]:
+    """The frames to send and the ``copy`` flag to send them with.
+
+    Untracked: ``copy=True``, which copies bytes and buffers (no garbage-collector
+    wake-up) and sends a ``zmq.Frame`` by reference (a received frame sent on, see
+    :func:`zpipe.transport.codec.encode`); buffers of ``copy_below`` bytes or more
+    (and of 64 KiB or more: 0 is pyzmq's own choice) are wrapped in zero-copy
+    frames first. Tracked: as before, ``copy=False`` with every part a buffer: a
+    copied part's tracker is done at once, which would hide the link time the
+    meter measures, and pyzmq refuses to track a received frame.
+    """
+    if track:
+        return [f.buffer if isinstance(f, zmq.Frame) else f for f in frames], False
+    share_from = max(copy_below, zmq.COPY_THRESHOLD)
+    return [
+        f if isinstance(f, zmq.Frame) or _nbytes(f) < share_from else zmq.Frame(f, copy=False)
+        for f in frames
+    ], True
+
+
+def _nbytes(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 
 
 def _frames_nbytes(frames: Sequence[Any]) -> int:
-    return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    return sum(_nbytes(f) for f in frames)
 
 
 def _queue_now(
     sock: zmq.asyncio.Socket,
     frames: list[Any],
     on_queued: Callable[[zmq.MessageTracker, int], None] | None,
+    *,
+    copy: bool,
 ) -> int | None:
     """Queue ``frames`` through the synchronous shadow of a send-only socket when
     there is room (the common case): an asyncio future, a wait_for timer and an
@@ -317,7 +356,7 @@ def _queue_now(
         return None
     try:
         tracker = shadow.send_multipart(
-            frames, flags=zmq.NOBLOCK, copy=False, track=on_queued is not None
+            frames, flags=zmq.NOBLOCK, copy=copy, track=on_queued is not None
         )
     except zmq.Again:
         return None
