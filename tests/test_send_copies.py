@@ -6,6 +6,9 @@ live tracker; the bytes that arrive are exact and every deadline still holds."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import gc
+import io
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -16,7 +19,7 @@ import zmq.asyncio
 from zmq.utils.garbage import gc as pyzmq_gc
 
 from zpipe._errors import TransportTimeout
-from zpipe.transport import sockets
+from zpipe.transport import codec, sockets
 from zpipe.transport.codec import Message, decode, encode
 from zpipe.transport.sockets import (
     COPY_BELOW_BYTES,
@@ -156,6 +159,25 @@ def test_only_a_tensor_that_shares_a_received_frame_remembers_it() -> None:
     assert not isinstance(encode(data(1, decoded.reshape(-1)))[1], zmq.Frame)  # a new view
     decoded.resize_(4)  # shrunk in place: the frame holds more than the tensor
     assert not isinstance(encode(data(1, decoded))[1], zmq.Frame)
+
+
+def test_a_decoded_tensor_saves_copies_and_forgets_its_frame_when_it_dies() -> None:
+    # what remembers the frame must not ride along with the tensor: torch.save and
+    # deepcopy carry a tensor's attributes, and a zmq.Frame cannot be pickled
+    frames = encode(data(1, values(64 << 10)))
+    received = [zmq.Frame(bytes(frames[0])), zmq.Frame(bytes(frames[1]))]
+    decoded = decode(received, max_message_bytes=MAX).tensors[0]
+    buffer = io.BytesIO()
+    torch.save({"w": decoded}, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=True)["w"], values(64 << 10))
+    assert torch.equal(copy.deepcopy(decoded), values(64 << 10))
+    assert encode(data(1, decoded))[1] is received[1]
+    key = id(decoded)
+    assert key in codec._SOURCE_FRAMES
+    del decoded
+    gc.collect()
+    assert key not in codec._SOURCE_FRAMES
 
 
 async def test_a_tracked_send_of_a_received_tensor_keeps_a_live_tracker(

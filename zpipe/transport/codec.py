@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -82,13 +83,15 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_FIELDS = frozenset({"v", "k", "e", "b", "t"})
-# A tensor decode built over a received frame (a zmq.Frame, received without a
-# copy) keeps (frame, data address, byte count) under this attribute, so that
-# encode can send the frame itself when the tensor goes on unchanged: libzmq then
-# counts one more reference to the message it received, where a Python buffer
-# sent zero-copy costs a wake-up of pyzmq's garbage-collector thread when libzmq
-# releases it (measured in bench/send_copy.py).
-_SOURCE_FRAME = "_zpipe_source_frame"
+# Tensors decode built over a received frame (a zmq.Frame, received without a
+# copy), by id: (a weak reference to the tensor, the frame, the data address and
+# byte count at decode), so that encode can send the frame itself when the tensor
+# goes on unchanged: libzmq then counts one more reference to the message it
+# received, where a Python buffer sent zero-copy costs a wake-up of pyzmq's
+# garbage-collector thread when libzmq releases it (bench/send_copy.py). A side
+# table, not an attribute: torch.save and deepcopy carry a tensor's attributes,
+# and a zmq.Frame cannot be pickled. An entry leaves with its tensor.
+_SOURCE_FRAMES: dict[int, tuple[weakref.ref[torch.Tensor], Any, int, int]] = {}
 _LEAVES = frozenset({str, int, float, bytes, bool, type(None)})
 
 
@@ -134,12 +137,23 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+def _remember_frame(tensor: torch.Tensor, frame: Any, nbytes: int) -> None:
+    key = id(tensor)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _SOURCE_FRAMES.get(key)
+        if entry is not None and entry[0] is ref:
+            del _SOURCE_FRAMES[key]
+
+    _SOURCE_FRAMES[key] = (weakref.ref(tensor, forget), frame, tensor.data_ptr(), nbytes)
+
+
 def _tensor_frame(tensor: torch.Tensor) -> Any:
     """What to send for ``tensor``: the received frame it still views whole (see
-    :data:`_SOURCE_FRAME`), else its raw bytes."""
-    source = getattr(tensor, _SOURCE_FRAME, None)
-    if source is not None:
-        frame, address, nbytes = source
+    :data:`_SOURCE_FRAMES`), else its raw bytes."""
+    entry = _SOURCE_FRAMES.get(id(tensor))
+    if entry is not None and entry[0]() is tensor:
+        _, frame, address, nbytes = entry
         # in-place ops (t_(), resize_(), set_()) keep the object but may move or
         # re-stride its storage: then the frame no longer holds its bytes in order
         if tensor.data_ptr() == address and tensor.nbytes == nbytes and tensor.is_contiguous():
@@ -313,7 +327,7 @@ def _decode_tensor(
     """One tensor over its frame; every size is checked before torch sees the shape.
 
     A tensor that shares the memory of ``frame`` (a received ``zmq.Frame``, not a
-    plain byte buffer) remembers it (see :data:`_SOURCE_FRAME`)."""
+    plain byte buffer) is remembered with it (see :data:`_SOURCE_FRAMES`)."""
     dtype, shape = _shape_of(meta, index)
     itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
@@ -348,7 +362,7 @@ def _decode_tensor(
         if len(shape) != 1:  # else frombuffer's own shape: [numel]
             tensor = tensor.view(shape)
         if frame is not None and not isinstance(frame, (bytes, bytearray, memoryview)):
-            setattr(tensor, _SOURCE_FRAME, (frame, tensor.data_ptr(), expected))
+            _remember_frame(tensor, frame, expected)
         return tensor
     except (RuntimeError, TypeError, ValueError, OverflowError, BufferError) as exc:
         # The checks above leave nothing for torch to refuse; this keeps decoding total

@@ -237,10 +237,11 @@ _ROOM_POLL_S = 0.005
 # An untracked send copies tensor buffers smaller than this into libzmq's own
 # message (one memcpy) instead of sharing them. A shared Python buffer costs a
 # wake-up of pyzmq's garbage-collector thread, which takes the GIL, when libzmq
-# releases it; a message libzmq owns it frees itself. bench/send_copy.py on this
-# 2-core machine: copying is as fast or faster up to 1 MiB (at 1 MiB 1.28x the
-# messages/s, 0.62x the round trip, one context switch less per message) and
-# slower from 2 MiB (0.85-0.87x the messages/s). pyzmq copies under 64 KiB anyway.
+# releases it; a message libzmq owns it frees itself. Measured on a loaded 2-core
+# machine (bench/transport.py --paths raw,zpipe,zpipe_shared, bench/send_copy.py;
+# README "Copied sends and forwarded frames"): up to 1 MiB copying saved about
+# one context switch per message and CPU per round trip, at even CPU per message
+# in a stream; from 2 MiB it cost CPU and messages/s. pyzmq copies under 64 KiB.
 COPY_BELOW_BYTES = 3 << 19  # 1.5 MiB
 
 
