@@ -1,8 +1,9 @@
 """Where one side's CPU goes in a round trip: raw pyzmq, zmq.asyncio, zpipe's layers.
 
-This process pings a spawned raw pyzmq echo (which sends each received frame
-back, costing nothing in Python) with one float32 tensor of ``--sizes`` bytes,
-one message at a time, in each of these modes, each adding one layer:
+This process pings spawned raw pyzmq echoes (which send each received frame
+back, costing nothing in Python; one echo and socket pair per mode) with one
+float32 tensor of ``--sizes`` bytes, one message at a time, in each of these
+modes, each adding one layer:
 
 ``raw``        synchronous pyzmq: ``send_multipart(copy=True)``, blocking
                ``recv_multipart(copy=False)`` (the floor)
@@ -128,18 +129,49 @@ class Pinger:
         self.context.term()
 
 
-async def measure(args: argparse.Namespace, endpoint_for: Any) -> dict[tuple[str, int], Any]:
-    pinger = Pinger(endpoint_for, args.timeout)
+class Echo:
+    """A spawned raw echo process and the pipe that sets it up."""
+
+    def __init__(self, timeout_s: float) -> None:
+        spawn = mp.get_context("spawn")
+        self.timeout_s = timeout_s
+        self.conn, child = spawn.Pipe()
+        self.proc = spawn.Process(target=_echo, args=(child, timeout_s), daemon=True)
+        self.proc.start()
+
+    def endpoint_for(self, back: str) -> str:
+        """The echo's endpoint, once it has been told where to send back."""
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError("the echo did not start")
+        endpoint = str(self.conn.recv())
+        self.conn.send(back)
+        return endpoint
+
+    def stop(self) -> None:
+        try:
+            self.conn.send("stop")
+        except OSError:
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+async def measure(args: argparse.Namespace, echoes: dict[str, Echo]) -> dict[tuple[str, int], Any]:
+    # Each mode has its own sockets (and echo): a socket zmq.asyncio has watched
+    # once stays with zmq.asyncio, so recv_frames would not take its own path there.
+    pingers = {mode: Pinger(echo.endpoint_for, args.timeout) for mode, echo in echoes.items()}
     rows: dict[tuple[str, int], dict[str, list[float]]] = {}
     try:
         for size in args.sizes:
             tensor = torch.arange(size // 4, dtype=torch.float32)
             for mode in MODES:
-                await pinger.trips(mode, tensor, 100)  # connections up, paths warm
+                await pingers[mode].trips(mode, tensor, 100)  # connections up, paths warm
             for rep in range(args.repeats):
                 for mode in MODES[rep % 4 :] + MODES[: rep % 4]:
                     main0, cpu0, sw0 = time.thread_time(), time.process_time(), thread_switches()
-                    walls = await pinger.trips(mode, tensor, args.trips)
+                    walls = await pingers[mode].trips(mode, tensor, args.trips)
                     row = rows.setdefault((mode, size), {})
                     for key, value in (
                         ("main_cpu_us", (time.thread_time() - main0) / args.trips * 1e6),
@@ -149,7 +181,8 @@ async def measure(args: argparse.Namespace, endpoint_for: Any) -> dict[tuple[str
                     ):
                         row.setdefault(key, []).append(value)
     finally:
-        pinger.close()
+        for pinger in pingers.values():
+            pinger.close()
     return rows
 
 
@@ -174,26 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     retain_freed_memory()
-    spawn = mp.get_context("spawn")
-    parent, child = spawn.Pipe()
-    proc = spawn.Process(target=_echo, args=(child, args.timeout), daemon=True)
-    proc.start()
-
-    def endpoint_for(back: str) -> str:
-        if not parent.poll(args.timeout):
-            raise TimeoutError("the echo did not start")
-        endpoint = str(parent.recv())
-        parent.send(back)
-        return endpoint
-
+    echoes = {mode: Echo(args.timeout) for mode in MODES}
     try:
-        rows = asyncio.run(measure(args, endpoint_for))
-        parent.send("stop")
+        rows = asyncio.run(measure(args, echoes))
     finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        for echo in echoes.values():
+            echo.stop()
     ratios: dict[str, Any] = {}
     for (mode, size), row in rows.items():
         med = {key: round(statistics.median(values), 2) for key, values in row.items()}
