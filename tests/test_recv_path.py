@@ -14,8 +14,8 @@ import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
 from zpipe.transport.codec import Message, encode
+from zpipe.transport.fd_wait import ZpipeSocket
 from zpipe.transport.sockets import (
-    ZpipeSocket,
     decode_frames,
     new_context,
     open_socket,

@@ -33,8 +33,11 @@ libzmq option bounds: the frame count of one multipart message (each frame
 under ``MAXMSGSIZE``) and the number of connections; only CURVE allow-lists
 (``--keys``), which refuse unknown peers at the handshake, bound those.
 
-:func:`send` and :func:`recv` wrap the asyncio sends and receives with a
-timeout whose error names the peer and what was awaited.
+:func:`send` and :func:`recv_frames` wrap the asyncio sends and receives with a
+timeout whose error names the peer and what was awaited. Untracked sends copy
+tensor buffers under :data:`COPY_BELOW_BYTES` and send a received frame on by
+reference; ``recv_frames`` on a receive-only :class:`ZpipeSocket` waits on the
+socket's descriptor itself (README: "Copied sends and forwarded frames").
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from zpipe.transport.codec import (
     decode,
     encode,
 )
+from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable
 
 
 @dataclass(frozen=True)
@@ -193,33 +197,6 @@ def reconfigure_data_socket(
     limits = ReceiveLimits.for_largest_message(largest_frame_bytes)
     rebind_with_limits(sock, endpoint, limits)
     return limits
-
-
-class ZpipeSocket(zmq.asyncio.Socket):
-    """A ``zmq.asyncio`` socket that also knows the receives :func:`recv_frames` waits
-    for by itself (see :func:`_recv_when_readable`), so that closing it cancels them
-    as ``zmq.asyncio`` cancels its own pending receives."""
-
-    _zpipe_waiters: set[asyncio.Future[None]] | None = None
-
-    def add_waiter(self, waiter: asyncio.Future[None]) -> None:
-        if self._zpipe_waiters is None:
-            self._zpipe_waiters = set()
-        self._zpipe_waiters.add(waiter)
-
-    def discard_waiter(self, waiter: asyncio.Future[None]) -> None:
-        if self._zpipe_waiters is not None:
-            self._zpipe_waiters.discard(waiter)
-
-    def close(self, linger: int | None = None) -> None:
-        for waiter in list(self._zpipe_waiters or ()):
-            if not waiter.done():
-                try:
-                    waiter.cancel()
-                except RuntimeError:  # its loop is already closed (teardown)
-                    pass
-        self._zpipe_waiters = None
-        super().close(linger=linger)
 
 
 def new_context() -> zmq.asyncio.Context:
@@ -412,7 +389,7 @@ async def recv_frames(
         except zmq.Again:
             pass
         if isinstance(sock, ZpipeSocket) and getattr(sock, "_current_loop", None) is None:
-            return await _recv_when_readable(sock, shadow, timeout_s, peer, awaited)
+            return await recv_when_readable(sock, shadow, timeout_s, peer, awaited)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
@@ -427,60 +404,6 @@ async def recv_frames(
             await asyncio.sleep(0)
         except asyncio.TimeoutError:
             raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
-
-
-async def _recv_when_readable(
-    sock: ZpipeSocket, shadow: zmq.Socket[Any], timeout_s: float | None, peer: str, awaited: str
-) -> list[zmq.Frame]:
-    """Receive on a receive-only socket of zpipe's that zmq.asyncio never watched: wait
-    for the socket's file descriptor ourselves, then take the message non-blocking.
-
-    zmq.asyncio's receive builds a future, a done-callback and an event record per
-    message and reads the socket's events five or six times per wait (about 25 us
-    of one core per message here, ``bench/roundtrip_parts.py``). The descriptor
-    only says the socket has news; a receive that finds nothing processed that
-    news (which clears the descriptor), so every wait is registered right after a
-    receive found nothing, and nothing else touches the socket in between (one
-    thread, no await): no wake-up can be lost. The reader lives only during the
-    wait, so zmq.asyncio can still take the socket over later (recv_frames then
-    uses it); closing the socket cancels the wait, as it cancels zmq.asyncio's.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
-    while True:
-        await _readable(loop, sock, shadow.FD, deadline)
-        try:
-            return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
-        except zmq.Again:
-            # news that was not a message (a peer connected, say): wait again
-            if deadline is not None and loop.time() >= deadline:
-                raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
-
-
-async def _readable(
-    loop: asyncio.AbstractEventLoop, sock: ZpipeSocket, fd: int, deadline: float | None
-) -> None:
-    """Until ``fd`` is readable or the loop's clock passes ``deadline``; cancelled when
-    ``sock`` closes."""
-    woken: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(fd, _wake, woken)
-    timer = None if deadline is None else loop.call_at(deadline, _wake, woken)
-    sock.add_waiter(woken)
-    try:
-        await woken
-    finally:
-        sock.discard_waiter(woken)
-        if timer is not None:
-            timer.cancel()
-        try:
-            loop.remove_reader(fd)
-        except (OSError, ValueError):  # the socket was closed meanwhile
-            pass
-
-
-def _wake(woken: asyncio.Future[None]) -> None:
-    if not woken.done():
-        woken.set_result(None)
 
 
 # The fast paths are only for sockets that move messages one way. The zmq socket's
