@@ -105,6 +105,23 @@ async def test_every_message_of_a_burst_from_two_senders_is_received(
     assert [n for n in got if n % 2 == 0] == list(range(0, 2000, 2))  # per sender, in order
 
 
+async def test_two_tasks_waiting_on_one_socket_both_get_a_message(
+    context: zmq.asyncio.Context,
+) -> None:
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    first = asyncio.create_task(pair.receive())
+    second = asyncio.create_task(pair.receive())
+    await pair.waiting()
+    for _ in range(100):  # until both wait (events, not sleeps)
+        if len(pair.rx._zpipe_waiters or ()) == 2:
+            break
+        await asyncio.sleep(0)
+    pair.send(1)
+    pair.send(2)
+    assert sorted(await asyncio.wait_for(asyncio.gather(first, second), 30)) == [1, 2]
+    assert pair.rx._zpipe_waiters is None  # the reader left with the last wait
+
+
 async def test_a_wait_keeps_its_deadline_and_leaves_the_socket_usable(
     context: zmq.asyncio.Context,
 ) -> None:

@@ -26,29 +26,47 @@ from zpipe._errors import TransportTimeout
 
 
 class ZpipeSocket(zmq.asyncio.Socket):
-    """A ``zmq.asyncio`` socket that also knows the receives :func:`recv_frames` waits
-    for by itself (see :func:`_recv_when_readable`), so that closing it cancels them
-    as ``zmq.asyncio`` cancels its own pending receives."""
+    """A ``zmq.asyncio`` socket that also knows the receives :func:`recv_when_readable`
+    waits for by itself: one reader on the descriptor wakes them all, and closing the
+    socket cancels them, as ``zmq.asyncio`` cancels its own pending receives."""
 
     _zpipe_waiters: set[asyncio.Future[None]] | None = None
 
-    def add_waiter(self, waiter: asyncio.Future[None]) -> None:
-        if self._zpipe_waiters is None:
+    def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
+        if not self._zpipe_waiters:
             self._zpipe_waiters = set()
+            loop.add_reader(self.FD, self._wake_waiters)
         self._zpipe_waiters.add(waiter)
 
-    def discard_waiter(self, waiter: asyncio.Future[None]) -> None:
-        if self._zpipe_waiters is not None:
-            self._zpipe_waiters.discard(waiter)
+    def wait_ended(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
+        if self._zpipe_waiters is None:
+            return  # closed meanwhile: close() removed the reader
+        self._zpipe_waiters.discard(waiter)
+        if not self._zpipe_waiters:
+            self._zpipe_waiters = None
+            try:
+                loop.remove_reader(self.FD)
+            except (OSError, ValueError, zmq.ZMQError):  # the socket is closing
+                pass
+
+    def _wake_waiters(self) -> None:
+        for waiter in self._zpipe_waiters or ():
+            _wake(waiter)
 
     def close(self, linger: int | None = None) -> None:
-        for waiter in list(self._zpipe_waiters or ()):
-            if not waiter.done():
-                try:
-                    waiter.cancel()
-                except RuntimeError:  # its loop is already closed (teardown)
-                    pass
-        self._zpipe_waiters = None
+        waiters, self._zpipe_waiters = self._zpipe_waiters, None
+        if waiters:
+            loop = next(iter(waiters)).get_loop()
+            try:
+                loop.remove_reader(self.FD)
+            except (OSError, ValueError, RuntimeError, zmq.ZMQError):  # loop or socket gone
+                pass
+            for waiter in waiters:
+                if not waiter.done():
+                    try:
+                        waiter.cancel()
+                    except RuntimeError:  # its loop is already closed (teardown)
+                        pass
         super().close(linger=linger)
 
 
@@ -60,7 +78,7 @@ async def recv_when_readable(
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     while True:
-        await _readable(loop, sock, shadow.FD, deadline)
+        await _readable(loop, sock, deadline)
         try:
             return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
         except zmq.Again:
@@ -70,24 +88,19 @@ async def recv_when_readable(
 
 
 async def _readable(
-    loop: asyncio.AbstractEventLoop, sock: ZpipeSocket, fd: int, deadline: float | None
+    loop: asyncio.AbstractEventLoop, sock: ZpipeSocket, deadline: float | None
 ) -> None:
-    """Until ``fd`` is readable or the loop's clock passes ``deadline``; cancelled when
-    ``sock`` closes."""
+    """Until ``sock``'s descriptor is readable or the loop's clock passes ``deadline``;
+    cancelled when ``sock`` closes."""
     woken: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(fd, _wake, woken)
     timer = None if deadline is None else loop.call_at(deadline, _wake, woken)
-    sock.add_waiter(woken)
+    sock.wait_started(loop, woken)
     try:
         await woken
     finally:
-        sock.discard_waiter(woken)
+        sock.wait_ended(loop, woken)
         if timer is not None:
             timer.cancel()
-        try:
-            loop.remove_reader(fd)
-        except (OSError, ValueError):  # the socket was closed meanwhile
-            pass
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
