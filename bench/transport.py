@@ -49,7 +49,20 @@ slower) and ``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
 ``cpu_ratio_X`` is zpipe/raw CPU time per message of a throughput run, both
 processes and all their threads (``time.process_time``; median over the
 repeats): the per-message software cost, which moves far less than wall-clock
-ratios when other work shares the cores.
+ratios when other work shares the cores. ``switches_per_message`` (throughput
+runs) and ``rtt_switches_per_trip`` count the voluntary context switches of both
+processes, all threads (each one a sleep that a hand-off, the network or a wait
+for the GIL had to end), and ``rtt_cpu_us_per_trip`` the CPU per round trip
+(``rtt_cpu_ratio_X`` in the summary): the robust measures of the round-trip path.
+
+zpipe's sends copy tensors under ``--copy-below`` bytes (default
+``zpipe.transport.sockets.COPY_BELOW_BYTES``; ``--copy-below 0`` shares every
+buffer from 64 KiB, as zpipe did before), and the zpipe echo sends the tensor it
+decoded on unchanged, which goes as the received ``zmq.Frame`` (as the raw echo
+forwards its frames). The summary records ``copy_below`` and ``loadavg``.
+``--paths raw,zpipe,zpipe_shared`` adds ``zpipe_shared``, the zpipe path with
+``--copy-below 0``, and the same-run ratios ``copied_over_shared_X``
+(throughput) and ``copied_over_shared_rtt_X`` (round trip) of the two.
 
 Run it from the repository root::
 
@@ -92,6 +105,7 @@ from zpipe.transport import security
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
+    COPY_BELOW_BYTES,
     SocketOptions,
     decode_frames,
     new_context,
@@ -101,12 +115,13 @@ from zpipe.transport.sockets import (
 )
 
 try:
-    from bench._common import emit, summary
+    from bench._common import emit, loadavg, summary, thread_switches
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from _common import emit, summary  # type: ignore[no-redef]
+    from _common import emit, loadavg, summary, thread_switches  # type: ignore[no-redef]
 
 BENCH = "transport"
-PATHS = ("raw", "zpipe", "zpipe_curve")
+PATHS = ("raw", "zpipe", "zpipe_curve", "zpipe_shared")
+DEFAULT_PATHS = ("raw", "zpipe", "zpipe_curve")
 DEFAULT_SIZES = "64K,1M,16M"
 LOOPBACK = "tcp://127.0.0.1:*"
 # The raw baseline's "small header": about as long as zpipe's msgpack header.
@@ -235,6 +250,11 @@ def open_channel_sockets(
     return ch
 
 
+def copy_below(path: str, configured: int) -> int:
+    """zpipe_shared is the zpipe path sharing every buffer from 64 KiB, as before copies."""
+    return 0 if path == "zpipe_shared" else configured
+
+
 def run_deadline(timeout_s: float, size: int, count: int) -> float:
     """Deadline of one whole run: the per-wait timeout plus time for >= 50 MB/s."""
     return timeout_s + count * size / 50e6
@@ -262,6 +282,7 @@ class ReceiverSettings:
     deadline_s: float
     raw_hwm: int
     tune_malloc: bool
+    copy_below: int = COPY_BELOW_BYTES
 
 
 def receiver_main(conn: Connection, settings: ReceiverSettings) -> None:
@@ -318,7 +339,7 @@ class Receiver:
         size, count = int(cmd["size"]), int(cmd["count"])
         self.conn.send({"ok": "armed"})
         started = time.perf_counter()
-        cpu_started = time.process_time()
+        cpu_started, switches_started = time.process_time(), thread_switches()
         if op == "tput":
             if path == "raw":
                 self.raw_sink(ch, count)
@@ -335,6 +356,7 @@ class Receiver:
             "ok": "done",
             "elapsed_s": time.perf_counter() - started,
             "cpu_s": time.process_time() - cpu_started,
+            "switches": thread_switches() - switches_started,
         }
 
     def raw_sink(self, ch: Channel, count: int) -> None:
@@ -382,12 +404,21 @@ class Receiver:
                     data_message(int(message["mb"]), message.tensors[0], "echo"),
                     timeout_s=timeout,
                     peer=SENDER_KEY,
+                    copy_below=copy_below(ch.path, self.settings.copy_below),
                 )
 
         await asyncio.wait_for(loop(), run_deadline(timeout, size, count))
 
 
 # ------------------------------------------------------------------------------ sender
+
+
+@dataclass
+class Usage:
+    """CPU seconds and voluntary context switches of both processes, all threads."""
+
+    cpu_s: float = 0.0
+    switches: int = 0
 
 
 @dataclass
@@ -399,6 +430,19 @@ class Result:
     rtts: list[float] = field(default_factory=list)
     # CPU seconds of both processes (all their threads) per throughput run
     cpu_seconds: list[float] = field(default_factory=list)
+    switches: list[int] = field(default_factory=list)
+    rtt_usage: Usage = field(default_factory=Usage)  # of all round trips together
+
+    def switches_per_message(self) -> float | None:
+        if not self.switches or not self.count:
+            return None
+        return statistics.median(self.switches) / self.count
+
+    def rtt_cpu_us(self) -> float | None:
+        return self.rtt_usage.cpu_s / len(self.rtts) * 1e6 if self.rtts else None
+
+    def rtt_switches(self) -> float | None:
+        return self.rtt_usage.switches / len(self.rtts) if self.rtts else None
 
     def gbps_runs(self) -> list[float]:
         return [self.count * self.size / s / 1e9 for s in self.seconds]
@@ -427,6 +471,9 @@ class Result:
             "messages": self.count,
             "rtt_ms": _round(rtt),
             "cpu_us_per_message": _round(self.cpu_us_per_message(), 2),
+            "switches_per_message": _round(self.switches_per_message(), 3),
+            "rtt_cpu_us_per_trip": _round(self.rtt_cpu_us(), 2),
+            "rtt_switches_per_trip": _round(self.rtt_switches(), 3),
             "rtt_p10_ms": _round(q[0] * 1e3 if q[0] is not None else None),
             "rtt_p90_ms": _round(q[-1] * 1e3 if q[-1] is not None else None),
             "round_trips": len(self.rtts),
@@ -491,14 +538,14 @@ class Sender:
             self.buffers[size] = raw_buffer(self.tensors[size])
         return self.tensors[size]
 
-    async def throughput(self, path: str, size: int, count: int) -> tuple[float, float]:
+    async def throughput(self, path: str, size: int, count: int) -> tuple[float, Usage]:
         """Seconds from the first send to the receiver's ack of the last message, and
-        the CPU seconds both processes spent meanwhile."""
+        what both processes spent meanwhile."""
         ch = self.channels[path]
         tensor = self.tensor(size)
         self.conn.send({"op": "tput", "path": path, "size": size, "count": count})
         await self.reply("armed")
-        cpu_started = time.process_time()
+        cpu_started, switches_started = time.process_time(), thread_switches()
         if path == "raw":
             buf = self.buffers[size]
             started = time.perf_counter()
@@ -514,6 +561,7 @@ class Sender:
                     data_message(mb, tensor, "bench"),
                     timeout_s=self.timeout_s,
                     peer=RECEIVER_KEY,
+                    copy_below=copy_below(path, self.args.copy_below),
                 )
             frames = await recv_frames(
                 ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY, awaited="ack"
@@ -521,16 +569,22 @@ class Sender:
             elapsed = time.perf_counter() - started
             if decode_frames(frames, MAX_BYTES)["nonce"] != count:
                 raise RuntimeError("the receiver acknowledged a different count")
-        cpu = time.process_time() - cpu_started
-        done = await self.reply("done")
-        return elapsed, cpu + float(done["cpu_s"])
+        return elapsed, await self._usage(cpu_started, switches_started)
 
-    async def echo(self, path: str, size: int, count: int) -> list[float]:
-        """Round-trip times of ``count`` ping-pongs of ``size`` bytes."""
+    async def _usage(self, cpu_started: float, switches_started: int) -> Usage:
+        """This process's usage since the marks plus the receiver's, from its reply."""
+        cpu, switches = time.process_time() - cpu_started, thread_switches() - switches_started
+        done = await self.reply("done")
+        return Usage(cpu + float(done["cpu_s"]), switches + int(done["switches"]))
+
+    async def echo(self, path: str, size: int, count: int) -> tuple[list[float], Usage]:
+        """Round-trip times of ``count`` ping-pongs of ``size`` bytes, and what both
+        processes spent on them."""
         ch = self.channels[path]
         tensor = self.tensor(size)
         self.conn.send({"op": "echo", "path": path, "size": size, "count": count})
         await self.reply("armed")
+        cpu_started, switches_started = time.process_time(), thread_switches()
         rtts: list[float] = []
         if path == "raw":
             buf = self.buffers[size]
@@ -551,6 +605,7 @@ class Sender:
                         data_message(mb, tensor, "bench"),
                         timeout_s=self.timeout_s,
                         peer=RECEIVER_KEY,
+                        copy_below=copy_below(path, self.args.copy_below),
                     )
                     frames = await recv_frames(
                         ch.pull, timeout_s=None, peer=RECEIVER_KEY, awaited="pong"
@@ -560,8 +615,7 @@ class Sender:
                     check_tensor(message, size)
 
             await asyncio.wait_for(loop(), run_deadline(self.timeout_s, size, count))
-        await self.reply("done")
-        return rtts
+        return rtts, await self._usage(cpu_started, switches_started)
 
     async def measure_size(self, size: int, paths: list[str]) -> dict[str, Result]:
         args = self.args
@@ -585,15 +639,19 @@ class Sender:
         for rep in range(args.repeats):
             for path in _rotate(paths, rep):
                 results[path].count = count
-                seconds, cpu = await self.throughput(path, size, count)
+                seconds, usage = await self.throughput(path, size, count)
                 results[path].seconds.append(seconds)
-                results[path].cpu_seconds.append(cpu)
+                results[path].cpu_seconds.append(usage.cpu_s)
+                results[path].switches.append(usage.switches)
         chunks = max(1, args.repeats)
         for rep in range(chunks):
             for path in _rotate(paths, rep):
                 n = trips // chunks + (1 if rep < trips % chunks else 0)
                 if n:
-                    results[path].rtts.extend(await self.echo(path, size, n))
+                    rtts, usage = await self.echo(path, size, n)
+                    results[path].rtts.extend(rtts)
+                    results[path].rtt_usage.cpu_s += usage.cpu_s
+                    results[path].rtt_usage.switches += usage.switches
         return results
 
     def close(self) -> None:
@@ -643,6 +701,15 @@ async def run_sender(
         ratios[f"cpu_ratio_{label}"] = _ratio(
             get("zpipe", Result.cpu_us_per_message), get("raw", Result.cpu_us_per_message)
         )
+        ratios[f"rtt_cpu_ratio_{label}"] = _ratio(
+            get("zpipe", Result.rtt_cpu_us), get("raw", Result.rtt_cpu_us)
+        )
+        ratios[f"copied_over_shared_{label}"] = _ratio(
+            get("zpipe", Result.gbps), get("zpipe_shared", Result.gbps)
+        )
+        ratios[f"copied_over_shared_rtt_{label}"] = _ratio(
+            get("zpipe", Result.rtt_ms), get("zpipe_shared", Result.rtt_ms)
+        )
         ratios[f"curve_over_plain_{label}"] = _ratio(
             get("zpipe_curve", Result.gbps), get("zpipe", Result.gbps)
         )
@@ -658,6 +725,8 @@ async def run_sender(
     return {
         **ratios,
         "uvloop": uvloop_both,
+        "copy_below": args.copy_below,
+        "loadavg": loadavg(),
         "quick": bool(args.quick),
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
@@ -680,8 +749,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--paths",
-        default=",".join(PATHS),
-        help=f"comma-separated subset of {','.join(PATHS)} (default: all)",
+        default=",".join(DEFAULT_PATHS),
+        help=f"comma-separated subset of {','.join(PATHS)} (default: {','.join(DEFAULT_PATHS)})",
     )
     parser.add_argument(
         "--quick", action="store_true", help="fast smoke run: short runs, 1 repeat, few round trips"
@@ -727,6 +796,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="let glibc return freed message memory at once (zpipe's stages "
         "keep it; see zpipe.transport.allocator)",
+    )
+    parser.add_argument(
+        "--copy-below",
+        type=int,
+        default=COPY_BELOW_BYTES,
+        help="zpipe's sends copy tensor buffers under this many bytes instead of sharing "
+        f"them (default COPY_BELOW_BYTES, {COPY_BELOW_BYTES}; 0: share from 64 KiB, "
+        "as zpipe did before)",
     )
     parser.add_argument(
         "--timeout",
@@ -780,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline_s=args.deadline + 30,
         raw_hwm=args.raw_hwm,
         tune_malloc=args.tune_malloc,
+        copy_below=args.copy_below,
     )
     proc = spawn.Process(
         target=receiver_main, args=(child_conn, settings), name="zpipe-bench-receiver", daemon=True

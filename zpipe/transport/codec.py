@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -82,6 +83,15 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_FIELDS = frozenset({"v", "k", "e", "b", "t"})
+# Tensors decode built over a received frame (a zmq.Frame, received without a
+# copy), by id: (a weak reference to the tensor, the frame, the data address and
+# byte count at decode), so that encode can send the frame itself when the tensor
+# goes on unchanged: libzmq then counts one more reference to the message it
+# received, where a Python buffer sent zero-copy costs a wake-up of pyzmq's
+# garbage-collector thread when libzmq releases it (bench/send_copy.py). A side
+# table, not an attribute: torch.save and deepcopy carry a tensor's attributes,
+# and a zmq.Frame cannot be pickled. An entry leaves with its tensor.
+_SOURCE_FRAMES: dict[int, tuple[weakref.ref[torch.Tensor], Any, int, int]] = {}
 _LEAVES = frozenset({str, int, float, bytes, bool, type(None)})
 
 
@@ -127,8 +137,36 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def encode(message: Message, *, registry: Registry = REGISTRY) -> list[bytes | memoryview]:
+def _remember_frame(tensor: torch.Tensor, frame: Any, nbytes: int) -> None:
+    key = id(tensor)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _SOURCE_FRAMES.get(key)
+        if entry is not None and entry[0] is ref:
+            del _SOURCE_FRAMES[key]
+
+    _SOURCE_FRAMES[key] = (weakref.ref(tensor, forget), frame, tensor.data_ptr(), nbytes)
+
+
+def _tensor_frame(tensor: torch.Tensor) -> Any:
+    """What to send for ``tensor``: the received frame it still views whole (see
+    :data:`_SOURCE_FRAMES`), else its raw bytes."""
+    entry = _SOURCE_FRAMES.get(id(tensor))
+    if entry is not None and entry[0]() is tensor:
+        _, frame, address, nbytes = entry
+        # in-place ops (t_(), resize_(), set_()) keep the object but may move or
+        # re-stride its storage: then the frame no longer holds its bytes in order
+        if tensor.data_ptr() == address and tensor.nbytes == nbytes and tensor.is_contiguous():
+            return frame
+    return _tensor_bytes(tensor)
+
+
+def encode(message: Message, *, registry: Registry = REGISTRY) -> list[Any]:
     """Frames for ``message``: the header, then one buffer per tensor (no copies).
+
+    A tensor that :func:`decode` built over a received frame, sent on unchanged,
+    is that frame itself (a ``zmq.Frame``, still a byte buffer); any other tensor
+    is a memoryview of its bytes.
 
     The caller must never modify a sent tensor in place: a zero-copy send only
     queues the buffers, and libzmq's I/O thread may read them after the send
@@ -146,12 +184,12 @@ def encode(message: Message, *, registry: Registry = REGISTRY) -> list[bytes | m
     if len(message.tensors) > MAX_TENSORS:
         raise ProtocolError(f"{len(message.tensors)} tensors exceed the limit of {MAX_TENSORS}")
     metas = []
-    frames: list[bytes | memoryview] = []
+    frames: list[Any] = []
     for tensor in message.tensors:
         if tensor.dim() > MAX_DIMS:
             raise ProtocolError(f"tensor of {tensor.dim()} dims exceeds the limit of {MAX_DIMS}")
         metas.append([dtype_name(tensor.dtype), list(tensor.shape)])
-        frames.append(_tensor_bytes(tensor))
+        frames.append(_tensor_frame(tensor))
     try:
         header = msgpack.packb(
             {"v": PROTOCOL_VERSION, "k": kind, "e": message.epoch, "b": body, "t": metas},
@@ -283,8 +321,13 @@ def _shape_of(meta: Any, index: int) -> tuple[torch.dtype, list[int]]:
     return dtype, shape
 
 
-def _decode_tensor(meta: Any, view: memoryview, index: int, span_limit: int) -> torch.Tensor:
-    """One tensor over its frame; every size is checked before torch sees the shape."""
+def _decode_tensor(
+    meta: Any, view: memoryview, index: int, span_limit: int, frame: Any = None
+) -> torch.Tensor:
+    """One tensor over its frame; every size is checked before torch sees the shape.
+
+    A tensor that shares the memory of ``frame`` (a received ``zmq.Frame``, not a
+    plain byte buffer) is remembered with it (see :data:`_SOURCE_FRAMES`)."""
     dtype, shape = _shape_of(meta, index)
     itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
@@ -307,6 +350,7 @@ def _decode_tensor(meta: Any, view: memoryview, index: int, span_limit: int) -> 
         raw = view.cast("B") if view.format != "B" else view
         if raw.readonly:
             raw = memoryview(bytearray(raw))
+            frame = None  # a copy: nothing shared with the frame
         # The frame's length is a whole number of items (checked above), so torch
         # reads it as ``dtype`` directly.
         tensor = torch.frombuffer(raw, dtype=dtype)
@@ -314,9 +358,12 @@ def _decode_tensor(meta: Any, view: memoryview, index: int, span_limit: int) -> 
         # copy those (they are small), and share memory with the frame otherwise.
         if tensor.data_ptr() % max(itemsize, 8):
             tensor = tensor.clone()
-        if len(shape) == 1:
-            return tensor  # frombuffer's own shape: [numel]
-        return tensor.view(shape)
+            frame = None
+        if len(shape) != 1:  # else frombuffer's own shape: [numel]
+            tensor = tensor.view(shape)
+        if frame is not None and not isinstance(frame, (bytes, bytearray, memoryview)):
+            _remember_frame(tensor, frame, expected)
+        return tensor
     except (RuntimeError, TypeError, ValueError, OverflowError, BufferError) as exc:
         # The checks above leave nothing for torch to refuse; this keeps decoding total
         # should a torch version refuse more.
@@ -351,7 +398,8 @@ def decode(
         raise ProtocolError(f"{len(metas)} tensors announced but {len(frames) - 1} frames follow")
     span_limit = min(max_message_bytes, _MAX_SPAN_BYTES)
     tensors = tuple(
-        _decode_tensor(meta, views[i + 1], i, span_limit) for i, meta in enumerate(metas)
+        _decode_tensor(meta, views[i + 1], i, span_limit, frames[i + 1])
+        for i, meta in enumerate(metas)
     )
     return Message(kind=kind, body=body, epoch=epoch, tensors=tensors)
 

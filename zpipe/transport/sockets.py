@@ -33,8 +33,11 @@ libzmq option bounds: the frame count of one multipart message (each frame
 under ``MAXMSGSIZE``) and the number of connections; only CURVE allow-lists
 (``--keys``), which refuse unknown peers at the handshake, bound those.
 
-:func:`send` and :func:`recv` wrap the asyncio sends and receives with a
-timeout whose error names the peer and what was awaited.
+:func:`send` and :func:`recv_frames` wrap the asyncio sends and receives with a
+timeout whose error names the peer and what was awaited. Untracked sends copy
+tensor buffers under :data:`COPY_BELOW_BYTES` and send a received frame on by
+reference; ``recv_frames`` on a receive-only :class:`ZpipeSocket` waits on the
+socket's descriptor itself (README: "Copied sends and forwarded frames").
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from zpipe.transport.codec import (
     decode,
     encode,
 )
+from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ def open_socket(
     overrides the default by kind (ZMTP_HEARTBEAT_KINDS; never on a socket whose
     input can sit unread, see the module notes)."""
     opts = options or SocketOptions()
-    sock = context.socket(kind)
+    sock = context.socket(kind, socket_class=ZpipeSocket)
     sock.setsockopt(zmq.LINGER, opts.linger_ms)
     sock.setsockopt(zmq.SNDHWM, opts.send_hwm)
     apply_receive_limits(sock, limits or ReceiveLimits(opts.max_message_bytes, opts.recv_hwm))
@@ -234,6 +238,16 @@ def open_socket(
 # How often a send to one full peer queue of a ROUTER looks again for room.
 _ROOM_POLL_S = 0.005
 
+# An untracked send copies tensor buffers smaller than this into libzmq's own
+# message (one memcpy) instead of sharing them. A shared Python buffer costs a
+# wake-up of pyzmq's garbage-collector thread, which takes the GIL, when libzmq
+# releases it; a message libzmq owns it frees itself. Measured on a loaded 2-core
+# machine (bench/transport.py --paths raw,zpipe,zpipe_shared, bench/send_copy.py;
+# README "Copied sends and forwarded frames"): up to 1 MiB copying saved about
+# one context switch per message and CPU per round trip, at even CPU per message
+# in a stream; from 2 MiB it cost CPU and messages/s. pyzmq copies under 64 KiB.
+COPY_BELOW_BYTES = 3 << 19  # 1.5 MiB
+
 
 async def send(
     sock: zmq.asyncio.Socket,
@@ -243,27 +257,29 @@ async def send(
     peer: str,
     routing_id: bytes | None = None,
     on_queued: Callable[[zmq.MessageTracker, int], None] | None = None,
+    copy_below: int = COPY_BELOW_BYTES,
 ) -> int:
-    """Send ``message`` (zero-copy for tensors); returns the bytes sent.
+    """Send ``message`` (zero-copy for large tensors); returns the bytes sent.
 
     Raises :class:`TransportTimeout` if the peer's queue stays full past the
     deadline, which is what a dead or stalled peer looks like to a sender.
     With ``on_queued``, the message is sent with a tracker, which is handed over
     with its size once queued (it completes when libzmq has written the message
-    out; see :class:`zpipe.stage.metrics.LinkMeter`).
+    out; see :class:`zpipe.stage.metrics.LinkMeter`). Without, tensor buffers
+    under ``copy_below`` bytes are copied (see :data:`COPY_BELOW_BYTES`).
     """
-    frames: list[Any] = encode(message)
+    track = on_queued is not None
+    frames, copy = _outgoing(encode(message), track=track, copy_below=copy_below)
     if routing_id is not None:
         frames = [routing_id, *frames]
-    nbytes = _queue_now(sock, frames, on_queued)
+    nbytes = _queue_now(sock, frames, on_queued, copy=copy)
     if nbytes is not None:
         return nbytes
     nbytes = _frames_nbytes(frames)
-    track = on_queued is not None
     deadline = time.monotonic() + timeout_s
     while True:
         # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
-        pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=False, track=track))
+        pending = cast("asyncio.Future[Any]", sock.send_multipart(frames, copy=copy, track=track))
         try:
             if not pending.done():
                 await asyncio.wait_for(pending, max(deadline - time.monotonic(), 0.0))
@@ -289,6 +305,7 @@ def send_nowait(
     message: Message,
     *,
     on_queued: Callable[[zmq.MessageTracker, int], None] | None = None,
+    copy_below: int = COPY_BELOW_BYTES,
 ) -> int | None:
     """Queue ``message`` on a send-only socket (PUSH, PUB) without waiting: the bytes
     queued, or None when nothing was sent (no room, or a socket that also receives).
@@ -296,17 +313,44 @@ def send_nowait(
     For a caller that has something better to do than wait (hand the message to
     its send task instead); :func:`send` is the one with a deadline.
     """
-    return _queue_now(sock, encode(message), on_queued)
+    frames, copy = _outgoing(encode(message), track=on_queued is not None, copy_below=copy_below)
+    return _queue_now(sock, frames, on_queued, copy=copy)
+
+
+def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[Any], bool]:
+    """The frames to send and the ``copy`` flag to send them with.
+
+    Untracked: ``copy=True``, which copies bytes and buffers (no garbage-collector
+    wake-up) and sends a ``zmq.Frame`` by reference (a received frame sent on, see
+    :func:`zpipe.transport.codec.encode`); buffers of ``copy_below`` bytes or more
+    (and of 64 KiB or more: 0 is pyzmq's own choice) are wrapped in zero-copy
+    frames first. Tracked: as before, ``copy=False`` with every part a buffer: a
+    copied part's tracker is done at once, which would hide the link time the
+    meter measures, and pyzmq refuses to track a received frame.
+    """
+    if track:
+        return [f.buffer if isinstance(f, zmq.Frame) else f for f in frames], False
+    share_from = max(copy_below, zmq.COPY_THRESHOLD)
+    return [
+        f if isinstance(f, zmq.Frame) or _nbytes(f) < share_from else zmq.Frame(f, copy=False)
+        for f in frames
+    ], True
+
+
+def _nbytes(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 
 
 def _frames_nbytes(frames: Sequence[Any]) -> int:
-    return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    return sum(_nbytes(f) for f in frames)
 
 
 def _queue_now(
     sock: zmq.asyncio.Socket,
     frames: list[Any],
     on_queued: Callable[[zmq.MessageTracker, int], None] | None,
+    *,
+    copy: bool,
 ) -> int | None:
     """Queue ``frames`` through the synchronous shadow of a send-only socket when
     there is room (the common case): an asyncio future, a wait_for timer and an
@@ -317,7 +361,7 @@ def _queue_now(
         return None
     try:
         tracker = shadow.send_multipart(
-            frames, flags=zmq.NOBLOCK, copy=False, track=on_queued is not None
+            frames, flags=zmq.NOBLOCK, copy=copy, track=on_queued is not None
         )
     except zmq.Again:
         return None
@@ -344,6 +388,8 @@ async def recv_frames(
             return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
         except zmq.Again:
             pass
+        if isinstance(sock, ZpipeSocket) and getattr(sock, "_current_loop", None) is None:
+            return await recv_when_readable(sock, shadow, timeout_s, peer, awaited)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))

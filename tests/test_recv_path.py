@@ -1,0 +1,165 @@
+"""recv_frames on zpipe's receive-only sockets waits on the socket's file descriptor
+itself (no zmq.asyncio future per message): it wakes for every message, keeps its
+deadline, can be cancelled, is cancelled when the socket closes, and hands the
+socket back to zmq.asyncio when that was used on it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import TransportTimeout
+from zpipe.transport.codec import Message, encode
+from zpipe.transport.fd_wait import ZpipeSocket
+from zpipe.transport.sockets import (
+    decode_frames,
+    new_context,
+    open_socket,
+    recv_frames,
+)
+
+MAX = 1 << 31
+
+
+class Pair:
+    def __init__(self, context: zmq.asyncio.Context, kinds: tuple[int, int]) -> None:
+        self.tx = open_socket(context, kinds[0])
+        self.rx = open_socket(context, kinds[1])
+        if kinds[1] == zmq.SUB:
+            self.rx.setsockopt(zmq.SUBSCRIBE, b"")
+            # a publisher drops what does not fit: room for a whole burst
+            self.rx.setsockopt(zmq.RCVHWM, 10_000)
+            self.tx.setsockopt(zmq.SNDHWM, 10_000)
+        port = self.rx.bind_to_random_port("tcp://127.0.0.1")
+        self.tx.connect(f"tcp://127.0.0.1:{port}")
+
+    def send(self, n: int) -> None:
+        self.tx._shadow_sock.send_multipart(encode(Message("probe_ack", {"nonce": n})))
+
+    async def receive(self, timeout_s: float | None = 30.0) -> int:
+        frames = await recv_frames(self.rx, timeout_s=timeout_s, peer="tx", awaited="probe_ack")
+        return int(decode_frames(frames, MAX)["nonce"])
+
+    async def waiting(self) -> None:
+        """Until a recv_frames on rx waits on the descriptor (events, not sleeps)."""
+        assert isinstance(self.rx, ZpipeSocket)
+        for _ in range(10_000):
+            if self.rx._zpipe_waiters:
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("recv_frames never waited on the descriptor")
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    context = new_context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def test_a_waiting_receive_wakes_for_a_message_sent_later(
+    context: zmq.asyncio.Context,
+) -> None:
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    receiving = asyncio.create_task(pair.receive())
+    await pair.waiting()
+    pair.send(7)
+    assert await asyncio.wait_for(receiving, 30) == 7
+    assert pair.rx._current_loop is None  # zmq.asyncio never had to watch it
+
+
+@pytest.mark.parametrize("kinds", [(zmq.PUSH, zmq.PULL), (zmq.PUB, zmq.SUB)])
+async def test_every_message_of_a_burst_from_two_senders_is_received(
+    context: zmq.asyncio.Context, kinds: tuple[int, int]
+) -> None:
+    pair = Pair(context, kinds)
+    other = open_socket(context, kinds[0])
+    other.setsockopt(zmq.SNDHWM, 10_000)
+    other.connect(pair.rx.getsockopt_string(zmq.LAST_ENDPOINT))
+    if kinds[0] == zmq.PUB:  # a subscription has to reach both publishers first
+        heard: set[int] = set()
+        while heard != {-1, -2}:
+            pair.send(-1)
+            other._shadow_sock.send_multipart(encode(Message("probe_ack", {"nonce": -2})))
+            try:
+                while True:
+                    heard.add(await pair.receive(timeout_s=0.05))
+            except TransportTimeout:
+                pass  # all that came: publish again until both got through
+
+    async def send_all() -> None:
+        for n in range(0, 2000, 2):
+            pair.send(n)
+            other._shadow_sock.send_multipart(encode(Message("probe_ack", {"nonce": n + 1})))
+            if n % 50 == 0:
+                await asyncio.sleep(0)  # let the receiver wait now and then
+
+    sending = asyncio.create_task(send_all())
+    got = [await pair.receive() for _ in range(2000)]
+    await sending
+    assert sorted(got) == list(range(2000))
+    assert [n for n in got if n % 2 == 0] == list(range(0, 2000, 2))  # per sender, in order
+
+
+async def test_two_tasks_waiting_on_one_socket_both_get_a_message(
+    context: zmq.asyncio.Context,
+) -> None:
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    first = asyncio.create_task(pair.receive())
+    second = asyncio.create_task(pair.receive())
+    await pair.waiting()
+    for _ in range(100):  # until both wait (events, not sleeps)
+        if len(pair.rx._zpipe_waiters or ()) == 2:
+            break
+        await asyncio.sleep(0)
+    pair.send(1)
+    pair.send(2)
+    assert sorted(await asyncio.wait_for(asyncio.gather(first, second), 30)) == [1, 2]
+    assert pair.rx._zpipe_waiters is None  # the reader left with the last wait
+
+
+async def test_a_wait_keeps_its_deadline_and_leaves_the_socket_usable(
+    context: zmq.asyncio.Context,
+) -> None:
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    with pytest.raises(TransportTimeout, match="probe_ack"):
+        await pair.receive(timeout_s=0.2)
+    assert not pair.rx._zpipe_waiters
+    pair.send(1)
+    assert await pair.receive() == 1
+
+
+async def test_a_cancelled_wait_leaves_the_socket_usable_for_both_ways_of_receiving(
+    context: zmq.asyncio.Context,
+) -> None:
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    receiving = asyncio.create_task(pair.receive(timeout_s=None))
+    await pair.waiting()
+    receiving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await receiving
+    pair.send(2)
+    assert await pair.receive() == 2
+    # zmq.asyncio can still take the socket over; recv_frames then goes through it
+    pair.send(3)
+    frames = await asyncio.wait_for(pair.rx.recv_multipart(copy=False), 30)
+    assert decode_frames(frames, MAX)["nonce"] == 3
+    receiving = asyncio.create_task(pair.receive())
+    await asyncio.sleep(0)
+    pair.send(4)
+    assert await asyncio.wait_for(receiving, 30) == 4
+
+
+async def test_closing_the_socket_cancels_a_wait_as_zmq_asyncio_does(
+    context: zmq.asyncio.Context,
+) -> None:
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    receiving = asyncio.create_task(pair.receive(timeout_s=None))
+    await pair.waiting()
+    pair.rx.close(linger=0)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(receiving, 30)

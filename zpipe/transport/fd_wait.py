@@ -1,0 +1,108 @@
+"""Waiting for a message on a zpipe receive-only socket without zmq.asyncio's futures.
+
+zmq.asyncio's receive builds a future, a done-callback and an event record per
+message and reads the socket's events five or six times per wait (about 25-55
+us of one core per message here, ``bench/roundtrip_parts.py``).
+:func:`recv_when_readable` waits on the socket's file descriptor itself and
+then takes the message non-blocking. The descriptor only says the socket has
+news; a non-blocking receive that finds nothing has processed that news (which
+clears the descriptor), so each wait is registered right after such a receive,
+with nothing touching the socket in between (one thread, no await): no wake-up
+can be lost. The reader lives only during the wait, so zmq.asyncio can still
+take the socket over later (:func:`zpipe.transport.sockets.recv_frames` then
+uses zmq.asyncio for it), and closing a :class:`ZpipeSocket` cancels the wait,
+as it cancels zmq.asyncio's own pending receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import TransportTimeout
+
+
+class ZpipeSocket(zmq.asyncio.Socket):
+    """A ``zmq.asyncio`` socket that also knows the receives :func:`recv_when_readable`
+    waits for by itself: one reader on the descriptor wakes them all, and closing the
+    socket cancels them, as ``zmq.asyncio`` cancels its own pending receives."""
+
+    _zpipe_waiters: set[asyncio.Future[None]] | None = None
+
+    def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
+        if not self._zpipe_waiters:
+            self._zpipe_waiters = set()
+            loop.add_reader(self.FD, self._wake_waiters)
+        self._zpipe_waiters.add(waiter)
+
+    def wait_ended(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
+        if self._zpipe_waiters is None:
+            return  # closed meanwhile: close() removed the reader
+        self._zpipe_waiters.discard(waiter)
+        if not self._zpipe_waiters:
+            self._zpipe_waiters = None
+            try:
+                loop.remove_reader(self.FD)
+            except (OSError, ValueError, zmq.ZMQError):  # the socket is closing
+                pass
+
+    def _wake_waiters(self) -> None:
+        for waiter in self._zpipe_waiters or ():
+            _wake(waiter)
+
+    def close(self, linger: int | None = None) -> None:
+        waiters, self._zpipe_waiters = self._zpipe_waiters, None
+        if waiters:
+            loop = next(iter(waiters)).get_loop()
+            try:
+                loop.remove_reader(self.FD)
+            except (OSError, ValueError, RuntimeError, zmq.ZMQError):  # loop or socket gone
+                pass
+            for waiter in waiters:
+                if not waiter.done():
+                    try:
+                        waiter.cancel()
+                    except RuntimeError:  # its loop is already closed (teardown)
+                        pass
+        super().close(linger=linger)
+
+
+async def recv_when_readable(
+    sock: ZpipeSocket, shadow: zmq.Socket[Any], timeout_s: float | None, peer: str, awaited: str
+) -> list[zmq.Frame]:
+    """Receive one multipart message on ``sock`` (receive-only, not watched by
+    zmq.asyncio) by waiting on its descriptor; TransportTimeout past ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        await _readable(loop, sock, deadline)
+        try:
+            return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            # news that was not a message (a peer connected, say): wait again
+            if deadline is not None and loop.time() >= deadline:
+                raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
+
+
+async def _readable(
+    loop: asyncio.AbstractEventLoop, sock: ZpipeSocket, deadline: float | None
+) -> None:
+    """Until ``sock``'s descriptor is readable or the loop's clock passes ``deadline``;
+    cancelled when ``sock`` closes."""
+    woken: asyncio.Future[None] = loop.create_future()
+    timer = None if deadline is None else loop.call_at(deadline, _wake, woken)
+    sock.wait_started(loop, woken)
+    try:
+        await woken
+    finally:
+        sock.wait_ended(loop, woken)
+        if timer is not None:
+            timer.cancel()
+
+
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
