@@ -427,7 +427,8 @@ def test_a_failed_async_replica_still_resumes_every_flushed_stage() -> None:
     )  # fmt: skip
     alive = [SimpleNamespace(name=n, routing_id=n.encode()) for n in "ab"]
     owner = SimpleNamespace(
-        run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global"),
+        run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global",
+                            request=Message("run_request", {"train": {}}), rebalance=None),
         state=SimpleNamespace(membership=SimpleNamespace(alive=lambda: alive),
                               timeouts=Timeouts()),
     )  # fmt: skip
@@ -454,3 +455,45 @@ def test_a_failed_async_replica_still_resumes_every_flushed_stage() -> None:
     runner.reply("a", Message("repartition_reply", {**commit, "name": "a"}), 3.0)
     runner.reply("b", Message("repartition_reply", {**commit, "name": "b"}), 3.5)
     assert failures and "flush timed out" in str(failures[0])
+
+
+def test_the_coordinator_keeps_no_replica_a_recovery_could_not_resume_exactly() -> None:
+    """An aggregating run's replica (refused by the client, but a request may come from
+    elsewhere) is refused at the coordinator too, and the paused stages still resume."""
+    from types import SimpleNamespace
+
+    from zpipe._errors import ZpipeError
+    from zpipe.config import Timeouts
+    from zpipe.coordinator.async_replicas import collect_async_replica
+    from zpipe.coordinator.commands import Send
+    from zpipe.coordinator.flows import FlowRunner
+    from zpipe.planner.training_plan import TrainingPlan, TrainStage
+    from zpipe.transport.codec import Message
+
+    plan = TrainingPlan(
+        algo="even", num_units=4, schedule="async-1f1b", microbatch_size=1, num_microbatches=1,
+        stages=(TrainStage(("a",), 0, 2, (1,), 2), TrainStage(("b",), 2, 4, (1,), 1)),
+    )  # fmt: skip
+    alive = [SimpleNamespace(name=n, routing_id=n.encode()) for n in "ab"]
+    aggregating = Message("run_request", {"train": {"async": {"aggregate": True}}})
+    owner = SimpleNamespace(
+        run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global",
+                            request=aggregating, rebalance=None),
+        state=SimpleNamespace(membership=SimpleNamespace(alive=lambda: alive),
+                              timeouts=Timeouts()),
+    )  # fmt: skip
+    failures: list[BaseException] = []
+
+    def flow():  # type: ignore[no-untyped-def]
+        try:
+            yield from collect_async_replica(owner, 12, False, {})  # type: ignore[arg-type]
+        except ZpipeError as exc:
+            failures.append(exc)
+
+    runner = FlowRunner()
+    sent = [c for c in runner.start(flow(), 0.0) if isinstance(c, Send)]
+    assert [(c.stage, c.message["phase"]) for c in sent] == [("a", "commit"), ("b", "commit")]
+    commit = {"run": 7, "step": 12, "phase": "commit", "error": ""}
+    runner.reply("a", Message("repartition_reply", {**commit, "name": "a"}), 1.0)
+    runner.reply("b", Message("repartition_reply", {**commit, "name": "b"}), 1.5)
+    assert isinstance(failures[0], ConfigError) and "aggregation" in str(failures[0])

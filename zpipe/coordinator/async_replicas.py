@@ -35,6 +35,8 @@ from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.repartition import LiveRepartitioning, plan_bounds
 from zpipe.coordinator.training import SyncTrainingRun, state_of_replies
+from zpipe.training.async_recovery import async_recovery_refusal
+from zpipe.training.async_schedule import AsyncSettings
 from zpipe.transport.codec import Message
 
 
@@ -53,6 +55,11 @@ def collect_async_replica(
     holders: dict[str, str] = {}
     whole = run.replication == "global" or global_copy
     try:
+        # the client refuses these too; a request that slipped past it must not be
+        # kept as a replica a recovery could not resume exactly
+        refusal = _recovery_refusal(run.request, run.rebalance)
+        if refusal is not None:
+            raise ConfigError(refusal)
         missing = [d for d in devices if d not in members]
         if missing:
             raise StageLostError(", ".join(missing), "gone; the run cannot keep a replica")
@@ -83,6 +90,18 @@ def collect_async_replica(
         raise
     yield from stages.ask(members, devices, step, _commit(bounds))
     return keys, tensors, holders, whole
+
+
+def _recovery_refusal(request: Message | None, rebalance: Any) -> str | None:
+    train = request.get("train") if request is not None else None
+    settings = AsyncSettings.from_dict(train.get("async") if isinstance(train, dict) else None)
+    return async_recovery_refusal(
+        vertical_sync=settings.vertical_sync,
+        aggregate=settings.aggregate,
+        consistency="exact",  # a fast resume is refused when it is asked for
+        rebalance=rebalance,
+        repartition=False,  # a re-partitioning run asks for no replicas
+    )
 
 
 def _commit(bounds: list[int]) -> dict[str, Any]:
