@@ -13,7 +13,8 @@ data endpoints, names and keys) and then ``lossy_go``. The executor:
   :class:`~zpipe.lossy.torch_partial.TorchDeviceShard`, the whole pass sequence
   in the stage's compute thread (:mod:`zpipe.stage.lossy_passes`: waiting for a
   pass's partials with an explicit timeout, null-filling what has not come,
-  sending each pass's partials once to every device that needs them, each send
+  sending each pass's partials to every device that needs them (every copy
+  r-TX or ACK sends, each a message of its own), each send
   with a deadline); the event loop only receives partials and hands them over;
 - answers ``lossy_ready`` and, at the end, ``lossy_result`` with its counters,
   its arrivals and its final weight slices.
