@@ -307,6 +307,7 @@ def test_the_lossy_command_runs_on_the_clusters_stages(
     assert experiment.main(argv) == 0  # 0: the run on stages matched its simulation
     rows = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert len(rows) == 1 and rows[0]["matches_simulation"] and rows[0]["n_data"] == 2
+    assert rows[0]["wire"]["copies_sent"] > 0 and rows[0]["wire"]["acks_sent"] == 0
     # its test-time inference ran under loss across the stages, as simulated
     assert rows[0]["test_matches_simulation"] and 0 <= rows[0]["final_test_acc"] <= 1
     assert rows[0]["test_traffic"]["messages"] > 0

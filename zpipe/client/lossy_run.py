@@ -96,6 +96,14 @@ class StagesLossyResult:
     #: zpipe.stage.lossy_recovery.WireCounts)
     on_wire: dict[int, dict[str, int]] = field(default_factory=dict)
 
+    def wire_totals(self) -> dict[str, int]:
+        """:attr:`on_wire` summed over the devices."""
+        totals: dict[str, int] = {}
+        for counts in self.on_wire.values():
+            for key, value in counts.items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
     def death(self, n_data: int) -> DeviceDeath | None:
         """The run's death as :func:`zpipe.lossy.death_sim.train_with_death` simulates it
         (None: nobody died): which of the dead device's partials each survivor used (by
