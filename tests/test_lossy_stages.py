@@ -26,7 +26,7 @@ from zpipe.coordinator.lossy_probe import PROBES_PER_LINK
 from zpipe.lossy import experiment
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.evaluation import EvalSpec
-from zpipe.lossy.links import Direction, Recovery, deliver
+from zpipe.lossy.links import Direction, Recovery, Traffic, deliver
 from zpipe.lossy.partial import mlp_forward_backward
 from zpipe.lossy.simulate import (
     PreparedRun,
@@ -36,6 +36,7 @@ from zpipe.lossy.simulate import (
     run_training,
 )
 from zpipe.lossy.trace import TrainingTrace, evaluate_in_process, train_in_process
+from zpipe.stage.lossy_recovery import WireCounts
 from zpipe.transport.codec import Message
 
 pytestmark = pytest.mark.timeout(180)
@@ -174,6 +175,33 @@ def test_lossy_run_on_stages_equals_its_simulation(
         assert 0 < result.test.null_filled and test.delivered < test.messages
     else:
         assert test.data_tx > test.messages
+    _assert_real_wire_traffic(result, [*want.traffic.values(), test], recovery)
+
+
+def _assert_real_wire_traffic(
+    result: StagesLossyResult, traffic: list[Traffic], recovery: Recovery
+) -> None:
+    """What the stages really put on the wire: every copy the recovery scheme sent went
+    through an emulated link (sent or lost there); r-TX's and ACK's repeated copies
+    reached their receivers as duplicates, and ACK's acknowledgements crossed back."""
+    assert len(result.on_wire) == 3
+    wire = {k: sum(c[k] for c in result.on_wire.values()) for k in WireCounts().as_dict()}
+    data_tx = sum(t.data_tx for t in traffic)
+    assert wire["copies_sent"] + wire["copies_lost"] == data_tx
+    assert wire["copies_lost"] > 0 and wire["acks_dropped"] == wire["acks_overdue"] == 0
+    # a receiver's counts stop at its result: a last duplicate may come after it
+    assert wire["duplicates"] <= wire["copies_sent"] - sum(t.delivered for t in traffic)
+    if recovery.scheme == "none":
+        assert wire["duplicates"] == 0
+    else:
+        assert wire["duplicates"] > 0
+    if recovery.scheme == "ack":
+        ack_tx = sum(t.ack_tx for t in traffic)
+        # (a sender hears an acknowledgement its receiver sent after its result)
+        assert 0 < wire["acks_received"] <= ack_tx and wire["acks_sent"] > 0
+        assert wire["acks_sent"] + wire["acks_lost"] <= ack_tx
+    else:
+        assert wire["acks_sent"] == wire["acks_lost"] == wire["acks_received"] == 0
 
 
 def test_a_lossy_run_on_stages_matches_the_experiments_simulation(
@@ -279,6 +307,7 @@ def test_the_lossy_command_runs_on_the_clusters_stages(
     assert experiment.main(argv) == 0  # 0: the run on stages matched its simulation
     rows = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert len(rows) == 1 and rows[0]["matches_simulation"] and rows[0]["n_data"] == 2
+    assert rows[0]["wire"]["copies_sent"] > 0 and rows[0]["wire"]["acks_sent"] == 0
     # its test-time inference ran under loss across the stages, as simulated
     assert rows[0]["test_matches_simulation"] and 0 <= rows[0]["final_test_acc"] <= 1
     assert rows[0]["test_traffic"]["messages"] > 0

@@ -100,6 +100,13 @@ ADDED_IN_V1 = {
         "dead": ["dict/null", False],
         "stale": ["int/null", False],
         "test": ["dict/null", False],
+        "on_wire": ["dict/null", False],
+    },
+    # r-TX and ACK: each copy numbered; ACK: the copy's drop key
+    "lossy_partial": {
+        "copy": ["int/null", False],
+        "link_layer": ["int/null", False],
+        "direction": ["int/null", False],
     },
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
@@ -169,6 +176,15 @@ KINDS_ADDED_IN_V1 = {
         "step": ["int", True],
         "slices": ["list", True],
         "name": ["str/null", False],
+    },
+    # ACK recovery: a receiver's acknowledgement of one copy, stage to stage
+    "lossy_ack": {
+        "run": ["int", True],
+        "data": ["int", True],
+        "kind": ["str", True],
+        "layer": ["int", True],
+        "src": ["int", True],
+        "copy": ["int", True],
     },
     "lossy_remap": {
         "run": ["int", True],

@@ -91,6 +91,18 @@ class StagesLossyResult:
     remaps: list[tuple[int, str, int, Allocation, int | None]] = field(default_factory=list)
     #: each stage's counters at the run's end, by stage name (as a run_report's stages)
     stage_metrics: dict[str, Any] = field(default_factory=dict)
+    #: per device: what really crossed the wire (copies sent and lost, duplicates
+    #: discarded, acknowledgements sent, lost, received and dropped; see
+    #: zpipe.stage.lossy_recovery.WireCounts)
+    on_wire: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def wire_totals(self) -> dict[str, int]:
+        """:attr:`on_wire` summed over the devices."""
+        totals: dict[str, int] = {}
+        for counts in self.on_wire.values():
+            for key, value in counts.items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
 
     def death(self, n_data: int) -> DeviceDeath | None:
         """The run's death as :func:`zpipe.lossy.death_sim.train_with_death` simulates it
@@ -273,7 +285,19 @@ def result_from_report(
         test=None if test is None else evaluation_from_results(topo, test, tests),
         remaps=remaps,
         stage_metrics=dict(parsed.metrics or {}),
+        on_wire={d: _counts(m.on_wire) for d, m in results.items()},
     )
+
+
+def _counts(body: Any) -> dict[str, int]:
+    """A result's ``on_wire``: counter -> count (empty from a stage that sent none)."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) for k, v in body.items()
+    ):
+        raise ProtocolError("lossy_result: on_wire must map counters to counts")
+    return dict(body)
 
 
 def _remaps(body: Any, alloc: Allocation) -> list[tuple[int, str, int, Allocation, int | None]]:

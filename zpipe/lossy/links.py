@@ -156,6 +156,15 @@ def deliver(
     return deliver_over(arrives, src, dst, layer, step, direction, recovery=recovery)
 
 
+def ack_key(data: LossKey) -> LossKey:
+    """The drop key of the acknowledgement of the copy ``data`` names: the reverse link,
+    the same layer, step and copy, and the data's direction shifted into the ACK space,
+    so an acknowledgement's fate never correlates with its data message's."""
+    return LossKey(
+        data.dst, data.src, data.layer, data.step, int(Direction.ACK) * 8 + data.kind, data.copy
+    )
+
+
 def deliver_over(
     transmit: Transmit,
     src: int,
@@ -183,14 +192,11 @@ def deliver_over(
         return Delivery(any(arrived), recovery.copies, 0)
     delivered = False
     acks = 0
-    # ACK keys use the data's direction shifted into the ACK space, so an
-    # acknowledgement's fate never correlates with its data message's.
-    ack_direction = int(Direction.ACK) * 8 + int(direction)
     for attempt in range(recovery.max_attempts):
         if copy(attempt):
             delivered = True
             acks += 1
-            if transmit(LossKey(dst, src, layer, step, ack_direction, attempt)):
+            if transmit(ack_key(LossKey(src, dst, layer, step, int(direction), attempt))):
                 return Delivery(True, attempt + 1, acks)
     return Delivery(delivered, recovery.max_attempts, acks)
 

@@ -110,6 +110,8 @@ def _run_all(
                         "late": result.late,
                         "wall_s": result.wall_s,
                         "protocol_errors": sum(result.protocol_errors.values()),
+                        # what r-TX and ACK really put on the wire, all stages
+                        "wire": result.wire_totals(),
                         # device -> [stage, first mini-batch that ran without it]
                         "dead": {str(d): list(v) for d, v in result.dead.items()},
                         # device -> first mini-batch of the allocation it was re-mapped by

@@ -165,11 +165,23 @@ def to_array(tensor: torch.Tensor, *, shape: tuple[int, ...], dtype: Any, what: 
 
 
 def partial_message(
-    run: int, data: int, kind: str, layer: int, src: int, values: FloatArray
+    run: int,
+    data: int,
+    kind: str,
+    layer: int,
+    src: int,
+    values: FloatArray,
+    *,
+    copy: int | None = None,
+    link_layer: int | None = None,
+    direction: int | None = None,
 ) -> Message:
+    """A partial's message; ``copy`` (r-TX, ACK) numbers it, ``link_layer`` and
+    ``direction`` (ACK) key its acknowledgement's fate."""
     return LossyPartial(
-        run=run, data=data, kind=kind, layer=layer, src=src, tensors=(to_tensor(values),)
-    ).to_message()
+        run=run, data=data, kind=kind, layer=layer, src=src, copy=copy, link_layer=link_layer,
+        direction=direction, tensors=(to_tensor(values),),
+    ).to_message()  # fmt: skip
 
 
 def peers_from_body(body: Any, what: str) -> dict[int, str]:

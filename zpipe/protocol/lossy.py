@@ -15,7 +15,9 @@ zpipe.stage.lossy_executor)::
     stage -> stage         lossy_probe, lossy_probe_end  on the data sockets
     stage -> coordinator   lossy_ready, lossy_result, lossy_hold, lossy_replica (its
                                               slices every replica_every mini-batches)
-    stage -> stage         lossy_partial      on the stages' data sockets
+    stage -> stage         lossy_partial      on the stages' data sockets (r-TX, ACK: one
+                                              per copy, numbered by copy)
+                           lossy_ack          ACK: receiver -> sender, one per copy received
     coordinator -> client  lossy_run_report   the allocation; every device's result and weights
 
 msgpack map keys must be strings, so device indices appear as strings in maps.
@@ -130,6 +132,9 @@ class LossyResult(TensorMessage):
     # {"predictions": [[step, [class, ...]], ...] (output owners), "traffic": {...},
     #  "arrivals": [[step, kind, key_layer, [senders]], ...], "null_filled": n}
     test: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # what really crossed the wire (zpipe.stage.lossy_recovery.WireCounts): copies sent
+    # and lost, duplicates discarded, acknowledgements sent, lost, received, dropped
+    on_wire: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -183,6 +188,26 @@ class LossyPartial(TensorMessage):
     kind: str = wire(STR)
     layer: int = wire(INT)
     src: int = wire(INT)
+    # r-TX and ACK: which copy this is (a receiver keeps the first, counts the others);
+    # ACK: the copy's drop key (the sending layer and direction), which keys the
+    # acknowledgement's own fate on the reverse link
+    copy: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    link_layer: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    direction: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyAck(WireMessage):
+    """Stage -> stage, on the data port (ACK recovery): device ``src`` received copy
+    ``copy`` of the partial ``(data, kind, layer)`` that the addressee sent it."""
+
+    KIND: ClassVar[str] = "lossy_ack"
+    run: int = wire(INT)
+    data: int = wire(INT)
+    kind: str = wire(STR)
+    layer: int = wire(INT)
+    src: int = wire(INT)
+    copy: int = wire(INT)
 
 
 @wire_message
@@ -303,6 +328,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     LossyRemap,
     LossyReplica,
     LossyPartial,
+    LossyAck,
     LossyProbeRequest,
     LossyProbe,
     LossyProbeEnd,

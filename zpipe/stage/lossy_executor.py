@@ -13,14 +13,17 @@ data endpoints, names and keys) and then ``lossy_go``. The executor:
   :class:`~zpipe.lossy.torch_partial.TorchDeviceShard`, the whole pass sequence
   in the stage's compute thread (:mod:`zpipe.stage.lossy_passes`: waiting for a
   pass's partials with an explicit timeout, null-filling what has not come,
-  sending each pass's partials once to every device that needs them, each send
+  sending each pass's partials to every device that needs them (every copy
+  r-TX or ACK sends, each a message of its own), each send
   with a deadline); the event loop only receives partials and hands them over;
 - answers ``lossy_ready`` and, at the end, ``lossy_result`` with its counters,
   its arrivals and its final weight slices.
 
 Loss is emulated at the sender with :func:`zpipe.lossy.links.deliver`, keyed as
 in the in-process simulation, so that a run on stages drops exactly the
-messages its simulation drops.
+messages its simulation drops. Under r-TX and ACK each copy is a message of its
+own, and under ACK this stage answers each copy it receives with a ``lossy_ack``
+from the event loop, on sockets of its own (:mod:`zpipe.stage.lossy_recovery`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from zpipe.lossy.partition import NeuronSlice
 from zpipe.lossy.torch_partial import TorchDeviceShard
 from zpipe.lossy.wire import to_array, to_tensor
 from zpipe.protocol.lossy import (
+    LossyAck,
     LossyDead,
     LossyGo,
     LossyHold,
@@ -60,6 +64,7 @@ from zpipe.protocol.lossy import (
 from zpipe.stage.assignment import PushConnector
 from zpipe.stage.lossy_passes import PassLoop, ReplicaSink, SharedInbox
 from zpipe.stage.lossy_probes import LinkProbes, probe_links
+from zpipe.stage.lossy_recovery import AckSender
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -123,6 +128,8 @@ class LossyExecutor:
         self._probes: LinkProbes | None = None  # a link measurement, before a run
         # partials that came while a remap was undecided (zpipe.lossy.remap)
         self._held_partials: list[Message] = []
+        # ACK runs: this stage's acknowledgements (the event loop's own sockets)
+        self._acks: AckSender | None = None
 
     # ------------------------------------------------------------ control
 
@@ -199,6 +206,8 @@ class LossyExecutor:
         self._close_peers()
         for device, (endpoint, key, peer) in self._pending_peers.items():
             self._peers[device] = self._connect(endpoint, key, peer)
+            if self._acks is not None:  # kept past the run's end: late copies get theirs
+                self._acks.sockets[device] = self._connect(endpoint, key, peer)
 
     def _allow_peers(self, names: dict[int, str], keys: dict[int, str], me: int,
                      endpoints: dict[int, str]) -> None:  # fmt: skip
@@ -257,6 +266,9 @@ class LossyExecutor:
         self._probes = None
         self._held_partials = []
         self.stale = 0
+        if self._acks is not None:
+            self._acks.close()
+            self._acks = None
 
     async def _setup(self, message: Message) -> None:
         setup = LossySetup.from_message(message)
@@ -277,6 +289,12 @@ class LossyExecutor:
         else:
             self.state, self.epoch, self.index = st, message.epoch, setup.device
             self._inbox = SharedInbox(st)
+            if st.spec.recovery.scheme == "ack":
+                self._acks = AckSender(
+                    run=st.run, index=setup.device, epoch=message.epoch,
+                    keyed_loss=st.channel.keyed_loss(), counts=self._inbox.wire,
+                    timeout_s=self._send_timeout_s,
+                )  # fmt: skip
             self._supervisor.start(RECEIVE_TASK, self._receive_loop)
             log.info("lossy_setup", stage=self.name, run=setup.run, device=setup.device,
                      layers=sorted(st.shard.slices))  # fmt: skip
@@ -296,6 +314,9 @@ class LossyExecutor:
     async def close(self) -> None:
         await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
         self._close_peers()
+        if self._acks is not None:
+            self._acks.close()
+            self._acks = None
         self.state = None
 
     def _close_peers(self, *, linger_s: float = 0.0) -> None:
@@ -314,7 +335,9 @@ class LossyExecutor:
 
         async def handle(frames: list[zmq.Frame]) -> None:
             self._check_sender(frames[0])
-            self._on_partial(decode_frames(frames, self._max_bytes))
+            partial = self._on_partial(decode_frames(frames, self._max_bytes))
+            if partial is not None and self._acks is not None:
+                await self._acks.acknowledge(partial)
 
         await serve_messages(receive, handle, self._dropped)
 
@@ -331,10 +354,14 @@ class LossyExecutor:
             "dropped_message", stage=self.name, peer="lossy peer", error=describe_error(exc)
         )
 
-    def _on_partial(self, message: Message) -> None:
+    def _on_partial(self, message: Message) -> LossyPartial | None:
+        """File a partial; returns it when it is this run's (a copy to acknowledge)."""
         if message.kind in ("lossy_probe", "lossy_probe_end"):
             self._on_probe(message)
-            return
+            return None
+        if message.kind == "lossy_ack":
+            self._on_ack(message)
+            return None
         if message.kind != "lossy_partial":
             raise ProtocolError(f"{message.kind!r} does not belong on a lossy run's data port")
         msg = LossyPartial.from_message(message)
@@ -342,14 +369,14 @@ class LossyExecutor:
         if st is None or msg.run != st.run or message.epoch != self.epoch:
             self.stale += 1  # a late one of an earlier run, or one for a run not set up here
             log.debug("lossy_stale_partial", stage=self.name, run=msg.run, epoch=message.epoch)
-            return
+            return None
         if msg.src not in st.peers or msg.src == self.index:
             raise ProtocolError(f"lossy_partial from device {msg.src}, not a peer of this run")
         assert self._inbox is not None  # set up with the state
         where = self._inbox.route(msg.data, msg.kind in ("TF", "TS"))
         if where == "hold":  # it may belong to an allocation not decided yet
             self._held_partials.append(message)
-            return
+            return msg
         switch = self._inbox.pending if where == "next" else None
         shape = partial_shape(st, self.index, msg.data, msg.kind, msg.layer, msg.src,
                               switch=switch)  # fmt: skip
@@ -360,6 +387,19 @@ class LossyExecutor:
         key = (msg.data, msg.kind, msg.layer)
         if not self._inbox.file(key, msg.src, values):  # its pass ran with zeros instead
             log.info("lossy_late_partial", stage=self.name, key=key, src=msg.src)
+        return msg
+
+    def _on_ack(self, message: Message) -> None:
+        """An acknowledgement (ACK): one of a copy this stage did not send (another step,
+        layer or peer, or heard already) is dropped and counted, not an error."""
+        ack = LossyAck.from_message(message)
+        st, inbox = self.state, self._inbox
+        if st is None or inbox is None or ack.run != st.run or message.epoch != self.epoch:
+            self.stale += 1
+            return
+        if not inbox.acks.arrived((ack.data, ack.kind, ack.layer, ack.src, ack.copy)):
+            log.info("lossy_ack_dropped", stage=self.name, data=ack.data, kind=ack.kind,
+                     layer=ack.layer, src=ack.src, copy=ack.copy)  # fmt: skip
 
     def _on_probe(self, message: Message) -> None:
         probe = (LossyProbe if message.kind == "lossy_probe" else LossyProbeEnd).from_message(
@@ -476,6 +516,7 @@ class LossyExecutor:
             protocol_errors=self.protocol_errors,
             stale=self.stale,
             test=_test_body(st),
+            on_wire=None if self._inbox is None else self._inbox.wire.as_dict(),
             wall_s=wall_s,
             name=self.name,
             dead={str(d): first for d, first in self._inbox.dead.items()}

@@ -48,8 +48,9 @@ from zpipe.lossy.remap import assemble_slices
 from zpipe.lossy.schedule import PassEvent, events, total_timeslots
 from zpipe.lossy.shard import DeviceShard, Needed, Outgoing, ShardFactory
 from zpipe.lossy.wire import partial_message
+from zpipe.stage.lossy_recovery import AckBook, AckId, WireCounts
 from zpipe.transport.codec import Message, encode
-from zpipe.transport.emulation import KeyedLinks
+from zpipe.transport.emulation import KeyedLinks, LossKey
 
 log = get_logger("zpipe.stage")
 
@@ -89,10 +90,19 @@ class SharedInbox:
         self.segment_end = st.spec.n_data
         self.pending: Switch | None = None
         self._decide_by = 0.0
+        # what crossed the wire; the partials filed (a repeat is an r-TX or ACK copy)
+        self.wire = WireCounts()
+        self.acks = AckBook(self.wire)
+        self._filed: set[tuple[tuple[int, str, int], int]] = set()
 
     def file(self, key: tuple[int, str, int], src: int, values: FloatArray) -> bool:
-        """File a partial; False if its pass has already run (it came late)."""
+        """File a partial; False if its pass has already run (it came late). A copy
+        after the first is discarded and counted as a duplicate."""
         with self._cond:
+            if (key, src) in self._filed:
+                self.wire.duplicates += 1
+                return True
+            self._filed.add((key, src))
             if key in self.st.consumed:
                 self.st.late += 1
                 return False
@@ -265,7 +275,8 @@ class PassLoop:
         self._send_timeout_s = send_timeout_s
         self._stage = stage
         # this device's emulated links: they, not the sender, drop each copy
-        self._links = KeyedLinks(st.channel.keyed_loss())
+        self._keyed_loss = st.channel.keyed_loss()
+        self._links = KeyedLinks(self._keyed_loss)
 
     def run(self) -> None:
         """Every pass of this device, in order; raises what stopped it. After a remap's
@@ -410,20 +421,69 @@ class PassLoop:
             if out.dst == self.index:
                 self.inbox.keep_own((data, kind, out.key_layer), self.index, out.values)
                 continue
-            if not st.channel.send(
-                self.index, out.dst, out.layer, data, out.direction, transmit=self._links.transmit
-            ):
-                continue  # the emulated link lost every copy: nothing reaches the wire
-            if self.inbox.is_dead(out.dst):
-                continue  # nobody to receive it
-            message = partial_message(st.run, data, kind, out.key_layer, self.index, out.values)
-            try:
-                self._send(
-                    out.dst,
-                    Message(message.kind, message.body, epoch=self.epoch, tensors=message.tensors),
-                )
-            except TransportTimeout as exc:  # the receiver null-fills it at its deadline
-                log.warning("lossy_partial_not_sent", stage=self._stage, error=str(exc))
+            put: list[int | None] = []  # the copies put on the wire
+
+            def transmit(
+                key: LossKey, out: Outgoing = out, kind: str = kind, put: list[int | None] = put
+            ) -> bool:
+                if key.src != self.index:  # ACK: does copy key.copy's acknowledgement come?
+                    return self._ack_comes(data, kind, out, key)
+                if not self._links.transmit(key):  # the emulated link lost this copy
+                    self.inbox.wire.copies_lost += 1
+                    return False
+                put.append(key.copy)
+                self._put(data, kind, out, key.copy)
+                return True
+
+            delivered = st.channel.send(
+                self.index, out.dst, out.layer, data, out.direction, transmit=transmit
+            )
+            if delivered and not put:  # lossless: no link decided, the partial goes once
+                self._put(data, kind, out, None)
+
+    def _put(self, data: int, kind: str, out: Outgoing, copy: int | None) -> None:
+        """One copy of a partial on the wire (``copy``: its number, under r-TX and ACK)."""
+        st = self.st
+        if self.inbox.is_dead(out.dst):
+            return  # nobody to receive it
+        scheme = st.spec.recovery.scheme
+        number = None if scheme == "none" else copy
+        ack = scheme == "ack" and number is not None
+        message = partial_message(
+            st.run, data, kind, out.key_layer, self.index, out.values, copy=number,
+            link_layer=out.layer if ack else None, direction=int(out.direction) if ack else None,
+        )  # fmt: skip
+        if ack:  # registered before it goes, so its acknowledgement is never unexpected
+            self.inbox.acks.expect(_ack_id(data, kind, out, number))
+        try:
+            self._send(
+                out.dst,
+                Message(message.kind, message.body, epoch=self.epoch, tensors=message.tensors),
+            )
+        except TransportTimeout as exc:  # the receiver null-fills it at its deadline
+            log.warning("lossy_partial_not_sent", stage=self._stage, error=str(exc))
+            return
+        self.inbox.wire.copies_sent += 1
+
+    def _ack_comes(self, data: int, kind: str, out: Outgoing, key: LossKey) -> bool:
+        """Whether copy ``key.copy``'s acknowledgement comes back: the seeded decision of
+        the receiver's link back. Where it comes, the emulated wait mode waits for the
+        real ``lossy_ack`` (at most ``wait_s``) before the next copy; the count of copies
+        stays the decision's, so the run equals its simulation."""
+        comes = not self._keyed_loss(key)
+        st = self.st
+        if not comes or st.spec.mode != "emulated" or self.inbox.is_dead(out.dst):
+            return comes
+        ack = _ack_id(data, kind, out, key.copy)
+        stopped = lambda: self.inbox.stopped or self.inbox.is_dead(out.dst)  # noqa: E731
+        if not self.inbox.acks.wait(ack, st.spec.wait_s, stopped):
+            if self.inbox.stopped:
+                raise RunStopped()
+            if not self.inbox.is_dead(out.dst):
+                self.inbox.wire.acks_overdue += 1
+                log.warning("lossy_ack_overdue", stage=self._stage, ack=ack,
+                            wait_s=st.spec.wait_s)  # fmt: skip
+        return comes
 
     def _send(self, dst: int, message: Message) -> None:
         """Queue ``message`` on ``dst``'s PUSH socket by the send deadline."""
@@ -441,3 +501,7 @@ class PassLoop:
                 raise TransportTimeout(f"device {dst}", f"room to send {message.kind}",
                                        self._send_timeout_s)  # fmt: skip
             sock.poll(int(1000 * min(remaining, _STOP_POLL_S)) + 1, zmq.POLLOUT)
+
+
+def _ack_id(data: int, kind: str, out: Outgoing, copy: int | None) -> AckId:
+    return (data, kind, out.key_layer, out.dst, 0 if copy is None else copy)

@@ -142,6 +142,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "error",
             "allreduce",
             "lossy_partial",
+            "lossy_ack",
             "lossy_probe",
             "lossy_probe_end",
             # on probe sockets, stage to stage
