@@ -442,3 +442,38 @@ def test_metrics_of_a_stage_that_dies_at_the_end_are_none_not_a_wait() -> None:
     h.advance(6.0, alive=("a", "c"))  # b dies before it answers: no need to wait longer
     (report,) = h.to_client("run_report")
     assert report["stages"]["b"] == {"error": "no metrics"}
+
+
+def test_a_request_that_could_not_leave_is_asked_again_not_taken_for_a_death() -> None:
+    """A stage not connected for a moment (a link cut, a reconnect) makes its request's
+    send fail: a wait that resends keeps waiting and asks again, so the stage answers
+    once it is back; a wait without resends ends at once, as before."""
+    from zpipe._errors import PeerGoneError
+
+    runner = FlowRunner()
+    seen: list[object] = []
+    ask = {n: Send(n.encode(), Message("weights_request", {}), n, stage=n) for n in "ab"}
+
+    def gathering():  # type: ignore[no-untyped-def]
+        seen.append((yield AwaitReplies(tuple(ask), "weights", 60.0, "weights",
+                                        requests=tuple(ask.values()), resend_s=4.0)))  # fmt: skip
+
+    (timer,) = runner.start(gathering(), 0.0)[2:]
+    assert runner.request_unsent("b", PeerGoneError("b", "weights_request"), 0.5) == []
+    runner.reply("a", Message("weights", {"n": 1}), 1.0)
+    again = runner.timer(timer.tag, 4.0)  # type: ignore[attr-defined]
+    assert [c for c in again if isinstance(c, Send)] == [ask["b"]]
+    runner.reply("b", Message("weights", {"n": 2}), 5.0)
+    assert seen and set(seen[0]) == {"a", "b"}  # type: ignore[arg-type]
+
+    failed: list[BaseException] = []
+
+    def once():  # type: ignore[no-untyped-def]
+        try:
+            yield AwaitReplies(("b",), "weights", 60.0, "weights", requests=(ask["b"],))
+        except PeerGoneError as exc:
+            failed.append(exc)
+
+    runner.start(once(), 10.0)
+    runner.request_unsent("b", PeerGoneError("b", "weights_request"), 10.5)
+    assert failed

@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from zpipe._errors import ConfigError, StageLostError, StateFileError, TransportTimeout
+from zpipe._errors import (
+    ConfigError,
+    PeerGoneError,
+    StageLostError,
+    StateFileError,
+    TransportTimeout,
+)
 from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
 from zpipe.coordinator.events import (
@@ -124,7 +130,10 @@ class CoordinatorCore:
         if isinstance(event, JobFailed):
             return flows.job_failed(event.tag, event.error, now)
         if isinstance(event, RequestFailed):
-            out = flows.stage_lost(event.stage, event.error, now)
+            if isinstance(event.error, PeerGoneError):  # not connected now: may come back
+                out = flows.request_unsent(event.stage, event.error, now)
+            else:
+                out = flows.stage_lost(event.stage, event.error, now)
             return [*out, *self._holder_unreachable(event, now)]
         raise TypeError(f"unknown event {event!r}")
 

@@ -148,6 +148,23 @@ class FlowRunner:
                 out += self._advance(wait.flow, None, error)
         return out
 
+    def request_unsent(self, stage: str, error: Exception, now: float) -> list[Command]:
+        """A request to ``stage`` could not leave (it is not connected right now: a
+        link cut, a reconnect under way). A wait that asks again every ``resend_s``
+        keeps waiting, so a stage that comes back answers the next request and one
+        that does not is judged by the failure detector or the wait's deadline, not by
+        one send; every other wait on ``stage`` ends as :meth:`stage_lost` ends it."""
+        self.now = now
+        resending = {
+            tag
+            for tag, wait in self._waits.items()
+            if stage in wait.pending and wait.request.resend_s is not None and wait.request.requests
+        }
+        held = {tag: self._waits.pop(tag) for tag in resending}
+        out = self.stage_lost(stage, error, now)
+        self._waits.update(held)
+        return out
+
     def progress(self, stage: str, now: float) -> list[Command]:
         """``stage`` moved part of a reply (a chunk of its weights, or of a backup to a
         peer): a wait on it gives up only ``timeout_s`` after its latest progress (see
