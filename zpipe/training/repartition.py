@@ -22,11 +22,12 @@ decides (:mod:`zpipe.coordinator.repartition`).
   controller fits, per device, ``T = C_i * (phi_i + R)`` across the cuts it ran
   (:mod:`zpipe.training.stage_cost`) and eq. 5 costs a stage ``F_i + C_i * R``
   with ``F_i = C_i * phi_i``; with no fixed cost found it is eqs. 1-3 unchanged.
-- Damping (the controller, across looks): a model is never exact, so a stage cut
-  down to one unit can still look slower per unit than it was. Two rules keep the cuts from oscillating: each device's capacity is averaged
-  with its past looks (``smoothing``: the past's weight) unless it changed by more
-  than ``1 + deviation`` times either way (Eco-FL's deviation check: a real change,
-  taken at once); and cuts already run since the last such change are judged by
+- Damping (the controller, across looks): measured times are noisy and the
+  model is not exact, so two rules keep the cuts from oscillating: each device's
+  capacity is averaged with its past looks (``smoothing``: the past's weight)
+  unless its time is more than ``1 + deviation`` times either way what the model
+  predicts for its units (Eco-FL's deviation check: a real change, taken at
+  once); and cuts already run since the last such change are judged by
   the period they measured, not by the model (a move back needs a measured gain).
 - Weight redistribution: who fetches which units from whom
   (:func:`zpipe.recovery.plan_redistribution`, no failure: every unit's holder is

@@ -36,7 +36,7 @@ _DISTINCT = 1e-9
 def fit_fixed_share(points: Sequence[tuple[float, float]]) -> float | None:
     """``phi`` from ``(R, T)`` points by least squares ``T = a + b R``, ``phi = a / b``;
     None when the points span one cut only or the slope is not positive (noise);
-    0 when the intercept is negative."""
+    0 when the intercept is not above rounding."""
     if len(points) < 2:
         return None
     xs = [float(r) for r, _ in points]
@@ -50,7 +50,9 @@ def fit_fixed_share(points: Sequence[tuple[float, float]]) -> float | None:
     if not slope > 0:
         return None
     intercept = mean_y - slope * mean_x
-    return max(0.0, intercept / slope)
+    if intercept <= _DISTINCT * mean_y:  # none, or rounding of none: eqs. 1-3 exactly
+        return 0.0
+    return intercept / slope
 
 
 @dataclass
