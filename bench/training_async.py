@@ -120,6 +120,7 @@ from bench._repartition_bounds import (
     Setup,
     after_change,
     even_bounds,
+    fitted_phase_bound,
     phase_bound,
     run_bound,
 )
@@ -463,6 +464,7 @@ def one_setup(
             {"at": r["at"], "t_s": round(arrivals[r["at"] - 1] - started, 2),
              "pause_s": round(arrivals[r["at"]] - arrivals[r["at"] - 1] - gap, 3),
              "moved": r["moved"], "bounds": r["bounds"], "capacities": r.get("capacities"),
+             "fixed_s": r.get("fixed_s"),
              "parts": pause_parts(logs, r["at"], wall + arrivals[r["at"] - 1],
                                   wall + arrivals[r["at"]])}
             for r in report.repartitions
@@ -526,6 +528,17 @@ def one_setup(
     # one unit-time in seconds, from PipeDream's own period before the change
     unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
     before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
+    # the bound the stages' own costs leave after the change, from the last look's fit
+    last = next((r for r in reversed(ftpipehd[0].repartitions) if any(
+        (r.get("fixed_s") or {}).values())), None)  # fmt: skip
+    fitted = None
+    if last is not None:
+        cap, own = [last["capacities"][d] for d in names], [last["fixed_s"][d] for d in names]
+        held = [b - a for a, b in itertools.pairwise(last["current"])]
+        # a reference unit's seconds: the look's period is its slowest stage's
+        # F_i + C_i * r * k_i, and no stage is slower (the units taken as equal)
+        r = min((last["period_s"] - f) / (c * k) for c, f, k in zip(cap, own, held, strict=True))
+        fitted = fitted_phase_bound([c * r for c in cap], own, units)
     out = {
         "setup": setup.name, "units": units, "activation": setup.activation,
         "slowing": names[setup.slowing],
@@ -540,6 +553,8 @@ def one_setup(
         "max_loss_rel_diff": same, "ratio": round(ratio, 3), "whole": round(whole, 3),
         "bound_before": round(before.ratio, 3), "bound_after": round(after.ratio, 3),
         "best_cuts_before": list(before.best_bounds), "best_cuts_after": list(after.best_bounds),
+        "fitted_bound_last_look": None if fitted is None else round(fitted.ratio, 3),
+        "fitted_at": None if last is None else last["at"],
         "bound_run": round(bound, 3), "measured_over_bound": round(ratio / bound, 3),
         "measured_before": measured["before"], "measured_after": measured["after"],
         "unit_s": round(unit_s, 5),
