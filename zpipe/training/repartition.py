@@ -19,9 +19,10 @@ decides (:mod:`zpipe.coordinator.repartition`).
   stage's whole time with its units, but a stage also pays a cost of its own per
   batch, which a slower device multiplies too; eq. 3 alone keeps a slow device at
   too few units and mistakes its cut-down stage's time for a slower device. The
-  controller fits, per device, ``T = C_i * (phi_i + R)`` across the cuts it ran
-  (:mod:`zpipe.training.stage_cost`) and eq. 5 costs a stage ``F_i + C_i * R``
-  with ``F_i = C_i * phi_i``; with no fixed cost found it is eqs. 1-3 unchanged.
+  controller fits ``T = C_i * (phi + R)`` across the cuts each device ran
+  (:mod:`zpipe.training.stage_cost`: ``phi`` the median of the devices' fits) and
+  eq. 5 costs a stage ``F_i + C_i * R`` with ``F_i = C_i * phi``; with no fixed
+  cost found it is eqs. 1-3 unchanged.
 - Damping (the controller, across looks): measured times are noisy and the
   model is not exact, so two rules keep the cuts from oscillating: each device's
   capacity is averaged with its past looks (``smoothing``: the past's weight)
@@ -353,7 +354,7 @@ class RepartitionController:
         smoothed, fixed = None, None
         if all(d in measured for d in self.devices):
             smoothed = self._smooth(measured)
-            fixed = {d: smoothed[d] * self.costs.share(d) for d in self.devices}
+            fixed = {d: smoothed[d] * self.costs.share() for d in self.devices}
             self.tried[self.bounds] = _period_at(
                 self.bounds,
                 self.reference_unit_s,
@@ -387,23 +388,23 @@ class RepartitionController:
             d: math.fsum(self.reference_unit_s[self.bounds[i] : self.bounds[i + 1]])
             for i, d in enumerate(self.devices)
         }
-        before = {d: self.costs.share(d) for d in self.devices}
+        before = self.costs.share()
         real: set[str] = set()
         for device, value in measured.items():
             past = self.capacities.get(device)
             if past is not None:
-                ratio = value / (past * (before[device] + units_s[device]))
+                ratio = value / (past * (before + units_s[device]))
                 if max(ratio, 1.0 / ratio) > limit:
                     real.add(device)
                     self.costs.changed(device)
         for device, value in measured.items():
             self.costs.observe(device, units_s[device], value)
         changed = bool(real)
+        # a refitted fixed share puts the past in other terms: start again from now
+        refitted = not math.isclose(before, self.costs.share())
         for device, value in measured.items():
-            now = self.costs.capacity(device, units_s[device], value)
+            now = self.costs.capacity(units_s[device], value)
             past = self.capacities.get(device)
-            # a refitted fixed share puts the past in other terms: start again from now
-            refitted = not math.isclose(before[device], self.costs.share(device))
             if past is None or device in real or refitted:
                 self.capacities[device] = now
             else:

@@ -17,9 +17,16 @@ at once), so no single look splits the fixed cost from the units' cost. Looks
 at different cuts do: each gives one ``(R, T)`` point, and a line through the
 points since the device's last real change has intercept ``C_i * phi_i`` and
 slope ``C_i``. ``phi_i`` is kept across a real change (a device k times slower
-is slower at both), so only the scale ``C_i`` must be measured again. A device
-that has run one cut only borrows the median ``phi`` of the devices fitted (the
-same code runs on every stage), else 0.
+is slower at both), so only the scale ``C_i`` must be measured again.
+
+One ``phi`` for every device: the median of the devices' own fits (0 before
+any). The fixed cost is the same code's on every stage (the shard's calls, the
+optimizer's bookkeeping), and a device's speed scales it through ``C_i``, so
+``F_i = C_i * phi`` still differs per stage. The median matters under load: two
+looks' times can swing 1.5x, and a fit through two cuts one unit apart then
+reads a stage as nearly all fixed cost (a huge ``phi``, a capacity near 0 that
+would pile units on it); one device's wild fit does not move the median of
+four. A device that has run one cut only gets the others' ``phi``.
 """
 
 from __future__ import annotations
@@ -62,10 +69,8 @@ class StageCosts:
     points: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     fitted: dict[str, float] = field(default_factory=dict)  # phi from the device's own points
 
-    def share(self, device: str) -> float:
-        """``phi`` of ``device``: its own fit, else the fitted devices' median, else 0."""
-        if device in self.fitted:
-            return self.fitted[device]
+    def share(self) -> float:
+        """``phi``: the median of the devices' own fits, else 0."""
         return statistics.median(self.fitted.values()) if self.fitted else 0.0
 
     def observe(self, device: str, units_s: float, measured_s: float) -> None:
@@ -82,6 +87,6 @@ class StageCosts:
         (its ``phi`` stays: the change multiplies both parts)."""
         self.points.pop(device, None)
 
-    def capacity(self, device: str, units_s: float, measured_s: float) -> float:
+    def capacity(self, units_s: float, measured_s: float) -> float:
         """``C_i = T / (phi + R)``: eqs. 1-2 with the fixed cost taken out."""
-        return measured_s / (self.share(device) + units_s)
+        return measured_s / (self.share() + units_s)
