@@ -71,7 +71,12 @@ because a stage also has a per-mini-batch cost of its own (about 1.3 ms of CPU a
 hidden 256 against 0.45 ms per unit, from the looks' capacities at load 2), which the
 emulation, like a real slower device, multiplies by the slowdown, while eq. 3
 scales a stage's time with its units only: a device cut down to one unit keeps
-that cost (``--repartition-hidden 512`` makes the units' work dominate it).
+that cost (``--repartition-hidden 512`` makes the units' work dominate it). The
+controller now fits that cost across its looks (``fixed_s`` in each look,
+:mod:`zpipe.training.stage_cost`) and costs eq. 5's stages with it;
+``fitted_bound_last_look`` is the bound it leaves (the even cuts' period over the
+best cuts' under the last look's fitted capacities and fixed costs; the units
+taken as equal), the honest ceiling for the measured ratio after the change.
 
 The headline key is u12_middle's (``ftpipehd_headline_setup``). Why: of the
 set-ups whose model learns (the 12-layer ones, so a time to loss means

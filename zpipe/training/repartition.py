@@ -330,6 +330,7 @@ class RepartitionController:
         self._seen: dict[str, tuple[float, int]] = {}  # counters at the last look
         self.capacities: dict[str, float] = {}  # smoothed across looks
         self.costs = StageCosts()  # each device's own cost per batch, fitted across looks
+        self._units_s: dict[str, float] = {}  # reference seconds each device held at its last look
         # the period each cut measured since the last real change of a capacity
         self.tried: dict[tuple[int, ...], float] = {}
 
@@ -398,17 +399,22 @@ class RepartitionController:
                     real.add(device)
                     self.costs.changed(device)
         for device, value in measured.items():
-            self.costs.observe(device, units_s[device], value)
+            # a look whose window straddles a real change mixes two speeds: no point
+            if device not in real:
+                self.costs.observe(device, units_s[device], value)
         changed = bool(real)
-        # a refitted fixed share puts the past in other terms: start again from now
-        refitted = not math.isclose(before, self.costs.share())
+        after = self.costs.share()
         for device, value in measured.items():
             now = self.costs.capacity(units_s[device], value)
             past = self.capacities.get(device)
-            if past is None or device in real or refitted:
+            if past is None or device in real:
                 self.capacities[device] = now
             else:
+                # the past in the refitted share's terms, at the units it was measured on
+                then = self._units_s.get(device, units_s[device])
+                past *= (before + then) / (after + then)
                 self.capacities[device] = keep * past + (1.0 - keep) * now
+            self._units_s[device] = units_s[device]
         if changed:
             self.tried.clear()
         return dict(self.capacities)
