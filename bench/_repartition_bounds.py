@@ -70,6 +70,21 @@ def phase_bound(capacities: Sequence[float], units: int) -> PhaseBound:
     return PhaseBound(even, best.period_s, best.bounds)
 
 
+def fitted_phase_bound(
+    capacities: Sequence[float], fixed_s: Sequence[float], units: int
+) -> PhaseBound:
+    """:func:`phase_bound` with each stage's own cost per batch (``fixed_s``, seconds,
+    as a look fitted it; ``capacities`` then in seconds per unit): the bound a stage
+    that pays ``F_i`` whatever it holds leaves."""
+    reference = [1.0] * units
+    best = ftpipehd_partition(reference, capacities=capacities, fixed_s=fixed_s)
+    cuts = even_bounds(units, len(capacities))
+    even = max(
+        f + (b - a) * c for a, b, c, f in zip(cuts, cuts[1:], capacities, fixed_s, strict=False)
+    )
+    return PhaseBound(even, best.period_s, best.bounds)
+
+
 def time_to_step(step: int, *, before_s: float, after_s: float, change_s: float) -> float:
     """Seconds to finish ``step`` mini-batches at one period before ``change_s`` and
     another after it."""

@@ -71,7 +71,12 @@ because a stage also has a per-mini-batch cost of its own (about 1.3 ms of CPU a
 hidden 256 against 0.45 ms per unit, from the looks' capacities at load 2), which the
 emulation, like a real slower device, multiplies by the slowdown, while eq. 3
 scales a stage's time with its units only: a device cut down to one unit keeps
-that cost (``--repartition-hidden 512`` makes the units' work dominate it).
+that cost (``--repartition-hidden 512`` makes the units' work dominate it). The
+controller now fits that cost across its looks (``fixed_s`` in each look,
+:mod:`zpipe.training.stage_cost`) and costs eq. 5's stages with it;
+``fitted_bound_last_look`` is the bound it leaves (the even cuts' period over the
+best cuts' under the last look's fitted capacities and fixed costs; the units
+taken as equal), the honest ceiling for the measured ratio after the change.
 
 The headline key is u12_middle's (``ftpipehd_headline_setup``). Why: of the
 set-ups whose model learns (the 12-layer ones, so a time to loss means
@@ -120,6 +125,7 @@ from bench._repartition_bounds import (
     Setup,
     after_change,
     even_bounds,
+    fitted_phase_bound,
     phase_bound,
     run_bound,
 )
@@ -463,6 +469,7 @@ def one_setup(
             {"at": r["at"], "t_s": round(arrivals[r["at"] - 1] - started, 2),
              "pause_s": round(arrivals[r["at"]] - arrivals[r["at"] - 1] - gap, 3),
              "moved": r["moved"], "bounds": r["bounds"], "capacities": r.get("capacities"),
+             "fixed_s": r.get("fixed_s"),
              "parts": pause_parts(logs, r["at"], wall + arrivals[r["at"] - 1],
                                   wall + arrivals[r["at"]])}
             for r in report.repartitions
@@ -526,6 +533,17 @@ def one_setup(
     # one unit-time in seconds, from PipeDream's own period before the change
     unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
     before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
+    # the bound the stages' own costs leave after the change, from the last look's fit
+    last = next((r for r in reversed(ftpipehd[0].repartitions) if any(
+        (r.get("fixed_s") or {}).values())), None)  # fmt: skip
+    fitted = None
+    if last is not None:
+        cap, own = [last["capacities"][d] for d in names], [last["fixed_s"][d] for d in names]
+        held = [b - a for a, b in itertools.pairwise(last["current"])]
+        # a reference unit's seconds: the look's period is its slowest stage's
+        # F_i + C_i * r * k_i, and no stage is slower (the units taken as equal)
+        r = min((last["period_s"] - f) / (c * k) for c, f, k in zip(cap, own, held, strict=True))
+        fitted = fitted_phase_bound([c * r for c in cap], own, units)
     out = {
         "setup": setup.name, "units": units, "activation": setup.activation,
         "slowing": names[setup.slowing],
@@ -540,6 +558,8 @@ def one_setup(
         "max_loss_rel_diff": same, "ratio": round(ratio, 3), "whole": round(whole, 3),
         "bound_before": round(before.ratio, 3), "bound_after": round(after.ratio, 3),
         "best_cuts_before": list(before.best_bounds), "best_cuts_after": list(after.best_bounds),
+        "fitted_bound_last_look": None if fitted is None else round(fitted.ratio, 3),
+        "fitted_at": None if last is None else last["at"],
         "bound_run": round(bound, 3), "measured_over_bound": round(ratio / bound, 3),
         "measured_before": measured["before"], "measured_after": measured["after"],
         "unit_s": round(unit_s, 5),

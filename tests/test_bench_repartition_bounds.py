@@ -18,6 +18,7 @@ from bench._repartition_bounds import (  # noqa: E402
     Setup,
     after_change,
     even_bounds,
+    fitted_phase_bound,
     phase_bound,
     run_bound,
     time_to_step,
@@ -103,3 +104,14 @@ def test_a_pause_is_split_by_its_events_stamps() -> None:
         "regroup_max_s": 0.03,
     }
     assert pause_parts(logs, 7, t, t + 1.0) == {}  # no events of that look
+
+
+def test_a_stages_own_cost_lowers_the_bound() -> None:
+    caps = [4.0, 80.0, 20.0, 40.0]
+    plain = phase_bound(caps, 12)
+    assert fitted_phase_bound(caps, [0.0] * 4, 12) == plain
+    # 1.3 ms of its own per batch against 0.45 ms per unit, both times the slowdown:
+    # the 80x device pays 104 ms even at one unit, against 212 ms at the even three
+    fitted = fitted_phase_bound([0.45 * c for c in caps], [1.3 * c for c in caps], 12)
+    assert fitted.ratio == pytest.approx((1.3 + 3 * 0.45) / (1.3 + 0.45))
+    assert fitted.ratio < plain.ratio

@@ -21,6 +21,10 @@ is the shortest period of a pipeline of the first ``n`` workers over units
 
 Units are 0-indexed here and every stage gets at least one. Without measurements
 (every ``C_i = 1``) eq. 7 runs on the reference times alone.
+
+A stage's own cost per mini-batch (``fixed_s``, :mod:`zpipe.training.stage_cost`)
+extends eq. 7 to ``T^i(l + 1, j) = F_i + sum_{m=l+1}^{j} T_{e,m}^i``: whatever
+units a stage holds, it pays ``F_i`` once per batch. ``F_i = 0`` is eq. 7.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def ftpipehd_partition(
     num_stages: int | None = None,
     output_bytes: Sequence[float] | None = None,
     bandwidths_bps: Sequence[float] | None = None,
+    fixed_s: Sequence[float] | None = None,
 ) -> FTPipeHDPartition:
     """The cut points that minimize eq. 5's period.
 
@@ -72,7 +77,8 @@ def ftpipehd_partition(
     1, eq. 7 alone; their count is the number of stages, else ``num_stages``);
     ``output_bytes``: ``D_j``, the bytes unit ``j`` sends on (default: free links);
     ``bandwidths_bps``: ``B_{i,i+1}`` in bytes per second, one per link between
-    consecutive workers (default: infinite).
+    consecutive workers (default: infinite); ``fixed_s``: ``F_i``, each worker's own
+    seconds per batch whatever its units (default: none, eq. 7).
     """
     units = _check_positive("reference_unit_s", reference_unit_s, allow_zero=True)
     if capacities is None:
@@ -103,12 +109,16 @@ def ftpipehd_partition(
     if len(links) != n - 1:
         raise ConfigError(f"bandwidths_bps needs one entry per link ({n - 1}), got {len(links)}")
 
+    fixed = [0.0] * n if fixed_s is None else _check_positive("fixed_s", fixed_s, allow_zero=True)
+    if len(fixed) != n:
+        raise ConfigError(f"fixed_s needs one entry per worker ({n}), got {len(fixed)}")
+
     prefix = [0.0]
     for t in units:
         prefix.append(prefix[-1] + t)
 
     def compute(worker: int, first: int, last: int) -> float:  # eq. 7 (and 3)
-        return (prefix[last + 1] - prefix[first]) * caps[worker]
+        return fixed[worker] + (prefix[last + 1] - prefix[first]) * caps[worker]
 
     def link(worker: int, unit: int) -> float:  # 2 x eq. 6
         return 2.0 * sizes[unit] / links[worker] if sizes[unit] else 0.0

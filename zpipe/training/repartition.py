@@ -15,13 +15,20 @@ decides (:mod:`zpipe.coordinator.repartition`).
   least ``gain`` (a share of the current one, costed by the same model; 0 takes
   any different cut). ``bounds`` is a test hook: move to those cuts at the first
   look, whatever was measured.
-- Damping (the controller, across looks): eq. 3 scales a stage's time with its
-  units, but a stage also has a per-batch cost of its own, so a stage cut down to
-  one unit looks slower per unit than it was and the next look moves units back.
-  Two rules keep the cuts from oscillating: each device's capacity is averaged
-  with its past looks (``smoothing``: the past's weight) unless it changed by more
-  than ``1 + deviation`` times either way (Eco-FL's deviation check: a real change,
-  taken at once); and cuts already run since the last such change are judged by
+- A stage's own cost per batch (the controller, across looks): eq. 3 scales a
+  stage's whole time with its units, but a stage also pays a cost of its own per
+  batch, which a slower device multiplies too; eq. 3 alone keeps a slow device at
+  too few units and mistakes its cut-down stage's time for a slower device. The
+  controller fits ``T = C_i * (phi + R)`` across the cuts each device ran
+  (:mod:`zpipe.training.stage_cost`: ``phi`` the median of the devices' fits) and
+  eq. 5 costs a stage ``F_i + C_i * R`` with ``F_i = C_i * phi``; with no fixed
+  cost found it is eqs. 1-3 unchanged.
+- Damping (the controller, across looks): measured times are noisy and the
+  model is not exact, so two rules keep the cuts from oscillating: each device's
+  capacity is averaged with its past looks (``smoothing``: the past's weight)
+  unless its time is more than ``1 + deviation`` times either way what the model
+  predicts for its units (Eco-FL's deviation check: a real change, taken at
+  once); and cuts already run since the last such change are judged by
   the period they measured, not by the model (a move back needs a measured gain).
 - Weight redistribution: who fetches which units from whom
   (:func:`zpipe.recovery.plan_redistribution`, no failure: every unit's holder is
@@ -40,6 +47,7 @@ from zpipe.planner.ftpipehd import ftpipehd_partition, repartition_from_measurem
 from zpipe.recovery.capacity import estimate_capacities
 from zpipe.recovery.redistribution import Redistribution, plan_redistribution
 from zpipe.recovery.spans import StageSpan
+from zpipe.training.stage_cost import StageCosts
 
 # the counters a stage reports whose sum is its compute time (seconds, cumulative)
 COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
@@ -123,6 +131,7 @@ class RepartitionDecision:
     new_period_s: float  # the best cuts' (eq. 5, or eq. 7)
     measured: bool  # False: eq. 7 (no time measured yet)
     capacities: dict[str, float] = field(default_factory=dict)
+    fixed_s: dict[str, float] = field(default_factory=dict)  # each device's own cost per batch
     redistribution: Redistribution | None = None
     reason: str = ""
 
@@ -147,6 +156,7 @@ class RepartitionDecision:
             "gain": round(self.gain, 4),
             "measured": self.measured,
             "capacities": {d: round(c, 4) for d, c in self.capacities.items()},
+            "fixed_s": {d: round(f, 6) for d, f in self.fixed_s.items()},
             "reason": self.reason,
         }
 
@@ -161,11 +171,14 @@ def _period_at(
     capacities: Sequence[float],
     output_bytes: Sequence[float] | None,
     bandwidths_bps: Sequence[float] | None,
+    fixed_s: Sequence[float] | None = None,
 ) -> float:
-    """Eq. 5's period of the given cuts: the slowest stage (eq. 7) or link (2 x eq. 6)."""
+    """Eq. 5's period of the given cuts: the slowest stage (eq. 7, plus its own cost
+    per batch when given) or link (2 x eq. 6)."""
     worst = 0.0
     for i, cap in enumerate(capacities):
-        worst = max(worst, math.fsum(reference_unit_s[bounds[i] : bounds[i + 1]]) * cap)
+        own = 0.0 if fixed_s is None else fixed_s[i]
+        worst = max(worst, own + math.fsum(reference_unit_s[bounds[i] : bounds[i + 1]]) * cap)
     if output_bytes is not None and bandwidths_bps is not None:
         for i, bandwidth in enumerate(bandwidths_bps):
             worst = max(worst, 2.0 * float(output_bytes[bounds[i + 1] - 1]) / bandwidth)
@@ -184,27 +197,33 @@ def decide_repartition(
     bandwidths_bps: Sequence[float] | None = None,
     capacities: Mapping[str, float] | None = None,
     tried: Mapping[tuple[int, ...], float] | None = None,
+    fixed_s: Mapping[str, float] | None = None,
 ) -> RepartitionDecision:
     """Whether the pipeline of ``devices`` (in stage order) cut at ``bounds`` moves
     after batch ``at``. ``measured_s``: each device's compute seconds per batch since
     the last look (eq. 7 when a device has none); ``capacities``: every device's
     ``C_i`` when already estimated (the controller's smoothed ones), instead of
     eqs. 1-2 on ``measured_s``; ``tried``: the period each of these cuts measured
-    when run (a best cut found there is costed no lower than that)."""
+    when run (a best cut found there is costed no lower than that); ``fixed_s``: each
+    device's own seconds per batch whatever its units, with ``capacities`` (eq. 7
+    and eqs. 1-3 keep none)."""
     current = tuple(int(b) for b in bounds)
     n = len(devices)
     if len(current) != n + 1:
         raise ConfigError(f"{n} stages need {n + 1} bounds, got {list(current)}")
     times = {d: float(t) for d, t in (measured_s or {}).items() if t and t > 0}
     measured = all(d in times for d in devices)
+    own: dict[str, float] = {}
     if capacities is not None and all(d in capacities for d in devices):
         measured = True
         caps = {d: float(capacities[d]) for d in devices}
+        own = {d: float((fixed_s or {}).get(d, 0.0)) for d in devices}
         best = ftpipehd_partition(
             reference_unit_s,
             capacities=list(caps.values()),
             output_bytes=output_bytes,
             bandwidths_bps=bandwidths_bps,
+            fixed_s=list(own.values()),
         )
     elif measured:
         best = repartition_from_measurements(
@@ -226,8 +245,9 @@ def decide_repartition(
             bandwidths_bps=bandwidths_bps,
         )
         caps = dict.fromkeys(devices, 1.0)
+    fixed_list = [own.get(d, 0.0) for d in devices]
     period = _period_at(
-        current, reference_unit_s, list(caps.values()), output_bytes, bandwidths_bps
+        current, reference_unit_s, list(caps.values()), output_bytes, bandwidths_bps, fixed_list
     )
     target: tuple[int, ...] | None = tuple(best.bounds)
     reason = "eq. 5 on measured capacities" if measured else "eq. 7: nothing measured yet"
@@ -237,7 +257,12 @@ def decide_repartition(
         if len(target) != n + 1 or target[0] != 0 or target[-1] != current[-1]:
             raise ConfigError(f"bounds {list(target)} do not cut the same units into {n} stages")
         new_period = _period_at(
-            target, reference_unit_s, list(caps.values()), output_bytes, bandwidths_bps
+            target,
+            reference_unit_s,
+            list(caps.values()),
+            output_bytes,
+            bandwidths_bps,
+            fixed_list,
         )
         reason = "forced by the settings' bounds"
     elif target == current:
@@ -261,7 +286,7 @@ def decide_repartition(
             spans_of(devices, current), spans_of(devices, target), failed=(), live_version=at
         )
     return RepartitionDecision(
-        at, current, target, period, new_period, measured, caps, redistribution, reason
+        at, current, target, period, new_period, measured, caps, own, redistribution, reason
     )
 
 
@@ -304,6 +329,8 @@ class RepartitionController:
         self.decisions: list[RepartitionDecision] = []
         self._seen: dict[str, tuple[float, int]] = {}  # counters at the last look
         self.capacities: dict[str, float] = {}  # smoothed across looks
+        self.costs = StageCosts()  # each device's own cost per batch, fitted across looks
+        self._units_s: dict[str, float] = {}  # reference seconds each device held at its last look
         # the period each cut measured since the last real change of a capacity
         self.tried: dict[tuple[int, ...], float] = {}
 
@@ -325,16 +352,17 @@ class RepartitionController:
         settings = self.settings
         if self.plan_epoch > 0 and settings.bounds is not None:
             settings = replace(settings, bounds=None)
-        smoothed = None
+        smoothed, fixed = None, None
         if all(d in measured for d in self.devices):
-            caps = _capacities(measured, self.devices, self.bounds, self.reference_unit_s)
-            smoothed = self._smooth(dict(zip(self.devices, caps, strict=True)))
+            smoothed = self._smooth(measured)
+            fixed = {d: smoothed[d] * self.costs.share() for d in self.devices}
             self.tried[self.bounds] = _period_at(
                 self.bounds,
                 self.reference_unit_s,
                 [smoothed[d] for d in self.devices],
                 self.output_bytes,
                 self.bandwidths_bps,
+                [fixed[d] for d in self.devices],
             )
         decision = decide_repartition(
             settings,
@@ -347,22 +375,46 @@ class RepartitionController:
             bandwidths_bps=self.bandwidths_bps,
             capacities=smoothed,
             tried=self.tried,
+            fixed_s=fixed,
         )
         self.decisions.append(decision)
         return decision
 
     def _smooth(self, measured: Mapping[str, float]) -> dict[str, float]:
-        """Each device's capacity averaged with its past looks; a change beyond
-        ``1 + deviation`` times replaces it, and forgets what every cut measured."""
+        """Each device's capacity (its fixed cost taken out) averaged with its past
+        looks; a time beyond ``1 + deviation`` times what the model predicts for its
+        units replaces it, and forgets what every cut measured."""
         keep, limit = self.settings.smoothing, 1.0 + self.settings.deviation
-        changed = False
+        units_s = {
+            d: math.fsum(self.reference_unit_s[self.bounds[i] : self.bounds[i + 1]])
+            for i, d in enumerate(self.devices)
+        }
+        before = self.costs.share()
+        real: set[str] = set()
         for device, value in measured.items():
             past = self.capacities.get(device)
-            if past is None or max(value / past, past / value) > limit:
-                changed = changed or past is not None
-                self.capacities[device] = value
+            if past is not None:
+                ratio = value / (past * (before + units_s[device]))
+                if max(ratio, 1.0 / ratio) > limit:
+                    real.add(device)
+                    self.costs.changed(device)
+        for device, value in measured.items():
+            # a look whose window straddles a real change mixes two speeds: no point
+            if device not in real:
+                self.costs.observe(device, units_s[device], value)
+        changed = bool(real)
+        after = self.costs.share()
+        for device, value in measured.items():
+            now = self.costs.capacity(units_s[device], value)
+            past = self.capacities.get(device)
+            if past is None or device in real:
+                self.capacities[device] = now
             else:
-                self.capacities[device] = keep * past + (1.0 - keep) * value
+                # the past in the refitted share's terms, at the units it was measured on
+                then = self._units_s.get(device, units_s[device])
+                past *= (before + then) / (after + then)
+                self.capacities[device] = keep * past + (1.0 - keep) * now
+            self._units_s[device] = units_s[device]
         if changed:
             self.tried.clear()
         return dict(self.capacities)
