@@ -245,8 +245,11 @@ _ROOM_POLL_S = 0.005
 # machine (bench/transport.py --paths raw,zpipe,zpipe_shared, bench/send_copy.py;
 # README "Copied sends and forwarded frames"): up to 1 MiB copying saved about
 # one context switch per message and CPU per round trip, at even CPU per message
-# in a stream; from 2 MiB it cost CPU and messages/s. pyzmq copies under 64 KiB.
-COPY_BELOW_BYTES = 3 << 19  # 1.5 MiB
+# in a stream; from 2 MiB it cost CPU and messages/s. On the same machine idle
+# (load 1-2) copying gave 1.10-1.13x the messages/s up to 256 KiB, 0.95x at 512
+# KiB (round trip 0.89x) and 0.82x at 1 MiB, where the memcpy is the limit: the
+# threshold sits between the two. pyzmq copies under 64 KiB anyway.
+COPY_BELOW_BYTES = 1 << 19  # 512 KiB
 
 
 async def send(
