@@ -13,14 +13,21 @@ the single-process reference.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from test_async_training import ADAM, SGD, SPEC, make_batches
 from test_training_recovery import _cluster, _events
 
-from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.config import Timeouts
+from zpipe.coordinator.async_replicas import collect_async_replica
+from zpipe.coordinator.commands import Send
+from zpipe.coordinator.flows import FlowRunner
+from zpipe.planner.training_plan import TrainingPlan, TrainStage
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.async_reference import train_async_reference
@@ -31,6 +38,7 @@ from zpipe.training.async_regroup import (
 )
 from zpipe.training.async_schedule import AsyncSettings, forward_version
 from zpipe.training.async_stage import AsyncStageCompute, UnitState, common_versions
+from zpipe.transport.codec import Message
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -408,82 +416,23 @@ def test_async_options_refuse_what_the_versions_do_not_model() -> None:
 # ------------------------------------------------ a replica that fails resumes the stages
 
 
-def test_a_failed_async_replica_still_resumes_every_flushed_stage() -> None:
-    """The client paused its feed and every stage waits for a commit once flushed: a
-    replica whose prepare fails must still send the commit (with the same cuts), or
-    the next mini-batch would wait forever behind a paused pipeline."""
-    from types import SimpleNamespace
-
-    from zpipe.config import Timeouts
-    from zpipe.coordinator.async_replicas import collect_async_replica
-    from zpipe.coordinator.commands import Send
-    from zpipe.coordinator.flows import FlowRunner
-    from zpipe.planner.training_plan import TrainingPlan, TrainStage
-    from zpipe.transport.codec import Message
-
+def _replica_owner(train: dict[str, Any]) -> SimpleNamespace:
+    """The parts of an asynchronous run's controller a replica's flow reads: a
+    two-stage plan (a: units 0-2, b: 2-4), both alive, the run request's settings."""
     plan = TrainingPlan(
         algo="even", num_units=4, schedule="async-1f1b", microbatch_size=1, num_microbatches=1,
         stages=(TrainStage(("a",), 0, 2, (1,), 2), TrainStage(("b",), 2, 4, (1,), 1)),
     )  # fmt: skip
     alive = [SimpleNamespace(name=n, routing_id=n.encode()) for n in "ab"]
-    owner = SimpleNamespace(
+    return SimpleNamespace(
         run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global",
-                            request=Message("run_request", {"train": {}}), rebalance=None),
+                            request=Message("run_request", {"train": train}), rebalance=None),
         state=SimpleNamespace(membership=SimpleNamespace(alive=lambda: alive),
                               timeouts=Timeouts()),
     )  # fmt: skip
-    runner = FlowRunner()
-    failures: list[BaseException] = []
-
-    def flow():  # type: ignore[no-untyped-def]
-        try:
-            yield from collect_async_replica(owner, 12, False, {})  # type: ignore[arg-type]
-        except PipelineError as exc:
-            failures.append(exc)
-
-    def phases(commands: list) -> list[tuple[str, str]]:  # type: ignore[type-arg]
-        return [(c.stage, c.message["phase"]) for c in commands if isinstance(c, Send)]
-
-    assert phases(runner.start(flow(), 0.0)) == [("a", "prepare"), ("b", "prepare")]
-    reply = {"run": 7, "step": 12, "phase": "prepare", "error": ""}
-    runner.reply("a", Message("repartition_reply", {**reply, "name": "a"}), 1.0)
-    after = runner.reply(
-        "b", Message("repartition_reply", {**reply, "name": "b", "error": "flush timed out"}), 2.0
-    )
-    assert phases(after) == [("a", "commit"), ("b", "commit")]
-    commit = {**reply, "phase": "commit"}
-    runner.reply("a", Message("repartition_reply", {**commit, "name": "a"}), 3.0)
-    runner.reply("b", Message("repartition_reply", {**commit, "name": "b"}), 3.5)
-    assert failures and "flush timed out" in str(failures[0])
 
 
-def test_the_coordinator_keeps_no_replica_a_recovery_could_not_resume_exactly() -> None:
-    """An aggregating run's replica (refused by the client, but a request may come from
-    elsewhere) is refused at the coordinator too, and the paused stages still resume."""
-    from types import SimpleNamespace
-
-    from zpipe._errors import ZpipeError
-    from zpipe.config import Timeouts
-    from zpipe.coordinator.async_replicas import collect_async_replica
-    from zpipe.coordinator.commands import Send
-    from zpipe.coordinator.flows import FlowRunner
-    from zpipe.planner.training_plan import TrainingPlan, TrainStage
-    from zpipe.transport.codec import Message
-
-    plan = TrainingPlan(
-        algo="even", num_units=4, schedule="async-1f1b", microbatch_size=1, num_microbatches=1,
-        stages=(TrainStage(("a",), 0, 2, (1,), 2), TrainStage(("b",), 2, 4, (1,), 1)),
-    )  # fmt: skip
-    alive = [SimpleNamespace(name=n, routing_id=n.encode()) for n in "ab"]
-    aggregating = Message("run_request", {"train": {"async": {"aggregate": True}}})
-    owner = SimpleNamespace(
-        run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global",
-                            request=aggregating, rebalance=None),
-        state=SimpleNamespace(membership=SimpleNamespace(alive=lambda: alive),
-                              timeouts=Timeouts()),
-    )  # fmt: skip
-    failures: list[BaseException] = []
-
+def _drive(owner: SimpleNamespace, failures: list[BaseException]) -> tuple[FlowRunner, list[Send]]:
     def flow():  # type: ignore[no-untyped-def]
         try:
             yield from collect_async_replica(owner, 12, False, {})  # type: ignore[arg-type]
@@ -491,9 +440,39 @@ def test_the_coordinator_keeps_no_replica_a_recovery_could_not_resume_exactly() 
             failures.append(exc)
 
     runner = FlowRunner()
-    sent = [c for c in runner.start(flow(), 0.0) if isinstance(c, Send)]
-    assert [(c.stage, c.message["phase"]) for c in sent] == [("a", "commit"), ("b", "commit")]
-    commit = {"run": 7, "step": 12, "phase": "commit", "error": ""}
-    runner.reply("a", Message("repartition_reply", {**commit, "name": "a"}), 1.0)
-    runner.reply("b", Message("repartition_reply", {**commit, "name": "b"}), 1.5)
+    return runner, [c for c in runner.start(flow(), 0.0) if isinstance(c, Send)]
+
+
+def _phases(commands: list[Any]) -> list[tuple[str, str]]:
+    return [(c.stage, c.message["phase"]) for c in commands if isinstance(c, Send)]
+
+
+def _reply(runner: FlowRunner, phase: str, now: float, **errors: str) -> list[Any]:
+    out: list[Any] = []
+    for name in "ab":
+        body = {"run": 7, "step": 12, "phase": phase, "name": name, "error": errors.get(name, "")}
+        out += runner.reply(name, Message("repartition_reply", body), now)
+    return out
+
+
+def test_a_failed_async_replica_still_resumes_every_flushed_stage() -> None:
+    """The client paused its feed and every stage waits for a commit once flushed: a
+    replica whose prepare fails must still send the commit (with the same cuts), or
+    the next mini-batch would wait forever behind a paused pipeline."""
+    failures: list[BaseException] = []
+    runner, sent = _drive(_replica_owner({}), failures)
+    assert _phases(sent) == [("a", "prepare"), ("b", "prepare")]
+    after = _reply(runner, "prepare", 1.0, b="flush timed out")
+    assert _phases(after) == [("a", "commit"), ("b", "commit")]
+    _reply(runner, "commit", 2.0)
+    assert isinstance(failures[0], PipelineError) and "flush timed out" in str(failures[0])
+
+
+def test_the_coordinator_keeps_no_replica_a_recovery_could_not_resume_exactly() -> None:
+    """An aggregating run's replica (refused by the client, but a request may come from
+    elsewhere) is refused at the coordinator too, and the paused stages still resume."""
+    failures: list[BaseException] = []
+    runner, sent = _drive(_replica_owner({"async": {"aggregate": True}}), failures)
+    assert _phases(sent) == [("a", "commit"), ("b", "commit")]
+    _reply(runner, "commit", 1.0)
     assert isinstance(failures[0], ConfigError) and "aggregation" in str(failures[0])

@@ -112,26 +112,35 @@ class LiveRepartitioning:
             else ([1.0] * plan.num_units)
         )
 
+    def _ready(
+        self, run_id: int
+    ) -> tuple[TrainingPlan, RepartitionController, list[str], dict[str, Member]]:
+        """The run's plan, its controller, its devices in stage order and their members;
+        ConfigError or StageLostError when the run cannot re-partition now."""
+        owner, run = self.owner, self.owner.run
+        if owner.state.current is not owner or run.run != run_id:
+            raise ConfigError(f"run {run_id} is not the current training run")
+        plan = run.training_plan
+        settings = repartition_settings(run.request)
+        if plan is None or settings is None:
+            raise ConfigError(f"run {run_id} does not re-partition")
+        controller = self._controller(plan, settings)
+        devices = list(controller.devices)
+        members = {m.name: m for m in owner.state.membership.alive()}
+        missing = [d for d in devices if d not in members]
+        if missing:
+            raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
+        return plan, controller, devices, members
+
     def flow(self, run_id: int, step: int, *, look: bool = False) -> Flow:
         """A re-partition before mini-batch ``step``; with ``look``, only its decision,
         from counters taken without a flush (see :meth:`look_flow`)."""
         if look:
             return (yield from self.look_flow(run_id, step))
-        owner, run = self.owner, self.owner.run
+        run = self.owner.run
         body: dict[str, Any] = {"run": run_id, "step": step, "error": ""}
         try:
-            if owner.state.current is not owner or run.run != run_id:
-                raise ConfigError(f"run {run_id} is not the current training run")
-            plan = run.training_plan
-            settings = repartition_settings(run.request)
-            if plan is None or settings is None:
-                raise ConfigError(f"run {run_id} does not re-partition")
-            controller = self._controller(plan, settings)
-            devices = list(controller.devices)
-            members = {m.name: m for m in owner.state.membership.alive()}
-            missing = [d for d in devices if d not in members]
-            if missing:
-                raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
+            plan, controller, devices, members = self._ready(run_id)
             # the pause's parts are read from these events' stamps (bench/training_async.py)
             yield Log("info", "repartition_started", {"run": run.run, "step": step})
             replies = yield from self.ask(members, devices, step, {"phase": "prepare"})
@@ -174,21 +183,10 @@ class LiveRepartitioning:
         says ``pause``: the client pauses, and its next request carries this decision
         out (prepare, fetch, commit). A stage that cannot profile (an older one)
         also gets ``pause``, and the look then happens at the flush as before."""
-        owner, run = self.owner, self.owner.run
+        run = self.owner.run
         body: dict[str, Any] = {"run": run_id, "step": step, "error": ""}
         try:
-            if owner.state.current is not owner or run.run != run_id:
-                raise ConfigError(f"run {run_id} is not the current training run")
-            plan = run.training_plan
-            settings = repartition_settings(run.request)
-            if plan is None or settings is None:
-                raise ConfigError(f"run {run_id} does not re-partition")
-            controller = self._controller(plan, settings)
-            devices = list(controller.devices)
-            members = {m.name: m for m in owner.state.membership.alive()}
-            missing = [d for d in devices if d not in members]
-            if missing:
-                raise StageLostError(", ".join(missing), "gone; the run cannot re-partition")
+            _, controller, devices, members = self._ready(run_id)
             yield Log("info", "repartition_started", {"run": run.run, "step": step,
                       "flush": False})  # fmt: skip
             try:
