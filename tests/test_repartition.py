@@ -20,6 +20,8 @@ from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.async_regroup import (
+    LIVE_VERSIONS_KEY,
+    VERSION_KEY,
     needed_versions,
     unit_state_from_tensors,
     unit_state_tensors,
@@ -171,6 +173,66 @@ def test_units_do_not_move_with_a_batch_in_flight_and_bad_keys_are_refused() -> 
         unit_state_from_tensors(0, module, {"units.0.linear.weight#vx": torch.zeros(1)})
     with pytest.raises(ProtocolError):
         unit_state_from_tensors(0, module, {"units.0.linear.weight": torch.zeros(1)})
+
+
+def previous_format(unit: int, state: Any, versions: range) -> dict[str, torch.Tensor]:
+    """What a unit's state was on the wire before live versions were only named: the
+    live weights, the optimizer's state and every version, the newest included."""
+    out = {f"units.{unit}.{k}": t for k, t in state.module.state_dict().items()}
+    for v in versions:
+        out.update({f"units.{unit}.{n}{VERSION_KEY}{v}": t for n, t in state.versions[v].items()})
+    for name, entries in state.optimizer.items():
+        out.update({f"units.{unit}.{name}#opt.{k}": t for k, t in entries.items()})
+    return out
+
+
+def wire_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_a_moved_unit_sends_the_newest_version_once_and_it_comes_back_identical() -> None:
+    compute = trained_stage(5)
+    state = compute.export_units()[0]  # a linear unit, Adam's two moments
+    versions = needed_versions(5, 3)
+    before, after = previous_format(0, state, versions), unit_state_tensors(0, state, versions)
+    assert after[f"units.0.{LIVE_VERSIONS_KEY}"].tolist() == [5]
+    assert not any(k.endswith(f"{VERSION_KEY}5") for k in after)
+    params = sum(p.numel() * p.element_size() for p in state.module.parameters())
+    # live + 2 moments + 3 versions -> live + 2 moments + 2 versions (+ one int64)
+    assert wire_bytes(before) - wire_bytes(after) == params - 8
+    assert len(before) - len(after) == len(list(state.module.parameters())) - 1
+    for wire in (before, after):  # a replica kept by the previous format still loads
+        fresh = load_layer_sequence(SPEC).build_units(0, 1)[0]
+        moved = unit_state_from_tensors(0, fresh, wire)
+        assert sorted(moved.versions) == [3, 4, 5]
+        for v in (3, 4, 5):
+            for name, tensor in state.versions[v].items():
+                assert torch.equal(moved.versions[v][name], tensor)
+        # a rebuilt version is a copy: the optimizer updates the live weights in place
+        assert all(
+            t.data_ptr() != p.data_ptr()
+            for t, p in zip(moved.versions[5].values(), fresh.parameters(), strict=True)
+        )
+
+
+def test_a_version_that_differs_from_the_live_weights_is_still_sent() -> None:
+    compute = trained_stage(3)
+    compute.aggregate(2)  # the live weights are now the mean, not version 3
+    state = compute.export_units()[0]
+    wire = unit_state_tensors(0, state, needed_versions(3, 3))
+    assert f"units.0.{LIVE_VERSIONS_KEY}" not in wire
+    assert "units.0.linear.weight#v3" in wire
+
+
+def test_a_peers_list_of_live_versions_is_checked() -> None:
+    state = trained_stage(2).export_units()[0]
+    wire = unit_state_tensors(0, state, needed_versions(2, 3))
+    key = f"units.0.{LIVE_VERSIONS_KEY}"
+    module = load_layer_sequence(SPEC).build_units(0, 1)[0]
+    for bad in (torch.tensor([2.0]), torch.tensor([[2]]), torch.tensor([2, 2]),
+                torch.tensor([-1]), torch.tensor([1])):  # fmt: skip
+        with pytest.raises(ProtocolError):
+            unit_state_from_tensors(0, module, {**wire, key: bad})
 
 
 # ---------------------------------------------------------------- the decision

@@ -21,7 +21,7 @@ from zpipe.models.trust import FactoryPolicy
 from zpipe.models.weights import split_unit_key
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.async_regroup import (
-    VERSION_KEY,
+    is_versioned_state,
     needed_versions,
     unit_state_from_tensors,
     unit_state_tensors,
@@ -80,7 +80,7 @@ class AsyncShard(TrainShard):
         """Restore weights and optimizer state; with weight versions (a replica of an
         asynchronous run, :meth:`repartition_snapshot`'s entries) the versions too, and
         the update count they end at: the run goes on exactly where it was kept."""
-        if not any(VERSION_KEY in key for key in state):
+        if not is_versioned_state(state):
             super().load_training_state(state)
             self.compute.restart_versions()
             return

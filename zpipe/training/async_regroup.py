@@ -16,7 +16,7 @@ has made equally many of, so a unit continues exactly where it stopped.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,23 +74,64 @@ def needed_versions(updates: int, num_stages: int) -> range:
 
 
 VERSION_KEY = "#v"
+# ``units.<unit>.#live_versions``: an int64 list of the versions that are the live
+# weights bit for bit (after a flush, the newest always is). They do not cross the
+# wire a second time: the receiver copies them from the live weights.
+LIVE_VERSIONS_KEY = "#live_versions"
+# more versions than any run keeps: a peer's list longer than this is refused
+MAX_LIVE_VERSIONS = 1024
+
+
+def is_versioned_state(keys: Iterable[str]) -> bool:
+    """Whether a training state carries weight versions (an asynchronous run's):
+    sent ones (``#v<t>``) or ones rebuilt from the live weights."""
+    return any(VERSION_KEY in key or key.endswith(f".{LIVE_VERSIONS_KEY}") for key in keys)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # bit for bit, not ==: -0.0 == 0.0, and a rebuilt version must be exact
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    flat_a, flat_b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
 
 
 def unit_state_tensors(unit: int, state: UnitState, versions: range) -> dict[str, torch.Tensor]:
     """Unit ``unit``'s state under the full model's keys, as a training state names
     it (``units.<unit>.<name>``, ``...<param>#opt.<key>`` for the optimizer), and its
-    weight versions as ``units.<unit>.<param>#v<t>``: what a peer fetches."""
+    weight versions as ``units.<unit>.<param>#v<t>``: what a peer fetches. A version
+    equal to the live weights is only named (:data:`LIVE_VERSIONS_KEY`), not sent."""
     out = {unit_key(unit, k): t.detach() for k, t in state.module.state_dict().items()}
+    params = {n: p for n, p in state.module.named_parameters() if p.requires_grad}
+    live_versions = []
     for v in versions:
         kept = state.versions.get(v)
         if kept is None:
             raise PipelineError(f"weight version {v} is no longer kept: {sorted(state.versions)}")
+        if kept and kept.keys() == params.keys():
+            if all(_same_bits(kept[n], params[n]) for n in params):
+                live_versions.append(v)
+                continue
         out.update({f"{unit_key(unit, name)}{VERSION_KEY}{v}": t for name, t in kept.items()})
+    if live_versions:
+        out[unit_key(unit, LIVE_VERSIONS_KEY)] = torch.tensor(live_versions, dtype=torch.int64)
     for name, entries in state.optimizer.items():
         for key, value in entries.items():
             if not isinstance(value, torch.Tensor):
                 raise PipelineError(f"optimizer state {name}.{key} is not a tensor: {value!r}")
             out[f"{unit_key(unit, name)}{OPTIMIZER_KEY}{key}"] = value
+    return out
+
+
+def _live_version_list(key: str, tensor: torch.Tensor) -> list[int]:
+    if tensor.dtype != torch.int64 or tensor.dim() != 1 or len(tensor) > MAX_LIVE_VERSIONS:
+        raise ProtocolError(
+            f"{key!r} must list at most {MAX_LIVE_VERSIONS} versions as int64, "
+            f"got {tensor.dtype} {tuple(tensor.shape)}"
+        )
+    out = [int(v) for v in tensor.tolist()]
+    if any(v < 0 for v in out) or len(set(out)) != len(out):
+        raise ProtocolError(f"{key!r} lists versions {out}: negative or repeated")
     return out
 
 
@@ -106,10 +147,14 @@ def unit_state_from_tensors(
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     shapes = {n: p for n, p in module.named_parameters() if p.requires_grad}
     params = set(shapes)
+    live_versions: list[int] = []
     for key, tensor in tensors.items():
         if not key.startswith(prefix):
             continue
         rest = key[len(prefix) :]
+        if rest == LIVE_VERSIONS_KEY:
+            live_versions = _live_version_list(key, tensor)
+            continue
         name, opt, entry = rest.partition(OPTIMIZER_KEY)
         if opt:
             if name not in params or not entry:
@@ -139,4 +184,9 @@ def unit_state_from_tensors(
         module.load_state_dict(live, strict=True)
     except (RuntimeError, KeyError) as exc:
         raise ProtocolError(f"the unit's weights do not fit it: {exc}") from None
+    for v in live_versions:
+        if v in versions:
+            raise ProtocolError(f"unit {unit}'s version {v} was sent and named live both")
+        # loaded above: the module's parameters now hold the live weights
+        versions[v] = {n: p.detach().clone() for n, p in module.named_parameters() if n in params}
     return UnitState(module, optimizer, versions)
