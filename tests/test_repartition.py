@@ -22,6 +22,7 @@ from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.async_regroup import (
     LIVE_VERSIONS_KEY,
     VERSION_KEY,
+    is_versioned_state,
     needed_versions,
     unit_state_from_tensors,
     unit_state_tensors,
@@ -213,6 +214,14 @@ def test_a_moved_unit_sends_the_newest_version_once_and_it_comes_back_identical(
             t.data_ptr() != p.data_ptr()
             for t, p in zip(moved.versions[5].values(), fresh.parameters(), strict=True)
         )
+
+
+def test_a_state_whose_only_version_is_the_live_one_still_reads_as_versioned() -> None:
+    state = trained_stage(4).export_units()[0]
+    wire = unit_state_tensors(0, state, needed_versions(4, 1))
+    assert not any(VERSION_KEY in k for k in wire) and is_versioned_state(wire)
+    moved = unit_state_from_tensors(0, load_layer_sequence(SPEC).build_units(0, 1)[0], wire)
+    assert sorted(moved.versions) == [4]
 
 
 def test_a_version_that_differs_from_the_live_weights_is_still_sent() -> None:
