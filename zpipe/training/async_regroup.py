@@ -10,7 +10,8 @@ has made equally many of, so a unit continues exactly where it stopped.
 
 - :func:`regroup_stages`: in one process (the reference), the units' modules move;
 - :func:`unit_state_tensors` / :func:`unit_state_from_tensors`: the same state as
-  named tensors, for a stage-to-stage transfer (nothing pickled).
+  named tensors, for a stage-to-stage transfer (nothing pickled); a version equal
+  to the live weights (the newest, after a flush) is named, not sent again.
 """
 
 from __future__ import annotations
