@@ -1,4 +1,4 @@
-"""Waiting for a message on a zpipe receive-only socket without zmq.asyncio's futures.
+"""Waiting on a zpipe one-way socket without zmq.asyncio's futures.
 
 zmq.asyncio's receive builds a future, a done-callback and an event record per
 message and reads the socket's events five or six times per wait (about 25-55
@@ -12,6 +12,13 @@ can be lost. The reader lives only during the wait, so zmq.asyncio can still
 take the socket over later (:func:`zpipe.transport.sockets.recv_frames` then
 uses zmq.asyncio for it), and closing a :class:`ZpipeSocket` cancels the wait,
 as it cancels zmq.asyncio's own pending receives.
+
+:func:`send_when_writable` does the same for a send-only socket whose queue is
+full: a non-blocking send that fails processes the socket's pending commands
+first, so the descriptor announces the room made after it. zmq.asyncio's
+send would instead register its own reader on the descriptor for the socket's
+whole life, and run its event handler (several reads of the socket's events)
+on every later wake-up of the descriptor.
 """
 
 from __future__ import annotations
@@ -85,6 +92,37 @@ async def recv_when_readable(
             # news that was not a message (a peer connected, say): wait again
             if deadline is not None and loop.time() >= deadline:
                 raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
+
+
+async def send_when_writable(
+    sock: ZpipeSocket,
+    shadow: zmq.Socket[Any],
+    frames: list[Any],
+    *,
+    copy: bool,
+    track: bool,
+    timeout_s: float,
+    peer: str,
+    awaited: str,
+) -> zmq.MessageTracker | None:
+    """Queue ``frames`` on ``sock`` (send-only, not watched by zmq.asyncio) once it
+    has room, waiting on its descriptor; TransportTimeout past ``timeout_s``.
+
+    Call it right after a non-blocking send of ``frames`` failed with EAGAIN (that
+    failure is what makes the first wait safe, see the module notes)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        await _readable(loop, sock, deadline)
+        try:
+            # pyzmq's stubs type the tracker as always present
+            return shadow.send_multipart(  # type: ignore[no-any-return]
+                frames, flags=zmq.NOBLOCK, copy=copy, track=track
+            )
+        except zmq.Again:
+            # news that was not room (or not enough of it): wait again
+            if loop.time() >= deadline:
+                raise TransportTimeout(peer, awaited, timeout_s) from None
 
 
 async def _readable(
