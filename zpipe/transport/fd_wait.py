@@ -115,10 +115,7 @@ async def send_when_writable(
     while True:
         await _readable(loop, sock, deadline)
         try:
-            # pyzmq's stubs type the tracker as always present
-            return shadow.send_multipart(  # type: ignore[no-any-return]
-                frames, flags=zmq.NOBLOCK, copy=copy, track=track
-            )
+            return shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=track)
         except zmq.Again:
             # news that was not room (or not enough of it): wait again
             if loop.time() >= deadline:

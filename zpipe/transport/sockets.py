@@ -406,7 +406,9 @@ async def recv_frames(
         except zmq.Again:
             pass
         if _waits_on_descriptor(sock, _RECEIVE_ONLY):
-            return await recv_when_readable(sock, shadow, timeout_s, peer, awaited)
+            return await recv_when_readable(
+                cast(ZpipeSocket, sock), shadow, timeout_s, peer, awaited
+            )
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
