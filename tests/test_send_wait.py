@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
+from zpipe.transport import fd_wait
 from zpipe.transport.codec import Message
 from zpipe.transport.fd_wait import ZpipeSocket
 from zpipe.transport.sockets import SocketOptions, decode_frames, new_context, open_socket, send
@@ -91,3 +93,28 @@ async def test_a_socket_watched_by_zmq_asyncio_keeps_its_path(
         await send(tx, data(0, 1 << 10), timeout_s=0.2, peer="p")
     assert not tx._zpipe_waiters
     pending.cancel()
+
+
+async def test_a_wait_for_room_sleeps_instead_of_spinning(
+    context: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tx = open_socket(context, zmq.PUSH, TIGHT)
+    rx = open_socket(context, zmq.PULL, TIGHT)
+    port = rx.bind_to_random_port("tcp://127.0.0.1")
+    tx.connect(f"tcp://127.0.0.1:{port}")
+    passes = 0
+    readable = fd_wait._readable
+
+    async def counted(*args: Any) -> None:
+        nonlocal passes
+        passes += 1
+        await readable(*args)
+
+    monkeypatch.setattr(fd_wait, "_readable", counted)
+    # the reader never reads: queues and socket buffers fill, then the send waits
+    with pytest.raises(TransportTimeout):
+        for mb in range(64):
+            await send(tx, data(mb, 1 << 20), timeout_s=0.5, peer="rx")
+    # a handful of wake-ups (connection news, room the I/O thread made) per wait,
+    # not one per loop pass for half a second
+    assert passes < 50

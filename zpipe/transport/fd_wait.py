@@ -14,8 +14,9 @@ uses zmq.asyncio for it), and closing a :class:`ZpipeSocket` cancels the wait,
 as it cancels zmq.asyncio's own pending receives.
 
 :func:`send_when_writable` does the same for a send-only socket whose queue is
-full: a non-blocking send that fails processes the socket's pending commands
-first, so the descriptor announces the room made after it. zmq.asyncio's
+full: it reads the socket's events (which processes its pending commands and
+clears the descriptor) before each wait, so the descriptor announces the room
+made after that. zmq.asyncio's
 send would instead register its own reader on the descriptor for the socket's
 whole life, and run its event handler (several reads of the socket's events)
 on every later wake-up of the descriptor.
@@ -108,18 +109,22 @@ async def send_when_writable(
     """Queue ``frames`` on ``sock`` (send-only, not watched by zmq.asyncio) once it
     has room, waiting on its descriptor; TransportTimeout past ``timeout_s``.
 
-    Call it right after a non-blocking send of ``frames`` failed with EAGAIN (that
-    failure is what makes the first wait safe, see the module notes)."""
+    For a caller whose non-blocking send of ``frames`` just failed with EAGAIN."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
+        # Reading the events processes every command the socket has pending, which
+        # clears its descriptor: a failed send alone may skip them (libzmq throttles
+        # that processing), and the descriptor would then stay readable and the
+        # wait below return at once, again and again (seen: 34 passes per wait).
+        if shadow.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            try:
+                return shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=track)
+            except zmq.Again:
+                pass  # room for less than a message: wait for more
+        if loop.time() >= deadline:
+            raise TransportTimeout(peer, awaited, timeout_s)
         await _readable(loop, sock, deadline)
-        try:
-            return shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=track)
-        except zmq.Again:
-            # news that was not room (or not enough of it): wait again
-            if loop.time() >= deadline:
-                raise TransportTimeout(peer, awaited, timeout_s) from None
 
 
 async def _readable(
