@@ -67,6 +67,7 @@ async def test_a_full_queue_waits_for_room_and_delivers_every_byte_in_order(
     await asyncio.wait_for(sending, 30)
     assert isinstance(tx, ZpipeSocket)
     assert tx._current_loop is None  # zmq.asyncio never watched the sender
+    await asyncio.sleep(0)  # the reader leaves on the loop's next pass
     assert tx._zpipe_waiters is None  # and no reader was left on its descriptor
 
 
@@ -78,6 +79,7 @@ async def test_a_peer_that_never_reads_is_a_timeout_naming_it(
     await send(tx, data(0, 1 << 20), timeout_s=5.0, peer="stalled-peer")
     with pytest.raises(TransportTimeout, match="stalled-peer"):
         await send(tx, data(0, 1 << 20), timeout_s=0.2, peer="stalled-peer")
+    await asyncio.sleep(0)  # the reader leaves on the loop's next pass
     assert tx._zpipe_waiters is None
 
 

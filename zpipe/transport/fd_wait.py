@@ -38,11 +38,15 @@ class ZpipeSocket(zmq.asyncio.Socket):
     waits for by itself: one reader on the descriptor wakes them all, and closing the
     socket cancels them, as ``zmq.asyncio`` cancels its own pending receives."""
 
+    # None: no reader on the descriptor; a set (maybe empty): the reader is on
     _zpipe_waiters: set[asyncio.Future[None]] | None = None
+    _zpipe_loop: asyncio.AbstractEventLoop | None = None
+    _zpipe_removal_due = False
 
     def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
-        if not self._zpipe_waiters:
+        if self._zpipe_waiters is None:
             self._zpipe_waiters = set()
+            self._zpipe_loop = loop
             loop.add_reader(self.FD, self._wake_waiters)
         self._zpipe_waiters.add(waiter)
 
@@ -50,10 +54,23 @@ class ZpipeSocket(zmq.asyncio.Socket):
         if self._zpipe_waiters is None:
             return  # closed meanwhile: close() removed the reader
         self._zpipe_waiters.discard(waiter)
-        if not self._zpipe_waiters:
-            self._zpipe_waiters = None
+        if not self._zpipe_waiters and not self._zpipe_removal_due:
+            # Off the descriptor on the loop's next pass, not now: a receive loop
+            # that wakes, takes its message and finds the queue empty waits again
+            # within the same pass, and keeps the reader (adding and removing it
+            # costs uvloop a poll handle and several system calls per message). An
+            # idle reader runs at most that one pass.
+            self._zpipe_removal_due = True
+            loop.call_soon(self._remove_reader_if_idle)
+
+    def _remove_reader_if_idle(self) -> None:
+        self._zpipe_removal_due = False
+        if self._zpipe_waiters is None or self._zpipe_waiters:
+            return  # closed meanwhile, or waited on again
+        self._zpipe_waiters = None
+        if self._zpipe_loop is not None:
             try:
-                loop.remove_reader(self.FD)
+                self._zpipe_loop.remove_reader(self.FD)
             except (OSError, ValueError, zmq.ZMQError):  # the socket is closing
                 pass
 
@@ -63,8 +80,8 @@ class ZpipeSocket(zmq.asyncio.Socket):
 
     def close(self, linger: int | None = None) -> None:
         waiters, self._zpipe_waiters = self._zpipe_waiters, None
-        if waiters:
-            loop = next(iter(waiters)).get_loop()
+        loop = self._zpipe_loop
+        if waiters is not None and loop is not None:
             try:
                 loop.remove_reader(self.FD)
             except (OSError, ValueError, RuntimeError, zmq.ZMQError):  # loop or socket gone
@@ -117,7 +134,7 @@ async def send_when_writable(
         # clears its descriptor: a failed send alone may skip them (libzmq throttles
         # that processing), and the descriptor would then stay readable and the
         # wait below return at once, again and again (seen: 34 passes per wait).
-        if shadow.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        if cast(int, shadow.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             try:
                 return shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=track)
             except zmq.Again:
