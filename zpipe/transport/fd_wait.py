@@ -68,7 +68,9 @@ class ZpipeSocket(zmq.asyncio.Socket):
         if self._zpipe_waiters is None or self._zpipe_waiters:
             return  # closed meanwhile, or waited on again
         self._zpipe_waiters = None
-        if self._zpipe_loop is not None:
+        # zmq.asyncio may have taken the socket over meanwhile: the reader on the
+        # descriptor is then its own, which it needs
+        if self._zpipe_loop is not None and getattr(self, "_current_loop", None) is None:
             try:
                 self._zpipe_loop.remove_reader(self.FD)
             except (OSError, ValueError, zmq.ZMQError):  # the socket is closing
