@@ -36,8 +36,9 @@ under ``MAXMSGSIZE``) and the number of connections; only CURVE allow-lists
 :func:`send` and :func:`recv_frames` wrap the asyncio sends and receives with a
 timeout whose error names the peer and what was awaited. Untracked sends copy
 tensor buffers under :data:`COPY_BELOW_BYTES` and send a received frame on by
-reference; ``recv_frames`` on a receive-only :class:`ZpipeSocket` waits on the
-socket's descriptor itself (README: "Copied sends and forwarded frames").
+reference; ``recv_frames`` on a receive-only :class:`ZpipeSocket`, and ``send`` on
+a full send-only one, wait on the socket's descriptor itself (README: "Copied
+sends and forwarded frames").
 """
 
 from __future__ import annotations
