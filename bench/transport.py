@@ -86,12 +86,10 @@ import argparse
 import asyncio
 import faulthandler
 import multiprocessing as mp
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -103,47 +101,68 @@ import zmq.asyncio
 from zpipe.log import configure_logging
 from zpipe.transport import security
 from zpipe.transport.allocator import retain_freed_memory
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
     COPY_BELOW_BYTES,
-    SocketOptions,
     decode_frames,
-    new_context,
-    open_socket,
     recv_frames,
     send,
 )
 
 try:
     from bench._common import emit, loadavg, summary, thread_switches
+    from bench._transport_paths import (
+        LOOPBACK,
+        MAX_BYTES,
+        OPTIONS,
+        RAW_HEADER,
+        RECEIVER_KEY,
+        SENDER_KEY,
+        Channel,
+        ReceiverSettings,
+        check_tensor,
+        copy_below,
+        data_message,
+        loop_runner,
+        make_tensor,
+        open_channel_sockets,
+        pipe_recv,
+        raw_buffer,
+        receiver_main,
+        run_deadline,
+    )
+    from bench._transport_results import BENCH, Result, Usage, same_run_ratio
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
     from _common import emit, loadavg, summary, thread_switches  # type: ignore[no-redef]
+    from _transport_paths import (  # type: ignore[no-redef]
+        LOOPBACK,
+        MAX_BYTES,
+        OPTIONS,
+        RAW_HEADER,
+        RECEIVER_KEY,
+        SENDER_KEY,
+        Channel,
+        ReceiverSettings,
+        check_tensor,
+        copy_below,
+        data_message,
+        loop_runner,
+        make_tensor,
+        open_channel_sockets,
+        pipe_recv,
+        raw_buffer,
+        receiver_main,
+        run_deadline,
+    )
+    from _transport_results import (  # type: ignore[no-redef]
+        BENCH,
+        Result,
+        Usage,
+        same_run_ratio,
+    )
 
-BENCH = "transport"
 PATHS = ("raw", "zpipe", "zpipe_curve", "zpipe_shared")
 DEFAULT_PATHS = ("raw", "zpipe", "zpipe_curve")
 DEFAULT_SIZES = "64K,1M,16M"
-LOOPBACK = "tcp://127.0.0.1:*"
-# The raw baseline's "small header": about as long as zpipe's msgpack header.
-RAW_HEADER = b"\x00" * 48
-SENDER_KEY = "sender"
-RECEIVER_KEY = "receiver"
-_OPTIONS = SocketOptions()
-MAX_BYTES = _OPTIONS.max_message_bytes
-
-Runner = Callable[[Coroutine[Any, Any, Any]], Any]
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _runner() -> tuple[Runner, bool]:
-    """uvloop.run where importable (as zpipe's CLI), else asyncio.run."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run, False
-    return uvloop.run, True
 
 
 def parse_size(text: str) -> int:
@@ -170,325 +189,7 @@ def size_label(size: int) -> str:
     return f"{size}b"
 
 
-def make_tensor(size: int) -> torch.Tensor:
-    return torch.arange(size // 4, dtype=torch.float32)
-
-
-def raw_buffer(tensor: torch.Tensor) -> memoryview:
-    return tensor.view(torch.uint8).numpy().data
-
-
-def data_message(mb: int, tensor: torch.Tensor, src: str) -> Message:
-    return Message("data", {"run": 0, "mb": mb, "src": src}, tensors=(tensor,))
-
-
-async def pipe_recv(
-    conn: Connection, timeout_s: float, what: str, alive: Callable[[], bool] | None = None
-) -> dict[str, Any]:
-    """Next command/reply from the other process, polled so the event loop keeps
-    running (a CurveAuthenticator must answer handshakes meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.0002
-    while not conn.poll(0):
-        if alive is not None and not alive():
-            raise RuntimeError(f"the receiver process died while we waited for {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout_s:g} s")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.01)
-    reply: dict[str, Any] = conn.recv()
-    if "error" in reply:
-        raise RuntimeError(f"receiver failed: {reply['error']}")
-    return reply
-
-
-@dataclass
-class Channel:
-    """One path's sockets in one process: ``push`` sends to the peer, ``pull`` receives."""
-
-    path: str
-    context: Any
-    push: Any = None
-    pull: Any = None
-    authenticator: security.CurveAuthenticator | None = None
-    allowed: security.PeerAllowList | None = None
-
-    def close(self) -> None:
-        for sock in (self.push, self.pull):
-            if sock is not None:
-                sock.close(linger=0)
-        if self.authenticator is not None:
-            self.authenticator.stop()
-        self.context.term()
-
-
-def open_channel_sockets(
-    path: str, timeout_s: float, raw_hwm: int, keys_dir: Path | None, me: str, peer: str
-) -> Channel:
-    """A context and unattached PUSH/PULL for ``path``; CURVE set up where asked."""
-    if path == "raw":
-        ctx: Any = zmq.Context(io_threads=1)
-        ch = Channel(path, ctx, ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL))
-        for sock in (ch.push, ch.pull):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, raw_hwm)
-            sock.setsockopt(zmq.RCVHWM, raw_hwm)
-            sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-            sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        return ch
-    actx = new_context()
-    ch = Channel(path, actx, open_socket(actx, zmq.PUSH), open_socket(actx, zmq.PULL))
-    if path == "zpipe_curve":
-        assert keys_dir is not None
-        mine = security.load_keypair(keys_dir, me)
-        peer_public = security.load_keypair_public(keys_dir, peer)
-        ch.allowed = security.PeerAllowList({peer: peer_public})
-        ch.authenticator = security.CurveAuthenticator(actx, ch.allowed)
-        ch.authenticator.start()
-        security.secure_server(ch.pull, mine)
-        security.secure_client(ch.push, mine, peer_public)
-    return ch
-
-
-def copy_below(path: str, configured: int) -> int:
-    """zpipe_shared is the zpipe path sharing every buffer from 64 KiB, as before copies."""
-    return 0 if path == "zpipe_shared" else configured
-
-
-def run_deadline(timeout_s: float, size: int, count: int) -> float:
-    """Deadline of one whole run: the per-wait timeout plus time for >= 50 MB/s."""
-    return timeout_s + count * size / 50e6
-
-
-def check_tensor(message: Message, size: int) -> None:
-    if len(message.tensors) != 1 or message.tensors[0].nbytes != size:
-        raise RuntimeError(f"expected one tensor of {size} bytes, got {message.tensors!r:.80}")
-
-
-def check_sender(ch: Channel, frame: zmq.Frame) -> None:
-    """What a stage does on CURVE links: the sender's key, again on every message."""
-    if ch.allowed is not None:
-        key = security.sender_public_key(frame)
-        if key is None or key not in ch.allowed:
-            raise RuntimeError("message from a key that is not allowed")
-
-
-# ---------------------------------------------------------------------------- receiver
-
-
-@dataclass
-class ReceiverSettings:
-    timeout_s: float
-    deadline_s: float
-    raw_hwm: int
-    tune_malloc: bool
-    copy_below: int = COPY_BELOW_BYTES
-
-
-def receiver_main(conn: Connection, settings: ReceiverSettings) -> None:
-    """Entry point of the spawned receiver process."""
-    faulthandler.dump_traceback_later(settings.deadline_s, exit=True)
-    configure_logging(level="warning")
-    if settings.tune_malloc:
-        retain_freed_memory()
-    runner, has_uvloop = _runner()
-    try:
-        runner(Receiver(conn, settings, has_uvloop).serve())
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        pass  # the sender went away; nothing left to report to
-    finally:
-        conn.close()
-
-
-class Receiver:
-    def __init__(self, conn: Connection, settings: ReceiverSettings, has_uvloop: bool) -> None:
-        self.conn = conn
-        self.settings = settings
-        self.has_uvloop = has_uvloop
-        self.channels: dict[str, Channel] = {}
-
-    async def serve(self) -> None:
-        self.conn.send({"ok": "hello", "uvloop": self.has_uvloop})
-        try:
-            while True:
-                cmd = await pipe_recv(self.conn, self.settings.deadline_s, "a command")
-                if cmd["op"] == "quit":
-                    self.conn.send({"ok": "bye"})
-                    return
-                try:
-                    reply = await self.handle(cmd)
-                except Exception as exc:
-                    reply = {"error": f"{cmd['op']} {cmd.get('path')}: {exc!r}"}
-                self.conn.send(reply)
-        finally:
-            for ch in self.channels.values():
-                ch.close()
-
-    async def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        op, path = cmd["op"], cmd["path"]
-        if op == "setup":
-            keys = Path(cmd["keys_dir"]) if cmd.get("keys_dir") else None
-            ch = open_channel_sockets(
-                path, self.settings.timeout_s, self.settings.raw_hwm, keys, RECEIVER_KEY, SENDER_KEY
-            )
-            self.channels[path] = ch
-            ch.pull.bind(LOOPBACK)
-            ch.push.connect(cmd["endpoint"])
-            return {"ok": "setup", "endpoint": ch.pull.getsockopt_string(zmq.LAST_ENDPOINT)}
-        ch = self.channels[path]
-        size, count = int(cmd["size"]), int(cmd["count"])
-        self.conn.send({"ok": "armed"})
-        started = time.perf_counter()
-        cpu_started, switches_started = time.process_time(), thread_switches()
-        if op == "tput":
-            if path == "raw":
-                self.raw_sink(ch, count)
-            else:
-                await self.zpipe_sink(ch, size, count)
-        elif op == "echo":
-            if path == "raw":
-                self.raw_echo(ch, count)
-            else:
-                await self.zpipe_echo(ch, size, count)
-        else:
-            raise ValueError(f"unknown op {op!r}")
-        return {
-            "ok": "done",
-            "elapsed_s": time.perf_counter() - started,
-            "cpu_s": time.process_time() - cpu_started,
-            "switches": thread_switches() - switches_started,
-        }
-
-    def raw_sink(self, ch: Channel, count: int) -> None:
-        for _ in range(count):
-            ch.pull.recv_multipart(copy=False)
-        ch.push.send(b"ack")
-
-    def raw_echo(self, ch: Channel, count: int) -> None:
-        for _ in range(count):
-            ch.push.send_multipart(ch.pull.recv_multipart(copy=False), copy=False)
-
-    async def zpipe_sink(self, ch: Channel, size: int, count: int) -> None:
-        # As a stage's receive loop: recv_frames without a per-message deadline
-        # (timeout_s=None); the whole run has one instead.
-        async def loop() -> None:
-            for _ in range(count):
-                frames = await recv_frames(
-                    ch.pull, timeout_s=None, peer=SENDER_KEY, awaited="micro-batch"
-                )
-                check_sender(ch, frames[0])
-                message = decode_frames(frames, MAX_BYTES)
-                check_tensor(message, size)
-
-        await asyncio.wait_for(loop(), run_deadline(self.settings.timeout_s, size, count))
-        await send(
-            ch.push,
-            Message("probe_ack", {"nonce": count}),
-            timeout_s=self.settings.timeout_s,
-            peer=SENDER_KEY,
-        )
-
-    async def zpipe_echo(self, ch: Channel, size: int, count: int) -> None:
-        timeout = self.settings.timeout_s
-
-        async def loop() -> None:
-            for _ in range(count):
-                frames = await recv_frames(ch.pull, timeout_s=None, peer=SENDER_KEY, awaited="ping")
-                check_sender(ch, frames[0])
-                message = decode_frames(frames, MAX_BYTES)
-                check_tensor(message, size)
-                # Forward the received tensor (a view on the frame), as a stage
-                # forwards its output: zero-copy both ways.
-                await send(
-                    ch.push,
-                    data_message(int(message["mb"]), message.tensors[0], "echo"),
-                    timeout_s=timeout,
-                    peer=SENDER_KEY,
-                    copy_below=copy_below(ch.path, self.settings.copy_below),
-                )
-
-        await asyncio.wait_for(loop(), run_deadline(timeout, size, count))
-
-
 # ------------------------------------------------------------------------------ sender
-
-
-@dataclass
-class Usage:
-    """CPU seconds and voluntary context switches of both processes, all threads."""
-
-    cpu_s: float = 0.0
-    switches: int = 0
-
-
-@dataclass
-class Result:
-    path: str
-    size: int
-    count: int = 0
-    seconds: list[float] = field(default_factory=list)
-    rtts: list[float] = field(default_factory=list)
-    # CPU seconds of both processes (all their threads) per throughput run
-    cpu_seconds: list[float] = field(default_factory=list)
-    switches: list[int] = field(default_factory=list)
-    rtt_usage: Usage = field(default_factory=Usage)  # of all round trips together
-
-    def switches_per_message(self) -> float | None:
-        if not self.switches or not self.count:
-            return None
-        return statistics.median(self.switches) / self.count
-
-    def rtt_cpu_us(self) -> float | None:
-        return self.rtt_usage.cpu_s / len(self.rtts) * 1e6 if self.rtts else None
-
-    def rtt_switches(self) -> float | None:
-        return self.rtt_usage.switches / len(self.rtts) if self.rtts else None
-
-    def gbps_runs(self) -> list[float]:
-        return [self.count * self.size / s / 1e9 for s in self.seconds]
-
-    def gbps(self) -> float | None:
-        runs = self.gbps_runs()
-        return statistics.median(runs) if runs else None
-
-    def cpu_us_per_message(self) -> float | None:
-        if not self.cpu_seconds or not self.count:
-            return None
-        return statistics.median(self.cpu_seconds) / self.count * 1e6
-
-    def rtt_ms(self) -> float | None:
-        return statistics.median(self.rtts) * 1e3 if self.rtts else None
-
-    def line(self, has_uvloop: bool) -> dict[str, Any]:
-        gbps, rtt = self.gbps(), self.rtt_ms()
-        q = statistics.quantiles(self.rtts, n=10) if len(self.rtts) >= 2 else [None] * 9
-        return {
-            "bench": BENCH,
-            "path": self.path,
-            "size_bytes": self.size,
-            "gbps": _round(gbps),
-            "gbps_runs": [_round(g) for g in self.gbps_runs()],
-            "messages": self.count,
-            "rtt_ms": _round(rtt),
-            "cpu_us_per_message": _round(self.cpu_us_per_message(), 2),
-            "switches_per_message": _round(self.switches_per_message(), 3),
-            "rtt_cpu_us_per_trip": _round(self.rtt_cpu_us(), 2),
-            "rtt_switches_per_trip": _round(self.rtt_switches(), 3),
-            "rtt_p10_ms": _round(q[0] * 1e3 if q[0] is not None else None),
-            "rtt_p90_ms": _round(q[-1] * 1e3 if q[-1] is not None else None),
-            "round_trips": len(self.rtts),
-            "uvloop": has_uvloop and self.path != "raw",
-        }
-
-
-def _round(value: float | None, digits: int = 4) -> float | None:
-    if value is None:
-        return None
-    return round(value, digits)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return _round(a / b) if a is not None and b else None
 
 
 class Sender:
@@ -622,7 +323,7 @@ class Sender:
         results = {path: Result(path, size) for path in paths}
         # Warm-up, per path: enough messages to fill both queues (2 x HWM) a few times,
         # so every context's I/O thread has grown its heap; the raw rate picks N.
-        warm = max(4 * _OPTIONS.send_hwm, min(2000, (128 << 20) // size))
+        warm = max(4 * OPTIONS.send_hwm, min(2000, (128 << 20) // size))
         if args.quick:
             warm = max(2, warm // 8)
         rates: dict[str, float] = {}
@@ -694,23 +395,25 @@ async def run_sender(
         ) -> float | None:
             return what(results[path]) if path in results else None
 
-        ratios[f"ratio_{label}"] = _ratio(get("zpipe", Result.gbps), get("raw", Result.gbps))
-        ratios[f"rtt_ratio_{label}"] = _ratio(
+        ratios[f"ratio_{label}"] = same_run_ratio(
+            get("zpipe", Result.gbps), get("raw", Result.gbps)
+        )
+        ratios[f"rtt_ratio_{label}"] = same_run_ratio(
             get("zpipe", Result.rtt_ms), get("raw", Result.rtt_ms)
         )
-        ratios[f"cpu_ratio_{label}"] = _ratio(
+        ratios[f"cpu_ratio_{label}"] = same_run_ratio(
             get("zpipe", Result.cpu_us_per_message), get("raw", Result.cpu_us_per_message)
         )
-        ratios[f"rtt_cpu_ratio_{label}"] = _ratio(
+        ratios[f"rtt_cpu_ratio_{label}"] = same_run_ratio(
             get("zpipe", Result.rtt_cpu_us), get("raw", Result.rtt_cpu_us)
         )
-        ratios[f"copied_over_shared_{label}"] = _ratio(
+        ratios[f"copied_over_shared_{label}"] = same_run_ratio(
             get("zpipe", Result.gbps), get("zpipe_shared", Result.gbps)
         )
-        ratios[f"copied_over_shared_rtt_{label}"] = _ratio(
+        ratios[f"copied_over_shared_rtt_{label}"] = same_run_ratio(
             get("zpipe", Result.rtt_ms), get("zpipe_shared", Result.rtt_ms)
         )
-        ratios[f"curve_over_plain_{label}"] = _ratio(
+        ratios[f"curve_over_plain_{label}"] = same_run_ratio(
             get("zpipe_curve", Result.gbps), get("zpipe", Result.gbps)
         )
     for key in (
@@ -787,8 +490,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--raw-hwm",
         type=int,
-        default=_OPTIONS.send_hwm,
-        help=f"high-water mark of the raw sockets (default: zpipe's, {_OPTIONS.send_hwm})",
+        default=OPTIONS.send_hwm,
+        help=f"high-water mark of the raw sockets (default: zpipe's, {OPTIONS.send_hwm})",
     )
     parser.add_argument(
         "--no-retain-memory",
@@ -848,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(level="warning")  # zpipe logs go to stderr, JSON lines to stdout
     faulthandler.dump_traceback_later(args.deadline, exit=True)
-    runner, has_uvloop = _runner()
+    runner, has_uvloop = loop_runner()
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe(duplex=True)
     malloc_tuned = retain_freed_memory() if args.tune_malloc else False

@@ -1,4 +1,4 @@
-"""Waiting for a message on a zpipe receive-only socket without zmq.asyncio's futures.
+"""Waiting on a zpipe one-way socket without zmq.asyncio's futures.
 
 zmq.asyncio's receive builds a future, a done-callback and an event record per
 message and reads the socket's events five or six times per wait (about 25-55
@@ -12,6 +12,14 @@ can be lost. The reader lives only during the wait, so zmq.asyncio can still
 take the socket over later (:func:`zpipe.transport.sockets.recv_frames` then
 uses zmq.asyncio for it), and closing a :class:`ZpipeSocket` cancels the wait,
 as it cancels zmq.asyncio's own pending receives.
+
+:func:`send_when_writable` does the same for a send-only socket whose queue is
+full: it reads the socket's events (which processes its pending commands and
+clears the descriptor) before each wait, so the descriptor announces the room
+made after that. zmq.asyncio's
+send would instead register its own reader on the descriptor for the socket's
+whole life, and run its event handler (several reads of the socket's events)
+on every later wake-up of the descriptor.
 """
 
 from __future__ import annotations
@@ -30,11 +38,15 @@ class ZpipeSocket(zmq.asyncio.Socket):
     waits for by itself: one reader on the descriptor wakes them all, and closing the
     socket cancels them, as ``zmq.asyncio`` cancels its own pending receives."""
 
+    # None: no reader on the descriptor; a set (maybe empty): the reader is on
     _zpipe_waiters: set[asyncio.Future[None]] | None = None
+    _zpipe_loop: asyncio.AbstractEventLoop | None = None
+    _zpipe_removal_due = False
 
     def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
-        if not self._zpipe_waiters:
+        if self._zpipe_waiters is None:
             self._zpipe_waiters = set()
+            self._zpipe_loop = loop
             loop.add_reader(self.FD, self._wake_waiters)
         self._zpipe_waiters.add(waiter)
 
@@ -42,10 +54,25 @@ class ZpipeSocket(zmq.asyncio.Socket):
         if self._zpipe_waiters is None:
             return  # closed meanwhile: close() removed the reader
         self._zpipe_waiters.discard(waiter)
-        if not self._zpipe_waiters:
-            self._zpipe_waiters = None
+        if not self._zpipe_waiters and not self._zpipe_removal_due:
+            # Off the descriptor on the loop's next pass, not now: a receive loop
+            # that wakes, takes its message and finds the queue empty waits again
+            # within the same pass, and keeps the reader (adding and removing it
+            # costs uvloop a poll handle and several system calls per message). An
+            # idle reader runs at most that one pass.
+            self._zpipe_removal_due = True
+            loop.call_soon(self._remove_reader_if_idle)
+
+    def _remove_reader_if_idle(self) -> None:
+        self._zpipe_removal_due = False
+        if self._zpipe_waiters is None or self._zpipe_waiters:
+            return  # closed meanwhile, or waited on again
+        self._zpipe_waiters = None
+        # zmq.asyncio may have taken the socket over meanwhile: the reader on the
+        # descriptor is then its own, which it needs
+        if self._zpipe_loop is not None and getattr(self, "_current_loop", None) is None:
             try:
-                loop.remove_reader(self.FD)
+                self._zpipe_loop.remove_reader(self.FD)
             except (OSError, ValueError, zmq.ZMQError):  # the socket is closing
                 pass
 
@@ -55,8 +82,8 @@ class ZpipeSocket(zmq.asyncio.Socket):
 
     def close(self, linger: int | None = None) -> None:
         waiters, self._zpipe_waiters = self._zpipe_waiters, None
-        if waiters:
-            loop = next(iter(waiters)).get_loop()
+        loop = self._zpipe_loop
+        if waiters is not None and loop is not None:
             try:
                 loop.remove_reader(self.FD)
             except (OSError, ValueError, RuntimeError, zmq.ZMQError):  # loop or socket gone
@@ -85,6 +112,38 @@ async def recv_when_readable(
             # news that was not a message (a peer connected, say): wait again
             if deadline is not None and loop.time() >= deadline:
                 raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
+
+
+async def send_when_writable(
+    sock: ZpipeSocket,
+    shadow: zmq.Socket[Any],
+    frames: list[Any],
+    *,
+    copy: bool,
+    track: bool,
+    timeout_s: float,
+    peer: str,
+    awaited: str,
+) -> zmq.MessageTracker | None:
+    """Queue ``frames`` on ``sock`` (send-only, not watched by zmq.asyncio) once it
+    has room, waiting on its descriptor; TransportTimeout past ``timeout_s``.
+
+    For a caller whose non-blocking send of ``frames`` just failed with EAGAIN."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        # Reading the events processes every command the socket has pending, which
+        # clears its descriptor: a failed send alone may skip them (libzmq throttles
+        # that processing), and the descriptor would then stay readable and the
+        # wait below return at once, again and again (seen: 34 passes per wait).
+        if cast(int, shadow.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            try:
+                return shadow.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=track)
+            except zmq.Again:
+                pass  # room for less than a message: wait for more
+        if loop.time() >= deadline:
+            raise TransportTimeout(peer, awaited, timeout_s)
+        await _readable(loop, sock, deadline)
 
 
 async def _readable(

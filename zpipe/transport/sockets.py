@@ -36,8 +36,9 @@ under ``MAXMSGSIZE``) and the number of connections; only CURVE allow-lists
 :func:`send` and :func:`recv_frames` wrap the asyncio sends and receives with a
 timeout whose error names the peer and what was awaited. Untracked sends copy
 tensor buffers under :data:`COPY_BELOW_BYTES` and send a received frame on by
-reference; ``recv_frames`` on a receive-only :class:`ZpipeSocket` waits on the
-socket's descriptor itself (README: "Copied sends and forwarded frames").
+reference; ``recv_frames`` on a receive-only :class:`ZpipeSocket`, and ``send`` on
+a full send-only one, wait on the socket's descriptor itself (README: "Copied
+sends and forwarded frames").
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from zpipe.transport.codec import (
     decode,
     encode,
 )
-from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable
+from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable, send_when_writable
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,20 @@ async def send(
     if nbytes is not None:
         return nbytes
     nbytes = _frames_nbytes(frames)
+    if routing_id is None and _waits_on_descriptor(sock, _SEND_ONLY):
+        tracker = await send_when_writable(
+            cast(ZpipeSocket, sock),
+            cast("zmq.Socket[Any]", _shadow(sock, _SEND_ONLY)),
+            frames,
+            copy=copy,
+            track=track,
+            timeout_s=timeout_s,
+            peer=peer,
+            awaited=f"room to send {message.kind}",
+        )
+        if on_queued is not None and tracker is not None:
+            on_queued(tracker, nbytes)
+        return nbytes
     deadline = time.monotonic() + timeout_s
     while True:
         # zmq.asyncio returns a Future (typed as a plain Awaitable by pyzmq's stubs)
@@ -391,8 +406,10 @@ async def recv_frames(
             return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
         except zmq.Again:
             pass
-        if isinstance(sock, ZpipeSocket) and getattr(sock, "_current_loop", None) is None:
-            return await recv_when_readable(sock, shadow, timeout_s, peer, awaited)
+        if _waits_on_descriptor(sock, _RECEIVE_ONLY):
+            return await recv_when_readable(
+                cast(ZpipeSocket, sock), shadow, timeout_s, peer, awaited
+            )
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
@@ -426,6 +443,17 @@ def _shadow(sock: zmq.asyncio.Socket, kinds: frozenset[int]) -> zmq.Socket[Any] 
     if not isinstance(shadow, zmq.Socket) or shadow.type not in kinds:
         return None
     return shadow
+
+
+def _waits_on_descriptor(sock: zmq.asyncio.Socket, kinds: frozenset[int]) -> bool:
+    """Whether a wait on ``sock`` (one of ``kinds``) can use :mod:`zpipe.transport.fd_wait`:
+    a :class:`ZpipeSocket` that zmq.asyncio has not taken over (it would then watch
+    the descriptor itself)."""
+    return (
+        isinstance(sock, ZpipeSocket)
+        and getattr(sock, "_current_loop", None) is None
+        and _shadow(sock, kinds) is not None
+    )
 
 
 def decode_frames(frames: Sequence[zmq.Frame], max_message_bytes: int) -> Message:

@@ -1,0 +1,88 @@
+"""Results of ``bench/transport.py``: one path and size's runs, and the JSON line
+it prints (split out of that module to keep it small; behaviour unchanged)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+BENCH = "transport"
+
+
+@dataclass
+class Usage:
+    """CPU seconds and voluntary context switches of both processes, all threads."""
+
+    cpu_s: float = 0.0
+    switches: int = 0
+
+
+@dataclass
+class Result:
+    path: str
+    size: int
+    count: int = 0
+    seconds: list[float] = field(default_factory=list)
+    rtts: list[float] = field(default_factory=list)
+    # CPU seconds of both processes (all their threads) per throughput run
+    cpu_seconds: list[float] = field(default_factory=list)
+    switches: list[int] = field(default_factory=list)
+    rtt_usage: Usage = field(default_factory=Usage)  # of all round trips together
+
+    def switches_per_message(self) -> float | None:
+        if not self.switches or not self.count:
+            return None
+        return statistics.median(self.switches) / self.count
+
+    def rtt_cpu_us(self) -> float | None:
+        return self.rtt_usage.cpu_s / len(self.rtts) * 1e6 if self.rtts else None
+
+    def rtt_switches(self) -> float | None:
+        return self.rtt_usage.switches / len(self.rtts) if self.rtts else None
+
+    def gbps_runs(self) -> list[float]:
+        return [self.count * self.size / s / 1e9 for s in self.seconds]
+
+    def gbps(self) -> float | None:
+        runs = self.gbps_runs()
+        return statistics.median(runs) if runs else None
+
+    def cpu_us_per_message(self) -> float | None:
+        if not self.cpu_seconds or not self.count:
+            return None
+        return statistics.median(self.cpu_seconds) / self.count * 1e6
+
+    def rtt_ms(self) -> float | None:
+        return statistics.median(self.rtts) * 1e3 if self.rtts else None
+
+    def line(self, has_uvloop: bool) -> dict[str, Any]:
+        gbps, rtt = self.gbps(), self.rtt_ms()
+        q = statistics.quantiles(self.rtts, n=10) if len(self.rtts) >= 2 else [None] * 9
+        return {
+            "bench": BENCH,
+            "path": self.path,
+            "size_bytes": self.size,
+            "gbps": _round(gbps),
+            "gbps_runs": [_round(g) for g in self.gbps_runs()],
+            "messages": self.count,
+            "rtt_ms": _round(rtt),
+            "cpu_us_per_message": _round(self.cpu_us_per_message(), 2),
+            "switches_per_message": _round(self.switches_per_message(), 3),
+            "rtt_cpu_us_per_trip": _round(self.rtt_cpu_us(), 2),
+            "rtt_switches_per_trip": _round(self.rtt_switches(), 3),
+            "rtt_p10_ms": _round(q[0] * 1e3 if q[0] is not None else None),
+            "rtt_p90_ms": _round(q[-1] * 1e3 if q[-1] is not None else None),
+            "round_trips": len(self.rtts),
+            "uvloop": has_uvloop and self.path != "raw",
+        }
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    if value is None:
+        return None
+    return round(value, digits)
+
+
+def same_run_ratio(a: float | None, b: float | None) -> float | None:
+    return _round(a / b) if a is not None and b else None
