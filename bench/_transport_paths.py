@@ -21,6 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from bench._common import thread_switches
 from zpipe.log import configure_logging
 from zpipe.transport import security
 from zpipe.transport.allocator import retain_freed_memory
@@ -34,12 +35,6 @@ from zpipe.transport.sockets import (
     recv_frames,
     send,
 )
-
-try:
-    from bench._common import thread_switches
-except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from _common import thread_switches  # type: ignore[no-redef]
-
 
 LOOPBACK = "tcp://127.0.0.1:*"
 # The raw baseline's "small header": about as long as zpipe's msgpack header.

@@ -108,57 +108,31 @@ from zpipe.transport.sockets import (
     send,
 )
 
-try:
-    from bench._common import emit, loadavg, summary, thread_switches
-    from bench._transport_paths import (
-        LOOPBACK,
-        MAX_BYTES,
-        OPTIONS,
-        RAW_HEADER,
-        RECEIVER_KEY,
-        SENDER_KEY,
-        Channel,
-        ReceiverSettings,
-        check_tensor,
-        copy_below,
-        data_message,
-        loop_runner,
-        make_tensor,
-        open_channel_sockets,
-        pipe_recv,
-        raw_buffer,
-        receiver_main,
-        run_deadline,
-    )
-    from bench._transport_results import BENCH, Result, Usage, same_run_ratio
-except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from _common import emit, loadavg, summary, thread_switches  # type: ignore[no-redef]
-    from _transport_paths import (  # type: ignore[no-redef]
-        LOOPBACK,
-        MAX_BYTES,
-        OPTIONS,
-        RAW_HEADER,
-        RECEIVER_KEY,
-        SENDER_KEY,
-        Channel,
-        ReceiverSettings,
-        check_tensor,
-        copy_below,
-        data_message,
-        loop_runner,
-        make_tensor,
-        open_channel_sockets,
-        pipe_recv,
-        raw_buffer,
-        receiver_main,
-        run_deadline,
-    )
-    from _transport_results import (  # type: ignore[no-redef]
-        BENCH,
-        Result,
-        Usage,
-        same_run_ratio,
-    )
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import emit, loadavg, summary, thread_switches
+from bench._transport_paths import (
+    LOOPBACK,
+    MAX_BYTES,
+    OPTIONS,
+    RAW_HEADER,
+    RECEIVER_KEY,
+    SENDER_KEY,
+    Channel,
+    ReceiverSettings,
+    check_tensor,
+    copy_below,
+    data_message,
+    loop_runner,
+    make_tensor,
+    open_channel_sockets,
+    pipe_recv,
+    raw_buffer,
+    receiver_main,
+    run_deadline,
+)
+from bench._transport_results import BENCH, Result, Usage, same_run_ratio
 
 PATHS = ("raw", "zpipe", "zpipe_curve", "zpipe_shared")
 DEFAULT_PATHS = ("raw", "zpipe", "zpipe_curve")
