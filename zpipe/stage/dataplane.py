@@ -65,6 +65,8 @@ class DataPlane:
         # the data port keeps its small pre-plan limits until the first assignment, then
         # the limits of each assignment's model (by spec: the last one computed)
         self._plan_limits: tuple[ModelSpec, ReceiveLimits] | None = None
+        # the limits the data port is bound with now (ports.py binds it before_plan)
+        self._bound_limits = ReceiveLimits.before_plan()
         self._lifecycle = lifecycle
         self._supervisor = supervisor
         self._fetch_state = fetch_state
@@ -150,7 +152,7 @@ class DataPlane:
             log.info("data_limits", stage=self.config.name, source=source,
                      max_message_bytes=limits.max_message_bytes,
                      recv_hwm=limits.recv_hwm)  # fmt: skip
-        rebind_with_limits(self._data_in, self._data_bound, limits)
+        self._rebind(limits)
         self._plan_limits = (spec, limits)
 
     def apply_limits(self, limits: ReceiveLimits) -> None:
@@ -158,8 +160,23 @@ class DataPlane:
         run's partials), before its peers connect; the next assignment sets its own."""
         if not self._data_bound:
             return
-        rebind_with_limits(self._data_in, self._data_bound, limits)
+        self._rebind(limits)
         self._plan_limits = None
+
+    def _rebind(self, limits: ReceiveLimits) -> None:
+        """Bind the data port again under ``limits`` unless it is bound with them
+        already (a recovery or a new run of the same model): the connections it
+        accepted keep them. Re-binding while peers are connected and sending (a
+        recovery's upstream) crashed stages inside libzmq 4.3.5: a segfault in its
+        I/O thread while the old listener went down (seen in CI as a live stage
+        that stopped answering)."""
+        if limits == self._bound_limits:
+            return
+        rebind_with_limits(self._data_in, self._data_bound, limits)
+        self._bound_limits = limits
+        log.info("data_port_rebound", stage=self.config.name,
+                 max_message_bytes=limits.max_message_bytes,
+                 recv_hwm=limits.recv_hwm)  # fmt: skip
 
     async def connect(self, command: ConnectAssignment) -> list[Command]:
         """Second phase of an assignment: every stage now allows its upstream's key."""
