@@ -12,14 +12,13 @@ the single-process reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from test_async_training import ADAM, SGD, SPEC, make_batches
-from test_training_recovery import _cluster, _events
+from test_training_recovery import _events
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
 from zpipe.cluster import DeviceSpec, LocalCluster
@@ -172,15 +171,13 @@ def test_a_shard_without_versions_in_its_state_starts_a_version_count_of_its_own
 def test_the_combinations_a_recovery_does_not_support_are_refused() -> None:
     from zpipe.client.options import TrainOptions
 
-    fine = dict(vertical_sync=True, aggregate=False, consistency="exact", rebalance=None,
-                repartition=False)  # fmt: skip
+    fine = dict(vertical_sync=True, aggregate=False, consistency="exact", rebalance=None)
     assert async_recovery_refusal(**fine) is None  # type: ignore[arg-type]
     for change, words in [
         ({"vertical_sync": False}, "vertical sync"),
         ({"aggregate": True}, "aggregation"),
         ({"consistency": "fast"}, "exact"),
         ({"rebalance": 0.2}, "rebalance"),
-        ({"repartition": True}, "re-partition"),
     ]:
         refusal = async_recovery_refusal(**{**fine, **change})  # type: ignore[arg-type]
         assert refusal is not None and words in refusal
@@ -188,8 +185,11 @@ def test_the_combinations_a_recovery_does_not_support_are_refused() -> None:
     assert TrainOptions(**base).replica_period is not None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="aggregation"):
         TrainOptions(**base, aggregate=True)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="re-partition"):
-        TrainOptions(**base, repartition=True)  # type: ignore[arg-type]
+    # recovery and live re-partitioning share the flush points (see below)
+    both = TrainOptions(**base, repartition={"first": 4})  # type: ignore[arg-type]
+    assert both.repartition_settings is not None and both.replica_period is not None
+    with pytest.raises(ConfigError, match="synchronous run"):
+        TrainOptions(optimizer=SGD, num_microbatches=2, recover=True, repartition=True)
     with pytest.raises(ConfigError, match="exact"):
         TrainOptions(**base, consistency="fast")  # type: ignore[arg-type]
     chain = TrainOptions(**base, replication="chain", chain_every=2, global_every=4)  # type: ignore[arg-type]
@@ -212,10 +212,11 @@ NAMES = ["a", "b", "c"]
 PARTITION = [[0, 1], [1, 3], [3, 4]]
 
 
-@pytest.fixture(scope="module")
-def recovering() -> Iterator[LocalCluster]:
-    with _cluster(NAMES) as shared:
-        yield shared
+@pytest.fixture
+def recovering(async_recovery_cluster: LocalCluster) -> LocalCluster:
+    # the session's cluster of a, b and c (conftest), shared with
+    # tests/test_async_recovery_repartition.py
+    return async_recovery_cluster
 
 
 def test_a_killed_stage_of_an_async_run_recovers_exactly(recovering: LocalCluster) -> None:

@@ -100,7 +100,6 @@ def _recovery_refusal(request: Message | None, rebalance: Any) -> str | None:
         aggregate=settings.aggregate,
         consistency="exact",  # a fast resume is refused when it is asked for
         rebalance=rebalance,
-        repartition=False,  # a re-partitioning run asks for no replicas
     )
 
 

@@ -1,0 +1,213 @@
+"""Recovery and live re-partitioning in one asynchronous run (FTPipeHD III-D to III-F).
+
+The two share the run's flush points (:mod:`zpipe.training.async_recovery`): a look
+that moves units is followed by a replica at the same flush, so a later death
+restores the units on the cuts they moved to; a death during a re-partition's
+phases ends the attempt with that death and the run recovers from the last
+replica. The pure parts: the cuts a whole run went through, and the client's
+handling of a re-partition a death broke. Then real stage processes on loopback
+(the session's cluster of a, b and c that tests/test_async_recovery.py kills
+too): runs that move units and lose a stage equal the single-process reference
+of the cuts they went through, and the same run without either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from test_async_training import ADAM, SGD, SPEC, make_batches
+from test_training_recovery import _events
+
+from zpipe._errors import PipelineError, StageFailedError
+from zpipe.client.repartition import repartition_before
+from zpipe.client.reports import TrainReport
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.training.async_recovery import cuts_of_run
+from zpipe.training.async_reference import train_async_reference
+from zpipe.training.async_schedule import AsyncSettings
+from zpipe.transport.codec import Message
+
+NAMES = ["a", "b", "c"]
+PARTITION = [[0, 1], [1, 3], [3, 4]]
+START = [0, 1, 3, 4]
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for key, value in b.items():
+        torch.testing.assert_close(a[key], value, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- the cuts of a run
+
+
+def test_the_cuts_of_a_run_are_its_moves_and_its_recoveries_survivors() -> None:
+    looks = [
+        {"at": 2, "moved": True, "bounds": [0, 2, 3, 4]},
+        {"at": 6, "moved": False, "bounds": [0, 2, 3, 4]},
+        {"at": 9, "moved": True, "bounds": [0, 3, 4]},  # on the survivors
+    ]
+    recoveries = [{"resumed_from": 4, "bounds": [0, 2, 4]}]
+    assert cuts_of_run(looks, recoveries) == {2: [0, 2, 3, 4], 4: [0, 2, 4], 9: [0, 3, 4]}
+    # a recovery at the mini-batch of a move resumed from the move's replica: it wins
+    assert cuts_of_run(looks[:1], [{"resumed_from": 2, "bounds": [0, 3, 4]}]) == {2: [0, 3, 4]}
+    # a later recovery from an older (global) copy replaces the recoveries after it
+    older = [*recoveries, {"resumed_from": 0, "bounds": [0, 4]}]
+    assert cuts_of_run([], older) == {0: [0, 4]}
+    assert cuts_of_run([{"at": 3, "moved": False, "bounds": [0, 4]}], []) == {}
+
+
+def test_a_move_then_a_recovery_equals_the_run_without_either() -> None:
+    batches = make_batches(8, 5, seed=13)
+    plain = train_async_reference(SPEC, batches, bounds=START, optimizer=SGD)
+    both = train_async_reference(
+        SPEC, batches, bounds=START, optimizer=SGD, flushes=[4],
+        repartitions={2: [0, 1, 2, 4], 5: [0, 2, 4]},
+    )  # fmt: skip
+    assert both.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert_same(both.state_dict, plain.state_dict)
+
+
+# ---------------------------------------------------------------- a re-partition a death broke
+
+
+def _attempt(failure: StageFailedError | None, *, recovers: bool = True) -> Any:
+    """The parts of a client attempt :func:`repartition_before` reads, whose coordinator
+    answers every look with an error (a stage of the run is gone)."""
+
+    async def request(message: Message, **_: Any) -> Message:
+        assert message["step"] == 1  # this attempt's own count: it resumed at 6
+        return Message("repartitioned", {"run": 3, "step": 1, "error": "StageLostError: b"})
+
+    async def stage_failure_within(timeout_s: float) -> StageFailedError | None:
+        return failure
+
+    session = SimpleNamespace(
+        control=SimpleNamespace(request=request), stage_failure_within=stage_failure_within
+    )
+    return SimpleNamespace(
+        run=3, offset=6, session=session, replicate_every=4 if recovers else None,
+        timeouts=SimpleNamespace(result_s=5.0, reply_s=1.0),
+        report=TrainReport(run=3, plan=None, model_spec=SPEC, schedule="async-1f1b",  # type: ignore[arg-type]
+                           num_microbatches=1),
+    )  # fmt: skip
+
+
+def test_a_repartition_a_death_broke_ends_the_attempt_with_that_death() -> None:
+    died = StageFailedError("b", "no heartbeat")
+    with pytest.raises(StageFailedError) as raised:
+        asyncio.run(repartition_before(_attempt(died), 7))
+    assert raised.value is died  # the failure the session recovers from
+    # no death reported: the re-partition's own error; without recovery, at once
+    with pytest.raises(PipelineError, match="before mini-batch 7"):
+        asyncio.run(repartition_before(_attempt(None), 7))
+    with pytest.raises(PipelineError, match="before mini-batch 7"):
+        asyncio.run(repartition_before(_attempt(died, recovers=False), 7))
+
+
+# ---------------------------------------------------------------- a real pipeline
+
+
+def _fit_killing(
+    cluster: LocalCluster, batches: list[Any], victim: str, after: int, **settings: Any
+) -> TrainReport:
+    killed: list[str] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        if step == after and not killed:
+            killed.append(victim)
+            cluster.kill(victim)
+
+    try:
+        return cluster.fit(
+            SPEC, batches, num_microbatches=1, schedule="async-1f1b", progress=False,
+            partition=PARTITION, stage_names=NAMES, recover=True, on_step=on_step,
+            **settings,
+        )  # fmt: skip
+    finally:
+        assert killed == [victim]
+        cluster.start_stage(DeviceSpec(victim))
+        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+
+
+def _reference_of(report: TrainReport, batches: list[Any], optimizer: dict) -> Any:
+    """The single-process run of the cuts ``report`` went through, at the run's depth."""
+    assert report.first_training_plan is not None
+    first = report.first_training_plan.stages
+    return train_async_reference(
+        SPEC,
+        batches,
+        bounds=[s.start for s in first] + [first[-1].end],
+        optimizer=optimizer,
+        settings=AsyncSettings(depth=int(report.recoveries[0]["depth"])),
+        repartitions=cuts_of_run(report.repartitions, report.recoveries),
+    )
+
+
+def test_a_run_that_moved_units_and_then_lost_a_stage_recovers_exactly(
+    async_recovery_cluster: LocalCluster,
+) -> None:
+    cluster = async_recovery_cluster
+    batches = make_batches(10, 5, seed=17)
+    since = len(cluster.logs("coordinator"))
+    # replicas before 0, 4 and 8; the look before 2 moves units (the forced cuts), so a
+    # replica follows it there; b dies after 5: the run resumes from 4, on the moved cuts
+    report = _fit_killing(
+        cluster, batches, "b", 5, optimizer=ADAM, replicate_every=4,
+        repartition={"first": 2, "every": 100, "bounds": [0, 1, 2, 4]},
+    )  # fmt: skip
+    log = cluster.logs("coordinator")[since:]
+    assert [e["step"] for e in _events(log, "replica_kept")][:3] == [0, 2, 4]
+    moved = _events(log, "repartitioned")
+    assert [(e["step"], e["bounds"]) for e in moved] == [(2, [0, 1, 2, 4])]
+    (look,) = report.repartitions  # the resumed run did not look again
+    assert (look["at"], look["moved"], look["held"]) == (
+        2, True, {"a": [0, 1], "b": [1, 2], "c": [2, 4]},
+    )  # fmt: skip
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["resumed_from"], recovery["depth"]) == ("b", 4, 3)
+    assert report.training_plan is not None and len(report.training_plan.stages) == 2
+    assert recovery["bounds"][0] == 0 and len(recovery["bounds"]) == 3
+    want = _reference_of(report, batches, ADAM)
+    assert report.losses == pytest.approx(want.losses, rel=1e-6)
+    assert_same(report.state_dict, want.state_dict)
+    # vertical sync and the kept depth: the same as the run without either
+    plain = train_async_reference(SPEC, batches, bounds=START, optimizer=ADAM)
+    assert report.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert_same(report.state_dict, plain.state_dict)
+
+
+def test_a_stage_that_dies_during_a_repartition_is_recovered_from_the_last_replica(
+    async_recovery_cluster: LocalCluster,
+) -> None:
+    cluster = async_recovery_cluster
+    batches = make_batches(9, 5, seed=19)
+    since = len(cluster.logs("coordinator"))
+    # chain replicas before 0 and 2 (a global copy before 0); the look before 3 moves
+    # units (the forced cuts), and c is killed as the last loss before that pause
+    # comes back: during the look or between it and the flush, never after the flush
+    # (which waits for that loss). The survivors look at 3 and 6 at a gain no
+    # measurement reaches, so they keep their cuts.
+    report = _fit_killing(
+        cluster, batches, "c", 2, optimizer=SGD, replication="chain", chain_every=2,
+        global_every=4,
+        repartition={"first": 3, "every": 3, "gain": 0.95, "bounds": [0, 2, 3, 4]},
+    )  # fmt: skip
+    log = cluster.logs("coordinator")[since:]
+    assert _events(log, "repartitioned") == []  # the move never committed
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["resumed_from"]) == ("c", 2)
+    (planned,) = _events(log, "restore_planned")
+    assert planned["from_coordinator"] > 0  # c's units came from its backup here
+    # the survivors looked at 3 themselves (no forced cuts), and at 6
+    assert [(r["at"], r["moved"]) for r in report.repartitions] == [(3, False), (6, False)]
+    want = _reference_of(report, batches, SGD)
+    assert report.losses == pytest.approx(want.losses, rel=1e-6)
+    assert_same(report.state_dict, want.state_dict)
+    plain = train_async_reference(SPEC, batches, bounds=START, optimizer=SGD)
+    assert report.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert_same(report.state_dict, plain.state_dict)
