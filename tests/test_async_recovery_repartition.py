@@ -28,7 +28,12 @@ from zpipe.client.reports import TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.training.async_recovery import cuts_of_run
 from zpipe.training.async_reference import train_async_reference
-from zpipe.training.async_schedule import AsyncSettings
+from zpipe.training.async_schedule import (
+    AsyncSettings,
+    aggregation_intervals,
+    async_stage_actions,
+)
+from zpipe.training.async_stage import AsyncStageCompute
 from zpipe.transport.codec import Message
 
 NAMES = ["a", "b", "c"]
@@ -70,6 +75,58 @@ def test_a_move_then_a_recovery_equals_the_run_without_either() -> None:
     )  # fmt: skip
     assert both.losses == pytest.approx(plain.losses, rel=1e-6)
     assert_same(both.state_dict, plain.state_dict)
+
+
+# ---------------------------------------------------------------- aggregation after a recovery
+
+
+def test_a_resumed_list_aggregates_on_the_runs_batches() -> None:
+    # stage 0 of 3, every 3 backwards: AGG before B3 and B6 of the run
+    whole = [str(a) for a in async_stage_actions(0, 3, 9, aggregate_every=3)]
+    assert [whole[i + 1] for i, a in enumerate(whole) if a == "AGG"] == ["B3", "B6"]
+    # the same stage resumed from a replica before batch 4 numbers its batches from 0
+    resumed = [str(a) for a in async_stage_actions(0, 3, 5, aggregate_every=3, batches_before=4)]
+    assert [resumed[i + 1] for i, a in enumerate(resumed) if a == "AGG"] == ["B2"]  # run's 6
+    # two survivors of a run of depth 3 keep that depth's windows: 3 and 2, not 2 and none
+    assert aggregation_intervals(2, aggregate=True, depth=3) == [3, 2]
+    assert aggregation_intervals(2, aggregate=True) == [2, None]
+
+
+def _aggregations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(units on the stage, the stage's updates, versions averaged) of every aggregation."""
+    seen: list[tuple[int, int, int]] = []
+    original = AsyncStageCompute.aggregate
+
+    def recording(self: AsyncStageCompute, count: int) -> None:
+        seen.append((len(self.units), self.updates, count))
+        original(self, count)
+
+    monkeypatch.setattr(AsyncStageCompute, "aggregate", recording)
+    return seen
+
+
+def test_a_recovered_run_aggregates_with_the_windows_of_its_depth(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen = _aggregations(monkeypatch)
+    batches = make_batches(12, 5, seed=23)
+    settings = AsyncSettings(aggregate=True, depth=3)
+    # three stages (1, 2 and 1 units) until a recovery before batch 5 onto two (2 and 2)
+    recovered = train_async_reference(
+        SPEC, batches, bounds=START, optimizer=SGD, settings=settings,
+        repartitions={5: [0, 2, 4]},
+    )  # fmt: skip
+    before = [(u, t, c) for u, t, c in seen if t < 5]
+    after = [(u, t, c) for u, t, c in seen if t >= 5]
+    assert sorted(before) == [(1, 3, 3), (2, 2, 2), (2, 4, 2)]  # stage 0 every 3, 1 every 2
+    # after it, still 3 versions every 3 backwards on the first stage and 2 every 2 on
+    # the second (now the last), counted from the run's start
+    assert sorted(after) == [(2, 6, 2), (2, 6, 3), (2, 8, 2), (2, 9, 3), (2, 10, 2)]
+    # the windows differ from the uninterrupted run's (the last stage's units aggregate
+    # now), so the result does too: the reference of the cuts is what a run must equal
+    plain = train_async_reference(SPEC, batches, bounds=START, optimizer=SGD, settings=settings)
+    assert recovered.losses[:6] == plain.losses[:6]
+    assert recovered.losses != pytest.approx(plain.losses, rel=1e-6)
 
 
 # ---------------------------------------------------------------- a re-partition a death broke
@@ -134,7 +191,9 @@ def _fit_killing(
         cluster.wait_for_stages(len(NAMES), timeout_s=120)
 
 
-def _reference_of(report: TrainReport, batches: list[Any], optimizer: dict) -> Any:
+def _reference_of(
+    report: TrainReport, batches: list[Any], optimizer: dict, *, aggregate: bool = False
+) -> Any:
     """The single-process run of the cuts ``report`` went through, at the run's depth."""
     assert report.first_training_plan is not None
     first = report.first_training_plan.stages
@@ -143,7 +202,7 @@ def _reference_of(report: TrainReport, batches: list[Any], optimizer: dict) -> A
         batches,
         bounds=[s.start for s in first] + [first[-1].end],
         optimizer=optimizer,
-        settings=AsyncSettings(depth=int(report.recoveries[0]["depth"])),
+        settings=AsyncSettings(aggregate=aggregate, depth=int(report.recoveries[0]["depth"])),
         repartitions=cuts_of_run(report.repartitions, report.recoveries),
     )
 
@@ -211,3 +270,32 @@ def test_a_stage_that_dies_during_a_repartition_is_recovered_from_the_last_repli
     plain = train_async_reference(SPEC, batches, bounds=START, optimizer=SGD)
     assert report.losses == pytest.approx(plain.losses, rel=1e-6)
     assert_same(report.state_dict, plain.state_dict)
+
+
+def test_an_aggregating_run_that_moved_units_and_lost_its_first_stage_recovers_exactly(
+    async_recovery_cluster: LocalCluster,
+) -> None:
+    cluster = async_recovery_cluster
+    batches = make_batches(11, 5, seed=29)
+    # as above, with weight aggregation (stage 0 every 3, stage 1 every 2), and the
+    # first stage dies: after the recovery the survivors b and c are stages 0 and 1
+    # of two, with the windows of depth 3 (3 and 2), the aggregations counted from
+    # the run's start
+    report = _fit_killing(
+        cluster, batches, "a", 5, optimizer=ADAM, replicate_every=4, aggregate=True,
+        repartition={"first": 2, "every": 100, "bounds": [0, 1, 2, 4]},
+    )  # fmt: skip
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["resumed_from"], recovery["depth"]) == ("a", 4, 3)
+    assert report.training_plan is not None
+    assert list(report.training_plan.devices) == ["b", "c"]
+    assert [(r["at"], r["moved"]) for r in report.repartitions] == [(2, True)]
+    want = _reference_of(report, batches, ADAM, aggregate=True)
+    assert report.losses == pytest.approx(want.losses, rel=1e-6)
+    assert_same(report.state_dict, want.state_dict)
+    # the aggregations counted: the same run without them is another
+    unaggregated = train_async_reference(
+        SPEC, batches, bounds=START, optimizer=ADAM,
+        repartitions=cuts_of_run(report.repartitions, report.recoveries),
+    )  # fmt: skip
+    assert report.losses != pytest.approx(unaggregated.losses, rel=1e-6)

@@ -336,7 +336,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     refusal = (
         async_recovery_refusal(
             vertical_sync=args.vertical_sync,
-            aggregate=args.aggregate,
             consistency=args.consistency or "exact",
             rebalance=args.rebalance,
         )

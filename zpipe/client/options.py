@@ -362,7 +362,6 @@ class TrainOptions:
             refusal = (
                 async_recovery_refusal(
                     vertical_sync=self.vertical_sync,
-                    aggregate=self.aggregate,
                     consistency=self.consistency,
                     rebalance=self.rebalance,
                 )

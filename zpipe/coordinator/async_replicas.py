@@ -97,7 +97,6 @@ def _recovery_refusal(request: Message | None, rebalance: Any) -> str | None:
     settings = AsyncSettings.from_dict(train.get("async") if isinstance(train, dict) else None)
     return async_recovery_refusal(
         vertical_sync=settings.vertical_sync,
-        aggregate=settings.aggregate,
         consistency="exact",  # a fast resume is refused when it is asked for
         rebalance=rebalance,
     )

@@ -4,8 +4,17 @@ An ``async-1f1b`` run with ``recover`` keeps global replicas at flush points and
 after a stage dies, resumes on the survivors with the staleness of the depth it
 started with (:mod:`zpipe.coordinator.async_replicas`). That is exact only where
 a weight version names the same weights whatever the stages are: vertical sync
-on (every stage forwards a batch with the first stage's version) and no weight
-aggregation (stage ``i`` averages ``n - i`` versions: its index would change).
+on (every stage forwards a batch with the first stage's version).
+
+With weight aggregation, stage ``i`` of ``n`` averages ``n - i`` versions every
+``multiple * (n - i)`` backwards. A recovery onto ``n' < n`` stages keeps the
+windows of the depth, as it keeps the staleness: stage ``j`` of the survivors
+averages ``n - j`` versions every ``multiple * (n - j)`` backwards counted from the
+run's start (:mod:`zpipe.training.async_schedule`); a replica carries the newest
+``n`` versions of every unit, which any of those windows reads. A unit that moves
+to another stage index (a recovery, a re-partition) follows that index's window,
+so the recovered run is not the uninterrupted one, but it is exactly the
+single-process reference of the cuts it went through.
 
 Recovery and live re-partitioning (``repartition``) share the flush points, and
 interleave so that a recovery never restores units onto cuts the run had left:
@@ -42,15 +51,12 @@ from zpipe.training.async_schedule import ASYNC_SCHEDULE
 def async_recovery_refusal(
     *,
     vertical_sync: bool,
-    aggregate: bool,
     consistency: str,
     rebalance: float | None,
 ) -> str | None:
     """Why an asynchronous run with these settings cannot recover (None: it can)."""
     if not vertical_sync:
         return f"{ASYNC_SCHEDULE} recovers with vertical sync only (its versions move)"
-    if aggregate:
-        return f"{ASYNC_SCHEDULE} does not recover with weight aggregation yet"
     if consistency != "exact":
         return f"{ASYNC_SCHEDULE} recovers with exact consistency only, not {consistency!r}"
     if rebalance is not None:
