@@ -129,6 +129,39 @@ def test_a_recovered_run_aggregates_with_the_windows_of_its_depth(
     assert recovered.losses != pytest.approx(plain.losses, rel=1e-6)
 
 
+def test_train_check_replays_the_plan_a_recovered_run_started_on() -> None:
+    from argparse import Namespace
+
+    from zpipe.planner.training_plan import TrainingPlan, TrainStage
+    from zpipe.train_cli import _train_async_here
+
+    def plan(bounds: list[int], names: str) -> TrainingPlan:
+        stages = tuple(
+            TrainStage((d,), bounds[i], bounds[i + 1], (5,), len(names) - i)
+            for i, d in enumerate(names)
+        )
+        return TrainingPlan(algo="straight", num_units=4, schedule="async-1f1b",
+                            microbatch_size=5, num_microbatches=1, stages=stages)  # fmt: skip
+
+    batches = make_batches(9, 5, seed=31)
+    report = TrainReport(run=2, plan=None, model_spec=SPEC, schedule="async-1f1b",  # type: ignore[arg-type]
+                         num_microbatches=1, training_plan=plan([0, 3, 4], "bc"),
+                         first_training_plan=plan(START, "abc"))  # fmt: skip
+    report.repartitions = [{"at": 2, "moved": True, "bounds": [0, 1, 2, 4]}]
+    report.recoveries = [{"resumed_from": 4, "bounds": [0, 3, 4], "depth": 3}]
+    args = Namespace(vertical_sync=True, aggregate=True, aggregate_multiple=1,
+                     optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=None)  # fmt: skip
+    checked = _train_async_here(SPEC, batches, report, args)
+    settings = AsyncSettings(aggregate=True, depth=3)
+    want = train_async_reference(SPEC, batches, bounds=START, optimizer=SGD, settings=settings,
+                                 repartitions={2: [0, 1, 2, 4], 4: [0, 3, 4]})  # fmt: skip
+    assert_same(checked, want.state_dict)
+    # with aggregation the cuts matter: the survivors' plan from the start is another run
+    other = train_async_reference(SPEC, batches, bounds=[0, 3, 4], optimizer=SGD,
+                                  settings=settings)  # fmt: skip
+    assert not all(torch.equal(checked[k], other.state_dict[k]) for k in checked)
+
+
 # ---------------------------------------------------------------- a re-partition a death broke
 
 

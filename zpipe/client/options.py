@@ -203,8 +203,10 @@ class TrainOptions:
     ``vertical_sync`` (default on): every stage forwards a mini-batch with the weight
     version the first stage used; ``aggregate``: FTPipeHD's weight aggregation, stage
     ``i`` of ``n`` averaging its newest ``n - i`` versions every
-    ``aggregate_multiple * (n - i)`` backwards. ``repartition`` (one device per
-    stage; with ``recover`` for "async-1f1b" only): FTPipeHD's live re-partitioning, True or a
+    ``aggregate_multiple * (n - i)`` backwards (after a recovery onto fewer stages,
+    those of the depth the run started with: :mod:`zpipe.training.async_recovery`).
+    ``repartition`` (one device per stage; with ``recover`` for "async-1f1b" only):
+    FTPipeHD's live re-partitioning, True or a
     :class:`~zpipe.training.repartition.RepartitionSettings` (or its map: ``first``,
     ``every``, ``gain``): the feed pauses after ``first`` mini-batches and then every
     ``every``, the stages' capacities are measured and their units move between
