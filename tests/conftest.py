@@ -71,3 +71,16 @@ def cluster() -> Iterator[LocalCluster]:
     ]
     with LocalCluster(devices, heartbeat_interval_s=0.5, log_level="info") as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def async_recovery_cluster() -> Iterator[LocalCluster]:
+    """Three stages (a, b, c) that asynchronous recovery tests kill and start again;
+    quick failure detection (tests/test_async_recovery*.py share it)."""
+    with LocalCluster(
+        [DeviceSpec(name) for name in ("a", "b", "c")],
+        heartbeat_interval_s=0.5,
+        suspect_after=6,
+        probe_intervals=4,
+    ) as running:
+        yield running

@@ -12,14 +12,13 @@ the single-process reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from test_async_training import ADAM, SGD, SPEC, make_batches
-from test_training_recovery import _cluster, _events
+from test_training_recovery import _events
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
 from zpipe.cluster import DeviceSpec, LocalCluster
@@ -36,7 +35,7 @@ from zpipe.training.async_regroup import (
     unit_state_from_tensors,
     unit_state_tensors,
 )
-from zpipe.training.async_schedule import AsyncSettings, forward_version
+from zpipe.training.async_schedule import AsyncSettings, aggregation_intervals, forward_version
 from zpipe.training.async_stage import AsyncStageCompute, UnitState, common_versions
 from zpipe.transport.codec import Message
 
@@ -99,15 +98,9 @@ def test_the_runs_depth_needs_vertical_sync_and_no_shallower_pipeline() -> None:
     # sent only when set: a peer that predates it refuses unknown settings
     assert "depth" not in AsyncSettings().to_dict()
     assert AsyncSettings.from_dict(AsyncSettings(depth=3).to_dict()) == AsyncSettings(depth=3)
-    with pytest.raises(ConfigError, match="aggregates"):
-        train_async_reference(
-            SPEC,
-            make_batches(6, 5),
-            bounds=[0, 1, 3, 4],
-            optimizer=SGD,
-            settings=AsyncSettings(aggregate=True),
-            repartitions={3: [0, 2, 4]},
-        )
+    # aggregation windows: those of the run's depth (tests/test_async_recovery_repartition.py)
+    with pytest.raises(ConfigError, match="cannot run on 3"):
+        aggregation_intervals(3, aggregate=True, depth=2)
 
 
 # ---------------------------------------------------------------- a stage's replica
@@ -172,38 +165,40 @@ def test_a_shard_without_versions_in_its_state_starts_a_version_count_of_its_own
 def test_the_combinations_a_recovery_does_not_support_are_refused() -> None:
     from zpipe.client.options import TrainOptions
 
-    fine = dict(vertical_sync=True, aggregate=False, consistency="exact", rebalance=None,
-                repartition=False)  # fmt: skip
+    fine = dict(vertical_sync=True, consistency="exact", rebalance=None)
     assert async_recovery_refusal(**fine) is None  # type: ignore[arg-type]
     for change, words in [
         ({"vertical_sync": False}, "vertical sync"),
-        ({"aggregate": True}, "aggregation"),
         ({"consistency": "fast"}, "exact"),
         ({"rebalance": 0.2}, "rebalance"),
-        ({"repartition": True}, "re-partition"),
     ]:
         refusal = async_recovery_refusal(**{**fine, **change})  # type: ignore[arg-type]
         assert refusal is not None and words in refusal
     base = dict(optimizer=SGD, num_microbatches=1, schedule="async-1f1b", recover=True)
     assert TrainOptions(**base).replica_period is not None  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="aggregation"):
-        TrainOptions(**base, aggregate=True)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="re-partition"):
-        TrainOptions(**base, repartition=True)  # type: ignore[arg-type]
+    # aggregation keeps the windows of the run's depth (tests/test_async_recovery_repartition.py)
+    assert TrainOptions(**base, aggregate=True).replica_period is not None  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="vertical sync"):
+        TrainOptions(**base, vertical_sync=False)  # type: ignore[arg-type]
+    # recovery and live re-partitioning share the flush points (see below)
+    both = TrainOptions(**base, repartition={"first": 4})  # type: ignore[arg-type]
+    assert both.repartition_settings is not None and both.replica_period is not None
+    with pytest.raises(ConfigError, match="synchronous run"):
+        TrainOptions(optimizer=SGD, num_microbatches=2, recover=True, repartition=True)
     with pytest.raises(ConfigError, match="exact"):
         TrainOptions(**base, consistency="fast")  # type: ignore[arg-type]
     chain = TrainOptions(**base, replication="chain", chain_every=2, global_every=4)  # type: ignore[arg-type]
     assert (chain.replica_period, chain.global_period) == (2, 4)
 
 
-def test_train_cli_takes_recover_for_async_runs_but_not_with_aggregation(
+def test_train_cli_takes_recover_for_async_runs_but_not_without_vertical_sync(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from zpipe.train_cli import main
 
     with pytest.raises(SystemExit):
-        main(["--local", "2", "--schedule", "async-1f1b", "--recover", "--aggregate"])
-    assert "aggregation" in capsys.readouterr().err
+        main(["--local", "2", "--schedule", "async-1f1b", "--recover", "--no-vertical-sync"])
+    assert "vertical sync" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- a real pipeline
@@ -212,10 +207,11 @@ NAMES = ["a", "b", "c"]
 PARTITION = [[0, 1], [1, 3], [3, 4]]
 
 
-@pytest.fixture(scope="module")
-def recovering() -> Iterator[LocalCluster]:
-    with _cluster(NAMES) as shared:
-        yield shared
+@pytest.fixture
+def recovering(async_recovery_cluster: LocalCluster) -> LocalCluster:
+    # the session's cluster of a, b and c (conftest), shared with
+    # tests/test_async_recovery_repartition.py
+    return async_recovery_cluster
 
 
 def test_a_killed_stage_of_an_async_run_recovers_exactly(recovering: LocalCluster) -> None:
@@ -471,10 +467,11 @@ def test_a_failed_async_replica_still_resumes_every_flushed_stage() -> None:
 
 
 def test_the_coordinator_keeps_no_replica_a_recovery_could_not_resume_exactly() -> None:
-    """An aggregating run's replica (refused by the client, but a request may come from
-    elsewhere) is refused at the coordinator too, and the paused stages still resume."""
+    """A replica of a run without vertical sync (refused by the client, but a request may
+    come from elsewhere) is refused at the coordinator too, and the paused stages
+    still resume."""
     failures: list[BaseException] = []
-    runner, sent = _drive(_replica_owner({"async": {"aggregate": True}}), failures)
+    runner, sent = _drive(_replica_owner({"async": {"vertical_sync": False}}), failures)
     assert _phases(sent) == [("a", "commit"), ("b", "commit")]
     _reply(runner, "commit", 1.0)
-    assert isinstance(failures[0], ConfigError) and "aggregation" in str(failures[0])
+    assert isinstance(failures[0], ConfigError) and "vertical sync" in str(failures[0])

@@ -291,9 +291,13 @@ def test_async_options_are_checked_before_anything_is_sent() -> None:
 
     with pytest.raises(ConfigError, match="num_microbatches=1"):
         TrainOptions(optimizer=SGD, num_microbatches=2, schedule="async-1f1b")
-    with pytest.raises(ConfigError, match="does not recover with weight aggregation"):
+    with pytest.raises(ConfigError, match="recovers with vertical sync only"):
         TrainOptions(
-            optimizer=SGD, num_microbatches=1, schedule="async-1f1b", recover=True, aggregate=True
+            optimizer=SGD,
+            num_microbatches=1,
+            schedule="async-1f1b",
+            recover=True,
+            vertical_sync=False,
         )
     checked = check_train_settings(
         {

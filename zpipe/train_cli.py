@@ -47,7 +47,7 @@ from zpipe.train_args import (  # noqa: F401
     build_parser,
     repartition_of,
 )
-from zpipe.training.async_recovery import async_recovery_refusal
+from zpipe.training.async_recovery import async_recovery_refusal, cuts_of_run
 from zpipe.training.async_reference import train_async_reference
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.training.objectives import is_factory_name
@@ -138,8 +138,7 @@ def _train_async_here(
     report: TrainReport,
     args: argparse.Namespace,
 ) -> dict[str, torch.Tensor]:
-    """The single-process reference of the asynchronous run, on the plan it ran."""
-    bounds = [s.start for s in report.plan.stages] + [report.plan.stages[-1].end]
+    """The single-process reference of the asynchronous run, on the plans it ran."""
     settings = AsyncSettings(
         vertical_sync=args.vertical_sync,
         aggregate=args.aggregate,
@@ -147,8 +146,12 @@ def _train_async_here(
         # a recovered run kept the staleness of the pipeline it started with
         depth=int(report.recoveries[0]["depth"]) if report.recoveries else None,
     )
-    # the live re-partitions the run made, where it made them
-    moves = {int(r["at"]): list(r["bounds"]) for r in report.repartitions if r.get("moved")}
+    # the plan it started on, the live re-partitions it made and the survivors of its
+    # recoveries, each from where it took over
+    first = report.first_training_plan or report.training_plan
+    stages = first.stages if first is not None else report.plan.stages
+    bounds = [s.start for s in stages] + [stages[-1].end]
+    moves = cuts_of_run(report.repartitions, report.recoveries)
     result = train_async_reference(
         spec,
         batches,
@@ -333,10 +336,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     refusal = (
         async_recovery_refusal(
             vertical_sync=args.vertical_sync,
-            aggregate=args.aggregate,
             consistency=args.consistency or "exact",
             rebalance=args.rebalance,
-            repartition=repartition_of(args) is not None,
         )
         if asynchronous and args.recover
         else None
@@ -347,8 +348,13 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --lr-schedule or --resume yet")
     if not asynchronous and (args.aggregate or not args.vertical_sync):
         parser.error(f"--aggregate and --no-vertical-sync need --schedule {ASYNC_SCHEDULE}")
-    if repartition_of(args) is not None and (args.recover or not args.vertical_sync):
-        parser.error("--repartition and its flags need vertical sync, and no --recover")
+    if repartition_of(args) is not None and (
+        (args.recover and not asynchronous) or not args.vertical_sync
+    ):
+        parser.error(
+            "--repartition and its flags need vertical sync, and no --recover "
+            f"unless --schedule {ASYNC_SCHEDULE}"
+        )
     if args.advertise_host is not None and args.coordinator is None:
         parser.error("--advertise-host needs --coordinator (--local runs on this machine)")
     if not args.recover and any(v is not None for v in recover_only):

@@ -203,8 +203,10 @@ class TrainOptions:
     ``vertical_sync`` (default on): every stage forwards a mini-batch with the weight
     version the first stage used; ``aggregate``: FTPipeHD's weight aggregation, stage
     ``i`` of ``n`` averaging its newest ``n - i`` versions every
-    ``aggregate_multiple * (n - i)`` backwards. ``repartition`` (one device per
-    stage; not with ``recover``): FTPipeHD's live re-partitioning, True or a
+    ``aggregate_multiple * (n - i)`` backwards (after a recovery onto fewer stages,
+    those of the depth the run started with: :mod:`zpipe.training.async_recovery`).
+    ``repartition`` (one device per stage; with ``recover`` for "async-1f1b" only):
+    FTPipeHD's live re-partitioning, True or a
     :class:`~zpipe.training.repartition.RepartitionSettings` (or its map: ``first``,
     ``every``, ``gain``): the feed pauses after ``first`` mini-batches and then every
     ``every``, the stages' capacities are measured and their units move between
@@ -362,10 +364,8 @@ class TrainOptions:
             refusal = (
                 async_recovery_refusal(
                     vertical_sync=self.vertical_sync,
-                    aggregate=self.aggregate,
                     consistency=self.consistency,
                     rebalance=self.rebalance,
-                    repartition=self.repartition not in (None, False),
                 )
                 if self.recover
                 else None
@@ -419,8 +419,13 @@ def _repartition_settings(options: TrainOptions) -> RepartitionSettings | None:
     given = options.repartition
     if given is None or given is False:
         return None
-    if options.recover:
-        raise ConfigError("repartition moves units live; with recover=True use rebalance=...")
+    if options.recover and options.schedule.lower() != ASYNC_SCHEDULE:
+        # an asynchronous run's replicas and moves share its flush points
+        # (zpipe.training.async_recovery); a synchronous one rebalances at a replica
+        raise ConfigError(
+            "repartition moves units live; a synchronous run with recover=True "
+            f"uses rebalance=... ({ASYNC_SCHEDULE} runs recover and re-partition)"
+        )
     if not options.vertical_sync:
         raise ConfigError("repartition needs vertical sync (the weight versions it moves)")
     if given is True:

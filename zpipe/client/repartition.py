@@ -25,31 +25,44 @@ if TYPE_CHECKING:
 log = get_logger("zpipe.client")
 
 
-async def repartition_before(run: TrainingRun, step: int) -> None:
-    """Have the coordinator look before mini-batch ``step``, pausing ``run`` only when
-    the cuts move: the look itself reads the stages' counters while the pipeline
-    runs, so a look that keeps the cuts costs no flush (the pipeline's drain and
-    fill, most of a look's pause)."""
-    reply = await _ask(run, step, look=True)
-    if not reply.get("pause"):
-        _record(run, step, reply)
-        return
-    await run.pause_feed()
-    timeout = run.timeouts.result_s
-    while run.done_steps < run.sent_steps:
-        run.step_finished.clear()
-        try:
-            await asyncio.wait_for(run.step_finished.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise TransportTimeout(
-                run.session.last_stage, "the losses before a re-partition", timeout
-            ) from None
-    _record(run, step, await _ask(run, step, look=False))
+async def repartition_before(run: TrainingRun, step: int) -> bool:
+    """Have the coordinator look before mini-batch ``step`` (of the whole fit), pausing
+    ``run`` only when the cuts move: the look itself reads the stages' counters while
+    the pipeline runs, so a look that keeps the cuts costs no flush (the pipeline's
+    drain and fill, most of a look's pause). Whether units moved.
+
+    With recovery on, a re-partition that fails because a stage died ends the attempt
+    with that death (the run recovers from its last replica), not with the failure."""
+    try:
+        reply = await _ask(run, step, look=True)
+        if not reply.get("pause"):
+            return _record(run, step, reply)
+        await run.pause_feed()
+        timeout = run.timeouts.result_s
+        while run.done_steps < run.sent_steps:
+            run.step_finished.clear()
+            try:
+                await asyncio.wait_for(run.step_finished.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(
+                    run.session.last_stage, "the losses before a re-partition", timeout
+                ) from None
+        return _record(run, step, await _ask(run, step, look=False))
+    except (PipelineError, TransportTimeout):
+        if run.replicate_every is None:
+            raise
+        # the coordinator's word of a death may follow the failed phase it caused
+        failure = await run.session.stage_failure_within(run.timeouts.reply_s)
+        if failure is None:
+            raise
+        raise failure from None
 
 
 async def _ask(run: TrainingRun, step: int, *, look: bool) -> Message:
+    # the stages number the mini-batches of this attempt from 0 (a resumed run's too)
+    local = step - run.offset
     reply = await run.session.control.request(
-        Message("repartition", {"run": run.run, "step": step, **({"look": True} if look else {})}),
+        Message("repartition", {"run": run.run, "step": local, **({"look": True} if look else {})}),
         expect=("repartitioned",),
         # a flush, the stages' fetches and the commit, each within result_s
         timeout_s=3 * run.timeouts.result_s + run.timeouts.reply_s,
@@ -63,13 +76,15 @@ async def _ask(run: TrainingRun, step: int, *, look: bool) -> Message:
     return reply
 
 
-def _record(run: TrainingRun, step: int, reply: Message) -> None:
+def _record(run: TrainingRun, step: int, reply: Message) -> bool:
     decision = dict(reply.get("decision") or {})
     moved = decision.get("bounds") is not None
     run.report.repartitions.append(
-        # bounds: the cuts from ``at`` on (the same as before when it did not move)
+        # bounds: the cuts from ``at`` on (the same as before when it did not move);
+        # at: the mini-batch of the whole fit (the coordinator's counts this attempt's)
         {
             **decision,
+            "at": step,
             "moved": moved,
             "bounds": reply.get("bounds"),
             "plan_epoch": reply.get("plan_epoch"),
@@ -77,3 +92,4 @@ def _record(run: TrainingRun, step: int, reply: Message) -> None:
     )
     log.info("repartition_looked", run=run.run, step=step, bounds=reply.get("bounds"),
              moved=moved)  # fmt: skip
+    return moved

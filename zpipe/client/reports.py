@@ -44,6 +44,8 @@ class TrainReport:
     schedule: str
     num_microbatches: int
     training_plan: TrainingPlan | None = None
+    # the plan the run started on (training_plan is its last attempt's: a recovery's)
+    first_training_plan: TrainingPlan | None = None
     losses: list[float] = field(default_factory=list)  # the mean loss of each mini-batch
     samples: int = 0  # samples trained (after a recovery, replays count again)
     elapsed_s: float = 0.0

@@ -215,6 +215,9 @@ class _Training:
         self.done: list[float] = []  # the losses of the mini-batches before this attempt's
         self.recoveries: list[dict[str, Any]] = []
         self.rebalances: list[dict[str, Any]] = []
+        # the looks of live re-partitioning in attempts before this one, not replayed
+        self.repartitions: list[dict[str, Any]] = []
+        self.first_plan: TrainingPlan | None = None
         self.earlier_samples = 0  # of the attempts that ended early
         self.first_started: float | None = None
 
@@ -260,9 +263,16 @@ class _Training:
                 tplan = run.report.training_plan
                 if self.options.on_plan is not None and tplan is not None:
                     self.options.on_plan(tplan)
+                self.first_plan = self.first_plan or tplan
                 if self.recoveries:
                     noticed = self.recoveries[-1]["noticed_at"]
                     self.recoveries[-1]["restart_s"] = time.monotonic() - noticed
+                    if tplan is not None and "bounds" not in self.recoveries[-1]:
+                        # the survivors' cuts (zpipe.training.async_recovery.cuts_of_run)
+                        self.recoveries[-1]["bounds"] = [
+                            *(st.start for st in tplan.stages),
+                            tplan.stages[-1].end,
+                        ]
                 end = await self._attempt(session, run)
             finally:
                 await session.close()
@@ -335,6 +345,7 @@ class _Training:
             # What the replica holds stays; what came after it is trained again.
             self.done = (self.done + run.report.losses)[: source.replica_step]
         self._count_attempt(run)
+        self._keep_looks(run, source.kept_from)
         self.recoveries.append(
             {
                 "dead": failure.stage,
@@ -360,6 +371,12 @@ class _Training:
             self.request, survivors, dead, options.recovery, source.resume, options.consistency
         )
         if self.schedule == ASYNC_SCHEDULE:
+            repartition = self.request["train"].get("repartition")
+            if repartition is not None and "bounds" in repartition:
+                # forced cuts name the pipeline the run started with: the survivors'
+                # looks decide on what they measure (zpipe.training.async_recovery)
+                repartition = {k: v for k, v in repartition.items() if k != "bounds"}
+                self.request["train"] = {**self.request["train"], "repartition": repartition}
             if self.request.get("planner") == "hpp":
                 self.request["planner"] = "straight"  # one device per stage, re-planned
             # the survivors keep the staleness of the pipeline the run started with
@@ -395,6 +412,7 @@ class _Training:
             )
         source.rewind_to_global()
         self.done = self.done[: source.kept_from]
+        self.repartitions = [r for r in self.repartitions if int(r["at"]) <= source.kept_from]
         if self.recoveries:
             self.recoveries[-1].update(
                 resumed_from=source.kept_from,
@@ -403,6 +421,12 @@ class _Training:
                 from_global=True,
             )
         log.warning("training_resumed_from_global", step=source.kept_from)
+
+    def _keep_looks(self, run: TrainingRun, resumed_from: int) -> None:
+        """The attempt's looks up to the replica the next attempt resumes from (those
+        after it are made again, on the mini-batches trained again)."""
+        kept = [r for r in run.report.repartitions if int(r["at"]) <= resumed_from]
+        self.repartitions += kept
 
     def _count_attempt(self, run: TrainingRun) -> None:
         self.earlier_samples += run.report.samples
@@ -417,6 +441,8 @@ class _Training:
             report.elapsed_s += run.started - self.first_started
         report.recoveries = self.recoveries
         report.rebalances = self.rebalances
+        report.repartitions = self.repartitions + report.repartitions
+        report.first_training_plan = self.first_plan
         report.replicas = list(self.source.replicas)
         report.start_step = self.options.start_step
         report.with_optimizer_state = self.options.optimizer_state

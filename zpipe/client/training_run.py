@@ -188,17 +188,22 @@ class TrainingRun:
     async def _feed(self, source: BatchSource) -> None:
         async for batch in source.iterate():
             step = self.offset + self.sent_steps
-            if self.repartition is not None and self.repartition.due(step):
-                await repartition_before(self, step)
+            # a look (and a replica) at the mini-batch this run resumed from was made
+            # before the replica it resumed from (zpipe.training.async_recovery)
+            fresh = source.resume is None or source.replica_step != step
+            moved = False
+            if self.repartition is not None and self.repartition.due(step) and fresh:
+                moved = await repartition_before(self, step)
             # a replica before every ``replicate_every``-th mini-batch (and a global copy
             # before every ``global_every``-th), the first one included, unless this run
-            # resumed from the one taken there
-            fresh = source.resume is None or source.replica_step != step
+            # resumed from the one taken there; and after a look that moved units, so
+            # that a recovery restores them on the cuts they moved to
             chain, whole = (
                 replicas_due(step, chain_every=self.replicate_every, global_every=self.global_every)
                 if self.replicate_every is not None
                 else (False, False)
             )
+            chain = chain or (moved and self.replicate_every is not None)
             if (chain or whole) and fresh:
                 await self.pause_feed()  # asynchronous stages flush here (a no-op for sync)
                 self.rebalance_to = await self._replicate(source, global_copy=whole)

@@ -20,7 +20,10 @@ versions included, from the replica (:meth:`zpipe.stage.async_shard.AsyncShard.
 load_training_state`), its update count goes on from the replica's, and its forwards
 keep the staleness of the depth the run started with (``AsyncSettings.depth``, which
 the client sets when it resumes), so the recovered run trains exactly as the
-uninterrupted one with the same flushes (which change nothing either).
+uninterrupted one with the same flushes (which change nothing either). With weight
+aggregation it keeps that depth's windows too, and equals the single-process
+reference of the cuts it went through (:mod:`zpipe.training.async_recovery`, which
+also says how replicas and live re-partitions share the flush points).
 
 Pure: events in, commands out.
 """
@@ -97,10 +100,8 @@ def _recovery_refusal(request: Message | None, rebalance: Any) -> str | None:
     settings = AsyncSettings.from_dict(train.get("async") if isinstance(train, dict) else None)
     return async_recovery_refusal(
         vertical_sync=settings.vertical_sync,
-        aggregate=settings.aggregate,
         consistency="exact",  # a fast resume is refused when it is asked for
         rebalance=rebalance,
-        repartition=False,  # a re-partitioning run asks for no replicas
     )
 
 

@@ -71,19 +71,18 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.async_shard = shard
         self.settings = AsyncSettings.from_dict(setup.async_settings)
         n, i = setup.num_stages, setup.index
+        # A run resumed from a replica (zpipe.coordinator.async_replicas): its batches
+        # are numbered from 0 again, its versions go on from the replica's update
+        # count, its forwards keep the staleness of the depth the run started with,
+        # and its aggregations that depth's windows, counted from the run's start.
+        self.depth = self.settings.depth_of(n)
+        self.origin = shard.updates
         self._every = (
-            aggregation_interval(i, n, self.settings.aggregate_multiple)
+            aggregation_interval(i, self.depth, self.settings.aggregate_multiple)
             if self.settings.aggregate
             else None
         )
-        self._versions = concurrent_versions(i, n)
-        # A run resumed from a replica (zpipe.coordinator.async_replicas): its batches
-        # are numbered from 0 again, its versions go on from the replica's update
-        # count, and its forwards keep the staleness of the depth the run started with.
-        self.depth = self.settings.depth_of(n)
-        self.origin = shard.updates
-        if self.origin and self._every is not None:
-            raise PipelineError("a run that aggregates does not resume from a replica")
+        self._versions = concurrent_versions(i, self.depth)
         self._end: int | None = None  # the number of batches, once the feed ended
         self._end_passed = False
         self.aggregations = 0
@@ -185,7 +184,11 @@ class AsyncTrainingExecutor(TrainingExecutor):
     async def _segment(self) -> None:
         s = self.setup
         for action in iter_async_actions(
-            s.index, s.num_stages, aggregate_every=self._every, first_batch=self._first
+            s.index,
+            s.num_stages,
+            aggregate_every=self._every,
+            first_batch=self._first,
+            batches_before=self.origin,
         ):
             b = action.batch
             if action.kind == "F":

@@ -58,9 +58,11 @@ def train_async_reference(
     on (a live re-partition: the pipeline flushes after batch ``R - 1`` and every
     unit moves with its state, :mod:`zpipe.training.async_regroup`). Bounds of fewer
     stages are a recovery onto the survivors at a replica taken there: the forwards
-    keep the staleness of the depth the run started with (vertical sync, no
-    aggregation). ``flushes``: batches before which the pipeline only flushes (a
-    replica of a run that recovers; a re-partition that keeps the cuts)."""
+    keep the staleness of the depth the run started with (vertical sync), and the
+    aggregations its windows (stage ``j`` averages ``depth - j`` versions: see
+    :mod:`zpipe.training.async_schedule`). ``flushes``: batches before which the
+    pipeline only flushes (a replica of a run that recovers; a re-partition that
+    keeps the cuts)."""
     settings = settings or AsyncSettings()
     n = len(bounds) - 1
     if n < 1:
@@ -73,8 +75,6 @@ def train_async_reference(
         raise ConfigError(f"re-partitions at {sorted(cuts)} fall outside 1..{len(batches) - 1}")
     if any(cuts.values()) and not settings.vertical_sync:
         raise ConfigError("a live re-partition needs vertical sync (the versions it keeps)")
-    if settings.aggregate and any(c and len(c) - 1 != n for c in cuts.values()):
-        raise ConfigError("a run that aggregates keeps its number of stages")
     sequence = load_layer_sequence(spec)
     stages = [
         AsyncStageCompute(
@@ -103,7 +103,7 @@ def train_async_reference(
             n = len(bounds) - 1
             settings.depth_of(n)  # a pipeline no deeper than the run's
         every = aggregation_intervals(
-            n, aggregate=settings.aggregate, multiple=settings.aggregate_multiple
+            n, aggregate=settings.aggregate, multiple=settings.aggregate_multiple, depth=depth
         )
         order = async_global_order(
             n,
@@ -160,7 +160,7 @@ def _run_order(
                 losses[b] = value
             else:
                 activations[(i + 1, b)] = outputs
-            stage.forget_versions_before(version, keep_newest=concurrent_versions(i, n))
+            stage.forget_versions_before(version, keep_newest=concurrent_versions(i, depth))
         elif action.kind == "B":
             assert b is not None
             upstream = stage.backward(b, grads.pop((i, b), ()))
@@ -170,4 +170,4 @@ def _run_order(
         elif action.kind == "STEP":
             stage.step(last_backward[i])
         elif action.kind == "AGG":
-            stage.aggregate(concurrent_versions(i, n))
+            stage.aggregate(concurrent_versions(i, depth))

@@ -31,6 +31,14 @@ forwards batch 5 with version 3, aggregates versions 1-3, backwards batch 3 onto
 aggregate (version 4 there is the aggregate plus that update) and forwards batch 6
 with it. The last stage has one version: nothing to aggregate.
 
+A recovered run (fewer stages, keeping the depth ``D`` it started with) keeps the
+aggregation windows of that depth too: stage ``j`` of its ``n' <= D`` stages
+averages its newest ``D - j`` versions every ``multiple * (D - j)`` backwards, the
+windows of the first ``n'`` stages of the pipeline it started with (its forwards
+are as stale as theirs), and the backwards count from the run's start
+(``batches_before``), so an aggregation falls on the same mini-batches as it would
+have without the recovery (:func:`aggregation_intervals` with the depth).
+
 The run's length is not known in advance: the list of a run of ``N`` batches is the
 endless list without the forwards and backwards of batches ``>= N``
 (:func:`async_stage_actions`), so a stage learns ``N`` only when the feed ends.
@@ -183,6 +191,7 @@ def iter_async_actions(
     *,
     aggregate_every: int | None = None,
     first_batch: int = 0,
+    batches_before: int = 0,
 ) -> Iterator[AsyncAction]:
     """The endless action list of ``stage``; ``aggregate_every`` backwards (a multiple
     of ``n - i``, see :func:`aggregation_interval`) an ``AGG`` before the next one.
@@ -191,17 +200,23 @@ def iter_async_actions(
     batches (every earlier batch backwarded everywhere, a re-partition's boundary:
     :mod:`zpipe.training.repartition`): a warm-up again from that batch on. Versions
     and aggregations keep counting from the run's start, so the flush changes when
-    things run, never which version a batch uses."""
+    things run, never which version a batch uses.
+
+    ``batches_before``: the run's batches before this list's batch 0 (a run resumed
+    from a replica numbers its batches from 0 again): aggregations count from the
+    run's start."""
     warmup = async_warmup(stage, num_stages)
     if aggregate_every is not None and aggregate_every < 1:
         raise ConfigError(f"aggregate_every must be >= 1, got {aggregate_every}")
-    if isinstance(first_batch, bool) or not isinstance(first_batch, int) or first_batch < 0:
-        raise ConfigError(f"first_batch must be an integer >= 0, got {first_batch!r}")
+    for name, value in (("first_batch", first_batch), ("batches_before", batches_before)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
     for b in range(first_batch, first_batch + warmup):
         yield AsyncAction("F", b)
     k = first_batch
     while True:
-        if aggregate_every is not None and k > 0 and k % aggregate_every == 0:
+        done = batches_before + k  # backwards before B_k since the run's start
+        if aggregate_every is not None and done > 0 and done % aggregate_every == 0:
             yield AsyncAction("AGG")
         yield AsyncAction("B", k)
         yield AsyncAction("STEP")
@@ -216,6 +231,7 @@ def async_stage_actions(
     *,
     aggregate_every: int | None = None,
     first_batch: int = 0,
+    batches_before: int = 0,
 ) -> list[AsyncAction]:
     """The action list of a run of ``num_batches`` batches: the endless list without
     the batches that never come (from ``first_batch`` on: see
@@ -226,7 +242,11 @@ def async_stage_actions(
     if num_batches <= first_batch:
         return out
     for action in iter_async_actions(
-        stage, num_stages, aggregate_every=aggregate_every, first_batch=first_batch
+        stage,
+        num_stages,
+        aggregate_every=aggregate_every,
+        first_batch=first_batch,
+        batches_before=batches_before,
     ):
         if action.kind in ("F", "B") and action.batch is not None and action.batch >= num_batches:
             if action.kind == "B":
@@ -240,12 +260,16 @@ def async_stage_actions(
 
 
 def aggregation_intervals(
-    num_stages: int, *, aggregate: bool, multiple: int = 1
+    num_stages: int, *, aggregate: bool, multiple: int = 1, depth: int | None = None
 ) -> list[int | None]:
-    """Every stage's aggregation interval (None: it does not aggregate)."""
+    """Every stage's aggregation interval (None: it does not aggregate); ``depth``: the
+    run's, when a recovery left fewer stages (the windows of that depth, see the
+    module notes)."""
+    windows = num_stages if depth is None else depth
+    if windows < num_stages:
+        raise ConfigError(f"a run of depth {windows} cannot run on {num_stages} stages")
     return [
-        aggregation_interval(i, num_stages, multiple) if aggregate else None
-        for i in range(num_stages)
+        aggregation_interval(i, windows, multiple) if aggregate else None for i in range(num_stages)
     ]
 
 
