@@ -34,12 +34,20 @@ import numpy as np
 from zpipe._errors import ConfigError
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel, PartitionedMLP, Propagation
+from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.links import Direction, Transmit
+from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.schedule import PassEvent, events
 from zpipe.lossy.shard import DeviceShard, ShardFactory, Topology
 from zpipe.lossy.simulate import PreparedRun
-from zpipe.lossy.trace import TrainingTrace, mean_loss, merge_propagation
+from zpipe.lossy.trace import (
+    EvalTrace,
+    TrainingTrace,
+    evaluate_in_process,
+    mean_loss,
+    merge_propagation,
+)
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,30 @@ def train_with_death(
         traffic=dict(channel.traffic),
         arrivals=arrivals,
     )
+
+
+def evaluate_with_death(
+    prepared: PreparedRun,
+    params: list[tuple[FloatArray, FloatArray]],
+    x_test: FloatArray,
+    spec: EvalSpec,
+    device: int,
+) -> EvalTrace:
+    """The test passes after training of a run whose ``device`` died and was null-filled
+    to the end (``switch_at = None``), on its final weights ``params``: the device
+    sends nothing (its partials are null-filled, its sends not counted) and predicts
+    nothing; the survivors still count what they send it, as on stages."""
+    if device not in prepared.alloc.device_of:
+        raise ConfigError(f"device {device} runs no part of this allocation")
+    cfg = prepared.config
+    cut = _CutChannel(
+        prr=prepared.topology.prr,
+        seed=cfg.seed,
+        recovery=cfg.recovery,
+        lossless=prepared.lossless,
+        dead=device,
+    )  # heard nothing: every send of the dead device is cut
+    return evaluate_in_process(prepared, params, x_test, spec, channel=cut, absent={device})
 
 
 def _play(

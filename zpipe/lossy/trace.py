@@ -120,19 +120,26 @@ def evaluate_in_process(
     params: list[tuple[FloatArray, FloatArray]],
     x_test: FloatArray,
     spec: EvalSpec,
+    *,
+    channel: LinkChannel | None = None,
+    absent: Collection[int] = (),
 ) -> EvalTrace:
     """The test passes of weights ``params`` (a run's final ones) on ``prepared``'s
-    links, as the in-process simulation runs them."""
-    channel = LinkChannel(
-        prr=prepared.topology.prr,
-        seed=prepared.config.seed,
-        recovery=prepared.config.recovery,
-        lossless=prepared.lossless,
-    )
+    links, as the in-process simulation runs them (``channel``: those links, if not
+    the run's own; ``absent``: devices whose predictions are left out)."""
+    if channel is None:
+        channel = LinkChannel(
+            prr=prepared.topology.prr,
+            seed=prepared.config.seed,
+            recovery=prepared.config.recovery,
+            lossless=prepared.lossless,
+        )
     cnn = None
     if prepared.config.model == "cnn":
         cnn = cnn_spec(prepared.config, prepared.layer_sizes)
-    predictions = simulate_predictions(prepared.alloc, params, channel, x_test, spec, cnn=cnn)
+    predictions = simulate_predictions(
+        prepared.alloc, params, channel, x_test, spec, cnn=cnn, absent=absent
+    )
     return EvalTrace(spec, predictions, channel.traffic.get("test", Traffic()))
 
 
