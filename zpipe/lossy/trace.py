@@ -170,19 +170,25 @@ def evaluation_from_results(topo: Topology, spec: EvalSpec, bodies: Mapping[int,
 
 
 def train_in_process(
-    prepared: PreparedRun, data: Dataset, *, shard_factory: ShardFactory = DeviceShard
+    prepared: PreparedRun,
+    data: Dataset,
+    *,
+    shard_factory: ShardFactory = DeviceShard,
+    channel: LinkChannel | None = None,
 ) -> TrainingTrace:
     """Train ``prepared`` on the in-process engine, keeping the arrivals
-    (``shard_factory``: numpy shards, or torch ones)."""
+    (``shard_factory``: numpy shards, or torch ones; ``channel``: the run's links, if
+    not the plain ones, e.g. one that also counts each copy's fate)."""
     cfg = prepared.config
     if cfg.gpipe:
         raise ConfigError("GPipe runs are simulated only (zpipe.lossy.simulate.run_training)")
-    channel = LinkChannel(
-        prr=prepared.topology.prr,
-        seed=cfg.seed,
-        recovery=cfg.recovery,
-        lossless=prepared.lossless,
-    )
+    if channel is None:
+        channel = LinkChannel(
+            prr=prepared.topology.prr,
+            seed=cfg.seed,
+            recovery=cfg.recovery,
+            lossless=prepared.lossless,
+        )
     if cfg.model == "cnn":  # torch layers, whole convolutions (its only shards)
         model = partitioned_model(prepared, data, channel, record_arrivals=True)
     else:
