@@ -43,8 +43,8 @@ pytestmark = pytest.mark.timeout(240)
 INTERVAL = 0.5
 SUSPECT_AFTER = 6
 PROBE_INTERVALS = 4
-# seconds of passes on two loaded cores (every copy waits for its acknowledgement),
-# far more than the kill takes to land
+# seconds of passes on two loaded cores (every copy waits for its acknowledgement; 5 s
+# for three stages at load 9), far more than the kill takes to land
 N_DATA = 300
 ACK = Recovery("ack", max_attempts=3)
 
@@ -69,10 +69,10 @@ def _data() -> Dataset:
     return Dataset("random", x, y, x[:10], y[:10])
 
 
-def _prepared(data: Dataset, n_devices: int) -> PreparedRun:
+def _prepared(data: Dataset, n_devices: int, n_data: int = N_DATA) -> PreparedRun:
     # 40 m: lossy links between some devices (reception 0.67-0.79), so ACK resends
     cfg = RunConfig(allocation="hybrid", n_devices=n_devices, region_m=40.0, seed=1,
-                    hidden=(8, 6), lr=0.1, batch_size=5, n_data=N_DATA, mapping="exhaustive",
+                    hidden=(8, 6), lr=0.1, batch_size=5, n_data=n_data, mapping="exhaustive",
                     recovery=ACK)  # fmt: skip
     return prepare_run(cfg, data)
 
@@ -167,8 +167,11 @@ def test_a_survivor_waits_for_one_acknowledgement_of_a_stage_killed_unannounced(
     assert len(names) == 2
     data = _data()
     # (killed a little after it started: acknowledgements crossed before)
-    result = _run_killing(cluster, _prepared(data, 2), data, names, names[1], after_s=0.2,
-                          wait_s=0.3, test_repeats=None)  # fmt: skip
+    # (many mini-batches: the kill lands long before the end, and those after the verdict
+    # cost little, the survivor alone runs them)
+    prepared = _prepared(data, 2, n_data=1000)
+    result = _run_killing(cluster, prepared, data, names, names[1], after_s=0.2, wait_s=0.3,
+                          test_repeats=None)  # fmt: skip
     assert set(result.dead) == {1} and set(result.device_wall_s) == {0}
     waits = result.ack_waits[0][1]  # the survivor's, about the killed stage's
     # A wait for an acknowledgement of the dead stage ran out at most once for each time
