@@ -21,7 +21,10 @@ What a run on stages does when a stage is killed (:mod:`zpipe.coordinator.lossy_
   pipeline of ``alloc_after`` from its first timeslot, the survivors with their
   trained slices and the taken-over neurons from the dead device's replica
   (``replica_step``: its slices right after its last pass of that mini-batch) or at
-  their run-start values.
+  their run-start values;
+- the test passes after a null-filled death (:func:`evaluate_with_death`) run without
+  the dead device: it sends nothing and predicts nothing (after a remap they run on
+  the new allocation: :func:`zpipe.lossy.trace.evaluate_in_process` on it).
 """
 
 from __future__ import annotations
