@@ -14,6 +14,7 @@ from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.death_sim import (
     DeviceDeath,
+    evaluate_after,
     evaluate_with_death,
     heard_from_arrivals,
     train_with_death,
@@ -253,6 +254,14 @@ def test_test_passes_after_a_null_filled_death_are_those_of_a_silent_device(dead
     assert sends > 0 and died.traffic.messages == alive.traffic.messages - sends
     # and the dead device's weights do not matter: it sends nothing
     assert died.same_as(evaluate_with_death(prepared, params, x, spec, dead))
+    # the test passes a death asks for: nobody's, the null-filled run's, the remapped one's
+    assert evaluate_after(prepared, silent, x, spec, None).same_as(alive)
+    assert evaluate_after(prepared, silent, x, spec, DeviceDeath(dead, {})).same_as(died)
+    after = remap_dead(prepared.alloc, prepared.topology.prr_measured, dead)
+    assert after is not None
+    remapped = evaluate_after(prepared, params, x, spec, DeviceDeath(dead, {}, 5, after))
+    on_after = evaluate_in_process(replace(prepared, alloc=after, period=0), params, x, spec)
+    assert remapped.same_as(on_after) and not remapped.same_as(died)
     assert not died.same_as(evaluate_in_process(prepared, params, data.x_test, spec))
     with pytest.raises(ConfigError):
         evaluate_with_death(prepared, params, x, spec, 9)

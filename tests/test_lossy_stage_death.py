@@ -29,7 +29,7 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.coordinator.commands import AwaitReplies, Send
 from zpipe.coordinator.flows import Flow, FlowRunner
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.death_sim import evaluate_with_death, train_with_death
+from zpipe.lossy.death_sim import evaluate_after, train_with_death
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
@@ -148,7 +148,7 @@ def test_a_stage_killed_mid_run_is_null_filled_and_the_run_goes_on(
     assert same_run(result.trace, simulated, rtol=1e-10)
     # so are its test passes after training: b sends nothing and predicts nothing
     assert result.test is not None
-    want = evaluate_with_death(prepared, simulated.params, data.x_test, result.test.spec, 1)
+    want = evaluate_after(prepared, simulated.params, data.x_test, result.test.spec, death)
     assert result.test.same_as(want)
     assert result.test_acc == want.accuracy(data.y_test)
     # a survivor's wait for one of b's acknowledgements ended by the verdict, never at

@@ -24,13 +24,13 @@ What a run on stages does when a stage is killed (:mod:`zpipe.coordinator.lossy_
   their run-start values;
 - the test passes after a null-filled death (:func:`evaluate_with_death`) run without
   the dead device: it sends nothing and predicts nothing (after a remap they run on
-  the new allocation: :func:`zpipe.lossy.trace.evaluate_in_process` on it).
+  the new allocation; :func:`evaluate_after` picks the one a death asks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -241,6 +241,25 @@ def evaluate_with_death(
         dead=device,
     )  # heard nothing: every send of the dead device is cut
     return evaluate_in_process(prepared, params, x_test, spec, channel=cut, absent={device})
+
+
+def evaluate_after(
+    prepared: PreparedRun,
+    params: list[tuple[FloatArray, FloatArray]],
+    x_test: FloatArray,
+    spec: EvalSpec,
+    death: DeviceDeath | None,
+) -> EvalTrace:
+    """The test passes after training on the final weights ``params`` of a run with
+    ``death`` (None: nobody died): on the run's allocation, without a null-filled dead
+    device (:func:`evaluate_with_death`), or on the allocation a remap switched to."""
+    if death is None:
+        return evaluate_in_process(prepared, params, x_test, spec)
+    if death.alloc_after is None:
+        return evaluate_with_death(prepared, params, x_test, spec, death.device)
+    return evaluate_in_process(
+        replace(prepared, alloc=death.alloc_after, period=0), params, x_test, spec
+    )
 
 
 def _play(
