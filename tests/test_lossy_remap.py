@@ -12,14 +12,21 @@ import pytest
 
 from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.death_sim import DeviceDeath, heard_from_arrivals, train_with_death
+from zpipe.lossy.death_sim import (
+    DeviceDeath,
+    evaluate_after,
+    evaluate_with_death,
+    heard_from_arrivals,
+    train_with_death,
+)
 from zpipe.lossy.device_run import Switch
+from zpipe.lossy.evaluation import EvalSpec, eval_steps
 from zpipe.lossy.mapping import mapping_score, pass_counts
 from zpipe.lossy.partition import Allocation, partition
 from zpipe.lossy.remap import assemble_slices, initial_pieces, merge_super_neurons, remap_dead
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
-from zpipe.lossy.trace import same_run, train_in_process
+from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
 from zpipe.stage.lossy_passes import SharedInbox
 
 
@@ -207,3 +214,61 @@ def test_a_hold_the_coordinator_never_decides_ends_the_run_with_a_timeout() -> N
         inbox.begin(2)
     with pytest.raises(TransportTimeout):
         inbox.finish()
+
+
+@pytest.mark.parametrize("dead_at", [0, 1, 2])
+def test_test_passes_after_a_null_filled_death_are_those_of_a_silent_device(dead_at: int) -> None:
+    # A null-filled partial is zeros: so a device that sends nothing is, for the others'
+    # predictions, a device whose slices (and input columns) are zero and whose sends
+    # all arrive. Only the traffic differs: the dead device's own sends are not counted.
+    prepared = _prepared()
+    data = _data()
+    params = train_in_process(prepared, data).params
+    topo = Topology(prepared.alloc)
+    dead = prepared.alloc.device_of[dead_at]
+    silent = [(w.copy(), b.copy()) for w, b in params]
+    for layer, (w, b) in enumerate(silent, 1):
+        sl = topo.slice_of(layer, dead)
+        if sl is not None:
+            w[sl.start : sl.stop], b[sl.start : sl.stop] = 0.0, 0.0
+    x = data.x_test.copy()
+    sl0 = topo.slice_of(0, dead)
+    if sl0 is not None:
+        x[:, sl0.start : sl0.stop] = 0.0
+    spec = EvalSpec(len(x), 5, repeats=2)
+    alive = evaluate_in_process(prepared, silent, x, spec)
+    died = evaluate_with_death(prepared, silent, x, spec, dead)
+    owners = [d for d, _ in topo.owners[topo.last]]
+    assert died.predictions.keys() == alive.predictions.keys()
+    for step, views in alive.predictions.items():
+        want = [v for d, v in zip(owners, views, strict=True) if d != dead]
+        assert len(died.predictions[step]) == len(want)
+        assert all(np.array_equal(a, b) for a, b in zip(died.predictions[step], want, strict=True))
+    # the dead device's sends: one per (pass, receiver) it would have sent to
+    sends = sum(
+        1
+        for layer in range(topo.n_layers)
+        if topo.slice_of(layer, dead) is not None
+        for dst in _test_receivers(topo, layer, dead)
+    ) * len(eval_steps(spec))
+    assert sends > 0 and died.traffic.messages == alive.traffic.messages - sends
+    # and the dead device's weights do not matter: it sends nothing
+    assert died.same_as(evaluate_with_death(prepared, params, x, spec, dead))
+    # the test passes a death asks for: nobody's, the null-filled run's, the remapped one's
+    assert evaluate_after(prepared, silent, x, spec, None).same_as(alive)
+    assert evaluate_after(prepared, silent, x, spec, DeviceDeath(dead, {})).same_as(died)
+    after = remap_dead(prepared.alloc, prepared.topology.prr_measured, dead)
+    assert after is not None
+    remapped = evaluate_after(prepared, params, x, spec, DeviceDeath(dead, {}, 5, after))
+    on_after = evaluate_in_process(replace(prepared, alloc=after, period=0), params, x, spec)
+    assert remapped.same_as(on_after) and not remapped.same_as(died)
+    assert not died.same_as(evaluate_in_process(prepared, params, data.x_test, spec))
+    with pytest.raises(ConfigError):
+        evaluate_with_death(prepared, params, x, spec, 9)
+
+
+def _test_receivers(topo: Topology, layer: int, device: int) -> set[int]:
+    """Whom ``device`` sends its forward partial of ``layer`` in a test pass."""
+    if layer == topo.last:
+        return {d for d, _ in topo.owners[layer]} - {device}
+    return {d for d, _ in topo.owners[layer + 1]} - {device}

@@ -34,9 +34,9 @@ import pytest
 from zpipe.client.lossy_run import StagesLossyResult, run_lossy
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.death_sim import train_with_death
+from zpipe.lossy.death_sim import evaluate_after, train_with_death
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
-from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
+from zpipe.lossy.trace import same_run, train_in_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -191,8 +191,7 @@ def test_a_stage_killed_mid_run_is_remapped_and_the_run_equals_its_simulation(
     assert same_run(result.trace, simulated, rtol=1e-10)
     # the test passes under loss after training ran on the allocation switched to
     assert result.test is not None
-    tested = replace(prepared, alloc=after, period=0)
-    want = evaluate_in_process(tested, simulated.params, data.x_test, result.test.spec)
+    want = evaluate_after(prepared, simulated.params, data.x_test, result.test.spec, death)
     assert result.test.same_as(want)
     # the comparison sees the cut: a switch one mini-batch later is another run
     if switch_at < N_DATA:

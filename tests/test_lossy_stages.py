@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ from zpipe.cluster import LocalCluster
 from zpipe.coordinator.lossy_probe import PROBES_PER_LINK
 from zpipe.lossy import experiment
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.engine import LinkChannel
 from zpipe.lossy.evaluation import EvalSpec
-from zpipe.lossy.links import Direction, Recovery, Traffic, deliver
+from zpipe.lossy.links import Direction, Recovery, Traffic, Transmit, deliver
 from zpipe.lossy.partial import mlp_forward_backward
 from zpipe.lossy.simulate import (
     PreparedRun,
@@ -38,6 +39,7 @@ from zpipe.lossy.simulate import (
 from zpipe.lossy.trace import TrainingTrace, evaluate_in_process, train_in_process
 from zpipe.stage.lossy_recovery import WireCounts
 from zpipe.transport.codec import Message
+from zpipe.transport.emulation import LossKey
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -253,6 +255,76 @@ def test_a_stage_never_waits_past_its_deadline(
         assert result.test.same_as(
             evaluate_in_process(prepared, want.params, data.x_test, result.test.spec)
         )
+
+
+@dataclass
+class _CopyFates(LinkChannel):
+    """The run's links, counting each copy's and each acknowledgement's seeded fate."""
+
+    copies_lost: int = 0
+    acks_lost: int = 0
+    acks_come: int = 0
+
+    def send(self, src: int, dst: int, layer: int, step: int, direction: Direction,
+             *, transmit: Transmit | None = None) -> bool:  # fmt: skip
+        lost = self.keyed_loss()
+
+        def counted(key: LossKey) -> bool:
+            gone = lost(key)
+            if key.src == src:
+                self.copies_lost += int(gone)
+            else:  # an acknowledgement of a copy that arrived
+                self.acks_lost += int(gone)
+                self.acks_come += int(not gone)
+            return not gone
+
+        return super().send(src, dst, layer, step, direction, transmit=counted)
+
+
+@pytest.mark.parametrize("recovery", [Recovery("rtx", copies=2), Recovery("ack", max_attempts=3)])
+def test_retransmissions_in_deadline_mode_are_the_seeded_ones_whatever_arrives_in_time(
+    cluster: LocalCluster, stages: list[str], data: Dataset, recovery: Recovery
+) -> None:
+    # In deadline mode what a receiver gets depends on scheduling (a copy that misses
+    # its timeslot's end is late), but what each sender puts on its emulated links does
+    # not: every pass runs and sends, and every copy's fate is the seeded decision.
+    prepared = prepare_run(replace(BASE, allocation="hybrid", n_data=2, recovery=recovery), data)
+    fates = _CopyFates(prr=prepared.topology.prr, seed=BASE.seed, recovery=recovery)
+    want = train_in_process(prepared, data, channel=fates)
+    result = _run(cluster, prepared, data, stage_names=stages, mode="deadline", slot_s=0.15)
+    assert result.test is not None
+    tested = evaluate_in_process(prepared, result.trace.params, data.x_test, result.test.spec,
+                                 channel=fates)  # fmt: skip
+    # the same messages, copies and (seeded) acknowledgements as the simulation's
+    assert {k: v.as_dict() for k, v in result.trace.traffic.items()} == {
+        k: v.as_dict() for k, v in want.traffic.items()
+    }
+    assert result.test.traffic.as_dict() == tested.traffic.as_dict()
+    traffic = [*want.traffic.values(), tested.traffic]
+    data_tx = sum(t.data_tx for t in traffic)
+    assert data_tx > sum(t.messages for t in traffic)  # copies were repeated
+    wire = result.wire_totals()
+    assert wire["copies_sent"] + wire["copies_lost"] == data_tx
+    assert wire["copies_lost"] == fates.copies_lost > 0  # lost on the senders' links
+    # receivers got at most what the links let through, and only from senders the
+    # seeded decision delivers: a copy either came in time, came late, or came after
+    # the receiver's result
+    assert result.trace.arrivals.keys() == want.arrivals.keys()
+    for key, senders in result.trace.arrivals.items():
+        assert set(senders) <= set(want.arrivals[key])
+    assert 0 < wire["duplicates"] <= wire["copies_sent"] - sum(t.delivered for t in traffic)
+    # in deadline mode no sender waits for an acknowledgement; every one that came
+    # acknowledges a copy its sender sent (none dropped as bad or repeated)
+    assert all(not waits for waits in result.ack_waits.values()) and wire["acks_overdue"] == 0
+    assert wire["acks_dropped"] == 0
+    if recovery.scheme == "ack":
+        assert sum(t.ack_tx for t in traffic) == fates.acks_lost + fates.acks_come
+        assert 0 < wire["acks_received"] <= wire["acks_sent"] <= fates.acks_come
+        assert wire["acks_lost"] <= fates.acks_lost
+    else:
+        assert wire["acks_sent"] == wire["acks_lost"] == wire["acks_received"] == 0
+    if result.late == 0 and all(s == want.arrivals[k] for k, s in result.trace.arrivals.items()):
+        _assert_same_trace(result.trace, want)  # nothing missed its timeslot: as simulated
 
 
 def test_the_stages_measure_their_links_with_fifty_probes_and_the_run_maps_on_them(

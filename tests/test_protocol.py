@@ -101,6 +101,7 @@ ADDED_IN_V1 = {
         "stale": ["int/null", False],
         "test": ["dict/null", False],
         "on_wire": ["dict/null", False],
+        "ack_waits": ["dict/null", False],
     },
     # r-TX and ACK: each copy numbered; ACK: the copy's drop key
     "lossy_partial": {

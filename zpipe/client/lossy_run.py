@@ -95,6 +95,10 @@ class StagesLossyResult:
     #: discarded, acknowledgements sent, lost, received and dropped; see
     #: zpipe.stage.lossy_recovery.WireCounts)
     on_wire: dict[int, dict[str, int]] = field(default_factory=dict)
+    #: ACK in the emulated wait mode, by sender and receiver: the promised
+    #: acknowledgements awaited, overdue, not awaited (the receiver silent since an
+    #: overdue one) and the silences ended (zpipe.lossy.ack_patience.AckWaitCounts)
+    ack_waits: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
 
     def wire_totals(self) -> dict[str, int]:
         """:attr:`on_wire` summed over the devices."""
@@ -286,6 +290,7 @@ def result_from_report(
         remaps=remaps,
         stage_metrics=dict(parsed.metrics or {}),
         on_wire={d: _counts(m.on_wire) for d, m in results.items()},
+        ack_waits={d: _ack_waits(m.ack_waits) for d, m in results.items()},
     )
 
 
@@ -298,6 +303,23 @@ def _counts(body: Any) -> dict[str, int]:
     ):
         raise ProtocolError("lossy_result: on_wire must map counters to counts")
     return dict(body)
+
+
+def _ack_waits(body: Any) -> dict[int, dict[str, int]]:
+    """A result's ``ack_waits``: receiver -> counter -> count (empty if none)."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ProtocolError("lossy_result: ack_waits must map receivers to counts")
+    out: dict[int, dict[str, int]] = {}
+    for receiver, counts in body.items():
+        try:
+            out[int(receiver)] = _counts(counts)
+        except (TypeError, ValueError, ProtocolError):
+            raise ProtocolError(
+                f"lossy_result: ack_waits of {receiver!r} must map counters to counts"
+            ) from None
+    return out
 
 
 def _remaps(body: Any, alloc: Allocation) -> list[tuple[int, str, int, Allocation, int | None]]:

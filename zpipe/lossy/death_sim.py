@@ -21,25 +21,36 @@ What a run on stages does when a stage is killed (:mod:`zpipe.coordinator.lossy_
   pipeline of ``alloc_after`` from its first timeslot, the survivors with their
   trained slices and the taken-over neurons from the dead device's replica
   (``replica_step``: its slices right after its last pass of that mini-batch) or at
-  their run-start values.
+  their run-start values;
+- the test passes after a null-filled death (:func:`evaluate_with_death`) run without
+  the dead device: it sends nothing and predicts nothing (after a remap they run on
+  the new allocation; :func:`evaluate_after` picks the one a death asks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from zpipe._errors import ConfigError
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel, PartitionedMLP, Propagation
+from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.links import Direction, Transmit
+from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.schedule import PassEvent, events
 from zpipe.lossy.shard import DeviceShard, ShardFactory, Topology
 from zpipe.lossy.simulate import PreparedRun
-from zpipe.lossy.trace import TrainingTrace, mean_loss, merge_propagation
+from zpipe.lossy.trace import (
+    EvalTrace,
+    TrainingTrace,
+    evaluate_in_process,
+    mean_loss,
+    merge_propagation,
+)
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,49 @@ def train_with_death(
         propagation=_merge(propagation),
         traffic=dict(channel.traffic),
         arrivals=arrivals,
+    )
+
+
+def evaluate_with_death(
+    prepared: PreparedRun,
+    params: list[tuple[FloatArray, FloatArray]],
+    x_test: FloatArray,
+    spec: EvalSpec,
+    device: int,
+) -> EvalTrace:
+    """The test passes after training of a run whose ``device`` died and was null-filled
+    to the end (``switch_at = None``), on its final weights ``params``: the device
+    sends nothing (its partials are null-filled, its sends not counted) and predicts
+    nothing; the survivors still count what they send it, as on stages."""
+    if device not in prepared.alloc.device_of:
+        raise ConfigError(f"device {device} runs no part of this allocation")
+    cfg = prepared.config
+    cut = _CutChannel(
+        prr=prepared.topology.prr,
+        seed=cfg.seed,
+        recovery=cfg.recovery,
+        lossless=prepared.lossless,
+        dead=device,
+    )  # heard nothing: every send of the dead device is cut
+    return evaluate_in_process(prepared, params, x_test, spec, channel=cut, absent={device})
+
+
+def evaluate_after(
+    prepared: PreparedRun,
+    params: list[tuple[FloatArray, FloatArray]],
+    x_test: FloatArray,
+    spec: EvalSpec,
+    death: DeviceDeath | None,
+) -> EvalTrace:
+    """The test passes after training on the final weights ``params`` of a run with
+    ``death`` (None: nobody died): on the run's allocation, without a null-filled dead
+    device (:func:`evaluate_with_death`), or on the allocation a remap switched to."""
+    if death is None:
+        return evaluate_in_process(prepared, params, x_test, spec)
+    if death.alloc_after is None:
+        return evaluate_with_death(prepared, params, x_test, spec, death.device)
+    return evaluate_in_process(
+        replace(prepared, alloc=death.alloc_after, period=0), params, x_test, spec
     )
 
 

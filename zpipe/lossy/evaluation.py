@@ -15,7 +15,7 @@ score is the mean over the views of whether each predicted right.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,12 +89,19 @@ def eval_steps(spec: EvalSpec) -> list[EvalStep]:
     ]
 
 
-def lossy_predictions(model: PartitionedMLP, x_test: FloatArray, spec: EvalSpec) -> Predictions:
-    """Every output owner's predictions of each test pass of ``spec`` on ``model``."""
-    return {
-        t.step: [v.argmax(axis=1) for v in model.predict_views(x_test[t.start : t.stop], t.step)]
-        for t in eval_steps(spec)
-    }
+def lossy_predictions(
+    model: PartitionedMLP, x_test: FloatArray, spec: EvalSpec, *, absent: Collection[int] = ()
+) -> Predictions:
+    """Every output owner's predictions of each test pass of ``spec`` on ``model``, but
+    those of ``absent`` devices (dead ones: they predict nothing)."""
+    owners = [d for d, _ in model.owners[model.n_layers - 1]]  # predict_views' order
+    predictions: Predictions = {}
+    for t in eval_steps(spec):
+        views = model.predict_views(x_test[t.start : t.stop], t.step)
+        predictions[t.step] = [
+            v.argmax(axis=1) for d, v in zip(owners, views, strict=True) if d not in absent
+        ]
+    return predictions
 
 
 def accuracy(
@@ -119,10 +126,11 @@ def simulate_predictions(
     spec: EvalSpec,
     *,
     cnn: CnnSpec | None = None,
+    absent: Collection[int] = (),
 ) -> Predictions:
     """The in-process test passes of weights ``params`` (e.g. a run's final ones) over
     ``channel``'s links; its traffic counts them under ``"test"`` (``cnn``: the
-    layers are that CNN's)."""
+    layers are that CNN's; ``absent``: devices whose predictions are left out)."""
     if cnn is not None:
         from zpipe.lossy.torch_cnn import TorchCnnShard  # torch only for the CNN
 
@@ -134,6 +142,6 @@ def simulate_predictions(
             shard_factory=TorchCnnShard.factory(cnn),
             weight_shapes=[w for w, _ in cnn.param_shapes()],
         )
-        return lossy_predictions(model, x_test, spec)
+        return lossy_predictions(model, x_test, spec, absent=absent)
     model = PartitionedMLP(alloc, params, channel, lr=0.0)
-    return lossy_predictions(model, x_test, spec)
+    return lossy_predictions(model, x_test, spec, absent=absent)

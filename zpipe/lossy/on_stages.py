@@ -18,16 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from zpipe.client.lossy_run import run_lossy
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.death_sim import train_with_death
+from zpipe.lossy.death_sim import evaluate_after, train_with_death
 from zpipe.lossy.simulate import RunConfig, final_eval_index, prepare_run
-from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
+from zpipe.lossy.trace import same_run, train_in_process
 
 
 def run_stage_configs(
@@ -84,18 +83,11 @@ def _run_all(
                     if death is None
                     else train_with_death(prepared, data, death)
                 )
-                test_matches: bool | None = True
-                if result.test is not None and death is not None and death.alloc_after is None:
-                    # the survivors' test passes null-fill the dead device, whose sends
-                    # the simulated test passes would count: not compared
-                    test_matches = None
-                elif result.test is not None:
-                    # after a remap the test passes run on the allocation switched to
-                    tested = prepared
-                    if death is not None and death.alloc_after is not None:
-                        tested = replace(prepared, alloc=death.alloc_after, period=0)
-                    simulated_test = evaluate_in_process(
-                        tested, simulated.params, data.x_test, result.test.spec
+                test_matches = True
+                if result.test is not None:
+                    # without a null-filled dead device, or on the allocation switched to
+                    simulated_test = evaluate_after(
+                        prepared, simulated.params, data.x_test, result.test.spec, death
                     )
                     test_matches = result.test.same_as(simulated_test)
                 summary = result.trace.summary()
@@ -123,7 +115,7 @@ def _run_all(
                         if result.test is None
                         else result.test.traffic.as_dict(),
                         "test_matches_simulation": test_matches,
-                        "matches_simulation": test_matches is not False
+                        "matches_simulation": test_matches
                         and same_run(result.trace, simulated, rtol=1e-10),
                     }
                 )

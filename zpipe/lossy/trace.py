@@ -120,19 +120,26 @@ def evaluate_in_process(
     params: list[tuple[FloatArray, FloatArray]],
     x_test: FloatArray,
     spec: EvalSpec,
+    *,
+    channel: LinkChannel | None = None,
+    absent: Collection[int] = (),
 ) -> EvalTrace:
     """The test passes of weights ``params`` (a run's final ones) on ``prepared``'s
-    links, as the in-process simulation runs them."""
-    channel = LinkChannel(
-        prr=prepared.topology.prr,
-        seed=prepared.config.seed,
-        recovery=prepared.config.recovery,
-        lossless=prepared.lossless,
-    )
+    links, as the in-process simulation runs them (``channel``: those links, if not
+    the run's own; ``absent``: devices whose predictions are left out)."""
+    if channel is None:
+        channel = LinkChannel(
+            prr=prepared.topology.prr,
+            seed=prepared.config.seed,
+            recovery=prepared.config.recovery,
+            lossless=prepared.lossless,
+        )
     cnn = None
     if prepared.config.model == "cnn":
         cnn = cnn_spec(prepared.config, prepared.layer_sizes)
-    predictions = simulate_predictions(prepared.alloc, params, channel, x_test, spec, cnn=cnn)
+    predictions = simulate_predictions(
+        prepared.alloc, params, channel, x_test, spec, cnn=cnn, absent=absent
+    )
     return EvalTrace(spec, predictions, channel.traffic.get("test", Traffic()))
 
 
@@ -163,19 +170,25 @@ def evaluation_from_results(topo: Topology, spec: EvalSpec, bodies: Mapping[int,
 
 
 def train_in_process(
-    prepared: PreparedRun, data: Dataset, *, shard_factory: ShardFactory = DeviceShard
+    prepared: PreparedRun,
+    data: Dataset,
+    *,
+    shard_factory: ShardFactory = DeviceShard,
+    channel: LinkChannel | None = None,
 ) -> TrainingTrace:
     """Train ``prepared`` on the in-process engine, keeping the arrivals
-    (``shard_factory``: numpy shards, or torch ones)."""
+    (``shard_factory``: numpy shards, or torch ones; ``channel``: the run's links, if
+    not the plain ones, e.g. one that also counts each copy's fate)."""
     cfg = prepared.config
     if cfg.gpipe:
         raise ConfigError("GPipe runs are simulated only (zpipe.lossy.simulate.run_training)")
-    channel = LinkChannel(
-        prr=prepared.topology.prr,
-        seed=cfg.seed,
-        recovery=cfg.recovery,
-        lossless=prepared.lossless,
-    )
+    if channel is None:
+        channel = LinkChannel(
+            prr=prepared.topology.prr,
+            seed=cfg.seed,
+            recovery=cfg.recovery,
+            lossless=prepared.lossless,
+        )
     if cfg.model == "cnn":  # torch layers, whole convolutions (its only shards)
         model = partitioned_model(prepared, data, channel, record_arrivals=True)
     else:

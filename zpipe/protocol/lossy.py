@@ -135,6 +135,11 @@ class LossyResult(TensorMessage):
     # what really crossed the wire (zpipe.stage.lossy_recovery.WireCounts): copies sent
     # and lost, duplicates discarded, acknowledgements sent, lost, received, dropped
     on_wire: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # ACK in the emulated wait mode: per receiver ("device" -> counts), the promised
+    # acknowledgements this stage awaited, found overdue, did not await (the receiver
+    # silent since an overdue one) and the silences ended by hearing from it again
+    # (zpipe.lossy.ack_patience); omitted when none was promised
+    ack_waits: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message

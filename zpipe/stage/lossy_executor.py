@@ -373,6 +373,7 @@ class LossyExecutor:
         if msg.src not in st.peers or msg.src == self.index:
             raise ProtocolError(f"lossy_partial from device {msg.src}, not a peer of this run")
         assert self._inbox is not None  # set up with the state
+        self._inbox.acks.heard_from(msg.src)  # alive: its acknowledgements are awaited again
         where = self._inbox.route(msg.data, msg.kind in ("TF", "TS"))
         if where == "hold":  # it may belong to an allocation not decided yet
             self._held_partials.append(message)
@@ -517,6 +518,7 @@ class LossyExecutor:
             stale=self.stale,
             test=_test_body(st),
             on_wire=None if self._inbox is None else self._inbox.wire.as_dict(),
+            ack_waits=(self._inbox.acks.waits_body() or None) if self._inbox is not None else None,
             wall_s=wall_s,
             name=self.name,
             dead={str(d): first for d, first in self._inbox.dead.items()}

@@ -421,18 +421,24 @@ class PassLoop:
             if out.dst == self.index:
                 self.inbox.keep_own((data, kind, out.key_layer), self.index, out.values)
                 continue
-            put: list[int | None] = []  # the copies put on the wire
+            put: list[int | None] = []  # the copies the emulated link let through
+            left: set[int] = set()  # those of them that really left (sent in time)
 
             def transmit(
-                key: LossKey, out: Outgoing = out, kind: str = kind, put: list[int | None] = put
+                key: LossKey,
+                out: Outgoing = out,
+                kind: str = kind,
+                put: list[int | None] = put,
+                left: set[int] = left,
             ) -> bool:
                 if key.src != self.index:  # ACK: does copy key.copy's acknowledgement come?
-                    return self._ack_comes(data, kind, out, key)
+                    return self._ack_comes(data, kind, out, key, sent=key.copy in left)
                 if not self._links.transmit(key):  # the emulated link lost this copy
                     self.inbox.wire.copies_lost += 1
                     return False
                 put.append(key.copy)
-                self._put(data, kind, out, key.copy)
+                if self._put(data, kind, out, key.copy):
+                    left.add(key.copy)
                 return True
 
             delivered = st.channel.send(
@@ -441,11 +447,12 @@ class PassLoop:
             if delivered and not put:  # lossless: no link decided, the partial goes once
                 self._put(data, kind, out, None)
 
-    def _put(self, data: int, kind: str, out: Outgoing, copy: int | None) -> None:
-        """One copy of a partial on the wire (``copy``: its number, under r-TX and ACK)."""
+    def _put(self, data: int, kind: str, out: Outgoing, copy: int | None) -> bool:
+        """One copy of a partial on the wire (``copy``: its number, under r-TX and ACK);
+        False if it did not leave (its receiver is dead, or its send timed out)."""
         st = self.st
         if self.inbox.is_dead(out.dst):
-            return  # nobody to receive it
+            return False  # nobody to receive it
         scheme = st.spec.recovery.scheme
         number = None if scheme == "none" else copy
         ack = scheme == "ack" and number is not None
@@ -462,27 +469,29 @@ class PassLoop:
             )
         except TransportTimeout as exc:  # the receiver null-fills it at its deadline
             log.warning("lossy_partial_not_sent", stage=self._stage, error=str(exc))
-            return
+            return False
         self.inbox.wire.copies_sent += 1
+        return True
 
-    def _ack_comes(self, data: int, kind: str, out: Outgoing, key: LossKey) -> bool:
+    def _ack_comes(self, data: int, kind: str, out: Outgoing, key: LossKey, *, sent: bool) -> bool:
         """Whether copy ``key.copy``'s acknowledgement comes back: the seeded decision of
         the receiver's link back. Where it comes, the emulated wait mode waits for the
-        real ``lossy_ack`` (at most ``wait_s``) before the next copy; the count of copies
-        stays the decision's, so the run equals its simulation."""
+        real ``lossy_ack`` (at most ``wait_s``) before the next copy, unless the copy
+        never left (``sent``) or its receiver is silent since an overdue one
+        (:mod:`zpipe.lossy.ack_patience`); the count of copies stays the decision's,
+        whatever the wait did, so the run equals its simulation."""
         comes = not self._keyed_loss(key)
         st = self.st
-        if not comes or st.spec.mode != "emulated" or self.inbox.is_dead(out.dst):
+        if not comes or not sent or st.spec.mode != "emulated" or self.inbox.is_dead(out.dst):
             return comes
         ack = _ack_id(data, kind, out, key.copy)
         stopped = lambda: self.inbox.stopped or self.inbox.is_dead(out.dst)  # noqa: E731
-        if not self.inbox.acks.wait(ack, st.spec.wait_s, stopped):
-            if self.inbox.stopped:
-                raise RunStopped()
-            if not self.inbox.is_dead(out.dst):
-                self.inbox.wire.acks_overdue += 1
-                log.warning("lossy_ack_overdue", stage=self._stage, ack=ack,
-                            wait_s=st.spec.wait_s)  # fmt: skip
+        outcome = self.inbox.acks.await_ack(ack, st.spec.wait_s, stopped)
+        if outcome == "cut" and self.inbox.stopped:
+            raise RunStopped()
+        if outcome == "overdue":
+            log.warning("lossy_ack_overdue", stage=self._stage, ack=ack, wait_s=st.spec.wait_s,
+                        receiver=out.dst, waits_again="once heard from")  # fmt: skip
         return comes
 
     def _send(self, dst: int, message: Message) -> None:

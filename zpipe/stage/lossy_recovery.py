@@ -15,12 +15,16 @@ numbered by ``copy``:
   decision says it arrives, and only in the emulated wait mode, for at most the
   run's ``wait_s``. So the number of copies stays the seeded decision's (a run
   still equals its simulation); a promised acknowledgement that does not come in
-  time is counted (``acks_overdue``), and in deadline mode, whose timeslots leave
-  no time for a round trip, the sender does not wait, and the acknowledgements
-  that come are counted.
+  time is counted (``acks_overdue``) and makes its receiver silent: none of its
+  acknowledgements is awaited until it is heard from again
+  (:mod:`zpipe.lossy.ack_patience`), so a receiver that died unannounced costs its
+  sender one ``wait_s``, not one per copy, until the coordinator's verdict. In
+  deadline mode, whose timeslots leave no time for a round trip, the sender does
+  not wait, and the acknowledgements that come are counted.
 
 What really crossed is counted per stage (:class:`WireCounts`) and reported in
-``lossy_result``'s ``on_wire``. Each counter is written by one thread only: the
+``lossy_result``'s ``on_wire``; what was decided about each receiver's
+acknowledgements in ``ack_waits``. Each counter is written by one thread only: the
 pass loop's (compute thread) by the sender side, the others by the event loop or
 under the inbox's lock.
 """
@@ -31,11 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
 from zpipe.log import get_logger
+from zpipe.lossy.ack_patience import AckPatience
 from zpipe.lossy.links import ack_key
 from zpipe.protocol.lossy import LossyAck, LossyPartial
 from zpipe.transport.codec import Message
@@ -68,12 +74,22 @@ class WireCounts:
         return asdict(self)
 
 
+#: how a sender's wait for one acknowledgement ended (:meth:`AckBook.await_ack`)
+AckWait = Literal["heard", "overdue", "unawaited", "cut"]
+
+
 class AckBook:
     """The copies a sender waits to hear acknowledged, and the acknowledgements heard.
 
     The pass loop registers a copy before sending it (:meth:`expect`), so an
     acknowledgement that comes for anything else is dropped and counted, never an
-    error; the event loop files what comes (:meth:`arrived`).
+    error; the event loop files what comes (:meth:`arrived`) and notes every peer it
+    hears from (:meth:`heard_from`). Whether to wait at all is
+    :class:`zpipe.lossy.ack_patience.AckPatience`'s decision: after one overdue
+    acknowledgement a receiver's are not awaited until it is heard from again.
+
+    Lock order: :meth:`await_ack` calls its ``stopped`` (which takes the inbox's lock)
+    with this book's lock held, so nobody may call into the book holding the inbox's.
     """
 
     def __init__(self, counts: WireCounts) -> None:
@@ -81,6 +97,7 @@ class AckBook:
         self._cond = threading.Condition()
         self._expected: set[AckId] = set()
         self._heard: set[AckId] = set()
+        self._patience = AckPatience()
 
     def expect(self, ack: AckId) -> None:
         with self._cond:
@@ -95,19 +112,51 @@ class AckBook:
                 return False
             self._heard.add(ack)
             self._counts.acks_received += 1
+            self._patience.heard(ack[3])
             self._cond.notify_all()
             return True
+
+    def heard_from(self, device: int) -> None:
+        """A partial of ``device``'s came (event loop): it is alive, wait for its
+        acknowledgements again."""
+        with self._cond:
+            self._patience.heard(device)
 
     def wait(self, ack: AckId, timeout_s: float, stopped: Callable[[], bool]) -> bool:
         """Wait (pass loop) until ``ack`` is heard, at most ``timeout_s``, or the run stops."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while ack not in self._heard:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or stopped():
-                    return False
-                self._cond.wait(min(remaining, _STOP_POLL_S))
-            return True
+            return self._wait_locked(ack, deadline, stopped) == "heard"
+
+    def await_ack(self, ack: AckId, timeout_s: float, stopped: Callable[[], bool]) -> AckWait:
+        """A promised acknowledgement is due (pass loop): ``"unawaited"`` if its receiver
+        is silent since an overdue one, else wait as :meth:`wait` does; ``"overdue"``
+        (counted; the receiver is silent from now on) if it did not come in time,
+        ``"cut"`` if ``stopped`` said so first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if not self._patience.should_wait(ack[3]):
+                return "unawaited"
+            outcome = self._wait_locked(ack, deadline, stopped)
+            if outcome == "overdue":
+                self._patience.overdue(ack[3])
+                self._counts.acks_overdue += 1
+            return outcome
+
+    def _wait_locked(self, ack: AckId, deadline: float, stopped: Callable[[], bool]) -> AckWait:
+        while ack not in self._heard:
+            if stopped():
+                return "cut"
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "overdue"
+            self._cond.wait(min(remaining, _STOP_POLL_S))
+        return "heard"
+
+    def waits_body(self) -> dict[str, dict[str, int]]:
+        """What was decided about each receiver's acknowledgements (``ack_waits``)."""
+        with self._cond:
+            return self._patience.as_body()
 
 
 class AckSender:
