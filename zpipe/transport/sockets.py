@@ -28,7 +28,10 @@ the plan's (:meth:`ReceiveLimits.for_largest_message`) once it is known. Both
 options are copied when the socket binds (into the listener, whose accepted
 connections inherit them): :func:`rebind_with_limits` re-binds with new limits,
 which govern the connections made after it (earlier ones keep theirs), so call
-it before the plan's peers are told to connect. What no
+it before the plan's peers are told to connect, and only when the limits change:
+re-binding while a connected peer was sending segfaulted libzmq 4.3.5's I/O
+thread as the old listener went down (a recovering stage, once in a few runs
+under load). What no
 libzmq option bounds: the frame count of one multipart message (each frame
 under ``MAXMSGSIZE``) and the number of connections; only CURVE allow-lists
 (``--keys``), which refuse unknown peers at the handshake, bound those.
