@@ -51,17 +51,21 @@ def _executor(sent: list[Message], *, data_in: Any = None) -> LossyExecutor:
     def connect(endpoint: str, key: str | None, peer: str) -> Any:
         raise AssertionError("set-up connects to nobody: peers connect at lossy_go")
 
+    async def apply_limits(limits: Any) -> None:
+        return None
+
+    port = data_in if data_in is not None else _UnlimitedPort()
     return LossyExecutor(
         name="s0",
         # no receive loop reads _UnlimitedPort: it only answers the limit the port has
-        data_in=data_in if data_in is not None else _UnlimitedPort(),
+        data_in=lambda: port,
         data_allow=None,
         connector=connect,
         compute=ThreadPoolExecutor(max_workers=1),
         supervisor=TaskSupervisor("s0", lambda name, error: None),
         send_control=send_control,
         stop_data=stop_data,
-        apply_limits=lambda limits: None,
+        apply_limits=apply_limits,
         max_message_bytes=1 << 20,
         send_timeout_s=1.0,
     )

@@ -24,13 +24,13 @@ from zpipe.stage.dataport import DataPort
 from zpipe.stage.inference import InferenceLoop
 from zpipe.stage.lifecycle import Command, ConnectAssignment, DataRoute, DropMessage, StageLifecycle
 from zpipe.stage.metrics import StageCounters
-from zpipe.stage.ports import StageKeys, data_port_limits
+from zpipe.stage.ports import StageKeys, StagePorts, data_port_limits
 from zpipe.stage.shard import Shard
 from zpipe.stage.supervision import TaskSupervisor, describe_error
 from zpipe.stage.trainer import TrainingExecutor
 from zpipe.stage.training_plane import TrainingPlane, prepare_training, training_setup
 from zpipe.transport.codec import Message
-from zpipe.transport.sockets import ReceiveLimits, rebind_with_limits
+from zpipe.transport.sockets import ReceiveLimits
 
 log = get_logger("zpipe.stage")
 
@@ -47,9 +47,8 @@ class DataPlane:
         compute: ThreadPoolExecutor,
         counters: StageCounters,
         keys: StageKeys,
-        data_in: zmq.asyncio.Socket,
+        ports: StagePorts,
         data_endpoint: str,
-        data_bound: str,
         lifecycle: StageLifecycle,
         supervisor: TaskSupervisor,
         fetch_state: FetchState,
@@ -59,9 +58,8 @@ class DataPlane:
         self._compute = compute
         self._counters = counters
         self._keys = keys
-        self._data_in = data_in
+        self._ports = ports  # its data socket is reopened when a plan changes the limits
         self._data_endpoint = data_endpoint
-        self._data_bound = data_bound
         # the data port keeps its small pre-plan limits until the first assignment, then
         # the limits of each assignment's model (by spec: the last one computed)
         self._plan_limits: tuple[ModelSpec, ReceiveLimits] | None = None
@@ -117,7 +115,7 @@ class DataPlane:
             if self._keys.data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
                 self._keys.data_allow.replace([k.encode() for k in built.senders if k])
-            self._apply_data_limits(ModelSpec.from_dict(body["model"]))
+            await self._apply_data_limits(ModelSpec.from_dict(body["model"]))
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=name, run=run, error=str(exc))
             return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))
@@ -134,11 +132,11 @@ class DataPlane:
             max_message_bytes=limits.max_message_bytes if limits is not None else None,
         )
 
-    def _apply_data_limits(self, spec: ModelSpec) -> None:
+    async def _apply_data_limits(self, spec: ModelSpec) -> None:
         """Give the data port the receive limits of this assignment's model before any
         of its peers connect (libzmq fixes a connection's limits when it is accepted:
         a peer that connected before keeps the ones it had)."""
-        if not self._data_bound:
+        if not self._ports.data_bound:
             return
         if self._plan_limits is not None and self._plan_limits[0] == spec:
             limits = self._plan_limits[1]
@@ -152,27 +150,28 @@ class DataPlane:
             log.info("data_limits", stage=self.config.name, source=source,
                      max_message_bytes=limits.max_message_bytes,
                      recv_hwm=limits.recv_hwm)  # fmt: skip
-        self._rebind(limits)
+        await self._rebind(limits)
         self._plan_limits = (spec, limits)
 
-    def apply_limits(self, limits: ReceiveLimits) -> None:
+    async def apply_limits(self, limits: ReceiveLimits) -> None:
         """Give the data port ``limits`` for a run that is not an assignment (a lossy
         run's partials), before its peers connect; the next assignment sets its own."""
-        if not self._data_bound:
+        if not self._ports.data_bound:
             return
-        self._rebind(limits)
+        await self._rebind(limits)
         self._plan_limits = None
 
-    def _rebind(self, limits: ReceiveLimits) -> None:
-        """Bind the data port again under ``limits`` unless it is bound with them
-        already (a recovery or a new run of the same model): the connections it
-        accepted keep them. Re-binding while peers are connected and sending (a
-        recovery's upstream) crashed stages inside libzmq 4.3.5: a segfault in its
-        I/O thread while the old listener went down (seen in CI as a live stage
-        that stopped answering)."""
+    async def _rebind(self, limits: ReceiveLimits) -> None:
+        """Reopen the data port under ``limits`` unless it is bound with them already
+        (a recovery or a new run of the same model): the connections it accepted
+        keep them, and its upstream does not reconnect. Re-binding one socket while
+        peers were connected and sending (a recovery's upstream) crashed stages
+        inside libzmq 4.3.5, a segfault in its I/O thread (seen in CI as a live
+        stage that stopped answering); a fresh socket does not
+        (:mod:`zpipe.transport.reopen`)."""
         if limits == self._bound_limits:
             return
-        rebind_with_limits(self._data_in, self._data_bound, limits)
+        await self._ports.reopen_data_in(limits)
         self._bound_limits = limits
         log.info("data_port_rebound", stage=self.config.name,
                  max_message_bytes=limits.max_message_bytes,
@@ -235,7 +234,7 @@ class DataPlane:
 
     def _start_tasks(self, assignment: Assignment) -> None:
         port = DataPort(
-            socket=self._data_in,
+            socket=self._ports.data_in,
             lifecycle=self._lifecycle,
             counters=self._counters,
             name=self.config.name,

@@ -93,14 +93,14 @@ class LossyExecutor:
         self,
         *,
         name: str,
-        data_in: zmq.asyncio.Socket,
+        data_in: Callable[[], zmq.asyncio.Socket],
         data_allow: security.PeerAllowList | None,
         connector: PushConnector,
         compute: ThreadPoolExecutor,
         supervisor: TaskSupervisor,
         send_control: SendControl,
         stop_data: Callable[[], Awaitable[None]],
-        apply_limits: Callable[[ReceiveLimits], None],
+        apply_limits: Callable[[ReceiveLimits], Awaitable[None]],
         max_message_bytes: int,
         send_timeout_s: float,
     ) -> None:
@@ -278,7 +278,7 @@ class LossyExecutor:
             st = build_run(setup, setup.device, shard_factory=TorchDeviceShard)
             # An idle port takes 64 KiB messages, an assignment's those of its model: a
             # larger partial would cost its connection. Set before any peer connects.
-            self._raise_limits(st.spec.batch * max(st.spec.alloc.layer_sizes) * 8)
+            await self._raise_limits(st.spec.batch * max(st.spec.alloc.layer_sizes) * 8)
             names = _by_index(setup.names, "names")
             self._allow_peers(names, _by_index(setup.keys, "keys"), setup.device, st.peers)
         except Exception as exc:  # any failure to set up is reported: the stage keeps serving
@@ -301,15 +301,15 @@ class LossyExecutor:
         ready = LossyReady(run=setup.run, device=setup.device, error=error).to_message()
         await self._send_control(Message(ready.kind, ready.body, epoch=message.epoch))
 
-    def _raise_limits(self, largest: int) -> None:
-        """Rebind the data port with room for a ``largest``-byte partial, only where its
-        limit is smaller: rebinding tears down the connections it has, and libzmq
-        has been seen to crash (SIGSEGV in its I/O thread) rebinding a port again
-        and again while peers connect and leave."""
-        limit = self._data_in.getsockopt(zmq.MAXMSGSIZE)
+    async def _raise_limits(self, largest: int) -> None:
+        """Reopen the data port with room for a ``largest``-byte partial, only where its
+        limit is smaller: reopening tears down the connections it has (libzmq
+        crashed in its I/O thread re-binding one socket while peers sent, so the
+        port is a fresh socket now: :mod:`zpipe.transport.reopen`)."""
+        limit = self._data_in().getsockopt(zmq.MAXMSGSIZE)
         needed = ReceiveLimits.for_largest_message(min(largest, self._max_bytes))
         if 0 <= int(limit) < needed.max_message_bytes:
-            self._apply_limits(needed)
+            await self._apply_limits(needed)
 
     async def close(self) -> None:
         await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
@@ -330,7 +330,7 @@ class LossyExecutor:
         async def receive() -> list[zmq.Frame]:
             # cancelled when the run is replaced or the stage stops: no deadline needed
             return await recv_frames(
-                self._data_in, timeout_s=None, peer="lossy peers", awaited="a partial"
+                self._data_in(), timeout_s=None, peer="lossy peers", awaited="a partial"
             )
 
         async def handle(frames: list[zmq.Frame]) -> None:

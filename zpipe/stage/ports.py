@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import zmq
 import zmq.asyncio
@@ -31,6 +31,7 @@ from zpipe.stage.linkprobe import PROBE_DOMAIN
 from zpipe.stage.peer_policy import UNAUTHENTICATED, PeerIdentity
 from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
+from zpipe.transport.reopen import bind_when_free
 from zpipe.transport.sockets import (
     ReceiveLimits,
     SocketOptions,
@@ -97,8 +98,12 @@ class StagePorts:
     data_endpoint: str
     probe_endpoint: str
     bulk: zmq.asyncio.Socket | None = None
-    # what the data socket is bound to (port resolved): rebound when a plan raises its limits
+    # what the data socket is bound to (port resolved): reopened when a plan changes its limits
     data_bound: str = ""
+    # what a fresh data socket is made with (reopen_data_in)
+    _context: zmq.asyncio.Context | None = field(default=None, repr=False)
+    _options: SocketOptions | None = field(default=None, repr=False)
+    _keypair: security.KeyPair | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, context: zmq.asyncio.Context, config: StageConfig, keys: StageKeys) -> StagePorts:
@@ -138,7 +143,27 @@ class StagePorts:
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(bulk, keys.keypair, keys.coordinator_key)
         bulk.connect(config.coordinator)
-        return cls(control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound)
+        return cls(
+            control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound,
+            _context=context, _options=opts, _keypair=keys.keypair,
+        )  # fmt: skip
+
+    async def reopen_data_in(self, limits: ReceiveLimits) -> zmq.asyncio.Socket:
+        """Close the data socket and bind a fresh one to the same endpoint under
+        ``limits`` (libzmq fixes a listener's limits at bind; re-binding one socket
+        while a peer sends crashed it: :mod:`zpipe.transport.reopen`). Its peers
+        reconnect by themselves; what the old one had queued is dropped (a new plan
+        drops an older plan's messages anyway). Call it with no task waiting on it."""
+        assert self._context is not None and self._options is not None and self.data_bound
+        self.data_in.close(linger=0)
+        fresh = open_socket(self._context, zmq.PULL, self._options, limits=limits)
+        if self._keypair is not None:
+            security.secure_server(fresh, self._keypair)
+        # the stage keeps an open socket even if the bind fails (the assignment fails;
+        # the next one tries again), never a closed one
+        self.data_in = fresh
+        await bind_when_free(fresh, self.data_bound)
+        return fresh
 
     def close(self) -> None:
         for sock in (self.data_in, self.probe_in, self.control, self.bulk):

@@ -173,16 +173,15 @@ class StageRuntime:
             compute=self._compute,
             counters=self.counters,
             keys=self._keys,
-            data_in=ports.data_in,
+            ports=ports,
             data_endpoint=self.data_endpoint,
-            data_bound=ports.data_bound,
             lifecycle=self._lifecycle,
             supervisor=self._supervisor,
             fetch_state=self._snapshots.fetched_state,
         )
         self._lossy = LossyExecutor(
             name=self.config.name,
-            data_in=ports.data_in,
+            data_in=lambda: ports.data_in,  # reopened when a plan changes its limits
             data_allow=self._keys.data_allow,
             connector=push_connector(self._context, opts, keypair),
             compute=self._compute,

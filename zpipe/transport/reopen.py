@@ -1,0 +1,43 @@
+"""Binding a fresh socket to an endpoint another socket of this process just left.
+
+New receive limits need a new listener (libzmq copies ``MAXMSGSIZE`` and
+``RCVHWM`` into it at bind). Unbinding and binding the same socket again while
+a connected peer sends crashed libzmq 4.3.5's I/O thread (a segfault while the
+old listener's connections went down): a PULL with three PUSH peers sending
+crashed in every one of 6 runs of 400 re-binds, where closing it and binding a
+new PULL to the same port never did (0 of 6; 0 of 10 more without waiting for
+traffic). So a port changes its limits by reopening: the caller closes the old
+socket (linger 0) and binds its replacement with :func:`bind_when_free`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from zpipe._errors import ConfigError
+
+# libzmq's reaper closes the old listener asynchronously: the port is free after a
+# few milliseconds, longer on a loaded machine.
+FREE_PORT_WAIT_S = 5.0
+_RETRY_S = 0.002
+
+
+async def bind_when_free(
+    sock: zmq.asyncio.Socket, endpoint: str, *, wait_s: float = FREE_PORT_WAIT_S
+) -> None:
+    """Bind ``sock`` to ``endpoint`` (a resolved address), retrying while the port is
+    still held by a socket being closed; ConfigError past ``wait_s``. Waits on the
+    event loop, so heartbeats go on meanwhile."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise ConfigError(f"cannot bind {endpoint} again: {exc}") from None
+        await asyncio.sleep(_RETRY_S)
