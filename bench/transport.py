@@ -76,6 +76,24 @@ zpipe's stages do), for both paths alike; ``--no-retain-memory`` turns that off,
 and then every large message libzmq receives may page-fault its buffer in again,
 which lowers both paths and hurts the slower consumer (zpipe) most.
 
+Fairness. Alike: high-water marks, LINGER, one libzmq I/O thread per context,
+allocator settings (per process), zero-copy sends from 512 KiB (at 64 KiB zpipe
+copies and raw shares: ``zpipe_shared`` has raw's flags). The raw sender builds
+a buffer per message, as zpipe's ``encode`` does (it reused one before, which
+spared pyzmq's collector thread a release). Raw's by design: nothing decoded or
+validated, and it waits inside libzmq (blocking, GIL released); an asyncio
+sender or receiver cannot. ``cpu_us_per_message_by_thread`` splits the CPU by
+process and thread (main, zmq_io, other: mostly pyzmq's collector of zero-copy
+buffers). At 1 MiB (2 cores, load 6-12) the I/O threads cost the same on both
+paths (about 150 us sending, 130 receiving); zpipe's extra 60-90 us are in
+Python: sender main 31-37 against 10, receiver main 44-49 against 12-19, the
+collector 15-21 against 8-11. In isolation encode is 3 us, decode 6, the
+zero-copy frame 2.5 (raw's too), a failed non-blocking receive 3; in the loop
+each costs 2-3x that (cold caches). Cyclic GC (4 runs per 12000 messages) and
+page faults (none per message) are not it. At 16 MiB zpipe's receiver main
+thread costs 200-330 us against 80-100 although nothing in it reads the data
+(decode takes 7 us at 16 MiB in isolation, 100-130 in the loop); not explained.
+
 Every wait has a deadline (``--timeout``), the whole run has one too
 (``--deadline``), and the receiver is killed if anything fails.
 """
