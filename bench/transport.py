@@ -91,8 +91,9 @@ collector 15-21 against 8-11. In isolation encode is 3 us, decode 6, the
 zero-copy frame 2.5 (raw's too), a failed non-blocking receive 3; in the loop
 each costs 2-3x that (cold caches). Cyclic GC (4 runs per 12000 messages) and
 page faults (none per message) are not it. At 16 MiB zpipe's receiver main
-thread costs 200-330 us against 80-100 although nothing in it reads the data
-(decode takes 7 us at 16 MiB in isolation, 100-130 in the loop); not explained.
+thread costs 200-470 us against 80-170 although nothing in it reads the data:
+every step slows alike (decode 7 us in isolation, 80-130 in the loop; reading a
+frame's ``buffer`` 1.3 us at 1 MiB, 7-15 at 16), most likely cold caches.
 
 Every wait has a deadline (``--timeout``), the whole run has one too
 (``--deadline``), and the receiver is killed if anything fails.
