@@ -84,16 +84,18 @@ spared pyzmq's collector thread a release). Raw's by design: nothing decoded or
 validated, and it waits inside libzmq (blocking, GIL released); an asyncio
 sender or receiver cannot. ``cpu_us_per_message_by_thread`` splits the CPU by
 process and thread (main, zmq_io, other: mostly pyzmq's collector of zero-copy
-buffers). At 1 MiB (2 cores, load 6-12) the I/O threads cost the same on both
-paths (about 150 us sending, 130 receiving); zpipe's extra 60-90 us are in
-Python: sender main 31-37 against 10, receiver main 44-49 against 12-19, the
-collector 15-21 against 8-11. In isolation encode is 3 us, decode 6, the
+buffers). At 1 MiB (2 cores, load 8-13, three runs) the I/O threads cost the
+same on both paths (about 150 us sending, 100-150 receiving); zpipe's extra is
+Python: sender main 32-49 us against 13-23, receiver main 48-85 against 13-26;
+the collector costs alike (10-23). In isolation encode is 3 us, decode 6, the
 zero-copy frame 2.5 (raw's too), a failed non-blocking receive 3; in the loop
-each costs 2-3x that (cold caches). Cyclic GC (4 runs per 12000 messages) and
-page faults (none per message) are not it. At 16 MiB zpipe's receiver main
-thread costs 200-470 us against 80-170 although nothing in it reads the data:
-every step slows alike (decode 7 us in isolation, 80-130 in the loop; reading a
-frame's ``buffer`` 1.3 us at 1 MiB, 7-15 at 16), most likely cold caches.
+each costs 2-3x that (cold caches). Cyclic GC (4 passes per 12000 messages),
+page faults (none per message) and system calls are not it: a receive costs
+libzmq's own (3-4 polls of the socket's mailbox, one read) on both paths, plus
+one epoll wait on zpipe's. At 16 MiB zpipe's receiver main thread costs 380-470
+us against 130-170 although nothing in it reads the data: every step slows
+alike (decode 7 us in isolation, 80-130 in the loop; reading a frame's
+``buffer`` 1.3 us at 1 MiB, 7-15 at 16), most likely cold caches.
 
 Every wait has a deadline (``--timeout``), the whole run has one too
 (``--deadline``), and the receiver is killed if anything fails.
