@@ -82,7 +82,9 @@ copies and raw shares: ``zpipe_shared`` has raw's flags). The raw sender builds
 a buffer per message, as zpipe's ``encode`` does (it reused one before, which
 spared pyzmq's collector thread a release). Raw's by design: nothing decoded or
 validated, and it waits inside libzmq (blocking, GIL released); an asyncio
-sender or receiver cannot. ``cpu_us_per_message_by_thread`` splits the CPU by
+sender or receiver cannot. zpipe's sink holds a message until the next arrives
+(raw's drops it at once): one message more memory, no CPU or faults seen.
+``cpu_us_per_message_by_thread`` splits the CPU by
 process and thread (main, zmq_io, other: mostly pyzmq's collector of zero-copy
 buffers). At 1 MiB (2 cores, load 8-13, three runs) the I/O threads cost the
 same on both paths (about 150 us sending, 100-150 receiving); zpipe's extra is
