@@ -24,7 +24,7 @@ Batch = tuple[torch.Tensor, ...]
 # (name, slowdown before scaling): Jetson Xavier NX, TX2 and Nano, roughly.
 DEVICES = (("nx-a", 1.0), ("nx-b", 1.0), ("tx2", 1.5), ("nano", 3.0))
 BANDWIDTH_MBPS = 200.0
-HOST_CORE_SHARE = 0.5  # see bench/inference.py
+HOST_CORE_SHARE = 0.5  # see bench/_inference_common.py
 
 
 @dataclass

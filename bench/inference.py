@@ -44,10 +44,10 @@ of a run, pipeline fill and drain included.
    (1.5x slower, 200 Mbit/s), their slowdowns all multiplied by one factor
    (``--hetero-slowdown-scale``; by default the least at which the three
    devices, busy at once, use at most half this machine's cores: 2 on two
-   cores; ``HOST_CORE_SHARE`` says why), runs the model with
-   ``planner="pipeedge"`` (the coordinator's default: every stage profiles the
-   model itself, all at once, and the PipeEdge DP picks the devices, their
-   order and the split) and with ``planner="even"`` (GPipe's partition over
+   cores; ``HOST_CORE_SHARE`` in ``bench/_inference_common.py`` says why),
+   runs the model with ``planner="pipeedge"`` (the coordinator's default: every
+   stage profiles the model itself, all at once, and the PipeEdge DP picks the
+   devices, their order and the split) and with ``planner="even"`` (GPipe's partition over
    the devices in the given order), with at most ``--hetero-max-in-flight``
    micro-batches in flight. One warm-up run per planner keeps profiling and
    shard building out of the timed runs. The even run carries no prediction
