@@ -38,33 +38,33 @@ of a run, pipeline fill and drain included.
    Summary keys: ``ratio_vs_torch_rpc`` = zpipe samples/s / torch_rpc
    samples/s, and the other keys without a ``hetero_`` prefix.
 
-2. ``hetero`` (``--skip-hetero`` leaves it out): PipeEdge's plan against the
-   even partition, measured in the same run. A LocalCluster of three devices,
-   ``fast`` (1x, 800 Mbit/s), ``slow`` (4x slower, 400 Mbit/s) and ``mid``
-   (1.5x slower, 200 Mbit/s), their slowdowns all multiplied by one factor
-   (``--hetero-slowdown-scale``; by default the least at which the three
-   devices, busy at once, use at most half this machine's cores: 2 on two
-   cores; ``HOST_CORE_SHARE`` in ``bench/_inference_common.py`` says why),
-   runs the model with ``planner="pipeedge"`` (the coordinator's default: every
-   stage profiles the model itself, all at once, and the PipeEdge DP picks the
-   devices, their order and the split) and with ``planner="even"`` (GPipe's partition over
-   the devices in the given order), with at most ``--hetero-max-in-flight``
-   micro-batches in flight. One warm-up run per planner keeps profiling and
-   shard building out of the timed runs. The even run carries no prediction
-   (the coordinator plans it without profiles), so its prediction is that of
-   the pipeedge run's ``RunReport.baseline``: the even partition over the same
+2. ``hetero`` (``--skip-hetero`` leaves it out): PipeEdge's plan against the even
+   partition, measured in the same run. A LocalCluster of three devices, ``fast``
+   (1x, 800 Mbit/s), ``slow`` (4x slower, 400 Mbit/s) and ``mid`` (1.5x slower,
+   200 Mbit/s), their slowdowns all multiplied by one factor
+   (``--hetero-slowdown-scale``; by default the least at which the three devices,
+   busy at once, use at most half this machine's cores: 2 on two cores;
+   ``HOST_CORE_SHARE`` in ``bench/_inference_common.py`` says why), runs the model
+   with ``planner="pipeedge"`` (the coordinator's default: every stage profiles
+   the model itself, all at once, and the PipeEdge DP picks the devices, their
+   order and the split) and with ``planner="even"`` (GPipe's partition over the
+   devices in the given order), with at most ``--hetero-max-in-flight``
+   micro-batches in flight. One warm-up run per planner keeps profiling and shard
+   building out of the timed runs. The even run carries no prediction (the
+   coordinator plans it without profiles), so its prediction is that of the
+   pipeedge run's ``RunReport.baseline``: the even partition over the same
    devices, predicted from the same profiles; the bench checks that the two
    partitions are the same (``hetero_even_is_baseline``). One JSON line per
-   planner gives the plan, the measured and predicted throughput and, per
-   stage, the predicted compute and send time of a micro-batch beside the
-   measured ``busy_s`` and ``send_s`` per micro-batch, and the utilisation.
-   Summary keys: ``ratio_vs_even`` (measured pipeedge / measured even),
-   ``predicted_ratio_vs_even``, ``measured_over_predicted`` (measured pipeedge
-   / its plan's ``throughput_samples_per_s``), ``even_measured_over_predicted``,
-   the same three over the steady state (``steady_*``: the micro-batches after
-   the first result over the time from the first result to the last, i.e.
-   without the pipeline's fill, which the cost model's ``b / bottleneck``
-   leaves out) and the other ``hetero_*`` keys.
+   planner gives the plan, the measured and predicted throughput and, per stage,
+   the predicted compute and send time of a micro-batch beside the measured
+   ``busy_s`` and ``send_s`` per micro-batch, and the utilisation. Summary keys:
+   ``ratio_vs_even`` (measured pipeedge / measured even),
+   ``predicted_ratio_vs_even``, ``measured_over_predicted`` (measured pipeedge /
+   its plan's ``throughput_samples_per_s``), ``even_measured_over_predicted``, the
+   same three over the steady state (``steady_*``: the micro-batches after the
+   first result over the time from the first result to the last, i.e. without the
+   pipeline's fill, which the cost model's ``b / bottleneck`` leaves out) and the
+   other ``hetero_*`` keys.
 
 3. ``imported`` (only with ``--imported-hf-vit``; needs transformers): real
    imported weights. A random-init ``transformers`` ViTForImageClassification
