@@ -51,6 +51,35 @@ def thread_switches() -> int:
     return total
 
 
+def thread_cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of this process's live threads, summed by role: ``main``
+    (the interpreter's main thread), ``zmq_io`` (libzmq's I/O threads) and ``other``
+    (pyzmq's garbage collector of zero-copy sends, libzmq's reaper, torch's
+    threads...). From ``/proc/self/task/*/schedstat`` (nanoseconds, user and system
+    time together); empty where that is missing. Threads that ended are not
+    counted, so compare two readings only while the same threads live."""
+    by_role: dict[str, float] = {}
+    main_tid = str(os.getpid())
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return by_role
+    for task in tasks:
+        try:
+            ns = int((task / "schedstat").read_text().split()[0])
+            name = (task / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):  # a thread that just ended
+            continue
+        if task.name == main_tid:
+            role = "main"
+        elif name.startswith("ZMQbg/IO"):
+            role = "zmq_io"
+        else:
+            role = "other"
+        by_role[role] = by_role.get(role, 0.0) + ns / 1e9
+    return by_role
+
+
 def on_alarm(signum: int, frame: FrameType | None) -> None:
     """SIGALRM handler for a benchmark's ``--timeout``."""
     raise TimeoutError("the benchmark ran past --timeout")

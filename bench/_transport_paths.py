@@ -21,7 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from bench._common import thread_switches
+from bench._transport_results import UsageMark
 from zpipe.log import configure_logging
 from zpipe.transport import security
 from zpipe.transport.allocator import retain_freed_memory
@@ -225,7 +225,7 @@ class Receiver:
         size, count = int(cmd["size"]), int(cmd["count"])
         self.conn.send({"ok": "armed"})
         started = time.perf_counter()
-        cpu_started, switches_started = time.process_time(), thread_switches()
+        mark = UsageMark.now()
         if op == "tput":
             if path == "raw":
                 self.raw_sink(ch, count)
@@ -238,11 +238,13 @@ class Receiver:
                 await self.zpipe_echo(ch, size, count)
         else:
             raise ValueError(f"unknown op {op!r}")
+        usage = mark.since("receiver")
         return {
             "ok": "done",
             "elapsed_s": time.perf_counter() - started,
-            "cpu_s": time.process_time() - cpu_started,
-            "switches": thread_switches() - switches_started,
+            "cpu_s": usage.cpu_s,
+            "switches": usage.switches,
+            "cpu_by_thread": usage.by_thread,
         }
 
     def raw_sink(self, ch: Channel, count: int) -> None:

@@ -4,18 +4,52 @@ it prints (split out of that module to keep it small; behaviour unchanged)."""
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench._common import thread_cpu_by_role, thread_switches
 
 BENCH = "transport"
 
 
 @dataclass
 class Usage:
-    """CPU seconds and voluntary context switches of both processes, all threads."""
+    """CPU seconds and voluntary context switches of both processes, all threads;
+    ``by_thread``: CPU seconds per process and thread role (``sender_main``,
+    ``receiver_zmq_io``, ... see :func:`bench._common.thread_cpu_by_role`)."""
 
     cpu_s: float = 0.0
     switches: int = 0
+    by_thread: dict[str, float] = field(default_factory=dict)
+
+    def plus(self, other: Usage) -> Usage:
+        by_thread = dict(self.by_thread)
+        for key, seconds in other.by_thread.items():
+            by_thread[key] = by_thread.get(key, 0.0) + seconds
+        return Usage(self.cpu_s + other.cpu_s, self.switches + other.switches, by_thread)
+
+
+@dataclass(frozen=True)
+class UsageMark:
+    """This process's usage at one moment; :meth:`since` gives what it spent after."""
+
+    cpu_s: float
+    switches: int
+    by_role: dict[str, float]
+
+    @classmethod
+    def now(cls) -> UsageMark:
+        return cls(time.process_time(), thread_switches(), thread_cpu_by_role())
+
+    def since(self, side: str) -> Usage:
+        """Usage since this mark; ``side`` ("sender", "receiver") prefixes the roles."""
+        roles = thread_cpu_by_role()
+        return Usage(
+            time.process_time() - self.cpu_s,
+            thread_switches() - self.switches,
+            {f"{side}_{role}": s - self.by_role.get(role, 0.0) for role, s in roles.items()},
+        )
 
 
 @dataclass
@@ -28,6 +62,8 @@ class Result:
     # CPU seconds of both processes (all their threads) per throughput run
     cpu_seconds: list[float] = field(default_factory=list)
     switches: list[int] = field(default_factory=list)
+    # CPU seconds per process and thread role, per throughput run
+    thread_seconds: list[dict[str, float]] = field(default_factory=list)
     rtt_usage: Usage = field(default_factory=Usage)  # of all round trips together
 
     def switches_per_message(self) -> float | None:
@@ -53,6 +89,22 @@ class Result:
             return None
         return statistics.median(self.cpu_seconds) / self.count * 1e6
 
+    def cpu_us_per_message_by_thread(self) -> dict[str, float]:
+        """Median CPU per message of each process's main, libzmq I/O and other
+        threads: where the CPU of ``cpu_us_per_message`` goes."""
+        if not self.thread_seconds or not self.count:
+            return {}
+        keys = sorted({key for run in self.thread_seconds for key in run})
+        return {
+            key: round(
+                statistics.median(run.get(key, 0.0) for run in self.thread_seconds)
+                / self.count
+                * 1e6,
+                2,
+            )
+            for key in keys
+        }
+
     def rtt_ms(self) -> float | None:
         return statistics.median(self.rtts) * 1e3 if self.rtts else None
 
@@ -69,6 +121,7 @@ class Result:
             "rtt_ms": _round(rtt),
             "cpu_us_per_message": _round(self.cpu_us_per_message(), 2),
             "switches_per_message": _round(self.switches_per_message(), 3),
+            "cpu_us_per_message_by_thread": self.cpu_us_per_message_by_thread(),
             "rtt_cpu_us_per_trip": _round(self.rtt_cpu_us(), 2),
             "rtt_switches_per_trip": _round(self.rtt_switches(), 3),
             "rtt_p10_ms": _round(q[0] * 1e3 if q[0] is not None else None),

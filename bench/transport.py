@@ -76,6 +76,29 @@ zpipe's stages do), for both paths alike; ``--no-retain-memory`` turns that off,
 and then every large message libzmq receives may page-fault its buffer in again,
 which lowers both paths and hurts the slower consumer (zpipe) most.
 
+Fairness. Alike: high-water marks, LINGER, one libzmq I/O thread per context,
+allocator settings (per process), zero-copy sends from 512 KiB (at 64 KiB zpipe
+copies and raw shares: ``zpipe_shared`` has raw's flags). The raw sender builds
+a buffer per message, as zpipe's ``encode`` does (it reused one before, which
+spared pyzmq's collector thread a release). Raw's by design: nothing decoded or
+validated, and it waits inside libzmq (blocking, GIL released); an asyncio
+sender or receiver cannot. zpipe's sink holds a message until the next arrives
+(raw's drops it at once): one message more memory, no CPU or faults seen.
+``cpu_us_per_message_by_thread`` splits the CPU by
+process and thread (main, zmq_io, other: mostly pyzmq's collector of zero-copy
+buffers). At 1 MiB (2 cores, load 8-13, three runs) the I/O threads cost the
+same on both paths (about 150 us sending, 100-150 receiving); zpipe's extra is
+Python: sender main 32-49 us against 13-23, receiver main 48-85 against 13-26;
+the collector costs alike (10-23). In isolation encode is 3 us, decode 6, the
+zero-copy frame 2.5 (raw's too), a failed non-blocking receive 3; in the loop
+each costs 2-3x that (cold caches). Cyclic GC (4 passes per 12000 messages),
+page faults (none per message) and system calls are not it: a receive costs
+libzmq's own (3-4 polls of the socket's mailbox, one read) on both paths, plus
+one epoll wait on zpipe's. At 16 MiB zpipe's receiver main thread costs 380-470
+us against 130-170 although nothing in it reads the data: every step slows
+alike (decode 7 us in isolation, 80-130 in the loop; reading a frame's
+``buffer`` 1.3 us at 1 MiB, 7-15 at 16), most likely cold caches.
+
 Every wait has a deadline (``--timeout``), the whole run has one too
 (``--deadline``), and the receiver is killed if anything fails.
 """
@@ -111,7 +134,7 @@ from zpipe.transport.sockets import (
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, loadavg, summary, thread_switches
+from bench._common import emit, loadavg, summary
 from bench._transport_paths import (
     LOOPBACK,
     MAX_BYTES,
@@ -132,7 +155,7 @@ from bench._transport_paths import (
     receiver_main,
     run_deadline,
 )
-from bench._transport_results import BENCH, Result, Usage, same_run_ratio
+from bench._transport_results import BENCH, Result, Usage, UsageMark, same_run_ratio
 
 PATHS = ("raw", "zpipe", "zpipe_curve", "zpipe_shared")
 DEFAULT_PATHS = ("raw", "zpipe", "zpipe_curve")
@@ -177,7 +200,6 @@ class Sender:
         self.timeout_s: float = args.timeout
         self.channels: dict[str, Channel] = {}
         self.tensors: dict[int, torch.Tensor] = {}
-        self.buffers: dict[int, memoryview] = {}
 
     def alive(self) -> bool:
         return bool(self.proc.is_alive())
@@ -210,7 +232,6 @@ class Sender:
     def tensor(self, size: int) -> torch.Tensor:
         if size not in self.tensors:
             self.tensors[size] = make_tensor(size)
-            self.buffers[size] = raw_buffer(self.tensors[size])
         return self.tensors[size]
 
     async def throughput(self, path: str, size: int, count: int) -> tuple[float, Usage]:
@@ -220,12 +241,13 @@ class Sender:
         tensor = self.tensor(size)
         self.conn.send({"op": "tput", "path": path, "size": size, "count": count})
         await self.reply("armed")
-        cpu_started, switches_started = time.process_time(), thread_switches()
+        mark = UsageMark.now()
         if path == "raw":
-            buf = self.buffers[size]
             started = time.perf_counter()
             for _ in range(count):
-                ch.push.send_multipart([RAW_HEADER, buf], copy=False)
+                # A buffer per message, as a sender of a new tensor each time must
+                # make (one reused buffer saves pyzmq's collector a release)
+                ch.push.send_multipart([RAW_HEADER, raw_buffer(tensor)], copy=False)
             ch.pull.recv()
             elapsed = time.perf_counter() - started
         else:
@@ -244,13 +266,18 @@ class Sender:
             elapsed = time.perf_counter() - started
             if decode_frames(frames, MAX_BYTES)["nonce"] != count:
                 raise RuntimeError("the receiver acknowledged a different count")
-        return elapsed, await self._usage(cpu_started, switches_started)
+        return elapsed, await self._usage(mark)
 
-    async def _usage(self, cpu_started: float, switches_started: int) -> Usage:
-        """This process's usage since the marks plus the receiver's, from its reply."""
-        cpu, switches = time.process_time() - cpu_started, thread_switches() - switches_started
+    async def _usage(self, mark: UsageMark) -> Usage:
+        """This process's usage since ``mark`` plus the receiver's, from its reply."""
+        mine = mark.since("sender")
         done = await self.reply("done")
-        return Usage(cpu + float(done["cpu_s"]), switches + int(done["switches"]))
+        theirs = Usage(
+            float(done["cpu_s"]),
+            int(done["switches"]),
+            {str(k): float(v) for k, v in dict(done.get("cpu_by_thread") or {}).items()},
+        )
+        return mine.plus(theirs)
 
     async def echo(self, path: str, size: int, count: int) -> tuple[list[float], Usage]:
         """Round-trip times of ``count`` ping-pongs of ``size`` bytes, and what both
@@ -259,13 +286,12 @@ class Sender:
         tensor = self.tensor(size)
         self.conn.send({"op": "echo", "path": path, "size": size, "count": count})
         await self.reply("armed")
-        cpu_started, switches_started = time.process_time(), thread_switches()
+        mark = UsageMark.now()
         rtts: list[float] = []
         if path == "raw":
-            buf = self.buffers[size]
             for _ in range(count):
                 started = time.perf_counter()
-                ch.push.send_multipart([RAW_HEADER, buf], copy=False)
+                ch.push.send_multipart([RAW_HEADER, raw_buffer(tensor)], copy=False)
                 frames = ch.pull.recv_multipart(copy=False)
                 rtts.append(time.perf_counter() - started)
                 if len(frames) != 2 or len(frames[1]) != size:
@@ -290,7 +316,7 @@ class Sender:
                     check_tensor(message, size)
 
             await asyncio.wait_for(loop(), run_deadline(self.timeout_s, size, count))
-        return rtts, await self._usage(cpu_started, switches_started)
+        return rtts, await self._usage(mark)
 
     async def measure_size(self, size: int, paths: list[str]) -> dict[str, Result]:
         args = self.args
@@ -318,6 +344,7 @@ class Sender:
                 results[path].seconds.append(seconds)
                 results[path].cpu_seconds.append(usage.cpu_s)
                 results[path].switches.append(usage.switches)
+                results[path].thread_seconds.append(usage.by_thread)
         chunks = max(1, args.repeats)
         for rep in range(chunks):
             for path in _rotate(paths, rep):

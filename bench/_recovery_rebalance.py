@@ -1,0 +1,174 @@
+"""``bench/recovery.py``'s training trials and its rebalance section (split out of
+that script to keep it small; behaviour unchanged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench._common import emit
+from bench._recovery_stream import (
+    BENCH,
+    DEVICES,
+    Batch,
+    _ratio,
+    _throughput,
+)
+from zpipe.client import TrainReport
+from zpipe.cluster import LocalCluster
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.planner import even_ranges
+
+OPTIMIZER = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+@dataclass
+class TrainTrial:
+    policy: str
+    victim: str
+    report: TrainReport
+    steps: list[tuple[int, float]]  # (mini-batch, time.monotonic()) of each completed one
+    killed_at: float
+
+
+def _train(
+    cluster: LocalCluster,
+    spec: ModelSpec,
+    batches: list[Batch],
+    args: argparse.Namespace,
+    *,
+    policy: str = "lightweight",
+    victim: str | None = None,
+) -> TrainTrial:
+    steps: list[tuple[int, float]] = []
+    killed_at = [math.inf]
+
+    def on_step(step: int, _loss: float) -> None:
+        steps.append((step, time.monotonic()))
+        if victim is not None and step == args.train_kill_after and killed_at[0] == math.inf:
+            killed_at[0] = time.monotonic()
+            cluster.kill(victim)
+
+    report = cluster.fit(
+        spec,
+        batches,
+        optimizer=OPTIMIZER,
+        num_microbatches=args.train_microbatches,
+        progress=False,
+        on_step=on_step,
+        recover=True,
+        replicate_every=args.replicate_every,
+        recovery=policy,
+    )
+    return TrainTrial(policy, victim or "", report, steps, killed_at[0])
+
+
+def _train_single_process(
+    spec: ModelSpec, batches: list[Batch], settings: dict[str, Any] = OPTIMIZER
+) -> dict[str, torch.Tensor]:
+    model = build_full_model(spec).train()
+    assert settings["name"] == "sgd"
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=settings["lr"], momentum=settings["momentum"]
+    )
+    for *inputs, labels in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(*inputs)[0], labels).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _train_line(
+    trial: TrainTrial, reference: dict[str, torch.Tensor], batch_size: int
+) -> dict[str, Any]:
+    report = trial.report
+    recovered = report.recoveries[0] if report.recoveries else None
+    before = [t for _, t in trial.steps if t <= trial.killed_at]
+    after = [t for _, t in trial.steps if t > trial.killed_at]
+    exact = set(report.state_dict) == set(reference) and all(
+        torch.allclose(report.state_dict[k].float(), v.float(), rtol=1e-4, atol=1e-5)
+        for k, v in reference.items()
+    )
+    tplan = report.training_plan
+    return {
+        "bench": BENCH,
+        "kind": "training",
+        "policy": trial.policy,
+        "victim": trial.victim,
+        "recovered": recovered is not None,
+        "detection_s": recovered["noticed_at"] - trial.killed_at if recovered else None,
+        "restart_s": recovered.get("restart_s") if recovered else None,
+        "recovery_s": (after[0] - trial.killed_at) if after else None,
+        "resumed_from": recovered["resumed_from"] if recovered else None,
+        "replayed": recovered["replayed"] if recovered else None,
+        "replicas": report.replicas,
+        "throughput_before": _throughput(before, batch_size),
+        "throughput_after": _throughput(after, batch_size),
+        "plan_after": tplan.describe() if tplan is not None else None,
+        "weights_exact": exact,
+    }
+
+
+def _recorder(steps: list[tuple[int, float]]) -> Callable[[int, float], None]:
+    def on_step(step: int, _loss: float) -> None:
+        steps.append((step, time.monotonic()))
+
+    return on_step
+
+
+def _rebalance_section(
+    cluster: LocalCluster, spec: ModelSpec, batches: list[Batch], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The even partition (the slow nano as heavy as the rest) trained as it is, and
+    with ``rebalance``: steady throughput over the second half of the run."""
+    names = [name for name, _ in DEVICES]
+    partition = [list(r) for r in even_ranges(load_layer_sequence(spec).num_units, len(names))]
+    out: dict[str, Any] = {}
+    for label, share in (("static", None), ("rebalanced", args.rebalance)):
+        steps: list[tuple[int, float]] = []
+        report = cluster.fit(
+            spec,
+            batches,
+            optimizer=OPTIMIZER,
+            num_microbatches=args.train_microbatches,
+            partition=partition,
+            stage_names=names,
+            recover=True,
+            replicate_every=args.replicate_every,
+            rebalance=share,
+            progress=False,
+            on_step=_recorder(steps),
+        )
+        tail = [t for step, t in steps if step >= len(batches) // 2]
+        tplan = report.training_plan
+        line = {
+            "bench": BENCH,
+            "kind": "rebalance",
+            "system": label,
+            "rebalance": share,
+            "throughput_second_half": _throughput(tail, args.train_batch_size),
+            "rebalanced_at": [r["at"] for r in report.rebalances],
+            "plan_after": tplan.describe() if tplan is not None else None,
+        }
+        emit(line)
+        print(
+            f"  even partition, {label}: {line['throughput_second_half']} samples/s in the "
+            f"second half, moves at {line['rebalanced_at']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        out[label] = line
+    return {
+        "rebalanced_over_static_throughput": _ratio(
+            out["rebalanced"]["throughput_second_half"], out["static"]["throughput_second_half"]
+        ),
+        "rebalanced_at": out["rebalanced"]["rebalanced_at"],
+    }
