@@ -1,6 +1,15 @@
 """``bench/training.py``'s hetero section: the planned 1F1B against the even GPipe
 partition on emulated heterogeneous devices (split out of that
 script to keep it small; behaviour unchanged).
+
+Exactness is checked per run, against the single-process reference for the same
+micro-batching (:func:`bench._training_reference.reference_losses`, computed with the
+stages' thread count), not run against run. The two runs should agree too, but this
+training diverges (the loss climbs from 2.8 to about 90 in four steps at the shared
+learning rate), which amplifies any float rounding difference: 1 against 2 intra-op
+threads alone moves the fourth loss by 0.005, a 1e-7 relative change of one input by
+0.19. A run-against-run difference (still reported, ``hetero_loss_max_abs_diff``)
+could not say which run is wrong; a difference from the reference can.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from bench._training_common import (
     HETERO_CNN,
     HETERO_DEVICES,
     HOST_CORE_SHARE,
+    OPTIMIZER,
     TimedRun,
     _cluster,
     _log,
@@ -32,6 +42,7 @@ from bench._training_common import (
     _warmups,
     _zpipe_run,
 )
+from bench._training_reference import reference_losses
 from zpipe.cluster import DeviceSpec
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner import even_ranges
@@ -153,7 +164,10 @@ def run_hetero(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         )
     planned, baseline = medians["planned_1f1b"], medians["even_gpipe"]
     loss_diff = _max_abs_diff(planned.losses, baseline.losses)
-    losses_match = loss_diff is not None and loss_diff < 1e-3
+    reference = reference_losses(spec, batches, m, OPTIMIZER, threads)
+    reference_diffs = {s: _max_abs_diff(medians[s].losses, reference) for s in HETERO_SYSTEMS}
+    _log(f"  reference losses {[round(x, 6) for x in reference]}, diffs {reference_diffs}")
+    losses_match = all(d is not None and d < 1e-3 for d in reference_diffs.values())
     keys = {
         "planned_1f1b_over_even_gpipe_cnn": _ratio(
             planned.steady_samples_per_s, baseline.steady_samples_per_s
@@ -175,6 +189,8 @@ def run_hetero(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
             predictions["even_gpipe"]["predicted_round_s"], baseline.period_s
         ),
         "hetero_loss_max_abs_diff": loss_diff,
+        "hetero_planned_loss_max_abs_diff_vs_reference": reference_diffs["planned_1f1b"],
+        "hetero_even_loss_max_abs_diff_vs_reference": reference_diffs["even_gpipe"],
         "hetero_losses_match": losses_match,
         **config,
     }
