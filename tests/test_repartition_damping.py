@@ -79,7 +79,7 @@ def test_steady_measurements_decide_the_same_with_or_without_hysteresis(overhead
     assert steady_run(damped, STEADY, overhead=overhead) == without
     moves = [m for m in without if m is not None]
     # it moves for b's slowdown and back to the first look's cuts when b recovers:
-    # a real change forgets the cuts left, so the return is not held back
+    # a real recovery promises more than revisit_gain, so the return is not held back
     assert len(moves) >= 3 and moves[-1] == moves[0]
     assert without[3] is not None and any(m is not None for m in without[7:])
 

@@ -30,6 +30,15 @@ decides (:mod:`zpipe.coordinator.repartition`).
   predicts for its units (Eco-FL's deviation check: a real change, taken at
   once); and cuts already run since the last such change are judged by
   the period they measured, not by the model (a move back needs a measured gain).
+  Two more keep a fixed-cost fit that swings with the host's load from moving the
+  cuts back and forth: a move back to cuts the pipeline left within the last
+  ``revisit_looks`` looks needs a predicted gain of ``revisit_gain`` (hysteresis,
+  kept through a real change: a swinging fit can fake one, while a true one, a
+  device slowing or recovering for good, promises far more); and a move decided by
+  a look without a flush counts the next look's window from the flush
+  (:meth:`RepartitionController.rebase`), so the batches the old cuts drained are
+  not read as the new cuts' (they looked like a device several times slower, a
+  "real change" that threw the fit away).
 - Weight redistribution: who fetches which units from whom
   (:func:`zpipe.recovery.plan_redistribution`, no failure: every unit's holder is
   its current stage; FTPipeHD's Algorithm 1 without the failed index).
@@ -353,7 +362,8 @@ class RepartitionController:
         self._units_s: dict[str, float] = {}  # reference seconds each device held at its last look
         # the period each cut measured since the last real change of a capacity
         self.tried: dict[tuple[int, ...], float] = {}
-        # the cuts each look found (the latest last), since the last real change
+        # the cuts each look found (the latest last); kept through a real change, which
+        # a swinging fit can fake (a true one promises far more than revisit_gain)
         self.held: list[tuple[int, ...]] = []
 
     def due(self, done: int) -> bool:
@@ -454,7 +464,6 @@ class RepartitionController:
             self._units_s[device] = units_s[device]
         if changed:
             self.tried.clear()
-            self.held.clear()
         return dict(self.capacities)
 
     def committed(self, decision: RepartitionDecision) -> int:
