@@ -119,6 +119,39 @@ def test_the_memory_of_cuts_left_lasts_revisit_looks_looks() -> None:
     assert first_return >= 1 + 3 and three[first_return] == three[0]
 
 
+def test_swings_that_read_as_real_changes_do_not_wipe_the_memory_of_cuts_left() -> None:
+    # b's time swings 2.5x every other look: beyond 1 + deviation, each swing reads
+    # as a real change (capacities taken whole, measured periods forgotten)
+    noise = [[1.0, 2.5 if k % 2 else 1.0, 1.0, 1.0] for k in range(10)]
+    caps = [10.0, 2.0, 5.0, 10.0]
+
+    def run(looks: int) -> list[tuple[tuple[int, ...] | None, float]]:
+        settings = RepartitionSettings(first=1, every=1, gain=0.1, revisit_looks=looks)
+        controller = RepartitionController(
+            settings, devices=DEVICES, bounds=[0, 3, 6, 9, 12], reference_unit_s=[1.0] * 12
+        )
+        total = dict.fromkeys(DEVICES, 0.0)
+        out = []
+        for look, factors in enumerate(noise, start=1):
+            b = controller.bounds
+            for i, d in enumerate(DEVICES):
+                total[d] += 10 * (2.0 + caps[i] * (b[i + 1] - b[i])) * factors[i]
+            decision = controller.look(
+                10 * look, {d: counters(total[d], 10 * look) for d in DEVICES}
+            )
+            if decision.moves:
+                controller.committed(decision)
+            out.append((decision.bounds, decision.gain))
+        return out
+
+    undamped = run(0)
+    assert all(m is not None for m, _ in undamped)
+    # each return promises about 0.22: above gain, below revisit_gain
+    assert all(0.1 < g < 0.3 for m, g in undamped[2::2])
+    damped = run(10)
+    assert sum(m is not None for m, _ in damped) == 2 and all(m is None for m, _ in damped[2:])
+
+
 def test_a_move_decided_before_the_flush_counts_its_window_from_the_flush() -> None:
     settings = RepartitionSettings(first=10, every=10, gain=0.1)
 
