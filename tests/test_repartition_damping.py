@@ -89,9 +89,9 @@ def test_the_memory_of_cuts_left_lasts_revisit_looks_looks() -> None:
     noise = [[1.0, 1.6 if k % 2 else 1.0, 1.0, 1.0] for k in range(10)]
     caps = [10.0, 2.0, 5.0, 10.0]
 
-    def run(looks: int) -> list[tuple[int, ...] | None]:
+    def run(looks: int, radius: int = 0) -> list[tuple[int, ...] | None]:
         settings = RepartitionSettings(
-            first=1, every=1, gain=0.1, smoothing=0.0, revisit_looks=looks
+            first=1, every=1, gain=0.1, smoothing=0.0, revisit_looks=looks, revisit_radius=radius
         )
         controller = RepartitionController(
             settings, devices=DEVICES, bounds=[0, 3, 6, 9, 12], reference_unit_s=[1.0] * 12
@@ -117,6 +117,9 @@ def test_the_memory_of_cuts_left_lasts_revisit_looks_looks() -> None:
     # two moves, then the cuts left stay out of reach for three looks, then one return
     first_return = next(i for i, m in enumerate(three) if i > 1 and m is not None)
     assert first_return >= 1 + 3 and three[first_return] == three[0]
+    # cuts one unit from cuts left count as a move back too: the second flip is held
+    near = run(10, radius=1)
+    assert sum(m is not None for m in near) == 1 and near[0] == three[0]
 
 
 def test_swings_that_read_as_real_changes_do_not_wipe_the_memory_of_cuts_left() -> None:
@@ -126,7 +129,9 @@ def test_swings_that_read_as_real_changes_do_not_wipe_the_memory_of_cuts_left() 
     caps = [10.0, 2.0, 5.0, 10.0]
 
     def run(looks: int) -> list[tuple[tuple[int, ...] | None, float]]:
-        settings = RepartitionSettings(first=1, every=1, gain=0.1, revisit_looks=looks)
+        settings = RepartitionSettings(
+            first=1, every=1, gain=0.1, revisit_looks=looks, revisit_radius=0
+        )
         controller = RepartitionController(
             settings, devices=DEVICES, bounds=[0, 3, 6, 9, 12], reference_unit_s=[1.0] * 12
         )
@@ -185,12 +190,18 @@ def test_a_move_decided_before_the_flush_counts_its_window_from_the_flush() -> N
 
 
 def test_the_hysteresis_settings_are_checked_and_round_trip() -> None:
-    for bad in ({"revisit_gain": 1.0}, {"revisit_gain": -0.1}, {"revisit_looks": -1}):
+    for bad in (
+        {"revisit_gain": 1.0},
+        {"revisit_gain": -0.1},
+        {"revisit_looks": -1},
+        {"revisit_radius": -1},
+    ):
         with pytest.raises(ConfigError):
             RepartitionSettings(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         RepartitionSettings(revisit_looks=True)
-    custom = RepartitionSettings(revisit_gain=0.5, revisit_looks=3)
+    custom = RepartitionSettings(revisit_gain=0.5, revisit_looks=3, revisit_radius=0)
     assert RepartitionSettings.from_dict(custom.to_dict()) == custom
     # defaults stay off the wire: a coordinator from before refuses keys it does not know
-    assert not {"revisit_gain", "revisit_looks"} & set(RepartitionSettings().to_dict())
+    defaults = set(RepartitionSettings().to_dict())
+    assert not {"revisit_gain", "revisit_looks", "revisit_radius"} & defaults

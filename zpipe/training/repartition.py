@@ -32,7 +32,9 @@ decides (:mod:`zpipe.coordinator.repartition`).
   the period they measured, not by the model (a move back needs a measured gain).
   Two more keep a fixed-cost fit that swings with the host's load from moving the
   cuts back and forth: a move back to cuts the pipeline left within the last
-  ``revisit_looks`` looks needs a predicted gain of ``revisit_gain`` (hysteresis,
+  ``revisit_looks`` looks, or to cuts within ``revisit_radius`` units of them at
+  every boundary (under load the fit dithers between neighbouring cuts), needs a
+  predicted gain of ``revisit_gain`` (hysteresis,
   kept through a real change: a swinging fit can fake one, while a true one, a
   device slowing or recovering for good, promises far more); and a move decided by
   a look without a flush counts the next look's window from the flush
@@ -60,7 +62,7 @@ from zpipe.training.stage_cost import StageCosts
 
 # the counters a stage reports whose sum is its compute time (seconds, cumulative)
 COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
-_DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks")
+_DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius")
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,17 @@ class RepartitionSettings:
     # promise this much (revisit_gain <= gain or revisit_looks 0: no hysteresis)
     revisit_gain: float = 0.3
     revisit_looks: int = 10
+    # cuts whose every boundary lies within this many units of cuts left count as
+    # a move back (under load the fit dithers between neighbouring cuts)
+    revisit_radius: int = 1
 
     def __post_init__(self) -> None:
-        counts: tuple[tuple[str, int], ...] = (("first", 1), ("every", 1), ("revisit_looks", 0))
+        counts: tuple[tuple[str, int], ...] = (
+            ("first", 1),
+            ("every", 1),
+            ("revisit_looks", 0),
+            ("revisit_radius", 0),
+        )
         for name, least in counts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -138,6 +148,7 @@ class RepartitionSettings:
                 deviation=float(data.get("deviation", cls.deviation)),
                 revisit_gain=float(data.get("revisit_gain", cls.revisit_gain)),
                 revisit_looks=int(data.get("revisit_looks", cls.revisit_looks)),
+                revisit_radius=int(data.get("revisit_radius", cls.revisit_radius)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed repartition settings {data!r}: {exc}") from None
@@ -231,7 +242,8 @@ def decide_repartition(
     when run (a best cut found there is costed no lower than that); ``fixed_s``: each
     device's own seconds per batch whatever its units, with ``capacities`` (eq. 7
     and eqs. 1-3 keep none); ``left``: cuts the pipeline left lately (a move back to
-    them needs ``settings.revisit_gain``)."""
+    them, or to cuts within ``settings.revisit_radius`` units of them at every
+    boundary, needs ``settings.revisit_gain``)."""
     current = tuple(int(b) for b in bounds)
     n = len(devices)
     if len(current) != n + 1:
@@ -298,7 +310,7 @@ def decide_repartition(
             # eq. 3 flatters cuts it has seen run: judge them by what they measured
             new_period = ran
             reason = "the best cuts, costed by the period they measured when run"
-        back = target in left
+        back = any(_near(target, cuts, settings.revisit_radius) for cuts in left)
         needed = max(settings.gain, settings.revisit_gain) if back else settings.gain
         if period > 0 and 1.0 - new_period / period < needed:
             target = None
@@ -317,6 +329,11 @@ def decide_repartition(
     return RepartitionDecision(
         at, current, target, period, new_period, measured, caps, own, redistribution, reason
     )
+
+
+def _near(a: Sequence[int], b: Sequence[int], radius: int) -> bool:
+    """Whether cuts ``a`` and ``b`` differ by at most ``radius`` units at every boundary."""
+    return len(a) == len(b) and all(abs(x - y) <= radius for x, y in zip(a, b, strict=True))
 
 
 def _capacities(
