@@ -2,9 +2,10 @@
 
 Pure arithmetic for ``bench/training_async.py``'s repartition section. A set-up is
 four devices of emulated slowdowns (capacities ``C_i``, eq. 3: a unit takes
-``C_i`` times its reference time), a model of equal units, and one device
-slowing 10x at ``change_s``. The bound of a phase is the even partition's
-bottleneck period over the best integer partition's (eq. 5 on equal units,
+``C_i`` times its reference time), a model of equal units (or of the units'
+relative costs, ``Setup.weights``), and one device slowing 10x at ``change_s``.
+The bound of a phase is the even partition's bottleneck period over the best
+integer partition's (eq. 5 on those units,
 :func:`zpipe.planner.ftpipehd.ftpipehd_partition`, the planner the coordinator
 re-partitions with). The bound of a run follows both pipelines at those periods
 through the change (each to the same mini-batch: with vertical sync both
@@ -26,7 +27,9 @@ SLOWING_FACTOR = 10.0
 @dataclass(frozen=True)
 class Setup:
     """One repartition set-up: ``units`` equal units; device ``slowing`` (0: the
-    best) turns 10x slower ``change_s`` after its first step; ``steps`` mini-batches."""
+    best) turns 10x slower ``change_s`` after its first step; ``steps`` mini-batches;
+    ``residual``: the MLP's hidden units are residual blocks; ``weights``: each unit's
+    cost relative to the others (empty: all alike)."""
 
     name: str
     units: int
@@ -34,6 +37,26 @@ class Setup:
     steps: int
     change_s: float
     activation: str = "gelu"
+    residual: bool = False
+    weights: tuple[float, ...] = ()
+
+    def reference(self) -> list[float]:
+        """Each unit's reference cost for the bounds."""
+        if self.weights and len(self.weights) != self.units:
+            raise ValueError(f"{len(self.weights)} unit weights for {self.units} units")
+        return list(self.weights) if self.weights else [1.0] * self.units
+
+
+def residual_unit_weights(dims: Sequence[int]) -> tuple[float, ...]:
+    """Multiply-adds per unit of a residual MLP (``dims``: in, hidden..., out; a hidden
+    unit is a block of two ``h x h`` Linears), relative to one block."""
+    hidden = dims[1]
+    block = 2.0 * hidden * hidden
+    last = len(dims) - 2
+    return tuple(
+        1.0 if 0 < i < last and dims[i] == dims[i + 1] else dims[i] * dims[i + 1] / block
+        for i in range(len(dims) - 1)
+    )
 
 
 @dataclass(frozen=True)
@@ -61,9 +84,12 @@ def after_change(capacities: Sequence[float], slowing: int) -> list[float]:
     return out
 
 
-def phase_bound(capacities: Sequence[float], units: int) -> PhaseBound:
-    """The even cuts' period and the best integer cuts' (eq. 5), equal units."""
-    reference = [1.0] * units
+def phase_bound(
+    capacities: Sequence[float], units: int, reference: Sequence[float] = ()
+) -> PhaseBound:
+    """The even cuts' period and the best integer cuts' (eq. 5), equal units unless
+    ``reference`` gives each unit's cost."""
+    reference = list(reference) or [1.0] * units
     best = ftpipehd_partition(reference, capacities=capacities)
     cuts = even_bounds(units, len(capacities))
     even = max(sum(reference[a:b]) * c for a, b, c in zip(cuts, cuts[1:], capacities, strict=False))
@@ -99,8 +125,8 @@ def run_bound(
 ) -> tuple[PhaseBound, PhaseBound, float]:
     """The phases' bounds and the run's: PipeDream's time to ``step`` over FTPipeHD's,
     each at its ideal period (``unit_s`` seconds per unit-time) around the change."""
-    before = phase_bound(capacities, setup.units)
-    after = phase_bound(after_change(capacities, setup.slowing), setup.units)
+    before = phase_bound(capacities, setup.units, setup.reference())
+    after = phase_bound(after_change(capacities, setup.slowing), setup.units, setup.reference())
     even = time_to_step(
         step,
         before_s=before.even_period * unit_s,

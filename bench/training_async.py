@@ -41,16 +41,25 @@ depth nor which device slows, so four set-ups, equally faithful (``--setups``):
 * ``u12_middle``: the same model, the second device (slowdown 8) slowing to 80
   after 6 s, 160 steps;
 * ``u16_best`` and ``u16_middle``: 16 relu layers, the same two changes (after 5 s,
-  120 steps; after 4 s, 100 steps).
+  120 steps; after 4 s, 100 steps);
+* ``r16_middle`` and ``r24_middle``: residual MLPs (``"residual": true``: every
+  hidden unit a pre-norm block ``x + W2 gelu(W1 LayerNorm(x))``) of 16 and 24 units,
+  the second device slowing (after 5 s, 160 steps; after 6 s, 200 steps).
 
-Only the 12-layer model learns here. Plain MLPs of 16 layers stay at ln 10 under
-asynchronous staleness (``train_async_reference``, 140 steps, relu or gelu, Adam at
-3e-4 or 1e-3), and 20 or 24 layers do not learn even synchronously. The 16-unit
-set-ups still measure what more units allow (their periods: the cuts are not
-limited to 12 units' granularity), but their ratio is the time to their last step
-(``ratio_kind``; with the same losses step by step that is the time to the same
-point of training), not a time to a loss (``loss_drop``: how far the smoothed loss
-fell; under ``MIN_LOSS_DROP`` the lowest loss is a noisy dip).
+Plain MLPs of 16 layers stay at ln 10 under asynchronous staleness
+(``train_async_reference``, 140 steps, relu or gelu, Adam at 3e-4 or 1e-3), and 20
+or 24 layers do not learn even synchronously. The ``u16`` set-ups still measure
+what more units allow (their periods: the cuts are not limited to 12 units'
+granularity), but their ratio is the time to their last step (``ratio_kind``; with
+the same losses step by step that is the time to the same point of training), not
+a time to a loss (``loss_drop``: how far the smoothed loss fell; under
+``MIN_LOSS_DROP`` the lowest loss is a noisy dip). The residual MLPs learn at the
+same depths under the same staleness (the reference, Adam at 3e-4, hidden 256, 160
+steps: the smoothed loss from 2.1 to 0.28 at 16 units, from 2.7 to 1.3 at 24; at
+lr 1e-3 they diverge), so their ratio is a time to a loss. Their first and last
+units are single Linears, lighter than a block (``residual_unit_weights``: their
+multiply-adds over a block's): their bounds cost each unit so, the others' take
+units as equal.
 
 Each set-up prints its bounds from zpipe's own cost model: ``bound_before`` and
 ``bound_after``, the even cuts' bottleneck period over the best integer cuts'
@@ -62,8 +71,9 @@ mini-batches before the change, so the run's bound need not lie between the
 phases'); the measured phases (``measured_before``, ``measured_after``: the
 median gaps' ratio, FTPipeHD's after the move that answers the phase) and
 ``measured_over_bound``. Bounds: u12_best 3.0 then 2.0, u12_middle 3.0 then 3.0,
-u16_best 4.0 then 2.0, u16_middle 4.0 then 4.0 (a continuous split: 4.5 before;
-2.25 after the best slows, 6.75 after the second does). Once the best device
+u16_best 4.0 then 2.0, u16_middle 4.0 then 4.0, r16_middle 3.3 then 4.0,
+r24_middle 3.8 then 6.0 (units costed; a continuous split: 4.5 before; 2.25 after
+the best slows, 6.75 after the second does). Once the best device
 slows to the worst's speed the even cuts' bottleneck (the worst device) does not
 change and no cut can win more than 2.25: no set-up where the best device slows
 can reach 3 after the change. The measured ratios stay well under the bounds
@@ -78,17 +88,22 @@ controller now fits that cost across its looks (``fixed_s`` in each look,
 best cuts' under the last look's fitted capacities and fixed costs; the units
 taken as equal), the honest ceiling for the measured ratio after the change.
 
-The headline key is u12_middle's (``ftpipehd_headline_setup``). Why: of the
-set-ups whose model learns (the 12-layer ones, so a time to loss means
-something), it is the one where the change makes a new straggler that a kept even
-partition cannot leave, the case FTPipeHD's dynamic partition is for (its
-experiment: "assigning less layer to the straggler"); when the best device slows
-to the worst's speed the cluster becomes less heterogeneous instead (best over
-worst 5x) and the even cuts' bottleneck does not change. Its bound is 3.0, the
-issue's goal exactly, so the goal could only be met at the bound. This was
-chosen knowing the bounds; every set-up's ratio, bounds and measured/bound are in
-the summary (``ftpipehd_setups``, ``ftpipehd_time_to_loss_by_setup``; the
-original set-up is ``u12_best``). ``ftpipehd_over_pipedream_whole_run``,
+The headline key (``ftpipehd_headline_setup``) is chosen by a rule, not by its
+number (:func:`headline_setup`): of the set-ups run whose model learned in this
+run (``ratio_kind`` ``time_to_loss``, so a time to loss means something), one
+where a middle device slows (the change makes a new straggler that a kept even
+partition cannot leave, the case FTPipeHD's dynamic partition is for; its
+experiment: "assigning less layer to the straggler"; when the best device slows
+to the worst's speed the cluster becomes less heterogeneous instead, best over
+worst 5x, and the even cuts' bottleneck does not change), and of those the one
+with the most units (the finest cuts: the closest integer cuts can follow the
+speeds, as FTPipeHD's layers do); ties go to the order of ``SETUP_NAMES``. With
+every set-up run that is ``r24_middle`` (bounds 3.8 before the change, 6.0 after); with the
+12-layer ones alone ``u12_middle`` (bound 3.0, the issue's goal exactly); when no
+model learned, the first set-up run. This was chosen knowing the bounds; every
+set-up's ratio, bounds and measured/bound are in the summary
+(``ftpipehd_setups``, ``ftpipehd_time_to_loss_by_setup``; the original set-up is
+``u12_best``). ``ftpipehd_over_pipedream_whole_run``,
 ``repartitions`` and the look pauses describe the headline set-up.
 
 Each look's pause (``pause_s``: its gap between two losses beyond the run's median
@@ -127,6 +142,7 @@ from bench._repartition_bounds import (
     even_bounds,
     fitted_phase_bound,
     phase_bound,
+    residual_unit_weights,
     run_bound,
 )
 from zpipe.cluster import DeviceSpec, LocalCluster
@@ -134,8 +150,7 @@ from zpipe.lossy.data import load_digits_dataset
 from zpipe.models import ModelSpec
 
 BENCH = "training_async"
-SETUP_NAMES = ("u12_best", "u12_middle", "u16_best", "u16_middle")
-HEADLINE = "u12_middle"
+SETUP_NAMES = ("u12_best", "u12_middle", "u16_best", "u16_middle", "r16_middle", "r24_middle")
 SETUP_SUMMARY_KEYS = (
     "ratio",
     "bound_run",
@@ -242,9 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=SETUP_NAMES,
         default=list(SETUP_NAMES),
-        help="repartition set-ups to run (the headline is u12_middle's when it runs)",
+        help="repartition set-ups to run (the headline: headline_setup's rule)",
     )
-    parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
+    parser.add_argument("--timeout", type=int, default=1500, help="seconds for the whole bench")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(args.timeout)
@@ -342,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               **straggler, "loadavg": loadavg()})  # fmt: skip
     results = {} if args.skip_repartition else repartition_section(args, x_train, y_train)
     # the headline set-up and why: the module notes; every set-up is in the summary
-    chosen = HEADLINE if HEADLINE in results else next(iter(results), None)
+    chosen = headline_setup(results)
     headline = results.get(chosen, {}) if chosen is not None else {}
     compared = bool(median) and bool(acc)
     summary(
@@ -383,6 +398,22 @@ def smoothed(losses: Sequence[float], window: int = 8) -> list[float]:
     return out
 
 
+def headline_setup(results: dict[str, dict[str, Any]]) -> str | None:
+    """The module notes' rule: of the set-ups whose model learned, one where a middle
+    device slows, with the most units (ties: ``SETUP_NAMES``' order); else the
+    first run."""
+    learned = [
+        name
+        for name in SETUP_NAMES
+        if name in results
+        and results[name].get("ratio_kind") == "time_to_loss"
+        and results[name].get("slowing_index", 0) not in (0, None)
+    ]
+    if learned:
+        return max(learned, key=lambda name: (results[name]["units"], -SETUP_NAMES.index(name)))
+    return next(iter(results), None)
+
+
 def setups(args: argparse.Namespace) -> list[Setup]:
     """The repartition set-ups asked for (see the module notes); ``u12_best`` takes
     the original flags."""
@@ -393,8 +424,18 @@ def setups(args: argparse.Namespace) -> list[Setup]:
         # these measure periods, their ratio is the time to their last step
         "u16_best": Setup("u16_best", 16, 0, 120, 5.0, "relu"),
         "u16_middle": Setup("u16_middle", 16, 1, 100, 4.0, "relu"),
-    }
+        # residual blocks learn at these depths under the same staleness
+        "r16_middle": Setup("r16_middle", 16, 1, 160, 5.0, residual=True,
+                            weights=residual_unit_weights(_dims(args, 16))),
+        "r24_middle": Setup("r24_middle", 24, 1, 200, 6.0, residual=True,
+                            weights=residual_unit_weights(_dims(args, 24))),
+    }  # fmt: skip
     return [table[name] for name in args.setups]
+
+
+def _dims(args: argparse.Namespace, units: int) -> list[int]:
+    """The repartition model's widths: the digits' 64 inputs, hidden, 10 classes."""
+    return [64, *[args.repartition_hidden] * (units - 1), 10]
 
 
 def _gaps(times: Sequence[float], low: float, high: float) -> list[float]:
@@ -414,10 +455,11 @@ def one_setup(
 ) -> dict[str, Any]:
     """FTPipeHD (live re-partitioning) against PipeDream (its even start, kept)."""
     n, units = 4, setup.units
-    h = args.repartition_hidden
     # Adam at 3e-4: deeper plain MLPs barely train under async staleness
-    dims = [64, *[h] * (units - 1), 10]
-    spec = ModelSpec("mlp", {"dims": dims, "activation": setup.activation}, seed=1)
+    config: dict[str, Any] = {"dims": _dims(args, units), "activation": setup.activation}
+    if setup.residual:
+        config["residual"] = True
+    spec = ModelSpec("mlp", config, seed=1)
     cuts = even_bounds(units, n)
     even = [[a, b] for a, b in itertools.pairwise(cuts)]
     names = [f"d{i}" for i in range(n)]
@@ -529,7 +571,7 @@ def one_setup(
         measured["before"] = round(statistics.median(pd_before) / statistics.median(ft_before), 3)
     if pd_after and ft_after:
         measured["after"] = round(statistics.median(pd_after) / statistics.median(ft_after), 3)
-    before_bound = phase_bound(caps, units)
+    before_bound = phase_bound(caps, units, setup.reference())
     # one unit-time in seconds, from PipeDream's own period before the change
     unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
     before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
@@ -546,7 +588,8 @@ def one_setup(
         fitted = fitted_phase_bound([c * r for c in cap], own, units)
     out = {
         "setup": setup.name, "units": units, "activation": setup.activation,
-        "slowing": names[setup.slowing],
+        "residual": setup.residual, "slowing": names[setup.slowing],
+        "slowing_index": setup.slowing,
         "capacities_before": caps, "capacities_after": after_change(caps, setup.slowing),
         "steps": setup.steps, "change_s": setup.change_s,
         "target_loss": round(target, 4), "target_step": target_step,

@@ -20,6 +20,7 @@ from bench._repartition_bounds import (  # noqa: E402
     even_bounds,
     fitted_phase_bound,
     phase_bound,
+    residual_unit_weights,
     run_bound,
     time_to_step,
 )
@@ -115,3 +116,46 @@ def test_a_stages_own_cost_lowers_the_bound() -> None:
     fitted = fitted_phase_bound([0.45 * c for c in caps], [1.3 * c for c in caps], 12)
     assert fitted.ratio == pytest.approx((1.3 + 3 * 0.45) / (1.3 + 0.45))
     assert fitted.ratio < plain.ratio
+
+
+def test_a_residual_mlps_units_are_costed_by_their_multiply_adds() -> None:
+    weights = residual_unit_weights([64, 256, 256, 256, 10])
+    # 64 x 256, two blocks of 2 x 256 x 256, 256 x 10 (the last unit is a Linear)
+    assert weights == pytest.approx((0.125, 1.0, 1.0, 10 / 512))
+    setup = Setup("r", 4, 1, 10, 1.0, residual=True, weights=weights)
+    assert setup.reference() == list(weights)
+    with pytest.raises(ValueError):
+        Setup("r", 5, 1, 10, 1.0, weights=weights).reference()
+    # 24 units, the middle device slowing: the bounds the headline's set-up leaves
+    r24 = list(residual_unit_weights([64, *[256] * 23, 10]))
+    before = phase_bound(CAPS, 24, r24)
+    after = phase_bound(after_change(CAPS, 1), 24, r24)
+    assert before.ratio > 3.5 and after.ratio == pytest.approx(6.0)
+    # most of a run lies after the change: its bound passes 4
+    r24_middle = Setup("r24_middle", 24, 1, 200, 6.0, residual=True, weights=tuple(r24))
+    assert run_bound(CAPS, r24_middle, unit_s=0.001, step=200)[2] > 4.0
+    # light first and last units lower the even cuts' period below equal units'
+    assert before.even_period < phase_bound(CAPS, 24).even_period
+
+
+def test_the_headline_is_a_learning_middle_set_up_with_the_most_units() -> None:
+    from bench.training_async import headline_setup
+
+    def result(units: int, slowing: int, learned: bool, ratio: float) -> dict[str, object]:
+        kind = "time_to_loss" if learned else "time_to_last_step"
+        return {"units": units, "slowing_index": slowing, "ratio_kind": kind, "ratio": ratio}
+
+    results = {
+        "u12_best": result(12, 0, True, 9.0),
+        "u12_middle": result(12, 1, True, 1.5),
+        "u16_middle": result(16, 1, False, 5.0),
+        "r16_middle": result(16, 1, True, 2.0),
+        "r24_middle": result(24, 1, True, 1.0),
+    }
+    # not the largest number: the rule
+    assert headline_setup(results) == "r24_middle"
+    results["r24_middle"] = result(24, 1, False, 1.0)
+    assert headline_setup(results) == "r16_middle"
+    assert headline_setup({k: results[k] for k in ("u12_best", "u12_middle")}) == "u12_middle"
+    assert headline_setup({"u16_middle": results["u16_middle"]}) == "u16_middle"
+    assert headline_setup({}) is None

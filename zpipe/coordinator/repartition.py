@@ -145,10 +145,12 @@ class LiveRepartitioning:
             yield Log("info", "repartition_started", {"run": run.run, "step": step})
             replies = yield from self.ask(members, devices, step, {"phase": "prepare"})
             pending, self.pending = self.pending, None
+            counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
             if pending is not None and pending.at == step:
                 decision = pending  # decided before the flush (look_flow)
+                # the batches drained since that look ran on the old cuts
+                controller.rebase(counters)
             else:
-                counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
                 decision = controller.look(step, counters)
             yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict()})
             target = decision.bounds if decision.bounds is not None else controller.bounds

@@ -30,6 +30,17 @@ decides (:mod:`zpipe.coordinator.repartition`).
   predicts for its units (Eco-FL's deviation check: a real change, taken at
   once); and cuts already run since the last such change are judged by
   the period they measured, not by the model (a move back needs a measured gain).
+  Two more keep a fixed-cost fit that swings with the host's load from moving the
+  cuts back and forth: a move back to cuts the pipeline left within the last
+  ``revisit_looks`` looks, or to cuts within ``revisit_radius`` units of them at
+  every boundary (under load the fit dithers between neighbouring cuts), needs a
+  predicted gain of ``revisit_gain`` (hysteresis,
+  kept through a real change: a swinging fit can fake one, while a true one, a
+  device slowing or recovering for good, promises far more); and a move decided by
+  a look without a flush counts the next look's window from the flush
+  (:meth:`RepartitionController.rebase`), so the batches the old cuts drained are
+  not read as the new cuts' (they looked like a device several times slower, a
+  "real change" that threw the fit away).
 - Weight redistribution: who fetches which units from whom
   (:func:`zpipe.recovery.plan_redistribution`, no failure: every unit's holder is
   its current stage; FTPipeHD's Algorithm 1 without the failed index).
@@ -51,7 +62,7 @@ from zpipe.training.stage_cost import StageCosts
 
 # the counters a stage reports whose sum is its compute time (seconds, cumulative)
 COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
-_DAMPING = ("smoothing", "deviation")
+_DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius")
 
 
 @dataclass(frozen=True)
@@ -67,17 +78,36 @@ class RepartitionSettings:
     # straddles a real change shows only part of it, and more would delay the answer
     smoothing: float = 0.25
     deviation: float = 1.0  # beyond 1 + this times either way: a real change, not noise
+    # hysteresis: a move back to cuts left within the last revisit_looks looks must
+    # promise this much (revisit_gain <= gain or revisit_looks 0: no hysteresis)
+    revisit_gain: float = 0.3
+    revisit_looks: int = 10
+    # cuts whose every boundary lies within this many units of cuts left count as
+    # a move back (under load the fit dithers between neighbouring cuts)
+    revisit_radius: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("first", "every"):
+        counts: tuple[tuple[str, int], ...] = (
+            ("first", 1),
+            ("every", 1),
+            ("revisit_looks", 0),
+            ("revisit_radius", 0),
+        )
+        for name, least in counts:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"repartition {name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(
+                    f"repartition {name} must be an integer >= {least}, got {value!r}"
+                )
         if not (isinstance(self.gain, (int, float)) and math.isfinite(self.gain)):
             raise ConfigError(f"repartition gain must be a number, got {self.gain!r}")
         if not 0 <= self.gain < 1:
             raise ConfigError(f"repartition gain must lie in [0, 1), got {self.gain}")
-        for name, low, high in (("smoothing", 0.0, 1.0), ("deviation", 0.0, math.inf)):
+        for name, low, high in (
+            ("smoothing", 0.0, 1.0),
+            ("deviation", 0.0, math.inf),
+            ("revisit_gain", 0.0, 1.0),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"repartition {name} must be a number, got {value!r}")
@@ -95,7 +125,7 @@ class RepartitionSettings:
         if self.bounds is not None:
             out["bounds"] = list(self.bounds)
         # only when set: a coordinator from before damping refuses keys it does not know
-        for name in ("smoothing", "deviation"):
+        for name in _DAMPING:
             if getattr(self, name) != getattr(RepartitionSettings, name):
                 out[name] = getattr(self, name)
         return out
@@ -114,7 +144,11 @@ class RepartitionSettings:
                 every=int(data.get("every", 100)),
                 gain=float(data.get("gain", 0.1)),
                 bounds=None if bounds is None else tuple(int(b) for b in bounds),
-                **{k: float(data[k]) for k in _DAMPING if k in data},
+                smoothing=float(data.get("smoothing", cls.smoothing)),
+                deviation=float(data.get("deviation", cls.deviation)),
+                revisit_gain=float(data.get("revisit_gain", cls.revisit_gain)),
+                revisit_looks=int(data.get("revisit_looks", cls.revisit_looks)),
+                revisit_radius=int(data.get("revisit_radius", cls.revisit_radius)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed repartition settings {data!r}: {exc}") from None
@@ -198,6 +232,7 @@ def decide_repartition(
     capacities: Mapping[str, float] | None = None,
     tried: Mapping[tuple[int, ...], float] | None = None,
     fixed_s: Mapping[str, float] | None = None,
+    left: Sequence[tuple[int, ...]] = (),
 ) -> RepartitionDecision:
     """Whether the pipeline of ``devices`` (in stage order) cut at ``bounds`` moves
     after batch ``at``. ``measured_s``: each device's compute seconds per batch since
@@ -206,7 +241,9 @@ def decide_repartition(
     eqs. 1-2 on ``measured_s``; ``tried``: the period each of these cuts measured
     when run (a best cut found there is costed no lower than that); ``fixed_s``: each
     device's own seconds per batch whatever its units, with ``capacities`` (eq. 7
-    and eqs. 1-3 keep none)."""
+    and eqs. 1-3 keep none); ``left``: cuts the pipeline left lately (a move back to
+    them, or to cuts within ``settings.revisit_radius`` units of them at every
+    boundary, needs ``settings.revisit_gain``)."""
     current = tuple(int(b) for b in bounds)
     n = len(devices)
     if len(current) != n + 1:
@@ -273,10 +310,14 @@ def decide_repartition(
             # eq. 3 flatters cuts it has seen run: judge them by what they measured
             new_period = ran
             reason = "the best cuts, costed by the period they measured when run"
-        if period > 0 and 1.0 - new_period / period < settings.gain:
+        back = any(_near(target, cuts, settings.revisit_radius) for cuts in left)
+        needed = max(settings.gain, settings.revisit_gain) if back else settings.gain
+        if period > 0 and 1.0 - new_period / period < needed:
             target = None
-            reason = f"predicted gain below {settings.gain:g}" + (
-                " (the best cuts measured slower when run)" if ran >= new_period > 0 else ""
+            reason = (
+                f"predicted gain below {needed:g}"
+                + (" (the best cuts measured slower when run)" if ran >= new_period > 0 else "")
+                + (" (a move back to cuts left lately)" if back else "")
             )
     if target == current:
         target = None
@@ -288,6 +329,11 @@ def decide_repartition(
     return RepartitionDecision(
         at, current, target, period, new_period, measured, caps, own, redistribution, reason
     )
+
+
+def _near(a: Sequence[int], b: Sequence[int], radius: int) -> bool:
+    """Whether cuts ``a`` and ``b`` differ by at most ``radius`` units at every boundary."""
+    return len(a) == len(b) and all(abs(x - y) <= radius for x, y in zip(a, b, strict=True))
 
 
 def _capacities(
@@ -333,6 +379,9 @@ class RepartitionController:
         self._units_s: dict[str, float] = {}  # reference seconds each device held at its last look
         # the period each cut measured since the last real change of a capacity
         self.tried: dict[tuple[int, ...], float] = {}
+        # the cuts each look found (the latest last); kept through a real change, which
+        # a swinging fit can fake (a true one promises far more than revisit_gain)
+        self.held: list[tuple[int, ...]] = []
 
     def due(self, done: int) -> bool:
         return self.settings.due(done)
@@ -364,6 +413,8 @@ class RepartitionController:
                 self.bandwidths_bps,
                 [fixed[d] for d in self.devices],
             )
+        looks = self.settings.revisit_looks
+        recent = self.held[-looks:] if looks else []
         decision = decide_repartition(
             settings,
             at=at,
@@ -376,9 +427,22 @@ class RepartitionController:
             capacities=smoothed,
             tried=self.tried,
             fixed_s=fixed,
+            left=[b for b in recent if b != self.bounds],
         )
+        self.held = [*self.held, self.bounds][-max(looks, 1) :]
         self.decisions.append(decision)
         return decision
+
+    def rebase(self, counters: Mapping[str, Mapping[str, Any]]) -> None:
+        """The stages' cumulative counters at the flush of a move decided before it
+        (a look without a flush): the next look's window starts here, so the batches
+        the old cuts drained after that look are not counted as the new cuts'."""
+        for device in self.devices:
+            c = counters.get(device)
+            if c is None:
+                continue
+            seconds = math.fsum(float(c.get(k) or 0.0) for k in COMPUTE_COUNTERS)
+            self._seen[device] = (seconds, int(c.get("microbatches") or 0))
 
     def _smooth(self, measured: Mapping[str, float]) -> dict[str, float]:
         """Each device's capacity (its fixed cost taken out) averaged with its past
