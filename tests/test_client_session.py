@@ -23,7 +23,7 @@ from zpipe.client import ClientConnection
 from zpipe.client.session import RunSession
 from zpipe.config import Timeouts
 from zpipe.transport.codec import PROTOCOL_VERSION, Message, encode
-from zpipe.transport.sockets import SocketOptions
+from zpipe.transport.sockets import ReceiveLimits, SocketOptions, bind_endpoint, open_socket
 
 RUN, EPOCH, LAST = 7, 3, "s2"
 _endpoints = itertools.count()
@@ -220,3 +220,56 @@ async def test_race_prefers_a_result_and_times_out_without_one(
     session.fail(PipelineError("second"))  # the first failure is the one raised
     with pytest.raises(PipelineError, match="first"):
         await session.race(asyncio.Event().wait(), timeout_s=1)
+
+
+async def test_the_sink_reopens_for_new_limits_only_when_no_run_receives_on_it(
+    context: zmq.asyncio.Context,
+) -> None:
+    # A new run's limits close the sink and bind a fresh one: never under a live
+    # receive loop (another run of the same client), which it would cancel.
+    sink = open_socket(context, zmq.PULL, SocketOptions())
+    bound = bind_endpoint(sink, "tcp://127.0.0.1:0")
+    connection = ClientConnection(
+        context,
+        _Control(),  # type: ignore[arg-type]
+        sink,
+        bound,
+        timeouts=Timeouts(),
+        options=SocketOptions(),
+        sink_bound=bound,
+    )
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(bound)
+    session = _session(connection)
+    taken = asyncio.Event()
+
+    async def handle(message: Message) -> None:
+        taken.set()
+
+    larger = ReceiveLimits(4 << 20, 4)
+    try:
+        session.watch(_check, handle, awaited="results")
+        await push.send_multipart(_result(1))
+        await session.race(taken.wait(), timeout_s=10)  # the loop is receiving
+        with pytest.raises(PipelineError, match="another run of the same client"):
+            await connection.limit_sink(larger)
+        assert connection.sink is sink and not sink.closed
+        assert not session.failed
+    finally:
+        await session.close()
+    try:
+        await connection.limit_sink(connection.sink_fallback)  # the limits it has
+        assert connection.sink is sink
+        await connection.limit_sink(larger)
+        fresh = connection.sink
+        assert fresh is not sink and sink.closed
+        assert fresh.getsockopt(zmq.MAXMSGSIZE) == larger.max_message_bytes
+        assert fresh.getsockopt(zmq.RCVHWM) == larger.recv_hwm
+        # the peer connected before reconnects to the fresh socket by itself
+        await push.send_multipart(_result(2))
+        frames = await asyncio.wait_for(fresh.recv_multipart(), 30)
+        assert connection.decode_sink_message(frames)["mb"] == 2
+    finally:
+        push.close(linger=0)
+        connection.sink.close(linger=0)

@@ -26,7 +26,6 @@ from zpipe.transport.sockets import (
     apply_receive_limits,
     new_context,
     open_socket,
-    reconfigure_data_socket,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,36 +206,6 @@ def test_a_frame_over_maxmsgsize_drops_the_connection_and_memory_stays_flat(
     sender.close(linger=0)
     monitor.close(linger=0)
     pull.close(linger=0)
-
-
-def test_reconfigured_limits_govern_later_connections_and_not_earlier_ones(
-    sync_context: zmq.Context[Any],
-) -> None:
-    pull, endpoint = bound_pull(sync_context, ReceiveLimits.before_plan())
-    monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    early = sync_context.socket(zmq.PUSH)  # connected before the assignment
-    early.setsockopt(zmq.LINGER, 0)
-    early.connect(endpoint)
-    early.send(b"early")
-    assert pull.poll(10_000) and pull.recv() == b"early"
-    frame = b"z" * (4 << 20)
-    limits = reconfigure_data_socket(pull, endpoint, len(frame))
-    assert limits.max_message_bytes == len(frame)
-    assert pull.getsockopt(zmq.MAXMSGSIZE) == len(frame)
-    assert pull.getsockopt(zmq.RCVHWM) == limits.recv_hwm
-    # The early connection keeps its small pre-plan limit: a big frame drops it.
-    early.send(frame)
-    assert disconnections(monitor, until=1, timeout_ms=10_000) == 1
-    assert not pull.poll(200)
-    early.close(linger=0)
-    push = sync_context.socket(zmq.PUSH)  # the assigned upstream, told to connect now
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(endpoint)
-    push.send(frame)
-    assert pull.poll(10_000)
-    assert pull.recv() == frame
-    for sock in (push, monitor, pull):
-        sock.close(linger=0)
 
 
 def test_receive_limits_bound_the_queued_bytes() -> None:

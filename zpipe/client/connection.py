@@ -3,12 +3,21 @@
 :class:`ClientConnection` is what runs use (the handshake of a session, the
 sockets a stream or a training run sends on); :class:`~zpipe.client.PipelineClient`
 opens and closes it.
+
+The sink changes its receive limits as a stage's data port does: it closes its
+socket and binds a fresh one to the same port (:mod:`zpipe.transport.reopen`;
+re-binding one socket while a peer sent crashed libzmq). So :attr:`ClientConnection.sink`
+is a different object after :meth:`ClientConnection.limit_sink` reopened it: a run
+reads it through :meth:`ClientConnection.reading_sink`, which also keeps a reopen
+from closing a socket a receive is waiting on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -21,6 +30,7 @@ from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.transport import security
 from zpipe.transport.codec import Message
+from zpipe.transport.reopen import bind_when_free
 from zpipe.transport.sockets import (
     ReceiveLimits,
     SocketOptions,
@@ -30,7 +40,6 @@ from zpipe.transport.sockets import (
     decode_frames,
     new_context,
     open_socket,
-    rebind_with_limits,
 )
 
 log = get_logger("zpipe.client")
@@ -66,10 +75,14 @@ class ClientConnection:
         self.keypair = keypair
         self.sink_allow = sink_allow
         self.authenticator = authenticator
-        # what the sink is bound to (port resolved; "": not rebound) and its limits
+        # what the sink is bound to (port resolved; "": never reopened) and its limits
+        # (None: a reopen did not finish, so the next limit_sink reopens whatever)
         self._sink_bound = sink_bound
         self.sink_fallback = ReceiveLimits(options.max_message_bytes, options.recv_hwm)
-        self._sink_limits = self.sink_fallback
+        self._sink_limits: ReceiveLimits | None = self.sink_fallback
+        # receive loops on the sink now (reading_sink), and one reopen at a time
+        self._sink_readers = 0
+        self._sink_reopening = asyncio.Lock()
 
     @classmethod
     def open(
@@ -138,12 +151,43 @@ class ClientConnection:
         sock.connect(endpoint)
         return sock
 
-    def limit_sink(self, limits: ReceiveLimits) -> None:
-        """Give the sink ``limits`` for the connections made from now on (a run's
-        last stages connect once it goes): called between ``run_ready`` and ``go``."""
-        if self._sink_bound and limits != self._sink_limits:
-            rebind_with_limits(self.sink, self._sink_bound, limits)
+    async def limit_sink(self, limits: ReceiveLimits) -> None:
+        """Give the sink ``limits`` (libzmq fixes them when a socket binds): unless it
+        has them already, close it and bind a fresh one to the same port, with the
+        same CURVE server keys (the allow-list lives in the context's authenticator,
+        so it carries over). Called between ``run_ready`` and ``go``, before the run's
+        sink loop starts; its last stages connect once it goes. What the old socket
+        had queued is dropped (an earlier run's leftovers)."""
+        async with self._sink_reopening:
+            if not self._sink_bound or limits == self._sink_limits:
+                return
+            if self._sink_readers:
+                # another run of this client receives on the sink now: closing it would
+                # cancel that run's receive (run one stream at a time per client)
+                raise PipelineError(
+                    "the client's sink cannot take this run's receive limits while another "
+                    "run of the same client is receiving on it"
+                )
+            self._sink_limits = None
+            self.sink.close(linger=0)
+            fresh = open_socket(self.context, zmq.PULL, self.options, limits=limits)
+            if self.keypair is not None:
+                security.secure_server(fresh, self.keypair)
+            # never a closed sink, even if the bind fails (the run fails; the next
+            # limit_sink reopens again, since the limits are unknown)
+            self.sink = fresh
+            await bind_when_free(fresh, self._sink_bound)
             self._sink_limits = limits
+
+    @contextlib.contextmanager
+    def reading_sink(self) -> Iterator[zmq.asyncio.Socket]:
+        """The sink, for a receive loop that runs inside the ``with``: no reopen
+        closes it meanwhile (:meth:`limit_sink` refuses)."""
+        self._sink_readers += 1
+        try:
+            yield self.sink
+        finally:
+            self._sink_readers -= 1
 
     def allow_sink_senders(self, keys: Iterable[object]) -> None:
         """With keys: only these public keys (the run's last stages) may send to the sink."""

@@ -100,7 +100,8 @@ class InferenceRun:
                 self.options.on_plan(stream.plan)
             # before the last stage connects (on go): the sink takes what this run sends
             rows = most_rows(batches, self.options.microbatch_size)
-            self.connection.limit_sink(sink_limits(self.model, rows, self.connection.sink_fallback))
+            limits = sink_limits(self.model, rows, self.connection.sink_fallback)
+            await self.connection.limit_sink(limits)
             await session.go()
             async for outputs in stream.outputs_in_order(batches):
                 yield outputs

@@ -248,32 +248,34 @@ class RunSession:
         idle_timeout_s: float | None,
         idle_ok: Callable[[], bool] | None,
     ) -> None:
-        sink = self.connection.sink
-        while True:
-            try:
-                frames = await recv_frames(
-                    sink, timeout_s=idle_timeout_s, peer=self.last_stage, awaited=awaited
-                )
-            except TransportTimeout:
-                if idle_ok is not None and idle_ok():
-                    continue
-                raise
-            try:
-                message = self.connection.decode_sink_message(frames)
-                check(message)
-                if message.kind == "error":
-                    self.fail(
-                        RemoteStageError(
-                            str(message["stage"]), int(message["mb"]), str(message["message"])
-                        )
+        # the sink as it is now (limit_sink reopened it before this run's loop
+        # started), held so that no reopen closes it under the receive below
+        with self.connection.reading_sink() as sink:
+            while True:
+                try:
+                    frames = await recv_frames(
+                        sink, timeout_s=idle_timeout_s, peer=self.last_stage, awaited=awaited
                     )
-                    return
-                await handle(message)
-            except Exception as exc:
-                # Whatever one message causes (a malformed frame, a result that does not
-                # belong to the run, a bug its contents hit), it is dropped, not the loop.
-                log.warning("dropped_message", peer=self.last_stage, run=self.run,
-                            error=str(exc), error_type=type(exc).__name__)  # fmt: skip
+                except TransportTimeout:
+                    if idle_ok is not None and idle_ok():
+                        continue
+                    raise
+                try:
+                    message = self.connection.decode_sink_message(frames)
+                    check(message)
+                    if message.kind == "error":
+                        self.fail(
+                            RemoteStageError(
+                                str(message["stage"]), int(message["mb"]), str(message["message"])
+                            )
+                        )
+                        return
+                    await handle(message)
+                except Exception as exc:
+                    # Whatever one message causes (a malformed frame, a result that does not
+                    # belong to the run, a bug its contents hit), it is dropped, not the loop.
+                    log.warning("dropped_message", peer=self.last_stage, run=self.run,
+                                error=str(exc), error_type=type(exc).__name__)  # fmt: skip
 
     async def _watch_notices(self, on_replanned: ReplanHandler | None) -> None:
         failures = self.control.failures

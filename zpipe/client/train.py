@@ -293,7 +293,7 @@ class _Training:
     async def _attempt(self, session: RunSession, run: TrainingRun) -> AttemptEnd:
         # losses and notices only: the socket's limits (an inference run may have
         # lowered them for its own outputs)
-        session.connection.limit_sink(session.connection.sink_fallback)
+        await session.connection.limit_sink(session.connection.sink_fallback)
         await session.go()
         end = await run.train(
             self.source, self.options.progress, self.options.on_step, total=self.total

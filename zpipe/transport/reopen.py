@@ -7,7 +7,9 @@ old listener's connections went down): a PULL with three PUSH peers sending
 crashed in every one of 6 runs of 400 re-binds, where closing it and binding a
 new PULL to the same port never did (0 of 6; 0 of 10 more without waiting for
 traffic). So a port changes its limits by reopening: the caller closes the old
-socket (linger 0) and binds its replacement with :func:`bind_when_free`.
+socket (linger 0) and binds its replacement with :func:`bind_when_free` (a
+stage's data port, :meth:`zpipe.stage.ports.StagePorts.reopen_data_in`; the
+client's sink, :meth:`zpipe.client.connection.ClientConnection.limit_sink`).
 """
 
 from __future__ import annotations

@@ -26,15 +26,15 @@ queues at most about ``RCVHWM x MAXMSGSIZE`` bytes of single-frame messages.
 (:meth:`ReceiveLimits.before_plan`) on a data socket until its assignment, and
 the plan's (:meth:`ReceiveLimits.for_largest_message`) once it is known. Both
 options are copied when the socket binds (into the listener, whose accepted
-connections inherit them): :func:`rebind_with_limits` re-binds with new limits,
-which govern the connections made after it (earlier ones keep theirs), so call
-it before the plan's peers are told to connect, and only when the limits change:
-re-binding while a connected peer was sending segfaulted libzmq 4.3.5's I/O
-thread as the old listener went down (a recovering stage, once in a few runs
-under load). What no
-libzmq option bounds: the frame count of one multipart message (each frame
-under ``MAXMSGSIZE``) and the number of connections; only CURVE allow-lists
-(``--keys``), which refuse unknown peers at the handshake, bound those.
+connections inherit them), so a bound socket takes new limits only by being
+closed and replaced by a fresh one bound to the same port
+(:mod:`zpipe.transport.reopen`, which says why not by re-binding it: that
+segfaulted libzmq 4.3.5's I/O thread while a connected peer sent); a stage's
+data port and the client's sink do so before the plan's peers are told to
+connect, and only when the limits change. What no libzmq option bounds: the
+frame count of one multipart message (each frame under ``MAXMSGSIZE``) and the
+number of connections; only CURVE allow-lists (``--keys``), which refuse
+unknown peers at the handshake, bound those.
 
 :func:`send` and :func:`recv_frames` wrap the asyncio sends and receives with a
 timeout whose error names the peer and what was awaited. Untracked sends copy
@@ -154,53 +154,11 @@ def apply_receive_limits(sock: zmq.Socket[Any], limits: ReceiveLimits) -> None:
     """Set ``MAXMSGSIZE`` and ``RCVHWM`` for endpoints bound or connected *after* this call.
 
     libzmq copies the options into a listener when the socket binds, and every
-    connection that listener accepts gets the listener's copy: on a bound socket
-    use :func:`rebind_with_limits` to change them.
+    connection that listener accepts gets the listener's copy: a bound socket is
+    reopened to change them (:mod:`zpipe.transport.reopen`).
     """
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
     sock.setsockopt(zmq.RCVHWM, limits.recv_hwm)
-
-
-def rebind_with_limits(
-    sock: zmq.Socket[Any], endpoint: str, limits: ReceiveLimits, *, retry_s: float = 0.2
-) -> None:
-    """Apply ``limits`` to a bound socket: set them, unbind ``endpoint`` and bind it again.
-
-    ``endpoint`` is what :func:`bind_endpoint` returned (port resolved).
-    Connections accepted before keep the limits they were made with (the small
-    pre-plan ones): call it when an assignment arrives and before the peers it
-    names are told to connect, so that they connect under the new limits.
-    """
-    apply_receive_limits(sock, limits)
-    try:
-        sock.unbind(endpoint)
-    except zmq.ZMQError as exc:
-        raise ConfigError(f"cannot unbind {endpoint} to apply new limits: {exc}") from None
-    deadline = time.monotonic() + retry_s
-    while True:
-        try:
-            sock.bind(endpoint)
-            return
-        except zmq.ZMQError as exc:
-            # The I/O thread closes the old listener asynchronously: the port can be
-            # busy for a moment.
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
-                raise ConfigError(f"cannot bind {endpoint} again: {exc}") from None
-            time.sleep(0.002)
-
-
-def reconfigure_data_socket(
-    sock: zmq.Socket[Any], endpoint: str, largest_frame_bytes: int
-) -> ReceiveLimits:
-    """Give a bound data socket the limits of a newly assigned plan; returns them.
-
-    ``largest_frame_bytes``: the largest tensor frame the plan's peers may send
-    to it (see :meth:`ReceiveLimits.for_largest_message`); connections made
-    before keep their limits (see :func:`rebind_with_limits`).
-    """
-    limits = ReceiveLimits.for_largest_message(largest_frame_bytes)
-    rebind_with_limits(sock, endpoint, limits)
-    return limits
 
 
 def new_context() -> zmq.asyncio.Context:
