@@ -15,7 +15,7 @@ from zpipe.client.sink_limits import most_rows, sink_limits
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.transport import security
-from zpipe.transport.sockets import HEADER_FRAME_ALLOWANCE, ReceiveLimits
+from zpipe.transport.sockets import CURVE_FRAME_OVERHEAD, HEADER_FRAME_ALLOWANCE, ReceiveLimits
 
 FALLBACK = ReceiveLimits(2**31 - 1, 16)
 
@@ -31,7 +31,7 @@ def test_the_rows_of_a_micro_batch_are_known_only_when_they_can_be() -> None:
 def test_the_sink_is_sized_from_the_model_and_the_rows() -> None:
     wide = ModelSpec("mlp", {"dims": [8, 65536, 4]})  # 256 KiB a sample
     limits = sink_limits(wide, 64, FALLBACK)
-    assert limits.max_message_bytes == 4 * 65536 * 64
+    assert limits.max_message_bytes == 4 * 65536 * 64 + CURVE_FRAME_OVERHEAD
     assert limits.queued_bytes_per_peer < FALLBACK.queued_bytes_per_peer
     tiny = ModelSpec("mlp", {"dims": [6, 16, 4]})
     assert sink_limits(tiny, 4, FALLBACK).max_message_bytes == HEADER_FRAME_ALLOWANCE

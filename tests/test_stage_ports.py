@@ -11,6 +11,7 @@ from zpipe.models.sequence import as_tuple
 from zpipe.models.size import largest_tensor_bytes_per_sample
 from zpipe.stage.ports import data_port_limits
 from zpipe.transport.sockets import (
+    CURVE_FRAME_OVERHEAD,
     DEFAULT_QUEUED_BYTES_PER_PEER,
     HEADER_FRAME_ALLOWANCE,
     ReceiveLimits,
@@ -40,7 +41,7 @@ def test_limits_are_the_largest_tensor_times_the_rows_and_bound_the_queue() -> N
     spec = ModelSpec.preset("vit-tiny")  # the input image is its largest tensor: 12 KiB
     limits, source = data_port_limits(spec, max_rows=4096, fallback=FALLBACK)
     assert source == "model"
-    assert limits.max_message_bytes == 3 * 32 * 32 * 4 * 4096
+    assert limits.max_message_bytes == 3 * 32 * 32 * 4 * 4096 + CURVE_FRAME_OVERHEAD
     assert limits.queued_bytes_per_peer <= DEFAULT_QUEUED_BYTES_PER_PEER
     small, _ = data_port_limits(spec, max_rows=2, fallback=FALLBACK)
     assert small.max_message_bytes == HEADER_FRAME_ALLOWANCE  # the floor: room for a header

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.registry import USER_CODE_FAMILIES
 from zpipe.models.size import largest_tensor_bytes_per_sample
-from zpipe.transport.sockets import ReceiveLimits
+from zpipe.transport.sockets import CURVE_FRAME_OVERHEAD, ReceiveLimits
 
 
 def most_rows(batches: object, microbatch_size: int | None) -> int | None:
@@ -49,5 +49,6 @@ def sink_limits(spec: ModelSpec, rows: int | None, fallback: ReceiveLimits) -> R
         return fallback
     if per_sample is None:
         return fallback
-    largest = min(per_sample * rows, fallback.max_message_bytes)
+    # never above the socket's own limit, CURVE's framing included
+    largest = min(per_sample * rows, fallback.max_message_bytes - CURVE_FRAME_OVERHEAD)
     return ReceiveLimits.for_largest_message(largest)

@@ -33,6 +33,7 @@ from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
 from zpipe.transport.reopen import bind_when_free
 from zpipe.transport.sockets import (
+    CURVE_FRAME_OVERHEAD,
     ReceiveLimits,
     SocketOptions,
     advertised_endpoint,
@@ -206,5 +207,6 @@ def data_port_limits(
         return fallback, "fallback"
     if per_sample is None:
         return fallback, "fallback"
-    largest = min(per_sample * max_rows, fallback.max_message_bytes)
+    # never above the socket's own limit, CURVE's framing included
+    largest = min(per_sample * max_rows, fallback.max_message_bytes - CURVE_FRAME_OVERHEAD)
     return ReceiveLimits.for_largest_message(largest), "model"

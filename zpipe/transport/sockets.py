@@ -99,6 +99,12 @@ PRE_PLAN_RECV_HWM = 4
 DEFAULT_QUEUED_BYTES_PER_PEER = 256 << 20
 # Room for the msgpack header frame: the codec refuses larger ones anyway.
 HEADER_FRAME_ALLOWANCE = MAX_HEADER_BYTES
+# CurveZMQ carries each frame in a MESSAGE command ("\x07MESSAGE", an 8-byte nonce,
+# a 16-byte MAC and a flags byte: 33 bytes more than the frame), and libzmq checks
+# MAXMSGSIZE against that wire size: a limit of exactly the largest frame silently
+# dropped that frame on CURVE links (the receiver closes the connection; the run
+# waited out its deadline). Limits allow for it on every link.
+CURVE_FRAME_OVERHEAD = 33
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,7 @@ class ReceiveLimits:
             raise ConfigError(f"a message size cannot be negative, got {largest_frame_bytes}")
         if not 1 <= min_hwm <= max_hwm:
             raise ConfigError(f"need 1 <= min_hwm <= max_hwm, got {min_hwm}, {max_hwm}")
-        max_bytes = max(largest_frame_bytes, HEADER_FRAME_ALLOWANCE)
+        max_bytes = max(largest_frame_bytes + CURVE_FRAME_OVERHEAD, HEADER_FRAME_ALLOWANCE)
         hwm = min(max(queued_bytes_per_peer // max_bytes, min_hwm), max_hwm)
         return cls(max_bytes, hwm)
 
