@@ -202,11 +202,11 @@ def _log(text: str) -> None:
 
 
 def _warmups(schedule: str, num_stages: int, m: int) -> list[int]:
-    """The warm-ups a run gets when it names none (what the coordinator fills in): every
-    stage of these clusters runs on this host, so "auto" takes torch's counts."""
+    """The warm-ups a run gets when it names none (what the coordinator fills in):
+    "auto" is Asteroid's counts."""
     if schedule == "gpipe":
         return [m] * num_stages
-    policy = resolve_warmup_policy("auto", stages_share_cores=True)
+    policy = resolve_warmup_policy("auto")
     return warmup_counts(policy, num_stages, m)
 
 

@@ -36,7 +36,7 @@ from zpipe.models import load_layer_sequence
 from zpipe.planner import even_ranges
 from zpipe.training.warmup import warmup_counts
 
-TORCH_SYSTEMS = ("zpipe_1f1b", "torch_1f1b", "zpipe_gpipe", "zpipe_1f1b_asteroid_warmups")
+TORCH_SYSTEMS = ("zpipe_1f1b", "torch_1f1b", "zpipe_gpipe", "zpipe_1f1b_torch_warmups")
 
 
 def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
@@ -54,12 +54,12 @@ def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         "zpipe_1f1b": _warmups("1f1b", p, m),
         "torch_1f1b": torch_warmups,
         "zpipe_gpipe": _warmups("gpipe", p, m),
-        "zpipe_1f1b_asteroid_warmups": warmup_counts("asteroid", p, m),
+        "zpipe_1f1b_torch_warmups": warmup_counts("torch", p, m),
     }
     zpipe_fits: dict[str, dict[str, Any]] = {
         "zpipe_1f1b": {"schedule": "1f1b"},
         "zpipe_gpipe": {"schedule": "gpipe"},
-        "zpipe_1f1b_asteroid_warmups": {"schedule": "1f1b", "warmup": "asteroid"},
+        "zpipe_1f1b_torch_warmups": {"schedule": "1f1b", "warmup": "torch"},
     }
     warm = make_batches(spec, args.warmup_steps, args.batch_size, args.seed + 1)
     batches = make_batches(spec, args.steps, args.batch_size, args.seed)
@@ -114,7 +114,7 @@ def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
 
     medians = {s: _median_run(runs[s]) for s in TORCH_SYSTEMS}
     z1, tt, zg = medians["zpipe_1f1b"], medians["torch_1f1b"], medians["zpipe_gpipe"]
-    zk = medians["zpipe_1f1b_asteroid_warmups"]
+    zk = medians["zpipe_1f1b_torch_warmups"]
     assert z1.report is not None and zg.report is not None
     # Every run trains the same weights on the same data: one loss sequence for all.
     loss_diff = max(
@@ -166,14 +166,14 @@ def run_torch(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     keys = {
         "ratio_vs_torch_1f1b": _ratio(z1.steady_samples_per_s, tt.steady_samples_per_s),
         "ratio_vs_torch_1f1b_whole_run": _ratio(z1.samples_per_s, tt.samples_per_s),
-        "ratio_vs_torch_1f1b_asteroid_warmups": _ratio(
+        "ratio_vs_torch_1f1b_torch_warmups": _ratio(
             zk.steady_samples_per_s, tt.steady_samples_per_s
         ),
-        "asteroid_over_auto_warmups": _ratio(zk.steady_samples_per_s, z1.steady_samples_per_s),
+        "auto_over_torch_warmups": _ratio(z1.steady_samples_per_s, zk.steady_samples_per_s),
         "zpipe_1f1b_steady_samples_per_s": _round(z1.steady_samples_per_s),
         "torch_1f1b_steady_samples_per_s": _round(tt.steady_samples_per_s),
         "zpipe_gpipe_steady_samples_per_s": _round(zg.steady_samples_per_s),
-        "zpipe_1f1b_asteroid_warmups_steady_samples_per_s": _round(zk.steady_samples_per_s),
+        "zpipe_1f1b_torch_warmups_steady_samples_per_s": _round(zk.steady_samples_per_s),
         "zpipe_1f1b_over_gpipe": _ratio(z1.steady_samples_per_s, zg.steady_samples_per_s),
         "loss_max_abs_diff": loss_diff,
         "losses_match_torch": losses_match,

@@ -32,12 +32,12 @@ Throughput, two ways (both in every JSON line):
    stages (4) on the same even split (``even_ranges``), the same M, mini-batches and
    optimizer, homogeneous (no slowdown, no link cap), ``cores // stages`` torch threads
    (at least 1) per stage process in both. zpipe's 1F1B runs with its default warm-up
-   policy, ``warmup="auto"`` (:mod:`zpipe.training.warmup`): the stages share this
-   host's cores, so it takes torch's counts ``P - p``, as Schedule1F1B does. The loss
-   sequences of the two are compared (``loss_max_abs_diff``): equal losses show that the
-   baseline does the same work. ``zpipe_1f1b_asteroid_warmups`` (``warmup="asteroid"``:
-   Asteroid's ``K_p = min(2 (P - p) - 1, M)``) measures what the deeper warm-up costs
-   here: ``ratio_vs_torch_1f1b_asteroid_warmups`` and ``asteroid_over_auto_warmups``. zpipe
+   policy, ``warmup="auto"`` (:mod:`zpipe.training.warmup`): Asteroid's counts
+   ``K_p = min(2 (P - p) - 1, M)``. The loss sequences of the two are compared
+   (``loss_max_abs_diff``): equal losses show that the baseline does the same work.
+   ``zpipe_1f1b_torch_warmups`` (``warmup="torch"``: Schedule1F1B's ``P - p``) is the
+   evidence for that default, measured in the same run:
+   ``ratio_vs_torch_1f1b_torch_warmups`` and ``auto_over_torch_warmups``. zpipe
    GPipe runs on the same split too, all four alternating:
    ``gpipe_over_1f1b_peak_memory_stage0`` is the ratio of stage 0's peak bytes of saved
    activations (``peak_activation_bytes``, counted by the stage) under GPipe and under

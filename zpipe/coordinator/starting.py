@@ -60,7 +60,6 @@ from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.objectives import check_train_settings
-from zpipe.training.warmup import stages_share_cores
 from zpipe.transport.codec import Message
 
 
@@ -342,8 +341,7 @@ class _Training:
             if restore.fell_back:
                 # the learning-rate schedule goes on from the global copy's mini-batch
                 settings["start_step"] = message["resume"]["global"]["start_step"]
-        shared = stages_share_cores(by_name[n].data_endpoint for g in groups for n in g[0])
-        training = check_train_settings(settings, len(groups), stages_share_cores=shared)
+        training = check_train_settings(settings, len(groups))
         if given is not None and training["warmups"] != given.warmups:
             given = replace(
                 given,

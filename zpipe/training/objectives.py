@@ -244,15 +244,13 @@ TRAIN_SETTINGS = (
 )
 
 
-def check_train_settings(
-    settings: Mapping[str, Any], num_stages: int, *, stages_share_cores: bool = False
-) -> dict[str, Any]:
+def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[str, Any]:
     """A run's training settings, checked, with each stage's warm-up filled in.
 
     ``warmups`` (optional) gives K_p per stage; without it GPipe uses M and 1F1B
     the ``warmup`` policy's counts (:mod:`zpipe.training.warmup`): ``"asteroid"``
     K_p = min(2(P - p) - 1, M), ``"torch"`` min(P - p, M), ``"auto"`` (the default)
-    torch's when ``stages_share_cores``, else Asteroid's.
+    Asteroid's.
     """
     if not isinstance(settings, Mapping):
         raise ConfigError(f"training settings must be a mapping, got {settings!r}")
@@ -274,7 +272,7 @@ def check_train_settings(
         if schedule == "gpipe":
             warmups = [m] * num_stages
         else:
-            resolved = resolve_warmup_policy(policy, stages_share_cores=stages_share_cores)
+            resolved = resolve_warmup_policy(policy)
             warmups = warmup_counts(resolved, num_stages, m)
     else:
         warmups = [int(w) for w in warmups]

@@ -10,32 +10,30 @@ Two rules for K_p, the forwards stage ``p`` of ``P`` runs before its first backw
 - ``"torch"``: ``K_p = min(P - p, M)``, what ``torch.distributed.pipelining``'s
   ``Schedule1F1B`` runs: enough when transfers are short against compute.
 
-Why ``"auto"`` chooses torch's counts when stages share a host's cores. The extra
-``P - p - 1`` forwards only pay when a stage would otherwise sit idle waiting for a
-transfer, and their compute can overlap it. Stages that share one machine's cores
-(an emulated cluster: every stage process on this host) have loopback links
-(milliseconds for megabytes) and no idle core to overlap with: a stage that runs
-ahead takes CPU from its neighbours, and holds up to ``2 (P - p) - 1`` micro-batches'
-activations instead of ``P - p``. bench/training.py measured zpipe's 1F1B at 0.92 of
-Schedule1F1B with Asteroid's counts and equal with torch's on the same split, on two
-otherwise idle shared cores (under heavy outside load, load average 15-23, runs went
-either way: Asteroid's over torch's 1.35, 0.61, 1.18). Stages on their own devices
-have idle cores while they wait on a real link, so ``"auto"`` keeps Asteroid's counts
-there. Synchronous 1F1B computes the same
-gradients under either count (the optimizer steps once per mini-batch, after every
-backward), so the choice changes time and memory only, never the model.
+``"auto"`` (the default) is Asteroid's, chosen by measurement. An earlier rule took
+torch's counts when two stages share a host's cores (an emulated cluster), on the
+reasoning that the extra ``P - p - 1`` forwards cannot overlap a transfer when no core
+is idle, and on one measurement of zpipe's 1F1B at 0.92 of Schedule1F1B with Asteroid's
+counts and equal with torch's. After the per-message work on the stage data path that
+no longer holds: bench/training.py's torch section (4 stages on two shared cores,
+BERT-style, 7 alternating runs each) measured Asteroid's counts over torch's at
+1.044, 1.032, 0.995 and 0.997 on an idle machine and 1.102, 1.081 at load 5-8: never
+more than 0.5 % slower, up to 10 % faster where the cores are contended (a stage that
+runs ahead absorbs its neighbours' jitter). The planners already budget memory for
+Asteroid's counts (:func:`zpipe.planner.hpp.stage_warmup`), so the deeper warm-up
+never holds more activations than a plan allows; ``"torch"`` stays for a user who
+wants the shallower counts (less activation memory on the first stages). Synchronous
+1F1B computes the same gradients under either count (the optimizer steps once per
+mini-batch, after every backward), so the choice changes time and memory only, never
+the model.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
-from urllib.parse import urlsplit
 
 from zpipe._errors import ConfigError
 from zpipe.training.schedules import asteroid_warmup, torch_warmup
 
 WARMUP_POLICIES = ("auto", "asteroid", "torch")
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "*"})
 
 
 def check_warmup_policy(policy: object) -> str:
@@ -45,12 +43,10 @@ def check_warmup_policy(policy: object) -> str:
     return policy
 
 
-def resolve_warmup_policy(policy: str, *, stages_share_cores: bool) -> str:
-    """``"asteroid"`` or ``"torch"``: ``"auto"`` is torch's where stages share cores."""
+def resolve_warmup_policy(policy: str) -> str:
+    """``"asteroid"`` or ``"torch"``: ``"auto"`` is Asteroid's (see the module's docstring)."""
     check_warmup_policy(policy)
-    if policy != "auto":
-        return policy
-    return "torch" if stages_share_cores else "asteroid"
+    return "asteroid" if policy == "auto" else policy
 
 
 def warmup_counts(policy: str, num_stages: int, num_microbatches: int) -> list[int]:
@@ -59,18 +55,3 @@ def warmup_counts(policy: str, num_stages: int, num_microbatches: int) -> list[i
     if rule is None:
         raise ConfigError(f"resolve warmup {policy!r} first: asteroid or torch")
     return [rule(num_stages, p, num_microbatches) for p in range(num_stages)]
-
-
-def stages_share_cores(endpoints: Iterable[str]) -> bool:
-    """Whether two of the stages run on one host, judged from their data endpoints
-    (``tcp://HOST:PORT``; ``ipc://`` and loopback addresses are this host)."""
-    hosts: set[str] = set()
-    for endpoint in endpoints:
-        parts = urlsplit(endpoint)
-        host = "local" if parts.scheme in ("ipc", "inproc") else (parts.hostname or "")
-        if host in _LOOPBACK:
-            host = "local"
-        if host in hosts:
-            return True
-        hosts.add(host)
-    return False
