@@ -110,6 +110,7 @@ from bench._inference_common import (
 )
 from bench._inference_hetero import run_hetero
 from bench._inference_rpc import run_rpc
+from bench._inference_small import add_small_arguments, apply_small_quick, run_small
 from zpipe.cli_common import positive_float, positive_int
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--skip-hetero", action="store_true", help="leave out the pipeedge vs even section"
     )
+    add_small_arguments(parser)
     parser.add_argument(
         "--imported-hf-vit",
         action="store_true",
@@ -251,6 +253,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.model, args.layers, args.batches, args.batch_size = "vit-tiny", 2, 2, 4
         args.microbatch_size, args.warmup_batches, args.repeats = 2, 1, 1
+        apply_small_quick(args)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -264,6 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sections.append(("rpc", run_rpc))
     if not args.skip_hetero:
         sections.append(("hetero", run_hetero))
+    if not args.skip_small:
+        sections.append(("small", run_small))
     if args.imported_hf_vit:
         from bench._imported_vit import run_imported  # transformers only when asked
 
@@ -279,8 +284,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.skip_rpc and args.skip_hetero and not args.imported_hf_vit:
-        parser.error("--skip-rpc and --skip-hetero leave nothing to run")
+    if args.skip_rpc and args.skip_hetero and args.skip_small and not args.imported_hf_vit:
+        parser.error("--skip-rpc, --skip-hetero and --skip-small leave nothing to run")
     _apply_quick(args)
     configure_logging(level="warning")  # zpipe's logs to stderr: stdout is for JSON lines
     signal.signal(signal.SIGALRM, on_alarm)
