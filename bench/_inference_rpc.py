@@ -154,7 +154,7 @@ def compare_with_torch_rpc(
     c = comparison
     devices = c.devices
     # Stages in the order of the device list (by default the coordinator orders them by name).
-    order = {"stage_names": [d.name for d in devices], "dtype": c.dtype}
+    order: dict[str, Any] = {"stage_names": [d.name for d in devices], "dtype": c.dtype}
     transports, channels = (["uv"], ["basic"]) if c.rpc_transport == "tcp" else (None, None)
     transport = "tensorpipe uv/basic (loopback TCP)" if transports else "tensorpipe auto"
     microbatches = sum(-(-int(b[0].shape[0]) // c.microbatch_size) for b in batches)
@@ -167,7 +167,10 @@ def compare_with_torch_rpc(
     print(f"{c.section} section: zpipe vs torch RPC", file=sys.stderr, flush=True)
     with LocalCluster(devices, log_level="warning") as cluster:
         # An explicit even partition: the comparison is of runtimes, not of plans.
-        first = {"microbatch_size": c.microbatch_size, "max_in_flight": c.max_in_flight[0]}
+        first: dict[str, Any] = {
+            "microbatch_size": c.microbatch_size,
+            "max_in_flight": c.max_in_flight[0],
+        }
         _, warm_report = cluster.infer(c.spec, warmup, planner="even", **order, **first)
         plan = warm_report.plan
         partition = [[s.start, s.end] for s in plan.stages]
@@ -198,7 +201,10 @@ def compare_with_torch_rpc(
                 # Alternate which system goes first, so a drift in machine load hits both.
                 turn = ("zpipe", "torch_rpc") if repeat % 2 == 0 else ("torch_rpc", "zpipe")
                 for bound in c.max_in_flight:
-                    stream = {"microbatch_size": c.microbatch_size, "max_in_flight": bound}
+                    stream: dict[str, Any] = {
+                        "microbatch_size": c.microbatch_size,
+                        "max_in_flight": bound,
+                    }
                     for system in turn:
                         if system == "zpipe":
                             meter = CpuMeter(zpipe_pids)

@@ -9,7 +9,12 @@ own model, devices and batches, once per in-flight bound, and names its keys
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
 import os
+import signal
+from multiprocessing.connection import Connection
+from types import FrameType
 from typing import Any
 
 import torch
@@ -18,6 +23,7 @@ from bench._inference_common import Outputs, _device_config
 from bench._inference_rpc import RpcComparison, compare_with_torch_rpc
 from zpipe.cli_common import positive_int
 from zpipe.cluster import DeviceSpec
+from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, load_layer_sequence
 
 SMALL_MODEL = "mlp-small"  # 784-512-256-128-10: a forward of one sample is tens of µs
@@ -26,6 +32,7 @@ SMALL_STAGES = 3
 # the runtimes cost nothing; more lets a runtime that pays per message queue work
 # ahead (both systems get the same bound, and both are measured at each).
 SMALL_MAX_IN_FLIGHT = (4, 12)
+CHILD_EXIT_S = 30.0  # for the section's process to end after it answered
 HEADLINE_KEY = "small_model_ratio_vs_torch_rpc"
 # the per-bound figures beside the headline (the rpc comparison's key names)
 PER_BOUND_KEYS = (
@@ -126,7 +133,46 @@ def small_keys(
 def run_small(
     args: argparse.Namespace, _spec: ModelSpec, _warmup: list[Outputs], _batches: list[Outputs]
 ) -> tuple[dict[str, Any], bool]:
-    """The small-model comparison (its own model and batches): summary keys, outputs match."""
+    """The small-model comparison (its own model and batches), in a process of its own:
+    summary keys, outputs match.
+
+    torch.distributed.rpc does not start twice in one process (a second ``init_rpc``
+    after ``shutdown`` hangs in its gloo rendezvous, torch 2.13), and the rpc section
+    may have run here. The child is "this process" of the section: zpipe's client and
+    the RPC driver, whose CPU both systems count."""
+    context = mp.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(vars(args), sender), name="small-section")
+    child.start()
+    sender.close()
+    try:
+        while not receiver.poll(1.0):
+            if not child.is_alive():
+                raise RuntimeError(f"the small section's process exited with {child.exitcode}")
+        keys: dict[str, Any] = json.loads(receiver.recv())
+    finally:
+        receiver.close()
+        child.join(CHILD_EXIT_S)
+        if child.is_alive():  # an alarm or an error here: its context managers clean up
+            child.terminate()
+            child.join(CHILD_EXIT_S)
+    return keys, bool(keys["small_outputs_match"])
+
+
+def _child(arguments: dict[str, Any], sender: Connection) -> None:
+    """The section's process: runs it and sends its keys back (JSON)."""
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    configure_logging(level="warning")  # stdout is for JSON lines
+    keys, _ = _run_small_here(argparse.Namespace(**arguments))
+    sender.send(json.dumps(keys))
+    sender.close()
+
+
+def _exit_on_term(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # leaves the cluster's and the RPC world's ``with``
+
+
+def _run_small_here(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     spec = small_spec(args.seed)
     cores = os.cpu_count() or 1
     threads = args.threads or max(1, cores // SMALL_STAGES)
