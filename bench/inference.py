@@ -1,7 +1,8 @@
 """Inference throughput of zpipe: against a PipeEdge-style torch.distributed.rpc
-pipeline, and PipeEdge's plan against the even partition on a heterogeneous cluster.
+pipeline (on a ViT and on a small MLP), and PipeEdge's plan against the even
+partition on a heterogeneous cluster.
 
-Both sections run one ViT-Base-style model (``vit-base`` with fewer blocks, so
+The ``rpc`` and ``hetero`` sections run one ViT-Base-style model (``vit-base`` with fewer blocks, so
 that the run takes minutes on two cores) over emulated heterogeneous devices
 (slower compute by a factor, slower outgoing links in Mbit/s plus a latency)
 and push a stream of batches through it in micro-batches. Each section first
@@ -66,7 +67,36 @@ of a run, pipeline fill and drain included.
    pipeline's fill, which the cost model's ``b / bottleneck`` leaves out) and the
    other ``hetero_*`` keys.
 
-3. ``imported`` (only with ``--imported-hf-vit``; needs transformers): real
+3. ``small`` (``--skip-small`` leaves it out): zpipe against torch RPC where the
+   runtimes' own per-message cost decides. The ``rpc`` section's comparison (the
+   same code) on its own model and data: ``mlp-small`` (784-512-256-128-10; a
+   forward of one sample takes tens of microseconds) split evenly over 3 equal
+   devices at full speed (slowdown 1, no link emulation), ``--small-batches``
+   (400) seeded batches of ``--small-batch-size`` (8) samples sent as
+   micro-batches of one, after a tenth as many warm-up batches. Fair by
+   construction: both systems run the same partition (zpipe's even plan, handed
+   to the RPC stages), the same torch threads per stage (``cores // 3``, at least
+   1), one process per stage plus one driver (zpipe's client, in the same
+   process as the RPC driver; zpipe also has its coordinator, whose CPU it is
+   charged), the same bound on micro-batches in flight, each bound of
+   ``--small-max-in-flight`` (12, the headline, at which neither system is
+   starved: both were slower at 4 and neither faster at 24 on two cores; and 4,
+   about one micro-batch per stage and link, as the bound changes zpipe's
+   figure), and
+   ``--small-repeats`` (3) timed runs per system and bound, alternating which
+   system goes first; medians are reported. CPU per sample counts every process
+   of a system, from /proc, over the streaming part of its run. The outputs of
+   the first batch are compared between the systems and with the whole model run
+   in one process. The section runs in a process of its own (torch RPC does not
+   start twice in one process). Summary keys: ``small_model_ratio_vs_torch_rpc``
+   (zpipe samples/s / torch RPC samples/s at the first bound),
+   ``small_zpipe_samples_per_s``, ``small_torch_rpc_samples_per_s``,
+   ``small_zpipe_cpu_ms_per_sample``, ``small_torch_rpc_cpu_ms_per_sample``,
+   ``small_outputs_match`` (at every bound), ``small_by_max_in_flight`` (these
+   figures per bound), the model and settings (``small_model``, ``small_dims``,
+   ``small_partition``, ...).
+
+4. ``imported`` (only with ``--imported-hf-vit``; needs transformers): real
    imported weights. A random-init ``transformers`` ViTForImageClassification
    of ``--model``'s size with ``--layers`` blocks is converted by ``python -m
    zpipe import hf-vit`` and run over ``--imported-stages`` equal devices (no
