@@ -148,8 +148,14 @@ def run_small(
     try:
         while not receiver.poll(1.0):
             if not child.is_alive():
-                raise RuntimeError(f"the small section's process exited with {child.exitcode}")
-        keys: dict[str, Any] = json.loads(receiver.recv())
+                break
+        try:
+            keys: dict[str, Any] = json.loads(receiver.recv())
+        except EOFError:  # it ended without an answer (its error is on stderr)
+            child.join(CHILD_EXIT_S)
+            raise RuntimeError(
+                f"the small section's process exited with {child.exitcode}"
+            ) from None
     finally:
         receiver.close()
         child.join(CHILD_EXIT_S)
