@@ -9,6 +9,7 @@ import argparse
 import os
 import statistics
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from bench._inference_common import (
 )
 from bench._torch_rpc_baseline import RpcRunResult, StageSetup, TorchRpcPipeline
 from zpipe.client import RunReport
-from zpipe.cluster import LocalCluster
+from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.demo import DEMO_DEVICES
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 
@@ -87,6 +88,25 @@ def _rpc_line(result: RpcRunResult, runs: list[float], transport: str) -> dict[s
     }
 
 
+@dataclass(frozen=True)
+class RpcComparison:
+    """What both systems of one zpipe vs torch RPC comparison run, and how."""
+
+    spec: ModelSpec
+    devices: list[DeviceSpec]
+    threads: int
+    microbatch_size: int
+    # each is measured (every repeat alternates the systems over each of them); the
+    # first is the comparison's headline
+    max_in_flight: tuple[int, ...]
+    dtype: str
+    repeats: int
+    rpc_transport: str
+    rpc_timeout_s: float
+    config: dict[str, Any]  # on every JSON line and in the keys
+    section: str = "rpc"  # names the JSON lines and the progress on stderr
+
+
 def run_rpc(
     args: argparse.Namespace, spec: ModelSpec, warmup: list[Outputs], batches: list[Outputs]
 ) -> tuple[dict[str, Any], bool]:
@@ -95,11 +115,6 @@ def run_rpc(
     cores = os.cpu_count() or 1
     threads = args.threads or max(1, cores // args.stages)
     devices = _devices(args, threads, DEMO_DEVICES[: args.stages])
-    # Stages in the order of the device list (by default the coordinator orders them by name).
-    stream = {"microbatch_size": args.microbatch_size, "max_in_flight": args.max_in_flight}
-    order = {"stage_names": [d.name for d in devices], "dtype": args.dtype}
-    transports, channels = (["uv"], ["basic"]) if args.rpc_transport == "tcp" else (None, None)
-    transport = "tensorpipe uv/basic (loopback TCP)" if transports else "tensorpipe auto"
     config = {
         "model": args.model,
         "layers": args.layers,
@@ -115,13 +130,48 @@ def run_rpc(
         "warmup_batches": args.warmup_batches,
         "devices": _device_config(devices),
     }
-    microbatches = args.batches * -(-args.batch_size // args.microbatch_size)
-    zpipe_runs: list[tuple[float, RunReport, list[Outputs], dict[str, float]]] = []
-    rpc_runs: list[tuple[RpcRunResult, dict[str, float]]] = []
-    print("rpc section: zpipe vs torch RPC", file=sys.stderr, flush=True)
+    comparison = RpcComparison(
+        spec=spec,
+        devices=devices,
+        threads=threads,
+        microbatch_size=args.microbatch_size,
+        max_in_flight=(args.max_in_flight,),
+        dtype=args.dtype,
+        repeats=args.repeats,
+        rpc_transport=args.rpc_transport,
+        rpc_timeout_s=args.rpc_timeout,
+        config=config,
+    )
+    results = compare_with_torch_rpc(comparison, warmup, batches)
+    return results[args.max_in_flight]
+
+
+def compare_with_torch_rpc(
+    comparison: RpcComparison, warmup: list[Outputs], batches: list[Outputs]
+) -> dict[int, tuple[dict[str, Any], bool]]:
+    """zpipe against torch RPC, the two alternating in one process each, for every
+    in-flight bound: per bound, the summary keys and whether the outputs match."""
+    c = comparison
+    devices = c.devices
+    # Stages in the order of the device list (by default the coordinator orders them by name).
+    order: dict[str, Any] = {"stage_names": [d.name for d in devices], "dtype": c.dtype}
+    transports, channels = (["uv"], ["basic"]) if c.rpc_transport == "tcp" else (None, None)
+    transport = "tensorpipe uv/basic (loopback TCP)" if transports else "tensorpipe auto"
+    microbatches = sum(-(-int(b[0].shape[0]) // c.microbatch_size) for b in batches)
+    zpipe_runs: dict[int, list[tuple[float, RunReport, list[Outputs], dict[str, float]]]] = {
+        bound: [] for bound in c.max_in_flight
+    }
+    rpc_runs: dict[int, list[tuple[RpcRunResult, dict[str, float]]]] = {
+        bound: [] for bound in c.max_in_flight
+    }
+    print(f"{c.section} section: zpipe vs torch RPC", file=sys.stderr, flush=True)
     with LocalCluster(devices, log_level="warning") as cluster:
         # An explicit even partition: the comparison is of runtimes, not of plans.
-        _, warm_report = cluster.infer(spec, warmup, planner="even", **order, **stream)
+        first: dict[str, Any] = {
+            "microbatch_size": c.microbatch_size,
+            "max_in_flight": c.max_in_flight[0],
+        }
+        _, warm_report = cluster.infer(c.spec, warmup, planner="even", **order, **first)
         plan = warm_report.plan
         partition = [[s.start, s.end] for s in plan.stages]
         by_name = {d.name: d for d in devices}
@@ -138,58 +188,85 @@ def run_rpc(
         ]
         zpipe_pids = {name: int(p.pid) for name, p in cluster.processes.items()}
         with TorchRpcPipeline(
-            spec,
+            c.spec,
             setups,
-            dtype=args.dtype,
-            threads=threads,
-            rpc_timeout_s=args.rpc_timeout,
+            dtype=c.dtype,
+            threads=c.threads,
+            rpc_timeout_s=c.rpc_timeout_s,
             transports=transports,
             channels=channels,
         ) as baseline:
-            baseline.run(warmup, **stream)
-            for repeat in range(args.repeats):
+            baseline.run(warmup, **first)
+            for repeat in range(c.repeats):
                 # Alternate which system goes first, so a drift in machine load hits both.
                 turn = ("zpipe", "torch_rpc") if repeat % 2 == 0 else ("torch_rpc", "zpipe")
-                for system in turn:
-                    if system == "zpipe":
-                        meter = CpuMeter(zpipe_pids)
+                for bound in c.max_in_flight:
+                    stream: dict[str, Any] = {
+                        "microbatch_size": c.microbatch_size,
+                        "max_in_flight": bound,
+                    }
+                    for system in turn:
+                        if system == "zpipe":
+                            meter = CpuMeter(zpipe_pids)
 
-                        def progress(done: int, sent: int, meter: CpuMeter = meter) -> None:
-                            if done == microbatches:
-                                meter.stop()
+                            def progress(done: int, sent: int, meter: CpuMeter = meter) -> None:
+                                if done == microbatches:
+                                    meter.stop()
 
-                        outputs, report = cluster.infer(
-                            spec,
-                            _metered(batches, meter),
-                            progress=progress,
-                            planner="even",
-                            **order,
-                            **stream,
+                            outputs, report = cluster.infer(
+                                c.spec,
+                                _metered(batches, meter),
+                                progress=progress,
+                                planner="even",
+                                **order,
+                                **stream,
+                            )
+                            if report.plan.to_dict()["stages"] != plan.to_dict()["stages"]:
+                                raise RuntimeError("zpipe changed its partition between runs")
+                            zpipe_runs[bound].append(
+                                (report.throughput, report, outputs, meter.cpu_s)
+                            )
+                            tput = report.throughput
+                        else:
+                            meter = CpuMeter(baseline.pids)
+                            meter.start()
+                            result = baseline.run(batches, **stream)
+                            meter.stop()
+                            rpc_runs[bound].append((result, meter.cpu_s))
+                            tput = result.throughput
+                        print(
+                            f"  repeat {repeat + 1}/{c.repeats} max_in_flight {bound} {system}: "
+                            f"{tput:.2f} samples/s, {meter.cpu_s.get('total', 0.0):.2f} CPU s",
+                            file=sys.stderr,
+                            flush=True,
                         )
-                        if report.plan.to_dict()["stages"] != plan.to_dict()["stages"]:
-                            raise RuntimeError("zpipe changed its partition between runs")
-                        zpipe_runs.append((report.throughput, report, outputs, meter.cpu_s))
-                        tput = report.throughput
-                    else:
-                        meter = CpuMeter(baseline.pids)
-                        meter.start()
-                        result = baseline.run(batches, **stream)
-                        meter.stop()
-                        rpc_runs.append((result, meter.cpu_s))
-                        tput = result.throughput
-                    print(
-                        f"  repeat {repeat + 1}/{args.repeats} {system}: {tput:.2f} samples/s"
-                        f", {meter.cpu_s.get('total', 0.0):.2f} CPU s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+    return {
+        bound: _compared(
+            c, zpipe_runs[bound], rpc_runs[bound], bound, partition, transport, batches
+        )
+        for bound in c.max_in_flight
+    }
 
+
+def _compared(
+    c: RpcComparison,
+    zpipe_runs: list[tuple[float, RunReport, list[Outputs], dict[str, float]]],
+    rpc_runs: list[tuple[RpcRunResult, dict[str, float]]],
+    bound: int,
+    partition: list[list[int]],
+    transport: str,
+    batches: list[Outputs],
+) -> tuple[dict[str, Any], bool]:
+    """The JSON lines (emitted) and the summary keys of one in-flight bound's runs."""
+    config = {**c.config, "max_in_flight": bound}
+    section = {} if c.section == "rpc" else {"section": c.section}
     z_tputs = [t for t, _, _, _ in zpipe_runs]
     r_tputs = [r.throughput for r, _ in rpc_runs]
     _, z_report, z_outputs, z_cpu = zpipe_runs[_median_index(z_tputs)]
     r_result, r_cpu = rpc_runs[_median_index(r_tputs)]
     z_line = {
         **_zpipe_line(z_report, z_tputs),
+        **section,
         "samples_per_s": round(statistics.median(z_tputs), 4),
         "cpu_s": z_cpu,
         "cpu_ms_per_sample": round(1e3 * z_cpu.get("total", 0.0) / z_report.samples, 3),
@@ -198,6 +275,7 @@ def run_rpc(
     }
     r_line = {
         **_rpc_line(r_result, r_tputs, transport),
+        **section,
         "samples_per_s": round(statistics.median(r_tputs), 4),
         "cpu_s": r_cpu,
         "cpu_ms_per_sample": round(1e3 * r_cpu.get("total", 0.0) / r_result.samples, 3),
@@ -207,11 +285,11 @@ def run_rpc(
     emit(z_line)
     emit(r_line)
 
-    tol = 1e-4 if args.dtype == "float32" else 1e-1
+    tol = 1e-4 if c.dtype == "float32" else 1e-1
     first_rpc = rpc_runs[-1][0].outputs[0]
     outputs_match = _close(z_outputs[0], first_rpc, tol)
     with torch.inference_mode():
-        reference = build_full_model(spec)(*batches[0])
+        reference = build_full_model(c.spec)(*batches[0])
     matches_reference = _close(z_outputs[0], reference, tol) and _close(first_rpc, reference, tol)
     ratio = z_line["samples_per_s"] / r_line["samples_per_s"] if r_line["samples_per_s"] else 0.0
     keys = {

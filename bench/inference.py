@@ -1,7 +1,8 @@
 """Inference throughput of zpipe: against a PipeEdge-style torch.distributed.rpc
-pipeline, and PipeEdge's plan against the even partition on a heterogeneous cluster.
+pipeline (on a ViT and on a small MLP), and PipeEdge's plan against the even
+partition on a heterogeneous cluster.
 
-Both sections run one ViT-Base-style model (``vit-base`` with fewer blocks, so
+The ``rpc`` and ``hetero`` sections run one ViT-Base-style model (``vit-base`` with fewer blocks, so
 that the run takes minutes on two cores) over emulated heterogeneous devices
 (slower compute by a factor, slower outgoing links in Mbit/s plus a latency)
 and push a stream of batches through it in micro-batches. Each section first
@@ -66,7 +67,36 @@ of a run, pipeline fill and drain included.
    pipeline's fill, which the cost model's ``b / bottleneck`` leaves out) and the
    other ``hetero_*`` keys.
 
-3. ``imported`` (only with ``--imported-hf-vit``; needs transformers): real
+3. ``small`` (``--skip-small`` leaves it out): zpipe against torch RPC where the
+   runtimes' own per-message cost decides. The ``rpc`` section's comparison (the
+   same code) on its own model and data: ``mlp-small`` (784-512-256-128-10; a
+   forward of one sample takes tens of microseconds) split evenly over 3 equal
+   devices at full speed (slowdown 1, no link emulation), ``--small-batches``
+   (400) seeded batches of ``--small-batch-size`` (8) samples sent as
+   micro-batches of one, after a tenth as many warm-up batches. Fair by
+   construction: both systems run the same partition (zpipe's even plan, handed
+   to the RPC stages), the same torch threads per stage (``cores // 3``, at least
+   1), one process per stage plus one driver (zpipe's client, in the same
+   process as the RPC driver; zpipe also has its coordinator, whose CPU it is
+   charged), the same bound on micro-batches in flight, each bound of
+   ``--small-max-in-flight`` (12, the headline, at which neither system is
+   starved: both were slower at 4 and neither faster at 24 on two cores; and 4,
+   about one micro-batch per stage and link, as the bound changes zpipe's
+   figure), and
+   ``--small-repeats`` (3) timed runs per system and bound, alternating which
+   system goes first; medians are reported. CPU per sample counts every process
+   of a system, from /proc, over the streaming part of its run. The outputs of
+   the first batch are compared between the systems and with the whole model run
+   in one process. The section runs in a process of its own (torch RPC does not
+   start twice in one process). Summary keys: ``small_model_ratio_vs_torch_rpc``
+   (zpipe samples/s / torch RPC samples/s at the first bound),
+   ``small_zpipe_samples_per_s``, ``small_torch_rpc_samples_per_s``,
+   ``small_zpipe_cpu_ms_per_sample``, ``small_torch_rpc_cpu_ms_per_sample``,
+   ``small_outputs_match`` (at every bound), ``small_by_max_in_flight`` (these
+   figures per bound), the model and settings (``small_model``, ``small_dims``,
+   ``small_partition``, ...).
+
+4. ``imported`` (only with ``--imported-hf-vit``; needs transformers): real
    imported weights. A random-init ``transformers`` ViTForImageClassification
    of ``--model``'s size with ``--layers`` blocks is converted by ``python -m
    zpipe import hf-vit`` and run over ``--imported-stages`` equal devices (no
@@ -110,6 +140,7 @@ from bench._inference_common import (
 )
 from bench._inference_hetero import run_hetero
 from bench._inference_rpc import run_rpc
+from bench._inference_small import add_small_arguments, apply_small_quick, run_small
 from zpipe.cli_common import positive_float, positive_int
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec
@@ -211,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--skip-hetero", action="store_true", help="leave out the pipeedge vs even section"
     )
+    add_small_arguments(parser)
     parser.add_argument(
         "--imported-hf-vit",
         action="store_true",
@@ -251,6 +283,7 @@ def _apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.model, args.layers, args.batches, args.batch_size = "vit-tiny", 2, 2, 4
         args.microbatch_size, args.warmup_batches, args.repeats = 2, 1, 1
+        apply_small_quick(args)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -264,6 +297,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sections.append(("rpc", run_rpc))
     if not args.skip_hetero:
         sections.append(("hetero", run_hetero))
+    if not args.skip_small:
+        sections.append(("small", run_small))
     if args.imported_hf_vit:
         from bench._imported_vit import run_imported  # transformers only when asked
 
@@ -279,8 +314,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.skip_rpc and args.skip_hetero and not args.imported_hf_vit:
-        parser.error("--skip-rpc and --skip-hetero leave nothing to run")
+    if args.skip_rpc and args.skip_hetero and args.skip_small and not args.imported_hf_vit:
+        parser.error("--skip-rpc, --skip-hetero and --skip-small leave nothing to run")
     _apply_quick(args)
     configure_logging(level="warning")  # zpipe's logs to stderr: stdout is for JSON lines
     signal.signal(signal.SIGALRM, on_alarm)
