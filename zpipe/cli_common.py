@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from zpipe.config import Timeouts
 from zpipe.log import LOG_FORMATS, LOG_LEVELS
+from zpipe.parent_watch import watch_parent
 
 Number = TypeVar("Number", int, float)
 
@@ -191,6 +192,15 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"give up reaching the coordinator after S seconds (default: {defaults.connect_s})",
     )
+    group.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="shut down (as on SIGTERM) once process PID is no longer this process's parent, "
+        "i.e. it died; LocalCluster passes its own PID, so a cluster's processes do not "
+        "outlive a program that was killed (default: off)",
+    )
     timing.add_argument(
         "--send-timeout",
         type=seconds,
@@ -211,8 +221,14 @@ def timeouts_from_args(args: argparse.Namespace, **overrides: Any) -> Timeouts:
     )
 
 
-def run_until_signalled(main: Callable[[], Awaitable[int]], on_signal: Callable[[], None]) -> int:
-    """Run ``main`` on uvloop where available; SIGINT/SIGTERM call ``on_signal`` once."""
+def run_until_signalled(
+    main: Callable[[], Awaitable[int]],
+    on_signal: Callable[[], None],
+    *,
+    parent_pid: int | None = None,
+) -> int:
+    """Run ``main`` on uvloop where available; SIGINT/SIGTERM call ``on_signal`` once,
+    and so does the death of ``parent_pid`` (see :func:`zpipe.parent_watch.watch_parent`)."""
     try:
         import uvloop  # zmq.asyncio works on uvloop: it watches zmq's fd with add_reader
 
@@ -227,6 +243,12 @@ def run_until_signalled(main: Callable[[], Awaitable[int]], on_signal: Callable[
                 loop.add_signal_handler(sig, on_signal)
             except (NotImplementedError, RuntimeError):
                 pass  # not on the main thread or not supported: default handling stays
-        return await main()
+        if parent_pid is None:
+            return await main()
+        watch = asyncio.ensure_future(watch_parent(parent_pid, on_signal))
+        try:
+            return await main()
+        finally:
+            watch.cancel()
 
     return int(runner(wrapped()))

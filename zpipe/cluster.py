@@ -209,6 +209,10 @@ class LocalCluster:
             "json",
             "--log-level",
             self.log_level,
+            # so that a killed owner does not leave its processes running (a forked
+            # stage's parent is this process too)
+            "--parent-pid",
+            str(os.getpid()),
         ]
         if self.keys_dir is not None:
             flags += ["--keys", str(self.keys_dir)]

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
 
-    return run_until_signalled(run, coordinator.stop)
+    return run_until_signalled(run, coordinator.stop, parent_pid=args.parent_pid)
 
 
 if __name__ == "__main__":

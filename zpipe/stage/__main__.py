@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
 
-    return run_until_signalled(run, runtime.stop)
+    return run_until_signalled(run, runtime.stop, parent_pid=args.parent_pid)
 
 
 if __name__ == "__main__":
