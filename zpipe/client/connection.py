@@ -30,7 +30,7 @@ from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.transport import security
 from zpipe.transport.codec import Message
-from zpipe.transport.reopen import bind_when_free
+from zpipe.transport.reopen import bind_when_free, open_listener
 from zpipe.transport.sockets import (
     ReceiveLimits,
     SocketOptions,
@@ -170,9 +170,7 @@ class ClientConnection:
                 )
             self._sink_limits = None
             self.sink.close(linger=0)
-            fresh = open_socket(self.context, zmq.PULL, self.options, limits=limits)
-            if self.keypair is not None:
-                security.secure_server(fresh, self.keypair)
+            fresh = open_listener(self.context, self.options, limits, self.keypair)
             # never a closed sink, even if the bind fails (the run fails; the next
             # limit_sink reopens again, since the limits are unknown)
             self.sink = fresh

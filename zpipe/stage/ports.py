@@ -31,7 +31,7 @@ from zpipe.stage.linkprobe import PROBE_DOMAIN
 from zpipe.stage.peer_policy import UNAUTHENTICATED, PeerIdentity
 from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
-from zpipe.transport.reopen import bind_when_free
+from zpipe.transport.reopen import bind_when_free, open_listener
 from zpipe.transport.sockets import (
     CURVE_FRAME_OVERHEAD,
     ReceiveLimits,
@@ -157,9 +157,7 @@ class StagePorts:
         drops an older plan's messages anyway). Call it with no task waiting on it."""
         assert self._context is not None and self._options is not None and self.data_bound
         self.data_in.close(linger=0)
-        fresh = open_socket(self._context, zmq.PULL, self._options, limits=limits)
-        if self._keypair is not None:
-            security.secure_server(fresh, self._keypair)
+        fresh = open_listener(self._context, self._options, limits, self._keypair)
         # the stage keeps an open socket even if the bind fails (the assignment fails;
         # the next one tries again), never a closed one
         self.data_in = fresh

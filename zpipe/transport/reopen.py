@@ -21,11 +21,29 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ConfigError
+from zpipe.transport import security
+from zpipe.transport.keys import KeyPair
+from zpipe.transport.sockets import ReceiveLimits, SocketOptions, open_socket
 
 # libzmq's reaper closes the old listener asynchronously: the port is free after a
 # few milliseconds, longer on a loaded machine.
 FREE_PORT_WAIT_S = 5.0
 _RETRY_S = 0.002
+
+
+def open_listener(
+    context: zmq.asyncio.Context,
+    options: SocketOptions,
+    limits: ReceiveLimits,
+    keypair: KeyPair | None,
+) -> zmq.asyncio.Socket:
+    """The replacement of a closed receive-only listener: a PULL under ``limits``, a
+    CURVE server with ``keypair`` when there is one (its allow-list lives in the
+    context's authenticator, so it carries over); bind it with :func:`bind_when_free`."""
+    fresh = open_socket(context, zmq.PULL, options, limits=limits)
+    if keypair is not None:
+        security.secure_server(fresh, keypair)
+    return fresh
 
 
 async def bind_when_free(
