@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import math
 import signal
 import sys
@@ -221,6 +222,22 @@ def timeouts_from_args(args: argparse.Namespace, **overrides: Any) -> Timeouts:
     )
 
 
+def enable_crash_tracebacks() -> None:
+    """Every thread's Python traceback on stderr if the process dies of a fatal
+    signal (SIGSEGV, SIGABRT, SIGBUS, ...), and on SIGUSR1 without stopping it.
+
+    A crash inside libzmq, uvloop or torch otherwise leaves nothing in a stage's or
+    the coordinator's log but its exit status; SIGUSR1 shows where a process that
+    answers nothing is waiting. Skipped where stderr has no file descriptor (the
+    command run in-process under a capturing test harness)."""
+    try:
+        faulthandler.enable(all_threads=True)
+        if hasattr(signal, "SIGUSR1"):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        pass  # stderr is None or not a real file: nothing to write the traceback to
+
+
 def run_until_signalled(
     main: Callable[[], Awaitable[int]],
     on_signal: Callable[[], None],
@@ -229,6 +246,7 @@ def run_until_signalled(
 ) -> int:
     """Run ``main`` on uvloop where available; SIGINT/SIGTERM call ``on_signal`` once,
     and so does the death of ``parent_pid`` (see :func:`zpipe.parent_watch.watch_parent`)."""
+    enable_crash_tracebacks()
     try:
         import uvloop  # zmq.asyncio works on uvloop: it watches zmq's fd with add_reader
 
