@@ -107,8 +107,7 @@ def _run_and(
     """Run the lossy run; once stage ``once`` starts its passes (and ``after_s`` more
     seconds), ``act``."""
 
-    def watch() -> None:
-        before = len(_events(cluster.logs(once), "lossy_started"))
+    def watch(before: int) -> None:
         deadline = time.monotonic() + 120
         while len(_events(cluster.logs(once), "lossy_started")) == before:
             if time.monotonic() > deadline:
@@ -118,8 +117,12 @@ def _run_and(
         act()
 
     async def go() -> StagesLossyResult:
+        # counted before the run starts: counted in the watching thread, which a loaded
+        # machine may start after the stage's passes began, it missed the start it
+        # waits for (seen: the run ended untouched and the watch waited on)
+        before = len(_events(cluster.logs(once), "lossy_started"))
         async with cluster.client() as client:
-            acting = asyncio.create_task(asyncio.to_thread(watch))
+            acting = asyncio.create_task(asyncio.to_thread(watch, before))
             result = await run_lossy(client, prepared, data, stage_names=NAMES, **options)
             await asyncio.wait_for(acting, 30)
             return result
