@@ -87,11 +87,10 @@ def _run_killing(
     after_s: float = 0.0,
     **options: Any,
 ) -> StagesLossyResult:
-    def kill_once_it_runs() -> None:
+    def kill_once_it_runs(before: int) -> None:
         # the victim logs lossy_started when it takes lossy_go; the run has seconds of
         # passes left, and the survivors cannot finish without its partials until the
         # coordinator says it is dead (every partial wait ends by its verdict or wait_s)
-        before = cluster.logs(victim).count("lossy_started")
         deadline = time.monotonic() + 120
         while cluster.logs(victim).count("lossy_started") == before:
             if time.monotonic() > deadline:
@@ -101,8 +100,11 @@ def _run_killing(
         cluster.kill(victim, signal.SIGKILL)
 
     async def go() -> StagesLossyResult:
+        # counted before the run starts, not in the thread: one that starts late on a
+        # loaded machine would count the very start it waits for
+        before = cluster.logs(victim).count("lossy_started")
         async with cluster.client() as client:
-            killer = asyncio.create_task(asyncio.to_thread(kill_once_it_runs))
+            killer = asyncio.create_task(asyncio.to_thread(kill_once_it_runs, before))
             result = await run_lossy(client, prepared, data, stage_names=names, **options)
             await asyncio.wait_for(killer, 30)
             return result
