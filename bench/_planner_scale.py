@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from bench._common import emit
-from bench._planner_models import GIB, MINNOW_SPEED, VIT_LARGE, profile_of
+from bench._planner_models import MINNOW_SPEED, VIT_LARGE, profile_of
 from zpipe.planner import (
     CLIENT,
     ClusterDevice,
@@ -23,26 +23,15 @@ from zpipe.planner import (
 from zpipe.planner.bucketing import bucket_cluster
 from zpipe.planner.cluster import ClusterLink
 from zpipe.planner.profile import ModelProfile, synthetic_profile
+from zpipe.planner.synthetic_cluster import measured_cluster as synthetic_measured_cluster
+
+# PipeEdge Table IV case 2's RCC-VE shares and a MinnowBoard: (speed, memory GiB, Mbit/s)
+MEASURED_KINDS = [(1.0, 8, 1000.0), (0.75, 4, 100.0), (0.25, 4, 50.0), (MINNOW_SPEED, 2, 200.0)]
 
 
 def measured_cluster(n: int, seed: int) -> ClusterSpec:
-    """``n`` devices of four kinds (PipeEdge Table IV case 2's RCC-VE shares and a
-    MinnowBoard), every speed and link measured: each a little off its kind's value."""
-    rng = random.Random(seed)
-    kinds = [(1.0, 8, 1000.0), (0.75, 4, 100.0), (0.25, 4, 50.0), (MINNOW_SPEED, 2, 200.0)]
-    caps = {CLIENT: 1000.0}
-    devices = []
-    for i in range(n):
-        speed, memory_gib, bandwidth = kinds[i % len(kinds)]
-        devices.append(ClusterDevice(f"m{i}", memory_gib * GIB, speed * rng.uniform(0.98, 1.02)))
-        caps[f"m{i}"] = bandwidth
-    links = {
-        (a, b): ClusterLink(min(caps[a], caps[b]) * rng.uniform(0.96, 1.0), rng.uniform(0.1, 2))
-        for a in caps
-        for b in caps
-        if a != b
-    }
-    return ClusterSpec(tuple(devices), links)
+    """``n`` devices of :data:`MEASURED_KINDS`, every speed and link measured."""
+    return synthetic_measured_cluster(n, seed, MEASURED_KINDS)
 
 
 def _small_measured_instance(rng: random.Random) -> tuple[ModelProfile, ClusterSpec]:
@@ -102,7 +91,8 @@ def planning_at_scale(runs: int, bound_instances: int, seed: int) -> dict[str, A
         result[f"solve_cpu_s_measured_{n}"] = statistics.median(cpus)
 
     rng = random.Random(seed)
-    ratios, certified = [], []
+    ratios: list[float] = []
+    certified: list[float] = []
     while len(ratios) < bound_instances:
         small, cluster = _small_measured_instance(rng)
         try:

@@ -30,6 +30,7 @@ from zpipe.planner import (
 )
 from zpipe.planner.bucketing import bucket_cluster, bucket_lows, parse_bucketing
 from zpipe.planner.profile import ModelProfile, synthetic_profile
+from zpipe.planner.synthetic_cluster import measured_cluster as synthetic_measured_cluster
 
 GIB = 1 << 30
 
@@ -133,21 +134,9 @@ def test_a_bucketed_plan_is_within_its_certified_bound_of_the_exact_optimum(
 def measured_cluster(n: int, seed: int) -> ClusterSpec:
     """``n`` devices of four kinds as a coordinator sees them: every speed and every link
     (each direction, and to the client) measured, so no two numbers are equal."""
-    rng = random.Random(seed)
-    kinds = [(1.0, 8, 1000.0), (0.75, 4, 100.0), (0.5, 4, 50.0), (0.6, 2, 200.0)]
-    caps = {CLIENT: 1000.0}
-    devices = []
-    for i in range(n):
-        speed, memory_gib, bandwidth = kinds[i % len(kinds)]
-        devices.append(ClusterDevice(f"m{i}", memory_gib * GIB, speed * rng.uniform(0.98, 1.02)))
-        caps[f"m{i}"] = bandwidth
-    links = {
-        (a, b): ClusterLink(min(caps[a], caps[b]) * rng.uniform(0.96, 1.0), rng.uniform(0.1, 2))
-        for a in caps
-        for b in caps
-        if a != b
-    }
-    return ClusterSpec(tuple(devices), links)
+    return synthetic_measured_cluster(
+        n, seed, [(1.0, 8, 1000.0), (0.75, 4, 100.0), (0.5, 4, 50.0), (0.6, 2, 200.0)]
+    )
 
 
 @pytest.mark.parametrize("devices", [16, 64])
@@ -256,3 +245,16 @@ def test_measured_profiles_share_a_bucket_and_keep_the_bound() -> None:
         pred["bucketing_lower_bound_s"] <= optimum * (1 + 1e-9) <= pred["bottleneck_s"] * (1 + 1e-9)
     )
     assert pred["bucketing_certified_ratio"] <= bucketed.max_snap * (1 + 1e-9)
+
+
+def test_a_measured_cluster_has_no_two_equal_numbers_and_refuses_nothing_to_build() -> None:
+    cluster = measured_cluster(12, seed=5)
+    speeds = [d.speed for d in cluster.devices]
+    assert len(set(speeds)) == len(speeds) == 12
+    bandwidths = [link.bandwidth_mbps for link in cluster.links.values()]
+    assert len(set(bandwidths)) == len(bandwidths)
+    assert measured_cluster(12, seed=5) == cluster  # seeded: repeatable
+    with pytest.raises(ValueError, match="needs devices and kinds"):
+        synthetic_measured_cluster(0, 1, [(1.0, 1, 10.0)])
+    with pytest.raises(ValueError, match="needs devices and kinds"):
+        synthetic_measured_cluster(3, 1, [])
