@@ -48,7 +48,7 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence, run_units
 from zpipe.peak_memory import PeakMemory
 from zpipe.planner import Plan
-from zpipe.profiler import profile_model
+from zpipe.stage.profiling import profile_model
 
 BENCH = "inference"
 MIB = 2**20

@@ -27,9 +27,9 @@ from bench._inference_common import (
     _metered,
 )
 from bench._torch_rpc_baseline import RpcRunResult, StageSetup, TorchRpcPipeline
+from zpipe.cli.demo import DEMO_DEVICES
 from zpipe.client import RunReport
 from zpipe.cluster import DeviceSpec, LocalCluster
-from zpipe.demo import DEMO_DEVICES
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 
 

@@ -21,7 +21,7 @@ import torch
 
 from bench._inference_common import Outputs, _device_config
 from bench._inference_rpc import RpcComparison, compare_with_torch_rpc
-from zpipe.cli_common import positive_int
+from zpipe.cli.common import positive_int
 from zpipe.cluster import DeviceSpec
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, load_layer_sequence

@@ -21,8 +21,8 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.config import Timeouts
 from zpipe.models import ModelSpec
 from zpipe.planner.profile import ModelProfile
-from zpipe.profiler import profile_model
-from zpipe.training.schedules import pipeline_actions, simulate
+from zpipe.planner.schedules import pipeline_actions, simulate
+from zpipe.stage.profiling import profile_model
 from zpipe.training.warmup import resolve_warmup_policy, warmup_counts
 
 BENCH = "training"

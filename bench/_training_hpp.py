@@ -33,7 +33,7 @@ from bench._training_hetero import (
 from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.training.schedules import pipeline_actions, simulate
+from zpipe.planner.schedules import pipeline_actions, simulate
 
 # Four emulated devices, fastest first (Jetson Xavier NX, TX2 and two Nanos, before the
 # scale that fits them on this machine's cores). The straight and even plans run through

@@ -141,7 +141,7 @@ from bench._inference_common import (
 from bench._inference_hetero import run_hetero
 from bench._inference_rpc import run_rpc
 from bench._inference_small import add_small_arguments, apply_small_quick, run_small
-from zpipe.cli_common import positive_float, positive_int
+from zpipe.cli.common import positive_float, positive_int
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec
 

@@ -89,8 +89,8 @@ from bench._common import emit, loadavg, summary
 from bench.lossy_cnn import cnn_section
 from bench.lossy_grid import FULL_GRID, QUICK_GRID, fig7, grid_summary, run_grid
 from bench.lossy_sweeps import FULL_DEPTHS, QUICK_DEPTHS, depth_sweep, m_layers_sweep
+from zpipe.devices import single_threaded_blas
 from zpipe.lossy.data import Dataset, load_dataset
-from zpipe.lossy.experiment import single_threaded_blas
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.partition import partition
 from zpipe.lossy.schedule import timeslot_ms, total_timeslots

@@ -40,9 +40,9 @@ if __package__ in (None, ""):  # run as a script: bench/ is a package beside zpi
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zpipe.lossy.torch_cnn  # noqa: F401  (torch loaded: single_threaded_blas limits it)
+from zpipe.devices import single_threaded_blas
 from zpipe.lossy.cnn import PAPER_CHANNELS, partition_cnn
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.experiment import single_threaded_blas
 from zpipe.lossy.schedule import sequential_period, timeslot_ms
 from zpipe.lossy.simulate import RunConfig, run_network, run_training
 

@@ -42,11 +42,11 @@ Throughput, two ways (both in every JSON line):
    ``gpipe_over_1f1b_peak_memory_stage0`` is the ratio of stage 0's peak bytes of saved
    activations (``peak_activation_bytes``, counted by the stage) under GPipe and under
    1F1B, expected ``M / K_0``. ``predicted_over_measured_round``: the round that
-   :func:`zpipe.training.schedules.simulate` predicts for the median zpipe 1F1B run,
+   :func:`zpipe.planner.schedules.simulate` predicts for the median zpipe 1F1B run,
    over its measured steady round. The simulation gets each stage's compute per
    micro-batch from the run itself (``busy_s / microbatches``, the optimizer step
    folded in), split into forward and backward in the proportion a single-process
-   profile of the stage's units (``zpipe.profiler.profile_model(train=True)``, taken
+   profile of the stage's units (``zpipe.stage.profiling.profile_model(train=True)``, taken
    before any cluster starts) measures, and each link's transfer time from the sending
    stage's ``send_s`` per message.
 
@@ -144,7 +144,7 @@ from bench._training_common import BENCH, SKIPPED_HPP_NOTE, _log
 from bench._training_hetero import run_hetero
 from bench._training_hpp import run_hpp
 from bench._training_torch import run_torch
-from zpipe.cli_common import positive_float, positive_int
+from zpipe.cli.common import positive_float, positive_int
 from zpipe.log import configure_logging
 
 

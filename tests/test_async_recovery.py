@@ -26,6 +26,7 @@ from zpipe.config import Timeouts
 from zpipe.coordinator.async_replicas import collect_async_replica
 from zpipe.coordinator.commands import Send
 from zpipe.coordinator.flows import FlowRunner
+from zpipe.planner.async_schedule import AsyncSettings, aggregation_intervals, forward_version
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.training.async_recovery import async_recovery_refusal
@@ -35,7 +36,6 @@ from zpipe.training.async_regroup import (
     unit_state_from_tensors,
     unit_state_tensors,
 )
-from zpipe.training.async_schedule import AsyncSettings, aggregation_intervals, forward_version
 from zpipe.training.async_stage import AsyncStageCompute, UnitState, common_versions
 from zpipe.transport.codec import Message
 
@@ -194,7 +194,7 @@ def test_the_combinations_a_recovery_does_not_support_are_refused() -> None:
 def test_train_cli_takes_recover_for_async_runs_but_not_without_vertical_sync(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from zpipe.train_cli import main
+    from zpipe.cli.train import main
 
     with pytest.raises(SystemExit):
         main(["--local", "2", "--schedule", "async-1f1b", "--recover", "--no-vertical-sync"])

@@ -26,13 +26,13 @@ from zpipe._errors import PipelineError, StageFailedError
 from zpipe.client.repartition import repartition_before
 from zpipe.client.reports import TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
-from zpipe.training.async_recovery import cuts_of_run
-from zpipe.training.async_reference import train_async_reference
-from zpipe.training.async_schedule import (
+from zpipe.planner.async_schedule import (
     AsyncSettings,
     aggregation_intervals,
     async_stage_actions,
 )
+from zpipe.training.async_recovery import cuts_of_run
+from zpipe.training.async_reference import train_async_reference
 from zpipe.training.async_stage import AsyncStageCompute
 from zpipe.transport.codec import Message
 
@@ -132,8 +132,8 @@ def test_a_recovered_run_aggregates_with_the_windows_of_its_depth(
 def test_train_check_replays_the_plan_a_recovered_run_started_on() -> None:
     from argparse import Namespace
 
+    from zpipe.cli.train import _train_async_here
     from zpipe.planner.training_plan import TrainingPlan, TrainStage
-    from zpipe.train_cli import _train_async_here
 
     def plan(bounds: list[int], names: str) -> TrainingPlan:
         stages = tuple(

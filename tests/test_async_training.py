@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from zpipe._errors import ConfigError
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model
-from zpipe.training.async_reference import AsyncSettings, train_async_reference
-from zpipe.training.async_schedule import (
+from zpipe.planner.async_schedule import (
     aggregation_interval,
     async_global_order,
     async_stage_actions,
     async_warmup,
     forward_version,
 )
+from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.objectives import make_optimizer
 from zpipe.transport.slowdown import SlowdownClock, SlowdownSchedule, slowdown_factor
 
@@ -263,7 +263,7 @@ def test_slowdown_factor_changes_on_schedule_from_the_first_step() -> None:
 
 
 def test_a_stage_takes_a_slowdown_schedule_instead_of_a_factor() -> None:
-    from zpipe.stage.__main__ import build_parser
+    from zpipe.cli.stage import build_parser
     from zpipe.stage.config import StageConfig
 
     args = build_parser().parse_args(
@@ -332,7 +332,7 @@ def test_async_options_are_checked_before_anything_is_sent() -> None:
 def test_train_cli_refuses_async_flags_that_do_not_fit(
     flags: list[str], error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from zpipe.train_cli import main
+    from zpipe.cli.train import main
 
     with pytest.raises(SystemExit):
         main(["--local", "2", *flags])

@@ -14,8 +14,8 @@ if str(ROOT) not in sys.path:  # bench/ is a package beside zpipe/, not installe
     sys.path.insert(0, str(ROOT))
 
 import bench.lossy_cnn as lossy_cnn  # noqa: E402
+from zpipe.devices import single_threaded_blas  # noqa: E402
 from zpipe.lossy.data import load_dataset  # noqa: E402
-from zpipe.lossy.experiment import single_threaded_blas  # noqa: E402
 
 
 def test_cnn_section_compares_allocations_at_equal_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zpipe._errors import ConfigError, ModelSpecError
+from zpipe.cli.import_checkpoint import main as import_main
 from zpipe.cluster import LocalCluster
-from zpipe.import_cli import main as import_main
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence, run_units
 from zpipe.models import weights as weights_module
 from zpipe.models.examples import tiny_residual, tiny_sequential

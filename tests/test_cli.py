@@ -58,7 +58,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
             ],
         ),
         (["zpipe", "lossy", "--help"], ["--allocation", "--multiprocess", "--out"]),
-        (["zpipe.lossy.experiment", "--help"], ["--allocation", "--sweep"]),
+        (["zpipe.cli.lossy", "--help"], ["--allocation", "--sweep"]),
         (["zpipe", "coordinator", "--help"], ["--bind", "--state-dir"]),
         (["zpipe", "stage", "--help"], ["--coordinator", "--slowdown"]),
         (

@@ -16,15 +16,19 @@ from typing import Any
 import pytest
 
 from zpipe import __main__ as zpipe_main
-from zpipe import demo, keys_cli, plan_cli, profiler, train_cli
 from zpipe._errors import ConfigError, PipelineError
-from zpipe.cli_common import DeprecatedAlias
+from zpipe.cli import coordinator as coordinator_main
+from zpipe.cli import demo
+from zpipe.cli import keys as keys_cli
+from zpipe.cli import lossy as experiment
+from zpipe.cli import plan as plan_cli
+from zpipe.cli import profile as profiler
+from zpipe.cli import stage as stage_main
+from zpipe.cli import train as train_cli
+from zpipe.cli.common import DeprecatedAlias
 from zpipe.cluster import LocalCluster
 from zpipe.config import Timeouts
-from zpipe.coordinator import __main__ as coordinator_main
-from zpipe.lossy import experiment
 from zpipe.planner.profile import synthetic_profile
-from zpipe.stage import __main__ as stage_main
 from zpipe.transport import security
 
 Main = Callable[[list[str]], int]
@@ -53,7 +57,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     [
         ("coordinator", "python -m zpipe.coordinator"),
         ("stage", "python -m zpipe.stage"),
-        ("lossy", "python -m zpipe.lossy.experiment"),
+        ("lossy", "python -m zpipe.cli.lossy"),
         ("plan", "python -m zpipe plan"),
         ("keys", "python -m zpipe keys"),
     ],

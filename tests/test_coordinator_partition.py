@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from coordinator_harness import Harness
 
+from zpipe.cli.coordinator import build_parser, config_from_args
 from zpipe.config import Timeouts
-from zpipe.coordinator.__main__ import build_parser, config_from_args
 from zpipe.coordinator.commands import AwaitStages
 from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.membership import Membership

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zpipe.cli_common import enable_crash_tracebacks
+from zpipe.cli.common import enable_crash_tracebacks
 
 DEADLINE_S = 120.0  # process start-up imports torch: slow on a loaded machine
 
@@ -43,7 +43,7 @@ def test_sigusr1_dumps_the_threads_and_a_crash_leaves_its_traceback(tmp_path: Pa
         process.send_signal(signal.SIGUSR1)
         dumped = _wait_for(log_path, "most recent call first", process)
         # where the event loop waits, by file name: the serve loop in the main thread
-        assert "cli_common.py" in dumped and "Current thread" in dumped
+        assert "cli/common.py" in dumped and "Current thread" in dumped
         time.sleep(0.5)
         assert process.poll() is None  # a dump does not stop the process
         process.send_signal(signal.SIGABRT)  # what a failed assertion in libzmq raises

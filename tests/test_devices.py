@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from zpipe._errors import ConfigError, ProtocolError
+from zpipe.cli.profile import main as profile_main
+from zpipe.cli.stage import main as stage_main
 from zpipe.cluster import DeviceSpec
 from zpipe.coordinator.jobs import profile_request_body
 from zpipe.coordinator.membership import Member
@@ -33,11 +35,9 @@ from zpipe.peak_memory import peak_bytes
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.profile import training_profile_sizes
 from zpipe.planner.training_cost import TrainingCosts
-from zpipe.profiler import main as profile_main
-from zpipe.profiler import profile_model
-from zpipe.stage.__main__ import main as stage_main
 from zpipe.stage.config import StageConfig
 from zpipe.stage.measurements import requested_batch_sizes
+from zpipe.stage.profiling import profile_model
 from zpipe.stage.runtime import StageRuntime
 from zpipe.stage.shard import Shard
 from zpipe.stage.train_shard import TrainShard

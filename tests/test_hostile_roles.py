@@ -148,7 +148,7 @@ def test_roles_file_comments_and_names(tmp_path: Path) -> None:
 
 
 def test_the_keys_command_records_roles(tmp_path: Path) -> None:
-    from zpipe.keys_cli import main as keys_main
+    from zpipe.cli.keys import main as keys_main
 
     keys = tmp_path / "keys"
     assert keys_main(["--dir", str(keys), "coordinator", "client", "phone"]) == 0

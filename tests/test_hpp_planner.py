@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError
-from zpipe.plan_cli import main as plan_main
+from zpipe.cli.plan import main as plan_main
 from zpipe.planner.allocation import _balance_by_capacity, allocate_microbatch
 from zpipe.planner.cluster import ClusterDevice, ClusterLink, ClusterSpec
 from zpipe.planner.cost import InfeasiblePlanError
@@ -26,6 +26,7 @@ from zpipe.planner.hpp import (
     stage_warmup,
 )
 from zpipe.planner.profile import ModelProfile, UnitProfile, synthetic_profile
+from zpipe.planner.schedules import ecofl_warmup
 from zpipe.planner.training_cost import (
     TrainingCosts,
     at_batch_sizes,
@@ -34,7 +35,6 @@ from zpipe.planner.training_cost import (
     evaluate_group,
 )
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
-from zpipe.training.schedules import ecofl_warmup
 
 SIZES = (1, 2, 4)
 MB = 1_000_000

@@ -15,10 +15,10 @@ import sys
 _FIRST_STEP = r"""
 import json, sys
 import torch
-import zpipe.stage.__main__  # what a stage process has imported when it starts
+import zpipe.cli.stage  # what a stage process has imported when it starts
 from zpipe.lazy_torch import import_lazy_torch_modules
 from zpipe.models import ModelSpec
-from zpipe.profiler import profile_model
+from zpipe.stage.profiling import profile_model
 if sys.argv[1] == "preload":
     import_lazy_torch_modules()
 before = set(sys.modules)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zpipe._errors import ConfigError
-from zpipe.lossy import experiment
+from zpipe.cli import lossy as experiment
 from zpipe.lossy.cnn import CnnSpec, default_conv_devices, partition_cnn
 from zpipe.lossy.data import Dataset, load_generated_dataset
 from zpipe.lossy.engine import LinkChannel

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from zpipe._errors import ConfigError
-from zpipe.lossy import experiment
+from zpipe.cli import lossy as experiment
 from zpipe.lossy.data import load_dataset, load_digits_dataset, load_idx_dataset
 
 TINY = ["--hidden", "16,16", "--steps", "12", "--eval-points", "2", "--test-repeats", "1",

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zpipe.lossy import experiment
+from zpipe.cli import lossy as experiment
 from zpipe.lossy.data import load_dataset
 from zpipe.lossy.partition import partition
 from zpipe.lossy.results_json import dumps_strict

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from zpipe._errors import PipelineError
+from zpipe.cli import lossy as experiment
 from zpipe.client.lossy_run import StagesLossyResult, lossy_request, run_lossy
 from zpipe.cluster import LocalCluster
 from zpipe.coordinator.lossy_probe import PROBES_PER_LINK
-from zpipe.lossy import experiment
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel
 from zpipe.lossy.evaluation import EvalSpec

@@ -92,7 +92,7 @@ def test_a_devices_default_limit_is_its_declared_memory() -> None:
 
 
 def test_the_stage_takes_max_model_mb() -> None:
-    from zpipe.stage.__main__ import build_parser
+    from zpipe.cli.stage import build_parser
 
     args = build_parser().parse_args(
         ["--coordinator", "tcp://127.0.0.1:1", "--name", "s", "--max-model-mb", "256"]

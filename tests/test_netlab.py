@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from zpipe.testing.netcluster import log_events
-from zpipe.testing.netlab import NetLab, lab_environment, remove_stale_labs, unavailable_reason
-from zpipe.testing.netlayout import (
+from zpipe.cluster.netcluster import log_events
+from zpipe.cluster.netlab import NetLab, lab_environment, remove_stale_labs, unavailable_reason
+from zpipe.cluster.netlayout import (
     LabLayout,
     LayoutError,
     Node,
@@ -255,7 +255,7 @@ def test_a_lab_is_removed_on_ctrl_c_and_one_left_by_a_killed_run_by_the_next() -
     crashed = "\n".join(
         [
             "import os, signal",
-            "from zpipe.testing.netlab import NetLab",
+            "from zpipe.cluster.netlab import NetLab",
             "lab = NetLab(['a', 'b']); lab.start()",
             "print(lab.layout.lab_id, flush=True)",
             "os.kill(os.getpid(), signal.SIGKILL)",
@@ -274,7 +274,7 @@ def test_a_lab_is_removed_on_ctrl_c_and_one_left_by_a_killed_run_by_the_next() -
 def test_without_root_or_iproute2_the_reason_to_skip_says_what_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from zpipe.testing import netlab
+    from zpipe.cluster import netlab
 
     reason = netlab.unavailable_reason.__wrapped__  # uncached
     monkeypatch.setattr(netlab.sys, "platform", "linux")

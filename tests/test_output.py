@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zpipe import demo, plan_cli, profiler, train_cli
+from zpipe.cli import demo
+from zpipe.cli import plan as plan_cli
+from zpipe.cli import profile as profiler
+from zpipe.cli import train as train_cli
 from zpipe.client.batches import microbatch_count
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from zpipe.parent_watch import parent_is_gone, watch_parent
+from zpipe.cli.parent_watch import parent_is_gone, watch_parent
 
 OWNER = """
 import sys

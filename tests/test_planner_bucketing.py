@@ -12,11 +12,11 @@ import pytest
 
 import zpipe.planner.pipeedge as pipeedge
 from zpipe._errors import ConfigError
+from zpipe.cli.plan import main as plan_main
 from zpipe.client.infer import inference_request
 from zpipe.client.options import InferOptions
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.models import ModelSpec
-from zpipe.plan_cli import main as plan_main
 from zpipe.planner import (
     CLIENT,
     ClusterDevice,

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from zpipe import plan_cli
 from zpipe._errors import ConfigError
+from zpipe.cli import plan as plan_cli
 from zpipe.planner.cluster import ClusterDevice, ClusterLink, ClusterSpec, load_cluster
 from zpipe.planner.pipeedge import device_categories
 from zpipe.planner.plan import Plan, plan_json

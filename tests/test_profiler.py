@@ -13,7 +13,7 @@ import torch
 from zpipe._errors import ConfigError
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.planner.profile import ModelProfile, synthetic_profile
-from zpipe.profiler import profile_model, speed_score
+from zpipe.stage.profiling import profile_model, speed_score
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ class FakeClock:
 
 
 def test_slowdown_scales_the_reported_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    import zpipe.profiler as profiler
+    import zpipe.stage.profiling as profiler
 
     sleeps: list[float] = []
     monkeypatch.setattr("zpipe.transport.emulation.time.sleep", sleeps.append)

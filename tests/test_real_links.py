@@ -2,7 +2,7 @@
 
 The coordinator runs in a namespace of its own, each stage in its own, the client
 in the root namespace; every stage's uplink is capped at 20 Mbit/s by ``tc tbf``
-(see zpipe/testing/netlab.py), and a cut pulls a process's cable. Every run uses
+(see zpipe/cluster/netlab.py), and a cut pulls a process's cable. Every run uses
 the settings a user gets without flags (heartbeat, suspect and probe intervals),
 must end exactly as training in one process does, and must declare no live stage
 dead (the coordinator's JSON log is read for ``stage_dead``).
@@ -26,11 +26,11 @@ from test_training import SGD, SPEC, assert_same_weights, make_batches, train_si
 from zpipe._errors import ZpipeError
 from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec
+from zpipe.cluster.netcluster import COORDINATOR, LabCluster
+from zpipe.cluster.netlab import LinkCut, NetLab, unavailable_reason
+from zpipe.cluster.netlayout import Node, TokenBucket
 from zpipe.config import Timeouts
 from zpipe.models import ModelSpec
-from zpipe.testing.netcluster import COORDINATOR, LabCluster
-from zpipe.testing.netlab import LinkCut, NetLab, unavailable_reason
-from zpipe.testing.netlayout import Node, TokenBucket
 
 DEFAULTS = Timeouts()  # what `python -m zpipe.coordinator` and `zpipe.stage` use without flags
 UPLINK_MBIT = 20.0

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zpipe._errors import ConfigError
-from zpipe.planner.cluster import ClusterDevice, ClusterSpec
-from zpipe.planner.plan import plan_from_partition
-from zpipe.planner.profile import synthetic_profile
-from zpipe.recovery.capacity import (
+from zpipe.planner.capacity import (
     CapacityHistory,
     estimate_capacities,
     find_deviations,
@@ -16,6 +13,9 @@ from zpipe.recovery.capacity import (
     speeds_from_capacities,
     speeds_from_cluster,
 )
+from zpipe.planner.cluster import ClusterDevice, ClusterSpec
+from zpipe.planner.plan import plan_from_partition
+from zpipe.planner.profile import synthetic_profile
 from zpipe.recovery.replanning import lightweight_replan
 from zpipe.recovery.spans import device_ranges, stage_spans
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.planner.async_schedule import async_global_order, async_stage_actions
 from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.async_regroup import (
     LIVE_VERSIONS_KEY,
@@ -27,7 +28,6 @@ from zpipe.training.async_regroup import (
     unit_state_from_tensors,
     unit_state_tensors,
 )
-from zpipe.training.async_schedule import async_global_order, async_stage_actions
 from zpipe.training.async_stage import AsyncStageCompute
 from zpipe.training.objectives import make_optimizer
 from zpipe.training.repartition import (
@@ -509,7 +509,7 @@ def test_fit_options_take_repartition_only_for_async_runs_with_vertical_sync() -
 def test_train_cli_refuses_repartition_flags_that_do_not_fit(
     flags: list[str], error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from zpipe.train_cli import main
+    from zpipe.cli.train import main
 
     with pytest.raises(SystemExit):
         main(["--local", "2", *flags])
@@ -517,7 +517,7 @@ def test_train_cli_refuses_repartition_flags_that_do_not_fit(
 
 
 def test_train_flags_make_the_repartition_settings() -> None:
-    from zpipe.train_args import build_parser, repartition_of
+    from zpipe.cli.train_args import build_parser, repartition_of
 
     parser = build_parser()
     args = parser.parse_args(["--local", "2", "--schedule", "async-1f1b"])

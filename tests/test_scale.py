@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from zpipe.cli.stage import main as stage_main
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.cluster.forked import fork_stage
 from zpipe.coordinator.loop_lag import LoopLag
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.stage.__main__ import main as stage_main
 from zpipe.stage.emulated_compute import (
     EmulatedShard,
     emulated_profile,
@@ -27,7 +28,6 @@ from zpipe.stage.emulated_compute import (
 )
 from zpipe.stage.shard import Shard
 from zpipe.testing.fake_peers import FakePeers
-from zpipe.testing.forked_stages import fork_stage
 from zpipe.transport.ports import free_tcp_port
 
 UNITS = 24

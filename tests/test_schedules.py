@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError
-from zpipe.training import schedules as sched
-from zpipe.training.schedules import (
+from zpipe.planner.schedules import (
     ACTION_KINDS,
     Action,
     SimResult,
@@ -27,6 +26,7 @@ from zpipe.training.schedules import (
     stage_actions,
     validate_stage_actions,
 )
+from zpipe.training import schedules as sched
 
 # Durations are multiples of 1/4 s so that sums are exact in floating point and the
 # closed-form round times below can be compared with ==.

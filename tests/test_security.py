@@ -14,7 +14,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from zpipe._errors import ConfigError, SecurityError
-from zpipe.keys_cli import main as keys_main
+from zpipe.cli.keys import main as keys_main
 from zpipe.transport.security import (
     CurveAuthenticator,
     KeyPair,

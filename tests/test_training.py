@@ -19,6 +19,7 @@ from zpipe._errors import ConfigError, PipelineError, RemoteStageError
 from zpipe.client import split_minibatch
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.planner.schedules import pipeline_actions
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.objectives import (
@@ -28,7 +29,6 @@ from zpipe.training.objectives import (
     microbatch_loss,
 )
 from zpipe.training.routing import route, split_rows
-from zpipe.training.schedules import pipeline_actions
 
 SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 4], "activation": "gelu"}, seed=11)
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}

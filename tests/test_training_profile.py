@@ -12,7 +12,7 @@ import pytest
 from zpipe._errors import ConfigError
 from zpipe.models import ModelSpec
 from zpipe.planner.profile import ModelProfile, UnitProfile, synthetic_profile
-from zpipe.profiler import profile_model
+from zpipe.stage.profiling import profile_model
 
 SIZES = [1, 2, 4]
 
@@ -81,7 +81,7 @@ class FakeClock:
 
 
 def test_slowdown_stretches_backward_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    import zpipe.profiler as profiler
+    import zpipe.stage.profiling as profiler
 
     monkeypatch.setattr("zpipe.transport.emulation.time.sleep", lambda s: None)
     monkeypatch.setattr(profiler, "compute_cpu_s", lambda cpu: None)

@@ -10,8 +10,8 @@ from zpipe._errors import ConfigError
 from zpipe.client.options import TrainOptions
 from zpipe.client.train import training_request
 from zpipe.models import load_layer_sequence
+from zpipe.planner.schedules import peak_live_activations, pipeline_actions, simulate
 from zpipe.training.objectives import check_train_settings
-from zpipe.training.schedules import peak_live_activations, pipeline_actions, simulate
 from zpipe.training.warmup import (
     check_warmup_policy,
     resolve_warmup_policy,

@@ -20,9 +20,11 @@ memory; give them ``--memory-mb`` to split it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,3 +233,24 @@ class BoundaryMover:
     def _wait_for_copies(self) -> None:
         if self.pinned:
             torch.cuda.current_stream(self.device).synchronize()
+
+
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    # The matrices are tiny; BLAS threads only fight the other process on 2 cores
+    # (one run went 20x slower with them). torch's own pool too, when it is loaded
+    # (the CNN): under load its threads made a convolution's backward ten times
+    # slower than on one thread.
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 0
+    with contextlib.ExitStack() as stack:
+        if torch is not None:
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # pragma: no cover - comes with scikit-learn
+            yield
+            return
+        with threadpool_limits(1):
+            yield

@@ -10,7 +10,7 @@ adapter is a thin translation, nothing more:
   (only counts leave the client, never samples) and ``train_s``.
 
 :class:`ShardTrainer` is the trainer the simulator's clients use (the numpy
-MLP on one shard). A trainer backed by a zpipe pipeline (``zpipe.fit``
+MLP on one shard). A trainer backed by a zpipe pipeline (``zpipe.client.fit``
 across a client's devices) would implement the same :class:`LocalTrainer`
 protocol; that one is not written yet.
 

@@ -1,4 +1,4 @@
-"""``python -m zpipe fl-client``: one federated client, training on its own digits shard.
+"""One federated client, training on its own digits shard (the ``fl-client`` command, :mod:`zpipe.cli.fl_client`).
 
 The client holds a shard of scikit-learn's digits (``--classes``, ``--samples``
 augmented training images, as fl-sim's clients do), registers with its label
@@ -20,7 +20,6 @@ work of a small task, ``--profile-steps`` steps at the current delay, and an
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -36,7 +35,6 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.federated.data import ClientShard, make_shards
 from zpipe.federated.model import FloatArray, MLPShape, init_weights, local_train
-from zpipe.federated.net_command import run_net_command
 from zpipe.federated.net_wire import (
     CLIENT_KEY_NAME,
     SERVER_KEY_NAME,
@@ -68,7 +66,6 @@ from zpipe.transport.sockets import (
     open_socket,
     recv_frames,
     send,
-    validate_endpoint,
 )
 
 log = get_logger("zpipe.federated.client")
@@ -317,117 +314,3 @@ class FederatedClient:
         await self._send(update)
         self.tasks_done += 1
         self.answers += 1
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _classes(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-    if not values:
-        raise argparse.ArgumentTypeError("name at least one class")
-    return values
-
-
-def _delay_change(text: str) -> tuple[int, float]:
-    first, sep, delay = text.partition(":")
-    try:
-        values = (int(first), float(delay))
-    except ValueError:
-        values = (-1, -1.0)
-    if not sep or values[0] < 0 or not 0 <= values[1] < 1e6:
-        raise argparse.ArgumentTypeError(f"{text!r} is not N:S (answer N >= 0, delay S >= 0)")
-    return values
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from zpipe.cli_common import (
-        existing_dir,
-        non_negative_float,
-        non_negative_int,
-        positive_float,
-        positive_int,
-    )
-
-    p = argparse.ArgumentParser(
-        prog="python -m zpipe fl-client",
-        description="A federated client: train on a local digits shard for an fl-server.",
-    )
-    p.add_argument("--server", required=True, help="the fl-server's endpoint, tcp://HOST:PORT")
-    p.add_argument("--id", type=non_negative_int, required=True, help="this client's id")
-    p.add_argument("--classes", type=_classes, default=(), help="e.g. 3,7 (default: 2 random)")
-    p.add_argument("--samples", type=positive_int, default=40, help="images in the shard")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="seeds the shard")
-    p.add_argument("--delay", type=non_negative_float, default=0.0, help="extra s per task")
-    p.add_argument(
-        "--delay-from",
-        type=_delay_change,
-        action="append",
-        default=[],
-        metavar="N:S",
-        help="from the N-th answer (tasks and probes, from 0) on, the extra delay is S s",
-    )
-    p.add_argument("--profile-steps", type=positive_int, default=10)
-    p.add_argument("--connect-timeout", type=positive_float, default=15.0, metavar="S")
-    p.add_argument("--idle-timeout", type=positive_float, default=600.0, metavar="S")
-    p.add_argument("--send-timeout", type=positive_float, default=5.0, metavar="S")
-    p.add_argument("--keys", type=existing_dir, default=None, metavar="DIR", help="CurveZMQ keys")
-    p.add_argument("--key-name", default=CLIENT_KEY_NAME, help="this client's key in --keys")
-    p.add_argument("--server-key-name", default=SERVER_KEY_NAME, help="the server's key name")
-    p.add_argument(
-        "--pipeline-stages",
-        type=non_negative_int,
-        default=0,
-        help="train on a zpipe pipeline of N local stage processes (1 or 2; default 0: numpy)",
-    )
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> NetClientConfig:
-    return NetClientConfig(
-        server=validate_endpoint(args.server, flag="--server"),
-        client=args.id,
-        classes=args.classes,
-        samples=args.samples,
-        seed=args.seed,
-        delay_s=args.delay,
-        delay_changes=tuple(args.delay_from),
-        profile_steps=args.profile_steps,
-        connect_timeout_s=args.connect_timeout,
-        idle_timeout_s=args.idle_timeout,
-        send_timeout_s=args.send_timeout,
-        keys_dir=args.keys,
-        key_name=args.key_name,
-        server_key_name=args.server_key_name,
-        pipeline_stages=args.pipeline_stages,
-    )
-
-
-async def _run(config: NetClientConfig) -> str:
-    from zpipe.lossy.data import load_digits_dataset
-
-    dataset = load_digits_dataset()
-    if config.pipeline_stages == 0:
-        return await _serve(FederatedClient(config, dataset))
-    from zpipe.federated.pipeline_trainer import PipelineTrainer
-
-    async with PipelineTrainer(config.pipeline_stages) as pipeline:
-        return await _serve(FederatedClient(config, dataset, pipeline))
-
-
-async def _serve(client: FederatedClient) -> str:
-    try:
-        client.open()
-        return await client.serve()
-    finally:
-        client.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # the flags are checked inside, so a bad one is a one-line error, not a traceback
-    status, _ = run_net_command("fl-client", lambda: _run(config_from_args(args)))
-    return status

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from zpipe._errors import ConfigError
+from zpipe.devices import single_threaded_blas
 from zpipe.federated.data import PARTITIONS, ClientShard, client_classes, make_shards
 from zpipe.federated.grouping import ClientProfile, GroupingPolicy
 from zpipe.federated.model import MLPShape, accuracy, init_weights, local_train
 from zpipe.federated.server import METHODS, ClientUpdate, ServerConfig, TrainTask, make_server
 from zpipe.lossy.data import Dataset
-from zpipe.lossy.experiment import single_threaded_blas
 
 DEGREES = (0.2, 0.4, 0.6, 0.8, 1.0)
 

@@ -1,6 +1,6 @@
 """Foreign checkpoints mapped onto zpipe's built-in transformers.
 
-``python -m zpipe import KIND SRC DEST`` (zpipe.import_cli) reads a timm or
+``python -m zpipe import KIND SRC DEST`` (zpipe.cli.import_checkpoint) reads a timm or
 Hugging Face checkpoint, infers the model's config from its tensors' shapes
 (plus the head count, which no shape gives: from the checkpoint's
 ``config.json`` or ``--heads``), and writes the weights in zpipe's layout

@@ -3,7 +3,7 @@
 Pure: plain numbers in, cut points out. The devices keep their order (worker
 ``i`` is stage ``i``); what moves is where each stage's units start and end.
 
-Capacities (eqs. 1-3, :func:`zpipe.recovery.capacity.estimate_capacities`):
+Capacities (eqs. 1-3, :func:`zpipe.planner.capacity.estimate_capacities`):
 worker ``i``'s time per batch over the reference device's (the central node,
 ``C_0 = 1``) time for the same units, ``C_i = T_e^i / sum_j T_{e,j}^0``; its time
 for unit ``j`` is then ``T_{e,j}^i = T_{e,j}^0 * C_i``.
@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zpipe._errors import ConfigError
-from zpipe.recovery.capacity import estimate_capacities
+from zpipe.planner.capacity import estimate_capacities
 
 
 @dataclass(frozen=True)

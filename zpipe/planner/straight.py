@@ -13,6 +13,7 @@ from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.pipeedge import device_categories
 from zpipe.planner.profile import ModelProfile
+from zpipe.planner.schedules import ecofl_warmup
 from zpipe.planner.training_common import (
     build_plan,
     check_choices,
@@ -26,7 +27,6 @@ from zpipe.planner.training_cost import (
     stage_costs,
 )
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
-from zpipe.training.schedules import ecofl_warmup
 
 
 def _straight_split(

@@ -10,6 +10,7 @@ from typing import NoReturn
 from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.cost import fmt_bytes
+from zpipe.planner.schedules import asteroid_warmup
 from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import (
     TRAINING_ALGOS,
@@ -17,7 +18,6 @@ from zpipe.planner.training_plan import (
     TrainingPlan,
     TrainStage,
 )
-from zpipe.training.schedules import asteroid_warmup
 
 
 def memory_order(devices: Sequence[ClusterDevice]) -> list[ClusterDevice]:

@@ -52,8 +52,8 @@ from zpipe._errors import ConfigError
 from zpipe.planner.allocation import allocate_microbatch
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.profile import ModelProfile
+from zpipe.planner.schedules import pipeline_actions, simulate
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
-from zpipe.training.schedules import pipeline_actions, simulate
 
 OPTIMIZER_STATE_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 
@@ -472,7 +472,7 @@ def predict_training(plan: TrainingPlan, costs: TrainingCosts) -> dict[str, floa
     """What ``plan`` costs under this model; works for any plan, a planner's or a user's.
 
     ``round_s`` (one mini-batch) comes from the schedule simulator
-    (:func:`zpipe.training.schedules.simulate`) run on the stages' eq. 8
+    (:func:`zpipe.planner.schedules.simulate`) run on the stages' eq. 8
     times, the links' transfer times and eq. 5's all-reduces;
     ``estimate_round_s`` is the planners' closed form (eq. 4-6). Also:
     ``samples_per_s``, ``bubble_fraction``, ``memory_violations`` (devices whose

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe._errors import ConfigError
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, async_warmup
 from zpipe.planner.plan import read_predicted
-from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
 
 TRAINING_SCHEDULES = ("1f1b", "gpipe")
 TRAINING_ALGOS = ("hpp", "straight", "data-parallel", "even")

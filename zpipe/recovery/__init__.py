@@ -5,7 +5,7 @@ measured and applies what it returns.
 
 - :mod:`~zpipe.recovery.detection`: adaptive deadlines (median + k MAD) that
   tell a slow device from a dead one.
-- :mod:`~zpipe.recovery.capacity`: FTPipeHD's capacity re-estimation and
+- :mod:`~zpipe.planner.capacity`: FTPipeHD's capacity re-estimation and
   Eco-FL's deviation check that triggers workload migration.
 - :mod:`~zpipe.recovery.replanning`: lightweight (Asteroid), heavy (the full
   planners over the survivors) and ResPipe re-planning.
@@ -21,7 +21,7 @@ measured and applies what it returns.
 
 from __future__ import annotations
 
-from zpipe.recovery.capacity import (
+from zpipe.planner.capacity import (
     CapacityHistory,
     Deviation,
     estimate_capacities,

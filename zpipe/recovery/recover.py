@@ -90,7 +90,7 @@ def plan_recovery(
 
     - ``lightweight`` needs ``unit_work`` (or a ``profile`` and, for inference,
       ``batch_size``); ``speeds`` default to 1.0 (give
-      :func:`~zpipe.recovery.capacity.speeds_from_capacities` of measured ones).
+      :func:`~zpipe.planner.capacity.speeds_from_capacities` of measured ones).
       With the ``profile`` and the ``cluster`` (and, for inference, ``batch_size``)
       it places the cuts by the planners' cost model, links included, and
       ``speeds`` (if given) replace the cluster's compute speeds.

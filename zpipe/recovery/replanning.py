@@ -47,12 +47,12 @@ from typing import TypeVar, cast
 
 from zpipe._errors import ConfigError
 from zpipe.planner.baselines import plan_with
+from zpipe.planner.capacity import speeds_from_cluster
 from zpipe.planner.cluster import ClusterSpec
 from zpipe.planner.hpp import plan_training, stage_warmup
 from zpipe.planner.plan import Plan, StagePlan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
-from zpipe.recovery.capacity import speeds_from_cluster
 from zpipe.recovery.errors import RecoveryError
 from zpipe.recovery.spans import stage_spans
 from zpipe.recovery.stage_costs import (
@@ -347,7 +347,7 @@ def lightweight_replan(
     Without one: ``unit_work`` is each unit's FLOPs or profiled time
     (:func:`unit_work_from_profile`); ``speeds`` each device's relative speed
     ``v_d`` (default 1.0; FTPipeHD's re-estimated capacities give them, see
-    :func:`zpipe.recovery.capacity.speeds_from_capacities`); a stage's capacity
+    :func:`zpipe.planner.capacity.speeds_from_capacities`); a stage's capacity
     is the sum over its surviving devices; links are not looked at.
 
     ``unit_bytes`` (weights per unit; default the profile's weights with a model)

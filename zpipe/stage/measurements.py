@@ -19,8 +19,8 @@ import zmq.asyncio
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
-from zpipe.profiler import profile_model
 from zpipe.stage.linkprobe import measure_link
+from zpipe.stage.profiling import profile_model
 from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
 from zpipe.transport.codec import Message

@@ -10,7 +10,7 @@ With weight aggregation, stage ``i`` of ``n`` averages ``n - i`` versions every
 ``multiple * (n - i)`` backwards. A recovery onto ``n' < n`` stages keeps the
 windows of the depth, as it keeps the staleness: stage ``j`` of the survivors
 averages ``n - j`` versions every ``multiple * (n - j)`` backwards counted from the
-run's start (:mod:`zpipe.training.async_schedule`); a replica carries the newest
+run's start (:mod:`zpipe.planner.async_schedule`); a replica carries the newest
 ``n`` versions of every unit, which any of those windows reads. A unit that moves
 to another stage index (a recovery, a re-partition) follows that index's window,
 so the recovered run is not the uninterrupted one, but it is exactly the
@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 
 
 def async_recovery_refusal(

@@ -1,6 +1,6 @@
 """Asynchronous 1F1B training in one process: the reference a pipeline run must equal.
 
-Runs every stage's action list (:mod:`zpipe.training.async_schedule`) in one valid
+Runs every stage's action list (:mod:`zpipe.planner.async_schedule`) in one valid
 global order, each stage an :class:`~zpipe.training.async_stage.AsyncStageCompute`,
 moving activations and gradients by hand. Each stage's order is fixed and its
 weight versions are its own, so any valid order, and so a multi-process run of
@@ -19,8 +19,7 @@ import torch
 from zpipe._errors import ConfigError
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.weights import unit_key
-from zpipe.training.async_regroup import regroup_stages
-from zpipe.training.async_schedule import (
+from zpipe.planner.async_schedule import (
     AsyncAction,
     AsyncSettings,
     aggregation_intervals,
@@ -28,6 +27,7 @@ from zpipe.training.async_schedule import (
     concurrent_versions,
     forward_version,
 )
+from zpipe.training.async_regroup import regroup_stages
 from zpipe.training.async_stage import AsyncStageCompute
 
 
@@ -60,7 +60,7 @@ def train_async_reference(
     stages are a recovery onto the survivors at a replica taken there: the forwards
     keep the staleness of the depth the run started with (vertical sync), and the
     aggregations its windows (stage ``j`` averages ``depth - j`` versions: see
-    :mod:`zpipe.training.async_schedule`). ``flushes``: batches before which the
+    :mod:`zpipe.planner.async_schedule`). ``flushes``: batches before which the
     pipeline only flushes (a replica of a run that recovers; a re-partition that
     keeps the cuts)."""
     settings = settings or AsyncSettings()

@@ -6,7 +6,7 @@ its compute thread, and the single-process reference
 
 The live parameters are the newest weights; the optimizer updates them in place.
 Version ``t`` (the weights right after the ``t``-th update, see
-:mod:`zpipe.training.async_schedule`) is kept as a copy for as long as a forward may
+:mod:`zpipe.planner.async_schedule`) is kept as a copy for as long as a forward may
 still use it, a forwarded batch's backward still needs it (weight stashing), or an
 aggregation will average it. A forward runs the units with the version's tensors
 in place of the parameters (``torch.func.functional_call``), so its graph holds

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from zpipe._errors import ConfigError
-from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings, async_warmup
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings, async_warmup
+from zpipe.planner.schedules import SCHEDULES
 from zpipe.training.lr_schedules import check_lr_schedule
-from zpipe.training.schedules import SCHEDULES
 from zpipe.training.warmup import check_warmup_policy, resolve_warmup_policy, warmup_counts
 
 if TYPE_CHECKING:
@@ -304,7 +304,7 @@ def check_train_settings(settings: Mapping[str, Any], num_stages: int) -> dict[s
 
 def _check_async_settings(settings: Mapping[str, Any], num_stages: int) -> dict[str, Any]:
     """Asynchronous 1F1B: one micro-batch per mini-batch, warm-ups ``n - i``, and its
-    own settings under ``async`` (:class:`~zpipe.training.async_schedule.AsyncSettings`)."""
+    own settings under ``async`` (:class:`~zpipe.planner.async_schedule.AsyncSettings`)."""
     m = settings.get("num_microbatches")
     if m != 1 or isinstance(m, bool):
         raise ConfigError(

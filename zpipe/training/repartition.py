@@ -54,8 +54,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zpipe._errors import ConfigError
+from zpipe.planner.capacity import estimate_capacities
 from zpipe.planner.ftpipehd import ftpipehd_partition, repartition_from_measurements
-from zpipe.recovery.capacity import estimate_capacities
 from zpipe.recovery.redistribution import Redistribution, plan_redistribution
 from zpipe.recovery.spans import StageSpan
 from zpipe.training.stage_cost import StageCosts

@@ -3,7 +3,7 @@
 Two rules for K_p, the forwards stage ``p`` of ``P`` runs before its first backward:
 
 - ``"asteroid"``: ``K_p = min(2 (P - p) - 1, M)`` (Asteroid, MobiCom '24, section 3.2;
-  :func:`zpipe.training.schedules.asteroid_warmup`). The deeper warm-up keeps a
+  :func:`zpipe.planner.schedules.asteroid_warmup`). The deeper warm-up keeps a
   stage busy while activations and gradients are on the wire: with communication
   as long as compute it is the least K_p that never leaves a stage waiting
   (Eco-FL's equation 3 gives the same in that case).
@@ -31,7 +31,7 @@ the model.
 from __future__ import annotations
 
 from zpipe._errors import ConfigError
-from zpipe.training.schedules import asteroid_warmup, torch_warmup
+from zpipe.planner.schedules import asteroid_warmup, torch_warmup
 
 WARMUP_POLICIES = ("auto", "asteroid", "torch")
 

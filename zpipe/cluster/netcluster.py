@@ -2,7 +2,7 @@
 
 :class:`LabCluster` is a :class:`~zpipe.cluster.LocalCluster` (same ``fit``,
 ``infer``, ``kill``, ``logs``, ``stop``) whose processes run in the namespaces of
-a :class:`~zpipe.testing.netlab.NetLab`: the coordinator in the lab node
+a :class:`~zpipe.cluster.netlab.NetLab`: the coordinator in the lab node
 ``coordinator_node``, each stage in the node of its own name, the client in the
 root namespace (on the bridge). Every control and data message crosses a veth
 pair and the tbf caps the lab put on it, and :meth:`LabCluster.cut_for` pulls a
@@ -20,7 +20,7 @@ from typing import Any
 
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
-from zpipe.testing.netlab import LinkCut, NetLab
+from zpipe.cluster.netlab import LinkCut, NetLab
 
 COORDINATOR = "coordinator"
 

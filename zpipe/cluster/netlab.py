@@ -15,7 +15,7 @@ and a file in :data:`REGISTRY_DIR` names the process that owns the lab; a lab wh
 owner is gone (a run that was SIGKILLed) is deleted by the next lab that starts.
 
 The pure half (names, addresses, caps, every ``ip``/``tc`` command, which labs are
-stale) is :mod:`zpipe.testing.netlayout`; :class:`NetLab` runs the commands.
+stale) is :mod:`zpipe.cluster.netlayout`; :class:`NetLab` runs the commands.
 It needs Linux, root, ``ip`` and ``tc``; :func:`unavailable_reason` says why a lab
 cannot be made here (tests skip with it).
 """
@@ -42,7 +42,7 @@ from typing import IO, Any
 
 import zpipe
 from zpipe._errors import ZpipeError
-from zpipe.testing.netlayout import (
+from zpipe.cluster.netlayout import (
     LabLayout,
     LayoutError,
     Node,

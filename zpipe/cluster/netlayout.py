@@ -1,6 +1,6 @@
 """The pure half of a network lab: names, addresses, caps and every ``ip``/``tc`` command.
 
-Nothing here runs a command or touches the system; :mod:`zpipe.testing.netlab`
+Nothing here runs a command or touches the system; :mod:`zpipe.cluster.netlab`
 carries the commands out. See there for the lab's picture.
 """
 

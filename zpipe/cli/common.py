@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from zpipe.cli.parent_watch import watch_parent
 from zpipe.config import Timeouts
 from zpipe.log import LOG_FORMATS, LOG_LEVELS
-from zpipe.parent_watch import watch_parent
 
 Number = TypeVar("Number", int, float)
 
@@ -245,7 +245,7 @@ def run_until_signalled(
     parent_pid: int | None = None,
 ) -> int:
     """Run ``main`` on uvloop where available; SIGINT/SIGTERM call ``on_signal`` once,
-    and so does the death of ``parent_pid`` (see :func:`zpipe.parent_watch.watch_parent`)."""
+    and so does the death of ``parent_pid`` (see :func:`zpipe.cli.parent_watch.watch_parent`)."""
     enable_crash_tracebacks()
     try:
         import uvloop  # zmq.asyncio works on uvloop: it watches zmq's fd with add_reader

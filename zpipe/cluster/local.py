@@ -7,7 +7,7 @@ slower link, exactly as it would run on a device of its own.
 For clusters of many stages, ``emulate_compute`` (a profile file) makes every
 stage emulate its compute from the profile (``--emulate-compute``) and
 ``fork_stages`` forks the stages from this process instead of starting fresh
-interpreters (:mod:`zpipe.testing.forked_stages`): 64 stages start in seconds
+interpreters (:mod:`zpipe.cluster.forked`): 64 stages start in seconds
 and share the imported torch.
 
 :class:`LocalCluster` is for synchronous code (``with``; each call runs its own
@@ -279,7 +279,7 @@ class LocalCluster:
         if not self.fork_stages:
             return self._spawn(device.name, ["-m", "zpipe.stage", *args])
         # imported only here: it imports the stage (and torch) into this process
-        from zpipe.testing.forked_stages import fork_stage
+        from zpipe.cluster.forked import fork_stage
 
         assert self.log_dir is not None
         process = fork_stage(args, self.log_dir / f"{device.name}.log")

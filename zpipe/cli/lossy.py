@@ -2,7 +2,7 @@
 
 ::
 
-    python -m zpipe.lossy.experiment --allocation vertical hybrid horizontal naive \\
+    python -m zpipe.cli.lossy --allocation vertical hybrid horizontal naive \\
         --devices 6 --region 50 --seeds 5 --out results/lossy
 
 runs every allocation on seeds ``0 .. seeds-1`` (a seed fixes placement, links,
@@ -19,7 +19,7 @@ with ``--coordinator``; each is checked against the in-process simulation (same
 dropped messages, same weights) and the command writes those runs' numbers (no
 plots)::
 
-    python -m zpipe.lossy.experiment --multiprocess --allocation hybrid \
+    python -m zpipe.cli.lossy --multiprocess --allocation hybrid \
         --devices 6 --seeds 1 --steps 20 --out results/lossy-mp
 
 ``--model cnn`` trains Fig. 10(c)'s CNN instead (three convolution layers, each
@@ -38,10 +38,9 @@ and sizes are bounded (see ``--help``) so a typo is refused, not allocated.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -49,13 +48,14 @@ from typing import Any
 import numpy as np
 
 from zpipe._errors import ConfigError, ZpipeError
-from zpipe.cli_common import (
+from zpipe.cli.common import (
     at_most,
     existing_dir,
     non_negative_int,
     positive_float,
     positive_int,
 )
+from zpipe.devices import single_threaded_blas
 from zpipe.lossy.cnn import PAPER_CHANNELS, CnnSpec
 from zpipe.lossy.data import Dataset, load_dataset
 from zpipe.lossy.linkmodes import WAIT_MODES
@@ -99,30 +99,9 @@ def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse_list
 
 
-@contextlib.contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    # The matrices are tiny; BLAS threads only fight the other process on 2 cores
-    # (one run went 20x slower with them). torch's own pool too, when it is loaded
-    # (the CNN): under load its threads made a convolution's backward ten times
-    # slower than on one thread.
-    torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch is not None else 0
-    with contextlib.ExitStack() as stack:
-        if torch is not None:
-            torch.set_num_threads(1)
-            stack.callback(torch.set_num_threads, threads)
-        try:
-            from threadpoolctl import threadpool_limits
-        except ImportError:  # pragma: no cover - comes with scikit-learn
-            yield
-            return
-        with threadpool_limits(1):
-            yield
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m zpipe.lossy.experiment",
+        prog="python -m zpipe.cli.lossy",
         description="Simulate EdgePipe lossy-link training; write JSON results and PNG plots.",
     )
     p.add_argument(
@@ -395,7 +374,7 @@ def _main_on_stages(
     configs: list[tuple[RunConfig, float | None]],
     data: Dataset,
 ) -> int:
-    from zpipe.lossy.on_stages import run_on_local_cluster, run_stage_configs
+    from zpipe.cli.lossy_on_stages import run_on_local_cluster, run_stage_configs
 
     args.out.mkdir(parents=True, exist_ok=True)
     try:

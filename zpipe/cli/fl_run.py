@@ -22,8 +22,8 @@ def run_net_command(
     command: str, work: Callable[[], Coroutine[Any, Any, T]]
 ) -> tuple[int, T | None]:
     """Run ``work()`` to its end; the exit status and its result (None on an error)."""
+    from zpipe.devices import single_threaded_blas
     from zpipe.log import configure_logging
-    from zpipe.lossy.experiment import single_threaded_blas
 
     configure_logging(log_format="console", level="info")
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from zpipe._errors import ConfigError, ZpipeError
-from zpipe.cli_common import DeprecatedAlias, positive_int
+from zpipe.cli.common import DeprecatedAlias, positive_int
 from zpipe.planner import PLANNERS, ClusterSpec, Plan, load_cluster, plan_with, predict_plan
 from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.cluster import read_profile_file

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zpipe.cli_common import DeprecatedAlias, non_negative_int, positive_int
+from zpipe.cli.common import DeprecatedAlias, non_negative_int, positive_int
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.planner import Plan

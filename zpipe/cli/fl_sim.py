@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from zpipe._errors import ConfigError
-from zpipe.cli_common import non_negative_float, non_negative_int, positive_float, positive_int
+from zpipe.cli.common import non_negative_float, non_negative_int, positive_float, positive_int
+from zpipe.devices import single_threaded_blas
 from zpipe.federated.aggregation import STALENESS_FUNCTIONS
 from zpipe.federated.data import PARTITIONS
 from zpipe.federated.server import METHODS
 from zpipe.federated.simulate import SimConfig, run_simulation
 from zpipe.lossy.data import load_digits_dataset
-from zpipe.lossy.experiment import single_threaded_blas
 
 MAX_CLIENTS = 100_000
 TAIL_EVALS = 5  # accuracy at the budget: the mean of the last evaluations (curves are noisy)

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from zpipe.federated.cli import _alpha, _lambda
+from zpipe.cli.fl_sim import _alpha, _lambda
 from zpipe.federated.grouping import GroupingPolicy
-from zpipe.federated.net_command import run_net_command
+from zpipe.cli.fl_run import run_net_command
 from zpipe.federated.net_server import FederatedShell, NetServerConfig
 from zpipe.federated.net_wire import SERVER_KEY_NAME
 from zpipe.federated.server import METHODS, ServerConfig
@@ -21,7 +21,7 @@ from zpipe.transport.sockets import validate_endpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from zpipe.cli_common import (
+    from zpipe.cli.common import (
         existing_dir,
         non_negative_float,
         non_negative_int,

@@ -26,9 +26,18 @@ import torch
 import zmq
 
 from zpipe._errors import TransportTimeout, ZpipeError
+from zpipe.cli.demo import DEMO_DEVICES
+
+# re-exported: tests and callers use train_cli.build_parser
+from zpipe.cli.train_args import (  # noqa: F401
+    DEFAULT_CHECK_TOLERANCE,
+    PLANNERS,
+    PROG,
+    build_parser,
+    repartition_of,
+)
 from zpipe.client import PipelineClient, TrainReport
 from zpipe.cluster import LocalCluster
-from zpipe.demo import DEMO_DEVICES
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.models.trust import FactoryAllowList
 from zpipe.models.weights import (
@@ -37,19 +46,10 @@ from zpipe.models.weights import (
     TORCH_SUFFIXES,
     read_matching,
 )
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.planner.training_plan import TrainingPlan
-
-# re-exported: tests and callers use train_cli.build_parser
-from zpipe.train_args import (  # noqa: F401
-    DEFAULT_CHECK_TOLERANCE,
-    PLANNERS,
-    PROG,
-    build_parser,
-    repartition_of,
-)
 from zpipe.training.async_recovery import async_recovery_refusal, cuts_of_run
 from zpipe.training.async_reference import train_async_reference
-from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.training.objectives import is_factory_name
 from zpipe.transport import security
 from zpipe.transport.sockets import check_resolvable, validate_endpoint

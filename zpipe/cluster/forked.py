@@ -3,8 +3,9 @@
 Starting ``python -m zpipe.stage`` imports torch afresh, seconds of CPU and a
 hundred-odd megabytes each: 64 of them on two cores take minutes and gigabytes.
 A forked stage shares the parent's imported modules copy-on-write and starts in
-milliseconds. :func:`fork_stage` runs :func:`zpipe.stage.__main__.main` with the
-given arguments in a child of this process; the parent's objects are frozen out
+milliseconds. :func:`fork_stage` runs the stage command (``python -m zpipe.stage``,
+by its module name, as a spawned interpreter would) with the given arguments in a
+child of this process; the parent's objects are frozen out
 of the collector first (:func:`gc.freeze`), so the children's collections do
 not touch, and so copy, the pages they live on.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -27,9 +29,12 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-# The stage's own modules, imported here so that every child shares them.
-import zpipe.stage.__main__ as stage_main
+# The stage's own modules, imported here so that every child shares them (the
+# command module itself is small: the child runs it by name).
+import zpipe.stage.runtime  # noqa: F401
 from zpipe.lazy_torch import import_lazy_torch_modules
+
+STAGE_COMMAND = "zpipe.cli.stage"
 
 
 class ForkedStage:
@@ -86,9 +91,10 @@ def _run_child(args: Sequence[str], log_path: Path) -> int:
     signal.setitimer(signal.ITIMER_REAL, 0)  # a parent's alarm (a bench --timeout) is not ours
     sys.argv = ["python -m zpipe.stage", *args]
     try:
-        return stage_main.main(list(args))
-    except SystemExit as exc:  # argparse's errors
-        return exc.code if isinstance(exc.code, int) else 1
+        runpy.run_module(STAGE_COMMAND, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:  # the command's exit status, or argparse's errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
 
 
 def fork_stage(args: Sequence[str], log_path: Path) -> ForkedStage:

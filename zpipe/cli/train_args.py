@@ -1,11 +1,11 @@
-"""The flags of ``python -m zpipe train`` and their parsers (the command: zpipe.train_cli)."""
+"""The flags of ``python -m zpipe train`` and their parsers (the command: zpipe.cli.train)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from zpipe.cli_common import (
+from zpipe.cli.common import (
     existing_dir,
     non_negative_float,
     non_negative_int,
@@ -14,17 +14,17 @@ from zpipe.cli_common import (
     seconds,
     unit_interval,
 )
+from zpipe.cli.demo import DEMO_DEVICES
 from zpipe.client import CONSISTENCIES
 from zpipe.config import Timeouts
-from zpipe.demo import DEMO_DEVICES
 from zpipe.models import available_presets
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
+from zpipe.planner.schedules import SCHEDULES
 from zpipe.planner.training_plan import TRAINING_ALGOS
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.lr_schedules import LR_SCHEDULES
 from zpipe.training.objectives import LOSSES, OPTIMIZERS, is_factory_name
-from zpipe.training.schedules import SCHEDULES
 from zpipe.training.warmup import WARMUP_POLICIES
 
 PROG = "python -m zpipe train"
