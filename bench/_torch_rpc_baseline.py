@@ -21,8 +21,9 @@ and pays its outgoing link with :class:`zpipe.transport.emulation.LinkModel`
 (serialisation time at the sender, links used one message at a time, latency
 in flight). Only the transport and the runtime around them differ.
 
-Import this module by its plain name (``bench/`` on ``sys.path``) so that the
-functions and the class the RPC framework pickles resolve in every process.
+Import this module as ``bench._torch_rpc_baseline`` (an entry run as a script
+puts the repository on ``sys.path``, which the spawned workers inherit) so that
+the functions and the class the RPC framework pickles resolve in every process.
 """
 
 from __future__ import annotations

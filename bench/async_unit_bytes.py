@@ -11,7 +11,12 @@ load average matters; it is printed anyway.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 

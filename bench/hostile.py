@@ -53,6 +53,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import msgpack
 import torch
 import zmq

@@ -28,6 +28,10 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, loadavg, summary
 

@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: bench/ is a package beside zpipe/
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zpipe.lossy.torch_cnn  # noqa: F401  (torch loaded: single_threaded_blas limits it)

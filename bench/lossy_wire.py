@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 

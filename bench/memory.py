@@ -47,9 +47,10 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
 from bench._common import emit, loadavg, on_alarm, summary
 from zpipe.devices import resolve_device

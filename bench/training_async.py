@@ -129,7 +129,11 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 

@@ -1,0 +1,483 @@
+"""fl-server's decisions between the socket and the server object, without I/O (sans-IO).
+
+:class:`FlServerController` decides everything the networked server decides
+besides what the server object (:mod:`zpipe.federated.server`) does: who
+registers and who is refused, whether an update answers a task that is
+outstanding for its sender, when a task or a probe has timed out, what a task
+message holds, when the run ends, when the global model is evaluated, and what
+goes to the trace and to the output. It never touches a socket, a clock or a
+file: the shell (:class:`zpipe.federated.net_server.FederatedShell`) feeds it
+typed messages and the time, and carries out the commands it returns, in
+order:
+
+- :class:`SendMessage`: a protocol message to a peer (a task's send also starts
+  the task's clock: the shell calls :meth:`FlServerController.task_sent` first);
+- :class:`Emit`: a line of the run's output; :class:`TraceLine`: a line of the
+  trace; :class:`LogLine`: a log line;
+- :class:`Evaluate`: the global model (the shell owns the test set);
+- :class:`Abort`: the run cannot start; the shell raises the error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from zpipe._errors import ConfigError, ProtocolError, ZpipeError
+from zpipe.federated.grouping import ClientProfile
+from zpipe.federated.model import MLPShape, init_weights
+from zpipe.federated.net_admission import profile_from_register
+from zpipe.federated.net_trace import config_to_json, dispatch_events
+from zpipe.federated.net_wire import SERVER_KEY_NAME, weights_from, weights_tensor
+from zpipe.federated.probing import ProbeResult, ProbeSchedule
+from zpipe.federated.server import (
+    ClientUpdate,
+    FederatedServer,
+    ServerConfig,
+    TrainTask,
+    make_server,
+)
+from zpipe.protocol import WireMessage
+from zpipe.protocol.federated import (
+    FlDone,
+    FlError,
+    FlProbe,
+    FlProbeReply,
+    FlRegister,
+    FlTask,
+    FlUpdate,
+    FlWelcome,
+)
+
+FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class NetServerConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bind: str = "tcp://127.0.0.1:0"
+    clients: int = 3  # registrations awaited before the run starts
+    hidden: int = 32
+    local_steps: int = 10
+    batch_size: int = 10
+    lr: float = 0.1
+    mu: float = 0.05
+    seed: int = 0
+    register_timeout_s: float = 60.0
+    task_timeout_s: float = 30.0
+    probe_interval_s: float = 5.0  # 0: never probe dropped clients
+    probe_timeout_s: float = 30.0
+    send_timeout_s: float = 5.0
+    max_updates: int = 50
+    duration_s: float = 600.0
+    eval_every: int = 5  # global updates between evaluations
+    keys_dir: Path | None = None
+    key_name: str = SERVER_KEY_NAME
+    trace: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.clients < 1 or self.max_updates < 1 or self.eval_every < 1:
+            raise ConfigError("--clients, --updates and --eval-every must be at least 1")
+        timeouts = (
+            self.register_timeout_s,
+            self.task_timeout_s,
+            self.send_timeout_s,
+            self.probe_timeout_s,
+            self.duration_s,
+        )
+        if not all(t > 0 and math.isfinite(t) for t in timeouts):
+            raise ConfigError("timeouts and the duration must be finite and > 0")
+        if not (self.probe_interval_s >= 0 and math.isfinite(self.probe_interval_s)):
+            raise ConfigError("--probe-interval must be finite and >= 0")
+        grouped = self.server.method not in ("fedavg", "fedasync")
+        if grouped and self.server.max_concurrent < self.server.grouping.n_groups:
+            raise ConfigError(
+                f"--concurrent {self.server.max_concurrent} cannot serve "
+                f"--groups {self.server.grouping.n_groups}: every group needs a client in flight"
+            )
+
+
+# ------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class SendMessage:
+    """Send ``message`` to the peer at ``to``; ``task``: the task it carries, whose
+    latency and deadline count from the moment it is sent."""
+
+    to: bytes
+    message: WireMessage
+    peer: str
+    task: int | None = None
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A line of the run's output (what happened, for people and benches)."""
+
+    event: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class TraceLine:
+    """A line of the ``--trace`` file (an input of the server object, or its output)."""
+
+    event: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class LogLine:
+    level: str
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """Measure the global model of ``version`` on the test set, and emit it."""
+
+    version: int
+    weights: FloatArray
+
+
+@dataclass(frozen=True)
+class Abort:
+    """The run cannot go on: the shell raises ``error`` (after the commands before it)."""
+
+    error: ZpipeError
+
+
+Command = SendMessage | Emit | TraceLine | LogLine | Evaluate | Abort
+
+
+@dataclass
+class _Outstanding:
+    client: int
+    sent_at: float
+    deadline: float
+
+
+def _peer(client_id: int) -> str:
+    return f"fl client {client_id}"
+
+
+class FlServerController:
+    """One federated run's decisions: registration, then the server object's tasks."""
+
+    def __init__(self, config: NetServerConfig, shape: MLPShape) -> None:
+        self.config = config
+        self.shape = shape
+        self.clients: dict[bytes, ClientProfile] = {}  # routing id -> profile
+        self.routes: dict[int, bytes] = {}  # client id -> routing id
+        self.probes = ProbeSchedule(config.probe_interval_s, config.probe_timeout_s)
+        self.server: FederatedServer | None = None
+        self.dropped_messages = 0
+        self.reason = "updates"  # why the run ended
+        self._outstanding: dict[int, _Outstanding] = {}
+        self._end_at = math.inf
+        self._evaluated: int | None = None  # the version last evaluated
+
+    # ------------------------------------------------------------- drops
+
+    def drop(self, routing_id: bytes, reason: str) -> list[Command]:
+        """A message that is not acted on: counted and logged, never answered."""
+        self.dropped_messages += 1
+        client = self.clients.get(routing_id)
+        fields = {"client": None if client is None else client.client_id, "reason": reason}
+        return [LogLine("warning", "fl_message_dropped", fields)]
+
+    def refused(self, routing_id: bytes, message: WireMessage, reason: str) -> list[Command]:
+        """A message whose sender's key may not send its kind (``roles.txt``)."""
+        self.dropped_messages += 1
+        commands: list[Command] = [LogLine("warning", "role_refused", {"error": reason})]
+        if isinstance(message, FlRegister):  # tell a would-be client why, once
+            commands.append(SendMessage(routing_id, FlError(reason=reason), "refused key"))
+        return commands
+
+    # ------------------------------------------------------------ registration
+
+    @property
+    def registering(self) -> bool:
+        """Whether registrations are still awaited before the run starts."""
+        return len(self.clients) < self.config.clients
+
+    def on_registration(self, routing_id: bytes, message: WireMessage) -> list[Command]:
+        """A message before the run started: only registrations count."""
+        if not isinstance(message, FlRegister):
+            return self.drop(routing_id, f"{message.KIND} before the run started")
+        profile, commands = self._admit(routing_id, message, "unregistered client")
+        if profile is not None:
+            event = {"event": "registered", "client": profile.client_id}
+            commands.append(Emit({**event, "latency_s": profile.latency_s}))
+        return commands
+
+    def _admit(
+        self, routing_id: bytes, message: FlRegister, refused_peer: str
+    ) -> tuple[ClientProfile | None, list[Command]]:
+        """The client a registration adds and its welcome, or why it is refused."""
+        try:
+            profile = self._profile_of(routing_id, message)
+        except ProtocolError as exc:
+            refusal = SendMessage(routing_id, FlError(reason=str(exc)), refused_peer)
+            return None, [*self.drop(routing_id, str(exc)), refusal]
+        self.clients[routing_id] = profile
+        self.routes[profile.client_id] = routing_id
+        welcome = FlWelcome(client=profile.client_id)
+        return profile, [SendMessage(routing_id, welcome, _peer(profile.client_id))]
+
+    def _profile_of(self, routing_id: bytes, message: FlRegister) -> ClientProfile:
+        profile = profile_from_register(message, self.shape.n_out)
+        known = self.routes.get(profile.client_id)
+        if known is not None and known != routing_id:
+            raise ProtocolError(
+                f"client id {profile.client_id} is already registered by another peer"
+            )
+        if routing_id in self.clients and self.clients[routing_id].client_id != profile.client_id:
+            raise ProtocolError("a peer registers once, under one client id")
+        return profile
+
+    # ----------------------------------------------------------------- the run
+
+    def start(self, now: float) -> list[Command]:
+        """The server object over the registered clients, and its first tasks."""
+        config = self.config
+        self._end_at = now + config.duration_s
+        initial = init_weights(self.shape, np.random.default_rng([config.seed, 3]))
+        profiles = sorted(self.clients.values(), key=lambda p: p.client_id)
+        listed = [[p.client_id, p.latency_s, list(p.label_counts)] for p in profiles]
+        shape = [self.shape.n_in, self.shape.n_hidden, self.shape.n_out]
+        commands: list[Command] = [
+            TraceLine(
+                {
+                    "event": "config",
+                    "server": config_to_json(config.server),
+                    "shape": shape,
+                    "initial_weights": initial.tolist(),
+                }
+            ),
+            TraceLine({"event": "profiles", "profiles": listed}),
+        ]
+        try:
+            server = make_server(profiles, initial, config.server)
+        except ConfigError as exc:
+            # the clients would otherwise wait for tasks until their idle timeout
+            return [*commands, *self.farewell(f"server error: {exc}"), Abort(exc)]
+        self.server = server
+        commands.append(self._evaluate(server))
+        return [*commands, *self._dispatch(server.start(), now)]
+
+    def _running(self) -> FederatedServer:
+        if self.server is None:
+            raise ConfigError("the federated run has not started")
+        return self.server
+
+    def tick(self, now: float) -> tuple[list[Command], bool]:
+        """Time passed: tasks and probes that timed out, probes now due; and
+        whether the run ends here (:attr:`reason` says why)."""
+        server = self._running()
+        if server.version >= self.config.max_updates:
+            self.reason = "updates"
+            return [], True
+        if now >= self._end_at:
+            self.reason = "duration"
+            return [], True
+        commands: list[Command] = []
+        for task_id in [t for t, o in self._outstanding.items() if o.deadline <= now]:
+            commands += self._fail(server, task_id, now)
+        for result in self.probes.expired(now):
+            commands += self._probed(server, result, now)
+        if self.probes.enabled:
+            for probe_id, client in self.probes.due(now, server.probe_candidates()):
+                # an unsendable probe (the client is gone) times out like an unanswered one
+                commands.append(
+                    SendMessage(self.routes[client], FlProbe(probe=probe_id), _peer(client))
+                )
+        candidates = server.probe_candidates() if self.probes.enabled else []
+        if server.outstanding() == 0 and self.probes.outstanding() == 0 and not candidates:
+            self.reason = "nothing to dispatch"  # every client dropped out or failed
+            return commands, True
+        return commands, False
+
+    def next_deadline(self) -> float:
+        """When :meth:`tick` next has something to do, at the latest the run's end."""
+        server = self._running()
+        candidates = server.probe_candidates() if self.probes.enabled else []
+        return min(
+            min((o.deadline for o in self._outstanding.values()), default=self._end_at),
+            self.probes.next_event(candidates),
+            self._end_at,
+        )
+
+    def task_sent(self, task_id: int, now: float) -> None:
+        """A task's message is about to be sent: its latency and deadline count from now."""
+        outstanding = self._outstanding.get(task_id)
+        if outstanding is not None:
+            outstanding.sent_at = now
+            outstanding.deadline = now + self.config.task_timeout_s
+
+    def on_message(self, routing_id: bytes, message: WireMessage, now: float) -> list[Command]:
+        """A valid message during the run."""
+        server = self._running()
+        before = server.version
+        commands = self._handle(server, routing_id, message, now)
+        every = self.config.eval_every
+        if server.version // every > before // every:
+            commands.append(self._evaluate(server))
+        return commands
+
+    def finish(self) -> list[Command]:
+        """The run ended: its last evaluation, the trace's end and every client's fl_done."""
+        server = self._running()
+        commands: list[Command] = []
+        if self._evaluated != server.version:
+            commands.append(self._evaluate(server))
+        end = {"event": "end", "version": server.version}
+        commands.append(TraceLine({**end, "weights": server.global_weights.tolist()}))
+        return [*commands, *self.farewell(self.reason)]
+
+    def farewell(self, reason: str) -> list[Command]:
+        return [
+            SendMessage(routing_id, FlDone(reason=reason), _peer(profile.client_id))
+            for routing_id, profile in self.clients.items()
+        ]
+
+    def _evaluate(self, server: FederatedServer) -> Evaluate:
+        self._evaluated = server.version
+        return Evaluate(server.version, server.global_weights.copy())
+
+    def _dispatch(self, tasks: Sequence[TrainTask], now: float) -> list[Command]:
+        config = self.config
+        commands: list[Command] = [TraceLine(event) for event in dispatch_events(tasks)]
+        for task in tasks:
+            # until the shell sends it (task_sent), the task counts from now
+            self._outstanding[task.task_id] = _Outstanding(
+                task.client_id, now, now + config.task_timeout_s
+            )
+            message = FlTask(
+                task=task.task_id,
+                version=task.version,
+                shape=[self.shape.n_in, self.shape.n_hidden, self.shape.n_out],
+                local_steps=config.local_steps,
+                batch_size=config.batch_size,
+                lr=config.lr,
+                mu=config.mu,
+                seed=config.seed,
+                tensors=(weights_tensor(task.weights.copy()),),
+            )
+            # a task that cannot be sent (the client is gone) is left to time out like
+            # one whose answer is lost: one rule for every silent client
+            route = self.routes[task.client_id]
+            commands.append(SendMessage(route, message, _peer(task.client_id), task=task.task_id))
+        return commands
+
+    def _fail(self, server: FederatedServer, task_id: int, now: float) -> list[Command]:
+        outstanding = self._outstanding.pop(task_id)
+        fields = {"task": task_id, "client": outstanding.client}
+        commands: list[Command] = [
+            LogLine("warning", "fl_task_timed_out", fields),
+            Emit({"event": "task_failed", **fields}),
+        ]
+        # the timeout is its latency first: a client that it drops out must not be picked
+        # again by the new round its failure may start
+        commands += self._observe(server, outstanding.client, self.config.task_timeout_s, now)
+        commands.append(TraceLine({"event": "failed", "task": task_id}))
+        return [*commands, *self._dispatch(server.on_task_failed(task_id), now)]
+
+    def _observe(
+        self, server: FederatedServer, client: int, latency_s: float, now: float
+    ) -> list[Command]:
+        commands: list[Command] = [
+            TraceLine({"event": "latency", "client": client, "latency_s": latency_s})
+        ]
+        was_dropped = server.is_dropped(client)
+        tasks = server.observe_latency(client, latency_s)
+        if server.is_dropped(client) != was_dropped:
+            kind = "readmitted" if was_dropped else "dropped"
+            event = {"event": kind, "client": client, "latency_s": round(latency_s, 4)}
+            commands.append(Emit(event))
+        return [*commands, *self._dispatch(tasks, now)]
+
+    def _probed(self, server: FederatedServer, result: ProbeResult, now: float) -> list[Command]:
+        probe = Emit(
+            {
+                "event": "probe",
+                "client": result.client_id,
+                "latency_s": round(result.latency_s, 4),
+                "answered": result.answered,
+            }
+        )
+        return [probe, *self._observe(server, result.client_id, result.latency_s, now)]
+
+    def _join(
+        self, server: FederatedServer, routing_id: bytes, message: FlRegister, now: float
+    ) -> list[Command]:
+        """A registration after the start: the client joins the run (eq. 4 for groups)."""
+        profile, commands = self._admit(routing_id, message, "late client")
+        if profile is None:
+            return commands
+        client = {"client": profile.client_id, "latency_s": profile.latency_s}
+        commands.append(
+            TraceLine({"event": "join", **client, "label_counts": list(profile.label_counts)})
+        )
+        tasks = server.add_client(profile)
+        dropped = server.is_dropped(profile.client_id)
+        commands.append(Emit({"event": "joined", **client, "dropped": dropped}))
+        return [*commands, *self._dispatch(tasks, now)]
+
+    def _handle(
+        self, server: FederatedServer, routing_id: bytes, message: WireMessage, now: float
+    ) -> list[Command]:
+        profile = self.clients.get(routing_id)
+        if profile is None:
+            if isinstance(message, FlRegister):
+                return self._join(server, routing_id, message, now)
+            return self.drop(routing_id, f"{message.KIND} from a peer that has not registered")
+        match message:
+            case FlProbeReply():
+                result = self.probes.answered(message.probe, profile.client_id, now)
+                if result is None:
+                    reason = f"probe {message.probe} is not outstanding for this client"
+                    return self.drop(routing_id, reason)
+                return self._probed(server, result, now)
+            case FlUpdate():
+                return self._update(server, routing_id, profile, message, now)
+            case _:
+                return self.drop(routing_id, f"{message.KIND} is not expected from a client now")
+
+    def _update(
+        self,
+        server: FederatedServer,
+        routing_id: bytes,
+        profile: ClientProfile,
+        message: FlUpdate,
+        now: float,
+    ) -> list[Command]:
+        outstanding = self._outstanding.get(message.task)
+        if outstanding is None or outstanding.client != profile.client_id:
+            return self.drop(routing_id, f"task {message.task} is not outstanding for this client")
+        try:
+            if message.n_samples != profile.n_samples:
+                # the weight of its model in every average: the count it registered with
+                raise ProtocolError(
+                    f"fl_update: {message.n_samples} samples, registered with {profile.n_samples}"
+                )
+            weights = weights_from(message.tensors, self.shape.size, what="fl_update")
+            update = ClientUpdate(message.task, profile.client_id, weights, message.n_samples)
+            tasks = server.on_update(update)
+        except ProtocolError as exc:
+            return self.drop(routing_id, str(exc))  # the task stays outstanding until its deadline
+        del self._outstanding[message.task]
+        latency = now - outstanding.sent_at
+        task = {"event": "update", "task": message.task, "client": profile.client_id}
+        return [
+            TraceLine({**task, "n_samples": message.n_samples, "weights": weights.tolist()}),
+            Emit({**task, "latency_s": round(latency, 4), "global_updates": server.version}),
+            *self._dispatch(tasks, now),
+            *self._observe(server, profile.client_id, latency, now),
+        ]
