@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from zpipe._errors import ProtocolError
+from zpipe.protocol._message import Message
 from zpipe.protocol._schema import (
     BOOL,
     INT,
@@ -321,6 +323,24 @@ class LossyRunReport(TensorMessage):
     remaps: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     # each stage's counters at the run's end, as a run_report's stages
     metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+    def device_results(self) -> list[LossyResult]:
+        """``results``, typed, each with its final weight slices (two tensors a layer);
+        :class:`ProtocolError` if the results and the tensors do not match."""
+        out = []
+        tensors = list(self.tensors)
+        for body in self.results:
+            if not isinstance(body, dict):
+                raise ProtocolError("lossy_run_report: every result must be a map")
+            layers = body.get("layers")
+            if not isinstance(layers, list) or len(tensors) < 2 * len(layers):
+                raise ProtocolError("lossy_run_report: results and tensors do not match")
+            mine, tensors = tensors[: 2 * len(layers)], tensors[2 * len(layers) :]
+            result = Message(LossyResult.KIND, body, tensors=tuple(mine))
+            out.append(LossyResult.from_message(result))
+        if tensors:
+            raise ProtocolError("lossy_run_report: more tensors than results")
+        return out
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
