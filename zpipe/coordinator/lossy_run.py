@@ -59,7 +59,7 @@ from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.shard import Topology
-from zpipe.lossy.wire import RunSpec, to_array, to_tensor
+from zpipe.lossy.wire import RunSpec, cnn_from_map, to_array, to_tensor
 from zpipe.protocol.client_control import RunFailed
 from zpipe.protocol.lossy import (
     LossyDead,
@@ -128,7 +128,7 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
     sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
     if len(sizes) < 2:
         raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
-    cnn = None if request.spec.get("cnn") is None else CnnSpec.from_dict(request.spec["cnn"])
+    cnn = None if request.spec.get("cnn") is None else cnn_from_map(request.spec["cnn"])
     conv_devices = request.spec.get("conv_devices", 0)
     if isinstance(conv_devices, bool) or not isinstance(conv_devices, int):
         raise ConfigError(f"conv_devices must be an integer, got {conv_devices!r}")
@@ -187,7 +187,9 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
         cnn=cnn,
         conv_devices=conv_devices,
     )
-    spec = RunSpec.from_body({**request.spec, "alloc": alloc.to_dict()})
+    # the request's spec less what only the coordinator's partition reads, plus the mapping
+    agreed = {k: v for k, v in request.spec.items() if k != "conv_devices"}
+    spec = RunSpec.from_body({**agreed, "alloc": alloc.to_dict()})
     if inputs.shape != (spec.n_data, spec.batch, sizes[0]) or labels.shape != inputs.shape[:2]:
         raise ConfigError(
             f"inputs {inputs.shape} and labels {labels.shape} do not fit n_data "

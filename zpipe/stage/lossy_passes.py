@@ -470,14 +470,12 @@ class PassLoop:
         message = partial_message(
             st.run, data, kind, out.key_layer, self.index, out.values, copy=number,
             link_layer=out.layer if ack else None, direction=int(out.direction) if ack else None,
+            epoch=self.epoch,
         )  # fmt: skip
         if ack:  # registered before it goes, so its acknowledgement is never unexpected
             self.inbox.acks.expect(_ack_id(data, kind, out, number))
         try:
-            self._send(
-                out.dst,
-                Message(message.kind, message.body, epoch=self.epoch, tensors=message.tensors),
-            )
+            self._send(out.dst, message)
         except TransportTimeout as exc:  # the receiver null-fills it at its deadline
             log.warning("lossy_partial_not_sent", stage=self._stage, error=str(exc))
             return False

@@ -12,7 +12,7 @@ from zpipe.lossy.device_run import DeviceRun
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import NeuronSlice
 from zpipe.lossy.wire import to_tensor
-from zpipe.protocol.lossy import LossyReplica, LossyResult
+from zpipe.protocol.lossy import LossyReplica, LossyResult, LossyTestSummary
 from zpipe.stage.lossy_passes import SharedInbox
 
 #: by layer: the slice a device owns, its W and its b
@@ -79,15 +79,15 @@ def evaluation_summary(st: DeviceRun) -> dict[str, Any] | None:
     if not st.tests:
         return None
     test = st.channel.traffic.get("test")
-    return {
-        "predictions": [[step, classes] for step, classes in st.predictions.items()],
-        "traffic": test.as_dict() if test is not None else {},
-        "arrivals": [
+    return LossyTestSummary(
+        predictions=[[step, classes] for step, classes in st.predictions.items()],
+        traffic=test.as_dict() if test is not None else {},
+        arrivals=[
             [step, kind, layer, list(senders)]
             for (step, kind, layer, _), senders in sorted(st.test_arrivals.items())
         ],
-        "null_filled": st.test_null_filled,
-    }
+        null_filled=st.test_null_filled,
+    ).body()
 
 
 def replica(
