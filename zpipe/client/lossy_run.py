@@ -46,9 +46,9 @@ from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, cnn_spec
 from zpipe.lossy.trace import EvalTrace, TrainingTrace, evaluation_from_results, trace_from_results
 from zpipe.lossy.wire import eval_body, to_tensor
+from zpipe.protocol import REGISTRY
 from zpipe.protocol.client_control import RunFailed
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
-from zpipe.transport.codec import Message
 
 # What the stages' link measurement may add to a run (the coordinator's probe wait
 # and its replies' deadlines, zpipe.coordinator.lossy_probe).
@@ -245,7 +245,7 @@ def run_cnn(prepared: PreparedRun) -> CnnSpec | None:
 
 
 def result_from_report(
-    report: Message,
+    parsed: LossyRunReport,
     *,
     wall_s: float = 0.0,
     test: EvalSpec | None = None,
@@ -253,7 +253,6 @@ def result_from_report(
 ) -> StagesLossyResult:
     """A ``lossy_run_report`` as traces (pure); :class:`ProtocolError` if it does not fit.
     ``test``: the test passes the request asked for; ``cnn``: the run's CNN."""
-    parsed = LossyRunReport.from_message(report)
     alloc = Allocation.from_dict(parsed.alloc)
     remaps = _remaps(parsed.remaps, alloc)
     # the results hold the slices of the last allocation the run switched to
@@ -382,13 +381,16 @@ async def run_lossy(
         awaited="lossy run report",
         resend_on_reconnect=True,
     )
-    if reply.kind == RunFailed.KIND:
-        raise PipelineError(f"the lossy run failed: {RunFailed.from_message(reply).error}")
+    answer = REGISTRY.parse(reply)
+    if isinstance(answer, RunFailed):
+        raise PipelineError(f"the lossy run failed: {answer.error}")
+    if not isinstance(answer, LossyRunReport):  # the request expects no other kind
+        raise ProtocolError(f"a lossy run answered {answer.KIND!r}")
     test = test_spec(
         prepared, data, options.get("test_repeats", 1), options.get("test_eval_index", 0)
     )
     cnn = run_cnn(prepared)
-    result = result_from_report(reply, wall_s=time.perf_counter() - started, test=test, cnn=cnn)
+    result = result_from_report(answer, wall_s=time.perf_counter() - started, test=test, cnn=cnn)
     if test is not None and result.test is not None:
         result.test_acc = result.test.accuracy(data.y_test)
     if len(data.x_test):

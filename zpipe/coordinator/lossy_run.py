@@ -32,6 +32,7 @@ late partials by run id and epoch, which are saved before any stage hears them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,7 @@ from zpipe.protocol.lossy import (
     LossyResult,
     LossyRunReport,
     LossyRunRequest,
+    LossyRunSpecMap,
     LossySetup,
 )
 from zpipe.transport.codec import Message
@@ -128,11 +130,10 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
     sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
     if len(sizes) < 2:
         raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
-    cnn = None if request.spec.get("cnn") is None else cnn_from_map(request.spec["cnn"])
-    conv_devices = request.spec.get("conv_devices", 0)
-    if isinstance(conv_devices, bool) or not isinstance(conv_devices, int):
-        raise ConfigError(f"conv_devices must be an integer, got {conv_devices!r}")
-    params, inputs, labels, x_test = _tensors(request, sizes, cnn)
+    asked = LossyRunSpecMap.from_map(request.spec)  # the run spec less its allocation
+    cnn = None if asked.cnn is None else cnn_from_map(asked.cnn)
+    conv_devices = 0 if asked.conv_devices is None else asked.conv_devices
+    params, inputs, labels, x_test = _tensors(request, sizes, cnn, testing=asked.test is not None)
     members: list[Member] = yield AwaitStages(
         None if request.stage_names is None else tuple(str(n) for n in request.stage_names),
         request.stages,
@@ -142,7 +143,7 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
     on_death = "null-fill" if request.on_death is None else str(request.on_death)
     if on_death not in ON_DEATH:
         raise ConfigError(f"on_death must be one of {ON_DEATH}, got {request.on_death!r}")
-    if on_death == "remap" and request.spec.get("mode") != "emulated":
+    if on_death == "remap" and asked.mode != "emulated":
         # deadline mode cuts by the clock: a hold would make the survivors miss theirs
         raise ConfigError("on_death='remap' needs the emulated wait mode")
     if on_death == "remap" and cnn is not None:
@@ -151,9 +152,7 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
     replica_every = request.replica_every
     if replica_every is not None and (isinstance(replica_every, bool) or replica_every < 1):
         raise ConfigError(f"replica_every must be a positive integer, got {replica_every!r}")
-    seed = request.spec.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
+    seed = asked.seed
     measured: FloatArray | None = None
     if request.probes is None:
         try:
@@ -169,7 +168,7 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
         prr_measured = measured = yield from measure_links(
             state,
             members,
-            prr=request.spec.get("prr"),
+            prr=asked.prr,
             seed=seed,
             probes=request.probes,
             run=probe_run,
@@ -187,9 +186,8 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
         cnn=cnn,
         conv_devices=conv_devices,
     )
-    # the request's spec less what only the coordinator's partition reads, plus the mapping
-    agreed = {k: v for k, v in request.spec.items() if k != "conv_devices"}
-    spec = RunSpec.from_body({**agreed, "alloc": alloc.to_dict()})
+    # the request's spec with its mapping, less what only the coordinator's partition reads
+    spec = RunSpec.from_body(replace(asked, alloc=alloc.to_dict(), conv_devices=None).body())
     if inputs.shape != (spec.n_data, spec.batch, sizes[0]) or labels.shape != inputs.shape[:2]:
         raise ConfigError(
             f"inputs {inputs.shape} and labels {labels.shape} do not fit n_data "
@@ -370,13 +368,13 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def _tensors(
-    request: LossyRunRequest, sizes: Sequence[int], cnn: CnnSpec | None = None
+    request: LossyRunRequest, sizes: Sequence[int], cnn: CnnSpec | None = None,
+    *, testing: bool,
 ) -> tuple[list[tuple[FloatArray, FloatArray]], np.ndarray, np.ndarray, np.ndarray | None]:
-    """The initial ``(W, b)`` per dense layer, the inputs, the labels and (when the spec
-    asks for test passes) the test inputs the request carries."""
+    """The initial ``(W, b)`` per dense layer, the inputs, the labels and (``testing``:
+    when the spec asks for test passes) the test inputs the request carries."""
     n_dense = len(sizes) - 1
     tensors = request.tensors
-    testing = request.spec.get("test") is not None
     want = 2 * n_dense + 2 + int(testing)
     if len(tensors) != want:
         raise ProtocolError(

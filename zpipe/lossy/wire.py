@@ -80,6 +80,8 @@ class RunSpec:
         """The spec a setup message carries; :class:`ProtocolError` if malformed."""
         try:
             fields = LossyRunSpecMap.from_map(body)
+            if fields.alloc is None:
+                raise ProtocolError("a run spec without its allocation")
             alloc = Allocation.from_dict(fields.alloc)
             rec = LossyRecoveryMap.from_map(fields.recovery)
             spec = cls(

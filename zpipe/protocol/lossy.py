@@ -404,10 +404,10 @@ class LossyCnnMap(NestedMap):
 class LossyRunSpecMap(NestedMap):
     """``lossy_setup``'s ``spec`` (zpipe.lossy.wire.RunSpec): what every device of a run
     agrees on. ``lossy_run_request``'s spec is the same less ``alloc`` (the coordinator
-    maps it), plus ``conv_devices`` for a CNN's partition."""
+    maps it), plus ``conv_devices`` for a CNN's partition (never sent to a stage)."""
 
     WHERE: ClassVar[str] = "lossy run spec"
-    alloc: dict[str, Any] = wire(MAP)
+    alloc: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     prr: list[Any] = wire(LIST)
     seed: int = wire(INT)
     recovery: dict[str, Any] = wire(MAP)
@@ -420,6 +420,7 @@ class LossyRunSpecMap(NestedMap):
     wait_s: float = wire(NUM)
     test: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     cnn: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    conv_devices: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
