@@ -284,13 +284,6 @@ def waiting_rule(
 # ---------------------------------------------------------------- the controller
 
 
-@dataclass
-class _Open:
-    """The pass waiting for its partials."""
-
-    started: PassStarted
-
-
 class PassControl:
     """The pass schedule of one run on one device (see the module docstring).
 
@@ -308,7 +301,8 @@ class PassControl:
         self.dead: dict[int, int | None] = {}
         # the (key, src) of every partial received, so a later copy is a duplicate
         self._filed: set[tuple[PartialKey, int]] = set()
-        self._open: _Open | None = None
+        # the pass waiting for its partials (one at a time)
+        self._open: PassStarted | None = None
         # A remap (zpipe.lossy.remap): the last mini-batch whose passes started, whether
         # training is over here, the frontier held at until the coordinator decides
         # (None: not held) and by when, the last mini-batch of the running allocation
@@ -346,7 +340,7 @@ class PassControl:
                 return self._settle()
             case PassStarted():
                 assert self._open is None, "one pass waits at a time"
-                self._open = _Open(event)
+                self._open = event
                 return self._settle()
             case DeadlineReached():
                 return self._settle(deadline_passed=True)
@@ -395,7 +389,7 @@ class PassControl:
         """The open pass's next step: wait on, or run with what came."""
         if self._open is None:
             return []
-        started = self._open.started
+        started = self._open
         came = self.partials.get(started.key, {})
         alive = started.expect - self.dead.keys()
         if not deadline_passed and not alive <= came.keys():
