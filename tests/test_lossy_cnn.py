@@ -31,6 +31,7 @@ from zpipe.lossy.simulate import (
     run_training,
 )
 from zpipe.lossy.torch_cnn import CnnReference
+from zpipe.lossy.wire import cnn_from_map
 
 # 6 x 6 one-channel images, 4 classes: conv 6x6 -> 6x6 (pool) 3x3 (pool) 1x1
 SIDE, CLASSES = 6, 4
@@ -258,9 +259,9 @@ def test_the_experiment_trains_the_cnn(tmp_path: Path) -> None:
 )
 def test_a_malformed_cnn_spec_is_refused(body: object) -> None:
     with pytest.raises(ConfigError):
-        CnnSpec.from_dict(body)
+        cnn_from_map(body)
 
 
 def test_a_cnn_spec_round_trips() -> None:
     spec = CnnSpec((1, 6, 6), (3, 4), (5,), 4)
-    assert CnnSpec.from_dict(spec.to_dict()) == spec
+    assert cnn_from_map(spec.to_dict()) == spec

@@ -25,7 +25,7 @@ from zpipe.lossy.simulate import PreparedRun, RunConfig, partitioned_model, prep
 from zpipe.lossy.torch_cnn import TorchCnnShard
 from zpipe.lossy.trace import trace_from_results, train_in_process
 from zpipe.lossy.wire import RunSpec, to_tensor
-from zpipe.protocol.lossy import LossyResult, LossyRunRequest, LossySetup
+from zpipe.protocol.lossy import LossyResult, LossySetup
 from zpipe.transport.codec import Message
 
 SIDE, CLASSES = 6, 4
@@ -175,7 +175,7 @@ def test_a_convolution_layer_cut_or_misshapen_in_a_setup_is_refused(data: Datase
 
 def test_the_client_asks_for_a_cnn_run(data: Dataset) -> None:
     prepared = prepare_run(replace(BASE, conv_devices=2), data)
-    request = LossyRunRequest.from_message(lossy_request(prepared, data))
+    request = lossy_request(prepared, data)
     assert request.spec["cnn"]["channels"] == [3, 4, 5]
     assert request.spec["conv_devices"] == 2
     assert request.layer_sizes == list(prepared.alloc.layer_sizes)

@@ -23,6 +23,7 @@ from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.mapping import partition_and_map
 from zpipe.lossy.partial import init_mlp
+from zpipe.lossy.pass_control import PassControl, PassStarted
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, partial_message, to_tensor
 from zpipe.protocol.lossy import LossySetup
@@ -113,11 +114,12 @@ def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_dropped() -> N
     assert sent[0].epoch == EPOCH
     assert executor.state is None  # closed; set it up again without a receive loop
     asyncio.run(_setup_only(executor, setup))
-    st = executor.state
+    st, control = executor.state, _control(executor)
+    filed = control.partials
     assert st is not None
     # device 0 (the input owner) sends layer 0's slice: filed for the forward of layer 1
     executor._on_partial(_partial(1, "F", 0, 0, (2, 6)))
-    assert set(st.inbox[(1, "F", 0)]) == {0}
+    assert set(filed[(1, "F", 0)]) == {0}
     with pytest.raises(ProtocolError, match="owns no part"):  # a layer it does not own
         executor._on_partial(_partial(1, "F", 1, 0, (2, 4)))
     with pytest.raises(ProtocolError, match="shape"):
@@ -129,12 +131,12 @@ def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_dropped() -> N
     # another plan epoch: ignored, nothing filed
     old = _partial(2, "F", 0, 0, (2, 6))
     executor._on_partial(Message(old.kind, old.body, epoch=EPOCH - 1, tensors=old.tensors))
-    assert (2, "F", 0) not in st.inbox and executor.stale == 1  # dropped, counted
+    assert (2, "F", 0) not in filed and executor.stale == 1  # dropped, counted
     # after its pass ran (null-filled), a partial is late: counted, not filed
-    st.consumed.add((2, "F", 0))
+    control.consumed.add((2, "F", 0))
     executor._on_partial(_partial(2, "F", 0, 0, (2, 6)))
-    assert st.late == 1 and (2, "F", 0) not in st.inbox
-    assert torch.equal(torch.from_numpy(st.inbox[(1, "F", 0)][0]), torch.ones(2, 6).double())
+    assert st.late == 1 and (2, "F", 0) not in filed
+    assert torch.equal(torch.from_numpy(filed[(1, "F", 0)][0]), torch.ones(2, 6).double())
 
 
 def test_a_test_pass_partial_is_filed_apart_and_one_for_no_test_step_refused() -> None:
@@ -146,12 +148,13 @@ def test_a_test_pass_partial_is_filed_apart_and_one_for_no_test_step_refused() -
     assert sent[-1]["error"] == ""
     assert executor.state is not None and executor.state.x_test is not None
     asyncio.run(_setup_only(executor, _setup(1, test)))
-    st = executor.state
+    st, control = executor.state, _control(executor)
+    filed = control.partials
     assert st is not None and sorted(st.tests) == [0, 1]
     executor._on_partial(_partial(1, "TF", 0, 0, (1, 6)))
     executor._on_partial(_partial(1, "F", 0, 0, (2, 6)))  # training's mini-batch 1: apart
-    assert set(st.inbox[(1, "TF", 0)]) == {0} and st.inbox[(1, "TF", 0)][0].shape == (1, 6)
-    assert set(st.inbox[(1, "F", 0)]) == {0}
+    assert set(filed[(1, "TF", 0)]) == {0} and filed[(1, "TF", 0)][0].shape == (1, 6)
+    assert set(filed[(1, "F", 0)]) == {0}
     with pytest.raises(ProtocolError, match="not a test step"):
         executor._on_partial(_partial(2, "TF", 0, 0, (1, 6)))
     with pytest.raises(ProtocolError, match="shape"):  # step 0 has two rows
@@ -163,6 +166,12 @@ def test_a_test_pass_partial_is_filed_apart_and_one_for_no_test_step_refused() -
     short = Message(setup.kind, setup.body, epoch=EPOCH, tensors=setup.tensors[:-1])
     asyncio.run(_setup_only(executor, short))
     assert "tensors" in sent[-1]["error"] and executor.state is None
+
+
+def _control(executor: LossyExecutor) -> PassControl:
+    """The pass schedule's controller of the run set up on ``executor``."""
+    assert executor._inbox is not None
+    return executor._inbox.control
 
 
 async def _setup_only(executor: LossyExecutor, setup: Message) -> None:
@@ -237,9 +246,8 @@ def test_bad_partials_reaching_the_data_port_are_dropped_and_counted() -> None:
             await push.send_multipart(frames)
         assert executor._inbox is not None
         # the pass loop's own wait: until device 0's partial is filed under the key
-        got, _ = await asyncio.to_thread(
-            executor._inbox.take, (2, "F", 0), {0}, time.monotonic() + 30, time.monotonic, 2
-        )
+        wait = PassStarted((2, "F", 0), 2, (0,), frozenset({0}), time.monotonic() + 30)
+        _, got, _ = await asyncio.to_thread(executor._inbox.collect, wait, time.monotonic)
         await executor.close()
         for sock in (push, pull):
             sock.close(linger=0)

@@ -35,9 +35,9 @@ def test_a_partials_later_copies_are_discarded_and_counted_as_duplicates() -> No
     twice = partial_message(5, 1, "F", 0, 0, np.full((2, 6), 2.0), copy=1)
     executor._on_partial(Message(twice.kind, twice.body, epoch=EPOCH, tensors=twice.tensors))
     assert inbox.wire.duplicates == 1
-    assert float(st.inbox[(1, "F", 0)][0][0, 0]) == 1.0  # the first copy is kept
+    assert float(inbox.control.partials[(1, "F", 0)][0][0, 0]) == 1.0  # the first copy is kept
     # a copy after the pass ran is a duplicate, not a late partial
-    st.consumed.add((1, "F", 0))
+    inbox.control.consumed.add((1, "F", 0))
     executor._on_partial(first)
     assert inbox.wire.duplicates == 2 and st.late == 0
     # a duplicate of a layer this stage does not own is refused like any such partial

@@ -354,7 +354,7 @@ def test_a_bad_lossy_request_fails_with_a_clear_error(
     cluster: LocalCluster, stages: list[str], data: Dataset
 ) -> None:
     prepared = prepare_run(replace(BASE, n_data=1), data)
-    request = lossy_request(prepared, data, stage_names=stages)
+    request = lossy_request(prepared, data, stage_names=stages).to_message()
     truncated = Message(request.kind, dict(request.body), tensors=request.tensors[:-1])
 
     async def go() -> Message:

@@ -46,8 +46,9 @@ from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, cnn_spec
 from zpipe.lossy.trace import EvalTrace, TrainingTrace, evaluation_from_results, trace_from_results
 from zpipe.lossy.wire import eval_body, to_tensor
+from zpipe.protocol import REGISTRY
+from zpipe.protocol.client_control import RunFailed
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
-from zpipe.transport.codec import Message
 
 # What the stages' link measurement may add to a run (the coordinator's probe wait
 # and its replies' deadlines, zpipe.coordinator.lossy_probe).
@@ -144,7 +145,7 @@ def lossy_request(
     on_death: str = "null-fill",
     request_id: int | None = None,
     replica_every: int | None = None,
-) -> Message:
+) -> LossyRunRequest:
     """The ``lossy_run_request`` of ``prepared`` (pure).
 
     ``prr_measured``: the reception ratios the coordinator maps on (default: the
@@ -215,7 +216,7 @@ def lossy_request(
         replica_every=replica_every,
         tensors=tuple(tensors),
     )
-    return request.to_message()
+    return request
 
 
 def test_spec(
@@ -244,7 +245,7 @@ def run_cnn(prepared: PreparedRun) -> CnnSpec | None:
 
 
 def result_from_report(
-    report: Message,
+    parsed: LossyRunReport,
     *,
     wall_s: float = 0.0,
     test: EvalSpec | None = None,
@@ -252,24 +253,11 @@ def result_from_report(
 ) -> StagesLossyResult:
     """A ``lossy_run_report`` as traces (pure); :class:`ProtocolError` if it does not fit.
     ``test``: the test passes the request asked for; ``cnn``: the run's CNN."""
-    parsed = LossyRunReport.from_message(report)
     alloc = Allocation.from_dict(parsed.alloc)
     remaps = _remaps(parsed.remaps, alloc)
     # the results hold the slices of the last allocation the run switched to
     topo = Topology(remaps[-1][3] if remaps else alloc)
-    results: dict[int, LossyResult] = {}
-    tensors = list(parsed.tensors)
-    for body in parsed.results:
-        if not isinstance(body, dict):
-            raise ProtocolError("lossy_run_report: every result must be a map")
-        layers = body.get("layers")
-        if not isinstance(layers, list) or len(tensors) < 2 * len(layers):
-            raise ProtocolError("lossy_run_report: results and tensors do not match")
-        mine, tensors = tensors[: 2 * len(layers)], tensors[2 * len(layers) :]
-        result = LossyResult.from_message(Message("lossy_result", body, tensors=tuple(mine)))
-        results[result.device] = result
-    if tensors:
-        raise ProtocolError("lossy_run_report: more tensors than results")
+    results: dict[int, LossyResult] = {r.device: r for r in parsed.device_results()}
     dead = _dead_devices(parsed.dead, Topology(alloc))
     tests = {d: m.test for d, m in results.items() if m.test is not None}
     if test is not None and len(tests) != len(results):
@@ -382,26 +370,27 @@ async def run_lossy(
     started = time.perf_counter()
     # the coordinator answers once every stage's result is in: its waits, and a margin
     timeout_s = (
-        float(request["wait_for_stages_s"])
-        + float(request["result_s"])
-        + 2 * client.timeouts.reply_s
+        float(request.wait_for_stages_s) + float(request.result_s) + 2 * client.timeouts.reply_s
     )
-    if request.get("probes") is not None:
+    if request.probes is not None:
         timeout_s += LINK_MEASUREMENT_S
     reply = await client.connection.control.request(
-        request,
+        request.to_message(),
         expect=("lossy_run_report", "run_failed"),
         timeout_s=timeout_s,
         awaited="lossy run report",
         resend_on_reconnect=True,
     )
-    if reply.kind == "run_failed":
-        raise PipelineError(f"the lossy run failed: {reply['error']}")
+    answer = REGISTRY.parse(reply)
+    if isinstance(answer, RunFailed):
+        raise PipelineError(f"the lossy run failed: {answer.error}")
+    if not isinstance(answer, LossyRunReport):  # the request expects no other kind
+        raise ProtocolError(f"a lossy run answered {answer.KIND!r}")
     test = test_spec(
         prepared, data, options.get("test_repeats", 1), options.get("test_eval_index", 0)
     )
     cnn = run_cnn(prepared)
-    result = result_from_report(reply, wall_s=time.perf_counter() - started, test=test, cnn=cnn)
+    result = result_from_report(answer, wall_s=time.perf_counter() - started, test=test, cnn=cnn)
     if test is not None and result.test is not None:
         result.test_acc = result.test.accuracy(data.y_test)
     if len(data.x_test):

@@ -22,7 +22,7 @@ from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.lossy.partial import FloatArray
-from zpipe.protocol.lossy import LossyGo, LossyProbeRequest
+from zpipe.protocol.lossy import LossyGo, LossyProbeReport, LossyProbeRequest, LossyReady
 from zpipe.transport.codec import Message
 
 #: EdgePipe measures each link with 50 packets
@@ -74,7 +74,8 @@ def measure_links(
     stage_names = tuple(m.name for m in members)
     reply_s = state.timeouts.reply_s
     ready = yield AwaitReplies(stage_names, "lossy_ready", reply_s, "lossy_ready", run=run)
-    refused = {name: str(m["error"]) for name, m in ready.items() if m["error"]}
+    answers = {name: LossyReady.from_message(m) for name, m in ready.items()}
+    refused = {name: r.error for name, r in answers.items() if r.error}
     if refused:
         raise PipelineError(f"stages refused to measure their links: {refused}")
     for member in members:
@@ -95,10 +96,10 @@ def measured_matrix(reports: Sequence[Message]) -> FloatArray:
     ``k``'s report is ``reports[k]``): ``[src][dst]``, 1 on the diagonal."""
     n = len(reports)
     measured = np.eye(n)
-    for dst, report in enumerate(reports):
-        if report["error"]:
-            raise PipelineError(f"device {dst} could not measure its links: {report['error']}")
-        received, sent = report["received"], report["sent"]
+    for dst, report in enumerate(LossyProbeReport.from_message(r) for r in reports):
+        if report.error:
+            raise PipelineError(f"device {dst} could not measure its links: {report.error}")
+        received, sent = report.received, report.sent
         if set(received) != {str(d) for d in range(n) if d != dst} or set(sent) != set(received):
             raise ProtocolError(f"lossy_probe_report from device {dst}: not one count per peer")
         for key, got in received.items():

@@ -26,7 +26,7 @@ allocation, and the dead device stays null-filled as with ``on_death="null-fill"
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.remap import initial_pieces, remap_dead, replica_covers
 from zpipe.lossy.wire import to_array, to_tensor
-from zpipe.protocol.lossy import LossyDead, LossyRemap, LossyReplica
+from zpipe.protocol.lossy import LossyDead, LossyHold, LossyRemap, LossyReplica
 from zpipe.transport.codec import Message
 
 ON_DEATH = ("null-fill", "remap")
@@ -142,16 +142,16 @@ def _remap_one(
 ) -> Flow:
     holders = {d: m for d, m in alive.items() if m.name not in results}
     for member in holders.values():
-        notice = LossyDead(run=remap.run, device=device, remap=True).to_message()
-        yield Send(member.routing_id, Message(notice.kind, notice.body, epoch=remap.epoch),
-                   member.name, stage=member.name)  # fmt: skip
+        notice = LossyDead(run=remap.run, device=device, remap=True, epoch=remap.epoch)
+        yield Send(member.routing_id, notice.to_message(), member.name, stage=member.name)
     names = tuple(m.name for m in holders.values())
     holds = yield AwaitReplies(names, "lossy_hold", state.timeouts.reply_s, "lossy_hold",
                                run=remap.run, partial=True)  # fmt: skip
     if set(holds) != set(names):
         silent = sorted(set(names) - set(holds))
         raise PipelineError(f"stages {silent} did not answer while device {device} was re-mapped")
-    frontier = max((int(h["frontier"]) for h in holds.values()), default=remap.n_data)
+    frontiers = [LossyHold.from_message(h).frontier for h in holds.values()]
+    frontier = max(frontiers, default=remap.n_data)
     if len(holders) < len(alive):  # a survivor is done: nothing left to switch
         frontier = remap.n_data
     switch_at = frontier + 1
@@ -168,9 +168,8 @@ def _remap_one(
             LossyRemap(run=remap.run)
             if after is None
             else _remap_message(remap, after, d, switch_at, rows)
-        ).to_message()
-        yield Send(member.routing_id,
-                   Message(message.kind, message.body, epoch=remap.epoch, tensors=message.tensors),
+        )
+        yield Send(member.routing_id, replace(message, epoch=remap.epoch).to_message(),
                    member.name, stage=member.name)  # fmt: skip
     if after is not None:
         remap.remaps.append([device, name, switch_at, after.to_dict(), step])

@@ -32,6 +32,7 @@ late partials by run id and epoch, which are saved before any stage hears them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -59,8 +60,18 @@ from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.shard import Topology
-from zpipe.lossy.wire import RunSpec, to_array, to_tensor
-from zpipe.protocol.lossy import LossyDead, LossyGo, LossyRunReport, LossyRunRequest, LossySetup
+from zpipe.lossy.wire import RunSpec, cnn_from_map, to_array, to_tensor
+from zpipe.protocol.client_control import RunFailed
+from zpipe.protocol.lossy import (
+    LossyDead,
+    LossyGo,
+    LossyReady,
+    LossyResult,
+    LossyRunReport,
+    LossyRunRequest,
+    LossyRunSpecMap,
+    LossySetup,
+)
 from zpipe.transport.codec import Message
 
 # The stages' replies a lossy run's flow waits for (routed to it by the core).
@@ -68,55 +79,61 @@ LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report", "lossy
 
 
 def start_lossy_run(
-    state: CoordinatorState, routing_id: bytes, message: Message, now: float
+    state: CoordinatorState,
+    routing_id: bytes,
+    message: Message | LossyRunRequest,
+    now: float,
 ) -> list[Command]:
-    """Answer a ``lossy_run_request``: ``lossy_run_report`` once every stage's result is
-    in, or ``run_failed``. A request sent again with the same ``request_id`` (its
-    client reconnected) shares the answer being made; one that reaches a restarted
-    coordinator runs the whole run again (see the module docstring)."""
-    request_id = message.get("request_id")
-    if isinstance(request_id, bool) or not isinstance(request_id, int):
-        return state.flows.start(lossy_run_request(state, routing_id, message), now)
+    """Answer a ``lossy_run_request`` (parsed here if it comes untyped):
+    ``lossy_run_report`` once every stage's result is in, or ``run_failed``. A request
+    sent again with the same ``request_id`` (its client reconnected) shares the answer
+    being made; one that reaches a restarted coordinator runs the whole run again (see
+    the module docstring)."""
+    request = (
+        message if isinstance(message, LossyRunRequest) else LossyRunRequest.from_message(message)
+    )
+    if request.request_id is None:
+        return state.flows.start(lossy_run_request(state, routing_id, request), now)
     return state.answers.answer(
         state.flows,
-        ("lossy_run_request", request_id, 0),
+        ("lossy_run_request", request.request_id, 0),
         routing_id,
-        lambda: lossy_answer(state, message),
+        lambda: lossy_answer(state, request),
         peer=CLIENT_NAME,
         timeout_s=state.timeouts.reply_s,
         now=now,
     )
 
 
-def lossy_run_request(state: CoordinatorState, routing_id: bytes, message: Message) -> Flow:
+def lossy_run_request(
+    state: CoordinatorState, routing_id: bytes, request: LossyRunRequest
+) -> Flow:
     """The run, its answer sent to ``routing_id``."""
-    answer = yield from lossy_answer(state, message)
+    answer = yield from lossy_answer(state, request)
     yield Send(routing_id, answer, CLIENT_NAME, state.timeouts.reply_s)
 
 
-def lossy_answer(state: CoordinatorState, message: Message) -> Flow:
+def lossy_answer(state: CoordinatorState, request: LossyRunRequest) -> Flow:
     """The run; returns its ``lossy_run_report``, or ``run_failed``."""
     try:
-        report: Message = yield from _run(state, message)
+        report: Message = yield from _run(state, request)
     except Exception as exc:  # whatever it was, the client hears that its run failed
         if not isinstance(exc, (ZpipeError, ValueError)):
             yield Log("error", "lossy_run_crashed", {"error": repr(exc)})
         yield Log("error", "run_failed", {"error": str(exc)})
         yield Record({"event": "run_failed", "kind": "lossy", "error": str(exc)})
-        return Message("run_failed", {"error": str(exc)})
+        return RunFailed(error=str(exc)).to_message()
     return report
 
 
-def _run(state: CoordinatorState, message: Message) -> Flow:
-    request = LossyRunRequest.from_message(message)
+def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
     sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
     if len(sizes) < 2:
         raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
-    cnn = None if request.spec.get("cnn") is None else CnnSpec.from_dict(request.spec["cnn"])
-    conv_devices = request.spec.get("conv_devices", 0)
-    if isinstance(conv_devices, bool) or not isinstance(conv_devices, int):
-        raise ConfigError(f"conv_devices must be an integer, got {conv_devices!r}")
-    params, inputs, labels, x_test = _tensors(request, sizes, cnn)
+    asked = LossyRunSpecMap.from_map(request.spec)  # the run spec less its allocation
+    cnn = None if asked.cnn is None else cnn_from_map(asked.cnn)
+    conv_devices = 0 if asked.conv_devices is None else asked.conv_devices
+    params, inputs, labels, x_test = _tensors(request, sizes, cnn, testing=asked.test is not None)
     members: list[Member] = yield AwaitStages(
         None if request.stage_names is None else tuple(str(n) for n in request.stage_names),
         request.stages,
@@ -126,7 +143,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     on_death = "null-fill" if request.on_death is None else str(request.on_death)
     if on_death not in ON_DEATH:
         raise ConfigError(f"on_death must be one of {ON_DEATH}, got {request.on_death!r}")
-    if on_death == "remap" and request.spec.get("mode") != "emulated":
+    if on_death == "remap" and asked.mode != "emulated":
         # deadline mode cuts by the clock: a hold would make the survivors miss theirs
         raise ConfigError("on_death='remap' needs the emulated wait mode")
     if on_death == "remap" and cnn is not None:
@@ -135,9 +152,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     replica_every = request.replica_every
     if replica_every is not None and (isinstance(replica_every, bool) or replica_every < 1):
         raise ConfigError(f"replica_every must be a positive integer, got {replica_every!r}")
-    seed = request.spec.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"the run spec's seed must be an integer, got {seed!r}")
+    seed = asked.seed
     measured: FloatArray | None = None
     if request.probes is None:
         try:
@@ -153,7 +168,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         prr_measured = measured = yield from measure_links(
             state,
             members,
-            prr=request.spec.get("prr"),
+            prr=asked.prr,
             seed=seed,
             probes=request.probes,
             run=probe_run,
@@ -171,7 +186,8 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         cnn=cnn,
         conv_devices=conv_devices,
     )
-    spec = RunSpec.from_body({**request.spec, "alloc": alloc.to_dict()})
+    # the request's spec with its mapping, less what only the coordinator's partition reads
+    spec = RunSpec.from_body(replace(asked, alloc=alloc.to_dict(), conv_devices=None).body())
     if inputs.shape != (spec.n_data, spec.batch, sizes[0]) or labels.shape != inputs.shape[:2]:
         raise ConfigError(
             f"inputs {inputs.shape} and labels {labels.shape} do not fit n_data "
@@ -223,7 +239,8 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     stage_names = tuple(m.name for m in taking_part.values())
     reply_s = state.timeouts.reply_s
     ready = yield AwaitReplies(stage_names, "lossy_ready", reply_s, "lossy_ready", run=run)
-    refused = {name: str(m["error"]) for name, m in ready.items() if m["error"]}
+    answers = {name: LossyReady.from_message(m) for name, m in ready.items()}
+    refused = {name: r.error for name, r in answers.items() if r.error}
     if refused:
         raise PipelineError(f"stages refused the lossy run: {refused}")
     start_in_s = 0.0 if request.start_in_s is None else float(request.start_in_s)
@@ -233,20 +250,21 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     if on_death == "remap":
         remap = RemapRun(run, epoch, spec.n_data, prr_measured, params, inputs, labels, x_test,
                          alloc)  # fmt: skip
-        results = yield from results_remapping(
+        replies = yield from results_remapping(
             state, remap, dict(taking_part), float(request.result_s)
         )
         remaps = remap.remaps
     else:
-        results = yield from _results_null_filling(state, run, epoch, taking_part, request)
+        replies = yield from _results_null_filling(state, run, epoch, taking_part, request)
         remaps = []
+    results = {name: LossyResult.from_message(m) for name, m in replies.items()}
     dead = {d: m for d, m in taking_part.items() if m.name not in results}
     silent = [m.name for m in dead.values() if not _declared_dead(state, m.name)]
     if silent:
         raise TransportTimeout(", ".join(silent), "lossy_result", float(request.result_s))
     if not results:
         raise PipelineError("every stage of the lossy run died")
-    failed = {name: str(m["error"]) for name, m in results.items() if m["error"]}
+    failed = {name: r.error for name, r in results.items() if r.error}
     if failed:
         raise PipelineError(f"stages failed the lossy run: {failed}")
     # the run-end counters every run kind reports (zpipe.coordinator.runbase.stage_metrics)
@@ -257,7 +275,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
         "stages": sorted(results),
         "dead": sorted(m.name for m in dead.values()),
         "remapped": [[d, name, switch_at] for d, name, switch_at, *_ in remaps],
-        "wall_s": max((float(r["wall_s"]) for r in results.values()), default=0.0),
+        "wall_s": max((float(r.wall_s) for r in results.values()), default=0.0),
     }
     yield Log("info", "lossy_run_done", done)
     yield Record({"event": "run_done", **done})
@@ -266,7 +284,7 @@ def _run(state: CoordinatorState, message: Message) -> Flow:
     for member in taking_part.values():
         if member.name in results:
             result = results[member.name]
-            bodies.append(dict(result.body))
+            bodies.append(result.body())
             out.extend(result.tensors)
     return LossyRunReport(
         run=run,
@@ -332,12 +350,12 @@ def _declared_dead(state: CoordinatorState, name: str) -> bool:
     return member is None or member.state is MemberState.DEAD
 
 
-def _first_null_filled(results: Iterable[Message], device: int) -> int | None:
+def _first_null_filled(results: Iterable[LossyResult], device: int) -> int | None:
     """The first mini-batch whose passes ran without ``device``'s partials, by the
     survivors' results (None: no survivor needed them after its death)."""
     firsts = []
     for result in results:
-        first = (result.get("dead") or {}).get(str(device))
+        first = (result.dead or {}).get(str(device))
         if isinstance(first, int) and not isinstance(first, bool):
             firsts.append(first)
     return min(firsts, default=None)
@@ -350,13 +368,13 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def _tensors(
-    request: LossyRunRequest, sizes: Sequence[int], cnn: CnnSpec | None = None
+    request: LossyRunRequest, sizes: Sequence[int], cnn: CnnSpec | None = None,
+    *, testing: bool,
 ) -> tuple[list[tuple[FloatArray, FloatArray]], np.ndarray, np.ndarray, np.ndarray | None]:
-    """The initial ``(W, b)`` per dense layer, the inputs, the labels and (when the spec
-    asks for test passes) the test inputs the request carries."""
+    """The initial ``(W, b)`` per dense layer, the inputs, the labels and (``testing``:
+    when the spec asks for test passes) the test inputs the request carries."""
     n_dense = len(sizes) - 1
     tensors = request.tensors
-    testing = request.spec.get("test") is not None
     want = 2 * n_dense + 2 + int(testing)
     if len(tensors) != want:
         raise ProtocolError(

@@ -26,6 +26,8 @@ Across real processes (none re-exported here: the wire pulls in torch for the co
 - :mod:`.wire`         run specs and array conversion for the stages (the message
                        kinds are in :mod:`zpipe.protocol.lossy`)
 - :mod:`.device_run`   one run's state on a stage, built from its ``lossy_setup``
+- :mod:`.pass_control` a stage's pass schedule as a controller: waiting, null-filling,
+                       dead peers and remap holds, decided on events (sans-IO)
 - :mod:`.remap`        a dead device's super neurons onto the survivors (``on_death="remap"``)
 - :mod:`.death_sim`    a run in which a device dies, simulated (null-filled or remapped)
 - :mod:`.on_stages`    ``python -m zpipe lossy --coordinator EP`` (or ``--multiprocess``,

@@ -199,24 +199,6 @@ class CnnSpec:
             "n_classes": self.n_classes,
         }
 
-    @classmethod
-    def from_dict(cls, body: object) -> CnnSpec:
-        """The spec as :meth:`to_dict` wrote it; :class:`ConfigError` if malformed."""
-        if not isinstance(body, dict):
-            raise ConfigError(f"malformed CNN spec: expected a map, got {body!r}")
-        try:
-            image = _ints(body["image"])
-            if len(image) != 3:
-                raise TypeError(f"an image is (channels, height, width), got {image}")
-            return cls(
-                image=(image[0], image[1], image[2]),
-                channels=_ints(body["channels"]),
-                hidden=_ints(body["hidden"]),
-                n_classes=_ints([body["n_classes"]])[0],
-            )
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"malformed CNN spec: {exc!r}") from None
-
 
 def part_shapes(
     cnn: CnnSpec | None, layer_sizes: Sequence[int], layer: int, width: int
@@ -230,14 +212,6 @@ def part_shapes(
         raise ConfigError(f"convolution layer {layer} must be owned whole, got {width} neurons")
     conv = cnn.convs[layer - 1]
     return conv.weight_shape, (conv.out_channels,)
-
-
-def _ints(values: object) -> tuple[int, ...]:
-    if not isinstance(values, list | tuple) or any(
-        isinstance(v, bool) or not isinstance(v, int) for v in values
-    ):
-        raise TypeError(f"expected a list of integers, got {values!r}")
-    return tuple(values)
 
 
 def default_conv_devices(n_conv: int, n_devices: int) -> int:

@@ -3,7 +3,8 @@ check of every partial it may receive (pure: no sockets).
 
 A test pass's partials (:mod:`zpipe.lossy.evaluation`) travel as kinds ``"TF"`` and
 ``"TS"`` keyed by their test step, so they never meet a training pass's ``"F"`` and
-``"S"`` partials of the same id in the inbox."""
+``"S"`` partials of the same id in the inbox
+(:class:`zpipe.lossy.pass_control.PassControl` files them)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,11 @@ class DeviceRun:
     peers: dict[int, str]
     inputs: FloatArray | None
     labels: np.ndarray | None
-    inbox: dict[tuple[int, str, int], dict[int, FloatArray]] = field(default_factory=dict)
-    consumed: set[tuple[int, str, int]] = field(default_factory=set)
     propagation: Propagation = field(default_factory=Propagation)
     arrivals: Arrivals = field(default_factory=dict)
     losses: list[list[float]] = field(default_factory=list)
     waits: list[list[Any]] = field(default_factory=list)
+    #: partials that came after their pass ran (null-filled instead)
     late: int = 0
     start_at: float = 0.0
     #: input owners: the rows of the test passes (``spec.test``)

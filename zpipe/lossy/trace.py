@@ -30,7 +30,7 @@ from zpipe.lossy.schedule import events
 from zpipe.lossy.shard import DeviceShard, ShardFactory, Topology
 from zpipe.lossy.simulate import PreparedRun, cnn_spec, partitioned_model
 from zpipe.lossy.wire import to_array
-from zpipe.protocol.lossy import LossyResult
+from zpipe.protocol.lossy import LossyResult, LossyTestSummary
 
 
 @dataclass
@@ -150,15 +150,19 @@ def evaluation_from_results(topo: Topology, spec: EvalSpec, bodies: Mapping[int,
     traffic: list[dict[str, dict[str, int]]] = []
     null_filled = 0
     steps = {t.step: t.rows for t in eval_steps(spec)}
-    for d, body in bodies.items():
+    for d, value in bodies.items():
         try:
-            for step, classes in body["predictions"]:
+            summary = LossyTestSummary.from_map(value)
+        except ProtocolError as exc:
+            raise ProtocolError(f"lossy_result: malformed test of device {d}: {exc}") from None
+        try:
+            for step, classes in summary.predictions:
                 if steps.get(step) != len(classes):
                     raise ProtocolError(f"lossy_result: device {d} predicted step {step} badly")
                 by_owner.setdefault(d, {})[int(step)] = np.asarray(classes, dtype=np.int64)
-            if body["traffic"]:
-                traffic.append({"test": body["traffic"]})
-            null_filled += int(body["null_filled"])
+            if summary.traffic:
+                traffic.append({"test": summary.traffic})
+            null_filled += summary.null_filled
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"lossy_result: malformed test of device {d}: {exc!r}") from None
     out_owners = [d for d, _ in topo.owners[topo.last] if d in by_owner]

@@ -13,20 +13,26 @@ ratios as a list of float64 lists, which msgpack carries exactly).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.lossy.cnn import CnnSpec
 from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.linkmodes import WAIT_MODES, WaitMode
-from zpipe.lossy.links import Recovery
+from zpipe.lossy.links import Recovery, RecoveryScheme
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.protocol import Message
-from zpipe.protocol.lossy import LossyPartial
+from zpipe.protocol.lossy import (
+    LossyCnnMap,
+    LossyEvalMap,
+    LossyPartial,
+    LossyRecoveryMap,
+    LossyRunSpecMap,
+)
 
 
 @dataclass(frozen=True)
@@ -50,56 +56,51 @@ class RunSpec:
     cnn: CnnSpec | None = None
 
     def to_body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "alloc": self.alloc.to_dict(),
-            "prr": [[float(v) for v in row] for row in self.prr],
-            "seed": self.seed,
-            "recovery": {
-                "scheme": self.recovery.scheme,
-                "copies": self.recovery.copies,
-                "max_attempts": self.recovery.max_attempts,
-            },
-            "lossless": self.lossless,
-            "lr": self.lr,
-            "n_data": self.n_data,
-            "batch": self.batch,
-            "mode": self.mode,
-            "slot_s": self.slot_s,
-            "wait_s": self.wait_s,
-        }
-        if self.test is not None:
-            body["test"] = eval_body(self.test)
-        if self.cnn is not None:
-            body["cnn"] = self.cnn.to_dict()
-        return body
+        recovery = self.recovery
+        return LossyRunSpecMap(
+            alloc=self.alloc.to_dict(),
+            prr=[[float(v) for v in row] for row in self.prr],
+            seed=self.seed,
+            recovery=LossyRecoveryMap(
+                scheme=recovery.scheme, copies=recovery.copies, max_attempts=recovery.max_attempts
+            ).body(),
+            lossless=self.lossless,
+            lr=self.lr,
+            n_data=self.n_data,
+            batch=self.batch,
+            mode=self.mode,
+            slot_s=self.slot_s,
+            wait_s=self.wait_s,
+            test=None if self.test is None else eval_body(self.test),
+            cnn=None if self.cnn is None else self.cnn.to_dict(),
+        ).body()
 
     @classmethod
     def from_body(cls, body: Any) -> RunSpec:
         """The spec a setup message carries; :class:`ProtocolError` if malformed."""
         try:
-            alloc = Allocation.from_dict(body["alloc"])
-            prr = np.asarray(body["prr"], dtype=np.float64)
-            rec = body["recovery"]
+            fields = LossyRunSpecMap.from_map(body)
+            if fields.alloc is None:
+                raise ProtocolError("a run spec without its allocation")
+            alloc = Allocation.from_dict(fields.alloc)
+            rec = LossyRecoveryMap.from_map(fields.recovery)
             spec = cls(
                 alloc=alloc,
-                prr=prr,
-                seed=_int(body["seed"]),
-                recovery=Recovery(
-                    rec["scheme"],  # Recovery refuses an unknown scheme
-                    _int(rec["copies"]),
-                    _int(rec["max_attempts"]),
-                ),
-                lossless=bool(body["lossless"]),
-                lr=float(body["lr"]),
-                n_data=_int(body["n_data"]),
-                batch=_int(body["batch"]),
-                mode=body["mode"],
-                slot_s=float(body["slot_s"]),
-                wait_s=float(body["wait_s"]),
-                test=eval_from_body(body.get("test")),
-                cnn=None if body.get("cnn") is None else CnnSpec.from_dict(body["cnn"]),
+                prr=np.asarray(fields.prr, dtype=np.float64),
+                seed=fields.seed,
+                # Recovery refuses an unknown scheme
+                recovery=Recovery(cast(RecoveryScheme, rec.scheme), rec.copies, rec.max_attempts),
+                lossless=fields.lossless,
+                lr=float(fields.lr),
+                n_data=fields.n_data,
+                batch=fields.batch,
+                mode=cast(WaitMode, fields.mode),  # checked below
+                slot_s=float(fields.slot_s),
+                wait_s=float(fields.wait_s),
+                test=eval_from_body(fields.test),
+                cnn=None if fields.cnn is None else cnn_from_map(fields.cnn),
             )
-        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+        except (ProtocolError, KeyError, TypeError, ValueError) as exc:  # ConfigError: ValueError
             raise ProtocolError(f"lossy_setup: malformed run spec: {exc!r}") from None
         n = len(spec.prr)
         if spec.prr.shape != (n, n) or n <= max(alloc.device_of):
@@ -119,32 +120,47 @@ class RunSpec:
         return spec
 
 
-def eval_body(spec: EvalSpec) -> dict[str, int]:
-    return {
-        "n_test": spec.n_test,
-        "batch": spec.batch,
-        "repeats": spec.repeats,
-        "eval_index": spec.eval_index,
-    }
+def eval_body(spec: EvalSpec) -> dict[str, Any]:
+    return LossyEvalMap(
+        n_test=spec.n_test, batch=spec.batch, repeats=spec.repeats, eval_index=spec.eval_index
+    ).body()
 
 
-def eval_from_body(body: Any) -> EvalSpec | None:
-    """A run's test passes as the wire carries them (KeyError, TypeError or
+def eval_from_body(value: Any) -> EvalSpec | None:
+    """A run's test passes as the wire carries them (:class:`ProtocolError` or
     ValueError if malformed)."""
-    if body is None:
+    if value is None:
         return None
+    fields = LossyEvalMap.from_map(value)
     return EvalSpec(
-        n_test=_int(body["n_test"]),
-        batch=_int(body["batch"]),
-        repeats=_int(body["repeats"]),
-        eval_index=_int(body["eval_index"]),
+        n_test=fields.n_test,
+        batch=fields.batch,
+        repeats=fields.repeats,
+        eval_index=fields.eval_index,
     )
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected an integer, got {value!r}")
-    return value
+def cnn_from_map(value: Any) -> CnnSpec:
+    """A CNN as :meth:`CnnSpec.to_dict` wrote it; :class:`ConfigError` if malformed."""
+    try:
+        fields = LossyCnnMap.from_map(value)
+        image = _ints(fields.image)
+        if len(image) != 3:
+            raise TypeError(f"an image is (channels, height, width), got {image}")
+        return CnnSpec(
+            image=(image[0], image[1], image[2]),
+            channels=_ints(fields.channels),
+            hidden=_ints(fields.hidden),
+            n_classes=fields.n_classes,
+        )
+    except (ProtocolError, TypeError) as exc:
+        raise ConfigError(f"malformed CNN spec: {exc!r}") from None
+
+
+def _ints(values: list[Any]) -> tuple[int, ...]:
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise TypeError(f"expected a list of integers, got {values!r}")
+    return tuple(values)
 
 
 def to_tensor(array: np.ndarray) -> torch.Tensor:
@@ -175,12 +191,13 @@ def partial_message(
     copy: int | None = None,
     link_layer: int | None = None,
     direction: int | None = None,
+    epoch: int = 0,
 ) -> Message:
     """A partial's message; ``copy`` (r-TX, ACK) numbers it, ``link_layer`` and
     ``direction`` (ACK) key its acknowledgement's fate."""
     return LossyPartial(
         run=run, data=data, kind=kind, layer=layer, src=src, copy=copy, link_layer=link_layer,
-        direction=direction, tensors=(to_tensor(values),),
+        direction=direction, tensors=(to_tensor(values),), epoch=epoch,
     ).to_message()  # fmt: skip
 
 

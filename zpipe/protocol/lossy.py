@@ -26,8 +26,11 @@ The run spec crosses as plain data; zpipe.lossy.wire.RunSpec reads it.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
+from zpipe._errors import ProtocolError
+from zpipe.protocol._message import Message
 from zpipe.protocol._schema import (
     BOOL,
     INT,
@@ -43,6 +46,7 @@ from zpipe.protocol._schema import (
     STR,
     TensorMessage,
     WireMessage,
+    check_body,
     wire,
     wire_message,
 )
@@ -321,6 +325,115 @@ class LossyRunReport(TensorMessage):
     remaps: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     # each stage's counters at the run's end, as a run_report's stages
     metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+
+    def device_results(self) -> list[LossyResult]:
+        """``results``, typed, each with its final weight slices (two tensors a layer);
+        :class:`ProtocolError` if the results and the tensors do not match."""
+        out = []
+        tensors = list(self.tensors)
+        for body in self.results:
+            if not isinstance(body, dict):
+                raise ProtocolError("lossy_run_report: every result must be a map")
+            layers = body.get("layers")
+            if not isinstance(layers, list) or len(tensors) < 2 * len(layers):
+                raise ProtocolError("lossy_run_report: results and tensors do not match")
+            mine, tensors = tensors[: 2 * len(layers)], tensors[2 * len(layers) :]
+            result = Message(LossyResult.KIND, body, tensors=tuple(mine))
+            out.append(LossyResult.from_message(result))
+        if tensors:
+            raise ProtocolError("lossy_run_report: more tensors than results")
+        return out
+
+
+# ---------------------------------------------------------------- maps nested in bodies
+# Maps that lossy bodies carry inside a field, declared the way bodies are (wire fields,
+# checked by the one validator of bodies) so that nothing outside protocol/ reads them by
+# key. None is a message of its own: no KIND, never in MESSAGES; ``epoch`` is unused.
+
+_N = TypeVar("_N", bound="NestedMap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NestedMap(WireMessage):
+    """A map nested in a body: :meth:`from_map` checks and types it, :meth:`body` writes it."""
+
+    #: where the map sits, for errors ("lossy_setup: spec")
+    WHERE: ClassVar[str] = ""
+
+    @classmethod
+    def from_map(cls: type[_N], value: Any) -> _N:
+        """The typed form of ``value``; :class:`ProtocolError` if it does not fit."""
+        body = check_body(cls.WHERE, cls.schema(), value)
+        values: dict[str, Any] = {f.attr: body.get(f.key) for f in cls.wire_fields()}
+        return cls(**values)
+
+
+@wire_message
+class LossyRecoveryMap(NestedMap):
+    """A run spec's recovery scheme (zpipe.lossy.links.Recovery)."""
+
+    WHERE: ClassVar[str] = "lossy run spec: recovery"
+    scheme: str = wire(STR)
+    copies: int = wire(INT)
+    max_attempts: int = wire(INT)
+
+
+@wire_message
+class LossyEvalMap(NestedMap):
+    """A run spec's test passes under loss after training (zpipe.lossy.evaluation.EvalSpec)."""
+
+    WHERE: ClassVar[str] = "lossy run spec: test"
+    n_test: int = wire(INT)
+    batch: int = wire(INT)
+    repeats: int = wire(INT)
+    eval_index: int = wire(INT)
+
+
+@wire_message
+class LossyCnnMap(NestedMap):
+    """A run spec's CNN (zpipe.lossy.cnn.CnnSpec)."""
+
+    WHERE: ClassVar[str] = "lossy run spec: cnn"
+    image: list[Any] = wire(LIST)
+    channels: list[Any] = wire(LIST)
+    hidden: list[Any] = wire(LIST)
+    n_classes: int = wire(INT)
+
+
+@wire_message
+class LossyRunSpecMap(NestedMap):
+    """``lossy_setup``'s ``spec`` (zpipe.lossy.wire.RunSpec): what every device of a run
+    agrees on. ``lossy_run_request``'s spec is the same less ``alloc`` (the coordinator
+    maps it), plus ``conv_devices`` for a CNN's partition (never sent to a stage)."""
+
+    WHERE: ClassVar[str] = "lossy run spec"
+    alloc: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    prr: list[Any] = wire(LIST)
+    seed: int = wire(INT)
+    recovery: dict[str, Any] = wire(MAP)
+    lossless: bool = wire(BOOL)
+    lr: float = wire(NUM)
+    n_data: int = wire(INT)
+    batch: int = wire(INT)
+    mode: str = wire(STR)
+    slot_s: float = wire(NUM)
+    wait_s: float = wire(NUM)
+    test: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    cnn: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    conv_devices: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+
+
+@wire_message
+class LossyTestSummary(NestedMap):
+    """``lossy_result``'s ``test``: what a device's test passes did (output owners: its
+    predicted classes by test step), their traffic and arrivals, and how many ran with
+    partials null-filled."""
+
+    WHERE: ClassVar[str] = "lossy_result: test"
+    predictions: list[Any] = wire(LIST)
+    traffic: dict[str, Any] = wire(MAP)
+    arrivals: list[Any] = wire(LIST)
+    null_filled: int = wire(INT)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (

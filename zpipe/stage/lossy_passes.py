@@ -13,12 +13,11 @@ deadline). The event loop only receives: it files each partial in the
 and no socket is used by two threads: the PUSH sockets belong to the pass loop
 from ``run`` until it returns (the executor closes them after).
 
-Waiting rules (as the simulation's and the former device processes'):
-``emulated``: until every partial that the shared seeded loss lets through has
-arrived, at most ``wait_s``; ``deadline``: until the end of the timeslot the
-partials were sent in. A device the coordinator declared dead (``mark_dead``)
-is not waited for and not sent to: its partials are null-filled from then on
-(EdgePipe's device malfunction case).
+Every decision of the schedule is the controller's
+(:class:`zpipe.lossy.pass_control.PassControl`: the waiting rules, null-filling,
+late and duplicate partials, dead peers and remap holds); this module only feeds
+it events, under one lock, and carries out its commands: it waits on the clocks
+they name, computes, and moves the bytes.
 
 After its training passes, a run whose spec asks for test passes
 (:mod:`zpipe.lossy.evaluation`) runs them the same way: each test step's forward
@@ -31,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +43,36 @@ from zpipe.lossy.device_run import TEST_KINDS, DeviceRun, Switch
 from zpipe.lossy.engine import record_arrival
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import NeuronSlice
+from zpipe.lossy.pass_control import (
+    BeginPass,
+    Command,
+    Compute,
+    DeadlineReached,
+    DropDuplicate,
+    DropLate,
+    Event,
+    MakeSwitch,
+    NullFill,
+    OwnPartial,
+    PartialArrived,
+    PartialKey,
+    PassControl,
+    PassStarted,
+    PeerDead,
+    RemapDecided,
+    Route,
+    RunEnding,
+    RunPass,
+    SegmentEnded,
+    SendDue,
+    SendHold,
+    SendPartial,
+    Switched,
+    WaitForDecision,
+    WaitForPartials,
+    pass_clock,
+    waiting_rule,
+)
 from zpipe.lossy.remap import assemble_slices
 from zpipe.lossy.schedule import PassEvent, events, total_timeslots
 from zpipe.lossy.shard import DeviceShard, Needed, Outgoing, ShardFactory
@@ -67,71 +96,78 @@ class RunStopped(Exception):
 
 
 class SharedInbox:
-    """The partials of one run, filed by the receive loop and taken by the pass loop.
+    """One run's :class:`~zpipe.lossy.pass_control.PassControl` under one lock.
 
-    One lock guards ``st.inbox``, ``st.consumed``, ``st.late`` and the dead set:
-    the receive loop (event loop thread) and the pass loop (compute thread) both
-    touch them.
+    The receive loop (event loop thread) and the pass loop (compute thread) both
+    feed the controller its events; every decision (filing, waiting, null-filling,
+    holds, dead peers) is the controller's. This class only guards it, wakes the
+    pass loop when the controller has settled its open pass or a hold was decided,
+    and waits on the clocks the controller's commands name.
     """
 
     def __init__(self, st: DeviceRun) -> None:
         self.st = st
+        self.control = PassControl(n_data=st.spec.n_data, wait_s=st.spec.wait_s)
         self._cond = threading.Condition()
         self.stopped = False
-        #: device -> the first mini-batch whose passes ran without it
-        self.dead: dict[int, int | None] = {}
-        # A remap (zpipe.lossy.remap): the last mini-batch whose passes started, whether
-        # training is over here, the frontier this stage holds at until the coordinator
-        # decides (None: not held), the last mini-batch of the running allocation and
-        # the switch decided and not yet made.
-        self.started = 0
-        self.past_training = False
-        self.held: int | None = None
-        self.segment_end = st.spec.n_data
-        self.pending: Switch | None = None
-        self._decide_by = 0.0
         # what crossed the wire; the partials filed (a repeat is an r-TX or ACK copy)
         self.wire = WireCounts()
         self.acks = AckBook(self.wire)
-        self._filed: set[tuple[tuple[int, str, int], int]] = set()
+        # the open pass's NullFill and Compute commands, once the controller settled it
+        self._settled: list[Command] | None = None
 
-    def file(self, key: tuple[int, str, int], src: int, values: FloatArray) -> bool:
+    def _feed(self, event: Event) -> list[Command]:
+        """The controller's commands for ``event`` (the lock held); hands a settled
+        pass to the pass loop, wherever the event came from."""
+        commands = self.control.on_event(event)
+        if any(isinstance(c, Compute) for c in commands):
+            self._settled = [c for c in commands if isinstance(c, NullFill | Compute)]
+            self._cond.notify_all()
+        return commands
+
+    @property
+    def dead(self) -> dict[int, int | None]:
+        """Device -> the first mini-batch whose passes ran without it."""
+        return self.control.dead
+
+    @property
+    def pending(self) -> Switch | None:
+        return self.control.pending
+
+    @property
+    def past_training(self) -> bool:
+        return self.control.past_training
+
+    def file(self, key: PartialKey, src: int, values: FloatArray) -> bool:
         """File a partial; False if its pass has already run (it came late). A copy
         after the first is discarded and counted as a duplicate."""
         with self._cond:
-            if (key, src) in self._filed:
+            first = self._feed(PartialArrived(key, src, values))[0]
+            if isinstance(first, DropDuplicate):
                 self.wire.duplicates += 1
-                return True
-            self._filed.add((key, src))
-            if key in self.st.consumed:
+            elif isinstance(first, DropLate):
                 self.st.late += 1
                 return False
-            self.st.inbox.setdefault(key, {}).setdefault(src, values)
-            self._cond.notify_all()
             return True
 
     def mark_dead(self, device: int) -> None:
         with self._cond:
-            self.dead.setdefault(device, None)
-            self._cond.notify_all()
+            self._feed(PeerDead(device))
 
     def hold(self, device: int) -> int:
         """``device`` died and the run re-maps it: null-fill it from now on, and start
         no mini-batch beyond the last one started until :meth:`decide`. Returns that
         frontier (``n_data + 1`` once training is over here)."""
         with self._cond:
-            self.dead.setdefault(device, None)
-            frontier = self.st.spec.n_data + 1 if self.past_training else self.started
-            self.held = frontier
-            self._decide_by = time.monotonic() + self.st.spec.wait_s
+            commands = self._feed(PeerDead(device, remap=True, now=time.monotonic()))
             self._cond.notify_all()
-            return frontier
+            return next(c.frontier for c in commands if isinstance(c, SendHold))
 
-    def _wait_decision(self) -> None:
-        """Wait (the lock held) for the coordinator's decision on a hold, at most the
-        run's ``wait_s`` after the hold: a coordinator that never decides ends the run
-        with a clear error, never a hang (a restarted one sets the stages up anew)."""
-        remaining = self._decide_by - time.monotonic()
+    def _wait_decision(self, wait: WaitForDecision) -> None:
+        """Wait (the lock held) for the coordinator's decision on a hold, until the
+        controller's deadline: a coordinator that never decides ends the run with a
+        clear error, never a hang (a restarted one sets the stages up anew)."""
+        remaining = wait.until - time.monotonic()
         if remaining <= 0:
             raise TransportTimeout("coordinator", "lossy_remap", self.st.spec.wait_s)
         self._cond.wait(remaining)
@@ -140,113 +176,97 @@ class SharedInbox:
         """The coordinator's answer to a hold: switch allocation from ``switch.first``
         on, or (None) go on as before, null-filling the dead device."""
         with self._cond:
-            if switch is not None:
-                self.segment_end = switch.first - 1
-                self.pending = switch
-            self.held = None
+            self._feed(RemapDecided(switch))
             self._cond.notify_all()
 
-    def route(self, data: int, test: bool) -> str:
-        """Where a partial of mini-batch (or test step) ``data`` belongs: ``"hold"``
-        (a hold is undecided and it may belong to a switch not yet known: keep it
-        until the decision), ``"next"`` (the decided switch's allocation) or ``"now"``."""
+    def route(self, data: int, test: bool) -> Route:
         with self._cond:
-            if self.held is not None and (test or data > self.held):
-                return "hold"
-            if self.pending is not None and (test or data >= self.pending.first):
-                return "next"
-            return "now"
+            return self.control.route(data, test)
 
     def begin(self, data: int) -> bool:
         """Whether to run a pass of mini-batch ``data`` now (False: a later allocation
         runs it); waits while a hold keeps this stage from starting it."""
         with self._cond:
-            while self.held is not None and data > self.held and not self.stopped:
-                self._wait_decision()
-            if self.stopped:
-                raise RunStopped()
-            if data > self.segment_end:
-                return False
-            self.started = max(self.started, data)
-            return True
+            while True:
+                if self.stopped:
+                    raise RunStopped()
+                (command,) = self._feed(BeginPass(data))
+                if not isinstance(command, WaitForDecision):
+                    return isinstance(command, RunPass)
+                self._wait_decision(command)
 
     def next_switch(self) -> Switch | None:
         """At the end of an allocation's passes: the switch to make, or None (training
         is over here), once no hold is undecided."""
         with self._cond:
-            while self.held is not None and not self.stopped:
-                self._wait_decision()
-            if self.stopped:
-                raise RunStopped()
-            switch = self.pending
-            if switch is None:
-                self.past_training = True
-            else:
-                self.segment_end = self.st.spec.n_data
-            return switch
+            while True:
+                if self.stopped:
+                    raise RunStopped()
+                (command,) = self._feed(SegmentEnded())
+                if not isinstance(command, WaitForDecision):
+                    return command.switch if isinstance(command, MakeSwitch) else None
+                self._wait_decision(command)
 
     def switched(self) -> None:
         """The switch is made: partials are checked against the run's state again (until
         now those of the new allocation were checked against the switch)."""
         with self._cond:
-            self.pending = None
+            self._feed(Switched())
 
     def finish(self) -> None:
         """Before the result goes: no hold may be left undecided."""
         with self._cond:
-            while self.held is not None and not self.stopped:
-                self._wait_decision()
+            while not self.stopped:
+                commands = self._feed(RunEnding())
+                if not commands:
+                    return
+                assert isinstance(commands[0], WaitForDecision)
+                self._wait_decision(commands[0])
 
     def stop(self) -> None:
         with self._cond:
             self.stopped = True
             self._cond.notify_all()
 
-    def take(
-        self,
-        key: tuple[int, str, int],
-        expect: set[int],
-        deadline: float,
-        clock: Callable[[], float],
-        data: int,
-        senders: Collection[int] = (),
-        *,
-        record_dead: bool = True,
-    ) -> tuple[dict[int, FloatArray], float]:
-        """Wait until every device of ``expect`` that is not dead has filed under
-        ``key`` or ``deadline`` passes; take what came. Returns it and the time
-        the wait ended. A dead device among ``senders`` (all the pass reads from)
-        is recorded as missing from mini-batch ``data`` on, if not yet (``record_dead``:
-        a test pass's step is no mini-batch)."""
+    def collect(
+        self, started: PassStarted, clock: Callable[[], float]
+    ) -> tuple[list[NullFill], dict[int, FloatArray], float]:
+        """Start the pass ``started`` describes and wait, on ``clock``, until the
+        controller settles it: returns its null-filled senders, the partials it runs
+        on and the time the wait ended."""
         with self._cond:
-            while not self.stopped:
-                alive = expect - self.dead.keys()
-                if alive <= self.st.inbox.get(key, {}).keys():
-                    break
-                remaining = deadline - clock()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
             if self.stopped:
                 raise RunStopped()
-            for device, since in self.dead.items():
-                if record_dead and since is None and (device in expect or device in senders):
-                    self.dead[device] = data
-            self.st.consumed.add(key)
-            return self.st.inbox.pop(key, {}), clock()
+            self._settled = None
+            commands = self._feed(started)
+            while self._settled is None:
+                wait = commands[-1]
+                assert isinstance(wait, WaitForPartials)
+                remaining = wait.until - clock()
+                if remaining <= 0:
+                    self._feed(DeadlineReached())
+                    continue
+                self._cond.wait(remaining)
+                if self.stopped:
+                    raise RunStopped()
+            settled, self._settled = self._settled, None
+            fills = [c for c in settled if isinstance(c, NullFill)]
+            (compute,) = (c for c in settled if isinstance(c, Compute))
+            return fills, compute.partials, clock()
 
-    def keep_own(self, key: tuple[int, str, int], src: int, values: FloatArray) -> None:
+    def keep_own(self, key: PartialKey, src: int, values: FloatArray) -> None:
         """A partial this device sends itself: no link to cross."""
         with self._cond:
-            self.st.inbox.setdefault(key, {})[src] = values
+            self._feed(OwnPartial(key, src, values))
+
+    def may_send(self, dst: int) -> bool:
+        """Whether a copy may go to ``dst`` (not to a dead device)."""
+        with self._cond:
+            return isinstance(self._feed(SendDue(dst))[0], SendPartial)
 
     def is_dead(self, device: int) -> bool:
         with self._cond:
-            return device in self.dead
-
-    def dead_devices(self) -> set[int]:
-        with self._cond:
-            return set(self.dead)
+            return self.control.is_dead(device)
 
 
 class PassLoop:
@@ -378,40 +398,31 @@ class PassLoop:
     def _collect(
         self, data: int, timeslot: int, needed: Needed, *, test: bool = False
     ) -> dict[int, FloatArray]:
-        """One pass's partials: all that can come, or what came by the deadline
-        (the end of the timeslot before the pass's ``timeslot``)."""
+        """One pass's partials, as the controller's waiting rule settles them: all that
+        can come, or what came by the deadline; the others are null-filled."""
         st = self.st
         kind = TEST_KINDS[needed.kind] if test else needed.kind
         key = (data, kind, needed.key_layer)
-        senders = [src for src, _ in needed.senders]
-        clock: Callable[[], float]
-        if st.spec.mode == "emulated":
-            expect = {
-                src
-                for src in senders
-                if st.channel.would_deliver(src, self.index, needed.layer, data, needed.direction)
-            }
-            clock = time.monotonic
-            deadline = clock() + st.spec.wait_s
-        else:
-            expect = set(senders)
-            clock = time.time
-            deadline = st.start_at + timeslot * st.spec.slot_s  # the end of the send's slot
-        got, proceeded = self.inbox.take(
-            key, expect, deadline, clock, data, senders, record_dead=not test
-        )
-        missing = len(senders) - sum(1 for src in senders if src in got)
+        senders = tuple(src for src, _ in needed.senders)
+        clock = time.monotonic if pass_clock(st.spec.mode) == "monotonic" else time.time
+        expect, deadline = waiting_rule(
+            st.spec.mode, needed, index=self.index, data=data, timeslot=timeslot, now=clock(),
+            wait_s=st.spec.wait_s, start_at=st.start_at, slot_s=st.spec.slot_s,
+            channel=st.channel,
+        )  # fmt: skip
+        started = PassStarted(key, data, senders, expect, deadline, record_dead=not test)
+        fills, got, proceeded = self.inbox.collect(started, clock)
         if test:
             st.test_arrivals[(data, kind, needed.key_layer, self.index)] = tuple(
                 sorted(src for src in senders if src in got)
             )
-            st.test_null_filled += int(missing > 0)
-        elif missing:  # null-filled by the shard
-            st.waits.append([data, needed.kind, needed.key_layer, missing, deadline, proceeded])
-        overdue = expect - got.keys() - self.inbox.dead_devices()
+            st.test_null_filled += int(bool(fills))
+        elif fills:  # null-filled by the shard
+            st.waits.append([data, needed.kind, needed.key_layer, len(fills), deadline, proceeded])
+        overdue = sorted(fill.src for fill in fills if fill.why == "overdue")
         if st.spec.mode == "emulated" and overdue:
             log.warning("lossy_partial_overdue", stage=self._stage, key=key,
-                        missing=sorted(overdue), wait_s=st.spec.wait_s)  # fmt: skip
+                        missing=overdue, wait_s=st.spec.wait_s)  # fmt: skip
         return got
 
     def _post(self, data: int, outgoing: Sequence[Outgoing], *, test: bool = False) -> None:
@@ -451,7 +462,7 @@ class PassLoop:
         """One copy of a partial on the wire (``copy``: its number, under r-TX and ACK);
         False if it did not leave (its receiver is dead, or its send timed out)."""
         st = self.st
-        if self.inbox.is_dead(out.dst):
+        if not self.inbox.may_send(out.dst):
             return False  # nobody to receive it
         scheme = st.spec.recovery.scheme
         number = None if scheme == "none" else copy
@@ -459,14 +470,12 @@ class PassLoop:
         message = partial_message(
             st.run, data, kind, out.key_layer, self.index, out.values, copy=number,
             link_layer=out.layer if ack else None, direction=int(out.direction) if ack else None,
+            epoch=self.epoch,
         )  # fmt: skip
         if ack:  # registered before it goes, so its acknowledgement is never unexpected
             self.inbox.acks.expect(_ack_id(data, kind, out, number))
         try:
-            self._send(
-                out.dst,
-                Message(message.kind, message.body, epoch=self.epoch, tensors=message.tensors),
-            )
+            self._send(out.dst, message)
         except TransportTimeout as exc:  # the receiver null-fills it at its deadline
             log.warning("lossy_partial_not_sent", stage=self._stage, error=str(exc))
             return False

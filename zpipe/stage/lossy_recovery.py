@@ -44,7 +44,6 @@ from zpipe.log import get_logger
 from zpipe.lossy.ack_patience import AckPatience
 from zpipe.lossy.links import ack_key
 from zpipe.protocol.lossy import LossyAck, LossyPartial
-from zpipe.transport.codec import Message
 from zpipe.transport.emulation import KeyedLinks, KeyedLoss, LossKey
 from zpipe.transport.sockets import send
 
@@ -193,13 +192,13 @@ class AckSender:
         sock = self.sockets.get(partial.src)
         if sock is None:
             return  # its sockets are gone: the run ended here
-        body = LossyAck(
+        ack = LossyAck(
             run=self._run, data=partial.data, kind=partial.kind, layer=partial.layer,
-            src=self._index, copy=partial.copy,
-        ).to_message()  # fmt: skip
+            src=self._index, copy=partial.copy, epoch=self._epoch,
+        )  # fmt: skip
         try:
-            await send(sock, Message(body.kind, body.body, epoch=self._epoch),
-                       timeout_s=self._timeout_s, peer=f"device {partial.src}")  # fmt: skip
+            await send(sock, ack.to_message(), timeout_s=self._timeout_s,
+                       peer=f"device {partial.src}")  # fmt: skip
         except TransportTimeout as exc:  # its sender counts it overdue
             log.warning("lossy_ack_not_sent", error=str(exc))
             return
