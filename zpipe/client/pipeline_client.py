@@ -24,6 +24,7 @@ from zpipe.client.reports import RunReport, TrainReport
 from zpipe.client.train import fit
 from zpipe.config import Timeouts
 from zpipe.models import ModelSpec
+from zpipe.protocol.client_control import ClusterRequest, ClusterState
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions
 
@@ -95,13 +96,13 @@ class PipelineClient:
 
     async def cluster_state(self) -> list[dict[str, Any]]:
         """The coordinator's view of every stage: name, state, endpoint, device info."""
-        reply = await self.connection.control.request(
-            Message("cluster_request"),
-            expect=("cluster_state",),
+        reply = await self.connection.control.ask(
+            ClusterRequest(),
+            expect=(ClusterState,),
             timeout_s=self.timeouts.reply_s,
             awaited="cluster state",
         )
-        return list(reply["members"])
+        return list(reply.members)
 
     async def wait_for_stages(
         self,

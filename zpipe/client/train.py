@@ -29,6 +29,7 @@ what goes from one attempt to the next.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterable, Iterable, Sized
 from typing import Any
@@ -39,13 +40,14 @@ from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
 from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
-from zpipe.client.session import RunSession, model_fields
+from zpipe.client.session import RunSession
 from zpipe.client.trace import write_trace
 from zpipe.client.training_run import AttemptEnd, TrainingRun
 from zpipe.log import get_logger
-from zpipe.models import ModelSpec
+from zpipe.models import ModelSpec, declared_units
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.progress import Progress
+from zpipe.protocol.client_control import RunRequest
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 
 log = get_logger("zpipe.client")
@@ -72,8 +74,8 @@ async def fit(
 
 def training_request(
     model: ModelSpec, options: TrainOptions, microbatch_size: int | None, sink_endpoint: str
-) -> dict[str, Any]:
-    """The body of the ``run_request`` that starts a training run."""
+) -> RunRequest:
+    """The ``run_request`` that starts a training run."""
     names = list(options.stage_names) if options.stage_names is not None else None
     plan = options.plan
     train: dict[str, Any] = {
@@ -94,42 +96,41 @@ def training_request(
     if options.resume_optimizer:
         train["resume_optimizer"] = True
     asynchronous = options.schedule.lower() == ASYNC_SCHEDULE
-    request: dict[str, Any] = {
-        **model_fields(model),
-        "partition": (
-            [list(r) for r in options.partition] if options.partition is not None else None
-        ),
-        "stages": options.stages,
-        "stage_names": names,
-        "dtype": "float32",
-        "planner": options.planner
-        or (
-            # asynchronous 1F1B runs one device per stage: a straight pipeline
-            ("straight" if asynchronous else "hpp") if microbatch_size is not None else "pipeedge"
-        ),
-        "microbatch_size": microbatch_size,
-        "sink_endpoint": sink_endpoint,
-        "wait_for_stages_s": float(options.wait_for_stages_s),
-        "mode": "train",
-        "rebalance": options.rebalance,
-        "replication": options.replication,
-        # at a replica, devices of these that register (again) may join the plan
-        "admit": names,
-        # a replica or the final weights may take long on slow links: while they move,
-        # the coordinator says so, and the waits run on from the latest word
-        "progress": True,
-        "train": train,
-    }
     if asynchronous:
         settings = AsyncSettings(
             vertical_sync=options.vertical_sync,
             aggregate=options.aggregate,
             aggregate_multiple=options.aggregate_multiple,
         )
-        request["train"]["async"] = settings.to_dict()
+        train["async"] = settings.to_dict()
     if options.repartition_settings is not None:
-        request["train"]["repartition"] = options.repartition_settings.to_dict()
-    return request
+        train["repartition"] = options.repartition_settings.to_dict()
+    return RunRequest(
+        model=model.to_dict(),
+        # a user-code model's unit count (zpipe.models.declared_units); None: built in
+        num_units=declared_units(model),
+        partition=[list(r) for r in options.partition] if options.partition is not None else None,
+        stages=options.stages,
+        stage_names=names,
+        dtype="float32",
+        planner=options.planner
+        or (
+            # asynchronous 1F1B runs one device per stage: a straight pipeline
+            ("straight" if asynchronous else "hpp") if microbatch_size is not None else "pipeedge"
+        ),
+        microbatch_size=microbatch_size,
+        sink_endpoint=sink_endpoint,
+        wait_for_stages_s=float(options.wait_for_stages_s),
+        mode="train",
+        rebalance=options.rebalance,
+        replication=options.replication,
+        # at a replica, devices of these that register (again) may join the plan
+        admit=names,
+        # a replica or the final weights may take long on slow links: while they move,
+        # the coordinator says so, and the waits run on from the latest word
+        progress=True,
+        train=train,
+    )
 
 
 def check_traced_microbatches(
@@ -151,41 +152,43 @@ def check_traced_microbatches(
 
 
 def resume_request(
-    request: dict[str, Any],
+    request: RunRequest,
     survivors: list[str],
     dead: list[str],
     recovery: str,
     resume: tuple[int, int],
     consistency: str,
-) -> dict[str, Any]:
+) -> RunRequest:
     """The run request that resumes from the replica over the survivors."""
-    resumed = {
-        **request,
-        "partition": None,
-        "stages": None,
-        "stage_names": survivors,
-        "recovery": recovery,
-        "resume": {"run": resume[0], "step": resume[1], "dead": dead, "consistency": consistency},
-        "train": {**request["train"], "plan": None},
-    }
-    if request["partition"] is not None or request["train"].get("plan") is not None:
+    train = dict(request.train or {})
+    planner = request.planner
+    if request.partition is not None or train.get("plan") is not None:
         # The user's own partition named the dead: plan the survivors ("heavy") instead.
-        resumed["planner"] = "hpp" if request["microbatch_size"] is not None else "even"
-    return resumed
+        planner = "hpp" if request.microbatch_size is not None else "even"
+    return dataclasses.replace(
+        request,
+        partition=None,
+        stages=None,
+        stage_names=survivors,
+        planner=planner,
+        recovery=recovery,
+        resume={"run": resume[0], "step": resume[1], "dead": dead, "consistency": consistency},
+        train={**train, "plan": None},
+    )
 
 
 def rebalance_request(
-    request: dict[str, Any], plan: TrainingPlan, resume: tuple[int, int]
-) -> dict[str, Any]:
+    request: RunRequest, plan: TrainingPlan, resume: tuple[int, int]
+) -> RunRequest:
     """The run request that goes on from the replica on the better-balanced ``plan``."""
-    return {
-        **request,
-        "partition": None,
-        "stages": None,
-        "stage_names": list(plan.devices),
-        "resume": {"run": resume[0], "step": resume[1], "dead": []},
-        "train": {**request["train"], "plan": plan.to_dict()},
-    }
+    return dataclasses.replace(
+        request,
+        partition=None,
+        stages=None,
+        stage_names=list(plan.devices),
+        resume={"run": resume[0], "step": resume[1], "dead": []},
+        train={**(request.train or {}), "plan": plan.to_dict()},
+    )
 
 
 class _Training:
@@ -230,15 +233,16 @@ class _Training:
             start_step = self.options.start_step + self.source.kept_from
             # (an asynchronous run's replica carries its update count instead)
             if start_step and self.schedule != ASYNC_SCHEDULE:
-                self.request["train"] = {**self.request["train"], "start_step": start_step}
+                train = {**(self.request.train or {}), "start_step": start_step}
+                self.request = dataclasses.replace(self.request, train=train)
             async with Progress(self.options.progress).waiting(PLANNING):
                 ready = await session.request_run(
                     self.request,
                     wait_for_stages_s=self.options.wait_for_stages_s,
                     doing="start the training run",
                 )
-            if ready.get("resumed") is not None:
-                self._rewind_to_global(ready["resumed"])
+            if ready.resumed is not None:
+                self._rewind_to_global(ready.resumed)
             if self.plan is not None:
                 self.schedule, self.num_microbatches = (
                     self.plan.schedule,
@@ -371,24 +375,27 @@ class _Training:
             self.request, survivors, dead, options.recovery, source.resume, options.consistency
         )
         if self.schedule == ASYNC_SCHEDULE:
-            repartition = self.request["train"].get("repartition")
+            train = dict(self.request.train or {})
+            repartition = train.get("repartition")
             if repartition is not None and "bounds" in repartition:
                 # forced cuts name the pipeline the run started with: the survivors'
                 # looks decide on what they measure (zpipe.training.async_recovery)
-                repartition = {k: v for k, v in repartition.items() if k != "bounds"}
-                self.request["train"] = {**self.request["train"], "repartition": repartition}
-            if self.request.get("planner") == "hpp":
-                self.request["planner"] = "straight"  # one device per stage, re-planned
+                train["repartition"] = {k: v for k, v in repartition.items() if k != "bounds"}
+            planner = self.request.planner
+            if planner == "hpp":
+                planner = "straight"  # one device per stage, re-planned
             # the survivors keep the staleness of the pipeline the run started with
             # (zpipe.coordinator.async_replicas): what makes the recovery exact
-            settings = dict(self.request["train"].get("async") or {})
+            settings = dict(train.get("async") or {})
             settings.setdefault("depth", len(tplan.stages))
-            self.request["train"] = {**self.request["train"], "async": settings}
+            train["async"] = settings
+            self.request = dataclasses.replace(self.request, planner=planner, train=train)
             self.recoveries[-1]["depth"] = settings["depth"]
         if options.consistency == "exact" and source.global_resume is not None:
             # the older copy to resume from if some unit lost every chain copy; the
             # learning-rate schedule then goes on from its mini-batch
-            self.request["resume"]["global"] = {
+            resume = dict(self.request.resume or {})
+            resume["global"] = {
                 "run": source.global_resume[0],
                 "step": source.global_resume[1],
                 # (an asynchronous run's replica carries its update count instead)
@@ -396,6 +403,7 @@ class _Training:
                 if self.schedule == ASYNC_SCHEDULE
                 else self.options.start_step + (source.global_step or 0),
             }
+            self.request = dataclasses.replace(self.request, resume=resume)
         self.plan = None
 
     def _rewind_to_global(self, resumed: Any) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import zmq.asyncio
@@ -36,10 +35,13 @@ from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.progress import Progress
+from zpipe.protocol import WireMessage
+from zpipe.protocol.client_control import Checkpoint, Replicate, Replicated, RunFailed, RunReady
+from zpipe.protocol.data_plane import Data, Labels, Loss, MicroBatchError
+from zpipe.protocol.stage_control import WeightsRequest
 from zpipe.recovery import replicas_due
 from zpipe.training.repartition import RepartitionSettings
 from zpipe.training.routing import split_rows
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
 
 log = get_logger("zpipe.client")
@@ -61,7 +63,7 @@ class TrainingRun:
     def __init__(
         self,
         session: RunSession,
-        ready: Message,
+        ready: RunReady,
         spec: ModelSpec,
         *,
         schedule: str,
@@ -78,15 +80,15 @@ class TrainingRun:
         self.m = num_microbatches
         self.report = TrainReport(
             run=self.run,
-            plan=Plan.from_dict(ready["plan"]),
+            plan=Plan.from_dict(ready.plan),
             model_spec=spec,
             schedule=schedule,
             num_microbatches=num_microbatches,
         )
         self.first_group: list[tuple[str, zmq.asyncio.Socket]] = []
         self.last_group: list[tuple[str, zmq.asyncio.Socket]] = []
-        described = ready.get("training_plan")
-        if not isinstance(described, dict):
+        described = ready.training_plan
+        if described is None:
             raise PipelineError("the coordinator sent no training plan")
         tplan = TrainingPlan.from_dict(described)
         self.report.training_plan = tplan
@@ -104,7 +106,7 @@ class TrainingRun:
             raise
         self.first_shares = list(first.shares)
         # the first stage's data port limit per frame (None: not said)
-        self.first_limit: int | None = ready.get("first_max_message_bytes")
+        self.first_limit: int | None = ready.first_max_message_bytes
         self.last_shares = list(last.shares)
         self.last_names = set(last.devices)
         session.allow_sink_senders([keys.get(n) for n in last.devices])
@@ -230,16 +232,11 @@ class TrainingRun:
                 raise TransportTimeout(
                     self.session.last_stage, "the losses before a replica", timeout
                 ) from None
-        reply = await self.session.control.request(
-            Message(
-                "replicate",
-                {
-                    "run": self.run,
-                    "step": self.done_steps,
-                    **({"global": True} if global_copy else {}),
-                },
+        reply = await self.session.control.ask(
+            Replicate(
+                run=self.run, step=self.done_steps, global_copy=True if global_copy else None
             ),
-            expect=("replicated",),
+            expect=(Replicated,),
             # up to four phases at the coordinator, each within result_s (an
             # asynchronous run's prepare, backups, global copy and commit)
             timeout_s=4 * timeout + self.timeouts.reply_s,
@@ -247,21 +244,21 @@ class TrainingRun:
             resend_on_reconnect=True,
             progress_run=self.run,
         )
-        if reply["error"]:
+        if reply.error:
             # The previous replica still stands; a recovery replays a little more.
-            log.warning("replica_not_kept", run=self.run, error=reply["error"])
+            log.warning("replica_not_kept", run=self.run, error=reply.error)
             return None
         source.replicated(
             self.offset + self.done_steps,
             self.run,
             self.done_steps,
-            global_copy=bool(reply.get("global")),
+            global_copy=bool(reply.global_copy),
             keep=self.global_every is not None,
         )
-        if reply.get("rebalance") is not None:
-            return TrainingPlan.from_dict(reply["rebalance"])
+        if reply.rebalance is not None:
+            return TrainingPlan.from_dict(reply.rebalance)
         log.info("replica_kept", run=self.run, step=self.offset + self.done_steps,
-                 nbytes=reply["bytes"])  # fmt: skip
+                 nbytes=reply.nbytes)  # fmt: skip
         return None
 
     async def _send_minibatch(self, batch: TrainBatch) -> None:
@@ -281,40 +278,41 @@ class TrainingRun:
             for (name, sock), (lo, hi) in zip(
                 self.last_group, split_rows(total, self.last_shares), strict=True
             ):
-                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
-                body.update(total=total, samples=samples)
                 rows = tuple(t[lo:hi] for t in labels) if hi > lo else ()
-                await self._send(sock, Message("labels", body, epoch=epoch, tensors=rows), name)
+                label_rows = Labels(
+                    run=self.run, mb=mb, src=CLIENT_NAME, samples=samples, rows=[lo, hi],
+                    total=total, epoch=epoch, tensors=rows,
+                )  # fmt: skip
+                await self._send(sock, label_rows, name)
             inputs = part[:-1]
             for (name, sock), (lo, hi) in zip(
                 self.first_group, split_rows(total, self.first_shares), strict=True
             ):
-                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
-                body["total"] = total
                 rows = tuple(t[lo:hi] for t in inputs) if hi > lo else ()
                 check_fits_first_stage(rows, self.first_limit, name)
-                await self._send(sock, Message("data", body, epoch=epoch, tensors=rows), name)
+                data = Data(run=self.run, mb=mb, src=CLIENT_NAME, rows=[lo, hi], total=total,
+                            epoch=epoch, tensors=rows)  # fmt: skip
+                await self._send(sock, data, name)
 
-    async def _send(self, sock: zmq.asyncio.Socket, message: Message, peer: str) -> None:
-        await send(sock, message, timeout_s=self.timeouts.send_s, peer=peer)
+    async def _send(self, sock: zmq.asyncio.Socket, message: WireMessage, peer: str) -> None:
+        await send(sock, message.to_message(), timeout_s=self.timeouts.send_s, peer=peer)
 
-    def _check(self, message: Message) -> None:
+    def _check(self, message: WireMessage) -> None:
         session = self.session
-        if message.kind not in ("loss", "error"):
-            raise ProtocolError(f"{message.kind!r} does not belong on a training sink")
-        if message.epoch != session.epoch or message["run"] != self.run:
+        if not isinstance(message, (Loss, MicroBatchError)):
+            raise ProtocolError(f"{message.KIND!r} does not belong on a training sink")
+        if message.epoch != session.epoch or message.run != self.run:
             raise ProtocolError(f"a message of epoch {message.epoch}, expected {session.epoch}")
-        if message["src"] not in self.last_names:  # a failure notice too: it ends the run
-            raise ProtocolError(
-                f"{message.kind!r} from {message['src']!r}, not a last-stage device"
-            )
-        if message.kind == "loss":
-            step = int(message["step"])
+        if message.src not in self.last_names:  # a failure notice too: it ends the run
+            raise ProtocolError(f"{message.KIND!r} from {message.src!r}, not a last-stage device")
+        if isinstance(message, Loss):
+            step = message.step
             if not self.done_steps <= step < self.sent_steps:
                 raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
 
-    async def _take_loss(self, message: Message) -> None:
-        step, value = int(message["step"]), float(message["loss"])
+    async def _take_loss(self, message: WireMessage) -> None:
+        assert isinstance(message, Loss)  # _check let only losses through
+        step, value = message.step, float(message.loss)
         losses = self.step_losses.setdefault(step, [])
         losses.append(value)
         if len(losses) < self.losses_per_step:
@@ -336,20 +334,20 @@ class TrainingRun:
 
     async def gather_weights(self, *, optimizer: bool = False) -> None:
         """The trained weights (``optimizer``: and the optimizer's state) of every stage."""
-        body: dict[str, Any] = {"run": self.run, "step": self.done_steps}
-        if optimizer:
-            body["optimizer"] = True
-        reply = await self.session.control.request(
-            Message("weights_request", body),
-            expect=("checkpoint", "run_failed"),
+        reply = await self.session.control.ask(
+            WeightsRequest(
+                run=self.run, step=self.done_steps, optimizer=True if optimizer else None
+            ),
+            expect=(Checkpoint, RunFailed),
             timeout_s=self.timeouts.result_s + self.timeouts.reply_s,
             awaited="the trained weights",
             resend_on_reconnect=True,
             progress_run=self.run,
         )
-        if reply.kind == "run_failed":
-            raise run_failed_error(str(reply["error"]), "gather the trained weights")
-        keys = [str(k) for k in reply["keys"]]
+        if isinstance(reply, RunFailed):
+            raise run_failed_error(reply.error, "gather the trained weights")
+        assert isinstance(reply, Checkpoint)
+        keys = [str(k) for k in reply.keys]
         if len(keys) != len(reply.tensors):
             raise ProtocolError("the checkpoint's keys and tensors do not match")
         state: dict[str, torch.Tensor] = {}
