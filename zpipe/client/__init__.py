@@ -8,7 +8,7 @@ infer            InferenceRun: an inference stream's source, results and order
 train            fit(): a training run's attempts (recovery, rebalancing)
 training_run     TrainingRun: one attempt's feed, losses, replicas and weights
 options          InferOptions, TrainOptions: a run's settings, checked when made
-reports          RunReport, TrainReport: what a finished run looked like
+reports          InferenceReport, TrainReport: what a finished run looked like
 batches          splitting batches, the replayable source of mini-batches
 failures         the coordinator's failures as typed errors
 """
@@ -31,7 +31,7 @@ from zpipe.client.options import (
     TrainOptions,
 )
 from zpipe.client.pipeline_client import PipelineClient
-from zpipe.client.reports import RunReport, TrainReport
+from zpipe.client.reports import InferenceReport, RunReport, TrainReport
 from zpipe.client.train import fit
 
 __all__ = [
@@ -41,9 +41,10 @@ __all__ = [
     "Batch",
     "ClientConnection",
     "InferOptions",
+    "InferenceReport",
     "Outputs",
     "PipelineClient",
-    "RunReport",
+    "RunReport",  # deprecated alias of InferenceReport
     "TrainBatch",
     "TrainOptions",
     "TrainReport",

@@ -27,7 +27,7 @@ from zpipe.client.batches import (
 )
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.options import InferOptions
-from zpipe.client.reports import RunReport
+from zpipe.client.reports import InferenceReport
 from zpipe.client.session import RunSession
 from zpipe.client.sink_limits import most_rows, sink_limits
 from zpipe.client.trace import recovery_marks, write_trace
@@ -79,7 +79,7 @@ class InferenceRun:
         self.connection = connection
         self.model = model
         self.options = options
-        self.report: RunReport | None = None
+        self.report: InferenceReport | None = None
 
     async def outputs(
         self, batches: Iterable[Batch] | AsyncIterable[Batch]
@@ -146,7 +146,7 @@ class _Stream:
         self.progress = options.progress
         self.on_plan = options.on_plan
         baseline = ready.baseline
-        self.report = RunReport(
+        self.report = InferenceReport(
             run=session.run,
             plan=self.plan,
             baseline=Plan.from_dict(baseline) if baseline is not None else None,

@@ -20,7 +20,7 @@ from zpipe.client.batches import Batch, Outputs, TrainBatch
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.infer import InferenceRun
 from zpipe.client.options import InferOptions, TrainOptions
-from zpipe.client.reports import RunReport, TrainReport
+from zpipe.client.reports import InferenceReport, TrainReport
 from zpipe.client.train import fit
 from zpipe.config import Timeouts
 from zpipe.models import ModelSpec
@@ -55,7 +55,7 @@ class PipelineClient:
         self.options = socket_options or SocketOptions()
         self._connection: ClientConnection | None = None
         self.sink_endpoint = ""
-        self.last_report: RunReport | None = None
+        self.last_report: InferenceReport | None = None
 
     async def __aenter__(self) -> PipelineClient:
         await self.open()
