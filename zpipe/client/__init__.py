@@ -5,7 +5,9 @@ connection       ClientConnection: the zmq context, control channel, sink and ke
 control          ControlChannel: requests to the coordinator, its failure notices
 session          RunSession: one run's handshake, sink loop, failure watch, stalls
 infer            InferenceRun: an inference stream's source, results and order
-train            fit(): a training run's attempts (recovery, rebalancing)
+train            fit(): a training run's attempts, the I/O (requests, sockets, clock)
+training_attempts  TrainingAttempts: the attempts' decisions, sans-IO (events in,
+                 commands out); StepLedger: which loss answers which mini-batch
 training_run     TrainingRun: one attempt's feed, losses, replicas and weights
 options          InferOptions, TrainOptions: a run's settings, checked when made
 reports          InferenceReport, TrainReport: what a finished run looked like
