@@ -31,10 +31,10 @@ from zpipe.planner.async_schedule import (
     aggregation_intervals,
     async_stage_actions,
 )
+from zpipe.protocol.repartition import Repartition, Repartitioned
 from zpipe.training.async_recovery import cuts_of_run
 from zpipe.training.async_reference import train_async_reference
 from zpipe.training.async_stage import AsyncStageCompute
-from zpipe.transport.codec import Message
 
 NAMES = ["a", "b", "c"]
 PARTITION = [[0, 1], [1, 3], [3, 4]]
@@ -169,15 +169,15 @@ def _attempt(failure: StageFailedError | None, *, recovers: bool = True) -> Any:
     """The parts of a client attempt :func:`repartition_before` reads, whose coordinator
     answers every look with an error (a stage of the run is gone)."""
 
-    async def request(message: Message, **_: Any) -> Message:
-        assert message["step"] == 1  # this attempt's own count: it resumed at 6
-        return Message("repartitioned", {"run": 3, "step": 1, "error": "StageLostError: b"})
+    async def ask(request: Repartition, **_: Any) -> Repartitioned:
+        assert request.step == 1  # this attempt's own count: it resumed at 6
+        return Repartitioned(run=3, step=1, error="StageLostError: b")
 
     async def stage_failure_within(timeout_s: float) -> StageFailedError | None:
         return failure
 
     session = SimpleNamespace(
-        control=SimpleNamespace(request=request), stage_failure_within=stage_failure_within
+        control=SimpleNamespace(ask=ask), stage_failure_within=stage_failure_within
     )
     return SimpleNamespace(
         run=3, offset=6, session=session, replicate_every=4 if recovers else None,

@@ -19,6 +19,7 @@ from test_client_session import EPOCH, RUN, _check, _connection, _never_called, 
 from zpipe.client.control import ControlChannel
 from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts
+from zpipe.protocol.client_control import RunReplanned, StageFailed
 from zpipe.transport.codec import Message, encode
 from zpipe.transport.sockets import SocketOptions, decode_frames
 
@@ -74,7 +75,7 @@ async def test_every_copy_of_a_notice_is_acknowledged_and_the_run_sees_it_once(
     ]
     first = await asyncio.wait_for(channel.failures.get(), 10)
     second = await asyncio.wait_for(channel.failures.get(), 10)
-    assert (first["stage"], second["stage"]) == ("b", "d")
+    assert (first.stage, second.stage) == ("b", "d")
     assert channel.failures.empty()
 
 
@@ -84,19 +85,21 @@ async def test_a_notice_without_a_number_is_passed_on_and_not_acknowledged(
     router, channel = pair
     await _send(router, _failed(None))
     notice = await asyncio.wait_for(channel.failures.get(), 10)
-    assert notice["stage"] == "b"
+    assert notice.stage == "b"
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(router.recv_multipart(), 0.3)
 
 
 def test_the_filter_lets_each_run_and_number_through_once() -> None:
     notices = NoticeFilter()
-    assert notices.first_time(_failed(1))
-    assert not notices.first_time(_failed(1))
-    assert notices.first_time(
-        Message("stage_failed", {"run": 4, "stage": "b", "reason": "x", "seq": 1})
-    )
-    assert notices.first_time(_failed(None)) and notices.first_time(_failed(None))
+
+    def typed(message: Message) -> StageFailed:
+        return StageFailed.from_message(message)
+
+    assert notices.first_time(typed(_failed(1)))
+    assert not notices.first_time(typed(_failed(1)))
+    assert notices.first_time(StageFailed(run=4, stage="b", reason="x", seq=1))
+    assert notices.first_time(typed(_failed(None))) and notices.first_time(typed(_failed(None)))
 
 
 async def test_a_replan_older_than_the_one_followed_is_ignored() -> None:
@@ -107,14 +110,26 @@ async def test_a_replan_older_than_the_one_followed_is_ignored() -> None:
     followed: list[int] = []
     two = asyncio.Event()
 
-    async def replanned(notice: Message) -> None:
+    async def replanned(notice: RunReplanned) -> None:
         followed.append(notice.epoch)
         session.epoch = notice.epoch  # as the stream's replay does (session.follow)
         if len(followed) == 2:
             two.set()
 
-    def replan(epoch: int) -> Message:
-        return Message("run_replanned", {"run": RUN, "dead": "b"}, epoch=epoch)
+    def replan(epoch: int) -> RunReplanned:
+        return RunReplanned(
+            run=RUN,
+            plan={},
+            dead="b",
+            recovered_s=0.0,
+            first_endpoint="",
+            first_stage="",
+            first_key=None,
+            last_stage="",
+            last_key=None,
+            last_endpoint="",
+            epoch=epoch,
+        )
 
     try:
         session.watch(_check, _never_called, awaited="results", on_replanned=replanned)
@@ -180,5 +195,5 @@ async def test_without_progress_or_with_another_runs_the_deadline_holds(
             )
         await coordinator
         # what came after the deadline, up to the checkpoint: the next round starts clean
-        while (await asyncio.wait_for(channel._replies.get(), 10)).kind != "checkpoint":
+        while (await asyncio.wait_for(channel._replies.get(), 10)).KIND != "checkpoint":
             pass

@@ -161,7 +161,7 @@ def test_the_batches_since_the_global_copy_are_kept_to_train_again() -> None:
 
 def test_the_inference_request_is_the_wire_body_of_the_options() -> None:
     options = InferOptions(partition=[[0, 1], [1, 2]], stage_names=("a", "b"), max_in_flight=2)
-    body = inference_request(SPEC, options, "tcp://127.0.0.1:9")
+    body = inference_request(SPEC, options, "tcp://127.0.0.1:9").body()
     assert body == {
         "model": SPEC.to_dict(),
         "partition": [[0, 1], [1, 2]],
@@ -186,20 +186,20 @@ def test_a_user_code_model_declares_its_unit_count_and_a_built_in_one_does_not()
         "sequential", {"factory": "zpipe.models.examples:tiny_sequential", "input_shape": [8]}
     )
     options = InferOptions()
-    body = inference_request(user, options, "tcp://127.0.0.1:9")
+    body = inference_request(user, options, "tcp://127.0.0.1:9").body()
     assert body["num_units"] == load_layer_sequence(user).num_units > 1
-    assert "num_units" not in inference_request(SPEC, options, "tcp://127.0.0.1:9")
+    assert "num_units" not in inference_request(SPEC, options, "tcp://127.0.0.1:9").body()
     train = TrainOptions(optimizer=SGD, num_microbatches=1)
-    assert (
-        training_request(user, train, None, "tcp://127.0.0.1:9")["num_units"] == (body["num_units"])
-    )
+    trained = training_request(user, train, None, "tcp://127.0.0.1:9").body()
+    assert trained["num_units"] == (body["num_units"])
 
 
 def test_training_requests_for_a_start_a_recovery_and_a_rebalance() -> None:
     options = TrainOptions(
         optimizer=SGD, num_microbatches=2, partition=[[0, 1], [1, 2]], stage_names=["a", "b"]
     )
-    body = training_request(SPEC, options, 4, "tcp://127.0.0.1:9")
+    request = training_request(SPEC, options, 4, "tcp://127.0.0.1:9")
+    body = request.body()
     assert body["planner"] == "hpp" and body["microbatch_size"] == 4
     assert body["admit"] == ["a", "b"] and body["mode"] == "train"
     assert body["train"] == {
@@ -210,8 +210,8 @@ def test_training_requests_for_a_start_a_recovery_and_a_rebalance() -> None:
         "warmups": None,
         "plan": None,
     }
-    assert training_request(SPEC, options, None, "e")["planner"] == "pipeedge"
-    resumed = resume_request(body, ["a"], ["b"], "heavy", (3, 6), "exact")
+    assert training_request(SPEC, options, None, "e").body()["planner"] == "pipeedge"
+    resumed = resume_request(request, ["a"], ["b"], "heavy", (3, 6), "exact").body()
     assert resumed["partition"] is None and resumed["stage_names"] == ["a"]
     assert resumed["planner"] == "hpp"  # the user's partition named the dead
     assert resumed["resume"] == {"run": 3, "step": 6, "dead": ["b"], "consistency": "exact"}
@@ -226,7 +226,7 @@ def test_training_requests_for_a_start_a_recovery_and_a_rebalance() -> None:
             TrainStage(devices=("b",), start=1, end=2, shares=(2,), warmup=1),
         ),
     )
-    moved = rebalance_request(body, plan, (3, 6))
+    moved = rebalance_request(request, plan, (3, 6)).body()
     assert moved["stage_names"] == ["a", "b"] and moved["resume"]["dead"] == []
     assert moved["train"]["plan"] == plan.to_dict()
 

@@ -11,7 +11,7 @@ from zpipe._errors import ProtocolError
 from zpipe.client.control import coordinator_may_send
 from zpipe.client.infer import _Stream
 from zpipe.client.training_run import TrainingRun
-from zpipe.transport.codec import Message
+from zpipe.protocol.data_plane import MicroBatchError
 from zpipe.transport.roles import ROLE_KINDS
 
 
@@ -22,9 +22,8 @@ def test_the_control_channel_takes_only_what_a_coordinator_sends() -> None:
         assert not coordinator_may_send(kind)
 
 
-def _error(src: str, run: int = 5, mb: int = 2) -> Message:
-    body = {"run": run, "mb": mb, "src": src, "stage": "a", "message": "boom"}
-    return Message("error", body, epoch=3)
+def _error(src: str, run: int = 5, mb: int = 2) -> MicroBatchError:
+    return MicroBatchError(run=run, mb=mb, src=src, stage="a", message="boom", epoch=3)
 
 
 def test_a_failure_notice_on_the_sink_must_come_from_the_last_stage() -> None:

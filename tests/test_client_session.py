@@ -22,6 +22,8 @@ from zpipe._errors import PipelineError, ProtocolError, RemoteStageError, StageF
 from zpipe.client import ClientConnection
 from zpipe.client.session import RunSession
 from zpipe.config import Timeouts
+from zpipe.protocol import WireMessage
+from zpipe.protocol.client_control import StageFailed
 from zpipe.transport.codec import PROTOCOL_VERSION, Message, encode
 from zpipe.transport.sockets import ReceiveLimits, SocketOptions, bind_endpoint, open_socket
 
@@ -33,7 +35,7 @@ class _Control:
     """What a session uses of the control channel, without a coordinator."""
 
     def __init__(self) -> None:
-        self.failures: asyncio.Queue[Message] = asyncio.Queue()
+        self.failures: asyncio.Queue[WireMessage] = asyncio.Queue()
 
     async def report_stalls(self, *_: Any) -> None:
         await asyncio.Event().wait()
@@ -89,13 +91,13 @@ def _poison_shape(shape: list[int]) -> list[bytes]:
     return [msgpack.packb(header), b""]
 
 
-async def _never_called(message: Message) -> None:
+async def _never_called(message: WireMessage) -> None:
     raise AssertionError("no message was sent")
 
 
-def _check(message: Message) -> None:
-    if message["run"] != RUN:
-        raise ProtocolError(f"run {message['run']} is not this run")
+def _check(message: WireMessage) -> None:
+    if message.run != RUN:  # type: ignore[attr-defined]
+        raise ProtocolError(f"run {message.run} is not this run")  # type: ignore[attr-defined]
 
 
 async def test_the_sink_loop_drops_every_poison_message_and_keeps_receiving(
@@ -110,8 +112,8 @@ async def test_the_sink_loop_drops_every_poison_message_and_keeps_receiving(
     taken: list[float] = []
     good = asyncio.Event()
 
-    async def handle(message: Message) -> None:
-        if message["mb"] == 13:
+    async def handle(message: Any) -> None:
+        if message.mb == 13:
             raise KeyError("a bug a message's contents hit in the handler")
         taken.append(float(message.tensors[0][0]))
         good.set()
@@ -150,7 +152,7 @@ async def test_a_stage_error_on_the_sink_fails_the_run_with_the_stage_named(
     push.connect(endpoint)
     session = _session(_connection(context, sink))
 
-    async def handle(message: Message) -> None:
+    async def handle(message: WireMessage) -> None:
         raise AssertionError("an error message must not reach the handler")
 
     body = {"run": RUN, "mb": 4, "src": LAST, "stage": "s1", "message": "shape mismatch"}
@@ -171,7 +173,7 @@ async def test_a_receive_task_that_dies_fails_the_run_instead_of_stalling(
 ) -> None:
     session = _session(_connection(context, _BrokenSink()))
 
-    async def handle(message: Message) -> None:
+    async def handle(message: WireMessage) -> None:
         raise AssertionError("nothing can arrive on a broken sink")
 
     try:
@@ -192,8 +194,8 @@ async def test_a_stage_failed_notice_for_the_run_fails_it_and_others_are_ignored
     sink.bind(f"inproc://sink-{next(_endpoints)}")  # nothing is sent to it
     session = _session(_connection(context, sink))
     control = session.control
-    notice = Message("stage_failed", {"run": RUN, "stage": "s1", "reason": "heartbeats lapsed"})
-    other = Message("stage_failed", {"run": RUN + 1, "stage": "s0", "reason": "old run"})
+    notice = StageFailed(run=RUN, stage="s1", reason="heartbeats lapsed")
+    other = StageFailed(run=RUN + 1, stage="s0", reason="old run")
     try:
         session.watch(_check, _never_called, awaited="results")
         await control.failures.put(other)
@@ -244,7 +246,7 @@ async def test_the_sink_reopens_for_new_limits_only_when_no_run_receives_on_it(
     session = _session(connection)
     taken = asyncio.Event()
 
-    async def handle(message: Message) -> None:
+    async def handle(message: WireMessage) -> None:
         taken.set()
 
     larger = ReceiveLimits(4 << 20, 4)

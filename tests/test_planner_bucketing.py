@@ -215,11 +215,11 @@ def test_plan_cli_takes_bucketing(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_the_client_asks_for_bucketing_only_when_it_is_not_auto() -> None:
     model = ModelSpec("mlp", {"dims": [4, 4]})
-    auto = inference_request(model, InferOptions(), "tcp://127.0.0.1:1")
+    auto = inference_request(model, InferOptions(), "tcp://127.0.0.1:1").body()
     assert "bucketing" not in auto  # an older coordinator refuses fields it does not know
-    exact = inference_request(model, InferOptions(bucketing="exact"), "tcp://127.0.0.1:1")
+    exact = inference_request(model, InferOptions(bucketing="exact"), "tcp://127.0.0.1:1").body()
     assert bucketing_of(exact["bucketing"]) == "exact"
-    wide = inference_request(model, InferOptions(bucketing=0.1), "tcp://127.0.0.1:1")
+    wide = inference_request(model, InferOptions(bucketing=0.1), "tcp://127.0.0.1:1").body()
     assert float(bucketing_of(wide["bucketing"])) == pytest.approx(0.1)
     with pytest.raises(ConfigError, match="bucketing must be"):
         InferOptions(bucketing="coarse")

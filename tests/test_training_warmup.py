@@ -83,8 +83,8 @@ def test_run_settings_fill_in_the_policys_counts() -> None:
 def test_the_client_sends_the_policy_only_when_it_is_not_auto() -> None:
     auto = TrainOptions(optimizer=SGD, num_microbatches=4)
     torch_counts = TrainOptions(optimizer=SGD, num_microbatches=4, warmup="torch")
-    assert "warmup" not in training_request(SPEC, auto, 4, "tcp://127.0.0.1:1")["train"]
-    sent = training_request(SPEC, torch_counts, 4, "tcp://127.0.0.1:1")["train"]
+    assert "warmup" not in training_request(SPEC, auto, 4, "tcp://127.0.0.1:1").body()["train"]
+    sent = training_request(SPEC, torch_counts, 4, "tcp://127.0.0.1:1").body()["train"]
     assert sent["warmup"] == "torch"
     with pytest.raises(ConfigError):
         TrainOptions(optimizer=SGD, num_microbatches=4, warmup="deep")

@@ -5,10 +5,12 @@ connection       ClientConnection: the zmq context, control channel, sink and ke
 control          ControlChannel: requests to the coordinator, its failure notices
 session          RunSession: one run's handshake, sink loop, failure watch, stalls
 infer            InferenceRun: an inference stream's source, results and order
-train            fit(): a training run's attempts (recovery, rebalancing)
+train            fit(): a training run's attempts, the I/O (requests, sockets, clock)
+training_attempts  TrainingAttempts: the attempts' decisions, sans-IO (events in,
+                 commands out); StepLedger: which loss answers which mini-batch
 training_run     TrainingRun: one attempt's feed, losses, replicas and weights
 options          InferOptions, TrainOptions: a run's settings, checked when made
-reports          RunReport, TrainReport: what a finished run looked like
+reports          InferenceReport, TrainReport: what a finished run looked like
 batches          splitting batches, the replayable source of mini-batches
 failures         the coordinator's failures as typed errors
 """
@@ -31,7 +33,7 @@ from zpipe.client.options import (
     TrainOptions,
 )
 from zpipe.client.pipeline_client import PipelineClient
-from zpipe.client.reports import RunReport, TrainReport
+from zpipe.client.reports import InferenceReport, RunReport, TrainReport
 from zpipe.client.train import fit
 
 __all__ = [
@@ -41,9 +43,10 @@ __all__ = [
     "Batch",
     "ClientConnection",
     "InferOptions",
+    "InferenceReport",
     "Outputs",
     "PipelineClient",
-    "RunReport",
+    "RunReport",  # deprecated alias of InferenceReport
     "TrainBatch",
     "TrainOptions",
     "TrainReport",

@@ -20,7 +20,7 @@ from __future__ import annotations
 from zpipe.client.connection import CLIENT_NAME
 from zpipe.client.training_run import TrainingRun
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.transport.codec import Message
+from zpipe.protocol.data_plane import Data
 
 
 class AsyncTrainingRun(TrainingRun):
@@ -29,9 +29,8 @@ class AsyncTrainingRun(TrainingRun):
         return len(plan.stages)
 
     async def feed_ended(self) -> None:
-        body = {"run": self.run, "mb": self.sent_steps, "src": CLIENT_NAME}
-        body.update(rows=[0, 0], total=0, end=True)
-        message = Message("data", body, epoch=self.session.epoch)
+        message = Data(run=self.run, mb=self.sent_steps, src=CLIENT_NAME, rows=[0, 0], total=0,
+                       end=True, epoch=self.session.epoch)  # fmt: skip
         for name, sock in self.first_group:
             await self._send(sock, message, name)
 

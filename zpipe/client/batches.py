@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -115,10 +115,11 @@ def first_batch_size(batches: object) -> int | None:
 
 
 _END = object()
+T = TypeVar("T")
 
 
-class BatchSource:
-    """The mini-batches, once each, and those since the last replica, kept to replay.
+class ReplayBuffer(Generic[T]):
+    """The mini-batches since the last replica, kept to replay (pure bookkeeping).
 
     ``replica_step``: the mini-batch the coordinator's replica was taken before
     (every mini-batch before it is in the replica); ``resume``: that replica's
@@ -127,15 +128,8 @@ class BatchSource:
     mini-batch that had not completed).
     """
 
-    def __init__(self, batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch]) -> None:
-        self._sync: Iterator[TrainBatch] | None = None
-        self._async: AsyncIterator[TrainBatch] | None = None
-        if isinstance(batches, AsyncIterable):
-            self._async = aiter(batches)
-        else:
-            self._sync = iter(batches)
-        self._pending: asyncio.Future[Any] | None = None
-        self.kept: list[TrainBatch] = []
+    def __init__(self) -> None:
+        self.kept: list[T] = []
         self.kept_from = 0
         self.replica_step = 0
         self.resume: tuple[int, int] | None = None
@@ -145,35 +139,16 @@ class BatchSource:
         # which a recovery from that copy trains again
         self.global_step: int | None = None
         self.global_resume: tuple[int, int] | None = None
-        self.since_global: list[TrainBatch] = []
+        self.since_global: list[T] = []
+
+    def keep(self, batch: T) -> None:
+        """A new mini-batch (the one after every kept one) is on its way."""
+        self.kept.append(batch)
 
     def forget_before(self, step: int) -> None:
         """Mini-batches before ``step`` will not be trained again."""
         self.kept = self.kept[step - self.kept_from :]
         self.kept_from = step
-
-    async def iterate(self) -> AsyncIterator[TrainBatch]:
-        """The kept mini-batches again, then new ones (kept too)."""
-        for batch in list(self.kept):
-            yield batch
-        while True:
-            batch = await self._next()
-            if batch is _END:
-                return
-            self.kept.append(batch)
-            yield batch
-
-    async def _next(self) -> Any:
-        if self._sync is not None:
-            return next(self._sync, _END)
-        assert self._async is not None
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(anext(self._async, _END))
-        # Shielded: a recovery may cancel the feed while the source makes its next
-        # batch; that batch then goes to the next attempt instead of being lost.
-        batch = await asyncio.shield(self._pending)
-        self._pending = None
-        return batch
 
     def replicated(
         self, step: int, run: int, run_step: int, *, global_copy: bool = False, keep: bool = False
@@ -201,3 +176,41 @@ class BatchSource:
         self.kept_from = self.replica_step = self.global_step
         self.resume = self.global_resume
         self.since_global = []
+
+
+class BatchSource(ReplayBuffer[TrainBatch]):
+    """The mini-batches, once each, and those since the last replica, kept to replay."""
+
+    def __init__(self, batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch]) -> None:
+        super().__init__()
+        self._sync: Iterator[TrainBatch] | None = None
+        self._async: AsyncIterator[TrainBatch] | None = None
+        if isinstance(batches, AsyncIterable):
+            self._async = aiter(batches)
+        else:
+            self._sync = iter(batches)
+        self._pending: asyncio.Future[Any] | None = None
+
+    async def iterate(self) -> AsyncIterator[TrainBatch]:
+        """The kept mini-batches again, then new ones (kept too)."""
+        for batch in list(self.kept):
+            yield batch
+        while True:
+            batch = await self._next()
+            if batch is _END:
+                return
+            self.keep(batch)
+            yield batch
+
+    async def _next(self) -> Any:
+        if self._sync is not None:
+            return next(self._sync, _END)
+        assert self._async is not None
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(anext(self._async, _END))
+        # Shielded: a recovery may cancel the feed while the source makes its next
+        # batch; that batch then goes to the next attempt instead of being lost.
+        batch = await asyncio.shield(self._pending)
+        self._pending = None
+        return batch
+

@@ -14,16 +14,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from zpipe._errors import TransportTimeout
+from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.client_control import NoticeAck, Progress, RunReplanned, StageFailed, Stalled
 from zpipe.recovery import StallWatch
 from zpipe.transport.codec import Message
 from zpipe.transport.roles import ROLE_KINDS
@@ -31,8 +33,12 @@ from zpipe.transport.sockets import SocketOptions, decode_frames, recv_frames, s
 
 log = get_logger("zpipe.client")
 
-# the kinds the coordinator sends unasked, about a run that is going on
-NOTICE_KINDS = ("stage_failed", "run_replanned")
+# what the coordinator sends unasked, about a run that is going on
+Notice = StageFailed | RunReplanned
+NOTICES = (StageFailed, RunReplanned)
+NOTICE_KINDS = tuple(cls.KIND for cls in NOTICES)
+
+R = TypeVar("R", bound=WireMessage)
 
 
 # Kinds that only stages or clients may send (zpipe.transport.roles): never the
@@ -58,9 +64,10 @@ class ControlChannel:
         self.sock = sock
         self.options = options
         self.timeouts = timeouts
-        self.failures: asyncio.Queue[Message] = asyncio.Queue()
+        self.failures: asyncio.Queue[Notice] = asyncio.Queue()
         self._notices = NoticeFilter()
-        self._replies: asyncio.Queue[Message] = asyncio.Queue()
+        # replies, each parsed into its protocol class once, as it arrives
+        self._replies: asyncio.Queue[WireMessage] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read())
         # Reconnections to the coordinator's endpoint (a restarted coordinator): a
         # request that may have been lost with the old process is sent again.
@@ -106,35 +113,42 @@ class ControlChannel:
                 log.warning("dropped_message", peer="coordinator", kind=message.kind,
                             error="a kind only stages or clients send")  # fmt: skip
                 continue
-            if message.kind in NOTICE_KINDS:
-                await self._acknowledge(message)
-                if self._notices.first_time(message):
-                    await self.failures.put(message)
+            try:
+                # parsed into its protocol class here, once: past this, only classes
+                typed = REGISTRY.parse(message)
+            except ProtocolError as exc:  # a kind without a class (codec.register_kinds)
+                log.warning("dropped_message", peer="coordinator", kind=message.kind,
+                            error=str(exc), error_type=type(exc).__name__)  # fmt: skip
+                continue
+            if isinstance(typed, NOTICES):
+                await self._acknowledge(typed)
+                if self._notices.first_time(typed):
+                    await self.failures.put(typed)
             else:
-                await self._replies.put(message)
+                await self._replies.put(typed)
 
-    async def _acknowledge(self, notice: Message) -> None:
+    async def _acknowledge(self, notice: Notice) -> None:
         """Every copy is acknowledged: the acknowledgement of an earlier one may be lost."""
-        seq = notice.get("seq")
-        if seq is None:
+        if notice.seq is None:
             return
-        ack = Message("notice_ack", {"run": notice["run"], "seq": seq})
+        ack = NoticeAck(run=notice.run, seq=notice.seq).to_message()
         try:
             await send(self.sock, ack, timeout_s=self.timeouts.reply_s, peer="coordinator")
         except TransportTimeout as exc:  # the coordinator sends it again; ack that one
-            log.warning("notice_not_acknowledged", kind=notice.kind, seq=seq, error=str(exc))
+            log.warning("notice_not_acknowledged", kind=notice.KIND, seq=notice.seq,
+                        error=str(exc))  # fmt: skip
 
-    async def request(
+    async def ask(
         self,
-        message: Message,
+        request: WireMessage,
         *,
-        expect: Sequence[str],
+        expect: tuple[type[R], ...],
         timeout_s: float,
         awaited: str,
         resend_on_reconnect: bool = False,
         progress_run: int | None = None,
-    ) -> Message:
-        """Send ``message`` and wait for a reply of a kind in ``expect``.
+    ) -> R:
+        """Send ``request`` and wait for a reply of a class in ``expect``.
 
         ``progress_run``: the coordinator's ``progress`` notices of this run (the
         state awaited is still moving) restart the deadline, so an answer that keeps
@@ -145,6 +159,25 @@ class ControlChannel:
         coordinator is made again while waiting (it was restarted and took its
         run over from disk), the request goes again, with a fresh deadline.
         """
+        return await self._exchange(
+            request.to_message(),
+            expect,
+            timeout_s=timeout_s,
+            awaited=awaited,
+            resend_on_reconnect=resend_on_reconnect,
+            progress_run=progress_run,
+        )
+
+    async def _exchange(
+        self,
+        message: Message,
+        expect: tuple[type[R], ...],
+        *,
+        timeout_s: float,
+        awaited: str,
+        resend_on_reconnect: bool,
+        progress_run: int | None,
+    ) -> R:
         seen = self.reconnections
         await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
         deadline = time.monotonic() + timeout_s
@@ -170,15 +203,38 @@ class ControlChannel:
                         task.cancel()
             if reply_task in done:
                 reply = reply_task.result()
-                if reply.kind in expect:
+                if isinstance(reply, expect):
                     return reply
-                if reply.kind == "progress" and progress_run is not None:
-                    if reply["run"] == progress_run:
+                if isinstance(reply, Progress) and progress_run is not None:
+                    if reply.run == progress_run:
                         deadline = time.monotonic() + timeout_s
                     continue
-                log.debug("unexpected_reply", kind=reply.kind)
+                log.debug("unexpected_reply", kind=reply.KIND)
             elif not done:
                 raise TransportTimeout("coordinator", awaited, timeout_s)
+
+    async def request(
+        self,
+        message: Message,
+        *,
+        expect: Sequence[str],
+        timeout_s: float,
+        awaited: str,
+        resend_on_reconnect: bool = False,
+        progress_run: int | None = None,
+    ) -> Message:
+        """:meth:`ask` for a caller that still builds and reads untyped messages
+        (``expect`` names kinds): kept until the lossy run speaks typed messages."""
+        classes = tuple(REGISTRY.classes[kind] for kind in expect)
+        reply = await self._exchange(
+            message,
+            classes,
+            timeout_s=timeout_s,
+            awaited=awaited,
+            resend_on_reconnect=resend_on_reconnect,
+            progress_run=progress_run,
+        )
+        return reply.to_message()
 
     async def report_stalls(self, watch: StallWatch, run: Callable[[], int], what: str) -> None:
         """Until cancelled: when the next result of ``run()`` is later than ``watch``'s
@@ -192,11 +248,11 @@ class ControlChannel:
             waited, deadline = stalled
             log.warning(f"{what}_stalled", run=run(), waited_s=round(waited, 3),
                         deadline_s=round(deadline, 3))  # fmt: skip
-            body = {"run": run(), "waited_s": waited, "deadline_s": deadline}
+            stall = Stalled(run=run(), waited_s=waited, deadline_s=deadline)
             try:
                 await send(
                     self.sock,
-                    Message("stalled", body),
+                    stall.to_message(),
                     timeout_s=self.timeouts.send_s,
                     peer="coordinator",
                 )

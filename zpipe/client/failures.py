@@ -25,7 +25,7 @@ from zpipe._errors import (
     UnitsLostError,
     ZpipeError,
 )
-from zpipe.transport.codec import Message
+from zpipe.protocol.client_control import RunReplanned, StageFailed
 
 _UNITS_LOST = re.compile(r"units \[(\d+), (\d+)\) are lost: (.*)", re.DOTALL)
 _STAGES_GONE = re.compile(r"stages \[(.*?)\] are gone")
@@ -66,17 +66,16 @@ class NoticeFilter:
     def __init__(self) -> None:
         self._seen: set[tuple[int, int]] = set()
 
-    def first_time(self, notice: Message) -> bool:
-        seq = notice.get("seq")
-        if seq is None:
+    def first_time(self, notice: StageFailed | RunReplanned) -> bool:
+        if notice.seq is None:
             return True
-        key = (int(notice["run"]), int(seq))
+        key = (notice.run, notice.seq)
         if key in self._seen:
             return False
         self._seen.add(key)
         return True
 
 
-def stage_failed_error(notice: Message) -> StageFailedError:
+def stage_failed_error(notice: StageFailed) -> StageFailedError:
     """A ``stage_failed`` notice: the coordinator declared one of the run's stages dead."""
-    return StageFailedError(str(notice["stage"]), str(notice["reason"]))
+    return StageFailedError(notice.stage, notice.reason)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any
 
 import torch
 import zmq.asyncio
@@ -28,15 +27,17 @@ from zpipe.client.batches import (
 )
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.options import InferOptions
-from zpipe.client.reports import RunReport
-from zpipe.client.session import RunSession, model_fields
+from zpipe.client.reports import InferenceReport
+from zpipe.client.session import RunSession
 from zpipe.client.sink_limits import most_rows, sink_limits
 from zpipe.client.trace import recovery_marks, write_trace
 from zpipe.log import get_logger
-from zpipe.models import ModelSpec
+from zpipe.models import ModelSpec, declared_units
 from zpipe.planner import Plan
 from zpipe.progress import Progress, ResultBar
-from zpipe.transport.codec import Message
+from zpipe.protocol import WireMessage
+from zpipe.protocol.client_control import RunReady, RunReplanned, RunRequest
+from zpipe.protocol.data_plane import Data, MicroBatchError
 from zpipe.transport.sockets import send
 
 log = get_logger("zpipe.client")
@@ -45,28 +46,29 @@ log = get_logger("zpipe.client")
 PLANNING = "planning: stages profile the model, the coordinator measures links and plans"
 
 
-def inference_request(
-    model: ModelSpec, options: InferOptions, sink_endpoint: str
-) -> dict[str, Any]:
-    """The body of the ``run_request`` that starts an inference stream."""
+def inference_request(model: ModelSpec, options: InferOptions, sink_endpoint: str) -> RunRequest:
+    """The ``run_request`` that starts an inference stream."""
     partition = options.partition
     names = options.stage_names
-    return {
-        **model_fields(model),
-        "partition": [list(r) for r in partition] if partition is not None else None,
-        "stages": options.stages,
-        "stage_names": list(names) if names is not None else None,
-        "dtype": options.dtype,
-        "planner": options.planner or "pipeedge",
-        "microbatch_size": options.microbatch_size,
-        "profile": options.profile.to_dict() if options.profile is not None else None,
-        "sink_endpoint": sink_endpoint,
-        "wait_for_stages_s": float(options.wait_for_stages_s),
-        "recover": options.recover,
-        "recovery": options.recovery,
+    return RunRequest(
+        model=model.to_dict(),
+        # a user-code model's unit count, which spares the coordinator running the
+        # factory (zpipe.models.declared_units); None for a built-in family
+        num_units=declared_units(model),
+        partition=[list(r) for r in partition] if partition is not None else None,
+        stages=options.stages,
+        stage_names=list(names) if names is not None else None,
+        dtype=options.dtype,
+        planner=options.planner or "pipeedge",
+        microbatch_size=options.microbatch_size,
+        profile=options.profile.to_dict() if options.profile is not None else None,
+        sink_endpoint=sink_endpoint,
+        wait_for_stages_s=float(options.wait_for_stages_s),
+        recover=options.recover,
+        recovery=options.recovery,
         # left out when "auto", so that an older coordinator understands the request
-        **({} if options.bucketing == "auto" else {"bucketing": str(options.bucketing)}),
-    }
+        bucketing=None if options.bucketing == "auto" else str(options.bucketing),
+    )
 
 
 class InferenceRun:
@@ -77,7 +79,7 @@ class InferenceRun:
         self.connection = connection
         self.model = model
         self.options = options
-        self.report: RunReport | None = None
+        self.report: InferenceReport | None = None
 
     async def outputs(
         self, batches: Iterable[Batch] | AsyncIterable[Batch]
@@ -131,28 +133,28 @@ def _default_bar(options: InferOptions, batches: object) -> ResultBar | None:
 class _Stream:
     """The data plane of one stream: source, sink results and reordering."""
 
-    def __init__(self, session: RunSession, ready: Message, options: InferOptions) -> None:
+    def __init__(self, session: RunSession, ready: RunReady, options: InferOptions) -> None:
         self.session = session
         self.connection = session.connection
         self.timeouts = session.timeouts
-        self.plan = Plan.from_dict(ready["plan"])
-        self.first_stage = str(ready["first_stage"])
+        self.plan = Plan.from_dict(ready.plan)
+        self.first_stage = ready.first_stage
         # the first stage's data port limit per frame (None: an older coordinator)
-        self.first_limit: int | None = ready.get("first_max_message_bytes")
+        self.first_limit: int | None = ready.first_max_message_bytes
         self.microbatch_size = options.microbatch_size
         self.window = asyncio.Semaphore(options.max_in_flight)
         self.progress = options.progress
         self.on_plan = options.on_plan
-        baseline = ready.get("baseline")
-        self.report = RunReport(
+        baseline = ready.baseline
+        self.report = InferenceReport(
             run=session.run,
             plan=self.plan,
             baseline=Plan.from_dict(baseline) if baseline is not None else None,
         )
         self.source: zmq.asyncio.Socket = self.connection.push_to(
-            str(ready["first_endpoint"]), ready.get("first_key"), self.first_stage
+            ready.first_endpoint, ready.first_key, self.first_stage
         )
-        session.allow_sink_senders([ready.get("last_key")])
+        session.allow_sink_senders([ready.last_key])
         # inputs whose results have not arrived, to send again after a re-plan
         self.unanswered: dict[int, tuple[torch.Tensor, ...]] = {}
         self.send_lock = asyncio.Lock()
@@ -227,33 +229,28 @@ class _Stream:
 
     async def _send_input(self, mb: int, tensors: tuple[torch.Tensor, ...]) -> None:
         check_fits_first_stage(tensors, self.first_limit, self.first_stage)
+        data = Data(run=self.session.run, mb=mb, src=CLIENT_NAME, epoch=self.session.epoch,
+                    tensors=tensors)  # fmt: skip
         await send(
-            self.source,
-            Message(
-                "data",
-                {"run": self.session.run, "mb": mb, "src": CLIENT_NAME},
-                epoch=self.session.epoch,
-                tensors=tensors,
-            ),
-            timeout_s=self.timeouts.send_s,
-            peer=self.first_stage,
+            self.source, data.to_message(), timeout_s=self.timeouts.send_s, peer=self.first_stage
         )
 
-    def _check_result(self, message: Message) -> None:
+    def _check_result(self, message: WireMessage) -> None:
         session = self.session
-        if message.kind not in ("data", "error"):
-            raise ProtocolError(f"{message.kind!r} does not belong on the sink")
-        if message.epoch != session.epoch or message["run"] != session.run:
+        if not isinstance(message, (Data, MicroBatchError)):
+            raise ProtocolError(f"{message.KIND!r} does not belong on the sink")
+        if message.epoch != session.epoch or message.run != session.run:
             raise ProtocolError(f"a result of epoch {message.epoch}, expected {session.epoch}")
-        if message["src"] != session.last_stage:  # a failure notice too: it ends the run
+        if message.src != session.last_stage:  # a failure notice too: it ends the run
             raise ProtocolError(
-                f"{message.kind!r} from {message['src']!r}, not {session.last_stage!r}"
+                f"{message.KIND!r} from {message.src!r}, not {session.last_stage!r}"
             )
-        if int(message["mb"]) not in self.owner:
-            raise ProtocolError(f"a result for unknown or finished micro-batch {message['mb']}")
+        if message.mb not in self.owner:
+            raise ProtocolError(f"a result for unknown or finished micro-batch {message.mb}")
 
-    async def _take_result(self, message: Message) -> None:
-        mb = int(message["mb"])
+    async def _take_result(self, message: WireMessage) -> None:
+        assert isinstance(message, Data)  # _check_result let only results through
+        mb = message.mb
         index, part = self.owner.pop(mb)
         self.unanswered.pop(mb, None)
         self.window.release()
@@ -283,19 +280,17 @@ class _Stream:
             return
         await self.results.put((index, outputs))
 
-    async def _replay(self, notice: Message) -> None:
+    async def _replay(self, notice: RunReplanned) -> None:
         """Follow a re-plan: the new first and last stage, then every unanswered input."""
         async with self.send_lock:
-            first_stage = str(notice["first_stage"])
-            source = self.connection.push_to(
-                str(notice["first_endpoint"]), notice["first_key"], first_stage
-            )
+            first_stage = notice.first_stage
+            source = self.connection.push_to(notice.first_endpoint, notice.first_key, first_stage)
             self.source.close(linger=0)
             self.source, self.first_stage = source, first_stage
-            self.first_limit = notice.get("first_max_message_bytes")
+            self.first_limit = notice.first_max_message_bytes
             # results of the old epoch are dropped from now on
-            self.session.follow(notice.epoch, str(notice["last_stage"]), notice["last_key"])
-            self.plan = Plan.from_dict(notice["plan"])
+            self.session.follow(notice.epoch, notice.last_stage, notice.last_key)
+            self.plan = Plan.from_dict(notice.plan)
             self.report.plan = self.plan
             if self.on_plan is not None:
                 self.on_plan(self.plan)
@@ -304,23 +299,24 @@ class _Stream:
                 await self._send_input(mb, self.unanswered[mb])
         self.report.recoveries.append(
             {
-                "dead": str(notice["dead"]),
-                "detected_s": float(notice.get("detected_s") or 0.0),
-                "recovered_s": float(notice["recovered_s"]),
+                "dead": notice.dead,
+                # (the report's 0.0: a coordinator that did not measure it)
+                "detected_s": float(notice.detected_s or 0.0),
+                "recovered_s": float(notice.recovered_s),
                 "replayed": len(replayed),
                 "epoch": notice.epoch,
                 # this process's time.monotonic() when the new plan arrived
                 "at": time.monotonic(),
                 # the coordinator's clock when the new plan ran (None: an older one)
-                "clock": notice.get("clock"),
+                "clock": notice.clock,
             }
         )
         log.warning(
             "stream_replanned",
             run=self.session.run,
-            dead=notice["dead"],
+            dead=notice.dead,
             replayed=len(replayed),
-            plan=notice["plan"]["stages"],
+            plan=notice.plan["stages"],
         )
 
     def close(self) -> None:

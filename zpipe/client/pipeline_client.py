@@ -20,10 +20,11 @@ from zpipe.client.batches import Batch, Outputs, TrainBatch
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.infer import InferenceRun
 from zpipe.client.options import InferOptions, TrainOptions
-from zpipe.client.reports import RunReport, TrainReport
+from zpipe.client.reports import InferenceReport, TrainReport
 from zpipe.client.train import fit
 from zpipe.config import Timeouts
 from zpipe.models import ModelSpec
+from zpipe.protocol.client_control import ClusterRequest, ClusterState
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions
 
@@ -54,7 +55,7 @@ class PipelineClient:
         self.options = socket_options or SocketOptions()
         self._connection: ClientConnection | None = None
         self.sink_endpoint = ""
-        self.last_report: RunReport | None = None
+        self.last_report: InferenceReport | None = None
 
     async def __aenter__(self) -> PipelineClient:
         await self.open()
@@ -95,13 +96,13 @@ class PipelineClient:
 
     async def cluster_state(self) -> list[dict[str, Any]]:
         """The coordinator's view of every stage: name, state, endpoint, device info."""
-        reply = await self.connection.control.request(
-            Message("cluster_request"),
-            expect=("cluster_state",),
+        reply = await self.connection.control.ask(
+            ClusterRequest(),
+            expect=(ClusterState,),
             timeout_s=self.timeouts.reply_s,
             awaited="cluster state",
         )
-        return list(reply["members"])
+        return list(reply.members)
 
     async def wait_for_stages(
         self,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.log import get_logger
-from zpipe.transport.codec import Message
+from zpipe.protocol.repartition import Repartition, Repartitioned
 
 if TYPE_CHECKING:
     from zpipe.client.training_run import TrainingRun
@@ -35,7 +35,7 @@ async def repartition_before(run: TrainingRun, step: int) -> bool:
     with that death (the run recovers from its last replica), not with the failure."""
     try:
         reply = await _ask(run, step, look=True)
-        if not reply.get("pause"):
+        if not reply.pause:
             return _record(run, step, reply)
         await run.pause_feed()
         timeout = run.timeouts.result_s
@@ -58,26 +58,26 @@ async def repartition_before(run: TrainingRun, step: int) -> bool:
         raise failure from None
 
 
-async def _ask(run: TrainingRun, step: int, *, look: bool) -> Message:
+async def _ask(run: TrainingRun, step: int, *, look: bool) -> Repartitioned:
     # the stages number the mini-batches of this attempt from 0 (a resumed run's too)
     local = step - run.offset
-    reply = await run.session.control.request(
-        Message("repartition", {"run": run.run, "step": local, **({"look": True} if look else {})}),
-        expect=("repartitioned",),
+    reply = await run.session.control.ask(
+        Repartition(run=run.run, step=local, look=True if look else None),
+        expect=(Repartitioned,),
         # a flush, the stages' fetches and the commit, each within result_s
         timeout_s=3 * run.timeouts.result_s + run.timeouts.reply_s,
         awaited="the re-partition's look" if look else "the re-partition",
         resend_on_reconnect=True,
         progress_run=run.run,
     )
-    if reply["error"]:
+    if reply.error:
         # the stages may be paused at a cut they cannot leave: the run ends here
-        raise PipelineError(f"the re-partition before mini-batch {step} failed: {reply['error']}")
+        raise PipelineError(f"the re-partition before mini-batch {step} failed: {reply.error}")
     return reply
 
 
-def _record(run: TrainingRun, step: int, reply: Message) -> bool:
-    decision = dict(reply.get("decision") or {})
+def _record(run: TrainingRun, step: int, reply: Repartitioned) -> bool:
+    decision = dict(reply.decision or {})
     moved = decision.get("bounds") is not None
     run.report.repartitions.append(
         # bounds: the cuts from ``at`` on (the same as before when it did not move);
@@ -86,10 +86,10 @@ def _record(run: TrainingRun, step: int, reply: Message) -> bool:
             **decision,
             "at": step,
             "moved": moved,
-            "bounds": reply.get("bounds"),
-            "plan_epoch": reply.get("plan_epoch"),
+            "bounds": reply.bounds,
+            "plan_epoch": reply.plan_epoch,
         }
     )
-    log.info("repartition_looked", run=run.run, step=step, bounds=reply.get("bounds"),
+    log.info("repartition_looked", run=run.run, step=step, bounds=reply.bounds,
              moved=moved)  # fmt: skip
     return moved

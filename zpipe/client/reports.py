@@ -1,4 +1,9 @@
-"""What a finished run looked like: :class:`RunReport` (inference), :class:`TrainReport`."""
+"""What a finished run looked like: :class:`InferenceReport`, :class:`TrainReport`.
+
+``RunReport`` is the old name of :class:`InferenceReport`, kept as a deprecated
+alias (``zpipe.protocol.client_control.RunReport`` is the coordinator's
+``run_report`` message, a different thing).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ from zpipe.planner.training_plan import TrainingPlan
 
 
 @dataclass
-class RunReport:
-    """What a finished run looked like: the plan, timing and each stage's counters."""
+class InferenceReport:
+    """What a finished inference stream looked like: the plan, timing and each stage's
+    counters."""
 
     run: int
     plan: Plan
@@ -32,6 +38,10 @@ class RunReport:
     def throughput(self) -> float:
         """Samples per second over the streaming part of the run."""
         return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+# the name before issue 28, deprecated: use InferenceReport
+RunReport = InferenceReport
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from zpipe._errors import (
@@ -37,18 +37,30 @@ from zpipe._errors import (
 from zpipe.client.connection import ClientConnection
 from zpipe.client.failures import run_failed_error, stage_failed_error
 from zpipe.log import get_logger
-from zpipe.models import ModelSpec, declared_units
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.client_control import (
+    RunEnd,
+    RunFailed,
+    RunGo,
+    RunReady,
+    RunReplanned,
+    RunRequest,
+    RunStarted,
+    StageFailed,
+)
+from zpipe.protocol.client_control import RunReport as StagesReport
+from zpipe.protocol.data_plane import MicroBatchError
 from zpipe.recovery import DEFAULT_STALL_DEADLINE, DeadlinePolicy, StallWatch
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import recv_frames
 
 log = get_logger("zpipe.client")
 
 T = TypeVar("T")
-# a check raises (ProtocolError) for a message that does not belong to the run
-SinkCheck = Callable[[Message], None]
-SinkHandler = Callable[[Message], Awaitable[None]]
-ReplanHandler = Callable[[Message], Awaitable[None]]
+# a check raises (ProtocolError) for a message that does not belong to the run; the
+# sink's messages reach checks and handlers parsed into their protocol classes
+SinkCheck = Callable[[WireMessage], None]
+SinkHandler = Callable[[WireMessage], Awaitable[None]]
+ReplanHandler = Callable[[RunReplanned], Awaitable[None]]
 
 
 class RunSession:
@@ -80,22 +92,23 @@ class RunSession:
     # ------------------------------------------------------------------ handshake
 
     async def request_run(
-        self, request: Mapping[str, Any], *, wait_for_stages_s: float, doing: str
-    ) -> Message:
+        self, request: RunRequest, *, wait_for_stages_s: float, doing: str
+    ) -> RunReady:
         """``run_request`` -> ``run_ready``: the plan and where to send; ``doing`` names
         the run in the error of a refusal ("start the run")."""
         timeouts = self.timeouts
-        reply = await self.control.request(
-            Message("run_request", dict(request)),
-            expect=("run_ready", "run_failed"),
+        reply = await self.control.ask(
+            request,
+            expect=(RunReady, RunFailed),
             timeout_s=wait_for_stages_s + timeouts.assign_s + timeouts.reply_s,
             awaited="run_ready",
         )
-        if reply.kind == "run_failed":
-            raise run_failed_error(str(reply["error"]), doing)
-        self.run = int(reply["run"])
+        if isinstance(reply, RunFailed):
+            raise run_failed_error(reply.error, doing)
+        assert isinstance(reply, RunReady)
+        self.run = reply.run
         self.epoch = reply.epoch
-        self.last_stage = str(reply["last_stage"])
+        self.last_stage = reply.last_stage
         return reply
 
     def allow_sink_senders(self, keys: list[object]) -> None:
@@ -104,14 +117,14 @@ class RunSession:
     async def go(self) -> None:
         """``run_go`` -> ``run_started``: the sink allows the last stages and the data
         sockets are connected; the stages now connect downstream."""
-        started = await self.control.request(
-            Message("run_go", {"run": self.run}),
-            expect=("run_started", "run_failed"),
+        started = await self.control.ask(
+            RunGo(run=self.run),
+            expect=(RunStarted, RunFailed),
             timeout_s=self.timeouts.reply_s * 2,
             awaited="run_started",
         )
-        if started.kind == "run_failed":
-            raise run_failed_error(str(started["error"]), "start the run")
+        if isinstance(started, RunFailed):
+            raise run_failed_error(started.error, "start the run")
 
     def follow(self, epoch: int, last_stage: str, last_key: object) -> None:
         """A re-plan: results of older epochs are dropped from now on."""
@@ -123,19 +136,15 @@ class RunSession:
         """``run_end`` -> ``run_report``: each stage's counters for the run; with
         ``timeline``, each stage's spans too (in :attr:`timelines`; a coordinator
         older than timelines sends none)."""
-        body: dict[str, Any] = {"run": self.run}
-        if timeline:
-            body["timeline"] = True
-        report = await self.control.request(
-            Message("run_end", body),
-            expect=("run_report",),
+        report = await self.control.ask(
+            RunEnd(run=self.run, timeline=True if timeline else None),
+            expect=(StagesReport,),
             timeout_s=self.timeouts.reply_s * 2,
             awaited="run report",
             resend_on_reconnect=True,
         )
-        timelines = report.get("timelines")
-        self.timelines = dict(timelines) if isinstance(timelines, dict) else {}
-        return dict(report["stages"])
+        self.timelines = dict(report.timelines or {})
+        return dict(report.stages)
 
     # ------------------------------------------------------------------ tasks and failure
 
@@ -261,14 +270,12 @@ class RunSession:
                         continue
                     raise
                 try:
-                    message = self.connection.decode_sink_message(frames)
+                    # parsed into its protocol class here, once: checks and handlers
+                    # read typed fields
+                    message = REGISTRY.parse(self.connection.decode_sink_message(frames))
                     check(message)
-                    if message.kind == "error":
-                        self.fail(
-                            RemoteStageError(
-                                str(message["stage"]), int(message["mb"]), str(message["message"])
-                            )
-                        )
+                    if isinstance(message, MicroBatchError):
+                        self.fail(RemoteStageError(message.stage, message.mb, message.message))
                         return
                     await handle(message)
                 except Exception as exc:
@@ -281,24 +288,17 @@ class RunSession:
         failures = self.control.failures
         while True:
             notice = await failures.get()
-            if notice["run"] != self.run:
+            if notice.run != self.run:
                 continue
-            if notice.kind == "stage_failed":
-                self.fail(stage_failed_error(notice))
-                return
-            if on_replanned is None:
-                log.warning("notice_ignored", run=self.run, kind=notice.kind)
-                continue
-            if notice.epoch <= self.epoch:
-                # a re-plan missed and sent again after a newer one was followed
-                log.warning("stale_replan_ignored", run=self.run, epoch=notice.epoch)
-                continue
-            await on_replanned(notice)
-
-
-def model_fields(model: ModelSpec) -> dict[str, Any]:
-    """The model of a run request: its spec, and for a user-code model its unit count
-    (``num_units``, see :func:`zpipe.models.declared_units`), which spares the
-    coordinator running the factory."""
-    units = declared_units(model)
-    return {"model": model.to_dict(), **({} if units is None else {"num_units": units})}
+            match notice:
+                case StageFailed():
+                    self.fail(stage_failed_error(notice))
+                    return
+                case RunReplanned() if on_replanned is None:
+                    log.warning("notice_ignored", run=self.run, kind=notice.KIND)
+                case RunReplanned() if notice.epoch <= self.epoch:
+                    # a re-plan missed and sent again after a newer one was followed
+                    log.warning("stale_replan_ignored", run=self.run, epoch=notice.epoch)
+                case RunReplanned():
+                    assert on_replanned is not None
+                    await on_replanned(notice)

@@ -23,8 +23,10 @@ mini-batches since it, which it keeps until the next replica. The trained
 model then equals an uninterrupted run's.
 
 Each start (the first, after a recovery, after a rebalance) is one attempt
-(:class:`~zpipe.client.training_run.TrainingRun`); :class:`_Training` carries
-what goes from one attempt to the next.
+(:class:`~zpipe.client.training_run.TrainingRun`); what goes from one attempt to
+the next is decided by a pure controller
+(:class:`~zpipe.client.training_attempts.TrainingAttempts`), which
+:class:`_Training` feeds what happened and obeys.
 """
 
 from __future__ import annotations
@@ -33,22 +35,43 @@ import time
 from collections.abc import AsyncIterable, Iterable, Sized
 from typing import Any
 
-from zpipe._errors import ConfigError, PipelineError, StageFailedError
+from zpipe._errors import ConfigError, PipelineError
 from zpipe.client.async_training import AsyncTrainingRun
 from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
 from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
-from zpipe.client.session import RunSession, model_fields
+from zpipe.client.session import RunSession
 from zpipe.client.trace import write_trace
+from zpipe.client.training_attempts import (
+    AttemptEnded,
+    AttemptReady,
+    AttemptStarted,
+    Command,
+    FailFit,
+    FinishFit,
+    RequestRun,
+    StartAttempt,
+    TrainingAttempts,
+    rebalance_request,
+    resume_request,
+)
 from zpipe.client.training_run import AttemptEnd, TrainingRun
 from zpipe.log import get_logger
-from zpipe.models import ModelSpec
-from zpipe.planner.training_plan import TrainingPlan
+from zpipe.models import ModelSpec, declared_units
 from zpipe.progress import Progress
+from zpipe.protocol.client_control import RunRequest
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 
 log = get_logger("zpipe.client")
+
+__all__ = [
+    "check_traced_microbatches",
+    "fit",
+    "rebalance_request",  # (from zpipe.client.training_attempts)
+    "resume_request",  # (from zpipe.client.training_attempts)
+    "training_request",
+]
 
 PLANNING = "planning: stages profile training, the coordinator measures links and plans"
 
@@ -72,8 +95,8 @@ async def fit(
 
 def training_request(
     model: ModelSpec, options: TrainOptions, microbatch_size: int | None, sink_endpoint: str
-) -> dict[str, Any]:
-    """The body of the ``run_request`` that starts a training run."""
+) -> RunRequest:
+    """The ``run_request`` that starts a training run."""
     names = list(options.stage_names) if options.stage_names is not None else None
     plan = options.plan
     train: dict[str, Any] = {
@@ -94,42 +117,41 @@ def training_request(
     if options.resume_optimizer:
         train["resume_optimizer"] = True
     asynchronous = options.schedule.lower() == ASYNC_SCHEDULE
-    request: dict[str, Any] = {
-        **model_fields(model),
-        "partition": (
-            [list(r) for r in options.partition] if options.partition is not None else None
-        ),
-        "stages": options.stages,
-        "stage_names": names,
-        "dtype": "float32",
-        "planner": options.planner
-        or (
-            # asynchronous 1F1B runs one device per stage: a straight pipeline
-            ("straight" if asynchronous else "hpp") if microbatch_size is not None else "pipeedge"
-        ),
-        "microbatch_size": microbatch_size,
-        "sink_endpoint": sink_endpoint,
-        "wait_for_stages_s": float(options.wait_for_stages_s),
-        "mode": "train",
-        "rebalance": options.rebalance,
-        "replication": options.replication,
-        # at a replica, devices of these that register (again) may join the plan
-        "admit": names,
-        # a replica or the final weights may take long on slow links: while they move,
-        # the coordinator says so, and the waits run on from the latest word
-        "progress": True,
-        "train": train,
-    }
     if asynchronous:
         settings = AsyncSettings(
             vertical_sync=options.vertical_sync,
             aggregate=options.aggregate,
             aggregate_multiple=options.aggregate_multiple,
         )
-        request["train"]["async"] = settings.to_dict()
+        train["async"] = settings.to_dict()
     if options.repartition_settings is not None:
-        request["train"]["repartition"] = options.repartition_settings.to_dict()
-    return request
+        train["repartition"] = options.repartition_settings.to_dict()
+    return RunRequest(
+        model=model.to_dict(),
+        # a user-code model's unit count (zpipe.models.declared_units); None: built in
+        num_units=declared_units(model),
+        partition=[list(r) for r in options.partition] if options.partition is not None else None,
+        stages=options.stages,
+        stage_names=names,
+        dtype="float32",
+        planner=options.planner
+        or (
+            # asynchronous 1F1B runs one device per stage: a straight pipeline
+            ("straight" if asynchronous else "hpp") if microbatch_size is not None else "pipeedge"
+        ),
+        microbatch_size=microbatch_size,
+        sink_endpoint=sink_endpoint,
+        wait_for_stages_s=float(options.wait_for_stages_s),
+        mode="train",
+        rebalance=options.rebalance,
+        replication=options.replication,
+        # at a replica, devices of these that register (again) may join the plan
+        admit=names,
+        # a replica or the final weights may take long on slow links: while they move,
+        # the coordinator says so, and the waits run on from the latest word
+        progress=True,
+        train=train,
+    )
 
 
 def check_traced_microbatches(
@@ -150,46 +172,9 @@ def check_traced_microbatches(
         )
 
 
-def resume_request(
-    request: dict[str, Any],
-    survivors: list[str],
-    dead: list[str],
-    recovery: str,
-    resume: tuple[int, int],
-    consistency: str,
-) -> dict[str, Any]:
-    """The run request that resumes from the replica over the survivors."""
-    resumed = {
-        **request,
-        "partition": None,
-        "stages": None,
-        "stage_names": survivors,
-        "recovery": recovery,
-        "resume": {"run": resume[0], "step": resume[1], "dead": dead, "consistency": consistency},
-        "train": {**request["train"], "plan": None},
-    }
-    if request["partition"] is not None or request["train"].get("plan") is not None:
-        # The user's own partition named the dead: plan the survivors ("heavy") instead.
-        resumed["planner"] = "hpp" if request["microbatch_size"] is not None else "even"
-    return resumed
-
-
-def rebalance_request(
-    request: dict[str, Any], plan: TrainingPlan, resume: tuple[int, int]
-) -> dict[str, Any]:
-    """The run request that goes on from the replica on the better-balanced ``plan``."""
-    return {
-        **request,
-        "partition": None,
-        "stages": None,
-        "stage_names": list(plan.devices),
-        "resume": {"run": resume[0], "step": resume[1], "dead": []},
-        "train": {**request["train"], "plan": plan.to_dict()},
-    }
-
-
 class _Training:
-    """A whole fit: its attempts, and what carries from one to the next."""
+    """A whole fit: the I/O of its attempts; what goes from one to the next is the
+    decision of its :class:`~zpipe.client.training_attempts.TrainingAttempts`."""
 
     def __init__(
         self,
@@ -201,94 +186,84 @@ class _Training:
         self.connection = connection
         self.model = model
         self.options = options
-        self.every = options.replica_period
         microbatch_size = options.microbatch_size
         size = first_batch_size(batches)
         if microbatch_size is None and size is not None:
             microbatch_size = -(-size // options.num_microbatches)
         check_traced_microbatches(model, size, options.num_microbatches)
-        self.request = training_request(model, options, microbatch_size, connection.sink_endpoint)
-        self.plan = options.plan
-        self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
+        request = training_request(model, options, microbatch_size, connection.sink_endpoint)
         self.source = BatchSource(batches)
         self.total = len(batches) if isinstance(batches, Sized) else None
-        self.done: list[float] = []  # the losses of the mini-batches before this attempt's
-        self.recoveries: list[dict[str, Any]] = []
-        self.rebalances: list[dict[str, Any]] = []
-        # the looks of live re-partitioning in attempts before this one, not replayed
-        self.repartitions: list[dict[str, Any]] = []
-        self.first_plan: TrainingPlan | None = None
-        self.earlier_samples = 0  # of the attempts that ended early
-        self.first_started: float | None = None
+        self.attempts = TrainingAttempts(request, options, self.source)
 
     async def run(self) -> TrainReport:
+        command: Command = self.attempts.start()
         while True:
+            assert isinstance(command, RequestRun)
             session = RunSession(
                 self.connection, what="training", stall_deadline=self.options.stall_deadline
             )
-            # the learning-rate schedule goes on from this attempt's first mini-batch
-            start_step = self.options.start_step + self.source.kept_from
-            # (an asynchronous run's replica carries its update count instead)
-            if start_step and self.schedule != ASYNC_SCHEDULE:
-                self.request["train"] = {**self.request["train"], "start_step": start_step}
             async with Progress(self.options.progress).waiting(PLANNING):
                 ready = await session.request_run(
-                    self.request,
+                    command.request,
                     wait_for_stages_s=self.options.wait_for_stages_s,
                     doing="start the training run",
                 )
-            if ready.get("resumed") is not None:
-                self._rewind_to_global(ready["resumed"])
-            if self.plan is not None:
-                self.schedule, self.num_microbatches = (
-                    self.plan.schedule,
-                    self.plan.num_microbatches,
-                )
+            (start,) = self.attempts.handle(AttemptReady(ready.resumed, now=time.monotonic()))
+            if isinstance(start, FailFit):
+                raise start.error
+            assert isinstance(start, StartAttempt)
+            if ready.resumed is not None:
+                log.warning("training_resumed_from_global", step=self.source.kept_from)
             run: TrainingRun | None = None
             # asynchronous 1F1B: its own attempt, which ends its feed explicitly
-            attempt = AsyncTrainingRun if self.schedule == ASYNC_SCHEDULE else TrainingRun
+            attempt = AsyncTrainingRun if start.asynchronous else TrainingRun
             try:
                 run = attempt(
                     session,
                     ready,
                     self.model,
-                    schedule=self.schedule,
-                    num_microbatches=self.num_microbatches,
+                    self.attempts,
+                    start,
                     max_steps_in_flight=self.options.max_steps_in_flight,
-                    offset=self.source.kept_from,
-                    replicate_every=self.every,
-                    global_every=self.options.global_period,
                 )
-                run.repartition = self.options.repartition_settings
                 tplan = run.report.training_plan
                 if self.options.on_plan is not None and tplan is not None:
                     self.options.on_plan(tplan)
-                self.first_plan = self.first_plan or tplan
-                if self.recoveries:
-                    noticed = self.recoveries[-1]["noticed_at"]
-                    self.recoveries[-1]["restart_s"] = time.monotonic() - noticed
-                    if tplan is not None and "bounds" not in self.recoveries[-1]:
-                        # the survivors' cuts (zpipe.training.async_recovery.cuts_of_run)
-                        self.recoveries[-1]["bounds"] = [
-                            *(st.start for st in tplan.stages),
-                            tplan.stages[-1].end,
-                        ]
+                self.attempts.handle(AttemptStarted(tplan, now=time.monotonic()))
                 end = await self._attempt(session, run)
             finally:
                 await session.close()
                 if run is not None:
                     run.close()
-            if end.rebalance_to is not None:
-                self._move_to(run, end.rebalance_to)
-            elif end.stage_failure is not None:
-                self._recover_from(run, end.stage_failure)
-            else:
-                break
+            ended = AttemptEnded(
+                run.report,
+                run.started,
+                failure=end.stage_failure,
+                rebalance_to=end.rebalance_to,
+                now=time.monotonic(),
+            )
+            (command,) = self.attempts.handle(ended)
+            match command:
+                case FailFit(error=error):
+                    raise error
+                case FinishFit():
+                    break
+                case RequestRun(recovery=recovery) if recovery is not None:
+                    log.warning(
+                        "training_recovering",
+                        run=run.run,
+                        dead=recovery["dead"],
+                        resume_from=recovery["resumed_from"],
+                        consistency=recovery["consistency"],
+                        replay=recovery["replayed"],
+                        policy=recovery["policy"],
+                    )
         trace = self.options.trace
         run.report.stages = await session.finish(timeline=trace is not None)
         if trace is not None:
             write_trace(trace, session.timelines, run=session.run)
-        return self._final_report(run)
+        return self.attempts.complete(run.report)
 
     async def _attempt(self, session: RunSession, run: TrainingRun) -> AttemptEnd:
         # losses and notices only: the socket's limits (an inference run may have
@@ -306,7 +281,7 @@ class _Training:
             # A stage that dies after the last mini-batch fails the gather; with
             # recover, the run resumes from its replica as for any other death.
             failure = None
-            if self.every is not None:
+            if self.attempts.recovers:
                 reply_s = self.connection.timeouts.reply_s
                 failure = await session.stage_failure_within(reply_s)
             if failure is None:
@@ -315,135 +290,3 @@ class _Training:
         # The last round ends when every stage has stepped, which the gather waited for.
         run.report.elapsed_s = time.perf_counter() - run.started
         return AttemptEnd()
-
-    def _move_to(self, run: TrainingRun, plan: TrainingPlan) -> None:
-        """Go on from the replica just kept, on the better-balanced ``plan``."""
-        source = self.source
-        self.done = (self.done + run.report.losses)[: source.replica_step]
-        self._count_attempt(run)
-        self.rebalances.append({"at": source.replica_step, "plan": plan.to_dict()})
-        assert source.resume is not None  # the replica was just kept
-        self.request = rebalance_request(self.request, plan, source.resume)
-        self.plan = plan
-
-    def _recover_from(self, run: TrainingRun, failure: StageFailedError) -> None:
-        """Resume from the replica over the survivors, or raise ``failure``."""
-        source, options = self.source, self.options
-        if self.every is None or source.resume is None:
-            raise failure
-        tplan = run.report.training_plan
-        assert tplan is not None
-        dead = sorted({*(r["dead"] for r in self.recoveries), failure.stage})
-        survivors = [d for d in tplan.devices if d not in dead]
-        if not survivors:
-            raise failure
-        if options.consistency == "fast":
-            # Every completed mini-batch stays: only those in flight go again.
-            self.done = self.done + run.report.losses
-            source.forget_before(len(self.done))
-        else:
-            # What the replica holds stays; what came after it is trained again.
-            self.done = (self.done + run.report.losses)[: source.replica_step]
-        self._count_attempt(run)
-        self._keep_looks(run, source.kept_from)
-        self.recoveries.append(
-            {
-                "dead": failure.stage,
-                "reason": failure.reason,
-                "noticed_at": time.monotonic(),
-                "resumed_from": source.kept_from,
-                "replica": source.replica_step,
-                "replayed": len(source.kept),
-                "policy": options.recovery,
-                "consistency": options.consistency,
-            }
-        )
-        log.warning(
-            "training_recovering",
-            run=run.run,
-            dead=failure.stage,
-            resume_from=source.kept_from,
-            consistency=options.consistency,
-            replay=len(source.kept),
-            policy=options.recovery,
-        )
-        self.request = resume_request(
-            self.request, survivors, dead, options.recovery, source.resume, options.consistency
-        )
-        if self.schedule == ASYNC_SCHEDULE:
-            repartition = self.request["train"].get("repartition")
-            if repartition is not None and "bounds" in repartition:
-                # forced cuts name the pipeline the run started with: the survivors'
-                # looks decide on what they measure (zpipe.training.async_recovery)
-                repartition = {k: v for k, v in repartition.items() if k != "bounds"}
-                self.request["train"] = {**self.request["train"], "repartition": repartition}
-            if self.request.get("planner") == "hpp":
-                self.request["planner"] = "straight"  # one device per stage, re-planned
-            # the survivors keep the staleness of the pipeline the run started with
-            # (zpipe.coordinator.async_replicas): what makes the recovery exact
-            settings = dict(self.request["train"].get("async") or {})
-            settings.setdefault("depth", len(tplan.stages))
-            self.request["train"] = {**self.request["train"], "async": settings}
-            self.recoveries[-1]["depth"] = settings["depth"]
-        if options.consistency == "exact" and source.global_resume is not None:
-            # the older copy to resume from if some unit lost every chain copy; the
-            # learning-rate schedule then goes on from its mini-batch
-            self.request["resume"]["global"] = {
-                "run": source.global_resume[0],
-                "step": source.global_resume[1],
-                # (an asynchronous run's replica carries its update count instead)
-                "start_step": 0
-                if self.schedule == ASYNC_SCHEDULE
-                else self.options.start_step + (source.global_step or 0),
-            }
-        self.plan = None
-
-    def _rewind_to_global(self, resumed: Any) -> None:
-        """The coordinator resumed from the newest global copy, older than the replica
-        asked for (some unit lost every chain copy): train again from there."""
-        source = self.source
-        if source.global_resume is None or [source.global_resume[0], source.global_resume[1]] != [
-            resumed.get("run"),
-            resumed.get("step"),
-        ]:
-            raise PipelineError(
-                f"the coordinator resumed from replica {resumed}, which this client does "
-                f"not hold the mini-batches since (its global copy: {source.global_resume})"
-            )
-        source.rewind_to_global()
-        self.done = self.done[: source.kept_from]
-        self.repartitions = [r for r in self.repartitions if int(r["at"]) <= source.kept_from]
-        if self.recoveries:
-            self.recoveries[-1].update(
-                resumed_from=source.kept_from,
-                replica=source.replica_step,
-                replayed=len(source.kept),
-                from_global=True,
-            )
-        log.warning("training_resumed_from_global", step=source.kept_from)
-
-    def _keep_looks(self, run: TrainingRun, resumed_from: int) -> None:
-        """The attempt's looks up to the replica the next attempt resumes from (those
-        after it are made again, on the mini-batches trained again)."""
-        kept = [r for r in run.report.repartitions if int(r["at"]) <= resumed_from]
-        self.repartitions += kept
-
-    def _count_attempt(self, run: TrainingRun) -> None:
-        self.earlier_samples += run.report.samples
-        self.first_started = self.first_started or run.started
-
-    def _final_report(self, run: TrainingRun) -> TrainReport:
-        report = run.report
-        report.losses = self.done + report.losses
-        if self.first_started is not None:
-            # the whole fit, earlier attempts included: samples count replays again
-            report.samples += self.earlier_samples
-            report.elapsed_s += run.started - self.first_started
-        report.recoveries = self.recoveries
-        report.rebalances = self.rebalances
-        report.repartitions = self.repartitions + report.repartitions
-        report.first_training_plan = self.first_plan
-        report.replicas = list(self.source.replicas)
-        report.start_step = self.options.start_step
-        report.with_optimizer_state = self.options.optimizer_state
-        return report

@@ -5,7 +5,10 @@ recovery or a rebalance starts the next one from the replica). The attempt
 feeds each mini-batch's micro-batches to the first stage's devices and their
 labels to the last's, collects the losses from the sink, has the coordinator
 keep a replica every ``replicate_every`` mini-batches, and gathers the trained
-weights at the end.
+weights at the end. It is the I/O shell of one attempt: when to look, replicate or
+stop is the fit's :class:`~zpipe.client.training_attempts.TrainingAttempts`'s
+decision, and which loss answers which mini-batch its
+:class:`~zpipe.client.training_attempts.StepLedger`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import zmq.asyncio
@@ -31,15 +33,30 @@ from zpipe.client.failures import run_failed_error
 from zpipe.client.repartition import repartition_before
 from zpipe.client.reports import TrainReport
 from zpipe.client.session import RunSession
+from zpipe.client.training_attempts import (
+    Command,
+    EndAttempt,
+    FeedAt,
+    KeepReplica,
+    Looked,
+    RepartitionLook,
+    ReplicaKept,
+    ReplicaRefused,
+    SendMiniBatch,
+    StartAttempt,
+    StepLedger,
+    TrainingAttempts,
+)
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.progress import Progress
-from zpipe.recovery import replicas_due
-from zpipe.training.repartition import RepartitionSettings
+from zpipe.protocol import WireMessage
+from zpipe.protocol.client_control import Checkpoint, Replicate, Replicated, RunFailed, RunReady
+from zpipe.protocol.data_plane import Data, Labels, Loss, MicroBatchError
+from zpipe.protocol.stage_control import WeightsRequest
 from zpipe.training.routing import split_rows
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import send
 
 log = get_logger("zpipe.client")
@@ -61,32 +78,30 @@ class TrainingRun:
     def __init__(
         self,
         session: RunSession,
-        ready: Message,
+        ready: RunReady,
         spec: ModelSpec,
+        attempts: TrainingAttempts,
+        start: StartAttempt,
         *,
-        schedule: str,
-        num_microbatches: int,
         max_steps_in_flight: int | None,
-        offset: int,
-        replicate_every: int | None,
-        global_every: int | None = None,
     ) -> None:
         self.session = session
         self.connection = session.connection
         self.timeouts = session.timeouts
         self.run = session.run
-        self.m = num_microbatches
+        self.attempts = attempts
+        self.m = start.num_microbatches
         self.report = TrainReport(
             run=self.run,
-            plan=Plan.from_dict(ready["plan"]),
+            plan=Plan.from_dict(ready.plan),
             model_spec=spec,
-            schedule=schedule,
-            num_microbatches=num_microbatches,
+            schedule=start.schedule,
+            num_microbatches=start.num_microbatches,
         )
         self.first_group: list[tuple[str, zmq.asyncio.Socket]] = []
         self.last_group: list[tuple[str, zmq.asyncio.Socket]] = []
-        described = ready.get("training_plan")
-        if not isinstance(described, dict):
+        described = ready.training_plan
+        if described is None:
             raise PipelineError("the coordinator sent no training plan")
         tplan = TrainingPlan.from_dict(described)
         self.report.training_plan = tplan
@@ -104,29 +119,30 @@ class TrainingRun:
             raise
         self.first_shares = list(first.shares)
         # the first stage's data port limit per frame (None: not said)
-        self.first_limit: int | None = ready.get("first_max_message_bytes")
+        self.first_limit: int | None = ready.first_max_message_bytes
         self.last_shares = list(last.shares)
         self.last_names = set(last.devices)
         session.allow_sink_senders([keys.get(n) for n in last.devices])
         self.window = asyncio.Semaphore(max_steps_in_flight or self.default_window(tplan))
         self.started = time.perf_counter()
-        self.step_losses: dict[int, list[float]] = {}
         self.step_samples: dict[int, int] = {}  # samples of each mini-batch in flight
-        self.losses_per_step = self.m * len(self.last_group)
-        self.sent_steps = 0
-        self.done_steps = 0
+        self.ledger = StepLedger(self.m, last.devices)
         self.all_sent = asyncio.Event()
         self.finished = asyncio.Event()
         self.step_finished = asyncio.Event()
         self.rebalance_to: TrainingPlan | None = None
         # the first mini-batch's number across recoveries, and the replica period
-        self.offset = offset
-        self.replicate_every = replicate_every
-        # chain replicas with a global copy every ``global_every`` mini-batches
-        self.global_every = global_every if replicate_every is not None else None
+        self.offset = start.offset
+        self.replicate_every = start.replicate_every
         self._step_done: Callable[[int, float], None] = lambda step, loss: None
-        # live re-partitioning's settings (None: the cuts stay), set by fit
-        self.repartition: RepartitionSettings | None = None
+
+    @property
+    def sent_steps(self) -> int:
+        return self.ledger.sent
+
+    @property
+    def done_steps(self) -> int:
+        return self.ledger.done
 
     def default_window(self, plan: TrainingPlan) -> int:
         """Mini-batches fed ahead of their losses when the options name no bound."""
@@ -187,40 +203,33 @@ class TrainingRun:
 
     async def _feed(self, source: BatchSource) -> None:
         async for batch in source.iterate():
-            step = self.offset + self.sent_steps
-            # a look (and a replica) at the mini-batch this run resumed from was made
-            # before the replica it resumed from (zpipe.training.async_recovery)
-            fresh = source.resume is None or source.replica_step != step
-            moved = False
-            if self.repartition is not None and self.repartition.due(step) and fresh:
-                moved = await repartition_before(self, step)
-            # a replica before every ``replicate_every``-th mini-batch (and a global copy
-            # before every ``global_every``-th), the first one included, unless this run
-            # resumed from the one taken there; and after a look that moved units, so
-            # that a recovery restores them on the cuts they moved to
-            chain, whole = (
-                replicas_due(step, chain_every=self.replicate_every, global_every=self.global_every)
-                if self.replicate_every is not None
-                else (False, False)
-            )
-            chain = chain or (moved and self.replicate_every is not None)
-            if (chain or whole) and fresh:
-                await self.pause_feed()  # asynchronous stages flush here (a no-op for sync)
-                self.rebalance_to = await self._replicate(source, global_copy=whole)
-                if self.rebalance_to is not None:
-                    self.finished.set()  # this attempt ends here; the next one moves
-                    return
-            await self._send_minibatch(batch)
+            commands: list[Command] = self.attempts.handle(FeedAt(self.offset + self.sent_steps))
+            while commands:
+                (command,) = commands
+                match command:
+                    case RepartitionLook(step=step):
+                        moved = await repartition_before(self, step)
+                        commands = self.attempts.handle(Looked(step, moved))
+                    case KeepReplica(step=step, global_copy=global_copy):
+                        await self.pause_feed()  # asynchronous stages flush here (sync: no-op)
+                        commands = await self._replicate(step, global_copy=global_copy)
+                    case EndAttempt(rebalance_to=plan):
+                        self.rebalance_to = plan
+                        self.finished.set()  # this attempt ends here; the next one moves
+                        return
+                    case SendMiniBatch():
+                        await self._send_minibatch(batch)
+                        commands = []
+                    case _:
+                        raise AssertionError(f"not a command of the feed: {command!r}")
         await self.feed_ended()
         self.all_sent.set()
         if self.done_steps == self.sent_steps:
             self.finished.set()
 
-    async def _replicate(
-        self, source: BatchSource, *, global_copy: bool = False
-    ) -> TrainingPlan | None:
-        """Drain the pipeline and have the coordinator keep a replica of every stage;
-        the better-balanced plan it proposes there, if any."""
+    async def _replicate(self, step: int, *, global_copy: bool = False) -> list[Command]:
+        """Drain the pipeline and have the coordinator keep a replica of every stage
+        before mini-batch ``step``; what the fit does next."""
         timeout = self.timeouts.result_s
         while self.done_steps < self.sent_steps:
             self.step_finished.clear()
@@ -230,16 +239,11 @@ class TrainingRun:
                 raise TransportTimeout(
                     self.session.last_stage, "the losses before a replica", timeout
                 ) from None
-        reply = await self.session.control.request(
-            Message(
-                "replicate",
-                {
-                    "run": self.run,
-                    "step": self.done_steps,
-                    **({"global": True} if global_copy else {}),
-                },
+        reply = await self.session.control.ask(
+            Replicate(
+                run=self.run, step=self.done_steps, global_copy=True if global_copy else None
             ),
-            expect=("replicated",),
+            expect=(Replicated,),
             # up to four phases at the coordinator, each within result_s (an
             # asynchronous run's prepare, backups, global copy and commit)
             timeout_s=4 * timeout + self.timeouts.reply_s,
@@ -247,29 +251,27 @@ class TrainingRun:
             resend_on_reconnect=True,
             progress_run=self.run,
         )
-        if reply["error"]:
+        if reply.error:
             # The previous replica still stands; a recovery replays a little more.
-            log.warning("replica_not_kept", run=self.run, error=reply["error"])
-            return None
-        source.replicated(
-            self.offset + self.done_steps,
+            log.warning("replica_not_kept", run=self.run, error=reply.error)
+            return self.attempts.handle(ReplicaRefused(step))
+        rebalance = None if reply.rebalance is None else TrainingPlan.from_dict(reply.rebalance)
+        if rebalance is None:
+            log.info("replica_kept", run=self.run, step=step, nbytes=reply.nbytes)
+        kept = ReplicaKept(
+            step,
             self.run,
             self.done_steps,
-            global_copy=bool(reply.get("global")),
-            keep=self.global_every is not None,
+            global_copy=bool(reply.global_copy),
+            rebalance=rebalance,
         )
-        if reply.get("rebalance") is not None:
-            return TrainingPlan.from_dict(reply["rebalance"])
-        log.info("replica_kept", run=self.run, step=self.offset + self.done_steps,
-                 nbytes=reply["bytes"])  # fmt: skip
-        return None
+        return self.attempts.handle(kept)
 
     async def _send_minibatch(self, batch: TrainBatch) -> None:
         parts = split_minibatch(batch, self.m)
         samples = int(batch[0].shape[0])
         await self.window.acquire()  # at most max_steps_in_flight mini-batches outstanding
-        step = self.sent_steps
-        self.sent_steps += 1
+        step = self.ledger.send()
         self.session.stall.sent(time.monotonic())
         self.report.samples += samples
         self.step_samples[step] = samples
@@ -281,75 +283,68 @@ class TrainingRun:
             for (name, sock), (lo, hi) in zip(
                 self.last_group, split_rows(total, self.last_shares), strict=True
             ):
-                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
-                body.update(total=total, samples=samples)
                 rows = tuple(t[lo:hi] for t in labels) if hi > lo else ()
-                await self._send(sock, Message("labels", body, epoch=epoch, tensors=rows), name)
+                label_rows = Labels(
+                    run=self.run, mb=mb, src=CLIENT_NAME, samples=samples, rows=[lo, hi],
+                    total=total, epoch=epoch, tensors=rows,
+                )  # fmt: skip
+                await self._send(sock, label_rows, name)
             inputs = part[:-1]
             for (name, sock), (lo, hi) in zip(
                 self.first_group, split_rows(total, self.first_shares), strict=True
             ):
-                body = {"run": self.run, "mb": mb, "src": CLIENT_NAME, "rows": [lo, hi]}
-                body["total"] = total
                 rows = tuple(t[lo:hi] for t in inputs) if hi > lo else ()
                 check_fits_first_stage(rows, self.first_limit, name)
-                await self._send(sock, Message("data", body, epoch=epoch, tensors=rows), name)
+                data = Data(run=self.run, mb=mb, src=CLIENT_NAME, rows=[lo, hi], total=total,
+                            epoch=epoch, tensors=rows)  # fmt: skip
+                await self._send(sock, data, name)
 
-    async def _send(self, sock: zmq.asyncio.Socket, message: Message, peer: str) -> None:
-        await send(sock, message, timeout_s=self.timeouts.send_s, peer=peer)
+    async def _send(self, sock: zmq.asyncio.Socket, message: WireMessage, peer: str) -> None:
+        await send(sock, message.to_message(), timeout_s=self.timeouts.send_s, peer=peer)
 
-    def _check(self, message: Message) -> None:
+    def _check(self, message: WireMessage) -> None:
         session = self.session
-        if message.kind not in ("loss", "error"):
-            raise ProtocolError(f"{message.kind!r} does not belong on a training sink")
-        if message.epoch != session.epoch or message["run"] != self.run:
+        if not isinstance(message, (Loss, MicroBatchError)):
+            raise ProtocolError(f"{message.KIND!r} does not belong on a training sink")
+        if message.epoch != session.epoch or message.run != self.run:
             raise ProtocolError(f"a message of epoch {message.epoch}, expected {session.epoch}")
-        if message["src"] not in self.last_names:  # a failure notice too: it ends the run
-            raise ProtocolError(
-                f"{message.kind!r} from {message['src']!r}, not a last-stage device"
-            )
-        if message.kind == "loss":
-            step = int(message["step"])
-            if not self.done_steps <= step < self.sent_steps:
-                raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
+        if message.src not in self.last_names:  # a failure notice too: it ends the run
+            raise ProtocolError(f"{message.KIND!r} from {message.src!r}, not a last-stage device")
+        if isinstance(message, Loss):
+            self.ledger.check(message.step, message.mb, message.src)
 
-    async def _take_loss(self, message: Message) -> None:
-        step, value = int(message["step"]), float(message["loss"])
-        losses = self.step_losses.setdefault(step, [])
-        losses.append(value)
-        if len(losses) < self.losses_per_step:
-            return
-        # Steps finish in order: a stage runs its rounds one after another.
-        loss = sum(self.step_losses.pop(step))
-        self.report.losses.append(loss)
-        self.done_steps += 1
-        self.session.stall.completed(time.monotonic())
-        self.step_finished.set()
-        self.window.release()
-        try:
-            self._step_done(step, loss)
-        except Exception as exc:  # the caller's on_step: its error ends the run
-            self.session.fail(exc)
-            return
-        if self.all_sent.is_set() and self.done_steps == self.sent_steps:
+    async def _take_loss(self, message: WireMessage) -> None:
+        assert isinstance(message, Loss)  # _check let only losses through
+        done = self.ledger.answer(message.step, message.mb, message.src, float(message.loss))
+        for step, loss in done:
+            self.report.losses.append(loss)
+            self.session.stall.completed(time.monotonic())
+            self.step_finished.set()
+            self.window.release()
+            try:
+                self._step_done(step, loss)
+            except Exception as exc:  # the caller's on_step: its error ends the run
+                self.session.fail(exc)
+                return
+        if done and self.all_sent.is_set() and self.done_steps == self.sent_steps:
             self.finished.set()
 
     async def gather_weights(self, *, optimizer: bool = False) -> None:
         """The trained weights (``optimizer``: and the optimizer's state) of every stage."""
-        body: dict[str, Any] = {"run": self.run, "step": self.done_steps}
-        if optimizer:
-            body["optimizer"] = True
-        reply = await self.session.control.request(
-            Message("weights_request", body),
-            expect=("checkpoint", "run_failed"),
+        reply = await self.session.control.ask(
+            WeightsRequest(
+                run=self.run, step=self.done_steps, optimizer=True if optimizer else None
+            ),
+            expect=(Checkpoint, RunFailed),
             timeout_s=self.timeouts.result_s + self.timeouts.reply_s,
             awaited="the trained weights",
             resend_on_reconnect=True,
             progress_run=self.run,
         )
-        if reply.kind == "run_failed":
-            raise run_failed_error(str(reply["error"]), "gather the trained weights")
-        keys = [str(k) for k in reply["keys"]]
+        if isinstance(reply, RunFailed):
+            raise run_failed_error(reply.error, "gather the trained weights")
+        assert isinstance(reply, Checkpoint)
+        keys = [str(k) for k in reply.keys]
         if len(keys) != len(reply.tensors):
             raise ProtocolError("the checkpoint's keys and tensors do not match")
         state: dict[str, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""One federated client, training on its own digits shard (the ``fl-client`` command, :mod:`zpipe.cli.fl_client`).
+"""One federated client, training on its own digits shard (the command: :mod:`zpipe.cli.fl_client`).
 
 The client holds a shard of scikit-learn's digits (``--classes``, ``--samples``
 augmented training images, as fl-sim's clients do), registers with its label

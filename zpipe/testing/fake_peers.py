@@ -30,8 +30,19 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout, ZpipeError
 from zpipe.coordinator.loop_lag import LagSummary, LoopLag
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.stage_control import (
+    Heartbeat,
+    HeartbeatAck,
+    Probe,
+    ProbeAck,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    Shutdown,
+)
 from zpipe.stage.metrics import StageCounters
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
     SocketOptions,
     decode_frames,
@@ -78,12 +89,12 @@ class FakePeer:
         self._socket = socket
         self._options = options
         self._reply_s = reply_s
-        self._registration = {
-            "name": name,
-            "data_endpoint": "tcp://127.0.0.1:9",  # never connected to: it takes no work
-            "info": info,
-            "public_key": None,
-        }
+        self._registration = Register(
+            name=name,
+            data_endpoint="tcp://127.0.0.1:9",  # never connected to: it takes no work
+            info=info,
+            public_key=None,
+        )
         self._sent_at: deque[float] = deque(maxlen=64)  # heartbeats not yet acknowledged
         self._metrics = StageCounters().to_dict()
 
@@ -91,7 +102,7 @@ class FakePeer:
         """Register until the coordinator answers ``registered`` (or refuses)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            await self._send(Message("register", self._registration))
+            await self._send(self._registration)
             try:
                 frames = await recv_frames(
                     self._socket,
@@ -101,17 +112,22 @@ class FakePeer:
                 )
             except TransportTimeout:
                 continue
-            reply = decode_frames(frames, self._options.max_message_bytes)
-            if reply.kind == "refused":
-                self.stats.refused = str(reply["reason"])
+            reply = REGISTRY.parse(decode_frames(frames, self._options.max_message_bytes))
+            if isinstance(reply, Refused):
+                self.stats.refused = reply.reason
                 raise FakePeerError(f"{self.name} was refused: {self.stats.refused}")
-            if reply.kind == "registered":
-                self.heartbeat_interval_s = float(reply["heartbeat_interval"])
+            if isinstance(reply, Registered):
+                self.heartbeat_interval_s = float(reply.heartbeat_interval)
                 return
         raise FakePeerError(f"{self.name}: no registration reply within {timeout_s:g} s")
 
-    async def _send(self, message: Message, timeout_s: float | None = None) -> None:
-        await send(self._socket, message, timeout_s=timeout_s or self._reply_s, peer="coordinator")
+    async def _send(self, message: WireMessage, timeout_s: float | None = None) -> None:
+        await send(
+            self._socket,
+            message.to_message(),
+            timeout_s=timeout_s or self._reply_s,
+            peer="coordinator",
+        )
 
     async def heartbeat_loop(self, phase_s: float) -> None:
         await asyncio.sleep(phase_s)
@@ -122,7 +138,7 @@ class FakePeer:
             # never blocked for longer than an interval, as a stage's heartbeat
             with contextlib.suppress(TransportTimeout):
                 await self._send(
-                    Message("heartbeat", {"name": self.name, "metrics": self._metrics}),
+                    Heartbeat(name=self.name, metrics=self._metrics),
                     timeout_s=self.heartbeat_interval_s,
                 )
             # on a fixed schedule, as a stage's own loop would be, late turns not piling up
@@ -135,29 +151,31 @@ class FakePeer:
                 self._socket, timeout_s=None, peer="coordinator", awaited="control message"
             )
             try:
-                message = decode_frames(frames, self._options.max_message_bytes)
+                message = REGISTRY.parse(decode_frames(frames, self._options.max_message_bytes))
             except ProtocolError:
                 self.stats.dropped += 1
                 continue
             await self._on_message(message)
 
-    async def _on_message(self, message: Message) -> None:
-        kind = message.kind
-        if kind == "heartbeat_ack":
-            if self._sent_at:
-                self.stats.round_trips.append(time.monotonic() - self._sent_at.popleft())
-            self.stats.acks += 1
-        elif kind == "probe":
-            self.stats.probes += 1
-            await self._send(Message("probe_ack", {"nonce": message["nonce"]}))
-        elif kind == "register_again":
-            self.stats.register_again += 1
-            self._sent_at.clear()
-            await self._send(Message("register", self._registration))
-        elif kind == "refused":
-            self.stats.refused = str(message["reason"])
-        elif kind not in ("registered", "shutdown"):
-            self.stats.dropped += 1  # work requests: a fake peer takes none
+    async def _on_message(self, message: WireMessage) -> None:
+        match message:
+            case HeartbeatAck():
+                if self._sent_at:
+                    self.stats.round_trips.append(time.monotonic() - self._sent_at.popleft())
+                self.stats.acks += 1
+            case Probe():
+                self.stats.probes += 1
+                await self._send(ProbeAck(nonce=message.nonce))
+            case RegisterAgain():
+                self.stats.register_again += 1
+                self._sent_at.clear()
+                await self._send(self._registration)
+            case Refused():
+                self.stats.refused = message.reason
+            case Registered() | Shutdown():
+                pass
+            case _:
+                self.stats.dropped += 1  # work requests: a fake peer takes none
 
     def close(self) -> None:
         self._socket.close(linger=0)

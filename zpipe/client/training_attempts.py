@@ -1,0 +1,573 @@
+"""The decisions of a fit's training attempts, as a pure controller: events in, commands out.
+
+A fit (:func:`zpipe.client.fit`) is a sequence of attempts: the first, one after
+each recovery from a dead stage, one after each move to a better-balanced plan.
+:class:`TrainingAttempts` decides what goes from one attempt to the next (the run
+request, the mini-batch to resume from, what to replay, the losses that stand) and,
+within an attempt, when the feed looks for a re-partition or has a replica kept.
+:class:`StepLedger` counts one attempt's losses: which mini-batch each answers, and
+when a mini-batch is complete. Neither touches a socket, a clock or a task: the
+shell (:mod:`zpipe.client.train`, :mod:`zpipe.client.training_run`) does the I/O,
+feeds what happened in as events, and carries out the commands::
+
+    start()                            -> RequestRun(request, offset)
+    AttemptReady(resumed, now)         -> StartAttempt(schedule, m, offset, ...) | FailFit
+    AttemptStarted(training_plan, now) -> ()
+    FeedAt(step)                       -> RepartitionLook | KeepReplica | SendMiniBatch
+    Looked(step, moved)                -> KeepReplica | SendMiniBatch
+    ReplicaKept(step, run, run_step)   -> SendMiniBatch | EndAttempt(rebalance_to)
+    ReplicaRefused(step)               -> SendMiniBatch
+    AttemptEnded(report, failure, ...) -> RequestRun(request, offset) | FinishFit | FailFit
+
+The clock is an input (``now`` of an event), never read here. Where a decision
+already has a pure function (:func:`zpipe.recovery.replicas_due`), it is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from zpipe._errors import PipelineError, ProtocolError, StageFailedError
+from zpipe.client.batches import ReplayBuffer
+from zpipe.client.options import TrainOptions
+from zpipe.client.reports import TrainReport
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.protocol.client_control import RunRequest
+from zpipe.recovery import replicas_due
+from zpipe.training.async_schedule import ASYNC_SCHEDULE
+
+# ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class AttemptReady:
+    """The coordinator answered the run request (``run_ready``); ``resumed``: the older
+    global copy it resumed from instead of the replica asked for, if it did."""
+
+    resumed: dict[str, Any] | None = None
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class AttemptStarted:
+    """The attempt's sockets are open on ``training_plan`` (None: not said)."""
+
+    training_plan: TrainingPlan | None
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class FeedAt:
+    """The feed is about to send mini-batch ``step`` (of the whole fit)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Looked:
+    """The re-partition look before ``step`` is done; ``moved``: units moved."""
+
+    step: int
+    moved: bool
+
+
+@dataclass(frozen=True)
+class ReplicaKept:
+    """The coordinator keeps a replica taken before mini-batch ``step`` (of the fit):
+    run ``run``'s own step ``run_step``; ``rebalance``: a better-balanced plan."""
+
+    step: int
+    run: int
+    run_step: int
+    global_copy: bool = False
+    rebalance: TrainingPlan | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaRefused:
+    """The coordinator could not keep the replica before ``step``: the last one stands."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class AttemptEnded:
+    """An attempt ended without an error of its own: it finished (``failure`` and
+    ``rebalance_to`` None), a stage died (``failure``), or it stops at the replica just
+    kept to go on on ``rebalance_to``. ``report``: the attempt's; ``started``: when
+    its training began (the fit's clock); ``now``: when it ended."""
+
+    report: TrainReport
+    started: float
+    failure: StageFailedError | None = None
+    rebalance_to: TrainingPlan | None = None
+    now: float = 0.0
+
+
+Event = (
+    AttemptReady | AttemptStarted | FeedAt | Looked | ReplicaKept | ReplicaRefused | AttemptEnded
+)
+
+# ---------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class RequestRun:
+    """Send ``request`` (``run_request``): the next attempt, from mini-batch ``offset``.
+    ``recovery``: the record of the recovery that starts it, if one does."""
+
+    request: RunRequest
+    offset: int
+    recovery: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class StartAttempt:
+    """Open the attempt: feed from mini-batch ``offset``, the kept ones first."""
+
+    schedule: str
+    num_microbatches: int
+    offset: int
+    replicate_every: int | None
+    global_every: int | None
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.schedule == ASYNC_SCHEDULE
+
+
+@dataclass(frozen=True)
+class RepartitionLook:
+    """Have the coordinator look for a re-partition before mini-batch ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class KeepReplica:
+    """Drain the pipeline and have a replica kept before ``step`` (``global_copy``:
+    of every unit at the coordinator too)."""
+
+    step: int
+    global_copy: bool
+
+
+@dataclass(frozen=True)
+class SendMiniBatch:
+    step: int
+
+
+@dataclass(frozen=True)
+class EndAttempt:
+    """The attempt stops feeding here: the next one goes on on ``rebalance_to``."""
+
+    rebalance_to: TrainingPlan
+
+
+@dataclass(frozen=True)
+class FinishFit:
+    """Every mini-batch is trained: end the run, then report
+    (:meth:`TrainingAttempts.complete`)."""
+
+
+@dataclass(frozen=True)
+class FailFit:
+    error: BaseException
+
+
+Command = (
+    RequestRun
+    | StartAttempt
+    | RepartitionLook
+    | KeepReplica
+    | SendMiniBatch
+    | EndAttempt
+    | FinishFit
+    | FailFit
+)
+
+# ---------------------------------------------------------------------------- one attempt's losses
+
+
+class StepLedger:
+    """One attempt's mini-batches in flight and the losses that answer them.
+
+    Each mini-batch is split into ``microbatches`` parts, and every device of the last
+    stage answers every part with a loss (a share of no rows answers 0.0), so a
+    mini-batch is complete with ``microbatches * len(last_devices)`` distinct answers.
+    An answer for a mini-batch not in flight, from a device not in the last stage, or
+    a second answer for the same (micro-batch, device) is refused: it counts nowhere.
+    Mini-batches complete in order (the stages run their rounds one after another),
+    and a complete one is released only after every one before it.
+    """
+
+    def __init__(self, microbatches: int, last_devices: Collection[str]) -> None:
+        self.devices = frozenset(last_devices)
+        self.per_step = microbatches * len(self.devices)
+        self.sent = 0
+        self.done = 0
+        self._answers: dict[int, dict[tuple[int, str], float]] = {}
+        self._complete: dict[int, float] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return self.sent - self.done
+
+    def send(self) -> int:
+        """The next mini-batch goes out: its number within the attempt."""
+        step = self.sent
+        self.sent += 1
+        return step
+
+    def check(self, step: int, mb: int, src: str) -> None:
+        """:class:`ProtocolError` unless a loss for ``step`` from ``src`` is expected."""
+        if src not in self.devices:
+            raise ProtocolError(f"a loss from {src!r}, not a last-stage device")
+        if not self.done <= step < self.sent or step in self._complete:
+            raise ProtocolError(f"a loss for mini-batch {step}, which is not in flight")
+        if (mb, src) in self._answers.get(step, {}):
+            raise ProtocolError(f"a second loss for micro-batch {mb} from {src!r}")
+
+    def answer(self, step: int, mb: int, src: str, loss: float) -> list[tuple[int, float]]:
+        """Take one loss; the mini-batches it completes, in order, with their loss sums."""
+        self.check(step, mb, src)
+        answers = self._answers.setdefault(step, {})
+        answers[(mb, src)] = loss
+        if len(answers) < self.per_step:
+            return []
+        self._complete[step] = sum(self._answers.pop(step).values())
+        done = []
+        while self.done in self._complete:
+            done.append((self.done, self._complete.pop(self.done)))
+            self.done += 1
+        return done
+
+
+# ---------------------------------------------------------------------------- the whole fit
+
+
+@dataclass
+class _Carried:
+    """What goes from one attempt to the next."""
+
+    done: list[float] = field(default_factory=list)  # losses of the steps before this attempt
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
+    # the looks of live re-partitioning in attempts before this one, not replayed
+    repartitions: list[dict[str, Any]] = field(default_factory=list)
+    first_plan: TrainingPlan | None = None
+    earlier_samples: int = 0  # of the attempts that ended early
+    first_started: float | None = None
+
+
+class TrainingAttempts:
+    """The decisions of one fit across its attempts (see the module's table)."""
+
+    def __init__(self, request: RunRequest, options: TrainOptions, replay: ReplayBuffer[Any]):
+        self.request = request
+        self.options = options
+        self.replay = replay
+        self.every = options.replica_period
+        self.global_every = options.global_period if self.every is not None else None
+        self.plan = options.plan
+        self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
+        self.carried = _Carried()
+        self.offset = 0  # the current attempt's first mini-batch
+        self.training_plan: TrainingPlan | None = None  # the current attempt's
+        self.last_started = 0.0  # when the last attempt that ended began training
+
+    @property
+    def recovers(self) -> bool:
+        """Whether a stage's death is recovered from (replicas are kept)."""
+        return self.every is not None
+
+    # -------------------------------------------------------------------- attempts
+
+    def start(self) -> RequestRun:
+        """The first attempt's request."""
+        return self._request_run(None)
+
+    def handle(self, event: Event) -> list[Command]:
+        match event:
+            case AttemptReady():
+                return [self._ready(event)]
+            case AttemptStarted():
+                self._started(event)
+                return []
+            case FeedAt(step=step):
+                if self._fresh(step) and self._look_due(step):
+                    return [RepartitionLook(step)]
+                return [self._replica_or_send(step, moved=False)]
+            case Looked(step=step, moved=moved):
+                return [self._replica_or_send(step, moved=moved)]
+            case ReplicaKept():
+                return [self._replica_kept(event)]
+            case ReplicaRefused(step=step):
+                return [SendMiniBatch(step)]
+            case AttemptEnded():
+                return [self._attempt_ended(event)]
+        raise TypeError(f"not an event of a fit: {event!r}")
+
+    def _request_run(self, recovery: dict[str, Any] | None) -> RequestRun:
+        # the learning-rate schedule goes on from this attempt's first mini-batch
+        # (an asynchronous run's replica carries its update count instead)
+        start_step = self.options.start_step + self.replay.kept_from
+        if start_step and self.schedule != ASYNC_SCHEDULE:
+            train = {**(self.request.train or {}), "start_step": start_step}
+            self.request = dataclasses.replace(self.request, train=train)
+        self.offset = self.replay.kept_from
+        return RequestRun(self.request, self.offset, recovery)
+
+    def _ready(self, event: AttemptReady) -> StartAttempt | FailFit:
+        if event.resumed is not None:
+            try:
+                self._rewind_to_global(event.resumed)
+            except PipelineError as error:
+                return FailFit(error)
+        if self.plan is not None:
+            self.schedule, self.num_microbatches = self.plan.schedule, self.plan.num_microbatches
+        return StartAttempt(
+            schedule=self.schedule,
+            num_microbatches=self.num_microbatches,
+            offset=self.offset,
+            replicate_every=self.every,
+            global_every=self.global_every,
+        )
+
+    def _started(self, event: AttemptStarted) -> None:
+        tplan = self.training_plan = event.training_plan
+        carried = self.carried
+        carried.first_plan = carried.first_plan or tplan
+        if carried.recoveries:
+            last = carried.recoveries[-1]
+            last["restart_s"] = event.now - last["noticed_at"]
+            if tplan is not None and "bounds" not in last:
+                # the survivors' cuts (zpipe.training.async_recovery.cuts_of_run)
+                last["bounds"] = [*(st.start for st in tplan.stages), tplan.stages[-1].end]
+
+    def _rewind_to_global(self, resumed: dict[str, Any]) -> None:
+        """The coordinator resumed from the newest global copy, older than the replica
+        asked for (some unit lost every chain copy): train again from there."""
+        replay, carried = self.replay, self.carried
+        known = replay.global_resume
+        if known is None or [known[0], known[1]] != [resumed.get("run"), resumed.get("step")]:
+            raise PipelineError(
+                f"the coordinator resumed from replica {resumed}, which this client does "
+                f"not hold the mini-batches since (its global copy: {known})"
+            )
+        replay.rewind_to_global()
+        self.offset = replay.kept_from
+        carried.done = carried.done[: replay.kept_from]
+        carried.repartitions = [r for r in carried.repartitions if int(r["at"]) <= replay.kept_from]
+        if carried.recoveries:
+            carried.recoveries[-1].update(
+                resumed_from=replay.kept_from,
+                replica=replay.replica_step,
+                replayed=len(replay.kept),
+                from_global=True,
+            )
+
+    def _attempt_ended(self, event: AttemptEnded) -> RequestRun | FinishFit | FailFit:
+        self.last_started = event.started
+        if event.rebalance_to is not None:
+            self._move_to(event, event.rebalance_to)
+            return self._request_run(None)
+        if event.failure is not None:
+            try:
+                recovery = self._recover_from(event, event.failure)
+            except StageFailedError as error:
+                return FailFit(error)
+            return self._request_run(recovery)
+        return FinishFit()
+
+    def _move_to(self, event: AttemptEnded, plan: TrainingPlan) -> None:
+        """Go on from the replica just kept, on the better-balanced ``plan``."""
+        replay, carried = self.replay, self.carried
+        carried.done = (carried.done + event.report.losses)[: replay.replica_step]
+        self._count_attempt(event)
+        carried.rebalances.append({"at": replay.replica_step, "plan": plan.to_dict()})
+        assert replay.resume is not None  # the replica was just kept
+        self.request = rebalance_request(self.request, plan, replay.resume)
+        self.plan = plan
+
+    def _recover_from(self, event: AttemptEnded, failure: StageFailedError) -> dict[str, Any]:
+        """Resume from the replica over the survivors (the recovery's record), or raise
+        ``failure``."""
+        replay, options, carried = self.replay, self.options, self.carried
+        if self.every is None or replay.resume is None:
+            raise failure
+        tplan = event.report.training_plan
+        assert tplan is not None
+        dead = sorted({*(r["dead"] for r in carried.recoveries), failure.stage})
+        survivors = [d for d in tplan.devices if d not in dead]
+        if not survivors:
+            raise failure
+        losses = event.report.losses
+        if options.consistency == "fast":
+            # Every completed mini-batch stays: only those in flight go again.
+            carried.done = carried.done + losses
+            replay.forget_before(len(carried.done))
+        else:
+            # What the replica holds stays; what came after it is trained again.
+            carried.done = (carried.done + losses)[: replay.replica_step]
+        self._count_attempt(event)
+        # the attempt's looks up to the replica the next attempt resumes from (those
+        # after it are made again, on the mini-batches trained again)
+        carried.repartitions += [
+            r for r in event.report.repartitions if int(r["at"]) <= replay.kept_from
+        ]
+        recovery: dict[str, Any] = {
+            "dead": failure.stage,
+            "reason": failure.reason,
+            "noticed_at": event.now,
+            "resumed_from": replay.kept_from,
+            "replica": replay.replica_step,
+            "replayed": len(replay.kept),
+            "policy": options.recovery,
+            "consistency": options.consistency,
+        }
+        carried.recoveries.append(recovery)
+        request = resume_request(
+            self.request, survivors, dead, options.recovery, replay.resume, options.consistency
+        )
+        if self.schedule == ASYNC_SCHEDULE:
+            request = _async_resume(request, depth=len(tplan.stages))
+            recovery["depth"] = (request.train or {})["async"]["depth"]
+        if options.consistency == "exact" and replay.global_resume is not None:
+            # the older copy to resume from if some unit lost every chain copy; the
+            # learning-rate schedule then goes on from its mini-batch
+            resume = dict(request.resume or {})
+            resume["global"] = {
+                "run": replay.global_resume[0],
+                "step": replay.global_resume[1],
+                # (an asynchronous run's replica carries its update count instead)
+                "start_step": 0
+                if self.schedule == ASYNC_SCHEDULE
+                else options.start_step + (replay.global_step or 0),
+            }
+            request = dataclasses.replace(request, resume=resume)
+        self.request = request
+        self.plan = None
+        return recovery
+
+    def _count_attempt(self, event: AttemptEnded) -> None:
+        self.carried.earlier_samples += event.report.samples
+        self.carried.first_started = self.carried.first_started or event.started
+
+    # -------------------------------------------------------------------- the feed
+
+    def _fresh(self, step: int) -> bool:
+        # a look (and a replica) at the mini-batch this run resumed from was made
+        # before the replica it resumed from (zpipe.training.async_recovery)
+        return self.replay.resume is None or self.replay.replica_step != step
+
+    def _look_due(self, step: int) -> bool:
+        settings = self.options.repartition_settings
+        return settings is not None and settings.due(step)
+
+    def _replica_or_send(self, step: int, *, moved: bool) -> KeepReplica | SendMiniBatch:
+        # a replica before every ``replicate_every``-th mini-batch (and a global copy
+        # before every ``global_every``-th), the first one included, unless this run
+        # resumed from the one taken there; and after a look that moved units, so
+        # that a recovery restores them on the cuts they moved to
+        if self.every is None:
+            return SendMiniBatch(step)
+        chain, whole = replicas_due(step, chain_every=self.every, global_every=self.global_every)
+        if (chain or whole or moved) and self._fresh(step):
+            return KeepReplica(step, global_copy=whole)
+        return SendMiniBatch(step)
+
+    def _replica_kept(self, event: ReplicaKept) -> SendMiniBatch | EndAttempt:
+        self.replay.replicated(
+            event.step,
+            event.run,
+            event.run_step,
+            global_copy=event.global_copy,
+            keep=self.global_every is not None,
+        )
+        if event.rebalance is not None:
+            return EndAttempt(event.rebalance)
+        return SendMiniBatch(event.step)
+
+    # -------------------------------------------------------------------- the end
+
+    def complete(self, report: TrainReport) -> TrainReport:
+        """The last attempt's ``report`` as the whole fit's."""
+        carried = self.carried
+        report.losses = carried.done + report.losses
+        if carried.first_started is not None:
+            # the whole fit, earlier attempts included: samples count replays again
+            report.samples += carried.earlier_samples
+            report.elapsed_s += self.last_started - carried.first_started
+        report.recoveries = carried.recoveries
+        report.rebalances = carried.rebalances
+        report.repartitions = carried.repartitions + report.repartitions
+        report.first_training_plan = carried.first_plan
+        report.replicas = list(self.replay.replicas)
+        report.start_step = self.options.start_step
+        report.with_optimizer_state = self.options.optimizer_state
+        return report
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def resume_request(
+    request: RunRequest,
+    survivors: list[str],
+    dead: list[str],
+    recovery: str,
+    resume: tuple[int, int],
+    consistency: str,
+) -> RunRequest:
+    """The run request that resumes from the replica over the survivors."""
+    train = dict(request.train or {})
+    planner = request.planner
+    if request.partition is not None or train.get("plan") is not None:
+        # The user's own partition named the dead: plan the survivors ("heavy") instead.
+        planner = "hpp" if request.microbatch_size is not None else "even"
+    return dataclasses.replace(
+        request,
+        partition=None,
+        stages=None,
+        stage_names=survivors,
+        planner=planner,
+        recovery=recovery,
+        resume={"run": resume[0], "step": resume[1], "dead": dead, "consistency": consistency},
+        train={**train, "plan": None},
+    )
+
+
+def rebalance_request(
+    request: RunRequest, plan: TrainingPlan, resume: tuple[int, int]
+) -> RunRequest:
+    """The run request that goes on from the replica on the better-balanced ``plan``."""
+    return dataclasses.replace(
+        request,
+        partition=None,
+        stages=None,
+        stage_names=list(plan.devices),
+        resume={"run": resume[0], "step": resume[1], "dead": []},
+        train={**(request.train or {}), "plan": plan.to_dict()},
+    )
+
+
+def _async_resume(request: RunRequest, *, depth: int) -> RunRequest:
+    """An asynchronous run's resume over the survivors: one device per stage, the
+    survivors' own looks, and the staleness of the pipeline the run started with."""
+    train = dict(request.train or {})
+    repartition = train.get("repartition")
+    if repartition is not None and "bounds" in repartition:
+        # forced cuts name the pipeline the run started with: the survivors'
+        # looks decide on what they measure (zpipe.training.async_recovery)
+        train["repartition"] = {k: v for k, v in repartition.items() if k != "bounds"}
+    planner = "straight" if request.planner == "hpp" else request.planner
+    # the survivors keep the staleness of the pipeline the run started with
+    # (zpipe.coordinator.async_replicas): what makes the recovery exact
+    settings = dict(train.get("async") or {})
+    settings.setdefault("depth", depth)
+    train["async"] = settings
+    return dataclasses.replace(request, planner=planner, train=train)
