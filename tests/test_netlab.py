@@ -26,13 +26,13 @@ from zpipe.cluster.netlayout import (
     LabLayout,
     LayoutError,
     Node,
-    TokenBucket,
+    TbfCap,
     choose_subnet,
     lab_id_of,
     stale_objects,
 )
 
-CAP = TokenBucket.at(20.0)
+CAP = TbfCap.at(20.0)
 LAYOUT = LabLayout(
     "0a1b2",
     ipaddress.IPv4Network("10.9.8.0/24"),
@@ -41,16 +41,16 @@ LAYOUT = LabLayout(
 
 
 def test_a_token_bucket_holds_4_ms_of_its_rate_and_at_least_32_kib() -> None:
-    assert TokenBucket.at(20.0).tc_args() == [
+    assert TbfCap.at(20.0).tc_args() == [
         "tbf", "rate", "20000kbit", "burst", "32768", "latency", "100ms"
     ]  # fmt: skip
-    assert TokenBucket.at(1000.0).burst_bytes == 500_000
-    assert TokenBucket.at(2.5, latency_ms=40).tc_args()[1:3] == ["rate", "2500kbit"]
+    assert TbfCap.at(1000.0).burst_bytes == 500_000
+    assert TbfCap.at(2.5, latency_ms=40).tc_args()[1:3] == ["rate", "2500kbit"]
     for bad in (0.0, float("nan"), float("inf"), -5.0):
         with pytest.raises(LayoutError, match="rate_mbit"):
-            TokenBucket.at(bad)
+            TbfCap.at(bad)
     with pytest.raises(LayoutError, match="burst_bytes"):
-        TokenBucket(20.0, 100, 100.0)
+        TbfCap(20.0, 100, 100.0)
 
 
 def test_every_name_carries_the_lab_id_and_fits_an_interface_name() -> None:

@@ -19,7 +19,7 @@ from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec
 from zpipe.planner.profile import synthetic_profile
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.progress import Progress, ResultBar, shown
+from zpipe.progress import ResultBar, TerminalProgress, shown
 
 
 class _Terminal(io.StringIO):
@@ -44,7 +44,7 @@ def test_progress_shows_only_on_a_terminal_unless_told() -> None:
     assert shown(False, _Terminal()) is False and shown(True, io.StringIO()) is True
     quiet, loud = io.StringIO(), _Terminal()
     for stream in (quiet, loud):
-        progress = Progress(stream=stream)
+        progress = TerminalProgress(stream=stream)
         with progress.phase("profiling"):
             pass
         bar = progress.bar(total=2, unit="mb", desc="streaming")
@@ -57,12 +57,12 @@ def test_progress_shows_only_on_a_terminal_unless_told() -> None:
 
 async def test_a_waiting_line_names_what_is_awaited() -> None:
     stream = io.StringIO()
-    async with Progress(True, stream=stream).waiting("planning"):
+    async with TerminalProgress(True, stream=stream).waiting("planning"):
         pass
     assert stream.getvalue().splitlines() == ["planning ...", stream.getvalue().splitlines()[1]]
     assert stream.getvalue().splitlines()[1].startswith("planning: ")
     silent = io.StringIO()
-    async with Progress(False, stream=silent).waiting("planning"):
+    async with TerminalProgress(False, stream=silent).waiting("planning"):
         pass
     assert silent.getvalue() == ""
 
@@ -73,7 +73,7 @@ def test_the_stream_rate_leaves_out_the_time_before_the_first_result(
     clock = _FakeClock()
     monkeypatch.setattr("tqdm.std.time", clock)
     stream = _Terminal()
-    bar = ResultBar(Progress(stream=stream), total=9)
+    bar = ResultBar(TerminalProgress(stream=stream), total=9)
     clock.now += 30.0  # starting, profiling, planning: no result yet
     bar(1, 4)
     assert bar.rate is None  # one result is no rate yet

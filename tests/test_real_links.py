@@ -28,7 +28,7 @@ from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec
 from zpipe.cluster.netcluster import COORDINATOR, LabCluster
 from zpipe.cluster.netlab import LinkCut, NetLab, unavailable_reason
-from zpipe.cluster.netlayout import Node, TokenBucket
+from zpipe.cluster.netlayout import Node, TbfCap
 from zpipe.config import Timeouts
 from zpipe.models import ModelSpec
 
@@ -54,7 +54,7 @@ def lab() -> Iterator[NetLab]:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    cap = TokenBucket.at(UPLINK_MBIT)
+    cap = TbfCap.at(UPLINK_MBIT)
     with NetLab([Node("coord"), *(Node(name, uplink=cap) for name in STAGES)]) as running:
         yield running
 

@@ -5,7 +5,7 @@ JSON document) however it is piped. Nothing is shown when stderr is not a
 terminal (a log file, a test) or when the user asked for quiet (``--quiet``,
 ``progress=False``)::
 
-    progress = Progress()                      # on when stderr is a terminal
+    progress = TerminalProgress()                      # on when stderr is a terminal
     with progress.phase("profiling 12 units"): # "profiling 12 units ..." then "... 4.1 s"
         ...
     async with progress.waiting("planning"):   # a line whose seconds count up
@@ -45,7 +45,7 @@ def shown(setting: bool | None, stream: TextIO | None = None) -> bool:
         return False
 
 
-class Progress:
+class TerminalProgress:
     """Phase lines and bars on ``stream`` (stderr), or nothing when not ``enabled``."""
 
     def __init__(self, enabled: bool | None = None, *, stream: TextIO | None = None) -> None:
@@ -115,7 +115,9 @@ class ResultBar:
     micro-batches, made at the first result so that its rate is the stream's
     (the time to start, profile and plan left out)."""
 
-    def __init__(self, progress: Progress, *, total: int | None, desc: str = "streaming") -> None:
+    def __init__(
+        self, progress: TerminalProgress, *, total: int | None, desc: str = "streaming"
+    ) -> None:
         self.progress = progress
         self.total = total
         self.desc = desc

@@ -19,7 +19,7 @@ from zpipe.cli.common import DeprecatedAlias, non_negative_int, positive_int
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, available_presets, build_full_model, load_layer_sequence
 from zpipe.planner import Plan
-from zpipe.progress import Progress, ResultBar
+from zpipe.progress import ResultBar, TerminalProgress
 
 DEMO_TRACE = "zpipe-demo-trace.json"
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for _ in range(args.batches)
     ]
-    progress = Progress(False if args.quiet else None)
+    progress = TerminalProgress(False if args.quiet else None)
     print("starting the coordinator and stages ...", flush=True)
     total = args.batches * -(-args.batch_size // args.microbatch_size)
     names = sequence.unit_names()

@@ -23,7 +23,7 @@ from zpipe.planner.plan import plan_json
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import OPTIMIZER_STATE_COPIES
 from zpipe.planner.training_plan import TRAINING_ALGOS, TRAINING_SCHEDULES, TrainingPlan
-from zpipe.progress import Progress
+from zpipe.progress import TerminalProgress
 
 _INFERENCE_DEFAULT = "pipeedge"
 _TRAINING_DEFAULT = "hpp"
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = read_profile_file(args.profile)
         # with --json -, stdout is the JSON alone: the tables go to stderr
         out = sys.stderr if str(args.json) == "-" else sys.stdout
-        progress = Progress(False if args.quiet else None)
+        progress = TerminalProgress(False if args.quiet else None)
         what = "a training plan" if args.train else "a plan"
         with progress.phase(f"planning {what} over {len(cluster.devices)} devices"):
             plan: Plan | TrainingPlan = (

@@ -24,7 +24,7 @@ from zpipe.cli.common import (
 from zpipe.devices import DEVICE_CHOICES, resolve_device
 from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.planner.profile import ModelProfile
-from zpipe.progress import Progress
+from zpipe.progress import TerminalProgress
 from zpipe.stage.profiling import profile_model
 
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = ModelSpec.preset(args.model, **overrides)
         sizes = ",".join(str(b) for b in args.batch_sizes)
         what = "forward and backward" if args.train else "forward"
-        bar = Progress(False if args.quiet else None).bar(
+        bar = TerminalProgress(False if args.quiet else None).bar(
             total=load_layer_sequence(spec).num_units,
             unit="unit",
             desc=f"profiling {args.model} ({what}, batch sizes {sizes})",

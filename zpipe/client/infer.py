@@ -34,7 +34,7 @@ from zpipe.client.trace import recovery_marks, write_trace
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, declared_units
 from zpipe.planner import Plan
-from zpipe.progress import Progress, ResultBar
+from zpipe.progress import ResultBar, TerminalProgress
 from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import RunReady, RunReplanned, RunRequest
 from zpipe.protocol.data_plane import Data, MicroBatchError
@@ -87,7 +87,7 @@ class InferenceRun:
         session = RunSession(
             self.connection, what="stream", stall_deadline=self.options.stall_deadline
         )
-        async with Progress(self.options.phases).waiting(PLANNING):
+        async with TerminalProgress(self.options.phases).waiting(PLANNING):
             ready = await session.request_run(
                 inference_request(self.model, self.options, self.connection.sink_endpoint),
                 wait_for_stages_s=self.options.wait_for_stages_s,
@@ -123,7 +123,7 @@ class InferenceRun:
 
 def _default_bar(options: InferOptions, batches: object) -> ResultBar | None:
     """A bar of micro-batches on a terminal, unless the caller follows progress itself."""
-    progress = Progress(options.phases)
+    progress = TerminalProgress(options.phases)
     if options.progress is not None or not progress.enabled:
         return None
     total = microbatch_count(batches, options.microbatch_size)

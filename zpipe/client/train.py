@@ -59,7 +59,7 @@ from zpipe.client.training_attempts import (
 from zpipe.client.training_run import AttemptEnd, TrainingRun
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, declared_units
-from zpipe.progress import Progress
+from zpipe.progress import TerminalProgress
 from zpipe.protocol.client_control import RunRequest
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 
@@ -203,7 +203,7 @@ class _Training:
             session = RunSession(
                 self.connection, what="training", stall_deadline=self.options.stall_deadline
             )
-            async with Progress(self.options.progress).waiting(PLANNING):
+            async with TerminalProgress(self.options.progress).waiting(PLANNING):
                 ready = await session.request_run(
                     command.request,
                     wait_for_stages_s=self.options.wait_for_stages_s,

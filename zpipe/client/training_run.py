@@ -51,7 +51,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.progress import Progress
+from zpipe.progress import TerminalProgress
 from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import Checkpoint, Replicate, Replicated, RunFailed, RunReady
 from zpipe.protocol.data_plane import Data, Labels, Loss, MicroBatchError
@@ -167,7 +167,9 @@ class TrainingRun:
         a stage's death and a rebalance are returned. ``total``: the mini-batches of
         the whole fit, when known (the bar's length and time left)."""
         left = None if total is None else max(total - self.offset, 0)
-        bar = Progress(progress).bar(total=left, unit="batch", desc=f"training run {self.run}")
+        bar = TerminalProgress(progress).bar(
+            total=left, unit="batch", desc=f"training run {self.run}"
+        )
         self.started = started = time.perf_counter()
         trained = 0  # samples of the mini-batches whose loss came back
 

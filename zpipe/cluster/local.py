@@ -43,7 +43,7 @@ from zpipe.client import (
 from zpipe.config import Timeouts
 from zpipe.devices import check_device_text
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.progress import Progress
+from zpipe.progress import TerminalProgress
 from zpipe.transport.ports import free_tcp_port
 
 
@@ -169,7 +169,7 @@ class LocalCluster:
         self.coordinator_endpoint = ""
         self.processes: dict[str, StageProcess] = {}
         # "starting N stages: k registered" on stderr (None: when it is a terminal)
-        self.progress = Progress(progress)
+        self.progress = TerminalProgress(progress)
 
     @property
     def timeouts(self) -> Timeouts:

@@ -46,7 +46,7 @@ from zpipe.cluster.netlayout import (
     LabLayout,
     LayoutError,
     Node,
-    TokenBucket,
+    TbfCap,
     choose_subnet,
     stale_objects,
 )
@@ -179,7 +179,7 @@ def unavailable_reason() -> str | None:
         if shutil.which(tool) is None:
             return f"real-link tests need `{tool}` (iproute2) on PATH"
     try:
-        with NetLab([Node("probe", uplink=TokenBucket.at(100.0))]):
+        with NetLab([Node("probe", uplink=TbfCap.at(100.0))]):
             pass
     except (NetLabError, OSError) as exc:
         return f"cannot make network namespaces with capped veth links here: {exc}"
@@ -205,7 +205,7 @@ def _close_open_labs() -> None:
 
 
 class NetLab:
-    """``with NetLab([Node("coord"), Node("s0", uplink=TokenBucket.at(20))]) as lab:``
+    """``with NetLab([Node("coord"), Node("s0", uplink=TbfCap.at(20))]) as lab:``
 
     Makes the lab on entry and deletes it on exit, also on an exception or Ctrl-C
     (and at interpreter exit for a lab never closed); processes it started that

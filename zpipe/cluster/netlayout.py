@@ -22,7 +22,7 @@ _LAB_OBJECT = re.compile(rf"^{PREFIX}([0-9a-f]{{5}})(?:-|br$|v\d+$)")
 INNER_LINK = "eth0"
 MAX_NODES = 200  # addresses .2 to .201 of the lab's /24
 
-# The token bucket's shape (see TokenBucket.at).
+# The token bucket's shape (see TbfCap.at).
 BURST_S = 0.004
 MIN_BURST_BYTES = 32 * 1024
 QUEUE_LATENCY_MS = 100.0
@@ -38,7 +38,7 @@ def _check_rate(rate_mbit: float) -> None:
 
 
 @dataclass(frozen=True)
-class TokenBucket:
+class TbfCap:
     """A ``tc tbf`` cap on one direction of a link.
 
     ``rate_mbit``: the cap. ``burst_bytes``: the bucket, bytes that may leave at line
@@ -59,7 +59,7 @@ class TokenBucket:
             raise LayoutError(f"latency_ms must lie in [1, 10000], got {self.latency_ms}")
 
     @classmethod
-    def at(cls, rate_mbit: float, *, latency_ms: float = QUEUE_LATENCY_MS) -> TokenBucket:
+    def at(cls, rate_mbit: float, *, latency_ms: float = QUEUE_LATENCY_MS) -> TbfCap:
         """A cap of ``rate_mbit`` shaped as a modest uplink.
 
         The bucket holds 4 ms of the rate, at least 32 KiB: enough that a 250 Hz
@@ -92,8 +92,8 @@ class Node:
     """One namespace of a lab: its name, and the caps of its link to the bridge."""
 
     name: str
-    uplink: TokenBucket | None = None  # what leaves the node
-    downlink: TokenBucket | None = None  # what reaches it
+    uplink: TbfCap | None = None  # what leaves the node
+    downlink: TbfCap | None = None  # what reaches it
 
     def __post_init__(self) -> None:
         if not NODE_NAME.match(self.name):

@@ -66,7 +66,7 @@ import numpy as np
 from zpipe._errors import ConfigError
 from zpipe.planner.allocation import allocate_microbatches
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
-from zpipe.planner.hpp_state import FrontEntry, Group, GroupTable, Level, Point, Stage
+from zpipe.planner.hpp_state import FrontEntry, GroupTable, HppGroup, Level, Point, Stage
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.straight import plan_straight, search_microbatch_and_order
 from zpipe.planner.training_baselines import plan_data_parallel, plan_even
@@ -219,8 +219,8 @@ class _HppSolver:
             table.allreduce[starts, columns] = volume / bandwidth if bandwidth != math.inf else 0.0
         table.shares[starts, columns] = shares
 
-    def _group(self, table: GroupTable, start: int, column: int, g: int, h: int) -> Group:
-        return Group(
+    def _group(self, table: GroupTable, start: int, column: int, g: int, h: int) -> HppGroup:
+        return HppGroup(
             tuple(self._names[g:h]),
             tuple(int(y) for y in table.shares[start, column]),
             float(table.step[start, column]),

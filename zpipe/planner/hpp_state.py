@@ -10,7 +10,7 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
-class Group:
+class HppGroup:
     """What the DP needs of a stage's group: its shares and eq. 8's and eq. 5's times."""
 
     devices: tuple[str, ...]
@@ -24,7 +24,7 @@ class Group:
 class Stage:
     start: int
     end: int
-    group: Group
+    group: HppGroup
 
 
 # Not frozen: the DP makes millions of points, and a frozen dataclass's __init__ costs
