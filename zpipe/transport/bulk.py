@@ -26,6 +26,7 @@ import torch
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol import Message
+from zpipe.protocol.bulk import BulkChunk
 
 # ~1 MB: at 20 Mbit/s a chunk is 0.4 s on the wire, so liveness messages on the same
 # uplink wait at most about that long behind one, and progress shows that often.
@@ -108,8 +109,16 @@ class OutgoingTransfer:
                 if payload
                 else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses an empty buffer
             )
-            body = {"name": name, "token": token, **self.header(seq)}
-            yield Message("bulk_chunk", body, tensors=(data,))
+            yield BulkChunk(
+                name=name,
+                token=token,
+                transfer=self.transfer,
+                seq=seq,
+                chunks=self.chunks,
+                nbytes=self.nbytes,
+                frames=list(self.frame_sizes) if seq == 0 else None,
+                tensors=(data,),
+            ).to_message()
 
 
 @dataclass(frozen=True)
