@@ -34,8 +34,34 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe._errors import ConfigError, ZpipeError
+from zpipe.protocol import WireMessage
+from zpipe.protocol.lossy import LossyDead, LossyGo, LossyProbeRequest, LossyRemap, LossySetup
+from zpipe.protocol.repartition import RepartitionRequest
+from zpipe.protocol.stage_control import (
+    Assign,
+    AssignFailed,
+    BackupRequest,
+    Connect,
+    Connected,
+    Heartbeat,
+    HeartbeatAck,
+    LinkPeers,
+    LinkPeersOk,
+    LinkProbeRequest,
+    Metrics,
+    MetricsRequest,
+    Probe,
+    ProbeAck,
+    ProfileRequest,
+    Ready,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    Shutdown,
+    WeightsRequest,
+)
 from zpipe.stage.peer_policy import FetchGrant, fetch_grants
-from zpipe.transport.codec import Message
 
 # The client feeds the last training stage its labels on the data port.
 CLIENT = "client"
@@ -74,20 +100,31 @@ class Job(enum.Enum):
 
 @dataclass(frozen=True)
 class SendToCoordinator:
-    kind: str
-    body: Mapping[str, Any]
-    epoch: int = 0
-    # the shell adds ``"metrics": counters`` last (heartbeats, metrics replies)
+    message: WireMessage
+    # the shell fills the message's ``metrics`` with its counters (heartbeats, metrics
+    # replies: the controller leaves them empty)
     attach_metrics: bool = False
-    # the shell adds ``"timeline"``: the run's spans and the clock offset
+    # the shell fills ``timeline``: the run's spans and the clock offset
     attach_timeline: bool = False
     timeout_s: float | None = None  # None: the configured send timeout
+
+    @property
+    def kind(self) -> str:
+        return self.message.KIND
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.message.body()
+
+    @property
+    def epoch(self) -> int:
+        return self.message.epoch
 
 
 @dataclass(frozen=True)
 class StartJob:
     job: Job
-    message: Message
+    message: WireMessage
     # True: cancel a running job of the same kind; False: skip while one runs
     newest_wins: bool
 
@@ -115,7 +152,7 @@ class LossyControl:
     """Hand a lossy run's control message to the lossy executor
     (:mod:`zpipe.stage.lossy_executor`)."""
 
-    message: Message
+    message: LossySetup | LossyGo | LossyDead | LossyRemap | LossyProbeRequest
 
 
 @dataclass(frozen=True)
@@ -245,7 +282,7 @@ class StageLifecycle:
         *,
         name: str,
         coordinator: str,
-        registration: Mapping[str, Any],
+        registration: Register,
         connect_s: float,
         silence_limit_s: float,
         now: float,
@@ -253,7 +290,7 @@ class StageLifecycle:
     ) -> None:
         self.name = name
         self.coordinator = coordinator
-        self.registration = dict(registration)
+        self.registration = registration
         self.connect_s = connect_s
         self.silence_limit_s = silence_limit_s
         self.phase = Phase.REGISTERING
@@ -287,19 +324,19 @@ class StageLifecycle:
                     )
                 )
             ]
-        return [SendToCoordinator("register", self.registration)]
+        return [SendToCoordinator(self.registration)]
 
-    def registration_reply(self, message: Message, now: float) -> list[Command]:
+    def registration_reply(self, message: WireMessage, now: float) -> list[Command]:
         """The coordinator's answer to a registration (other kinds are ignored)."""
         if self.phase is not Phase.REGISTERING:
             return []
-        if message.kind == "refused":
-            error = ConfigError(f"the coordinator refused this stage: {message['reason']}")
-            return [self._exit(error)]
-        if message.kind == "registered":
-            self.heartbeat_interval_s = float(message["heartbeat_interval"])
-            self.phase = Phase.IDLE
-            self._heard_at = now
+        match message:
+            case Refused(reason=reason):
+                return [self._exit(ConfigError(f"the coordinator refused this stage: {reason}"))]
+            case Registered(heartbeat_interval=interval):
+                self.heartbeat_interval_s = float(interval)
+                self.phase = Phase.IDLE
+                self._heard_at = now
         return []
 
     # ------------------------------------------------------------- liveness
@@ -356,8 +393,7 @@ class StageLifecycle:
 
     def _heartbeat(self) -> SendToCoordinator:
         return SendToCoordinator(
-            "heartbeat",
-            {"name": self.name},
+            Heartbeat(name=self.name, metrics={}),
             attach_metrics=True,
             timeout_s=self.heartbeat_interval_s,
         )
@@ -375,70 +411,67 @@ class StageLifecycle:
 
     # ------------------------------------------------------- control messages
 
-    def control_message(self, message: Message, now: float) -> list[Command]:
+    def control_message(self, message: WireMessage, now: float) -> list[Command]:
         self.heard_from_coordinator(now)
         return [*self._coordinator_back(), *self._control_message(message)]
 
-    def _control_message(self, message: Message) -> list[Command]:
-        kind = message.kind
-        if self.phase is Phase.STOPPING or kind in ("heartbeat_ack", "registered"):
+    def _control_message(self, message: WireMessage) -> list[Command]:
+        if self.phase is Phase.STOPPING:
             return []
-        if kind == "register_again":
-            # A coordinator restarted without our registration (or one that had
-            # declared us dead): join it again; what this stage runs is unchanged.
-            return [SendToCoordinator("register", self.registration)]
-        if kind == "refused":
-            error = CoordinatorLost(f"the coordinator refused this stage: {message['reason']}")
-            return [self._exit(error)]
-        if kind == "probe":
-            return [SendToCoordinator("probe_ack", {"nonce": message["nonce"]})]
-        if kind == "assign":
-            return self._assign(message)
-        if kind == "connect":
-            return self._connect(message)
-        if kind == "profile_request":
-            # Profiling runs for seconds: off the control loop, and only one at a time.
-            return [StartJob(Job.PROFILE, message, newest_wins=False)]
-        if kind == "link_peers":
-            keys = {str(n): str(k) for n, k in dict(message["keys"]).items()}
-            fetches = message.get("fetches")
-            grants = fetch_grants(fetches) if fetches is not None else None
-            return [
-                AllowProbePeers(keys, grants),
-                SendToCoordinator("link_peers_ok", {"name": self.name}),
-            ]
-        if kind == "link_probe_request":
-            return [StartJob(Job.LINK_PROBE, message, newest_wins=False)]
-        if kind == "weights_request":
-            # The newest request wins: an older one waits for a round of a run that a
-            # failure ended, and would otherwise block every later request.
-            return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
-        if kind == "backup_request":
-            return [StartJob(Job.BACKUP, message, newest_wins=True)]
-        if kind == "repartition_request":
-            return [StartJob(Job.REPARTITION, message, newest_wins=True)]
-        if kind in ("lossy_setup", "lossy_go", "lossy_dead", "lossy_remap", "lossy_probe_request"):
-            return [LossyControl(message)]
-        if kind == "metrics_request":
-            body = {"run": message["run"], "name": self.name}
-            return [
-                SendToCoordinator(
-                    "metrics",
-                    body,
-                    epoch=message.epoch,
-                    attach_metrics=True,
-                    attach_timeline=bool(message.get("timeline")),
-                )
-            ]
-        if kind == "shutdown":
-            self.phase = Phase.STOPPING
-            return [Exit(str(message["reason"]))]  # a clean exit, logged as stage_shutdown
-        return [DropMessage("coordinator", f"unexpected control message {kind!r}")]
+        match message:
+            case HeartbeatAck() | Registered():
+                return []
+            case RegisterAgain():
+                # A coordinator restarted without our registration (or one that had
+                # declared us dead): join it again; what this stage runs is unchanged.
+                return [SendToCoordinator(self.registration)]
+            case Refused(reason=reason):
+                lost = CoordinatorLost(f"the coordinator refused this stage: {reason}")
+                return [self._exit(lost)]
+            case Probe(nonce=nonce):
+                return [SendToCoordinator(ProbeAck(nonce=nonce))]
+            case Assign():
+                return self._assign(message)
+            case Connect():
+                return self._connect(message)
+            case ProfileRequest():
+                # Profiling runs for seconds: off the control loop, and only one at a time.
+                return [StartJob(Job.PROFILE, message, newest_wins=False)]
+            case LinkPeers(keys=keys, fetches=fetches):
+                allowed = {str(n): str(k) for n, k in keys.items()}
+                grants = fetch_grants(fetches) if fetches is not None else None
+                return [
+                    AllowProbePeers(allowed, grants),
+                    SendToCoordinator(LinkPeersOk(name=self.name)),
+                ]
+            case LinkProbeRequest():
+                return [StartJob(Job.LINK_PROBE, message, newest_wins=False)]
+            case WeightsRequest():
+                # The newest request wins: an older one waits for a round of a run that a
+                # failure ended, and would otherwise block every later request.
+                return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
+            case BackupRequest():
+                return [StartJob(Job.BACKUP, message, newest_wins=True)]
+            case RepartitionRequest():
+                return [StartJob(Job.REPARTITION, message, newest_wins=True)]
+            case LossySetup() | LossyGo() | LossyDead() | LossyRemap() | LossyProbeRequest():
+                return [LossyControl(message)]
+            case MetricsRequest(run=run, timeline=timeline):
+                reply = Metrics(run=run, name=self.name, metrics={}, epoch=message.epoch)
+                return [
+                    SendToCoordinator(
+                        reply, attach_metrics=True, attach_timeline=bool(timeline)
+                    )
+                ]
+            case Shutdown(reason=reason):
+                self.phase = Phase.STOPPING
+                return [Exit(reason)]  # a clean exit, logged as stage_shutdown
+        return [DropMessage("coordinator", f"unexpected control message {message.KIND!r}")]
 
-    def _assign(self, message: Message) -> list[Command]:
+    def _assign(self, message: Assign) -> list[Command]:
         # Building a shard can take long: a job, and a newer assignment replaces it.
         self.phase = Phase.ASSIGNING
-        self._building = _Pending(int(message["run"]), message.epoch)
+        self._building = _Pending(message.run, message.epoch)
         self._pending = None
         self._route = None
         self.newest_epoch = max(self.newest_epoch, message.epoch)
@@ -460,12 +493,15 @@ class StageLifecycle:
         self._building = None
         self._pending = _Pending(run, epoch)
         self.phase = Phase.ASSIGNED
-        body: dict[str, Any] = {"run": run, "name": self.name, "build_s": build_s}
-        if ring_endpoint:
-            body["ring_endpoint"] = ring_endpoint
-        if max_message_bytes is not None:
-            body["max_message_bytes"] = max_message_bytes
-        return [SendToCoordinator("ready", body, epoch=epoch)]
+        ready = Ready(
+            run=run,
+            name=self.name,
+            build_s=build_s,
+            ring_endpoint=ring_endpoint or None,  # no ring: the field is left out
+            max_message_bytes=max_message_bytes,
+            epoch=epoch,
+        )
+        return [SendToCoordinator(ready)]
 
     def assignment_failed(self, run: int, epoch: int, error: str) -> list[Command]:
         if self._building == _Pending(run, epoch):
@@ -473,9 +509,9 @@ class StageLifecycle:
             self.phase = Phase.IDLE
         return [self._assign_failed(run, epoch, error)]
 
-    def _connect(self, message: Message) -> list[Command]:
+    def _connect(self, message: Connect) -> list[Command]:
         """Second phase of an assignment: every stage now allows its upstream's key."""
-        run = int(message["run"])
+        run = message.run
         pending = self._pending
         if pending is None or pending.run != run:
             return [
@@ -484,13 +520,13 @@ class StageLifecycle:
                 )
             ]
         self._pending = None
-        return [ConnectAssignment(run, pending.epoch, message.get("ring"))]
+        return [ConnectAssignment(run, pending.epoch, message.ring)]
 
     def connected(self, run: int, route: DataRoute) -> list[Command]:
         """The assignment is connected; its data tasks start with ``route``."""
         self._route = route
         self.phase = Phase.RUNNING
-        return [SendToCoordinator("connected", {"run": run, "name": self.name}, epoch=route.epoch)]
+        return [SendToCoordinator(Connected(run=run, name=self.name, epoch=route.epoch))]
 
     def connect_failed(self, run: int, epoch: int, error: str) -> list[Command]:
         self.phase = Phase.IDLE
@@ -503,9 +539,7 @@ class StageLifecycle:
             self.phase = Phase.IDLE
 
     def _assign_failed(self, run: int, epoch: int, error: str) -> SendToCoordinator:
-        return SendToCoordinator(
-            "assign_failed", {"run": run, "name": self.name, "error": error}, epoch=epoch
-        )
+        return SendToCoordinator(AssignFailed(run=run, name=self.name, error=error, epoch=epoch))
 
     # ---------------------------------------------------------------- data
 

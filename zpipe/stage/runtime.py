@@ -26,6 +26,7 @@ that dies is restarted or, dying again and again, fails the process loudly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -39,6 +40,21 @@ import zmq.asyncio
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.repartition import RepartitionRequest
+from zpipe.protocol.stage_control import (
+    Assign,
+    BackupRequest,
+    Heartbeat,
+    HeartbeatAck,
+    LinkProbeRequest,
+    Metrics,
+    ProfileRequest,
+    Register,
+    RegisterAgain,
+    Registered,
+    WeightsRequest,
+)
 from zpipe.stage.assignment import push_connector
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.config import StageConfig
@@ -157,12 +173,12 @@ class StageRuntime:
         self._lifecycle = StageLifecycle(
             name=self.config.name,
             coordinator=self.config.coordinator,
-            registration={
-                "name": self.config.name,
-                "data_endpoint": self.data_endpoint,
-                "info": self._info(),
-                "public_key": keypair.public.decode() if keypair else None,
-            },
+            registration=Register(
+                name=self.config.name,
+                data_endpoint=self.data_endpoint,
+                info=self._info(),
+                public_key=keypair.public.decode() if keypair else None,
+            ),
             connect_s=timeouts.connect_s,
             silence_limit_s=timeouts.coordinator_silence_s,
             now=time.monotonic(),
@@ -186,9 +202,7 @@ class StageRuntime:
             connector=push_connector(self._context, opts, keypair),
             compute=self._compute,
             supervisor=self._supervisor,
-            send_control=lambda m: self._send_control(
-                m.kind, dict(m.body), m.epoch, tensors=m.tensors
-            ),
+            send_control=self._send_control,
             stop_data=self._plane.stop,
             apply_limits=self._plane.apply_limits,
             max_message_bytes=opts.max_message_bytes,
@@ -257,8 +271,8 @@ class StageRuntime:
         self._stopping.set()
 
     async def _on_peer_request(
-        self, message: Message, sender_key: bytes | None
-    ) -> Message | Iterator[Message]:
+        self, message: WireMessage, sender_key: bytes | None
+    ) -> WireMessage | Iterator[WireMessage]:
         """A peer's backup or fetch, judged against the running training plan and the
         name the coordinator gave the sender's key."""
         assert self._snapshots is not None  # made with the probe port that calls this
@@ -288,7 +302,9 @@ class StageRuntime:
                     peer="coordinator",
                     awaited="registration reply",
                 )
-                reply = decode_frames(frames, self.config.socket_options.max_message_bytes)
+                reply = REGISTRY.parse(
+                    decode_frames(frames, self.config.socket_options.max_message_bytes)
+                )
                 commands = lifecycle.registration_reply(reply, time.monotonic())
                 self._on_clock(reply)
                 await self._on_registered(reply)
@@ -318,34 +334,35 @@ class StageRuntime:
             return frames
 
         async def handle(frames: list[zmq.Frame]) -> None:
-            message = decode_frames(frames, self.config.socket_options.max_message_bytes)
-            if message.kind == "register_again":
+            message = REGISTRY.parse(
+                decode_frames(frames, self.config.socket_options.max_message_bytes)
+            )
+            if isinstance(message, RegisterAgain):
                 # A coordinator restarted without our registration, or one that had
                 # declared us dead: say so, the lifecycle registers again.
-                log.warning("registering_again", stage=self.config.name, reason=message["reason"])
+                log.warning("registering_again", stage=self.config.name, reason=message.reason)
             self._on_clock(message)
             await self._on_registered(message)
             await self._carry_out(self.lifecycle.control_message(message, time.monotonic()))
 
         await serve_messages(receive, handle, self._control_message_failed)
 
-    def _on_clock(self, message: Message) -> None:
+    def _on_clock(self, message: WireMessage) -> None:
         """A registration says whether the coordinator stamps heartbeat acks; a stamped
         ack is a round trip for the clock offset (the run's timeline)."""
-        if message.kind == "registered":
-            self._coordinator_stamps = message.get("clock") is not None
-            # a (re)started coordinator may keep another clock: measure afresh
-            self._clock_offset = ClockOffset()
-        elif message.kind == "heartbeat_ack":
-            echo, stamp = message.get("echo"), message.get("clock")
-            if echo is not None and stamp is not None:
+        match message:
+            case Registered(clock=clock):
+                self._coordinator_stamps = clock is not None
+                # a (re)started coordinator may keep another clock: measure afresh
+                self._clock_offset = ClockOffset()
+            case HeartbeatAck(echo=echo, clock=stamp) if echo is not None and stamp is not None:
                 self._clock_offset.observe(float(echo), float(stamp), timeline_clock())
 
-    async def _on_registered(self, message: Message) -> None:
+    async def _on_registered(self, message: WireMessage) -> None:
         """A (new) registration: its token ties the bulk connection to this stage."""
-        if message.kind != "registered" or self._bulk is None:
+        if not isinstance(message, Registered) or self._bulk is None:
             return
-        if self._bulk.registered(message.get("bulk_token")):
+        if self._bulk.registered(message.bulk_token):
             try:
                 await self._bulk.open()
             except TransportTimeout as exc:  # state goes on the control connection meanwhile
@@ -367,14 +384,10 @@ class StageRuntime:
             return frames
 
         async def handle(frames: list[zmq.Frame]) -> None:
-            received = bulk.received(
-                decode_frames(frames, self.config.socket_options.max_message_bytes)
-            )
+            message = decode_frames(frames, self.config.socket_options.max_message_bytes)
+            received = bulk.received(REGISTRY.parse(message))
             if received.resend is not None:
-                resend = received.resend
-                await self._send_control(
-                    resend.kind, dict(resend.body), resend.epoch, tensors=resend.tensors
-                )
+                await self._send_control(received.resend)
             if received.message is not None:
                 now = time.monotonic()
                 await self._carry_out(self.lifecycle.control_message(received.message, now))
@@ -436,7 +449,8 @@ class StageRuntime:
                 getattr(log, command.level)(command.event, stage=self.config.name, **command.fields)
             elif isinstance(command, LossyControl):
                 assert self._lossy is not None
-                await self._lossy.on_control(command.message)
+                # the lossy executor reads its kinds from the untyped message
+                await self._lossy.on_control(command.message.to_message())
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:
@@ -448,26 +462,20 @@ class StageRuntime:
         self._stopping.set()
 
     async def _send_command(self, command: SendToCoordinator) -> None:
-        body = dict(command.body)
+        message = command.message
         if command.attach_metrics:
-            body["metrics"] = self.counters.to_dict()
-        if command.attach_timeline:
-            body["timeline"] = self.counters.timeline.to_wire(self._clock_offset)
-        if command.kind == "heartbeat" and self._coordinator_stamps:
-            body["clock"] = timeline_clock()
-        await self._send_control(command.kind, body, command.epoch, timeout_s=command.timeout_s)
+            assert isinstance(message, (Heartbeat, Metrics))
+            message = dataclasses.replace(message, metrics=self.counters.to_dict())
+        if isinstance(message, Metrics) and command.attach_timeline:
+            timeline = self.counters.timeline.to_wire(self._clock_offset)
+            message = dataclasses.replace(message, timeline=timeline)
+        if isinstance(message, Heartbeat) and self._coordinator_stamps:
+            message = dataclasses.replace(message, clock=timeline_clock())
+        await self._send_control(message.to_message(), timeout_s=command.timeout_s)
 
-    async def _send_control(
-        self,
-        kind: str,
-        body: dict[str, Any],
-        epoch: int = 0,
-        *,
-        timeout_s: float | None = None,
-        tensors: tuple[torch.Tensor, ...] = (),
-    ) -> None:
+    async def _send_control(self, message: Message, *, timeout_s: float | None = None) -> None:
         assert self._ports is not None
-        message = Message(kind, body, epoch=epoch, tensors=tensors)
+        tensors = message.tensors
         if tensors and self._bulk is not None and self._bulk.usable:
             # state on the bulk connection, chunked: heartbeats never wait behind it
             await self._bulk.send(message)
@@ -518,48 +526,48 @@ class StageRuntime:
                 "job_failed", stage=self.config.name, job=job.value, error=describe_error(error)
             )
 
-    async def _run_job(self, job: Job, message: Message) -> None:
+    async def _run_job(self, job: Job, message: WireMessage) -> None:
         name, snapshots, plane = self.config.name, self._snapshots, self._plane
         assert snapshots is not None and plane is not None
-        if job is Job.ASSIGN:
-            await self._carry_out(await plane.assign(message))
-        elif job is Job.PROFILE and self.config.emulate_compute is not None:
-            reply = emulated_profile_reply(
-                message,
-                name=name,
-                slowdown=self.config.slowdown,
-                profile=self.config.emulate_compute,
-            )
-            await self._send_control("profile_reply", reply)
-        elif job is Job.PROFILE:
-            reply = await profile_reply(
-                message,
-                name=name,
-                slowdown=self.config.slowdown,
-                compute=self._compute,
-                device=self.config.resolved_device,
-            )
-            await self._send_control("profile_reply", reply)
-        elif job is Job.LINK_PROBE:
-            reply = await link_probe_reply(
-                message,
-                name=name,
-                context=self._context,
-                link=self.config.link,
-                socket_options=self.config.socket_options,
-                timeout_s=self.config.timeouts.reply_s,
-                keypair=self._keys.keypair,
-            )
-            await self._send_control("link_probe_reply", reply)
-        elif job is Job.WEIGHTS:
-            reply, tensors = await snapshots.weights_reply(message, plane.trainer, plane.stop)
-            await self._send_control("weights", reply, message.epoch, tensors=tensors)
-        elif job is Job.BACKUP:
-            reply, tensors = await snapshots.backup_reply(message, plane.trainer, plane.pace)
-            await self._send_control("backed_up", reply, message.epoch, tensors=tensors)
-        elif job is Job.REPARTITION:
-            body = await self._repartition.reply(message, plane.trainer)
-            await self._send_control("repartition_reply", body, message.epoch)
+        reply: WireMessage
+        match job, message:
+            case Job.ASSIGN, Assign():
+                await self._carry_out(await plane.assign(message))
+                return
+            case Job.PROFILE, ProfileRequest() if self.config.emulate_compute is not None:
+                reply = emulated_profile_reply(
+                    message,
+                    name=name,
+                    slowdown=self.config.slowdown,
+                    profile=self.config.emulate_compute,
+                )
+            case Job.PROFILE, ProfileRequest():
+                reply = await profile_reply(
+                    message,
+                    name=name,
+                    slowdown=self.config.slowdown,
+                    compute=self._compute,
+                    device=self.config.resolved_device,
+                )
+            case Job.LINK_PROBE, LinkProbeRequest():
+                reply = await link_probe_reply(
+                    message,
+                    name=name,
+                    context=self._context,
+                    link=self.config.link,
+                    socket_options=self.config.socket_options,
+                    timeout_s=self.config.timeouts.reply_s,
+                    keypair=self._keys.keypair,
+                )
+            case Job.WEIGHTS, WeightsRequest():
+                reply = await snapshots.weights_reply(message, plane.trainer, plane.stop)
+            case Job.BACKUP, BackupRequest():
+                reply = await snapshots.backup_reply(message, plane.trainer, plane.pace)
+            case Job.REPARTITION, RepartitionRequest():
+                reply = await self._repartition.reply(message, plane.trainer)
+            case _:
+                raise ProtocolError(f"a {job.value} job cannot answer {message.KIND!r}")
+        await self._send_control(reply.to_message())
 
     # --------------------------------------------------------------- shutdown
 

@@ -66,6 +66,8 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.log import get_logger
+from zpipe.protocol import REGISTRY
+from zpipe.protocol.data_plane import AllReduce
 from zpipe.training.ring import (
     ALL_GATHER,
     KIND,
@@ -85,7 +87,6 @@ from zpipe.training.ring import (
     unflatten_from,
 )
 from zpipe.transport import security
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import (
     SocketOptions,
     bind_endpoint,
@@ -442,18 +443,15 @@ class RingAllReduce:
         timeout: float,
     ) -> int:
         assert self._push is not None
-        message = Message(
-            KIND,
-            {
-                "round": round_id,
-                "step": step.step,
-                "chunk": step.send_chunk,
-                "seg": seg,
-                "src": self.rank,
-            },
+        message = AllReduce(
+            round=round_id,
+            step=step.step,
+            chunk=step.send_chunk,
+            seg=seg,
+            src=self.rank,
             epoch=self.epoch,
             tensors=tensors,
-        )
+        ).to_message()
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if self._pace is not None:
             await self._pace(nbytes)
@@ -470,7 +468,7 @@ class RingAllReduce:
 
     async def _receive(
         self, expected: ExpectedMessage, phase: str, timeout: float, counters: _Counters
-    ) -> Message:
+    ) -> AllReduce:
         assert self._pull is not None
         loop = asyncio.get_running_loop()
         # One deadline per expected message: dropped messages do not extend it, so a
@@ -500,8 +498,9 @@ class RingAllReduce:
                 raise TransportTimeout(peer, awaited, timeout)
             try:
                 self._check_sender_key(frames[0], peer)
-                message = decode_frames(frames, self.options.max_message_bytes)
+                message = REGISTRY.parse(decode_frames(frames, self.options.max_message_bytes))
                 if check_message(message, expected, peer=peer):
+                    assert isinstance(message, AllReduce)  # what check_message accepts
                     return message
                 counters.stale += 1
                 log.debug(
@@ -510,7 +509,7 @@ class RingAllReduce:
                     rank=self.rank,
                     peer=peer,
                     epoch=message.epoch,
-                    round=message.get("round"),
+                    round=message.round if isinstance(message, AllReduce) else None,
                     current_round=expected.round_id,
                 )
             except ProtocolError as exc:
