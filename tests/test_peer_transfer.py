@@ -29,7 +29,7 @@ from zpipe.stage.peer_policy import FetchGrant
 from zpipe.stage.peer_transfer import ChunkedState, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
-from zpipe.stage.trainer import Group, TrainingSetup
+from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
 
@@ -111,8 +111,9 @@ class Holder:
 def setup_of(name: str, backup_from: tuple[str, ...]) -> TrainingSetup:
     return TrainingSetup(
         run=7, epoch=1, name=name, index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group((name,), (1,)), rank=0,
-        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup((name,), (1,)), rank=0,
+        upstream=DataParallelGroup(("a",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=backup_from,
     )  # fmt: skip
 

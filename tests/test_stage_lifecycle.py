@@ -33,18 +33,18 @@ from zpipe.stage.lifecycle import (
     ConnectAssignment,
     CoordinatorLost,
     DataRoute,
+    DataVerdict,
     DropMessage,
     Exit,
-    Job,
     Note,
     Phase,
     RestartPolicy,
     RestartTask,
     SendToCoordinator,
+    StageJob,
     StageLifecycle,
     StageTaskFailed,
     StartJob,
-    Verdict,
 )
 from zpipe.stage.peer_policy import FetchGrant
 
@@ -166,7 +166,7 @@ def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
     # only slow hears it), then one every three intervals; the absence is said once
     beats = [t for t in range(4, 10) if sends(stage.heartbeat_due(float(t)))]
     assert beats == [4, 5, 6, 7, 8]
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
     assert stage.phase is Phase.RUNNING
 
 
@@ -250,11 +250,11 @@ def test_simple_requests_are_answered_at_once() -> None:
 def test_long_requests_become_jobs_with_their_concurrency_rule() -> None:
     stage = registered()
     cases = [
-        (ProfileRequest(model={}, batch_size=1, dtype="float32", repeats=1), Job.PROFILE, False),
-        (LinkProbeRequest(target="s1", endpoint="tcp://h:1"), Job.LINK_PROBE, False),
-        (WeightsRequest(run=1, step=1), Job.WEIGHTS, True),  # the newest wins
-        (BackupRequest(run=1, step=1, holder="s1"), Job.BACKUP, True),
-        (assign(1, 0), Job.ASSIGN, True),
+        (ProfileRequest(model={}, batch_size=1, dtype="f32", repeats=1), StageJob.PROFILE, False),
+        (LinkProbeRequest(target="s1", endpoint="tcp://h:1"), StageJob.LINK_PROBE, False),
+        (WeightsRequest(run=1, step=1), StageJob.WEIGHTS, True),  # the newest wins
+        (BackupRequest(run=1, step=1, holder="s1"), StageJob.BACKUP, True),
+        (assign(1, 0), StageJob.ASSIGN, True),
     ]  # one at a time where newest_wins is False
     for message, job, newest_wins in cases:
         assert stage.control_message(message, 1.0) == [StartJob(job, message, newest_wins)]
@@ -334,14 +334,15 @@ def test_build_and_connect_failures_are_reported_as_assign_failed() -> None:
 
 def test_only_the_assigned_upstreams_data_of_the_running_epoch_is_delivered() -> None:
     stage = running(epoch=3)
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
-    assert stage.data_verdict("error", "client", 3, has_tensors=False).verdict is Verdict.DELIVER
-    assert stage.data_verdict("data", "client", 2, has_tensors=True).verdict is Verdict.STALE
-    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is Verdict.STALE
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
+    error = stage.data_verdict("error", "client", 3, has_tensors=False)
+    assert error.verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("data", "client", 2, has_tensors=True).verdict is DataVerdict.STALE
+    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is DataVerdict.STALE
     impostor = stage.data_verdict("data", "mallory", 3, has_tensors=True)
-    assert impostor.verdict is Verdict.DROP and "must come from ['client']" in impostor.reason
-    assert stage.data_verdict("grad", "client", 3, has_tensors=True).verdict is Verdict.DROP
-    assert stage.data_verdict("data", "client", 3, has_tensors=False).verdict is Verdict.DROP
+    assert impostor.verdict is DataVerdict.DROP and "must come from ['client']" in impostor.reason
+    assert stage.data_verdict("grad", "client", 3, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict("data", "client", 3, has_tensors=False).verdict is DataVerdict.DROP
 
 
 def test_training_routes_take_gradients_from_downstream_and_labels_on_the_last_stage() -> None:
@@ -350,17 +351,17 @@ def test_training_routes_take_gradients_from_downstream_and_labels_on_the_last_s
     stage.assignment_ready(1, 2, build_s=0.0)
     stage.control_message(connect(1), 0.0)
     stage.connected(1, DataRoute.training(2, ("a", "b"), (CLIENT := "client",), last=True))
-    assert stage.data_verdict("data", "b", 2, has_tensors=False).verdict is Verdict.DELIVER
-    assert stage.data_verdict("grad", CLIENT, 2, has_tensors=True).verdict is Verdict.DELIVER
-    assert stage.data_verdict("labels", CLIENT, 2, has_tensors=True).verdict is Verdict.DELIVER
-    assert stage.data_verdict("labels", "a", 2, has_tensors=True).verdict is Verdict.DROP
+    assert stage.data_verdict("data", "b", 2, has_tensors=False).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("grad", CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("labels", CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("labels", "a", 2, has_tensors=True).verdict is DataVerdict.DROP
 
 
 def test_nothing_is_delivered_once_a_new_assignment_arrives() -> None:
     stage = running(epoch=3)
     stage.control_message(assign(1, 4), 1.0)
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DROP
-    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is Verdict.DROP
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is DataVerdict.DROP
 
 
 # Events of a random run: assignments (epochs only grow, as the coordinator's do),
@@ -401,7 +402,7 @@ def test_property_no_message_of_another_epoch_is_ever_delivered(events: list[Any
                         stage.connect_failed(command.run, command.epoch, "failed")
         elif kind == "data":
             decision = stage.data_verdict("data", b, a, has_tensors=True)
-            if decision.verdict is Verdict.DELIVER:
+            if decision.verdict is DataVerdict.DELIVER:
                 # delivered only from the assigned sender, of the running assignment's
                 # epoch, which is the newest assignment's: nothing older reaches compute
                 assert stage.phase is Phase.RUNNING and b == "client"

@@ -53,7 +53,7 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
 
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
@@ -69,8 +69,9 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
     )
     setup = TrainingSetup(
         run=7, epoch=1, name="b", index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group(("b",), (1,)), rank=0,
-        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup(("b",), (1,)), rank=0,
+        upstream=DataParallelGroup(("a",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=("a",),
     )  # fmt: skip
 
@@ -101,7 +102,7 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
@@ -118,8 +119,9 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
     )
     setup = TrainingSetup(
         run=7, epoch=1, name="b", index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group(("b",), (1,)), rank=0,
-        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup(("b",), (1,)), rank=0,
+        upstream=DataParallelGroup(("a",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=("a",),
     )  # fmt: skip
 
@@ -168,7 +170,7 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     from zpipe.stage.ports import peer_identity
     from zpipe.stage.replicas import peer_request
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport import security
     from zpipe.transport.emulation import LinkSpec
     from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
@@ -190,8 +192,9 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     )  # fmt: skip
     setup = TrainingSetup(
         run=7, epoch=1, name="k1", index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group(("k1",), (1,)), rank=0,
-        upstream=Group(("k0",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup(("k1",), (1,)), rank=0,
+        upstream=DataParallelGroup(("k0",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=("k0",),
     )  # fmt: skip
     trainer = type("Trainer", (), {"setup": setup})()

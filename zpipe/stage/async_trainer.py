@@ -36,7 +36,7 @@ from zpipe.stage.metrics import StageCounters
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import (
     CLIENT,
-    Group,
+    DataParallelGroup,
     GroupReducer,
     Piece,
     Sender,
@@ -220,7 +220,8 @@ class AsyncTrainingExecutor(TrainingExecutor):
         inputs, total, _ = await self._gather(Data, b, s.upstream)
         target, samples = None, 0
         if s.last:
-            labels, label_total, piece = await self._gather(Labels, b, Group((CLIENT,), (1,)))
+            client = DataParallelGroup((CLIENT,), (1,))  # the labels come from the client
+            labels, label_total, piece = await self._gather(Labels, b, client)
             if label_total != total:
                 raise PipelineError(f"labels of batch {b} have {label_total} rows, not {total}")
             assert isinstance(piece, Labels)

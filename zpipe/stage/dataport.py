@@ -20,7 +20,7 @@ from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY
 from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
-from zpipe.stage.lifecycle import StageLifecycle, Verdict
+from zpipe.stage.lifecycle import DataVerdict, StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.supervision import describe_error, serve_messages
 from zpipe.stage.timeline import clock
@@ -82,9 +82,9 @@ class DataPort:
         decision = self._lifecycle.data_verdict(
             message.KIND, src, message.epoch, has_tensors=has_tensors
         )
-        if decision.verdict is Verdict.DROP:
+        if decision.verdict is DataVerdict.DROP:
             raise ProtocolError(decision.reason)
-        if decision.verdict is Verdict.STALE:
+        if decision.verdict is DataVerdict.STALE:
             self._counters.stale += 1
             log.debug(
                 "stale_message", stage=self._name, epoch=message.epoch, reason=decision.reason

@@ -84,7 +84,7 @@ class Phase(enum.Enum):
     STOPPING = "stopping"
 
 
-class Job(enum.Enum):
+class StageJob(enum.Enum):
     """Requests that run beside the control loop, because they take long."""
 
     ASSIGN = "assign"
@@ -123,7 +123,7 @@ class SendToCoordinator:
 
 @dataclass(frozen=True)
 class StartJob:
-    job: Job
+    job: StageJob
     message: WireMessage
     # True: cancel a running job of the same kind; False: skip while one runs
     newest_wins: bool
@@ -237,7 +237,7 @@ class DataRoute:
         return cls(epoch, senders, needs_tensors=False)
 
 
-class Verdict(enum.Enum):
+class DataVerdict(enum.Enum):
     DELIVER = "deliver"
     STALE = "stale"  # of another plan epoch: counted, not computed
     DROP = "drop"  # not a message this assignment accepts: counted, logged
@@ -245,7 +245,7 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class DataDecision:
-    verdict: Verdict
+    verdict: DataVerdict
     reason: str = ""
 
 
@@ -436,7 +436,7 @@ class StageLifecycle:
                 return self._connect(message)
             case ProfileRequest():
                 # Profiling runs for seconds: off the control loop, and only one at a time.
-                return [StartJob(Job.PROFILE, message, newest_wins=False)]
+                return [StartJob(StageJob.PROFILE, message, newest_wins=False)]
             case LinkPeers(keys=keys, fetches=fetches):
                 allowed = {str(n): str(k) for n, k in keys.items()}
                 grants = fetch_grants(fetches) if fetches is not None else None
@@ -445,15 +445,15 @@ class StageLifecycle:
                     SendToCoordinator(LinkPeersOk(name=self.name)),
                 ]
             case LinkProbeRequest():
-                return [StartJob(Job.LINK_PROBE, message, newest_wins=False)]
+                return [StartJob(StageJob.LINK_PROBE, message, newest_wins=False)]
             case WeightsRequest():
                 # The newest request wins: an older one waits for a round of a run that a
                 # failure ended, and would otherwise block every later request.
-                return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
+                return [StartJob(StageJob.WEIGHTS, message, newest_wins=True)]
             case BackupRequest():
-                return [StartJob(Job.BACKUP, message, newest_wins=True)]
+                return [StartJob(StageJob.BACKUP, message, newest_wins=True)]
             case RepartitionRequest():
-                return [StartJob(Job.REPARTITION, message, newest_wins=True)]
+                return [StartJob(StageJob.REPARTITION, message, newest_wins=True)]
             case LossySetup() | LossyGo() | LossyDead() | LossyRemap() | LossyProbeRequest():
                 return [LossyControl(message)]
             case MetricsRequest(run=run, timeline=timeline):
@@ -475,7 +475,7 @@ class StageLifecycle:
         self._pending = None
         self._route = None
         self.newest_epoch = max(self.newest_epoch, message.epoch)
-        return [StartJob(Job.ASSIGN, message, newest_wins=True)]
+        return [StartJob(StageJob.ASSIGN, message, newest_wins=True)]
 
     def assignment_ready(
         self,
@@ -553,19 +553,19 @@ class StageLifecycle:
         """Whether a data message goes to compute: from an assigned sender, of this epoch."""
         route = self._route
         if route is None or self.phase is not Phase.RUNNING:
-            return DataDecision(Verdict.DROP, "no assignment is running")
+            return DataDecision(DataVerdict.DROP, "no assignment is running")
         expected = route.senders.get(kind)
         if expected is None:
-            return DataDecision(Verdict.DROP, f"{kind!r} does not belong on the data port")
+            return DataDecision(DataVerdict.DROP, f"{kind!r} does not belong on the data port")
         if src not in expected:
             return DataDecision(
-                Verdict.DROP, f"{kind} from {src!r}, but it must come from {list(expected)}"
+                DataVerdict.DROP, f"{kind} from {src!r}, but it must come from {list(expected)}"
             )
         if route.needs_tensors and kind != "error" and not has_tensors:
-            return DataDecision(Verdict.DROP, f"a {kind} message carries no tensors")
+            return DataDecision(DataVerdict.DROP, f"a {kind} message carries no tensors")
         if epoch != route.epoch:
-            return DataDecision(Verdict.STALE, f"epoch {epoch}, running {route.epoch}")
-        return DataDecision(Verdict.DELIVER)
+            return DataDecision(DataVerdict.STALE, f"epoch {epoch}, running {route.epoch}")
+        return DataDecision(DataVerdict.DELIVER)
 
     # ------------------------------------------------------------ supervision
 

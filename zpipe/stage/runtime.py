@@ -67,12 +67,12 @@ from zpipe.stage.lifecycle import (
     CoordinatorLost,
     DropMessage,
     Exit,
-    Job,
     LossyControl,
     Note,
     Phase,
     RestartTask,
     SendToCoordinator,
+    StageJob,
     StageLifecycle,
     StartJob,
 )
@@ -117,8 +117,8 @@ class StageRuntime:
         self._probe_responder: ProbeResponder | None = None
         self._lifecycle: StageLifecycle | None = None
         self._supervisor = TaskSupervisor(config.name, self._task_died)
-        self._jobs: dict[Job, asyncio.Task[None]] = {}
-        self._job_requests: dict[Job, tuple[object, ...]] = {}  # what each running job answers
+        self._jobs: dict[StageJob, asyncio.Task[None]] = {}
+        self._job_requests: dict[StageJob, tuple[object, ...]] = {}  # what each running job answers
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
         self._lossy: LossyExecutor | None = None  # EdgePipe runs' partial layers
@@ -519,29 +519,29 @@ class StageRuntime:
         task.add_done_callback(lambda done: self._job_ended(command.job, done))
         self._jobs[command.job] = task
 
-    def _job_ended(self, job: Job, task: asyncio.Task[None]) -> None:
+    def _job_ended(self, job: StageJob, task: asyncio.Task[None]) -> None:
         error = None if task.cancelled() else task.exception()
         if error is not None:  # the coordinator's own deadline covers the missing reply
             log.error(
                 "job_failed", stage=self.config.name, job=job.value, error=describe_error(error)
             )
 
-    async def _run_job(self, job: Job, message: WireMessage) -> None:
+    async def _run_job(self, job: StageJob, message: WireMessage) -> None:
         name, snapshots, plane = self.config.name, self._snapshots, self._plane
         assert snapshots is not None and plane is not None
         reply: WireMessage
         match job, message:
-            case Job.ASSIGN, Assign():
+            case StageJob.ASSIGN, Assign():
                 await self._carry_out(await plane.assign(message))
                 return
-            case Job.PROFILE, ProfileRequest() if self.config.emulate_compute is not None:
+            case StageJob.PROFILE, ProfileRequest() if self.config.emulate_compute is not None:
                 reply = emulated_profile_reply(
                     message,
                     name=name,
                     slowdown=self.config.slowdown,
                     profile=self.config.emulate_compute,
                 )
-            case Job.PROFILE, ProfileRequest():
+            case StageJob.PROFILE, ProfileRequest():
                 reply = await profile_reply(
                     message,
                     name=name,
@@ -549,7 +549,7 @@ class StageRuntime:
                     compute=self._compute,
                     device=self.config.resolved_device,
                 )
-            case Job.LINK_PROBE, LinkProbeRequest():
+            case StageJob.LINK_PROBE, LinkProbeRequest():
                 reply = await link_probe_reply(
                     message,
                     name=name,
@@ -559,11 +559,11 @@ class StageRuntime:
                     timeout_s=self.config.timeouts.reply_s,
                     keypair=self._keys.keypair,
                 )
-            case Job.WEIGHTS, WeightsRequest():
+            case StageJob.WEIGHTS, WeightsRequest():
                 reply = await snapshots.weights_reply(message, plane.trainer, plane.stop)
-            case Job.BACKUP, BackupRequest():
+            case StageJob.BACKUP, BackupRequest():
                 reply = await snapshots.backup_reply(message, plane.trainer, plane.pace)
-            case Job.REPARTITION, RepartitionRequest():
+            case StageJob.REPARTITION, RepartitionRequest():
                 reply = await self._repartition.reply(message, plane.trainer)
             case _:
                 raise ProtocolError(f"a {job.value} job cannot answer {message.KIND!r}")

@@ -57,7 +57,7 @@ class GroupReducer(Protocol):
 
 
 @dataclass(frozen=True)
-class Group:
+class DataParallelGroup:
     """Devices that share a stage (or the client, alone) and their shares of each row."""
 
     names: tuple[str, ...]
@@ -77,10 +77,10 @@ class TrainingSetup:
     schedule: str
     num_microbatches: int
     warmup: int
-    group: Group  # this stage's devices, this one included
+    group: DataParallelGroup  # this stage's devices, this one included
     rank: int  # this device's place in ``group``
-    upstream: Group  # the client alone on the first stage
-    downstream: Group  # the client alone on the last stage
+    upstream: DataParallelGroup  # the client alone on the first stage
+    downstream: DataParallelGroup  # the client alone on the last stage
     wait_s: float
     # the devices whose backups this one keeps (chain and topology replication);
     # a backup from anyone else is refused
@@ -159,7 +159,7 @@ class TrainingExecutor:
             waiter.set()
 
     async def _gather(
-        self, kind: type[Piece], mb: int, senders: Group
+        self, kind: type[Piece], mb: int, senders: DataParallelGroup
     ) -> tuple[tuple[torch.Tensor, ...], int, Piece]:
         """Every sender's piece of ``mb``: the concatenated rows, the row count, one piece."""
         key = (kind, mb)
@@ -282,7 +282,8 @@ class TrainingExecutor:
         self._round_total += total
         target, samples = None, 0
         if s.last:
-            labels, label_total, piece = await self._gather(Labels, mb, Group((CLIENT,), (1,)))
+            client = DataParallelGroup((CLIENT,), (1,))  # the labels come from the client
+            labels, label_total, piece = await self._gather(Labels, mb, client)
             if label_total != total:
                 raise PipelineError(
                     f"labels of micro-batch {mb} have {label_total} rows, not {total}"
@@ -333,7 +334,7 @@ class TrainingExecutor:
         mb: int,
         tensors: tuple[torch.Tensor, ...],
         rows: tuple[int, int, int],
-        receivers: Group,
+        receivers: DataParallelGroup,
     ) -> None:
         """Send every receiver the rows it shares with this device (maybe none)."""
         s = self.setup

@@ -28,7 +28,7 @@ from zpipe.stage.dataport import DataMessage
 from zpipe.stage.lifecycle import CLIENT
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.train_shard import TrainShard
-from zpipe.stage.trainer import Group, Outgoing, TrainingExecutor, TrainingSetup
+from zpipe.stage.trainer import DataParallelGroup, Outgoing, TrainingExecutor, TrainingSetup
 from zpipe.training.allreduce import RingAllReduce
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
@@ -46,12 +46,12 @@ def training_setup(message: Assign, *, name: str, wait_s: float) -> TrainingSetu
     if not isinstance(train, dict):
         raise ProtocolError("a training assignment needs its 'train' settings")
 
-    def group(entry: Any) -> Group:
+    def group(entry: Any) -> DataParallelGroup:
         names = tuple(str(n) for n in entry["names"])
         shares = tuple(int(x) for x in entry["shares"])
         if not names or len(names) != len(shares):
             raise ValueError(f"a group needs one share per device: {entry!r}")
-        return Group(names, shares)
+        return DataParallelGroup(names, shares)
 
     try:
         own = group(train["group"])
