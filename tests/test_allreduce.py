@@ -25,10 +25,10 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.protocol.data_plane import AllReduce
-from zpipe.training.allreduce import (
+from zpipe.stage.data_parallel import RingAllReduce
+from zpipe.training.ring import (
     KIND,
     ExpectedMessage,
-    RingAllReduce,
     SegmentLayout,
     check_message,
     ring_allreduce_cost_s,

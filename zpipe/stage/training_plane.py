@@ -24,12 +24,12 @@ from zpipe.protocol.data_plane import MicroBatchError
 from zpipe.protocol.stage_control import Assign
 from zpipe.stage.assignment import Assignment, PushConnector
 from zpipe.stage.async_trainer import AsyncTrainingExecutor
+from zpipe.stage.data_parallel import RingAllReduce
 from zpipe.stage.dataport import DataMessage
 from zpipe.stage.lifecycle import CLIENT
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import DataParallelGroup, Outgoing, TrainingExecutor, TrainingSetup
-from zpipe.training.allreduce import RingAllReduce
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.codec import Message

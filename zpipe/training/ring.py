@@ -1,4 +1,4 @@
-"""The pure parts of the ring all-reduce (:mod:`zpipe.training.allreduce`): its cost
+"""The pure parts of the ring all-reduce (:mod:`zpipe.stage.data_parallel`): its cost
 (Asteroid's eq. 5), the per-rank schedule, how buffers are cut into chunks and
 segments, what message a rank expects next and the check of one received message,
 the statistics of a round, and the flat buffers tensors are reduced in."""
