@@ -19,8 +19,8 @@ from zpipe.protocol.stage_control import (
     Weights,
 )
 from zpipe.stage.bulk import StageBulk
+from zpipe.stage.commands import SendToCoordinator
 from zpipe.stage.coordinator_link import CoordinatorLink
-from zpipe.stage.lifecycle import SendToCoordinator
 from zpipe.stage.metrics import StageCounters
 from zpipe.transport.emulation import LinkSpec, SharedUplink
 from zpipe.transport.sockets import SocketOptions, decode_frames, new_context, open_socket

@@ -27,24 +27,26 @@ from zpipe.protocol.stage_control import (
     Shutdown,
     WeightsRequest,
 )
-from zpipe.stage.lifecycle import (
+from zpipe.stage.commands import (
     AllowProbePeers,
     Command,
     ConnectAssignment,
-    CoordinatorLost,
-    DataRoute,
-    DataVerdict,
     DropMessage,
     Exit,
     Note,
-    Phase,
-    RestartPolicy,
     RestartTask,
     SendToCoordinator,
     StageJob,
+    StartJob,
+)
+from zpipe.stage.lifecycle import (
+    CoordinatorLost,
+    DataRoute,
+    DataVerdict,
+    Phase,
+    RestartPolicy,
     StageLifecycle,
     StageTaskFailed,
-    StartJob,
 )
 from zpipe.stage.peer_policy import FetchGrant
 

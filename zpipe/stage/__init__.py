@@ -5,6 +5,7 @@ Where each part lives (decisions in pure modules, I/O in the shells)::
     runtime.StageRuntime        the process: sockets, tasks; carries out commands
       lifecycle.StageLifecycle    pure: registration, assignments, liveness, which
                                   data message is computed, restart-or-fail
+        commands                    what it asks the shell to do (send, start a job, ...)
       supervision                 receive loops that survive one bad message;
                                   tasks that never die silently
       ports                       control / data / probe sockets and keys

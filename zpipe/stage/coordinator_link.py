@@ -20,7 +20,7 @@ from zpipe.log import get_logger
 from zpipe.protocol import Message, WireMessage
 from zpipe.protocol.stage_control import Heartbeat, HeartbeatAck, Metrics, Registered
 from zpipe.stage.bulk import StageBulk
-from zpipe.stage.lifecycle import SendToCoordinator
+from zpipe.stage.commands import SendToCoordinator
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.timeline import ClockOffset
 from zpipe.stage.timeline import clock as timeline_clock

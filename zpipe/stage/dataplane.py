@@ -20,10 +20,11 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.protocol.stage_control import Assign
 from zpipe.stage.assignment import Assignment, AssignmentBuilder, FetchState, push_connector
+from zpipe.stage.commands import Command, ConnectAssignment, DropMessage
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.inference import InferenceLoop
-from zpipe.stage.lifecycle import Command, ConnectAssignment, DataRoute, DropMessage, StageLifecycle
+from zpipe.stage.lifecycle import DataRoute, StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, data_port_limits
 from zpipe.stage.shard import Shard

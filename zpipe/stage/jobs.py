@@ -29,10 +29,10 @@ from zpipe.protocol.stage_control import (
     ProfileRequest,
     WeightsRequest,
 )
+from zpipe.stage.commands import Command, StageJob, StartJob
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.emulated_compute import emulated_profile_reply
-from zpipe.stage.lifecycle import Command, StageJob, StartJob
 from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.repartition import StageRepartition
 from zpipe.stage.snapshots import SnapshotService, request_identity

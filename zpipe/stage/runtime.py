@@ -44,25 +44,23 @@ from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.stage_control import Register, RegisterAgain
 from zpipe.stage.assignment import push_connector
 from zpipe.stage.bulk import StageBulk
-from zpipe.stage.config import StageConfig
-from zpipe.stage.coordinator_link import CoordinatorLink
-from zpipe.stage.dataplane import DataPlane
-from zpipe.stage.jobs import StageJobs
-from zpipe.stage.lifecycle import (
+from zpipe.stage.commands import (
     AllowProbePeers,
     Command,
     ConnectAssignment,
-    CoordinatorLost,
     DropMessage,
     Exit,
     LossyControl,
     Note,
-    Phase,
     RestartTask,
     SendToCoordinator,
-    StageLifecycle,
     StartJob,
 )
+from zpipe.stage.config import StageConfig
+from zpipe.stage.coordinator_link import CoordinatorLink
+from zpipe.stage.dataplane import DataPlane
+from zpipe.stage.jobs import StageJobs
+from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.lossy_executor import LossyExecutor
 from zpipe.stage.metrics import StageCounters
