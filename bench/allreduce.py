@@ -3,7 +3,7 @@
 What it measures: for world sizes 2, 3 and 4 (``--world-sizes``) it spawns that many
 worker processes on this machine; each joins a gloo process group
 (``init_process_group("gloo")`` over ``tcp://127.0.0.1``) and starts one
-:class:`zpipe.training.allreduce.RingAllReduce` rank (plain TCP on loopback, zmq
+:class:`zpipe.stage.data_parallel.RingAllReduce` rank (plain TCP on loopback, zmq
 sockets from ``open_socket``, uvloop where importable, as zpipe's CLI runs). Then, for
 float32 buffers of 1 MiB, 16 MiB and 64 MiB (``--sizes``; ResNet-50 sends about
 100 MB of gradients, BERT-base about 440 MB, a stage's share is a fraction of that),
@@ -33,7 +33,7 @@ Output, on stdout, one JSON line per path, world size and size::
 
 ``algbw_gbps`` is size / seconds; ``busbw_gbps`` is what each rank's link carried,
 2(n-1)/n * size / seconds, i.e. the bandwidth with which Asteroid's eq. (5)
-(:func:`~zpipe.training.allreduce.ring_allreduce_cost_s`) predicts the measured time;
+(:func:`~zpipe.training.ring.ring_allreduce_cost_s`) predicts the measured time;
 compare it with bench/transport.py's point-to-point GB/s. Then one summary line::
 
     {"bench": "allreduce", "summary": true, "ratio_vs_gloo_16mb_n3": ..., ...}
@@ -73,11 +73,8 @@ import torch
 import torch.distributed as dist
 
 from zpipe.log import configure_logging
-from zpipe.training.allreduce import (
-    DEFAULT_SEGMENT_BYTES,
-    RingAllReduce,
-    ring_allreduce_cost_s,
-)
+from zpipe.stage.data_parallel import DEFAULT_SEGMENT_BYTES, RingAllReduce
+from zpipe.training.ring import ring_allreduce_cost_s
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.ports import free_tcp_port
 from zpipe.transport.sockets import new_context

@@ -7,6 +7,7 @@ own authenticator), and once as three spawned OS processes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import multiprocessing as mp
 import time
@@ -23,10 +24,11 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
-from zpipe.training.allreduce import (
+from zpipe.protocol.data_plane import AllReduce
+from zpipe.stage.data_parallel import RingAllReduce
+from zpipe.training.ring import (
     KIND,
     ExpectedMessage,
-    RingAllReduce,
     SegmentLayout,
     check_message,
     ring_allreduce_cost_s,
@@ -118,10 +120,10 @@ def _expected(**changes: Any) -> ExpectedMessage:
     return ExpectedMessage(**fields)
 
 
-def _message(epoch: int = 2, tensor: torch.Tensor | None = None, **body: int) -> Message:
+def _message(epoch: int = 2, tensor: torch.Tensor | None = None, **body: int) -> AllReduce:
     fields = {"round": 5, "step": 1, "chunk": 0, "seg": 3, "src": 1, **body}
     t = torch.zeros(4) if tensor is None else tensor
-    return Message(KIND, fields, epoch=epoch, tensors=(t,))
+    return AllReduce(**fields, epoch=epoch, tensors=(t,))
 
 
 def test_check_message_accepts_drops_stale_and_names_the_peer_on_mismatch() -> None:
@@ -139,7 +141,7 @@ def test_check_message_accepts_drops_stale_and_names_the_peer_on_mismatch() -> N
         (_message(tensor=torch.zeros(5)), "float32[5]"),
         (_message(tensor=torch.zeros(4, dtype=torch.float64)), "float64"),
         (_message(tensor=torch.zeros(2, 2)), "float32[2, 2]"),
-        (Message(KIND, _message().body, epoch=2), "0 tensors"),
+        (dataclasses.replace(_message(), tensors=()), "0 tensors"),
     ]
     for message, fragment in bad:
         with pytest.raises(ProtocolError, match="rank 1 at X") as info:

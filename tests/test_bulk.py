@@ -30,6 +30,7 @@ from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.persistence import SavedMember, SavedState
 from zpipe.coordinator.state import CoordinatorState
+from zpipe.protocol.bulk import BulkChunk, BulkDone, BulkRefused
 from zpipe.stage.bulk import StageBulk
 from zpipe.transport.bulk import (
     MAX_CHUNK_BYTES,
@@ -408,13 +409,14 @@ def test_a_stage_reassembles_the_coordinator_s_state_and_refuses_other_tokens() 
     bulk = _stage_bulk()
     assert bulk.registered("tok") and bulk.usable
     transfer = OutgoingTransfer(5, encode(WEIGHTS), chunk_bytes=512)
-    results = [bulk.received(c) for c in transfer.messages(name="b", token="tok")]
+    chunks = transfer.messages(name="b", token="tok")
+    results = [bulk.received(BulkChunk.from_message(c)) for c in chunks]
     assert len(results) > 2 and all(r.message is None for r in results[:-1])
     whole = results[-1].message
     assert whole is not None and torch.equal(whole.tensors[0], WEIGHTS.tensors[0])
     stray = next(OutgoingTransfer(6, encode(WEIGHTS)).messages(name="b", token="old"))
     with pytest.raises(ProtocolError, match="another stage or registration"):
-        bulk.received(stray)
+        bulk.received(BulkChunk.from_message(stray))
 
 
 def test_a_refused_transfer_is_handed_back_for_the_control_connection() -> None:
@@ -422,11 +424,11 @@ def test_a_refused_transfer_is_handed_back_for_the_control_connection() -> None:
     bulk.registered("tok")
     bulk._unsettled[2] = (WEIGHTS, "older")  # sent before the latest registration
     bulk._unsettled[3] = (WEIGHTS, "tok")  # sent, not yet confirmed
-    got = bulk.received(Message("bulk_refused", {"transfer": 2, "reason": "old token"}))
+    got = bulk.received(BulkRefused(transfer=2, reason="old token"))
     assert got.resend is WEIGHTS and bulk.usable  # the current token still stands
-    got = bulk.received(Message("bulk_refused", {"transfer": 3, "reason": "restarted"}))
+    got = bulk.received(BulkRefused(transfer=3, reason="restarted"))
     assert got.resend is WEIGHTS and not bulk.usable
-    assert bulk.received(Message("bulk_done", {"transfer": 9})).resend is None
+    assert bulk.received(BulkDone(transfer=9)).resend is None
 
 
 # ------------------------------------------------------------ the emulated uplink

@@ -316,11 +316,11 @@ def test_training_profiles_cover_the_shares_of_a_micro_batch() -> None:
     assert training_profile_sizes(16) == [1, 4, 8, 16]
     assert training_profile_sizes(2) == [1, 2]
     assert training_profile_sizes(1) == [1]
-    assert requested_batch_sizes({"batch_size": 8, "batch_sizes": [8, 1, 4, 2, 8]}) == [1, 2, 4, 8]
-    assert requested_batch_sizes({"batch_size": 8}) == [8]
+    assert requested_batch_sizes(8, [8, 1, 4, 2, 8]) == [1, 2, 4, 8]
+    assert requested_batch_sizes(8) == [8]
     for bad in ([0], [1.5], [True], list(range(1, 40)), [2**40]):
         with pytest.raises(ProtocolError):
-            requested_batch_sizes({"batch_size": 8, "batch_sizes": bad})
+            requested_batch_sizes(8, bad)
 
 
 def _member(name: str, **info: Any) -> Member:

@@ -21,6 +21,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from zpipe.protocol.data_plane import Data, MicroBatchError
 from zpipe.stage import inference
 from zpipe.stage.inference import InferenceLoop
 from zpipe.stage.metrics import StageCounters
@@ -66,10 +67,8 @@ def context() -> Iterator[zmq.asyncio.Context]:
     ctx.term()
 
 
-def data(mb: int, value: float, size: int = 16) -> Message:
-    return Message(
-        "data", {"run": 1, "mb": mb, "src": "up"}, epoch=3, tensors=(torch.full((size,), value),)
-    )
+def data(mb: int, value: float, size: int = 16) -> Data:
+    return Data(run=1, mb=mb, src="up", epoch=3, tensors=(torch.full((size,), value),))
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -83,7 +82,7 @@ async def until(condition: Callable[[], bool]) -> None:
 
 async def _run(
     context: zmq.asyncio.Context,
-    inputs: list[Message],
+    inputs: list[Data | MicroBatchError],
     *,
     options: SocketOptions,
     hold_downstream: bool = False,
@@ -165,7 +164,7 @@ def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
     trips: list[int] = []
     original = InferenceLoop._forward_all
 
-    def counting(self: InferenceLoop, group: list[Message]) -> object:
+    def counting(self: InferenceLoop, group: list[Data]) -> object:
         trips.append(len(group))
         return original(self, group)
 
@@ -183,10 +182,8 @@ def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
 def test_a_failing_forward_becomes_an_error_and_upstream_errors_pass_on(
     context: zmq.asyncio.Context,
 ) -> None:
-    upstream_error = Message(
-        "error",
-        {"run": 1, "mb": 2, "src": "up", "stage": "s0", "message": "boom"},
-        epoch=3,
+    upstream_error = MicroBatchError(
+        run=1, mb=2, src="up", stage="s0", message="boom", epoch=3
     )
     inputs = [data(0, 1.0), data(1, -1.0), upstream_error, data(3, 3.0)]
     received, shard, counters = asyncio.run(_run(context, inputs, options=SocketOptions()))

@@ -9,6 +9,7 @@ snapshot services talking over a real ROUTER on loopback, as two stages do.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,14 +20,16 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError
+from zpipe.protocol import WireMessage
+from zpipe.protocol.peer import Backup
+from zpipe.protocol.stage_control import BackupRequest
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import FetchGrant
 from zpipe.stage.peer_transfer import ChunkedState, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
-from zpipe.stage.trainer import Group, TrainingSetup
-from zpipe.transport.codec import Message
+from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
 
@@ -43,9 +46,8 @@ def big_state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def backup_of(owner: str, state: dict[str, torch.Tensor], step: int = 3) -> Message:
-    body = {"run": 7, "step": step, "owner": owner, "keys": list(state)}
-    return Message("backup", body, tensors=tuple(state.values()))
+def backup_of(owner: str, state: dict[str, torch.Tensor], step: int = 3) -> Backup:
+    return Backup(run=7, step=step, owner=owner, keys=list(state), tensors=tuple(state.values()))
 
 
 def test_chunks_put_together_give_the_message_back() -> None:
@@ -58,8 +60,8 @@ def test_chunks_put_together_give_the_message_back() -> None:
     results = [inbox.add("peer", c, max_message_bytes=1 << 30) for c in chunks]
     assert results[:-1] == [None] * (len(chunks) - 1)
     whole = results[-1]
-    assert whole is not None and whole.kind == "backup" and whole["owner"] == "a"
-    got = dict(zip(whole["keys"], whole.tensors, strict=True))
+    assert isinstance(whole, Backup) and whole.owner == "a"
+    got = dict(zip(whole.keys, whole.tensors, strict=True))
     assert got.keys() == state.keys()
     assert all(torch.equal(got[k], state[k]) for k in state)
 
@@ -85,12 +87,13 @@ def test_transfers_of_two_senders_for_one_owner_do_not_mix() -> None:
     from_a = list(state_chunks(frames_a, owner="a", transfer=0, chunk_bytes=CHUNK))
     from_b = list(state_chunks(frames_b, owner="a", transfer=0, chunk_bytes=CHUNK))
     inbox = ChunkedState(cap_bytes=1 << 30)
-    done = {}
+    done: dict[str, WireMessage] = {}
     for chunk_a, chunk_b in zip(from_a, from_b, strict=True):
         for sender, chunk in (("a", chunk_a), ("b", chunk_b)):
             whole = inbox.add(sender, chunk, max_message_bytes=1 << 30)
             if whole is not None:
                 done[sender] = whole
+    assert isinstance(done["a"], Backup) and isinstance(done["b"], Backup)
     assert torch.equal(done["a"].tensors[0], big_state(2)["units.0.weight"])
     assert torch.equal(done["b"].tensors[0], big_state(3)["units.0.weight"])
 
@@ -108,8 +111,9 @@ class Holder:
 def setup_of(name: str, backup_from: tuple[str, ...]) -> TrainingSetup:
     return TrainingSetup(
         run=7, epoch=1, name=name, index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group((name,), (1,)), rank=0,
-        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup((name,), (1,)), rank=0,
+        upstream=DataParallelGroup(("a",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=backup_from,
     )  # fmt: skip
 
@@ -149,10 +153,12 @@ async def holder(context: zmq.asyncio.Context) -> AsyncIterator[Holder]:
     held = Holder(service, endpoint)
     trainer = Trainer(setup_of("b", backup_from=("a",)), {})
 
-    async def handler(message: Message, key: bytes | None) -> Message | Iterator[Message]:
-        held.kinds.append(message.kind)
+    async def handler(
+        message: WireMessage, key: bytes | None
+    ) -> WireMessage | Iterator[WireMessage]:
+        held.kinds.append(message.KIND)
         answer = await service.on_peer_request(message, trainer)  # type: ignore[arg-type]
-        held.streamed.append(not isinstance(answer, Message))
+        held.streamed.append(not isinstance(answer, WireMessage))
         return answer
 
     responder = ProbeResponder(
@@ -188,14 +194,10 @@ async def test_a_big_backup_goes_in_paced_chunks_and_is_kept_whole(
     async def pace(nbytes: int) -> None:
         paced.append(nbytes)
 
-    request = Message(
-        "backup_request",
-        {"run": 7, "step": 3, "holder": "b", "holder_endpoint": holder.endpoint},
-        1,
-    )
+    request = BackupRequest(run=7, step=3, holder="b", holder_endpoint=holder.endpoint, epoch=1)
     trainer = Trainer(setup_of("a", backup_from=()), state)
-    reply, _ = await sender.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
-    assert reply["error"] == ""
+    reply = await sender.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
+    assert reply.error == ""
     _, nbytes = encoded_size(backup_of("a", state))
     assert holder.kinds == ["state_chunk"] * -(-nbytes // CHUNK)
     assert len(paced) == len(holder.kinds) and sum(paced) == nbytes  # each chunk paced
@@ -206,9 +208,9 @@ async def test_a_big_backup_goes_in_paced_chunks_and_is_kept_whole(
     small = {"units.0.weight": torch.ones(4)}
     holder.kinds.clear()
     trainer.shard.state = small
-    again = Message("backup_request", {**request.body, "step": 4}, 1)
-    reply, _ = await sender.backup_reply(again, trainer, pace)  # type: ignore[arg-type]
-    assert reply["error"] == "" and holder.kinds == ["backup"]
+    again = dataclasses.replace(request, step=4)
+    reply = await sender.backup_reply(again, trainer, pace)  # type: ignore[arg-type]
+    assert reply.error == "" and holder.kinds == ["backup"]
     assert torch.equal(
         holder.service.replicas.units("a", 7, 4, 0, 1)["units.0.weight"], small["units.0.weight"]
     )
@@ -222,14 +224,10 @@ async def test_a_chunked_backup_from_an_owner_the_plan_does_not_name_is_refused_
     async def pace(nbytes: int) -> None:
         return None
 
-    request = Message(
-        "backup_request",
-        {"run": 7, "step": 3, "holder": "b", "holder_endpoint": holder.endpoint},
-        1,
-    )
+    request = BackupRequest(run=7, step=3, holder="b", holder_endpoint=holder.endpoint, epoch=1)
     trainer = Trainer(setup_of("mallory", backup_from=()), big_state(5))
-    reply, _ = await sender.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
-    assert "does not back up to this stage" in reply["error"]
+    reply = await sender.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
+    assert "does not back up to this stage" in reply.error
     assert holder.kinds == ["state_chunk"]  # refused at chunk 0: nothing more was sent
     assert ("mallory", 7, 3) not in holder.service.replicas
 

@@ -9,29 +9,48 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError, ProtocolError
-from zpipe.stage.lifecycle import (
+from zpipe.protocol.data_plane import Data
+from zpipe.protocol.stage_control import (
+    Assign,
+    BackupRequest,
+    Connect,
+    HeartbeatAck,
+    LinkPeers,
+    LinkProbeRequest,
+    MetricsRequest,
+    Probe,
+    ProfileRequest,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    Shutdown,
+    WeightsRequest,
+)
+from zpipe.stage.commands import (
     AllowProbePeers,
     Command,
     ConnectAssignment,
-    CoordinatorLost,
-    DataRoute,
     DropMessage,
     Exit,
-    Job,
     Note,
-    Phase,
-    RestartPolicy,
     RestartTask,
     SendToCoordinator,
+    StageJob,
+    StartJob,
+)
+from zpipe.stage.lifecycle import (
+    CoordinatorLost,
+    DataRoute,
+    DataVerdict,
+    Phase,
+    RestartPolicy,
     StageLifecycle,
     StageTaskFailed,
-    StartJob,
-    Verdict,
 )
 from zpipe.stage.peer_policy import FetchGrant
-from zpipe.transport.codec import Message
 
-REGISTRATION = {"name": "s0", "data_endpoint": "tcp://127.0.0.1:5000", "info": {}}
+REGISTRATION = Register(name="s0", data_endpoint="tcp://127.0.0.1:5000", info={})
 
 
 def new_stage(now: float = 0.0, **kwargs: Any) -> StageLifecycle:
@@ -48,7 +67,7 @@ def new_stage(now: float = 0.0, **kwargs: Any) -> StageLifecycle:
 
 def registered(now: float = 0.0, interval: float = 1.0) -> StageLifecycle:
     stage = new_stage(now)
-    reply = Message("registered", {"name": "s0", "heartbeat_interval": interval})
+    reply = Registered(name="s0", heartbeat_interval=interval)
     assert stage.registration_reply(reply, now) == []
     return stage
 
@@ -57,8 +76,20 @@ def sends(commands: list[Command]) -> list[tuple[str, dict[str, Any], int]]:
     return [(c.kind, dict(c.body), c.epoch) for c in commands if isinstance(c, SendToCoordinator)]
 
 
-def assign(run: int, epoch: int, upstream: str = "client") -> Message:
-    return Message("assign", {"run": run, "upstream": upstream}, epoch=epoch)
+def assign(run: int, epoch: int, upstream: str = "client") -> Assign:
+    return Assign(
+        run=run, model={}, start=0, end=1, index=0, num_stages=1, upstream=upstream,
+        downstream="client", downstream_endpoint="", dtype="float32", epoch=epoch,
+    )  # fmt: skip
+
+
+def connect(run: int, epoch: int = 0, ring: dict[str, Any] | None = None) -> Connect:
+    return Connect(run=run, ring=ring, epoch=epoch)
+
+
+# the shell fills these in (SendToCoordinator.attach_metrics)
+NO_METRICS = {"metrics": {}}
+
 
 
 def running(run: int = 1, epoch: int = 3, now: float = 0.0) -> StageLifecycle:
@@ -66,8 +97,8 @@ def running(run: int = 1, epoch: int = 3, now: float = 0.0) -> StageLifecycle:
     stage = registered(now)
     stage.control_message(assign(run, epoch), now)
     stage.assignment_ready(run, epoch, build_s=0.5)
-    [connect] = stage.control_message(Message("connect", {"run": run}, epoch=epoch), now)
-    assert isinstance(connect, ConnectAssignment)
+    [connected] = stage.control_message(connect(run, epoch), now)
+    assert isinstance(connected, ConnectAssignment)
     stage.connected(run, DataRoute.inference(epoch, "client"))
     return stage
 
@@ -77,7 +108,7 @@ def running(run: int = 1, epoch: int = 3, now: float = 0.0) -> StageLifecycle:
 
 def test_registration_is_sent_until_the_connect_timeout_then_the_coordinator_is_lost() -> None:
     stage = new_stage(now=100.0)
-    assert sends(stage.registration_due(100.0)) == [("register", REGISTRATION, 0)]
+    assert sends(stage.registration_due(100.0)) == [("register", REGISTRATION.body(), 0)]
     assert stage.registration_time_left(110.0) == pytest.approx(5.0)
     [exit_] = stage.registration_due(115.0)
     assert isinstance(exit_, Exit) and isinstance(exit_.error, CoordinatorLost)
@@ -87,9 +118,9 @@ def test_registration_is_sent_until_the_connect_timeout_then_the_coordinator_is_
 
 def test_a_refused_registration_fails_with_a_config_error_and_other_replies_are_ignored() -> None:
     stage = new_stage()
-    assert stage.registration_reply(Message("heartbeat_ack"), 1.0) == []
+    assert stage.registration_reply(HeartbeatAck(), 1.0) == []
     assert stage.phase is Phase.REGISTERING
-    [exit_] = stage.registration_reply(Message("refused", {"reason": "duplicate name"}), 1.0)
+    [exit_] = stage.registration_reply(Refused(reason="duplicate name"), 1.0)
     assert isinstance(exit_, Exit) and isinstance(exit_.error, ConfigError)
     assert "refused this stage: duplicate name" in exit_.reason
 
@@ -107,7 +138,11 @@ def test_heartbeats_carry_metrics_and_wait_at_most_an_interval() -> None:
     stage = registered(interval=0.5)
     [beat] = stage.heartbeat_due(1.0)
     assert isinstance(beat, SendToCoordinator)
-    assert (beat.kind, dict(beat.body), beat.attach_metrics) == ("heartbeat", {"name": "s0"}, True)
+    assert (beat.kind, dict(beat.body), beat.attach_metrics) == (
+        "heartbeat",
+        {"name": "s0", **NO_METRICS},
+        True,
+    )
     assert beat.timeout_s == 0.5
 
 
@@ -127,13 +162,13 @@ def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
     away, beat = stage.heartbeat_due(3.5)  # three intervals of silence
     assert isinstance(away, Note) and away.event == "coordinator_away"
     assert away.fields["limit_s"] == 10.0 and away.fields["phase"] == "running"
-    assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
+    assert sends([beat]) == [("heartbeat", {"name": "s0", **NO_METRICS}, 0)]
     assert stage.coordinator_away
     # the usual cadence for eight heartbeats without an answer (a coordinator that is
     # only slow hears it), then one every three intervals; the absence is said once
     beats = [t for t in range(4, 10) if sends(stage.heartbeat_due(float(t)))]
     assert beats == [4, 5, 6, 7, 8]
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
     assert stage.phase is Phase.RUNNING
 
 
@@ -146,27 +181,27 @@ def test_after_eight_unanswered_heartbeats_one_goes_every_three_intervals() -> N
         silence_limit_s=60.0,
         now=0.0,
     )
-    stage.registration_reply(Message("registered", {"name": "s0", "heartbeat_interval": 1.0}), 0.0)
+    stage.registration_reply(Registered(name="s0", heartbeat_interval=1.0), 0.0)
     beats = [t for t in range(1, 30) if sends(stage.heartbeat_due(float(t)))]
     assert beats == [1, 2, 3, 4, 5, 6, 7, 8, 11, 14, 17, 20, 23, 26, 29]
-    stage.control_message(Message("heartbeat_ack"), 29.5)  # the usual cadence again
+    stage.control_message(HeartbeatAck(), 29.5)  # the usual cadence again
     assert [t for t in range(30, 34) if sends(stage.heartbeat_due(float(t)))] == [30, 31, 32, 33]
 
 
 def test_the_first_word_after_an_absence_is_reported_and_answered_with_a_heartbeat() -> None:
     stage = running(now=0.0)
     stage.heartbeat_due(4.0)
-    back, beat = stage.control_message(Message("heartbeat_ack"), 9.0)
+    back, beat = stage.control_message(HeartbeatAck(), 9.0)
     assert isinstance(back, Note) and back.event == "coordinator_back"
     assert back.fields == {"away_s": 9.0, "phase": "running"}
-    assert sends([beat]) == [("heartbeat", {"name": "s0"}, 0)]
+    assert sends([beat]) == [("heartbeat", {"name": "s0", **NO_METRICS}, 0)]
     assert not stage.coordinator_away
-    assert stage.control_message(Message("heartbeat_ack"), 9.5) == []  # said once
+    assert stage.control_message(HeartbeatAck(), 9.5) == []  # said once
     # a coordinator that forgot this stage has it register again; the run is untouched
     stage.heartbeat_due(14.0)
-    back, beat, register = stage.control_message(Message("register_again", {"reason": "x"}), 15.0)
+    back, beat, register = stage.control_message(RegisterAgain(reason="x"), 15.0)
     assert isinstance(back, Note)
-    assert sends([register]) == [("register", REGISTRATION, 0)]
+    assert sends([register]) == [("register", REGISTRATION.body(), 0)]
     assert stage.phase is Phase.RUNNING and stage.route is not None
 
 
@@ -174,14 +209,14 @@ def test_a_frame_that_does_not_decode_also_ends_the_absence() -> None:
     stage = registered(now=0.0)
     stage.heartbeat_due(5.0)
     stage.heard_from_coordinator(6.0)  # the shell saw frames; the message was bad
-    [back, _beat, drop] = stage.control_message(Message("data", {}), 6.0)
+    [back, _beat, drop] = stage.control_message(Data(run=1, mb=0, src="x"), 6.0)
     assert isinstance(back, Note) and back.fields["away_s"] == 6.0
     assert isinstance(drop, DropMessage)
 
 
 def test_a_control_message_resets_the_silence_clock() -> None:
     stage = registered(now=0.0)
-    stage.control_message(Message("heartbeat_ack"), 9.0)
+    stage.control_message(HeartbeatAck(), 9.0)
     assert not any(isinstance(c, Exit) for c in stage.heartbeat_due(15.0))
 
 
@@ -190,57 +225,56 @@ def test_a_control_message_resets_the_silence_clock() -> None:
 
 def test_simple_requests_are_answered_at_once() -> None:
     stage = registered()
-    assert sends(stage.control_message(Message("probe", {"nonce": 7}), 1.0)) == [
+    assert sends(stage.control_message(Probe(nonce=7), 1.0)) == [
         ("probe_ack", {"nonce": 7}, 0)
     ]
-    assert sends(stage.control_message(Message("register_again", {"reason": "x"}), 1.0)) == [
-        ("register", REGISTRATION, 0)
+    assert sends(stage.control_message(RegisterAgain(reason="x"), 1.0)) == [
+        ("register", REGISTRATION.body(), 0)
     ]
-    [metrics] = stage.control_message(Message("metrics_request", {"run": 4}, epoch=9), 1.0)
+    [metrics] = stage.control_message(MetricsRequest(run=4, epoch=9), 1.0)
     assert isinstance(metrics, SendToCoordinator) and metrics.attach_metrics
     assert (metrics.kind, dict(metrics.body), metrics.epoch) == (
         "metrics",
-        {"run": 4, "name": "s0"},
+        {"run": 4, "name": "s0", **NO_METRICS},
         9,
     )
-    allow, ok = stage.control_message(Message("link_peers", {"keys": {"s1": "KEY"}}), 1.0)
+    allow, ok = stage.control_message(LinkPeers(keys={"s1": "KEY"}), 1.0)
     assert allow == AllowProbePeers({"s1": "KEY"})
     assert sends([ok]) == [("link_peers_ok", {"name": "s0"}, 0)]
     grant = {"peer": "s2", "owner": "s1", "run": 3, "step": 4, "start": 2, "end": 5}
-    allow, _ = stage.control_message(Message("link_peers", {"keys": {}, "fetches": [grant]}), 1.0)
+    allow, _ = stage.control_message(LinkPeers(keys={}, fetches=[grant]), 1.0)
     assert allow == AllowProbePeers({}, (FetchGrant("s2", "s1", 3, 4, 2, 5),))
     with pytest.raises(ProtocolError, match="fetch grant"):
-        stage.control_message(Message("link_peers", {"keys": {}, "fetches": [{"peer": 1}]}), 1.0)
-    assert stage.control_message(Message("heartbeat_ack"), 1.0) == []
+        stage.control_message(LinkPeers(keys={}, fetches=[{"peer": 1}]), 1.0)
+    assert stage.control_message(HeartbeatAck(), 1.0) == []
 
 
 def test_long_requests_become_jobs_with_their_concurrency_rule() -> None:
     stage = registered()
-    cases = {
-        "profile_request": (Job.PROFILE, False),  # one at a time
-        "link_probe_request": (Job.LINK_PROBE, False),
-        "weights_request": (Job.WEIGHTS, True),  # the newest wins
-        "backup_request": (Job.BACKUP, True),
-        "assign": (Job.ASSIGN, True),
-    }
-    for kind, (job, newest_wins) in cases.items():
-        message = Message(kind, {"run": 1})
+    cases = [
+        (ProfileRequest(model={}, batch_size=1, dtype="f32", repeats=1), StageJob.PROFILE, False),
+        (LinkProbeRequest(target="s1", endpoint="tcp://h:1"), StageJob.LINK_PROBE, False),
+        (WeightsRequest(run=1, step=1), StageJob.WEIGHTS, True),  # the newest wins
+        (BackupRequest(run=1, step=1, holder="s1"), StageJob.BACKUP, True),
+        (assign(1, 0), StageJob.ASSIGN, True),
+    ]  # one at a time where newest_wins is False
+    for message, job, newest_wins in cases:
         assert stage.control_message(message, 1.0) == [StartJob(job, message, newest_wins)]
 
 
 def test_shutdown_is_a_clean_exit_and_refused_loses_the_coordinator() -> None:
     stage = registered()
-    [exit_] = stage.control_message(Message("shutdown", {"reason": "bye"}), 1.0)
+    [exit_] = stage.control_message(Shutdown(reason="bye"), 1.0)
     assert exit_ == Exit("bye") and stage.phase is Phase.STOPPING
-    assert stage.control_message(Message("probe", {"nonce": 1}), 2.0) == []  # stopping
+    assert stage.control_message(Probe(nonce=1), 2.0) == []  # stopping
 
     other = registered()
-    [lost] = other.control_message(Message("refused", {"reason": "declared dead"}), 1.0)
+    [lost] = other.control_message(Refused(reason="declared dead"), 1.0)
     assert isinstance(lost, Exit) and isinstance(lost.error, CoordinatorLost)
 
 
 def test_an_unexpected_control_message_is_dropped() -> None:
-    [drop] = registered().control_message(Message("data", {"run": 1}), 1.0)
+    [drop] = registered().control_message(Data(run=1, mb=0, src="x"), 1.0)
     assert isinstance(drop, DropMessage) and "unexpected control message 'data'" in drop.reason
 
 
@@ -257,8 +291,8 @@ def test_an_assignment_is_built_then_connected_then_running() -> None:
     body = {"run": 2, "name": "s0", "build_s": 1.5, "ring_endpoint": "tcp://h:9"}
     assert sends(ready) == [("ready", {**body, "max_message_bytes": 4096}, 5)]
     assert stage.phase is Phase.ASSIGNED
-    [connect] = stage.control_message(Message("connect", {"run": 2, "ring": {"r": 1}}), 2.0)
-    assert connect == ConnectAssignment(2, 5, {"r": 1})
+    [connected] = stage.control_message(connect(2, ring={"r": 1}), 2.0)
+    assert connected == ConnectAssignment(2, 5, {"r": 1})
     assert sends(stage.connected(2, DataRoute.inference(5, "client"))) == [
         ("connected", {"run": 2, "name": "s0"}, 5)
     ]
@@ -269,10 +303,10 @@ def test_an_assignment_is_built_then_connected_then_running() -> None:
 
 def test_a_connect_for_a_run_not_built_is_dropped() -> None:
     stage = registered()
-    [drop] = stage.control_message(Message("connect", {"run": 3}), 1.0)
+    [drop] = stage.control_message(connect(3), 1.0)
     assert isinstance(drop, DropMessage) and "run 3" in drop.reason
     stage.control_message(assign(3, 1), 1.0)  # assigned but not built yet
-    assert isinstance(stage.control_message(Message("connect", {"run": 3}), 1.0)[0], DropMessage)
+    assert isinstance(stage.control_message(connect(3), 1.0)[0], DropMessage)
 
 
 def test_a_replaced_assignment_that_finishes_late_is_not_announced() -> None:
@@ -292,7 +326,7 @@ def test_build_and_connect_failures_are_reported_as_assign_failed() -> None:
     assert stage.phase is Phase.IDLE
     stage.control_message(assign(1, 5), 1.0)
     stage.assignment_ready(1, 5, build_s=0.1)
-    stage.control_message(Message("connect", {"run": 1}), 1.0)
+    stage.control_message(connect(1), 1.0)
     assert sends(stage.connect_failed(1, 5, "ConfigError: no endpoint"))[0][0] == "assign_failed"
     assert stage.phase is Phase.IDLE
 
@@ -302,33 +336,34 @@ def test_build_and_connect_failures_are_reported_as_assign_failed() -> None:
 
 def test_only_the_assigned_upstreams_data_of_the_running_epoch_is_delivered() -> None:
     stage = running(epoch=3)
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DELIVER
-    assert stage.data_verdict("error", "client", 3, has_tensors=False).verdict is Verdict.DELIVER
-    assert stage.data_verdict("data", "client", 2, has_tensors=True).verdict is Verdict.STALE
-    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is Verdict.STALE
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
+    error = stage.data_verdict("error", "client", 3, has_tensors=False)
+    assert error.verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("data", "client", 2, has_tensors=True).verdict is DataVerdict.STALE
+    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is DataVerdict.STALE
     impostor = stage.data_verdict("data", "mallory", 3, has_tensors=True)
-    assert impostor.verdict is Verdict.DROP and "must come from ['client']" in impostor.reason
-    assert stage.data_verdict("grad", "client", 3, has_tensors=True).verdict is Verdict.DROP
-    assert stage.data_verdict("data", "client", 3, has_tensors=False).verdict is Verdict.DROP
+    assert impostor.verdict is DataVerdict.DROP and "must come from ['client']" in impostor.reason
+    assert stage.data_verdict("grad", "client", 3, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict("data", "client", 3, has_tensors=False).verdict is DataVerdict.DROP
 
 
 def test_training_routes_take_gradients_from_downstream_and_labels_on_the_last_stage() -> None:
     stage = registered()
     stage.control_message(assign(1, 2), 0.0)
     stage.assignment_ready(1, 2, build_s=0.0)
-    stage.control_message(Message("connect", {"run": 1}), 0.0)
+    stage.control_message(connect(1), 0.0)
     stage.connected(1, DataRoute.training(2, ("a", "b"), (CLIENT := "client",), last=True))
-    assert stage.data_verdict("data", "b", 2, has_tensors=False).verdict is Verdict.DELIVER
-    assert stage.data_verdict("grad", CLIENT, 2, has_tensors=True).verdict is Verdict.DELIVER
-    assert stage.data_verdict("labels", CLIENT, 2, has_tensors=True).verdict is Verdict.DELIVER
-    assert stage.data_verdict("labels", "a", 2, has_tensors=True).verdict is Verdict.DROP
+    assert stage.data_verdict("data", "b", 2, has_tensors=False).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("grad", CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("labels", CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict("labels", "a", 2, has_tensors=True).verdict is DataVerdict.DROP
 
 
 def test_nothing_is_delivered_once_a_new_assignment_arrives() -> None:
     stage = running(epoch=3)
     stage.control_message(assign(1, 4), 1.0)
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is Verdict.DROP
-    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is Verdict.DROP
+    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is DataVerdict.DROP
 
 
 # Events of a random run: assignments (epochs only grow, as the coordinator's do),
@@ -360,7 +395,7 @@ def test_property_no_message_of_another_epoch_is_ever_delivered(events: list[Any
                 stage.assignment_failed(*building, "failed")
             building = None
         elif kind == "connect":
-            commands = stage.control_message(Message("connect", {"run": a}), 1.0)
+            commands = stage.control_message(connect(a), 1.0)
             for command in commands:
                 if isinstance(command, ConnectAssignment):
                     if b:
@@ -369,7 +404,7 @@ def test_property_no_message_of_another_epoch_is_ever_delivered(events: list[Any
                         stage.connect_failed(command.run, command.epoch, "failed")
         elif kind == "data":
             decision = stage.data_verdict("data", b, a, has_tensors=True)
-            if decision.verdict is Verdict.DELIVER:
+            if decision.verdict is DataVerdict.DELIVER:
                 # delivered only from the assigned sender, of the running assignment's
                 # epoch, which is the newest assignment's: nothing older reaches compute
                 assert stage.phase is Phase.RUNNING and b == "client"

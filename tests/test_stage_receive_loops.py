@@ -20,7 +20,9 @@ import zmq
 import zmq.asyncio
 
 from zpipe.config import Timeouts
-from zpipe.stage.dataport import DataPort
+from zpipe.protocol import WireMessage
+from zpipe.protocol.stage_control import Assign, Connect, Probe, Register, Registered
+from zpipe.stage.dataport import DataMessage, DataPort
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle, StageTaskFailed
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.metrics import StageCounters
@@ -119,13 +121,19 @@ async def test_a_task_that_dies_is_reported_and_can_be_restarted() -> None:
 
 
 def _running_lifecycle(epoch: int) -> StageLifecycle:
+    registration = Register(name="s0", data_endpoint="", info={})
     lifecycle = StageLifecycle(
-        name="s0", coordinator="c", registration={}, connect_s=1.0, silence_limit_s=1.0, now=0.0
-    )
-    lifecycle.registration_reply(Message("registered", {"name": "s0", "heartbeat_interval": 1}), 0)
-    lifecycle.control_message(Message("assign", {"run": 1}, epoch=epoch), 0.0)
+        name="s0", coordinator="c", registration=registration, connect_s=1.0,
+        silence_limit_s=1.0, now=0.0,
+    )  # fmt: skip
+    lifecycle.registration_reply(Registered(name="s0", heartbeat_interval=1), 0)
+    assign = Assign(
+        run=1, model={}, start=0, end=1, index=0, num_stages=1, upstream="client",
+        downstream="client", downstream_endpoint="", dtype="float32", epoch=epoch,
+    )  # fmt: skip
+    lifecycle.control_message(assign, 0.0)
     lifecycle.assignment_ready(1, epoch, build_s=0.0)
-    lifecycle.control_message(Message("connect", {"run": 1}, epoch=epoch), 0.0)
+    lifecycle.control_message(Connect(run=1, epoch=epoch), 0.0)
     lifecycle.connected(1, DataRoute.inference(epoch, "client"))
     return lifecycle
 
@@ -148,11 +156,11 @@ async def test_the_data_port_survives_poison_and_a_failing_delivery(
     delivered: list[int] = []
     done = asyncio.Event()
 
-    async def deliver(message: Message) -> None:
-        if message["mb"] == 1:
+    async def deliver(message: DataMessage) -> None:
+        if message.mb == 1:
             raise RuntimeError("a bug in compute's hand-over")
-        delivered.append(int(message["mb"]))
-        if message["mb"] == 2:
+        delivered.append(message.mb)
+        if message.mb == 2:
             done.set()
 
     def data(mb: int, epoch: int = 2) -> Message:
@@ -184,7 +192,7 @@ async def test_the_probe_port_survives_a_peer_request_that_raises(
     router = open_socket(context, zmq.ROUTER, OPTIONS)
     endpoint = bind_endpoint(router, "tcp://127.0.0.1:0")
 
-    async def peer_handler(message: Message, sender: bytes | None) -> Message:
+    async def peer_handler(message: WireMessage, sender: bytes | None) -> WireMessage:
         raise KeyError("owner")  # what a malformed backup did to the old handler
 
     responder = ProbeResponder(
@@ -271,8 +279,8 @@ async def test_the_control_loop_survives_any_exception_from_one_message(
         # ... and a handler that raises something no validation expects
         real = runtime.lifecycle.control_message
 
-        def control_message(message: Message, now: float) -> Any:
-            if message.kind == "probe" and message["nonce"] == 666:
+        def control_message(message: WireMessage, now: float) -> Any:
+            if isinstance(message, Probe) and message.nonce == 666:
                 raise RuntimeError("a bug in the controller")
             return real(message, now)
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from zpipe._errors import ConfigError
+from zpipe.protocol import WireMessage
+from zpipe.protocol.peer import Backup, BackupOk, FetchUnits
+from zpipe.protocol.stage_control import BackupRequest, WeightsRequest
 from zpipe.stage.replicas import ReplicaStore, units_of
 
 STATE = {
@@ -49,8 +53,7 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
 
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import Group, TrainingSetup
-    from zpipe.transport.codec import Message
+    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
@@ -66,8 +69,9 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
     )
     setup = TrainingSetup(
         run=7, epoch=1, name="b", index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group(("b",), (1,)), rank=0,
-        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup(("b",), (1,)), rank=0,
+        upstream=DataParallelGroup(("a",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=("a",),
     )  # fmt: skip
 
@@ -75,21 +79,20 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
         def __init__(self, setup: TrainingSetup) -> None:
             self.setup = setup
 
-    def backup(owner: str, run: int = 7) -> Message:
-        body = {"run": run, "step": 3, "owner": owner, "keys": ["units.0.w"]}
-        return Message("backup", body, tensors=(torch.ones(4),))
+    def backup(owner: str, run: int = 7) -> Backup:
+        return Backup(run=run, step=3, owner=owner, keys=["units.0.w"], tensors=(torch.ones(4),))
 
     trainer = Trainer(setup)
     kept = await service.on_peer_request(backup("a"), trainer)  # type: ignore[arg-type]
-    assert kept["error"] == "" and ("a", 7, 3) in store
+    assert kept.error == "" and ("a", 7, 3) in store
     for message, why in (
         (backup("mallory"), "does not back up to this stage"),
         (backup("a", run=8), "not training run 8"),
     ):
         refused = await service.on_peer_request(message, trainer)  # type: ignore[arg-type]
-        assert why in refused["error"]
+        assert why in refused.error
     refused = await service.on_peer_request(backup("a"), None)
-    assert "not training run 7" in refused["error"]
+    assert "not training run 7" in refused.error
     assert ("mallory", 7, 3) not in store and ("a", 8, 3) not in store
 
 
@@ -99,8 +102,7 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import Group, TrainingSetup
-    from zpipe.transport.codec import Message
+    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
@@ -117,8 +119,9 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
     )
     setup = TrainingSetup(
         run=7, epoch=1, name="b", index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group(("b",), (1,)), rank=0,
-        upstream=Group(("a",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup(("b",), (1,)), rank=0,
+        upstream=DataParallelGroup(("a",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=("a",),
     )  # fmt: skip
 
@@ -126,30 +129,30 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
         def __init__(self, setup: TrainingSetup) -> None:
             self.setup = setup
 
-    def backup(step: int, floats: int) -> Message:
-        body = {"run": 7, "step": step, "owner": "a", "keys": ["units.0.w"]}
-        return Message("backup", body, tensors=(torch.ones(floats),))
+    def backup(step: int, floats: int) -> Backup:
+        tensors = (torch.ones(floats),)
+        return Backup(run=7, step=step, owner="a", keys=["units.0.w"], tensors=tensors)
 
     trainer = Trainer(setup)
     a, c = PeerIdentity(True, "a"), PeerIdentity(True, "c")
     planted = await service.on_peer_request(backup(1, 4), trainer, c)  # type: ignore[arg-type]
-    assert "not by its owner" in planted["error"] and ("a", 7, 1) not in store
-    assert (await service.on_peer_request(backup(1, 4), trainer, a))["error"] == ""  # type: ignore[arg-type]
+    assert "not by its owner" in planted.error and ("a", 7, 1) not in store
+    assert (await service.on_peer_request(backup(1, 4), trainer, a)).error == ""  # type: ignore[arg-type]
     huge = await service.on_peer_request(backup(2, 100), trainer, a)  # type: ignore[arg-type]
-    assert "more than it can" in huge["error"] and ("a", 7, 2) not in store
+    assert "more than it can" in huge.error and ("a", 7, 2) not in store
 
-    def fetch(run: int) -> Message:
-        return Message("fetch_units", {"owner": "a", "run": run, "step": 1, "start": 0, "end": 1})
+    def fetch(run: int) -> FetchUnits:
+        return FetchUnits(owner="a", run=run, step=1, start=0, end=1)
 
     ungranted = await service.on_peer_request(fetch(7), None, c)
-    assert "did not name anyone" in ungranted["error"] and not ungranted.tensors
+    assert "did not name anyone" in ungranted.error and not ungranted.tensors
     service.fetch_grants = (FetchGrant("c", "a", 7, 1, 0, 1),)
     units = await service.on_peer_request(fetch(7), None, c)
-    assert units["error"] == "" and units["keys"] == ["units.0.w"]
+    assert units.error == "" and units.keys == ["units.0.w"]
     not_granted = await service.on_peer_request(fetch(7), None, PeerIdentity(True, "d"))
-    assert "go to c in the current plan" in not_granted["error"] and not not_granted.tensors
+    assert "go to c in the current plan" in not_granted.error and not not_granted.tensors
     stranger = await service.on_peer_request(fetch(7), None, PeerIdentity(True, None))
-    assert "named" in stranger["error"] and not stranger.tensors
+    assert "named" in stranger.error and not stranger.tensors
 
 
 async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
@@ -167,9 +170,8 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     from zpipe.stage.ports import peer_identity
     from zpipe.stage.replicas import peer_request
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import Group, TrainingSetup
+    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport import security
-    from zpipe.transport.codec import Message
     from zpipe.transport.emulation import LinkSpec
     from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
 
@@ -190,13 +192,14 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     )  # fmt: skip
     setup = TrainingSetup(
         run=7, epoch=1, name="k1", index=1, num_stages=2, schedule="1f1b",
-        num_microbatches=2, warmup=1, group=Group(("k1",), (1,)), rank=0,
-        upstream=Group(("k0",), (1,)), downstream=Group(("client",), (1,)), wait_s=1.0,
+        num_microbatches=2, warmup=1, group=DataParallelGroup(("k1",), (1,)), rank=0,
+        upstream=DataParallelGroup(("k0",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0,
         backup_from=("k0",),
     )  # fmt: skip
     trainer = type("Trainer", (), {"setup": setup})()
 
-    async def handler(message: Message, key: bytes | None) -> Message:
+    async def handler(message: WireMessage, key: bytes | None) -> WireMessage:
         return await service.on_peer_request(message, trainer, peer_identity(members, key))
 
     responder = ProbeResponder(
@@ -206,13 +209,14 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     task = asyncio.create_task(responder.serve())
 
     async def plant(sender: str, step: int) -> str:
-        body = {"run": 7, "step": step, "owner": "k0", "keys": ["units.0.w"]}
+        backup = Backup(run=7, step=step, owner="k0", keys=["units.0.w"], tensors=(torch.ones(8),))
         reply = await peer_request(
             context, peer="k1", endpoint=endpoint, server_key=pairs["k1"].public.decode(),
-            keypair=pairs[sender], message=Message("backup", body, tensors=(torch.ones(8),)),
-            expect="backup_ok", options=SocketOptions(), timeout_s=20.0,
+            keypair=pairs[sender], message=backup,
+            expect=BackupOk, options=SocketOptions(), timeout_s=20.0,
         )  # fmt: skip
-        return str(reply["error"])
+        assert isinstance(reply, BackupOk)
+        return reply.error
 
     try:
         assert "sent by k2, not by its owner" in await plant("k2", 1)
@@ -236,7 +240,6 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
 
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService, request_identity
-    from zpipe.transport.codec import Message
     from zpipe.transport.sockets import SocketOptions
 
     class Shard:
@@ -267,25 +270,25 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
             counters=StageCounters(),
             replicas=ReplicaStore(),
         )
-        request = Message("backup_request", {"run": 7, "step": 3, "holder": "coordinator"}, 2)
+        request = BackupRequest(run=7, step=3, holder="coordinator", epoch=2)
 
         async def pace(nbytes: int) -> None:
             return None
 
-        first, first_tensors = await service.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
+        first = await service.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
         trainer.shard.weight += 1.0  # trains on
-        again, again_tensors = await service.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
-        later = Message("backup_request", {"run": 7, "step": 4, "holder": "coordinator"}, 2)
-        _, later_tensors = await service.backup_reply(later, trainer, pace)  # type: ignore[arg-type]
-    assert first["error"] == "" and again == first and trainer.waited == [3, 4]
-    assert again_tensors is first_tensors and torch.equal(again_tensors[0], torch.zeros(3))
-    assert torch.equal(later_tensors[0], torch.ones(3))
+        again = await service.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
+        later = BackupRequest(run=7, step=4, holder="coordinator", epoch=2)
+        later_reply = await service.backup_reply(later, trainer, pace)  # type: ignore[arg-type]
+    assert first.error == "" and again == first and trainer.waited == [3, 4]
+    assert again.tensors is first.tensors and torch.equal(again.tensors[0], torch.zeros(3))
+    assert torch.equal(later_reply.tensors[0], torch.ones(3))
     # a request is the same one sent twice only with the same kind, epoch and body
     assert request_identity(request) == request_identity(
-        Message("backup_request", {"holder": "coordinator", "step": 3, "run": 7}, 2)
+        BackupRequest(holder="coordinator", step=3, run=7, epoch=2)
     )
     assert request_identity(request) != request_identity(later)
-    assert request_identity(request) != request_identity(Message("backup_request", request.body, 3))
+    assert request_identity(request) != request_identity(dataclasses.replace(request, epoch=3))
 
 
 async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> None:
@@ -293,7 +296,6 @@ async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> N
 
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.transport.codec import Message
     from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
@@ -317,19 +319,16 @@ async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> N
         {"owner": "b", "run": 4, "step": 3, "start": 2, "end": 3},
         {"owner": "c", "run": 4, "step": 3, "start": 4, "end": 6},
     ]
-    request = Message("weights_request", {"run": 4, "step": 3, "snapshot": ranges})
+    request = WeightsRequest(run=4, step=3, snapshot=ranges)
     # no trainer: the run that took the snapshots is over
-    reply, tensors = await service.weights_reply(request, None, never)
-    assert reply["error"] == ""
-    got = dict(zip(reply["keys"], tensors, strict=True))
+    reply = await service.weights_reply(request, None, never)
+    assert reply.error == ""
+    got = dict(zip(reply.keys, reply.tensors, strict=True))
     assert sorted(got) == ["units.2.w", "units.4.w", "units.5.w"]
     assert got["units.2.w"].item() == 2.0
-    missing = Message(
-        "weights_request",
-        {"run": 4, "step": 3, "snapshot": [{**ranges[0], "step": 9}]},
-    )
-    reply, tensors = await service.weights_reply(missing, None, never)
-    assert "no snapshot of 'b' after mini-batch 9" in reply["error"] and tensors == ()
-    malformed = Message("weights_request", {"run": 4, "step": 3, "snapshot": [{"owner": "b"}]})
-    reply, _ = await service.weights_reply(malformed, None, never)
-    assert "malformed snapshot range" in reply["error"]
+    missing = WeightsRequest(run=4, step=3, snapshot=[{**ranges[0], "step": 9}])
+    reply = await service.weights_reply(missing, None, never)
+    assert "no snapshot of 'b' after mini-batch 9" in reply.error and reply.tensors == ()
+    malformed = WeightsRequest(run=4, step=3, snapshot=[{"owner": "b"}])
+    reply = await service.weights_reply(malformed, None, never)
+    assert "malformed snapshot range" in reply.error

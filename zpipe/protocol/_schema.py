@@ -188,6 +188,9 @@ def flat_body_check(schema: Schema) -> Callable[[Any], bool]:
 
 _M = TypeVar("_M", bound="WireMessage")
 _FIELDS: dict[type, tuple[WireField, ...]] = {}
+# per kind, for from_message (every data-plane message is parsed): its schema and the
+# one-pass check that proves check_body would accept a body unchanged
+_READERS: dict[type, tuple[dict[str, FieldSchema], Callable[[Any], bool]]] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +246,13 @@ class WireMessage:
             raise ProtocolError(f"{cls.__name__} reads {cls.KIND!r} messages, not {message.kind!r}")
         if message.tensors and not cls.CARRIES_TENSORS:
             raise ProtocolError(f"{message.kind}: this kind carries no tensors")
-        body = check_body(cls.KIND, cls.schema(), dict(message.body))
+        reader = _READERS.get(cls)
+        if reader is None:
+            schema = cls.schema()
+            reader = _READERS[cls] = (schema, flat_body_check(schema))
+        body = dict(message.body)
+        if not reader[1](body):  # a nested field, or a misfit: the full check names it
+            body = check_body(cls.KIND, reader[0], body)
         values = {f.attr: body.get(f.key) for f in cls.wire_fields()}
         if cls.CARRIES_TENSORS:
             values["tensors"] = tuple(message.tensors)

@@ -11,7 +11,7 @@ On the stages' PUSH/PULL data sockets (and the client's sink)::
     loss     a micro-batch's loss, last stage -> client
     error    a micro-batch that failed: ``stage`` is where, ``src`` the last hop
     allreduce  one segment of one chunk of a data-parallel group's all-reduce
-             (zpipe.training.allreduce), one tensor frame per dtype bucket
+             (zpipe.stage.data_parallel), one tensor frame per dtype bucket
 
 A piece may hold no rows, and then no tensors.
 """

@@ -23,6 +23,7 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.models import ModelSpec
 from zpipe.planner.profile import ModelProfile
+from zpipe.protocol.stage_control import Assign
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.stage.emulated_compute import EmulatedShard
 from zpipe.stage.shard import Shard
@@ -30,7 +31,6 @@ from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import TrainingSetup
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
-from zpipe.transport.codec import Message
 from zpipe.transport.slowdown import Slowdown, slowdown_factor
 from zpipe.transport.sockets import SocketOptions, open_socket
 
@@ -86,9 +86,9 @@ def push_connector(
     return connect
 
 
-def resumed_state(message: Message) -> dict[str, torch.Tensor] | None:
+def resumed_state(message: Assign) -> dict[str, torch.Tensor] | None:
     """The replica an assignment carries (weights and optimizer state), if any."""
-    keys = message.get("state_keys")
+    keys = message.state_keys
     if keys is None:
         if message.tensors:
             raise ProtocolError("an assignment carries tensors but no state_keys")
@@ -104,7 +104,7 @@ ShardKey = tuple[ModelSpec, int, int, str]  # (spec, start, end, dtype)
 FetchState = Callable[[list[Any]], Awaitable[dict[str, torch.Tensor]]]
 # (assignment, its "train" settings) -> the senders to allow
 PrepareTraining = Callable[[Assignment, dict[str, Any]], list["str | None"]]
-ParseTraining = Callable[[Message], TrainingSetup]
+ParseTraining = Callable[[Assign], TrainingSetup]
 
 
 class AssignmentBuilder:
@@ -127,17 +127,16 @@ class AssignmentBuilder:
 
     async def build(
         self,
-        message: Message,
+        message: Assign,
         *,
         parse_training: ParseTraining,
         prepare_training: PrepareTraining,
         fetch_state: FetchState,
     ) -> BuiltAssignment:
-        body = message.body
-        spec = ModelSpec.from_dict(body["model"])
-        key: ShardKey = (spec, int(body["start"]), int(body["end"]), str(body["dtype"]))
+        spec = ModelSpec.from_dict(message.model)
+        key: ShardKey = (spec, message.start, message.end, message.dtype)
         reused = self._cached is not None and self._cached[0] == key
-        training = parse_training(message) if body.get("mode") == "train" else None
+        training = parse_training(message) if message.mode == "train" else None
         loop = asyncio.get_running_loop()
         shard: Shard | TrainShard
         if training is not None and self._emulate is not None:
@@ -145,10 +144,10 @@ class AssignmentBuilder:
         if training is not None:
             # Trained weights are never reused by another run: build afresh.
             self._cached, reused = None, False
-            train = dict(body["train"])
+            train = dict(message.train or {})  # parse_training found the settings
             resumed = resumed_state(message)
-            if body.get("fetch"):
-                resumed = {**(resumed or {}), **await fetch_state(list(body["fetch"]))}
+            if message.fetch:
+                resumed = {**(resumed or {}), **await fetch_state(list(message.fetch))}
             # asynchronous 1F1B keeps weight versions (zpipe.stage.async_shard)
             kind = AsyncShard if training.schedule == ASYNC_SCHEDULE else TrainShard
             shard = await loop.run_in_executor(
@@ -176,23 +175,23 @@ class AssignmentBuilder:
             shard = await loop.run_in_executor(self._compute, lambda: self._build_shard(key))
             self._cached = (key, shard)
         assignment = Assignment(
-            run=int(body["run"]),
+            run=message.run,
             epoch=message.epoch,
             start=key[1],
             end=key[2],
-            index=int(body["index"]),
-            num_stages=int(body["num_stages"]),
-            upstream=str(body["upstream"]),
-            downstream=str(body["downstream"]),
-            downstream_endpoint=str(body["downstream_endpoint"]),
+            index=message.index,
+            num_stages=message.num_stages,
+            upstream=message.upstream,
+            downstream=message.downstream,
+            downstream_endpoint=message.downstream_endpoint,
             shard=shard,
-            upstream_key=body.get("upstream_key"),
-            downstream_key=body.get("downstream_key"),
+            upstream_key=message.upstream_key,
+            downstream_key=message.downstream_key,
             training=training,
         )
         senders = [assignment.upstream_key]
         if training is not None:
-            senders = prepare_training(assignment, dict(body["train"]))
+            senders = prepare_training(assignment, dict(message.train or {}))
         return BuiltAssignment(assignment, reused, senders)
 
     def _build_shard(self, key: ShardKey) -> Shard:

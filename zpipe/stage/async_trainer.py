@@ -30,13 +30,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from zpipe._errors import PipelineError, TransportTimeout
+from zpipe.protocol.data_plane import Data, Labels, Loss
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import (
     CLIENT,
-    Group,
+    DataParallelGroup,
     GroupReducer,
+    Piece,
     Sender,
     TrainingExecutor,
     TrainingSetup,
@@ -49,7 +51,6 @@ from zpipe.training.async_schedule import (
     iter_async_actions,
 )
 from zpipe.training.schedules import Action
-from zpipe.transport.codec import Message
 
 
 class AsyncTrainingExecutor(TrainingExecutor):
@@ -103,9 +104,9 @@ class AsyncTrainingExecutor(TrainingExecutor):
 
     # ------------------------------------------------------------ arrivals
 
-    def deliver(self, message: Message) -> None:
-        if message.kind == "data" and message.get("end"):
-            end = int(message["mb"])
+    def deliver(self, message: Piece) -> None:
+        if isinstance(message, Data) and message.end:
+            end = message.mb
             if self._end is not None and end != self._end:
                 raise PipelineError(f"the feed ended at batch {end}, earlier at {self._end}")
             self._end = end
@@ -116,7 +117,7 @@ class AsyncTrainingExecutor(TrainingExecutor):
 
     async def _arrives(self, batch: int) -> bool:
         """Wait for ``batch``'s activations; False once the feed ended before it."""
-        key = ("data", batch)
+        key: tuple[type[Piece], int] = (Data, batch)
         deadline = time.monotonic() + self.setup.wait_s
         waited_from = time.perf_counter()
         try:
@@ -216,13 +217,15 @@ class AsyncTrainingExecutor(TrainingExecutor):
     async def _forward_batch(self, b: int) -> None:
         s = self.setup
         self._current_mb = b
-        inputs, total, _ = await self._gather("data", b, s.upstream)
+        inputs, total, _ = await self._gather(Data, b, s.upstream)
         target, samples = None, 0
         if s.last:
-            labels, label_total, piece = await self._gather("labels", b, Group((CLIENT,), (1,)))
+            client = DataParallelGroup((CLIENT,), (1,))  # the labels come from the client
+            labels, label_total, piece = await self._gather(Labels, b, client)
             if label_total != total:
                 raise PipelineError(f"labels of batch {b} have {label_total} rows, not {total}")
-            target, samples = (labels[0] if labels else None), int(piece["samples"])
+            assert isinstance(piece, Labels)
+            target, samples = (labels[0] if labels else None), piece.samples
         version = forward_version(
             s.index,
             s.num_stages,
@@ -239,10 +242,10 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.counters.peak_live_activations = self.async_shard.peak_live
         self._rows[b] = (0, total, total)
         if s.last:
-            body = {"run": s.run, "mb": b, "step": b, "loss": loss or 0.0, "src": s.name}
-            await self._send(CLIENT, Message("loss", body, epoch=s.epoch))
+            reply = Loss(run=s.run, mb=b, step=b, loss=loss or 0.0, src=s.name, epoch=s.epoch)
+            await self._send(CLIENT, reply)
         else:
-            await self._scatter("data", b, outputs, (0, total, total), s.downstream)
+            await self._scatter(Data, b, outputs, (0, total, total), s.downstream)
 
     async def _step(self, b: int) -> None:
         started = time.perf_counter()
@@ -259,7 +262,8 @@ class AsyncTrainingExecutor(TrainingExecutor):
             return
         self._end_passed = True
         assert self._end is not None
-        body = {"run": s.run, "mb": self._end, "src": s.name, "rows": [0, 0], "total": 0}
-        body["end"] = True
+        end = Data(
+            run=s.run, mb=self._end, src=s.name, rows=[0, 0], total=0, end=True, epoch=s.epoch
+        )
         for name in s.downstream.names:
-            await self._send(name, Message("data", body, epoch=s.epoch))
+            await self._send(name, end)

@@ -22,6 +22,8 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.bulk import BulkChunk, BulkDone, BulkOpen, BulkOpened, BulkRefused
 from zpipe.transport.bulk import ChunkHeader, Inbox, OutgoingTransfer, payload_view
 from zpipe.transport.codec import Message, decode, encode
 from zpipe.transport.emulation import UplinkConnection
@@ -39,7 +41,7 @@ class Received:
     from the coordinator to handle as a control message, or a refused one of ours to
     send on the control connection."""
 
-    message: Message | None = None
+    message: WireMessage | None = None
     resend: Message | None = None
 
 
@@ -81,8 +83,7 @@ class StageBulk:
     async def open(self) -> None:
         if self._token is None:
             return
-        body = {"name": self.name, "token": self._token}
-        await self._send(Message("bulk_open", body), 64)
+        await self._send(BulkOpen(name=self.name, token=self._token).to_message(), 64)
 
     async def send(self, message: Message) -> int:
         """Send ``message`` as chunks; returns its bytes. Each chunk has its own deadline,
@@ -115,39 +116,47 @@ class StageBulk:
 
         await self._uplink.send(nbytes, go)
 
-    def received(self, message: Message) -> Received:
+    def received(self, message: WireMessage) -> Received:
         """One message on the bulk connection; :class:`ProtocolError` if it is bad."""
-        kind = message.kind
-        if kind == "bulk_opened":
-            self.opened = True
-            return Received()
-        if kind == "bulk_done":
-            self._unsettled.pop(int(message["transfer"]), None)
-            return Received()
-        if kind == "bulk_refused":
-            refused = self._unsettled.pop(int(message["transfer"]), None)
-            log.warning(
-                "bulk_refused",
-                stage=self.name,
-                transfer=message["transfer"],
-                reason=message["reason"],
-                resent=refused is not None,
-            )
-            if refused is None:
+        match message:
+            case BulkOpened():
+                self.opened = True
                 return Received()
-            resend, token = refused
-            if token == self._token:
-                # this coordinator takes no bulk state from us until we register again
-                self._token = None
-            return Received(resend=resend)
-        if kind != "bulk_chunk":
-            raise ProtocolError(f"unexpected {kind!r} on the bulk connection")
-        if message["name"] != self.name or message["token"] != self._token:
+            case BulkDone(transfer=transfer):
+                self._unsettled.pop(transfer, None)
+                return Received()
+            case BulkRefused(transfer=transfer, reason=reason):
+                return self._refused(transfer, reason)
+            case BulkChunk():
+                return self._chunk(message)
+        raise ProtocolError(f"unexpected {message.KIND!r} on the bulk connection")
+
+    def _refused(self, transfer: int, reason: str) -> Received:
+        refused = self._unsettled.pop(transfer, None)
+        log.warning(
+            "bulk_refused",
+            stage=self.name,
+            transfer=transfer,
+            reason=reason,
+            resent=refused is not None,
+        )
+        if refused is None:
+            return Received()
+        resend, token = refused
+        if token == self._token:
+            # this coordinator takes no bulk state from us until we register again
+            self._token = None
+        return Received(resend=resend)
+
+    def _chunk(self, chunk: BulkChunk) -> Received:
+        if chunk.name != self.name or chunk.token != self._token:
             raise ProtocolError("a bulk chunk for another stage or registration")
-        if len(message.tensors) != 1:
+        if len(chunk.tensors) != 1:
             raise ProtocolError("a bulk chunk carries one payload of bytes")
-        header = ChunkHeader.from_body(dict(message.body))
-        frames = self._inbox.add(header, payload_view(message.tensors[0]))
+        header = ChunkHeader.from_body(chunk.body())
+        frames = self._inbox.add(header, payload_view(chunk.tensors[0]))
         if frames is None:
             return Received()
-        return Received(message=decode(frames, max_message_bytes=self._max_message_bytes))
+        # the whole message, parsed once here like every other from the coordinator
+        whole = decode(frames, max_message_bytes=self._max_message_bytes)
+        return Received(message=REGISTRY.parse(whole))

@@ -18,18 +18,19 @@ import zmq.asyncio
 
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
+from zpipe.protocol.stage_control import Assign
 from zpipe.stage.assignment import Assignment, AssignmentBuilder, FetchState, push_connector
+from zpipe.stage.commands import Command, ConnectAssignment, DropMessage
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.inference import InferenceLoop
-from zpipe.stage.lifecycle import Command, ConnectAssignment, DataRoute, DropMessage, StageLifecycle
+from zpipe.stage.lifecycle import DataRoute, StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, data_port_limits
 from zpipe.stage.shard import Shard
 from zpipe.stage.supervision import TaskSupervisor, describe_error
 from zpipe.stage.trainer import TrainingExecutor
 from zpipe.stage.training_plane import TrainingPlane, prepare_training, training_setup
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import ReceiveLimits
 
 log = get_logger("zpipe.stage")
@@ -92,12 +93,12 @@ class DataPlane:
 
     # ------------------------------------------------------------ assignment
 
-    async def assign(self, message: Message) -> list[Command]:
+    async def assign(self, message: Assign) -> list[Command]:
         """Stop what runs, build the new assignment's shard, allow its senders."""
-        name, body = self.config.name, message.body
-        run, epoch = int(body["run"]), message.epoch
-        log.info("assignment_received", stage=name, run=run, epoch=epoch, start=body["start"],
-                 end=body["end"], downstream=body["downstream"])  # fmt: skip
+        name = self.config.name
+        run, epoch = message.run, message.epoch
+        log.info("assignment_received", stage=name, run=run, epoch=epoch, start=message.start,
+                 end=message.end, downstream=message.downstream)  # fmt: skip
         await self.stop()
         self._pending = None
         started = time.monotonic()
@@ -115,7 +116,7 @@ class DataPlane:
             if self._keys.data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
                 self._keys.data_allow.replace([k.encode() for k in built.senders if k])
-            await self._apply_data_limits(ModelSpec.from_dict(body["model"]))
+            await self._apply_data_limits(ModelSpec.from_dict(message.model))
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=name, run=run, error=str(exc))
             return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))

@@ -18,17 +18,20 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
-from zpipe.stage.lifecycle import StageLifecycle, Verdict
+from zpipe.protocol import REGISTRY
+from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
+from zpipe.stage.lifecycle import DataVerdict, StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.supervision import describe_error, serve_messages
 from zpipe.stage.timeline import clock
 from zpipe.transport import security
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import decode_frames, frames_nbytes, recv_frames
 
 log = get_logger("zpipe.stage")
 
-Deliver = Callable[[Message], Awaitable[None]]
+# What the data port passes on: what a stage computes, or the word that someone failed.
+DataMessage = Data | Grad | Labels | MicroBatchError
+Deliver = Callable[[DataMessage], Awaitable[None]]
 
 
 class DataPort:
@@ -68,22 +71,28 @@ class DataPort:
         received_at = clock()
         self._counters.bytes_in += frames_nbytes(frames)
         self._check_sender(frames[0])
-        message = decode_frames(frames, self._max_bytes)
+        message = REGISTRY.parse(decode_frames(frames, self._max_bytes))
+        src: str | None = None  # another kind: the verdict drops it
+        has_tensors = False
+        match message:
+            case Data() | Grad() | Labels():
+                src, has_tensors = message.src, bool(message.tensors)
+            case MicroBatchError():
+                src = message.src
         decision = self._lifecycle.data_verdict(
-            message.kind, message.get("src"), message.epoch, has_tensors=bool(message.tensors)
+            message.KIND, src, message.epoch, has_tensors=has_tensors
         )
-        if decision.verdict is Verdict.DROP:
+        if decision.verdict is DataVerdict.DROP:
             raise ProtocolError(decision.reason)
-        if decision.verdict is Verdict.STALE:
+        if decision.verdict is DataVerdict.STALE:
             self._counters.stale += 1
             log.debug(
                 "stale_message", stage=self._name, epoch=message.epoch, reason=decision.reason
             )
             return
+        assert isinstance(message, DataMessage)  # delivered: a data kind from its sender
         await deliver(message)
-        mb = message.get("mb")
-        if isinstance(mb, int) and not isinstance(mb, bool):
-            self._counters.timeline.record(mb, "recv", received_at, clock())
+        self._counters.timeline.record(message.mb, "recv", received_at, clock())
 
     def _check_sender(self, frame: zmq.Frame) -> None:
         if self._allowed is None:

@@ -27,7 +27,6 @@ import bisect
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -35,9 +34,9 @@ from zpipe._errors import ConfigError
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.planner.profile import ModelProfile, UnitProfile
+from zpipe.protocol.stage_control import ProfileReply, ProfileRequest
 from zpipe.stage.shard import COMPUTE_DTYPES, Shard
 from zpipe.stage.supervision import describe_error
-from zpipe.transport.codec import Message
 from zpipe.transport.slowdown import slowdown_factor
 
 log = get_logger("zpipe.stage")
@@ -197,25 +196,23 @@ class EmulatedShard(Shard):
 
 
 def emulated_profile_reply(
-    message: Message, *, name: str, slowdown: float, profile: ModelProfile
-) -> dict[str, Any]:
+    request: ProfileRequest, *, name: str, slowdown: float, profile: ModelProfile
+) -> ProfileReply:
     """The answer to the coordinator's ``profile_request``: the emulation profile at the
     requested batch size (no model is built or run)."""
-    body = message.body
-    reply: dict[str, Any] = {"name": name, "profile": None, "error": ""}
     try:
-        if body.get("train"):
+        if request.train:
             raise ConfigError("--emulate-compute emulates inference only; it has no backward")
-        spec = ModelSpec.from_dict(body["model"])
+        spec = ModelSpec.from_dict(request.model)
         check_emulation_profile(profile, load_layer_sequence(spec).num_units)
         shown = emulated_profile(
-            profile, batch_size=int(body["batch_size"]), slowdown=slowdown, device_name=name
+            profile, batch_size=request.batch_size, slowdown=slowdown, device_name=name
         )
-        reply["profile"] = shown.to_dict()
+        return ProfileReply(name=name, profile=shown.to_dict(), error="")
     except Exception as exc:  # reported to the coordinator, which plans without us
-        reply["error"] = describe_error(exc)
-        log.error("profile_failed", stage=name, error=reply["error"])
-    return reply
+        error = describe_error(exc)
+        log.error("profile_failed", stage=name, error=error)
+        return ProfileReply(name=name, profile=None, error=error)
 
 
 def profile_with_times(

@@ -19,6 +19,7 @@ between tasks costs more than a small message's send.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
 from zpipe.log import get_logger
+from zpipe.protocol.data_plane import Data, MicroBatchError
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.codec import Message
@@ -82,14 +84,15 @@ class InferenceLoop:
         self._downstream = downstream
         self._downstream_name = downstream_name
         self._send_timeout_s = send_timeout_s
-        self._inbox: asyncio.Queue[Message] = asyncio.Queue(QUEUE_DEPTH)
-        self._outbox: asyncio.Queue[Message] = asyncio.Queue(QUEUE_DEPTH)
+        self._inbox: asyncio.Queue[Data | MicroBatchError] = asyncio.Queue(QUEUE_DEPTH)
+        # (micro-batch, its encoded output): the timeline needs the number when it leaves
+        self._outbox: asyncio.Queue[tuple[int, Message]] = asyncio.Queue(QUEUE_DEPTH)
         self._link = None if link.is_ideal else EmulatedLink(link, self._send_downstream)
         # how long the bytes take to leave, and a bound on what is on its way
         self._meter = LinkMeter(counters)
         self._sending = False  # the send task holds a message (later ones queue behind it)
 
-    async def deliver(self, message: Message) -> None:
+    async def deliver(self, message: Data | MicroBatchError) -> None:
         """A checked message of this assignment's epoch (waits while the inbox is full)."""
         await self._inbox.put(message)
 
@@ -118,15 +121,17 @@ class InferenceLoop:
                 out = self._output(message, result)
                 if _std_log.isEnabledFor(logging.DEBUG):
                     log.debug("microbatch_done", stage=self.name, epoch=self.epoch,
-                              mb=int(message["mb"]))  # fmt: skip
-                await self._hand_to_sender(out)
+                              mb=message.mb)  # fmt: skip
+                await self._hand_to_sender(message.mb, out.to_message())
             grouping = longest < GROUP_BELOW_S
 
-    def _forward_all(self, group: list[Message]) -> list[ComputedMicrobatch | Exception | None]:
+    def _forward_all(
+        self, group: list[Data | MicroBatchError]
+    ) -> list[ComputedMicrobatch | Exception | None]:
         """In the compute thread: each data message's outputs (or what it raised)."""
         results: list[ComputedMicrobatch | Exception | None] = []
         for message in group:
-            if message.kind == "error":
+            if isinstance(message, MicroBatchError):
                 results.append(None)
                 continue
             started = time.perf_counter()
@@ -138,44 +143,41 @@ class InferenceLoop:
             results.append(ComputedMicrobatch(outputs, started, time.perf_counter()))
         return results
 
-    def _output(self, message: Message, result: ComputedMicrobatch | Exception | None) -> Message:
+    def _output(
+        self, message: Data | MicroBatchError, result: ComputedMicrobatch | Exception | None
+    ) -> Data | MicroBatchError:
         """What goes downstream for ``message``, given what computing it gave."""
-        mb = int(message["mb"])
+        mb = message.mb
         counters = self._counters
-        if result is None:
-            return Message("error", {**message.body, "src": self.name}, epoch=self.epoch)
+        if isinstance(message, MicroBatchError):  # passed on, as from this stage
+            return dataclasses.replace(message, src=self.name, epoch=self.epoch)
         if isinstance(result, ComputedMicrobatch):
             counters.timeline.record(mb, "compute", result.started, result.ended)
             counters.microbatches += 1
-            return Message(
-                "data",
-                {"run": self.run, "mb": mb, "src": self.name},
-                epoch=self.epoch,
-                tensors=result.outputs,
+            return Data(
+                run=self.run, mb=mb, src=self.name, epoch=self.epoch, tensors=result.outputs
             )
+        assert result is not None  # only an error message is not computed
         counters.errors += 1
         log.warning("microbatch_failed", stage=self.name, epoch=self.epoch, mb=mb,
                     error=str(result))  # fmt: skip
-        return Message(
-            "error",
-            {
-                "run": self.run,
-                "mb": mb,
-                "src": self.name,
-                "stage": self.name,
-                "message": f"{type(result).__name__}: {result}",
-            },
+        return MicroBatchError(
+            run=self.run,
+            mb=mb,
+            src=self.name,
+            stage=self.name,
+            message=f"{type(result).__name__}: {result}",
             epoch=self.epoch,
         )
 
-    async def _hand_to_sender(self, out: Message) -> None:
-        if await self._send_now(out):
+    async def _hand_to_sender(self, mb: int, out: Message) -> None:
+        if await self._send_now(mb, out):
             return
         blocked_from = time.perf_counter()
-        await self._outbox.put(out)
+        await self._outbox.put((mb, out))
         self._counters.blocked_s += time.perf_counter() - blocked_from
 
-    async def _send_now(self, message: Message) -> bool:
+    async def _send_now(self, mb: int, message: Message) -> bool:
         """Queue ``message`` downstream at once if nothing is ahead of it and there is
         room everywhere; False (nothing sent, the window place given back) otherwise."""
         if (
@@ -197,13 +199,13 @@ class InferenceLoop:
         self._counters.bytes_out += nbytes
         sent_at = time.perf_counter()
         self._counters.send_s += sent_at - started
-        self._counters.timeline.record(int(message["mb"]), "send", started, sent_at)
+        self._counters.timeline.record(mb, "send", started, sent_at)
         return True
 
     async def send_loop(self) -> None:
         while True:
             self._sending = False
-            message = await self._outbox.get()
+            mb, message = await self._outbox.get()
             self._sending = True
             started = time.perf_counter()
             try:
@@ -220,12 +222,12 @@ class InferenceLoop:
                     "send_failed",
                     stage=self.name,
                     epoch=self.epoch,
-                    mb=message["mb"],
+                    mb=mb,
                     error=str(exc),
                 )
             sent_at = time.perf_counter()
             self._counters.send_s += sent_at - started
-            self._counters.timeline.record(int(message["mb"]), "send", started, sent_at)
+            self._counters.timeline.record(mb, "send", started, sent_at)
 
     async def _send_downstream(self, item: object) -> None:
         assert isinstance(item, Message)

@@ -31,11 +31,49 @@ import enum
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from zpipe._errors import ConfigError, ZpipeError
-from zpipe.stage.peer_policy import FetchGrant, fetch_grants
-from zpipe.transport.codec import Message
+from zpipe.protocol import WireMessage
+from zpipe.protocol.lossy import LossyDead, LossyGo, LossyProbeRequest, LossyRemap, LossySetup
+from zpipe.protocol.repartition import RepartitionRequest
+from zpipe.protocol.stage_control import (
+    Assign,
+    AssignFailed,
+    BackupRequest,
+    Connect,
+    Connected,
+    Heartbeat,
+    HeartbeatAck,
+    LinkPeers,
+    LinkPeersOk,
+    LinkProbeRequest,
+    Metrics,
+    MetricsRequest,
+    Probe,
+    ProbeAck,
+    ProfileRequest,
+    Ready,
+    Refused,
+    Register,
+    RegisterAgain,
+    Registered,
+    Shutdown,
+    WeightsRequest,
+)
+from zpipe.stage.commands import (
+    AllowProbePeers,
+    Command,
+    ConnectAssignment,
+    DropMessage,
+    Exit,
+    LossyControl,
+    Note,
+    RestartTask,
+    SendToCoordinator,
+    StageJob,
+    StartJob,
+)
+from zpipe.stage.peer_policy import fetch_grants
 
 # The client feeds the last training stage its labels on the data port.
 CLIENT = "client"
@@ -57,106 +95,6 @@ class Phase(enum.Enum):
     RUNNING = "running"  # connected: data tasks stream micro-batches
     STOPPING = "stopping"
 
-
-class Job(enum.Enum):
-    """Requests that run beside the control loop, because they take long."""
-
-    ASSIGN = "assign"
-    PROFILE = "profile"
-    LINK_PROBE = "link_probe"
-    WEIGHTS = "weights"
-    BACKUP = "backup"
-    REPARTITION = "repartition"
-
-
-# ----------------------------------------------------------------- commands
-
-
-@dataclass(frozen=True)
-class SendToCoordinator:
-    kind: str
-    body: Mapping[str, Any]
-    epoch: int = 0
-    # the shell adds ``"metrics": counters`` last (heartbeats, metrics replies)
-    attach_metrics: bool = False
-    # the shell adds ``"timeline"``: the run's spans and the clock offset
-    attach_timeline: bool = False
-    timeout_s: float | None = None  # None: the configured send timeout
-
-
-@dataclass(frozen=True)
-class StartJob:
-    job: Job
-    message: Message
-    # True: cancel a running job of the same kind; False: skip while one runs
-    newest_wins: bool
-
-
-@dataclass(frozen=True)
-class AllowProbePeers:
-    """Every cluster member's key, by name, may now reach the probe socket; ``fetches``
-    (None: unchanged) the unit fetches the probe socket answers from now on."""
-
-    keys: Mapping[str, str]
-    fetches: tuple[FetchGrant, ...] | None = None
-
-
-@dataclass(frozen=True)
-class ConnectAssignment:
-    """Connect the built assignment of ``run`` to its neighbours and start its data tasks."""
-
-    run: int
-    epoch: int
-    ring: Any  # the all-reduce ring of a shared training stage (endpoints, keys), or None
-
-
-@dataclass(frozen=True)
-class LossyControl:
-    """Hand a lossy run's control message to the lossy executor
-    (:mod:`zpipe.stage.lossy_executor`)."""
-
-    message: Message
-
-
-@dataclass(frozen=True)
-class Note:
-    """Log ``event`` (a change the operator should see); nothing else to do."""
-
-    level: str  # "info", "warning"
-    event: str
-    fields: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class DropMessage:
-    peer: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class RestartTask:
-    name: str
-
-
-@dataclass(frozen=True)
-class Exit:
-    """Stop serving; ``error`` None is a clean shutdown, otherwise the process fails."""
-
-    reason: str
-    error: ZpipeError | None = None
-
-
-Command = (
-    SendToCoordinator
-    | StartJob
-    | AllowProbePeers
-    | ConnectAssignment
-    | DropMessage
-    | RestartTask
-    | Exit
-    | Note
-    | LossyControl
-)
 
 # Heartbeat intervals of silence after which the coordinator counts as away (its own
 # default for suspecting a stage).
@@ -200,7 +138,7 @@ class DataRoute:
         return cls(epoch, senders, needs_tensors=False)
 
 
-class Verdict(enum.Enum):
+class DataVerdict(enum.Enum):
     DELIVER = "deliver"
     STALE = "stale"  # of another plan epoch: counted, not computed
     DROP = "drop"  # not a message this assignment accepts: counted, logged
@@ -208,7 +146,7 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class DataDecision:
-    verdict: Verdict
+    verdict: DataVerdict
     reason: str = ""
 
 
@@ -245,7 +183,7 @@ class StageLifecycle:
         *,
         name: str,
         coordinator: str,
-        registration: Mapping[str, Any],
+        registration: Register,
         connect_s: float,
         silence_limit_s: float,
         now: float,
@@ -253,7 +191,7 @@ class StageLifecycle:
     ) -> None:
         self.name = name
         self.coordinator = coordinator
-        self.registration = dict(registration)
+        self.registration = registration
         self.connect_s = connect_s
         self.silence_limit_s = silence_limit_s
         self.phase = Phase.REGISTERING
@@ -287,19 +225,19 @@ class StageLifecycle:
                     )
                 )
             ]
-        return [SendToCoordinator("register", self.registration)]
+        return [SendToCoordinator(self.registration)]
 
-    def registration_reply(self, message: Message, now: float) -> list[Command]:
+    def registration_reply(self, message: WireMessage, now: float) -> list[Command]:
         """The coordinator's answer to a registration (other kinds are ignored)."""
         if self.phase is not Phase.REGISTERING:
             return []
-        if message.kind == "refused":
-            error = ConfigError(f"the coordinator refused this stage: {message['reason']}")
-            return [self._exit(error)]
-        if message.kind == "registered":
-            self.heartbeat_interval_s = float(message["heartbeat_interval"])
-            self.phase = Phase.IDLE
-            self._heard_at = now
+        match message:
+            case Refused(reason=reason):
+                return [self._exit(ConfigError(f"the coordinator refused this stage: {reason}"))]
+            case Registered(heartbeat_interval=interval):
+                self.heartbeat_interval_s = float(interval)
+                self.phase = Phase.IDLE
+                self._heard_at = now
         return []
 
     # ------------------------------------------------------------- liveness
@@ -356,8 +294,7 @@ class StageLifecycle:
 
     def _heartbeat(self) -> SendToCoordinator:
         return SendToCoordinator(
-            "heartbeat",
-            {"name": self.name},
+            Heartbeat(name=self.name, metrics={}),
             attach_metrics=True,
             timeout_s=self.heartbeat_interval_s,
         )
@@ -375,74 +312,71 @@ class StageLifecycle:
 
     # ------------------------------------------------------- control messages
 
-    def control_message(self, message: Message, now: float) -> list[Command]:
+    def control_message(self, message: WireMessage, now: float) -> list[Command]:
         self.heard_from_coordinator(now)
         return [*self._coordinator_back(), *self._control_message(message)]
 
-    def _control_message(self, message: Message) -> list[Command]:
-        kind = message.kind
-        if self.phase is Phase.STOPPING or kind in ("heartbeat_ack", "registered"):
+    def _control_message(self, message: WireMessage) -> list[Command]:
+        if self.phase is Phase.STOPPING:
             return []
-        if kind == "register_again":
-            # A coordinator restarted without our registration (or one that had
-            # declared us dead): join it again; what this stage runs is unchanged.
-            return [SendToCoordinator("register", self.registration)]
-        if kind == "refused":
-            error = CoordinatorLost(f"the coordinator refused this stage: {message['reason']}")
-            return [self._exit(error)]
-        if kind == "probe":
-            return [SendToCoordinator("probe_ack", {"nonce": message["nonce"]})]
-        if kind == "assign":
-            return self._assign(message)
-        if kind == "connect":
-            return self._connect(message)
-        if kind == "profile_request":
-            # Profiling runs for seconds: off the control loop, and only one at a time.
-            return [StartJob(Job.PROFILE, message, newest_wins=False)]
-        if kind == "link_peers":
-            keys = {str(n): str(k) for n, k in dict(message["keys"]).items()}
-            fetches = message.get("fetches")
-            grants = fetch_grants(fetches) if fetches is not None else None
-            return [
-                AllowProbePeers(keys, grants),
-                SendToCoordinator("link_peers_ok", {"name": self.name}),
-            ]
-        if kind == "link_probe_request":
-            return [StartJob(Job.LINK_PROBE, message, newest_wins=False)]
-        if kind == "weights_request":
-            # The newest request wins: an older one waits for a round of a run that a
-            # failure ended, and would otherwise block every later request.
-            return [StartJob(Job.WEIGHTS, message, newest_wins=True)]
-        if kind == "backup_request":
-            return [StartJob(Job.BACKUP, message, newest_wins=True)]
-        if kind == "repartition_request":
-            return [StartJob(Job.REPARTITION, message, newest_wins=True)]
-        if kind in ("lossy_setup", "lossy_go", "lossy_dead", "lossy_remap", "lossy_probe_request"):
-            return [LossyControl(message)]
-        if kind == "metrics_request":
-            body = {"run": message["run"], "name": self.name}
-            return [
-                SendToCoordinator(
-                    "metrics",
-                    body,
-                    epoch=message.epoch,
-                    attach_metrics=True,
-                    attach_timeline=bool(message.get("timeline")),
-                )
-            ]
-        if kind == "shutdown":
-            self.phase = Phase.STOPPING
-            return [Exit(str(message["reason"]))]  # a clean exit, logged as stage_shutdown
-        return [DropMessage("coordinator", f"unexpected control message {kind!r}")]
+        match message:
+            case HeartbeatAck() | Registered():
+                return []
+            case RegisterAgain():
+                # A coordinator restarted without our registration (or one that had
+                # declared us dead): join it again; what this stage runs is unchanged.
+                return [SendToCoordinator(self.registration)]
+            case Refused(reason=reason):
+                lost = CoordinatorLost(f"the coordinator refused this stage: {reason}")
+                return [self._exit(lost)]
+            case Probe(nonce=nonce):
+                return [SendToCoordinator(ProbeAck(nonce=nonce))]
+            case Assign():
+                return self._assign(message)
+            case Connect():
+                return self._connect(message)
+            case ProfileRequest():
+                # Profiling runs for seconds: off the control loop, and only one at a time.
+                return [StartJob(StageJob.PROFILE, message, newest_wins=False)]
+            case LinkPeers(keys=keys, fetches=fetches):
+                allowed = {str(n): str(k) for n, k in keys.items()}
+                grants = fetch_grants(fetches) if fetches is not None else None
+                return [
+                    AllowProbePeers(allowed, grants),
+                    SendToCoordinator(LinkPeersOk(name=self.name)),
+                ]
+            case LinkProbeRequest():
+                return [StartJob(StageJob.LINK_PROBE, message, newest_wins=False)]
+            case WeightsRequest():
+                # The newest request wins: an older one waits for a round of a run that a
+                # failure ended, and would otherwise block every later request.
+                return [StartJob(StageJob.WEIGHTS, message, newest_wins=True)]
+            case BackupRequest():
+                return [StartJob(StageJob.BACKUP, message, newest_wins=True)]
+            case RepartitionRequest():
+                return [StartJob(StageJob.REPARTITION, message, newest_wins=True)]
+            case LossySetup() | LossyGo() | LossyDead() | LossyRemap() | LossyProbeRequest():
+                return [LossyControl(message)]
+            case MetricsRequest(run=run, timeline=timeline):
+                reply = Metrics(run=run, name=self.name, metrics={}, epoch=message.epoch)
+                return [
+                    SendToCoordinator(
+                        reply, attach_metrics=True, attach_timeline=bool(timeline)
+                    )
+                ]
+            case Shutdown(reason=reason):
+                self.phase = Phase.STOPPING
+                return [Exit(reason)]  # a clean exit, logged as stage_shutdown
+        return [DropMessage("coordinator", f"unexpected control message {message.KIND!r}")]
 
-    def _assign(self, message: Message) -> list[Command]:
+    def _assign(self, message: Assign) -> list[Command]:
         # Building a shard can take long: a job, and a newer assignment replaces it.
         self.phase = Phase.ASSIGNING
-        self._building = _Pending(int(message["run"]), message.epoch)
+        self._building = _Pending(message.run, message.epoch)
         self._pending = None
         self._route = None
         self.newest_epoch = max(self.newest_epoch, message.epoch)
-        return [StartJob(Job.ASSIGN, message, newest_wins=True)]
+        return [StartJob(StageJob.ASSIGN, message, newest_wins=True)]
 
     def assignment_ready(
         self,
@@ -460,12 +394,15 @@ class StageLifecycle:
         self._building = None
         self._pending = _Pending(run, epoch)
         self.phase = Phase.ASSIGNED
-        body: dict[str, Any] = {"run": run, "name": self.name, "build_s": build_s}
-        if ring_endpoint:
-            body["ring_endpoint"] = ring_endpoint
-        if max_message_bytes is not None:
-            body["max_message_bytes"] = max_message_bytes
-        return [SendToCoordinator("ready", body, epoch=epoch)]
+        ready = Ready(
+            run=run,
+            name=self.name,
+            build_s=build_s,
+            ring_endpoint=ring_endpoint or None,  # no ring: the field is left out
+            max_message_bytes=max_message_bytes,
+            epoch=epoch,
+        )
+        return [SendToCoordinator(ready)]
 
     def assignment_failed(self, run: int, epoch: int, error: str) -> list[Command]:
         if self._building == _Pending(run, epoch):
@@ -473,9 +410,9 @@ class StageLifecycle:
             self.phase = Phase.IDLE
         return [self._assign_failed(run, epoch, error)]
 
-    def _connect(self, message: Message) -> list[Command]:
+    def _connect(self, message: Connect) -> list[Command]:
         """Second phase of an assignment: every stage now allows its upstream's key."""
-        run = int(message["run"])
+        run = message.run
         pending = self._pending
         if pending is None or pending.run != run:
             return [
@@ -484,13 +421,13 @@ class StageLifecycle:
                 )
             ]
         self._pending = None
-        return [ConnectAssignment(run, pending.epoch, message.get("ring"))]
+        return [ConnectAssignment(run, pending.epoch, message.ring)]
 
     def connected(self, run: int, route: DataRoute) -> list[Command]:
         """The assignment is connected; its data tasks start with ``route``."""
         self._route = route
         self.phase = Phase.RUNNING
-        return [SendToCoordinator("connected", {"run": run, "name": self.name}, epoch=route.epoch)]
+        return [SendToCoordinator(Connected(run=run, name=self.name, epoch=route.epoch))]
 
     def connect_failed(self, run: int, epoch: int, error: str) -> list[Command]:
         self.phase = Phase.IDLE
@@ -503,9 +440,7 @@ class StageLifecycle:
             self.phase = Phase.IDLE
 
     def _assign_failed(self, run: int, epoch: int, error: str) -> SendToCoordinator:
-        return SendToCoordinator(
-            "assign_failed", {"run": run, "name": self.name, "error": error}, epoch=epoch
-        )
+        return SendToCoordinator(AssignFailed(run=run, name=self.name, error=error, epoch=epoch))
 
     # ---------------------------------------------------------------- data
 
@@ -519,19 +454,19 @@ class StageLifecycle:
         """Whether a data message goes to compute: from an assigned sender, of this epoch."""
         route = self._route
         if route is None or self.phase is not Phase.RUNNING:
-            return DataDecision(Verdict.DROP, "no assignment is running")
+            return DataDecision(DataVerdict.DROP, "no assignment is running")
         expected = route.senders.get(kind)
         if expected is None:
-            return DataDecision(Verdict.DROP, f"{kind!r} does not belong on the data port")
+            return DataDecision(DataVerdict.DROP, f"{kind!r} does not belong on the data port")
         if src not in expected:
             return DataDecision(
-                Verdict.DROP, f"{kind} from {src!r}, but it must come from {list(expected)}"
+                DataVerdict.DROP, f"{kind} from {src!r}, but it must come from {list(expected)}"
             )
         if route.needs_tensors and kind != "error" and not has_tensors:
-            return DataDecision(Verdict.DROP, f"a {kind} message carries no tensors")
+            return DataDecision(DataVerdict.DROP, f"a {kind} message carries no tensors")
         if epoch != route.epoch:
-            return DataDecision(Verdict.STALE, f"epoch {epoch}, running {route.epoch}")
-        return DataDecision(Verdict.DELIVER)
+            return DataDecision(DataVerdict.STALE, f"epoch {epoch}, running {route.epoch}")
+        return DataDecision(DataVerdict.DELIVER)
 
     # ------------------------------------------------------------ supervision
 

@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -35,6 +35,17 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.peer import (
+    Backup,
+    FetchUnits,
+    LinkBurst,
+    LinkBurstEnd,
+    LinkBurstReport,
+    LinkPing,
+    LinkPong,
+    StateChunk,
+)
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
@@ -78,8 +89,10 @@ class _Burst:
     bytes_after_first: int = 0
 
 
-# Requests from peers that the stage itself answers (zpipe.stage.replicas).
-PEER_KINDS = frozenset({"backup", "fetch_units", "state_chunk"})
+_W = TypeVar("_W", bound=WireMessage)
+
+# Requests from peers that the stage itself answers (zpipe.stage.snapshots).
+PEER_REQUESTS = (Backup, FetchUnits, StateChunk)
 
 
 @dataclass
@@ -95,7 +108,8 @@ class ProbeResponder:
     # CURVE key or None without keys) -> one reply, or a stream of them (a big fetch's
     # chunks)
     peer_handler: (
-        Callable[[Message, bytes | None], Awaitable[Message | Iterator[Message]]] | None
+        Callable[[WireMessage, bytes | None], Awaitable[WireMessage | Iterator[WireMessage]]]
+        | None
     ) = None
     # per-peer token buckets: a flooding peer's excess is dropped before decoding
     limiter: PeerRateLimiter = field(default_factory=PeerRateLimiter)
@@ -115,7 +129,7 @@ class ProbeResponder:
             if not self._within_rate(routing_id, frames[1], arrived):
                 continue
             try:
-                message = decode_frames(frames[1:], self.max_message_bytes)
+                message = REGISTRY.parse(decode_frames(frames[1:], self.max_message_bytes))
                 await self._handle(routing_id, message, arrived, frames[1])
             except asyncio.CancelledError:
                 raise
@@ -141,61 +155,68 @@ class ProbeResponder:
         return False
 
     async def _handle(
-        self, routing_id: bytes, message: Message, arrived: float, first: zmq.Frame | None = None
+        self,
+        routing_id: bytes,
+        message: WireMessage,
+        arrived: float,
+        first: zmq.Frame | None = None,
     ) -> None:
-        kind = message.kind
-        if kind == "link_ping":
-            reply = Message("link_pong", {"nonce": message["nonce"]})
-            if self.link.latency_ms > 0:
-                # The pong pays this side's emulated latency, without holding up the loop.
-                task = asyncio.create_task(self._reply_later(routing_id, reply))
-                self._pending.add(task)
-                task.add_done_callback(self._pending.discard)
-            else:
-                await self._reply(routing_id, reply)
-        elif kind == "link_burst":
-            key = (routing_id, int(message["burst"]))
-            burst = self._bursts.get(key)
-            size = sum(t.numel() * t.element_size() for t in message.tensors)
-            if burst is None:
-                if len(self._bursts) >= _MAX_OPEN_BURSTS:
-                    self._bursts.pop(next(iter(self._bursts)))
-                self._bursts[key] = _Burst(first_at=arrived, last_at=arrived)
-            else:
-                burst.received += 1
-                burst.bytes_after_first += size
-                burst.last_at = arrived
-        elif kind == "link_burst_end":
-            key = (routing_id, int(message["burst"]))
-            done = self._bursts.pop(key, None)
-            report = {
-                "burst": key[1],
-                "received": done.received if done else 0,
-                "bytes_after_first": done.bytes_after_first if done else 0,
-                "span_s": (done.last_at - done.first_at) if done else 0.0,
-            }
-            await self._reply(routing_id, Message("link_burst_report", report))
-        elif self.peer_handler is not None and kind in PEER_KINDS:
-            sender = security.sender_public_key(first) if first is not None else None
-            answer = await self.peer_handler(message, sender)
-            # Each reply has its own deadline: a long stream that keeps moving is alive.
-            for reply in [answer] if isinstance(answer, Message) else answer:
-                await self._reply(routing_id, reply)
-        else:
-            raise ProtocolError(f"unexpected {kind!r} on the probe socket")
+        match message:
+            case LinkPing(nonce=nonce):
+                reply = LinkPong(nonce=nonce)
+                if self.link.latency_ms > 0:
+                    # The pong pays this side's emulated latency, without holding up the loop.
+                    task = asyncio.create_task(self._reply_later(routing_id, reply))
+                    self._pending.add(task)
+                    task.add_done_callback(self._pending.discard)
+                else:
+                    await self._reply(routing_id, reply)
+            case LinkBurst(burst=number):
+                key = (routing_id, number)
+                burst = self._bursts.get(key)
+                size = sum(t.numel() * t.element_size() for t in message.tensors)
+                if burst is None:
+                    if len(self._bursts) >= _MAX_OPEN_BURSTS:
+                        self._bursts.pop(next(iter(self._bursts)))
+                    self._bursts[key] = _Burst(first_at=arrived, last_at=arrived)
+                else:
+                    burst.received += 1
+                    burst.bytes_after_first += size
+                    burst.last_at = arrived
+            case LinkBurstEnd(burst=number):
+                done = self._bursts.pop((routing_id, number), None)
+                report = LinkBurstReport(
+                    burst=number,
+                    received=done.received if done else 0,
+                    bytes_after_first=done.bytes_after_first if done else 0,
+                    span_s=(done.last_at - done.first_at) if done else 0.0,
+                )
+                await self._reply(routing_id, report)
+            case Backup() | FetchUnits() | StateChunk() if self.peer_handler is not None:
+                sender = security.sender_public_key(first) if first is not None else None
+                answer = await self.peer_handler(message, sender)
+                # Each reply has its own deadline: a long stream that keeps moving is alive.
+                for reply in [answer] if isinstance(answer, WireMessage) else answer:
+                    await self._reply(routing_id, reply)
+            case _:
+                raise ProtocolError(f"unexpected {message.KIND!r} on the probe socket")
 
-    async def _reply_later(self, routing_id: bytes, reply: Message) -> None:
+    async def _reply_later(self, routing_id: bytes, reply: WireMessage) -> None:
         await asyncio.sleep(self.link.latency_ms / 1e3)
         try:
             await self._reply(routing_id, reply)
         except (TransportTimeout, zmq.ZMQError) as exc:
             log.warning("probe_reply_failed", stage=self.name, error=str(exc))
 
-    async def _reply(self, routing_id: bytes, reply: Message) -> None:
+    async def _reply(self, routing_id: bytes, reply: WireMessage) -> None:
         # a fetch's stream of chunks to a reader slower than this side waits for room
         # in that one peer's queue within the deadline (zpipe.transport.sockets.send)
         await send(
-            self.socket, reply, routing_id=routing_id, timeout_s=self.send_timeout_s, peer="prober"
+            self.socket,
+            reply.to_message(),
+            routing_id=routing_id,
+            timeout_s=self.send_timeout_s,
+            peer="prober",
         )
 
     async def close(self) -> None:
@@ -266,23 +287,25 @@ def _sender(sock: zmq.asyncio.Socket, target: str, timeout_s: float) -> Any:
 
 async def _expect(
     sock: zmq.asyncio.Socket,
-    kind: str,
-    key: str,
+    cls: type[_W],
+    number: Callable[[_W], int],
     value: int,
     *,
     target: str,
     timeout_s: float,
     options: SocketOptions,
-) -> Message:
-    """The next ``kind`` reply whose ``key`` is ``value``; stale replies are skipped."""
+) -> _W:
+    """The next ``cls`` reply whose ``number`` (its nonce, its burst) is ``value``;
+    stale replies are skipped."""
+    awaited = f"{cls.KIND} {value}"
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TransportTimeout(target, f"{kind} {value}", timeout_s)
-        frames = await recv_frames(sock, timeout_s=left, peer=target, awaited=f"{kind} {value}")
-        reply = decode_frames(frames, options.max_message_bytes)
-        if reply.kind == kind and reply[key] == value:
+            raise TransportTimeout(target, awaited, timeout_s)
+        frames = await recv_frames(sock, timeout_s=left, peer=target, awaited=awaited)
+        reply = REGISTRY.parse(decode_frames(frames, options.max_message_bytes))
+        if isinstance(reply, cls) and number(reply) == value:
             return reply
 
 
@@ -298,11 +321,11 @@ async def _round_trips(
     # The first exchange also pays the TCP and CURVE handshakes: not a link property.
     for nonce in range(pings + 1):
         sent_at = time.monotonic()
-        await link.submit(Message("link_ping", {"nonce": nonce}), 64)
+        await link.submit(LinkPing(nonce=nonce).to_message(), 64)
         await _expect(
             sock,
-            "link_pong",
-            "nonce",
+            LinkPong,
+            lambda pong: pong.nonce,
             nonce,
             target=target,
             timeout_s=timeout_s,
@@ -327,22 +350,21 @@ async def _bandwidth(
         count = max(2, -(-burst_bytes // chunk))
         payload = torch.zeros(chunk, dtype=torch.uint8)
         for seq in range(count):
-            await link.submit(
-                Message("link_burst", {"burst": burst, "seq": seq}, tensors=(payload,)), chunk
-            )
-        await link.submit(Message("link_burst_end", {"burst": burst, "sent": count}), 64)
+            message = LinkBurst(burst=burst, seq=seq, tensors=(payload,))
+            await link.submit(message.to_message(), chunk)
+        await link.submit(LinkBurstEnd(burst=burst, sent=count).to_message(), 64)
         total_sent += count * chunk
         report = await _expect(
             sock,
-            "link_burst_report",
-            "burst",
+            LinkBurstReport,
+            lambda report: report.burst,
             burst,
             target=target,
             timeout_s=timeout_s,
             options=options,
         )
-        span = float(report["span_s"])
-        after_first = int(report["bytes_after_first"])
+        span = float(report.span_s)
+        after_first = report.bytes_after_first
         if span > 0 and after_first > 0:
             best = after_first * 8.0 / span
         if span >= cfg.target_s or burst_bytes >= cfg.max_bytes:

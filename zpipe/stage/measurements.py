@@ -8,7 +8,6 @@ reply body for the coordinator; a failure is reported in the reply's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,11 +18,16 @@ import zmq.asyncio
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
+from zpipe.protocol.stage_control import (
+    LinkProbeReply,
+    LinkProbeRequest,
+    ProfileReply,
+    ProfileRequest,
+)
 from zpipe.stage.linkprobe import measure_link
 from zpipe.stage.profiling import profile_model
 from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
-from zpipe.transport.codec import Message
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions
 
@@ -36,10 +40,10 @@ MAX_PROFILED_SIZES = 16
 MAX_PROFILED_BATCH = 2**20
 
 
-def requested_batch_sizes(body: Mapping[str, Any]) -> list[int]:
+def requested_batch_sizes(batch_size: int, batch_sizes: list[Any] | None = None) -> list[int]:
     """The batch sizes a ``profile_request`` asks for: its ``batch_sizes`` (several, so
     training planners see how time grows with the batch), else its one ``batch_size``."""
-    sizes = body.get("batch_sizes") or [body["batch_size"]]
+    sizes = batch_sizes or [batch_size]
     if len(sizes) > MAX_PROFILED_SIZES or not all(
         isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_PROFILED_BATCH
         for b in sizes
@@ -52,36 +56,33 @@ def requested_batch_sizes(body: Mapping[str, Any]) -> list[int]:
 
 
 async def profile_reply(
-    message: Message,
+    request: ProfileRequest,
     *,
     name: str,
     slowdown: float,
     compute: ThreadPoolExecutor,
     device: torch.device | str = "cpu",
-) -> dict[str, Any]:
+) -> ProfileReply:
     """Profile the requested model on this device (its threads, its slowdown, its
     ``--device``)."""
-    body = message.body
-    reply: dict[str, Any] = {"name": name, "profile": None, "error": ""}
     try:
-        spec = ModelSpec.from_dict(body["model"])
-        sizes = requested_batch_sizes(body)
+        spec = ModelSpec.from_dict(request.model)
+        sizes = requested_batch_sizes(request.batch_size, request.batch_sizes)
         loop = asyncio.get_running_loop()
         profile = await loop.run_in_executor(
             compute,
             lambda: profile_model(
                 spec,
                 batch_sizes=sizes,
-                dtype=str(body["dtype"]),
+                dtype=request.dtype,
                 warmup=1,
-                repeats=max(1, int(body["repeats"])),
+                repeats=max(1, request.repeats),
                 slowdown=slowdown,
                 device_name=name,
-                train=bool(body.get("train", False)),
+                train=bool(request.train),
                 device=device,
             ),
         )
-        reply["profile"] = profile.to_dict()
         log.info(
             "profiled",
             stage=name,
@@ -89,14 +90,15 @@ async def profile_reply(
             batch_sizes=sizes,
             forward_s=[round(sum(profile.times(b)), 4) for b in sizes],
         )
+        return ProfileReply(name=name, profile=profile.to_dict(), error="")
     except Exception as exc:  # reported to the coordinator, which plans without us
-        reply["error"] = describe_error(exc)
-        log.error("profile_failed", stage=name, error=reply["error"])
-    return reply
+        error = describe_error(exc)
+        log.error("profile_failed", stage=name, error=error)
+        return ProfileReply(name=name, profile=None, error=error)
 
 
 async def link_probe_reply(
-    message: Message,
+    request: LinkProbeRequest,
     *,
     name: str,
     context: zmq.asyncio.Context,
@@ -104,21 +106,13 @@ async def link_probe_reply(
     socket_options: SocketOptions,
     timeout_s: float,
     keypair: security.KeyPair | None,
-) -> dict[str, Any]:
+) -> LinkProbeReply:
     """Measure the link from this stage to another one."""
-    target = str(message["target"])
-    reply: dict[str, Any] = {
-        "name": name,
-        "target": target,
-        "bandwidth_bps": None,
-        "rtt_s": None,
-        "error": "",
-    }
+    target, key = request.target, request.key
     try:
-        key = message.get("key")
         measured = await measure_link(
             context=context,
-            endpoint=str(message["endpoint"]),
+            endpoint=request.endpoint,
             target=target,
             link=link,
             socket_options=socket_options,
@@ -126,8 +120,6 @@ async def link_probe_reply(
             keypair=keypair,
             server_key=str(key).encode() if key else None,
         )
-        reply["bandwidth_bps"] = measured.bandwidth_bps
-        reply["rtt_s"] = measured.rtt_s
         log.info(
             "link_measured",
             stage=name,
@@ -137,6 +129,14 @@ async def link_probe_reply(
             took_s=round(measured.took_s, 3),
         )
     except Exception as exc:  # reported; the coordinator falls back to its default
-        reply["error"] = describe_error(exc)
         log.warning("link_probe_failed", stage=name, target=target, error=str(exc))
-    return reply
+        return LinkProbeReply(
+            name=name, target=target, bandwidth_bps=None, rtt_s=None, error=describe_error(exc)
+        )
+    return LinkProbeReply(
+        name=name,
+        target=target,
+        bandwidth_bps=measured.bandwidth_bps,
+        rtt_s=measured.rtt_s,
+        error="",
+    )

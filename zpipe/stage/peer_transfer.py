@@ -20,12 +20,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from types import TracebackType
+from typing import TypeVar
 
 import torch
 import zmq
 import zmq.asyncio
 
 from zpipe._errors import PipelineError, ProtocolError
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.peer import Backup, BackupOk, FetchUnits, StateChunk, StateChunkOk, Units
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import (
     CHUNK_BYTES,
@@ -34,22 +37,23 @@ from zpipe.transport.bulk import (
     OutgoingTransfer,
     payload_view,
 )
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions, decode_frames, open_socket, recv_frames, send
 
 # Owners whose half-sent backups one holder keeps at once (beyond: the oldest goes).
 MAX_OWNERS_IN_PROGRESS = 8
 
+_W = TypeVar("_W", bound=WireMessage)
 
-def encoded_size(message: Message) -> tuple[list[bytes | memoryview], int]:
+
+def encoded_size(message: WireMessage) -> tuple[list[bytes | memoryview], int]:
     """``message``'s codec frames and their total size."""
-    frames = codec.encode(message)
+    frames = codec.encode(message.to_message())
     return frames, sum(memoryview(f).nbytes for f in frames)
 
 
 def state_chunks(
     frames: list[bytes | memoryview], *, owner: str, transfer: int, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[Message]:
+) -> Iterator[StateChunk]:
     """The ``state_chunk`` messages that carry ``frames``, in order."""
     outgoing = OutgoingTransfer(transfer, frames, chunk_bytes=chunk_bytes)
     for seq, payload in enumerate(outgoing.payloads()):
@@ -58,7 +62,15 @@ def state_chunks(
             if payload
             else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses an empty buffer
         )
-        yield Message("state_chunk", {"owner": owner, **outgoing.header(seq)}, tensors=(data,))
+        yield StateChunk(
+            owner=owner,
+            transfer=outgoing.transfer,
+            seq=seq,
+            chunks=outgoing.chunks,
+            nbytes=outgoing.nbytes,
+            frames=list(outgoing.frame_sizes) if seq == 0 else None,  # sizes in chunk 0 only
+            tensors=(data,),
+        )
 
 
 class ChunkedState:
@@ -68,24 +80,26 @@ class ChunkedState:
         self.cap_bytes = cap_bytes
         self._inboxes: OrderedDict[tuple[object, str], Inbox] = OrderedDict()
 
-    def add(self, sender: object, chunk: Message, *, max_message_bytes: int) -> Message | None:
+    def add(
+        self, sender: object, chunk: StateChunk, *, max_message_bytes: int
+    ) -> WireMessage | None:
         """Take one ``state_chunk``; the decoded message once its transfer is whole.
         ProtocolError for a chunk that does not fit (its transfer is dropped)."""
         if len(chunk.tensors) != 1:
             raise ProtocolError("a state chunk carries exactly one payload tensor")
-        key = (sender, str(chunk["owner"]))
+        key = (sender, chunk.owner)
         inbox = self._inboxes.get(key)
         if inbox is None:
             while len(self._inboxes) >= MAX_OWNERS_IN_PROGRESS:
                 self._inboxes.popitem(last=False)
             inbox = self._inboxes[key] = Inbox(cap_bytes=self.cap_bytes, max_open=1)
         self._inboxes.move_to_end(key)
-        frames = inbox.add(ChunkHeader.from_body(dict(chunk.body)), payload_view(chunk.tensors[0]))
+        frames = inbox.add(ChunkHeader.from_body(chunk.body()), payload_view(chunk.tensors[0]))
         if frames is None:
             return None
         if not inbox.open_transfers:
             del self._inboxes[key]
-        return codec.decode(frames, max_message_bytes=max_message_bytes)
+        return REGISTRY.parse(codec.decode(frames, max_message_bytes=max_message_bytes))
 
     def drop(self, sender: object, owner: str) -> None:
         self._inboxes.pop((sender, owner), None)
@@ -138,65 +152,73 @@ class PeerLink:
     ) -> None:
         self._sock.close(linger=0)
 
-    async def send(self, message: Message) -> None:
-        await send(self._sock, message, timeout_s=self.timeout_s, peer=self.peer)
+    async def send(self, message: WireMessage) -> None:
+        await send(self._sock, message.to_message(), timeout_s=self.timeout_s, peer=self.peer)
 
-    async def receive(self, *expect: str) -> Message:
-        awaited = " or ".join(expect)
+    async def receive(self, *expect: type[WireMessage]) -> WireMessage:
+        awaited = " or ".join(cls.KIND for cls in expect)
         frames = await recv_frames(
             self._sock, timeout_s=self.timeout_s, peer=self.peer, awaited=awaited
         )
-        reply = decode_frames(frames, self._options.max_message_bytes)
-        if reply.kind not in expect:
-            raise ProtocolError(f"{self.peer!r} answered {reply.kind!r}, expected {awaited}")
+        reply = REGISTRY.parse(decode_frames(frames, self._options.max_message_bytes))
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"{self.peer!r} answered {reply.KIND!r}, expected {awaited}")
         return reply
 
-    async def request(self, message: Message, *expect: str) -> Message:
+    async def request(self, message: WireMessage, *expect: type[WireMessage]) -> WireMessage:
         await self.send(message)
         return await self.receive(*expect)
 
     async def send_backup(
         self,
-        backup: Message,
+        backup: Backup,
         *,
         pace: Callable[[int], Awaitable[None]],
         transfer: int,
         chunk_bytes: int = CHUNK_BYTES,
-    ) -> Message:
+    ) -> BackupOk:
         """Send ``backup``; the holder's ``backup_ok``. In one message when it fits a
         chunk, else one chunk per round trip (each paced and with its own deadline)."""
         frames, nbytes = encoded_size(backup)
         if nbytes <= chunk_bytes:
             await pace(nbytes)
-            return await self.request(backup, "backup_ok")
-        owner = str(backup["owner"])
-        chunks = list(state_chunks(frames, owner=owner, transfer=transfer, chunk_bytes=chunk_bytes))
+            return _of(BackupOk, await self.request(backup, BackupOk))
+        chunks = list(
+            state_chunks(frames, owner=backup.owner, transfer=transfer, chunk_bytes=chunk_bytes)
+        )
         for chunk in chunks[:-1]:
             await pace(chunk.tensors[0].numel())
-            taken = await self.request(chunk, "state_chunk_ok")
-            if taken["error"]:
-                raise PipelineError(f"{self.peer} refused the backup: {taken['error']}")
+            taken = _of(StateChunkOk, await self.request(chunk, StateChunkOk))
+            if taken.error:
+                raise PipelineError(f"{self.peer} refused the backup: {taken.error}")
             self._moved(chunk.tensors[0].numel())
         await pace(chunks[-1].tensors[0].numel())
-        answer = await self.request(chunks[-1], "backup_ok", "state_chunk_ok")
-        if answer.kind == "state_chunk_ok":
-            raise PipelineError(f"{self.peer} refused the backup: {answer['error']}")
+        answer = await self.request(chunks[-1], BackupOk, StateChunkOk)
+        if isinstance(answer, StateChunkOk):
+            raise PipelineError(f"{self.peer} refused the backup: {answer.error}")
         self._moved(chunks[-1].tensors[0].numel())
-        return answer
+        return _of(BackupOk, answer)
 
-    async def fetch(self, request: Message) -> Message:
+    async def fetch(self, request: FetchUnits) -> Units:
         """Send a ``fetch_units`` request; the ``units`` answer, put together from
         ``state_chunk`` messages when the holder streams it (each read has its own
         deadline, so a big answer on a slow link is fine while it moves)."""
-        reply = await self.request(request, "units", "state_chunk")
-        if reply.kind == "units":
+        reply = await self.request(request, Units, StateChunk)
+        if isinstance(reply, Units):
             return reply
         state = ChunkedState(cap_bytes=self._options.max_message_bytes)
         while True:
-            whole = state.add(self.peer, reply, max_message_bytes=self._options.max_message_bytes)
-            self._moved(reply.tensors[0].numel())
+            chunk = _of(StateChunk, reply)
+            whole = state.add(self.peer, chunk, max_message_bytes=self._options.max_message_bytes)
+            self._moved(chunk.tensors[0].numel())
             if whole is not None:
-                if whole.kind != "units":
-                    raise ProtocolError(f"{self.peer!r} streamed {whole.kind!r}, not units")
+                if not isinstance(whole, Units):
+                    raise ProtocolError(f"{self.peer!r} streamed {whole.KIND!r}, not units")
                 return whole
-            reply = await self.receive("state_chunk")
+            reply = await self.receive(StateChunk)
+
+
+def _of(cls: type[_W], message: WireMessage) -> _W:
+    """``message`` as the one class :meth:`PeerLink.receive` allowed (for the type checker)."""
+    assert isinstance(message, cls)
+    return message

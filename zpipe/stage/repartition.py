@@ -32,6 +32,7 @@ import torch
 
 from zpipe._errors import PipelineError
 from zpipe.log import get_logger
+from zpipe.protocol.repartition import RepartitionReply, RepartitionRequest
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.stage.async_trainer import AsyncTrainingExecutor
 from zpipe.stage.metrics import StageCounters
@@ -39,7 +40,6 @@ from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import describe_error
 from zpipe.stage.train_shard import TrainShard
 from zpipe.stage.trainer import TrainingExecutor
-from zpipe.transport.codec import Message
 
 log = get_logger("zpipe.stage")
 
@@ -62,15 +62,12 @@ class StageRepartition:
         # (run, step, bounds, the fetched state) between the fetch and the commit
         self._fetched: tuple[int, int, tuple[int, ...], dict[str, torch.Tensor]] | None = None
 
-    async def reply(self, message: Message, trainer: TrainingExecutor | None) -> dict[str, Any]:
-        run, step, phase = int(message["run"]), int(message["step"]), str(message["phase"])
-        body: dict[str, Any] = {
-            "run": run,
-            "name": self.name,
-            "step": step,
-            "phase": phase,
-            "error": "",
-        }
+    async def reply(
+        self, request: RepartitionRequest, trainer: TrainingExecutor | None
+    ) -> RepartitionReply:
+        run, step, phase = request.run, request.step, request.phase
+        metrics: dict[str, Any] | None = None
+        error = ""
         try:
             if trainer is None or trainer.setup.run != run:
                 raise PipelineError(f"this stage is not training run {run}")
@@ -80,32 +77,40 @@ class StageRepartition:
                 # the counters as they are, while the pipeline runs: a look before
                 # any flush (most looks keep the cuts, and then nothing pauses)
                 shard = trainer.shard  # and the units it trains now, as a commit says
-                body["metrics"] = {
+                metrics = {
                     **self._counters.to_dict(),
                     "start": shard.start,
                     "end": shard.start + len(shard.units),
                 }
             elif phase == "prepare":
                 await self._prepare(trainer, run, step)
-                body["metrics"] = self._counters.to_dict()
+                metrics = self._counters.to_dict()
             elif phase == "fetch":
-                bounds = _bounds(message)
-                entries = list(message.get("fetch") or [])
+                bounds = _bounds(request)
+                entries = list(request.fetch or [])
                 state = await self._snapshots.fetched_state(entries)
                 self._fetched = (run, step, bounds, state)
                 log.info("repartition_fetched", stage=self.name, run=run, step=step,
                          units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                          peers=sorted({str(e["from"]) for e in entries} - {self.name}))  # fmt: skip
             elif phase == "commit":
-                await self._commit(trainer, run, step, _bounds(message))
+                await self._commit(trainer, run, step, _bounds(request))
                 shard = trainer.shard  # the units it trains from here on
-                body["metrics"] = {"start": shard.start, "end": shard.start + len(shard.units)}
+                metrics = {"start": shard.start, "end": shard.start + len(shard.units)}
             else:
                 raise PipelineError(f"unknown repartition phase {phase!r}")
         except Exception as exc:  # reported: the coordinator decides what it means
-            body["error"] = describe_error(exc)
-            log.error("repartition_failed", stage=self.name, phase=phase, error=body["error"])
-        return body
+            error = describe_error(exc)
+            log.error("repartition_failed", stage=self.name, phase=phase, error=error)
+        return RepartitionReply(
+            run=run,
+            name=self.name,
+            step=step,
+            phase=phase,
+            error=error,
+            metrics=metrics,
+            epoch=request.epoch,
+        )
 
     async def _prepare(self, trainer: TrainingExecutor, run: int, step: int) -> None:
         started = time.perf_counter()
@@ -165,8 +170,8 @@ class StageRepartition:
                  regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
 
 
-def _bounds(message: Message) -> tuple[int, ...]:
-    bounds = message.get("bounds")
+def _bounds(request: RepartitionRequest) -> tuple[int, ...]:
+    bounds = request.bounds
     if not isinstance(bounds, list) or not all(isinstance(b, int) for b in bounds):
         raise PipelineError(f"a repartition needs its bounds, got {bounds!r}")
     return tuple(bounds)

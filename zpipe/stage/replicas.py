@@ -23,9 +23,9 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError
 from zpipe.models.weights import split_unit_key
+from zpipe.protocol import WireMessage
 from zpipe.stage.peer_transfer import PeerLink
 from zpipe.transport import security
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions
 
 # Snapshots kept per owner: the newest and the one before (a replica being taken
@@ -106,11 +106,11 @@ async def peer_request(
     endpoint: str,
     server_key: str | None,
     keypair: security.KeyPair | None,
-    message: Message,
-    expect: str,
+    message: WireMessage,
+    expect: type[WireMessage],
     options: SocketOptions,
     timeout_s: float,
-) -> Message:
+) -> WireMessage:
     """Send ``message`` to ``peer``'s probe socket and return its ``expect`` reply."""
     link = PeerLink(
         context,

@@ -10,9 +10,10 @@ sockets and tasks and carries out the commands it returns:
 - bulk loop: the second connection to the coordinator (:mod:`~zpipe.stage.bulk`),
   where weights and backups leave and assignments with tensors arrive in chunks,
   so that nothing big ever queues in front of a heartbeat or a probe's answer;
-- jobs beside the control loop, for requests that take long: building an
-  assignment (:mod:`~zpipe.stage.assignment`), profiling and link measurement
-  (:mod:`~zpipe.stage.measurements`), weights and backups
+- what goes to the coordinator, and its clock (:mod:`~zpipe.stage.coordinator_link`);
+- jobs beside the control loop (:mod:`~zpipe.stage.jobs`), for requests that take
+  long: building an assignment (:mod:`~zpipe.stage.assignment`), profiling and link
+  measurement (:mod:`~zpipe.stage.measurements`), weights and backups
   (:mod:`~zpipe.stage.snapshots`);
 - data tasks of the running assignment: the data port
   (:mod:`~zpipe.stage.dataport`) feeding the inference loop
@@ -39,41 +40,37 @@ import zmq.asyncio
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.stage_control import Register, RegisterAgain
 from zpipe.stage.assignment import push_connector
 from zpipe.stage.bulk import StageBulk
-from zpipe.stage.config import StageConfig
-from zpipe.stage.dataplane import DataPlane
-from zpipe.stage.emulated_compute import emulated_profile_reply
-from zpipe.stage.lifecycle import (
+from zpipe.stage.commands import (
     AllowProbePeers,
     Command,
     ConnectAssignment,
-    CoordinatorLost,
     DropMessage,
     Exit,
-    Job,
     LossyControl,
     Note,
-    Phase,
     RestartTask,
     SendToCoordinator,
-    StageLifecycle,
     StartJob,
 )
+from zpipe.stage.config import StageConfig
+from zpipe.stage.coordinator_link import CoordinatorLink
+from zpipe.stage.dataplane import DataPlane
+from zpipe.stage.jobs import StageJobs
+from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.lossy_executor import LossyExecutor
-from zpipe.stage.measurements import link_probe_reply, profile_reply
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
 from zpipe.stage.repartition import StageRepartition
 from zpipe.stage.replicas import ReplicaStore
-from zpipe.stage.snapshots import SnapshotService, request_identity
+from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
-from zpipe.stage.timeline import ClockOffset
-from zpipe.stage.timeline import clock as timeline_clock
-from zpipe.transport.codec import Message
 from zpipe.transport.emulation import SharedUplink
-from zpipe.transport.sockets import decode_frames, new_context, recv_frames, send
+from zpipe.transport.sockets import decode_frames, new_context, recv_frames
 
 __all__ = ["CoordinatorLost", "StageConfig", "StageRuntime"]
 
@@ -87,9 +84,6 @@ class StageRuntime:
     def __init__(self, config: StageConfig) -> None:
         self.config = config
         self.counters = StageCounters()
-        # the coordinator's clock against this one (heartbeat round trips), for timelines
-        self._clock_offset = ClockOffset()
-        self._coordinator_stamps = False
         # snapshots for chain replication: this stage's own, and peers' backups
         self.replicas = ReplicaStore()
         self._context = new_context()
@@ -101,8 +95,8 @@ class StageRuntime:
         self._probe_responder: ProbeResponder | None = None
         self._lifecycle: StageLifecycle | None = None
         self._supervisor = TaskSupervisor(config.name, self._task_died)
-        self._jobs: dict[Job, asyncio.Task[None]] = {}
-        self._job_requests: dict[Job, tuple[object, ...]] = {}  # what each running job answers
+        self._jobs: StageJobs | None = None  # requests that take long, beside the control loop
+        self._link: CoordinatorLink | None = None  # what this stage says to the coordinator
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
         self._lossy: LossyExecutor | None = None  # EdgePipe runs' partial layers
@@ -145,6 +139,14 @@ class StageRuntime:
             send_timeout_s=timeouts.send_s,
             max_message_bytes=opts.max_message_bytes,
         )
+        self._link = CoordinatorLink(
+            name=self.config.name,
+            control=ports.control,
+            bulk=self._bulk,
+            uplink=self._control_uplink,
+            counters=self.counters,
+            send_timeout_s=timeouts.send_s,
+        )
         self._probe_responder = ProbeResponder(
             socket=ports.probe_in,
             link=self.config.link,
@@ -157,12 +159,12 @@ class StageRuntime:
         self._lifecycle = StageLifecycle(
             name=self.config.name,
             coordinator=self.config.coordinator,
-            registration={
-                "name": self.config.name,
-                "data_endpoint": self.data_endpoint,
-                "info": self._info(),
-                "public_key": keypair.public.decode() if keypair else None,
-            },
+            registration=Register(
+                name=self.config.name,
+                data_endpoint=self.data_endpoint,
+                info=self._info(),
+                public_key=keypair.public.decode() if keypair else None,
+            ),
             connect_s=timeouts.connect_s,
             silence_limit_s=timeouts.coordinator_silence_s,
             now=time.monotonic(),
@@ -186,13 +188,23 @@ class StageRuntime:
             connector=push_connector(self._context, opts, keypair),
             compute=self._compute,
             supervisor=self._supervisor,
-            send_control=lambda m: self._send_control(
-                m.kind, dict(m.body), m.epoch, tensors=m.tensors
-            ),
+            send_control=self._link.send,
             stop_data=self._plane.stop,
             apply_limits=self._plane.apply_limits,
             max_message_bytes=opts.max_message_bytes,
             send_timeout_s=timeouts.send_s,
+        )
+
+        self._jobs = StageJobs(
+            config=self.config,
+            context=self._context,
+            compute=self._compute,
+            keypair=keypair,
+            snapshots=self._snapshots,
+            repartition=self._repartition,
+            plane=self._plane,
+            send=self._link.send,
+            carry_out=self._carry_out,
         )
 
     def _info(self) -> dict[str, Any]:
@@ -214,6 +226,11 @@ class StageRuntime:
             "torch": torch.__version__,
             **({"emulated_compute": True} if self.config.emulate_compute is not None else {}),
         }
+
+    @property
+    def link(self) -> CoordinatorLink:
+        assert self._link is not None, "serve() opens the stage first"
+        return self._link
 
     @property
     def lifecycle(self) -> StageLifecycle:
@@ -257,8 +274,8 @@ class StageRuntime:
         self._stopping.set()
 
     async def _on_peer_request(
-        self, message: Message, sender_key: bytes | None
-    ) -> Message | Iterator[Message]:
+        self, message: WireMessage, sender_key: bytes | None
+    ) -> WireMessage | Iterator[WireMessage]:
         """A peer's backup or fetch, judged against the running training plan and the
         name the coordinator gave the sender's key."""
         assert self._snapshots is not None  # made with the probe port that calls this
@@ -278,7 +295,7 @@ class StageRuntime:
             try:
                 for command in commands:
                     if isinstance(command, SendToCoordinator):
-                        await asyncio.wait_for(self._send_command(command), min(left, 1.0))
+                        await asyncio.wait_for(self.link.send_command(command), min(left, 1.0))
             except (TransportTimeout, asyncio.TimeoutError):
                 continue
             try:
@@ -288,10 +305,11 @@ class StageRuntime:
                     peer="coordinator",
                     awaited="registration reply",
                 )
-                reply = decode_frames(frames, self.config.socket_options.max_message_bytes)
+                reply = REGISTRY.parse(
+                    decode_frames(frames, self.config.socket_options.max_message_bytes)
+                )
                 commands = lifecycle.registration_reply(reply, time.monotonic())
-                self._on_clock(reply)
-                await self._on_registered(reply)
+                await self.link.heard(reply)
             except TransportTimeout:
                 continue
             except Exception as exc:  # a bad reply: the next attempt may get a good one
@@ -318,38 +336,17 @@ class StageRuntime:
             return frames
 
         async def handle(frames: list[zmq.Frame]) -> None:
-            message = decode_frames(frames, self.config.socket_options.max_message_bytes)
-            if message.kind == "register_again":
+            message = REGISTRY.parse(
+                decode_frames(frames, self.config.socket_options.max_message_bytes)
+            )
+            if isinstance(message, RegisterAgain):
                 # A coordinator restarted without our registration, or one that had
                 # declared us dead: say so, the lifecycle registers again.
-                log.warning("registering_again", stage=self.config.name, reason=message["reason"])
-            self._on_clock(message)
-            await self._on_registered(message)
+                log.warning("registering_again", stage=self.config.name, reason=message.reason)
+            await self.link.heard(message)
             await self._carry_out(self.lifecycle.control_message(message, time.monotonic()))
 
         await serve_messages(receive, handle, self._control_message_failed)
-
-    def _on_clock(self, message: Message) -> None:
-        """A registration says whether the coordinator stamps heartbeat acks; a stamped
-        ack is a round trip for the clock offset (the run's timeline)."""
-        if message.kind == "registered":
-            self._coordinator_stamps = message.get("clock") is not None
-            # a (re)started coordinator may keep another clock: measure afresh
-            self._clock_offset = ClockOffset()
-        elif message.kind == "heartbeat_ack":
-            echo, stamp = message.get("echo"), message.get("clock")
-            if echo is not None and stamp is not None:
-                self._clock_offset.observe(float(echo), float(stamp), timeline_clock())
-
-    async def _on_registered(self, message: Message) -> None:
-        """A (new) registration: its token ties the bulk connection to this stage."""
-        if message.kind != "registered" or self._bulk is None:
-            return
-        if self._bulk.registered(message.get("bulk_token")):
-            try:
-                await self._bulk.open()
-            except TransportTimeout as exc:  # state goes on the control connection meanwhile
-                log.warning("bulk_not_opened", stage=self.config.name, error=str(exc))
 
     async def _bulk_loop(self) -> None:
         """Chunks of the coordinator's bulk (an assignment's state) and its answers to
@@ -367,14 +364,10 @@ class StageRuntime:
             return frames
 
         async def handle(frames: list[zmq.Frame]) -> None:
-            received = bulk.received(
-                decode_frames(frames, self.config.socket_options.max_message_bytes)
-            )
+            message = decode_frames(frames, self.config.socket_options.max_message_bytes)
+            received = bulk.received(REGISTRY.parse(message))
             if received.resend is not None:
-                resend = received.resend
-                await self._send_control(
-                    resend.kind, dict(resend.body), resend.epoch, tensors=resend.tensors
-                )
+                await self.link.send(received.resend)
             if received.message is not None:
                 now = time.monotonic()
                 await self._carry_out(self.lifecycle.control_message(received.message, now))
@@ -401,7 +394,7 @@ class StageRuntime:
         for command in commands:
             if isinstance(command, SendToCoordinator):
                 try:
-                    await self._send_command(command)
+                    await self.link.send_command(command)
                 except TransportTimeout as exc:  # the coordinator's silence is judged apart
                     log.warning(
                         "control_not_sent",
@@ -410,7 +403,8 @@ class StageRuntime:
                         error=str(exc),
                     )
             elif isinstance(command, StartJob):
-                self._start_job(command)
+                assert self._jobs is not None
+                self._jobs.start(command)
             elif isinstance(command, AllowProbePeers):
                 # Every cluster member may probe this stage's links; allowed before anyone does.
                 if self._keys.probe_allow is not None:
@@ -436,7 +430,8 @@ class StageRuntime:
                 getattr(log, command.level)(command.event, stage=self.config.name, **command.fields)
             elif isinstance(command, LossyControl):
                 assert self._lossy is not None
-                await self._lossy.on_control(command.message)
+                # the lossy executor reads its kinds from the untyped message
+                await self._lossy.on_control(command.message.to_message())
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:
@@ -446,44 +441,6 @@ class StageRuntime:
         if self._exit is None:
             self._exit = command
         self._stopping.set()
-
-    async def _send_command(self, command: SendToCoordinator) -> None:
-        body = dict(command.body)
-        if command.attach_metrics:
-            body["metrics"] = self.counters.to_dict()
-        if command.attach_timeline:
-            body["timeline"] = self.counters.timeline.to_wire(self._clock_offset)
-        if command.kind == "heartbeat" and self._coordinator_stamps:
-            body["clock"] = timeline_clock()
-        await self._send_control(command.kind, body, command.epoch, timeout_s=command.timeout_s)
-
-    async def _send_control(
-        self,
-        kind: str,
-        body: dict[str, Any],
-        epoch: int = 0,
-        *,
-        timeout_s: float | None = None,
-        tensors: tuple[torch.Tensor, ...] = (),
-    ) -> None:
-        assert self._ports is not None
-        message = Message(kind, body, epoch=epoch, tensors=tensors)
-        if tensors and self._bulk is not None and self._bulk.usable:
-            # state on the bulk connection, chunked: heartbeats never wait behind it
-            await self._bulk.send(message)
-            return
-        control = self._ports.control
-
-        async def go() -> int:
-            return await send(
-                control,
-                message,
-                timeout_s=timeout_s or self.config.timeouts.send_s,
-                peer="coordinator",
-            )
-
-        nbytes = sum(t.numel() * t.element_size() for t in tensors) + 256
-        await self._control_uplink.send(nbytes, go)
 
     def _task_died(self, name: str, error: BaseException) -> None:
         if self._lifecycle is None:
@@ -495,72 +452,6 @@ class StageRuntime:
             elif isinstance(command, Exit):
                 self._exit_with(command)
 
-    # ------------------------------------------------------------------ jobs
-
-    def _start_job(self, command: StartJob) -> None:
-        running = self._jobs.get(command.job)
-        request = request_identity(command.message)
-        if running is not None and not running.done():
-            if not command.newest_wins or self._job_requests.get(command.job) == request:
-                # only one at a time; and a request the coordinator sent again (it may
-                # have been lost) is answered by the job already at it
-                return
-            running.cancel()
-        self._job_requests[command.job] = request
-        task = asyncio.create_task(self._run_job(command.job, command.message))
-        task.add_done_callback(lambda done: self._job_ended(command.job, done))
-        self._jobs[command.job] = task
-
-    def _job_ended(self, job: Job, task: asyncio.Task[None]) -> None:
-        error = None if task.cancelled() else task.exception()
-        if error is not None:  # the coordinator's own deadline covers the missing reply
-            log.error(
-                "job_failed", stage=self.config.name, job=job.value, error=describe_error(error)
-            )
-
-    async def _run_job(self, job: Job, message: Message) -> None:
-        name, snapshots, plane = self.config.name, self._snapshots, self._plane
-        assert snapshots is not None and plane is not None
-        if job is Job.ASSIGN:
-            await self._carry_out(await plane.assign(message))
-        elif job is Job.PROFILE and self.config.emulate_compute is not None:
-            reply = emulated_profile_reply(
-                message,
-                name=name,
-                slowdown=self.config.slowdown,
-                profile=self.config.emulate_compute,
-            )
-            await self._send_control("profile_reply", reply)
-        elif job is Job.PROFILE:
-            reply = await profile_reply(
-                message,
-                name=name,
-                slowdown=self.config.slowdown,
-                compute=self._compute,
-                device=self.config.resolved_device,
-            )
-            await self._send_control("profile_reply", reply)
-        elif job is Job.LINK_PROBE:
-            reply = await link_probe_reply(
-                message,
-                name=name,
-                context=self._context,
-                link=self.config.link,
-                socket_options=self.config.socket_options,
-                timeout_s=self.config.timeouts.reply_s,
-                keypair=self._keys.keypair,
-            )
-            await self._send_control("link_probe_reply", reply)
-        elif job is Job.WEIGHTS:
-            reply, tensors = await snapshots.weights_reply(message, plane.trainer, plane.stop)
-            await self._send_control("weights", reply, message.epoch, tensors=tensors)
-        elif job is Job.BACKUP:
-            reply, tensors = await snapshots.backup_reply(message, plane.trainer, plane.pace)
-            await self._send_control("backed_up", reply, message.epoch, tensors=tensors)
-        elif job is Job.REPARTITION:
-            body = await self._repartition.reply(message, plane.trainer)
-            await self._send_control("repartition_reply", body, message.epoch)
-
     # --------------------------------------------------------------- shutdown
 
     async def close(self) -> None:
@@ -570,8 +461,8 @@ class StageRuntime:
             await self._lossy.close()
         if self._plane is not None:
             await self._plane.close()
-        for task in self._jobs.values():
-            task.cancel()
+        if self._jobs is not None:
+            self._jobs.cancel()
         await self._supervisor.stop()
         if self._probe_responder is not None:
             await self._probe_responder.close()

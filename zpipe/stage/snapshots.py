@@ -19,6 +19,7 @@ Each method returns the reply to send; a failure becomes the reply's ``error``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,9 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, UnitsLostError
 from zpipe.log import get_logger
 from zpipe.models.size import peer_build_limit
+from zpipe.protocol import WireMessage
+from zpipe.protocol.peer import Backup, BackupOk, FetchUnits, StateChunk, StateChunkOk, Units
+from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
 from zpipe.stage.async_trainer import AsyncTrainingExecutor
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import (
@@ -50,22 +54,19 @@ from zpipe.stage.supervision import describe_error
 from zpipe.stage.trainer import TrainingExecutor
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
-from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions
 
 log = get_logger("zpipe.stage")
-
-Reply = tuple[dict[str, Any], tuple[torch.Tensor, ...]]
 
 # A fetch's answer is streamed in chunks of at least this size, whatever a requester
 # asks: smaller ones would only make the holder send (and rate-limit) more messages.
 MIN_FETCH_CHUNK_BYTES = 64 * 1024
 
 
-def request_identity(message: Message) -> tuple[object, ...]:
+def request_identity(message: WireMessage) -> tuple[object, ...]:
     """What makes two requests the same one sent twice: kind, epoch and body."""
-    body = tuple(sorted((key, repr(value)) for key, value in message.body.items()))
-    return (message.kind, message.epoch, body)
+    fields = tuple(sorted((key, repr(value)) for key, value in message.body().items()))
+    return (message.KIND, message.epoch, fields)
 
 
 class SnapshotService:
@@ -97,7 +98,7 @@ class SnapshotService:
         # the fetches the coordinator's newest plan makes from here (``link_peers``)
         self.fetch_grants: tuple[FetchGrant, ...] = ()
         # the last backup made, by request: a request sent again gets the same answer
-        self._last_backup: tuple[tuple[object, ...], Reply] | None = None
+        self._last_backup: tuple[tuple[object, ...], BackedUp] | None = None
         # state bigger than this crosses between stages in chunks of this size
         self.chunk_bytes = CHUNK_BYTES
         self._chunked_backups = ChunkedState(cap_bytes=self.backup_budget_bytes)
@@ -108,51 +109,49 @@ class SnapshotService:
 
     async def weights_reply(
         self,
-        message: Message,
+        request: WeightsRequest,
         trainer: TrainingExecutor | None,
         stop_run: Callable[[], Awaitable[None]],
-    ) -> Reply:
+    ) -> Weights:
         """Once round ``step`` is done here, this stage's weights for the coordinator."""
-        run, step = int(message["run"]), int(message["step"])
-        reply: dict[str, Any] = {
-            "run": run,
-            "name": self.name,
-            "step": step,
-            "keys": [],
-            "error": "",
-        }
-        tensors: tuple[torch.Tensor, ...] = ()
+        run, step = request.run, request.step
+        reply = Weights(run=run, name=self.name, step=step, keys=[], error="", epoch=request.epoch)
+        completed: int | None = None
         try:
-            snapshot = message.get("snapshot")
+            snapshot = request.snapshot
             if snapshot is not None:
                 # heavy recovery gathers snapshots kept here, whatever runs now
                 state = self.snapshot_units(snapshot)
             elif trainer is None or trainer.setup.run != run:
                 raise PipelineError(f"this stage is not training run {run}")
-            elif message.get("latest"):
+            elif request.latest:
                 shard = trainer.shard
                 # The run broke elsewhere: stop it here, then read the state in the
                 # compute thread, after whatever step it was running.
                 await stop_run()
                 loop = asyncio.get_running_loop()
                 state = await loop.run_in_executor(self._compute, shard.training_state)
-                reply["completed"] = trainer.completed_steps
+                completed = trainer.completed_steps
             else:
                 shard = trainer.shard
                 await trainer.wait_for_step(step, self._timeout_s)
-                state = shard.training_state() if message.get("optimizer") else shard.state_dict()
+                state = shard.training_state() if request.optimizer else shard.state_dict()
             if len(state) > codec.MAX_TENSORS:
                 raise ConfigError(
                     f"this stage holds {len(state)} tensors, more than one message "
                     f"carries ({codec.MAX_TENSORS})"
                 )
-            reply["keys"] = list(state)
-            reply["metrics"] = self._counters.to_dict()
-            tensors = tuple(state.values())
+            return dataclasses.replace(
+                reply,
+                keys=list(state),
+                metrics=self._counters.to_dict(),
+                completed=completed,
+                tensors=tuple(state.values()),
+            )
         except Exception as exc:  # reported: the coordinator decides what it means
-            reply["error"] = describe_error(exc)
-            log.error("weights_not_sent", stage=self.name, error=reply["error"])
-        return reply, tensors
+            error = describe_error(exc)
+            log.error("weights_not_sent", stage=self.name, error=error)
+            return dataclasses.replace(reply, error=error, completed=completed)
 
     def snapshot_units(self, ranges: object) -> dict[str, torch.Tensor]:
         """The units of the snapshots kept here that ``ranges`` names:
@@ -173,29 +172,28 @@ class SnapshotService:
 
     async def backup_reply(
         self,
-        message: Message,
+        request: BackupRequest,
         trainer: TrainingExecutor | None,
         pace: Callable[[int], Awaitable[None]],
-    ) -> Reply:
+    ) -> BackedUp:
         """Once round ``step`` is done: keep a snapshot of this stage's state, and send
         a copy to its backup holder (a peer stage, or the coordinator in the reply)."""
-        request = request_identity(message)
-        if self._last_backup is not None and self._last_backup[0] == request:
+        identity = request_identity(request)
+        if self._last_backup is not None and self._last_backup[0] == identity:
             # Asked again (the first answer, or the request, may have been lost while a
             # connection was replaced): the snapshot of that round, not a later state.
             return self._last_backup[1]
-        run, step = int(message["run"]), int(message["step"])
-        holder = str(message["holder"])
-        reply: dict[str, Any] = {
-            "run": run,
-            "name": self.name,
-            "step": step,
-            "holder": holder,
-            "keys": [],
-            "bytes": 0,
-            "error": "",
-        }
-        tensors: tuple[torch.Tensor, ...] = ()
+        run, step, holder = request.run, request.step, request.holder
+        reply = BackedUp(
+            run=run,
+            name=self.name,
+            step=step,
+            holder=holder,
+            keys=[],
+            nbytes=0,
+            error="",
+            epoch=request.epoch,
+        )
         try:
             if trainer is None or trainer.setup.run != run:
                 raise PipelineError(f"this stage is not training run {run}")
@@ -207,24 +205,27 @@ class SnapshotService:
             )
             self.replicas.put(self.name, run, step, state)
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
-            reply["bytes"] = nbytes
-            reply["metrics"] = self._counters.to_dict()
+            reply = dataclasses.replace(reply, nbytes=nbytes, metrics=self._counters.to_dict())
             if holder == "coordinator":
-                reply["keys"], tensors = list(state), tuple(state.values())
+                reply = dataclasses.replace(reply, keys=list(state), tensors=tuple(state.values()))
             elif holder:
+                if request.holder_endpoint is None:
+                    raise ProtocolError(f"a backup to {holder!r} needs its holder_endpoint")
                 link = PeerLink(
                     self._context,
                     peer=holder,
-                    endpoint=str(message["holder_endpoint"]),
-                    server_key=message.get("holder_key"),
+                    endpoint=request.holder_endpoint,
+                    server_key=request.holder_key,
                     keypair=self._keypair,
                     options=self._options,
                     timeout_s=self._timeout_s,
                     moved=self._moved,
                 )
-                backup = Message(
-                    "backup",
-                    {"run": run, "step": step, "owner": self.name, "keys": list(state)},
+                backup = Backup(
+                    run=run,
+                    step=step,
+                    owner=self.name,
+                    keys=list(state),
                     tensors=tuple(state.values()),
                 )
                 async with link:
@@ -234,34 +235,44 @@ class SnapshotService:
                         transfer=next(self._transfers),
                         chunk_bytes=self.chunk_bytes,
                     )
-                if answer["error"]:
-                    raise PipelineError(f"{holder} did not keep the backup: {answer['error']}")
-            self._last_backup = (request, (reply, tensors))
+                if answer.error:
+                    raise PipelineError(f"{holder} did not keep the backup: {answer.error}")
+            self._last_backup = (identity, reply)
         except Exception as exc:  # reported: the coordinator decides what it means
-            reply["error"] = describe_error(exc)
-            log.error("backup_failed", stage=self.name, error=reply["error"])
-        return reply, tensors
+            error = describe_error(exc)
+            log.error("backup_failed", stage=self.name, error=error)
+            # what was measured stays; no state goes with a failure
+            reply = dataclasses.replace(reply, keys=[], tensors=(), error=error)
+        return reply
 
     async def on_peer_request(
         self,
-        message: Message,
+        message: WireMessage,
         trainer: TrainingExecutor | None = None,
         sender: PeerIdentity = UNAUTHENTICATED,
-    ) -> Message | Iterator[Message]:
+    ) -> WireMessage | Iterator[WireMessage]:
         """A peer's backup to keep (whole, or a chunk of it), or units of a snapshot a
         peer fetches (one message, or a stream of chunks for a requester that offered
         ``chunk_bytes``), judged by :mod:`zpipe.stage.peer_policy` against the running
         plan and the sender."""
-        if message.kind == "backup":
-            return self._keep_backup(message, trainer, sender)
-        if message.kind == "state_chunk":
-            return self._backup_chunk(message, trainer, sender)
+        match message:
+            case Backup():
+                return self._keep_backup(message, trainer, sender)
+            case StateChunk():
+                return self._backup_chunk(message, trainer, sender)
+            case FetchUnits():
+                return self._serve_fetch(message, sender)
+        raise ProtocolError(f"unexpected {message.KIND!r} from a peer")
+
+    def _serve_fetch(
+        self, message: FetchUnits, sender: PeerIdentity
+    ) -> WireMessage | Iterator[WireMessage]:
         request = FetchRequest(
-            owner=str(message["owner"]),
-            run=int(message["run"]),
-            step=int(message["step"]),
-            start=int(message["start"]),
-            end=int(message["end"]),
+            owner=message.owner,
+            run=message.run,
+            step=message.step,
+            start=message.start,
+            end=message.end,
         )
         refusal = fetch_refusal(
             request, sender, newest_run=self.replicas.newest_run(), grants=self.fetch_grants
@@ -269,17 +280,17 @@ class SnapshotService:
         if refusal is not None:
             log.warning("fetch_refused", stage=self.name, owner=request.owner,
                         peer=sender.describe(), error=refusal)  # fmt: skip
-            return Message("units", {"keys": [], "error": refusal})
+            return Units(keys=[], error=refusal)
         try:
             units = self.replicas.units(
                 request.owner, request.run, request.step, request.start, request.end
             )
         except ConfigError as exc:
-            return Message("units", {"keys": [], "error": str(exc)})
+            return Units(keys=[], error=str(exc))
         log.info("units_served", stage=self.name, owner=request.owner, peer=sender.describe(),
                  start=request.start, end=request.end)  # fmt: skip
-        answer = Message("units", {"keys": list(units), "error": ""}, tensors=tuple(units.values()))
-        offered = message.get("chunk_bytes")
+        answer = Units(keys=list(units), error="", tensors=tuple(units.values()))
+        offered = message.chunk_bytes
         if offered is None:
             return answer
         chunk_bytes = min(max(int(offered), MIN_FETCH_CHUNK_BYTES), MAX_CHUNK_BYTES)
@@ -291,17 +302,17 @@ class SnapshotService:
         )
 
     def _backup_chunk(
-        self, chunk: Message, trainer: TrainingExecutor | None, sender: PeerIdentity
-    ) -> Message:
+        self, chunk: StateChunk, trainer: TrainingExecutor | None, sender: PeerIdentity
+    ) -> StateChunkOk | BackupOk:
         """One chunk of a big backup: acknowledged, or (the last) kept as a backup is."""
-        owner, transfer, seq = str(chunk["owner"]), int(chunk["transfer"]), int(chunk["seq"])
+        owner, transfer, seq = chunk.owner, chunk.transfer, chunk.seq
 
-        def refused(error: str) -> Message:
+        def refused(error: str) -> StateChunkOk:
             self._chunked_backups.drop(sender, owner)
             self._counters.dropped += 1
             log.warning("backup_refused", stage=self.name, owner=owner, peer=sender.describe(),
                         error=error)  # fmt: skip
-            return Message("state_chunk_ok", {"transfer": transfer, "seq": seq, "error": error})
+            return StateChunkOk(transfer=transfer, seq=seq, error=error)
 
         if seq == 0:
             setup = trainer.setup if trainer is not None else None
@@ -316,16 +327,16 @@ class SnapshotService:
         except ProtocolError as exc:
             return refused(str(exc))
         if whole is None:
-            return Message("state_chunk_ok", {"transfer": transfer, "seq": seq, "error": ""})
-        if whole.kind != "backup" or str(whole["owner"]) != owner:
-            return refused(f"the chunks of {owner!r}'s backup made a {whole.kind!r} of another")
+            return StateChunkOk(transfer=transfer, seq=seq, error="")
+        if not isinstance(whole, Backup) or whole.owner != owner:
+            return refused(f"the chunks of {owner!r}'s backup made a {whole.KIND!r} of another")
         return self._keep_backup(whole, trainer, sender)
 
     def _keep_backup(
-        self, message: Message, trainer: TrainingExecutor | None, sender: PeerIdentity
-    ) -> Message:
-        owner, run, step = str(message["owner"]), int(message["run"]), int(message["step"])
-        keys = tuple(str(k) for k in message["keys"])
+        self, message: Backup, trainer: TrainingExecutor | None, sender: PeerIdentity
+    ) -> BackupOk:
+        owner, run, step = message.owner, message.run, message.step
+        keys = tuple(str(k) for k in message.keys)
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
         setup = trainer.setup if trainer is not None else None
         plan = BackupPlan(setup.run, setup.backup_from) if setup else BackupPlan(None)
@@ -341,12 +352,12 @@ class SnapshotService:
             self._counters.dropped += 1
             log.warning("backup_refused", stage=self.name, owner=owner, peer=sender.describe(),
                         error=refusal)  # fmt: skip
-            return Message("backup_ok", {"run": run, "step": step, "error": refusal})
+            return BackupOk(run=run, step=step, error=refusal)
         # Copies: the frames' memory belongs to the zmq message.
         state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
         self.replicas.put(owner, run, step, state)
         log.info("backup_kept", stage=self.name, owner=owner, run=run, step=step, bytes=nbytes)
-        return Message("backup_ok", {"run": run, "step": step, "error": ""})
+        return BackupOk(run=run, step=step, error="")
 
     async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a
@@ -372,22 +383,25 @@ class SnapshotService:
                 timeout_s=self._timeout_s,
                 moved=self._moved,
             )
-            request = {"owner": owner, "run": run, "step": step, "start": start, "end": end}
+            request = FetchUnits(
+                owner=owner,
+                run=run,
+                step=step,
+                start=start,
+                end=end,
+                chunk_bytes=self.chunk_bytes,
+            )
             async with link:
-                reply = await link.fetch(
-                    Message("fetch_units", {**request, "chunk_bytes": self.chunk_bytes})
-                )
-            if reply["error"]:
-                raise UnitsLostError(
-                    (start, end), f"{source} could not send them: {reply['error']}"
-                )
-            if len(reply["keys"]) != len(reply.tensors):
+                reply = await link.fetch(request)
+            if reply.error:
+                raise UnitsLostError((start, end), f"{source} could not send them: {reply.error}")
+            if len(reply.keys) != len(reply.tensors):
                 raise ProtocolError(f"{source} sent mismatched units")
-            foreign = foreign_units([str(k) for k in reply["keys"]], start, end)
+            foreign = foreign_units([str(k) for k in reply.keys], start, end)
             if foreign:
                 raise ProtocolError(f"{source} sent state of other units: {foreign[:3]}")
             state.update(
-                {str(k): t.clone() for k, t in zip(reply["keys"], reply.tensors, strict=True)}
+                {str(k): t.clone() for k, t in zip(reply.keys, reply.tensors, strict=True)}
             )
         return state
 

@@ -71,14 +71,14 @@ class Timeline:
     def to_wire(self, offset: ClockOffset | None = None) -> dict[str, Any]:
         """The ``timeline`` of a ``metrics`` reply: spans as [mb, phase, start, end]
         lists, and the clock offset to the coordinator when one was measured."""
-        body: dict[str, Any] = {
+        timeline: dict[str, Any] = {
             "spans": [list(s) for s in self._spans],
             "dropped": self.dropped,
         }
         if offset is not None and offset.offset_s is not None:
-            body["offset_s"] = offset.offset_s
-            body["rtt_s"] = offset.rtt_s
-        return body
+            timeline["offset_s"] = offset.offset_s
+            timeline["rtt_s"] = offset.rtt_s
+        return timeline
 
 
 class ClockOffset:

@@ -23,6 +23,7 @@ Micro-batch ids are global: round r's micro-batch m is ``r * M + m``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,16 +34,19 @@ import torch
 
 from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.log import get_logger
+from zpipe.protocol.data_plane import Data, Grad, Labels, Loss, MicroBatchError
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.train_shard import TrainShard
 from zpipe.training.routing import split_rows
 from zpipe.training.schedules import Action, stage_actions
-from zpipe.transport.codec import Message
 
 log = get_logger("zpipe.stage")
 
+# A piece of a micro-batch this executor waits for, and what it sends.
+Piece = Data | Grad | Labels
+Outgoing = Data | Grad | Loss | MicroBatchError
 # send(peer name, message)
-Sender = Callable[[str, Message], Awaitable[None]]
+Sender = Callable[[str, Outgoing], Awaitable[None]]
 _T = TypeVar("_T")
 
 
@@ -53,7 +57,7 @@ class GroupReducer(Protocol):
 
 
 @dataclass(frozen=True)
-class Group:
+class DataParallelGroup:
     """Devices that share a stage (or the client, alone) and their shares of each row."""
 
     names: tuple[str, ...]
@@ -73,10 +77,10 @@ class TrainingSetup:
     schedule: str
     num_microbatches: int
     warmup: int
-    group: Group  # this stage's devices, this one included
+    group: DataParallelGroup  # this stage's devices, this one included
     rank: int  # this device's place in ``group``
-    upstream: Group  # the client alone on the first stage
-    downstream: Group  # the client alone on the last stage
+    upstream: DataParallelGroup  # the client alone on the first stage
+    downstream: DataParallelGroup  # the client alone on the last stage
     wait_s: float
     # the devices whose backups this one keeps (chain and topology replication);
     # a backup from anyone else is refused
@@ -113,8 +117,9 @@ class TrainingExecutor:
         self._reducer = reducer
         self.counters = counters
         # (kind, micro-batch) -> pieces by sender
-        self._arrived: dict[tuple[str, int], dict[str, Message]] = {}
-        self._waiters: dict[tuple[str, int], asyncio.Event] = {}
+        # by (kind of piece, micro-batch): the pieces arrived, by sender; who waits
+        self._arrived: dict[tuple[type[Piece], int], dict[str, Piece]] = {}
+        self._waiters: dict[tuple[type[Piece], int], asyncio.Event] = {}
         self.completed_steps = 0
         self._step_done = asyncio.Condition()
         self._current_mb = 0  # the micro-batch being worked on, named if it fails
@@ -138,22 +143,24 @@ class TrainingExecutor:
 
     # ------------------------------------------------------------ arrivals
 
-    def deliver(self, message: Message) -> None:
+    def deliver(self, message: Piece) -> None:
         """A piece of an activation, gradient or labels, already validated."""
-        key = (message.kind, int(message["mb"]))
+        key: tuple[type[Piece], int] = (type(message), message.mb)
         _check_piece(message)
         pieces = self._arrived.setdefault(key, {})
-        src = str(message["src"])
+        src = message.src
         if src in pieces:
-            raise PipelineError(f"a second {key[0]} piece from {src} for micro-batch {key[1]}")
+            raise PipelineError(
+                f"a second {message.KIND} piece from {src} for micro-batch {key[1]}"
+            )
         pieces[src] = message
         waiter = self._waiters.get(key)
         if waiter is not None:
             waiter.set()
 
     async def _gather(
-        self, kind: str, mb: int, senders: Group
-    ) -> tuple[tuple[torch.Tensor, ...], int, Message]:
+        self, kind: type[Piece], mb: int, senders: DataParallelGroup
+    ) -> tuple[tuple[torch.Tensor, ...], int, Piece]:
         """Every sender's piece of ``mb``: the concatenated rows, the row count, one piece."""
         key = (kind, mb)
         waited_from = time.perf_counter()
@@ -164,7 +171,7 @@ class TrainingExecutor:
                 missing = [n for n in senders.names if n not in self._arrived.get(key, {})]
                 if left <= 0:
                     raise TransportTimeout(
-                        ", ".join(missing), f"{kind} of micro-batch {mb}", self.setup.wait_s
+                        ", ".join(missing), f"{kind.KIND} of micro-batch {mb}", self.setup.wait_s
                     )
                 event = self._waiters.setdefault(key, asyncio.Event())
                 event.clear()
@@ -176,10 +183,10 @@ class TrainingExecutor:
             self._waiters.pop(key, None)
             self.counters.idle_s += time.perf_counter() - waited_from
         pieces = self._arrived.pop(key)
-        ordered = sorted(pieces.values(), key=lambda p: int(p["rows"][0]))
-        totals = {int(p["total"]) for p in ordered}
+        ordered = sorted(pieces.values(), key=lambda p: int(_rows(p)[0]))
+        totals = {_rows(p)[2] for p in ordered}
         if len(totals) != 1:
-            raise PipelineError(f"{kind} pieces of micro-batch {mb} disagree on its size")
+            raise PipelineError(f"{kind.KIND} pieces of micro-batch {mb} disagree on its size")
         parts = [p.tensors for p in ordered if p.tensors]
         if not parts:
             return (), totals.pop(), ordered[0]
@@ -268,19 +275,21 @@ class TrainingExecutor:
     async def _forward(self, mb: int, step: int) -> None:
         s = self.setup
         self._current_mb = mb
-        inputs, total, _ = await self._gather("data", mb, s.upstream)
+        inputs, total, _ = await self._gather(Data, mb, s.upstream)
         lo, hi = s.group.blocks(total)[s.rank]
         self._rows[mb] = (lo, hi, total)
         self._round_rows += hi - lo
         self._round_total += total
         target, samples = None, 0
         if s.last:
-            labels, label_total, piece = await self._gather("labels", mb, Group((CLIENT,), (1,)))
+            client = DataParallelGroup((CLIENT,), (1,))  # the labels come from the client
+            labels, label_total, piece = await self._gather(Labels, mb, client)
             if label_total != total:
                 raise PipelineError(
                     f"labels of micro-batch {mb} have {label_total} rows, not {total}"
                 )
-            target, samples = (labels[0] if labels else None), int(piece["samples"])
+            assert isinstance(piece, Labels)
+            target, samples = (labels[0] if labels else None), piece.samples
         if hi == lo:
             outputs: tuple[torch.Tensor, ...] = ()
             loss: float | None = 0.0 if s.last else None
@@ -296,10 +305,10 @@ class TrainingExecutor:
             self.counters.peak_live_activations = self.shard.peak_live
             self.counters.peak_activation_bytes = self.shard.peak_activation_bytes
         if s.last:
-            body = {"run": s.run, "mb": mb, "step": step, "loss": loss or 0.0, "src": s.name}
-            await self._send(CLIENT, Message("loss", body, epoch=s.epoch))
+            reply = Loss(run=s.run, mb=mb, step=step, loss=loss or 0.0, src=s.name, epoch=s.epoch)
+            await self._send(CLIENT, reply)
         else:
-            await self._scatter("data", mb, outputs, (lo, hi, total), s.downstream)
+            await self._scatter(Data, mb, outputs, (lo, hi, total), s.downstream)
 
     async def _backward(self, mb: int) -> None:
         s = self.setup
@@ -307,7 +316,7 @@ class TrainingExecutor:
         lo, hi, total = self._rows.pop(mb)
         grad_outputs: tuple[torch.Tensor, ...] = ()
         if not s.last:
-            grad_outputs, _, _ = await self._gather("grad", mb, s.downstream)
+            grad_outputs, _, _ = await self._gather(Grad, mb, s.downstream)
         grads: tuple[torch.Tensor, ...] = ()
         if hi > lo:
             started = time.perf_counter()
@@ -317,15 +326,15 @@ class TrainingExecutor:
             self.counters.timeline.record(mb, "backward", started, done)
             self.counters.backwards += 1
         if not s.first:
-            await self._scatter("grad", mb, grads, (lo, hi, total), s.upstream)
+            await self._scatter(Grad, mb, grads, (lo, hi, total), s.upstream)
 
     async def _scatter(
         self,
-        kind: str,
+        kind: type[Data] | type[Grad],
         mb: int,
         tensors: tuple[torch.Tensor, ...],
         rows: tuple[int, int, int],
-        receivers: Group,
+        receivers: DataParallelGroup,
     ) -> None:
         """Send every receiver the rows it shares with this device (maybe none)."""
         s = self.setup
@@ -337,29 +346,39 @@ class TrainingExecutor:
                 piece = tuple(t[start - lo : end - lo] for t in tensors)
             else:
                 start = end = max(lo, min(hi, a))
-            body = {"run": s.run, "mb": mb, "src": s.name, "rows": [start, end], "total": total}
-            await self._send(name, Message(kind, body, epoch=s.epoch, tensors=piece))
+            out = kind(
+                run=s.run,
+                mb=mb,
+                src=s.name,
+                rows=[start, end],
+                total=total,
+                epoch=s.epoch,
+                tensors=piece,
+            )
+            await self._send(name, out)
 
     async def _report_failure(self, exc: BaseException) -> None:
         s = self.setup
-        body = {
-            "run": s.run,
-            "mb": self._current_mb,
-            "src": s.name,
-            "stage": s.name,
-            "message": f"{type(exc).__name__}: {exc}",
-        }
+        error = MicroBatchError(
+            run=s.run,
+            mb=self._current_mb,
+            src=s.name,
+            stage=s.name,
+            message=f"{type(exc).__name__}: {exc}",
+            epoch=s.epoch,
+        )
         for name in s.downstream.names:
             try:
-                await self._send(name, Message("error", body, epoch=s.epoch))
+                await self._send(name, error)
             except Exception as send_exc:  # the run is over either way
                 log.error("failure_not_reported", stage=s.name, error=str(send_exc))
 
-    async def pass_on_error(self, message: Message) -> None:
+    async def pass_on_error(self, message: MicroBatchError) -> None:
         """A stage upstream failed: tell whoever is downstream, up to the client."""
         s = self.setup
+        passed = dataclasses.replace(message, src=s.name, epoch=s.epoch)
         for name in s.downstream.names:
-            await self._send(name, Message("error", {**message.body, "src": s.name}, epoch=s.epoch))
+            await self._send(name, passed)
 
     async def wait_for_step(self, step: int, timeout_s: float) -> None:
         """Return once ``step`` rounds have completed on this stage."""
@@ -383,15 +402,22 @@ class TrainingExecutor:
 CLIENT = "client"
 
 
-def _check_piece(message: Message) -> None:
+def _check_piece(message: Piece) -> None:
     """Rows inside the micro-batch, and tensors of exactly that many rows (or none)."""
-    rows, total = message.get("rows"), message.get("total")
+    rows, total = message.rows, message.total
     if not isinstance(rows, list) or len(rows) != 2 or not isinstance(total, int):
-        raise PipelineError(f"a {message.kind} piece without its rows and row count")
+        raise PipelineError(f"a {message.KIND} piece without its rows and row count")
     lo, hi = rows
     if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= total):
-        raise PipelineError(f"a {message.kind} piece with rows {rows} of {total}")
+        raise PipelineError(f"a {message.KIND} piece with rows {rows} of {total}")
     if hi > lo and not message.tensors:
-        raise PipelineError(f"a {message.kind} piece of rows {rows} carries no tensors")
+        raise PipelineError(f"a {message.KIND} piece of rows {rows} carries no tensors")
     if any(t.dim() == 0 or t.shape[0] != hi - lo for t in message.tensors):
-        raise PipelineError(f"a {message.kind} piece's tensors do not have {hi - lo} rows")
+        raise PipelineError(f"a {message.KIND} piece's tensors do not have {hi - lo} rows")
+
+
+def _rows(piece: Piece) -> tuple[int, int, int]:
+    """A checked piece's rows [lo, hi) and row count (:func:`_check_piece` passed)."""
+    assert piece.rows is not None and piece.total is not None
+    lo, hi = piece.rows
+    return int(lo), int(hi), piece.total

@@ -20,13 +20,16 @@ import zmq.asyncio
 
 from zpipe._errors import PeerGoneError, ProtocolError, ZpipeError
 from zpipe.log import get_logger
+from zpipe.protocol.data_plane import MicroBatchError
+from zpipe.protocol.stage_control import Assign
 from zpipe.stage.assignment import Assignment, PushConnector
 from zpipe.stage.async_trainer import AsyncTrainingExecutor
+from zpipe.stage.data_parallel import RingAllReduce
+from zpipe.stage.dataport import DataMessage
 from zpipe.stage.lifecycle import CLIENT
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.train_shard import TrainShard
-from zpipe.stage.trainer import Group, TrainingExecutor, TrainingSetup
-from zpipe.training.allreduce import RingAllReduce
+from zpipe.stage.trainer import DataParallelGroup, Outgoing, TrainingExecutor, TrainingSetup
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -37,19 +40,18 @@ from zpipe.transport.sockets import SocketOptions, send
 log = get_logger("zpipe.stage")
 
 
-def training_setup(message: Message, *, name: str, wait_s: float) -> TrainingSetup:
+def training_setup(message: Assign, *, name: str, wait_s: float) -> TrainingSetup:
     """A training assignment's settings, checked; a :class:`ProtocolError` if malformed."""
-    body = message.body
-    train = body.get("train")
+    train = message.train
     if not isinstance(train, dict):
         raise ProtocolError("a training assignment needs its 'train' settings")
 
-    def group(entry: Any) -> Group:
+    def group(entry: Any) -> DataParallelGroup:
         names = tuple(str(n) for n in entry["names"])
         shares = tuple(int(x) for x in entry["shares"])
         if not names or len(names) != len(shares):
             raise ValueError(f"a group needs one share per device: {entry!r}")
-        return Group(names, shares)
+        return DataParallelGroup(names, shares)
 
     try:
         own = group(train["group"])
@@ -57,11 +59,11 @@ def training_setup(message: Message, *, name: str, wait_s: float) -> TrainingSet
         if not 0 <= rank < len(own.names) or own.names[rank] != name:
             raise ValueError(f"rank {rank} of {own.names} is not {name!r}")
         return TrainingSetup(
-            run=int(body["run"]),
+            run=message.run,
             epoch=message.epoch,
             name=name,
-            index=int(body["index"]),
-            num_stages=int(body["num_stages"]),
+            index=message.index,
+            num_stages=message.num_stages,
             schedule=str(train["schedule"]),
             num_microbatches=int(train["num_microbatches"]),
             warmup=int(train["warmup"]),
@@ -134,7 +136,8 @@ class TrainingPlane:
         self._send_timeout_s = send_timeout_s
         self._peers: dict[str, zmq.asyncio.Socket] = {}
         self._ring: RingAllReduce | None = None
-        self._outbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue()
+        # (neighbour, micro-batch, the encoded message): the timeline names the batch
+        self._outbox: asyncio.Queue[tuple[str, int, Message]] = asyncio.Queue()
         # One emulated link for both directions: a device has one radio.
         self._link = None if link.is_ideal else EmulatedLink(link, self._send_to_neighbour)
         self.trainer: TrainingExecutor | None = None
@@ -177,19 +180,19 @@ class TrainingPlane:
             reducer=self._ring,
         )
 
-    async def _queue_send(self, target: str, message: Message) -> None:
-        self._outbox.put_nowait((target, message))
+    async def _queue_send(self, target: str, message: Outgoing) -> None:
+        self._outbox.put_nowait((target, message.mb, message.to_message()))
 
     async def pace(self, nbytes: int) -> None:
         """All-reduce traffic and backups cross the device's one (emulated) radio too."""
         if self._link is not None:
             await self._link.pace(nbytes)
 
-    async def deliver(self, message: Message) -> None:
+    async def deliver(self, message: DataMessage) -> None:
         """A checked piece of this assignment's epoch, for the executor."""
         trainer = self.trainer
         assert trainer is not None
-        if message.kind == "error":
+        if isinstance(message, MicroBatchError):
             # A stage upstream failed: the round cannot finish; tell the client.
             await trainer.pass_on_error(message)
             return
@@ -198,7 +201,7 @@ class TrainingPlane:
         except ZpipeError as exc:
             self._counters.dropped += 1
             log.warning(
-                "dropped_message", stage=self.setup.name, peer=message.get("src"), error=str(exc)
+                "dropped_message", stage=self.setup.name, peer=message.src, error=str(exc)
             )
 
     async def run(self) -> None:
@@ -207,7 +210,7 @@ class TrainingPlane:
 
     async def send_loop(self) -> None:
         while True:
-            target, message = await self._outbox.get()
+            target, mb, message = await self._outbox.get()
             started = time.perf_counter()
             try:
                 if self._link is not None:
@@ -226,9 +229,7 @@ class TrainingPlane:
                 )
             sent_at = time.perf_counter()
             self._counters.send_s += sent_at - started
-            mb = message.get("mb")
-            if isinstance(mb, int):
-                self._counters.timeline.record(mb, "send", started, sent_at)
+            self._counters.timeline.record(mb, "send", started, sent_at)
 
     async def _send_to_neighbour(self, item: object) -> None:
         assert isinstance(item, tuple)

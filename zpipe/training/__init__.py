@@ -1,1 +1,2 @@
-"""Training: schedules, all-reduce and the training executor."""
+"""Training: schedules, the ring all-reduce's arithmetic and other pure training rules
+(the all-reduce's sockets are :mod:`zpipe.stage.data_parallel`)."""

@@ -1,4 +1,4 @@
-"""The pure parts of the ring all-reduce (:mod:`zpipe.training.allreduce`): its cost
+"""The pure parts of the ring all-reduce (:mod:`zpipe.stage.data_parallel`): its cost
 (Asteroid's eq. 5), the per-rank schedule, how buffers are cut into chunks and
 segments, what message a rank expects next and the check of one received message,
 the statistics of a round, and the flat buffers tensors are reduced in."""
@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from zpipe._errors import ConfigError, ProtocolError
-from zpipe.transport.codec import Message, dtype_name
+from zpipe.protocol import WireMessage
+from zpipe.protocol.data_plane import AllReduce
+from zpipe.transport.codec import dtype_name
 
-KIND = "allreduce"
+KIND = AllReduce.KIND
 OPS = ("mean", "sum")
 REDUCIBLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 REDUCE_SCATTER = "reduce-scatter"
@@ -128,7 +130,7 @@ class ExpectedMessage:
     frames: tuple[tuple[torch.dtype, int], ...]
 
 
-def check_message(message: Message, expected: ExpectedMessage, *, peer: str) -> bool:
+def check_message(message: WireMessage, expected: ExpectedMessage, *, peer: str) -> bool:
     """True if ``message`` is the expected one; False if it is stale (drop it quietly).
 
     Stale means an older plan epoch or round, left over from an aborted round. Anything
@@ -142,20 +144,19 @@ def check_message(message: Message, expected: ExpectedMessage, *, peer: str) -> 
             f"segment {expected.seg}, src {expected.src})"
         )
 
-    if message.kind != KIND:
-        raise refuse(f"kind {message.kind!r} is not {KIND!r}")
+    if not isinstance(message, AllReduce):
+        raise refuse(f"kind {message.KIND!r} is not {KIND!r}")
     if message.epoch < expected.epoch:
         return False
     if message.epoch > expected.epoch:
         raise refuse(f"newer plan epoch {message.epoch}")
-    body = message.body
-    if body["round"] < expected.round_id:
+    if message.round < expected.round_id:
         return False
-    if body["round"] > expected.round_id:
-        raise refuse(f"round {body['round']} is ahead of this rank")
-    if body["src"] != expected.src:
-        raise refuse(f"claims to come from rank {body['src']}")
-    got = (body["step"], body["chunk"], body["seg"])
+    if message.round > expected.round_id:
+        raise refuse(f"round {message.round} is ahead of this rank")
+    if message.src != expected.src:
+        raise refuse(f"claims to come from rank {message.src}")
+    got = (message.step, message.chunk, message.seg)
     if got != (expected.step, expected.chunk, expected.seg):
         raise refuse(f"got step {got[0]}, chunk {got[1]}, segment {got[2]}")
     if len(message.tensors) != len(expected.frames):

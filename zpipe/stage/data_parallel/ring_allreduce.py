@@ -57,56 +57,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
+from zpipe._errors import ConfigError
 from zpipe.log import get_logger
+from zpipe.stage.data_parallel.ring_links import RingCounters, RingLinks
 from zpipe.training.ring import (
     ALL_GATHER,
-    KIND,
     OPS,
-    REDUCIBLE_DTYPES,
     AllReduceStats,
     ExpectedMessage,
-    RingStep,
     ScratchBuffers,
     SegmentLayout,
-    check_message,
     check_ring_settings,
     flatten_into,
     group_by_dtype,
-    ring_allreduce_cost_s,
     ring_schedule,
     unflatten_from,
 )
 from zpipe.transport import security
-from zpipe.transport.codec import Message
-from zpipe.transport.sockets import (
-    SocketOptions,
-    bind_endpoint,
-    decode_frames,
-    open_socket,
-    recv_frames,
-    send,
-)
+from zpipe.transport.sockets import SocketOptions
 
-__all__ = [
-    "DEFAULT_SEGMENT_BYTES",
-    "KIND",
-    "OPS",
-    "REDUCIBLE_DTYPES",
-    "AllReduceStats",
-    "RingAllReduce",
-    "RingStep",
-    "check_message",
-    "ring_allreduce_cost_s",
-    "ring_schedule",
-]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "RingAllReduce"]
 
 log = get_logger("zpipe.allreduce")
 
@@ -173,12 +147,8 @@ class RingAllReduce:
         self.context = context
         self.rank = rank
         self.world_size = n
-        # awaited with each segment's size before it is sent: an emulated link's pacing
-        self._pace = pace
         self.endpoints = list(endpoints)
-        self.bind = bind if bind is not None else self.endpoints[rank]
         self.keypair = keypair
-        self.peer_keys = list(peer_keys) if peer_keys is not None else None
         self.timeout_s = float(timeout_s)
         self.epoch = epoch
         self.segment_bytes = segment_bytes
@@ -188,14 +158,19 @@ class RingAllReduce:
         # Messages a rank may run ahead of what it received; below what one link
         # queues (at least the send high-water mark), so the ring cannot deadlock.
         self.window = max(1, min(self.options.send_hwm // 2, _WINDOW_BYTES // segment_bytes))
-        self.bound_endpoint = ""
-        self._authenticator = authenticator
-        self._own_authenticator: security.CurveAuthenticator | None = None
-        self._added_key: bytes | None = None
-        self._pull: zmq.asyncio.Socket | None = None
-        self._push: zmq.asyncio.Socket | None = None
-        self._prev_label = self.peer_label(self.prev)
-        self._next_label = self.peer_label(self.next)
+        self._links = RingLinks(
+            context=context,
+            name=self.name,
+            rank=rank,
+            endpoints=self.endpoints,
+            bind=bind if bind is not None else self.endpoints[rank],
+            options=self.options,
+            keypair=keypair,
+            peer_keys=peer_keys,
+            authenticator=authenticator,
+            epoch=epoch,
+            pace=pace,
+        )
         self._scratch = ScratchBuffers()
         self._last_round = -1
         self._busy = False
@@ -203,7 +178,12 @@ class RingAllReduce:
 
     def peer_label(self, rank: int) -> str:
         """How errors and log lines name a peer: its rank and endpoint."""
-        return f"rank {rank} of {self.name!r} at {self.endpoints[rank]}"
+        return self._links.peer_label(rank)
+
+    @property
+    def bound_endpoint(self) -> str:
+        """Where this rank's receive socket is bound (once started)."""
+        return self._links.bound_endpoint
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,25 +195,9 @@ class RingAllReduce:
         """
         if self._closed:
             raise RuntimeError("this RingAllReduce was closed; build a new one")
-        if self._pull is not None or self.world_size == 1:
+        if self._links.open or self.world_size == 1:
             return
-        pull = open_socket(self.context, zmq.PULL, self.options)
-        push = open_socket(self.context, zmq.PUSH, self.options)
-        self._pull, self._push = pull, push
-        if self.keypair is not None:
-            assert self.peer_keys is not None
-            prev_key = self.peer_keys[self.prev]
-            if self._authenticator is None:
-                allow = security.PeerAllowList({self.peer_label(self.prev): prev_key})
-                self._own_authenticator = security.CurveAuthenticator(self.context, allow)
-                self._own_authenticator.start()
-            elif prev_key not in self._authenticator.allow_list:
-                self._authenticator.allow_list.allow(prev_key, self.peer_label(self.prev))
-                self._added_key = prev_key
-            security.secure_server(pull, self.keypair)
-            security.secure_client(push, self.keypair, self.peer_keys[self.next])
-        self.bound_endpoint = bind_endpoint(pull, self.bind)
-        push.connect(self.endpoints[self.next])
+        self._links.start()
         log.debug(
             "allreduce_started",
             group=self.name,
@@ -253,17 +217,7 @@ class RingAllReduce:
         """
         self._closed = True
         self._scratch.clear()
-        if self._push is not None:
-            self._push.close(linger=max(0, int(linger_s * 1000)))
-        if self._pull is not None:
-            self._pull.close(linger=0)
-        self._push = self._pull = None
-        if self._own_authenticator is not None:
-            self._own_authenticator.stop()
-            self._own_authenticator = None
-        if self._added_key is not None and self._authenticator is not None:
-            self._authenticator.allow_list.discard(self._added_key)
-            self._added_key = None
+        self._links.close(linger_s=linger_s)
 
     async def __aenter__(self) -> RingAllReduce:
         await self.start()
@@ -311,7 +265,7 @@ class RingAllReduce:
         started = time.perf_counter()
         if self.world_size == 1 or not tensors:
             return AllReduceStats(round_id, self.world_size, nbytes, 0, 0, 0.0, 0, 0)
-        if self._pull is None or self._push is None:
+        if not self._links.open:
             raise RuntimeError("call start() before allreduce_()")
         self._busy = True
         try:
@@ -372,7 +326,7 @@ class RingAllReduce:
         total = len(schedule) * k
         last_reduce_step = n - 2
         window = min(self.window, k)
-        counters = _Counters()
+        counters = RingCounters()
         # Received frames to forward in the all-gather, by outgoing message index.
         forward: dict[int, tuple[torch.Tensor, ...]] = {}
 
@@ -387,7 +341,9 @@ class RingAllReduce:
             step = schedule[out // k]
             seg = out % k
             tensors = views(step.send_chunk, seg) if out < k * (n - 1) else forward.pop(out)
-            counters.bytes_sent += await self._send_segment(step, seg, tensors, round_id, timeout)
+            counters.bytes_sent += await self._links.send_segment(
+                step, seg, tensors, round_id, timeout
+            )
 
         sent = 0
         for index in range(total):
@@ -408,7 +364,7 @@ class RingAllReduce:
                 src=self.prev,
                 frames=tuple((t.dtype, t.numel()) for t in targets),
             )
-            message = await self._receive(expected, step.phase, timeout, counters)
+            message = await self._links.receive(expected, step.phase, timeout, counters)
             received = message.tensors
             # The event loop reduces one segment at a time (segment_bytes bounds it).
             if step.phase == ALL_GATHER:
@@ -432,110 +388,3 @@ class RingAllReduce:
             await send_next(sent)
             sent += 1
         return counters.bytes_sent, total, counters.stale, counters.rejected
-
-    async def _send_segment(
-        self,
-        step: RingStep,
-        seg: int,
-        tensors: tuple[torch.Tensor, ...],
-        round_id: int,
-        timeout: float,
-    ) -> int:
-        assert self._push is not None
-        message = Message(
-            KIND,
-            {
-                "round": round_id,
-                "step": step.step,
-                "chunk": step.send_chunk,
-                "seg": seg,
-                "src": self.rank,
-            },
-            epoch=self.epoch,
-            tensors=tensors,
-        )
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if self._pace is not None:
-            await self._pace(nbytes)
-        try:
-            await send(self._push, message, timeout_s=timeout, peer=self._next_label)
-        except TransportTimeout:
-            raise TransportTimeout(
-                self._next_label,
-                f"room to send all-reduce round {round_id} step {step.step} ({step.phase}) "
-                f"chunk {step.send_chunk} segment {seg}",
-                timeout,
-            ) from None
-        return nbytes
-
-    async def _receive(
-        self, expected: ExpectedMessage, phase: str, timeout: float, counters: _Counters
-    ) -> Message:
-        assert self._pull is not None
-        loop = asyncio.get_running_loop()
-        # One deadline per expected message: dropped messages do not extend it, so a
-        # stream of stale or forged messages cannot keep a rank waiting forever.
-        deadline = loop.time() + timeout
-        peer = self._prev_label
-        last_rejection = ""
-        while True:
-            remaining = deadline - loop.time()
-            frames = None
-            if remaining > 0:
-                try:
-                    frames = await recv_frames(
-                        self._pull, timeout_s=remaining, peer=peer, awaited=KIND
-                    )
-                except TransportTimeout:
-                    pass
-            if frames is None:
-                awaited = (
-                    f"all-reduce round {expected.round_id} step {expected.step} ({phase}) "
-                    f"chunk {expected.chunk} segment {expected.seg}"
-                )
-                if last_rejection:
-                    awaited += (
-                        f" ({counters.rejected} bad messages dropped, last: {last_rejection})"
-                    )
-                raise TransportTimeout(peer, awaited, timeout)
-            try:
-                self._check_sender_key(frames[0], peer)
-                message = decode_frames(frames, self.options.max_message_bytes)
-                if check_message(message, expected, peer=peer):
-                    return message
-                counters.stale += 1
-                log.debug(
-                    "allreduce_stale_dropped",
-                    group=self.name,
-                    rank=self.rank,
-                    peer=peer,
-                    epoch=message.epoch,
-                    round=message.get("round"),
-                    current_round=expected.round_id,
-                )
-            except ProtocolError as exc:
-                counters.rejected += 1
-                last_rejection = str(exc)
-                log.warning(
-                    "allreduce_message_rejected",
-                    group=self.name,
-                    rank=self.rank,
-                    peer=peer,
-                    round=expected.round_id,
-                    error=last_rejection,
-                )
-
-    def _check_sender_key(self, frame: Any, peer: str) -> None:
-        if self.peer_keys is None:
-            return
-        key = security.sender_public_key(frame)
-        if key != self.peer_keys[self.prev]:
-            shown = security.key_prefix(key) + "..." if key else "no CURVE key"
-            raise ProtocolError(f"allreduce message for {peer} came from another key ({shown})")
-
-
-@dataclass
-class _Counters:
-    bytes_sent: int = 0
-    stale: int = 0
-    rejected: int = 0
