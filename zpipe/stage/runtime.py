@@ -431,7 +431,7 @@ class StageRuntime:
             elif isinstance(command, LossyControl):
                 assert self._lossy is not None
                 # the lossy executor reads its kinds from the untyped message
-                await self._lossy.on_control(command.message.to_message())
+                await self._lossy.on_control(command.message)
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:
