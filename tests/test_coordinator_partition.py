@@ -17,7 +17,7 @@ from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.state import CoordinatorState
-from zpipe.transport.codec import Message
+from zpipe.protocol.client_control import StageFailed
 
 NAMES = ["a", "b", "c", "d"]
 
@@ -131,11 +131,11 @@ def test_one_stage_going_silent_among_several_is_declared_dead_as_before() -> No
 
 def test_a_notice_is_numbered_and_sent_again_until_acknowledged() -> None:
     outbox = NoticeOutbox(resend_s=2.0, keep_s=120.0)
-    first = outbox.post(b"c", Message("stage_failed", {"run": 4, "stage": "b", "reason": "x"}), 0.0)
+    first = outbox.post(b"c", StageFailed(run=4, stage="b", reason="x"), 0.0)
     second = outbox.post(
-        b"c", Message("stage_failed", {"run": 4, "stage": "d", "reason": "y"}), 0.5
+        b"c", StageFailed(run=4, stage="d", reason="y"), 0.5
     )
-    assert (first["seq"], second["seq"]) == (1, 2)
+    assert (first.seq, second.seq) == (1, 2)
     assert outbox.due(4, 1.9) == []
     assert outbox.due(4, 2.0) == [(b"c", first)]
     assert outbox.due(4, 2.5) == [(b"c", second)]
@@ -143,15 +143,15 @@ def test_a_notice_is_numbered_and_sent_again_until_acknowledged() -> None:
     assert outbox.due(4, 4.5) == [(b"c", second)]
     assert outbox.unacknowledged(4) == [2]
     # another run's numbers start again at 1; a run no longer current is forgotten
-    other = outbox.post(b"c", Message("stage_failed", {"run": 5, "stage": "b", "reason": "x"}), 5.0)
-    assert other["seq"] == 1
+    other = outbox.post(b"c", StageFailed(run=5, stage="b", reason="x"), 5.0)
+    assert other.seq == 1
     assert outbox.due(5, 7.0) == [(b"c", other)]
     assert outbox.unacknowledged(4) == []
 
 
 def test_a_notice_is_forgotten_once_the_client_would_have_given_up() -> None:
     outbox = NoticeOutbox(resend_s=2.0, keep_s=10.0)
-    outbox.post(b"c", Message("stage_failed", {"run": 1, "stage": "b", "reason": "x"}), 0.0)
+    outbox.post(b"c", StageFailed(run=1, stage="b", reason="x"), 0.0)
     assert len(outbox.due(1, 9.0)) == 1
     assert outbox.due(1, 10.0) == [] and outbox.unacknowledged(1) == []
 

@@ -23,8 +23,8 @@ from zpipe.coordinator.runs import Run
 from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
+from zpipe.protocol.client_control import RunRequest
 from zpipe.transport import codec
-from zpipe.transport.codec import Message
 
 TPLAN = TrainingPlan(
     algo="hpp",
@@ -48,7 +48,13 @@ def _run() -> Run:
         devices=["a", "b", "c"],
         ring_endpoints={"a": "tcp://127.0.0.1:1", "b": "tcp://127.0.0.1:2"},
         groups=[["a", "b"], ["c"]],
-        request=Message("run_request", {"model": {"family": "mlp"}, "mode": "train"}),
+        request=RunRequest(
+            model={"family": "mlp"},
+            mode="train",
+            dtype="float32",
+            sink_endpoint="tcp://127.0.0.1:9",
+            wait_for_stages_s=0.0,
+        ),
         recover=True,
         streaming=True,
         training_plan=TPLAN,
@@ -73,7 +79,7 @@ def test_state_round_trips_with_its_run(tmp_path: Path) -> None:
     ):  # fmt: skip
         assert getattr(run, name) == getattr(want, name), name
     assert run.request is not None and want.request is not None
-    assert dict(run.request.body) == dict(want.request.body)
+    assert run.request.body() == want.request.body()
 
 
 def test_a_replica_round_trips_bit_for_bit_even_past_one_messages_tensor_limit(

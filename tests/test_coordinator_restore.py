@@ -48,6 +48,7 @@ def _replicate(h: Harness, run: int, step: int, *, global_copy: bool) -> Message
         # c backs up to the coordinator: its units come in the reply
         keys, tensors = _state(name, UNITS[name], step) if name == "c" else ([], ())
         body = {"name": name, "keys": keys, "error": "", "step": step, "run": run}
+        body.update(holder="", bytes=0)
         h.feed_message(name, Message("backed_up", body, tensors=tensors))
     asked = {n: len(h.to(n, "weights_request")) - before[n] for n in NAMES}
     assert asked == {n: int(global_copy) for n in NAMES}

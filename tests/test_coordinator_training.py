@@ -65,7 +65,7 @@ def _start_training(
 
 def _weights(name: str, units: range, **extra: Any) -> Message:
     keys = [f"units.{u}.weight" for u in units]
-    body = {"name": name, "keys": keys, "error": "", **extra}
+    body = {"run": 0, "step": 0, "name": name, "keys": keys, "error": "", **extra}
     return Message("weights", body, tensors=tuple(torch.full((2,), float(u)) for u in units))
 
 
@@ -256,7 +256,8 @@ def test_rebalancing_a_profiled_run_keeps_a_big_activation_off_a_slow_uplink() -
 
 
 def _backed_up(name: str, **extra: Any) -> Message:
-    return Message("backed_up", {"name": name, "keys": [], "error": "", **extra})
+    body = {"run": 0, "step": 0, "holder": "", "bytes": 0, **extra}
+    return Message("backed_up", {"name": name, "keys": [], "error": "", **body})
 
 
 def _replicating_over_chain(h: Harness) -> int:

@@ -20,19 +20,41 @@ from typing import Any
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.persistence import SavedReplica
 from zpipe.models import ModelSpec
-from zpipe.transport.codec import Message
+from zpipe.protocol import REGISTRY, Message, WireMessage
+
+# A reply a flow waits for: its protocol class. (A kind's name is still taken from the
+# lossy flows, which move to classes on their own branch; such a wait resumes with the
+# replies in their wire form, as those flows read them.)
+ReplyKind = type[WireMessage] | str
+
+
+def wire_form(message: WireMessage | Message) -> Message:
+    """What the codec frames: a protocol object's message (a built one as it is)."""
+    return message.to_message() if isinstance(message, WireMessage) else message
 
 
 @dataclass(frozen=True)
 class Send:
-    """Send ``message`` to the peer at ``to``; ``stage``: a failed send to this stage
-    becomes a ``RequestFailed`` event (waits on its replies fail at once)."""
+    """Send ``message`` (a protocol object) to the peer at ``to``; ``stage``: a failed
+    send to this stage becomes a ``RequestFailed`` event (waits on its replies fail at
+    once). A :class:`Message` is taken too, from the flows not yet typed (lossy)."""
 
     to: bytes
-    message: Message
+    message: WireMessage | Message
     peer: str
     timeout_s: float | None = None  # None: the send deadline from configuration
     stage: str | None = None
+
+    @property
+    def wire(self) -> Message:
+        """The message as the codec frames it."""
+        return wire_form(self.message)
+
+    @property
+    def kind(self) -> str:
+        """The kind's name on the wire (for logs)."""
+        message = self.message
+        return message.KIND if isinstance(message, WireMessage) else message.kind
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,7 @@ class Deliver:
     """A stage's reply to a request the shell made itself (a profile, a link probe)."""
 
     stage: str
-    message: Message
+    message: WireMessage
 
 
 @dataclass(frozen=True)
@@ -97,9 +119,9 @@ class Await:
 
 @dataclass(frozen=True)
 class AwaitReplies(Await):
-    """Every stage's reply of ``kind``: resumes with ``{stage: message}``.
+    """Every stage's reply of class ``reply``: resumes with ``{stage: reply}``.
 
-    A reply of ``fail_kind`` from one of them, its death, or no reply within
+    A reply of class ``fail`` from one of them, its death, or no reply within
     ``timeout_s`` raise in the flow, unless ``partial``: then the flow resumes with
     the replies that came. ``run``: replies of another run are late, and dropped.
 
@@ -111,11 +133,11 @@ class AwaitReplies(Await):
     """
 
     stages: tuple[str, ...]
-    kind: str
+    reply: ReplyKind
     timeout_s: float
     awaited: str
     run: int | None = None
-    fail_kind: str | None = None
+    fail: ReplyKind | None = None
     partial: bool = False
     requests: tuple[Send, ...] = ()
     resend_s: float | None = None
@@ -128,6 +150,27 @@ class AwaitReplies(Await):
     # sent (at most every PROGRESS_NOTICE_S) while a stage it waits on moves state: a
     # client waiting on this flow's answer then waits on from the latest progress too
     on_progress: Send | None = None
+
+    def __post_init__(self) -> None:
+        # a kind given by name (the lossy flows) is its class; their replies stay raw
+        if isinstance(self.reply, str):
+            object.__setattr__(self, "reply", REGISTRY.classes[self.reply])
+            object.__setattr__(self, "raw_replies", True)
+        if isinstance(self.fail, str):
+            object.__setattr__(self, "fail", REGISTRY.classes[self.fail])
+
+    # the replies go to the flow in their wire form (set for a kind given by name)
+    raw_replies: bool = field(default=False, init=False)
+
+    @property
+    def reply_class(self) -> type[WireMessage]:
+        assert not isinstance(self.reply, str)
+        return self.reply
+
+    @property
+    def fail_class(self) -> type[WireMessage] | None:
+        assert not isinstance(self.fail, str)
+        return self.fail
 
 
 class Job(Await):

@@ -15,6 +15,7 @@ from typing import Any
 from zpipe._errors import (
     ConfigError,
     PeerGoneError,
+    ProtocolError,
     StageLostError,
     StateFileError,
     TransportTimeout,
@@ -28,7 +29,7 @@ from zpipe.coordinator.events import (
     Event,
     JobDone,
     JobFailed,
-    Registered,
+    RegisterAsked,
     RequestFailed,
     StageDied,
     StageSpoke,
@@ -38,7 +39,7 @@ from zpipe.coordinator.events import (
 )
 from zpipe.coordinator.inference import InferenceRun
 from zpipe.coordinator.lossy_remap import keep_replica
-from zpipe.coordinator.lossy_run import LOSSY_REPLY_KINDS, start_lossy_run
+from zpipe.coordinator.lossy_run import start_lossy_run
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
@@ -51,21 +52,74 @@ from zpipe.coordinator.starting import run_request
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.coordinator.training import SyncTrainingRun
 from zpipe.models import ModelSpec
-from zpipe.transport.codec import Message
+from zpipe.protocol import WireMessage
+from zpipe.protocol.client_control import (
+    ClusterRequest,
+    ClusterState,
+    NoticeAck,
+    Replicate,
+    Replicated,
+    RunEnd,
+    RunReport,
+    RunRequest,
+    Stalled,
+)
+from zpipe.protocol.lossy import (
+    LossyHold,
+    LossyProbeReport,
+    LossyReady,
+    LossyReplica,
+    LossyResult,
+    LossyRunRequest,
+)
+from zpipe.protocol.repartition import RepartitionReply
+from zpipe.protocol.stage_control import (
+    AssignFailed,
+    BackedUp,
+    Connected,
+    Heartbeat,
+    HeartbeatAck,
+    LinkPeersOk,
+    LinkProbeReply,
+    Metrics,
+    Probe,
+    ProbeAck,
+    ProfileReply,
+    Ready,
+    Refused,
+    RegisterAgain,
+    Registered,
+    Weights,
+)
 
 # Replies of stages to what a run's flows asked (routed to the flow that waits).
-REPLY_KINDS = (
-    "ready",
-    "assign_failed",
-    "connected",
-    "metrics",
-    "weights",
-    "backed_up",
-    *LOSSY_REPLY_KINDS,
-    "repartition_reply",
+REPLIES = (
+    Ready,
+    AssignFailed,
+    Connected,
+    Metrics,
+    Weights,
+    BackedUp,
+    LossyReady,
+    LossyResult,
+    LossyProbeReport,
+    LossyHold,
+    RepartitionReply,
 )
 # Replies to requests the shell makes itself while it plans (profiles, link probes).
-SHELL_REPLY_KINDS = ("profile_reply", "link_peers_ok", "link_probe_reply")
+SHELL_REPLIES = (ProfileReply, LinkPeersOk, LinkProbeReply)
+
+
+def metrics_of(message: WireMessage) -> dict[str, Any] | None:
+    """The counters a stage's message carries (its heartbeat's, a reply's), if any."""
+    match message:
+        case Heartbeat(metrics=metrics) | Metrics(metrics=metrics):
+            return metrics
+        case Weights(metrics=metrics) | BackedUp(metrics=metrics):
+            return metrics
+        case RepartitionReply(metrics=metrics):
+            return metrics
+    return None
 
 
 def peer_state_bytes(metrics: Any) -> object:
@@ -110,7 +164,7 @@ class CoordinatorCore:
         flows = self.state.flows
         if isinstance(event, StageSpoke):
             return [*retie_restored(self.state, event), *self._stage_spoke(event, now)]
-        if isinstance(event, Registered):
+        if isinstance(event, RegisterAsked):
             return self._register(event, now)
         if isinstance(event, BulkChunkArrived):
             out, whole = bulk_chunk(self.state, event, now)
@@ -141,14 +195,14 @@ class CoordinatorCore:
 
     def _stage_spoke(self, event: StageSpoke, now: float) -> list[Command]:
         message, membership = event.message, self.state.membership
-        kind = message.kind
+        kind = message.KIND
         member = membership.by_routing_id(event.routing_id)
         heartbeat_s = self.state.timeouts.heartbeat_interval_s
         if member is None:
-            if kind == "heartbeat":
+            if isinstance(message, Heartbeat):
                 # A stage this process does not know (it restarted without its state,
                 # or declared the stage dead): it registers again and can be planned.
-                again = Message("register_again", {"reason": "this coordinator does not know you"})
+                again = RegisterAgain(reason="this coordinator does not know you")
                 return [Send(event.routing_id, again, printable(event.routing_id), heartbeat_s)]
             return [
                 Log(
@@ -162,37 +216,33 @@ class CoordinatorCore:
             ]
         self.state.confirm(member.name)
         moved_before = peer_state_bytes(member.metrics)
-        membership.heard_from(member.name, now, message.get("metrics"), kind=kind)
-        if kind == "heartbeat":
-            # a stamped heartbeat gets its stamp back with this clock's (clock offsets)
-            sent = message.get("clock")
-            stamps = {} if sent is None else {"echo": sent, "clock": now}
-            ack = Send(event.routing_id, Message("heartbeat_ack", stamps), member.name, heartbeat_s)
-            moved = peer_state_bytes(message.get("metrics"))
-            if moved is not None and moved != moved_before:
-                # state moving between stages (a chunked backup or fetch) is progress
-                # on the answer a flow awaits from this stage, as bulk chunks are
-                return [ack, *self.state.flows.progress(member.name, now)]
-            return [ack]
-        if kind == "probe_ack":
-            claim = self.claims.answered(member.name, message.get("nonce"))
-            if claim is not None:
-                return self._refuse_claim(claim, member)
-            return [Log("info", "stage_answered_probe", {"stage": member.name})]
-        if kind in SHELL_REPLY_KINDS:
+        membership.heard_from(member.name, now, metrics_of(message), kind=kind)
+        match message:
+            case Heartbeat(clock=sent, metrics=metrics):
+                # a stamped heartbeat gets its stamp back with this clock's (clock offsets)
+                stamps = HeartbeatAck() if sent is None else HeartbeatAck(echo=sent, clock=now)
+                ack = Send(event.routing_id, stamps, member.name, heartbeat_s)
+                moved = peer_state_bytes(metrics)
+                if moved is not None and moved != moved_before:
+                    # state moving between stages (a chunked backup or fetch) is progress
+                    # on the answer a flow awaits from this stage, as bulk chunks are
+                    return [ack, *self.state.flows.progress(member.name, now)]
+                return [ack]
+            case ProbeAck(nonce=nonce):
+                claim = self.claims.answered(member.name, nonce)
+                if claim is not None:
+                    return self._refuse_claim(claim, member)
+                return [Log("info", "stage_answered_probe", {"stage": member.name})]
+            case LossyReplica():
+                # the lossy flows read it in its wire form (until they take classes)
+                return keep_replica(self.state, member.name, message.to_message())
+        if isinstance(message, SHELL_REPLIES):
             return [Deliver(member.name, message)]
-        if kind == "lossy_replica":
-            return keep_replica(self.state, member.name, message)
-        if kind in REPLY_KINDS:
+        if isinstance(message, REPLIES):
             routed = self.state.flows.reply(member.name, message, now)
             if routed is None:
-                return [
-                    Log(
-                        "debug",
-                        "late_reply",
-                        {"stage": member.name, "kind": kind, "run": message.get("run")},
-                    )
-                ]
+                fields = {"stage": member.name, "kind": kind, "run": getattr(message, "run", None)}
+                return [Log("debug", "late_reply", fields)]
             return routed
         return [
             Log(
@@ -202,16 +252,14 @@ class CoordinatorCore:
             )
         ]
 
-    def _register(self, event: Registered, now: float) -> list[Command]:
-        message, state = event.message, self.state
-        name = str(message["name"])
+    def _register(self, event: RegisterAsked, now: float) -> list[Command]:
+        state = self.state
+        name = event.message.name
         reply_s = state.timeouts.reply_s
         if state.public_keys:
             expected = state.public_keys.get(name)
             if expected is None or event.user_key is None or expected.decode() != event.user_key:
-                refused = Message(
-                    "refused", {"reason": f"the key this stage uses is not {name}.key"}
-                )
+                refused = Refused(reason=f"the key this stage uses is not {name}.key")
                 return [
                     Log(
                         "warning",
@@ -232,7 +280,7 @@ class CoordinatorCore:
 
     # -- a name a live stage holds (see zpipe.coordinator.name_claims) --
 
-    def _claim(self, holder: Member, event: Registered, now: float) -> list[Command]:
+    def _claim(self, holder: Member, event: RegisterAsked, now: float) -> list[Command]:
         """Another process registers under ``holder``'s name: ask the holder first."""
         # as long as the liveness rules would take to find the holder dead: a loaded
         # holder that answers late is not taken over sooner than it would be declared dead
@@ -241,7 +289,7 @@ class CoordinatorCore:
         claim = self.claims.open(holder.name, event, now, window)
         if claim is None:
             return []  # the newcomer repeated its registration; the probe is out
-        probe = Message("probe", {"nonce": claim.nonce})
+        probe = Probe(nonce=claim.nonce)
         return [
             Log(
                 "info",
@@ -258,7 +306,7 @@ class CoordinatorCore:
             f"{holder.data_endpoint}) is alive and answering; start this one with another "
             "--name, or stop that one first"
         )
-        refused = Message("refused", {"reason": reason})
+        refused = Refused(reason=reason)
         return [
             Log(
                 "warning",
@@ -295,16 +343,16 @@ class CoordinatorCore:
         assert claim is not None
         return self._take_over(claim, "its connection is gone", now)
 
-    def _admit(self, event: Registered, now: float) -> list[Command]:
+    def _admit(self, event: RegisterAsked, now: float) -> list[Command]:
         message, state = event.message, self.state
-        name = str(message["name"])
+        name = message.name
         # a claim on the name, should one be pending, is settled by this registration
         self.claims.holder_gone(name)
         reply_s = state.timeouts.reply_s
         out: list[Command] = []
         previous = state.membership.get(name)
         run = self.run
-        data_endpoint = str(message["data_endpoint"])
+        data_endpoint = message.data_endpoint
         if (
             previous is not None
             and previous.state is not MemberState.DEAD
@@ -323,7 +371,7 @@ class CoordinatorCore:
                 name=name,
                 routing_id=event.routing_id,
                 data_endpoint=data_endpoint,
-                info=dict(message["info"]),
+                info=dict(message.info),
                 public_key=state.key_of(name),
                 now=now,
             )
@@ -331,17 +379,16 @@ class CoordinatorCore:
             return [
                 *out,
                 Log("warning", "registration_refused", {"stage": name, "reason": str(exc)}),
-                Send(event.routing_id, Message("refused", {"reason": str(exc)}), name, reply_s),
+                Send(event.routing_id, Refused(reason=str(exc)), name, reply_s),
             ]
         state.confirm(name)
-        body: dict[str, Any] = {
-            "name": name,
-            "heartbeat_interval": state.timeouts.heartbeat_interval_s,
-        }
-        if event.bulk_token:
-            body["bulk_token"] = state.bulk.issue(name, event.bulk_token, event.routing_id)
-        body["clock"] = now  # this coordinator stamps heartbeat acks
-        registered = Message("registered", body)
+        token = event.bulk_token
+        registered = Registered(
+            name=name,
+            heartbeat_interval=state.timeouts.heartbeat_interval_s,
+            bulk_token=state.bulk.issue(name, token, event.routing_id) if token else None,
+            clock=now,  # this coordinator stamps heartbeat acks
+        )
         return [
             *out,
             Log(
@@ -381,14 +428,7 @@ class CoordinatorCore:
                     },
                 )
             )
-            out.append(
-                Send(
-                    member.routing_id,
-                    Message("probe", {"nonce": probe.nonce}),
-                    probe.name,
-                    interval,
-                )
-            )
+            out.append(Send(member.routing_id, Probe(nonce=probe.nonce), probe.name, interval))
         for death in deaths:
             out += self._death(death.name, death.reason, death.silent_s, now)
         return out
@@ -430,12 +470,12 @@ class CoordinatorCore:
             event, level = "coordinator_partition_over", "warning"
         return [Log(level, event, fields), Record({"event": event, **fields})]
 
-    def _stalled(self, message: Message, now: float) -> list[Command]:
+    def _stalled(self, message: Stalled, now: float) -> list[Command]:
         """The client's results are late: probe every stage of the run now rather than
         after their heartbeats lapse. One that answers is slow and stays; one that
         does not is declared dead after the probe intervals, as any other."""
         run = self.run
-        if run is None or run.run != message["run"]:
+        if run is None or run.run != message.run:
             return []  # a late report of a run already over
         out: list[Command] = [
             Log(
@@ -443,8 +483,8 @@ class CoordinatorCore:
                 "stall_reported",
                 {
                     "run": run.run,
-                    "waited_s": round(float(message["waited_s"]), 3),
-                    "deadline_s": round(float(message["deadline_s"]), 3),
+                    "waited_s": round(float(message.waited_s), 3),
+                    "deadline_s": round(float(message.deadline_s), 3),
                 },
             )
         ]
@@ -455,9 +495,7 @@ class CoordinatorCore:
             if probe is None or member is None:
                 continue
             out.append(Log("warning", "stage_suspect", {"stage": name, "reason": "stall"}))
-            out.append(
-                Send(member.routing_id, Message("probe", {"nonce": probe.nonce}), name, interval)
-            )
+            out.append(Send(member.routing_id, Probe(nonce=probe.nonce), name, interval))
         return out
 
     def _death(self, name: str, reason: str, silent_s: float, now: float) -> list[Command]:
@@ -491,48 +529,42 @@ class CoordinatorCore:
 
     # ------------------------------------------------------------ clients
 
-    def _notice_acknowledged(self, message: Message) -> list[Command]:
-        self.notices.acknowledged(int(message["run"]), int(message["seq"]))
-        return []
-
     def _client_request(self, event: ClientRequest, now: float) -> list[Command]:
-        message, state = event.message, self.state
-        kind = message.kind
+        state = self.state
         reply_s = state.timeouts.reply_s
-        if kind == "run_request":
-            flow = run_request(state, event.routing_id, event.user_key, message)
-            return state.flows.start(flow, now)
-        if kind == "lossy_run_request":
-            return start_lossy_run(state, event.routing_id, message, now)
-        if kind == "notice_ack":
-            return self._notice_acknowledged(message)
-        if kind == "cluster_request":
-            members = [m.to_dict() for m in state.membership.all()]
-            reply = Message("cluster_state", {"members": members})
-            return [Send(event.routing_id, reply, CLIENT_NAME, reply_s)]
+        match event.message:
+            case RunRequest() as request:
+                flow = run_request(state, event.routing_id, event.user_key, request)
+                return state.flows.start(flow, now)
+            case LossyRunRequest() as request:
+                # the lossy flows read it in its wire form (until they take classes)
+                return start_lossy_run(state, event.routing_id, request.to_message(), now)
+            case NoticeAck(run=run_id, seq=seq):
+                self.notices.acknowledged(run_id, seq)
+                return []
+            case ClusterRequest():
+                members = [m.to_dict() for m in state.membership.all()]
+                reply = ClusterState(members=members)
+                return [Send(event.routing_id, reply, CLIENT_NAME, reply_s)]
+        message = event.message
+        run_id = message.run
         current = state.current
-        if current is not None and int(message["run"]) == current.run.run:
+        if current is not None and run_id == current.run.run:
             return current.on_event(event, now)
         # a request for a run that is not (or no longer) the current one
-        run_id = int(message["run"])
-        if kind == "run_end":
-            report = Message("run_report", {"run": run_id, "stages": {}})
-            return [Send(event.routing_id, report, CLIENT_NAME, reply_s)]
-        if kind == "replicate":
-            error = f"ConfigError: run {run_id} is not the current training run"
-            body = {
-                "run": run_id,
-                "step": int(message["step"]),
-                "tensors": 0,
-                "bytes": 0,
-                "error": error,
-            }
-            return [
-                Log(
-                    "error", "replica_failed", {"run": run_id, "step": body["step"], "error": error}
-                ),
-                Send(event.routing_id, Message("replicated", body), CLIENT_NAME, reply_s),
-            ]
+        match message:
+            case RunEnd():
+                report = RunReport(run=run_id, stages={})
+                return [Send(event.routing_id, report, CLIENT_NAME, reply_s)]
+            case Replicate(step=step):
+                error = f"ConfigError: run {run_id} is not the current training run"
+                replicated = Replicated(
+                    run=run_id, step=step, tensor_count=0, nbytes=0, error=error
+                )
+                return [
+                    Log("error", "replica_failed", {"run": run_id, "step": step, "error": error}),
+                    Send(event.routing_id, replicated, CLIENT_NAME, reply_s),
+                ]
         error_ = ConfigError(f"run {run_id} is not the current run")
         return state.flows.start(run_failed(event.routing_id, error_, reply_s), now)
 
@@ -581,7 +613,7 @@ class CoordinatorCore:
             if saved.run is not None:
                 try:
                     state.current = controller_for(state, Run.from_saved(saved.run))
-                except (KeyError, TypeError, ValueError) as exc:
+                except (KeyError, TypeError, ValueError, ProtocolError) as exc:
                     raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
         if replica is not None:
             state.replica = replica_from_saved(replica, newest_global)
@@ -594,4 +626,4 @@ def controller_for(state: CoordinatorState, run: Run) -> Any:
     if run.training_plan is not None or run.groups:
         return SyncTrainingRun(state, run)
     assert run.request is not None
-    return InferenceRun(state, run, ModelSpec.from_dict(run.request["model"]))
+    return InferenceRun(state, run, ModelSpec.from_dict(run.request.model))

@@ -22,6 +22,7 @@ from zpipe.models.weights import split_unit_key
 from zpipe.planner import ClusterLink, Plan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
+from zpipe.protocol.stage_control import Weights
 from zpipe.recovery import (
     COORDINATOR,
     ReplicaPoint,
@@ -250,7 +251,7 @@ def replica_to_resume(
 
 
 def merge_fast_state(
-    replica: Replica, replies: Mapping[str, Any]
+    replica: Replica, replies: Mapping[str, Weights | None]
 ) -> tuple[Replica, dict[str, int], list[int], list[str]]:
     """The `fast` consistency (as FTPipeHD and Asteroid recover): survivors' newest
     weights and optimizer state over the replica's; only the units no survivor sent
@@ -261,13 +262,13 @@ def merge_fast_state(
     completed: dict[str, int] = {}
     missing: list[str] = []
     for name, reply in replies.items():
-        if reply is None or reply["error"]:
+        if reply is None or reply.error:
             missing.append(name)
             continue
-        for key, tensor in zip(reply["keys"], reply.tensors, strict=True):
+        for key, tensor in zip(reply.keys, reply.tensors, strict=True):
             # a data-parallel group's members hold identical copies; one is kept
             newer.setdefault(str(key), tensor.clone())
-        completed[name] = int(reply.get("completed") or 0)
+        completed[name] = int(reply.completed or 0)
     # the units of the stages no survivor sent (a chain replica holds them at the stages)
     from_replica = [
         u

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from zpipe._errors import ConfigError, ProtocolError, StateFileError
+from zpipe.protocol import REGISTRY, Message, WireMessage, storage
 from zpipe.transport import codec
-from zpipe.transport.codec import Message
 
 STATE_FILE = "coordinator.state"
 REPLICA_FILE = "replica.state"
@@ -218,6 +218,15 @@ def read_messages(path: Path) -> list[Message]:
         raise StateFileError(f"{path} does not parse: {exc}") from exc
 
 
+def read_records(path: Path) -> list[WireMessage]:
+    """The messages of a state file, each parsed into its protocol class."""
+    messages = read_messages(path)
+    try:
+        return [REGISTRY.parse(m) for m in messages]
+    except ProtocolError as exc:
+        raise StateFileError(f"{path} does not parse: {exc}") from exc
+
+
 def _decode_file(body: memoryview) -> list[Message]:
     offset = 0
 
@@ -270,36 +279,36 @@ class StateStore:
         return self.directory / GLOBAL_FILE
 
     def save_state(self, state: SavedState) -> None:
-        body = {
-            "epoch": state.epoch,
-            "run_counter": state.run_counter,
-            "members": [m.to_dict() for m in state.members],
-            "run": None if state.run is None else dict(state.run),
-            "saved_at": time.time(),
-        }
-        write_messages(self.state_path, [Message("coordinator_state", body)])
+        record = storage.CoordinatorState(
+            cluster_epoch=state.epoch,
+            run_counter=state.run_counter,
+            members=[m.to_dict() for m in state.members],
+            run=None if state.run is None else dict(state.run),
+            saved_at=time.time(),
+        )
+        write_messages(self.state_path, [record.to_message()])
 
     def load_state(self) -> SavedState | None:
         if not self.state_path.exists():
             return None
-        messages = read_messages(self.state_path)
-        if len(messages) != 1 or messages[0].kind != "coordinator_state":
+        records = read_records(self.state_path)
+        record = records[0] if len(records) == 1 else None
+        if not isinstance(record, storage.CoordinatorState):
             raise StateFileError(f"{self.state_path} holds no coordinator state")
-        body = messages[0].body
         try:
-            members = tuple(SavedMember.from_dict(m) for m in body["members"])
+            members = tuple(SavedMember.from_dict(m) for m in record.members)
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFileError(f"{self.state_path}: a member does not parse: {exc}") from exc
         try:
-            run = body["run"]
+            run = record.run
             if run is not None and not isinstance(run, Mapping):
                 raise TypeError(f"the run is a {type(run).__name__}, not a map")
             return SavedState(
-                epoch=int(body["epoch"]),
-                run_counter=int(body["run_counter"]),
+                epoch=int(record.cluster_epoch),
+                run_counter=int(record.run_counter),
                 members=members,
                 run=run,
-                saved_at=float(body["saved_at"]),
+                saved_at=float(record.saved_at),
             )
         except (KeyError, TypeError, ValueError) as exc:
             # A CRC guards against torn writes, not against a file of another shape.
@@ -321,19 +330,18 @@ class StateStore:
         messages = []
         for index in range(chunks):
             part = keys[index * per : (index + 1) * per]
-            body = {
-                "run": replica.run,
-                "step": replica.step,
-                "plan": dict(replica.plan),
-                "keys": part,
-                "chunk": index,
-                "chunks": chunks,
-                "holders": dict(replica.holders),
-            }
-            if replica.global_copy is not None:
-                body["global"] = replica.global_copy
-            tensors = tuple(replica.state[k] for k in part)
-            messages.append(Message("replica_file", body, tensors=tensors))
+            record = storage.ReplicaFile(
+                run=replica.run,
+                step=replica.step,
+                plan=dict(replica.plan),
+                keys=part,
+                chunk=index,
+                chunks=chunks,
+                holders=dict(replica.holders),
+                global_copy=replica.global_copy,
+                tensors=tuple(replica.state[k] for k in part),
+            )
+            messages.append(record.to_message())
         return write_messages(self.replica_path, messages)
 
     def load_replica(self) -> SavedReplica | None:
@@ -346,31 +354,32 @@ class StateStore:
     def _load_replica(self, path: Path) -> SavedReplica | None:
         if not path.exists():
             return None
-        messages = read_messages(path)
-        if not messages or any(m.kind != "replica_file" for m in messages):
+        records = read_records(path)
+        files = [r for r in records if isinstance(r, storage.ReplicaFile)]
+        if not records or len(files) != len(records):
             raise StateFileError(f"{path} holds no replica")
         try:
-            return self._replica_of(path, messages)
+            return self._replica_of(path, files)
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFileError(f"{path} does not hold a valid replica: {exc}") from exc
 
-    def _replica_of(self, path: Path, messages: Sequence[Message]) -> SavedReplica:
-        first = messages[0]
-        chunks = int(first["chunks"])
-        if [int(m["chunk"]) for m in messages] != list(range(chunks)):
+    def _replica_of(self, path: Path, records: Sequence[storage.ReplicaFile]) -> SavedReplica:
+        first = records[0]
+        chunks = int(first.chunks)
+        if [int(r.chunk) for r in records] != list(range(chunks)):
             raise StateFileError(f"{path}: chunks missing or out of order")
         state: dict[str, torch.Tensor] = {}
-        for message in messages:
-            if (message["run"], message["step"]) != (first["run"], first["step"]):
+        for record in records:
+            if (record.run, record.step) != (first.run, first.step):
                 raise StateFileError(f"{path} mixes replicas of different steps")
-            if len(message["keys"]) != len(message.tensors):
+            if len(record.keys) != len(record.tensors):
                 raise StateFileError(f"{path}: keys and tensors do not match")
-            for key, tensor in zip(message["keys"], message.tensors, strict=True):
+            for key, tensor in zip(record.keys, record.tensors, strict=True):
                 state[str(key)] = tensor
-        holders = {str(k): str(v) for k, v in dict(first.get("holders") or {}).items()}
-        whole = first.get("global")
+        holders = {str(k): str(v) for k, v in dict(first.holders or {}).items()}
+        whole = first.global_copy
         if whole is not None and not isinstance(whole, bool):
             raise StateFileError(f"{path}: 'global' must be true or false, got {whole!r}")
         return SavedReplica(
-            int(first["run"]), int(first["step"]), dict(first["plan"]), state, holders, whole
+            int(first.run), int(first.step), dict(first.plan), state, holders, whole
         )

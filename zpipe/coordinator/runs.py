@@ -15,7 +15,7 @@ import torch
 
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.transport.codec import Message
+from zpipe.protocol.client_control import RunRequest
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Run:
     ring_endpoints: dict[str, str] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)
     # inference streams: the request, to re-plan without a dead stage and replay
-    request: Message | None = None
+    request: RunRequest | None = None
     recover: bool = False
     streaming: bool = False
     # training: the plan of device groups the stages run, and the share by which a
@@ -61,7 +61,7 @@ class Run:
             "devices": list(self.devices),
             "ring_endpoints": dict(self.ring_endpoints),
             "groups": [list(g) for g in self.groups],
-            "request": None if self.request is None else dict(self.request.body),
+            "request": None if self.request is None else self.request.body(),
             "recover": self.recover,
             "streaming": self.streaming,
             "training_plan": (None if self.training_plan is None else self.training_plan.to_dict()),
@@ -84,7 +84,7 @@ class Run:
             devices=[str(d) for d in data["devices"]],
             ring_endpoints={str(k): str(v) for k, v in dict(data["ring_endpoints"]).items()},
             groups=[[str(d) for d in g] for g in data["groups"]],
-            request=None if request is None else Message("run_request", dict(request)),
+            request=None if request is None else RunRequest.from_body(request),
             recover=bool(data["recover"]),
             streaming=bool(data["streaming"]),
             training_plan=None if tplan is None else TrainingPlan.from_dict(tplan),

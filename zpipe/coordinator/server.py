@@ -19,12 +19,13 @@ The two phases exist because a CURVE handshake refused once is not retried:
 every stage (and the client) must allow its upstream's key before anyone
 connects to it.
 
-Every message becomes an event (:mod:`zpipe.coordinator.events`) through a
-dispatch table by kind; the pure core (:mod:`zpipe.coordinator.core`) and the
-run's controller decide, and this shell carries out the commands they return:
-sends, timers, persistence, and jobs (:mod:`zpipe.coordinator.jobs`) whose
-results come back as events. One bad message, or a bug it triggers, is logged
-with its peer and dropped: the receive loop never dies of it.
+Every message is parsed into its protocol class once, here, and becomes an
+event (:mod:`zpipe.coordinator.events`) by its class; the pure core
+(:mod:`zpipe.coordinator.core`) and the run's controller decide, and this
+shell carries out the commands they return: sends, timers, persistence, and
+jobs (:mod:`zpipe.coordinator.jobs`) whose results come back as events. One
+bad message, or a bug it triggers, is logged with its peer and dropped: the
+receive loop never dies of it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -53,6 +54,7 @@ from zpipe.coordinator.commands import (
     RunJob,
     Send,
     StartTimer,
+    wire_form,
 )
 from zpipe.coordinator.core import CoordinatorCore, printable
 from zpipe.coordinator.events import (
@@ -62,7 +64,7 @@ from zpipe.coordinator.events import (
     RequestFailed,
     Tick,
     TimerFired,
-    event_of_kind,
+    event_of,
 )
 from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.links import LinkMeasurer
@@ -72,6 +74,8 @@ from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.restored_replica import fallback_named
 from zpipe.coordinator.state import CoordinatorState
 from zpipe.log import get_logger
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
 from zpipe.transport.bulk import OutgoingTransfer
 from zpipe.transport.codec import Message, encode
@@ -88,6 +92,8 @@ from zpipe.transport.sockets import (
 )
 
 log = get_logger("zpipe.coordinator")
+
+_R = TypeVar("_R", bound=WireMessage)
 
 # how often the event loop's lag is sampled (zpipe.coordinator.loop_lag)
 LAG_SAMPLE_S = 0.05
@@ -147,8 +153,8 @@ class Coordinator:
         self.endpoint = ""
         # how late the loop wakes (sampled by _lag_loop, logged as loop_lag every 10 s)
         self.loop_lag = LoopLag()
-        # Replies the shell's own requests await, by (stage, reply kind).
-        self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
+        # Replies the shell's own requests await, by (stage, reply class).
+        self._reply_waiters: dict[tuple[str, type[WireMessage]], asyncio.Future[Any]] = {}
         self._bulk_transfers = 0  # ids of the bulk transfers this process sends
         links = LinkMeasurer(self._request, self._public_keys, timeout_s=4 * t.reply_s)
         if config.measure_links:
@@ -258,10 +264,7 @@ class Coordinator:
         for member in self.membership.alive():
             with contextlib.suppress(Exception):
                 await self._send(
-                    member.routing_id,
-                    Message("shutdown", {"reason": reason}),
-                    peer=member.name,
-                    timeout_s=0.5,
+                    member.routing_id, Shutdown(reason=reason), peer=member.name, timeout_s=0.5
                 )
 
     def _close(self) -> None:
@@ -288,8 +291,9 @@ class Coordinator:
                 user_key = _curve_user_id(frames[1])
                 message = decode_frames(frames[1:], max_bytes)
                 self._check_role(message.kind, user_key)
-                event_of = event_of_kind(message.kind)
-                self._feed(event_of(routing_id, user_key, message), peer=routing_id)
+                # parsed once: past this point everything sees protocol classes
+                typed = REGISTRY.parse(message)
+                self._feed(event_of(routing_id, user_key, typed), peer=routing_id)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer=printable(routing_id), error=str(exc))
             except RoleError as exc:
@@ -344,7 +348,8 @@ class Coordinator:
         except Exception as exc:  # a controller's bug: this event is lost, not the process
             log.error(
                 "event_failed",
-                event=type(event).__name__,
+                # not ``event=``: the logger takes the event's name in that argument
+                failed_event=type(event).__name__,
                 peer=None if peer is None else printable(peer),
                 error=repr(exc),
                 exc_info=True,
@@ -379,7 +384,7 @@ class Coordinator:
         elif isinstance(command, RunJob):
             self._spawn(self._run_job(command))
         elif isinstance(command, Deliver):
-            waiter = self._reply_waiters.get((command.stage, command.message.kind))
+            waiter = self._reply_waiters.get((command.stage, type(command.message)))
             if waiter is not None and not waiter.done():
                 waiter.set_result(command.message)
         elif isinstance(command, FailRequests):
@@ -399,11 +404,12 @@ class Coordinator:
         heartbeat answer cost more than the send itself with hundreds of stages."""
         assert self._router is not None
         for index, command in enumerate(sends):
-            if self.state.bulk.route_for(command.to, command.message) is not None:
-                self._spawn(self._send_all(sends[index:]))  # chunked: awaited
-                return
             try:
-                frames = [command.to, *encode(command.message)]
+                message = command.wire
+                if self.state.bulk.route_for(command.to, message) is not None:
+                    self._spawn(self._send_all(sends[index:]))  # chunked: awaited
+                    return
+                frames = [command.to, *encode(message)]
                 # zmq.asyncio tries a non-blocking send first and queues behind any
                 # send still waiting, so the order holds; a future done now was sent
                 pending = cast(
@@ -421,14 +427,12 @@ class Coordinator:
 
     def _send_failed(self, command: Send, error: BaseException) -> None:
         if isinstance(error, zmq.ZMQError):  # ROUTER_MANDATORY: the peer is not connected
-            error = PeerGoneError(command.peer, command.message.kind)
+            error = PeerGoneError(command.peer, command.kind)
         if isinstance(error, TransportTimeout):
             if command.stage is None:
                 log.warning("reply_failed", peer=command.peer, error=str(error))
         else:
-            log.error(
-                "send_failed", peer=command.peer, kind=command.message.kind, error=repr(error)
-            )
+            log.error("send_failed", peer=command.peer, kind=command.kind, error=repr(error))
         if command.stage is not None:
             # later, not inside the event being carried out
             asyncio.get_running_loop().call_soon(
@@ -445,16 +449,14 @@ class Coordinator:
             try:
                 await asyncio.wait_for(pending, timeout_s)
             except asyncio.TimeoutError:
-                error = TransportTimeout(
-                    command.peer, f"room to send {command.message.kind}", timeout_s
-                )
+                error = TransportTimeout(command.peer, f"room to send {command.kind}", timeout_s)
                 self._send_failed(command, error)
             except Exception as exc:
                 self._send_failed(command, exc)
         for command in sends:
             try:
                 await self._send(
-                    command.to, command.message, peer=command.peer, timeout_s=command.timeout_s
+                    command.to, command.wire, peer=command.peer, timeout_s=command.timeout_s
                 )
             except TransportTimeout as exc:
                 if command.stage is not None:
@@ -462,9 +464,7 @@ class Coordinator:
                 else:
                     log.warning("reply_failed", peer=command.peer, error=str(exc))
             except Exception as exc:  # a message that cannot be encoded, say: this one only
-                log.error(
-                    "send_failed", peer=command.peer, kind=command.message.kind, error=repr(exc)
-                )
+                log.error("send_failed", peer=command.peer, kind=command.kind, error=repr(exc))
                 if command.stage is not None:
                     self._feed(RequestFailed(command.stage, exc))
 
@@ -481,9 +481,15 @@ class Coordinator:
     # ------------------------------------------------------------- messaging
 
     async def _send(
-        self, routing_id: bytes, message: Message, *, peer: str, timeout_s: float | None = None
+        self,
+        routing_id: bytes,
+        message: WireMessage | Message,
+        *,
+        peer: str,
+        timeout_s: float | None = None,
     ) -> None:
         assert self._router is not None
+        message = wire_form(message)
         bulk = self.state.bulk.route_for(routing_id, message)
         if bulk is not None:  # state for a stage: on its bulk connection, chunked
             await self._send_bulk(bulk, message, timeout_s=timeout_s)
@@ -527,20 +533,20 @@ class Coordinator:
         )
 
     async def _request(
-        self, member: Member, message: Message, reply_kind: str, timeout_s: float
-    ) -> Message:
-        """Send ``message`` to a stage and wait for its ``reply_kind`` answer."""
-        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._reply_waiters[(member.name, reply_kind)] = waiter
+        self, member: Member, message: WireMessage, reply: type[_R], timeout_s: float
+    ) -> _R:
+        """Send ``message`` to a stage and wait for its answer of class ``reply``."""
+        waiter: asyncio.Future[_R] = asyncio.get_running_loop().create_future()
+        self._reply_waiters[(member.name, reply)] = waiter
         try:
             # a send that fails says so itself (TransportTimeout is a TimeoutError too)
             await self._send(member.routing_id, message, peer=member.name)
             try:
                 return await asyncio.wait_for(waiter, timeout_s)
             except asyncio.TimeoutError:
-                raise TransportTimeout(member.name, reply_kind, timeout_s) from None
+                raise TransportTimeout(member.name, reply.KIND, timeout_s) from None
         finally:
-            self._reply_waiters.pop((member.name, reply_kind), None)
+            self._reply_waiters.pop((member.name, reply), None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

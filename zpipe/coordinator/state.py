@@ -21,8 +21,6 @@ from zpipe.planner import ClusterLink
 from zpipe.planner.profile import ModelProfile
 
 CLIENT_NAME = "client"
-# Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
-DEFAULT_RECOVERY = "lightweight"
 
 _ProfileKey = tuple[ModelSpec, int, str, str, float, bool]
 
