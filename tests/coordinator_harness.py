@@ -40,7 +40,7 @@ from zpipe.coordinator.events import (
 )
 from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.stage_control import Register
@@ -87,7 +87,7 @@ class Harness:
             suspect_after_intervals=suspect_after,
             probe_intervals=probes,
         )
-        self.state = CoordinatorState(timeouts=timeouts, membership=membership)
+        self.state = ControlState(timeouts=timeouts, membership=membership)
         self.core = CoordinatorCore(self.state)
         self.now = 0.0
         self.sent: list[Send] = []

@@ -30,7 +30,7 @@ from zpipe.coordinator.events import (
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.persistence import SavedMember, SavedState
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.protocol.bulk import BulkChunk, BulkOpen
 from zpipe.protocol.stage_control import Heartbeat, Register, Weights
 from zpipe.stage.bulk import StageBulk
@@ -341,7 +341,7 @@ def test_chunks_in_a_stage_s_name_without_its_token_are_refused(
 def test_with_keys_a_chunk_must_come_from_the_stage_s_own_key() -> None:
     timeouts = Timeouts()
     membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
-    state = CoordinatorState(
+    state = ControlState(
         timeouts=timeouts, membership=membership, public_keys={"b": b"KEY-B", "c": b"KEY-C"}
     )
     core = CoordinatorCore(state)

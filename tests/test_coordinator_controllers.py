@@ -13,7 +13,7 @@ from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.coordinator.commands import AwaitReplies, Log, Now, PlanInference, Send, StartTimer
 from zpipe.coordinator.events import StallReported, Tick
 from zpipe.coordinator.flows import FlowRunner
-from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.inference import InferenceController
 from zpipe.protocol.client_control import Stalled
 from zpipe.protocol.stage_control import BackedUp, Weights
 from zpipe.transport.codec import Message
@@ -41,7 +41,7 @@ def test_a_stream_is_assigned_made_ready_and_connected() -> None:
     ready = h.to_client("run_ready")[0]
     assert (ready["first_stage"], ready["last_stage"], ready["run"]) == ("a", "c", run)
     assert all(h.to(n, "connect") for n in NAMES)
-    assert isinstance(h.state.current, InferenceRun) and h.state.current.run.streaming
+    assert isinstance(h.state.current, InferenceController) and h.state.current.run.streaming
 
 
 def test_run_ready_tells_the_client_the_first_stages_data_port_limit() -> None:

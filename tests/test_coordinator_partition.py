@@ -16,7 +16,7 @@ from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.protocol.client_control import StageFailed
 
 NAMES = ["a", "b", "c", "d"]
@@ -203,7 +203,7 @@ def test_a_coordinator_with_a_state_dir_leaves_its_stages_running_unless_told(
 async def test_a_run_after_a_restart_waits_for_restored_stages_to_speak() -> None:
     timeouts = Timeouts()
     membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
-    state = CoordinatorState(timeouts=timeouts, membership=membership)
+    state = ControlState(timeouts=timeouts, membership=membership)
     for name in ("a", "b"):
         membership.register(
             name=name, routing_id=name.encode(), data_endpoint=f"tcp://{name}:1", info={},

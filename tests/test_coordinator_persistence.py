@@ -176,12 +176,12 @@ def test_a_state_file_with_a_valid_checksum_but_a_bad_run_is_refused(tmp_path: P
     from zpipe.config import Timeouts
     from zpipe.coordinator.core import CoordinatorCore
     from zpipe.coordinator.membership import Membership
-    from zpipe.coordinator.state import CoordinatorState
+    from zpipe.coordinator.state import ControlState
 
     store = StateStore(tmp_path)
     store.save_state(SavedState(3, 2, (), {"run": 1, "plan": "not a plan"}))
     store.save_replica(SavedReplica(1, 2, {"stages": "none"}, {}, {}))
-    state = CoordinatorState(
+    state = ControlState(
         timeouts=Timeouts(),
         membership=Membership(
             heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2

@@ -17,7 +17,7 @@ from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.lossy_remap import RemapRun, keep_replica, results_remapping
 from zpipe.coordinator.lossy_run import start_lossy_run
 from zpipe.coordinator.membership import Member, Membership
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.partition import partition
@@ -30,10 +30,10 @@ SIZES = [6, 8, 8, 3]
 N_DATA = 50
 
 
-def _state() -> tuple[CoordinatorState, dict[int, Member]]:
+def _state() -> tuple[ControlState, dict[int, Member]]:
     timeouts = Timeouts(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
     membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
-    state = CoordinatorState(timeouts=timeouts, membership=membership)
+    state = ControlState(timeouts=timeouts, membership=membership)
     members = {
         d: membership.register(
             name=n,
@@ -77,7 +77,7 @@ def _sent(commands: list[Command], kind: str) -> dict[str, Message]:
     return {c.peer: c.message for c in commands if isinstance(c, Send) and c.message.kind == kind}
 
 
-def _start(state: CoordinatorState, remap: RemapRun, members: dict[int, Member]) -> list[Any]:
+def _start(state: ControlState, remap: RemapRun, members: dict[int, Member]) -> list[Any]:
     got: list[Any] = []
 
     def flow() -> Flow:
@@ -87,7 +87,7 @@ def _start(state: CoordinatorState, remap: RemapRun, members: dict[int, Member])
     return got
 
 
-def _die(state: CoordinatorState, name: str, now: float) -> list[Command]:
+def _die(state: ControlState, name: str, now: float) -> list[Command]:
     state.membership.declare_dead(name, "test", now)
     return state.flows.stage_lost(name, RuntimeError("dead"), now)
 

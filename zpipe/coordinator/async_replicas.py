@@ -36,8 +36,8 @@ from zpipe._errors import ConfigError, StageLostError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.repartition import LiveRepartitioning, Phase, plan_bounds
-from zpipe.coordinator.training import SyncTrainingRun, state_of_replies
+from zpipe.coordinator.repartition import LiveRepartitioning, PhaseAsk, plan_bounds
+from zpipe.coordinator.training import SyncTrainingController, state_of_replies
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.training.async_recovery import async_recovery_refusal
@@ -45,10 +45,10 @@ from zpipe.training.async_schedule import AsyncSettings
 
 
 def collect_async_replica(
-    owner: SyncTrainingRun, step: int, global_copy: bool, counters: dict[str, Any]
+    owner: SyncTrainingController, step: int, global_copy: bool, counters: dict[str, Any]
 ) -> Flow:
     """A replica at the flush before batch ``step`` (see the module notes): ``(keys,
-    tensors, holders, whole)`` as :meth:`SyncTrainingRun.collect_replica` returns
+    tensors, holders, whole)`` as :meth:`SyncTrainingController.collect_replica` returns
     them; the stages go on from ``step`` whether it was kept or not."""
     run = owner.run
     if run.training_plan is None:
@@ -67,7 +67,7 @@ def collect_async_replica(
         missing = [d for d in devices if d not in members]
         if missing:
             raise StageLostError(", ".join(missing), "gone; the run cannot keep a replica")
-        prepared = yield from stages.ask(members, devices, step, Phase("prepare"))
+        prepared = yield from stages.ask(members, devices, step, PhaseAsk("prepare"))
         counters.update({d: dict(r.metrics or {}) for d, r in prepared.items()})
         if run.replication == "global":
             keys, tensors = yield from _gather_snapshots(owner, members, devices, bounds, step)
@@ -106,12 +106,12 @@ def _recovery_refusal(request: RunRequest | None, rebalance: Any) -> str | None:
     )
 
 
-def _commit(bounds: list[int]) -> Phase:
-    return Phase("commit", bounds=list(bounds))
+def _commit(bounds: list[int]) -> PhaseAsk:
+    return PhaseAsk("commit", bounds=list(bounds))
 
 
 def _gather_snapshots(
-    owner: SyncTrainingRun,
+    owner: SyncTrainingController,
     members: dict[str, Member],
     devices: list[str],
     bounds: list[int],

@@ -18,7 +18,7 @@ from zpipe.coordinator.bulk_links import BulkLink
 from zpipe.coordinator.commands import Command, Log, Send
 from zpipe.coordinator.events import BulkChunkArrived, BulkOpenAsked, StageSpoke
 from zpipe.coordinator.membership import MemberState
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.bulk import BulkDone, BulkOpened, BulkRefused
 from zpipe.protocol.lossy import LossyReplica, LossyResult
@@ -30,7 +30,7 @@ from zpipe.transport.codec import decode
 STAGE_BULK = (Weights, BackedUp, LossyResult, LossyReplica)
 
 
-def _attributed(state: CoordinatorState, name: str, token: str, user_key: str | None) -> BulkLink:
+def _attributed(state: ControlState, name: str, token: str, user_key: str | None) -> BulkLink:
     """The link of stage ``name`` if this sender may speak for it; ProtocolError if not."""
     member = state.membership.get(name)
     if member is None or member.state is MemberState.DEAD:
@@ -47,7 +47,7 @@ def _attributed(state: CoordinatorState, name: str, token: str, user_key: str | 
     return link
 
 
-def retie_restored(state: CoordinatorState, event: StageSpoke) -> list[Command]:
+def retie_restored(state: ControlState, event: StageSpoke) -> list[Command]:
     """A stage restored from disk speaks for the first time: this process never gave it a
     token, so it gets one now (a ``registered`` it takes as its registration's, without
     registering again) and its state goes on its bulk connection again."""
@@ -66,7 +66,7 @@ def retie_restored(state: CoordinatorState, event: StageSpoke) -> list[Command]:
     ]
 
 
-def bulk_open(state: CoordinatorState, event: BulkOpenAsked, now: float) -> list[Command]:
+def bulk_open(state: ControlState, event: BulkOpenAsked, now: float) -> list[Command]:
     """A stage's bulk connection says whose it is: the coordinator's bulk to it goes there."""
     name, token = event.message.name, event.message.token
     try:
@@ -82,7 +82,7 @@ def bulk_open(state: CoordinatorState, event: BulkOpenAsked, now: float) -> list
 
 
 def bulk_chunk(
-    state: CoordinatorState, event: BulkChunkArrived, now: float
+    state: ControlState, event: BulkChunkArrived, now: float
 ) -> tuple[list[Command], StageSpoke | None]:
     """One chunk: progress of its stage and, once its transfer is whole, the reply it
     carries (to handle as a message on the stage's control connection)."""

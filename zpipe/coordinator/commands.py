@@ -7,7 +7,7 @@ the shell (:mod:`zpipe.coordinator.server`) carries them out:
   :class:`StartTimer` and :class:`FailRequests` are done at once, in order;
 - an :class:`Await` suspends the flow that yielded it (:mod:`zpipe.coordinator.flows`)
   until its result comes back as an event: :class:`AwaitReplies` is answered by the
-  stages' replies themselves, a :class:`Job` by the shell, which gathers or computes
+  stages' replies themselves, a :class:`ShellJob` by the shell, which gathers or computes
   off the event loop and feeds back one ``JobDone`` (or ``JobFailed``) event.
 """
 
@@ -105,7 +105,7 @@ class RunJob:
     """Carry out ``job`` and feed back ``JobDone(tag, result)`` or ``JobFailed(tag, error)``."""
 
     tag: int
-    job: Job
+    job: ShellJob
 
 
 @dataclass(frozen=True)
@@ -173,12 +173,12 @@ class AwaitReplies(Await):
         return self.fail
 
 
-class Job(Await):
+class ShellJob(Await):
     """Work for the shell: I/O gathers and planning, which runs off the event loop."""
 
 
 @dataclass(frozen=True)
-class AwaitStages(Job):
+class AwaitStages(ShellJob):
     """The live stages a run asks for, waiting up to ``wait_s`` for them to register
     (chosen by :func:`zpipe.coordinator.decisions.pick_stages`)."""
 
@@ -188,7 +188,7 @@ class AwaitStages(Job):
 
 
 @dataclass(frozen=True)
-class CountUnits(Job):
+class CountUnits(ShellJob):
     """The number of units of ``spec``'s model (built off the loop: it may be large).
     ``declared``: the count the client sent (run_request's num_units), which spares
     the coordinator building a user-code model at all."""
@@ -198,14 +198,14 @@ class CountUnits(Job):
 
 
 @dataclass(frozen=True)
-class AwaitConfirmed(Job):
+class AwaitConfirmed(ShellJob):
     """Until every member among ``names`` restored from disk spoke or was declared dead."""
 
     names: tuple[str, ...]
 
 
 @dataclass(frozen=True)
-class PlanInference(Job):
+class PlanInference(ShellJob):
     """Profile (and measure links) as needed, then plan off the loop: ``(plan, baseline)``."""
 
     spec: ModelSpec
@@ -220,7 +220,7 @@ class PlanInference(Job):
 
 
 @dataclass(frozen=True)
-class PlanTraining(Job):
+class PlanTraining(ShellJob):
     """Training profiles and links of ``members``, then HPP (or another) off the loop."""
 
     spec: ModelSpec
@@ -233,7 +233,7 @@ class PlanTraining(Job):
 
 
 @dataclass(frozen=True)
-class PlanLossy(Job):
+class PlanLossy(ShellJob):
     """A lossy run's allocation: Algorithm 1, then Algorithm 2 on ``prr`` (the genetic
     search runs for a while), by :func:`zpipe.lossy.mapping.partition_and_map`."""
 
@@ -250,7 +250,7 @@ class PlanLossy(Job):
 
 
 @dataclass(frozen=True)
-class TrainingModel(Job):
+class TrainingModel(ShellJob):
     """The training profile and cluster of ``members``: ``(ModelProfile, ClusterSpec)``."""
 
     spec: ModelSpec
@@ -259,7 +259,7 @@ class TrainingModel(Job):
 
 
 @dataclass(frozen=True)
-class AllowPeers(Job):
+class AllowPeers(ShellJob):
     """Tell every member which peers may reach its probe socket; ``fetches`` (None:
     unchanged) which unit fetches each member answers from now on (by member name;
     a member not named answers none)."""
@@ -269,7 +269,7 @@ class AllowPeers(Job):
 
 
 @dataclass(frozen=True)
-class SaveReplica(Job):
+class SaveReplica(ShellJob):
     replica: SavedReplica
 
 

@@ -37,7 +37,7 @@ from zpipe.coordinator.events import (
     Tick,
     TimerFired,
 )
-from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.inference import InferenceController
 from zpipe.coordinator.lossy_remap import keep_replica
 from zpipe.coordinator.lossy_run import start_lossy_run
 from zpipe.coordinator.membership import Member, MemberState
@@ -49,8 +49,8 @@ from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Run
 from zpipe.coordinator.starting import run_request
-from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
-from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
+from zpipe.coordinator.training import SyncTrainingController
 from zpipe.models import ModelSpec
 from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import (
@@ -138,7 +138,7 @@ def printable(routing_id: bytes) -> str:
 class CoordinatorCore:
     """Events in, commands out, for the whole coordinator."""
 
-    def __init__(self, state: CoordinatorState) -> None:
+    def __init__(self, state: ControlState) -> None:
         self.state = state
         t = state.timeouts
         # A partition may last as long as the stages serve on without this process.
@@ -617,13 +617,13 @@ class CoordinatorCore:
                     raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
         if replica is not None:
             state.replica = replica_from_saved(replica, newest_global)
-            if isinstance(state.current, SyncTrainingRun):
+            if isinstance(state.current, SyncTrainingController):
                 state.current.fallback = state.replica.newest_global()
 
 
-def controller_for(state: CoordinatorState, run: Run) -> Any:
+def controller_for(state: ControlState, run: Run) -> Any:
     """The controller of a run restored from disk, by its kind."""
     if run.training_plan is not None or run.groups:
-        return SyncTrainingRun(state, run)
+        return SyncTrainingController(state, run)
     assert run.request is not None
-    return InferenceRun(state, run, ModelSpec.from_dict(run.request.model))
+    return InferenceController(state, run, ModelSpec.from_dict(run.request.model))

@@ -28,11 +28,11 @@ from zpipe.coordinator.commands import (
     Await,
     AwaitReplies,
     Command,
-    Job,
     Log,
     Now,
     RunJob,
     Send,
+    ShellJob,
     StartTimer,
     wire_form,
 )
@@ -242,7 +242,7 @@ class FlowRunner:
                 deadline = self.now + item.timeout_s
                 out.append(StartTimer(tag, wait.next_timer(deadline) - self.now))
                 return out
-            elif isinstance(item, Job):
+            elif isinstance(item, ShellJob):
                 tag = self._tag()
                 self._jobs[tag] = flow
                 out.append(RunJob(tag, item))

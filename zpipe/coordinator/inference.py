@@ -35,7 +35,7 @@ from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.runbase import BaseRun
 from zpipe.coordinator.runs import Run
 from zpipe.coordinator.sink_check import check_sink_reachable
-from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.protocol.client_control import RunReady, RunReplanned, RunRequest
@@ -110,10 +110,10 @@ def inference_assignments(
     return out
 
 
-class InferenceRun(BaseRun):
+class InferenceController(BaseRun):
     kind = "infer"
 
-    def __init__(self, state: CoordinatorState, run: Run, spec: ModelSpec) -> None:
+    def __init__(self, state: ControlState, run: Run, spec: ModelSpec) -> None:
         super().__init__(state, run)
         self.spec = spec
         # each stage's data port limit per frame (``ready``), for the client's check

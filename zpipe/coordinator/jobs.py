@@ -1,6 +1,6 @@
 """The shell's side of the coordinator's jobs: gathers from stages, planning off the loop.
 
-A controller yields a :class:`~zpipe.coordinator.commands.Job` when it needs
+A controller yields a :class:`~zpipe.coordinator.commands.ShellJob` when it needs
 something that takes I/O or seconds of CPU; :class:`JobRunner` carries it out
 and its result comes back to the controller as one event. What to ask, of whom,
 and what to do with the answer stay the controller's.
@@ -23,11 +23,11 @@ from zpipe.coordinator.commands import (
     AwaitConfirmed,
     AwaitStages,
     CountUnits,
-    Job,
     PlanInference,
     PlanLossy,
     PlanTraining,
     SaveReplica,
+    ShellJob,
     TrainingModel,
 )
 from zpipe.coordinator.decisions import pick_stages
@@ -35,7 +35,7 @@ from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
 from zpipe.lossy.mapping import partition_and_map
 from zpipe.models import USER_CODE_FAMILIES, ModelSpec, count_units, load_layer_sequence
@@ -57,7 +57,7 @@ _POLL_S = 0.05
 class JobRunner:
     def __init__(
         self,
-        state: CoordinatorState,
+        state: ControlState,
         request: Request,
         links: LinkMeasurer,
         *,
@@ -74,7 +74,7 @@ class JobRunner:
     def timeouts(self) -> Timeouts:
         return self.state.timeouts
 
-    async def run(self, job: Job) -> Any:
+    async def run(self, job: ShellJob) -> Any:
         if isinstance(job, AwaitStages):
             return await self._await_stages(job)
         if isinstance(job, CountUnits):

@@ -116,7 +116,7 @@ class SavedReplica:
     state: dict[str, torch.Tensor]
     # chain replication: who holds each device's backup (the snapshots are at stages)
     holders: Mapping[str, str] = field(default_factory=dict)
-    # every unit's state is here (None: as the holders say; see runs.Replica)
+    # every unit's state is here (None: as the holders say; see runs.KeptReplica)
     global_copy: bool | None = None
 
     @property

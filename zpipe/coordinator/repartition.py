@@ -25,7 +25,7 @@ from zpipe.coordinator.decisions import fetch_grants, fetch_plans
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.runbase import BaseRun
-from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.runs import KeptReplica
 from zpipe.models import ModelSpec
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
@@ -41,7 +41,7 @@ from zpipe.training.repartition import (
 
 
 @dataclass(frozen=True)
-class Phase:
+class PhaseAsk:
     """What one phase asks a stage (a ``repartition_request`` less its run and step)."""
 
     phase: str
@@ -155,7 +155,7 @@ class LiveRepartitioning:
             plan, controller, devices, members = self._ready(run_id)
             # the pause's parts are read from these events' stamps (bench/training_async.py)
             yield Log("info", "repartition_started", {"run": run.run, "step": step})
-            replies = yield from self.ask(members, devices, step, Phase("prepare"))
+            replies = yield from self.ask(members, devices, step, PhaseAsk("prepare"))
             pending, self.pending = self.pending, None
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             if pending is not None and pending.at == step:
@@ -169,7 +169,7 @@ class LiveRepartitioning:
             if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
             epoch = controller.plan_epoch + (1 if decision.moves else 0)
-            commit = Phase("commit", bounds=list(target), plan_epoch=epoch)
+            commit = PhaseAsk("commit", bounds=list(target), plan_epoch=epoch)
             committed = yield from self.ask(members, devices, step, commit)
             if decision.moves:
                 controller.committed(decision)
@@ -208,7 +208,7 @@ class LiveRepartitioning:
             yield Log("info", "repartition_started", {"run": run.run, "step": step,
                       "flush": False})  # fmt: skip
             try:
-                replies = yield from self.ask(members, devices, step, Phase("profile"))
+                replies = yield from self.ask(members, devices, step, PhaseAsk("profile"))
             except PipelineError as exc:
                 yield Log("warning", "repartition_profile_failed", {"run": run.run,
                           "step": step, "error": str(exc)})  # fmt: skip
@@ -241,7 +241,7 @@ class LiveRepartitioning:
         devices, _ = plan_bounds(plan)
         # every device's snapshot at this step is at the device itself; nothing is here
         own = {d: d for d in devices}
-        replica = Replica(run.run, step, plan, {}, holders=own, global_copy=False)
+        replica = KeptReplica(run.run, step, plan, {}, holders=own, global_copy=False)
         fetches = fetch_plans(replica, spans_of(devices, bounds), set(members))
         yield AllowPeers(tuple(members[d] for d in devices), fetch_grants(fetches))
         yield Log("info", "repartition_fetching", {"run": run.run, "step": step})
@@ -250,7 +250,7 @@ class LiveRepartitioning:
                 if entry["from"] != dest:
                     entry["endpoint"] = str(members[entry["from"]].info["probe_endpoint"])
                     entry["key"] = owner.key_of(entry["from"])
-        per_device = {d: Phase("fetch", bounds=list(bounds), fetch=fetches.get(d, []))
+        per_device = {d: PhaseAsk("fetch", bounds=list(bounds), fetch=fetches.get(d, []))
                       for d in devices}  # fmt: skip
         yield from self.ask(members, devices, step, per_device)
 
@@ -259,7 +259,7 @@ class LiveRepartitioning:
         members: dict[str, Member],
         devices: list[str],
         step: int,
-        phase: Phase | Mapping[str, Phase],
+        phase: PhaseAsk | Mapping[str, PhaseAsk],
     ) -> Flow:
         """One phase: the request to every device (``phase``, or one per device), every
         reply."""

@@ -31,8 +31,8 @@ from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.decisions import RestoreChoice, replica_points, restore_from
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.runs import Replica
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.runs import KeptReplica
+from zpipe.coordinator.state import ControlState
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.recovery import StageSpan, WeightsLostError, heavy_restore
@@ -63,7 +63,7 @@ def snapshot_requests(
 
 
 def gather_for_heavy(
-    state: CoordinatorState,
+    state: ControlState,
     choice: RestoreChoice,
     new: Sequence[StageSpan],
     members: Mapping[str, Member],
@@ -111,8 +111,8 @@ def gather_for_heavy(
 
 
 def choose_restore(
-    state: CoordinatorState,
-    replica: Replica,
+    state: ControlState,
+    replica: KeptReplica,
     request: RunRequest,
     new: Sequence[StageSpan],
     live: Mapping[str, Member],

@@ -16,7 +16,7 @@ from zpipe.coordinator.events import ClientRequest, Event
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import MemberState
 from zpipe.coordinator.runs import Run
-from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.protocol.client_control import (
     RunEnd,
     RunFailed,
@@ -43,7 +43,7 @@ def run_failed(routing_id: bytes, error: Exception, timeout_s: float) -> Flow:
 
 
 def stage_metrics(
-    state: CoordinatorState,
+    state: ControlState,
     devices: list[str],
     run: int,
     epoch: int,
@@ -79,7 +79,7 @@ class BaseRun:
 
     kind = "base"
 
-    def __init__(self, state: CoordinatorState, run: Run) -> None:
+    def __init__(self, state: ControlState, run: Run) -> None:
         self.state = state
         self.run = run
 

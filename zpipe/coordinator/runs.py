@@ -95,7 +95,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Replica:
+class KeptReplica:
     """A replica of training run ``run`` after mini-batch ``step``, and the plan it was
     taken under. A global replica (FTPipeHD) holds every unit's weights and
     optimizer state in ``state``; a chain or topology replica holds here only what
@@ -110,7 +110,7 @@ class Replica:
     plan: TrainingPlan
     state: dict[str, torch.Tensor]
     holders: Mapping[str, str] = field(default_factory=dict)
-    fallback: Replica | None = None
+    fallback: KeptReplica | None = None
     # every unit's state is here (None: as the holders say, none for a global replica)
     global_copy: bool | None = None
     # `fast` consistency: the survivors' newest state was merged in here; the stages'
@@ -126,6 +126,6 @@ class Replica:
         """Whether every unit's state is here (a global copy)."""
         return not self.holders if self.global_copy is None else self.global_copy
 
-    def newest_global(self) -> Replica | None:
+    def newest_global(self) -> KeptReplica | None:
         """This replica if it holds every unit here, else its fallback."""
         return self if self.complete else self.fallback

@@ -72,7 +72,7 @@ from zpipe.coordinator.loop_lag import LoopLag
 from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.restored_replica import fallback_named
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.stage_control import Shutdown
@@ -131,7 +131,7 @@ class Coordinator:
         )
         self._public_keys: dict[str, bytes] = {}
         self._store = StateStore(config.state_dir) if config.state_dir is not None else None
-        self.state = CoordinatorState(
+        self.state = ControlState(
             timeouts=t,
             membership=self.membership,
             public_keys=self._public_keys,

@@ -3,7 +3,7 @@
     run_request ─> check the request ─> (resume: the replica; fast consistency: the
     survivors' newest state; re-plan without the dead) ─> the stages (waiting for
     them to register) ─> plan (profiles and links gathered, planner off the loop)
-    ─> an InferenceRun or a SyncTrainingRun ─> assignments ─> run_ready
+    ─> an InferenceController or a SyncTrainingController ─> assignments ─> run_ready
 
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
 from zpipe.coordinator.async_training import (
-    AsyncTrainingRun,
+    AsyncTrainingController,
     as_async_plan,
     as_planning_plan,
     planning_schedule,
@@ -43,14 +43,14 @@ from zpipe.coordinator.decisions import (
     units_state,
 )
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.inference import InferenceController
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.restoring import allow_fetches, choose_restore
 from zpipe.coordinator.runbase import run_failed
-from zpipe.coordinator.runs import Replica, Run
+from zpipe.coordinator.runs import KeptReplica, Run
 from zpipe.coordinator.sink_check import check_sink_reachable
-from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
-from zpipe.coordinator.training import SyncTrainingRun, backup_holders
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
+from zpipe.coordinator.training import SyncTrainingController, backup_holders
 from zpipe.coordinator.training_balance import memory_model
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
@@ -65,7 +65,7 @@ from zpipe.training.objectives import check_train_settings
 
 
 def run_request(
-    state: CoordinatorState, routing_id: bytes, user_key: str | None, request: RunRequest
+    state: ControlState, routing_id: bytes, user_key: str | None, request: RunRequest
 ) -> Flow:
     """Answer a ``run_request``: ``run_ready`` once every stage is ready, or ``run_failed``."""
     reply_s = state.timeouts.reply_s
@@ -117,7 +117,7 @@ def _check_request(request: RunRequest) -> str:
 
 
 def _start_run(
-    state: CoordinatorState, routing_id: bytes, client_key: str | None, request: RunRequest
+    state: ControlState, routing_id: bytes, client_key: str | None, request: RunRequest
 ) -> Flow:
     if state.current is not None:
         yield Log("warning", "run_replaced", {"previous": state.current.run.run})
@@ -194,7 +194,7 @@ def _start_run(
         request=request,
         recover=bool(request.recover),
     )
-    controller = InferenceRun(state, run, spec)
+    controller = InferenceController(state, run, spec)
     state.current = controller
     yield Log(
         "info",
@@ -216,13 +216,13 @@ def _dead_of(request: RunRequest) -> set[str]:
     return {str(d) for d in ((request.resume or {}).get("dead") or [])}
 
 
-def _fast_replica(state: CoordinatorState, replica: Replica, request: RunRequest) -> Flow:
+def _fast_replica(state: ControlState, replica: KeptReplica, request: RunRequest) -> Flow:
     """The `fast` consistency (as FTPipeHD and Asteroid recover): the survivors of
     the broken run keep their newest weights and optimizer state; only the units
     no survivor holds (the dead's) come from the replica."""
     current = state.current
     dead = _dead_of(request)
-    if not isinstance(current, SyncTrainingRun) or current.run.training_plan is None:
+    if not isinstance(current, SyncTrainingController) or current.run.training_plan is None:
         return replica  # no broken run here (a restarted coordinator): exact it is
     run = current.run
     alive = {m.name: m for m in live_members(state.membership)}
@@ -255,7 +255,7 @@ def _fast_replica(state: CoordinatorState, replica: Replica, request: RunRequest
 
 
 def _replan_training(
-    state: CoordinatorState, replica: Replica, policy: str, request: RunRequest, spec: ModelSpec
+    state: ControlState, replica: KeptReplica, policy: str, request: RunRequest, spec: ModelSpec
 ) -> Flow:
     """Lightweight or ResPipe re-planning of the replica's plan without the dead."""
     alive = {m.name: m for m in live_members(state.membership)}
@@ -292,7 +292,7 @@ class _Training:
     """Assigning a training run: a plan of device groups, or a straight pipeline."""
 
     def __init__(
-        self, state: CoordinatorState, routing_id: bytes, client_key: str | None, spec: ModelSpec
+        self, state: ControlState, routing_id: bytes, client_key: str | None, spec: ModelSpec
     ) -> None:
         self.state = state
         self.routing_id = routing_id
@@ -305,7 +305,7 @@ class _Training:
         given: TrainingPlan | None,
         *,
         straight: Plan | None = None,
-        replica: Replica | None = None,
+        replica: KeptReplica | None = None,
     ) -> Flow:
         """With ``replica``, every stage starts from its units' state in it."""
         state, spec = self.state, self.spec
@@ -371,9 +371,8 @@ class _Training:
             groups=[list(g[0]) for g in groups],
             client_progress=bool(request.progress),
         )
-        controller_kind = (
-            AsyncTrainingRun if training["schedule"] == ASYNC_SCHEDULE else SyncTrainingRun
-        )
+        asynchronous = training["schedule"] == ASYNC_SCHEDULE
+        controller_kind = AsyncTrainingController if asynchronous else SyncTrainingController
         controller = controller_kind(state, run)
         state.current = controller
         yield Log(
@@ -387,7 +386,7 @@ class _Training:
                 # Stages fetch units from each other's probe sockets: allowed
                 # beforehand, each holder told who fetches what (it answers nothing else).
                 yield AllowPeers(tuple(live.values()), fetch_grants(restore.fetches))
-            if isinstance(controller, SyncTrainingRun):
+            if isinstance(controller, SyncTrainingController):
                 controller.fallback = restore.replica.newest_global()
         client = {
             "names": [CLIENT_NAME],

@@ -41,7 +41,7 @@ from zpipe.coordinator.membership import Member
 from zpipe.coordinator.persistence import SavedReplica
 from zpipe.coordinator.repartition import LiveRepartitioning
 from zpipe.coordinator.runbase import BaseRun
-from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.runs import KeptReplica
 from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.coordinator.training_balance import (
     admits,
@@ -73,11 +73,11 @@ from zpipe.training.objectives import check_train_settings
 from zpipe.transport import codec
 
 
-class SyncTrainingRun(BaseRun):
+class SyncTrainingController(BaseRun):
     kind = "train"
     # the newest replica of this fit that holds every unit here (global replication):
     # what a recovery falls back to when chain copies of some unit all died
-    fallback: Replica | None = None
+    fallback: KeptReplica | None = None
 
     def ring_of(self, device: str) -> dict[str, Any] | None:
         for group in self.run.groups:
@@ -277,7 +277,7 @@ class SyncTrainingRun(BaseRun):
                     yield SaveReplica(saved)
                 except (OSError, StateFileError) as exc:
                     raise StateFileError(f"the replica could not be saved: {exc}") from exc
-            replica = Replica(
+            replica = KeptReplica(
                 run.run,
                 step,
                 run.training_plan,
