@@ -29,7 +29,7 @@ from zpipe.coordinator.events import (
 )
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.membership import Membership
-from zpipe.coordinator.persistence import SavedMember, SavedState
+from zpipe.coordinator.records import SavedMember, SavedState
 from zpipe.coordinator.state import ControlState
 from zpipe.protocol.bulk import BulkChunk, BulkOpen
 from zpipe.protocol.stage_control import Heartbeat, Register, Weights

@@ -19,7 +19,8 @@ from test_coordinator_restore import NAMES, _replicate, _request, _start_chain_r
 
 from zpipe.coordinator import persistence
 from zpipe.coordinator.commands import SaveReplica
-from zpipe.coordinator.persistence import GLOBAL_FILE, REPLICA_FILE, SavedReplica, StateStore
+from zpipe.coordinator.persistence import GLOBAL_FILE, REPLICA_FILE, StateStore
+from zpipe.coordinator.records import SavedReplica
 from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.training import SyncTrainingController
 from zpipe.planner.training_plan import TrainingPlan, TrainStage

@@ -12,13 +12,8 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.coordinator import persistence
-from zpipe.coordinator.persistence import (
-    SavedMember,
-    SavedReplica,
-    SavedState,
-    StateFileError,
-    StateStore,
-)
+from zpipe.coordinator.persistence import StateFileError, StateStore
+from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.runs import Run
 from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
@@ -192,3 +187,13 @@ def test_a_state_file_with_a_valid_checksum_but_a_bad_run_is_refused(tmp_path: P
         core.restore(store.load_state(), None, 0.0)
     with pytest.raises(StateFileError, match="the saved replica's plan does not parse"):
         core.restore(None, store.load_replica(), 0.0)
+
+
+def test_the_pure_core_imports_no_file_io() -> None:
+    """The core and the run controllers take plain records (records.py); the files
+    they become are the shell's (persistence.py), which the core never imports."""
+    code = (
+        "import sys; import zpipe.coordinator.core, zpipe.coordinator.starting; "
+        "assert 'zpipe.coordinator.persistence' not in sys.modules, 'persistence imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

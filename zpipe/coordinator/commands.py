@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.persistence import SavedReplica
+from zpipe.coordinator.records import SavedReplica
 from zpipe.models import ModelSpec
 from zpipe.protocol import REGISTRY, Message, WireMessage
 

@@ -44,7 +44,7 @@ from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
-from zpipe.coordinator.persistence import SavedMember, SavedReplica, SavedState
+from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Run

@@ -23,6 +23,9 @@ nothing is pickled), framed by lengths and closed by a CRC-32, and written
 atomically (a temporary file, fsync, rename), so a coordinator killed in the
 middle of a write leaves the previous file whole. A file that does not parse
 raises :class:`StateFileError` naming the file: never a half-restored state.
+
+The records themselves (what the pure core saves and restores) are plain data in
+:mod:`zpipe.coordinator.records`; this module is their file I/O only.
 """
 
 from __future__ import annotations
@@ -34,13 +37,12 @@ import struct
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from zpipe._errors import ConfigError, ProtocolError, StateFileError
+from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.protocol import REGISTRY, Message, WireMessage, storage
 from zpipe.transport import codec
 
@@ -65,63 +67,6 @@ __all__ = [
     "read_messages",
     "write_messages",
 ]
-
-
-@dataclass(frozen=True)
-class SavedMember:
-    """What a restarted coordinator needs to know of a stage before it speaks again."""
-
-    name: str
-    routing_id: bytes
-    data_endpoint: str
-    info: Mapping[str, Any]
-    public_key: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "routing_id": self.routing_id,
-            "data_endpoint": self.data_endpoint,
-            "info": dict(self.info),
-            "public_key": self.public_key,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SavedMember:
-        return cls(
-            name=str(data["name"]),
-            routing_id=bytes(data["routing_id"]),
-            data_endpoint=str(data["data_endpoint"]),
-            info=dict(data["info"]),
-            public_key=None if data.get("public_key") is None else str(data["public_key"]),
-        )
-
-
-@dataclass(frozen=True)
-class SavedState:
-    """Counters, members and the current run (a plain map the coordinator defines)."""
-
-    epoch: int
-    run_counter: int
-    members: tuple[SavedMember, ...]
-    run: Mapping[str, Any] | None
-    saved_at: float = 0.0
-
-
-@dataclass(frozen=True)
-class SavedReplica:
-    run: int
-    step: int
-    plan: Mapping[str, Any]
-    state: dict[str, torch.Tensor]
-    # chain replication: who holds each device's backup (the snapshots are at stages)
-    holders: Mapping[str, str] = field(default_factory=dict)
-    # every unit's state is here (None: as the holders say; see runs.KeptReplica)
-    global_copy: bool | None = None
-
-    @property
-    def complete(self) -> bool:
-        return not self.holders if self.global_copy is None else self.global_copy
 
 
 # -------------------------------------------------------------- file format

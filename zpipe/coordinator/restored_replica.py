@@ -13,7 +13,7 @@ units the old coordinator still held.
 from __future__ import annotations
 
 from zpipe._errors import ConfigError, StateFileError
-from zpipe.coordinator.persistence import SavedReplica
+from zpipe.coordinator.records import SavedReplica
 from zpipe.coordinator.runs import KeptReplica
 from zpipe.planner.training_plan import TrainingPlan
 

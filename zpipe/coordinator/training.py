@@ -38,7 +38,7 @@ from zpipe.coordinator.decisions import live_members, training_planner_for
 from zpipe.coordinator.events import ClientRequest, Event, StageDied
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.persistence import SavedReplica
+from zpipe.coordinator.records import SavedReplica
 from zpipe.coordinator.repartition import LiveRepartitioning
 from zpipe.coordinator.runbase import BaseRun
 from zpipe.coordinator.runs import KeptReplica
