@@ -4,7 +4,9 @@ It takes every event (:mod:`zpipe.coordinator.events`) with the time and returns
 commands (:mod:`zpipe.coordinator.commands`); the shell
 (:mod:`zpipe.coordinator.server`) carries them out. Decisions of a run are its
 controller's (:mod:`~zpipe.coordinator.inference`, :mod:`~zpipe.coordinator.training`),
-the start of one :mod:`~zpipe.coordinator.starting`'s.
+the start of one :mod:`~zpipe.coordinator.starting`'s. Registrations and the claims
+on names are :mod:`~zpipe.coordinator.registration`'s, what a restarted coordinator
+takes over :mod:`~zpipe.coordinator.takeover`'s.
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ from typing import Any
 from zpipe._errors import (
     ConfigError,
     PeerGoneError,
-    ProtocolError,
     StageLostError,
-    StateFileError,
-    TransportTimeout,
 )
 from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
@@ -37,21 +36,17 @@ from zpipe.coordinator.events import (
     Tick,
     TimerFired,
 )
-from zpipe.coordinator.inference import InferenceController
 from zpipe.coordinator.lossy_remap import keep_replica
 from zpipe.coordinator.lossy_run import start_lossy_run
-from zpipe.coordinator.membership import Member, MemberState
-from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
-from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
-from zpipe.coordinator.restored_replica import replica_from_saved
+from zpipe.coordinator.records import SavedReplica, SavedState
+from zpipe.coordinator.registration import Registrations, printable
 from zpipe.coordinator.runbase import run_failed
 from zpipe.coordinator.runs import Run
 from zpipe.coordinator.starting import run_request
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
-from zpipe.coordinator.training import SyncTrainingController
-from zpipe.models import ModelSpec
+from zpipe.coordinator.takeover import restore, saved_state
 from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import (
     ClusterRequest,
@@ -86,9 +81,7 @@ from zpipe.protocol.stage_control import (
     ProbeAck,
     ProfileReply,
     Ready,
-    Refused,
     RegisterAgain,
-    Registered,
     Weights,
 )
 
@@ -128,13 +121,6 @@ def peer_state_bytes(metrics: Any) -> object:
     return metrics.get("peer_state_bytes") if isinstance(metrics, Mapping) else None
 
 
-def printable(routing_id: bytes) -> str:
-    try:
-        return routing_id.decode("ascii")
-    except UnicodeDecodeError:
-        return routing_id.hex()
-
-
 class CoordinatorCore:
     """Events in, commands out, for the whole coordinator."""
 
@@ -149,8 +135,8 @@ class CoordinatorCore:
         # A client cut off when a notice went misses it: sent again until acknowledged,
         # for as long as the client would wait for a result of its run.
         self.notices = NoticeOutbox(resend_s=2 * t.heartbeat_interval_s, keep_s=t.result_s)
-        # registrations under a name a live stage holds, until the holder answers or not
-        self.claims = NameClaims()
+        # registrations, and claims on the names of live stages
+        self.registrations = Registrations(state, self._death)
 
     @property
     def run(self) -> Run | None:
@@ -165,7 +151,7 @@ class CoordinatorCore:
         if isinstance(event, StageSpoke):
             return [*retie_restored(self.state, event), *self._stage_spoke(event, now)]
         if isinstance(event, RegisterAsked):
-            return self._register(event, now)
+            return self.registrations.register(event, now)
         if isinstance(event, BulkChunkArrived):
             out, whole = bulk_chunk(self.state, event, now)
             return out if whole is None else [*out, *self._stage_spoke(whole, now)]
@@ -188,7 +174,7 @@ class CoordinatorCore:
                 out = flows.request_unsent(event.stage, event.error, now)
             else:
                 out = flows.stage_lost(event.stage, event.error, now)
-            return [*out, *self._holder_unreachable(event, now)]
+            return [*out, *self.registrations.holder_unreachable(event, now)]
         raise TypeError(f"unknown event {event!r}")
 
     # ------------------------------------------------------------ stages
@@ -229,9 +215,9 @@ class CoordinatorCore:
                     return [ack, *self.state.flows.progress(member.name, now)]
                 return [ack]
             case ProbeAck(nonce=nonce):
-                claim = self.claims.answered(member.name, nonce)
-                if claim is not None:
-                    return self._refuse_claim(claim, member)
+                refused = self.registrations.answered(member, nonce)
+                if refused is not None:
+                    return refused
                 return [Log("info", "stage_answered_probe", {"stage": member.name})]
             case LossyReplica():
                 # the lossy flows read it in its wire form (until they take classes)
@@ -252,154 +238,6 @@ class CoordinatorCore:
             )
         ]
 
-    def _register(self, event: RegisterAsked, now: float) -> list[Command]:
-        state = self.state
-        name = event.message.name
-        reply_s = state.timeouts.reply_s
-        if state.public_keys:
-            expected = state.public_keys.get(name)
-            if expected is None or event.user_key is None or expected.decode() != event.user_key:
-                refused = Refused(reason=f"the key this stage uses is not {name}.key")
-                return [
-                    Log(
-                        "warning",
-                        "registration_refused",
-                        {"stage": name, "reason": "key does not match name"},
-                    ),
-                    Send(event.routing_id, refused, name, reply_s),
-                ]
-        previous = state.membership.get(name)
-        if (
-            previous is not None
-            and previous.state is not MemberState.DEAD
-            and previous.routing_id != event.routing_id
-            and now - previous.last_seen < state.membership.suspect_after_s
-        ):
-            return self._claim(previous, event, now)
-        return self._admit(event, now)
-
-    # -- a name a live stage holds (see zpipe.coordinator.name_claims) --
-
-    def _claim(self, holder: Member, event: RegisterAsked, now: float) -> list[Command]:
-        """Another process registers under ``holder``'s name: ask the holder first."""
-        # as long as the liveness rules would take to find the holder dead: a loaded
-        # holder that answers late is not taken over sooner than it would be declared dead
-        membership = self.state.membership
-        window = membership.suspect_after_s + membership.probe_timeout_s
-        claim = self.claims.open(holder.name, event, now, window)
-        if claim is None:
-            return []  # the newcomer repeated its registration; the probe is out
-        probe = Probe(nonce=claim.nonce)
-        return [
-            Log(
-                "info",
-                "stage_name_claimed",
-                {"stage": holder.name, "newcomer": printable(event.routing_id)},
-            ),
-            # stage=: a holder whose connection is gone fails this send at once
-            Send(holder.routing_id, probe, holder.name, window, stage=holder.name),
-        ]
-
-    def _refuse_claim(self, claim: Claim, holder: Member) -> list[Command]:
-        reason = (
-            f"the name {claim.name!r} is taken: a stage registered under it (data endpoint "
-            f"{holder.data_endpoint}) is alive and answering; start this one with another "
-            "--name, or stop that one first"
-        )
-        refused = Refused(reason=reason)
-        return [
-            Log(
-                "warning",
-                "registration_refused",
-                {
-                    "stage": claim.name,
-                    "newcomer": printable(claim.registration.routing_id),
-                    "reason": "name taken by a live stage",
-                    "holder_endpoint": holder.data_endpoint,
-                },
-            ),
-            Send(claim.registration.routing_id, refused, claim.name, self.state.timeouts.reply_s),
-        ]
-
-    def _take_over(self, claim: Claim, why: str, now: float) -> list[Command]:
-        """The holder is gone or frozen: it is dead, and the newcomer registers."""
-        holder = self.state.membership.get(claim.name)
-        if holder is None or holder.state is MemberState.DEAD:
-            return self._admit(claim.registration, now)  # declared dead meanwhile
-        out: list[Command] = [
-            Log("warning", "stage_name_taken_over", {"stage": claim.name, "why": why})
-        ]
-        death = self.state.membership.declare_dead(
-            claim.name, f"a new process registered under its name ({why})", now
-        )
-        if death is not None:
-            out += self._death(death.name, death.reason, death.silent_s, now)
-        return out + self._admit(claim.registration, now)
-
-    def _holder_unreachable(self, event: RequestFailed, now: float) -> list[Command]:
-        if event.stage not in self.claims or not isinstance(event.error, TransportTimeout):
-            return []
-        claim = self.claims.holder_gone(event.stage)
-        assert claim is not None
-        return self._take_over(claim, "its connection is gone", now)
-
-    def _admit(self, event: RegisterAsked, now: float) -> list[Command]:
-        message, state = event.message, self.state
-        name = message.name
-        # a claim on the name, should one be pending, is settled by this registration
-        self.claims.holder_gone(name)
-        reply_s = state.timeouts.reply_s
-        out: list[Command] = []
-        previous = state.membership.get(name)
-        run = self.run
-        data_endpoint = message.data_endpoint
-        if (
-            previous is not None
-            and previous.state is not MemberState.DEAD
-            and run is not None
-            and name in run.devices
-            and name not in run.failed
-            and previous.data_endpoint != data_endpoint
-        ):
-            # A new process under the name of one of the run's stages: the one that
-            # ran the run is gone (restarted), so the run has lost it.
-            death = state.membership.declare_dead(name, "the stage restarted", now)
-            if death is not None:
-                out += self._death(death.name, death.reason, death.silent_s, now)
-        try:
-            member = state.membership.register(
-                name=name,
-                routing_id=event.routing_id,
-                data_endpoint=data_endpoint,
-                info=dict(message.info),
-                public_key=state.key_of(name),
-                now=now,
-            )
-        except ConfigError as exc:
-            return [
-                *out,
-                Log("warning", "registration_refused", {"stage": name, "reason": str(exc)}),
-                Send(event.routing_id, Refused(reason=str(exc)), name, reply_s),
-            ]
-        state.confirm(name)
-        token = event.bulk_token
-        registered = Registered(
-            name=name,
-            heartbeat_interval=state.timeouts.heartbeat_interval_s,
-            bulk_token=state.bulk.issue(name, token, event.routing_id) if token else None,
-            clock=now,  # this coordinator stamps heartbeat acks
-        )
-        return [
-            *out,
-            Log(
-                "info",
-                "stage_registered",
-                {"stage": name, "data_endpoint": member.data_endpoint, "info": member.info},
-            ),
-            Persist(),
-            Send(event.routing_id, registered, name, reply_s),
-        ]
-
     def _tick(self, now: float) -> list[Command]:
         run = self.run
         reply_s = self.state.timeouts.reply_s
@@ -408,8 +246,7 @@ class CoordinatorCore:
         if self.partition.suspecting:
             self.state.membership.hold(now)
             return out  # cut off, most likely: nobody is declared dead meanwhile
-        for claim in self.claims.expired(now):
-            out += self._take_over(claim, "it did not answer a probe", now)
+        out += self.registrations.expired(now)
         probes, deaths = self.state.membership.tick(now)
         interval = self.state.timeouts.heartbeat_interval_s
         for probe in probes:
@@ -571,17 +408,8 @@ class CoordinatorCore:
     # ------------------------------------------------------------ persistence
 
     def saved_state(self) -> SavedState:
-        members = tuple(
-            SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key)
-            for m in self.state.membership.alive()
-        )
-        run = self.run
-        return SavedState(
-            self.state.epoch,
-            self.state.run_counter,
-            members,
-            None if run is None else run.to_saved(),
-        )
+        """What the shell saves (see :mod:`~zpipe.coordinator.takeover`)."""
+        return saved_state(self.state)
 
     def restore(
         self,
@@ -590,40 +418,5 @@ class CoordinatorCore:
         now: float,
         newest_global: SavedReplica | None = None,
     ) -> None:
-        """Take over the members, the run and the replica a previous coordinator saved
-        (with ``newest_global`` behind it as its fallback: restored_replica.py).
-
-        Restored members count as alive from now: one that does not speak within the
-        usual suspect and probe intervals is declared dead as any other would be.
-        """
-        state = self.state
-        if saved is not None:
-            state.epoch = max(state.epoch, saved.epoch)
-            state.run_counter = max(state.run_counter, saved.run_counter)
-            for m in saved.members:
-                state.membership.register(
-                    name=m.name,
-                    routing_id=m.routing_id,
-                    data_endpoint=m.data_endpoint,
-                    info=m.info,
-                    public_key=m.public_key,
-                    now=now,
-                )
-                state.unconfirmed.add(m.name)
-            if saved.run is not None:
-                try:
-                    state.current = controller_for(state, Run.from_saved(saved.run))
-                except (KeyError, TypeError, ValueError, ProtocolError) as exc:
-                    raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
-        if replica is not None:
-            state.replica = replica_from_saved(replica, newest_global)
-            if isinstance(state.current, SyncTrainingController):
-                state.current.fallback = state.replica.newest_global()
-
-
-def controller_for(state: ControlState, run: Run) -> Any:
-    """The controller of a run restored from disk, by its kind."""
-    if run.training_plan is not None or run.groups:
-        return SyncTrainingController(state, run)
-    assert run.request is not None
-    return InferenceController(state, run, ModelSpec.from_dict(run.request.model))
+        """Take over what a previous coordinator saved (see :func:`takeover.restore`)."""
+        restore(self.state, saved, replica, now, newest_global)

@@ -23,7 +23,8 @@ Every message is parsed into its protocol class once, here, and becomes an
 event (:mod:`zpipe.coordinator.events`) by its class; the pure core
 (:mod:`zpipe.coordinator.core`) and the run's controller decide, and this
 shell carries out the commands they return: sends, timers, persistence, and
-jobs (:mod:`zpipe.coordinator.jobs`) whose results come back as events. One
+jobs (:mod:`zpipe.coordinator.jobs`) whose results come back as events; its
+sends go out through :mod:`zpipe.coordinator.shell_sends`. One
 bad message, or a bug it triggers, is logged with its peer and dropped: the
 receive loop never dies of it.
 """
@@ -36,14 +37,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import PeerGoneError, ProtocolError, RoleError, TransportTimeout, ZpipeError
+from zpipe._errors import ProtocolError, RoleError, ZpipeError
 from zpipe.config import Timeouts
-from zpipe.coordinator.bulk_links import BulkLink, BulkLinks
+from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.commands import (
     Command,
     Deliver,
@@ -54,14 +55,12 @@ from zpipe.coordinator.commands import (
     RunJob,
     Send,
     StartTimer,
-    wire_form,
 )
-from zpipe.coordinator.core import CoordinatorCore, printable
+from zpipe.coordinator.core import CoordinatorCore
 from zpipe.coordinator.events import (
     Event,
     JobDone,
     JobFailed,
-    RequestFailed,
     Tick,
     TimerFired,
     event_of,
@@ -69,16 +68,16 @@ from zpipe.coordinator.events import (
 from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.loop_lag import LoopLag
-from zpipe.coordinator.membership import Member, Membership
+from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.persistence import StateStore
+from zpipe.coordinator.registration import printable
 from zpipe.coordinator.restored_replica import fallback_named
+from zpipe.coordinator.shell_sends import ShellSends
 from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import REGISTRY
 from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
-from zpipe.transport.bulk import OutgoingTransfer
-from zpipe.transport.codec import Message, encode
 from zpipe.transport.roles import KeyRoles
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -87,13 +86,10 @@ from zpipe.transport.sockets import (
     new_context,
     open_socket,
     recv_frames,
-    send,
     this_host_addresses,
 )
 
 log = get_logger("zpipe.coordinator")
-
-_R = TypeVar("_R", bound=WireMessage)
 
 # how often the event loop's lag is sampled (zpipe.coordinator.loop_lag)
 LAG_SAMPLE_S = 0.05
@@ -153,14 +149,16 @@ class Coordinator:
         self.endpoint = ""
         # how late the loop wakes (sampled by _lag_loop, logged as loop_lag every 10 s)
         self.loop_lag = LoopLag()
-        # Replies the shell's own requests await, by (stage, reply class).
-        self._reply_waiters: dict[tuple[str, type[WireMessage]], asyncio.Future[Any]] = {}
-        self._bulk_transfers = 0  # ids of the bulk transfers this process sends
-        links = LinkMeasurer(self._request, self._public_keys, timeout_s=4 * t.reply_s)
+        # sends in order, bulk state in chunks, and the shell's own requests
+        self._sends = ShellSends(
+            bulk_links=self.state.bulk, send_s=t.send_s, feed=self._feed, spawn=self._spawn
+        )
+        request = self._sends.request
+        links = LinkMeasurer(request, self._public_keys, timeout_s=4 * t.reply_s)
         if config.measure_links:
             self.state.measured_links = links.known_cluster_links
         self._jobs = JobRunner(
-            self.state, self._request, links, measure_links=config.measure_links, store=self._store
+            self.state, request, links, measure_links=config.measure_links, store=self._store
         )
 
     @property
@@ -188,6 +186,7 @@ class Coordinator:
         else:
             security.warn_open_cluster(log, "coordinator")
         self.endpoint = bind_endpoint(self._router, self.config.bind)
+        self._sends.router = self._router
         self.state.local_hosts = this_host_addresses(self.endpoint)
 
     async def serve(self, *, ready: asyncio.Event | None = None) -> None:
@@ -263,7 +262,7 @@ class Coordinator:
     async def _shutdown_stages(self, reason: str) -> None:
         for member in self.membership.alive():
             with contextlib.suppress(Exception):
-                await self._send(
+                await self._sends.send(
                     member.routing_id, Shutdown(reason=reason), peer=member.name, timeout_s=0.5
                 )
 
@@ -368,7 +367,7 @@ class Coordinator:
             except Exception as exc:  # one command that fails must not take the rest
                 log.error("command_failed", command=type(command).__name__, error=repr(exc))
         if sends:
-            self._send_soon(sends)
+            self._sends.soon(sends)
 
     def _do(self, command: Command) -> None:
         if isinstance(command, Log):
@@ -384,89 +383,15 @@ class Coordinator:
         elif isinstance(command, RunJob):
             self._spawn(self._run_job(command))
         elif isinstance(command, Deliver):
-            waiter = self._reply_waiters.get((command.stage, type(command.message)))
-            if waiter is not None and not waiter.done():
-                waiter.set_result(command.message)
+            self._sends.deliver(command.stage, command.message)
         elif isinstance(command, FailRequests):
-            for (peer, _), waiter in self._reply_waiters.items():
-                if peer == command.stage and not waiter.done():
-                    waiter.set_exception(command.error)
+            self._sends.fail_requests(command.stage, command.error)
         else:
             log.error("unknown_command", command=repr(command))
 
     def _timer_fired(self, tag: int) -> None:
         self._timers.pop(tag, None)
         self._feed(TimerFired(tag))
-
-    def _send_soon(self, sends: list[Send]) -> None:
-        """Queue ``sends`` in order: at once while the socket takes them (the common
-        case), in a task from the first one that has to wait. A task for every
-        heartbeat answer cost more than the send itself with hundreds of stages."""
-        assert self._router is not None
-        for index, command in enumerate(sends):
-            try:
-                message = command.wire
-                if self.state.bulk.route_for(command.to, message) is not None:
-                    self._spawn(self._send_all(sends[index:]))  # chunked: awaited
-                    return
-                frames = [command.to, *encode(message)]
-                # zmq.asyncio tries a non-blocking send first and queues behind any
-                # send still waiting, so the order holds; a future done now was sent
-                pending = cast(
-                    "asyncio.Future[Any]", self._router.send_multipart(frames, copy=False)
-                )
-            except Exception as exc:  # a message that cannot be encoded, say: this one only
-                self._send_failed(command, exc)
-                continue
-            if not pending.done():
-                self._spawn(self._send_all(sends[index + 1 :], waiting=(command, pending)))
-                return
-            error = pending.exception()
-            if error is not None:
-                self._send_failed(command, error)
-
-    def _send_failed(self, command: Send, error: BaseException) -> None:
-        if isinstance(error, zmq.ZMQError):  # ROUTER_MANDATORY: the peer is not connected
-            error = PeerGoneError(command.peer, command.kind)
-        if isinstance(error, TransportTimeout):
-            if command.stage is None:
-                log.warning("reply_failed", peer=command.peer, error=str(error))
-        else:
-            log.error("send_failed", peer=command.peer, kind=command.kind, error=repr(error))
-        if command.stage is not None:
-            # later, not inside the event being carried out
-            asyncio.get_running_loop().call_soon(
-                self._feed, RequestFailed(command.stage, cast(Exception, error))
-            )
-
-    async def _send_all(
-        self, sends: list[Send], *, waiting: tuple[Send, asyncio.Future[Any]] | None = None
-    ) -> None:
-        """Finish ``waiting`` (a send queued but not yet taken), then send ``sends``."""
-        if waiting is not None:
-            command, pending = waiting
-            timeout_s = command.timeout_s or self.config.timeouts.send_s
-            try:
-                await asyncio.wait_for(pending, timeout_s)
-            except asyncio.TimeoutError:
-                error = TransportTimeout(command.peer, f"room to send {command.kind}", timeout_s)
-                self._send_failed(command, error)
-            except Exception as exc:
-                self._send_failed(command, exc)
-        for command in sends:
-            try:
-                await self._send(
-                    command.to, command.wire, peer=command.peer, timeout_s=command.timeout_s
-                )
-            except TransportTimeout as exc:
-                if command.stage is not None:
-                    self._feed(RequestFailed(command.stage, exc))
-                else:
-                    log.warning("reply_failed", peer=command.peer, error=str(exc))
-            except Exception as exc:  # a message that cannot be encoded, say: this one only
-                log.error("send_failed", peer=command.peer, kind=command.kind, error=repr(exc))
-                if command.stage is not None:
-                    self._feed(RequestFailed(command.stage, exc))
 
     async def _run_job(self, command: RunJob) -> None:
         try:
@@ -477,76 +402,6 @@ class Coordinator:
             self._feed(JobFailed(command.tag, exc))
             return
         self._feed(JobDone(command.tag, result))
-
-    # ------------------------------------------------------------- messaging
-
-    async def _send(
-        self,
-        routing_id: bytes,
-        message: WireMessage | Message,
-        *,
-        peer: str,
-        timeout_s: float | None = None,
-    ) -> None:
-        assert self._router is not None
-        message = wire_form(message)
-        bulk = self.state.bulk.route_for(routing_id, message)
-        if bulk is not None:  # state for a stage: on its bulk connection, chunked
-            await self._send_bulk(bulk, message, timeout_s=timeout_s)
-            return
-        try:
-            await send(
-                self._router,
-                message,
-                routing_id=routing_id,
-                peer=peer,
-                timeout_s=timeout_s or self.config.timeouts.send_s,
-            )
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
-            raise PeerGoneError(peer, message.kind) from exc
-
-    async def _send_bulk(
-        self, link: BulkLink, message: Message, *, timeout_s: float | None
-    ) -> None:
-        """``message`` to a stage as chunks on its bulk connection: its heartbeat acks
-        and probes never queue behind it. Each chunk has the send deadline of its own."""
-        assert self._router is not None and link.route is not None
-        self._bulk_transfers += 1
-        transfer = OutgoingTransfer(self._bulk_transfers, encode(message))
-        for chunk in transfer.messages(name=link.name, token=link.token):
-            try:
-                await send(
-                    self._router,
-                    chunk,
-                    routing_id=link.route,
-                    peer=link.name,
-                    timeout_s=timeout_s or self.config.timeouts.send_s,
-                )
-            except zmq.ZMQError as exc:
-                raise PeerGoneError(link.name, message.kind) from exc
-        log.info(
-            "bulk_sent",
-            stage=link.name,
-            kind=message.kind,
-            bytes=transfer.nbytes,
-            chunks=transfer.chunks,
-        )
-
-    async def _request(
-        self, member: Member, message: WireMessage, reply: type[_R], timeout_s: float
-    ) -> _R:
-        """Send ``message`` to a stage and wait for its answer of class ``reply``."""
-        waiter: asyncio.Future[_R] = asyncio.get_running_loop().create_future()
-        self._reply_waiters[(member.name, reply)] = waiter
-        try:
-            # a send that fails says so itself (TransportTimeout is a TimeoutError too)
-            await self._send(member.routing_id, message, peer=member.name)
-            try:
-                return await asyncio.wait_for(waiter, timeout_s)
-            except asyncio.TimeoutError:
-                raise TransportTimeout(member.name, reply.KIND, timeout_s) from None
-        finally:
-            self._reply_waiters.pop((member.name, reply), None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
