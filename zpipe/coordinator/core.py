@@ -148,33 +148,34 @@ class CoordinatorCore:
 
     def _on_event(self, event: Event, now: float) -> list[Command]:
         flows = self.state.flows
-        if isinstance(event, StageSpoke):
-            return [*retie_restored(self.state, event), *self._stage_spoke(event, now)]
-        if isinstance(event, RegisterAsked):
-            return self.registrations.register(event, now)
-        if isinstance(event, BulkChunkArrived):
-            out, whole = bulk_chunk(self.state, event, now)
-            return out if whole is None else [*out, *self._stage_spoke(whole, now)]
-        if isinstance(event, BulkOpenAsked):
-            return bulk_open(self.state, event, now)
-        if isinstance(event, ClientRequest):
-            return self._client_request(event, now)
-        if isinstance(event, StallReported):
-            return self._stalled(event.message, now)
-        if isinstance(event, Tick):
-            return self._tick(now)
-        if isinstance(event, TimerFired):
-            return flows.timer(event.tag, now)
-        if isinstance(event, JobDone):
-            return flows.job_done(event.tag, event.result, now)
-        if isinstance(event, JobFailed):
-            return flows.job_failed(event.tag, event.error, now)
-        if isinstance(event, RequestFailed):
-            if isinstance(event.error, PeerGoneError):  # not connected now: may come back
-                out = flows.request_unsent(event.stage, event.error, now)
-            else:
-                out = flows.stage_lost(event.stage, event.error, now)
-            return [*out, *self.registrations.holder_unreachable(event, now)]
+        match event:
+            case StageSpoke():
+                return [*retie_restored(self.state, event), *self._stage_spoke(event, now)]
+            case RegisterAsked():
+                return self.registrations.register(event, now)
+            case BulkChunkArrived():
+                out, whole = bulk_chunk(self.state, event, now)
+                return out if whole is None else [*out, *self._stage_spoke(whole, now)]
+            case BulkOpenAsked():
+                return bulk_open(self.state, event, now)
+            case ClientRequest():
+                return self._client_request(event, now)
+            case StallReported(message=stalled):
+                return self._stalled(stalled, now)
+            case Tick():
+                return self._tick(now)
+            case TimerFired(tag=tag):
+                return flows.timer(tag, now)
+            case JobDone(tag=tag, result=result):
+                return flows.job_done(tag, result, now)
+            case JobFailed(tag=tag, error=error):
+                return flows.job_failed(tag, error, now)
+            case RequestFailed(stage=stage, error=error):
+                if isinstance(error, PeerGoneError):  # not connected now: may come back
+                    out = flows.request_unsent(stage, error, now)
+                else:
+                    out = flows.stage_lost(stage, error, now)
+                return [*out, *self.registrations.holder_unreachable(event, now)]
         raise TypeError(f"unknown event {event!r}")
 
     # ------------------------------------------------------------ stages
@@ -202,7 +203,13 @@ class CoordinatorCore:
             ]
         self.state.confirm(member.name)
         moved_before = peer_state_bytes(member.metrics)
-        membership.heard_from(member.name, now, metrics_of(message), kind=kind)
+        membership.heard_from(
+            member.name,
+            now,
+            metrics_of(message),
+            heartbeat=isinstance(message, Heartbeat),
+            probe_answer=isinstance(message, ProbeAck),
+        )
         match message:
             case Heartbeat(clock=sent, metrics=metrics):
                 # a stamped heartbeat gets its stamp back with this clock's (clock offsets)

@@ -205,18 +205,19 @@ class Membership:
         now: float,
         metrics: Mapping[str, Any] | None = None,
         *,
-        kind: str = "",
+        heartbeat: bool = False,
+        probe_answer: bool = False,
     ) -> bool:
-        """Record life from ``name`` (any message; ``kind`` "heartbeat" times its gaps,
-        "probe_ack" its probe's round trip); False if it is unknown or already dead."""
+        """Record life from ``name`` (any message; a ``heartbeat`` times its gaps, a
+        ``probe_answer`` its probe's round trip); False if it is unknown or already dead."""
         member = self._members.get(name)
         if member is None or member.state is MemberState.DEAD:
             return False
         watch = member.liveness
         if watch is not None:
-            if kind == "heartbeat":
+            if heartbeat:
                 watch.heartbeat(now)
-            elif kind == "probe_ack" and member.suspect_since is not None:
+            elif probe_answer and member.suspect_since is not None:
                 watch.probe_answered(now - member.suspect_since)
         member.last_seen = now
         member.state = MemberState.ALIVE
