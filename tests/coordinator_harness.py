@@ -33,19 +33,39 @@ from zpipe.coordinator.events import (
     Event,
     JobDone,
     JobFailed,
-    Registered,
+    RegisterAsked,
     StageSpoke,
     Tick,
     TimerFired,
 )
 from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.stage_control import Register
 from zpipe.transport.codec import Message
 
 CLIENT = b"client-route"
 SPEC = ModelSpec("mlp", {"dims": [8, 16, 16, 16, 16, 16, 4]}, seed=0)  # 6 units
+
+
+def typed(kind: str, body: dict[str, Any], *, sender: str | None = None) -> WireMessage:
+    """The protocol object a peer sends (as the shell parses it); the fields a test
+    leaves out that every stage sends (its name, empty counters, no error) filled in."""
+    schema = REGISTRY.schemas[kind]
+    full = dict(body)
+    if sender is not None and "name" in schema and "name" not in full:
+        full["name"] = sender
+    for key, empty in (("metrics", {}), ("error", "")):
+        if key in schema and schema[key].required and key not in full:
+            full[key] = empty
+    return REGISTRY.parse(Message(kind, full))
+
+
+def parsed(message: Message) -> WireMessage:
+    """A built message as the shell hands it on: parsed into its protocol class."""
+    return REGISTRY.parse(message)
 
 
 class Harness:
@@ -67,7 +87,7 @@ class Harness:
             suspect_after_intervals=suspect_after,
             probe_intervals=probes,
         )
-        self.state = CoordinatorState(timeouts=timeouts, membership=membership)
+        self.state = ControlState(timeouts=timeouts, membership=membership)
         self.core = CoordinatorCore(self.state)
         self.now = 0.0
         self.sent: list[Send] = []
@@ -89,9 +109,9 @@ class Harness:
         for command in commands:
             if isinstance(command, Send):
                 self.sent.append(command)
-                seq = command.message.get("seq")
+                seq = command.wire.get("seq")
                 if self.ack_notices and command.to == CLIENT and seq is not None:
-                    self.client("notice_ack", run=command.message["run"], seq=seq)
+                    self.client("notice_ack", run=command.wire["run"], seq=seq)
             elif isinstance(command, Log):
                 self.logs.append(command)
             elif isinstance(command, Record):
@@ -160,32 +180,33 @@ class Harness:
             self.feed(Tick())
             if answer:
                 for send in self.sent[before:]:
-                    if send.message.kind == "probe" and send.peer in alive:
-                        self.stage(send.peer, "probe_ack", nonce=send.message["nonce"])
+                    if send.wire.kind == "probe" and send.peer in alive:
+                        self.stage(send.peer, "probe_ack", nonce=send.wire["nonce"])
 
     # ------------------------------------------------------------------ peers
 
     def register(
         self, name: str, endpoint: str | None = None, info: dict[str, Any] | None = None
     ) -> None:
-        body = {
-            "name": name,
-            "data_endpoint": endpoint or f"tcp://{name}:1",
-            "info": {"probe_endpoint": f"tcp://{name}:2", **(info or {})},
-        }
-        self.feed(Registered(name.encode(), None, Message("register", body)))
+        register = Register(
+            name=name,
+            data_endpoint=endpoint or f"tcp://{name}:1",
+            info={"probe_endpoint": f"tcp://{name}:2", **(info or {})},
+        )
+        self.feed(RegisterAsked(name.encode(), None, register))
 
     def stage(self, name: str, kind: str, **body: Any) -> list[Command]:
-        return self.feed(StageSpoke(name.encode(), Message(kind, body)))
+        return self.feed(StageSpoke(name.encode(), typed(kind, body, sender=name)))
 
     def client(self, kind: str, **body: Any) -> list[Command]:
-        return self.feed(ClientRequest(CLIENT, None, Message(kind, body)))
+        return self.feed(ClientRequest(CLIENT, None, typed(kind, body)))  # type: ignore[arg-type]
 
     def to(self, peer: str, kind: str) -> list[Message]:
-        return [s.message for s in self.sent if s.peer == peer and s.message.kind == kind]
+        """What went to ``peer`` of ``kind``, in its wire form."""
+        return [s.wire for s in self.sent if s.peer == peer and s.wire.kind == kind]
 
     def to_client(self, kind: str) -> list[Message]:
-        return [s.message for s in self.sent if s.to == CLIENT and s.message.kind == kind]
+        return [s.wire for s in self.sent if s.to == CLIENT and s.wire.kind == kind]
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [dict(log.fields) for log in self.logs if log.event == name]
@@ -222,7 +243,7 @@ class Harness:
 
 
 def _feed_message(self: Harness, name: str, message: Message) -> list[Command]:
-    return self.feed(StageSpoke(name.encode(), message))
+    return self.feed(StageSpoke(name.encode(), parsed(message)))
 
 
 Harness.feed_message = _feed_message  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ from zpipe.coordinator.commands import Send
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.planner.async_schedule import AsyncSettings, aggregation_intervals, forward_version
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
+from zpipe.protocol.repartition import RepartitionReply
 from zpipe.stage.async_shard import AsyncShard
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.async_reference import train_async_reference
@@ -37,7 +38,6 @@ from zpipe.training.async_regroup import (
     unit_state_tensors,
 )
 from zpipe.training.async_stage import AsyncStageCompute, UnitState, common_versions
-from zpipe.transport.codec import Message
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -424,7 +424,7 @@ def _replica_owner(train: dict[str, Any]) -> SimpleNamespace:
     alive = [SimpleNamespace(name=n, routing_id=n.encode()) for n in "ab"]
     return SimpleNamespace(
         run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global",
-                            request=Message("run_request", {"train": train}), rebalance=None),
+                            request=SimpleNamespace(train=train), rebalance=None),
         state=SimpleNamespace(membership=SimpleNamespace(alive=lambda: alive),
                               timeouts=Timeouts()),
     )  # fmt: skip
@@ -442,14 +442,14 @@ def _drive(owner: SimpleNamespace, failures: list[BaseException]) -> tuple[FlowR
 
 
 def _phases(commands: list[Any]) -> list[tuple[str, str]]:
-    return [(c.stage, c.message["phase"]) for c in commands if isinstance(c, Send)]
+    return [(c.stage, c.wire["phase"]) for c in commands if isinstance(c, Send)]
 
 
 def _reply(runner: FlowRunner, phase: str, now: float, **errors: str) -> list[Any]:
     out: list[Any] = []
     for name in "ab":
         body = {"run": 7, "step": 12, "phase": phase, "name": name, "error": errors.get(name, "")}
-        out += runner.reply(name, Message("repartition_reply", body), now)
+        out += runner.reply(name, RepartitionReply.from_body(body), now)
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import tracemalloc
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,15 +23,16 @@ from zpipe.coordinator.core import CoordinatorCore
 from zpipe.coordinator.events import (
     BulkChunkArrived,
     BulkOpenAsked,
-    Registered,
+    RegisterAsked,
     StageSpoke,
     Tick,
 )
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.membership import Membership
-from zpipe.coordinator.persistence import SavedMember, SavedState
-from zpipe.coordinator.state import CoordinatorState
-from zpipe.protocol.bulk import BulkChunk, BulkDone, BulkRefused
+from zpipe.coordinator.records import SavedMember, SavedState
+from zpipe.coordinator.state import ControlState
+from zpipe.protocol.bulk import BulkChunk, BulkDone, BulkOpen, BulkRefused
+from zpipe.protocol.stage_control import Heartbeat, Register, Weights
 from zpipe.stage.bulk import StageBulk
 from zpipe.transport.bulk import (
     MAX_CHUNK_BYTES,
@@ -210,7 +212,7 @@ def test_a_wait_on_a_transfer_that_keeps_moving_never_times_out() -> None:
 
     def gathering():  # type: ignore[no-untyped-def]
         try:
-            seen.append((yield AwaitReplies(("a", "b"), "weights", 5.0, "weights")))
+            seen.append((yield AwaitReplies(("a", "b"), Weights, 5.0, "weights")))
         except TransportTimeout as exc:
             seen.append(exc)
 
@@ -224,9 +226,11 @@ def test_a_wait_on_a_transfer_that_keeps_moving_never_times_out() -> None:
         if due:
             (timer,) = due
             assert isinstance(timer, StartTimer) and timer.delay_s == pytest.approx(5.0)
-    assert runner.reply("a", Message("weights", {}), now) == []
-    runner.reply("b", Message("weights", {"name": "b"}), now + 1)
-    assert seen == [{"a": Message("weights", {}), "b": Message("weights", {"name": "b"})}]
+    from_a = Weights(run=0, name="a", step=0, keys=[], error="")
+    from_b = Weights(run=0, name="b", step=0, keys=[], error="")
+    assert runner.reply("a", from_a, now) == []
+    runner.reply("b", from_b, now + 1)
+    assert seen == [{"a": from_a, "b": from_b}]
 
 
 def test_a_wait_whose_transfer_stopped_times_out_timeout_s_after_its_last_chunk() -> None:
@@ -235,7 +239,7 @@ def test_a_wait_whose_transfer_stopped_times_out_timeout_s_after_its_last_chunk(
 
     def gathering():  # type: ignore[no-untyped-def]
         try:
-            yield AwaitReplies(("b",), "weights", 5.0, "weights")
+            yield AwaitReplies(("b",), Weights, 5.0, "weights")
         except TransportTimeout as exc:
             seen.append(exc)
 
@@ -254,7 +258,8 @@ def _chunk_events(
 ) -> list[BulkChunkArrived]:
     transfer = OutgoingTransfer(1, encode(message), chunk_bytes=1000)
     return [
-        BulkChunkArrived(route, key, chunk) for chunk in transfer.messages(name=name, token=token)
+        BulkChunkArrived(route, key, BulkChunk.from_message(chunk))
+        for chunk in transfer.messages(name=name, token=token)
     ]
 
 
@@ -264,8 +269,8 @@ def _token(harness: Harness, name: str) -> str:
 
 
 def _register(harness: Harness, name: str, token: str, key: str | None = None) -> None:
-    body = {"name": name, "data_endpoint": f"tcp://{name}:1", "info": {}}
-    harness.feed(Registered(name.encode(), key, Message("register", body), bulk_token=token))
+    register = Register(name=name, data_endpoint=f"tcp://{name}:1", info={})
+    harness.feed(RegisterAsked(name.encode(), key, register, bulk_token=token))
 
 
 WEIGHTS = Message(
@@ -280,12 +285,12 @@ def test_a_registration_sent_again_on_one_connection_keeps_its_token() -> None:
     _register(harness, "b", "first")
     _register(harness, "b", "second")  # the stage's retry, its first answer being slow
     assert [m["bulk_token"] for m in harness.to("b", "registered")] == ["first", "first"]
-    body = {"name": "b", "data_endpoint": "tcp://b:1", "info": {}}
+    register = Register(name="b", data_endpoint="tcp://b:1", info={})
     # another connection under the name (a new process, once the old one is dead)
     member = harness.state.membership.get("b")
     assert member is not None
     harness.state.membership.declare_dead("b", "gone", harness.now)
-    harness.feed(Registered(b"b-again", None, Message("register", body), bulk_token="third"))
+    harness.feed(RegisterAsked(b"b-again", None, register, bulk_token="third"))
     assert harness.to("b", "registered")[-1]["bulk_token"] == "third"
 
 
@@ -304,7 +309,7 @@ def test_a_stage_s_chunks_are_progress_and_its_whole_reply_is_handled_as_sent() 
     assert not harness.events("stage_dead") and not harness.to("b", "probe")
     out = harness.feed(events[-1])
     # a late reply (no flow asked) is logged as such: it reached the core as weights
-    assert [c.message.kind for c in out if isinstance(c, Send)] == ["bulk_done"]
+    assert [c.wire.kind for c in out if isinstance(c, Send)] == ["bulk_done"]
     assert harness.events("late_reply") == [{"stage": "b", "kind": "weights", "run": 1}]
 
 
@@ -327,7 +332,7 @@ def test_chunks_in_a_stage_s_name_without_its_token_are_refused(
         harness.feed(event)
     dropped = harness.events("dropped_message")
     assert len(dropped) == 3 and problem in dropped[0]["error"]
-    refusals = [s for s in harness.sent if s.message.kind == "bulk_refused"]
+    refusals = [s for s in harness.sent if s.wire.kind == "bulk_refused"]
     assert len(refusals) == 1 and refusals[0].to == b"outsider"  # answered once
     member = harness.state.membership.get("b")
     assert member is not None and member.last_seen == seen  # no liveness from it
@@ -336,18 +341,18 @@ def test_chunks_in_a_stage_s_name_without_its_token_are_refused(
 def test_with_keys_a_chunk_must_come_from_the_stage_s_own_key() -> None:
     timeouts = Timeouts()
     membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
-    state = CoordinatorState(
+    state = ControlState(
         timeouts=timeouts, membership=membership, public_keys={"b": b"KEY-B", "c": b"KEY-C"}
     )
     core = CoordinatorCore(state)
-    body = {"name": "b", "data_endpoint": "tcp://b:1", "info": {}}
-    core.on_event(Registered(b"b", "KEY-B", Message("register", body), bulk_token="t"), 0.0)
+    register = Register(name="b", data_endpoint="tcp://b:1", info={})
+    core.on_event(RegisterAsked(b"b", "KEY-B", register, bulk_token="t"), 0.0)
     wrong = core.on_event(_chunk_events(WEIGHTS, "b", "t", key="KEY-C")[0], 1.0)
     assert any("not b.key" in str(getattr(c, "fields", {})) for c in wrong)
     right = core.on_event(
-        BulkOpenAsked(b"bulk-b", "KEY-B", Message("bulk_open", {"name": "b", "token": "t"})), 1.0
+        BulkOpenAsked(b"bulk-b", "KEY-B", BulkOpen(name="b", token="t")), 1.0
     )
-    assert [c.message.kind for c in right if isinstance(c, Send)] == ["bulk_opened"]
+    assert [c.wire.kind for c in right if isinstance(c, Send)] == ["bulk_opened"]
     link = state.bulk.get("b")
     assert link is not None and link.route == b"bulk-b"
     # the coordinator's own state for b (an assignment with tensors) now goes there
@@ -361,9 +366,9 @@ def test_a_stage_restored_from_disk_gets_a_token_when_it_first_speaks() -> None:
     harness.state.new_token = lambda: "renewed"
     saved = SavedState(0, 0, (SavedMember("b", b"b", "tcp://b:1", {}, None),), None)
     harness.core.restore(saved, None, harness.now)
-    harness.feed(StageSpoke(b"b", Message("heartbeat", {"name": "b", "metrics": {}})))
+    harness.feed(StageSpoke(b"b", Heartbeat(name="b", metrics={})))
     assert [m["bulk_token"] for m in harness.to("b", "registered")] == ["renewed"]
-    harness.feed(StageSpoke(b"b", Message("heartbeat", {"name": "b", "metrics": {}})))  # once
+    harness.feed(StageSpoke(b"b", Heartbeat(name="b", metrics={})))  # once
     assert len(harness.to("b", "registered")) == 1
     for event in _chunk_events(WEIGHTS, "b", "renewed"):
         harness.feed(event)
@@ -374,7 +379,7 @@ def test_a_chunk_with_a_negative_count_is_dropped_and_the_core_goes_on() -> None
     harness = Harness()
     _register(harness, "b", "tok-b")
     (event,) = _chunk_events(Message("heartbeat_ack"), "b", "tok-b")
-    bad = Message("bulk_chunk", {**event.message.body, "seq": -1}, tensors=event.message.tensors)
+    bad = replace(event.message, seq=-1)
     harness.feed(BulkChunkArrived(b"bulk", None, bad))
     assert "seq must be an integer >= 0" in harness.events("dropped_message")[-1]["error"]
 

@@ -13,8 +13,18 @@ from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.coordinator.commands import AwaitReplies, Log, Now, PlanInference, Send, StartTimer
 from zpipe.coordinator.events import StallReported, Tick
 from zpipe.coordinator.flows import FlowRunner
-from zpipe.coordinator.inference import InferenceRun
+from zpipe.coordinator.inference import InferenceController
+from zpipe.protocol.client_control import Stalled
+from zpipe.protocol.stage_control import BackedUp, Weights
 from zpipe.transport.codec import Message
+
+
+def _weights(name: str) -> Weights:
+    return Weights(run=0, name=name, step=0, keys=[], error="")
+
+
+def _backed_up(name: str) -> BackedUp:
+    return BackedUp(run=0, name=name, step=0, holder="", keys=[], nbytes=0, error="")
 
 NAMES = ["a", "b", "c"]
 
@@ -31,7 +41,7 @@ def test_a_stream_is_assigned_made_ready_and_connected() -> None:
     ready = h.to_client("run_ready")[0]
     assert (ready["first_stage"], ready["last_stage"], ready["run"]) == ("a", "c", run)
     assert all(h.to(n, "connect") for n in NAMES)
-    assert isinstance(h.state.current, InferenceRun) and h.state.current.run.streaming
+    assert isinstance(h.state.current, InferenceController) and h.state.current.run.streaming
 
 
 def test_run_ready_tells_the_client_the_first_stages_data_port_limit() -> None:
@@ -173,7 +183,7 @@ def test_the_end_of_a_run_gathers_metrics_and_a_silent_stage_reports_none() -> N
 def test_a_stall_report_probes_the_runs_stages_at_once() -> None:
     h = Harness()
     run = h.start_stream(NAMES)
-    h.feed(StallReported(Message("stalled", {"run": run, "waited_s": 2.0, "deadline_s": 1.0})))
+    h.feed(StallReported(Stalled(run=run, waited_s=2.0, deadline_s=1.0)))
     assert all(h.to(n, "probe") for n in NAMES)
     assert [e["reason"] for e in h.events("stage_suspect")] == ["stall"] * 3
 
@@ -207,14 +217,14 @@ def test_a_wait_that_times_out_raises_in_its_flow_naming_the_silent() -> None:
 
     def waiting():  # type: ignore[no-untyped-def]
         try:
-            yield AwaitReplies(("a", "b"), "weights", 5.0, "weights")
+            yield AwaitReplies(("a", "b"), Weights, 5.0, "weights")
         except TransportTimeout as exc:
             seen.append(exc)
         now = yield Now()
         seen.append(now)
 
     (timer,) = runner.start(waiting(), 1.0)
-    assert runner.reply("a", Message("weights", {}), 2.0) == []
+    assert runner.reply("a", _weights("a"), 2.0) == []
     runner.timer(timer.tag, 6.0)  # type: ignore[attr-defined]
     assert "weights from b" in str(seen[0]) and seen[1] == 6.0
 
@@ -231,7 +241,7 @@ def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> N
             (
                 yield AwaitReplies(
                     tuple(ask),
-                    "backed_up",
+                    BackedUp,
                     60.0,
                     "backups",
                     requests=tuple(ask.values()),
@@ -244,7 +254,7 @@ def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> N
     assert first[:3] == list(ask.values())  # the requests go out when the wait starts
     (timer,) = first[3:]
     assert isinstance(timer, StartTimer) and timer.delay_s == 4.0
-    runner.reply("a", Message("backed_up", {}), 1.0)  # a answered
+    runner.reply("a", _backed_up("a"), 1.0)  # a answered
     runner.progress("b", 3.0)  # b is sending its answer in chunks
     again = runner.timer(timer.tag, 4.0)
     assert [c for c in again if isinstance(c, Send)] == [ask["c"]]
@@ -253,8 +263,8 @@ def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> N
     # b's chunks stopped before the last asking: it is asked again too
     again = runner.timer(timer.tag, 8.0)
     assert [c for c in again if isinstance(c, Send)] == [ask["b"], ask["c"]]
-    runner.reply("b", Message("backed_up", {}), 9.0)
-    runner.reply("c", Message("backed_up", {}), 9.5)
+    runner.reply("b", _backed_up("b"), 9.0)
+    runner.reply("c", _backed_up("c"), 9.5)
     assert seen and set(seen[0]) == {"a", "b", "c"}  # type: ignore[arg-type]
 
 
@@ -264,7 +274,7 @@ def test_a_wait_without_resend_asks_once_and_times_out_at_its_deadline() -> None
 
     def waiting():  # type: ignore[no-untyped-def]
         with pytest.raises(TransportTimeout):
-            yield AwaitReplies(("a",), "weights", 5.0, "weights", requests=(ask,))
+            yield AwaitReplies(("a",), Weights, 5.0, "weights", requests=(ask,))
 
     out = runner.start(waiting(), 0.0)
     assert out[0] == ask and isinstance(out[1], StartTimer) and out[1].delay_s == 5.0
@@ -313,7 +323,7 @@ def test_a_stage_that_answers_every_probe_in_time_is_never_declared_dead(
             before = len(h.sent)
             h.feed(Tick())
             for send in h.sent[before:]:
-                if send.message.kind == "probe":
+                if send.wire.kind == "probe":
                     # answered a little later, before the probe's time runs out
                     pending.append(h.now + delays[i % len(delays)])
         h.stage("a", "heartbeat")
@@ -368,14 +378,14 @@ def test_harness_sends_are_commands() -> None:
     h = Harness()
     h.register("a")
     assert all(isinstance(s, Send) for s in h.sent)
-    assert h.sent[-1].to == b"a" and h.sent[-1].message.kind == "registered"
+    assert h.sent[-1].to == b"a" and h.sent[-1].wire.kind == "registered"
     assert CLIENT not in {s.to for s in h.sent}
 
 
 @pytest.mark.parametrize("kind", ["run_go", "weights_request"])
 def test_requests_for_a_run_that_is_not_current_fail_clearly(kind: str) -> None:
     h = Harness()
-    h.client(kind, run=9, step=0)
+    h.client(kind, run=9, **({"step": 0} if kind == "weights_request" else {}))
     (failed,) = h.to_client("run_failed")
     assert failed["error"] == "run 9 is not the current run"
 
@@ -427,7 +437,7 @@ def test_a_send_that_fails_ends_the_wait_on_that_stage_at_once() -> None:
         planner="even",
         stage_names=NAMES,
     )
-    assert [s.stage for s in h.sent if s.message.kind == "assign"] == NAMES
+    assert [s.stage for s in h.sent if s.wire.kind == "assign"] == NAMES
     h.feed(RequestFailed("b", PeerGoneError("b", "assign")))
     (failed,) = h.to_client("run_failed")
     assert failed["error"] == "b is not connected: could not send assign"
@@ -455,22 +465,22 @@ def test_a_request_that_could_not_leave_is_asked_again_not_taken_for_a_death() -
     ask = {n: Send(n.encode(), Message("weights_request", {}), n, stage=n) for n in "ab"}
 
     def gathering():  # type: ignore[no-untyped-def]
-        seen.append((yield AwaitReplies(tuple(ask), "weights", 60.0, "weights",
+        seen.append((yield AwaitReplies(tuple(ask), Weights, 60.0, "weights",
                                         requests=tuple(ask.values()), resend_s=4.0)))  # fmt: skip
 
     (timer,) = runner.start(gathering(), 0.0)[2:]
     assert runner.request_unsent("b", PeerGoneError("b", "weights_request"), 0.5) == []
-    runner.reply("a", Message("weights", {"n": 1}), 1.0)
+    runner.reply("a", _weights("a"), 1.0)
     again = runner.timer(timer.tag, 4.0)  # type: ignore[attr-defined]
     assert [c for c in again if isinstance(c, Send)] == [ask["b"]]
-    runner.reply("b", Message("weights", {"n": 2}), 5.0)
+    runner.reply("b", _weights("b"), 5.0)
     assert seen and set(seen[0]) == {"a", "b"}  # type: ignore[arg-type]
 
     failed: list[BaseException] = []
 
     def once():  # type: ignore[no-untyped-def]
         try:
-            yield AwaitReplies(("b",), "weights", 60.0, "weights", requests=(ask["b"],))
+            yield AwaitReplies(("b",), Weights, 60.0, "weights", requests=(ask["b"],))
         except PeerGoneError as exc:
             failed.append(exc)
 

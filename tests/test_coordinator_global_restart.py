@@ -19,9 +19,10 @@ from test_coordinator_restore import NAMES, _replicate, _request, _start_chain_r
 
 from zpipe.coordinator import persistence
 from zpipe.coordinator.commands import SaveReplica
-from zpipe.coordinator.persistence import GLOBAL_FILE, REPLICA_FILE, SavedReplica, StateStore
+from zpipe.coordinator.persistence import GLOBAL_FILE, REPLICA_FILE, StateStore
+from zpipe.coordinator.records import SavedReplica
 from zpipe.coordinator.restored_replica import replica_from_saved
-from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.training import SyncTrainingController
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 
 PLAN = TrainingPlan(
@@ -105,7 +106,8 @@ def test_a_restarted_coordinator_falls_back_to_the_global_copy_after_two_adjacen
     assert restored is not None and restored.step == 2 and not restored.complete
     assert restored.fallback is not None and restored.fallback.step == 0
     controller = new.state.current
-    assert isinstance(controller, SyncTrainingRun) and controller.fallback is restored.fallback
+    assert isinstance(controller, SyncTrainingController)
+    assert controller.fallback is restored.fallback
     for name in NAMES:
         new.stage(name, "heartbeat")
     new.advance(8.0, alive=("a",))  # b and c die: c held b's backup

@@ -16,8 +16,8 @@ from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
-from zpipe.coordinator.state import CoordinatorState
-from zpipe.transport.codec import Message
+from zpipe.coordinator.state import ControlState
+from zpipe.protocol.client_control import StageFailed
 
 NAMES = ["a", "b", "c", "d"]
 
@@ -131,11 +131,11 @@ def test_one_stage_going_silent_among_several_is_declared_dead_as_before() -> No
 
 def test_a_notice_is_numbered_and_sent_again_until_acknowledged() -> None:
     outbox = NoticeOutbox(resend_s=2.0, keep_s=120.0)
-    first = outbox.post(b"c", Message("stage_failed", {"run": 4, "stage": "b", "reason": "x"}), 0.0)
+    first = outbox.post(b"c", StageFailed(run=4, stage="b", reason="x"), 0.0)
     second = outbox.post(
-        b"c", Message("stage_failed", {"run": 4, "stage": "d", "reason": "y"}), 0.5
+        b"c", StageFailed(run=4, stage="d", reason="y"), 0.5
     )
-    assert (first["seq"], second["seq"]) == (1, 2)
+    assert (first.seq, second.seq) == (1, 2)
     assert outbox.due(4, 1.9) == []
     assert outbox.due(4, 2.0) == [(b"c", first)]
     assert outbox.due(4, 2.5) == [(b"c", second)]
@@ -143,15 +143,15 @@ def test_a_notice_is_numbered_and_sent_again_until_acknowledged() -> None:
     assert outbox.due(4, 4.5) == [(b"c", second)]
     assert outbox.unacknowledged(4) == [2]
     # another run's numbers start again at 1; a run no longer current is forgotten
-    other = outbox.post(b"c", Message("stage_failed", {"run": 5, "stage": "b", "reason": "x"}), 5.0)
-    assert other["seq"] == 1
+    other = outbox.post(b"c", StageFailed(run=5, stage="b", reason="x"), 5.0)
+    assert other.seq == 1
     assert outbox.due(5, 7.0) == [(b"c", other)]
     assert outbox.unacknowledged(4) == []
 
 
 def test_a_notice_is_forgotten_once_the_client_would_have_given_up() -> None:
     outbox = NoticeOutbox(resend_s=2.0, keep_s=10.0)
-    outbox.post(b"c", Message("stage_failed", {"run": 1, "stage": "b", "reason": "x"}), 0.0)
+    outbox.post(b"c", StageFailed(run=1, stage="b", reason="x"), 0.0)
     assert len(outbox.due(1, 9.0)) == 1
     assert outbox.due(1, 10.0) == [] and outbox.unacknowledged(1) == []
 
@@ -203,7 +203,7 @@ def test_a_coordinator_with_a_state_dir_leaves_its_stages_running_unless_told(
 async def test_a_run_after_a_restart_waits_for_restored_stages_to_speak() -> None:
     timeouts = Timeouts()
     membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
-    state = CoordinatorState(timeouts=timeouts, membership=membership)
+    state = ControlState(timeouts=timeouts, membership=membership)
     for name in ("a", "b"):
         membership.register(
             name=name, routing_id=name.encode(), data_endpoint=f"tcp://{name}:1", info={},

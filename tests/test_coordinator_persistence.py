@@ -12,19 +12,14 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.coordinator import persistence
-from zpipe.coordinator.persistence import (
-    SavedMember,
-    SavedReplica,
-    SavedState,
-    StateFileError,
-    StateStore,
-)
+from zpipe.coordinator.persistence import StateFileError, StateStore
+from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.runs import Run
 from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
+from zpipe.protocol.client_control import RunRequest
 from zpipe.transport import codec
-from zpipe.transport.codec import Message
 
 TPLAN = TrainingPlan(
     algo="hpp",
@@ -48,7 +43,13 @@ def _run() -> Run:
         devices=["a", "b", "c"],
         ring_endpoints={"a": "tcp://127.0.0.1:1", "b": "tcp://127.0.0.1:2"},
         groups=[["a", "b"], ["c"]],
-        request=Message("run_request", {"model": {"family": "mlp"}, "mode": "train"}),
+        request=RunRequest(
+            model={"family": "mlp"},
+            mode="train",
+            dtype="float32",
+            sink_endpoint="tcp://127.0.0.1:9",
+            wait_for_stages_s=0.0,
+        ),
         recover=True,
         streaming=True,
         training_plan=TPLAN,
@@ -73,7 +74,7 @@ def test_state_round_trips_with_its_run(tmp_path: Path) -> None:
     ):  # fmt: skip
         assert getattr(run, name) == getattr(want, name), name
     assert run.request is not None and want.request is not None
-    assert dict(run.request.body) == dict(want.request.body)
+    assert run.request.body() == want.request.body()
 
 
 def test_a_replica_round_trips_bit_for_bit_even_past_one_messages_tensor_limit(
@@ -170,12 +171,12 @@ def test_a_state_file_with_a_valid_checksum_but_a_bad_run_is_refused(tmp_path: P
     from zpipe.config import Timeouts
     from zpipe.coordinator.core import CoordinatorCore
     from zpipe.coordinator.membership import Membership
-    from zpipe.coordinator.state import CoordinatorState
+    from zpipe.coordinator.state import ControlState
 
     store = StateStore(tmp_path)
     store.save_state(SavedState(3, 2, (), {"run": 1, "plan": "not a plan"}))
     store.save_replica(SavedReplica(1, 2, {"stages": "none"}, {}, {}))
-    state = CoordinatorState(
+    state = ControlState(
         timeouts=Timeouts(),
         membership=Membership(
             heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2
@@ -186,3 +187,13 @@ def test_a_state_file_with_a_valid_checksum_but_a_bad_run_is_refused(tmp_path: P
         core.restore(store.load_state(), None, 0.0)
     with pytest.raises(StateFileError, match="the saved replica's plan does not parse"):
         core.restore(None, store.load_replica(), 0.0)
+
+
+def test_the_pure_core_imports_no_file_io() -> None:
+    """The core and the run controllers take plain records (records.py); the files
+    they become are the shell's (persistence.py), which the core never imports."""
+    code = (
+        "import sys; import zpipe.coordinator.core, zpipe.coordinator.starting; "
+        "assert 'zpipe.coordinator.persistence' not in sys.modules, 'persistence imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from coordinator_harness import SPEC, Harness
 
-from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.training import SyncTrainingController
 from zpipe.transport.codec import Message
 
 TRAIN = {"num_microbatches": 3, "optimizer": {"name": "sgd", "lr": 0.1}}
@@ -48,6 +48,7 @@ def _replicate(h: Harness, run: int, step: int, *, global_copy: bool) -> Message
         # c backs up to the coordinator: its units come in the reply
         keys, tensors = _state(name, UNITS[name], step) if name == "c" else ([], ())
         body = {"name": name, "keys": keys, "error": "", "step": step, "run": run}
+        body.update(holder="", bytes=0)
         h.feed_message(name, Message("backed_up", body, tensors=tensors))
     asked = {n: len(h.to(n, "weights_request")) - before[n] for n in NAMES}
     assert asked == {n: int(global_copy) for n in NAMES}
@@ -65,7 +66,7 @@ def test_chain_replicas_keep_the_newest_global_copy_as_their_fallback() -> None:
     first = _replicate(h, run, 0, global_copy=True)
     assert first["error"] == "" and first["global"] is True
     controller = h.state.current
-    assert isinstance(controller, SyncTrainingRun)
+    assert isinstance(controller, SyncTrainingController)
     replica0 = h.state.replica
     assert replica0 is not None and replica0.complete and replica0.at_stages
     assert controller.fallback is replica0

@@ -46,7 +46,7 @@ def test_a_message_whose_handling_raises_is_logged_and_the_loop_goes_on() -> Non
     def on_event(event: Any, now: float) -> Any:
         # a bug the first cluster_request hits: any exception, not only a ProtocolError
         if isinstance(event, ClientRequest) and not raised:
-            raised.append(event.message.kind)
+            raised.append(event.message.KIND)
             raise RuntimeError("a controller bug")
         return core_on_event(event, now)
 

@@ -17,8 +17,8 @@ from zpipe.coordinator.decisions import (
     held_at_coordinator,
     restore_from,
 )
-from zpipe.coordinator.runs import Replica
-from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.runs import KeptReplica
+from zpipe.coordinator.training import SyncTrainingController
 from zpipe.coordinator.training_balance import rebalanced
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 from zpipe.recovery import COORDINATOR, StageSpan, lightweight_replan
@@ -65,14 +65,14 @@ def _start_training(
 
 def _weights(name: str, units: range, **extra: Any) -> Message:
     keys = [f"units.{u}.weight" for u in units]
-    body = {"name": name, "keys": keys, "error": "", **extra}
+    body = {"run": 0, "step": 0, "name": name, "keys": keys, "error": "", **extra}
     return Message("weights", body, tensors=tuple(torch.full((2,), float(u)) for u in units))
 
 
 def test_a_global_replica_gathers_every_units_state_and_answers_once() -> None:
     h = Harness()
     run = _start_training(h, ["a", "b", "c"], partition=[[0, 2], [2, 4], [4, 6]])
-    assert isinstance(h.state.current, SyncTrainingRun)
+    assert isinstance(h.state.current, SyncTrainingController)
     h.client("replicate", run=run, step=0)
     h.client("replicate", run=run, step=0)  # the client asked again: one gather
     assert [len(h.to(n, "weights_request")) for n in "abc"] == [1, 1, 1]
@@ -103,7 +103,7 @@ def test_a_resumed_chain_run_fetches_the_dead_stages_units_from_its_backup() -> 
     old = _plan([("a", 0, 2), ("b", 2, 4), ("c", 4, 6)])
     # chain replication: a backed up to b, b to c, c to the coordinator (which holds 4-5)
     state = {f"units.{u}.weight": torch.zeros(2) for u in (4, 5)}
-    h.state.replica = Replica(1, 3, old, state, {"a": "b", "b": "c", "c": COORDINATOR})
+    h.state.replica = KeptReplica(1, 3, old, state, {"a": "b", "b": "c", "c": COORDINATOR})
     for name in "abc":
         h.register(name)
     h.advance(8.0, alive=("a", "c"))  # b dies
@@ -132,7 +132,7 @@ def test_a_resumed_chain_run_fetches_the_dead_stages_units_from_its_backup() -> 
 
 def test_units_with_no_live_holder_are_lost_clearly() -> None:
     old = _plan([("a", 0, 2), ("b", 2, 4), ("c", 4, 6)])
-    replica = Replica(1, 3, old, {}, {"a": "b", "b": "c", "c": "a"})
+    replica = KeptReplica(1, 3, old, {}, {"a": "b", "b": "c", "c": "a"})
     new = [StageSpan(("a",), 0, 6)]
     with pytest.raises(
         UnitsLostError,
@@ -159,7 +159,7 @@ def test_after_a_failure_every_unit_has_exactly_one_source(
     holders[names[-1]] = COORDINATOR if topology == "chain" else names[0]
     here = range(bounds[-2], bounds[-1]) if topology == "chain" else range(0)
     state = {f"units.{u}.weight": torch.zeros(1) for u in here}
-    replica = Replica(1, 5, old, state, holders)
+    replica = KeptReplica(1, 5, old, state, holders)
     dead = {n for n, d in zip(names, dead_mask, strict=False) if d}
     if len(dead) == len(names):
         dead.discard(names[0])
@@ -256,7 +256,8 @@ def test_rebalancing_a_profiled_run_keeps_a_big_activation_off_a_slow_uplink() -
 
 
 def _backed_up(name: str, **extra: Any) -> Message:
-    return Message("backed_up", {"name": name, "keys": [], "error": "", **extra})
+    body = {"run": 0, "step": 0, "holder": "", "bytes": 0, **extra}
+    return Message("backed_up", {"name": name, "keys": [], "error": "", **body})
 
 
 def _replicating_over_chain(h: Harness) -> int:

@@ -16,7 +16,7 @@ from zpipe._errors import ConfigError, ProtocolError
 from zpipe.cli.profile import main as profile_main
 from zpipe.cli.stage import main as stage_main
 from zpipe.cluster import DeviceSpec
-from zpipe.coordinator.jobs import profile_request_body
+from zpipe.coordinator.jobs import profile_request
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import cluster_from_members, merge_alike_memory
 from zpipe.devices import (
@@ -339,14 +339,14 @@ def test_several_batch_sizes_are_asked_only_of_stages_that_report_a_device() -> 
     spec = ModelSpec.preset("mlp-small")
     new = _member("new", device={"type": "cpu"})
     old = _member("old")
-    assert profile_request_body(new, spec, 16, "float32", train=True)["batch_sizes"] == [
+    assert profile_request(new, spec, 16, "float32", train=True).body()["batch_sizes"] == [
         1,
         4,
         8,
         16,
     ]
-    assert "batch_sizes" not in profile_request_body(old, spec, 16, "float32", train=True)
-    assert "batch_sizes" not in profile_request_body(new, spec, 16, "float32", train=False)
+    assert "batch_sizes" not in profile_request(old, spec, 16, "float32", train=True).body()
+    assert "batch_sizes" not in profile_request(new, spec, 16, "float32", train=False).body()
 
 
 def test_alike_devices_share_their_smallest_measured_memory() -> None:

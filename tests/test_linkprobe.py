@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -18,6 +19,7 @@ from zpipe.coordinator.links import LinkMeasurer, MeasuredLink
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import cluster_from_members
 from zpipe.planner import CLIENT, ClusterLink
+from zpipe.protocol.stage_control import LinkPeers, LinkPeersOk, LinkProbeReply
 from zpipe.stage.linkprobe import (
     PROBE_DOMAIN,
     LinkMeasurement,
@@ -26,7 +28,6 @@ from zpipe.stage.linkprobe import (
     measure_link,
 )
 from zpipe.transport import security
-from zpipe.transport.codec import Message
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
 
@@ -194,13 +195,14 @@ def fake_stages(
 ) -> tuple[list[tuple[str, str]], Callable[..., object]]:
     asked: list[tuple[str, str]] = []
 
-    async def request(m: Member, message: Message, reply_kind: str, timeout_s: float) -> Message:
-        if message.kind == "link_peers":
-            return Message("link_peers_ok", {"name": m.name})
-        asked.append((m.name, str(message["target"])))
-        body = {"name": m.name, "target": message["target"], "error": ""}
-        body.update(answer(m.name, str(message["target"])))
-        return Message("link_probe_reply", body)
+    async def request(m: Member, message: Any, reply: type[Any], timeout_s: float) -> Any:
+        if isinstance(message, LinkPeers):
+            return LinkPeersOk(name=m.name)
+        asked.append((m.name, str(message.target)))
+        body = {"name": m.name, "target": message.target, "error": ""}
+        body.update({"bandwidth_bps": None, "rtt_s": None})  # what a stage sends unmeasured
+        body.update(answer(m.name, str(message.target)))
+        return LinkProbeReply.from_body(body)
 
     return asked, request
 

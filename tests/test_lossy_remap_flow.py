@@ -17,23 +17,23 @@ from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.lossy_remap import RemapRun, keep_replica, results_remapping
 from zpipe.coordinator.lossy_run import start_lossy_run
 from zpipe.coordinator.membership import Member, Membership
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.partition import partition
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import RunConfig, prepare_run
-from zpipe.protocol.lossy import LossyRemap, LossyReplica
+from zpipe.protocol.lossy import LossyHold, LossyRemap, LossyReplica, LossyResult
 from zpipe.transport.codec import Message
 
 SIZES = [6, 8, 8, 3]
 N_DATA = 50
 
 
-def _state() -> tuple[CoordinatorState, dict[int, Member]]:
+def _state() -> tuple[ControlState, dict[int, Member]]:
     timeouts = Timeouts(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
     membership = Membership(heartbeat_interval_s=1.0, suspect_after_intervals=3, probe_intervals=2)
-    state = CoordinatorState(timeouts=timeouts, membership=membership)
+    state = ControlState(timeouts=timeouts, membership=membership)
     members = {
         d: membership.register(
             name=n,
@@ -65,11 +65,19 @@ def _run(alloc: Any) -> RemapRun:
     )
 
 
+def _result() -> LossyResult:
+    """A survivor's result, as the coordinator's shell hands it on (parsed)."""
+    return LossyResult(
+        run=7, device=0, error="", layers=[], losses=[], propagation={}, traffic={},
+        arrivals=[], waits=[], late=0, protocol_errors=0, wall_s=0.0,
+    )  # fmt: skip
+
+
 def _sent(commands: list[Command], kind: str) -> dict[str, Message]:
     return {c.peer: c.message for c in commands if isinstance(c, Send) and c.message.kind == kind}
 
 
-def _start(state: CoordinatorState, remap: RemapRun, members: dict[int, Member]) -> list[Any]:
+def _start(state: ControlState, remap: RemapRun, members: dict[int, Member]) -> list[Any]:
     got: list[Any] = []
 
     def flow() -> Flow:
@@ -79,7 +87,7 @@ def _start(state: CoordinatorState, remap: RemapRun, members: dict[int, Member])
     return got
 
 
-def _die(state: CoordinatorState, name: str, now: float) -> list[Command]:
+def _die(state: ControlState, name: str, now: float) -> list[Command]:
     state.membership.declare_dead(name, "test", now)
     return state.flows.stage_lost(name, RuntimeError("dead"), now)
 
@@ -97,7 +105,7 @@ def test_a_death_holds_the_survivors_and_switches_after_the_furthest() -> None:
     frontiers = {"a": 12, "c": 15, "d": 9}
     out: list[Command] = []
     for name, frontier in frontiers.items():
-        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": frontier})
+        hold = LossyHold(run=7, device=0, frontier=frontier)
         out += state.flows.reply(name, hold, now=2.0) or []
     remapped = _sent(out, "lossy_remap")
     assert sorted(remapped) == ["a", "c", "d"]
@@ -117,9 +125,9 @@ def test_a_death_holds_the_survivors_and_switches_after_the_furthest() -> None:
     assert remap.remaps == [[1, "b", 16, after.to_dict(), None]]  # no replica: run start
     # the run then waits for the survivors' results only
     for name in ("a", "c"):
-        state.flows.reply(name, Message("lossy_result", {"run": 7}), now=3.0)
+        state.flows.reply(name, _result(), now=3.0)
     assert not got
-    state.flows.reply("d", Message("lossy_result", {"run": 7}), now=3.0)
+    state.flows.reply("d", _result(), now=3.0)
     assert sorted(got[0]) == ["a", "c", "d"]
 
 
@@ -147,7 +155,7 @@ def test_the_taken_over_rows_come_from_the_dead_devices_latest_replica() -> None
     _die(state, "b", 1.0)
     out: list[Command] = []
     for name in ("a", "c", "d"):
-        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": 25})
+        hold = LossyHold(run=7, device=0, frontier=25)
         out += state.flows.reply(name, hold, now=2.0) or []
     remapped = _sent(out, "lossy_remap")
     taker = next(n for n, m in remapped.items() if m["pieces"])
@@ -165,7 +173,7 @@ def test_no_switch_when_a_survivor_is_past_training() -> None:
     _die(state, "c", 1.0)
     out: list[Command] = []
     for name, frontier in {"a": 20, "b": N_DATA + 1, "d": 30}.items():
-        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": frontier})
+        hold = LossyHold(run=7, device=0, frontier=frontier)
         out += state.flows.reply(name, hold, now=2.0) or []
     remapped = _sent(out, "lossy_remap")
     assert sorted(remapped) == ["a", "b", "d"]
@@ -180,7 +188,7 @@ def test_the_taker_of_the_input_or_output_layer_gets_the_inputs_or_labels() -> N
     _die(state, "a", 1.0)  # the input layer's only owner
     out: list[Command] = []
     for name in ("b", "c", "d"):
-        hold = Message("lossy_hold", {"run": 7, "device": 0, "frontier": 5})
+        hold = LossyHold(run=7, device=0, frontier=5)
         out += state.flows.reply(name, hold, now=2.0) or []
     bodies = {n: LossyRemap.from_message(m) for n, m in _sent(out, "lossy_remap").items()}
     owners = {d for d, _ in remap.alloc.owners(0)}

@@ -34,6 +34,7 @@ from zpipe.lossy.links import Recovery
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
 from zpipe.lossy.trace import same_run
+from zpipe.protocol.lossy import LossyResult
 from zpipe.transport.codec import Message
 
 pytestmark = pytest.mark.timeout(240)
@@ -198,5 +199,9 @@ def test_a_wait_tells_the_others_when_a_stage_it_waits_on_is_lost() -> None:
     runner = FlowRunner()
     runner.start(flow(), now=0.0)
     assert runner.stage_lost("b", RuntimeError("dead"), now=1.0) == [notice]
-    assert runner.reply("a", Message("lossy_result", {"run": 1}), now=2.0) == []
+    result = LossyResult(
+        run=1, device=0, error="", layers=[], losses=[], propagation={}, traffic={},
+        arrivals=[], waits=[], late=0, protocol_errors=0, wall_s=0.0,
+    )  # fmt: skip
+    assert runner.reply("a", result, now=2.0) == []
     assert list(got[0]) == ["a"]

@@ -150,9 +150,9 @@ def _drive(
         while pending and pending[-1] <= t:
             heard = pending.pop()
             if m.get("a").state is MemberState.SUSPECT:  # type: ignore[union-attr]
-                m.heard_from("a", heard, kind="probe_ack")
-            m.heard_from("a", heard, kind="heartbeat")
-        m.heard_from("b", t, kind="heartbeat")
+                m.heard_from("a", heard, probe_answer=True)
+            m.heard_from("a", heard, heartbeat=True)
+        m.heard_from("b", t, heartbeat=True)
         probes, deaths = m.tick(t)
         probed += [t for p in probes if p.name == "a"]
         if any(d.name == "a" for d in deaths):
@@ -201,7 +201,7 @@ def _drive_on(m: Membership, *, until: float, start: float) -> tuple[list[float]
     t = start
     while t < until:
         t = round(t + 0.1, 9)
-        m.heard_from("b", t, kind="heartbeat")
+        m.heard_from("b", t, heartbeat=True)
         probes, deaths = m.tick(t)
         probed += [t for p in probes if p.name == "a"]
         if any(d.name == "a" for d in deaths):
@@ -258,7 +258,7 @@ def _tick_through(
     t = start
     while t < end - 1e-9:
         t = round(t + step, 9)
-        m.heard_from("b", t, kind="heartbeat")
+        m.heard_from("b", t, heartbeat=True)
         probes, deaths = m.tick(t)
         probed += [t for p in probes if p.name == "a"]
         dead += [(t, d) for d in deaths if d.name == "a"]
@@ -267,14 +267,14 @@ def _tick_through(
 
 def test_a_member_that_answers_probes_late_is_given_longer_to_answer() -> None:
     m = make()  # probe floor: 2 intervals
-    m.heard_from("a", 0.0, kind="heartbeat")
+    m.heard_from("a", 0.0, heartbeat=True)
     probed, _ = _tick_through(m, 0.0, 4.9)
     assert probed == [pytest.approx(3.0)]
-    m.heard_from("a", 4.9, kind="probe_ack")  # just in time: 1.9 s for the round trip
+    m.heard_from("a", 4.9, probe_answer=True)  # just in time: 1.9 s for the round trip
     assert m.deadlines("a")[1] == pytest.approx(3.8)
     probed, dead = _tick_through(m, 4.9, 10.8)
     assert probed == [pytest.approx(7.9)] and dead == []  # 2.9 s into the probe: kept
-    m.heard_from("a", 10.8, kind="probe_ack")  # 2.9 s: late, and kept
+    m.heard_from("a", 10.8, probe_answer=True)  # 2.9 s: late, and kept
     assert m.get("a").state is MemberState.ALIVE  # type: ignore[union-attr]
     assert m.deadlines("a")[1] == pytest.approx(5.8)
     probed, dead = _tick_through(m, 10.8, 30.0)
@@ -290,20 +290,20 @@ def test_a_member_that_answers_probes_late_is_given_longer_to_answer() -> None:
 def test_a_pause_of_the_coordinator_itself_is_not_held_against_the_members() -> None:
     m = make()  # interval 1: a tick more than 1 s after the last one is a local pause
     for t in range(1, 11):
-        m.heard_from("a", float(t), kind="heartbeat")
-        m.heard_from("b", float(t), kind="heartbeat")
+        m.heard_from("a", float(t), heartbeat=True)
+        m.heard_from("b", float(t), heartbeat=True)
         assert m.tick(float(t)) == ([], [])
     # this process was starved of CPU from 10 to 14: its next tick is 4 s late, and
     # both members, silent those 4 s, are not suspected for it
     assert m.tick(14.0) == ([], [])
     # the heartbeats queued meanwhile arrive; b then stops: found 5 s after its last
-    m.heard_from("a", 14.05, kind="heartbeat")
-    m.heard_from("b", 14.05, kind="heartbeat")
+    m.heard_from("a", 14.05, heartbeat=True)
+    m.heard_from("b", 14.05, heartbeat=True)
     dead_at = None
     t = 14.0
     while dead_at is None and t < 30:
         t = round(t + 0.25, 9)
-        m.heard_from("a", t, kind="heartbeat")
+        m.heard_from("a", t, heartbeat=True)
         _, deaths = m.tick(t)
         dead_at = t if any(d.name == "b" for d in deaths) else None
     assert dead_at == pytest.approx(19.25)  # its last word at 14.05, then 3 + 2 s
@@ -354,7 +354,7 @@ def test_hundreds_of_members_one_silent_only_it_is_suspected_and_declared_dead()
         if t == int(t):  # a heartbeat a second from everyone but p7
             for i in range(300):
                 if i != 7:
-                    m.heard_from(f"p{i}", t, kind="heartbeat")
+                    m.heard_from(f"p{i}", t, heartbeat=True)
         probes, deaths = m.tick(t)
         probed += [p.name for p in probes]
         dead += [d.name for d in deaths]

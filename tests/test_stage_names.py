@@ -15,17 +15,18 @@ from coordinator_harness import Harness
 from zpipe._errors import ConfigError, PeerGoneError
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
-from zpipe.coordinator.events import Registered, RequestFailed
+from zpipe.coordinator.events import RegisterAsked, RequestFailed
+from zpipe.protocol.stage_control import Register
 from zpipe.transport.codec import Message
 
 
 def _register(h: Harness, name: str, routing_id: bytes, endpoint: str) -> None:
-    body = {"name": name, "data_endpoint": endpoint, "info": {"probe_endpoint": endpoint}}
-    h.feed(Registered(routing_id, None, Message("register", body)))
+    register = Register(name=name, data_endpoint=endpoint, info={"probe_endpoint": endpoint})
+    h.feed(RegisterAsked(routing_id, None, register))
 
 
 def _to(h: Harness, routing_id: bytes, kind: str) -> list[Message]:
-    return [s.message for s in h.sent if s.to == routing_id and s.message.kind == kind]
+    return [s.wire for s in h.sent if s.to == routing_id and s.wire.kind == kind]
 
 
 def _claimed() -> Harness:
@@ -78,7 +79,7 @@ def test_a_frozen_holder_that_does_not_answer_is_taken_over_when_it_would_be_dea
     assert _to(h, b"a#2", "registered")
     assert h.state.membership.get("a").routing_id == b"a#2"  # type: ignore[union-attr]
     # the old process, should it wake, is a stranger: it is told to register again
-    h.feed_message("a#1", Message("heartbeat", {"name": "a"}))  # type: ignore[attr-defined]
+    h.feed_message("a#1", Message("heartbeat", {"name": "a", "metrics": {}}))  # type: ignore[attr-defined]
     assert _to(h, b"a#1", "register_again")
 
 

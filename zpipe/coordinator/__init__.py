@@ -3,17 +3,18 @@
 ::
 
     server.Coordinator   the shell: ROUTER socket, CURVE keys, timers, state files;
-        │                a dispatch table turns each message into an event
-        │                (events.py) and carries out the commands (commands.py)
+        │                parses each message into its protocol class, which
+        │                becomes an event (events.py), and carries out the
+        │                commands (commands.py)
         ├─ jobs.JobRunner      gathers (profiles, link probes, waiting for stages)
         │                      and planning off the event loop, fed back as events
         └─ core.CoordinatorCore     pure: membership, registration, liveness,
               │                     deaths, routing to the run; flows.FlowRunner
               │                     drives every multi-step conversation
               ├─ starting          run_request -> plan -> a run controller
-              ├─ inference.InferenceRun       a stream: assign, connect, recover
-              └─ training.SyncTrainingRun     1F1B/GPipe training: replicas,
-                                              rebalancing, admission
+              ├─ inference.InferenceController   a stream: assign, connect, recover
+              └─ training.SyncTrainingController  1F1B/GPipe training: replicas,
+                                                  rebalancing, admission
 
 Where a decision is made: who is alive or dead, :mod:`~zpipe.coordinator.membership`;
 which stages a run gets, how a plan is repaired, where a resumed stage gets its

@@ -36,18 +36,19 @@ from zpipe._errors import ConfigError, StageLostError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.repartition import LiveRepartitioning, plan_bounds
-from zpipe.coordinator.training import SyncTrainingRun, state_of_replies
+from zpipe.coordinator.repartition import LiveRepartitioning, PhaseAsk, plan_bounds
+from zpipe.coordinator.training import SyncTrainingController, state_of_replies
+from zpipe.protocol.client_control import RunRequest
+from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.async_schedule import AsyncSettings
-from zpipe.transport.codec import Message
 
 
 def collect_async_replica(
-    owner: SyncTrainingRun, step: int, global_copy: bool, counters: dict[str, Any]
+    owner: SyncTrainingController, step: int, global_copy: bool, counters: dict[str, Any]
 ) -> Flow:
     """A replica at the flush before batch ``step`` (see the module notes): ``(keys,
-    tensors, holders, whole)`` as :meth:`SyncTrainingRun.collect_replica` returns
+    tensors, holders, whole)`` as :meth:`SyncTrainingController.collect_replica` returns
     them; the stages go on from ``step`` whether it was kept or not."""
     run = owner.run
     if run.training_plan is None:
@@ -66,8 +67,8 @@ def collect_async_replica(
         missing = [d for d in devices if d not in members]
         if missing:
             raise StageLostError(", ".join(missing), "gone; the run cannot keep a replica")
-        prepared = yield from stages.ask(members, devices, step, {"phase": "prepare"})
-        counters.update({d: dict(r.get("metrics") or {}) for d, r in prepared.items()})
+        prepared = yield from stages.ask(members, devices, step, PhaseAsk("prepare"))
+        counters.update({d: dict(r.metrics or {}) for d, r in prepared.items()})
         if run.replication == "global":
             keys, tensors = yield from _gather_snapshots(owner, members, devices, bounds, step)
         else:
@@ -95,8 +96,8 @@ def collect_async_replica(
     return keys, tensors, holders, whole
 
 
-def _recovery_refusal(request: Message | None, rebalance: Any) -> str | None:
-    train = request.get("train") if request is not None else None
+def _recovery_refusal(request: RunRequest | None, rebalance: Any) -> str | None:
+    train = request.train if request is not None else None
     settings = AsyncSettings.from_dict(train.get("async") if isinstance(train, dict) else None)
     return async_recovery_refusal(
         vertical_sync=settings.vertical_sync,
@@ -105,12 +106,12 @@ def _recovery_refusal(request: Message | None, rebalance: Any) -> str | None:
     )
 
 
-def _commit(bounds: list[int]) -> dict[str, Any]:
-    return {"phase": "commit", "bounds": list(bounds)}
+def _commit(bounds: list[int]) -> PhaseAsk:
+    return PhaseAsk("commit", bounds=list(bounds))
 
 
 def _gather_snapshots(
-    owner: SyncTrainingRun,
+    owner: SyncTrainingController,
     members: dict[str, Member],
     devices: list[str],
     bounds: list[int],
@@ -123,12 +124,11 @@ def _gather_snapshots(
     for i, device in enumerate(devices):
         own = {"owner": device, "run": run.run, "step": step}
         ranges = [{**own, "start": bounds[i], "end": bounds[i + 1]}]
-        body: dict[str, Any] = {"run": run.run, "step": step, "snapshot": ranges}
-        message = Message("weights_request", body, epoch=run.epoch)
-        requests.append(Send(members[device].routing_id, message, device, stage=device))
+        request = WeightsRequest(run=run.run, step=step, snapshot=ranges, epoch=run.epoch)
+        requests.append(Send(members[device].routing_id, request, device, stage=device))
     replies = yield AwaitReplies(
         tuple(devices),
-        "weights",
+        Weights,
         timeouts.result_s,
         "the snapshots of an asynchronous replica",
         requests=tuple(requests),

@@ -20,12 +20,12 @@ from typing import Any
 from zpipe._errors import ConfigError
 from zpipe.coordinator.async_replicas import collect_async_replica
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.training import SyncTrainingRun
+from zpipe.coordinator.training import SyncTrainingController
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
 
 
-class AsyncTrainingRun(SyncTrainingRun):
+class AsyncTrainingController(SyncTrainingController):
     kind = "train-async"
 
     def collect_replica(self, step: int, global_copy: bool, counters: dict[str, Any]) -> Flow:

@@ -18,15 +18,19 @@ from zpipe.coordinator.bulk_links import BulkLink
 from zpipe.coordinator.commands import Command, Log, Send
 from zpipe.coordinator.events import BulkChunkArrived, BulkOpenAsked, StageSpoke
 from zpipe.coordinator.membership import MemberState
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.bulk import BulkDone, BulkOpened, BulkRefused
+from zpipe.protocol.lossy import LossyReplica, LossyResult
+from zpipe.protocol.stage_control import BackedUp, Registered, Weights
 from zpipe.transport.bulk import ChunkHeader, payload_view
-from zpipe.transport.codec import Message, decode
+from zpipe.transport.codec import decode
 
 # What a stage sends through its bulk connection: its replies that carry state.
-STAGE_BULK_KINDS = frozenset({"weights", "backed_up", "lossy_result", "lossy_replica"})
+STAGE_BULK = (Weights, BackedUp, LossyResult, LossyReplica)
 
 
-def _attributed(state: CoordinatorState, name: str, token: str, user_key: str | None) -> BulkLink:
+def _attributed(state: ControlState, name: str, token: str, user_key: str | None) -> BulkLink:
     """The link of stage ``name`` if this sender may speak for it; ProtocolError if not."""
     member = state.membership.get(name)
     if member is None or member.state is MemberState.DEAD:
@@ -43,7 +47,7 @@ def _attributed(state: CoordinatorState, name: str, token: str, user_key: str | 
     return link
 
 
-def retie_restored(state: CoordinatorState, event: StageSpoke) -> list[Command]:
+def retie_restored(state: ControlState, event: StageSpoke) -> list[Command]:
     """A stage restored from disk speaks for the first time: this process never gave it a
     token, so it gets one now (a ``registered`` it takes as its registration's, without
     registering again) and its state goes on its bulk connection again."""
@@ -51,21 +55,20 @@ def retie_restored(state: CoordinatorState, event: StageSpoke) -> list[Command]:
     if member is None or member.name not in state.unconfirmed or state.bulk.get(member.name):
         return []
     token = state.bulk.issue(member.name, state.new_token(), event.routing_id)
-    body = {
-        "name": member.name,
-        "heartbeat_interval": state.timeouts.heartbeat_interval_s,
-        "bulk_token": token,
-    }
+    registered = Registered(
+        name=member.name,
+        heartbeat_interval=state.timeouts.heartbeat_interval_s,
+        bulk_token=token,
+    )
     return [
         Log("info", "bulk_token_renewed", {"stage": member.name}),
-        Send(event.routing_id, Message("registered", body), member.name, state.timeouts.reply_s),
+        Send(event.routing_id, registered, member.name, state.timeouts.reply_s),
     ]
 
 
-def bulk_open(state: CoordinatorState, event: BulkOpenAsked, now: float) -> list[Command]:
+def bulk_open(state: ControlState, event: BulkOpenAsked, now: float) -> list[Command]:
     """A stage's bulk connection says whose it is: the coordinator's bulk to it goes there."""
-    message = event.message
-    name, token = str(message["name"]), str(message["token"])
+    name, token = event.message.name, event.message.token
     try:
         link = _attributed(state, name, token, event.user_key)
     except ProtocolError as exc:
@@ -74,20 +77,21 @@ def bulk_open(state: CoordinatorState, event: BulkOpenAsked, now: float) -> list
     interval = state.timeouts.heartbeat_interval_s
     return [
         Log("info", "bulk_opened", {"stage": name}),
-        Send(event.routing_id, Message("bulk_opened", {"name": name}), name, 4 * interval),
+        Send(event.routing_id, BulkOpened(name=name), name, 4 * interval),
     ]
 
 
 def bulk_chunk(
-    state: CoordinatorState, event: BulkChunkArrived, now: float
+    state: ControlState, event: BulkChunkArrived, now: float
 ) -> tuple[list[Command], StageSpoke | None]:
     """One chunk: progress of its stage and, once its transfer is whole, the reply it
     carries (to handle as a message on the stage's control connection)."""
     message = event.message
-    name, token = str(message["name"]), str(message["token"])
+    name, token = message.name, message.token
     reply_s = state.timeouts.reply_s
     try:
-        header = ChunkHeader.from_body(dict(message.body))
+        # the transport's own checks of a chunk's counts (they are its framing)
+        header = ChunkHeader.from_body(message.body())
     except ProtocolError as exc:
         fields = {"peer": name, "kind": "bulk_chunk", "error": str(exc)}
         return [Log("warning", "dropped_message", fields)], None
@@ -111,7 +115,7 @@ def bulk_chunk(
             )
         ]
         if state.bulk.refuse_once(event.routing_id, header.transfer):
-            refused = Message("bulk_refused", {"transfer": header.transfer, "reason": str(exc)})
+            refused = BulkRefused(transfer=header.transfer, reason=str(exc))
             out.append(Send(event.routing_id, refused, name, reply_s))
         return out, None
     # progress is liveness: the stage is heard from, and waits on it run on from now
@@ -119,14 +123,15 @@ def bulk_chunk(
     out = state.flows.progress(name, now)
     if whole is None:
         return out, None
-    out.append(Send(event.routing_id, Message("bulk_done", {"transfer": header.transfer}), name))
+    out.append(Send(event.routing_id, BulkDone(transfer=header.transfer), name))
     return out, StageSpoke(link.control_route, whole)
 
 
-def _stage_reply(frames: list[memoryview], name: str, cap_bytes: int) -> Message:
-    message = decode(frames, max_message_bytes=cap_bytes)
-    if message.kind not in STAGE_BULK_KINDS:
-        raise ProtocolError(f"{message.kind!r} is not state a stage sends in bulk")
-    if message.get("name") != name:
-        raise ProtocolError(f"{name!r} sent state in the name of {message.get('name')!r}")
+def _stage_reply(frames: list[memoryview], name: str, cap_bytes: int) -> WireMessage:
+    """The reply a whole transfer carries, parsed (as the shell parses a message)."""
+    message = REGISTRY.parse(decode(frames, max_message_bytes=cap_bytes))
+    if not isinstance(message, STAGE_BULK):
+        raise ProtocolError(f"{message.KIND!r} is not state a stage sends in bulk")
+    if message.name != name:
+        raise ProtocolError(f"{name!r} sent state in the name of {message.name!r}")
     return message

@@ -7,7 +7,7 @@ the shell (:mod:`zpipe.coordinator.server`) carries them out:
   :class:`StartTimer` and :class:`FailRequests` are done at once, in order;
 - an :class:`Await` suspends the flow that yielded it (:mod:`zpipe.coordinator.flows`)
   until its result comes back as an event: :class:`AwaitReplies` is answered by the
-  stages' replies themselves, a :class:`Job` by the shell, which gathers or computes
+  stages' replies themselves, a :class:`ShellJob` by the shell, which gathers or computes
   off the event loop and feeds back one ``JobDone`` (or ``JobFailed``) event.
 """
 
@@ -18,21 +18,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.persistence import SavedReplica
+from zpipe.coordinator.records import SavedReplica
 from zpipe.models import ModelSpec
-from zpipe.transport.codec import Message
+from zpipe.protocol import REGISTRY, Message, WireMessage
+
+# A reply a flow waits for: its protocol class. (A kind's name is still taken from the
+# lossy flows, which move to classes on their own branch; such a wait resumes with the
+# replies in their wire form, as those flows read them.)
+ReplyKind = type[WireMessage] | str
+
+
+def wire_form(message: WireMessage | Message) -> Message:
+    """What the codec frames: a protocol object's message (a built one as it is)."""
+    return message.to_message() if isinstance(message, WireMessage) else message
 
 
 @dataclass(frozen=True)
 class Send:
-    """Send ``message`` to the peer at ``to``; ``stage``: a failed send to this stage
-    becomes a ``RequestFailed`` event (waits on its replies fail at once)."""
+    """Send ``message`` (a protocol object) to the peer at ``to``; ``stage``: a failed
+    send to this stage becomes a ``RequestFailed`` event (waits on its replies fail at
+    once). A :class:`Message` is taken too, from the flows not yet typed (lossy)."""
 
     to: bytes
-    message: Message
+    message: WireMessage | Message
     peer: str
     timeout_s: float | None = None  # None: the send deadline from configuration
     stage: str | None = None
+
+    @property
+    def wire(self) -> Message:
+        """The message as the codec frames it."""
+        return wire_form(self.message)
+
+    @property
+    def kind(self) -> str:
+        """The kind's name on the wire (for logs)."""
+        message = self.message
+        return message.KIND if isinstance(message, WireMessage) else message.kind
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,7 @@ class Deliver:
     """A stage's reply to a request the shell made itself (a profile, a link probe)."""
 
     stage: str
-    message: Message
+    message: WireMessage
 
 
 @dataclass(frozen=True)
@@ -83,7 +105,7 @@ class RunJob:
     """Carry out ``job`` and feed back ``JobDone(tag, result)`` or ``JobFailed(tag, error)``."""
 
     tag: int
-    job: Job
+    job: ShellJob
 
 
 @dataclass(frozen=True)
@@ -97,9 +119,9 @@ class Await:
 
 @dataclass(frozen=True)
 class AwaitReplies(Await):
-    """Every stage's reply of ``kind``: resumes with ``{stage: message}``.
+    """Every stage's reply of class ``reply``: resumes with ``{stage: reply}``.
 
-    A reply of ``fail_kind`` from one of them, its death, or no reply within
+    A reply of class ``fail`` from one of them, its death, or no reply within
     ``timeout_s`` raise in the flow, unless ``partial``: then the flow resumes with
     the replies that came. ``run``: replies of another run are late, and dropped.
 
@@ -111,11 +133,11 @@ class AwaitReplies(Await):
     """
 
     stages: tuple[str, ...]
-    kind: str
+    reply: ReplyKind
     timeout_s: float
     awaited: str
     run: int | None = None
-    fail_kind: str | None = None
+    fail: ReplyKind | None = None
     partial: bool = False
     requests: tuple[Send, ...] = ()
     resend_s: float | None = None
@@ -129,13 +151,34 @@ class AwaitReplies(Await):
     # client waiting on this flow's answer then waits on from the latest progress too
     on_progress: Send | None = None
 
+    def __post_init__(self) -> None:
+        # a kind given by name (the lossy flows) is its class; their replies stay raw
+        if isinstance(self.reply, str):
+            object.__setattr__(self, "reply", REGISTRY.classes[self.reply])
+            object.__setattr__(self, "raw_replies", True)
+        if isinstance(self.fail, str):
+            object.__setattr__(self, "fail", REGISTRY.classes[self.fail])
 
-class Job(Await):
+    # the replies go to the flow in their wire form (set for a kind given by name)
+    raw_replies: bool = field(default=False, init=False)
+
+    @property
+    def reply_class(self) -> type[WireMessage]:
+        assert not isinstance(self.reply, str)
+        return self.reply
+
+    @property
+    def fail_class(self) -> type[WireMessage] | None:
+        assert not isinstance(self.fail, str)
+        return self.fail
+
+
+class ShellJob(Await):
     """Work for the shell: I/O gathers and planning, which runs off the event loop."""
 
 
 @dataclass(frozen=True)
-class AwaitStages(Job):
+class AwaitStages(ShellJob):
     """The live stages a run asks for, waiting up to ``wait_s`` for them to register
     (chosen by :func:`zpipe.coordinator.decisions.pick_stages`)."""
 
@@ -145,7 +188,7 @@ class AwaitStages(Job):
 
 
 @dataclass(frozen=True)
-class CountUnits(Job):
+class CountUnits(ShellJob):
     """The number of units of ``spec``'s model (built off the loop: it may be large).
     ``declared``: the count the client sent (run_request's num_units), which spares
     the coordinator building a user-code model at all."""
@@ -155,14 +198,14 @@ class CountUnits(Job):
 
 
 @dataclass(frozen=True)
-class AwaitConfirmed(Job):
+class AwaitConfirmed(ShellJob):
     """Until every member among ``names`` restored from disk spoke or was declared dead."""
 
     names: tuple[str, ...]
 
 
 @dataclass(frozen=True)
-class PlanInference(Job):
+class PlanInference(ShellJob):
     """Profile (and measure links) as needed, then plan off the loop: ``(plan, baseline)``."""
 
     spec: ModelSpec
@@ -177,7 +220,7 @@ class PlanInference(Job):
 
 
 @dataclass(frozen=True)
-class PlanTraining(Job):
+class PlanTraining(ShellJob):
     """Training profiles and links of ``members``, then HPP (or another) off the loop."""
 
     spec: ModelSpec
@@ -190,7 +233,7 @@ class PlanTraining(Job):
 
 
 @dataclass(frozen=True)
-class PlanLossy(Job):
+class PlanLossy(ShellJob):
     """A lossy run's allocation: Algorithm 1, then Algorithm 2 on ``prr`` (the genetic
     search runs for a while), by :func:`zpipe.lossy.mapping.partition_and_map`."""
 
@@ -207,7 +250,7 @@ class PlanLossy(Job):
 
 
 @dataclass(frozen=True)
-class TrainingModel(Job):
+class TrainingModel(ShellJob):
     """The training profile and cluster of ``members``: ``(ModelProfile, ClusterSpec)``."""
 
     spec: ModelSpec
@@ -216,7 +259,7 @@ class TrainingModel(Job):
 
 
 @dataclass(frozen=True)
-class AllowPeers(Job):
+class AllowPeers(ShellJob):
     """Tell every member which peers may reach its probe socket; ``fetches`` (None:
     unchanged) which unit fetches each member answers from now on (by member name;
     a member not named answers none)."""
@@ -226,7 +269,7 @@ class AllowPeers(Job):
 
 
 @dataclass(frozen=True)
-class SaveReplica(Job):
+class SaveReplica(ShellJob):
     replica: SavedReplica
 
 

@@ -17,11 +17,12 @@ import torch
 from zpipe._errors import ConfigError, InfeasiblePlanError, UnitsLostError
 from zpipe.coordinator.membership import Member, Membership, MemberState
 from zpipe.coordinator.planning import cluster_from_members
-from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.runs import KeptReplica
 from zpipe.models.weights import split_unit_key
 from zpipe.planner import ClusterLink, Plan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
+from zpipe.protocol.stage_control import Weights
 from zpipe.recovery import (
     COORDINATOR,
     ReplicaPoint,
@@ -128,7 +129,7 @@ class RestoreChoice:
     stages: its own, a peer's, a backup) and the ranges ``from_coordinator`` (sent
     with the assignment)."""
 
-    replica: Replica
+    replica: KeptReplica
     fetches: dict[str, list[dict[str, Any]]]
     from_coordinator: dict[str, list[tuple[int, int]]]
     # the replica resumed from lost some unit: its older global fallback serves
@@ -136,8 +137,8 @@ class RestoreChoice:
 
 
 def replica_points(
-    replica: Replica, *, fallback: bool = True
-) -> list[tuple[Replica, ReplicaPoint]]:
+    replica: KeptReplica, *, fallback: bool = True
+) -> list[tuple[KeptReplica, ReplicaPoint]]:
     """The copies a recovery may restore from, newest first: ``replica`` (each device's
     own snapshot and the backups its holder keeps, when kept at the stages; what the
     coordinator holds) and, with ``fallback``, the older global replica behind it."""
@@ -165,7 +166,7 @@ def replica_points(
 
 
 def restore_from(
-    replica: Replica, new: Sequence[StageSpan], alive: Collection[str], *, fallback: bool = True
+    replica: KeptReplica, new: Sequence[StageSpan], alive: Collection[str], *, fallback: bool = True
 ) -> RestoreChoice:
     """Where each device of ``new`` gets its units: FTPipeHD's Algorithm 1
     (:func:`zpipe.recovery.plan_restore`) over the replica's copies, each unit from
@@ -211,7 +212,7 @@ def restore_from(
 
 
 def fetch_plans(
-    replica: Replica, new: Sequence[StageSpan], alive: Collection[str]
+    replica: KeptReplica, new: Sequence[StageSpan], alive: Collection[str]
 ) -> dict[str, list[dict[str, Any]]]:
     """The fetches of :func:`restore_from` from ``replica`` itself (no fallback)."""
     return restore_from(replica, new, alive, fallback=False).fetches
@@ -237,8 +238,8 @@ def fetch_grants(fetches: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str
 
 
 def replica_to_resume(
-    replica: Replica | None, resume: Mapping[str, Any], num_units: int
-) -> Replica:
+    replica: KeptReplica | None, resume: Mapping[str, Any], num_units: int
+) -> KeptReplica:
     """The replica a resumed run starts from, or a :class:`ConfigError` saying why not."""
     run, step = resume.get("run"), resume.get("step")
     if replica is None or replica.run != run or replica.step != step:
@@ -250,8 +251,8 @@ def replica_to_resume(
 
 
 def merge_fast_state(
-    replica: Replica, replies: Mapping[str, Any]
-) -> tuple[Replica, dict[str, int], list[int], list[str]]:
+    replica: KeptReplica, replies: Mapping[str, Weights | None]
+) -> tuple[KeptReplica, dict[str, int], list[int], list[str]]:
     """The `fast` consistency (as FTPipeHD and Asteroid recover): survivors' newest
     weights and optimizer state over the replica's; only the units no survivor sent
     come from the replica. Returns the merged replica, each survivor's completed
@@ -261,13 +262,13 @@ def merge_fast_state(
     completed: dict[str, int] = {}
     missing: list[str] = []
     for name, reply in replies.items():
-        if reply is None or reply["error"]:
+        if reply is None or reply.error:
             missing.append(name)
             continue
-        for key, tensor in zip(reply["keys"], reply.tensors, strict=True):
+        for key, tensor in zip(reply.keys, reply.tensors, strict=True):
             # a data-parallel group's members hold identical copies; one is kept
             newer.setdefault(str(key), tensor.clone())
-        completed[name] = int(reply.get("completed") or 0)
+        completed[name] = int(reply.completed or 0)
     # the units of the stages no survivor sent (a chain replica holds them at the stages)
     from_replica = [
         u
@@ -278,7 +279,7 @@ def merge_fast_state(
     # complete only if the replica was; a unit no survivor sent comes from the backup a
     # neighbour keeps (chain replication), or stays lost (a clear error) rather than
     # being built afresh
-    merged = Replica(
+    merged = KeptReplica(
         replica.run,
         replica.step,
         replica.plan,

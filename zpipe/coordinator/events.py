@@ -1,27 +1,40 @@
 """What happens to the coordinator, as plain data: the events its controllers take.
 
-The shell turns every received message into one of these through its dispatch
-table (by message kind), and feeds the results of its timers and jobs back the
-same way. Each event is handled with the time it happened (``now``, monotonic).
+The shell parses every received message into its protocol class once
+(:data:`zpipe.protocol.REGISTRY`) and turns it into one of these by its class
+(:func:`event_of`), and feeds the results of its timers and jobs back the same
+way. Each event is handled with the time it happened (``now``, monotonic).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zpipe.transport.codec import Message
+from zpipe.protocol import WireMessage
+from zpipe.protocol.bulk import BulkChunk, BulkOpen
+from zpipe.protocol.client_control import (
+    ClusterRequest,
+    NoticeAck,
+    Replicate,
+    RunEnd,
+    RunGo,
+    RunRequest,
+    Stalled,
+)
+from zpipe.protocol.lossy import LossyRunRequest
+from zpipe.protocol.repartition import Repartition
+from zpipe.protocol.stage_control import Register, WeightsRequest
 
 
 @dataclass(frozen=True)
-class Registered:
+class RegisterAsked:
     """A stage asked to register (``register``)."""
 
     routing_id: bytes
     user_key: str | None
-    message: Message
+    message: Register
     # ties the stage's bulk connection to it (chosen by the shell: randomness is I/O)
     bulk_token: str = ""
 
@@ -32,7 +45,7 @@ class BulkOpenAsked:
 
     routing_id: bytes
     user_key: str | None
-    message: Message
+    message: BulkOpen
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,7 @@ class BulkChunkArrived:
 
     routing_id: bytes
     user_key: str | None
-    message: Message
+    message: BulkChunk
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,32 @@ class StageSpoke:
     """A message from a registered stage: a heartbeat, a probe's answer or a reply."""
 
     routing_id: bytes
-    message: Message
+    message: WireMessage
+
+
+# What a client asks: a run, its start, its end, a checkpoint, a replica, the cluster.
+ClientMessage = (
+    RunRequest
+    | RunGo
+    | RunEnd
+    | ClusterRequest
+    | WeightsRequest
+    | Replicate
+    | NoticeAck
+    | LossyRunRequest
+    | Repartition
+)
+CLIENT_MESSAGES: tuple[type[WireMessage], ...] = (
+    RunRequest,
+    RunGo,
+    RunEnd,
+    ClusterRequest,
+    WeightsRequest,
+    Replicate,
+    NoticeAck,
+    LossyRunRequest,
+    Repartition,
+)
 
 
 @dataclass(frozen=True)
@@ -58,16 +96,14 @@ class ClientRequest:
 
     routing_id: bytes
     user_key: str | None
-    message: Message
+    message: ClientMessage
 
 
 @dataclass(frozen=True)
 class StallReported:
     """The client's results are late (``stalled``)."""
 
-    message: Message
-
-
+    message: Stalled
 @dataclass(frozen=True)
 class Tick:
     """Time passed: probe the silent, declare the dead."""
@@ -108,7 +144,7 @@ class RequestFailed:
 
 
 Event = (
-    Registered
+    RegisterAsked
     | BulkOpenAsked
     | BulkChunkArrived
     | StageSpoke
@@ -123,48 +159,21 @@ Event = (
 )
 
 
-EventOf = Callable[[bytes, "str | None", Message], Event]
-
-
-def _client_request(routing_id: bytes, user_key: str | None, message: Message) -> Event:
-    return ClientRequest(routing_id, user_key, message)
-
-
-def _registered(routing_id: bytes, user_key: str | None, message: Message) -> Event:
-    # a fresh token for each registration ties the stage's bulk connection to it
-    return Registered(routing_id, user_key, message, bulk_token=secrets.token_urlsafe(16))
-
-
-# Every kind a peer may send, and the event it becomes; any other kind is a stage's
-# message that the core judges (and drops, if unexpected).
-DISPATCH: dict[str, EventOf] = {
-    "register": _registered,
-    "bulk_open": lambda routing_id, user_key, message: BulkOpenAsked(routing_id, user_key, message),
-    "bulk_chunk": lambda routing_id, user_key, message: BulkChunkArrived(
-        routing_id, user_key, message
-    ),
-    "stalled": lambda _routing_id, _user_key, message: StallReported(message),
-    **{
-        kind: _client_request
-        for kind in (
-            "run_request",
-            "run_go",
-            "run_end",
-            "cluster_request",
-            "weights_request",
-            "replicate",
-            "notice_ack",
-            "lossy_run_request",
-            "repartition",
-        )
-    },
-}
-
-
-def _stage_message(routing_id: bytes, _user_key: str | None, message: Message) -> Event:
-    return StageSpoke(routing_id, message)
-
-
-def event_of_kind(kind: str) -> EventOf:
-    """How a received message of ``kind`` becomes an event."""
-    return DISPATCH.get(kind, _stage_message)
+def event_of(routing_id: bytes, user_key: str | None, message: WireMessage) -> Event:
+    """The event a received (parsed) message becomes, by its class; any other class is
+    a stage's message that the core judges (and drops, if unexpected)."""
+    match message:
+        case Register():
+            # a fresh token for each registration ties the stage's bulk connection to it
+            token = secrets.token_urlsafe(16)
+            return RegisterAsked(routing_id, user_key, message, bulk_token=token)
+        case BulkOpen():
+            return BulkOpenAsked(routing_id, user_key, message)
+        case BulkChunk():
+            return BulkChunkArrived(routing_id, user_key, message)
+        case Stalled():
+            return StallReported(message)
+        case _ if isinstance(message, CLIENT_MESSAGES):
+            return ClientRequest(routing_id, user_key, message)  # type: ignore[arg-type]
+        case _:
+            return StageSpoke(routing_id, message)

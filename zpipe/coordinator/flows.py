@@ -7,7 +7,7 @@ it until the event that answers it, which :class:`FlowRunner` routes back::
     def start(self):
         members = yield AwaitStages(names, None, wait_s)     # the shell waits
         yield Send(...)                                       # collected
-        replies = yield AwaitReplies(names, "ready", ...)     # stages' replies
+        replies = yield AwaitReplies(names, Ready, ...)       # stages' replies
         return
 
 Nothing here awaits: ``FlowRunner`` methods take one event and return the
@@ -28,15 +28,16 @@ from zpipe.coordinator.commands import (
     Await,
     AwaitReplies,
     Command,
-    Job,
     Log,
     Now,
     RunJob,
     Send,
+    ShellJob,
     StartTimer,
+    wire_form,
 )
+from zpipe.protocol import Message, WireMessage
 from zpipe.transport.bulk import progress_deadline
-from zpipe.transport.codec import Message
 
 # A flow may return a value to the flow that runs it with `yield from`.
 Flow = Generator[Any, Any, Any]
@@ -62,7 +63,7 @@ class _Wait:
     request: AwaitReplies
     pending: set[str]
     started: float = 0.0
-    replies: dict[str, Message] = field(default_factory=dict)
+    replies: dict[str, WireMessage | Message] = field(default_factory=dict)
     sent: float = 0.0  # when the requests last went out
     noticed: float = float("-inf")  # when on_progress last went out
 
@@ -106,21 +107,25 @@ class FlowRunner:
         flow = self._jobs.pop(tag, None)
         return [] if flow is None else self._advance(flow, None, error)
 
-    def reply(self, stage: str, message: Message, now: float) -> list[Command] | None:
+    def reply(self, stage: str, message: WireMessage, now: float) -> list[Command] | None:
         """Route a stage's reply to the wait that asked for it; None if none did."""
         self.now = now
         for tag, wait in list(self._waits.items()):
             request = wait.request
-            if stage not in wait.pending or message.kind not in (request.kind, request.fail_kind):
+            fail = request.fail_class
+            failed = fail is not None and isinstance(message, fail)
+            answers = failed or isinstance(message, request.reply_class)
+            if stage not in wait.pending or not answers:
                 continue
-            if request.run is not None and message.get("run") != request.run:
+            # every reply a wait names a run for is of a kind that carries one
+            if request.run is not None and getattr(message, "run", None) != request.run:
                 continue
-            if message.kind == request.fail_kind:
+            if failed:
                 del self._waits[tag]
-                error = ConfigError(f"stage {stage!r}: {message['error']}")
+                error = ConfigError(f"stage {stage!r}: {getattr(message, 'error', '')}")
                 return self._advance(wait.flow, None, error)
             wait.pending.discard(stage)
-            wait.replies[stage] = message
+            wait.replies[stage] = wire_form(message) if request.raw_replies else message
             if not wait.pending:
                 del self._waits[tag]
                 return self._advance(wait.flow, wait.replies, None)
@@ -237,7 +242,7 @@ class FlowRunner:
                 deadline = self.now + item.timeout_s
                 out.append(StartTimer(tag, wait.next_timer(deadline) - self.now))
                 return out
-            elif isinstance(item, Job):
+            elif isinstance(item, ShellJob):
                 tag = self._tag()
                 self._jobs[tag] = flow
                 out.append(RunJob(tag, item))
@@ -265,7 +270,7 @@ class Answers:
         runner: FlowRunner,
         key: tuple[str, int, int],
         routing_id: bytes,
-        make: Callable[[], Generator[Any, Any, Message]],
+        make: Callable[[], Generator[Any, Any, WireMessage | Message]],
         *,
         peer: str,
         timeout_s: float,

@@ -14,7 +14,7 @@ Inference weights come from the model spec, so recovery moves no weights.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 from zpipe._errors import InfeasiblePlanError, ZpipeError
 from zpipe.coordinator.commands import (
@@ -31,15 +31,31 @@ from zpipe.coordinator.decisions import live_members, replan_in_place
 from zpipe.coordinator.events import Event, StageDied
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
+from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.runbase import BaseRun
 from zpipe.coordinator.runs import Run
 from zpipe.coordinator.sink_check import check_sink_reachable
-from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
+from zpipe.protocol.client_control import RunReady, RunReplanned, RunRequest
+from zpipe.protocol.stage_control import Assign, AssignFailed, Ready
 from zpipe.recovery import RecoveryTimeline
-from zpipe.transport.codec import Message
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the client sends inputs and whose results it accepts (``run_ready`` and
+    ``run_replanned`` say so); ``first_max_message_bytes``: the first stage's data
+    port limit per frame (the client refuses larger frames itself)."""
+
+    first_endpoint: str
+    first_stage: str
+    first_key: str | None
+    last_stage: str
+    last_key: str | None
+    last_endpoint: str
+    first_max_message_bytes: int | None
 
 
 def endpoints_of(
@@ -47,27 +63,24 @@ def endpoints_of(
     by_name: dict[str, Member],
     run: BaseRun,
     data_limits: Mapping[str, int] | None = None,
-) -> dict[str, Any]:
+) -> Endpoints:
     """Where the client sends inputs and whose results it accepts; ``data_limits``:
     each stage's data port limit per frame, as its ``ready`` said."""
     first, last = plan.stages[0].device, plan.stages[-1].device
-    out: dict[str, Any] = {
-        "first_endpoint": by_name[first].data_endpoint,
-        "first_stage": first,
-        "first_key": run.key_of(first),
-        "last_stage": last,
-        "last_key": run.key_of(last),
-        "last_endpoint": by_name[last].data_endpoint,
-    }
-    limit = data_limits.get(first) if data_limits is not None else None
-    if limit is not None:
-        out["first_max_message_bytes"] = limit  # the client refuses larger frames itself
-    return out
+    return Endpoints(
+        first_endpoint=by_name[first].data_endpoint,
+        first_stage=first,
+        first_key=run.key_of(first),
+        last_stage=last,
+        last_key=run.key_of(last),
+        last_endpoint=by_name[last].data_endpoint,
+        first_max_message_bytes=data_limits.get(first) if data_limits is not None else None,
+    )
 
 
 def inference_assignments(
-    run: BaseRun, spec: ModelSpec, by_name: dict[str, Member], request: Message
-) -> list[tuple[Member, Message]]:
+    run: BaseRun, spec: ModelSpec, by_name: dict[str, Member], request: RunRequest
+) -> list[tuple[Member, Assign]]:
     """Every stage's ``assign``: its units, its neighbours, their endpoints and keys."""
     plan = run.run.plan
     out = []
@@ -75,33 +88,32 @@ def inference_assignments(
         last = i == len(plan.stages) - 1
         downstream = CLIENT_NAME if last else plan.stages[i + 1].device
         endpoint = (
-            str(request["sink_endpoint"])
-            if last
-            else by_name[plan.stages[i + 1].device].data_endpoint
+            request.sink_endpoint if last else by_name[plan.stages[i + 1].device].data_endpoint
         )
         upstream = CLIENT_NAME if i == 0 else plan.stages[i - 1].device
-        body = {
-            "run": run.run.run,
-            "model": spec.to_dict(),
-            "start": stage.start,
-            "end": stage.end,
-            "index": i,
-            "num_stages": len(plan.stages),
-            "upstream": upstream,
-            "upstream_key": run.key_of(upstream),
-            "downstream": downstream,
-            "downstream_endpoint": endpoint,
-            "downstream_key": run.key_of(downstream),
-            "dtype": str(request["dtype"]),
-        }
-        out.append((by_name[stage.device], Message("assign", body, epoch=run.run.epoch)))
+        assign = Assign(
+            run=run.run.run,
+            model=spec.to_dict(),
+            start=stage.start,
+            end=stage.end,
+            index=i,
+            num_stages=len(plan.stages),
+            upstream=upstream,
+            upstream_key=run.key_of(upstream),
+            downstream=downstream,
+            downstream_endpoint=endpoint,
+            downstream_key=run.key_of(downstream),
+            dtype=request.dtype,
+            epoch=run.run.epoch,
+        )
+        out.append((by_name[stage.device], assign))
     return out
 
 
-class InferenceRun(BaseRun):
+class InferenceController(BaseRun):
     kind = "infer"
 
-    def __init__(self, state: CoordinatorState, run: Run, spec: ModelSpec) -> None:
+    def __init__(self, state: ControlState, run: Run, spec: ModelSpec) -> None:
         super().__init__(state, run)
         self.spec = spec
         # each stage's data port limit per frame (``ready``), for the client's check
@@ -119,37 +131,42 @@ class InferenceRun(BaseRun):
 
     # ------------------------------------------------------------------- flows
 
-    def assign(self, by_name: dict[str, Member], request: Message) -> Flow:
+    def assign(self, by_name: dict[str, Member], request: RunRequest) -> Flow:
         """Send every stage of the plan its assignment; wait until all are ready."""
         run = self.run
         for member, message in inference_assignments(self, self.spec, by_name, request):
             yield Send(member.routing_id, message, member.name, stage=member.name)
         devices = tuple(s.device for s in run.plan.stages)
-        replies = yield AwaitReplies(
+        replies: dict[str, Ready] = yield AwaitReplies(
             devices,
-            "ready",
+            Ready,
             self.state.timeouts.assign_s,
             "ready after assignment",
             run=run.run,
-            fail_kind="assign_failed",
+            fail=AssignFailed,
         )
-        build_s = {n: round(float(replies[n]["build_s"]), 3) for n in devices}
+        build_s = {n: round(float(replies[n].build_s), 3) for n in devices}
         self.data_limits = {
-            n: int(replies[n]["max_message_bytes"])
-            for n in devices
-            if replies[n].get("max_message_bytes") is not None
+            n: limit for n in devices if (limit := replies[n].max_message_bytes) is not None
         }
         yield Log("info", "run_ready", {"run": run.run, "epoch": run.epoch, "build_s": build_s})
 
-    def ready_message(self, by_name: dict[str, Member], baseline: Plan | None) -> Message:
+    def ready_message(self, by_name: dict[str, Member], baseline: Plan | None) -> RunReady:
         run = self.run
-        body = {
-            **endpoints_of(run.plan, by_name, self, self.data_limits),
-            "run": run.run,
-            "plan": run.plan.to_dict(),
-            "baseline": baseline.to_dict() if baseline is not None else None,
-        }
-        return Message("run_ready", body, epoch=run.epoch)
+        ends = endpoints_of(run.plan, by_name, self, self.data_limits)
+        return RunReady(
+            run=run.run,
+            plan=run.plan.to_dict(),
+            baseline=baseline.to_dict() if baseline is not None else None,
+            first_endpoint=ends.first_endpoint,
+            first_stage=ends.first_stage,
+            first_key=ends.first_key,
+            last_stage=ends.last_stage,
+            last_key=ends.last_key,
+            last_endpoint=ends.last_endpoint,
+            first_max_message_bytes=ends.first_max_message_bytes,
+            epoch=run.epoch,
+        )
 
     def recover(self, dead: str, detected_at: float, silent_s: float) -> Flow:
         """Re-plan the stream without a dead stage and tell the client to replay.
@@ -160,11 +177,11 @@ class InferenceRun(BaseRun):
         run = self.run
         request = run.request
         assert request is not None
-        policy = str(request.get("recovery") or DEFAULT_RECOVERY)
-        batch = int(request.get("microbatch_size") or 1)
-        dtype = str(request["dtype"])
+        policy = request.recovery_policy
+        batch = request.microbatch_size_or()
+        dtype = request.dtype
         try:
-            names = request.get("stage_names")
+            names = request.stage_names
             survivors = sorted(
                 (
                     m
@@ -181,12 +198,12 @@ class InferenceRun(BaseRun):
                     self.spec,
                     run.plan.num_units,
                     tuple(survivors),
-                    algo=str(request.get("planner") or DEFAULT_PLANNER),
+                    algo=request.planner_name,
                     partition=None,
                     batch_size=batch,
                     dtype=dtype,
-                    profile=request.get("profile"),
-                    bucketing=bucketing_of(request.get("bucketing")),
+                    profile=request.profile,
+                    bucketing=bucketing_of(request.bucketing_mode),
                 )
             else:
                 profiles = {
@@ -208,7 +225,7 @@ class InferenceRun(BaseRun):
             # run fails saying so, rather than the client waiting for lost results.
             last = by_name[plan.stages[-1].device]
             check_sink_reachable(
-                str(request["sink_endpoint"]),
+                request.sink_endpoint,
                 {last.name: last.data_endpoint},
                 self.state.local_hosts,
             )
@@ -258,18 +275,21 @@ class InferenceRun(BaseRun):
         yield Record(
             {"event": "run_recovered", "run": run.run, "dead": dead, "policy": policy, **times}
         )
-        notice = {
-            **endpoints_of(plan, by_name, self, self.data_limits),
-            "run": run.run,
-            "plan": plan.to_dict(),
-            "dead": dead,
-            "detected_s": times["detected_s"],
-            "recovered_s": times["recovered_s"],
-            "clock": now,
-        }
-        yield Send(
-            run.client,
-            Message("run_replanned", notice, epoch=run.epoch),
-            CLIENT_NAME,
-            self.reply_s,
+        ends = endpoints_of(plan, by_name, self, self.data_limits)
+        notice = RunReplanned(
+            run=run.run,
+            plan=plan.to_dict(),
+            dead=dead,
+            detected_s=times["detected_s"],
+            recovered_s=times["recovered_s"],
+            first_endpoint=ends.first_endpoint,
+            first_stage=ends.first_stage,
+            first_key=ends.first_key,
+            last_stage=ends.last_stage,
+            last_key=ends.last_key,
+            last_endpoint=ends.last_endpoint,
+            first_max_message_bytes=ends.first_max_message_bytes,
+            clock=now,
+            epoch=run.epoch,
         )
+        yield Send(run.client, notice, CLIENT_NAME, self.reply_s)

@@ -1,6 +1,6 @@
 """The shell's side of the coordinator's jobs: gathers from stages, planning off the loop.
 
-A controller yields a :class:`~zpipe.coordinator.commands.Job` when it needs
+A controller yields a :class:`~zpipe.coordinator.commands.ShellJob` when it needs
 something that takes I/O or seconds of CPU; :class:`JobRunner` carries it out
 and its result comes back to the controller as one event. What to ask, of whom,
 and what to do with the answer stay the controller's.
@@ -23,11 +23,11 @@ from zpipe.coordinator.commands import (
     AwaitConfirmed,
     AwaitStages,
     CountUnits,
-    Job,
     PlanInference,
     PlanLossy,
     PlanTraining,
     SaveReplica,
+    ShellJob,
     TrainingModel,
 )
 from zpipe.coordinator.decisions import pick_stages
@@ -35,19 +35,20 @@ from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
 from zpipe.lossy.mapping import partition_and_map
 from zpipe.models import USER_CODE_FAMILIES, ModelSpec, count_units, load_layer_sequence
 from zpipe.planner import ClusterLink, ClusterSpec
 from zpipe.planner.hpp import plan_training
 from zpipe.planner.profile import ModelProfile, training_profile_sizes
-from zpipe.transport.codec import Message
+from zpipe.protocol import WireMessage
+from zpipe.protocol.stage_control import ProfileReply, ProfileRequest
 
 log = get_logger("zpipe.coordinator")
 
-# request(member, message, reply_kind, timeout_s) -> the member's reply
-Request = Callable[[Member, Message, str, float], Awaitable[Message]]
+# request(member, message, reply class, timeout_s) -> the member's reply (of that class)
+Request = Callable[[Member, WireMessage, type[Any], float], Awaitable[Any]]
 
 # How often a wait for stages (to register, to speak again after a restart) looks again.
 _POLL_S = 0.05
@@ -56,7 +57,7 @@ _POLL_S = 0.05
 class JobRunner:
     def __init__(
         self,
-        state: CoordinatorState,
+        state: ControlState,
         request: Request,
         links: LinkMeasurer,
         *,
@@ -73,7 +74,7 @@ class JobRunner:
     def timeouts(self) -> Timeouts:
         return self.state.timeouts
 
-    async def run(self, job: Job) -> Any:
+    async def run(self, job: ShellJob) -> Any:
         if isinstance(job, AwaitStages):
             return await self._await_stages(job)
         if isinstance(job, CountUnits):
@@ -218,13 +219,13 @@ class JobRunner:
         cached = cache.get(spec, batch_size, dtype, member, train=train)
         if cached is not None:
             return cached
-        body = profile_request_body(member, spec, batch_size, dtype, train=train)
-        reply = await self._request(
-            member, Message("profile_request", body), "profile_reply", self.timeouts.assign_s
+        request = profile_request(member, spec, batch_size, dtype, train=train)
+        reply: ProfileReply = await self._request(
+            member, request, ProfileReply, self.timeouts.assign_s
         )
-        if reply["profile"] is None:
-            raise ConfigError(f"stage {member.name!r} could not profile: {reply['error']}")
-        profile = ModelProfile.from_dict(reply["profile"], source=f"{member.name}'s profile")
+        if reply.profile is None:
+            raise ConfigError(f"stage {member.name!r} could not profile: {reply.error}")
+        profile = ModelProfile.from_dict(reply.profile, source=f"{member.name}'s profile")
         cache.put(spec, batch_size, dtype, member, profile, train=train)
         log.info(
             "stage_profiled", stage=member.name, forward_s=round(sum(profile.times(batch_size)), 4)
@@ -232,22 +233,21 @@ class JobRunner:
         return profile
 
 
-def profile_request_body(
+def profile_request(
     member: Member, spec: ModelSpec, batch_size: int, dtype: str, *, train: bool
-) -> dict[str, Any]:
+) -> ProfileRequest:
     """What ``member`` is asked to profile. A training profile covers 1, B/4, B/2 and B
     (the planner splits micro-batches across data-parallel groups) for a stage that
     reported its device at registration: an older stage would refuse the field."""
-    body: dict[str, Any] = {
-        "model": spec.to_dict(),
-        "batch_size": batch_size,
-        "dtype": dtype,
-        "repeats": 3,
-        "train": train,
-    }
-    if train and "device" in member.info:
-        body["batch_sizes"] = training_profile_sizes(batch_size)
-    return body
+    sizes = training_profile_sizes(batch_size) if train and "device" in member.info else None
+    return ProfileRequest(
+        model=spec.to_dict(),
+        batch_size=batch_size,
+        dtype=dtype,
+        repeats=3,
+        train=train,
+        batch_sizes=sizes,
+    )
 
 
 def _count_units(spec: ModelSpec, declared: int | None) -> int:

@@ -23,12 +23,13 @@ from zpipe._errors import ZpipeError
 from zpipe.coordinator.membership import Member
 from zpipe.log import get_logger
 from zpipe.planner import ClusterLink
-from zpipe.transport.codec import Message
+from zpipe.protocol import WireMessage
+from zpipe.protocol.stage_control import LinkPeers, LinkPeersOk, LinkProbeReply, LinkProbeRequest
 
 log = get_logger("zpipe.coordinator")
 
-# request(member, message, reply_kind, timeout_s) -> the member's reply
-Request = Callable[[Member, Message, str, float], Awaitable[Message]]
+# request(member, message, reply class, timeout_s) -> the member's reply (of that class)
+Request = Callable[[Member, WireMessage, type[Any], float], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -95,33 +96,30 @@ class LinkMeasurer:
         }
         for member in members:
             try:
-                body: dict[str, Any] = {"keys": keys}
-                if fetches is not None:
-                    body["fetches"] = list(fetches.get(member.name, ()))
-                await self._request(
-                    member, Message("link_peers", body), "link_peers_ok", self._timeout_s
-                )
+                granted = None if fetches is None else list(fetches.get(member.name, ()))
+                allowed = LinkPeers(keys=keys, fetches=granted)
+                await self._request(member, allowed, LinkPeersOk, self._timeout_s)
             except ZpipeError as exc:  # timed out, malformed, or the stage died
                 log.warning("link_peers_failed", stage=member.name, error=str(exc))
 
     async def _measure_pair(self, a: Member, b: Member) -> MeasuredLink | None:
         key = self._public_keys.get(b.name)
-        body = {
-            "target": b.name,
-            "endpoint": str(b.info["probe_endpoint"]),
-            "key": key.decode() if key is not None else None,
-        }
+        request = LinkProbeRequest(
+            target=b.name,
+            endpoint=str(b.info["probe_endpoint"]),
+            key=key.decode() if key is not None else None,
+        )
         try:
-            reply = await self._request(
-                a, Message("link_probe_request", body), "link_probe_reply", self._timeout_s
+            reply: LinkProbeReply = await self._request(
+                a, request, LinkProbeReply, self._timeout_s
             )
         except ZpipeError as exc:  # timed out, malformed, or the stage died
             log.warning("link_unmeasured", sender=a.name, receiver=b.name, error=str(exc))
             return None
-        bandwidth, rtt = reply["bandwidth_bps"], reply["rtt_s"]
-        if reply["error"] or bandwidth is None or rtt is None or not bandwidth > 0 or rtt < 0:
+        bandwidth, rtt = reply.bandwidth_bps, reply.rtt_s
+        if reply.error or bandwidth is None or rtt is None or not bandwidth > 0 or rtt < 0:
             log.warning(
-                "link_unmeasured", sender=a.name, receiver=b.name, error=reply["error"] or "empty"
+                "link_unmeasured", sender=a.name, receiver=b.name, error=reply.error or "empty"
             )
             return None
         measured = MeasuredLink(bandwidth_bps=float(bandwidth), rtt_s=float(rtt))

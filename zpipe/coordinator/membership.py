@@ -83,7 +83,9 @@ class Member:
 
 
 @dataclass(frozen=True)
-class Probe:
+class ProbeDue:
+    """A probe to send now (the wire's is :class:`zpipe.protocol.stage_control.Probe`)."""
+
     name: str
     nonce: int
 
@@ -203,18 +205,19 @@ class Membership:
         now: float,
         metrics: Mapping[str, Any] | None = None,
         *,
-        kind: str = "",
+        heartbeat: bool = False,
+        probe_answer: bool = False,
     ) -> bool:
-        """Record life from ``name`` (any message; ``kind`` "heartbeat" times its gaps,
-        "probe_ack" its probe's round trip); False if it is unknown or already dead."""
+        """Record life from ``name`` (any message; a ``heartbeat`` times its gaps, a
+        ``probe_answer`` its probe's round trip); False if it is unknown or already dead."""
         member = self._members.get(name)
         if member is None or member.state is MemberState.DEAD:
             return False
         watch = member.liveness
         if watch is not None:
-            if kind == "heartbeat":
+            if heartbeat:
                 watch.heartbeat(now)
-            elif kind == "probe_ack" and member.suspect_since is not None:
+            elif probe_answer and member.suspect_since is not None:
                 watch.probe_answered(now - member.suspect_since)
         member.last_seen = now
         member.state = MemberState.ALIVE
@@ -235,7 +238,7 @@ class Membership:
         suspect_s, probe_s = self.deadlines(name)
         return Death(name, reason, now - member.last_seen, suspect_s, probe_s)
 
-    def suspect(self, name: str, now: float) -> Probe | None:
+    def suspect(self, name: str, now: float) -> ProbeDue | None:
         """Suspect ``name`` now, before its heartbeats lapse (its work stalled at the
         data source): the probe to send, or None if it is not alive or already probed."""
         member = self._members.get(name)
@@ -246,11 +249,11 @@ class Membership:
         member.stall_suspect = True
         member.probe_nonce = self._next_nonce
         self._next_nonce += 1
-        return Probe(name, member.probe_nonce)
+        return ProbeDue(name, member.probe_nonce)
 
-    def tick(self, now: float) -> tuple[list[Probe], list[Death]]:
+    def tick(self, now: float) -> tuple[list[ProbeDue], list[Death]]:
         """Advance time: the probes to send now and the members now declared dead."""
-        probes: list[Probe] = []
+        probes: list[ProbeDue] = []
         deaths: list[Death] = []
         self._forgive_local_pause(now)
         # Every suspect deadline is at least the floor: a member heard from more recently
@@ -276,7 +279,7 @@ class Membership:
                 member.suspect_since = now
                 member.probe_nonce = self._next_nonce
                 self._next_nonce += 1
-                probes.append(Probe(member.name, member.probe_nonce))
+                probes.append(ProbeDue(member.name, member.probe_nonce))
             elif (
                 member.state is MemberState.SUSPECT
                 and member.suspect_since is not None

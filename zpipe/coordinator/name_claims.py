@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zpipe.coordinator.events import Registered
+from zpipe.coordinator.events import RegisterAsked
 
 # Probe nonces of claims, far from the membership's own (which count up from 1), so that
 # a late answer to one is never taken for the other.
@@ -31,7 +31,7 @@ class Claim:
     """A newcomer's registration, waiting for the holder of its name to answer."""
 
     name: str
-    registration: Registered
+    registration: RegisterAsked
     nonce: int
     deadline: float
 
@@ -48,7 +48,7 @@ class NameClaims:
         return name in self._claims
 
     def open(
-        self, name: str, registration: Registered, now: float, window_s: float
+        self, name: str, registration: RegisterAsked, now: float, window_s: float
     ) -> Claim | None:
         """A new claim (the caller probes the holder), or None when one is pending
         (its registration is replaced by this newer one)."""

@@ -16,16 +16,17 @@ from dataclasses import dataclass, replace
 
 from zpipe.coordinator.commands import Command, Log, Send
 from zpipe.coordinator.state import CLIENT_NAME
-from zpipe.transport.codec import Message
+from zpipe.protocol.client_control import RunReplanned, StageFailed
 
-# The kinds the coordinator sends a client unasked, about a run that goes on.
-NOTICE_KINDS = ("stage_failed", "run_replanned")
+# What the coordinator sends a client unasked, about a run that goes on.
+Notice = StageFailed | RunReplanned
+NOTICES = (StageFailed, RunReplanned)
 
 
 @dataclass
 class _Kept:
     to: bytes
-    message: Message
+    message: Notice
     first_sent: float
     last_sent: float
 
@@ -39,12 +40,12 @@ class NoticeOutbox:
         self._kept: dict[tuple[int, int], _Kept] = {}
         self._last_seq: dict[int, int] = {}
 
-    def post(self, to: bytes, message: Message, now: float) -> Message:
+    def post(self, to: bytes, message: Notice, now: float) -> Notice:
         """``message`` numbered within its run, kept until acknowledged; send what this returns."""
-        run = int(message["run"])
+        run = message.run
         seq = self._last_seq.get(run, 0) + 1
         self._last_seq[run] = seq
-        numbered = Message(message.kind, {**message.body, "seq": seq}, epoch=message.epoch)
+        numbered = replace(message, seq=seq)
         self._kept[(run, seq)] = _Kept(to, numbered, now, now)
         return numbered
 
@@ -52,7 +53,7 @@ class NoticeOutbox:
         """The client has notice ``seq`` of ``run``; False if it was not kept (a repeat)."""
         return self._kept.pop((run, seq), None) is not None
 
-    def due(self, current_run: int | None, now: float) -> list[tuple[bytes, Message]]:
+    def due(self, current_run: int | None, now: float) -> list[tuple[bytes, Notice]]:
         """The notices to send again now, oldest first; those of a run that is no longer
         current, or older than ``keep_s``, are forgotten."""
         out = []
@@ -76,8 +77,8 @@ def number_notices(outbox: NoticeOutbox, commands: list[Command], now: float) ->
         if (
             isinstance(command, Send)
             and command.peer == CLIENT_NAME
-            and command.message.kind in NOTICE_KINDS
-            and "seq" not in command.message.body
+            and isinstance(command.message, NOTICES)
+            and command.message.seq is None
         ):
             numbered = outbox.post(command.to, command.message, now)
             command = replace(command, message=numbered)
@@ -91,7 +92,7 @@ def notices_due(
     """The notices of ``run`` to send again now, each with a log line."""
     out: list[Command] = []
     for to, message in outbox.due(run, now):
-        fields = {"run": message["run"], "kind": message.kind, "seq": message["seq"]}
+        fields = {"run": message.run, "kind": message.KIND, "seq": message.seq}
         out.append(Log("info", "notice_sent_again", fields))
         out.append(Send(to, message, CLIENT_NAME, reply_s))
     return out

@@ -23,6 +23,9 @@ nothing is pickled), framed by lengths and closed by a CRC-32, and written
 atomically (a temporary file, fsync, rename), so a coordinator killed in the
 middle of a write leaves the previous file whole. A file that does not parse
 raises :class:`StateFileError` naming the file: never a half-restored state.
+
+The records themselves (what the pure core saves and restores) are plain data in
+:mod:`zpipe.coordinator.records`; this module is their file I/O only.
 """
 
 from __future__ import annotations
@@ -34,15 +37,14 @@ import struct
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from zpipe._errors import ConfigError, ProtocolError, StateFileError
+from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
+from zpipe.protocol import REGISTRY, Message, WireMessage, storage
 from zpipe.transport import codec
-from zpipe.transport.codec import Message
 
 STATE_FILE = "coordinator.state"
 REPLICA_FILE = "replica.state"
@@ -65,63 +67,6 @@ __all__ = [
     "read_messages",
     "write_messages",
 ]
-
-
-@dataclass(frozen=True)
-class SavedMember:
-    """What a restarted coordinator needs to know of a stage before it speaks again."""
-
-    name: str
-    routing_id: bytes
-    data_endpoint: str
-    info: Mapping[str, Any]
-    public_key: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "routing_id": self.routing_id,
-            "data_endpoint": self.data_endpoint,
-            "info": dict(self.info),
-            "public_key": self.public_key,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SavedMember:
-        return cls(
-            name=str(data["name"]),
-            routing_id=bytes(data["routing_id"]),
-            data_endpoint=str(data["data_endpoint"]),
-            info=dict(data["info"]),
-            public_key=None if data.get("public_key") is None else str(data["public_key"]),
-        )
-
-
-@dataclass(frozen=True)
-class SavedState:
-    """Counters, members and the current run (a plain map the coordinator defines)."""
-
-    epoch: int
-    run_counter: int
-    members: tuple[SavedMember, ...]
-    run: Mapping[str, Any] | None
-    saved_at: float = 0.0
-
-
-@dataclass(frozen=True)
-class SavedReplica:
-    run: int
-    step: int
-    plan: Mapping[str, Any]
-    state: dict[str, torch.Tensor]
-    # chain replication: who holds each device's backup (the snapshots are at stages)
-    holders: Mapping[str, str] = field(default_factory=dict)
-    # every unit's state is here (None: as the holders say; see runs.Replica)
-    global_copy: bool | None = None
-
-    @property
-    def complete(self) -> bool:
-        return not self.holders if self.global_copy is None else self.global_copy
 
 
 # -------------------------------------------------------------- file format
@@ -218,6 +163,15 @@ def read_messages(path: Path) -> list[Message]:
         raise StateFileError(f"{path} does not parse: {exc}") from exc
 
 
+def read_records(path: Path) -> list[WireMessage]:
+    """The messages of a state file, each parsed into its protocol class."""
+    messages = read_messages(path)
+    try:
+        return [REGISTRY.parse(m) for m in messages]
+    except ProtocolError as exc:
+        raise StateFileError(f"{path} does not parse: {exc}") from exc
+
+
 def _decode_file(body: memoryview) -> list[Message]:
     offset = 0
 
@@ -270,36 +224,36 @@ class StateStore:
         return self.directory / GLOBAL_FILE
 
     def save_state(self, state: SavedState) -> None:
-        body = {
-            "epoch": state.epoch,
-            "run_counter": state.run_counter,
-            "members": [m.to_dict() for m in state.members],
-            "run": None if state.run is None else dict(state.run),
-            "saved_at": time.time(),
-        }
-        write_messages(self.state_path, [Message("coordinator_state", body)])
+        record = storage.CoordinatorState(
+            cluster_epoch=state.epoch,
+            run_counter=state.run_counter,
+            members=[m.to_dict() for m in state.members],
+            run=None if state.run is None else dict(state.run),
+            saved_at=time.time(),
+        )
+        write_messages(self.state_path, [record.to_message()])
 
     def load_state(self) -> SavedState | None:
         if not self.state_path.exists():
             return None
-        messages = read_messages(self.state_path)
-        if len(messages) != 1 or messages[0].kind != "coordinator_state":
+        records = read_records(self.state_path)
+        record = records[0] if len(records) == 1 else None
+        if not isinstance(record, storage.CoordinatorState):
             raise StateFileError(f"{self.state_path} holds no coordinator state")
-        body = messages[0].body
         try:
-            members = tuple(SavedMember.from_dict(m) for m in body["members"])
+            members = tuple(SavedMember.from_dict(m) for m in record.members)
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFileError(f"{self.state_path}: a member does not parse: {exc}") from exc
         try:
-            run = body["run"]
+            run = record.run
             if run is not None and not isinstance(run, Mapping):
                 raise TypeError(f"the run is a {type(run).__name__}, not a map")
             return SavedState(
-                epoch=int(body["epoch"]),
-                run_counter=int(body["run_counter"]),
+                epoch=int(record.cluster_epoch),
+                run_counter=int(record.run_counter),
                 members=members,
                 run=run,
-                saved_at=float(body["saved_at"]),
+                saved_at=float(record.saved_at),
             )
         except (KeyError, TypeError, ValueError) as exc:
             # A CRC guards against torn writes, not against a file of another shape.
@@ -321,19 +275,18 @@ class StateStore:
         messages = []
         for index in range(chunks):
             part = keys[index * per : (index + 1) * per]
-            body = {
-                "run": replica.run,
-                "step": replica.step,
-                "plan": dict(replica.plan),
-                "keys": part,
-                "chunk": index,
-                "chunks": chunks,
-                "holders": dict(replica.holders),
-            }
-            if replica.global_copy is not None:
-                body["global"] = replica.global_copy
-            tensors = tuple(replica.state[k] for k in part)
-            messages.append(Message("replica_file", body, tensors=tensors))
+            record = storage.ReplicaFile(
+                run=replica.run,
+                step=replica.step,
+                plan=dict(replica.plan),
+                keys=part,
+                chunk=index,
+                chunks=chunks,
+                holders=dict(replica.holders),
+                global_copy=replica.global_copy,
+                tensors=tuple(replica.state[k] for k in part),
+            )
+            messages.append(record.to_message())
         return write_messages(self.replica_path, messages)
 
     def load_replica(self) -> SavedReplica | None:
@@ -346,31 +299,32 @@ class StateStore:
     def _load_replica(self, path: Path) -> SavedReplica | None:
         if not path.exists():
             return None
-        messages = read_messages(path)
-        if not messages or any(m.kind != "replica_file" for m in messages):
+        records = read_records(path)
+        files = [r for r in records if isinstance(r, storage.ReplicaFile)]
+        if not records or len(files) != len(records):
             raise StateFileError(f"{path} holds no replica")
         try:
-            return self._replica_of(path, messages)
+            return self._replica_of(path, files)
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFileError(f"{path} does not hold a valid replica: {exc}") from exc
 
-    def _replica_of(self, path: Path, messages: Sequence[Message]) -> SavedReplica:
-        first = messages[0]
-        chunks = int(first["chunks"])
-        if [int(m["chunk"]) for m in messages] != list(range(chunks)):
+    def _replica_of(self, path: Path, records: Sequence[storage.ReplicaFile]) -> SavedReplica:
+        first = records[0]
+        chunks = int(first.chunks)
+        if [int(r.chunk) for r in records] != list(range(chunks)):
             raise StateFileError(f"{path}: chunks missing or out of order")
         state: dict[str, torch.Tensor] = {}
-        for message in messages:
-            if (message["run"], message["step"]) != (first["run"], first["step"]):
+        for record in records:
+            if (record.run, record.step) != (first.run, first.step):
                 raise StateFileError(f"{path} mixes replicas of different steps")
-            if len(message["keys"]) != len(message.tensors):
+            if len(record.keys) != len(record.tensors):
                 raise StateFileError(f"{path}: keys and tensors do not match")
-            for key, tensor in zip(message["keys"], message.tensors, strict=True):
+            for key, tensor in zip(record.keys, record.tensors, strict=True):
                 state[str(key)] = tensor
-        holders = {str(k): str(v) for k, v in dict(first.get("holders") or {}).items()}
-        whole = first.get("global")
+        holders = {str(k): str(v) for k, v in dict(first.holders or {}).items()}
+        whole = first.global_copy
         if whole is not None and not isinstance(whole, bool):
             raise StateFileError(f"{path}: 'global' must be true or false, got {whole!r}")
         return SavedReplica(
-            int(first["run"]), int(first["step"]), dict(first["plan"]), state, holders, whole
+            int(first.run), int(first.step), dict(first.plan), state, holders, whole
         )

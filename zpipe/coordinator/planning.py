@@ -32,8 +32,6 @@ from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.cluster import CLIENT
 from zpipe.planner.profile import ModelProfile
 
-DEFAULT_PLANNER = "pipeedge"
-
 
 def bucketing_of(value: object) -> str:
     """A run request's ``bucketing`` (absent: ``"auto"``), checked: ``"auto"``, ``"exact"``

@@ -15,7 +15,8 @@ switches them all and resumes them at ``step``. Weights never pass through here.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError, StageLostError, ZpipeError
@@ -24,9 +25,11 @@ from zpipe.coordinator.decisions import fetch_grants, fetch_plans
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.runbase import BaseRun
-from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.runs import KeptReplica
 from zpipe.models import ModelSpec
 from zpipe.planner.training_plan import TrainingPlan
+from zpipe.protocol.client_control import RunRequest
+from zpipe.protocol.repartition import Repartitioned, RepartitionReply, RepartitionRequest
 from zpipe.recovery.replanning import unit_work_from_profile
 from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.training.repartition import (
@@ -35,12 +38,21 @@ from zpipe.training.repartition import (
     RepartitionSettings,
     spans_of,
 )
-from zpipe.transport.codec import Message
 
 
-def repartition_settings(request: Any) -> RepartitionSettings | None:
+@dataclass(frozen=True)
+class PhaseAsk:
+    """What one phase asks a stage (a ``repartition_request`` less its run and step)."""
+
+    phase: str
+    bounds: list[Any] | None = None
+    fetch: list[Any] | None = None
+    plan_epoch: int | None = None
+
+
+def repartition_settings(request: RunRequest | None) -> RepartitionSettings | None:
     """The run's re-partitioning settings, from its request (None: it does not)."""
-    train = (request or {}).get("train") or {}
+    train = (request.train if request is not None else None) or {}
     given = train.get("repartition")
     if given is None:
         return None
@@ -94,8 +106,8 @@ class LiveRepartitioning:
         every unit alike (capacities then compare stages unit for unit)."""
         owner, run = self.owner, self.owner.run
         try:
-            spec = ModelSpec.from_dict(dict(run.request["model"]))  # type: ignore[index]
-        except (ZpipeError, KeyError, TypeError):
+            spec = ModelSpec.from_dict(dict(run.request.model))  # type: ignore[union-attr]
+        except (ZpipeError, KeyError, TypeError, AttributeError):
             return [1.0] * plan.num_units
         member = owner.state.membership.get(plan.devices[0])
         profile = (
@@ -138,14 +150,14 @@ class LiveRepartitioning:
         if look:
             return (yield from self.look_flow(run_id, step))
         run = self.owner.run
-        body: dict[str, Any] = {"run": run_id, "step": step, "error": ""}
+        answer = Repartitioned(run=run_id, step=step, error="")
         try:
             plan, controller, devices, members = self._ready(run_id)
             # the pause's parts are read from these events' stamps (bench/training_async.py)
             yield Log("info", "repartition_started", {"run": run.run, "step": step})
-            replies = yield from self.ask(members, devices, step, {"phase": "prepare"})
+            replies = yield from self.ask(members, devices, step, PhaseAsk("prepare"))
             pending, self.pending = self.pending, None
-            counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
+            counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             if pending is not None and pending.at == step:
                 decision = pending  # decided before the flush (look_flow)
                 # the batches drained since that look ran on the old cuts
@@ -156,26 +168,30 @@ class LiveRepartitioning:
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
-            commit: dict[str, Any] = {"phase": "commit", "bounds": list(target)}
-            commit["plan_epoch"] = controller.plan_epoch + (1 if decision.moves else 0)
+            epoch = controller.plan_epoch + (1 if decision.moves else 0)
+            commit = PhaseAsk("commit", bounds=list(target), plan_epoch=epoch)
             committed = yield from self.ask(members, devices, step, commit)
             if decision.moves:
                 controller.committed(decision)
                 run.training_plan = with_bounds(plan, target)
                 yield Log("info", "repartitioned", {"run": run.run, "step": step,
                           "bounds": list(target), "plan_epoch": controller.plan_epoch})  # fmt: skip
-            body.update(bounds=list(target), plan_epoch=controller.plan_epoch)
             # where each stage says its units are now
-            held = {d: (r.get("metrics") or {}) for d, r in committed.items()}
-            body["decision"] = {
-                **decision.to_dict(),
-                "held": {d: [m.get("start"), m.get("end")] for d, m in held.items()},
-            }
+            held = {d: (r.metrics or {}) for d, r in committed.items()}
+            answer = replace(
+                answer,
+                bounds=list(target),
+                plan_epoch=controller.plan_epoch,
+                decision={
+                    **decision.to_dict(),
+                    "held": {d: [m.get("start"), m.get("end")] for d, m in held.items()},
+                },
+            )
         except (ZpipeError, ValueError) as exc:
-            body["error"] = f"{type(exc).__name__}: {exc}"
+            answer = replace(answer, error=f"{type(exc).__name__}: {exc}")
             yield Log("error", "repartition_failed", {"run": run_id, "step": step,
-                      "error": body["error"]})  # fmt: skip
-        return Message("repartitioned", body)
+                      "error": answer.error})  # fmt: skip
+        return answer
 
     def look_flow(self, run_id: int, step: int) -> Flow:
         """The look alone, while the pipeline runs: every stage's counters as they are
@@ -186,34 +202,36 @@ class LiveRepartitioning:
         out (prepare, fetch, commit). A stage that cannot profile (an older one)
         also gets ``pause``, and the look then happens at the flush as before."""
         run = self.owner.run
-        body: dict[str, Any] = {"run": run_id, "step": step, "error": ""}
+        answer = Repartitioned(run=run_id, step=step, error="")
         try:
             _, controller, devices, members = self._ready(run_id)
             yield Log("info", "repartition_started", {"run": run.run, "step": step,
                       "flush": False})  # fmt: skip
             try:
-                replies = yield from self.ask(members, devices, step, {"phase": "profile"})
+                replies = yield from self.ask(members, devices, step, PhaseAsk("profile"))
             except PipelineError as exc:
                 yield Log("warning", "repartition_profile_failed", {"run": run.run,
                           "step": step, "error": str(exc)})  # fmt: skip
-                body["pause"] = True
-                return Message("repartitioned", body)
-            counters = {d: dict(r.get("metrics") or {}) for d, r in replies.items()}
+                return replace(answer, pause=True)
+            counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             decision = controller.look(step, counters)
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
                       **decision.to_dict()})  # fmt: skip
             self.pending = decision if decision.moves else None
-            body.update(bounds=list(controller.bounds), plan_epoch=controller.plan_epoch)
             # where each stage says its units are now (as a commit's replies say)
             held = {d: [c.get("start"), c.get("end")] for d, c in counters.items()}
-            body["decision"] = {**decision.to_dict(), "held": held}
-            if decision.moves:
-                body["pause"] = True
+            answer = replace(
+                answer,
+                bounds=list(controller.bounds),
+                plan_epoch=controller.plan_epoch,
+                decision={**decision.to_dict(), "held": held},
+                pause=True if decision.moves else None,
+            )
         except (ZpipeError, ValueError) as exc:
-            body["error"] = f"{type(exc).__name__}: {exc}"
+            answer = replace(answer, error=f"{type(exc).__name__}: {exc}")
             yield Log("error", "repartition_failed", {"run": run_id, "step": step,
-                      "error": body["error"]})  # fmt: skip
-        return Message("repartitioned", body)
+                      "error": answer.error})  # fmt: skip
+        return answer
 
     def _fetch(
         self, members: dict[str, Member], plan: TrainingPlan, step: int, bounds: tuple[int, ...]
@@ -223,7 +241,7 @@ class LiveRepartitioning:
         devices, _ = plan_bounds(plan)
         # every device's snapshot at this step is at the device itself; nothing is here
         own = {d: d for d in devices}
-        replica = Replica(run.run, step, plan, {}, holders=own, global_copy=False)
+        replica = KeptReplica(run.run, step, plan, {}, holders=own, global_copy=False)
         fetches = fetch_plans(replica, spans_of(devices, bounds), set(members))
         yield AllowPeers(tuple(members[d] for d in devices), fetch_grants(fetches))
         yield Log("info", "repartition_fetching", {"run": run.run, "step": step})
@@ -232,7 +250,7 @@ class LiveRepartitioning:
                 if entry["from"] != dest:
                     entry["endpoint"] = str(members[entry["from"]].info["probe_endpoint"])
                     entry["key"] = owner.key_of(entry["from"])
-        per_device = {d: {"phase": "fetch", "bounds": list(bounds), "fetch": fetches.get(d, [])}
+        per_device = {d: PhaseAsk("fetch", bounds=list(bounds), fetch=fetches.get(d, []))
                       for d in devices}  # fmt: skip
         yield from self.ask(members, devices, step, per_device)
 
@@ -241,28 +259,36 @@ class LiveRepartitioning:
         members: dict[str, Member],
         devices: list[str],
         step: int,
-        fields: dict[str, Any],
+        phase: PhaseAsk | Mapping[str, PhaseAsk],
     ) -> Flow:
-        """One phase: the request to every device (``fields``, or per device), every reply."""
+        """One phase: the request to every device (``phase``, or one per device), every
+        reply."""
         owner, run = self.owner, self.owner.run
         timeouts = owner.state.timeouts
         requests = []
         for d in devices:
-            extra = fields[d] if d in fields else fields
-            message = Message("repartition_request", {"run": run.run, "step": step, **extra},
-                              epoch=run.epoch)  # fmt: skip
-            requests.append(Send(members[d].routing_id, message, d, stage=d))
-        phase = str(requests[0].message["phase"])
-        replies = yield AwaitReplies(
+            ask = phase[d] if isinstance(phase, Mapping) else phase
+            request = RepartitionRequest(
+                run=run.run,
+                step=step,
+                phase=ask.phase,
+                bounds=ask.bounds,
+                fetch=ask.fetch,
+                plan_epoch=ask.plan_epoch,
+                epoch=run.epoch,
+            )
+            requests.append(Send(members[d].routing_id, request, d, stage=d))
+        name = (phase[devices[0]] if isinstance(phase, Mapping) else phase).phase
+        replies: dict[str, RepartitionReply] = yield AwaitReplies(
             tuple(devices),
-            "repartition_reply",
+            RepartitionReply,
             timeouts.result_s,
-            f"repartition {phase}",
+            f"repartition {name}",
             run=run.run,
             requests=tuple(requests),
             resend_s=request_resend_s(timeouts),
         )
-        failed = {d: str(r["error"]) for d, r in replies.items() if r["error"]}
+        failed = {d: r.error for d, r in replies.items() if r.error}
         if failed:
-            raise PipelineError(f"the {phase} of a re-partition failed: {failed}")
+            raise PipelineError(f"the {name} of a re-partition failed: {failed}")
         return replies

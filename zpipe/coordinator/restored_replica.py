@@ -1,7 +1,7 @@
 """The replica a restarted coordinator takes over, with the global copy behind it.
 
 Pure: the files' contents (:class:`~zpipe.coordinator.persistence.SavedReplica`)
-in, the coordinator's :class:`~zpipe.coordinator.runs.Replica` out. Under chain
+in, the coordinator's :class:`~zpipe.coordinator.runs.KeptReplica` out. Under chain
 replication the latest replica holds here only the last stage's backup; its
 ``fallback`` is the newest global copy (``global.state``), which a recovery takes
 when the chain copies of some unit all died (two adjacent stages). Without it a
@@ -13,16 +13,18 @@ units the old coordinator still held.
 from __future__ import annotations
 
 from zpipe._errors import ConfigError, StateFileError
-from zpipe.coordinator.persistence import SavedReplica
-from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.records import SavedReplica
+from zpipe.coordinator.runs import KeptReplica
 from zpipe.planner.training_plan import TrainingPlan
 
 
-def replica_from_saved(latest: SavedReplica, newest_global: SavedReplica | None = None) -> Replica:
+def replica_from_saved(
+    latest: SavedReplica, newest_global: SavedReplica | None = None
+) -> KeptReplica:
     """``latest`` as the coordinator's replica; ``newest_global`` becomes its fallback
     when ``latest`` does not hold every unit itself and the copy fits it (the same
     model, not newer than it)."""
-    replica = Replica(
+    replica = KeptReplica(
         latest.run,
         latest.step,
         _plan(latest, "replica"),
@@ -36,7 +38,7 @@ def replica_from_saved(latest: SavedReplica, newest_global: SavedReplica | None 
     newer = newest_global.run == latest.run and newest_global.step > latest.step
     if plan.num_units != replica.plan.num_units or newer:
         return replica  # of another model, or not behind this replica: no fallback
-    fallback = Replica(
+    fallback = KeptReplica(
         newest_global.run,
         newest_global.step,
         plan,
@@ -44,7 +46,7 @@ def replica_from_saved(latest: SavedReplica, newest_global: SavedReplica | None 
         dict(newest_global.holders),
         global_copy=True,
     )
-    return Replica(
+    return KeptReplica(
         replica.run,
         replica.step,
         replica.plan,
@@ -62,7 +64,7 @@ def _plan(saved: SavedReplica, what: str) -> TrainingPlan:
         raise StateFileError(f"the saved {what}'s plan does not parse: {exc!r}") from exc
 
 
-def fallback_named(replica: Replica | None) -> dict[str, int] | None:
+def fallback_named(replica: KeptReplica | None) -> dict[str, int] | None:
     """The fallback of ``replica`` as ``{run, step}`` (for a log line), or None."""
     behind = None if replica is None else replica.fallback
     return None if behind is None else {"run": behind.run, "step": behind.step}

@@ -31,10 +31,11 @@ from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.decisions import RestoreChoice, replica_points, restore_from
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.runs import Replica
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.runs import KeptReplica
+from zpipe.coordinator.state import ControlState
+from zpipe.protocol.client_control import RunRequest
+from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.recovery import StageSpan, WeightsLostError, heavy_restore
-from zpipe.transport.codec import Message
 
 
 def snapshot_requests(
@@ -62,7 +63,7 @@ def snapshot_requests(
 
 
 def gather_for_heavy(
-    state: CoordinatorState,
+    state: ControlState,
     choice: RestoreChoice,
     new: Sequence[StageSpan],
     members: Mapping[str, Member],
@@ -77,17 +78,15 @@ def gather_for_heavy(
         requests = tuple(
             Send(
                 members[holder].routing_id,
-                Message(
-                    "weights_request", {"run": used.run, "step": used.step, "snapshot": ranges}
-                ),
+                WeightsRequest(run=used.run, step=used.step, snapshot=ranges),
                 holder,
                 stage=holder,
             )
             for holder, ranges in sorted(asks.items())
         )
-        replies = yield AwaitReplies(
+        replies: dict[str, Weights] = yield AwaitReplies(
             tuple(sorted(asks)),
-            "weights",
+            Weights,
             state.timeouts.result_s,
             "snapshots for heavy recovery",
             requests=requests,
@@ -95,11 +94,9 @@ def gather_for_heavy(
         )
         for holder in sorted(asks):
             reply = replies[holder]
-            if reply["error"]:
-                raise ConfigError(
-                    f"stage {holder!r} could not send its snapshots: {reply['error']}"
-                )
-            for key, tensor in zip(reply["keys"], reply.tensors, strict=True):
+            if reply.error:
+                raise ConfigError(f"stage {holder!r} could not send its snapshots: {reply.error}")
+            for key, tensor in zip(reply.keys, reply.tensors, strict=True):
                 # a copy: the received frame's memory belongs to a zmq message
                 gathered[str(key)] = tensor.clone()
                 nbytes += tensor.numel() * tensor.element_size()
@@ -114,15 +111,15 @@ def gather_for_heavy(
 
 
 def choose_restore(
-    state: CoordinatorState,
-    replica: Replica,
-    message: Message,
+    state: ControlState,
+    replica: KeptReplica,
+    request: RunRequest,
     new: Sequence[StageSpan],
     live: Mapping[str, Member],
 ) -> Flow:
     """How the devices of ``new`` get their units from ``replica`` (see the module
     notes); heavy recovery (``recovery`` "heavy" after a death) gathers them here first."""
-    resume = dict(message.get("resume") or {})
+    resume = dict(request.resume or {})
     older = replica.fallback
     offered = resume.get("global")
     # the client replays from the global copy only if it still holds what came after it
@@ -133,11 +130,9 @@ def choose_restore(
         and isinstance(offered.get("start_step"), int)
     )
     restore = restore_from(replica, new, set(live), fallback=fallback)
-    if message.get("recovery") == "heavy" and resume.get("dead"):
+    if request.recovery == "heavy" and resume.get("dead"):
         restore = yield from gather_for_heavy(state, restore, new, live)
-    yield Log(
-        "info", "restore_planned", {"recovery": message.get("recovery"), **units_moved(restore)}
-    )
+    yield Log("info", "restore_planned", {"recovery": request.recovery, **units_moved(restore)})
     if restore.fell_back:
         yield Log(
             "warning",

@@ -16,8 +16,16 @@ from zpipe.coordinator.events import ClientRequest, Event
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import MemberState
 from zpipe.coordinator.runs import Run
-from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
-from zpipe.transport.codec import Message
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
+from zpipe.protocol.client_control import (
+    RunEnd,
+    RunFailed,
+    RunGo,
+    RunReport,
+    RunStarted,
+    StageFailed,
+)
+from zpipe.protocol.stage_control import AssignFailed, Connect, Connected, Metrics, MetricsRequest
 
 
 class RunController(Protocol):
@@ -31,11 +39,11 @@ class RunController(Protocol):
 
 def run_failed(routing_id: bytes, error: Exception, timeout_s: float) -> Flow:
     yield Log("error", "run_failed", {"error": str(error)})
-    yield Send(routing_id, Message("run_failed", {"error": str(error)}), CLIENT_NAME, timeout_s)
+    yield Send(routing_id, RunFailed(error=str(error)), CLIENT_NAME, timeout_s)
 
 
 def stage_metrics(
-    state: CoordinatorState,
+    state: ControlState,
     devices: list[str],
     run: int,
     epoch: int,
@@ -48,22 +56,21 @@ def stage_metrics(
     stages: dict[str, Any] = {}
     timelines: dict[str, Any] = {}
     asked = []
-    ask: dict[str, Any] = {"run": run, **({"timeline": True} if timeline else {})}
+    request = MetricsRequest(run=run, timeline=True if timeline else None, epoch=epoch)
     for device in devices:
         member = state.membership.get(device)
         if member is None:
             continue
-        request = Message("metrics_request", ask, epoch=epoch)
         yield Send(member.routing_id, request, device, stage=device)
         asked.append(device)
-    replies = yield AwaitReplies(
-        tuple(asked), "metrics", state.timeouts.reply_s, "metrics", run=run, partial=True
+    replies: dict[str, Metrics] = yield AwaitReplies(
+        tuple(asked), Metrics, state.timeouts.reply_s, "metrics", run=run, partial=True
     )
     for device in asked:
         reply = replies.get(device)
-        stages[device] = {"error": "no metrics"} if reply is None else dict(reply["metrics"])
-        if reply is not None and isinstance(reply.get("timeline"), dict):
-            timelines[device] = reply["timeline"]
+        stages[device] = {"error": "no metrics"} if reply is None else dict(reply.metrics)
+        if reply is not None and isinstance(reply.timeline, dict):
+            timelines[device] = reply.timeline
     return stages, timelines
 
 
@@ -72,7 +79,7 @@ class BaseRun:
 
     kind = "base"
 
-    def __init__(self, state: CoordinatorState, run: Run) -> None:
+    def __init__(self, state: ControlState, run: Run) -> None:
         self.state = state
         self.run = run
 
@@ -93,33 +100,32 @@ class BaseRun:
         return []
 
     def on_request(self, event: ClientRequest, now: float) -> list[Command]:
-        kind = event.message.kind
-        if kind == "run_go":
-            return self.state.flows.start(self.go(event.routing_id, event.message), now)
-        if kind == "run_end":
-            run_id = int(event.message["run"])
-            timeline = bool(event.message.get("timeline"))
-            return self.state.answers.answer(
-                self.state.flows,
-                ("run_end", run_id, 0),
-                event.routing_id,
-                lambda: self.end(run_id, timeline=timeline),
-                peer=CLIENT_NAME,
-                timeout_s=self.reply_s,
-                now=now,
-            )
+        match event.message:
+            case RunGo() as go:
+                return self.state.flows.start(self.go(event.routing_id, go), now)
+            case RunEnd(run=run_id, timeline=timeline):
+                return self.state.answers.answer(
+                    self.state.flows,
+                    ("run_end", run_id, 0),
+                    event.routing_id,
+                    lambda: self.end(run_id, timeline=bool(timeline)),
+                    peer=CLIENT_NAME,
+                    timeout_s=self.reply_s,
+                    now=now,
+                )
+        kind = event.message.KIND
         return [
             Log("warning", "dropped_message", {"kind": kind, "error": f"not for a {self.kind} run"})
         ]
 
     # ------------------------------------------------------------------- flows
 
-    def go(self, routing_id: bytes, message: Message) -> Flow:
+    def go(self, routing_id: bytes, message: RunGo) -> Flow:
         """The client allows the last stage and is connected: stages connect downstream."""
         run = self.run
         try:
-            if run.run != message["run"] or self.state.current is not self:
-                raise ConfigError(f"run {message['run']} is not the current run")
+            if run.run != message.run or self.state.current is not self:
+                raise ConfigError(f"run {message.run} is not the current run")
             yield from self.connect_all()
         except (ZpipeError, ValueError) as exc:
             yield from run_failed(routing_id, exc, self.reply_s)
@@ -127,12 +133,7 @@ class BaseRun:
         run.streaming = True
         yield Log("info", "run_streaming", {"run": run.run, "epoch": run.epoch})
         yield Persist()
-        yield Send(
-            routing_id,
-            Message("run_started", {"run": run.run}, epoch=run.epoch),
-            CLIENT_NAME,
-            self.reply_s,
-        )
+        yield Send(routing_id, RunStarted(run=run.run, epoch=run.epoch), CLIENT_NAME, self.reply_s)
 
     def connect_all(self) -> Flow:
         """Second phase: every stage connects to its neighbours, now that all allow theirs."""
@@ -141,20 +142,15 @@ class BaseRun:
             member = self.state.membership.get(device)
             if member is None or member.state is MemberState.DEAD:
                 raise StageLostError(device, "it is gone")
-            body: dict[str, Any] = {"run": run.run}
-            ring = self.ring_of(device)
-            if ring is not None:
-                body["ring"] = ring
-            yield Send(
-                member.routing_id, Message("connect", body, epoch=run.epoch), device, stage=device
-            )
+            connect = Connect(run=run.run, ring=self.ring_of(device), epoch=run.epoch)
+            yield Send(member.routing_id, connect, device, stage=device)
         yield AwaitReplies(
             tuple(run.devices),
-            "connected",
+            Connected,
             self.reply_s,
             "connected",
             run=run.run,
-            fail_kind="assign_failed",
+            fail=AssignFailed,
         )
 
     def end(self, run_id: int, *, timeline: bool = False) -> Flow:
@@ -171,18 +167,9 @@ class BaseRun:
             if self.state.current is self:
                 self.state.current = None
             yield Persist()
-        body: dict[str, Any] = {"run": run_id, "stages": stages}
-        if timeline:
-            body["timelines"] = timelines
-        return Message("run_report", body)
+        return RunReport(run=run_id, stages=stages, timelines=timelines if timeline else None)
 
     def notify_stage_failed(self, name: str, reason: str) -> Flow:
         run = self.run
-        yield Send(
-            run.client,
-            Message(
-                "stage_failed", {"run": run.run, "stage": name, "reason": reason}, epoch=run.epoch
-            ),
-            CLIENT_NAME,
-            self.reply_s,
-        )
+        failed = StageFailed(run=run.run, stage=name, reason=reason, epoch=run.epoch)
+        yield Send(run.client, failed, CLIENT_NAME, self.reply_s)

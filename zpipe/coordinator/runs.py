@@ -15,7 +15,7 @@ import torch
 
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.transport.codec import Message
+from zpipe.protocol.client_control import RunRequest
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Run:
     ring_endpoints: dict[str, str] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)
     # inference streams: the request, to re-plan without a dead stage and replay
-    request: Message | None = None
+    request: RunRequest | None = None
     recover: bool = False
     streaming: bool = False
     # training: the plan of device groups the stages run, and the share by which a
@@ -61,7 +61,7 @@ class Run:
             "devices": list(self.devices),
             "ring_endpoints": dict(self.ring_endpoints),
             "groups": [list(g) for g in self.groups],
-            "request": None if self.request is None else dict(self.request.body),
+            "request": None if self.request is None else self.request.body(),
             "recover": self.recover,
             "streaming": self.streaming,
             "training_plan": (None if self.training_plan is None else self.training_plan.to_dict()),
@@ -84,7 +84,7 @@ class Run:
             devices=[str(d) for d in data["devices"]],
             ring_endpoints={str(k): str(v) for k, v in dict(data["ring_endpoints"]).items()},
             groups=[[str(d) for d in g] for g in data["groups"]],
-            request=None if request is None else Message("run_request", dict(request)),
+            request=None if request is None else RunRequest.from_body(request),
             recover=bool(data["recover"]),
             streaming=bool(data["streaming"]),
             training_plan=None if tplan is None else TrainingPlan.from_dict(tplan),
@@ -95,7 +95,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Replica:
+class KeptReplica:
     """A replica of training run ``run`` after mini-batch ``step``, and the plan it was
     taken under. A global replica (FTPipeHD) holds every unit's weights and
     optimizer state in ``state``; a chain or topology replica holds here only what
@@ -110,7 +110,7 @@ class Replica:
     plan: TrainingPlan
     state: dict[str, torch.Tensor]
     holders: Mapping[str, str] = field(default_factory=dict)
-    fallback: Replica | None = None
+    fallback: KeptReplica | None = None
     # every unit's state is here (None: as the holders say, none for a global replica)
     global_copy: bool | None = None
     # `fast` consistency: the survivors' newest state was merged in here; the stages'
@@ -126,6 +126,6 @@ class Replica:
         """Whether every unit's state is here (a global copy)."""
         return not self.holders if self.global_copy is None else self.global_copy
 
-    def newest_global(self) -> Replica | None:
+    def newest_global(self) -> KeptReplica | None:
         """This replica if it holds every unit here, else its fallback."""
         return self if self.complete else self.fallback

@@ -19,12 +19,14 @@ The two phases exist because a CURVE handshake refused once is not retried:
 every stage (and the client) must allow its upstream's key before anyone
 connects to it.
 
-Every message becomes an event (:mod:`zpipe.coordinator.events`) through a
-dispatch table by kind; the pure core (:mod:`zpipe.coordinator.core`) and the
-run's controller decide, and this shell carries out the commands they return:
-sends, timers, persistence, and jobs (:mod:`zpipe.coordinator.jobs`) whose
-results come back as events. One bad message, or a bug it triggers, is logged
-with its peer and dropped: the receive loop never dies of it.
+Every message is parsed into its protocol class once, here, and becomes an
+event (:mod:`zpipe.coordinator.events`) by its class; the pure core
+(:mod:`zpipe.coordinator.core`) and the run's controller decide, and this
+shell carries out the commands they return: sends, timers, persistence, and
+jobs (:mod:`zpipe.coordinator.jobs`) whose results come back as events; its
+sends go out through :mod:`zpipe.coordinator.shell_sends`. One
+bad message, or a bug it triggers, is logged with its peer and dropped: the
+receive loop never dies of it.
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import PeerGoneError, ProtocolError, RoleError, TransportTimeout, ZpipeError
+from zpipe._errors import ProtocolError, RoleError, ZpipeError
 from zpipe.config import Timeouts
-from zpipe.coordinator.bulk_links import BulkLink, BulkLinks
+from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.commands import (
     Command,
     Deliver,
@@ -54,27 +56,28 @@ from zpipe.coordinator.commands import (
     Send,
     StartTimer,
 )
-from zpipe.coordinator.core import CoordinatorCore, printable
+from zpipe.coordinator.core import CoordinatorCore
 from zpipe.coordinator.events import (
     Event,
     JobDone,
     JobFailed,
-    RequestFailed,
     Tick,
     TimerFired,
-    event_of_kind,
+    event_of,
 )
 from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.loop_lag import LoopLag
-from zpipe.coordinator.membership import Member, Membership
+from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.persistence import StateStore
+from zpipe.coordinator.registration import printable
 from zpipe.coordinator.restored_replica import fallback_named
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.shell_sends import ShellSends
+from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
+from zpipe.protocol import REGISTRY
+from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
-from zpipe.transport.bulk import OutgoingTransfer
-from zpipe.transport.codec import Message, encode
 from zpipe.transport.roles import KeyRoles
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -83,7 +86,6 @@ from zpipe.transport.sockets import (
     new_context,
     open_socket,
     recv_frames,
-    send,
     this_host_addresses,
 )
 
@@ -125,7 +127,7 @@ class Coordinator:
         )
         self._public_keys: dict[str, bytes] = {}
         self._store = StateStore(config.state_dir) if config.state_dir is not None else None
-        self.state = CoordinatorState(
+        self.state = ControlState(
             timeouts=t,
             membership=self.membership,
             public_keys=self._public_keys,
@@ -147,14 +149,16 @@ class Coordinator:
         self.endpoint = ""
         # how late the loop wakes (sampled by _lag_loop, logged as loop_lag every 10 s)
         self.loop_lag = LoopLag()
-        # Replies the shell's own requests await, by (stage, reply kind).
-        self._reply_waiters: dict[tuple[str, str], asyncio.Future[Message]] = {}
-        self._bulk_transfers = 0  # ids of the bulk transfers this process sends
-        links = LinkMeasurer(self._request, self._public_keys, timeout_s=4 * t.reply_s)
+        # sends in order, bulk state in chunks, and the shell's own requests
+        self._sends = ShellSends(
+            bulk_links=self.state.bulk, send_s=t.send_s, feed=self._feed, spawn=self._spawn
+        )
+        request = self._sends.request
+        links = LinkMeasurer(request, self._public_keys, timeout_s=4 * t.reply_s)
         if config.measure_links:
             self.state.measured_links = links.known_cluster_links
         self._jobs = JobRunner(
-            self.state, self._request, links, measure_links=config.measure_links, store=self._store
+            self.state, request, links, measure_links=config.measure_links, store=self._store
         )
 
     @property
@@ -182,6 +186,7 @@ class Coordinator:
         else:
             security.warn_open_cluster(log, "coordinator")
         self.endpoint = bind_endpoint(self._router, self.config.bind)
+        self._sends.router = self._router
         self.state.local_hosts = this_host_addresses(self.endpoint)
 
     async def serve(self, *, ready: asyncio.Event | None = None) -> None:
@@ -257,11 +262,8 @@ class Coordinator:
     async def _shutdown_stages(self, reason: str) -> None:
         for member in self.membership.alive():
             with contextlib.suppress(Exception):
-                await self._send(
-                    member.routing_id,
-                    Message("shutdown", {"reason": reason}),
-                    peer=member.name,
-                    timeout_s=0.5,
+                await self._sends.send(
+                    member.routing_id, Shutdown(reason=reason), peer=member.name, timeout_s=0.5
                 )
 
     def _close(self) -> None:
@@ -288,8 +290,9 @@ class Coordinator:
                 user_key = _curve_user_id(frames[1])
                 message = decode_frames(frames[1:], max_bytes)
                 self._check_role(message.kind, user_key)
-                event_of = event_of_kind(message.kind)
-                self._feed(event_of(routing_id, user_key, message), peer=routing_id)
+                # parsed once: past this point everything sees protocol classes
+                typed = REGISTRY.parse(message)
+                self._feed(event_of(routing_id, user_key, typed), peer=routing_id)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer=printable(routing_id), error=str(exc))
             except RoleError as exc:
@@ -344,7 +347,8 @@ class Coordinator:
         except Exception as exc:  # a controller's bug: this event is lost, not the process
             log.error(
                 "event_failed",
-                event=type(event).__name__,
+                # not ``event=``: the logger takes the event's name in that argument
+                failed_event=type(event).__name__,
                 peer=None if peer is None else printable(peer),
                 error=repr(exc),
                 exc_info=True,
@@ -363,7 +367,7 @@ class Coordinator:
             except Exception as exc:  # one command that fails must not take the rest
                 log.error("command_failed", command=type(command).__name__, error=repr(exc))
         if sends:
-            self._send_soon(sends)
+            self._sends.soon(sends)
 
     def _do(self, command: Command) -> None:
         if isinstance(command, Log):
@@ -379,94 +383,15 @@ class Coordinator:
         elif isinstance(command, RunJob):
             self._spawn(self._run_job(command))
         elif isinstance(command, Deliver):
-            waiter = self._reply_waiters.get((command.stage, command.message.kind))
-            if waiter is not None and not waiter.done():
-                waiter.set_result(command.message)
+            self._sends.deliver(command.stage, command.message)
         elif isinstance(command, FailRequests):
-            for (peer, _), waiter in self._reply_waiters.items():
-                if peer == command.stage and not waiter.done():
-                    waiter.set_exception(command.error)
+            self._sends.fail_requests(command.stage, command.error)
         else:
             log.error("unknown_command", command=repr(command))
 
     def _timer_fired(self, tag: int) -> None:
         self._timers.pop(tag, None)
         self._feed(TimerFired(tag))
-
-    def _send_soon(self, sends: list[Send]) -> None:
-        """Queue ``sends`` in order: at once while the socket takes them (the common
-        case), in a task from the first one that has to wait. A task for every
-        heartbeat answer cost more than the send itself with hundreds of stages."""
-        assert self._router is not None
-        for index, command in enumerate(sends):
-            if self.state.bulk.route_for(command.to, command.message) is not None:
-                self._spawn(self._send_all(sends[index:]))  # chunked: awaited
-                return
-            try:
-                frames = [command.to, *encode(command.message)]
-                # zmq.asyncio tries a non-blocking send first and queues behind any
-                # send still waiting, so the order holds; a future done now was sent
-                pending = cast(
-                    "asyncio.Future[Any]", self._router.send_multipart(frames, copy=False)
-                )
-            except Exception as exc:  # a message that cannot be encoded, say: this one only
-                self._send_failed(command, exc)
-                continue
-            if not pending.done():
-                self._spawn(self._send_all(sends[index + 1 :], waiting=(command, pending)))
-                return
-            error = pending.exception()
-            if error is not None:
-                self._send_failed(command, error)
-
-    def _send_failed(self, command: Send, error: BaseException) -> None:
-        if isinstance(error, zmq.ZMQError):  # ROUTER_MANDATORY: the peer is not connected
-            error = PeerGoneError(command.peer, command.message.kind)
-        if isinstance(error, TransportTimeout):
-            if command.stage is None:
-                log.warning("reply_failed", peer=command.peer, error=str(error))
-        else:
-            log.error(
-                "send_failed", peer=command.peer, kind=command.message.kind, error=repr(error)
-            )
-        if command.stage is not None:
-            # later, not inside the event being carried out
-            asyncio.get_running_loop().call_soon(
-                self._feed, RequestFailed(command.stage, cast(Exception, error))
-            )
-
-    async def _send_all(
-        self, sends: list[Send], *, waiting: tuple[Send, asyncio.Future[Any]] | None = None
-    ) -> None:
-        """Finish ``waiting`` (a send queued but not yet taken), then send ``sends``."""
-        if waiting is not None:
-            command, pending = waiting
-            timeout_s = command.timeout_s or self.config.timeouts.send_s
-            try:
-                await asyncio.wait_for(pending, timeout_s)
-            except asyncio.TimeoutError:
-                error = TransportTimeout(
-                    command.peer, f"room to send {command.message.kind}", timeout_s
-                )
-                self._send_failed(command, error)
-            except Exception as exc:
-                self._send_failed(command, exc)
-        for command in sends:
-            try:
-                await self._send(
-                    command.to, command.message, peer=command.peer, timeout_s=command.timeout_s
-                )
-            except TransportTimeout as exc:
-                if command.stage is not None:
-                    self._feed(RequestFailed(command.stage, exc))
-                else:
-                    log.warning("reply_failed", peer=command.peer, error=str(exc))
-            except Exception as exc:  # a message that cannot be encoded, say: this one only
-                log.error(
-                    "send_failed", peer=command.peer, kind=command.message.kind, error=repr(exc)
-                )
-                if command.stage is not None:
-                    self._feed(RequestFailed(command.stage, exc))
 
     async def _run_job(self, command: RunJob) -> None:
         try:
@@ -477,70 +402,6 @@ class Coordinator:
             self._feed(JobFailed(command.tag, exc))
             return
         self._feed(JobDone(command.tag, result))
-
-    # ------------------------------------------------------------- messaging
-
-    async def _send(
-        self, routing_id: bytes, message: Message, *, peer: str, timeout_s: float | None = None
-    ) -> None:
-        assert self._router is not None
-        bulk = self.state.bulk.route_for(routing_id, message)
-        if bulk is not None:  # state for a stage: on its bulk connection, chunked
-            await self._send_bulk(bulk, message, timeout_s=timeout_s)
-            return
-        try:
-            await send(
-                self._router,
-                message,
-                routing_id=routing_id,
-                peer=peer,
-                timeout_s=timeout_s or self.config.timeouts.send_s,
-            )
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
-            raise PeerGoneError(peer, message.kind) from exc
-
-    async def _send_bulk(
-        self, link: BulkLink, message: Message, *, timeout_s: float | None
-    ) -> None:
-        """``message`` to a stage as chunks on its bulk connection: its heartbeat acks
-        and probes never queue behind it. Each chunk has the send deadline of its own."""
-        assert self._router is not None and link.route is not None
-        self._bulk_transfers += 1
-        transfer = OutgoingTransfer(self._bulk_transfers, encode(message))
-        for chunk in transfer.messages(name=link.name, token=link.token):
-            try:
-                await send(
-                    self._router,
-                    chunk,
-                    routing_id=link.route,
-                    peer=link.name,
-                    timeout_s=timeout_s or self.config.timeouts.send_s,
-                )
-            except zmq.ZMQError as exc:
-                raise PeerGoneError(link.name, message.kind) from exc
-        log.info(
-            "bulk_sent",
-            stage=link.name,
-            kind=message.kind,
-            bytes=transfer.nbytes,
-            chunks=transfer.chunks,
-        )
-
-    async def _request(
-        self, member: Member, message: Message, reply_kind: str, timeout_s: float
-    ) -> Message:
-        """Send ``message`` to a stage and wait for its ``reply_kind`` answer."""
-        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._reply_waiters[(member.name, reply_kind)] = waiter
-        try:
-            # a send that fails says so itself (TransportTimeout is a TimeoutError too)
-            await self._send(member.routing_id, message, peer=member.name)
-            try:
-                return await asyncio.wait_for(waiter, timeout_s)
-            except asyncio.TimeoutError:
-                raise TransportTimeout(member.name, reply_kind, timeout_s) from None
-        finally:
-            self._reply_waiters.pop((member.name, reply_kind), None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

@@ -3,7 +3,7 @@
     run_request ─> check the request ─> (resume: the replica; fast consistency: the
     survivors' newest state; re-plan without the dead) ─> the stages (waiting for
     them to register) ─> plan (profiles and links gathered, planner off the loop)
-    ─> an InferenceRun or a SyncTrainingRun ─> assignments ─> run_ready
+    ─> an InferenceController or a SyncTrainingController ─> assignments ─> run_ready
 
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
 from zpipe.coordinator.async_training import (
-    AsyncTrainingRun,
+    AsyncTrainingController,
     as_async_plan,
     as_planning_plan,
     planning_schedule,
@@ -43,33 +43,34 @@ from zpipe.coordinator.decisions import (
     units_state,
 )
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.inference import InferenceRun
-from zpipe.coordinator.planning import DEFAULT_PLANNER, bucketing_of
+from zpipe.coordinator.inference import InferenceController
+from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.restoring import allow_fetches, choose_restore
 from zpipe.coordinator.runbase import run_failed
-from zpipe.coordinator.runs import Replica, Run
+from zpipe.coordinator.runs import KeptReplica, Run
 from zpipe.coordinator.sink_check import check_sink_reachable
-from zpipe.coordinator.state import CLIENT_NAME, DEFAULT_RECOVERY, CoordinatorState
-from zpipe.coordinator.training import SyncTrainingRun, backup_holders
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
+from zpipe.coordinator.training import SyncTrainingController, backup_holders
 from zpipe.coordinator.training_balance import memory_model
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
+from zpipe.protocol.client_control import RunReady, RunRequest
+from zpipe.protocol.stage_control import Assign, AssignFailed, Ready, Weights, WeightsRequest
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
 from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.objectives import check_train_settings
-from zpipe.transport.codec import Message
 
 
 def run_request(
-    state: CoordinatorState, routing_id: bytes, user_key: str | None, message: Message
+    state: ControlState, routing_id: bytes, user_key: str | None, request: RunRequest
 ) -> Flow:
     """Answer a ``run_request``: ``run_ready`` once every stage is ready, or ``run_failed``."""
     reply_s = state.timeouts.reply_s
     try:
-        ready = yield from _start_run(state, routing_id, user_key, message)
+        ready = yield from _start_run(state, routing_id, user_key, request)
     except Exception as exc:  # whatever it was, the client hears that its run failed
         if not isinstance(exc, (ZpipeError, ValueError)):
             yield Log("error", "run_start_crashed", {"error": repr(exc)})
@@ -81,78 +82,77 @@ def run_request(
     yield Send(routing_id, ready, CLIENT_NAME, reply_s)
 
 
-def _await_stages(message: Message, names: Any = None) -> AwaitStages:
+def _await_stages(request: RunRequest, names: Any = None) -> AwaitStages:
     """The stages a request names (or counts), waited for up to ``wait_for_stages_s``."""
     if names is None:
-        names = message.get("stage_names")
-    count = message.get("stages")
-    partition = message.get("partition")
-    if count is None and partition is not None:
-        count = len(partition)
+        names = request.stage_names
+    count = request.stages
+    if count is None and request.partition is not None:
+        count = len(request.partition)
     return AwaitStages(
         None if names is None else tuple(str(n) for n in names),
         None if count is None else int(count),
-        message["wait_for_stages_s"],
+        request.wait_for_stages_s,
     )
 
 
-def _check_request(message: Message) -> str:
-    mode = message.get("mode") or "infer"
+def _check_request(request: RunRequest) -> str:
+    mode = request.run_mode
     if mode not in ("infer", "train"):
         raise ConfigError(f"unknown run mode {mode!r}; use infer or train")
-    recovery = message.get("recovery") or DEFAULT_RECOVERY
+    recovery = request.recovery_policy
     if recovery not in RECOVERY_POLICIES:
         raise ConfigError(
             f"unknown recovery {recovery!r}; choose one of {', '.join(RECOVERY_POLICIES)}"
         )
-    replication = message.get("replication") or "global"
+    replication = request.replication_kind
     if replication not in REPLICATIONS:
         raise ConfigError(
             f"unknown replication {replication!r}; choose one of {', '.join(REPLICATIONS)}"
         )
-    rebalance = message.get("rebalance")
+    rebalance = request.rebalance
     if rebalance is not None and not 0 < rebalance < 1:
         raise ConfigError(f"rebalance must lie in (0, 1), got {rebalance}")
     return str(mode)
 
 
 def _start_run(
-    state: CoordinatorState, routing_id: bytes, client_key: str | None, message: Message
+    state: ControlState, routing_id: bytes, client_key: str | None, request: RunRequest
 ) -> Flow:
     if state.current is not None:
         yield Log("warning", "run_replaced", {"previous": state.current.run.run})
-    spec = ModelSpec.from_dict(message["model"])
-    mode = _check_request(message)
-    num_units = yield CountUnits(spec, message.get("num_units"))
-    recovery = message.get("recovery") or DEFAULT_RECOVERY
-    settings = dict(message.get("train") or {})
+    spec = ModelSpec.from_dict(request.model)
+    mode = _check_request(request)
+    num_units = yield CountUnits(spec, request.num_units)
+    recovery = request.recovery_policy
+    settings = request.train_settings
     replica = None
     start = _Training(state, routing_id, client_key, spec)
-    if mode == "train" and message.get("resume") is not None:
-        resume = dict(message["resume"])
+    if mode == "train" and request.resume is not None:
+        resume = dict(request.resume)
         replica = replica_to_resume(state.replica, resume, num_units)
-        names = message.get("stage_names")
+        names = request.stage_names
         if names is not None:
             # Stages that died with the one the client heard of (not yet declared when
             # it asked) are left out too, rather than waited for.
             alive = {m.name for m in live_members(state.membership)}
             dead = set(resume.get("dead") or [])
             kept = [n for n in names if n in alive and n not in dead]
-            message = Message("run_request", {**message.body, "stage_names": kept})
+            request = replace(request, stage_names=kept)
         if resume.get("consistency") == "fast":
-            replica = yield from _fast_replica(state, replica, message)
+            replica = yield from _fast_replica(state, replica, request)
         if recovery != "heavy" and settings.get("plan") is None:
-            given = yield from _replan_training(state, replica, str(recovery), message, spec)
-            return (yield from start.assign(message, given, replica=replica))
+            given = yield from _replan_training(state, replica, str(recovery), request, spec)
+            return (yield from start.assign(request, given, replica=replica))
     if mode == "train" and settings.get("plan") is not None:
         given = TrainingPlan.from_dict(settings["plan"])
         check_plan_fits_model(spec.family, given)
-        return (yield from start.assign(message, given, replica=replica))
-    members = yield _await_stages(message)
-    algo = str(message.get("planner") or DEFAULT_PLANNER)
-    if mode == "train" and algo in TRAINING_ALGOS and message.get("partition") is None:
+        return (yield from start.assign(request, given, replica=replica))
+    members = yield _await_stages(request)
+    algo = request.planner_name
+    if mode == "train" and algo in TRAINING_ALGOS and request.partition is None:
         algo = training_planner_for(spec.family, algo)
-        batch = message.get("microbatch_size")
+        batch = request.microbatch_size
         if batch is None:
             raise ConfigError(f"planner {algo!r} needs the micro-batch size (microbatch_size)")
         checked = check_train_settings(settings, 1)
@@ -167,25 +167,23 @@ def _start_run(
         )
         if checked["schedule"] == ASYNC_SCHEDULE:
             planned = as_async_plan(planned)
-        return (yield from start.assign(message, planned, replica=replica))
+        return (yield from start.assign(request, planned, replica=replica))
     plan, baseline = yield PlanInference(
         spec,
         num_units,
         tuple(members),
         algo=algo,
-        partition=message.get("partition"),
-        batch_size=int(message.get("microbatch_size") or 1),
-        dtype=str(message["dtype"]),
-        profile=message.get("profile"),
-        bucketing=bucketing_of(message.get("bucketing")),
+        partition=request.partition,
+        batch_size=request.microbatch_size_or(),
+        dtype=request.dtype,
+        profile=request.profile,
+        bucketing=bucketing_of(request.bucketing_mode),
     )
     if mode == "train":
-        return (yield from start.assign(message, None, straight=plan, replica=replica))
+        return (yield from start.assign(request, None, straight=plan, replica=replica))
     members = [m for m in members if m.name in plan.devices]
     last = next(m for m in members if m.name == plan.stages[-1].device)
-    check_sink_reachable(
-        str(message["sink_endpoint"]), {last.name: last.data_endpoint}, state.local_hosts
-    )
+    check_sink_reachable(request.sink_endpoint, {last.name: last.data_endpoint}, state.local_hosts)
     epoch, counter = state.next_epoch(), state.next_run()
     run = Run(
         run=counter,
@@ -193,10 +191,10 @@ def _start_run(
         client=routing_id,
         plan=plan,
         client_key=client_key,
-        request=message,
-        recover=bool(message.get("recover", False)),
+        request=request,
+        recover=bool(request.recover),
     )
-    controller = InferenceRun(state, run, spec)
+    controller = InferenceController(state, run, spec)
     state.current = controller
     yield Log(
         "info",
@@ -209,30 +207,31 @@ def _start_run(
         },
     )
     by_name = {m.name: m for m in members}
-    yield from controller.assign(by_name, message)
+    yield from controller.assign(by_name, request)
     return controller.ready_message(by_name, baseline)
 
 
-def _fast_replica(state: CoordinatorState, replica: Replica, message: Message) -> Flow:
+def _dead_of(request: RunRequest) -> set[str]:
+    """The stages the client says died (its ``resume`` map's ``dead``)."""
+    return {str(d) for d in ((request.resume or {}).get("dead") or [])}
+
+
+def _fast_replica(state: ControlState, replica: KeptReplica, request: RunRequest) -> Flow:
     """The `fast` consistency (as FTPipeHD and Asteroid recover): the survivors of
     the broken run keep their newest weights and optimizer state; only the units
     no survivor holds (the dead's) come from the replica."""
     current = state.current
-    dead = {str(d) for d in (message["resume"].get("dead") or [])}
-    if not isinstance(current, SyncTrainingRun) or current.run.training_plan is None:
+    dead = _dead_of(request)
+    if not isinstance(current, SyncTrainingController) or current.run.training_plan is None:
         return replica  # no broken run here (a restarted coordinator): exact it is
     run = current.run
     alive = {m.name: m for m in live_members(state.membership)}
     survivors = [d for d in run.devices if d in alive and d not in dead | run.failed]
-    request = Message(
-        "weights_request",
-        {"run": run.run, "step": 0, "optimizer": True, "latest": True},
-        epoch=run.epoch,
-    )
+    ask = WeightsRequest(run=run.run, step=0, optimizer=True, latest=True, epoch=run.epoch)
     for name in survivors:
-        yield Send(alive[name].routing_id, request, name, stage=name)
-    replies = yield AwaitReplies(
-        tuple(survivors), "weights", state.timeouts.result_s, "weights", partial=True
+        yield Send(alive[name].routing_id, ask, name, stage=name)
+    replies: dict[str, Weights] = yield AwaitReplies(
+        tuple(survivors), Weights, state.timeouts.result_s, "weights", partial=True
     )
     merged, completed, from_replica, missing = merge_fast_state(
         replica, {name: replies.get(name) for name in survivors}
@@ -240,7 +239,7 @@ def _fast_replica(state: CoordinatorState, replica: Replica, message: Message) -
     for name in missing:
         # Its units fall back to the replica: still a consistent model.
         reply = replies.get(name)
-        error = "no reply" if reply is None else reply["error"]
+        error = "no reply" if reply is None else reply.error
         yield Log("warning", "fast_state_missing", {"stage": name, "error": str(error)})
     yield Log(
         "info",
@@ -256,11 +255,11 @@ def _fast_replica(state: CoordinatorState, replica: Replica, message: Message) -
 
 
 def _replan_training(
-    state: CoordinatorState, replica: Replica, policy: str, message: Message, spec: ModelSpec
+    state: ControlState, replica: KeptReplica, policy: str, request: RunRequest, spec: ModelSpec
 ) -> Flow:
     """Lightweight or ResPipe re-planning of the replica's plan without the dead."""
     alive = {m.name: m for m in live_members(state.membership)}
-    dead = {str(d) for d in (message["resume"].get("dead") or [])}
+    dead = _dead_of(request)
     failed = dead | {d for d in replica.plan.devices if d not in alive}
     survivors = [alive[d] for d in replica.plan.devices if d not in failed]
     if not survivors:
@@ -293,7 +292,7 @@ class _Training:
     """Assigning a training run: a plan of device groups, or a straight pipeline."""
 
     def __init__(
-        self, state: CoordinatorState, routing_id: bytes, client_key: str | None, spec: ModelSpec
+        self, state: ControlState, routing_id: bytes, client_key: str | None, spec: ModelSpec
     ) -> None:
         self.state = state
         self.routing_id = routing_id
@@ -302,20 +301,20 @@ class _Training:
 
     def assign(
         self,
-        message: Message,
+        request: RunRequest,
         given: TrainingPlan | None,
         *,
         straight: Plan | None = None,
-        replica: Replica | None = None,
+        replica: KeptReplica | None = None,
     ) -> Flow:
         """With ``replica``, every stage starts from its units' state in it."""
         state, spec = self.state, self.spec
-        settings = dict(message.get("train") or {})
+        settings = request.train_settings
         # The user's plan or warm-ups are kept as given; a plan the coordinator made takes
         # the counts of the run's warm-up policy (zpipe.training.warmup).
         own_counts = settings.pop("plan", None) is not None or settings.get("warmups") is not None
         if given is not None:
-            num_units = yield CountUnits(spec, message.get("num_units"))
+            num_units = yield CountUnits(spec, request.num_units)
             if given.num_units != num_units:
                 raise ConfigError(
                     f"the training plan covers {given.num_units} units, the model has {num_units}"
@@ -323,12 +322,12 @@ class _Training:
             settings["schedule"] = given.schedule
             settings["num_microbatches"] = given.num_microbatches
             settings["warmups"] = given.warmups if own_counts else None
-            members = yield _await_stages(message, names=given.devices)
+            members = yield _await_stages(request, names=given.devices)
             groups = [(list(st.devices), st.start, st.end, list(st.shares)) for st in given.stages]
             source: Plan | TrainingPlan = given
         else:
             assert straight is not None
-            members = yield _await_stages(message)
+            members = yield _await_stages(request)
             groups = [([st.device], st.start, st.end, [1]) for st in straight.stages]
             source = straight
         by_name = {m.name: m for m in members}
@@ -337,10 +336,10 @@ class _Training:
         restore: RestoreChoice | None = None
         if replica is not None:
             spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
-            restore = yield from choose_restore(state, replica, message, spans, live)
+            restore = yield from choose_restore(state, replica, request, spans, live)
             if restore.fell_back:
                 # the learning-rate schedule goes on from the global copy's mini-batch
-                settings["start_step"] = message["resume"]["global"]["start_step"]
+                settings["start_step"] = (request.resume or {})["global"]["start_step"]
         training = check_train_settings(settings, len(groups))
         if given is not None and training["warmups"] != given.warmups:
             given = replace(
@@ -351,7 +350,7 @@ class _Training:
                 ),
             )
         check_sink_reachable(
-            str(message["sink_endpoint"]),
+            request.sink_endpoint,
             {n: by_name[n].data_endpoint for n in groups[-1][0]},
             state.local_hosts,
         )
@@ -370,11 +369,10 @@ class _Training:
             client_key=self.client_key,
             devices=[d for g in groups for d in g[0]],
             groups=[list(g[0]) for g in groups],
-            client_progress=bool(message.get("progress", False)),
+            client_progress=bool(request.progress),
         )
-        controller_kind = (
-            AsyncTrainingRun if training["schedule"] == ASYNC_SCHEDULE else SyncTrainingRun
-        )
+        asynchronous = training["schedule"] == ASYNC_SCHEDULE
+        controller_kind = AsyncTrainingController if asynchronous else SyncTrainingController
         controller = controller_kind(state, run)
         state.current = controller
         yield Log(
@@ -388,12 +386,12 @@ class _Training:
                 # Stages fetch units from each other's probe sockets: allowed
                 # beforehand, each holder told who fetches what (it answers nothing else).
                 yield AllowPeers(tuple(live.values()), fetch_grants(restore.fetches))
-            if isinstance(controller, SyncTrainingRun):
+            if isinstance(controller, SyncTrainingController):
                 controller.fallback = restore.replica.newest_global()
         client = {
             "names": [CLIENT_NAME],
             "shares": [1],
-            "endpoints": [str(message["sink_endpoint"])],
+            "endpoints": [request.sink_endpoint],
             "keys": [controller.key_of(CLIENT_NAME)],
         }
 
@@ -425,7 +423,7 @@ class _Training:
             )
         )
         # Who backs up to whom (chain, topology): a stage keeps backups only from these.
-        replication = str(message.get("replication") or "global")
+        replication = request.replication_kind
         holders = backup_holders(tplan, replication)
         for i, (names, start, end, shares) in enumerate(groups):
             for rank, name in enumerate(names):
@@ -447,74 +445,71 @@ class _Training:
                     train["async"] = training["async"]
                 if holders:
                     train["backup_from"] = sorted(o for o, h in holders.items() if h == name)
-                body: dict[str, Any] = {
-                    "mode": "train",
-                    "train": train,
-                    "run": run.run,
-                    "model": spec.to_dict(),
-                    "start": start,
-                    "end": end,
-                    "index": i,
-                    "num_stages": len(groups),
-                    "upstream": up["names"][0],
-                    "upstream_key": up["keys"][0],
-                    "downstream": down["names"][0],
-                    "downstream_endpoint": down["endpoints"][0],
-                    "downstream_key": down["keys"][0],
-                    "dtype": "float32",
-                }
                 tensors: dict[str, Any] = {}
+                fetch = None
                 if restore is not None:
                     # only what no stage holds nearer comes from here
                     for a, b in restore.from_coordinator.get(name, []):
                         tensors.update(units_state(restore.replica.state, a, b))
-                    body["state_keys"] = list(tensors)
-                    if restore.fetches.get(name):
-                        body["fetch"] = restore.fetches[name]
-                assign = Message("assign", body, epoch=run.epoch, tensors=tuple(tensors.values()))
+                    fetch = restore.fetches.get(name) or None
+                assign = Assign(
+                    mode="train",
+                    train=train,
+                    run=run.run,
+                    model=spec.to_dict(),
+                    start=start,
+                    end=end,
+                    index=i,
+                    num_stages=len(groups),
+                    upstream=up["names"][0],
+                    upstream_key=up["keys"][0],
+                    downstream=down["names"][0],
+                    downstream_endpoint=down["endpoints"][0],
+                    downstream_key=down["keys"][0],
+                    dtype="float32",
+                    state_keys=None if restore is None else list(tensors),
+                    fetch=fetch,
+                    tensors=tuple(tensors.values()),
+                    epoch=run.epoch,
+                )
                 yield Send(by_name[name].routing_id, assign, name, stage=name)
-        replies = yield AwaitReplies(
+        replies: dict[str, Ready] = yield AwaitReplies(
             tuple(run.devices),
-            "ready",
+            Ready,
             state.timeouts.assign_s,
             "ready after assignment",
             run=run.run,
-            fail_kind="assign_failed",
+            fail=AssignFailed,
         )
         for name, reply in replies.items():
-            if reply.get("ring_endpoint"):
-                run.ring_endpoints[name] = str(reply["ring_endpoint"])
+            if reply.ring_endpoint:
+                run.ring_endpoints[name] = str(reply.ring_endpoint)
         run.training_plan = tplan
-        run.request = message
-        run.rebalance = message.get("rebalance")
+        run.request = request
+        run.rebalance = request.rebalance
         run.replication = replication
         first, last = groups[0][0], groups[-1][0]
-        limit = replies[first[0]].get("max_message_bytes")
-        return Message(
-            "run_ready",
-            {
-                # the client refuses inputs the first stage's data port would drop
-                **({"first_max_message_bytes": int(limit)} if limit is not None else {}),
-                "run": run.run,
-                "plan": view.to_dict(),
-                "baseline": None,
-                "first_endpoint": by_name[first[0]].data_endpoint,
-                "first_stage": first[0],
-                "first_key": controller.key_of(first[0]),
-                "last_stage": last[0],
-                "last_key": controller.key_of(last[0]),
-                "last_endpoint": by_name[last[0]].data_endpoint,
-                # the replica's global fallback was resumed from: the client replays more
-                **(
-                    {"resumed": {"run": restore.replica.run, "step": restore.replica.step}}
-                    if restore is not None and restore.fell_back
-                    else {}
-                ),
-                "training_plan": {
-                    **tplan.to_dict(),
-                    "endpoints": {n: by_name[n].data_endpoint for n in run.devices},
-                    "keys": {n: controller.key_of(n) for n in run.devices},
-                },
+        resumed = None
+        if restore is not None and restore.fell_back:
+            # the replica's global fallback was resumed from: the client replays more
+            resumed = {"run": restore.replica.run, "step": restore.replica.step}
+        return RunReady(
+            run=run.run,
+            plan=view.to_dict(),
+            baseline=None,
+            first_endpoint=by_name[first[0]].data_endpoint,
+            first_stage=first[0],
+            first_key=controller.key_of(first[0]),
+            last_stage=last[0],
+            last_key=controller.key_of(last[0]),
+            last_endpoint=by_name[last[0]].data_endpoint,
+            training_plan={
+                **tplan.to_dict(),
+                "endpoints": {n: by_name[n].data_endpoint for n in run.devices},
+                "keys": {n: controller.key_of(n) for n in run.devices},
             },
+            # the client refuses inputs the first stage's data port would drop
+            first_max_message_bytes=replies[first[0]].max_message_bytes,
+            resumed=resumed,
             epoch=run.epoch,
         )

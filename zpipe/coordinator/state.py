@@ -15,14 +15,12 @@ from zpipe.config import Timeouts
 from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.flows import Answers, FlowRunner
 from zpipe.coordinator.membership import Member, Membership
-from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.runs import KeptReplica
 from zpipe.models import ModelSpec
 from zpipe.planner import ClusterLink
 from zpipe.planner.profile import ModelProfile
 
 CLIENT_NAME = "client"
-# Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
-DEFAULT_RECOVERY = "lightweight"
 
 _ProfileKey = tuple[ModelSpec, int, str, str, float, bool]
 
@@ -58,7 +56,10 @@ class ProfileCache:
 
 
 @dataclass
-class CoordinatorState:
+class ControlState:
+    """What the core and every run's controller share (the shell owns it). Not the
+    state file's record: that is :class:`zpipe.protocol.storage.CoordinatorState`."""
+
     timeouts: Timeouts
     membership: Membership
     public_keys: Mapping[str, bytes] = field(default_factory=dict)
@@ -67,14 +68,14 @@ class CoordinatorState:
     epoch: int = 0
     run_counter: int = 0
     # the latest replica of a training run (FTPipeHD's global replication)
-    replica: Replica | None = None
+    replica: KeptReplica | None = None
     # members restored from disk that have not spoken to this process yet
     unconfirmed: set[str] = field(default_factory=set)
     # what happened to runs (deaths, recoveries), newest last
     events: list[dict[str, Any]] = field(default_factory=list)
     # whether a state directory keeps replicas on disk
     saves_replicas: bool = False
-    # the current run's controller (an InferenceRun or a SyncTrainingRun), if any
+    # the current run's controller (an InferenceController or a SyncTrainingController), if any
     current: Any = None
     answers: Answers = field(default_factory=Answers)
     # lossy runs waiting for their results, by run id (their stages' replicas go there:
@@ -111,3 +112,8 @@ class CoordinatorState:
     def confirm(self, name: str) -> None:
         """``name`` spoke to this process, or died: it is no longer only restored."""
         self.unconfirmed.discard(name)
+
+
+# The old name, for the lossy flows (zpipe.coordinator.lossy_*) until they take the new
+# one; the protocol's CoordinatorState (zpipe.protocol.storage) is the state file's record.
+CoordinatorState = ControlState

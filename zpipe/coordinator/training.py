@@ -16,6 +16,8 @@ runs are further modules beside this one.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,10 +38,10 @@ from zpipe.coordinator.decisions import live_members, training_planner_for
 from zpipe.coordinator.events import ClientRequest, Event, StageDied
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.persistence import SavedReplica
+from zpipe.coordinator.records import SavedReplica
 from zpipe.coordinator.repartition import LiveRepartitioning
 from zpipe.coordinator.runbase import BaseRun
-from zpipe.coordinator.runs import Replica
+from zpipe.coordinator.runs import KeptReplica
 from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.coordinator.training_balance import (
     admits,
@@ -51,6 +53,15 @@ from zpipe.coordinator.training_balance import (
 from zpipe.models import ModelSpec
 from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan
+from zpipe.protocol.client_control import (
+    Checkpoint,
+    Progress,
+    Replicate,
+    Replicated,
+    RunFailed,
+)
+from zpipe.protocol.repartition import Repartition
+from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
 from zpipe.recovery import (
     COORDINATOR,
     asteroid_replication,
@@ -60,14 +71,13 @@ from zpipe.recovery import (
 from zpipe.recovery.stage_costs import CostModel
 from zpipe.training.objectives import check_train_settings
 from zpipe.transport import codec
-from zpipe.transport.codec import Message
 
 
-class SyncTrainingRun(BaseRun):
+class SyncTrainingController(BaseRun):
     kind = "train"
     # the newest replica of this fit that holds every unit here (global replication):
     # what a recovery falls back to when chain copies of some unit all died
-    fallback: Replica | None = None
+    fallback: KeptReplica | None = None
 
     def ring_of(self, device: str) -> dict[str, Any] | None:
         for group in self.run.groups:
@@ -83,52 +93,58 @@ class SyncTrainingRun(BaseRun):
     def on_event(self, event: Event, now: float) -> list[Command]:
         if isinstance(event, StageDied):
             return self.state.flows.start(self.notify_stage_failed(event.name, event.reason), now)
-        if isinstance(event, ClientRequest) and event.message.kind == "repartition":
-            # a live re-partition (zpipe.coordinator.repartition), its flow answered once
-            run_id, step = int(event.message["run"]), int(event.message["step"])
-            look = bool(event.message.get("look"))  # a look before any flush
-            if self._repartitioning is None:
-                self._repartitioning = LiveRepartitioning(self)
-            flows = self._repartitioning
-            return self.state.answers.answer(
-                self.state.flows,
-                ("repartition_look" if look else "repartition", run_id, step),
-                event.routing_id,
-                lambda: flows.flow(run_id, step, look=look),
-                peer=CLIENT_NAME,
-                timeout_s=self.reply_s,
-                now=now,
-            )
-        if isinstance(event, ClientRequest) and event.message.kind in (
-            "weights_request",
-            "replicate",
-        ):
-            message = event.message
-            run_id, step = int(message["run"]), int(message["step"])
-            if message.kind == "weights_request":
-                optimizer = bool(message.get("optimizer"))
-                key = ("weights", run_id, step)
-                timeout = self.state.timeouts.send_s
+        if not isinstance(event, ClientRequest):
+            return super().on_event(event, now)
+        match event.message:
+            case Repartition(run=run_id, step=step, look=look):
+                return self._repartition(event.routing_id, run_id, step, bool(look), now)
+            case WeightsRequest(run=run_id, step=step, optimizer=optimizer):
 
-                def make() -> Flow:
-                    return self.checkpoint(run_id, step, optimizer=optimizer)
-            else:
+                def checkpoint() -> Flow:
+                    return self.checkpoint(run_id, step, optimizer=bool(optimizer))
+
+                key, timeout = ("weights", run_id, step), self.state.timeouts.send_s
+                return self._answer(event.routing_id, key, checkpoint, timeout, now)
+            case Replicate(run=run_id, step=step, global_copy=global_copy):
+
+                def replica() -> Flow:
+                    return self.take_replica(run_id, step, global_copy=bool(global_copy))
+
                 key, timeout = ("replicate", run_id, step), self.reply_s
-                global_copy = bool(message.get("global"))
-
-                def make() -> Flow:
-                    return self.take_replica(run_id, step, global_copy=global_copy)
-
-            return self.state.answers.answer(
-                self.state.flows,
-                key,
-                event.routing_id,
-                make,
-                peer=CLIENT_NAME,
-                timeout_s=timeout,
-                now=now,
-            )
+                return self._answer(event.routing_id, key, replica, timeout, now)
         return super().on_event(event, now)
+
+    def _answer(
+        self,
+        routing_id: bytes,
+        key: tuple[str, int, int],
+        make: Callable[[], Flow],
+        timeout_s: float,
+        now: float,
+    ) -> list[Command]:
+        """Answer a client's request once, however often it asks (see flows.Answers)."""
+        return self.state.answers.answer(
+            self.state.flows,
+            key,
+            routing_id,
+            make,
+            peer=CLIENT_NAME,
+            timeout_s=timeout_s,
+            now=now,
+        )
+
+    def _repartition(
+        self, routing_id: bytes, run_id: int, step: int, look: bool, now: float
+    ) -> list[Command]:
+        """A live re-partition (zpipe.coordinator.repartition), its flow answered once;
+        ``look``: a look before any flush."""
+        if self._repartitioning is None:
+            self._repartitioning = LiveRepartitioning(self)
+        flows = self._repartitioning
+        key = ("repartition_look" if look else "repartition", run_id, step)
+        return self._answer(
+            routing_id, key, lambda: flows.flow(run_id, step, look=look), self.reply_s, now
+        )
 
     def is_current(self, run_id: int) -> bool:
         return self.state.current is self and self.run.run == run_id
@@ -140,7 +156,7 @@ class SyncTrainingRun(BaseRun):
         run = self.run
         if not run.client_progress:
             return None
-        notice = Message("progress", {"run": run.run, "awaited": awaited})
+        notice = Progress(run=run.run, awaited=awaited)
         return Send(run.client, notice, CLIENT_NAME, self.state.timeouts.heartbeat_interval_s)
 
     def gather_state(
@@ -153,17 +169,16 @@ class SyncTrainingRun(BaseRun):
         missing = [d for d in run.devices if d not in members]
         if missing:
             raise StageLostError(", ".join(missing), "gone, and its weights with it")
-        body: dict[str, Any] = {"run": run.run, "step": step}
-        if optimizer:
-            body["optimizer"] = True
-        request = Message("weights_request", body, epoch=run.epoch)
+        request = WeightsRequest(
+            run=run.run, step=step, optimizer=True if optimizer else None, epoch=run.epoch
+        )
         requests = tuple(
             Send(members[device].routing_id, request, device, stage=device)
             for device in run.devices
         )
         replies = yield AwaitReplies(
             tuple(run.devices),
-            "weights",
+            Weights,
             self.state.timeouts.result_s,
             "weights",
             requests=requests,
@@ -189,15 +204,19 @@ class SyncTrainingRun(BaseRun):
         requests: list[Send] = []
         for device in run.devices:
             holder = holders.get(device, "")
-            body: dict[str, Any] = {"run": run.run, "step": step, "holder": holder}
-            if holder and holder != COORDINATOR:
-                body["holder_endpoint"] = str(members[holder].info["probe_endpoint"])
-                body["holder_key"] = self.key_of(holder)
-            message = Message("backup_request", body, epoch=run.epoch)
-            requests.append(Send(members[device].routing_id, message, device, stage=device))
+            peer = bool(holder) and holder != COORDINATOR
+            request = BackupRequest(
+                run=run.run,
+                step=step,
+                holder=holder,
+                holder_endpoint=str(members[holder].info["probe_endpoint"]) if peer else None,
+                holder_key=self.key_of(holder) if peer else None,
+                epoch=run.epoch,
+            )
+            requests.append(Send(members[device].routing_id, request, device, stage=device))
         replies = yield AwaitReplies(
             tuple(run.devices),
-            "backed_up",
+            BackedUp,
             self.state.timeouts.result_s,
             "backed_up",
             requests=tuple(requests),
@@ -223,12 +242,9 @@ class SyncTrainingRun(BaseRun):
                 )
         except (ZpipeError, ValueError) as exc:
             yield Log("error", "run_failed", {"error": str(exc)})
-            return Message("run_failed", {"error": str(exc)})
-        return Message(
-            "checkpoint",
-            {"run": run.run, "step": step, "keys": keys},
-            epoch=run.epoch,
-            tensors=tuple(tensors),
+            return RunFailed(error=str(exc))
+        return Checkpoint(
+            run=run.run, step=step, keys=keys, tensors=tuple(tensors), epoch=run.epoch
         )
 
     def take_replica(self, run_id: int, step: int, *, global_copy: bool = False) -> Flow:
@@ -238,7 +254,7 @@ class SyncTrainingRun(BaseRun):
         replication ``global_copy`` also gathers every unit here (FTPipeHD runs both);
         a chain replica without one keeps the newest that had one as its fallback."""
         run = self.run
-        body: dict[str, Any] = {"run": run_id, "step": step, "tensors": 0, "bytes": 0}
+        answer = Replicated(run=run_id, step=step, tensor_count=0, nbytes=0, error="")
         try:
             if not self.is_current(run_id) or run.training_plan is None:
                 raise ConfigError(f"run {run_id} is not the current training run")
@@ -261,7 +277,7 @@ class SyncTrainingRun(BaseRun):
                     yield SaveReplica(saved)
                 except (OSError, StateFileError) as exc:
                     raise StateFileError(f"the replica could not be saved: {exc}") from exc
-            replica = Replica(
+            replica = KeptReplica(
                 run.run,
                 step,
                 run.training_plan,
@@ -273,10 +289,12 @@ class SyncTrainingRun(BaseRun):
             self.state.replica = replica
             if whole:
                 self.fallback = replica
-            body["global"] = whole
-            body["tensors"] = len(state)
-            body["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-            body["error"] = ""
+            answer = replace(
+                answer,
+                global_copy=whole,
+                tensor_count=len(state),
+                nbytes=sum(t.numel() * t.element_size() for t in state.values()),
+            )
             yield Log(
                 "info",
                 "replica_kept",
@@ -284,7 +302,7 @@ class SyncTrainingRun(BaseRun):
                     "run": run.run,
                     "step": step,
                     "tensors": len(state),
-                    "bytes": body["bytes"],
+                    "bytes": answer.nbytes,
                     "saved": self.state.saves_replicas,
                     "replication": run.replication,
                     "holders": holders or None,
@@ -297,13 +315,13 @@ class SyncTrainingRun(BaseRun):
                 if balanced is None:
                     balanced = yield from self.rebalance(run.training_plan, counters)
                 if balanced is not None:
-                    body["rebalance"] = balanced.to_dict()
+                    answer = replace(answer, rebalance=balanced.to_dict())
         except (ZpipeError, ValueError) as exc:
-            body["error"] = f"{type(exc).__name__}: {exc}"
+            answer = replace(answer, error=f"{type(exc).__name__}: {exc}")
             yield Log(
-                "error", "replica_failed", {"run": run_id, "step": step, "error": body["error"]}
+                "error", "replica_failed", {"run": run_id, "step": step, "error": answer.error}
             )
-        return Message("replicated", body)
+        return answer
 
     def collect_replica(self, step: int, global_copy: bool, counters: dict[str, Any]) -> Flow:
         """The state a replica after round ``step`` keeps here: ``(keys, tensors,
@@ -328,7 +346,7 @@ class SyncTrainingRun(BaseRun):
         :func:`zpipe.coordinator.training_balance.rebalanced`)."""
         run = self.run
         assert run.rebalance is not None and run.request is not None
-        spec = ModelSpec.from_dict(run.request["model"])
+        spec = ModelSpec.from_dict(run.request.model)
         unit_work: list[float] = [1.0] * plan.num_units
         model: CostModel | None = None
         batch = plan.microbatch_size
@@ -348,7 +366,7 @@ class SyncTrainingRun(BaseRun):
                 spec, tuple(m for m in members if m is not None), batch
             )
             unit_work = unit_work_from_profile(profile, batch, training=True)
-            optimizer = run_optimizer(plan, run.request.get("train"))
+            optimizer = run_optimizer(plan, run.request.train)
             model = CostModel(profile, cluster, optimizer=optimizer)
         found = rebalanced(plan, counters, unit_work, run.rebalance, model)
         if found.skipped:
@@ -364,8 +382,9 @@ class SyncTrainingRun(BaseRun):
         a replica when the planner, over it and the run's devices, predicts a round
         shorter by at least ``run.rebalance`` than the current plan's (same cost model)."""
         run = self.run
-        assert run.request is not None and run.rebalance is not None
-        admit = run.request.get("admit")
+        request = run.request
+        assert request is not None and run.rebalance is not None
+        admit = request.admit
         newcomers = [
             m
             for m in live_members(self.state.membership)
@@ -375,12 +394,14 @@ class SyncTrainingRun(BaseRun):
         if not newcomers or any(m is None for m in current):
             return None
         members: tuple[Member, ...] = (*(m for m in current if m is not None), *newcomers)
-        settings = dict(run.request.get("train") or {})
+        settings = request.train_settings
         settings.pop("plan", None)
         settings.update(schedule=plan.schedule, num_microbatches=plan.num_microbatches)
-        planner = str(run.request.get("planner") or "hpp")
-        batch = int(run.request.get("microbatch_size") or plan.microbatch_size)
-        spec = ModelSpec.from_dict(run.request["model"])
+        # a request's planner that is not a training planner (pipeedge, its default)
+        # plans training with HPP
+        planner = request.planner_name
+        batch = request.microbatch_size_or(plan.microbatch_size)
+        spec = ModelSpec.from_dict(request.model)
         try:
             checked = check_train_settings(settings, 1)
             optimizer = memory_model(checked["optimizer"])
@@ -422,7 +443,7 @@ class SyncTrainingRun(BaseRun):
 
 
 def state_of_replies(
-    replies: dict[str, Message],
+    replies: Mapping[str, Weights | BackedUp],
     devices: list[str],
     what: str,
     metrics: dict[str, Any] | None,
@@ -433,16 +454,14 @@ def state_of_replies(
     tensors: list[torch.Tensor] = []
     for device in devices:
         reply = replies[device]
-        if reply["error"]:
-            raise ConfigError(f"stage {reply['name']!r}: {reply['error']}")
-        if len(reply["keys"]) != len(reply.tensors):
-            raise ProtocolError(
-                f"stage {reply['name']!r} sent a {what} whose keys and tensors differ"
-            )
-        keys += [str(k) for k in reply["keys"]]
+        if reply.error:
+            raise ConfigError(f"stage {reply.name!r}: {reply.error}")
+        if len(reply.keys) != len(reply.tensors):
+            raise ProtocolError(f"stage {reply.name!r} sent a {what} whose keys and tensors differ")
+        keys += [str(k) for k in reply.keys]
         tensors += list(reply.tensors)
-        if metrics is not None and isinstance(reply.get("metrics"), dict):
-            metrics[str(reply["name"])] = reply["metrics"]
+        if metrics is not None and isinstance(reply.metrics, dict):
+            metrics[reply.name] = reply.metrics
     return keys, tensors
 
 

@@ -258,6 +258,12 @@ class WireMessage:
             values["tensors"] = tuple(message.tensors)
         return cls(epoch=message.epoch, **values)
 
+    @classmethod
+    def from_body(cls: type[_M], body: Mapping[str, Any], *, epoch: int = 0) -> _M:
+        """The typed form of a body kept apart from its message (a client's request
+        that a coordinator's state file keeps); :class:`ProtocolError` if it does not fit."""
+        return cls.from_message(Message(cls.KIND, dict(body), epoch=epoch))
+
 
 @dataclass(frozen=True, kw_only=True)
 class TensorMessage(WireMessage):

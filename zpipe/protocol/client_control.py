@@ -76,6 +76,49 @@ class RunRequest(WireMessage):
     # only when not "auto", so that an older coordinator still understands the request
     bucketing: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
+    # The one default of each optional field a reader needs a value of (absent: None on
+    # the wire, and in the fields above): every reader takes it from here.
+    DEFAULT_MODE: ClassVar[str] = "infer"
+    # Asteroid's choice: keep the stages, shift their boundaries (zpipe.recovery.replanning)
+    DEFAULT_RECOVERY: ClassVar[str] = "lightweight"
+    DEFAULT_REPLICATION: ClassVar[str] = "global"
+    DEFAULT_PLANNER: ClassVar[str] = "pipeedge"
+    DEFAULT_BUCKETING: ClassVar[str] = "auto"
+    # one sample a micro-batch, when neither the request nor a plan says
+    DEFAULT_MICROBATCH_SIZE: ClassVar[int] = 1
+
+    @property
+    def run_mode(self) -> str:
+        return self.mode or self.DEFAULT_MODE
+
+    @property
+    def recovery_policy(self) -> str:
+        return self.recovery or self.DEFAULT_RECOVERY
+
+    @property
+    def replication_kind(self) -> str:
+        return self.replication or self.DEFAULT_REPLICATION
+
+    @property
+    def planner_name(self) -> str:
+        return self.planner or self.DEFAULT_PLANNER
+
+    @property
+    def bucketing_mode(self) -> str:
+        return self.DEFAULT_BUCKETING if self.bucketing is None else self.bucketing
+
+    def microbatch_size_or(self, planned: int | None = None) -> int:
+        """The samples per micro-batch the run is planned for: the request's; else what
+        the run's plan was made for (a training plan says: ``planned``); else one."""
+        if self.microbatch_size:
+            return self.microbatch_size
+        return planned if planned is not None else self.DEFAULT_MICROBATCH_SIZE
+
+    @property
+    def train_settings(self) -> dict[str, Any]:
+        """A copy of the training settings (none: empty)."""
+        return dict(self.train or {})
+
 
 @wire_message
 class RunReady(WireMessage):

@@ -1,0 +1,203 @@
+"""Registration: a stage's ``register`` in, its ``registered`` (or ``refused``) out. Pure.
+
+Part of the core (:class:`~zpipe.coordinator.core.CoordinatorCore`), which routes
+registrations, probe answers, failed sends and ticks here. A registration under a
+name a live stage holds is a claim (:mod:`~zpipe.coordinator.name_claims`): the
+holder is probed first, and keeps its name if it answers; a holder gone or frozen
+is declared dead and the newcomer admitted. A new process under the name of one of
+the run's stages means that stage restarted: the run has lost it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from zpipe._errors import ConfigError, TransportTimeout
+from zpipe.coordinator.commands import Command, Log, Persist, Send
+from zpipe.coordinator.events import RegisterAsked, RequestFailed
+from zpipe.coordinator.membership import Member, MemberState
+from zpipe.coordinator.name_claims import Claim, NameClaims
+from zpipe.coordinator.state import ControlState
+from zpipe.protocol.stage_control import Probe, Refused, Registered
+
+# How the core handles a death it declares here: (name, reason, silent_s, now) -> commands.
+OnDeath = Callable[[str, str, float, float], list[Command]]
+
+
+def printable(routing_id: bytes) -> str:
+    """A peer's routing id as text, for logs."""
+    try:
+        return routing_id.decode("ascii")
+    except UnicodeDecodeError:
+        return routing_id.hex()
+
+
+class Registrations:
+    """Registrations, and the claims on names that live stages hold."""
+
+    def __init__(self, state: ControlState, on_death: OnDeath) -> None:
+        self.state = state
+        self._death = on_death
+        # registrations under a name a live stage holds, until the holder answers or not
+        self.claims = NameClaims()
+
+    def register(self, event: RegisterAsked, now: float) -> list[Command]:
+        """A stage asks to register: refused (a key not its name's), a claim (a live
+        stage holds the name), or admitted."""
+        state = self.state
+        name = event.message.name
+        reply_s = state.timeouts.reply_s
+        if state.public_keys:
+            expected = state.public_keys.get(name)
+            if expected is None or event.user_key is None or expected.decode() != event.user_key:
+                refused = Refused(reason=f"the key this stage uses is not {name}.key")
+                return [
+                    Log(
+                        "warning",
+                        "registration_refused",
+                        {"stage": name, "reason": "key does not match name"},
+                    ),
+                    Send(event.routing_id, refused, name, reply_s),
+                ]
+        previous = state.membership.get(name)
+        if (
+            previous is not None
+            and previous.state is not MemberState.DEAD
+            and previous.routing_id != event.routing_id
+            and now - previous.last_seen < state.membership.suspect_after_s
+        ):
+            return self._claim(previous, event, now)
+        return self._admit(event, now)
+
+    def _claim(self, holder: Member, event: RegisterAsked, now: float) -> list[Command]:
+        """Another process registers under ``holder``'s name: ask the holder first."""
+        # as long as the liveness rules would take to find the holder dead: a loaded
+        # holder that answers late is not taken over sooner than it would be declared dead
+        membership = self.state.membership
+        window = membership.suspect_after_s + membership.probe_timeout_s
+        claim = self.claims.open(holder.name, event, now, window)
+        if claim is None:
+            return []  # the newcomer repeated its registration; the probe is out
+        probe = Probe(nonce=claim.nonce)
+        return [
+            Log(
+                "info",
+                "stage_name_claimed",
+                {"stage": holder.name, "newcomer": printable(event.routing_id)},
+            ),
+            # stage=: a holder whose connection is gone fails this send at once
+            Send(holder.routing_id, probe, holder.name, window, stage=holder.name),
+        ]
+
+    def refuse_claim(self, claim: Claim, holder: Member) -> list[Command]:
+        reason = (
+            f"the name {claim.name!r} is taken: a stage registered under it (data endpoint "
+            f"{holder.data_endpoint}) is alive and answering; start this one with another "
+            "--name, or stop that one first"
+        )
+        refused = Refused(reason=reason)
+        return [
+            Log(
+                "warning",
+                "registration_refused",
+                {
+                    "stage": claim.name,
+                    "newcomer": printable(claim.registration.routing_id),
+                    "reason": "name taken by a live stage",
+                    "holder_endpoint": holder.data_endpoint,
+                },
+            ),
+            Send(claim.registration.routing_id, refused, claim.name, self.state.timeouts.reply_s),
+        ]
+
+    def take_over(self, claim: Claim, why: str, now: float) -> list[Command]:
+        """The holder is gone or frozen: it is dead, and the newcomer registers."""
+        holder = self.state.membership.get(claim.name)
+        if holder is None or holder.state is MemberState.DEAD:
+            return self._admit(claim.registration, now)  # declared dead meanwhile
+        out: list[Command] = [
+            Log("warning", "stage_name_taken_over", {"stage": claim.name, "why": why})
+        ]
+        death = self.state.membership.declare_dead(
+            claim.name, f"a new process registered under its name ({why})", now
+        )
+        if death is not None:
+            out += self._death(death.name, death.reason, death.silent_s, now)
+        return out + self._admit(claim.registration, now)
+
+    def holder_unreachable(self, event: RequestFailed, now: float) -> list[Command]:
+        if event.stage not in self.claims or not isinstance(event.error, TransportTimeout):
+            return []
+        claim = self.claims.holder_gone(event.stage)
+        assert claim is not None
+        return self.take_over(claim, "its connection is gone", now)
+
+    def _admit(self, event: RegisterAsked, now: float) -> list[Command]:
+        message, state = event.message, self.state
+        name = message.name
+        # a claim on the name, should one be pending, is settled by this registration
+        self.claims.holder_gone(name)
+        reply_s = state.timeouts.reply_s
+        out: list[Command] = []
+        previous = state.membership.get(name)
+        run = None if state.current is None else state.current.run
+        data_endpoint = message.data_endpoint
+        if (
+            previous is not None
+            and previous.state is not MemberState.DEAD
+            and run is not None
+            and name in run.devices
+            and name not in run.failed
+            and previous.data_endpoint != data_endpoint
+        ):
+            # A new process under the name of one of the run's stages: the one that
+            # ran the run is gone (restarted), so the run has lost it.
+            death = state.membership.declare_dead(name, "the stage restarted", now)
+            if death is not None:
+                out += self._death(death.name, death.reason, death.silent_s, now)
+        try:
+            member = state.membership.register(
+                name=name,
+                routing_id=event.routing_id,
+                data_endpoint=data_endpoint,
+                info=dict(message.info),
+                public_key=state.key_of(name),
+                now=now,
+            )
+        except ConfigError as exc:
+            return [
+                *out,
+                Log("warning", "registration_refused", {"stage": name, "reason": str(exc)}),
+                Send(event.routing_id, Refused(reason=str(exc)), name, reply_s),
+            ]
+        state.confirm(name)
+        token = event.bulk_token
+        registered = Registered(
+            name=name,
+            heartbeat_interval=state.timeouts.heartbeat_interval_s,
+            bulk_token=state.bulk.issue(name, token, event.routing_id) if token else None,
+            clock=now,  # this coordinator stamps heartbeat acks
+        )
+        return [
+            *out,
+            Log(
+                "info",
+                "stage_registered",
+                {"stage": name, "data_endpoint": member.data_endpoint, "info": member.info},
+            ),
+            Persist(),
+            Send(event.routing_id, registered, name, reply_s),
+        ]
+
+    def answered(self, holder: Member, nonce: int) -> list[Command] | None:
+        """``holder`` answered a probe: the claim on its name that asked it, refused
+        (None: the probe was the membership's own)."""
+        claim = self.claims.answered(holder.name, nonce)
+        return None if claim is None else self.refuse_claim(claim, holder)
+
+    def expired(self, now: float) -> list[Command]:
+        """Every claim whose holder did not answer in time: taken over."""
+        out: list[Command] = []
+        for claim in self.claims.expired(now):
+            out += self.take_over(claim, "it did not answer a probe", now)
+        return out

@@ -1,0 +1,80 @@
+"""What a restarted coordinator takes over: the records it saves and restores. Pure.
+
+The shell writes :func:`saved_state` to its state directory on every change
+(:mod:`zpipe.coordinator.persistence`) and, at start, hands what it read to
+:func:`restore`: the members (alive until they stay silent past the usual
+deadlines), the counters, the run (its controller, by its kind) and the replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zpipe._errors import ProtocolError, StateFileError
+from zpipe.coordinator.inference import InferenceController
+from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
+from zpipe.coordinator.restored_replica import replica_from_saved
+from zpipe.coordinator.runs import Run
+from zpipe.coordinator.state import ControlState
+from zpipe.coordinator.training import SyncTrainingController
+from zpipe.models import ModelSpec
+
+
+def saved_state(state: ControlState) -> SavedState:
+    """The live members, the counters and the current run, as plain records."""
+    members = tuple(
+        SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key)
+        for m in state.membership.alive()
+    )
+    run = None if state.current is None else state.current.run
+    return SavedState(
+        state.epoch,
+        state.run_counter,
+        members,
+        None if run is None else run.to_saved(),
+    )
+
+
+def restore(
+    state: ControlState,
+    saved: SavedState | None,
+    replica: SavedReplica | None,
+    now: float,
+    newest_global: SavedReplica | None = None,
+) -> None:
+    """Take over the members, the run and the replica a previous coordinator saved
+    (with ``newest_global`` behind it as its fallback: restored_replica.py).
+
+    Restored members count as alive from now: one that does not speak within the
+    usual suspect and probe intervals is declared dead as any other would be.
+    """
+    if saved is not None:
+        state.epoch = max(state.epoch, saved.epoch)
+        state.run_counter = max(state.run_counter, saved.run_counter)
+        for m in saved.members:
+            state.membership.register(
+                name=m.name,
+                routing_id=m.routing_id,
+                data_endpoint=m.data_endpoint,
+                info=m.info,
+                public_key=m.public_key,
+                now=now,
+            )
+            state.unconfirmed.add(m.name)
+        if saved.run is not None:
+            try:
+                state.current = controller_for(state, Run.from_saved(saved.run))
+            except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+                raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
+    if replica is not None:
+        state.replica = replica_from_saved(replica, newest_global)
+        if isinstance(state.current, SyncTrainingController):
+            state.current.fallback = state.replica.newest_global()
+
+
+def controller_for(state: ControlState, run: Run) -> Any:
+    """The controller of a run restored from disk, by its kind."""
+    if run.training_plan is not None or run.groups:
+        return SyncTrainingController(state, run)
+    assert run.request is not None
+    return InferenceController(state, run, ModelSpec.from_dict(run.request.model))
