@@ -1,5 +1,5 @@
 """The single-process reference of a pipelined training run: the whole model in one
-:class:`~zpipe.stage.train_shard.TrainShard`, fed the same micro-batches.
+:class:`~zpipe.stage.executors.training_shard.TrainShard`, fed the same micro-batches.
 
 Synchronous pipelined training computes exactly this (for any partition and either
 schedule), so a run's losses are checked against it rather than against another run.
@@ -14,7 +14,7 @@ import torch
 
 from zpipe.client import split_minibatch
 from zpipe.models import ModelSpec, load_layer_sequence
-from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.executors.training_shard import TrainShard
 
 
 def reference_losses(

@@ -12,7 +12,7 @@ median by throughput is reported):
   replicate_every=R``: before every R-th mini-batch the client pauses its feed, the
   stages flush (the pipeline empties and fills again) and the coordinator keeps a
   global copy of every unit with its weight versions
-  (:mod:`zpipe.coordinator.async_replicas`).
+  (:mod:`zpipe.coordinator.runs.async_replicas`).
 
 ``killed`` (``--skip-kill`` leaves it out): the run with the first period, whose
 middle stage is SIGKILLed after ``--kill-after`` mini-batches: the recovery's

@@ -59,7 +59,7 @@ hybrid without loss or pipelining at equal simulated time (``cnn_*`` keys,
 
 ``--multiprocess N`` adds one line: hybrid, seed 0, ``N`` mini-batches trained
 across real processes, on a local cluster of ordinary stages
-(:mod:`zpipe.client.lossy_run`), against the same run simulated in process: wall
+(:mod:`zpipe.client.runs.lossy`), against the same run simulated in process: wall
 times (the run on the stages, from ``lossy_go`` to the last stage's result, and the
 client's, from request to report), their ratio, and whether the two dropped the
 same messages and reached the same weights.
@@ -140,7 +140,7 @@ def multiprocess_line(cfg: RunConfig, data: Dataset) -> dict[str, Any]:
     """One hybrid run on a local cluster of ordinary stages against the simulation."""
     import asyncio
 
-    from zpipe.client.lossy_run import run_lossy
+    from zpipe.client.runs.lossy import run_lossy
     from zpipe.cluster import LocalCluster
     from zpipe.lossy.simulate import prepare_run
     from zpipe.lossy.trace import same_run, train_in_process

@@ -27,12 +27,12 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 import numpy as np
 
 from bench._common import emit, loadavg, summary
-from zpipe.client.lossy_run import StagesLossyResult, run_lossy
+from zpipe.client.runs.lossy import StagesLossyResult, run_lossy
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.links import Recovery
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
-from zpipe.stage.lossy_recovery import WireCounts
+from zpipe.stage.executors.lossy_recovery import WireCounts
 
 SCHEMES = {"none": Recovery("none"), "rtx": Recovery("rtx", copies=2),
            "ack": Recovery("ack", max_attempts=3)}  # fmt: skip

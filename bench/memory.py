@@ -57,8 +57,8 @@ from zpipe.devices import resolve_device
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.peak_memory import PeakMemory
 from zpipe.planner.plan import plan_even_partition
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.profiling import profile_model
-from zpipe.stage.train_shard import TrainShard
 
 MIB = 2**20
 

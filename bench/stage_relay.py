@@ -11,7 +11,7 @@ PUSH/PULL pair. The relay is one of:
 ``stage``
     What a running inference stage does with each message, in-process: the
     real :class:`~zpipe.stage.dataport.DataPort` (framing, kind, sender and
-    epoch checks) feeding the real :class:`~zpipe.stage.inference.InferenceLoop`
+    epoch checks) feeding the real :class:`~zpipe.stage.executors.inference.InferenceLoop`
     (bounded inbox, compute thread, bounded outbox, send task with the link
     meter and its tracker) over a one-unit identity shard, on uvloop when it is
     importable, as the CLI runs stages.
@@ -54,7 +54,7 @@ import zmq
 
 from zpipe.log import configure_logging
 from zpipe.stage.dataport import DataPort
-from zpipe.stage.inference import InferenceLoop
+from zpipe.stage.executors.inference import InferenceLoop
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard

@@ -23,13 +23,13 @@ from test_training_recovery import _events
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.config import Timeouts
-from zpipe.coordinator.async_replicas import collect_async_replica
 from zpipe.coordinator.commands import Send
 from zpipe.coordinator.flows import FlowRunner
+from zpipe.coordinator.runs.async_replicas import collect_async_replica
 from zpipe.planner.async_schedule import AsyncSettings, aggregation_intervals, forward_version
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 from zpipe.protocol.repartition import RepartitionReply
-from zpipe.stage.async_shard import AsyncShard
+from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.async_reference import train_async_reference
 from zpipe.training.async_regroup import (

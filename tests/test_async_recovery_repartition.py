@@ -23,8 +23,8 @@ from test_async_training import ADAM, SGD, SPEC, make_batches
 from test_training_recovery import _events
 
 from zpipe._errors import PipelineError, StageFailedError
-from zpipe.client.repartition import repartition_before
 from zpipe.client.reports import TrainReport
+from zpipe.client.runs.async_repartition import repartition_before
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.planner.async_schedule import (
     AsyncSettings,

@@ -24,7 +24,7 @@ from zpipe.models import weights as weights_module
 from zpipe.models.examples import tiny_residual, tiny_sequential
 from zpipe.models.importers import import_checkpoint
 from zpipe.models.weights import STEPS_KEY, unit_key
-from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.executors.training_shard import TrainShard
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,8 +24,8 @@ from zpipe.client import (
 )
 from zpipe.client.batches import BatchSource
 from zpipe.client.failures import run_failed_error
-from zpipe.client.infer import inference_request
-from zpipe.client.train import rebalance_request, resume_request, training_request
+from zpipe.client.runs.fit import rebalance_request, resume_request, training_request
+from zpipe.client.runs.inference import inference_request
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 

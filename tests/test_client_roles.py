@@ -9,8 +9,8 @@ import pytest
 
 from zpipe._errors import ProtocolError
 from zpipe.client.control import coordinator_may_send
-from zpipe.client.infer import _Stream
-from zpipe.client.training_run import TrainingRun
+from zpipe.client.runs.inference import _Stream
+from zpipe.client.runs.sync_training import TrainingRun
 from zpipe.protocol.data_plane import MicroBatchError
 from zpipe.transport.roles import ROLE_KINDS
 

@@ -22,8 +22,8 @@ from zpipe._errors import PipelineError, ProtocolError, StageFailedError
 from zpipe.client.batches import ReplayBuffer
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
-from zpipe.client.train import training_request
-from zpipe.client.training_attempts import (
+from zpipe.client.runs.fit import training_request
+from zpipe.client.runs.training_attempts import (
     AttemptEnded,
     AttemptReady,
     AttemptStarted,
@@ -43,8 +43,8 @@ from zpipe.client.training_attempts import (
     TrainingAttempts,
 )
 from zpipe.models import ModelSpec
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
 
 SGD = {"name": "sgd", "lr": 0.1}
 SPEC = ModelSpec("mlp", {"dims": [4, 8, 2]}, seed=0)

@@ -13,7 +13,7 @@ from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.coordinator.commands import AwaitReplies, Log, Now, PlanInference, Send, StartTimer
 from zpipe.coordinator.events import StallReported, Tick
 from zpipe.coordinator.flows import FlowRunner
-from zpipe.coordinator.inference import InferenceController
+from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.protocol.client_control import Stalled
 from zpipe.protocol.stage_control import BackedUp, Weights
 from zpipe.transport.codec import Message

@@ -22,7 +22,7 @@ from zpipe.coordinator.commands import SaveReplica
 from zpipe.coordinator.persistence import GLOBAL_FILE, REPLICA_FILE, StateStore
 from zpipe.coordinator.records import SavedReplica
 from zpipe.coordinator.restored_replica import replica_from_saved
-from zpipe.coordinator.training import SyncTrainingController
+from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 
 PLAN = TrainingPlan(

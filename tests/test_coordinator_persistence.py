@@ -12,9 +12,9 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.coordinator import persistence
+from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.persistence import StateFileError, StateStore
 from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
-from zpipe.coordinator.runs import Run
 from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TrainingPlan, TrainStage

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from coordinator_harness import SPEC, Harness
 
-from zpipe.coordinator.training import SyncTrainingController
+from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.transport.codec import Message
 
 TRAIN = {"num_microbatches": 3, "optimizer": {"name": "sgd", "lr": 0.1}}

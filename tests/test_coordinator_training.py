@@ -11,15 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import UnitsLostError
+from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import (
     fetch_grants,
     fetch_plans,
     held_at_coordinator,
     restore_from,
 )
-from zpipe.coordinator.runs import KeptReplica
-from zpipe.coordinator.training import SyncTrainingController
-from zpipe.coordinator.training_balance import rebalanced
+from zpipe.coordinator.runs.sync_balance import rebalanced
+from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 from zpipe.recovery import COORDINATOR, StageSpan, lightweight_replan
 from zpipe.transport.codec import Message

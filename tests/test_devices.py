@@ -36,11 +36,11 @@ from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.profile import training_profile_sizes
 from zpipe.planner.training_cost import TrainingCosts
 from zpipe.stage.config import StageConfig
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.measurements import requested_batch_sizes
 from zpipe.stage.profiling import profile_model
 from zpipe.stage.runtime import StageRuntime
 from zpipe.stage.shard import Shard
-from zpipe.stage.train_shard import TrainShard
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_GPU = Backends(cuda_devices=0, mps=False, cuda_build=None)

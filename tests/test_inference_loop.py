@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from zpipe.protocol.data_plane import Data, MicroBatchError
-from zpipe.stage import inference
-from zpipe.stage.inference import InferenceLoop
+from zpipe.stage.executors import inference
+from zpipe.stage.executors.inference import InferenceLoop
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.codec import Message

@@ -1,7 +1,7 @@
 """An ACK sender stops waiting for a silent receiver's acknowledgements
 (zpipe.lossy.ack_patience), and what it sends never depends on its waits.
 
-The pure decision is fed events; the pass loop (zpipe.stage.lossy_passes) is driven
+The pure decision is fed events; the pass loop (zpipe.stage.executors.lossy_passes) is driven
 with fake peer sockets: a receiver that never answers costs its sender one ``wait_s``,
 not one per promised acknowledgement, until it is heard from again; the copies on the
 wire are the seeded decision's whether the receiver answers or not.
@@ -22,7 +22,7 @@ from zpipe.lossy.ack_patience import AckPatience, AckWaitCounts
 from zpipe.lossy.engine import LinkChannel
 from zpipe.lossy.links import Direction, LossKey, Recovery, ack_key, deliver_over
 from zpipe.protocol.lossy import LossyPartial
-from zpipe.stage.lossy_passes import PassLoop, SharedInbox
+from zpipe.stage.executors.lossy_passes import PassLoop, SharedInbox
 from zpipe.transport.codec import decode
 
 SEED, PRR = 4, 0.7

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zpipe.client.lossy_run import StagesLossyResult, run_lossy
+from zpipe.client.runs.lossy import StagesLossyResult, run_lossy
 from zpipe.cluster import LocalCluster
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.evaluation import EvalSpec

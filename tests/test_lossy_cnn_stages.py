@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from zpipe._errors import ProtocolError
-from zpipe.client.lossy_run import lossy_request
+from zpipe.client.runs.lossy import lossy_request
 from zpipe.lossy.cnn import CnnSpec
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.device_run import DeviceRun, build_run
@@ -65,7 +65,7 @@ def _spec(prepared: PreparedRun) -> RunSpec:
 def _setup(
     prepared: PreparedRun, data: Dataset, device: int, change: dict[int, Any] | None = None
 ) -> LossySetup:
-    """A device's ``lossy_setup`` as the coordinator builds it (coordinator/lossy_run.py)."""
+    """A device's ``lossy_setup`` as the coordinator builds it (zpipe/coordinator/runs/lossy.py)."""
     topo = Topology(prepared.alloc)
     weights = shard_params(topo, prepared.params, device)
     weights.update(change or {})

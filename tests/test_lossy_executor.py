@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import PipelineError, ProtocolError
-from zpipe.coordinator.lossy_probe import measured_matrix
+from zpipe.coordinator.runs.lossy_probe import measured_matrix
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.evaluation import EvalSpec
 from zpipe.lossy.links import Recovery
@@ -27,7 +27,7 @@ from zpipe.lossy.pass_control import PassControl, PassStarted
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, partial_message, to_tensor
 from zpipe.protocol.lossy import LossySetup
-from zpipe.stage.lossy_executor import LossyExecutor
+from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.supervision import TaskSupervisor
 from zpipe.transport.codec import Message, encode
 

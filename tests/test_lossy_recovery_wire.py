@@ -1,4 +1,4 @@
-"""r-TX copies and ACK acknowledgements as messages (zpipe.stage.lossy_recovery): what a
+"""r-TX copies and ACK acknowledgements as messages (zpipe.stage.executors.lossy_recovery): what a
 stage's receive side does with repeated copies and with acknowledgements, good and bad.
 The multi-process runs that put them on the wire are in tests/test_lossy_stages.py."""
 
@@ -15,7 +15,7 @@ from zpipe._errors import ProtocolError
 from zpipe.lossy.links import Direction, LossKey, ack_key
 from zpipe.lossy.wire import partial_message
 from zpipe.protocol.lossy import LossyAck, LossyPartial
-from zpipe.stage.lossy_recovery import AckBook, WireCounts
+from zpipe.stage.executors.lossy_recovery import AckBook, WireCounts
 from zpipe.transport.codec import Message, decode, encode
 from zpipe.transport.emulation import LossKey as EmulationLossKey
 

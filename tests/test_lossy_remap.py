@@ -27,7 +27,7 @@ from zpipe.lossy.remap import assemble_slices, initial_pieces, merge_super_neuro
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
 from zpipe.lossy.trace import evaluate_in_process, same_run, train_in_process
-from zpipe.stage.lossy_passes import SharedInbox
+from zpipe.stage.executors.lossy_passes import SharedInbox
 
 
 def _data() -> Dataset:

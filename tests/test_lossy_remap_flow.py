@@ -1,5 +1,5 @@
-"""The coordinator's side of a re-mapped death (zpipe.coordinator.lossy_remap) and of a
-request sent again (zpipe.coordinator.lossy_run.start_lossy_run), pure:
+"""The coordinator's side of a re-mapped death (zpipe.coordinator.runs.lossy_remap) and of a
+request sent again (zpipe.coordinator.runs.lossy.start_lossy_run), pure:
 a flow driven by feeding events, as h11's tests feed bytes."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import numpy as np
 import torch
 
 from zpipe._errors import ConfigError
-from zpipe.client.lossy_run import lossy_request
+from zpipe.client.runs.lossy import lossy_request
 from zpipe.config import Timeouts
 from zpipe.coordinator.commands import AwaitStages, Command, RunJob, Send
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.lossy_remap import RemapRun, keep_replica, results_remapping
-from zpipe.coordinator.lossy_run import start_lossy_run
 from zpipe.coordinator.membership import Member, Membership
+from zpipe.coordinator.runs.lossy import start_lossy_run
+from zpipe.coordinator.runs.lossy_remap import RemapRun, keep_replica, results_remapping
 from zpipe.coordinator.state import ControlState
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.partial import init_mlp

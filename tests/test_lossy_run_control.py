@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zpipe.client.lossy_run import StagesLossyResult, run_lossy
+from zpipe.client.runs.lossy import StagesLossyResult, run_lossy
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.death_sim import evaluate_after, train_with_death

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zpipe.client.lossy_run import StagesLossyResult, run_lossy
+from zpipe.client.runs.lossy import StagesLossyResult, run_lossy
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.coordinator.commands import AwaitReplies, Send
 from zpipe.coordinator.flows import Flow, FlowRunner

@@ -21,9 +21,9 @@ import pytest
 
 from zpipe._errors import PipelineError
 from zpipe.cli import lossy as experiment
-from zpipe.client.lossy_run import StagesLossyResult, lossy_request, run_lossy
+from zpipe.client.runs.lossy import StagesLossyResult, lossy_request, run_lossy
 from zpipe.cluster import LocalCluster
-from zpipe.coordinator.lossy_probe import PROBES_PER_LINK
+from zpipe.coordinator.runs.lossy_probe import PROBES_PER_LINK
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.engine import LinkChannel
 from zpipe.lossy.evaluation import EvalSpec
@@ -37,7 +37,7 @@ from zpipe.lossy.simulate import (
     run_training,
 )
 from zpipe.lossy.trace import TrainingTrace, evaluate_in_process, train_in_process
-from zpipe.stage.lossy_recovery import WireCounts
+from zpipe.stage.executors.lossy_recovery import WireCounts
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import LossKey
 

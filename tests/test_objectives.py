@@ -14,13 +14,13 @@ from coordinator_harness import Harness
 from zpipe._errors import ConfigError, UntrustedCodeError
 from zpipe.cli.train import build_parser
 from zpipe.cli.train import main as train_main
-from zpipe.client.train import check_traced_microbatches
+from zpipe.client.runs.fit import check_traced_microbatches
 from zpipe.coordinator.commands import PlanTraining
 from zpipe.coordinator.decisions import check_plan_fits_model, training_planner_for
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.models.trust import FactoryAllowList, peer_factories_allowed
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
 from zpipe.training.objectives import check_optimizer, check_train_settings, make_optimizer
 

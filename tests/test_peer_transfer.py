@@ -23,13 +23,13 @@ from zpipe._errors import ProtocolError
 from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import BackupRequest
+from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import FetchGrant
 from zpipe.stage.peer_transfer import ChunkedState, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
-from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
 

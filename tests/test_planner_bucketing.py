@@ -13,8 +13,8 @@ import pytest
 import zpipe.planner.pipeedge as pipeedge
 from zpipe._errors import ConfigError
 from zpipe.cli.plan import main as plan_main
-from zpipe.client.infer import inference_request
 from zpipe.client.options import InferOptions
+from zpipe.client.runs.inference import inference_request
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.models import ModelSpec
 from zpipe.planner import (

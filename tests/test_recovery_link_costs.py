@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from zpipe.coordinator.training_balance import rebalanced
+from zpipe.coordinator.runs.sync_balance import rebalanced
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.cost import predict_plan
 from zpipe.planner.plan import plan_from_partition

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from zpipe.client.lossy_run import StagesLossyResult, run_lossy
+from zpipe.client.runs.lossy import StagesLossyResult, run_lossy
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.simulate import RunConfig, prepare_run

@@ -51,9 +51,9 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
     # training plan names as backing up here are kept now.
     import zmq.asyncio
 
+    from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
@@ -99,10 +99,10 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
 async def test_the_service_judges_the_sender_and_the_budget() -> None:
     import zmq.asyncio
 
+    from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
@@ -165,12 +165,12 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     import zmq
     import zmq.asyncio
 
+    from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
     from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.ports import peer_identity
     from zpipe.stage.replicas import peer_request
     from zpipe.stage.snapshots import SnapshotService
-    from zpipe.stage.trainer import DataParallelGroup, TrainingSetup
     from zpipe.transport import security
     from zpipe.transport.emulation import LinkSpec
     from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket

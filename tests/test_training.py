@@ -21,7 +21,7 @@ from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.planner.schedules import pipeline_actions
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.training.objectives import (
     check_optimizer,
     check_train_settings,

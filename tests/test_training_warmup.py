@@ -8,7 +8,7 @@ from test_training import SGD, SPEC, assert_same_weights, make_batches, train_in
 
 from zpipe._errors import ConfigError
 from zpipe.client.options import TrainOptions
-from zpipe.client.train import training_request
+from zpipe.client.runs.fit import training_request
 from zpipe.models import load_layer_sequence
 from zpipe.planner.schedules import peak_live_activations, pipeline_actions, simulate
 from zpipe.training.objectives import check_train_settings

@@ -6,7 +6,7 @@ cluster the coordinator at ``EP`` keeps (``python -m zpipe coordinator`` and
 ``python -m zpipe.stage``), or, with ``--multiprocess``, of a
 :class:`~zpipe.cluster.LocalCluster` started for the command: the coordinator
 partitions and maps, the stages run their partial layers
-(:mod:`zpipe.client.lossy_run`). Each run is checked against the in-process
+(:mod:`zpipe.client.runs.lossy`). Each run is checked against the in-process
 simulation of the same seed: its training (drops, losses, weights) and its final
 test-time inference under loss (the stages' test passes on their final weights,
 keyed as :func:`zpipe.lossy.simulate.run_training`'s final evaluation, against the
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zpipe.client.lossy_run import run_lossy
 from zpipe.client.pipeline_client import PipelineClient
+from zpipe.client.runs.lossy import run_lossy
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.death_sim import evaluate_after, train_with_death
 from zpipe.lossy.simulate import RunConfig, final_eval_index, prepare_run

@@ -111,7 +111,7 @@ def _train_here(
 ) -> dict[str, torch.Tensor]:
     """The same training in this process: one stage of every unit, one micro-batch per
     mini-batch (the shard a stage runs, so losses, schedules and resuming agree)."""
-    from zpipe.stage.train_shard import TrainShard
+    from zpipe.stage.executors.training_shard import TrainShard
 
     shard = TrainShard.build(
         spec,

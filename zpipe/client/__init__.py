@@ -34,7 +34,7 @@ from zpipe.client.options import (
 )
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.client.reports import InferenceReport, RunReport, TrainReport
-from zpipe.client.train import fit
+from zpipe.client.runs.fit import fit
 
 __all__ = [
     "CLIENT_NAME",

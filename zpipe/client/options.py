@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from zpipe._errors import ConfigError
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.plan import Plan
 from zpipe.planner.profile import ModelProfile
@@ -23,7 +24,6 @@ from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, DeadlinePolicy
 from zpipe.training.async_recovery import async_recovery_refusal
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.objectives import check_loss, check_optimizer
 from zpipe.training.repartition import RepartitionSettings

@@ -18,10 +18,10 @@ import zmq
 from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.client.batches import Batch, Outputs, TrainBatch
 from zpipe.client.connection import CLIENT_NAME, ClientConnection
-from zpipe.client.infer import InferenceRun
 from zpipe.client.options import InferOptions, TrainOptions
 from zpipe.client.reports import InferenceReport, TrainReport
-from zpipe.client.train import fit
+from zpipe.client.runs.fit import fit
+from zpipe.client.runs.inference import InferenceRun
 from zpipe.config import Timeouts
 from zpipe.models import ModelSpec
 from zpipe.protocol.client_control import ClusterRequest, ClusterState

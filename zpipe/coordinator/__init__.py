@@ -19,7 +19,7 @@
 Where a decision is made: who is alive or dead, :mod:`~zpipe.coordinator.membership`;
 which stages a run gets, how a plan is repaired, where a resumed stage gets its
 units' weights, :mod:`~zpipe.coordinator.decisions` (calling :mod:`zpipe.recovery`);
-when a training run changes shape, :mod:`~zpipe.coordinator.training_balance`.
+when a training run changes shape, :mod:`~zpipe.coordinator.runs.sync_balance`.
 A new run kind is a new controller module with the interface of
-:class:`~zpipe.coordinator.runbase.RunController`.
+:class:`~zpipe.coordinator.runs.base.RunController`.
 """

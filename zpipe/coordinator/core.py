@@ -3,7 +3,8 @@
 It takes every event (:mod:`zpipe.coordinator.events`) with the time and returns
 commands (:mod:`zpipe.coordinator.commands`); the shell
 (:mod:`zpipe.coordinator.server`) carries them out. Decisions of a run are its
-controller's (:mod:`~zpipe.coordinator.inference`, :mod:`~zpipe.coordinator.training`),
+controller's (:mod:`~zpipe.coordinator.runs.inference`,
+:mod:`~zpipe.coordinator.runs.sync_training`),
 the start of one :mod:`~zpipe.coordinator.starting`'s. Registrations and the claims
 on names are :mod:`~zpipe.coordinator.registration`'s, what a restarted coordinator
 takes over :mod:`~zpipe.coordinator.takeover`'s.
@@ -21,6 +22,7 @@ from zpipe._errors import (
 )
 from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
+from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.events import (
     BulkChunkArrived,
     BulkOpenAsked,
@@ -36,14 +38,13 @@ from zpipe.coordinator.events import (
     Tick,
     TimerFired,
 )
-from zpipe.coordinator.lossy_remap import keep_replica
-from zpipe.coordinator.lossy_run import start_lossy_run
 from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.records import SavedReplica, SavedState
 from zpipe.coordinator.registration import Registrations, printable
-from zpipe.coordinator.runbase import run_failed
-from zpipe.coordinator.runs import Run
+from zpipe.coordinator.runs.base import run_failed
+from zpipe.coordinator.runs.lossy import start_lossy_run
+from zpipe.coordinator.runs.lossy_remap import keep_replica
 from zpipe.coordinator.starting import run_request
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.coordinator.takeover import restore, saved_state

@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import torch
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, UnitsLostError
+from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.membership import Member, Membership, MemberState
 from zpipe.coordinator.planning import cluster_from_members
-from zpipe.coordinator.runs import KeptReplica
 from zpipe.models.weights import split_unit_key
 from zpipe.planner import ClusterLink, Plan
 from zpipe.planner.profile import ModelProfile

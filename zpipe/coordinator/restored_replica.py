@@ -1,7 +1,7 @@
 """The replica a restarted coordinator takes over, with the global copy behind it.
 
 Pure: the files' contents (:class:`~zpipe.coordinator.persistence.SavedReplica`)
-in, the coordinator's :class:`~zpipe.coordinator.runs.KeptReplica` out. Under chain
+in, the coordinator's :class:`~zpipe.coordinator.current_run.KeptReplica` out. Under chain
 replication the latest replica holds here only the last stage's backup; its
 ``fallback`` is the newest global copy (``global.state``), which a recovery takes
 when the chain copies of some unit all died (two adjacent stages). Without it a
@@ -13,8 +13,8 @@ units the old coordinator still held.
 from __future__ import annotations
 
 from zpipe._errors import ConfigError, StateFileError
+from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.records import SavedReplica
-from zpipe.coordinator.runs import KeptReplica
 from zpipe.planner.training_plan import TrainingPlan
 
 

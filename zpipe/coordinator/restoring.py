@@ -28,10 +28,10 @@ import torch
 
 from zpipe._errors import ConfigError, UnitsLostError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
+from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import RestoreChoice, replica_points, restore_from
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.runs import KeptReplica
 from zpipe.coordinator.state import ControlState
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.stage_control import Weights, WeightsRequest

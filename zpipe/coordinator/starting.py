@@ -14,12 +14,6 @@ from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
-from zpipe.coordinator.async_training import (
-    AsyncTrainingController,
-    as_async_plan,
-    as_planning_plan,
-    planning_schedule,
-)
 from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitReplies,
@@ -31,6 +25,7 @@ from zpipe.coordinator.commands import (
     PlanTraining,
     Send,
 )
+from zpipe.coordinator.current_run import KeptReplica, Run
 from zpipe.coordinator.decisions import (
     RestoreChoice,
     check_plan_fits_model,
@@ -43,24 +38,29 @@ from zpipe.coordinator.decisions import (
     units_state,
 )
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.inference import InferenceController
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.restoring import allow_fetches, choose_restore
-from zpipe.coordinator.runbase import run_failed
-from zpipe.coordinator.runs import KeptReplica, Run
+from zpipe.coordinator.runs.async_training import (
+    AsyncTrainingController,
+    as_async_plan,
+    as_planning_plan,
+    planning_schedule,
+)
+from zpipe.coordinator.runs.base import run_failed
+from zpipe.coordinator.runs.inference import InferenceController
+from zpipe.coordinator.runs.sync_balance import memory_model
+from zpipe.coordinator.runs.sync_training import SyncTrainingController, backup_holders
 from zpipe.coordinator.sink_check import check_sink_reachable
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
-from zpipe.coordinator.training import SyncTrainingController, backup_holders
-from zpipe.coordinator.training_balance import memory_model
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.protocol.client_control import RunReady, RunRequest
 from zpipe.protocol.stage_control import Assign, AssignFailed, Ready, Weights, WeightsRequest
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.training.objectives import check_train_settings
 
 

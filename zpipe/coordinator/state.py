@@ -13,9 +13,9 @@ from typing import Any
 
 from zpipe.config import Timeouts
 from zpipe.coordinator.bulk_links import BulkLinks
+from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.flows import Answers, FlowRunner
 from zpipe.coordinator.membership import Member, Membership
-from zpipe.coordinator.runs import KeptReplica
 from zpipe.models import ModelSpec
 from zpipe.planner import ClusterLink
 from zpipe.planner.profile import ModelProfile
@@ -79,7 +79,7 @@ class ControlState:
     current: Any = None
     answers: Answers = field(default_factory=Answers)
     # lossy runs waiting for their results, by run id (their stages' replicas go there:
-    # zpipe.coordinator.lossy_remap)
+    # zpipe.coordinator.runs.lossy_remap)
     lossy_runs: dict[int, Any] = field(default_factory=dict)
     # every registered stage's bulk connection (zpipe.coordinator.bulk)
     bulk: BulkLinks = field(default_factory=BulkLinks)

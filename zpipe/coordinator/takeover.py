@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from zpipe._errors import ProtocolError, StateFileError
-from zpipe.coordinator.inference import InferenceController
+from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.restored_replica import replica_from_saved
-from zpipe.coordinator.runs import Run
+from zpipe.coordinator.runs.inference import InferenceController
+from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.coordinator.state import ControlState
-from zpipe.coordinator.training import SyncTrainingController
 from zpipe.models import ModelSpec
 
 

@@ -32,8 +32,8 @@ Across real processes (none re-exported here: the wire pulls in torch for the co
 - :mod:`.death_sim`    a run in which a device dies, simulated (null-filled or remapped)
 - :mod:`.on_stages`    ``python -m zpipe lossy --coordinator EP`` (or ``--multiprocess``,
                        a local cluster): runs on ordinary stages
-                       (:mod:`zpipe.coordinator.lossy_run`, :mod:`zpipe.stage.lossy_executor`,
-                       :mod:`zpipe.client.lossy_run`)
+                       (:mod:`zpipe.coordinator.runs.lossy`, :mod:`zpipe.stage.executors.lossy`,
+                       :mod:`zpipe.client.runs.lossy`)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Under ACK recovery in the emulated wait mode a sender waits (at most the run's
 ``wait_s``) for the acknowledgement the seeded decision says comes back, before
-its next copy (:mod:`zpipe.stage.lossy_recovery`). A receiver that died but is
+its next copy (:mod:`zpipe.stage.executors.lossy_recovery`). A receiver that died but is
 not yet declared dead by the coordinator never answers, so waiting for every one
 of its acknowledgements stalls the sender ``wait_s`` per promised
 acknowledgement (copies x passes) until the verdict.
@@ -38,7 +38,7 @@ class AckWaitCounts:
 class AckPatience:
     """Per receiver: whether to wait for its next promised acknowledgement, and the
     counts of what was decided (see the module docstring). Not thread-safe: its
-    owner (:class:`zpipe.stage.lossy_recovery.AckBook`) holds a lock around it."""
+    owner (:class:`zpipe.stage.executors.lossy_recovery.AckBook`) holds a lock around it."""
 
     def __init__(self) -> None:
         self._silent: set[int] = set()

@@ -2,7 +2,7 @@
 during the run; its partials are null-filled, or from mini-batch ``k`` on its super
 neurons run on the survivors" (:mod:`zpipe.lossy.remap`).
 
-What a run on stages does when a stage is killed (:mod:`zpipe.coordinator.lossy_run`,
+What a run on stages does when a stage is killed (:mod:`zpipe.coordinator.runs.lossy`,
 ``on_death``), played pass by pass so that the two compare as traces
 (:func:`zpipe.lossy.trace.same_run`):
 

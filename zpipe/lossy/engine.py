@@ -5,7 +5,7 @@ process: each pass runs on every device owning part of its layer, reads what
 reached that device (an *inbox* keyed by mini-batch, pass, layer and
 receiver), null-fills what did not, computes with one
 :class:`~zpipe.lossy.shard.DeviceShard` per device (the passes a stage runs,
-:mod:`zpipe.stage.lossy_passes`) and posts its own results through a
+:mod:`zpipe.stage.executors.lossy_passes`) and posts its own results through a
 :class:`LinkChannel`, which asks :func:`zpipe.lossy.links.deliver` whether
 each message arrives.
 

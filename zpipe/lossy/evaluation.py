@@ -5,7 +5,7 @@ same lossy links as training (EdgePipe tests over the links it trains on). Each
 test mini-batch is one inference pass with its own drop key (its *test step*,
 :func:`eval_steps`), so the in-process simulation
 (:func:`zpipe.lossy.simulate.run_training`, via :func:`lossy_predictions`) and a
-run on stages (:mod:`zpipe.stage.lossy_passes`, which runs the same steps) lose the
+run on stages (:mod:`zpipe.stage.executors.lossy_passes`, which runs the same steps) lose the
 same partials and predict the same classes.
 
 Each output owner assembles its own view of the logits from the shared slices

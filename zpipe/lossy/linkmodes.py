@@ -5,7 +5,7 @@ torch (the codec's tensors).
 - ``emulated``: a receiver computes the sender's seeded drop decisions, so it stops
   waiting once every partial that can come has (at most ``wait_s``);
 - ``deadline``: it waits for every partial until the end of the timeslot the
-  partials were sent in (see :mod:`zpipe.stage.lossy_passes`).
+  partials were sent in (see :mod:`zpipe.stage.executors.lossy_passes`).
 """
 
 from __future__ import annotations

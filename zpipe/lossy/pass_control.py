@@ -17,7 +17,7 @@ data, without a socket, a thread or a clock:
   the passes hold at a frontier until the coordinator decides where the
   allocation switches (:mod:`zpipe.lossy.remap`).
 
-The stage's threads (:mod:`zpipe.stage.lossy_passes`) only move bytes: they feed
+The stage's threads (:mod:`zpipe.stage.executors.lossy_passes`) only move bytes: they feed
 :meth:`PassControl.on_event` what happened and carry out the commands it returns.
 A command to wait names its deadline; the shell feeds :class:`DeadlineReached`
 once its clock passes it. Times are the shell's: pass deadlines on the run's pass

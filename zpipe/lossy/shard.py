@@ -6,7 +6,7 @@ the partials that reached it, and says what it sends to whom
 The in-process engine (:mod:`zpipe.lossy.engine`) runs one shard per device
 and carries the messages in dictionaries; a stage runs its own shard (the torch
 twin, :class:`zpipe.lossy.torch_partial.TorchDeviceShard`) and carries them over
-ZeroMQ (:mod:`zpipe.stage.lossy_passes`). Sharing these passes is what makes the
+ZeroMQ (:mod:`zpipe.stage.executors.lossy_passes`). Sharing these passes is what makes the
 two compute the same numbers.
 
 A lost forward partial is null-filled, so the receiver's output did not depend

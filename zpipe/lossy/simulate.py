@@ -241,7 +241,7 @@ class PreparedRun:
     allocation mapped onto them, the initial weights and every mini-batch's rows.
 
     The in-process simulation and a run on stages
-    (:mod:`zpipe.client.lossy_run`) both start from one of these.
+    (:mod:`zpipe.client.runs.lossy`) both start from one of these.
     """
 
     config: RunConfig

@@ -5,7 +5,7 @@ propagation counts, the traffic per pass category and which senders reached
 each receiver for every pass. :func:`train_in_process` plays a
 :class:`~zpipe.lossy.simulate.PreparedRun` on the in-process engine;
 :func:`trace_from_results` builds the same record from the stages' results
-(:mod:`zpipe.client.lossy_run`), so "the multi-process run equals the
+(:mod:`zpipe.client.runs.lossy`), so "the multi-process run equals the
 simulation" is a comparison of two traces.
 """
 

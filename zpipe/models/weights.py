@@ -10,7 +10,7 @@ safetensors lets us fetch single tensors, and .pt files are memory-mapped so
 the other units' tensors are never read from disk.
 
 A checkpoint may also hold optimizer state, "<unit key>#opt.<name>" (see
-`zpipe.stage.train_shard`), and the mini-batches trained so far (`STEPS_KEY`);
+`zpipe.stage.executors.training_shard`), and the mini-batches trained so far (`STEPS_KEY`);
 loading weights skips both.
 """
 

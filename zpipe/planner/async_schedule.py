@@ -18,7 +18,7 @@ update (the update of ``B(t-1)``); version 0 is the initial weights.
   the first stage used for it, ``max(0, b - n + 1)``; without it, stage ``i`` uses its
   newest version, ``max(0, b - (n - i) + 1)`` (:func:`forward_version`).
 - the run's depth: a run that recovered onto fewer stages
-  (:mod:`zpipe.coordinator.async_replicas`) keeps the staleness of the pipeline it
+  (:mod:`zpipe.coordinator.runs.async_replicas`) keeps the staleness of the pipeline it
   started with, ``max(0, b - depth + 1)``, an older version than its own depth needs,
   so the recovered run trains exactly as the uninterrupted one (vertical sync only).
 

@@ -1,5 +1,5 @@
-"""The messages of EdgePipe's lossy runs on ordinary stages (zpipe.coordinator.lossy_run,
-zpipe.stage.lossy_executor)::
+"""The messages of EdgePipe's lossy runs on ordinary stages (zpipe.coordinator.runs.lossy,
+zpipe.stage.executors.lossy)::
 
     client -> coordinator  lossy_run_request  run parameters; initial weights, inputs, labels
     coordinator -> stage   lossy_setup        a run: spec, peers' endpoints, names and keys;
@@ -136,7 +136,7 @@ class LossyResult(TensorMessage):
     # {"predictions": [[step, [class, ...]], ...] (output owners), "traffic": {...},
     #  "arrivals": [[step, kind, key_layer, [senders]], ...], "null_filled": n}
     test: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
-    # what really crossed the wire (zpipe.stage.lossy_recovery.WireCounts): copies sent
+    # what really crossed the wire (zpipe.stage.executors.lossy_recovery.WireCounts): copies sent
     # and lost, duplicates discarded, acknowledgements sent, lost, received, dropped
     on_wire: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     # ACK in the emulated wait mode: per receiver ("device" -> counts), the promised

@@ -22,14 +22,14 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.models import ModelSpec
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.profile import ModelProfile
 from zpipe.protocol.stage_control import Assign
-from zpipe.stage.async_shard import AsyncShard
 from zpipe.stage.emulated_compute import EmulatedShard
+from zpipe.stage.executors.async_shard import AsyncShard
+from zpipe.stage.executors.sync_training import TrainingSetup
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.shard import Shard
-from zpipe.stage.train_shard import TrainShard
-from zpipe.stage.trainer import TrainingSetup
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.slowdown import Slowdown, slowdown_factor
 from zpipe.transport.sockets import SocketOptions, open_socket
@@ -148,7 +148,7 @@ class AssignmentBuilder:
             resumed = resumed_state(message)
             if message.fetch:
                 resumed = {**(resumed or {}), **await fetch_state(list(message.fetch))}
-            # asynchronous 1F1B keeps weight versions (zpipe.stage.async_shard)
+            # asynchronous 1F1B keeps weight versions (zpipe.stage.executors.async_shard)
             kind = AsyncShard if training.schedule == ASYNC_SCHEDULE else TrainShard
             shard = await loop.run_in_executor(
                 self._compute,

@@ -85,7 +85,7 @@ class ConnectAssignment:
 @dataclass(frozen=True)
 class LossyControl:
     """Hand a lossy run's control message to the lossy executor
-    (:mod:`zpipe.stage.lossy_executor`)."""
+    (:mod:`zpipe.stage.executors.lossy`)."""
 
     message: LossySetup | LossyGo | LossyDead | LossyRemap | LossyProbeRequest
 

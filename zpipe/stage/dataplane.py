@@ -23,14 +23,14 @@ from zpipe.stage.assignment import Assignment, AssignmentBuilder, FetchState, pu
 from zpipe.stage.commands import Command, ConnectAssignment, DropMessage
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
-from zpipe.stage.inference import InferenceLoop
+from zpipe.stage.executors.inference import InferenceLoop
+from zpipe.stage.executors.sync_training import TrainingExecutor
+from zpipe.stage.executors.training_plane import TrainingPlane, prepare_training, training_setup
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, data_port_limits
 from zpipe.stage.shard import Shard
 from zpipe.stage.supervision import TaskSupervisor, describe_error
-from zpipe.stage.trainer import TrainingExecutor
-from zpipe.stage.training_plane import TrainingPlane, prepare_training, training_setup
 from zpipe.transport.sockets import ReceiveLimits
 
 log = get_logger("zpipe.stage")

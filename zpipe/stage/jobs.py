@@ -6,7 +6,7 @@ runs them as tasks, one per kind at a time, and sends each one's answer: an
 assignment's build (:mod:`~zpipe.stage.dataplane`), a profile or a link measurement
 (:mod:`~zpipe.stage.measurements`, :mod:`~zpipe.stage.emulated_compute`), weights and
 backups (:mod:`~zpipe.stage.snapshots`), a re-partition's phase
-(:mod:`~zpipe.stage.repartition`). A job that fails is logged; the coordinator's own
+(:mod:`~zpipe.stage.executors.async_repartition`). A job that fails is logged; the coordinator's own
 deadline covers the answer that does not come.
 """
 
@@ -33,8 +33,8 @@ from zpipe.stage.commands import Command, StageJob, StartJob
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.emulated_compute import emulated_profile_reply
+from zpipe.stage.executors.async_repartition import StageRepartition
 from zpipe.stage.measurements import link_probe_reply, profile_reply
-from zpipe.stage.repartition import StageRepartition
 from zpipe.stage.snapshots import SnapshotService, request_identity
 from zpipe.stage.supervision import describe_error
 from zpipe.transport import security

@@ -29,7 +29,7 @@ from typing import Any
 from zpipe._errors import ProtocolError
 from zpipe.models.registry import MAX_DECLARED_UNITS
 from zpipe.models.weights import split_unit_key
-from zpipe.stage.train_shard import OPTIMIZER_KEY
+from zpipe.stage.executors.training_shard import OPTIMIZER_KEY
 
 
 @dataclass(frozen=True)

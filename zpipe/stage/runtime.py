@@ -17,8 +17,8 @@ sockets and tasks and carries out the commands it returns:
   (:mod:`~zpipe.stage.snapshots`);
 - data tasks of the running assignment: the data port
   (:mod:`~zpipe.stage.dataport`) feeding the inference loop
-  (:mod:`~zpipe.stage.inference`) or the training plane
-  (:mod:`~zpipe.stage.training_plane`).
+  (:mod:`~zpipe.stage.executors.inference`) or the training plane
+  (:mod:`~zpipe.stage.executors.training_plane`).
 
 Every long-lived task is supervised (:mod:`~zpipe.stage.supervision`): one
 that dies is restarted or, dying again and again, fails the process loudly.
@@ -59,13 +59,13 @@ from zpipe.stage.commands import (
 from zpipe.stage.config import StageConfig
 from zpipe.stage.coordinator_link import CoordinatorLink
 from zpipe.stage.dataplane import DataPlane
+from zpipe.stage.executors.async_repartition import StageRepartition
+from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
 from zpipe.stage.linkprobe import ProbeResponder
-from zpipe.stage.lossy_executor import LossyExecutor
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
-from zpipe.stage.repartition import StageRepartition
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages

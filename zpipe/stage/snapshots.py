@@ -34,7 +34,8 @@ from zpipe.models.size import peer_build_limit
 from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup, BackupOk, FetchUnits, StateChunk, StateChunkOk, Units
 from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
-from zpipe.stage.async_trainer import AsyncTrainingExecutor
+from zpipe.stage.executors.async_training import AsyncTrainingExecutor
+from zpipe.stage.executors.sync_training import TrainingExecutor
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import (
     UNAUTHENTICATED,
@@ -51,7 +52,6 @@ from zpipe.stage.peer_policy import (
 from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
-from zpipe.stage.trainer import TrainingExecutor
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
 from zpipe.transport.sockets import SocketOptions

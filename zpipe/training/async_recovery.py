@@ -2,7 +2,7 @@
 
 An ``async-1f1b`` run with ``recover`` keeps global replicas at flush points and,
 after a stage dies, resumes on the survivors with the staleness of the depth it
-started with (:mod:`zpipe.coordinator.async_replicas`). That is exact only where
+started with (:mod:`zpipe.coordinator.runs.async_replicas`). That is exact only where
 a weight version names the same weights whatever the stages are: vertical sync
 on (every stage forwards a batch with the first stage's version).
 

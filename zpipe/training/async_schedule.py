@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import zpipe.planner.async_schedule as _moved
 
+warnings.warn(
+    f"{__name__} is deprecated: import {_moved.__name__}", DeprecationWarning, stacklevel=2
+)
 sys.modules[__name__] = _moved

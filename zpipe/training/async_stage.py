@@ -1,6 +1,6 @@
 """One stage's asynchronous-training arithmetic: weight versions, stashing, aggregation.
 
-No I/O and no threads: the stage's shard (:mod:`zpipe.stage.async_shard`) runs it in
+No I/O and no threads: the stage's shard (:mod:`zpipe.stage.executors.async_shard`) runs it in
 its compute thread, and the single-process reference
 (:mod:`zpipe.training.async_reference`) runs one per stage in a global order.
 

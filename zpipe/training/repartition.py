@@ -2,7 +2,7 @@
 
 Pure: events in, decisions out; no I/O. An asynchronous run's coordinator feeds
 it the batches done and the stages' execution counters, and carries out what it
-decides (:mod:`zpipe.coordinator.repartition`).
+decides (:mod:`zpipe.coordinator.runs.async_repartition`).
 
 - When: after ``first`` batches (FTPipeHD: 10, to reach a good partition soon),
   then every ``every`` batches (FTPipeHD: 100).

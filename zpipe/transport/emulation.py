@@ -201,7 +201,7 @@ class KeyedLinks:
     :meth:`transmit` puts one copy of a message on the link ``key.src -> key.dst``
     and says whether it arrives; the sender puts each copy that arrives on the wire
     (a lossy run's receiver keeps the first and discards the others, as an 802.15.4
-    MAC discards a repeated sequence number: zpipe.stage.lossy_recovery). Per-link
+    MAC discards a repeated sequence number: zpipe.stage.executors.lossy_recovery). Per-link
     counts of copies sent and lost are kept. Synchronous and
     without timing (a lossy run's timeslots are its clock), so the compute thread
     that runs a stage's passes and the event loop that sends its probes both use

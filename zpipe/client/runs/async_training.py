@@ -1,24 +1,24 @@
 """One attempt of an asynchronous 1F1B run on the client side.
 
-As a synchronous attempt (:class:`~zpipe.client.training_run.TrainingRun`): feed
+As a synchronous attempt (:class:`~zpipe.client.runs.sync_training.TrainingRun`): feed
 each mini-batch to the first stage and its labels to the last, one loss back per
 mini-batch, at most ``max_steps_in_flight`` mini-batches in flight (FTPipeHD's
 semaphore; by default the number of stages). The stages do not know how long the
 run is, so the feed ends with a ``data`` message that carries ``end`` and no rows
-(:mod:`zpipe.stage.async_trainer`); the final weights are gathered once every
+(:mod:`zpipe.stage.executors.async_training`); the final weights are gathered once every
 stage has backwarded every mini-batch.
 
 With ``repartition`` (FTPipeHD's live re-partitioning), the feed pauses before
-each mini-batch the settings name (:mod:`zpipe.client.repartition`): the same
+each mini-batch the settings name (:mod:`zpipe.client.runs.async_repartition`): the same
 ``end`` marker flushes the stages there. With ``recover``, it pauses before every
 replica too, and the coordinator keeps one at the flush
-(:mod:`zpipe.coordinator.async_replicas`).
+(:mod:`zpipe.coordinator.runs.async_replicas`).
 """
 
 from __future__ import annotations
 
 from zpipe.client.connection import CLIENT_NAME
-from zpipe.client.training_run import TrainingRun
+from zpipe.client.runs.sync_training import TrainingRun
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.data_plane import Data
 

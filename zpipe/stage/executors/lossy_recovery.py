@@ -7,7 +7,7 @@ each copy the link lets through is a ``lossy_partial`` of its own on the wire,
 numbered by ``copy``:
 
 - the receiver keeps the first copy of a partial and discards (and counts) the
-  others (:class:`zpipe.stage.lossy_passes.SharedInbox`);
+  others (:class:`zpipe.stage.executors.lossy_passes.SharedInbox`);
 - under ACK the receiver answers every copy it receives with a ``lossy_ack`` on
   its own emulated link back (:class:`AckSender`, the event loop's), which drops
   it by the same keyed decision the simulation asks; the sender, before its next

@@ -1,11 +1,11 @@
 """The executor of an asynchronous 1F1B stage (PipeDream, FTPipeHD).
 
-Runs the stage's endless action list (:func:`zpipe.training.async_schedule.
+Runs the stage's endless action list (:func:`zpipe.planner.async_schedule.
 iter_async_actions`): warm-up forwards, then a backward, its update and a forward
 in turn, an aggregation every so many backwards when asked for. A forward uses
-the weight version :func:`~zpipe.training.async_schedule.forward_version` names
+the weight version :func:`~zpipe.planner.async_schedule.forward_version` names
 (vertical sync, on by default: the version the first stage used), its backward
-the same one (weight stashing, :mod:`zpipe.stage.async_shard`).
+the same one (weight stashing, :mod:`zpipe.stage.executors.async_shard`).
 
 The run's length is not known in advance: the client ends its feed with a
 ``data`` message that carries ``end`` and no rows (no batch from ``mb`` on
@@ -30,11 +30,17 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from zpipe._errors import PipelineError, TransportTimeout
+from zpipe.planner.async_schedule import (
+    AsyncSettings,
+    aggregation_interval,
+    concurrent_versions,
+    forward_version,
+    iter_async_actions,
+)
+from zpipe.planner.schedules import Action
 from zpipe.protocol.data_plane import Data, Labels, Loss
-from zpipe.stage.async_shard import AsyncShard
-from zpipe.stage.metrics import StageCounters
-from zpipe.stage.train_shard import TrainShard
-from zpipe.stage.trainer import (
+from zpipe.stage.executors.async_shard import AsyncShard
+from zpipe.stage.executors.sync_training import (
     CLIENT,
     DataParallelGroup,
     GroupReducer,
@@ -43,14 +49,8 @@ from zpipe.stage.trainer import (
     TrainingExecutor,
     TrainingSetup,
 )
-from zpipe.training.async_schedule import (
-    AsyncSettings,
-    aggregation_interval,
-    concurrent_versions,
-    forward_version,
-    iter_async_actions,
-)
-from zpipe.training.schedules import Action
+from zpipe.stage.executors.training_shard import TrainShard
+from zpipe.stage.metrics import StageCounters
 
 
 class AsyncTrainingExecutor(TrainingExecutor):
@@ -72,7 +72,7 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.async_shard = shard
         self.settings = AsyncSettings.from_dict(setup.async_settings)
         n, i = setup.num_stages, setup.index
-        # A run resumed from a replica (zpipe.coordinator.async_replicas): its batches
+        # A run resumed from a replica (zpipe.coordinator.runs.async_replicas): its batches
         # are numbered from 0 again, its versions go on from the replica's update
         # count, its forwards keep the staleness of the depth the run started with,
         # and its aggregations that depth's windows, counted from the run's start.

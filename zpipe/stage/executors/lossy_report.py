@@ -2,7 +2,7 @@
 its ``lossy_result`` at the end (counters, arrivals, waits, test passes, what crossed
 the wire, the dead it null-filled and its final weight slices) and, every
 ``replica_every`` mini-batches, a ``lossy_replica`` of its slices. The executor
-(:mod:`zpipe.stage.lossy_executor`) sends them."""
+(:mod:`zpipe.stage.executors.lossy`) sends them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import NeuronSlice
 from zpipe.lossy.wire import to_tensor
 from zpipe.protocol.lossy import LossyReplica, LossyResult, LossyTestSummary
-from zpipe.stage.lossy_passes import SharedInbox
+from zpipe.stage.executors.lossy_passes import SharedInbox
 
 #: by layer: the slice a device owns, its W and its b
 Slices = dict[int, tuple[NeuronSlice, FloatArray, FloatArray]]

@@ -158,7 +158,7 @@ class TrainShard:
 
     def repartition_snapshot(self, num_stages: int) -> dict[str, torch.Tensor]:
         """This stage's state between two rounds, for peers to fetch units of at a live
-        re-partition (:mod:`zpipe.stage.repartition`)."""
+        re-partition (:mod:`zpipe.stage.executors.async_repartition`)."""
         return self.training_state()
 
     def regrouped(self, start: int, end: int, state: Mapping[str, torch.Tensor]) -> TrainShard:

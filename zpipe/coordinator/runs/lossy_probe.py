@@ -1,11 +1,11 @@
 """The link measurement a lossy run can ask for before it is mapped (EdgePipe: 50
-probes per link), as a sub-flow of :mod:`zpipe.coordinator.lossy_run`.
+probes per link), as a sub-flow of :mod:`zpipe.coordinator.runs.lossy`.
 
     lossy_probe_request to every stage ─> every lossy_ready ─> lossy_go ─>
     every lossy_probe_report ─> the measured matrix (received / sent, [src][dst])
 
 Each stage sends its probes to the others over its data socket
-(:mod:`zpipe.stage.lossy_probes`), so the matrix is measured between the stages
+(:mod:`zpipe.stage.executors.lossy_probes`), so the matrix is measured between the stages
 themselves; the coordinator carries control only.
 """
 

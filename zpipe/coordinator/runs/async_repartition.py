@@ -21,17 +21,17 @@ from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError, StageLostError, ZpipeError
 from zpipe.coordinator.commands import AllowPeers, AwaitReplies, Log, Send
+from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import fetch_grants, fetch_plans
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.runbase import BaseRun
-from zpipe.coordinator.runs import KeptReplica
+from zpipe.coordinator.runs.base import BaseRun
 from zpipe.models import ModelSpec
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.repartition import Repartitioned, RepartitionReply, RepartitionRequest
 from zpipe.recovery.replanning import unit_work_from_profile
-from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.training.repartition import (
     RepartitionController,
     RepartitionDecision,

@@ -1,6 +1,6 @@
 """A stage's part of an EdgePipe (lossy) run: its super neuron's partial layers.
 
-The coordinator's lossy run (:mod:`zpipe.coordinator.lossy_run`) sends each
+The coordinator's lossy run (:mod:`zpipe.coordinator.runs.lossy`) sends each
 stage a ``lossy_setup`` (its device index, the run spec, its weight slices and,
 for input and output owners, every mini-batch's inputs or labels, its peers'
 data endpoints, names and keys) and then ``lossy_go``. The executor:
@@ -11,15 +11,15 @@ data endpoints, names and keys) and then ``lossy_go``. The executor:
   counted and dropped, and the loop goes on);
 - runs its passes of the eq. 2 timeslot pipeline in order on a
   :class:`~zpipe.lossy.torch_partial.TorchDeviceShard`, the whole pass sequence
-  in the stage's compute thread (:mod:`zpipe.stage.lossy_passes`: waiting for a
+  in the stage's compute thread (:mod:`zpipe.stage.executors.lossy_passes`: waiting for a
   pass's partials with an explicit timeout, null-filling what has not come,
   sending each pass's partials to every device that needs them (every copy
   r-TX or ACK sends, each a message of its own), each send
   with a deadline); the event loop only receives partials and hands them over;
 - answers ``lossy_ready`` and, at the end, ``lossy_result`` with its counters,
-  its arrivals and its final weight slices (built by :mod:`zpipe.stage.lossy_report`).
+  its arrivals and its final weight slices (built by :mod:`zpipe.stage.executors.lossy_report`).
 
-Its peers' data connections are :class:`zpipe.stage.lossy_peers.LossyPeers`: keys
+Its peers' data connections are :class:`zpipe.stage.executors.lossy_peers.LossyPeers`: keys
 allowed at set-up, sockets connected at ``lossy_go``. Every message is parsed into
 its protocol class once, where it comes in (the lifecycle's control messages, the
 data port's frames), and dispatched by class.
@@ -28,7 +28,7 @@ Loss is emulated at the sender with :func:`zpipe.lossy.links.deliver`, keyed as
 in the in-process simulation, so that a run on stages drops exactly the
 messages its simulation drops. Under r-TX and ACK each copy is a message of its
 own, and under ACK this stage answers each copy it receives with a ``lossy_ack``
-from the event loop, on sockets of its own (:mod:`zpipe.stage.lossy_recovery`).
+from the event loop, on sockets of its own (:mod:`zpipe.stage.executors.lossy_recovery`).
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ from zpipe.protocol.lossy import (
     LossySetup,
 )
 from zpipe.stage.assignment import PushConnector
-from zpipe.stage.lossy_passes import PassLoop, ReplicaSink, SharedInbox
-from zpipe.stage.lossy_peers import LossyPeers
-from zpipe.stage.lossy_probes import LinkProbes, probe_links
-from zpipe.stage.lossy_recovery import AckSender
-from zpipe.stage.lossy_report import Slices, replica, run_result
+from zpipe.stage.executors.lossy_passes import PassLoop, ReplicaSink, SharedInbox
+from zpipe.stage.executors.lossy_peers import LossyPeers
+from zpipe.stage.executors.lossy_probes import LinkProbes, probe_links
+from zpipe.stage.executors.lossy_recovery import AckSender
+from zpipe.stage.executors.lossy_report import Slices, replica, run_result
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -210,7 +210,8 @@ class LossyExecutor:
 
     async def _setup_probes(self, req: LossyProbeRequest) -> None:
         """A ``lossy_probe_request``: take probes on the data port, answer
-        ``lossy_ready``; the probes go at ``lossy_go`` (:mod:`zpipe.stage.lossy_probes`)."""
+        ``lossy_ready``; the probes go at ``lossy_go``
+        (:mod:`zpipe.stage.executors.lossy_probes`)."""
         await self._reset()
         error = ""
         try:

@@ -7,7 +7,7 @@
     every micro-batch whose result it has not received; or, without ``recover``,
     tell it the stage failed (stage_failed)
 
-Pure: events in, commands out (:class:`~zpipe.coordinator.runbase.RunController`).
+Pure: events in, commands out (:class:`~zpipe.coordinator.runs.base.RunController`).
 Inference weights come from the model spec, so recovery moves no weights.
 """
 
@@ -27,13 +27,13 @@ from zpipe.coordinator.commands import (
     Record,
     Send,
 )
+from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.decisions import live_members, replan_in_place
 from zpipe.coordinator.events import Event, StageDied
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import bucketing_of
-from zpipe.coordinator.runbase import BaseRun
-from zpipe.coordinator.runs import Run
+from zpipe.coordinator.runs.base import BaseRun
 from zpipe.coordinator.sink_check import check_sink_reachable
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.models import ModelSpec

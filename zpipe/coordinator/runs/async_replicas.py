@@ -3,7 +3,7 @@
 Asynchronous stages never drain at a batch boundary by themselves, so the client
 makes one: before every ``replicate_every``-th mini-batch it ends its feed for a
 moment (the ``end`` marker a live re-partition pauses with,
-:mod:`zpipe.client.async_training`), every stage backwards every earlier batch and
+:mod:`zpipe.client.runs.async_training`), every stage backwards every earlier batch and
 waits there. Then, in three steps that reuse a re-partition's phases:
 
     prepare (repartition_request) ─> each stage, once flushed, keeps a snapshot of
@@ -16,7 +16,7 @@ waits there. Then, in three steps that reuse a re-partition's phases:
 
 A recovery then resumes as a synchronous run's does
 (:mod:`zpipe.coordinator.starting`): each stage of the new plan gets its units,
-versions included, from the replica (:meth:`zpipe.stage.async_shard.AsyncShard.
+versions included, from the replica (:meth:`zpipe.stage.executors.async_shard.AsyncShard.
 load_training_state`), its update count goes on from the replica's, and its forwards
 keep the staleness of the depth the run started with (``AsyncSettings.depth``, which
 the client sets when it resumes), so the recovered run trains exactly as the
@@ -36,12 +36,12 @@ from zpipe._errors import ConfigError, StageLostError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.repartition import LiveRepartitioning, PhaseAsk, plan_bounds
-from zpipe.coordinator.training import SyncTrainingController, state_of_replies
+from zpipe.coordinator.runs.async_repartition import LiveRepartitioning, PhaseAsk, plan_bounds
+from zpipe.coordinator.runs.sync_training import SyncTrainingController, state_of_replies
+from zpipe.planner.async_schedule import AsyncSettings
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.training.async_recovery import async_recovery_refusal
-from zpipe.training.async_schedule import AsyncSettings
 
 
 def collect_async_replica(

@@ -1,6 +1,6 @@
 """A stage's shard for asynchronous 1F1B: weight versions, stashing, aggregation.
 
-A :class:`~zpipe.stage.train_shard.TrainShard` whose forwards take a weight version
+A :class:`~zpipe.stage.executors.training_shard.TrainShard` whose forwards take a weight version
 and whose backwards are each followed by their own update; the arithmetic is
 :class:`~zpipe.training.async_stage.AsyncStageCompute`'s, the same the
 single-process reference runs. Weights, optimizer state and replicas are the
@@ -19,7 +19,7 @@ from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.models import load_layer_sequence
 from zpipe.models.trust import FactoryPolicy
 from zpipe.models.weights import split_unit_key
-from zpipe.stage.train_shard import TrainShard
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.training.async_regroup import (
     is_versioned_state,
     needed_versions,

@@ -3,7 +3,7 @@
 The stage's receive loop hands over activations (``data`` from the upstream
 group), gradients (``grad`` from the downstream group) and, on the last stage,
 ``labels`` from the client; the executor runs each round's actions in order
-(:func:`zpipe.training.schedules.stage_actions`): a forward waits for its
+(:func:`zpipe.planner.schedules.stage_actions`): a forward waits for its
 activation, a backward for its gradient, ``ALLREDUCE`` sums the gradients of
 the devices that share this stage, then ``STEP`` applies the optimizer.
 Compute runs in the stage's compute thread; sends are queued on the stage's
@@ -34,11 +34,11 @@ import torch
 
 from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.log import get_logger
+from zpipe.planner.schedules import Action, stage_actions
 from zpipe.protocol.data_plane import Data, Grad, Labels, Loss, MicroBatchError
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.metrics import StageCounters
-from zpipe.stage.train_shard import TrainShard
 from zpipe.training.routing import split_rows
-from zpipe.training.schedules import Action, stage_actions
 
 log = get_logger("zpipe.stage")
 
@@ -85,7 +85,7 @@ class TrainingSetup:
     # the devices whose backups this one keeps (chain and topology replication);
     # a backup from anyone else is refused
     backup_from: tuple[str, ...] = ()
-    # asynchronous 1F1B's settings (zpipe.training.async_schedule.AsyncSettings.to_dict)
+    # asynchronous 1F1B's settings (zpipe.planner.async_schedule.AsyncSettings.to_dict)
     async_settings: dict[str, Any] | None = None
 
     @property

@@ -6,9 +6,9 @@ feeds each mini-batch's micro-batches to the first stage's devices and their
 labels to the last's, collects the losses from the sink, has the coordinator
 keep a replica every ``replicate_every`` mini-batches, and gathers the trained
 weights at the end. It is the I/O shell of one attempt: when to look, replicate or
-stop is the fit's :class:`~zpipe.client.training_attempts.TrainingAttempts`'s
+stop is the fit's :class:`~zpipe.client.runs.training_attempts.TrainingAttempts`'s
 decision, and which loss answers which mini-batch its
-:class:`~zpipe.client.training_attempts.StepLedger`'s.
+:class:`~zpipe.client.runs.training_attempts.StepLedger`'s.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from zpipe.client.batches import (
 )
 from zpipe.client.connection import CLIENT_NAME
 from zpipe.client.failures import run_failed_error
-from zpipe.client.repartition import repartition_before
 from zpipe.client.reports import TrainReport
-from zpipe.client.session import RunSession
-from zpipe.client.training_attempts import (
+from zpipe.client.runs.async_repartition import repartition_before
+from zpipe.client.runs.training_attempts import (
     Command,
     EndAttempt,
     FeedAt,
@@ -47,6 +46,7 @@ from zpipe.client.training_attempts import (
     StepLedger,
     TrainingAttempts,
 )
+from zpipe.client.session import RunSession
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan

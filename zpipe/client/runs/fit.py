@@ -23,9 +23,9 @@ mini-batches since it, which it keeps until the next replica. The trained
 model then equals an uninterrupted run's.
 
 Each start (the first, after a recovery, after a rebalance) is one attempt
-(:class:`~zpipe.client.training_run.TrainingRun`); what goes from one attempt to
+(:class:`~zpipe.client.runs.sync_training.TrainingRun`); what goes from one attempt to
 the next is decided by a pure controller
-(:class:`~zpipe.client.training_attempts.TrainingAttempts`), which
+(:class:`~zpipe.client.runs.training_attempts.TrainingAttempts`), which
 :class:`_Training` feeds what happened and obeys.
 """
 
@@ -36,14 +36,13 @@ from collections.abc import AsyncIterable, Iterable, Sized
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError
-from zpipe.client.async_training import AsyncTrainingRun
 from zpipe.client.batches import BatchSource, TrainBatch, first_batch_size
 from zpipe.client.connection import ClientConnection, ConnectedClient
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
-from zpipe.client.session import RunSession
-from zpipe.client.trace import write_trace
-from zpipe.client.training_attempts import (
+from zpipe.client.runs.async_training import AsyncTrainingRun
+from zpipe.client.runs.sync_training import AttemptEnd, TrainingRun
+from zpipe.client.runs.training_attempts import (
     AttemptEnded,
     AttemptReady,
     AttemptStarted,
@@ -56,20 +55,21 @@ from zpipe.client.training_attempts import (
     rebalance_request,
     resume_request,
 )
-from zpipe.client.training_run import AttemptEnd, TrainingRun
+from zpipe.client.session import RunSession
+from zpipe.client.trace import write_trace
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec, declared_units
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.progress import TerminalProgress
 from zpipe.protocol.client_control import RunRequest
-from zpipe.training.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 
 log = get_logger("zpipe.client")
 
 __all__ = [
     "check_traced_microbatches",
     "fit",
-    "rebalance_request",  # (from zpipe.client.training_attempts)
-    "resume_request",  # (from zpipe.client.training_attempts)
+    "rebalance_request",  # (from zpipe.client.runs.training_attempts)
+    "resume_request",  # (from zpipe.client.runs.training_attempts)
     "training_request",
 ]
 
@@ -174,7 +174,7 @@ def check_traced_microbatches(
 
 class _Training:
     """A whole fit: the I/O of its attempts; what goes from one to the next is the
-    decision of its :class:`~zpipe.client.training_attempts.TrainingAttempts`."""
+    decision of its :class:`~zpipe.client.runs.training_attempts.TrainingAttempts`."""
 
     def __init__(
         self,

@@ -77,7 +77,7 @@ from zpipe.lossy.remap import assemble_slices
 from zpipe.lossy.schedule import PassEvent, events, total_timeslots
 from zpipe.lossy.shard import DeviceShard, Needed, Outgoing, ShardFactory
 from zpipe.lossy.wire import partial_message
-from zpipe.stage.lossy_recovery import AckBook, AckId, WireCounts
+from zpipe.stage.executors.lossy_recovery import AckBook, AckId, WireCounts
 from zpipe.transport.codec import Message, encode
 from zpipe.transport.emulation import KeyedLinks, LossKey
 

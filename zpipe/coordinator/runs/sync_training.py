@@ -34,22 +34,22 @@ from zpipe.coordinator.commands import (
     Send,
     TrainingModel,
 )
+from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import live_members, training_planner_for
 from zpipe.coordinator.events import ClientRequest, Event, StageDied
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.records import SavedReplica
-from zpipe.coordinator.repartition import LiveRepartitioning
-from zpipe.coordinator.runbase import BaseRun
-from zpipe.coordinator.runs import KeptReplica
-from zpipe.coordinator.state import CLIENT_NAME
-from zpipe.coordinator.training_balance import (
+from zpipe.coordinator.runs.async_repartition import LiveRepartitioning
+from zpipe.coordinator.runs.base import BaseRun
+from zpipe.coordinator.runs.sync_balance import (
     admits,
     at_microbatch_size,
     memory_model,
     rebalanced,
     run_optimizer,
 )
+from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.models import ModelSpec
 from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan
@@ -136,7 +136,7 @@ class SyncTrainingController(BaseRun):
     def _repartition(
         self, routing_id: bytes, run_id: int, step: int, look: bool, now: float
     ) -> list[Command]:
-        """A live re-partition (zpipe.coordinator.repartition), its flow answered once;
+        """A live re-partition (zpipe.coordinator.runs.async_repartition), its flow answered once;
         ``look``: a look before any flush."""
         if self._repartitioning is None:
             self._repartitioning = LiveRepartitioning(self)
@@ -343,7 +343,7 @@ class SyncTrainingController(BaseRun):
 
     def rebalance(self, plan: TrainingPlan, counters: dict[str, Any]) -> Flow:
         """Eco-FL's workload migration from the measured speeds (see
-        :func:`zpipe.coordinator.training_balance.rebalanced`)."""
+        :func:`zpipe.coordinator.runs.sync_balance.rebalanced`)."""
         run = self.run
         assert run.rebalance is not None and run.request is not None
         spec = ModelSpec.from_dict(run.request.model)

@@ -4,7 +4,8 @@ At set-up a stage allows its peers' CURVE keys on its own data port before any o
 them connects (a refused CURVE handshake is not retried) and only notes where they
 are; it connects to them at ``lossy_go``, once every stage of the run allows this
 one's key. The run's PUSH sockets close when it ends; under ACK recovery the
-acknowledgements go on sockets of their own (:class:`~zpipe.stage.lossy_recovery.AckSender`).
+acknowledgements go on sockets of their own
+(:class:`~zpipe.stage.executors.lossy_recovery.AckSender`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError
 from zpipe.stage.assignment import PushConnector
-from zpipe.stage.lossy_recovery import AckSender
+from zpipe.stage.executors.lossy_recovery import AckSender
 from zpipe.transport import security
 
 

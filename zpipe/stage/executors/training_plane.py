@@ -1,6 +1,6 @@
 """The training glue of a stage: its settings, its neighbours, its ring, its sends.
 
-:mod:`zpipe.stage.trainer` runs a schedule's actions; this module connects it
+:mod:`zpipe.stage.executors.sync_training` runs a schedule's actions; this module connects it
 to the world: it reads a training assignment's settings
 (:func:`training_setup`), notes every neighbour device's endpoint and key and
 reserves the all-reduce port (:func:`prepare_training`), then, once the
@@ -20,17 +20,22 @@ import zmq.asyncio
 
 from zpipe._errors import PeerGoneError, ProtocolError, ZpipeError
 from zpipe.log import get_logger
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.protocol.data_plane import MicroBatchError
 from zpipe.protocol.stage_control import Assign
 from zpipe.stage.assignment import Assignment, PushConnector
-from zpipe.stage.async_trainer import AsyncTrainingExecutor
 from zpipe.stage.data_parallel import RingAllReduce
 from zpipe.stage.dataport import DataMessage
+from zpipe.stage.executors.async_training import AsyncTrainingExecutor
+from zpipe.stage.executors.sync_training import (
+    DataParallelGroup,
+    Outgoing,
+    TrainingExecutor,
+    TrainingSetup,
+)
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.lifecycle import CLIENT
 from zpipe.stage.metrics import LinkMeter, StageCounters
-from zpipe.stage.train_shard import TrainShard
-from zpipe.stage.trainer import DataParallelGroup, Outgoing, TrainingExecutor, TrainingSetup
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec

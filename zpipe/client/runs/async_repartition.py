@@ -6,7 +6,7 @@ RepartitionSettings` name, the coordinator looks first while the pipeline runs
 feed stop: the run kind's ``pause_feed`` (an asynchronous run sends its ``end``
 marker, so the stages flush), then every loss in flight comes back, then the
 coordinator has the stages move units between them and commit
-(:mod:`zpipe.coordinator.repartition`). The feed goes on from the same
+(:mod:`zpipe.coordinator.runs.async_repartition`). The feed goes on from the same
 mini-batch; what the look found is kept in ``TrainReport.repartitions``.
 """
 
@@ -20,7 +20,7 @@ from zpipe.log import get_logger
 from zpipe.protocol.repartition import Repartition, Repartitioned
 
 if TYPE_CHECKING:
-    from zpipe.client.training_run import TrainingRun
+    from zpipe.client.runs.sync_training import TrainingRun
 
 log = get_logger("zpipe.client")
 

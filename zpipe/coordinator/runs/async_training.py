@@ -1,11 +1,11 @@
 """An asynchronous training run's controller (PipeDream's and FTPipeHD's 1F1B).
 
 The same start as a synchronous run (assign, ready, go, connect: see
-:mod:`zpipe.coordinator.training`), and the same checkpoint at the end (every
+:mod:`zpipe.coordinator.runs.sync_training`), and the same checkpoint at the end (every
 stage's weights once it has backwarded every batch). A live re-partition (the
 client pauses its feed, the stages flush, move units and commit) is
-:mod:`zpipe.coordinator.repartition`'s, as for synchronous runs. Replicas are taken
-at flush points the client makes (:mod:`zpipe.coordinator.async_replicas`): global
+:mod:`zpipe.coordinator.runs.async_repartition`'s, as for synchronous runs. Replicas are taken
+at flush points the client makes (:mod:`zpipe.coordinator.runs.async_replicas`): global
 copies of every unit with its weight versions; a recovery resumes from one as a
 synchronous run's does.
 
@@ -18,11 +18,11 @@ from dataclasses import replace
 from typing import Any
 
 from zpipe._errors import ConfigError
-from zpipe.coordinator.async_replicas import collect_async_replica
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.training import SyncTrainingController
+from zpipe.coordinator.runs.async_replicas import collect_async_replica
+from zpipe.coordinator.runs.sync_training import SyncTrainingController
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, async_warmup
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.training.async_schedule import ASYNC_SCHEDULE, async_warmup
 
 
 class AsyncTrainingController(SyncTrainingController):

@@ -10,7 +10,7 @@
 ``prepared`` (:func:`zpipe.lossy.simulate.prepare_run`) fixes what the run's seed
 fixes: the emulated links, the initial weights and every mini-batch's rows. The
 client sends them with the run parameters (``lossy_run_request``); the
-coordinator partitions and maps on the stages (:mod:`zpipe.coordinator.lossy_run`)
+coordinator partitions and maps on the stages (:mod:`zpipe.coordinator.runs.lossy`)
 and answers with every stage's result, which :func:`result_from_report` turns into
 the :class:`~zpipe.lossy.trace.TrainingTrace` the in-process simulation
 (:func:`zpipe.lossy.trace.train_in_process`) builds, so the two compare directly.
@@ -51,7 +51,7 @@ from zpipe.protocol.client_control import RunFailed
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
 
 # What the stages' link measurement may add to a run (the coordinator's probe wait
-# and its replies' deadlines, zpipe.coordinator.lossy_probe).
+# and its replies' deadlines, zpipe.coordinator.runs.lossy_probe).
 LINK_MEASUREMENT_S = 60.0
 
 
@@ -94,7 +94,7 @@ class StagesLossyResult:
     stage_metrics: dict[str, Any] = field(default_factory=dict)
     #: per device: what really crossed the wire (copies sent and lost, duplicates
     #: discarded, acknowledgements sent, lost, received and dropped; see
-    #: zpipe.stage.lossy_recovery.WireCounts)
+    #: zpipe.stage.executors.lossy_recovery.WireCounts)
     on_wire: dict[int, dict[str, int]] = field(default_factory=dict)
     #: ACK in the emulated wait mode, by sender and receiver: the promised
     #: acknowledgements awaited, overdue, not awaited (the receiver silent since an

@@ -1,7 +1,7 @@
 """An EdgePipe (lossy) run on ordinary stages: from ``lossy_run_request`` to ``lossy_run_report``.
 
     lossy_run_request ─> the stages (waiting for them to register) ─> [the stages
-    measure their links, 50 probes each: zpipe.coordinator.lossy_probe] ─> partition
+    measure their links, 50 probes each: zpipe.coordinator.runs.lossy_probe] ─> partition
     (Algorithm 1) and map super neurons to stages (Algorithm 2) on the reception
     ratios measured or given ─> lossy_setup to each stage (its partial layers, its data, its
     peers) ─> every lossy_ready ─> lossy_go ─> every lossy_result ─> lossy_run_report
@@ -14,10 +14,10 @@ starts fails it (the client hears ``run_failed``). One the heartbeats declare
 dead once the passes run is null-filled: the others hear ``lossy_dead`` and stop
 waiting for its partials, the run goes on, and the report names it with the
 first mini-batch that ran without it (``dead``). With ``on_death="remap"`` the
-survivors take its super neurons over instead (:mod:`zpipe.coordinator.lossy_remap`)
+survivors take its super neurons over instead (:mod:`zpipe.coordinator.runs.lossy_remap`)
 and the report lists each switch (``remaps``).
 
-At the end, as every run kind does (:func:`zpipe.coordinator.runbase.stage_metrics`),
+At the end, as every run kind does (:func:`zpipe.coordinator.runs.base.stage_metrics`),
 the report carries every live stage's counters (``metrics``) and the coordinator
 records ``run_done`` (or ``run_failed``) in its event list.
 
@@ -50,10 +50,10 @@ from zpipe.coordinator.commands import (
     Send,
 )
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.lossy_probe import measure_links
-from zpipe.coordinator.lossy_remap import ON_DEATH, RemapRun, results_remapping
 from zpipe.coordinator.membership import Member, MemberState
-from zpipe.coordinator.runbase import stage_metrics
+from zpipe.coordinator.runs.base import stage_metrics
+from zpipe.coordinator.runs.lossy_probe import measure_links
+from zpipe.coordinator.runs.lossy_remap import ON_DEATH, RemapRun, results_remapping
 from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
 from zpipe.lossy.cnn import CnnSpec, part_shapes
 from zpipe.lossy.engine import shard_params
@@ -267,7 +267,7 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
     failed = {name: r.error for name, r in results.items() if r.error}
     if failed:
         raise PipelineError(f"stages failed the lossy run: {failed}")
-    # the run-end counters every run kind reports (zpipe.coordinator.runbase.stage_metrics)
+    # the run-end counters every run kind reports (zpipe.coordinator.runs.base.stage_metrics)
     metrics, _ = yield from stage_metrics(state, sorted(results), run, epoch)
     done = {
         "run": run,

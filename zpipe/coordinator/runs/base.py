@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 from zpipe._errors import ConfigError, StageLostError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, Command, Log, Persist, Send
+from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.events import ClientRequest, Event
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import MemberState
-from zpipe.coordinator.runs import Run
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.protocol.client_control import (
     RunEnd,

@@ -1,6 +1,6 @@
 """A stage's part in a live re-partition of a training run (FTPipeHD III-D, III-F).
 
-Asynchronous runs flush at the pause (:class:`~zpipe.stage.async_trainer.
+Asynchronous runs flush at the pause (:class:`~zpipe.stage.executors.async_training.
 AsyncTrainingExecutor`); a synchronous stage is between two rounds there anyway
 (every round ends with its update), so it only waits for round ``step - 1``'s.
 
@@ -33,13 +33,13 @@ import torch
 from zpipe._errors import PipelineError
 from zpipe.log import get_logger
 from zpipe.protocol.repartition import RepartitionReply, RepartitionRequest
-from zpipe.stage.async_shard import AsyncShard
-from zpipe.stage.async_trainer import AsyncTrainingExecutor
+from zpipe.stage.executors.async_shard import AsyncShard
+from zpipe.stage.executors.async_training import AsyncTrainingExecutor
+from zpipe.stage.executors.sync_training import TrainingExecutor
+from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import describe_error
-from zpipe.stage.train_shard import TrainShard
-from zpipe.stage.trainer import TrainingExecutor
 
 log = get_logger("zpipe.stage")
 

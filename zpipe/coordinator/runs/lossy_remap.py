@@ -1,5 +1,5 @@
 """A lossy run's wait for its results when a death re-maps the dead device's super
-neurons (``on_death="remap"``), as a sub-flow of :mod:`zpipe.coordinator.lossy_run`.
+neurons (``on_death="remap"``), as a sub-flow of :mod:`zpipe.coordinator.runs.lossy`.
 
     every lossy_result ─┬─> done
                         └─ a stage declared dead ─> lossy_dead(remap) to the others

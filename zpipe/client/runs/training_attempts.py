@@ -7,7 +7,7 @@ request, the mini-batch to resume from, what to replay, the losses that stand) a
 within an attempt, when the feed looks for a re-partition or has a replica kept.
 :class:`StepLedger` counts one attempt's losses: which mini-batch each answers, and
 when a mini-batch is complete. Neither touches a socket, a clock or a task: the
-shell (:mod:`zpipe.client.train`, :mod:`zpipe.client.training_run`) does the I/O,
+shell (:mod:`zpipe.client.runs.fit`, :mod:`zpipe.client.runs.sync_training`) does the I/O,
 feeds what happened in as events, and carries out the commands::
 
     start()                            -> RequestRun(request, offset)
@@ -34,10 +34,10 @@ from zpipe._errors import PipelineError, ProtocolError, StageFailedError
 from zpipe.client.batches import ReplayBuffer
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
 from zpipe.recovery import replicas_due
-from zpipe.training.async_schedule import ASYNC_SCHEDULE
 
 # ---------------------------------------------------------------------------- events
 
@@ -566,7 +566,7 @@ def _async_resume(request: RunRequest, *, depth: int) -> RunRequest:
         train["repartition"] = {k: v for k, v in repartition.items() if k != "bounds"}
     planner = "straight" if request.planner == "hpp" else request.planner
     # the survivors keep the staleness of the pipeline the run started with
-    # (zpipe.coordinator.async_replicas): what makes the recovery exact
+    # (zpipe.coordinator.runs.async_replicas): what makes the recovery exact
     settings = dict(train.get("async") or {})
     settings.setdefault("depth", depth)
     train["async"] = settings
