@@ -137,7 +137,7 @@ def test_a_stages_probes_go_through_its_emulated_links_which_drop_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from zpipe.protocol.lossy import LossyProbeRequest
-    from zpipe.stage import lossy_probes
+    from zpipe.stage.executors import lossy_probes
 
     # a link decision that drops every odd probe to device 2, and nothing else
     def odd_to_two(seed: int, prr: object) -> object:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError
+from zpipe.planner import schedules as sched
 from zpipe.planner.schedules import (
     ACTION_KINDS,
     Action,
@@ -26,7 +27,6 @@ from zpipe.planner.schedules import (
     stage_actions,
     validate_stage_actions,
 )
-from zpipe.training import schedules as sched
 
 # Durations are multiples of 1/4 s so that sums are exact in floating point and the
 # closed-form round times below can be compared with ==.
