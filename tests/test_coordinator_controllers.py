@@ -15,8 +15,7 @@ from zpipe.coordinator.events import StallReported, Tick
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.protocol.client_control import Stalled
-from zpipe.protocol.stage_control import BackedUp, Weights
-from zpipe.transport.codec import Message
+from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
 
 
 def _weights(name: str) -> Weights:
@@ -234,7 +233,7 @@ def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> N
     every resend_s, only the stages that neither answered nor moved a chunk."""
     runner = FlowRunner()
     seen: list[object] = []
-    ask = {n: Send(n.encode(), Message("backup_request", {"step": 3}), n, stage=n) for n in "abc"}
+    ask = {n: Send(n.encode(), BackupRequest(run=1, step=3, holder=n), n, stage=n) for n in "abc"}
 
     def backing_up():  # type: ignore[no-untyped-def]
         seen.append(
@@ -270,7 +269,7 @@ def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> N
 
 def test_a_wait_without_resend_asks_once_and_times_out_at_its_deadline() -> None:
     runner = FlowRunner()
-    ask = Send(b"a", Message("weights_request", {}), "a", stage="a")
+    ask = Send(b"a", WeightsRequest(run=1, step=0), "a", stage="a")
 
     def waiting():  # type: ignore[no-untyped-def]
         with pytest.raises(TransportTimeout):
@@ -462,7 +461,7 @@ def test_a_request_that_could_not_leave_is_asked_again_not_taken_for_a_death() -
 
     runner = FlowRunner()
     seen: list[object] = []
-    ask = {n: Send(n.encode(), Message("weights_request", {}), n, stage=n) for n in "ab"}
+    ask = {n: Send(n.encode(), WeightsRequest(run=1, step=0), n, stage=n) for n in "ab"}
 
     def gathering():  # type: ignore[no-untyped-def]
         seen.append((yield AwaitReplies(tuple(ask), Weights, 60.0, "weights",

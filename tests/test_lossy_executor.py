@@ -26,7 +26,7 @@ from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.pass_control import PassControl, PassStarted
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, partial_message, to_tensor
-from zpipe.protocol.lossy import LossySetup
+from zpipe.protocol.lossy import LossyProbeReport, LossySetup
 from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.supervision import TaskSupervisor
 from zpipe.transport.codec import Message, encode
@@ -260,9 +260,8 @@ def test_bad_partials_reaching_the_data_port_are_dropped_and_counted() -> None:
 
 
 def test_a_probe_report_that_does_not_fit_is_refused() -> None:
-    def report(received: dict[str, Any], sent: dict[str, Any], error: str = "") -> Message:
-        return Message("lossy_probe_report", {"run": 1, "device": 0, "received": received,
-                                              "sent": sent, "error": error})  # fmt: skip
+    def report(received: dict[str, Any], sent: dict[str, Any], error: str = "") -> LossyProbeReport:
+        return LossyProbeReport(run=1, device=0, received=received, sent=sent, error=error)
 
     good = [report({"1": 40}, {"1": 50}), report({"0": 50}, {"0": 50})]
     # device 0 heard 40 of device 1's 50: the link [src 1][dst 0]
