@@ -69,7 +69,7 @@ async def test_every_copy_of_a_notice_is_acknowledged_and_the_run_sees_it_once(
     await _send(router, _failed(1))  # sent again: the first ack was late, or lost
     await _send(router, _failed(2, stage="d"))
     acks = [await _receive(router) for _ in range(3)]
-    assert [(a.kind, a["run"], a["seq"]) for a in acks] == [
+    assert [(a.kind, a.body["run"], a.body["seq"]) for a in acks] == [
         ("notice_ack", 3, 1),
         ("notice_ack", 3, 1),
         ("notice_ack", 3, 2),
