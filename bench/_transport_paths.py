@@ -289,7 +289,7 @@ class Receiver:
                 # forwards its output: zero-copy both ways.
                 await send(
                     ch.push,
-                    data_message(int(message["mb"]), message.tensors[0], "echo"),
+                    data_message(int(message.body["mb"]), message.tensors[0], "echo"),
                     timeout_s=timeout,
                     peer=SENDER_KEY,
                     copy_below=copy_below(ch.path, self.settings.copy_below),

@@ -63,6 +63,8 @@ import zmq
 from bench._common import emit, loadavg, summary
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.protocol.client_control import RunFailed
+from zpipe.protocol.peer import BackupOk, Units
 from zpipe.transport.codec import Message, decode, encode
 from zpipe.transport.ports import free_tcp_port
 
@@ -375,14 +377,16 @@ def _peer_request_attacks(
         replies = attacker.requests(endpoint, _planted_backups(count))
         plant["sent"] += count
         plant["targets"] += 1
-        plant["kept"] += sum(1 for r in replies if r.kind == "backup_ok" and not r["error"])
-        plant["refused"] += sum(1 for r in replies if r.kind == "backup_ok" and r["error"])
+        oks = [BackupOk.from_message(r) for r in replies if r.kind == BackupOk.KIND]
+        plant["kept"] += sum(1 for ok in oks if not ok.error)
+        plant["refused"] += sum(1 for ok in oks if ok.error)
         other = next((n for n in names if n != member["name"]), names[0])
         replies = attacker.requests(endpoint, _fetches(other, count))
         fetch["sent"] += count
         fetch["targets"] += 1
-        fetch["leaked_units"] += sum(len(r.tensors) for r in replies if r.kind == "units")
-        fetch["refused"] += sum(1 for r in replies if r.kind == "units" and r["error"])
+        units = [Units.from_message(r) for r in replies if r.kind == Units.KIND]
+        fetch["leaked_units"] += sum(len(u.tensors) for u in units)
+        fetch["refused"] += sum(1 for u in units if u.error)
     return {"backup_plant": plant, "fetch_units": fetch}
 
 
@@ -447,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         per_class["factory"] = {"sent": sent, "targets": 1}
         bomb = attacker.requests(cluster.coordinator_endpoint, [_model_bomb_request()], 60.0)
-        bomb_error = str(bomb[0]["error"]) if bomb and bomb[0].kind == "run_failed" else ""
+        failed = [RunFailed.from_message(m) for m in bomb[:1] if m.kind == RunFailed.KIND]
+        bomb_error = failed[0].error if failed else ""
         per_class["model_bomb"] = {
             "sent": 1,
             "targets": 1,

@@ -264,7 +264,7 @@ class Sender:
                 ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY, awaited="ack"
             )
             elapsed = time.perf_counter() - started
-            if decode_frames(frames, MAX_BYTES)["nonce"] != count:
+            if decode_frames(frames, MAX_BYTES).body["nonce"] != count:
                 raise RuntimeError("the receiver acknowledged a different count")
         return elapsed, await self._usage(mark)
 

@@ -109,9 +109,9 @@ class Harness:
         for command in commands:
             if isinstance(command, Send):
                 self.sent.append(command)
-                seq = command.wire.get("seq")
+                seq = command.wire.body.get("seq")
                 if self.ack_notices and command.to == CLIENT and seq is not None:
-                    self.client("notice_ack", run=command.wire["run"], seq=seq)
+                    self.client("notice_ack", run=command.wire.body["run"], seq=seq)
             elif isinstance(command, Log):
                 self.logs.append(command)
             elif isinstance(command, Record):
@@ -181,7 +181,7 @@ class Harness:
             if answer:
                 for send in self.sent[before:]:
                     if send.wire.kind == "probe" and send.peer in alive:
-                        self.stage(send.peer, "probe_ack", nonce=send.wire["nonce"])
+                        self.stage(send.peer, "probe_ack", nonce=send.wire.body["nonce"])
 
     # ------------------------------------------------------------------ peers
 

@@ -442,7 +442,7 @@ def _drive(owner: SimpleNamespace, failures: list[BaseException]) -> tuple[FlowR
 
 
 def _phases(commands: list[Any]) -> list[tuple[str, str]]:
-    return [(c.stage, c.wire["phase"]) for c in commands if isinstance(c, Send)]
+    return [(c.stage, c.wire.body["phase"]) for c in commands if isinstance(c, Send)]
 
 
 def _reply(runner: FlowRunner, phase: str, now: float, **errors: str) -> list[Any]:

@@ -265,7 +265,7 @@ def _chunk_events(
 
 def _token(harness: Harness, name: str) -> str:
     (registered,) = harness.to(name, "registered")
-    return str(registered["bulk_token"])
+    return str(registered.body["bulk_token"])
 
 
 def _register(harness: Harness, name: str, token: str, key: str | None = None) -> None:
@@ -284,14 +284,14 @@ def test_a_registration_sent_again_on_one_connection_keeps_its_token() -> None:
     harness = Harness()
     _register(harness, "b", "first")
     _register(harness, "b", "second")  # the stage's retry, its first answer being slow
-    assert [m["bulk_token"] for m in harness.to("b", "registered")] == ["first", "first"]
+    assert [m.body["bulk_token"] for m in harness.to("b", "registered")] == ["first", "first"]
     register = Register(name="b", data_endpoint="tcp://b:1", info={})
     # another connection under the name (a new process, once the old one is dead)
     member = harness.state.membership.get("b")
     assert member is not None
     harness.state.membership.declare_dead("b", "gone", harness.now)
     harness.feed(RegisterAsked(b"b-again", None, register, bulk_token="third"))
-    assert harness.to("b", "registered")[-1]["bulk_token"] == "third"
+    assert harness.to("b", "registered")[-1].body["bulk_token"] == "third"
 
 
 def test_a_stage_s_chunks_are_progress_and_its_whole_reply_is_handled_as_sent() -> None:
@@ -367,7 +367,7 @@ def test_a_stage_restored_from_disk_gets_a_token_when_it_first_speaks() -> None:
     saved = SavedState(0, 0, (SavedMember("b", b"b", "tcp://b:1", {}, None),), None)
     harness.core.restore(saved, None, harness.now)
     harness.feed(StageSpoke(b"b", Heartbeat(name="b", metrics={})))
-    assert [m["bulk_token"] for m in harness.to("b", "registered")] == ["renewed"]
+    assert [m.body["bulk_token"] for m in harness.to("b", "registered")] == ["renewed"]
     harness.feed(StageSpoke(b"b", Heartbeat(name="b", metrics={})))  # once
     assert len(harness.to("b", "registered")) == 1
     for event in _chunk_events(WEIGHTS, "b", "renewed"):

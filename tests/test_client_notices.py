@@ -19,7 +19,8 @@ from test_client_session import EPOCH, RUN, _check, _connection, _never_called, 
 from zpipe.client.control import ControlChannel
 from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts
-from zpipe.protocol.client_control import RunReplanned, StageFailed
+from zpipe.protocol.client_control import Checkpoint, RunReplanned, StageFailed
+from zpipe.protocol.stage_control import WeightsRequest
 from zpipe.transport.codec import Message, encode
 from zpipe.transport.sockets import SocketOptions, decode_frames
 
@@ -68,7 +69,7 @@ async def test_every_copy_of_a_notice_is_acknowledged_and_the_run_sees_it_once(
     await _send(router, _failed(1))  # sent again: the first ack was late, or lost
     await _send(router, _failed(2, stage="d"))
     acks = [await _receive(router) for _ in range(3)]
-    assert [(a.kind, a["run"], a["seq"]) for a in acks] == [
+    assert [(a.kind, a.body["run"], a.body["seq"]) for a in acks] == [
         ("notice_ack", 3, 1),
         ("notice_ack", 3, 1),
         ("notice_ack", 3, 2),
@@ -164,15 +165,15 @@ async def test_progress_notices_of_the_run_keep_a_request_waiting_past_its_deadl
     coordinator = asyncio.ensure_future(
         _answer_late_with_progress(router, run=3, notices=8, gap_s=0.25)
     )
-    reply = await channel.request(
-        Message("weights_request", {"run": 3, "step": 4}),
-        expect=("checkpoint",),
+    reply = await channel.ask(
+        WeightsRequest(run=3, step=4),
+        expect=(Checkpoint,),
         timeout_s=1.0,  # the whole answer takes 2 s: only the notices keep it alive
         awaited="the trained weights",
         progress_run=3,
     )
     await coordinator
-    assert reply.kind == "checkpoint" and reply["step"] == 4
+    assert reply.KIND == "checkpoint" and reply.step == 4
 
 
 async def test_without_progress_or_with_another_runs_the_deadline_holds(
@@ -186,9 +187,9 @@ async def test_without_progress_or_with_another_runs_the_deadline_holds(
             _answer_late_with_progress(router, run=3, notices=8, gap_s=0.25)
         )
         with pytest.raises(TransportTimeout, match="the trained weights"):
-            await channel.request(
-                Message("weights_request", {"run": 3, "step": 4}),
-                expect=("checkpoint",),
+            await channel.ask(
+                WeightsRequest(run=3, step=4),
+                expect=(Checkpoint,),
                 timeout_s=1.0,
                 awaited="the trained weights",
                 progress_run=progress_run,

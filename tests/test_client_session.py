@@ -271,7 +271,7 @@ async def test_the_sink_reopens_for_new_limits_only_when_no_run_receives_on_it(
         # the peer connected before reconnects to the fresh socket by itself
         await push.send_multipart(_result(2))
         frames = await asyncio.wait_for(fresh.recv_multipart(), 30)
-        assert connection.decode_sink_message(frames)["mb"] == 2
+        assert connection.decode_sink_message(frames).body["mb"] == 2
     finally:
         push.close(linger=0)
         connection.sink.close(linger=0)

@@ -208,7 +208,7 @@ def test_nesting_under_the_limit_is_accepted() -> None:
     # header map, body map, metrics map: three levels above the value itself
     metrics = nested(MAX_NESTING - 3)
     message = decode([header(k="heartbeat", b={"name": "s", "metrics": metrics})])
-    assert message["metrics"] == metrics
+    assert message.body["metrics"] == metrics
 
 
 @pytest.mark.parametrize(

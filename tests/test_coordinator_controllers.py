@@ -15,8 +15,7 @@ from zpipe.coordinator.events import StallReported, Tick
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.protocol.client_control import Stalled
-from zpipe.protocol.stage_control import BackedUp, Weights
-from zpipe.transport.codec import Message
+from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
 
 
 def _weights(name: str) -> Weights:
@@ -34,12 +33,13 @@ def test_a_stream_is_assigned_made_ready_and_connected() -> None:
     run = h.start_stream(NAMES)
     assigns = {n: h.to(n, "assign")[0] for n in NAMES}
     # the even partition of six units, each stage sending to the next, the last to the client
-    assert [(m["start"], m["end"]) for m in assigns.values()] == [(0, 2), (2, 4), (4, 6)]
-    assert assigns["a"]["downstream_endpoint"] == "tcp://b:1"
-    assert assigns["c"]["downstream"] == "client"
-    assert assigns["c"]["downstream_endpoint"] == "tcp://client:9"
+    assert [(m.body["start"], m.body["end"]) for m in assigns.values()] == [(0, 2), (2, 4), (4, 6)]
+    assert assigns["a"].body["downstream_endpoint"] == "tcp://b:1"
+    assert assigns["c"].body["downstream"] == "client"
+    assert assigns["c"].body["downstream_endpoint"] == "tcp://client:9"
     ready = h.to_client("run_ready")[0]
-    assert (ready["first_stage"], ready["last_stage"], ready["run"]) == ("a", "c", run)
+    body = ready.body
+    assert (body["first_stage"], body["last_stage"], body["run"]) == ("a", "c", run)
     assert all(h.to(n, "connect") for n in NAMES)
     assert isinstance(h.state.current, InferenceController) and h.state.current.run.streaming
 
@@ -63,7 +63,7 @@ def test_run_ready_tells_the_client_the_first_stages_data_port_limit() -> None:
         body = {"max_message_bytes": limit} if limit is not None else {}
         h.stage(name, "ready", run=run.run, build_s=0.1, **body)
     (ready,) = h.to_client("run_ready")
-    assert ready["first_stage"] == "a" and ready["first_max_message_bytes"] == 1 << 20
+    assert ready.body["first_stage"] == "a" and ready.body["first_max_message_bytes"] == 1 << 20
     # a first stage that says nothing (an older one): the field is left out
     older = Harness()
     older.start_stream(NAMES)
@@ -88,7 +88,7 @@ def test_a_stage_that_fails_to_build_fails_the_run_with_its_error() -> None:
     h.stage("a", "ready", run=run.run, build_s=0.1)
     h.stage("b", "assign_failed", run=run.run, error="out of memory")
     (failed,) = h.to_client("run_failed")
-    assert failed["error"] == "stage 'b': out of memory"
+    assert failed.body["error"] == "stage 'b': out of memory"
     assert h.core.run is None
     assert not h.to_client("run_ready")
 
@@ -106,7 +106,7 @@ def test_a_run_that_names_missing_stages_is_refused() -> None:
         stage_names=["a", "z"],
     )
     (failed,) = h.to_client("run_failed")
-    assert "stages ['z'] are not registered" in failed["error"]
+    assert "stages ['z'] are not registered" in failed.body["error"]
 
 
 def test_ready_that_never_comes_times_out_naming_the_silent_stages() -> None:
@@ -127,7 +127,7 @@ def test_ready_that_never_comes_times_out_naming_the_silent_stages() -> None:
     h.stage("a", "ready", run=run.run, build_s=0.1)
     h.advance(h.state.timeouts.assign_s + 1, alive=("a", "b", "c"))
     (failed,) = h.to_client("run_failed")
-    assert "waiting for ready after assignment from b, c" in failed["error"]
+    assert "waiting for ready after assignment from b, c" in failed.body["error"]
 
 
 def test_a_dead_stage_is_replanned_around_and_the_client_told_to_replay() -> None:
@@ -144,8 +144,8 @@ def test_a_dead_stage_is_replanned_around_and_the_client_told_to_replay() -> Non
     assert not h.to_client("run_replanned")
     h.answer_all("connected", ["a", "c"], run=run)
     (notice,) = h.to_client("run_replanned")
-    assert notice.epoch == epoch + 1 and notice["dead"] == "b"
-    assert [tuple(s) for s in notice["plan"]["stages"]] == [("a", 0, 3), ("c", 3, 6)]
+    assert notice.epoch == epoch + 1 and notice.body["dead"] == "b"
+    assert [tuple(s) for s in notice.body["plan"]["stages"]] == [("a", 0, 3), ("c", 3, 6)]
     (recovered,) = h.events("run_recovered")
     assert recovered["policy"] == "lightweight"
     assert recovered["detected_s"] >= 3.0 and recovered["recovered_s"] >= 0
@@ -157,7 +157,7 @@ def test_without_recover_the_client_hears_the_stage_failed() -> None:
     h.start_stream(NAMES)
     h.advance(8.0, alive=("a", "c"))
     (failed,) = h.to_client("stage_failed")
-    assert failed["stage"] == "b" and "heartbeat" in failed["reason"]
+    assert failed.body["stage"] == "b" and "heartbeat" in failed.body["reason"]
     assert not h.to_client("run_replanned")
 
 
@@ -172,7 +172,7 @@ def test_the_end_of_a_run_gathers_metrics_and_a_silent_stage_reports_none() -> N
     h.advance(h.state.timeouts.reply_s + 1, alive=tuple(NAMES))
     reports = h.to_client("run_report")
     assert len(reports) == 2
-    assert reports[0]["stages"] == {
+    assert reports[0].body["stages"] == {
         "a": {"microbatches": 3},
         "b": {"microbatches": 3},
         "c": {"error": "no metrics"},
@@ -234,7 +234,7 @@ def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> N
     every resend_s, only the stages that neither answered nor moved a chunk."""
     runner = FlowRunner()
     seen: list[object] = []
-    ask = {n: Send(n.encode(), Message("backup_request", {"step": 3}), n, stage=n) for n in "abc"}
+    ask = {n: Send(n.encode(), BackupRequest(run=1, step=3, holder=n), n, stage=n) for n in "abc"}
 
     def backing_up():  # type: ignore[no-untyped-def]
         seen.append(
@@ -270,7 +270,7 @@ def test_a_request_lost_on_its_way_is_sent_again_to_the_silent_stage_only() -> N
 
 def test_a_wait_without_resend_asks_once_and_times_out_at_its_deadline() -> None:
     runner = FlowRunner()
-    ask = Send(b"a", Message("weights_request", {}), "a", stage="a")
+    ask = Send(b"a", WeightsRequest(run=1, step=0), "a", stage="a")
 
     def waiting():  # type: ignore[no-untyped-def]
         with pytest.raises(TransportTimeout):
@@ -357,9 +357,9 @@ def test_every_death_is_answered_once_with_a_larger_epoch_and_units_owned_once(
         h.answer_all("ready", list(current.devices), run=run, build_s=0.01)
         h.answer_all("connected", list(current.devices), run=run)
         notices = h.to_client("run_replanned")
-        assert [n["dead"] for n in notices] == dead  # one notice per death, none twice
+        assert [n.body["dead"] for n in notices] == dead  # one notice per death, none twice
         epochs.append(notices[-1].epoch)
-        plan = notices[-1]["plan"]
+        plan = notices[-1].body["plan"]
         owners = [device for device, start, end in plan["stages"] for _ in range(start, end)]
         assert len(owners) == 6 and not set(owners) & set(dead)
         bounds = [(start, end) for _, start, end in plan["stages"]]
@@ -387,7 +387,7 @@ def test_requests_for_a_run_that_is_not_current_fail_clearly(kind: str) -> None:
     h = Harness()
     h.client(kind, run=9, **({"step": 0} if kind == "weights_request" else {}))
     (failed,) = h.to_client("run_failed")
-    assert failed["error"] == "run 9 is not the current run"
+    assert failed.body["error"] == "run 9 is not the current run"
 
 
 @pytest.mark.parametrize(
@@ -417,7 +417,7 @@ def test_a_bad_run_request_is_answered_with_run_failed(
     }
     h.client("run_request", **body)
     (failed,) = h.to_client("run_failed")
-    assert problem in failed["error"]
+    assert problem in failed.body["error"]
     assert h.core.run is None and not h.to("a", "assign")
 
 
@@ -440,7 +440,7 @@ def test_a_send_that_fails_ends_the_wait_on_that_stage_at_once() -> None:
     assert [s.stage for s in h.sent if s.wire.kind == "assign"] == NAMES
     h.feed(RequestFailed("b", PeerGoneError("b", "assign")))
     (failed,) = h.to_client("run_failed")
-    assert failed["error"] == "b is not connected: could not send assign"
+    assert failed.body["error"] == "b is not connected: could not send assign"
 
 
 def test_metrics_of_a_stage_that_dies_at_the_end_are_none_not_a_wait() -> None:
@@ -451,7 +451,7 @@ def test_metrics_of_a_stage_that_dies_at_the_end_are_none_not_a_wait() -> None:
     h.stage("c", "metrics", run=run, metrics={"microbatches": 1})
     h.advance(6.0, alive=("a", "c"))  # b dies before it answers: no need to wait longer
     (report,) = h.to_client("run_report")
-    assert report["stages"]["b"] == {"error": "no metrics"}
+    assert report.body["stages"]["b"] == {"error": "no metrics"}
 
 
 def test_a_request_that_could_not_leave_is_asked_again_not_taken_for_a_death() -> None:
@@ -462,7 +462,7 @@ def test_a_request_that_could_not_leave_is_asked_again_not_taken_for_a_death() -
 
     runner = FlowRunner()
     seen: list[object] = []
-    ask = {n: Send(n.encode(), Message("weights_request", {}), n, stage=n) for n in "ab"}
+    ask = {n: Send(n.encode(), WeightsRequest(run=1, step=0), n, stage=n) for n in "ab"}
 
     def gathering():  # type: ignore[no-untyped-def]
         seen.append((yield AwaitReplies(tuple(ask), Weights, 60.0, "weights",

@@ -118,9 +118,9 @@ def test_a_restarted_coordinator_falls_back_to_the_global_copy_after_two_adjacen
     )  # fmt: skip
     new.answer_all("ready", ["a"], run=run + 1, build_s=0.01)
     ready = new.to_client("run_ready")[-1]
-    assert ready["resumed"] == {"run": run, "step": 0}
+    assert ready.body["resumed"] == {"run": run, "step": 0}
     assign = new.to("a", "assign")[-1]
-    got = dict(zip(assign["state_keys"], assign.tensors, strict=True))
+    got = dict(zip(assign.body["state_keys"], assign.tensors, strict=True))
     # every unit at the global copy's step, from the file the old coordinator wrote
     assert {k: float(t[0]) for k, t in got.items()} == {f"units.{u}.weight": u for u in range(6)}
     assert new.events("restored_from_global")
@@ -146,7 +146,7 @@ def test_without_the_global_file_the_restarted_coordinator_loses_those_units(
                 "global": {"run": run, "step": 0, "start_step": 0}},
     )  # fmt: skip
     (failed,) = new.to_client("run_failed")
-    assert "are lost" in failed["error"]
+    assert "are lost" in failed.body["error"]
 
 
 def test_without_hard_links_the_global_copy_is_copied(

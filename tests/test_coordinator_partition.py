@@ -161,10 +161,10 @@ def test_a_stage_failure_the_client_missed_is_sent_again_until_it_acknowledges()
     run = h.start_stream(NAMES)
     h.advance(6.5, alive=("a", "c", "d"))  # b is declared dead after 5 s
     first = h.to_client("stage_failed")
-    assert [n["stage"] for n in first] == ["b"] and first[0]["seq"] == 1
+    assert [n.body["stage"] for n in first] == ["b"] and first[0].body["seq"] == 1
     h.advance(6.0, alive=("a", "c", "d"))
     again = h.to_client("stage_failed")
-    assert len(again) >= 3 and {(n["stage"], n["seq"]) for n in again} == {("b", 1)}
+    assert len(again) >= 3 and {(n.body["stage"], n.body["seq"]) for n in again} == {("b", 1)}
     assert h.events("notice_sent_again")
     h.client("notice_ack", run=run, seq=1)  # the client is back and has it
     sent = len(h.to_client("stage_failed"))
@@ -176,7 +176,7 @@ def test_a_connected_client_gets_each_notice_once() -> None:
     h = Harness()
     h.start_stream(NAMES)
     h.advance(20.0, alive=("a", "c", "d"))
-    assert [n["seq"] for n in h.to_client("stage_failed")] == [1]
+    assert [n.body["seq"] for n in h.to_client("stage_failed")] == [1]
     assert h.events("notice_sent_again") == []
 
 

@@ -55,7 +55,7 @@ def test_a_message_whose_handling_raises_is_logged_and_the_loop_goes_on() -> Non
     garbage = [b"\x00not msgpack", b"\xff" * 3]
     reply = asyncio.run(_serve_and_ask(coordinator, [first, garbage, [b""]]))
     assert raised == ["cluster_request"]
-    assert reply.kind == "cluster_state" and reply["members"] == []
+    assert reply.kind == "cluster_state" and reply.body["members"] == []
 
 
 def test_a_loop_that_dies_fails_the_coordinator_loudly() -> None:

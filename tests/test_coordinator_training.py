@@ -76,11 +76,11 @@ def test_a_global_replica_gathers_every_units_state_and_answers_once() -> None:
     h.client("replicate", run=run, step=0)
     h.client("replicate", run=run, step=0)  # the client asked again: one gather
     assert [len(h.to(n, "weights_request")) for n in "abc"] == [1, 1, 1]
-    assert h.to("a", "weights_request")[0]["optimizer"] is True
+    assert h.to("a", "weights_request")[0].body["optimizer"] is True
     for name, units in (("a", range(0, 2)), ("b", range(2, 4)), ("c", range(4, 6))):
         h.feed_message(name, _weights(name, units))
     replies = h.to_client("replicated")
-    assert len(replies) == 2 and replies[0]["error"] == "" and replies[0]["tensors"] == 6
+    assert len(replies) == 2 and replies[0].body["error"] == "" and replies[0].body["tensors"] == 6
     assert h.state.replica is not None and h.state.replica.step == 0
     assert held_at_coordinator(h.state.replica.state) == set(range(6))
 
@@ -92,9 +92,9 @@ def test_a_stage_that_dies_during_a_replica_fails_that_replica_and_the_run_is_to
     h.feed_message("a", _weights("a", range(0, 2)))
     h.advance(8.0, alive=("a", "c"))
     (reply,) = h.to_client("replicated")
-    assert reply["error"].startswith("StageLostError: stage 'b' failed")
+    assert reply.body["error"].startswith("StageLostError: stage 'b' failed")
     (failed,) = h.to_client("stage_failed")
-    assert failed["stage"] == "b"
+    assert failed.body["stage"] == "b"
     assert h.state.replica is None
 
 
@@ -113,20 +113,20 @@ def test_a_resumed_chain_run_fetches_the_dead_stages_units_from_its_backup() -> 
         recover=True, resume={"run": 1, "step": 3, "dead": ["b"]},
     )  # fmt: skip
     assigns = {n: h.to(n, "assign")[-1] for n in ("a", "c")}
-    ranges = {n: (m["start"], m["end"]) for n, m in assigns.items()}
+    ranges = {n: (m.body["start"], m.body["end"]) for n, m in assigns.items()}
     assert ranges == {"a": (0, 3), "c": (3, 6)}
     # a keeps its own snapshot of 0-1 and fetches b's unit 2 from the backup c holds
-    assert [(e["from"], e["owner"], e["start"], e["end"]) for e in assigns["a"]["fetch"]] == [
+    assert [(e["from"], e["owner"], e["start"], e["end"]) for e in assigns["a"].body["fetch"]] == [
         ("a", "a", 0, 2), ("c", "b", 2, 3)
     ]  # fmt: skip
-    assert assigns["a"]["fetch"][1]["endpoint"] == "tcp://c:2"
+    assert assigns["a"].body["fetch"][1]["endpoint"] == "tcp://c:2"
     # c has b's unit 3 in the backup it holds and keeps its own 4-5: the coordinator's
     # copy of them (c's backup) is not sent again
-    assert [(e["from"], e["owner"], e["start"], e["end"]) for e in assigns["c"]["fetch"]] == [
+    assert [(e["from"], e["owner"], e["start"], e["end"]) for e in assigns["c"].body["fetch"]] == [
         ("c", "b", 3, 4), ("c", "c", 4, 6)
     ]  # fmt: skip
-    assert assigns["c"]["state_keys"] == []
-    assert assigns["a"]["state_keys"] == []
+    assert assigns["c"].body["state_keys"] == []
+    assert assigns["a"].body["state_keys"] == []
     assert [e["policy"] for e in h.events("training_replanned")] == ["lightweight"]
 
 
@@ -247,8 +247,8 @@ def test_rebalancing_a_profiled_run_keeps_a_big_activation_off_a_slow_uplink() -
         metrics = {"microbatches": 3, "forward_s": done * 0.05, "backward_s": done * 0.1}
         h.feed_message(name, _weights(name, units, metrics=metrics))
     (reply,) = h.to_client("replicated")
-    assert reply["error"] == ""
-    moved = TrainingPlan.from_dict(reply["rebalance"])
+    assert reply.body["error"] == ""
+    moved = TrainingPlan.from_dict(reply.body["rebalance"])
     assert [(s.start, s.end) for s in moved.stages] == [(0, 2), (2, 6)]  # not (0, 3)
     assert moved.predicted["stage0_send_forward_s"] < 0.01
     (considered,) = h.events("rebalance_considered")
@@ -286,12 +286,13 @@ def test_a_backup_still_moving_to_its_peer_keeps_the_replica_wait_and_the_client
         h.advance(1.0, alive=("a", "c"))
     assert h.to_client("replicated") == []  # still waiting, not given up
     notices = h.to_client("progress")
-    assert notices and all(n["run"] == run and n["awaited"] == "backed_up" for n in notices)
+    assert notices
+    assert all(n.body["run"] == run and n.body["awaited"] == "backed_up" for n in notices)
     # at most one notice per PROGRESS_NOTICE_S (2 s) of heartbeats every second
     assert len(notices) <= int(result_s * 1.5) // 2 + 1
     h.feed_message("b", _backed_up("b"))
     (reply,) = h.to_client("replicated")
-    assert reply["error"] == ""
+    assert reply.body["error"] == ""
 
 
 def test_a_backup_that_stops_moving_times_out_at_the_result_deadline() -> None:
@@ -301,7 +302,7 @@ def test_a_backup_that_stops_moving_times_out_at_the_result_deadline() -> None:
     result_s = h.state.timeouts.result_s
     h.advance(result_s + 5.0, alive=("a", "b", "c"))  # b alive, its backup stuck
     (reply,) = h.to_client("replicated")
-    assert "backed_up from b" in reply["error"]
+    assert "backed_up from b" in reply.body["error"]
 
 
 def test_without_the_clients_offer_no_progress_notice_is_sent() -> None:

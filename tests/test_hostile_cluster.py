@@ -133,7 +133,7 @@ def test_a_run_request_naming_os_system_is_refused_and_nothing_runs(
     finally:
         context.term()
     assert reply.kind == "run_failed"
-    assert "os:system" in reply["error"] and "--allow-factory" in reply["error"]
+    assert "os:system" in reply.body["error"] and "--allow-factory" in reply.body["error"]
     assert not marker.exists()
 
     # The coordinator and the stages keep serving.

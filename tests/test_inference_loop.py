@@ -146,8 +146,8 @@ async def _run(
 def test_every_output_goes_downstream_once_in_order(context: zmq.asyncio.Context) -> None:
     inputs = [data(mb, float(mb)) for mb in range(40)]
     received, shard, counters = asyncio.run(_run(context, inputs, options=SocketOptions()))
-    assert [m["mb"] for m in received] == list(range(40))
-    assert all(m.kind == "data" and m["src"] == "s1" and m.epoch == 3 for m in received)
+    assert [m.body["mb"] for m in received] == list(range(40))
+    assert all(m.kind == "data" and m.body["src"] == "s1" and m.epoch == 3 for m in received)
     assert [float(m.tensors[0][0]) for m in received] == [2.0 * mb for mb in range(40)]
     assert counters.microbatches == 40 and counters.errors == 0
     assert shard.threads == {"compute-test_0"}  # never on the event loop's thread
@@ -173,7 +173,7 @@ def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
         received, _, _ = asyncio.run(
             _run(context, inputs, options=SocketOptions(), hold_compute=True)
         )
-    assert [m["mb"] for m in received] == list(range(12))
+    assert [m.body["mb"] for m in received] == list(range(12))
     assert sum(trips) == 12
     assert max(trips) > 1  # the inputs held in the inbox went together
     assert max(trips) <= inference.MAX_GROUP
@@ -187,14 +187,14 @@ def test_a_failing_forward_becomes_an_error_and_upstream_errors_pass_on(
     )
     inputs = [data(0, 1.0), data(1, -1.0), upstream_error, data(3, 3.0)]
     received, shard, counters = asyncio.run(_run(context, inputs, options=SocketOptions()))
-    assert [(m.kind, m["mb"]) for m in received] == [
+    assert [(m.kind, m.body["mb"]) for m in received] == [
         ("data", 0),
         ("error", 1),
         ("error", 2),
         ("data", 3),
     ]
-    assert "ValueError: negative input" in received[1]["message"]
-    assert received[2]["message"] == "boom" and received[2]["src"] == "s1"
+    assert "ValueError: negative input" in received[1].body["message"]
+    assert received[2].body["message"] == "boom" and received[2].body["src"] == "s1"
     assert shard.calls == [1.0, -1.0, 3.0]  # the upstream error was not computed
     assert counters.errors == 1 and counters.microbatches == 2
 
@@ -209,6 +209,6 @@ def test_a_downstream_that_stops_reading_holds_the_loop_and_loses_nothing(
     received, _, counters = asyncio.run(
         _run(context, inputs, options=options, hold_downstream=True)
     )
-    assert [m["mb"] for m in received] == list(range(30))
+    assert [m.body["mb"] for m in received] == list(range(30))
     assert [float(m.tensors[0][0]) for m in received] == [2.0 * mb for mb in range(30)]
     assert counters.microbatches == 30

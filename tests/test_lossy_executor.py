@@ -26,7 +26,7 @@ from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.pass_control import PassControl, PassStarted
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.wire import RunSpec, partial_message, to_tensor
-from zpipe.protocol.lossy import LossySetup
+from zpipe.protocol.lossy import LossyProbeReport, LossySetup
 from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.supervision import TaskSupervisor
 from zpipe.transport.codec import Message, encode
@@ -110,7 +110,7 @@ def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_dropped() -> N
         await executor.close()
 
     asyncio.run(scenario())
-    assert [m.kind for m in sent] == ["lossy_ready"] and sent[0]["error"] == ""
+    assert [m.kind for m in sent] == ["lossy_ready"] and sent[0].body["error"] == ""
     assert sent[0].epoch == EPOCH
     assert executor.state is None  # closed; set it up again without a receive loop
     asyncio.run(_setup_only(executor, setup))
@@ -145,7 +145,7 @@ def test_a_test_pass_partial_is_filed_apart_and_one_for_no_test_step_refused() -
     sent: list[Message] = []
     executor = _executor(sent)
     asyncio.run(_setup_only(executor, _setup(0, test)))  # the input owner takes the rows
-    assert sent[-1]["error"] == ""
+    assert sent[-1].body["error"] == ""
     assert executor.state is not None and executor.state.x_test is not None
     asyncio.run(_setup_only(executor, _setup(1, test)))
     st, control = executor.state, _control(executor)
@@ -165,7 +165,7 @@ def test_a_test_pass_partial_is_filed_apart_and_one_for_no_test_step_refused() -
     setup = _setup(0, test)
     short = Message(setup.kind, setup.body, epoch=EPOCH, tensors=setup.tensors[:-1])
     asyncio.run(_setup_only(executor, short))
-    assert "tensors" in sent[-1]["error"] and executor.state is None
+    assert "tensors" in sent[-1].body["error"] and executor.state is None
 
 
 def _control(executor: LossyExecutor) -> PassControl:
@@ -186,7 +186,7 @@ def test_a_setup_that_does_not_fit_is_refused_in_lossy_ready() -> None:
     wrong_device = Message(setup.kind, {**setup.body, "device": 0}, epoch=EPOCH,
                            tensors=setup.tensors)  # fmt: skip
     asyncio.run(_setup_only(executor, wrong_device))
-    assert sent[-1].kind == "lossy_ready" and "weights for layers" in sent[-1]["error"]
+    assert sent[-1].kind == "lossy_ready" and "weights for layers" in sent[-1].body["error"]
     assert executor.state is None and executor.protocol_errors == 1
     with pytest.raises(ProtocolError, match="not set up"):
         asyncio.run(executor.on_control(Message("lossy_go", {"run": 5, "start_at": 0.0})))
@@ -260,9 +260,8 @@ def test_bad_partials_reaching_the_data_port_are_dropped_and_counted() -> None:
 
 
 def test_a_probe_report_that_does_not_fit_is_refused() -> None:
-    def report(received: dict[str, Any], sent: dict[str, Any], error: str = "") -> Message:
-        return Message("lossy_probe_report", {"run": 1, "device": 0, "received": received,
-                                              "sent": sent, "error": error})  # fmt: skip
+    def report(received: dict[str, Any], sent: dict[str, Any], error: str = "") -> LossyProbeReport:
+        return LossyProbeReport(run=1, device=0, received=received, sent=sent, error=error)
 
     good = [report({"1": 40}, {"1": 50}), report({"0": 50}, {"0": 50})]
     # device 0 heard 40 of device 1's 50: the link [src 1][dst 0]

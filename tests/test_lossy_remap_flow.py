@@ -4,7 +4,7 @@ a flow driven by feeding events, as h11's tests feed bytes."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,8 +23,9 @@ from zpipe.lossy.partial import init_mlp
 from zpipe.lossy.partition import partition
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import RunConfig, prepare_run
-from zpipe.protocol.lossy import LossyHold, LossyRemap, LossyReplica, LossyResult
-from zpipe.transport.codec import Message
+from zpipe.protocol import WireMessage
+from zpipe.protocol.client_control import RunFailed
+from zpipe.protocol.lossy import LossyDead, LossyHold, LossyRemap, LossyReplica, LossyResult
 
 SIZES = [6, 8, 8, 3]
 N_DATA = 50
@@ -73,8 +74,12 @@ def _result() -> LossyResult:
     )  # fmt: skip
 
 
-def _sent(commands: list[Command], kind: str) -> dict[str, Message]:
-    return {c.peer: c.message for c in commands if isinstance(c, Send) and c.message.kind == kind}
+_W = TypeVar("_W", bound=WireMessage)
+
+
+def _sent(commands: list[Command], kind: type[_W]) -> dict[str, _W]:
+    sends = [c for c in commands if isinstance(c, Send)]
+    return {c.peer: c.message for c in sends if isinstance(c.message, kind)}
 
 
 def _start(state: ControlState, remap: RemapRun, members: dict[int, Member]) -> list[Any]:
@@ -98,18 +103,18 @@ def test_a_death_holds_the_survivors_and_switches_after_the_furthest() -> None:
     remap = _run(alloc)
     got = _start(state, remap, members)
     notices = _die(state, "b", 1.0)
-    dead = _sent(notices, "lossy_dead")
-    assert sorted(dead) == ["a", "c", "d"] and all(m["remap"] for m in dead.values())
-    assert all(m["device"] == 1 and m.epoch == 3 for m in dead.values())
+    dead = _sent(notices, LossyDead)
+    assert sorted(dead) == ["a", "c", "d"] and all(m.remap for m in dead.values())
+    assert all(m.device == 1 and m.epoch == 3 for m in dead.values())
     # nothing is decided before every survivor said how far it got
     frontiers = {"a": 12, "c": 15, "d": 9}
     out: list[Command] = []
     for name, frontier in frontiers.items():
         hold = LossyHold(run=7, device=0, frontier=frontier)
         out += state.flows.reply(name, hold, now=2.0) or []
-    remapped = _sent(out, "lossy_remap")
+    remapped = _sent(out, LossyRemap)
     assert sorted(remapped) == ["a", "c", "d"]
-    bodies = {n: LossyRemap.from_message(m) for n, m in remapped.items()}
+    bodies = remapped
     assert {b.switch_at for b in bodies.values()} == {16}
     after = remap.alloc
     assert 1 not in after.device_of and bodies["a"].alloc == after.to_dict()
@@ -148,7 +153,7 @@ def test_the_taken_over_rows_come_from_the_dead_devices_latest_replica() -> None
                 torch.full((z - a,), value, dtype=torch.float64),
             ]
         message = LossyReplica(run=7, device=1, step=step, slices=slices, tensors=tuple(tensors))
-        return keep_replica(state, sender, message.to_message())
+        return keep_replica(state, sender, message)
 
     assert replica(10, 1.0) == [] and replica(20, 2.0) == [] and replica(15, 3.0) == []
     assert replica(30, 9.0, sender="c")  # another stage's word for b: dropped, logged
@@ -157,9 +162,9 @@ def test_the_taken_over_rows_come_from_the_dead_devices_latest_replica() -> None
     for name in ("a", "c", "d"):
         hold = LossyHold(run=7, device=0, frontier=25)
         out += state.flows.reply(name, hold, now=2.0) or []
-    remapped = _sent(out, "lossy_remap")
-    taker = next(n for n, m in remapped.items() if m["pieces"])
-    rows = remapped[taker].tensors[: 2 * len(remapped[taker]["pieces"])]
+    remapped = _sent(out, LossyRemap)
+    taker = next(n for n, m in remapped.items() if m.pieces)
+    rows = remapped[taker].tensors[: 2 * len(remapped[taker].pieces or [])]
     assert rows and all(bool((t == 2.0).all()) for t in rows)  # step 20's, the newest
     assert remap.remaps[0][4] == 20
     assert 7 not in state.lossy_runs or state.lossy_runs[7] is remap
@@ -175,9 +180,9 @@ def test_no_switch_when_a_survivor_is_past_training() -> None:
     for name, frontier in {"a": 20, "b": N_DATA + 1, "d": 30}.items():
         hold = LossyHold(run=7, device=0, frontier=frontier)
         out += state.flows.reply(name, hold, now=2.0) or []
-    remapped = _sent(out, "lossy_remap")
+    remapped = _sent(out, LossyRemap)
     assert sorted(remapped) == ["a", "b", "d"]
-    assert all(LossyRemap.from_message(m).switch_at is None for m in remapped.values())
+    assert all(m.switch_at is None for m in remapped.values())
     assert remap.alloc is before and remap.remaps == []
 
 
@@ -190,7 +195,7 @@ def test_the_taker_of_the_input_or_output_layer_gets_the_inputs_or_labels() -> N
     for name in ("b", "c", "d"):
         hold = LossyHold(run=7, device=0, frontier=5)
         out += state.flows.reply(name, hold, now=2.0) or []
-    bodies = {n: LossyRemap.from_message(m) for n, m in _sent(out, "lossy_remap").items()}
+    bodies = _sent(out, LossyRemap)
     owners = {d for d, _ in remap.alloc.owners(0)}
     assert len(owners) == 1 and 0 not in owners
     taker = "abcd"[owners.pop()]
@@ -216,7 +221,7 @@ def test_a_request_sent_again_shares_the_run_being_made() -> None:
     assert len(jobs) == 1
     assert start_lossy_run(state, b"route-2", request, now=1.0) == []  # shares the first
     out = state.flows.job_failed(jobs[0].tag, ConfigError("no stages"), now=2.0)
-    answers = [c for c in out if isinstance(c, Send) and c.message.kind == "run_failed"]
+    answers = [c for c in out if isinstance(c, Send) and isinstance(c.message, RunFailed)]
     assert sorted(c.to for c in answers) == [b"route-1", b"route-2"]
     # once answered, the same id starts a run again (a restarted coordinator's case)
     again = start_lossy_run(state, b"route-3", request, now=3.0)

@@ -34,8 +34,7 @@ from zpipe.lossy.links import Recovery
 from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, RunConfig, prepare_run
 from zpipe.lossy.trace import same_run
-from zpipe.protocol.lossy import LossyResult
-from zpipe.transport.codec import Message
+from zpipe.protocol.lossy import LossyDead, LossyResult
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,11 +187,11 @@ def test_a_survivor_waits_for_one_acknowledgement_of_a_stage_killed_unannounced(
 def test_a_wait_tells_the_others_when_a_stage_it_waits_on_is_lost() -> None:
     # The flow side, pure: a partial wait carries its on_lost commands out when a stage
     # it waits on dies, and goes on with the replies of the others.
-    notice = Send(b"a", Message("lossy_dead", {"run": 1, "device": 1}), "a")
-    got: list[dict[str, Message]] = []
+    notice = Send(b"a", LossyDead(run=1, device=1), "a")
+    got: list[dict[str, LossyResult]] = []
 
     def flow() -> Flow:
-        replies = yield AwaitReplies(("a", "b"), "lossy_result", 60.0, "lossy_result",
+        replies = yield AwaitReplies(("a", "b"), LossyResult, 60.0, "lossy_result",
                                      run=1, partial=True, on_lost=(("b", (notice,)),))  # fmt: skip
         got.append(replies)
 

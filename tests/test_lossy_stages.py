@@ -37,8 +37,8 @@ from zpipe.lossy.simulate import (
     run_training,
 )
 from zpipe.lossy.trace import TrainingTrace, evaluate_in_process, train_in_process
+from zpipe.protocol.client_control import RunFailed
 from zpipe.stage.executors.lossy_recovery import WireCounts
-from zpipe.transport.codec import Message
 from zpipe.transport.emulation import LossKey
 
 pytestmark = pytest.mark.timeout(180)
@@ -354,17 +354,17 @@ def test_a_bad_lossy_request_fails_with_a_clear_error(
     cluster: LocalCluster, stages: list[str], data: Dataset
 ) -> None:
     prepared = prepare_run(replace(BASE, n_data=1), data)
-    request = lossy_request(prepared, data, stage_names=stages).to_message()
-    truncated = Message(request.kind, dict(request.body), tensors=request.tensors[:-1])
+    request = lossy_request(prepared, data, stage_names=stages)
+    truncated = replace(request, tensors=request.tensors[:-1])
 
-    async def go() -> Message:
+    async def go() -> RunFailed:
         async with cluster.client() as client:
-            return await client.connection.control.request(
-                truncated, expect=("run_failed",), timeout_s=30, awaited="run_failed"
+            return await client.connection.control.ask(
+                truncated, expect=(RunFailed,), timeout_s=30, awaited="run_failed"
             )
 
     reply = asyncio.run(go())
-    assert "tensors" in str(reply["error"])
+    assert "tensors" in str(reply.error)
     with pytest.raises(PipelineError, match="not registered"):
         _run(cluster, prepared, data, stage_names=["nobody"], wait_for_stages_s=0.5)
 

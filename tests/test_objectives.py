@@ -282,7 +282,7 @@ def test_the_coordinator_plans_a_traced_run_straight_by_default() -> None:
     assert [job.algo for job in planned] == ["straight"]
     h.client("run_request", planner="data-parallel", **request)
     failures = h.to_client("run_failed")
-    assert failures and "planner 'straight'" in str(failures[-1]["error"])
+    assert failures and "planner 'straight'" in str(failures[-1].body["error"])
     assert len([job for job in h.jobs if isinstance(job, PlanTraining)]) == 1
 
 

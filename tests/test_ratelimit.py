@@ -91,7 +91,7 @@ async def test_the_probe_port_drops_a_floods_excess_and_answers_another_prober()
             await flooder.send_multipart(encode(Message("link_ping", {"nonce": nonce})))
         await prober.send_multipart(encode(Message("link_ping", {"nonce": 999})))
         reply = decode_frames(await asyncio.wait_for(prober.recv_multipart(copy=False), 10), 2**20)
-        assert (reply.kind, reply["nonce"]) == ("link_pong", 999)
+        assert (reply.kind, reply.body["nonce"]) == ("link_pong", 999)
         deadline = asyncio.get_running_loop().time() + 30
         while responder.limiter.dropped_total < 195:  # every flood message was read
             assert asyncio.get_running_loop().time() < deadline

@@ -42,7 +42,7 @@ class Pair:
 
     async def receive(self, timeout_s: float | None = 30.0) -> int:
         frames = await recv_frames(self.rx, timeout_s=timeout_s, peer="tx", awaited="probe_ack")
-        return int(decode_frames(frames, MAX)["nonce"])
+        return int(decode_frames(frames, MAX).body["nonce"])
 
     async def waiting(self) -> None:
         """Until a recv_frames on rx waits on the descriptor (events, not sleeps)."""
@@ -147,7 +147,7 @@ async def test_a_cancelled_wait_leaves_the_socket_usable_for_both_ways_of_receiv
     # zmq.asyncio can still take the socket over; recv_frames then goes through it
     pair.send(3)
     frames = await asyncio.wait_for(pair.rx.recv_multipart(copy=False), 30)
-    assert decode_frames(frames, MAX)["nonce"] == 3
+    assert decode_frames(frames, MAX).body["nonce"] == 3
     receiving = asyncio.create_task(pair.receive())
     await asyncio.sleep(0)
     pair.send(4)

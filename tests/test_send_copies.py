@@ -98,7 +98,7 @@ async def test_an_untracked_send_copies_under_the_threshold_and_shares_above(
         tensor.fill_(-1.0)  # a copied send owes nothing to the tensor once it returns
     got = decode_frames(await link.receive(), MAX)
     assert sent == sum(len(f) for f in encode(data(7, expected)))
-    assert got["mb"] == 7 and got.epoch == 2
+    assert got.body["mb"] == 7 and got.epoch == 2
     assert torch.equal(got.tensors[0], expected)
     assert shared_buffers == ([] if copied else [nbytes])
 

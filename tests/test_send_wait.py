@@ -62,7 +62,7 @@ async def test_a_full_queue_waits_for_room_and_delivers_every_byte_in_order(
             except zmq.Again:
                 await asyncio.sleep(0.0005)
         message = decode_frames(frames, MAX)
-        assert message["mb"] == mb
+        assert message.body["mb"] == mb
         assert torch.equal(message.tensors[0], data(mb, size).tensors[0])
     await asyncio.wait_for(sending, 30)
     assert isinstance(tx, ZpipeSocket)

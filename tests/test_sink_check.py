@@ -89,7 +89,7 @@ def test_the_coordinator_refuses_the_run_before_assigning_anything(mode: dict[st
     h.register("b", "tcp://10.0.0.2:5555")
     h.client("run_request", **_request(LOOPBACK_SINK, **mode))
     (failed,) = h.to_client("run_failed")
-    assert "last stage 'b' runs at 10.0.0.2" in failed["error"]
+    assert "last stage 'b' runs at 10.0.0.2" in failed.body["error"]
     assert not h.to("a", "assign") and not h.to("b", "assign")
     assert h.core.run is None
     # the same run with a sink the stages can reach starts
@@ -107,5 +107,6 @@ def test_a_recovery_that_would_make_a_remote_stage_last_fails_the_run_saying_why
     h.advance(8.0, alive=("a",))  # b dies; a alone would be the last stage
     assert not h.to_client("run_replanned")
     (failed,) = h.to_client("stage_failed")
-    assert failed["stage"] == "b"
-    assert "recovery failed" in failed["reason"] and "runs at 10.0.0.1" in failed["reason"]
+    assert failed.body["stage"] == "b"
+    reason = failed.body["reason"]
+    assert "recovery failed" in reason and "runs at 10.0.0.1" in reason

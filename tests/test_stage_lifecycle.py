@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError, ProtocolError
-from zpipe.protocol.data_plane import Data
+from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
 from zpipe.protocol.stage_control import (
     Assign,
     BackupRequest,
@@ -168,7 +168,7 @@ def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
     # only slow hears it), then one every three intervals; the absence is said once
     beats = [t for t in range(4, 10) if sends(stage.heartbeat_due(float(t)))]
     assert beats == [4, 5, 6, 7, 8]
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict(Data, "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
     assert stage.phase is Phase.RUNNING
 
 
@@ -336,15 +336,15 @@ def test_build_and_connect_failures_are_reported_as_assign_failed() -> None:
 
 def test_only_the_assigned_upstreams_data_of_the_running_epoch_is_delivered() -> None:
     stage = running(epoch=3)
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
-    error = stage.data_verdict("error", "client", 3, has_tensors=False)
+    assert stage.data_verdict(Data, "client", 3, has_tensors=True).verdict is DataVerdict.DELIVER
+    error = stage.data_verdict(MicroBatchError, "client", 3, has_tensors=False)
     assert error.verdict is DataVerdict.DELIVER
-    assert stage.data_verdict("data", "client", 2, has_tensors=True).verdict is DataVerdict.STALE
-    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is DataVerdict.STALE
-    impostor = stage.data_verdict("data", "mallory", 3, has_tensors=True)
+    assert stage.data_verdict(Data, "client", 2, has_tensors=True).verdict is DataVerdict.STALE
+    assert stage.data_verdict(Data, "client", 4, has_tensors=True).verdict is DataVerdict.STALE
+    impostor = stage.data_verdict(Data, "mallory", 3, has_tensors=True)
     assert impostor.verdict is DataVerdict.DROP and "must come from ['client']" in impostor.reason
-    assert stage.data_verdict("grad", "client", 3, has_tensors=True).verdict is DataVerdict.DROP
-    assert stage.data_verdict("data", "client", 3, has_tensors=False).verdict is DataVerdict.DROP
+    assert stage.data_verdict(Grad, "client", 3, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict(Data, "client", 3, has_tensors=False).verdict is DataVerdict.DROP
 
 
 def test_training_routes_take_gradients_from_downstream_and_labels_on_the_last_stage() -> None:
@@ -353,17 +353,17 @@ def test_training_routes_take_gradients_from_downstream_and_labels_on_the_last_s
     stage.assignment_ready(1, 2, build_s=0.0)
     stage.control_message(connect(1), 0.0)
     stage.connected(1, DataRoute.training(2, ("a", "b"), (CLIENT := "client",), last=True))
-    assert stage.data_verdict("data", "b", 2, has_tensors=False).verdict is DataVerdict.DELIVER
-    assert stage.data_verdict("grad", CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
-    assert stage.data_verdict("labels", CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
-    assert stage.data_verdict("labels", "a", 2, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict(Data, "b", 2, has_tensors=False).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict(Grad, CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict(Labels, CLIENT, 2, has_tensors=True).verdict is DataVerdict.DELIVER
+    assert stage.data_verdict(Labels, "a", 2, has_tensors=True).verdict is DataVerdict.DROP
 
 
 def test_nothing_is_delivered_once_a_new_assignment_arrives() -> None:
     stage = running(epoch=3)
     stage.control_message(assign(1, 4), 1.0)
-    assert stage.data_verdict("data", "client", 3, has_tensors=True).verdict is DataVerdict.DROP
-    assert stage.data_verdict("data", "client", 4, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict(Data, "client", 3, has_tensors=True).verdict is DataVerdict.DROP
+    assert stage.data_verdict(Data, "client", 4, has_tensors=True).verdict is DataVerdict.DROP
 
 
 # Events of a random run: assignments (epochs only grow, as the coordinator's do),
@@ -403,7 +403,7 @@ def test_property_no_message_of_another_epoch_is_ever_delivered(events: list[Any
                     else:
                         stage.connect_failed(command.run, command.epoch, "failed")
         elif kind == "data":
-            decision = stage.data_verdict("data", b, a, has_tensors=True)
+            decision = stage.data_verdict(Data, b, a, has_tensors=True)
             if decision.verdict is DataVerdict.DELIVER:
                 # delivered only from the assigned sender, of the running assignment's
                 # epoch, which is the newest assignment's: nothing older reaches compute

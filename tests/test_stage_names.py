@@ -43,9 +43,10 @@ def test_a_live_holder_that_answers_keeps_its_name_and_the_newcomer_is_refused()
     h = _claimed()
     (probe,) = _to(h, b"a#1", "probe")
     assert not _to(h, b"a#2", "registered") and not _to(h, b"a#2", "refused")
-    h.feed_message("a#1", Message("probe_ack", {"nonce": probe["nonce"]}))  # type: ignore[attr-defined]
+    h.feed_message("a#1", Message("probe_ack", {"nonce": probe.body["nonce"]}))  # type: ignore[attr-defined]
     (refused,) = _to(h, b"a#2", "refused")
-    assert "the name 'a' is taken" in refused["reason"] and "tcp://h:1" in refused["reason"]
+    reason = refused.body["reason"]
+    assert "the name 'a' is taken" in reason and "tcp://h:1" in reason
     assert h.events("registration_refused")[0]["stage"] == "a"
     member = h.state.membership.get("a")
     assert member is not None and member.routing_id == b"a#1"
@@ -118,7 +119,7 @@ def test_a_run_whose_stage_is_taken_over_loses_that_stage() -> None:
     _register(h, "b", b"b#new", "tcp://b:9")
     h.feed(RequestFailed("b", PeerGoneError("b", "probe")))
     (failed,) = h.to_client("stage_failed")
-    assert failed["stage"] == "b" and failed["run"] == run
+    assert failed.body["stage"] == "b" and failed.body["run"] == run
     assert _to(h, b"b#new", "registered")
 
 

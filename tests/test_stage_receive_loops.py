@@ -212,7 +212,7 @@ async def test_the_probe_port_survives_a_peer_request_that_raises(
         await dealer.send_multipart(poisoned(Message("link_burst", {"burst": 0, "seq": 0})))
         await dealer.send_multipart(frames_of(Message("link_ping", {"nonce": 5})))
         reply = decode_frames(await asyncio.wait_for(dealer.recv_multipart(copy=False), 5.0), 2**20)
-        assert (reply.kind, reply["nonce"]) == ("link_pong", 5)
+        assert (reply.kind, reply.body["nonce"]) == ("link_pong", 5)
         assert not task.done()
     finally:
         task.cancel()
@@ -288,7 +288,7 @@ async def test_the_control_loop_survives_any_exception_from_one_message(
         await send(routing_id, frames_of(Message("probe", {"nonce": 666})))
         await send(routing_id, frames_of(Message("probe", {"nonce": 7})))
         _, ack = await _expect(coordinator, "probe_ack")
-        assert ack["nonce"] == 7
+        assert ack.body["nonce"] == 7
         assert runtime.counters.dropped == 2
         assert not serving.done()
         await send(routing_id, frames_of(Message("shutdown", {"reason": "test over"})))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import zmq
@@ -27,7 +27,6 @@ from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.client_control import NoticeAck, Progress, RunReplanned, StageFailed, Stalled
 from zpipe.recovery import StallWatch
-from zpipe.transport.codec import Message
 from zpipe.transport.roles import ROLE_KINDS
 from zpipe.transport.sockets import SocketOptions, decode_frames, recv_frames, send
 
@@ -159,25 +158,7 @@ class ControlChannel:
         coordinator is made again while waiting (it was restarted and took its
         run over from disk), the request goes again, with a fresh deadline.
         """
-        return await self._exchange(
-            request.to_message(),
-            expect,
-            timeout_s=timeout_s,
-            awaited=awaited,
-            resend_on_reconnect=resend_on_reconnect,
-            progress_run=progress_run,
-        )
-
-    async def _exchange(
-        self,
-        message: Message,
-        expect: tuple[type[R], ...],
-        *,
-        timeout_s: float,
-        awaited: str,
-        resend_on_reconnect: bool,
-        progress_run: int | None,
-    ) -> R:
+        message = request.to_message()
         seen = self.reconnections
         await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
         deadline = time.monotonic() + timeout_s
@@ -212,29 +193,6 @@ class ControlChannel:
                 log.debug("unexpected_reply", kind=reply.KIND)
             elif not done:
                 raise TransportTimeout("coordinator", awaited, timeout_s)
-
-    async def request(
-        self,
-        message: Message,
-        *,
-        expect: Sequence[str],
-        timeout_s: float,
-        awaited: str,
-        resend_on_reconnect: bool = False,
-        progress_run: int | None = None,
-    ) -> Message:
-        """:meth:`ask` for a caller that still builds and reads untyped messages
-        (``expect`` names kinds): kept until the lossy run speaks typed messages."""
-        classes = tuple(REGISTRY.classes[kind] for kind in expect)
-        reply = await self._exchange(
-            message,
-            classes,
-            timeout_s=timeout_s,
-            awaited=awaited,
-            resend_on_reconnect=resend_on_reconnect,
-            progress_run=progress_run,
-        )
-        return reply.to_message()
 
     async def report_stalls(self, watch: StallWatch, run: Callable[[], int], what: str) -> None:
         """Until cancelled: when the next result of ``run()`` is later than ``watch``'s

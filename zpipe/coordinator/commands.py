@@ -20,27 +20,17 @@ from typing import Any
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.records import SavedReplica
 from zpipe.models import ModelSpec
-from zpipe.protocol import REGISTRY, Message, WireMessage
-
-# A reply a flow waits for: its protocol class. (A kind's name is still taken from the
-# lossy flows, which move to classes on their own branch; such a wait resumes with the
-# replies in their wire form, as those flows read them.)
-ReplyKind = type[WireMessage] | str
-
-
-def wire_form(message: WireMessage | Message) -> Message:
-    """What the codec frames: a protocol object's message (a built one as it is)."""
-    return message.to_message() if isinstance(message, WireMessage) else message
+from zpipe.protocol import Message, WireMessage
 
 
 @dataclass(frozen=True)
 class Send:
     """Send ``message`` (a protocol object) to the peer at ``to``; ``stage``: a failed
     send to this stage becomes a ``RequestFailed`` event (waits on its replies fail at
-    once). A :class:`Message` is taken too, from the flows not yet typed (lossy)."""
+    once)."""
 
     to: bytes
-    message: WireMessage | Message
+    message: WireMessage
     peer: str
     timeout_s: float | None = None  # None: the send deadline from configuration
     stage: str | None = None
@@ -48,13 +38,12 @@ class Send:
     @property
     def wire(self) -> Message:
         """The message as the codec frames it."""
-        return wire_form(self.message)
+        return self.message.to_message()
 
     @property
     def kind(self) -> str:
         """The kind's name on the wire (for logs)."""
-        message = self.message
-        return message.KIND if isinstance(message, WireMessage) else message.kind
+        return self.message.KIND
 
 
 @dataclass(frozen=True)
@@ -133,11 +122,11 @@ class AwaitReplies(Await):
     """
 
     stages: tuple[str, ...]
-    reply: ReplyKind
+    reply: type[WireMessage]
     timeout_s: float
     awaited: str
     run: int | None = None
-    fail: ReplyKind | None = None
+    fail: type[WireMessage] | None = None
     partial: bool = False
     requests: tuple[Send, ...] = ()
     resend_s: float | None = None
@@ -150,27 +139,6 @@ class AwaitReplies(Await):
     # sent (at most every PROGRESS_NOTICE_S) while a stage it waits on moves state: a
     # client waiting on this flow's answer then waits on from the latest progress too
     on_progress: Send | None = None
-
-    def __post_init__(self) -> None:
-        # a kind given by name (the lossy flows) is its class; their replies stay raw
-        if isinstance(self.reply, str):
-            object.__setattr__(self, "reply", REGISTRY.classes[self.reply])
-            object.__setattr__(self, "raw_replies", True)
-        if isinstance(self.fail, str):
-            object.__setattr__(self, "fail", REGISTRY.classes[self.fail])
-
-    # the replies go to the flow in their wire form (set for a kind given by name)
-    raw_replies: bool = field(default=False, init=False)
-
-    @property
-    def reply_class(self) -> type[WireMessage]:
-        assert not isinstance(self.reply, str)
-        return self.reply
-
-    @property
-    def fail_class(self) -> type[WireMessage] | None:
-        assert not isinstance(self.fail, str)
-        return self.fail
 
 
 class ShellJob(Await):

@@ -228,8 +228,7 @@ class CoordinatorCore:
                     return refused
                 return [Log("info", "stage_answered_probe", {"stage": member.name})]
             case LossyReplica():
-                # the lossy flows read it in its wire form (until they take classes)
-                return keep_replica(self.state, member.name, message.to_message())
+                return keep_replica(self.state, member.name, message)
         if isinstance(message, SHELL_REPLIES):
             return [Deliver(member.name, message)]
         if isinstance(message, REPLIES):
@@ -382,8 +381,7 @@ class CoordinatorCore:
                 flow = run_request(state, event.routing_id, event.user_key, request)
                 return state.flows.start(flow, now)
             case LossyRunRequest() as request:
-                # the lossy flows read it in its wire form (until they take classes)
-                return start_lossy_run(state, event.routing_id, request.to_message(), now)
+                return start_lossy_run(state, event.routing_id, request, now)
             case NoticeAck(run=run_id, seq=seq):
                 self.notices.acknowledged(run_id, seq)
                 return []

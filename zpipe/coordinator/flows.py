@@ -34,9 +34,8 @@ from zpipe.coordinator.commands import (
     Send,
     ShellJob,
     StartTimer,
-    wire_form,
 )
-from zpipe.protocol import Message, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.transport.bulk import progress_deadline
 
 # A flow may return a value to the flow that runs it with `yield from`.
@@ -63,7 +62,7 @@ class _Wait:
     request: AwaitReplies
     pending: set[str]
     started: float = 0.0
-    replies: dict[str, WireMessage | Message] = field(default_factory=dict)
+    replies: dict[str, WireMessage] = field(default_factory=dict)
     sent: float = 0.0  # when the requests last went out
     noticed: float = float("-inf")  # when on_progress last went out
 
@@ -112,9 +111,9 @@ class FlowRunner:
         self.now = now
         for tag, wait in list(self._waits.items()):
             request = wait.request
-            fail = request.fail_class
+            fail = request.fail
             failed = fail is not None and isinstance(message, fail)
-            answers = failed or isinstance(message, request.reply_class)
+            answers = failed or isinstance(message, request.reply)
             if stage not in wait.pending or not answers:
                 continue
             # every reply a wait names a run for is of a kind that carries one
@@ -125,7 +124,7 @@ class FlowRunner:
                 error = ConfigError(f"stage {stage!r}: {getattr(message, 'error', '')}")
                 return self._advance(wait.flow, None, error)
             wait.pending.discard(stage)
-            wait.replies[stage] = wire_form(message) if request.raw_replies else message
+            wait.replies[stage] = message
             if not wait.pending:
                 del self._waits[tag]
                 return self._advance(wait.flow, wait.replies, None)
@@ -270,7 +269,7 @@ class Answers:
         runner: FlowRunner,
         key: tuple[str, int, int],
         routing_id: bytes,
-        make: Callable[[], Generator[Any, Any, WireMessage | Message]],
+        make: Callable[[], Generator[Any, Any, WireMessage]],
         *,
         peer: str,
         timeout_s: float,

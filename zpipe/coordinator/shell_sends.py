@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from zpipe._errors import PeerGoneError, TransportTimeout
 from zpipe.coordinator.bulk_links import BulkLink, BulkLinks
-from zpipe.coordinator.commands import Send, wire_form
+from zpipe.coordinator.commands import Send
 from zpipe.coordinator.events import Event, RequestFailed
 from zpipe.coordinator.membership import Member
 from zpipe.log import get_logger
@@ -123,7 +123,7 @@ class ShellSends:
         for command in sends:
             try:
                 await self.send(
-                    command.to, command.wire, peer=command.peer, timeout_s=command.timeout_s
+                    command.to, command.message, peer=command.peer, timeout_s=command.timeout_s
                 )
             except TransportTimeout as exc:
                 if command.stage is not None:
@@ -138,27 +138,27 @@ class ShellSends:
     async def send(
         self,
         routing_id: bytes,
-        message: WireMessage | Message,
+        message: WireMessage,
         *,
         peer: str,
         timeout_s: float | None = None,
     ) -> None:
         assert self.router is not None
-        message = wire_form(message)
-        bulk = self._bulk_links.route_for(routing_id, message)
+        wire = message.to_message()
+        bulk = self._bulk_links.route_for(routing_id, wire)
         if bulk is not None:  # state for a stage: on its bulk connection, chunked
-            await self._bulk(bulk, message, timeout_s=timeout_s)
+            await self._bulk(bulk, wire, timeout_s=timeout_s)
             return
         try:
             await send(
                 self.router,
-                message,
+                wire,
                 routing_id=routing_id,
                 peer=peer,
                 timeout_s=timeout_s or self._send_s,
             )
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
-            raise PeerGoneError(peer, message.kind) from exc
+            raise PeerGoneError(peer, wire.kind) from exc
 
     async def _bulk(
         self, link: BulkLink, message: Message, *, timeout_s: float | None

@@ -113,7 +113,3 @@ class ControlState:
         """``name`` spoke to this process, or died: it is no longer only restored."""
         self.unconfirmed.discard(name)
 
-
-# The old name, for the lossy flows (zpipe.coordinator.lossy_*) until they take the new
-# one; the protocol's CoordinatorState (zpipe.protocol.storage) is the state file's record.
-CoordinatorState = ControlState

@@ -21,9 +21,3 @@ class Message:
     body: Mapping[str, Any] = field(default_factory=dict)
     epoch: int = 0
     tensors: tuple[torch.Tensor, ...] = ()
-
-    def __getitem__(self, key: str) -> Any:
-        return self.body[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.body.get(key, default)

@@ -80,7 +80,7 @@ class DataPort:
             case MicroBatchError():
                 src = message.src
         decision = self._lifecycle.data_verdict(
-            message.KIND, src, message.epoch, has_tensors=has_tensors
+            type(message), src, message.epoch, has_tensors=has_tensors
         )
         if decision.verdict is DataVerdict.DROP:
             raise ProtocolError(decision.reason)

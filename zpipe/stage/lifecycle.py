@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from zpipe._errors import ConfigError, ZpipeError
 from zpipe.protocol import WireMessage
+from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
 from zpipe.protocol.lossy import LossyDead, LossyGo, LossyProbeRequest, LossyRemap, LossySetup
 from zpipe.protocol.repartition import RepartitionRequest
 from zpipe.protocol.stage_control import (
@@ -117,24 +118,28 @@ AWAY_BEAT_MIN_S = 1.0
 
 @dataclass(frozen=True)
 class DataRoute:
-    """Who may send which kind of data message to a running assignment."""
+    """Who may send which kind of data message (by class) to a running assignment."""
 
     epoch: int
-    senders: Mapping[str, tuple[str, ...]]
+    senders: Mapping[type[WireMessage], tuple[str, ...]]
     # inference data and gradients carry tensors; a training piece may be empty
     needs_tensors: bool
 
     @classmethod
     def inference(cls, epoch: int, upstream: str) -> DataRoute:
-        return cls(epoch, {"data": (upstream,), "error": (upstream,)}, needs_tensors=True)
+        return cls(epoch, {Data: (upstream,), MicroBatchError: (upstream,)}, needs_tensors=True)
 
     @classmethod
     def training(
         cls, epoch: int, upstream: tuple[str, ...], downstream: tuple[str, ...], *, last: bool
     ) -> DataRoute:
-        senders = {"data": upstream, "error": upstream, "grad": downstream}
+        senders: dict[type[WireMessage], tuple[str, ...]] = {
+            Data: upstream,
+            MicroBatchError: upstream,
+            Grad: downstream,
+        }
         if last:
-            senders["labels"] = (CLIENT,)
+            senders[Labels] = (CLIENT,)
         return cls(epoch, senders, needs_tensors=False)
 
 
@@ -449,21 +454,23 @@ class StageLifecycle:
         return self._route
 
     def data_verdict(
-        self, kind: str, src: object, epoch: int, *, has_tensors: bool
+        self, kind: type[WireMessage], src: object, epoch: int, *, has_tensors: bool
     ) -> DataDecision:
-        """Whether a data message goes to compute: from an assigned sender, of this epoch."""
+        """Whether a data message (of class ``kind``) goes to compute: from an assigned
+        sender, of this epoch."""
         route = self._route
         if route is None or self.phase is not Phase.RUNNING:
             return DataDecision(DataVerdict.DROP, "no assignment is running")
+        name = kind.KIND  # the kind's wire name, for the reasons logged
         expected = route.senders.get(kind)
         if expected is None:
-            return DataDecision(DataVerdict.DROP, f"{kind!r} does not belong on the data port")
+            return DataDecision(DataVerdict.DROP, f"{name!r} does not belong on the data port")
         if src not in expected:
             return DataDecision(
-                DataVerdict.DROP, f"{kind} from {src!r}, but it must come from {list(expected)}"
+                DataVerdict.DROP, f"{name} from {src!r}, but it must come from {list(expected)}"
             )
-        if route.needs_tensors and kind != "error" and not has_tensors:
-            return DataDecision(DataVerdict.DROP, f"a {kind} message carries no tensors")
+        if route.needs_tensors and kind is not MicroBatchError and not has_tensors:
+            return DataDecision(DataVerdict.DROP, f"a {name} message carries no tensors")
         if epoch != route.epoch:
             return DataDecision(DataVerdict.STALE, f"epoch {epoch}, running {route.epoch}")
         return DataDecision(DataVerdict.DELIVER)

@@ -46,7 +46,6 @@ from zpipe.lossy.shard import Topology
 from zpipe.lossy.simulate import PreparedRun, cnn_spec
 from zpipe.lossy.trace import EvalTrace, TrainingTrace, evaluation_from_results, trace_from_results
 from zpipe.lossy.wire import eval_body, to_tensor
-from zpipe.protocol import REGISTRY
 from zpipe.protocol.client_control import RunFailed
 from zpipe.protocol.lossy import LossyResult, LossyRunReport, LossyRunRequest
 
@@ -374,18 +373,16 @@ async def run_lossy(
     )
     if request.probes is not None:
         timeout_s += LINK_MEASUREMENT_S
-    reply = await client.connection.control.request(
-        request.to_message(),
-        expect=("lossy_run_report", "run_failed"),
+    answer = await client.connection.control.ask(
+        request,
+        expect=(LossyRunReport, RunFailed),
         timeout_s=timeout_s,
         awaited="lossy run report",
         resend_on_reconnect=True,
     )
-    answer = REGISTRY.parse(reply)
     if isinstance(answer, RunFailed):
         raise PipelineError(f"the lossy run failed: {answer.error}")
-    if not isinstance(answer, LossyRunReport):  # the request expects no other kind
-        raise ProtocolError(f"a lossy run answered {answer.KIND!r}")
+    assert isinstance(answer, LossyRunReport)
     test = test_spec(
         prepared, data, options.get("test_repeats", 1), options.get("test_eval_index", 0)
     )

@@ -54,7 +54,7 @@ from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.runs.base import stage_metrics
 from zpipe.coordinator.runs.lossy_probe import measure_links
 from zpipe.coordinator.runs.lossy_remap import ON_DEATH, RemapRun, results_remapping
-from zpipe.coordinator.state import CLIENT_NAME, CoordinatorState
+from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.lossy.cnn import CnnSpec, part_shapes
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
@@ -72,26 +72,18 @@ from zpipe.protocol.lossy import (
     LossyRunSpecMap,
     LossySetup,
 )
-from zpipe.transport.codec import Message
-
-# The stages' replies a lossy run's flow waits for (routed to it by the core).
-LOSSY_REPLY_KINDS = ("lossy_ready", "lossy_result", "lossy_probe_report", "lossy_hold")
 
 
 def start_lossy_run(
-    state: CoordinatorState,
+    state: ControlState,
     routing_id: bytes,
-    message: Message | LossyRunRequest,
+    request: LossyRunRequest,
     now: float,
 ) -> list[Command]:
-    """Answer a ``lossy_run_request`` (parsed here if it comes untyped):
-    ``lossy_run_report`` once every stage's result is in, or ``run_failed``. A request
-    sent again with the same ``request_id`` (its client reconnected) shares the answer
-    being made; one that reaches a restarted coordinator runs the whole run again (see
-    the module docstring)."""
-    request = (
-        message if isinstance(message, LossyRunRequest) else LossyRunRequest.from_message(message)
-    )
+    """Answer a ``lossy_run_request``: ``lossy_run_report`` once every stage's result
+    is in, or ``run_failed``. A request sent again with the same ``request_id`` (its
+    client reconnected) shares the answer being made; one that reaches a restarted
+    coordinator runs the whole run again (see the module docstring)."""
     if request.request_id is None:
         return state.flows.start(lossy_run_request(state, routing_id, request), now)
     return state.answers.answer(
@@ -106,27 +98,27 @@ def start_lossy_run(
 
 
 def lossy_run_request(
-    state: CoordinatorState, routing_id: bytes, request: LossyRunRequest
+    state: ControlState, routing_id: bytes, request: LossyRunRequest
 ) -> Flow:
     """The run, its answer sent to ``routing_id``."""
     answer = yield from lossy_answer(state, request)
     yield Send(routing_id, answer, CLIENT_NAME, state.timeouts.reply_s)
 
 
-def lossy_answer(state: CoordinatorState, request: LossyRunRequest) -> Flow:
+def lossy_answer(state: ControlState, request: LossyRunRequest) -> Flow:
     """The run; returns its ``lossy_run_report``, or ``run_failed``."""
     try:
-        report: Message = yield from _run(state, request)
+        report: LossyRunReport = yield from _run(state, request)
     except Exception as exc:  # whatever it was, the client hears that its run failed
         if not isinstance(exc, (ZpipeError, ValueError)):
             yield Log("error", "lossy_run_crashed", {"error": repr(exc)})
         yield Log("error", "run_failed", {"error": str(exc)})
         yield Record({"event": "run_failed", "kind": "lossy", "error": str(exc)})
-        return RunFailed(error=str(exc)).to_message()
+        return RunFailed(error=str(exc))
     return report
 
 
-def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
+def _run(state: ControlState, request: LossyRunRequest) -> Flow:
     sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
     if len(sizes) < 2:
         raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
@@ -235,29 +227,29 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
             tensors=tuple(tensors),
             epoch=epoch,
         )
-        yield Send(member.routing_id, setup.to_message(), member.name, stage=member.name)
+        yield Send(member.routing_id, setup, member.name, stage=member.name)
     stage_names = tuple(m.name for m in taking_part.values())
     reply_s = state.timeouts.reply_s
-    ready = yield AwaitReplies(stage_names, "lossy_ready", reply_s, "lossy_ready", run=run)
-    answers = {name: LossyReady.from_message(m) for name, m in ready.items()}
-    refused = {name: r.error for name, r in answers.items() if r.error}
+    ready: dict[str, LossyReady] = yield AwaitReplies(
+        stage_names, LossyReady, reply_s, "lossy_ready", run=run
+    )
+    refused = {name: r.error for name, r in ready.items() if r.error}
     if refused:
         raise PipelineError(f"stages refused the lossy run: {refused}")
     start_in_s = 0.0 if request.start_in_s is None else float(request.start_in_s)
     for member in taking_part.values():
         go = LossyGo(run=run, start_at=0.0, start_in_s=start_in_s, epoch=epoch)
-        yield Send(member.routing_id, go.to_message(), member.name, stage=member.name)
+        yield Send(member.routing_id, go, member.name, stage=member.name)
     if on_death == "remap":
         remap = RemapRun(run, epoch, spec.n_data, prr_measured, params, inputs, labels, x_test,
                          alloc)  # fmt: skip
-        replies = yield from results_remapping(
+        results = yield from results_remapping(
             state, remap, dict(taking_part), float(request.result_s)
         )
         remaps = remap.remaps
     else:
-        replies = yield from _results_null_filling(state, run, epoch, taking_part, request)
+        results = yield from _results_null_filling(state, run, epoch, taking_part, request)
         remaps = []
-    results = {name: LossyResult.from_message(m) for name, m in replies.items()}
     dead = {d: m for d, m in taking_part.items() if m.name not in results}
     silent = [m.name for m in dead.values() if not _declared_dead(state, m.name)]
     if silent:
@@ -297,11 +289,11 @@ def _run(state: CoordinatorState, request: LossyRunRequest) -> Flow:
         remaps=remaps or None,
         metrics=metrics,
         tensors=tuple(out),
-    ).to_message()
+    )
 
 
 def _results_null_filling(
-    state: CoordinatorState,
+    state: ControlState,
     run: int,
     epoch: int,
     taking_part: dict[int, Member],
@@ -315,7 +307,7 @@ def _results_null_filling(
             tuple(
                 Send(
                     other.routing_id,
-                    LossyDead(run=run, device=d, epoch=epoch).to_message(),
+                    LossyDead(run=run, device=d, epoch=epoch),
                     other.name,
                     stage=other.name,
                 )
@@ -325,9 +317,9 @@ def _results_null_filling(
         )
         for d, member in taking_part.items()
     )
-    results: dict[str, Message] = yield AwaitReplies(
+    results: dict[str, LossyResult] = yield AwaitReplies(
         tuple(m.name for m in taking_part.values()),
-        "lossy_result",
+        LossyResult,
         float(request.result_s),
         "lossy_result",
         run=run,
@@ -337,7 +329,7 @@ def _results_null_filling(
     return results
 
 
-def _replace_current(state: CoordinatorState) -> Flow:
+def _replace_current(state: ControlState) -> Flow:
     if state.current is not None:
         # its stages take the lossy run instead: the run they ran is over
         yield Log("warning", "run_replaced", {"previous": state.current.run.run})
@@ -345,7 +337,7 @@ def _replace_current(state: CoordinatorState) -> Flow:
         yield Persist()
 
 
-def _declared_dead(state: CoordinatorState, name: str) -> bool:
+def _declared_dead(state: ControlState, name: str) -> bool:
     member = state.membership.get(name)
     return member is None or member.state is MemberState.DEAD
 

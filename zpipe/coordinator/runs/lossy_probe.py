@@ -20,10 +20,9 @@ from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.coordinator.commands import AwaitReplies, Send
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.lossy.partial import FloatArray
 from zpipe.protocol.lossy import LossyGo, LossyProbeReport, LossyProbeRequest, LossyReady
-from zpipe.transport.codec import Message
 
 #: EdgePipe measures each link with 50 packets
 PROBES_PER_LINK = 50
@@ -32,7 +31,7 @@ PROBE_WAIT_S = 30.0
 
 
 def measure_links(
-    state: CoordinatorState,
+    state: ControlState,
     members: Sequence[Member],
     *,
     prr: Any,
@@ -70,20 +69,21 @@ def measure_links(
             keys=keys or None,
             epoch=epoch,
         )
-        yield Send(member.routing_id, request.to_message(), member.name, stage=member.name)
+        yield Send(member.routing_id, request, member.name, stage=member.name)
     stage_names = tuple(m.name for m in members)
     reply_s = state.timeouts.reply_s
-    ready = yield AwaitReplies(stage_names, "lossy_ready", reply_s, "lossy_ready", run=run)
-    answers = {name: LossyReady.from_message(m) for name, m in ready.items()}
-    refused = {name: r.error for name, r in answers.items() if r.error}
+    ready: dict[str, LossyReady] = yield AwaitReplies(
+        stage_names, LossyReady, reply_s, "lossy_ready", run=run
+    )
+    refused = {name: r.error for name, r in ready.items() if r.error}
     if refused:
         raise PipelineError(f"stages refused to measure their links: {refused}")
     for member in members:
         go = LossyGo(run=run, start_at=0.0, start_in_s=0.0, epoch=epoch)
-        yield Send(member.routing_id, go.to_message(), member.name, stage=member.name)
-    reports = yield AwaitReplies(
+        yield Send(member.routing_id, go, member.name, stage=member.name)
+    reports: dict[str, LossyProbeReport] = yield AwaitReplies(
         stage_names,
-        "lossy_probe_report",
+        LossyProbeReport,
         PROBE_WAIT_S + 2 * reply_s,
         "lossy_probe_report",
         run=run,
@@ -91,12 +91,12 @@ def measure_links(
     return measured_matrix([reports[m.name] for m in members])
 
 
-def measured_matrix(reports: Sequence[Message]) -> FloatArray:
+def measured_matrix(reports: Sequence[LossyProbeReport]) -> FloatArray:
     """``received / sent`` per link from each device's ``lossy_probe_report`` (device
     ``k``'s report is ``reports[k]``): ``[src][dst]``, 1 on the diagonal."""
     n = len(reports)
     measured = np.eye(n)
-    for dst, report in enumerate(LossyProbeReport.from_message(r) for r in reports):
+    for dst, report in enumerate(reports):
         if report.error:
             raise PipelineError(f"device {dst} could not measure its links: {report.error}")
         received, sent = report.received, report.sent

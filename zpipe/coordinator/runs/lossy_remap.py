@@ -36,13 +36,12 @@ from zpipe._errors import PipelineError, ProtocolError
 from zpipe.coordinator.commands import AwaitReplies, Command, Log, Now, Send
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member, MemberState
-from zpipe.coordinator.state import CoordinatorState
+from zpipe.coordinator.state import ControlState
 from zpipe.lossy.partial import FloatArray
 from zpipe.lossy.partition import Allocation
 from zpipe.lossy.remap import initial_pieces, remap_dead, replica_covers
 from zpipe.lossy.wire import to_array, to_tensor
-from zpipe.protocol.lossy import LossyDead, LossyHold, LossyRemap, LossyReplica
-from zpipe.transport.codec import Message
+from zpipe.protocol.lossy import LossyDead, LossyHold, LossyRemap, LossyReplica, LossyResult
 
 ON_DEATH = ("null-fill", "remap")
 
@@ -70,14 +69,13 @@ class RemapRun:
     )
 
 
-def keep_replica(state: CoordinatorState, stage: str, message: Message) -> list[Command]:
+def keep_replica(state: ControlState, stage: str, replica: LossyReplica) -> list[Command]:
     """A stage's ``lossy_replica``: kept on its run's :class:`RemapRun` (the newest per
     device), what a remap gives the survivors that take its neurons over."""
     try:
-        replica = LossyReplica.from_message(message)
         remap = state.lossy_runs.get(replica.run)
         if remap is None:
-            return [Log("debug", "late_reply", {"stage": stage, "kind": message.kind})]
+            return [Log("debug", "late_reply", {"stage": stage, "kind": replica.KIND})]
         if remap.names.get(replica.device) != stage:
             raise ProtocolError(f"lossy_replica for device {replica.device} from {stage!r}")
         sizes = remap.alloc.layer_sizes
@@ -103,7 +101,7 @@ def keep_replica(state: CoordinatorState, stage: str, message: Message) -> list[
 
 
 def results_remapping(
-    state: CoordinatorState,
+    state: ControlState,
     remap: RemapRun,
     alive: dict[int, Member],
     result_s: float,
@@ -111,7 +109,7 @@ def results_remapping(
     """Every live stage's ``lossy_result`` within ``result_s``, re-mapping each stage
     declared dead meanwhile; returns ``{stage: result}`` (the dead and the silent
     missing). ``alive`` loses the dead."""
-    results: dict[str, Message] = {}
+    results: dict[str, LossyResult] = {}
     remap.names = {d: m.name for d, m in alive.items()}
     state.lossy_runs[remap.run] = remap  # the stages' replicas go there
     try:
@@ -121,7 +119,7 @@ def results_remapping(
             now = yield Now()
             if not waiting or now >= deadline:
                 return results
-            got = yield AwaitReplies(waiting, "lossy_result", deadline - now, "lossy_result",
+            got = yield AwaitReplies(waiting, LossyResult, deadline - now, "lossy_result",
                                      run=remap.run, partial=True, stop_on_lost=True)  # fmt: skip
             results.update(got)
             lost = [d for d, m in alive.items() if m.name not in results and _dead(state, m.name)]
@@ -133,24 +131,25 @@ def results_remapping(
 
 
 def _remap_one(
-    state: CoordinatorState,
+    state: ControlState,
     remap: RemapRun,
     device: int,
     name: str,
     alive: dict[int, Member],
-    results: dict[str, Message],
+    results: dict[str, LossyResult],
 ) -> Flow:
     holders = {d: m for d, m in alive.items() if m.name not in results}
     for member in holders.values():
         notice = LossyDead(run=remap.run, device=device, remap=True, epoch=remap.epoch)
-        yield Send(member.routing_id, notice.to_message(), member.name, stage=member.name)
+        yield Send(member.routing_id, notice, member.name, stage=member.name)
     names = tuple(m.name for m in holders.values())
-    holds = yield AwaitReplies(names, "lossy_hold", state.timeouts.reply_s, "lossy_hold",
-                               run=remap.run, partial=True)  # fmt: skip
+    holds: dict[str, LossyHold] = yield AwaitReplies(
+        names, LossyHold, state.timeouts.reply_s, "lossy_hold", run=remap.run, partial=True
+    )
     if set(holds) != set(names):
         silent = sorted(set(names) - set(holds))
         raise PipelineError(f"stages {silent} did not answer while device {device} was re-mapped")
-    frontiers = [LossyHold.from_message(h).frontier for h in holds.values()]
+    frontiers = [h.frontier for h in holds.values()]
     frontier = max(frontiers, default=remap.n_data)
     if len(holders) < len(alive):  # a survivor is done: nothing left to switch
         frontier = remap.n_data
@@ -169,8 +168,8 @@ def _remap_one(
             if after is None
             else _remap_message(remap, after, d, switch_at, rows)
         )
-        yield Send(member.routing_id, replace(message, epoch=remap.epoch).to_message(),
-                   member.name, stage=member.name)  # fmt: skip
+        yield Send(member.routing_id, replace(message, epoch=remap.epoch), member.name,
+                   stage=member.name)  # fmt: skip
     if after is not None:
         remap.remaps.append([device, name, switch_at, after.to_dict(), step])
         remap.alloc = after
@@ -210,6 +209,6 @@ def _owns(alloc: Allocation, layer: int, device: int) -> bool:
     return any(d == device for d, _ in alloc.owners(layer))
 
 
-def _dead(state: CoordinatorState, name: str) -> bool:
+def _dead(state: ControlState, name: str) -> bool:
     member = state.membership.get(name)
     return member is None or member.state is MemberState.DEAD
