@@ -53,6 +53,7 @@ import torch
 import zmq
 
 from zpipe.log import configure_logging
+from zpipe.protocol.stage_control import Assign, Connect, Registered
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle
@@ -81,12 +82,14 @@ def _running_lifecycle() -> StageLifecycle:
     lifecycle = StageLifecycle(
         name="relay", coordinator="c", registration={}, connect_s=1.0, silence_limit_s=1.0, now=0.0
     )
-    lifecycle.registration_reply(
-        Message("registered", {"name": "relay", "heartbeat_interval": 1}), 0
-    )
-    lifecycle.control_message(Message("assign", {"run": RUN}, epoch=EPOCH), 0.0)
+    lifecycle.registration_reply(Registered(name="relay", heartbeat_interval=1.0), 0.0)
+    assign = Assign(
+        run=RUN, model={}, start=0, end=1, index=0, num_stages=1, upstream="client",
+        downstream="client", downstream_endpoint="", dtype="float32", epoch=EPOCH,
+    )  # fmt: skip
+    lifecycle.control_message(assign, 0.0)
     lifecycle.assignment_ready(RUN, EPOCH, build_s=0.0)
-    lifecycle.control_message(Message("connect", {"run": RUN}, epoch=EPOCH), 0.0)
+    lifecycle.control_message(Connect(run=RUN, epoch=EPOCH), 0.0)
     lifecycle.connected(RUN, DataRoute.inference(EPOCH, "client"))
     return lifecycle
 
