@@ -365,9 +365,7 @@ class StageLifecycle:
             case MetricsRequest(run=run, timeline=timeline):
                 reply = Metrics(run=run, name=self.name, metrics={}, epoch=message.epoch)
                 return [
-                    SendToCoordinator(
-                        reply, attach_metrics=True, attach_timeline=bool(timeline)
-                    )
+                    SendToCoordinator(reply, attach_metrics=True, attach_timeline=bool(timeline))
                 ]
             case Shutdown(reason=reason):
                 self.phase = Phase.STOPPING

@@ -108,8 +108,7 @@ class ProbeResponder:
     # CURVE key or None without keys) -> one reply, or a stream of them (a big fetch's
     # chunks)
     peer_handler: (
-        Callable[[WireMessage, bytes | None], Awaitable[WireMessage | Iterator[WireMessage]]]
-        | None
+        Callable[[WireMessage, bytes | None], Awaitable[WireMessage | Iterator[WireMessage]]] | None
     ) = None
     # per-peer token buckets: a flooding peer's excess is dropped before decoding
     limiter: PeerRateLimiter = field(default_factory=PeerRateLimiter)
@@ -196,8 +195,8 @@ class ProbeResponder:
                 sender = security.sender_public_key(first) if first is not None else None
                 answer = await self.peer_handler(message, sender)
                 # Each reply has its own deadline: a long stream that keeps moving is alive.
-                for reply in [answer] if isinstance(answer, WireMessage) else answer:
-                    await self._reply(routing_id, reply)
+                for part in [answer] if isinstance(answer, WireMessage) else answer:
+                    await self._reply(routing_id, part)
             case _:
                 raise ProtocolError(f"unexpected {message.KIND!r} on the probe socket")
 

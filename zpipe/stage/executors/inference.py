@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import zmq.asyncio
 
-from zpipe._errors import TransportTimeout
+from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.log import get_logger
-from zpipe.protocol.data_plane import Data, MicroBatchError
+from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.codec import Message
@@ -92,8 +92,12 @@ class InferenceLoop:
         self._meter = LinkMeter(counters)
         self._sending = False  # the send task holds a message (later ones queue behind it)
 
-    async def deliver(self, message: Data | MicroBatchError) -> None:
+    async def deliver(self, message: Data | Grad | Labels | MicroBatchError) -> None:
         """A checked message of this assignment's epoch (waits while the inbox is full)."""
+        # The data port's verdict admits only an inference route's classes; a gradient or
+        # labels here would be a routing bug, refused like any other bad input.
+        if not isinstance(message, Data | MicroBatchError):
+            raise ProtocolError(f"an inference stage got {message.KIND!r}")
         await self._inbox.put(message)
 
     async def compute_loop(self) -> None:

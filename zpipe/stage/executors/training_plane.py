@@ -205,9 +205,7 @@ class TrainingPlane:
             trainer.deliver(message)
         except ZpipeError as exc:
             self._counters.dropped += 1
-            log.warning(
-                "dropped_message", stage=self.setup.name, peer=message.src, error=str(exc)
-            )
+            log.warning("dropped_message", stage=self.setup.name, peer=message.src, error=str(exc))
 
     async def run(self) -> None:
         assert self.trainer is not None
