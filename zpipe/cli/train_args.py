@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=WARMUP_POLICIES,
         default="auto",
         help="1F1B warm-up counts: asteroid (2(P-p)-1), torch (P-p, as Schedule1F1B) or auto "
-        "(default: torch's when stages share a host's cores, else Asteroid's)",
+        "(default: Asteroid's, chosen by measurement; see zpipe/training/warmup.py)",
     )
     parser.add_argument(
         "--optimizer",
