@@ -194,7 +194,7 @@ class TrainOptions:
     objective; ``schedule``: "1f1b" or "gpipe"; ``warmups``: each stage's
     forwards before its first backward (1F1B's K_p); without them, ``warmup`` picks the
     rule: "asteroid" (2(P - p) - 1), "torch" (P - p, as Schedule1F1B) or "auto" (the
-    default: torch's when stages share a host's cores, Asteroid's otherwise; see
+    default: Asteroid's, chosen by measurement; see
     :mod:`zpipe.training.warmup`); ``max_steps_in_flight``:
     mini-batches fed ahead of their losses (default 2; for "async-1f1b" the number of
     stages, FTPipeHD's semaphore).
