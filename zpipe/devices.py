@@ -95,7 +95,7 @@ def resolve_device(text: str = "auto", *, backends: Backends | None = None) -> t
             "CUDA_VISIBLE_DEVICES)"
             if seen.cuda_build
             else f"this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
-            "build (on a Jetson: NVIDIA's wheel, see the README)"
+            "build (on a Jetson: NVIDIA's wheel, see docs/getting-started/install.md)"
         )
         raise DeviceUnavailableError(f"--device {name}: {build}; use --device cpu")
     if index >= seen.cuda_devices:

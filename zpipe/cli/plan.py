@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         required=True,
         metavar="FILE",
-        help="cluster file: devices, memory, speed, links (format in README)",
+        help="cluster file: devices, memory, speed, links (format in docs/guide/planning.md)",
     )
     parser.add_argument(
         "--planner",

@@ -272,8 +272,9 @@ def _train(
             vertical_sync=args.vertical_sync,
             aggregate=args.aggregate,
             aggregate_multiple=args.aggregate_multiple,
-            repartition=repartition_of(args),
         )
+    if repartition_of(args) is not None:  # checked in main: async, or synchronous without --recover
+        settings["repartition"] = repartition_of(args)
     if args.planner is not None:
         settings["planner"] = args.planner
     if args.recover:

@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repartition",
         action="store_true",
-        help="async-1f1b: FTPipeHD's live re-partitioning: the stages' measured speeds move "
-        "units between them, weights handed stage to stage (the flags below imply it)",
+        help="FTPipeHD's live re-partitioning (async-1f1b, or a synchronous run without "
+        "--recover): the stages' measured speeds move units between them, weights handed "
+        "stage to stage (the flags below imply it)",
     )
     parser.add_argument(
         "--repartition-first",
