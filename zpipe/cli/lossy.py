@@ -2,7 +2,7 @@
 
 ::
 
-    python -m zpipe.cli.lossy --allocation vertical hybrid horizontal naive \\
+    python -m zpipe lossy --allocation vertical hybrid horizontal naive \\
         --devices 6 --region 50 --seeds 5 --out results/lossy
 
 runs every allocation on seeds ``0 .. seeds-1`` (a seed fixes placement, links,
@@ -19,7 +19,7 @@ with ``--coordinator``; each is checked against the in-process simulation (same
 dropped messages, same weights) and the command writes those runs' numbers (no
 plots)::
 
-    python -m zpipe.cli.lossy --multiprocess --allocation hybrid \
+    python -m zpipe lossy --multiprocess --allocation hybrid \
         --devices 6 --seeds 1 --steps 20 --out results/lossy-mp
 
 ``--model cnn`` trains Fig. 10(c)'s CNN instead (three convolution layers, each
@@ -101,7 +101,7 @@ def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m zpipe.cli.lossy",
+        prog="python -m zpipe lossy",
         description="Simulate EdgePipe lossy-link training; write JSON results and PNG plots.",
     )
     p.add_argument(
@@ -424,6 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--on-death remap needs --wait-mode emulated (a hold breaks deadlines)")
     if args.replica_every is not None and args.on_death != "remap":
         parser.error("--replica-every goes with --on-death remap")
+    if args.on_death != "null-fill" and args.coordinator is None and not args.multiprocess:
+        # in one process no stage can die: a remap asked for here would silently do nothing
+        parser.error("--on-death remap goes with --coordinator or --multiprocess")
     if args.coordinator is not None or args.multiprocess:
         return _main_on_stages(args, argv, configs, data)
     if not args.no_plots:

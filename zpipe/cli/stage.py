@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--slowdown",
         type=at_most(positive_float, MAX_SLOWDOWN, "times slower"),
         default=1.0,
-        help="play a device this many times slower: compute time is stretched by "
-        "this factor (default: 1, must be >= 1)",
+        help="play a device this many times slower: each compute step is held for (F - 1) "
+        "times its CPU work on top of what it took (default: 1, must be >= 1)",
     )
     emu.add_argument(
         "--slowdown-schedule",
