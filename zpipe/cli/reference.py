@@ -317,7 +317,7 @@ def error_classes() -> list[type]:
         if cls in out:
             return
         out.append(cls)
-        for sub in sorted(cls.__subclasses__(), key=_error_sort_key):
+        for sub in _subclasses(cls):
             walk(sub)
 
     walk(ZpipeError)
@@ -326,6 +326,12 @@ def error_classes() -> list[type]:
 
 def _error_sort_key(cls: type) -> tuple[int, str]:
     return (0 if cls.__module__ == "zpipe._errors" else 1, cls.__name__)
+
+
+def _subclasses(cls: type) -> list[type]:
+    """``cls``'s direct subclasses: those of ``zpipe._errors`` first, then by name."""
+    subs: list[type] = cls.__subclasses__()
+    return sorted(subs, key=_error_sort_key)
 
 
 def _qualname(cls: type) -> str:
@@ -349,7 +355,7 @@ def errors_reference() -> str:
         extra = f"   also a {', '.join(also)}" if also else ""
         branch = "" if top else ("└── " if last else "├── ")
         lines.append(f"{prefix}{branch}{cls.__name__}{extra}{where}")
-        subs = sorted(cls.__subclasses__(), key=_error_sort_key)
+        subs = _subclasses(cls)
         child_prefix = prefix if top else prefix + ("    " if last else "│   ")
         for i, sub in enumerate(subs):
             draw(sub, child_prefix, i == len(subs) - 1, False)
@@ -374,7 +380,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "errors": errors_reference,
 }
 
-MARKER = re.compile(r"<!--\s*generated:\s*([a-z]+)\s*-->")
+MARKER = re.compile(r"<!--\s*generated:\s*([a-z_]+)\s*-->")
 
 
 def expand(markdown: str, cache: dict[str, str] | None = None) -> str:
