@@ -260,10 +260,10 @@ def _kind_section(kind: str, cls: Any) -> list[str]:
         key = f.key if f.key == f.attr else f"{f.key} (attribute {f.attr})"
         if f.schema.required:
             required = "yes"
-        elif f.omit_if_none:
-            required = "no (None: left out)"
+        elif f.encodes(None):
+            required = "no (None: sent as null)"
         else:
-            required = "no (None: null)" if type(None) in f.schema.types else "no (None: absent)"
+            required = "no (None: left out)"
         annotation = str(annotations.get(f.attr, ""))
         out.append(
             f"| {_code(key)} | {_wire_types(f.schema.types)} "
