@@ -25,6 +25,7 @@ _INLINE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+[\"'][^)]*)?\)")
 _REF_DEF = re.compile(r"(?m)^[ ]{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")
 _AUTOLINK = re.compile(r"<((?:https?|ftp|mailto):[^>\s]+)>")
+_HTML_LINK = re.compile(r"""<(?:a|img)\b[^>]*?\b(?:href|src)\s*=\s*["']([^"']+)["']""", re.I)
 
 
 def _prose(text: str) -> str:
@@ -65,6 +66,7 @@ def links(text: str) -> list[str]:
     found = [m.group(1) for m in _LINK.finditer(prose)]
     found += [m.group(1) for m in _REF_DEF.finditer(prose)]
     found += [m.group(1) for m in _AUTOLINK.finditer(prose)]
+    found += [m.group(1) for m in _HTML_LINK.finditer(prose)]
     return found
 
 
@@ -102,6 +104,7 @@ def test_the_checks_see_paths_and_links() -> None:
         "see [a](guide/a.md#x), [b](https://example.org), ![c](../shared/p.png) and `[d](e)`.\n"
         "```\n`bench/in_a_fence.py` [f](http://in.fence)\n```\n"
         "[ref]: ../outside.md\n"
+        '<a href="http://x.org">x</a>\n'
     )
     assert code_paths(text) == ["zpipe/cli/reference.py", "tests/unit/docs/x.py"]
     assert links(text) == [
@@ -109,5 +112,6 @@ def test_the_checks_see_paths_and_links() -> None:
         "https://example.org",
         "../shared/p.png",
         "../outside.md",
+        "http://x.org",
     ]
     assert path_exists("zpipe/cli/*.py") and path_exists("docs/") and not path_exists("zpipe/no")
