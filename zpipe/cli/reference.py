@@ -193,7 +193,7 @@ def cli_reference(parsers: dict[str, argparse.ArgumentParser] | None = None) -> 
                 default = _default(action)
                 out.append(
                     f"| {_code(_flag_name(action))} | {_code(metavar) if metavar else ''} "
-                    f"| {_code(_cell(default)) if default else ''} "
+                    f"| {_code(' '.join(default.split())) if default else ''} "
                     f"| {_cell(_help(parser, action))} |"
                 )
             out.append("")
