@@ -58,7 +58,7 @@ class ModelSpec:
 
     `weights` is a path on the machine that builds the units (each stage reads
     its own copy); keys are those of `build_full_model(spec).state_dict()`,
-    i.e. "units.<index>.<name inside the unit>".
+    i.e. ``"units.<index>.<name inside the unit>"``.
     """
 
     family: str
