@@ -40,8 +40,8 @@ unknown peers at the handshake, bound those.
 timeout whose error names the peer and what was awaited. Untracked sends copy
 tensor buffers under :data:`COPY_BELOW_BYTES` and send a received frame on by
 reference; ``recv_frames`` on a receive-only :class:`ZpipeSocket`, and ``send`` on
-a full send-only one, wait on the socket's descriptor itself (README: "Copied
-sends and forwarded frames").
+a full send-only one, wait on the socket's descriptor itself (the wire-format page,
+docs/reference/wire-format.md: "Copied sends and forwarded frames").
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ _ROOM_POLL_S = 0.005
 # wake-up of pyzmq's garbage-collector thread, which takes the GIL, when libzmq
 # releases it; a message libzmq owns it frees itself. Measured on a loaded 2-core
 # machine (bench/transport.py --paths raw,zpipe,zpipe_shared, bench/send_copy.py;
-# README "Copied sends and forwarded frames"): up to 1 MiB copying saved about
+# docs/reference/wire-format.md, "Copied sends and forwarded frames"): up to 1 MiB copying saved about
 # one context switch per message and CPU per round trip, at even CPU per message
 # in a stream; from 2 MiB it cost CPU and messages/s. On the same machine idle
 # (load 1-2) copying gave 1.10-1.13x the messages/s up to 256 KiB, 0.95x at 512
