@@ -211,8 +211,8 @@ _ROOM_POLL_S = 0.005
 # wake-up of pyzmq's garbage-collector thread, which takes the GIL, when libzmq
 # releases it; a message libzmq owns it frees itself. Measured on a loaded 2-core
 # machine (bench/transport.py --paths raw,zpipe,zpipe_shared, bench/send_copy.py;
-# docs/reference/wire-format.md, "Copied sends and forwarded frames"): up to 1 MiB copying saved about
-# one context switch per message and CPU per round trip, at even CPU per message
+# docs/reference/wire-format.md, "Copied sends and forwarded frames"): up to 1 MiB
+# copying saved about one context switch per message and CPU per round trip, at even CPU per message
 # in a stream; from 2 MiB it cost CPU and messages/s. On the same machine idle
 # (load 1-2) copying gave 1.10-1.13x the messages/s up to 256 KiB, 0.95x at 512
 # KiB (round trip 0.89x) and 0.82x at 1 MiB, where the memcpy is the limit: the
