@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_async_training import ADAM, SGD, SPEC, make_batches
-from test_training_recovery import _events
 
+from tests._support.async_training import ADAM, SGD, SPEC, make_batches
+from tests._support.training_recovery import _events
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, ZpipeError
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.config import Timeouts

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_async_training import ADAM, SGD, SPEC, make_batches
-from test_training_recovery import _events
 
+from tests._support.async_training import ADAM, SGD, SPEC, make_batches
+from tests._support.training_recovery import _events
 from zpipe._errors import PipelineError, StageFailedError
 from zpipe.client.reports import TrainReport
 from zpipe.client.runs.async_repartition import repartition_before

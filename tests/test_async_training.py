@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._support.async_training import ADAM, SGD, SPEC, make_batches
 from zpipe._errors import ConfigError
 from zpipe.cluster import LocalCluster
-from zpipe.models import ModelSpec, build_full_model
+from zpipe.models import build_full_model
 from zpipe.planner.async_schedule import (
     aggregation_interval,
     async_global_order,
@@ -24,24 +25,6 @@ from zpipe.planner.async_schedule import (
 from zpipe.training.async_reference import AsyncSettings, train_async_reference
 from zpipe.training.objectives import make_optimizer
 from zpipe.transport.slowdown import SlowdownClock, SlowdownSchedule, slowdown_factor
-
-SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 4], "activation": "gelu"}, seed=11)
-SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
-ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
-
-
-def make_batches(
-    count: int, size: int, *, seed: int = 0
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(size, 12, generator=generator),
-            torch.randint(0, 4, (size,), generator=generator),
-        )
-        for _ in range(count)
-    ]
-
 
 # ---------------------------------------------------------------- schedule
 

@@ -27,7 +27,9 @@ import sys
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+# the repository: the folder above this file that holds pyproject.toml (this file also
+# runs as a script, without tests/ importable)
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 BENCH = ROOT / "bench"
 
 

@@ -3,20 +3,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # bench/ is a package beside zpipe/, not installed
-    sys.path.insert(0, str(ROOT))
-
-from bench._imported_vit import (  # noqa: E402
+from bench._imported_vit import (
     all_close,
     hf_logits,
     hf_vit_config,
@@ -25,9 +18,9 @@ from bench._imported_vit import (  # noqa: E402
     max_abs_diff,
     stage_memory_rows,
 )
-from zpipe.models import build_full_model, load_layer_sequence, run_units  # noqa: E402
-from zpipe.models.presets import PRESETS  # noqa: E402
-from zpipe.planner.plan import plan_even_partition  # noqa: E402
+from zpipe.models import build_full_model, load_layer_sequence, run_units
+from zpipe.models.presets import PRESETS
+from zpipe.planner.plan import plan_even_partition
 
 TOL = 1e-4
 

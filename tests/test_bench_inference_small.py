@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # bench/ is a package beside zpipe/, not installed
-    sys.path.insert(0, str(ROOT))
-
-from bench._inference_small import (  # noqa: E402
+from bench._inference_small import (
     HEADLINE_KEY,
     SMALL_MAX_IN_FLIGHT,
     SMALL_STAGES,
@@ -22,9 +16,9 @@ from bench._inference_small import (  # noqa: E402
     small_keys,
     small_spec,
 )
-from bench.inference import build_parser  # noqa: E402
-from zpipe.models import load_layer_sequence  # noqa: E402
-from zpipe.planner import even_ranges  # noqa: E402
+from bench.inference import build_parser
+from zpipe.models import load_layer_sequence
+from zpipe.planner import even_ranges
 
 
 def test_the_small_model_splits_evenly_over_three_fast_devices_without_links() -> None:

@@ -3,19 +3,13 @@ time, with its summary keys, on a tiny CNN."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # bench/ is a package beside zpipe/, not installed
-    sys.path.insert(0, str(ROOT))
-
-import bench.lossy_cnn as lossy_cnn  # noqa: E402
-from zpipe.devices import single_threaded_blas  # noqa: E402
-from zpipe.lossy.data import load_dataset  # noqa: E402
+import bench.lossy_cnn as lossy_cnn
+from zpipe.devices import single_threaded_blas
+from zpipe.lossy.data import load_dataset
 
 
 def test_cnn_section_compares_allocations_at_equal_time(monkeypatch: pytest.MonkeyPatch) -> None:

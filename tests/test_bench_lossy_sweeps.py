@@ -3,20 +3,14 @@ and Fig. 10(a)'s depth sweep reuses the grid's rows instead of rerunning them.""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # bench/ is a package beside zpipe/, not installed
-    sys.path.insert(0, str(ROOT))
-
-from bench.lossy_sweeps import depth_sweep, m_layers_sweep  # noqa: E402
-from zpipe.lossy.data import Dataset  # noqa: E402
-from zpipe.lossy.schedule import theorem1_timeslots  # noqa: E402
-from zpipe.lossy.simulate import RunConfig  # noqa: E402
+from bench.lossy_sweeps import depth_sweep, m_layers_sweep
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.schedule import theorem1_timeslots
+from zpipe.lossy.simulate import RunConfig
 
 
 def _blobs() -> Dataset:

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # bench/ is a package beside zpipe/, not installed
-    sys.path.insert(0, str(ROOT))
-
-from bench._look_pauses import pause_parts  # noqa: E402
-from bench._repartition_bounds import (  # noqa: E402
+from bench._look_pauses import pause_parts
+from bench._repartition_bounds import (
     Setup,
     after_change,
     even_bounds,

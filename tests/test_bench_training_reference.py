@@ -3,21 +3,13 @@ equals the single-process reference for the same micro-batching, for any split."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from bench._torch_pipelining_baseline import make_batches
+from bench._training_reference import reference_losses
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # bench/ is a package beside zpipe/, not installed
-    sys.path.insert(0, str(ROOT))
-
-from bench._torch_pipelining_baseline import make_batches  # noqa: E402
-from bench._training_reference import reference_losses  # noqa: E402
 
 CNN = ModelSpec(
     "cnn",

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from coordinator_harness import Harness
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests._support.coordinator_harness import Harness
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.config import Timeouts
 from zpipe.coordinator.commands import AwaitReplies, Send, StartTimer

@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_training import SGD, assert_same_weights, make_batches, train_single_process
 
+from tests._support.training import SGD, assert_same_weights, make_batches, train_single_process
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 from zpipe.transport.roles import generate_keys_with_roles

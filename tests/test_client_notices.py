@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
-from test_client_session import EPOCH, RUN, _check, _connection, _never_called, _session
 
+from tests._support.client_session import EPOCH, RUN, _check, _connection, _never_called, _session
 from zpipe.client.control import ControlChannel
 from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts

@@ -18,47 +18,23 @@ import zmq
 import zmq.asyncio
 from structlog.testing import capture_logs
 
-from zpipe._errors import PipelineError, ProtocolError, RemoteStageError, StageFailedError
+from tests._support.client_session import (
+    EPOCH,
+    LAST,
+    RUN,
+    _check,
+    _connection,
+    _Control,
+    _never_called,
+    _session,
+)
+from zpipe._errors import PipelineError, RemoteStageError, StageFailedError
 from zpipe.client import ClientConnection
-from zpipe.client.session import RunSession
 from zpipe.config import Timeouts
 from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import StageFailed
 from zpipe.transport.codec import PROTOCOL_VERSION, Message, encode
 from zpipe.transport.sockets import ReceiveLimits, SocketOptions, bind_endpoint, open_socket
-
-RUN, EPOCH, LAST = 7, 3, "s2"
-_endpoints = itertools.count()
-
-
-class _Control:
-    """What a session uses of the control channel, without a coordinator."""
-
-    def __init__(self) -> None:
-        self.failures: asyncio.Queue[WireMessage] = asyncio.Queue()
-
-    async def report_stalls(self, *_: Any) -> None:
-        await asyncio.Event().wait()
-
-
-class _BrokenSink:
-    """A sink whose receive fails outright (not one message: the socket itself)."""
-
-    def recv_multipart(self, copy: bool = True) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        future.set_exception(RuntimeError("the socket broke"))
-        return future
-
-
-def _connection(context: zmq.asyncio.Context, sink: Any) -> ClientConnection:
-    return ClientConnection(
-        context,
-        _Control(),  # type: ignore[arg-type]
-        sink,
-        "inproc://unused",
-        timeouts=Timeouts(),
-        options=SocketOptions(),
-    )
 
 
 @pytest.fixture
@@ -68,10 +44,16 @@ def context() -> Iterator[zmq.asyncio.Context]:
     ctx.term()
 
 
-def _session(connection: ClientConnection) -> RunSession:
-    session = RunSession(connection, what="stream")
-    session.run, session.epoch, session.last_stage = RUN, EPOCH, LAST
-    return session
+_endpoints = itertools.count()
+
+
+class _BrokenSink:
+    """A sink whose receive fails outright (not one message: the socket itself)."""
+
+    def recv_multipart(self, copy: bool = True) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future.set_exception(RuntimeError("the socket broke"))
+        return future
 
 
 def _result(mb: int, run: int = RUN, value: float = 1.0) -> list[Any]:
@@ -89,15 +71,6 @@ def _poison_shape(shape: list[int]) -> list[bytes]:
         "t": [["float32", shape]],
     }
     return [msgpack.packb(header), b""]
-
-
-async def _never_called(message: WireMessage) -> None:
-    raise AssertionError("no message was sent")
-
-
-def _check(message: WireMessage) -> None:
-    if message.run != RUN:  # type: ignore[attr-defined]
-        raise ProtocolError(f"run {message.run} is not this run")  # type: ignore[attr-defined]
 
 
 async def test_the_sink_loop_drops_every_poison_message_and_keeps_receiving(

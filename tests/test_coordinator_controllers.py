@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from coordinator_harness import CLIENT, Harness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._support.coordinator_harness import CLIENT, Harness
 from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.coordinator.commands import AwaitReplies, Log, Now, PlanInference, Send, StartTimer
 from zpipe.coordinator.events import StallReported, Tick
@@ -369,7 +369,7 @@ def test_every_death_is_answered_once_with_a_larger_epoch_and_units_owned_once(
 
 
 def h_spec() -> dict[str, object]:
-    from coordinator_harness import SPEC
+    from tests._support.coordinator_harness import SPEC
 
     return SPEC.to_dict()
 

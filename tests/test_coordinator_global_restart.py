@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from coordinator_harness import Harness
-from test_coordinator_restore import NAMES, _replicate, _request, _start_chain_run
 
+from tests._support.coordinator_harness import Harness
+from tests._support.coordinator_restore import NAMES, _replicate, _request, _start_chain_run
 from zpipe.coordinator import persistence
 from zpipe.coordinator.commands import SaveReplica
 from zpipe.coordinator.persistence import GLOBAL_FILE, REPLICA_FILE, StateStore

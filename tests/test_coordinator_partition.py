@@ -7,8 +7,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from coordinator_harness import Harness
 
+from tests._support.coordinator_harness import Harness
 from zpipe.cli.coordinator import build_parser, config_from_args
 from zpipe.config import Timeouts
 from zpipe.coordinator.commands import AwaitStages

@@ -7,41 +7,22 @@ the client carries on. Training must end exactly as an uninterrupted run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
 
+from tests._support.coordinator_restart import _cluster, _events
+from tests._support.training import (
+    SGD,
+    SPEC,
+    assert_same_weights,
+    make_batches,
+    train_single_process,
+)
 from zpipe.client import TrainReport
-from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.cluster import LocalCluster
 from zpipe.coordinator.persistence import STATE_FILE, StateStore
-
-# generous floors: a live stage starved of CPU must not be declared dead
-INTERVAL = 0.5
-
-
-def _cluster(names: list[str], state_dir: Path | None) -> LocalCluster:
-    return LocalCluster(
-        [DeviceSpec(name) for name in names],
-        heartbeat_interval_s=INTERVAL,
-        suspect_after=6,
-        probe_intervals=4,
-        state_dir=state_dir,
-    )
-
-
-def _events(log: str, event: str) -> list[dict[str, object]]:
-    found = []
-    for line in log.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            found.append(record)
-    return found
 
 
 def _train_restarting(

@@ -13,9 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_coordinator_restart import _cluster, _events
-from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
 
+from tests._support.coordinator_restart import _cluster, _events
+from tests._support.training import (
+    SGD,
+    SPEC,
+    assert_same_weights,
+    make_batches,
+    train_single_process,
+)
 from zpipe.coordinator.persistence import StateStore
 
 NAMES = ["a", "b", "c", "d"]

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-from coordinator_harness import SPEC, Harness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._support.coordinator_harness import SPEC, Harness
 from zpipe._errors import UnitsLostError
 from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import (

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._support import REPO_ROOT
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.cli.profile import main as profile_main
 from zpipe.cli.stage import main as stage_main
@@ -42,7 +43,7 @@ from zpipe.stage.profiling import profile_model
 from zpipe.stage.runtime import StageRuntime
 from zpipe.stage.shard import Shard
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 NO_GPU = Backends(cuda_devices=0, mps=False, cuda_build=None)
 HAS_CUDA = torch.cuda.is_available()
 

@@ -28,8 +28,7 @@ import zmq
 
 pytest.importorskip("sklearn")
 
-from fl_procs import DEADLINE_S, Proc, free_endpoint
-
+from tests._support.fl_procs import DEADLINE_S, Proc, free_endpoint
 from zpipe._errors import ProtocolError
 from zpipe.federated.grouping import GroupingPolicy
 from zpipe.federated.model import MLPShape, accuracy, local_train

@@ -23,8 +23,7 @@ import zmq
 
 pytest.importorskip("sklearn")
 
-from fl_procs import DEADLINE_S, Proc, free_endpoint
-
+from tests._support.fl_procs import DEADLINE_S, Proc, free_endpoint
 from zpipe.federated.net_trace import read_trace, replay
 from zpipe.protocol.federated import FlRegister
 from zpipe.transport import security

@@ -13,13 +13,13 @@ import struct
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from tests._support import REPO_ROOT
 from zpipe.transport.sockets import (
     ReceiveLimits,
     SocketOptions,
@@ -28,7 +28,7 @@ from zpipe.transport.sockets import (
     open_socket,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 PRE_PLAN_FRAME = ReceiveLimits.before_plan().max_message_bytes
 
 # The child binds a socket made by open_socket (or, for "old", with the ZMTP

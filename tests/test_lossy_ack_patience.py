@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import zmq
-from test_lossy_executor import EPOCH, _executor, _setup, _setup_only
 
+from tests._support.lossy_executor import EPOCH, _executor, _setup, _setup_only
 from zpipe.lossy.ack_patience import AckPatience, AckWaitCounts
 from zpipe.lossy.engine import LinkChannel
 from zpipe.lossy.links import Direction, LossKey, Recovery, ack_key, deliver_over

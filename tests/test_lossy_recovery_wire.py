@@ -9,8 +9,8 @@ import threading
 
 import numpy as np
 import pytest
-from test_lossy_executor import EPOCH, _executor, _partial, _setup, _setup_only
 
+from tests._support.lossy_executor import EPOCH, _executor, _partial, _setup, _setup_only
 from zpipe._errors import ProtocolError
 from zpipe.lossy.links import Direction, LossKey, ack_key
 from zpipe.lossy.wire import partial_message

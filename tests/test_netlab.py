@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._support import REPO_ROOT
 from zpipe.cluster.netcluster import log_events
 from zpipe.cluster.netlab import NetLab, lab_environment, remove_stale_labs, unavailable_reason
 from zpipe.cluster.netlayout import (
@@ -136,7 +137,7 @@ def test_a_subnet_overlaps_nothing_taken() -> None:
 
 
 def test_processes_in_a_lab_import_this_zpipe_first() -> None:
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(REPO_ROOT)
     env = lab_environment({"PYTHONPATH": f"/elsewhere{os.pathsep}{root}", "HOME": "/h"})
     assert env["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
     assert (env["HOME"], env["PYTHONUNBUFFERED"]) == ("/h", "1")

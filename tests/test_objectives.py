@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from coordinator_harness import Harness
 
+from tests._support.coordinator_harness import Harness
 from zpipe._errors import ConfigError, UntrustedCodeError
 from zpipe.cli.train import build_parser
 from zpipe.cli.train import main as train_main

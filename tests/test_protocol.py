@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests._support import SUPPORT_DIR
 from zpipe._errors import ProtocolError
 from zpipe.protocol import CONVERSATIONS, REGISTRY, Message, WireMessage
 from zpipe.protocol._schema import NON_NEGATIVE_KEYS, FieldSchema
@@ -26,7 +26,7 @@ from zpipe.protocol.storage import CoordinatorState
 from zpipe.transport import codec
 from zpipe.transport.codec import decode, encode
 
-V1 = json.loads((Path(__file__).parent / "protocol_v1.json").read_text())
+V1 = json.loads((SUPPORT_DIR / "protocol_v1.json").read_text())
 ALL_CLASSES = sorted(REGISTRY.classes.values(), key=lambda cls: cls.KIND)
 
 

@@ -21,8 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
 
+from tests._support.training import (
+    SGD,
+    SPEC,
+    assert_same_weights,
+    make_batches,
+    train_single_process,
+)
 from zpipe._errors import ZpipeError
 from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec

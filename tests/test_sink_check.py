@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from coordinator_harness import SPEC, Harness
 
+from tests._support.coordinator_harness import SPEC, Harness
 from zpipe._errors import ConfigError
 from zpipe.coordinator.sink_check import check_sink_reachable, is_local_only
 

@@ -10,8 +10,8 @@ import subprocess
 import time
 
 import pytest
-from coordinator_harness import Harness
 
+from tests._support.coordinator_harness import Harness
 from zpipe._errors import ConfigError, PeerGoneError
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster

@@ -14,28 +14,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
 
+from tests._support.training import (
+    SGD,
+    SPEC,
+    assert_same_weights,
+    make_batches,
+    train_single_process,
+)
+from tests._support.training_recovery import (
+    INTERVAL,
+    PROBE_INTERVALS,
+    SUSPECT_AFTER,
+    _cluster,
+    _events,
+    _learnable_batches,
+)
 from zpipe._errors import ConfigError, StageFailedError
 from zpipe.client import PipelineClient, TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 from zpipe.recovery import DeadlinePolicy
-
-# Detection floors of several seconds: a live stage starved of CPU (a loaded CI
-# machine, --cpu-burners) may miss a second of heartbeats and must not die of it.
-INTERVAL = 0.5
-SUSPECT_AFTER = 6
-PROBE_INTERVALS = 4
-
-
-def _cluster(names: list[str]) -> LocalCluster:
-    return LocalCluster(
-        [DeviceSpec(name) for name in names],
-        heartbeat_interval_s=INTERVAL,
-        suspect_after=SUSPECT_AFTER,
-        probe_intervals=PROBE_INTERVALS,
-    )
 
 
 def _train_killing(
@@ -207,17 +206,6 @@ def test_two_stages_killed_at_once_are_both_left_out_of_the_heavy_plan() -> None
     assert set(report.training_plan.devices) <= {"a", "d"}
 
 
-def _learnable_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Four mini-batches of a learnable task (labels from a fixed projection), four epochs."""
-    generator = torch.Generator().manual_seed(41)
-    projection = torch.randn(12, 4, generator=generator)
-    epoch = []
-    for _ in range(4):
-        x = torch.randn(18, 12, generator=generator)
-        epoch.append((x, (x @ projection).argmax(1)))
-    return epoch * 4
-
-
 def test_fast_consistency_keeps_the_survivors_newer_weights_and_the_loss_keeps_falling() -> None:
     adam = {"name": "adam", "lr": 0.01}
     batches = _learnable_batches()
@@ -274,10 +262,6 @@ def test_an_unknown_consistency_or_replication_is_refused() -> None:
         asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, consistency="eventual"))
     with pytest.raises(ConfigError, match="unknown replication 'gossip'"):
         asyncio.run(client.fit(SPEC, [], optimizer=SGD, num_microbatches=1, replication="gossip"))
-
-
-def _events(log: str, event: str) -> list[dict[str, object]]:
-    return [json.loads(line) for line in log.splitlines() if f'"event": "{event}"' in line]
 
 
 def test_a_stall_at_the_data_source_finds_a_dead_stage_before_its_heartbeats_lapse() -> None:

@@ -8,9 +8,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from test_training import SGD, SPEC, assert_same_weights, make_batches, train_single_process
-from test_training_recovery import _cluster, _events, _learnable_batches
 
+from tests._support.training import (
+    SGD,
+    SPEC,
+    assert_same_weights,
+    make_batches,
+    train_single_process,
+)
+from tests._support.training_recovery import _cluster, _events, _learnable_batches
 from zpipe.cluster import DeviceSpec, LocalCluster
 
 NAMES = ["a", "b", "c", "d"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_training import SGD, SPEC, assert_same_weights, make_batches, train_in_process
 
+from tests._support.training import SGD, SPEC, assert_same_weights, make_batches, train_in_process
 from zpipe._errors import ConfigError
 from zpipe.client.options import TrainOptions
 from zpipe.client.runs.fit import training_request
