@@ -1,6 +1,6 @@
 """r-TX copies and ACK acknowledgements as messages (zpipe.stage.executors.lossy_recovery): what a
 stage's receive side does with repeated copies and with acknowledgements, good and bad.
-The multi-process runs that put them on the wire are in tests/test_lossy_stages.py."""
+The multi-process runs that put them on the wire are in tests/cluster/test_lossy_stages.py."""
 
 from __future__ import annotations
 

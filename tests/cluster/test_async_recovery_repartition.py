@@ -6,7 +6,7 @@ restores the units on the cuts they moved to; a death during a re-partition's
 phases ends the attempt with that death and the run recovers from the last
 replica. The pure parts: the cuts a whole run went through, and the client's
 handling of a re-partition a death broke. Then real stage processes on loopback
-(the session's cluster of a, b and c that tests/test_async_recovery.py kills
+(the session's cluster of a, b and c that tests/cluster/test_async_recovery.py kills
 too): runs that move units and lose a stage equal the single-process reference
 of the cuts they went through, and the same run without either.
 """

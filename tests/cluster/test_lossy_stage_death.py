@@ -38,7 +38,7 @@ from zpipe.protocol.lossy import LossyDead, LossyResult
 
 pytestmark = pytest.mark.timeout(240)
 
-# Detection floors of several seconds (as tests/test_failures.py): a live stage starved
+# Detection floors of several seconds (as tests/cluster/test_failures.py): a live stage starved
 # of CPU must not die of it.
 INTERVAL = 0.5
 SUSPECT_AFTER = 6

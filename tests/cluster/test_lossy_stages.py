@@ -1,6 +1,6 @@
 """EdgePipe runs on ordinary stages (``python -m zpipe.stage``) and the ordinary coordinator.
 
-The session's shared cluster (three stages, tests/conftest.py) runs every test:
+The session's shared cluster (three stages, tests/cluster/conftest.py) runs every test:
 the coordinator partitions and maps, the stages run their partial layers and
 exchange partials over their data sockets. Models and runs are tiny, so the
 numbers compared are exact: a lossless run is the unpartitioned network under

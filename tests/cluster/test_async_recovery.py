@@ -98,7 +98,7 @@ def test_the_runs_depth_needs_vertical_sync_and_no_shallower_pipeline() -> None:
     # sent only when set: a peer that predates it refuses unknown settings
     assert "depth" not in AsyncSettings().to_dict()
     assert AsyncSettings.from_dict(AsyncSettings(depth=3).to_dict()) == AsyncSettings(depth=3)
-    # aggregation windows: those of the run's depth (tests/test_async_recovery_repartition.py)
+    # aggregation windows: those of the run's depth (test_async_recovery_repartition.py)
     with pytest.raises(ConfigError, match="cannot run on 3"):
         aggregation_intervals(3, aggregate=True, depth=2)
 
@@ -176,7 +176,7 @@ def test_the_combinations_a_recovery_does_not_support_are_refused() -> None:
         assert refusal is not None and words in refusal
     base = dict(optimizer=SGD, num_microbatches=1, schedule="async-1f1b", recover=True)
     assert TrainOptions(**base).replica_period is not None  # type: ignore[arg-type]
-    # aggregation keeps the windows of the run's depth (tests/test_async_recovery_repartition.py)
+    # aggregation keeps the windows of the run's depth (test_async_recovery_repartition.py)
     assert TrainOptions(**base, aggregate=True).replica_period is not None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="vertical sync"):
         TrainOptions(**base, vertical_sync=False)  # type: ignore[arg-type]
@@ -210,7 +210,7 @@ PARTITION = [[0, 1], [1, 3], [3, 4]]
 @pytest.fixture
 def recovering(async_recovery_cluster: LocalCluster) -> LocalCluster:
     # the session's cluster of a, b and c (conftest), shared with
-    # tests/test_async_recovery_repartition.py
+    # tests/cluster/test_async_recovery_repartition.py
     return async_recovery_cluster
 
 

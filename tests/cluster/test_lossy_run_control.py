@@ -50,7 +50,7 @@ REPLICA_EVERY = 20
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    # detection floors of several seconds (as tests/test_failures.py): a live stage
+    # detection floors of several seconds (as tests/cluster/test_failures.py): a live stage
     # starved of CPU must not die of it; a state directory, as a coordinator that may
     # restart needs
     with LocalCluster(
