@@ -26,7 +26,6 @@ from zpipe.cli import profile as profiler
 from zpipe.cli import stage as stage_main
 from zpipe.cli import train as train_cli
 from zpipe.cli.common import DeprecatedAlias
-from zpipe.cluster import LocalCluster
 from zpipe.config import Timeouts
 from zpipe.planner.profile import synthetic_profile
 from zpipe.transport import security
@@ -306,15 +305,6 @@ def test_train_local_runs_its_cluster_with_the_keys(
     assert "recorded; nothing started" in capsys.readouterr().err
 
 
-def test_train_gives_up_on_a_silent_coordinator_at_the_connect_deadline(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    argv = ["--coordinator", "tcp://127.0.0.1:1", "--connect-timeout", "0.5", *TINY]
-    assert train_cli.main(argv) == 1
-    err = capsys.readouterr().err
-    assert "tcp://127.0.0.1:1" in err and "--connect-timeout" in err
-
-
 # -- plan: a hostile cluster file is a ConfigError and exit status 2 ------------------------
 
 
@@ -401,16 +391,6 @@ def test_lossy_device_sweep_is_capped(tmp_path: Path, capsys: pytest.CaptureFixt
     argv = ["--out", str(tmp_path), "--sweep", "devices", "--sweep-values", "6,1e9"]
     assert exit_status(experiment.main, argv) == 2
     assert "device counts must be positive integers up to 64" in capsys.readouterr().err
-
-
-def test_train_reaches_a_running_coordinator_and_saves(
-    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    weights = tmp_path / "w.safetensors"
-    argv = ["--coordinator", cluster.coordinator_endpoint, "--connect-timeout", "60", *TINY]
-    assert train_cli.main([*argv, "--optimizer", "sgd", "-o", str(weights)]) == 0
-    assert f"weights saved to {weights}" in capsys.readouterr().out
-    assert weights.stat().st_size > 0
 
 
 # -- train: --check fails beyond its tolerance; the report lists recoveries and groups -------
