@@ -9,6 +9,10 @@ sockets, one process) or tests/cluster/ (processes). The guard is installed only
 around the phases of this lane's tests, so a run of the whole suite is not
 affected. The one exception is the session's load generator (``--cpu-burners``,
 tests/conftest.py), which may start its processes while a unit test sets up.
+
+The lane's tensors are tiny: torch computes them on one thread (the pool's threads
+only fight the other xdist worker for two cores; its size is restored after each
+phase).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import zmq.sugar.socket
 
 # loky (joblib, under scikit-learn's KMeans) counts the physical cores once per
@@ -97,11 +102,14 @@ def _remove() -> None:
 
 def _phase() -> Generator[None, Any, Any]:
     _seen.clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     _install()
     try:
         result = yield
     finally:
         _remove()
+        torch.set_num_threads(threads)
     if _seen:
         pytest.fail(
             f"unit lane: this test {'; '.join(dict.fromkeys(_seen))} (tests/unit/ allows no "
