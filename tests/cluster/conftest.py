@@ -1,0 +1,49 @@
+"""The cluster lane: tests that start processes (stages, coordinators, local and
+forked clusters, zpipe commands), all marked ``cluster``; and the local clusters
+that several of them share.
+
+Process start-up and ``import torch`` cost seconds each on two cores, so a shared
+cluster is started once per session (per xdist worker) and every test uses tiny
+models. ``-m cluster`` selects the lane, ``-m "not cluster"`` leaves it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from zpipe.cluster import DeviceSpec, LocalCluster
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _HERE in item.path.resolve().parents:
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    devices = [
+        DeviceSpec("s0"),
+        DeviceSpec("s1", slowdown=1.5),
+        DeviceSpec("s2", bandwidth_mbps=400.0),
+    ]
+    with LocalCluster(devices, heartbeat_interval_s=0.5, log_level="info") as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def async_recovery_cluster() -> Iterator[LocalCluster]:
+    """Three stages (a, b, c) that asynchronous recovery tests kill and start again;
+    quick failure detection (test_async_recovery*.py share it)."""
+    with LocalCluster(
+        [DeviceSpec(name) for name in ("a", "b", "c")],
+        heartbeat_interval_s=0.5,
+        suspect_after=6,
+        probe_intervals=4,
+    ) as running:
+        yield running
