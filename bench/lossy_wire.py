@@ -77,7 +77,7 @@ def main() -> None:
             wire = {k: sum(c.get(k, 0) for c in result.on_wire.values())
                     for k in WireCounts().as_dict()}  # fmt: skip
             # the run's own count of transmissions (training and test passes), which
-            # equals its simulation's (tests/test_lossy_stages.py)
+            # equals its simulation's (tests/cluster/test_lossy_stages.py)
             traffic = list(result.trace.traffic.values())
             if result.test is not None:
                 traffic.append(result.test.traffic)

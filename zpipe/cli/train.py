@@ -253,20 +253,10 @@ def _settings(args: argparse.Namespace, start_step: int) -> dict[str, Any]:
     return settings
 
 
-def _train(
-    args: argparse.Namespace, spec: ModelSpec, batches: list[Any], start_step: int
-) -> TrainReport:
-    unit_names = load_layer_sequence(spec).unit_names()
-    settings: dict[str, Any] = {
-        **_settings(args, start_step),
-        "num_microbatches": args.microbatches,
-        "schedule": args.schedule,
-        "warmup": args.warmup,
-        "progress": False if args.quiet else None,  # a bar when stderr is a terminal
-        # the plan is shown before the first mini-batch, not after the last
-        "on_plan": lambda plan: _print_plan(plan, unit_names),
-        "trace": args.trace,
-    }
+def run_kind_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """fit's keywords for the schedule's own flags, the planner and recovery (checked
+    in ``main``: only the combinations a run takes reach here)."""
+    settings: dict[str, Any] = {}
     if args.schedule == ASYNC_SCHEDULE:
         settings.update(
             vertical_sync=args.vertical_sync,
@@ -288,6 +278,24 @@ def _train(
             chain_every=args.chain_every,
             global_every=args.global_every,
         )
+    return settings
+
+
+def _train(
+    args: argparse.Namespace, spec: ModelSpec, batches: list[Any], start_step: int
+) -> TrainReport:
+    unit_names = load_layer_sequence(spec).unit_names()
+    settings: dict[str, Any] = {
+        **_settings(args, start_step),
+        "num_microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "warmup": args.warmup,
+        "progress": False if args.quiet else None,  # a bar when stderr is a terminal
+        # the plan is shown before the first mini-batch, not after the last
+        "on_plan": lambda plan: _print_plan(plan, unit_names),
+        "trace": args.trace,
+    }
+    settings.update(run_kind_settings(args))
     if args.coordinator is not None:
 
         async def remote() -> TrainReport:

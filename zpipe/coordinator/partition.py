@@ -17,7 +17,7 @@ probe intervals; one that was already silent before is judged as it was. A
 coordinator that hears nobody for ``give_up_after_s`` (the stages' own limit on
 its silence, after which they exit) judges them as usual again. Fed the
 members' last-heard times and the time, tested with plain numbers
-(``tests/test_coordinator_partition.py``).
+(``tests/unit/coordinator/test_coordinator_partition.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ turns its slice of ``dL/dh`` into ``delta = dL/dh * relu'(z)``, its weight
 gradient ``delta^T x`` and a *partial sum* ``delta W_l[a:b]`` of ``dL/dx``:
 the previous layer's owners add the partials from every owner of layer ``l``,
 a lost partial adding nothing. With every slice delivered this is exactly the
-unpartitioned layer (``tests/test_lossy_partial.py``).
+unpartitioned layer (``tests/unit/lossy/test_lossy_partial.py``).
 
 Everything here is pure numpy on float64 arrays, no I/O: the stage runtime
 can call the same functions on what its sockets received.

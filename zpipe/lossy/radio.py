@@ -28,7 +28,7 @@ function of distance. A static per-link term is available
 With the transmit power fixed at the CC2420's 0 dBm and a 40-byte frame, the
 one free constant is the noise floor; -97.2 dBm makes six devices over
 50 x 50 m average 0.81 reception over random placements, the paper's 80.9 %
-(``tests/test_lossy_radio.py`` checks it over many seeds).
+(``tests/unit/lossy/test_lossy_radio.py`` checks it over many seeds).
 
 Like the paper, the ratio the mapping sees is *measured* by sending 50
 packets over each directed link (:func:`measure_prr`); the simulation drops

@@ -15,7 +15,7 @@ products):
 - :class:`TorchDeviceShard` is :class:`zpipe.lossy.shard.DeviceShard` with
   these modules: the same passes, messages and equation 3 weight stashing, so
   the in-process engine and a stage can run either one
-  (``tests/test_lossy_torch_partial.py`` checks they agree on the same weights,
+  (``tests/unit/lossy/test_lossy_torch_partial.py`` checks they agree on the same weights,
   seeds and drops).
 
 Messages keep carrying numpy arrays (:class:`~zpipe.lossy.shard.Outgoing`), so

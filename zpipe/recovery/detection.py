@@ -205,7 +205,7 @@ class StallWatch:
 # seen, so one early stall is covered at once); the window of 128 gaps keeps a stall
 # in mind for about two minutes at a heartbeat a second. Twice the longest gap, not
 # 1.5 times: over 240,000 simulated log-normal gaps (sigma 0.5) 1.5 lost a live
-# member three times, 2 never (tests/test_membership.py keeps one such run).
+# member three times, 2 never (tests/unit/coordinator/test_membership.py keeps one such run).
 DEFAULT_HEARTBEAT_GAPS = DeadlinePolicy(
     k=5.0,
     window=128,

@@ -1,7 +1,7 @@
 """The stage's lifecycle controller: events in, commands out, no sockets and no asyncio.
 
 Every decision of a stage's run control is made here and tested by feeding
-events (``tests/test_stage_lifecycle.py``), the way h11 is tested by feeding
+events (``tests/unit/stage/test_stage_lifecycle.py``), the way h11 is tested by feeding
 bytes; :mod:`zpipe.stage.runtime` owns the sockets and tasks and carries out
 the commands this returns::
 

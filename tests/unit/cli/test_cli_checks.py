@@ -56,7 +56,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     [
         ("coordinator", "python -m zpipe.coordinator"),
         ("stage", "python -m zpipe.stage"),
-        ("lossy", "python -m zpipe.cli.lossy"),
+        ("lossy", "python -m zpipe lossy"),
         ("plan", "python -m zpipe plan"),
         ("keys", "python -m zpipe keys"),
     ],
@@ -515,3 +515,26 @@ def test_a_coordinator_host_that_does_not_resolve_is_named_not_waited_for(
     err = capsys.readouterr().err
     assert "the host 'no-such-host.invalid'" in err and "cannot be resolved" in err
     assert "is it running" not in err
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "async-1f1b"])
+def test_train_repartition_flags_reach_the_run_on_every_schedule(schedule: str) -> None:
+    from zpipe.cli.train import run_kind_settings
+    from zpipe.cli.train_args import build_parser
+
+    parser = build_parser()
+    plain = run_kind_settings(parser.parse_args(["--local", "2", "--schedule", schedule]))
+    assert "repartition" not in plain
+    args = parser.parse_args(
+        [
+            "--local",
+            "2",
+            "--schedule",
+            schedule,
+            "--repartition-first",
+            "5",
+            "--repartition-every",
+            "10",
+        ]
+    )
+    assert run_kind_settings(args)["repartition"] == {"first": 5, "every": 10}

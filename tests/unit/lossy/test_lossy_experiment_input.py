@@ -51,6 +51,7 @@ def _strict_loads(text: str) -> object:
         (["--replica-every", "5", "--multiprocess"], "--on-death remap"),
         (["--on-death", "remap", "--replica-every", "0"], "must be >= 1"),
         (["--model", "cnn", "--on-death", "remap", "--multiprocess"], "not with --model cnn"),
+        (["--on-death", "remap"], "--coordinator or --multiprocess"),
     ],
 )
 def test_bad_values_are_refused_without_traceback(
