@@ -155,11 +155,19 @@ def test_a_dropped_client_is_probed_and_readmitted_when_it_is_fast_again(run: Ru
     assert any(e.get("event") == "probed" for e in _client_events(run.clients[SLOW_CLIENT]))
     # while it was out it got no task, not even from the round its failure ended
     events = read_trace(run.trace)
-    mine_latency = [
-        i for i, e in enumerate(events) if e["event"] == "latency" and e["client"] == SLOW_CLIENT
-    ]
-    out = next(i for i in mine_latency if events[i]["latency_s"] == 2.5)
-    back = next(i for i in mine_latency if i > out and events[i]["latency_s"] < 1.25)
+    out = next(
+        i
+        for i, e in enumerate(events)
+        if e["event"] == "silent" and e["client"] == SLOW_CLIENT and e["waited_s"] == 2.5
+    )
+    back = next(
+        i
+        for i, e in enumerate(events)
+        if i > out
+        and e["event"] == "latency"
+        and e["client"] == SLOW_CLIENT
+        and e["latency_s"] < 1.25
+    )
     between = events[out:back]
     assert not [e for e in between if e["event"] == "dispatch" and e["client"] == SLOW_CLIENT]
 

@@ -300,6 +300,24 @@ class Grouping:
         self._join(client_id, target)
         return GroupChange(client_id, "moved", current.group_id, target)
 
+    def drop_silent(self, client_id: int, waited_s: float) -> GroupChange | None:
+        """A client that did not answer a task within ``waited_s``: out of its group.
+
+        A timeout is only a lower bound of the client's latency, so it cannot place the
+        client in a range (a loaded run's wide range could admit the bound and keep a
+        dead client in its group); a silent client is dropped, and its next measured
+        latency (a probe's round trip) re-admits it as Algorithm 1 does."""
+        if client_id not in self.latency:
+            raise ConfigError(f"latency reported for unknown client {client_id}")
+        if not (waited_s >= 0 and math.isfinite(waited_s)):
+            raise ConfigError(f"client {client_id} waited for {waited_s!r}")
+        self.latency[client_id] = max(self.latency[client_id], float(waited_s))
+        if not self.policy.dynamic or self.policy.mode != "eco" or client_id in self.dropped:
+            return None
+        group_id = self._leave(client_id)
+        self.dropped.add(client_id)
+        return GroupChange(client_id, "dropped", group_id, None)
+
     # -- what Figs. 8 and 9 report -----------------------------------------------------
 
     def group_js(self, group: Group) -> float:

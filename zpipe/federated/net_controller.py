@@ -383,9 +383,9 @@ class FlServerController:
             LogLine("warning", "fl_task_timed_out", fields),
             Emit({"event": "task_failed", **fields}),
         ]
-        # the timeout is its latency first: a client that it drops out must not be picked
-        # again by the new round its failure may start
-        commands += self._observe(server, outstanding.client, self.config.task_timeout_s, now)
+        # the silence first: a client that it drops out must not be picked again by the
+        # new round its failure may start
+        commands += self._silent(server, outstanding.client, self.config.task_timeout_s, now)
         commands.append(TraceLine({"event": "failed", "task": task_id}))
         return [*commands, *self._dispatch(server.on_task_failed(task_id), now)]
 
@@ -401,6 +401,18 @@ class FlServerController:
             kind = "readmitted" if was_dropped else "dropped"
             event = {"event": kind, "client": client, "latency_s": round(latency_s, 4)}
             commands.append(Emit(event))
+        return [*commands, *self._dispatch(tasks, now)]
+
+    def _silent(
+        self, server: FederatedServer, client: int, waited_s: float, now: float
+    ) -> list[Command]:
+        commands: list[Command] = [
+            TraceLine({"event": "silent", "client": client, "waited_s": waited_s})
+        ]
+        was_dropped = server.is_dropped(client)
+        tasks = server.observe_silence(client, waited_s)
+        if server.is_dropped(client) and not was_dropped:
+            commands.append(Emit({"event": "dropped", "client": client, "waited_s": waited_s}))
         return [*commands, *self._dispatch(tasks, now)]
 
     def _probed(self, server: FederatedServer, result: ProbeResult, now: float) -> list[Command]:

@@ -11,10 +11,10 @@ itself (``--trace`` records every input, and
     fl_register from N clients (label counts and a profiled latency, never samples)
         -> ClientProfiles -> make_server(...).start() -> fl_task to each chosen client
     fl_update     -> on_update(), then observe_latency(client, measured round trip)
-    no fl_update within --task-timeout -> observe_latency(client, --task-timeout), then
-                     on_task_failed(): the timeout is a lower bound of its latency, which
-                     puts a silent client out of its group's range (a drop-out) before the
-                     failure can start a round that would pick it again
+    no fl_update within --task-timeout -> observe_silence(client, --task-timeout), then
+                     on_task_failed(): a silent client is dropped out of its group (the
+                     timeout is only a lower bound of its latency, so no range decides)
+                     before the failure can start a round that would pick it again
 
     a dropped client (Eco-FL) -> fl_probe every --probe-interval s; its round trip
                      -> observe_latency(): Algorithm 1 re-admits it once it fits a range

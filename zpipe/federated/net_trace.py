@@ -105,6 +105,8 @@ def replay(events: Iterable[Mapping[str, Any]]) -> Replay:
             dispatched += server.on_update(update)
         elif kind == "failed":
             dispatched += server.on_task_failed(int(event["task"]))
+        elif kind == "silent":
+            dispatched += server.observe_silence(int(event["client"]), float(event["waited_s"]))
         elif kind == "latency":
             dispatched += server.observe_latency(int(event["client"]), float(event["latency_s"]))
         elif kind == "join":

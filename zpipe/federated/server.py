@@ -6,6 +6,7 @@ shell drive them alike::
     start()                        -> [TrainTask, ...]   first dispatches
     on_update(ClientUpdate)        -> [TrainTask, ...]   a client's trained model came back
     on_task_failed(task_id)        -> [TrainTask, ...]   a client timed out or left mid-task
+    observe_silence(client, s)     -> [TrainTask, ...]   ... and is out of its group (Eco-FL)
     observe_latency(client, L_n)   -> [TrainTask, ...]   a new response latency was profiled
     add_client(profile)            -> [TrainTask, ...]   a client joined the started run
 
@@ -177,6 +178,14 @@ class FederatedServer:
             raise ConfigError(f"client {client_id} reported a latency of {latency_s!r}")
         return self._handle_latency(client_id, latency_s)
 
+    def observe_silence(self, client_id: int, waited_s: float) -> list[TrainTask]:
+        """A client left a task unanswered for ``waited_s`` (a lower bound of its latency)."""
+        if client_id not in self.profiles:
+            raise ConfigError(f"silence reported for unknown client {client_id}")
+        if not (waited_s >= 0 and math.isfinite(waited_s)):
+            raise ConfigError(f"client {client_id} waited for {waited_s!r}")
+        return self._handle_silence(client_id, waited_s)
+
     def add_client(self, profile: ClientProfile) -> list[TrainTask]:
         """A client registered after start(): profile it into the run (eq. 4 for groups)."""
         if profile.client_id in self.profiles:
@@ -214,6 +223,9 @@ class FederatedServer:
 
     def _handle_latency(self, client_id: int, latency_s: float) -> list[TrainTask]:
         return []  # flat methods do not group, so a latency change decides nothing
+
+    def _handle_silence(self, client_id: int, waited_s: float) -> list[TrainTask]:
+        return []  # flat methods do not group: a silent client is only a failed task
 
     def _handle_join(self, profile: ClientProfile) -> list[TrainTask]:
         raise NotImplementedError
@@ -422,6 +434,13 @@ class HierarchicalServer(FederatedServer):
         # a moved client that is training finishes its task for the round it was given:
         # only future selections follow the new membership
         change = self.grouping.observe_latency(client_id, latency_s)
+        if change is None:
+            return []
+        self.changes[change.kind] += 1
+        return self._start_idle_groups()
+
+    def _handle_silence(self, client_id: int, waited_s: float) -> list[TrainTask]:
+        change = self.grouping.drop_silent(client_id, waited_s)
         if change is None:
             return []
         self.changes[change.kind] += 1

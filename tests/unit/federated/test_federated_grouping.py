@@ -186,3 +186,35 @@ def test_without_dynamic_grouping_latency_changes_move_nobody() -> None:
         grouping.observe_latency(0, math.nan)
     with pytest.raises(ConfigError):
         grouping.observe_latency(99, 1.0)
+
+
+def test_a_silent_client_is_dropped_from_a_range_that_would_admit_its_timeout() -> None:
+    rng = np.random.default_rng(5)
+    profiles = _profiles(_clustered(rng, [1.0, 10.0], 8), _random_counts(rng, 16))
+    grouping = Grouping(profiles, GroupingPolicy(n_groups=2, lam=5.0, seed=0))
+    _fast, slow = grouping.groups
+    client = min(slow.members)
+    # the timeout sits at the slow group's centre: as a latency it would keep the client in
+    assert slow.admits(slow.center_s)
+    change = grouping.drop_silent(client, slow.center_s)
+    assert change is not None and (change.kind, change.from_group, change.to_group) == (
+        "dropped",
+        1,
+        None,
+    )
+    assert client in grouping.dropped and client not in slow.members
+    assert grouping.drop_silent(client, 30.0) is None  # already out
+    assert grouping.latency[client] == 30.0  # the longest wait is its latency's lower bound
+    change = grouping.observe_latency(client, slow.center_s)  # a probe's answer
+    assert change is not None and (change.kind, change.to_group) == ("readmitted", 1)
+    with pytest.raises(ConfigError):
+        grouping.drop_silent(client, math.inf)
+
+
+def test_silence_decides_nothing_without_eco_dynamic_grouping() -> None:
+    rng = np.random.default_rng(6)
+    profiles = _profiles(_clustered(rng, [1.0, 10.0], 4), _random_counts(rng, 8))
+    grouping = Grouping(profiles, GroupingPolicy(n_groups=2, seed=0, dynamic=False))
+    client = min(grouping.groups[0].members)
+    assert grouping.drop_silent(client, 100.0) is None
+    assert client not in grouping.dropped

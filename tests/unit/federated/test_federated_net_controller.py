@@ -230,8 +230,32 @@ def test_a_bad_update_leaves_its_task_to_time_out() -> None:
     assert {"event": "task_failed", "task": 0, "client": 0} in failed
     assert {"event": "task_failed", "task": 1, "client": 1} in failed
     records = [c.event for c in of(TraceLine, commands)]
-    assert {"event": "latency", "client": 0, "latency_s": 10.0} in records
+    assert {"event": "silent", "client": 0, "waited_s": 10.0} in records
     assert {"event": "failed", "task": 0} in records
+    # a silence is not a measured latency: nothing records one for the client
+    assert not [r for r in records if r["event"] == "latency" and r["client"] == 0]
+
+
+def test_a_silent_client_drops_out_even_when_the_timeout_fits_a_range() -> None:
+    # one group (centre 0.1 s) whose range, 200 times its centre, admits the 10 s timeout:
+    # a timeout that counted as a latency would keep the silent client in; silence drops it
+    server = ServerConfig(
+        method="ecofl",
+        max_concurrent=2,
+        grouping=GroupingPolicy(n_groups=1, rt_floor_fraction=200.0),
+    )
+    controller = registered(config(server=server, probe_interval_s=0.0))
+    controller.start(now=0.0)
+    controller.on_message(route(1), update(1, 1), now=1.0)
+    commands, ended = controller.tick(now=10.0)
+    assert not ended
+    assert {"event": "dropped", "client": 0, "waited_s": 10.0} in [
+        c.event for c in of(Emit, commands)
+    ]
+    assert controller.server is not None and controller.server.is_dropped(0)
+    assert not controller.server.is_dropped(1)
+    # nothing goes to the dropped client until a probe re-admits it
+    assert all(t.to != route(0) for t in tasks_in(commands))
 
 
 def test_the_run_ends_by_updates_by_duration_or_with_nothing_to_do() -> None:
