@@ -84,10 +84,11 @@ def test_an_emulated_link_is_measured_close_to_its_bandwidth_and_latency() -> No
 
     # The emulated link paces with timers: a CPU-starved process (CI on two
     # loaded cores) oversleeps and measures a slower link, never a faster one.
-    # So the cap is an upper bound on every attempt, and a fair attempt (one of
-    # three) must come close to it from below.
+    # So the cap is an upper bound on every attempt, and a fair attempt must come
+    # close to it from below; a machine loaded six times over its cores starved three
+    # attempts in a row once, so up to eight are made (each takes well under a second).
     rates = []
-    for _attempt in range(3):
+    for _attempt in range(8):
         measured = asyncio.run(measure())
         assert measured.bandwidth_mbps <= 80.0 * 1.15
         # the ping pays the prober's 4 ms, the pong the target's 3 ms
