@@ -386,6 +386,7 @@ class _Training:
                 # Stages fetch units from each other's probe sockets: allowed
                 # beforehand, each holder told who fetches what (it answers nothing else).
                 yield AllowPeers(tuple(live.values()), fetch_grants(restore.fetches))
+                state.fetch_grants_out = True  # until the next backup revokes them
             if isinstance(controller, SyncTrainingController):
                 controller.fallback = restore.replica.newest_global()
         client = {
