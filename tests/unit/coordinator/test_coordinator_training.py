@@ -175,6 +175,34 @@ def test_the_next_backup_revokes_the_fetch_grants_of_a_restore() -> None:
     assert h.state.fetch_grants_out is False
 
 
+def test_run_ready_gives_every_first_stage_device_its_own_data_port_limit() -> None:
+    """A data-parallel first stage: a and b each take a share of every micro-batch on
+    their own data port. b's limit is the smaller: the client is told each device's,
+    and the smallest where one limit is read (it was a's only, which b's port would
+    exceed)."""
+    h = Harness()
+    for name in "abc":
+        h.register(name)
+    plan = TrainingPlan(
+        algo="explicit", schedule="1f1b", num_units=6, microbatch_size=3, num_microbatches=3,
+        stages=(TrainStage(("a", "b"), 0, 3, (2, 1), 1), TrainStage(("c",), 3, 6, (3,), 1)),
+    )  # fmt: skip
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", stage_names=["a", "b", "c"],
+        train={**TRAIN, "plan": plan.to_dict()},
+    )  # fmt: skip
+    run = h.core.run
+    assert run is not None, h.events("run_failed")
+    limits = {"a": 1 << 30, "b": 1 << 20, "c": 1 << 30}
+    for name in "abc":
+        ring = {"ring_endpoint": f"tcp://{name}:3"} if name in "ab" else {}
+        h.stage(name, "ready", run=run.run, build_s=0.1, max_message_bytes=limits[name], **ring)
+    (ready,) = h.to_client("run_ready")
+    assert ready.body["training_plan"]["first_limits"] == {"a": 1 << 30, "b": 1 << 20}
+    assert ready.body["first_max_message_bytes"] == 1 << 20
+
+
 def test_units_with_no_live_holder_are_lost_clearly() -> None:
     old = _plan([("a", 0, 2), ("b", 2, 4), ("c", 4, 6)])
     replica = KeptReplica(1, 3, old, {}, {"a": "b", "b": "c", "c": "a"})
