@@ -155,6 +155,29 @@ def test_coordinator_refuses_a_port_it_cannot_bind() -> None:
     assert "cannot bind" in result.stderr
 
 
+@pytest.mark.parametrize("command", [["zpipe.stage"], ["zpipe", "stage"]])
+@pytest.mark.parametrize("flag", ["--bind", "--probe-bind"])
+def test_stage_refuses_a_port_it_cannot_bind(command: list[str], flag: str) -> None:
+    """A stage told to bind a port in use exits 1 and names the address (it hung: the
+    socket whose bind failed was left open, and closing the context waited for it)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # nothing listens at the coordinator's address: the stage fails before registering
+        result = run(
+            *command, "--coordinator", "tcp://127.0.0.1:9", "--name", "occupied",
+            flag, f"tcp://127.0.0.1:{port}",
+            timeout=90,
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert f"cannot bind tcp://127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "choose another port" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_train_command_trains_saves_and_matches_single_process(tmp_path: Path) -> None:
     weights = tmp_path / "trained.safetensors"
     result = run(

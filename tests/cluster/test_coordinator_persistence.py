@@ -18,6 +18,7 @@ from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
+from zpipe.protocol import storage
 from zpipe.protocol.client_control import RunRequest
 from zpipe.transport import codec
 
@@ -187,6 +188,60 @@ def test_a_state_file_with_a_valid_checksum_but_a_bad_run_is_refused(tmp_path: P
         core.restore(store.load_state(), None, 0.0)
     with pytest.raises(StateFileError, match="the saved replica's plan does not parse"):
         core.restore(None, store.load_replica(), 0.0)
+
+
+def _write_replica_file(store: StateStore, **fields: object) -> None:
+    """A replica file whose checksum is valid but whose record has the fields given."""
+    record = {
+        "run": 1, "step": 2, "plan": TPLAN.to_dict(), "keys": ["w"], "chunk": 0,
+        "chunks": 1, "holders": {"a": "c", "b": "", "c": "a"}, "global_copy": False,
+        "tensors": (torch.ones(4),),
+    }  # fmt: skip
+    record.update(fields)
+    persistence.write_messages(
+        store.replica_path,
+        [storage.ReplicaFile(**record).to_message()],  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"holders": {"a": [1, 2]}}, "'holders' must map device names to holder names"),
+        ({"holders": {"a": None}}, "'holders' must map device names to holder names"),
+        ({"holders": {"a": 3}}, "'holders' must map device names to holder names"),
+        ({"keys": [5]}, "'keys' must be unit state names"),
+    ],
+)
+def test_a_replica_record_of_the_wrong_shape_is_refused_by_name(
+    tmp_path: Path, fields: dict[str, object], named: str
+) -> None:
+    """A record that passes the checksum but holds other types than the coordinator
+    wrote is refused, naming the file and the field (it was turned into strings and
+    restored: a holder named "[1, 2]")."""
+    store = StateStore(tmp_path)
+    _write_replica_file(store)
+    loaded = store.load_replica()  # the well-formed record loads as written
+    assert loaded is not None and dict(loaded.holders) == {"a": "c", "b": "", "c": "a"}
+    _write_replica_file(store, **fields)
+    with pytest.raises(StateFileError, match=f"{store.replica_path}: {named}"):
+        store.load_replica()
+
+
+def test_a_coordinator_with_a_damaged_replica_exits_1_and_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    store = StateStore(tmp_path)
+    _write_replica_file(store, holders={"a": [1, 2]})
+    result = subprocess.run(
+        [sys.executable, "-m", "zpipe.coordinator", "--bind", "tcp://127.0.0.1:0",
+         "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert f"{store.replica_path}: 'holders' must map" in result.stderr
+    assert f"move it out of {tmp_path}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_the_pure_core_imports_no_file_io() -> None:

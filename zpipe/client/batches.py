@@ -10,7 +10,7 @@ recovery trains again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -84,6 +84,22 @@ def check_fits_first_stage(
                 f"micro-batches per mini-batch) or start "
                 f"the stage with a larger --max-batch-rows"
             )
+
+
+def first_stage_limits(
+    devices: Sequence[str], described: Mapping[str, Any], fallback: int | None
+) -> dict[str, int | None]:
+    """Each first-stage device's data-port limit per frame: a data-parallel first
+    stage's devices each take a share of every micro-batch under their own limit (the
+    training plan's ``first_limits``, by device); a device it does not name (an older
+    coordinator's plan) gets ``fallback`` (``first_max_message_bytes``)."""
+    given = described.get("first_limits")
+    named = dict(given) if isinstance(given, Mapping) else {}
+    limits: dict[str, int | None] = {}
+    for device in devices:
+        limit = named.get(device, fallback)
+        limits[device] = int(limit) if isinstance(limit, int) else fallback
+    return limits
 
 
 def split_minibatch(batch: TrainBatch, num_microbatches: int) -> list[tuple[torch.Tensor, ...]]:

@@ -320,11 +320,30 @@ class StateStore:
             if len(record.keys) != len(record.tensors):
                 raise StateFileError(f"{path}: keys and tensors do not match")
             for key, tensor in zip(record.keys, record.tensors, strict=True):
-                state[str(key)] = tensor
-        holders = {str(k): str(v) for k, v in dict(first.holders or {}).items()}
+                if not isinstance(key, str):
+                    raise StateFileError(
+                        f"{path}: 'keys' must be unit state names (strings), got {key!r}"
+                    )
+                state[key] = tensor
+        holders = _holders_of(path, first.holders)
         whole = first.global_copy
         if whole is not None and not isinstance(whole, bool):
             raise StateFileError(f"{path}: 'global' must be true or false, got {whole!r}")
         return SavedReplica(
             int(first.run), int(first.step), dict(first.plan), state, holders, whole
         )
+
+
+def _holders_of(path: Path, holders: Mapping[str, object] | None) -> dict[str, str]:
+    """A replica's ``holders`` as written (device name -> the name of the stage that
+    keeps its backup, "" for none). Anything else is refused, never turned into a
+    string: a holder named "[1, 2]" would send a recovery to fetch from nobody."""
+    checked: dict[str, str] = {}
+    for device, holder in (holders or {}).items():
+        if not isinstance(device, str) or not isinstance(holder, str):
+            raise StateFileError(
+                f"{path}: 'holders' must map device names to holder names (strings), "
+                f"got {device!r}: {holder!r}"
+            )
+        checked[device] = holder
+    return checked

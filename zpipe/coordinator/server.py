@@ -42,7 +42,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ProtocolError, RoleError, ZpipeError
+from zpipe._errors import ProtocolError, RoleError, StateFileError, ZpipeError
 from zpipe.config import Timeouts
 from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.commands import (
@@ -235,10 +235,18 @@ class Coordinator:
     def _restore(self) -> None:
         if self._store is None:
             return
-        saved = self._store.load_state()
-        replica = self._store.load_replica()
-        newest_global = self._store.load_global()
-        self.core.restore(saved, replica, time.monotonic(), newest_global)
+        try:
+            saved = self._store.load_state()
+            replica = self._store.load_replica()
+            newest_global = self._store.load_global()
+            self.core.restore(saved, replica, time.monotonic(), newest_global)
+        except StateFileError as exc:
+            # never half a state: the operator decides whether the saved run is lost
+            raise StateFileError(
+                f"{exc}; the coordinator did not start. Restore the file from a backup, "
+                f"or move it out of {self._store.directory} to start without it (what it held "
+                "is then forgotten)"
+            ) from exc
         run = self.core.run
         log.info(
             "coordinator_restored",

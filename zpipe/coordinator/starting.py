@@ -386,6 +386,7 @@ class _Training:
                 # Stages fetch units from each other's probe sockets: allowed
                 # beforehand, each holder told who fetches what (it answers nothing else).
                 yield AllowPeers(tuple(live.values()), fetch_grants(restore.fetches))
+                state.fetch_grants_out = True  # until the next backup revokes them
             if isinstance(controller, SyncTrainingController):
                 controller.fallback = restore.replica.newest_global()
         client = {
@@ -489,6 +490,12 @@ class _Training:
         run.rebalance = request.rebalance
         run.replication = replication
         first, last = groups[0][0], groups[-1][0]
+        # Each first-stage device (several in a data-parallel first stage) takes its share
+        # of every micro-batch on its own data port, under its own limit (its
+        # --max-batch-rows): the client checks each share against its device's.
+        first_limits = {
+            n: int(limit) for n in first if (limit := replies[n].max_message_bytes) is not None
+        }
         resumed = None
         if restore is not None and restore.fell_back:
             # the replica's global fallback was resumed from: the client replays more
@@ -507,9 +514,12 @@ class _Training:
                 **tplan.to_dict(),
                 "endpoints": {n: by_name[n].data_endpoint for n in run.devices},
                 "keys": {n: controller.key_of(n) for n in run.devices},
+                "first_limits": first_limits,
             },
-            # the client refuses inputs the first stage's data port would drop
-            first_max_message_bytes=replies[first[0]].max_message_bytes,
+            # the client refuses inputs the first stage's data ports would drop; the
+            # smallest limit, which a client that reads no first_limits checks every share
+            # against (never one that a device's port would exceed)
+            first_max_message_bytes=min(first_limits.values()) if first_limits else None,
             resumed=resumed,
             epoch=run.epoch,
         )

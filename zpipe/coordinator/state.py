@@ -75,6 +75,10 @@ class ControlState:
     events: list[dict[str, Any]] = field(default_factory=list)
     # whether a state directory keeps replicas on disk
     saves_replicas: bool = False
+    # whether stages may still hold fetch grants (``link_peers``) of a restore or a move;
+    # the next backup revokes them. True at start: a restarted coordinator cannot know
+    # what an earlier one granted.
+    fetch_grants_out: bool = True
     # the current run's controller (an InferenceController or a SyncTrainingController), if any
     current: Any = None
     answers: Answers = field(default_factory=Answers)

@@ -12,9 +12,10 @@ was allowed under) and what this stage's plan says (:class:`BackupPlan`):
   say who sent it, only of unit tensors, and only while everything held for
   peers stays within the device's budget (:func:`backup_refusal`);
 - a fetch is answered only when the coordinator granted it (:class:`FetchGrant`,
-  sent with ``link_peers`` before the new plan's assignments): that device, that
-  owner's snapshot, units within the granted range, of the newest run held here
-  (:func:`fetch_refusal`).
+  sent with ``link_peers`` before the new plan's assignments, and revoked by an
+  empty one before the run's next backup replaces those snapshots): that device,
+  that owner's snapshot, units within the granted range, of the newest run held
+  here (:func:`fetch_refusal`).
 
 Without keys nobody's name can be checked: the plan's owner list, the run, the
 granted snapshots and ranges, the key shapes and the budget still hold.

@@ -108,9 +108,29 @@ class StagePorts:
 
     @classmethod
     def open(cls, context: zmq.asyncio.Context, config: StageConfig, keys: StageKeys) -> StagePorts:
+        """Open and bind every socket; if one cannot be bound (a port in use), close
+        the ones already open and raise: an open socket left behind would make the
+        context's ``term()`` wait for it for ever, and the stage hang at exit."""
+        opened: list[zmq.asyncio.Socket] = []
+        try:
+            return cls._open(context, config, keys, opened)
+        except BaseException:
+            for sock in opened:
+                sock.close(linger=0)
+            raise
+
+    @classmethod
+    def _open(
+        cls,
+        context: zmq.asyncio.Context,
+        config: StageConfig,
+        keys: StageKeys,
+        opened: list[zmq.asyncio.Socket],
+    ) -> StagePorts:
         opts = config.socket_options
         # Small limits until an assignment: nothing may queue megabytes at an idle stage.
         data_in = open_socket(context, zmq.PULL, opts, limits=ReceiveLimits.before_plan())
+        opened.append(data_in)
         if keys.keypair is not None:
             security.secure_server(data_in, keys.keypair)
         bound = bind_endpoint(data_in, config.data_bind)
@@ -118,6 +138,7 @@ class StagePorts:
             bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
         probe_in = open_socket(context, zmq.ROUTER, opts, limits=probe_port_limits(opts))
+        opened.append(probe_in)
         if keys.keypair is not None:
             security.secure_server(probe_in, keys.keypair, domain=PROBE_DOMAIN)
         probe_bound = bind_endpoint(probe_in, config.probe_endpoint_to_bind)
@@ -125,6 +146,7 @@ class StagePorts:
             probe_bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
         control = open_socket(context, zmq.DEALER, opts)
+        opened.append(control)
         # This process's own routing id: a second process under the same name is then a
         # registration the coordinator can judge (refuse, or let take over a dead one),
         # where one routing id would have the coordinator's ROUTER silently drop it.
@@ -140,6 +162,7 @@ class StagePorts:
         bulk = open_socket(
             context, zmq.DEALER, replace(opts, send_hwm=BULK_SEND_HWM), zmtp_heartbeat=False
         )
+        opened.append(bulk)
         bulk.setsockopt(zmq.ROUTING_ID, routing_id + BULK_ROUTING_SUFFIX)
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(bulk, keys.keypair, keys.coordinator_key)

@@ -436,6 +436,11 @@ def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise ConfigError(
+                f"cannot bind {endpoint}: Address already in use (another process listens "
+                "there): stop it, or choose another port (port 0 takes any free one)"
+            ) from None
         raise ConfigError(f"cannot bind {endpoint}: {exc}") from None
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return bound

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tests._support.coordinator_harness import SPEC, Harness
 from zpipe._errors import UnitsLostError
+from zpipe.coordinator.commands import AllowPeers
 from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import (
     fetch_grants,
@@ -128,6 +129,78 @@ def test_a_resumed_chain_run_fetches_the_dead_stages_units_from_its_backup() -> 
     assert assigns["c"].body["state_keys"] == []
     assert assigns["a"].body["state_keys"] == []
     assert [e["policy"] for e in h.events("training_replanned")] == ["lightweight"]
+
+
+def test_the_next_backup_revokes_the_fetch_grants_of_a_restore() -> None:
+    """A restore grants c's probe port the fetch of b's units of step 3; the run's next
+    backup replaces those copies, so before any backup goes out every member is told
+    to answer no fetch (an empty grant), and a stale copy cannot be fetched. Later
+    backups, with nothing granted since, do not ask again."""
+    h = Harness()
+    old = _plan([("a", 0, 2), ("b", 2, 4), ("c", 4, 6)])
+    h.state.replica = KeptReplica(1, 3, old, {}, {"a": "b", "b": "c", "c": "a"})
+    for name in "abc":
+        h.register(name)
+    h.advance(8.0, alive=("a", "c"))  # b dies
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", stage_names=["a", "b", "c"], train=TRAIN,
+        recover=True, resume={"run": 1, "step": 3, "dead": ["b"]}, replication="chain",
+    )  # fmt: skip
+    allowed = [j for j in h.jobs if isinstance(j, AllowPeers)]
+    assert allowed and allowed[-1].fetches is not None
+    granted = {n: [(g["peer"], g["owner"], g["step"]) for g in gs] for n, gs in
+               allowed[-1].fetches.items()}  # fmt: skip
+    assert granted == {"c": [("a", "b", 3)]}
+    run = h.core.run
+    assert run is not None
+    h.answer_all("ready", list(run.devices), run=run.run, build_s=0.01)
+    h.client("run_go", run=run.run)
+    h.answer_all("connected", list(run.devices), run=run.run)
+
+    def replicate(step: int) -> list[AllowPeers]:
+        jobs, sent = len(h.jobs), len(h.sent)
+        h.client("replicate", run=run.run, step=step)
+        assert [s.peer for s in h.sent[sent:] if s.wire.kind == "backup_request"] == ["a", "c"]
+        for name in ("a", "c"):
+            h.feed_message(name, _backed_up(name, run=run.run, step=step))
+        (reply,) = [r for r in h.to_client("replicated") if r.body["step"] == step]
+        assert reply.body["error"] == ""
+        return [j for j in h.jobs[jobs:] if isinstance(j, AllowPeers)]
+
+    (revoked,) = replicate(5)
+    assert revoked.fetches == {}  # no member is named: none answers a fetch
+    assert {m.name for m in revoked.members} == {"a", "c"}
+    assert replicate(7) == []  # nothing granted since: no extra round trip
+    assert h.state.fetch_grants_out is False
+
+
+def test_run_ready_gives_every_first_stage_device_its_own_data_port_limit() -> None:
+    """A data-parallel first stage: a and b each take a share of every micro-batch on
+    their own data port. b's limit is the smaller: the client is told each device's,
+    and the smallest where one limit is read (it was a's only, which b's port would
+    exceed)."""
+    h = Harness()
+    for name in "abc":
+        h.register(name)
+    plan = TrainingPlan(
+        algo="explicit", schedule="1f1b", num_units=6, microbatch_size=3, num_microbatches=3,
+        stages=(TrainStage(("a", "b"), 0, 3, (2, 1), 1), TrainStage(("c",), 3, 6, (3,), 1)),
+    )  # fmt: skip
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", stage_names=["a", "b", "c"],
+        train={**TRAIN, "plan": plan.to_dict()},
+    )  # fmt: skip
+    run = h.core.run
+    assert run is not None, h.events("run_failed")
+    limits = {"a": 1 << 30, "b": 1 << 20, "c": 1 << 30}
+    for name in "abc":
+        ring = {"ring_endpoint": f"tcp://{name}:3"} if name in "ab" else {}
+        h.stage(name, "ready", run=run.run, build_s=0.1, max_message_bytes=limits[name], **ring)
+    (ready,) = h.to_client("run_ready")
+    assert ready.body["training_plan"]["first_limits"] == {"a": 1 << 30, "b": 1 << 20}
+    assert ready.body["first_max_message_bytes"] == 1 << 20
 
 
 def test_units_with_no_live_holder_are_lost_clearly() -> None:

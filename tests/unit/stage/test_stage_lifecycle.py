@@ -244,6 +244,9 @@ def test_simple_requests_are_answered_at_once() -> None:
     grant = {"peer": "s2", "owner": "s1", "run": 3, "step": 4, "start": 2, "end": 5}
     allow, _ = stage.control_message(LinkPeers(keys={}, fetches=[grant]), 1.0)
     assert allow == AllowProbePeers({}, (FetchGrant("s2", "s1", 3, 4, 2, 5),))
+    # an empty list (the coordinator's revocation at the next backup) answers no fetch
+    allow, _ = stage.control_message(LinkPeers(keys={}, fetches=[]), 1.0)
+    assert allow == AllowProbePeers({}, ())
     with pytest.raises(ProtocolError, match="fetch grant"):
         stage.control_message(LinkPeers(keys={}, fetches=[{"peer": 1}]), 1.0)
     assert stage.control_message(HeartbeatAck(), 1.0) == []

@@ -26,6 +26,7 @@ from zpipe.client.batches import (
     BatchSource,
     TrainBatch,
     check_fits_first_stage,
+    first_stage_limits,
     split_minibatch,
 )
 from zpipe.client.connection import CLIENT_NAME
@@ -118,8 +119,10 @@ class TrainingRun:
             self.close()  # an open socket would keep the context from terminating
             raise
         self.first_shares = list(first.shares)
-        # the first stage's data port limit per frame (None: not said)
-        self.first_limit: int | None = ready.first_max_message_bytes
+        # each first-stage device's data port limit per frame (None: not said)
+        self.first_limits = first_stage_limits(
+            first.devices, described, ready.first_max_message_bytes
+        )
         self.last_shares = list(last.shares)
         self.last_names = set(last.devices)
         session.allow_sink_senders([keys.get(n) for n in last.devices])
@@ -296,7 +299,7 @@ class TrainingRun:
                 self.first_group, split_rows(total, self.first_shares), strict=True
             ):
                 rows = tuple(t[lo:hi] for t in inputs) if hi > lo else ()
-                check_fits_first_stage(rows, self.first_limit, name)
+                check_fits_first_stage(rows, self.first_limits[name], name)
                 data = Data(run=self.run, mb=mb, src=CLIENT_NAME, rows=[lo, hi], total=total,
                             epoch=epoch, tensors=rows)  # fmt: skip
                 await self._send(sock, data, name)

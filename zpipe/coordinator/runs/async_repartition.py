@@ -244,6 +244,7 @@ class LiveRepartitioning:
         replica = KeptReplica(run.run, step, plan, {}, holders=own, global_copy=False)
         fetches = fetch_plans(replica, spans_of(devices, bounds), set(members))
         yield AllowPeers(tuple(members[d] for d in devices), fetch_grants(fetches))
+        owner.state.fetch_grants_out = True  # until the next backup revokes them
         yield Log("info", "repartition_fetching", {"run": run.run, "step": step})
         for dest, entries in fetches.items():
             for entry in entries:

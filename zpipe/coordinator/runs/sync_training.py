@@ -198,7 +198,14 @@ class SyncTrainingController(BaseRun):
         missing = [d for d in run.devices if d not in members]
         if missing:
             raise StageLostError(", ".join(missing), "gone; it cannot back up")
-        if self.state.public_keys:
+        if self.state.fetch_grants_out:
+            # The grants of a restore or a move name older snapshots of these units, which
+            # this backup replaces: revoked (an empty grant for every member), so that no
+            # peer fetches a stale copy, before the backups (and their peer access) go out.
+            # Every member: a holder of the restore may have left the run's plan.
+            yield AllowPeers(tuple(members.values()), {})
+            self.state.fetch_grants_out = False
+        elif self.state.public_keys:
             # peers reach each other's probe sockets: allowed before anyone connects
             yield AllowPeers(tuple(members[d] for d in run.devices))
         requests: list[Send] = []
