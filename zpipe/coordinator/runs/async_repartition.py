@@ -25,6 +25,7 @@ cuts, or after a move's commit), so it never shares a link with the fetches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -136,6 +137,18 @@ def build_controller(
         output_bytes=sizes,
         bandwidths_bps=links,
     )
+
+
+def _links_logged(controller: RepartitionController) -> dict[str, Any]:
+    """The links a look costed, for its log line: Mbit/s between consecutive stages
+    (None: unlimited); nothing when it costs no links."""
+    if controller.bandwidths_bps is None:
+        return {}
+    return {
+        "links_mbit_s": [
+            None if math.isinf(b) else round(b * 8 / 1e6, 1) for b in controller.bandwidths_bps
+        ]
+    }
 
 
 class LiveRepartitioning:
@@ -260,7 +273,8 @@ class LiveRepartitioning:
             else:
                 links = self._bandwidths(controller)
                 decision = controller.look(step, counters, bandwidths_bps=links)
-            yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict()})
+            yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
+                      **_links_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
@@ -314,7 +328,7 @@ class LiveRepartitioning:
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
-                      **decision.to_dict()})  # fmt: skip
+                      **decision.to_dict(), **_links_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
             if not decision.moves:  # a move probes after its commit
                 yield from self._renew_links(devices, members)
