@@ -237,6 +237,16 @@ class AllowPeers(ShellJob):
 
 
 @dataclass(frozen=True)
+class MeasureLinks(ShellJob):
+    """Probe again the links between consecutive ``members`` (in stage order), both
+    directions, that were measured before: the latest replace the cached ones (a pair
+    that fails keeps its last). Returns ``{(sender, receiver): MeasuredLink}`` of what
+    was measured now; nothing when the coordinator does not measure links."""
+
+    members: tuple[Member, ...]
+
+
+@dataclass(frozen=True)
 class SaveReplica(ShellJob):
     replica: SavedReplica
 

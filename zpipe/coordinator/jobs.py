@@ -23,6 +23,7 @@ from zpipe.coordinator.commands import (
     AwaitConfirmed,
     AwaitStages,
     CountUnits,
+    MeasureLinks,
     PlanInference,
     PlanLossy,
     PlanTraining,
@@ -99,6 +100,10 @@ class JobRunner:
             )
         if isinstance(job, TrainingModel):
             return await self._training_model(job.spec, list(job.members), job.microbatch_size)
+        if isinstance(job, MeasureLinks):
+            if not self._measure_links or len(job.members) < 2:
+                return {}
+            return await self._links.remeasure(list(job.members))
         if isinstance(job, AllowPeers):
             await self._links.allow_peers(list(job.members), job.fetches)
             return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from zpipe._errors import ZpipeError
@@ -71,6 +72,29 @@ class LinkMeasurer:
                 self._cache[_key(a, b)] = measured
         return self.known(members)
 
+    async def remeasure(self, chain: Sequence[Member]) -> dict[tuple[str, str], MeasuredLink]:
+        """Probe again the links between consecutive members of ``chain`` (a pipeline's
+        stages in order), both ways: a live re-partition renews the links its cuts
+        cross while the run goes on. Only pairs measured before are probed (one never
+        measured, say after a coordinator restart, stays costed as declared); a pair
+        that cannot be measured now keeps what was measured before. Returns what was
+        measured now."""
+        # only pairs measured before (at planning): their peers know each other's keys
+        # already, and telling them again would race the run's own peer grants (one
+        # request per stage and reply kind at a time)
+        pairs = [
+            pair
+            for a, b in pairwise(chain)
+            for pair in ((a, b), (b, a))
+            if _key(*pair) in self._cache and pair[1].info.get("probe_endpoint")
+        ]
+        out: dict[tuple[str, str], MeasuredLink] = {}
+        for a, b in pairs:
+            measured = await self._measure_pair(a, b)
+            if measured is not None:
+                self._cache[_key(a, b)] = out[(a.name, b.name)] = measured
+        return out
+
     def known(self, members: Sequence[Member]) -> dict[tuple[str, str], MeasuredLink]:
         """What is measured already between ``members``, measuring nothing: a re-planner
         after a death costs links from these and has no time to probe."""
@@ -110,9 +134,7 @@ class LinkMeasurer:
             key=key.decode() if key is not None else None,
         )
         try:
-            reply: LinkProbeReply = await self._request(
-                a, request, LinkProbeReply, self._timeout_s
-            )
+            reply: LinkProbeReply = await self._request(a, request, LinkProbeReply, self._timeout_s)
         except ZpipeError as exc:  # timed out, malformed, or the stage died
             log.warning("link_unmeasured", sender=a.name, receiver=b.name, error=str(exc))
             return None

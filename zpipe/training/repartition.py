@@ -10,7 +10,14 @@ decides (:mod:`zpipe.coordinator.runs.async_repartition`).
   (its counters' difference: FTPipeHD's per-worker average ``T_e^i``).
 - Re-partition: capacities from those times (eqs. 1-3) and the cuts of eq. 5
   (:func:`zpipe.planner.ftpipehd.repartition_from_measurements`); with no time
-  measured yet, eq. 7 on the reference times alone (every ``C_i = 1``).
+  measured yet, eq. 7 on the reference times alone (every ``C_i = 1``). Eq. 5's
+  ``2 * T_c`` term costs each cut's boundary: the unit's output per batch over
+  the link between the two devices, as last measured (``output_bytes`` and
+  ``bandwidths_bps``; the coordinator's are
+  :mod:`zpipe.training.repartition_links`'s, the bandwidths renewed at each look
+  with :meth:`RepartitionController.links_measured`). A cut's measured period
+  (``tried`` below) is its compute; its links are costed from the latest
+  bandwidths, so a link that changes is seen at once.
 - Whether: the new cuts are taken when they shorten the predicted period by at
   least ``gain`` (a share of the current one, costed by the same model; 0 takes
   any different cut). ``bounds`` is a test hook: move to those cuts at the first
@@ -213,9 +220,23 @@ def _period_at(
     for i, cap in enumerate(capacities):
         own = 0.0 if fixed_s is None else fixed_s[i]
         worst = max(worst, own + math.fsum(reference_unit_s[bounds[i] : bounds[i + 1]]) * cap)
-    if output_bytes is not None and bandwidths_bps is not None:
-        for i, bandwidth in enumerate(bandwidths_bps):
-            worst = max(worst, 2.0 * float(output_bytes[bounds[i + 1] - 1]) / bandwidth)
+    return max(worst, _links_s(bounds, output_bytes, bandwidths_bps))
+
+
+def _links_s(
+    bounds: Sequence[int],
+    output_bytes: Sequence[float] | None,
+    bandwidths_bps: Sequence[float] | None,
+) -> float:
+    """The slowest link of the given cuts: 2 x eq. 6, the activation that crosses it
+    forward and its gradient back (0 without sizes or bandwidths)."""
+    if output_bytes is None or bandwidths_bps is None:
+        return 0.0
+    worst = 0.0
+    for i, bandwidth in enumerate(bandwidths_bps):
+        size = float(output_bytes[bounds[i + 1] - 1])
+        if size:
+            worst = max(worst, 2.0 * size / bandwidth)
     return worst
 
 
@@ -236,10 +257,14 @@ def decide_repartition(
 ) -> RepartitionDecision:
     """Whether the pipeline of ``devices`` (in stage order) cut at ``bounds`` moves
     after batch ``at``. ``measured_s``: each device's compute seconds per batch since
-    the last look (eq. 7 when a device has none); ``capacities``: every device's
+    the last look (eq. 7 when a device has none); ``output_bytes``: each unit's
+    output per batch (``D_j``), ``bandwidths_bps``: each link between consecutive
+    devices in bytes per second (eq. 6; both or neither: without them links are
+    free); ``capacities``: every device's
     ``C_i`` when already estimated (the controller's smoothed ones), instead of
-    eqs. 1-2 on ``measured_s``; ``tried``: the period each of these cuts measured
-    when run (a best cut found there is costed no lower than that); ``fixed_s``: each
+    eqs. 1-2 on ``measured_s``; ``tried``: the compute period each of these cuts
+    measured when run (a best cut found there is costed no lower than that, with
+    its links as given now); ``fixed_s``: each
     device's own seconds per batch whatever its units, with ``capacities`` (eq. 7
     and eqs. 1-3 keep none); ``left``: cuts the pipeline left lately (a move back to
     them, or to cuts within ``settings.revisit_radius`` units of them at every
@@ -306,6 +331,10 @@ def decide_repartition(
         target, reason = None, "the best cuts are the current ones"
     elif target is not None:
         ran = (tried or {}).get(target, 0.0)
+        if ran > 0:
+            # what the cuts measured is their compute; their links are costed as
+            # last measured (a link may have changed since they ran)
+            ran = max(ran, _links_s(target, output_bytes, bandwidths_bps))
         if ran > new_period:
             # eq. 3 flatters cuts it has seen run: judge them by what they measured
             new_period = ran
@@ -369,15 +398,24 @@ class RepartitionController:
             raise ConfigError(
                 f"{len(self.reference_unit_s)} reference unit times for {self.bounds[-1]} units"
             )
-        self.output_bytes = output_bytes
-        self.bandwidths_bps = bandwidths_bps
+        if (output_bytes is None) != (bandwidths_bps is None):
+            raise ConfigError("give a re-partition both boundary sizes and bandwidths, or neither")
+        if output_bytes is not None and len(output_bytes) != len(self.reference_unit_s):
+            raise ConfigError(
+                f"{len(output_bytes)} boundary sizes for {len(self.reference_unit_s)} units"
+            )
+        self.output_bytes = None if output_bytes is None else [float(b) for b in output_bytes]
+        self.bandwidths_bps: list[float] | None = None
+        if bandwidths_bps is not None:
+            self.links_measured(bandwidths_bps)
         self.plan_epoch = 0  # commits so far
         self.decisions: list[RepartitionDecision] = []
         self._seen: dict[str, tuple[float, int]] = {}  # counters at the last look
         self.capacities: dict[str, float] = {}  # smoothed across looks
         self.costs = StageCosts()  # each device's own cost per batch, fitted across looks
         self._units_s: dict[str, float] = {}  # reference seconds each device held at its last look
-        # the period each cut measured since the last real change of a capacity
+        # the compute period each cut measured since the last real change of a
+        # capacity (its links are costed at each look from the latest bandwidths)
         self.tried: dict[tuple[int, ...], float] = {}
         # the cuts each look found (the latest last); kept through a real change, which
         # a swinging fit can fake (a true one promises far more than revisit_gain)
@@ -386,9 +424,35 @@ class RepartitionController:
     def due(self, done: int) -> bool:
         return self.settings.due(done)
 
-    def look(self, at: int, counters: Mapping[str, Mapping[str, Any]]) -> RepartitionDecision:
+    def links_measured(self, bandwidths_bps: Sequence[float]) -> None:
+        """The links between consecutive devices as last measured (bytes per second,
+        ``math.inf``: unlimited): the next looks cost eq. 6 with them. Taken as they
+        come, not averaged: a probe is a median already, and the compute the cuts
+        measured (``tried``) does not depend on them."""
+        if self.output_bytes is None:
+            raise ConfigError("a re-partition without boundary sizes has no links to cost")
+        links = [float(b) for b in bandwidths_bps]
+        if len(links) != len(self.devices) - 1:
+            raise ConfigError(
+                f"{len(self.devices)} stages have {len(self.devices) - 1} links, got {len(links)}"
+            )
+        bad = [b for b in links if not b > 0]
+        if bad:
+            raise ConfigError(f"link bandwidths must be > 0, got {links}")
+        self.bandwidths_bps = links
+
+    def look(
+        self,
+        at: int,
+        counters: Mapping[str, Mapping[str, Any]],
+        *,
+        bandwidths_bps: Sequence[float] | None = None,
+    ) -> RepartitionDecision:
         """The decision after batch ``at`` from each device's cumulative counters
-        (``forward_s``, ``backward_s``, ``step_s``, ``microbatches``)."""
+        (``forward_s``, ``backward_s``, ``step_s``, ``microbatches``); with
+        ``bandwidths_bps``, the links as measured now (:meth:`links_measured`)."""
+        if bandwidths_bps is not None:
+            self.links_measured(bandwidths_bps)
         measured: dict[str, float] = {}
         for device in self.devices:
             c = counters.get(device) or {}
@@ -409,8 +473,8 @@ class RepartitionController:
                 self.bounds,
                 self.reference_unit_s,
                 [smoothed[d] for d in self.devices],
-                self.output_bytes,
-                self.bandwidths_bps,
+                None,
+                None,
                 [fixed[d] for d in self.devices],
             )
         looks = self.settings.revisit_looks

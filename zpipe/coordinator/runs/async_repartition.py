@@ -11,23 +11,37 @@ the cuts move, has the stages fetch their new units from each other's snapshots
 is FTPipeHD's Algorithm 1 through :func:`zpipe.recovery.plan_redistribution`;
 each holder told beforehand which fetches it answers) before the ``commit`` that
 switches them all and resumes them at ``step``. Weights never pass through here.
+
+Eq. 5 costs the links too (:func:`build_controller`): each boundary's activation
+and gradient bytes come from the run's profile, each link's bandwidth from the
+links the coordinator measured when it planned the run (or the sender's declared
+uplink). Each look re-measures capacities; it also has the links between
+consecutive stages probed again (:class:`~zpipe.coordinator.commands.
+MeasureLinks`), in a flow of its own that nothing waits for: the pipeline and
+the client's feed go on meanwhile, and the next look costs eq. 6 with what it
+found. A probe does not run during a move (it starts after a look that keeps the
+cuts, or after a move's commit), so it never shares a link with the fetches.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError, StageLostError, ZpipeError
-from zpipe.coordinator.commands import AllowPeers, AwaitReplies, Log, Send
+from zpipe.coordinator.commands import AllowPeers, AwaitReplies, Log, MeasureLinks, Now, Send
 from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import fetch_grants, fetch_plans
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
+from zpipe.coordinator.planning import cluster_from_members
 from zpipe.coordinator.runs.base import BaseRun
 from zpipe.models import ModelSpec
+from zpipe.planner import ClusterSpec
 from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
+from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.repartition import Repartitioned, RepartitionReply, RepartitionRequest
@@ -38,6 +52,7 @@ from zpipe.training.repartition import (
     RepartitionSettings,
     spans_of,
 )
+from zpipe.training.repartition_links import boundary_bytes, link_bandwidths
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,64 @@ def with_bounds(plan: TrainingPlan, bounds: tuple[int, ...]) -> TrainingPlan:
     return replace(plan, stages=stages)
 
 
+def reference_unit_s(plan: TrainingPlan, profile: ModelProfile | None) -> list[float]:
+    """Each unit's profiled training time (forward and backward) at the plan's
+    micro-batch size; without a usable profile every unit alike (capacities then
+    compare stages unit for unit)."""
+    alike = [1.0] * plan.num_units
+    if profile is None:
+        return alike
+    try:
+        work = unit_work_from_profile(profile, plan.microbatch_size, training=True)
+    except ConfigError:  # not a training profile, or not at this batch size
+        return alike
+    return work if len(work) == plan.num_units and all(w > 0 for w in work) else alike
+
+
+def build_controller(
+    plan: TrainingPlan,
+    settings: RepartitionSettings,
+    *,
+    profile: ModelProfile | None,
+    cluster: ClusterSpec | None,
+) -> RepartitionController:
+    """The live re-partition controller of a one-device-per-stage ``plan``: unit times
+    from ``profile`` (the first device's), and eq. 5's link term from its boundary
+    sizes at the plan's micro-batch size and the bandwidths ``cluster`` gives each
+    pair of consecutive devices (measured, or declared). Without a profile or a
+    cluster, links are left out (eq. 5 without ``2 * T_c``)."""
+    devices, bounds = plan_bounds(plan)
+    sizes: list[float] | None = None
+    links: list[float] | None = None
+    if profile is not None and cluster is not None:
+        try:
+            found = boundary_bytes(profile, plan.microbatch_size)
+            if len(found) == plan.num_units:
+                sizes, links = found, link_bandwidths(devices, cluster)
+        except ConfigError:  # the profile has no sizes at this batch size
+            sizes, links = None, None
+    return RepartitionController(
+        settings,
+        devices=devices,
+        bounds=bounds,
+        reference_unit_s=reference_unit_s(plan, profile),
+        output_bytes=sizes,
+        bandwidths_bps=links,
+    )
+
+
+def _links_logged(controller: RepartitionController) -> dict[str, Any]:
+    """The links a look costed, for its log line: Mbit/s between consecutive stages
+    (None: unlimited); nothing when it costs no links."""
+    if controller.bandwidths_bps is None:
+        return {}
+    return {
+        "links_mbit_s": [
+            None if math.isinf(b) else round(b * 8 / 1e6, 1) for b in controller.bandwidths_bps
+        ]
+    }
+
+
 class LiveRepartitioning:
     """One training run's re-partitions: its controller, and the flow of each."""
 
@@ -87,42 +160,77 @@ class LiveRepartitioning:
         # a look before the flush that decided to move: carried out by the next
         # (flushing) request of the same mini-batch
         self.pending: RepartitionDecision | None = None
+        self._probing = False  # the links are being probed again (see _renew_links)
 
     def _controller(
         self, plan: TrainingPlan, settings: RepartitionSettings
     ) -> RepartitionController:
         if self.controller is None:
-            devices, bounds = plan_bounds(plan)
-            self.controller = RepartitionController(
-                settings,
-                devices=devices,
-                bounds=bounds,
-                reference_unit_s=self._reference_unit_s(plan),
+            self.controller = build_controller(
+                plan, settings, profile=self._profile(plan), cluster=self._cluster(plan.devices)
             )
         return self.controller
 
-    def _reference_unit_s(self, plan: TrainingPlan) -> list[float]:
-        """Each unit's profiled training time on the first device, if profiled; else
-        every unit alike (capacities then compare stages unit for unit)."""
+    def _profile(self, plan: TrainingPlan) -> ModelProfile | None:
+        """The first device's training profile, cached when the run was planned."""
         owner, run = self.owner, self.owner.run
         try:
             spec = ModelSpec.from_dict(dict(run.request.model))  # type: ignore[union-attr]
         except (ZpipeError, KeyError, TypeError, AttributeError):
-            return [1.0] * plan.num_units
+            return None
         member = owner.state.membership.get(plan.devices[0])
-        profile = (
-            None
-            if member is None
-            else owner.state.profiles.get(spec, plan.microbatch_size, "float32", member, train=True)
-        )
-        if profile is None:
-            return [1.0] * plan.num_units
-        work = unit_work_from_profile(profile, plan.microbatch_size, training=True)
-        return (
-            work
-            if len(work) == plan.num_units and all(w > 0 for w in work)
-            else ([1.0] * plan.num_units)
-        )
+        if member is None:
+            return None
+        return owner.state.profiles.get(spec, plan.microbatch_size, "float32", member, train=True)
+
+    def _cluster(self, devices: list[str]) -> ClusterSpec | None:
+        """The links between ``devices`` as the planner costs them: measured where the
+        coordinator measured them (its cache: nothing is probed here), else declared."""
+        state = self.owner.state
+        members = [state.membership.get(d) for d in devices]
+        known = [m for m in members if m is not None]
+        if len(known) != len(devices):
+            return None
+        try:
+            return cluster_from_members(known, links=state.measured_links(known))
+        except ConfigError:  # a stage declared a link the planner refuses
+            return None
+
+    def _bandwidths(self, controller: RepartitionController) -> list[float] | None:
+        """The controller's links as measured now (None: it costs none, or a stage
+        is gone and the last ones stay)."""
+        if controller.output_bytes is None:
+            return None
+        cluster = self._cluster(list(controller.devices))
+        return None if cluster is None else link_bandwidths(controller.devices, cluster)
+
+    def _renew_links(self, devices: list[str], members: dict[str, Member]) -> Flow:
+        """Have the links between consecutive stages probed again while the run goes
+        on: a flow of its own (this one does not wait for it), at most one at a time;
+        the next look reads what it found from the coordinator's cache."""
+        controller = self.controller
+        if self._probing or controller is None or controller.output_bytes is None:
+            return
+        self._probing = True
+        now = yield Now()
+        # a flow started from inside this one: its first commands are this flow's to
+        # yield (the shell then runs its job and resumes it, not this flow)
+        chain = tuple(members[d] for d in devices)
+        yield from self.owner.state.flows.start(self._probe(chain), now)
+
+    def _probe(self, chain: tuple[Member, ...]) -> Flow:
+        run = self.owner.run
+        try:
+            measured = yield MeasureLinks(chain)
+        except (ZpipeError, OSError) as exc:  # a probe failed: the last links stay
+            yield Log("warning", "repartition_links_unmeasured", {"run": run.run,
+                      "error": str(exc)})  # fmt: skip
+            return
+        finally:
+            self._probing = False
+        if measured:
+            mbps = {f"{a}>{b}": round(m.bandwidth_bps / 1e6, 1) for (a, b), m in measured.items()}
+            yield Log("info", "repartition_links_measured", {"run": run.run, "mbit_s": mbps})
 
     def _ready(
         self, run_id: int
@@ -163,8 +271,10 @@ class LiveRepartitioning:
                 # the batches drained since that look ran on the old cuts
                 controller.rebase(counters)
             else:
-                decision = controller.look(step, counters)
-            yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict()})
+                links = self._bandwidths(controller)
+                decision = controller.look(step, counters, bandwidths_bps=links)
+            yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
+                      **_links_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
@@ -187,6 +297,8 @@ class LiveRepartitioning:
                     "held": {d: [m.get("start"), m.get("end")] for d, m in held.items()},
                 },
             )
+            # after the commit: the probes never share a link with the fetches
+            yield from self._renew_links(devices, members)
         except (ZpipeError, ValueError) as exc:
             answer = replace(answer, error=f"{type(exc).__name__}: {exc}")
             yield Log("error", "repartition_failed", {"run": run_id, "step": step,
@@ -214,10 +326,12 @@ class LiveRepartitioning:
                           "step": step, "error": str(exc)})  # fmt: skip
                 return replace(answer, pause=True)
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
-            decision = controller.look(step, counters)
+            decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
-                      **decision.to_dict()})  # fmt: skip
+                      **decision.to_dict(), **_links_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
+            if not decision.moves:  # a move probes after its commit
+                yield from self._renew_links(devices, members)
             # where each stage says its units are now (as a commit's replies say)
             held = {d: [c.get("start"), c.get("end")] for d, c in counters.items()}
             answer = replace(
