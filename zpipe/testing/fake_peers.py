@@ -102,7 +102,14 @@ class FakePeer:
         """Register until the coordinator answers ``registered`` (or refuses)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            await self._send(self._registration)
+            try:
+                # a coordinator still starting (its imports take seconds under load) has
+                # no connection to send to yet: wait for it until the deadline
+                await self._send(
+                    self._registration, timeout_s=max(0.01, deadline - time.monotonic())
+                )
+            except TransportTimeout:
+                continue
             try:
                 frames = await recv_frames(
                     self._socket,
