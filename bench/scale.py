@@ -31,6 +31,13 @@ for ``--hold-s`` seconds, against the same with ``--baseline-peers`` (30):
 the coordinator's event-loop lag (how late its tick loop woke; p50, p99, from its
 ``loop_lag`` log), the heartbeat round trips the peers saw, its CPU share, and
 false deaths (``stage_dead`` in its log, or a peer asked to register again).
+``register_all_s_300``: from launching the coordinator to every peer registered,
+split into ``coordinator_listening_s_300`` (its start-up: the interpreter and its
+imports, torch's the most) and ``register_after_listening_s_300``. Then the same
+300 again under ``--oversubscribe`` (2) times as many busy-loop processes as there
+are cores: ``loop_lag_p99_ms_oversubscribed`` is the worst 99th percentile of the
+coordinator's loop lag over every window from its start to the hold's end, while
+the peers register and while they heartbeat.
 
 Launching (``--launch-stages``, 4): the time to start that many emulated stages and
 see them registered, forked against fresh interpreters (``python -m zpipe.stage``),
@@ -98,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-peers", type=int, default=30, help="fake peers of the baseline")
     p.add_argument("--hold-s", type=float, default=30.0, help="seconds the peers are held")
     p.add_argument("--peer-heartbeat-s", type=float, default=1.0, help="their heartbeat interval")
+    p.add_argument(
+        "--oversubscribe",
+        type=float,
+        default=2.0,
+        help="busy-loop processes per core of the oversubscribed hold (default: 2)",
+    )
+    p.add_argument(
+        "--skip-oversubscribed", action="store_true", help="leave the oversubscribed hold out"
+    )
     p.add_argument("--launch-stages", type=int, default=4, help="stages of the launch section")
     p.add_argument("--skip-launch", action="store_true", help="leave fork against spawn out")
     p.add_argument("--skip-emulated", action="store_true", help="leave the clusters out")
@@ -364,11 +380,40 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def hold_peers(count: int, args: argparse.Namespace) -> dict[str, Any]:
-    """A coordinator process and ``count`` fake peers for ``--hold-s`` seconds."""
+def _busy_loops(count: int) -> list[subprocess.Popen[bytes]]:
+    """``count`` processes that spin on a core each until killed."""
+    return [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(count)
+    ]
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.wait()
+
+
+def _at(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def hold_peers(count: int, args: argparse.Namespace, *, busy: int = 0) -> dict[str, Any]:
+    """A coordinator process and ``count`` fake peers for ``--hold-s`` seconds, beside
+    ``busy`` busy-loop processes started before the coordinator."""
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    spinning = _busy_loops(busy)
+    try:
+        return _hold_peers(count, args, endpoint, busy)
+    finally:
+        _stop(spinning)
+
+
+def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="zpipe-peers-") as tmp:
         log_path = Path(tmp) / "coordinator.log"
+        launched_at = time.time()
         with open(log_path, "wb") as log_file:
             coordinator = subprocess.Popen(
                 [sys.executable, "-m", "zpipe.coordinator", "--bind", endpoint,
@@ -377,12 +422,13 @@ def hold_peers(count: int, args: argparse.Namespace) -> dict[str, Any]:
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )  # fmt: skip
 
-        held: list[float] = []  # time.time() when the hold began and ended
+        held: list[float] = []  # time.time(): all registered, the hold began, it ended
 
         async def hold() -> tuple[dict[str, Any], float, float]:
             started = time.monotonic()
             async with FakePeers(endpoint, count) as peers:
                 registered_s = time.monotonic() - started
+                held.append(time.time())  # every peer registered
                 await asyncio.sleep(2 * args.peer_heartbeat_s)  # the registrations settle
                 peers.reset_stats()
                 held.append(time.time())
@@ -403,19 +449,25 @@ def hold_peers(count: int, args: argparse.Namespace) -> dict[str, Any]:
                 coordinator.wait()
         events = [json.loads(line) for line in log_path.read_text().splitlines() if
                   line.startswith("{")]  # fmt: skip
+    registered_at, hold_from, hold_to = held
+    reports = [e for e in events if e.get("event") == "loop_lag"]
     # the coordinator's lag reports of windows (10 s each) wholly within the hold
-    lags = [
-        e
-        for e in events
-        if e.get("event") == "loop_lag"
-        and held[0] + 10.0 <= datetime.fromisoformat(e["timestamp"]).timestamp() <= held[1]
-    ]
+    lags = [e for e in reports if hold_from + 10.0 <= _at(e) <= hold_to]
+    # and of every window from its start to the hold's end: registrations included
+    lags_all = [e for e in reports if _at(e) <= hold_to]
     worst = max(lags, key=lambda e: e["p99_ms"]) if lags else None
+    listening = [_at(e) for e in events if e.get("event") == "coordinator_listening"]
     line = {
         "bench": BENCH,
         "kind": "coordinator_peers",
         "peers": count,
+        "busy_processes": busy,
         "register_all_s": round(registered_s, 2),
+        "coordinator_listening_s": round(listening[0] - launched_at, 2) if listening else None,
+        "register_after_listening_s": round(registered_at - listening[0], 3) if listening else None,
+        "loop_lag_p99_ms_with_registration": max((e["p99_ms"] for e in lags_all), default=None),
+        "loop_lag_max_ms_with_registration": max((e["max_ms"] for e in lags_all), default=None),
+        "loop_lag_reports_with_registration": len(lags_all),
         "loop_lag_p50_ms": None if worst is None else max(e["p50_ms"] for e in lags),
         "loop_lag_p99_ms": None if worst is None else worst["p99_ms"],
         "loop_lag_max_ms": None if worst is None else max(e["max_ms"] for e in lags),
@@ -438,6 +490,30 @@ def hold_peers(count: int, args: argparse.Namespace) -> dict[str, Any]:
 def peers_section(args: argparse.Namespace) -> dict[str, Any]:
     base = hold_peers(args.baseline_peers, args)
     many = hold_peers(args.peers, args)
+    n = args.peers
+    result: dict[str, Any] = {
+        f"register_all_s_{n}": many["register_all_s"],
+        f"coordinator_listening_s_{n}": many["coordinator_listening_s"],
+        f"register_after_listening_s_{n}": many["register_after_listening_s"],
+    }
+    if not args.skip_oversubscribed:
+        busy = round(args.oversubscribe * (os.cpu_count() or 1))
+        loaded = hold_peers(n, args, busy=busy)
+        result.update(
+            {
+                "busy_processes": busy,
+                "loop_lag_p99_ms_oversubscribed": loaded["loop_lag_p99_ms_with_registration"],
+                "loop_lag_max_ms_oversubscribed": loaded["loop_lag_max_ms_with_registration"],
+                "heartbeat_rtt_p99_ms_oversubscribed": loaded["heartbeat_rtt_p99_ms"],
+                f"register_all_s_{n}_oversubscribed": loaded["register_all_s"],
+                f"coordinator_listening_s_{n}_oversubscribed": loaded["coordinator_listening_s"],
+                f"register_after_listening_s_{n}_oversubscribed": loaded[
+                    "register_after_listening_s"
+                ],
+                "false_deaths_oversubscribed": loaded["false_deaths"]
+                + loaded["asked_to_register_again"],
+            }
+        )
 
     def ratio(key: str) -> float | None:
         if not base[key] or many[key] is None:
@@ -453,6 +529,7 @@ def peers_section(args: argparse.Namespace) -> dict[str, Any]:
         "coordinator_cpu_share": many["coordinator_cpu_share"],
         "cpu_ratio_vs_baseline": ratio("coordinator_cpu_share"),
         "false_deaths": many["false_deaths"] + many["asked_to_register_again"],
+        **result,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +11,9 @@ import zmq
 import zmq.asyncio
 
 from zpipe.coordinator.events import ClientRequest
+from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.server import Coordinator, CoordinatorConfig
+from zpipe.testing.fake_peers import FakePeers
 from zpipe.transport import codec
 from zpipe.transport.codec import Message
 
@@ -71,3 +74,42 @@ def test_a_loop_that_dies_fails_the_coordinator_loudly() -> None:
 
     with pytest.raises(RuntimeError, match="the tick loop broke"):
         asyncio.run(serve())
+
+
+async def _register_peers_with_state_dir(coordinator: Coordinator, count: int) -> list[int]:
+    """Register ``count`` fake peers; the number of members each save held."""
+    store = coordinator._store
+    assert store is not None
+    saved: list[int] = []
+    all_saved = asyncio.Event()
+    save_state = store.save_state
+
+    def counted(state: Any) -> None:
+        saved.append(len(state.members))
+        save_state(state)
+        if len(state.members) == count:
+            all_saved.set()
+
+    store.save_state = counted  # type: ignore[method-assign]
+    ready = asyncio.Event()
+    serving = asyncio.create_task(coordinator.serve(ready=ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        async with FakePeers(coordinator.endpoint, count, register_timeout_s=60.0):
+            # the registrations' save, asked for soon, comes after PERSIST_SOON_S
+            await asyncio.wait_for(all_saved.wait(), 30)
+    finally:
+        coordinator.stop()
+        await asyncio.wait_for(serving, 30)
+    return saved
+
+
+def test_a_burst_of_registrations_is_saved_in_a_few_writes_with_every_member(
+    tmp_path: Path,
+) -> None:
+    coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", state_dir=tmp_path))
+    saved = asyncio.run(_register_peers_with_state_dir(coordinator, 40))
+    assert saved and saved[-1] == 40  # every member on disk in the end
+    assert len(saved) < 40  # not one save of every member per registration
+    state = StateStore(tmp_path).load_state()
+    assert state is not None and len(state.members) == 40

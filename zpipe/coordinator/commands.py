@@ -48,7 +48,13 @@ class Send:
 
 @dataclass(frozen=True)
 class Persist:
-    """Save counters, live members and the current run (small; on every change)."""
+    """Save counters, live members and the current run (small; on every change).
+
+    ``soon``: a change a coordinator taking over can do without for a moment (a stage
+    that registered: a successor that does not know it asks it to register again at
+    its next heartbeat), saved once with the others of a burst, not once each."""
+
+    soon: bool = False
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,9 @@ class Registrations:
                 "stage_registered",
                 {"stage": name, "data_endpoint": member.data_endpoint, "info": member.info},
             ),
-            Persist(),
+            # every stage registers at a coordinator's start, and sends its queued
+            # repeats then: one save for the burst, not one of every member each
+            Persist(soon=True),
             Send(event.routing_id, registered, name, reply_s),
         ]
 

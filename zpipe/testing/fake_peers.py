@@ -102,7 +102,15 @@ class FakePeer:
         """Register until the coordinator answers ``registered`` (or refuses)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            await self._send(self._registration)
+            try:
+                # a coordinator still starting (its imports take seconds under load)
+                # reads nothing yet, and the registrations sent again every second fill
+                # the send queue: wait for room until the deadline, as a stage does
+                await self._send(
+                    self._registration, timeout_s=max(0.01, deadline - time.monotonic())
+                )
+            except TransportTimeout:
+                continue
             try:
                 frames = await recv_frames(
                     self._socket,
@@ -214,6 +222,7 @@ class FakePeers:
         reply_s: float = 10.0,
         seed: int = 0,
         info: dict[str, Any] | None = None,
+        options: SocketOptions | None = None,
     ) -> None:
         if count < 1:
             raise FakePeerError(f"count must be >= 1, got {count}")
@@ -233,7 +242,7 @@ class FakePeers:
             "probe_endpoint": "",
             "torch": "fake",
         }
-        self._options = SocketOptions()
+        self._options = options or SocketOptions()
         self._context: zmq.asyncio.Context | None = None
         self.peers: list[FakePeer] = []
         self._tasks: list[asyncio.Task[None]] = []

@@ -10,12 +10,26 @@ from hypothesis import strategies as st
 
 from tests._support.coordinator_harness import CLIENT, Harness
 from zpipe._errors import ConfigError, TransportTimeout
-from zpipe.coordinator.commands import AwaitReplies, Log, Now, PlanInference, Send, StartTimer
-from zpipe.coordinator.events import StallReported, Tick
+from zpipe.coordinator.commands import (
+    AwaitReplies,
+    Log,
+    Now,
+    Persist,
+    PlanInference,
+    Send,
+    StartTimer,
+)
+from zpipe.coordinator.events import RegisterAsked, StallReported, Tick
 from zpipe.coordinator.flows import FlowRunner
 from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.protocol.client_control import Stalled
-from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
+from zpipe.protocol.stage_control import (
+    BackedUp,
+    BackupRequest,
+    Register,
+    Weights,
+    WeightsRequest,
+)
 
 
 def _weights(name: str) -> Weights:
@@ -24,6 +38,7 @@ def _weights(name: str) -> Weights:
 
 def _backed_up(name: str) -> BackedUp:
     return BackedUp(run=0, name=name, step=0, holder="", keys=[], nbytes=0, error="")
+
 
 NAMES = ["a", "b", "c"]
 
@@ -194,6 +209,15 @@ def test_an_unknown_peer_heartbeat_is_asked_to_register_and_other_kinds_dropped(
     assert h.to("ghost", "register_again")
     h.stage("ghost", "ready", run=1, build_s=0.0)
     assert h.events("dropped_message")
+
+
+def test_a_registration_asks_for_its_save_soon_and_is_answered_at_once() -> None:
+    # the shell saves a burst of registrations once (``soon``), not once each
+    h = Harness()
+    register = Register(name="a", data_endpoint="tcp://a:1", info={})
+    commands = h.feed(RegisterAsked(b"a", None, register))
+    assert [c for c in commands if isinstance(c, Persist)] == [Persist(soon=True)]
+    assert [s.wire.kind for s in h.sent] == ["registered"]
 
 
 # ----------------------------------------------------------------- flow runner
