@@ -182,9 +182,7 @@ def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
 def test_a_failing_forward_becomes_an_error_and_upstream_errors_pass_on(
     context: zmq.asyncio.Context,
 ) -> None:
-    upstream_error = MicroBatchError(
-        run=1, mb=2, src="up", stage="s0", message="boom", epoch=3
-    )
+    upstream_error = MicroBatchError(run=1, mb=2, src="up", stage="s0", message="boom", epoch=3)
     inputs = [data(0, 1.0), data(1, -1.0), upstream_error, data(3, 3.0)]
     received, shard, counters = asyncio.run(_run(context, inputs, options=SocketOptions()))
     assert [(m.kind, m.body["mb"]) for m in received] == [

@@ -229,4 +229,3 @@ class BatchSource(ReplayBuffer[TrainBatch]):
         batch = await asyncio.shield(self._pending)
         self._pending = None
         return batch
-

@@ -104,6 +104,8 @@ class StallReported:
     """The client's results are late (``stalled``)."""
 
     message: Stalled
+
+
 @dataclass(frozen=True)
 class Tick:
     """Time passed: probe the silent, declare the dead."""

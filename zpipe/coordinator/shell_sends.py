@@ -160,9 +160,7 @@ class ShellSends:
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
             raise PeerGoneError(peer, wire.kind) from exc
 
-    async def _bulk(
-        self, link: BulkLink, message: Message, *, timeout_s: float | None
-    ) -> None:
+    async def _bulk(self, link: BulkLink, message: Message, *, timeout_s: float | None) -> None:
         """``message`` to a stage as chunks on its bulk connection: its heartbeat acks
         and probes never queue behind it. Each chunk has the send deadline of its own."""
         assert self.router is not None and link.route is not None

@@ -116,4 +116,3 @@ class ControlState:
     def confirm(self, name: str) -> None:
         """``name`` spoke to this process, or died: it is no longer only restored."""
         self.unconfirmed.discard(name)
-

@@ -248,9 +248,7 @@ def test_a_death_without_a_replica_or_survivors_fails_the_fit() -> None:
 
 def test_an_older_global_copy_rewinds_the_fit_or_fails_it_when_unknown() -> None:
     replay: ReplayBuffer[int] = ReplayBuffer()
-    attempts = _attempts(
-        replay, recover=True, replication="chain", chain_every=2, global_every=4
-    )
+    attempts = _attempts(replay, recover=True, replication="chain", chain_every=2, global_every=4)
     tplan = _plan(["a", "b", "c"])
     attempts.start()
     attempts.handle(AttemptStarted(tplan))

@@ -349,9 +349,7 @@ def test_with_keys_a_chunk_must_come_from_the_stage_s_own_key() -> None:
     core.on_event(RegisterAsked(b"b", "KEY-B", register, bulk_token="t"), 0.0)
     wrong = core.on_event(_chunk_events(WEIGHTS, "b", "t", key="KEY-C")[0], 1.0)
     assert any("not b.key" in str(getattr(c, "fields", {})) for c in wrong)
-    right = core.on_event(
-        BulkOpenAsked(b"bulk-b", "KEY-B", BulkOpen(name="b", token="t")), 1.0
-    )
+    right = core.on_event(BulkOpenAsked(b"bulk-b", "KEY-B", BulkOpen(name="b", token="t")), 1.0)
     assert [c.wire.kind for c in right if isinstance(c, Send)] == ["bulk_opened"]
     link = state.bulk.get("b")
     assert link is not None and link.route == b"bulk-b"

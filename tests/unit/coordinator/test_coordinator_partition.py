@@ -132,9 +132,7 @@ def test_one_stage_going_silent_among_several_is_declared_dead_as_before() -> No
 def test_a_notice_is_numbered_and_sent_again_until_acknowledged() -> None:
     outbox = NoticeOutbox(resend_s=2.0, keep_s=120.0)
     first = outbox.post(b"c", StageFailed(run=4, stage="b", reason="x"), 0.0)
-    second = outbox.post(
-        b"c", StageFailed(run=4, stage="d", reason="y"), 0.5
-    )
+    second = outbox.post(b"c", StageFailed(run=4, stage="d", reason="y"), 0.5)
     assert (first.seq, second.seq) == (1, 2)
     assert outbox.due(4, 1.9) == []
     assert outbox.due(4, 2.0) == [(b"c", first)]

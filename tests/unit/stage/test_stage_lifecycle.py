@@ -91,7 +91,6 @@ def connect(run: int, epoch: int = 0, ring: dict[str, Any] | None = None) -> Con
 NO_METRICS = {"metrics": {}}
 
 
-
 def running(run: int = 1, epoch: int = 3, now: float = 0.0) -> StageLifecycle:
     """A stage connected to an inference assignment from ``client``."""
     stage = registered(now)
@@ -225,9 +224,7 @@ def test_a_control_message_resets_the_silence_clock() -> None:
 
 def test_simple_requests_are_answered_at_once() -> None:
     stage = registered()
-    assert sends(stage.control_message(Probe(nonce=7), 1.0)) == [
-        ("probe_ack", {"nonce": 7}, 0)
-    ]
+    assert sends(stage.control_message(Probe(nonce=7), 1.0)) == [("probe_ack", {"nonce": 7}, 0)]
     assert sends(stage.control_message(RegisterAgain(reason="x"), 1.0)) == [
         ("register", REGISTRATION.body(), 0)
     ]

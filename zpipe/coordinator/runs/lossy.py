@@ -97,9 +97,7 @@ def start_lossy_run(
     )
 
 
-def lossy_run_request(
-    state: ControlState, routing_id: bytes, request: LossyRunRequest
-) -> Flow:
+def lossy_run_request(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Flow:
     """The run, its answer sent to ``routing_id``."""
     answer = yield from lossy_answer(state, request)
     yield Send(routing_id, answer, CLIENT_NAME, state.timeouts.reply_s)
@@ -360,8 +358,11 @@ def _positive_int(value: Any, what: str) -> int:
 
 
 def _tensors(
-    request: LossyRunRequest, sizes: Sequence[int], cnn: CnnSpec | None = None,
-    *, testing: bool,
+    request: LossyRunRequest,
+    sizes: Sequence[int],
+    cnn: CnnSpec | None = None,
+    *,
+    testing: bool,
 ) -> tuple[list[tuple[FloatArray, FloatArray]], np.ndarray, np.ndarray, np.ndarray | None]:
     """The initial ``(W, b)`` per dense layer, the inputs, the labels and (``testing``:
     when the spec asks for test passes) the test inputs the request carries."""
