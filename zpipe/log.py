@@ -25,6 +25,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from zpipe.log_limits import FloodLimit
+
 LOG_FORMATS = ("console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROOT_LOGGER = "zpipe"
@@ -99,6 +101,7 @@ def _configure_structlog(*, log_format: str, with_stamp: bool) -> None:
         processors=[
             # first: an event the logging level leaves out costs nothing more
             structlog.stdlib.filter_by_level,
+            FloodLimit(),  # a flood of bad input writes a few lines a second, not megabytes
             structlog.contextvars.merge_contextvars,
             *stamps,
             structlog.processors.format_exc_info,

@@ -94,6 +94,25 @@ def test_a_zpipe_process_logs_json_lines_at_its_level() -> None:
     assert event["level"] == "info" and "timestamp" in event
 
 
+def test_a_flood_of_drops_writes_a_few_lines_and_counts_the_rest() -> None:
+    done = _run(
+        """
+        from zpipe.log import configure_logging, get_logger
+        configure_logging(log_format="json", level="info")
+        log = get_logger("zpipe.coordinator")
+        for i in range(5000):
+            log.warning("dropped_message", peer="mallory", error="junk")
+        log.warning("dropped_message", peer="honest", error="junk")
+        log.info("stage_registered", name="s0")
+        """
+    )
+    events = [json.loads(line) for line in done.stderr.strip().splitlines()]
+    mallory = [e for e in events if e.get("peer") == "mallory"]
+    assert 1 <= len(mallory) <= 200  # a burst, then a few a second: not 5,000
+    assert [e["peer"] for e in events if e["event"] == "dropped_message"][-1] == "honest"
+    assert events[-1]["event"] == "stage_registered"
+
+
 async def test_the_synchronous_cluster_says_what_to_use_inside_a_running_loop() -> None:
     cluster = LocalCluster(1)  # nothing is started: the call is refused first
     spec = ModelSpec("mlp", {"dims": [4, 4]}, seed=0)
