@@ -32,6 +32,7 @@ from zpipe.models._seeding import seeded
 from zpipe.models._tracing import TRACED_BODY, trace_and_split
 from zpipe.models.base import check_batch_size, finish_units
 from zpipe.models.sequence import check_unit_range
+from zpipe.models.size import check_peer_module
 from zpipe.models.spec import ModelSpec
 from zpipe.models.trust import FactoryPolicy, factory_policy, split_factory_path
 from zpipe.models.weights import unit_key
@@ -110,6 +111,20 @@ class FactoryConfig:
             )
         return module
 
+    def build_checked(self, seed: int, *, from_peer: bool) -> nn.Module:
+        """The real module; for a peer's spec, only after its meta twin was counted
+        against this device's limit (the kwargs are the peer's choice)."""
+        if not from_peer:
+            return self.build(seed)
+        try:
+            structure = self.build(seed, meta=True)
+        except ModelSpecError:
+            module = self.build(seed)  # cannot run on meta: count what was built
+            check_peer_module(module, factory=self.path)
+            return module
+        check_peer_module(structure, factory=self.path)
+        return self.build(seed)
+
     def build_for_structure(self, seed: int) -> nn.Module:
         """The module for looking at its structure: on the meta device when the factory allows."""
         try:
@@ -158,7 +173,7 @@ class SequentialSequence:
         module = (
             self.factory.build_for_structure(self.spec.seed)
             if meta
-            else self.factory.build(self.spec.seed)
+            else self.factory.build_checked(self.spec.seed, from_peer=self.spec.from_peer)
         )
         if not isinstance(module, nn.Sequential):
             raise ModelSpecError(
@@ -243,7 +258,7 @@ class TracedSequence:
         return len(self.unit_names())
 
     def _build_all(self) -> list[nn.Module]:
-        module = self.factory.build(self.spec.seed)
+        module = self.factory.build_checked(self.spec.seed, from_peer=self.spec.from_peer)
         # eval() before tracing: the trace bakes in train/eval behaviour (BatchNorm, dropout).
         module.eval()
         points = self._split_points(module)

@@ -15,16 +15,22 @@ that count against its limit before it builds units of a peer's spec:
 
 A spec the process wrote itself (``ModelSpec(...)`` in the embedding program) is
 its own choice and is not bounded here. User-code families are built by a
-factory the operator allowed (zpipe.models.trust); their size is only known by
-building them.
+factory the operator allowed (zpipe.models.trust), but a peer chooses its
+kwargs: for a peer's spec the module is built on the meta device first and
+counted (:func:`check_peer_module`); a factory that cannot run on the meta
+device is counted right after its real build, so its peak is not bounded but
+nothing over the limit is kept.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from zpipe._errors import ModelSpecError
+
+if TYPE_CHECKING:  # counting calls methods only: size.py stays importable without torch
+    from torch import nn
 
 # Parameters are built in float32: four bytes an element (buffers such as a
 # BatchNorm's step counter are counted the same, close enough for a bound).
@@ -112,6 +118,25 @@ def check_model_size(
 def check_peer_build(sequence: object, start: int, end: int) -> None:
     """The check a process makes before building units of a peer's spec."""
     check_model_size(sequence, start, end, limit_bytes=_peer_build_limit, what="this device")
+
+
+def module_elements(module: nn.Module) -> int:
+    """Elements of a module's parameters and buffers (works on the meta device)."""
+    return sum(tensor.numel() for tensor in [*module.parameters(), *module.buffers()])
+
+
+def check_peer_module(module: nn.Module, *, factory: str) -> None:
+    """The check before building a user factory's module for a peer's spec: its
+    kwargs can name any size (a width of 16,384 squares into gigabytes), so the
+    module is first built on the meta device and counted here."""
+    nbytes = module_elements(module) * BYTES_PER_ELEMENT
+    if nbytes <= _peer_build_limit:
+        return
+    raise ModelSpecError(
+        f"factory {factory!r} with these kwargs builds {_human(nbytes)} of parameters, "
+        f"more than this device builds for a peer ({_human(_peer_build_limit)}); nothing "
+        "was kept. Use smaller kwargs or raise the limit (--max-model-mb on a stage)"
+    )
 
 
 def _human(nbytes: int) -> str:

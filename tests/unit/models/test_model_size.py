@@ -102,3 +102,40 @@ def test_the_stage_takes_max_model_mb() -> None:
         build_parser().parse_args(
             ["--coordinator", "tcp://127.0.0.1:1", "--name", "s", "--max-model-mb", "0"]
         )
+
+
+@pytest.mark.parametrize("family", ["sequential", "traced"])
+def test_a_peers_factory_kwargs_cannot_build_past_the_limit(
+    family: str, build_limit: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33 finding 2: the always-allowed example factory with a hidden width of
+    16,384 (about 1 GiB in float32) reached run_ready and grew the stage by 2 GB."""
+    from zpipe.models.adapters import FactoryConfig
+
+    real_builds: list[dict[str, object]] = []
+    build = FactoryConfig.build
+
+    def recording_build(self: FactoryConfig, seed: int, *, meta: bool = False) -> torch.nn.Module:
+        if not meta:
+            real_builds.append(dict(self.kwargs))
+        return build(self, seed, meta=meta)
+
+    monkeypatch.setattr(FactoryConfig, "build", recording_build)
+    set_peer_build_limit(64 * MIB)
+    config = {
+        "factory": "zpipe.models.examples:tiny_sequential",
+        "kwargs": {"in_features": 8, "hidden": 16_384, "out_features": 4},
+        "input_shape": [8],
+        **({"microbatch_size": 2} if family == "traced" else {}),
+    }
+    bomb = ModelSpec.from_dict({"family": family, "config": config})
+    with pytest.raises(ModelSpecError, match="more than this device builds for a peer"):
+        Shard.build(bomb, 0, 1)
+    assert real_builds == []  # refused from the meta twin: nothing was allocated
+    small = ModelSpec.from_dict({"family": family, "config": {**config, "kwargs": {"hidden": 64}}})
+    assert Shard.build(small, 0, 1) is not None and real_builds  # within the limit it builds
+    set_peer_build_limit(1)  # the same small spec over a 1-byte limit: refused, unbuilt
+    real_builds.clear()
+    with pytest.raises(ModelSpecError):
+        Shard.build(small, 0, 1)
+    assert real_builds == []
