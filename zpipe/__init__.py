@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from zpipe._errors import (
     ConfigError,
+    CoordinatorLostError,
     InfeasiblePlanError,
     ModelSpecError,
     PeerGoneError,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "CoordinatorLostError",
     "InfeasiblePlanError",
     "ModelSpecError",
     "PeerGoneError",

@@ -10,7 +10,8 @@
     │   └── RoleError          a peer sent what its role may not (a stage starting a run)
     ├── StateFileError         a coordinator state file that cannot be written or read back
     ├── TransportTimeout       a network await ran past its deadline (names peer + what)
-    │   └── PeerGoneError      a peer whose connection is gone: nothing was awaited
+    │   ├── PeerGoneError      a peer whose connection is gone: nothing was awaited
+    │   └── CoordinatorLostError  the coordinator's connection stayed gone too long
     └── PipelineError          a run that cannot go on
         ├── StageFailedError   the coordinator declared a stage dead during a run
         │   └── StageLostError a stage died while the coordinator awaited its reply
@@ -61,6 +62,19 @@ class PeerGoneError(TransportTimeout):
     def __init__(self, peer: str, sending: str) -> None:
         super().__init__(peer, f"a connection to send {sending}", 0.0)
         self.args = (f"{peer} is not connected: could not send {sending}",)
+
+
+class CoordinatorLostError(TransportTimeout):
+    """The client's connection to the coordinator stayed gone for the coordinator's
+    silence timeout: a run cannot end without it (commits, replicas, recovery)."""
+
+    def __init__(self, awaited: str, silence_s: float) -> None:
+        super().__init__("coordinator", awaited, silence_s)
+        self.args = (
+            f"lost the coordinator: its connection has been gone for {silence_s:g} s while "
+            f"waiting for {awaited} (it died and was not restarted); start the run again "
+            "once it is back",
+        )
 
 
 class PipelineError(ZpipeError):

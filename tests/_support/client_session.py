@@ -8,7 +8,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import CoordinatorLostError, ProtocolError
 from zpipe.client import ClientConnection
 from zpipe.client.session import RunSession
 from zpipe.config import Timeouts
@@ -23,6 +23,10 @@ class _Control:
 
     def __init__(self) -> None:
         self.failures: asyncio.Queue[WireMessage] = asyncio.Queue()
+        self.lost = asyncio.Event()  # set by a test: the coordinator is gone for good
+
+    def lost_error(self, awaited: str) -> CoordinatorLostError:
+        return CoordinatorLostError(awaited, 1.0)
 
     async def report_stalls(self, *_: Any) -> None:
         await asyncio.Event().wait()

@@ -3,7 +3,9 @@
 Requests wait for their reply with a deadline (and go again when the
 coordinator was restarted meanwhile, for requests it may answer twice);
 failure notices (``stage_failed``, ``run_replanned``) go to their own queue,
-which the run's session watches. Each numbered notice is acknowledged
+which the run's session watches. A coordinator whose connection stays gone for
+``coordinator_silence_s`` is lost: requests and runs fail then, not at their
+own (much longer) deadlines. Each numbered notice is acknowledged
 (``notice_ack``; the coordinator sends it again until then) and goes to the
 queue once.
 """
@@ -20,7 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe._errors import CoordinatorLostError, ProtocolError, TransportTimeout
 from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
@@ -72,6 +74,12 @@ class ControlChannel:
         # request that may have been lost with the old process is sent again.
         self.reconnections = 0
         self._reconnected = asyncio.Event()
+        # Set when the coordinator's connection has been gone for
+        # coordinator_silence_s, the time a stage waits for it too: a restarted
+        # coordinator is back long before; past it, nothing will answer a request
+        # or re-plan the run, so waiting on (a replica's ask could wait 490 s) is a hang.
+        self.lost = asyncio.Event()
+        self._lose: asyncio.Task[None] | None = None
         self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._watcher = asyncio.create_task(self._watch_connection())
 
@@ -87,11 +95,23 @@ class ControlChannel:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 disconnected = True
                 log.warning("coordinator_disconnected", endpoint=event["endpoint"])
+                if self._lose is None or self._lose.done():
+                    self._lose = asyncio.create_task(self._lose_after_silence())
             elif event["event"] == zmq.EVENT_CONNECTED and disconnected:
                 disconnected = False
+                if self._lose is not None:
+                    self._lose.cancel()
                 self.reconnections += 1
                 self._reconnected.set()
                 log.info("coordinator_reconnected", endpoint=event["endpoint"])
+
+    async def _lose_after_silence(self) -> None:
+        await asyncio.sleep(self.timeouts.coordinator_silence_s)
+        log.error("coordinator_lost", silence_s=self.timeouts.coordinator_silence_s)
+        self.lost.set()
+
+    def lost_error(self, awaited: str) -> CoordinatorLostError:
+        return CoordinatorLostError(awaited, self.timeouts.coordinator_silence_s)
 
     async def _read(self) -> None:
         while True:
@@ -171,7 +191,8 @@ class ControlChannel:
             left = max(deadline - time.monotonic(), 0.0)
             self._reconnected.clear()
             reply_task = asyncio.ensure_future(self._replies.get())
-            waits: set[asyncio.Future[Any]] = {reply_task}
+            lost_task = asyncio.ensure_future(self.lost.wait())
+            waits: set[asyncio.Future[Any]] = {reply_task, lost_task}
             if resend_on_reconnect:
                 waits.add(asyncio.ensure_future(self._reconnected.wait()))
             try:
@@ -182,6 +203,8 @@ class ControlChannel:
                 for task in waits:
                     if not task.done():
                         task.cancel()
+            if reply_task not in done and lost_task in done:
+                raise self.lost_error(awaited)
             if reply_task in done:
                 reply = reply_task.result()
                 if isinstance(reply, expect):
@@ -218,7 +241,9 @@ class ControlChannel:
                 log.warning("stall_not_reported", run=run(), error=str(exc))
 
     async def close(self) -> None:
-        for task in (self._reader, self._watcher):
+        for task in (self._reader, self._watcher, self._lose):
+            if task is None:
+                continue
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -168,6 +168,7 @@ class RunSession:
         self.spawn(self._watch_notices(on_replanned), "failure watch", essential=True)
         stalls = self.control.report_stalls(self.stall, lambda: self.run, self.what)
         self.spawn(stalls, "stall reports", essential=True)
+        self.spawn(self._watch_coordinator(), "coordinator watch", essential=True)
 
     def spawn(
         self, coro: Coroutine[Any, Any, None], name: str, *, essential: bool = False
@@ -283,6 +284,12 @@ class RunSession:
                     # belong to the run, a bug its contents hit), it is dropped, not the loop.
                     log.warning("dropped_message", peer=self.last_stage, run=self.run,
                                 error=str(exc), error_type=type(exc).__name__)  # fmt: skip
+
+    async def _watch_coordinator(self) -> None:
+        """The run cannot end without its coordinator (commits, replicas, recovery):
+        once the control channel counts it lost, the run fails with that reason."""
+        await self.control.lost.wait()
+        raise self.control.lost_error(f"the {self.what} of run {self.run}")
 
     async def _watch_notices(self, on_replanned: ReplanHandler | None) -> None:
         failures = self.control.failures

@@ -111,12 +111,26 @@ class StageProcess(Protocol):
     def kill(self) -> None: ...
 
 
+def _device_spec(device: object) -> DeviceSpec:
+    """A device as given: a DeviceSpec, or a name for a plain device."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, str):
+        return DeviceSpec(device)
+    raise ConfigError(
+        f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}"
+    )
+
+
 class LocalCluster:
-    """``with LocalCluster(3) as cluster: outputs = cluster.infer(spec, batches)``."""
+    """``with LocalCluster(3) as cluster: outputs = cluster.infer(spec, batches)``.
+
+    ``devices``: how many plain devices, or each device as a :class:`DeviceSpec` or
+    a name (``LocalCluster(["a", "b"])``)."""
 
     def __init__(
         self,
-        devices: Sequence[DeviceSpec] | int = 3,
+        devices: Sequence[DeviceSpec | str] | int = 3,
         *,
         keys_dir: Path | None = None,
         heartbeat_interval_s: float = 0.5,
@@ -141,15 +155,17 @@ class LocalCluster:
         if isinstance(devices, int):
             if devices < 1:
                 raise ConfigError(f"a cluster needs at least one device, got {devices}")
-            devices = [DeviceSpec(f"stage{i}") for i in range(devices)]
-        names = [d.name for d in devices]
+            specs = [DeviceSpec(f"stage{i}") for i in range(devices)]
+        else:
+            specs = [_device_spec(d) for d in devices]
+        names = [d.name for d in specs]
         if len(set(names)) != len(names):
             raise ConfigError(f"device names must be unique, got {names}")
         cores = os.cpu_count() or 1
         # Stages that share this machine must not fight over its cores.
-        per_stage = max(1, cores // max(1, len(devices)))
+        per_stage = max(1, cores // max(1, len(specs)))
         self.devices = [
-            d if d.threads is not None else replace(d, threads=per_stage) for d in devices
+            d if d.threads is not None else replace(d, threads=per_stage) for d in specs
         ]
         self.keys_dir = keys_dir
         self.heartbeat_interval_s = heartbeat_interval_s
