@@ -36,8 +36,8 @@ Each key's role is recorded in DIR/{ROLES_FILE} ('NAME ROLE' lines): '{COORDINAT
 and '{CLIENT_KEY_NAME}' (and 'fl-client') by name, every other NAME a stage, unless --role
 says otherwise (a second client key: --role client). The coordinator lets only client keys
 start runs and read the cluster, and only stage keys register; fl-server lets only client
-keys act as federated clients; a key the file does not list keeps every role, as before
-roles existed.
+keys act as federated clients; a key the file does not list may send nothing (a DIR
+without the file: each key has the role its name implies, never every role).
 """
 
 _EPILOG = f"""\

@@ -145,9 +145,8 @@ class Coordinator:
         self._authenticator: security.CurveAuthenticator | None = None
         self._keypair: security.KeyPair | None = None
         # With --keys: what each key's role lets it send (roles.txt; a key it does not
-        # list keeps every role, as before roles existed).
+        # list may send nothing; without the file, each key's name implies its role).
         self._roles: KeyRoles | None = None
-        self._unchecked_keys: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._persist_soon: asyncio.TimerHandle | None = None
@@ -184,6 +183,13 @@ class Coordinator:
             self._keypair = security.load_keypair(keys_dir, "coordinator")
             self._public_keys.update(security.load_public_keys(keys_dir))
             self._roles = KeyRoles.from_dir(keys_dir)
+            if self._roles.without_role():
+                log.warning(
+                    "keys_without_role",
+                    keys=self._roles.without_role(),
+                    detail="roles.txt does not list these keys: they may send nothing",
+                    fix="add 'NAME ROLE' lines, or python -m zpipe keys --role ROLE NAME",
+                )
             allow = security.PeerAllowList()
             allow.replace(key for name, key in self._public_keys.items() if name != "coordinator")
             self._authenticator = security.CurveAuthenticator(self._context, allow)
@@ -331,14 +337,7 @@ class Coordinator:
         starting a run, a client key registering as a stage)."""
         if self._roles is None or user_key is None:
             return  # an open cluster: no keys, no roles
-        if not self._roles.check(kind, user_key) and user_key not in self._unchecked_keys:
-            self._unchecked_keys.add(user_key)
-            log.warning(
-                "role_unchecked",
-                key=user_key[:8],
-                detail="this key has no role in roles.txt; it may send every kind",
-                fix="record roles with python -m zpipe keys (or add 'NAME ROLE' lines)",
-            )
+        self._roles.check(kind, user_key)
 
     async def _tick_loop(self) -> None:
         interval = self.config.timeouts.heartbeat_interval_s

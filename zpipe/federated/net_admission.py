@@ -6,9 +6,10 @@
 - :class:`SenderRoles`: with ``--keys DIR``, the roles of ``DIR/roles.txt``
   (:mod:`zpipe.transport.roles`) on the federated socket. A key may act as
   an fl client (send ``fl_register``, ``fl_update``, ``fl_probe_reply``) only
-  with the ``client`` role; a key listed only as a stage, say, is refused. A
-  key without a recorded role (or a directory without ``roles.txt``) keeps
-  every kind, as before roles existed, and the server says so once per key.
+  with the ``client`` role; a key listed only as a stage, say, is refused, and
+  so is a key that ``roles.txt`` does not list (deny by default). In a
+  directory without ``roles.txt``, every key but fl-server's (and a
+  coordinator's) is a client: that is the layout of an fl-server's keys.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from zpipe.federated.grouping import ClientProfile
 from zpipe.log import get_logger
 from zpipe.protocol.federated import FlRegister
 from zpipe.transport import security
-from zpipe.transport.keys import key_prefix
-from zpipe.transport.roles import KeyRoles
+from zpipe.transport.roles import KeyRoles, Role
 
 log = get_logger("zpipe.federated.server")
 
@@ -54,19 +54,24 @@ class SenderRoles:
     """The roles of one key directory, checked per received message."""
 
     def __init__(self, keys_dir: Path) -> None:
-        self._roles = KeyRoles.from_dir(keys_dir)
-        self._unchecked: set[bytes] = set()
+        self._roles = KeyRoles.from_dir(keys_dir, implied=fl_implied_role)
+        if self._roles.without_role():
+            log.warning(
+                "keys_without_role",
+                keys=self._roles.without_role(),
+                detail="roles.txt does not list these keys: they may not act as fl clients",
+                fix="give fl client keys the client role (python -m zpipe keys --role client)",
+            )
 
     def check(self, kind: str, frame: zmq.Frame) -> None:
         """RoleError when the key that sent ``frame`` may not send ``kind``."""
         key = security.sender_public_key(frame)
         if key is None:
             return  # not a CURVE connection: the allow-list already had its say
-        if not self._roles.check(kind, key) and key not in self._unchecked:
-            self._unchecked.add(key)
-            log.warning(
-                "role_unchecked",
-                key=key_prefix(key),
-                detail="this key has no role in roles.txt; it may act as an fl client",
-                fix="give fl client keys the client role (python -m zpipe keys --role client)",
-            )
+        self._roles.check(kind, key)
+
+
+def fl_implied_role(name: str) -> Role:
+    """A key's role in an fl-server's key directory without ``roles.txt``: the
+    server's own key (and a coordinator's) is not a client; every other is."""
+    return "coordinator" if name in ("fl-server", "coordinator") else "client"

@@ -18,17 +18,19 @@ cluster; only the coordinator assigns, connects and probes stages; stages
 register, heartbeat and reply, and talk to each other on data and probe
 sockets). A violation raises :class:`RoleError`.
 
-Backwards compatible: a key directory without ``roles.txt``, or a key it does
-not list, has no role (``role_of`` gives None), and ``check_role(kind, None)``
-allows every kind, as before roles existed, and returns False so that the
-caller can log that the key's role was not checked.
+Deny by default: a key that ``roles.txt`` does not list has no role and may
+send nothing (``check_role(kind, None)`` raises). A key directory without
+``roles.txt`` gives each key the role its name implies (:func:`default_role`:
+``coordinator`` and ``client`` by name, every other key a stage; fl-server
+passes its own rule, under which every other key is a client), never every
+role.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Literal, cast
 
@@ -162,14 +164,14 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
 }
 
 
-def check_role(kind: str, role: Role | None) -> bool:
-    """True when `role` may send `kind`; RoleError when it may not.
-
-    False when `role` is None (a key without a recorded role): nothing was checked
-    and every kind is allowed, as before roles existed.
-    """
+def check_role(kind: str, role: Role | None) -> None:
+    """RoleError unless `role` may send `kind`; a key without a role (None) may
+    send nothing."""
     if role is None:
-        return False
+        raise RoleError(
+            f"a key without a role may not send {kind!r}: give it one in roles.txt "
+            "('NAME ROLE', or python -m zpipe keys --role ROLE NAME); the message was refused"
+        )
     allowed = ROLE_KINDS.get(role)
     if allowed is None:
         raise RoleError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
@@ -179,7 +181,6 @@ def check_role(kind: str, role: Role | None) -> bool:
         raise RoleError(
             f"a {role} key may not send {kind!r} (only {who} may); the message was refused"
         )
-    return True
 
 
 def default_role(name: str) -> Role:
@@ -266,9 +267,18 @@ class KeyRoles:
         }
 
     @classmethod
-    def from_dir(cls, keys_dir: str | os.PathLike[str]) -> KeyRoles:
-        """Every ``NAME.key`` of the directory with its role from ``roles.txt``."""
-        return cls(load_public_keys(Path(keys_dir)), load_roles(keys_dir))
+    def from_dir(
+        cls,
+        keys_dir: str | os.PathLike[str],
+        *,
+        implied: Callable[[str], Role] = default_role,
+    ) -> KeyRoles:
+        """Every ``NAME.key`` of the directory with its role from ``roles.txt``; without
+        that file, the role ``implied`` by each key's name (never every role)."""
+        keys = load_public_keys(Path(keys_dir))
+        if _roles_path(Path(keys_dir)).is_file():
+            return cls(keys, load_roles(keys_dir))
+        return cls(keys, {name: implied(name) for name in keys})
 
     def role_of(self, public_key: bytes | str | None) -> Role | None:
         """The role of a Z85 public key; None for a key without a recorded role (or an
@@ -285,12 +295,12 @@ class KeyRoles:
         return None if entry is None else entry[0]
 
     def without_role(self) -> list[str]:
-        """Names of keys that have no recorded role (today's behaviour: every kind)."""
+        """Names of keys that ``roles.txt`` does not list: they may send nothing."""
         return sorted(name for name, role in self._by_key.values() if role is None)
 
-    def check(self, kind: str, public_key: bytes | str | None) -> bool:
+    def check(self, kind: str, public_key: bytes | str | None) -> None:
         """check_role for the sender of `public_key` (see check_role)."""
-        return check_role(kind, self.role_of(public_key))
+        check_role(kind, self.role_of(public_key))
 
     def keys_with_role(self, role: Role) -> Iterable[bytes]:
         return [key for key, (_, r) in self._by_key.items() if r == role]

@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from zpipe._errors import ConfigError, RoleError, SecurityError
+from zpipe.federated.net_admission import fl_implied_role
 from zpipe.transport import security
 from zpipe.transport.codec import SCHEMAS
 from zpipe.transport.roles import (
@@ -28,7 +29,7 @@ STAGE_ONLY = ("register", "heartbeat", "ready", "probe_ack", "backup", "fetch_un
 
 @pytest.mark.parametrize("kind", CLIENT_ONLY)
 def test_only_clients_start_steer_and_end_runs_and_read_the_cluster(kind: str) -> None:
-    assert check_role(kind, "client") is True
+    check_role(kind, "client")  # allowed: no RoleError
     for role in ("stage", "coordinator"):
         with pytest.raises(RoleError, match=f"a {role} key may not send '{kind}'"):
             check_role(kind, role)
@@ -36,7 +37,7 @@ def test_only_clients_start_steer_and_end_runs_and_read_the_cluster(kind: str) -
 
 @pytest.mark.parametrize("kind", COORDINATOR_ONLY)
 def test_only_the_coordinator_assigns_connects_and_probes(kind: str) -> None:
-    assert check_role(kind, "coordinator") is True
+    check_role(kind, "coordinator")  # allowed: no RoleError
     for role in ("client", "stage"):
         with pytest.raises(RoleError, match="only coordinator may"):
             check_role(kind, role)
@@ -44,26 +45,27 @@ def test_only_the_coordinator_assigns_connects_and_probes(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", STAGE_ONLY)
 def test_stages_register_heartbeat_and_reply(kind: str) -> None:
-    assert check_role(kind, "stage") is True
+    check_role(kind, "stage")  # allowed: no RoleError
     for role in ("client", "coordinator"):
         with pytest.raises(RoleError):
             check_role(kind, role)
 
 
 def test_weights_requests_come_from_clients_to_the_coordinator_and_from_it_to_stages() -> None:
-    assert check_role("weights_request", "client")
-    assert check_role("weights_request", "coordinator")
+    check_role("weights_request", "client")
+    check_role("weights_request", "coordinator")
     with pytest.raises(RoleError):
         check_role("weights_request", "stage")
 
 
-def test_unknown_kinds_are_refused_and_keys_without_roles_are_not_checked() -> None:
+def test_unknown_kinds_are_refused_and_keys_without_roles_may_send_nothing() -> None:
     for role in ("client", "stage", "coordinator"):
         with pytest.raises(RoleError, match="no participant"):
             check_role("no_such_kind", role)
-    # Today's behaviour for a key without a recorded role: allowed, and said so.
-    for kind in (*CLIENT_ONLY, *COORDINATOR_ONLY, *STAGE_ONLY, "no_such_kind"):
-        assert check_role(kind, None) is False
+    # Issue 33: deny by default (it was: allowed, and logged as role_unchecked).
+    for kind in (*CLIENT_ONLY, *COORDINATOR_ONLY, *STAGE_ONLY, "data", "no_such_kind"):
+        with pytest.raises(RoleError, match="a key without a role may not send"):
+            check_role(kind, None)
     with pytest.raises(RoleError, match="unknown role"):
         check_role("data", "admin")  # type: ignore[arg-type]
 
@@ -100,7 +102,7 @@ def test_generated_keys_record_their_roles(tmp_path: Path) -> None:
     stage_key = load_keypair_public(keys, "a")
     with pytest.raises(RoleError):
         roles.check("run_request", stage_key)
-    assert roles.check("run_request", load_keypair_public(keys, "alice"))
+    roles.check("run_request", load_keypair_public(keys, "alice"))  # a client: allowed
     assert roles.role_of(zmq.curve_keypair()[0]) is None  # a key not in the directory
     assert roles.role_of(None) is None
     assert roles.without_role() == []
@@ -108,18 +110,39 @@ def test_generated_keys_record_their_roles(tmp_path: Path) -> None:
         generate_keys_with_roles(keys, ["x"], role="root")  # type: ignore[arg-type]
 
 
-def test_a_key_directory_without_roles_loads_as_before(tmp_path: Path) -> None:
+def test_a_key_directory_without_roles_gives_the_roles_names_imply(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     generate_keys(keys, ["coordinator", "client", "a"])
     assert not (keys / ROLES_FILE).exists()
     assert set(security.load_public_keys(keys)) == {"coordinator", "client", "a"}
     roles = KeyRoles.from_dir(keys)
-    assert roles.without_role() == ["a", "client", "coordinator"]
-    assert roles.check("run_request", load_keypair_public(keys, "a")) is False
-    # Upgrading it: record the roles of the existing keys.
-    record_roles(keys, {"coordinator": "coordinator", "client": "client", "a": "stage"})
+    assert roles.without_role() == []
+    stage, client = (load_keypair_public(keys, name) for name in ("a", "client"))
+    assert (roles.role_of(stage), roles.role_of(client)) == ("stage", "client")
+    with pytest.raises(RoleError, match="a stage key may not send 'run_request'"):
+        roles.check("run_request", stage)  # it was allowed every kind before issue 33
+    roles.check("run_request", client)
+    roles.check("register", stage)
+    # fl-server's rule for the same layout: every key but the server's is a client
+    generate_keys(keys, ["fl-server"])
+    fl_roles = KeyRoles.from_dir(keys, implied=fl_implied_role)
+    fl_roles.check("fl_register", stage)
     with pytest.raises(RoleError):
-        KeyRoles.from_dir(keys).check("run_request", load_keypair_public(keys, "a"))
+        fl_roles.check("fl_register", load_keypair_public(keys, "fl-server"))
+
+
+def test_a_key_that_roles_txt_does_not_list_is_refused_every_kind(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    generate_keys_with_roles(keys, ["coordinator", "client", "a"])
+    generate_keys(keys, ["mallory"])  # a key file added by hand, no line in roles.txt
+    roles = KeyRoles.from_dir(keys)
+    assert roles.without_role() == ["mallory"]
+    mallory = load_keypair_public(keys, "mallory")
+    every_kind = sorted(set().union(*ROLE_KINDS.values()))
+    for kind in every_kind:
+        with pytest.raises(RoleError, match="without a role"):
+            roles.check(kind, mallory)
+    assert not KeyRoles.from_dir(keys, implied=fl_implied_role).role_of(mallory)
 
 
 @pytest.mark.parametrize(
