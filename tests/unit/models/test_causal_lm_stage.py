@@ -192,6 +192,8 @@ def test_a_sequence_over_the_budget_is_refused_and_nothing_changes() -> None:
     assert stage.free_sequence(1)
     stage.open_sequence(3, 30)  # freeing gave its room back
     assert not stage.free_sequence(1)  # already gone
+    assert stage.free_all() == 2 and stage.cache.reserved_bytes == 0
+    stage.open_sequence(4, 50)
 
 
 def test_a_sequence_longer_than_the_context_is_refused() -> None:
@@ -220,6 +222,17 @@ def test_steps_that_do_not_continue_the_cache_are_refused_before_compute() -> No
     assert stage.free_sequence(9)
     with pytest.raises(SequenceStateError, match="no KV cache"):
         stage.forward([SequenceChunk(9, 4, 1)], ids[:1])
+
+
+def test_a_bfloat16_stage_keeps_a_bfloat16_cache() -> None:
+    spec = ModelSpec.preset("llama-tiny")
+    stage = CausalLmStage.build(spec, 0, 4, dtype=torch.bfloat16)
+    assert stage.cache.bytes_per_token == 2 * kv_bytes_per_token_per_block(
+        read_causal_lm_config(spec.config), element_bytes=2
+    )
+    stage.open_sequence(1, 6)
+    logits = stage.forward([SequenceChunk(1, 0, 5)], torch.tensor([3, 1, 4, 1, 5]))
+    assert logits.dtype == torch.bfloat16 and logits.shape == (1, 100)
 
 
 def test_hidden_states_of_the_wrong_width_are_refused() -> None:

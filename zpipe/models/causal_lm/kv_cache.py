@@ -151,6 +151,13 @@ class KvCache:
         self._reserved_tokens -= entry.reserved
         return True
 
+    def clear(self) -> int:
+        """Drop every sequence; returns how many there were."""
+        count = len(self._entries)
+        self._entries.clear()
+        self._reserved_tokens = 0
+        return count
+
     def __contains__(self, sequence_id: object) -> bool:
         return sequence_id in self._entries
 

@@ -40,7 +40,9 @@ class CausalLmStage:
 
     ``kv_budget_bytes``: the most bytes the cache may reserve (None: unbounded);
     ``max_context``: the most tokens of one sequence (default and limit: the
-    model's ``max_position_embeddings``).
+    model's ``max_position_embeddings``). The cache takes the units' dtype and
+    device. Not thread-safe: open, free and step from one thread (a stage's
+    compute thread).
     """
 
     def __init__(
@@ -87,15 +89,21 @@ class CausalLmStage:
         *,
         kv_budget_bytes: int | None = None,
         max_context: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> CausalLmStage:
         """Build units ``[start, end)`` of a ``causal_lm`` spec (reading only their
-        weights) and an empty cache."""
+        weights, in float32, then moved to `dtype` and `device` if given) and an
+        empty cache."""
         if spec.family != FAMILY:
             raise ConfigError(f"a causal LM stage needs a {FAMILY!r} spec, got {spec.family!r}")
         sequence = CausalLmSequence(spec)
+        units = sequence.build_units(start, end)
+        if dtype is not None or device is not None:
+            units = [unit.to(device=device, dtype=dtype) for unit in units]
         return cls(
             sequence.config,
-            sequence.build_units(start, end),
+            units,
             start=start,
             kv_budget_bytes=kv_budget_bytes,
             max_context=max_context,
@@ -117,6 +125,10 @@ class CausalLmStage:
     def free_sequence(self, sequence_id: int) -> bool:
         """Drop a finished (or abandoned) sequence's cache; False if it was not open."""
         return self.cache.free(sequence_id)
+
+    def free_all(self) -> int:
+        """Drop every sequence's cache (a re-plan, a lost client); returns how many."""
+        return self.cache.clear()
 
     def cached_tokens(self, sequence_id: int) -> int:
         return self.cache.length(sequence_id)
