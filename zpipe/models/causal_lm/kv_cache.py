@@ -14,8 +14,10 @@ sequence's reservation.
     cache.commit(chunks)                  # the new tokens count as cached
     cache.free(7)
 
-One tensor per sequence holds all the stage's blocks ([blocks, 2, kv heads,
-capacity, head dim]), so a sequence costs one allocation and one free.
+One tensor per sequence holds all the stage's blocks ([blocks, capacity, 2,
+kv heads, head dim]: token-major, so a step writes a sequence's new tokens
+with one copy and pads the batch's caches with one call), and a sequence
+costs one allocation and one free.
 """
 
 from __future__ import annotations
@@ -212,17 +214,17 @@ class KvCache:
         for chunk in chunks:
             entry = self._entries[chunk.sequence_id]
             needed = chunk.start + chunk.length
-            capacity = 0 if entry.store is None else entry.store.shape[3]
+            capacity = 0 if entry.store is None else entry.store.shape[1]
             if needed <= capacity:
                 continue
             new_capacity = min(entry.reserved, max(needed, 2 * capacity, _MIN_CAPACITY))
             store = torch.empty(
-                (len(self.blocks), 2, self.kv_heads, new_capacity, self.head_dim),
+                (len(self.blocks), new_capacity, 2, self.kv_heads, self.head_dim),
                 dtype=self.dtype,
                 device=self.device,
             )
             if entry.store is not None and entry.length:
-                store[:, :, :, : entry.length] = entry.store[:, :, :, : entry.length]
+                store[:, : entry.length] = entry.store[:, : entry.length]
             entry.store = store
 
     def write_and_gather(
@@ -234,27 +236,24 @@ class KvCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the step's new keys/values of `block` ([B, kv heads, N, D], padded
         to the longest chunk), and return every cached key/value of the batch's
-        sequences, zero-padded to the longest: [B, kv heads, T, D]."""
+        sequences, zero-padded to the longest: [B, kv heads, T, D] (views)."""
         local = block - self.blocks.start
-        stores = []
+        # [B, N, 2, kv heads, D]: each token's key and value together, as stored
+        new = torch.stack((keys, values), dim=1).permute(0, 3, 1, 2, 4)
+        cached = []
         for row, chunk in enumerate(chunks):
             store = self._entries[chunk.sequence_id].store
             assert store is not None  # prepare() ran
             end = chunk.start + chunk.length
-            store[local, 0, :, chunk.start : end] = keys[row, :, : chunk.length]
-            store[local, 1, :, chunk.start : end] = values[row, :, : chunk.length]
-            stores.append((store[local], end))
-        if len(stores) == 1:
-            store, end = stores[0]
-            return store[0, :, :end].unsqueeze(0), store[1, :, :end].unsqueeze(0)
-        longest = max(end for _, end in stores)
-        shape = (len(stores), self.kv_heads, longest, self.head_dim)
-        all_keys = keys.new_zeros(shape)
-        all_values = values.new_zeros(shape)
-        for row, (store, end) in enumerate(stores):
-            all_keys[row, :, :end] = store[0, :, :end]
-            all_values[row, :, :end] = store[1, :, :end]
-        return all_keys, all_values
+            store[local, chunk.start : end] = new[row, : chunk.length]
+            cached.append(store[local, :end])
+        if len(cached) == 1:
+            both = cached[0].unsqueeze(0)
+        else:
+            # one call pads them all (zeros past each sequence's end, masked out)
+            both = torch.nn.utils.rnn.pad_sequence(cached, batch_first=True)
+        both = both.permute(2, 0, 3, 1, 4)  # [2, B, kv heads, T, D]
+        return both[0], both[1]
 
     def commit(self, chunks: Sequence[SequenceChunk]) -> None:
         for chunk in chunks:

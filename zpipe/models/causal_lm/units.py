@@ -84,12 +84,12 @@ def _attend(
     scale: float,
 ) -> torch.Tensor:
     """[B, heads, N, D] queries over [B, kv heads, T, D] keys -> [B, N, heads * D]."""
-    groups = query.shape[1] // keys.shape[1]
-    if groups > 1:
-        # transformers' repeat_kv: each key/value head serves `groups` query heads in a row
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=context.mask, scale=scale)
+    # Grouped-query attention: key/value head h serves query heads h*g .. h*g+g-1,
+    # as transformers' repeat_kv, without materialising the repeats.
+    grouped = query.shape[1] != keys.shape[1]
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=context.mask, scale=scale, enable_gqa=grouped
+    )
     batch, heads, length, dim = out.shape
     return out.transpose(1, 2).reshape(batch, length, heads * dim)
 
