@@ -12,7 +12,7 @@ import torch
 
 from tests._support.causal_lm import SPLITS, build_stages, hf_model, write_checkpoint
 from zpipe._errors import ConfigError, KvCacheFullError, ModelSpecError, SequenceStateError
-from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.models import ModelSpec, build_full_model, count_units, load_layer_sequence, save_weights
 from zpipe.models.causal_lm import (
     CausalLmStage,
     SequenceChunk,
@@ -248,3 +248,21 @@ def test_a_preset_overrides_keys_and_a_bad_config_is_refused() -> None:
         load_layer_sequence(ModelSpec("causal_lm", {"model_type": "t5"}))
     with pytest.raises(ModelSpecError, match="num_key_value_heads"):
         ModelSpec.preset("llama-tiny", num_key_value_heads=3)
+
+
+def test_zpipes_own_weights_file_loads_a_tied_head_on_its_own_stage(tmp_path: Path) -> None:
+    trained = ModelSpec.preset("gpt2-tiny", seed=11)
+    path = tmp_path / "w.safetensors"
+    save_weights(build_full_model(trained), path)
+    spec = ModelSpec.preset("gpt2-tiny", seed=0, weights=str(path))  # the seed no longer counts
+    head = CausalLmStage.build(spec, 3, 4).units[0]
+    torch.testing.assert_close(
+        head.lm_head.weight, build_full_model(trained).units[0].wte.weight, rtol=0, atol=0
+    )
+
+
+def test_a_peers_huge_causal_lm_is_refused_before_anything_is_built() -> None:
+    huge = {**ModelSpec.preset("llama-tiny").config, "hidden_size": 2**20, "vocab_size": 2**20}
+    spec = ModelSpec.from_dict({"family": "causal_lm", "config": huge})
+    with pytest.raises(ModelSpecError, match="more than"):
+        count_units(spec)
