@@ -59,13 +59,18 @@ def test_greedy_tokens_equal_transformers_for_a_batch_of_prompts(
     assert len({t for tokens in got for t in tokens}) > 3
 
 
+@pytest.mark.parametrize("prefill_chunk", [1, 64], ids=["token-by-token", "whole-prompt"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
-def test_greedy_one_sequence_at_a_time_with_whole_prompt_prefill(
-    checkpoints: dict[str, tuple[Any, Path]], hf_tokens: dict[str, list[list[int]]], kind: str
+def test_greedy_one_sequence_at_a_time(
+    checkpoints: dict[str, tuple[Any, Path]],
+    hf_tokens: dict[str, list[list[int]]],
+    kind: str,
+    prefill_chunk: int,
 ) -> None:
     stages = build_stages(checkpoints[kind][1], SPLITS[2])
     for prompt, expected in zip(PROMPTS, hf_tokens[kind], strict=True):
-        assert zpipe_greedy(stages, [prompt], NEW_TOKENS, prefill_chunk=64) == [expected]
+        got = zpipe_greedy(stages, [prompt], NEW_TOKENS, prefill_chunk=prefill_chunk)
+        assert got == [expected]
 
 
 def _hf_logits(model: Any, prompt: list[int]) -> torch.Tensor:

@@ -86,8 +86,10 @@ class Rotary:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions [B, N] (int) -> cos, sin [B, N, head_dim] in `dtype`."""
-        inv_freq = self.inv_freq.to(device=positions.device)
-        freqs = positions[..., None].float() * inv_freq
+        if self.inv_freq.device != positions.device:
+            # moved once, not every step
+            self.inv_freq = self.inv_freq.to(device=positions.device)
+        freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_factor
         sin = emb.sin() * self.attention_factor
