@@ -123,10 +123,11 @@ class UnitsLostError(PipelineError):
 class KvCacheFullError(PipelineError):
     """A sequence refused before anything is computed: its KV cache (reserved for its
     whole length) would exceed the stage's budget, or the model's context. The stage
-    keeps serving the sequences it holds."""
+    keeps serving the sequences it holds. ``free_bytes`` is None for a stage
+    without a budget (only the context refused it)."""
 
     def __init__(
-        self, sequence_id: int, *, needed_bytes: int, free_bytes: int, detail: str
+        self, sequence_id: int, *, needed_bytes: int, free_bytes: int | None, detail: str
     ) -> None:
         super().__init__(f"sequence {sequence_id} refused: {detail}")
         self.sequence_id = sequence_id

@@ -124,7 +124,7 @@ class KvCache:
             raise KvCacheFullError(
                 sequence_id,
                 needed_bytes=needed,
-                free_bytes=free if free is not None else -1,
+                free_bytes=free,
                 detail=(
                     f"{max_tokens} tokens exceed the context of {self.max_context} tokens; "
                     "shorten the prompt or ask for fewer new tokens"
