@@ -16,7 +16,9 @@
         ├── StageFailedError   the coordinator declared a stage dead during a run
         │   └── StageLostError a stage died while the coordinator awaited its reply
         ├── UnitsLostError     units whose weights, snapshot and backup are all gone
-        └── RemoteStageError   a stage raised while computing a micro-batch
+        ├── RemoteStageError   a stage raised while computing a micro-batch
+        ├── KvCacheFullError   a sequence refused: its KV cache would exceed the stage's budget
+        └── SequenceStateError a step for a sequence the stage does not hold, or out of place
 
 A receive loop catches every exception one message causes, logs it and keeps
 serving; everything else reaches the user with a message that says what to do.
@@ -130,3 +132,27 @@ class UnitsLostError(PipelineError):
     def __init__(self, units: tuple[int, int], detail: str) -> None:
         super().__init__(f"units [{units[0]}, {units[1]}) are lost: {detail}")
         self.units = units
+
+
+class KvCacheFullError(PipelineError):
+    """A sequence refused before anything is computed: its KV cache (reserved for its
+    whole length) would exceed the stage's budget, or the model's context. The stage
+    keeps serving the sequences it holds. ``free_bytes`` is None for a stage
+    without a budget (only the context refused it)."""
+
+    def __init__(
+        self, sequence_id: int, *, needed_bytes: int, free_bytes: int | None, detail: str
+    ) -> None:
+        super().__init__(f"sequence {sequence_id} refused: {detail}")
+        self.sequence_id = sequence_id
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class SequenceStateError(PipelineError):
+    """A step for a sequence this stage holds no cache for (never opened, freed, or
+    lost with a restart), or whose positions do not continue its cache."""
+
+    def __init__(self, sequence_id: int, detail: str) -> None:
+        super().__init__(f"sequence {sequence_id}: {detail}")
+        self.sequence_id = sequence_id

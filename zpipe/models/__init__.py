@@ -5,6 +5,9 @@
     units = sequence.build_units(10, 20)         # only units 10..19, eval mode
     outputs = run_units(units, inputs)           # tuple[Tensor, ...]
 
+Causal language models and their per-stage KV cache are in
+zpipe.models.causal_lm (family "causal_lm").
+
 A unit receives the previous unit's outputs as positional arguments. Weights
 files use the names of `build_full_model(spec).state_dict()`: "units.<i>.<name>".
 """

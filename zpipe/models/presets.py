@@ -139,6 +139,43 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "cnn",
         {"channels": [32, 64, 128, 128], "image_size": 32, "in_channels": 3, "num_classes": 10},
     ),
+    # Decoder-only causal LMs (zpipe.models.causal_lm): the config is a Hugging Face
+    # config.json. Tiny ones for tests; GPT-2 small's shape for planning.
+    "gpt2-tiny": (
+        "causal_lm",
+        {
+            "model_type": "gpt2",
+            "vocab_size": 100,
+            "n_positions": 64,
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 2,
+        },
+    ),
+    "llama-tiny": (
+        "causal_lm",
+        {
+            "model_type": "llama",
+            "vocab_size": 100,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        },
+    ),
+    "gpt2-small": (
+        "causal_lm",
+        {
+            "model_type": "gpt2",
+            "vocab_size": 50257,
+            "n_positions": 1024,
+            "n_embd": 768,
+            "n_layer": 12,
+            "n_head": 12,
+        },
+    ),
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from zpipe._errors import ModelSpecError
 from zpipe.models.adapters import SequentialSequence, TracedSequence
+from zpipe.models.causal_lm.family import CausalLmSequence
 from zpipe.models.cnn import CnnSequence
 from zpipe.models.mlp import MlpSequence
 from zpipe.models.sequence import FullModel, LayerSequence
@@ -29,6 +30,7 @@ FAMILIES: dict[str, Callable[..., LayerSequence]] = {
     "cnn": CnnSequence,
     "sequential": SequentialSequence,
     "traced": TracedSequence,
+    "causal_lm": CausalLmSequence,
 }
 # A peer's declared count sizes the planner's tables: bound it.
 MAX_DECLARED_UNITS = 100_000
