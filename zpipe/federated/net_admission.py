@@ -29,7 +29,13 @@ from zpipe.transport.roles import KeyRoles, Role
 log = get_logger("zpipe.federated.server")
 
 MAX_CLIENT_ID = 1_000_000
-MAX_LABEL_COUNT = 1 << 31
+# Bounds on what a registration may claim (issue 33 finding 4: label counts of
+# 2^31 and latencies of 1e308, 5e-324 and 0 were accepted, and skew eq. 4's
+# grouping and the mixing weights): 16 M samples of one class on one client,
+# and a round trip between a microsecond and an hour.
+MAX_LABEL_COUNT = 1 << 24
+MIN_LATENCY_S = 1e-6
+MAX_LATENCY_S = 3600.0
 
 
 def profile_from_register(message: FlRegister, n_classes: int) -> ClientProfile:
@@ -45,9 +51,30 @@ def profile_from_register(message: FlRegister, n_classes: int) -> ClientProfile:
     if sum(counts) <= 0:
         raise ProtocolError("a client without samples cannot train")
     latency = float(message.latency_s)
-    if not (latency >= 0 and math.isfinite(latency)):
-        raise ProtocolError(f"latency_s must be finite and >= 0, got {latency!r}")
+    if not (math.isfinite(latency) and MIN_LATENCY_S <= latency <= MAX_LATENCY_S):
+        raise ProtocolError(
+            f"latency_s must be between {MIN_LATENCY_S:g} and {MAX_LATENCY_S:g} s, got {latency!r}"
+        )
     return ClientProfile(client, latency, tuple(int(c) for c in counts))
+
+
+class KeyIdentities:
+    """One client id per key (with ``--keys``): a key that registered client 3 may
+    register client 3 again (a reconnection), never another id. Without it, one
+    client key registered 300 silent ids in a second and starved the real client
+    (issue 33 finding 4)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[bytes, int] = {}
+
+    def check(self, key: bytes, client: int) -> None:
+        """ProtocolError when ``key`` already stands for another client id."""
+        known = self._ids.setdefault(key, client)
+        if known != client:
+            raise ProtocolError(
+                f"this key registered client {known}; a key registers one client id "
+                f"(give client {client} a key of its own: python -m zpipe keys --role client)"
+            )
 
 
 class SenderRoles:

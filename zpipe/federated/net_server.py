@@ -49,7 +49,7 @@ from zpipe._errors import (
     TransportTimeout,
 )
 from zpipe.federated.model import MLPShape, accuracy
-from zpipe.federated.net_admission import SenderRoles
+from zpipe.federated.net_admission import KeyIdentities, SenderRoles
 from zpipe.federated.net_controller import (
     Abort,
     Command,
@@ -65,6 +65,7 @@ from zpipe.federated.net_controller import (
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
 from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.federated import FlRegister
 from zpipe.transport import security
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -99,6 +100,7 @@ class FederatedShell:
         self._router: zmq.asyncio.Socket | None = None
         self._authenticator: security.CurveAuthenticator | None = None
         self._roles: SenderRoles | None = None
+        self._identities = KeyIdentities()
         self._trace: IO[str] | None = None
         self._started = 0.0
         self._curve: list[dict[str, float | int]] = []
@@ -173,6 +175,13 @@ class FederatedShell:
             typed = REGISTRY.parse(message)
             if self._roles is not None and len(frames) > 1:
                 self._roles.check(typed.KIND, frames[1])
+                key = security.sender_public_key(frames[1])
+                if isinstance(typed, FlRegister) and key is not None:
+                    try:
+                        self._identities.check(key, typed.client)
+                    except ProtocolError as exc:  # told why, as a refused key is
+                        await self._carry_out(self.controller.refused(routing_id, typed, str(exc)))
+                        return None
         except ProtocolError as exc:
             await self._carry_out(self.controller.drop(routing_id, str(exc)))
             return None

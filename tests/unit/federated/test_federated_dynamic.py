@@ -13,7 +13,7 @@ pytest.importorskip("sklearn")
 
 from zpipe._errors import ConfigError, ProtocolError, RoleError
 from zpipe.federated.grouping import ClientProfile, Grouping, GroupingPolicy
-from zpipe.federated.net_admission import profile_from_register
+from zpipe.federated.net_admission import KeyIdentities, profile_from_register
 from zpipe.federated.net_trace import config_to_json, replay
 from zpipe.federated.probing import ProbeSchedule
 from zpipe.federated.server import (
@@ -180,10 +180,27 @@ def test_a_registration_is_checked_field_by_field() -> None:
         FlRegister(client=3, label_counts=[1, True, 2], latency_s=0.5),
         FlRegister(client=3, label_counts=[0, 0, 0], latency_s=0.5),
         FlRegister(client=3, label_counts=[1, 0, 2], latency_s=float("inf")),
+        # issue 33 finding 4: all accepted before
+        FlRegister(client=3, label_counts=[1, 0, 2], latency_s=1e308),
+        FlRegister(client=3, label_counts=[1, 0, 2], latency_s=5e-324),
+        FlRegister(client=3, label_counts=[1, 0, 2], latency_s=0.0),
+        FlRegister(client=3, label_counts=[1 << 31, 0, 2], latency_s=0.5),
     ]
     for message in bad:
         with pytest.raises(ProtocolError):
             profile_from_register(message, 3)
+
+
+def test_a_key_registers_one_client_id() -> None:
+    """Issue 33 finding 4: one client key registered 300 silent ids in 1.1 s."""
+    identities = KeyIdentities()
+    alice, bob = b"A" * 40, b"B" * 40
+    identities.check(alice, 3)
+    identities.check(alice, 3)  # the same id again: a reconnection
+    identities.check(bob, 4)
+    for other in (4, 5, 300):
+        with pytest.raises(ProtocolError, match="this key registered client 3"):
+            identities.check(alice, other)
 
 
 def test_only_client_keys_may_act_as_fl_clients(tmp_path: Path) -> None:
