@@ -1,0 +1,187 @@
+"""The pure generation loop end to end: scheduler + sampler + stop checks, driven by
+a fake model on a simulated ring of stages, give each sequence exactly the tokens
+and text of a plain one-sequence-at-a-time loop, through joins, a cancel and a
+stage failure."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from zpipe.generation import SamplingParams, TokenEvent
+from zpipe.generation.sampling import sample_token, sample_tokens
+from zpipe.generation.sequences import (
+    FreeCache,
+    RunStep,
+    SchedulerCommand,
+    SchedulerLimits,
+    SequenceScheduler,
+    StreamToken,
+)
+from zpipe.generation.stopping import StopChecker
+
+VOCAB = 12
+EOS = 0
+STAGES = 3
+
+
+def fake_model(context: Sequence[int]) -> torch.Tensor:
+    """Logits of the next token: a deterministic function of the whole context, as a
+    causal LM's are (a stable hash seeds them)."""
+    h = 1469598103934665603
+    for t in context:
+        h = ((h ^ (t + 1)) * 1099511628211) % (1 << 61)
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(h)) * 2.0
+    logits[EOS] -= 2.5  # EOS is rarer than other tokens, not absent
+    return logits
+
+
+class Letters:
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join("_abcdefghijk"[i] for i in ids)
+
+
+def reference(seq: int, prompt: list[int], params: SamplingParams) -> list[TokenEvent]:
+    """One sequence alone, no cache, no pipeline: the loop the scheduler must equal."""
+    tokens = list(prompt)
+    checker = StopChecker(params, {EOS}, Letters())
+    events = []
+    for index in range(params.max_tokens):
+        token = sample_token(fake_model(tokens), params, index)
+        tokens.append(token)
+        decision = checker.push(token)
+        events.append(TokenEvent(seq, index, token, decision.text, decision.finish_reason))
+        if decision.finish_reason is not None:
+            break
+    return events
+
+
+@dataclass(order=True)
+class _Arrival:
+    time: int
+    order: int
+    run: RunStep = field(compare=False)
+
+
+class FakeRing:
+    """Carries out the scheduler's commands: a step comes out of the last stage
+    `STAGES` ticks after it entered the first. Each stage's KV cache of a sequence
+    is mirrored as its token list; a row must continue it exactly."""
+
+    def __init__(self, sched: SequenceScheduler) -> None:
+        self.sched = sched
+        self.now = 0
+        self.arrivals: list[_Arrival] = []
+        self.cache: dict[int, list[int]] = {}
+        self.streams: dict[int, list[TokenEvent]] = {}
+        self.freed: list[int] = []
+        self.lost: list[RunStep] = []
+        self.sent: list[RunStep] = []
+        self._order = 0
+
+    def carry_out(self, commands: Sequence[SchedulerCommand]) -> None:
+        for command in commands:
+            if isinstance(command, RunStep):
+                self.sent.append(command)
+                self._order += 1
+                heapq.heappush(self.arrivals, _Arrival(self.now + STAGES, self._order, command))
+            elif isinstance(command, StreamToken):
+                self.streams.setdefault(command.event.sequence, []).append(command.event)
+            elif isinstance(command, FreeCache):
+                in_flight = {r.sequence for a in self.arrivals for r in a.run.rows}
+                assert command.sequence not in in_flight, "freed a cache a step still uses"
+                self.cache.pop(command.sequence, None)
+                self.freed.append(command.sequence)
+
+    def tick(self) -> None:
+        self.now += 1
+        while self.arrivals and self.arrivals[0].time <= self.now:
+            run = heapq.heappop(self.arrivals).run
+            logits = []
+            for row in run.rows:
+                cache = self.cache.setdefault(row.sequence, [])
+                if row.position == 0:
+                    cache.clear()
+                assert len(cache) == row.position, f"row {row} does not continue its cache"
+                cache.extend(row.tokens)
+                if row.sample_index is not None:
+                    logits.append(fake_model(cache))
+            params, indices = self.sched.sampling(run.step)
+            batch = torch.stack(logits) if logits else torch.zeros(0, VOCAB)
+            self.carry_out(self.sched.step_done(run.step, sample_tokens(batch, params, indices)))
+
+    def fail_a_stage(self) -> None:
+        """A stage dies: the steps on the ring are lost, every cache is suspect."""
+        self.lost = [a.run for a in self.arrivals]
+        self.arrivals.clear()
+        for cache in self.cache.values():
+            cache[:] = [-1] * len(cache)  # a cache not rebuilt gives wrong logits
+        self.carry_out(self.sched.stage_failed())
+
+
+REQUESTS = {
+    # sequence: (tick it arrives, prompt, params)
+    1: (0, [3, 4, 5, 6, 7, 8, 9, 10, 11, 3], SamplingParams(max_tokens=14)),
+    2: (0, [5], SamplingParams(max_tokens=12, temperature=0.9, seed=7)),
+    3: (1, [2, 2, 4], SamplingParams(max_tokens=15, temperature=1.2, top_k=5, seed=3)),
+    4: (2, [9, 8], SamplingParams(max_tokens=10, temperature=0.7, top_p=0.8, seed=11)),
+    5: (4, [1] * 17, SamplingParams(max_tokens=12, stop=("cb", "zz"), temperature=1.0, seed=1)),
+    6: (9, [4, 4], SamplingParams(max_tokens=20, temperature=1.0, seed=2, stop_at_eos=False)),
+    7: (13, [6, 7, 8], SamplingParams(max_tokens=12, temperature=0.8, seed=9)),
+    8: (21, [10, 1, 10], SamplingParams(max_tokens=16)),
+}
+FAIL_AT, RESTORE_AT = 17, 19
+
+
+def test_the_pipelined_loop_equals_one_sequence_at_a_time() -> None:
+    sched = SequenceScheduler(
+        SchedulerLimits(steps_in_flight=STAGES, max_sequences=5, chunk_tokens=6, kv_budget=90),
+        eos_ids={EOS},
+        detokenizer=Letters(),
+    )
+    ring = FakeRing(sched)
+    cancelled, cancel_after = 6, 3  # its client goes away after 3 tokens
+    for tick in range(400):
+        for seq, (at, prompt, params) in REQUESTS.items():
+            if at == tick:
+                ring.carry_out(sched.submit(seq, prompt, params))
+        if len(ring.streams.get(cancelled, [])) == cancel_after:
+            ring.carry_out(sched.cancel(cancelled))
+        if tick == FAIL_AT:
+            ring.fail_a_stage()
+            assert ring.lost, "the failure should catch steps on the ring"
+        if tick == FAIL_AT + 1:
+            # a lost step's result arrives late: ignored
+            lost = ring.lost[0]
+            late = [1] * len(lost.sampling_rows)
+            assert sched.step_done(lost.step, late) == []
+        if tick == RESTORE_AT:
+            restored = sched.pipeline_restored()
+            rows = [r for c in restored if isinstance(c, RunStep) for r in c.rows]
+            # a sequence mid-decode rebuilds its cache from prompt + generated tokens
+            assert any(r.position == 0 and r.sample_index for r in rows)
+            ring.carry_out(restored)
+        ring.tick()
+        if tick > max(at for at, _, _ in REQUESTS.values()) and sched.idle:
+            break
+    assert sched.idle and not ring.arrivals
+
+    reasons = set()
+    for seq, (_, prompt, params) in REQUESTS.items():
+        expected = reference(seq, prompt, params)
+        got = ring.streams.get(seq, [])
+        if seq == cancelled:
+            assert len(got) == cancel_after < len(expected) and got == expected[:cancel_after]
+            continue
+        assert got == expected, f"sequence {seq}"
+        reasons.add(got[-1].finish_reason)
+    # the run exercised every way to end, chunked prefill and shared micro-batches,
+    # and every cache was freed
+    rows = [r for run in ring.sent for r in run.rows]
+    assert any(r.sample_index is None for r in rows)
+    assert any(len(run.rows) > 1 for run in ring.sent)
+    assert reasons == {"eos", "length", "stop"}
+    assert sorted(set(ring.freed)) == sorted(REQUESTS) and not ring.cache
