@@ -116,6 +116,15 @@ class SchedulerLimits:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_context is not None and self.max_context < 1:
             raise ConfigError(f"max_context must be >= 1, got {self.max_context}")
+        budget = self.kv_budget
+        if budget is None or callable(budget):
+            return
+        sizes = list(budget) if isinstance(budget, Sequence) else [budget]
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ConfigError(
+                "kv_budget must be a number of tokens >= 1, one per stage, or a "
+                f"predicate over the reservations, got {budget!r}"
+            )
 
 
 @dataclass
@@ -189,6 +198,11 @@ class SequenceScheduler:
         seq = self._admitted[sequence]
         return tuple(seq.tokens[seq.prompt_len :])
 
+    def expects(self, step: int) -> bool:
+        """Whether `step` is in flight (False for a step lost to a failure: drop
+        its logits instead of sampling them)."""
+        return step in self._steps
+
     def sampling(self, step: int) -> tuple[list[SamplingParams], list[int]]:
         """For the sampler (`sample_tokens(logits, *scheduler.sampling(step))`): the
         settings and token indices of the step's sampling rows, in order."""
@@ -237,6 +251,8 @@ class SequenceScheduler:
             raise ProtocolError(
                 f"step {step} has {len(sampling)} sampling rows, got {len(tokens)} tokens"
             )
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+            raise ProtocolError(f"step {step}: token ids must be integers >= 0, got {tokens!r}")
         del self._steps[step]
         out: list[SchedulerCommand] = []
         picked = dict(zip((r.sequence for r in sampling), tokens, strict=True))

@@ -126,6 +126,9 @@ def test_budgets_per_stage_and_from_the_planner_and_refusals() -> None:
     assert ctx.waiting == () and ctx.admitted == (1,)
     with pytest.raises(ConfigError, match="steps_in_flight"):
         SchedulerLimits(steps_in_flight=0)
+    for bad in (0, [], [10, -1], 2.5):
+        with pytest.raises(ConfigError, match="kv_budget"):
+            SchedulerLimits(kv_budget=bad)  # type: ignore[arg-type]
 
 
 def test_cancel_waiting_ready_and_in_flight_sequences() -> None:
@@ -199,5 +202,8 @@ def test_bad_step_results_are_refused() -> None:
     [run] = _steps(sched.submit(1, [4, 5], SamplingParams()))
     with pytest.raises(ProtocolError, match="1 sampling rows, got 2"):
         sched.step_done(run.step, [1, 2])
+    with pytest.raises(ProtocolError, match="integers >= 0"):
+        sched.step_done(run.step, [-3])
+    assert sched.expects(run.step) and not sched.expects(run.step + 100)
     assert sched.step_done(run.step + 100, [1]) == []
     assert len(_events(sched.step_done(run.step, [1]))) == 1
