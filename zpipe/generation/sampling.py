@@ -69,8 +69,10 @@ def sample_tokens(
         return []
     if logits.shape[1] == 0:
         raise ValueError("logits have an empty vocabulary")
-    if bool(torch.isnan(logits).any()):
-        bad = sorted({int(r) for r in torch.isnan(logits).any(dim=1).nonzero().flatten()})
+    # a NaN anywhere in a row makes its maximum NaN: one reduction finds them
+    nan_rows = torch.isnan(logits.amax(dim=-1))
+    if bool(nan_rows.any()):
+        bad = [int(r) for r in nan_rows.nonzero().flatten()]
         raise PipelineError(f"the model produced NaN logits (rows {bad}); cannot pick a token")
     out: list[int] = [0] * rows
     greedy = [r for r in range(rows) if params[r].greedy]
@@ -94,14 +96,25 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, index: int) -> int:
     scaled = row.detach().to(torch.float64) / params.temperature
     vocab = scaled.shape[0]
     k = params.top_k if 0 < params.top_k < vocab else vocab
-    if k < vocab or params.top_p < 1.0:
-        # a stable descending sort keeps equal logits in id order: ties to the lowest id
-        values, ids = torch.sort(scaled, descending=True, stable=True)
-        values, ids = values[:k], ids[:k]
+    ids: torch.Tensor | None = None
+    if k < vocab:
+        # top-k first (transformers' order); top-p then applies to its renormalised mass
+        values, ids = _largest(scaled, k)
+        probs = torch.softmax(values, dim=0)
+    elif params.top_p < 1.0:
+        # the nucleus without sorting the whole vocabulary: the largest n logits,
+        # n growing until they hold top_p of the mass (exact: the nucleus is a prefix)
+        total = torch.logsumexp(scaled, dim=0)
+        n = min(64, vocab)
+        while True:
+            values, ids = _largest(scaled, n)
+            probs = torch.exp(values - total)
+            if n == vocab or float(probs.sum()) >= params.top_p:
+                break
+            n = min(4 * n, vocab)
     else:
-        values, ids = scaled, None
-    probs = torch.softmax(values, dim=0)
-    if not bool(torch.isfinite(probs).all()):
+        probs = torch.softmax(scaled, dim=0)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
         raise PipelineError("the model produced logits with no finite maximum; cannot sample")
     if params.top_p < 1.0:
         # keep a token while the mass before it is below top_p: the smallest
@@ -119,3 +132,17 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, index: int) -> int:
     if pos >= cdf.shape[0]:  # u * total rounded up to the total: the last token with mass
         pos = int((probs > 0).nonzero().max())
     return pos if ids is None else int(ids[pos])
+
+
+def _largest(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `n` largest values, descending, equal values in id order: ties go to
+    the lowest id, at the cut too (so top_k=1 is exactly greedy)."""
+    if n < values.shape[0]:
+        # everything at least the n-th largest value, in id order (nonzero sorts)
+        cut = torch.topk(values, n, sorted=False).values.min()
+        ids = (values >= cut).nonzero().flatten()
+        candidates = values[ids]
+    else:
+        ids, candidates = torch.arange(values.shape[0], device=values.device), values
+    order = torch.sort(candidates, descending=True, stable=True).indices[:n]
+    return candidates[order], ids[order]
