@@ -18,7 +18,8 @@ Greedy (``temperature == 0``) is ``torch.argmax``: ties go to the lowest id. The
 cut-offs of a sampled row follow ``transformers``: divide by the temperature,
 keep the ``top_k`` largest logits (ties to the lowest ids), then the smallest set
 of the most likely tokens whose probability reaches ``top_p``; the draw is an
-inverse-CDF lookup of the uniform number in float64.
+inverse-CDF lookup of the uniform number, on the CPU in float64 (the same draw
+whatever device computed the logits; a greedy row stays on its device).
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, index: int) -> in
 
 
 def _sample_row(row: torch.Tensor, params: SamplingParams, index: int) -> int:
-    scaled = row.detach().to(torch.float64) / params.temperature
+    # on the CPU in float64: the same draw whatever device computed the logits
+    # (and MPS has no float64)
+    scaled = row.detach().to("cpu", torch.float64) / params.temperature
     vocab = scaled.shape[0]
     k = params.top_k if 0 < params.top_k < vocab else vocab
     ids: torch.Tensor | None = None
@@ -125,7 +128,7 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, index: int) -> int:
     cdf = torch.cumsum(probs, dim=0)
     generator = torch.Generator(device="cpu").manual_seed(draw_seed(params.seed, index))
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    target = torch.tensor(u * float(cdf[-1]), dtype=torch.float64, device=cdf.device)
+    target = torch.tensor(u * float(cdf[-1]), dtype=torch.float64)
     # right=True: the first token whose cumulative mass exceeds the target, so a
     # token of probability 0 (a masked logit) is never drawn
     pos = int(torch.searchsorted(cdf, target, right=True))
@@ -143,6 +146,6 @@ def _largest(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = (values >= cut).nonzero().flatten()
         candidates = values[ids]
     else:
-        ids, candidates = torch.arange(values.shape[0], device=values.device), values
+        ids, candidates = torch.arange(values.shape[0]), values
     order = torch.sort(candidates, descending=True, stable=True).indices[:n]
     return candidates[order], ids[order]
