@@ -151,6 +151,7 @@ class _Waiting:
     prompt: tuple[int, ...]
     params: SamplingParams
     reserved: int
+    checker: StopChecker
 
 
 class SequenceScheduler:
@@ -221,6 +222,8 @@ class SequenceScheduler:
             raise ConfigError(f"sequence {sequence} is already in this run")
         if not prompt:
             raise ConfigError(f"sequence {sequence}: the prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
+            raise ConfigError(f"sequence {sequence}: token ids must be integers >= 0")
         reserved = len(prompt) + params.max_tokens
         context = self.limits.max_context
         if context is not None and reserved > context:
@@ -234,9 +237,9 @@ class SequenceScheduler:
                 f"{params.max_tokens} = {reserved} tokens do not fit the KV cache "
                 f"({self._budget_words()}); shorten the prompt or lower max_tokens"
             )
-        # the stop checker is built now, so a request it refuses is refused here
-        StopChecker(params, self._eos, self._detokenizer)
-        self._waiting.append(_Waiting(sequence, tuple(prompt), params, reserved))
+        # built now, so a request it refuses (stop strings, no tokenizer) is refused here
+        checker = StopChecker(params, self._eos, self._detokenizer)
+        self._waiting.append(_Waiting(sequence, tuple(prompt), params, reserved, checker))
         return self._fill()
 
     def step_done(self, step: int, tokens: Sequence[int]) -> list[SchedulerCommand]:
@@ -361,12 +364,11 @@ class SequenceScheduler:
             if not self._fits([*(s.reserved for s in self._admitted.values()), head.reserved]):
                 break
             del self._waiting[0]
-            checker = StopChecker(head.params, self._eos, self._detokenizer)
             self._admitted[head.id] = _Sequence(
                 head.id,
                 len(head.prompt),
                 head.params,
-                checker,
+                head.checker,
                 head.reserved,
                 list(head.prompt),
                 ready_since=self._tick(),

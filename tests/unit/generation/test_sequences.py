@@ -121,6 +121,8 @@ def test_budgets_per_stage_and_from_the_planner_and_refusals() -> None:
         ctx.submit(1, [1], SamplingParams(max_tokens=1))
     with pytest.raises(ConfigError, match="empty"):
         ctx.submit(2, [], SamplingParams(max_tokens=1))
+    with pytest.raises(ConfigError, match="integers >= 0"):
+        ctx.submit(2, [3, -1], SamplingParams(max_tokens=1))
     with pytest.raises(ConfigError, match="need a tokenizer"):
         ctx.submit(3, [1], SamplingParams(max_tokens=1, stop=("x",)))
     assert ctx.waiting == () and ctx.admitted == (1,)
