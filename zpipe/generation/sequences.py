@@ -36,6 +36,10 @@ the old caches and prefills prompt + generated tokens again, whose last row
 samples the token at index ``len(generated)``: the same token an uninterrupted run
 picks (greedy, and seeded sampling by the sampler's (seed, index) rule). The
 stop state and the text streamed so far are kept, so nothing streams twice.
+Every stage rebuilds, not only those that took over the dead one's blocks: the
+stages before them must compute the activations the moved blocks prefill from
+anyway, and rewriting their own cache from position 0 on the way costs nothing
+more (it also drops whatever a step lost halfway had written).
 """
 
 from __future__ import annotations
