@@ -62,14 +62,17 @@ KvBudget = int | Sequence[int] | Callable[[Sequence[int]], bool]
 @dataclass(frozen=True)
 class Row:
     """One sequence's part of a step: feed `tokens` at cache positions
-    ``position ..``. ``position == 0`` starts the sequence's cache afresh. A row
-    with a `sample_index` needs the logits of its last position: the sampler picks
-    the sequence's generated token number `sample_index` from them."""
+    ``position ..``. ``position == 0`` starts the sequence's cache: a stage opens
+    it for `reserved_tokens` (prompt + max_tokens, the most it will hold; every
+    cache of the sequence was freed before). A row with a `sample_index` needs the
+    logits of its last position: the sampler picks the sequence's generated token
+    number `sample_index` from them."""
 
     sequence: int
     tokens: tuple[int, ...]
     position: int
     sample_index: int | None
+    reserved_tokens: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,12 @@ class RunStep:
 
     step: int
     rows: tuple[Row, ...]
+
+    @property
+    def sampling_row_indices(self) -> tuple[int, ...]:
+        """Where the sampling rows are among `rows`: a last stage that returns one
+        logits row per step row keeps ``logits[list(run.sampling_row_indices)]``."""
+        return tuple(i for i, r in enumerate(self.rows) if r.sample_index is not None)
 
     @property
     def sampling_rows(self) -> tuple[Row, ...]:
@@ -418,6 +427,7 @@ class SequenceScheduler:
                     tuple(seq.tokens[seq.fed : seq.fed + take]),
                     seq.fed,
                     seq.generated if last else None,
+                    seq.reserved,
                 )
             )
             seq.in_step = step

@@ -103,15 +103,18 @@ class FakeRing:
             run = heapq.heappop(self.arrivals).run
             logits = []
             for row in run.rows:
-                cache = self.cache.setdefault(row.sequence, [])
                 if row.position == 0:
-                    cache.clear()
+                    # a cache starts only where none is open (like KvCache.open)
+                    assert row.sequence not in self.cache, f"{row} reopens a cache"
+                    self.cache[row.sequence] = []
+                cache = self.cache[row.sequence]
                 assert len(cache) == row.position, f"row {row} does not continue its cache"
                 cache.extend(row.tokens)
-                if row.sample_index is not None:
-                    logits.append(fake_model(cache))
+                assert len(cache) <= row.reserved_tokens, f"{row} outgrows its reservation"
+                # like a causal LM's last stage: the last position's logits of every row
+                logits.append(fake_model(cache))
             params, indices = self.sched.sampling(run.step)
-            batch = torch.stack(logits) if logits else torch.zeros(0, VOCAB)
+            batch = torch.stack(logits)[list(run.sampling_row_indices)]
             self.carry_out(self.sched.step_done(run.step, sample_tokens(batch, params, indices)))
 
     def fail_a_stage(self) -> None:

@@ -41,17 +41,17 @@ def test_a_long_prompt_prefills_in_chunks_then_decodes_one_token_per_step() -> N
     sched = SequenceScheduler(SchedulerLimits(chunk_tokens=4), eos_ids={EOS})
     prompt = list(range(10, 20))
     [run] = _steps(sched.submit(1, prompt, SamplingParams(max_tokens=3)))
-    assert run.rows == (Row(1, (10, 11, 12, 13), 0, None),)
+    assert run.rows == (Row(1, (10, 11, 12, 13), 0, None, 13),)
     [run] = _steps(_answer(sched, run))
-    assert run.rows == (Row(1, (14, 15, 16, 17), 4, None),)
+    assert run.rows == (Row(1, (14, 15, 16, 17), 4, None, 13),)
     [run] = _steps(_answer(sched, run))
-    assert run.rows == (Row(1, (18, 19), 8, 0),)
+    assert run.rows == (Row(1, (18, 19), 8, 0, 13),)
     out = sched.step_done(run.step, [30])
     assert _events(out) == [TokenEvent(1, 0, 30)]
     [run] = _steps(out)
-    assert run.rows == (Row(1, (30,), 10, 1),)
+    assert run.rows == (Row(1, (30,), 10, 1, 13),)
     [run] = _steps(sched.step_done(run.step, [31]))
-    assert run.rows == (Row(1, (31,), 11, 2),)
+    assert run.rows == (Row(1, (31,), 11, 2, 13),)
     out = sched.step_done(run.step, [32])
     assert _events(out) == [TokenEvent(1, 2, 32, "", "length")]
     assert _freed(out) == [1] and not _steps(out) and sched.idle
@@ -92,7 +92,7 @@ def test_admission_waits_for_room_in_the_kv_budget_and_joins_between_steps() -> 
     out = _answer(sched, a)  # sequence 1's fourth token: it ends, 3 takes its room
     assert _events(out)[-1].finish_reason == "length" and _freed(out) == [1]
     [c] = _steps(out)
-    assert c.rows == (Row(3, (1, 3, 4), 0, 0),) and sched.admitted == (2, 3)
+    assert c.rows == (Row(3, (1, 3, 4), 0, 0, 7),) and sched.admitted == (2, 3)
     assert isinstance(out[-1], RunStep)  # free first, then the step that uses the room
 
 
@@ -167,13 +167,13 @@ def test_recovery_reprefills_prompt_and_generated_tokens_and_goes_on() -> None:
     # prompt + generated from position 0, in chunks (4 prefill tokens a step; the
     # longest-ready first); the last chunk samples the next index
     first, second = _steps(out)
-    assert first.rows == (Row(2, (20, 21), 0, 1), Row(1, (10, 11), 0, None))
-    assert second.rows == (Row(3, (30, 31), 0, 0),)
+    assert first.rows == (Row(2, (20, 21), 0, 1, 7), Row(1, (10, 11), 0, None, 9))
+    assert second.rows == (Row(3, (30, 31), 0, 0, 8),)
     assert sched.generated(1) == (13, 14) and sched.generated(2) == (21,)
     out = sched.step_done(first.step, [22])
     assert _events(out) == [TokenEvent(2, 1, 22)]  # not 99: the lost step's token is gone
     [nxt] = _steps(out)
-    assert nxt.rows == (Row(2, (22,), 2, 2), Row(1, (12, 13, 14), 2, 2))
+    assert nxt.rows == (Row(2, (22,), 2, 2, 7), Row(1, (12, 13, 14), 2, 2, 9))
     assert sched.sampling(nxt.step) == ([params, params], [2, 2])
     out = sched.step_done(nxt.step, [23, 15])
     assert _events(out) == [TokenEvent(2, 2, 23), TokenEvent(1, 2, 15)]
