@@ -24,7 +24,13 @@ from zpipe.generation.sequences import (
     SequenceScheduler,
     StreamToken,
 )
-from zpipe.generation.stopping import Detokenizer, StopChecker, StopDecision, eos_ids_from
+from zpipe.generation.stopping import (
+    Detokenizer,
+    SkipSpecialTokens,
+    StopChecker,
+    StopDecision,
+    eos_ids_from,
+)
 
 __all__ = [
     "Detokenizer",
@@ -37,6 +43,7 @@ __all__ = [
     "SchedulerCommand",
     "SchedulerLimits",
     "SequenceScheduler",
+    "SkipSpecialTokens",
     "StopChecker",
     "StopDecision",
     "StreamToken",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from zpipe._errors import ConfigError
 from zpipe.generation.params import FinishReason, SamplingParams
@@ -28,10 +28,22 @@ _REPLACEMENT = "\ufffd"
 
 
 class Detokenizer(Protocol):
-    """What the stop checker needs of a tokenizer (a `transformers` tokenizer fits:
-    wrap it so that `decode` skips special tokens)."""
+    """What the stop checker needs of a tokenizer: the text of a list of ids,
+    special tokens left out (wrap a `transformers` tokenizer in
+    `SkipSpecialTokens`)."""
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class SkipSpecialTokens:
+    """A `transformers` tokenizer as a `Detokenizer`: its ``decode`` keeps special
+    tokens (``<|im_end|>``, ``</s>``) by default; streamed text must not."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import pytest
 
 from zpipe._errors import ConfigError
 from zpipe.generation import SamplingParams
-from zpipe.generation.stopping import StopChecker, eos_ids_from
+from zpipe.generation.stopping import SkipSpecialTokens, StopChecker, eos_ids_from
 
 EOS = 0
 
@@ -142,3 +142,17 @@ def test_eos_ids_from_config_values() -> None:
     assert eos_ids_from([128001, 128009]) == {128001, 128009}
     with pytest.raises(ConfigError, match="eos_token_id"):
         eos_ids_from(["2"])  # type: ignore[list-item]
+
+
+def test_a_transformers_tokenizer_streams_without_its_special_tokens() -> None:
+    class HfLike:  # transformers' decode keeps special tokens unless told
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return "".join(
+                "<eos>" if i == EOS and not skip_special_tokens else "ab"[i - 1]
+                for i in ids
+                if not (i == EOS and skip_special_tokens)
+            )
+
+    params = SamplingParams(max_tokens=3, stop_at_eos=False)
+    checker = StopChecker(params, eos_ids=set(), detokenizer=SkipSpecialTokens(HfLike()))
+    assert [checker.push(t).text for t in (1, EOS, 2)] == ["a", "", "b"]
