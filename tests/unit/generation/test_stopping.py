@@ -156,3 +156,41 @@ def test_a_transformers_tokenizer_streams_without_its_special_tokens() -> None:
     params = SamplingParams(max_tokens=3, stop_at_eos=False)
     checker = StopChecker(params, eos_ids=set(), detokenizer=SkipSpecialTokens(HfLike()))
     assert [checker.push(t).text for t in (1, EOS, 2)] == ["a", "", "b"]
+
+
+def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop_string() -> None:
+    """Random byte-token streams (characters split across tokens) and random stop
+    strings: what streams, concatenated, is always the whole decoded text up to the
+    first stop string, and each piece arrives once."""
+    import random
+
+    words = ["a", "b", "ab", " ", "é", "日本", "\n", "ba", "🙂"]
+    pieces = sorted({p for w in words for p in (w.encode(), *_split(w.encode()))})
+    tok = ByteTokenizer({i + 1: p for i, p in enumerate(pieces)})
+    rng = random.Random(1234)
+    stopped = 0
+    for _ in range(300):
+        ids = [rng.randrange(1, len(pieces) + 1) for _ in range(rng.randrange(1, 14))]
+        stops = tuple(
+            {
+                "".join(rng.choices(["a", "b", " ", "é", "本", "\n"], k=rng.randrange(1, 4)))
+                for _ in range(rng.randrange(0, 3))
+            }
+        )
+        checker = StopChecker(SamplingParams(max_tokens=len(ids), stop=stops), detokenizer=tok)
+        streamed = ""
+        for n in range(1, len(ids) + 1):
+            decision = checker.push(ids[n - 1])
+            streamed += decision.text
+            if decision.finish_reason is not None:
+                break
+        full = tok.decode(ids[:n])
+        hits = [i for s in stops if (i := full.find(s)) >= 0]
+        assert streamed == full[: min(hits)] if hits else streamed == full, (ids, stops)
+        assert decision.finish_reason == ("stop" if hits else "length")
+        stopped += bool(hits)
+    assert 20 < stopped < 280  # both endings were exercised
+
+
+def _split(data: bytes) -> list[bytes]:
+    return [data[i : i + 1] for i in range(len(data))] if len(data) > 1 else []
