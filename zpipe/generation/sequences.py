@@ -2,7 +2,8 @@
 
 Events in, commands out, like h11's `Connection`: the run kind's shell calls
 
-    submit(sequence, prompt, params)    a request arrives
+    submit(sequence, prompt, params)    a request arrives (with generated=...:
+                                        one taken over from a scheduler that died)
     step_done(step, tokens)             a micro-batch came out of the last stage
                                         (tokens: one per sampling row, in order)
     cancel(sequence)                    its client went away
@@ -165,6 +166,7 @@ class _Waiting:
     params: SamplingParams
     reserved: int
     checker: StopChecker
+    generated: tuple[int, ...]
 
 
 class SequenceScheduler:
@@ -227,15 +229,28 @@ class SequenceScheduler:
     # -- events -----------------------------------------------------------------
 
     def submit(
-        self, sequence: int, prompt: Sequence[int], params: SamplingParams
+        self,
+        sequence: int,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        generated: Sequence[int] = (),
     ) -> list[SchedulerCommand]:
         """A new request; it waits for admission. Refused (ConfigError) when its
-        id is in use, its prompt is empty, or it cannot fit even alone."""
+        id is in use, its prompt is empty, or it cannot fit even alone.
+
+        `generated`: tokens this sequence already streamed under a scheduler that
+        is gone (its host died); the client knows them. They are replayed into the
+        stop state without streaming again, the first step prefills prompt +
+        generated, and the stream goes on at index ``len(generated)``.
+        """
         if sequence in self._admitted or any(w.id == sequence for w in self._waiting):
             raise ConfigError(f"sequence {sequence} is already in this run")
         if not prompt:
             raise ConfigError(f"sequence {sequence}: the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in (*prompt, *generated)
+        ):
             raise ConfigError(f"sequence {sequence}: token ids must be integers >= 0")
         reserved = len(prompt) + params.max_tokens
         context = self.limits.max_context
@@ -252,7 +267,18 @@ class SequenceScheduler:
             )
         # built now, so a request it refuses (stop strings, no tokenizer) is refused here
         checker = StopChecker(params, self._eos, self._detokenizer)
-        self._waiting.append(_Waiting(sequence, tuple(prompt), params, reserved, checker))
+        for token in generated:
+            if checker.finish_reason is not None:
+                break
+            checker.push(token)
+        if checker.finish_reason is not None:
+            raise ConfigError(
+                f"sequence {sequence} already finished ({checker.finish_reason}) "
+                "within the generated tokens given"
+            )
+        self._waiting.append(
+            _Waiting(sequence, tuple(prompt), params, reserved, checker, tuple(generated))
+        )
         return self._fill()
 
     def step_done(self, step: int, tokens: Sequence[int]) -> list[SchedulerCommand]:
@@ -383,7 +409,7 @@ class SequenceScheduler:
                 head.params,
                 head.checker,
                 head.reserved,
-                list(head.prompt),
+                [*head.prompt, *head.generated],
                 ready_since=self._tick(),
             )
 

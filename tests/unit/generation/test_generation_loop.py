@@ -139,12 +139,37 @@ REQUESTS = {
 }
 
 
+def _restart_without_the_scheduler(
+    ring: FakeRing, limits: SchedulerLimits, tick: int, cancelled: set[int]
+) -> SequenceScheduler:
+    """The scheduler's host died: a new scheduler on a new pipeline (every cache
+    gone) gets each unfinished sequence again, with the tokens its client saw."""
+    sched = SequenceScheduler(limits, eos_ids={EOS}, detokenizer=Letters())
+    ring.sched = sched
+    ring.arrivals.clear()
+    ring.cache.clear()
+    for seq, (at, prompt, params) in REQUESTS.items():
+        seen = ring.streams.get(seq, [])
+        if at <= tick and seq not in cancelled and not (seen and seen[-1].finish_reason):
+            generated = [e.token for e in seen]
+            ring.carry_out(sched.submit(seq, prompt, params, generated=generated))
+    return sched
+
+
 @pytest.mark.parametrize(
-    ("steps_in_flight", "chunk_tokens", "fail_at"),
-    [(STAGES, 6, 17), (1, 4, 10), (2, 100, 25), (4, 3, 30), (STAGES, 5, 40)],
+    ("steps_in_flight", "chunk_tokens", "fail_at", "lost"),
+    [
+        (STAGES, 6, 17, "stage"),
+        (1, 4, 10, "stage"),
+        (2, 100, 25, "stage"),
+        (4, 3, 30, "stage"),
+        (STAGES, 5, 40, "stage"),
+        (STAGES, 6, 17, "scheduler"),
+        (2, 4, 30, "scheduler"),
+    ],
 )
 def test_the_pipelined_loop_equals_one_sequence_at_a_time(
-    steps_in_flight: int, chunk_tokens: int, fail_at: int
+    steps_in_flight: int, chunk_tokens: int, fail_at: int, lost: str
 ) -> None:
     limits = SchedulerLimits(
         steps_in_flight=steps_in_flight, max_sequences=5, chunk_tokens=chunk_tokens, kv_budget=90
@@ -152,23 +177,28 @@ def test_the_pipelined_loop_equals_one_sequence_at_a_time(
     sched = SequenceScheduler(limits, eos_ids={EOS}, detokenizer=Letters())
     ring = FakeRing(sched)
     cancelled, cancel_after = 6, 3  # its client goes away after 3 tokens
+    cancels: set[int] = set()
     for tick in range(400):
         for seq, (at, prompt, params) in REQUESTS.items():
             if at == tick:
                 ring.carry_out(sched.submit(seq, prompt, params))
-        if len(ring.streams.get(cancelled, [])) == cancel_after:
+        if len(ring.streams.get(cancelled, [])) == cancel_after and not cancels:
+            cancels.add(cancelled)
             ring.carry_out(sched.cancel(cancelled))
-        if tick == fail_at:
+        if tick == fail_at and lost == "scheduler":
+            assert ring.arrivals and any(ring.streams.get(s) for s in sched.admitted)
+            sched = _restart_without_the_scheduler(ring, limits, tick, cancels)
+        if tick == fail_at and lost == "stage":
             ring.fail_a_stage()
             assert ring.lost, "the failure should catch steps on the ring"
             # some sequence mid-decode must rebuild its cache from prompt + generated
             assert any(ring.streams.get(s) for s in sched.admitted)
-        if tick == fail_at + 1:
+        if tick == fail_at + 1 and lost == "stage":
             # a lost step's result arrives late: ignored
-            lost = ring.lost[0]
-            late = [1] * len(lost.sampling_rows)
-            assert sched.step_done(lost.step, late) == []
-        if tick == fail_at + 2:
+            late_step = ring.lost[0]
+            late = [1] * len(late_step.sampling_rows)
+            assert sched.step_done(late_step.step, late) == []
+        if tick == fail_at + 2 and lost == "stage":
             ring.carry_out(sched.pipeline_restored())
         ring.tick()
         if tick > max(at for at, _, _ in REQUESTS.values()) and sched.idle:

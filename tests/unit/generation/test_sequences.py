@@ -209,3 +209,23 @@ def test_bad_step_results_are_refused() -> None:
     assert sched.expects(run.step) and not sched.expects(run.step + 100)
     assert sched.step_done(run.step + 100, [1]) == []
     assert len(_events(sched.step_done(run.step, [1]))) == 1
+
+
+def test_a_new_scheduler_takes_over_a_sequence_with_the_tokens_it_streamed() -> None:
+    class Letters:
+        def decode(self, ids: Sequence[int]) -> str:
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    sched = SequenceScheduler(SchedulerLimits(chunk_tokens=4), detokenizer=Letters())
+    params = SamplingParams(max_tokens=5, stop=("bd",))
+    # "c" and "b" streamed before ("b" held back as the start of "bd")
+    [run] = _steps(sched.submit(1, [0, 0, 0], params, generated=[2, 1]))
+    assert run.rows == (Row(1, (0, 0, 0, 2), 0, None, 8),)
+    [run] = _steps(sched.step_done(run.step, []))
+    assert run.rows == (Row(1, (1,), 4, 2, 8),)
+    out = sched.step_done(run.step, [4])  # "e": the held "b" is final now
+    assert _events(out) == [TokenEvent(1, 2, 4, "be")]
+    with pytest.raises(ConfigError, match="already finished \\(length\\)"):
+        sched.submit(2, [0], SamplingParams(max_tokens=2), generated=[1, 1])
+    with pytest.raises(ConfigError, match="already finished \\(stop\\)"):
+        sched.submit(3, [0], params, generated=[1, 3, 0])
