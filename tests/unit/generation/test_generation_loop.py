@@ -6,6 +6,7 @@ stage failure."""
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,6 +82,7 @@ class FakeRing:
         self.freed: list[int] = []
         self.lost: list[RunStep] = []
         self.sent: list[RunStep] = []
+        self.due: list[RunStep] = []  # out of the last stage, not yet handed over
         self._order = 0
 
     def carry_out(self, commands: Sequence[SchedulerCommand]) -> None:
@@ -92,15 +94,25 @@ class FakeRing:
             elif isinstance(command, StreamToken):
                 self.streams.setdefault(command.event.sequence, []).append(command.event)
             elif isinstance(command, FreeCache):
-                in_flight = {r.sequence for a in self.arrivals for r in a.run.rows}
+                steps = [*(a.run for a in self.arrivals), *self.due]
+                in_flight = {r.sequence for run in steps for r in run.rows}
                 assert command.sequence not in in_flight, "freed a cache a step still uses"
                 self.cache.pop(command.sequence, None)
                 self.freed.append(command.sequence)
 
-    def tick(self) -> None:
+    def tick(self, rng: random.Random | None = None) -> None:
+        """Let the steps due come out of the last stage: in the order they went
+        in, or (`rng`) in any order, which a ring never does but the scheduler
+        must not depend on."""
         self.now += 1
         while self.arrivals and self.arrivals[0].time <= self.now:
-            run = heapq.heappop(self.arrivals).run
+            self.due.append(heapq.heappop(self.arrivals).run)
+        if rng is not None:
+            rng.shuffle(self.due)
+        while self.due:
+            run = self.due.pop(0)
+            if not self.sched.expects(run.step):
+                continue  # lost to a failure in the meantime
             logits = []
             for row in run.rows:
                 if row.position == 0:
@@ -119,8 +131,9 @@ class FakeRing:
 
     def fail_a_stage(self) -> None:
         """A stage dies: the steps on the ring are lost, every cache is suspect."""
-        self.lost = [a.run for a in self.arrivals]
+        self.lost = [a.run for a in self.arrivals] + self.due
         self.arrivals.clear()
+        self.due.clear()
         for cache in self.cache.values():
             cache[:] = [-1] * len(cache)  # a cache not rebuilt gives wrong logits
         self.carry_out(self.sched.stage_failed())
@@ -222,3 +235,66 @@ def test_the_pipelined_loop_equals_one_sequence_at_a_time(
         assert any(len(run.rows) > 1 for run in ring.sent)
     assert reasons == {"eos", "length", "stop"}
     assert sorted(set(ring.freed)) == sorted(REQUESTS) and not ring.cache
+
+
+def _random_requests(rng: random.Random) -> dict[int, tuple[int, list[int], SamplingParams]]:
+    requests = {}
+    for seq in range(1, 9):
+        if rng.random() < 0.3:
+            params = SamplingParams(max_tokens=rng.randrange(1, 13))
+        else:
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 13),
+                temperature=rng.choice([0.5, 1.0, 1.5]),
+                top_k=rng.choice([0, 0, 3]),
+                top_p=rng.choice([1.0, 0.7]),
+                seed=rng.randrange(100),
+                stop=tuple(rng.sample(["ab", "c", "kk", "ja"], rng.randrange(0, 3))),
+                stop_at_eos=rng.random() < 0.8,
+            )
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 15))]
+        requests[seq] = (rng.randrange(0, 30), prompt, params)
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_runs_equal_one_sequence_at_a_time(seed: int) -> None:
+    """Random limits, arrivals, cancels and stage failures, steps coming back in any
+    order: every stream still equals the plain loop's (a cancelled one, a prefix)."""
+    rng = random.Random(seed)
+    requests = _random_requests(rng)
+    limits = SchedulerLimits(
+        steps_in_flight=rng.randrange(1, 5),
+        max_sequences=rng.randrange(1, 6),
+        chunk_tokens=rng.randrange(1, 9),
+        kv_budget=rng.randrange(30, 120),
+    )
+    sched = SequenceScheduler(limits, eos_ids={EOS}, detokenizer=Letters())
+    ring = FakeRing(sched)
+    cancels = {rng.randrange(1, 9): rng.randrange(0, 60) for _ in range(2)}
+    failures = sorted(rng.sample(range(5, 80), rng.randrange(0, 3)))
+    restores = {f + rng.randrange(1, 4) for f in failures}
+    cancelled: set[int] = set()
+    for tick in range(2000):
+        for seq, (at, prompt, params) in requests.items():
+            if at == tick:
+                ring.carry_out(sched.submit(seq, prompt, params))
+        for seq, at in cancels.items():
+            if at == tick and (seq in sched.admitted or seq in sched.waiting):
+                cancelled.add(seq)
+                ring.carry_out(sched.cancel(seq))
+        if tick in failures:
+            ring.fail_a_stage()
+        if tick in restores:
+            ring.carry_out(sched.pipeline_restored())
+        ring.tick(rng)
+        if tick > 90 and sched.idle:
+            break
+    assert sched.idle and not ring.cache
+    for seq, (_, prompt, params) in requests.items():
+        expected = reference(seq, prompt, params)
+        got = ring.streams.get(seq, [])
+        if seq in cancelled:
+            assert got == expected[: len(got)]
+        else:
+            assert got == expected, f"sequence {seq}"
