@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -136,13 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(backend, token_timeout=args.token_timeout)
     server = uvicorn_server(app, log_level=args.log_level)
     print(f"zpipe serve: model {backend.model_id!r} at {url_of(sock)}", flush=True)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal
+    # again for the handler that was there before; this one makes that a clean exit
+    stopped: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stopped.append(signum))
     try:
         asyncio.run(server.serve(sockets=[sock]))
-    except KeyboardInterrupt:
-        pass
     finally:
         sock.close()
         backend.close()
+    print("zpipe serve: stopped", flush=True)
     return 0
 
 
