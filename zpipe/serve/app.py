@@ -38,6 +38,8 @@ from zpipe.serve.responses import DONE, ResponseHead, Usage, model_card, model_l
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
+BODY_TIMEOUT_S = 30.0  # a client that takes longer to send its request is dropped
+MAX_BODY_BYTES = 8 * 2**20  # a prompt is text: 8 MiB is far past any context
 
 
 def build_app(
@@ -99,7 +101,7 @@ class _Api:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
-        raw = await request.body()
+        raw = await _read_body(request)
         try:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -107,6 +109,12 @@ class _Api:
         parsed = parse_request(body, endpoint)
         if parsed.model != self.backend.model_id:
             raise unknown_model(parsed.model)
+        if parsed.stop and self.backend.tokenizer is None:
+            raise ApiError(
+                "stop sequences need text, and this model has no tokenizer",
+                param="stop",
+                code="no_tokenizer",
+            )
         prompt_ids = self._prompt_ids(parsed)
         params = parsed.params(self._budget(parsed, len(prompt_ids)), secrets.randbelow(2**31))
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
@@ -260,6 +268,32 @@ class _Api:
             # backend's stream so that the sequence is cancelled there too
             await _close(events)
         yield DONE
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request's body, at most MAX_BODY_BYTES, within BODY_TIMEOUT_S."""
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(
+                    f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                    status=413,
+                    code="request_too_large",
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError as exc:
+        raise ApiError(
+            f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+            status=408,
+            code="request_timeout",
+        ) from exc
 
 
 async def _close(events: AsyncIterator[Any]) -> None:

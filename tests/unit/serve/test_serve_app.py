@@ -150,6 +150,13 @@ def test_chat_budget_defaults_to_what_the_context_leaves(tokenizer) -> None:
         ("/v1/completions", {"model": "fake", "prompt": [1], "n": 2}, 400, "n", None),
         ("/v1/completions", {"model": "fake", "prompt": "text"}, 400, "prompt", "no_tokenizer"),
         (
+            "/v1/completions",
+            {"model": "fake", "prompt": [1], "stop": "x"},
+            400,
+            "stop",
+            "no_tokenizer",
+        ),
+        (
             "/v1/chat/completions",
             {"model": "fake", "messages": [{"role": "user", "content": "x"}]},
             400,
@@ -179,9 +186,12 @@ def test_a_chat_without_a_template_is_refused_clearly() -> None:
     assert "chat template" in error["message"]
 
 
-def test_bad_json_wrong_method_and_unknown_path() -> None:
+def test_bad_json_wrong_method_unknown_path_and_a_huge_body() -> None:
     client = _client(FakeBackend())
     _error(client.post("/v1/completions", content=b"{not json"), 400)
+    _error(
+        client.post("/v1/completions", content=b" " * (9 * 2**20)), 413, None, "request_too_large"
+    )
     _error(client.get("/v1/completions"), 405)
     _error(client.post("/v1/embeddings", json={}), 404)
 

@@ -122,3 +122,26 @@ def test_closing_the_stream_cancels_the_sequence(backend) -> None:
 def test_a_prompt_past_the_context_is_refused(backend) -> None:
     with pytest.raises(ConfigError, match="context length 128"):
         _events(backend, [1] * 120, SamplingParams(max_tokens=9))
+
+
+def test_concurrent_sequences_interleave_and_each_equals_its_run_alone(backend) -> None:
+    prompts = [backend.tokenizer(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(max_tokens=12, stop_at_eos=False)
+    alone = [[e.token for e in _events(backend, ids, params)] for ids in prompts]
+    order: list[int] = []
+
+    async def one(ids):
+        tokens = []
+        async for event in backend.generate(ids, params):
+            order.append(event.sequence)
+            tokens.append(event.token)
+        return tokens
+
+    async def run():
+        return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    together = asyncio.run(run())
+    assert together == alone
+    # token by token, not one sequence after another
+    assert len({order[i] for i in range(len(prompts))}) > 1
+    assert backend.live_sequences == 0
