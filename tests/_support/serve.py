@@ -58,10 +58,12 @@ class FakeBackend:
 
 
 class RecordingBackend:
-    """Wraps a real backend; counts the generators that were closed early."""
+    """Wraps a real backend; counts the generators that were closed early.
+    ``delay_s`` slows each event down (so a test can leave mid-stream for sure)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.delay_s = 0.0
         self.closed = 0
         self.finished = 0
         self.first_token = threading.Event()
@@ -85,6 +87,8 @@ class RecordingBackend:
         done = False
         try:
             async for event in events:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 yield event
                 self.first_token.set()
             done = True

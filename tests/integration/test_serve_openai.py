@@ -168,6 +168,7 @@ def test_a_client_that_leaves_mid_stream_cancels_the_backend(base_url, backend, 
     host, port = base_url.removeprefix("http://").removesuffix("/v1").split(":")
     closed_before = backend.closed
     backend.first_token.clear()
+    backend.delay_s = 0.1  # 100 tokens take 10 s: the client surely leaves mid-stream
     body = (
         b'{"model": "tiny", "prompt": "hello", "max_tokens": 100, "temperature": 0, "stream": true}'
     )
@@ -175,21 +176,25 @@ def test_a_client_that_leaves_mid_stream_cancels_the_backend(base_url, backend, 
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
-    with socket.create_connection((host, int(port)), timeout=30) as conn:
-        conn.sendall(request)
-        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
-        wait_until(backend.first_token.is_set, 30, "the first token")
-    # the connection is closed: the endpoint must close the backend's stream
-    wait_until(lambda: backend.closed > closed_before, 30, "the backend stream to be closed")
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(request)
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            wait_until(backend.first_token.is_set, 30, "the first token")
+        # the connection is closed: the endpoint must close the backend's stream
+        wait_until(lambda: backend.closed > closed_before, 8, "the backend stream to be closed")
+    finally:
+        backend.delay_s = 0.0
     assert backend.inner.live_sequences == 0
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
 
 def test_a_client_that_leaves_a_non_streamed_request_cancels_it() -> None:
-    backend = FakeBackend(pieces=["x"] * 50, delay_s=0.05)
+    # 600 tokens take 30 s: the client surely leaves before the end
+    backend = FakeBackend(pieces=["x"] * 600, delay_s=0.05, max_context=1000)
     with serving(build_app(backend, token_timeout=30)) as url:
         host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
-        body = b'{"model": "fake", "prompt": [1], "max_tokens": 50}'
+        body = b'{"model": "fake", "prompt": [1], "max_tokens": 600}'
         request = (
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
@@ -197,5 +202,5 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it() -> None:
         with socket.create_connection((host, int(port)), timeout=30) as conn:
             conn.sendall(request)
             wait_until(backend.first_token.is_set, 30, "the first token")
-        wait_until(lambda: backend.closed == 1, 30, "the backend stream to be closed")
+        wait_until(lambda: backend.closed == 1, 20, "the backend stream to be closed")
     assert backend.finished == 0
