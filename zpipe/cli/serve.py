@@ -10,6 +10,7 @@ from pathlib import Path
 
 from zpipe._errors import ConfigError
 from zpipe.cli.common import positive_int, seconds
+from zpipe.log import LOG_LEVELS, configure_logging
 
 _DESCRIPTION = """\
 Serve a Hugging Face causal language model checkpoint (a directory with
@@ -91,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level",
-        choices=("debug", "info", "warning", "error"),
+        choices=LOG_LEVELS,
         default="info",
-        help="the web server's log level (default: info: one line per request)",
+        help="log level of zpipe and the web server (default: info: one line per request)",
     )
     return parser
 
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             f"zpipe serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
         )
         return 1
+    configure_logging(level=args.log_level, role="serve")
     app = build_app(backend, token_timeout=args.token_timeout)
     server = uvicorn_server(app, log_level=args.log_level)
     print(f"zpipe serve: model {backend.model_id!r} at {url_of(sock)}", flush=True)

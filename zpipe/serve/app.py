@@ -30,16 +30,20 @@ from starlette.routing import Route
 
 from zpipe._errors import ConfigError
 from zpipe.generation import FinishReason, TokenEvent
+from zpipe.log import get_logger
 from zpipe.serve.backend import GenerationBackend
 from zpipe.serve.chat import chat_prompt_ids
 from zpipe.serve.errors import ApiError, backend_timeout, context_length_exceeded, unknown_model
 from zpipe.serve.requests import Endpoint, GenerationRequest, parse_request
 from zpipe.serve.responses import DONE, ResponseHead, Usage, model_card, model_list, sse
 
+log = get_logger("zpipe.serve")
+
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
 BODY_TIMEOUT_S = 30.0  # a client that takes longer to send its request is dropped
 MAX_BODY_BYTES = 8 * 2**20  # a prompt is text: 8 MiB is far past any context
+CLOSE_TIMEOUT_S = 30.0  # a backend cancelling a sequence (its clean-up), at most
 
 
 def build_app(
@@ -178,12 +182,14 @@ class _Api:
         except StopAsyncIteration:
             return None
         except asyncio.TimeoutError as exc:
+            log.warning("serve.backend_timeout", timeout_s=self.token_timeout)
             raise backend_timeout(self.token_timeout) from exc
         except ApiError:
             raise
         except ConfigError as exc:  # the backend refused the request (a bad value)
             raise ApiError(str(exc)) from exc
         except Exception as exc:
+            log.error("serve.backend_failed", error=repr(exc), exc_info=exc)
             raise ApiError(
                 f"the model failed: {type(exc).__name__}: {exc}",
                 status=500,
@@ -297,9 +303,32 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _close(events: AsyncIterator[Any]) -> None:
+    """Close the backend's stream (cancelling its sequence), within CLOSE_TIMEOUT_S.
+
+    The close runs in a task of its own and is shielded: when the request itself
+    is being cancelled (its client went away), the backend's clean-up still runs
+    to its end instead of being cut off at its first await."""
     aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        await aclose()
+    if aclose is None:
+        return
+    task = asyncio.ensure_future(asyncio.wait_for(aclose(), CLOSE_TIMEOUT_S))
+    _closing.add(task)
+    task.add_done_callback(_closed)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # reported by _closed; nothing more to do here
+        pass
+
+
+_closing: set[asyncio.Future[Any]] = set()  # closes in flight (a task needs a reference)
+
+
+def _closed(task: asyncio.Future[Any]) -> None:
+    _closing.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("serve.backend_close_failed", error=repr(task.exception()))
 
 
 async def _disconnected(request: Request) -> None:
