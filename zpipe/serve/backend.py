@@ -16,7 +16,12 @@ The contract of :meth:`~GenerationBackend.generate`:
   ``"stop"``), and the stream ends after it;
 - closing the async generator early (``aclose()``, which the endpoint does when
   its HTTP client goes away or a wait times out) cancels the sequence and frees
-  what it holds (its KV cache) -- that is how cancellation reaches the backend.
+  what it holds (its KV cache) -- that is how cancellation reaches the backend;
+  that clean-up must be prompt (bounded by its own deadlines), since the
+  endpoint waits for it;
+- an error before the first event that is the request's fault is a
+  :class:`~zpipe._errors.ConfigError` (the endpoint answers 400); any other
+  exception is the model's failure (500, or an error event mid-stream).
 """
 
 from __future__ import annotations
