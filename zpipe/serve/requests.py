@@ -7,8 +7,9 @@ list, or a list of token ids) or ``messages`` (chat), ``max_tokens`` /
 ``stream_options.include_usage``, ``n`` (only 1), plus ``top_k`` as an
 extension (0: off). Fields that would change the answer in a way this server
 cannot honour (``n`` > 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``,
-penalties, tools) are refused with a 400 naming the field, never silently
-ignored; other unknown fields are ignored, as most OpenAI-compatible servers do.
+penalties, tools, a JSON ``response_format``) are refused with a 400 naming
+the field, never silently ignored; other unknown fields are ignored, as most
+OpenAI-compatible servers do.
 Pure: no I/O.
 """
 
@@ -96,6 +97,13 @@ def parse_request(body: object, endpoint: Endpoint) -> GenerationRequest:
             field,
             f"{field}={value!r} is not supported by this server"
             + (f" (only {allowed!r})" if allowed is not None else ""),
+            code="unsupported_value",
+        )
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise bad_value(
+            "response_format",
+            "only plain text responses are supported (response_format type 'text')",
             code="unsupported_value",
         )
     prompt: str | tuple[int, ...] | None = None

@@ -86,6 +86,10 @@ def test_chat_messages_with_text_parts_and_max_completion_tokens() -> None:
         ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs"),
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
         (
+            {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
             {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
             "stream_options",
         ),
