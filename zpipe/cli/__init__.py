@@ -55,6 +55,9 @@ COMMANDS: dict[str, Command] = {
         "zpipe.cli.fl_server", "serve Eco-FL (or a baseline) to fl-client processes"
     ),
     "fl-client": Command("zpipe.cli.fl_client", "a federated client training on its digits shard"),
+    "serve": Command(
+        "zpipe.cli.serve", "an OpenAI-compatible HTTP endpoint for a causal language model"
+    ),
 }
 
 

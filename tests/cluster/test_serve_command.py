@@ -1,0 +1,112 @@
+"""``python -m zpipe serve`` as a process: it loads a checkpoint directory, reports
+its URL, answers the official openai client, refuses what it cannot do, and
+exits cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("transformers")
+
+from tests._support.serve import tiny_lm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _read_url(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The URL from the line the command prints once it listens."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        if not selector.select(timeout=1.0):
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if " at http://" in line:
+            return line.rsplit(" at ", 1)[1].strip()
+    raise AssertionError(f"zpipe serve printed no URL within {timeout} s: {seen!r}")
+
+
+def test_serve_answers_the_openai_client_and_stops_on_sigterm(tmp_path) -> None:
+    checkpoint = tiny_lm(tmp_path / "tiny-lm", family="llama")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zpipe",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            "0",
+            "--model-name",
+            "home-lm",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+    try:
+        url = _read_url(proc, timeout=120)
+        with openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == ["home-lm"]
+            messages = [{"role": "user", "content": "hello"}]
+            whole = client.chat.completions.create(
+                model="home-lm", messages=messages, max_tokens=12, temperature=0
+            )
+            stream = client.chat.completions.create(
+                model="home-lm", messages=messages, max_tokens=12, temperature=0, stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == whole.choices[0].message.content
+            assert whole.usage.completion_tokens >= 1
+            with pytest.raises(openai.NotFoundError):
+                client.chat.completions.create(model="other", messages=messages)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_serve_refuses_several_stages_and_a_missing_model(tmp_path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "zpipe", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=_env(),
+        )
+
+    several = run("--model", str(tmp_path), "--stages", "3")
+    assert several.returncode == 2 and "generation run kind" in several.stderr
+    missing = run("--model", str(tmp_path / "nowhere"))
+    assert missing.returncode == 1 and "not a directory" in missing.stderr
