@@ -45,6 +45,16 @@ class BulkLinks:
         self._links[name] = BulkLink(name, token, control_route, Inbox(cap_bytes=self.cap_bytes))
         return token
 
+    def drop_transfers(self, name: str) -> int:
+        """Forget the transfers stage ``name`` has in progress (it died: nothing it
+        left half-sent will be finished); how many there were."""
+        link = self._links.get(name)
+        if link is None:
+            return 0
+        dropped = link.inbox.open_transfers
+        link.inbox.clear()
+        return dropped
+
     def get(self, name: str) -> BulkLink | None:
         return self._links.get(name)
 

@@ -455,3 +455,22 @@ def test_a_heartbeat_waits_behind_state_on_its_own_connection_only() -> None:
 
     assert asyncio.run(order(shared_connection=True)) == ["state", "heartbeat"]
     assert asyncio.run(order(shared_connection=False)) == ["heartbeat", "state"]
+
+
+def test_a_dead_stage_s_half_sent_transfers_are_dropped() -> None:
+    """Issue 33 finding 5: a stage opened transfers announced at 1 GiB, sent part of
+    each and went silent; the coordinator kept 900 MB after its stage_dead."""
+    harness = Harness(interval=1.0)
+    for name in ("b", "c"):
+        _register(harness, name, f"tok-{name}")
+        weights = replace(WEIGHTS, body={**WEIGHTS.body, "name": name})
+        for event in _chunk_events(weights, name, f"tok-{name}")[:3]:  # a third, then silence
+            harness.feed(event)
+    links = harness.state.bulk
+    b, c = links.get("b"), links.get("c")
+    assert b is not None and c is not None
+    assert b.inbox.open_transfers == c.inbox.open_transfers == 1
+    harness.advance(30.0, alive=("c",))  # b stops heartbeating: declared dead
+    assert [e["stage"] for e in harness.events("stage_dead")] == ["b"]
+    assert b.inbox.open_transfers == 0
+    assert c.inbox.open_transfers == 1  # a live stage's transfer stays
