@@ -63,6 +63,10 @@ class UnitwiseSequence(ABC):
     def example_input(self, batch_size: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]: ...
 
     def build_units(self, start: int, end: int) -> list[nn.Module]:
+        return finish_units(self.fresh_units(start, end), start=start, spec=self.spec)
+
+    def fresh_units(self, start: int, end: int) -> list[nn.Module]:
+        """Units ``[start, end)`` with their seeded initial weights (nothing loaded)."""
         check_unit_range(start, end, self.num_units)
         if self.spec.from_peer:
             # A peer's config can name any size: count before allocating anything.
@@ -71,7 +75,7 @@ class UnitwiseSequence(ABC):
         for index in range(start, end):
             with seeded(unit_seed(self.spec.seed, index)):
                 units.append(self.make_unit(index))
-        return finish_units(units, start=start, spec=self.spec)
+        return units
 
     def unit_param_keys(self, index: int) -> list[str]:
         check_unit_range(index, index + 1, self.num_units)

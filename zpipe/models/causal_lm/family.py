@@ -28,8 +28,6 @@ from zpipe.models.causal_lm.config import (
     read_causal_lm_config,
 )
 from zpipe.models.causal_lm.units import LmHead, TokenEmbedding, make_unit
-from zpipe.models.sequence import check_unit_range
-from zpipe.models.size import check_peer_build
 from zpipe.models.spec import ModelSpec
 
 FAMILY = "causal_lm"
@@ -65,13 +63,7 @@ class CausalLmSequence(UnitwiseSequence):
         return make_unit(self.config, index)
 
     def build_units(self, start: int, end: int) -> list[nn.Module]:
-        check_unit_range(start, end, self.num_units)
-        if self.spec.from_peer:
-            check_peer_build(self, start, end)
-        units = []
-        for index in range(start, end):
-            with seeded(unit_seed(self.spec.seed, index)):
-                units.append(self.make_unit(index))
+        units = self.fresh_units(start, end)
         self._tie(units, start, end)
         weights = self.spec.weights
         if weights is not None and Path(weights).is_dir():
