@@ -12,6 +12,7 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.generation import SamplingParams
+from zpipe.generation.sampling import sample_token
 from zpipe.serve.backend import GenerationBackend
 from zpipe.serve.transformers_backend import TransformersBackend
 from zpipe.testing.tiny_lm import save_tiny_lm
@@ -72,6 +73,20 @@ def test_seeded_sampling_repeats_and_another_seed_differs(backend) -> None:
     ]
     assert first == again
     assert first != other
+
+
+def test_sampled_tokens_follow_the_cores_seed_rule(backend, checkpoint) -> None:
+    """Each sampled token is the core's draw for (seed, index) on the model's
+    logits, as the pipeline's last stage would draw it (recomputed here without
+    a cache, so the backend's cache is checked too)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    ids = backend.tokenizer("hello")["input_ids"]
+    params = SamplingParams(max_tokens=12, temperature=1.5, top_k=50, top_p=0.95, seed=11)
+    tokens = [e.token for e in _events(backend, ids, params)]
+    for index, token in enumerate(tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + tokens[:index]])).logits[0, -1]
+        assert token == sample_token(logits, params, index)
 
 
 def test_a_stop_string_ends_the_stream_and_is_not_emitted(backend) -> None:
