@@ -12,8 +12,6 @@ One job per module:
   :class:`~zpipe.generation.SamplingParams` and a prompt (pure).
 - :mod:`~zpipe.serve.chat`: a chat's messages into prompt tokens with the
   tokenizer's chat template.
-- :mod:`~zpipe.serve.text`: token ids into text, piece by piece, holding back
-  what may be the start of a stop string (pure).
 - :mod:`~zpipe.serve.responses`: the response and stream-chunk bodies (pure).
 - :mod:`~zpipe.serve.app`: the Starlette application (routes, streaming, timeouts).
 

@@ -3,13 +3,12 @@
 The single-process baseline: ``python -m zpipe serve`` serves it today, and
 ``bench/generate.py`` compares the pipelined run against it. A manual token
 loop with the model's KV cache (``cache``, once ``past_key_values``) rather than
-``model.generate``, so that sampling follows :class:`SamplingParams` exactly
-and a sequence can be cancelled between any two tokens:
-
-- greedy is ``argmax`` of the last position's logits, as ``generate`` does;
-- sampling divides by the temperature, keeps the ``top_k`` most likely tokens,
-  then the smallest set reaching ``top_p`` (``generate``'s warpers, in its order),
-  and draws from a ``torch.Generator`` seeded with the request's seed.
+``model.generate``, so that a sequence can be cancelled between any two tokens
+and follows the same rules as the pipelined run's last stage: the next token is
+the generation core's :func:`~zpipe.generation.sampling.sample_token` (greedy is
+``argmax``, as ``generate`` does; a sampled draw is seeded by the request's seed
+and the token's index), and :class:`~zpipe.generation.StopChecker` decides the
+end of the sequence and the text each token makes final.
 
 Every forward pass runs on one worker thread (the model is not shared between
 threads), so concurrent requests interleave token by token and the event loop
@@ -33,8 +32,14 @@ from typing import Any
 import torch
 
 from zpipe._errors import ConfigError
-from zpipe.generation import FinishReason, SamplingParams, TokenEvent
-from zpipe.serve.text import TextStream
+from zpipe.generation import (
+    SamplingParams,
+    SkipSpecialTokens,
+    StopChecker,
+    TokenEvent,
+    eos_ids_from,
+)
+from zpipe.generation.sampling import sample_token
 
 
 class TransformersBackend:
@@ -62,9 +67,8 @@ class TransformersBackend:
             eos = getattr(model.config, "eos_token_id", None)
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
-        self._eos: frozenset[int] = frozenset(
-            [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        )
+        self._eos = eos_ids_from(eos)
+        self._detokenizer = None if tokenizer is None else SkipSpecialTokens(tokenizer)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zpipe-model")
         self._sequences = itertools.count()
         self.live_sequences = 0  # generators started and not yet ended or closed
@@ -120,26 +124,17 @@ class TransformersBackend:
                 f"the context length {self._max_context}"
             )
         sequence = next(self._sequences)
+        stops = StopChecker(params, self._eos, self._detokenizer)
         state = _Sequence(self._model, params)
-        text = TextStream(self._tokenizer, params.stop)
         loop = asyncio.get_running_loop()
         self.live_sequences += 1
         try:
             step_input = prompt
             for index in range(params.max_tokens):
-                token = await loop.run_in_executor(self._worker, state.step, step_input)
-                finish: FinishReason | None = None
-                piece = text.push(token)
-                if params.stop_at_eos and token in self._eos:
-                    finish = "eos"
-                elif text.stopped:
-                    finish = "stop"
-                elif index == params.max_tokens - 1:
-                    finish = "length"
-                if finish in ("eos", "length"):
-                    piece += text.flush()
-                yield TokenEvent(sequence, index, token, piece, finish)
-                if finish is not None:
+                token = await loop.run_in_executor(self._worker, state.step, step_input, index)
+                decision = stops.push(token)
+                yield TokenEvent(sequence, index, token, decision.text, decision.finish_reason)
+                if decision.finish_reason is not None:
                     return
                 step_input = [token]
         finally:
@@ -148,7 +143,7 @@ class TransformersBackend:
 
 
 class _Sequence:
-    """One sequence's cache and sampler; :meth:`step` runs on the worker thread."""
+    """One sequence's cache; :meth:`step` runs on the worker thread."""
 
     def __init__(self, model: Any, params: SamplingParams) -> None:
         self._model = model
@@ -158,10 +153,10 @@ class _Sequence:
         self._cache_arg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
-        self._generator = torch.Generator().manual_seed(params.seed)
 
-    def step(self, input_ids: list[int]) -> int:
-        """Feed tokens (the prompt, then each new token), return the next one."""
+    def step(self, input_ids: list[int], index: int) -> int:
+        """Feed tokens (the prompt, then each new token), return the next one: the
+        sequence's generated token number ``index``."""
         with torch.inference_mode():
             out = self._model(
                 input_ids=torch.tensor([input_ids], dtype=torch.long),
@@ -169,31 +164,10 @@ class _Sequence:
                 **{self._cache_arg: self._cache},
             )
             self._cache = out[self._cache_arg]
-            return pick_token(out.logits[0, -1, :].float(), self._params, self._generator)
+            return sample_token(out.logits[0, -1, :], self._params, index)
 
     def release(self) -> None:
         self._cache = None
-
-
-def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The next token from one position's logits, as ``params`` says."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scores = logits / params.temperature
-    if params.top_k:
-        k = min(params.top_k, scores.numel())
-        kth = torch.topk(scores, k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        # transformers' TopPLogitsWarper: drop the least likely tokens whose
-        # cumulative probability stays within 1 - top_p, always keeping the best
-        ordered, order = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - params.top_p)
-        drop[-1] = False
-        scores = scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _context_of(config: Any) -> int | None:

@@ -1,6 +1,7 @@
-"""The single-process backend: greedy tokens equal transformers' generate, sampling
-follows SamplingParams (HF's warpers, a seeded generator), stop strings and end of
-sequence end the stream, and closing the stream releases the sequence."""
+"""The single-process backend: greedy tokens equal transformers' generate, seeded
+sampling repeats, stop strings and end of sequence end the stream, and closing the
+stream releases the sequence. (Its sampler and stop rules are the generation core's,
+tested in tests/unit/generation/.)"""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.generation import SamplingParams
+from zpipe.generation.sampling import sample_token
 from zpipe.serve.backend import GenerationBackend
-from zpipe.serve.transformers_backend import TransformersBackend, pick_token
+from zpipe.serve.transformers_backend import TransformersBackend
 from zpipe.testing.tiny_lm import save_tiny_lm
 
 transformers = pytest.importorskip("transformers")
@@ -73,26 +75,18 @@ def test_seeded_sampling_repeats_and_another_seed_differs(backend) -> None:
     assert first != other
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.5), (5, 1.0), (20, 0.8), (1, 0.3)])
-def test_sampling_keeps_the_tokens_hf_warpers_keep(top_k: int, top_p: float) -> None:
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    logits = torch.randn(300, generator=torch.Generator().manual_seed(top_k))
-    scores = TemperatureLogitsWarper(0.7)(None, logits[None].clone())
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    allowed = set(torch.isfinite(scores[0]).nonzero().flatten().tolist())
-    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
-    generator = torch.Generator().manual_seed(0)
-    drawn = {pick_token(logits, params, generator) for _ in range(300)}
-    assert drawn <= allowed
-    assert len(drawn) > 1 or len(allowed) == 1
+def test_sampled_tokens_follow_the_cores_seed_rule(backend, checkpoint) -> None:
+    """Each sampled token is the core's draw for (seed, index) on the model's
+    logits, as the pipeline's last stage would draw it (recomputed here without
+    a cache, so the backend's cache is checked too)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    ids = backend.tokenizer("hello")["input_ids"]
+    params = SamplingParams(max_tokens=12, temperature=1.5, top_k=50, top_p=0.95, seed=11)
+    tokens = [e.token for e in _events(backend, ids, params)]
+    for index, token in enumerate(tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + tokens[:index]])).logits[0, -1]
+        assert token == sample_token(logits, params, index)
 
 
 def test_a_stop_string_ends_the_stream_and_is_not_emitted(backend) -> None:
