@@ -117,9 +117,7 @@ def _device_spec(device: object) -> DeviceSpec:
         return device
     if isinstance(device, str):
         return DeviceSpec(device)
-    raise ConfigError(
-        f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}"
-    )
+    raise ConfigError(f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}")
 
 
 class LocalCluster:
