@@ -187,8 +187,10 @@ class VirtualClock:
         if weights is None:
             self.log.failed_tasks += 1
             waited = self.now - self._sent_at.pop(task.task_id)
-            self._schedule(self.server.on_task_failed(task.task_id))
+            # the silence first: a client it drops out must not be picked again by the
+            # new round its failure may start (fl-server's controller does the same)
             self._schedule(self.server.observe_silence(task.client_id, waited))
+            self._schedule(self.server.on_task_failed(task.task_id))
             return self.take_dispatched()
         self._sent_at.pop(task.task_id, None)
         self.log.client_tasks += 1

@@ -105,6 +105,32 @@ def test_a_failed_client_is_dropped_out_and_never_trained_again() -> None:
     assert trained_after and victim not in trained_after
 
 
+def test_a_failure_that_ends_a_round_does_not_pick_the_failed_client_again() -> None:
+    # one group of three, K = 3: every round takes all three; the slowest one fails last
+    profiles = [ClientProfile(c, 1.0 + 0.1 * c, _counts(c)) for c in range(3)]
+    server = make_server(
+        profiles,
+        np.zeros(3),
+        ServerConfig(method="ecofl", max_concurrent=3, grouping=GroupingPolicy(n_groups=1)),
+    )
+    clock = VirtualClock(
+        server,
+        {p.client_id: p.latency_s for p in profiles},
+        ClockConfig(budget_s=10.0, eval_every_s=10.0, change_every_s=100.0, jitter=0.0),
+        evaluate=lambda w: 0.0,
+    )
+    assert sorted(t.client_id for t in clock.take_dispatched()) == [0, 1, 2]
+    for expected in (0, 1):
+        step = clock.advance()
+        assert isinstance(step, NeedResult) and step.task.client_id == expected
+        assert clock.on_result(step.task.weights + 1.0, 10) == []
+    step = clock.advance()
+    assert isinstance(step, NeedResult) and step.task.client_id == 2
+    next_round = clock.on_result(None)
+    assert sorted(t.client_id for t in next_round) == [0, 1]
+    assert server.is_dropped(2)
+
+
 def test_answers_out_of_turn_are_refused() -> None:
     clock = _clock("fedavg")
     with pytest.raises(ProtocolError):
