@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from zpipe.devices import single_threaded_blas
 from zpipe.federated.model import MLPShape, accuracy
 from zpipe.federated.server import HierarchicalServer, TrainTask, make_server
 from zpipe.federated.simulate import (
@@ -38,6 +39,11 @@ pytestmark = pytest.mark.timeout(900)
 
 def _reference(config: SimConfig, failing: frozenset[int], dataset: Dataset) -> dict[str, Any]:
     """The same run in this process: the clock, fl-sim's clients, the same failures."""
+    with single_threaded_blas():  # as fl-sim and the ClientApp train
+        return _reference_run(config, failing, dataset)
+
+
+def _reference_run(config: SimConfig, failing: frozenset[int], dataset: Dataset) -> dict[str, Any]:
     federation = build_federation(config, dataset)
     shape = MLPShape(dataset.n_features, config.hidden, dataset.n_classes)
     server = make_server(
