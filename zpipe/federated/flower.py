@@ -14,9 +14,10 @@ MLP on one shard). A trainer backed by a zpipe pipeline (``zpipe.client.fit``
 across a client's devices) would implement the same :class:`LocalTrainer`
 protocol; that one is not written yet.
 
-Flower is optional (``pip install 'zpipe[flower]'``); its in-process
-simulation engine additionally needs Ray, which is not installed here, so the
-tests drive the adapter through Flower's client and strategy APIs directly.
+Flower is optional (``pip install 'zpipe[flower]'``). This adapter serves
+Flower's legacy strategies (``NumPyClient``); Eco-FL's own server on Flower,
+with its grouping, runs as a Message API ``ServerApp`` with a ``ClientApp``
+(:mod:`zpipe.federated.flower_app`).
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ so every method of one seed faces the same federation.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +30,14 @@ from zpipe.devices import single_threaded_blas
 from zpipe.federated.data import PARTITIONS, ClientShard, client_classes, make_shards
 from zpipe.federated.grouping import ClientProfile, GroupingPolicy
 from zpipe.federated.model import MLPShape, accuracy, init_weights, local_train
-from zpipe.federated.server import METHODS, ClientUpdate, ServerConfig, TrainTask, make_server
+from zpipe.federated.server import METHODS, ServerConfig, TrainTask, make_server
+from zpipe.federated.virtual_time import (
+    ClockConfig,
+    Finished,
+    NeedProfiles,
+    NeedResult,
+    VirtualClock,
+)
 from zpipe.lossy.data import Dataset
 
 DEGREES = (0.2, 0.4, 0.6, 0.8, 1.0)
@@ -141,6 +146,76 @@ def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
     return run_federation(config, build_federation(config, dataset), dataset)
 
 
+def server_config(config: SimConfig) -> ServerConfig:
+    """The server settings of a run (fl-sim's and the Flower ServerApp's alike)."""
+    return ServerConfig(
+        method=config.method,
+        max_concurrent=config.max_concurrent,
+        alpha=config.alpha,
+        staleness=config.staleness,
+        staleness_a=config.staleness_a,
+        intra_syncs=config.intra_syncs,
+        grouping=GroupingPolicy(
+            n_groups=config.n_groups,
+            lam=config.lam,
+            rt_factor=config.rt_factor,
+            rt_floor_fraction=config.rt_floor_fraction,
+            seed=config.seed,
+        ),
+        seed=config.seed,
+    )
+
+
+def clock_config(config: SimConfig) -> ClockConfig:
+    return ClockConfig(
+        seed=config.seed,
+        jitter=config.jitter,
+        budget_s=config.budget_s,
+        eval_every_s=config.eval_every_s,
+        change_every_s=config.change_every_s,
+    )
+
+
+def initial_weights(config: SimConfig, shape: MLPShape) -> np.ndarray:
+    return init_weights(shape, np.random.default_rng([config.seed, 3]))
+
+
+def train_task(
+    config: SimConfig, shape: MLPShape, shard: ClientShard, task: TrainTask
+) -> np.ndarray:
+    """A client's local training of one task, seeded by the task (so any transport
+    that runs it, fl-sim inline or a Flower ClientApp, trains the same weights)."""
+    return local_train(
+        task.weights,
+        shape,
+        shard.x,
+        shard.y,
+        steps=config.local_steps,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        mu=config.mu,
+        rng=np.random.default_rng([config.seed, 5, task.task_id]),
+    )
+
+
+def run_result(
+    config: SimConfig, clock: VirtualClock, started: float, **extra: Any
+) -> dict[str, Any]:
+    """What a run reports (fl-sim's JSON and the Flower ServerApp's alike)."""
+    return {
+        "method": config.method,
+        "seed": config.seed,
+        "config": asdict(config),
+        "curve": {"time_s": clock.log.curve_t, "test_acc": clock.log.curve_acc},
+        "final_acc": clock.log.curve_acc[-1],
+        "client_tasks": clock.log.client_tasks,
+        **clock.reached,
+        "stats": clock.server.stats(),
+        **extra,
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+
+
 def run_federation(
     config: SimConfig,
     federation: Federation,
@@ -150,94 +225,34 @@ def run_federation(
 ) -> dict[str, Any]:
     """One run over given clients (``config.n_clients`` of them). With ``max_updates``
     it also stops once the global model has had that many updates, and reports the
-    simulated time that took and the accuracy then (what fl-server's --updates ends at)."""
+    simulated time that took and the accuracy then (what fl-server's --updates ends at).
+
+    The clock (:class:`~zpipe.federated.virtual_time.VirtualClock`) decides; this
+    loop only trains each task inline and reads the federation's latencies."""
     started = time.perf_counter()
     shape = MLPShape(dataset.n_features, config.hidden, dataset.n_classes)
-    initial = init_weights(shape, np.random.default_rng([config.seed, 3]))
     server = make_server(
-        federation.profiles(),
-        initial,
-        ServerConfig(
-            method=config.method,
-            max_concurrent=config.max_concurrent,
-            alpha=config.alpha,
-            staleness=config.staleness,
-            staleness_a=config.staleness_a,
-            intra_syncs=config.intra_syncs,
-            grouping=GroupingPolicy(
-                n_groups=config.n_groups,
-                lam=config.lam,
-                rt_factor=config.rt_factor,
-                rt_floor_fraction=config.rt_floor_fraction,
-                seed=config.seed,
-            ),
-            seed=config.seed,
-        ),
+        federation.profiles(), initial_weights(config, shape), server_config(config)
     )
-    events: list[tuple[float, int, str, Any]] = []
-    order = itertools.count()
-    n_evals = math.floor(config.budget_s / config.eval_every_s)
-    for k in range(n_evals + 1):
-        heapq.heappush(events, (k * config.eval_every_s, next(order), "eval", None))
-    n_ticks = math.floor(config.budget_s / config.change_every_s)
-    for k in range(1, n_ticks + 1):
-        heapq.heappush(events, (k * config.change_every_s, next(order), "change", None))
-
-    def schedule(now: float, tasks: list[TrainTask]) -> None:
-        for task in tasks:
-            rng = np.random.default_rng([config.seed, 4, task.task_id])
-            spread = max(0.1, 1.0 + config.jitter * float(rng.normal()))
-            done = now + federation.latency(task.client_id) * spread
-            heapq.heappush(events, (done, next(order), "done", task))
-
-    curve_t: list[float] = []
-    curve_acc: list[float] = []
-    client_tasks = 0
-    reached: dict[str, float] = {}
-    schedule(0.0, server.start())
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if now > config.budget_s:
-            break
-        if kind == "eval":
-            curve_t.append(now)
-            curve_acc.append(accuracy(server.global_weights, shape, dataset.x_test, dataset.y_test))
-        elif kind == "change":
-            federation.change_degrees(config.degrees, config.change_prob)
-            for client_id in range(config.n_clients):
-                schedule(now, server.observe_latency(client_id, federation.latency(client_id)))
-        else:
-            task: TrainTask = payload
-            shard = federation.shards[task.client_id]
-            weights = local_train(
-                task.weights,
-                shape,
-                shard.x,
-                shard.y,
-                steps=config.local_steps,
-                batch_size=config.batch_size,
-                lr=config.lr,
-                mu=config.mu,
-                rng=np.random.default_rng([config.seed, 5, task.task_id]),
-            )
-            client_tasks += 1
-            update = ClientUpdate(task.task_id, task.client_id, weights, len(shard.y))
-            schedule(now, server.on_update(update))
-            if max_updates is not None and server.version >= max_updates:
-                acc = accuracy(server.global_weights, shape, dataset.x_test, dataset.y_test)
-                reached = {"updates_reached_s": now, "acc_at_updates": acc}
+    clock = VirtualClock(
+        server,
+        {c: federation.latency(c) for c in range(config.n_clients)},
+        clock_config(config),
+        evaluate=lambda w: accuracy(w, shape, dataset.x_test, dataset.y_test),
+        max_updates=max_updates,
+    )
+    while True:
+        clock.take_dispatched()  # trained when their completion comes up, below
+        match clock.advance():
+            case Finished():
                 break
-    return {
-        "method": config.method,
-        "seed": config.seed,
-        "config": asdict(config),
-        "curve": {"time_s": curve_t, "test_acc": curve_acc},
-        "final_acc": curve_acc[-1],
-        "client_tasks": client_tasks,
-        **reached,
-        "stats": server.stats(),
-        "wall_s": round(time.perf_counter() - started, 3),
-    }
+            case NeedProfiles():
+                federation.change_degrees(config.degrees, config.change_prob)
+                clock.on_profiles({c: federation.latency(c) for c in range(config.n_clients)})
+            case NeedResult(task=task):
+                shard = federation.shards[task.client_id]
+                clock.on_result(train_task(config, shape, shard, task), len(shard.y))
+    return run_result(config, clock, started)
 
 
 def time_to_accuracy(result: dict[str, Any], target: float) -> float:

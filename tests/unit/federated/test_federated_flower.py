@@ -1,5 +1,6 @@
-"""The Flower adapter, driven through Flower's own client and FedAvg strategy APIs
-(Flower's in-process simulation engine needs Ray, which is not installed here)."""
+"""The Flower ``NumPyClient`` adapter, driven in-process through Flower's own client and
+FedAvg strategy APIs (the unit lane starts no process; Eco-FL's ServerApp on Flower's
+simulation engine, which starts Ray's, is tested in tests/cluster/test_flower_simulation.py)."""
 
 from __future__ import annotations
 
