@@ -254,7 +254,9 @@ class AsyncTrainingExecutor(TrainingExecutor):
         outputs, loss, _ = await self._in_thread(
             self.async_shard.forward_at, b, version, inputs, target, samples, self._versions
         )
-        self.counters.forward_s += time.perf_counter() - started
+        done = time.perf_counter()
+        self.counters.forward_s += done - started
+        self.counters.timeline.record(b, "forward", started, done)
         self.counters.microbatches += 1
         self.counters.peak_live_activations = self.async_shard.peak_live
         self._rows[b] = (0, total, total)
@@ -285,9 +287,9 @@ class AsyncTrainingExecutor(TrainingExecutor):
         if not kinds:
             return
         started = clock()
-        # a clone (repartition_snapshot copies every tensor), in the compute thread
-        # between two actions: the version of ``step`` and nothing later
-        state = await self._in_thread(self.async_shard.repartition_snapshot, self.depth)
+        # a clone of every tensor, in the compute thread between two actions: the
+        # version of ``step`` and nothing later
+        state = await self._in_thread(self.async_shard.live_copy, self.depth)
         self.counters.timeline.record(step, "snapshot", started, clock())
         shard = self.async_shard
         self.copies.offer(PendingCopy(self.setup.run, step, shard.start, shard.end, kinds, state))
