@@ -371,7 +371,12 @@ class SnapshotService:
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
         setup = trainer.setup if trainer is not None else None
         plan = BackupPlan(setup.run, setup.backup_from) if setup else BackupPlan(None)
-        held_after = self.replicas.peer_bytes_if_put(owner, run, step, nbytes, me=self.name)
+        # the copies made without draining and the flushes' snapshots share one budget
+        store, other = (
+            (self.live_copies, self.replicas) if message.live else (self.replicas, self.live_copies)
+        )
+        held_after = store.peer_bytes_if_put(owner, run, step, nbytes, me=self.name)
+        held_after += other.peer_bytes(me=self.name)
         refusal = backup_refusal(
             BackupOffer(owner, run, keys, len(message.tensors), nbytes),
             sender,
@@ -386,13 +391,12 @@ class SnapshotService:
             return BackupOk(run=run, step=step, error=refusal)
         # Copies: the frames' memory belongs to the zmq message.
         state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
+        store.put(owner, run, step, state)
         if message.live:
-            self.live_copies.put(owner, run, step, state)
             # the digest lets the copy be compared with the others of this step
             log.info("live_copy_kept", stage=self.name, owner=owner, run=run, step=step,
                      bytes=nbytes, digest=state_digest(state))  # fmt: skip
             return BackupOk(run=run, step=step, error="")
-        self.replicas.put(owner, run, step, state)
         log.info("backup_kept", stage=self.name, owner=owner, run=run, step=step, bytes=nbytes)
         return BackupOk(run=run, step=step, error="")
 
