@@ -3,7 +3,9 @@
 Each stage is one process of the trace (named after the stage, in plan order)
 with one thread per track: ``recv`` (the data port taking a message), ``compute``
 (inference, or training's forward, backward, all-reduce and optimizer step) and
-``send`` (handing a result to the link). Each span is a complete event ("ph":
+``send`` (handing a result to the link), and ``copy`` for a stage that sent copies
+without draining (asynchronous runs; a ``flush``, a wait at a flush point, and a
+copy's ``snapshot`` are drawn on ``compute``). Each span is a complete event ("ph":
 "X") named after its phase and micro-batch, with the micro-batch in ``args``.
 
 Every stage stamps its spans with its own clock; a stage that measured its

@@ -91,6 +91,8 @@ def _chain_peer(entry: Any) -> ChainPeer | None:
     """The next stage that holds this one's chain copies (None: the coordinator does)."""
     if entry is None:
         return None
+    if not isinstance(entry, dict):
+        raise ValueError(f"chain_to must be a map, got {entry!r}")
     key = entry.get("key")
     return ChainPeer(str(entry["name"]), str(entry["endpoint"]), None if key is None else str(key))
 
