@@ -78,7 +78,8 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
         tensor = state[key].detach().contiguous().cpu()
         digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         if tensor.numel():
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+            # the tensor's own bytes, not a copy (hashlib reads any buffer)
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 

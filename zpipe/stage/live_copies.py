@@ -133,7 +133,8 @@ class LiveCopySender:
     async def _send(self, kind: str, copy: PendingCopy) -> None:
         keys = list(copy.state)
         tensors = tuple(copy.state.values())
-        digest = state_digest(copy.state)
+        # off the event loop: hashing megabytes would hold up the activations it sends
+        digest = await asyncio.to_thread(state_digest, copy.state)
         if kind == "chain" and self.chain_to is not None:
             backup = Backup(run=copy.run, step=copy.step, owner=self.name, keys=keys,
                             live=True, tensors=tensors)  # fmt: skip

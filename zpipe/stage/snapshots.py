@@ -100,6 +100,7 @@ class SnapshotService:
         # chain copies peers made without draining, by (owner, run, step): apart from
         # ``replicas``, so that they never push out a flush's snapshot a rollback needs
         self.live_copies = ReplicaStore()
+        self._digests: set[asyncio.Future[str]] = set()  # kept copies being hashed
         # what this device holds for peers' backups at most: its model memory limit
         self.backup_budget_bytes = (
             peer_build_limit() if backup_budget_bytes is None else backup_budget_bytes
@@ -393,12 +394,26 @@ class SnapshotService:
         state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
         store.put(owner, run, step, state)
         if message.live:
-            # the digest lets the copy be compared with the others of this step
-            log.info("live_copy_kept", stage=self.name, owner=owner, run=run, step=step,
-                     bytes=nbytes, digest=state_digest(state))  # fmt: skip
+            self._log_live_copy(owner, run, step, nbytes, state)
             return BackupOk(run=run, step=step, error="")
         log.info("backup_kept", stage=self.name, owner=owner, run=run, step=step, bytes=nbytes)
         return BackupOk(run=run, step=step, error="")
+
+    def _log_live_copy(
+        self, owner: str, run: int, step: int, nbytes: int, state: dict[str, torch.Tensor]
+    ) -> None:
+        """Log a kept copy with its digest (to compare it with the other copies of its
+        mini-batch), hashed in a thread: the event loop goes on with the data."""
+
+        def logged(task: asyncio.Future[str]) -> None:
+            self._digests.discard(task)
+            if not task.cancelled() and task.exception() is None:
+                log.info("live_copy_kept", stage=self.name, owner=owner, run=run, step=step,
+                         bytes=nbytes, digest=task.result())  # fmt: skip
+
+        task = asyncio.ensure_future(asyncio.to_thread(state_digest, state))
+        self._digests.add(task)  # held until done: a task only weakly referenced may vanish
+        task.add_done_callback(logged)
 
     async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a

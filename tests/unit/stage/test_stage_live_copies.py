@@ -59,18 +59,24 @@ def _pending(step: int, kinds: tuple[str, ...]) -> PendingCopy:
 async def test_the_sender_sends_the_newest_copy_of_each_kind_chain_first() -> None:
     peer_sends: list[Backup] = []
     coordinator: list[AsyncCopy] = []
-    gate, done = asyncio.Event(), asyncio.Event()
+    gate, entered = asyncio.Event(), asyncio.Event()
+    heard = asyncio.Condition()
 
     async def to_peer(peer: ChainPeer, backup: Backup) -> None:
+        entered.set()
         await gate.wait()  # a slow link: copies offered meanwhile wait
         if backup.step == 8:
             raise ConnectionError("the peer went away")
         peer_sends.append(backup)
 
     async def to_coordinator(message: AsyncCopy) -> None:
-        coordinator.append(message)
-        if message.step == 10:
-            done.set()
+        async with heard:
+            coordinator.append(message)
+            heard.notify_all()
+
+    async def until_heard(count: int) -> None:
+        async with heard:
+            await asyncio.wait_for(heard.wait_for(lambda: len(coordinator) >= count), 30)
 
     counters = StageCounters()
     routes = CopyRoutes(to_peer, to_coordinator)
@@ -80,14 +86,14 @@ async def test_the_sender_sends_the_newest_copy_of_each_kind_chain_first() -> No
     task = asyncio.create_task(sender.run())
     try:
         sender.offer(_pending(2, ("chain", "global")))
-        await asyncio.sleep(0)  # the chain copy of 2 is on its way, held at the gate
+        await asyncio.wait_for(entered.wait(), 30)  # the chain copy of 2 is on its way
         sender.offer(_pending(4, ("chain",)))
         sender.offer(_pending(6, ("chain",)))  # replaces 4, still waiting
         gate.set()
-        await asyncio.sleep(0)
+        await until_heard(3)
         sender.offer(_pending(8, ("chain",)))  # its send fails: logged, the next goes on
         sender.offer(_pending(10, ("global",)))
-        await asyncio.wait_for(done.wait(), 30)
+        await until_heard(4)
     finally:
         task.cancel()
     assert sender.sent == [("chain", 2), ("chain", 6), ("global", 2), ("global", 10)]
