@@ -332,3 +332,50 @@ async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> N
     malformed = WeightsRequest(run=4, step=3, snapshot=[{"owner": "b"}])
     reply = await service.weights_reply(malformed, None, never)
     assert "malformed snapshot range" in reply.error
+
+
+async def test_a_live_chain_copy_is_kept_apart_from_the_flush_snapshots() -> None:
+    # copies made without draining (zpipe.stage.live_copies) must never push out the
+    # snapshot of a flush that an exact rollback still needs; they share the budget
+    import zmq.asyncio
+
+    from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
+    from zpipe.stage.metrics import StageCounters
+    from zpipe.stage.snapshots import SnapshotService
+    from zpipe.transport.sockets import SocketOptions
+
+    store = ReplicaStore()
+    service = SnapshotService(
+        name="b", context=zmq.asyncio.Context.instance(), keypair=None,
+        socket_options=SocketOptions(), timeout_s=1.0,
+        compute=None,  # type: ignore[arg-type]  # not used by backups
+        counters=StageCounters(), replicas=store, backup_budget_bytes=100,
+    )  # fmt: skip
+    setup = TrainingSetup(
+        run=7, epoch=1, name="b", index=1, num_stages=2, schedule="async-1f1b",
+        num_microbatches=1, warmup=1, group=DataParallelGroup(("b",), (1,)), rank=0,
+        upstream=DataParallelGroup(("a",), (1,)),
+        downstream=DataParallelGroup(("client",), (1,)), wait_s=1.0, backup_from=("a",),
+    )  # fmt: skip
+
+    class Trainer:
+        def __init__(self, setup: TrainingSetup) -> None:
+            self.setup = setup
+
+    def backup(step: int, floats: int, *, live: bool | None) -> Backup:
+        return Backup(run=7, step=step, owner="a", keys=["units.0.w"], live=live,
+                      tensors=(torch.full((floats,), float(step)),))  # fmt: skip
+
+    trainer = Trainer(setup)
+    flushed = await service.on_peer_request(backup(4, 4, live=None), trainer)  # type: ignore[arg-type]
+    assert flushed.error == ""
+    for step in (50, 100, 150):  # more copies than the store keeps per owner
+        kept = await service.on_peer_request(backup(step, 4, live=True), trainer)  # type: ignore[arg-type]
+        assert kept.error == ""
+    assert ("a", 7, 4) in store  # the flush's snapshot stands
+    assert ("a", 7, 150) in service.live_copies and ("a", 7, 50) not in service.live_copies
+    assert service.live_copies.units("a", 7, 150, 0, 1)["units.0.w"][0].item() == 150.0
+    # one budget for both: the flush's 16 bytes, the copy of 150 (16) and this one's 80
+    # (the copy of 100 would be dropped) come to 112, more than 100
+    huge = await service.on_peer_request(backup(200, 20, live=True), trainer)  # type: ignore[arg-type]
+    assert "more than it can" in huge.error and ("a", 7, 200) not in service.live_copies

@@ -263,6 +263,10 @@ def run_kind_settings(args: argparse.Namespace) -> dict[str, Any]:
             aggregate=args.aggregate,
             aggregate_multiple=args.aggregate_multiple,
         )
+    if args.live_copies:  # checked in main: async-1f1b
+        settings.update(
+            live_copies=True, chain_every=args.chain_every, global_every=args.global_every
+        )
     if repartition_of(args) is not None:  # checked in main: async, or synchronous without --recover
         settings["repartition"] = repartition_of(args)
     if args.planner is not None:
@@ -329,15 +333,23 @@ def _train(
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Everything about the flags that can fail, checked before anything starts."""
+    asynchronous = args.schedule == ASYNC_SCHEDULE
+    if args.live_copies and not asynchronous:
+        parser.error(f"--live-copies needs --schedule {ASYNC_SCHEDULE}")
+    if args.live_copies and args.replication not in (None, "global"):
+        parser.error(
+            "--live-copies are the chain and global copies themselves: leave --replication "
+            "at global (a recovering run's flush replicas)"
+        )
+    # with --live-copies, --chain-every and --global-every are the copies' periods
+    periods = () if args.live_copies else (args.chain_every, args.global_every)
     recover_only = (
         args.replicate_every,
         args.rebalance,
         args.consistency,
         args.replication,
-        args.chain_every,
-        args.global_every,
+        *periods,
     )
-    asynchronous = args.schedule == ASYNC_SCHEDULE
     if args.microbatches is None:
         args.microbatches = 1 if asynchronous else 4
     if asynchronous and args.microbatches != 1:
@@ -371,8 +383,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             "--replicate-every, --rebalance, --consistency, --replication, --chain-every "
             "and --global-every need --recover"
         )
-    periods = (args.chain_every, args.global_every)
-    if periods != (None, None) and args.replication in (None, "global"):
+    if any(p is not None for p in periods) and args.replication in (None, "global"):
         parser.error("--chain-every and --global-every need --replication chain or topology")
     if args.microbatches > args.batch_size:
         parser.error(

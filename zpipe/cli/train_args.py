@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --aggregate: aggregate every K * (n - i) backwards (default: 1)",
     )
     parser.add_argument(
+        "--live-copies",
+        action="store_true",
+        help="async-1f1b: FTPipeHD's replication without draining: each stage copies its "
+        "units to the next stage every --chain-every (default 50) mini-batches and to the "
+        "coordinator every --global-every (default 100) while the pipeline trains",
+    )
+    parser.add_argument(
         "--repartition",
         action="store_true",
         help="FTPipeHD's live re-partitioning (async-1f1b, or a synchronous run without "
@@ -314,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="with --replication chain or topology: mini-batches between chain replicas "
-        "(the same as --replicate-every; default: 50)",
+        "(the same as --replicate-every; default: 50); with --live-copies: between chain "
+        "copies",
     )
     parser.add_argument(
         "--global-every",
@@ -323,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --replication chain or topology: also a global copy of every unit to "
         "the coordinator every N mini-batches (FTPipeHD runs both); a recovery whose chain "
-        "copies of some unit all died goes on from it (default: none)",
+        "copies of some unit all died goes on from it (default: none); with --live-copies: "
+        "between global copies (default: 100)",
     )
     parser.add_argument(
         "--consistency",

@@ -23,6 +23,7 @@ from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, DeadlinePolicy
+from zpipe.recovery.live_copies import DEFAULT_CHAIN_EVERY, DEFAULT_GLOBAL_EVERY
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.lr_schedules import check_lr_schedule
 from zpipe.training.objectives import check_loss, check_optimizer
@@ -31,6 +32,9 @@ from zpipe.training.warmup import check_warmup_policy
 
 # FTPipeHD replicates globally every 100 mini-batches and along the chain every 50.
 DEFAULT_REPLICATE_EVERY = 50
+# FTPipeHD's periods of the copies an asynchronous run makes without draining
+DEFAULT_LIVE_CHAIN_EVERY = DEFAULT_CHAIN_EVERY
+DEFAULT_LIVE_GLOBAL_EVERY = DEFAULT_GLOBAL_EVERY
 # how a recovery treats the work since the replica (see TrainOptions.consistency)
 CONSISTENCIES = ("exact", "fast")
 
@@ -264,6 +268,14 @@ class TrainOptions:
     copy (two adjacent stages died: one held the other's backup) the run goes on
     from the newest global copy instead of failing (``exact`` consistency; the
     client keeps the mini-batches since that copy to train them again).
+    ``live_copies`` (``async-1f1b`` only): FTPipeHD's replication without draining.
+    Each stage copies its units (the weights after a known mini-batch, with the
+    stashed versions and optimizer state) to the next stage every ``chain_every``
+    mini-batches (default 50; the last stage to the coordinator) and to the
+    coordinator every ``global_every`` (default 100), while the pipeline trains on;
+    the coordinator keeps its copies in its state directory. A recovering run
+    (``recover``) still rolls back exactly to its flush replicas (``replicate_every``,
+    global replication); the copies are what a fast recovery restores from.
     ``loss`` and ``optimizer["name"]`` may name user code, "package.module:function"
     (see :mod:`zpipe.training.objectives`): each stage imports it only if its
     operator allowed it with ``--allow-factory``.
@@ -305,6 +317,7 @@ class TrainOptions:
     replication: str = "global"
     chain_every: int | None = None
     global_every: int | None = None
+    live_copies: bool = False
     lr_schedule: Mapping[str, Any] | None = None
     start_step: int = 0
     optimizer_state: bool = False
@@ -325,13 +338,19 @@ class TrainOptions:
         _check_count("chain_every", self.chain_every, optional=True)
         _check_count("global_every", self.global_every, optional=True)
         periods = (self.chain_every, self.global_every)
-        if periods != (None, None) and self.replication == "global":
+        if not isinstance(self.live_copies, bool):
+            raise ConfigError(f"live_copies must be True or False, got {self.live_copies!r}")
+        if self.live_copies:
+            _check_live_copies(self)
+        elif periods != (None, None) and self.replication == "global":
             raise ConfigError(
                 "chain_every and global_every go with replication='chain' or 'topology' "
                 "(with 'global' replication, replicate_every is the period)"
             )
-        if None not in (self.chain_every, self.replicate_every) and (
-            self.chain_every != self.replicate_every
+        if (
+            not self.live_copies
+            and None not in (self.chain_every, self.replicate_every)
+            and (self.chain_every != self.replicate_every)
         ):
             raise ConfigError(
                 f"chain_every={self.chain_every} and replicate_every={self.replicate_every} "
@@ -389,12 +408,24 @@ class TrainOptions:
         """Mini-batches between replicas (None: no replicas, the run does not recover)."""
         if not self.recover:
             return None
+        if self.live_copies:  # the periods are the copies'; the flush replicas are global
+            return self.replicate_every or DEFAULT_REPLICATE_EVERY
         return self.chain_every or self.replicate_every or DEFAULT_REPLICATE_EVERY
 
     @property
     def global_period(self) -> int | None:
         """Mini-batches between global copies beside chain replicas (None: none)."""
-        return self.global_every if self.recover else None
+        return self.global_every if self.recover and not self.live_copies else None
+
+    @property
+    def live_copy_periods(self) -> tuple[int, int] | None:
+        """(chain, global) periods of the copies made without draining (None: none)."""
+        if not self.live_copies:
+            return None
+        return (
+            self.chain_every or DEFAULT_LIVE_CHAIN_EVERY,
+            self.global_every or DEFAULT_LIVE_GLOBAL_EVERY,
+        )
 
     @classmethod
     def from_keywords(
@@ -411,6 +442,19 @@ class TrainOptions:
             if missing:
                 raise TypeError(f"{caller}() needs the keyword arguments {', '.join(missing)}")
         return _from_keywords(cls, options, keywords or {}, caller)
+
+
+def _check_live_copies(options: TrainOptions) -> None:
+    if options.schedule.lower() != ASYNC_SCHEDULE:
+        raise ConfigError(
+            f"live_copies is for {ASYNC_SCHEDULE} runs (a synchronous run replicates at "
+            "its round boundaries: use recover with replication='chain')"
+        )
+    if options.replication != "global":
+        raise ConfigError(
+            "live_copies are the chain and global copies themselves: leave replication "
+            f"at 'global' (a recovering run's flush replicas), not {options.replication!r}"
+        )
 
 
 def _repartition_settings(options: TrainOptions) -> RepartitionSettings | None:

@@ -3,7 +3,9 @@
 Each stage is one process of the trace (named after the stage, in plan order)
 with one thread per track: ``recv`` (the data port taking a message), ``compute``
 (inference, or training's forward, backward, all-reduce and optimizer step) and
-``send`` (handing a result to the link). Each span is a complete event ("ph":
+``send`` (handing a result to the link), and ``copy`` for a stage that sent copies
+without draining (asynchronous runs; a ``flush``, a wait at a flush point, and a
+copy's ``snapshot`` are drawn on ``compute``). Each span is a complete event ("ph":
 "X") named after its phase and micro-batch, with the micro-batch in ``args``.
 
 Every stage stamps its spans with its own clock; a stage that measured its
@@ -30,6 +32,8 @@ from zpipe.log import get_logger
 log = get_logger("zpipe.client")
 
 TRACKS = ("recv", "compute", "send")
+# drawn only for a stage that has such spans: copies made without draining
+OPTIONAL_TRACKS = ("copy",)
 # which track a phase is drawn on
 TRACK_OF = {
     "recv": "recv",
@@ -39,6 +43,9 @@ TRACK_OF = {
     "backward": "compute",
     "allreduce": "compute",
     "step": "compute",
+    "flush": "compute",
+    "snapshot": "compute",
+    "copy": "copy",
 }
 
 
@@ -107,9 +114,11 @@ def chrome_trace(
         timeline = timelines[stage]
         events.append(_meta("process_name", pid, 0, {"name": stage}))
         events.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
-        for tid, track in enumerate(TRACKS, start=1):
-            events.append(_meta("thread_name", pid, tid, {"name": track}))
-            events.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+        used = {TRACK_OF[phase] for _, phase, _, _ in spans}
+        for tid, track in enumerate(TRACKS + OPTIONAL_TRACKS, start=1):
+            if track in TRACKS or track in used:
+                events.append(_meta("thread_name", pid, tid, {"name": track}))
+                events.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
         for mb, phase, start, end in spans:
             name = phase if mb < 0 else f"{phase} mb{mb}"
             events.append(
@@ -120,7 +129,7 @@ def chrome_trace(
                     "ts": round((start - origin) * 1e6, 3),
                     "dur": round((end - start) * 1e6, 3),
                     "pid": pid,
-                    "tid": TRACKS.index(TRACK_OF[phase]) + 1,
+                    "tid": (TRACKS + OPTIONAL_TRACKS).index(TRACK_OF[phase]) + 1,
                     "args": {"mb": mb},
                 }
             )

@@ -12,7 +12,7 @@ takes over :mod:`~zpipe.coordinator.takeover`'s.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zpipe._errors import (
@@ -42,6 +42,7 @@ from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.records import SavedReplica, SavedState
 from zpipe.coordinator.registration import Registrations, printable
+from zpipe.coordinator.runs.async_copies import HeldCopy, keep_async_copy
 from zpipe.coordinator.runs.base import run_failed
 from zpipe.coordinator.runs.lossy import start_lossy_run
 from zpipe.coordinator.runs.lossy_remap import keep_replica
@@ -71,6 +72,7 @@ from zpipe.protocol.lossy import (
 from zpipe.protocol.repartition import RepartitionReply
 from zpipe.protocol.stage_control import (
     AssignFailed,
+    AsyncCopy,
     BackedUp,
     Connected,
     Heartbeat,
@@ -229,6 +231,8 @@ class CoordinatorCore:
                 return [Log("info", "stage_answered_probe", {"stage": member.name})]
             case LossyReplica():
                 return keep_replica(self.state, member.name, message)
+            case AsyncCopy():
+                return keep_async_copy(self.state, member.name, message, now)
         if isinstance(message, SHELL_REPLIES):
             return [Deliver(member.name, message)]
         if isinstance(message, REPLIES):
@@ -426,6 +430,7 @@ class CoordinatorCore:
         replica: SavedReplica | None,
         now: float,
         newest_global: SavedReplica | None = None,
+        copies: Sequence[HeldCopy] = (),
     ) -> None:
         """Take over what a previous coordinator saved (see :func:`takeover.restore`)."""
-        restore(self.state, saved, replica, now, newest_global)
+        restore(self.state, saved, replica, now, newest_global, copies)

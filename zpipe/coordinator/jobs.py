@@ -36,6 +36,7 @@ from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
+from zpipe.coordinator.runs.async_copies import SaveCopy
 from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
 from zpipe.lossy.mapping import partition_and_map
@@ -110,6 +111,10 @@ class JobRunner:
         if isinstance(job, SaveReplica):
             assert self._store is not None
             return await asyncio.to_thread(self._store.save_replica, job.replica)
+        if isinstance(job, SaveCopy):
+            assert self._store is not None
+            copy = job.copy
+            return await asyncio.to_thread(self._store.save_copy, copy.record, copy.state)
         raise TypeError(f"unknown job {job!r}")
 
     async def _await_stages(self, job: AwaitStages) -> list[Member]:

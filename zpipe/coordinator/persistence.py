@@ -18,7 +18,13 @@ Two files live in the state directory (``python -m zpipe.coordinator --state-dir
   link, else a copy), so it costs no second encoding; at most two replicas are
   ever on disk.
 
-Both are sequences of wire-codec messages (msgpack headers and raw tensor bytes:
+- ``copies/<kind>-<stage>.state``: the newest copy of each stage and kind that an
+  asynchronous run's stages made without draining
+  (:mod:`zpipe.coordinator.runs.async_copies`): its ledger record and, when the
+  coordinator holds it, its tensors; each replaces the older one of its stage and
+  kind, so a restarted coordinator holds every copy it held.
+
+All are sequences of wire-codec messages (msgpack headers and raw tensor bytes:
 nothing is pickled), framed by lengths and closed by a CRC-32, and written
 atomically (a temporary file, fsync, rename), so a coordinator killed in the
 middle of a write leaves the previous file whole. A file that does not parse
@@ -31,6 +37,7 @@ The records themselves (what the pure core saves and restores) are plain data in
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import struct
@@ -44,11 +51,13 @@ import torch
 from zpipe._errors import ConfigError, ProtocolError, StateFileError
 from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.protocol import REGISTRY, Message, WireMessage, storage
+from zpipe.recovery.live_copies import CopyRecord
 from zpipe.transport import codec
 
 STATE_FILE = "coordinator.state"
 REPLICA_FILE = "replica.state"
 GLOBAL_FILE = "global.state"
+COPIES_DIR = "copies"
 # Format tag and version: a file of another layout is refused, not misread.
 MAGIC = b"ZPSTATE1"
 _U32 = struct.Struct("<I")
@@ -291,6 +300,56 @@ class StateStore:
 
     def load_replica(self) -> SavedReplica | None:
         return self._load_replica(self.replica_path)
+
+    def copy_path(self, record: CopyRecord) -> Path:
+        # the stage's name hashed: a file name whatever characters a name holds
+        tag = hashlib.sha256(record.owner.encode()).hexdigest()[:16]
+        return self.directory / COPIES_DIR / f"{record.kind}-{tag}.state"
+
+    def save_copy(self, record: CopyRecord, state: Mapping[str, torch.Tensor]) -> int:
+        """Write the newest ``record.kind`` copy of ``record.owner`` (replacing the one
+        before, atomically); returns the file's size in bytes."""
+        path = self.copy_path(record)
+        path.parent.mkdir(exist_ok=True)
+        keys = list(state)
+        per = codec.MAX_TENSORS
+        chunks = max(1, -(-len(keys) // per))
+        messages = [
+            storage.CopyFile(
+                record=record.to_dict(),
+                keys=keys[i * per : (i + 1) * per],
+                chunk=i,
+                chunks=chunks,
+                tensors=tuple(state[k] for k in keys[i * per : (i + 1) * per]),
+            ).to_message()
+            for i in range(chunks)
+        ]
+        return write_messages(path, messages)
+
+    def load_copies(self) -> list[tuple[CopyRecord, dict[str, torch.Tensor]]]:
+        """Every copy saved by :meth:`save_copy` (in no particular order)."""
+        folder = self.directory / COPIES_DIR
+        if not folder.is_dir():
+            return []
+        copies = []
+        for path in sorted(folder.glob("*.state")):
+            records = read_records(path)
+            files = [r for r in records if isinstance(r, storage.CopyFile)]
+            if not records or len(files) != len(records):
+                raise StateFileError(f"{path} holds no copy")
+            try:
+                record = CopyRecord.from_dict(files[0].record)
+                if [int(f.chunk) for f in files] != list(range(int(files[0].chunks))):
+                    raise ValueError("chunks missing or out of order")
+                state: dict[str, torch.Tensor] = {}
+                for f in files:
+                    if f.record != files[0].record or len(f.keys) != len(f.tensors):
+                        raise ValueError("chunks of different copies, or keys without tensors")
+                    state.update({str(k): t for k, t in zip(f.keys, f.tensors, strict=True)})
+            except (ConfigError, TypeError, ValueError) as exc:
+                raise StateFileError(f"{path} does not hold a valid copy: {exc}") from exc
+            copies.append((record, state))
+        return copies
 
     def load_global(self) -> SavedReplica | None:
         """The newest global copy (see the module notes), or None."""

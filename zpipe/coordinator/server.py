@@ -72,6 +72,7 @@ from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.registration import printable
 from zpipe.coordinator.restored_replica import fallback_named
+from zpipe.coordinator.runs.async_copies import HeldCopy
 from zpipe.coordinator.shell_sends import ShellSends
 from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
@@ -253,7 +254,8 @@ class Coordinator:
             saved = self._store.load_state()
             replica = self._store.load_replica()
             newest_global = self._store.load_global()
-            self.core.restore(saved, replica, time.monotonic(), newest_global)
+            copies = [HeldCopy(r, s) for r, s in self._store.load_copies()]
+            self.core.restore(saved, replica, time.monotonic(), newest_global, copies)
         except StateFileError as exc:
             # never half a state: the operator decides whether the saved run is lost
             raise StateFileError(
@@ -270,6 +272,7 @@ class Coordinator:
             epoch=self.state.epoch,
             replica=None if replica is None else {"run": replica.run, "step": replica.step},
             fallback=fallback_named(self.state.replica),
+            copies=self.state.async_copies.summary() or None,
         )
 
     def _persist(self) -> None:

@@ -38,6 +38,7 @@ from zpipe.coordinator.decisions import (
     units_state,
 )
 from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.restoring import allow_fetches, choose_restore
 from zpipe.coordinator.runs.async_training import (
@@ -54,7 +55,7 @@ from zpipe.coordinator.sink_check import check_sink_reachable
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
-from zpipe.planner.async_schedule import ASYNC_SCHEDULE
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.protocol.client_control import RunReady, RunRequest
@@ -62,6 +63,25 @@ from zpipe.protocol.stage_control import Assign, AssignFailed, Ready, Weights, W
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
 from zpipe.training.objectives import check_train_settings
+
+
+def chain_routes(
+    groups: list[Any], index: int, by_name: dict[str, Member], key_of: Any
+) -> dict[str, Any]:
+    """The ``train`` settings of stage ``index`` for copies made without draining: who
+    backs up to it (its upstream) and where its own chain copies go (the next stage's
+    probe socket; none for the last stage, whose chain copy goes to the coordinator)."""
+    out: dict[str, Any] = {}
+    if index > 0:
+        out["backup_from"] = [groups[index - 1][0][0]]
+    if index + 1 < len(groups):
+        nxt = by_name[groups[index + 1][0][0]]
+        out["chain_to"] = {
+            "name": nxt.name,
+            "endpoint": str(nxt.info["probe_endpoint"]),
+            "key": key_of(nxt.name),
+        }
+    return out
 
 
 def run_request(
@@ -426,6 +446,10 @@ class _Training:
         # Who backs up to whom (chain, topology): a stage keeps backups only from these.
         replication = request.replication_kind
         holders = backup_holders(tplan, replication)
+        live_copies = asynchronous and AsyncSettings.from_dict(training.get("async")).live_copies
+        if live_copies and state.public_keys:
+            # the chain copies reach the next stage's probe socket: allowed beforehand
+            yield AllowPeers(tuple(by_name[n] for g in groups for n in g[0]))
         for i, (names, start, end, shares) in enumerate(groups):
             for rank, name in enumerate(names):
                 up, down = side(i - 1), side(i + 1)
@@ -446,6 +470,10 @@ class _Training:
                     train["async"] = training["async"]
                 if holders:
                     train["backup_from"] = sorted(o for o, h in holders.items() if h == name)
+                if live_copies:
+                    # chain copies without draining: each stage keeps its upstream's
+                    # and sends its own to the next stage (the last: to the coordinator)
+                    train.update(chain_routes(groups, i, by_name, controller.key_of))
                 tensors: dict[str, Any] = {}
                 fetch = None
                 if restore is not None:

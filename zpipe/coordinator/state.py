@@ -16,6 +16,7 @@ from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.flows import Answers, FlowRunner
 from zpipe.coordinator.membership import Member, Membership
+from zpipe.coordinator.runs.async_copies import HeldCopies
 from zpipe.models import ModelSpec
 from zpipe.planner import ClusterLink
 from zpipe.planner.profile import ModelProfile
@@ -85,6 +86,8 @@ class ControlState:
     # lossy runs waiting for their results, by run id (their stages' replicas go there:
     # zpipe.coordinator.runs.lossy_remap)
     lossy_runs: dict[int, Any] = field(default_factory=dict)
+    # the copies asynchronous stages made without draining (kept across restarts)
+    async_copies: HeldCopies = field(default_factory=HeldCopies)
     # every registered stage's bulk connection (zpipe.coordinator.bulk)
     bulk: BulkLinks = field(default_factory=BulkLinks)
     # where new bulk tokens come from (tests give a predictable one)

@@ -8,12 +8,14 @@ deadlines), the counters, the run (its controller, by its kind) and the replica.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from zpipe._errors import ProtocolError, StateFileError
 from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.restored_replica import replica_from_saved
+from zpipe.coordinator.runs.async_copies import HeldCopy
 from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.coordinator.state import ControlState
@@ -41,9 +43,11 @@ def restore(
     replica: SavedReplica | None,
     now: float,
     newest_global: SavedReplica | None = None,
+    copies: Sequence[HeldCopy] = (),
 ) -> None:
     """Take over the members, the run and the replica a previous coordinator saved
-    (with ``newest_global`` behind it as its fallback: restored_replica.py).
+    (with ``newest_global`` behind it as its fallback: restored_replica.py), and the
+    copies asynchronous stages made without draining (runs/async_copies.py).
 
     Restored members count as alive from now: one that does not speak within the
     usual suspect and probe intervals is declared dead as any other would be.
@@ -66,6 +70,7 @@ def restore(
                 state.current = controller_for(state, Run.from_saved(saved.run))
             except (KeyError, TypeError, ValueError, ProtocolError) as exc:
                 raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
+    state.async_copies.restore(copies)
     if replica is not None:
         state.replica = replica_from_saved(replica, newest_global)
         if isinstance(state.current, SyncTrainingController):

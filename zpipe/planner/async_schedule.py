@@ -62,13 +62,19 @@ class AsyncSettings:
     (every ``aggregate_multiple * (n - i)`` backwards on stage ``i``), the bound on
     mini-batches in flight (None: the number of stages), and the depth whose staleness
     the forwards keep (None: the number of stages; a recovered run's is the depth
-    it started with)."""
+    it started with). ``chain_every`` and ``global_every``: FTPipeHD's replication
+    without draining (None: off), each stage copying its units to the next stage
+    (the last to the coordinator) every ``chain_every`` mini-batches and to the
+    coordinator every ``global_every`` while it trains on
+    (:mod:`zpipe.recovery.live_copies`)."""
 
     vertical_sync: bool = True
     aggregate: bool = False
     aggregate_multiple: int = 1
     max_in_flight: int | None = None
     depth: int | None = None
+    chain_every: int | None = None
+    global_every: int | None = None
 
     def __post_init__(self) -> None:
         m = self.aggregate_multiple
@@ -82,6 +88,13 @@ class AsyncSettings:
             raise ConfigError(f"depth must be an integer >= 1, got {d!r}")
         if d is not None and not self.vertical_sync:
             raise ConfigError("a run's depth other than its stages' needs vertical sync")
+        for name in ("chain_every", "global_every"):
+            every = getattr(self, name)
+            if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                      or every < 1):  # fmt: skip
+                raise ConfigError(
+                    f"{name} must be a whole number of mini-batches >= 1, got {every!r}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -91,7 +104,15 @@ class AsyncSettings:
         }
         if self.depth is not None:
             out["depth"] = self.depth  # only when set: older peers refuse unknown settings
+        for name in ("chain_every", "global_every"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
+
+    @property
+    def live_copies(self) -> bool:
+        """Whether the stages copy their units while they train (either period set)."""
+        return self.chain_every is not None or self.global_every is not None
 
     def depth_of(self, num_stages: int) -> int:
         """The depth whose staleness a pipeline of ``num_stages`` stages keeps: ConfigError
@@ -106,7 +127,14 @@ class AsyncSettings:
         data = data or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"asynchronous settings must be a mapping, got {data!r}")
-        known = {"vertical_sync", "aggregate", "aggregate_multiple", "depth"}
+        known = {
+            "vertical_sync",
+            "aggregate",
+            "aggregate_multiple",
+            "depth",
+            "chain_every",
+            "global_every",
+        }
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown asynchronous settings {unknown}")
@@ -116,9 +144,16 @@ class AsyncSettings:
                 aggregate=bool(data.get("aggregate", False)),
                 aggregate_multiple=int(data.get("aggregate_multiple", 1)),
                 depth=None if data.get("depth") is None else int(data["depth"]),
+                chain_every=_period(data.get("chain_every")),
+                global_every=_period(data.get("global_every")),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed asynchronous settings {data!r}: {exc}") from None
+
+
+def _period(value: Any) -> int | None:
+    # a float or a string is refused by the check, not rounded into a period
+    return value if value is None or isinstance(value, int) else int(str(value))
 
 
 @dataclass(frozen=True)

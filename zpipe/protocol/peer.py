@@ -32,6 +32,7 @@ from zpipe.protocol._schema import (
     INT,
     LIST,
     NUM,
+    OPT_BOOL,
     OPT_INT,
     OPT_LIST,
     STR,
@@ -86,6 +87,9 @@ class Backup(TensorMessage):
     step: int = wire(INT)
     owner: str = wire(STR)
     keys: list[Any] = wire(LIST)
+    # a chain copy made while the pipeline trains on (step: mini-batches applied), kept
+    # apart from the snapshots of flushes (zpipe.recovery.live_copies)
+    live: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -3,8 +3,8 @@
 On the coordinator's ROUTER and each stage's DEALER::
 
     stage -> coordinator   register, heartbeat, ready, connected, assign_failed,
-                           profile_reply, metrics, weights, backed_up, link_peers_ok,
-                           link_probe_reply
+                           profile_reply, metrics, weights, backed_up, async_copy,
+                           link_peers_ok, link_probe_reply
     coordinator -> stage   registered, refused, heartbeat_ack, register_again, assign,
                            connect, profile_request, metrics_request, weights_request,
                            backup_request, link_peers, link_probe_request, shutdown
@@ -275,6 +275,28 @@ class BackedUp(TensorMessage):
 
 
 @wire_message
+class AsyncCopy(TensorMessage):
+    """Stage -> coordinator, unasked, on the bulk connection: a copy of this stage's
+    units ``[start, end)`` after ``step`` mini-batches, made while it trains on
+    (FTPipeHD's replication without draining, :mod:`zpipe.recovery.live_copies`):
+    ``kind`` "global", or "chain" from the last stage. ``digest``: the
+    :func:`~zpipe.recovery.live_copies.state_digest` of the tensors."""
+
+    KIND: ClassVar[str] = "async_copy"
+    run: int = wire(INT)
+    name: str = wire(STR)
+    kind: str = wire(STR)
+    step: int = wire(INT)
+    start: int = wire(INT)
+    end: int = wire(INT)
+    keys: list[Any] = wire(LIST)
+    digest: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # the stage that keeps a chain copy, announced without its tensors (None: the
+    # coordinator holds this copy, sent with it)
+    holder: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+
+
+@wire_message
 class LinkPeers(WireMessage):
     """The peers a stage's probe socket allows (name -> public key); ``fetches``, when
     present, replaces the unit fetches this stage answers: maps of ``peer`` (the device
@@ -334,6 +356,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     Weights,
     BackupRequest,
     BackedUp,
+    AsyncCopy,
     LinkPeers,
     LinkPeersOk,
     LinkProbeRequest,

@@ -3,6 +3,9 @@ the wire.
 
     coordinator_state   membership, run counter and the current run
     replica_file        one chunk of a replica; ``keys`` name this chunk's tensors
+    copy_file           one chunk of a copy an asynchronous stage made without
+                        draining; ``record`` is its ledger entry
+                        (zpipe.recovery.live_copies.CopyRecord.to_dict)
 """
 
 from __future__ import annotations
@@ -49,4 +52,13 @@ class ReplicaFile(TensorMessage):
     global_copy: bool | None = wire(OPT_BOOL, key="global", default=None)
 
 
-MESSAGES: tuple[type[WireMessage], ...] = (CoordinatorState, ReplicaFile)
+@wire_message
+class CopyFile(TensorMessage):
+    KIND: ClassVar[str] = "copy_file"
+    record: dict[str, Any] = wire(MAP)
+    keys: list[Any] = wire(LIST)
+    chunk: int = wire(INT)
+    chunks: int = wire(INT)
+
+
+MESSAGES: tuple[type[WireMessage], ...] = (CoordinatorState, ReplicaFile, CopyFile)

@@ -14,6 +14,7 @@ restarted coordinator sends a new token when the stage first speaks to it.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -99,6 +100,9 @@ class StageBulk:
             if transfer.transfer not in self._unsettled:
                 break  # refused meanwhile: it goes on the control connection
             await self._send(chunk, chunk.tensors[0].numel() + 128)
+            # a turn for the loop between chunks: an activation or a heartbeat queued
+            # meanwhile is not held up behind the whole transfer
+            await asyncio.sleep(0)
         log.debug(
             "bulk_sent",
             stage=self.name,

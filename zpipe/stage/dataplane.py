@@ -27,6 +27,7 @@ from zpipe.stage.executors.inference import InferenceLoop
 from zpipe.stage.executors.sync_training import TrainingExecutor
 from zpipe.stage.executors.training_plane import TrainingPlane, prepare_training, training_setup
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle
+from zpipe.stage.live_copies import CopyRoutes
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, data_port_limits
 from zpipe.stage.shard import Shard
@@ -53,6 +54,7 @@ class DataPlane:
         lifecycle: StageLifecycle,
         supervisor: TaskSupervisor,
         fetch_state: FetchState,
+        copy_routes: CopyRoutes | None = None,
     ) -> None:
         self.config = config
         self._context = context
@@ -69,6 +71,7 @@ class DataPlane:
         self._lifecycle = lifecycle
         self._supervisor = supervisor
         self._fetch_state = fetch_state
+        self._copy_routes = copy_routes  # where copies made without draining go
         self._builder = AssignmentBuilder(
             compute=compute,
             slowdown=config.emulated_slowdown(),
@@ -229,6 +232,7 @@ class DataPlane:
             authenticator=self._keys.authenticator,
             timeout_s=self.config.timeouts.result_s,
             send_timeout_s=self.config.timeouts.send_s,
+            copy_routes=self._copy_routes,
         )
 
     # ------------------------------------------------------------ data tasks

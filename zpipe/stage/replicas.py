@@ -63,6 +63,10 @@ class ReplicaStore:
         )
         return held + (nbytes if owner != me else 0)
 
+    def peer_bytes(self, *, me: str) -> int:
+        """Bytes held here for owners other than ``me``."""
+        return sum(_nbytes(state) for k, state in self._snapshots.items() if k[0] != me)
+
     def newest_run(self) -> int | None:
         """The newest run of any snapshot held here."""
         return max((k[1] for k in self._snapshots), default=None)

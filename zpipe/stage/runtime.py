@@ -41,7 +41,8 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
-from zpipe.protocol.stage_control import Register, RegisterAgain
+from zpipe.protocol.peer import Backup
+from zpipe.protocol.stage_control import AsyncCopy, Register, RegisterAgain
 from zpipe.stage.assignment import push_connector
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.commands import (
@@ -64,6 +65,7 @@ from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
 from zpipe.stage.linkprobe import ProbeResponder
+from zpipe.stage.live_copies import ChainPeer, CopyRoutes
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
 from zpipe.stage.replicas import ReplicaStore
@@ -180,6 +182,7 @@ class StageRuntime:
             lifecycle=self._lifecycle,
             supervisor=self._supervisor,
             fetch_state=self._snapshots.fetched_state,
+            copy_routes=CopyRoutes(to_peer=self._copy_to_peer, to_coordinator=self._copy_up),
         )
         self._lossy = LossyExecutor(
             name=self.config.name,
@@ -272,6 +275,16 @@ class StageRuntime:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _copy_to_peer(self, peer: ChainPeer, backup: Backup) -> None:
+        """A chain copy made without draining, over the device's one radio."""
+        assert self._snapshots is not None and self._plane is not None  # made with these
+        await self._snapshots.send_live_copy(peer, backup, self._plane.pace)
+
+    async def _copy_up(self, copy: AsyncCopy) -> None:
+        """A copy for the coordinator: on the bulk connection, in chunks."""
+        assert self._link is not None  # made before any assignment
+        await self._link.send(copy.to_message())
 
     async def _on_peer_request(
         self, message: WireMessage, sender_key: bytes | None

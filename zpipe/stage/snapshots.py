@@ -12,6 +12,10 @@
   either crosses in chunks when it is big (:mod:`zpipe.stage.peer_transfer`).
 - an assignment's ``fetch`` list: the units to take from snapshots, here or at
   peers (:meth:`SnapshotService.fetched_state`).
+- an asynchronous stage's chain copy made without draining
+  (:mod:`zpipe.stage.live_copies`) goes to the next stage as a ``backup`` marked
+  ``live`` (:meth:`SnapshotService.send_live_copy`); the holder keeps it apart from
+  the snapshots of flushes (``live_copies``), judged as any backup.
 
 Each method returns the reply to send; a failure becomes the reply's ``error``.
 """
@@ -34,8 +38,10 @@ from zpipe.models.size import peer_build_limit
 from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup, BackupOk, FetchUnits, StateChunk, StateChunkOk, Units
 from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
+from zpipe.recovery.live_copies import state_digest
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
 from zpipe.stage.executors.sync_training import TrainingExecutor
+from zpipe.stage.live_copies import ChainPeer
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import (
     UNAUTHENTICATED,
@@ -91,6 +97,10 @@ class SnapshotService:
         self._compute = compute
         self._counters = counters
         self.replicas = replicas
+        # chain copies peers made without draining, by (owner, run, step): apart from
+        # ``replicas``, so that they never push out a flush's snapshot a rollback needs
+        self.live_copies = ReplicaStore()
+        self._digests: set[asyncio.Future[str]] = set()  # kept copies being hashed
         # what this device holds for peers' backups at most: its model memory limit
         self.backup_budget_bytes = (
             peer_build_limit() if backup_budget_bytes is None else backup_budget_bytes
@@ -245,6 +255,28 @@ class SnapshotService:
             reply = dataclasses.replace(reply, keys=[], tensors=(), error=error)
         return reply
 
+    async def send_live_copy(
+        self, peer: ChainPeer, backup: Backup, pace: Callable[[int], Awaitable[None]]
+    ) -> None:
+        """A chain copy made without draining, to ``peer``'s probe socket in paced
+        chunks (one in flight); PipelineError if the peer did not keep it."""
+        link = PeerLink(
+            self._context,
+            peer=peer.name,
+            endpoint=peer.endpoint,
+            server_key=peer.key,
+            keypair=self._keypair,
+            options=self._options,
+            timeout_s=self._timeout_s,
+            moved=self._moved,
+        )
+        async with link:
+            answer = await link.send_backup(
+                backup, pace=pace, transfer=next(self._transfers), chunk_bytes=self.chunk_bytes
+            )
+        if answer.error:
+            raise PipelineError(f"{peer.name} did not keep the copy: {answer.error}")
+
     async def on_peer_request(
         self,
         message: WireMessage,
@@ -340,7 +372,12 @@ class SnapshotService:
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
         setup = trainer.setup if trainer is not None else None
         plan = BackupPlan(setup.run, setup.backup_from) if setup else BackupPlan(None)
-        held_after = self.replicas.peer_bytes_if_put(owner, run, step, nbytes, me=self.name)
+        # the copies made without draining and the flushes' snapshots share one budget
+        store, other = (
+            (self.live_copies, self.replicas) if message.live else (self.replicas, self.live_copies)
+        )
+        held_after = store.peer_bytes_if_put(owner, run, step, nbytes, me=self.name)
+        held_after += other.peer_bytes(me=self.name)
         refusal = backup_refusal(
             BackupOffer(owner, run, keys, len(message.tensors), nbytes),
             sender,
@@ -355,9 +392,28 @@ class SnapshotService:
             return BackupOk(run=run, step=step, error=refusal)
         # Copies: the frames' memory belongs to the zmq message.
         state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
-        self.replicas.put(owner, run, step, state)
+        store.put(owner, run, step, state)
+        if message.live:
+            self._log_live_copy(owner, run, step, nbytes, state)
+            return BackupOk(run=run, step=step, error="")
         log.info("backup_kept", stage=self.name, owner=owner, run=run, step=step, bytes=nbytes)
         return BackupOk(run=run, step=step, error="")
+
+    def _log_live_copy(
+        self, owner: str, run: int, step: int, nbytes: int, state: dict[str, torch.Tensor]
+    ) -> None:
+        """Log a kept copy with its digest (to compare it with the other copies of its
+        mini-batch), hashed in a thread: the event loop goes on with the data."""
+
+        def logged(task: asyncio.Future[str]) -> None:
+            self._digests.discard(task)
+            if not task.cancelled() and task.exception() is None:
+                log.info("live_copy_kept", stage=self.name, owner=owner, run=run, step=step,
+                         bytes=nbytes, digest=task.result())  # fmt: skip
+
+        task = asyncio.ensure_future(asyncio.to_thread(state_digest, state))
+        self._digests.add(task)  # held until done: a task only weakly referenced may vanish
+        task.add_done_callback(logged)
 
     async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a

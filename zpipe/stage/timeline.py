@@ -8,7 +8,10 @@ Every span is (micro-batch, phase, start, end) on this process's
 - ``compute`` (inference) or ``forward``, ``backward``, ``allreduce``, ``step``
   (training): the compute thread's work, one at a time;
 - ``send``: the send loop handing a result to the link (an emulated slow link
-  shows here).
+  shows here);
+- ``flush`` (asynchronous training): drained at a flush, waiting to be resumed;
+  ``snapshot`` and ``copy``: a copy made without draining, cloned in the compute
+  thread and sent beside the data (:mod:`zpipe.stage.live_copies`).
 
 Spans of one phase never overlap: each is recorded by one sequential loop. The
 ring keeps the newest :data:`TIMELINE_CAPACITY` spans (``dropped`` counts the
@@ -31,7 +34,18 @@ from typing import Any
 
 # about three spans per micro-batch: the newest ~2700 micro-batches of a run
 TIMELINE_CAPACITY = 8192
-PHASES = ("recv", "compute", "forward", "backward", "allreduce", "step", "send")
+PHASES = (
+    "recv",
+    "compute",
+    "forward",
+    "backward",
+    "allreduce",
+    "step",
+    "send",
+    "flush",
+    "snapshot",
+    "copy",
+)
 
 clock = time.perf_counter
 

@@ -191,6 +191,13 @@ class AsyncStageCompute:
                 f"units move only when nothing is in flight; batches "
                 f"{sorted({*self._stashed, *self._pending})} are"
             )
+        return self.unit_states()
+
+    def unit_states(self) -> list[UnitState]:
+        """Every unit's state as it is now, batches in flight or not (their forwards
+        hold their own version's tensors, which this does not touch): what a copy made
+        without draining reads between two actions, and clones before the next update
+        (:meth:`export_units` is this at a flush). The tensors are the live ones."""
         opt_state = self.optimizer.state if self.optimizer is not None else {}
         out = []
         for index, (unit, params) in enumerate(zip(self.units, self._params, strict=True)):

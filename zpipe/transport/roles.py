@@ -127,6 +127,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "link_probe_reply",
             "weights",
             "backed_up",
+            "async_copy",
             "lossy_ready",
             "lossy_result",
             "lossy_hold",

@@ -245,6 +245,12 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--global-every", "4"], "need --recover"),
         (["--recover", "--global-every", "4"], "need --replication chain or topology"),
         (["--recover", "--replication", "chain", "--chain-every", "0"], "--chain-every"),
+        (["--live-copies"], "--live-copies needs --schedule async-1f1b"),
+        (
+            ["--schedule", "async-1f1b", "--live-copies", "--recover", "--replication", "chain"],
+            "leave --replication at global",
+        ),
+        (["--schedule", "async-1f1b", "--live-copies", "--global-every", "0"], "--global-every"),
     ],
 )
 def test_train_refuses_bad_input_before_training(
@@ -252,6 +258,20 @@ def test_train_refuses_bad_input_before_training(
 ) -> None:
     assert exit_status(train_cli.main, argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_train_live_copies_take_their_periods_without_recover() -> None:
+    from zpipe.cli.train_args import build_parser
+
+    argv = ["--schedule", "async-1f1b", "--live-copies", "--chain-every", "5"]
+    args = build_parser().parse_args(argv)
+    train_cli._check_args(build_parser(), args)  # accepted: no --recover needed
+    settings = train_cli.run_kind_settings(args)
+    assert (settings["live_copies"], settings["chain_every"], settings["global_every"]) == (
+        True,
+        5,
+        None,  # TrainOptions' default: 100
+    )
 
 
 def test_train_refuses_an_output_that_is_a_directory(

@@ -107,6 +107,8 @@ ADDED_IN_V1 = {
         "link_layer": ["int/null", False],
         "direction": ["int/null", False],
     },
+    # a chain copy an asynchronous stage made without draining (kept apart at the holder)
+    "backup": {"live": ["bool/null", False]},
 }
 # Kinds added within version 1, spoken only to peers that offered them (the bulk
 # connection: a stage uses it once ``registered`` gave it a token; a client
@@ -243,6 +245,25 @@ KINDS_ADDED_IN_V1 = {
         "fetch": ["list/null", False],
         "plan_epoch": ["int/null", False],
     },
+    # copies an asynchronous stage made without draining, sent to (and saved by) the
+    # coordinator of a run that asked for them
+    "async_copy": {
+        "run": ["int", True],
+        "name": ["str", True],
+        "kind": ["str", True],
+        "step": ["int", True],
+        "start": ["int", True],
+        "end": ["int", True],
+        "keys": ["list", True],
+        "digest": ["str/null", False],
+        "holder": ["str/null", False],
+    },
+    "copy_file": {
+        "record": ["dict", True],
+        "keys": ["list", True],
+        "chunk": ["int", True],
+        "chunks": ["int", True],
+    },
     "repartition_reply": {
         "run": ["int", True],
         "name": ["str", True],
@@ -264,6 +285,8 @@ TENSOR_KINDS_ADDED_IN_V1 = [
     "lossy_replica",
     "fl_task",
     "fl_update",
+    "async_copy",
+    "copy_file",
 ]
 
 

@@ -71,7 +71,7 @@ def test_unknown_kinds_are_refused_and_keys_without_roles_may_send_nothing() -> 
 
 
 def test_every_wire_kind_has_a_sender() -> None:
-    on_disk_only = {"coordinator_state", "replica_file"}
+    on_disk_only = {"coordinator_state", "replica_file", "copy_file"}
     # fl-server's and fl-client's kinds travel on their own sockets
     # (zpipe.protocol.federated); a lossy run's go through the cluster's, so a
     # secure cluster with roles must know who sends each of them

@@ -118,10 +118,13 @@ def training_request(
         train["resume_optimizer"] = True
     asynchronous = options.schedule.lower() == ASYNC_SCHEDULE
     if asynchronous:
+        periods = options.live_copy_periods
         settings = AsyncSettings(
             vertical_sync=options.vertical_sync,
             aggregate=options.aggregate,
             aggregate_multiple=options.aggregate_multiple,
+            chain_every=periods[0] if periods else None,
+            global_every=periods[1] if periods else None,
         )
         train["async"] = settings.to_dict()
     if options.repartition_settings is not None:

@@ -7,7 +7,7 @@
   1F1B-Sync, Asteroid's HPP) and its rebalancing and admission at a replica.
 - :mod:`.async_training`, :mod:`.async_replicas`, :mod:`.async_repartition`:
   asynchronous 1F1B (PipeDream, FTPipeHD), its replicas and its live
-  re-partition.
+  re-partition; :mod:`.async_copies`: the copies its stages make without draining.
 - :mod:`.lossy`, :mod:`.lossy_remap`, :mod:`.lossy_probe`: an EdgePipe run on
   ordinary stages, its re-mapping after a death and its link measurement.
 

@@ -26,7 +26,12 @@ from zpipe.training.async_regroup import (
     unit_state_from_tensors,
     unit_state_tensors,
 )
-from zpipe.training.async_stage import AsyncStageCompute, common_versions, has_trainable
+from zpipe.training.async_stage import (
+    AsyncStageCompute,
+    UnitState,
+    common_versions,
+    has_trainable,
+)
 from zpipe.training.objectives import is_factory_name
 from zpipe.transport.slowdown import Slowdown
 
@@ -187,9 +192,19 @@ class AsyncShard(TrainShard):
         """Every unit's state at a flush, under the full model's keys, with the weight
         versions the next forwards and aggregations read (what peers fetch, and what a
         replica keeps); ``num_stages``: the run's depth."""
+        return self._cloned_state(self.compute.export_units(), num_stages)
+
+    def live_copy(self, num_stages: int) -> dict[str, torch.Tensor]:
+        """The same state as :meth:`repartition_snapshot`, taken while batches are in
+        flight (FTPipeHD's replication without draining): right after an update, the
+        live weights are version ``updates``; every tensor is cloned, so the updates
+        that follow cannot tear the copy. Compute thread, between two actions."""
+        return self._cloned_state(self.compute.unit_states(), num_stages)
+
+    def _cloned_state(self, units: Sequence[UnitState], num_stages: int) -> dict[str, torch.Tensor]:
         versions = needed_versions(self.compute.updates, num_stages)
         out: dict[str, torch.Tensor] = {}
-        for offset, state in enumerate(self.compute.export_units()):
+        for offset, state in enumerate(units):
             for key, tensor in unit_state_tensors(self.start + offset, state, versions).items():
                 out[key] = tensor.detach().clone()
         return out

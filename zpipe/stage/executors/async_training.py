@@ -19,6 +19,15 @@ Micro-batch ids are batch numbers; ``completed_steps`` counts backwards (one
 update each), so a checkpoint after ``N`` batches waits for all ``N``. A run
 resumed from a replica numbers its batches from 0 again; its weight versions go
 on from the replica's (``origin``).
+
+With ``chain_every``/``global_every`` in its settings the stage copies its units
+without draining (FTPipeHD): right after the update that makes its update count a
+multiple of a period, the compute thread clones the units (weights of that
+version, the stashed versions the next forwards read, optimizer state), between
+two actions, so no later update can tear the copy; the loop's copy task sends it
+(:mod:`zpipe.stage.live_copies`) while the next actions run. A wait at a flush
+(a replica's or a re-partition's) is recorded as a ``flush`` span of the
+timeline, a copy's clone as ``snapshot``.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from zpipe.planner.async_schedule import (
 )
 from zpipe.planner.schedules import Action
 from zpipe.protocol.data_plane import Data, Labels, Loss
+from zpipe.recovery.live_copies import copies_due
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.executors.sync_training import (
     CLIENT,
@@ -50,7 +60,9 @@ from zpipe.stage.executors.sync_training import (
     TrainingSetup,
 )
 from zpipe.stage.executors.training_shard import TrainShard
+from zpipe.stage.live_copies import LiveCopySender, PendingCopy
 from zpipe.stage.metrics import StageCounters
+from zpipe.stage.timeline import clock
 
 
 class AsyncTrainingExecutor(TrainingExecutor):
@@ -94,6 +106,8 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.flushed_at: int | None = None
         self._flush_changed = asyncio.Condition()
         self._resume: asyncio.Event = asyncio.Event()
+        # copies without draining (set by the training plane when the settings ask)
+        self.copies: LiveCopySender | None = None
 
     def replica_state(self) -> dict[str, torch.Tensor]:
         # at a flush: every unit with the versions the run's depth reads next
@@ -151,9 +165,12 @@ class AsyncTrainingExecutor(TrainingExecutor):
             async with self._flush_changed:
                 self.flushed_at = self._end
                 self._flush_changed.notify_all()
+            flushed = clock()
             # the run's end, or a pause for a re-partition: resumed by the latter
             await self._resume.wait()
             self._resume.clear()
+            # drained and waiting: what replication without draining avoids
+            self.counters.timeline.record(self._first, "flush", flushed, clock())
 
     async def wait_flushed(self, batch: int, timeout_s: float) -> None:
         """Wait until every batch before ``batch`` was backwarded and the stage waits to
@@ -237,7 +254,9 @@ class AsyncTrainingExecutor(TrainingExecutor):
         outputs, loss, _ = await self._in_thread(
             self.async_shard.forward_at, b, version, inputs, target, samples, self._versions
         )
-        self.counters.forward_s += time.perf_counter() - started
+        done = time.perf_counter()
+        self.counters.forward_s += done - started
+        self.counters.timeline.record(b, "forward", started, done)
         self.counters.microbatches += 1
         self.counters.peak_live_activations = self.async_shard.peak_live
         self._rows[b] = (0, total, total)
@@ -251,9 +270,29 @@ class AsyncTrainingExecutor(TrainingExecutor):
         started = time.perf_counter()
         await self._in_thread(self.async_shard.step_batch, b)
         self.counters.step_s += time.perf_counter() - started
+        await self._copy_if_due()
         async with self._step_done:
             self.completed_steps = b + 1
             self._step_done.notify_all()
+
+    async def _copy_if_due(self) -> None:
+        """Snapshot the units for the copies due at this update count (see the module
+        notes); the copy task sends them while training goes on."""
+        if self.copies is None:
+            return
+        step = self.async_shard.updates
+        kinds = copies_due(
+            step, chain_every=self.settings.chain_every, global_every=self.settings.global_every
+        )
+        if not kinds:
+            return
+        started = clock()
+        # a clone of every tensor, in the compute thread between two actions: the
+        # version of ``step`` and nothing later
+        state = await self._in_thread(self.async_shard.live_copy, self.depth)
+        self.counters.timeline.record(step, "snapshot", started, clock())
+        shard = self.async_shard
+        self.copies.offer(PendingCopy(self.setup.run, step, shard.start, shard.end, kinds, state))
 
     async def _pass_end(self) -> None:
         """Tell the next stage the feed ended, once: after this stage's last forward."""

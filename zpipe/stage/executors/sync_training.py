@@ -37,6 +37,7 @@ from zpipe.log import get_logger
 from zpipe.planner.schedules import Action, stage_actions
 from zpipe.protocol.data_plane import Data, Grad, Labels, Loss, MicroBatchError
 from zpipe.stage.executors.training_shard import TrainShard
+from zpipe.stage.live_copies import ChainPeer
 from zpipe.stage.metrics import StageCounters
 from zpipe.training.routing import split_rows
 
@@ -87,6 +88,9 @@ class TrainingSetup:
     backup_from: tuple[str, ...] = ()
     # asynchronous 1F1B's settings (zpipe.planner.async_schedule.AsyncSettings.to_dict)
     async_settings: dict[str, Any] | None = None
+    # the next stage, which keeps this one's chain copies made without draining
+    # (zpipe.stage.live_copies); None: the coordinator keeps them, or none are made
+    chain_to: ChainPeer | None = None
 
     @property
     def first(self) -> bool:

@@ -12,6 +12,7 @@ and sends what it queues, over the device's one (possibly emulated) radio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,6 +36,7 @@ from zpipe.stage.executors.sync_training import (
 )
 from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.lifecycle import CLIENT
+from zpipe.stage.live_copies import ChainPeer, CopyRoutes, LiveCopySender
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -79,9 +81,20 @@ def training_setup(message: Assign, *, name: str, wait_s: float) -> TrainingSetu
             wait_s=wait_s,
             backup_from=tuple(str(n) for n in train.get("backup_from") or ()),
             async_settings=dict(train["async"]) if train.get("async") is not None else None,
+            chain_to=_chain_peer(train.get("chain_to")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed training settings: {exc!r}") from None
+
+
+def _chain_peer(entry: Any) -> ChainPeer | None:
+    """The next stage that holds this one's chain copies (None: the coordinator does)."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise ValueError(f"chain_to must be a map, got {entry!r}")
+    key = entry.get("key")
+    return ChainPeer(str(entry["name"]), str(entry["endpoint"]), None if key is None else str(key))
 
 
 def prepare_training(
@@ -124,6 +137,7 @@ class TrainingPlane:
         authenticator: security.CurveAuthenticator | None,
         timeout_s: float,
         send_timeout_s: float,
+        copy_routes: CopyRoutes | None = None,
     ) -> None:
         assert assignment.training is not None and isinstance(assignment.shard, TrainShard)
         self.assignment = assignment
@@ -146,6 +160,7 @@ class TrainingPlane:
         # One emulated link for both directions: a device has one radio.
         self._link = None if link.is_ideal else EmulatedLink(link, self._send_to_neighbour)
         self.trainer: TrainingExecutor | None = None
+        self._copy_routes = copy_routes
 
     async def connect(self, ring: Any) -> None:
         """Open a PUSH to every neighbour, join the group's ring, make the executor."""
@@ -184,6 +199,18 @@ class TrainingPlane:
             counters=self._counters,
             reducer=self._ring,
         )
+        trainer = self.trainer
+        if (
+            isinstance(trainer, AsyncTrainingExecutor)
+            and trainer.settings.live_copies
+            and self._copy_routes is not None
+        ):
+            trainer.copies = LiveCopySender(
+                name=setup.name,
+                chain_to=setup.chain_to,
+                routes=self._copy_routes,
+                counters=self._counters,
+            )
 
     async def _queue_send(self, target: str, message: Outgoing) -> None:
         self._outbox.put_nowait((target, message.mb, message.to_message()))
@@ -208,8 +235,20 @@ class TrainingPlane:
             log.warning("dropped_message", stage=self.setup.name, peer=message.src, error=str(exc))
 
     async def run(self) -> None:
-        assert self.trainer is not None
-        await self.trainer.run()
+        trainer = self.trainer
+        assert trainer is not None
+        copies = trainer.copies if isinstance(trainer, AsyncTrainingExecutor) else None
+        if copies is None:
+            await trainer.run()
+            return
+        # the copies leave beside the training, stopped with it
+        sender = asyncio.create_task(copies.run(), name="live-copies")
+        try:
+            await trainer.run()
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
 
     async def send_loop(self) -> None:
         while True:

@@ -1,0 +1,108 @@
+"""A stage's copies made without draining: the snapshot taken with batches in flight
+holds its version and nothing later, and the sender sends the newest copy of each
+kind, chain first, without ever blocking the compute. No sockets: fake routes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from tests._support.async_training import SGD, SPEC, make_batches
+from zpipe.planner.async_schedule import forward_version
+from zpipe.protocol.peer import Backup
+from zpipe.protocol.stage_control import AsyncCopy
+from zpipe.recovery.live_copies import state_digest
+from zpipe.stage.executors.async_shard import AsyncShard
+from zpipe.stage.live_copies import ChainPeer, CopyRoutes, LiveCopySender, PendingCopy
+from zpipe.stage.metrics import StageCounters
+
+
+def test_a_live_copy_with_batches_in_flight_holds_its_version_and_no_later_one() -> None:
+    batches = make_batches(6, 5, seed=2)
+    shard = AsyncShard.build(SPEC, 0, 4, first=True, last=True, loss="cross_entropy",
+                             optimizer=SGD)  # fmt: skip
+    assert isinstance(shard, AsyncShard)
+
+    def forward(b: int) -> None:
+        version = forward_version(0, 1, b, vertical_sync=True, depth=3)
+        x, y = batches[b]
+        shard.forward_at(b, version, (x,), y, 5, 3)
+
+    forward(0)
+    forward(1)  # in flight while batch 0 is updated
+    shard.backward(0)
+    shard.step_batch(0)
+    copy = shard.live_copy(3)  # repartition_snapshot would refuse: batch 1 is in flight
+    weights = {k: v for k, v in copy.items() if "#" not in k}
+    live = {k: v.clone() for k, v in shard.state_dict().items()}
+    assert set(weights) == set(live) and all(torch.equal(weights[k], live[k]) for k in live)
+    assert copy["units.0.#live_versions"].tolist() == [1]
+    digest = state_digest(copy)
+    shard.backward(1)
+    shard.step_batch(1)  # a later update: the copy is a clone, not torn
+    assert state_digest(copy) == digest
+    assert not all(torch.equal(weights[k], v) for k, v in shard.state_dict().items())
+    # the copy is a replica a stage restores: its weights, versions and update count
+    restored = AsyncShard.build(SPEC, 0, 4, first=True, last=True, loss="cross_entropy",
+                                optimizer=SGD)  # fmt: skip
+    assert isinstance(restored, AsyncShard)
+    restored.load_training_state(copy)
+    assert restored.updates == 1
+    assert all(torch.equal(restored.state_dict()[k], live[k]) for k in live)
+
+
+def _pending(step: int, kinds: tuple[str, ...]) -> PendingCopy:
+    return PendingCopy(3, step, 0, 1, kinds, {"units.0.weight": torch.full((2,), float(step))})
+
+
+async def test_the_sender_sends_the_newest_copy_of_each_kind_chain_first() -> None:
+    peer_sends: list[Backup] = []
+    coordinator: list[AsyncCopy] = []
+    gate, entered = asyncio.Event(), asyncio.Event()
+    heard = asyncio.Condition()
+
+    async def to_peer(peer: ChainPeer, backup: Backup) -> None:
+        entered.set()
+        await gate.wait()  # a slow link: copies offered meanwhile wait
+        if backup.step == 8:
+            raise ConnectionError("the peer went away")
+        peer_sends.append(backup)
+
+    async def to_coordinator(message: AsyncCopy) -> None:
+        async with heard:
+            coordinator.append(message)
+            heard.notify_all()
+
+    async def until_heard(count: int) -> None:
+        async with heard:
+            await asyncio.wait_for(heard.wait_for(lambda: len(coordinator) >= count), 30)
+
+    counters = StageCounters()
+    routes = CopyRoutes(to_peer, to_coordinator)
+    sender = LiveCopySender(
+        name="a", chain_to=ChainPeer("b", "tcp://b:2"), routes=routes, counters=counters
+    )
+    task = asyncio.create_task(sender.run())
+    try:
+        sender.offer(_pending(2, ("chain", "global")))
+        await asyncio.wait_for(entered.wait(), 30)  # the chain copy of 2 is on its way
+        sender.offer(_pending(4, ("chain",)))
+        sender.offer(_pending(6, ("chain",)))  # replaces 4, still waiting
+        gate.set()
+        await until_heard(3)
+        sender.offer(_pending(8, ("chain",)))  # its send fails: logged, the next goes on
+        sender.offer(_pending(10, ("global",)))
+        await until_heard(4)
+    finally:
+        task.cancel()
+    assert sender.sent == [("chain", 2), ("chain", 6), ("global", 2), ("global", 10)]
+    assert [b.step for b in peer_sends] == [2, 6] and all(b.live for b in peer_sends)
+    # the coordinator hears of each chain copy b keeps (no tensors), and gets the globals
+    assert [(m.kind, m.step, m.holder, len(m.tensors)) for m in coordinator] == [
+        ("chain", 2, "b", 0), ("chain", 6, "b", 0), ("global", 2, None, 1),
+        ("global", 10, None, 1),
+    ]  # fmt: skip
+    assert coordinator[2].digest == state_digest(_pending(2, ()).state)
+    spans = sorted(s.mb for s in counters.timeline.spans() if s.phase == "copy")
+    assert spans == [2, 2, 6, 10]
