@@ -23,6 +23,16 @@ What it measures, between two processes (this one, the *sender*, and a spawned
     from ``generate_keys`` in a temporary directory; the receiver also checks the
     sender's key on every message, as a stage does.
 
+``libsodium`` (printed with ``zpipe_curve``)
+    The limit: libsodium's own CPU per encrypt and decrypt of one frame of each
+    size, on one core, with the calls libzmq's CURVE makes
+    (``crypto_box_easy_afternm`` and ``crypto_box_open_easy_afternm``, through
+    ctypes on the libsodium pyzmq's libzmq links; see ``bench/_sodium.py``),
+    timed in the sender process in the same run. ``gbps`` is what one thread can
+    encrypt or decrypt per second: libzmq does all of a connection's frames in
+    one I/O thread per end, so no CURVE link goes faster. Nulls if no libsodium
+    loads.
+
 Throughput: the sender pushes N messages back to back and the receiver answers
 with one small ack after the last; GB/s = N * tensor bytes / (send start -> ack),
 in 1e9 bytes per second. N is picked per size from a warm-up so that one run
@@ -46,7 +56,16 @@ then one summary line::
 ``ratio_X`` is zpipe/raw throughput (the goal is >= 0.9 at 1 MiB and 16 MiB),
 ``rtt_ratio_X`` is zpipe/raw median round-trip time (1.0 is parity, higher is
 slower) and ``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
-``cpu_ratio_X`` is zpipe/raw CPU time per message of a throughput run, both
+With ``zpipe_curve``: ``libsodium_gbps_X`` (the limit above),
+``curve_over_libsodium_X``, ``curve_limit_over_plain_X`` (that limit over plain
+zpipe: the best ``curve_over_plain_X`` with a free core for each end),
+``curve_cpu_limit_over_plain_X`` (plain's CPU per message over plain's plus the
+cipher's: the best ratio when the cores are the bottleneck, as with both ends on
+2 cores), ``crypto_cpu_us_X`` (encrypt + decrypt), ``curve_extra_cpu_us_X``
+(the curve path's CPU per message minus plain's) and
+``curve_extra_over_crypto_X`` (the two divided: 1.0 means the cipher is all of
+CURVE's extra cost; above it, libzmq's copies of each frame, see
+docs/benchmarks.md). ``cpu_ratio_X`` is zpipe/raw CPU time per message of a throughput run, both
 processes and all their threads (``time.process_time``; median over the
 repeats): the per-message software cost, which moves far less than wall-clock
 ratios when other work shares the cores. ``switches_per_message`` (throughput
@@ -135,6 +154,8 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, loadavg, summary
+from bench._sodium import BoxTiming, Sodium
+from bench._sodium import load as load_sodium
 from bench._transport_paths import (
     LOOPBACK,
     MAX_BYTES,
@@ -200,6 +221,9 @@ class Sender:
         self.timeout_s: float = args.timeout
         self.channels: dict[str, Channel] = {}
         self.tensors: dict[int, torch.Tensor] = {}
+        # libsodium's own speed per size (the CURVE limit), when it loads
+        self.sodium: Sodium | None = load_sodium() if "zpipe_curve" in args.paths else None
+        self.boxes: dict[int, BoxTiming] = {}
 
     def alive(self) -> bool:
         return bool(self.proc.is_alive())
@@ -354,12 +378,76 @@ class Sender:
                     results[path].rtts.extend(rtts)
                     results[path].rtt_usage.cpu_s += usage.cpu_s
                     results[path].rtt_usage.switches += usage.switches
+        if self.sodium is not None:
+            # In this process, between the timed runs: what the cipher alone costs.
+            self.boxes[size] = self.sodium.time_box(size, budget_s=0.05 if args.quick else 0.2)
         return results
 
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()
         self.channels.clear()
+
+
+def _sodium_line(box: BoxTiming, sodium: Sodium | None) -> dict[str, Any]:
+    """The ``libsodium`` line: CPU per encrypt and decrypt of one frame, one core."""
+    return {
+        "bench": BENCH,
+        "path": "libsodium",
+        "size_bytes": box.size,
+        "gbps": round(box.gbps(), 4),
+        "encrypt_us": round(box.encrypt_s * 1e6, 2),
+        "decrypt_us": round(box.decrypt_s * 1e6, 2),
+        "cipher": "crypto_box_easy_afternm (XSalsa20-Poly1305), as libzmq's CURVE",
+        "library": sodium.path if sodium else None,
+    }
+
+
+def _curve_limits(
+    label: str, box: BoxTiming | None, plain: Result | None, curve: Result | None
+) -> dict[str, float | None]:
+    """What the cipher allows CURVE, against what the curve path got (same run).
+
+    ``libsodium_gbps``: frames one thread encrypts (or decrypts) per second; libzmq
+    does each connection's in one I/O thread per end, so no CURVE link beats it.
+    ``curve_limit_over_plain``: that over plain zpipe, the best
+    ``curve_over_plain`` with a free core for each end. ``curve_cpu_limit_over_plain``:
+    plain's CPU per message over plain's plus the cipher's, the best ratio when the
+    cores are the bottleneck (both ends on 2 shared cores, as here).
+    ``curve_extra_over_crypto``: the curve path's extra CPU per message over plain,
+    divided by the cipher's (1.0: all of the extra is the cipher).
+    """
+    keys = (
+        "libsodium_gbps",
+        "curve_over_libsodium",
+        "curve_limit_over_plain",
+        "curve_cpu_limit_over_plain",
+        "crypto_cpu_us",
+        "curve_extra_cpu_us",
+        "curve_extra_over_crypto",
+    )
+    out: dict[str, float | None] = {f"{key}_{label}": None for key in keys}
+    if box is None:
+        return out
+    limit = box.gbps()
+    out[f"libsodium_gbps_{label}"] = round(limit, 4)
+    out[f"crypto_cpu_us_{label}"] = round(box.both_us(), 1)
+    plain_gbps = plain.gbps() if plain else None
+    curve_gbps = curve.gbps() if curve else None
+    out[f"curve_over_libsodium_{label}"] = same_run_ratio(curve_gbps, limit)
+    if plain_gbps:
+        out[f"curve_limit_over_plain_{label}"] = round(min(1.0, limit / plain_gbps), 4)
+    plain_cpu = plain.cpu_us_per_message() if plain else None
+    curve_cpu = curve.cpu_us_per_message() if curve else None
+    if plain_cpu:
+        out[f"curve_cpu_limit_over_plain_{label}"] = round(
+            plain_cpu / (plain_cpu + box.both_us()), 4
+        )
+    if plain_cpu and curve_cpu:
+        extra = curve_cpu - plain_cpu
+        out[f"curve_extra_cpu_us_{label}"] = round(extra, 1)
+        out[f"curve_extra_over_crypto_{label}"] = round(extra / box.both_us(), 4)
+    return out
 
 
 def _rotate(paths: list[str], by: int) -> list[str]:
@@ -383,6 +471,8 @@ async def run_sender(
             all_results[size] = await sender.measure_size(size, paths)
             for path in paths:
                 emit(all_results[size][path].line(uvloop_both))
+            if size in sender.boxes:
+                emit(_sodium_line(sender.boxes[size], sender.sodium))
         conn.send({"op": "quit", "path": None})
         await sender.reply("bye")
     finally:
@@ -417,6 +507,14 @@ async def run_sender(
         ratios[f"curve_over_plain_{label}"] = same_run_ratio(
             get("zpipe_curve", Result.gbps), get("zpipe", Result.gbps)
         )
+        ratios.update(
+            _curve_limits(
+                label,
+                sender.boxes.get(size),
+                results.get("zpipe"),
+                results.get("zpipe_curve"),
+            )
+        )
     for key in (
         "ratio_64kb",
         "ratio_1mb",
@@ -424,6 +522,9 @@ async def run_sender(
         "rtt_ratio_1mb",
         "curve_over_plain_1mb",
         "curve_over_plain_16mb",
+        "libsodium_gbps_1mb",
+        "curve_over_libsodium_1mb",
+        "curve_limit_over_plain_1mb",
     ):
         ratios.setdefault(key, None)
     return {
