@@ -1,0 +1,399 @@
+"""Planning for generation: the memory model, the ring's cost model, the DP against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zpipe._errors import ConfigError, InfeasiblePlanError
+from zpipe.planner import ClusterDevice, ClusterLink, ClusterSpec, Plan, StagePlan
+from zpipe.planner.generation import plan_generation
+from zpipe.planner.generation_cost import (
+    GenerationUnit,
+    GenerationWorkload,
+    check_generation_memory,
+    kv_capacity_sequences,
+    predict_generation,
+    stage_memory,
+)
+
+RTOL = 1e-9
+
+
+def _units(
+    decode: Sequence[float],
+    *,
+    prefill: Sequence[float] | None = None,
+    weights: Sequence[int] | None = None,
+    kv: Sequence[int] | None = None,
+    act: Sequence[int] | None = None,
+    out: Sequence[int] | None = None,
+) -> list[GenerationUnit]:
+    n = len(decode)
+    return [
+        GenerationUnit(
+            name=f"u{k}",
+            weight_bytes=(weights or [0] * n)[k],
+            kv_bytes_per_token=(kv or [0] * n)[k],
+            activation_bytes_per_token=(act or [0] * n)[k],
+            output_bytes_per_token=(out or [0] * n)[k],
+            decode_time_s=float(decode[k]),
+            prefill_time_s=float((prefill or decode)[k]),
+        )
+        for k in range(n)
+    ]
+
+
+def _objective(pred: dict[str, float]) -> float:
+    """``J = max(R, G * tau)``: what the planner minimises."""
+    return max(pred["ring_s"], pred["groups"] * pred["bottleneck_s"])
+
+
+def _brute_force(
+    units: Sequence[GenerationUnit],
+    cluster: ClusterSpec,
+    workload: GenerationWorkload,
+    *,
+    max_ttft_s: float | None = None,
+    order: Sequence[str] | None = None,
+) -> tuple[float, float] | None:
+    """The least ``J`` over every device sequence and split, and the least time to first
+    token among the plans that reach it; None when no plan fits. ``order``: only device
+    sequences that follow it (the fixed-order search's space)."""
+    num_units = len(units)
+    names = cluster.names if order is None else list(order)
+    found: list[tuple[float, float]] = []
+    for n in range(1, min(len(names), num_units) + 1):
+        sequences = (
+            itertools.combinations(names, n)
+            if order is not None
+            else itertools.permutations(names, n)
+        )
+        for devices in sequences:
+            for cuts in itertools.combinations(range(1, num_units), n - 1):
+                bounds = (0, *cuts, num_units)
+                plan = Plan(
+                    "brute",
+                    num_units,
+                    tuple(StagePlan(d, bounds[k], bounds[k + 1]) for k, d in enumerate(devices)),
+                )
+                pred = predict_generation(plan, units, cluster, workload)
+                if pred["memory_violations"] > 0:
+                    continue
+                if max_ttft_s is not None and pred["ttft_s"] > max_ttft_s:
+                    continue
+                found.append((_objective(pred), pred["ttft_s"]))
+    if not found:
+        return None
+    best = min(j for j, _ in found)
+    ttft = min(t for j, t in found if j <= best * (1 + RTOL))
+    return best, ttft
+
+
+# -- random instances ---------------------------------------------------------------------
+
+
+@st.composite
+def _instances(
+    draw: st.DrawFn,
+) -> tuple[list[GenerationUnit], ClusterSpec, GenerationWorkload]:
+    n_units = draw(st.integers(1, 5))
+    ints = st.integers(0, 6)
+    units = _units(
+        [draw(ints) for _ in range(n_units)],
+        prefill=[draw(st.integers(0, 20)) for _ in range(n_units)],
+        weights=[draw(st.integers(1, 10)) for _ in range(n_units)],
+        kv=[draw(st.integers(0, 1)) for _ in range(n_units)],
+        act=[draw(st.integers(0, 2)) for _ in range(n_units)],
+        out=[draw(st.sampled_from([0, 1_000, 500_000])) for _ in range(n_units)],
+    )
+    kind = st.tuples(
+        st.sampled_from([0.5, 1.0, 2.0]),
+        st.one_of(st.none(), st.integers(10, 120)),
+        st.one_of(st.none(), st.sampled_from([1.0, 8.0, 50.0])),
+        st.sampled_from([0.0, 1.0, 500.0]),
+    )
+    kinds = draw(st.lists(kind, min_size=1, max_size=3))
+    n_dev = draw(st.integers(1, 4))
+    devices = []
+    for k in range(n_dev):
+        speed, memory, bw, lat = kinds[draw(st.integers(0, len(kinds) - 1))]
+        devices.append(ClusterDevice(f"d{k}", memory, speed, bw, lat))
+    links = {}
+    if n_dev >= 2 and draw(st.booleans()):
+        link = ClusterLink(draw(st.sampled_from([0.5, 100.0])), draw(st.sampled_from([0.0, 2e3])))
+        links[("d0", "d1")] = link
+        if not draw(st.booleans()):  # sometimes one way only
+            links[("d1", "d0")] = link
+    cluster = ClusterSpec(
+        tuple(devices), links, ClusterLink(draw(st.sampled_from([None, 10.0])), 1.0)
+    )
+    prompt = draw(st.integers(1, 8))
+    workload = GenerationWorkload(
+        sequences=draw(st.integers(1, 5)),
+        max_context=prompt + draw(st.integers(0, 8)),
+        decode_batch=draw(st.integers(1, 3)),
+        prefill_chunk=draw(st.integers(1, 4)),
+        prompt_tokens=prompt,
+    )
+    return units, cluster, workload
+
+
+def _check_against_brute_force(
+    units: list[GenerationUnit],
+    cluster: ClusterSpec,
+    workload: GenerationWorkload,
+    *,
+    exact: bool,
+    max_ttft_s: float | None = None,
+) -> None:
+    order = None
+    if not exact:
+        # the fixed order: fastest first, then most memory, then cluster order
+        order = sorted(
+            cluster.names,
+            key=lambda n: (-cluster.device(n).speed, -(cluster.device(n).memory_bytes or math.inf)),
+        )
+    expected = _brute_force(units, cluster, workload, max_ttft_s=max_ttft_s, order=order)
+    if expected is None:
+        with pytest.raises(InfeasiblePlanError):
+            plan_generation(units, cluster, workload, exact=exact, max_ttft_s=max_ttft_s)
+        return
+    plan = plan_generation(units, cluster, workload, exact=exact, max_ttft_s=max_ttft_s)
+    pred = predict_generation(plan, units, cluster, workload)
+    assert pred["memory_violations"] == 0
+    assert _objective(pred) == pytest.approx(expected[0], rel=RTOL, abs=1e-12)
+    assert pred["ttft_s"] == pytest.approx(expected[1], rel=RTOL, abs=1e-12)
+    if max_ttft_s is not None:
+        assert pred["ttft_s"] <= max_ttft_s * (1 + RTOL)
+    assert plan.predicted["planner_exact"] == (1.0 if exact else 0.0)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_instances())
+def test_the_dp_finds_the_brute_force_optimum(
+    instance: tuple[list[GenerationUnit], ClusterSpec, GenerationWorkload],
+) -> None:
+    _check_against_brute_force(*instance, exact=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_instances())
+def test_the_fixed_order_search_is_optimal_within_its_order(
+    instance: tuple[list[GenerationUnit], ClusterSpec, GenerationWorkload],
+) -> None:
+    _check_against_brute_force(*instance, exact=False)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_instances(), st.sampled_from([0.5, 1.0, 1.5]))
+def test_a_time_to_first_token_bound_is_met_optimally(
+    instance: tuple[list[GenerationUnit], ClusterSpec, GenerationWorkload], fraction: float
+) -> None:
+    units, cluster, workload = instance
+    free = _brute_force(units, cluster, workload)
+    if free is None:
+        return
+    # a bound around the unconstrained plan's time to first token: binding or not
+    _check_against_brute_force(
+        units, cluster, workload, exact=True, max_ttft_s=max(free[1] * fraction, 1e-6)
+    )
+
+
+# -- the memory model ---------------------------------------------------------------------
+
+
+def test_stage_memory_adds_weights_kv_cache_and_the_largest_working_set() -> None:
+    units = _units([1, 1, 1], weights=[100, 200, 300], kv=[0, 4, 6], act=[7, 3, 5])
+    workload = GenerationWorkload(
+        sequences=3, max_context=50, decode_batch=2, prefill_chunk=16, prompt_tokens=10
+    )
+    mem = stage_memory(units, 1, 3, workload)
+    assert mem.weights == 500
+    assert mem.kv_cache == (4 + 6) * 50 * 3
+    assert mem.activations == 16 * 5  # max(C, b) tokens, the largest unit's working set
+    assert mem.total == 500 + 1500 + 80
+    # a decode micro-batch larger than a chunk sets the working set
+    wide = GenerationWorkload(sequences=3, max_context=50, decode_batch=32, prefill_chunk=16)
+    assert stage_memory(units, 0, 1, wide).activations == 32 * 7
+
+
+def test_a_plan_that_does_not_fit_is_refused_naming_the_device() -> None:
+    units = _units([1, 1], weights=[1_000, 1_000], kv=[10, 10])
+    cluster = ClusterSpec((ClusterDevice("phone", memory_bytes=50_000),))
+    workload = GenerationWorkload(sequences=4, max_context=1_000, prompt_tokens=8)
+    with pytest.raises(InfeasiblePlanError) as err:
+        plan_generation(units, cluster, workload)
+    text = str(err.value)
+    assert "phone" in text
+    assert "KV cache" in text
+    assert "82.0 kB" in text and "50.0 kB" in text  # what it needs and what it has
+    # a given plan is refused the same way, naming its stage's device
+    cluster2 = ClusterSpec(
+        (ClusterDevice("laptop", memory_bytes=10**9), ClusterDevice("phone", memory_bytes=30_000))
+    )
+    plan = Plan("explicit", 2, (StagePlan("laptop", 0, 1), StagePlan("phone", 1, 2)))
+    with pytest.raises(InfeasiblePlanError, match=r"stage 1: device phone needs 41\.0 kB"):
+        check_generation_memory(plan, units, cluster2, workload)
+    # and the planner avoids it: the laptop holds both units
+    assert plan_generation(units, cluster2, workload).devices == ["laptop"]
+
+
+def test_a_unit_that_fits_no_device_is_named() -> None:
+    units = _units([1, 1], weights=[10, 5_000])
+    cluster = ClusterSpec(
+        (ClusterDevice("a", memory_bytes=1_000), ClusterDevice("b", memory_bytes=2_000))
+    )
+    with pytest.raises(InfeasiblePlanError, match=r"unit 1 \(u1\) alone .* device b needs 5\.0 kB"):
+        plan_generation(units, cluster, GenerationWorkload(sequences=1, max_context=4))
+
+
+def test_kv_capacity_says_how_many_sequences_fit() -> None:
+    units = _units([1, 1], weights=[100, 100], kv=[1, 2], act=[1, 1])
+    cluster = ClusterSpec(
+        (ClusterDevice("a", memory_bytes=1_100), ClusterDevice("b", memory_bytes=10_000))
+    )
+    workload = GenerationWorkload(sequences=1, max_context=100, prefill_chunk=4, prompt_tokens=4)
+    plan = Plan("explicit", 2, (StagePlan("a", 0, 1), StagePlan("b", 1, 2)))
+    # a: (1100 - 100 - 4) // 100 = 9; b: (10000 - 100 - 4) // 200 = 49
+    assert kv_capacity_sequences(plan, units, cluster, workload) == 9
+    unbounded = ClusterSpec((ClusterDevice("a"), ClusterDevice("b")))
+    assert kv_capacity_sequences(plan, units, unbounded, workload) is None
+
+
+# -- the cost model -----------------------------------------------------------------------
+
+
+def test_the_ring_cost_model_by_hand() -> None:
+    # two stages; 1 Mbit/s access links and 10 ms + 10 ms latency between them
+    units = _units([0.1, 0.3], prefill=[1.0, 2.0], out=[1_000, 8])
+    cluster = ClusterSpec(
+        (
+            ClusterDevice("a", bandwidth_mbps=1.0, latency_ms=10.0),
+            ClusterDevice("b", speed=0.5, bandwidth_mbps=1.0, latency_ms=10.0),
+        )
+    )
+    workload = GenerationWorkload(
+        sequences=5, max_context=64, decode_batch=2, prefill_chunk=4, prompt_tokens=10
+    )
+    plan = Plan("explicit", 2, (StagePlan("a", 0, 1), StagePlan("b", 1, 2)))
+    pred = predict_generation(plan, units, cluster, workload)
+    d = [0.1, 0.6]  # b runs at half speed
+    x = [2 * 1_000 * 8 / 1e6, 2 * 8 * 8 / 1e6]  # a -> b hidden states, b -> a token ids
+    ring = sum(d) + sum(x) + 2 * 0.02
+    tau = max(*d, *x)
+    assert pred["ring_s"] == pytest.approx(ring)
+    assert pred["bottleneck_s"] == pytest.approx(tau)
+    groups = 3  # ceil(5 / 2)
+    assert pred["decode_tokens_per_s"] == pytest.approx(5 / max(ring, groups * tau))
+    # ttft: the client's hops (0 + 10 ms each way; the devices' 1 Mbit/s access links
+    # carry 10 token ids in and one out), then 3 chunks through a (1 s), the link
+    # (4 * 1000 * 8 / 1e6 s + 20 ms) and b (4 s)
+    client = 0.01 + 10 * 8 * 8 / 1e6 + 0.01 + 8 * 8 / 1e6
+    p, y = [1.0, 4.0], 4 * 1_000 * 8 / 1e6
+    ttft = client + sum(p) + y + 0.02 + (3 - 1) * max(*p, y)
+    assert pred["ttft_s"] == pytest.approx(ttft)
+
+
+def test_one_sequence_minimises_the_ring_many_minimise_the_bottleneck() -> None:
+    # one big device holds everything; two small ones must share, 0.5 s apart each way
+    units = _units([1, 1, 1, 1], weights=[10, 10, 10, 10], out=[100, 100, 100, 8])
+    cluster = ClusterSpec(
+        (
+            ClusterDevice("big", memory_bytes=40),
+            ClusterDevice("s0", memory_bytes=20, latency_ms=250.0),
+            ClusterDevice("s1", memory_bytes=20, latency_ms=250.0),
+        ),
+        links={
+            pair: ClusterLink(latency_ms=1e4)
+            for pair in (("big", "s0"), ("s0", "big"), ("big", "s1"), ("s1", "big"))
+        },
+    )
+    one = plan_generation(units, cluster, GenerationWorkload(sequences=1, max_context=4))
+    many = plan_generation(units, cluster, GenerationWorkload(sequences=8, max_context=4))
+    assert one.devices == ["big"]  # R = 4 s, against 2 + 2 + 0.5 + 0.5 = 5 s split
+    assert one.predicted["ring_s"] == pytest.approx(4.0)
+    assert sorted(many.devices) == ["s0", "s1"]  # G * tau = 8 * 2 against 8 * 4
+    assert many.predicted["bottleneck_s"] == pytest.approx(2.0)
+    assert many.predicted["ring_s"] == pytest.approx(5.0)
+    assert many.predicted["decode_tokens_per_s"] == pytest.approx(8 / 16)
+    # each plan is the worse one for the other's workload
+    for mine, theirs, sequences in ((one, many, 1), (many, one, 8)):
+        w = GenerationWorkload(sequences=sequences, max_context=4)
+        ours = predict_generation(mine, units, cluster, w)["decode_tokens_per_s"]
+        assert predict_generation(theirs, units, cluster, w)["decode_tokens_per_s"] < ours
+
+
+def test_a_slow_link_moves_a_cut() -> None:
+    # four equal units on two devices that hold three each; unit 2's output is tiny
+    units = _units([1, 1, 1, 1], weights=[1, 1, 1, 1], out=[1_000, 1_000, 10, 8])
+    devices = (ClusterDevice("a", memory_bytes=3), ClusterDevice("b", memory_bytes=3))
+    workload = GenerationWorkload(sequences=16, max_context=1)
+    fast = plan_generation(units, ClusterSpec(devices), workload)
+    assert [s.end for s in fast.stages] == [2, 4]  # balanced: tau = 2 s
+    slow_link = ClusterLink(bandwidth_mbps=8_000 / 5 / 1e6)  # 1000 bytes take 5 s
+    slow_links = {("a", "b"): slow_link, ("b", "a"): slow_link}
+    slow = plan_generation(units, ClusterSpec(devices, slow_links), workload)
+    assert [s.end for s in slow.stages] == [3, 4]  # cut where only 10 bytes cross
+    assert slow.predicted["bottleneck_s"] == pytest.approx(3.0)
+
+
+def test_kv_cache_memory_decides_a_cut_at_long_context() -> None:
+    # a fast device with little memory, a slow one with plenty: with one sequence the
+    # fast device takes all it can hold; its cache, not its weights, limits it at 20 tokens
+    units = _units([1, 1, 1, 1], weights=[100] * 4, kv=[1] * 4, out=[10] * 4)
+    cluster = ClusterSpec(
+        (ClusterDevice("fast", memory_bytes=350, speed=4.0), ClusterDevice("slow"))
+    )
+    short = plan_generation(units, cluster, GenerationWorkload(sequences=1, max_context=10))
+    long = plan_generation(units, cluster, GenerationWorkload(sequences=1, max_context=20))
+
+    def on_fast(plan: Plan) -> int:
+        return next(s.num_units for s in plan.stages if s.device == "fast")
+
+    assert on_fast(short) == 3  # 300 + 3 * 10 = 330 <= 350
+    assert on_fast(long) == 2  # 300 + 3 * 20 = 360 > 350; 200 + 40 fits
+    stage = long.devices.index("fast")
+    assert long.predicted[f"stage{stage}_kv_bytes"] == 2 * 20
+
+
+def test_a_time_to_first_token_bound_changes_the_plan() -> None:
+    # a and b are 10 s apart: with many sequences decode gains from splitting the
+    # work (the latency is hidden), but the one chunk of a prompt pays it
+    units = _units([1, 1], prefill=[10, 10], weights=[1, 1], out=[8, 8])
+    far = ClusterLink(latency_ms=1e4)
+    cluster = ClusterSpec(
+        (ClusterDevice("a", memory_bytes=2), ClusterDevice("b", memory_bytes=1)),
+        {("a", "b"): far, ("b", "a"): far},
+    )
+    workload = GenerationWorkload(sequences=64, max_context=8, prefill_chunk=8, prompt_tokens=8)
+    free = plan_generation(units, cluster, workload)
+    assert free.devices == ["a", "b"] or free.devices == ["b", "a"]
+    assert free.predicted["ttft_s"] == pytest.approx(10 + 10 + 10)
+    bound = plan_generation(units, cluster, workload, max_ttft_s=25.0)
+    assert bound.devices == ["a"]
+    assert bound.predicted["ttft_s"] == pytest.approx(20.0)
+    with pytest.raises(InfeasiblePlanError, match="time to first token within 5 s"):
+        plan_generation(units, cluster, workload, max_ttft_s=5.0)
+
+
+def test_bad_inputs_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="sequences"):
+        GenerationWorkload(sequences=0, max_context=4)
+    with pytest.raises(ConfigError, match="exceeds the maximum context"):
+        GenerationWorkload(sequences=1, max_context=4, prompt_tokens=5)
+    with pytest.raises(ConfigError, match="weight_bytes"):
+        GenerationUnit("x", weight_bytes=-1)
+    with pytest.raises(ConfigError, match="decode_time_s"):
+        GenerationUnit("x", weight_bytes=1, decode_time_s=math.nan)
+    units = _units([1])
+    cluster = ClusterSpec((ClusterDevice("a"),))
+    with pytest.raises(ConfigError, match="max_ttft_s"):
+        plan_generation(units, cluster, GenerationWorkload(1, 4, prompt_tokens=1), max_ttft_s=0)
+    with pytest.raises(ConfigError, match="no device 'zz'"):
+        plan_generation(units, cluster, GenerationWorkload(1, 4, prompt_tokens=1), speeds={"zz": 1})
