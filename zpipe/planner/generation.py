@@ -91,8 +91,11 @@ time to first token wins, then the fewest stages, then the first found
 
 Size. The states are ``prod(n_c + 1) * C^2 * (L + 1)`` for ``C`` categories
 of ``n_c`` devices and ``L`` units; a cluster whose lattice exceeds
-:data:`MAX_STATES` is planned over the devices in a fixed order instead (see
-:func:`plan_generation`).
+:data:`MAX_STATES` is planned over the devices in two fixed orders instead
+(:func:`fixed_orders`: fastest first, and the reverse); a plan's stages then
+follow one order, skipping devices, and the DP's state is (first device, last
+device, boundary), exact within that order. The search over every order starts
+from that plan's ``J`` as its bound.
 """
 
 from __future__ import annotations
@@ -122,10 +125,13 @@ from zpipe.planner.plan import Plan, StagePlan
 
 # Relative distance within which two objectives tie (sums are not bit-exact).
 TIE_RTOL = 1e-9
-# Exact while the state space is at most this (see the module docstring); about a
-# second of pure Python at worst, far less where the bounds prune.
-MAX_STATES = 300_000
-# With more categories than this the full search starts from the fixed order's plan.
+# Exact while the state space is at most this (see the module docstring). The bounds
+# prune most of it; on this project's loaded 2-core machine (bench/plan_generation.py)
+# 16 devices in 4 kinds (625 count vectors, 34 units, 350,000 states) took up to 1 s,
+# 8 distinct devices (573,000) up to 6 s, so those go to the fixed orders (under 2 s at
+# 16 distinct devices) instead.
+MAX_STATES = 400_000
+# With more categories than this the full search starts from the fixed orders' plan.
 SEED_CATEGORIES = 3
 
 
@@ -154,9 +160,9 @@ def plan_generation(
     considered. ``speeds``: device speeds to use instead of the cluster's
     (:func:`~zpipe.planner.generation_cost.device_speeds`). ``exact``: None
     (default) searches every device subset and order while the state space is at
-    most :data:`MAX_STATES`, else the devices in a fixed order (fastest first,
-    then most memory); True insists on the full search; False takes the fixed
-    order. The plan's ``predicted`` holds :func:`predict_generation`'s figures
+    most :data:`MAX_STATES`, else the devices in two fixed orders
+    (:func:`fixed_orders`); True insists on the full search; False takes the
+    fixed orders. The plan's ``predicted`` holds :func:`predict_generation`'s figures
     and ``planner_exact`` (1.0 or 0.0).
 
     Raises :class:`InfeasiblePlanError` when no plan fits memory (naming the
@@ -170,32 +176,86 @@ def plan_generation(
     _check_fits_somewhere(units, cluster, workload)
     if exact is None:
         exact = _state_space(cluster, len(units)) <= MAX_STATES
-    # The fixed order's plan first: quick, and its J bounds the full search (not worth it
+    # The fixed orders' plan first: quick, and its J bounds the full search (not worth it
     # when the categories are few: that search is small anyway).
-    order = sorted(
-        cluster.names, key=lambda n: (-speed[n], -(cluster.device(n).memory_bytes or math.inf))
-    )
-    solver = _Solver(
-        units, cluster, workload, speed, [[n] for n in order], max_ttft_s, fixed_order=True
-    )
     bound: float | None = None
+    states = 0
     categories = _speed_categories(cluster, speed)
     if not exact or len(categories) > SEED_CATEGORIES:
         try:
-            stages = solver.solve()
-            bound = solver.best_j
+            stages, key, states = _fixed_orders(units, cluster, workload, speed, max_ttft_s)
+            bound = key[0]
         except InfeasiblePlanError:
             if not exact:
                 raise
-            # no plan in that order: the full search may still find one
+            # no plan in either order: the full search may still find one
     if exact:
         solver = _Solver(units, cluster, workload, speed, categories, max_ttft_s, fixed_order=False)
         stages = solver.solve(bound)
+        states += solver.states
     plan = Plan(algo="generation", num_units=len(units), stages=stages)
     predicted = predict_generation(plan, units, cluster, workload, speeds=speed)
     predicted["planner_exact"] = 1.0 if exact else 0.0
-    predicted["planner_states"] = float(solver.states)
+    predicted["planner_states"] = float(states)
     return replace(plan, predicted=predicted)
+
+
+def fixed_orders(cluster: ClusterSpec, speed: Mapping[str, float]) -> list[list[str]]:
+    """The device orders the fixed-order search tries: fastest first (then most memory,
+    then cluster order), and the reverse, which puts the head on the fastest device."""
+    order = sorted(
+        cluster.names, key=lambda n: (-speed[n], -(cluster.device(n).memory_bytes or math.inf))
+    )
+    return [order, order[::-1]] if len(order) > 1 else [order]
+
+
+def _fixed_orders(
+    units: Sequence[GenerationUnit],
+    cluster: ClusterSpec,
+    workload: GenerationWorkload,
+    speed: Mapping[str, float],
+    max_ttft_s: float | None,
+) -> tuple[tuple[StagePlan, ...], tuple[float, float, int], int]:
+    """The best plan over :func:`fixed_orders`: its stages, its (J, ttft, stages) and the
+    states searched; :class:`InfeasiblePlanError` when neither order has one."""
+    found: tuple[tuple[StagePlan, ...], tuple[float, float, int]] | None = None
+    states = 0
+    error: InfeasiblePlanError | None = None
+    for order in fixed_orders(cluster, speed):
+        solver = _Solver(
+            units, cluster, workload, speed, [[n] for n in order], max_ttft_s, fixed_order=True
+        )
+        try:
+            stages = solver.solve()
+        except InfeasiblePlanError as exc:
+            error = exc
+            continue
+        finally:
+            states += solver.states
+        if found is None or _better(solver.best_key, found[1]):
+            found = (stages, solver.best_key)
+    if found is None:
+        assert error is not None
+        raise error
+    return found[0], found[1], states
+
+
+def _better(key: tuple[float, float, int], best: tuple[float, float, int] | None) -> bool:
+    """Whether a plan of ``(J, ttft, stages)`` beats ``best``: less J, then (J tying
+    within :data:`TIE_RTOL`) less time to first token, then fewer stages."""
+    if best is None:
+        return True
+    j, t, n = key
+    bj, bt, bn = best
+    if j < bj * (1 - TIE_RTOL) - 1e-15:
+        return True
+    if j > bj * (1 + TIE_RTOL) + 1e-15:
+        return False
+    if t < bt * (1 - TIE_RTOL) - 1e-15:
+        return True
+    if t > bt * (1 + TIE_RTOL) + 1e-15:
+        return False
+    return n < bn
 
 
 def _state_space(cluster: ClusterSpec, num_units: int) -> int:
@@ -279,7 +339,7 @@ class _Solver:
         self.fixed_order = fixed_order
         self.counts = [len(c) for c in categories]
         self.states = 0
-        self.best_j = math.inf
+        self.best_key = (math.inf, math.inf, 0)  # (J, ttft, stages) of the plan found
         n_cat, num_units = len(categories), len(units)
         # spans[c][i]: (end, decode_s, prefill_s) of every stage [i, end) that fits c's memory
         self.spans: list[list[list[tuple[int, float, float]]]] = []
@@ -363,21 +423,6 @@ class _Solver:
         best: tuple[float, float, int] | None = None  # (J, ttft, stages)
         best_entry: _Entry | None = None
 
-        def better(key: tuple[float, float, int]) -> bool:
-            if best is None:
-                return True
-            j, t, n = key
-            bj, bt, bn = best
-            if j < bj * (1 - TIE_RTOL) - 1e-15:
-                return True
-            if j > bj * (1 + TIE_RTOL) + 1e-15:
-                return False
-            if t < bt * (1 - TIE_RTOL) - 1e-15:
-                return True
-            if t > bt * (1 + TIE_RTOL) + 1e-15:
-                return False
-            return n < bn
-
         rest_decode, rest_prefill = self.rest_decode, self.rest_prefill
         max_ttft = math.inf if self.max_ttft_s is None else self.max_ttft_s
         limit = math.inf if bound is None else bound * (1 + TIE_RTOL)
@@ -385,7 +430,7 @@ class _Solver:
         def complete(first: int, entry: _Entry, stages: int) -> None:
             nonlocal best, best_entry, limit
             done = self._finish(first, entry, stages)
-            if done is not None and better((*done, stages)):
+            if done is not None and _better((*done, stages), best):
                 best = (*done, stages)
                 best_entry = entry
                 limit = min(limit, done[0] * (1 + TIE_RTOL))
@@ -446,7 +491,7 @@ class _Solver:
         if best_entry is None or best is None:
             self._raise_none()
         assert best_entry is not None and best is not None
-        self.best_j = best[0]
+        self.best_key = best
         return self._stages(best_entry)
 
     def _stages(self, entry: _Entry) -> tuple[StagePlan, ...]:

@@ -60,21 +60,20 @@ def _brute_force(
     workload: GenerationWorkload,
     *,
     max_ttft_s: float | None = None,
-    order: Sequence[str] | None = None,
+    orders: Sequence[Sequence[str]] | None = None,
 ) -> tuple[float, float] | None:
     """The least ``J`` over every device sequence and split, and the least time to first
-    token among the plans that reach it; None when no plan fits. ``order``: only device
-    sequences that follow it (the fixed-order search's space)."""
+    token among the plans that reach it; None when no plan fits. ``orders``: only device
+    sequences that follow one of them (the fixed-order search's space)."""
     num_units = len(units)
-    names = cluster.names if order is None else list(order)
+    names = cluster.names
     found: list[tuple[float, float]] = []
     for n in range(1, min(len(names), num_units) + 1):
-        sequences = (
-            itertools.combinations(names, n)
-            if order is not None
-            else itertools.permutations(names, n)
-        )
-        for devices in sequences:
+        if orders is None:
+            sequences = set(itertools.permutations(names, n))
+        else:
+            sequences = {c for order in orders for c in itertools.combinations(order, n)}
+        for devices in sorted(sequences):
             for cuts in itertools.combinations(range(1, num_units), n - 1):
                 bounds = (0, *cuts, num_units)
                 plan = Plan(
@@ -152,14 +151,15 @@ def _check_against_brute_force(
     exact: bool,
     max_ttft_s: float | None = None,
 ) -> None:
-    order = None
+    orders = None
     if not exact:
-        # the fixed order: fastest first, then most memory, then cluster order
+        # the fixed orders: fastest first (then most memory, then cluster order), reversed
         order = sorted(
             cluster.names,
             key=lambda n: (-cluster.device(n).speed, -(cluster.device(n).memory_bytes or math.inf)),
         )
-    expected = _brute_force(units, cluster, workload, max_ttft_s=max_ttft_s, order=order)
+        orders = [order, order[::-1]]
+    expected = _brute_force(units, cluster, workload, max_ttft_s=max_ttft_s, orders=orders)
     if expected is None:
         with pytest.raises(InfeasiblePlanError):
             plan_generation(units, cluster, workload, exact=exact, max_ttft_s=max_ttft_s)
