@@ -17,6 +17,7 @@ from zpipe.planner.generation_cost import (
     GenerationUnit,
     GenerationWorkload,
     check_generation_memory,
+    kv_budget_tokens,
     kv_capacity_sequences,
     predict_generation,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "device_categories",
     "device_unit_times",
     "even_ranges",
+    "kv_budget_tokens",
     "kv_capacity_sequences",
     "load_cluster",
     "plan_even",

@@ -52,6 +52,9 @@ class GenerationUnit:
     ``decode_time_s`` is one decode step of the workload's ``decode_batch``
     sequences and ``prefill_time_s`` one chunk of its ``prefill_chunk``
     tokens, both on the reference device (speed 1.0).
+    ``activation_bytes_per_token`` is a forward's peak working set per token in
+    it; where attention materialises its scores, include their share at the
+    maximum context (heads x max_context x dtype bytes per query token).
     """
 
     name: str
@@ -208,6 +211,20 @@ def check_generation_memory(
             )
 
 
+def kv_budget_tokens(
+    plan: Plan,
+    units: Sequence[GenerationUnit],
+    cluster: ClusterSpec,
+    workload: GenerationWorkload,
+) -> int | None:
+    """How many tokens of KV cache, over all sequences together, the plan's devices hold
+    beside their weights and working sets: the least over the stages of
+    ``(memory - weights - activations) // sum(kv_bytes_per_token)`` (None when no stage
+    bounds it). What a scheduler admits against, counting each sequence's prompt plus
+    its token limit, so that a sequence past it is refused, never killed."""
+    return _least(_stage_kv_tokens(plan, units, cluster, workload))
+
+
 def kv_capacity_sequences(
     plan: Plan,
     units: Sequence[GenerationUnit],
@@ -215,25 +232,32 @@ def kv_capacity_sequences(
     workload: GenerationWorkload,
 ) -> int | None:
     """How many sequences of ``max_context`` tokens the plan's devices can cache at once
-    (the least over its stages; None when no stage's memory or cache is bounded). What
-    a scheduler admits up to, so that a sequence past it is refused, never killed."""
+    (None when no stage bounds it)."""
+    budget = kv_budget_tokens(plan, units, cluster, workload)
+    return None if budget is None else budget // workload.max_context
+
+
+def _stage_kv_tokens(
+    plan: Plan,
+    units: Sequence[GenerationUnit],
+    cluster: ClusterSpec,
+    workload: GenerationWorkload,
+) -> list[int]:
+    """Each bounded stage's tokens of cache (stages without a bound left out)."""
     _check_plan_units(plan, units)
-    least: int | None = None
-    one = GenerationWorkload(
-        sequences=1,
-        max_context=workload.max_context,
-        decode_batch=workload.decode_batch,
-        prefill_chunk=workload.prefill_chunk,
-        prompt_tokens=workload.prompt,
-    )
+    out = []
     for stage in plan.stages:
         cap = cluster.device(stage.device).memory_bytes
-        need = stage_memory(units, stage.start, stage.end, one)
-        if cap is None or need.kv_cache == 0:
+        per_token = sum(u.kv_bytes_per_token for u in units[stage.start : stage.end])
+        if cap is None or per_token == 0:
             continue
-        fits = max(0, (cap - need.weights - need.activations) // need.kv_cache)
-        least = fits if least is None else min(least, fits)
-    return least
+        fixed = stage_memory(units, stage.start, stage.end, workload)
+        out.append(max(0, (cap - fixed.weights - fixed.activations) // per_token))
+    return out
+
+
+def _least(values: list[int]) -> int | None:
+    return min(values) if values else None
 
 
 def _check_plan_units(plan: Plan, units: Sequence[GenerationUnit]) -> None:

@@ -17,6 +17,7 @@ from zpipe.planner.generation_cost import (
     GenerationUnit,
     GenerationWorkload,
     check_generation_memory,
+    kv_budget_tokens,
     kv_capacity_sequences,
     predict_generation,
     stage_memory,
@@ -260,10 +261,12 @@ def test_kv_capacity_says_how_many_sequences_fit() -> None:
     )
     workload = GenerationWorkload(sequences=1, max_context=100, prefill_chunk=4, prompt_tokens=4)
     plan = Plan("explicit", 2, (StagePlan("a", 0, 1), StagePlan("b", 1, 2)))
-    # a: (1100 - 100 - 4) // 100 = 9; b: (10000 - 100 - 4) // 200 = 49
-    assert kv_capacity_sequences(plan, units, cluster, workload) == 9
+    # tokens of cache: a (1100 - 100 - 4) // 1 = 996, b (10000 - 100 - 4) // 2 = 4948
+    assert kv_budget_tokens(plan, units, cluster, workload) == 996
+    assert kv_capacity_sequences(plan, units, cluster, workload) == 9  # 996 // 100
     unbounded = ClusterSpec((ClusterDevice("a"), ClusterDevice("b")))
     assert kv_capacity_sequences(plan, units, unbounded, workload) is None
+    assert kv_budget_tokens(plan, units, unbounded, workload) is None
 
 
 # -- the cost model -----------------------------------------------------------------------
@@ -380,6 +383,17 @@ def test_a_time_to_first_token_bound_changes_the_plan() -> None:
     assert bound.predicted["ttft_s"] == pytest.approx(20.0)
     with pytest.raises(InfeasiblePlanError, match="time to first token within 5 s"):
         plan_generation(units, cluster, workload, max_ttft_s=5.0)
+
+
+def test_measured_speeds_override_the_declared_ones() -> None:
+    # declared alike, but b was measured four times as fast: one sequence goes to b
+    units = _units([1, 1], out=[8, 8])
+    cluster = ClusterSpec((ClusterDevice("a"), ClusterDevice("b")))
+    workload = GenerationWorkload(sequences=1, max_context=4)
+    assert plan_generation(units, cluster, workload).devices == ["a"]
+    fast_b = plan_generation(units, cluster, workload, speeds={"b": 4.0})
+    assert fast_b.devices == ["b"]
+    assert fast_b.predicted["ring_s"] == pytest.approx(0.5)
 
 
 def test_bad_inputs_are_config_errors() -> None:
