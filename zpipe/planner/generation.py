@@ -91,8 +91,9 @@ time to first token wins, then the fewest stages, then the first found
 
 Size. The states are ``prod(n_c + 1) * C^2 * (L + 1)`` for ``C`` categories
 of ``n_c`` devices and ``L`` units; a cluster whose lattice exceeds
-:data:`MAX_STATES` is planned over the devices in two fixed orders instead
-(:func:`fixed_orders`: fastest first, and the reverse); a plan's stages then
+:data:`MAX_STATES` is planned over the devices in four fixed orders instead
+(:func:`fixed_orders`: fastest first, its reverse, and two that fold it); a
+plan's stages then
 follow one order, skipping devices, and the DP's state is (first device, last
 device, boundary), exact within that order. The search over every order starts
 from that plan's ``J`` as its bound.
@@ -126,10 +127,10 @@ from zpipe.planner.plan import Plan, StagePlan
 # Relative distance within which two objectives tie (sums are not bit-exact).
 TIE_RTOL = 1e-9
 # Exact while the state space is at most this (see the module docstring). The bounds
-# prune most of it; on this project's loaded 2-core machine (bench/plan_generation.py)
-# 16 devices in 4 kinds (625 count vectors, 34 units, 350,000 states) took up to 1 s,
-# 8 distinct devices (573,000) up to 6 s, so those go to the fixed orders (under 2 s at
-# 16 distinct devices) instead.
+# prune most of it; on this project's 2-core machine at load 6 (bench/plan_generation.py)
+# 16 devices in 4 kinds (625 count vectors, 34 units, 350,000 states) took up to 1.7 s,
+# 8 distinct devices (573,000) up to 5.4 s, so those go to the fixed orders (at most
+# 2.1 s at 16 distinct devices) instead.
 MAX_STATES = 400_000
 # With more categories than this the full search starts from the fixed orders' plan.
 SEED_CATEGORIES = 3
@@ -160,7 +161,7 @@ def plan_generation(
     considered. ``speeds``: device speeds to use instead of the cluster's
     (:func:`~zpipe.planner.generation_cost.device_speeds`). ``exact``: None
     (default) searches every device subset and order while the state space is at
-    most :data:`MAX_STATES`, else the devices in two fixed orders
+    most :data:`MAX_STATES`, else the devices in four fixed orders
     (:func:`fixed_orders`); True insists on the full search; False takes the
     fixed orders. The plan's ``predicted`` holds :func:`predict_generation`'s figures
     and ``planner_exact`` (1.0 or 0.0).
@@ -201,12 +202,26 @@ def plan_generation(
 
 
 def fixed_orders(cluster: ClusterSpec, speed: Mapping[str, float]) -> list[list[str]]:
-    """The device orders the fixed-order search tries: fastest first (then most memory,
-    then cluster order), and the reverse, which puts the head on the fastest device."""
+    """The device orders the fixed-order search tries, each exactly.
+
+    From the devices sorted fastest first (then most memory, then cluster order):
+    that order and its reverse, and the two that fold it, fastest (or slowest) at
+    both ends of the pipeline and the others towards the middle. The units at the
+    ends (the embedding, the head) often differ most from the blocks between them,
+    and which kind of device suits them decides where the order should put it.
+    """
     order = sorted(
         cluster.names, key=lambda n: (-speed[n], -(cluster.device(n).memory_bytes or math.inf))
     )
-    return [order, order[::-1]] if len(order) > 1 else [order]
+    rev = order[::-1]
+    out: list[list[str]] = []
+    odd = len(order) % 2
+    peak = order[0::2] + rev[odd::2]  # fastest first, second fastest last
+    valley = rev[0::2] + order[odd::2]  # slowest first, second slowest last
+    for candidate in (order, rev, peak, valley):
+        if candidate not in out:
+            out.append(candidate)
+    return out
 
 
 def _fixed_orders(
@@ -226,7 +241,8 @@ def _fixed_orders(
             units, cluster, workload, speed, [[n] for n in order], max_ttft_s, fixed_order=True
         )
         try:
-            stages = solver.solve()
+            # a later order need only find a plan as good as the best so far
+            stages = solver.solve(None if found is None else found[1][0])
         except InfeasiblePlanError as exc:
             error = exc
             continue

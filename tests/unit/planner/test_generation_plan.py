@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.planner import ClusterDevice, ClusterLink, ClusterSpec, Plan, StagePlan
-from zpipe.planner.generation import plan_generation
+from zpipe.planner.generation import fixed_orders, plan_generation
 from zpipe.planner.generation_cost import (
     GenerationUnit,
     GenerationWorkload,
@@ -155,12 +155,7 @@ def _check_against_brute_force(
 ) -> None:
     orders = None
     if not exact:
-        # the fixed orders: fastest first (then most memory, then cluster order), reversed
-        order = sorted(
-            cluster.names,
-            key=lambda n: (-cluster.device(n).speed, -(cluster.device(n).memory_bytes or math.inf)),
-        )
-        orders = [order, order[::-1]]
+        orders = fixed_orders(cluster, {d.name: d.speed for d in cluster.devices})
     expected = _brute_force(units, cluster, workload, max_ttft_s=max_ttft_s, orders=orders)
     if expected is None:
         with pytest.raises(InfeasiblePlanError):
@@ -395,6 +390,17 @@ def test_measured_speeds_override_the_declared_ones() -> None:
     fast_b = plan_generation(units, cluster, workload, speeds={"b": 4.0})
     assert fast_b.devices == ["b"]
     assert fast_b.predicted["ring_s"] == pytest.approx(0.5)
+
+
+def test_the_fixed_orders_fold_the_speed_order() -> None:
+    cluster = ClusterSpec(tuple(ClusterDevice(f"d{k}", speed=10 - k) for k in range(5)))
+    orders = fixed_orders(cluster, {d.name: d.speed for d in cluster.devices})
+    assert orders == [
+        ["d0", "d1", "d2", "d3", "d4"],
+        ["d4", "d3", "d2", "d1", "d0"],
+        ["d0", "d2", "d4", "d3", "d1"],  # the two fastest at the ends
+        ["d4", "d2", "d0", "d1", "d3"],  # the two slowest at the ends
+    ]
 
 
 def test_sixteen_distinct_devices_are_planned_over_the_fixed_orders() -> None:
