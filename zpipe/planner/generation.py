@@ -425,7 +425,8 @@ class _Solver:
             last_name = self.categories[last_cat][1]
         pre_sum += client_hops_s(self.units, first_name, last_name, self.cluster, self.workload)
         _, _, ttft = combine(ring, period, pre_sum, pre_period, self.workload)
-        if self.max_ttft_s is not None and ttft > self.max_ttft_s:
+        # within TIE_RTOL: sums in another order than predict_generation's may differ
+        if self.max_ttft_s is not None and ttft > self.max_ttft_s * (1 + TIE_RTOL):
             return None
         return max(ring, self.workload.groups * period), ttft
 
@@ -440,7 +441,7 @@ class _Solver:
         best_entry: _Entry | None = None
 
         rest_decode, rest_prefill = self.rest_decode, self.rest_prefill
-        max_ttft = math.inf if self.max_ttft_s is None else self.max_ttft_s
+        max_ttft = math.inf if self.max_ttft_s is None else self.max_ttft_s * (1 + TIE_RTOL)
         limit = math.inf if bound is None else bound * (1 + TIE_RTOL)
 
         def complete(first: int, entry: _Entry, stages: int) -> None:

@@ -35,6 +35,7 @@ first token) are derived in :mod:`zpipe.planner.generation`.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,11 @@ from zpipe.planner.cluster import CLIENT, ClusterDevice, ClusterSpec
 from zpipe.planner.cost import fmt_bytes
 from zpipe.planner.plan import Plan
 from zpipe.planner.profile import MAX_BYTES, MAX_UNIT_TIME_S
+
+
+def _is_count(value: object) -> bool:
+    """An integer (numpy's too), not a bool and not a float such as 3.0."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -74,15 +80,21 @@ class GenerationUnit:
             "output_bytes_per_token",
         ):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
+            if not _is_count(value) or not 0 <= value <= MAX_BYTES:
                 raise ConfigError(f"{where}: {key} must be a whole number of bytes, got {value!r}")
+            object.__setattr__(self, key, int(value))  # numpy's integers too, as plain ints
         for key in ("decode_time_s", "prefill_time_s"):
             value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and 0 <= value <= MAX_UNIT_TIME_S):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not 0 <= float(value) <= MAX_UNIT_TIME_S
+            ):
                 raise ConfigError(
                     f"{where}: {key} must be a number of seconds in [0, {MAX_UNIT_TIME_S:g}], "
                     f"got {value!r}"
                 )
+            object.__setattr__(self, key, float(value))
 
 
 @dataclass(frozen=True)
@@ -105,10 +117,11 @@ class GenerationWorkload:
             object.__setattr__(self, "prompt_tokens", self.max_context)
         for key in ("sequences", "max_context", "decode_batch", "prefill_chunk", "prompt_tokens"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_count(value) or value < 1:
                 raise ConfigError(
                     f"generation workload: {key} must be an integer >= 1, got {value!r}"
                 )
+            object.__setattr__(self, key, int(value))
         if self.prompt > self.max_context:
             raise ConfigError(
                 f"generation workload: a prompt of {self.prompt_tokens} tokens exceeds the "

@@ -6,6 +6,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -428,6 +429,12 @@ def test_bad_inputs_are_config_errors() -> None:
         GenerationUnit("x", weight_bytes=-1)
     with pytest.raises(ConfigError, match="decode_time_s"):
         GenerationUnit("x", weight_bytes=1, decode_time_s=math.nan)
+    with pytest.raises(ConfigError, match="kv_bytes_per_token"):
+        GenerationUnit("x", weight_bytes=1, kv_bytes_per_token=2.5)  # type: ignore[arg-type]
+    # numpy's numbers are numbers: stored as plain ones
+    unit = GenerationUnit("x", weight_bytes=np.int64(7), decode_time_s=np.float32(0.5))  # type: ignore[arg-type]
+    assert type(unit.weight_bytes) is int and type(unit.decode_time_s) is float
+    assert GenerationWorkload(np.int64(2), 8).sequences == 2  # type: ignore[arg-type]
     units = _units([1])
     cluster = ClusterSpec((ClusterDevice("a"),))
     with pytest.raises(ConfigError, match="max_ttft_s"):
