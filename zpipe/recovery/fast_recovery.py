@@ -197,6 +197,7 @@ def plan_fast_recovery(
     capacities: Mapping[str, float] | None = None,
     output_bytes: Sequence[float] | None = None,
     bandwidths_bps: Mapping[tuple[str, str], float] | None = None,
+    fixed_s: Mapping[str, float] | None = None,
     move_pending: bool = False,
 ) -> FastRecoveryPlan:
     """FTPipeHD's recovery of an asynchronous run after the stages ``dead`` died.
@@ -210,7 +211,9 @@ def plan_fast_recovery(
     ``capacities`` (``C_i`` of every survivor, or None for all 1),
     ``output_bytes`` (``D_j``) and ``bandwidths_bps`` (``(a, b)`` -> bytes per
     second, for every pair of survivors that will be neighbours; a pair given in
-    either direction serves both): eq. 5's inputs. Raises
+    either direction serves both) and ``fixed_s`` (``F_i``, a survivor's own
+    seconds per batch whatever its units; absent: 0): eq. 5's inputs, as
+    :func:`zpipe.training.repartition.decide_repartition` takes them. Raises
     :class:`~zpipe.recovery.errors.WeightsLostError` when a dead stage's unit has
     no copy left, :class:`~zpipe.recovery.errors.RecoveryError` when no stage
     survives, and :class:`~zpipe.ConfigError` on malformed input.
@@ -274,14 +277,15 @@ def plan_fast_recovery(
     links = None
     if bandwidths_bps is not None:
         links = [_bandwidth(bandwidths_bps, a, b) for a, b in pairwise(survivors)]
-    if num_units < len(survivors):
-        raise RecoveryError(f"{num_units} units cannot give each of {len(survivors)} survivors one")
+    own = None if fixed_s is None else [float(fixed_s.get(d, 0.0)) for d in survivors]
+    # every stage had a unit, so the survivors are never more than the units
     cut = ftpipehd_partition(
         reference_unit_s,
         capacities=caps,
         num_stages=len(survivors),
         output_bytes=output_bytes,
         bandwidths_bps=links,
+        fixed_s=own,
     )
 
     holder_of = {u: d for d in survivors for u in range(*held[d])}

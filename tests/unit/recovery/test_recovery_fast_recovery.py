@@ -124,6 +124,26 @@ def test_a_slow_link_between_new_neighbours_moves_the_cut() -> None:
         plan_fast_recovery(spans, ["b"], bandwidths_bps={("a", "b"): 1.0}, **common)  # type: ignore[arg-type]
 
 
+def test_a_survivors_own_cost_per_batch_counts_in_eq5() -> None:
+    plan = recover(["b"], ledger_of(SPANS, chain=150, glob=100), fixed_s={"c": 2.0})
+    expected = ftpipehd_partition(UNIT_S, capacities=[1.0] * 3, fixed_s=[0.0, 2.0, 0.0])
+    assert plan.bounds == expected.bounds != (0, 2, 5, 8)
+
+
+def test_a_dead_stages_unit_may_come_from_its_previous_owners_copy() -> None:
+    # b held unit 2 and c units 3-5 when they copied at 100 (chain copies at c and
+    # d); a committed move then gave unit 3 to b, which died before its next copy:
+    # unit 3's newest completed copy is c's, held at d
+    ledger = CopyLedger()
+    ledger.record(CopyRecord("b", "chain", "c", 0, 100, 2, 3))
+    ledger.record(CopyRecord("c", "chain", "d", 0, 100, 3, 6))
+    plan = recover(["b"], ledger, acknowledged=120, updates={"a": 120, "c": 121, "d": 122})
+    by_unit = {s.unit: (s.kind, s.source, s.version, s.lost) for s in plan.sources}
+    assert by_unit[2] == ("chain", "c", 100, 20)
+    assert by_unit[3] == ("chain", "d", 100, 20)
+    assert plan.copies_used() == {"chain@c": [2], "chain@d": [3]}
+
+
 def test_two_adjacent_deaths_restore_the_first_from_the_global_copy() -> None:
     plan = recover(["b", "c"], ledger_of(SPANS, chain=150, glob=100))
     by_unit = {s.unit: s for s in plan.sources}
@@ -298,6 +318,7 @@ def test_every_unit_has_one_source_never_a_dead_stage(
         assert all(freshest_copy(ledger, u, survivors) is None for u in exc.units)
         return
     held = {s.devices[0]: set(range(s.start, s.end)) for s in spans}
+    assert plan.bounds == ftpipehd_partition(unit_s, capacities=list(caps.values())).bounds
     assert [s.unit for s in plan.sources] == list(range(num_units))  # exactly one each
     assert list(plan.order) == survivors
     for s in plan.sources:
