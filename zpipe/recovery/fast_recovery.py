@@ -49,7 +49,7 @@ staged. A death after the commit sees the new partition as the committed one.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -69,7 +69,9 @@ class UnitSource:
     a ``chain`` or ``global`` copy), after ``version`` mini-batches. ``lost``: the
     mini-batches of progress the unit misses (resuming past its version);
     ``reapplied``: the mini-batches it will apply a second time (its version was past
-    the resume id)."""
+    the resume id). ``owner`` and ``run``: whose copy it is and of which run (what a
+    holder files its copies under); for live weights (``kept``, ``peer``) the owner
+    is ``source`` and ``run`` is None."""
 
     unit: int
     dest: str
@@ -78,6 +80,8 @@ class UnitSource:
     version: int
     lost: int
     reapplied: int
+    owner: str = ""
+    run: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SOURCE_KINDS:
@@ -92,6 +96,8 @@ class UnitSource:
             "version": self.version,
             "lost": self.lost,
             "reapplied": self.reapplied,
+            "owner": self.owner,
+            "run": self.run,
         }
 
     @classmethod
@@ -105,9 +111,36 @@ class UnitSource:
                 version=int(data["version"]),
                 lost=int(data["lost"]),
                 reapplied=int(data["reapplied"]),
+                owner=str(data.get("owner", "")),
+                run=None if data.get("run") is None else int(data["run"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed unit source {dict(data)!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SourceRange:
+    """Units ``[start, end)`` that ``dest`` gets from one source: ``kind``, ``source``
+    (a stage or the coordinator), the copy's ``owner`` and ``run`` (None: live
+    weights), after ``version`` mini-batches."""
+
+    dest: str
+    kind: str
+    source: str
+    owner: str
+    run: int | None
+    version: int
+    start: int
+    end: int
+
+    @property
+    def key(self) -> tuple[str, str, str, int | None, int]:
+        return (self.kind, self.source, self.owner, self.run, self.version)
+
+    @property
+    def local(self) -> bool:
+        """Nothing travels: ``dest`` keeps these units or loads a copy it holds."""
+        return self.source == self.dest
 
 
 @dataclass(frozen=True)
@@ -134,6 +167,24 @@ class FastRecoveryPlan:
     def sources_of(self, dest: str) -> list[UnitSource]:
         """What ``dest`` runs after the recovery, by unit."""
         return [s for s in self.sources if s.dest == dest]
+
+    def ranges_of(self, dest: str) -> list[SourceRange]:
+        """What ``dest`` runs, as ranges of consecutive units with one source: what
+        the shell turns into a stage's fetch entries (a ``kept`` range, and a chain
+        copy ``dest`` holds itself, load locally; the others travel)."""
+        out: list[SourceRange] = []
+        for s in self.sources_of(dest):
+            key = (s.kind, s.source, s.owner, s.run, s.version)
+            last = out[-1] if out else None
+            if last is not None and last.end == s.unit and last.key == key:
+                out[-1] = replace(last, end=s.unit + 1)
+            else:
+                out.append(
+                    SourceRange(
+                        dest, s.kind, s.source, s.owner, s.run, s.version, s.unit, s.unit + 1
+                    )
+                )
+        return out
 
     def fetches(self) -> list[UnitSource]:
         """The units that travel (every source but ``kept``, and a chain copy a stage
@@ -252,7 +303,7 @@ def plan_fast_recovery(
 
     # The dead stages' units, each from its nearest completed copy.
     held = {d: (s.start, s.end) for s in spans for d in s.devices}
-    restored: dict[int, tuple[str, str, int]] = {}  # unit -> (kind, holder, step)
+    restored: dict[int, CopyRecord] = {}
     lost_units: list[int] = []
     for d in order:
         if d not in gone:
@@ -262,7 +313,7 @@ def plan_fast_recovery(
             if copy is None:
                 lost_units.append(u)
             else:
-                restored[u] = (copy.kind, copy.holder, copy.step)
+                restored[u] = copy
     if lost_units:
         raise WeightsLostError(lost_units, None)
 
@@ -292,12 +343,15 @@ def plan_fast_recovery(
     sources: list[UnitSource] = []
     for dest, (a, b) in zip(survivors, pairwise(cut.bounds), strict=True):
         for u in range(a, b):
-            if u in restored:
-                kind, source, version = restored[u]
+            copy = restored.get(u)
+            if copy is not None:
+                kind, source, version = copy.kind, copy.holder, copy.step
+                owner, run = copy.owner, copy.run
             else:
                 source = holder_of[u]
                 kind = "kept" if source == dest else "peer"
                 version = updates[source]
+                owner, run = source, None
             sources.append(
                 UnitSource(
                     unit=u,
@@ -307,6 +361,8 @@ def plan_fast_recovery(
                     version=version,
                     lost=max(0, acknowledged - version),
                     reapplied=max(0, version - acknowledged),
+                    owner=owner,
+                    run=run,
                 )
             )
     return FastRecoveryPlan(
@@ -351,6 +407,7 @@ def _bandwidth(bandwidths: Mapping[tuple[str, str], float], a: str, b: str) -> f
 __all__ = [
     "SOURCE_KINDS",
     "FastRecoveryPlan",
+    "SourceRange",
     "UnitSource",
     "freshest_copy",
     "plan_fast_recovery",

@@ -259,6 +259,28 @@ def test_malformed_input_is_refused_with_a_clear_error() -> None:
         )
 
 
+def test_each_stage_gets_its_units_as_ranges_with_one_source_each() -> None:
+    plan = recover(
+        ["b", "c"],
+        ledger_of(SPANS, chain=150, glob=100),
+        capacities={"a": 1.0, "d": 1.0},
+    )
+    assert plan.bounds == (0, 4, 8)
+    a = [(r.kind, r.source, r.owner, r.run, r.version, r.start, r.end) for r in plan.ranges_of("a")]
+    assert a == [
+        ("kept", "a", "a", None, 160, 0, 2),
+        ("global", COORDINATOR, "b", 0, 100, 2, 4),  # b's copy; its chain copy died with c
+    ]
+    d = [
+        (r.kind, r.source, r.owner, r.version, r.start, r.end, r.local) for r in plan.ranges_of("d")
+    ]
+    assert d == [
+        ("chain", "d", "c", 150, 4, 6, True),  # d holds c's chain copy: loads it
+        ("kept", "d", "d", 163, 6, 8, True),
+    ]
+    assert not plan.ranges_of("b")
+
+
 def test_the_plan_is_plain_data_that_round_trips() -> None:
     plan = recover(["b", "c"], ledger_of(SPANS, chain=150, glob=100), move_pending=True)
     data = json.loads(json.dumps(plan.to_dict()))
@@ -332,6 +354,11 @@ def test_every_unit_has_one_source_never_a_dead_stage(
             assert any(s.unit in held[d] for d in dead)
             assert s.source == COORDINATOR or s.source in survivors
         assert s.lost == max(0, 50 - s.version) and s.reapplied == max(0, s.version - 50)
+    # each stage's ranges cover exactly its units
+    for span in plan.spans:
+        (d,), a, b = span.devices, span.start, span.end
+        ranges = plan.ranges_of(d)
+        assert [u for r in ranges for u in range(r.start, r.end)] == list(range(a, b))
     # a survivor's units it still runs are all kept: nothing it held is fetched
     for d in survivors:
         mine = {s.unit for s in plan.sources_of(d)}
