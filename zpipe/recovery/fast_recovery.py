@@ -210,6 +210,23 @@ class FastRecoveryPlan:
                 used.setdefault(key, []).append(s.unit)
         return used
 
+    def summary(self) -> dict[str, Any]:
+        """The report, for the log line and the run's report: where the run resumes,
+        the progress each unit lost (and re-applies), which copy each restored unit
+        came from, and how many units travel."""
+        return {
+            "dead": list(self.dead),
+            "order": list(self.order),
+            "bounds": list(self.bounds),
+            "resume_at": self.resume_at,
+            "max_lost": self.max_lost,
+            "lost": {str(u): n for u, n in self.lost_per_unit.items() if n},
+            "reapplied": {str(s.unit): s.reapplied for s in self.sources if s.reapplied},
+            "copies_used": self.copies_used(),
+            "units_moved": len(self.fetches()),
+            "abandoned_move": self.abandoned_move,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "order": list(self.order),

@@ -159,6 +159,11 @@ def test_two_adjacent_deaths_restore_the_first_from_the_global_copy() -> None:
         assert (by_unit[u].kind, by_unit[u].source, by_unit[u].version) == ("chain", "d", 150)
     assert plan.copies_used() == {"global": [2, 3], "chain@d": [4, 5]}
     assert plan.max_lost == 60 and plan.order == ("a", "d")
+    report = json.loads(json.dumps(plan.summary()))
+    assert report["resume_at"] == 160 and report["max_lost"] == 60
+    assert report["lost"] == {"2": 60, "3": 60, "4": 10, "5": 10}
+    assert report["copies_used"] == {"global": [2, 3], "chain@d": [4, 5]}
+    assert report["units_moved"] == len(plan.fetches())
 
 
 def test_the_last_stages_chain_copy_is_the_coordinators() -> None:
