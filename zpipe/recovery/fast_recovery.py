@@ -284,7 +284,7 @@ def plan_fast_recovery(
     :func:`zpipe.training.repartition.decide_repartition` takes them. Raises
     :class:`~zpipe.recovery.errors.WeightsLostError` when a dead stage's unit has
     no copy left, :class:`~zpipe.recovery.errors.RecoveryError` when no stage
-    survives, and :class:`~zpipe.ConfigError` on malformed input.
+    survives, and :class:`~zpipe._errors.ConfigError` on malformed input.
     """
     num_units = validate_spans(spans)
     for s in spans:
