@@ -16,6 +16,8 @@ measured and applies what it returns.
 - :mod:`~zpipe.recovery.restore`: chain and global copies as replica points,
   restored from the newest that covers every unit; heavy recovery's moves.
 - :mod:`~zpipe.recovery.recover`: one call for the coordinator, by policy.
+- :mod:`~zpipe.recovery.fast_recovery`: FTPipeHD's recovery of an asynchronous
+  run (``consistency="fast"``): survivors keep their weights, eq. 5 re-cuts them.
 - :mod:`~zpipe.recovery.timeline`: the recovery timeline for structured logs.
 """
 
@@ -40,6 +42,7 @@ from zpipe.recovery.detection import (
     judge_wait,
 )
 from zpipe.recovery.errors import RecoveryError, WeightsLostError
+from zpipe.recovery.fast_recovery import FastRecoveryPlan, UnitSource, plan_fast_recovery
 from zpipe.recovery.recover import POLICIES, RecoveryPlan, plan_recovery
 from zpipe.recovery.redistribution import (
     Kept,
@@ -82,6 +85,7 @@ __all__ = [
     "CapacityHistory",
     "DeadlinePolicy",
     "Deviation",
+    "FastRecoveryPlan",
     "HeavyMoves",
     "Kept",
     "LatencyWindow",
@@ -97,6 +101,7 @@ __all__ = [
     "StageSpan",
     "StallWatch",
     "Transfer",
+    "UnitSource",
     "Verdict",
     "WeightsLostError",
     "adaptive_deadline",
@@ -111,6 +116,7 @@ __all__ = [
     "judge_wait",
     "lightweight_replan",
     "own_replicas",
+    "plan_fast_recovery",
     "plan_recovery",
     "plan_redistribution",
     "plan_replication",
