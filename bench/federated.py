@@ -72,11 +72,14 @@ HELD_SEEDS = "10-19"
 # The settings the comparison runs with (the flags' defaults), each shared by every
 # method it applies to; docs/research/eco-fl.md says why each has its value.
 CHOSEN: dict[str, Any] = {
-    "alpha": 0.6,  # FedAsync's alpha (Xie et al.), for FedAsync and Eco-FL's groups
+    "alpha": 0.6,  # FedAsync's alpha (Xie et al.)
+    "group_alpha": None,  # Eco-FL's inter-group alpha (also w/o DG, Astraea); None: alpha
     "staleness": "polynomial",  # FedAsync's (1 + t)^-a, a = 0.5, for both
     "lam": 10.0,  # eq. 4's lambda, seconds of latency per unit of JS divergence
     "rt_factor": 1.0,  # RT^g = rt_factor * the group's K-means radius
+    "n_groups": 5,  # |G|: Eco-FL's groups, FedAT's tiers, Astraea's groups
 }
+RLGS = 5  # the rlg-* layouts' response-latency groups (section 6.1), whatever |G| is
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -130,11 +133,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lambda-seeds", type=int, default=3)
     # the investigation's knobs: each applies to every method alike
     p.add_argument("--alpha", type=float, default=CHOSEN["alpha"], help="FedAsync alpha (all)")
+    p.add_argument(
+        "--group-alpha",
+        type=float,
+        default=CHOSEN["group_alpha"],
+        help="Eco-FL's inter-group alpha (Eco-FL, w/o DG, Astraea); default: --alpha",
+    )
     p.add_argument("--staleness", default=CHOSEN["staleness"], help="polynomial, hinge, constant")
     p.add_argument("--lam", type=_lambda, default=CHOSEN["lam"], help="Eco-FL lambda")
     p.add_argument(
         "--rt-factor", type=float, default=CHOSEN["rt_factor"], help="RT^g / K-means radius"
     )
+    p.add_argument("--groups", type=int, default=CHOSEN["n_groups"], help="|G| (all grouping)")
     p.add_argument("--network", action="store_true", help="add the networked section")
     p.add_argument("--network-only", action="store_true", help="only the networked section")
     p.add_argument("--network-methods", default="ecofl,fedasync")
@@ -160,13 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--held-seeds must not overlap --seeds (the seeds the settings were chosen on)")
     settings: dict[str, Any] = {
         "alpha": args.alpha,
+        "group_alpha": args.group_alpha,
         "staleness": args.staleness,
         "lam": args.lam,
         "rt_factor": args.rt_factor,
+        "n_groups": args.groups,
     }
     common: dict[str, Any] = {
         "partition": args.partition,
         "budget_s": args.budget_s,
+        "n_rlg": RLGS,
         **{k: v for k, v in settings.items() if k != "lam"},
     }
     data = load_digits_dataset()
