@@ -29,12 +29,13 @@ Seeds: ``--seeds 10`` (the first ten), ``--seeds 0-9`` or ``--seeds 3,5,10-12``.
 ``--held`` is the issue's held-out comparison: the settings (the flags'
 defaults, :data:`CHOSEN`, fixed by the investigation on seeds 0-9 only) are
 reported on ``--held-seeds`` (10-19); the ``ecofl_minus_*`` and ``ecofl_wins_*``
-keys are then counted on the held seeds, ``tune_ecofl_*`` on the seeds the
-settings were chosen on (``--seeds``, 0-9 by default), and the summary says
-which settings were fixed and on which seeds.
+keys are then counted on the held seeds (with ``--tune-figures``, ``tune_*``
+repeats the figures on the seeds the settings were chosen on, ``--seeds``,
+0-9 by default), and the summary says which settings were fixed and on which
+seeds.
 
 Run: ``.venv/bin/python bench/federated.py`` (10 seeds: about 5-10 minutes on
-2 idle cores; ``--held`` twice that; ``--quick`` for 2 seeds and a short sweep).
+2 idle cores; ``--held --tune-figures`` twice that; ``--quick`` for 2 seeds and a short sweep).
 
 Networked section (``--network``, or ``--network-only``; :mod:`bench.federated_net`):
 an fl-server and six fl-client processes on loopback (emulated latencies 0.2-0.8 s,
@@ -125,6 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"report the settings on --held-seeds ({HELD_SEEDS}) beside --seeds ({TUNING_SEEDS})",
     )
     p.add_argument("--held-seeds", type=parse_seeds, default=parse_seeds(HELD_SEEDS))
+    p.add_argument(
+        "--tune-figures",
+        action="store_true",
+        help="with --held, also run --seeds and report them as tune_* (twice the time)",
+    )
     p.add_argument("--quick", action="store_true", help="2 seeds, 2 lambdas: a smoke run")
     p.add_argument("--partition", choices=PARTITIONS, default="rlg-niid")
     p.add_argument("--budget-s", type=float, default=1000.0)
@@ -184,13 +190,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     data = load_digits_dataset()
     started = time.perf_counter()
-    acc, tta = compare_methods(seeds, args.lam, args.target, common, data)
-    held: tuple[dict[str, list[float]], dict[str, list[float]]] | None = None
+    Figures = tuple[dict[str, list[float]], dict[str, list[float]]]
+    tuning: Figures | None = None
+    if not args.held or args.tune_figures:
+        tuning = compare_methods(seeds, args.lam, args.target, common, data)
+    held: Figures | None = None
     if args.held:
         held = compare_methods(args.held_seeds, args.lam, args.target, common, data)
     sweep = lambda_sweep(lambdas, range(lambda_seeds), common, data)
 
-    main_acc, main_tta = held if held is not None else (acc, tta)
+    main = held if held is not None else tuning
+    assert main is not None
+    main_acc, main_tta = main
     main_seeds = args.held_seeds if held is not None else seeds
     figures = comparison_figures(main_acc, main_tta, args.budget_s)
     wins = {b: figures[f"ecofl_wins_{b.replace('-', '_')}"] for b in METHODS if b != "ecofl"}
@@ -204,8 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         **figures,
     }
     if held is not None:
-        tune = comparison_figures(acc, tta, args.budget_s)
-        out |= {f"tune_{k}": v for k, v in tune.items()}
+        if tuning is not None:
+            tune = comparison_figures(*tuning, args.budget_s)
+            out |= {f"tune_{k}": v for k, v in tune.items()}
         out |= {
             "settings_fixed_on_seeds": seed_label(seeds),
             "held_seeds": seed_label(args.held_seeds),

@@ -49,7 +49,7 @@ def _summary(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 def test_held_mode_counts_the_goal_keys_on_the_held_seeds(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = _summary(monkeypatch, capsys, "--held")
+    out = _summary(monkeypatch, capsys, "--held", "--tune-figures")
     assert out["seed_list"] == "10-19" and out["held_seeds"] == "10-19"
     assert out["settings_fixed_on_seeds"] == "0-9"
     assert out["ecofl_wins_fedasync"] == 10 and out["tune_ecofl_wins_fedasync"] == 0
@@ -57,6 +57,14 @@ def test_held_mode_counts_the_goal_keys_on_the_held_seeds(
     assert out["tune_ecofl_minus_fedasync_acc"] == pytest.approx(-0.1)
     assert out["settings_are_chosen"] is True
     assert out["note"].startswith("goal met")
+
+
+def test_held_alone_runs_only_the_held_seeds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _summary(monkeypatch, capsys, "--held")
+    assert out["ecofl_wins_fedasync"] == 10 and "tune_ecofl_wins_fedasync" not in out
+    assert out["settings_fixed_on_seeds"] == "0-9"
 
 
 def test_without_held_the_keys_stay_on_the_given_seeds(
