@@ -77,11 +77,20 @@ class ServerConfig:
     method: str = "ecofl"
     max_concurrent: int = 20  # K
     alpha: float = 0.6
+    # Eco-FL's inter-group mixing weight (section 5.1: "fine-tuned globally"); it mixes a
+    # group's averaged model, not one client's, so it is a setting of its own, shared by
+    # the methods that aggregate groups that way (Eco-FL, w/o DG, Astraea's grouping).
+    # None: the same as FedAsync's ``alpha``.
+    group_alpha: float | None = None
     staleness: str = "polynomial"
     staleness_a: float = 0.5
     intra_syncs: int = 1
     grouping: GroupingPolicy = field(default_factory=GroupingPolicy)
     seed: int = 0
+
+    @property
+    def inter_group_alpha(self) -> float:
+        return self.alpha if self.group_alpha is None else self.group_alpha
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -90,6 +99,8 @@ class ServerConfig:
             raise ConfigError("max_concurrent (K) and intra_syncs must be at least 1")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"alpha must lie in (0, 1], not {self.alpha}")
+        if self.group_alpha is not None and not 0 < self.group_alpha <= 1:
+            raise ConfigError(f"group_alpha must lie in (0, 1], not {self.group_alpha}")
         staleness_factor(0, function=self.staleness, a=self.staleness_a)  # validates the name
 
 
@@ -426,7 +437,7 @@ class HierarchicalServer(FederatedServer):
                 a=self.config.staleness_a,
             )
             self.global_weights = fedasync_mix(
-                self.global_weights, weights, self.config.alpha, factor
+                self.global_weights, weights, self.config.inter_group_alpha, factor
             )
         self.version += 1
 

@@ -48,11 +48,15 @@ class SimConfig:
     method: str = "ecofl"
     n_clients: int = 300
     n_groups: int = 5
+    # response-latency groups of the rlg-* data layouts (the paper's 5 RLGs); None: n_groups.
+    # Apart from n_groups, so a run may group clients otherwise than the data was laid out.
+    n_rlg: int | None = None
     max_concurrent: int = 20
     lam: float = 10.0
     rt_factor: float = 1.0
     rt_floor_fraction: float = 0.1
     alpha: float = 0.6
+    group_alpha: float | None = None  # Eco-FL's inter-group alpha; None: ``alpha``
     staleness: str = "polynomial"
     staleness_a: float = 0.5
     intra_syncs: int = 1
@@ -78,6 +82,8 @@ class SimConfig:
             raise ConfigError(f"method {self.method!r} is not one of {METHODS}")
         if self.partition not in PARTITIONS:
             raise ConfigError(f"partition {self.partition!r} is not one of {PARTITIONS}")
+        if self.n_rlg is not None and self.n_rlg < 1:
+            raise ConfigError("the data layout needs at least one response-latency group")
         if self.n_clients < 1 or self.local_steps < 1 or self.batch_size < 1:
             raise ConfigError("clients, local steps and batch size must be at least 1")
         if not (self.budget_s > 0 and self.eval_every_s > 0 and self.change_every_s > 0):
@@ -125,7 +131,7 @@ def build_federation(config: SimConfig, dataset: Dataset) -> Federation:
         config.partition,
         (base * degree).tolist(),
         n_classes=dataset.n_classes,
-        n_rlg=config.n_groups,
+        n_rlg=config.n_groups if config.n_rlg is None else config.n_rlg,
         rng=rng,
         seed=config.seed,
     )
@@ -152,6 +158,7 @@ def server_config(config: SimConfig) -> ServerConfig:
         method=config.method,
         max_concurrent=config.max_concurrent,
         alpha=config.alpha,
+        group_alpha=config.group_alpha,
         staleness=config.staleness,
         staleness_a=config.staleness_a,
         intra_syncs=config.intra_syncs,

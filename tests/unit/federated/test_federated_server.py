@@ -114,6 +114,21 @@ def test_eco_group_round_averages_by_samples_then_mixes_asynchronously() -> None
     assert server.version == 1 and len(new) == 2
 
 
+def test_group_models_mix_with_the_inter_group_alpha_when_one_is_set() -> None:
+    server = _one_group_server(group_alpha=0.9)  # FedAsync's alpha stays 0.5
+    for task in server.start():
+        server.on_update(_update(task, np.full(2, 4.0), 10 if task.client_id == 0 else 30))
+    assert server.global_weights == pytest.approx(0.9 * np.full(2, 4.0))  # staleness 0
+    flat = make_server(
+        _profiles([1.0]),
+        np.zeros(1),
+        ServerConfig(method="fedasync", max_concurrent=1, alpha=0.5, group_alpha=0.9),
+    )
+    (task,) = flat.start()
+    flat.on_update(_update(task, np.full(1, 4.0)))
+    assert flat.global_weights == pytest.approx([2.0])  # FedAsync mixes with alpha
+
+
 def test_intra_group_syncs_restart_from_the_group_model() -> None:
     server = _one_group_server(intra_syncs=2)
     tasks = server.start()
@@ -200,6 +215,8 @@ def test_configuration_errors_are_clear() -> None:
         ServerConfig(method="fedsgd")
     with pytest.raises(ConfigError):
         ServerConfig(alpha=1.5)
+    with pytest.raises(ConfigError):
+        ServerConfig(group_alpha=0.0)
     with pytest.raises(ConfigError):  # 5 groups cannot share 3 concurrent slots
         make_server(
             _profiles([float(i) for i in range(20)]),

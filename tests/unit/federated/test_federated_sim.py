@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from zpipe._errors import ConfigError
 from zpipe.federated.simulate import SimConfig, run_simulation, time_to_accuracy
 from zpipe.lossy.data import Dataset, load_digits_dataset
 
@@ -74,3 +75,18 @@ def test_fl_sim_command_writes_results_and_plots(tmp_path: Path) -> None:
     assert (out / "accuracy.png").stat().st_size > 0 and (out / "lambda.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         main(["fl-sim", "--methods", "fedsgd", "--out", str(out)])
+
+
+def test_the_rlg_data_layout_stays_when_the_run_groups_otherwise(digits: Dataset) -> None:
+    from zpipe.federated.simulate import build_federation
+
+    def classes(**kw: int) -> list[tuple[int, ...]]:
+        config = SimConfig(partition="rlg-niid", n_clients=60, max_concurrent=10, seed=3, **kw)
+        return [shard.classes for shard in build_federation(config, digits).shards]
+
+    five = classes(n_groups=5)
+    assert classes(n_groups=3, n_rlg=5) == five  # the same clients, grouped otherwise
+    assert classes(n_groups=3) != five  # n_rlg defaults to n_groups: 3 layouts
+    assert len({c for pair in five for c in pair}) == 10  # 5 RLGs of 3 classes cover all
+    with pytest.raises(ConfigError):
+        SimConfig(n_rlg=0)
