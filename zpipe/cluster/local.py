@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,8 +40,10 @@ from zpipe.client import (
     TrainOptions,
     TrainReport,
 )
+from zpipe.client.runs.generation import GenerateOptions
 from zpipe.config import Timeouts
 from zpipe.devices import check_device_text
+from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.progress import TerminalProgress
 from zpipe.transport.ports import free_tcp_port
@@ -117,9 +119,7 @@ def _device_spec(device: object) -> DeviceSpec:
         return device
     if isinstance(device, str):
         return DeviceSpec(device)
-    raise ConfigError(
-        f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}"
-    )
+    raise ConfigError(f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}")
 
 
 class LocalCluster:
@@ -360,6 +360,56 @@ class LocalCluster:
             assert client.last_report is not None
             return outputs, client.last_report
 
+    def generate(
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        options: GenerateOptions | None = None,
+        **keywords: Any,
+    ) -> list[list[int]]:
+        """Generate from every prompt from synchronous code: each sequence's tokens, in
+        prompt order. The settings are ``options`` or :class:`GenerateOptions`'
+        keywords; without ``stage_names``, ``stages`` or ``partition`` the pipeline
+        runs through every device in the order they were given (the units split
+        evenly). :meth:`PipelineClient.generate` streams the events instead."""
+        _no_running_loop("generate")
+        return asyncio.run(self._generate_tokens(model, prompts, params, options, keywords))
+
+    def _generate_settings(
+        self, options: GenerateOptions | None, keywords: dict[str, Any]
+    ) -> GenerateOptions:
+        if options is None and not {"stages", "stage_names", "partition"} & set(keywords):
+            keywords = {**keywords, "stage_names": [d.name for d in self.devices]}
+        return GenerateOptions.from_keywords(options, keywords)
+
+    async def _generate_tokens(
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        options: GenerateOptions | None,
+        keywords: dict[str, Any],
+    ) -> list[list[int]]:
+        tokens: list[list[int]] = [[] for _ in prompts]
+        async for event in self._generate(model, prompts, params, options, keywords):
+            tokens[event.sequence].append(event.token)
+        return tokens
+
+    async def _generate(
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        options: GenerateOptions | None,
+        keywords: dict[str, Any],
+    ) -> AsyncIterator[TokenEvent]:
+        settings = self._generate_settings(options, keywords)
+        async with self.client() as client:
+            async for event in client.generate(model, prompts, params, options=settings):
+                yield event
+
     def _default_stages(self, model: ModelSpec, settings: InferOptions | TrainOptions) -> list[str]:
         """The devices in the order they were given: as many as the partition has
         stages, or as the model has units."""
@@ -475,6 +525,19 @@ class AsyncLocalCluster(LocalCluster):
     ) -> tuple[list[Outputs], RunReport]:
         """See :meth:`LocalCluster.infer`."""
         return await self._infer(model, batches, options, keywords)
+
+    def generate(  # type: ignore[override]
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        options: GenerateOptions | None = None,
+        **keywords: Any,
+    ) -> AsyncIterator[TokenEvent]:
+        """Every token event of the run as it streams (see :meth:`PipelineClient.generate`;
+        stages default as in :meth:`LocalCluster.generate`)."""
+        return self._generate(model, prompts, params, options, keywords)
 
     async def fit(  # type: ignore[override]
         self,

@@ -43,6 +43,7 @@ from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoine
 from zpipe.coordinator.records import SavedReplica, SavedState
 from zpipe.coordinator.registration import Registrations, printable
 from zpipe.coordinator.runs.base import run_failed
+from zpipe.coordinator.runs.generation import start_generation_run
 from zpipe.coordinator.runs.lossy import start_lossy_run
 from zpipe.coordinator.runs.lossy_remap import keep_replica
 from zpipe.coordinator.starting import run_request
@@ -60,6 +61,7 @@ from zpipe.protocol.client_control import (
     RunRequest,
     Stalled,
 )
+from zpipe.protocol.generation import GenReady, GenRunRequest
 from zpipe.protocol.lossy import (
     LossyHold,
     LossyProbeReport,
@@ -99,6 +101,7 @@ REPLIES = (
     LossyProbeReport,
     LossyHold,
     RepartitionReply,
+    GenReady,
 )
 # Replies to requests the shell makes itself while it plans (profiles, link probes).
 SHELL_REPLIES = (ProfileReply, LinkPeersOk, LinkProbeReply)
@@ -382,6 +385,10 @@ class CoordinatorCore:
                 return state.flows.start(flow, now)
             case LossyRunRequest() as request:
                 return start_lossy_run(state, event.routing_id, request, now)
+            case GenRunRequest() as request:
+                return start_generation_run(
+                    state, event.routing_id, event.user_key, request, now
+                )
             case NoticeAck(run=run_id, seq=seq):
                 self.notices.acknowledged(run_id, seq)
                 return []

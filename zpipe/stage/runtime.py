@@ -50,6 +50,7 @@ from zpipe.stage.commands import (
     ConnectAssignment,
     DropMessage,
     Exit,
+    GenerationControl,
     LossyControl,
     Note,
     RestartTask,
@@ -60,6 +61,7 @@ from zpipe.stage.config import StageConfig
 from zpipe.stage.coordinator_link import CoordinatorLink
 from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.executors.async_repartition import StageRepartition
+from zpipe.stage.executors.generation import GenerationExecutor
 from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
@@ -100,6 +102,7 @@ class StageRuntime:
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
         self._lossy: LossyExecutor | None = None  # EdgePipe runs' partial layers
+        self._generation: GenerationExecutor | None = None  # causal LM generation runs
         self._bulk: StageBulk | None = None
         # the (emulated) link to the coordinator: control and bulk connections share it
         self._uplink = SharedUplink(config.uplink)
@@ -193,6 +196,20 @@ class StageRuntime:
             apply_limits=self._plane.apply_limits,
             max_message_bytes=opts.max_message_bytes,
             send_timeout_s=timeouts.send_s,
+        )
+        self._generation = GenerationExecutor(
+            name=self.config.name,
+            data_in=lambda: ports.data_in,
+            data_allow=self._keys.data_allow,
+            connector=push_connector(self._context, opts, keypair),
+            compute=self._compute,
+            supervisor=self._supervisor,
+            send_control=self._link.send,
+            stop_data=self._plane.stop,
+            apply_limits=self._plane.apply_limits,
+            max_message_bytes=opts.max_message_bytes,
+            send_timeout_s=timeouts.send_s,
+            device=self.config.resolved_device,
         )
 
         self._jobs = StageJobs(
@@ -432,6 +449,9 @@ class StageRuntime:
                 assert self._lossy is not None
                 # the lossy executor reads its kinds from the untyped message
                 await self._lossy.on_control(command.message)
+            elif isinstance(command, GenerationControl):
+                assert self._generation is not None
+                await self._generation.on_control(command.message)
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:
@@ -459,6 +479,8 @@ class StageRuntime:
             self._lifecycle.stop_requested("closing")
         if self._lossy is not None:
             await self._lossy.close()
+        if self._generation is not None:
+            await self._generation.close()
         if self._plane is not None:
             await self._plane.close()
         if self._jobs is not None:
