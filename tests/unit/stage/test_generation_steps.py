@@ -40,17 +40,28 @@ def _wire(message: WireMessage) -> Any:
 
 def _setup(directory: Path, start: int, end: int, index: int, n: int) -> GenSetup:
     return GenSetup(
-        run=1, model=causal_lm_spec(directory).to_dict(), start=start, end=end, index=index,
-        num_stages=n, upstream="", downstream="", max_context=64, max_sequences=8,
-        steps_in_flight=n, chunk_tokens=4,
-    )  # fmt: skip
+        run=1,
+        model=causal_lm_spec(directory).to_dict(),
+        start=start,
+        end=end,
+        index=index,
+        num_stages=n,
+        upstream="",
+        downstream="",
+        max_context=64,
+        max_sequences=8,
+        steps_in_flight=n,
+        chunk_tokens=4,
+    )
 
 
 def _run_ring(directory: Path, split: list[tuple[int, int]]) -> dict[int, list[TokenEvent]]:
     """Every sequence's events, through stages chained by messages; steps in flight go
     round one after another (the ring's order), as the stages carry them."""
     n = len(split)
-    stages = [GenerationStage.build(_setup(directory, s, e, i, n)) for i, (s, e) in enumerate(split)]
+    stages = [
+        GenerationStage.build(_setup(directory, s, e, i, n)) for i, (s, e) in enumerate(split)
+    ]
     scheduler = SequenceScheduler(SchedulerLimits(steps_in_flight=n, chunk_tokens=4))
     greedy = SamplingParams(max_tokens=NEW_TOKENS, stop_at_eos=False)
     pending: deque[Any] = deque()
@@ -71,8 +82,16 @@ def _run_ring(directory: Path, split: list[tuple[int, int]]) -> dict[int, list[T
             for stage in stages:
                 out = stage.step(message)
                 if out.values is not None:
-                    message = _wire(GenStep(run=1, step=message.step, src="s", rows=message.rows,
-                                            sampling=message.sampling, tensors=(out.values,)))  # fmt: skip
+                    message = _wire(
+                        GenStep(
+                            run=1,
+                            step=message.step,
+                            src="s",
+                            rows=message.rows,
+                            sampling=message.sampling,
+                            tensors=(out.values,),
+                        )
+                    )
             tokens = _wire(GenTokens(run=1, step=command.step, src="last", tokens=list(out.tokens)))
             pending.extend(scheduler.step_done(tokens.step, tokens.tokens))
     assert scheduler.idle
@@ -109,11 +128,23 @@ def test_a_step_whose_sampling_does_not_fit_its_rows_is_refused(
 ) -> None:
     _, directory = checkpoints["gpt2"]
     stage = GenerationStage.build(_setup(directory, 0, 5, 0, 1))
-    step = GenStep(run=1, step=0, src="s", rows=[[1, 0, 3, 0, 10]], sampling=[],
-                   tensors=(torch.tensor([1, 2, 3]),))  # fmt: skip
+    step = GenStep(
+        run=1,
+        step=0,
+        src="s",
+        rows=[[1, 0, 3, 0, 10]],
+        sampling=[],
+        tensors=(torch.tensor([1, 2, 3]),),
+    )
     with pytest.raises(ProtocolError, match="sampling must list 1"):
         stage.step(step)
     # nothing was opened: the same sequence starts cleanly afterwards
-    good = GenStep(run=1, step=0, src="s", rows=[[1, 0, 3, 0, 10]],
-                   sampling=[[0.0, 0, 1.0, 0]], tensors=(torch.tensor([1, 2, 3]),))  # fmt: skip
+    good = GenStep(
+        run=1,
+        step=0,
+        src="s",
+        rows=[[1, 0, 3, 0, 10]],
+        sampling=[[0.0, 0, 1.0, 0]],
+        tensors=(torch.tensor([1, 2, 3]),),
+    )
     assert len(stage.step(good).tokens) == 1
