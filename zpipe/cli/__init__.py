@@ -55,6 +55,9 @@ COMMANDS: dict[str, Command] = {
         "zpipe.cli.fl_server", "serve Eco-FL (or a baseline) to fl-client processes"
     ),
     "fl-client": Command("zpipe.cli.fl_client", "a federated client training on its digits shard"),
+    "generate": Command(
+        "zpipe.cli.generate", "stream a causal language model's tokens from a pipeline of stages"
+    ),
 }
 
 

@@ -188,7 +188,7 @@ class GenerationRun:
         self._push = self.connection.push_to(
             answer.first_endpoint, answer.first_key, answer.first_stage
         )
-        log.info("generation_started", run=answer.run, stages=answer.stages, bounds=answer.bounds)
+        log.debug("generation_started", run=answer.run, stages=answer.stages, bounds=answer.bounds)
         return answer
 
     async def _send(self, message: Any) -> None:

@@ -1,0 +1,37 @@
+"""``python -m zpipe generate`` on a local cluster it starts: token ids stream to the
+terminal, the same greedy tokens the model gives in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._support.causal_lm import zpipe_greedy
+from zpipe.cli import generate as command
+from zpipe.models import ModelSpec
+from zpipe.models.causal_lm import CausalLmStage
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 8, 30, 71, 11]]
+
+
+def test_generate_streams_the_greedy_tokens_of_each_prompt(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = ModelSpec.preset("llama-tiny")
+    whole = [CausalLmStage.build(spec, 0, 4)]  # the preset's 4 units, in one process
+    expected = zpipe_greedy(whole, PROMPTS, 5, prefill_chunk=64)
+    argv = ["--preset", "llama-tiny", "--max-tokens", "5", "--local", "2", "--chunk-tokens", "4"]
+    for prompt in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    assert command.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for i, tokens in enumerate(expected):
+        assert f"[{i}] {' '.join(map(str, tokens))}  [finished: length]" in lines
+
+
+def test_a_prompt_without_a_tokenizer_is_refused_before_any_process_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert command.main(["--preset", "gpt2-tiny", "--prompt", "hello"]) == 1
+    assert "give --prompt-ids instead" in capsys.readouterr().err
