@@ -386,9 +386,7 @@ class CoordinatorCore:
             case LossyRunRequest() as request:
                 return start_lossy_run(state, event.routing_id, request, now)
             case GenRunRequest() as request:
-                return start_generation_run(
-                    state, event.routing_id, event.user_key, request, now
-                )
+                return start_generation_run(state, event.routing_id, event.user_key, request, now)
             case NoticeAck(run=run_id, seq=seq):
                 self.notices.acknowledged(run_id, seq)
                 return []

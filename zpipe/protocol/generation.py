@@ -20,6 +20,8 @@ zpipe.stage.executors.generation, zpipe.client.runs.generation)::
                            gen_free         drop these sequences' caches (passed on)
     last -> first stage    gen_tokens       the token sampled for each sampling row of a
                                             step (the ring)
+    stage -> next stage    gen_step_failed  a step a stage could not compute, passed on
+                                            round the ring to the first stage
     first stage -> client  gen_token        one event of a sequence's stream
                            gen_refused      a sequence the first stage refused
 
@@ -195,6 +197,21 @@ class GenTokens(WireMessage):
 
 
 @wire_message
+class GenStepFailed(WireMessage):
+    """Step ``step`` failed at stage ``stage`` (``error``); passed downstream round the
+    ring to the first stage, which ends its ``sequences`` and rebuilds the others'
+    caches (zpipe.stage.executors.generation_steps.after_failed_step)."""
+
+    KIND: ClassVar[str] = "gen_step_failed"
+    run: int = wire(INT)
+    step: int = wire(INT)
+    src: str = wire(STR)
+    stage: str = wire(STR)
+    error: str = wire(STR)
+    sequences: list[Any] = wire(LIST)
+
+
+@wire_message
 class GenToken(WireMessage):
     """First stage -> client: generated token ``index`` of ``sequence`` (``finish``: the
     sequence's last, and why)."""
@@ -229,6 +246,7 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     GenStep,
     GenFree,
     GenTokens,
+    GenStepFailed,
     GenToken,
     GenRefused,
 )

@@ -161,6 +161,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "gen_free",
             "gen_close",
             "gen_tokens",
+            "gen_step_failed",
             "gen_token",
             "gen_refused",
             # on probe sockets, stage to stage

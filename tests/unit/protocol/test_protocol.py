@@ -320,6 +320,14 @@ KINDS_ADDED_IN_V1 = {
         "src": ["str", True],
         "tokens": ["list", True],
     },
+    "gen_step_failed": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "src": ["str", True],
+        "stage": ["str", True],
+        "error": ["str", True],
+        "sequences": ["list", True],
+    },
     "gen_token": {
         "run": ["int", True],
         "sequence": ["int", True],

@@ -23,7 +23,11 @@ from zpipe.generation.sequences import (
 from zpipe.models.causal_lm import causal_lm_spec
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import GenSetup, GenStep, GenTokens
-from zpipe.stage.executors.generation_steps import GenerationStage, first_step
+from zpipe.stage.executors.generation_steps import (
+    GenerationStage,
+    after_failed_step,
+    first_step,
+)
 from zpipe.transport.codec import decode, encode
 
 pytest.importorskip("transformers")
@@ -55,9 +59,16 @@ def _setup(directory: Path, start: int, end: int, index: int, n: int) -> GenSetu
     )
 
 
-def _run_ring(directory: Path, split: list[tuple[int, int]]) -> dict[int, list[TokenEvent]]:
+def _run_ring(
+    directory: Path,
+    split: list[tuple[int, int]],
+    *,
+    fail: tuple[int, int] | None = None,
+    refused: list[int] | None = None,
+) -> dict[int, list[TokenEvent]]:
     """Every sequence's events, through stages chained by messages; steps in flight go
-    round one after another (the ring's order), as the stages carry them."""
+    round one after another (the ring's order), as the stages carry them. ``fail``:
+    (step, stage) where a step fails, its sequences then added to ``refused``."""
     n = len(split)
     stages = [
         GenerationStage.build(_setup(directory, s, e, i, n)) for i, (s, e) in enumerate(split)
@@ -65,8 +76,17 @@ def _run_ring(directory: Path, split: list[tuple[int, int]]) -> dict[int, list[T
     scheduler = SequenceScheduler(SchedulerLimits(steps_in_flight=n, chunk_tokens=4))
     greedy = SamplingParams(max_tokens=NEW_TOKENS, stop_at_eos=False)
     pending: deque[Any] = deque()
+
+    def take(commands: list[Any]) -> None:
+        # a step's message is made when the scheduler says so, as the first stage does
+        for command in commands:
+            if isinstance(command, RunStep):
+                params, _ = scheduler.sampling(command.step)
+                command = _wire(first_step(1, command, params, src="s0", epoch=0))
+            pending.append(command)
+
     for sequence, prompt in enumerate(PROMPTS):
-        pending.extend(scheduler.submit(sequence, prompt, greedy))
+        take(scheduler.submit(sequence, prompt, greedy))
     events: dict[int, list[TokenEvent]] = {i: [] for i in range(len(PROMPTS))}
     while pending:
         command = pending.popleft()
@@ -76,10 +96,13 @@ def _run_ring(directory: Path, split: list[tuple[int, int]]) -> dict[int, list[T
             for stage in stages:
                 stage.free([command.sequence])
         else:
-            assert isinstance(command, RunStep)
-            params, _ = scheduler.sampling(command.step)
-            message = _wire(first_step(1, command, params, src="s0", epoch=0))
-            for stage in stages:
+            assert isinstance(command, GenStep)
+            message = command
+            failed = False
+            for index, stage in enumerate(stages):
+                if (command.step, index) == fail:
+                    failed = True
+                    break
                 out = stage.step(message)
                 if out.values is not None:
                     message = _wire(
@@ -92,8 +115,14 @@ def _run_ring(directory: Path, split: list[tuple[int, int]]) -> dict[int, list[T
                             tensors=(out.values,),
                         )
                     )
+            if failed:
+                assert refused is not None
+                sequences = [row[0] for row in command.rows]
+                refused.extend(sequences)
+                take(after_failed_step(scheduler, sequences))
+                continue
             tokens = _wire(GenTokens(run=1, step=command.step, src="last", tokens=list(out.tokens)))
-            pending.extend(scheduler.step_done(tokens.step, tokens.tokens))
+            take(scheduler.step_done(tokens.step, tokens.tokens))
     assert scheduler.idle
     for stage in stages:  # every cache was freed when its sequence ended
         assert stage.free_all() == 0
@@ -148,3 +177,21 @@ def test_a_step_whose_sampling_does_not_fit_its_rows_is_refused(
         tensors=(torch.tensor([1, 2, 3]),),
     )
     assert len(stage.step(good).tokens) == 1
+
+
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_after_a_step_fails_its_sequences_end_and_the_others_stay_exact(
+    checkpoints: dict[str, tuple[Any, Path]], where: int
+) -> None:
+    model, directory = checkpoints["llama"]
+    refused: list[int] = []
+    # step 3 is mid-prefill of the long prompts, while another step is on the ring
+    events = _run_ring(directory, SPLITS[3], fail=(3, where), refused=refused)
+    assert refused  # the failed step's sequences, which end without a last event
+    for sequence, prompt in enumerate(PROMPTS):
+        got = [e.token for e in events[sequence]]
+        expected = hf_greedy(model, prompt, NEW_TOKENS)
+        if sequence in refused:
+            assert got == expected[: len(got)] and len(got) < NEW_TOKENS
+        else:
+            assert got == expected

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,12 +60,17 @@ from zpipe.protocol.generation import (
     GenRefused,
     GenSetup,
     GenStep,
+    GenStepFailed,
     GenSubmit,
     GenToken,
     GenTokens,
 )
 from zpipe.stage.assignment import PushConnector
-from zpipe.stage.executors.generation_steps import GenerationStage, first_step
+from zpipe.stage.executors.generation_steps import (
+    GenerationStage,
+    after_failed_step,
+    first_step,
+)
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
@@ -94,7 +99,7 @@ class _Close:
     pass
 
 
-_Work = GenStep | _Free | _Close
+_Work = GenStep | GenStepFailed | _Free | _Close
 
 
 @dataclass
@@ -289,6 +294,12 @@ class GenerationExecutor:
                 _expect(src, st.setup.upstream, message)
                 tokens = tokens_from_wire(message.tokens)
                 await self._carry_out(st, self._scheduler(st).step_done(message.step, tokens))
+            case GenStepFailed() if st.first and st.setup.num_stages > 1:
+                _expect(src, st.setup.upstream, message)
+                await self._step_failed(st, message)
+            case GenStepFailed() if not st.first:
+                _expect(src, st.setup.upstream, message)
+                st.queue.put_nowait(message)  # in order with the steps it passes on
             case GenStep() | GenFree() | GenClose() if not st.first:
                 _expect(src, st.setup.upstream, message)
                 st.queue.put_nowait(
@@ -380,6 +391,9 @@ class GenerationExecutor:
                         )
                     log.info("generation_closed", stage=self.name, run=st.setup.run)
                     return
+                if isinstance(item, GenStepFailed):
+                    await self._downstream(st, replace(item, src=self.name))
+                    continue
                 if isinstance(item, _Free):
                     await loop.run_in_executor(self._compute, st.work.free, item.sequences)
                     if not st.last:
@@ -402,8 +416,8 @@ class GenerationExecutor:
                     run=st.setup.run,
                     error=describe_error(exc),
                 )
-                if st.first and isinstance(item, GenStep):
-                    await self._refuse_step(st, item, exc)
+                if isinstance(item, GenStep):
+                    await self._report_failed_step(st, item, exc)
 
     async def _step(self, st: _Run, step: GenStep, loop: asyncio.AbstractEventLoop) -> None:
         out = await loop.run_in_executor(self._compute, st.work.step, step)
@@ -432,19 +446,36 @@ class GenerationExecutor:
             )
             await self._downstream(st, tokens)
 
-    async def _refuse_step(self, st: _Run, step: GenStep, exc: Exception) -> None:
-        """A step the first stage could not compute: its sequences end with the error
-        (the scheduler forgets them once the step is accounted for)."""
-        for row in step.rows:
-            sequence = int(row[0])
+    async def _report_failed_step(self, st: _Run, step: GenStep, exc: Exception) -> None:
+        """A step this stage could not compute: the first stage hears it round the ring
+        (here, at once) and ends the step's sequences; the others go on."""
+        sequences = [row[0] for row in step.rows if isinstance(row, list) and row]
+        failed = GenStepFailed(
+            run=st.setup.run,
+            step=step.step,
+            src=self.name,
+            stage=self.name,
+            error=describe_error(exc),
+            sequences=sequences,
+            epoch=st.setup.epoch,
+        )
+        if st.first:
+            await self._step_failed(st, failed)
+        else:
+            await self._downstream(st, failed)
+
+    async def _step_failed(self, st: _Run, failed: GenStepFailed) -> None:
+        sequences = tokens_from_wire(failed.sequences, "sequences")
+        for sequence in sequences:
             refused = GenRefused(
                 run=st.setup.run,
                 sequence=sequence,
                 src=self.name,
-                error=describe_error(exc),
+                error=f"step {failed.step} failed at stage {failed.stage}: {failed.error}",
                 epoch=st.setup.epoch,
             )
             await self._to_client(st, refused)
+        await self._carry_out(st, after_failed_step(self._scheduler(st), sequences))
 
     # ------------------------------------------------------------ sending
 

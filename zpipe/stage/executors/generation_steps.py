@@ -21,7 +21,7 @@ import torch
 from zpipe._errors import ProtocolError
 from zpipe.generation.params import SamplingParams
 from zpipe.generation.sampling import sample_tokens
-from zpipe.generation.sequences import RunStep
+from zpipe.generation.sequences import RunStep, SchedulerCommand, SequenceScheduler
 from zpipe.generation.wire import (
     rows_from_wire,
     rows_to_wire,
@@ -117,3 +117,19 @@ def first_step(
         tensors=(torch.tensor(ids, dtype=torch.int64),),
         epoch=epoch,
     )
+
+
+def after_failed_step(
+    scheduler: SequenceScheduler, sequences: Iterable[int]
+) -> list[SchedulerCommand]:
+    """The first stage's scheduler after a step failed somewhere on the ring: its
+    ``sequences`` end (the caller tells their clients), and every other sequence goes
+    on. The failed step never comes back and may have written part of its rows'
+    caches, so the pipeline counts as restored afresh (the scheduler's recovery: free
+    every cache, prefill prompt + generated again), which keeps greedy output
+    exact; the steps still in flight are forgotten, and their late tokens ignored."""
+    out: list[SchedulerCommand] = []
+    for sequence in sequences:
+        out += scheduler.cancel(sequence)
+    out += scheduler.stage_failed()
+    return out + scheduler.pipeline_restored()
