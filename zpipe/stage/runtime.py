@@ -41,6 +41,7 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
 from zpipe.protocol.stage_control import Register, RegisterAgain
 from zpipe.stage.assignment import push_connector
 from zpipe.stage.bulk import StageBulk
@@ -55,6 +56,7 @@ from zpipe.stage.commands import (
     Note,
     RestartTask,
     SendToCoordinator,
+    StageJob,
     StartJob,
 )
 from zpipe.stage.config import StageConfig
@@ -421,6 +423,8 @@ class StageRuntime:
                     )
             elif isinstance(command, StartJob):
                 assert self._jobs is not None
+                if command.job is StageJob.ASSIGN and self._generation is not None:
+                    await self._generation.release()  # the assignment takes the data port
                 self._jobs.start(command)
             elif isinstance(command, AllowProbePeers):
                 # Every cluster member may probe this stage's links; allowed before anyone does.
@@ -447,6 +451,9 @@ class StageRuntime:
                 getattr(log, command.level)(command.event, stage=self.config.name, **command.fields)
             elif isinstance(command, LossyControl):
                 assert self._lossy is not None
+                if isinstance(command.message, (LossySetup, LossyProbeRequest)):
+                    assert self._generation is not None
+                    await self._generation.release()  # the lossy run takes the data port
                 # the lossy executor reads its kinds from the untyped message
                 await self._lossy.on_control(command.message)
             elif isinstance(command, GenerationControl):

@@ -40,7 +40,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError, ZpipeError
+from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
 from zpipe.generation.sequences import (
     FreeCache,
     RunStep,
@@ -492,10 +492,31 @@ class GenerationExecutor:
         )
 
     async def _to_client(self, st: _Run, message: WireMessage) -> None:
+        """Stream to the client's sink. A client that stopped taking events is said
+        once per event and otherwise left alone: the ring goes on (its sequences end
+        as they would) and its ``gen_close``, or the next set-up, frees the caches."""
         setup = st.setup
         if st.sink is None:
             st.sink = self._connect(setup.sink_endpoint or "", setup.client_key, CLIENT)
-        await send(st.sink, message.to_message(), timeout_s=self._send_timeout_s, peer=CLIENT)
+        try:
+            await send(st.sink, message.to_message(), timeout_s=self._send_timeout_s, peer=CLIENT)
+        except TransportTimeout as exc:
+            log.warning(
+                "generation_client_unreachable",
+                stage=self.name,
+                run=setup.run,
+                kind=message.KIND,
+                error=str(exc),
+            )
+
+    async def release(self) -> None:
+        """Another run takes this stage (an assignment, a lossy run): stop this one's
+        tasks and let go of its units and caches."""
+        await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
+        state, self.state = self.state, None
+        if state is not None:
+            self._close_sockets(state)
+            log.info("generation_released", stage=self.name, run=state.setup.run)
 
 
 def _expect(src: object, expected: str, message: WireMessage) -> None:
