@@ -13,12 +13,15 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._support.causal_lm import hf_greedy, hf_model, write_checkpoint
 from zpipe._errors import PipelineError
+from zpipe.client.runs.generation import GenerateOptions, GenerationRun
 from zpipe.cluster import LocalCluster
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models.causal_lm import causal_lm_spec
+from zpipe.protocol.generation import GenSubmit
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(600)
@@ -105,3 +108,58 @@ def test_a_run_that_cannot_be_set_up_fails_before_any_sequence(
     # the model has 5 units: a partition that covers 3 is refused by the coordinator
     with pytest.raises(PipelineError, match="covers 3 units, the model has 5"):
         cluster.generate(causal_lm_spec(directory), PROMPTS, GREEDY, partition=[1, 1, 1])
+
+
+def test_more_sequences_than_admitted_at_once_wait_their_turn(
+    cluster: LocalCluster, checkpoints: dict[str, tuple[Path, list[list[int]]]]
+) -> None:
+    directory, expected = checkpoints["llama"]
+    prompts = PROMPTS + PROMPTS[::-1]  # six sequences, two admitted at a time
+    got = cluster.generate(
+        causal_lm_spec(directory),
+        prompts,
+        GREEDY,
+        stage_names=STAGES,
+        max_sequences=2,
+        steps_in_flight=2,
+        chunk_tokens=4,
+        token_timeout_s=120.0,
+    )
+    assert got == expected + expected[::-1]
+
+
+def test_a_malformed_sequence_is_refused_and_the_run_serves_the_next(
+    cluster: LocalCluster, checkpoints: dict[str, tuple[Path, list[list[int]]]]
+) -> None:
+    directory, expected = checkpoints["gpt2"]
+    options = GenerateOptions(stage_names=STAGES[:2], token_timeout_s=120.0)
+
+    async def run() -> list[int]:
+        async with cluster.client() as client:
+            gen = GenerationRun(client.connection, causal_lm_spec(directory), options)
+            await gen.start()
+            try:
+                # what SamplingParams would never let through: the first stage checks it
+                bad = GenSubmit(
+                    run=gen.run,
+                    sequence=7,
+                    src="client",
+                    params={"top_p": 7},
+                    tensors=(torch.tensor(PROMPTS[0]),),
+                    epoch=gen.ready.epoch,
+                )
+                await gen._send(bad)
+                with pytest.raises(PipelineError, match=r"sequence 7 was refused.*top_p"):
+                    await gen.next_event()
+                await gen.submit(8, PROMPTS[0], GREEDY)
+                tokens = []
+                while True:
+                    event = await gen.next_event()
+                    assert event.sequence == 8
+                    tokens.append(event.token)
+                    if event.finish_reason is not None:
+                        return tokens
+            finally:
+                await gen.close()
+
+    assert asyncio.run(run()) == expected[0]
