@@ -254,17 +254,21 @@ class GenerationExecutor:
             )
 
         async def handle(frames: list[zmq.Frame]) -> None:
-            self._check_key(frames[0])
-            await self._on_data(REGISTRY.parse(decode_frames(frames, self._max_bytes)))
+            sender = self._sender(frames[0])
+            await self._on_data(REGISTRY.parse(decode_frames(frames, self._max_bytes)), sender)
 
         await serve_messages(receive, handle, self._dropped)
 
-    def _check_key(self, frame: zmq.Frame) -> None:
+    def _sender(self, frame: zmq.Frame) -> str | None:
+        """With keys, the run's name for the sender's CURVE key (what its ``src`` must
+        say); None without keys, where nobody can tell."""
         if self._allow is None:
-            return
+            return None
         key = security.sender_public_key(frame)
-        if key is None or key not in self._allow:
+        name = None if key is None or key not in self._allow else self._allow.name_of(key)
+        if name is None:
             raise ProtocolError("a message from a peer that is not in this generation run")
+        return name
 
     def _dropped(self, item: Any, exc: Exception) -> None:
         self.protocol_errors += 1
@@ -272,7 +276,7 @@ class GenerationExecutor:
             "dropped_message", stage=self.name, peer="generation peer", error=describe_error(exc)
         )
 
-    async def _on_data(self, message: WireMessage) -> None:
+    async def _on_data(self, message: WireMessage, sender: str | None = None) -> None:
         st = self.state
         run = getattr(message, "run", None)
         if st is None or run != st.setup.run or message.epoch != st.setup.epoch:
@@ -280,6 +284,8 @@ class GenerationExecutor:
             log.debug("generation_stale", stage=self.name, kind=message.KIND, run=run)
             return
         src = getattr(message, "src", None)
+        if sender is not None and src != sender:
+            raise ProtocolError(f"{message.KIND} says it is from {src!r}, its key is {sender!r}'s")
         match message:
             case GenSubmit() | GenCancel() if st.first:
                 _expect(src, CLIENT, message)
