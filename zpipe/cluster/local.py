@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.client import (
     Batch,
+    GenerateOptions,
     InferOptions,
     Outputs,
     PipelineClient,
@@ -40,7 +41,6 @@ from zpipe.client import (
     TrainOptions,
     TrainReport,
 )
-from zpipe.client.runs.generation import GenerateOptions
 from zpipe.config import Timeouts
 from zpipe.devices import check_device_text
 from zpipe.generation.params import SamplingParams, TokenEvent
