@@ -212,6 +212,7 @@ class StageRuntime:
             max_message_bytes=opts.max_message_bytes,
             send_timeout_s=timeouts.send_s,
             device=self.config.resolved_device,
+            slowdown=self.config.emulated_slowdown(),
         )
 
         self._jobs = StageJobs(

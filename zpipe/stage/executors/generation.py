@@ -31,6 +31,7 @@ Later work, with seams here: recovery after a stage dies (the scheduler's
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -68,12 +69,15 @@ from zpipe.protocol.generation import (
 from zpipe.stage.assignment import PushConnector
 from zpipe.stage.executors.generation_steps import (
     GenerationStage,
+    StepOut,
     after_failed_step,
     first_step,
 )
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
+from zpipe.transport.emulation import emulate_slowdown
+from zpipe.transport.slowdown import Slowdown, slowdown_factor
 from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames, send
 
 log = get_logger("zpipe.stage")
@@ -140,6 +144,7 @@ class GenerationExecutor:
         max_message_bytes: int,
         send_timeout_s: float,
         device: torch.device | str | None = None,
+        slowdown: Slowdown = 1.0,
     ) -> None:
         self.name = name
         self._data_in = data_in
@@ -153,6 +158,7 @@ class GenerationExecutor:
         self._max_bytes = max_message_bytes
         self._send_timeout_s = send_timeout_s
         self._device = device
+        self._slowdown = slowdown  # an emulated slower device stretches each step
         self.state: _Run | None = None
         self.protocol_errors = 0
         self.stale = 0  # messages of another run or epoch, since the latest set-up
@@ -426,7 +432,7 @@ class GenerationExecutor:
                     await self._report_failed_step(st, item, exc)
 
     async def _step(self, st: _Run, step: GenStep, loop: asyncio.AbstractEventLoop) -> None:
-        out = await loop.run_in_executor(self._compute, st.work.step, step)
+        out = await loop.run_in_executor(self._compute, self._compute_step, st.work, step)
         setup = st.setup
         if not st.last:
             assert out.values is not None
@@ -451,6 +457,15 @@ class GenerationExecutor:
                 epoch=setup.epoch,
             )
             await self._downstream(st, tokens)
+
+    def _compute_step(self, work: GenerationStage, step: GenStep) -> StepOut:
+        """One step in the compute thread, held as long as the emulated device's
+        slowdown says (zpipe.transport.emulation.emulate_slowdown)."""
+        factor = slowdown_factor(self._slowdown)
+        started, cpu = time.perf_counter(), time.thread_time()
+        out = work.step(step)
+        emulate_slowdown(factor, time.perf_counter() - started, time.thread_time() - cpu)
+        return out
 
     async def _report_failed_step(self, st: _Run, step: GenStep, exc: Exception) -> None:
         """A step this stage could not compute: the first stage hears it round the ring
