@@ -312,15 +312,15 @@ class GenerationExecutor:
             case GenStepFailed() if not st.first:
                 _expect(src, st.setup.upstream, message)
                 st.queue.put_nowait(message)  # in order with the steps it passes on
-            case GenStep() | GenFree() | GenClose() if not st.first:
+            case GenStep() if not st.first:
                 _expect(src, st.setup.upstream, message)
-                st.queue.put_nowait(
-                    _Free(_sequences(message))
-                    if isinstance(message, GenFree)
-                    else _Close()
-                    if isinstance(message, GenClose)
-                    else message
-                )
+                st.queue.put_nowait(message)
+            case GenFree() if not st.first:
+                _expect(src, st.setup.upstream, message)
+                st.queue.put_nowait(_Free(_sequences(message)))
+            case GenClose() if not st.first:
+                _expect(src, st.setup.upstream, message)
+                st.queue.put_nowait(_Close())
             case _:
                 raise ProtocolError(
                     f"{message.KIND!r} does not belong on stage {st.setup.index}'s data port"
