@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._support.causal_lm import hf_greedy, hf_model, write_checkpoint
+from tests._support.causal_lm import VOCAB, hf_greedy, hf_model, write_checkpoint
 from zpipe._errors import PipelineError
 from zpipe.client.runs.generation import GenerateOptions, GenerationRun
 from zpipe.cluster import LocalCluster
@@ -163,3 +163,21 @@ def test_a_malformed_sequence_is_refused_and_the_run_serves_the_next(
                 await gen.close()
 
     assert asyncio.run(run()) == expected[0]
+
+
+def test_a_bfloat16_run_streams_every_token(
+    cluster: LocalCluster, checkpoints: dict[str, tuple[Path, list[list[int]]]]
+) -> None:
+    directory, _ = checkpoints["llama"]
+    got = cluster.generate(
+        causal_lm_spec(directory),
+        PROMPTS,
+        GREEDY,
+        stage_names=STAGES,
+        dtype="bfloat16",
+        chunk_tokens=4,
+        token_timeout_s=120.0,
+    )
+    # bfloat16 rounds differently from transformers' float32: lengths and ids only
+    assert [len(tokens) for tokens in got] == [NEW_TOKENS] * len(PROMPTS)
+    assert all(0 <= t < VOCAB for tokens in got for t in tokens)
