@@ -116,6 +116,8 @@ class _Run:
     queue: asyncio.Queue[_Work]
     downstream: zmq.asyncio.Socket | None = None
     sink: zmq.asyncio.Socket | None = None
+    steps: int = 0  # computed here
+    tokens: int = 0  # rows fed here (prefill chunks and decode steps)
 
     @property
     def first(self) -> bool:
@@ -401,7 +403,15 @@ class GenerationExecutor:
                         await self._downstream(
                             st, GenClose(run=st.setup.run, src=self.name, epoch=st.setup.epoch)
                         )
-                    log.info("generation_closed", stage=self.name, run=st.setup.run)
+                    log.info(
+                        "generation_closed",
+                        stage=self.name,
+                        run=st.setup.run,
+                        steps=st.steps,
+                        tokens=st.tokens,
+                        stale=self.stale,
+                        dropped=self.protocol_errors,
+                    )
                     return
                 if isinstance(item, GenStepFailed):
                     await self._downstream(st, replace(item, src=self.name))
@@ -433,6 +443,8 @@ class GenerationExecutor:
 
     async def _step(self, st: _Run, step: GenStep, loop: asyncio.AbstractEventLoop) -> None:
         out = await loop.run_in_executor(self._compute, self._compute_step, st.work, step)
+        st.steps += 1
+        st.tokens += sum(int(row[2]) for row in step.rows)
         setup = st.setup
         if not st.last:
             assert out.values is not None
