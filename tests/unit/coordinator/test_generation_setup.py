@@ -39,7 +39,7 @@ def _started(names: list[str], **changes: Any) -> Harness:
     h = Harness()
     for name in names:
         h.register(name)
-    h.client("gen_run_request", **_request(stage_names=names, **changes))
+    h.client("gen_run_request", **_request(**{"stage_names": names, **changes}))
     return h
 
 
@@ -91,6 +91,8 @@ def test_a_stage_that_refuses_fails_the_run_with_its_reason() -> None:
         ({"steps_in_flight": 0}, "steps_in_flight must be >= 1"),
         ({"dtype": "int8"}, "dtype must be one of"),
         ({"model": ModelSpec("mlp", {"dims": [4, 4]}).to_dict()}, "needs a 'causal_lm' model"),
+        ({"stage_names": None, "stages": -1}, "at least one stage"),
+        ({"stage_names": ["a", "a"]}, "name each stage once"),
     ],
 )
 def test_a_bad_request_fails_before_any_stage_hears_of_it(

@@ -224,6 +224,10 @@ def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest)
         count = len(request.partition)
     if names is None and count is None:
         raise ConfigError("a generation run names its stages, counts them, or gives a partition")
+    if count is not None and count < 1:
+        raise ConfigError(f"a generation run needs at least one stage, got {count}")
+    if names is not None and (not names or len(set(names)) != len(names)):
+        raise ConfigError(f"stage_names must name each stage once, got {list(names)}")
     members: list[Member] = yield AwaitStages(names, count, float(request.wait_for_stages_s))
     bounds = generation_bounds(config.num_units, len(members), request.partition)
     budget = kv_budget_tokens(config, bounds, limits.kv_budget_bytes, limits.dtype)
