@@ -240,10 +240,10 @@ class GenerationExecutor:
         self.stale = 0
 
     @staticmethod
-    def _close_sockets(state: _Run) -> None:
+    def _close_sockets(state: _Run, *, linger_s: float = 0.0) -> None:
         for sock in (state.downstream, state.sink):
             if sock is not None:
-                sock.close(linger=0)
+                sock.close(linger=int(linger_s * 1000))
         state.downstream = state.sink = None
 
     async def close(self) -> None:
@@ -412,6 +412,10 @@ class GenerationExecutor:
                         stale=self.stale,
                         dropped=self.protocol_errors,
                     )
+                    if self.state is st:  # what comes for the run now is stale
+                        self.state = None
+                        # the close (and the last events) still get to leave
+                        self._close_sockets(st, linger_s=self._send_timeout_s)
                     return
                 if isinstance(item, GenStepFailed):
                     await self._downstream(st, replace(item, src=self.name))
@@ -440,6 +444,8 @@ class GenerationExecutor:
                 )
                 if isinstance(item, GenStep):
                     await self._report_failed_step(st, item, exc)
+            finally:
+                st.queue.task_done()  # queue.join(): everything handed over is carried out
 
     async def _step(self, st: _Run, step: GenStep, loop: asyncio.AbstractEventLoop) -> None:
         out = await loop.run_in_executor(self._compute, self._compute_step, st.work, step)
