@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.generation.params import SamplingParams
 from zpipe.generation.wire import params_to_map
 from zpipe.models import ModelSpec
-from zpipe.protocol import WireMessage
+from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import (
     GenClose,
     GenReady,
@@ -52,6 +52,7 @@ class _Ring:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, index: int, n: int) -> None:
         self.control: list[Message] = []
         self.sent: list[tuple[str, WireMessage]] = []
+        self.unreachable: set[str] = set()
 
         async def send_control(message: Message) -> None:
             self.control.append(message)
@@ -60,8 +61,8 @@ class _Ring:
             return None
 
         async def send(sock: Any, message: Message, *, timeout_s: float, peer: str) -> int:
-            from zpipe.protocol import REGISTRY
-
+            if peer in self.unreachable:
+                raise TransportTimeout(peer, "room in its queue", timeout_s)
             self.sent.append((peer, REGISTRY.parse(message)))
             return 0
 
@@ -230,6 +231,24 @@ def test_a_middle_stage_passes_steps_and_failures_on_and_takes_them_from_upstrea
         assert forwarded.src == "s1" and forwarded.rows == step.rows
         (failed,) = ring.to("s2", GenStepFailed)
         assert (failed.step, failed.stage, failed.sequences) == (1, "s1", [4])
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_whose_sink_stays_full_closes_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4))
+        await ring.settle()
+        (step,) = ring.to("s1", GenStep)
+        ring.unreachable.add("client")
+        await on(GenTokens(run=9, step=step.step, src="s1", tokens=[42], epoch=EPOCH))
+        await ring.settle()
+        assert ring.to("s1", GenClose)  # every stage frees its caches
+        assert ring.executor.state is None
         await ring.executor.close()
 
     asyncio.run(scenario())

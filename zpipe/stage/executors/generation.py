@@ -23,9 +23,10 @@ compute, a token event to stream to the client (``gen_token``), a cache to free 
 every stage. The scheduler makes every decision of the loop (admission, chunked
 prefill, which rows sample, when a sequence stops); this module only moves them.
 
-Later work, with seams here: recovery after a stage dies (the scheduler's
-``stage_failed`` / ``pipeline_restored``), the client going away unannounced
-(its caches stay until ``gen_close`` or the next set-up).
+A client that goes away unannounced is noticed when the first stage's events to
+it stop leaving (its sink's queue full for the send deadline): the run closes as
+if it had said ``gen_close``. Later work, with seams here: recovery after a stage
+dies (the scheduler's ``stage_failed`` / ``pipeline_restored``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class _Run:
     downstream: zmq.asyncio.Socket | None = None
     sink: zmq.asyncio.Socket | None = None
     steps: int = 0  # computed here
+    client_gone: bool = False  # the first stage's sends to the client's sink time out
     tokens: int = 0  # rows fed here (prefill chunks and decode steps)
 
     @property
@@ -412,6 +414,9 @@ class GenerationExecutor:
                         stale=self.stale,
                         dropped=self.protocol_errors,
                     )
+                    while not st.queue.empty():  # what was queued behind the close is moot
+                        st.queue.get_nowait()
+                        st.queue.task_done()
                     if self.state is st:  # what comes for the run now is stale
                         self.state = None
                         # the close (and the last events) still get to leave
@@ -531,22 +536,25 @@ class GenerationExecutor:
         )
 
     async def _to_client(self, st: _Run, message: WireMessage) -> None:
-        """Stream to the client's sink. A client that stopped taking events is said
-        once per event and otherwise left alone: the ring goes on (its sequences end
-        as they would) and its ``gen_close``, or the next set-up, frees the caches."""
+        """Stream to the client's sink. A client whose sink stayed full for the whole
+        send deadline (its queue holds many events) has gone away: the run closes as
+        if it had said ``gen_close``, and every stage frees its caches."""
         setup = st.setup
         if st.sink is None:
             st.sink = self._connect(setup.sink_endpoint or "", setup.client_key, CLIENT)
         try:
             await send(st.sink, message.to_message(), timeout_s=self._send_timeout_s, peer=CLIENT)
         except TransportTimeout as exc:
-            log.warning(
-                "generation_client_unreachable",
-                stage=self.name,
-                run=setup.run,
-                kind=message.KIND,
-                error=str(exc),
-            )
+            if not st.client_gone:
+                st.client_gone = True
+                log.warning(
+                    "generation_client_gone",
+                    stage=self.name,
+                    run=setup.run,
+                    kind=message.KIND,
+                    error=str(exc),
+                )
+                st.queue.put_nowait(_Close())
 
     async def release(self) -> None:
         """Another run takes this stage (an assignment, a lossy run): stop this one's
