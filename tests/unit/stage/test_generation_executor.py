@@ -49,7 +49,9 @@ class _Port:
 class _Ring:
     """One executor of a ring of stages s0..s{n-1}, its sends recorded by peer."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, index: int, n: int) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, index: int, n: int, spec: ModelSpec = SPEC
+    ) -> None:
         self.control: list[Message] = []
         self.sent: list[tuple[str, WireMessage]] = []
         self.unreachable: set[str] = set()
@@ -83,7 +85,7 @@ class _Ring:
         bounds = [(0, 2), (2, 4)] if n == 2 else [(0, 1), (1, 3), (3, 4)]
         self.setup = GenSetup(
             run=9,
-            model=SPEC.to_dict(),
+            model=spec.to_dict(),
             start=bounds[index][0],
             end=bounds[index][1],
             index=index,
@@ -249,6 +251,30 @@ def test_a_client_whose_sink_stays_full_closes_the_run(monkeypatch: pytest.Monke
         await ring.settle()
         assert ring.to("s1", GenClose)  # every stage frees its caches
         assert ring.executor.state is None
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_sequence_stops_at_the_models_end_of_sequence_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = ModelSpec(SPEC.family, {**SPEC.config, "eos_token_id": 42}, seed=SPEC.seed)
+
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2, spec)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4, max_tokens=5, stop_at_eos=True))
+        await on(_submit(5, max_tokens=5, stop_at_eos=False))
+        await ring.settle()
+        steps = ring.to("s1", GenStep)
+        for step in steps:  # each sequence's first token is the end-of-sequence id
+            tokens = [42] * sum(row[3] is not None for row in step.rows)
+            await on(GenTokens(run=9, step=step.step, src="s1", tokens=tokens, epoch=EPOCH))
+        await ring.settle()
+        finish = {t.sequence: t.finish for t in ring.to("client", GenToken)}
+        assert finish == {4: "eos", 5: None}
         await ring.executor.close()
 
     asyncio.run(scenario())

@@ -51,6 +51,7 @@ from zpipe.generation.sequences import (
     SequenceScheduler,
     StreamToken,
 )
+from zpipe.generation.stopping import eos_ids_from
 from zpipe.generation.wire import DTYPE_BYTES, params_from_map, tokens_from_wire
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
@@ -189,7 +190,9 @@ class GenerationExecutor:
                     kv_budget=setup.kv_budget_tokens,
                     max_context=setup.max_context,
                 )
-                scheduler = SequenceScheduler(limits)
+                # the model's end-of-sequence ids: a sequence that asks stops at one
+                eos = eos_ids_from(setup.model.get("config", {}).get("eos_token_id"))
+                scheduler = SequenceScheduler(limits, eos_ids=eos)
         except Exception as exc:  # any failure to set up is reported: the stage keeps serving
             error = describe_error(exc)
             log.warning("generation_setup_refused", stage=self.name, run=setup.run, error=error)
