@@ -1,12 +1,17 @@
-"""``python -m zpipe generate`` on a local cluster it starts: token ids stream to the
-terminal, the same greedy tokens the model gives in one process."""
+"""``python -m zpipe generate`` on a local cluster it starts (and the async cluster's
+stream): token ids stream to the terminal, the same greedy tokens the model gives in
+one process."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from tests._support.causal_lm import zpipe_greedy
 from zpipe.cli import generate as command
+from zpipe.cluster import AsyncLocalCluster
+from zpipe.generation.params import SamplingParams
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import CausalLmStage
 
@@ -35,3 +40,18 @@ def test_a_prompt_without_a_tokenizer_is_refused_before_any_process_starts(
 ) -> None:
     assert command.main(["--preset", "gpt2-tiny", "--prompt", "hello"]) == 1
     assert "give --prompt-ids instead" in capsys.readouterr().err
+
+
+def test_an_async_local_cluster_streams_the_events() -> None:
+    spec = ModelSpec.preset("gpt2-tiny")
+    expected = zpipe_greedy([CausalLmStage.build(spec, 0, 4)], PROMPTS, 4, prefill_chunk=64)
+
+    async def stream() -> list[list[int]]:
+        tokens: list[list[int]] = [[] for _ in PROMPTS]
+        async with AsyncLocalCluster(2, log_level="warning") as cluster:
+            params = SamplingParams(max_tokens=4, stop_at_eos=False)
+            async for event in cluster.generate(spec, PROMPTS, params, chunk_tokens=4):
+                tokens[event.sequence].append(event.token)
+        return tokens
+
+    assert asyncio.run(stream()) == expected
