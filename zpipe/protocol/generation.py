@@ -38,6 +38,7 @@ from zpipe.protocol._schema import (
     LIST,
     MAP,
     NUM,
+    OPT_BOOL,
     OPT_INT,
     OPT_LIST,
     OPT_STR,
@@ -70,6 +71,9 @@ class GenRunRequest(WireMessage):
     # each stage's KV cache budget (None: room for max_sequences x max_context tokens)
     kv_budget_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     dtype: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # the first stage streams text and honours stop strings, with the tokenizer of
+    # the model's checkpoint directory
+    text: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -104,6 +108,7 @@ class GenSetup(WireMessage):
     kv_budget_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     kv_budget_tokens: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     dtype: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    text: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)  # the first stage's
 
 
 @wire_message

@@ -266,6 +266,7 @@ KINDS_ADDED_IN_V1 = {
         "partition": ["list/null", False],
         "kv_budget_bytes": ["int/null", False],
         "dtype": ["str/null", False],
+        "text": ["bool/null", False],
     },
     "gen_setup": {
         "run": ["int", True],
@@ -288,6 +289,7 @@ KINDS_ADDED_IN_V1 = {
         "kv_budget_bytes": ["int/null", False],
         "kv_budget_tokens": ["int/null", False],
         "dtype": ["str/null", False],
+        "text": ["bool/null", False],
     },
     "gen_ready": {"run": ["int", True], "name": ["str", True], "error": ["str", True]},
     "gen_run_ready": {

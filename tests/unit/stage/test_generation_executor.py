@@ -50,7 +50,13 @@ class _Ring:
     """One executor of a ring of stages s0..s{n-1}, its sends recorded by peer."""
 
     def __init__(
-        self, monkeypatch: pytest.MonkeyPatch, index: int, n: int, spec: ModelSpec = SPEC
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        index: int,
+        n: int,
+        spec: ModelSpec = SPEC,
+        *,
+        text: bool = False,
     ) -> None:
         self.control: list[Message] = []
         self.sent: list[tuple[str, WireMessage]] = []
@@ -98,6 +104,7 @@ class _Ring:
             steps_in_flight=n,
             chunk_tokens=8,
             sink_endpoint="tcp://client:9" if index == 0 else None,
+            text=text or None,
             epoch=EPOCH,
         )
 
@@ -275,6 +282,35 @@ def test_a_sequence_stops_at_the_models_end_of_sequence_token(
         await ring.settle()
         finish = {t.sequence: t.finish for t in ring.to("client", GenToken)}
         assert finish == {4: "eos", 5: None}
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+class _Letters:
+    """A detokenizer of one letter per id: 0 is "a", 1 is "b", ..."""
+
+    def decode(self, ids: Any) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_with_text_the_first_stage_streams_text_and_stops_at_a_stop_string(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(module, "load_detokenizer", lambda setup: _Letters())
+
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2, text=True)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4, max_tokens=8, stop=["c"]))
+        for token in (0, 1, 2, 3):  # a, b, then the stop string
+            await ring.settle()
+            step = ring.to("s1", GenStep)[-1]
+            await on(GenTokens(run=9, step=step.step, src="s1", tokens=[token], epoch=EPOCH))
+        await ring.settle()
+        events = [(t.index, t.text, t.finish) for t in ring.to("client", GenToken)]
+        assert events == [(0, "a", None), (1, "b", None), (2, None, "stop")]
         await ring.executor.close()
 
     asyncio.run(scenario())

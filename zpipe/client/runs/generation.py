@@ -65,7 +65,9 @@ class GenerateOptions:
     once (default: one per stage, so no stage waits); ``chunk_tokens``: prefill
     tokens per step. ``kv_budget_bytes``: each stage's KV cache (default: room for
     every admitted sequence at full context). ``token_timeout_s``: the longest wait
-    for the run's next event (default: the client's ``result_s``).
+    for the run's next event (default: the client's ``result_s``). ``text``: each
+    event carries the text it completes, and stop strings are honoured, with the
+    tokenizer in the model's checkpoint directory (which the first stage reads).
     """
 
     stages: int | None = None
@@ -79,6 +81,7 @@ class GenerateOptions:
     dtype: str | None = None
     wait_for_stages_s: float = 30.0
     token_timeout_s: float | None = None
+    text: bool = False
 
     def __post_init__(self) -> None:
         for name in ("stages", "max_context", "steps_in_flight", "kv_budget_bytes"):
@@ -172,6 +175,7 @@ class GenerationRun:
             partition=None if opts.partition is None else list(opts.partition),
             kv_budget_bytes=opts.kv_budget_bytes,
             dtype=opts.dtype,
+            text=True if opts.text else None,
         )
         answer = await self.connection.control.ask(
             request,

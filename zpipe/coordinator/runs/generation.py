@@ -173,6 +173,7 @@ def generation_setups(
     sink_endpoint: str,
     keys: dict[str, str | None],
     budget_tokens: int | None,
+    text: bool | None = None,
 ) -> list[GenSetup]:
     """Each stage's ``gen_setup``, in pipeline order. ``keys``: public keys by name
     (the client's under ``client``)."""
@@ -206,6 +207,7 @@ def generation_setups(
                 kv_budget_bytes=limits.kv_budget_bytes,
                 kv_budget_tokens=budget_tokens if first else None,
                 dtype=limits.dtype,
+                text=text if first else None,
                 epoch=epoch,
             )
         )
@@ -249,6 +251,7 @@ def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest)
         sink_endpoint=request.sink_endpoint,
         keys=keys,
         budget_tokens=budget,
+        text=request.text or None,
     )
     yield Log("info", "generation_setup", {"run": run, "epoch": epoch, "bounds": bounds})
     for member, setup in zip(members, setups, strict=True):

@@ -74,6 +74,7 @@ from zpipe.stage.executors.generation_steps import (
     StepOut,
     after_failed_step,
     first_step,
+    load_detokenizer,
 )
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
@@ -192,7 +193,10 @@ class GenerationExecutor:
                 )
                 # the model's end-of-sequence ids: a sequence that asks stops at one
                 eos = eos_ids_from(setup.model.get("config", {}).get("eos_token_id"))
-                scheduler = SequenceScheduler(limits, eos_ids=eos)
+                detokenizer = None
+                if setup.text:
+                    detokenizer = await loop.run_in_executor(self._compute, load_detokenizer, setup)
+                scheduler = SequenceScheduler(limits, eos_ids=eos, detokenizer=detokenizer)
         except Exception as exc:  # any failure to set up is reported: the stage keeps serving
             error = describe_error(exc)
             log.warning("generation_setup_refused", stage=self.name, run=setup.run, error=error)

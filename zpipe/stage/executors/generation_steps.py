@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.generation.params import SamplingParams
 from zpipe.generation.sampling import sample_tokens
 from zpipe.generation.sequences import RunStep, SchedulerCommand, SequenceScheduler
+from zpipe.generation.stopping import Detokenizer, SkipSpecialTokens
 from zpipe.generation.wire import (
     rows_from_wire,
     rows_to_wire,
@@ -133,3 +134,20 @@ def after_failed_step(
         out += scheduler.cancel(sequence)
     out += scheduler.stage_failed()
     return out + scheduler.pipeline_restored()
+
+
+def load_detokenizer(setup: GenSetup) -> Detokenizer:
+    """The tokenizer of the model's checkpoint directory, for the first stage's text
+    and stop strings; ConfigError when there is none (or no ``transformers``)."""
+    spec = ModelSpec.from_dict(setup.model)
+    if spec.weights is None:
+        raise ConfigError("text needs a checkpoint directory with a tokenizer; this model has none")
+    try:
+        import transformers  # optional: only text needs it
+    except ImportError:
+        raise ConfigError("text needs the transformers package on the first stage") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(spec.weights))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"no tokenizer in {spec.weights}: {exc}") from None
+    return SkipSpecialTokens(tokenizer)
