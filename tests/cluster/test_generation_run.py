@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -181,3 +182,47 @@ def test_a_bfloat16_run_streams_every_token(
     # bfloat16 rounds differently from transformers' float32: lengths and ids only
     assert [len(tokens) for tokens in got] == [NEW_TOKENS] * len(PROMPTS)
     assert all(0 <= t < VOCAB for tokens in got for t in tokens)
+
+
+def _save_word_tokenizer(directory: Path) -> Any:
+    """A word-level tokenizer of the test vocabulary ("w0" .. "w96", one word per id)
+    saved beside the checkpoint, as a Hugging Face directory has one."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def test_text_streams_with_the_checkpoints_tokenizer_and_stop_strings_end_sequences(
+    cluster: LocalCluster, checkpoints: dict[str, tuple[Path, list[list[int]]]]
+) -> None:
+    directory, expected = checkpoints["gpt2"]
+    tokenizer = _save_word_tokenizer(directory)
+    # sequence 1 stops once its text holds its first two words
+    stop = tokenizer.decode(expected[1][:2])
+    params = [GREEDY, SamplingParams(max_tokens=NEW_TOKENS, stop=(stop,), stop_at_eos=False)]
+
+    async def stream() -> list[TokenEvent]:
+        async with cluster.client() as client:
+            events = client.generate(
+                causal_lm_spec(directory),
+                PROMPTS[:2],
+                params,
+                stage_names=STAGES[:2],
+                text=True,
+                token_timeout_s=120.0,
+            )
+            return [event async for event in events]
+
+    events = asyncio.run(stream())
+    first = [e for e in events if e.sequence == 0]
+    assert [e.token for e in first] == expected[0]
+    assert "".join(e.text for e in first) == tokenizer.decode(expected[0])
+    second = [e for e in events if e.sequence == 1]
+    assert [e.token for e in second] == expected[1][:2]
+    assert second[-1].finish_reason == "stop"
+    assert "".join(e.text for e in second) == ""  # the stop string is never streamed
