@@ -5,10 +5,17 @@ one process."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
-from tests._support.causal_lm import zpipe_greedy
+from tests._support.causal_lm import (
+    hf_greedy,
+    hf_model,
+    save_word_tokenizer,
+    write_checkpoint,
+    zpipe_greedy,
+)
 from zpipe.cli import generate as command
 from zpipe.cluster import AsyncLocalCluster
 from zpipe.generation.params import SamplingParams
@@ -55,3 +62,16 @@ def test_an_async_local_cluster_streams_the_events() -> None:
         return tokens
 
     assert asyncio.run(stream()) == expected
+
+
+def test_with_a_tokenizer_text_goes_in_and_streams_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = hf_model("gpt2")
+    directory = write_checkpoint(model, tmp_path / "gpt2")
+    tokenizer = save_word_tokenizer(directory)
+    expected = tokenizer.decode(hf_greedy(model, [5, 17, 3], 4))
+    argv = ["--model", str(directory), "--prompt", "w5 w17 w3", "--max-tokens", "4"]
+    assert command.main([*argv, "--local", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == expected and "[finished: length]" in out

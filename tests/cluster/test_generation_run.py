@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests._support.causal_lm import VOCAB, hf_greedy, hf_model, write_checkpoint
+from tests._support.causal_lm import (
+    VOCAB,
+    hf_greedy,
+    hf_model,
+    save_word_tokenizer,
+    write_checkpoint,
+)
 from zpipe._errors import PipelineError
 from zpipe.client.runs.generation import GenerateOptions, GenerationRun
 from zpipe.cluster import LocalCluster
@@ -184,24 +189,11 @@ def test_a_bfloat16_run_streams_every_token(
     assert all(0 <= t < VOCAB for tokens in got for t in tokens)
 
 
-def _save_word_tokenizer(directory: Path) -> Any:
-    """A word-level tokenizer of the test vocabulary ("w0" .. "w96", one word per id)
-    saved beside the checkpoint, as a Hugging Face directory has one."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words)
-    tokenizer.save_pretrained(directory)
-    return tokenizer
-
-
 def test_text_streams_with_the_checkpoints_tokenizer_and_stop_strings_end_sequences(
     cluster: LocalCluster, checkpoints: dict[str, tuple[Path, list[list[int]]]]
 ) -> None:
     directory, expected = checkpoints["gpt2"]
-    tokenizer = _save_word_tokenizer(directory)
+    tokenizer = save_word_tokenizer(directory)
     # sequence 1 stops once its text holds its first two words
     stop = tokenizer.decode(expected[1][:2])
     params = [GREEDY, SamplingParams(max_tokens=NEW_TOKENS, stop=(stop,), stop_at_eos=False)]

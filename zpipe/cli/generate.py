@@ -5,9 +5,10 @@
 
 With ``--local N`` (the default, 2) it starts a coordinator and N stages on this
 machine; with ``--coordinator`` it runs on that cluster's stages (``--stages`` of
-them). The text streams to the terminal when the model directory has a tokenizer
-(``transformers``), token ids otherwise. One prompt streams token by token; several
-print each sequence when it ends.
+them). When the model directory has a tokenizer (``transformers``), prompts are
+text and the first stage streams text (honouring ``--stop``); otherwise token ids
+go in and come out. One prompt streams token by token; several print each
+sequence when it ends.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end a sequence where its text holds this string (repeatable; needs a tokenizer)",
+    )
+    parser.add_argument(
         "--chunk-tokens",
         type=positive_int,
         default=256,
@@ -151,35 +158,23 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
 
 
 class _Printer:
-    """Streams one sequence's text (or ids) as it grows; several, each when it ends."""
+    """Streams one sequence's text (the first stage's, with a tokenizer) or ids as it
+    grows; several sequences, each when it ends."""
 
-    def __init__(self, tokenizer: Any, count: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, text: bool, count: int) -> None:
+        self.text = text
         self.count = count
-        self.tokens: dict[int, list[int]] = {i: [] for i in range(count)}
-        self.shown: dict[int, str] = {i: "" for i in range(count)}
-
-    def _render(self, sequence: int) -> str:
-        tokens = self.tokens[sequence]
-        if self.tokenizer is None:
-            return " ".join(str(t) for t in tokens)
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        self.pieces: dict[int, list[str]] = {i: [] for i in range(count)}
 
     def event(self, event: TokenEvent) -> None:
-        self.tokens[event.sequence].append(event.token)
+        piece = event.text if self.text else f"{event.token} "
+        self.pieces[event.sequence].append(piece)
         if self.count > 1:
             if event.finish_reason is not None:
-                text = self._render(event.sequence)
-                print(f"[{event.sequence}] {text}  [finished: {event.finish_reason}]", flush=True)
+                whole = "".join(self.pieces[event.sequence]).strip()
+                print(f"[{event.sequence}] {whole}  [finished: {event.finish_reason}]", flush=True)
             return
-        if self.tokenizer is None:
-            sys.stdout.write(f"{event.token} ")
-        else:
-            text, shown = self._render(event.sequence), self.shown[event.sequence]
-            # a token may only begin a character: print what is settled, once
-            if text.startswith(shown):
-                sys.stdout.write(text[len(shown) :])
-                self.shown[event.sequence] = text
+        sys.stdout.write(piece)
         sys.stdout.flush()
         if event.finish_reason is not None:
             print(f"\n[finished: {event.finish_reason}]")
@@ -199,8 +194,10 @@ def _run(
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        stop=tuple(args.stop or ()),
     )
     settings: dict[str, Any] = {
+        "text": printer.text,
         "chunk_tokens": args.chunk_tokens,
         "token_timeout_s": args.token_timeout,
         "max_sequences": max(8, len(prompts)),
@@ -237,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = _prompts(args, tokenizer)
         if args.local is not None and args.stages is not None and args.stages > args.local:
             raise ConfigError(f"--stages {args.stages} exceeds the {args.local} local stages")
-        _run(args, spec, prompts, _Printer(tokenizer, len(prompts)))
+        if args.stop and tokenizer is None:
+            raise ConfigError("--stop needs a model directory with a tokenizer")
+        _run(args, spec, prompts, _Printer(tokenizer is not None, len(prompts)))
     except ZpipeError as exc:
         print(f"python -m zpipe generate: {exc}", file=sys.stderr)
         return 1
