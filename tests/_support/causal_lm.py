@@ -129,3 +129,16 @@ def zpipe_greedy(
         for stage in stages:
             assert stage.free_sequence(sequence_id)
     return generated
+
+
+def save_word_tokenizer(directory: Path) -> Any:
+    """A word-level tokenizer of the test vocabulary ("w0" .. "w96", one word per id)
+    saved beside a checkpoint, as a Hugging Face directory has one."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words)
+    tokenizer.save_pretrained(directory)
+    return tokenizer

@@ -58,6 +58,9 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(
         "zpipe.cli.serve", "an OpenAI-compatible HTTP endpoint for a causal language model"
     ),
+    "generate": Command(
+        "zpipe.cli.generate", "stream a causal language model's tokens from a pipeline of stages"
+    ),
 }
 
 

@@ -13,6 +13,7 @@ options          InferOptions, TrainOptions: a run's settings, checked when made
 reports          InferenceReport, TrainReport: what a finished run looked like
 batches          splitting batches, the replayable source of mini-batches
 failures         the coordinator's failures as typed errors
+runs.generation  GenerationRun, GenerateOptions: a generation run's sequences and events
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from zpipe.client.options import (
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.client.reports import InferenceReport, RunReport, TrainReport
 from zpipe.client.runs.fit import fit
+from zpipe.client.runs.generation import GenerateOptions
 
 __all__ = [
     "CLIENT_NAME",
@@ -42,6 +44,7 @@ __all__ = [
     "DEFAULT_REPLICATE_EVERY",
     "Batch",
     "ClientConnection",
+    "GenerateOptions",
     "InferOptions",
     "InferenceReport",
     "Outputs",

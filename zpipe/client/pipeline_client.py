@@ -21,8 +21,10 @@ from zpipe.client.connection import CLIENT_NAME, ClientConnection
 from zpipe.client.options import InferOptions, TrainOptions
 from zpipe.client.reports import InferenceReport, TrainReport
 from zpipe.client.runs.fit import fit
+from zpipe.client.runs.generation import GenerateOptions, generate
 from zpipe.client.runs.inference import InferenceRun
 from zpipe.config import Timeouts
+from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec
 from zpipe.protocol.client_control import ClusterRequest, ClusterState
 from zpipe.transport.codec import Message
@@ -179,3 +181,28 @@ class PipelineClient:
     ) -> TrainReport:
         """Train ``model`` across the cluster; see :func:`zpipe.client.fit`."""
         return await fit(self, model, batches, options, **keywords)
+
+    async def generate(
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        options: GenerateOptions | None = None,
+        **keywords: Any,
+    ) -> AsyncIterator[TokenEvent]:
+        """Generate from each prompt (token ids; sequence ``i`` is ``prompts[i]``) with a
+        causal LM pipelined over the cluster's stages, yielding every token event as
+        the first stage streams it (sequences interleave; an event's ``finish_reason``
+        marks its sequence's last).
+
+        ``params``: one SamplingParams for all, or one per prompt (default: greedy,
+        16 tokens). The run's settings are ``options`` or the keywords of
+        :class:`~zpipe.client.runs.generation.GenerateOptions` (``stages``,
+        ``stage_names``, ``partition``, ``max_context``, ``max_sequences``,
+        ``steps_in_flight``, ``chunk_tokens``, ``kv_budget_bytes``, ``dtype``,
+        ``wait_for_stages_s``, ``token_timeout_s``), checked before anything is sent.
+        """
+        settings = GenerateOptions.from_keywords(options, keywords)
+        async for event in generate(self.connection, model, prompts, params, settings):
+            yield event

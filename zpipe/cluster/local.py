@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.client import (
     Batch,
+    GenerateOptions,
     InferOptions,
     Outputs,
     PipelineClient,
@@ -42,6 +43,7 @@ from zpipe.client import (
 )
 from zpipe.config import Timeouts
 from zpipe.devices import check_device_text
+from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.progress import TerminalProgress
 from zpipe.transport.ports import free_tcp_port
@@ -358,6 +360,56 @@ class LocalCluster:
             assert client.last_report is not None
             return outputs, client.last_report
 
+    def generate(
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        options: GenerateOptions | None = None,
+        **keywords: Any,
+    ) -> list[list[int]]:
+        """Generate from every prompt from synchronous code: each sequence's tokens, in
+        prompt order. The settings are ``options`` or :class:`GenerateOptions`'
+        keywords; without ``stage_names``, ``stages`` or ``partition`` the pipeline
+        runs through every device in the order they were given (the units split
+        evenly). :meth:`PipelineClient.generate` streams the events instead."""
+        _no_running_loop("generate")
+        return asyncio.run(self._generate_tokens(model, prompts, params, options, keywords))
+
+    def _generate_settings(
+        self, options: GenerateOptions | None, keywords: dict[str, Any]
+    ) -> GenerateOptions:
+        if options is None and not {"stages", "stage_names", "partition"} & set(keywords):
+            keywords = {**keywords, "stage_names": [d.name for d in self.devices]}
+        return GenerateOptions.from_keywords(options, keywords)
+
+    async def _generate_tokens(
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        options: GenerateOptions | None,
+        keywords: dict[str, Any],
+    ) -> list[list[int]]:
+        tokens: list[list[int]] = [[] for _ in prompts]
+        async for event in self._generate(model, prompts, params, options, keywords):
+            tokens[event.sequence].append(event.token)
+        return tokens
+
+    async def _generate(
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        options: GenerateOptions | None,
+        keywords: dict[str, Any],
+    ) -> AsyncIterator[TokenEvent]:
+        settings = self._generate_settings(options, keywords)
+        async with self.client() as client:
+            async for event in client.generate(model, prompts, params, options=settings):
+                yield event
+
     def _default_stages(self, model: ModelSpec, settings: InferOptions | TrainOptions) -> list[str]:
         """The devices in the order they were given: as many as the partition has
         stages, or as the model has units."""
@@ -473,6 +525,19 @@ class AsyncLocalCluster(LocalCluster):
     ) -> tuple[list[Outputs], RunReport]:
         """See :meth:`LocalCluster.infer`."""
         return await self._infer(model, batches, options, keywords)
+
+    def generate(  # type: ignore[override]
+        self,
+        model: ModelSpec,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        options: GenerateOptions | None = None,
+        **keywords: Any,
+    ) -> AsyncIterator[TokenEvent]:
+        """Every token event of the run as it streams (see :meth:`PipelineClient.generate`;
+        stages default as in :meth:`LocalCluster.generate`)."""
+        return self._generate(model, prompts, params, options, keywords)
 
     async def fit(  # type: ignore[override]
         self,

@@ -44,6 +44,7 @@ from zpipe.coordinator.records import SavedReplica, SavedState
 from zpipe.coordinator.registration import Registrations, printable
 from zpipe.coordinator.runs.async_copies import HeldCopy, keep_async_copy
 from zpipe.coordinator.runs.base import run_failed
+from zpipe.coordinator.runs.generation import start_generation_run
 from zpipe.coordinator.runs.lossy import start_lossy_run
 from zpipe.coordinator.runs.lossy_remap import keep_replica
 from zpipe.coordinator.starting import run_request
@@ -61,6 +62,7 @@ from zpipe.protocol.client_control import (
     RunRequest,
     Stalled,
 )
+from zpipe.protocol.generation import GenReady, GenRunRequest
 from zpipe.protocol.lossy import (
     LossyHold,
     LossyProbeReport,
@@ -101,6 +103,7 @@ REPLIES = (
     LossyProbeReport,
     LossyHold,
     RepartitionReply,
+    GenReady,
 )
 # Replies to requests the shell makes itself while it plans (profiles, link probes).
 SHELL_REPLIES = (ProfileReply, LinkPeersOk, LinkProbeReply)
@@ -389,6 +392,8 @@ class CoordinatorCore:
                 return state.flows.start(flow, now)
             case LossyRunRequest() as request:
                 return start_lossy_run(state, event.routing_id, request, now)
+            case GenRunRequest() as request:
+                return start_generation_run(state, event.routing_id, event.user_key, request, now)
             case NoticeAck(run=run_id, seq=seq):
                 self.notices.acknowledged(run_id, seq)
                 return []

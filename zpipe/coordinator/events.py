@@ -23,6 +23,7 @@ from zpipe.protocol.client_control import (
     RunRequest,
     Stalled,
 )
+from zpipe.protocol.generation import GenRunRequest
 from zpipe.protocol.lossy import LossyRunRequest
 from zpipe.protocol.repartition import Repartition
 from zpipe.protocol.stage_control import Register, WeightsRequest
@@ -76,6 +77,7 @@ ClientMessage = (
     | NoticeAck
     | LossyRunRequest
     | Repartition
+    | GenRunRequest
 )
 CLIENT_MESSAGES: tuple[type[WireMessage], ...] = (
     RunRequest,
@@ -87,6 +89,7 @@ CLIENT_MESSAGES: tuple[type[WireMessage], ...] = (
     NoticeAck,
     LossyRunRequest,
     Repartition,
+    GenRunRequest,
 )
 
 

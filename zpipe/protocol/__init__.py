@@ -9,6 +9,7 @@
     lossy            EdgePipe's lossy runs on ordinary stages
     federated        the federated server and its clients (fl-server, fl-client)
     repartition      a live re-partition of an asynchronous run (client, coordinator, stages)
+    generation       a pipelined generation run (client, coordinator, stages, the ring)
 
 Each class has ``to_message()`` and ``from_message(message)`` (which raises
 :class:`~zpipe._errors.ProtocolError` on a body that does not fit). The schema
@@ -24,6 +25,7 @@ from zpipe.protocol import (
     client_control,
     data_plane,
     federated,
+    generation,
     lossy,
     peer,
     repartition,
@@ -44,6 +46,7 @@ CONVERSATIONS = (
     lossy,
     federated,
     repartition,
+    generation,
 )
 
 REGISTRY = Registry(cls for module in CONVERSATIONS for cls in module.MESSAGES)
@@ -60,6 +63,7 @@ __all__ = [
     "client_control",
     "data_plane",
     "federated",
+    "generation",
     "lossy",
     "peer",
     "stage_control",

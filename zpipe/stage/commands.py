@@ -15,6 +15,7 @@ from typing import Any
 
 from zpipe._errors import ZpipeError
 from zpipe.protocol import WireMessage
+from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.lossy import LossyDead, LossyGo, LossyProbeRequest, LossyRemap, LossySetup
 from zpipe.stage.peer_policy import FetchGrant
 
@@ -91,6 +92,14 @@ class LossyControl:
 
 
 @dataclass(frozen=True)
+class GenerationControl:
+    """Hand a generation run's set-up to the generation executor
+    (:mod:`zpipe.stage.executors.generation`)."""
+
+    message: GenSetup
+
+
+@dataclass(frozen=True)
 class Note:
     """Log ``event`` (a change the operator should see); nothing else to do."""
 
@@ -128,4 +137,5 @@ Command = (
     | Exit
     | Note
     | LossyControl
+    | GenerationControl
 )

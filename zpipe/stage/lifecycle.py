@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from zpipe._errors import ConfigError, ZpipeError
 from zpipe.protocol import WireMessage
 from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
+from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.lossy import LossyDead, LossyGo, LossyProbeRequest, LossyRemap, LossySetup
 from zpipe.protocol.repartition import RepartitionRequest
 from zpipe.protocol.stage_control import (
@@ -67,6 +68,7 @@ from zpipe.stage.commands import (
     ConnectAssignment,
     DropMessage,
     Exit,
+    GenerationControl,
     LossyControl,
     Note,
     RestartTask,
@@ -362,6 +364,8 @@ class StageLifecycle:
                 return [StartJob(StageJob.REPARTITION, message, newest_wins=True)]
             case LossySetup() | LossyGo() | LossyDead() | LossyRemap() | LossyProbeRequest():
                 return [LossyControl(message)]
+            case GenSetup():
+                return [GenerationControl(message)]
             case MetricsRequest(run=run, timeline=timeline):
                 reply = Metrics(run=run, name=self.name, metrics={}, epoch=message.epoch)
                 return [

@@ -41,6 +41,7 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy, Register, RegisterAgain
 from zpipe.stage.assignment import push_connector
@@ -51,16 +52,19 @@ from zpipe.stage.commands import (
     ConnectAssignment,
     DropMessage,
     Exit,
+    GenerationControl,
     LossyControl,
     Note,
     RestartTask,
     SendToCoordinator,
+    StageJob,
     StartJob,
 )
 from zpipe.stage.config import StageConfig
 from zpipe.stage.coordinator_link import CoordinatorLink
 from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.executors.async_repartition import StageRepartition
+from zpipe.stage.executors.generation import GenerationExecutor
 from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
@@ -102,6 +106,7 @@ class StageRuntime:
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
         self._lossy: LossyExecutor | None = None  # EdgePipe runs' partial layers
+        self._generation: GenerationExecutor | None = None  # causal LM generation runs
         self._bulk: StageBulk | None = None
         # the (emulated) link to the coordinator: control and bulk connections share it
         self._uplink = SharedUplink(config.uplink)
@@ -196,6 +201,21 @@ class StageRuntime:
             apply_limits=self._plane.apply_limits,
             max_message_bytes=opts.max_message_bytes,
             send_timeout_s=timeouts.send_s,
+        )
+        self._generation = GenerationExecutor(
+            name=self.config.name,
+            data_in=lambda: ports.data_in,
+            data_allow=self._keys.data_allow,
+            connector=push_connector(self._context, opts, keypair),
+            compute=self._compute,
+            supervisor=self._supervisor,
+            send_control=self._link.send,
+            stop_data=self._plane.stop,
+            apply_limits=self._plane.apply_limits,
+            max_message_bytes=opts.max_message_bytes,
+            send_timeout_s=timeouts.send_s,
+            device=self.config.resolved_device,
+            slowdown=self.config.emulated_slowdown(),
         )
 
         self._jobs = StageJobs(
@@ -417,6 +437,8 @@ class StageRuntime:
                     )
             elif isinstance(command, StartJob):
                 assert self._jobs is not None
+                if command.job is StageJob.ASSIGN and self._generation is not None:
+                    await self._generation.release()  # the assignment takes the data port
                 self._jobs.start(command)
             elif isinstance(command, AllowProbePeers):
                 # Every cluster member may probe this stage's links; allowed before anyone does.
@@ -443,8 +465,14 @@ class StageRuntime:
                 getattr(log, command.level)(command.event, stage=self.config.name, **command.fields)
             elif isinstance(command, LossyControl):
                 assert self._lossy is not None
+                if isinstance(command.message, (LossySetup, LossyProbeRequest)):
+                    assert self._generation is not None
+                    await self._generation.release()  # the lossy run takes the data port
                 # the lossy executor reads its kinds from the untyped message
                 await self._lossy.on_control(command.message)
+            elif isinstance(command, GenerationControl):
+                assert self._generation is not None
+                await self._generation.on_control(command.message)
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:
@@ -472,6 +500,8 @@ class StageRuntime:
             self._lifecycle.stop_requested("closing")
         if self._lossy is not None:
             await self._lossy.close()
+        if self._generation is not None:
+            await self._generation.close()
         if self._plane is not None:
             await self._plane.close()
         if self._jobs is not None:

@@ -59,6 +59,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "notice_ack",
             "lossy_run_request",
             "repartition",
+            "gen_run_request",
             # to the first and last stages: inputs and labels
             "data",
             "labels",
@@ -66,6 +67,10 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "fl_register",
             "fl_update",
             "fl_probe_reply",
+            # to a generation run's first stage: sequences, cancels, the run's end
+            "gen_submit",
+            "gen_cancel",
+            "gen_close",
         }
     ),
     "coordinator": frozenset(
@@ -91,6 +96,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "lossy_remap",
             "lossy_probe_request",
             "repartition_request",
+            "gen_setup",
             # to stages, on their bulk connections
             "bulk_opened",
             "bulk_chunk",
@@ -110,6 +116,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "progress",
             "lossy_run_report",
             "repartitioned",
+            "gen_run_ready",
         }
     ),
     "stage": frozenset(
@@ -134,6 +141,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "lossy_replica",
             "lossy_probe_report",
             "repartition_reply",
+            "gen_ready",
             # to the coordinator, on the bulk connection
             "bulk_open",
             "bulk_chunk",
@@ -148,6 +156,15 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "lossy_ack",
             "lossy_probe",
             "lossy_probe_end",
+            # a generation run: steps, frees and the run's end down the pipeline, tokens
+            # around the ring, the first stage's stream to the client's sink
+            "gen_step",
+            "gen_free",
+            "gen_close",
+            "gen_tokens",
+            "gen_step_failed",
+            "gen_token",
+            "gen_refused",
             # on probe sockets, stage to stage
             "link_ping",
             "link_pong",

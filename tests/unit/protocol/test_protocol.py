@@ -272,6 +272,100 @@ KINDS_ADDED_IN_V1 = {
         "error": ["str", True],
         "metrics": ["dict/null", False],
     },
+    # a pipelined generation run: set-up through the coordinator, then the data path
+    # (client -> first stage, stage -> stage, the ring's tokens, the stream to the sink)
+    "gen_run_request": {
+        "model": ["dict", True],
+        "sink_endpoint": ["str", True],
+        "max_context": ["int", True],
+        "max_sequences": ["int", True],
+        "steps_in_flight": ["int", True],
+        "chunk_tokens": ["int", True],
+        "wait_for_stages_s": ["int/float", True],
+        "stages": ["int/null", False],
+        "stage_names": ["list/null", False],
+        "partition": ["list/null", False],
+        "kv_budget_bytes": ["int/null", False],
+        "dtype": ["str/null", False],
+        "text": ["bool/null", False],
+    },
+    "gen_setup": {
+        "run": ["int", True],
+        "model": ["dict", True],
+        "start": ["int", True],
+        "end": ["int", True],
+        "index": ["int", True],
+        "num_stages": ["int", True],
+        "upstream": ["str", True],
+        "downstream": ["str", True],
+        "max_context": ["int", True],
+        "max_sequences": ["int", True],
+        "steps_in_flight": ["int", True],
+        "chunk_tokens": ["int", True],
+        "upstream_key": ["str/null", False],
+        "downstream_endpoint": ["str/null", False],
+        "downstream_key": ["str/null", False],
+        "sink_endpoint": ["str/null", False],
+        "client_key": ["str/null", False],
+        "kv_budget_bytes": ["int/null", False],
+        "kv_budget_tokens": ["int/null", False],
+        "dtype": ["str/null", False],
+        "text": ["bool/null", False],
+    },
+    "gen_ready": {"run": ["int", True], "name": ["str", True], "error": ["str", True]},
+    "gen_run_ready": {
+        "run": ["int", True],
+        "stages": ["list", True],
+        "bounds": ["list", True],
+        "first_endpoint": ["str", True],
+        "first_stage": ["str", True],
+        "first_key": ["str/null", False],
+    },
+    "gen_submit": {
+        "run": ["int", True],
+        "sequence": ["int", True],
+        "src": ["str", True],
+        "params": ["dict", True],
+    },
+    "gen_cancel": {"run": ["int", True], "sequence": ["int", True], "src": ["str", True]},
+    "gen_close": {"run": ["int", True], "src": ["str", True]},
+    "gen_step": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "src": ["str", True],
+        "rows": ["list", True],
+        "sampling": ["list", True],
+    },
+    "gen_free": {"run": ["int", True], "src": ["str", True], "sequences": ["list", True]},
+    "gen_tokens": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "src": ["str", True],
+        "tokens": ["list", True],
+    },
+    "gen_step_failed": {
+        "run": ["int", True],
+        "step": ["int", True],
+        "src": ["str", True],
+        "stage": ["str", True],
+        "error": ["str", True],
+        "sequences": ["list", True],
+    },
+    "gen_token": {
+        "run": ["int", True],
+        "sequence": ["int", True],
+        "index": ["int", True],
+        "token": ["int", True],
+        "src": ["str", True],
+        "text": ["str/null", False],
+        "finish": ["str/null", False],
+    },
+    "gen_refused": {
+        "run": ["int", True],
+        "sequence": ["int", True],
+        "src": ["str", True],
+        "error": ["str", True],
+    },
 }
 # EdgePipe's separate device processes, gone (lossy runs take ordinary stages): a peer
 # that still says hello hears "unknown kind".
@@ -287,6 +381,8 @@ TENSOR_KINDS_ADDED_IN_V1 = [
     "fl_update",
     "async_copy",
     "copy_file",
+    "gen_submit",
+    "gen_step",
 ]
 
 
@@ -377,7 +473,12 @@ REPRESENTATIVES: dict[str, WireMessage] = {
 def test_representatives_cover_every_conversation() -> None:
     modules = {type(message).__module__ for message in REPRESENTATIVES.values()}
     # bulk: a conversation added within version 1, of which main produced no frames
-    added = {"zpipe.protocol.bulk", "zpipe.protocol.federated", "zpipe.protocol.repartition"}
+    added = {
+        "zpipe.protocol.bulk",
+        "zpipe.protocol.federated",
+        "zpipe.protocol.repartition",
+        "zpipe.protocol.generation",
+    }
     assert modules == {module.__name__ for module in CONVERSATIONS} - added
     assert set(REPRESENTATIVES) == set(V1["frames"])
 

@@ -1,0 +1,316 @@
+"""The generation executor's routing, fed messages in one process (no sockets): what
+each stage accepts from whom, what it sends where, and what it counts and drops."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe.generation.params import SamplingParams
+from zpipe.generation.wire import params_to_map
+from zpipe.models import ModelSpec
+from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.generation import (
+    GenClose,
+    GenReady,
+    GenRefused,
+    GenSetup,
+    GenStep,
+    GenStepFailed,
+    GenSubmit,
+    GenToken,
+    GenTokens,
+)
+from zpipe.stage.executors import generation as module
+from zpipe.stage.executors.generation import RECEIVE_TASK, GenerationExecutor
+from zpipe.stage.supervision import TaskSupervisor
+from zpipe.transport.codec import Message
+
+SPEC = ModelSpec.preset("gpt2-tiny")  # 4 units
+EPOCH = 3
+GREEDY = params_to_map(SamplingParams(max_tokens=2, stop_at_eos=False))
+
+
+class _Socket:
+    def close(self, linger: int | None = None) -> None:
+        pass
+
+
+class _Port:
+    def getsockopt(self, option: int) -> int:
+        return -1  # no limit: nothing to reopen
+
+
+class _Ring:
+    """One executor of a ring of stages s0..s{n-1}, its sends recorded by peer."""
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        index: int,
+        n: int,
+        spec: ModelSpec = SPEC,
+        *,
+        text: bool = False,
+    ) -> None:
+        self.control: list[Message] = []
+        self.sent: list[tuple[str, WireMessage]] = []
+        self.unreachable: set[str] = set()
+
+        async def send_control(message: Message) -> None:
+            self.control.append(message)
+
+        async def nothing(*_: Any) -> None:
+            return None
+
+        async def send(sock: Any, message: Message, *, timeout_s: float, peer: str) -> int:
+            if peer in self.unreachable:
+                raise TransportTimeout(peer, "room in its queue", timeout_s)
+            self.sent.append((peer, REGISTRY.parse(message)))
+            return 0
+
+        monkeypatch.setattr(module, "send", send)
+        self.executor = GenerationExecutor(
+            name=f"s{index}",
+            data_in=lambda: _Port(),  # type: ignore[arg-type,return-value]
+            data_allow=None,
+            connector=lambda endpoint, key, peer: _Socket(),  # type: ignore[arg-type,return-value]
+            compute=ThreadPoolExecutor(max_workers=1),
+            supervisor=TaskSupervisor(f"s{index}", lambda name, error: None),
+            send_control=send_control,
+            stop_data=nothing,
+            apply_limits=nothing,
+            max_message_bytes=1 << 20,
+            send_timeout_s=1.0,
+        )
+        bounds = [(0, 2), (2, 4)] if n == 2 else [(0, 1), (1, 3), (3, 4)]
+        self.setup = GenSetup(
+            run=9,
+            model=spec.to_dict(),
+            start=bounds[index][0],
+            end=bounds[index][1],
+            index=index,
+            num_stages=n,
+            upstream=f"s{(index - 1) % n}",
+            downstream=f"s{(index + 1) % n}",
+            downstream_endpoint="tcp://next:1",
+            max_context=32,
+            max_sequences=4,
+            steps_in_flight=n,
+            chunk_tokens=8,
+            sink_endpoint="tcp://client:9" if index == 0 else None,
+            text=text or None,
+            epoch=EPOCH,
+        )
+
+    async def start(self) -> None:
+        await self.executor.on_control(self.setup)
+        # no socket to receive on here: the test hands messages to _on_data itself
+        await self.executor._supervisor.stop([RECEIVE_TASK])
+        (ready,) = self.control
+        assert GenReady.from_message(ready).error == ""
+
+    async def settle(self) -> None:
+        """Until every item handed to the stage's work queue is carried out."""
+        state = self.executor.state
+        assert state is not None
+        await asyncio.wait_for(state.queue.join(), timeout=60.0)
+
+    def to(self, peer: str, kind: type[WireMessage]) -> list[Any]:
+        return [m for p, m in self.sent if p == peer and isinstance(m, kind)]
+
+
+def _submit(sequence: int, *, src: str = "client", run: int = 9, **params: Any) -> GenSubmit:
+    return GenSubmit(
+        run=run,
+        sequence=sequence,
+        src=src,
+        params={**GREEDY, **params},
+        tensors=(torch.tensor([5, 17, 3]),),
+        epoch=EPOCH,
+    )
+
+
+def test_the_first_stage_schedules_sends_steps_and_streams_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4))
+        await ring.settle()
+        (step,) = ring.to("s1", GenStep)
+        assert step.rows == [[4, 0, 3, 0, 5]]  # prompt of 3, 2 new tokens reserved
+        assert step.tensors[0].shape == (3, SPEC.config["n_embd"])  # hidden states
+        await on(GenTokens(run=9, step=step.step, src="s1", tokens=[42], epoch=EPOCH))
+        await ring.settle()
+        (token,) = ring.to("client", GenToken)
+        assert (token.sequence, token.index, token.token, token.finish) == (4, 0, 42, None)
+        decode = ring.to("s1", GenStep)[-1]
+        assert decode.rows == [[4, 3, 1, 1, 5]]  # the token goes round again
+        await on(GenTokens(run=9, step=decode.step, src="s1", tokens=[7], epoch=EPOCH))
+        await on(GenClose(run=9, src="client", epoch=EPOCH))
+        await ring.settle()
+        last = ring.to("client", GenToken)[-1]
+        assert (last.index, last.token, last.finish) == (1, 7, "length")
+        assert ring.to("s1", GenClose)  # passed down the stages
+        await on(_submit(6))  # the run is over here: counted stale, not scheduled
+        assert ring.executor.stale == 1 and ring.executor.state is None
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_first_stage_refuses_bad_sequences_and_drops_impostors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(1, top_p=3.0))
+        await on(_submit(2, max_tokens=40))  # 3 + 40 tokens exceed the context of 32
+        refused = ring.to("client", GenRefused)
+        assert [(r.sequence, "top_p" in r.error) for r in refused] == [(1, True), (2, False)]
+        assert "context" in refused[1].error
+        with pytest.raises(ProtocolError, match="must come from 'client'"):
+            await on(_submit(3, src="s1"))
+        with pytest.raises(ProtocolError, match="must come from 's1'"):
+            await on(GenTokens(run=9, step=0, src="client", tokens=[1], epoch=EPOCH))
+        await on(_submit(5, run=8))  # another run's: counted, not computed
+        assert ring.executor.stale == 1
+        assert not ring.to("s1", GenStep)
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_middle_stage_passes_steps_and_failures_on_and_takes_them_from_upstream_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 1, 3)
+        await ring.start()
+        on = ring.executor._on_data
+        hidden = torch.randn(3, SPEC.config["n_embd"])
+        step = GenStep(
+            run=9,
+            step=0,
+            src="s0",
+            rows=[[4, 0, 3, 0, 5]],
+            sampling=[[0.0, 0, 1.0, 0]],
+            tensors=(hidden,),
+            epoch=EPOCH,
+        )
+        with pytest.raises(ProtocolError, match="must come from 's0'"):
+            await on(
+                GenStep(
+                    run=9,
+                    step=0,
+                    src="s2",
+                    rows=step.rows,
+                    sampling=step.sampling,
+                    tensors=(hidden,),
+                    epoch=EPOCH,
+                )
+            )
+        with pytest.raises(ProtocolError, match="does not belong"):
+            await on(_submit(1))
+        await on(step)
+        # a step that does not continue its sequence's cache fails here and goes on
+        await on(
+            GenStep(
+                run=9,
+                step=1,
+                src="s0",
+                rows=[[4, 9, 1, 0, 12]],
+                sampling=[[0.0, 0, 1.0, 0]],
+                tensors=(hidden[:1],),
+                epoch=EPOCH,
+            )
+        )
+        await ring.settle()
+        (forwarded,) = ring.to("s2", GenStep)
+        assert forwarded.src == "s1" and forwarded.rows == step.rows
+        (failed,) = ring.to("s2", GenStepFailed)
+        assert (failed.step, failed.stage, failed.sequences) == (1, "s1", [4])
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_whose_sink_stays_full_closes_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4))
+        await ring.settle()
+        (step,) = ring.to("s1", GenStep)
+        ring.unreachable.add("client")
+        await on(GenTokens(run=9, step=step.step, src="s1", tokens=[42], epoch=EPOCH))
+        await ring.settle()
+        assert ring.to("s1", GenClose)  # every stage frees its caches
+        assert ring.executor.state is None
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_sequence_stops_at_the_models_end_of_sequence_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = ModelSpec(SPEC.family, {**SPEC.config, "eos_token_id": 42}, seed=SPEC.seed)
+
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2, spec)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4, max_tokens=5, stop_at_eos=True))
+        await on(_submit(5, max_tokens=5, stop_at_eos=False))
+        await ring.settle()
+        steps = ring.to("s1", GenStep)
+        for step in steps:  # each sequence's first token is the end-of-sequence id
+            tokens = [42] * sum(row[3] is not None for row in step.rows)
+            await on(GenTokens(run=9, step=step.step, src="s1", tokens=tokens, epoch=EPOCH))
+        await ring.settle()
+        finish = {t.sequence: t.finish for t in ring.to("client", GenToken)}
+        assert finish == {4: "eos", 5: None}
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+class _Letters:
+    """A detokenizer of one letter per id: 0 is "a", 1 is "b", ..."""
+
+    def decode(self, ids: Any) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_with_text_the_first_stage_streams_text_and_stops_at_a_stop_string(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(module, "load_detokenizer", lambda setup: _Letters())
+
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2, text=True)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4, max_tokens=8, stop=["c"]))
+        for token in (0, 1, 2, 3):  # a, b, then the stop string
+            await ring.settle()
+            step = ring.to("s1", GenStep)[-1]
+            await on(GenTokens(run=9, step=step.step, src="s1", tokens=[token], epoch=EPOCH))
+        await ring.settle()
+        events = [(t.index, t.text, t.finish) for t in ring.to("client", GenToken)]
+        assert events == [(0, "a", None), (1, "b", None), (2, None, "stop")]
+        await ring.executor.close()
+
+    asyncio.run(scenario())
