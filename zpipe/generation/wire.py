@@ -21,12 +21,31 @@ from typing import Any
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.generation.params import SamplingParams
 from zpipe.generation.sequences import Row
+from zpipe.protocol.generation import GenSetup
 
 # The dtypes a generation run's stages may compute in, and their bytes per element
 # (the KV cache's size).
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def check_dtype(dtype: str | None) -> None:
+    """ConfigError unless ``dtype`` (None: float32) is one a generation run computes in."""
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+
+
+def check_setup(setup: GenSetup) -> None:
+    """ProtocolError unless a ``gen_setup`` describes a place in a ring this stage can take."""
+    if not 0 <= setup.index < setup.num_stages:
+        raise ProtocolError(f"gen_setup: index {setup.index} of {setup.num_stages} stages")
+    if setup.num_stages > 1 and not (setup.upstream and setup.downstream):
+        raise ProtocolError("gen_setup: a stage of a ring needs its upstream and downstream")
+    if setup.index == 0 and not setup.sink_endpoint:
+        raise ProtocolError("gen_setup: the first stage needs the client's sink")
+    if setup.dtype is not None and setup.dtype not in DTYPE_BYTES:
+        raise ProtocolError(f"gen_setup: unknown dtype {setup.dtype!r}")
 
 
 def _int(value: Any, what: str, *, low: int = 0) -> int:

@@ -31,7 +31,7 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTimeout
 from zpipe.client.connection import ClientConnection
 from zpipe.generation.params import SamplingParams, TokenEvent
-from zpipe.generation.wire import DTYPE_BYTES, params_to_map
+from zpipe.generation.wire import check_dtype, params_to_map
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import FAMILY, read_causal_lm_config
@@ -94,8 +94,7 @@ class GenerateOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if not self.wait_for_stages_s > 0:
             raise ConfigError(f"wait_for_stages_s must be > 0, got {self.wait_for_stages_s}")
         if self.token_timeout_s is not None and not self.token_timeout_s > 0:

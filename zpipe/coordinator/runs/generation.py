@@ -29,7 +29,7 @@ from zpipe.coordinator.commands import AwaitReplies, AwaitStages, Command, Log, 
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
-from zpipe.generation.wire import DTYPE_BYTES
+from zpipe.generation.wire import DTYPE_BYTES, check_dtype
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import FAMILY, kv_bytes_per_token_per_block, read_causal_lm_config
 from zpipe.models.causal_lm.config import CausalLmConfig
@@ -88,8 +88,7 @@ class GenerationLimits:
             )
         if request.kv_budget_bytes is not None and request.kv_budget_bytes < 1:
             raise ConfigError(f"kv_budget_bytes must be >= 1, got {request.kv_budget_bytes}")
-        if request.dtype is not None and request.dtype not in DTYPE_BYTES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {request.dtype!r}")
+        check_dtype(request.dtype)
         return cls(
             request.max_context,
             request.max_sequences,

@@ -52,7 +52,7 @@ from zpipe.generation.sequences import (
     StreamToken,
 )
 from zpipe.generation.stopping import eos_ids_from
-from zpipe.generation.wire import DTYPE_BYTES, params_from_map, tokens_from_wire
+from zpipe.generation.wire import check_setup, params_from_map, tokens_from_wire
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import (
@@ -74,6 +74,7 @@ from zpipe.stage.executors.generation_steps import (
     StepOut,
     after_failed_step,
     first_step,
+    largest_message,
     load_detokenizer,
 )
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
@@ -90,8 +91,6 @@ log = get_logger("zpipe.stage")
 RECEIVE_TASK = "data-receive"
 RUN_TASK = "compute"
 CLIENT = "client"
-# Bytes of a message's header and framing beyond its tensor (a step's rows).
-HEADER_ROOM = 64 << 10
 
 SendControl = Callable[[Message], Awaitable[None]]
 
@@ -175,12 +174,12 @@ class GenerationExecutor:
         await self._reset()
         error = ""
         try:
-            _check_setup(setup)
+            check_setup(setup)
             loop = asyncio.get_running_loop()
             work = await loop.run_in_executor(
                 self._compute, GenerationStage.build, setup, self._device
             )
-            await self._raise_limits(_largest_message(setup, work))
+            await self._raise_limits(largest_message(setup, work))
             self._allow_senders(setup)
             scheduler = None
             if setup.index == 0:
@@ -580,23 +579,3 @@ def _expect(src: object, expected: str, message: WireMessage) -> None:
 
 def _sequences(message: GenFree) -> tuple[int, ...]:
     return tuple(tokens_from_wire(message.sequences, "sequences"))
-
-
-def _check_setup(setup: GenSetup) -> None:
-    if not 0 <= setup.index < setup.num_stages:
-        raise ProtocolError(f"gen_setup: index {setup.index} of {setup.num_stages} stages")
-    if setup.num_stages > 1 and not (setup.upstream and setup.downstream):
-        raise ProtocolError("gen_setup: a stage of a ring needs its upstream and downstream")
-    if setup.index == 0 and not setup.sink_endpoint:
-        raise ProtocolError("gen_setup: the first stage needs the client's sink")
-    if setup.dtype is not None and setup.dtype not in DTYPE_BYTES:
-        raise ProtocolError(f"gen_setup: unknown dtype {setup.dtype!r}")
-
-
-def _largest_message(setup: GenSetup, work: GenerationStage) -> int:
-    """The largest frame this stage receives: hidden states of a step's tokens (at
-    most chunk_tokens of prefill and one per other sequence), or a prompt."""
-    config = work.stage.config
-    element = DTYPE_BYTES[setup.dtype or "float32"]
-    tokens = setup.chunk_tokens + setup.max_sequences
-    return max(tokens * config.hidden * element, setup.max_context * 8) + HEADER_ROOM

@@ -24,6 +24,7 @@ from zpipe.generation.sampling import sample_tokens
 from zpipe.generation.sequences import RunStep, SchedulerCommand, SequenceScheduler
 from zpipe.generation.stopping import Detokenizer, SkipSpecialTokens
 from zpipe.generation.wire import (
+    DTYPE_BYTES,
     rows_from_wire,
     rows_to_wire,
     sampling_from_wire,
@@ -151,3 +152,16 @@ def load_detokenizer(setup: GenSetup) -> Detokenizer:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"no tokenizer in {spec.weights}: {exc}") from None
     return SkipSpecialTokens(tokenizer)
+
+
+# Bytes of a message's header and framing beyond its tensor (a step's rows).
+HEADER_ROOM = 64 << 10
+
+
+def largest_message(setup: GenSetup, work: GenerationStage) -> int:
+    """The largest frame this stage receives: hidden states of a step's tokens (at
+    most chunk_tokens of prefill and one per other sequence), or a prompt."""
+    config = work.stage.config
+    element = DTYPE_BYTES[setup.dtype or "float32"]
+    tokens = setup.chunk_tokens + setup.max_sequences
+    return max(tokens * config.hidden * element, setup.max_context * 8) + HEADER_ROOM
