@@ -96,6 +96,8 @@ class LiveCopySender:
         self._counters = counters
         self._waiting: dict[str, PendingCopy] = {}  # kind -> the newest copy not yet sent
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while nothing waits and nothing is on its way
+        self._idle.set()
         self.sent: list[tuple[str, int]] = []  # (kind, step) of every copy sent, in order
 
     def offer(self, copy: PendingCopy) -> None:
@@ -106,7 +108,21 @@ class LiveCopySender:
                 log.warning("live_copy_replaced", stage=self.name, kind=kind,
                             step=replaced.step, by=copy.step)  # fmt: skip
             self._waiting[kind] = copy
+        self._idle.clear()
         self._wake.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every copy offered has left (or failed), at most ``timeout_s``:
+        the run's last period's copy is offered just before the training ends, and
+        stopping the sender then would lose the copy of the trained weights. False (and
+        a warning naming what is left) when the deadline passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            left = sorted((kind, copy.step) for kind, copy in self._waiting.items())
+            log.warning("live_copy_unsent", stage=self.name, waiting=left, timeout_s=timeout_s)
+            return False
+        return True
 
     async def run(self) -> None:
         """Send copies as they come, until cancelled; a failed send is logged (the next
@@ -129,6 +145,8 @@ class LiveCopySender:
                     continue
                 self._counters.timeline.record(copy.step, "copy", started, clock())
                 self.sent.append((kind, copy.step))
+            if not self._waiting:
+                self._idle.set()
 
     async def _send(self, kind: str, copy: PendingCopy) -> None:
         keys = list(copy.state)

@@ -106,3 +106,31 @@ async def test_the_sender_sends_the_newest_copy_of_each_kind_chain_first() -> No
     assert coordinator[2].digest == state_digest(_pending(2, ()).state)
     spans = sorted(s.mb for s in counters.timeline.spans() if s.phase == "copy")
     assert spans == [2, 2, 6, 10]
+
+
+async def test_drain_waits_for_the_last_copy_and_gives_up_at_its_deadline() -> None:
+    # the run's last copy is offered as its training ends: stopping the sender at once
+    # (as the stage did) lost the chain copy of the trained weights under load
+    gate = asyncio.Event()
+    up: list[AsyncCopy] = []
+
+    async def to_peer(peer: ChainPeer, backup: Backup) -> None:
+        raise AssertionError("the last stage sends its chain copy up")
+
+    async def to_coordinator(message: AsyncCopy) -> None:
+        await gate.wait()  # a slow link
+        up.append(message)
+
+    sender = LiveCopySender(name="c", chain_to=None, routes=CopyRoutes(to_peer, to_coordinator),
+                            counters=StageCounters())  # fmt: skip
+    assert await sender.drain(0.01)  # nothing offered: idle at once
+    task = asyncio.create_task(sender.run())
+    try:
+        sender.offer(_pending(10, ("chain", "global")))
+        assert not await sender.drain(0.05)  # the link holds it: the deadline passes
+        gate.set()
+        assert await sender.drain(30)
+        assert [(m.kind, m.step) for m in up] == [("chain", 10), ("global", 10)]
+        assert sender.sent == [("chain", 10), ("global", 10)]
+    finally:
+        task.cancel()

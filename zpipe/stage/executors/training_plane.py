@@ -241,10 +241,12 @@ class TrainingPlane:
         if copies is None:
             await trainer.run()
             return
-        # the copies leave beside the training, stopped with it
+        # the copies leave beside the training; the last period's copy (offered as the
+        # training ends) still leaves before the run reports done, bounded like a result
         sender = asyncio.create_task(copies.run(), name="live-copies")
         try:
             await trainer.run()
+            await copies.drain(self._timeout_s)
         finally:
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
