@@ -3,20 +3,27 @@ forked clusters, zpipe commands), all marked ``cluster``; and the local clusters
 that several of them share.
 
 Process start-up and ``import torch`` cost seconds each on two cores, so a shared
-cluster is started once per session (per xdist worker) and every test uses tiny
-models. ``-m cluster`` selects the lane, ``-m "not cluster"`` leaves it out.
+cluster is started once per session (per xdist worker), every test uses tiny
+models, and the clusters' processes are forked from a warm interpreter. ``-m cluster`` selects the lane, ``-m "not cluster"`` leaves it out.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.cluster.local import ZYGOTE_ENV
 
 _HERE = Path(__file__).resolve().parent
+
+# Every cluster's processes are forked from a warm interpreter (zpipe.cluster.zygote):
+# a fresh one imports torch for about three seconds of CPU, a few hundred times in
+# this lane. ZPIPE_CLUSTER_ZYGOTE=0 in the environment spawns them instead.
+os.environ.setdefault(ZYGOTE_ENV, "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,6 +10,12 @@ stage emulate its compute from the profile (``--emulate-compute``) and
 interpreters (:mod:`zpipe.cluster.forked`): 64 stages start in seconds
 and share the imported torch.
 
+``zygote`` (or ``ZPIPE_CLUSTER_ZYGOTE=1`` in the environment, as the test suite
+sets it) starts the coordinator and stages by forking a warm interpreter of its
+own (:mod:`zpipe.cluster.zygote`) rather than starting fresh ones: each process
+is still a separate ``python -m`` command of its own, without three seconds of
+importing torch each (Linux; elsewhere they are spawned).
+
 :class:`LocalCluster` is for synchronous code (``with``; each call runs its own
 event loop); :class:`AsyncLocalCluster` is the same cluster for code that already
 runs in an event loop, such as a Jupyter notebook (``async with``, ``await``).
@@ -47,6 +53,9 @@ from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.progress import TerminalProgress
 from zpipe.transport.ports import free_tcp_port
+
+# set (to anything but 0) to launch the processes of every cluster from a zygote
+ZYGOTE_ENV = "ZPIPE_CLUSTER_ZYGOTE"
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,7 @@ class LocalCluster:
         state_dir: Path | None = None,
         emulate_compute: Path | None = None,
         fork_stages: bool = False,
+        zygote: bool | None = None,
         allow_factories: Sequence[str] = (),
         progress: bool | None = None,
     ) -> None:
@@ -180,6 +190,9 @@ class LocalCluster:
         self.state_dir = state_dir
         self.emulate_compute = emulate_compute
         self.fork_stages = fork_stages
+        if zygote is None:
+            zygote = os.environ.get(ZYGOTE_ENV, "") not in ("", "0")
+        self.zygote = zygote
         self.allow_factories = tuple(allow_factories)
         self._coordinator_args: list[str] = []
         self.coordinator_endpoint = ""
@@ -202,10 +215,19 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str]) -> StageProcess:
         assert self.log_dir is not None
-        log_file = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self._zygote_runs(args):
+            # imported only here: the zygote module imports the stage (and torch)
+            from zpipe.cluster.zygote import shared_zygote
+
+            launched = shared_zygote().launch(
+                args[1], args[2:], self.log_dir / f"{name}.log", env=env
+            )
+            self.processes[name] = launched
+            return launched
+        log_file = open(self.log_dir / f"{name}.log", "ab")
         process = subprocess.Popen(
             [self.python, *args],
             stdout=log_file,
@@ -216,6 +238,15 @@ class LocalCluster:
         log_file.close()
         self.processes[name] = process
         return process
+
+    def _zygote_runs(self, args: list[str]) -> bool:
+        """Whether ``python ARGS`` is launched by the zygote: a zpipe command, with this
+        interpreter, on a system with child subreapers."""
+        if not self.zygote or self.python != sys.executable or args[:1] != ["-m"]:
+            return False
+        from zpipe.cluster.zygote import COMMANDS, zygote_available
+
+        return args[1] in COMMANDS and zygote_available()
 
     def _common_flags(self) -> list[str]:
         flags = [
@@ -269,7 +300,7 @@ class LocalCluster:
         for device in self.devices:
             self.start_stage(device)
 
-    def restart_coordinator(self) -> subprocess.Popen[bytes]:
+    def restart_coordinator(self) -> StageProcess:
         """Start the coordinator again, on the same endpoint and state directory
         (after :meth:`kill` of ``"coordinator"``, say); its log file grows on."""
         old = self.processes.get("coordinator")
