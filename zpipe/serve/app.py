@@ -19,7 +19,8 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -62,7 +63,30 @@ def build_app(
     return Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, ApiError: _api_error},
+        lifespan=_lifespan(backend),
     )
+
+
+def _lifespan(
+    backend: GenerationBackend,
+) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """A backend with ``start()`` and ``aclose()`` (the cluster's: its generation run
+    and client live in the server's event loop) starts with the application and
+    closes with it; any other backend has nothing to do."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        start = getattr(backend, "start", None)
+        aclose = getattr(backend, "aclose", None)
+        if start is not None:
+            await start()
+        try:
+            yield
+        finally:
+            if aclose is not None:
+                await aclose()
+
+    return lifespan
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
