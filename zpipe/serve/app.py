@@ -351,8 +351,17 @@ _closing: set[asyncio.Future[Any]] = set()  # closes in flight (a task needs a r
 
 def _closed(task: asyncio.Future[Any]) -> None:
     _closing.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("serve.backend_close_failed", error=repr(task.exception()))
+    if task.cancelled() or task.exception() is None:
+        return
+    error = task.exception()
+    if isinstance(error, RuntimeError) and "already running" in str(error):
+        # a cancelled wait left its anext() running in a task of its own (anyio
+        # cancels a request's task again and again, and wait_for then stops
+        # waiting for its inner task): that task unwinds the generator, clean-up
+        # included, so there is nothing to close here
+        log.debug("serve.backend_closing_in_its_task")
+        return
+    log.warning("serve.backend_close_failed", error=repr(error))
 
 
 async def _disconnected(request: Request) -> None:
