@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from zpipe.config import Timeouts
 from zpipe.generation import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec
 from zpipe.serve import cluster_backend
-from zpipe.serve.cluster_backend import ClusterBackend, check_prompt
+from zpipe.serve.cluster_backend import ClusterBackend, check_prompt, cluster_app
 from zpipe.serve.errors import ApiError, cluster_timeout, cluster_unavailable, sequence_refused
 
 GREEDY = SamplingParams(max_tokens=4)
@@ -284,3 +285,43 @@ def test_check_prompt_refuses_what_the_run_would() -> None:
         check_prompt([1] * 5, GREEDY, max_context=8, vocab_size=10)
     with pytest.raises(ConfigError, match=r"0\.\.9"):
         check_prompt([10], GREEDY, max_context=8, vocab_size=10)
+
+
+class EchoRun(FakeRun):
+    """Streams "ab" for each of a sequence's tokens as soon as it is submitted."""
+
+    async def submit(self, sequence: int, prompt: list[int], params: SamplingParams) -> None:
+        await super().submit(sequence, prompt, params)
+        last = params.max_tokens - 1
+        for i in range(params.max_tokens):
+            self.events.put_nowait(
+                TokenEvent(sequence, i, 5, "ab", "length" if i == last else None)
+            )
+
+
+def test_cluster_app_starts_the_run_with_the_application_and_closes_it_after(
+    runs: list[FakeRun], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("starlette")
+    pytest.importorskip("transformers")
+    from starlette.testclient import TestClient
+
+    from zpipe.testing.tiny_lm import save_tiny_lm
+
+    monkeypatch.setattr(cluster_backend, "GenerationRun", EchoRun)
+    checkpoint = save_tiny_lm(tmp_path / "tiny-lm", max_context=64)
+    client = FakeClient()
+    app = cluster_app(
+        checkpoint, "tcp://unused:1", client=client, model_id="tiny", stages=3, max_sequences=2
+    )
+    with TestClient(app) as http:  # its lifespan starts the backend's run
+        assert len(runs) == 1 and runs[0].ready is not None
+        options = runs[0].options
+        assert (options.stages, options.max_sequences, options.text) == (3, 2, True)
+        reply = http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == "ababab"
+        assert runs[0].submitted[0][2].max_tokens == 3
+    assert runs[0].closed and client.closed == 1  # closed with the application
