@@ -18,7 +18,8 @@
         ├── UnitsLostError     units whose weights, snapshot and backup are all gone
         ├── RemoteStageError   a stage raised while computing a micro-batch
         ├── KvCacheFullError   a sequence refused: its KV cache would exceed the stage's budget
-        └── SequenceStateError a step for a sequence the stage does not hold, or out of place
+        ├── SequenceStateError a step for a sequence the stage does not hold, or out of place
+        └── SequenceRefused    a generation run's first stage refused or ended one sequence
 
 A receive loop catches every exception one message causes, logs it and keeps
 serving; everything else reaches the user with a message that says what to do.
@@ -156,3 +157,14 @@ class SequenceStateError(PipelineError):
     def __init__(self, sequence_id: int, detail: str) -> None:
         super().__init__(f"sequence {sequence_id}: {detail}")
         self.sequence_id = sequence_id
+
+
+class SequenceRefused(PipelineError):
+    """A generation run's first stage refused one sequence (``gen_refused``: a bad
+    prompt or settings, a sequence its KV cache can never hold, or a step that
+    failed at a stage); the run goes on serving its other sequences."""
+
+    def __init__(self, sequence: int, error: str) -> None:
+        super().__init__(f"sequence {sequence} was refused: {error}")
+        self.sequence = sequence
+        self.error = error

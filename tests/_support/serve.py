@@ -127,9 +127,16 @@ def serving(app: Any, *, timeout: float = 30.0) -> Iterator[str]:
     thread = threading.Thread(target=run, name="uvicorn", daemon=True)
     thread.start()
     try:
-        wait_until(lambda: server.started or failure, timeout, "uvicorn to start")
+        # a lifespan that fails to start (a backend's run) ends the thread unstarted
+        wait_until(
+            lambda: server.started or failure or not thread.is_alive(),
+            timeout,
+            "uvicorn to start",
+        )
         if failure:
             raise failure[0]
+        if not server.started:
+            raise AssertionError("uvicorn stopped before it started (its lifespan failed?)")
         yield url_of(sock)
     finally:
         server.should_exit = True

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,3 +95,65 @@ def test_serve_answers_the_openai_client_and_stops_on_sigterm(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_serve_through_a_cluster_answers_and_closes_its_run_on_sigterm(
+    tmp_path: Path, cluster: Any
+) -> None:
+    """``--coordinator``: the command starts the run on the session cluster's three
+    stages before it prints its URL, answers the client, and on SIGTERM closes
+    the run (every stage logs its close) and exits 0."""
+    checkpoint = tiny_lm(tmp_path / "tiny-lm")
+    closed_before = {s: _closes(cluster, s) for s in STAGES}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zpipe",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            "0",
+            "--coordinator",
+            cluster.coordinator_endpoint,
+            "--stages",
+            "3",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+    try:
+        url = _read_url(proc, timeout=300)
+        with openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0) as client:
+            messages = [{"role": "user", "content": "hello"}]
+            whole = client.chat.completions.create(
+                model="tiny-lm", messages=messages, max_tokens=12, temperature=0
+            )
+            stream = client.chat.completions.create(
+                model="tiny-lm", messages=messages, max_tokens=12, temperature=0, stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == whole.choices[0].message.content
+            assert whole.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while any(_closes(cluster, s) == closed_before[s] for s in STAGES):
+        assert time.monotonic() < deadline, "the stages did not close the run"
+        time.sleep(0.2)
+
+
+STAGES = ["s0", "s1", "s2"]
+
+
+def _closes(cluster: Any, stage: str) -> int:
+    return cluster.logs(stage).count('"event": "generation_closed"')

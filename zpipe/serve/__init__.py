@@ -6,7 +6,8 @@ One job per module:
   (:class:`GenerationBackend`): a model id, a tokenizer, a context length and an
   async stream of :class:`~zpipe.generation.TokenEvent` per prompt. The
   single-process :class:`~zpipe.serve.transformers_backend.TransformersBackend`
-  implements it now; the pipelined run across stages will implement it too.
+  and :class:`~zpipe.serve.cluster_backend.ClusterBackend` (one long-lived
+  generation run on a cluster's stages) implement it.
 - :mod:`~zpipe.serve.errors`: :class:`ApiError`, OpenAI's error shape and status.
 - :mod:`~zpipe.serve.requests`: a request's JSON body, validated into
   :class:`~zpipe.generation.SamplingParams` and a prompt (pure).

@@ -19,7 +19,8 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -62,7 +63,30 @@ def build_app(
     return Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error, ApiError: _api_error},
+        lifespan=_lifespan(backend),
     )
+
+
+def _lifespan(
+    backend: GenerationBackend,
+) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """A backend with ``start()`` and ``aclose()`` (the cluster's: its generation run
+    and client live in the server's event loop) starts with the application and
+    closes with it; any other backend has nothing to do."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        start = getattr(backend, "start", None)
+        aclose = getattr(backend, "aclose", None)
+        if start is not None:
+            await start()
+        try:
+            yield
+        finally:
+            if aclose is not None:
+                await aclose()
+
+    return lifespan
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -327,8 +351,17 @@ _closing: set[asyncio.Future[Any]] = set()  # closes in flight (a task needs a r
 
 def _closed(task: asyncio.Future[Any]) -> None:
     _closing.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("serve.backend_close_failed", error=repr(task.exception()))
+    if task.cancelled() or task.exception() is None:
+        return
+    error = task.exception()
+    if isinstance(error, RuntimeError) and "already running" in str(error):
+        # a cancelled wait left its anext() running in a task of its own (anyio
+        # cancels a request's task again and again, and wait_for then stops
+        # waiting for its inner task): that task unwinds the generator, clean-up
+        # included, so there is nothing to close here
+        log.debug("serve.backend_closing_in_its_task")
+        return
+    log.warning("serve.backend_close_failed", error=repr(error))
 
 
 async def _disconnected(request: Request) -> None:

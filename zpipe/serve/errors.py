@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from zpipe._errors import ZpipeError
@@ -73,4 +74,59 @@ def backend_timeout(seconds: float) -> ApiError:
         status=504,
         type="timeout_error",
         code="backend_timeout",
+    )
+
+
+# ------------------------------------------------------- a cluster's failures
+# (zpipe.serve.cluster_backend): what the generation run says, in the API's shape
+
+# the first stage's words for a step a stage could not compute (gen_refused after
+# gen_step_failed, zpipe.stage.executors.generation); any other refusal is the
+# request's: the scheduler's checks of its prompt and settings
+_STEP_FAILED = re.compile(r"^step \d+ failed at stage ")
+
+
+def sequence_refused(error: str) -> ApiError:
+    """A sequence the cluster's first stage refused (``gen_refused``'s text)."""
+    if _STEP_FAILED.match(error):
+        return ApiError(
+            f"the cluster failed while generating: {error}",
+            status=500,
+            type="server_error",
+            code="stage_failed",
+        )
+    if "do not fit the KV cache" in error:
+        return ApiError(
+            f"the cluster cannot hold this request: {error}",
+            status=400,
+            param="max_tokens",
+            code="capacity_exceeded",
+        )
+    if "exceed the model's context" in error:
+        return ApiError(error, status=400, param="max_tokens", code="context_length_exceeded")
+    return ApiError(
+        f"the cluster refused the request: {error}", status=400, code="sequence_refused"
+    )
+
+
+def cluster_unavailable(error: object) -> ApiError:
+    """The generation run could not start, or was lost (a stage or the coordinator
+    gone, the stages taken by another run); the next request starts a new one."""
+    return ApiError(
+        f"the cluster cannot generate now: {error}",
+        status=503,
+        type="server_error",
+        code="cluster_unavailable",
+    )
+
+
+def cluster_timeout(seconds: float) -> ApiError:
+    """The run streamed nothing for ``seconds`` while sequences waited: a stalled or
+    dead stage."""
+    return ApiError(
+        f"the cluster produced no token within {seconds:g} s; its generation run is "
+        "restarted for the next request",
+        status=504,
+        type="timeout_error",
+        code="cluster_timeout",
     )

@@ -44,6 +44,8 @@ def uvicorn_server(app: Any, *, log_level: str = "warning") -> Any:
         # bound an idle keep-alive connection and a graceful shutdown
         timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
-        lifespan="off",
+        # the application's lifespan starts and closes a backend that has to (the
+        # cluster's run and client belong to this server's event loop)
+        lifespan="on",
     )
     return uvicorn.Server(config)

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTimeout
+from zpipe._errors import (
+    ConfigError,
+    PipelineError,
+    ProtocolError,
+    SequenceRefused,
+    TransportTimeout,
+)
 from zpipe.client.connection import ClientConnection
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.generation.wire import check_dtype, params_to_map
@@ -224,8 +230,9 @@ class GenerationRun:
         return self.ready.epoch
 
     async def next_event(self) -> TokenEvent:
-        """The run's next event from the first stage; PipelineError for a refused
-        sequence, TransportTimeout when none comes within ``token_timeout_s``."""
+        """The run's next event from the first stage; SequenceRefused (a PipelineError)
+        for a refused sequence, TransportTimeout when none comes within
+        ``token_timeout_s``."""
         ready = self.ready
         assert ready is not None, "start() the run first"
         timeout_s = self.options.token_timeout_s or self.connection.timeouts.result_s
@@ -249,7 +256,7 @@ class GenerationRun:
                         _finish(message.finish),
                     )
                 case GenRefused() if message.run == ready.run:
-                    raise PipelineError(f"sequence {message.sequence} was refused: {message.error}")
+                    raise SequenceRefused(message.sequence, message.error)
             log.debug("dropped_message", peer="sink", kind=message.KIND, error="not this run's")
 
     async def close(self) -> None:
