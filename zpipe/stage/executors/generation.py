@@ -79,6 +79,7 @@ from zpipe.stage.executors.generation_steps import (
     first_step,
     largest_message,
     load_detokenizer,
+    same_units,
     submitted_tokens,
 )
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
@@ -175,14 +176,18 @@ class GenerationExecutor:
     # ------------------------------------------------------------ control
 
     async def on_control(self, setup: GenSetup) -> None:
-        await self._reset()
+        previous = self.state
+        await self._reset()  # frees every cache of the previous run
         error = ""
         try:
             check_setup(setup)
             loop = asyncio.get_running_loop()
-            work = await loop.run_in_executor(
-                self._compute, GenerationStage.build, setup, self._device
-            )
+            if previous is not None and same_units(previous.setup, setup):
+                work = previous.work  # a re-plan left this stage its units: no re-read
+            else:
+                work = await loop.run_in_executor(
+                    self._compute, GenerationStage.build, setup, self._device
+                )
             await self._raise_limits(largest_message(setup, work))
             self._allow_senders(setup)
             scheduler = None

@@ -137,6 +137,16 @@ def after_failed_step(
     return out + scheduler.pipeline_restored()
 
 
+def same_units(before: GenSetup, after: GenSetup) -> bool:
+    """Whether ``after`` (a re-plan of run ``before.run``) leaves a stage the units
+    it built for ``before``, from the same model, with caches of the same shape
+    and budget: then it keeps them (emptied) instead of reading them again."""
+    return before.run == after.run and all(
+        getattr(before, name) == getattr(after, name)
+        for name in ("model", "start", "end", "dtype", "kv_budget_bytes", "max_context")
+    )
+
+
 def submitted_tokens(message: GenSubmit, vocab: int) -> tuple[list[int], list[int]]:
     """A ``gen_submit``'s prompt (its first int64 tensor) and the tokens the sequence
     already generated (a second one, when the client sends it again after a re-plan:
