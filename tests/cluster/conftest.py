@@ -4,7 +4,8 @@ that several of them share.
 
 Process start-up and ``import torch`` cost seconds each on two cores, so a shared
 cluster is started once per session (per xdist worker), every test uses tiny
-models, and the clusters' processes are forked from a warm interpreter. ``-m cluster`` selects the lane, ``-m "not cluster"`` leaves it out.
+models, and the clusters' processes are forked from a warm interpreter.
+``-m cluster`` selects the lane, ``-m "not cluster"`` leaves it out.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from zpipe.coordinator.registration import Registrations, printable
 from zpipe.coordinator.runs.async_copies import HeldCopy, keep_async_copy
 from zpipe.coordinator.runs.base import run_failed
 from zpipe.coordinator.runs.generation import start_generation_run
+from zpipe.coordinator.runs.generation_recovery import GenerationController
 from zpipe.coordinator.runs.lossy import start_lossy_run
 from zpipe.coordinator.runs.lossy_remap import keep_replica
 from zpipe.coordinator.starting import run_request
@@ -393,7 +394,12 @@ class CoordinatorCore:
             case LossyRunRequest() as request:
                 return start_lossy_run(state, event.routing_id, request, now)
             case GenRunRequest() as request:
-                return start_generation_run(state, event.routing_id, event.user_key, request, now)
+                install = GenerationController.installer(
+                    state, event.routing_id, event.user_key, request
+                )
+                return start_generation_run(
+                    state, event.routing_id, event.user_key, request, now, on_ready=install
+                )
             case NoticeAck(run=run_id, seq=seq):
                 self.notices.acknowledged(run_id, seq)
                 return []

@@ -20,6 +20,7 @@ from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.coordinator.state import ControlState
 from zpipe.models import ModelSpec
+from zpipe.recovery.generation import GENERATION_ALGO
 
 
 def saved_state(state: ControlState) -> SavedState:
@@ -78,8 +79,12 @@ def restore(
 
 
 def controller_for(state: ControlState, run: Run) -> Any:
-    """The controller of a run restored from disk, by its kind."""
+    """The controller of a run restored from disk, by its kind (None for a generation
+    run: its stages go on, but a restarted coordinator does not know the client's
+    request to re-plan it; a later death ends its stream at the client's deadline)."""
     if run.training_plan is not None or run.groups:
         return SyncTrainingController(state, run)
+    if run.plan.algo == GENERATION_ALGO and run.request is None:
+        return None
     assert run.request is not None
     return InferenceController(state, run, ModelSpec.from_dict(run.request.model))

@@ -140,8 +140,10 @@ class GenRunReady(WireMessage):
 
 @wire_message
 class GenSubmit(TensorMessage):
-    """Client -> first stage: a new sequence; its prompt is the one int64 tensor.
-    ``params``: its SamplingParams (zpipe.generation.wire)."""
+    """Client -> first stage: a new sequence; its prompt is the first int64 tensor.
+    ``params``: its SamplingParams (zpipe.generation.wire). A sequence sent again
+    after a re-plan carries the tokens it already streamed as a second int64 tensor
+    (the stream goes on at the next index)."""
 
     KIND: ClassVar[str] = "gen_submit"
     run: int = wire(INT)

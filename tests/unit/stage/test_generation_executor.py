@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -311,6 +312,75 @@ def test_with_text_the_first_stage_streams_text_and_stops_at_a_stop_string(
         await ring.settle()
         events = [(t.index, t.text, t.finish) for t in ring.to("client", GenToken)]
         assert events == [(0, "a", None), (1, "b", None), (2, None, "stop")]
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replan_sets_the_run_up_again_and_a_sequence_goes_on_from_its_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2)
+        await ring.start()
+        on = ring.executor._on_data
+        await on(_submit(4))
+        await ring.settle()
+        (step,) = ring.to("s1", GenStep)
+        assert ring.executor.state is not None
+        built = ring.executor.state.work
+
+        async def replan(**changes: Any) -> None:
+            ring.control.clear()
+            await ring.executor.on_control(replace(ring.setup, **changes))
+            await ring.executor._supervisor.stop([RECEIVE_TASK])
+            (ready,) = ring.control
+            assert GenReady.from_message(ready).error == ""
+
+        # the same units under the next epoch: kept (emptied), the old run's state gone
+        await replan(epoch=EPOCH + 1)
+        assert ring.executor.state is not None and ring.executor.state.work is built
+        assert built.stage.free_all() == 0
+        await on(GenTokens(run=9, step=step.step, src="s1", tokens=[42], epoch=EPOCH))
+        assert ring.executor.stale == 1  # the old plan's token: dropped
+        # the client sends the sequence again with the token it received
+        again = GenSubmit(
+            run=9,
+            sequence=4,
+            src="client",
+            params=GREEDY,
+            tensors=(torch.tensor([5, 17, 3]), torch.tensor([42])),
+            epoch=EPOCH + 1,
+        )
+        await on(again)
+        await ring.settle()
+        prefill = ring.to("s1", GenStep)[-1]
+        assert prefill.epoch == EPOCH + 1
+        # prompt and token prefilled from position 0; the row samples token index 1
+        assert prefill.rows == [[4, 0, 4, 1, 5]]
+        await on(GenTokens(run=9, step=prefill.step, src="s1", tokens=[7], epoch=EPOCH + 1))
+        await ring.settle()
+        last = ring.to("client", GenToken)[-1]
+        assert (last.sequence, last.index, last.token, last.finish) == (4, 1, 7, "length")
+        # other units: built again
+        await replan(end=3, epoch=EPOCH + 2)
+        assert ring.executor.state is not None and ring.executor.state.work is not built
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_step_the_next_stage_does_not_take_refuses_no_sequence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2)
+        await ring.start()
+        ring.unreachable.add("s1")  # dead: the coordinator's failure detector decides
+        await ring.executor._on_data(_submit(4))
+        await ring.settle()
+        assert not ring.to("client", GenRefused) and not ring.sent
+        assert ring.executor.protocol_errors == 0
         await ring.executor.close()
 
     asyncio.run(scenario())

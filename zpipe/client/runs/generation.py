@@ -14,15 +14,28 @@ client's sink (``gen_token``; ``gen_refused`` for one it cannot take). At the en
 (or when the caller stops iterating) the client closes the run (``gen_close``),
 and every stage frees its caches.
 
+When a stage dies the coordinator re-plans the run over the survivors and tells
+this client (``run_replanned``, :mod:`zpipe.coordinator.runs.generation_recovery`).
+The client keeps each sequence's prompt, settings and the tokens it received, so it
+sends every unfinished sequence again, to the new first stage, with those tokens:
+the new stages prefill prompt + generated tokens and the stream goes on at the next
+index. Events of the old plan that arrive later are dropped (their epoch), so no
+token comes twice and none is missing; greedy tokens are those of an uninterrupted
+run. A recovery that fails ends the stream with
+:class:`~zpipe._errors.StageFailedError`.
+
 Every wait has a deadline: the coordinator's answer (``result_s``) and each next
-event of the run (``token_timeout_s``), so a stage that died mid-run fails the
-stream with :class:`~zpipe._errors.TransportTimeout` (recovery comes later).
+event of the run (``token_timeout_s``, counted again from a re-plan's notice), so a
+run that stops without a notice fails the stream with
+:class:`~zpipe._errors.TransportTimeout`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -34,15 +47,18 @@ from zpipe._errors import (
     ProtocolError,
     SequenceRefused,
     TransportTimeout,
+    ZpipeError,
 )
 from zpipe.client.connection import ClientConnection
+from zpipe.client.failures import stage_failed_error
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.generation.wire import check_dtype, params_to_map
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import FAMILY, read_causal_lm_config
+from zpipe.planner import Plan
 from zpipe.protocol import REGISTRY
-from zpipe.protocol.client_control import RunFailed
+from zpipe.protocol.client_control import RunEnd, RunFailed, RunReplanned, RunReport, StageFailed
 from zpipe.protocol.generation import (
     GenCancel,
     GenClose,
@@ -144,6 +160,17 @@ def params_for(
     return listed
 
 
+@dataclass
+class _Sent:
+    """A sequence this client submitted: what it takes to send it again after a
+    re-plan (its prompt, its settings, the tokens received so far)."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    over: bool = False  # finished, refused or cancelled: never sent again
+
+
 class GenerationRun:
     """One generation run of one client: set up, sequences submitted, events read."""
 
@@ -159,6 +186,9 @@ class GenerationRun:
         self.ready: GenRunReady | None = None
         self._push: zmq.asyncio.Socket | None = None
         self._closed = False
+        self._sent: dict[int, _Sent] = {}
+        # each re-plan this run went through: the dead stage, the new stages, times
+        self.recoveries: list[dict[str, Any]] = []
 
     @property
     def run(self) -> int:
@@ -210,18 +240,29 @@ class GenerationRun:
         )
 
     async def submit(self, sequence: int, prompt: Sequence[int], params: SamplingParams) -> None:
-        ids = torch.tensor(list(prompt), dtype=torch.int64)
+        self._sent[sequence] = _Sent(tuple(prompt), params)
+        await self._submit(sequence)
+
+    async def _submit(self, sequence: int) -> None:
+        """Send ``sequence`` to the first stage: its prompt and, after a re-plan, the
+        tokens it already streamed (a second tensor), which the stage prefills."""
+        sent = self._sent[sequence]
+        tensors = [torch.tensor(sent.prompt, dtype=torch.int64)]
+        if sent.tokens:
+            tensors.append(torch.tensor(sent.tokens, dtype=torch.int64))
         submit = GenSubmit(
             run=self.run,
             sequence=sequence,
             src=CLIENT,
-            params=params_to_map(params),
-            tensors=(ids,),
+            params=params_to_map(sent.params),
+            tensors=tuple(tensors),
             epoch=self._epoch,
         )
         await self._send(submit)
 
     async def cancel(self, sequence: int) -> None:
+        if sequence in self._sent:
+            self._sent[sequence].over = True
         await self._send(GenCancel(run=self.run, sequence=sequence, src=CLIENT, epoch=self._epoch))
 
     @property
@@ -231,33 +272,158 @@ class GenerationRun:
 
     async def next_event(self) -> TokenEvent:
         """The run's next event from the first stage; SequenceRefused (a PipelineError)
-        for a refused sequence, TransportTimeout when none comes within
-        ``token_timeout_s``."""
-        ready = self.ready
-        assert ready is not None, "start() the run first"
+        for a refused sequence, StageFailedError when a stage died and the run could
+        not be re-planned, TransportTimeout when nothing comes within
+        ``token_timeout_s`` (a re-plan's notice starts the wait again)."""
+        assert self.ready is not None, "start() the run first"
         timeout_s = self.options.token_timeout_s or self.connection.timeouts.result_s
+        deadline = time.monotonic() + timeout_s
         while True:
-            with self.connection.reading_sink() as sink:
-                frames = await recv_frames(
-                    sink, timeout_s=timeout_s, peer=ready.first_stage, awaited="a token"
-                )
+            ready = self.ready
+            notice = self._notice()
+            if notice is not None:
+                await self._on_notice(notice)
+                deadline = time.monotonic() + timeout_s
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportTimeout(ready.first_stage, "a token", timeout_s)
+            frames = await self._receive(left)
+            if frames is None:
+                continue  # a notice came first
             try:
                 message = REGISTRY.parse(self.connection.decode_sink_message(frames))
             except ProtocolError as exc:
                 log.warning("dropped_message", peer="sink", error=str(exc))
                 continue
+            current = message.epoch == ready.epoch and getattr(message, "run", None) == ready.run
             match message:
-                case GenToken() if message.run == ready.run and message.src == ready.first_stage:
-                    return TokenEvent(
+                case GenToken() if current and message.src == ready.first_stage:
+                    event = TokenEvent(
                         message.sequence,
                         message.index,
                         message.token,
                         message.text or "",
                         _finish(message.finish),
                     )
-                case GenRefused() if message.run == ready.run:
+                    if self._received(event):
+                        return event
+                    continue
+                case GenRefused() if current:
+                    if message.sequence in self._sent:
+                        self._sent[message.sequence].over = True
                     raise SequenceRefused(message.sequence, message.error)
+            # an earlier plan's events (the tokens a re-plan makes again) are dropped
             log.debug("dropped_message", peer="sink", kind=message.KIND, error="not this run's")
+
+    def _received(self, event: TokenEvent) -> bool:
+        """Whether ``event`` is the next of its sequence (a sequence this run did not
+        submit passes as it is)."""
+        sent = self._sent.get(event.sequence)
+        if sent is None:
+            return True
+        expected = len(sent.tokens)
+        if event.index < expected:  # already streamed: never twice
+            log.warning("duplicate_token_dropped", sequence=event.sequence, index=event.index)
+            return False
+        if event.index > expected:
+            raise ProtocolError(
+                f"sequence {event.sequence}: token {event.index} came, {expected} was next"
+            )
+        sent.tokens.append(event.token)
+        sent.over = event.finish_reason is not None
+        return True
+
+    def _notice(self) -> StageFailed | RunReplanned | None:
+        """The next notice of the coordinator about this run, if one is waiting."""
+        failures = self.connection.control.failures
+        while not failures.empty():
+            notice = failures.get_nowait()
+            if notice.run == self.run:
+                return notice
+            log.warning("notice_ignored", run=self.run, kind=notice.KIND, of_run=notice.run)
+        return None
+
+    async def _receive(self, timeout_s: float) -> list[Any] | None:
+        """The sink's next message, or None when a notice of the coordinator comes
+        first (it stays queued for :meth:`_notice`)."""
+        assert self.ready is not None
+        failures = self.connection.control.failures
+        with self.connection.reading_sink() as sink:
+            receiving = asyncio.ensure_future(
+                recv_frames(
+                    sink, timeout_s=timeout_s, peer=self.ready.first_stage, awaited="a token"
+                )
+            )
+            noticed = asyncio.ensure_future(_wait_not_empty(failures))
+            try:
+                done, _ = await asyncio.wait(
+                    {receiving, noticed}, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for task in (receiving, noticed):
+                    if not task.done():
+                        task.cancel()
+                # a receive cancelled in flight is waited out, so no frame is half-taken
+                await asyncio.gather(receiving, noticed, return_exceptions=True)
+        if receiving.done() and not receiving.cancelled():
+            if receiving.exception() is not None and noticed in done:
+                return None  # timed out as the notice came: the notice decides
+            return receiving.result()
+        return None
+
+    async def _on_notice(self, notice: StageFailed | RunReplanned) -> None:
+        ready = self.ready
+        assert ready is not None
+        match notice:
+            case StageFailed():
+                raise stage_failed_error(notice)
+            case RunReplanned() if notice.epoch > ready.epoch:
+                await self._replanned(notice)
+            case _:
+                log.debug("notice_ignored", run=self.run, kind=notice.KIND, epoch=notice.epoch)
+
+    async def _replanned(self, notice: RunReplanned) -> None:
+        """The run goes on over the survivors: send every unfinished sequence to the
+        new first stage again, with the tokens it already streamed."""
+        ready = self.ready
+        assert ready is not None
+        plan = Plan.from_dict(notice.plan)
+        self.ready = replace(
+            ready,
+            stages=plan.devices,
+            bounds=[[s.start, s.end] for s in plan.stages],
+            first_endpoint=notice.first_endpoint,
+            first_stage=notice.first_stage,
+            first_key=notice.first_key,
+            epoch=notice.epoch,
+        )
+        self.connection.allow_sink_senders([notice.first_key])
+        if self._push is not None:
+            self._push.close(linger=0)  # what still waits for the old first stage is moot
+        self._push = self.connection.push_to(
+            notice.first_endpoint, notice.first_key, notice.first_stage
+        )
+        again = [seq for seq, sent in sorted(self._sent.items()) if not sent.over]
+        self.recoveries.append(
+            {
+                "dead": notice.dead,
+                "stages": plan.devices,
+                "detected_s": notice.detected_s,
+                "recovered_s": notice.recovered_s,
+                "sequences": len(again),
+            }
+        )
+        log.info(
+            "generation_replanned",
+            run=self.run,
+            dead=notice.dead,
+            stages=plan.devices,
+            epoch=notice.epoch,
+            sequences=again,
+        )
+        for sequence in again:
+            await self._submit(sequence)
 
     async def close(self) -> None:
         """End the run: every stage frees its caches. Once; safe when never started."""
@@ -273,6 +439,22 @@ class GenerationRun:
                 # a moment for the close to leave; LINGER bounds it
                 self._push.close(linger=1000)
                 self._push = None
+        try:  # the coordinator stops watching the run's stages for it
+            await self.connection.control.ask(
+                RunEnd(run=self.run),
+                expect=(RunReport, RunFailed),
+                timeout_s=self.connection.timeouts.reply_s,
+                awaited="run_report",
+            )
+        except ZpipeError as exc:
+            log.warning("generation_end_not_acknowledged", run=self.run, error=str(exc))
+
+
+async def _wait_not_empty(queue: asyncio.Queue[Any]) -> None:
+    """Until ``queue`` holds an item (left in it)."""
+    while queue.empty():
+        item = await queue.get()
+        queue.put_nowait(item)  # at once, with no await between: it is the only item
 
 
 def _finish(reason: str | None) -> Any:

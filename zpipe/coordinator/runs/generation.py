@@ -5,23 +5,25 @@
     (its units, its neighbours, the run's limits) ─> every gen_ready ─> gen_run_ready
 
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events. After set-up the
-coordinator carries nothing of the run: the client sends sequences to the first
+coordinator carries no data of the run: the client sends sequences to the first
 stage, steps go stage to stage, the last stage's tokens go back to the first (the
 ring), and the first stage streams each sequence's events to the client's sink.
-The client ends the run on the data path (``gen_close``, passed down the stages);
-a later run's set-up replaces it on each stage too.
+The client ends the run on the data path (``gen_close``, passed down the stages)
+and tells the coordinator (``run_end``); a later run's set-up replaces it on each
+stage too.
 
 Decisions made here, pure and tested alone: :func:`generation_bounds` (which units
 each stage holds), :func:`kv_budget_tokens` (the tokens every stage's cache holds
 at once, which the first stage's scheduler admits against) and
 :func:`generation_setups` (each stage's ``gen_setup``). The generation planner
 replaces :func:`generation_bounds` later; recovery after a stage's death is
-later work too (today the run's client times out, see the guide).
+in :mod:`zpipe.coordinator.runs.generation_recovery`, the run's controller once
+it is set up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zpipe._errors import ConfigError, PipelineError, ZpipeError
@@ -43,14 +45,22 @@ def start_generation_run(
     client_key: str | None,
     request: GenRunRequest,
     now: float,
+    *,
+    on_ready: Callable[[GenRunReady], None] | None = None,
 ) -> list[Command]:
     """Answer a ``gen_run_request``: ``gen_run_ready`` once every stage is built, or
-    ``run_failed``."""
-    return state.flows.start(generation_run(state, routing_id, client_key, request), now)
+    ``run_failed``. ``on_ready``: called with the answer before it leaves (the run's
+    controller takes over from there: zpipe.coordinator.runs.generation_recovery)."""
+    flow = generation_run(state, routing_id, client_key, request, on_ready)
+    return state.flows.start(flow, now)
 
 
 def generation_run(
-    state: ControlState, routing_id: bytes, client_key: str | None, request: GenRunRequest
+    state: ControlState,
+    routing_id: bytes,
+    client_key: str | None,
+    request: GenRunRequest,
+    on_ready: Callable[[GenRunReady], None] | None = None,
 ) -> Flow:
     reply_s = state.timeouts.reply_s
     try:
@@ -61,6 +71,8 @@ def generation_run(
         yield Log("error", "run_failed", {"error": str(exc)})
         yield Send(routing_id, RunFailed(error=str(exc)), CLIENT_NAME, reply_s)
         return
+    if on_ready is not None:
+        on_ready(ready)
     yield Send(routing_id, ready, CLIENT_NAME, reply_s)
 
 

@@ -25,8 +25,11 @@ prefill, which rows sample, when a sequence stops); this module only moves them.
 
 A client that goes away unannounced is noticed when the first stage's events to
 it stop leaving (its sink's queue full for the send deadline): the run closes as
-if it had said ``gen_close``. Later work, with seams here: recovery after a stage
-dies (the scheduler's ``stage_failed`` / ``pipeline_restored``).
+if it had said ``gen_close``. When a stage dies the coordinator sets every survivor
+up again (a ``gen_setup`` of the same run under a new epoch: this stage drops the
+old run's state and builds the units it now holds) and the client sends each
+unfinished sequence again with the tokens it already received, which the new first
+stage's scheduler prefills (:mod:`zpipe.coordinator.runs.generation_recovery`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ConfigError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe._errors import ProtocolError, TransportTimeout, ZpipeError
 from zpipe.generation.sequences import (
     FreeCache,
     RunStep,
@@ -76,6 +79,8 @@ from zpipe.stage.executors.generation_steps import (
     first_step,
     largest_message,
     load_detokenizer,
+    same_units,
+    submitted_tokens,
 )
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
@@ -171,14 +176,18 @@ class GenerationExecutor:
     # ------------------------------------------------------------ control
 
     async def on_control(self, setup: GenSetup) -> None:
-        await self._reset()
+        previous = self.state
+        await self._reset()  # frees every cache of the previous run
         error = ""
         try:
             check_setup(setup)
             loop = asyncio.get_running_loop()
-            work = await loop.run_in_executor(
-                self._compute, GenerationStage.build, setup, self._device
-            )
+            if previous is not None and same_units(previous.setup, setup):
+                work = previous.work  # a re-plan left this stage its units: no re-read
+            else:
+                work = await loop.run_in_executor(
+                    self._compute, GenerationStage.build, setup, self._device
+                )
             await self._raise_limits(largest_message(setup, work))
             self._allow_senders(setup)
             scheduler = None
@@ -344,16 +353,17 @@ class GenerationExecutor:
     async def _submit(self, st: _Run, message: GenSubmit) -> None:
         try:
             params = params_from_map(message.params)
-            if len(message.tensors) != 1:
-                raise ProtocolError(f"gen_submit carries {len(message.tensors)} tensors, not 1")
-            prompt = message.tensors[0]
-            if prompt.dtype != torch.int64 or prompt.dim() != 1:
-                raise ProtocolError("gen_submit: the prompt must be int64 token ids [n]")
-            ids = [int(t) for t in prompt.tolist()]
-            vocab = st.work.stage.config.vocab_size
-            if any(t >= vocab for t in ids):
-                raise ConfigError(f"token ids must be below the vocabulary's {vocab}")
-            commands = self._scheduler(st).submit(message.sequence, ids, params)
+            ids, generated = submitted_tokens(message, st.work.stage.config.vocab_size)
+            if generated:  # sent again after a re-plan: its caches are rebuilt here
+                log.info(
+                    "generation_sequence_taken_over",
+                    stage=self.name,
+                    sequence=message.sequence,
+                    generated=len(generated),
+                )
+            commands = self._scheduler(st).submit(
+                message.sequence, ids, params, generated=generated
+            )
         except (ZpipeError, ValueError) as exc:
             refused = GenRefused(
                 run=st.setup.run,
@@ -445,6 +455,12 @@ class GenerationExecutor:
                 await self._step(st, item, loop)
             except asyncio.CancelledError:
                 raise
+            except TransportTimeout as exc:
+                # the next stage took nothing for the whole send deadline: it died or
+                # hangs, which the coordinator's failure detector judges (a re-plan
+                # rebuilds every sequence); refusing the step's sequences here would
+                # end streams that the re-plan carries on
+                log.error("generation_downstream_lost", stage=self.name, error=str(exc))
             except Exception as exc:  # one bad step must not end the run's other sequences
                 self.protocol_errors += 1
                 log.error(

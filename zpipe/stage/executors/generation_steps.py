@@ -32,7 +32,7 @@ from zpipe.generation.wire import (
 )
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import CausalLmStage, SequenceChunk
-from zpipe.protocol.generation import GenSetup, GenStep
+from zpipe.protocol.generation import GenSetup, GenStep, GenSubmit
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,33 @@ def after_failed_step(
         out += scheduler.cancel(sequence)
     out += scheduler.stage_failed()
     return out + scheduler.pipeline_restored()
+
+
+def same_units(before: GenSetup, after: GenSetup) -> bool:
+    """Whether ``after`` (a re-plan of run ``before.run``) leaves a stage the units
+    it built for ``before``, from the same model, with caches of the same shape
+    and budget: then it keeps them (emptied) instead of reading them again."""
+    return before.run == after.run and all(
+        getattr(before, name) == getattr(after, name)
+        for name in ("model", "start", "end", "dtype", "kv_budget_bytes", "max_context")
+    )
+
+
+def submitted_tokens(message: GenSubmit, vocab: int) -> tuple[list[int], list[int]]:
+    """A ``gen_submit``'s prompt (its first int64 tensor) and the tokens the sequence
+    already generated (a second one, when the client sends it again after a re-plan:
+    the scheduler prefills both and the stream goes on at the next index)."""
+    if len(message.tensors) not in (1, 2):
+        raise ProtocolError(f"gen_submit carries {len(message.tensors)} tensors, not 1 or 2")
+    out = []
+    for tensor, what in zip(message.tensors, ("prompt", "generated tokens"), strict=False):
+        if tensor.dtype != torch.int64 or tensor.dim() != 1:
+            raise ProtocolError(f"gen_submit: the {what} must be int64 token ids [n]")
+        ids = [int(t) for t in tensor.tolist()]
+        if any(t >= vocab for t in ids):
+            raise ConfigError(f"token ids must be below the vocabulary's {vocab}")
+        out.append(ids)
+    return out[0], out[1] if len(out) == 2 else []
 
 
 def load_detokenizer(setup: GenSetup) -> Detokenizer:
