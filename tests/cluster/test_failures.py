@@ -196,7 +196,8 @@ def test_stage_without_a_coordinator_exits_with_a_clear_message() -> None:
     )
     assert result.returncode == 1
     assert "could not reach the coordinator" in result.stderr
-    assert time.monotonic() - started < 30
+    # it gives up (after 1.5 s of trying), never waits on: a bound a starved process meets
+    assert time.monotonic() - started < 55
 
 
 def _wait_exit(process: subprocess.Popen[bytes], timeout: float) -> int:

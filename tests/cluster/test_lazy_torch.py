@@ -77,8 +77,9 @@ spec = ModelSpec("mlp", {"dims": [12, 16, 4]}, seed=1)
 generator = torch.Generator().manual_seed(0)
 batches = [(torch.randn(6, 12, generator=generator), torch.randint(0, 4, (6,), generator=generator))
            for _ in range(2)]
+# spawned, as a user's are: a coordinator forked from the test lane's zygote has torch
 with LocalCluster([DeviceSpec("s0"), DeviceSpec("s1")], log_dir=Path(sys.argv[1]),
-                  log_level="warning", start_timeout_s=240.0) as cluster:
+                  log_level="warning", start_timeout_s=240.0, zygote=False) as cluster:
     report = cluster.fit(spec, batches, optimizer={"name": "adam", "lr": 0.01},
                          num_microbatches=2, progress=False)
     outputs, _ = cluster.infer(spec, [x for x, _ in batches])

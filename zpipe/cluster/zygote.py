@@ -242,9 +242,11 @@ def main() -> None:
     import zpipe.stage.runtime  # noqa: F401
     from zpipe.lazy_torch import import_lazy_torch_modules
 
-    # the commands by name, as runpy runs them: this layer never imports the one above
+    # what the commands import (by name: this layer never imports the one above); the
+    # command modules themselves leave again, for runpy runs them afresh as __main__
     for command in COMMANDS.values():
         importlib.import_module(command)
+        del sys.modules[command]
     import_lazy_torch_modules()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
