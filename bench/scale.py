@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-recovery", action="store_true", help="leave the recovery run out")
     p.add_argument("--skip-peers", action="store_true", help="leave the fake peers out")
     p.add_argument("--quick", action="store_true", help="sizes 2,8,16; 2 s model; 10 s holds")
+    p.add_argument(
+        "--log-dir", default=None, help="keep the peers' coordinator logs here (default: not kept)"
+    )
     return p
 
 
@@ -447,8 +450,12 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
             except subprocess.TimeoutExpired:
                 coordinator.kill()
                 coordinator.wait()
-        events = [json.loads(line) for line in log_path.read_text().splitlines() if
-                  line.startswith("{")]  # fmt: skip
+        text = log_path.read_text()
+        if args.log_dir:
+            kept = Path(args.log_dir) / f"coordinator-{count}-peers-{busy}-busy-{os.getpid()}.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(text)
+        events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     registered_at, hold_from, hold_to = held
     reports = [e for e in events if e.get("event") == "loop_lag"]
     # the coordinator's lag reports of windows (10 s each) wholly within the hold
