@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hold-s", type=float, default=30.0, help="seconds the peers are held")
     p.add_argument("--peer-heartbeat-s", type=float, default=1.0, help="their heartbeat interval")
     p.add_argument(
+        "--register-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long the peers wait for a coordinator that starts slowly (default: 300)",
+    )
+    p.add_argument(
         "--oversubscribe",
         type=float,
         default=2.0,
@@ -429,7 +435,9 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
 
         async def hold() -> tuple[dict[str, Any], float, float]:
             started = time.monotonic()
-            async with FakePeers(endpoint, count) as peers:
+            async with FakePeers(
+                endpoint, count, register_timeout_s=args.register_timeout_s
+            ) as peers:
                 registered_s = time.monotonic() - started
                 held.append(time.time())  # every peer registered
                 await asyncio.sleep(2 * args.peer_heartbeat_s)  # the registrations settle
