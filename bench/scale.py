@@ -512,8 +512,13 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
         "coordinator_cpu_share": round(cpu, 3),
         "heartbeats": seen["heartbeats"],
         "acks": seen["acks"],
-        "false_deaths": sum(1 for e in events if e.get("event") == "stage_dead"),
-        "suspected": sum(1 for e in events if e.get("event") == "stage_suspect"),
+        # while the peers were held (after it, the bench closes them, then waits)
+        "false_deaths": sum(
+            1 for e in events if e.get("event") == "stage_dead" and _at(e) <= hold_to
+        ),
+        "suspected": sum(
+            1 for e in events if e.get("event") == "stage_suspect" and _at(e) <= hold_to
+        ),
         "asked_to_register_again": seen["register_again"],
         "loadavg": loadavg(),
     }
