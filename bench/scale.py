@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hold-s", type=float, default=30.0, help="seconds the peers are held")
     p.add_argument("--peer-heartbeat-s", type=float, default=1.0, help="their heartbeat interval")
     p.add_argument(
+        "--register-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long the peers wait for a coordinator that starts slowly (default: 300)",
+    )
+    p.add_argument(
         "--oversubscribe",
         type=float,
         default=2.0,
@@ -120,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-recovery", action="store_true", help="leave the recovery run out")
     p.add_argument("--skip-peers", action="store_true", help="leave the fake peers out")
     p.add_argument("--quick", action="store_true", help="sizes 2,8,16; 2 s model; 10 s holds")
+    p.add_argument(
+        "--log-dir", default=None, help="keep the peers' coordinator logs here (default: not kept)"
+    )
     return p
 
 
@@ -399,6 +408,20 @@ def _at(event: dict[str, Any]) -> float:
     return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
+# how often the coordinator reports its loop lag (zpipe.coordinator.loop_lag)
+LAG_REPORT_S = 10.0
+
+
+def _wait_for_lag_report(log_path: Path, *, after: float, timeout_s: float) -> None:
+    """Wait until the coordinator has logged a lag report later than ``after``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if line.startswith("{") and '"loop_lag"' in line and _at(json.loads(line)) > after:
+                return
+        time.sleep(0.5)
+
+
 def hold_peers(count: int, args: argparse.Namespace, *, busy: int = 0) -> dict[str, Any]:
     """A coordinator process and ``count`` fake peers for ``--hold-s`` seconds, beside
     ``busy`` busy-loop processes started before the coordinator."""
@@ -426,7 +449,9 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
 
         async def hold() -> tuple[dict[str, Any], float, float]:
             started = time.monotonic()
-            async with FakePeers(endpoint, count) as peers:
+            async with FakePeers(
+                endpoint, count, register_timeout_s=args.register_timeout_s
+            ) as peers:
                 registered_s = time.monotonic() - started
                 held.append(time.time())  # every peer registered
                 await asyncio.sleep(2 * args.peer_heartbeat_s)  # the registrations settle
@@ -440,6 +465,9 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
 
         try:
             seen, registered_s, cpu = asyncio.run(hold())
+            # the lag window in progress at the hold's end is reported up to 10 s later:
+            # a stall in it (31.6 s once, before the receive loop gave turns) counts
+            _wait_for_lag_report(log_path, after=held[-1], timeout_s=LAG_REPORT_S + 5.0)
         finally:
             coordinator.send_signal(signal.SIGTERM)
             try:
@@ -447,16 +475,22 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
             except subprocess.TimeoutExpired:
                 coordinator.kill()
                 coordinator.wait()
-        events = [json.loads(line) for line in log_path.read_text().splitlines() if
-                  line.startswith("{")]  # fmt: skip
+        text = log_path.read_text()
+        if args.log_dir:
+            kept = Path(args.log_dir) / f"coordinator-{count}-peers-{busy}-busy-{os.getpid()}.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(text)
+        events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     registered_at, hold_from, hold_to = held
     reports = [e for e in events if e.get("event") == "loop_lag"]
     # the coordinator's lag reports of windows (10 s each) wholly within the hold
     lags = [e for e in reports if hold_from + 10.0 <= _at(e) <= hold_to]
-    # and of every window from its start to the hold's end: registrations included
-    lags_all = [e for e in reports if _at(e) <= hold_to]
-    worst = max(lags, key=lambda e: e["p99_ms"]) if lags else None
     listening = [_at(e) for e in events if e.get("event") == "coordinator_listening"]
+    # and of every window that began before the hold's end (each window runs from the
+    # report before it): its start, the registrations and the whole hold included
+    starts = [*listening[:1], *(_at(e) for e in reports)]
+    lags_all = [e for e, start in zip(reports, starts, strict=False) if start < hold_to]
+    worst = max(lags, key=lambda e: e["p99_ms"]) if lags else None
     line = {
         "bench": BENCH,
         "kind": "coordinator_peers",
@@ -478,8 +512,13 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
         "coordinator_cpu_share": round(cpu, 3),
         "heartbeats": seen["heartbeats"],
         "acks": seen["acks"],
-        "false_deaths": sum(1 for e in events if e.get("event") == "stage_dead"),
-        "suspected": sum(1 for e in events if e.get("event") == "stage_suspect"),
+        # while the peers were held (after it, the bench closes them, then waits)
+        "false_deaths": sum(
+            1 for e in events if e.get("event") == "stage_dead" and _at(e) <= hold_to
+        ),
+        "suspected": sum(
+            1 for e in events if e.get("event") == "stage_suspect" and _at(e) <= hold_to
+        ),
         "asked_to_register_again": seen["register_again"],
         "loadavg": loadavg(),
     }

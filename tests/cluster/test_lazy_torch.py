@@ -7,7 +7,9 @@ first step imports can be seen. The coordinator and the client never need it:
 a training and an inference run leave it unimported there, so nothing stalls
 their loops and nothing preloads it (a preload on a thread of the coordinator
 stalled its loop for 5-20 s under load: every zmq send and receive gave the GIL
-to the import, for a switch interval each).
+to the import, for a switch interval each). Once it listens, the coordinator
+imports nothing at all in those runs: what its planners import on first use is
+imported before it listens.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ batches = [(torch.randn(6, 12, generator=generator), torch.randint(0, 4, (6,), g
            for _ in range(2)]
 # spawned, as a user's are: a coordinator forked from the test lane's zygote has torch
 with LocalCluster([DeviceSpec("s0"), DeviceSpec("s1")], log_dir=Path(sys.argv[1]),
-                  log_level="warning", start_timeout_s=240.0, zygote=False) as cluster:
+                  log_level="info", start_timeout_s=240.0, zygote=False) as cluster:
     report = cluster.fit(spec, batches, optimizer={"name": "adam", "lr": 0.01},
                          num_microbatches=2, progress=False)
     outputs, _ = cluster.infer(spec, [x for x, _ in batches])
@@ -105,3 +107,8 @@ def test_a_training_and_an_inference_run_never_import_it_in_the_client_or_coordi
     imported = {line.rsplit("|", 1)[1].strip() for line in log if line.startswith("import time:")}
     assert "torch" in imported  # the report is there: torch's own import is listed
     assert "torch._dynamo" not in imported
+    # and once it listens, the coordinator imports nothing more: no lazy import on its
+    # planning thread (numpy.ma, at the first PipeEdge plan, until it was preloaded)
+    listening = next(i for i, line in enumerate(log) if "coordinator_listening" in line)
+    late = [line for line in log[listening:] if line.startswith("import time:")]
+    assert late == []

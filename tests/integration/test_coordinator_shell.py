@@ -10,9 +10,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from zpipe.coordinator.events import ClientRequest
+from zpipe.coordinator.events import ClientRequest, Event
 from zpipe.coordinator.persistence import StateStore
-from zpipe.coordinator.server import Coordinator, CoordinatorConfig
+from zpipe.coordinator.server import RECEIVE_TURN_EVERY, Coordinator, CoordinatorConfig
+from zpipe.protocol.stage_control import Heartbeat
+from zpipe.stage.metrics import StageCounters
 from zpipe.testing.fake_peers import FakePeers
 from zpipe.transport import codec
 from zpipe.transport.codec import Message
@@ -113,3 +115,56 @@ def test_a_burst_of_registrations_is_saved_in_a_few_writes_with_every_member(
     assert len(saved) < 40  # not one save of every member per registration
     state = StateStore(tmp_path).load_state()
     assert state is not None and len(state.members) == 40
+
+
+async def _burst_seen_by_another_task(count: int) -> tuple[list[int], int]:
+    """``count`` heartbeats queued on the coordinator's socket before its receive loop
+    reads any; how many it had handled each time another task got a turn."""
+    coordinator = Coordinator(CoordinatorConfig(bind="inproc://burst"))
+    fed: list[Event] = []
+    all_fed = asyncio.Event()
+
+    def feed(event: Event, *, peer: bytes | None = None) -> None:
+        fed.append(event)
+        if len(fed) == count:
+            all_fed.set()
+
+    coordinator._feed = feed  # type: ignore[method-assign]
+    coordinator._setup()
+    dealer = coordinator._context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(coordinator.endpoint)
+    heartbeat = Heartbeat(name="s0", metrics=StageCounters().to_dict()).to_message()
+    frames = [bytes(f) for f in codec.encode(heartbeat)]
+    for _ in range(count):  # inproc: each is in the router's queue when send returns
+        await dealer.send_multipart(frames)
+    seen: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            seen.append(len(fed))
+            await asyncio.sleep(0)
+
+    receiving = asyncio.create_task(coordinator._receive_loop())
+    watching = asyncio.create_task(watch())
+    try:
+        await asyncio.wait_for(all_fed.wait(), 30)
+    finally:
+        for task in (receiving, watching):
+            task.cancel()
+        await asyncio.gather(receiving, watching, return_exceptions=True)
+        dealer.close()
+        coordinator._close()
+    return seen, len(fed)
+
+
+def test_a_burst_of_queued_messages_leaves_the_other_tasks_a_turn_every_few_messages() -> None:
+    # zmq.asyncio returns a queued message without suspending: without the turns the
+    # receive loop gives, the watcher would see 0 handled and then all of them
+    count = 20 * RECEIVE_TURN_EVERY
+    seen, handled = asyncio.run(_burst_seen_by_another_task(count))
+    assert handled == count
+    during = sorted({n for n in seen if 0 < n < count})
+    assert len(during) >= count // RECEIVE_TURN_EVERY - 2, seen
+    steps = [b - a for a, b in zip([0, *during], [*during, count], strict=True)]
+    assert max(steps) <= RECEIVE_TURN_EVERY, steps

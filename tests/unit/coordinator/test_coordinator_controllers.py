@@ -220,6 +220,42 @@ def test_a_registration_asks_for_its_save_soon_and_is_answered_at_once() -> None
     assert [s.wire.kind for s in h.sent] == ["registered"]
 
 
+def test_a_registration_sent_again_on_its_connection_is_answered_alone() -> None:
+    # a stage repeats its registration every second until answered: a coordinator that
+    # took seconds to start reads them all, and each used to make the member anew, log
+    # it at info and ask for a save
+    h = Harness()
+    register = Register(name="a", data_endpoint="tcp://a:1", info={"cores": 2})
+    h.feed(RegisterAsked(b"a", None, register, bulk_token="t1"))
+    member = h.state.membership.get("a")
+    h.now += 0.5
+    again = h.feed(RegisterAsked(b"a", None, register, bulk_token="t2"))
+    assert not [c for c in again if isinstance(c, Persist)]
+    assert [c.event for c in again if isinstance(c, Log)] == ["stage_registered_again"]
+    assert h.state.membership.get("a") is member and member is not None
+    assert member.last_seen == 0.5  # heard from, as by any message
+    replies = [s.wire for s in h.sent]
+    assert [r.kind for r in replies] == ["registered", "registered"]
+    assert replies[0].body["bulk_token"] == replies[1].body["bulk_token"] == "t1"
+    assert replies[1].body["clock"] == 0.5
+
+
+def test_a_registration_that_changed_or_came_on_another_connection_is_made_anew() -> None:
+    h = Harness()
+    register = Register(name="a", data_endpoint="tcp://a:1", info={})
+    h.feed(RegisterAsked(b"a", None, register))
+    first = h.state.membership.get("a")
+    moved = Register(name="a", data_endpoint="tcp://a:9", info={})
+    changed = h.feed(RegisterAsked(b"a", None, moved))
+    assert [c for c in changed if isinstance(c, Persist)] == [Persist(soon=True)]
+    second = h.state.membership.get("a")
+    assert second is not first and second is not None
+    assert second.data_endpoint == "tcp://a:9"
+    h.state.membership.declare_dead("a", "test", h.now)
+    back = h.feed(RegisterAsked(b"a", None, moved))
+    assert [c.event for c in back if isinstance(c, Log)] == ["stage_registered"]
+
+
 # ----------------------------------------------------------------- flow runner
 
 
