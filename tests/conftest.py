@@ -12,6 +12,13 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
+
+# No per-example deadline: a property test's examples are timed, and on a loaded
+# two-core machine one that takes 15 ms alone took 700 ms (a flaky failure of a
+# planner test). Speed is measured in bench/, never asserted in tests.
+settings.register_profile("zpipe", deadline=None)
+settings.load_profile("zpipe")
 
 # A process that only burns CPU; it exits on its own if the session dies without
 # stopping it (its parent gone, its stdin closes), so no burner outlives a run.
