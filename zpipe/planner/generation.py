@@ -201,6 +201,40 @@ def plan_generation(
     return replace(plan, predicted=predicted)
 
 
+def plan_generation_in_order(
+    units: Sequence[GenerationUnit],
+    cluster: ClusterSpec,
+    workload: GenerationWorkload,
+    *,
+    speeds: Mapping[str, float] | None = None,
+) -> Plan:
+    """The best split of the units over every device of ``cluster``, one stage each, in
+    the cluster's order: what a run that names its stages plans (it chose the devices
+    and their order; the split is the planner's). Exact (the DP of the module
+    docstring over that one order, no device skipped). Raises
+    :class:`InfeasiblePlanError` when no split fits every device's memory."""
+    check_units(units)
+    if len(cluster.devices) > len(units):
+        raise InfeasiblePlanError(f"{len(cluster.devices)} stages cannot split {len(units)} units")
+    speed = device_speeds(cluster, speeds)
+    _check_fits_somewhere(units, cluster, workload)
+    solver = _Solver(
+        units,
+        cluster,
+        workload,
+        speed,
+        [[n] for n in cluster.names],
+        None,
+        fixed_order=True,
+        every_device=True,
+    )
+    plan = Plan(algo="generation", num_units=len(units), stages=solver.solve())
+    predicted = predict_generation(plan, units, cluster, workload, speeds=speed)
+    predicted["planner_exact"] = 1.0
+    predicted["planner_states"] = float(solver.states)
+    return replace(plan, predicted=predicted)
+
+
 def fixed_orders(cluster: ClusterSpec, speed: Mapping[str, float]) -> list[list[str]]:
     """The device orders the fixed-order search tries, each exactly.
 
@@ -332,7 +366,8 @@ class _Solver:
     """The Pareto-front DP of the module docstring over ``categories`` (lists of names).
 
     With ``fixed_order`` each category is one device and a plan's stages use them
-    in the list's order (a subsequence), so a state is (first, last, boundary).
+    in the list's order (a subsequence), so a state is (first, last, boundary);
+    with ``every_device`` too, every one of them in turn (no device skipped).
     """
 
     def __init__(
@@ -345,7 +380,10 @@ class _Solver:
         max_ttft_s: float | None,
         *,
         fixed_order: bool,
+        every_device: bool = False,
     ) -> None:
+        assert fixed_order or not every_device
+        self.every_device = every_device
         self.units = units
         self.cluster = cluster
         self.workload = workload
@@ -446,6 +484,8 @@ class _Solver:
 
         def complete(first: int, entry: _Entry, stages: int) -> None:
             nonlocal best, best_entry, limit
+            if self.every_device and stages != n_cat:
+                return
             done = self._finish(first, entry, stages)
             if done is not None and _better((*done, stages), best):
                 best = (*done, stages)
@@ -456,7 +496,7 @@ class _Solver:
         # compute on the fastest device, G * tau); ttft >= Q + that rest + (k - 1) * pi.
         layer: dict[_State, list[_Entry]] = {}
         zero = (0,) * n_cat
-        for f in range(n_cat):
+        for f in range(1 if self.every_device else n_cat):
             used = _bump(zero, f)
             for j, d, p in self.spans[f][0]:
                 entry: _Entry = (d, d, p, p, (f, 0, j), None)
@@ -469,7 +509,12 @@ class _Solver:
             self.states += len(layer)
             nxt: dict[_State, list[_Entry]] = {}
             for (used, first, last, i), front in layer.items():
-                after = range(last + 1, n_cat) if self.fixed_order else range(n_cat)
+                if self.every_device:
+                    after = range(last + 1, min(last + 2, n_cat))
+                elif self.fixed_order:
+                    after = range(last + 1, n_cat)
+                else:
+                    after = range(n_cat)
                 for v in after:
                     if used[v] >= self.counts[v]:
                         continue
