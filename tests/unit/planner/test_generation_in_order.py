@@ -118,3 +118,12 @@ def test_a_kv_budget_caps_a_stages_cache() -> None:
     assert stage_memory(units, 0, 1, roomy).kv_cache == 120
     with pytest.raises(ValueError, match="kv_budget_bytes"):
         GenerationWorkload(sequences=1, max_context=1, kv_budget_bytes=0)
+
+
+def test_one_sequence_on_alike_devices_gets_the_balanced_split() -> None:
+    # one sequence: every split's ring time ties; the least bottleneck breaks the tie
+    units = [GenerationUnit(f"u{k}", weight_bytes=1, decode_time_s=1.0) for k in range(6)]
+    cluster = ClusterSpec(tuple(ClusterDevice(n) for n in ("a", "b", "c")))
+    workload = GenerationWorkload(sequences=1, max_context=4, prefill_chunk=4)
+    plan = plan_generation_in_order(units, cluster, workload)
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 2), (2, 4), (4, 6)]
