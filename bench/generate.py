@@ -10,9 +10,11 @@ token) and for ``--new-tokens``; the median of ``--repeats``.
 
 Pipeline: three stage processes (``LocalCluster``, ``--threads`` each) on this
 machine, the units split by the coordinator's planner, one generation run per
-setting; in each, the same prompts are submitted together and timed to their last
-event, for 1 and for ``--new-tokens`` tokens (warmed up first, median of
-``--repeats``). Decode tokens/s, in both: ``S * (N - 1) / (t_N - t_1)``.
+setting (``--steps-in-flight`` micro-batches on the ring: by default 1, the S
+sequences decoding as one batch as the baseline's do); in each, the same prompts
+are submitted together and timed to their last event, for 1 and for
+``--new-tokens`` tokens (warmed up first, median of ``--repeats``). Decode
+tokens/s, in both: ``S * (N - 1) / (t_N - t_1)``.
 
 Summary keys:
 
@@ -36,7 +38,10 @@ Summary keys:
   (``--hetero-slowdowns``, a second cluster), the planner's split over the even
   one, decode tokens/s with ``S`` sequences;
 - ``greedy_equal_hf``: every sequence's tokens equal transformers' (one sequence
-  at a time, as the tests compare).
+  at a time, as the tests compare);
+- ``other_decode_ratio_vs_hf`` and ``other_decode_cpu_ratio_vs_hf``: the same two
+  ratios with ``--also-steps-in-flight`` micro-batches on the ring (default 3: one
+  group of sequences per stage, as on separate devices).
 
 Output: JSON lines (the baseline, each pipeline setting), then the summary.
 ``--quick``: a small model and few tokens (its figures are the runtime's fixed
@@ -279,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
 
         devices = [DeviceSpec(n, threads=args.threads) for n in STAGES]
-        with LocalCluster(devices, heartbeat_interval_s=1.0) as cluster:
+        with LocalCluster(devices, heartbeat_interval_s=1.0, start_timeout_s=600.0) as cluster:
             pids = {n: cluster.processes[n].pid for n in STAGES}
             rss_before = {n: status_kib("VmRSS", pid) for n, pid in pids.items()}
             many = asyncio.run(
@@ -293,8 +298,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
             one = asyncio.run(_pipeline(cluster, spec, prompts[:1], args, steps_in_flight=1))
+            other = None
+            if args.also_steps_in_flight and args.also_steps_in_flight != args.steps_in_flight:
+                other = asyncio.run(
+                    _pipeline(
+                        cluster, spec, prompts, args, steps_in_flight=args.also_steps_in_flight
+                    )
+                )
         _row(f"pipeline_s{args.sequences}", many, rss_before_kib=rss_before)
         _row("pipeline_s1", one)
+        if other is not None:
+            _row(f"pipeline_s{args.sequences}_steps{args.also_steps_in_flight}", other)
 
         measured = {
             n: (many["peak_kib"][n] - rss_before[n]) * 1024
@@ -319,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for n, s in zip(STAGES, slow, strict=True)
             ]
             num_units = read_causal_lm_config(spec.config).num_units
-            with LocalCluster(hetero, heartbeat_interval_s=1.0) as cluster:
+            with LocalCluster(hetero, heartbeat_interval_s=1.0, start_timeout_s=600.0) as cluster:
                 planned = asyncio.run(
                     _pipeline(cluster, spec, prompts, args, steps_in_flight=args.steps_in_flight)
                 )
@@ -354,8 +368,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             planned["decode_tokens_per_s"] if planned else None,
             even["decode_tokens_per_s"] if even else None,
         ),
-        greedy_equal_hf=many["tokens"] == expected and one["tokens"] == expected[:1],
+        greedy_equal_hf=many["tokens"] == expected
+        and one["tokens"] == expected[:1]
+        and (other is None or other["tokens"] == expected),
         hf_batched_equal_single=hf["tokens_batched"] == expected,
+        other_steps_in_flight=args.also_steps_in_flight if other else None,
+        other_decode_ratio_vs_hf=_ratio(other["decode_tokens_per_s"], hf_rate) if other else None,
+        other_decode_cpu_ratio_vs_hf=(
+            _ratio(hf_cpu, other["decode_cpu_ms_per_token"]) if other else None
+        ),
+        pipeline_cpu_ms_per_token=many["decode_cpu_ms_per_token"],
+        hf_cpu_ms_per_token=hf_cpu,
         pipeline_tokens_per_s=many["decode_tokens_per_s"],
         hf_tokens_per_s=hf_rate,
         sequences=args.sequences,
@@ -377,7 +400,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--sequences", type=int, default=3, help="S: sequences in flight")
-    parser.add_argument("--steps-in-flight", type=int, default=3, help="micro-batches on the ring")
+    parser.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=1,
+        help="micro-batches on the ring (1: the S sequences decode as one batch, as the "
+        "baseline's; on two cores, more groups cost more CPU per token than they overlap)",
+    )
+    parser.add_argument(
+        "--also-steps-in-flight",
+        type=int,
+        default=3,
+        help="a second run with this many (one group per stage; 0: none), its ratios as other_*",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
