@@ -403,8 +403,9 @@ class LocalCluster:
         """Generate from every prompt from synchronous code: each sequence's tokens, in
         prompt order. The settings are ``options`` or :class:`GenerateOptions`'
         keywords; without ``stage_names``, ``stages`` or ``partition`` the pipeline
-        runs through every device in the order they were given (the units split
-        evenly). :meth:`PipelineClient.generate` streams the events instead."""
+        runs through every device in the order they were given (the units split by
+        the planner within each stage's memory). :meth:`PipelineClient.generate`
+        streams the events instead."""
         _no_running_loop("generate")
         return asyncio.run(self._generate_tokens(model, prompts, params, options, keywords))
 

@@ -12,7 +12,7 @@ from zpipe.planner.cluster import (
     load_cluster,
 )
 from zpipe.planner.cost import InfeasiblePlanError, device_unit_times, predict_plan
-from zpipe.planner.generation import plan_generation
+from zpipe.planner.generation import plan_generation, plan_generation_in_order
 from zpipe.planner.generation_cost import (
     GenerationUnit,
     GenerationWorkload,
@@ -54,6 +54,7 @@ __all__ = [
     "plan_even_partition",
     "plan_from_partition",
     "plan_generation",
+    "plan_generation_in_order",
     "plan_pipedream",
     "plan_pipeedge",
     "plan_with",

@@ -86,7 +86,9 @@ complete plan's, or whose ``Q + (k - 1) * pi`` exceeds ``max_ttft_s``, is
 dropped (both bounds only grow).
 
 Ties: among plans whose ``J`` is equal (within a relative 1e-9) the least
-time to first token wins, then the fewest stages, then the first found
+time to first token wins, then the fewest stages, then the least bottleneck
+``tau`` (a balanced split: with one sequence every split of a homogeneous ring
+ties), then the first found
 (categories in cluster order, each category's devices in cluster order).
 
 Size. The states are ``prod(n_c + 1) * C^2 * (L + 1)`` for ``C`` categories
@@ -135,6 +137,9 @@ MAX_STATES = 400_000
 # With more categories than this the full search starts from the fixed orders' plan.
 SEED_CATEGORIES = 3
 
+
+# How plans are ranked (:func:`_better`): (J, time to first token, stages, bottleneck).
+_Key = tuple[float, float, int, float]
 
 # A DP state: (devices used per category, first stage's category, last stage's, boundary).
 _State = tuple[tuple[int, ...], int, int, int]
@@ -201,6 +206,40 @@ def plan_generation(
     return replace(plan, predicted=predicted)
 
 
+def plan_generation_in_order(
+    units: Sequence[GenerationUnit],
+    cluster: ClusterSpec,
+    workload: GenerationWorkload,
+    *,
+    speeds: Mapping[str, float] | None = None,
+) -> Plan:
+    """The best split of the units over every device of ``cluster``, one stage each, in
+    the cluster's order: what a run that names its stages plans (it chose the devices
+    and their order; the split is the planner's). Exact (the DP of the module
+    docstring over that one order, no device skipped). Raises
+    :class:`InfeasiblePlanError` when no split fits every device's memory."""
+    check_units(units)
+    if len(cluster.devices) > len(units):
+        raise InfeasiblePlanError(f"{len(cluster.devices)} stages cannot split {len(units)} units")
+    speed = device_speeds(cluster, speeds)
+    _check_fits_somewhere(units, cluster, workload)
+    solver = _Solver(
+        units,
+        cluster,
+        workload,
+        speed,
+        [[n] for n in cluster.names],
+        None,
+        fixed_order=True,
+        every_device=True,
+    )
+    plan = Plan(algo="generation", num_units=len(units), stages=solver.solve())
+    predicted = predict_generation(plan, units, cluster, workload, speeds=speed)
+    predicted["planner_exact"] = 1.0
+    predicted["planner_states"] = float(solver.states)
+    return replace(plan, predicted=predicted)
+
+
 def fixed_orders(cluster: ClusterSpec, speed: Mapping[str, float]) -> list[list[str]]:
     """The device orders the fixed-order search tries, each exactly.
 
@@ -230,10 +269,10 @@ def _fixed_orders(
     workload: GenerationWorkload,
     speed: Mapping[str, float],
     max_ttft_s: float | None,
-) -> tuple[tuple[StagePlan, ...], tuple[float, float, int], int]:
+) -> tuple[tuple[StagePlan, ...], _Key, int]:
     """The best plan over :func:`fixed_orders`: its stages, its (J, ttft, stages) and the
     states searched; :class:`InfeasiblePlanError` when neither order has one."""
-    found: tuple[tuple[StagePlan, ...], tuple[float, float, int]] | None = None
+    found: tuple[tuple[StagePlan, ...], _Key] | None = None
     states = 0
     error: InfeasiblePlanError | None = None
     for order in fixed_orders(cluster, speed):
@@ -256,13 +295,14 @@ def _fixed_orders(
     return found[0], found[1], states
 
 
-def _better(key: tuple[float, float, int], best: tuple[float, float, int] | None) -> bool:
-    """Whether a plan of ``(J, ttft, stages)`` beats ``best``: less J, then (J tying
-    within :data:`TIE_RTOL`) less time to first token, then fewer stages."""
+def _better(key: _Key, best: _Key | None) -> bool:
+    """Whether a plan of ``(J, ttft, stages, tau)`` beats ``best``: less J, then (J tying
+    within :data:`TIE_RTOL`) less time to first token, then fewer stages, then less
+    bottleneck."""
     if best is None:
         return True
-    j, t, n = key
-    bj, bt, bn = best
+    j, t, n, tau = key
+    bj, bt, bn, btau = best
     if j < bj * (1 - TIE_RTOL) - 1e-15:
         return True
     if j > bj * (1 + TIE_RTOL) + 1e-15:
@@ -271,7 +311,9 @@ def _better(key: tuple[float, float, int], best: tuple[float, float, int] | None
         return True
     if t > bt * (1 + TIE_RTOL) + 1e-15:
         return False
-    return n < bn
+    if n != bn:
+        return n < bn
+    return tau < btau * (1 - TIE_RTOL) - 1e-15
 
 
 def _state_space(cluster: ClusterSpec, num_units: int) -> int:
@@ -332,7 +374,8 @@ class _Solver:
     """The Pareto-front DP of the module docstring over ``categories`` (lists of names).
 
     With ``fixed_order`` each category is one device and a plan's stages use them
-    in the list's order (a subsequence), so a state is (first, last, boundary).
+    in the list's order (a subsequence), so a state is (first, last, boundary);
+    with ``every_device`` too, every one of them in turn (no device skipped).
     """
 
     def __init__(
@@ -345,7 +388,10 @@ class _Solver:
         max_ttft_s: float | None,
         *,
         fixed_order: bool,
+        every_device: bool = False,
     ) -> None:
+        assert fixed_order or not every_device
+        self.every_device = every_device
         self.units = units
         self.cluster = cluster
         self.workload = workload
@@ -355,7 +401,7 @@ class _Solver:
         self.fixed_order = fixed_order
         self.counts = [len(c) for c in categories]
         self.states = 0
-        self.best_key = (math.inf, math.inf, 0)  # (J, ttft, stages) of the plan found
+        self.best_key: _Key = (math.inf, math.inf, 0, math.inf)  # of the plan found
         n_cat, num_units = len(categories), len(units)
         # spans[c][i]: (end, decode_s, prefill_s) of every stage [i, end) that fits c's memory
         self.spans: list[list[list[tuple[int, float, float]]]] = []
@@ -410,8 +456,8 @@ class _Solver:
             return None
         return self.categories[a][0], self.categories[a][1]
 
-    def _finish(self, first: int, entry: _Entry, stages: int) -> tuple[float, float] | None:
-        """``(J, ttft)`` of a complete plan, or None when it misses ``max_ttft_s``."""
+    def _finish(self, first: int, entry: _Entry, stages: int) -> tuple[float, float, float] | None:
+        """``(J, ttft, tau)`` of a complete plan, or None when it misses ``max_ttft_s``."""
         ring, period, pre_sum, pre_period, (last_cat, _, _), _ = entry
         if stages > 1:
             hop = self.hops[last_cat][first]
@@ -428,7 +474,7 @@ class _Solver:
         # within TIE_RTOL: sums in another order than predict_generation's may differ
         if self.max_ttft_s is not None and ttft > self.max_ttft_s * (1 + TIE_RTOL):
             return None
-        return max(ring, self.workload.groups * period), ttft
+        return max(ring, self.workload.groups * period), ttft, period
 
     def solve(self, bound: float | None = None) -> tuple[StagePlan, ...]:
         """The best plan's stages; ``bound``: a ``J`` some plan is known to reach (the
@@ -437,7 +483,7 @@ class _Solver:
         n_cat = len(self.categories)
         groups = self.workload.groups
         chunks_less_one = self.workload.chunks - 1
-        best: tuple[float, float, int] | None = None  # (J, ttft, stages)
+        best: _Key | None = None
         best_entry: _Entry | None = None
 
         rest_decode, rest_prefill = self.rest_decode, self.rest_prefill
@@ -446,9 +492,11 @@ class _Solver:
 
         def complete(first: int, entry: _Entry, stages: int) -> None:
             nonlocal best, best_entry, limit
+            if self.every_device and stages != n_cat:
+                return
             done = self._finish(first, entry, stages)
-            if done is not None and _better((*done, stages), best):
-                best = (*done, stages)
+            if done is not None and _better((done[0], done[1], stages, done[2]), best):
+                best = (done[0], done[1], stages, done[2])
                 best_entry = entry
                 limit = min(limit, done[0] * (1 + TIE_RTOL))
 
@@ -456,7 +504,7 @@ class _Solver:
         # compute on the fastest device, G * tau); ttft >= Q + that rest + (k - 1) * pi.
         layer: dict[_State, list[_Entry]] = {}
         zero = (0,) * n_cat
-        for f in range(n_cat):
+        for f in range(1 if self.every_device else n_cat):
             used = _bump(zero, f)
             for j, d, p in self.spans[f][0]:
                 entry: _Entry = (d, d, p, p, (f, 0, j), None)
@@ -469,7 +517,12 @@ class _Solver:
             self.states += len(layer)
             nxt: dict[_State, list[_Entry]] = {}
             for (used, first, last, i), front in layer.items():
-                after = range(last + 1, n_cat) if self.fixed_order else range(n_cat)
+                if self.every_device:
+                    after = range(last + 1, min(last + 2, n_cat))
+                elif self.fixed_order:
+                    after = range(last + 1, n_cat)
+                else:
+                    after = range(n_cat)
                 for v in after:
                     if used[v] >= self.counts[v]:
                         continue

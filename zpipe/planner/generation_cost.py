@@ -10,7 +10,8 @@ Memory of a stage running units ``[i, j)`` (what :func:`stage_memory` adds up):
 - weights: ``sum(weight_bytes)`` of its units;
 - KV cache: ``sum(kv_bytes_per_token) * max_context * sequences``: every
   sequence in flight may grow to the run's maximum context, and its cache
-  lives on the stage that runs its blocks until the sequence ends;
+  lives on the stage that runs its blocks until the sequence ends (at most the
+  workload's ``kv_budget_bytes`` when it has one);
 - activations: ``max(prefill_chunk, decode_batch) * max(activation_bytes_per_token)``.
   A stage runs one forward at a time (a prefill chunk or a decode
   micro-batch), its units one after another, and a unit's working set is freed
@@ -111,8 +112,16 @@ class GenerationWorkload:
     decode_batch: int = 1
     prefill_chunk: int = 512
     prompt_tokens: int | None = None  # None: a prompt as long as the context allows
+    # each stage's cache at most this many bytes (a run's KV budget; the scheduler admits
+    # sequences against it); None: room for every sequence at max_context
+    kv_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        budget = self.kv_budget_bytes
+        if budget is not None and (not _is_count(budget) or budget < 1):
+            raise ConfigError(
+                f"generation workload: kv_budget_bytes must be an integer >= 1, got {budget!r}"
+            )
         if self.prompt_tokens is None:
             object.__setattr__(self, "prompt_tokens", self.max_context)
         for key in ("sequences", "max_context", "decode_batch", "prefill_chunk", "prompt_tokens"):
@@ -164,11 +173,12 @@ def stage_memory(
     """The memory of a stage running ``units[start:end]`` (see the module docstring)."""
     span = units[start:end]
     tokens = max(workload.prefill_chunk, workload.decode_batch)
+    kv = sum(u.kv_bytes_per_token for u in span) * workload.max_context * workload.sequences
+    if workload.kv_budget_bytes is not None:
+        kv = min(kv, workload.kv_budget_bytes)
     return StageMemory(
         weights=sum(u.weight_bytes for u in span),
-        kv_cache=sum(u.kv_bytes_per_token for u in span)
-        * workload.max_context
-        * workload.sequences,
+        kv_cache=kv,
         activations=tokens * max((u.activation_bytes_per_token for u in span), default=0),
     )
 

@@ -55,7 +55,7 @@ from zpipe.protocol._schema import (
 @wire_message
 class GenRunRequest(WireMessage):
     """Client -> coordinator: start a generation run. ``partition``: units per stage, in
-    order (None: an even split of the units over the stages)."""
+    order (None: the planner's split over the stages, within their memory)."""
 
     KIND: ClassVar[str] = "gen_run_request"
     model: dict[str, Any] = wire(MAP)

@@ -81,7 +81,8 @@ class GenerateOptions:
     is sent).
 
     ``stages`` / ``stage_names`` / ``partition`` (units per stage): which stages hold
-    the model (the units split evenly without a partition). ``max_context``: the
+    the model (without a partition the planner splits the units within each stage's
+    memory). ``max_context``: the
     most tokens of one sequence (default: the model's positions). ``max_sequences``:
     sequences admitted at once; ``steps_in_flight``: micro-batches on the ring at
     once (default: one per stage, so no stage waits); ``chunk_tokens``: prefill

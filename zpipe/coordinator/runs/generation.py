@@ -15,10 +15,12 @@ stage too.
 Decisions made here, pure and tested alone: :func:`generation_bounds` (which units
 each stage holds), :func:`kv_budget_tokens` (the tokens every stage's cache holds
 at once, which the first stage's scheduler admits against) and
-:func:`generation_setups` (each stage's ``gen_setup``). The generation planner
-replaces :func:`generation_bounds` later; recovery after a stage's death is
-in :mod:`zpipe.coordinator.runs.generation_recovery`, the run's controller once
-it is set up.
+:func:`generation_setups` (each stage's ``gen_setup``). Without a partition the
+split is planned within each stage's memory budget, and with one it is checked
+against them (:mod:`zpipe.coordinator.generation_plan`), before any stage loads a
+weight. Recovery after a stage's death is in
+:mod:`zpipe.coordinator.runs.generation_recovery`, the run's controller once it is
+set up.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from dataclasses import dataclass
 from zpipe._errors import ConfigError, PipelineError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, AwaitStages, Command, Log, Persist, Send
 from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.generation_plan import (
+    check_generation_capacity,
+    generation_units,
+    generation_workload,
+    planned_bounds,
+)
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.generation.wire import DTYPE_BYTES, check_dtype
@@ -225,6 +233,33 @@ def generation_setups(
     return out
 
 
+def _capacity_bounds(
+    config: CausalLmConfig,
+    members: Sequence[Member],
+    limits: GenerationLimits,
+    partition: Sequence[object] | None,
+) -> list[tuple[int, int]]:
+    """Each stage's units: the client's partition, checked against every stage's memory
+    budget, or the planner's split over the stages that fits them; refused (naming the
+    stage, the MiB it needs and has) before any stage hears of the run."""
+    units = generation_units(
+        config, element_bytes=DTYPE_BYTES[limits.dtype or "float32"], max_context=limits.max_context
+    )
+    workload = generation_workload(
+        max_sequences=limits.max_sequences,
+        max_context=limits.max_context,
+        steps_in_flight=limits.steps_in_flight,
+        chunk_tokens=limits.chunk_tokens,
+        kv_budget_bytes=limits.kv_budget_bytes,
+    )
+    if partition is not None:
+        bounds = generation_bounds(config.num_units, len(members), partition)
+        check_generation_capacity(units, members, bounds, workload)
+        return bounds
+    generation_bounds(config.num_units, len(members))  # too many stages: said as before
+    return planned_bounds(units, members, workload)
+
+
 def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest) -> Flow:
     spec = ModelSpec.from_dict(request.model)
     if spec.family != FAMILY:
@@ -242,7 +277,7 @@ def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest)
     if names is not None and (not names or len(set(names)) != len(names)):
         raise ConfigError(f"stage_names must name each stage once, got {list(names)}")
     members: list[Member] = yield AwaitStages(names, count, float(request.wait_for_stages_s))
-    bounds = generation_bounds(config.num_units, len(members), request.partition)
+    bounds = _capacity_bounds(config, members, limits, request.partition)
     budget = kv_budget_tokens(config, bounds, limits.kv_budget_bytes, limits.dtype)
     if state.current is not None:
         # its stages take the generation run instead: the run they ran is over

@@ -1,0 +1,81 @@
+"""Capacity on real processes: a causal LM whose weights exceed each stage's
+``--memory-mb`` runs split over two stages (tokens equal transformers'), and the same
+request on one stage is refused by the coordinator before that stage loads anything.
+
+Two stages of their own (the shared cluster's have no memory limit); one cluster
+start serves both checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._support.causal_lm import hf_greedy, hf_model, write_checkpoint
+from zpipe._errors import PipelineError
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.coordinator.generation_plan import MIB, generation_units, generation_workload
+from zpipe.generation.params import SamplingParams
+from zpipe.models.causal_lm import causal_lm_spec, read_causal_lm_config
+from zpipe.planner.generation_cost import stage_memory
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 8, 30]]
+NEW_TOKENS = 5
+LIMITS = {"max_context": 16, "max_sequences": 2, "steps_in_flight": 2, "chunk_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float, list[list[int]]]:
+    """A checkpoint, the --memory-mb that holds about half of it (less than its
+    weights alone), and transformers' greedy tokens."""
+    hf = hf_model("gpt2")
+    directory = write_checkpoint(hf, tmp_path_factory.mktemp("gen-capacity"))
+    config = read_causal_lm_config(causal_lm_spec(directory).config)
+    units = generation_units(config, element_bytes=4, max_context=LIMITS["max_context"])
+    weights = sum(u.weight_bytes for u in units)
+    memory_mb = round(0.75 * weights / MIB, 4)
+    workload = generation_workload(**LIMITS, kv_budget_bytes=None)
+    # what the test stands on: the weights alone exceed a stage's budget, and some
+    # split into two fits both
+    assert weights > memory_mb * MIB
+    assert any(
+        max(stage_memory(units, 0, k, workload).total, stage_memory(units, k, 5, workload).total)
+        <= memory_mb * MIB
+        for k in range(1, 5)
+    )
+    return directory, memory_mb, [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def small_stages(model: tuple[Path, float, list[list[int]]]) -> Iterator[LocalCluster]:
+    memory_mb = model[1]
+    devices = [DeviceSpec("m0", memory_mb=memory_mb), DeviceSpec("m1", memory_mb=memory_mb)]
+    with LocalCluster(devices, heartbeat_interval_s=0.5, log_level="info") as running:
+        yield running
+
+
+def test_refused_on_one_stage_before_loading_and_run_split_over_two(
+    small_stages: LocalCluster, model: tuple[Path, float, list[list[int]]]
+) -> None:
+    directory, memory_mb, expected = model
+    spec = causal_lm_spec(directory)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, stop_at_eos=False)
+    with pytest.raises(PipelineError, match=r"stage 'm0' needs [0-9.]+ MiB .* available") as info:
+        small_stages.generate(spec, PROMPTS, greedy, stage_names=["m0"], **LIMITS)
+    assert f"{memory_mb:.2f} MiB available" in str(info.value)
+    # the coordinator never sent m0 a set-up: m0 built nothing and refused nothing
+    assert "generation_setup" not in small_stages.logs("m0")
+    assert "generation_setup" not in small_stages.logs("coordinator")
+
+    got = small_stages.generate(
+        spec, PROMPTS, greedy, stage_names=["m0", "m1"], token_timeout_s=120.0, **LIMITS
+    )
+    assert got == expected
+    # the same logs show a set-up when there is one: their silence above meant something
+    for name in ("m0", "m1", "coordinator"):
+        assert "generation_setup" in small_stages.logs(name)
