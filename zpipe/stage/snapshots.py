@@ -127,6 +127,7 @@ class SnapshotService:
         run, step = request.run, request.step
         reply = Weights(run=run, name=self.name, step=step, keys=[], error="", epoch=request.epoch)
         completed: int | None = None
+        updates: int | None = None
         try:
             snapshot = request.snapshot
             if snapshot is not None:
@@ -142,6 +143,8 @@ class SnapshotService:
                 loop = asyncio.get_running_loop()
                 state = await loop.run_in_executor(self._compute, shard.training_state)
                 completed = trainer.completed_steps
+                if isinstance(trainer, AsyncTrainingExecutor):
+                    updates = trainer.async_shard.updates
             else:
                 shard = trainer.shard
                 await trainer.wait_for_step(step, self._timeout_s)
@@ -156,6 +159,7 @@ class SnapshotService:
                 keys=list(state),
                 metrics=self._counters.to_dict(),
                 completed=completed,
+                updates=updates,
                 tensors=tuple(state.values()),
             )
         except Exception as exc:  # reported: the coordinator decides what it means
@@ -177,8 +181,18 @@ class SnapshotService:
                 start, end = int(entry["start"]), int(entry["end"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError(f"a malformed snapshot range: {exc!r}") from None
-            state.update(self.replicas.units(owner, run, step, start, end))
+            state.update(self.held_units(owner, run, step, start, end))
         return state
+
+    def held_units(
+        self, owner: str, run: int, step: int, start: int, end: int
+    ) -> dict[str, torch.Tensor]:
+        """Units of a snapshot held here: a flush's (``replicas``), else a chain copy a
+        peer made without draining (``live_copies``: what a fast recovery restores a dead
+        owner's units from, asked for by owner, run and mini-batch)."""
+        if (owner, run, step) not in self.replicas and (owner, run, step) in self.live_copies:
+            return self.live_copies.units(owner, run, step, start, end)
+        return self.replicas.units(owner, run, step, start, end)
 
     async def backup_reply(
         self,
