@@ -58,6 +58,7 @@ from zpipe.stage.peer_policy import (
 from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
+from zpipe.training.async_fast_state import unit_digests
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
 from zpipe.transport.sockets import SocketOptions
@@ -144,7 +145,12 @@ class SnapshotService:
                 state = await loop.run_in_executor(self._compute, shard.training_state)
                 completed = trainer.completed_steps
                 if isinstance(trainer, AsyncTrainingExecutor):
+                    # a fast recovery keeps this state: its digests, to compare with
+                    # what the stage resumes from (zpipe.coordinator.runs.async_fast_recovery)
                     updates = trainer.async_shard.updates
+                    digests = await loop.run_in_executor(self._compute, unit_digests, state)
+                    log.info("latest_state_sent", stage=self.name, run=run, updates=updates,
+                             digests=digests)  # fmt: skip
             else:
                 shard = trainer.shard
                 await trainer.wait_for_step(step, self._timeout_s)

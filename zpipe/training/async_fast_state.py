@@ -26,6 +26,7 @@ import torch
 
 from zpipe._errors import ConfigError
 from zpipe.models.weights import split_unit_key
+from zpipe.recovery.live_copies import state_digest
 from zpipe.training.async_regroup import LIVE_VERSIONS_KEY, VERSION_KEY, needed_versions
 
 
@@ -55,4 +56,17 @@ def restart_state_at(
     return out
 
 
-__all__ = ["restart_state_at"]
+def unit_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Each unit's digest of its live weights and optimizer state (stashed versions and
+    their markers left out): what a survivor logs when it stops and again once it
+    resumed, so the two can be compared bit for bit without moving the tensors."""
+    by_unit: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        unit = split_unit_key(key)
+        if unit is None or VERSION_KEY in key or unit[1] == LIVE_VERSIONS_KEY:
+            continue
+        by_unit.setdefault(unit[0], {})[key] = tensor
+    return {str(u): state_digest(by_unit[u]) for u in sorted(by_unit)}
+
+
+__all__ = ["restart_state_at", "unit_digests"]
