@@ -189,3 +189,20 @@ def test_a_fast_resume_of_a_run_the_coordinator_does_not_hold_is_refused() -> No
     _resume(h, run + 5, ["b"], acknowledged=3)
     (failed,) = h.to_client("run_failed")
     assert "no broken asynchronous run" in failed.body["error"]
+
+
+def test_the_last_stages_units_come_from_its_chain_copy_at_the_coordinator() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "b", "c"))  # d dies: the coordinator holds its chain copy
+    _resume(h, run, ["d"], acknowledged=8)
+    _survivors_answer(h, run, {"a": 6, "b": 7, "c": 8})
+    assert not [m for n in "abc" for m in h.to(n, "weights_request") if m.body.get("snapshot")]
+    got = _assigned(h, ["a", "b", "c"])
+    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
+    assert weights["units.4.weight"] == 64.0 and weights["units.5.weight"] == 65.0
+    fast = _ready(h, ["a", "b", "c"])
+    assert fast["copies_used"] == {"chain@coordinator": [4, 5]}
+    # a survivor behind the acknowledged count loses the updates it had not applied
+    assert fast["lost"] == {"0": 2, "1": 2, "2": 1, "4": 2, "5": 2}
