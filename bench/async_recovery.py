@@ -23,7 +23,9 @@ replica), the mini-batches replayed, the whole run's throughput, and
 ``fast_vs_exact`` (``--skip-fast`` leaves it out): the mini-batches of progress a
 death loses, FTPipeHD's fast recovery against exact rollback, each run killed the
 same way (b SIGKILLed once mini-batch ``--kill-after``'s loss is back, nothing
-waited for). ``exact``: ``recover=True, replicate_every=G`` (flush replicas every
+waited for; ``--fast-kill-after`` for several points: where a death falls in the
+copy periods decides what each loses, so their mean is the fair figure).
+``exact``: ``recover=True, replicate_every=G`` (flush replicas every
 ``--global-every``, what an exact rollback resumes from); lost = the mini-batches
 acknowledged at the death minus the replica's (trained again). ``fast``:
 ``live_copies=True, consistency="fast", chain_every=C, global_every=G``
@@ -124,11 +126,10 @@ def fast_vs_exact(
         "fast": {"recover": True, "live_copies": True, "consistency": "fast",
                  "chain_every": args.chain_every, "global_every": args.global_every},
     }  # fmt: skip
-    for repeat in range(args.repeats):
+    points = args.fast_kill_after or [args.kill_after]
+    for repeat, kill_after in ((r, k) for r in range(args.repeats) for k in points):
         for name, extra in systems.items():
-            report, seen = killed_run(
-                cluster, spec, data, args.kill_after, args.slowdowns[1], **extra
-            )
+            report, seen = killed_run(cluster, spec, data, kill_after, args.slowdowns[1], **extra)
             recovery = report.recoveries[0] if report.recoveries else {}
             if name == "exact":
                 acked = acknowledged_at_death(seen)
@@ -138,7 +139,7 @@ def fast_vs_exact(
                 count = int(recovery.get("progress_lost", 0))
             lost[name].append(count)
             emit({"bench": BENCH, "section": "fast_vs_exact", "system": name, "repeat": repeat,
-                  "killed_after": args.kill_after, "acknowledged_at_death": acked,
+                  "killed_after": kill_after, "acknowledged_at_death": acked,
                   "resumed_at": recovery.get("resumed_at", recovery.get("resumed_from")),
                   "progress_lost": count, "lost_per_unit": recovery.get("lost_per_unit"),
                   "unit_sources": recovery.get("unit_sources"),
@@ -171,6 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--skip-fast", action="store_true", help="leave out fast_vs_exact")
     parser.add_argument("--chain-every", type=int, default=10)
+    parser.add_argument(
+        "--fast-kill-after",
+        type=int,
+        nargs="+",
+        default=None,
+        help="fast_vs_exact's kill points (default: --kill-after)",
+    )
     parser.add_argument("--global-every", type=int, default=20)
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
     args = parser.parse_args(argv)
