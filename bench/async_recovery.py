@@ -20,9 +20,24 @@ middle stage is SIGKILLed after ``--kill-after`` mini-batches: the recovery's
 replica), the mini-batches replayed, the whole run's throughput, and
 ``weights_exact`` (the trained weights equal the same run without the kill).
 
-The summary: ``recover_every_R_over_async_throughput`` per period, and the killed
-run's ``killed_over_recover_throughput``. Load makes the numbers noisy: the load
-average is printed beside them.
+``fast_vs_exact`` (``--skip-fast`` leaves it out): the mini-batches of progress a
+death loses, FTPipeHD's fast recovery against exact rollback, each run killed the
+same way (b SIGKILLed once mini-batch ``--kill-after``'s loss is back, nothing
+waited for; ``--fast-kill-after`` for several points: where a death falls in the
+copy periods decides what each loses, so their mean is the fair figure).
+``exact``: ``recover=True, replicate_every=G`` (flush replicas every
+``--global-every``, what an exact rollback resumes from); lost = the mini-batches
+acknowledged at the death minus the replica's (trained again). ``fast``:
+``live_copies=True, consistency="fast", chain_every=C, global_every=G``
+(``--chain-every``; FTPipeHD's periods 50/100 scaled to the run); lost = the
+report's ``progress_lost`` (the most mini-batches of updates any unit missed:
+the dead stage's, restored from a copy, and a survivor behind the acknowledged
+count). Each repeat runs both.
+
+The summary: ``recover_every_R_over_async_throughput`` per period, the killed
+run's ``killed_over_recover_throughput``, and ``async_fast_over_exact_progress_lost``
+(the mean of fast's lost over the mean of exact's; issue 30's goal < 0.5). Load
+makes the numbers noisy: the load average is printed beside them.
 """
 
 from __future__ import annotations
@@ -66,6 +81,80 @@ def fit(cluster: LocalCluster, spec: ModelSpec, data: list[Any], **extra: Any) -
     )  # fmt: skip
 
 
+def killed_run(
+    cluster: LocalCluster, spec: ModelSpec, data: list[Any], kill_after: int, slowdown: float,
+    **extra: Any,
+) -> tuple[TrainReport, list[int]]:  # fmt: skip
+    """A run whose stage b is SIGKILLed once mini-batch ``kill_after``'s loss is back
+    (started again afterwards); the report and every step's loss callback, in order."""
+    killed: list[str] = []
+    seen: list[int] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        seen.append(step)
+        if step == kill_after and not killed:
+            killed.append("b")
+            cluster.kill("b")
+
+    try:
+        report = fit(cluster, spec, data, on_step=on_step, **extra)
+    finally:
+        for name in killed:
+            cluster.start_stage(DeviceSpec(name, slowdown=slowdown))
+        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+    return report, seen
+
+
+def acknowledged_at_death(seen: list[int]) -> int:
+    """The mini-batches acknowledged before a recovery sent some again (all of them, if
+    none was sent again): the first step that does not go past every earlier one."""
+    top = -1
+    for step in seen:
+        if step <= top:
+            return top + 1
+        top = step
+    return top + 1
+
+
+def fast_vs_exact(
+    cluster: LocalCluster, spec: ModelSpec, data: list[Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The ``fast_vs_exact`` section (see the module notes): its summary keys."""
+    lost: dict[str, list[int]] = {"exact": [], "fast": []}
+    systems = {
+        "exact": {"recover": True, "replicate_every": args.global_every},
+        "fast": {"recover": True, "live_copies": True, "consistency": "fast",
+                 "chain_every": args.chain_every, "global_every": args.global_every},
+    }  # fmt: skip
+    points = args.fast_kill_after or [args.kill_after]
+    for repeat, kill_after in ((r, k) for r in range(args.repeats) for k in points):
+        for name, extra in systems.items():
+            report, seen = killed_run(cluster, spec, data, kill_after, args.slowdowns[1], **extra)
+            recovery = report.recoveries[0] if report.recoveries else {}
+            if name == "exact":
+                acked = acknowledged_at_death(seen)
+                count = acked - int(recovery.get("resumed_from", acked))
+            else:  # nothing is sent again: the coordinator resumed at the count
+                acked = int(recovery.get("resumed_at", -1))
+                count = int(recovery.get("progress_lost", 0))
+            lost[name].append(count)
+            emit({"bench": BENCH, "section": "fast_vs_exact", "system": name, "repeat": repeat,
+                  "killed_after": kill_after, "acknowledged_at_death": acked,
+                  "resumed_at": recovery.get("resumed_at", recovery.get("resumed_from")),
+                  "progress_lost": count, "lost_per_unit": recovery.get("lost_per_unit"),
+                  "unit_sources": recovery.get("unit_sources"),
+                  "restart_s": round(float(recovery.get("restart_s", 0.0)), 3),
+                  "steps": report.steps, "samples_s": round(report.samples_per_s, 2),
+                  "load": loadavg()})  # fmt: skip
+    exact = statistics.mean(lost["exact"])
+    ratio = statistics.mean(lost["fast"]) / exact if exact > 0 else None
+    return {
+        "async_fast_over_exact_progress_lost": None if ratio is None else round(ratio, 3),
+        "fast_progress_lost": lost["fast"],
+        "exact_progress_lost": lost["exact"],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slowdowns", type=float, nargs=3, default=[4.0, 4.0, 4.0])
@@ -76,6 +165,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kill-after", type=int, default=30)
     parser.add_argument("--skip-kill", action="store_true")
+    parser.add_argument(
+        "--skip-flush-cost",
+        action="store_true",
+        help="leave out the flush-cost runs (and the killed run after them)",
+    )
+    parser.add_argument("--skip-fast", action="store_true", help="leave out fast_vs_exact")
+    parser.add_argument("--chain-every", type=int, default=10)
+    parser.add_argument(
+        "--fast-kill-after",
+        type=int,
+        nargs="+",
+        default=None,
+        help="fast_vs_exact's kill points (default: --kill-after)",
+    )
+    parser.add_argument("--global-every", type=int, default=20)
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGALRM, on_alarm)
@@ -94,8 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_level="warning",
     ) as cluster:  # fmt: skip
         fit(cluster, spec, data[:6])  # untimed: the stages warm up
+        if not args.skip_fast:
+            ratios.update(fast_vs_exact(cluster, spec, data, args))
         reports: dict[str, TrainReport] = {}
-        for repeat in range(args.repeats):
+        for repeat in range(0 if args.skip_flush_cost else args.repeats):
             for name, extra in systems.items():
                 report = fit(cluster, spec, data, **extra)
                 reports[name] = report
@@ -103,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 emit({"bench": BENCH, "section": "flush_cost", "system": name, "repeat": repeat,
                       "samples_s": round(report.samples_per_s, 2),
                       "replicas": len(report.replicas), "load": loadavg()})  # fmt: skip
+        if args.skip_flush_cost:
+            summary(BENCH, **ratios, load=loadavg())
+            return 0
         base = statistics.median(speeds["async"])
         for name in systems:
             if name != "async":

@@ -129,7 +129,16 @@ def test_copies_flow_while_the_pipeline_trains_and_survive_a_restart(tmp_path: P
         for key, value in _weights(last[1]).items():
             assert torch.equal(value, report.state_dict[key]), key
 
-        # a restarted coordinator holds every copy again
+        # a restarted coordinator holds every copy again (once the newest are on disk:
+        # a copy is saved after it is kept)
+        def saved() -> bool:
+            events = _events(cluster.logs("coordinator"), "async_copy_saved")
+            on_disk = {(e["owner"], e["kind"], e["step"]) for e in events}
+            return all(
+                (n, k, s) in on_disk for n in NAMES for k, s in (("chain", 10), ("global", 8))
+            )
+
+        _until("the newest copies on disk", saved)
         started = len(_events(cluster.logs("coordinator"), "coordinator_restored"))
         cluster.kill("coordinator")
         cluster.restart_coordinator()

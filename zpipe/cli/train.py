@@ -359,6 +359,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             vertical_sync=args.vertical_sync,
             consistency=args.consistency or "exact",
             rebalance=args.rebalance,
+            live_copies=bool(args.live_copies),
         )
         if asynchronous and args.recover
         else None
@@ -553,6 +554,13 @@ def describe_changes(report: TrainReport) -> list[str]:
     if report.recoveries:
         lines.append(f"\nrecoveries: {len(report.recoveries)}")
     for r in report.recoveries:
+        if "progress_lost" in r:  # an asynchronous run's fast recovery (FTPipeHD)
+            lines.append(
+                f"  stage {r.get('dead')!r} lost ({r.get('reason', 'no reason given')}); "
+                f"resumed at mini-batch {r.get('resumed_at')}, {r.get('progress_lost')} "
+                f"mini-batches of progress lost; units from {r.get('copies_used')}"
+            )
+            continue
         lines.append(
             f"  stage {r.get('dead')!r} lost ({r.get('reason', 'no reason given')}); resumed "
             f"from the replica after mini-batch {r.get('replica')}, {r.get('replayed', 0)} "

@@ -274,8 +274,16 @@ class TrainOptions:
     mini-batches (default 50; the last stage to the coordinator) and to the
     coordinator every ``global_every`` (default 100), while the pipeline trains on;
     the coordinator keeps its copies in its state directory. A recovering run
-    (``recover``) still rolls back exactly to its flush replicas (``replicate_every``,
-    global replication); the copies are what a fast recovery restores from.
+    (``recover``) with ``consistency="exact"`` still rolls back exactly to its flush
+    replicas (``replicate_every``, global replication). With ``consistency="fast"``
+    it takes no flush replica at all and recovers as FTPipeHD does: the survivors
+    keep their weights and optimizer state, the dead stage's units come from the
+    nearest copy (the chain copy the next stage holds, else the coordinator's global
+    copy: two adjacent deaths lose the chain copy), the survivors are re-cut by eq.
+    5, and the run resumes at the first mini-batch whose loss had not come back.
+    The report says how many mini-batches of progress that lost
+    (:attr:`TrainReport.progress_lost`) and where each unit came from
+    (:attr:`TrainReport.unit_sources`).
     ``loss`` and ``optimizer["name"]`` may name user code, "package.module:function"
     (see :mod:`zpipe.training.objectives`): each stage imports it only if its
     operator allowed it with ``--allow-factory``.
@@ -385,6 +393,7 @@ class TrainOptions:
                     vertical_sync=self.vertical_sync,
                     consistency=self.consistency,
                     rebalance=self.rebalance,
+                    live_copies=self.live_copies,
                 )
                 if self.recover
                 else None
@@ -406,11 +415,18 @@ class TrainOptions:
     @property
     def replica_period(self) -> int | None:
         """Mini-batches between replicas (None: no replicas, the run does not recover)."""
-        if not self.recover:
-            return None
+        if not self.recover or self.fast_live_recovery:
+            return None  # a fast recovery restores from the live copies: no flush
         if self.live_copies:  # the periods are the copies'; the flush replicas are global
             return self.replicate_every or DEFAULT_REPLICATE_EVERY
         return self.chain_every or self.replicate_every or DEFAULT_REPLICATE_EVERY
+
+    @property
+    def fast_live_recovery(self) -> bool:
+        """Whether a stage's death is recovered FTPipeHD's way: an ``async-1f1b`` run
+        with ``live_copies`` and ``consistency="fast"`` (no flush replicas; the
+        survivors keep their weights, the dead's units come from their copies)."""
+        return self.recover and self.live_copies and self.consistency == "fast"
 
     @property
     def global_period(self) -> int | None:

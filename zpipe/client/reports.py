@@ -73,6 +73,16 @@ class TrainReport:
     start_step: int = 0
     # whether state_dict holds the optimizer's state (fit's optimizer_state=True)
     with_optimizer_state: bool = False
+    # an asynchronous run's fast recoveries (live_copies, consistency="fast"; FTPipeHD):
+    # mini-batches of progress lost, summed over them (each recovery's most any unit
+    # lost: the units restored from a copy miss the updates between the copy and the
+    # first un-acknowledged mini-batch, where the run resumed); each recovery's entry
+    # in ``recoveries`` has its own ``progress_lost``, ``lost_per_unit``, ``resumed_at``
+    progress_lost: int = 0
+    # where each unit came from at the last fast recovery: "kept" (its survivor kept
+    # it), "peer" (another survivor's, moved by the re-cut), "chain@<holder>" (the
+    # dead stage's chain copy, held by the next stage or "coordinator"), "global"
+    unit_sources: dict[int, str] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:

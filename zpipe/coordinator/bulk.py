@@ -22,12 +22,14 @@ from zpipe.coordinator.state import ControlState
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.bulk import BulkDone, BulkOpened, BulkRefused
 from zpipe.protocol.lossy import LossyReplica, LossyResult
-from zpipe.protocol.stage_control import BackedUp, Registered, Weights
+from zpipe.protocol.stage_control import AsyncCopy, BackedUp, Registered, Weights
 from zpipe.transport.bulk import ChunkHeader, payload_view
 from zpipe.transport.codec import decode
 
 # What a stage sends through its bulk connection: its replies that carry state.
-STAGE_BULK = (Weights, BackedUp, LossyResult, LossyReplica)
+# (an asynchronous stage's global copies and the last stage's chain copies, made
+# without draining, come as ``async_copy``: zpipe.coordinator.runs.async_copies)
+STAGE_BULK = (Weights, BackedUp, LossyResult, LossyReplica, AsyncCopy)
 
 
 def _attributed(state: ControlState, name: str, token: str, user_key: str | None) -> BulkLink:

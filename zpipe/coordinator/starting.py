@@ -41,6 +41,7 @@ from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.restoring import allow_fetches, choose_restore
+from zpipe.coordinator.runs.async_fast_recovery import async_fast_resume, is_fast_live_resume
 from zpipe.coordinator.runs.async_training import (
     AsyncTrainingController,
     as_async_plan,
@@ -148,6 +149,14 @@ def _start_run(
     settings = request.train_settings
     replica = None
     start = _Training(state, routing_id, client_key, spec)
+    if mode == "train" and is_fast_live_resume(request.resume):
+        # an asynchronous run with live copies, FTPipeHD's way: the survivors keep
+        # their weights, the dead's units come from their nearest copy
+        fast = yield from async_fast_resume(state, request)
+        request = replace(request, stage_names=list(fast.plan.devices))
+        ready = yield from start.assign(request, fast.plan, replica=fast.replica)
+        report = {**fast.fast.summary(), "sources": [s.to_dict() for s in fast.fast.sources]}
+        return replace(ready, fast_recovery=report)
     if mode == "train" and request.resume is not None:
         resume = dict(request.resume)
         replica = replica_to_resume(state.replica, resume, num_units)

@@ -138,6 +138,9 @@ class RunReady(WireMessage):
     # a resumed run restored from an older global replica than the one it asked for
     # (the chain copies of some unit all died): {"run", "step"}; the client replays more
     resumed: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
+    # an asynchronous run's fast recovery (FTPipeHD): where it resumed, the progress each
+    # unit lost, each unit's source (zpipe.recovery.fast_recovery.FastRecoveryPlan)
+    fast_recovery: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message

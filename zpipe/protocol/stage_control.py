@@ -244,6 +244,9 @@ class Weights(TensorMessage):
     error: str = wire(STR)
     metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
     completed: int | None = wire(INT, default=None)
+    # an asynchronous stage's update count (its weight version) with ``latest``: what a
+    # fast recovery compares with the copies' mini-batches
+    updates: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message

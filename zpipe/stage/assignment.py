@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError
+from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.profile import ModelProfile
@@ -30,9 +31,12 @@ from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.executors.sync_training import TrainingSetup
 from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.shard import Shard
+from zpipe.training.async_fast_state import unit_digests
 from zpipe.transport import security
 from zpipe.transport.slowdown import Slowdown, slowdown_factor
 from zpipe.transport.sockets import SocketOptions, open_socket
+
+log = get_logger("zpipe.stage")
 
 
 @dataclass
@@ -99,6 +103,18 @@ def resumed_state(message: Assign) -> dict[str, torch.Tensor] | None:
     return {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
 
 
+def _build_training(kind: type[TrainShard], spec: ModelSpec, start: int, end: int, *,
+                    run: int, **settings: Any) -> TrainShard:  # fmt: skip
+    """A training shard (compute thread); an asynchronous one resumed from a state logs
+    each unit's digest and its update count (a fast recovery's survivors compare it
+    with what they had: zpipe.coordinator.runs.async_fast_recovery)."""
+    shard = kind.build(spec, start, end, **settings)
+    if isinstance(shard, AsyncShard) and settings.get("state") is not None:
+        log.info("async_state_resumed", run=run, updates=shard.updates,
+                 digests=unit_digests(shard.training_state()))  # fmt: skip
+    return shard
+
+
 ShardKey = tuple[ModelSpec, int, int, str]  # (spec, start, end, dtype)
 # the units an assignment's "fetch" list names, from snapshots here or at peers
 FetchState = Callable[[list[Any]], Awaitable[dict[str, torch.Tensor]]]
@@ -152,7 +168,8 @@ class AssignmentBuilder:
             kind = AsyncShard if training.schedule == ASYNC_SCHEDULE else TrainShard
             shard = await loop.run_in_executor(
                 self._compute,
-                lambda: kind.build(
+                lambda: _build_training(
+                    kind,
                     spec,
                     key[1],
                     key[2],
@@ -166,6 +183,7 @@ class AssignmentBuilder:
                     lr_schedule=train.get("lr_schedule"),
                     start_step=int(train.get("start_step") or 0),
                     resume_optimizer=bool(train.get("resume_optimizer")),
+                    run=message.run,
                 ),
             )
         elif self._cached is not None and reused:

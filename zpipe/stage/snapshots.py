@@ -58,6 +58,7 @@ from zpipe.stage.peer_policy import (
 from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
+from zpipe.training.async_fast_state import unit_digests
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
 from zpipe.transport.sockets import SocketOptions
@@ -127,6 +128,7 @@ class SnapshotService:
         run, step = request.run, request.step
         reply = Weights(run=run, name=self.name, step=step, keys=[], error="", epoch=request.epoch)
         completed: int | None = None
+        updates: int | None = None
         try:
             snapshot = request.snapshot
             if snapshot is not None:
@@ -142,6 +144,13 @@ class SnapshotService:
                 loop = asyncio.get_running_loop()
                 state = await loop.run_in_executor(self._compute, shard.training_state)
                 completed = trainer.completed_steps
+                if isinstance(trainer, AsyncTrainingExecutor):
+                    # a fast recovery keeps this state: its digests, to compare with
+                    # what the stage resumes from (zpipe.coordinator.runs.async_fast_recovery)
+                    updates = trainer.async_shard.updates
+                    digests = await loop.run_in_executor(self._compute, unit_digests, state)
+                    log.info("latest_state_sent", stage=self.name, run=run, updates=updates,
+                             digests=digests)  # fmt: skip
             else:
                 shard = trainer.shard
                 await trainer.wait_for_step(step, self._timeout_s)
@@ -156,6 +165,7 @@ class SnapshotService:
                 keys=list(state),
                 metrics=self._counters.to_dict(),
                 completed=completed,
+                updates=updates,
                 tensors=tuple(state.values()),
             )
         except Exception as exc:  # reported: the coordinator decides what it means
@@ -177,8 +187,18 @@ class SnapshotService:
                 start, end = int(entry["start"]), int(entry["end"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise ProtocolError(f"a malformed snapshot range: {exc!r}") from None
-            state.update(self.replicas.units(owner, run, step, start, end))
+            state.update(self.held_units(owner, run, step, start, end))
         return state
+
+    def held_units(
+        self, owner: str, run: int, step: int, start: int, end: int
+    ) -> dict[str, torch.Tensor]:
+        """Units of a snapshot held here: a flush's (``replicas``), else a chain copy a
+        peer made without draining (``live_copies``: what a fast recovery restores a dead
+        owner's units from, asked for by owner, run and mini-batch)."""
+        if (owner, run, step) not in self.replicas and (owner, run, step) in self.live_copies:
+            return self.live_copies.units(owner, run, step, start, end)
+        return self.replicas.units(owner, run, step, start, end)
 
     async def backup_reply(
         self,

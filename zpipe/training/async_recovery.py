@@ -53,12 +53,21 @@ def async_recovery_refusal(
     vertical_sync: bool,
     consistency: str,
     rebalance: float | None,
+    live_copies: bool = False,
 ) -> str | None:
-    """Why an asynchronous run with these settings cannot recover (None: it can)."""
+    """Why an asynchronous run with these settings cannot recover (None: it can).
+    ``consistency="fast"`` (FTPipeHD's recovery,
+    :mod:`zpipe.coordinator.runs.async_fast_recovery`) restores the dead's units from
+    the copies made without draining, so it needs ``live_copies``."""
     if not vertical_sync:
         return f"{ASYNC_SCHEDULE} recovers with vertical sync only (its versions move)"
-    if consistency != "exact":
-        return f"{ASYNC_SCHEDULE} recovers with exact consistency only, not {consistency!r}"
+    if consistency == "fast" and not live_copies:
+        return (
+            f"{ASYNC_SCHEDULE} recovers with fast consistency from the copies made without "
+            "draining: add live_copies=True (--live-copies), or use exact consistency"
+        )
+    if consistency not in ("exact", "fast"):
+        return f"{ASYNC_SCHEDULE} recovers with exact or fast consistency, not {consistency!r}"
     if rebalance is not None:
         return f"{ASYNC_SCHEDULE} does not rebalance at replicas: use repartition (it recovers too)"
     return None

@@ -57,7 +57,14 @@ ADDED_IN_V1 = {
     "link_peers": {"fetches": ["list/null", False]},
     # a stage's data port limit per frame, and the first stage's for the client
     "ready": {"max_message_bytes": ["int/null", False]},
-    "run_ready": {"first_max_message_bytes": ["int/null", False], "resumed": ["dict/null", False]},
+    "run_ready": {
+        "first_max_message_bytes": ["int/null", False],
+        "resumed": ["dict/null", False],
+        # an asynchronous run's fast recovery: its plan's summary for the report
+        "fast_recovery": ["dict/null", False],
+    },
+    # an asynchronous stage's update count, with a weights request's ``latest``
+    "weights": {"updates": ["int/null", False]},
     # chain replication with a global copy (FTPipeHD runs both), and whether one was kept
     "replicate": {"global": ["bool", False]},
     "replicated": {"global": ["bool", False]},

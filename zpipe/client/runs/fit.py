@@ -212,7 +212,9 @@ class _Training:
                     wait_for_stages_s=self.options.wait_for_stages_s,
                     doing="start the training run",
                 )
-            (start,) = self.attempts.handle(AttemptReady(ready.resumed, now=time.monotonic()))
+            (start,) = self.attempts.handle(
+                AttemptReady(ready.resumed, now=time.monotonic(), fast_recovery=ready.fast_recovery)
+            )
             if isinstance(start, FailFit):
                 raise start.error
             assert isinstance(start, StartAttempt)

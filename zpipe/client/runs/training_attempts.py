@@ -49,6 +49,8 @@ class AttemptReady:
 
     resumed: dict[str, Any] | None = None
     now: float = 0.0
+    # an asynchronous run's fast recovery: the coordinator's plan summary (run_ready's)
+    fast_recovery: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,8 @@ class TrainingAttempts:
         self.options = options
         self.replay = replay
         self.every = options.replica_period
+        # FTPipeHD's fast recovery from live copies: no flush replica to resume from
+        self.fast_live = options.fast_live_recovery
         self.global_every = options.global_period if self.every is not None else None
         self.plan = options.plan
         self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
@@ -282,7 +286,7 @@ class TrainingAttempts:
     @property
     def recovers(self) -> bool:
         """Whether a stage's death is recovered from (replicas are kept)."""
-        return self.every is not None
+        return self.every is not None or self.fast_live
 
     # -------------------------------------------------------------------- attempts
 
@@ -325,6 +329,11 @@ class TrainingAttempts:
         if event.resumed is not None:
             try:
                 self._rewind_to_global(event.resumed)
+            except PipelineError as error:
+                return FailFit(error)
+        if event.fast_recovery is not None:
+            try:
+                self._fast_recovered(event.fast_recovery)
             except PipelineError as error:
                 return FailFit(error)
         if self.plan is not None:
@@ -370,6 +379,26 @@ class TrainingAttempts:
                 from_global=True,
             )
 
+    def _fast_recovered(self, fast: dict[str, Any]) -> None:
+        """The coordinator recovered the run FTPipeHD's way: record what it lost and
+        where each unit came from (the report's ``progress_lost``, ``unit_sources``)."""
+        resumed_at = fast.get("resume_at")
+        if resumed_at != self.offset or not self.carried.recoveries:
+            raise PipelineError(
+                f"the coordinator resumed at mini-batch {resumed_at}, this client at {self.offset}"
+            )
+        sources = {}
+        for entry in fast.get("sources") or []:
+            kind, source = str(entry.get("kind")), str(entry.get("source"))
+            sources[int(entry["unit"])] = f"chain@{source}" if kind == "chain" else kind
+        self.carried.recoveries[-1].update(
+            resumed_at=resumed_at,
+            progress_lost=int(fast.get("max_lost") or 0),
+            lost_per_unit={int(u): int(n) for u, n in (fast.get("lost") or {}).items()},
+            unit_sources=sources,
+            copies_used=fast.get("copies_used") or {},
+        )
+
     def _attempt_ended(self, event: AttemptEnded) -> RequestRun | FinishFit | FailFit:
         self.last_started = event.started
         if event.rebalance_to is not None:
@@ -397,7 +426,7 @@ class TrainingAttempts:
         """Resume from the replica over the survivors (the recovery's record), or raise
         ``failure``."""
         replay, options, carried = self.replay, self.options, self.carried
-        if self.every is None or replay.resume is None:
+        if not self.fast_live and (self.every is None or replay.resume is None):
             raise failure
         tplan = event.report.training_plan
         assert tplan is not None
@@ -430,9 +459,18 @@ class TrainingAttempts:
             "consistency": options.consistency,
         }
         carried.recoveries.append(recovery)
+        if self.fast_live:
+            # resume at the first un-acknowledged mini-batch of the broken run, from
+            # the survivors' weights and the dead's copies (no replica is named)
+            resume_at = (event.report.run, len(carried.done))
+        else:
+            assert replay.resume is not None
+            resume_at = replay.resume
         request = resume_request(
-            self.request, survivors, dead, options.recovery, replay.resume, options.consistency
+            self.request, survivors, dead, options.recovery, resume_at, options.consistency
         )
+        if self.fast_live:
+            request = dataclasses.replace(request, resume={**(request.resume or {}), "live": True})
         if self.schedule == ASYNC_SCHEDULE:
             request = _async_resume(request, depth=len(tplan.stages))
             recovery["depth"] = (request.train or {})["async"]["depth"]
@@ -507,6 +545,9 @@ class TrainingAttempts:
         report.repartitions = carried.repartitions + report.repartitions
         report.first_training_plan = carried.first_plan
         report.replicas = list(self.replay.replicas)
+        fast = [r for r in carried.recoveries if "progress_lost" in r]
+        report.progress_lost = sum(int(r["progress_lost"]) for r in fast)
+        report.unit_sources = dict(fast[-1]["unit_sources"]) if fast else {}
         report.start_step = self.options.start_step
         report.with_optimizer_state = self.options.optimizer_state
         return report

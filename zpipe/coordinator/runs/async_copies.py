@@ -116,7 +116,7 @@ def keep_async_copy(
         )
     ]
     if state.saves_replicas:
-        out += state.flows.start(_save(copy), now)
+        out += state.flows.start(_save(state.async_copies, copy), now)
     return out
 
 
@@ -173,14 +173,24 @@ def _checked(stage: str, message: AsyncCopy, devices: list[str], plan: Any) -> H
     return HeldCopy(record, state)
 
 
-def _save(copy: HeldCopy) -> Flow:
+def _save(held: HeldCopies, copy: HeldCopy) -> Flow:
+    """Write ``copy``; and again the newest of its stage and kind if a newer one was kept
+    while this one was written. Saves run in threads side by side, each replacing the
+    one file of its stage and kind, so an older copy's write can end after a newer
+    one's: without the second write the file would keep the older copy."""
     record = copy.record
-    fields = {"owner": record.owner, "kind": record.kind, "step": record.step}
-    try:
-        size = yield SaveCopy(copy)
-    except (OSError, StateFileError) as exc:
-        # kept in memory still; a restart before the next copy loses this one
-        yield Log("error", "async_copy_not_saved", {**fields, "error": str(exc)})
-        return None
-    yield Log("debug", "async_copy_saved", {**fields, "file_bytes": size})
-    return None
+    while True:
+        fields = {"owner": record.owner, "kind": record.kind, "step": record.step}
+        try:
+            size = yield SaveCopy(copy)
+        except (OSError, StateFileError) as exc:
+            # kept in memory still; a restart before the next copy loses this one
+            yield Log("error", "async_copy_not_saved", {**fields, "error": str(exc)})
+            return None
+        # info: a copy is what a restarted coordinator recovers from, once it is on disk
+        yield Log("info", "async_copy_saved", {**fields, "file_bytes": size})
+        newest = held.ledger.newest(record.owner, record.kind)
+        if newest is None or newest == record:
+            return None
+        copy = HeldCopy(newest, held.state_of(newest.owner, newest.kind) or {})
+        record = newest

@@ -1,0 +1,110 @@
+"""FTPipeHD's fast recovery of a real asynchronous pipeline (``consistency="fast"``).
+
+Real stage processes on loopback (the session's a, b, c of
+tests/cluster/test_async_recovery*.py): an ``async-1f1b`` run with ``live_copies``
+(chain every 2 mini-batches, global every 4) whose middle stage is SIGKILLed once
+its chain copy is held by the next stage. The run finishes; it resumed at the
+first mini-batch whose loss had not come back (no mini-batch is trained twice or
+skipped); every unit the survivors kept starts the resumed run with the weights
+and optimizer state the survivor had when it stopped, bit for bit (the digests
+the survivor logs when it stops and the resumed stage logs when it starts); and
+the dead stage's units came from its chain copy at the next stage. Waits are for
+log events, each with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from tests._support.async_training import ADAM, SPEC, make_batches
+from tests._support.training_recovery import _events
+from zpipe.cluster import DeviceSpec, LocalCluster
+
+NAMES = ["a", "b", "c"]
+PARTITION = [[0, 1], [1, 3], [3, 4]]
+DEADLINE_S = 180.0
+KILL_AFTER = 7  # b dies once this mini-batch's loss came back (and its chain copy is at c)
+
+
+def _chain_copy_held(cluster: LocalCluster, since: int) -> bool:
+    """Whether the coordinator's ledger has a chain copy of b held by c (this run's)."""
+    kept = _events(cluster.logs("coordinator")[since:], "async_copy_kept")
+    return any(e["owner"] == "b" and e["kind"] == "chain" and e["holder"] == "c" for e in kept)
+
+
+def test_a_killed_middle_stage_recovers_fast_from_its_chain_copy(
+    async_recovery_cluster: LocalCluster,
+) -> None:
+    cluster = async_recovery_cluster
+    batches = make_batches(16, 5, seed=31)
+    since = {n: len(cluster.logs(n)) for n in ["coordinator", *NAMES]}
+    steps: list[int] = []
+    killed: list[str] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        steps.append(step)
+        if step >= KILL_AFTER and not killed:
+            # an event, not a timing: wait (the client's loop with it) for b's copy at c
+            deadline = time.monotonic() + DEADLINE_S
+            while not _chain_copy_held(cluster, since["coordinator"]):
+                assert time.monotonic() < deadline, "no chain copy of b at c"
+                threading.Event().wait(0.1)
+            killed.append("b")
+            cluster.kill("b")
+
+    try:
+        report = cluster.fit(
+            SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
+            progress=False, partition=PARTITION, stage_names=NAMES, recover=True,
+            live_copies=True, chain_every=2, global_every=4, consistency="fast",
+            on_step=on_step,
+        )  # fmt: skip
+    finally:
+        for name in killed:
+            cluster.start_stage(DeviceSpec(name))
+        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+    assert killed == ["b"]
+    logs = {n: cluster.logs(n)[since[n] :] for n in since}
+
+    # the run finished on the two survivors, every mini-batch trained once
+    assert report.steps == 16 and steps == list(range(16))
+    assert not _events(logs["coordinator"], "replica_kept")  # no flush replica at all
+    assert report.training_plan is not None
+    assert [s.devices[0] for s in report.training_plan.stages] == ["a", "c"]
+    (recovery,) = report.recoveries
+    resumed_at = recovery["resumed_at"]
+    assert recovery["dead"] == "b" and recovery["consistency"] == "fast"
+    # resumed at the first mini-batch whose loss had not come back when b died: the
+    # client counted its acknowledged losses, the coordinator resumed there, the
+    # stages' weight versions go on from there
+    assert KILL_AFTER < resumed_at <= 16 and recovery["resumed_from"] == resumed_at
+    (fast,) = _events(logs["coordinator"], "async_fast_recovery")
+    assert fast["resume_at"] == resumed_at and fast["dead"] == ["b"]
+    resumed = {n: _events(logs[n], "async_state_resumed") for n in ("a", "c")}
+    assert all(len(r) == 1 and r[0]["updates"] == resumed_at for r in resumed.values())
+
+    # the dead stage's units came from its chain copy at c
+    assert {u: report.unit_sources[u] for u in (1, 2)} == {1: "chain@c", 2: "chain@c"}
+    (fetched,) = _events(logs["coordinator"], "chain_copies_fetched")
+    assert fetched["holders"] == ["c"]
+    assert recovery["progress_lost"] == report.progress_lost >= 1
+
+    # the survivors' units: the state each had when it stopped, bit for bit
+    stopped: dict[Any, Any] = {}
+    updates: dict[str, int] = {}
+    for name in ("a", "c"):
+        (sent,) = _events(logs[name], "latest_state_sent")
+        updates[name] = int(sent["updates"])  # type: ignore[call-overload]
+        stopped.update({(name, u): d for u, d in sent["digests"].items()})  # type: ignore[union-attr]
+    started = {u: d for r in resumed.values() for u, d in r[0]["digests"].items()}  # type: ignore[union-attr]
+    kept = [u for u, src in report.unit_sources.items() if src in ("kept", "peer")]
+    assert sorted(kept) == [0, 3]
+    owner = {0: "a", 3: "c"}
+    for unit in kept:
+        assert started[str(unit)] == stopped[(owner[unit], str(unit))], unit
+        # a survivor behind the acknowledged count (the first stage updates last) loses
+        # the updates it had not applied yet: the report says how many
+        lost = max(0, resumed_at - updates[owner[unit]])
+        assert recovery["lost_per_unit"].get(unit, 0) == lost, unit

@@ -1,0 +1,113 @@
+"""The client's side of an asynchronous run's fast recovery (live copies, FTPipeHD): no
+flush replica is ever kept, a death resumes at the first un-acknowledged mini-batch
+of the broken run, and the coordinator's plan summary becomes the report's
+``progress_lost`` and ``unit_sources``. Pure: events in, commands out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from zpipe._errors import ConfigError, StageFailedError
+from zpipe.client.batches import ReplayBuffer
+from zpipe.client.options import TrainOptions
+from zpipe.client.reports import TrainReport
+from zpipe.client.runs.fit import training_request
+from zpipe.client.runs.training_attempts import (
+    AttemptEnded,
+    AttemptReady,
+    AttemptStarted,
+    FailFit,
+    FeedAt,
+    RequestRun,
+    SendMiniBatch,
+    StartAttempt,
+    TrainingAttempts,
+)
+from zpipe.models import ModelSpec
+from zpipe.planner.training_plan import TrainingPlan, TrainStage
+
+SGD = {"name": "sgd", "lr": 0.1}
+SPEC = ModelSpec("mlp", {"dims": [4, 8, 8, 2]}, seed=0)
+FAST = {"schedule": "async-1f1b", "recover": True, "live_copies": True, "consistency": "fast"}
+
+
+def _plan(names: list[str]) -> TrainingPlan:
+    n = len(names)
+    stages = tuple(TrainStage((d,), i, i + 1, (1,), n - i) for i, d in enumerate(names))
+    return TrainingPlan(algo="even", schedule="async-1f1b", num_units=n, microbatch_size=1,
+                        num_microbatches=1, stages=stages)  # fmt: skip
+
+
+def _report(run: int, tplan: TrainingPlan, losses: list[float]) -> TrainReport:
+    return TrainReport(run=run, plan=None, model_spec=SPEC, schedule=tplan.schedule,  # type: ignore[arg-type]
+                       num_microbatches=1, training_plan=tplan, losses=list(losses))  # fmt: skip
+
+
+def _attempts(replay: ReplayBuffer[Any], **options: Any) -> TrainingAttempts:
+    settings = TrainOptions(optimizer=SGD, num_microbatches=1, **options)
+    request = training_request(SPEC, settings, 4, "tcp://127.0.0.1:9")
+    return TrainingAttempts(request, settings, replay)
+
+
+def test_fast_consistency_needs_the_live_copies_and_then_keeps_no_flush_replica() -> None:
+    with pytest.raises(ConfigError, match="live_copies"):
+        TrainOptions(optimizer=SGD, num_microbatches=1, schedule="async-1f1b", recover=True,
+                     consistency="fast")  # fmt: skip
+    options = TrainOptions(optimizer=SGD, num_microbatches=1, **FAST)  # type: ignore[arg-type]
+    assert options.fast_live_recovery and options.replica_period is None
+    exact = TrainOptions(optimizer=SGD, num_microbatches=1, **{**FAST, "consistency": "exact"})  # type: ignore[arg-type]
+    assert not exact.fast_live_recovery and exact.replica_period is not None
+
+
+def test_a_death_resumes_at_the_first_unacknowledged_mini_batch_and_reports_the_loss() -> None:
+    replay: ReplayBuffer[int] = ReplayBuffer()
+    attempts = _attempts(replay, **FAST)
+    assert attempts.recovers
+    tplan = _plan(["a", "b", "c"])
+    attempts.start()
+    attempts.handle(AttemptStarted(tplan))
+    for step in range(8):
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]  # never a flush
+        replay.keep(step)
+    failure = StageFailedError("b", "gone")
+    losses = [float(i) for i in range(6)]  # 6 and 7 were in flight
+    (command,) = attempts.handle(AttemptEnded(_report(4, tplan, losses), 0.0, failure))
+    assert isinstance(command, RequestRun) and command.offset == 6
+    resume = command.request.resume or {}
+    assert resume["run"] == 4 and resume["step"] == 6 and resume["dead"] == ["b"]
+    assert resume["consistency"] == "fast" and resume["live"] is True
+    assert (command.request.train or {})["async"]["depth"] == 3
+    assert replay.kept == [6, 7]  # only what was in flight goes again
+    fast = {
+        "resume_at": 6, "max_lost": 2, "lost": {"1": 2},
+        "copies_used": {"chain@c": [1]},
+        "sources": [
+            {"unit": 0, "kind": "kept", "source": "a"},
+            {"unit": 1, "kind": "chain", "source": "c"},
+            {"unit": 2, "kind": "kept", "source": "c"},
+        ],
+    }  # fmt: skip
+    (start,) = attempts.handle(AttemptReady(fast_recovery=fast))
+    assert isinstance(start, StartAttempt) and start.offset == 6
+    assert start.replicate_every is None
+    recovery = attempts.carried.recoveries[-1]
+    assert recovery["progress_lost"] == 2 and recovery["resumed_at"] == 6
+    assert recovery["unit_sources"] == {0: "kept", 1: "chain@c", 2: "kept"}
+    report = attempts.complete(_report(5, _plan(["a", "c"]), [6.0, 7.0]))
+    assert report.losses == [float(i) for i in range(8)]
+    assert report.progress_lost == 2
+    assert report.unit_sources == {0: "kept", 1: "chain@c", 2: "kept"}
+
+
+def test_a_resume_elsewhere_than_the_client_fails_the_fit() -> None:
+    replay: ReplayBuffer[int] = ReplayBuffer()
+    attempts = _attempts(replay, **FAST)
+    tplan = _plan(["a", "b"])
+    attempts.start()
+    attempts.handle(AttemptStarted(tplan))
+    failure = StageFailedError("b", "gone")
+    attempts.handle(AttemptEnded(_report(1, tplan, [1.0, 2.0]), 0.0, failure))
+    (failed,) = attempts.handle(AttemptReady(fast_recovery={"resume_at": 1}))
+    assert isinstance(failed, FailFit) and "resumed at mini-batch 1" in str(failed.error)

@@ -1,0 +1,208 @@
+"""FTPipeHD's fast recovery of an asynchronous run with live copies, at the coordinator
+(zpipe.coordinator.runs.async_fast_recovery): the survivors' state asked for, the
+plan of zpipe.recovery.fast_recovery carried out (each dead unit from its nearest
+copy: the chain copy a live stage holds, else the global copy here), every unit at
+the acknowledged version, and the plan's summary in ``run_ready``. In-process, no
+sockets: events fed, commands read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests._support.coordinator_harness import SPEC, Harness
+from zpipe.recovery.live_copies import state_digest
+from zpipe.transport.codec import Message
+
+NAMES = ["a", "b", "c", "d"]
+PARTITION = [[0, 2], [2, 3], [3, 4], [4, 6]]
+TRAIN = {
+    "schedule": "async-1f1b",
+    "num_microbatches": 1,
+    "optimizer": {"name": "sgd", "lr": 0.1},
+    "async": {"chain_every": 2, "global_every": 4},
+}
+
+
+def _request(h: Harness, **request: Any) -> None:
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", recover=True, planner="straight", **request,
+    )  # fmt: skip
+
+
+def _start(h: Harness) -> int:
+    for name in NAMES:
+        h.register(name)
+    _request(h, train=TRAIN, stage_names=NAMES, partition=PARTITION)
+    run = h.core.run
+    assert run is not None, h.events("run_failed")
+    h.answer_all("ready", list(run.devices), run=run.run, build_s=0.01)
+    h.client("run_go", run=run.run)
+    h.answer_all("connected", list(run.devices), run=run.run)
+    return run.run
+
+
+def _units(start: int, end: int, value: float) -> dict[str, torch.Tensor]:
+    return {f"units.{u}.weight": torch.full((2,), value + u) for u in range(start, end)}
+
+
+def _copy(h: Harness, name: str, run: int, kind: str, step: int, state: dict[str, Any],
+          **extra: Any) -> None:  # fmt: skip
+    start, end = PARTITION[NAMES.index(name)]
+    body = {"run": run, "name": name, "kind": kind, "step": step, "start": start, "end": end,
+            "keys": list(state), "digest": state_digest(state), **extra}  # fmt: skip
+    h.feed_message(name, Message("async_copy", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+
+
+def _copies(h: Harness, run: int) -> None:
+    """Global copies of every stage after mini-batch 4 (held here), chain copies after 6:
+    a's at b, b's at c, c's at d (announced), d's here."""
+    for name in NAMES:
+        start, end = PARTITION[NAMES.index(name)]
+        _copy(h, name, run, "global", 4, _units(start, end, 40.0))
+    for name, holder in (("a", "b"), ("b", "c"), ("c", "d")):
+        _copy(h, name, run, "chain", 6, {}, holder=holder, digest="0")
+    _copy(h, "d", run, "chain", 6, _units(4, 6, 60.0))
+
+
+def _resume(h: Harness, run: int, dead: list[str], acknowledged: int) -> None:
+    survivors = [n for n in NAMES if n not in dead]
+    train = {**TRAIN, "async": {**TRAIN["async"], "depth": 4}}
+    resume = {"run": run, "step": acknowledged, "dead": dead, "consistency": "fast", "live": True}
+    _request(h, train=train, stage_names=survivors, resume=resume)
+
+
+def _survivors_answer(h: Harness, run: int, updates: dict[str, int]) -> None:
+    for name, count in updates.items():
+        (ask,) = h.to(name, "weights_request")[-1:]
+        assert ask.body["latest"] is True and ask.body["optimizer"] is True
+        start, end = PARTITION[NAMES.index(name)]
+        state = _units(start, end, 100.0)
+        body = {"name": name, "keys": list(state), "error": "", "step": 0, "run": run,
+                "completed": count, "updates": count}  # fmt: skip
+        h.feed_message(name, Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+
+
+def _assigned(h: Harness, names: list[str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in names:
+        assign = h.to(name, "assign")[-1]
+        state = dict(zip(assign.body["state_keys"], assign.tensors, strict=True))
+        out[name] = {
+            "range": (assign.body["start"], assign.body["end"]),
+            "weights": {k: float(t[0]) for k, t in state.items() if "#" not in k},
+            "versions": {k: t.tolist() for k, t in state.items() if k.endswith("#live_versions")},
+            "fetch": assign.body.get("fetch"),
+        }
+    return out
+
+
+def _ready(h: Harness, names: list[str]) -> dict[str, Any]:
+    run = h.core.run
+    assert run is not None
+    h.answer_all("ready", names, run=run.run, build_s=0.01)
+    ready = h.to_client("run_ready")[-1]
+    assert ready.body["run"] == run.run
+    fast = ready.body["fast_recovery"]
+    assert isinstance(fast, dict)
+    return fast
+
+
+def test_one_death_restores_the_dead_units_from_the_chain_copy_the_next_stage_holds() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "c", "d"))  # b dies; c holds its chain copy of 6
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
+    # b's units come from c, asked for by owner, run and mini-batch
+    (ask,) = h.to("c", "weights_request")[-1:]
+    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
+    state = _units(2, 3, 60.0)
+    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
+    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    got = _assigned(h, ["a", "c", "d"])
+    # eq. 5 over three survivors with no measurements: two units each
+    assert [got[n]["range"] for n in ("a", "c", "d")] == [(0, 2), (2, 4), (4, 6)]
+    # the survivors' weights as they sent them; b's unit 2 from the chain copy (6)
+    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
+    assert weights == {"units.0.weight": 100.0, "units.1.weight": 101.0, "units.2.weight": 62.0,
+                       "units.3.weight": 103.0, "units.4.weight": 104.0,
+                       "units.5.weight": 105.0}  # fmt: skip
+    # every unit at the acknowledged version 7, with the versions depth 4 reads next
+    versions = {k: v for g in got.values() for k, v in g["versions"].items()}
+    assert versions == {f"units.{u}.#live_versions": [4, 5, 6, 7] for u in range(6)}
+    assert all(g["fetch"] is None for g in got.values())  # everything came with the assignment
+    fast = _ready(h, ["a", "c", "d"])
+    assert fast["resume_at"] == 7 and fast["dead"] == ["b"]
+    assert fast["copies_used"] == {"chain@c": [2]}
+    assert fast["max_lost"] == 1  # unit 2 misses the update of mini-batch 6
+    kinds = {s["unit"]: (s["kind"], s["source"]) for s in fast["sources"]}
+    assert kinds == {0: ("kept", "a"), 1: ("kept", "a"), 2: ("chain", "c"), 3: ("kept", "c"),
+                     4: ("kept", "d"), 5: ("kept", "d")}  # fmt: skip
+    (logged,) = h.events("async_fast_recovery")
+    assert logged["resume_at"] == 7
+
+
+def test_two_adjacent_deaths_take_the_first_ones_units_from_the_global_copy() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "d"))  # b and c die: b's chain copy died with c
+    _resume(h, run, ["b", "c"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "d": 9})
+    # c's units from its chain copy at d (6), asked of d after its own state
+    (ask,) = h.to("d", "weights_request")[-1:]
+    assert ask.body["snapshot"] == [{"owner": "c", "run": run, "step": 6, "start": 3, "end": 4}]
+    state = _units(3, 4, 60.0)
+    body = {"name": "d", "keys": list(state), "error": "", "step": 0, "run": 0}
+    h.feed_message("d", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    got = _assigned(h, ["a", "d"])
+    assert [got[n]["range"] for n in ("a", "d")] == [(0, 3), (3, 6)]
+    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
+    # b's unit 2 from the global copy of mini-batch 4, held here
+    assert weights == {"units.0.weight": 100.0, "units.1.weight": 101.0, "units.2.weight": 42.0,
+                       "units.3.weight": 63.0, "units.4.weight": 104.0,
+                       "units.5.weight": 105.0}  # fmt: skip
+    fast = _ready(h, ["a", "d"])
+    assert fast["copies_used"] == {"global": [2], "chain@d": [3]}
+    assert fast["max_lost"] == 3 and fast["lost"] == {"2": 3, "3": 1}
+    assert fast["dead"] == ["b", "c"]
+
+
+def test_a_dead_stage_without_any_copy_fails_the_resume_with_the_units_named() -> None:
+    h = Harness()
+    run = _start(h)
+    h.advance(8.0, alive=("a", "c", "d"))  # b dies before any copy was made
+    _resume(h, run, ["b"], acknowledged=1)
+    _survivors_answer(h, run, {"a": 1, "c": 1, "d": 1})
+    (failed,) = h.to_client("run_failed")
+    assert "2" in failed.body["error"], failed.body
+
+
+def test_a_fast_resume_of_a_run_the_coordinator_does_not_hold_is_refused() -> None:
+    h = Harness()
+    run = _start(h)
+    h.advance(8.0, alive=("a", "c", "d"))
+    _resume(h, run + 5, ["b"], acknowledged=3)
+    (failed,) = h.to_client("run_failed")
+    assert "no broken asynchronous run" in failed.body["error"]
+
+
+def test_the_last_stages_units_come_from_its_chain_copy_at_the_coordinator() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "b", "c"))  # d dies: the coordinator holds its chain copy
+    _resume(h, run, ["d"], acknowledged=8)
+    _survivors_answer(h, run, {"a": 6, "b": 7, "c": 8})
+    assert not [m for n in "abc" for m in h.to(n, "weights_request") if m.body.get("snapshot")]
+    got = _assigned(h, ["a", "b", "c"])
+    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
+    assert weights["units.4.weight"] == 64.0 and weights["units.5.weight"] == 65.0
+    fast = _ready(h, ["a", "b", "c"])
+    assert fast["copies_used"] == {"chain@coordinator": [4, 5]}
+    # a survivor behind the acknowledged count loses the updates it had not applied
+    assert fast["lost"] == {"0": 2, "1": 2, "2": 1, "4": 2, "5": 2}

@@ -1,0 +1,114 @@
+"""What a stage does in an asynchronous run's fast recovery: it serves a chain copy a
+peer made without draining by owner, run and mini-batch (for the coordinator to
+restore a dead stage's units from), and it resumes from units of mixed versions,
+all at one weight version, with the survivors' weights and optimizer state bit for
+bit (zpipe.training.async_fast_state). No sockets."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from tests._support.async_training import ADAM, SPEC, make_batches
+from zpipe._errors import ConfigError
+from zpipe.planner.async_schedule import forward_version
+from zpipe.stage.executors.async_shard import AsyncShard
+from zpipe.stage.metrics import StageCounters
+from zpipe.stage.replicas import ReplicaStore
+from zpipe.stage.snapshots import SnapshotService
+from zpipe.training.async_fast_state import restart_state_at
+from zpipe.transport.sockets import SocketOptions
+
+
+def _shard(start: int, end: int) -> AsyncShard:
+    shard = AsyncShard.build(SPEC, start, end, first=start == 0, last=end == 4,
+                             loss="cross_entropy", optimizer=ADAM)  # fmt: skip
+    assert isinstance(shard, AsyncShard)
+    return shard
+
+
+def _trained(steps: int, in_flight: int) -> AsyncShard:
+    """A one-stage shard after ``steps`` updates, ``in_flight`` more batches forwarded."""
+    shard = _shard(0, 4)
+    batches = make_batches(steps + in_flight, 5, seed=5)
+    for b in range(steps + in_flight):
+        x, y = batches[b]
+        shard.forward_at(b, forward_version(0, 1, b, vertical_sync=True, depth=3), (x,), y, 5, 3)
+        if b >= in_flight:
+            done = b - in_flight
+            shard.backward(done)
+            shard.step_batch(done)
+    return shard
+
+
+def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
+
+
+def test_units_of_two_versions_resume_at_one_with_their_weights_bit_for_bit() -> None:
+    survivor = _trained(6, 2)  # its live state (a weights request with latest)
+    copied = _trained(4, 1)  # a dead stage's copy, taken with batches in flight
+    live = survivor.training_state()
+    copy = copied.live_copy(3)
+    assert any("#v" in k or "#live_versions" in k for k in copy)
+    state = {k: v for k, v in live.items() if k.startswith(("units.0.", "units.1."))}
+    state.update({k: v for k, v in copy.items() if k.startswith(("units.2.", "units.3."))})
+    restarted = restart_state_at(state, version=7, depth=3)
+    assert not any("#v" in k for k in restarted)
+    for u in range(4):
+        assert restarted[f"units.{u}.#live_versions"].tolist() == [5, 6, 7]
+    resumed = _shard(0, 4)
+    resumed.load_training_state(restarted)
+    assert resumed.updates == 7
+    after = resumed.training_state()
+    for key, value in after.items():
+        unit = int(key.split(".")[1])
+        source = live if unit < 2 else copy
+        assert _bits(value, source[key]), key  # weights and optimizer state alike
+    # it trains on: batch 0 of the resumed run reads version max(0, 7 + 0 - 3 + 1) = 5
+    x, y = make_batches(1, 5, seed=9)[0]
+    resumed.forward_at(0, forward_version(0, 1, 7, vertical_sync=True, depth=3), (x,), y, 5, 3)
+    resumed.backward(0)
+    resumed.step_batch(0)
+    assert resumed.updates == 8
+
+
+def test_a_restart_refuses_what_is_not_a_units_state() -> None:
+    with pytest.raises(ConfigError, match="not state of a unit"):
+        restart_state_at({"weight": torch.zeros(1)}, version=1, depth=2)
+    with pytest.raises(ConfigError, match="version"):
+        restart_state_at({}, version=-1, depth=2)
+    with pytest.raises(ConfigError, match="depth"):
+        restart_state_at({}, version=1, depth=0)
+    # early in a run the versions start at 0
+    early = restart_state_at({"units.0.weight": torch.zeros(1)}, version=1, depth=4)
+    assert early["units.0.#live_versions"].tolist() == [0, 1]
+
+
+def _service() -> SnapshotService:
+    context: Any = None  # never used: nothing here opens a socket
+    return SnapshotService(
+        name="c", context=context, keypair=None, socket_options=SocketOptions(),
+        timeout_s=1.0, compute=ThreadPoolExecutor(1), counters=StageCounters(),
+        replicas=ReplicaStore(),
+    )  # fmt: skip
+
+
+def test_a_holder_serves_a_peers_chain_copy_by_owner_run_and_mini_batch() -> None:
+    service = _service()
+    chain = {"units.2.weight": torch.full((2,), 6.0), "units.3.weight": torch.full((2,), 7.0)}
+    service.live_copies.put("b", 3, 6, chain)
+    got = service.snapshot_units([{"owner": "b", "run": 3, "step": 6, "start": 2, "end": 3}])
+    assert list(got) == ["units.2.weight"] and torch.equal(
+        got["units.2.weight"], chain["units.2.weight"]
+    )
+    # a flush's snapshot of the same key wins: it is what a rollback restores
+    flushed = {"units.2.weight": torch.full((2,), 1.0)}
+    service.replicas.put("b", 3, 6, flushed)
+    again = service.snapshot_units([{"owner": "b", "run": 3, "step": 6, "start": 2, "end": 3}])
+    assert torch.equal(again["units.2.weight"], flushed["units.2.weight"])
+    with pytest.raises(ConfigError, match="no snapshot"):
+        service.snapshot_units([{"owner": "b", "run": 3, "step": 4, "start": 2, "end": 3}])

@@ -1,0 +1,221 @@
+"""FTPipeHD's fast recovery of an asynchronous run with live copies, as the coordinator
+carries it out (``consistency="fast"``, section III-F).
+
+The client asks to resume a broken ``async-1f1b`` run whose stages copy their units
+without draining (``live_copies``): its ``resume`` names the run, the dead stages,
+``consistency`` "fast", ``live`` and, as ``step``, how many mini-batches it has
+acknowledged (their losses came back). Then:
+
+    the survivors' state ─> each survivor stops the broken run and sends its live
+        weights, optimizer state and update count (``weights_request`` ``latest``)
+    the decision ─> :func:`zpipe.recovery.fast_recovery.plan_fast_recovery` over
+        the coordinator's copy ledger (never decided here: the plan says where every
+        unit goes, where it comes from, where the run resumes)
+    the dead's units ─> from the copy the plan names: a chain copy held by a
+        surviving stage (``weights_request`` ``snapshot`` naming owner, run and
+        mini-batch: the stage serves it from the copies its peers made), or one the
+        coordinator holds (the last stage's chain copy, a global copy)
+    the resume state ─> every unit at one weight version, the acknowledged count
+        (:func:`zpipe.training.async_fast_state.restart_state_at`): the survivors'
+        weights bit for bit, the copies' as they were taken
+
+The result is a replica of the new partition (every unit here, ``fast``), which
+the run's start (:mod:`zpipe.coordinator.starting`) assigns as it assigns any
+replica, and the plan, whose summary goes back to the client in ``run_ready``
+(``fast_recovery``) for the fit's report. The survivors' weights travel to the
+coordinator and back unchanged: a stage process keeps no state across runs.
+
+Pure: events in, commands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+from zpipe._errors import ConfigError, InfeasiblePlanError
+from zpipe.coordinator.commands import AwaitReplies, Log, Send
+from zpipe.coordinator.current_run import KeptReplica
+from zpipe.coordinator.decisions import live_members, units_state
+from zpipe.coordinator.flows import Flow, request_resend_s
+from zpipe.coordinator.runs.async_repartition import (
+    LiveRepartitioning,
+    plan_bounds,
+    reference_unit_s,
+)
+from zpipe.coordinator.runs.async_training import AsyncTrainingController, as_async_plan
+from zpipe.coordinator.state import ControlState
+from zpipe.planner.async_schedule import AsyncSettings, async_warmup
+from zpipe.planner.training_plan import TrainingPlan
+from zpipe.protocol.client_control import RunRequest
+from zpipe.protocol.stage_control import Weights, WeightsRequest
+from zpipe.recovery.fast_recovery import FastRecoveryPlan, plan_fast_recovery
+from zpipe.recovery.spans import COORDINATOR, StageSpan
+from zpipe.training.async_fast_state import restart_state_at
+
+
+@dataclass(frozen=True)
+class FastResume:
+    """A fast recovery's outcome: the survivors' ``plan`` to assign, the ``replica``
+    they start from, and the decision (``fast``) for the report."""
+
+    plan: TrainingPlan
+    replica: KeptReplica
+    fast: FastRecoveryPlan
+
+
+def is_fast_live_resume(resume: dict[str, Any] | None) -> bool:
+    """Whether a run request's ``resume`` asks for this recovery."""
+    if not resume:
+        return False
+    return resume.get("consistency") == "fast" and bool(resume.get("live"))
+
+
+def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
+    """The fast recovery of the broken run ``request.resume`` names (see the module
+    notes): returns a :class:`FastResume`."""
+    resume = dict(request.resume or {})
+    current = state.current
+    if (
+        not isinstance(current, AsyncTrainingController)
+        or current.run.training_plan is None
+        or current.run.run != resume.get("run")
+    ):
+        raise ConfigError(
+            f"no broken asynchronous run {resume.get('run')} here to recover fast from "
+            "(the coordinator restarted, or another run replaced it)"
+        )
+    acknowledged = resume.get("step")
+    if isinstance(acknowledged, bool) or not isinstance(acknowledged, int) or acknowledged < 0:
+        raise ConfigError(
+            f"a fast resume names the mini-batches acknowledged, got {acknowledged!r}"
+        )
+    run = current.run
+    tplan = run.training_plan
+    assert tplan is not None
+    devices, bounds = plan_bounds(tplan)
+    alive = {m.name: m for m in live_members(state.membership)}
+    dead = {str(d) for d in resume.get("dead") or []} | set(run.failed)
+    dead |= {d for d in devices if d not in alive}
+    survivors = [d for d in devices if d not in dead]
+    if not survivors:
+        raise InfeasiblePlanError("no stage of the run survives to resume it")
+
+    # The survivors' live state: they stop the broken run first.
+    ask = WeightsRequest(run=run.run, step=0, optimizer=True, latest=True, epoch=run.epoch)
+    for name in survivors:
+        yield Send(alive[name].routing_id, ask, name, stage=name)
+    replies: dict[str, Weights] = yield AwaitReplies(
+        tuple(survivors), Weights, state.timeouts.result_s, "the survivors' weights", partial=True
+    )
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+    updates: dict[str, int] = {}
+    for name in survivors:
+        reply = replies.get(name)
+        if reply is None or reply.error or reply.updates is None:
+            # its units come from their copies, as a dead stage's do
+            error = "no reply" if reply is None else reply.error or "no update count"
+            yield Log("warning", "fast_state_missing", {"stage": name, "error": str(error)})
+            dead.add(name)
+            continue
+        # copies: the received frames' memory belongs to zmq messages
+        kept[name] = {str(k): t.clone() for k, t in zip(reply.keys, reply.tensors, strict=True)}
+        updates[name] = int(reply.updates)
+
+    spans = [StageSpan((d,), a, b) for d, (a, b) in zip(devices, pairwise(bounds), strict=True)]
+    profile = LiveRepartitioning(current)._profile(tplan)
+    fast = plan_fast_recovery(
+        spans,
+        sorted(d for d in devices if d in dead),
+        ledger=state.async_copies.ledger,
+        updates=updates,
+        acknowledged=acknowledged,
+        reference_unit_s=reference_unit_s(tplan, profile),
+    )
+
+    # Every unit's state, from where the plan says.
+    merged: dict[str, torch.Tensor] = {}
+    asks: dict[str, list[dict[str, Any]]] = {}
+    for dest in fast.order:
+        for r in fast.ranges_of(dest):
+            if r.kind in ("kept", "peer"):
+                merged.update(units_state(kept[r.source], r.start, r.end))
+            elif r.source == COORDINATOR:
+                merged.update(_held_here(state, r.owner, r.kind, r.run, r.version, r.start, r.end))
+            else:
+                asks.setdefault(r.source, []).append(
+                    {"owner": r.owner, "run": r.run, "step": r.version,
+                     "start": r.start, "end": r.end}
+                )  # fmt: skip
+    if asks:
+        merged.update((yield from _fetch_chain_copies(state, alive, asks)))
+
+    settings = AsyncSettings.from_dict((request.train or {}).get("async"))
+    depth = settings.depth_of(len(fast.order))
+    by_device = {s.devices[0]: s for s in tplan.stages}
+    n = len(fast.order)
+    stages = tuple(
+        replace(by_device[d], start=a, end=b, warmup=async_warmup(i, n))
+        for i, (d, (a, b)) in enumerate(zip(fast.order, pairwise(fast.bounds), strict=True))
+    )
+    new_plan = as_async_plan(replace(tplan, stages=stages))
+    replica = KeptReplica(
+        run.run,
+        acknowledged,
+        new_plan,
+        restart_state_at(merged, version=acknowledged, depth=depth),
+        global_copy=True,
+        fast=True,
+    )
+    yield Log("info", "async_fast_recovery", {"run": run.run, **fast.summary()})
+    return FastResume(new_plan, replica, fast)
+
+
+def _held_here(
+    state: ControlState, owner: str, kind: str, run: int | None, step: int, start: int, end: int
+) -> dict[str, torch.Tensor]:
+    """Units ``[start, end)`` of ``owner``'s ``kind`` copy the coordinator holds, the one
+    the plan chose (its run and mini-batch)."""
+    record = state.async_copies.ledger.newest(owner, kind)
+    held = state.async_copies.state_of(owner, kind)
+    if record is None or held is None or (record.run, record.step) != (run, step):
+        raise ConfigError(
+            f"the coordinator no longer holds {owner!r}'s {kind} copy of mini-batch {step}"
+        )
+    return units_state(held, start, end)
+
+
+def _fetch_chain_copies(
+    state: ControlState, alive: dict[str, Any], asks: dict[str, list[dict[str, Any]]]
+) -> Flow:
+    """The chain copies surviving stages hold for dead ones, by owner, run and mini-batch."""
+    holders = tuple(sorted(asks))
+    requests = tuple(
+        Send(alive[h].routing_id, WeightsRequest(run=0, step=0, snapshot=asks[h]), h, stage=h)
+        for h in holders
+    )
+    replies: dict[str, Weights] = yield AwaitReplies(
+        holders,
+        Weights,
+        state.timeouts.result_s,
+        "the chain copies of the dead stages",
+        requests=requests,
+        resend_s=request_resend_s(state.timeouts),
+    )
+    out: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for holder in holders:
+        reply = replies[holder]
+        if reply.error:
+            raise ConfigError(f"stage {holder!r} could not send the chain copy: {reply.error}")
+        for key, tensor in zip(reply.keys, reply.tensors, strict=True):
+            out[str(key)] = tensor.clone()
+            nbytes += tensor.numel() * tensor.element_size()
+    yield Log("info", "chain_copies_fetched", {"holders": list(holders), "bytes": nbytes})
+    return out
+
+
+__all__ = ["FastResume", "async_fast_resume", "is_fast_live_resume"]
