@@ -14,6 +14,13 @@ attacks every port it can reach, one attack class after another:
   were set on a socket whose input was stopped at its queue limit);
 * ``flood``: small messages as fast as the socket takes them (heartbeats and probes
   must not starve behind them);
+* ``probe_flood``: ``--probe-flood-connections`` connections at once flood one
+  stage's probe port for ``--probe-flood-s`` (issue 33, finding 6: without keys each
+  connection has a rate-limit bucket of its own); its line carries the target's CPU
+  seconds, the coordinator's ``stage_suspect`` and ``stage_dead`` lines meanwhile;
+  ``probe_flood_control`` sends the same floods to a process that only receives
+  (what the attacker's and the machine's load cost the cluster without a stage
+  decoding anything);
 * ``raw_tcp`` and ``connection_flood``: plain TCP connections that send junk, and
   many connections opened and dropped;
 * ``big_frames``: ``--big-count`` frames of ``--big-mb`` MB to each stage's data port
@@ -48,6 +55,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -176,6 +184,21 @@ class Attacker:
             sock.close(linger=0)
         return sent
 
+    def probe_flood(self, endpoint: str, seconds: float, connections: int) -> int:
+        """``connections`` floods of one probe port at once, each on its own socket
+        and thread (libzmq sockets are used by one thread each)."""
+        counts = [0] * connections
+
+        def one(i: int) -> None:
+            counts[i] = self.flood(zmq.DEALER, endpoint, seconds)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(connections)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(seconds + 30)
+        return sum(counts)
+
     def raw_tcp(self, endpoint: str, connections: int, junk: bool) -> int:
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         sent = 0
@@ -277,7 +300,11 @@ def run_stream_client(
 
 
 def _attacks(
-    members: list[dict[str, Any]], coordinator: str, sink: str, args: argparse.Namespace
+    members: list[dict[str, Any]],
+    coordinator: str,
+    sink: str,
+    args: argparse.Namespace,
+    control: str = "",
 ) -> list[tuple[str, str, Callable[[Attacker], int]]]:
     data = [m["data_endpoint"] for m in members]
     probes = [str(m["info"].get("probe_endpoint") or "") for m in members]
@@ -306,6 +333,17 @@ def _attacks(
         plan.append(("fill_and_hang_up", ep, lambda a, ep=ep: a.fill_and_hang_up(ep, args.rounds)))
     for ep in routers:
         plan.append(("flood", ep, lambda a, ep=ep: a.flood(zmq.DEALER, ep, args.flood_s)))
+    flood_s, connections = args.probe_flood_s, args.probe_flood_connections
+    for ep in probes:
+        plan.append(("probe_flood", ep, lambda a, ep=ep: a.probe_flood(ep, flood_s, connections)))
+        if control:  # as many floods of a port whose owner only receives
+            plan.append(
+                (
+                    "probe_flood_control",
+                    control,
+                    lambda a, ep=control: a.probe_flood(ep, flood_s, connections),
+                )
+            )
     for ep in [*pulls, *routers]:
         plan.append(("raw_tcp", ep, lambda a, ep=ep: a.raw_tcp(ep, args.rounds, junk=True)))
         plan.append(
@@ -315,7 +353,37 @@ def _attacks(
         plan.append(
             ("big_frames", ep, lambda a, ep=ep: a.big_frames(ep, args.big_count, args.big_mb))
         )
+    if args.only:
+        wanted = set(args.only.split(","))
+        plan = [step for step in plan if step[0] in wanted]
     return plan
+
+
+# a ROUTER that receives and discards (probe_flood_control's target)
+_RECEIVER = (
+    "import sys, zmq\n"
+    "ctx = zmq.Context(); sock = ctx.socket(zmq.ROUTER); sock.bind(sys.argv[1])\n"
+    "while True:\n"
+    "    sock.recv_multipart()\n"
+)
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _suspects(log: str) -> list[dict[str, Any]]:
+    """The coordinator's ``stage_suspect`` lines: a stage silent past its deadline."""
+    return [
+        json.loads(line)
+        for line in log.splitlines()
+        if '"stage_suspect"' in line and line.startswith("{")
+    ]
 
 
 def _factory_request(marker: Path) -> list[bytes]:
@@ -398,6 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--messages", type=int, default=2000, help="messages per poison/garbage attack")
     p.add_argument("--rounds", type=int, default=20, help="connections per hang-up/TCP attack")
     p.add_argument("--flood-s", type=float, default=2.0, help="seconds of each flood")
+    p.add_argument(
+        "--probe-flood-s", type=float, default=10.0, help="seconds of each probe port's flood"
+    )
+    p.add_argument(
+        "--probe-flood-connections", type=int, default=4, help="connections per probe flood"
+    )
+    p.add_argument(
+        "--only", default="", help="comma-separated attack classes to run (default: all)"
+    )
     p.add_argument("--big-count", type=int, default=8, help="big frames per data port")
     p.add_argument("--big-mb", type=int, default=200, help="size of a big frame in MB")
     p.add_argument(
@@ -446,28 +523,69 @@ def main(argv: list[str] | None = None) -> int:
         per_class: dict[str, dict[str, Any]] = {}
         dead_after: dict[str, str] = {}
         started = time.monotonic()
-        sent = attacker.send_all(
-            zmq.DEALER, cluster.coordinator_endpoint, iter([_factory_request(marker)]), 1
-        )
-        per_class["factory"] = {"sent": sent, "targets": 1}
-        bomb = attacker.requests(cluster.coordinator_endpoint, [_model_bomb_request()], 60.0)
-        failed = [RunFailed.from_message(m) for m in bomb[:1] if m.kind == RunFailed.KIND]
-        bomb_error = failed[0].error if failed else ""
-        per_class["model_bomb"] = {
-            "sent": 1,
-            "targets": 1,
-            "reply": bomb[0].kind if bomb else None,
-            "error": bomb_error[:160],
-        }
-        per_class.update(_peer_request_attacks(attacker, members, min(args.messages, 24)))
-        for klass, endpoint, attack in _attacks(members, cluster.coordinator_endpoint, sink, args):
+        only = set(args.only.split(",")) if args.only else None
+        if only is None or "factory" in only:
+            sent = attacker.send_all(
+                zmq.DEALER, cluster.coordinator_endpoint, iter([_factory_request(marker)]), 1
+            )
+            per_class["factory"] = {"sent": sent, "targets": 1}
+        if only is None or "model_bomb" in only:
+            bomb = attacker.requests(cluster.coordinator_endpoint, [_model_bomb_request()], 60.0)
+            failed = [RunFailed.from_message(m) for m in bomb[:1] if m.kind == RunFailed.KIND]
+            bomb_error = failed[0].error if failed else ""
+            per_class["model_bomb"] = {
+                "sent": 1,
+                "targets": 1,
+                "reply": bomb[0].kind if bomb else None,
+                "error": bomb_error[:160],
+            }
+        if only is None or {"backup_plant", "fetch_units"} & only:
+            per_class.update(_peer_request_attacks(attacker, members, min(args.messages, 24)))
+        # which process owns a flooded port (a probe flood's target)
+        flooded = {str(m["info"].get("probe_endpoint")): pids[str(m["name"])] for m in members}
+        receiver = None
+        if only is None or "probe_flood_control" in only:
+            control = f"tcp://127.0.0.1:{free_tcp_port()}"
+            receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, control])
+            flooded[control] = receiver.pid
+        else:
+            control = ""
+        plan = _attacks(members, cluster.coordinator_endpoint, sink, args, control)
+        for klass, endpoint, attack in plan:
             t0 = time.monotonic()
+            target = flooded.get(endpoint) if klass.startswith("probe_flood") else None
+            cpu_before = _cpu_s(target) if target else None
+            log_before = cluster.logs("coordinator")
+            suspects_before = len(_suspects(log_before))
+            deaths_before = log_before.count('"stage_dead"')
             try:
                 sent = attack(attacker)
                 error = ""
             except Exception as exc:  # the attacker's own failure, not the target's
                 sent, error = 0, repr(exc)
             entry = per_class.setdefault(klass, {"sent": 0, "targets": 0, "seconds": 0.0})
+            if target is not None:
+                # what the flood cost its target, and how late the coordinator heard it
+                time.sleep(args.probe_flood_s / 4)  # a suspicion may come just after
+                cpu_after = _cpu_s(target)
+                log_after = cluster.logs("coordinator")
+                new = _suspects(log_after)[suspects_before:]
+                owner = next((n for n, pid in pids.items() if pid == target), "receiver")
+                mine = [e for e in new if e.get("stage") == owner]
+                entry.setdefault("per_target", []).append(
+                    {
+                        "target": owner,
+                        "cpu_s": round(cpu_after - cpu_before, 2)
+                        if cpu_after is not None and cpu_before is not None
+                        else None,
+                        "suspects": len(mine),
+                        "max_silent_s": max(
+                            (float(e["silent_s"]) for e in mine if "silent_s" in e), default=None
+                        ),
+                        "suspects_other_stages": len(new) - len(mine),
+                        "deaths": log_after.count('"stage_dead"') - deaths_before,
+                    }
+                )
             for name, proc in cluster.processes.items():
                 if proc.poll() is not None and name not in dead_after:
                     # the first attack after which a process was gone: the likely killer
@@ -478,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
             entry["seconds"] = round(entry["seconds"] + time.monotonic() - t0, 3)
             if error:
                 entry.setdefault("attacker_errors", []).append(error)
+        if receiver is not None:
+            receiver.kill()
+            receiver.wait()
         (folder / "stop").touch()
         attack_s = time.monotonic() - started
         try:
@@ -539,18 +660,18 @@ def main(argv: list[str] | None = None) -> int:
         false_deaths=len(deaths),
         stream_exact=exact,
         code_executed=code_executed,
-        model_bomb_refused=bool(per_class["model_bomb"]["error"]),
-        backups_planted=per_class["backup_plant"]["kept"],
-        units_leaked=per_class["fetch_units"]["leaked_units"],
+        model_bomb_refused=bool(per_class.get("model_bomb", {"error": "skipped"})["error"]),
+        backups_planted=per_class.get("backup_plant", {}).get("kept", 0),
+        units_leaked=per_class.get("fetch_units", {}).get("leaked_units", 0),
         max_peak_over_idle_rss=max(ratios.values()) if ratios else None,
         goals_met=crashes == 0
         and not hung
         and not deaths
         and exact
         and not code_executed
-        and bool(per_class["model_bomb"]["error"])
-        and per_class["backup_plant"]["kept"] == 0
-        and per_class["fetch_units"]["leaked_units"] == 0
+        and bool(per_class.get("model_bomb", {"error": "skipped"})["error"])
+        and per_class.get("backup_plant", {}).get("kept", 0) == 0
+        and per_class.get("fetch_units", {}).get("leaked_units", 0) == 0
         and all(r < 2.0 for r in ratios.values()),
         messages_sent=sum(int(e.get("sent", 0)) for e in per_class.values()),
     )

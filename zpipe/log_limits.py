@@ -30,6 +30,7 @@ FLOOD_EVENTS = frozenset(
         "role_refused",
         "backup_refused",
         "fetch_refused",
+        "peer_refused",
     }
 )
 BURST = 50  # lines of one event from one peer before the rate applies

@@ -16,6 +16,7 @@ take every stage for dead).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,8 +37,10 @@ from zpipe.cluster.netcluster import COORDINATOR, LabCluster
 from zpipe.cluster.netlab import LinkCut, NetLab, unavailable_reason
 from zpipe.cluster.netlayout import Node, TbfCap
 from zpipe.config import Timeouts
-from zpipe.models import ModelSpec
+from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
+from zpipe.transport.codec import Message, encode
 
+COORDINATOR_NODE = "coord"  # the lab node the coordinator runs in (LabCluster's default)
 DEFAULTS = Timeouts()  # what `python -m zpipe.coordinator` and `zpipe.stage` use without flags
 UPLINK_MBIT = 20.0
 STAGES = ("s0", "s1", "s2")
@@ -225,3 +228,38 @@ def test_a_stage_killed_during_training_is_the_only_one_declared_dead(links: Net
     assert report.losses == pytest.approx(want_losses, rel=1e-5)
     assert_same_weights(report.state_dict, want)
     assert [r["dead"] for r in report.recoveries] == ["s1"]
+
+
+def test_an_open_clusters_data_port_refuses_a_host_outside_the_plan(links: NetLab) -> None:
+    # Issue 33: without keys a data port admits only the hosts its assignment names.
+    # The client (root namespace) and s0 are s1's senders in turn; a process in the
+    # coordinator's namespace is not, and its well-formed micro-batch is never read.
+    spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=9)
+    batches = [load_layer_sequence(spec).example_input(3, seed=i) for i in range(2)]
+    with torch.inference_mode():
+        want = [build_full_model(spec)(*b)[0] for b in batches]
+    with _cluster(links, ["s0", "s1"]) as cluster:
+        members = {m["name"]: m for m in cluster.wait_for_stages(2, timeout_s=120)}
+        outputs, _ = cluster.infer(spec, batches, stage_names=["s0", "s1"])
+        target = str(members["s1"]["data_endpoint"])
+        header = Message("data", {"run": 1, "mb": 0, "src": "s0"}, 1, (torch.ones(3, 16),))
+        frames = [bytes(f) for f in encode(header)]
+        code = (
+            "import sys, time, zmq\n"
+            "ctx = zmq.Context(); push = ctx.socket(zmq.PUSH); push.setsockopt(zmq.LINGER, 0)\n"
+            f"push.connect({target!r}); push.send_multipart({frames!r})\n"
+            "time.sleep(2); push.close(); ctx.term()\n"
+        )
+        intruder = links.popen(COORDINATOR_NODE, [cluster.python, "-c", code])
+        assert intruder.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while not cluster.events("s1", "peer_refused") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        refused = cluster.events("s1", "peer_refused")
+        assert [e["peer"] for e in refused] == [links.address(COORDINATOR_NODE)]
+        assert not cluster.events("s1", "dropped_message")  # refused, never read
+        again, _ = cluster.infer(spec, batches, stage_names=["s0", "s1"])
+        _assert_no_live_stage_declared_dead(cluster)
+    for got in (outputs, again):
+        for out, expected in zip(got, want, strict=True):
+            torch.testing.assert_close(out[0], expected)

@@ -90,6 +90,22 @@ def push_connector(
     return connect
 
 
+def sender_endpoints(message: Assign) -> list[str | None]:
+    """The data endpoints of whoever sends to this stage under ``message``: the
+    upstream's (inference), every upstream and downstream neighbour's (training;
+    gradients come back from downstream). Without keys their hosts are who the data
+    port admits (:mod:`zpipe.transport.address_auth`)."""
+    if message.mode != "train" or not isinstance(message.train, dict):
+        return [message.upstream_endpoint]
+    out: list[str | None] = []
+    for side in ("upstream", "downstream"):
+        entry = message.train.get(side)
+        endpoints = entry.get("endpoints") if isinstance(entry, dict) else None
+        if isinstance(endpoints, list):
+            out += [e if isinstance(e, str) else None for e in endpoints]
+    return out
+
+
 def resumed_state(message: Assign) -> dict[str, torch.Tensor] | None:
     """The replica an assignment carries (weights and optimizer state), if any."""
     keys = message.state_keys

@@ -19,7 +19,13 @@ import zmq.asyncio
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.protocol.stage_control import Assign
-from zpipe.stage.assignment import Assignment, AssignmentBuilder, FetchState, push_connector
+from zpipe.stage.assignment import (
+    Assignment,
+    AssignmentBuilder,
+    FetchState,
+    push_connector,
+    sender_endpoints,
+)
 from zpipe.stage.commands import Command, ConnectAssignment, DropMessage
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
@@ -32,6 +38,7 @@ from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, data_port_limits
 from zpipe.stage.shard import Shard
 from zpipe.stage.supervision import TaskSupervisor, describe_error
+from zpipe.transport.address_auth import peer_addresses
 from zpipe.transport.sockets import ReceiveLimits
 
 log = get_logger("zpipe.stage")
@@ -119,6 +126,11 @@ class DataPlane:
             if self._keys.data_allow is not None:
                 # Allowed before anyone connects: a refused CURVE handshake is not retried.
                 self._keys.data_allow.replace([k.encode() for k in built.senders if k])
+            if self._keys.data_addresses is not None:
+                # Without keys, their hosts (what the handshake can tell), set as early.
+                self._keys.data_addresses.replace(
+                    peer_addresses(sender_endpoints(message), self._data_endpoint)
+                )
             await self._apply_data_limits(ModelSpec.from_dict(message.model))
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
             log.error("assignment_failed", stage=name, run=run, error=str(exc))

@@ -46,6 +46,7 @@ from zpipe.protocol.peer import (
     LinkPong,
     StateChunk,
 )
+from zpipe.stage.supervision import YIELD_EVERY
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
@@ -117,11 +118,15 @@ class ProbeResponder:
 
     async def serve(self) -> None:
         """Serve until cancelled; a bad message is logged and dropped."""
+        served = 0
         while True:
             frames = await recv_frames(
                 self.socket, timeout_s=None, peer="any", awaited="a link probe"
             )
             arrived = time.monotonic()
+            served += 1
+            if served % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a flood never starves the heartbeats (supervision)
             if len(frames) < 2:
                 continue
             routing_id = frames[0].bytes

@@ -7,8 +7,10 @@
   the control one never queues behind it;
 - data: a PULL where the assigned upstream (and, training, the neighbours and
   the client) send; with keys, only the keys the current assignment names may
-  connect (until then, nobody); small receive limits until an assignment, then
-  the limits of its model (:func:`data_port_limits`);
+  connect (until then, nobody); without keys, only the hosts of the peers it
+  names (:mod:`zpipe.transport.address_auth`; until then, nobody either); small
+  receive limits until an assignment, then the limits of its model
+  (:func:`data_port_limits`);
 - probe: a ROUTER where cluster members measure links, keep backups and fetch
   units; with keys, every member the coordinator names (``link_peers``), whose
   names say who sent a backup or a fetch (:func:`peer_identity`).
@@ -31,6 +33,11 @@ from zpipe.stage.linkprobe import PROBE_DOMAIN
 from zpipe.stage.peer_policy import UNAUTHENTICATED, PeerIdentity
 from zpipe.stage.supervision import describe_error
 from zpipe.transport import security
+from zpipe.transport.address_auth import (
+    AddressAllowList,
+    AddressAuthenticator,
+    address_checked_server,
+)
 from zpipe.transport.reopen import bind_when_free, open_listener
 from zpipe.transport.sockets import (
     CURVE_FRAME_OVERHEAD,
@@ -57,13 +64,21 @@ class StageKeys:
     data_allow: security.PeerAllowList | None = None
     probe_allow: security.PeerAllowList | None = None
     coordinator_key: bytes | None = None
+    # without keys: the hosts that may connect to the data port (the assignment's
+    # senders'), judged by the context's ZAP handler before any message is read
+    data_addresses: AddressAllowList | None = None
+    address_auth: AddressAuthenticator | None = None
 
     @classmethod
     def load(cls, context: zmq.asyncio.Context, config: StageConfig) -> StageKeys:
         keys_dir = config.keys_dir
         if keys_dir is None:
             security.warn_open_cluster(log, f"stage {config.name}")
-            return cls()
+            # Until the coordinator assigns senders, no host may send data.
+            addresses = AddressAllowList()
+            auth = AddressAuthenticator(context, addresses)
+            auth.start()
+            return cls(data_addresses=addresses, address_auth=auth)
         keys = cls(
             keypair=security.load_keypair(keys_dir, config.name),
             coordinator_key=security.load_keypair_public(keys_dir, "coordinator"),
@@ -81,6 +96,13 @@ class StageKeys:
     def stop(self) -> None:
         if self.authenticator is not None:
             self.authenticator.stop()
+        if self.address_auth is not None:
+            self.address_auth.stop()
+
+    @property
+    def data_refusals(self) -> int:
+        """Connections the data port refused by address (without keys), since start."""
+        return sum(self.address_auth.refused.values()) if self.address_auth is not None else 0
 
 
 def peer_identity(allowed: security.PeerAllowList | None, key: bytes | None) -> PeerIdentity:
@@ -105,6 +127,7 @@ class StagePorts:
     _context: zmq.asyncio.Context | None = field(default=None, repr=False)
     _options: SocketOptions | None = field(default=None, repr=False)
     _keypair: security.KeyPair | None = field(default=None, repr=False)
+    _address_domain: str | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, context: zmq.asyncio.Context, config: StageConfig, keys: StageKeys) -> StagePorts:
@@ -131,8 +154,12 @@ class StagePorts:
         # Small limits until an assignment: nothing may queue megabytes at an idle stage.
         data_in = open_socket(context, zmq.PULL, opts, limits=ReceiveLimits.before_plan())
         opened.append(data_in)
+        address_domain = None
         if keys.keypair is not None:
             security.secure_server(data_in, keys.keypair)
+        elif keys.address_auth is not None:
+            address_domain = keys.address_auth.domain
+            address_checked_server(data_in, address_domain)
         bound = bind_endpoint(data_in, config.data_bind)
         data_endpoint = advertised_endpoint(
             bound, advertise_host=config.advertise_host, toward=config.coordinator
@@ -170,6 +197,7 @@ class StagePorts:
         return cls(
             control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound,
             _context=context, _options=opts, _keypair=keys.keypair,
+            _address_domain=address_domain,
         )  # fmt: skip
 
     async def reopen_data_in(self, limits: ReceiveLimits) -> zmq.asyncio.Socket:
@@ -180,7 +208,9 @@ class StagePorts:
         drops an older plan's messages anyway). Call it with no task waiting on it."""
         assert self._context is not None and self._options is not None and self.data_bound
         self.data_in.close(linger=0)
-        fresh = open_listener(self._context, self._options, limits, self._keypair)
+        fresh = open_listener(
+            self._context, self._options, limits, self._keypair, address_domain=self._address_domain
+        )
         # the stage keeps an open socket even if the bind fails (the assignment fails;
         # the next one tries again), never a closed one
         self.data_in = fresh

@@ -41,6 +41,7 @@ from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy, Register, RegisterAgain
@@ -193,6 +194,7 @@ class StageRuntime:
             name=self.config.name,
             data_in=lambda: ports.data_in,  # reopened when a plan changes its limits
             data_allow=self._keys.data_allow,
+            data_addresses=self._keys.data_addresses,
             connector=push_connector(self._context, opts, keypair),
             compute=self._compute,
             supervisor=self._supervisor,
@@ -472,7 +474,19 @@ class StageRuntime:
                 await self._lossy.on_control(command.message)
             elif isinstance(command, GenerationControl):
                 assert self._generation is not None
+                if isinstance(command.message, GenSetup):
+                    self._open_data_port_for_generation()
                 await self._generation.on_control(command.message)
+
+    def _open_data_port_for_generation(self) -> None:
+        """Without keys, a generation set-up names no sender's endpoint (only keys),
+        so its data port admits every host while it runs; the next assignment or
+        lossy run names its senders again. With keys its senders' keys are allowed."""
+        addresses = self._keys.data_addresses
+        if addresses is not None and not addresses.admits_any:
+            addresses.admit_any()
+            reason = "a generation run without --keys names no sender's address"
+            log.warning("data_port_open", stage=self.config.name, reason=reason)
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:

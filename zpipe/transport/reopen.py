@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError
 from zpipe.transport import security
+from zpipe.transport.address_auth import address_checked_server
 from zpipe.transport.keys import KeyPair
 from zpipe.transport.sockets import ReceiveLimits, SocketOptions, open_socket
 
@@ -36,13 +37,19 @@ def open_listener(
     options: SocketOptions,
     limits: ReceiveLimits,
     keypair: KeyPair | None,
+    *,
+    address_domain: str | None = None,
 ) -> zmq.asyncio.Socket:
     """The replacement of a closed receive-only listener: a PULL under ``limits``, a
     CURVE server with ``keypair`` when there is one (its allow-list lives in the
-    context's authenticator, so it carries over); bind it with :func:`bind_when_free`."""
+    context's authenticator, so it carries over), else, given ``address_domain``, one
+    whose peers' addresses that domain's handler judges
+    (:mod:`zpipe.transport.address_auth`); bind it with :func:`bind_when_free`."""
     fresh = open_socket(context, zmq.PULL, options, limits=limits)
     if keypair is not None:
         security.secure_server(fresh, keypair)
+    elif address_domain is not None:
+        address_checked_server(fresh, address_domain)
     return fresh
 
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -199,8 +200,14 @@ class _AllowListProvider:
             )
         else:
             # Key prefix only: full keys in logs invite copy-pasting them into allow-lists.
+            # peer=: the flood limit keeps a few lines per address (zpipe.log_limits),
+            # whatever keys a peer makes up.
+            address = self._owner.current_address or ""
+            self._owner.refused[address] += 1
             log.warning(
                 "peer_refused",
+                peer=address,
+                refused=self._owner.refused[address],
                 key_prefix=key_prefix(key),
                 address=self._owner.current_address,
                 domain=domain,
@@ -233,6 +240,8 @@ class CurveAuthenticator(Authenticator):
         # Address of the handshake being decided, for log lines; requests are handled
         # one at a time, so a single slot is enough.
         self.current_address: str | None = None
+        # refused handshakes by the peer's address, since start
+        self.refused: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
         self._async_zap: zmq.asyncio.Socket | None = None
         provider = _AllowListProvider(self)

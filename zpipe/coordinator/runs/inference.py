@@ -91,6 +91,10 @@ def inference_assignments(
             request.sink_endpoint if last else by_name[plan.stages[i + 1].device].data_endpoint
         )
         upstream = CLIENT_NAME if i == 0 else plan.stages[i - 1].device
+        # without keys the stage admits its upstream by this endpoint's host
+        upstream_endpoint = (
+            request.sink_endpoint if i == 0 else by_name[plan.stages[i - 1].device].data_endpoint
+        )
         assign = Assign(
             run=run.run.run,
             model=spec.to_dict(),
@@ -100,6 +104,7 @@ def inference_assignments(
             num_stages=len(plan.stages),
             upstream=upstream,
             upstream_key=run.key_of(upstream),
+            upstream_endpoint=upstream_endpoint,
             downstream=downstream,
             downstream_endpoint=endpoint,
             downstream_key=run.key_of(downstream),

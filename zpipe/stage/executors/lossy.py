@@ -70,6 +70,7 @@ from zpipe.stage.executors.lossy_recovery import AckSender
 from zpipe.stage.executors.lossy_report import Slices, replica, run_result
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
+from zpipe.transport.address_auth import AddressAllowList
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames
 
@@ -100,6 +101,7 @@ class LossyExecutor:
         name: str,
         data_in: Callable[[], zmq.asyncio.Socket],
         data_allow: security.PeerAllowList | None,
+        data_addresses: AddressAllowList | None = None,
         connector: PushConnector,
         compute: ThreadPoolExecutor,
         supervisor: TaskSupervisor,
@@ -111,7 +113,7 @@ class LossyExecutor:
     ) -> None:
         self.name = name
         self._data_in = data_in
-        self._peers = LossyPeers(connector, data_allow)
+        self._peers = LossyPeers(connector, data_allow, data_addresses)
         self._compute = compute
         self._supervisor = supervisor
         self._send_control = send_control

@@ -1,6 +1,7 @@
 """A lossy run's (or link measurement's) connections to its peers' data ports.
 
-At set-up a stage allows its peers' CURVE keys on its own data port before any of
+At set-up a stage allows its peers' CURVE keys (without keys: their hosts,
+:mod:`zpipe.transport.address_auth`) on its own data port before any of
 them connects (a refused CURVE handshake is not retried) and only notes where they
 are; it connects to them at ``lossy_go``, once every stage of the run allows this
 one's key. The run's PUSH sockets close when it ends; under ACK recovery the
@@ -19,14 +20,21 @@ from zpipe._errors import ProtocolError
 from zpipe.stage.assignment import PushConnector
 from zpipe.stage.executors.lossy_recovery import AckSender
 from zpipe.transport import security
+from zpipe.transport.address_auth import AddressAllowList, peer_addresses
 
 
 class LossyPeers:
     """The peers of the run set up on this stage, by device index."""
 
-    def __init__(self, connector: PushConnector, allow: security.PeerAllowList | None) -> None:
+    def __init__(
+        self,
+        connector: PushConnector,
+        allow: security.PeerAllowList | None,
+        addresses: AddressAllowList | None = None,
+    ) -> None:
         self._connect = connector
         self._allow = allow
+        self._addresses = addresses  # without keys: the peers' hosts
         #: by device: the connected PUSH socket (from lossy_go until the run ends)
         self.sockets: dict[int, zmq.asyncio.Socket] = {}
         # by device: (data endpoint, CURVE key, name) of the set-up run's peers
@@ -40,6 +48,9 @@ class LossyPeers:
         names, keys = by_index(names, "names"), by_index(keys, "keys")
         if self._allow is not None:
             self._allow.replace({names.get(d, str(d)): k.encode() for d, k in keys.items()})
+        if self._addresses is not None:
+            others = [e for d, e in endpoints.items() if d != me]
+            self._addresses.replace(peer_addresses(others, endpoints.get(me, "")))
         self._pending = {
             d: (endpoint, keys.get(d), names.get(d, f"device {d}"))
             for d, endpoint in endpoints.items()
