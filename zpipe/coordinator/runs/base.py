@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from zpipe._errors import ConfigError, StageLostError, ZpipeError
-from zpipe.coordinator.commands import AwaitReplies, Command, Log, Persist, Send
+from zpipe.coordinator.commands import AwaitReplies, Command, Log, Persist, Record, Send
 from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.events import ClientRequest, Event
 from zpipe.coordinator.flows import Flow
@@ -26,6 +26,7 @@ from zpipe.protocol.client_control import (
     StageFailed,
 )
 from zpipe.protocol.stage_control import AssignFailed, Connect, Connected, Metrics, MetricsRequest
+from zpipe.recovery import RecoveryTimeline
 
 
 class RunController(Protocol):
@@ -72,6 +73,45 @@ def stage_metrics(
         if reply is not None and isinstance(reply.timeline, dict):
             timelines[device] = reply.timeline
     return stages, timelines
+
+
+def recovered_after_death(
+    run: Run,
+    dead: str,
+    policy: str,
+    plan: Any,
+    *,
+    detected_at: float,
+    silent_s: float,
+    planned_at: float,
+    now: float,
+) -> tuple[dict[str, float], list[Command]]:
+    """A run that re-planned around ``dead``: its recovery's times (detection,
+    re-plan, recovery, from :class:`RecoveryTimeline`) and the log line and record
+    that say so, the same for every run kind."""
+    timeline = RecoveryTimeline(
+        run=str(run.run),
+        cause="failure",
+        devices=(dead,),
+        policy=policy,
+        epoch=run.epoch,
+        failed_at=detected_at - silent_s,
+        detected_at=detected_at,
+        replanned_at=planned_at,
+        first_step_at=now,
+    )
+    spans = timeline.summary()
+    times = {
+        "detected_s": round(spans["detection_s"], 3),
+        "replanned_s": round(spans["replan_s"], 3),
+        "recovered_s": round(spans["recovery_s"], 3),
+    }
+    fields = {"run": run.run, "epoch": run.epoch, "dead": dead, "policy": policy}
+    commands: list[Command] = [
+        Log("info", "run_recovered", {**fields, "plan": plan.to_dict(), **times}),
+        Record({"event": "run_recovered", "run": run.run, "dead": dead, "policy": policy, **times}),
+    ]
+    return times, commands
 
 
 class BaseRun:

@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zpipe._errors import PipelineError, StageLostError, ZpipeError
-from zpipe.coordinator.commands import AwaitReplies, Command, Log, Now, Persist, Record, Send
+from zpipe.coordinator.commands import AwaitReplies, Command, Log, Now, Persist, Send
 from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.events import Event, StageDied
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member, MemberState
-from zpipe.coordinator.runs.base import BaseRun
+from zpipe.coordinator.runs.base import BaseRun, recovered_after_death
 from zpipe.coordinator.runs.generation import (
     GenerationLimits,
     generation_setups,
@@ -47,7 +47,6 @@ from zpipe.planner import Plan
 from zpipe.planner.plan import StagePlan
 from zpipe.protocol.client_control import RunReplanned, RunReport
 from zpipe.protocol.generation import GenReady, GenRunReady, GenRunRequest
-from zpipe.recovery import RecoveryTimeline
 from zpipe.recovery.generation import GENERATION_ALGO, replan_generation
 
 POLICY = "generation"  # what a recovery's log and record say repaired it
@@ -148,38 +147,13 @@ class GenerationController(BaseRun):
         self.recovering = False
         self.recoveries += 1
         now = yield Now()
-        timeline = RecoveryTimeline(
-            run=str(run.run),
-            cause="failure",
-            devices=(dead,),
-            policy=POLICY,
-            epoch=run.epoch,
-            failed_at=detected_at - silent_s,
-            detected_at=detected_at,
-            replanned_at=planned_at,
-            first_step_at=now,
-        )
-        spans = timeline.summary()
-        times = {
-            "detected_s": round(spans["detection_s"], 3),
-            "replanned_s": round(spans["replan_s"], 3),
-            "recovered_s": round(spans["recovery_s"], 3),
-        }
-        yield Log(
-            "info",
-            "run_recovered",
-            {
-                "run": run.run,
-                "epoch": run.epoch,
-                "dead": dead,
-                "policy": POLICY,
-                "plan": plan.to_dict(),
-                **times,
-            },
-        )
-        yield Record(
-            {"event": "run_recovered", "run": run.run, "dead": dead, "policy": POLICY, **times}
-        )
+        times, commands = recovered_after_death(
+            run, dead, POLICY, plan, detected_at=detected_at, silent_s=silent_s,
+            planned_at=planned_at, now=now,
+        )  # fmt: skip
+        # one at a time, as a flow's driver sends each command's result back
+        for command in commands:  # noqa: UP028
+            yield command
         first, last = self._member(plan.devices[0]), self._member(plan.devices[-1])
         notice = RunReplanned(
             run=run.run,

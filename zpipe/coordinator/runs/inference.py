@@ -24,7 +24,6 @@ from zpipe.coordinator.commands import (
     Now,
     Persist,
     PlanInference,
-    Record,
     Send,
 )
 from zpipe.coordinator.current_run import Run
@@ -33,14 +32,13 @@ from zpipe.coordinator.events import Event, StageDied
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import bucketing_of
-from zpipe.coordinator.runs.base import BaseRun
+from zpipe.coordinator.runs.base import BaseRun, recovered_after_death
 from zpipe.coordinator.sink_check import check_sink_reachable
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.models import ModelSpec
 from zpipe.planner import Plan
 from zpipe.protocol.client_control import RunReady, RunReplanned, RunRequest
 from zpipe.protocol.stage_control import Assign, AssignFailed, Ready
-from zpipe.recovery import RecoveryTimeline
 
 
 @dataclass(frozen=True)
@@ -248,38 +246,13 @@ class InferenceController(BaseRun):
             yield from self.notify_stage_failed(dead, f"died, and recovery failed: {exc}")
             return
         now = yield Now()
-        timeline = RecoveryTimeline(
-            run=str(run.run),
-            cause="failure",
-            devices=(dead,),
-            policy=policy,
-            epoch=run.epoch,
-            failed_at=detected_at - silent_s,
-            detected_at=detected_at,
-            replanned_at=planned_at,
-            first_step_at=now,
-        )
-        spans = timeline.summary()
-        times = {
-            "detected_s": round(spans["detection_s"], 3),
-            "replanned_s": round(spans["replan_s"], 3),
-            "recovered_s": round(spans["recovery_s"], 3),
-        }
-        yield Log(
-            "info",
-            "run_recovered",
-            {
-                "run": run.run,
-                "epoch": run.epoch,
-                "dead": dead,
-                "policy": policy,
-                "plan": plan.to_dict(),
-                **times,
-            },
-        )
-        yield Record(
-            {"event": "run_recovered", "run": run.run, "dead": dead, "policy": policy, **times}
-        )
+        times, commands = recovered_after_death(
+            run, dead, policy, plan, detected_at=detected_at, silent_s=silent_s,
+            planned_at=planned_at, now=now,
+        )  # fmt: skip
+        # one at a time, as a flow's driver sends each command's result back
+        for command in commands:  # noqa: UP028
+            yield command
         ends = endpoints_of(plan, by_name, self, self.data_limits)
         notice = RunReplanned(
             run=run.run,
