@@ -74,7 +74,9 @@ class ForkedStage:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_child(args: Sequence[str], log_path: Path) -> int:
+def redirect_output(log_path: Path | str) -> None:
+    """In a forked child: stdin from /dev/null, stdout and stderr appended to
+    ``log_path`` (the parent's streams may be a test runner's captures)."""
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null_fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null_fd, 0)
@@ -82,10 +84,13 @@ def _run_child(args: Sequence[str], log_path: Path) -> int:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.close(null_fd)
-    # The parent's streams may be a test runner's captures: write to the log instead.
     sys.stdin = open(0, closefd=False)  # lives as long as the process
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+def _run_child(args: Sequence[str], log_path: Path) -> int:
+    redirect_output(log_path)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
     signal.setitimer(signal.ITIMER_REAL, 0)  # a parent's alarm (a bench --timeout) is not ours

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from zpipe._errors import PipelineError
-from zpipe.cluster.forked import ForkedStage
+from zpipe.cluster.forked import ForkedStage, redirect_output
 
 # the command modules a launch may run, by the name ``python -m`` would take
 COMMANDS = {
@@ -158,16 +158,7 @@ def shared_zygote() -> Zygote:
 
 def _run_command(request: dict[str, Any]) -> int:
     """In the launched process: become ``python -m MODULE ARGS`` (never returns normally)."""
-    log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    null_fd = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null_fd, 0)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    os.close(null_fd)
-    sys.stdin = open(0, closefd=False)  # lives as long as the process
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    redirect_output(request["log"])
     # a fresh interpreter's dispositions (the zygote's own are for its owner's pipe)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
