@@ -26,8 +26,9 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 # The stage's own modules, imported here so that every child shares them (the
 # command module itself is small: the child runs it by name).
@@ -102,6 +103,22 @@ def _run_child(args: Sequence[str], log_path: Path) -> int:
     return 0
 
 
+def exit_with(run: Callable[[], int]) -> NoReturn:
+    """In a forked child: ``run()``, then leave with its status (1 if it raised, the
+    traceback printed), never returning into the parent's code."""
+    code = 1
+    try:
+        code = run()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
 def fork_stage(args: Sequence[str], log_path: Path) -> ForkedStage:
     """Run ``python -m zpipe.stage ARGS`` as a child of this process, its output
     appended to ``log_path``."""
@@ -112,15 +129,5 @@ def fork_stage(args: Sequence[str], log_path: Path) -> ForkedStage:
     gc.freeze()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the parent's code
-        code = 1
-        try:
-            code = _run_child(args, log_path)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
+        exit_with(lambda: _run_child(args, log_path))
     return ForkedStage(pid)

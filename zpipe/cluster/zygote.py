@@ -34,13 +34,12 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from zpipe._errors import PipelineError
-from zpipe.cluster.forked import ForkedStage, redirect_output
+from zpipe.cluster.forked import ForkedStage, exit_with, redirect_output
 
 # the command modules a launch may run, by the name ``python -m`` would take
 COMMANDS = {
@@ -199,18 +198,12 @@ def _launch(request: dict[str, Any]) -> int:
             pid = os.fork()
             if pid == 0:
                 os.close(write_fd)
-                code = 1
-                try:
+
+                def adopted_then_run() -> int:
                     _wait_for_adoption(middle_pid)
-                    code = _run_command(request)
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    try:
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                    finally:
-                        os._exit(code)
+                    return _run_command(request)
+
+                exit_with(adopted_then_run)
             os.write(write_fd, str(pid).encode())
         except BaseException:
             code = 1
