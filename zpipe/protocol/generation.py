@@ -109,6 +109,10 @@ class GenSetup(WireMessage):
     kv_budget_tokens: int | None = wire(OPT_INT, default=None, omit_if_none=True)
     dtype: str | None = wire(OPT_STR, default=None, omit_if_none=True)
     text: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)  # the first stage's
+    # the data endpoint of whoever sends this stage steps (the upstream stage's; the
+    # first stage's is the last one's): without keys, its host is what the data port
+    # admits (with the client's, at ``sink_endpoint``, for the first stage)
+    upstream_endpoint: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -25,6 +25,7 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.profile import ModelProfile
+from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.stage_control import Assign
 from zpipe.stage.emulated_compute import EmulatedShard
 from zpipe.stage.executors.async_shard import AsyncShard
@@ -104,6 +105,14 @@ def sender_endpoints(message: Assign) -> list[str | None]:
         if isinstance(endpoints, list):
             out += [e if isinstance(e, str) else None for e in endpoints]
     return out
+
+
+def generation_sender_endpoints(setup: GenSetup) -> list[str]:
+    """The data endpoints of whoever sends to this stage in a generation run: its
+    upstream stage (the first stage's is the last one, whose tokens close the ring)
+    and, for the first stage, the client (at its sink). Empty when the coordinator
+    named none (one from before ``upstream_endpoint``)."""
+    return [e for e in (setup.upstream_endpoint, setup.sink_endpoint) if e]
 
 
 def resumed_state(message: Assign) -> dict[str, torch.Tensor] | None:

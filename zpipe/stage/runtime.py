@@ -45,7 +45,7 @@ from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy, Register, RegisterAgain
-from zpipe.stage.assignment import push_connector
+from zpipe.stage.assignment import generation_sender_endpoints, push_connector
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.commands import (
     AllowProbePeers,
@@ -76,6 +76,7 @@ from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
+from zpipe.transport.address_auth import peer_addresses
 from zpipe.transport.emulation import SharedUplink
 from zpipe.transport.sockets import decode_frames, new_context, recv_frames
 
@@ -475,17 +476,25 @@ class StageRuntime:
             elif isinstance(command, GenerationControl):
                 assert self._generation is not None
                 if isinstance(command.message, GenSetup):
-                    self._open_data_port_for_generation()
+                    self._admit_generation_senders(command.message)
                 await self._generation.on_control(command.message)
 
-    def _open_data_port_for_generation(self) -> None:
-        """Without keys, a generation set-up names no sender's endpoint (only keys),
-        so its data port admits every host while it runs; the next assignment or
-        lossy run names its senders again. With keys its senders' keys are allowed."""
+    def _admit_generation_senders(self, setup: GenSetup) -> None:
+        """Without keys, the hosts a generation set-up names as this stage's senders:
+        its upstream stage (the first stage's is the last one, closing the ring) and,
+        for the first stage, the client. A coordinator that names none (before
+        ``upstream_endpoint``) leaves the port open to every host while the run lasts;
+        the next assignment or lossy run names its senders again. With keys, the
+        executor allows the senders' keys."""
         addresses = self._keys.data_addresses
-        if addresses is not None and not addresses.admits_any:
+        if addresses is None:
+            return
+        senders = generation_sender_endpoints(setup)
+        if senders:
+            addresses.replace(peer_addresses(senders, self.data_endpoint))
+        elif not addresses.admits_any:
             addresses.admit_any()
-            reason = "a generation run without --keys names no sender's address"
+            reason = "the coordinator named no sender's address for this generation run"
             log.warning("data_port_open", stage=self.config.name, reason=reason)
 
     def _exit_with(self, command: Exit) -> None:

@@ -318,6 +318,7 @@ KINDS_ADDED_IN_V1 = {
         "kv_budget_tokens": ["int/null", False],
         "dtype": ["str/null", False],
         "text": ["bool/null", False],
+        "upstream_endpoint": ["str/null", False],
     },
     "gen_ready": {"run": ["int", True], "name": ["str", True], "error": ["str", True]},
     "gen_run_ready": {

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import structlog
 
+from zpipe.coordinator.membership import Member
+from zpipe.coordinator.runs.generation import GenerationLimits, generation_setups
+from zpipe.models import ModelSpec
 from zpipe.protocol.stage_control import Assign
-from zpipe.stage.assignment import sender_endpoints
+from zpipe.stage.assignment import generation_sender_endpoints, sender_endpoints
 from zpipe.stage.executors.lossy_peers import LossyPeers
 from zpipe.transport import address_auth
 from zpipe.transport.address_auth import (
@@ -126,3 +130,40 @@ def test_a_lossy_setup_admits_its_other_devices() -> None:
     assert "10.0.0.1" in allow and "10.0.0.3" in allow
     assert "10.0.0.2" not in allow  # itself (a non-loopback address): not a sender
     assert "10.0.0.4" not in allow
+
+
+def _members(hosts: list[str]) -> list[Member]:
+    return [
+        Member(
+            name=f"g{i}",
+            routing_id=b"r",
+            data_endpoint=f"tcp://{h}:5000",
+            info={},
+            public_key=None,
+            joined_at=0.0,
+            last_seen=0.0,
+        )
+        for i, h in enumerate(hosts)
+    ]
+
+
+def test_a_generation_setup_admits_its_upstream_and_the_first_stage_the_client() -> None:
+    # a ring: the first stage's steps come back from the last one, and the client
+    # submits to the first; every other stage hears only the one before it
+    limits = GenerationLimits(max_context=64, max_sequences=2, steps_in_flight=1,
+                              chunk_tokens=16, kv_budget_bytes=None, dtype=None)  # fmt: skip
+    spec = ModelSpec("mlp", {"dims": [2, 2]})
+    setups = generation_setups(
+        1, 1, spec, _members(["10.0.0.1", "10.0.0.2", "10.0.0.3"]), [(0, 1), (1, 2), (2, 3)],
+        limits, sink_endpoint="tcp://10.0.0.9:7000", keys={}, budget_tokens=None,
+    )  # fmt: skip
+    admitted = [peer_addresses(generation_sender_endpoints(s)) for s in setups]
+    assert admitted == [{"10.0.0.3", "10.0.0.9"}, {"10.0.0.1"}, {"10.0.0.2"}]
+    (alone,) = generation_setups(
+        1, 1, spec, _members(["10.0.0.1"]), [(0, 3)], limits,
+        sink_endpoint="tcp://10.0.0.9:7000", keys={}, budget_tokens=None,
+    )  # fmt: skip
+    assert generation_sender_endpoints(alone) == ["tcp://10.0.0.9:7000"]  # the client only
+    # a coordinator from before upstream_endpoint names nobody: the stage opens the port
+    older = replace(setups[1], upstream_endpoint=None)
+    assert generation_sender_endpoints(older) == []

@@ -220,6 +220,7 @@ def generation_setups(
                 chunk_tokens=limits.chunk_tokens,
                 upstream_key=keys.get(upstream) if upstream else None,
                 downstream_endpoint=members[(i + 1) % n].data_endpoint if downstream else None,
+                upstream_endpoint=members[i - 1].data_endpoint if upstream else None,
                 downstream_key=keys.get(downstream) if downstream else None,
                 sink_endpoint=sink_endpoint if first else None,
                 client_key=keys.get(CLIENT_NAME) if first else None,
