@@ -473,7 +473,8 @@ def _small_case() -> tuple[ModelProfile, ClusterSpec]:
     )
     cluster = ClusterSpec(
         (
-            ClusterDevice("small", memory_bytes=40 * MB, speed=1.0, bandwidth_mbps=1000),
+            # 2 samples: 16 MB of weights and gradients, 24 MB saved, 2 MB of running input
+            ClusterDevice("small", memory_bytes=42 * MB, speed=1.0, bandwidth_mbps=1000),
             ClusterDevice("big", memory_bytes=120 * MB, speed=0.5, bandwidth_mbps=1000),
             ClusterDevice("mid", memory_bytes=50 * MB, speed=1.0, bandwidth_mbps=1000),
         )
