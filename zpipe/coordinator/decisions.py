@@ -90,7 +90,7 @@ def replan_in_place(
     known = {m.name: p for m in survivors if (p := profiles.get(m.name)) is not None}
     if survivors and len(known) == len(survivors):
         profile = known[survivors[0].name]
-        cluster = cluster_from_members(survivors, known, links=links, margin=margin)
+        cluster = cluster_from_members(survivors, known, links=links, margin=margin, training=train)
     try:
         recovered = plan_recovery(
             plan,

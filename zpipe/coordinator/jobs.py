@@ -201,7 +201,7 @@ class JobRunner:
         profiles = await self._profiles_of(members, spec, batch, "float32", train=True)
         links = await self._measured_links(members)
         cluster = cluster_from_members(
-            members, profiles, links=links, margin=self.state.memory_margin
+            members, profiles, links=links, margin=self.state.memory_margin, training=True
         )
         return profiles[members[0].name], cluster
 

@@ -142,7 +142,7 @@ def base_bytes_of(member: Member) -> int:
 
 
 def model_rooms(
-    members: Sequence[Member], margin: float = DEFAULT_MEMORY_MARGIN
+    members: Sequence[Member], margin: float = DEFAULT_MEMORY_MARGIN, *, training: bool = False
 ) -> dict[str, int | None]:
     """Each device's room for its model: its budget (alike devices share the smallest,
     :func:`merge_alike_memory`) less the safety margin and its process's base; devices
@@ -157,7 +157,7 @@ def model_rooms(
             rooms[member.name] = None
             continue
         rooms[member.name] = model_room_bytes(
-            int(budget * 2**20), base_bytes=base_bytes_of(member), margin=margin
+            int(budget * 2**20), base_bytes=base_bytes_of(member), margin=margin, training=training
         )
         groups.setdefault((*_declared(member), budget), []).append(member.name)
     for names in groups.values():
@@ -173,6 +173,7 @@ def cluster_from_members(
     *,
     links: Mapping[tuple[str, str], ClusterLink] | None = None,
     margin: float = DEFAULT_MEMORY_MARGIN,
+    training: bool = False,
 ) -> ClusterSpec:
     """The planner's view of the registered stages.
 
@@ -181,13 +182,14 @@ def cluster_from_members(
     to the profile given with the run. ``links`` are measured links by
     (sender, receiver); a pair without one, and every hop to the client, is
     planned from the sender's declared outgoing link. Each device's memory is its
-    room for the model (:func:`model_rooms`, with the safety ``margin``).
+    room for the model (:func:`model_rooms`, with the safety ``margin``; to train, less
+    what training's machinery costs a process too).
     """
     if profiles is not None:
         profiles = merge_alike_profiles(members, profiles)
     devices = []
     planned: dict[tuple[str, str], ClusterLink] = {}
-    rooms = model_rooms(members, margin)
+    rooms = model_rooms(members, margin, training=training)
     for member in members:
         slowdown = float(member.info.get("slowdown") or 1.0)
         own = profiles.get(member.name) if profiles is not None else None

@@ -18,7 +18,13 @@ what this module predicts. A stage running units ``[i, j)`` on micro-batches of
   **optimizer state** (:data:`OPTIMIZER_STATE_COPIES` more copies: plain SGD 0,
   momentum 1, Adam 2) and the **saved-for-backward** bytes (the profile's
   ``activation_bytes``) of every micro-batch in flight (the stage's warm-up ``K``);
-  the forward's transient above is counted once, for the one micro-batch that runs;
+  the forward's transient above is counted once, for the one micro-batch that runs,
+  or the optimizer step's temporaries instead where they are larger
+  (:data:`OPTIMIZER_STEP_COPIES` copies of the weights: torch's multi-tensor Adam
+  makes two, plain SGD none), as the step runs after the backward; and what torch's
+  training machinery costs a process the first time it runs, whatever the model
+  (:data:`TRAINING_RUNTIME_BYTES`: the optimizer's first step),
+  which like the base is taken off a device's room, not added to a stage's model;
 - the **process base**: what the stage process holds before its model arrives
   (the interpreter, torch, zpipe, the sockets). A stage measures its resident
   memory when it registers and reports it (``Register.base_bytes``); a stage that
@@ -44,15 +50,25 @@ from zpipe._errors import ConfigError
 from zpipe.planner.profile import ModelProfile
 
 MIB = 2**20
-# A CPU stage process before its model arrives: Python, torch 2.x, zpipe's stage
-# modules and sockets, measured resident (VmRSS) on x86-64 Linux at 238 MiB.
-DEFAULT_STAGE_BASE_BYTES = 240 * MIB
+# A CPU stage process before its model arrives: Python, torch 2.x with torch._dynamo
+# (which a stage imports before it registers: zpipe.lazy_torch), zpipe's stage modules
+# and sockets, measured resident (VmRSS) on x86-64 Linux at 310 MiB.
+DEFAULT_STAGE_BASE_BYTES = 320 * MIB
 # The fraction added to every prediction before it is compared with a budget: what
 # the prediction does not see (allocator fragmentation, message buffers in flight).
 DEFAULT_MEMORY_MARGIN = 0.1
 MAX_MEMORY_MARGIN = 10.0
 # Copies of the weights an optimizer keeps beside them (momentum: 1, Adam's moments: 2).
 OPTIMIZER_STATE_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+# Copies of the weights an optimizer's step allocates for a moment (torch 2.x's
+# multi-tensor "foreach" Adam: the square root of the second moment and a quotient;
+# measured as a peak 2.0-2.1x the stage's weights above what the step leaves; SGD with
+# momentum's 1 is on the safe side, not measured).
+OPTIMIZER_STEP_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+# What training adds to a stage process the first time it runs, whatever the model:
+# the optimizer's first step (measured 7-8 MiB resident, torch 2.x, x86-64, with
+# torch._dynamo already imported, as a stage imports it before it registers).
+TRAINING_RUNTIME_BYTES = 10 * MIB
 
 
 def optimizer_state_copies(optimizer: str) -> int:
@@ -86,16 +102,20 @@ class StageMemory:
     optimizer: int = 0
     saved: int = 0
     base: int = 0
+    step: int = 0  # the optimizer step's temporaries (the step runs apart from a forward)
+    runtime: int = 0  # what training's machinery costs a process (TRAINING_RUNTIME_BYTES)
 
     @property
     def model(self) -> int:
         """Everything but the process base: what a planner fits into a device's room."""
-        return self.weights + self.forward + self.gradients + self.optimizer + self.saved
+        transient = max(self.forward, self.step)
+        return self.weights + transient + self.gradients + self.optimizer + self.saved
 
     @property
     def total(self) -> int:
-        """The process's predicted peak resident memory."""
-        return self.model + self.base
+        """The process's predicted peak resident memory: the model's part, the process's
+        base and, for training, what training's machinery costs it."""
+        return self.model + self.base + self.runtime
 
     def with_margin(self, margin: float) -> int:
         """What a budget must hold for this stage: the total plus the safety margin."""
@@ -139,14 +159,19 @@ def predict_stage(
         optimizer=copies * int(weights),
         saved=max(0, int(in_flight)) * int(saved),
         base=int(base),
+        step=OPTIMIZER_STEP_COPIES[optimizer] * int(weights),
+        runtime=TRAINING_RUNTIME_BYTES,
     )
 
 
-def model_room_bytes(budget_bytes: int, *, base_bytes: int, margin: float) -> int:
+def model_room_bytes(
+    budget_bytes: int, *, base_bytes: int, margin: float, training: bool = False
+) -> int:
     """What a stage process with ``budget_bytes`` gives its model: the budget less the
-    margin, less the process base; at least 1 (a device too small for its own base
-    holds nothing a planner can place)."""
-    room = math.floor(budget_bytes / (1 + check_margin(margin))) - int(base_bytes)
+    margin, less the process base (and, to train, :data:`TRAINING_RUNTIME_BYTES`); at
+    least 1 (a device too small for its own base holds nothing a planner can place)."""
+    fixed = int(base_bytes) + (TRAINING_RUNTIME_BYTES if training else 0)
+    room = math.floor(budget_bytes / (1 + check_margin(margin))) - fixed
     return max(1, room)
 
 

@@ -39,7 +39,10 @@ def in_flight_capacity(costs: TrainingCosts, device: ClusterDevice, start: int, 
     b = costs.microbatch_size
     saved = costs.saved_bytes(start, end, b)
     # beside the weights, their state and the one forward that runs (the memory model)
-    running = float(costs.running_bytes(start, end, b))
+    running = max(
+        float(costs.running_bytes(start, end, b)),
+        costs.step_copies * costs.weight_bytes(start, end),
+    )
     room = device.memory_bytes - costs.static_bytes(start, end) - running
     if saved <= 0:
         return 1 << 30 if room >= 0 else 0

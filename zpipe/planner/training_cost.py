@@ -12,7 +12,7 @@ device group; a device that runs ``y`` of them costs:
   model profile's, unit by unit, by its forward times when its profile has
   none); any other device divides the model profile's times by its speed.
 - memory (eq. 3 with the running forward, :mod:`zpipe.planner.memory`, the one
-  memory model): ``Mem = MOD + OPT + K x ACT(y) + F(y)``: ``MOD`` is the stage's
+  memory model): ``Mem = MOD + OPT + K x ACT(y) + max(F(y), step)``: ``MOD`` is the stage's
   weights twice (the weights and the gradients accumulated over the
   mini-batch), ``OPT`` the optimizer's state, ``copies`` more times the
   weights (:data:`OPTIMIZER_STATE_COPIES`: plain SGD 0, SGD with momentum 1,
@@ -20,9 +20,10 @@ device group; a device that runs ``y`` of them costs:
   at ``y`` samples, held for ``K`` micro-batches at once (the stage's warm-up
   K_p), and ``F(y)`` the running forward's peak by the tight rule (the largest
   unit's peak plus the stage's input), read between profiled sizes as ``ACT``
-  is. Weights are the profile's ``param_bytes``, which include buffers
-  (BatchNorm statistics): slightly more than the trainable parameters, on the
-  safe side.
+  is, or the optimizer step's temporaries where larger (``OPTIMIZER_STEP_COPIES``
+  copies of the weights: Adam 2, plain SGD 0). Weights are the profile's
+  ``param_bytes``, which include buffers (BatchNorm statistics): slightly more
+  than the trainable parameters, on the safe side.
 - the stage's forward and backward time (eq. 8): the slowest device's.
 - the all-reduce of the stage's gradients at the end of the round (eq. 5):
   ``2 (n - 1) / n x W / b_min`` for a ring over the group's ``n`` devices, with
@@ -56,6 +57,7 @@ from zpipe.planner.allocation import allocate_microbatch
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.memory import (
     OPTIMIZER_STATE_COPIES,
+    OPTIMIZER_STEP_COPIES,
     optimizer_state_copies,
     tight_forward_matrix,
     unit_inputs,
@@ -139,6 +141,7 @@ class TrainingCosts:
         self.num_units = profile.num_units
         self.optimizer = optimizer
         self.state_copies = optimizer_state_copies(optimizer)
+        self.step_copies = OPTIMIZER_STEP_COPIES[optimizer]
         sizes, b = profile.batch_sizes, microbatch_size
         self._weights = _prefix(np.asarray(profile.param_bytes(), dtype=np.float64))
         self._saved = _prefix(_table(profile, [profile.activation_bytes(s) for s in sizes], b))
@@ -268,20 +271,21 @@ class TrainingCosts:
         return np.where(ys > sizes[-1], values[..., -1] * ys / sizes[-1], inside)
 
     def memory_bytes(self, start: int, end: int, share: int, warmup: int) -> float:
-        """Asteroid's eq. 3 with the running forward: ``MOD + OPT + K x ACT(share) +
-        F(share)`` with ``K = warmup`` (no samples: no activations, no forward)."""
+        """Asteroid's eq. 3 with the running forward or the optimizer's step: ``MOD +
+        OPT + K x ACT(share) + max(F(share), step)`` with ``K = warmup``."""
         return self.static_bytes(start, end) + self._activations(start, end, warmup)[share]
 
     def _activations(self, start: int, end: int, warmup: int) -> list[float]:
-        """``K x ACT(y) + F(y)`` of units ``[start, end)`` at every share ``0..B``
-        (never decreasing)."""
+        """``K x ACT(y) + max(F(y), step)`` of units ``[start, end)`` at every share
+        ``0..B`` (never decreasing)."""
         key = (start, end, warmup)
         row = self._activation_rows.get(key)
         if row is None:
             shares = np.arange(self.microbatch_size + 1)
             saved = self._saved[:, end] - self._saved[:, start]
             running = self.running_bytes(start, end, shares)
-            row = self._activation_rows[key] = (warmup * saved + running).tolist()
+            transient = np.maximum(running, self.step_copies * self.weight_bytes(start, end))
+            row = self._activation_rows[key] = (warmup * saved + transient).tolist()
         return row
 
     def max_share(self, device: ClusterDevice, start: int, end: int, warmup: int) -> int:
@@ -303,9 +307,9 @@ class TrainingCosts:
         b = self.microbatch_size
         if device.memory_bytes is None:
             return np.full(starts.shape, b, dtype=np.int64)
-        room = device.memory_bytes - (2 + self.state_copies) * (
-            self._weights[ends] - self._weights[starts]
-        )
+        weights = self._weights[ends] - self._weights[starts]
+        room = device.memory_bytes - (2 + self.state_copies) * weights
+        step = self.step_copies * weights
         # bisect.bisect_right over the shares 0..B, row by row
         lo = np.zeros(starts.shape, dtype=np.int64)
         hi = np.full(starts.shape, b + 1, dtype=np.int64)
@@ -316,7 +320,7 @@ class TrainingCosts:
             mid = (lo + hi) // 2
             at = np.minimum(mid, b)
             need = warmup * (self._saved[at, ends] - self._saved[at, starts])
-            below = room < need + self.running_bytes(starts, ends, at)
+            below = room < need + np.maximum(self.running_bytes(starts, ends, at), step)
             hi = np.where(searching & below, mid, hi)
             lo = np.where(searching & ~below, mid + 1, lo)
         return np.where(room < 0, -1, lo - 1)

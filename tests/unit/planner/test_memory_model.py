@@ -15,6 +15,7 @@ from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.memory import (
     DEFAULT_MEMORY_MARGIN,
     DEFAULT_STAGE_BASE_BYTES,
+    TRAINING_RUNTIME_BYTES,
     StageMemory,
     check_margin,
     inference_need_matrix,
@@ -60,7 +61,10 @@ def test_training_adds_gradients_optimizer_state_and_saved_per_micro_batch(
         in_flight=3,
     )
     assert (need.gradients, need.optimizer, need.saved) == (1000, copies * 1000, 600)
-    assert need.model == 1000 + 50 + 1000 + copies * 1000 + 600
+    # the step's temporaries (copies of the weights) or the forward, whichever is larger
+    assert need.step == copies * 1000
+    assert need.model == 1000 + max(50, copies * 1000) + 1000 + copies * 1000 + 600
+    assert need.total == need.model + TRAINING_RUNTIME_BYTES
     with pytest.raises(ConfigError, match="unknown optimizer"):
         predict_stage(weights=1, unit_peaks=[1], stage_input=0, training=True, optimizer="x")
 

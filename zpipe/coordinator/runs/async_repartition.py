@@ -193,7 +193,7 @@ class LiveRepartitioning:
             return None
         try:
             return cluster_from_members(
-                known, links=state.measured_links(known), margin=state.memory_margin
+                known, links=state.measured_links(known), margin=state.memory_margin, training=True
             )
         except ConfigError:  # a stage declared a link the planner refuses
             return None
