@@ -13,7 +13,7 @@ from zpipe._errors import ConfigError
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import choose_plan, cluster_from_members, merge_alike_profiles
 from zpipe.planner import CLIENT
-from zpipe.planner.memory import DEFAULT_STAGE_BASE_BYTES
+from zpipe.planner.memory import COMPUTE_RUNTIME_BYTES, DEFAULT_STAGE_BASE_BYTES
 from zpipe.planner.profile import ModelProfile, synthetic_profile
 
 
@@ -60,8 +60,9 @@ def test_a_device_is_its_budget_less_the_margin_and_its_reported_base() -> None:
     reported.info["base_bytes"] = 100 * 2**20  # what Register.base_bytes carried
     silent = member("b", memory_mb=1024.0, slowdown=2.0)  # an older stage reports none
     cluster = cluster_from_members([reported, silent], margin=0.25)
-    assert cluster.device("a").memory_bytes == int(1024 * 2**20 / 1.25) - 100 * 2**20
-    assert cluster.device("b").memory_bytes == int(1024 * 2**20 / 1.25) - DEFAULT_STAGE_BASE_BYTES
+    room = int(1024 * 2**20 / 1.25) - COMPUTE_RUNTIME_BYTES
+    assert cluster.device("a").memory_bytes == room - 100 * 2**20
+    assert cluster.device("b").memory_bytes == room - DEFAULT_STAGE_BASE_BYTES
 
 
 def test_without_own_profiles_speed_is_one_over_slowdown() -> None:

@@ -37,7 +37,7 @@ from zpipe.devices import (
 from zpipe.models import ModelSpec
 from zpipe.peak_memory import peak_bytes
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
-from zpipe.planner.memory import DEFAULT_STAGE_BASE_BYTES
+from zpipe.planner.memory import COMPUTE_RUNTIME_BYTES, DEFAULT_STAGE_BASE_BYTES
 from zpipe.planner.profile import training_profile_sizes
 from zpipe.planner.training_cost import TrainingCosts
 from zpipe.stage.config import StageConfig
@@ -386,8 +386,9 @@ def test_alike_devices_share_their_smallest_measured_memory() -> None:
     assert merged == {"a": 1000.0, "b": 1000.0, "c": 4000.0, "g": 1050.0, "old": 700.0}
     cluster = cluster_from_members(members, margin=0.0)
     # each device is its budget less its process's base (the default: none was reported)
-    assert cluster.device("b").memory_bytes == 1000 * MIB - DEFAULT_STAGE_BASE_BYTES
-    assert cluster.device("g").memory_bytes == 1050 * MIB - DEFAULT_STAGE_BASE_BYTES
+    fixed = DEFAULT_STAGE_BASE_BYTES + COMPUTE_RUNTIME_BYTES
+    assert cluster.device("b").memory_bytes == 1000 * MIB - fixed
+    assert cluster.device("g").memory_bytes == 1050 * MIB - fixed
 
 
 # --------------------------------------------------------------------------- install

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.planner.cluster import CLIENT, ClusterDevice, ClusterSpec
 from zpipe.planner.cost import fmt_bytes
+from zpipe.planner.memory import predict_stage
 from zpipe.planner.plan import Plan
 from zpipe.planner.profile import MAX_BYTES, MAX_UNIT_TIME_S
 
@@ -164,12 +165,19 @@ def stage_memory(
     """The memory of a stage running ``units[start:end]`` (see the module docstring)."""
     span = units[start:end]
     tokens = max(workload.prefill_chunk, workload.decode_batch)
-    return StageMemory(
+    # weights and working set by the one memory model (zpipe.planner.memory); a unit's
+    # working set per token counts its input, so the stage's input adds nothing here
+    model = predict_stage(
         weights=sum(u.weight_bytes for u in span),
+        unit_peaks=[tokens * u.activation_bytes_per_token for u in span] or [0],
+        stage_input=0,
+    )
+    return StageMemory(
+        weights=model.weights,
         kv_cache=sum(u.kv_bytes_per_token for u in span)
         * workload.max_context
         * workload.sequences,
-        activations=tokens * max((u.activation_bytes_per_token for u in span), default=0),
+        activations=model.forward,
     )
 
 

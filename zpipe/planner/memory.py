@@ -25,6 +25,9 @@ what this module predicts. A stage running units ``[i, j)`` on micro-batches of
   training machinery costs a process the first time it runs, whatever the model
   (:data:`TRAINING_RUNTIME_BYTES`: the optimizer's first step),
   which like the base is taken off a device's room, not added to a stage's model;
+- the **runtime**: what running any model costs the process the first time
+  (:data:`COMPUTE_RUNTIME_BYTES`: the CPU kernels' workspaces, which no unit's
+  profiled peak counts; like the base it is taken off a device's room);
 - the **process base**: what the stage process holds before its model arrives
   (the interpreter, torch, zpipe, the sockets). A stage measures its resident
   memory when it registers and reports it (``Register.base_bytes``); a stage that
@@ -65,6 +68,10 @@ OPTIMIZER_STATE_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2
 # measured as a peak 2.0-2.1x the stage's weights above what the step leaves; SGD with
 # momentum's 1 is on the safe side, not measured).
 OPTIMIZER_STEP_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+# What a stage process's first forward adds, whatever the model: the CPU kernels'
+# workspaces and caches (oneDNN, the BLAS, the thread pool), which no unit's profiled
+# peak counts; measured 6 MiB (an MLP) to 29 MiB (ViT-Base's attention) at one sample.
+COMPUTE_RUNTIME_BYTES = 24 * MIB
 # What training adds to a stage process the first time it runs, whatever the model:
 # the optimizer's first step (measured 7-8 MiB resident, torch 2.x, x86-64, with
 # torch._dynamo already imported, as a stage imports it before it registers).
@@ -150,7 +157,9 @@ def predict_stage(
     """
     forward = tight_forward_bytes(unit_peaks, stage_input)
     if not training:
-        return StageMemory(weights=int(weights), forward=forward, base=int(base))
+        return StageMemory(
+            weights=int(weights), forward=forward, base=int(base), runtime=runtime_bytes(False)
+        )
     copies = optimizer_state_copies(optimizer)
     return StageMemory(
         weights=int(weights),
@@ -160,17 +169,23 @@ def predict_stage(
         saved=max(0, int(in_flight)) * int(saved),
         base=int(base),
         step=OPTIMIZER_STEP_COPIES[optimizer] * int(weights),
-        runtime=TRAINING_RUNTIME_BYTES,
+        runtime=runtime_bytes(True),
     )
+
+
+def runtime_bytes(training: bool) -> int:
+    """What running a model costs a stage process whatever the model: the first
+    forward's kernel workspaces, and to train the optimizer's first step."""
+    return COMPUTE_RUNTIME_BYTES + (TRAINING_RUNTIME_BYTES if training else 0)
 
 
 def model_room_bytes(
     budget_bytes: int, *, base_bytes: int, margin: float, training: bool = False
 ) -> int:
     """What a stage process with ``budget_bytes`` gives its model: the budget less the
-    margin, less the process base (and, to train, :data:`TRAINING_RUNTIME_BYTES`); at
+    margin, less the process base and :func:`runtime_bytes`; at
     least 1 (a device too small for its own base holds nothing a planner can place)."""
-    fixed = int(base_bytes) + (TRAINING_RUNTIME_BYTES if training else 0)
+    fixed = int(base_bytes) + runtime_bytes(training)
     room = math.floor(budget_bytes / (1 + check_margin(margin))) - fixed
     return max(1, room)
 

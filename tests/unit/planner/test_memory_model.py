@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from zpipe._errors import ConfigError
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.memory import (
+    COMPUTE_RUNTIME_BYTES,
     DEFAULT_MEMORY_MARGIN,
     DEFAULT_STAGE_BASE_BYTES,
     TRAINING_RUNTIME_BYTES,
@@ -42,9 +43,9 @@ def test_the_forward_peak_is_the_largest_unit_plus_the_stage_input_not_the_sum()
 
 def test_inference_is_weights_plus_forward_plus_base() -> None:
     need = predict_stage(weights=1000, unit_peaks=[30, 40], stage_input=10, base=5000)
-    assert need == StageMemory(weights=1000, forward=50, base=5000)
-    assert need.model == 1050 and need.total == 6050
-    assert need.with_margin(0.1) == 6655
+    assert need == StageMemory(weights=1000, forward=50, base=5000, runtime=COMPUTE_RUNTIME_BYTES)
+    assert need.model == 1050 and need.total == 6050 + COMPUTE_RUNTIME_BYTES
+    assert StageMemory(weights=1000, forward=50, base=5000).with_margin(0.1) == 6655
 
 
 @pytest.mark.parametrize(("optimizer", "copies"), [("sgd", 0), ("sgd-momentum", 1), ("adam", 2)])
@@ -64,7 +65,7 @@ def test_training_adds_gradients_optimizer_state_and_saved_per_micro_batch(
     # the step's temporaries (copies of the weights) or the forward, whichever is larger
     assert need.step == copies * 1000
     assert need.model == 1000 + max(50, copies * 1000) + 1000 + copies * 1000 + 600
-    assert need.total == need.model + TRAINING_RUNTIME_BYTES
+    assert need.total == need.model + COMPUTE_RUNTIME_BYTES + TRAINING_RUNTIME_BYTES
     with pytest.raises(ConfigError, match="unknown optimizer"):
         predict_stage(weights=1, unit_peaks=[1], stage_input=0, training=True, optimizer="x")
 
@@ -72,11 +73,12 @@ def test_training_adds_gradients_optimizer_state_and_saved_per_micro_batch(
 def test_the_room_for_the_model_takes_the_margin_and_the_base_off_the_budget() -> None:
     budget = 1024 * 2**20
     room = model_room_bytes(budget, base_bytes=DEFAULT_STAGE_BASE_BYTES, margin=0.1)
-    assert room == int(budget / 1.1) - DEFAULT_STAGE_BASE_BYTES
+    assert room == int(budget / 1.1) - DEFAULT_STAGE_BASE_BYTES - COMPUTE_RUNTIME_BYTES
     # a stage fits its budget exactly when its model fits the room
-    fits = StageMemory(weights=room, forward=0, base=DEFAULT_STAGE_BASE_BYTES)
+    base, runtime = DEFAULT_STAGE_BASE_BYTES, COMPUTE_RUNTIME_BYTES
+    fits = StageMemory(weights=room, forward=0, base=base, runtime=runtime)
     assert fits.with_margin(0.1) <= budget
-    over = StageMemory(weights=room + 2**20, forward=0, base=DEFAULT_STAGE_BASE_BYTES)
+    over = StageMemory(weights=room + 2**20, forward=0, base=base, runtime=runtime)
     assert over.with_margin(0.1) > budget
     assert model_room_bytes(100 * 2**20, base_bytes=DEFAULT_STAGE_BASE_BYTES, margin=0) == 1
     assert 0 <= DEFAULT_MEMORY_MARGIN < 1
