@@ -3,12 +3,13 @@
 For each model (ViT, BERT, a CNN and an MLP, small configurations) the parent
 profiles the units (``--train``: forward peaks, bytes saved for the backward) at
 micro-batch sizes 1, B/4, B/2 and B, splits the units evenly into ``--stages``
-stages, and for every stage, size and mode (inference, training) starts a
-**fresh worker process** that does what a stage process does: imports torch,
-zpipe's stage modules and torch._dynamo (a stage's preload, zpipe.lazy_torch), keeps freed memory as a stage does (``--retain-memory-mb``'s
-default), measures its resident memory before any model (its **base**, what a
-stage reports when it registers: ``Register.base_bytes``), builds its units, loads
-the input it would receive, and runs
+stages, and for every stage and mode (inference, training) starts a **fresh
+worker process** that does what a stage process does: imports torch, zpipe's
+stage modules and torch._dynamo (a stage's preload, zpipe.lazy_torch), keeps
+freed memory as a stage does (``--retain-memory-mb``'s default), measures its
+resident memory before any model (its **base**, what a stage reports when it
+registers: ``Register.base_bytes``), builds its units, and for each size loads the
+input it would receive and runs
 
 - inference: two forwards under ``torch.inference_mode`` (as a stage serves);
 - training: two micro-batches through the stage's ``TrainShard`` (forward,
