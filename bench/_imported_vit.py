@@ -13,12 +13,11 @@ Every tensor of the random-init model gets small seeded noise on top of its
 initialisation: transformers starts biases at zero and LayerNorms at one, which
 would let a bias or a norm mapped to the wrong place go unnoticed.
 
-Memory per stage: the planners' prediction ``M(i..j)`` (the sum over the
-stage's units of their profiled weights plus activation memory, PipeEdge's
-additive model) at the micro-batch size, against the stage's weights plus its
-input plus the peak its forward allocates (zpipe.peak_memory, as
-bench/memory.py measures it; its "tight" figure too: the largest unit's activation
-memory plus the stage's input), and the stage process's own resident memory:
+Memory per stage: the planners' prediction (zpipe.planner.memory's model part:
+the stage's weights plus the largest unit's activation memory plus the stage's
+input, the "tight" figure, which this also reports by its own arithmetic) at the
+micro-batch size, against the stage's weights plus its input plus the peak its
+forward allocates (zpipe.peak_memory), and the stage process's own resident memory:
 its peak (``VmHWM``) after the timed runs and how much that grew from before
 the model was sent to it (which includes receive buffers and the runtime's
 allocations, not only the model's).
@@ -48,6 +47,7 @@ from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence, run_units
 from zpipe.peak_memory import PeakMemory
 from zpipe.planner import Plan
+from zpipe.planner.memory import profile_stage_memory
 from zpipe.stage.profiling import profile_model
 
 BENCH = "inference"
@@ -157,7 +157,6 @@ def stage_memory_rows(
     """Per stage of ``plan``: predicted memory against measured (see the docstring)."""
     size = int(microbatch[0].shape[0])
     profile = profile_model(spec, batch_sizes=[size], warmup=1, repeats=1)
-    predicted = profile.memory_bytes(size)
     sequence = load_layer_sequence(spec)
     inputs = microbatch
     rows = []
@@ -171,7 +170,8 @@ def stage_memory_rows(
         with torch.inference_mode(), PeakMemory.on(torch.device("cpu")) as peak:
             outputs = run_units(units, inputs)
         measured = weights + _nbytes(inputs) + peak.bytes
-        stage_predicted = sum(predicted[stage.start : stage.end])
+        # the planners' prediction: the one memory model (zpipe.planner.memory)
+        stage_predicted = profile_stage_memory(profile, stage.start, stage.end, size).model
         # bench/memory.py's "tight" figure: the largest unit's activation memory, plus
         # the stage's input that its sender keeps alive while later units run
         activations = [u.memory_bytes[0] for u in profile.units[stage.start : stage.end]]

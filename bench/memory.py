@@ -1,169 +1,356 @@
-"""Memory per stage: what the planners predict from a profile against what a stage uses.
+"""Memory per stage: the one memory model's prediction against a stage process's peak.
 
-One process, no network: the model is profiled (``--train``), partitioned evenly
-into ``--stages`` stages, and each stage's shard is built and run on the input
-it would receive, on ``--device``. Per stage:
+For each model (ViT, BERT, a CNN and an MLP, small configurations) the parent
+profiles the units (``--train``: forward peaks, bytes saved for the backward) at
+micro-batch sizes 1, B/4, B/2 and B, splits the units evenly into ``--stages``
+stages, and for every stage and mode (inference, training) starts a **fresh
+worker process** that does what a stage process does: imports torch, zpipe's
+stage modules and torch._dynamo (a stage's preload, zpipe.lazy_torch), keeps
+freed memory as a stage does (``--retain-memory-mb``'s default), measures its
+resident memory before any model (its **base**, what a stage reports when it
+registers: ``Register.base_bytes``), builds its units, and for each size loads the
+input it would receive and runs
 
-- forward (inference), the planners' ``M(i..j)`` (PipeEdge Alg. 1, additive):
-  the sum over the stage's units of their profiled activation memory (each
-  unit's input plus the peak its forward allocates). ``tight`` is the
-  largest single unit's figure plus the stage's input (which its sender
-  keeps alive while later units run) instead of the sum; ``estimate`` is the
-  profiler's former figure, each unit's input plus output, summed. Measured: the stage's
-  input plus the peak its whole forward allocates (zpipe.peak_memory: CUDA's
-  allocator statistics, live tensor storages on the CPU).
-- saved for backward (training, Asteroid eq. 3's ``ACT``): the sum of the
-  units' profiled ``activation_bytes`` against what the stage's training
-  forward keeps for its backward (saved tensors, each storage counted once
-  over the whole stage, as the stage's counters count it) and, as a second
-  measurement, what is still allocated after that forward (saved tensors and
-  outputs; the allocator's count on CUDA).
+- inference: two forwards under ``torch.inference_mode`` (as a stage serves);
+- training: two micro-batches through the stage's ``TrainShard`` (forward,
+  backward with a gradient of the output's shape, then the optimizer's step; one
+  micro-batch in flight, K = 1), with ``--optimizer`` (default Adam: two copies of
+  the weights of state).
 
-Why the predictions err high (the numbers this prints):
+**Measured** is the worker's peak resident memory (``VmHWM`` of
+``/proc/self/status``, else ``ru_maxrss``): everything the process held at its
+worst, not only what torch's allocator counts. One worker runs a stage's sizes
+smallest first and sets its peak back to what it holds between them (Linux's
+``clear_refs``; ``--fresh-per-size`` starts one process per size instead).
+**Predicted** is :func:`zpipe.planner.memory.profile_stage_memory` with the
+worker's measured base (what the planner is given) and the safety margin the
+limit check adds (``--margin``, default the coordinator's ``--memory-margin``):
+``predicted_over_measured`` is what a budget is checked against over what the
+process used; ``unmargined_over_measured`` the model alone. The transport's copies
+of messages are not part of this bench (a stage's socket buffers; the margin
+covers them).
 
-- forward, additive: the sum adds peaks that never coexist (one unit's
-  intermediates are freed before the next runs) and counts every boundary
-  tensor twice (as one unit's output and the next one's input). For a stage
-  of ``n`` similar units that is close to ``n`` times the largest unit's
-  figure; ``tight`` is close to what the stage needs. The planner
-  keeps PipeEdge's additive model: it is the paper's, and safe.
-- saved for backward: a tensor between two units that both save it (a ReLU
-  its output, the next Linear its input) is counted by each, a few percent.
+Output: one JSON line per (model, stage, size, mode), then a summary with
+``predicted_over_measured_min`` / ``_median`` / ``_max`` over all of them (the goal:
+every ratio within 1.0 .. 1.3), the same without the margin
+(``unmargined_over_measured_*``) and for the model's part alone
+(``model_predicted_over_measured_*``: predicted and measured less the base and
+training's runtime, the ratio the base would otherwise hide), and the process base cost
+(``base_mib_min`` / ``_median`` / ``_max``, against the planner's default
+``DEFAULT_STAGE_BASE_BYTES``).
 
-Weights are exact in both (parameter and buffer bytes) and are left out of the
-ratios, which would otherwise hide the activation error behind them.
-
-Output: one JSON line per stage, then a summary with the ratio ranges
-(``forward_pred_over_measured``, ``forward_tight_over_measured``,
-``saved_pred_over_measured``) over the stages.
-
-Run: ``.venv/bin/python bench/memory.py`` (``--help`` for options).
+Run: ``.venv/bin/python bench/memory.py`` (``--help`` for options; about 4-8
+minutes on 2 busy cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-
 from bench._common import emit, loadavg, on_alarm, summary
-from zpipe.devices import resolve_device
-from zpipe.models import ModelSpec, load_layer_sequence, run_units
-from zpipe.peak_memory import PeakMemory
-from zpipe.planner.plan import plan_even_partition
-from zpipe.stage.executors.training_shard import TrainShard
-from zpipe.stage.profiling import profile_model
 
 MIB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
+# Small configurations whose model part is tens to hundreds of MiB (so the base does
+# not hide it) and that run in seconds on one core.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "vit": ("vit-base", {"num_layers": 2}),
+    "bert": ("bert-base", {"num_layers": 2, "seq_len": 128, "max_positions": 128}),
+    "cnn": (
+        "cnn-small",
+        {"channels": [64, 128, 256, 256], "image_size": 96, "in_channels": 3},
+    ),
+    "mlp": ("mlp-small", {"dims": [2048, 4096, 4096, 2048, 10]}),
+}
 
 
-def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+# --------------------------------------------------------------------------- worker
+
+
+def _reset_peak() -> bool:
+    """Set this process's peak resident memory back to what it holds now (Linux 4.0+:
+    ``clear_refs`` 5), so that one process measures several sizes in turn."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _worker(job: dict[str, Any]) -> dict[str, Any]:
+    """One stage's work in this fresh process at each size in turn (smallest first, as
+    a stage that serves them all would); its base and its peak resident memory at each."""
+    import gc
+
+    import torch
+
+    import zpipe.stage.runtime  # noqa: F401  (what a stage process has imported)
+    from zpipe.devices import peak_resident_bytes, stage_base_bytes
+    from zpipe.lazy_torch import import_lazy_torch_modules
+    from zpipe.models import ModelSpec, load_layer_sequence, run_units
+    from zpipe.stage.executors.training_shard import TrainShard
+    from zpipe.transport.allocator import retain_freed_memory
+
+    import_lazy_torch_modules()  # as a stage does before it registers
+    retain_freed_memory(job["retain_mb"])  # a stage's default
+    torch.set_num_threads(job["threads"])
+    base = stage_base_bytes("cpu") or 0  # before any model: what registration reports
+    spec = ModelSpec.from_dict(job["spec"])
+    units = load_layer_sequence(spec).build_units(job["start"], job["end"])
+    shard = None
+    if job["mode"] == "training":
+        shard = TrainShard(
+            units,
+            start=job["start"],
+            first=job["start"] == 0,
+            last=False,
+            loss="mse",
+            optimizer={"name": job["optimizer"], "lr": 1e-4},
+        )
+    peaks = []
+    for path in job["inputs"]:
+        gc.collect()
+        if len(job["inputs"]) > 1 and not _reset_peak():
+            raise RuntimeError("cannot reset the peak resident memory: use --fresh-per-size")
+        inputs = tuple(torch.load(path, weights_only=True))
+        if shard is None:
+            for _ in range(2):
+                with torch.inference_mode():
+                    outputs = run_units(units, inputs)
+                del outputs
+        else:
+            for mb in range(2):
+                sent, _, _ = shard.forward(mb, inputs)
+                grads = tuple(torch.ones_like(t) for t in sent)
+                del sent
+                shard.backward(mb, grads)
+                del grads
+                shard.step()
+        del inputs
+        peaks.append(peak_resident_bytes() or 0)
+    return {"base_bytes": base, "peaks": peaks}
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def _run_worker(job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"worker {job['model']} failed: {done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _jobs(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """Profile each model, cut it into stages and save each stage's input; the jobs."""
+    import torch
+
+    from zpipe.models import ModelSpec, load_layer_sequence, run_units
+    from zpipe.planner.plan import plan_even_partition
+    from zpipe.planner.profile import training_profile_sizes
+    from zpipe.stage.profiling import profile_model
+
+    torch.set_num_threads(args.threads)
+    sizes = training_profile_sizes(args.batch)
+    jobs = []
+    for name in args.models:
+        preset, overrides = MODELS[name]
+        spec = ModelSpec.preset(preset, **overrides)
+        profile = profile_model(spec, batch_sizes=sizes, warmup=0, repeats=1, train=True)
+        sequence = load_layer_sequence(spec)
+        plan = plan_even_partition(profile.num_units, [f"s{i}" for i in range(args.stages)])
+        units = sequence.build_units(0, profile.num_units)
+        paths: dict[tuple[int, int], str] = {}
+        for b in sizes:
+            inputs = sequence.example_input(b, seed=b)
+            for index, stage in enumerate(plan.stages):
+                path = workdir / f"{name}-{index}-{b}.pt"
+                torch.save(list(inputs), path)
+                paths[index, b] = str(path)
+                with torch.inference_mode():
+                    inputs = tuple(run_units(units[stage.start : stage.end], inputs))
+        groups = [[b] for b in sizes] if args.fresh_per_size else [sizes]
+        for index, stage in enumerate(plan.stages):
+            for mode in args.modes:
+                for group in groups:
+                    jobs.append(
+                        {
+                            "model": name,
+                            "spec": spec.to_dict(),
+                            "profile": profile.to_dict(),
+                            "stage": index,
+                            "start": stage.start,
+                            "end": stage.end,
+                            "sizes": group,
+                            "inputs": [paths[index, b] for b in group],
+                            "mode": mode,
+                            "optimizer": args.optimizer,
+                            "threads": args.threads,
+                            "retain_mb": args.retain_mb,
+                            "margin": args.margin,
+                        }
+                    )
+    return jobs
+
+
+def _rows(job: dict[str, Any], measured: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        _row({**job, "batch": b}, measured["base_bytes"], peak, job["margin"])
+        for b, peak in zip(job["sizes"], measured["peaks"], strict=True)
+    ]
+
+
+def _row(job: dict[str, Any], base: int, peak: int, margin: float) -> dict[str, Any]:
+    from zpipe.planner.memory import profile_stage_memory
+    from zpipe.planner.profile import ModelProfile
+
+    profile = ModelProfile.from_dict(job["profile"], source="the bench's profile")
+    need = profile_stage_memory(
+        profile,
+        job["start"],
+        job["end"],
+        job["batch"],
+        training=job["mode"] == "training",
+        optimizer=job["optimizer"],
+        in_flight=1,
+        base=base,
+    )
+    return {
+        "bench": "memory",
+        "model": job["model"],
+        "stage": job["stage"],
+        "units": [job["start"], job["end"]],
+        "batch": job["batch"],
+        "mode": job["mode"],
+        "base_mib": round(base / MIB, 1),
+        "weights_mib": round(need.weights / MIB, 1),
+        "forward_mib": round(need.forward / MIB, 1),
+        "saved_mib": round(need.saved / MIB, 1),
+        "optimizer_mib": round((need.gradients + need.optimizer) / MIB, 1),
+        "runtime_mib": round(need.runtime / MIB, 1),
+        "predicted_mib": round(need.total / MIB, 1),
+        "measured_mib": round(peak / MIB, 1),
+        # what the limit check compares with a budget: the prediction with the margin
+        "predicted_over_measured": round(need.with_margin(margin) / peak, 3),
+        "unmargined_over_measured": round(need.total / peak, 3),
+        "model_predicted_over_measured": round(need.model / max(1, peak - base - need.runtime), 3),
+    }
+
+
+def _spread(values: list[float], key: str) -> dict[str, float]:
+    return {
+        f"{key}_min": min(values),
+        f"{key}_median": round(statistics.median(values), 3),
+        f"{key}_max": max(values),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", default="vit-tiny")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--batch", type=int, default=8, help="micro-batch size")
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--timeout", type=int, default=600, help="seconds before giving up")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--models", default=",".join(MODELS), help="of " + ",".join(MODELS))
+    parser.add_argument("--batch", type=int, default=8, help="B: sizes 1, B/4, B/2, B")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--modes", default="inference,training")
+    parser.add_argument("--optimizer", default="adam", choices=("sgd", "adam", "adamw"))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--retain-mb", type=int, default=256, help="as a stage's default")
+    parser.add_argument("--jobs", type=int, default=2, help="workers at once")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=None,
+        help="the safety margin (default: the coordinator's, DEFAULT_MEMORY_MARGIN)",
+    )
+    parser.add_argument(
+        "--fresh-per-size",
+        action="store_true",
+        help="one process per size (default: one per stage and mode, its peak reset "
+        "between sizes, smallest first)",
+    )
+    parser.add_argument("--timeout", type=int, default=1500, help="seconds before giving up")
     args = parser.parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(_worker(json.loads(args.worker))))
+        return 0
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(args.timeout)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    overrides = {"num_layers": args.layers} if "vit" in args.model or "bert" in args.model else {}
-    spec = ModelSpec.preset(args.model, **overrides)
-    b = args.batch
-    profile = profile_model(spec, batch_sizes=[b], warmup=1, repeats=1, train=True, device=device)
-    k = profile.batch_sizes.index(b)
-    unit_input_bytes = [profile.input_bytes[k], *(u.output_bytes[k] for u in profile.units[:-1])]
-    sequence = load_layer_sequence(spec)
-    plan = plan_even_partition(profile.num_units, [f"s{i}" for i in range(args.stages)])
-    inputs = tuple(t.to(device) for t in sequence.example_input(b, seed=b))
-    ratios: dict[str, list[float]] = {"forward": [], "tight": [], "saved": [], "estimate": []}
-    for index, stage in enumerate(plan.stages):
-        units = [u.to(device) for u in sequence.build_units(stage.start, stage.end)]
-        profiled = profile.units[stage.start : stage.end]
-        weights = sum(u.param_bytes for u in profiled)
-        with torch.inference_mode():
-            with PeakMemory.on(device) as forward_peak:
-                outputs = run_units(units, inputs)
-        measured_forward = _nbytes(inputs) + forward_peak.bytes
-        predicted_forward = sum(u.memory_bytes[k] for u in profiled)
-        # the profiler's former estimate, a unit's input plus its output, summed
-        unit_inputs = unit_input_bytes[stage.start : stage.end]
-        estimated_forward = sum(
-            i + u.output_bytes[k] for i, u in zip(unit_inputs, profiled, strict=True)
-        )
-        # the stage's input stays alive (its sender holds it) while later units run
-        stage_input = _nbytes(inputs)
-        tight_forward = max(
-            profiled[0].memory_bytes[k],
-            *(stage_input + u.memory_bytes[k] for u in profiled[1:]),
-        )
-        shard = TrainShard(
-            units,
-            start=stage.start,
-            first=index == 0,
-            last=False,
-            loss="mse",
-            optimizer={"name": "sgd", "lr": 0.01},
-            device=device,
-        )
-        host_inputs = tuple(t.detach().cpu().clone() for t in inputs)  # not inference tensors
-        with PeakMemory.on(device) as training_forward:
-            sent, _, _ = shard.forward(0, host_inputs)
-        measured_saved = shard.live_activation_bytes
-        predicted_saved = sum((u.activation_bytes or ())[k] for u in profiled)
-        row = {
-            "bench": "memory",
-            "stage": index,
-            "units": [stage.start, stage.end],
-            "weights_mib": round(weights / MIB, 3),
-            "forward_predicted_mib": round(predicted_forward / MIB, 3),
-            "forward_tight_mib": round(tight_forward / MIB, 3),
-            "forward_estimate_mib": round(estimated_forward / MIB, 3),
-            "forward_measured_mib": round(measured_forward / MIB, 3),
-            "saved_predicted_mib": round(predicted_saved / MIB, 3),
-            "saved_measured_mib": round(measured_saved / MIB, 3),
-            # everything the training forward left allocated: saved tensors and outputs
-            "training_retained_mib": round(training_forward.retained_bytes / MIB, 3),
-            "forward_pred_over_measured": round(predicted_forward / measured_forward, 3),
-            "forward_tight_over_measured": round(tight_forward / measured_forward, 3),
-            "forward_estimate_over_measured": round(estimated_forward / measured_forward, 3),
-            "saved_pred_over_measured": round(predicted_saved / max(1, measured_saved), 3),
-        }
+    args.models = [m for m in args.models.split(",") if m]
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.models if m not in MODELS] + [
+        m for m in args.modes if m not in ("inference", "training")
+    ]
+    if unknown:
+        parser.error(f"unknown models or modes: {unknown}")
+    from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
+
+    if args.margin is None:
+        args.margin = DEFAULT_MEMORY_MARGIN
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="zpipe-memory-") as tmp:
+        jobs = _jobs(args, Path(tmp))
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            measured = list(pool.map(lambda j: _run_worker(j, args.timeout), jobs))
+    rows = [r for j, m in zip(jobs, measured, strict=True) for r in _rows(j, m)]
+    for row in rows:
         emit(row)
-        ratios["forward"].append(row["forward_pred_over_measured"])
-        ratios["tight"].append(row["forward_tight_over_measured"])
-        ratios["saved"].append(row["saved_pred_over_measured"])
-        ratios["estimate"].append(row["forward_estimate_over_measured"])
-        shard.backward(0, tuple(torch.zeros_like(t) for t in sent))
-        inputs = tuple(t.to(device) for t in outputs)
-        del shard, units
+    from zpipe.planner.memory import DEFAULT_STAGE_BASE_BYTES
+
+    ratios = [r["predicted_over_measured"] for r in rows]
+    bases = [r["base_mib"] for r in rows]
     summary(
         "memory",
-        model=args.model,
-        layers=args.layers,
-        batch=b,
+        models=args.models,
+        batch=args.batch,
         stages=args.stages,
-        device=str(device),
+        optimizer=args.optimizer,
+        threads=args.threads,
+        measurements=len(rows),
         loadavg=loadavg(),
-        forward_pred_over_measured=[min(ratios["forward"]), max(ratios["forward"])],
-        forward_tight_over_measured=[min(ratios["tight"]), max(ratios["tight"])],
-        saved_pred_over_measured=[min(ratios["saved"]), max(ratios["saved"])],
-        forward_estimate_over_measured=[min(ratios["estimate"]), max(ratios["estimate"])],
+        seconds=round(time.monotonic() - started, 1),
+        margin=args.margin,
+        **_spread(ratios, "predicted_over_measured"),
+        **_spread([r["unmargined_over_measured"] for r in rows], "unmargined_over_measured"),
+        within_1_0_to_1_3=sum(1.0 <= r <= 1.3 for r in ratios),
+        **_spread(
+            [r["model_predicted_over_measured"] for r in rows], "model_predicted_over_measured"
+        ),
+        **_spread(bases, "base_mib"),
+        default_base_mib=DEFAULT_STAGE_BASE_BYTES / MIB,
+        **{
+            f"predicted_over_measured_{mode}_max": max(
+                r["predicted_over_measured"] for r in rows if r["mode"] == mode
+            )
+            for mode in args.modes
+        },
+        **{
+            f"predicted_over_measured_{mode}_min": min(
+                r["predicted_over_measured"] for r in rows if r["mode"] == mode
+            )
+            for mode in args.modes
+        },
     )
     return 0
 

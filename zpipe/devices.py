@@ -36,6 +36,7 @@ from zpipe._errors import ConfigError
 DEVICE_CHOICES = "auto|cpu|cuda[:N]|mps"
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda)(?::(\d{1,4}))?$")
 MEMINFO = Path("/proc/meminfo")
+PROC_STATUS = Path("/proc/self/status")
 MIB = 2**20
 
 
@@ -153,6 +154,45 @@ def free_memory_bytes(
         found = meminfo_available_bytes(meminfo)
         return found if found is not None else _sysconf_available_bytes()
     return None
+
+
+def _status_bytes(key: str, status: Path) -> int | None:
+    try:
+        text = status.read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{key}:\s+(\d+)\s*kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def resident_bytes(status: Path = PROC_STATUS) -> int | None:
+    """This process's resident memory now (``VmRSS``); None where it cannot be told."""
+    return _status_bytes("VmRSS", status)
+
+
+def peak_resident_bytes(status: Path = PROC_STATUS) -> int | None:
+    """This process's peak resident memory so far (``VmHWM``, else ``ru_maxrss``)."""
+    found = _status_bytes("VmHWM", status)
+    if found is not None:
+        return found
+    try:
+        import resource
+
+        # kilobytes on Linux, bytes on macOS
+        scale = 1 if sys.platform == "darwin" else 1024
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def stage_base_bytes(device: torch.device | str, *, status: Path = PROC_STATUS) -> int | None:
+    """What this stage process holds of ``device``'s memory before any model arrives
+    (the memory model's base, :mod:`zpipe.planner.memory`): its resident memory on the
+    CPU and MPS (whose memory is the machine's); none of a CUDA GPU's, whose free
+    memory the driver reports with this process's context already taken off."""
+    if torch.device(device).type == "cuda":
+        return 0
+    return resident_bytes(status)
 
 
 def usable_memory_mb(measured_bytes: int | None, declared_mb: float | None) -> float | None:

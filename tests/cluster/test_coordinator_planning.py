@@ -13,6 +13,7 @@ from zpipe._errors import ConfigError
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import choose_plan, cluster_from_members, merge_alike_profiles
 from zpipe.planner import CLIENT
+from zpipe.planner.memory import COMPUTE_RUNTIME_BYTES, DEFAULT_STAGE_BASE_BYTES
 from zpipe.planner.profile import ModelProfile, synthetic_profile
 
 
@@ -44,13 +45,24 @@ def profile_of(scale: float) -> ModelProfile:
 
 def test_links_are_the_senders_outgoing_link_and_memory_is_in_mib() -> None:
     members = [member("a", bandwidth=8.0, memory_mb=2.0), member("b", bandwidth=None)]
-    cluster = cluster_from_members(members)
+    cluster = cluster_from_members(members, margin=0.0)
     assert cluster.bandwidth_bps("a", "b") == 8e6
     assert cluster.bandwidth_bps("a", CLIENT) == 8e6
     assert cluster.bandwidth_bps("b", "a") == float("inf")
     assert cluster.latency_s("a", "b") == pytest.approx(0.001)
-    assert cluster.device("a").memory_bytes == 2 * 2**20
+    # 2 MiB hold less than a stage process's default base: nothing is left for a model
+    assert cluster.device("a").memory_bytes == 1
     assert cluster.device("b").memory_bytes is None
+
+
+def test_a_device_is_its_budget_less_the_margin_and_its_reported_base() -> None:
+    reported = member("a", memory_mb=1024.0)
+    reported.info["base_bytes"] = 100 * 2**20  # what Register.base_bytes carried
+    silent = member("b", memory_mb=1024.0, slowdown=2.0)  # an older stage reports none
+    cluster = cluster_from_members([reported, silent], margin=0.25)
+    room = int(1024 * 2**20 / 1.25) - COMPUTE_RUNTIME_BYTES
+    assert cluster.device("a").memory_bytes == room - 100 * 2**20
+    assert cluster.device("b").memory_bytes == room - DEFAULT_STAGE_BASE_BYTES
 
 
 def test_without_own_profiles_speed_is_one_over_slowdown() -> None:

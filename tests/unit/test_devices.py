@@ -28,12 +28,16 @@ from zpipe.devices import (
     check_device_text,
     free_memory_bytes,
     meminfo_available_bytes,
+    peak_resident_bytes,
+    resident_bytes,
     resolve_device,
+    stage_base_bytes,
     usable_memory_mb,
 )
 from zpipe.models import ModelSpec
 from zpipe.peak_memory import peak_bytes
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
+from zpipe.planner.memory import COMPUTE_RUNTIME_BYTES, DEFAULT_STAGE_BASE_BYTES
 from zpipe.planner.profile import training_profile_sizes
 from zpipe.planner.training_cost import TrainingCosts
 from zpipe.stage.config import StageConfig
@@ -182,6 +186,23 @@ def test_registration_reports_measured_memory_and_the_device() -> None:
     assert 0.5 * free / MIB < measured["memory_mb"] < 2 * free / MIB
     declared = info(memory_mb=64.0)
     assert declared["memory_mb"] == 64.0 and declared["declared_memory_mb"] == 64.0
+    # what the process already holds counts towards its budget, as --memory-mb's does
+    config = StageConfig(name="s", coordinator="tcp://127.0.0.1:1", device="cpu")
+    held = StageRuntime(config)._info(base=10**12)
+    assert held["memory_mb"] > 10**12 / MIB
+
+
+def test_the_stage_base_is_its_resident_memory_read_from_proc(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  300000 kB\nVmRSS:\t  250000 kB\n")
+    assert resident_bytes(status) == 250000 * 1024
+    assert peak_resident_bytes(status) == 300000 * 1024
+    assert stage_base_bytes("cpu", status=status) == 250000 * 1024
+    assert stage_base_bytes("cuda", status=status) == 0  # the GPU holds none of it
+    assert resident_bytes(tmp_path / "absent") is None
+    own = resident_bytes()
+    if own is not None:  # Linux: this process, torch imported
+        assert 16 * MIB < own <= (peak_resident_bytes() or own)
 
 
 # --------------------------------------------------------------------------- boundaries
@@ -363,9 +384,11 @@ def test_alike_devices_share_their_smallest_measured_memory() -> None:
     merged = merge_alike_memory(members)
     # a and b: one category, planned with the smaller; c is far off; g is another kind
     assert merged == {"a": 1000.0, "b": 1000.0, "c": 4000.0, "g": 1050.0, "old": 700.0}
-    cluster = cluster_from_members(members)
-    assert cluster.device("b").memory_bytes == 1000 * MIB
-    assert cluster.device("g").memory_bytes == 1050 * MIB
+    cluster = cluster_from_members(members, margin=0.0)
+    # each device is its budget less its process's base (the default: none was reported)
+    fixed = DEFAULT_STAGE_BASE_BYTES + COMPUTE_RUNTIME_BYTES
+    assert cluster.device("b").memory_bytes == 1000 * MIB - fixed
+    assert cluster.device("g").memory_bytes == 1050 * MIB - fixed
 
 
 # --------------------------------------------------------------------------- install

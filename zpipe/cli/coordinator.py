@@ -7,7 +7,7 @@ import gc
 import sys
 from pathlib import Path
 
-from zpipe._errors import ZpipeError
+from zpipe._errors import ConfigError, ZpipeError
 from zpipe.cli.common import (
     add_common_flags,
     at_most,
@@ -23,6 +23,7 @@ from zpipe.models.trust import (
     allow_list_from_args,
     allow_peer_factories,
 )
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN, check_margin
 from zpipe.transport.sockets import validate_endpoint
 
 # More missed heartbeats than this before acting is no failure detection at all.
@@ -82,9 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM or SIGINT, tell every stage to shut down even with --state-dir "
         "(without --state-dir they always are)",
     )
+    parser.add_argument(
+        "--memory-margin",
+        type=memory_margin,
+        default=DEFAULT_MEMORY_MARGIN,
+        metavar="F",
+        help="safety margin of the memory model: a stage fits its memory budget when its "
+        "predicted peak (its process's base, weights, working set; for training also "
+        "gradients, optimizer state and saved activations) times 1 + F is within it "
+        f"(default: {DEFAULT_MEMORY_MARGIN:g})",
+    )
     add_allow_factory_arguments(parser)
     add_common_flags(parser)
     return parser
+
+
+def memory_margin(text: str) -> float:
+    """``--memory-margin``: a fraction within 0 .. 10 (argparse's type)."""
+    try:
+        return check_margin(float(text))
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -94,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         bind=args.bind,
         keys_dir=Path(args.keys) if args.keys else None,
         measure_links=args.measure_links,
+        memory_margin=args.memory_margin,
         state_dir=Path(args.state_dir) if args.state_dir else None,
         shutdown_stages_on_exit=True if args.shutdown_stages_on_exit else None,
         timeouts=timeouts_from_args(

@@ -17,6 +17,11 @@ wait for it, signal it and read its exit status exactly as it does a child it
 spawned (:class:`~zpipe.cluster.forked.ForkedStage`). Linux only
 (``PR_SET_CHILD_SUBREAPER``); :func:`zygote_available` says whether it works here.
 
+A launched process's resident memory starts lower than a fresh interpreter's: the
+shared libraries' pages it has not touched yet are not counted as its own, so the
+process base a stage reports at registration is lower than a spawned one's (tests of
+memory limits spawn their stages).
+
 Nothing here crosses a network: the requests are the owner's own, on a pipe.
 """
 

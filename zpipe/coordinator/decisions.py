@@ -20,6 +20,7 @@ from zpipe.coordinator.membership import Member, Membership, MemberState
 from zpipe.coordinator.planning import cluster_from_members
 from zpipe.models.weights import split_unit_key
 from zpipe.planner import ClusterLink, Plan
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.stage_control import Weights
@@ -74,6 +75,7 @@ def replan_in_place(
     train: bool,
     optimizer: str = "sgd",
     links: Mapping[tuple[str, str], ClusterLink] | None = None,
+    margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> PlanT:
     """The surviving stages keep their order (:func:`zpipe.recovery.plan_recovery`):
     "lightweight" moves unit boundaries so each stage's work matches its speed,
@@ -88,7 +90,7 @@ def replan_in_place(
     known = {m.name: p for m in survivors if (p := profiles.get(m.name)) is not None}
     if survivors and len(known) == len(survivors):
         profile = known[survivors[0].name]
-        cluster = cluster_from_members(survivors, known, links=links)
+        cluster = cluster_from_members(survivors, known, links=links, margin=margin, training=train)
     try:
         recovered = plan_recovery(
             plan,

@@ -1,7 +1,10 @@
 """Which units each stage of a generation run holds, within each stage's memory: pure.
 
 A stage reports its memory budget when it registers (``memory_mb``: the smaller of
-its ``--memory-mb`` and the free memory it measured). Before any stage hears of a
+its ``--memory-mb`` and the free memory it measured) and its process's base cost.
+What it gives a model is the room every planner uses
+(:func:`~zpipe.planner.memory.model_room_bytes`: the budget less the coordinator's
+``--memory-margin``, the base and the runtime's allowance). Before any stage hears of a
 run, the coordinator sizes what each stage would hold from the model's config
 alone (:func:`generation_units`) and
 
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 
 from zpipe._errors import InfeasiblePlanError
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.planning import cluster_from_members
+from zpipe.coordinator.planning import base_bytes_of, cluster_from_members
 from zpipe.models.causal_lm.config import (
     GPT2,
     CausalLmConfig,
@@ -41,6 +44,7 @@ from zpipe.planner.generation_cost import (
     StageMemory,
     stage_memory,
 )
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN, model_room_bytes
 
 MIB = 2**20
 # Reference speeds for the estimated unit times: only their ratios matter.
@@ -118,16 +122,30 @@ def stage_budget_mb(member: Member) -> float | None:
     return float(value) if value else None
 
 
-def capacity_shortfall(member: Member, need: StageMemory) -> str | None:
-    """Why ``need`` does not fit the stage's budget (its name, the MiB needed and
-    available), or None."""
+def stage_room_bytes(member: Member, margin: float = DEFAULT_MEMORY_MARGIN) -> int | None:
+    """What the stage gives a model (None: no limit known): its budget less the margin,
+    its process's base and the runtime's allowance, as for every other run kind."""
     budget = stage_budget_mb(member)
-    if budget is None or need.total <= budget * MIB:
+    if budget is None:
         return None
+    return model_room_bytes(int(budget * MIB), base_bytes=base_bytes_of(member), margin=margin)
+
+
+def capacity_shortfall(
+    member: Member, need: StageMemory, margin: float = DEFAULT_MEMORY_MARGIN
+) -> str | None:
+    """Why ``need`` does not fit the stage's room (its name, the MiB needed and
+    available), or None."""
+    room = stage_room_bytes(member, margin)
+    if room is None or need.total <= room:
+        return None
+    budget = stage_budget_mb(member) or 0.0
     return (
         f"stage {member.name!r} needs {_mib(need.total)} (weights {_mib(need.weights)}, "
         f"KV cache {_mib(need.kv_cache)}, working set {_mib(need.activations)}) but has "
-        f"{_mib(budget * MIB)} available (--memory-mb or its free memory)"
+        f"{_mib(room)} for its model (its --memory-mb or free memory, {_mib(budget * MIB)}, "
+        f"less the {margin:.0%} margin and its process's base of "
+        f"{_mib(base_bytes_of(member))})"
     )
 
 
@@ -136,11 +154,12 @@ def check_generation_capacity(
     members: Sequence[Member],
     bounds: Sequence[tuple[int, int]],
     workload: GenerationWorkload,
+    margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> None:
     """Raise :class:`InfeasiblePlanError` naming the first stage whose units, cache and
-    working set exceed its memory budget."""
+    working set exceed its room."""
     for member, (start, end) in zip(members, bounds, strict=True):
-        why = capacity_shortfall(member, stage_memory(units, start, end, workload))
+        why = capacity_shortfall(member, stage_memory(units, start, end, workload), margin)
         if why is not None:
             raise InfeasiblePlanError(
                 f"the generation run does not fit: {why}, holding units [{start}, {end}) "
@@ -154,15 +173,16 @@ def planned_bounds(
     units: Sequence[GenerationUnit],
     members: Sequence[Member],
     workload: GenerationWorkload,
+    margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> list[tuple[int, int]]:
     """The split over ``members`` (one stage each, in order) with the most decode
     tokens/s that fits every stage's budget; :class:`InfeasiblePlanError` naming a
     stage that cannot hold its share when none fits."""
     if len(members) == 1:  # nothing to choose: say by how much the one stage is short
         bounds = [(0, len(units))]
-        check_generation_capacity(units, members, bounds, workload)
+        check_generation_capacity(units, members, bounds, workload, margin)
         return bounds
-    cluster = cluster_from_members(members)
+    cluster = cluster_from_members(members, margin=margin)
     try:
         plan = plan_generation_in_order(units, cluster, workload)
     except InfeasiblePlanError as exc:
@@ -174,7 +194,7 @@ def planned_bounds(
             even.append((start, end))
             start = end
         try:
-            check_generation_capacity(units, members, even, workload)
+            check_generation_capacity(units, members, even, workload, margin)
         except InfeasiblePlanError as short:
             raise InfeasiblePlanError(
                 f"no split over the {len(members)} stages fits: {exc}; the even split: {short}"

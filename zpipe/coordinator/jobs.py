@@ -150,12 +150,19 @@ class JobRunner:
         cluster: ClusterSpec | None = None
         if job.partition is None and job.profile is not None:
             profile = ModelProfile.from_dict(job.profile, source="the run's profile")
-            cluster = cluster_from_members(members, links=await self._measured_links(members))
+            cluster = cluster_from_members(
+                members,
+                links=await self._measured_links(members),
+                margin=self.state.memory_margin,
+            )
         elif job.partition is None and job.algo != "even":
             profiles = await self._profiles_of(members, job.spec, job.batch_size, job.dtype)
             profile = profiles[names[0]]
             cluster = cluster_from_members(
-                members, profiles, links=await self._measured_links(members)
+                members,
+                profiles,
+                links=await self._measured_links(members),
+                margin=self.state.memory_margin,
             )
         return await asyncio.to_thread(
             choose_plan,
@@ -193,7 +200,9 @@ class JobRunner:
         """The training profile and the cluster (profiled devices, measured links)."""
         profiles = await self._profiles_of(members, spec, batch, "float32", train=True)
         links = await self._measured_links(members)
-        cluster = cluster_from_members(members, profiles, links=links)
+        cluster = cluster_from_members(
+            members, profiles, links=links, margin=self.state.memory_margin, training=True
+        )
         return profiles[members[0].name], cluster
 
     async def _measured_links(self, members: list[Member]) -> dict[tuple[str, str], ClusterLink]:

@@ -1,7 +1,10 @@
 """From registered stages and profiles to a plan: the coordinator's planning step, pure.
 
 Each stage reports its memory budget (the smaller of the free memory it
-measured on its device and what its operator declared), its device kind
+measured on its device, with what its process already holds, and what its operator
+declared: the whole process's budget), the base cost of its process (its resident
+memory before any model; the planner's device is the budget less that base and the
+safety margin, :func:`zpipe.planner.memory.model_room_bytes`), its device kind
 (cpu, cuda, mps) and its outgoing link (declared or emulated) when it
 registers, and profiles the model on request (its own threads, slowdown and
 device included), so every device is planned from its own
@@ -30,6 +33,7 @@ from zpipe.planner import (
 )
 from zpipe.planner.bucketing import parse_bucketing
 from zpipe.planner.cluster import CLIENT
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN, DEFAULT_STAGE_BASE_BYTES, model_room_bytes
 from zpipe.planner.profile import ModelProfile
 
 
@@ -128,11 +132,48 @@ def merge_alike_memory(members: Sequence[Member]) -> dict[str, float | None]:
     return merged
 
 
+def base_bytes_of(member: Member) -> int:
+    """The stage process's base cost: what it reported when it registered (the
+    coordinator records ``Register.base_bytes`` in its info), else the default."""
+    value = member.info.get("base_bytes")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return DEFAULT_STAGE_BASE_BYTES
+
+
+def model_rooms(
+    members: Sequence[Member], margin: float = DEFAULT_MEMORY_MARGIN, *, training: bool = False
+) -> dict[str, int | None]:
+    """Each device's room for its model: its budget (alike devices share the smallest,
+    :func:`merge_alike_memory`) less the safety margin and its process's base; devices
+    that declare the same hardware and had the same budget get the smallest room of them,
+    so that a few MiB of base between two processes do not split a category."""
+    memory = merge_alike_memory(members)
+    rooms: dict[str, int | None] = {}
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for member in members:
+        budget = memory[member.name]
+        if not budget:
+            rooms[member.name] = None
+            continue
+        rooms[member.name] = model_room_bytes(
+            int(budget * 2**20), base_bytes=base_bytes_of(member), margin=margin, training=training
+        )
+        groups.setdefault((*_declared(member), budget), []).append(member.name)
+    for names in groups.values():
+        least = min(rooms[n] or 0 for n in names)
+        for name in names:
+            rooms[name] = least
+    return rooms
+
+
 def cluster_from_members(
     members: Sequence[Member],
     profiles: Mapping[str, ModelProfile] | None = None,
     *,
     links: Mapping[tuple[str, str], ClusterLink] | None = None,
+    margin: float = DEFAULT_MEMORY_MARGIN,
+    training: bool = False,
 ) -> ClusterSpec:
     """The planner's view of the registered stages.
 
@@ -140,21 +181,22 @@ def cluster_from_members(
     from its own times; without, a device's speed is ``1 / slowdown`` relative
     to the profile given with the run. ``links`` are measured links by
     (sender, receiver); a pair without one, and every hop to the client, is
-    planned from the sender's declared outgoing link.
+    planned from the sender's declared outgoing link. Each device's memory is its
+    room for the model (:func:`model_rooms`, with the safety ``margin``; to train, less
+    what training's machinery costs a process too).
     """
     if profiles is not None:
         profiles = merge_alike_profiles(members, profiles)
     devices = []
     planned: dict[tuple[str, str], ClusterLink] = {}
-    memory = merge_alike_memory(members)
+    rooms = model_rooms(members, margin, training=training)
     for member in members:
-        memory_mb = memory[member.name]
         slowdown = float(member.info.get("slowdown") or 1.0)
         own = profiles.get(member.name) if profiles is not None else None
         devices.append(
             ClusterDevice(
                 name=member.name,
-                memory_bytes=int(memory_mb * 2**20) if memory_mb else None,
+                memory_bytes=rooms[member.name],
                 speed=1.0 if own is not None else 1.0 / slowdown,
                 profile=own,
             )

@@ -200,7 +200,9 @@ class Registrations:
                 name=name,
                 routing_id=event.routing_id,
                 data_endpoint=data_endpoint,
-                info=dict(message.info),
+                # the typed base cost goes with what the stage said of itself (the
+                # planner reads it there: zpipe.coordinator.planning.base_bytes_of)
+                info={**message.info, "base_bytes": message.base_bytes},
                 public_key=state.key_of(name),
                 now=now,
             )

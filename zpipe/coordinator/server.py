@@ -76,6 +76,7 @@ from zpipe.coordinator.runs.async_copies import HeldCopy
 from zpipe.coordinator.shell_sends import ShellSends
 from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.protocol import REGISTRY
 from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
@@ -116,6 +117,8 @@ class CoordinatorConfig:
     socket_options: SocketOptions = field(default_factory=SocketOptions)
     # Plan from links the stages measure, not only from what they declare.
     measure_links: bool = True
+    # the fraction added to every memory prediction before it meets a budget
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
     # Keep the run and its latest replica here, so a restarted coordinator resumes it.
     state_dir: Path | None = None
     # On exit, tell every stage to shut down. None: only without a state directory (with
@@ -145,6 +148,7 @@ class Coordinator:
             membership=self.membership,
             public_keys=self._public_keys,
             saves_replicas=self._store is not None,
+            memory_margin=config.memory_margin,
             bulk=BulkLinks(cap_bytes=config.socket_options.max_message_bytes),
         )
         self.core = CoordinatorCore(self.state)

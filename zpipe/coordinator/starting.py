@@ -306,6 +306,7 @@ def _replan_training(
         batch_size=batch,
         train=True,
         links=state.measured_links(survivors),
+        margin=state.memory_margin,
     )
     if replica.plan.schedule == ASYNC_SCHEDULE:
         plan = as_async_plan(plan)

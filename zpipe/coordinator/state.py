@@ -19,6 +19,7 @@ from zpipe.coordinator.membership import Member, Membership
 from zpipe.coordinator.runs.async_copies import HeldCopies
 from zpipe.models import ModelSpec
 from zpipe.planner import ClusterLink
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.planner.profile import ModelProfile
 
 CLIENT_NAME = "client"
@@ -63,6 +64,8 @@ class ControlState:
 
     timeouts: Timeouts
     membership: Membership
+    # the memory model's safety margin (--memory-margin; zpipe.planner.memory)
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
     public_keys: Mapping[str, bytes] = field(default_factory=dict)
     profiles: ProfileCache = field(default_factory=ProfileCache)
     flows: FlowRunner = field(default_factory=FlowRunner)

@@ -43,6 +43,7 @@ from zpipe.planner.cost import (
     check_plan_memory,
     predict_plan,
 )
+from zpipe.planner.memory import profile_need_matrix
 from zpipe.planner.pipeedge import plan_pipeedge
 from zpipe.planner.plan import Plan, StagePlan, even_ranges
 from zpipe.planner.profile import ModelProfile
@@ -72,7 +73,9 @@ def plan_even(profile: ModelProfile, cluster: ClusterSpec, *, batch_size: int) -
         num_units=num_units,
         stages=tuple(StagePlan(d, a, b) for d, (a, b) in zip(names, ranges, strict=True)),
     )
-    check_memory_totals(profile.memory_bytes(batch_size), cluster.devices[:num_units], profile)
+    check_memory_totals(
+        profile_need_matrix(profile, batch_size), cluster.devices[:num_units], profile
+    )
     check_plan_memory(plan, profile, cluster, batch_size)
     return _with_predictions(plan, profile, cluster, batch_size)
 
@@ -82,21 +85,20 @@ def plan_pipedream(profile: ModelProfile, cluster: ClusterSpec, *, batch_size: i
     num_units = profile.num_units
     names = cluster.names[:num_units]
     stages = len(names)
-    memory = profile.memory_bytes(batch_size)
-    check_memory_totals(memory, cluster.devices[:num_units], profile)
+    need = profile_need_matrix(profile, batch_size)
+    check_memory_totals(need, cluster.devices[:num_units], profile)
     times = profile.times(batch_size)
     out = profile.output_bytes(batch_size)
     bandwidth = statistics.median(
         [cluster.bandwidth_bps(u, v) for u in names for v in names if u != v] or [np.inf]
     )
     prefix = np.concatenate(([0.0], np.cumsum(times)))
-    mem_prefix = np.concatenate(([0], np.cumsum(np.asarray(memory, dtype=np.int64))))
     # comm[j]: sending unit j-1's output at the shared bandwidth; no hop after the last unit.
     comm = np.zeros(num_units + 1)
     comm[1:num_units] = np.asarray(out[:-1], dtype=np.float64) * 8.0 / bandwidth
 
     caps = [cluster.device(n).memory_bytes for n in names]
-    first = _split_dp(prefix, mem_prefix, caps, comm, num_units, None)
+    first = _split_dp(prefix, need, caps, comm, num_units, None)
     if first is None:
         raise InfeasiblePlanError(
             f"PipeDream's partition over the {stages} devices in this order cannot fit every "
@@ -108,7 +110,7 @@ def plan_pipedream(profile: ModelProfile, cluster: ClusterSpec, *, batch_size: i
     # the first one found can be badly unbalanced; among the tied splits take the one with
     # the least compute on its slowest stage (PipeDream's aim) so the baseline is not
     # handicapped by an arbitrary choice.
-    second = _split_dp(prefix, mem_prefix, caps, comm, num_units, objective * (1 + 1e-9))
+    second = _split_dp(prefix, need, caps, comm, num_units, objective * (1 + 1e-9))
     if second is not None:
         bounds = second[1]
     plan = Plan(
@@ -121,7 +123,7 @@ def plan_pipedream(profile: ModelProfile, cluster: ClusterSpec, *, batch_size: i
 
 def _split_dp(
     prefix: np.ndarray,
-    mem_prefix: np.ndarray,
+    need: np.ndarray,
     caps: list[int | None],
     comm: np.ndarray,
     num_units: int,
@@ -149,7 +151,7 @@ def _split_dp(
                 cost = np.maximum(a[m - 1, j], compute)
                 cost = np.where((comm[j] <= limit) & (compute <= limit), cost, np.inf)
             if cap is not None:
-                cost = np.where(mem_prefix[k] - mem_prefix[j] <= cap, cost, np.inf)
+                cost = np.where(need[j, k] <= cap, cost, np.inf)
             best = int(np.argmin(cost))
             a[m, k] = cost[best]
             parent[m, k] = j[best]

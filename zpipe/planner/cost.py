@@ -4,9 +4,10 @@ For a micro-batch of size ``b`` (PipeEdge, section III-B, eq. 1-2):
 
 - ``T_comp(i..j, u)``: the sum of the profile's unit times ``i .. j-1`` divided
   by ``u.speed``, or the sum of ``u``'s own profile's times when it has one.
-- ``M(i..j)``: the sum of ``profile.memory_bytes(b)`` over the units (weights
-  plus activations); it must fit ``u.memory_bytes``. Memory and transfer sizes
-  always come from the model profile: a device's own profile only changes times.
+- ``M(i..j)``: the stage's weights plus its forward's peak by the tight rule
+  (:mod:`zpipe.planner.memory`, the one memory model); it must fit
+  ``u.memory_bytes``. Memory and transfer sizes always come from the model
+  profile: a device's own profile only changes times.
 - ``T_comm(u, v, P)``: ``cluster.comm_time_s(u, v, P)`` with ``P`` the output
   bytes of the stage's last unit (the model input for the client's hop).
 - A stage's period is ``max(T_comp, T_comm to the next device)``: compute and
@@ -25,8 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.planner.cluster import CLIENT, ClusterDevice, ClusterSpec
+from zpipe.planner.memory import profile_need_matrix
 from zpipe.planner.plan import Plan
 from zpipe.planner.profile import ModelProfile
 
@@ -59,26 +63,31 @@ def fmt_bytes(n: float) -> str:
 
 
 def check_memory_totals(
-    memory: Sequence[int], devices: Sequence[ClusterDevice], profile: ModelProfile
+    need: np.ndarray, devices: Sequence[ClusterDevice], profile: ModelProfile
 ) -> None:
     """Raise :class:`InfeasiblePlanError` for the two reasons no split can ever fit.
 
-    The model needs more than all the devices hold together, or one unit needs
+    ``need`` is :func:`~zpipe.planner.memory.profile_need_matrix`. Any split needs
+    at least every unit's weights plus the largest unit's forward: more than all
+    the devices hold together fits nowhere; nor does one unit that alone needs
     more than the largest device holds.
     """
     if any(d.memory_bytes is None for d in devices):
         return
-    total = sum(memory)
+    n = profile.num_units
+    alone = [int(need[k, k + 1]) for k in range(n)]
+    weights = sum(profile.param_bytes())
+    total = weights + max(a - w for a, w in zip(alone, profile.param_bytes(), strict=True))
     held = sum(d.memory_bytes or 0 for d in devices)
     if total > held:
         raise InfeasiblePlanError(
-            f"the model needs {fmt_bytes(total)} but the {len(devices)} devices together hold "
-            f"{fmt_bytes(held)}; {fmt_bytes(total - held)} short: add devices or memory, or use "
-            "a smaller micro-batch"
+            f"the model needs at least {fmt_bytes(total)} (its weights and its largest unit's "
+            f"forward) but the {len(devices)} devices together hold {fmt_bytes(held)}; "
+            f"{fmt_bytes(total - held)} short: add devices or memory, or use a smaller micro-batch"
         )
     largest = max(devices, key=lambda d: d.memory_bytes or 0)
     cap = largest.memory_bytes or 0
-    for k, m in enumerate(memory):
+    for k, m in enumerate(alone):
         if m > cap:
             raise InfeasiblePlanError(
                 f"unit {k} ({profile.units[k].name}) alone needs {fmt_bytes(m)} but the largest "
@@ -105,7 +114,7 @@ def predict_plan(
             f"the plan covers {plan.num_units} units but the profile has {profile.num_units}"
         )
     out = profile.output_bytes(batch_size)
-    memory = profile.memory_bytes(batch_size)
+    need = profile_need_matrix(profile, batch_size)
     names = [s.device for s in plan.stages]
     devices = [cluster.device(n) for n in names]
     pred: dict[str, float] = {"batch_size": float(batch_size), "num_stages": float(len(names))}
@@ -120,7 +129,7 @@ def predict_plan(
         comp = math.fsum(times[device.name][stage.start : stage.end])
         nxt = names[i + 1] if i + 1 < len(names) else CLIENT
         comm = cluster.comm_time_s(device.name, nxt, out[stage.end - 1])
-        mem = sum(memory[stage.start : stage.end])
+        mem = int(need[stage.start, stage.end])
         if device.memory_bytes is not None and mem > device.memory_bytes:
             violations += 1
         period = max(comp, comm)
@@ -142,10 +151,10 @@ def check_plan_memory(
     plan: Plan, profile: ModelProfile, cluster: ClusterSpec, batch_size: int
 ) -> None:
     """Raise :class:`InfeasiblePlanError` naming the first stage that exceeds its device."""
-    memory = profile.memory_bytes(batch_size)
+    needs = profile_need_matrix(profile, batch_size)
     for i, stage in enumerate(plan.stages):
         cap = cluster.device(stage.device).memory_bytes
-        need = sum(memory[stage.start : stage.end])
+        need = int(needs[stage.start, stage.end])
         if cap is not None and need > cap:
             raise InfeasiblePlanError(
                 f"the {plan.algo} plan puts units [{stage.start}, {stage.end}) "

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from zpipe._errors import ConfigError, InfeasiblePlanError
 from zpipe.planner.cluster import CLIENT, ClusterDevice, ClusterSpec
 from zpipe.planner.cost import fmt_bytes
+from zpipe.planner.memory import predict_stage
 from zpipe.planner.plan import Plan
 from zpipe.planner.profile import MAX_BYTES, MAX_UNIT_TIME_S
 
@@ -176,11 +177,14 @@ def stage_memory(
     kv = sum(u.kv_bytes_per_token for u in span) * workload.max_context * workload.sequences
     if workload.kv_budget_bytes is not None:
         kv = min(kv, workload.kv_budget_bytes)
-    return StageMemory(
+    # weights and working set by the one memory model (zpipe.planner.memory); a unit's
+    # working set per token counts its input, so the stage's input adds nothing here
+    model = predict_stage(
         weights=sum(u.weight_bytes for u in span),
-        kv_cache=kv,
-        activations=tokens * max((u.activation_bytes_per_token for u in span), default=0),
+        unit_peaks=[tokens * u.activation_bytes_per_token for u in span] or [0],
+        stage_input=0,
     )
+    return StageMemory(weights=model.weights, kv_cache=kv, activations=model.forward)
 
 
 def device_speeds(

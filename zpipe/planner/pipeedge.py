@@ -70,6 +70,7 @@ from zpipe.planner.cost import (
     fmt_bytes,
     predict_plan,
 )
+from zpipe.planner.memory import profile_need_matrix
 from zpipe.planner.plan import Plan, StagePlan
 from zpipe.planner.profile import ModelProfile
 
@@ -179,7 +180,7 @@ def solve_pipeedge(
     :data:`MAX_TOLERANCE`) only while the DP would still be too large.
     """
     mode = parse_bucketing(bucketing)
-    check_memory_totals(profile.memory_bytes(batch_size), cluster.devices, profile)
+    check_memory_totals(profile_need_matrix(profile, batch_size), cluster.devices, profile)
     if mode == "exact":
         return _solve_exact(profile, cluster, batch_size)
     if mode == "auto":
@@ -281,7 +282,7 @@ def _solve_categories(
     """The category DP on ``cluster`` as given: the plan (its ``predicted`` holds only the
     DP's own figures) and the optimal bottleneck."""
     num_units = profile.num_units
-    memory = profile.memory_bytes(batch_size)
+    need = profile_need_matrix(profile, batch_size)
     out_bytes = profile.output_bytes(batch_size)
     in_bytes = profile.input_bytes_at(batch_size)
     if categories is None:
@@ -299,16 +300,16 @@ def _solve_categories(
     comp_prefix = np.zeros((n_cat, num_units + 1))
     for c, rep in enumerate(reps):
         comp_prefix[c, 1:] = np.cumsum(device_unit_times(profile, rep, batch_size))
-    mem_prefix = np.zeros(num_units + 1, dtype=np.int64)
-    mem_prefix[1:] = np.cumsum(np.asarray(memory, dtype=np.int64))
-    # jmax[c, i]: the last boundary k with units [i, k) fitting category c (Algorithm 1's break).
+    # jmax[c, i]: the last boundary k with units [i, k) fitting category c (Algorithm 1's
+    # break): a stage's need never shrinks as it takes more units (zpipe.planner.memory)
     jmax = np.empty((n_cat, num_units), dtype=np.int64)
+    above = np.arange(num_units + 1)[None, :] > np.arange(num_units)[:, None]
     for c, rep in enumerate(reps):
         if rep.memory_bytes is None:
             jmax[c] = num_units
         else:
-            limit = mem_prefix[:-1] + rep.memory_bytes
-            jmax[c] = np.searchsorted(mem_prefix, limit, side="right") - 1
+            fits = above & (need <= rep.memory_bytes)
+            jmax[c] = np.arange(num_units) + fits.sum(axis=1)
 
     # Links between categories; within one, between two of its members.
     bw = np.empty((n_cat, n_cat))
@@ -350,7 +351,7 @@ def _solve_categories(
         max_work=MAX_DP_WORK,
     )
     if solution is None:
-        _raise_fragmented(memory, cluster.devices)
+        _raise_fragmented(need, cluster.devices)
     assert solution is not None
     next_member = [0] * n_cat
     stages = []
@@ -366,10 +367,11 @@ def _solve_categories(
     return plan, solution.bottleneck_s
 
 
-def _raise_fragmented(memory: Sequence[int], devices: Sequence[ClusterDevice]) -> NoReturn:
+def _raise_fragmented(need: np.ndarray, devices: Sequence[ClusterDevice]) -> NoReturn:
     held = sum(d.memory_bytes or 0 for d in devices)
     raise InfeasiblePlanError(
-        f"the model needs {fmt_bytes(sum(memory))} and the {len(devices)} devices together "
+        f"the model needs {fmt_bytes(float(need[0, -1]))} on one device and the "
+        f"{len(devices)} devices together "
         f"hold {fmt_bytes(held)}, but no split into contiguous unit ranges fits every device's "
         "memory (the units do not pack into the devices' sizes); add a device or memory, or "
         "profile the model with finer units"

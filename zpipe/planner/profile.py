@@ -172,6 +172,12 @@ class ModelProfile:
         i = self._index(batch_size)
         return [u.param_bytes + u.memory_bytes[i] for u in self.units]
 
+    def peak_bytes(self, batch_size: int) -> list[int]:
+        """Each unit's forward peak at ``batch_size``: its input plus what its forward
+        allocates (the profile's ``memory_bytes``, weights left out)."""
+        i = self._index(batch_size)
+        return [u.memory_bytes[i] for u in self.units]
+
     def input_bytes_at(self, batch_size: int) -> int:
         return self.input_bytes[self._index(batch_size)]
 

@@ -36,8 +36,14 @@ def in_flight_capacity(costs: TrainingCosts, device: ClusterDevice, start: int, 
     """Q_s: how many micro-batches' activations ``device`` holds beside the stage's weights."""
     if device.memory_bytes is None:
         return 1 << 30
-    saved = costs.saved_bytes(start, end, costs.microbatch_size)
-    room = device.memory_bytes - costs.static_bytes(start, end)
+    b = costs.microbatch_size
+    saved = costs.saved_bytes(start, end, b)
+    # beside the weights, their state and the one forward that runs (the memory model)
+    running = max(
+        float(costs.running_bytes(start, end, b)),
+        costs.step_copies * costs.weight_bytes(start, end),
+    )
+    room = device.memory_bytes - costs.static_bytes(start, end) - running
     if saved <= 0:
         return 1 << 30 if room >= 0 else 0
     return max(0, int(room // saved))

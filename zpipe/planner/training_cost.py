@@ -11,15 +11,19 @@ device group; a device that runs ``y`` of them costs:
   its own profile uses its own times (its backward times scaled from the
   model profile's, unit by unit, by its forward times when its profile has
   none); any other device divides the model profile's times by its speed.
-- memory (eq. 3): ``Mem = MOD + OPT + K x ACT(y)``: ``MOD`` is the stage's
+- memory (eq. 3 with the running forward, :mod:`zpipe.planner.memory`, the one
+  memory model): ``Mem = MOD + OPT + K x ACT(y) + max(F(y), step)``: ``MOD`` is the stage's
   weights twice (the weights and the gradients accumulated over the
   mini-batch), ``OPT`` the optimizer's state, ``copies`` more times the
   weights (:data:`OPTIMIZER_STATE_COPIES`: plain SGD 0, SGD with momentum 1,
-  Adam 2), and ``ACT(y)`` the bytes the stage's units save for the backward
+  Adam 2), ``ACT(y)`` the bytes the stage's units save for the backward
   at ``y`` samples, held for ``K`` micro-batches at once (the stage's warm-up
-  K_p). Weights are the profile's ``param_bytes``, which include buffers
-  (BatchNorm statistics): slightly more than the trainable parameters, on the
-  safe side. Transient memory of a running forward or backward is not counted.
+  K_p), and ``F(y)`` the running forward's peak by the tight rule (the largest
+  unit's peak plus the stage's input), read between profiled sizes as ``ACT``
+  is, or the optimizer step's temporaries where larger (``OPTIMIZER_STEP_COPIES``
+  copies of the weights: Adam 2, plain SGD 0). Weights are the profile's
+  ``param_bytes``, which include buffers (BatchNorm statistics): slightly more
+  than the trainable parameters, on the safe side.
 - the stage's forward and backward time (eq. 8): the slowest device's.
 - the all-reduce of the stage's gradients at the end of the round (eq. 5):
   ``2 (n - 1) / n x W / b_min`` for a ring over the group's ``n`` devices, with
@@ -51,21 +55,18 @@ import numpy as np
 from zpipe._errors import ConfigError
 from zpipe.planner.allocation import allocate_microbatch
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
+from zpipe.planner.memory import (
+    OPTIMIZER_STATE_COPIES,
+    OPTIMIZER_STEP_COPIES,
+    optimizer_state_copies,
+    tight_forward_matrix,
+    unit_inputs,
+)
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.schedules import pipeline_actions, simulate
 from zpipe.planner.training_plan import TrainingPlan, TrainStage
 
-OPTIMIZER_STATE_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-
-
-def optimizer_state_copies(optimizer: str) -> int:
-    """Copies of the weights the optimizer keeps (momentum: 1, Adam's two moments: 2)."""
-    try:
-        return OPTIMIZER_STATE_COPIES[optimizer]
-    except KeyError:
-        raise ConfigError(
-            f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_COPIES)}"
-        ) from None
+__all__ = ["OPTIMIZER_STATE_COPIES", "optimizer_state_copies"]  # their home is memory.py
 
 
 def at_batch_sizes(
@@ -140,12 +141,25 @@ class TrainingCosts:
         self.num_units = profile.num_units
         self.optimizer = optimizer
         self.state_copies = optimizer_state_copies(optimizer)
+        self.step_copies = OPTIMIZER_STEP_COPIES[optimizer]
         sizes, b = profile.batch_sizes, microbatch_size
         self._weights = _prefix(np.asarray(profile.param_bytes(), dtype=np.float64))
         self._saved = _prefix(_table(profile, [profile.activation_bytes(s) for s in sizes], b))
+        # F at each profiled size, [size, start, end], never smaller at a larger size
+        running = np.stack(
+            [
+                tight_forward_matrix(
+                    profile.peak_bytes(s),
+                    unit_inputs(profile.input_bytes_at(s), profile.output_bytes(s)),
+                )
+                for s in sizes
+            ]
+        )
+        self._running = np.maximum.accumulate(running, axis=0)
+        self._sizes = np.asarray(sizes, dtype=np.float64)
         self._out = _table(profile, [profile.output_bytes(s) for s in sizes], b)
         self._by_key: dict[object, _ComputeTables] = {}
-        self._saved_rows: dict[tuple[int, int], list[float]] = {}
+        self._activation_rows: dict[tuple[int, int, int], list[float]] = {}
         self._bandwidth: dict[tuple[str, str], float] = {}
 
     # -- compute ------------------------------------------------------------------------
@@ -237,9 +251,42 @@ class TrainingCosts:
         row = self._saved[share]
         return float(row[end] - row[start])
 
+    def running_bytes(
+        self, starts: np.ndarray | int, ends: np.ndarray | int, shares: np.ndarray | int
+    ) -> np.ndarray:
+        """``F``: the peak of a running forward of stages ``[starts, ends)`` on ``shares``
+        samples (element-wise): linear between profiled sizes, through zero below the
+        smallest and proportional above the largest, as :func:`at_batch_sizes` reads."""
+        values = np.moveaxis(self._running[:, starts, ends], 0, -1)  # [..., size]
+        shape = np.broadcast_shapes(values.shape[:-1], np.shape(shares))
+        values = np.broadcast_to(values, (*shape, values.shape[-1]))
+        ys = np.broadcast_to(np.asarray(shares, dtype=np.float64), shape)
+        sizes = self._sizes
+        xp = np.concatenate(([0.0], sizes))
+        k = np.clip(np.searchsorted(xp, ys, side="right") - 1, 0, len(xp) - 2)
+        low = np.take_along_axis(values, np.maximum(k - 1, 0)[..., None], -1)[..., 0]
+        low = np.where(k == 0, 0.0, low)
+        high = np.take_along_axis(values, k[..., None], -1)[..., 0]
+        inside = low + (ys - xp[k]) / (xp[k + 1] - xp[k]) * (high - low)
+        return np.where(ys > sizes[-1], values[..., -1] * ys / sizes[-1], inside)
+
     def memory_bytes(self, start: int, end: int, share: int, warmup: int) -> float:
-        """Asteroid's eq. 3: ``MOD + OPT + K x ACT(share)`` with ``K = warmup``."""
-        return self.static_bytes(start, end) + warmup * self.saved_bytes(start, end, share)
+        """Asteroid's eq. 3 with the running forward or the optimizer's step: ``MOD +
+        OPT + K x ACT(share) + max(F(share), step)`` with ``K = warmup``."""
+        return self.static_bytes(start, end) + self._activations(start, end, warmup)[share]
+
+    def _activations(self, start: int, end: int, warmup: int) -> list[float]:
+        """``K x ACT(y) + max(F(y), step)`` of units ``[start, end)`` at every share
+        ``0..B`` (never decreasing)."""
+        key = (start, end, warmup)
+        row = self._activation_rows.get(key)
+        if row is None:
+            shares = np.arange(self.microbatch_size + 1)
+            saved = self._saved[:, end] - self._saved[:, start]
+            running = self.running_bytes(start, end, shares)
+            transient = np.maximum(running, self.step_copies * self.weight_bytes(start, end))
+            row = self._activation_rows[key] = (warmup * saved + transient).tolist()
+        return row
 
     def max_share(self, device: ClusterDevice, start: int, end: int, warmup: int) -> int:
         """The most samples ``device`` can run of units ``[start, end)`` with ``warmup``
@@ -249,7 +296,7 @@ class TrainingCosts:
         room = device.memory_bytes - self.static_bytes(start, end)
         if room < 0:
             return -1
-        return bisect.bisect_right(self._saved_by_share(start, end), room / warmup) - 1
+        return bisect.bisect_right(self._activations(start, end, warmup), room) - 1
 
     def max_shares(
         self, device: ClusterDevice, starts: np.ndarray, ends: np.ndarray, warmup: int
@@ -260,10 +307,9 @@ class TrainingCosts:
         b = self.microbatch_size
         if device.memory_bytes is None:
             return np.full(starts.shape, b, dtype=np.int64)
-        room = device.memory_bytes - (2 + self.state_copies) * (
-            self._weights[ends] - self._weights[starts]
-        )
-        limit = room / warmup
+        weights = self._weights[ends] - self._weights[starts]
+        room = device.memory_bytes - (2 + self.state_copies) * weights
+        step = self.step_copies * weights
         # bisect.bisect_right over the shares 0..B, row by row
         lo = np.zeros(starts.shape, dtype=np.int64)
         hi = np.full(starts.shape, b + 1, dtype=np.int64)
@@ -273,18 +319,11 @@ class TrainingCosts:
                 break
             mid = (lo + hi) // 2
             at = np.minimum(mid, b)
-            below = limit < self._saved[at, ends] - self._saved[at, starts]
+            need = warmup * (self._saved[at, ends] - self._saved[at, starts])
+            below = room < need + np.maximum(self.running_bytes(starts, ends, at), step)
             hi = np.where(searching & below, mid, hi)
             lo = np.where(searching & ~below, mid + 1, lo)
         return np.where(room < 0, -1, lo - 1)
-
-    def _saved_by_share(self, start: int, end: int) -> list[float]:
-        """``ACT`` of units ``[start, end)`` at every share ``0..B`` (never decreasing)."""
-        key = (start, end)
-        row = self._saved_rows.get(key)
-        if row is None:
-            row = self._saved_rows[key] = (self._saved[:, end] - self._saved[:, start]).tolist()
-        return row
 
     # -- communication ------------------------------------------------------------------
 

@@ -44,6 +44,9 @@ class Register(WireMessage):
     data_endpoint: str = wire(STR)
     info: dict[str, Any] = wire(MAP)
     public_key: str | None = wire(OPT_STR, default=None)
+    # the stage process's resident memory before any model arrives (its base cost, in
+    # bytes); absent (an older stage): planned with DEFAULT_STAGE_BASE_BYTES
+    base_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message

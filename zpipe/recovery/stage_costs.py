@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from zpipe._errors import ConfigError
 from zpipe.planner.cluster import CLIENT, ClusterDevice, ClusterSpec
 from zpipe.planner.cost import device_unit_times, predict_plan
+from zpipe.planner.memory import profile_need_matrix
 from zpipe.planner.plan import Plan
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_cost import TrainingCosts, predict_training
@@ -83,14 +84,14 @@ def inference_stage_cost(
 ) -> StageCost:
     """The period of new stage ``j`` on ``devices[j]``, as :func:`predict_plan` computes it."""
     out = profile.output_bytes(batch_size)
-    memory_prefix = _prefix([float(m) for m in profile.memory_bytes(batch_size)])
+    need = profile_need_matrix(profile, batch_size)  # the one memory model
     members = [cluster.device(n) for n in devices]
     time_prefix = [_prefix(device_unit_times(profile, d, batch_size)) for d in members]
     receivers = [*devices[1:], CLIENT]
 
     def cost(j: int, start: int, end: int) -> float:
         cap = members[j].memory_bytes
-        if memory and cap is not None and memory_prefix[end] - memory_prefix[start] > cap:
+        if memory and cap is not None and need[start, end] > cap:
             return math.inf
         compute = time_prefix[j][end] - time_prefix[j][start]
         send = cluster.comm_time_s(devices[j], receivers[j], out[end - 1])

@@ -38,7 +38,12 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout
-from zpipe.devices import describe_device, free_memory_bytes, usable_memory_mb
+from zpipe.devices import (
+    describe_device,
+    free_memory_bytes,
+    stage_base_bytes,
+    usable_memory_mb,
+)
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import GenSetup
@@ -165,14 +170,17 @@ class StageRuntime:
             peer_handler=self._on_peer_request,
         )
         keypair = self._keys.keypair
+        # measured before any model arrives: what the process costs of itself
+        base = stage_base_bytes(self.config.resolved_device)
         self._lifecycle = StageLifecycle(
             name=self.config.name,
             coordinator=self.config.coordinator,
             registration=Register(
                 name=self.config.name,
                 data_endpoint=self.data_endpoint,
-                info=self._info(),
+                info=self._info(base),
                 public_key=keypair.public.decode() if keypair else None,
+                base_bytes=base,
             ),
             connect_s=timeouts.connect_s,
             silence_limit_s=timeouts.coordinator_silence_s,
@@ -233,16 +241,19 @@ class StageRuntime:
             carry_out=self._carry_out,
         )
 
-    def _info(self) -> dict[str, Any]:
+    def _info(self, base: int | None = None) -> dict[str, Any]:
         device = self.config.resolved_device
-        # Measured once, at start: what the planner's memory limit protects.
+        # Measured once, at start: what the planner's memory limit protects. The free
+        # memory is what the process may still take: with what it holds (its base) it
+        # is the process's whole budget, as --memory-mb is (zpipe.planner.memory).
         free = free_memory_bytes(device)
+        reach = free + base if free is not None and base is not None else free
         return {
             "pid": os.getpid(),
             "cores": os.cpu_count() or 1,
             "threads": torch.get_num_threads(),
             "slowdown": self.config.slowdown,
-            "memory_mb": usable_memory_mb(free, self.config.memory_mb),
+            "memory_mb": usable_memory_mb(reach, self.config.memory_mb),
             # what the operator declared, apart from the measured memory above: devices
             # that declare alike are planned alike (zpipe.coordinator.planning)
             "declared_memory_mb": self.config.memory_mb,

@@ -1,6 +1,7 @@
-"""A generation run within each stage's memory budget (what it reported at registration):
-refused before any stage hears of it when its share does not fit, naming the stage and
-the MiB it needs and has; without a partition, a split that fits."""
+"""A generation run within each stage's memory room (what it reported at registration,
+less the coordinator's margin and the process's base, as for every run kind): refused
+before any stage hears of it when its share does not fit, naming the stage and the MiB
+it needs and has; without a partition, a split that fits."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from zpipe.coordinator.membership import Member
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import read_causal_lm_config
 from zpipe.planner.generation_cost import stage_memory
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN, DEFAULT_STAGE_BASE_BYTES, runtime_bytes
 from zpipe.protocol.generation import GenSetup
 
 SPEC = ModelSpec.preset("llama-tiny")  # 4 units, about 0.14 MiB for this run
@@ -33,16 +35,30 @@ def _need_mib(start: int, end: int) -> float:
     return stage_memory(UNITS, start, end, WORKLOAD).total / MIB
 
 
-def _started(memory: dict[str, float | None], **changes: Any) -> Harness:
+# each stage's process before its model (these stages report none: the default)
+BASE = DEFAULT_STAGE_BASE_BYTES
+
+
+def _budget_mb(room_mib: float, margin: float = DEFAULT_MEMORY_MARGIN) -> float:
+    """The --memory-mb that leaves ``room_mib`` for the model."""
+    return (room_mib * MIB + BASE + runtime_bytes(False)) * (1 + margin) / MIB
+
+
+def _info(room_mib: float) -> dict[str, Any]:
+    return {"memory_mb": _budget_mb(room_mib)}
+
+
+def _started(rooms: dict[str, float | None], **changes: Any) -> Harness:
+    """A run over stages that give a model ``rooms`` MiB (None: no limit)."""
     h = Harness()
-    for name, mb in memory.items():
-        h.register(name, info={} if mb is None else {"memory_mb": mb})
+    for name, room in rooms.items():
+        h.register(name, info={} if room is None else _info(room))
     h.client(
         "gen_run_request",
         model=SPEC.to_dict(),
         sink_endpoint="tcp://client:9",
         wait_for_stages_s=0.0,
-        stage_names=list(memory),
+        stage_names=list(rooms),
         **LIMITS,
         **changes,
     )
@@ -61,7 +77,8 @@ def test_the_model_on_one_stage_too_small_is_refused_before_it_hears_of_the_run(
     (failed,) = h.to_client("run_failed")
     error = failed.body["error"]
     assert "stage 'solo' needs" in error
-    assert f"{whole:.2f} MiB" in error and f"{whole * 0.7:.2f} MiB available" in error
+    assert f"{whole:.2f} MiB" in error and f"{whole * 0.7:.2f} MiB for its model" in error
+    assert "10% margin" in error and f"base of {BASE / MIB:.2f} MiB" in error
     assert "weights" in error and "KV cache" in error and "working set" in error
     assert not h.events("generation_setup")
 
@@ -116,6 +133,22 @@ def test_the_check_names_the_first_stage_short_and_leaves_unbounded_ones_alone()
 
     members = [member("x", {}), member("y", {})]
     check_generation_capacity(UNITS, members, [(0, 2), (2, 4)], WORKLOAD)  # no budgets
-    members[1] = member("y", {"memory_mb": 0.01})
-    with pytest.raises(InfeasiblePlanError, match=r"stage 'y' needs .* 0\.01 MiB available"):
+    members[1] = member("y", _info(0.01))
+    with pytest.raises(InfeasiblePlanError, match=r"stage 'y' needs .* 0\.01 MiB for its model"):
         check_generation_capacity(UNITS, members, [(0, 2), (2, 4)], WORKLOAD)
+
+
+def test_the_margin_and_the_process_base_come_off_the_budget_as_for_every_run() -> None:
+    # a --memory-mb that holds the model and the process's base, but not the margin: a
+    # budget is the whole process's, and the same rule plans inference and training
+    whole = _need_mib(0, CONFIG.num_units)
+    no_margin = {"memory_mb": _budget_mb(whole * 1.01, margin=0.0)}
+    h = Harness()
+    h.register("solo", info=no_margin)
+    h.client("gen_run_request", model=SPEC.to_dict(), sink_endpoint="tcp://client:9",
+             wait_for_stages_s=0.0, stage_names=["solo"], **LIMITS)  # fmt: skip
+    assert not h.to("solo", "gen_setup")
+    (failed,) = h.to_client("run_failed")
+    assert "stage 'solo' needs" in failed.body["error"]
+    # the same budget with the margin allowed for runs
+    assert _started({"solo": whole * 1.01}).to("solo", "gen_setup")

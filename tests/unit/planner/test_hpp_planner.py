@@ -404,13 +404,20 @@ def test_memory_model_counts_optimizer_state_and_warmup() -> None:
     cluster = ClusterSpec((ClusterDevice("a", memory_bytes=1000, speed=0.5),))
     for optimizer, copies in (("sgd", 0), ("sgd-momentum", 1), ("adam", 2)):
         costs = TrainingCosts(profile, cluster, microbatch_size=4, optimizer=optimizer)
-        # eq. 3: weights + gradients + optimizer copies, plus K x activations at the share
-        assert costs.memory_bytes(0, 2, 4, 3) == (2 + copies) * 150 + 3 * 4 * 30
+        # eq. 3: weights + gradients + optimizer copies, plus K x activations at the share,
+        # plus the step's temporaries (as many copies of the weights as the state here;
+        # this profile's forward needs nothing)
+        step = copies * 150
+        assert costs.memory_bytes(0, 2, 4, 3) == (2 + copies) * 150 + 3 * 4 * 30 + step
         assert costs.forward_s(cluster.devices[0], 0, 2, 4) == pytest.approx(16.0)
-    costs = TrainingCosts(profile, cluster, microbatch_size=4, optimizer="adam")
-    # (1000 - 600) / (2 x 30 per sample) -> 6 samples fit, capped at the micro-batch
+    costs = TrainingCosts(profile, cluster, microbatch_size=4, optimizer="sgd")
+    # (1000 - 300) / (2 x 30 per sample) -> 11 samples fit, capped at the micro-batch
     assert costs.max_share(cluster.devices[0], 0, 2, 2) == 4
-    assert costs.max_share(cluster.devices[0], 0, 2, 5) == 2
+    assert costs.max_share(cluster.devices[0], 0, 2, 5) == 4
+    costs = TrainingCosts(profile, cluster, microbatch_size=4, optimizer="adam")
+    # 1000 - 600 of weights, gradients and moments leaves 400: Adam's step takes 300
+    assert costs.max_share(cluster.devices[0], 0, 2, 2) == 1
+    assert costs.max_share(cluster.devices[0], 0, 2, 5) == 0
     with pytest.raises(ConfigError, match="unknown optimizer"):
         TrainingCosts(profile, cluster, microbatch_size=4, optimizer="lion")
 
@@ -473,7 +480,8 @@ def _small_case() -> tuple[ModelProfile, ClusterSpec]:
     )
     cluster = ClusterSpec(
         (
-            ClusterDevice("small", memory_bytes=40 * MB, speed=1.0, bandwidth_mbps=1000),
+            # 2 samples: 16 MB of weights and gradients, 24 MB saved, 2 MB of running input
+            ClusterDevice("small", memory_bytes=42 * MB, speed=1.0, bandwidth_mbps=1000),
             ClusterDevice("big", memory_bytes=120 * MB, speed=0.5, bandwidth_mbps=1000),
             ClusterDevice("mid", memory_bytes=50 * MB, speed=1.0, bandwidth_mbps=1000),
         )
@@ -562,8 +570,9 @@ def test_infeasible_plans_say_by_how_much() -> None:
             )
     with pytest.raises(InfeasiblePlanError, match=r"short: use the hpp planner"):
         plan_training(profile, cluster, microbatch_size=4, num_microbatches=8, algo="even")
+    # 60 MB held together (Adam's step takes 16 MB more than its state at peak)
     one_unit_too_big = ClusterSpec(
-        tuple(ClusterDevice(f"t{k}", memory_bytes=7 * MB) for k in range(8))
+        tuple(ClusterDevice(f"t{k}", memory_bytes=7_500_000) for k in range(8))
     )
     with pytest.raises(InfeasiblePlanError, match=r"unit 0 \(u0\) alone needs 8.0 MB"):
         plan_training(

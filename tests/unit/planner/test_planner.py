@@ -28,6 +28,7 @@ from zpipe.planner import (
     predict_plan,
     solve_pipeedge,
 )
+from zpipe.planner.memory import profile_stage_memory
 from zpipe.planner.profile import ModelProfile, synthetic_profile
 
 # -- random instances ---------------------------------------------------------------------
@@ -87,7 +88,7 @@ def instances(draw: st.DrawFn) -> Instance:
 def brute_force(inst: Instance) -> tuple[float, int] | None:
     """(least bottleneck, fewest devices reaching it) over every subset, order and split."""
     prof, cl = inst.profile, inst.cluster
-    times, out, mem = prof.times(1), prof.output_bytes(1), prof.memory_bytes(1)
+    times, out = prof.times(1), prof.output_bytes(1)
     n = prof.num_units
     results: list[tuple[float, int]] = []
     for k in range(1, min(len(cl.devices), n) + 1):
@@ -95,7 +96,8 @@ def brute_force(inst: Instance) -> tuple[float, int] | None:
             for cuts in itertools.combinations(range(1, n), k - 1):
                 bounds = [0, *cuts, n]
                 ok = all(
-                    d.memory_bytes is None or sum(mem[bounds[s] : bounds[s + 1]]) <= d.memory_bytes
+                    d.memory_bytes is None
+                    or _need(prof, bounds[s], bounds[s + 1]) <= d.memory_bytes
                     for s, d in enumerate(order)
                 )
                 if not ok:
@@ -114,14 +116,18 @@ def brute_force(inst: Instance) -> tuple[float, int] | None:
     return best, fewest
 
 
+def _need(prof: ModelProfile, start: int, end: int) -> int:
+    """The one memory model's figure for a stage, from its scalar formula."""
+    return profile_stage_memory(prof, start, end, 1).model
+
+
 def assert_valid(plan: Plan, inst: Instance) -> None:
-    mem = inst.profile.memory_bytes(1)
     assert plan.stages[0].start == 0 and plan.stages[-1].end == inst.profile.num_units
     for a, b in itertools.pairwise(plan.stages):
         assert a.end == b.start
     for s in plan.stages:
         cap = inst.cluster.device(s.device).memory_bytes
-        assert cap is None or sum(mem[s.start : s.end]) <= cap
+        assert cap is None or _need(inst.profile, s.start, s.end) <= cap
 
 
 # -- PipeEdge against brute force ---------------------------------------------------------
@@ -326,12 +332,13 @@ def test_memory_is_respected_even_when_slower() -> None:
 
 def _hetero() -> tuple[ModelProfile, ClusterSpec]:
     # 16 identical units, one of four devices four times slower: even gives it 4 units.
+    # (A stage's memory is its weights plus its input, which it holds while its units run.)
     prof = synthetic_profile([1.0] * 16, [1000] * 16, param_bytes=[10] * 16)
     devs = (
-        ClusterDevice("a", 1000, 1.0, 1000.0),
-        ClusterDevice("slow", 1000, 0.25, 1000.0),
-        ClusterDevice("b", 1000, 1.0, 1000.0),
-        ClusterDevice("c", 1000, 1.0, 1000.0),
+        ClusterDevice("a", 2000, 1.0, 1000.0),
+        ClusterDevice("slow", 2000, 0.25, 1000.0),
+        ClusterDevice("b", 2000, 1.0, 1000.0),
+        ClusterDevice("c", 2000, 1.0, 1000.0),
     )
     return prof, ClusterSpec(devs)
 

@@ -43,6 +43,8 @@ ADDED_IN_V1 = {
         "progress": ["bool", False],
         "bucketing": ["str/null", False],
     },
+    # the stage process's resident memory before its model (the memory model's base)
+    "register": {"base_bytes": ["int/null", False]},
     # the token of the stage's bulk connection, from a coordinator that has one
     "registered": {"bulk_token": ["str/null", False], "clock": ["int/float/null", False]},
     # a notice's number, which the client acknowledges (an older client ignores it)

@@ -192,7 +192,9 @@ class LiveRepartitioning:
         if len(known) != len(devices):
             return None
         try:
-            return cluster_from_members(known, links=state.measured_links(known))
+            return cluster_from_members(
+                known, links=state.measured_links(known), margin=state.memory_margin, training=True
+            )
         except ConfigError:  # a stage declared a link the planner refuses
             return None
 

@@ -239,10 +239,12 @@ def _capacity_bounds(
     members: Sequence[Member],
     limits: GenerationLimits,
     partition: Sequence[object] | None,
+    margin: float,
 ) -> list[tuple[int, int]]:
     """Each stage's units: the client's partition, checked against every stage's memory
-    budget, or the planner's split over the stages that fits them; refused (naming the
-    stage, the MiB it needs and has) before any stage hears of the run."""
+    room (its budget less ``margin`` and its process's base), or the planner's split
+    over the stages that fits them; refused (naming the stage, the MiB it needs and
+    has) before any stage hears of the run."""
     units = generation_units(
         config, element_bytes=DTYPE_BYTES[limits.dtype or "float32"], max_context=limits.max_context
     )
@@ -255,10 +257,10 @@ def _capacity_bounds(
     )
     if partition is not None:
         bounds = generation_bounds(config.num_units, len(members), partition)
-        check_generation_capacity(units, members, bounds, workload)
+        check_generation_capacity(units, members, bounds, workload, margin)
         return bounds
     generation_bounds(config.num_units, len(members))  # too many stages: said as before
-    return planned_bounds(units, members, workload)
+    return planned_bounds(units, members, workload, margin)
 
 
 def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest) -> Flow:
@@ -278,7 +280,7 @@ def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest)
     if names is not None and (not names or len(set(names)) != len(names)):
         raise ConfigError(f"stage_names must name each stage once, got {list(names)}")
     members: list[Member] = yield AwaitStages(names, count, float(request.wait_for_stages_s))
-    bounds = _capacity_bounds(config, members, limits, request.partition)
+    bounds = _capacity_bounds(config, members, limits, request.partition, state.memory_margin)
     budget = kv_budget_tokens(config, bounds, limits.kv_budget_bytes, limits.dtype)
     if state.current is not None:
         # its stages take the generation run instead: the run they ran is over

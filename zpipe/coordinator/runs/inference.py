@@ -222,6 +222,7 @@ class InferenceController(BaseRun):
                     batch_size=batch,
                     train=False,
                     links=self.state.measured_links(survivors),
+                    margin=self.state.memory_margin,
                 )
             by_name = {m.name: m for m in survivors}
             # A new last stage on another host could never reach a loopback sink: the
