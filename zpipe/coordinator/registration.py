@@ -11,6 +11,7 @@ the run's stages means that stage restarted: the run has lost it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from zpipe._errors import ConfigError, TransportTimeout
 from zpipe.coordinator.commands import Command, Log, Persist, Send
@@ -18,7 +19,7 @@ from zpipe.coordinator.events import RegisterAsked, RequestFailed
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.name_claims import Claim, NameClaims
 from zpipe.coordinator.state import ControlState
-from zpipe.protocol.stage_control import Probe, Refused, Registered
+from zpipe.protocol.stage_control import Probe, Refused, Register, Registered
 
 # How the core handles a death it declares here: (name, reason, silent_s, now) -> commands.
 OnDeath = Callable[[str, str, float, float], list[Command]]
@@ -30,6 +31,13 @@ def printable(routing_id: bytes) -> str:
         return routing_id.decode("ascii")
     except UnicodeDecodeError:
         return routing_id.hex()
+
+
+def recorded_info(message: Register) -> dict[str, Any]:
+    """What a member's info holds of its registration: what the stage said of itself,
+    with its typed base cost (the planner reads it there:
+    :func:`zpipe.coordinator.planning.base_bytes_of`)."""
+    return {**message.info, "base_bytes": message.base_bytes}
 
 
 class Registrations:
@@ -83,7 +91,7 @@ class Registrations:
             and message.name not in self.state.unconfirmed
             and member.routing_id == event.routing_id
             and member.data_endpoint == message.data_endpoint
-            and member.info == message.info
+            and member.info == recorded_info(message)
             and member.public_key == self.state.key_of(message.name)
         )
 
@@ -200,9 +208,7 @@ class Registrations:
                 name=name,
                 routing_id=event.routing_id,
                 data_endpoint=data_endpoint,
-                # the typed base cost goes with what the stage said of itself (the
-                # planner reads it there: zpipe.coordinator.planning.base_bytes_of)
-                info={**message.info, "base_bytes": message.base_bytes},
+                info=recorded_info(message),
                 public_key=state.key_of(name),
                 now=now,
             )
