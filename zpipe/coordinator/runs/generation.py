@@ -1,8 +1,9 @@
 """A pipelined generation run's set-up: from ``gen_run_request`` to ``gen_run_ready``.
 
     gen_run_request ─> the stages (waiting for them to register) ─> bounds (the
-    client's partition, or an even split of the units) ─> gen_setup to each stage
-    (its units, its neighbours, the run's limits) ─> every gen_ready ─> gen_run_ready
+    client's partition, or the planner's split within each stage's memory) ─>
+    gen_setup to each stage (its units, its neighbours, the run's limits) ─> every
+    gen_ready ─> gen_run_ready
 
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events. After set-up the
 coordinator carries no data of the run: the client sends sequences to the first
@@ -234,7 +235,7 @@ def generation_setups(
     return out
 
 
-def _capacity_bounds(
+def capacity_bounds(
     config: CausalLmConfig,
     members: Sequence[Member],
     limits: GenerationLimits,
@@ -244,7 +245,8 @@ def _capacity_bounds(
     """Each stage's units: the client's partition, checked against every stage's memory
     room (its budget less ``margin`` and its process's base), or the planner's split
     over the stages that fits them; refused (naming the stage, the MiB it needs and
-    has) before any stage hears of the run."""
+    has) before any stage hears of the run. A recovery re-plans its survivors with
+    it too (zpipe.coordinator.runs.generation_recovery)."""
     units = generation_units(
         config, element_bytes=DTYPE_BYTES[limits.dtype or "float32"], max_context=limits.max_context
     )
@@ -280,7 +282,7 @@ def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest)
     if names is not None and (not names or len(set(names)) != len(names)):
         raise ConfigError(f"stage_names must name each stage once, got {list(names)}")
     members: list[Member] = yield AwaitStages(names, count, float(request.wait_for_stages_s))
-    bounds = _capacity_bounds(config, members, limits, request.partition, state.memory_margin)
+    bounds = capacity_bounds(config, members, limits, request.partition, state.memory_margin)
     budget = kv_budget_tokens(config, bounds, limits.kv_budget_bytes, limits.dtype)
     if state.current is not None:
         # its stages take the generation run instead: the run they ran is over

@@ -1,13 +1,15 @@
 """A generation run after its set-up: recovery when a stage dies, and its end.
 
     gen_run_ready ─> the run is the current one (this controller)
-    a stage dies ─> re-plan over the survivors (zpipe.recovery.generation: the units
-    cut evenly, the survivors in their order) ─> gen_setup to each survivor under a
-    new epoch (each loads the units it now holds, from the model's spec, as at
-    start) ─> every gen_ready ─> run_replanned to the client
+    a stage dies ─> re-plan over the survivors (zpipe.recovery.generation: the
+    survivors in their order, the units split within each one's memory room by the
+    start's planner, or cut evenly when none reported a budget) ─> gen_setup to
+    each survivor under a new epoch (each loads the units it now holds, from the
+    model's spec, as at start) ─> every gen_ready ─> run_replanned to the client
     another stage dies meanwhile ─> re-plan again without it
-    recovery fails (no survivor, a refusal, a stage that does not answer) ─>
-    stage_failed to the client
+    recovery fails (no survivor, no split that fits the survivors' memory: before
+    any gen_setup; a refusal, a stage that does not answer) ─> stage_failed to the
+    client
     run_end (the client closed the run) ─> the run is over
 
 The coordinator keeps nothing of the sequences: the client does. On
@@ -26,17 +28,19 @@ Pure: events in, commands out (:class:`~zpipe.coordinator.runs.base.RunControlle
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from zpipe._errors import PipelineError, StageLostError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, Command, Log, Now, Persist, Send
 from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.events import Event, StageDied
 from zpipe.coordinator.flows import Flow
+from zpipe.coordinator.generation_plan import stage_budget_mb
 from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.runs.base import BaseRun, recovered_after_death
 from zpipe.coordinator.runs.generation import (
     GenerationLimits,
+    capacity_bounds,
     generation_setups,
     kv_budget_tokens,
 )
@@ -131,7 +135,7 @@ class GenerationController(BaseRun):
         try:
             while True:
                 failed = {d for d in run.plan.devices if self._gone(d)}
-                plan = replan_generation(run.plan, failed)
+                plan = replan_generation(run.plan, failed, self._fitting_split)
                 planned_at = yield Now()
                 ready = yield from self._set_up(plan)
                 if ready:
@@ -171,6 +175,16 @@ class GenerationController(BaseRun):
             epoch=run.epoch,
         )
         yield Send(run.client, notice, CLIENT_NAME, self.reply_s)
+
+    def _fitting_split(self, survivors: Sequence[str]) -> list[tuple[int, int]] | None:
+        """The survivors' split within each one's memory room, planned as at the run's
+        start (:func:`capacity_bounds`); None when no survivor reported a budget: the
+        even cut, as before budgets were known. InfeasiblePlanError, naming a stage
+        and the MiB it needs and has, when no split fits them."""
+        members = [self._member(name) for name in survivors]
+        if all(stage_budget_mb(m) is None for m in members):
+            return None
+        return capacity_bounds(self.config, members, self.limits, None, self.state.memory_margin)
 
     def _member(self, name: str) -> Member:
         member = self.state.membership.get(name)
