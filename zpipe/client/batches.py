@@ -3,8 +3,7 @@
 Pure data handling (no sockets): inference batches are split by size
 (:func:`split_microbatches`), training mini-batches into a count of parts
 (:func:`split_minibatch`), and :class:`BatchSource` hands a training run its
-mini-batches once each while keeping those since the last replica, which a
-recovery trains again.
+mini-batches once each while keeping those a recovery may train again.
 """
 
 from __future__ import annotations
@@ -135,7 +134,14 @@ T = TypeVar("T")
 
 
 class ReplayBuffer(Generic[T]):
-    """The mini-batches since the last replica, kept to replay (pure bookkeeping).
+    """The mini-batches a recovery may train again, kept to replay (pure bookkeeping).
+
+    Which ones the fit's controller decides
+    (:class:`~zpipe.client.runs.training_attempts.TrainingAttempts`): with exact
+    consistency those since the last replica (and since the newest global copy
+    between chain replicas); with fast consistency, or without recovery, only those
+    whose loss has not come back, so a long run fed from a generator holds at most
+    the mini-batches in flight and the one the feed is about to send.
 
     ``replica_step``: the mini-batch the coordinator's replica was taken before
     (every mini-batch before it is in the replica); ``resume``: that replica's
@@ -163,6 +169,8 @@ class ReplayBuffer(Generic[T]):
 
     def forget_before(self, step: int) -> None:
         """Mini-batches before ``step`` will not be trained again."""
+        if step <= self.kept_from:  # already let go of (a late acknowledgement)
+            return
         self.kept = self.kept[step - self.kept_from :]
         self.kept_from = step
 
@@ -195,7 +203,7 @@ class ReplayBuffer(Generic[T]):
 
 
 class BatchSource(ReplayBuffer[TrainBatch]):
-    """The mini-batches, once each, and those since the last replica, kept to replay."""
+    """The mini-batches, once each, and those a recovery may train again, kept to replay."""
 
     def __init__(self, batches: Iterable[TrainBatch] | AsyncIterable[TrainBatch]) -> None:
         super().__init__()

@@ -1,25 +1,35 @@
 """The client's side of an asynchronous run's fast recovery (live copies, FTPipeHD): no
 flush replica is ever kept, a death resumes at the first un-acknowledged mini-batch
 of the broken run, and the coordinator's plan summary becomes the report's
-``progress_lost`` and ``unit_sources``. Pure: events in, commands out."""
+``progress_lost`` and ``unit_sources``. A mini-batch whose loss came back is let go of
+at once (no fast recovery trains it again), so a long run fed from a generator holds
+only the mini-batches in flight; exact consistency keeps those since the replica.
+Pure: events in, commands out."""
 
 from __future__ import annotations
 
+import asyncio
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from zpipe._errors import ConfigError, StageFailedError
-from zpipe.client.batches import ReplayBuffer
+from zpipe.client.batches import BatchSource, ReplayBuffer
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
 from zpipe.client.runs.fit import training_request
 from zpipe.client.runs.training_attempts import (
+    Acknowledged,
     AttemptEnded,
     AttemptReady,
     AttemptStarted,
     FailFit,
     FeedAt,
+    KeepReplica,
+    ReplicaKept,
     RequestRun,
     SendMiniBatch,
     StartAttempt,
@@ -111,3 +121,107 @@ def test_a_resume_elsewhere_than_the_client_fails_the_fit() -> None:
     attempts.handle(AttemptEnded(_report(1, tplan, [1.0, 2.0]), 0.0, failure))
     (failed,) = attempts.handle(AttemptReady(fast_recovery={"resume_at": 1}))
     assert isinstance(failed, FailFit) and "resumed at mini-batch 1" in str(failed.error)
+
+
+def test_acknowledged_mini_batches_leave_the_buffer_and_the_resume_point_finds_the_rest() -> None:
+    replay: ReplayBuffer[int] = ReplayBuffer()
+    attempts = _attempts(replay, **FAST)
+    assert attempts.releases_acknowledged
+    tplan = _plan(["a", "b", "c"])
+    attempts.start()
+    attempts.handle(AttemptStarted(tplan))
+    for step in range(8):
+        replay.keep(step)
+        attempts.handle(FeedAt(step))
+        if step >= 2:  # three in flight, then one loss back per mini-batch sent
+            assert attempts.handle(Acknowledged(step - 1)) == []
+            assert replay.kept == list(range(step - 1, step + 1))
+    assert replay.kept == [6, 7] and replay.kept_from == 6
+    attempts.handle(Acknowledged(5))  # a late word changes nothing
+    assert replay.kept == [6, 7] and replay.kept_from == 6
+    failure = StageFailedError("b", "gone")
+    losses = [float(i) for i in range(6)]
+    (command,) = attempts.handle(AttemptEnded(_report(4, tplan, losses), 0.0, failure))
+    assert isinstance(command, RequestRun) and command.offset == 6
+    assert (command.request.resume or {})["step"] == 6  # the first un-acknowledged one
+    assert replay.kept == [6, 7]  # every mini-batch the resume point trains is held
+    assert attempts.carried.recoveries[-1]["replayed"] == 2
+
+
+def test_exact_consistency_keeps_every_mini_batch_since_the_replica() -> None:
+    replay: ReplayBuffer[int] = ReplayBuffer()
+    exact = {**FAST, "consistency": "exact", "replicate_every": 4}
+    attempts = _attempts(replay, **exact)
+    assert not attempts.releases_acknowledged
+    tplan = _plan(["a", "b", "c"])
+    attempts.start()
+    attempts.handle(AttemptStarted(tplan))
+    for step in range(7):
+        replay.keep(step)
+        (command,) = attempts.handle(FeedAt(step))
+        if isinstance(command, KeepReplica):  # before 0 and 4, after the pipeline drained
+            attempts.handle(ReplicaKept(step, 4, step))
+        attempts.handle(Acknowledged(step))  # every loss before this one is back
+    assert replay.replicas == [0, 4]
+    assert replay.kept == [4, 5, 6]  # acknowledged, but a rollback trains 4 and 5 again
+    failure = StageFailedError("b", "gone")
+    losses = [float(i) for i in range(6)]
+    (command,) = attempts.handle(AttemptEnded(_report(4, tplan, losses), 0.0, failure))
+    assert isinstance(command, RequestRun) and command.offset == 4
+    assert (command.request.resume or {})["step"] == 4
+    assert replay.kept == [4, 5, 6]
+
+
+def test_a_generator_fed_fast_fit_holds_only_the_mini_batches_in_flight() -> None:
+    window, total, dies_after = 3, 120, 70
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(total):
+            inputs = torch.full((2, 4), float(i))
+            made.append(weakref.ref(inputs))
+            yield inputs, torch.zeros(2, dtype=torch.long)
+
+    source = BatchSource(batches())
+    attempts = _attempts(source, **FAST)
+    tplan = _plan(["a", "b", "c"])
+    trained: list[int] = []
+
+    async def attempt(offset: int, stop: int | None) -> tuple[int, int, int]:
+        """Feed as the shell does: at most ``window`` in flight, the oldest's loss back
+        before the next goes; ``stop``: a death after that many are sent. (acknowledged,
+        the most the buffer held, the most batches alive)"""
+        sent = done = most = alive = 0
+        async for batch in source.iterate():
+            step = offset + sent
+            assert int(batch[0][0, 0]) == step  # the feed sends the mini-batch of its step
+            assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+            most = max(most, len(source.kept))
+            alive = max(alive, sum(ref() is not None for ref in made))
+            if sent - done == window:  # the window is full: the oldest loss comes back
+                trained.append(offset + done)
+                done += 1
+                attempts.handle(Acknowledged(offset + done))
+            sent += 1
+            if sent == stop:
+                break
+        return done, most, alive
+
+    attempts.start()
+    attempts.handle(AttemptStarted(tplan))
+    done, most, alive = asyncio.run(attempt(0, dies_after))
+    # the window's mini-batches and the one the feed is about to send: on the
+    # old code every mini-batch since the start stayed
+    assert most == window + 1 and alive <= window + 1
+    failure = StageFailedError("b", "gone")
+    losses = [float(i) for i in range(done)]
+    (command,) = attempts.handle(AttemptEnded(_report(4, tplan, losses), 0.0, failure))
+    assert isinstance(command, RequestRun) and command.offset == done
+    assert source.kept_from == done and len(source.kept) == dies_after - done
+    (start,) = attempts.handle(AttemptReady(fast_recovery={"resume_at": done}))
+    assert isinstance(start, StartAttempt)
+    attempts.handle(AttemptStarted(_plan(["a", "c"])))
+    after, most, alive = asyncio.run(attempt(done, None))
+    assert most == window + 1 and alive <= window + 1
+    # every mini-batch whose loss came back in the second attempt, none skipped
+    assert trained == list(range(done + after))

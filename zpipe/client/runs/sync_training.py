@@ -34,6 +34,7 @@ from zpipe.client.failures import run_failed_error
 from zpipe.client.reports import TrainReport
 from zpipe.client.runs.async_repartition import repartition_before
 from zpipe.client.runs.training_attempts import (
+    Acknowledged,
     Command,
     EndAttempt,
     FeedAt,
@@ -331,6 +332,9 @@ class TrainingRun:
             except Exception as exc:  # the caller's on_step: its error ends the run
                 self.session.fail(exc)
                 return
+        if done:
+            # what no recovery can ask for again leaves the replay buffer
+            self.attempts.handle(Acknowledged(self.offset + self.done_steps))
         if done and self.all_sent.is_set() and self.done_steps == self.sent_steps:
             self.finished.set()
 

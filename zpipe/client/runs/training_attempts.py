@@ -14,6 +14,7 @@ feeds what happened in as events, and carries out the commands::
     AttemptReady(resumed, now)         -> StartAttempt(schedule, m, offset, ...) | FailFit
     AttemptStarted(training_plan, now) -> ()
     FeedAt(step)                       -> RepartitionLook | KeepReplica | SendMiniBatch
+    Acknowledged(step)                 -> ()
     Looked(step, moved)                -> KeepReplica | SendMiniBatch
     ReplicaKept(step, run, run_step)   -> SendMiniBatch | EndAttempt(rebalance_to)
     ReplicaRefused(step)               -> SendMiniBatch
@@ -69,6 +70,14 @@ class FeedAt:
 
 
 @dataclass(frozen=True)
+class Acknowledged:
+    """Every mini-batch before ``step`` (of the fit) has its loss back: what no
+    recovery trains again is let go of (:meth:`TrainingAttempts.releases_acknowledged`)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class Looked:
     """The re-partition look before ``step`` is done; ``moved``: units moved."""
 
@@ -110,7 +119,14 @@ class AttemptEnded:
 
 
 Event = (
-    AttemptReady | AttemptStarted | FeedAt | Looked | ReplicaKept | ReplicaRefused | AttemptEnded
+    AttemptReady
+    | AttemptStarted
+    | FeedAt
+    | Acknowledged
+    | Looked
+    | ReplicaKept
+    | ReplicaRefused
+    | AttemptEnded
 )
 
 # ---------------------------------------------------------------------------- commands
@@ -288,6 +304,16 @@ class TrainingAttempts:
         """Whether a stage's death is recovered from (replicas are kept)."""
         return self.every is not None or self.fast_live
 
+    @property
+    def releases_acknowledged(self) -> bool:
+        """Whether a mini-batch is let go of once its loss is back. A fast recovery
+        (FTPipeHD's from live copies, or from a flush replica) resumes at the first
+        mini-batch whose loss had not come back, and a run that does not recover
+        never trains one again: no acknowledged mini-batch is asked for again. An
+        exact recovery trains again every mini-batch since the replica (or since the
+        global copy it falls back to): those stay until the next replica."""
+        return not self.recovers or self.options.consistency == "fast"
+
     # -------------------------------------------------------------------- attempts
 
     def start(self) -> RequestRun:
@@ -305,6 +331,12 @@ class TrainingAttempts:
                 if self._fresh(step) and self._look_due(step):
                     return [RepartitionLook(step)]
                 return [self._replica_or_send(step, moved=False)]
+            case Acknowledged(step=step):
+                if self.releases_acknowledged:
+                    # the buffer holds only the mini-batches in flight (and the one
+                    # the feed holds): a long run fed from a generator stays bounded
+                    self.replay.forget_before(step)
+                return []
             case Looked(step=step, moved=moved):
                 return [self._replica_or_send(step, moved=moved)]
             case ReplicaKept():
