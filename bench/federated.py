@@ -53,7 +53,8 @@ workers) for ``--flower-budget-s`` (60) simulated seconds of seed ``--flower-see
 (0), with the comparison's settings, and fl-sim's in-process run of the same
 configuration in the same invocation. Summary keys ``flower_sim_clients``,
 ``flower_sim_wall_s`` (the whole call: Ray's start, profiling, training),
-``flower_server_wall_s`` and ``flower_profiling_wall_s`` (the ServerApp's own),
+``flower_server_wall_s`` and ``flower_profiling_wall_s`` (the ServerApp's own; the
+latter from its start through waiting for the SuperNodes and profiling them),
 ``flower_sim_acc`` (the final evaluation), ``flsim_wall_s``,
 ``flower_over_flsim_wall``, and ``flower_equals_flsim_tasks`` (client tasks and
 server stats) and ``flower_equals_flsim_curve``: for one seed the Flower run makes
