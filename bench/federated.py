@@ -44,11 +44,27 @@ an fl-server and six fl-client processes on loopback (emulated latencies 0.2-0.8
 Summary keys ``net_<method>_acc``, ``predicted_<method>_acc``,
 ``net_minus_predicted_<method>_acc`` and ``net_over_predicted_time_<method>``
 (the server's wall time over the simulated time to the same number of updates).
+
+Flower section (on by default; ``--skip-flower`` leaves it out, and it is left out
+when ``flwr[simulation]`` is not installed: ``pip install 'zpipe[flower]'``):
+Eco-FL's ServerApp and ``--flower-clients`` (300) ClientApps on Flower's simulation
+engine (:func:`zpipe.federated.flower_app.run_flower_simulation`, Ray with two
+workers) for ``--flower-budget-s`` (60) simulated seconds of seed ``--flower-seed``
+(0), with the comparison's settings, and fl-sim's in-process run of the same
+configuration in the same invocation. Summary keys ``flower_sim_clients``,
+``flower_sim_wall_s`` (the whole call: Ray's start, profiling, training),
+``flower_server_wall_s`` and ``flower_profiling_wall_s`` (the ServerApp's own; the
+latter from its start through waiting for the SuperNodes and profiling them),
+``flower_sim_acc`` (the final evaluation), ``flsim_wall_s``,
+``flower_over_flsim_wall``, and ``flower_equals_flsim_tasks`` (client tasks and
+server stats) and ``flower_equals_flsim_curve``: for one seed the Flower run makes
+fl-sim's decisions exactly, so both should be true. About a minute on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import statistics
 import sys
@@ -63,6 +79,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 from bench._common import emit, loadavg, summary
 from bench.federated_net import compare
 from zpipe.federated.data import PARTITIONS
+from zpipe.federated.flower_app import FlowerSettings, run_flower_simulation
 from zpipe.federated.simulate import SimConfig, run_simulation, time_to_accuracy
 from zpipe.lossy.data import load_digits_dataset
 
@@ -155,7 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--network-only", action="store_true", help="only the networked section")
     p.add_argument("--network-methods", default="ecofl,fedasync")
     p.add_argument("--network-updates", type=int, default=60)
+    p.add_argument("--skip-flower", action="store_true", help="leave out the Flower section")
+    p.add_argument("--flower-clients", type=int, default=300, help="Flower SuperNodes (300)")
+    p.add_argument("--flower-budget-s", type=float, default=60.0, help="its simulated time")
+    p.add_argument("--flower-seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.flower_clients < 1 or args.flower_budget_s <= 0:
+        p.error("--flower-clients must be at least 1 and --flower-budget-s > 0")
     network: dict[str, Any] = {}
     if args.network or args.network_only:
         network = network_section(args)
@@ -198,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.held:
         held = compare_methods(args.held_seeds, args.lam, args.target, common, data)
     sweep = lambda_sweep(lambdas, range(lambda_seeds), common, data)
+    flower = {} if args.skip_flower else flower_section(args, common, data)
 
     main = held if held is not None else tuning
     assert main is not None
@@ -232,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings_are_chosen=settings == CHOSEN,
         lambda_sweep=sweep,
         **network,
+        **flower,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
         note=(
@@ -328,6 +353,52 @@ def lambda_sweep(
         }
         emit({"bench": "federated", "lambda": key, **sweep[key]})
     return sweep
+
+
+def flower_available() -> bool:
+    """Whether Flower's simulation engine (and its Ray) can be imported here."""
+    return all(importlib.util.find_spec(m) is not None for m in ("flwr", "ray"))
+
+
+def flower_section(args: argparse.Namespace, common: dict[str, Any], data: Any) -> dict[str, Any]:
+    """Eco-FL over ``--flower-clients`` SuperNodes on Flower's simulation engine, and
+    fl-sim's in-process run of the same configuration: wall times, accuracy, equality."""
+    if not flower_available():
+        return {"flower_sim_skipped": "flwr[simulation] is not installed (zpipe[flower])"}
+    config = SimConfig(
+        method="ecofl",
+        seed=args.flower_seed,
+        lam=args.lam,
+        n_clients=args.flower_clients,
+        eval_every_s=min(10.0, args.flower_budget_s),
+        **{**common, "budget_s": args.flower_budget_s},
+    )
+    reference = run_simulation(config, data)
+    started = time.perf_counter()
+    result = run_flower_simulation(FlowerSettings(config))
+    flower_wall = time.perf_counter() - started
+    same_tasks = (
+        result["client_tasks"] == reference["client_tasks"]
+        and result["stats"] == reference["stats"]
+    )
+    out: dict[str, Any] = {
+        "flower_sim_clients": result["clients_profiled"],
+        "flower_sim_budget_s": args.flower_budget_s,
+        "flower_sim_seed": args.flower_seed,
+        "flower_sim_wall_s": round(flower_wall, 1),
+        "flower_server_wall_s": round(result["wall_s"], 1),
+        "flower_profiling_wall_s": round(result["profiling_wall_s"], 1),
+        "flower_sim_acc": round(result["final_acc"], 4),
+        "flower_sim_client_tasks": result["client_tasks"],
+        "flower_sim_groups": len(result["initial_groups"]),
+        "flsim_wall_s": round(reference["wall_s"], 2),
+        "flsim_acc": round(reference["final_acc"], 4),
+        "flower_over_flsim_wall": round(flower_wall / max(reference["wall_s"], 1e-3), 1),
+        "flower_equals_flsim_tasks": same_tasks,
+        "flower_equals_flsim_curve": result["curve"] == reference["curve"],
+    }
+    emit({"bench": "federated", "section": "flower", **out, "loadavg": loadavg()})
+    return out
 
 
 def network_section(args: argparse.Namespace) -> dict[str, Any]:

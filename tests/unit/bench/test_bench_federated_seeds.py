@@ -1,10 +1,11 @@
-"""bench/federated.py's seed selection and held-out summary (no simulation runs)."""
+"""bench/federated.py's seed selection, held-out summary and Flower section (no simulation
+runs: the comparison, fl-sim and Flower's engine are replaced by fakes)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -37,8 +38,40 @@ def _fake_compare(
     return acc, tta
 
 
-def _summary(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *argv: str):
+def _fake_run(config: Any, *, engine: str, final_acc: float = 0.3) -> dict[str, Any]:
+    return {
+        "engine": engine,
+        "config": config,
+        "client_tasks": 7 * config.n_clients,
+        "stats": {"global_updates": 11},
+        "curve": {"time_s": [0.0, config.budget_s], "test_acc": [0.1, final_acc]},
+        "final_acc": final_acc,
+        "wall_s": 0.5,
+    }
+
+
+def _fake_flower(settings: Any) -> dict[str, Any]:
+    return {
+        **_fake_run(settings.sim, engine="flower"),
+        "clients_profiled": settings.sim.n_clients,
+        "profiling_wall_s": 3.0,
+        "initial_groups": [[0], [1], [2]],
+        "wall_s": 8.0,
+    }
+
+
+def _summary(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *argv: str,
+    flower: Callable[[Any], dict[str, Any]] = _fake_flower,
+    has_flower: bool = True,
+):
     monkeypatch.setattr(fed, "compare_methods", _fake_compare)
+    # the Flower section's two runs: fakes, so no Ray worker starts in the unit lane
+    monkeypatch.setattr(fed, "flower_available", lambda: has_flower)
+    monkeypatch.setattr(fed, "run_flower_simulation", flower)
+    monkeypatch.setattr(fed, "run_simulation", lambda c, d: _fake_run(c, engine="fl-sim"))
     monkeypatch.setattr(fed, "lambda_sweep", lambda *a: {})
     monkeypatch.setattr(fed, "load_digits_dataset", lambda: None)
     assert fed.main(["--lambdas=", *argv]) == 0
@@ -81,3 +114,45 @@ def test_held_seeds_may_not_overlap_the_tuning_seeds(
 ) -> None:
     with pytest.raises(SystemExit):
         _summary(monkeypatch, capsys, "--held", "--held-seeds", "5-14")
+
+
+def test_the_flower_section_compares_a_flower_run_with_fl_sim_of_the_same_seed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _summary(monkeypatch, capsys, "--seeds", "1", "--flower-budget-s", "30")
+    assert out["flower_sim_clients"] == 300 and out["flower_sim_budget_s"] == 30.0
+    assert out["flower_sim_acc"] == 0.3 and out["flsim_acc"] == 0.3
+    assert out["flower_sim_groups"] == 3 and out["flower_server_wall_s"] == 8.0
+    assert out["flower_equals_flsim_tasks"] is True and out["flower_equals_flsim_curve"] is True
+    assert out["flower_sim_wall_s"] >= 0 and out["flsim_wall_s"] == 0.5
+    assert out["flower_over_flsim_wall"] == pytest.approx(out["flower_sim_wall_s"] / 0.5, abs=0.1)
+
+
+def test_the_flower_run_takes_the_clients_flag_and_reports_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[Any] = []
+
+    def flower(settings: Any) -> dict[str, Any]:
+        seen.append(settings.sim)
+        return {
+            **_fake_flower(settings),
+            "final_acc": 0.25,
+            "curve": {"time_s": [], "test_acc": []},
+        }
+
+    out = _summary(monkeypatch, capsys, "--seeds", "1", "--flower-clients", "12", flower=flower)
+    (config,) = seen
+    assert config.n_clients == 12 and config.method == "ecofl" and config.seed == 0
+    assert config.partition == "rlg-niid" and config.budget_s == 60.0
+    assert out["flower_sim_clients"] == 12 and out["flower_equals_flsim_curve"] is False
+    assert out["flower_equals_flsim_tasks"] is True
+
+
+def test_skip_flower_leaves_the_section_out_and_a_missing_flower_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _summary(monkeypatch, capsys, "--seeds", "1", "--skip-flower")
+    assert not any(k.startswith("flower_") for k in out)
+    out = _summary(monkeypatch, capsys, "--seeds", "1", has_flower=False)
+    assert "flower_sim_clients" not in out and "not installed" in out["flower_sim_skipped"]
