@@ -49,7 +49,7 @@ staged. A death after the commit sees the new partition as the committed one.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
@@ -156,6 +156,9 @@ class FastRecoveryPlan:
     resume_at: int
     dead: tuple[str, ...]
     abandoned_move: bool = False
+    # eq. 5's inputs as the report gives them: which capacities and links cut the
+    # survivors, and from where (zpipe.recovery.fast_recovery_inputs)
+    inputs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def spans(self) -> tuple[StageSpan, ...]:
@@ -225,6 +228,7 @@ class FastRecoveryPlan:
             "copies_used": self.copies_used(),
             "units_moved": len(self.fetches()),
             "abandoned_move": self.abandoned_move,
+            "eq5": dict(self.inputs),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -236,6 +240,7 @@ class FastRecoveryPlan:
             "resume_at": self.resume_at,
             "dead": list(self.dead),
             "abandoned_move": self.abandoned_move,
+            "inputs": dict(self.inputs),
         }
 
     @classmethod
@@ -249,6 +254,7 @@ class FastRecoveryPlan:
                 resume_at=int(data["resume_at"]),
                 dead=tuple(str(d) for d in data["dead"]),
                 abandoned_move=bool(data.get("abandoned_move", False)),
+                inputs=dict(data.get("inputs") or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed fast recovery plan: {exc}") from None

@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 from zpipe._errors import ConfigError
@@ -546,6 +547,24 @@ class RepartitionController:
         if changed:
             self.tried.clear()
         return dict(self.capacities)
+
+    def measured(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Each device's capacity ``C_i`` and own cost per batch ``F_i`` as the looks
+        measured them (smoothed, ``F_i = C_i * phi`` as the looks cost it); both empty
+        until a look measured every device. What a fast recovery's eq. 5 re-cuts the
+        survivors with (:mod:`zpipe.recovery.fast_recovery_inputs`)."""
+        if not self.capacities or not all(d in self.capacities for d in self.devices):
+            return {}, {}
+        share = self.costs.share()
+        caps = {d: float(self.capacities[d]) for d in self.devices}
+        return caps, {d: c * share for d, c in caps.items()}
+
+    def links_by_pair(self) -> dict[tuple[str, str], float]:
+        """The links between consecutive devices as last measured, by pair (bytes per
+        second); empty when the controller costs no links."""
+        if self.bandwidths_bps is None:
+            return {}
+        return dict(zip(pairwise(self.devices), self.bandwidths_bps, strict=True))
 
     def committed(self, decision: RepartitionDecision) -> int:
         """Every stage switched to ``decision``'s cuts: the new plan epoch."""

@@ -93,6 +93,7 @@ def test_a_death_resumes_at_the_first_unacknowledged_mini_batch_and_reports_the_
     fast = {
         "resume_at": 6, "max_lost": 2, "lost": {"1": 2},
         "copies_used": {"chain@c": [1]},
+        "eq5": {"capacities": {"a": 1.0, "c": 2.5}, "links_mbit_s": None},
         "sources": [
             {"unit": 0, "kind": "kept", "source": "a"},
             {"unit": 1, "kind": "chain", "source": "c"},
@@ -105,6 +106,7 @@ def test_a_death_resumes_at_the_first_unacknowledged_mini_batch_and_reports_the_
     recovery = attempts.carried.recoveries[-1]
     assert recovery["progress_lost"] == 2 and recovery["resumed_at"] == 6
     assert recovery["unit_sources"] == {0: "kept", 1: "chain@c", 2: "kept"}
+    assert recovery["eq5"]["capacities"] == {"a": 1.0, "c": 2.5}
     report = attempts.complete(_report(5, _plan(["a", "c"]), [6.0, 7.0]))
     assert report.losses == [float(i) for i in range(8)]
     assert report.progress_lost == 2

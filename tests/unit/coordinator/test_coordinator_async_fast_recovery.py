@@ -7,12 +7,18 @@ sockets: events fed, commands read."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import torch
 
 from tests._support.coordinator_harness import SPEC, Harness
+from zpipe.coordinator.runs.async_repartition import LiveRepartitioning
+from zpipe.planner import ClusterLink
+from zpipe.planner.ftpipehd import ftpipehd_partition
+from zpipe.recovery.fast_recovery_inputs import UNMEASURED
 from zpipe.recovery.live_copies import state_digest
+from zpipe.training.repartition import RepartitionController, RepartitionSettings
 from zpipe.transport.codec import Message
 
 NAMES = ["a", "b", "c", "d"]
@@ -206,3 +212,103 @@ def test_the_last_stages_units_come_from_its_chain_copy_at_the_coordinator() -> 
     assert fast["copies_used"] == {"chain@coordinator": [4, 5]}
     # a survivor behind the acknowledged count loses the updates it had not applied
     assert fast["lost"] == {"0": 2, "1": 2, "2": 1, "4": 2, "5": 2}
+
+
+def _measured(h: Harness, per_batch_s: dict[str, float], **links: Any) -> None:
+    """The run's live re-partition controller after one look, as a repartition request
+    leaves it: each stage took ``per_batch_s`` a batch on its units."""
+    current = h.state.current
+    flows = LiveRepartitioning(current)  # type: ignore[arg-type]
+    controller = RepartitionController(
+        RepartitionSettings(first=1, every=1, gain=0.99),  # measures, never moves
+        devices=NAMES,
+        bounds=[0, 2, 3, 4, 6],
+        reference_unit_s=[1.0] * 6,
+        **links,
+    )
+    counters = {d: {"forward_s": 10 * t, "backward_s": 0.0, "step_s": 0.0, "microbatches": 10}
+                for d, t in per_batch_s.items()}  # fmt: skip
+    assert not controller.look(10, counters).moves
+    flows.controller = controller
+    current._repartitioning = flows  # type: ignore[union-attr]
+
+
+def test_the_survivors_are_recut_by_eq5_over_the_capacities_the_run_measured() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    # c is three times slower per unit than a and d (b, one unit, as fast as a)
+    _measured(h, {"a": 2.0, "b": 1.0, "c": 3.0, "d": 2.0})
+    h.advance(8.0, alive=("a", "c", "d"))
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
+    # b's unit 2 goes to a now: from its chain copy at c, asked of c
+    (ask,) = h.to("c", "weights_request")[-1:]
+    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
+    state = _units(2, 3, 60.0)
+    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
+    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    got = _assigned(h, ["a", "c", "d"])
+    # without measurements every survivor takes two units (the test above); measured,
+    # the slow c keeps one: eq. 5 over C = 1, 3, 1
+    ranges = [got[n]["range"] for n in ("a", "c", "d")]
+    assert ranges[1][1] - ranges[1][0] == 1, ranges
+    cut = ftpipehd_partition([1.0] * 6, capacities=[1.0, 3.0, 1.0]).bounds
+    assert ranges == list(pairwise(cut))
+    fast = _ready(h, ["a", "c", "d"])
+    eq5 = fast["eq5"]
+    assert eq5["capacities"] == {"a": 1.0, "c": 3.0, "d": 1.0}
+    assert "after mini-batch 10" in eq5["capacities_from"]
+    assert eq5["links_mbit_s"] is None  # the controller costs no links here
+    (logged,) = h.events("async_fast_recovery")
+    assert logged["eq5"]["capacities"] == eq5["capacities"]
+
+
+def test_without_a_look_the_survivors_are_recut_one_capacity_each() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "c", "d"))
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
+    state = _units(2, 3, 60.0)
+    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
+    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    _assigned(h, ["a", "c", "d"])
+    fast = _ready(h, ["a", "c", "d"])
+    assert fast["bounds"] == [0, 2, 4, 6]
+    assert fast["eq5"]["capacities"] is None
+    assert fast["eq5"]["capacities_from"] == UNMEASURED
+
+
+def test_a_slow_link_the_run_measured_moves_the_survivors_cut() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    # equal compute; unit 1's output is big and the a-c link (new neighbours) slow
+    sizes = [1e3, 4e6, 1e3, 1e3, 1e3, 1e3]
+    _measured(h, {"a": 2.0, "b": 1.0, "c": 1.0, "d": 2.0}, output_bytes=sizes,
+              bandwidths_bps=[1e9] * 3)  # fmt: skip
+    h.state.measured_links = lambda members: {  # type: ignore[assignment]
+        (a, b): ClusterLink(bandwidth_mbps=8.0)
+        for a, b in (("a", "c"), ("c", "a"))
+        if {a, b} <= {m.name for m in members}
+    }
+    h.advance(8.0, alive=("a", "c", "d"))
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
+    (ask,) = h.to("c", "weights_request")[-1:]  # b's unit 2, from its chain copy at c
+    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
+    state = _units(2, 3, 60.0)
+    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
+    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    _assigned(h, ["a", "c", "d"])
+    fast = _ready(h, ["a", "c", "d"])
+    # 2 x 4 MB over 1 MB/s at a cut after unit 1: the cut moves off it (free, it is
+    # 0, 2, 4, 6: the test without a look)
+    assert fast["bounds"][1] != 2, fast["bounds"]
+    assert fast["eq5"]["capacities"] == {"a": 1.0, "c": 1.0, "d": 1.0}
+    eq5 = fast["eq5"]
+    assert eq5["links_mbit_s"]["a>c"] == 8.0
+    assert eq5["links_from"]["a>c"] == "measured"
+    assert eq5["links_from"]["c>d"] == "the live re-partition's last look"

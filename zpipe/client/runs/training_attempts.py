@@ -282,6 +282,8 @@ class TrainingAttempts:
             lost_per_unit={int(u): int(n) for u, n in (fast.get("lost") or {}).items()},
             unit_sources=sources,
             copies_used=fast.get("copies_used") or {},
+            # which capacities and links re-cut the survivors (eq. 5), from where
+            eq5=fast.get("eq5") or {},
         )
 
     def _attempt_ended(self, event: AttemptEnded) -> RequestRun | FinishFit | FailFit:

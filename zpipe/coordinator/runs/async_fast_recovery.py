@@ -10,7 +10,11 @@ acknowledged (their losses came back). Then:
         weights, optimizer state and update count (``weights_request`` ``latest``)
     the decision ─> :func:`zpipe.recovery.fast_recovery.plan_fast_recovery` over
         the coordinator's copy ledger (never decided here: the plan says where every
-        unit goes, where it comes from, where the run resumes)
+        unit goes, where it comes from, where the run resumes); eq. 5 re-cuts the
+        survivors over what the run measured (:func:`zpipe.recovery.
+        fast_recovery_inputs.eq5_inputs`: its live re-partition controller's
+        capacities and links, the coordinator's links between new neighbours; every
+        capacity 1 before any look), and the report says which
     the dead's units ─> from the copy the plan names: a chain copy held by a
         surviving stage (``weights_request`` ``snapshot`` naming owner, run and
         mini-batch: the stage serves it from the copies its peers made), or one the
@@ -45,6 +49,7 @@ from zpipe.coordinator.runs.async_repartition import (
     LiveRepartitioning,
     plan_bounds,
     reference_unit_s,
+    run_controller,
 )
 from zpipe.coordinator.runs.async_training import AsyncTrainingController, as_async_plan
 from zpipe.coordinator.state import ControlState
@@ -53,6 +58,7 @@ from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.recovery.fast_recovery import FastRecoveryPlan, plan_fast_recovery
+from zpipe.recovery.fast_recovery_inputs import UNMEASURED, PipelineMeasurements, eq5_inputs
 from zpipe.recovery.spans import COORDINATOR, StageSpan
 from zpipe.training.async_fast_state import restart_state_at
 
@@ -126,15 +132,19 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         updates[name] = int(reply.updates)
 
     spans = [StageSpan((d,), a, b) for d, (a, b) in zip(devices, pairwise(bounds), strict=True)]
-    profile = LiveRepartitioning(current)._profile(tplan)
+    # eq. 5 over what the run measured (its live re-partition's capacities and links)
+    remaining = [d for d in devices if d not in dead]
+    eq5 = eq5_inputs(remaining, _measurements(current, tplan, remaining)) if remaining else None
     fast = plan_fast_recovery(
         spans,
         sorted(d for d in devices if d in dead),
         ledger=state.async_copies.ledger,
         updates=updates,
         acknowledged=acknowledged,
-        reference_unit_s=reference_unit_s(tplan, profile),
+        **(eq5.kwargs() if eq5 is not None else {"reference_unit_s": [1.0] * tplan.num_units}),
     )
+    if eq5 is not None:
+        fast = replace(fast, inputs=eq5.report)
 
     # Every unit's state, from where the plan says.
     merged: dict[str, torch.Tensor] = {}
@@ -172,6 +182,47 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
     )
     yield Log("info", "async_fast_recovery", {"run": run.run, **fast.summary()})
     return FastResume(new_plan, replica, fast)
+
+
+def _measurements(
+    current: AsyncTrainingController, plan: TrainingPlan, survivors: list[str]
+) -> PipelineMeasurements:
+    """What the broken run measured, for eq. 5 over ``survivors``: its live re-partition
+    controller's capacities, own costs, boundary sizes and links (a link probed since
+    its last look, and one between survivors a death made neighbours, from the
+    coordinator's links); without a controller, the profiled unit times alone (every
+    capacity 1, links not costed: the rule before any look)."""
+    flows = LiveRepartitioning(current)
+    controller = run_controller(current)
+    if controller is None or len(controller.reference_unit_s) != plan.num_units:
+        units = reference_unit_s(plan, flows._profile(plan))
+        return PipelineMeasurements(tuple(units), capacity_source=UNMEASURED)
+    caps, fixed = controller.measured()
+    looks = [d.at for d in controller.decisions if d.measured]
+    source = (
+        f"the live re-partition's looks (the last after mini-batch {looks[-1]})"
+        if caps and looks
+        else UNMEASURED
+    )
+    links: dict[tuple[str, str], float] = {}
+    origins: dict[tuple[str, str], str] = {}
+    sizes = controller.output_bytes
+    if sizes is not None:
+        for pair, bps in controller.links_by_pair().items():
+            links[pair], origins[pair] = bps, "the live re-partition's last look"
+        for pair, (bps, origin) in flows.links_of(survivors).items():
+            # a probe newer than the look, or a pair the controller never costed
+            if origin == "measured" or (pair not in links and pair[::-1] not in links):
+                links[pair], origins[pair] = bps, origin
+    return PipelineMeasurements(
+        tuple(controller.reference_unit_s),
+        caps,
+        fixed,
+        source,
+        None if sizes is None else tuple(sizes),
+        links,
+        origins,
+    )
 
 
 def _held_here(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError, StageLostError, ZpipeError
@@ -151,6 +152,15 @@ def _links_logged(controller: RepartitionController) -> dict[str, Any]:
     }
 
 
+def run_controller(run: BaseRun) -> RepartitionController | None:
+    """The live re-partition controller of training run ``run``, once a re-partition
+    request built it (None: the run does not re-partition, or has not looked yet).
+    A training controller keeps its :class:`LiveRepartitioning` as
+    ``_repartitioning`` (:mod:`zpipe.coordinator.runs.sync_training`)."""
+    flows = getattr(run, "_repartitioning", None)
+    return flows.controller if isinstance(flows, LiveRepartitioning) else None
+
+
 class LiveRepartitioning:
     """One training run's re-partitions: its controller, and the flow of each."""
 
@@ -205,6 +215,24 @@ class LiveRepartitioning:
             return None
         cluster = self._cluster(list(controller.devices))
         return None if cluster is None else link_bandwidths(controller.devices, cluster)
+
+    def links_of(self, devices: list[str]) -> dict[tuple[str, str], tuple[float, str]]:
+        """The link between each pair of consecutive ``devices`` as eq. 5 costs it (bytes
+        per second, both directions combined) and where it comes from: ``measured``
+        (the coordinator's probes, both directions) or ``declared`` (a stage's declared
+        uplink); empty when the cluster of ``devices`` cannot be built. Nothing is
+        probed here."""
+        cluster = self._cluster(devices)
+        if cluster is None or len(devices) < 2:
+            return {}
+        state = self.owner.state
+        members = [m for m in (state.membership.get(d) for d in devices) if m is not None]
+        probed = state.measured_links(members)
+        out: dict[tuple[str, str], tuple[float, str]] = {}
+        for (a, b), bps in zip(pairwise(devices), link_bandwidths(devices, cluster), strict=True):
+            source = "measured" if (a, b) in probed and (b, a) in probed else "declared"
+            out[(a, b)] = (bps, source)
+        return out
 
     def _renew_links(self, devices: list[str], members: dict[str, Member]) -> Flow:
         """Have the links between consecutive stages probed again while the run goes
