@@ -40,10 +40,14 @@ one replica, replayed) stays :mod:`zpipe.training.async_recovery`'s.
 **A death during a live re-partition's move.** A move commits only after every
 fetch completed (the coordinator's commit); until then each stage still holds,
 and serves, the units of the committed partition. So the decision reads the
-committed partition only: a death before the commit abandons the move (its
-fetched units are dropped, never a source), and the plan says so
-(``abandoned_move``) so that the shell tells the survivors to drop what they
-staged. A death after the commit sees the new partition as the committed one.
+committed partition: a death before the commit abandons the move (its fetched
+units are dropped, never a source), and the plan says so (``abandoned_move``).
+A death during the commit is the one case where stages disagree: the survivors
+that got the commit switched to the new cuts while the coordinator, missing the
+dead stage's answer, still has the old ones. The survivors say what they hold
+(``holding``, from their state); the decision keeps what each holds and restores
+from copies every unit no survivor holds (the plan's ``switched`` names them). A
+death after the commit sees the new partition as the committed one.
 """
 
 from __future__ import annotations
@@ -156,6 +160,9 @@ class FastRecoveryPlan:
     resume_at: int
     dead: tuple[str, ...]
     abandoned_move: bool = False
+    # survivors that had switched to a move's cuts the coordinator had not committed
+    # (a death during the move's commit): the plan starts from what they hold
+    switched: tuple[str, ...] = ()
     # eq. 5's inputs as the report gives them: which capacities and links cut the
     # survivors, and from where (zpipe.recovery.fast_recovery_inputs)
     inputs: Mapping[str, Any] = field(default_factory=dict)
@@ -228,6 +235,7 @@ class FastRecoveryPlan:
             "copies_used": self.copies_used(),
             "units_moved": len(self.fetches()),
             "abandoned_move": self.abandoned_move,
+            "switched": list(self.switched),
             "eq5": dict(self.inputs),
         }
 
@@ -240,6 +248,7 @@ class FastRecoveryPlan:
             "resume_at": self.resume_at,
             "dead": list(self.dead),
             "abandoned_move": self.abandoned_move,
+            "switched": list(self.switched),
             "inputs": dict(self.inputs),
         }
 
@@ -254,6 +263,7 @@ class FastRecoveryPlan:
                 resume_at=int(data["resume_at"]),
                 dead=tuple(str(d) for d in data["dead"]),
                 abandoned_move=bool(data.get("abandoned_move", False)),
+                switched=tuple(str(d) for d in data.get("switched") or ()),
                 inputs=dict(data.get("inputs") or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -273,6 +283,7 @@ def plan_fast_recovery(
     bandwidths_bps: Mapping[tuple[str, str], float] | None = None,
     fixed_s: Mapping[str, float] | None = None,
     move_pending: bool = False,
+    holding: Mapping[str, tuple[int, int]] | None = None,
 ) -> FastRecoveryPlan:
     """FTPipeHD's recovery of an asynchronous run after the stages ``dead`` died.
 
@@ -287,7 +298,11 @@ def plan_fast_recovery(
     second, for every pair of survivors that will be neighbours; a pair given in
     either direction serves both) and ``fixed_s`` (``F_i``, a survivor's own
     seconds per batch whatever its units; absent: 0): eq. 5's inputs, as
-    :func:`zpipe.training.repartition.decide_repartition` takes them. Raises
+    :func:`zpipe.training.repartition.decide_repartition` takes them.
+    ``holding``: the units each survivor says it holds (absent: its committed ones);
+    a survivor that switched to a move's cuts before a death stopped the commit
+    elsewhere holds other units than the committed partition says, and every unit
+    no survivor holds is restored from its copy (the plan's ``switched``). Raises
     :class:`~zpipe.recovery.errors.WeightsLostError` when a dead stage's unit has
     no copy left, :class:`~zpipe.recovery.errors.RecoveryError` when no stage
     survives, and :class:`~zpipe._errors.ConfigError` on malformed input.
@@ -324,19 +339,33 @@ def plan_fast_recovery(
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"{d!r}: an update count is a whole number >= 0, got {n!r}")
 
-    # The dead stages' units, each from its nearest completed copy.
-    held = {d: (s.start, s.end) for s in spans for d in s.devices}
+    # Who holds each unit alive: a survivor its committed units, unless it says it
+    # switched to a move's cuts (a death mid-commit); a unit two survivors hold
+    # (one switched, one not: both at the move's version) stays with its committed one.
+    committed = {d: (s.start, s.end) for s in spans for d in s.devices}
+    switched = _switched(committed, survivors, holding, num_units)
+    actual = {d: switched.get(d, committed[d]) for d in survivors}
+    holder_of: dict[int, str] = {}
+    for d in survivors:
+        for u in range(*committed[d]):
+            if actual[d][0] <= u < actual[d][1]:
+                holder_of[u] = d
+    for d in survivors:
+        for u in range(*actual[d]):
+            holder_of.setdefault(u, d)
+
+    # The units no survivor holds (the dead stages'), each from its nearest completed
+    # copy.
     restored: dict[int, CopyRecord] = {}
     lost_units: list[int] = []
-    for d in order:
-        if d not in gone:
+    for u in range(num_units):
+        if u in holder_of:
             continue
-        for u in range(*held[d]):
-            copy = freshest_copy(ledger, u, survivors)
-            if copy is None:
-                lost_units.append(u)
-            else:
-                restored[u] = copy
+        copy = freshest_copy(ledger, u, survivors)
+        if copy is None:
+            lost_units.append(u)
+        else:
+            restored[u] = copy
     if lost_units:
         raise WeightsLostError(lost_units, None)
 
@@ -362,7 +391,6 @@ def plan_fast_recovery(
         fixed_s=own,
     )
 
-    holder_of = {u: d for d in survivors for u in range(*held[d])}
     sources: list[UnitSource] = []
     for dest, (a, b) in zip(survivors, pairwise(cut.bounds), strict=True):
         for u in range(a, b):
@@ -396,7 +424,31 @@ def plan_fast_recovery(
         resume_at=acknowledged,
         dead=tuple(d for d in order if d in gone),
         abandoned_move=move_pending,
+        switched=tuple(d for d in survivors if d in switched),
     )
+
+
+def _switched(
+    committed: Mapping[str, tuple[int, int]],
+    survivors: Sequence[str],
+    holding: Mapping[str, tuple[int, int]] | None,
+    num_units: int,
+) -> dict[str, tuple[int, int]]:
+    """The survivors whose units, as they say (``holding``), are not their committed
+    ones, with what they hold; ConfigError on a range that is not units of the model."""
+    out: dict[str, tuple[int, int]] = {}
+    for d in survivors:
+        if holding is None or d not in holding:
+            continue
+        try:
+            a, b = (int(x) for x in holding[d])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{d!r} holds {holding[d]!r}, not a range of units") from None
+        if not 0 <= a < b <= num_units:
+            raise ConfigError(f"{d!r} holds units [{a}, {b}), not a range of the {num_units}")
+        if (a, b) != committed[d]:
+            out[d] = (a, b)
+    return out
 
 
 def freshest_copy(ledger: CopyLedger, unit: int, alive: Collection[str]) -> CopyRecord | None:
