@@ -312,3 +312,67 @@ def test_a_slow_link_the_run_measured_moves_the_survivors_cut() -> None:
     assert eq5["links_mbit_s"]["a>c"] == 8.0
     assert eq5["links_from"]["a>c"] == "measured"
     assert eq5["links_from"]["c>d"] == "the live re-partition's last look"
+
+
+def test_a_holder_that_cannot_give_the_chain_copy_is_planned_around() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "c", "d"))  # b dies; the ledger says c holds its copy
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
+    # c restarted meanwhile (or dropped the copy): it cannot give it
+    body = {"name": "c", "keys": [], "error": "no snapshot of 'b' after mini-batch 6 here",
+            "step": 0, "run": 0}  # fmt: skip
+    h.feed_message("c", Message("weights", body))  # type: ignore[attr-defined]
+    got = _assigned(h, ["a", "c", "d"])
+    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
+    assert weights["units.2.weight"] == 42.0  # b's global copy of mini-batch 4, held here
+    fast = _ready(h, ["a", "c", "d"])
+    assert fast["copies_used"] == {"global": [2]} and fast["lost"] == {"2": 3}
+    (logged,) = h.events("fast_copy_unavailable")
+    assert logged["copies"][0]["owner"] == "b" and "c:" in logged["copies"][0]["error"]
+    # asked once: the plan never names the copy again
+    assert len([m for m in h.to("c", "weights_request") if m.body.get("snapshot")]) == 1
+
+
+def test_a_death_during_a_moves_commit_keeps_what_each_survivor_holds() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    # a live re-partition was moving a's unit 1 to b (cuts 0, 1, 3, 4, 6): a got the
+    # commit and switched; b died before answering it, so the run's plan is the old one
+    current = h.state.current
+    flows = LiveRepartitioning(current)  # type: ignore[arg-type]
+    controller = RepartitionController(
+        RepartitionSettings(first=1, every=1, bounds=(0, 1, 3, 4, 6)),
+        devices=NAMES,
+        bounds=[0, 2, 3, 4, 6],
+        reference_unit_s=[1.0] * 6,
+    )
+    assert controller.look(6, {}).moves
+    flows.controller = controller
+    current._repartitioning = flows  # type: ignore[union-attr]
+    h.advance(8.0, alive=("a", "c", "d"))
+    _resume(h, run, ["b"], acknowledged=7)
+    held = {"a": (0, 1), "c": (3, 4), "d": (4, 6)}
+    for name, (start, end) in held.items():
+        state = _units(start, end, 100.0)
+        body = {"name": name, "keys": list(state), "error": "", "step": 0, "run": run,
+                "completed": 7, "updates": 7}  # fmt: skip
+        h.feed_message(name, Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    # b's unit 2 from its chain copy at c; unit 1, which a gave away, from a's copies:
+    # its chain copy died with b, so the global copy (4) held here
+    (ask,) = h.to("c", "weights_request")[-1:]
+    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
+    state = _units(2, 3, 60.0)
+    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
+    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    got = _assigned(h, ["a", "c", "d"])
+    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
+    assert weights == {"units.0.weight": 100.0, "units.1.weight": 41.0, "units.2.weight": 62.0,
+                       "units.3.weight": 103.0, "units.4.weight": 104.0,
+                       "units.5.weight": 105.0}  # fmt: skip
+    fast = _ready(h, ["a", "c", "d"])
+    assert fast["switched"] == ["a"]
+    assert fast["copies_used"] == {"global": [1], "chain@c": [2]}

@@ -53,12 +53,14 @@ from zpipe.coordinator.runs.async_repartition import (
 )
 from zpipe.coordinator.runs.async_training import AsyncTrainingController, as_async_plan
 from zpipe.coordinator.state import ControlState
+from zpipe.models.weights import split_unit_key
 from zpipe.planner.async_schedule import AsyncSettings, async_warmup
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.recovery.fast_recovery import FastRecoveryPlan, plan_fast_recovery
 from zpipe.recovery.fast_recovery_inputs import UNMEASURED, PipelineMeasurements, eq5_inputs
+from zpipe.recovery.live_copies import CopyLedger
 from zpipe.recovery.spans import COORDINATOR, StageSpan
 from zpipe.training.async_fast_state import restart_state_at
 
@@ -131,37 +133,81 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         kept[name] = {str(k): t.clone() for k, t in zip(reply.keys, reply.tensors, strict=True)}
         updates[name] = int(reply.updates)
 
+    # What each survivor holds: its committed units, or those of a move it switched
+    # to when a death stopped the move's commit elsewhere (the coordinator has the
+    # old cuts then; zpipe.recovery.fast_recovery's notes)
+    committed = dict(zip(devices, pairwise(bounds), strict=True))
+    target = _move_target(current)
+    holding: dict[str, tuple[int, int]] = {}
+    for name in list(kept):
+        i = devices.index(name)
+        moved = None if target is None else (target[i], target[i + 1])
+        found = _held_range(kept[name], committed[name], moved)
+        if found is None:
+            units = sorted(_units_in(kept[name]))
+            yield Log("warning", "fast_state_missing", {"stage": name,
+                      "error": f"it holds units {units}, of neither the committed cuts "
+                      f"{bounds} nor a move's {target}"})  # fmt: skip
+            dead.add(name)
+            del kept[name], updates[name]
+        else:
+            holding[name] = found
+
     spans = [StageSpan((d,), a, b) for d, (a, b) in zip(devices, pairwise(bounds), strict=True)]
     # eq. 5 over what the run measured (its live re-partition's capacities and links)
     remaining = [d for d in devices if d not in dead]
     eq5 = eq5_inputs(remaining, _measurements(current, tplan, remaining)) if remaining else None
-    fast = plan_fast_recovery(
-        spans,
-        sorted(d for d in devices if d in dead),
-        ledger=state.async_copies.ledger,
-        updates=updates,
-        acknowledged=acknowledged,
-        **(eq5.kwargs() if eq5 is not None else {"reference_unit_s": [1.0] * tplan.num_units}),
-    )
-    if eq5 is not None:
-        fast = replace(fast, inputs=eq5.report)
+    # copies a holder could not give after all (it restarted, or dropped an old one):
+    # planned again without them (the older copy, or the global one)
+    unusable: set[tuple[str, str]] = set()
+    while True:
+        ledger = state.async_copies.ledger
+        usable = CopyLedger({k: c for k, c in ledger.copies.items() if k not in unusable})
+        fast = plan_fast_recovery(
+            spans,
+            sorted(d for d in devices if d in dead),
+            ledger=usable,
+            updates=updates,
+            acknowledged=acknowledged,
+            holding=holding,
+            **(eq5.kwargs() if eq5 is not None else {"reference_unit_s": [1.0] * tplan.num_units}),
+        )
+        if eq5 is not None:
+            fast = replace(fast, inputs=eq5.report)
 
-    # Every unit's state, from where the plan says.
-    merged: dict[str, torch.Tensor] = {}
-    asks: dict[str, list[dict[str, Any]]] = {}
-    for dest in fast.order:
-        for r in fast.ranges_of(dest):
-            if r.kind in ("kept", "peer"):
-                merged.update(units_state(kept[r.source], r.start, r.end))
-            elif r.source == COORDINATOR:
-                merged.update(_held_here(state, r.owner, r.kind, r.run, r.version, r.start, r.end))
-            else:
-                asks.setdefault(r.source, []).append(
-                    {"owner": r.owner, "run": r.run, "step": r.version,
-                     "start": r.start, "end": r.end}
-                )  # fmt: skip
-    if asks:
-        merged.update((yield from _fetch_chain_copies(state, alive, asks)))
+        # Every unit's state, from where the plan says.
+        merged: dict[str, torch.Tensor] = {}
+        asks: dict[str, list[dict[str, Any]]] = {}
+        failed: dict[tuple[str, str], str] = {}
+        for dest in fast.order:
+            for r in fast.ranges_of(dest):
+                if r.kind in ("kept", "peer"):
+                    merged.update(units_state(kept[r.source], r.start, r.end))
+                elif r.source == COORDINATOR:
+                    try:
+                        merged.update(
+                            _held_here(state, r.owner, r.kind, r.run, r.version, r.start, r.end)
+                        )
+                    except ConfigError as exc:
+                        failed[(r.owner, r.kind)] = str(exc)
+                else:
+                    asks.setdefault(r.source, []).append(
+                        {"owner": r.owner, "run": r.run, "step": r.version,
+                         "start": r.start, "end": r.end}
+                    )  # fmt: skip
+        if asks and not failed:
+            fetched, refused = yield from _fetch_chain_copies(state, alive, asks)
+            merged.update(fetched)
+            for holder, error in refused.items():
+                for entry in asks[holder]:
+                    failed[(str(entry["owner"]), "chain")] = f"{holder}: {error}"
+        if not failed:
+            break
+        if not set(failed) - unusable:  # cannot happen: an unusable copy is never planned
+            raise ConfigError(f"the copies the plan names cannot be had: {failed}")
+        unusable |= set(failed)
+        copies = [{"owner": o, "kind": k, "error": e} for (o, k), e in sorted(failed.items())]
+        yield Log("warning", "fast_copy_unavailable", {"run": run.run, "copies": copies})
 
     settings = AsyncSettings.from_dict((request.train or {}).get("async"))
     depth = settings.depth_of(len(fast.order))
@@ -225,6 +271,35 @@ def _measurements(
     )
 
 
+def _move_target(current: AsyncTrainingController) -> tuple[int, ...] | None:
+    """The cuts of a live re-partition's move not committed here (decided, maybe
+    fetched and committed at some stages), or None."""
+    controller = run_controller(current)
+    if controller is None or not controller.decisions:
+        return None
+    last = controller.decisions[-1].bounds
+    return None if last is None or last == controller.bounds else tuple(last)
+
+
+def _units_in(state: dict[str, torch.Tensor]) -> set[int]:
+    found = (split_unit_key(k) for k in state)
+    return {u[0] for u in found if u is not None}
+
+
+def _held_range(
+    state: dict[str, torch.Tensor], committed: tuple[int, int], moved: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    """The units a survivor holds, from its state's keys: of its committed range and the
+    range a move gave it, the narrower that holds every unit with state (None:
+    neither holds them all). Units without parameters have no keys, so both may fit:
+    the narrower never claims a unit whose weights the survivor lacks (a unit it
+    does not claim is restored from a copy, where such a unit has nothing to
+    restore)."""
+    units = _units_in(state)
+    fits = [c for c in (committed, moved) if c is not None and all(c[0] <= u < c[1] for u in units)]
+    return min(fits, key=lambda c: c[1] - c[0]) if fits else None
+
+
 def _held_here(
     state: ControlState, owner: str, kind: str, run: int | None, step: int, start: int, end: int
 ) -> dict[str, torch.Tensor]:
@@ -242,7 +317,9 @@ def _held_here(
 def _fetch_chain_copies(
     state: ControlState, alive: dict[str, Any], asks: dict[str, list[dict[str, Any]]]
 ) -> Flow:
-    """The chain copies surviving stages hold for dead ones, by owner, run and mini-batch."""
+    """The chain copies surviving stages hold for dead ones, by owner, run and mini-batch:
+    returns the state fetched and, by holder, the error of each that could not give
+    its copies (the caller plans again without them)."""
     holders = tuple(sorted(asks))
     requests = tuple(
         Send(alive[h].routing_id, WeightsRequest(run=0, step=0, snapshot=asks[h]), h, stage=h)
@@ -257,16 +334,19 @@ def _fetch_chain_copies(
         resend_s=request_resend_s(state.timeouts),
     )
     out: dict[str, torch.Tensor] = {}
+    refused: dict[str, str] = {}
     nbytes = 0
     for holder in holders:
         reply = replies[holder]
         if reply.error:
-            raise ConfigError(f"stage {holder!r} could not send the chain copy: {reply.error}")
+            refused[holder] = str(reply.error)
+            continue
         for key, tensor in zip(reply.keys, reply.tensors, strict=True):
             out[str(key)] = tensor.clone()
             nbytes += tensor.numel() * tensor.element_size()
-    yield Log("info", "chain_copies_fetched", {"holders": list(holders), "bytes": nbytes})
-    return out
+    got = [h for h in holders if h not in refused]
+    yield Log("info", "chain_copies_fetched", {"holders": got, "bytes": nbytes})
+    return out, refused
 
 
 __all__ = ["FastResume", "async_fast_resume", "is_fast_live_resume"]
