@@ -34,6 +34,18 @@ report's ``progress_lost`` (the most mini-batches of updates any unit missed:
 the dead stage's, restored from a copy, and a survivor behind the acknowledged
 count). Each repeat runs both.
 
+``recut`` (``--recut``, a cluster of its own): what eq. 5 over measured capacities
+buys a fast recovery. An MLP of four equal layers (``--recut-hidden``) on devices
+a, b, c slowed ``--recut-slowdowns`` (default 1x, 1x, 8x), cut 2 | 1 | 1; b is
+SIGKILLed after ``--recut-kill-after`` mini-batches and the survivors a and c are
+re-cut. ``unmeasured``: no re-partition, every capacity 1 (each survivor two
+layers: the slow c sets the period); ``measured``: the same with a live
+re-partition that looks every 5 mini-batches and never moves (gain 0.99), whose
+capacities eq. 5 then takes (the slow c keeps one layer). The figure is each run's
+rate after the recovery (mini-batches per second over the steps from 5 after the
+resume point, each step's last loss): ``async_fast_measured_over_unmeasured_rate_after``
+(the medians' ratio).
+
 The summary: ``recover_every_R_over_async_throughput`` per period, the killed
 run's ``killed_over_recover_throughput``, and ``async_fast_over_exact_progress_lost``
 (the mean of fast's lost over the mean of exact's; issue 30's goal < 0.5). Load
@@ -46,6 +58,7 @@ import argparse
 import signal
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,15 +96,18 @@ def fit(cluster: LocalCluster, spec: ModelSpec, data: list[Any], **extra: Any) -
 
 def killed_run(
     cluster: LocalCluster, spec: ModelSpec, data: list[Any], kill_after: int, slowdown: float,
-    **extra: Any,
+    stamps: list[tuple[int, float]] | None = None, **extra: Any,
 ) -> tuple[TrainReport, list[int]]:  # fmt: skip
     """A run whose stage b is SIGKILLed once mini-batch ``kill_after``'s loss is back
-    (started again afterwards); the report and every step's loss callback, in order."""
+    (started again afterwards); the report and every step's loss callback, in order
+    (and, into ``stamps``, each callback's step and time)."""
     killed: list[str] = []
     seen: list[int] = []
 
     def on_step(step: int, _loss: float) -> None:
         seen.append(step)
+        if stamps is not None:
+            stamps.append((step, time.monotonic()))
         if step == kill_after and not killed:
             killed.append("b")
             cluster.kill("b")
@@ -114,6 +130,61 @@ def acknowledged_at_death(seen: list[int]) -> int:
             return top + 1
         top = step
     return top + 1
+
+
+def rate_after(stamps: Sequence[tuple[int, float]], start: int) -> float | None:
+    """Mini-batches per second over the steps from ``start`` on, each at the last time
+    its loss came back (a step trained again counts once, when it came back again):
+    (n - 1) over the time from the first to the last; None with fewer than two."""
+    last: dict[int, float] = {}
+    for step, at in stamps:
+        last[step] = at
+    times = sorted(at for step, at in last.items() if step >= start)
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def recut(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``recut`` section (see the module notes): its summary keys."""
+    h = args.recut_hidden
+    # four equal layers (the logits are h wide; the labels use the first 10)
+    spec = ModelSpec("mlp", {"dims": [h] * 5, "activation": "relu"}, seed=1)
+    data = batches(args.recut_steps, args.batch_size, h)
+    devices = [DeviceSpec(n, slowdown=s) for n, s in zip(NAMES, args.recut_slowdowns, strict=True)]
+    common = {"recover": True, "live_copies": True, "consistency": "fast", "chain_every": 5,
+              "global_every": 10}  # fmt: skip
+    systems: dict[str, dict[str, Any]] = {
+        "unmeasured": common,
+        "measured": {**common, "repartition": {"first": 5, "every": 5, "gain": 0.99}},
+    }
+    rates: dict[str, list[float]] = {k: [] for k in systems}
+    with LocalCluster(
+        devices, heartbeat_interval_s=0.5, suspect_after=6, probe_intervals=4,
+        log_level="warning",
+    ) as cluster:  # fmt: skip
+        fit(cluster, spec, data[:6])  # untimed: the stages warm up
+        for repeat in range(args.repeats):
+            for name, extra in systems.items():
+                stamps: list[tuple[int, float]] = []
+                report, _ = killed_run(cluster, spec, data, args.recut_kill_after,
+                                       args.recut_slowdowns[1], stamps, **extra)  # fmt: skip
+                recovery = report.recoveries[0] if report.recoveries else {}
+                resumed = int(recovery.get("resumed_at", args.recut_kill_after))
+                rate = rate_after(stamps, resumed + 5)
+                if rate is not None:
+                    rates[name].append(rate)
+                plan = report.training_plan
+                emit({"bench": BENCH, "section": "recut", "system": name, "repeat": repeat,
+                      "resumed_at": resumed, "rate_after": None if rate is None else round(rate, 2),
+                      "cuts_after": None if plan is None else
+                      [[s.devices[0], s.start, s.end] for s in plan.stages],
+                      "eq5": recovery.get("eq5"), "samples_s": round(report.samples_per_s, 2),
+                      "load": loadavg()})  # fmt: skip
+    if not rates["measured"] or not rates["unmeasured"]:
+        return {"async_fast_measured_over_unmeasured_rate_after": None}
+    ratio = statistics.median(rates["measured"]) / statistics.median(rates["unmeasured"])
+    return {"async_fast_measured_over_unmeasured_rate_after": round(ratio, 3)}
 
 
 def fast_vs_exact(
@@ -180,10 +251,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="fast_vs_exact's kill points (default: --kill-after)",
     )
     parser.add_argument("--global-every", type=int, default=20)
+    parser.add_argument("--recut", action="store_true", help="run the recut section too")
+    parser.add_argument("--recut-only", action="store_true", help="run the recut section only")
+    parser.add_argument("--recut-slowdowns", type=float, nargs=3, default=[1.0, 1.0, 8.0])
+    parser.add_argument("--recut-hidden", type=int, default=512)
+    parser.add_argument("--recut-steps", type=int, default=60)
+    parser.add_argument("--recut-kill-after", type=int, default=15)
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(args.timeout)
+    recut_keys = recut(args) if args.recut or args.recut_only else {}
+    if args.recut_only:
+        summary(BENCH, **recut_keys, load=loadavg())
+        return 0
     h = args.hidden
     spec = ModelSpec("mlp", {"dims": [64, h, h, h, 10], "activation": "relu"}, seed=1)
     data = batches(args.steps, args.batch_size, 64)
@@ -192,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in args.periods:
         systems[f"recover_every_{r}"] = {"recover": True, "replicate_every": r}
     speeds: dict[str, list[float]] = {k: [] for k in systems}
-    ratios: dict[str, Any] = {}
+    ratios: dict[str, Any] = dict(recut_keys)
     with LocalCluster(
         devices, heartbeat_interval_s=0.5, suspect_after=6, probe_intervals=4,
         log_level="warning",
