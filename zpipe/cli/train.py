@@ -366,8 +366,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     )
     if refusal is not None:
         parser.error(refusal)
-    if asynchronous and (args.lr_schedule is not None or args.resume is not None):
-        parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --lr-schedule or --resume yet")
+    if asynchronous and args.resume is not None:
+        parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --resume yet")
     if not asynchronous and (args.aggregate or not args.vertical_sync):
         parser.error(f"--aggregate and --no-vertical-sync need --schedule {ASYNC_SCHEDULE}")
     if repartition_of(args) is not None and (

@@ -385,7 +385,7 @@ class TrainOptions:
                 raise ConfigError(
                     f"{ASYNC_SCHEDULE} trains every mini-batch whole: use num_microbatches=1"
                 )
-            for name in ("lr_schedule", "start_step", "resume_optimizer"):
+            for name in ("start_step", "resume_optimizer"):
                 if getattr(self, name):  # the versions' arithmetic does not model them yet
                     raise ConfigError(f"{ASYNC_SCHEDULE} does not take {name} yet")
             refusal = (

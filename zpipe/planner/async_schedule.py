@@ -315,8 +315,10 @@ def async_global_order(
     max_in_flight: int | None = None,
     aggregate_every: list[int | None] | None = None,
     first_batch: int = 0,
+    batches_before: int = 0,
 ) -> list[tuple[int, AsyncAction]]:
-    """One valid global order of every stage's actions: ``(stage, action)`` pairs.
+    """One valid global order of every stage's actions: ``(stage, action)`` pairs
+    (``batches_before``: as :func:`iter_async_actions`', a resumed run's).
 
     A forward waits for the previous stage's forward of its batch (stage 0: for the
     feed, which keeps at most ``max_in_flight`` batches whose loss has not come back:
@@ -330,7 +332,14 @@ def async_global_order(
         raise ConfigError(f"max_in_flight must be >= 1, got {window}")
     every = aggregate_every or [None] * n
     lists = [
-        async_stage_actions(i, n, num_batches, aggregate_every=every[i], first_batch=first_batch)
+        async_stage_actions(
+            i,
+            n,
+            num_batches,
+            aggregate_every=every[i],
+            first_batch=first_batch,
+            batches_before=batches_before,
+        )
         for i in range(n)
     ]
     cursor = [0] * n

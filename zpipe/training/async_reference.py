@@ -50,6 +50,7 @@ def train_async_reference(
     settings: AsyncSettings | None = None,
     repartitions: Mapping[int, Sequence[int]] | None = None,
     flushes: Sequence[int] = (),
+    lr_schedule: Mapping[str, Any] | None = None,
 ) -> AsyncReferenceResult:
     """Train ``spec`` split at ``bounds`` (unit indices, first 0, last the unit count)
     on ``batches`` (``(inputs..., labels)``) as an asynchronous pipeline would.
@@ -62,7 +63,10 @@ def train_async_reference(
     aggregations its windows (stage ``j`` averages ``depth - j`` versions: see
     :mod:`zpipe.planner.async_schedule`). ``flushes``: batches before which the
     pipeline only flushes (a replica of a run that recovers; a re-partition that
-    keeps the cuts)."""
+    keeps the cuts). ``lr_schedule``: read at each stage's own update count, as a
+    stage does (:mod:`zpipe.training.async_stage`). ``loss`` and ``optimizer`` may name
+    user code ("package.module:function"): this process's own choice, loaded as
+    ``fit`` loads it."""
     settings = settings or AsyncSettings()
     n = len(bounds) - 1
     if n < 1:
@@ -83,6 +87,7 @@ def train_async_reference(
             last=i == n - 1,
             loss=loss,
             optimizer=optimizer,
+            lr_schedule=lr_schedule,
         )
         for i in range(n)
     ]
@@ -98,7 +103,9 @@ def train_async_reference(
             for i, stage in enumerate(stages):
                 forward_versions[i].update(stage.forward_versions)
                 backward_versions[i].update(stage.backward_versions)
-            stages = regroup_stages(stages, cuts[lo], loss=loss, optimizer=optimizer)
+            stages = regroup_stages(
+                stages, cuts[lo], loss=loss, optimizer=optimizer, lr_schedule=lr_schedule
+            )
             bounds = cuts[lo]
             n = len(bounds) - 1
             settings.depth_of(n)  # a pipeline no deeper than the run's

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from zpipe._errors import PipelineError, ProtocolError
+from zpipe.models.trust import FactoryPolicy
 from zpipe.models.weights import OPTIMIZER_KEY, unit_key
 from zpipe.training.async_stage import AsyncStageCompute, UnitState
 
@@ -45,6 +46,8 @@ def regroup_stages(
     *,
     loss: str,
     optimizer: dict[str, Any],
+    lr_schedule: Mapping[str, Any] | None = None,
+    policy: FactoryPolicy | None = None,
 ) -> list[AsyncStageCompute]:
     """The same pipeline's units cut at ``bounds`` instead, every unit's state kept;
     ``bounds`` may name fewer stages (a recovery onto the survivors)."""
@@ -62,6 +65,8 @@ def regroup_stages(
             last=i == n - 1,
             loss=loss,
             optimizer=optimizer,
+            lr_schedule=lr_schedule,
+            policy=policy,
         )
         for i in range(n)
     ]

@@ -310,7 +310,7 @@ def _check_async_settings(settings: Mapping[str, Any], num_stages: int) -> dict[
         raise ConfigError(
             f"{ASYNC_SCHEDULE} trains every mini-batch whole (num_microbatches=1), got {m!r}"
         )
-    for key in ("lr_schedule", "start_step", "resume_optimizer"):
+    for key in ("start_step", "resume_optimizer"):
         if settings.get(key):  # not yet: the versions' arithmetic does not model them
             raise ConfigError(f"{ASYNC_SCHEDULE} does not take {key} yet")
     warmups = [async_warmup(p, num_stages) for p in range(num_stages)]
@@ -323,7 +323,8 @@ def _check_async_settings(settings: Mapping[str, Any], num_stages: int) -> dict[
         "loss": check_loss(str(settings.get("loss", "cross_entropy"))),
         "optimizer": check_optimizer(settings.get("optimizer") or {}),
         "warmups": warmups,
-        "lr_schedule": None,
+        # read at each stage's own update count (zpipe.training.async_stage)
+        "lr_schedule": check_lr_schedule(settings.get("lr_schedule")),
         "start_step": 0,
         "resume_optimizer": False,
         "async": AsyncSettings.from_dict(settings.get("async")).to_dict(),

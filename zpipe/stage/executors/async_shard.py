@@ -5,6 +5,13 @@ and whose backwards are each followed by their own update; the arithmetic is
 :class:`~zpipe.training.async_stage.AsyncStageCompute`'s, the same the
 single-process reference runs. Weights, optimizer state and replicas are the
 live units', as for synchronous training. Runs in the stage's compute thread.
+
+As a synchronous shard: a learning-rate schedule (read at this stage's own update
+count, see :mod:`zpipe.training.async_stage`), a loss or optimizer of user code under
+the stage's allow-list (``--allow-factory``), and a device (``--device``): weights,
+versions and optimizer state stay on it, activations, labels and gradients cross
+the shard's edges as host tensors, and what leaves the process (copies, replicas,
+checkpoints) is a host copy.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 import torch
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe.devices import resolve_device
 from zpipe.models import load_layer_sequence
 from zpipe.models.trust import FactoryPolicy
 from zpipe.models.weights import split_unit_key
@@ -32,8 +40,16 @@ from zpipe.training.async_stage import (
     common_versions,
     has_trainable,
 )
-from zpipe.training.objectives import is_factory_name
 from zpipe.transport.slowdown import Slowdown
+
+
+def _check_available(device: torch.device | str) -> None:
+    """DeviceUnavailableError (a ConfigError) naming an accelerator this machine does not
+    offer, with what torch sees: the stage's --device check, for a shard built another
+    way (the CPU, and the meta device tests play an accelerator with, pass)."""
+    kind = torch.device(device).type
+    if kind in ("cuda", "mps"):
+        resolve_device(str(torch.device(device)))
 
 
 class AsyncShard(TrainShard):
@@ -52,14 +68,8 @@ class AsyncShard(TrainShard):
         policy: FactoryPolicy | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        # Not yet for asynchronous runs: what the versions' arithmetic does not model.
-        if lr_schedule is not None:
-            raise ConfigError("async-1f1b does not take a learning-rate schedule yet")
-        if torch.device(device).type != "cpu":
-            raise ConfigError(f"async-1f1b runs on the CPU only for now, not on {device}")
-        for what, name in (("loss", loss), ("optimizer", optimizer.get("name"))):
-            if is_factory_name(name):
-                raise ConfigError(f"async-1f1b takes only a built-in {what}, not {name!r}")
+        # a device this machine does not offer is named, never a torch assertion
+        _check_available(device)
         super().__init__(
             units,
             start=start,
@@ -68,11 +78,20 @@ class AsyncShard(TrainShard):
             loss=loss,
             optimizer=optimizer,
             slowdown=slowdown,
+            lr_schedule=lr_schedule,
             start_step=start_step,
             policy=policy,
+            device=device,
         )
+        self.policy = policy
         self.compute = AsyncStageCompute(
-            self.units, first=first, last=last, loss=self.loss, optimizer=dict(optimizer)
+            self.units,
+            first=first,
+            last=last,
+            loss=self.loss,
+            optimizer=dict(optimizer),
+            lr_schedule=self.lr_schedule,
+            policy=policy,
         )
         # One optimizer: its state is what replicas and checkpoints read.
         self.optimizer = self.compute.optimizer
@@ -125,6 +144,9 @@ class AsyncShard(TrainShard):
             last=self.last,
             loss=self.loss,
             optimizer=self.optimizer_config,
+            lr_schedule=self.lr_schedule,
+            policy=self.policy,
+            device=self.device,
         )
         self.units = self.compute.units
         self.optimizer = self.compute.optimizer
@@ -150,7 +172,10 @@ class AsyncShard(TrainShard):
         """Forward ``batch`` with weight ``version``: (outputs, loss on the last stage,
         seconds); versions no longer needed are let go."""
         started, cpu_started = time.perf_counter(), time.thread_time()
-        outputs, loss = self.compute.forward(batch, version, inputs, target, samples)
+        on_device = self.mover.to_device(inputs)
+        label = self.mover.to_device((target,))[0] if target is not None else None
+        outputs, loss = self.compute.forward(batch, version, on_device, label, samples)
+        outputs = self.mover.to_host(outputs)
         self.compute.forget_versions_before(version, keep_newest=keep_newest)
         self.peak_live = max(self.peak_live, self.compute.in_flight)
         return outputs, loss, self._timed(started, cpu_started)
@@ -168,7 +193,7 @@ class AsyncShard(TrainShard):
         self, mb: int, grad_outputs: Sequence[torch.Tensor] = ()
     ) -> tuple[tuple[torch.Tensor, ...], float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
-        grads = self.compute.backward(mb, grad_outputs)
+        grads = self.mover.to_host(self.compute.backward(mb, self.mover.to_device(grad_outputs)))
         return grads, self._timed(started, cpu_started)
 
     def step(self) -> float:
@@ -206,7 +231,8 @@ class AsyncShard(TrainShard):
         out: dict[str, torch.Tensor] = {}
         for offset, state in enumerate(units):
             for key, tensor in unit_state_tensors(self.start + offset, state, versions).items():
-                out[key] = tensor.detach().clone()
+                # a host copy: what crosses the wire (a clone on the CPU)
+                out[key] = tensor.detach().to("cpu", copy=True)
         return out
 
     def regrouped(self, start: int, end: int, state: Mapping[str, torch.Tensor]) -> AsyncShard:
@@ -225,6 +251,9 @@ class AsyncShard(TrainShard):
             loss=self.loss,
             optimizer=self.optimizer_config,
             slowdown=self.slowdown,
+            lr_schedule=self.lr_schedule,
+            policy=self.policy,
+            device=self.device,
         )
         shard.compute = AsyncStageCompute.adopt(
             states,
@@ -233,6 +262,9 @@ class AsyncShard(TrainShard):
             last=self.last,
             loss=self.loss,
             optimizer=self.optimizer_config,
+            lr_schedule=self.lr_schedule,
+            policy=self.policy,
+            device=self.device,
         )
         shard.units = shard.compute.units
         shard.optimizer = shard.compute.optimizer
