@@ -220,6 +220,20 @@ def forward_version(
     return max(0, batch - async_warmup(deciding, num_stages) + 1)
 
 
+def versions_read_after(
+    stage: int, num_stages: int, updates: int, *, vertical_sync: bool, depth: int | None = None
+) -> range:
+    """The weight versions ``stage`` still reads once every batch before ``updates``
+    (counted from the run's start) is done everywhere: the next forwards' (from
+    :func:`forward_version` of batch ``updates`` on) and the newest ``n - i`` an
+    aggregation averages, which lie within them. What a checkpoint or a replica of
+    the stage keeps; under vertical sync every stage's are the same."""
+    return range(
+        forward_version(stage, num_stages, updates, vertical_sync=vertical_sync, depth=depth),
+        updates + 1,
+    )
+
+
 def iter_async_actions(
     stage: int,
     num_stages: int,

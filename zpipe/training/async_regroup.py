@@ -102,7 +102,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
 
 
-def unit_state_tensors(unit: int, state: UnitState, versions: range) -> dict[str, torch.Tensor]:
+def unit_state_tensors(
+    unit: int, state: UnitState, versions: Sequence[int]
+) -> dict[str, torch.Tensor]:
     """Unit ``unit``'s state under the full model's keys, as a training state names
     it (``units.<unit>.<name>``, ``...<param>#opt.<key>`` for the optimizer), and its
     weight versions as ``units.<unit>.<param>#v<t>``: what a peer fetches. A version

@@ -84,6 +84,7 @@ class AsyncStageCompute:
         self.first = first
         self.last = last
         self.loss = loss
+        self.optimizer_config = dict(optimizer)
         self.policy = policy
         self._loss_fn = make_loss(loss, policy=policy)
         self._params = [

@@ -5,6 +5,7 @@ single-process reference with the same settings."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,11 +15,13 @@ from torch import nn
 
 from tests._support.async_shards import run_shards, shard_weights
 from tests._support.async_training import ADAM, SGD, SPEC, make_batches
-from zpipe._errors import UntrustedCodeError
+from zpipe._errors import ConfigError, UntrustedCodeError
+from zpipe.client.reports import TrainReport
 from zpipe.devices import BoundaryMover, DeviceUnavailableError
 from zpipe.models import ModelSpec, build_full_model
 from zpipe.models.trust import FactoryAllowList, peer_factories_allowed
-from zpipe.planner.async_schedule import AsyncSettings
+from zpipe.models.weights import read_matching, write_state
+from zpipe.planner.async_schedule import AsyncSettings, versions_read_after
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.training.async_reference import train_async_reference
 from zpipe.training.async_stage import AsyncStageCompute
@@ -299,3 +302,156 @@ def test_an_unavailable_device_is_refused_by_name(device: str) -> None:
             optimizer={"name": "sgd", "lr": 0.1},
             device=device,
         )
+
+
+# ---------------------------------------------------------------- resume
+
+
+def read_state(path: Path) -> dict[str, torch.Tensor]:
+    """A whole checkpoint, less its step count (``start_state``'s form)."""
+    return read_matching(path, lambda key: key != "#steps")
+
+
+def _saved(
+    shards: Sequence[AsyncShard], steps: int, path: Path, *, vertical_sync: bool = True
+) -> ModelSpec:
+    """Write what a run's ``TrainReport.save`` writes from these shards (each stage's
+    reply to a weights request with the optimizer: its versioned state, as the
+    executor's ``replica_state``), and the spec that resumes from it."""
+    state: dict[str, torch.Tensor] = {}
+    n = len(shards)
+    for i, shard in enumerate(shards):
+        versions = versions_read_after(i, n, shard.updates, vertical_sync=vertical_sync)
+        state.update(shard.saved_state(versions))
+    report = TrainReport(
+        run=1,
+        plan=None,  # type: ignore[arg-type]  # save() reads the spec and the state only
+        model_spec=SPEC,
+        schedule="async-1f1b",
+        num_microbatches=1,
+        losses=[0.0] * steps,
+        state_dict=state,
+        with_optimizer_state=True,
+    )
+    report.save(path)
+    return ModelSpec(SPEC.family, SPEC.config, seed=SPEC.seed, weights=str(path))
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "settings", "schedule"),
+    [
+        (ADAM, AsyncSettings(aggregate=True), COSINE),
+        (SGD, AsyncSettings(vertical_sync=False), None),
+    ],
+    ids=["adam-aggregate-cosine", "sgd-no-vsync"],
+)
+def test_n_then_a_checkpoint_then_n_more_equals_2n(
+    tmp_path: Path,
+    optimizer: dict[str, Any],
+    settings: AsyncSettings,
+    schedule: dict[str, Any] | None,
+) -> None:
+    batches = make_batches(10, 5, seed=9)
+    bounds = [0, 1, 3, 4]
+    want = train_async_reference(
+        SPEC, batches, bounds=bounds, optimizer=optimizer, settings=settings, lr_schedule=schedule
+    )
+    first = build_shards(SPEC, bounds, optimizer=optimizer, lr_schedule=schedule)
+    losses = run_shards(first, batches[:5], settings=settings)
+    resumed_spec = _saved(
+        first, 5, tmp_path / "ckpt.safetensors", vertical_sync=settings.vertical_sync
+    )
+    second = [
+        AsyncShard.build(
+            resumed_spec,
+            bounds[i],
+            bounds[i + 1],
+            first=i == 0,
+            last=i == 2,
+            loss="cross_entropy",
+            optimizer=optimizer,
+            lr_schedule=schedule,
+            start_step=5,
+            resume_optimizer=True,
+        )
+        for i in range(3)
+    ]
+    assert [s.updates for s in second] == [5, 5, 5]
+    losses += run_shards(second, batches[5:], settings=settings)
+    assert losses == want.losses
+    assert_equal_state(shard_weights(second), want.state_dict)
+    # the reference resumes from the same file the same way
+    half = train_async_reference(
+        SPEC,
+        batches[5:],
+        bounds=bounds,
+        optimizer=optimizer,
+        settings=settings,
+        lr_schedule=schedule,
+        start_state=read_state(tmp_path / "ckpt.safetensors"),
+    )
+    assert half.losses == want.losses[5:]
+    assert_equal_state(half.state_dict, want.state_dict)
+
+
+def test_the_reference_checkpoint_is_what_the_stages_save(tmp_path: Path) -> None:
+    batches = make_batches(4, 5, seed=2)
+    want = train_async_reference(SPEC, batches, bounds=[0, 2, 4], optimizer=ADAM)
+    shards = build_shards(SPEC, [0, 2, 4], optimizer=ADAM)
+    run_shards(shards, batches)
+    saved = {}
+    for shard in shards:
+        saved.update(shard.repartition_snapshot(2))
+    assert_equal_state(saved, want.checkpoint)
+    # the weights in it are the model's: a plain model loads the saved file
+    spec = _saved(shards, 4, tmp_path / "ckpt.pt")
+    model = build_full_model(spec)
+    assert_equal_state(model.state_dict(), want.state_dict)
+
+
+def test_a_resume_needs_an_asynchronous_checkpoint_at_its_start_step(tmp_path: Path) -> None:
+    batches = make_batches(3, 5)
+    shards = build_shards(SPEC, [0, 2, 4], optimizer=SGD)
+    run_shards(shards, batches)
+    spec = _saved(shards, 3, tmp_path / "ckpt.safetensors")
+
+    def resume(spec: ModelSpec, start_step: int) -> AsyncShard:
+        return AsyncShard.build(
+            spec,
+            0,
+            2,
+            first=True,
+            last=False,
+            loss="cross_entropy",
+            optimizer=SGD,
+            start_step=start_step,
+            resume_optimizer=True,
+        )
+
+    assert resume(spec, 3).updates == 3
+    with pytest.raises(ConfigError, match=r"saved after 3 mini-batches.*start_step=3, not 2"):
+        resume(spec, 2)
+    # a synchronous run's checkpoint has no versions: refused, with what to do instead
+    plain = {k: v for k, v in read_state(tmp_path / "ckpt.safetensors").items()
+             if "#v" not in k and "#live_versions" not in k}  # fmt: skip
+    write_state(plain, tmp_path / "sync.safetensors")
+    sync_spec = ModelSpec(SPEC.family, SPEC.config, seed=SPEC.seed,
+                          weights=str(tmp_path / "sync.safetensors"))  # fmt: skip
+    with pytest.raises(ConfigError, match="not a checkpoint of an asynchronous run"):
+        resume(sync_spec, 3)
+    with pytest.raises(ConfigError, match="only with resume_optimizer"):
+        check_train_settings(
+            {"schedule": "async-1f1b", "num_microbatches": 1, "optimizer": SGD, "start_step": 3},
+            2,
+        )
+    checked = check_train_settings(
+        {
+            "schedule": "async-1f1b",
+            "num_microbatches": 1,
+            "optimizer": SGD,
+            "start_step": 3,
+            "resume_optimizer": True,
+        },
+        2,
+    )
+    assert checked["start_step"] == 3 and checked["resume_optimizer"] is True

@@ -24,9 +24,9 @@ import torch
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.devices import resolve_device
-from zpipe.models import load_layer_sequence
+from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.trust import FactoryPolicy
-from zpipe.models.weights import split_unit_key
+from zpipe.models.weights import STEPS_KEY, read_matching, split_unit_key
 from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.training.async_regroup import (
     is_versioned_state,
@@ -95,6 +95,77 @@ class AsyncShard(TrainShard):
         )
         # One optimizer: its state is what replicas and checkpoints read.
         self.optimizer = self.compute.optimizer
+
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        start: int,
+        end: int,
+        *,
+        first: bool,
+        last: bool,
+        loss: str,
+        optimizer: Mapping[str, Any],
+        slowdown: Slowdown = 1.0,
+        state: Mapping[str, torch.Tensor] | None = None,
+        lr_schedule: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+        resume_optimizer: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> AsyncShard:
+        """As :meth:`TrainShard.build`; ``resume_optimizer`` reads these units' whole
+        asynchronous state from the spec's weights file (a checkpoint of an
+        asynchronous run: weights, optimizer state and the weight versions the next
+        forwards read), which must end at ``start_step`` updates."""
+        shard = super().build(
+            spec,
+            start,
+            end,
+            first=first,
+            last=last,
+            loss=loss,
+            optimizer=optimizer,
+            slowdown=slowdown,
+            state=state,
+            lr_schedule=lr_schedule,
+            start_step=start_step,
+            device=device,
+        )
+        assert isinstance(shard, AsyncShard)
+        if state is None and resume_optimizer:
+            shard.resume_checkpoint(start_step)
+        return shard
+
+    def resume_checkpoint(self, start_step: int) -> None:
+        """Go on from the checkpoint the spec names (see :meth:`build`): the same
+        weights, optimizer state, versions and update count as the run that saved it,
+        so the resumed run equals one that never stopped (the batches it saves after
+        flushed first, which changes no arithmetic: versions are named)."""
+        spec = self.spec
+        if spec is None or spec.weights is None:
+            raise ConfigError("resuming the optimizer needs a weights file in the spec")
+
+        def ours(key: str) -> bool:
+            unit = split_unit_key(key)
+            return key == STEPS_KEY or (unit is not None and self.start <= unit[0] < self.end)
+
+        saved = read_matching(spec.weights, ours)
+        steps = saved.pop(STEPS_KEY, None)
+        if steps is None or not is_versioned_state(saved):
+            raise ConfigError(
+                f"{spec.weights} is not a checkpoint of an asynchronous run (no "
+                f"{'step count' if steps is None else 'weight versions'}): save one with "
+                "fit(..., schedule='async-1f1b', optimizer_state=True) and TrainReport.save, "
+                "or train from its weights without resume_optimizer"
+            )
+        self.load_training_state(saved)
+        if int(steps) != start_step or self.updates != start_step:
+            raise ConfigError(
+                f"{spec.weights} was saved after {int(steps)} mini-batches, its versions "
+                f"end at update {self.updates}: resume it with start_step={int(steps)}, "
+                f"not {start_step}"
+            )
 
     @property
     def live_activations(self) -> int:
@@ -217,17 +288,24 @@ class AsyncShard(TrainShard):
         """Every unit's state at a flush, under the full model's keys, with the weight
         versions the next forwards and aggregations read (what peers fetch, and what a
         replica keeps); ``num_stages``: the run's depth."""
-        return self._cloned_state(self.compute.export_units(), num_stages)
+        return self.saved_state(needed_versions(self.compute.updates, num_stages))
+
+    def saved_state(self, versions: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Every unit's state at a flush with weight ``versions`` (a checkpoint's: see
+        :func:`~zpipe.planner.async_schedule.versions_read_after`), host copies."""
+        return self._cloned_state(self.compute.export_units(), versions)
 
     def live_copy(self, num_stages: int) -> dict[str, torch.Tensor]:
         """The same state as :meth:`repartition_snapshot`, taken while batches are in
         flight (FTPipeHD's replication without draining): right after an update, the
         live weights are version ``updates``; every tensor is cloned, so the updates
         that follow cannot tear the copy. Compute thread, between two actions."""
-        return self._cloned_state(self.compute.unit_states(), num_stages)
-
-    def _cloned_state(self, units: Sequence[UnitState], num_stages: int) -> dict[str, torch.Tensor]:
         versions = needed_versions(self.compute.updates, num_stages)
+        return self._cloned_state(self.compute.unit_states(), versions)
+
+    def _cloned_state(
+        self, units: Sequence[UnitState], versions: Sequence[int]
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for offset, state in enumerate(units):
             for key, tensor in unit_state_tensors(self.start + offset, state, versions).items():
