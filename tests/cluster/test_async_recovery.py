@@ -402,13 +402,22 @@ def test_version_and_optimizer_tensors_of_the_wrong_shape_are_refused() -> None:
         unit_state_from_tensors(0, torch.nn.Linear(6, 8), {**tensors, opt_key: torch.zeros(3)})
 
 
-def test_async_options_refuse_what_the_versions_do_not_model() -> None:
+def test_async_options_take_schedules_and_resumes() -> None:
     from zpipe.client.options import TrainOptions
 
-    for extra in ({"start_step": 4}, {"resume_optimizer": True},
-                  {"lr_schedule": {"name": "cosine", "total_steps": 8}}):  # fmt: skip
-        with pytest.raises(ConfigError, match="does not take"):
-            TrainOptions(schedule="async-1f1b", num_microbatches=1, optimizer=SGD, **extra)
+    # the update count comes from the checkpoint's versions (zpipe.training.async_stage)
+    with pytest.raises(ConfigError, match="only with resume_optimizer"):
+        TrainOptions(schedule="async-1f1b", num_microbatches=1, optimizer=SGD, start_step=4)
+    TrainOptions(
+        schedule="async-1f1b", num_microbatches=1, optimizer=SGD, start_step=4,
+        resume_optimizer=True,
+    )  # fmt: skip
+    # a schedule is read at each stage's own update count (zpipe.training.async_stage)
+    schedule = {"name": "cosine", "total_steps": 8}
+    options = TrainOptions(
+        schedule="async-1f1b", num_microbatches=1, optimizer=SGD, lr_schedule=schedule
+    )
+    assert options.lr_schedule == {**schedule, "warmup_steps": 0}
 
 
 # ------------------------------------------------ a replica that fails resumes the stages

@@ -150,7 +150,8 @@ def test_train_check_replays_the_plan_a_recovered_run_started_on() -> None:
     report.repartitions = [{"at": 2, "moved": True, "bounds": [0, 1, 2, 4]}]
     report.recoveries = [{"resumed_from": 4, "bounds": [0, 3, 4], "depth": 3}]
     args = Namespace(vertical_sync=True, aggregate=True, aggregate_multiple=1,
-                     optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=None)  # fmt: skip
+                     optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=None,
+                     loss="cross_entropy", lr_schedule=None, resume=None)  # fmt: skip
     checked = _train_async_here(SPEC, batches, report, args)
     settings = AsyncSettings(aggregate=True, depth=3)
     want = train_async_reference(SPEC, batches, bounds=START, optimizer=SGD, settings=settings,

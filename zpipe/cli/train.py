@@ -152,13 +152,18 @@ def _train_async_here(
     stages = first.stages if first is not None else report.plan.stages
     bounds = [s.start for s in stages] + [stages[-1].end]
     moves = cuts_of_run(report.repartitions, report.recoveries)
+    # a resumed run goes on from its checkpoint's versions and optimizer state
+    start_state = read_matching(args.resume, lambda key: key != STEPS_KEY) if args.resume else None
     result = train_async_reference(
         spec,
         batches,
         bounds=bounds,
         optimizer=_optimizer(args),
+        loss=args.loss,
         settings=settings,
         repartitions=moves,
+        lr_schedule=_lr_schedule(args, report.start_step),
+        start_state=start_state,
     )
     return result.state_dict
 
@@ -366,8 +371,6 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     )
     if refusal is not None:
         parser.error(refusal)
-    if asynchronous and (args.lr_schedule is not None or args.resume is not None):
-        parser.error(f"--schedule {ASYNC_SCHEDULE} takes no --lr-schedule or --resume yet")
     if not asynchronous and (args.aggregate or not args.vertical_sync):
         parser.error(f"--aggregate and --no-vertical-sync need --schedule {ASYNC_SCHEDULE}")
     if repartition_of(args) is not None and (

@@ -26,7 +26,7 @@ from zpipe.recovery import REPLICATIONS, DeadlinePolicy
 from zpipe.recovery.live_copies import DEFAULT_CHAIN_EVERY, DEFAULT_GLOBAL_EVERY
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.lr_schedules import check_lr_schedule
-from zpipe.training.objectives import check_loss, check_optimizer
+from zpipe.training.objectives import async_start_step_refusal, check_loss, check_optimizer
 from zpipe.training.repartition import RepartitionSettings
 from zpipe.training.warmup import check_warmup_policy
 
@@ -385,9 +385,8 @@ class TrainOptions:
                 raise ConfigError(
                     f"{ASYNC_SCHEDULE} trains every mini-batch whole: use num_microbatches=1"
                 )
-            for name in ("lr_schedule", "start_step", "resume_optimizer"):
-                if getattr(self, name):  # the versions' arithmetic does not model them yet
-                    raise ConfigError(f"{ASYNC_SCHEDULE} does not take {name} yet")
+            if self.start_step and not self.resume_optimizer:
+                raise ConfigError(async_start_step_refusal(self.start_step))
             refusal = (
                 async_recovery_refusal(
                     vertical_sync=self.vertical_sync,

@@ -10,8 +10,9 @@ safetensors lets us fetch single tensors, and .pt files are memory-mapped so
 the other units' tensors are never read from disk.
 
 A checkpoint may also hold optimizer state, "<unit key>#opt.<name>" (see
-`zpipe.stage.executors.training_shard`), and the mini-batches trained so far (`STEPS_KEY`);
-loading weights skips both.
+`zpipe.stage.executors.training_shard`), the mini-batches trained so far (`STEPS_KEY`)
+and, from an asynchronous run, weight versions (`ASYNC_VERSION_MARKS`); loading weights
+skips them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ OPTIMIZER_KEY = "#opt."
 # A checkpoint's count of mini-batches trained (an int64 scalar): where a resumed
 # run's learning-rate schedule goes on from.
 STEPS_KEY = "#steps"
+# An asynchronous run's checkpoint also keeps each unit's weight versions, the ones
+# the next forwards read ("<parameter key>#v<t>", "units.<i>.#live_versions": see
+# zpipe.training.async_regroup, whose names these are); loading weights skips them.
+ASYNC_VERSION_MARKS = ("#v", "#live_versions")
 
 # (unit index, name inside the unit) -> the key in the model's plain layout
 PlainKey = Callable[[int, str], str]
@@ -180,8 +185,13 @@ def _open_weights(path: Path) -> Iterator[_WeightsReader]:
 
 
 def is_weight_key(key: str) -> bool:
-    """A model weight's key, not optimizer state nor the step count of a checkpoint."""
-    return OPTIMIZER_KEY not in key and key != STEPS_KEY
+    """A model weight's key, not optimizer state, the step count of a checkpoint nor an
+    asynchronous run's weight versions."""
+    return (
+        OPTIMIZER_KEY not in key
+        and key != STEPS_KEY
+        and not any(mark in key for mark in ASYNC_VERSION_MARKS)
+    )
 
 
 def load_unit_weights(

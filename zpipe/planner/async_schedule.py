@@ -220,6 +220,20 @@ def forward_version(
     return max(0, batch - async_warmup(deciding, num_stages) + 1)
 
 
+def versions_read_after(
+    stage: int, num_stages: int, updates: int, *, vertical_sync: bool, depth: int | None = None
+) -> range:
+    """The weight versions ``stage`` still reads once every batch before ``updates``
+    (counted from the run's start) is done everywhere: the next forwards' (from
+    :func:`forward_version` of batch ``updates`` on) and the newest ``n - i`` an
+    aggregation averages, which lie within them. What a checkpoint or a replica of
+    the stage keeps; under vertical sync every stage's are the same."""
+    return range(
+        forward_version(stage, num_stages, updates, vertical_sync=vertical_sync, depth=depth),
+        updates + 1,
+    )
+
+
 def iter_async_actions(
     stage: int,
     num_stages: int,
@@ -315,8 +329,10 @@ def async_global_order(
     max_in_flight: int | None = None,
     aggregate_every: list[int | None] | None = None,
     first_batch: int = 0,
+    batches_before: int = 0,
 ) -> list[tuple[int, AsyncAction]]:
-    """One valid global order of every stage's actions: ``(stage, action)`` pairs.
+    """One valid global order of every stage's actions: ``(stage, action)`` pairs
+    (``batches_before``: as :func:`iter_async_actions`', a resumed run's).
 
     A forward waits for the previous stage's forward of its batch (stage 0: for the
     feed, which keeps at most ``max_in_flight`` batches whose loss has not come back:
@@ -330,7 +346,14 @@ def async_global_order(
         raise ConfigError(f"max_in_flight must be >= 1, got {window}")
     every = aggregate_every or [None] * n
     lists = [
-        async_stage_actions(i, n, num_batches, aggregate_every=every[i], first_batch=first_batch)
+        async_stage_actions(
+            i,
+            n,
+            num_batches,
+            aggregate_every=every[i],
+            first_batch=first_batch,
+            batches_before=batches_before,
+        )
         for i in range(n)
     ]
     cursor = [0] * n

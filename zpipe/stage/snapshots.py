@@ -154,7 +154,15 @@ class SnapshotService:
             else:
                 shard = trainer.shard
                 await trainer.wait_for_step(step, self._timeout_s)
-                state = shard.training_state() if request.optimizer else shard.state_dict()
+                # with the optimizer: a checkpoint to resume from, an asynchronous
+                # stage's weight versions included (it has backwarded every batch)
+                state = (
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._compute, _replica_state, trainer
+                    )
+                    if request.optimizer
+                    else shard.state_dict()
+                )
             if len(state) > codec.MAX_TENSORS:
                 raise ConfigError(
                     f"this stage holds {len(state)} tensors, more than one message "

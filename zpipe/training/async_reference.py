@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.weights import unit_key
 from zpipe.planner.async_schedule import (
@@ -26,9 +26,14 @@ from zpipe.planner.async_schedule import (
     async_global_order,
     concurrent_versions,
     forward_version,
+    versions_read_after,
 )
-from zpipe.training.async_regroup import regroup_stages
-from zpipe.training.async_stage import AsyncStageCompute
+from zpipe.training.async_regroup import (
+    regroup_stages,
+    unit_state_from_tensors,
+    unit_state_tensors,
+)
+from zpipe.training.async_stage import AsyncStageCompute, common_versions
 
 
 @dataclass
@@ -38,6 +43,9 @@ class AsyncReferenceResult:
     # per stage: batch -> the weight version its forward / backward used
     forward_versions: list[dict[int, int]] = field(default_factory=list)
     backward_versions: list[dict[int, int]] = field(default_factory=list)
+    # every unit's whole state at the end (weights, optimizer state, the versions the
+    # next forwards read): what a checkpoint of the run keeps, ``start_state``'s form
+    checkpoint: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def train_async_reference(
@@ -50,6 +58,8 @@ def train_async_reference(
     settings: AsyncSettings | None = None,
     repartitions: Mapping[int, Sequence[int]] | None = None,
     flushes: Sequence[int] = (),
+    lr_schedule: Mapping[str, Any] | None = None,
+    start_state: Mapping[str, torch.Tensor] | None = None,
 ) -> AsyncReferenceResult:
     """Train ``spec`` split at ``bounds`` (unit indices, first 0, last the unit count)
     on ``batches`` (``(inputs..., labels)``) as an asynchronous pipeline would.
@@ -62,7 +72,13 @@ def train_async_reference(
     aggregations its windows (stage ``j`` averages ``depth - j`` versions: see
     :mod:`zpipe.planner.async_schedule`). ``flushes``: batches before which the
     pipeline only flushes (a replica of a run that recovers; a re-partition that
-    keeps the cuts)."""
+    keeps the cuts). ``lr_schedule``: read at each stage's own update count, as a
+    stage does (:mod:`zpipe.training.async_stage`). ``loss`` and ``optimizer`` may name
+    user code ("package.module:function"): this process's own choice, loaded as
+    ``fit`` loads it. ``start_state``: a checkpoint of an asynchronous run (every
+    unit's weights, optimizer state and weight versions, as ``TrainReport.save``
+    writes them without the step count): the run goes on from its update count, as a
+    resumed pipeline does; its ``batches`` are numbered from 0 again."""
     settings = settings or AsyncSettings()
     n = len(bounds) - 1
     if n < 1:
@@ -83,9 +99,16 @@ def train_async_reference(
             last=i == n - 1,
             loss=loss,
             optimizer=optimizer,
+            lr_schedule=lr_schedule,
         )
         for i in range(n)
     ]
+    if start_state is not None:
+        stages = [
+            _resumed(stage, bounds[i], start_state, lr_schedule=lr_schedule)
+            for i, stage in enumerate(stages)
+        ]
+    origin = stages[0].updates
     activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     losses: dict[int, float] = {}
@@ -98,7 +121,9 @@ def train_async_reference(
             for i, stage in enumerate(stages):
                 forward_versions[i].update(stage.forward_versions)
                 backward_versions[i].update(stage.backward_versions)
-            stages = regroup_stages(stages, cuts[lo], loss=loss, optimizer=optimizer)
+            stages = regroup_stages(
+                stages, cuts[lo], loss=loss, optimizer=optimizer, lr_schedule=lr_schedule
+            )
             bounds = cuts[lo]
             n = len(bounds) - 1
             settings.depth_of(n)  # a pipeline no deeper than the run's
@@ -111,9 +136,19 @@ def train_async_reference(
             max_in_flight=settings.max_in_flight,
             aggregate_every=every,
             first_batch=lo,
+            batches_before=origin,
         )
         _run_order(
-            stages, order, batches, settings, depth, activations, grads, losses, last_backward
+            stages,
+            order,
+            batches,
+            settings,
+            depth,
+            origin,
+            activations,
+            grads,
+            losses,
+            last_backward,
         )
     for i, stage in enumerate(stages):
         if i >= len(forward_versions):
@@ -125,7 +160,16 @@ def train_async_reference(
         for offset, unit in enumerate(stage.units):
             for name, tensor in unit.state_dict().items():
                 state[unit_key(bounds[i] + offset, name)] = tensor.detach().clone()
+    checkpoint: dict[str, torch.Tensor] = {}
+    for i, stage in enumerate(stages):
+        versions = versions_read_after(
+            i, n, stage.updates, vertical_sync=settings.vertical_sync, depth=depth
+        )
+        for offset, kept in enumerate(stage.export_units()):
+            for key, tensor in unit_state_tensors(bounds[i] + offset, kept, versions).items():
+                checkpoint[key] = tensor.detach().clone()
     return AsyncReferenceResult(
+        checkpoint=checkpoint,
         state_dict=state,
         losses=[losses[b] for b in range(len(batches))],
         forward_versions=forward_versions,
@@ -139,6 +183,7 @@ def _run_order(
     batches: Sequence[tuple[torch.Tensor, ...]],
     settings: AsyncSettings,
     depth: int,
+    origin: int,
     activations: dict[tuple[int, int], tuple[torch.Tensor, ...]],
     grads: dict[tuple[int, int], tuple[torch.Tensor, ...]],
     losses: dict[int, float],
@@ -151,7 +196,9 @@ def _run_order(
         if action.kind == "F":
             assert b is not None
             inputs = tuple(batches[b][:-1]) if i == 0 else activations.pop((i, b))
-            version = forward_version(i, n, b, vertical_sync=settings.vertical_sync, depth=depth)
+            version = forward_version(
+                i, n, origin + b, vertical_sync=settings.vertical_sync, depth=depth
+            )
             target = batches[b][-1] if i == n - 1 else None
             samples = int(batches[b][0].shape[0])
             outputs, value = stage.forward(b, version, inputs, target, samples)
@@ -171,3 +218,36 @@ def _run_order(
             stage.step(last_backward[i])
         elif action.kind == "AGG":
             stage.aggregate(concurrent_versions(i, depth))
+
+
+def _resumed(
+    stage: AsyncStageCompute,
+    start: int,
+    state: Mapping[str, torch.Tensor],
+    *,
+    lr_schedule: Mapping[str, Any] | None,
+) -> AsyncStageCompute:
+    """``stage``'s units at the checkpoint ``state`` holds for them (a stage's
+    :meth:`~zpipe.stage.executors.async_shard.AsyncShard.resume_checkpoint`)."""
+    try:
+        units = [
+            unit_state_from_tensors(start + j, unit, state) for j, unit in enumerate(stage.units)
+        ]
+    except ProtocolError as exc:
+        raise ConfigError(f"the checkpoint does not fit the model: {exc}") from None
+    versions = common_versions(units)
+    if not versions:
+        raise ConfigError(
+            f"the checkpoint holds no weight versions of units {start}..{start + len(units) - 1}"
+            ": it is not one of an asynchronous run"
+        )
+    return AsyncStageCompute.adopt(
+        units,
+        updates=max(versions),
+        first=stage.first,
+        last=stage.last,
+        loss=stage.loss,
+        optimizer=stage.optimizer_config,
+        lr_schedule=lr_schedule,
+        policy=stage.policy,
+    )

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from zpipe._errors import PipelineError, ProtocolError
+from zpipe.models.trust import FactoryPolicy
 from zpipe.models.weights import OPTIMIZER_KEY, unit_key
 from zpipe.training.async_stage import AsyncStageCompute, UnitState
 
@@ -45,6 +46,8 @@ def regroup_stages(
     *,
     loss: str,
     optimizer: dict[str, Any],
+    lr_schedule: Mapping[str, Any] | None = None,
+    policy: FactoryPolicy | None = None,
 ) -> list[AsyncStageCompute]:
     """The same pipeline's units cut at ``bounds`` instead, every unit's state kept;
     ``bounds`` may name fewer stages (a recovery onto the survivors)."""
@@ -62,6 +65,8 @@ def regroup_stages(
             last=i == n - 1,
             loss=loss,
             optimizer=optimizer,
+            lr_schedule=lr_schedule,
+            policy=policy,
         )
         for i in range(n)
     ]
@@ -97,7 +102,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
 
 
-def unit_state_tensors(unit: int, state: UnitState, versions: range) -> dict[str, torch.Tensor]:
+def unit_state_tensors(
+    unit: int, state: UnitState, versions: Sequence[int]
+) -> dict[str, torch.Tensor]:
     """Unit ``unit``'s state under the full model's keys, as a training state names
     it (``units.<unit>.<name>``, ``...<param>#opt.<key>`` for the optimizer), and its
     weight versions as ``units.<unit>.<param>#v<t>``: what a peer fetches. A version

@@ -15,11 +15,25 @@ weights: ``W(t+1) = W(t) - lr * grad(W(stashed))``, PipeDream's update.
 
 Buffers (BatchNorm's running statistics) are not versioned: every forward updates
 the live ones.
+
+A learning-rate schedule (:mod:`zpipe.training.lr_schedules`) is read at the stage's
+own update count: the update that makes version ``u + 1`` uses ``lr(u)``. Every
+stage makes exactly one update per mini-batch, applying mini-batch ``u``'s gradient
+at its ``u``-th update (counted over the whole training, a resumed run's included),
+so this is the factor a synchronous run uses for mini-batch ``u``, no stage needs to
+know the others' progress, and a resumed or re-partitioned stage goes on with its
+versions' count. (The gradient was taken at an older version, weight stashing's
+staleness; the schedule does not follow it: the rate belongs to the update.)
+
+A loss or optimizer named as user code ("package.module:function") loads under a
+:class:`~zpipe.models.trust.FactoryPolicy` (the stage's allow-list; None: this
+process's own choice, as the single-process reference's), exactly as a synchronous
+stage's does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +41,9 @@ import torch
 from torch.func import functional_call
 
 from zpipe._errors import PipelineError
-from zpipe.training.objectives import make_optimizer, microbatch_loss
+from zpipe.models.trust import FactoryPolicy
+from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
+from zpipe.training.objectives import make_loss, make_optimizer
 
 
 @dataclass
@@ -58,16 +74,32 @@ class AsyncStageCompute:
         last: bool,
         loss: str,
         optimizer: dict[str, Any],
+        lr_schedule: Mapping[str, Any] | None = None,
+        policy: FactoryPolicy | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
-        self.units = [u.train() for u in units]
+        # ``device``: where the units compute (None: where they are); the caller moves
+        # inputs, labels and gradients across (zpipe.devices.BoundaryMover)
+        self.units = [(u if device is None else u.to(device)).train() for u in units]
         self.first = first
         self.last = last
         self.loss = loss
+        self.optimizer_config = dict(optimizer)
+        self.policy = policy
+        self._loss_fn = make_loss(loss, policy=policy)
         self._params = [
             {n: p for n, p in u.named_parameters() if p.requires_grad} for u in self.units
         ]
         flat = [p for unit in self._params for p in unit.values()]
-        self.optimizer = make_optimizer(optimizer, flat) if flat else None
+        self.optimizer = make_optimizer(optimizer, flat, policy=policy) if flat else None
+        self.lr_schedule = check_lr_schedule(lr_schedule)
+        self._initial_lrs = (
+            [float(group.get("lr", 0.0)) for group in self.optimizer.param_groups]
+            if self.optimizer is not None
+            else []
+        )
+        # the learning rates the last update used (what tests and logs read)
+        self.last_lrs: list[float] = list(self._initial_lrs)
         self.updates = 0  # the newest version
         self._versions: dict[int, list[dict[str, torch.Tensor]]] = {0: self._copy_live()}
         self._stashed: dict[int, _Stashed] = {}
@@ -131,7 +163,7 @@ class AsyncStageCompute:
         if self.last:
             if target is None:
                 raise PipelineError(f"batch {batch} reached the last stage without labels")
-            loss = microbatch_loss(self.loss, values[0], target, samples or len(target))
+            loss = self._loss_fn(values[0], target, samples or len(target))
             loss_value = float(loss.detach())
             roots: tuple[torch.Tensor, ...] = (loss,)
             sent: tuple[torch.Tensor, ...] = ()
@@ -176,6 +208,14 @@ class AsyncStageCompute:
                 for name, param in live.items():
                     grad = used[name].grad
                     param.grad = grad if grad is not None else torch.zeros_like(param)
+            if self.lr_schedule is not None:
+                # update ``updates`` (counted over the whole training): its own rate
+                factor = lr_factor(self.lr_schedule, self.updates)
+                for group, initial in zip(
+                    self.optimizer.param_groups, self._initial_lrs, strict=True
+                ):
+                    group["lr"] = initial * factor
+                self.last_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
@@ -220,23 +260,42 @@ class AsyncStageCompute:
         last: bool,
         loss: str,
         optimizer: dict[str, Any],
+        lr_schedule: Mapping[str, Any] | None = None,
+        policy: FactoryPolicy | None = None,
+        device: torch.device | str | None = None,
     ) -> AsyncStageCompute:
         """A stage's compute over moved units (:meth:`export_units`), at ``updates``:
-        the versions every unit kept, the optimizer's state of every parameter."""
+        the versions every unit kept, the optimizer's state of every parameter (the
+        schedule goes on at ``updates``)."""
         compute = cls(
-            [s.module for s in states], first=first, last=last, loss=loss, optimizer=optimizer
+            [s.module for s in states],
+            first=first,
+            last=last,
+            loss=loss,
+            optimizer=optimizer,
+            lr_schedule=lr_schedule,
+            policy=policy,
+            device=device,
         )
         compute.updates = updates
         common = common_versions(states, default=updates)
         if updates not in common:
             raise PipelineError(f"the moved units do not all have version {updates}")
         # a unit without trainable parameters has every version (of nothing)
-        compute._versions = {v: [s.versions.get(v, {}) for s in states] for v in sorted(common)}
+        place = _placer(device)
+        compute._versions = {
+            v: [{n: place(t) for n, t in s.versions.get(v, {}).items()} for s in states]
+            for v in sorted(common)
+        }
         if compute.optimizer is not None:
             for params, state in zip(compute._params, states, strict=True):
                 for name, param in params.items():
                     if name in state.optimizer:
-                        compute.optimizer.state[param] = dict(state.optimizer[name])
+                        compute.optimizer.state[param] = {
+                            # a scalar (Adam's step) stays on the host, as torch keeps it
+                            k: place(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                            for k, v in state.optimizer[name].items()
+                        }
         return compute
 
     def aggregate(self, count: int) -> None:
@@ -253,6 +312,14 @@ class AsyncStageCompute:
                 for name, param in unit.items():
                     stacked = torch.stack([self._versions[v][index][name] for v in wanted])
                     param.copy_(stacked.mean(dim=0))
+
+
+def _placer(device: torch.device | str | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What puts a moved tensor where the units compute (the identity on the CPU)."""
+    if device is None or torch.device(device).type == "cpu":
+        return lambda t: t
+    target = torch.device(device)
+    return lambda t: t.to(target)
 
 
 def _as_tuple(value: object) -> tuple[torch.Tensor, ...]:

@@ -310,9 +310,12 @@ def _check_async_settings(settings: Mapping[str, Any], num_stages: int) -> dict[
         raise ConfigError(
             f"{ASYNC_SCHEDULE} trains every mini-batch whole (num_microbatches=1), got {m!r}"
         )
-    for key in ("lr_schedule", "start_step", "resume_optimizer"):
-        if settings.get(key):  # not yet: the versions' arithmetic does not model them
-            raise ConfigError(f"{ASYNC_SCHEDULE} does not take {key} yet")
+    start_step = settings.get("start_step", 0)
+    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+        raise ConfigError(f"start_step must be an integer >= 0, got {start_step!r}")
+    resume = bool(settings.get("resume_optimizer", False))
+    if start_step and not resume:
+        raise ConfigError(async_start_step_refusal(start_step))
     warmups = [async_warmup(p, num_stages) for p in range(num_stages)]
     given = settings.get("warmups")
     if given is not None and [int(w) for w in given] != warmups:
@@ -323,8 +326,18 @@ def _check_async_settings(settings: Mapping[str, Any], num_stages: int) -> dict[
         "loss": check_loss(str(settings.get("loss", "cross_entropy"))),
         "optimizer": check_optimizer(settings.get("optimizer") or {}),
         "warmups": warmups,
-        "lr_schedule": None,
-        "start_step": 0,
-        "resume_optimizer": False,
+        # read at each stage's own update count (zpipe.training.async_stage)
+        "lr_schedule": check_lr_schedule(settings.get("lr_schedule")),
+        "start_step": start_step,
+        "resume_optimizer": resume,
         "async": AsyncSettings.from_dict(settings.get("async")).to_dict(),
     }
+
+
+def async_start_step_refusal(start_step: int) -> str:
+    """Why an asynchronous run takes ``start_step`` only with ``resume_optimizer``."""
+    return (
+        f"{ASYNC_SCHEDULE} takes start_step ({start_step}) only with resume_optimizer: "
+        "its update count and the weight versions the next forwards read come from the "
+        "checkpoint of an asynchronous run"
+    )

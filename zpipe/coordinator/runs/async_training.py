@@ -39,12 +39,21 @@ def planning_schedule(schedule: str) -> str:
 
 
 def as_async_plan(plan: TrainingPlan) -> TrainingPlan:
-    """A planned pipeline, run asynchronously: one device per stage, warm-ups n - i."""
+    """A planned pipeline, run asynchronously: one device per stage, warm-ups n - i.
+
+    A stage shared by several devices (data parallelism, which ``hpp`` may plan) is
+    refused, with the reason: every stage of an asynchronous run updates after each
+    mini-batch's backward, so a shared stage would all-reduce at every update and keep
+    every weight version it stashes identical on each of its devices; that is not
+    built (synchronous schedules all-reduce once per round)."""
     shared = [list(s.devices) for s in plan.stages if len(s.devices) > 1]
     if shared:
         raise ConfigError(
             f"{ASYNC_SCHEDULE} runs one device per stage; the planner shared stages "
-            f"{shared}: use planner 'straight', 'even' or 'pipeedge', or a partition"
+            f"{shared} between devices (data parallelism), which asynchronous 1F1B does "
+            "not do: each stage updates after every mini-batch, so a shared stage would "
+            "all-reduce at every update and keep its weight versions equal on each "
+            "device. Use planner 'straight', 'even' or 'pipeedge', or a partition"
         )
     n = len(plan.stages)
     stages = tuple(replace(s, warmup=async_warmup(i, n)) for i, s in enumerate(plan.stages))

@@ -5,6 +5,13 @@ and whose backwards are each followed by their own update; the arithmetic is
 :class:`~zpipe.training.async_stage.AsyncStageCompute`'s, the same the
 single-process reference runs. Weights, optimizer state and replicas are the
 live units', as for synchronous training. Runs in the stage's compute thread.
+
+As a synchronous shard: a learning-rate schedule (read at this stage's own update
+count, see :mod:`zpipe.training.async_stage`), a loss or optimizer of user code under
+the stage's allow-list (``--allow-factory``), and a device (``--device``): weights,
+versions and optimizer state stay on it, activations, labels and gradients cross
+the shard's edges as host tensors, and what leaves the process (copies, replicas,
+checkpoints) is a host copy.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ from typing import Any
 import torch
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
-from zpipe.models import load_layer_sequence
+from zpipe.devices import resolve_device
+from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.trust import FactoryPolicy
-from zpipe.models.weights import split_unit_key
+from zpipe.models.weights import STEPS_KEY, read_matching, split_unit_key
 from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.training.async_regroup import (
     is_versioned_state,
@@ -32,8 +40,16 @@ from zpipe.training.async_stage import (
     common_versions,
     has_trainable,
 )
-from zpipe.training.objectives import is_factory_name
 from zpipe.transport.slowdown import Slowdown
+
+
+def _check_available(device: torch.device | str) -> None:
+    """DeviceUnavailableError (a ConfigError) naming an accelerator this machine does not
+    offer, with what torch sees: the stage's --device check, for a shard built another
+    way (the CPU, and the meta device tests play an accelerator with, pass)."""
+    kind = torch.device(device).type
+    if kind in ("cuda", "mps"):
+        resolve_device(str(torch.device(device)))
 
 
 class AsyncShard(TrainShard):
@@ -52,14 +68,8 @@ class AsyncShard(TrainShard):
         policy: FactoryPolicy | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        # Not yet for asynchronous runs: what the versions' arithmetic does not model.
-        if lr_schedule is not None:
-            raise ConfigError("async-1f1b does not take a learning-rate schedule yet")
-        if torch.device(device).type != "cpu":
-            raise ConfigError(f"async-1f1b runs on the CPU only for now, not on {device}")
-        for what, name in (("loss", loss), ("optimizer", optimizer.get("name"))):
-            if is_factory_name(name):
-                raise ConfigError(f"async-1f1b takes only a built-in {what}, not {name!r}")
+        # a device this machine does not offer is named, never a torch assertion
+        _check_available(device)
         super().__init__(
             units,
             start=start,
@@ -68,14 +78,94 @@ class AsyncShard(TrainShard):
             loss=loss,
             optimizer=optimizer,
             slowdown=slowdown,
+            lr_schedule=lr_schedule,
             start_step=start_step,
             policy=policy,
+            device=device,
         )
+        self.policy = policy
         self.compute = AsyncStageCompute(
-            self.units, first=first, last=last, loss=self.loss, optimizer=dict(optimizer)
+            self.units,
+            first=first,
+            last=last,
+            loss=self.loss,
+            optimizer=dict(optimizer),
+            lr_schedule=self.lr_schedule,
+            policy=policy,
         )
         # One optimizer: its state is what replicas and checkpoints read.
         self.optimizer = self.compute.optimizer
+
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        start: int,
+        end: int,
+        *,
+        first: bool,
+        last: bool,
+        loss: str,
+        optimizer: Mapping[str, Any],
+        slowdown: Slowdown = 1.0,
+        state: Mapping[str, torch.Tensor] | None = None,
+        lr_schedule: Mapping[str, Any] | None = None,
+        start_step: int = 0,
+        resume_optimizer: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> AsyncShard:
+        """As :meth:`TrainShard.build`; ``resume_optimizer`` reads these units' whole
+        asynchronous state from the spec's weights file (a checkpoint of an
+        asynchronous run: weights, optimizer state and the weight versions the next
+        forwards read), which must end at ``start_step`` updates."""
+        shard = super().build(
+            spec,
+            start,
+            end,
+            first=first,
+            last=last,
+            loss=loss,
+            optimizer=optimizer,
+            slowdown=slowdown,
+            state=state,
+            lr_schedule=lr_schedule,
+            start_step=start_step,
+            device=device,
+        )
+        assert isinstance(shard, AsyncShard)
+        if state is None and resume_optimizer:
+            shard.resume_checkpoint(start_step)
+        return shard
+
+    def resume_checkpoint(self, start_step: int) -> None:
+        """Go on from the checkpoint the spec names (see :meth:`build`): the same
+        weights, optimizer state, versions and update count as the run that saved it,
+        so the resumed run equals one that never stopped (the batches it saves after
+        flushed first, which changes no arithmetic: versions are named)."""
+        spec = self.spec
+        if spec is None or spec.weights is None:
+            raise ConfigError("resuming the optimizer needs a weights file in the spec")
+
+        def ours(key: str) -> bool:
+            unit = split_unit_key(key)
+            return key == STEPS_KEY or (unit is not None and self.start <= unit[0] < self.end)
+
+        saved = read_matching(spec.weights, ours)
+        steps = saved.pop(STEPS_KEY, None)
+        if steps is None or not is_versioned_state(saved):
+            raise ConfigError(
+                f"{spec.weights} is not a checkpoint of an asynchronous run (no "
+                f"{'step count' if steps is None else 'weight versions'}): save one with "
+                "fit(..., schedule='async-1f1b', optimizer_state=True) and TrainReport.save, "
+                "or train from its weights without resume_optimizer"
+            )
+        self.load_training_state(saved)
+        if int(steps) != start_step or self.updates != start_step:
+            raise ConfigError(
+                f"{spec.weights} was saved after {int(steps)} mini-batches, its versions "
+                f"end at update {self.updates}: resume it with start_step={int(steps)}, "
+                f"not {start_step}"
+            )
 
     @property
     def live_activations(self) -> int:
@@ -125,6 +215,9 @@ class AsyncShard(TrainShard):
             last=self.last,
             loss=self.loss,
             optimizer=self.optimizer_config,
+            lr_schedule=self.lr_schedule,
+            policy=self.policy,
+            device=self.device,
         )
         self.units = self.compute.units
         self.optimizer = self.compute.optimizer
@@ -150,7 +243,10 @@ class AsyncShard(TrainShard):
         """Forward ``batch`` with weight ``version``: (outputs, loss on the last stage,
         seconds); versions no longer needed are let go."""
         started, cpu_started = time.perf_counter(), time.thread_time()
-        outputs, loss = self.compute.forward(batch, version, inputs, target, samples)
+        on_device = self.mover.to_device(inputs)
+        label = self.mover.to_device((target,))[0] if target is not None else None
+        outputs, loss = self.compute.forward(batch, version, on_device, label, samples)
+        outputs = self.mover.to_host(outputs)
         self.compute.forget_versions_before(version, keep_newest=keep_newest)
         self.peak_live = max(self.peak_live, self.compute.in_flight)
         return outputs, loss, self._timed(started, cpu_started)
@@ -168,7 +264,7 @@ class AsyncShard(TrainShard):
         self, mb: int, grad_outputs: Sequence[torch.Tensor] = ()
     ) -> tuple[tuple[torch.Tensor, ...], float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
-        grads = self.compute.backward(mb, grad_outputs)
+        grads = self.mover.to_host(self.compute.backward(mb, self.mover.to_device(grad_outputs)))
         return grads, self._timed(started, cpu_started)
 
     def step(self) -> float:
@@ -192,21 +288,29 @@ class AsyncShard(TrainShard):
         """Every unit's state at a flush, under the full model's keys, with the weight
         versions the next forwards and aggregations read (what peers fetch, and what a
         replica keeps); ``num_stages``: the run's depth."""
-        return self._cloned_state(self.compute.export_units(), num_stages)
+        return self.saved_state(needed_versions(self.compute.updates, num_stages))
+
+    def saved_state(self, versions: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Every unit's state at a flush with weight ``versions`` (a checkpoint's: see
+        :func:`~zpipe.planner.async_schedule.versions_read_after`), host copies."""
+        return self._cloned_state(self.compute.export_units(), versions)
 
     def live_copy(self, num_stages: int) -> dict[str, torch.Tensor]:
         """The same state as :meth:`repartition_snapshot`, taken while batches are in
         flight (FTPipeHD's replication without draining): right after an update, the
         live weights are version ``updates``; every tensor is cloned, so the updates
         that follow cannot tear the copy. Compute thread, between two actions."""
-        return self._cloned_state(self.compute.unit_states(), num_stages)
-
-    def _cloned_state(self, units: Sequence[UnitState], num_stages: int) -> dict[str, torch.Tensor]:
         versions = needed_versions(self.compute.updates, num_stages)
+        return self._cloned_state(self.compute.unit_states(), versions)
+
+    def _cloned_state(
+        self, units: Sequence[UnitState], versions: Sequence[int]
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for offset, state in enumerate(units):
             for key, tensor in unit_state_tensors(self.start + offset, state, versions).items():
-                out[key] = tensor.detach().clone()
+                # a host copy: what crosses the wire (a clone on the CPU)
+                out[key] = tensor.detach().to("cpu", copy=True)
         return out
 
     def regrouped(self, start: int, end: int, state: Mapping[str, torch.Tensor]) -> AsyncShard:
@@ -225,6 +329,9 @@ class AsyncShard(TrainShard):
             loss=self.loss,
             optimizer=self.optimizer_config,
             slowdown=self.slowdown,
+            lr_schedule=self.lr_schedule,
+            policy=self.policy,
+            device=self.device,
         )
         shard.compute = AsyncStageCompute.adopt(
             states,
@@ -233,6 +340,9 @@ class AsyncShard(TrainShard):
             last=self.last,
             loss=self.loss,
             optimizer=self.optimizer_config,
+            lr_schedule=self.lr_schedule,
+            policy=self.policy,
+            device=self.device,
         )
         shard.units = shard.compute.units
         shard.optimizer = shard.compute.optimizer

@@ -45,6 +45,7 @@ from zpipe.planner.async_schedule import (
     concurrent_versions,
     forward_version,
     iter_async_actions,
+    versions_read_after,
 )
 from zpipe.planner.schedules import Action
 from zpipe.protocol.data_plane import Data, Labels, Loss
@@ -110,8 +111,17 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.copies: LiveCopySender | None = None
 
     def replica_state(self) -> dict[str, torch.Tensor]:
-        # at a flush: every unit with the versions the run's depth reads next
-        return self.async_shard.repartition_snapshot(self.depth)
+        """At a flush (a replica's, or the run's end: a checkpoint's), every unit with
+        the versions this stage reads next (under vertical sync those of the run's
+        depth, what a re-partition moves); compute thread."""
+        versions = versions_read_after(
+            self.setup.index,
+            self.setup.num_stages,
+            self.async_shard.updates,
+            vertical_sync=self.settings.vertical_sync,
+            depth=self.depth,
+        )
+        return self.async_shard.saved_state(versions)
 
     def _schedule_actions(self) -> list[Action]:
         return []  # endless: iter_async_actions, in _train
