@@ -13,6 +13,7 @@ from typing import Any
 
 from zpipe._errors import ProtocolError, StateFileError
 from zpipe.coordinator.current_run import Run
+from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.runs.async_copies import HeldCopy
@@ -23,8 +24,9 @@ from zpipe.models import ModelSpec
 from zpipe.recovery.generation import GENERATION_ALGO
 
 
-def saved_state(state: ControlState) -> SavedState:
-    """The live members, the counters and the current run, as plain records."""
+def saved_state(state: ControlState, notices: NoticeOutbox | None = None) -> SavedState:
+    """The live members, the counters and the current run (with its notices the
+    client has not acknowledged), as plain records."""
     members = tuple(
         SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key)
         for m in state.membership.alive()
@@ -35,6 +37,7 @@ def saved_state(state: ControlState) -> SavedState:
         state.run_counter,
         members,
         None if run is None else run.to_saved(),
+        notices=None if notices is None or run is None else notices.saved(run.run),
     )
 
 
@@ -45,10 +48,12 @@ def restore(
     now: float,
     newest_global: SavedReplica | None = None,
     copies: Sequence[HeldCopy] = (),
+    notices: NoticeOutbox | None = None,
 ) -> None:
     """Take over the members, the run and the replica a previous coordinator saved
-    (with ``newest_global`` behind it as its fallback: restored_replica.py), and the
-    copies asynchronous stages made without draining (runs/async_copies.py).
+    (with ``newest_global`` behind it as its fallback: restored_replica.py), the
+    copies asynchronous stages made without draining (runs/async_copies.py), and
+    the run's notices the client had not acknowledged (into ``notices``).
 
     Restored members count as alive from now: one that does not speak within the
     usual suspect and probe intervals is declared dead as any other would be.
@@ -71,6 +76,8 @@ def restore(
                 state.current = controller_for(state, Run.from_saved(saved.run))
             except (KeyError, TypeError, ValueError, ProtocolError) as exc:
                 raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
+        if saved.notices is not None and notices is not None:
+            notices.restore(saved.notices, now)
     state.async_copies.restore(copies)
     if replica is not None:
         state.replica = replica_from_saved(replica, newest_global)
