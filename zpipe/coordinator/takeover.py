@@ -17,10 +17,12 @@ from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.runs.async_copies import HeldCopy
+from zpipe.coordinator.runs.async_training import AsyncTrainingController
 from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.coordinator.state import ControlState
 from zpipe.models import ModelSpec
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.recovery.generation import GENERATION_ALGO
 
 
@@ -89,6 +91,10 @@ def controller_for(state: ControlState, run: Run) -> Any:
     """The controller of a run restored from disk, by its kind (None for a generation
     run: its stages go on, but a restarted coordinator does not know the client's
     request to re-plan it; a later death ends its stream at the client's deadline)."""
+    if run.training_plan is not None and run.training_plan.schedule == ASYNC_SCHEDULE:
+        # as the first coordinator ran it: replicas at flush points (a synchronous
+        # controller would gather live weights, and leave the flushed stages paused)
+        return AsyncTrainingController(state, run)
     if run.training_plan is not None or run.groups:
         return SyncTrainingController(state, run)
     if run.plan.algo == GENERATION_ALGO and run.request is None:
