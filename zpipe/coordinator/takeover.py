@@ -28,17 +28,27 @@ from zpipe.recovery.generation import GENERATION_ALGO
 
 def saved_state(state: ControlState, notices: NoticeOutbox | None = None) -> SavedState:
     """The live members, the counters and the current run (with its notices the
-    client has not acknowledged), as plain records."""
-    members = tuple(
-        SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key)
-        for m in state.membership.alive()
-    )
+    client has not acknowledged), as plain records.
+
+    A run being re-planned is saved as it was (:meth:`Run.begin_change`), with the
+    members it had that died since: restored as members, they stay silent and are
+    declared dead again, and the restarted coordinator re-plans the run itself (the
+    new plan was only assigned; nobody would tell its stages to connect)."""
     run = None if state.current is None else state.current.run
+    saved_run = None if run is None else run.saved()
+    alive = state.membership.alive()
+    if run is not None and run.changing and saved_run is not None:
+        names = {m.name for m in alive}
+        devices = set(saved_run["devices"])
+        alive += [m for m in state.membership.all() if m.name in devices - names]
+    members = tuple(
+        SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key) for m in alive
+    )
     return SavedState(
         state.epoch,
         state.run_counter,
         members,
-        None if run is None else run.to_saved(),
+        saved_run,
         notices=None if notices is None or run is None else notices.saved(run.run),
     )
 

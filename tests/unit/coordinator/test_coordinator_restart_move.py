@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tests._support.coordinator_harness import SPEC, Harness
-from zpipe.coordinator.commands import Command, Persist
+from tests._support.saving_harness import SavingHarness
 from zpipe.coordinator.persistence import StateStore
 from zpipe.planner import ClusterLink
 from zpipe.planner.profile import synthetic_profile
@@ -24,21 +24,6 @@ PROFILE = synthetic_profile(
 # a-b at 80 Mbit/s: 2 x 4 MB over it costs more than moving the cut off it
 SLOW_AB = {(x, y): ClusterLink(80.0 if {x, y} == {"a", "b"} else 8_000.0)
            for x in "abc" for y in "abc" if x != y}  # fmt: skip
-
-
-class SavingHarness(Harness):
-    """The harness, with the shell's saves: each ``Persist`` writes the state file."""
-
-    def __init__(self, store: StateStore) -> None:
-        super().__init__()
-        self.store = store
-        self.state.saves_replicas = True
-        self.state.measured_links = lambda members: SLOW_AB
-
-    def _apply(self, commands: list[Command]) -> None:
-        if any(isinstance(c, Persist) for c in commands):
-            self.store.save_state(self.core.saved_state())
-        super()._apply(commands)
 
 
 def _start(h: Harness) -> int:
@@ -75,6 +60,7 @@ def test_a_committed_move_is_saved_and_a_restarted_coordinator_runs_its_cuts(
 ) -> None:
     store = StateStore(tmp_path / "state")
     h = SavingHarness(store)
+    h.state.measured_links = lambda members: SLOW_AB
     run = _start(h)
     planned = h.core.run.training_plan  # type: ignore[union-attr]
     assert planned is not None and [(s.start, s.end) for s in planned.stages] == [
@@ -95,8 +81,7 @@ def test_a_committed_move_is_saved_and_a_restarted_coordinator_runs_its_cuts(
     moved = answer.body["bounds"]
     assert moved != [0, 2, 4, 6], "the slow link should have moved the cut"
     # the coordinator is killed now: its successor reads the state file
-    again = Harness()
-    again.core.restore(store.load_state(), None, again.now)
+    again = h.restarted()
     taken = again.core.run
     assert taken is not None and taken.training_plan is not None
     cuts = [taken.training_plan.stages[0].start, *(s.end for s in taken.training_plan.stages)]

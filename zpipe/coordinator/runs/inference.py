@@ -234,11 +234,16 @@ class InferenceController(BaseRun):
                 self.state.local_hosts,
             )
             planned_at = yield Now()
+            # the new epoch is saved before any stage hears it (a successor never gives
+            # it again), the run as it was until the new plan is connected
+            run.begin_change()
             run.epoch = self.state.next_epoch()
+            yield Persist()
             run.plan = plan
             run.devices = list(plan.devices)
             yield from self.assign(by_name, request)
             yield from self.connect_all()
+            run.settle()
             yield Persist()
         except (ZpipeError, ValueError) as exc:
             yield Log(
