@@ -13,7 +13,9 @@ from typing import Any
 
 from tests._support.coordinator_harness import SPEC
 from tests._support.saving_harness import SavingHarness
+from zpipe.coordinator.commands import AllowPeers
 from zpipe.coordinator.persistence import StateStore
+from zpipe.transport.codec import Message
 
 NAMES = ["a", "b", "c"]
 TRAIN = {"num_microbatches": 3, "optimizer": {"name": "sgd", "lr": 0.1}}
@@ -115,3 +117,43 @@ def test_killed_during_a_streams_recovery_the_restarted_one_recovers_it_anew(
     again.answer_all("connected", ["a", "c", "d"], run=run)
     (replanned,) = again.to_client("run_replanned")
     assert replanned.body["dead"] == "b" and replanned.epoch > max(lost.values())
+
+
+def _backed_up(h: SavingHarness, run: int, step: int) -> list[Any]:
+    """The client asks for a replica after ``step``; every stage backs up. Returns the
+    peer grants (``AllowPeers`` jobs) sent before the backups."""
+    jobs = len(h.jobs)
+    h.client("replicate", run=run, step=step)
+    for name in NAMES:
+        body = {"run": run, "step": step, "holder": "", "bytes": 0}
+        h.feed_message(name, Message("backed_up", {"name": name, "keys": [], "error": "", **body}))  # type: ignore[attr-defined]
+    (reply,) = [r for r in h.to_client("replicated") if r.body["step"] == step]
+    assert reply.body["error"] == ""
+    return [j for j in h.jobs[jobs:] if isinstance(j, AllowPeers)]
+
+
+def test_a_restarted_coordinator_revokes_fetch_grants_it_cannot_know_of(tmp_path: Path) -> None:
+    """Fetch grants are not saved: a restarted coordinator cannot know whether a restore
+    or a move of the killed one left some at the stages, so the run's first backup
+    after the restart revokes them all (an empty grant for every member) before any
+    snapshot is replaced, and the later ones do not ask again."""
+    h = SavingHarness(StateStore(tmp_path / "state"))
+    for name in NAMES:
+        h.register(name)
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", stage_names=NAMES, train=TRAIN,
+        partition=[[0, 2], [2, 4], [4, 6]], replication="chain", recover=True,
+    )  # fmt: skip
+    run = h.core.run
+    assert run is not None, h.events("run_failed")
+    h.answer_all("ready", NAMES, run=run.run, build_s=0.01)
+    h.client("run_go", run=run.run)
+    h.answer_all("connected", NAMES, run=run.run)
+    _backed_up(h, run.run, 2)
+    assert h.state.fetch_grants_out is False and _backed_up(h, run.run, 4) == []
+    again = h.restarted()
+    assert again.state.fetch_grants_out is True
+    (revoked,) = _backed_up(again, run.run, 6)
+    assert revoked.fetches == {} and {m.name for m in revoked.members} == set(NAMES)
+    assert _backed_up(again, run.run, 8) == []
