@@ -13,7 +13,7 @@ from typing import Any
 
 from tests._support.coordinator_harness import SPEC
 from tests._support.saving_harness import SavingHarness
-from zpipe.coordinator.commands import AllowPeers
+from zpipe.coordinator.commands import AllowPeers, PlanInference, RunJob
 from zpipe.coordinator.persistence import StateStore
 from zpipe.transport.codec import Message
 
@@ -157,3 +157,43 @@ def test_a_restarted_coordinator_revokes_fetch_grants_it_cannot_know_of(tmp_path
     (revoked,) = _backed_up(again, run.run, 6)
     assert revoked.fetches == {} and {m.name for m in revoked.members} == set(NAMES)
     assert _backed_up(again, run.run, 8) == []
+
+
+class PlanningHeld(SavingHarness):
+    """A coordinator whose planner does not answer while ``hold`` (killed while a
+    heavy recovery plans the survivors afresh)."""
+
+    hold = False
+
+    def _apply(self, commands: list[Any]) -> None:
+        held = [
+            c
+            for c in commands
+            if self.hold and isinstance(c, RunJob) and isinstance(c.job, PlanInference)
+        ]
+        self.jobs.extend(c.job for c in held)
+        super()._apply([c for c in commands if c not in held])
+
+
+def test_killed_while_a_recovery_plans_the_restarted_one_declares_the_stage_dead_again(
+    tmp_path: Path,
+) -> None:
+    """The dead stage is saved with the run until the new plan is connected: without
+    it the restarted coordinator would take over a run naming a stage it does not
+    know of, never declare it dead, and the stream would wait for a re-plan."""
+    h = PlanningHeld(StateStore(tmp_path / "state"))
+    names = ["a", "b", "c", "d"]
+    run = h.start_stream(names, recover=True, recovery="heavy")
+    h.hold = True
+    h.advance(6.5, alive=("a", "c", "d"))  # b dies; the re-plan waits on the planner
+    assert [e["stage"] for e in h.events("stage_dead")] == ["b"]
+    assert isinstance(h.jobs[-1], PlanInference) and h.to("a", "assign")[-1].epoch == 1
+    again = h.restarted()
+    assert again.core.run is not None and "b" in again.core.run.devices
+    assert again.state.membership.get("b") is not None  # restored, to be declared dead
+    again.advance(6.5, alive=("a", "c", "d"))
+    assert [e["stage"] for e in again.events("stage_dead")] == ["b"]
+    again.answer_all("ready", ["a", "c", "d"], run=run, build_s=0.01)
+    again.answer_all("connected", ["a", "c", "d"], run=run)
+    (replanned,) = again.to_client("run_replanned")
+    assert replanned.body["dead"] == "b" and "b" not in replanned.body["plan"]["stages"][0]
