@@ -207,7 +207,7 @@ class ControlChannel:
                 raise self.lost_error(awaited)
             if reply_task in done:
                 reply = reply_task.result()
-                if isinstance(reply, expect):
+                if isinstance(reply, expect) and _answers(request, reply):
                     return reply
                 if isinstance(reply, Progress) and progress_run is not None:
                     if reply.run == progress_run:
@@ -251,3 +251,17 @@ class ControlChannel:
             self.sock.disable_monitor()
         self._monitor.close(linger=0)
         self.sock.close(linger=0)
+
+
+def _answers(request: WireMessage, reply: WireMessage) -> bool:
+    """Whether ``reply`` is about what ``request`` asked (the run and mini-batch both
+    name, where both name one). A request sent again after a reconnection can be
+    answered twice, once for each copy; the second answer must not be taken as the
+    answer to the next request (a replica of mini-batch 6 for one asked at 9: the
+    client would go on before the stages had flushed for it)."""
+    for name in ("run", "step"):
+        asked, told = getattr(request, name, None), getattr(reply, name, None)
+        if asked is not None and told is not None and asked != told:
+            log.debug("stale_reply", kind=reply.KIND, field=name, asked=asked, got=told)
+            return False
+    return True

@@ -401,8 +401,8 @@ class CoordinatorCore:
                     state, event.routing_id, event.user_key, request, now, on_ready=install
                 )
             case NoticeAck(run=run_id, seq=seq):
-                self.notices.acknowledged(run_id, seq)
-                return []
+                # saved soon: a successor would only send it again, and the client drops it
+                return [Persist(soon=True)] if self.notices.acknowledged(run_id, seq) else []
             case ClusterRequest():
                 members = [m.to_dict() for m in state.membership.all()]
                 reply = ClusterState(members=members)
@@ -433,7 +433,7 @@ class CoordinatorCore:
 
     def saved_state(self) -> SavedState:
         """What the shell saves (see :mod:`~zpipe.coordinator.takeover`)."""
-        return saved_state(self.state)
+        return saved_state(self.state, self.notices)
 
     def restore(
         self,
@@ -444,4 +444,4 @@ class CoordinatorCore:
         copies: Sequence[HeldCopy] = (),
     ) -> None:
         """Take over what a previous coordinator saved (see :func:`takeover.restore`)."""
-        restore(self.state, saved, replica, now, newest_global, copies)
+        restore(self.state, saved, replica, now, newest_global, copies, self.notices)

@@ -44,10 +44,31 @@ class Run:
     replication: str = "global"
     # the client takes progress notices while it waits on slow state (it offered them)
     client_progress: bool = False
+    # Not saved. While the run is being admitted or re-planned (its stages assigned,
+    # not all ready and connected) a state file keeps what it was before: ``before``,
+    # or no run at all when it is None (see :meth:`saved`).
+    changing: bool = field(default=False, compare=False)
+    before: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.devices:
             self.devices = list(self.plan.devices)
+
+    def begin_change(self) -> None:
+        """The run's plan is about to change: until :meth:`settle`, it is saved as it is
+        now. A restarted coordinator then takes over a run its stages run (and
+        re-plans it again if a stage is still gone), never a plan they were only
+        assigned: nobody would tell them to connect."""
+        if not self.changing:
+            self.before, self.changing = self.to_saved(), True
+
+    def settle(self) -> None:
+        """Every stage of the run's plan is ready (and connected, for a re-plan)."""
+        self.before, self.changing = None, False
+
+    def saved(self) -> dict[str, Any] | None:
+        """The run as a state file keeps it (None: no run; see :meth:`begin_change`)."""
+        return self.before if self.changing else self.to_saved()
 
     def to_saved(self) -> dict[str, Any]:
         """The run as plain data."""

@@ -8,13 +8,22 @@ sent again every ``resend_s`` until the client answers ``notice_ack`` with
 that number, for as long as the run is the current one and at most
 ``keep_s`` (the client gives up on a silent run by then). The client drops a
 number it has seen, so a notice sent twice acts once.
+
+With a state directory the current run's unacknowledged notices and its last
+number are saved with the rest of the state (:meth:`NoticeOutbox.saved`, written
+before the notice is first sent) and taken back by a restarted coordinator
+(:meth:`NoticeOutbox.restore`): a client that reconnects to it still gets a
+notice it had not acknowledged, and the run's next notice gets a new number
+(numbering again from 1 would repeat a number the client has seen, and it would
+drop that notice as a repeat).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from zpipe.coordinator.commands import Command, Log, Send
+from zpipe.coordinator.commands import Command, Log, Persist, Send
+from zpipe.coordinator.records import SavedNotices
 from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.protocol.client_control import RunReplanned, StageFailed
 
@@ -68,11 +77,30 @@ class NoticeOutbox:
     def unacknowledged(self, run: int) -> list[int]:
         return sorted(seq for r, seq in self._kept if r == run)
 
+    def saved(self, run: int | None) -> SavedNotices | None:
+        """What a restarted coordinator needs of ``run``'s notices (those of other runs
+        would be forgotten at the next tick anyway); None if it gave none."""
+        if run is None or run not in self._last_seq:
+            return None
+        kept = tuple((k.to, k.message) for (r, _), k in sorted(self._kept.items()) if r == run)
+        return SavedNotices(run, self._last_seq[run], kept)
+
+    def restore(self, saved: SavedNotices, now: float) -> None:
+        """Take over the notices a previous coordinator saved: each is sent again at the
+        next tick (the client may have missed it while neither could reach the other),
+        and kept for ``keep_s`` from now; the run's numbering goes on after them."""
+        self._last_seq[saved.run] = max(self._last_seq.get(saved.run, 0), saved.last_seq)
+        for to, message in saved.kept:
+            assert message.seq is not None  # the state file's reader checks it
+            self._kept[(message.run, message.seq)] = _Kept(to, message, now, now - self.resend_s)
+
 
 def number_notices(outbox: NoticeOutbox, commands: list[Command], now: float) -> list[Command]:
     """Every notice to a client (whichever run's flow sent it) numbered and kept in
-    ``outbox`` until the client acknowledges it."""
+    ``outbox`` until the client acknowledges it, and saved before it is sent (the
+    shell carries out a ``Persist`` before the sends of the same batch)."""
     out: list[Command] = []
+    numbered_any = False
     for command in commands:
         if (
             isinstance(command, Send)
@@ -82,7 +110,10 @@ def number_notices(outbox: NoticeOutbox, commands: list[Command], now: float) ->
         ):
             numbered = outbox.post(command.to, command.message, now)
             command = replace(command, message=numbered)
+            numbered_any = True
         out.append(command)
+    if numbered_any and not any(isinstance(c, Persist) and not c.soon for c in out):
+        out.append(Persist())  # one save covers the batch: it is written after all of it
     return out
 
 

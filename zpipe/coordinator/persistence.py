@@ -2,9 +2,10 @@
 
 Two files live in the state directory (``python -m zpipe.coordinator --state-dir``):
 
-- ``coordinator.state``: plan epoch and run counters, the members it knew, and the
-  current run (its plan, its devices, the client's request). Small; rewritten on
-  every change of membership or run.
+- ``coordinator.state``: plan epoch and run counters, the members it knew, the
+  current run (its plan, its devices, the client's request) and the run's notices
+  its client has not acknowledged (:mod:`zpipe.coordinator.notices`). Small;
+  rewritten on every change of membership or run and before each notice is sent.
 - ``replica.state``: the latest global replica (FTPipeHD): every unit's weights
   and optimizer state after a mini-batch, and the plan it was taken under. It is
   written before the client is told the replica is kept, so a replica the client
@@ -45,11 +46,13 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from zpipe._errors import ConfigError, ProtocolError, StateFileError
-from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
+from zpipe.coordinator.notices import NOTICES, Notice
+from zpipe.coordinator.records import SavedMember, SavedNotices, SavedReplica, SavedState
 from zpipe.protocol import REGISTRY, Message, WireMessage, storage
 from zpipe.recovery.live_copies import CopyRecord
 from zpipe.transport import codec
@@ -239,6 +242,7 @@ class StateStore:
             members=[m.to_dict() for m in state.members],
             run=None if state.run is None else dict(state.run),
             saved_at=time.time(),
+            notices=None if state.notices is None else _notices_record(state.notices),
         )
         write_messages(self.state_path, [record.to_message()])
 
@@ -257,14 +261,16 @@ class StateStore:
             run = record.run
             if run is not None and not isinstance(run, Mapping):
                 raise TypeError(f"the run is a {type(run).__name__}, not a map")
+            notices = None if record.notices is None else _notices_of(record.notices)
             return SavedState(
                 epoch=int(record.cluster_epoch),
                 run_counter=int(record.run_counter),
                 members=members,
                 run=run,
                 saved_at=float(record.saved_at),
+                notices=notices,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             # A CRC guards against torn writes, not against a file of another shape.
             raise StateFileError(f"{self.state_path} does not hold a valid state: {exc}") from exc
 
@@ -406,3 +412,45 @@ def _holders_of(path: Path, holders: Mapping[str, object] | None) -> dict[str, s
             )
         checked[device] = holder
     return checked
+
+
+def _notices_record(saved: SavedNotices) -> dict[str, Any]:
+    """The notices as the state file keeps them: each as its kind, body and epoch."""
+    kept = [{"to": to, "kind": m.KIND, "body": m.body(), "epoch": m.epoch} for to, m in saved.kept]
+    return {"run": saved.run, "last_seq": saved.last_seq, "kept": kept}
+
+
+def _notices_of(record: Mapping[str, Any]) -> SavedNotices:
+    """:func:`_notices_record` read back; anything of another shape raises (the caller
+    names the file): a notice restored with a wrong number or run could be dropped by
+    the client as one it has seen, or never acknowledged."""
+    run, last_seq, kept = record["run"], record["last_seq"], record["kept"]
+    if not (_is_int(run) and _is_int(last_seq) and run >= 0 and last_seq >= 1):
+        raise ValueError(f"notices: run {run!r} and last_seq {last_seq!r} must be counts")
+    if not isinstance(kept, list):
+        raise TypeError(f"notices: 'kept' must be a list, got {type(kept).__name__}")
+    out: list[tuple[bytes, Notice]] = []
+    for entry in kept:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("to"), bytes):
+            raise TypeError(f"notices: an entry without a client routing id: {entry!r}")
+        if entry.get("kind") not in _NOTICE_KINDS or not isinstance(entry.get("body"), Mapping):
+            raise ValueError(f"notices: {entry.get('kind')!r} is not a notice kind")
+        epoch = entry.get("epoch", 0)
+        if not _is_int(epoch):
+            raise TypeError(f"notices: epoch {epoch!r} is not an integer")
+        message = _NOTICE_KINDS[entry["kind"]].from_body(entry["body"], epoch=epoch)
+        seq = message.seq
+        if message.run != run or seq is None or not 1 <= seq <= last_seq:
+            raise ValueError(
+                f"notices: a {message.KIND} of run {message.run} numbered {seq!r} "
+                f"among run {run}'s notices up to {last_seq}"
+            )
+        out.append((entry["to"], message))
+    return SavedNotices(run, last_seq, tuple(out))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_NOTICE_KINDS: dict[str, type[Notice]] = {cls.KIND: cls for cls in NOTICES}

@@ -46,6 +46,19 @@ class SavedMember:
 
 
 @dataclass(frozen=True)
+class SavedNotices:
+    """The current run's notices the client has not acknowledged (each ``(client
+    routing id, StageFailed | RunReplanned)``), and the last number the run gave one:
+    a restarted coordinator sends them again, and numbers its next notices after
+    them (the client drops a number it has seen, so a number given twice would
+    hide the second notice)."""
+
+    run: int
+    last_seq: int
+    kept: tuple[tuple[bytes, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class SavedState:
     """Counters, members and the current run (a plain map the coordinator defines)."""
 
@@ -54,6 +67,7 @@ class SavedState:
     members: tuple[SavedMember, ...]
     run: Mapping[str, Any] | None
     saved_at: float = 0.0
+    notices: SavedNotices | None = None
 
 
 @dataclass(frozen=True)

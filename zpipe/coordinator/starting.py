@@ -5,6 +5,14 @@
     them to register) ─> plan (profiles and links gathered, planner off the loop)
     ─> an InferenceController or a SyncTrainingController ─> assignments ─> run_ready
 
+A new run's id and plan epoch are saved (with a state directory) before any stage
+hears them, as generation and lossy runs' are. Replies are matched by run id: a
+coordinator restarted after assigning a run it had not saved would give the
+client's re-sent request the same id, and a stage's ``ready`` for the lost
+assignment, queued while the coordinator was away, could answer the new one.
+The run itself is saved once every stage is ready (``Run.changing`` until then:
+the file keeps no run, and the client's re-sent request starts it again).
+
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events.
 """
 
@@ -99,6 +107,9 @@ def run_request(
         yield Persist()
         yield from run_failed(routing_id, exc, reply_s)
         return
+    current = state.current
+    if current is not None and current.run.run == ready.run:
+        current.run.settle()  # every stage is ready: the run is saved from now on
     yield Persist()
     yield Send(routing_id, ready, CLIENT_NAME, reply_s)
 
@@ -214,6 +225,7 @@ def _start_run(
     last = next(m for m in members if m.name == plan.stages[-1].device)
     check_sink_reachable(request.sink_endpoint, {last.name: last.data_endpoint}, state.local_hosts)
     epoch, counter = state.next_epoch(), state.next_run()
+    yield Persist()  # ids saved before any stage hears them: see the module notes
     run = Run(
         run=counter,
         epoch=epoch,
@@ -222,6 +234,7 @@ def _start_run(
         client_key=client_key,
         request=request,
         recover=bool(request.recover),
+        changing=True,  # saved once every stage is ready
     )
     controller = InferenceController(state, run, spec)
     state.current = controller
@@ -385,6 +398,7 @@ class _Training:
             state.local_hosts,
         )
         epoch, counter = state.next_epoch(), state.next_run()
+        yield Persist()  # ids saved before any stage hears them: see the module notes
         view = Plan(
             algo=source.algo,
             num_units=groups[-1][2],
@@ -400,6 +414,7 @@ class _Training:
             devices=[d for g in groups for d in g[0]],
             groups=[list(g[0]) for g in groups],
             client_progress=bool(request.progress),
+            changing=True,  # saved once every stage is ready
         )
         asynchronous = training["schedule"] == ASYNC_SCHEDULE
         controller_kind = AsyncTrainingController if asynchronous else SyncTrainingController

@@ -13,28 +13,43 @@ from typing import Any
 
 from zpipe._errors import ProtocolError, StateFileError
 from zpipe.coordinator.current_run import Run
+from zpipe.coordinator.notices import NoticeOutbox
 from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
 from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.runs.async_copies import HeldCopy
+from zpipe.coordinator.runs.async_training import AsyncTrainingController
 from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.coordinator.runs.sync_training import SyncTrainingController
 from zpipe.coordinator.state import ControlState
 from zpipe.models import ModelSpec
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.recovery.generation import GENERATION_ALGO
 
 
-def saved_state(state: ControlState) -> SavedState:
-    """The live members, the counters and the current run, as plain records."""
-    members = tuple(
-        SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key)
-        for m in state.membership.alive()
-    )
+def saved_state(state: ControlState, notices: NoticeOutbox | None = None) -> SavedState:
+    """The live members, the counters and the current run (with its notices the
+    client has not acknowledged), as plain records.
+
+    A run being re-planned is saved as it was (:meth:`Run.begin_change`), with the
+    members it had that died since: restored as members, they stay silent and are
+    declared dead again, and the restarted coordinator re-plans the run itself (the
+    new plan was only assigned; nobody would tell its stages to connect)."""
     run = None if state.current is None else state.current.run
+    saved_run = None if run is None else run.saved()
+    alive = state.membership.alive()
+    if run is not None and run.changing and saved_run is not None:
+        names = {m.name for m in alive}
+        devices = set(saved_run["devices"])
+        alive += [m for m in state.membership.all() if m.name in devices - names]
+    members = tuple(
+        SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key) for m in alive
+    )
     return SavedState(
         state.epoch,
         state.run_counter,
         members,
-        None if run is None else run.to_saved(),
+        saved_run,
+        notices=None if notices is None or run is None else notices.saved(run.run),
     )
 
 
@@ -45,10 +60,12 @@ def restore(
     now: float,
     newest_global: SavedReplica | None = None,
     copies: Sequence[HeldCopy] = (),
+    notices: NoticeOutbox | None = None,
 ) -> None:
     """Take over the members, the run and the replica a previous coordinator saved
-    (with ``newest_global`` behind it as its fallback: restored_replica.py), and the
-    copies asynchronous stages made without draining (runs/async_copies.py).
+    (with ``newest_global`` behind it as its fallback: restored_replica.py), the
+    copies asynchronous stages made without draining (runs/async_copies.py), and
+    the run's notices the client had not acknowledged (into ``notices``).
 
     Restored members count as alive from now: one that does not speak within the
     usual suspect and probe intervals is declared dead as any other would be.
@@ -71,6 +88,8 @@ def restore(
                 state.current = controller_for(state, Run.from_saved(saved.run))
             except (KeyError, TypeError, ValueError, ProtocolError) as exc:
                 raise StateFileError(f"the saved run does not parse: {exc!r}") from exc
+        if saved.notices is not None and notices is not None:
+            notices.restore(saved.notices, now)
     state.async_copies.restore(copies)
     if replica is not None:
         state.replica = replica_from_saved(replica, newest_global)
@@ -82,6 +101,10 @@ def controller_for(state: ControlState, run: Run) -> Any:
     """The controller of a run restored from disk, by its kind (None for a generation
     run: its stages go on, but a restarted coordinator does not know the client's
     request to re-plan it; a later death ends its stream at the client's deadline)."""
+    if run.training_plan is not None and run.training_plan.schedule == ASYNC_SCHEDULE:
+        # as the first coordinator ran it: replicas at flush points (a synchronous
+        # controller would gather live weights, and leave the flushed stages paused)
+        return AsyncTrainingController(state, run)
     if run.training_plan is not None or run.groups:
         return SyncTrainingController(state, run)
     if run.plan.algo == GENERATION_ALGO and run.request is None:

@@ -1,7 +1,9 @@
 """The coordinator's files (zpipe.coordinator.persistence): codec messages on disk, never on
 the wire.
 
-    coordinator_state   membership, run counter and the current run
+    coordinator_state   membership, run counter and the current run; ``notices``: the
+                        run's notices its client has not acknowledged
+                        (zpipe.coordinator.notices), absent when it has none
     replica_file        one chunk of a replica; ``keys`` name this chunk's tensors
     copy_file           one chunk of a copy an asynchronous stage made without
                         draining; ``record`` is its ledger entry
@@ -36,6 +38,8 @@ class CoordinatorState(WireMessage):
     members: list[Any] = wire(LIST)
     run: dict[str, Any] | None = wire(OPT_MAP)
     saved_at: float = wire(NUM)
+    # {"run", "last_seq", "kept": [{"to", "kind", "body", "epoch"}]}: see SavedNotices
+    notices: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message

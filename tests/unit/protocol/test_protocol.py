@@ -72,6 +72,8 @@ ADDED_IN_V1 = {
     "replicated": {"global": ["bool", False]},
     # a replica file says whether it holds every unit (the newest global copy's file)
     "replica_file": {"global": ["bool/null", False]},
+    # the current run's notices its client has not acknowledged, kept across a restart
+    "coordinator_state": {"notices": ["dict/null", False]},
     # heavy recovery gathers snapshots kept at the stages
     "weights_request": {"snapshot": ["list/null", False]},
     # a requester that takes a big answer in state_chunk messages of this size

@@ -32,7 +32,15 @@ from itertools import pairwise
 from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError, StageLostError, ZpipeError
-from zpipe.coordinator.commands import AllowPeers, AwaitReplies, Log, MeasureLinks, Now, Send
+from zpipe.coordinator.commands import (
+    AllowPeers,
+    AwaitReplies,
+    Log,
+    MeasureLinks,
+    Now,
+    Persist,
+    Send,
+)
 from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import fetch_grants, fetch_plans
 from zpipe.coordinator.flows import Flow, request_resend_s
@@ -314,6 +322,7 @@ class LiveRepartitioning:
             if decision.moves:
                 controller.committed(decision)
                 run.training_plan = with_bounds(plan, target)
+                yield Persist()  # a successor takes over the cuts the stages run now
                 yield Log("info", "repartitioned", {"run": run.run, "step": step,
                           "bounds": list(target), "plan_epoch": controller.plan_epoch})  # fmt: skip
             # where each stage says its units are now

@@ -180,6 +180,9 @@ class InferenceController(BaseRun):
         run = self.run
         request = run.request
         assert request is not None
+        # saved as it is now, the dead stage included, until the new plan is connected:
+        # a coordinator restarted meanwhile declares it dead again and re-plans itself
+        run.begin_change()
         policy = request.recovery_policy
         batch = request.microbatch_size_or()
         dtype = request.dtype
@@ -234,11 +237,14 @@ class InferenceController(BaseRun):
                 self.state.local_hosts,
             )
             planned_at = yield Now()
+            # the new epoch is saved before any stage hears it: a successor never gives it
             run.epoch = self.state.next_epoch()
+            yield Persist()
             run.plan = plan
             run.devices = list(plan.devices)
             yield from self.assign(by_name, request)
             yield from self.connect_all()
+            run.settle()
             yield Persist()
         except (ZpipeError, ValueError) as exc:
             yield Log(
