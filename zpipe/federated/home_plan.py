@@ -109,6 +109,7 @@ def plan_home(
     batch_size: int,
     *,
     profile: ModelProfile | None = None,
+    microbatch_sizes: Sequence[int] | None = None,
 ) -> TrainingPlan:
     """Eco-FL's 1F1B-Sync plan of ``shape`` over ``devices`` for mini-batches of
     ``batch_size``: for each micro-batch size that divides the mini-batch (so
@@ -120,12 +121,21 @@ def plan_home(
     The search keeps the mini-batch fixed (what a federated task trains on) and
     lets the micro-batch count follow, where the planner's own search keeps the
     count fixed; the order search and the partition are the planner's.
+    ``microbatch_sizes`` narrows the sizes tried (say, none so small that a
+    real device's per-operation overhead outweighs its compute, which the
+    analytic profile does not model).
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if not devices:
         raise ConfigError("a home needs at least one device")
     sizes = [b for b in range(batch_size, 0, -1) if batch_size % b == 0]
+    if microbatch_sizes is not None:
+        sizes = [b for b in sizes if b in set(microbatch_sizes)]
+        if not sizes:
+            raise ConfigError(
+                f"none of the micro-batch sizes {sorted(microbatch_sizes)} divides {batch_size}"
+            )
     profile = profile if profile is not None else mlp_profile(shape, sizes)
     if profile.num_units != shape.num_layers:
         raise ConfigError(

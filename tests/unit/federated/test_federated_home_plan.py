@@ -63,3 +63,13 @@ def test_a_plan_needs_a_usable_batch_and_a_matching_profile() -> None:
         plan_home(DEEP, home_devices(["nx"]), 0)
     with pytest.raises(ConfigError, match="units"):
         plan_home(DEEP, home_devices(["nx"]), 4, profile=mlp_profile(MLPShape(64, 32, 10), [4]))
+
+
+def test_the_micro_batch_sizes_tried_can_be_narrowed() -> None:
+    devices = home_devices(["nx", "tx2", "nano"])
+    # the analytic profile has no per-micro-batch overhead: small micro-batches win
+    assert plan_home(DEEP, devices, 16).microbatch_size < 4
+    narrowed = plan_home(DEEP, devices, 16, microbatch_sizes=[4, 8, 16])
+    assert narrowed.microbatch_size == 4 and narrowed.num_microbatches == 4
+    with pytest.raises(ConfigError, match="divides"):
+        plan_home(DEEP, devices, 16, microbatch_sizes=[3, 5])
