@@ -89,7 +89,7 @@ class MLPShape:
 
 def init_weights(shape: MLPShape, rng: np.random.Generator) -> FloatArray:
     """He-initialised hidden layers, a Glorot-scaled output layer, zero biases
-    (the weights are drawn layer after layer, the biases after them)."""
+    (the weight matrices drawn in layer order, from one generator)."""
     dims = shape.dims
     weights = [
         rng.normal(0.0, np.sqrt((2.0 if i < shape.num_layers - 1 else 1.0) / a), (a, b))
