@@ -59,6 +59,14 @@ latter from its start through waiting for the SuperNodes and profiling them),
 ``flower_over_flsim_wall``, and ``flower_equals_flsim_tasks`` (client tasks and
 server stats) and ``flower_equals_flsim_curve``: for one seed the Flower run makes
 fl-sim's decisions exactly, so both should be true. About a minute on 2 cores.
+
+Pipeline-client section (on by default; ``--skip-pipeline-client`` leaves it out;
+:mod:`bench._federated_pipeline`): a home of four emulated Jetsons (NX, TX2, two Nanos)
+trains a client's MLP as Eco-FL's planned 1F1B-Sync pipeline and as data parallelism
+over the same devices, real stage processes, home links at ``--pipeline-client-mbps``
+(100). Summary keys ``pipeline_client_over_dp_throughput`` (steady-state samples/s,
+medians of ``--pipeline-client-repeats``), both systems' samples/s and the planners'
+predicted ratio, the plan and the shares. About a minute and a half on 2 cores.
 """
 
 from __future__ import annotations
@@ -77,6 +85,9 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, loadavg, summary
+from bench._federated_pipeline import add_flags as add_pipeline_client_flags
+from bench._federated_pipeline import check_flags as check_pipeline_client_flags
+from bench._federated_pipeline import pipeline_client_section
 from bench.federated_net import compare
 from zpipe.federated.data import PARTITIONS
 from zpipe.federated.flower_app import FlowerSettings, run_flower_simulation
@@ -176,7 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--flower-clients", type=int, default=300, help="Flower SuperNodes (300)")
     p.add_argument("--flower-budget-s", type=float, default=60.0, help="its simulated time")
     p.add_argument("--flower-seed", type=int, default=0)
+    add_pipeline_client_flags(p)
     args = p.parse_args(argv)
+    check_pipeline_client_flags(p, args)
     if args.flower_clients < 1 or args.flower_budget_s <= 0:
         p.error("--flower-clients must be at least 1 and --flower-budget-s > 0")
     network: dict[str, Any] = {}
@@ -222,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         held = compare_methods(args.held_seeds, args.lam, args.target, common, data)
     sweep = lambda_sweep(lambdas, range(lambda_seeds), common, data)
     flower = {} if args.skip_flower else flower_section(args, common, data)
+    piped = {} if args.skip_pipeline_client else pipeline_client_section(args)
 
     main = held if held is not None else tuning
     assert main is not None
@@ -257,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda_sweep=sweep,
         **network,
         **flower,
+        **piped,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
         note=(

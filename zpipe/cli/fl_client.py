@@ -1,7 +1,9 @@
 """``python -m zpipe fl-client``: a federated client training on its digits shard.
 
 The client itself is :class:`zpipe.federated.net_client.FederatedClient`; this
-module is the command's flags and its run.
+module is the command's flags and its run. ``--pipeline-home nx,tx2`` trains every
+task on a pipeline over emulated devices of those classes, planned by Eco-FL
+(:class:`~zpipe.federated.pipeline_trainer.PipelineTrainer` with ``home=``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from zpipe._errors import ConfigError
 from zpipe.cli.common import (
     existing_dir,
     non_negative_float,
@@ -17,6 +20,7 @@ from zpipe.cli.common import (
     positive_int,
 )
 from zpipe.cli.fl_run import run_net_command
+from zpipe.federated.home_plan import CLASSES_BY_NAME
 from zpipe.federated.net_client import (
     CLIENT_KEY_NAME,
     SERVER_KEY_NAME,
@@ -45,6 +49,16 @@ def _delay_change(text: str) -> tuple[int, float]:
     if not sep or values[0] < 0 or not 0 <= values[1] < 1e6:
         raise argparse.ArgumentTypeError(f"{text!r} is not N:S (answer N >= 0, delay S >= 0)")
     return values
+
+
+def _home(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [n for n in names if n not in CLASSES_BY_NAME]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected device classes from {sorted(CLASSES_BY_NAME)}, comma-separated"
+        )
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="train on a zpipe pipeline of N local stage processes (1 or 2; default 0: numpy)",
     )
+    p.add_argument(
+        "--pipeline-home",
+        type=_home,
+        default=None,
+        metavar="CLASSES",
+        help="train on a pipeline over emulated devices of these classes (e.g. nx,tx2,nano; "
+        "--slowdown 1, 1.5, 3), planned by Eco-FL's partition and order search; fl-server's "
+        "model has 2 layers, so at most 2 of the devices get units",
+    )
     return p
 
 
@@ -102,16 +125,26 @@ def config_from_args(args: argparse.Namespace) -> NetClientConfig:
     )
 
 
-async def _run(config: NetClientConfig) -> str:
+async def _run(config: NetClientConfig, home: tuple[str, ...] | None = None) -> str:
     from zpipe.lossy.data import load_digits_dataset
 
     dataset = load_digits_dataset()
-    if config.pipeline_stages == 0:
+    if config.pipeline_stages == 0 and home is None:
         return await _serve(FederatedClient(config, dataset))
     from zpipe.federated.pipeline_trainer import PipelineTrainer
 
-    async with PipelineTrainer(config.pipeline_stages) as pipeline:
+    trainer = (
+        PipelineTrainer(home=home) if home is not None else PipelineTrainer(config.pipeline_stages)
+    )
+    async with trainer as pipeline:
         return await _serve(FederatedClient(config, dataset, pipeline))
+
+
+def _checked(args: argparse.Namespace) -> tuple[NetClientConfig, tuple[str, ...] | None]:
+    config = config_from_args(args)
+    if args.pipeline_home is not None and config.pipeline_stages:
+        raise ConfigError("give --pipeline-stages or --pipeline-home, not both")
+    return config, args.pipeline_home
 
 
 async def _serve(client: FederatedClient) -> str:
@@ -125,5 +158,5 @@ async def _serve(client: FederatedClient) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # the flags are checked inside, so a bad one is a one-line error, not a traceback
-    status, _ = run_net_command("fl-client", lambda: _run(config_from_args(args)))
+    status, _ = run_net_command("fl-client", lambda: _run(*_checked(args)))
     return status

@@ -11,6 +11,10 @@ writes ``results.json`` (every run's accuracy curve and server statistics),
 ``--lambdas``, ``lambda.png`` (Eco-FL's mean group JS divergence, mean group
 latency and accuracy per lambda, like Fig. 9). One JSON line per method (and
 per lambda) goes to stdout.
+
+``--pipeline-latency`` makes every client a home of emulated devices whose
+latency is its planned pipeline's period (see :mod:`zpipe.federated.simulate`);
+``--hidden 32,32,32`` gives the model the layers to spread over those devices.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from zpipe.devices import single_threaded_blas
 from zpipe.federated.aggregation import STALENESS_FUNCTIONS
 from zpipe.federated.data import PARTITIONS
 from zpipe.federated.server import METHODS
-from zpipe.federated.simulate import SimConfig, run_simulation
+from zpipe.federated.simulate import MAX_HOME_DEVICES, SimConfig, run_simulation
 from zpipe.lossy.data import load_digits_dataset
 
 MAX_CLIENTS = 100_000
@@ -59,6 +63,23 @@ def _alpha(text: str) -> float:
     return value
 
 
+def _widths(text: str) -> list[int]:
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected comma-separated hidden layer widths")
+    return [positive_int(t) for t in items]
+
+
+def _home_sizes(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    sizes = (positive_int(lo), positive_int(hi if sep else lo))
+    if sizes[0] > sizes[1] or sizes[1] > MAX_HOME_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected LO-HI with 1 <= LO <= HI <= {MAX_HOME_DEVICES}"
+        )
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zpipe fl-sim",
@@ -80,6 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-steps", type=positive_int, default=10, help="e: SGD steps a task")
     p.add_argument("--batch-size", type=positive_int, default=10)
     p.add_argument("--lr", type=positive_float, default=0.1)
+    p.add_argument(
+        "--hidden",
+        type=_widths,
+        default=[32],
+        help="hidden layer widths, comma-separated (default 32; e.g. 32,32,32 for a "
+        "4-layer MLP whose pipeline clients can use 4 devices)",
+    )
+    p.add_argument(
+        "--pipeline-latency",
+        action="store_true",
+        help="a client's latency is its home's planned pipeline period (homes of NX, TX2 "
+        "and Nano devices; a home of one NX takes --delay-mean), not a random draw",
+    )
+    p.add_argument(
+        "--home-devices",
+        type=_home_sizes,
+        default=(1, 4),
+        metavar="LO-HI",
+        help="with --pipeline-latency: devices in a home, drawn in LO..HI (default 1-4)",
+    )
     p.add_argument("--samples", type=positive_int, default=40, help="samples per client")
     p.add_argument("--partition", choices=PARTITIONS, default="niid")
     p.add_argument("--delay-mean", type=positive_float, default=10.0, help="base delay mean, s")
@@ -112,6 +153,10 @@ def config_from_args(args: argparse.Namespace, method: str, seed: int) -> SimCon
         local_steps=args.local_steps,
         batch_size=args.batch_size,
         lr=args.lr,
+        hidden=args.hidden[0],
+        more_hidden=tuple(args.hidden[1:]),
+        pipeline_latency=args.pipeline_latency,
+        home_sizes=args.home_devices,
         samples_per_client=args.samples,
         partition=args.partition,
         delay_mean_s=args.delay_mean,

@@ -14,6 +14,14 @@ The server is the same sans-IO object a networked shell would drive
 results in order of simulated completion time. A seed fixes the clients
 (latencies, degrees and their changes, classes, shards, initial weights),
 so every method of one seed faces the same federation.
+
+With ``pipeline_latency`` (``fl-sim --pipeline-latency``) no latency is drawn:
+each client is a home of 1-4 devices drawn from
+:data:`~zpipe.federated.home_plan.DEVICE_CLASSES` (Jetson NX, TX2, Nano), and its
+latency is the period of Eco-FL's plan of the client's model over them
+(:func:`~zpipe.federated.home_plan.home_period_s`), in units where a home of one
+NX takes ``delay_mean_s``. The dynamic setting redraws a home's devices
+(probability ``change_prob`` every ``change_every_s``) and plans it again.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from zpipe._errors import ConfigError
 from zpipe.devices import single_threaded_blas
 from zpipe.federated.data import PARTITIONS, ClientShard, client_classes, make_shards
 from zpipe.federated.grouping import ClientProfile, GroupingPolicy
+from zpipe.federated.home_plan import DEVICE_CLASSES, home_period_s
 from zpipe.federated.model import MLPShape, accuracy, init_weights, local_train
 from zpipe.federated.server import METHODS, ServerConfig, TrainTask, make_server
 from zpipe.federated.virtual_time import (
@@ -41,6 +50,8 @@ from zpipe.federated.virtual_time import (
 from zpipe.lossy.data import Dataset
 
 DEGREES = (0.2, 0.4, 0.6, 0.8, 1.0)
+# more devices than any home of Eco-FL's set-ups; the order search grows as n!
+MAX_HOME_DEVICES = 6
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,10 @@ class SimConfig:
     batch_size: int = 10
     lr: float = 0.1
     hidden: int = 32
+    more_hidden: tuple[int, ...] = ()  # hidden layers after the first (pipeline clients)
+    # a client's latency is its home's planned pipeline period, not a draw (module notes)
+    pipeline_latency: bool = False
+    home_sizes: tuple[int, int] = (1, 4)  # devices in a home: drawn uniformly in [lo, hi]
     samples_per_client: int = 40
     partition: str = "niid"
     delay_mean_s: float = 10.0
@@ -92,6 +107,31 @@ class SimConfig:
             raise ConfigError("the base delay must be > 0, its spread >= 0, degrees non-empty")
         if not 0 <= self.change_prob <= 1 or self.jitter < 0:
             raise ConfigError("change_prob must lie in [0, 1] and jitter be >= 0")
+        lo, hi = self.home_sizes
+        if not 1 <= lo <= hi <= MAX_HOME_DEVICES:
+            raise ConfigError(
+                f"home sizes must satisfy 1 <= lo <= hi <= {MAX_HOME_DEVICES}, got {lo}-{hi}"
+            )
+        if self.hidden < 1 or any(w < 1 for w in self.more_hidden):
+            raise ConfigError("hidden layer widths must be >= 1")
+
+
+# Fields added after results were published: left out of a run's config record while
+# at their defaults, so that earlier runs' results.json stay byte-identical.
+_LATER_FIELDS = {"more_hidden": (), "pipeline_latency": False, "home_sizes": (1, 4)}
+
+
+def config_record(config: SimConfig) -> dict[str, Any]:
+    record = asdict(config)
+    for name, default in _LATER_FIELDS.items():
+        if getattr(config, name) == default:
+            del record[name]
+    return record
+
+
+def sim_shape(config: SimConfig, dataset: Dataset) -> MLPShape:
+    """The model every client of a run trains."""
+    return MLPShape(dataset.n_features, config.hidden, dataset.n_classes, config.more_hidden)
 
 
 @dataclass
@@ -119,6 +159,46 @@ class Federation:
         ]
 
 
+@dataclass
+class PipelineFederation(Federation):
+    """Clients whose latency is their home's planned pipeline period (module notes)."""
+
+    homes: list[tuple[str, ...]] = field(default_factory=list)
+    shape: MLPShape = field(default_factory=lambda: MLPShape(64, 32, 10))
+    batch_size: int = 10
+    home_sizes: tuple[int, int] = (1, 4)
+    time_unit_s: float = 10.0  # the latency of a home of one reference device
+
+    def latency(self, client_id: int) -> float:
+        period = home_period_s(self.shape, self.homes[client_id], self.batch_size)
+        reference = home_period_s(self.shape, (DEVICE_CLASSES[0].name,), self.batch_size)
+        return self.time_unit_s * period / reference
+
+    def change_degrees(self, degrees: tuple[float, ...], probability: float) -> None:
+        """The dynamic setting for homes: a changing client's devices are drawn again."""
+        changing = self.env_rng.random(len(self.homes)) < probability
+        for client in np.flatnonzero(changing):
+            self.homes[int(client)] = draw_home(self.env_rng, self.home_sizes)
+
+    def home_summary(self) -> dict[str, Any]:
+        latencies = [self.latency(c) for c in range(len(self.homes))]
+        return {
+            "mean_devices": round(float(np.mean([len(h) for h in self.homes])), 3),
+            "latency_s": {
+                "min": round(min(latencies), 3),
+                "median": round(float(np.median(latencies)), 3),
+                "max": round(max(latencies), 3),
+            },
+        }
+
+
+def draw_home(rng: np.random.Generator, sizes: tuple[int, int]) -> tuple[str, ...]:
+    """A home's devices: how many uniformly in ``sizes``, each of a uniform class."""
+    count = int(rng.integers(sizes[0], sizes[1] + 1))
+    picks = rng.integers(0, len(DEVICE_CLASSES), size=count)
+    return tuple(DEVICE_CLASSES[int(k)].name for k in picks)
+
+
 def build_federation(config: SimConfig, dataset: Dataset) -> Federation:
     rng = np.random.default_rng([config.seed, 1])
     # a normal base delay, kept positive (a tenth of the mean at least)
@@ -127,15 +207,40 @@ def build_federation(config: SimConfig, dataset: Dataset) -> Federation:
         0.1 * config.delay_mean_s,
     )
     degree = rng.choice(np.asarray(config.degrees), size=config.n_clients)
+    homes: PipelineFederation | None = None
+    if config.pipeline_latency:
+        # the draws above still happen, so that the classes and shards below are those
+        # of the drawn-latency mode's seed (under niid; rlg-* follow the new latencies)
+        home_rng = np.random.default_rng([config.seed, 7])
+        homes = PipelineFederation(
+            [],
+            base,
+            degree,
+            dataset.n_classes,
+            np.random.default_rng([config.seed, 2]),
+            homes=[draw_home(home_rng, config.home_sizes) for _ in range(config.n_clients)],
+            shape=sim_shape(config, dataset),
+            batch_size=min(config.batch_size, config.samples_per_client),
+            home_sizes=config.home_sizes,
+            time_unit_s=config.delay_mean_s,
+        )
+    latencies = (
+        [homes.latency(c) for c in range(config.n_clients)]
+        if homes is not None
+        else (base * degree).tolist()
+    )
     classes = client_classes(
         config.partition,
-        (base * degree).tolist(),
+        latencies,
         n_classes=dataset.n_classes,
         n_rlg=config.n_groups if config.n_rlg is None else config.n_rlg,
         rng=rng,
         seed=config.seed,
     )
     shards = make_shards(dataset, classes, samples_per_client=config.samples_per_client, rng=rng)
+    if homes is not None:
+        homes.shards = shards
+        return homes
     return Federation(
         shards, base, degree, dataset.n_classes, np.random.default_rng([config.seed, 2])
     )
@@ -212,7 +317,7 @@ def run_result(
     return {
         "method": config.method,
         "seed": config.seed,
-        "config": asdict(config),
+        "config": config_record(config),
         "curve": {"time_s": clock.log.curve_t, "test_acc": clock.log.curve_acc},
         "final_acc": clock.log.curve_acc[-1],
         "client_tasks": clock.log.client_tasks,
@@ -237,7 +342,10 @@ def run_federation(
     The clock (:class:`~zpipe.federated.virtual_time.VirtualClock`) decides; this
     loop only trains each task inline and reads the federation's latencies."""
     started = time.perf_counter()
-    shape = MLPShape(dataset.n_features, config.hidden, dataset.n_classes)
+    extra: dict[str, Any] = {}
+    if isinstance(federation, PipelineFederation):  # the homes as the run starts
+        extra["pipeline_homes"] = federation.home_summary()
+    shape = sim_shape(config, dataset)
     server = make_server(
         federation.profiles(), initial_weights(config, shape), server_config(config)
     )
@@ -259,7 +367,7 @@ def run_federation(
             case NeedResult(task=task):
                 shard = federation.shards[task.client_id]
                 clock.on_result(train_task(config, shape, shard, task), len(shard.y))
-    return run_result(config, clock, started)
+    return run_result(config, clock, started, **extra)
 
 
 def time_to_accuracy(result: dict[str, Any], target: float) -> float:

@@ -74,6 +74,10 @@ def _summary(
     monkeypatch.setattr(fed, "run_simulation", lambda c, d: _fake_run(c, engine="fl-sim"))
     monkeypatch.setattr(fed, "lambda_sweep", lambda *a: {})
     monkeypatch.setattr(fed, "load_digits_dataset", lambda: None)
+    # the pipeline-client section starts stage processes: a fake here
+    monkeypatch.setattr(
+        fed, "pipeline_client_section", lambda args: {"pipeline_client_over_dp_throughput": 2.0}
+    )
     assert fed.main(["--lambdas=", *argv]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     return next(line for line in lines if line.get("summary"))

@@ -1,0 +1,63 @@
+"""bench/federated.py's pipeline-client section: its plans (pure) and its summary keys."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import bench._federated_pipeline as piped
+import bench.federated as fed
+
+
+def test_both_systems_are_planned_over_the_same_four_devices() -> None:
+    pipeline, dp, devices = piped.plans(piped.HOME_MBPS, 2.5)
+    names = {d.name for d in devices}
+    assert names == {"nx0", "tx20", "nano0", "nano1"}
+    assert {s.devices[0] for s in pipeline.stages} == names and pipeline.num_stages == 4
+    assert pipeline.microbatch_size in piped.MICROBATCH_SIZES
+    assert pipeline.microbatch_size * pipeline.num_microbatches == piped.BATCH
+    (stage,) = dp.stages
+    assert set(stage.devices) == names and sum(stage.shares) == piped.BATCH
+    # over a home's Wi-Fi the all-reduce of every weight costs more than the bubbles
+    assert pipeline.predicted["samples_per_s"] > dp.predicted["samples_per_s"]
+    assert piped.slowdown_scale(1, 2) == 2.5  # 1 + 2/3 + 1/3 + 1/3 on one of two cores
+
+
+def test_the_section_reaches_the_summary_and_can_be_skipped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[Any] = []
+
+    def section(args: Any) -> dict[str, Any]:
+        seen.append(args)
+        return {"pipeline_client_over_dp_throughput": 3.5}
+
+    monkeypatch.setattr(fed, "pipeline_client_section", section)
+    monkeypatch.setattr(fed, "compare_methods", lambda seeds, *a: _figures(seeds))
+    monkeypatch.setattr(fed, "lambda_sweep", lambda *a: {})
+    monkeypatch.setattr(fed, "load_digits_dataset", lambda: None)
+    argv = ["--lambdas=", "--seeds", "1", "--skip-flower", "--pipeline-client-mbps", "40"]
+    assert fed.main(argv) == 0
+    out = _summary(capsys.readouterr().out)
+    assert out["pipeline_client_over_dp_throughput"] == 3.5
+    assert seen[0].pipeline_client_mbps == 40.0 and seen[0].pipeline_client_steps == 12
+    assert fed.main([*argv, "--skip-pipeline-client"]) == 0
+    assert "pipeline_client_over_dp_throughput" not in _summary(capsys.readouterr().out)
+    assert len(seen) == 1
+    for bad in (["--pipeline-client-steps", "3"], ["--pipeline-client-mbps", "0"]):
+        with pytest.raises(SystemExit):
+            fed.main([*argv, *bad])
+
+
+def _figures(seeds: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    return (
+        {m: [0.5 for _ in seeds] for m in fed.METHODS},
+        {m: [100.0 for _ in seeds] for m in fed.METHODS},
+    )
+
+
+def _summary(text: str) -> dict[str, Any]:
+    lines = [json.loads(line) for line in text.splitlines()]
+    return next(line for line in lines if line.get("summary"))
