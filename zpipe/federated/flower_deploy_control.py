@@ -345,9 +345,7 @@ class DeployController:
                 version=server.version,
             )
         ]
-        every = self.settings.eval_every
-        if server.version // every > before // every:
-            commands.append(self._evaluate(server, now))
+        commands += self._evaluate_if_due(server, before, now)
         commands += self._dispatch(tasks, now)
         return [*commands, *self._observe(server, outstanding.client_id, latency, now)]
 
@@ -396,6 +394,10 @@ class DeployController:
         self.log.curve.append((server.version, accuracy))
         return self._event(now, "eval", version=server.version, accuracy=round(accuracy, 4))
 
+    def _evaluate_if_due(self, server: FederatedServer, before: int, now: float) -> list[Command]:
+        every = self.settings.eval_every
+        return [self._evaluate(server, now)] if server.version // every > before // every else []
+
     def _dispatch(self, tasks: Sequence[TrainTask], now: float) -> list[Command]:
         commands: list[Command] = []
         for task in tasks:
@@ -417,7 +419,10 @@ class DeployController:
         # the silence first: a client that it drops out must not be picked again by the
         # new round its failure may start (fl-server's controller does the same)
         commands += self._silent(server, client, max(now - outstanding.sent_at, 0.0), now)
-        return [*commands, *self._dispatch(server.on_task_failed(task_id), now)]
+        before = server.version
+        tasks = server.on_task_failed(task_id)  # may end a round: a merge without it
+        commands += self._evaluate_if_due(server, before, now)
+        return [*commands, *self._dispatch(tasks, now)]
 
     def _silent(
         self, server: FederatedServer, client_id: int, waited_s: float, now: float

@@ -98,7 +98,7 @@ def test_a_dead_supernode_is_dropped_mid_round_and_readmitted_under_a_new_node()
     # the round goes on without it: client 0's update ends it, the next is client 0's only
     merged = ctl.on_train_reply(tasks[0].task.task_id, np.ones(SIZE), 10, 41.0)
     assert set(_trains(merged)) == {0}
-    assert ctl.server.version == 1
+    assert ctl.server.version == 1 and _events(merged, "eval")[0]["version"] == 1
     # a late reply of the failed task changes nothing
     assert ctl.on_train_reply(tasks[1].task.task_id, np.ones(SIZE), 10, 42.0) == []
     # client 1 is profiled again on its (dead) node while it is dropped
@@ -132,6 +132,8 @@ def test_a_task_past_its_deadline_fails_and_its_client_is_dropped() -> None:
         "why": "timed out",
     }
     assert _events(commands, "dropped")[0]["waited_s"] == 50.0
+    # the failure ended the round: client 0's model is merged and evaluated
+    assert _events(commands, "eval")[0]["version"] == 1
     assert set(_trains(commands)) == {0} and not done
 
 
