@@ -125,9 +125,10 @@ async def _pipeline_train(
     from zpipe.federated.pipeline_trainer import PipelineTrainer
 
     shard = federation_of(settings).shards[client_id]
-    async with PipelineTrainer(settings.stages) as trainer:
-        return await asyncio.wait_for(
-            trainer.train(
+
+    async def start_and_train() -> np.ndarray:
+        async with PipelineTrainer(settings.stages) as trainer:
+            return await trainer.train(
                 weights,
                 shape_of(settings),
                 shard.x,
@@ -137,9 +138,10 @@ async def _pipeline_train(
                 lr=settings.lr,
                 mu=settings.mu,
                 rng=np.random.default_rng(seed),
-            ),
-            PIPELINE_TIMEOUT_S,
-        )
+            )
+
+    # the stage processes' start is inside the deadline too
+    return await asyncio.wait_for(start_and_train(), PIPELINE_TIMEOUT_S)
 
 
 def make_client_app() -> Any:

@@ -370,7 +370,10 @@ class DeployController:
         ]:
             commands += self.on_profile_failed(node_id, now)
         commands += self._probe_dropped(server, now)
-        if not self._tasks and not self._profiling and not server.probe_candidates():
+        # with probing off, a dropped client can never be re-admitted: it does not
+        # keep the run alive
+        probing = self.settings.probe_interval_s > 0 and server.probe_candidates()
+        if not self._tasks and not self._profiling and not probing:
             self.reason = "nothing to dispatch"
             return commands, True
         return commands, False

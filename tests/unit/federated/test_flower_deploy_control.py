@@ -236,3 +236,19 @@ def test_the_flower_app_names_the_apps_and_carries_the_settings() -> None:
         "clientapp": "zpipe.federated.flower_deploy_apps:client_app",
     }
     assert DeploySettings.from_run_config(app["config"]) == settings
+
+
+def test_with_probing_off_a_run_whose_clients_all_dropped_out_ends() -> None:
+    ctl = _controller(probe_interval_s=0.0)
+    tasks = _started(ctl)
+    ctl.on_train_reply(tasks[0].task.task_id, None, 0, 30.0)
+    ctl.on_train_reply(tasks[1].task.task_id, None, 0, 31.0)
+    commands, done = ctl.tick(32.0)
+    assert done and ctl.reason == "nothing to dispatch" and commands == []
+    # with probing on, the dropped clients are profiled again instead
+    ctl = _controller()
+    tasks = _started(ctl)
+    ctl.on_train_reply(tasks[0].task.task_id, None, 0, 30.0)
+    ctl.on_train_reply(tasks[1].task.task_id, None, 0, 31.0)
+    commands, done = ctl.tick(36.0)
+    assert not done and commands == [SendProfile(100), SendProfile(101)]
