@@ -7,7 +7,8 @@ for each of two SuperNodes. One public key is registered with ``flwr supernode
 register``; the SuperNode holding the other key is refused at activation (the
 SuperLink knows no node of its key) and exits, while the listed one comes online
 under the node id its registration created. ``flwr supernode list`` then shows
-that one node only."""
+that one node only, and an Eco-FL run over this SuperLink (TLS end to end) starts
+with the listed client alone and trains it on its pipeline."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ from pathlib import Path
 
 import pytest
 
+from zpipe.federated.flower_deploy import write_app
+from zpipe.federated.flower_deploy_control import DeploySettings
 from zpipe.transport.ports import free_tcp_port
 
 pytest.importorskip("flwr.serverapp")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -245,3 +248,30 @@ def test_an_unlisted_supernode_is_refused(processes: _Processes, tmp_path: Path)
             break
         time.sleep(1.0)
     assert [(n["node-id"], n["status"]) for n in nodes] == [(node_id, "online")], nodes
+
+    # Eco-FL over the authenticated SuperLink (TLS end to end): the run waits for two
+    # clients, gets only the listed one, starts with it and trains on its pipeline
+    result_path = tmp_path / "result.json"
+    settings = DeploySettings(
+        clients=2,
+        max_concurrent=2,
+        max_updates=1,
+        nodes_timeout_s=20.0,
+        task_timeout_s=DEADLINE_S,
+        profile_timeout_s=DEADLINE_S,
+        events_path=str(tmp_path / "events.jsonl"),
+        result_path=str(result_path),
+    )
+    app = write_app(tmp_path / "app", settings)
+    submitted = processes.flwr("run", str(app), "local")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    deadline = time.monotonic() + 2 * DEADLINE_S
+    while not result_path.exists() and time.monotonic() < deadline:
+        time.sleep(1.0)
+    events = (tmp_path / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    assert result_path.exists(), events
+    result = json.loads(result_path.read_text(encoding="utf-8"))
+    assert result["reason"] == "updates" and result["version"] == 1
+    registered = [json.loads(line) for line in events if '"registered"' in line]
+    assert [e["client"] for e in registered] == [0]
+    assert [e["node"] for e in registered] == [int(node_id)]
