@@ -265,7 +265,9 @@ class _DeployShell:
             return
         self._nodes_at = now
         controller = self.controller
-        for node in sorted(int(n) for n in self.grid.get_node_ids()):
+        online = sorted(int(n) for n in self.grid.get_node_ids())
+        controller.set_online(online)
+        for node in online:
             if node in controller.client_of or controller.profiling(node):
                 continue
             if now - self.tried.get(node, -float("inf")) < self.settings.profile_timeout_s:

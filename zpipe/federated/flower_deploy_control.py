@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +197,13 @@ class DeployController:
         self._profile_ended: dict[int, float] = {}  # client id -> last profiling's end
         self._first_seen: float | None = None
         self._end_at = math.inf
+        self._online: set[int] | None = None  # None: not told, every node may be
+
+    def set_online(self, node_ids: Iterable[int]) -> None:
+        """The SuperNodes the SuperLink lists as online: a dropped client whose node
+        is not among them is not profiled (Flower would answer at once that the node
+        is unavailable) until its node, or a new one of its, is listed."""
+        self._online = {int(n) for n in node_ids}
 
     # ---------------------------------------------------------------- helpers
 
@@ -458,6 +465,8 @@ class DeployController:
             node = self.node_of.get(client_id)
             ended = self._profile_ended.get(client_id, -math.inf)
             if node is None or node in self._profiling:
+                continue
+            if self._online is not None and node not in self._online:
                 continue
             if now - ended < self.settings.probe_interval_s:
                 continue

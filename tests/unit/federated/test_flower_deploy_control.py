@@ -252,3 +252,13 @@ def test_with_probing_off_a_run_whose_clients_all_dropped_out_ends() -> None:
     ctl.on_train_reply(tasks[1].task.task_id, None, 0, 31.0)
     commands, done = ctl.tick(36.0)
     assert not done and commands == [SendProfile(100), SendProfile(101)]
+
+
+def test_a_dropped_client_whose_node_is_not_online_is_not_profiled() -> None:
+    ctl = _controller()
+    tasks = _started(ctl)
+    ctl.on_train_reply(tasks[1].task.task_id, None, 0, 40.0)
+    ctl.set_online([100])  # the SuperLink no longer lists node 101
+    assert ctl.tick(46.0)[0] == []
+    ctl.set_online([100, 101])
+    assert ctl.tick(47.0)[0] == [SendProfile(101)]
