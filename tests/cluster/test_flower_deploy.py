@@ -52,6 +52,9 @@ class FlowerProcesses:
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
             "FLWR_HOME": str(home / "flwr"),
+            # no telemetry and no look for a newer flwr: nothing leaves the machine
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
             MARKER: self.marker,
         }
         self.port = free_tcp_port()

@@ -105,6 +105,9 @@ class _Processes:
             "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
             "FLWR_HOME": str(home / "flwr"),
             "COLUMNS": "200",
+            # no telemetry and no look for a newer flwr: nothing leaves the machine
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
             MARKER: self.marker,
         }
         self.procs: list[subprocess.Popen[bytes]] = []
