@@ -402,10 +402,17 @@ class Coordinator:
 
     def _carry_out(self, commands: Iterable[Command]) -> None:
         sends: list[Send] = []
+        saved = False
         for command in commands:
             if isinstance(command, Send):
                 sends.append(command)
                 continue
+            if isinstance(command, Persist) and not command.soon:
+                # the state saved is the state after the whole batch: once is enough
+                # (a death and the re-plan it starts each ask; a save is an fsync)
+                if saved:
+                    continue
+                saved = True
             try:
                 self._do(command)
             except Exception as exc:  # one command that fails must not take the rest

@@ -8,10 +8,10 @@
 A new run's id and plan epoch are saved (with a state directory) before any stage
 hears them, as generation and lossy runs' are. Replies are matched by run id: a
 coordinator restarted after assigning a run it had not saved would give the
-client's re-sent request the same id, and a stage's ``ready`` for the lost
-assignment, queued while the coordinator was away, could answer the new one.
-The run itself is saved once every stage is ready (``Run.changing`` until then:
-the file keeps no run, and the client's re-sent request starts it again).
+next request the same id, and a stage's ``ready`` for the lost assignment,
+queued while the coordinator was away, could answer the new one. The run itself
+is saved once every stage is ready (``Run.changing`` until then: the file keeps
+no run, and a request sent again starts it anew).
 
 A flow (:mod:`zpipe.coordinator.flows`): pure, driven by events.
 """

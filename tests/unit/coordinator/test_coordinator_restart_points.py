@@ -53,7 +53,7 @@ def test_killed_during_an_inference_assignment_the_resent_request_gets_a_new_run
     again, lost, lost_epoch = _killed_during_assignment(tmp_path, "infer")
     assert again.core.run is None  # the run was never ready: the file kept none
     assert again.state.run_counter >= lost and again.state.epoch >= lost_epoch
-    _request(again, "infer")  # the client sends its request again after reconnecting
+    _request(again, "infer")  # the client (or its caller) asks again
     run = again.core.run
     assert run is not None and run.run > lost and run.epoch > lost_epoch
     # the stages' ready for the lost assignment arrive late: they answer nothing
