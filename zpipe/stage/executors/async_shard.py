@@ -179,7 +179,8 @@ class AsyncShard(TrainShard):
                 f"units [{self.start}, {self.end}) resume at update {self.updates} with weight "
                 f"versions {kept}, but a pipeline of {stages} stages reads {list(needed)} "
                 f"next (missing {missing}): the state was saved by a pipeline of fewer "
-                "stages; resume on at most as many"
+                "stages (or, without vertical sync, by a later stage); resume on at most "
+                "as many, with the same cuts without vertical sync"
             )
 
     @property
