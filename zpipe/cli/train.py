@@ -50,7 +50,7 @@ from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.training.async_recovery import async_recovery_refusal, cuts_of_run
 from zpipe.training.async_reference import train_async_reference
-from zpipe.training.objectives import is_factory_name
+from zpipe.training.objectives import ASYNC_RESUME_LIVE_COPIES, is_factory_name
 from zpipe.transport import security
 from zpipe.transport.sockets import check_resolvable, validate_endpoint
 
@@ -341,6 +341,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     asynchronous = args.schedule == ASYNC_SCHEDULE
     if args.live_copies and not asynchronous:
         parser.error(f"--live-copies needs --schedule {ASYNC_SCHEDULE}")
+    if args.live_copies and args.resume is not None:
+        parser.error(ASYNC_RESUME_LIVE_COPIES)
     if args.live_copies and args.replication not in (None, "global"):
         parser.error(
             "--live-copies are the chain and global copies themselves: leave --replication "

@@ -26,7 +26,12 @@ from zpipe.recovery import REPLICATIONS, DeadlinePolicy
 from zpipe.recovery.live_copies import DEFAULT_CHAIN_EVERY, DEFAULT_GLOBAL_EVERY
 from zpipe.training.async_recovery import async_recovery_refusal
 from zpipe.training.lr_schedules import check_lr_schedule
-from zpipe.training.objectives import async_start_step_refusal, check_loss, check_optimizer
+from zpipe.training.objectives import (
+    ASYNC_RESUME_LIVE_COPIES,
+    async_start_step_refusal,
+    check_loss,
+    check_optimizer,
+)
 from zpipe.training.repartition import RepartitionSettings
 from zpipe.training.warmup import check_warmup_policy
 
@@ -387,6 +392,8 @@ class TrainOptions:
                 )
             if self.start_step and not self.resume_optimizer:
                 raise ConfigError(async_start_step_refusal(self.start_step))
+            if self.resume_optimizer and self.live_copies:
+                raise ConfigError(ASYNC_RESUME_LIVE_COPIES)
             refusal = (
                 async_recovery_refusal(
                     vertical_sync=self.vertical_sync,

@@ -40,3 +40,27 @@ def test_an_async_run_takes_user_code_only_with_allow_factory(
     settings = _checked([*ASYNC, "--loss", "torch.nn.functional:cross_entropy",
                          "--allow-factory", "torch.nn.functional:cross_entropy"])  # fmt: skip
     assert settings["loss"] == "torch.nn.functional:cross_entropy"
+
+
+def test_a_resume_with_live_copies_is_refused_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zpipe._errors import ConfigError
+    from zpipe.client.options import TrainOptions
+    from zpipe.training.objectives import check_train_settings
+
+    checkpoint = tmp_path / "ckpt.safetensors"
+    write_state({"units.0.w": torch.zeros(1), STEPS_KEY: torch.tensor(6)}, checkpoint)
+    with pytest.raises(SystemExit):
+        _checked([*ASYNC, "--live-copies", "--resume", str(checkpoint)])
+    assert "count mini-batches from this run's start" in capsys.readouterr().err
+    sgd = {"name": "sgd", "lr": 0.1}
+    with pytest.raises(ConfigError, match="resume from a checkpoint with live_copies"):
+        TrainOptions(schedule="async-1f1b", num_microbatches=1, optimizer=sgd,
+                     resume_optimizer=True, start_step=6, live_copies=True)  # fmt: skip
+    with pytest.raises(ConfigError, match="resume from a checkpoint with live_copies"):
+        check_train_settings(
+            {"schedule": "async-1f1b", "num_microbatches": 1, "optimizer": sgd,
+             "resume_optimizer": True, "start_step": 6, "async": {"chain_every": 5}},
+            2,
+        )  # fmt: skip

@@ -455,3 +455,18 @@ def test_a_resume_needs_an_asynchronous_checkpoint_at_its_start_step(tmp_path: P
         2,
     )
     assert checked["start_step"] == 3 and checked["resume_optimizer"] is True
+
+
+def test_a_checkpoint_of_fewer_stages_cannot_feed_a_deeper_pipeline(tmp_path: Path) -> None:
+    """Two stages keep versions N-1..N; three read N-2 first: refused before any forward,
+    naming what is missing (three stages' checkpoint on two is fine)."""
+    batches = make_batches(4, 5)
+    shards = build_shards(SPEC, [0, 2, 4], optimizer=SGD)
+    run_shards(shards, batches)
+    spec = _saved(shards, 4, tmp_path / "two.safetensors")
+    resumed = AsyncShard.build(spec, 0, 1, first=True, last=False, loss="cross_entropy",
+                               optimizer=SGD, start_step=4, resume_optimizer=True)  # fmt: skip
+    assert isinstance(resumed, AsyncShard)
+    resumed.check_versions(versions_read_after(0, 2, 4, vertical_sync=True), stages=2)
+    with pytest.raises(ConfigError, match=r"reads \[2, 3, 4\] next \(missing \[2\]\)"):
+        resumed.check_versions(versions_read_after(0, 3, 4, vertical_sync=True), stages=3)

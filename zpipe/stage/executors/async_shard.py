@@ -167,6 +167,22 @@ class AsyncShard(TrainShard):
                 f"not {start_step}"
             )
 
+    def check_versions(self, needed: Sequence[int], *, stages: int) -> None:
+        """ConfigError unless this shard keeps every weight version in ``needed`` (what
+        the next forwards read: :func:`~zpipe.planner.async_schedule.
+        versions_read_after`): a checkpoint or replica saved by a shallower pipeline
+        (fewer stages) lacks the older ones a deeper one's first forwards read."""
+        kept = self.compute.versions_kept
+        missing = [v for v in needed if v not in kept]
+        if missing:
+            raise ConfigError(
+                f"units [{self.start}, {self.end}) resume at update {self.updates} with weight "
+                f"versions {kept}, but a pipeline of {stages} stages reads {list(needed)} "
+                f"next (missing {missing}): the state was saved by a pipeline of fewer "
+                "stages (or, without vertical sync, by a later stage); resume on at most "
+                "as many, with the same cuts without vertical sync"
+            )
+
     @property
     def live_activations(self) -> int:
         return self.compute.in_flight

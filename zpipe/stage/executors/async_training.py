@@ -97,6 +97,13 @@ class AsyncTrainingExecutor(TrainingExecutor):
             else None
         )
         self._versions = concurrent_versions(i, self.depth)
+        # a resumed shard (a checkpoint, a replica) must hold what the next forwards read
+        shard.check_versions(
+            versions_read_after(
+                i, n, self.origin, vertical_sync=self.settings.vertical_sync, depth=self.depth
+            ),
+            stages=n,
+        )
         self._end: int | None = None  # the number of batches, once the feed ended
         self._end_passed = False
         self.aggregations = 0
