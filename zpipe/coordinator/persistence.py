@@ -42,6 +42,7 @@ import hashlib
 import os
 import shutil
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -95,13 +96,21 @@ def _encode_file(messages: Sequence[Message]) -> list[bytes | memoryview]:
     return parts
 
 
+def _temporary_name(path: Path) -> Path:
+    """Where ``path``'s next version is written before the rename: one name per
+    process and thread, since the coordinator saves live copies on several threads
+    at once and two writes of the same file under one name would unlink or rename
+    each other's half-written file."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
 def write_messages(path: Path, messages: Sequence[Message]) -> int:
     """Write ``messages`` to ``path`` atomically; returns the file's size in bytes."""
     parts = _encode_file(messages)
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary_name(path)
     size = 0
     try:
         with open(tmp, "wb") as out:
@@ -124,7 +133,7 @@ def write_messages(path: Path, messages: Sequence[Message]) -> int:
 def link_atomically(source: Path, path: Path) -> None:
     """Make ``path`` the file ``source`` is now (a hard link; a copy where the file
     system has none), atomically: a temporary name, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary_name(path)
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     try:

@@ -5,6 +5,7 @@ a real state directory, no sockets."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from tests._support.coordinator_harness import SPEC, Harness
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.runs.async_copies import HeldCopy, SaveCopy
-from zpipe.recovery.live_copies import state_digest
+from zpipe.recovery.live_copies import CopyRecord, state_digest
 from zpipe.transport.codec import Message
 
 NAMES = ["a", "b", "c"]
@@ -131,3 +132,38 @@ def test_a_copy_that_does_not_fit_the_plan_is_dropped_and_the_coordinator_goes_o
     assert h.state.async_copies.ledger.copies == {}
     _copy(h, "a", run, "global", 4, good)
     assert h.state.async_copies.ledger.newest("a", "global") is not None
+
+
+def test_copies_of_one_stage_saved_on_several_threads_at_once_all_reach_disk(
+    tmp_path: Path,
+) -> None:
+    """The coordinator saves live copies on a thread pool: two saves of the same
+    owner's copy may overlap. Each must land whole (one temporary name per thread:
+    with one per process a save's rename found its file gone, or renamed the other
+    save's half-written one), and the file holds one of the copies, never a mix."""
+    store = StateStore(tmp_path / "state")
+    barrier = threading.Barrier(4)
+    failures: list[BaseException] = []
+
+    def save(step: int) -> None:
+        record = CopyRecord(
+            owner="b", kind="chain", holder="coordinator", run=1, step=step, start=2, end=4
+        )
+        barrier.wait(timeout=30)
+        for _ in range(15):
+            try:
+                store.save_copy(record, _units(2, 4, float(step)))
+            except BaseException as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=save, args=(step,)) for step in (1, 2, 3, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert failures == []
+    ((record, state),) = store.load_copies()
+    expected = _units(2, 4, float(record.step))
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert not list((tmp_path / "state").rglob("*.tmp"))
