@@ -33,7 +33,14 @@ Summary keys:
   baseline process's, each its peak resident set over the timed runs (``VmHWM``,
   reset after set-up) less its resident set before the model was loaded;
 - ``memory_predicted_over_measured``: the coordinator's prediction for that stage
-  (weights, KV cache for ``max_sequences x max_context``, working set) over it;
+  with the safety margin (``--margin``, the coordinator's ``--memory-margin``),
+  over it: weights, KV cache for ``max_sequences x max_context``, working set, and
+  the runtime (torch's code pages and kernel workspaces that the first build and
+  forward bring in: ``COMPUTE_RUNTIME_BYTES``, which a stage's room leaves out as
+  it leaves out the base); ``memory_unmargined_over_measured`` without the margin.
+  The memory row's ``phases_mib`` shows each stage's resident set over its base
+  when built, after the warm-up and after the timed runs (anonymous and
+  file-backed apart), and ``predicted_parts_mib`` the prediction's parts;
 - ``planned_over_even_tokens_per_s``: on emulated heterogeneous devices
   (``--hetero-slowdowns``, a second cluster), the planner's split over the even
   one, decode tokens/s with ``S`` sequences;
@@ -75,7 +82,8 @@ from zpipe.coordinator.generation_plan import generation_units, generation_workl
 from zpipe.generation.params import SamplingParams
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import causal_lm_spec, read_causal_lm_config
-from zpipe.planner.generation_cost import stage_memory
+from zpipe.planner.generation_cost import StageMemory, stage_memory
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 
 BENCH = "generate"
 STAGES = ("s0", "s1", "s2")
@@ -192,13 +200,16 @@ async def _pipeline(
         chunk_tokens=args.prompt_tokens,
         token_timeout_s=120.0,
     )
+    pids = memory_pids or {}
     async with cluster.client() as client:
         run = GenerationRun(client.connection, spec, options)
         ready = await run.start()
+        phases = {"ready": _phase(pids)}  # built: the model loaded, nothing run
         try:
             timer = _Timer(run, [cluster.processes[n].pid for n in STAGES])
             await timer.batch(prompts, 2)  # warm-up: every stage's first steps
-            peaks_reset = all(reset_peak(pid) for pid in (memory_pids or {}).values())
+            phases["warm"] = _phase(pids)
+            peaks_reset = all(reset_peak(pid) for pid in pids.values())
             t1, tn, c1, cn, tokens = [], [], [], [], []
             for _ in range(args.repeats):
                 t1.append((await timer.batch(prompts, 1))[0])
@@ -206,7 +217,8 @@ async def _pipeline(
                 elapsed, tokens = await timer.batch(prompts, args.new_tokens)
                 tn.append(elapsed)
                 cn.append(timer.cpu[-1])
-            peaks = {n: status_kib("VmHWM", pid) for n, pid in (memory_pids or {}).items()}
+            peaks = {n: status_kib("VmHWM", pid) for n, pid in pids.items()}
+            phases["timed"] = _phase(pids)
         finally:
             await run.close()
     return {
@@ -218,7 +230,15 @@ async def _pipeline(
         "tokens": tokens,
         "peak_kib": peaks,
         "peaks_reset": peaks_reset,
+        "phases_kib": phases if pids else None,
     }
+
+
+def _phase(pids: dict[str, int]) -> dict[str, dict[str, int | None]]:
+    """Each stage's resident memory now (anonymous and file-backed: torch's code
+    pages are the latter) and its peak so far."""
+    keys = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+    return {n: {k: status_kib(k, pid) for k in keys} for n, pid in pids.items()}
 
 
 def _decode_rate(sequences: int, new_tokens: int, t1: list[float], tn: list[float]) -> float | None:
@@ -238,9 +258,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def _predicted_bytes(
+def _predicted(
     spec: ModelSpec, args: argparse.Namespace, sequences: int, bounds: list[list[int]]
-) -> list[int]:
+) -> list[StageMemory]:
     """What the coordinator predicts each stage of the run holds."""
     config = read_causal_lm_config(spec.config)
     context = args.prompt_tokens + args.new_tokens
@@ -252,7 +272,29 @@ def _predicted_bytes(
         chunk_tokens=args.prompt_tokens,
         kv_budget_bytes=None,
     )
-    return [stage_memory(units, s, e, workload).total for s, e in bounds]
+    return [stage_memory(units, s, e, workload) for s, e in bounds]
+
+
+_PARTS = ("weights", "kv_cache", "activations", "runtime")
+
+
+def _phases_over_base(
+    phases: dict[str, Any] | None, before: dict[str, int | None]
+) -> dict[str, Any] | None:
+    """Each stage's memory at each phase of its run less its resident set before the
+    model (MiB): where the memory beyond the model came in."""
+    if not phases:
+        return None
+    out: dict[str, Any] = {}
+    for phase, stages in phases.items():
+        for name, values in stages.items():
+            base = before.get(name)
+            out.setdefault(name, {})[phase] = {
+                k: round((v - base) / 1024, 1) if k in ("VmRSS", "VmHWM") else round(v / 1024, 1)
+                for k, v in values.items()
+                if v is not None and base is not None
+            }
+    return out
 
 
 def _even(num_units: int, stages: int) -> list[int]:
@@ -315,13 +357,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n in STAGES
             if many["peak_kib"].get(n) is not None and rss_before[n] is not None
         }
-        predicted = _predicted_bytes(spec, args, args.sequences, many["bounds"])
+        predicted = _predicted(spec, args, args.sequences, many["bounds"])
+        # what the process holds beyond its base: the model's part and the runtime's
+        predicted_bytes = [p.above_base for p in predicted]
         largest = max(measured, key=measured.__getitem__) if measured else None
         hf_bytes = (hf["peak_kib"] - hf["rss_before_kib"]) * 1024 if hf["peak_kib"] else None
         memory = {
             "stage_memory_mib": {n: round(b / 2**20, 1) for n, b in measured.items()},
-            "predicted_memory_mib": [round(b / 2**20, 1) for b in predicted],
+            "predicted_memory_mib": [round(b / 2**20, 1) for b in predicted_bytes],
+            "predicted_parts_mib": [
+                {k: round(getattr(p, k) / 2**20, 2) for k in _PARTS} for p in predicted
+            ],
             "single_memory_mib": round(hf_bytes / 2**20, 1) if hf_bytes else None,
+            "phases_mib": _phases_over_base(many["phases_kib"], rss_before),
         }
         emit({"bench": BENCH, "setting": "memory", **memory})
 
@@ -362,7 +410,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measured.get(largest) if largest else None, hf_bytes
         ),
         memory_predicted_over_measured=_ratio(
-            predicted[idx] if idx is not None else None, measured.get(largest) if largest else None
+            predicted_bytes[idx] * (1 + args.margin) if idx is not None else None,
+            measured.get(largest) if largest else None,
+        ),
+        memory_unmargined_over_measured=_ratio(
+            predicted_bytes[idx] if idx is not None else None,
+            measured.get(largest) if largest else None,
         ),
         planned_over_even_tokens_per_s=_ratio(
             planned["decode_tokens_per_s"] if planned else None,
@@ -426,6 +479,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--hetero-slowdowns", default="1,3,1.5", help="the second cluster's stages")
     parser.add_argument("--no-hetero", action="store_true", help="skip planned-vs-even")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MEMORY_MARGIN,
+        help="the safety margin the prediction is compared with (the coordinator's default)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small model and few tokens")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before giving up")
