@@ -11,9 +11,9 @@ coordinator sets up the stages, :mod:`zpipe.coordinator.runs.generation`), then
 talks to the first stage only: each sequence goes there (``gen_submit``), and the
 first stage, which runs the scheduler, streams each sequence's events to this
 client's sink (a step's events in one ``gen_token_batch``, handed out here one at
-a time in their order; ``gen_refused`` for one it cannot take, with its kind). At the end
-(or when the caller stops iterating) the client closes the run (``gen_close``),
-and every stage frees its caches.
+a time in their order; ``gen_refused`` for one it cannot take, with its kind). At
+the end (or when the caller stops iterating) the client closes the run
+(``gen_close``), and every stage frees its caches.
 
 When a stage dies the coordinator re-plans the run over the survivors and tells
 this client (``run_replanned``, :mod:`zpipe.coordinator.runs.generation_recovery`).

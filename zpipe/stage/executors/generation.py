@@ -20,8 +20,9 @@ The first stage also runs the run's :class:`~zpipe.generation.sequences.Sequence
 on the event loop (it never waits): the client's ``gen_submit`` and ``gen_cancel``
 and the last stage's ``gen_tokens`` go in, and its commands come out: a step to
 compute, token events to stream to the client (a step's in one ``gen_token_batch``),
-a cache to free at every stage. The scheduler makes every decision of the loop (admission, chunked
-prefill, which rows sample, when a sequence stops); this module only moves them.
+a cache to free at every stage. The scheduler makes every decision of the loop
+(admission, chunked prefill, which rows sample, when a sequence stops); this module
+only moves them.
 
 A client that goes away unannounced is noticed when the first stage's events to
 it stop leaving (its sink's queue full for the send deadline): the run closes as
