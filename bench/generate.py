@@ -39,8 +39,9 @@ Summary keys:
   forward bring in: ``COMPUTE_RUNTIME_BYTES``, which a stage's room leaves out as
   it leaves out the base); ``memory_unmargined_over_measured`` without the margin.
   The memory row's ``phases_mib`` shows each stage's resident set over its base
-  when built, after the warm-up and after the timed runs (anonymous and
-  file-backed apart), and ``predicted_parts_mib`` the prediction's parts;
+  when registered, built, after the warm-up and after the timed runs (the
+  resident set and peak over the base; anonymous and file-backed memory as they
+  are), and ``predicted_parts_mib`` the prediction's parts;
 - ``planned_over_even_tokens_per_s``: on emulated heterogeneous devices
   (``--hetero-slowdowns``, a second cluster), the planner's split over the even
   one, decode tokens/s with ``S`` sequences;
@@ -67,7 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,14 +150,15 @@ class _Timer:
     """One generation run on the cluster: batches of the prompts, timed to their last
     event, with the CPU seconds the stage processes and this client spent on them."""
 
-    def __init__(self, run: GenerationRun, pids: Sequence[int]) -> None:
+    def __init__(self, run: GenerationRun, pids: Mapping[str, int]) -> None:
         self.run = run
-        self.pids = list(pids)
+        self.pids: dict[str, int | None] = {**pids, "client": None}  # None: this process
         self.next_id = 0
-        self.cpu: list[float] = []  # of the latest batch
+        self.cpu: list[float] = []  # of each batch, every process together
+        self.by_process: list[dict[str, float]] = []  # of each batch, each process's
 
-    def _cpu(self) -> float:
-        return sum(cpu_s(pid) or 0.0 for pid in [*self.pids, None])
+    def _cpu(self) -> dict[str, float]:
+        return {name: cpu_s(pid) or 0.0 for name, pid in self.pids.items()}
 
     async def batch(
         self, prompts: Sequence[Sequence[int]], tokens: int
@@ -175,7 +177,9 @@ class _Timer:
             if event.finish_reason is not None:
                 left.discard(event.sequence)
         elapsed = time.perf_counter() - start
-        self.cpu.append(self._cpu() - cpu_start)
+        cpu_end = self._cpu()
+        self.by_process.append({n: cpu_end[n] - cpu_start[n] for n in cpu_end})
+        self.cpu.append(sum(self.by_process[-1].values()))
         return elapsed, [out[i] for i in ids]
 
 
@@ -206,17 +210,20 @@ async def _pipeline(
         ready = await run.start()
         phases = {"ready": _phase(pids)}  # built: the model loaded, nothing run
         try:
-            timer = _Timer(run, [cluster.processes[n].pid for n in STAGES])
+            timer = _Timer(run, {n: cluster.processes[n].pid for n in STAGES})
             await timer.batch(prompts, 2)  # warm-up: every stage's first steps
             phases["warm"] = _phase(pids)
             peaks_reset = all(reset_peak(pid) for pid in pids.values())
             t1, tn, c1, cn, tokens = [], [], [], [], []
+            p1, pn = [], []  # each process's CPU seconds, the same batches
             for _ in range(args.repeats):
                 t1.append((await timer.batch(prompts, 1))[0])
                 c1.append(timer.cpu[-1])
+                p1.append(timer.by_process[-1])
                 elapsed, tokens = await timer.batch(prompts, args.new_tokens)
                 tn.append(elapsed)
                 cn.append(timer.cpu[-1])
+                pn.append(timer.by_process[-1])
             peaks = {n: status_kib("VmHWM", pid) for n, pid in pids.items()}
             phases["timed"] = _phase(pids)
         finally:
@@ -227,6 +234,14 @@ async def _pipeline(
         "generate_s": statistics.median(tn),
         "decode_tokens_per_s": _decode_rate(len(prompts), args.new_tokens, t1, tn),
         "decode_cpu_ms_per_token": _cpu_per_token(len(prompts), args.new_tokens, c1, cn),
+        # where it goes: each stage process and this client (the first stage runs the
+        # scheduler and streams to the client)
+        "decode_cpu_ms_per_token_by_process": {
+            name: _cpu_per_token(
+                len(prompts), args.new_tokens, [d[name] for d in p1], [d[name] for d in pn]
+            )
+            for name in p1[0]
+        },
         "tokens": tokens,
         "peak_kib": peaks,
         "peaks_reset": peaks_reset,
@@ -329,6 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with LocalCluster(devices, heartbeat_interval_s=1.0, start_timeout_s=600.0) as cluster:
             pids = {n: cluster.processes[n].pid for n in STAGES}
             rss_before = {n: status_kib("VmRSS", pid) for n, pid in pids.items()}
+            registered = _phase(pids)  # before any model: the process's base
             many = asyncio.run(
                 _pipeline(
                     cluster,
@@ -339,6 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     memory_pids=pids,
                 )
             )
+            many["phases_kib"] = {"registered": registered, **(many["phases_kib"] or {})}
             one = asyncio.run(_pipeline(cluster, spec, prompts[:1], args, steps_in_flight=1))
             other = None
             if args.also_steps_in_flight and args.also_steps_in_flight != args.steps_in_flight:
