@@ -33,7 +33,15 @@ Summary keys:
   baseline process's, each its peak resident set over the timed runs (``VmHWM``,
   reset after set-up) less its resident set before the model was loaded;
 - ``memory_predicted_over_measured``: the coordinator's prediction for that stage
-  (weights, KV cache for ``max_sequences x max_context``, working set) over it;
+  with the safety margin (``--margin``, the coordinator's ``--memory-margin``),
+  over it: weights, KV cache for ``max_sequences x max_context``, working set, and
+  the runtime (torch's code pages and kernel workspaces that the first build and
+  forward bring in: ``COMPUTE_RUNTIME_BYTES``, which a stage's room leaves out as
+  it leaves out the base); ``memory_unmargined_over_measured`` without the margin.
+  The memory row's ``phases_mib`` shows each stage's resident set over its base
+  when registered, built, after the warm-up and after the timed runs (the
+  resident set and peak over the base; anonymous and file-backed memory as they
+  are), and ``predicted_parts_mib`` the prediction's parts;
 - ``planned_over_even_tokens_per_s``: on emulated heterogeneous devices
   (``--hetero-slowdowns``, a second cluster), the planner's split over the even
   one, decode tokens/s with ``S`` sequences;
@@ -60,7 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +83,8 @@ from zpipe.coordinator.generation_plan import generation_units, generation_workl
 from zpipe.generation.params import SamplingParams
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import causal_lm_spec, read_causal_lm_config
-from zpipe.planner.generation_cost import stage_memory
+from zpipe.planner.generation_cost import StageMemory, stage_memory
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 
 BENCH = "generate"
 STAGES = ("s0", "s1", "s2")
@@ -141,14 +150,15 @@ class _Timer:
     """One generation run on the cluster: batches of the prompts, timed to their last
     event, with the CPU seconds the stage processes and this client spent on them."""
 
-    def __init__(self, run: GenerationRun, pids: Sequence[int]) -> None:
+    def __init__(self, run: GenerationRun, pids: Mapping[str, int]) -> None:
         self.run = run
-        self.pids = list(pids)
+        self.pids: dict[str, int | None] = {**pids, "client": None}  # None: this process
         self.next_id = 0
-        self.cpu: list[float] = []  # of the latest batch
+        self.cpu: list[float] = []  # of each batch, every process together
+        self.by_process: list[dict[str, float]] = []  # of each batch, each process's
 
-    def _cpu(self) -> float:
-        return sum(cpu_s(pid) or 0.0 for pid in [*self.pids, None])
+    def _cpu(self) -> dict[str, float]:
+        return {name: cpu_s(pid) or 0.0 for name, pid in self.pids.items()}
 
     async def batch(
         self, prompts: Sequence[Sequence[int]], tokens: int
@@ -167,7 +177,9 @@ class _Timer:
             if event.finish_reason is not None:
                 left.discard(event.sequence)
         elapsed = time.perf_counter() - start
-        self.cpu.append(self._cpu() - cpu_start)
+        cpu_end = self._cpu()
+        self.by_process.append({n: cpu_end[n] - cpu_start[n] for n in cpu_end})
+        self.cpu.append(sum(self.by_process[-1].values()))
         return elapsed, [out[i] for i in ids]
 
 
@@ -192,21 +204,28 @@ async def _pipeline(
         chunk_tokens=args.prompt_tokens,
         token_timeout_s=120.0,
     )
+    pids = memory_pids or {}
     async with cluster.client() as client:
         run = GenerationRun(client.connection, spec, options)
         ready = await run.start()
+        phases = {"ready": _phase(pids)}  # built: the model loaded, nothing run
         try:
-            timer = _Timer(run, [cluster.processes[n].pid for n in STAGES])
+            timer = _Timer(run, {n: cluster.processes[n].pid for n in STAGES})
             await timer.batch(prompts, 2)  # warm-up: every stage's first steps
-            peaks_reset = all(reset_peak(pid) for pid in (memory_pids or {}).values())
+            phases["warm"] = _phase(pids)
+            peaks_reset = all(reset_peak(pid) for pid in pids.values())
             t1, tn, c1, cn, tokens = [], [], [], [], []
+            p1, pn = [], []  # each process's CPU seconds, the same batches
             for _ in range(args.repeats):
                 t1.append((await timer.batch(prompts, 1))[0])
                 c1.append(timer.cpu[-1])
+                p1.append(timer.by_process[-1])
                 elapsed, tokens = await timer.batch(prompts, args.new_tokens)
                 tn.append(elapsed)
                 cn.append(timer.cpu[-1])
-            peaks = {n: status_kib("VmHWM", pid) for n, pid in (memory_pids or {}).items()}
+                pn.append(timer.by_process[-1])
+            peaks = {n: status_kib("VmHWM", pid) for n, pid in pids.items()}
+            phases["timed"] = _phase(pids)
         finally:
             await run.close()
     return {
@@ -215,10 +234,26 @@ async def _pipeline(
         "generate_s": statistics.median(tn),
         "decode_tokens_per_s": _decode_rate(len(prompts), args.new_tokens, t1, tn),
         "decode_cpu_ms_per_token": _cpu_per_token(len(prompts), args.new_tokens, c1, cn),
+        # where it goes: each stage process and this client (the first stage runs the
+        # scheduler and streams to the client)
+        "decode_cpu_ms_per_token_by_process": {
+            name: _cpu_per_token(
+                len(prompts), args.new_tokens, [d[name] for d in p1], [d[name] for d in pn]
+            )
+            for name in p1[0]
+        },
         "tokens": tokens,
         "peak_kib": peaks,
         "peaks_reset": peaks_reset,
+        "phases_kib": phases if pids else None,
     }
+
+
+def _phase(pids: dict[str, int]) -> dict[str, dict[str, int | None]]:
+    """Each stage's resident memory now (anonymous and file-backed: torch's code
+    pages are the latter) and its peak so far."""
+    keys = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+    return {n: {k: status_kib(k, pid) for k in keys} for n, pid in pids.items()}
 
 
 def _decode_rate(sequences: int, new_tokens: int, t1: list[float], tn: list[float]) -> float | None:
@@ -238,9 +273,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def _predicted_bytes(
+def _predicted(
     spec: ModelSpec, args: argparse.Namespace, sequences: int, bounds: list[list[int]]
-) -> list[int]:
+) -> list[StageMemory]:
     """What the coordinator predicts each stage of the run holds."""
     config = read_causal_lm_config(spec.config)
     context = args.prompt_tokens + args.new_tokens
@@ -252,7 +287,29 @@ def _predicted_bytes(
         chunk_tokens=args.prompt_tokens,
         kv_budget_bytes=None,
     )
-    return [stage_memory(units, s, e, workload).total for s, e in bounds]
+    return [stage_memory(units, s, e, workload) for s, e in bounds]
+
+
+_PARTS = ("weights", "kv_cache", "activations", "runtime")
+
+
+def _phases_over_base(
+    phases: dict[str, Any] | None, before: dict[str, int | None]
+) -> dict[str, Any] | None:
+    """Each stage's memory at each phase of its run less its resident set before the
+    model (MiB): where the memory beyond the model came in."""
+    if not phases:
+        return None
+    out: dict[str, Any] = {}
+    for phase, stages in phases.items():
+        for name, values in stages.items():
+            base = before.get(name)
+            out.setdefault(name, {})[phase] = {
+                k: round((v - base) / 1024, 1) if k in ("VmRSS", "VmHWM") else round(v / 1024, 1)
+                for k, v in values.items()
+                if v is not None and base is not None
+            }
+    return out
 
 
 def _even(num_units: int, stages: int) -> list[int]:
@@ -287,6 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with LocalCluster(devices, heartbeat_interval_s=1.0, start_timeout_s=600.0) as cluster:
             pids = {n: cluster.processes[n].pid for n in STAGES}
             rss_before = {n: status_kib("VmRSS", pid) for n, pid in pids.items()}
+            registered = _phase(pids)  # before any model: the process's base
             many = asyncio.run(
                 _pipeline(
                     cluster,
@@ -297,6 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     memory_pids=pids,
                 )
             )
+            many["phases_kib"] = {"registered": registered, **(many["phases_kib"] or {})}
             one = asyncio.run(_pipeline(cluster, spec, prompts[:1], args, steps_in_flight=1))
             other = None
             if args.also_steps_in_flight and args.also_steps_in_flight != args.steps_in_flight:
@@ -315,13 +374,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n in STAGES
             if many["peak_kib"].get(n) is not None and rss_before[n] is not None
         }
-        predicted = _predicted_bytes(spec, args, args.sequences, many["bounds"])
+        predicted = _predicted(spec, args, args.sequences, many["bounds"])
+        # what the process holds beyond its base: the model's part and the runtime's
+        predicted_bytes = [p.above_base for p in predicted]
         largest = max(measured, key=measured.__getitem__) if measured else None
         hf_bytes = (hf["peak_kib"] - hf["rss_before_kib"]) * 1024 if hf["peak_kib"] else None
         memory = {
             "stage_memory_mib": {n: round(b / 2**20, 1) for n, b in measured.items()},
-            "predicted_memory_mib": [round(b / 2**20, 1) for b in predicted],
+            "predicted_memory_mib": [round(b / 2**20, 1) for b in predicted_bytes],
+            "predicted_parts_mib": [
+                {k: round(getattr(p, k) / 2**20, 2) for k in _PARTS} for p in predicted
+            ],
             "single_memory_mib": round(hf_bytes / 2**20, 1) if hf_bytes else None,
+            "phases_mib": _phases_over_base(many["phases_kib"], rss_before),
         }
         emit({"bench": BENCH, "setting": "memory", **memory})
 
@@ -362,7 +427,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measured.get(largest) if largest else None, hf_bytes
         ),
         memory_predicted_over_measured=_ratio(
-            predicted[idx] if idx is not None else None, measured.get(largest) if largest else None
+            predicted_bytes[idx] * (1 + args.margin) if idx is not None else None,
+            measured.get(largest) if largest else None,
+        ),
+        memory_unmargined_over_measured=_ratio(
+            predicted_bytes[idx] if idx is not None else None,
+            measured.get(largest) if largest else None,
         ),
         planned_over_even_tokens_per_s=_ratio(
             planned["decode_tokens_per_s"] if planned else None,
@@ -426,6 +496,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--hetero-slowdowns", default="1,3,1.5", help="the second cluster's stages")
     parser.add_argument("--no-hetero", action="store_true", help="skip planned-vs-even")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MEMORY_MARGIN,
+        help="the safety margin the prediction is compared with (the coordinator's default)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small model and few tokens")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before giving up")

@@ -164,7 +164,10 @@ class SequenceRefused(PipelineError):
     prompt or settings, a sequence its KV cache can never hold, or a step that
     failed at a stage); the run goes on serving its other sequences."""
 
-    def __init__(self, sequence: int, error: str) -> None:
+    def __init__(self, sequence: int, error: str, *, kind: str | None = None) -> None:
         super().__init__(f"sequence {sequence} was refused: {error}")
         self.sequence = sequence
         self.error = error
+        # why, for a program (zpipe.generation.refusals: capacity, context_length,
+        # bad_request, stage_failed); None from a first stage that does not say
+        self.kind = kind

@@ -18,7 +18,10 @@ alone (:func:`generation_units`) and
 A stage's memory (:func:`~zpipe.planner.generation_cost.stage_memory`): its units'
 weights, the KV cache of its blocks for ``max_sequences`` sequences of
 ``max_context`` tokens (at most the run's per-stage ``kv_budget_bytes``), and the
-largest unit's working set for a prefill chunk. Unit times are estimates from the
+largest unit's working set for a prefill chunk; beside them the runtime (torch's
+code pages and kernel workspaces that the first build and forward bring in,
+measured 21-23 MiB on a generation stage, ``bench/generate.py``), which the room
+leaves out as it does the base. Unit times are estimates from the
 config (a decode step reads every weight once; a prefill chunk costs two flops per
 weight and token) scaled by each stage's declared slowdown: they only rank splits
 against one another.
@@ -44,7 +47,7 @@ from zpipe.planner.generation_cost import (
     StageMemory,
     stage_memory,
 )
-from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN, model_room_bytes
+from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN, model_room_bytes, runtime_bytes
 
 MIB = 2**20
 # Reference speeds for the estimated unit times: only their ratios matter.
@@ -144,8 +147,8 @@ def capacity_shortfall(
         f"stage {member.name!r} needs {_mib(need.total)} (weights {_mib(need.weights)}, "
         f"KV cache {_mib(need.kv_cache)}, working set {_mib(need.activations)}) but has "
         f"{_mib(room)} for its model (its --memory-mb or free memory, {_mib(budget * MIB)}, "
-        f"less the {margin:.0%} margin and its process's base of "
-        f"{_mib(base_bytes_of(member))})"
+        f"less the {margin:.0%} margin, its process's base of "
+        f"{_mib(base_bytes_of(member))} and the runtime's {_mib(runtime_bytes(False))})"
     )
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.generation.params import SamplingParams, TokenEvent
+from zpipe.generation.refusals import CAPACITY, CONTEXT_LENGTH, RequestRefused
 from zpipe.generation.stopping import Detokenizer, StopChecker
 
 # The KV cache's capacity, in tokens of all sequences in flight at once: one
@@ -255,15 +256,17 @@ class SequenceScheduler:
         reserved = len(prompt) + params.max_tokens
         context = self.limits.max_context
         if context is not None and reserved > context:
-            raise ConfigError(
+            raise RequestRefused(
                 f"sequence {sequence}: prompt of {len(prompt)} tokens + max_tokens "
-                f"{params.max_tokens} exceed the model's context of {context} tokens"
+                f"{params.max_tokens} exceed the model's context of {context} tokens",
+                CONTEXT_LENGTH,
             )
         if not self._fits([reserved]):
-            raise ConfigError(
+            raise RequestRefused(
                 f"sequence {sequence}: prompt of {len(prompt)} tokens + max_tokens "
                 f"{params.max_tokens} = {reserved} tokens do not fit the KV cache "
-                f"({self._budget_words()}); shorten the prompt or lower max_tokens"
+                f"({self._budget_words()}); shorten the prompt or lower max_tokens",
+                CAPACITY,
             )
         # built now, so a request it refuses (stop strings, no tokenizer) is refused here
         checker = StopChecker(params, self._eos, self._detokenizer)

@@ -8,6 +8,8 @@ or client never indexes a peer's list blindly:
     rows       Row <-> [sequence, position, length, sample_index or null, reserved]
     sampling   a sampling row's settings <-> [temperature, top_k, top_p, seed]
     tokens     a list of token ids >= 0
+    events     TokenEvent <-> [sequence, index, token, text or null, finish or null]
+               (gen_token_batch)
 
 Every misfit is a ProtocolError that names the field.
 """
@@ -19,7 +21,7 @@ from dataclasses import fields
 from typing import Any
 
 from zpipe._errors import ConfigError, ProtocolError
-from zpipe.generation.params import SamplingParams
+from zpipe.generation.params import FinishReason, SamplingParams, TokenEvent
 from zpipe.generation.sequences import Row
 from zpipe.protocol.generation import GenSetup
 
@@ -148,3 +150,39 @@ def tokens_from_wire(body: Any, what: str = "tokens") -> list[int]:
     if not isinstance(body, list):
         raise ProtocolError(f"{what} must be a list")
     return [_int(t, f"{what}[{i}]") for i, t in enumerate(body)]
+
+
+_FINISH_REASONS: tuple[FinishReason, ...] = ("length", "eos", "stop", "cancelled")
+
+
+def finish_from_wire(value: Any, what: str = "finish") -> FinishReason | None:
+    """A finish reason this version knows, or None; ProtocolError for any other."""
+    if value is None:
+        return None
+    for reason in _FINISH_REASONS:
+        if value == reason:
+            return reason
+    raise ProtocolError(f"{what}: unknown finish reason {value!r}")
+
+
+def events_to_wire(events: Sequence[TokenEvent]) -> list[list[Any]]:
+    return [[e.sequence, e.index, e.token, e.text or None, e.finish_reason] for e in events]
+
+
+def events_from_wire(body: Any) -> list[TokenEvent]:
+    """A ``gen_token_batch``'s events, in order, each checked."""
+    if not isinstance(body, list) or not body:
+        raise ProtocolError("events must be a non-empty list")
+    out = []
+    for i, item in enumerate(body):
+        if not isinstance(item, list) or len(item) != 5:
+            raise ProtocolError(f"event {i} must be [sequence, index, token, text, finish]")
+        sequence = _int(item[0], f"event {i}: sequence")
+        index = _int(item[1], f"event {i}: index")
+        token = _int(item[2], f"event {i}: token")
+        text = item[3]
+        if text is not None and not isinstance(text, str):
+            raise ProtocolError(f"event {i}: text must be a string or null, got {text!r}")
+        finish = finish_from_wire(item[4], f"event {i}: finish")
+        out.append(TokenEvent(sequence, index, token, text or "", finish))
+    return out

@@ -16,7 +16,10 @@ Memory of a stage running units ``[i, j)`` (what :func:`stage_memory` adds up):
   A stage runs one forward at a time (a prefill chunk or a decode
   micro-batch), its units one after another, and a unit's working set is freed
   before the next unit runs (no backward keeps it), so the peak is the largest
-  unit's working set at the larger of the two token counts.
+  unit's working set at the larger of the two token counts;
+- the runtime (``runtime``, beside the three): what any model's first build and
+  forward cost the process, by the one memory model (:mod:`zpipe.planner.memory`);
+  a device's room leaves it out, as it leaves out the process's base.
 
 Times of a stage on a device (reference time / the device's speed):
 
@@ -157,15 +160,27 @@ class GenerationWorkload:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """What one stage holds, in bytes."""
+    """What one stage holds, in bytes.
+
+    ``total`` is the model's part (weights, KV cache, working set): what a device's
+    room for a model must hold. ``runtime`` is what running any model costs the
+    stage's process the first time (:data:`~zpipe.planner.memory.COMPUTE_RUNTIME_BYTES`:
+    torch's code and the CPU kernels' workspaces), which a room has already left out
+    (:func:`~zpipe.planner.memory.model_room_bytes`), as it has the process's base;
+    ``above_base`` adds it: what the process holds at its peak beyond its base."""
 
     weights: int
     kv_cache: int
     activations: int
+    runtime: int = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.activations
+
+    @property
+    def above_base(self) -> int:
+        return self.total + self.runtime
 
 
 def stage_memory(
@@ -184,7 +199,9 @@ def stage_memory(
         unit_peaks=[tokens * u.activation_bytes_per_token for u in span] or [0],
         stage_input=0,
     )
-    return StageMemory(weights=model.weights, kv_cache=kv, activations=model.forward)
+    return StageMemory(
+        weights=model.weights, kv_cache=kv, activations=model.forward, runtime=model.runtime
+    )
 
 
 def device_speeds(

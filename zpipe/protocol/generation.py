@@ -22,8 +22,12 @@ zpipe.stage.executors.generation, zpipe.client.runs.generation)::
                                             step (the ring)
     stage -> next stage    gen_step_failed  a step a stage could not compute, passed on
                                             round the ring to the first stage
-    first stage -> client  gen_token        one event of a sequence's stream
-                           gen_refused      a sequence the first stage refused
+    first stage -> client  gen_token_batch  a step's events, one per sequence that
+                                            produced a token in it
+                           gen_token        one event of a sequence's stream (an older
+                                            first stage's; the client takes both)
+                           gen_refused      a sequence the first stage refused, and
+                                            the kind of refusal
 
 Rows and sampling settings travel as plain lists; zpipe.generation.wire reads them
 (with their meaning, and every value checked).
@@ -238,12 +242,32 @@ class GenToken(WireMessage):
 
 
 @wire_message
+class GenTokenBatch(WireMessage):
+    """First stage -> client: the events of one step, every sequence's that produced
+    one, in the order the client hands them on. ``events``: ``[sequence, index,
+    token, text or null, finish or null]`` each (zpipe.generation.wire reads them).
+    One message per step rather than one per token: the first stage's event loop
+    sends a step's S tokens in one frame."""
+
+    KIND: ClassVar[str] = "gen_token_batch"
+    run: int = wire(INT)
+    src: str = wire(STR)
+    events: list[Any] = wire(LIST)
+
+
+@wire_message
 class GenRefused(WireMessage):
+    """First stage -> client: sequence ``sequence`` is refused (``error``: why, in
+    words). ``kind``: what a program acts on (zpipe.generation.refusals:
+    ``capacity``, ``context_length``, ``bad_request``, ``stage_failed``; absent from
+    an older first stage)."""
+
     KIND: ClassVar[str] = "gen_refused"
     run: int = wire(INT)
     sequence: int = wire(INT)
     src: str = wire(STR)
     error: str = wire(STR)
+    kind: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (
@@ -259,5 +283,6 @@ MESSAGES: tuple[type[WireMessage], ...] = (
     GenTokens,
     GenStepFailed,
     GenToken,
+    GenTokenBatch,
     GenRefused,
 )

@@ -21,9 +21,10 @@ and hands each to its request's queue.
 
 Failures, in the API's shape (:mod:`zpipe.serve.errors`):
 
-- a sequence the first stage refuses (a prompt too long for the run's context, a
-  reservation the KV cache can never hold): 400 with the stage's reason; a step
-  a stage could not compute: 500;
+- a sequence the first stage refuses, by the refusal's kind (``gen_refused``'s,
+  :mod:`zpipe.generation.refusals`): a prompt too long for the run's context or a
+  reservation the KV cache can never hold, 400 with the stage's reason; a step a
+  stage could not compute, 500;
 - a run that cannot start (too few stages, the coordinator gone): 503;
 - a run that streams nothing for ``token_timeout_s`` while requests wait (a
   stage died or stalled, or another run took the stages): every waiting request
@@ -315,7 +316,7 @@ class ClusterBackend:
                     event = await live.run.next_event()
                 except SequenceRefused as exc:
                     live.progress_at = time.monotonic()
-                    self._deliver(live, exc.sequence, sequence_refused(exc.error))
+                    self._deliver(live, exc.sequence, sequence_refused(exc.error, exc.kind))
                     continue
                 except TransportTimeout:
                     # quiet with nobody waiting is fine; quiet while requests wait

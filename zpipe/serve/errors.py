@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from zpipe._errors import ZpipeError
+from zpipe.generation.refusals import CAPACITY, CONTEXT_LENGTH, STAGE_FAILED
 
 
 class ApiError(ZpipeError):
@@ -80,29 +80,26 @@ def backend_timeout(seconds: float) -> ApiError:
 # ------------------------------------------------------- a cluster's failures
 # (zpipe.serve.cluster_backend): what the generation run says, in the API's shape
 
-# the first stage's words for a step a stage could not compute (gen_refused after
-# gen_step_failed, zpipe.stage.executors.generation); any other refusal is the
-# request's: the scheduler's checks of its prompt and settings
-_STEP_FAILED = re.compile(r"^step \d+ failed at stage ")
 
-
-def sequence_refused(error: str) -> ApiError:
-    """A sequence the cluster's first stage refused (``gen_refused``'s text)."""
-    if _STEP_FAILED.match(error):
+def sequence_refused(error: str, kind: str | None) -> ApiError:
+    """A sequence the cluster's first stage refused: ``gen_refused``'s ``kind``
+    (zpipe.generation.refusals) chooses the status and code, its text is the message.
+    A refusal without a kind (an older first stage's) is the request's: 400."""
+    if kind == STAGE_FAILED:
         return ApiError(
             f"the cluster failed while generating: {error}",
             status=500,
             type="server_error",
             code="stage_failed",
         )
-    if "do not fit the KV cache" in error:
+    if kind == CAPACITY:
         return ApiError(
             f"the cluster cannot hold this request: {error}",
             status=400,
             param="max_tokens",
             code="capacity_exceeded",
         )
-    if "exceed the model's context" in error:
+    if kind == CONTEXT_LENGTH:
         return ApiError(error, status=400, param="max_tokens", code="context_length_exceeded")
     return ApiError(
         f"the cluster refused the request: {error}", status=400, code="sequence_refused"

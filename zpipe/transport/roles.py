@@ -164,6 +164,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "gen_tokens",
             "gen_step_failed",
             "gen_token",
+            "gen_token_batch",
             "gen_refused",
             # on probe sockets, stage to stage
             "link_ping",

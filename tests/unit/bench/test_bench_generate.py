@@ -18,12 +18,14 @@ from bench.generate import (
     _decode_rate,
     _even,
     _model,
-    _predicted_bytes,
+    _phases_over_base,
+    _predicted,
     _prompts,
     _ratio,
 )
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import read_causal_lm_config
+from zpipe.planner.memory import runtime_bytes
 
 
 def _args(**changes: object) -> argparse.Namespace:
@@ -88,17 +90,35 @@ def test_the_decode_rate_counts_every_token_after_the_first() -> None:
     assert _even(7, 3) == [3, 2, 2] and sum(_even(10, 3)) == 10
 
 
-def test_predicted_memory_grows_with_the_sequences_and_covers_every_stage(
+def test_predicted_memory_grows_with_the_sequences_and_counts_the_runtime(
     checkpoint: tuple[Path, ModelSpec],
 ) -> None:
     args = _args()
     spec = checkpoint[1]
     bounds = [[0, 2], [2, 3], [3, 4]]
-    one = _predicted_bytes(spec, args, 1, bounds)
-    three = _predicted_bytes(spec, args, 3, bounds)
-    assert len(one) == 3 and all(b > 0 for b in one)
-    assert three[1] > one[1]  # a stage with a block keeps a cache per sequence
-    assert three[2] == one[2]  # the head keeps none
+    one = _predicted(spec, args, 1, bounds)
+    three = _predicted(spec, args, 3, bounds)
+    assert len(one) == 3 and all(p.total > 0 for p in one)
+    assert three[1].kv_cache > one[1].kv_cache  # a stage with a block keeps a cache per sequence
+    assert three[2].kv_cache == one[2].kv_cache == 0  # the head keeps none
+    # what the bench compares with a stage's memory beyond its base: the model's part
+    # and the runtime's, which a stage's room leaves out as it leaves out the base
+    assert all(p.above_base == p.total + runtime_bytes(False) for p in three)
+
+
+def test_phases_are_shown_over_each_stages_base() -> None:
+    phases = {
+        "ready": {"s0": {"VmRSS": 2048, "RssAnon": 1024, "RssFile": 1024, "VmHWM": 3072}},
+        "warm": {"s0": {"VmRSS": 4096, "RssAnon": 2048, "RssFile": 2048, "VmHWM": None}},
+    }
+    got = _phases_over_base(phases, {"s0": 1024})
+    assert got == {
+        "s0": {
+            "ready": {"VmRSS": 1.0, "RssAnon": 1.0, "RssFile": 1.0, "VmHWM": 2.0},
+            "warm": {"VmRSS": 3.0, "RssAnon": 2.0, "RssFile": 2.0},
+        }
+    }
+    assert _phases_over_base(None, {}) is None
 
 
 def test_resident_memory_and_cpu_time_are_read_and_the_peak_reset() -> None:

@@ -79,6 +79,7 @@ def test_the_model_on_one_stage_too_small_is_refused_before_it_hears_of_the_run(
     assert "stage 'solo' needs" in error
     assert f"{whole:.2f} MiB" in error and f"{whole * 0.7:.2f} MiB for its model" in error
     assert "10% margin" in error and f"base of {BASE / MIB:.2f} MiB" in error
+    assert f"the runtime's {runtime_bytes(False) / MIB:.2f} MiB" in error
     assert "weights" in error and "KV cache" in error and "working set" in error
     assert not h.events("generation_setup")
 

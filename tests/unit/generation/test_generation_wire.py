@@ -8,9 +8,12 @@ from typing import Any
 import pytest
 
 from zpipe._errors import ProtocolError
-from zpipe.generation.params import SamplingParams
+from zpipe.generation.params import SamplingParams, TokenEvent
+from zpipe.generation.refusals import REFUSAL_KINDS, kind_from_wire
 from zpipe.generation.sequences import Row
 from zpipe.generation.wire import (
+    events_from_wire,
+    events_to_wire,
     params_from_map,
     params_to_map,
     rows_from_wire,
@@ -94,3 +97,38 @@ def test_tokens_are_non_negative_integers() -> None:
         tokens_from_wire([0, -1])
     with pytest.raises(ProtocolError, match="must be a list"):
         tokens_from_wire({"a": 1})
+
+
+def test_token_events_round_trip_in_order() -> None:
+    events = [
+        TokenEvent(3, 0, 17),
+        TokenEvent(1, 4, 0, "héllo", None),
+        TokenEvent(3, 1, 9, "", "stop"),
+    ]
+    wire = events_to_wire(events)
+    assert wire[0] == [3, 0, 17, None, None]  # no text: null, as gen_token left it out
+    assert events_from_wire(wire) == events
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ([], "non-empty list"),
+        ({"a": 1}, "non-empty list"),
+        ([[1, 0, 2, None]], "event 0 must be"),
+        ([[1, 0, 2, None, None], "x"], "event 1 must be"),
+        ([[-1, 0, 2, None, None]], "event 0: sequence"),
+        ([[1, True, 2, None, None]], "event 0: index"),
+        ([[1, 0, 2.5, None, None]], "event 0: token"),
+        ([[1, 0, 2, 5, None]], "event 0: text"),
+        ([[1, 0, 2, None, "tired"]], "unknown finish reason 'tired'"),
+    ],
+)
+def test_bad_token_events_are_refused_by_name(body: Any, words: str) -> None:
+    with pytest.raises(ProtocolError, match=words):
+        events_from_wire(body)
+
+
+def test_refusal_kinds_read_from_the_wire() -> None:
+    assert [kind_from_wire(k) for k in REFUSAL_KINDS] == list(REFUSAL_KINDS)
+    assert kind_from_wire(None) is None and kind_from_wire("newer") is None

@@ -8,6 +8,7 @@ import pytest
 
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.generation import SamplingParams, TokenEvent
+from zpipe.generation.refusals import refusal_kind
 from zpipe.generation.sequences import (
     FreeCache,
     Row,
@@ -111,14 +112,19 @@ def test_budgets_per_stage_and_from_the_planner_and_refusals() -> None:
     with pytest.raises(ConfigError, match=r"= 41 tokens do not fit .*planner"):
         sched.submit(4, [1] * 40, SamplingParams(max_tokens=1))
     per_stage = SequenceScheduler(SchedulerLimits(kv_budget=[100, 30, 60]))
-    with pytest.raises(ConfigError, match="31 tokens do not fit the KV cache \\(30 tokens on"):
+    with pytest.raises(
+        ConfigError, match="31 tokens do not fit the KV cache \\(30 tokens on"
+    ) as capacity:
         per_stage.submit(1, [1] * 30, SamplingParams(max_tokens=1))
+    assert refusal_kind(capacity.value) == "capacity"
     ctx = SequenceScheduler(SchedulerLimits(max_context=16))
-    with pytest.raises(ConfigError, match="context of 16"):
+    with pytest.raises(ConfigError, match="context of 16") as context:
         ctx.submit(1, [1] * 10, SamplingParams(max_tokens=7))
+    assert refusal_kind(context.value) == "context_length"
     ctx.submit(1, [1] * 10, SamplingParams(max_tokens=6))
-    with pytest.raises(ConfigError, match="already in this run"):
+    with pytest.raises(ConfigError, match="already in this run") as twice:
         ctx.submit(1, [1], SamplingParams(max_tokens=1))
+    assert refusal_kind(twice.value) == "bad_request"
     with pytest.raises(ConfigError, match="empty"):
         ctx.submit(2, [], SamplingParams(max_tokens=1))
     with pytest.raises(ConfigError, match="integers >= 0"):

@@ -23,6 +23,7 @@ from zpipe.planner.generation_cost import (
     predict_generation,
     stage_memory,
 )
+from zpipe.planner.memory import COMPUTE_RUNTIME_BYTES
 
 RTOL = 1e-9
 
@@ -216,6 +217,10 @@ def test_stage_memory_adds_weights_kv_cache_and_the_largest_working_set() -> Non
     assert mem.kv_cache == (4 + 6) * 50 * 3
     assert mem.activations == 16 * 5  # max(C, b) tokens, the largest unit's working set
     assert mem.total == 500 + 1500 + 80
+    # beside the model's part (what a device's room holds): the runtime's allowance,
+    # which a room already leaves out; the process holds both beyond its base
+    assert mem.runtime == COMPUTE_RUNTIME_BYTES
+    assert mem.above_base == mem.total + COMPUTE_RUNTIME_BYTES
     # a decode micro-batch larger than a chunk sets the working set
     wide = GenerationWorkload(sequences=3, max_context=50, decode_batch=32, prefill_chunk=16)
     assert stage_memory(units, 0, 1, wide).activations == 32 * 7

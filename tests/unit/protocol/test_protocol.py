@@ -372,11 +372,15 @@ KINDS_ADDED_IN_V1 = {
         "text": ["str/null", False],
         "finish": ["str/null", False],
     },
+    # a step's events in one message (gen_token: one event, an older first stage's)
+    "gen_token_batch": {"run": ["int", True], "src": ["str", True], "events": ["list", True]},
     "gen_refused": {
         "run": ["int", True],
         "sequence": ["int", True],
         "src": ["str", True],
         "error": ["str", True],
+        # why, for a program: capacity, context_length, bad_request, stage_failed
+        "kind": ["str/null", False],
     },
 }
 # EdgePipe's separate device processes, gone (lossy runs take ordinary stages): a peer

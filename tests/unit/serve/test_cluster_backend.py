@@ -193,7 +193,7 @@ def test_a_refused_sequence_gets_the_api_error_and_the_run_serves_on(
                 f"sequence {run.submitted[0][0]}: prompt of 2 tokens + max_tokens 50 = 52 "
                 "tokens do not fit the KV cache (40 tokens); shorten the prompt"
             )
-            run.events.put_nowait(SequenceRefused(run.submitted[0][0], detail))
+            run.events.put_nowait(SequenceRefused(run.submitted[0][0], detail, kind="capacity"))
             with pytest.raises(ApiError) as refused:
                 await first
             assert run.cancelled == []  # the stage has nothing of it
@@ -259,20 +259,32 @@ def test_a_tokenizer_makes_the_run_stream_text() -> None:
     assert _backend().max_context == 64  # the preset's positions
 
 
-def test_the_first_stages_refusals_map_to_the_api_errors() -> None:
-    step = sequence_refused("step 12 failed at stage s1: RuntimeError: boom")
+def test_the_first_stages_refusals_map_to_the_api_errors_by_kind() -> None:
+    step = sequence_refused("step 12 failed at stage s1: RuntimeError: boom", "stage_failed")
     assert (step.status, step.type, step.code) == (500, "server_error", "stage_failed")
     context = sequence_refused(
-        "sequence 3: prompt of 60 tokens + max_tokens 10 exceed the model's context of 64 tokens"
+        "sequence 3: prompt of 60 tokens + max_tokens 10 exceed the model's context of 64 tokens",
+        "context_length",
     )
     assert (context.status, context.code) == (400, "context_length_exceeded")
-    other = sequence_refused("token ids must be below the vocabulary's 100")
+    capacity = sequence_refused("sequence 3 needs more than the cache holds", "capacity")
+    assert (capacity.status, capacity.code, capacity.param) == (
+        400,
+        "capacity_exceeded",
+        "max_tokens",
+    )
+    other = sequence_refused("token ids must be below the vocabulary's 100", "bad_request")
     assert (other.status, other.type, other.code) == (
         400,
         "invalid_request_error",
         "sequence_refused",
     )
     assert "vocabulary" in other.message
+    # the kind decides, not the words: a stage's text that reads like another kind's
+    # (or a refusal without a kind, from an older first stage) stays the request's 400
+    for kind in ("bad_request", None):
+        worded = sequence_refused("step 4 failed at stage s1: do not fit the KV cache", kind)
+        assert (worded.status, worded.code) == (400, "sequence_refused")
     assert cluster_unavailable("gone").body()["error"]["code"] == "cluster_unavailable"
     assert cluster_timeout(2.5).status == 504 and "2.5 s" in cluster_timeout(2.5).message
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from zpipe._errors import ProtocolError, TransportTimeout
-from zpipe.generation.params import SamplingParams
-from zpipe.generation.wire import params_to_map
+from zpipe.generation.params import SamplingParams, TokenEvent
+from zpipe.generation.wire import events_from_wire, params_to_map
 from zpipe.models import ModelSpec
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import (
@@ -24,7 +24,7 @@ from zpipe.protocol.generation import (
     GenStep,
     GenStepFailed,
     GenSubmit,
-    GenToken,
+    GenTokenBatch,
     GenTokens,
 )
 from zpipe.stage.executors import generation as module
@@ -125,6 +125,10 @@ class _Ring:
     def to(self, peer: str, kind: type[WireMessage]) -> list[Any]:
         return [m for p, m in self.sent if p == peer and isinstance(m, kind)]
 
+    def events(self) -> list[TokenEvent]:
+        """Every token event streamed to the client, in order (a step's in one batch)."""
+        return [e for m in self.to("client", GenTokenBatch) for e in events_from_wire(m.events)]
+
 
 def _submit(sequence: int, *, src: str = "client", run: int = 9, **params: Any) -> GenSubmit:
     return GenSubmit(
@@ -151,15 +155,15 @@ def test_the_first_stage_schedules_sends_steps_and_streams_tokens(
         assert step.tensors[0].shape == (3, SPEC.config["n_embd"])  # hidden states
         await on(GenTokens(run=9, step=step.step, src="s1", tokens=[42], epoch=EPOCH))
         await ring.settle()
-        (token,) = ring.to("client", GenToken)
-        assert (token.sequence, token.index, token.token, token.finish) == (4, 0, 42, None)
+        (token,) = ring.events()
+        assert token == TokenEvent(4, 0, 42, "", None)
         decode = ring.to("s1", GenStep)[-1]
         assert decode.rows == [[4, 3, 1, 1, 5]]  # the token goes round again
         await on(GenTokens(run=9, step=decode.step, src="s1", tokens=[7], epoch=EPOCH))
         await on(GenClose(run=9, src="client", epoch=EPOCH))
         await ring.settle()
-        last = ring.to("client", GenToken)[-1]
-        assert (last.index, last.token, last.finish) == (1, 7, "length")
+        last = ring.events()[-1]
+        assert (last.index, last.token, last.finish_reason) == (1, 7, "length")
         assert ring.to("s1", GenClose)  # passed down the stages
         await on(_submit(6))  # the run is over here: counted stale, not scheduled
         assert ring.executor.stale == 1 and ring.executor.state is None
@@ -177,11 +181,19 @@ def test_the_first_stage_refuses_bad_sequences_and_drops_impostors(
         on = ring.executor._on_data
         await on(_submit(1, top_p=3.0))
         await on(_submit(2, max_tokens=40))  # 3 + 40 tokens exceed the context of 32
+        await on(_submit(3, max_tokens=20))
+        await on(_submit(3, max_tokens=20))  # the same id again
         refused = ring.to("client", GenRefused)
-        assert [(r.sequence, "top_p" in r.error) for r in refused] == [(1, True), (2, False)]
+        assert [(r.sequence, "top_p" in r.error) for r in refused] == [
+            (1, True),
+            (2, False),
+            (3, False),
+        ]
         assert "context" in refused[1].error
+        # the kind says why, for a program: serve maps it to the API's error
+        assert [r.kind for r in refused] == ["bad_request", "context_length", "bad_request"]
         with pytest.raises(ProtocolError, match="must come from 'client'"):
-            await on(_submit(3, src="s1"))
+            await on(_submit(7, src="s1"))
         with pytest.raises(ProtocolError, match="must come from 's1'"):
             await on(GenTokens(run=9, step=0, src="client", tokens=[1], epoch=EPOCH))
         await on(_submit(5, run=8))  # another run's: counted, not computed
@@ -281,7 +293,7 @@ def test_a_sequence_stops_at_the_models_end_of_sequence_token(
             tokens = [42] * sum(row[3] is not None for row in step.rows)
             await on(GenTokens(run=9, step=step.step, src="s1", tokens=tokens, epoch=EPOCH))
         await ring.settle()
-        finish = {t.sequence: t.finish for t in ring.to("client", GenToken)}
+        finish = {t.sequence: t.finish_reason for t in ring.events()}
         assert finish == {4: "eos", 5: None}
         await ring.executor.close()
 
@@ -310,8 +322,8 @@ def test_with_text_the_first_stage_streams_text_and_stops_at_a_stop_string(
             step = ring.to("s1", GenStep)[-1]
             await on(GenTokens(run=9, step=step.step, src="s1", tokens=[token], epoch=EPOCH))
         await ring.settle()
-        events = [(t.index, t.text, t.finish) for t in ring.to("client", GenToken)]
-        assert events == [(0, "a", None), (1, "b", None), (2, None, "stop")]
+        events = [(t.index, t.text, t.finish_reason) for t in ring.events()]
+        assert events == [(0, "a", None), (1, "b", None), (2, "", "stop")]
         await ring.executor.close()
 
     asyncio.run(scenario())
@@ -360,8 +372,8 @@ def test_a_replan_sets_the_run_up_again_and_a_sequence_goes_on_from_its_tokens(
         assert prefill.rows == [[4, 0, 4, 1, 5]]
         await on(GenTokens(run=9, step=prefill.step, src="s1", tokens=[7], epoch=EPOCH + 1))
         await ring.settle()
-        last = ring.to("client", GenToken)[-1]
-        assert (last.sequence, last.index, last.token, last.finish) == (4, 1, 7, "length")
+        last = ring.events()[-1]
+        assert (last.sequence, last.index, last.token, last.finish_reason) == (4, 1, 7, "length")
         # other units: built again
         await replan(end=3, epoch=EPOCH + 2)
         assert ring.executor.state is not None and ring.executor.state.work is not built
@@ -381,6 +393,49 @@ def test_a_step_the_next_stage_does_not_take_refuses_no_sequence(
         await ring.settle()
         assert not ring.to("client", GenRefused) and not ring.sent
         assert ring.executor.protocol_errors == 0
+        await ring.executor.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_steps_tokens_go_to_the_client_in_one_message_in_row_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        ring = _Ring(monkeypatch, 0, 2)
+        ring.setup = replace(ring.setup, steps_in_flight=1)  # one group: all decode together
+        await ring.start()
+        on = ring.executor._on_data
+        for sequence in (4, 6, 5):
+            await on(_submit(sequence))
+        answered: set[int] = set()
+        sizes = []
+        while True:
+            await ring.settle()
+            pending = [s for s in ring.to("s1", GenStep) if s.step not in answered]
+            if not pending:
+                break
+            for step in pending:
+                answered.add(step.step)
+                sampled = [row[0] for row in step.rows if row[3] is not None]
+                tokens = [(10 * step.step + i) % 100 for i in range(len(sampled))]
+                before = len(ring.to("client", GenTokenBatch))
+                await on(GenTokens(run=9, step=step.step, src="s1", tokens=tokens, epoch=EPOCH))
+                batches = ring.to("client", GenTokenBatch)
+                # the step's tokens: one message, its sampling rows' order
+                assert len(batches) == before + 1
+                events = events_from_wire(batches[-1].events)
+                assert [(e.sequence, e.token) for e in events] == list(
+                    zip(sampled, tokens, strict=True)
+                )
+                sizes.append(len(events))
+        assert 3 in sizes  # the three sequences decoded in one step: one message for three
+        # every sequence's stream, read one event at a time, is whole and in order
+        streams: dict[int, list[int]] = {}
+        for event in ring.events():
+            assert event.index == len(streams.setdefault(event.sequence, []))
+            streams[event.sequence].append(event.token)
+        assert sorted(streams) == [4, 5, 6] and all(len(t) == 2 for t in streams.values())
         await ring.executor.close()
 
     asyncio.run(scenario())

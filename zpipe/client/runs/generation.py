@@ -10,9 +10,10 @@ The client asks the coordinator for the run (``gen_run_request``; the
 coordinator sets up the stages, :mod:`zpipe.coordinator.runs.generation`), then
 talks to the first stage only: each sequence goes there (``gen_submit``), and the
 first stage, which runs the scheduler, streams each sequence's events to this
-client's sink (``gen_token``; ``gen_refused`` for one it cannot take). At the end
-(or when the caller stops iterating) the client closes the run (``gen_close``),
-and every stage frees its caches.
+client's sink (a step's events in one ``gen_token_batch``, handed out here one at
+a time in their order; ``gen_refused`` for one it cannot take, with its kind). At
+the end (or when the caller stops iterating) the client closes the run
+(``gen_close``), and every stage frees its caches.
 
 When a stage dies the coordinator re-plans the run over the survivors and tells
 this client (``run_replanned``, :mod:`zpipe.coordinator.runs.generation_recovery`).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -52,7 +54,13 @@ from zpipe._errors import (
 from zpipe.client.connection import ClientConnection
 from zpipe.client.failures import stage_failed_error
 from zpipe.generation.params import SamplingParams, TokenEvent
-from zpipe.generation.wire import check_dtype, params_to_map
+from zpipe.generation.refusals import kind_from_wire
+from zpipe.generation.wire import (
+    check_dtype,
+    events_from_wire,
+    finish_from_wire,
+    params_to_map,
+)
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import FAMILY, read_causal_lm_config
@@ -67,6 +75,7 @@ from zpipe.protocol.generation import (
     GenRunRequest,
     GenSubmit,
     GenToken,
+    GenTokenBatch,
 )
 from zpipe.transport.sockets import recv_frames, send
 
@@ -188,6 +197,9 @@ class GenerationRun:
         self._push: zmq.asyncio.Socket | None = None
         self._closed = False
         self._sent: dict[int, _Sent] = {}
+        # events received (a step's come in one message) and not yet handed out; each
+        # counted in its sequence's tokens when received, so a re-plan sends them on
+        self._pending: deque[TokenEvent] = deque()
         # each re-plan this run went through: the dead stage, the new stages, times
         self.recoveries: list[dict[str, Any]] = []
 
@@ -277,6 +289,8 @@ class GenerationRun:
         not be re-planned, TransportTimeout when nothing comes within
         ``token_timeout_s`` (a re-plan's notice starts the wait again)."""
         assert self.ready is not None, "start() the run first"
+        if self._pending:  # the rest of a step's events, received with its first
+            return self._pending.popleft()
         timeout_s = self.options.token_timeout_s or self.connection.timeouts.result_s
         deadline = time.monotonic() + timeout_s
         while True:
@@ -299,13 +313,20 @@ class GenerationRun:
                 continue
             current = message.epoch == ready.epoch and getattr(message, "run", None) == ready.run
             match message:
+                case GenTokenBatch() if current and message.src == ready.first_stage:
+                    self._pending.extend(
+                        e for e in events_from_wire(message.events) if self._received(e)
+                    )
+                    if self._pending:
+                        return self._pending.popleft()
+                    continue
                 case GenToken() if current and message.src == ready.first_stage:
                     event = TokenEvent(
                         message.sequence,
                         message.index,
                         message.token,
                         message.text or "",
-                        _finish(message.finish),
+                        finish_from_wire(message.finish, "gen_token"),
                     )
                     if self._received(event):
                         return event
@@ -313,7 +334,9 @@ class GenerationRun:
                 case GenRefused() if current:
                     if message.sequence in self._sent:
                         self._sent[message.sequence].over = True
-                    raise SequenceRefused(message.sequence, message.error)
+                    raise SequenceRefused(
+                        message.sequence, message.error, kind=kind_from_wire(message.kind)
+                    )
             # an earlier plan's events (the tokens a re-plan makes again) are dropped
             log.debug("dropped_message", peer="sink", kind=message.KIND, error="not this run's")
 
@@ -456,12 +479,6 @@ async def _wait_not_empty(queue: asyncio.Queue[Any]) -> None:
     while queue.empty():
         item = await queue.get()
         queue.put_nowait(item)  # at once, with no await between: it is the only item
-
-
-def _finish(reason: str | None) -> Any:
-    if reason not in (None, "length", "eos", "stop", "cancelled"):
-        raise ProtocolError(f"gen_token: unknown finish reason {reason!r}")
-    return reason
 
 
 async def generate(

@@ -19,9 +19,10 @@ stage a ``gen_setup``; the lifecycle hands it here. The executor:
 The first stage also runs the run's :class:`~zpipe.generation.sequences.SequenceScheduler`
 on the event loop (it never waits): the client's ``gen_submit`` and ``gen_cancel``
 and the last stage's ``gen_tokens`` go in, and its commands come out: a step to
-compute, a token event to stream to the client (``gen_token``), a cache to free at
-every stage. The scheduler makes every decision of the loop (admission, chunked
-prefill, which rows sample, when a sequence stops); this module only moves them.
+compute, token events to stream to the client (a step's in one ``gen_token_batch``),
+a cache to free at every stage. The scheduler makes every decision of the loop
+(admission, chunked prefill, which rows sample, when a sequence stops); this module
+only moves them.
 
 A client that goes away unannounced is noticed when the first stage's events to
 it stop leaving (its sink's queue full for the send deadline): the run closes as
@@ -46,6 +47,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout, ZpipeError
+from zpipe.generation.refusals import STAGE_FAILED, refusal_kind
 from zpipe.generation.sequences import (
     FreeCache,
     RunStep,
@@ -55,7 +57,12 @@ from zpipe.generation.sequences import (
     StreamToken,
 )
 from zpipe.generation.stopping import eos_ids_from
-from zpipe.generation.wire import check_setup, params_from_map, tokens_from_wire
+from zpipe.generation.wire import (
+    check_setup,
+    events_to_wire,
+    params_from_map,
+    tokens_from_wire,
+)
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import (
@@ -68,7 +75,7 @@ from zpipe.protocol.generation import (
     GenStep,
     GenStepFailed,
     GenSubmit,
-    GenToken,
+    GenTokenBatch,
     GenTokens,
 )
 from zpipe.stage.assignment import PushConnector
@@ -365,37 +372,38 @@ class GenerationExecutor:
                 message.sequence, ids, params, generated=generated
             )
         except (ZpipeError, ValueError) as exc:
+            kind = refusal_kind(exc)
             refused = GenRefused(
                 run=st.setup.run,
                 sequence=message.sequence,
                 src=self.name,
                 error=str(exc),
+                kind=kind,
                 epoch=st.setup.epoch,
             )
             log.info(
-                "generation_refused", stage=self.name, sequence=message.sequence, error=str(exc)
+                "generation_refused",
+                stage=self.name,
+                sequence=message.sequence,
+                kind=kind,
+                error=str(exc),
             )
             await self._to_client(st, refused)
             return
         await self._carry_out(st, commands)
 
     async def _carry_out(self, st: _Run, commands: list[SchedulerCommand]) -> None:
-        """The scheduler's commands, in order: stream, free, feed steps."""
+        """The scheduler's commands: frees and steps queued for the compute thread in
+        their order, then the token events among them (a step's, one per sequence)
+        streamed to the client in one message, in their order. Only the client sees
+        the events and only the compute thread the rest, so neither order changes;
+        the next step is queued before the send waits."""
         setup = st.setup
+        events = []
         for command in commands:
             match command:
                 case StreamToken(event=event):
-                    token = GenToken(
-                        run=setup.run,
-                        sequence=event.sequence,
-                        index=event.index,
-                        token=event.token,
-                        src=self.name,
-                        text=event.text or None,
-                        finish=event.finish_reason,
-                        epoch=setup.epoch,
-                    )
-                    await self._to_client(st, token)
+                    events.append(event)
                 case FreeCache(sequence=sequence):
                     st.queue.put_nowait(_Free((sequence,)))
                 case RunStep():
@@ -403,6 +411,11 @@ class GenerationExecutor:
                     st.queue.put_nowait(
                         first_step(setup.run, command, params, src=self.name, epoch=setup.epoch)
                     )
+        if events:
+            batch = GenTokenBatch(
+                run=setup.run, src=self.name, events=events_to_wire(events), epoch=setup.epoch
+            )
+            await self._to_client(st, batch)
 
     # ------------------------------------------------------------ computing
 
@@ -538,6 +551,7 @@ class GenerationExecutor:
                 sequence=sequence,
                 src=self.name,
                 error=f"step {failed.step} failed at stage {failed.stage}: {failed.error}",
+                kind=STAGE_FAILED,
                 epoch=st.setup.epoch,
             )
             await self._to_client(st, refused)
