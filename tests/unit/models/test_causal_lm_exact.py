@@ -3,6 +3,7 @@ identical to its generate, logits close to its forward."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tests._support.causal_lm import (
 )
 from zpipe._errors import ModelSpecError
 from zpipe.models.causal_lm import SequenceChunk, causal_lm_spec, chain_forward
+from zpipe.models.causal_lm.checkpoint import HfCheckpoint
 
 pytest.importorskip("transformers")
 
@@ -161,3 +163,35 @@ def test_sliding_window_attention_is_refused(tmp_path: Path) -> None:
     model = hf_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     with pytest.raises(ModelSpecError, match="sliding"):
         causal_lm_spec(write_checkpoint(model, tmp_path))
+
+
+def test_a_stage_reads_its_checkpoint_one_unit_at_a_time(
+    checkpoints: dict[str, tuple[Any, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading must not hold every unit's tensors beside the built units (that doubled
+    a stage's memory at load, past what the capacity check planned): each read is of
+    one unit's tensors, each tensor is read once; the exactness tests above show the
+    weights land where they belong."""
+    directory = checkpoints["llama"][1]
+    reads: list[list[str]] = []
+    original = HfCheckpoint.read
+
+    def spying_read(self: HfCheckpoint, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        wanted = list(keys)
+        reads.append(wanted)
+        return original(self, wanted)
+
+    monkeypatch.setattr(HfCheckpoint, "read", spying_read)
+    ((start, end),) = SPLITS[1]
+    build_stages(directory, SPLITS[1])
+
+    def unit_of(key: str) -> str:
+        # "model.layers.2.mlp.up_proj.weight" -> "layers.2"; embeddings, norm, head by name
+        parts = key.split(".")
+        return ".".join(parts[1:3]) if parts[1] == "layers" else "head" if parts[-2] in (
+            "norm", "lm_head") else parts[-2]  # fmt: skip
+
+    assert len(reads) == end - start
+    assert all(len({unit_of(key) for key in read}) == 1 for read in reads), reads
+    every = [key for read in reads for key in read]
+    assert len(every) == len(set(every))

@@ -156,11 +156,16 @@ def load_checkpoint_units(
                 f"{start + offset}; does config.json describe these weights?"
             )
         wanted[offset] = mapping
-    tensors = source.read(sorted({key for m in wanted.values() for key in m.values()}))
+    # One unit's tensors at a time: the units already hold their (random) weights, so
+    # reading every unit's tensors first would double the stage's memory at load
+    # (measured: a peak of +98.5 MiB for 45 MiB of weights), past what the capacity
+    # check planned; this way the load costs one unit beyond the weights.
     for offset, unit in enumerate(units):
+        tensors = source.read(sorted(set(wanted[offset].values())))
         state = {name: tensors[key] for name, key in wanted[offset].items()}
         _check_shapes(unit.state_dict(), state, source.directory)
         unit.load_state_dict(state, strict=True)
+        del tensors, state
 
 
 def _check_shapes(
