@@ -86,6 +86,7 @@ def test_a_death_during_a_live_move_recovers_fast(
     assert sources[0] == "kept" and sources[3] == "kept"
     assert sources[2] in ("chain@c", "global")
     switched = fast["switched"]
+    assert fast["abandoned_move"] is True  # the forced move never committed here
     if switched == ["a"]:  # a had taken unit 1 already: alive, never from a copy
         assert sources[1] in ("kept", "peer")
     else:

@@ -259,6 +259,7 @@ def test_the_survivors_are_recut_by_eq5_over_the_capacities_the_run_measured() -
     eq5 = fast["eq5"]
     assert eq5["capacities"] == {"a": 1.0, "c": 3.0, "d": 1.0}
     assert "after mini-batch 10" in eq5["capacities_from"]
+    assert fast["abandoned_move"] is False  # its looks never moved
     assert eq5["links_mbit_s"] is None  # the controller costs no links here
     (logged,) = h.events("async_fast_recovery")
     assert logged["eq5"]["capacities"] == eq5["capacities"]
@@ -374,5 +375,5 @@ def test_a_death_during_a_moves_commit_keeps_what_each_survivor_holds() -> None:
                        "units.3.weight": 103.0, "units.4.weight": 104.0,
                        "units.5.weight": 105.0}  # fmt: skip
     fast = _ready(h, ["a", "c", "d"])
-    assert fast["switched"] == ["a"]
+    assert fast["switched"] == ["a"] and fast["abandoned_move"] is True
     assert fast["copies_used"] == {"global": [1], "chain@c": [2]}

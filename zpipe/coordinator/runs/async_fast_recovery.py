@@ -170,6 +170,7 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
             updates=updates,
             acknowledged=acknowledged,
             holding=holding,
+            move_pending=target is not None,  # the report: a move was under way
             **(eq5.kwargs() if eq5 is not None else {"reference_unit_s": [1.0] * tplan.num_units}),
         )
         if eq5 is not None:
