@@ -4,10 +4,11 @@ stages).
 The session's a, b, c (tests/cluster/test_async_recovery*.py): an ``async-1f1b`` run
 with ``live_copies`` (chain every 2, global every 4) and a re-partition forced at
 mini-batch 8 (a takes b's first unit). b is SIGKILLed as soon as the coordinator
-starts the move's fetches (once b's chain copy is at c): the move fails, the run
-recovers fast on a and c from what they hold (their committed units, or the move's
-if the commit reached them first) and b's units from its copy, and finishes with
-every mini-batch trained once. Waits are for log events, with generous deadlines.
+starts the move's fetches (once b's chain copy is at c): the move fails (or, if b
+answered the commit before it died, completes), the run recovers fast on a and c
+from what they hold (their committed units, or the move's if the commit reached
+them first) and b's units from its copy, and finishes with every mini-batch
+trained once. Waits are for log events, with generous deadlines.
 """
 
 from __future__ import annotations
@@ -77,17 +78,22 @@ def test_a_death_during_a_live_move_recovers_fast(
     assert report.training_plan is not None
     assert [s.devices[0] for s in report.training_plan.stages] == ["a", "c"]
     (recovery,) = report.recoveries
-    assert recovery["consistency"] == "fast" and recovery["resumed_at"] == MOVE_AT
+    # resumed where the client's acknowledged losses end: at the move (or just past
+    # it, had b answered the commit and a mini-batch gone through before it died)
+    assert recovery["consistency"] == "fast" and recovery["resumed_at"] >= MOVE_AT
     (fast,) = coordinator("async_fast_recovery")
-    assert fast["dead"] == ["b"] and fast["resume_at"] == MOVE_AT
+    assert fast["dead"] == ["b"] and fast["resume_at"] == recovery["resumed_at"]
     # what a and c held came along (committed, or switched to the move's cuts); b's
-    # units that no survivor held came from b's copies
+    # units that no survivor held came from b's copies. Where the kill lands decides
+    # which: before the commit reached anyone, after it reached a only, or after b
+    # answered it too (the coordinator committed the move: b died on the new cuts)
+    run = fast["run"]
+    committed = any(e["run"] == run for e in coordinator("repartitioned"))
+    assert fast["abandoned_move"] is (not committed)
     sources = report.unit_sources
     assert sources[0] == "kept" and sources[3] == "kept"
     assert sources[2] in ("chain@c", "global")
-    switched = fast["switched"]
-    assert fast["abandoned_move"] is True  # the forced move never committed here
-    if switched == ["a"]:  # a had taken unit 1 already: alive, never from a copy
+    if committed or fast["switched"] == ["a"]:  # a had taken unit 1: alive, kept
         assert sources[1] in ("kept", "peer")
     else:
-        assert switched == [] and sources[1] in ("chain@c", "global")
+        assert fast["switched"] == [] and sources[1] in ("chain@c", "global")
