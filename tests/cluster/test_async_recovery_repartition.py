@@ -182,6 +182,7 @@ def _attempt(failure: StageFailedError | None, *, recovers: bool = True) -> Any:
     )
     return SimpleNamespace(
         run=3, offset=6, session=session, replicate_every=4 if recovers else None,
+        attempts=SimpleNamespace(recovers=recovers),
         timeouts=SimpleNamespace(result_s=5.0, reply_s=1.0),
         report=TrainReport(run=3, plan=None, model_spec=SPEC, schedule="async-1f1b",  # type: ignore[arg-type]
                            num_microbatches=1),

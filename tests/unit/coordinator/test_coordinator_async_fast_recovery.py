@@ -259,6 +259,7 @@ def test_the_survivors_are_recut_by_eq5_over_the_capacities_the_run_measured() -
     eq5 = fast["eq5"]
     assert eq5["capacities"] == {"a": 1.0, "c": 3.0, "d": 1.0}
     assert "after mini-batch 10" in eq5["capacities_from"]
+    assert fast["abandoned_move"] is False  # its looks never moved
     assert eq5["links_mbit_s"] is None  # the controller costs no links here
     (logged,) = h.events("async_fast_recovery")
     assert logged["eq5"]["capacities"] == eq5["capacities"]
@@ -374,5 +375,32 @@ def test_a_death_during_a_moves_commit_keeps_what_each_survivor_holds() -> None:
                        "units.3.weight": 103.0, "units.4.weight": 104.0,
                        "units.5.weight": 105.0}  # fmt: skip
     fast = _ready(h, ["a", "c", "d"])
-    assert fast["switched"] == ["a"]
+    assert fast["switched"] == ["a"] and fast["abandoned_move"] is True
     assert fast["copies_used"] == {"global": [1], "chain@c": [2]}
+
+
+def test_a_holder_that_dies_while_it_sends_the_chain_copy_is_planned_around() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "c", "d"))  # b dies; c holds its chain copy
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
+    (ask,) = h.to("c", "weights_request")[-1:]
+    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
+    h.advance(8.0, alive=("a", "d"))  # c dies before it answers: b's copy at c with it
+    # planned again on a and d: b's unit from the global copy here, c's from its
+    # chain copy at d, asked of d
+    (ask,) = h.to("d", "weights_request")[-1:]
+    assert ask.body["snapshot"] == [{"owner": "c", "run": run, "step": 6, "start": 3, "end": 4}]
+    state = _units(3, 4, 60.0)
+    body = {"name": "d", "keys": list(state), "error": "", "step": 0, "run": 0}
+    h.feed_message("d", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    got = _assigned(h, ["a", "d"])
+    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
+    assert weights["units.2.weight"] == 42.0 and weights["units.3.weight"] == 63.0
+    fast = _ready(h, ["a", "d"])
+    assert fast["dead"] == ["b", "c"] and fast["order"] == ["a", "d"]
+    assert fast["copies_used"] == {"global": [2], "chain@d": [3]}
+    (lost,) = h.events("fast_holder_lost")
+    assert lost["stages"] == ["c"]

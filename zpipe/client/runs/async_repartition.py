@@ -32,7 +32,8 @@ async def repartition_before(run: TrainingRun, step: int) -> bool:
     drain and fill, most of a look's pause). Whether units moved.
 
     With recovery on, a re-partition that fails because a stage died ends the attempt
-    with that death (the run recovers from its last replica), not with the failure."""
+    with that death (the run recovers from its last replica, or fast from the live
+    copies), not with the failure."""
     try:
         reply = await _ask(run, step, look=True)
         if not reply.pause:
@@ -49,7 +50,8 @@ async def repartition_before(run: TrainingRun, step: int) -> bool:
                 ) from None
         return _record(run, step, await _ask(run, step, look=False))
     except (PipelineError, TransportTimeout):
-        if run.replicate_every is None:
+        # a fast recovery keeps no replica (replicate_every None) but recovers too
+        if not run.attempts.recovers:
             raise
         # the coordinator's word of a death may follow the failed phase it caused
         failure = await run.session.stage_failure_within(run.timeouts.reply_s)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from zpipe._errors import ConfigError, InfeasiblePlanError
+from zpipe._errors import ConfigError, InfeasiblePlanError, PipelineError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.decisions import live_members, units_state
@@ -154,13 +154,14 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
             holding[name] = found
 
     spans = [StageSpan((d,), a, b) for d, (a, b) in zip(devices, pairwise(bounds), strict=True)]
-    # eq. 5 over what the run measured (its live re-partition's capacities and links)
-    remaining = [d for d in devices if d not in dead]
-    eq5 = eq5_inputs(remaining, _measurements(current, tplan, remaining)) if remaining else None
     # copies a holder could not give after all (it restarted, or dropped an old one):
-    # planned again without them (the older copy, or the global one)
+    # planned again without them (the older copy, or the global one); a holder that
+    # dies while it sends them: planned again without it (its own units from copies)
     unusable: set[tuple[str, str]] = set()
     while True:
+        # eq. 5 over what the run measured (its live re-partition's capacities, links)
+        remaining = [d for d in devices if d not in dead]
+        eq5 = eq5_inputs(remaining, _measurements(current, tplan, remaining)) if remaining else None
         ledger = state.async_copies.ledger
         usable = CopyLedger({k: c for k, c in ledger.copies.items() if k not in unusable})
         fast = plan_fast_recovery(
@@ -170,6 +171,7 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
             updates=updates,
             acknowledged=acknowledged,
             holding=holding,
+            move_pending=target is not None,  # the report: a move was under way
             **(eq5.kwargs() if eq5 is not None else {"reference_unit_s": [1.0] * tplan.num_units}),
         )
         if eq5 is not None:
@@ -196,11 +198,19 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
                          "start": r.start, "end": r.end}
                     )  # fmt: skip
         if asks and not failed:
-            fetched, refused = yield from _fetch_chain_copies(state, alive, asks)
+            fetched, refused, lost = yield from _fetch_chain_copies(state, alive, asks)
             merged.update(fetched)
             for holder, error in refused.items():
                 for entry in asks[holder]:
                     failed[(str(entry["owner"]), "chain")] = f"{holder}: {error}"
+            if lost:
+                yield Log("warning", "fast_holder_lost", {"run": run.run, "stages": lost})
+                for name in lost:
+                    dead.add(name)
+                    kept.pop(name, None)
+                    updates.pop(name, None)
+                    holding.pop(name, None)
+                continue
         if not failed:
             break
         if not set(failed) - unusable:  # cannot happen: an unusable copy is never planned
@@ -318,8 +328,9 @@ def _fetch_chain_copies(
     state: ControlState, alive: dict[str, Any], asks: dict[str, list[dict[str, Any]]]
 ) -> Flow:
     """The chain copies surviving stages hold for dead ones, by owner, run and mini-batch:
-    returns the state fetched and, by holder, the error of each that could not give
-    its copies (the caller plans again without them)."""
+    returns the state fetched, by holder the error of each that could not give its
+    copies, and the holders that died meanwhile (the caller plans again without
+    either; a holder that neither answers nor dies fails the recovery)."""
     holders = tuple(sorted(asks))
     requests = tuple(
         Send(alive[h].routing_id, WeightsRequest(run=0, step=0, snapshot=asks[h]), h, stage=h)
@@ -332,21 +343,30 @@ def _fetch_chain_copies(
         "the chain copies of the dead stages",
         requests=requests,
         resend_s=request_resend_s(state.timeouts),
+        partial=True,
+        stop_on_lost=True,
     )
+    living = {m.name for m in live_members(state.membership)}
+    lost = [h for h in holders if h not in replies and h not in living]
+    silent = [h for h in holders if h not in replies and h in living]
+    if silent and not lost:
+        raise PipelineError(f"no chain copies from {silent} within {state.timeouts.result_s} s")
     out: dict[str, torch.Tensor] = {}
     refused: dict[str, str] = {}
     nbytes = 0
     for holder in holders:
-        reply = replies[holder]
+        reply = replies.get(holder)
+        if reply is None:
+            continue  # lost (planned again without it) or cut short by a death: asked again
         if reply.error:
             refused[holder] = str(reply.error)
             continue
         for key, tensor in zip(reply.keys, reply.tensors, strict=True):
             out[str(key)] = tensor.clone()
             nbytes += tensor.numel() * tensor.element_size()
-    got = [h for h in holders if h not in refused]
+    got = [h for h in holders if h in replies and h not in refused]
     yield Log("info", "chain_copies_fetched", {"holders": got, "bytes": nbytes})
-    return out, refused
+    return out, refused, lost
 
 
 __all__ = ["FastResume", "async_fast_resume", "is_fast_live_resume"]
