@@ -22,6 +22,14 @@ Two measurements per size and path, with the relay's and the feeder's CPU time:
   client's ``max_in_flight`` does) and reports messages per second;
 * ``rtt``: one message at a time; the median round trip through the relay.
 
+Per path and size, ``relay_cpu_us_<role>`` and ``relay_switches_<role>`` split the
+relay's CPU per message (``/proc/self/task/*/schedstat``) and its voluntary context
+switches per message by thread: ``loop`` (the event loop, or the raw relay's only
+thread), ``compute``, ``libzmq`` (its I/O and reaper threads), ``link_meter`` (the
+link meter's waiter) and ``other`` (pyzmq's collector of zero-copy frames). The
+relay process freezes its imports out of the cyclic collector first, as the stage
+CLI does.
+
 Summary keys (same-run ratios, stage over raw): ``ratio_64kb``, ``ratio_1mb``
 (throughput), ``rtt_ratio_64kb``, ``rtt_ratio_1mb`` and ``cpu_ratio_X`` (CPU of
 both processes per message), plus ``loadavg``. ``--profile FILE`` writes the
@@ -39,6 +47,7 @@ import argparse
 import asyncio
 import cProfile
 import faulthandler
+import gc
 import multiprocessing as mp
 import statistics
 import sys
@@ -110,23 +119,27 @@ def _thread_role(name: str) -> str:
     return "other"  # pyzmq's garbage collector of zero-copy frames is an unnamed Thread-N
 
 
-def _usage() -> tuple[float, dict[str, int]]:
-    """This process's CPU seconds and how often each of its threads has blocked so
-    far (voluntary context switches: each is a sleep that some other thread's
-    hand-off, the network or a wait for the GIL had to end), by thread role."""
+def _usage() -> tuple[float, dict[str, int], dict[str, float]]:
+    """This process's CPU seconds, how often each of its threads has blocked so far
+    (voluntary context switches: each is a sleep that some other thread's hand-off,
+    the network or a wait for the GIL had to end) and each thread's CPU seconds
+    (``schedstat``, nanoseconds), both by thread role."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     switches: dict[str, int] = {}
+    cpu: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
         try:
             status = (task / "status").read_text()
+            ran_ns = int((task / "schedstat").read_text().split()[0])
             name = names.get(int(task.name)) or (task / "comm").read_text().strip()
-        except (OSError, ValueError):  # a thread that just ended
+        except (OSError, ValueError, IndexError):  # a thread that just ended
             continue
+        role = _thread_role(name)
+        cpu[role] = cpu.get(role, 0.0) + ran_ns / 1e9
         for line in status.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
-                role = _thread_role(name)
                 switches[role] = switches.get(role, 0) + int(line.split()[1])
-    return time.process_time(), switches
+    return time.process_time(), switches, cpu
 
 
 def relay_main(conn: Connection, path: str, profile: str | None, timeout_s: float) -> None:
@@ -134,6 +147,11 @@ def relay_main(conn: Connection, path: str, profile: str | None, timeout_s: floa
     configure_logging(level="warning")
     retain_freed_memory()
     torch.set_num_threads(1)
+    # as the stage CLI does once its imports are done: torch's objects out of the
+    # cyclic collector's way (without it, full collections over them were ~20 % of
+    # the stage relay's loop thread)
+    gc.collect()
+    gc.freeze()
     if path == "raw":
         _raw_relay(conn)
         return
@@ -301,20 +319,20 @@ def measure(
         parent.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
         _feed(push, pull, 64, 50, 1)  # connections up, code paths warm
 
-        def relay_usage() -> tuple[float, dict[str, int]]:
+        def relay_usage() -> tuple[float, dict[str, int], dict[str, float]]:
             parent.send("usage")
             if not parent.poll(args.timeout):
                 raise TimeoutError("the relay did not answer")
-            cpu, switches = parent.recv()
-            return float(cpu), dict(switches)
+            cpu, switches, by_role = parent.recv()
+            return float(cpu), dict(switches), dict(by_role)
 
         for size in sizes:
             count = max(args.min_count, int(args.messages_mb * (1 << 20) / size))
             _feed(push, pull, size, min(count, 200), args.window)
-            (relay0, switches0), cpu0 = relay_usage(), time.process_time()
+            (relay0, switches0, roles0), cpu0 = relay_usage(), time.process_time()
             seconds, _ = _feed(push, pull, size, count, args.window)
             cpu_feeder = time.process_time() - cpu0
-            relay1, switches1 = relay_usage()
+            relay1, switches1, roles1 = relay_usage()
             cpu_relay = relay1 - relay0
             trips_n = max(20, count // 4)
             _, trips = _feed(push, pull, size, trips_n, 1)
@@ -327,6 +345,10 @@ def measure(
                 **{
                     f"relay_switches_{role}": (n - switches0.get(role, 0)) / count
                     for role, n in sorted(switches1.items())
+                },
+                **{
+                    f"relay_cpu_us_{role}": (t - roles0.get(role, 0.0)) / count * 1e6
+                    for role, t in sorted(roles1.items())
                 },
                 "count": count,
                 "trips": trips_n,
