@@ -87,6 +87,7 @@ async def _run(
     options: SocketOptions,
     hold_downstream: bool = False,
     hold_compute: bool = False,
+    written_out: bool = False,
 ) -> tuple[list[Message], DoublingShard, StageCounters]:
     # TCP, not inproc: over inproc a zero-copy message is released (its tracker
     # done, its place in the send window free) only when the receiver frees it
@@ -132,6 +133,8 @@ async def _run(
             frames = await asyncio.wait_for(sink.recv_multipart(copy=False), WAIT_S)
             received.append(decode_frames(frames, 1 << 30))
         await asyncio.wait_for(feeding, WAIT_S)
+        if written_out:  # the link meter saw every sent message leave, the last one too
+            await until(lambda: counters.link_delivered_bytes == counters.bytes_out)
     finally:
         for task in tasks:
             task.cancel()
@@ -155,6 +158,20 @@ def test_every_output_goes_downstream_once_in_order(context: zmq.asyncio.Context
     assert sorted(s.mb for s in spans if s.phase == "compute") == list(range(40))
     assert sorted(s.mb for s in spans if s.phase == "send") == list(range(40))
     assert counters.bytes_out > 40 * 16 * 4
+
+
+def test_large_outputs_are_each_counted_written_out_once_the_link_took_them(
+    context: zmq.asyncio.Context,
+) -> None:
+    # 256 KiB outputs: shared with libzmq and tracked; anything that kept a sent frame
+    # alive would hold its tracker open, and the stage would count it on its way
+    inputs = [data(mb, float(mb), size=64 << 10) for mb in range(12)]
+    received, _, counters = asyncio.run(
+        _run(context, inputs, options=SocketOptions(), written_out=True)
+    )
+    assert [m.body["mb"] for m in received] == list(range(12))
+    assert [float(m.tensors[0][-1]) for m in received] == [2.0 * mb for mb in range(12)]
+    assert counters.link_delivered_bytes == counters.bytes_out > 12 * (256 << 10)
 
 
 def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
