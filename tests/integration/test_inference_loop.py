@@ -227,3 +227,42 @@ def test_a_downstream_that_stops_reading_holds_the_loop_and_loses_nothing(
     assert [m.body["mb"] for m in received] == list(range(30))
     assert [float(m.tensors[0][0]) for m in received] == [2.0 * mb for mb in range(30)]
     assert counters.microbatches == 30
+
+
+async def _cancelled_mid_compute(context: zmq.asyncio.Context) -> tuple[bool, list[str]]:
+    """compute_loop cancelled while its group is on the compute thread, then the
+    thread finishes: the late result is dropped on the loop without an error."""
+    sink = open_socket(context, zmq.PULL, SocketOptions())
+    downstream = open_socket(context, zmq.PUSH, SocketOptions())
+    downstream.connect(bind_endpoint(sink, "tcp://127.0.0.1:0"))
+    shard = DoublingShard()
+    shard.release.clear()
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-test")
+    loop = InferenceLoop(
+        name="s1", run=1, epoch=3, shard=shard, compute=compute, counters=StageCounters(),
+        downstream=downstream, downstream_name="s2", link=LinkSpec(), send_timeout_s=WAIT_S,
+    )  # fmt: skip
+    errors: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, ctx: errors.append(str(ctx)))
+    try:
+        computing = asyncio.create_task(loop.compute_loop())
+        await loop.deliver(data(0, 1.0))
+        await until(lambda: loop._inbox.empty())  # taken: held in the compute thread
+        computing.cancel()
+        await asyncio.gather(computing, return_exceptions=True)
+        shard.release.set()  # the thread ends its forward and hands back to the loop
+        await asyncio.to_thread(compute.shutdown, wait=True)
+        await asyncio.sleep(0.05)  # the hand-back, if any, runs on the loop now
+        return computing.cancelled(), errors
+    finally:
+        await loop.close()
+        downstream.close(linger=0)
+        sink.close(linger=0)
+
+
+def test_a_result_that_comes_back_after_the_loop_was_cancelled_is_dropped_quietly(
+    context: zmq.asyncio.Context,
+) -> None:
+    cancelled, errors = asyncio.run(_cancelled_mid_compute(context))
+    assert cancelled
+    assert errors == []  # no "Future already cancelled" (InvalidStateError) on the loop
