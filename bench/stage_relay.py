@@ -22,6 +22,27 @@ Two measurements per size and path, with the relay's and the feeder's CPU time:
   client's ``max_in_flight`` does) and reports messages per second;
 * ``rtt``: one message at a time; the median round trip through the relay.
 
+Per path and size, ``relay_cpu_us_<role>`` and ``relay_switches_<role>`` split the
+relay's CPU per message (``/proc/self/task/*/schedstat``) and its voluntary context
+switches per message by thread: ``loop`` (the event loop, or the raw relay's only
+thread), ``compute``, ``libzmq`` (its I/O and reaper threads), ``link_meter`` (the
+link meter's waiter) and ``other`` (pyzmq's collector of zero-copy frames). The
+relay process freezes its imports out of the cyclic collector first, as the stage
+CLI does.
+
+``--steps`` also splits the stage relay's loop thread by step (``loop_us_<step>``,
+CPU per message, each step without the steps it calls): ``decode`` (the codec's
+checks and tensors over the received frames), ``parse`` (the typed message),
+``verdict`` (kind, sender and epoch), ``submit`` (the hand-off to the compute
+thread), ``output`` and ``to_message`` (the message that goes on), ``encode``,
+``zmq_queue`` (pyzmq's tracked send: its frame, tracker and collector entry, and
+libzmq's queueing), ``zmq_recv`` (pyzmq's receive of the frames), ``meter_look``
+and ``meter_track`` (the link meter), ``timeline`` (the spans recorded), and
+``other``: the rest of the thread's CPU (waiting for the socket, the queues
+between tasks, asyncio and uvloop, the wake-ups from the compute thread, counters,
+and the steps' own clock reads: two per step, about a microsecond each). Leave it
+off for the ratios.
+
 Summary keys (same-run ratios, stage over raw): ``ratio_64kb``, ``ratio_1mb``
 (throughput), ``rtt_ratio_64kb``, ``rtt_ratio_1mb`` and ``cpu_ratio_X`` (CPU of
 both processes per message), plus ``loadavg``. ``--profile FILE`` writes the
@@ -39,6 +60,7 @@ import argparse
 import asyncio
 import cProfile
 import faulthandler
+import gc
 import multiprocessing as mp
 import statistics
 import sys
@@ -110,30 +132,90 @@ def _thread_role(name: str) -> str:
     return "other"  # pyzmq's garbage collector of zero-copy frames is an unnamed Thread-N
 
 
-def _usage() -> tuple[float, dict[str, int]]:
-    """This process's CPU seconds and how often each of its threads has blocked so
-    far (voluntary context switches: each is a sleep that some other thread's
-    hand-off, the network or a wait for the GIL had to end), by thread role."""
+def _usage() -> tuple[float, dict[str, int], dict[str, float], dict[str, float]]:
+    """This process's CPU seconds, how often each of its threads has blocked so far
+    (voluntary context switches: each is a sleep that some other thread's hand-off,
+    the network or a wait for the GIL had to end) and each thread's CPU seconds
+    (``schedstat``, nanoseconds), both by thread role."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     switches: dict[str, int] = {}
+    cpu: dict[str, float] = {}
     for task in Path("/proc/self/task").iterdir():
         try:
             status = (task / "status").read_text()
+            ran_ns = int((task / "schedstat").read_text().split()[0])
             name = names.get(int(task.name)) or (task / "comm").read_text().strip()
-        except (OSError, ValueError):  # a thread that just ended
+        except (OSError, ValueError, IndexError):  # a thread that just ended
             continue
+        role = _thread_role(name)
+        cpu[role] = cpu.get(role, 0.0) + ran_ns / 1e9
         for line in status.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
-                role = _thread_role(name)
                 switches[role] = switches.get(role, 0) + int(line.split()[1])
-    return time.process_time(), switches
+    return time.process_time(), switches, cpu, dict(STEPS)
 
 
-def relay_main(conn: Connection, path: str, profile: str | None, timeout_s: float) -> None:
+# --steps: the loop thread's CPU seconds per step, each without the steps it calls
+STEPS: dict[str, float] = {}
+_STEP_STACK: list[float] = []
+
+
+def _timed(name: str, fn: Any) -> Any:
+    """``fn`` charging its loop-thread CPU (less its timed callees') to step ``name``."""
+    loop_thread = threading.get_ident()
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != loop_thread:
+            return fn(*args, **kwargs)
+        started = time.thread_time()
+        _STEP_STACK.append(0.0)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent = time.thread_time() - started
+            STEPS[name] = STEPS.get(name, 0.0) + spent - _STEP_STACK.pop()
+            if _STEP_STACK:
+                _STEP_STACK[-1] += spent
+
+    return timed
+
+
+def _time_steps(compute: ThreadPoolExecutor) -> None:
+    """Wrap the stage relay's per-message steps (sync calls on the loop thread)."""
+    from zpipe.protocol import REGISTRY
+    from zpipe.protocol.data_plane import Data
+    from zpipe.stage import dataport
+    from zpipe.stage.metrics import LinkMeter
+    from zpipe.stage.timeline import Timeline
+    from zpipe.transport import sockets
+
+    dataport.decode_frames = _timed("decode", dataport.decode_frames)
+    REGISTRY.parse = _timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
+    StageLifecycle.data_verdict = _timed("verdict", StageLifecycle.data_verdict)  # type: ignore[method-assign]
+    compute.submit = _timed("submit", compute.submit)  # type: ignore[method-assign]
+    InferenceLoop._output = _timed("output", InferenceLoop._output)  # type: ignore[method-assign]
+    Data.to_message = _timed("to_message", Data.to_message)  # type: ignore[method-assign]
+    sockets.encode = _timed("encode", sockets.encode)
+    sockets._queue_now = _timed("zmq_queue", sockets._queue_now)
+    LinkMeter.has_room = _timed("meter_look", LinkMeter.has_room)  # type: ignore[method-assign]
+    LinkMeter._look_or_hand_off = _timed("meter_look", LinkMeter._look_or_hand_off)  # type: ignore[method-assign]
+    zmq.Socket.recv_multipart = _timed("zmq_recv", zmq.Socket.recv_multipart)  # type: ignore[method-assign]
+    Timeline.record = _timed("timeline", Timeline.record)  # type: ignore[method-assign]
+    LinkMeter.track = _timed("meter_track", LinkMeter.track)  # type: ignore[method-assign]
+
+
+def relay_main(
+    conn: Connection, path: str, profile: str | None, timeout_s: float, steps: bool = False
+) -> None:
     faulthandler.dump_traceback_later(timeout_s * 4, exit=True)
     configure_logging(level="warning")
     retain_freed_memory()
     torch.set_num_threads(1)
+    # as the stage CLI does once its imports are done: torch's objects out of the
+    # cyclic collector's way (without it, full collections over them were ~20 % of
+    # the stage relay's loop thread)
+    gc.collect()
+    gc.freeze()
     if path == "raw":
         _raw_relay(conn)
         return
@@ -145,7 +227,7 @@ def relay_main(conn: Connection, path: str, profile: str | None, timeout_s: floa
         run = asyncio.run
     profiler = cProfile.Profile() if profile else None
     try:
-        run(_stage_relay(conn, profiler))
+        run(_stage_relay(conn, profiler, steps))
     finally:
         if profiler is not None and profile:
             profiler.dump_stats(profile)
@@ -188,7 +270,9 @@ async def _readable(conn: Connection) -> None:
         loop.remove_reader(conn.fileno())
 
 
-async def _stage_relay(conn: Connection, profiler: cProfile.Profile | None) -> None:
+async def _stage_relay(
+    conn: Connection, profiler: cProfile.Profile | None, steps: bool = False
+) -> None:
     ctx = new_context()
     data_in = open_socket(ctx, zmq.PULL, OPTIONS)
     data_in.bind(LOOPBACK)
@@ -199,6 +283,8 @@ async def _stage_relay(conn: Connection, profiler: cProfile.Profile | None) -> N
     counters = StageCounters()
     lifecycle = _running_lifecycle()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-relay")
+    if steps:
+        _time_steps(compute)
     loop = InferenceLoop(
         name="relay",
         run=RUN,
@@ -284,7 +370,9 @@ def measure(
 ) -> dict[int, dict[str, float]]:
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
-    proc = spawn.Process(target=relay_main, args=(child, path, profile, args.timeout), daemon=True)
+    proc = spawn.Process(
+        target=relay_main, args=(child, path, profile, args.timeout, args.steps), daemon=True
+    )
     proc.start()
     ctx = zmq.Context(io_threads=1)
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -301,20 +389,24 @@ def measure(
         parent.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
         _feed(push, pull, 64, 50, 1)  # connections up, code paths warm
 
-        def relay_usage() -> tuple[float, dict[str, int]]:
+        def relay_usage() -> tuple[float, dict[str, int], dict[str, float], dict[str, float]]:
             parent.send("usage")
             if not parent.poll(args.timeout):
                 raise TimeoutError("the relay did not answer")
-            cpu, switches = parent.recv()
-            return float(cpu), dict(switches)
+            cpu, switches, by_role, steps = parent.recv()
+            return float(cpu), dict(switches), dict(by_role), dict(steps)
 
         for size in sizes:
             count = max(args.min_count, int(args.messages_mb * (1 << 20) / size))
             _feed(push, pull, size, min(count, 200), args.window)
-            (relay0, switches0), cpu0 = relay_usage(), time.process_time()
+            (relay0, switches0, roles0, steps0), cpu0 = relay_usage(), time.process_time()
             seconds, _ = _feed(push, pull, size, count, args.window)
             cpu_feeder = time.process_time() - cpu0
-            relay1, switches1 = relay_usage()
+            relay1, switches1, roles1, steps1 = relay_usage()
+            step_us = {k: (v - steps0.get(k, 0.0)) / count * 1e6 for k, v in steps1.items()}
+            if step_us:
+                loop_us = (roles1.get("loop", 0.0) - roles0.get("loop", 0.0)) / count * 1e6
+                step_us["other"] = loop_us - sum(step_us.values())
             cpu_relay = relay1 - relay0
             trips_n = max(20, count // 4)
             _, trips = _feed(push, pull, size, trips_n, 1)
@@ -328,6 +420,11 @@ def measure(
                     f"relay_switches_{role}": (n - switches0.get(role, 0)) / count
                     for role, n in sorted(switches1.items())
                 },
+                **{
+                    f"relay_cpu_us_{role}": (t - roles0.get(role, 0.0)) / count * 1e6
+                    for role, t in sorted(roles1.items())
+                },
+                **{f"loop_us_{step}": us for step, us in step_us.items()},
                 "count": count,
                 "trips": trips_n,
             }
@@ -357,6 +454,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of every wait, s")
     parser.add_argument("--profile", default=None, help="write the stage relay's pstats here")
     parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument(
+        "--steps", action="store_true", help="split the stage loop thread's CPU by step"
+    )
     parser.add_argument("--quick", action="store_true", help="small runs, one repeat")
     args = parser.parse_args(argv)
     units = {"K": 1 << 10, "M": 1 << 20}

@@ -87,6 +87,7 @@ async def _run(
     options: SocketOptions,
     hold_downstream: bool = False,
     hold_compute: bool = False,
+    written_out: bool = False,
 ) -> tuple[list[Message], DoublingShard, StageCounters]:
     # TCP, not inproc: over inproc a zero-copy message is released (its tracker
     # done, its place in the send window free) only when the receiver frees it
@@ -132,6 +133,8 @@ async def _run(
             frames = await asyncio.wait_for(sink.recv_multipart(copy=False), WAIT_S)
             received.append(decode_frames(frames, 1 << 30))
         await asyncio.wait_for(feeding, WAIT_S)
+        if written_out:  # the link meter saw every sent message leave, the last one too
+            await until(lambda: counters.link_delivered_bytes == counters.bytes_out)
     finally:
         for task in tasks:
             task.cancel()
@@ -155,6 +158,20 @@ def test_every_output_goes_downstream_once_in_order(context: zmq.asyncio.Context
     assert sorted(s.mb for s in spans if s.phase == "compute") == list(range(40))
     assert sorted(s.mb for s in spans if s.phase == "send") == list(range(40))
     assert counters.bytes_out > 40 * 16 * 4
+
+
+def test_large_outputs_are_each_counted_written_out_once_the_link_took_them(
+    context: zmq.asyncio.Context,
+) -> None:
+    # 256 KiB outputs: shared with libzmq and tracked; anything that kept a sent frame
+    # alive would hold its tracker open, and the stage would count it on its way
+    inputs = [data(mb, float(mb), size=64 << 10) for mb in range(12)]
+    received, _, counters = asyncio.run(
+        _run(context, inputs, options=SocketOptions(), written_out=True)
+    )
+    assert [m.body["mb"] for m in received] == list(range(12))
+    assert [float(m.tensors[0][-1]) for m in received] == [2.0 * mb for mb in range(12)]
+    assert counters.link_delivered_bytes == counters.bytes_out > 12 * (256 << 10)
 
 
 def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
@@ -210,3 +227,42 @@ def test_a_downstream_that_stops_reading_holds_the_loop_and_loses_nothing(
     assert [m.body["mb"] for m in received] == list(range(30))
     assert [float(m.tensors[0][0]) for m in received] == [2.0 * mb for mb in range(30)]
     assert counters.microbatches == 30
+
+
+async def _cancelled_mid_compute(context: zmq.asyncio.Context) -> tuple[bool, list[str]]:
+    """compute_loop cancelled while its group is on the compute thread, then the
+    thread finishes: the late result is dropped on the loop without an error."""
+    sink = open_socket(context, zmq.PULL, SocketOptions())
+    downstream = open_socket(context, zmq.PUSH, SocketOptions())
+    downstream.connect(bind_endpoint(sink, "tcp://127.0.0.1:0"))
+    shard = DoublingShard()
+    shard.release.clear()
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-test")
+    loop = InferenceLoop(
+        name="s1", run=1, epoch=3, shard=shard, compute=compute, counters=StageCounters(),
+        downstream=downstream, downstream_name="s2", link=LinkSpec(), send_timeout_s=WAIT_S,
+    )  # fmt: skip
+    errors: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, ctx: errors.append(str(ctx)))
+    try:
+        computing = asyncio.create_task(loop.compute_loop())
+        await loop.deliver(data(0, 1.0))
+        await until(lambda: loop._inbox.empty())  # taken: held in the compute thread
+        computing.cancel()
+        await asyncio.gather(computing, return_exceptions=True)
+        shard.release.set()  # the thread ends its forward and hands back to the loop
+        await asyncio.to_thread(compute.shutdown, wait=True)
+        await asyncio.sleep(0.05)  # the hand-back, if any, runs on the loop now
+        return computing.cancelled(), errors
+    finally:
+        await loop.close()
+        downstream.close(linger=0)
+        sink.close(linger=0)
+
+
+def test_a_result_that_comes_back_after_the_loop_was_cancelled_is_dropped_quietly(
+    context: zmq.asyncio.Context,
+) -> None:
+    cancelled, errors = asyncio.run(_cancelled_mid_compute(context))
+    assert cancelled
+    assert errors == []  # no "Future already cancelled" (InvalidStateError) on the loop

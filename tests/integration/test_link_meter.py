@@ -90,6 +90,10 @@ class _HeldTracker:
         if not self.written.wait(timeout):
             raise zmq.NotDone
 
+    @property
+    def done(self) -> bool:
+        return self.written.is_set()
+
 
 async def _window_of_one() -> tuple[bool, bool, StageCounters]:
     counters = StageCounters()

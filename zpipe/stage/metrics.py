@@ -100,12 +100,11 @@ class StageCounters:
 
 
 def _written(tracker: zmq.MessageTracker) -> bool:
-    """Whether libzmq has released the tracked message, without waiting."""
-    try:
-        tracker.wait(0)
-    except zmq.NotDone:
-        return False
-    return True
+    """Whether libzmq has released the tracked message, without waiting: ``done``
+    reads the tracker's events' flags, where ``wait(0)`` took each event's lock and
+    raised NotDone for every message still on its way (the loop looks at each
+    watched message once or more per send)."""
+    return tracker.done
 
 
 @dataclass

@@ -24,6 +24,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zmq.asyncio
@@ -49,6 +50,17 @@ QUEUE_DEPTH = 2
 # others' compute, at most (MAX_GROUP - 1) x GROUP_BELOW_S.
 GROUP_BELOW_S = 0.002
 MAX_GROUP = QUEUE_DEPTH + 1
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
+    """On the loop: the compute thread's ``outcome`` into ``future`` (unless it was
+    cancelled meanwhile)."""
+    if future.done():
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 @dataclass(frozen=True)
@@ -116,7 +128,7 @@ class InferenceLoop:
             computing_from = time.perf_counter()
             # One trip to the compute thread and back for the whole group; messages
             # of kind "error" (someone upstream failed) pass the word on uncomputed.
-            results = await loop.run_in_executor(self._compute, self._forward_all, group)
+            results = await self._computed(loop, group)
             counters.busy_s += time.perf_counter() - computing_from
             longest = 0.0
             for message, result in zip(group, results, strict=True):
@@ -128,6 +140,38 @@ class InferenceLoop:
                               mb=message.mb)  # fmt: skip
                 await self._hand_to_sender(message.mb, out.to_message())
             grouping = longest < GROUP_BELOW_S
+
+    async def _computed(
+        self, loop: asyncio.AbstractEventLoop, group: list[Data | MicroBatchError]
+    ) -> list[ComputedMicrobatch | Exception | None]:
+        """The group's results, computed on the compute thread, which hands them back
+        itself: one call into the loop, where ``run_in_executor`` chains a concurrent
+        future to an asyncio one through callbacks on both threads (measured: 65-85
+        against 43-52 us of CPU per round trip on a loaded 2-core machine)."""
+        future: asyncio.Future[list[ComputedMicrobatch | Exception | None]] = loop.create_future()
+        job = self._compute.submit(self._forward_and_hand_back, loop, future, group)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            job.cancel()  # not started yet: it never runs (as with run_in_executor)
+            raise
+
+    def _forward_and_hand_back(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[list[ComputedMicrobatch | Exception | None]],
+        group: list[Data | MicroBatchError],
+    ) -> None:
+        """In the compute thread: compute ``group`` and settle ``future`` on its loop."""
+        try:
+            outcome: Any = self._forward_all(group)
+            failed = False
+        except BaseException as exc:  # _forward_all keeps each input's error; this is a bug
+            outcome, failed = exc, True
+        try:
+            loop.call_soon_threadsafe(_settle, future, outcome, failed)
+        except RuntimeError:  # the loop closed: nobody awaits the result any more
+            pass
 
     def _forward_all(
         self, group: list[Data | MicroBatchError]
