@@ -14,10 +14,12 @@ next stage hurts most there. The recoveries (each a ``fit`` option set of zpipe,
 nothing modelled):
 
 * ``light``: FTPipeHD's (``consistency="fast"``, ``live_copies=True``, chain copies
-  every ``--chain-every``, global every ``--global-every``): the survivors keep their
+  every ``--chain-every`` (25), global every ``--global-every`` (50): FTPipeHD's 50 and
+  100 halved, so that a chain copy exists before the kill): the survivors keep their
   weights, b's units come from c's chain copy, and eq. 5 re-cuts the survivors over
-  the capacities the run measured (a live re-partition that looks every 5
-  mini-batches and never moves, gain 0.99, so eq. 5 has measured capacities);
+  the capacities the run measured (a live re-partition that looks after 5 mini-batches,
+  then every ``--look-every``, and never moves, gain 0.99, so eq. 5 has measured
+  capacities);
 * ``respipe``: ResPipe's (``recovery="respipe"``: the stage after the dead one takes
   all of its units, :func:`zpipe.recovery.replanning.respipe_replan`). zpipe's fast
   recovery re-cuts by eq. 5 only, so this runs under exact consistency (flush
@@ -225,11 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--units", type=int, default=13, help="equal MLP layers (at least 10)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=56, help="mini-batches per trial")
-    p.add_argument("--kill-after", type=int, default=30, help="b dies after this step's loss")
+    p.add_argument("--steps", type=int, default=76, help="mini-batches per trial")
+    p.add_argument("--kill-after", type=int, default=40, help="b dies after this step's loss")
     p.add_argument("--epoch-steps", type=int, default=100, help="mini-batches an epoch counts")
-    p.add_argument("--chain-every", type=int, default=10)
-    p.add_argument("--global-every", type=int, default=20)
+    p.add_argument("--chain-every", type=int, default=25)
+    p.add_argument("--global-every", type=int, default=50)
     p.add_argument(
         "--look-every", type=int, default=10, help="light: mini-batches between its looks"
     )
@@ -248,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.kill_after = 1, 40, 22
+        args.chain_every, args.global_every = 10, 20
     if args.units < 10:
         raise SystemExit("--units must be at least 10")
     if not 3 <= args.kill_after < args.steps - 8 or args.steps > 2 * (args.kill_after - 2):
