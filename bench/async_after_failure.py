@@ -31,7 +31,13 @@ nothing modelled):
   planner, which first profiles every survivor (each trial's model has a seed of its
   own, so no profile is cached), then every unit's weights come from the replica.
   ``heavy_cached`` (``--heavy-cached``): the same again on the same model, profiles
-  cached, which splits heavy's recovery time into profiling and the rest.
+  cached, which splits heavy's recovery time into profiling and the rest;
+* ``light_one_look`` (``--one-look``): light with one look only (after mini-batch 5),
+  which splits light's time after the failure into the looks and the rest.
+
+A trial that fails (say, b died before its first chain copy reached c: under load
+a copy takes many mini-batches) is a line with ``error``, left out of the medians;
+the bench then exits 1.
 
 Per trial (one JSON line): ``recovery_s``, from the client's notice of the death to
 the first mini-batch completed after it (detection, the same heartbeats for every
@@ -73,7 +79,7 @@ import torch
 
 from bench._common import emit, loadavg, on_alarm, summary
 from bench.async_recovery import rate_after
-from zpipe.client import TrainReport
+from zpipe._errors import PipelineError
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 
@@ -87,15 +93,17 @@ def partition_of(units: int) -> list[list[int]]:
 
 
 ADAM = {"name": "adam", "lr": 1e-3}
-SYSTEMS = ("light", "respipe", "heavy", "heavy_cached")
+SYSTEMS = ("light", "light_one_look", "respipe", "heavy", "heavy_cached")
 
 
 def recovery_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
     """The fit options of one recovery (see the module notes)."""
-    if system == "light":
+    if system in ("light", "light_one_look"):
+        # light_one_look: the capacities of one look (after mini-batch 5), none after
+        every = args.look_every if system == "light" else 10**6
         return {"recover": True, "live_copies": True, "consistency": "fast",
                 "chain_every": args.chain_every, "global_every": args.global_every,
-                "repartition": {"first": 5, "every": args.look_every, "gain": 0.99}}  # fmt: skip
+                "repartition": {"first": 5, "every": every, "gain": 0.99}}  # fmt: skip
     policy = "respipe" if system == "respipe" else "heavy"
     return {"recover": True, "replicate_every": args.kill_after - 2, "recovery": policy}
 
@@ -178,12 +186,14 @@ def trial(
             cluster.kill("b")
 
     try:
-        report: TrainReport = cluster.fit(
+        report = cluster.fit(
             spec, data, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
             partition=partition_of(args.units), stage_names=NAMES, progress=False,
             on_step=on_step,
             **recovery_options(system, args),
         )  # fmt: skip
+    except PipelineError as exc:  # recorded, and the next trial goes on
+        return {"bench": BENCH, "system": system, "error": str(exc), "load": loadavg()}
     finally:
         if killed_at:
             cluster.start_stage(devices["b"])
@@ -238,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--systems", default="light,respipe,heavy", help="comma-separated")
     p.add_argument("--heavy-cached", action="store_true", help="add heavy_cached")
+    p.add_argument("--one-look", action="store_true", help="add light_one_look")
     p.add_argument("--heartbeat-s", type=float, default=0.3)
     p.add_argument("--suspect-after", type=int, default=3)
     p.add_argument("--probe-intervals", type=int, default=2)
@@ -259,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(the exact runs' second replica would fall in the measured window)"
         )
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.one_look:
+        systems.insert(1, "light_one_look")
     if args.heavy_cached:
         systems.append("heavy_cached")
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -296,8 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 emit(line)
                 lines.append(line)
     result = after_failure_summary(lines)
-    summary(BENCH, **result, load=loadavg())
-    return 0
+    failed = [line["system"] for line in lines if "error" in line]
+    summary(BENCH, **result, failed_trials=failed, load=loadavg())
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
