@@ -57,8 +57,8 @@ cost`` from ``bench/async_replication.py``, ``async_fast_over_exact_progress_los
 from ``bench/async_recovery.py``, ``ftpipehd_over_pipedream_time_to_loss`` with
 ``measured_over_bound`` from ``bench/training_async.py``.
 
-Run: ``.venv/bin/python bench/async_after_failure.py`` (about 3 minutes on two cores)
-or ``--quick`` (one repeat, fewer steps: about a minute and a half).
+Run: ``.venv/bin/python bench/async_after_failure.py`` (about 7 minutes on two cores
+at load 10) or ``--quick`` (one repeat, fewer steps: about 2 minutes).
 """
 
 from __future__ import annotations
