@@ -1,0 +1,318 @@
+"""FTPipeHD's Table III shape in real runs: an asynchronous 1F1B run's time per epoch
+after a stage dies, and its recovery time, under three recoveries.
+
+One LocalCluster of four emulated devices on loopback (``--slowdowns``, default
+a 3x, b 3x, c 15x, d 3x: c five times slower than the others, every device slowed so
+that the emulated sleeps, not this machine's two shared cores, set the pace;
+``--bandwidth-mbps`` emulated data links, default 300), an MLP of ``--units`` (13)
+equal layers of ``--hidden`` (512), Adam, ``--batch-size`` (64) random samples per
+mini-batch, cut 4 | 4 | 1 | 4 (:func:`partition_of`: c, the slow one, holds one layer).
+Each trial trains ``--steps`` mini-batches (``schedule="async-1f1b"``) and SIGKILLs
+b once mini-batch ``--kill-after``'s loss is back (b is started again after the
+trial). The stage after b is the slow c, so a recovery that hands b's units to the
+next stage hurts most there. The recoveries (each a ``fit`` option set of zpipe,
+nothing modelled):
+
+* ``light``: FTPipeHD's (``consistency="fast"``, ``live_copies=True``, chain copies
+  every ``--chain-every`` (25), global every ``--global-every`` (50): FTPipeHD's 50 and
+  100 halved, so that a chain copy exists before the kill): the survivors keep their
+  weights, b's units come from c's chain copy, and eq. 5 re-cuts the survivors over
+  the capacities the run measured (a live re-partition that looks after 5 mini-batches,
+  then every ``--look-every``, and never moves, gain 0.99, so eq. 5 has measured
+  capacities);
+* ``respipe``: ResPipe's (``recovery="respipe"``: the stage after the dead one takes
+  all of its units, :func:`zpipe.recovery.replanning.respipe_replan`). zpipe's fast
+  recovery re-cuts by eq. 5 only, so this runs under exact consistency (flush
+  replicas every ``--kill-after - 2`` mini-batches: one just before the kill, none in
+  the measured window); what the run does after the failure is the same: c runs b's
+  units and its own;
+* ``heavy``: heavy rescheduling (``recovery="heavy"``, exact consistency, the same
+  replicas): the coordinator plans the survivors from scratch with its training
+  planner, which first profiles every survivor (each trial's model has a seed of its
+  own, so no profile is cached), then every unit's weights come from the replica.
+  ``heavy_cached`` (``--heavy-cached``): the same again on the same model, profiles
+  cached, which splits heavy's recovery time into profiling and the rest;
+* ``light_one_look`` (``--one-look``): light with one look only (after mini-batch 5),
+  which splits light's time after the failure into the looks and the rest.
+
+A trial that fails (say, b died before its first chain copy reached c: under load
+a copy takes many mini-batches) is a line with ``error``, left out of the medians;
+the bench then exits 1.
+
+Per trial (one JSON line): ``recovery_s``, from the client's notice of the death to
+the first mini-batch completed after it (detection, the same heartbeats for every
+recovery, is left out: ``detection_s``, kill to notice; ``kill_to_first_step_s``
+is their sum; losses in flight past b still come back after the kill); ``restart_s`` (the
+client's: notice to the survivors running); ``epoch_s``, the time per
+``--epoch-steps`` mini-batches after the failure, from the rate over the mini-batches
+from 5 past the resume point to the end (each at the last time its loss came back);
+the cuts after, and the load.
+
+Summary: ``async_light_over_respipe_epoch_time_after_failure`` (ResPipe's epoch time
+after the failure over light's; issue 30's goal >= 1.5, FTPipeHD reports 6.9) and
+``async_heavy_over_light_recovery_time`` (heavy's recovery time over light's; goal
+>= 5), the per-recovery medians, and ``..._with_detection`` (kill to first step).
+The other issue 30 keys come from their own benches: ``async_replication_throughput_
+cost`` from ``bench/async_replication.py``, ``async_fast_over_exact_progress_lost``
+from ``bench/async_recovery.py``, ``ftpipehd_over_pipedream_time_to_loss`` with
+``measured_over_bound`` from ``bench/training_async.py``.
+
+Run: ``.venv/bin/python bench/async_after_failure.py`` (about 7 minutes on two cores
+at load 10) or ``--quick`` (one repeat, fewer steps: about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench._common import emit, loadavg, on_alarm, summary
+from bench.async_recovery import rate_after
+from zpipe._errors import PipelineError
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.models import ModelSpec
+
+BENCH = "async_after_failure"
+NAMES = ["a", "b", "c", "d"]
+
+
+def partition_of(units: int) -> list[list[int]]:
+    """The cuts every trial starts from: 4 | 4 | 1 | the rest (c, the slow one, one layer)."""
+    return [[0, 4], [4, 8], [8, 9], [9, units]]
+
+
+ADAM = {"name": "adam", "lr": 1e-3}
+SYSTEMS = ("light", "light_one_look", "respipe", "heavy", "heavy_cached")
+
+
+def recovery_options(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The fit options of one recovery (see the module notes)."""
+    if system in ("light", "light_one_look"):
+        # light_one_look: the capacities of one look (after mini-batch 5), none after
+        every = args.look_every if system == "light" else 10**6
+        return {"recover": True, "live_copies": True, "consistency": "fast",
+                "chain_every": args.chain_every, "global_every": args.global_every,
+                "repartition": {"first": 5, "every": every, "gain": 0.99}}  # fmt: skip
+    policy = "respipe" if system == "respipe" else "heavy"
+    return {"recover": True, "replicate_every": args.kill_after - 2, "recovery": policy}
+
+
+def first_step_after(stamps: Sequence[tuple[int, float]], at: float) -> float | None:
+    """Seconds from ``at`` to the first loss that came back after it (None: none did)."""
+    later = [t for _, t in stamps if t > at]
+    return None if not later else min(later) - at
+
+
+def epoch_time(stamps: Sequence[tuple[int, float]], start: int, epoch_steps: int) -> float | None:
+    """Seconds per ``epoch_steps`` mini-batches at the rate over the steps from ``start``
+    on (:func:`bench.async_recovery.rate_after`); None without a rate."""
+    rate = rate_after(stamps, start)
+    return None if rate is None or rate <= 0 else epoch_steps / rate
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else round(a / b, 3)
+
+
+def after_failure_summary(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The summary keys from the trials' lines (``system``, ``epoch_s``,
+    ``recovery_s``, ``kill_to_first_step_s``): per system the medians, and the issue's
+    two ratios (None where a side has no figure)."""
+    medians: dict[str, dict[str, float | None]] = {}
+    for system in SYSTEMS:
+        rows = [t for t in trials if t.get("system") == system]
+        if rows:
+            medians[system] = {
+                key: _median([r.get(key) for r in rows])
+                for key in ("epoch_s", "recovery_s", "kill_to_first_step_s", "restart_s")
+            }
+    light, respipe = medians.get("light", {}), medians.get("respipe", {})
+    heavy = medians.get("heavy", {})
+    return {
+        "async_light_over_respipe_epoch_time_after_failure": _over(
+            respipe.get("epoch_s"), light.get("epoch_s")
+        ),
+        "async_heavy_over_light_recovery_time": _over(
+            heavy.get("recovery_s"), light.get("recovery_s")
+        ),
+        "async_heavy_over_light_recovery_time_with_detection": _over(
+            heavy.get("kill_to_first_step_s"), light.get("kill_to_first_step_s")
+        ),
+        "by_system": {
+            s: {k: None if v is None else round(v, 3) for k, v in m.items()}
+            for s, m in medians.items()
+        },
+    }
+
+
+def batches(
+    count: int, size: int, width: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, width, generator=generator), torch.randint(0, 10, (size,)))
+        for _ in range(count)
+    ]
+
+
+def trial(
+    cluster: LocalCluster, spec: ModelSpec, data: list[Any], system: str,
+    args: argparse.Namespace, devices: Mapping[str, DeviceSpec],
+) -> dict[str, Any]:  # fmt: skip
+    """One killed run under ``system``: its JSON line."""
+    stamps: list[tuple[int, float]] = []
+    killed_at: list[float] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        stamps.append((step, time.monotonic()))
+        if step == args.kill_after and not killed_at:
+            killed_at.append(time.monotonic())
+            cluster.kill("b")
+
+    try:
+        report = cluster.fit(
+            spec, data, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
+            partition=partition_of(args.units), stage_names=NAMES, progress=False,
+            on_step=on_step,
+            **recovery_options(system, args),
+        )  # fmt: skip
+    except PipelineError as exc:  # recorded, and the next trial goes on
+        return {"bench": BENCH, "system": system, "error": str(exc), "load": loadavg()}
+    finally:
+        if killed_at:
+            cluster.start_stage(devices["b"])
+        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+    recovery = report.recoveries[0] if report.recoveries else {}
+    noticed = recovery.get("noticed_at")
+    resumed = recovery.get("resumed_at", recovery.get("resumed_from"))
+    start = None if resumed is None else int(resumed) + 5
+    plan = report.training_plan
+    # losses in flight past b can still come back after the kill: the recovery's first
+    # step is the first loss after the client's notice
+    first = None if noticed is None else first_step_after(stamps, float(noticed))
+    detection = None if noticed is None or not killed_at else float(noticed) - killed_at[0]
+    return {
+        "bench": BENCH,
+        "system": system,
+        "recovery_s": first,
+        "detection_s": detection,
+        "kill_to_first_step_s": None if detection is None or first is None else detection + first,
+        "restart_s": recovery.get("restart_s"),
+        "epoch_s": None if start is None else epoch_time(stamps, start, args.epoch_steps),
+        "resumed_at": resumed,
+        "cuts_after": None
+        if plan is None
+        else [[s.devices[0], s.start, s.end] for s in plan.stages],
+        "eq5": recovery.get("eq5"),
+        "progress_lost": recovery.get("progress_lost"),
+        "load": loadavg(),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=".venv/bin/python bench/async_after_failure.py",
+        description="An asynchronous run's time per epoch and recovery time after a stage "
+        "dies: FTPipeHD's light recovery against ResPipe and heavy rescheduling. JSON lines, "
+        "then a summary.",
+    )
+    p.add_argument("--slowdowns", type=float, nargs=4, default=[3.0, 3.0, 15.0, 3.0])
+    p.add_argument("--bandwidth-mbps", type=float, default=300.0)
+    p.add_argument("--units", type=int, default=13, help="equal MLP layers (at least 10)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=76, help="mini-batches per trial")
+    p.add_argument("--kill-after", type=int, default=40, help="b dies after this step's loss")
+    p.add_argument("--epoch-steps", type=int, default=100, help="mini-batches an epoch counts")
+    p.add_argument("--chain-every", type=int, default=25)
+    p.add_argument("--global-every", type=int, default=50)
+    p.add_argument(
+        "--look-every", type=int, default=10, help="light: mini-batches between its looks"
+    )
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--systems", default="light,respipe,heavy", help="comma-separated")
+    p.add_argument("--heavy-cached", action="store_true", help="add heavy_cached")
+    p.add_argument("--one-look", action="store_true", help="add light_one_look")
+    p.add_argument("--heartbeat-s", type=float, default=0.3)
+    p.add_argument("--suspect-after", type=int, default=3)
+    p.add_argument("--probe-intervals", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
+    p.add_argument("--quick", action="store_true", help="one repeat, fewer steps")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.repeats, args.steps, args.kill_after = 1, 40, 22
+        args.chain_every, args.global_every = 10, 20
+    if args.units < 10:
+        raise SystemExit("--units must be at least 10")
+    if not 3 <= args.kill_after < args.steps - 8 or args.steps > 2 * (args.kill_after - 2):
+        raise SystemExit(
+            "--kill-after must leave 8 steps after it, and --steps at most 2 x (--kill-after - 2) "
+            "(the exact runs' second replica would fall in the measured window)"
+        )
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.one_look:
+        systems.insert(1, "light_one_look")
+    if args.heavy_cached:
+        systems.append("heavy_cached")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(args.timeout)
+    devices = {
+        n: DeviceSpec(n, slowdown=s, bandwidth_mbps=args.bandwidth_mbps)
+        for n, s in zip(NAMES, args.slowdowns, strict=True)
+    }
+    dims = [args.hidden] * (args.units + 1)
+    lines: list[dict[str, Any]] = []
+    with LocalCluster(
+        list(devices.values()), heartbeat_interval_s=args.heartbeat_s,
+        suspect_after=args.suspect_after, probe_intervals=args.probe_intervals,
+        log_level="warning",
+    ) as cluster:  # fmt: skip
+        for repeat in range(args.repeats):
+            # a model of its own per repeat: heavy profiles it afresh (nothing cached)
+            spec = ModelSpec("mlp", {"dims": dims, "activation": "relu"}, seed=100 + repeat)
+            data = batches(args.steps, args.batch_size, args.hidden, seed=repeat)
+            cluster.fit(
+                spec,
+                data[:6],
+                optimizer=ADAM,
+                num_microbatches=1,
+                schedule="async-1f1b",
+                partition=partition_of(args.units),
+                stage_names=NAMES,
+                progress=False,
+            )  # fmt: skip  (untimed: the stages warm up)
+            for system in systems:
+                line = {**trial(cluster, spec, data, system, args, devices), "repeat": repeat}
+                emit(line)
+                lines.append(line)
+    result = after_failure_summary(lines)
+    failed = [line["system"] for line in lines if "error" in line]
+    summary(BENCH, **result, failed_trials=failed, load=loadavg())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
