@@ -1,9 +1,11 @@
 """A Jepsen-style soak: a training run and an inference stream under a seeded stream of
 mixed faults, then a check that nothing was lost (issue 33, item 5).
 
-One :class:`~zpipe.cluster.LocalCluster` (loopback, or namespaces: below; a coordinator with
-``--state-dir`` and five stage processes: three train, two serve the stream) runs for
-``--minutes``. Two client threads each repeat a round until the time is up:
+Two :class:`~zpipe.cluster.LocalCluster` (loopback, or namespaces: below), each a
+coordinator with a ``--state-dir`` (a coordinator holds one run at a time: a second
+run's request displaces the first) and its stages, three that train and two that
+serve the stream, run for ``--minutes``. Two client threads each repeat a round until
+the time is up:
 
 * training: ``--train-batches`` mini-batches of a small MLP in exact consistency
   (synchronous 1F1B, ``recover=True``, a replica every 2 mini-batches); the round's
@@ -122,35 +124,45 @@ def _compare_weights(got: dict[str, Any], want: dict[str, Any]) -> tuple[bool, b
 
 
 class Soak:
-    """The cluster, the two client threads and what they recorded."""
+    """The two clusters, the two client threads and what they recorded.
 
-    def __init__(self, cluster: LocalCluster, args: argparse.Namespace) -> None:
-        self.cluster = cluster
+    Training and the stream each have a cluster (a coordinator of their own): a
+    coordinator holds one run at a time, and a second run's request displaces the
+    first (which then fails with "run N is not the current run")."""
+
+    def __init__(self, clusters: dict[str, LocalCluster], args: argparse.Namespace) -> None:
+        self.clusters = clusters
+        self.home = {d.name: role for role, c in clusters.items() for d in c.devices}
         self.args = args
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.rounds: list[dict[str, Any]] = []
         self.failed: list[tuple[float, float]] = []  # (started, ended) of failed rounds
         self.down: list[tuple[str, float, float]] = []  # (stage, from, to), wall clock
-        self.devices = {d.name: d for d in cluster.devices}
+        self.devices = {d.name: d for c in clusters.values() for d in c.devices}
         self.bench_errors: list[str] = []
         self.timers: list[threading.Timer] = []
 
-    async def _alive(self) -> dict[str, dict[str, Any]]:
-        async with self.cluster.client() as client:
+    def cluster_of(self, stage: str) -> LocalCluster:
+        return self.clusters[self.home[stage]]
+
+    async def _alive(self, role: str) -> dict[str, dict[str, Any]]:
+        async with self.clusters[role].client() as client:
             state = await asyncio.wait_for(client.cluster_state(), 30)
         return {str(m["name"]): m for m in state if m["state"] == "alive"}
 
-    def alive(self) -> dict[str, dict[str, Any]]:
+    def alive(self, role: str) -> dict[str, dict[str, Any]]:
         try:
-            return asyncio.run(self._alive())
+            return asyncio.run(self._alive(role))
         except Exception:  # the coordinator restarting: nothing known now
             return {}
 
     def wait_alive(self, names: list[str], timeout_s: float) -> bool:
+        """Whether every stage of ``names`` (of one cluster) is registered and alive."""
+        role = self.home[names[0]]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
-            if set(names) <= set(self.alive()):
+            if set(names) <= set(self.alive(role)):
                 return True
             time.sleep(1.0)
         return False
@@ -202,7 +214,7 @@ class Soak:
             number += 1
 
     async def _fit(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        async with self.cluster.client() as client:
+        async with self.clusters["train"].client() as client:
             fit = client.fit(
                 TRAIN_SPEC,
                 batches,
@@ -255,7 +267,7 @@ class Soak:
                 await asyncio.sleep(self.args.pace_s)
 
         async def run() -> None:
-            async with self.cluster.client() as client:
+            async with self.clusters["stream"].client() as client:
                 stream = client.infer_stream(
                     STREAM_SPEC, feed(), microbatch_size=2, stage_names=STREAM_STAGES, recover=True
                 )
@@ -273,7 +285,7 @@ class Soak:
     def _restart_stage(self, name: str, down_from: float) -> None:
         """Start ``name`` again and close its down window once it is registered
         (in a thread: registering takes a torch import on a loaded machine)."""
-        self.cluster.start_stage(self.devices[name])
+        self.cluster_of(name).start_stage(self.devices[name])
 
         def wait() -> None:
             self.wait_alive([name], 240)
@@ -287,12 +299,12 @@ class Soak:
         now = time.time()
         if kind == "stage_kill":
             name = self._stage(target)
-            self.cluster.kill(name)
+            self.cluster_of(name).kill(name)
             self._restart_stage(name, now)
             detail["stage"] = name
         elif kind == "stage_stop":
             name = self._stage(target)
-            process = self.cluster.processes[name]
+            process = self.cluster_of(name).processes[name]
             process.send_signal(signal.SIGSTOP)
             time.sleep(hold_s)
             process.send_signal(signal.SIGCONT)
@@ -301,15 +313,17 @@ class Soak:
             rejoined = self.wait_alive([name], 30)
             detail.update(stage=name, stopped_s=hold_s, rejoined=rejoined)
             if not rejoined:
-                self.cluster.kill(name)
+                self.cluster_of(name).kill(name)
                 self._restart_stage(name, now)
             else:
                 with self.lock:
                     self.down.append((name, now, back))
         elif kind == "coordinator_restart":
-            self.cluster.kill("coordinator")
+            role = sorted(self.clusters)[target % len(self.clusters)]
+            self.clusters[role].kill("coordinator")
             time.sleep(1.0)
-            self.cluster.restart_coordinator()
+            self.clusters[role].restart_coordinator()
+            detail["cluster"] = role
         elif kind == "cpu_burner":
             seconds = 3 * hold_s
             burner = subprocess.Popen([sys.executable, "-c", BURNER, str(seconds)])
@@ -323,28 +337,31 @@ class Soak:
             detail.update(self._slow(target, 3 * hold_s))
         return detail
 
-    def _link_target(self, target: int) -> str:
-        """A stage or the coordinator (the lab node's process)."""
-        names = [*sorted(self.devices), "coordinator"]
+    def _link_target(self, target: int) -> tuple[str, str]:
+        """(cluster, process): a stage or a cluster's coordinator (a lab node's process)."""
+        names = [(self.home[n], n) for n in sorted(self.devices)]
+        names += [(role, "coordinator") for role in sorted(self.clusters)]
         return names[target % len(names)]
 
     def _cut(self, target: int, seconds: float, now: float) -> dict[str, Any]:
-        assert isinstance(self.cluster, LabCluster)
-        name = self._link_target(target)
-        self.cluster.cut_for(name, seconds)
-        # cut off, a stage is dead to the coordinator; the coordinator cut off, every
-        # stage is (the deaths then declared are the fault's, not false)
-        names = sorted(self.devices) if name == "coordinator" else [name]
+        role, name = self._link_target(target)
+        cluster = self.clusters[role]
+        assert isinstance(cluster, LabCluster)
+        cluster.cut_for(name, seconds)
+        # cut off, a stage is dead to the coordinator; the coordinator cut off, each of
+        # its stages is (the deaths then declared are the fault's, not false)
+        names = [d.name for d in cluster.devices] if name == "coordinator" else [name]
         with self.lock:
             self.down.extend((n, now, now + seconds) for n in names)
-        return {"target": name, "cut_s": seconds}
+        return {"cluster": role, "target": name, "cut_s": seconds}
 
     def _slow(self, target: int, seconds: float) -> dict[str, Any]:
         """``target``'s uplink at a tenth of its rate for ``seconds`` (a timer restores it)."""
-        assert isinstance(self.cluster, LabCluster)
-        name = self._link_target(target)
-        node = self.cluster.node_of(name)
-        lab = self.cluster.lab
+        role, name = self._link_target(target)
+        cluster = self.clusters[role]
+        assert isinstance(cluster, LabCluster)
+        node = cluster.node_of(name)
+        lab = cluster.lab
         rate = self.args.link_mbit
 
         def cap(mbit: float) -> None:
@@ -356,13 +373,12 @@ class Soak:
         timer.daemon = True
         timer.start()
         self.timers.append(timer)
-        return {"target": name, "slow_s": seconds, "mbit": rate / 10}
+        return {"cluster": role, "target": name, "slow_s": seconds, "mbit": rate / 10}
 
     def _burst(self, target: int) -> dict[str, Any]:
-        members = self.alive()
         name = self._stage(target)
-        member = members.get(name)
-        endpoints = [self.cluster.coordinator_endpoint]
+        member = self.alive(self.home[name]).get(name)
+        endpoints = [self.cluster_of(name).coordinator_endpoint]
         if member is not None:
             endpoints += [str(member["data_endpoint"])]
             probe = member.get("info", {}).get("probe_endpoint")
@@ -382,11 +398,13 @@ class Soak:
         return {"stage": name, "targets": len(endpoints), "sent": sent}
 
 
-def _rss_sample(cluster: LocalCluster, peaks: dict[str, int]) -> None:
-    for name, process in list(cluster.processes.items()):
-        rss = _rss_kib(process.pid, "VmRSS")
-        if rss is not None:
-            peaks[name] = max(peaks.get(name, 0), rss)
+def _rss_sample(clusters: dict[str, LocalCluster], peaks: dict[str, int]) -> None:
+    for role, cluster in clusters.items():
+        for name, process in list(cluster.processes.items()):
+            rss = _rss_kib(process.pid, "VmRSS")
+            if rss is not None:
+                key = f"{role}:{name}"
+                peaks[key] = max(peaks.get(key, 0), rss)
 
 
 def _deaths(log: str) -> list[tuple[float, str]]:
@@ -447,29 +465,33 @@ def main(argv: list[str] | None = None) -> int:
     plan = schedule(args.seed, duration, args.min_gap, args.max_gap, active)
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="zpipe-chaos-state-"))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="zpipe-chaos-logs-"))
-    devices = [DeviceSpec(n, threads=1) for n in TRAIN_STAGES + STREAM_STAGES]
+    groups = {"train": TRAIN_STAGES, "stream": STREAM_STAGES}
     on_lab = args.net != "off" and not skipped and unavailable_reason() is None
     emit({"bench": "chaos", "faults_planned": len(plan), "log_dir": str(log_dir), "net": on_lab})
-    settings: dict[str, Any] = {
-        "heartbeat_interval_s": 0.5,
-        "suspect_after": 6,
-        "probe_intervals": 4,
-        "state_dir": state_dir,
-        "log_dir": log_dir,
-        "start_timeout_s": 240,
-    }
     with contextlib.ExitStack() as stack:
         if on_lab:
             cap = TbfCap.at(args.link_mbit)
-            nodes = [Node(n, uplink=cap) for n in ["coord", *(d.name for d in devices)]]
-            lab = stack.enter_context(NetLab(nodes))
-            cluster: LocalCluster = LabCluster(lab, devices, **settings)
-        else:
-            cluster = LocalCluster(devices, **settings)
-        stack.enter_context(cluster)
-        soak = Soak(cluster, args)
+            names = [f"c{role}" for role in groups] + TRAIN_STAGES + STREAM_STAGES
+            lab = stack.enter_context(NetLab([Node(n, uplink=cap) for n in names]))
+        clusters: dict[str, LocalCluster] = {}
+        for role, stages in groups.items():
+            devices = [DeviceSpec(n, threads=1) for n in stages]
+            settings: dict[str, Any] = {
+                "heartbeat_interval_s": 0.5,
+                "suspect_after": 6,
+                "probe_intervals": 4,
+                "state_dir": state_dir / role,
+                "log_dir": log_dir / role,
+                "start_timeout_s": 240,
+            }
+            if on_lab:
+                clusters[role] = LabCluster(lab, devices, coordinator_node=f"c{role}", **settings)
+            else:
+                clusters[role] = LocalCluster(devices, **settings)
+            stack.enter_context(clusters[role])
+        soak = Soak(clusters, args)
         peaks: dict[str, int] = {}
-        _rss_sample(cluster, peaks)
+        _rss_sample(clusters, peaks)
         idle = dict(peaks)
         threads = [
             threading.Thread(target=soak.guarded(soak.train_loop), daemon=True),
@@ -481,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         injected: list[dict[str, Any]] = []
         for fault in plan:
             while time.monotonic() - start < fault.at_s:
-                _rss_sample(cluster, peaks)
+                _rss_sample(clusters, peaks)
                 time.sleep(min(2.0, max(0.0, fault.at_s - (time.monotonic() - start))))
             at = time.time()
             try:
@@ -495,20 +517,20 @@ def main(argv: list[str] | None = None) -> int:
             injected.append(row)
             emit({"bench": "chaos", "fault": len(injected), "t_s": round(fault.at_s, 1), **row})
         while time.monotonic() - start < duration:
-            _rss_sample(cluster, peaks)
+            _rss_sample(clusters, peaks)
             time.sleep(2.0)
         soak.stop.set()
         ended = time.monotonic()
         for thread in threads:  # the round in flight ends (or times out) first
             thread.join(timeout=ROUND_TIMEOUT_S + 60)
-            _rss_sample(cluster, peaks)
+            _rss_sample(clusters, peaks)
         hung = [t.name for t in threads if t.is_alive()]
         for timer in soak.timers:
             timer.cancel()
         drain_s = round(time.monotonic() - ended, 1)
-        log = cluster.logs("coordinator")
+        deaths = [d for c in clusters.values() for d in _deaths(c.logs("coordinator"))]
     not_survived = charge_failures([f["at"] for f in injected], soak.failed)
-    wrong = false_deaths(_deaths(log), soak.down, DEATH_GRACE_S)
+    wrong = false_deaths(deaths, soak.down, DEATH_GRACE_S)
     train = [r for r in soak.rounds if r["run"] == "train"]
     stream = [r for r in soak.rounds if r["run"] == "stream"]
     ratios = [peaks[n] / idle[n] for n in idle if idle[n] and n in peaks]
@@ -519,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         **summary_figures(injected, not_survived, skipped),
         false_deaths=len(wrong),
         false_death_stages=[name for _, name in wrong],
-        deaths=len(_deaths(log)),
+        deaths=len(deaths),
         weights_exact=bool(train) and all(r.get("weights_exact", False) for r in train),
         weights_bitwise=bool(train) and all(r.get("weights_bitwise", False) for r in train),
         outputs_exactly_once=bool(stream) and all(r["ok"] for r in stream),
