@@ -116,6 +116,14 @@ def exactly_once_in_order(indices: Sequence[int | None], count: int) -> dict[str
     }
 
 
+def refused_at_start(error: str | None, received: int) -> bool:
+    """Whether a round was refused before it began: the coordinator could not start
+    the run (a stage named in it had just died, say) and nothing came back. Nothing
+    was accepted, so nothing is lost: the client knows and starts again, as a
+    Jepsen client treats a definite failure of a request."""
+    return error is not None and "could not start the run" in error and received == 0
+
+
 def charge_failures(
     injected_at: Sequence[float], failed: Sequence[tuple[float, float]]
 ) -> set[int]:

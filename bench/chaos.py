@@ -26,6 +26,9 @@ process runs in a namespace of :class:`~zpipe.cluster.netcluster.LabCluster` wit
 or of the coordinator for 1-10 s, and a node's uplink cut to a tenth of its rate for
 3-30 s. Kinds that cannot run are named under ``kinds_skipped`` with the reason.
 
+A round the coordinator refuses at its start (``could not start the run``, nothing
+sent back: a stage in it had just died, say) is counted as refused, not failed:
+nothing was accepted, so nothing is lost, and the client starts again a second later.
 A fault is survived when no round it hit fails (a failed or hung round is charged to
 the first fault injected while it ran, else to the last one before it started);
 ``false_deaths`` counts the coordinator's ``stage_dead`` events for a stage that was
@@ -66,6 +69,7 @@ from bench._chaos_plan import (
     exactly_once_in_order,
     false_deaths,
     match_stream,
+    refused_at_start,
     schedule,
     summary_figures,
 )
@@ -170,7 +174,7 @@ class Soak:
     def _record(self, row: dict[str, Any]) -> None:
         with self.lock:
             self.rounds.append(row)
-            if not row["ok"]:
+            if not row["ok"] and not row.get("refused"):
                 self.failed.append((row["started"], row["ended"]))
         emit({"bench": "chaos", **row})
 
@@ -208,10 +212,14 @@ class Soak:
                     lost=0 if close else len(batches),
                 )
             except Exception as exc:
-                row.update(ok=False, error=repr(exc)[:300], lost=len(batches))
+                refused = refused_at_start(str(exc), 0)
+                lost = 0 if refused else len(batches)
+                row.update(ok=False, refused=refused, error=repr(exc)[:300], lost=lost)
             row["ended"] = time.time()
             self._record(row)
             number += 1
+            if row.get("refused"):
+                time.sleep(1.0)  # the coordinator will know of the death soon
 
     async def _fit(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         async with self.clusters["train"].client() as client:
@@ -253,12 +261,15 @@ class Soak:
             )
             check = exactly_once_in_order(found, len(inputs))
             exact = check.pop("ok")
-            row.update(ok=error is None and exact, received=len(received), **check)
+            refused = refused_at_start(error, len(received))
+            row.update(ok=error is None and exact, refused=refused, received=len(received), **check)
             if error is not None:
                 row["error"] = error
             row["ended"] = time.time()
             self._record(row)
             number += 1
+            if refused:
+                time.sleep(1.0)
 
     async def _stream(self, inputs: list[tuple[torch.Tensor]], received: list[Any]) -> None:
         async def feed() -> Any:
@@ -544,12 +555,14 @@ def main(argv: list[str] | None = None) -> int:
         deaths=len(deaths),
         weights_exact=bool(train) and all(r.get("weights_exact", False) for r in train),
         weights_bitwise=bool(train) and all(r.get("weights_bitwise", False) for r in train),
-        outputs_exactly_once=bool(stream) and all(r["ok"] for r in stream),
+        outputs_exactly_once=bool(stream) and all(r["ok"] or r["refused"] for r in stream),
         lost_minibatches=sum(int(r.get("lost", 0)) for r in train),
         train_rounds=len(train),
-        train_rounds_failed=sum(1 for r in train if not r["ok"]),
+        train_rounds_failed=sum(1 for r in train if not r["ok"] and not r.get("refused")),
+        train_rounds_refused=sum(1 for r in train if r.get("refused")),
         stream_rounds=len(stream),
-        stream_rounds_failed=sum(1 for r in stream if not r["ok"]),
+        stream_rounds_failed=sum(1 for r in stream if not r["ok"] and not r["refused"]),
+        stream_rounds_refused=sum(1 for r in stream if r["refused"]),
         stops_not_rejoined=sum(1 for f in injected if f.get("rejoined") is False),
         inject_errors=sum(1 for f in injected if "inject_error" in f),
         hung_threads=hung,

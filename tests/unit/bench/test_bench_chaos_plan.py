@@ -15,6 +15,7 @@ from bench._chaos_plan import (
     exactly_once_in_order,
     false_deaths,
     match_stream,
+    refused_at_start,
     schedule,
     summary_figures,
 )
@@ -90,3 +91,11 @@ def test_the_summary_counts_faults_by_kind() -> None:
     }
     assert figures["kinds_skipped"] == {"link_cut": "no root"}
     assert Fault(1.0, "stage_kill", 0, 1.0).kind == "stage_kill"
+
+
+def test_a_round_is_refused_only_when_it_never_started() -> None:
+    refusal = "PipelineError('the coordinator could not start the run: i0 is not connected')"
+    assert refused_at_start(refusal, 0) is True
+    assert refused_at_start(refusal, 3) is False  # outputs came: it had started
+    assert refused_at_start("TimeoutError()", 0) is False
+    assert refused_at_start(None, 0) is False
