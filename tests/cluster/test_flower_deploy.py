@@ -14,151 +14,23 @@ a marker in its environment, and the teardown kills each one that does."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._support.flower_processes import FlowerProcesses
 from zpipe.federated.flower_deploy import write_app
 from zpipe.federated.flower_deploy_control import DeploySettings
-from zpipe.transport.ports import free_tcp_port
 
 pytest.importorskip("flwr.serverapp")
 
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-MARKER = "ZPIPE_FLOWER_DEPLOY_TEST"
 STEP_S = 300.0  # for one step of the run (a profiling, a round) on a loaded machine
-
-
-class FlowerProcesses:
-    """A SuperLink, its SuperNodes and the ``flwr`` CLI, in ``home`` (FLWR_HOME)."""
-
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.marker = uuid.uuid4().hex
-        self.env = {
-            **os.environ,
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "FLWR_HOME": str(home / "flwr"),
-            # no telemetry and no look for a newer flwr: nothing leaves the machine
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            MARKER: self.marker,
-        }
-        self.port = free_tcp_port()
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        out = (self.home / f"{name}.log").open("ab")
-        proc = subprocess.Popen(
-            [str(BIN / args[0]), *args[1:]],
-            env=self.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        out.close()
-        self.procs.append(proc)
-        return proc
-
-    def superlink(self, *extra: str) -> subprocess.Popen[bytes]:
-        proc = self._start(
-            "superlink",
-            [
-                "flower-superlink",
-                "--port",
-                str(self.port),
-                "--disable-runtime-dependency-installation",
-                *extra,
-            ],
-        )
-        deadline = time.monotonic() + 120.0
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
-                return proc
-            except OSError:
-                time.sleep(0.5)
-        log = (self.home / "superlink.log").read_text(errors="replace")
-        raise AssertionError(f"the SuperLink did not listen in time: {log[-3000:]}")
-
-    def supernode(self, partition: int, *extra: str, name: str = "") -> subprocess.Popen[bytes]:
-        return self._start(
-            name or f"supernode{partition}",
-            [
-                "flower-supernode",
-                "--superlink",
-                f"127.0.0.1:{self.port}",
-                "--port",
-                str(free_tcp_port()),
-                "--node-config",
-                f"partition-id={partition}",
-                *extra,
-            ],
-        )
-
-    def cli_config(self, connection: str) -> None:
-        flwr_home = self.home / "flwr"
-        flwr_home.mkdir(parents=True, exist_ok=True)
-        text = f'[superlink]\ndefault = "local"\n\n[superlink.local]\n{connection}\n'
-        (flwr_home / "config.toml").write_text(text, encoding="utf-8")
-
-    def flwr(self, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(BIN / "flwr"), *args],
-            env={**self.env, "COLUMNS": "200"},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10.0
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10.0)
-        # Flower detaches its SuperExec, ServerApp and ClientApp processes (new
-        # sessions), and a ClientApp's pipeline has stage processes: every process
-        # that carries this run's marker is one of ours
-        for pid in _marked(self.marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _marked(marker: str) -> list[int]:
-    needle = f"{MARKER}={marker}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture

@@ -15,18 +15,14 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests._support.flower_processes import FlowerProcesses, listening
 from zpipe.federated.flower_deploy import write_app
 from zpipe.federated.flower_deploy_control import DeploySettings
 from zpipe.transport.ports import free_tcp_port
@@ -35,9 +31,6 @@ pytest.importorskip("flwr.serverapp")
 
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-MARKER = "ZPIPE_FLOWER_AUTH_TEST"
 DEADLINE_S = 180.0
 EXIT_CONNECTION_ERROR = 305  # Flower's SUPERNODE_CONNECTION_ERROR
 
@@ -96,90 +89,16 @@ def _make_keys(directory: Path) -> None:
         )
 
 
-class _Processes:
-    def __init__(self, home: Path) -> None:
-        self.home, self.marker = home, uuid.uuid4().hex
-        self.env = {
-            **os.environ,
-            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            "FLWR_HOME": str(home / "flwr"),
-            "COLUMNS": "200",
-            # no telemetry and no look for a newer flwr: nothing leaves the machine
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            MARKER: self.marker,
-        }
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        with (self.home / f"{name}.log").open("ab") as out:
-            proc = subprocess.Popen(
-                [str(BIN / args[0]), *args[1:]],
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.procs.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.home / f"{name}.log").read_text(errors="replace")
-
-    def flwr(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(BIN / "flwr"), *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=DEADLINE_S,
-            check=False,
-        )
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10.0)
-        # Flower detaches its SuperExec processes: each that carries our marker is ours
-        needle = f"{MARKER}={self.marker}".encode()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                continue
-
-
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[_Processes]:
-    running = _Processes(tmp_path)
+def processes(tmp_path: Path) -> Iterator[FlowerProcesses]:
+    running = FlowerProcesses(tmp_path)
     try:
         yield running
     finally:
         running.close()
 
 
-def _listening(port: int, proc: subprocess.Popen[bytes]) -> bool:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-            return True
-        except OSError:
-            time.sleep(0.5)
-    return False
-
-
-def test_an_unlisted_supernode_is_refused(processes: _Processes, tmp_path: Path) -> None:
+def test_an_unlisted_supernode_is_refused(processes: FlowerProcesses, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     _make_keys(keys)
     port = free_tcp_port()
@@ -199,7 +118,7 @@ def test_an_unlisted_supernode_is_refused(processes: _Processes, tmp_path: Path)
             str(keys / "ca.pem"),
         ],
     )
-    assert _listening(port, superlink), processes.log("superlink")
+    assert listening(port, superlink, DEADLINE_S), processes.log("superlink")
     flwr_home = tmp_path / "flwr"
     flwr_home.mkdir(exist_ok=True)  # the SuperLink may have made it
     (flwr_home / "config.toml").write_text(
