@@ -36,7 +36,6 @@ stage's scheduler prefills (:mod:`zpipe.coordinator.runs.generation_recovery`).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -81,9 +80,11 @@ from zpipe.protocol.generation import (
 from zpipe.stage.assignment import PushConnector
 from zpipe.stage.executors.generation_steps import (
     GenerationStage,
-    StepOut,
     after_failed_step,
+    compute_step,
+    expect_sender,
     first_step,
+    freed_sequences,
     largest_message,
     load_detokenizer,
     same_units,
@@ -92,7 +93,6 @@ from zpipe.stage.executors.generation_steps import (
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.codec import Message
-from zpipe.transport.emulation import emulate_slowdown
 from zpipe.transport.slowdown import Slowdown, slowdown_factor
 from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames, send
 
@@ -320,32 +320,32 @@ class GenerationExecutor:
             raise ProtocolError(f"{message.KIND} says it is from {src!r}, its key is {sender!r}'s")
         match message:
             case GenSubmit() | GenCancel() if st.first:
-                _expect(src, CLIENT, message)
+                expect_sender(src, CLIENT, message)
                 if isinstance(message, GenSubmit):
                     await self._submit(st, message)
                 else:
                     await self._carry_out(st, self._scheduler(st).cancel(message.sequence))
             case GenClose() if st.first:
-                _expect(src, CLIENT, message)
+                expect_sender(src, CLIENT, message)
                 st.queue.put_nowait(_Close())
             case GenTokens() if st.first and st.setup.num_stages > 1:
-                _expect(src, st.setup.upstream, message)
+                expect_sender(src, st.setup.upstream, message)
                 tokens = tokens_from_wire(message.tokens)
                 await self._carry_out(st, self._scheduler(st).step_done(message.step, tokens))
             case GenStepFailed() if st.first and st.setup.num_stages > 1:
-                _expect(src, st.setup.upstream, message)
+                expect_sender(src, st.setup.upstream, message)
                 await self._step_failed(st, message)
             case GenStepFailed() if not st.first:
-                _expect(src, st.setup.upstream, message)
+                expect_sender(src, st.setup.upstream, message)
                 st.queue.put_nowait(message)  # in order with the steps it passes on
             case GenStep() if not st.first:
-                _expect(src, st.setup.upstream, message)
+                expect_sender(src, st.setup.upstream, message)
                 st.queue.put_nowait(message)
             case GenFree() if not st.first:
-                _expect(src, st.setup.upstream, message)
-                st.queue.put_nowait(_Free(_sequences(message)))
+                expect_sender(src, st.setup.upstream, message)
+                st.queue.put_nowait(_Free(freed_sequences(message)))
             case GenClose() if not st.first:
-                _expect(src, st.setup.upstream, message)
+                expect_sender(src, st.setup.upstream, message)
                 st.queue.put_nowait(_Close())
             case _:
                 raise ProtocolError(
@@ -488,7 +488,9 @@ class GenerationExecutor:
                 st.queue.task_done()  # queue.join(): everything handed over is carried out
 
     async def _step(self, st: _Run, step: GenStep, loop: asyncio.AbstractEventLoop) -> None:
-        out = await loop.run_in_executor(self._compute, self._compute_step, st.work, step)
+        out = await loop.run_in_executor(
+            self._compute, compute_step, st.work, step, slowdown_factor(self._slowdown)
+        )
         st.steps += 1
         st.tokens += sum(int(row[2]) for row in step.rows)
         setup = st.setup
@@ -515,15 +517,6 @@ class GenerationExecutor:
                 epoch=setup.epoch,
             )
             await self._downstream(st, tokens)
-
-    def _compute_step(self, work: GenerationStage, step: GenStep) -> StepOut:
-        """One step in the compute thread, held as long as the emulated device's
-        slowdown says (zpipe.transport.emulation.emulate_slowdown)."""
-        factor = slowdown_factor(self._slowdown)
-        started, cpu = time.perf_counter(), time.thread_time()
-        out = work.step(step)
-        emulate_slowdown(factor, time.perf_counter() - started, time.thread_time() - cpu)
-        return out
 
     async def _report_failed_step(self, st: _Run, step: GenStep, exc: Exception) -> None:
         """A step this stage could not compute: the first stage hears it round the ring
@@ -600,12 +593,3 @@ class GenerationExecutor:
         if state is not None:
             self._close_sockets(state)
             log.info("generation_released", stage=self.name, run=state.setup.run)
-
-
-def _expect(src: object, expected: str, message: WireMessage) -> None:
-    if src != expected:
-        raise ProtocolError(f"{message.KIND} from {src!r}, but it must come from {expected!r}")
-
-
-def _sequences(message: GenFree) -> tuple[int, ...]:
-    return tuple(tokens_from_wire(message.sequences, "sequences"))

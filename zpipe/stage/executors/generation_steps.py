@@ -13,6 +13,7 @@ sampled rows follow their seed and index).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,10 +30,13 @@ from zpipe.generation.wire import (
     rows_to_wire,
     sampling_from_wire,
     sampling_to_wire,
+    tokens_from_wire,
 )
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import CausalLmStage, SequenceChunk
-from zpipe.protocol.generation import GenSetup, GenStep, GenSubmit
+from zpipe.protocol import WireMessage
+from zpipe.protocol.generation import GenFree, GenSetup, GenStep, GenSubmit
+from zpipe.transport.emulation import emulate_slowdown
 
 
 @dataclass(frozen=True)
@@ -192,3 +196,22 @@ def largest_message(setup: GenSetup, work: GenerationStage) -> int:
     element = DTYPE_BYTES[setup.dtype or "float32"]
     tokens = setup.chunk_tokens + setup.max_sequences
     return max(tokens * config.hidden * element, setup.max_context * 8) + HEADER_ROOM
+
+
+def compute_step(work: GenerationStage, step: GenStep, slowdown_factor: float) -> StepOut:
+    """One step in the compute thread, held as long as the emulated device's
+    slowdown says (:func:`zpipe.transport.emulation.emulate_slowdown`)."""
+    started, cpu = time.perf_counter(), time.thread_time()
+    out = work.step(step)
+    emulate_slowdown(slowdown_factor, time.perf_counter() - started, time.thread_time() - cpu)
+    return out
+
+
+def expect_sender(src: object, expected: str, message: WireMessage) -> None:
+    """A run's message must come from the peer the set-up names for its kind."""
+    if src != expected:
+        raise ProtocolError(f"{message.KIND} from {src!r}, but it must come from {expected!r}")
+
+
+def freed_sequences(message: GenFree) -> tuple[int, ...]:
+    return tuple(tokens_from_wire(message.sequences, "sequences"))
