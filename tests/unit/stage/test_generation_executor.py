@@ -4,6 +4,7 @@ each stage accepts from whom, what it sends where, and what it counts and drops.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -130,6 +131,37 @@ class _Ring:
         return [e for m in self.to("client", GenTokenBatch) for e in events_from_wire(m.events)]
 
 
+OnData = Callable[[Any], Awaitable[None]]
+Scenario = Callable[["_Ring", OnData], Awaitable[None]]
+
+
+def _run_ring(
+    monkeypatch: pytest.MonkeyPatch,
+    scenario: Scenario,
+    index: int = 0,
+    n: int = 2,
+    spec: ModelSpec = SPEC,
+    *,
+    text: bool = False,
+    **setup: Any,
+) -> None:
+    """Run ``scenario(ring, on_data)`` against one started stage of a ring, then close it.
+
+    ``setup`` changes the stage's ``GenSetup`` before it starts."""
+
+    async def main() -> None:
+        ring = _Ring(monkeypatch, index, n, spec, text=text)
+        if setup:
+            ring.setup = replace(ring.setup, **setup)
+        await ring.start()
+        try:
+            await scenario(ring, ring.executor._on_data)
+        finally:
+            await ring.executor.close()
+
+    asyncio.run(main())
+
+
 def _submit(sequence: int, *, src: str = "client", run: int = 9, **params: Any) -> GenSubmit:
     return GenSubmit(
         run=run,
@@ -144,10 +176,7 @@ def _submit(sequence: int, *, src: str = "client", run: int = 9, **params: Any) 
 def test_the_first_stage_schedules_sends_steps_and_streams_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2)
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         await on(_submit(4))
         await ring.settle()
         (step,) = ring.to("s1", GenStep)
@@ -167,18 +196,14 @@ def test_the_first_stage_schedules_sends_steps_and_streams_tokens(
         assert ring.to("s1", GenClose)  # passed down the stages
         await on(_submit(6))  # the run is over here: counted stale, not scheduled
         assert ring.executor.stale == 1 and ring.executor.state is None
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario)
 
 
 def test_the_first_stage_refuses_bad_sequences_and_drops_impostors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2)
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         await on(_submit(1, top_p=3.0))
         await on(_submit(2, max_tokens=40))  # 3 + 40 tokens exceed the context of 32
         await on(_submit(3, max_tokens=20))
@@ -199,18 +224,14 @@ def test_the_first_stage_refuses_bad_sequences_and_drops_impostors(
         await on(_submit(5, run=8))  # another run's: counted, not computed
         assert ring.executor.stale == 1
         assert not ring.to("s1", GenStep)
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario)
 
 
 def test_a_middle_stage_passes_steps_and_failures_on_and_takes_them_from_upstream_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 1, 3)
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         hidden = torch.randn(3, SPEC.config["n_embd"])
         step = GenStep(
             run=9,
@@ -253,16 +274,12 @@ def test_a_middle_stage_passes_steps_and_failures_on_and_takes_them_from_upstrea
         assert forwarded.src == "s1" and forwarded.rows == step.rows
         (failed,) = ring.to("s2", GenStepFailed)
         assert (failed.step, failed.stage, failed.sequences) == (1, "s1", [4])
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario, 1, 3)
 
 
 def test_a_client_whose_sink_stays_full_closes_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2)
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         await on(_submit(4))
         await ring.settle()
         (step,) = ring.to("s1", GenStep)
@@ -271,9 +288,8 @@ def test_a_client_whose_sink_stays_full_closes_the_run(monkeypatch: pytest.Monke
         await ring.settle()
         assert ring.to("s1", GenClose)  # every stage frees its caches
         assert ring.executor.state is None
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario)
 
 
 def test_a_sequence_stops_at_the_models_end_of_sequence_token(
@@ -281,10 +297,7 @@ def test_a_sequence_stops_at_the_models_end_of_sequence_token(
 ) -> None:
     spec = ModelSpec(SPEC.family, {**SPEC.config, "eos_token_id": 42}, seed=SPEC.seed)
 
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2, spec)
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         await on(_submit(4, max_tokens=5, stop_at_eos=True))
         await on(_submit(5, max_tokens=5, stop_at_eos=False))
         await ring.settle()
@@ -295,9 +308,8 @@ def test_a_sequence_stops_at_the_models_end_of_sequence_token(
         await ring.settle()
         finish = {t.sequence: t.finish_reason for t in ring.events()}
         assert finish == {4: "eos", 5: None}
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario, spec=spec)
 
 
 class _Letters:
@@ -312,10 +324,7 @@ def test_with_text_the_first_stage_streams_text_and_stops_at_a_stop_string(
 ) -> None:
     monkeypatch.setattr(module, "load_detokenizer", lambda setup: _Letters())
 
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2, text=True)
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         await on(_submit(4, max_tokens=8, stop=["c"]))
         for token in (0, 1, 2, 3):  # a, b, then the stop string
             await ring.settle()
@@ -324,18 +333,14 @@ def test_with_text_the_first_stage_streams_text_and_stops_at_a_stop_string(
         await ring.settle()
         events = [(t.index, t.text, t.finish_reason) for t in ring.events()]
         assert events == [(0, "a", None), (1, "b", None), (2, "", "stop")]
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario, text=True)
 
 
 def test_a_replan_sets_the_run_up_again_and_a_sequence_goes_on_from_its_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2)
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         await on(_submit(4))
         await ring.settle()
         (step,) = ring.to("s1", GenStep)
@@ -377,35 +382,27 @@ def test_a_replan_sets_the_run_up_again_and_a_sequence_goes_on_from_its_tokens(
         # other units: built again
         await replan(end=3, epoch=EPOCH + 2)
         assert ring.executor.state is not None and ring.executor.state.work is not built
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario)
 
 
 def test_a_step_the_next_stage_does_not_take_refuses_no_sequence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2)
-        await ring.start()
+    async def scenario(ring: _Ring, on: OnData) -> None:
         ring.unreachable.add("s1")  # dead: the coordinator's failure detector decides
-        await ring.executor._on_data(_submit(4))
+        await on(_submit(4))
         await ring.settle()
         assert not ring.to("client", GenRefused) and not ring.sent
         assert ring.executor.protocol_errors == 0
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario)
 
 
 def test_a_steps_tokens_go_to_the_client_in_one_message_in_row_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def scenario() -> None:
-        ring = _Ring(monkeypatch, 0, 2)
-        ring.setup = replace(ring.setup, steps_in_flight=1)  # one group: all decode together
-        await ring.start()
-        on = ring.executor._on_data
+    async def scenario(ring: _Ring, on: OnData) -> None:
         for sequence in (4, 6, 5):
             await on(_submit(sequence))
         answered: set[int] = set()
@@ -436,6 +433,5 @@ def test_a_steps_tokens_go_to_the_client_in_one_message_in_row_order(
             assert event.index == len(streams.setdefault(event.sequence, []))
             streams[event.sequence].append(event.token)
         assert sorted(streams) == [4, 5, 6] and all(len(t) == 2 for t in streams.values())
-        await ring.executor.close()
 
-    asyncio.run(scenario())
+    _run_ring(monkeypatch, scenario, steps_in_flight=1)
