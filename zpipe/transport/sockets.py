@@ -68,7 +68,13 @@ from zpipe.transport.codec import (
     encode,
 )
 from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable, send_when_writable
-from zpipe.transport.message_bounds import MessageBounds, Refused, discard_rest, take_rest
+from zpipe.transport.message_bounds import (
+    MessageBounds,
+    Refused,
+    discard_rest,
+    give_back_freed_memory,
+    take_rest,
+)
 
 log = structlog.get_logger("zpipe.transport")
 
@@ -458,6 +464,7 @@ async def _discard_refused(sock: zmq.asyncio.Socket, refused: Refused, peer: str
         look()
     if isinstance(sock, ZpipeSocket):
         sock.refused_messages += 1
+    give_back_freed_memory(refused.frames)
     error = refused.error()
     log.warning(
         "dropped_message",

@@ -12,14 +12,17 @@ import pytest
 import zmq
 
 from zpipe._errors import MessageLimitError, ProtocolError
+from zpipe.transport import message_bounds
 from zpipe.transport.codec import MAX_TENSORS
 from zpipe.transport.message_bounds import (
     CODEC_FRAMES,
     DRAIN_TURN_FRAMES,
+    TRIM_AFTER_FRAMES,
     MessageBounds,
     Refused,
     discard_rest,
     discard_some,
+    give_back_freed_memory,
     take_rest,
 )
 from zpipe.transport.sockets import ReceiveLimits
@@ -155,3 +158,9 @@ def test_a_message_may_hold_what_one_connection_may_queue() -> None:
     huge = ReceiveLimits(1 << 31, 16)
     assert huge.message_bounds(zmq.PULL).max_bytes == 1 << 31
     assert ReceiveLimits(1000, 1).message_bounds(zmq.PULL).max_bytes == 1000
+
+
+def test_only_a_refused_message_of_many_frames_gives_freed_memory_back() -> None:
+    assert not give_back_freed_memory(TRIM_AFTER_FRAMES - 1)
+    ran = give_back_freed_memory(TRIM_AFTER_FRAMES)
+    assert ran == (message_bounds._MALLOC_TRIM is not None)  # glibc's, where there is one
