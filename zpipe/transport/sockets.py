@@ -33,8 +33,14 @@ segfaulted libzmq 4.3.5's I/O thread while a connected peer sent); a stage's
 data port and the client's sink do so before the plan's peers are told to
 connect, and only when the limits change. What no libzmq option bounds: the
 frame count of one multipart message (each frame under ``MAXMSGSIZE``) and the
-number of connections; only CURVE allow-lists (``--keys``), which refuse
-unknown peers at the handshake, bound those.
+number of connections. :func:`recv_frames` bounds what Python keeps of one
+message: it takes the frames one by one and keeps none past the socket's
+:class:`~zpipe.transport.message_bounds.MessageBounds` (the codec's frame count;
+the bytes one connection may queue, :meth:`ReceiveLimits.message_bounds`), then
+discards the rest. libzmq itself still holds every frame of a message until its
+last one arrives (:mod:`zpipe.transport.message_bounds` says how much); only
+CURVE allow-lists (``--keys``), which refuse unknown peers at the handshake, and
+the data ports' address checks bound who can send that.
 
 :func:`send` and :func:`recv_frames` wrap the asyncio sends and receives with a
 timeout whose error names the peer and what was awaited. Untracked sends copy
