@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,23 +55,24 @@ DRAIN_TURN_FRAMES = 4096
 TRIM_AFTER_FRAMES = 1 << 16
 
 
-def _load_malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, found among the symbols this process already has
+    loaded (``ctypes.util.find_library`` would start ``ldconfig``), or None."""
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
         return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
 
 
 def give_back_freed_memory(frames: int) -> bool:
     """After a refused message of ``frames`` frames: return the C heap's free pages
     to the system (glibc's ``malloc_trim``; elsewhere nothing). Whether it ran."""
-    if frames < TRIM_AFTER_FRAMES or _MALLOC_TRIM is None:
+    if frames < TRIM_AFTER_FRAMES:
         return False
-    _MALLOC_TRIM(0)
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
     return True
 
 
