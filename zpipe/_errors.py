@@ -5,6 +5,7 @@
     │   ├── ModelSpecError     a model spec or weights file that cannot be built
     │   └── InfeasiblePlanError  no plan fits the devices (memory, count, partition)
     ├── ProtocolError          a message from a peer that fails validation (dropped, logged)
+    │   └── MessageLimitError  a multipart message past its socket's frame or byte bound
     ├── SecurityError          keys missing or malformed, a peer that is not allowed
     │   ├── UntrustedCodeError a peer named code (a model factory) this process does not allow
     │   └── RoleError          a peer sent what its role may not (a stage starting a run)
@@ -42,6 +43,17 @@ class ModelSpecError(ConfigError):
 
 class ProtocolError(ZpipeError):
     """A message that fails validation; the receiver drops it and keeps serving."""
+
+
+class MessageLimitError(ProtocolError):
+    """A received multipart message with more frames or bytes than anything its
+    socket may legally carry: the receive kept none of it past the bound, read and
+    discarded the rest, and goes on with the next message."""
+
+    def __init__(self, detail: str, *, frames: int, nbytes: int) -> None:
+        super().__init__(detail)
+        self.frames = frames
+        self.nbytes = nbytes
 
 
 class SecurityError(ZpipeError):

@@ -50,7 +50,9 @@ _endpoints = itertools.count()
 class _BrokenSink:
     """A sink whose receive fails outright (not one message: the socket itself)."""
 
-    def recv_multipart(self, copy: bool = True) -> asyncio.Future[Any]:
+    type = zmq.PULL
+
+    def recv(self, copy: bool = True) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         future.set_exception(RuntimeError("the socket broke"))
         return future

@@ -80,8 +80,11 @@ from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.protocol import REGISTRY
 from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
+from zpipe.transport.ratelimit import PeerRateLimiter
 from zpipe.transport.roles import KeyRoles
 from zpipe.transport.sockets import (
+    CURVE_FRAME_OVERHEAD,
+    ReceiveLimits,
     SocketOptions,
     bind_endpoint,
     decode_frames,
@@ -103,6 +106,19 @@ LAG_SAMPLE_S = 0.05
 # 0.37 s behind 300 registrations (1.1 s under load).
 RECEIVE_TURN_EVERY = 8
 
+# The largest frame the ROUTER takes (its MAXMSGSIZE; libzmq drops the connection of
+# a peer that announces a larger one before allocating it). Bulk state travels in
+# chunks of at most 16 MiB (zpipe.transport.bulk.MAX_CHUNK_BYTES), but tensors still
+# arrive whole on control connections: a stage's state resent there when a restarted
+# coordinator refused its bulk transfer, and an EdgePipe client's layer matrices and
+# input batches in lossy_run_request. One tensor of a model zpipe ships is at most
+# gpt2-small's token embedding, 147 MiB (50257 x 768 float32); 256 MiB leaves room
+# for that and an MNIST-sized float64 input block. It was the 2 GiB of every socket:
+# 8 connections each part-way through a 2 GiB frame held 1.8 GB (issue 33, finding
+# 7); a connection now holds at most this much of an unfinished frame. Raise it
+# (CoordinatorConfig.max_frame_bytes) for a model with a larger single tensor.
+COORDINATOR_MAX_FRAME_BYTES = 256 << 20
+
 # A save asked for ``soon`` waits this long for the others of its burst: each save
 # writes every member and waits for the disk twice, on the loop (300 stages
 # registering took 0.9-1.1 s with --state-dir, 0.22-0.24 s without).
@@ -121,6 +137,8 @@ class CoordinatorConfig:
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     # Keep the run and its latest replica here, so a restarted coordinator resumes it.
     state_dir: Path | None = None
+    # The largest frame a peer may send (see COORDINATOR_MAX_FRAME_BYTES).
+    max_frame_bytes: int = COORDINATOR_MAX_FRAME_BYTES
     # On exit, tell every stage to shut down. None: only without a state directory (with
     # one, the stages serve on for the coordinator that takes over).
     shutdown_stages_on_exit: bool | None = None
@@ -163,6 +181,9 @@ class Coordinator:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._persist_soon: asyncio.TimerHandle | None = None
         self._stopping = asyncio.Event()
+        # Per-peer token buckets (by CURVE key, else by connection), as at a stage's
+        # probe port: a flooding peer's excess is dropped before it is decoded.
+        self.limiter = PeerRateLimiter()
         self.endpoint = ""
         # how late the loop wakes (sampled by _lag_loop, logged as loop_lag every 10 s)
         self.loop_lag = LoopLag()
@@ -186,7 +207,11 @@ class Coordinator:
 
     def _setup(self) -> None:
         keys_dir = self.config.keys_dir
-        self._router = open_socket(self._context, zmq.ROUTER, self.config.socket_options)
+        opts = self.config.socket_options
+        # CURVE wraps each frame in 33 bytes more, and libzmq checks the wrapped size
+        frame_limit = min(self.config.max_frame_bytes, opts.max_message_bytes)
+        limits = ReceiveLimits(frame_limit + CURVE_FRAME_OVERHEAD, opts.recv_hwm)
+        self._router = open_socket(self._context, zmq.ROUTER, opts, limits=limits)
         # A peer that reconnects (its ZMTP heartbeats dropped the connection to a paused or
         # cut-off coordinator) takes over its routing id at once; without this, the new
         # connection stays unread while the stale one is not yet torn down (seen: 30 s).
@@ -337,6 +362,8 @@ class Coordinator:
                 log.warning("dropped_message", error="no routing id or header")
                 continue
             routing_id = frames[0].bytes
+            if not self._within_rate(routing_id, frames[1], secure):
+                continue
             try:
                 user_key = _curve_user_id(frames[1]) if secure else None
                 message = decode_frames(frames[1:], max_bytes)
@@ -352,6 +379,25 @@ class Coordinator:
                 log.error(
                     "message_failed", peer=printable(routing_id), error=repr(exc), exc_info=True
                 )
+
+    def _within_rate(self, routing_id: bytes, first: zmq.Frame, secure: bool) -> bool:
+        """The peer's rate limit, by its CURVE key (new connections give a flooder no
+        new buckets), else by connection; a report of the excess every few seconds."""
+        peer = (security.sender_public_key(first) if secure else None) or routing_id
+        now = time.monotonic()
+        if self.limiter.allow(peer, now):
+            return True
+        report = self.limiter.report_due(now)
+        if report is not None:
+            log.warning(
+                "coordinator_flood_dropped",
+                dropped=report.dropped,
+                over_s=round(report.over_s, 3),
+                worst_peer=printable(report.worst_peer),
+                worst_dropped=report.worst_dropped,
+                dropped_total=self.limiter.dropped_total,
+            )
+        return False
 
     def _check_role(self, kind: str, user_key: str | None) -> None:
         """Raise RoleError when the sender's key may not send ``kind`` (a stage key

@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
+from zpipe.transport.message_bounds import MessageBounds, Refused, take_rest
 
 
 class ZpipeSocket(zmq.asyncio.Socket):
@@ -38,6 +39,11 @@ class ZpipeSocket(zmq.asyncio.Socket):
     waits for by itself: one reader on the descriptor wakes them all, and closing the
     socket cancels them, as ``zmq.asyncio`` cancels its own pending receives."""
 
+    # what one received message may hold (zpipe.transport.message_bounds); None: the
+    # codec's defaults for the socket's kind
+    message_bounds: MessageBounds | None = None
+    # messages past those bounds, read and discarded since the socket opened
+    refused_messages: int = 0
     # None: no reader on the descriptor; a set (maybe empty): the reader is on
     _zpipe_waiters: set[asyncio.Future[None]] | None = None
     _zpipe_loop: asyncio.AbstractEventLoop | None = None
@@ -98,20 +104,29 @@ class ZpipeSocket(zmq.asyncio.Socket):
 
 
 async def recv_when_readable(
-    sock: ZpipeSocket, shadow: zmq.Socket[Any], timeout_s: float | None, peer: str, awaited: str
-) -> list[zmq.Frame]:
+    sock: ZpipeSocket,
+    shadow: zmq.Socket[Any],
+    timeout_s: float | None,
+    peer: str,
+    awaited: str,
+    bounds: MessageBounds,
+) -> list[zmq.Frame] | Refused:
     """Receive one multipart message on ``sock`` (receive-only, not watched by
-    zmq.asyncio) by waiting on its descriptor; TransportTimeout past ``timeout_s``."""
+    zmq.asyncio) by waiting on its descriptor, frame by frame within ``bounds``
+    (:func:`zpipe.transport.message_bounds.take_rest`); TransportTimeout past
+    ``timeout_s``."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     while True:
         await _readable(loop, sock, deadline)
         try:
-            return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            first = shadow.recv(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             # news that was not a message (a peer connected, say): wait again
             if deadline is not None and loop.time() >= deadline:
                 raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
+        else:
+            return take_rest(shadow, first, bounds)
 
 
 async def send_when_writable(

@@ -33,8 +33,14 @@ segfaulted libzmq 4.3.5's I/O thread while a connected peer sent); a stage's
 data port and the client's sink do so before the plan's peers are told to
 connect, and only when the limits change. What no libzmq option bounds: the
 frame count of one multipart message (each frame under ``MAXMSGSIZE``) and the
-number of connections; only CURVE allow-lists (``--keys``), which refuse
-unknown peers at the handshake, bound those.
+number of connections. :func:`recv_frames` bounds what Python keeps of one
+message: it takes the frames one by one and keeps none past the socket's
+:class:`~zpipe.transport.message_bounds.MessageBounds` (the codec's frame count;
+the bytes one connection may queue, :meth:`ReceiveLimits.message_bounds`), then
+discards the rest. libzmq itself still holds every frame of a message until its
+last one arrives (:mod:`zpipe.transport.message_bounds` says how much); only
+CURVE allow-lists (``--keys``), which refuse unknown peers at the handshake, and
+the data ports' address checks bound who can send that.
 
 :func:`send` and :func:`recv_frames` wrap the asyncio sends and receives with a
 timeout whose error names the peer and what was awaited. Untracked sends copy
@@ -55,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -67,6 +74,15 @@ from zpipe.transport.codec import (
     encode,
 )
 from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable, send_when_writable
+from zpipe.transport.message_bounds import (
+    MessageBounds,
+    Refused,
+    discard_rest,
+    give_back_freed_memory,
+    take_rest,
+)
+
+log = structlog.get_logger("zpipe.transport")
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,13 @@ class ReceiveLimits:
         """The most bytes of single-frame messages one connection can queue."""
         return self.max_message_bytes * self.recv_hwm
 
+    def message_bounds(self, kind: int) -> MessageBounds:
+        """What one received message may hold on a socket of ``kind``: a codec
+        message's frames, and no more bytes than one connection may queue (never
+        less than one frame's limit, never more than the codec's whole-message limit)."""
+        nbytes = max(self.queued_bytes_per_peer, self.max_message_bytes)
+        return MessageBounds.for_socket(kind, min(nbytes, DEFAULT_MAX_MESSAGE_BYTES))
+
     @classmethod
     def before_plan(cls) -> ReceiveLimits:
         return cls(PRE_PLAN_MAX_MESSAGE_BYTES, PRE_PLAN_RECV_HWM)
@@ -165,6 +188,9 @@ def apply_receive_limits(sock: zmq.Socket[Any], limits: ReceiveLimits) -> None:
     """
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
     sock.setsockopt(zmq.RCVHWM, limits.recv_hwm)
+    if isinstance(sock, ZpipeSocket):
+        # unlike the two options, these apply at once, to every connection
+        sock.message_bounds = limits.message_bounds(int(sock.type))
 
 
 def new_context() -> zmq.asyncio.Context:
@@ -363,34 +389,118 @@ async def recv_frames(
 
     Only receive loops that are themselves cancelled on shutdown pass ``None``;
     a wait for a specific reply always has a deadline.
+
+    The message is taken frame by frame within the socket's
+    :class:`~zpipe.transport.message_bounds.MessageBounds` (:func:`message_bounds_of`):
+    one past them is read to its end and discarded, counted
+    (``refused_messages``), logged as ``dropped_message`` (rate-limited per peer)
+    with its :class:`~zpipe._errors.MessageLimitError`, and the wait goes on for the
+    next message under the same deadline, so every receive loop keeps serving.
     """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        got = await _recv_bounded(sock, deadline, timeout_s, peer, awaited)
+        if not isinstance(got, Refused):
+            return got
+        await _discard_refused(sock, got, peer)
+
+
+async def _recv_bounded(
+    sock: zmq.asyncio.Socket,
+    deadline: float | None,
+    timeout_s: float | None,
+    peer: str,
+    awaited: str,
+) -> list[zmq.Frame] | Refused:
+    bounds = message_bounds_of(sock)
     shadow = _shadow(sock, _RECEIVE_ONLY)
     if shadow is not None:
         # A message already queued is taken without a future; zmq.asyncio checks
         # the socket's events before every wait, so mixing the two is safe on
         # this (the only) thread that uses the socket.
         try:
-            return cast("list[zmq.Frame]", shadow.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+            first = shadow.recv(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             pass
+        else:
+            return take_rest(shadow, first, bounds)
         if _waits_on_descriptor(sock, _RECEIVE_ONLY):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             return await recv_when_readable(
-                cast(ZpipeSocket, sock), shadow, timeout_s, peer, awaited
+                cast(ZpipeSocket, sock), shadow, left, peer, awaited, bounds
             )
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        pending = cast("asyncio.Future[list[zmq.Frame]]", sock.recv_multipart(copy=False))
+        # The first frame through zmq.asyncio (its future, its re-check of events);
+        # the rest are queued with it (a message is delivered whole): taken below.
+        pending = cast("asyncio.Future[zmq.Frame]", sock.recv(copy=False))
         try:
             if pending.done() or deadline is None:
-                return await pending  # a message was already queued: no timer needed
-            return await asyncio.wait_for(pending, max(0.0, deadline - time.monotonic()))
+                first = await pending  # a message was already queued: no timer needed
+            else:
+                first = await asyncio.wait_for(pending, max(0.0, deadline - time.monotonic()))
         except zmq.Again:
             # pyzmq fails a pending receive with EAGAIN when the socket signalled input
             # that was gone when it read (seen once on a CURVE sink): wait again, with
             # the same deadline.
             await asyncio.sleep(0)
+            continue
         except asyncio.TimeoutError:
             raise TransportTimeout(peer, awaited, timeout_s or 0.0) from None
+        if not first.more:
+            return [first]
+        # The rest through the synchronous socket, as zmq.asyncio's own non-blocking
+        # receive does, then one look at the events through zmq.asyncio: those reads
+        # may have taken the edge of the descriptor that a pending send on this
+        # socket (a ROUTER's, a DEALER's) waits for, and this look schedules it.
+        got = take_rest(cast("zmq.Socket[Any]", sock._shadow_sock), first, bounds)
+        sock.get(zmq.EVENTS)
+        return got
+
+
+async def _discard_refused(sock: zmq.asyncio.Socket, refused: Refused, peer: str) -> None:
+    """Read the rest of a message past its bounds, count it and log it (rate-limited)."""
+    shadow = cast("zmq.Socket[Any]", sock._shadow_sock)
+    watched = _shadow(sock, _RECEIVE_ONLY) is None
+
+    def look() -> None:
+        sock.get(zmq.EVENTS)  # see _recv_bounded: a pending send's edge
+
+    await discard_rest(shadow, refused, between_turns=look if watched else None)
+    if watched:
+        look()
+    if isinstance(sock, ZpipeSocket):
+        sock.refused_messages += 1
+    give_back_freed_memory(refused.frames)
+    error = refused.error()
+    log.warning(
+        "dropped_message",
+        peer=_sender_of(sock, refused.first, peer),
+        error=str(error),
+        frames=error.frames,
+        bytes=error.nbytes,
+    )
+
+
+def _sender_of(sock: zmq.asyncio.Socket, first: Any, peer: str) -> str:
+    """Who sent a refused message, for the log: a ROUTER's routing id, else the
+    connection's address (libzmq's metadata), else what the caller awaited from."""
+    if sock.type == zmq.ROUTER:
+        routing_id = bytes(first.bytes)[:64]
+        text = routing_id.decode("ascii", "replace")
+        return text if text.isprintable() and "\ufffd" not in text else routing_id.hex()
+    try:
+        return str(first.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, KeyError, TypeError):
+        return peer
+
+
+def message_bounds_of(sock: zmq.asyncio.Socket) -> MessageBounds:
+    """The bounds ``sock``'s received messages are held to (set with its receive
+    limits by :func:`apply_receive_limits`; else a codec message's frames)."""
+    bounds = getattr(sock, "message_bounds", None)
+    if isinstance(bounds, MessageBounds):
+        return bounds
+    return MessageBounds.for_socket(int(sock.type))
 
 
 # The fast paths are only for sockets that move messages one way. The zmq socket's
