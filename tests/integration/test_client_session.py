@@ -199,6 +199,12 @@ async def test_race_prefers_a_result_and_times_out_without_one(
         await session.race(asyncio.Event().wait(), timeout_s=1)
 
 
+async def _handshakes(monitor: zmq.asyncio.Socket, count: int, *, timeout_s: float) -> None:
+    """Until ``monitor`` has reported ``count`` successful handshakes in all."""
+    for _ in range(count):
+        await asyncio.wait_for(monitor.recv_multipart(), timeout_s)
+
+
 async def test_the_sink_reopens_for_new_limits_only_when_no_run_receives_on_it(
     context: zmq.asyncio.Context,
 ) -> None:
@@ -217,6 +223,9 @@ async def test_the_sink_reopens_for_new_limits_only_when_no_run_receives_on_it(
     )
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
+    # the peer's handshakes, to send to the fresh socket only once it reached it:
+    # a message sent earlier may sit in the pipe of the connection being closed
+    handshakes = push.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     push.connect(bound)
     session = _session(connection)
     taken = asyncio.Event()
@@ -244,9 +253,12 @@ async def test_the_sink_reopens_for_new_limits_only_when_no_run_receives_on_it(
         assert fresh.getsockopt(zmq.MAXMSGSIZE) == larger.max_message_bytes
         assert fresh.getsockopt(zmq.RCVHWM) == larger.recv_hwm
         # the peer connected before reconnects to the fresh socket by itself
+        await _handshakes(handshakes, 2, timeout_s=30)
         await push.send_multipart(_result(2))
         frames = await asyncio.wait_for(fresh.recv_multipart(), 30)
         assert connection.decode_sink_message(frames).body["mb"] == 2
     finally:
+        push.disable_monitor()
+        handshakes.close(linger=0)
         push.close(linger=0)
         connection.sink.close(linger=0)
