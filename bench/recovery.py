@@ -35,8 +35,13 @@ policy in turn. Per trial: ``detection_s`` (from the kill to the client's notice
 ``restart_s`` (from the notice until the survivors run again from the replica),
 ``recovery_s`` (from the kill to the first mini-batch completed after it: the
 issue's "failure to first completed step"), mini-batches replayed, throughput before
-and after, both plans, and ``weights_exact`` (the trained weights equal
-single-process training on the same mini-batches).
+and after, both plans (``plan_before``, ``plan_after``), the planners' prediction
+for the plan after (``predicted_after_samples_s``) and ``weights_exact`` (the
+trained weights equal single-process training on the same mini-batches). Every
+trial starts from the warm run's plan (``fit(plan=...)``), so each policy kills the
+same stage of the same plan: planned afresh per run, the coordinator's HPP plan
+followed the profiles, which drift with the load and with a revived stage's new
+profile, and the policies were compared on different plans and victims' positions.
 
 Slow stages (``--skip-rebalance`` leaves it out): the even partition over the four
 devices, where the 3x slower nano holds as many units as the others, is trained as
@@ -78,7 +83,8 @@ back before the next one.
 
 Summary: per section and policy the means; the issue's ratios
 ``heavy_over_light_recovery_time``, ``light_over_heavy_throughput_after`` and
-``light_over_respipe_throughput_after`` for training, and the same with an
+``light_over_respipe_throughput_after`` (with ``light_over_respipe_predicted_after``,
+the same ratio of the planners' predictions) for training, and the same with an
 ``inference_`` prefix for the stream; ``fast_over_exact_recovery_time``,
 ``fast_over_exact_progress_time``, ``fast_over_exact_wall_time``,
 ``exact_retrained_minibatches``, ``fast_retrained_minibatches``,
@@ -334,16 +340,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             train_victims = list(tplan.devices)[: args.max_victims]
             for policy in policies:
                 for victim in train_victims:
+                    # every policy starts from the warm run's plan: the same stages die
                     ttrial = _train(
-                        cluster, spec, train_batches, args, policy=policy, victim=victim
-                    )
+                        cluster, spec, train_batches, args, policy=policy, victim=victim,
+                        plan=tplan,
+                    )  # fmt: skip
                     line = _train_line(ttrial, want, args.train_batch_size)
                     emit(line)
                     train_lines.append(line)
                     print(
                         f"  training, {policy}, kill {victim}: recovery {line['recovery_s']}, "
-                        f"after {line['throughput_after']} samples/s, exact "
-                        f"{line['weights_exact']}",
+                        f"after {line['throughput_after']} samples/s (predicted "
+                        f"{line['predicted_after_samples_s']}), plan {line['plan_after']}, "
+                        f"exact {line['weights_exact']}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -382,6 +391,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "restart_s",
                     "throughput_after",
                     "throughput_before",
+                    "predicted_after_samples_s",
                 )
             }
         light, heavy = by_policy.get("lightweight", {}), by_policy.get("heavy", {})
@@ -400,6 +410,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{prefix}by_policy": by_policy,
             }
         )
+        if not prefix:  # what the planners' cost model expected of the same two plans
+            result["light_over_respipe_predicted_after"] = _ratio(
+                light.get("predicted_after_samples_s"), respipe.get("predicted_after_samples_s")
+            )
     result["all_recovered"] = all(line["recovered"] for line in lines + train_lines)
     result["all_outputs_exact"] = all(line["outputs_exact"] for line in lines)
     result["all_weights_exact"] = all(line["weights_exact"] for line in train_lines)
