@@ -41,7 +41,8 @@ exits 1 when a part failed, 0 otherwise (goals missed are figures, not failures)
 
 Run: ``.venv/bin/python -m bench.ftpipehd`` (about 35-45 minutes on two shared cores
 at load 5-10: about 10 replication, 8 time to loss, 8 progress lost, 8-10 after
-failure) or ``--quick`` (one repeat or one kill point per part: about 12-15 minutes).
+failure) or ``--quick`` (one repeat per part, b killed after 25 and 35 only, the
+12-unit set-up ``u12_middle``, ``async_after_failure --quick``: about 12-15 minutes).
 ``--parts`` runs a subset.
 """
 
@@ -130,7 +131,7 @@ PARTS: tuple[Part, ...] = (
         "progress_lost",
         "async_recovery",
         "--skip-flush-cost --skip-kill --steps 50 --repeats 1 --fast-kill-after 22 26 30 34 38",
-        "--skip-flush-cost --skip-kill --steps 40 --repeats 1 --fast-kill-after 26",
+        "--skip-flush-cost --skip-kill --steps 44 --repeats 1 --fast-kill-after 25 35",
         {"async_fast_over_exact_progress_lost": "async_fast_over_exact_progress_lost"},
         ("fast_progress_lost", "exact_progress_lost"),
         timeout_s=1200,
