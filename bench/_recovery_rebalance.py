@@ -125,6 +125,7 @@ def _train_line(
         "plan_after": _stages(tplan),
         "predicted_after_samples_s": _predicted(tplan),
         "plan_after_text": tplan.describe() if tplan is not None else None,
+        "stages_measured": _measured(report.stages),
         "weights_exact": exact,
     }
 
@@ -141,6 +142,23 @@ def _predicted(plan: TrainingPlan | None) -> float | None:
     if plan is None or "samples_per_s" not in plan.predicted:
         return None
     return round(float(plan.predicted["samples_per_s"]), 2)
+
+
+def _measured(stages: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each stage's measured compute per micro-batch (forward and backward, ms) and its
+    utilisation, from the run's counters: the measured bottleneck is the stage with the
+    most compute per micro-batch (its utilisation near 1)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, counters in stages.items():
+        if not isinstance(counters, dict) or not counters.get("microbatches"):
+            continue
+        count = counters["microbatches"]
+        out[name] = {
+            "busy_ms_per_mb": round(1e3 * counters.get("busy_s", 0.0) / count, 1),
+            "utilisation": round(float(counters.get("utilisation", 0.0)), 3),
+            "microbatches": count,
+        }
+    return out
 
 
 def _recorder(steps: list[tuple[int, float]]) -> Callable[[int, float], None]:
