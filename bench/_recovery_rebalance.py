@@ -121,6 +121,10 @@ def _train_line(
         "replicas": report.replicas,
         "throughput_before": _throughput(before, batch_size),
         "throughput_after": _throughput(after, batch_size),
+        # the same run's rate after over before: what the load moved, it moved for both
+        "after_over_before": _ratio(
+            _throughput(after, batch_size), _throughput(before, batch_size)
+        ),
         "plan_before": _stages(trial.plan_before),
         "plan_after": _stages(tplan),
         "predicted_after_samples_s": _predicted(tplan),
