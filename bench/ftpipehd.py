@@ -39,10 +39,10 @@ the command, exit status, wall seconds, load before and after, error, and a few 
 its own summary's keys that explain the figure), ``load`` and ``wall_s``. The bench
 exits 1 when a part failed, 0 otherwise (goals missed are figures, not failures).
 
-Run: ``.venv/bin/python -m bench.ftpipehd`` (about 35-45 minutes on two shared cores
-at load 5-10: about 10 replication, 8 time to loss, 8 progress lost, 8-10 after
-failure) or ``--quick`` (one repeat per part, b killed after 25 and 35 only, the
-12-unit set-up ``u12_middle``, ``async_after_failure --quick``: about 12-15 minutes).
+Run: ``.venv/bin/python -m bench.ftpipehd`` (33 minutes on two shared cores at load
+12-27: replication 2.6, time to loss 8.5, progress lost 8, after failure 13.4) or
+``--quick`` (one repeat per part, b killed after 25 and 35 only, the 12-unit set-up
+``u12_middle``, ``async_after_failure --quick``: 14 minutes at load 10-27).
 ``--parts`` runs a subset.
 """
 
