@@ -26,6 +26,7 @@ from zpipe.client import TrainReport
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 from zpipe.planner import even_ranges
+from zpipe.planner.training_plan import TrainingPlan
 
 OPTIMIZER = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
@@ -37,6 +38,7 @@ class TrainTrial:
     report: TrainReport
     steps: list[tuple[int, float]]  # (mini-batch, time.monotonic()) of each completed one
     killed_at: float
+    plan_before: TrainingPlan | None = None  # the plan the trial was given (None: planned)
 
 
 def _train(
@@ -47,7 +49,13 @@ def _train(
     *,
     policy: str = "lightweight",
     victim: str | None = None,
+    plan: TrainingPlan | None = None,
 ) -> TrainTrial:
+    """One training run (``victim`` killed after ``--train-kill-after`` mini-batches).
+    ``plan``: the plan to start from; every policy's trial must start from the same
+    one, or the policies kill different stages of different plans (the coordinator's
+    HPP plans afresh from profiles that drift with the load and the revived stage's
+    new profile) and their throughputs after are not comparable."""
     steps: list[tuple[int, float]] = []
     killed_at = [math.inf]
 
@@ -67,8 +75,9 @@ def _train(
         recover=True,
         replicate_every=args.replicate_every,
         recovery=policy,
+        plan=plan,
     )
-    return TrainTrial(policy, victim or "", report, steps, killed_at[0])
+    return TrainTrial(policy, victim or "", report, steps, killed_at[0], plan)
 
 
 def _train_single_process(
@@ -112,9 +121,48 @@ def _train_line(
         "replicas": report.replicas,
         "throughput_before": _throughput(before, batch_size),
         "throughput_after": _throughput(after, batch_size),
-        "plan_after": tplan.describe() if tplan is not None else None,
+        # the same run's rate after over before: what the load moved, it moved for both
+        "after_over_before": _ratio(
+            _throughput(after, batch_size), _throughput(before, batch_size)
+        ),
+        "plan_before": _stages(trial.plan_before),
+        "plan_after": _stages(tplan),
+        "predicted_after_samples_s": _predicted(tplan),
+        "plan_after_text": tplan.describe() if tplan is not None else None,
+        "stages_measured": _measured(report.stages),
         "weights_exact": exact,
     }
+
+
+def _stages(plan: TrainingPlan | None) -> list[list[Any]] | None:
+    """A plan's stages as ``[devices, start, end]``, to compare trials at a glance."""
+    if plan is None:
+        return None
+    return [["+".join(s.devices), s.start, s.end] for s in plan.stages]
+
+
+def _predicted(plan: TrainingPlan | None) -> float | None:
+    """The planners' predicted samples/s for ``plan`` (None: not predicted)."""
+    if plan is None or "samples_per_s" not in plan.predicted:
+        return None
+    return round(float(plan.predicted["samples_per_s"]), 2)
+
+
+def _measured(stages: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each stage's measured compute per micro-batch (forward and backward, ms) and its
+    utilisation, from the run's counters: the measured bottleneck is the stage with the
+    most compute per micro-batch (its utilisation near 1)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, counters in stages.items():
+        if not isinstance(counters, dict) or not counters.get("microbatches"):
+            continue
+        count = counters["microbatches"]
+        out[name] = {
+            "busy_ms_per_mb": round(1e3 * counters.get("busy_s", 0.0) / count, 1),
+            "utilisation": round(float(counters.get("utilisation", 0.0)), 3),
+            "microbatches": count,
+        }
+    return out
 
 
 def _recorder(steps: list[tuple[int, float]]) -> Callable[[int, float], None]:

@@ -35,8 +35,16 @@ policy in turn. Per trial: ``detection_s`` (from the kill to the client's notice
 ``restart_s`` (from the notice until the survivors run again from the replica),
 ``recovery_s`` (from the kill to the first mini-batch completed after it: the
 issue's "failure to first completed step"), mini-batches replayed, throughput before
-and after, both plans, and ``weights_exact`` (the trained weights equal
-single-process training on the same mini-batches).
+and after, both plans (``plan_before``, ``plan_after``), the planners' prediction
+for the plan after (``predicted_after_samples_s``) and ``weights_exact`` (the
+trained weights equal single-process training on the same mini-batches). Every
+trial starts from the warm run's plan (``fit(plan=...)``), so each policy kills the
+same stage of the same plan: planned afresh per run, the coordinator's HPP plan
+followed the profiles, which drift with the load and with a revived stage's new
+profile, and the policies were compared on different plans and victims' positions.
+The trials go victim by victim, each policy in turn, so a drift of the load moves
+both policies alike. ``stages_measured``: each stage's compute per micro-batch and
+utilisation over the run, the measured bottleneck.
 
 Slow stages (``--skip-rebalance`` leaves it out): the even partition over the four
 devices, where the 3x slower nano holds as many units as the others, is trained as
@@ -78,7 +86,9 @@ back before the next one.
 
 Summary: per section and policy the means; the issue's ratios
 ``heavy_over_light_recovery_time``, ``light_over_heavy_throughput_after`` and
-``light_over_respipe_throughput_after`` for training, and the same with an
+``light_over_respipe_throughput_after`` (with ``light_over_respipe_predicted_after``,
+the same ratio of the planners' predictions, and ``light_over_respipe_after_over_before``,
+of each trial's rate after over its rate before) for training, and the same with an
 ``inference_`` prefix for the stream; ``fast_over_exact_recovery_time``,
 ``fast_over_exact_progress_time``, ``fast_over_exact_wall_time``,
 ``exact_retrained_minibatches``, ``fast_retrained_minibatches``,
@@ -124,6 +134,7 @@ the last sections: about 4 minutes).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -332,23 +343,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert tplan is not None
             print(f"  training plan {tplan.describe()}", file=sys.stderr, flush=True)
             train_victims = list(tplan.devices)[: args.max_victims]
-            for policy in policies:
-                for victim in train_victims:
-                    ttrial = _train(
-                        cluster, spec, train_batches, args, policy=policy, victim=victim
-                    )
-                    line = _train_line(ttrial, want, args.train_batch_size)
-                    emit(line)
-                    train_lines.append(line)
-                    print(
-                        f"  training, {policy}, kill {victim}: recovery {line['recovery_s']}, "
-                        f"after {line['throughput_after']} samples/s, exact "
-                        f"{line['weights_exact']}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    revive(victim)
-                    _train(cluster, spec, train_batches[:2], args)  # the newcomer profiles
+            # victim by victim, each policy in turn: the load drifts over the section,
+            # and with each policy's trials in a block of their own it moved one
+            # policy's figures against the other's (0.66-1.05 after/before for one,
+            # 0.46-1.01 for the other in one run)
+            for victim, policy in itertools.product(train_victims, policies):
+                # every policy starts from the warm run's plan: the same stages die
+                ttrial = _train(
+                    cluster, spec, train_batches, args, policy=policy, victim=victim,
+                    plan=tplan,
+                )  # fmt: skip
+                line = _train_line(ttrial, want, args.train_batch_size)
+                emit(line)
+                train_lines.append(line)
+                print(
+                    f"  training, {policy}, kill {victim}: recovery {line['recovery_s']}, "
+                    f"after {line['throughput_after']} samples/s (predicted "
+                    f"{line['predicted_after_samples_s']}), plan {line['plan_after']}, "
+                    f"exact {line['weights_exact']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                revive(victim)
+                _train(cluster, spec, train_batches[:2], args)  # the newcomer profiles
         slow = (
             None if args.skip_rebalance else _rebalance_section(cluster, spec, train_batches, args)
         )
@@ -382,6 +399,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "restart_s",
                     "throughput_after",
                     "throughput_before",
+                    "predicted_after_samples_s",
+                    "after_over_before",
                 )
             }
         light, heavy = by_policy.get("lightweight", {}), by_policy.get("heavy", {})
@@ -400,6 +419,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{prefix}by_policy": by_policy,
             }
         )
+        if not prefix:
+            # what the planners' cost model expected of the same two plans, and the
+            # ratio with each run's rate after taken over its own rate before
+            result["light_over_respipe_predicted_after"] = _ratio(
+                light.get("predicted_after_samples_s"), respipe.get("predicted_after_samples_s")
+            )
+            result["light_over_respipe_after_over_before"] = _ratio(
+                light.get("after_over_before"), respipe.get("after_over_before")
+            )
     result["all_recovered"] = all(line["recovered"] for line in lines + train_lines)
     result["all_outputs_exact"] = all(line["outputs_exact"] for line in lines)
     result["all_weights_exact"] = all(line["weights_exact"] for line in train_lines)
