@@ -57,7 +57,8 @@ from zpipe.planner.training_plan import TrainingPlan
 HOME = ("tx2", "nano")  # Table 2's pipeline: a TX2 and a Nano
 # The first unit keeps the 32x32 image (no pool): a sample's activations are about
 # 0.7 MB at stage 0, its weights 0.3 MB in all, so what a schedule keeps in flight shows.
-CNN = {"channels": [32, 32, 64, 64], "image_size": 32, "num_classes": 10}
+IMAGE_SIZE, NUM_CLASSES = 32, 10
+CNN = {"channels": [32, 32, 64, 64], "image_size": IMAGE_SIZE, "num_classes": NUM_CLASSES}
 MICROBATCH = 8  # Table 2's mbs
 MICROBATCHES = 16  # Table 2's M for 1F1B-Sync
 MIB = 1 << 20
@@ -163,8 +164,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     size = MICROBATCH * m
     batches = []
     for _ in range(args.pipeline_memory_steps):
-        x = rng.normal(size=(size, 3, CNN["image_size"], CNN["image_size"]))
-        y = rng.integers(0, CNN["num_classes"], size=size)
+        x = rng.normal(size=(size, 3, IMAGE_SIZE, IMAGE_SIZE))
+        y = rng.integers(0, NUM_CLASSES, size=size)
         batches.append((torch.tensor(x, dtype=torch.float32), torch.tensor(y)))
     threads = 1  # two stages on a shared machine; memory does not depend on speed
     figures: dict[str, dict[str, dict[str, float]]] = {}
