@@ -5,7 +5,8 @@ home (Eco-FL Figs. 10-11, in small): ``pipeline_client_over_dp_throughput`` and
 A home of four emulated devices (Jetson Xavier NX, TX2 and two Nanos: ``--slowdown``
 1, 1.5, 3, 3, every one scaled up until they fit this machine's cores, as the
 training benches do) trains a client's MLP, ``--pipeline-client-steps`` mini-batches
-of 32 with FedProx's SGD, twice per system, alternating:
+of 32 with FedProx's SGD, twice per system, in turn (each repeat starting with the
+next system):
 
 - ``pipeline``: Eco-FL's 1F1B-Sync plan (:func:`zpipe.federated.home_plan.plan_home`:
   device order, eq. 1 partition, the micro-batch count that divides the mini-batch);
@@ -44,7 +45,7 @@ from zpipe.federated.model import MLPShape
 from zpipe.models import ModelSpec
 from zpipe.planner.cluster import ClusterSpec
 from zpipe.planner.training_baselines import plan_data_parallel
-from zpipe.planner.training_cost import TrainingCosts
+from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import TrainingPlan
 
 HOME = ("nx", "tx2", "nano", "nano")
@@ -89,6 +90,17 @@ def plans(mbps: float | None, scale: float) -> tuple[TrainingPlan, TrainingPlan,
     return pipeline, dp, devices
 
 
+def predicted_gpipe(pipeline: TrainingPlan, devices: list[Any]) -> TrainingPlan:
+    """:func:`gpipe_of` ``pipeline``, with the prediction of the cost model that
+    planned it (the same analytic profile and devices; the schedule simulator)."""
+    profile = mlp_profile(MLPShape.from_dims(DIMS), MICROBATCH_SIZES)
+    costs = TrainingCosts(
+        profile, ClusterSpec(tuple(devices)), microbatch_size=pipeline.microbatch_size
+    )
+    gpipe = gpipe_of(pipeline)
+    return replace(gpipe, predicted=predict_training(gpipe, costs))
+
+
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     threads = max(1, cores // len(HOME))
@@ -105,13 +117,16 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         DeviceSpec(d.name, slowdown=1.0 / d.speed, bandwidth_mbps=mbps, threads=threads)
         for d in devices
     ]
-    systems = (("pipeline", pipeline), ("gpipe", gpipe_of(pipeline)), ("dp", dp))
+    gpipe = predicted_gpipe(pipeline, devices)
+    systems = [("pipeline", pipeline), ("gpipe", gpipe), ("dp", dp)]
     measured: dict[str, list[float]] = {name: [] for name, _ in systems}
     async with AsyncLocalCluster(
         stages, measure_links=False, allow_factories=(FACTORY,), start_timeout_s=240.0
     ) as cluster:
-        for _ in range(args.pipeline_client_repeats):
-            for system, plan in systems:
+        for repeat in range(args.pipeline_client_repeats):
+            # each repeat starts with another system: none always runs first (or last)
+            turn = repeat % len(systems)
+            for system, plan in systems[turn:] + systems[:turn]:
                 stamps: list[float] = []
                 await cluster.fit(
                     spec,
@@ -145,6 +160,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_client_runs": {k: [round(v, 2) for v in vs] for k, vs in measured.items()},
         "pipeline_client_predicted_over_dp": round(
             pipeline.predicted["samples_per_s"] / dp.predicted["samples_per_s"], 3
+        ),
+        "gpipe_client_predicted_over_1f1b": round(
+            gpipe.predicted["samples_per_s"] / pipeline.predicted["samples_per_s"], 3
         ),
         "pipeline_client_plan": {
             "stages": [[list(s.devices), s.start, s.end, s.warmup] for s in pipeline.stages],

@@ -39,6 +39,13 @@ def test_gpipe_runs_the_1f1b_plan_with_every_forward_first() -> None:
     assert gpipe.warmups == [m] * pipeline.num_stages
     assert pipeline.warmups != gpipe.warmups  # 1F1B-Sync's last stage holds fewer
     assert not gpipe.predicted  # the 1F1B plan's prediction is not GPipe's
+    _, _, devices = piped.plans(piped.HOME_MBPS, 2.5)
+    predicted = piped.predicted_gpipe(pipeline, devices)
+    assert predicted.stages == gpipe.stages
+    # the cost model that planned the pipeline: GPipe's last stage runs every forward
+    # before its first backward, so the gradients start back later and the round is longer
+    assert predicted.predicted["round_s"] > pipeline.predicted["round_s"]
+    assert predicted.predicted["stage3_peak_microbatches"] == m > pipeline.warmups[-1]
 
 
 def test_the_section_reaches_the_summary_and_can_be_skipped(
