@@ -6,8 +6,9 @@ micro-batches of 8: GPipe holds 6 micro-batches at most (8 run out of memory) at
 2.70 and 1.20 GB of GPU memory on stages 0 and 1; 1F1B-Sync holds 16 at 1.70 and
 0.92 GB. Here the same home (``tx2``, ``nano``) trains a small CNN, whose
 activations are large against its weights as the paper's are, on Eco-FL's
-1F1B-Sync plan (the section 4.3 search over the model's training profile,
-measured in this process: eq. 1's cut and eq. 3's warm-ups) with
+1F1B-Sync plan (the section 4.3 search, eq. 1's cut and eq. 3's warm-ups, over
+the model's training profile: its bytes measured in this process, its times
+from multiply-accumulates, :func:`analytic_times`) with
 ``--pipeline-memory-microbatches`` (16, Eco-FL's) micro-batches of 8, and on the
 same plan with GPipe's schedule (:func:`bench._federated_pipeline.gpipe_of`).
 
@@ -47,18 +48,18 @@ from bench._federated_pipeline import gpipe_of
 from bench._generate_memory import reset_peak, status_kib
 from zpipe.cluster import AsyncLocalCluster, DeviceSpec
 from zpipe.federated.fedprox import FACTORY, optimizer_config
-from zpipe.federated.home_plan import home_devices
+from zpipe.federated.home_plan import REFERENCE_S_PER_MAC, home_devices
 from zpipe.models import ModelSpec
 from zpipe.planner.cluster import ClusterSpec
-from zpipe.planner.profile import ModelProfile
+from zpipe.planner.profile import ModelProfile, synthetic_profile
 from zpipe.planner.straight import search_microbatch_and_order
 from zpipe.planner.training_plan import TrainingPlan
 
 HOME = ("tx2", "nano")  # Table 2's pipeline: a TX2 and a Nano
 # The first unit keeps the 32x32 image (no pool): a sample's activations are about
 # 0.7 MB at stage 0, its weights 0.3 MB in all, so what a schedule keeps in flight shows.
-IMAGE_SIZE, NUM_CLASSES = 32, 10
-CNN = {"channels": [32, 32, 64, 64], "image_size": IMAGE_SIZE, "num_classes": NUM_CLASSES}
+IMAGE_SIZE, NUM_CLASSES, CNN_CHANNELS = 32, 10, [32, 32, 64, 64]
+CNN = {"channels": CNN_CHANNELS, "image_size": IMAGE_SIZE, "num_classes": NUM_CLASSES}
 MICROBATCH = 8  # Table 2's mbs
 MICROBATCHES = 16  # Table 2's M for 1F1B-Sync
 MIB = 1 << 20
@@ -75,6 +76,41 @@ PAPER_TABLE2 = {
 
 def model_spec() -> ModelSpec:
     return ModelSpec("cnn", CNN, seed=0)
+
+
+def cnn_macs() -> list[int]:
+    """Multiply-accumulates of each of the CNN's units for one sample, forward: a 3x3
+    convolution at its input's size (it pools after), then the linear head."""
+    macs, size, channels = [], IMAGE_SIZE, 3
+    for i, out in enumerate(CNN_CHANNELS):
+        macs.append(9 * channels * out * size * size)
+        channels = out
+        if i > 0:  # the family's default: every unit but the first pools
+            size //= 2
+    macs.append(channels * size * size * NUM_CLASSES)
+    return macs
+
+
+def analytic_times(measured: ModelProfile) -> ModelProfile:
+    """``measured``'s bytes (exact: tensor sizes) with times from multiply-accumulates
+    (forward ``macs`` at :data:`REFERENCE_S_PER_MAC`, backward twice that), as the
+    pipeline-client section plans. Times measured here under load are noise, and
+    eq. 3's warm-ups follow them: one run planned stage 0 to hold 3 of 16
+    micro-batches, another 13."""
+    forward = [m * MICROBATCH * REFERENCE_S_PER_MAC for m in cnn_macs()]
+    (k,) = [i for i, b in enumerate(measured.batch_sizes) if b == MICROBATCH]
+    units = measured.units
+    return synthetic_profile(
+        forward,
+        [u.output_bytes[k] for u in units],
+        param_bytes=[u.param_bytes for u in units],
+        memory_bytes=[u.memory_bytes[k] for u in units],
+        backward_times_s=[2 * t for t in forward],
+        activation_bytes=[(u.activation_bytes or (0,))[k] for u in units],
+        input_bytes=measured.input_bytes[k],
+        batch_size=MICROBATCH,
+        names=[u.name for u in units],
+    )
 
 
 def plan_memory(profile: ModelProfile, num_microbatches: int) -> TrainingPlan:
@@ -157,8 +193,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from zpipe.stage.profiling import profile_model
 
     m = args.pipeline_memory_microbatches
-    profile = profile_model(model_spec(), batch_sizes=[MICROBATCH], train=True, repeats=2)
-    one_f1b = plan_memory(profile, m)
+    measured = profile_model(model_spec(), batch_sizes=[MICROBATCH], train=True, repeats=1)
+    one_f1b = plan_memory(analytic_times(measured), m)
     gpipe = gpipe_of(one_f1b)
     rng = np.random.default_rng(0)
     size = MICROBATCH * m

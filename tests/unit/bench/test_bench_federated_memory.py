@@ -41,6 +41,29 @@ def test_the_plan_is_eco_fl_s_over_the_table_2_home_and_gpipe_keeps_its_cut() ->
         assert held == [one.warmup, 16] and one.warmup < 16
 
 
+def test_the_plan_s_times_come_from_multiply_accumulates_so_it_does_not_follow_load() -> None:
+    # conv 3->32 and 32->32 at 32x32, 32->64 at 16x16, 64->64 at 8x8, then 64*4*4 -> 10
+    assert mem.cnn_macs() == [884_736, 9_437_184, 4_718_592, 2_359_296, 10_240]
+    fast = _profile()
+    # one measured profile ten times slower on stage 0's units: the same plan
+    slow = synthetic_profile(
+        [10 * t for t in (0.04, 0.04, 0.02, 0.01, 0.001)],
+        [u.output_bytes[0] for u in fast.units],
+        param_bytes=[u.param_bytes for u in fast.units],
+        backward_times_s=[0.8, 0.8, 0.04, 0.02, 0.002],
+        activation_bytes=[(u.activation_bytes or (0,))[0] for u in fast.units],
+        input_bytes=fast.input_bytes[0],
+        batch_size=mem.MICROBATCH,
+    )
+    plans = [mem.plan_memory(mem.analytic_times(p), 16) for p in (slow, fast)]
+    assert plans[0] == plans[1]
+    timed = mem.analytic_times(fast)
+    assert timed.activation_bytes(8) == fast.activation_bytes(8)  # bytes kept as measured
+    assert timed.units[1].time_s[0] == 9_437_184 * 8 * 1e-9
+    # Table 2's order (the TX2 first) and a stage 0 that holds few of the 16
+    assert plans[0].devices == ["tx20", "nano0"] and plans[0].warmups[0] < 8
+
+
 def test_the_ratios_take_the_largest_stage_and_each_stage() -> None:
     one = {
         "a": {"peak_rss_mib": 370.0, "peak_over_idle_mib": 60.0, "torch_saved_mib": 14.0},
