@@ -57,7 +57,7 @@ from zpipe.planner.training_plan import TrainingPlan
 
 HOME = ("tx2", "nano")  # Table 2's pipeline: a TX2 and a Nano
 # The first unit keeps the 32x32 image (no pool): a sample's activations are about
-# 0.7 MB at stage 0, its weights 0.3 MB in all, so what a schedule keeps in flight shows.
+# 0.6 MB at stage 0, its weights 0.3 MB in all, so what a schedule keeps in flight shows.
 IMAGE_SIZE, NUM_CLASSES, CNN_CHANNELS = 32, 10, [32, 32, 64, 64]
 CNN = {"channels": CNN_CHANNELS, "image_size": IMAGE_SIZE, "num_classes": NUM_CLASSES}
 MICROBATCH = 8  # Table 2's mbs
