@@ -1,13 +1,17 @@
-"""A pipeline client's local training against data parallelism over the same home
-(Eco-FL Figs. 10-11, in small): ``pipeline_client_over_dp_throughput``.
+"""A pipeline client's local training against data parallelism and GPipe over the same
+home (Eco-FL Figs. 10-11, in small): ``pipeline_client_over_dp_throughput`` and
+``gpipe_over_1f1b_throughput``.
 
 A home of four emulated devices (Jetson Xavier NX, TX2 and two Nanos: ``--slowdown``
 1, 1.5, 3, 3, every one scaled up until they fit this machine's cores, as the
 training benches do) trains a client's MLP, ``--pipeline-client-steps`` mini-batches
-of 32 with FedProx's SGD, twice per system, alternating:
+of 32 with FedProx's SGD, twice per system, in turn (each repeat starting with the
+next system):
 
 - ``pipeline``: Eco-FL's 1F1B-Sync plan (:func:`zpipe.federated.home_plan.plan_home`:
   device order, eq. 1 partition, the micro-batch count that divides the mini-batch);
+- ``gpipe``: the same plan (cuts, device order, micro-batches) with GPipe's schedule,
+  every forward of a mini-batch before its first backward (:func:`gpipe_of`);
 - ``dp``: one stage over every device, Algorithm 1's shares, one all-reduce a
   mini-batch (:func:`zpipe.planner.training_baselines.plan_data_parallel`).
 
@@ -16,7 +20,8 @@ Both are planned from one analytic training profile (multiply-accumulates; see
 its emulated slowdown's inverse and the home's links at ``--pipeline-client-mbps``
 (emulated by the stages, and told to the planners). Throughput is steady-state:
 samples over the time from the end of the second mini-batch to the end of the
-last (the first two include the run's set-up). The ratio is of the medians.
+last (the first two include the run's set-up). The ratios are of the medians.
+GPipe's peak memory against 1F1B-Sync's is :mod:`bench._federated_memory`'s.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from zpipe.federated.model import MLPShape
 from zpipe.models import ModelSpec
 from zpipe.planner.cluster import ClusterSpec
 from zpipe.planner.training_baselines import plan_data_parallel
-from zpipe.planner.training_cost import TrainingCosts
+from zpipe.planner.training_cost import TrainingCosts, predict_training
 from zpipe.planner.training_plan import TrainingPlan
 
 HOME = ("nx", "tx2", "nano", "nano")
@@ -66,6 +71,15 @@ def slowdown_scale(threads: int, cores: int) -> float:
     return max(1.0, float(np.ceil(4.0 * demand / (HOST_CORE_SHARE * cores)) / 4.0))
 
 
+def gpipe_of(plan: TrainingPlan) -> TrainingPlan:
+    """``plan`` with GPipe's schedule: the same stages, devices, cuts and micro-batches,
+    every warm-up M (all forwards first). Its prediction is the 1F1B plan's, so it is
+    dropped rather than carried over."""
+    m = plan.num_microbatches
+    stages = tuple(replace(s, warmup=m) for s in plan.stages)
+    return replace(plan, schedule="gpipe", stages=stages, predicted={})
+
+
 def plans(mbps: float | None, scale: float) -> tuple[TrainingPlan, TrainingPlan, list[Any]]:
     shape = MLPShape.from_dims(DIMS)
     profile = mlp_profile(shape, MICROBATCH_SIZES)
@@ -74,6 +88,17 @@ def plans(mbps: float | None, scale: float) -> tuple[TrainingPlan, TrainingPlan,
     costs = TrainingCosts(profile, ClusterSpec(tuple(devices)), microbatch_size=BATCH)
     dp = plan_data_parallel(costs, devices, num_microbatches=1, schedule="1f1b", block=1)
     return pipeline, dp, devices
+
+
+def predicted_gpipe(pipeline: TrainingPlan, devices: list[Any]) -> TrainingPlan:
+    """:func:`gpipe_of` ``pipeline``, with the prediction of the cost model that
+    planned it (the same analytic profile and devices; the schedule simulator)."""
+    profile = mlp_profile(MLPShape.from_dims(DIMS), MICROBATCH_SIZES)
+    costs = TrainingCosts(
+        profile, ClusterSpec(tuple(devices)), microbatch_size=pipeline.microbatch_size
+    )
+    gpipe = gpipe_of(pipeline)
+    return replace(gpipe, predicted=predict_training(gpipe, costs))
 
 
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,12 +117,16 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         DeviceSpec(d.name, slowdown=1.0 / d.speed, bandwidth_mbps=mbps, threads=threads)
         for d in devices
     ]
-    measured: dict[str, list[float]] = {"pipeline": [], "dp": []}
+    gpipe = predicted_gpipe(pipeline, devices)
+    systems = [("pipeline", pipeline), ("gpipe", gpipe), ("dp", dp)]
+    measured: dict[str, list[float]] = {name: [] for name, _ in systems}
     async with AsyncLocalCluster(
         stages, measure_links=False, allow_factories=(FACTORY,), start_timeout_s=240.0
     ) as cluster:
-        for _ in range(args.pipeline_client_repeats):
-            for system, plan in (("pipeline", pipeline), ("dp", dp)):
+        for repeat in range(args.pipeline_client_repeats):
+            # each repeat starts with another system: none always runs first (or last)
+            turn = repeat % len(systems)
+            for system, plan in systems[turn:] + systems[:turn]:
                 stamps: list[float] = []
                 await cluster.fit(
                     spec,
@@ -121,13 +150,19 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 )
     pipe_sps = statistics.median(measured["pipeline"])
     dp_sps = statistics.median(measured["dp"])
+    gpipe_sps = statistics.median(measured["gpipe"])
     return {
         "pipeline_client_over_dp_throughput": round(pipe_sps / dp_sps, 3),
+        "gpipe_over_1f1b_throughput": round(gpipe_sps / pipe_sps, 3),
         "pipeline_client_samples_per_s": round(pipe_sps, 2),
+        "gpipe_client_samples_per_s": round(gpipe_sps, 2),
         "dp_client_samples_per_s": round(dp_sps, 2),
         "pipeline_client_runs": {k: [round(v, 2) for v in vs] for k, vs in measured.items()},
         "pipeline_client_predicted_over_dp": round(
             pipeline.predicted["samples_per_s"] / dp.predicted["samples_per_s"], 3
+        ),
+        "gpipe_client_predicted_over_1f1b": round(
+            gpipe.predicted["samples_per_s"] / pipeline.predicted["samples_per_s"], 3
         ),
         "pipeline_client_plan": {
             "stages": [[list(s.devices), s.start, s.end, s.warmup] for s in pipeline.stages],

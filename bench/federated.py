@@ -63,10 +63,21 @@ fl-sim's decisions exactly, so both should be true. About a minute on 2 cores.
 Pipeline-client section (on by default; ``--skip-pipeline-client`` leaves it out;
 :mod:`bench._federated_pipeline`): a home of four emulated Jetsons (NX, TX2, two Nanos)
 trains a client's MLP as Eco-FL's planned 1F1B-Sync pipeline and as data parallelism
-over the same devices, real stage processes, home links at ``--pipeline-client-mbps``
-(100). Summary keys ``pipeline_client_over_dp_throughput`` (steady-state samples/s,
-medians of ``--pipeline-client-repeats``), both systems' samples/s and the planners'
-predicted ratio, the plan and the shares. About a minute and a half on 2 cores.
+over the same devices, and as GPipe on the same plan, real stage processes, home
+links at ``--pipeline-client-mbps`` (100). Summary keys
+``pipeline_client_over_dp_throughput`` and ``gpipe_over_1f1b_throughput``
+(steady-state samples/s, medians of ``--pipeline-client-repeats``), each system's
+samples/s and the planners' predicted ratio, the plan and the shares. About two
+minutes on 2 cores.
+
+Pipeline-memory section (Eco-FL Table 2; on by default; ``--skip-pipeline-memory``
+leaves it out; :mod:`bench._federated_memory`): a TX2 and a Nano train a small CNN
+on Eco-FL's 1F1B-Sync plan and on the same plan with GPipe's schedule,
+``--pipeline-memory-microbatches`` (16) micro-batches of 8, each system on fresh
+spawned stage processes. Summary key ``gpipe_over_1f1b_peak_memory`` (the largest
+stage's peak resident memory, ``VmHWM``, GPipe over 1F1B-Sync), per-stage ratios of
+that peak, of the peak over the idle process and of torch's saved activations, each
+stage's figures, and the paper's Table 2 beside them. About two minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -85,6 +96,9 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, loadavg, summary
+from bench._federated_memory import add_flags as add_pipeline_memory_flags
+from bench._federated_memory import check_flags as check_pipeline_memory_flags
+from bench._federated_memory import pipeline_memory_section
 from bench._federated_pipeline import add_flags as add_pipeline_client_flags
 from bench._federated_pipeline import check_flags as check_pipeline_client_flags
 from bench._federated_pipeline import pipeline_client_section
@@ -188,8 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--flower-budget-s", type=float, default=60.0, help="its simulated time")
     p.add_argument("--flower-seed", type=int, default=0)
     add_pipeline_client_flags(p)
+    add_pipeline_memory_flags(p)
     args = p.parse_args(argv)
     check_pipeline_client_flags(p, args)
+    check_pipeline_memory_flags(p, args)
     if args.flower_clients < 1 or args.flower_budget_s <= 0:
         p.error("--flower-clients must be at least 1 and --flower-budget-s > 0")
     network: dict[str, Any] = {}
@@ -236,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = lambda_sweep(lambdas, range(lambda_seeds), common, data)
     flower = {} if args.skip_flower else flower_section(args, common, data)
     piped = {} if args.skip_pipeline_client else pipeline_client_section(args)
+    memory = {} if args.skip_pipeline_memory else pipeline_memory_section(args)
 
     main = held if held is not None else tuning
     assert main is not None
@@ -272,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **network,
         **flower,
         **piped,
+        **memory,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
         note=(

@@ -1,4 +1,5 @@
-"""bench/federated.py's pipeline-client section: its plans (pure) and its summary keys."""
+"""bench/federated.py's pipeline-client section: its plans (pure) and its summary keys,
+with the pipeline-memory section's."""
 
 from __future__ import annotations
 
@@ -25,16 +26,44 @@ def test_both_systems_are_planned_over_the_same_four_devices() -> None:
     assert piped.slowdown_scale(1, 2) == 2.5  # 1 + 2/3 + 1/3 + 1/3 on one of two cores
 
 
+def test_gpipe_runs_the_1f1b_plan_with_every_forward_first() -> None:
+    pipeline, _, _ = piped.plans(piped.HOME_MBPS, 2.5)
+    gpipe = piped.gpipe_of(pipeline)
+    assert pipeline.schedule == "1f1b" and gpipe.schedule == "gpipe"
+    m = pipeline.num_microbatches
+    # the same cuts, devices and micro-batches; only the warm-ups (and so the schedule)
+    assert [(s.devices, s.start, s.end) for s in gpipe.stages] == [
+        (s.devices, s.start, s.end) for s in pipeline.stages
+    ]
+    assert (gpipe.microbatch_size, gpipe.num_microbatches) == (pipeline.microbatch_size, m)
+    assert gpipe.warmups == [m] * pipeline.num_stages
+    assert pipeline.warmups != gpipe.warmups  # 1F1B-Sync's last stage holds fewer
+    assert not gpipe.predicted  # the 1F1B plan's prediction is not GPipe's
+    _, _, devices = piped.plans(piped.HOME_MBPS, 2.5)
+    predicted = piped.predicted_gpipe(pipeline, devices)
+    assert predicted.stages == gpipe.stages
+    # the cost model that planned the pipeline: GPipe's last stage runs every forward
+    # before its first backward, so the gradients start back later and the round is longer
+    assert predicted.predicted["round_s"] > pipeline.predicted["round_s"]
+    assert predicted.predicted["stage3_peak_microbatches"] == m > pipeline.warmups[-1]
+
+
 def test_the_section_reaches_the_summary_and_can_be_skipped(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen: list[Any] = []
+    memory: list[Any] = []
 
     def section(args: Any) -> dict[str, Any]:
         seen.append(args)
-        return {"pipeline_client_over_dp_throughput": 3.5}
+        return {"pipeline_client_over_dp_throughput": 3.5, "gpipe_over_1f1b_throughput": 1.0}
+
+    def memory_section(args: Any) -> dict[str, Any]:
+        memory.append(args)
+        return {"gpipe_over_1f1b_peak_memory": 1.4}
 
     monkeypatch.setattr(fed, "pipeline_client_section", section)
+    monkeypatch.setattr(fed, "pipeline_memory_section", memory_section)
     monkeypatch.setattr(fed, "compare_methods", lambda seeds, *a: _figures(seeds))
     monkeypatch.setattr(fed, "lambda_sweep", lambda *a: {})
     monkeypatch.setattr(fed, "load_digits_dataset", lambda: None)
@@ -42,11 +71,25 @@ def test_the_section_reaches_the_summary_and_can_be_skipped(
     assert fed.main(argv) == 0
     out = _summary(capsys.readouterr().out)
     assert out["pipeline_client_over_dp_throughput"] == 3.5
+    assert out["gpipe_over_1f1b_throughput"] == 1.0
+    assert out["gpipe_over_1f1b_peak_memory"] == 1.4
     assert seen[0].pipeline_client_mbps == 40.0 and seen[0].pipeline_client_steps == 12
+    assert memory[0].pipeline_memory_microbatches == 16
     assert fed.main([*argv, "--skip-pipeline-client"]) == 0
-    assert "pipeline_client_over_dp_throughput" not in _summary(capsys.readouterr().out)
-    assert len(seen) == 1
-    for bad in (["--pipeline-client-steps", "3"], ["--pipeline-client-mbps", "0"]):
+    out = _summary(capsys.readouterr().out)
+    assert "pipeline_client_over_dp_throughput" not in out
+    assert out["gpipe_over_1f1b_peak_memory"] == 1.4
+    assert fed.main([*argv, "--skip-pipeline-memory", "--pipeline-client-steps", "5"]) == 0
+    out = _summary(capsys.readouterr().out)
+    assert "gpipe_over_1f1b_peak_memory" not in out
+    assert seen[-1].pipeline_client_steps == 5
+    assert (len(seen), len(memory)) == (2, 2)
+    for bad in (
+        ["--pipeline-client-steps", "3"],
+        ["--pipeline-client-mbps", "0"],
+        ["--pipeline-memory-steps", "0"],
+        ["--pipeline-memory-microbatches", "1"],
+    ):
         with pytest.raises(SystemExit):
             fed.main([*argv, *bad])
 

@@ -74,9 +74,12 @@ def _summary(
     monkeypatch.setattr(fed, "run_simulation", lambda c, d: _fake_run(c, engine="fl-sim"))
     monkeypatch.setattr(fed, "lambda_sweep", lambda *a: {})
     monkeypatch.setattr(fed, "load_digits_dataset", lambda: None)
-    # the pipeline-client section starts stage processes: a fake here
+    # the pipeline-client and pipeline-memory sections start stage processes: fakes here
     monkeypatch.setattr(
         fed, "pipeline_client_section", lambda args: {"pipeline_client_over_dp_throughput": 2.0}
+    )
+    monkeypatch.setattr(
+        fed, "pipeline_memory_section", lambda args: {"gpipe_over_1f1b_peak_memory": 1.2}
     )
     assert fed.main(["--lambdas=", *argv]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
