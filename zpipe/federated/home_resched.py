@@ -14,10 +14,12 @@ its local tasks (each task is a fresh pipeline run, so the restart is free):
    units' profiled time), so a device is comparable across plans that give it
    different layers.
 2. :func:`decide` compares that with the device's history on the current plan
-   (the median of the earlier tasks). When some device departs by more than the
-   threshold (slower or faster), each device's speed as planned is scaled by its
-   history over its current time, and :func:`plan_home` plans the home again at
-   those speeds: device order, eq. 1 cuts, micro-batch count. The new plan is
+   (the median of the earlier tasks; :func:`zpipe.planner.capacity.find_deviations`).
+   When some device departs by more than the threshold (slower or faster), its
+   speed as planned is scaled by its history over its current time (the others
+   keep theirs: their swings are noise by the same test), and :func:`plan_home`
+   plans the home again at those speeds: device order, eq. 1 cuts, micro-batch
+   count. The new plan is
    taken when its predicted round beats the current plan's at the same speeds by
    ``gain``; either way the speeds become the new planned ones and the history
    starts again (a device that stays slow is not re-detected every task).
@@ -40,13 +42,14 @@ from typing import Any
 from zpipe._errors import ConfigError
 from zpipe.federated.home_plan import mlp_profile, plan_home
 from zpipe.federated.model import MLPShape
+from zpipe.planner.capacity import find_deviations
 from zpipe.planner.cluster import ClusterDevice, ClusterSpec
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import unit_work_from_profile
 from zpipe.recovery.stage_costs import CostModel, predict
 
-# Eco-FL gives no figure for "a large deviation"; a device 1.5x slower (or faster)
+# Eco-FL gives no figure for "a large deviation"; a device 1.5x slower (or 2x faster)
 # than its history. Measurements on a loaded host swing by tens of percent.
 DEFAULT_THRESHOLD = 0.5
 # a new plan must be predicted this much shorter than the current one at the
@@ -94,14 +97,6 @@ def seconds_per_work(
     return out
 
 
-def _deviation(history: Sequence[float], now: float) -> float:
-    return now / statistics.median(history)
-
-
-def _departs(deviation: float, threshold: float) -> bool:
-    return deviation > 1.0 + threshold or deviation < 1.0 / (1.0 + threshold)
-
-
 def decide(
     plan: TrainingPlan,
     devices: Sequence[ClusterDevice],
@@ -129,14 +124,17 @@ def decide(
     missing = [d for d in plan.devices if not history.get(d) or d not in current]
     if missing:
         return Reschedule(None, f"no history yet for {', '.join(missing)}", False, devices)
-    deviations = {d: _deviation(history[d], current[d]) for d in plan.devices}
-    departed = sorted(d for d, v in deviations.items() if _departs(v, threshold))
+    deviations = {d: current[d] / statistics.median(history[d]) for d in plan.devices}
+    # Eco-FL's check, as the planner keeps it: |current / median(history) - 1| > threshold
+    found = find_deviations(
+        {d: current[d] for d in plan.devices}, history, threshold=threshold, min_history=1
+    )
+    departed = sorted(d.device for d in found)
     rounded = {d: round(v, 3) for d, v in deviations.items()}
     if not departed:
         return Reschedule(None, "every device within the threshold", False, devices, rounded)
     rescaled = tuple(
-        replace(d, speed=d.speed / deviations[d.name]) if d.name in deviations else d
-        for d in devices
+        replace(d, speed=d.speed / deviations[d.name]) if d.name in departed else d for d in devices
     )
     batch = plan.minibatch_size
     candidate = plan_home(

@@ -19,10 +19,11 @@ warm-ups). Without it, a fixed partition over 1 or 2 plain stages, as before.
 A home re-schedules between tasks (Eco-FL section 4.4,
 :mod:`zpipe.federated.home_resched`): after each task the stages' forward and
 backward times say how fast each device ran; when one departs from its history
-on the current plan by more than ``reschedule`` (0.5: 1.5x slower or faster),
+on the current plan by more than ``reschedule`` (0.5: 1.5x slower, 2x faster),
 the home is planned again at the measured speeds (device order, cuts,
 micro-batch count) and the next task trains on the new plan if it is predicted
-faster. ``reschedule=None`` keeps the first plan. Each look is in
+faster (the first task, which warms the stages up, is not measured).
+``reschedule=None`` keeps the first plan. Each look is in
 :attr:`PipelineTrainer.reschedules`.
 """
 
@@ -77,17 +78,17 @@ def flat_weights(state: dict[str, torch.Tensor], shape: MLPShape) -> FloatArray:
 
 
 def _stage_device(
-    device: ClusterDevice, scale: float, loads: Mapping[str, str] | None
+    device: ClusterDevice, scale: float, loads: Mapping[str, str] | None, threads: int | None
 ) -> DeviceSpec:
     """A home device's stage: its class's slowness times ``scale``, and a load schedule's
     factors on top of that when one names it."""
     slowdown = scale / device.speed
     text = (loads or {}).get(device.name)
     if text is None:
-        return DeviceSpec(device.name, slowdown=slowdown)
+        return DeviceSpec(device.name, slowdown=slowdown, threads=threads)
     schedule = SlowdownSchedule.parse(text)
     scaled = ",".join(f"{at:g}:{factor * slowdown:g}" for at, factor in schedule.points)
-    return DeviceSpec(device.name, slowdown_schedule=scaled)
+    return DeviceSpec(device.name, slowdown_schedule=scaled, threads=threads)
 
 
 def fixed_partition(stages: int, units: int) -> list[list[int]]:
@@ -108,7 +109,8 @@ class PipelineTrainer:
     between tasks when a device's speed departs by ``reschedule`` (None: never).
     ``load_schedules`` emulates a device whose speed changes (a bench's external
     load): by device name (``"tx20"``), ``"seconds:factor,..."`` multiplying the
-    device's emulated slowness from that many seconds after its first compute.
+    device's emulated slowness from that many seconds after its first compute;
+    ``threads``: each stage's torch threads.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class PipelineTrainer:
         microbatch_sizes: Sequence[int] | None = None,
         reschedule: float | None = DEFAULT_THRESHOLD,
         load_schedules: Mapping[str, str] | None = None,
+        threads: int | None = None,
         start_timeout_s: float = 120.0,
     ) -> None:
         self.home = tuple(home) if home is not None else None
@@ -142,7 +145,9 @@ class PipelineTrainer:
             if not slowdown_scale > 0:
                 raise ConfigError(f"slowdown_scale must be > 0, got {slowdown_scale}")
             self._planned = tuple(home_devices(self.home))
-            devices = [_stage_device(d, slowdown_scale, load_schedules) for d in self._planned]
+            devices = [
+                _stage_device(d, slowdown_scale, load_schedules, threads) for d in self._planned
+            ]
             unknown = sorted(set(load_schedules or {}) - {d.name for d in self._planned})
             if unknown:
                 raise ConfigError(f"load_schedules names no device of the home: {unknown}")
@@ -192,6 +197,11 @@ class PipelineTrainer:
         """After a task: Eco-FL's re-scheduling check (:mod:`zpipe.federated.home_resched`)."""
         assert self.reschedule is not None
         assert self.last_report is not None
+        if self._tasks == 1:
+            # the stages' first task pays torch's first calls: not a device's speed
+            reason = "the first task warms the stages up: not measured"
+            self.reschedules.append({"task": 1, "reason": reason, "rescheduled": False})
+            return
         profile = self.profile or mlp_profile(shape, [plan.microbatch_size])
         current = seconds_per_work(plan, self.last_report.stages, profile)
         history = {d: v for d, v in self._history.items() if d in current}
