@@ -24,8 +24,11 @@ takes). Tasks that started at least
 ``--slow-at-s`` plus the first task's wall time after the first task began are
 "after" (the slowdown had begun before they started: a stage's clock starts at
 its first forward, inside the first task); those that ended before ``--slow-at-s``
-are "before". A ratio is of samples over seconds summed over those tasks, so the
-task that detects the slowdown (slow, in both arms) counts.
+are "before" (the first task, torch's warm-up, left out). A throughput is samples
+over seconds summed over those tasks of every repeat (``--repeats``, the arms'
+order alternating), so the task that detects the slowdown (slow, in both arms)
+counts. ``*_after_over_before`` compares an arm with itself (Fig. 13: how close
+it comes back), which the host's load drifting between arms does not bias.
 
 Run: ``python -m bench._federated_resched`` (one JSON line per task, then a summary).
 """
@@ -76,7 +79,7 @@ def task_rows(
     first = starts[0]
     after_from = slow_at_s + walls[0]
     rows = []
-    for start, wall, train in zip(starts, walls, trains, strict=True):
+    for i, (start, wall, train) in enumerate(zip(starts, walls, trains, strict=True)):
         offset = start - first
         if offset >= after_from:
             phase = "after"
@@ -91,6 +94,7 @@ def task_rows(
                 "train_s": round(train, 3),
                 "samples_per_s": round(samples / train, 2),
                 "phase": phase,
+                "warmup": i == 0,
             }
         )
     return rows
@@ -99,9 +103,9 @@ def task_rows(
 def phase_throughput(
     rows: Sequence[dict[str, Any]], phase: str, samples: int, *, seconds: str = "train_s"
 ) -> float | None:
-    """Samples over ``seconds``, summed over the tasks of ``phase`` (the first task,
-    which starts the stages' torch, is left out of "before")."""
-    chosen = [r for i, r in enumerate(rows) if r["phase"] == phase and (i or phase != "before")]
+    """Samples over ``seconds``, summed over the tasks of ``phase`` (an arm's first task,
+    which starts the stages' torch, is left out)."""
+    chosen = [r for r in rows if r["phase"] == phase and not r["warmup"]]
     if not chosen:
         return None
     return len(chosen) * samples / sum(r[seconds] for r in chosen)
@@ -170,13 +174,27 @@ async def run_arm(arm: str, args: argparse.Namespace, scale: float) -> dict[str,
         row["plan"] = plan
     return {
         "tasks": rows,
+        "rescheduled_after_tasks": [e["task"] for e in looks if e["rescheduled"]],
+        "reordered": any(e.get("reordered") for e in looks),
+    }
+
+
+def pooled(runs: Sequence[dict[str, Any]], samples: int) -> dict[str, Any]:
+    """An arm's repeats as one: throughputs over every repeat's tasks of a phase."""
+    rows = [row for run in runs for row in run["tasks"]]
+    return {
+        "tasks": rows,
         "before": phase_throughput(rows, "before", samples),
         "after": phase_throughput(rows, "after", samples),
         "wall_before": phase_throughput(rows, "before", samples, seconds="wall_s"),
         "wall_after": phase_throughput(rows, "after", samples, seconds="wall_s"),
-        "rescheduled_after_tasks": [e["task"] for e in looks if e["rescheduled"]],
-        "reordered": any(e.get("reordered") for e in looks),
+        "rescheduled_after_tasks": [run["rescheduled_after_tasks"] for run in runs],
+        "reordered": any(run["reordered"] for run in runs),
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def figures(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -209,10 +227,20 @@ def figures(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
 async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     scale = args.scale or max(MIN_SCALE, slowdown_scale(1, cores))
-    arms: dict[str, dict[str, Any]] = {}
-    for arm in args.arms:
-        arms[arm] = await run_arm(arm, args, scale)
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
+    for repeat in range(args.repeats):
+        # alternate which arm goes first: the host's load drifts over minutes
+        order = args.arms if repeat % 2 == 0 else args.arms[::-1]
+        for arm in order:
+            runs[arm].append(await run_arm(arm, args, scale))
+    samples = args.steps * BATCH
+    arms = {arm: pooled(got, samples) for arm, got in runs.items()}
     out = figures(arms)
+    if "resched" in runs and "static" in runs:
+        out["resched_over_static_after_per_repeat"] = [
+            _ratio(pooled([a], samples)["after"], pooled([b], samples)["after"])
+            for a, b in zip(runs["resched"], runs["static"], strict=True)
+        ]
     out["plans"] = {arm: [r["plan"] for r in got["tasks"]] for arm, got in arms.items()}
     out.update(
         home=list(HOME),
@@ -225,13 +253,15 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         slowdown_scale=scale,
         tasks=args.tasks,
         steps=args.steps,
+        repeats=args.repeats,
     )
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tasks", type=int, default=12, help="local tasks an arm")
+    p.add_argument("--tasks", type=int, default=10, help="local tasks an arm")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating")
     p.add_argument("--steps", type=int, default=12, help="mini-batches of 32 a task")
     p.add_argument("--slow-at-s", type=float, default=15.0, help="when the TX2 slows down")
     p.add_argument("--factor", type=float, default=4.0, help="how much slower it gets")
@@ -244,7 +274,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not args.arms or set(args.arms) - set(ARMS):
         p.error(f"--arms must name some of {ARMS}")
-    if args.tasks < 3 or args.steps < 1 or not args.slow_at_s > 0 or not args.factor >= 1:
+    if (
+        args.tasks < 3
+        or args.steps < 1
+        or args.repeats < 1
+        or not args.slow_at_s > 0
+        or not args.factor >= 1
+    ):
         p.error("--tasks >= 3, --steps >= 1, --slow-at-s > 0 and --factor >= 1")
     if not args.threshold > 0 or (args.scale is not None and not args.scale > 0):
         p.error("--threshold and --scale must be > 0")

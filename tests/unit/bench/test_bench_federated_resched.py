@@ -24,6 +24,18 @@ def test_tasks_are_before_during_or_after_the_slowdown() -> None:
     assert resched.phase_throughput(only_first, "before", 64) is None
 
 
+def test_repeats_pool_their_tasks_and_leave_out_each_warm_up() -> None:
+    def run(trains: list[float], rescheduled: list[int]) -> dict[str, Any]:
+        rows = resched.task_rows([0.0, 2.0, 4.0, 20.0], [2.0] * 4, trains, 64, 5.0)
+        return {"tasks": rows, "rescheduled_after_tasks": rescheduled, "reordered": False}
+
+    # each repeat: its warm-up, one task before, one during the change, one after
+    got = resched.pooled([run([9.0, 1.0, 5.0, 2.0], [3]), run([9.0, 3.0, 5.0, 2.0], [])], 64)
+    assert got["before"] == pytest.approx(2 * 64 / 4.0)  # 1 + 3 s; the warm-ups left out
+    assert got["after"] == pytest.approx(2 * 64 / 4.0)
+    assert got["rescheduled_after_tasks"] == [[3], []] and len(got["tasks"]) == 8
+
+
 def _arm(before: float, after: float, rescheduled: list[int]) -> dict[str, Any]:
     return {
         "tasks": [{"start_s": 0.0, "samples_per_s": before, "phase": "before", "plan": {}}],
@@ -34,6 +46,14 @@ def _arm(before: float, after: float, rescheduled: list[int]) -> dict[str, Any]:
         "rescheduled_after_tasks": rescheduled,
         "reordered": bool(rescheduled),
     }
+
+
+def _run(before: float, after: float, rescheduled: list[int]) -> dict[str, Any]:
+    """run_arm's answer: a first task, one before the slowdown, one after."""
+    rows = resched.task_rows([0.0, 1.0, 30.0], [1.0] * 3, [1.0, 64 / before, 64 / after], 64, 5)
+    for row in rows:
+        row["plan"] = {}
+    return {"tasks": rows, "rescheduled_after_tasks": rescheduled, "reordered": bool(rescheduled)}
 
 
 def test_the_summary_compares_the_arms_after_the_slowdown() -> None:
@@ -65,13 +85,19 @@ def test_bad_flags_are_refused(bad: list[str]) -> None:
 def test_main_emits_one_summary(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    order: list[str] = []
+
     async def run_arm(arm: str, args: Any, scale: float) -> dict[str, Any]:
-        assert scale >= resched.MIN_SCALE
-        return _arm(100, 90 if arm == "resched" else 30, [3] if arm == "resched" else [])
+        assert scale >= resched.MIN_SCALE and args.steps == 2
+        order.append(arm)
+        return _run(100, 90 if arm == "resched" else 30, [3] if arm == "resched" else [])
 
     monkeypatch.setattr(resched, "run_arm", run_arm)
-    assert resched.main(["--tasks", "4"]) == 0
+    assert resched.main(["--tasks", "4", "--steps", "2", "--repeats", "3"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     (out,) = [line for line in lines if line.get("summary")]
-    assert out["resched_over_static_throughput_after_slowdown"] == 3.0
+    assert order == ["resched", "static", "static", "resched", "resched", "static"]
+    assert out["resched_over_static_throughput_after_slowdown"] == pytest.approx(3.0)
+    assert out["resched_over_static_after_per_repeat"] == [3.0, 3.0, 3.0]
+    assert out["resched_after_tasks"] == [[3], [3], [3]]
     assert out["tasks"] == 4 and out["slowed"] == "tx20" and "loadavg" in out
