@@ -32,6 +32,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -110,7 +111,10 @@ class PipelineTrainer:
     ``load_schedules`` emulates a device whose speed changes (a bench's external
     load): by device name (``"tx20"``), ``"seconds:factor,..."`` multiplying the
     device's emulated slowness from that many seconds after its first compute;
-    ``threads``: each stage's torch threads.
+    ``threads``: each stage's torch threads. ``rebalance`` (a share, home only)
+    also moves cuts between neighbours during a task (a synchronous run's
+    ``rebalance``, at replicas every ``rebalance_every`` mini-batches; the order
+    stays until the next task's re-schedule).
     """
 
     def __init__(
@@ -124,6 +128,8 @@ class PipelineTrainer:
         reschedule: float | None = DEFAULT_THRESHOLD,
         load_schedules: Mapping[str, str] | None = None,
         threads: int | None = None,
+        rebalance: float | None = None,
+        rebalance_every: int = 2,
         start_timeout_s: float = 120.0,
     ) -> None:
         self.home = tuple(home) if home is not None else None
@@ -132,6 +138,11 @@ class PipelineTrainer:
         if reschedule is not None and not reschedule > 0:
             raise ConfigError(f"reschedule must be a share > 0 or None, got {reschedule}")
         self.reschedule = reschedule
+        if rebalance is not None and not 0 < rebalance < 1:
+            raise ConfigError(f"rebalance must be a share in (0, 1) or None, got {rebalance}")
+        if rebalance_every < 1:
+            raise ConfigError(f"rebalance_every must be >= 1, got {rebalance_every}")
+        self.rebalance, self.rebalance_every = rebalance, rebalance_every
         self.last_plan: TrainingPlan | None = None
         self.last_report: TrainReport | None = None
         # every look after a task: the task, whether and why the home re-scheduled
@@ -203,7 +214,9 @@ class PipelineTrainer:
             self.reschedules.append({"task": 1, "reason": reason, "rescheduled": False})
             return
         profile = self.profile or mlp_profile(shape, [plan.microbatch_size])
-        current = seconds_per_work(plan, self.last_report.stages, profile)
+        # the counters are the last attempt's: a task rebalanced mid-way ran its end there
+        ran = self.last_report.training_plan or plan
+        current = seconds_per_work(ran, self.last_report.stages, profile)
         history = {d: v for d, v in self._history.items() if d in current}
         found = decide(
             plan,
@@ -259,6 +272,14 @@ class PipelineTrainer:
         size = min(batch_size, len(y))
         if self.home is not None:
             plan = self.plan_for(shape, size)
+            # replicas carry the optimizer's state, FedProx's anchor included
+            during: dict[str, Any] = (
+                {}
+                if self.rebalance is None
+                else dict(
+                    recover=True, replicate_every=self.rebalance_every, rebalance=self.rebalance
+                )
+            )
             report = await self._cluster.fit(
                 spec,
                 batches,
@@ -266,6 +287,7 @@ class PipelineTrainer:
                 num_microbatches=plan.num_microbatches,  # the plan's, as fit requires
                 plan=plan,
                 progress=False,
+                **during,
             )
             self.last_plan = plan
             self.last_report = report

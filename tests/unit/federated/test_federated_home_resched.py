@@ -128,6 +128,11 @@ def test_settings_out_of_range_are_refused() -> None:
             decide(plan, devices, history, current, shape=SHAPE, **bad)
     with pytest.raises(ConfigError, match="reschedule"):
         PipelineTrainer(home=HOME, reschedule=0.0)
+    for bad_share in (0.0, 1.0):
+        with pytest.raises(ConfigError, match="rebalance"):
+            PipelineTrainer(home=HOME, rebalance=bad_share)
+    with pytest.raises(ConfigError, match="rebalance_every"):
+        PipelineTrainer(home=HOME, rebalance=0.2, rebalance_every=0)
     with pytest.raises(ConfigError, match="no device"):
         PipelineTrainer(home=HOME, load_schedules={"tpu0": "0:1,5:4"})
 
@@ -135,6 +140,7 @@ def test_settings_out_of_range_are_refused() -> None:
 class _Report:
     def __init__(self, stages: dict[str, dict]) -> None:
         self.stages = stages
+        self.training_plan = None  # no mid-task rebalance: the counters are the plan's
 
 
 def test_the_trainer_replans_after_a_slow_task_and_starts_its_history_again() -> None:
