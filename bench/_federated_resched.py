@@ -14,7 +14,11 @@ external GPU workload on device 2). Each arm is a fresh home, the same tasks:
 - ``resched``: Eco-FL's re-scheduling between tasks
   (:mod:`zpipe.federated.home_resched`: the next task after a departure trains on
   a new plan, device order included);
-- ``static``: the first plan throughout (``reschedule=None``).
+- ``static``: the first plan throughout (``reschedule=None``);
+- ``rebalance`` (``--arms resched,static,rebalance``): the first plan at every
+  task's start, its cuts moved between neighbours during the task (a synchronous
+  run's ``rebalance`` 0.2 at replicas every 3 mini-batches; the order kept), what
+  zpipe did for a slow device before a home re-scheduled.
 
 A task's throughput is its samples over its training time (the run's own
 ``elapsed_s``: from the first mini-batch fed to the last loss, as Fig. 13 plots
@@ -57,7 +61,10 @@ BATCH = 32
 # micro-batches of 8 or more (bench/_federated_pipeline.py says why)
 MICROBATCH_SIZES = (8, 16, 32)
 SLOWED = "tx20"
-ARMS = ("resched", "static")
+ARMS = ("resched", "static", "rebalance")
+DEFAULT_ARMS = ("resched", "static")
+# the rebalance arm's share and replica period (mini-batches)
+REBALANCE, REBALANCE_EVERY = 0.2, 3
 # emulated compute well above a message's overhead (a few ms under load), so that a
 # device's slowdown shows in its times: a Nano computes 30x this machine's speed
 MIN_SCALE = 10.0
@@ -126,6 +133,8 @@ async def run_arm(arm: str, args: argparse.Namespace, scale: float) -> dict[str,
         slowdown_scale=scale,
         microbatch_sizes=MICROBATCH_SIZES,
         reschedule=args.threshold if arm == "resched" else None,
+        rebalance=REBALANCE if arm == "rebalance" else None,
+        rebalance_every=REBALANCE_EVERY,
         load_schedules={SLOWED: load_schedule(args.slow_at_s, args.factor)},
         threads=1,
         start_timeout_s=300.0,
@@ -153,6 +162,8 @@ async def run_arm(arm: str, args: argparse.Namespace, scale: float) -> dict[str,
                     "devices": plan.devices,
                     "cuts": [[s.start, s.end] for s in plan.stages],
                     "microbatch_size": plan.microbatch_size,
+                    # mini-batches after which the task moved cuts (the rebalance arm)
+                    "rebalanced_at": [r.get("at") for r in report.rebalances],
                 }
             )
             emit(
@@ -200,12 +211,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def figures(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     res, static = arms.get("resched"), arms.get("static")
-    if res and static and res["after"] and static["after"]:
-        out["resched_over_static_throughput_after_slowdown"] = round(
-            res["after"] / static["after"], 3
-        )
-        out["resched_over_static_task_wall_after_slowdown"] = round(
-            res["wall_after"] / static["wall_after"], 3
+    for arm in ("resched", "rebalance"):
+        got = arms.get(arm)
+        if got and static and got["after"] and static["after"]:
+            out[f"{arm}_over_static_throughput_after_slowdown"] = round(
+                got["after"] / static["after"], 3
+            )
+            out[f"{arm}_over_static_task_wall_after_slowdown"] = round(
+                got["wall_after"] / static["wall_after"], 3
+            )
+    rebalanced = arms.get("rebalance")
+    if res and rebalanced and res["after"] and rebalanced["after"]:
+        out["resched_over_rebalance_throughput_after_slowdown"] = round(
+            res["after"] / rebalanced["after"], 3
         )
     for arm, got in arms.items():
         for phase in ("before", "after"):
@@ -269,7 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--scale", type=float, default=None, help=f"default: fit the cores, at least {MIN_SCALE:g}"
     )
-    p.add_argument("--arms", default=",".join(ARMS), help=f"some of {','.join(ARMS)}")
+    p.add_argument(
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"some of {','.join(ARMS)} (default {','.join(DEFAULT_ARMS)})",
+    )
     args = p.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not args.arms or set(args.arms) - set(ARMS):

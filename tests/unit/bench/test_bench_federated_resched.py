@@ -63,6 +63,11 @@ def test_the_summary_compares_the_arms_after_the_slowdown() -> None:
     assert out["resched_after_over_before"] == 0.9 and out["static_after_over_before"] == 0.45
     assert out["resched_after_tasks"] == [4] and out["resched_reordered"] is True
     assert out["series"]["static"] == [[0.0, 100, "before"]]
+    three = resched.figures(
+        {"resched": _arm(100, 90, [4]), "static": _arm(100, 45, []), "rebalance": _arm(100, 60, [])}
+    )
+    assert three["rebalance_over_static_throughput_after_slowdown"] == pytest.approx(1.333)
+    assert three["resched_over_rebalance_throughput_after_slowdown"] == 1.5
     # one arm alone: no ratio
     assert "resched_over_static_throughput_after_slowdown" not in resched.figures(
         {"static": _arm(100, 45, [])}
