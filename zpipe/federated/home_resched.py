@@ -21,8 +21,12 @@ its local tasks (each task is a fresh pipeline run, so the restart is free):
    plans the home again at those speeds: device order, eq. 1 cuts, micro-batch
    count. The new plan is
    taken when its predicted round beats the current plan's at the same speeds by
-   ``gain``; either way the speeds become the new planned ones and the history
-   starts again (a device that stays slow is not re-detected every task).
+   ``gain``; either way the departed devices' speeds become the planned ones.
+   The caller starts the history again: every device's after a new plan (a
+   device's time per work on other layers is not quite comparable: per-layer
+   overheads), only the departed devices' when the plan stays (their current
+   time is their new normal; a change that a task caught half-way, having begun
+   during it, is then caught in full by the next task).
 
 Speeds are rescaled, not replaced: the planned speeds (device classes, or what
 an earlier re-schedule found) carry the home's relative speeds, and a measurement
@@ -73,6 +77,7 @@ class Reschedule:
     devices: tuple[ClusterDevice, ...]
     deviations: Mapping[str, float] = field(default_factory=dict)
     fields: Mapping[str, Any] = field(default_factory=dict)
+    departed: tuple[str, ...] = ()
 
 
 def seconds_per_work(
@@ -146,15 +151,15 @@ def decide(
     fields = {"departed": departed, "round_s": round(now, 9), "replanned_round_s": round(then, 9)}
     if _same(candidate, plan):
         reason = f"{', '.join(departed)} departed; the best plan is the current one"
-        return Reschedule(None, reason, True, rescaled, rounded, fields)
+        return Reschedule(None, reason, True, rescaled, rounded, fields, tuple(departed))
     if then > now * (1.0 - gain):
         reason = (
             f"{', '.join(departed)} departed; a new plan would gain "
             f"{1.0 - then / now:.1%} < {gain:.0%}"
         )
-        return Reschedule(None, reason, True, rescaled, rounded, fields)
+        return Reschedule(None, reason, True, rescaled, rounded, fields, tuple(departed))
     reason = f"{', '.join(departed)} departed; re-planned, round {now:.3g} -> {then:.3g} s"
-    return Reschedule(candidate, reason, True, rescaled, rounded, fields)
+    return Reschedule(candidate, reason, True, rescaled, rounded, fields, tuple(departed))
 
 
 def _profile_for(shape: MLPShape, plan: TrainingPlan) -> ModelProfile:

@@ -234,16 +234,18 @@ class PipelineTrainer:
             "rescheduled": found.plan is not None,
             "deviations": dict(found.deviations),
         }
-        if found.triggered:
-            # the speeds as measured are the plan's from now on; the history starts again
-            self._planned = found.devices
-            self._plans = {(shape.dims, batch_size): found.plan or plan}
+        # the departed devices' speeds as measured are the plan's from now on
+        self._planned = found.devices
+        if found.plan is not None:
+            # another plan: times per work on other layers start a new history
+            self._plans = {(shape.dims, batch_size): found.plan}
             self._history = {}
-            if found.plan is not None:
-                entry["devices"] = found.plan.devices
-                entry["reordered"] = reorders(plan, found.plan)
+            entry["devices"] = found.plan.devices
+            entry["reordered"] = reorders(plan, found.plan)
         else:
             for device, seconds in current.items():
+                if device in found.departed:
+                    self._history[device] = []  # its new normal (or the rest of a change)
                 self._history.setdefault(device, []).append(seconds)
         self.reschedules.append(entry)
 

@@ -176,6 +176,31 @@ def test_the_trainer_replans_after_a_slow_task_and_starts_its_history_again() ->
     assert trainer.plan_for(SHAPE, BATCH) is new
 
 
+def test_a_slowdown_caught_half_way_by_a_task_is_caught_in_full_by_the_next() -> None:
+    trainer = PipelineTrainer(home=HOME, microbatch_sizes=SIZES)
+    plan = trainer.plan_for(SHAPE, BATCH)
+    profile = mlp_profile(SHAPE, [plan.microbatch_size])
+    normal = {d: 1e-3 for d in plan.devices}
+    for rates in (normal, normal, normal, {**normal, "tx20": 1.6e-3}):
+        trainer.last_report = _Report(_counters(plan, rates, profile))  # type: ignore[assignment]
+        trainer._tasks += 1
+        trainer._look(SHAPE, BATCH, plan)
+    # the tx2 slowed during that task: 1.6x departs, but no plan gains enough from it
+    half = trainer.reschedules[-1]
+    assert not half["rescheduled"] and "tx20" in str(half["reason"])
+    assert trainer.plan_for(SHAPE, BATCH) is plan
+    # the next task sees it 4x slower: 2.5x over its restarted history, the rest unchanged
+    trainer.last_report = _Report(  # type: ignore[assignment]
+        _counters(plan, {**normal, "tx20": 4e-3}, profile)
+    )
+    trainer._tasks += 1
+    trainer._look(SHAPE, BATCH, plan)
+    full = trainer.reschedules[-1]
+    assert full["rescheduled"], full["reason"]
+    assert full["deviations"]["tx20"] == pytest.approx(2.5)  # type: ignore[index]
+    assert trainer.plan_for(SHAPE, BATCH).devices == ["nano0", "nano1", "nx0", "tx20"]
+
+
 def test_a_trainer_without_rescheduling_keeps_its_first_plan() -> None:
     trainer = PipelineTrainer(home=HOME, microbatch_sizes=SIZES, reschedule=None)
     assert trainer.reschedule is None and trainer.reschedules == []
