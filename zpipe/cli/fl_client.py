@@ -21,6 +21,7 @@ from zpipe.cli.common import (
 )
 from zpipe.cli.fl_run import run_net_command
 from zpipe.federated.home_plan import CLASSES_BY_NAME
+from zpipe.federated.home_resched import DEFAULT_THRESHOLD
 from zpipe.federated.net_client import (
     CLIENT_KEY_NAME,
     SERVER_KEY_NAME,
@@ -102,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--slowdown 1, 1.5, 3), planned by Eco-FL's partition and order search; fl-server's "
         "model has 2 layers, so at most 2 of the devices get units",
     )
+    p.add_argument(
+        "--reschedule",
+        type=non_negative_float,
+        default=None,
+        metavar="SHARE",
+        help="with --pipeline-home: plan the home again between tasks when a device's "
+        "measured speed departs from its history by more than SHARE (Eco-FL 4.4; default "
+        f"{DEFAULT_THRESHOLD:g}); 0: keep the first plan",
+    )
     return p
 
 
@@ -125,7 +135,11 @@ def config_from_args(args: argparse.Namespace) -> NetClientConfig:
     )
 
 
-async def _run(config: NetClientConfig, home: tuple[str, ...] | None = None) -> str:
+async def _run(
+    config: NetClientConfig,
+    home: tuple[str, ...] | None = None,
+    reschedule: float | None = DEFAULT_THRESHOLD,
+) -> str:
     from zpipe.lossy.data import load_digits_dataset
 
     dataset = load_digits_dataset()
@@ -134,17 +148,24 @@ async def _run(config: NetClientConfig, home: tuple[str, ...] | None = None) -> 
     from zpipe.federated.pipeline_trainer import PipelineTrainer
 
     trainer = (
-        PipelineTrainer(home=home) if home is not None else PipelineTrainer(config.pipeline_stages)
+        PipelineTrainer(home=home, reschedule=reschedule)
+        if home is not None
+        else PipelineTrainer(config.pipeline_stages)
     )
     async with trainer as pipeline:
         return await _serve(FederatedClient(config, dataset, pipeline))
 
 
-def _checked(args: argparse.Namespace) -> tuple[NetClientConfig, tuple[str, ...] | None]:
+def _checked(
+    args: argparse.Namespace,
+) -> tuple[NetClientConfig, tuple[str, ...] | None, float | None]:
     config = config_from_args(args)
     if args.pipeline_home is not None and config.pipeline_stages:
         raise ConfigError("give --pipeline-stages or --pipeline-home, not both")
-    return config, args.pipeline_home
+    if args.reschedule is not None and args.pipeline_home is None:
+        raise ConfigError("--reschedule re-plans a --pipeline-home: give one")
+    reschedule = DEFAULT_THRESHOLD if args.reschedule is None else args.reschedule or None
+    return config, args.pipeline_home, reschedule
 
 
 async def _serve(client: FederatedClient) -> str:
