@@ -15,7 +15,7 @@ import torch
 
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.protocol.client_control import RunRequest
+from zpipe.protocol.client_control import RunReady, RunRequest
 
 
 @dataclass
@@ -44,6 +44,11 @@ class Run:
     replication: str = "global"
     # the client takes progress notices while it waits on slow state (it offered them)
     client_progress: bool = False
+    # The client's id of the request that started the run, and the coordinator's answer
+    # (``run_ready``): the same request sent again after a reconnection (the answer
+    # may have been lost with the connection) is answered with it, not started anew.
+    request_id: str | None = None
+    ready: RunReady | None = None
     # Not saved. While the run is being admitted or re-planned (its stages assigned,
     # not all ready and connected) a state file keeps what it was before: ``before``,
     # or no run at all when it is None (see :meth:`saved`).
@@ -89,12 +94,20 @@ class Run:
             "rebalance": self.rebalance,
             "replication": self.replication,
             "client_progress": self.client_progress,
+            "request_id": self.request_id,
+            "ready": (
+                None
+                if self.ready is None
+                else {"body": self.ready.body(), "epoch": self.ready.epoch}
+            ),
         }
 
     @classmethod
     def from_saved(cls, data: Mapping[str, Any]) -> Run:
         request = data.get("request")
         tplan = data.get("training_plan")
+        ready = data.get("ready")  # absent from the files of older coordinators
+        request_id = data.get("request_id")
         return cls(
             run=int(data["run"]),
             epoch=int(data["epoch"]),
@@ -112,6 +125,12 @@ class Run:
             rebalance=None if data.get("rebalance") is None else float(data["rebalance"]),
             replication=str(data.get("replication") or "global"),
             client_progress=bool(data.get("client_progress", False)),
+            request_id=None if request_id is None else str(request_id),
+            ready=(
+                None
+                if ready is None
+                else RunReady.from_body(ready["body"], epoch=int(ready["epoch"]))
+            ),
         )
 
 

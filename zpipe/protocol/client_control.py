@@ -75,6 +75,11 @@ class RunRequest(WireMessage):
     # how PipeEdge treats measured values ("exact" or a tolerance such as "0.05"); sent
     # only when not "auto", so that an older coordinator still understands the request
     bucketing: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # The request's own id (the client's, fresh for each request): a request the
+    # client sends again after it reconnected to a (restarted) coordinator is
+    # answered once, with where the run it started stands, never started twice.
+    # Sent by clients that send requests again; absent from older ones.
+    request_id: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
     # The one default of each optional field a reader needs a value of (absent: None on
     # the wire, and in the fields above): every reader takes it from here.

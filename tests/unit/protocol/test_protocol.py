@@ -42,6 +42,8 @@ ADDED_IN_V1 = {
         "num_units": ["int/null", False],
         "progress": ["bool", False],
         "bucketing": ["str/null", False],
+        # sent again after a reconnection: answered once (issue 33)
+        "request_id": ["str/null", False],
     },
     # the stage process's resident memory before its model (the memory model's base)
     "register": {"base_bytes": ["int/null", False]},

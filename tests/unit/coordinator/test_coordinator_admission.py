@@ -1,0 +1,156 @@
+"""A client's ``run_request`` and ``run_go`` sent again are answered once.
+
+The client sends them again when its connection to the coordinator is made again
+while it waits (a coordinator SIGKILLed during admission lost the request, and
+the client's ``fit`` waited 340 s for a ``run_ready`` nothing would send: issue 33,
+bench/chaos.py). A copy of a request the coordinator is answering, or answered,
+gets that answer, never a second run; a request a killed coordinator lost is
+admitted fresh by the restarted one. Pure: the in-process coordinator fed events
+(with a real state directory where a restart is the point).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests._support.coordinator_harness import SPEC, Harness
+from tests._support.saving_harness import SavingHarness
+from zpipe.coordinator.persistence import StateStore
+
+NAMES = ["a", "b", "c"]
+
+
+def _request(h: Harness, request_id: str | None = "req-1", **extra: Any) -> None:
+    body: dict[str, Any] = {
+        "model": SPEC.to_dict(), "dtype": "float32", "sink_endpoint": "tcp://client:9",
+        "wait_for_stages_s": 0.0, "stage_names": NAMES, "planner": "even", **extra,
+    }  # fmt: skip
+    if request_id is not None:
+        body["request_id"] = request_id
+    h.client("run_request", **body)
+
+
+def _registered(h: Harness) -> Harness:
+    for name in NAMES:
+        h.register(name)
+    return h
+
+
+def _assigned(h: Harness) -> int:
+    return sum(len(h.to(name, "assign")) for name in NAMES)
+
+
+def test_a_copy_sent_while_the_run_is_admitted_shares_its_answer() -> None:
+    h = _registered(Harness())
+    _request(h)
+    run = h.core.run
+    assert run is not None and _assigned(h) == 3
+    _request(h)  # the client reconnected before the stages were ready
+    assert h.core.run is run and _assigned(h) == 3  # no second run, no new assignment
+    assert [e["stands"] for e in h.events("run_request_repeated")] == ["admitting"]
+    h.answer_all("ready", NAMES, run=run.run, build_s=0.01)
+    # one answer: a second would be read as the answer to the client's next request
+    assert [r.body["run"] for r in h.to_client("run_ready")] == [run.run]
+
+
+def test_a_copy_sent_after_the_answer_gets_the_same_answer_again() -> None:
+    h = _registered(Harness())
+    _request(h)
+    run = h.core.run
+    assert run is not None
+    h.answer_all("ready", NAMES, run=run.run, build_s=0.01)
+    (first,) = h.to_client("run_ready")
+    _request(h)  # the run_ready was lost with the connection
+    assert h.core.run is run and _assigned(h) == 3
+    again = h.to_client("run_ready")
+    assert len(again) == 2 and again[1].body == first.body and again[1].epoch == first.epoch
+
+
+def test_a_new_request_of_the_same_client_is_a_new_run() -> None:
+    """A training run's resume or re-balance: the client's next request, another id."""
+    h = _registered(Harness())
+    _request(h, "req-1")
+    first = h.core.run
+    assert first is not None
+    h.answer_all("ready", NAMES, run=first.run, build_s=0.01)
+    _request(h, "req-2")
+    second = h.core.run
+    assert second is not None and second.run > first.run and _assigned(h) == 6
+
+
+def test_requests_without_an_id_are_each_a_run_as_before() -> None:
+    """An older client's requests (never sent again) are not taken for copies."""
+    h = _registered(Harness())
+    _request(h, None)
+    first = h.core.run
+    _request(h, None)
+    second = h.core.run
+    assert first is not None and second is not None and second.run > first.run
+
+
+def test_a_copy_of_run_go_shares_its_answer_and_one_after_it_gets_it_again() -> None:
+    h = _registered(Harness())
+    _request(h)
+    run = h.core.run
+    assert run is not None
+    h.answer_all("ready", NAMES, run=run.run, build_s=0.01)
+    h.client("run_go", run=run.run)
+    h.client("run_go", run=run.run)  # sent again while the stages connect
+    assert all(len(h.to(name, "connect")) == 1 for name in NAMES)
+    h.answer_all("connected", NAMES, run=run.run)
+    assert [r.body["run"] for r in h.to_client("run_started")] == [run.run]
+    h.client("run_go", run=run.run)  # the run_started was lost: the same answer
+    assert all(len(h.to(name, "connect")) == 1 for name in NAMES)
+    started = h.to_client("run_started")
+    assert len(started) == 2 and started[1].body == started[0].body
+    assert [e["run"] for e in h.events("run_go_repeated")] == [run.run]
+
+
+def test_a_request_lost_with_a_killed_coordinator_is_admitted_fresh(tmp_path: Path) -> None:
+    """Killed after the assignments, before run_ready: the file keeps no run, and the
+    copy the client sends when it reconnects starts the run anew, under a new id."""
+    h = _registered(SavingHarness(StateStore(tmp_path / "state")))
+    _request(h)
+    lost = h.core.run
+    assert lost is not None and h.to_client("run_ready") == []
+    again = h.restarted()
+    _request(again)  # the same request, sent again on reconnecting
+    run = again.core.run
+    assert run is not None and run.run > lost.run
+    assert [m.body["run"] for m in again.to("a", "assign")] == [run.run]
+    again.answer_all("ready", NAMES, run=run.run, build_s=0.01)
+    assert [r.body["run"] for r in again.to_client("run_ready")] == [run.run]
+    again.client("run_go", run=run.run)
+    again.answer_all("connected", NAMES, run=run.run)
+    assert [r.body["run"] for r in again.to_client("run_started")] == [run.run]
+
+
+def test_a_request_answered_before_the_kill_gets_the_saved_answer(tmp_path: Path) -> None:
+    """Killed once run_ready was saved (it may never have reached the client): the
+    restarted coordinator answers the copy from the file, and assigns nothing."""
+    h = _registered(SavingHarness(StateStore(tmp_path / "state")))
+    _request(h)
+    run = h.core.run
+    assert run is not None
+    h.answer_all("ready", NAMES, run=run.run, build_s=0.01)
+    (ready,) = h.to_client("run_ready")
+    again = h.restarted()
+    _request(again)
+    assert again.core.run is not None and again.core.run.run == run.run
+    assert _assigned(again) == 0
+    (answer,) = again.to_client("run_ready")
+    assert answer.body == ready.body and answer.epoch == ready.epoch
+    # and the run_go the client then sends connects the run the file kept
+    again.client("run_go", run=run.run)
+    again.answer_all("connected", NAMES, run=run.run)
+    assert [r.body["run"] for r in again.to_client("run_started")] == [run.run]
+
+
+def test_a_run_go_answered_before_the_kill_is_answered_again(tmp_path: Path) -> None:
+    h = SavingHarness(StateStore(tmp_path / "state"))
+    run = h.start_stream(NAMES)
+    again = h.restarted()
+    again.client("run_go", run=run)  # run_started lost with the killed process
+    assert all(again.to(name, "connect") == [] for name in NAMES)
+    assert [r.body["run"] for r in again.to_client("run_started")] == [run]
