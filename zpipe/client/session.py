@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from zpipe._errors import (
@@ -97,11 +99,16 @@ class RunSession:
         """``run_request`` -> ``run_ready``: the plan and where to send; ``doing`` names
         the run in the error of a refusal ("start the run")."""
         timeouts = self.timeouts
+        # A fresh id for each request (a training run's resume is a new one): sent
+        # again when the connection to the coordinator is made again (a coordinator
+        # restarted during admission lost it), answered once (coordinator/admission.py).
+        request = replace(request, request_id=uuid.uuid4().hex)
         reply = await self.control.ask(
             request,
             expect=(RunReady, RunFailed),
             timeout_s=wait_for_stages_s + timeouts.assign_s + timeouts.reply_s,
             awaited="run_ready",
+            resend_on_reconnect=True,
         )
         if isinstance(reply, RunFailed):
             raise run_failed_error(reply.error, doing)
@@ -122,6 +129,7 @@ class RunSession:
             expect=(RunStarted, RunFailed),
             timeout_s=self.timeouts.reply_s * 2,
             awaited="run_started",
+            resend_on_reconnect=True,  # answered once: a copy gets the same answer
         )
         if isinstance(started, RunFailed):
             raise run_failed_error(started.error, "start the run")
