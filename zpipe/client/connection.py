@@ -24,10 +24,11 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import PipelineError, ProtocolError
+from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
 from zpipe.client.control import ControlChannel
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
+from zpipe.protocol.client_control import RunEnd
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.reopen import bind_when_free, open_listener
@@ -40,11 +41,15 @@ from zpipe.transport.sockets import (
     decode_frames,
     new_context,
     open_socket,
+    send,
 )
 
 log = get_logger("zpipe.client")
 
 CLIENT_NAME = "client"
+# the run_end of a run left open at close: the time to queue it, and to send it
+_END_SEND_S = 0.5
+_END_LINGER_MS = 1000
 _warned_open = [False]
 
 
@@ -83,6 +88,8 @@ class ClientConnection:
         # receive loops on the sink now (reading_sink), and one reopen at a time
         self._sink_readers = 0
         self._sink_reopening = asyncio.Lock()
+        # the run this client started and has not ended (RunSession), ended at close
+        self.open_run: int | None = None
 
     @classmethod
     def open(
@@ -134,7 +141,19 @@ class ClientConnection:
         )
 
     async def close(self) -> None:
-        await self.control.close()
+        linger_ms = 0
+        if self.open_run is not None:
+            # A run this client leaves (an error, an interrupt) would hold the
+            # coordinator, which refuses other clients' runs while one is in flight:
+            # ended now, without waiting for its report (it gathers stage counters).
+            end = RunEnd(run=self.open_run).to_message()
+            try:
+                await send(self.control.sock, end, timeout_s=_END_SEND_S, peer="coordinator")
+                linger_ms = _END_LINGER_MS
+            except TransportTimeout as exc:  # not connected: nothing to end it at
+                log.warning("run_not_ended", run=self.open_run, error=str(exc))
+            self.open_run = None
+        await self.control.close(linger_ms=linger_ms)
         self.sink.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()

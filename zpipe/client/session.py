@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from zpipe._errors import (
     PipelineError,
     RemoteStageError,
+    RunRefusedError,
     StageFailedError,
     TransportTimeout,
     ZpipeError,
@@ -111,9 +112,16 @@ class RunSession:
             resend_on_reconnect=True,
         )
         if isinstance(reply, RunFailed):
+            if reply.in_flight is not None:  # another client's run: nothing was started
+                raise RunRefusedError(
+                    reply.in_flight, f"the coordinator could not {doing}: {reply.error}"
+                )
             raise run_failed_error(reply.error, doing)
         assert isinstance(reply, RunReady)
         self.run = reply.run
+        # ended at finish(); a run the client leaves (an error, an interrupt) is ended
+        # when its connection closes, so that it does not hold the coordinator
+        self.connection.open_run = reply.run
         self.epoch = reply.epoch
         self.last_stage = reply.last_stage
         return reply
@@ -152,6 +160,8 @@ class RunSession:
             resend_on_reconnect=True,
         )
         self.timelines = dict(report.timelines or {})
+        if self.connection.open_run == self.run:
+            self.connection.open_run = None
         return dict(report.stages)
 
     # ------------------------------------------------------------------ tasks and failure

@@ -59,6 +59,12 @@ class Run:
         if not self.devices:
             self.devices = list(self.plan.devices)
 
+    @property
+    def broken(self) -> bool:
+        """A stage of its plan was declared dead and no re-plan is under way: the run
+        goes on only if its client starts it again (a training run's resume)."""
+        return not self.changing and any(d in self.failed for d in self.devices)
+
     def begin_change(self) -> None:
         """The run's plan is about to change: until :meth:`settle`, it is saved as it is
         now. A restarted coordinator then takes over a run its stages run (and

@@ -150,8 +150,13 @@ class RunReady(WireMessage):
 
 @wire_message
 class RunFailed(WireMessage):
+    """A request the coordinator could not serve. ``in_flight``: the run that kept a
+    ``run_request`` from starting (a coordinator holds one run at a time, and
+    another client's run was in flight): nothing was started or stopped."""
+
     KIND: ClassVar[str] = "run_failed"
     error: str = wire(STR)
+    in_flight: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message

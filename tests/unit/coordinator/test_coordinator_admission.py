@@ -14,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests._support.coordinator_harness import SPEC, Harness
+from tests._support.coordinator_harness import SPEC, Harness, typed
 from tests._support.saving_harness import SavingHarness
+from zpipe.coordinator.events import ClientRequest
 from zpipe.coordinator.persistence import StateStore
 
 NAMES = ["a", "b", "c"]
@@ -154,3 +155,79 @@ def test_a_run_go_answered_before_the_kill_is_answered_again(tmp_path: Path) -> 
     again.client("run_go", run=run)  # run_started lost with the killed process
     assert all(again.to(name, "connect") == [] for name in NAMES)
     assert [r.body["run"] for r in again.to_client("run_started")] == [run]
+
+
+# ---------------------------------------------------------------- one run at a time
+
+OTHER = b"client-other"
+
+
+def _other_request(h: Harness, request_id: str = "other-1") -> None:
+    body = {
+        "model": SPEC.to_dict(), "dtype": "float32", "sink_endpoint": "tcp://other:9",
+        "wait_for_stages_s": 0.0, "stage_names": NAMES, "planner": "even",
+        "request_id": request_id,
+    }  # fmt: skip
+    h.feed(ClientRequest(OTHER, None, typed("run_request", body)))  # type: ignore[arg-type]
+
+
+def _to_other(h: Harness, kind: str) -> list[Any]:
+    return [s.wire for s in h.sent if s.to == OTHER and s.wire.kind == kind]
+
+
+def test_another_clients_request_is_refused_while_a_run_is_in_flight() -> None:
+    """It displaced the stream silently; its client learnt at its next request that
+    "run 1 is not the current run" (bench/chaos.py)."""
+    h = Harness()
+    run = h.start_stream(NAMES)
+    _other_request(h)
+    (refused,) = _to_other(h, "run_failed")
+    assert refused.body["in_flight"] == run and f"run {run} " in refused.body["error"]
+    assert h.core.run is not None and h.core.run.run == run  # the stream goes on
+    assert _assigned(h) == 3 and h.events("run_replaced") == []
+    assert [e["in_flight"] for e in h.events("run_refused")] == [run]
+    h.client("run_end", run=run)  # and ends as usual
+    h.answer_all("metrics", NAMES, run=run)
+    assert [r.body["run"] for r in h.to_client("run_report")] == [run]
+
+
+def test_another_clients_request_is_admitted_once_the_run_ended() -> None:
+    h = Harness()
+    run = h.start_stream(NAMES)
+    h.client("run_end", run=run)  # being answered: the stages' metrics not yet in
+    _other_request(h)
+    assert _to_other(h, "run_failed") == []
+    second = h.core.run
+    assert second is not None and second.run > run
+
+
+def test_a_run_broken_by_a_death_is_not_in_flight() -> None:
+    """A stream without recovery whose stage died: nobody will go on with it."""
+    h = Harness(ack_notices=True)
+    run = h.start_stream(NAMES)
+    h.advance(6.5, alive=("a", "c"))  # b dies
+    assert [e["stage"] for e in h.events("stage_dead")] == ["b"]
+    h.register("b")
+    _other_request(h)
+    assert _to_other(h, "run_failed") == []
+    assert h.core.run is not None and h.core.run.run > run
+
+
+def test_a_stream_being_recovered_is_in_flight() -> None:
+    h = Harness()
+    names = ["a", "b", "c", "d"]
+    run = h.start_stream(names, recover=True)
+    h.advance(6.5, alive=("a", "c", "d"))  # b dies: re-planned, survivors not ready yet
+    _other_request(h)
+    (refused,) = _to_other(h, "run_failed")
+    assert refused.body["in_flight"] == run
+
+
+def test_the_same_clients_new_request_replaces_its_run() -> None:
+    """A training run's resume or re-balance, or a retry after a failure."""
+    h = Harness()
+    run = h.start_stream(NAMES)
+    _request(h, "req-2")
+    assert h.to_client("run_failed") == []
+    assert h.core.run is not None and h.core.run.run > run
+    assert [e["previous"] for e in h.events("run_replaced")] == [run]
