@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe import PipelineError, RunRefusedError
-from zpipe.client import ClientConnection
+from zpipe.client import ClientConnection, PipelineClient
 from zpipe.client.control import ControlChannel
 from zpipe.client.session import RunSession
 from zpipe.config import Timeouts
@@ -140,3 +140,22 @@ async def test_a_finished_run_is_not_ended_again(
     await connection.close()
     with pytest.raises(asyncio.TimeoutError):  # no run_end goes at the close
         await asyncio.wait_for(router.recv_multipart(), 1.0)
+
+
+async def test_end_run_ends_any_run_and_returns_its_counters(
+    router: zmq.asyncio.Socket,
+) -> None:
+    """For a run whose client was killed: it stays in flight until someone ends it."""
+    client = PipelineClient(
+        router.getsockopt_string(zmq.LAST_ENDPOINT), sink_bind="tcp://127.0.0.1:0"
+    )
+    await client.open()
+    try:
+        ended = asyncio.ensure_future(client.end_run(4))
+        identity, end = await _received(router)
+        assert isinstance(end, RunEnd) and end.run == 4
+        report = RunReport(run=4, stages={"s0": {"microbatches": 3}})
+        await router.send_multipart([identity, *encode(report.to_message())])
+        assert await asyncio.wait_for(ended, WAIT_S) == {"s0": {"microbatches": 3}}
+    finally:
+        await client.close()
