@@ -16,6 +16,7 @@ import torch
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunReady, RunRequest
+from zpipe.training.repartition import RepartitionDecision
 
 
 @dataclass
@@ -49,6 +50,11 @@ class Run:
     # may have been lost with the connection) is answered with it, not started anew.
     request_id: str | None = None
     ready: RunReady | None = None
+    # training with live re-partitions: what a restarted coordinator's controller
+    # must go on from: its plan epoch (commits so far), and a look's move the client
+    # paused for, not yet carried out (zpipe.coordinator.runs.async_repartition)
+    repartition_epoch: int = 0
+    repartition_pending: RepartitionDecision | None = None
     # Not saved. While the run is being admitted or re-planned (its stages assigned,
     # not all ready and connected) a state file keeps what it was before: ``before``,
     # or no run at all when it is None (see :meth:`saved`).
@@ -101,6 +107,12 @@ class Run:
             "replication": self.replication,
             "client_progress": self.client_progress,
             "request_id": self.request_id,
+            "repartition": {
+                "plan_epoch": self.repartition_epoch,
+                "pending": (
+                    None if self.repartition_pending is None else self.repartition_pending.to_dict()
+                ),
+            },
             "ready": (
                 None
                 if self.ready is None
@@ -114,6 +126,8 @@ class Run:
         tplan = data.get("training_plan")
         ready = data.get("ready")  # absent from the files of older coordinators
         request_id = data.get("request_id")
+        repartition = dict(data.get("repartition") or {})
+        pending = repartition.get("pending")
         return cls(
             run=int(data["run"]),
             epoch=int(data["epoch"]),
@@ -132,12 +146,30 @@ class Run:
             replication=str(data.get("replication") or "global"),
             client_progress=bool(data.get("client_progress", False)),
             request_id=None if request_id is None else str(request_id),
+            repartition_epoch=int(repartition.get("plan_epoch") or 0),
+            repartition_pending=None if pending is None else _decision(pending),
             ready=(
                 None
                 if ready is None
                 else RunReady.from_body(ready["body"], epoch=int(ready["epoch"]))
             ),
         )
+
+
+def _decision(data: Mapping[str, Any]) -> RepartitionDecision:
+    """A look's decision as :meth:`RepartitionDecision.to_dict` wrote it."""
+    bounds = data.get("bounds")
+    return RepartitionDecision(
+        at=int(data["at"]),
+        current=tuple(int(b) for b in data["current"]),
+        bounds=None if bounds is None else tuple(int(b) for b in bounds),
+        period_s=float(data["period_s"]),
+        new_period_s=float(data["new_period_s"]),
+        measured=bool(data["measured"]),
+        capacities={str(d): float(c) for d, c in dict(data.get("capacities") or {}).items()},
+        fixed_s={str(d): float(f) for d, f in dict(data.get("fixed_s") or {}).items()},
+        reason=str(data.get("reason") or ""),
+    )
 
 
 @dataclass(frozen=True)
