@@ -11,6 +11,7 @@ stands in for the coordinator.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -120,7 +121,23 @@ async def test_a_run_left_open_is_ended_when_the_connection_closes(
     connection = _connection(router)
     await _started(connection, router)  # and the run fails here, say: no finish()
     assert connection.open_run == 5
-    await connection.close()
+    closing = asyncio.ensure_future(connection.close())
+    identity, ended = await _received(router)
+    assert isinstance(ended, RunEnd) and ended.run == 5
+    assert not closing.done()  # it waits for the end's answer (a next run comes after)
+    report = RunReport(run=5, stages={})
+    await router.send_multipart([identity, *encode(report.to_message())])
+    await asyncio.wait_for(closing, WAIT_S)
+
+
+async def test_a_close_does_not_wait_long_for_an_unanswered_end(
+    router: zmq.asyncio.Socket,
+) -> None:
+    connection = _connection(router)
+    await _started(connection, router)
+    started = time.monotonic()
+    await asyncio.wait_for(connection.close(), WAIT_S)  # nobody answers the run_end
+    assert time.monotonic() - started < WAIT_S / 2  # bounded (2 s), not a deadline
     _, ended = await _received(router)
     assert isinstance(ended, RunEnd) and ended.run == 5
 

@@ -28,7 +28,7 @@ from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
 from zpipe.client.control import ControlChannel
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
-from zpipe.protocol.client_control import RunEnd
+from zpipe.protocol.client_control import RunEnd, RunReport
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.reopen import bind_when_free, open_listener
@@ -41,15 +41,13 @@ from zpipe.transport.sockets import (
     decode_frames,
     new_context,
     open_socket,
-    send,
 )
 
 log = get_logger("zpipe.client")
 
 CLIENT_NAME = "client"
-# the run_end of a run left open at close: the time to queue it, and to send it
-_END_SEND_S = 0.5
-_END_LINGER_MS = 1000
+# how long a close waits for the report of a run it ends (see close)
+_END_WAIT_S = 2.0
 _warned_open = [False]
 
 
@@ -141,19 +139,23 @@ class ClientConnection:
         )
 
     async def close(self) -> None:
-        linger_ms = 0
         if self.open_run is not None:
             # A run this client leaves (an error, an interrupt) would hold the
             # coordinator, which refuses other clients' runs while one is in flight:
-            # ended now, without waiting for its report (it gathers stage counters).
-            end = RunEnd(run=self.open_run).to_message()
+            # ended now. Its report is awaited briefly (it comes in milliseconds while
+            # the stages answer), so that a run this process starts next, on another
+            # connection, cannot reach the coordinator before this end does.
             try:
-                await send(self.control.sock, end, timeout_s=_END_SEND_S, peer="coordinator")
-                linger_ms = _END_LINGER_MS
-            except TransportTimeout as exc:  # not connected: nothing to end it at
+                await self.control.ask(
+                    RunEnd(run=self.open_run),
+                    expect=(RunReport,),
+                    timeout_s=min(_END_WAIT_S, self.timeouts.reply_s),
+                    awaited=f"the end of run {self.open_run}",
+                )
+            except TransportTimeout as exc:  # gone, or stages slow to report: it goes on
                 log.warning("run_not_ended", run=self.open_run, error=str(exc))
             self.open_run = None
-        await self.control.close(linger_ms=linger_ms)
+        await self.control.close()
         self.sink.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()

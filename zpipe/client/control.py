@@ -240,8 +240,7 @@ class ControlChannel:
             except TransportTimeout as exc:  # heartbeats still find a dead stage
                 log.warning("stall_not_reported", run=run(), error=str(exc))
 
-    async def close(self, *, linger_ms: int = 0) -> None:
-        """``linger_ms``: how long what is queued may still go out (a last run_end)."""
+    async def close(self) -> None:
         for task in (self._reader, self._watcher, self._lose):
             if task is None:
                 continue
@@ -251,7 +250,7 @@ class ControlChannel:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self._monitor.close(linger=0)
-        self.sock.close(linger=linger_ms)
+        self.sock.close(linger=0)
 
 
 def _answers(request: WireMessage, reply: WireMessage) -> bool:
