@@ -59,6 +59,9 @@ class Run:
     # not all ready and connected) a state file keeps what it was before: ``before``,
     # or no run at all when it is None (see :meth:`saved`).
     changing: bool = field(default=False, compare=False)
+    # Not saved. Being ended because its client is gone (zpipe.coordinator.admission):
+    # no longer in flight; a restarted coordinator finds out again at the next request.
+    abandoned: bool = field(default=False, compare=False)
     before: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

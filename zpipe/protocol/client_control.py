@@ -288,6 +288,11 @@ class Progress(WireMessage):
     awaited: str = wire(STR)
 
 
+# A ``progress`` about this is no news: the coordinator looks whether a run's client is
+# still connected (a send to a dropped connection fails); the client drops it.
+PRESENCE = "presence"
+
+
 @wire_message
 class ClusterRequest(WireMessage):
     KIND: ClassVar[str] = "cluster_request"

@@ -14,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests._support.coordinator_harness import SPEC, Harness, typed
+from tests._support.coordinator_harness import CLIENT, SPEC, Harness, typed
 from tests._support.saving_harness import SavingHarness
+from zpipe.coordinator.commands import ReachClient
 from zpipe.coordinator.events import ClientRequest
 from zpipe.coordinator.persistence import StateStore
 
@@ -231,3 +232,74 @@ def test_the_same_clients_new_request_replaces_its_run() -> None:
     assert h.to_client("run_failed") == []
     assert h.core.run is not None and h.core.run.run > run
     assert [e["previous"] for e in h.events("run_replaced")] == [run]
+
+
+# ---------------------------------------------------------------- a client that is gone
+
+
+def test_the_refusal_first_looks_whether_the_runs_client_is_there() -> None:
+    """A live client's run is never taken: it gets a progress notice it drops."""
+    h = Harness()
+    run = h.start_stream(NAMES)
+    _other_request(h)
+    (look,) = [j for j in h.jobs if isinstance(j, ReachClient)]
+    assert look.to == CLIENT and look.message.KIND == "progress"
+    assert look.message.run == run  # type: ignore[attr-defined]
+    (refused,) = _to_other(h, "run_failed")
+    assert refused.body["in_flight"] == run
+    assert f"end-run --coordinator ENDPOINT {run}" in refused.body["error"]
+    assert h.core.run is not None and h.core.run.run == run and h.events("run_abandoned") == []
+
+
+def test_a_run_whose_client_is_gone_ends_and_the_request_is_admitted() -> None:
+    """A client SIGKILLed never sends run_end: its run would block everyone for ever."""
+    h = Harness()
+    run = h.start_stream(NAMES)
+    h.gone.add(CLIENT)  # its connection dropped
+    _other_request(h)
+    assert [e["run"] for e in h.events("run_abandoned")] == [run]
+    assert [r["run"] for r in h.records if r["event"] == "run_abandoned"] == [run]
+    # ended as run_end ends it: the stages' metrics first, the run then over
+    assert all(len(h.to(n, "metrics_request")) == 1 for n in NAMES)
+    assert h.core.run is not None and h.core.run.run == run
+    h.answer_all("metrics", NAMES, run=run)
+    second = h.core.run
+    assert second is not None and second.run > run and second.client == OTHER
+    assert _to_other(h, "run_failed") == [] and h.to_client("run_report") == []
+    h.answer_all("ready", NAMES, run=second.run, build_s=0.01)
+    assert [r.body["run"] for r in _to_other(h, "run_ready")] == [second.run]
+
+
+def test_a_copy_sent_while_the_gone_clients_run_ends_shares_the_answer() -> None:
+    h = Harness()
+    run = h.start_stream(NAMES)
+    h.gone.add(CLIENT)
+    _other_request(h)
+    _other_request(h)  # sent again (reconnected) while the stages' metrics come in
+    h.answer_all("metrics", NAMES, run=run)
+    second = h.core.run
+    assert second is not None and second.run > run
+    assert len(h.events("run_abandoned")) == 1
+    h.answer_all("ready", NAMES, run=second.run, build_s=0.01)
+    assert [r.body["run"] for r in _to_other(h, "run_ready")] == [second.run]
+
+
+def test_a_third_client_waits_on_the_run_admitted_after_the_gone_one() -> None:
+    h = Harness()
+    run = h.start_stream(NAMES)
+    h.gone.add(CLIENT)
+    _other_request(h)
+    h.answer_all("metrics", NAMES, run=run)
+    second = h.core.run
+    assert second is not None
+    h.answer_all("ready", NAMES, run=second.run, build_s=0.01)
+    third = b"client-third"
+    body = {
+        "model": SPEC.to_dict(), "dtype": "float32", "sink_endpoint": "tcp://third:9",
+        "wait_for_stages_s": 0.0, "stage_names": NAMES, "planner": "even",
+        "request_id": "third-1",
+    }  # fmt: skip
+    h.feed(ClientRequest(third, None, typed("run_request", body)))  # type: ignore[arg-type]
+    refused = [s.wire for s in h.sent if s.to == third and s.wire.kind == "run_failed"]
+    assert [r.body["in_flight"] for r in refused] == [second.run]
+    assert h.core.run is second
