@@ -303,3 +303,19 @@ def test_a_third_client_waits_on_the_run_admitted_after_the_gone_one() -> None:
     refused = [s.wire for s in h.sent if s.to == third and s.wire.kind == "run_failed"]
     assert [r.body["in_flight"] for r in refused] == [second.run]
     assert h.core.run is second
+
+
+def test_a_restarted_coordinator_gives_the_gone_clients_run_way_too(tmp_path: Path) -> None:
+    """The run is saved and restored; its killed client never reconnects."""
+    h = SavingHarness(StateStore(tmp_path / "state"))
+    run = h.start_stream(NAMES)
+    again = h.restarted()
+    for name in NAMES:  # the stages speak to the new process
+        again.stage(name, "heartbeat")
+    assert again.core.run is not None and again.core.run.run == run
+    again.gone.add(CLIENT)
+    _other_request(again)
+    assert [e["run"] for e in again.events("run_abandoned")] == [run]
+    again.answer_all("metrics", NAMES, run=run)
+    second = again.core.run
+    assert second is not None and second.run > run and second.client == OTHER
