@@ -4,8 +4,8 @@ mixed faults, then a check that nothing was lost (issue 33, item 5).
 Two :class:`~zpipe.cluster.LocalCluster` (loopback, or namespaces: below), each a
 coordinator with a ``--state-dir`` (a coordinator holds one run at a time: another
 client's request is refused while a run is in flight) and its stages, three that
-train and two that serve the stream, run for ``--minutes``. Two client threads each repeat a round until
-the time is up:
+train and two that serve the stream, run for ``--minutes``. Two client threads each
+repeat a round until the time is up:
 
 * training: ``--train-batches`` mini-batches of a small MLP in exact consistency
   (synchronous 1F1B, ``recover=True``, a replica every 2 mini-batches); the round's
