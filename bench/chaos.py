@@ -2,10 +2,10 @@
 mixed faults, then a check that nothing was lost (issue 33, item 5).
 
 Two :class:`~zpipe.cluster.LocalCluster` (loopback, or namespaces: below), each a
-coordinator with a ``--state-dir`` (a coordinator holds one run at a time: a second
-run's request displaces the first) and its stages, three that train and two that
-serve the stream, run for ``--minutes``. Two client threads each repeat a round until
-the time is up:
+coordinator with a ``--state-dir`` (a coordinator holds one run at a time: another
+client's request is refused while a run is in flight) and its stages, three that
+train and two that serve the stream, run for ``--minutes``. Two client threads each
+repeat a round until the time is up:
 
 * training: ``--train-batches`` mini-batches of a small MLP in exact consistency
   (synchronous 1F1B, ``recover=True``, a replica every 2 mini-batches); the round's
@@ -131,8 +131,9 @@ class Soak:
     """The two clusters, the two client threads and what they recorded.
 
     Training and the stream each have a cluster (a coordinator of their own): a
-    coordinator holds one run at a time, and a second run's request displaces the
-    first (which then fails with "run N is not the current run")."""
+    coordinator holds one run at a time, and refuses another client's request while
+    a run is in flight (``RunRefusedError``; it used to displace the first run, which
+    then failed with "run N is not the current run")."""
 
     def __init__(self, clusters: dict[str, LocalCluster], args: argparse.Namespace) -> None:
         self.clusters = clusters

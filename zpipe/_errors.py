@@ -115,6 +115,16 @@ class RemoteStageError(PipelineError):
         self.remote_message = message
 
 
+class RunRefusedError(PipelineError):
+    """The coordinator did not start the run: another client's run ``run`` is in
+    flight, and a coordinator holds one run at a time. Nothing was started or
+    stopped; ask again once that run ended (or end it, if its client is gone)."""
+
+    def __init__(self, run: int, detail: str) -> None:
+        super().__init__(detail)
+        self.run = run
+
+
 class InfeasiblePlanError(ConfigError):
     """No plan fits: too few live devices, units that fit no device's memory, a
     partition that does not cover the model."""

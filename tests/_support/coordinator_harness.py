@@ -19,6 +19,7 @@ from zpipe.coordinator.commands import (
     CountUnits,
     Log,
     PlanInference,
+    ReachClient,
     Record,
     RunJob,
     SaveReplica,
@@ -95,6 +96,8 @@ class Harness:
         self.records: list[dict[str, Any]] = []
         self.timers: dict[int, float] = {}
         self.jobs: list[Any] = []
+        # clients whose connection dropped: a ReachClient to one of them fails
+        self.gone: set[bytes] = set()
         # the client acknowledges every numbered notice at once, as a connected one does
         self.ack_notices = ack_notices
 
@@ -135,6 +138,11 @@ class Harness:
             return chosen
         if isinstance(job, CountUnits):
             return load_layer_sequence(job.spec).num_units
+        if isinstance(job, ReachClient):
+            if job.to in self.gone:
+                return False
+            self.sent.append(Send(job.to, job.message, "client", job.timeout_s))
+            return True
         if isinstance(job, (AwaitConfirmed, AllowPeers, SaveReplica)):
             return None
         if isinstance(job, PlanInference):

@@ -61,6 +61,9 @@ COMMANDS: dict[str, Command] = {
     "generate": Command(
         "zpipe.cli.generate", "stream a causal language model's tokens from a pipeline of stages"
     ),
+    "end-run": Command(
+        "zpipe.cli.end_run", "end a run on a coordinator (one whose client is gone)"
+    ),
 }
 
 

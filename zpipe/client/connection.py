@@ -24,10 +24,11 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import PipelineError, ProtocolError
+from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
 from zpipe.client.control import ControlChannel
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
+from zpipe.protocol.client_control import RunEnd, RunReport
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.reopen import bind_when_free, open_listener
@@ -45,6 +46,8 @@ from zpipe.transport.sockets import (
 log = get_logger("zpipe.client")
 
 CLIENT_NAME = "client"
+# how long a close waits for the report of a run it ends (see close)
+_END_WAIT_S = 2.0
 _warned_open = [False]
 
 
@@ -83,6 +86,8 @@ class ClientConnection:
         # receive loops on the sink now (reading_sink), and one reopen at a time
         self._sink_readers = 0
         self._sink_reopening = asyncio.Lock()
+        # the run this client started and has not ended (RunSession), ended at close
+        self.open_run: int | None = None
 
     @classmethod
     def open(
@@ -134,6 +139,22 @@ class ClientConnection:
         )
 
     async def close(self) -> None:
+        if self.open_run is not None:
+            # A run this client leaves (an error, an interrupt) would hold the
+            # coordinator, which refuses other clients' runs while one is in flight:
+            # ended now. Its report is awaited briefly (it comes in milliseconds while
+            # the stages answer), so that a run this process starts next, on another
+            # connection, cannot reach the coordinator before this end does.
+            try:
+                await self.control.ask(
+                    RunEnd(run=self.open_run),
+                    expect=(RunReport,),
+                    timeout_s=min(_END_WAIT_S, self.timeouts.reply_s),
+                    awaited=f"the end of run {self.open_run}",
+                )
+            except TransportTimeout as exc:  # gone, or stages slow to report: it goes on
+                log.warning("run_not_ended", run=self.open_run, error=str(exc))
+            self.open_run = None
         await self.control.close()
         self.sink.close(linger=0)
         if self.authenticator is not None:

@@ -27,7 +27,14 @@ from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
-from zpipe.protocol.client_control import NoticeAck, Progress, RunReplanned, StageFailed, Stalled
+from zpipe.protocol.client_control import (
+    PRESENCE,
+    NoticeAck,
+    Progress,
+    RunReplanned,
+    StageFailed,
+    Stalled,
+)
 from zpipe.recovery import StallWatch
 from zpipe.transport.roles import ROLE_KINDS
 from zpipe.transport.sockets import SocketOptions, decode_frames, recv_frames, send
@@ -139,6 +146,8 @@ class ControlChannel:
                 log.warning("dropped_message", peer="coordinator", kind=message.kind,
                             error=str(exc), error_type=type(exc).__name__)  # fmt: skip
                 continue
+            if isinstance(typed, Progress) and typed.awaited == PRESENCE:
+                continue  # the coordinator looked whether this client is connected
             if isinstance(typed, NOTICES):
                 await self._acknowledge(typed)
                 if self._notices.first_time(typed):

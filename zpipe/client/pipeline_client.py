@@ -26,7 +26,7 @@ from zpipe.client.runs.inference import InferenceRun
 from zpipe.config import Timeouts
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec
-from zpipe.protocol.client_control import ClusterRequest, ClusterState
+from zpipe.protocol.client_control import ClusterRequest, ClusterState, RunEnd, RunReport
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions
 
@@ -105,6 +105,21 @@ class PipelineClient:
             awaited="cluster state",
         )
         return list(reply.members)
+
+    async def end_run(self, run: int) -> dict[str, Any]:
+        """End run ``run``, whatever client started it: the coordinator holds one run
+        at a time and refuses other clients' runs while it is in flight
+        (:class:`~zpipe.RunRefusedError` names it). For a run whose client died
+        without ending it. Returns each stage's counters (none for a run that is
+        not the coordinator's current one)."""
+        report = await self.connection.control.ask(
+            RunEnd(run=run),
+            expect=(RunReport,),
+            timeout_s=self.timeouts.reply_s * 2,
+            awaited=f"the end of run {run}",
+            resend_on_reconnect=True,
+        )
+        return dict(report.stages)
 
     async def wait_for_stages(
         self,

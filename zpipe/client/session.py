@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from zpipe._errors import (
     PipelineError,
     RemoteStageError,
+    RunRefusedError,
     StageFailedError,
     TransportTimeout,
     ZpipeError,
@@ -97,16 +100,28 @@ class RunSession:
         """``run_request`` -> ``run_ready``: the plan and where to send; ``doing`` names
         the run in the error of a refusal ("start the run")."""
         timeouts = self.timeouts
+        # A fresh id for each request (a training run's resume is a new one): sent
+        # again when the connection to the coordinator is made again (a coordinator
+        # restarted during admission lost it), answered once (coordinator/admission.py).
+        request = replace(request, request_id=uuid.uuid4().hex)
         reply = await self.control.ask(
             request,
             expect=(RunReady, RunFailed),
             timeout_s=wait_for_stages_s + timeouts.assign_s + timeouts.reply_s,
             awaited="run_ready",
+            resend_on_reconnect=True,
         )
         if isinstance(reply, RunFailed):
+            if reply.in_flight is not None:  # another client's run: nothing was started
+                raise RunRefusedError(
+                    reply.in_flight, f"the coordinator could not {doing}: {reply.error}"
+                )
             raise run_failed_error(reply.error, doing)
         assert isinstance(reply, RunReady)
         self.run = reply.run
+        # ended at finish(); a run the client leaves (an error, an interrupt) is ended
+        # when its connection closes, so that it does not hold the coordinator
+        self.connection.open_run = reply.run
         self.epoch = reply.epoch
         self.last_stage = reply.last_stage
         return reply
@@ -122,6 +137,7 @@ class RunSession:
             expect=(RunStarted, RunFailed),
             timeout_s=self.timeouts.reply_s * 2,
             awaited="run_started",
+            resend_on_reconnect=True,  # answered once: a copy gets the same answer
         )
         if isinstance(started, RunFailed):
             raise run_failed_error(started.error, "start the run")
@@ -144,6 +160,8 @@ class RunSession:
             resend_on_reconnect=True,
         )
         self.timelines = dict(report.timelines or {})
+        if self.connection.open_run == self.run:
+            self.connection.open_run = None
         return dict(report.stages)
 
     # ------------------------------------------------------------------ tasks and failure

@@ -253,6 +253,18 @@ class MeasureLinks(ShellJob):
 
 
 @dataclass(frozen=True)
+class ReachClient(ShellJob):
+    """Send ``message`` to the client at ``to``: True once the socket took it, False
+    when the client is not connected (``ROUTER_MANDATORY`` refuses a routing id whose
+    connection dropped, a killed process's at once). A client connected but slow to
+    read (the send waits past ``timeout_s``) is there: True."""
+
+    to: bytes
+    message: WireMessage
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class SaveReplica(ShellJob):
     replica: SavedReplica
 

@@ -20,6 +20,7 @@ from zpipe._errors import (
     PeerGoneError,
     StageLostError,
 )
+from zpipe.coordinator.admission import admit
 from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
 from zpipe.coordinator.current_run import Run
@@ -48,7 +49,6 @@ from zpipe.coordinator.runs.generation import start_generation_run
 from zpipe.coordinator.runs.generation_recovery import GenerationController
 from zpipe.coordinator.runs.lossy import start_lossy_run
 from zpipe.coordinator.runs.lossy_remap import keep_replica
-from zpipe.coordinator.starting import run_request
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.coordinator.takeover import restore, saved_state
 from zpipe.protocol import WireMessage
@@ -389,8 +389,7 @@ class CoordinatorCore:
         reply_s = state.timeouts.reply_s
         match event.message:
             case RunRequest() as request:
-                flow = run_request(state, event.routing_id, event.user_key, request)
-                return state.flows.start(flow, now)
+                return admit(state, event.routing_id, event.user_key, request, now)
             case LossyRunRequest() as request:
                 return start_lossy_run(state, event.routing_id, request, now)
             case GenRunRequest() as request:

@@ -15,7 +15,8 @@ import torch
 
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
-from zpipe.protocol.client_control import RunRequest
+from zpipe.protocol.client_control import RunReady, RunRequest
+from zpipe.training.repartition import RepartitionDecision
 
 
 @dataclass
@@ -44,15 +45,34 @@ class Run:
     replication: str = "global"
     # the client takes progress notices while it waits on slow state (it offered them)
     client_progress: bool = False
+    # The client's id of the request that started the run, and the coordinator's answer
+    # (``run_ready``): the same request sent again after a reconnection (the answer
+    # may have been lost with the connection) is answered with it, not started anew.
+    request_id: str | None = None
+    ready: RunReady | None = None
+    # training with live re-partitions: what a restarted coordinator's controller
+    # must go on from: its plan epoch (commits so far), and a look's move the client
+    # paused for, not yet carried out (zpipe.coordinator.runs.async_repartition)
+    repartition_epoch: int = 0
+    repartition_pending: RepartitionDecision | None = None
     # Not saved. While the run is being admitted or re-planned (its stages assigned,
     # not all ready and connected) a state file keeps what it was before: ``before``,
     # or no run at all when it is None (see :meth:`saved`).
     changing: bool = field(default=False, compare=False)
+    # Not saved. Being ended because its client is gone (zpipe.coordinator.admission):
+    # no longer in flight; a restarted coordinator finds out again at the next request.
+    abandoned: bool = field(default=False, compare=False)
     before: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.devices:
             self.devices = list(self.plan.devices)
+
+    @property
+    def broken(self) -> bool:
+        """A stage of its plan was declared dead and no re-plan is under way: the run
+        goes on only if its client starts it again (a training run's resume)."""
+        return not self.changing and any(d in self.failed for d in self.devices)
 
     def begin_change(self) -> None:
         """The run's plan is about to change: until :meth:`settle`, it is saved as it is
@@ -89,12 +109,28 @@ class Run:
             "rebalance": self.rebalance,
             "replication": self.replication,
             "client_progress": self.client_progress,
+            "request_id": self.request_id,
+            "repartition": {
+                "plan_epoch": self.repartition_epoch,
+                "pending": (
+                    None if self.repartition_pending is None else self.repartition_pending.to_dict()
+                ),
+            },
+            "ready": (
+                None
+                if self.ready is None
+                else {"body": self.ready.body(), "epoch": self.ready.epoch}
+            ),
         }
 
     @classmethod
     def from_saved(cls, data: Mapping[str, Any]) -> Run:
         request = data.get("request")
         tplan = data.get("training_plan")
+        ready = data.get("ready")  # absent from the files of older coordinators
+        request_id = data.get("request_id")
+        repartition = dict(data.get("repartition") or {})
+        pending = repartition.get("pending")
         return cls(
             run=int(data["run"]),
             epoch=int(data["epoch"]),
@@ -112,7 +148,31 @@ class Run:
             rebalance=None if data.get("rebalance") is None else float(data["rebalance"]),
             replication=str(data.get("replication") or "global"),
             client_progress=bool(data.get("client_progress", False)),
+            request_id=None if request_id is None else str(request_id),
+            repartition_epoch=int(repartition.get("plan_epoch") or 0),
+            repartition_pending=None if pending is None else _decision(pending),
+            ready=(
+                None
+                if ready is None
+                else RunReady.from_body(ready["body"], epoch=int(ready["epoch"]))
+            ),
         )
+
+
+def _decision(data: Mapping[str, Any]) -> RepartitionDecision:
+    """A look's decision as :meth:`RepartitionDecision.to_dict` wrote it."""
+    bounds = data.get("bounds")
+    return RepartitionDecision(
+        at=int(data["at"]),
+        current=tuple(int(b) for b in data["current"]),
+        bounds=None if bounds is None else tuple(int(b) for b in bounds),
+        period_s=float(data["period_s"]),
+        new_period_s=float(data["new_period_s"]),
+        measured=bool(data["measured"]),
+        capacities={str(d): float(c) for d, c in dict(data.get("capacities") or {}).items()},
+        fixed_s={str(d): float(f) for d, f in dict(data.get("fixed_s") or {}).items()},
+        reason=str(data.get("reason") or ""),
+    )
 
 
 @dataclass(frozen=True)

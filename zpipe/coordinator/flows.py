@@ -259,15 +259,20 @@ class FlowRunner:
 
 class Answers:
     """Client requests being answered, by (kind, run, step): a request the client sends
-    again (it reconnected to a restarted coordinator) shares the answer being made."""
+    again (it reconnected to a restarted coordinator) shares the answer being made.
+    (A ``run_request`` has no run yet: its key holds the client's request id.)"""
 
     def __init__(self) -> None:
-        self._waiting: dict[tuple[str, int, int], list[bytes]] = {}
+        self._waiting: dict[tuple[str, int | str, int], list[bytes]] = {}
+
+    def pending(self, key: tuple[str, int | str, int]) -> bool:
+        """Whether an answer to ``key`` is being made."""
+        return key in self._waiting
 
     def answer(
         self,
         runner: FlowRunner,
-        key: tuple[str, int, int],
+        key: tuple[str, int | str, int],
         routing_id: bytes,
         make: Callable[[], Generator[Any, Any, WireMessage]],
         *,
@@ -277,7 +282,9 @@ class Answers:
     ) -> list[Command]:
         """Start ``make()`` and send its answer to every requester of ``key``."""
         if key in self._waiting:
-            self._waiting[key].append(routing_id)
+            if routing_id not in self._waiting[key]:  # one answer to each requester:
+                # a second would be read as the answer to its next request
+                self._waiting[key].append(routing_id)
             return []
         self._waiting[key] = [routing_id]
 

@@ -51,6 +51,7 @@ from zpipe.coordinator.commands import (
     FailRequests,
     Log,
     Persist,
+    ReachClient,
     Record,
     RunJob,
     Send,
@@ -495,7 +496,11 @@ class Coordinator:
 
     async def _run_job(self, command: RunJob) -> None:
         try:
-            result = await self._jobs.run(command.job)
+            job = command.job
+            if isinstance(job, ReachClient):  # a send: the sending side's
+                result: Any = await self._sends.reach(job)
+            else:
+                result = await self._jobs.run(job)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the flow that asked decides what it means

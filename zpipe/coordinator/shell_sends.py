@@ -19,9 +19,10 @@ import zmq.asyncio
 
 from zpipe._errors import PeerGoneError, TransportTimeout
 from zpipe.coordinator.bulk_links import BulkLink, BulkLinks
-from zpipe.coordinator.commands import Send
+from zpipe.coordinator.commands import ReachClient, Send
 from zpipe.coordinator.events import Event, RequestFailed
 from zpipe.coordinator.membership import Member
+from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.log import get_logger
 from zpipe.protocol import Message, WireMessage
 from zpipe.transport.bulk import OutgoingTransfer
@@ -159,6 +160,17 @@ class ShellSends:
             )
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer is not connected
             raise PeerGoneError(peer, wire.kind) from exc
+
+    async def reach(self, job: ReachClient) -> bool:
+        """Whether the client at ``job.to`` is connected: ``job.message`` sent to it
+        (see :class:`~zpipe.coordinator.commands.ReachClient`)."""
+        try:
+            await self.send(job.to, job.message, peer=CLIENT_NAME, timeout_s=job.timeout_s)
+        except PeerGoneError:
+            return False
+        except TransportTimeout:  # connected, its queue full: a live client, slow
+            return True
+        return True
 
     async def _bulk(self, link: BulkLink, message: Message, *, timeout_s: float | None) -> None:
         """``message`` to a stage as chunks on its bulk connection: its heartbeat acks

@@ -56,7 +56,6 @@ from zpipe.coordinator.runs.async_training import (
     as_planning_plan,
     planning_schedule,
 )
-from zpipe.coordinator.runs.base import run_failed
 from zpipe.coordinator.runs.inference import InferenceController
 from zpipe.coordinator.runs.sync_balance import memory_model
 from zpipe.coordinator.runs.sync_training import SyncTrainingController, backup_holders
@@ -67,7 +66,7 @@ from zpipe.planner import Plan
 from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
-from zpipe.protocol.client_control import RunReady, RunRequest
+from zpipe.protocol.client_control import RunFailed, RunReady, RunRequest
 from zpipe.protocol.stage_control import Assign, AssignFailed, Ready, Weights, WeightsRequest
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
@@ -96,8 +95,9 @@ def chain_routes(
 def run_request(
     state: ControlState, routing_id: bytes, user_key: str | None, request: RunRequest
 ) -> Flow:
-    """Answer a ``run_request``: ``run_ready`` once every stage is ready, or ``run_failed``."""
-    reply_s = state.timeouts.reply_s
+    """Start the run a ``run_request`` asks for; returns the answer: ``run_ready`` once
+    every stage is ready, or ``run_failed`` (:mod:`~zpipe.coordinator.admission`
+    sends it to whoever asked)."""
     try:
         ready = yield from _start_run(state, routing_id, user_key, request)
     except Exception as exc:  # whatever it was, the client hears that its run failed
@@ -105,13 +105,16 @@ def run_request(
             yield Log("error", "run_start_crashed", {"error": repr(exc)})
         state.current = None
         yield Persist()
-        yield from run_failed(routing_id, exc, reply_s)
-        return
+        yield Log("error", "run_failed", {"error": str(exc)})
+        return RunFailed(error=str(exc))
     current = state.current
     if current is not None and current.run.run == ready.run:
+        # kept (and saved) with the run: the request sent again gets this answer
+        current.run.request_id = request.request_id
+        current.run.ready = ready
         current.run.settle()  # every stage is ready: the run is saved from now on
     yield Persist()
-    yield Send(routing_id, ready, CLIENT_NAME, reply_s)
+    return ready
 
 
 def _await_stages(request: RunRequest, names: Any = None) -> AwaitStages:

@@ -75,6 +75,11 @@ class RunRequest(WireMessage):
     # how PipeEdge treats measured values ("exact" or a tolerance such as "0.05"); sent
     # only when not "auto", so that an older coordinator still understands the request
     bucketing: str | None = wire(OPT_STR, default=None, omit_if_none=True)
+    # The request's own id (the client's, fresh for each request): a request the
+    # client sends again after it reconnected to a (restarted) coordinator is
+    # answered once, with where the run it started stands, never started twice.
+    # Sent by clients that send requests again; absent from older ones.
+    request_id: str | None = wire(OPT_STR, default=None, omit_if_none=True)
 
     # The one default of each optional field a reader needs a value of (absent: None on
     # the wire, and in the fields above): every reader takes it from here.
@@ -145,8 +150,13 @@ class RunReady(WireMessage):
 
 @wire_message
 class RunFailed(WireMessage):
+    """A request the coordinator could not serve. ``in_flight``: the run that kept a
+    ``run_request`` from starting (a coordinator holds one run at a time, and
+    another client's run was in flight): nothing was started or stopped."""
+
     KIND: ClassVar[str] = "run_failed"
     error: str = wire(STR)
+    in_flight: int | None = wire(OPT_INT, default=None, omit_if_none=True)
 
 
 @wire_message
@@ -276,6 +286,11 @@ class Progress(WireMessage):
     KIND: ClassVar[str] = "progress"
     run: int = wire(INT)
     awaited: str = wire(STR)
+
+
+# A ``progress`` about this is no news: the coordinator looks whether a run's client is
+# still connected (a send to a dropped connection fails); the client drops it.
+PRESENCE = "presence"
 
 
 @wire_message

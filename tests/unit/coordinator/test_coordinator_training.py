@@ -75,13 +75,14 @@ def test_a_global_replica_gathers_every_units_state_and_answers_once() -> None:
     run = _start_training(h, ["a", "b", "c"], partition=[[0, 2], [2, 4], [4, 6]])
     assert isinstance(h.state.current, SyncTrainingController)
     h.client("replicate", run=run, step=0)
-    h.client("replicate", run=run, step=0)  # the client asked again: one gather
+    h.client("replicate", run=run, step=0)  # the client asked again: one gather, and
+    # one answer (a second to the same client would wait for its next request)
     assert [len(h.to(n, "weights_request")) for n in "abc"] == [1, 1, 1]
     assert h.to("a", "weights_request")[0].body["optimizer"] is True
     for name, units in (("a", range(0, 2)), ("b", range(2, 4)), ("c", range(4, 6))):
         h.feed_message(name, _weights(name, units))
     replies = h.to_client("replicated")
-    assert len(replies) == 2 and replies[0].body["error"] == "" and replies[0].body["tensors"] == 6
+    assert len(replies) == 1 and replies[0].body["error"] == "" and replies[0].body["tensors"] == 6
     assert h.state.replica is not None and h.state.replica.step == 0
     assert held_at_coordinator(h.state.replica.state) == set(range(6))
 

@@ -42,7 +42,11 @@ ADDED_IN_V1 = {
         "num_units": ["int/null", False],
         "progress": ["bool", False],
         "bucketing": ["str/null", False],
+        # sent again after a reconnection: answered once (issue 33)
+        "request_id": ["str/null", False],
     },
+    # the run in flight that kept a run_request from starting
+    "run_failed": {"in_flight": ["int/null", False]},
     # the stage process's resident memory before its model (the memory model's base)
     "register": {"base_bytes": ["int/null", False]},
     # the token of the stage's bulk connection, from a coordinator that has one

@@ -170,14 +170,21 @@ def run_controller(run: BaseRun) -> RepartitionController | None:
 
 
 class LiveRepartitioning:
-    """One training run's re-partitions: its controller, and the flow of each."""
+    """One training run's re-partitions: its controller, and the flow of each.
+
+    What the controller must go on from after a coordinator restart is kept with
+    the run and saved with it (``Run.repartition_epoch``, ``repartition_pending``):
+    its plan epoch (a restarted one numbered from 0 again, and forced the
+    settings' first cuts once more) and a look's move the client paused for but
+    that was not yet carried out (a restarted one looked anew, from counters
+    that no longer covered the window the client paused for)."""
 
     def __init__(self, run: BaseRun) -> None:
         self.owner = run
         self.controller: RepartitionController | None = None
         # a look before the flush that decided to move: carried out by the next
         # (flushing) request of the same mini-batch
-        self.pending: RepartitionDecision | None = None
+        self.pending: RepartitionDecision | None = run.run.repartition_pending
         self._probing = False  # the links are being probed again (see _renew_links)
 
     def _controller(
@@ -187,7 +194,15 @@ class LiveRepartitioning:
             self.controller = build_controller(
                 plan, settings, profile=self._profile(plan), cluster=self._cluster(plan.devices)
             )
+            self.controller.plan_epoch = self.owner.run.repartition_epoch
         return self.controller
+
+    def _keep(self) -> None:
+        """What a successor needs, into the run (saved at the run's next save)."""
+        run = self.owner.run
+        if self.controller is not None:
+            run.repartition_epoch = self.controller.plan_epoch
+        run.repartition_pending = self.pending
 
     def _profile(self, plan: TrainingPlan) -> ModelProfile | None:
         """The first device's training profile, cached when the run was planned."""
@@ -303,6 +318,7 @@ class LiveRepartitioning:
             yield Log("info", "repartition_started", {"run": run.run, "step": step})
             replies = yield from self.ask(members, devices, step, PhaseAsk("prepare"))
             pending, self.pending = self.pending, None
+            self._keep()  # saved with the commit's save, or the run's next one
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             if pending is not None and pending.at == step:
                 decision = pending  # decided before the flush (look_flow)
@@ -322,6 +338,7 @@ class LiveRepartitioning:
             if decision.moves:
                 controller.committed(decision)
                 run.training_plan = with_bounds(plan, target)
+                self._keep()
                 yield Persist()  # a successor takes over the cuts the stages run now
                 yield Log("info", "repartitioned", {"run": run.run, "step": step,
                           "bounds": list(target), "plan_epoch": controller.plan_epoch})  # fmt: skip
@@ -369,6 +386,10 @@ class LiveRepartitioning:
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
                       **decision.to_dict(), **_links_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
+            if decision.moves:
+                # the client pauses for it: a successor must carry it out, not look anew
+                self._keep()
+                yield Persist()
             if not decision.moves:  # a move probes after its commit
                 yield from self._renew_links(devices, members)
             # where each stage says its units are now (as a commit's replies say)

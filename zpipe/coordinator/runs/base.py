@@ -142,7 +142,25 @@ class BaseRun:
     def on_request(self, event: ClientRequest, now: float) -> list[Command]:
         match event.message:
             case RunGo() as go:
-                return self.state.flows.start(self.go(event.routing_id, go), now)
+                run = self.run
+                if run.streaming and go.run == run.run and self.state.current is self:
+                    # answered before, the answer lost with a connection (the client
+                    # sends it again when it reconnects): the stages are connected
+                    started = RunStarted(run=run.run, epoch=run.epoch)
+                    return [
+                        Log("info", "run_go_repeated", {"run": run.run}),
+                        Send(event.routing_id, started, CLIENT_NAME, self.reply_s),
+                    ]
+                # a copy sent while the first is being answered shares its answer
+                return self.state.answers.answer(
+                    self.state.flows,
+                    ("run_go", go.run, 0),
+                    event.routing_id,
+                    lambda: self.go(go),
+                    peer=CLIENT_NAME,
+                    timeout_s=self.reply_s,
+                    now=now,
+                )
             case RunEnd(run=run_id, timeline=timeline):
                 return self.state.answers.answer(
                     self.state.flows,
@@ -160,20 +178,21 @@ class BaseRun:
 
     # ------------------------------------------------------------------- flows
 
-    def go(self, routing_id: bytes, message: RunGo) -> Flow:
-        """The client allows the last stage and is connected: stages connect downstream."""
+    def go(self, message: RunGo) -> Flow:
+        """The client allows the last stage and is connected: stages connect downstream.
+        Returns the answer (``run_started`` or ``run_failed``)."""
         run = self.run
         try:
             if run.run != message.run or self.state.current is not self:
                 raise ConfigError(f"run {message.run} is not the current run")
             yield from self.connect_all()
         except (ZpipeError, ValueError) as exc:
-            yield from run_failed(routing_id, exc, self.reply_s)
-            return
+            yield Log("error", "run_failed", {"error": str(exc)})
+            return RunFailed(error=str(exc))
         run.streaming = True
         yield Log("info", "run_streaming", {"run": run.run, "epoch": run.epoch})
         yield Persist()
-        yield Send(routing_id, RunStarted(run=run.run, epoch=run.epoch), CLIENT_NAME, self.reply_s)
+        return RunStarted(run=run.run, epoch=run.epoch)
 
     def connect_all(self) -> Flow:
         """Second phase: every stage connects to its neighbours, now that all allow theirs."""
