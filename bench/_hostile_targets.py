@@ -58,6 +58,10 @@ def _await_kind(
     return None, seen
 
 
+def _ratio(peak: int | None, idle: int | None) -> float | None:
+    return round(peak / idle, 3) if peak and idle else None
+
+
 # ------------------------------------------------------------------------ finding 5
 
 
@@ -149,6 +153,7 @@ def max_model_bypass(
                 "stage_rss_idle_mib": mib(idle.get("bomb0")),
                 "stage_rss_peak_mib": mib(peak.get("bomb0")),
                 "target_crashes": sum(not up for up in alive.values()),
+                "target_peak_over_idle_rss": _ratio(peak.get("bomb0"), idle.get("bomb0")),
                 "target_log_bytes": {n: len(bomb.logs(n).encode()) for n in bomb.processes},
             }
         )
@@ -287,6 +292,7 @@ def fl_identities(
                 "server_rss_peak_mib": mib(peak.get("fl-server")),
                 "server_rss_after_leave_mib": mib(rss_kib(pid)),
                 "target_crashes": int(target.server.poll() is not None),
+                "target_peak_over_idle_rss": _ratio(peak.get("fl-server"), idle),
                 "real_client_alive": target.client.poll() is None,
             }
         )

@@ -315,7 +315,14 @@ def _run_step(
             (float(e["silent_s"]) for e in mine if "silent_s" in e), default=None
         )
         extra["suspects_other_stages"] = len(new) - len(mine)
-    top = {n: log_events(t) for n, t in watch.window_text.items() if t}
+    # liveness seen from both ends: a stage's "coordinator_away", the coordinator's
+    # "stage_suspect" (finding 1 made stages log coordinator_away 13 times)
+    texts = watch.window_text
+    figures["coordinator_away"] = sum(
+        t.count('"coordinator_away"') for n, t in texts.items() if n != "coordinator"
+    )
+    figures["stage_suspect"] = texts.get("coordinator", "").count('"stage_suspect"')
+    top = {n: log_events(t) for n, t in texts.items() if t}
     figures["log_top_events"] = {n: ev for n, ev in top.items() if ev}
     figures["sent"] = sent
     figures["seconds"] = round(seconds, 3)
@@ -329,6 +336,8 @@ def _add_to_class(entry: dict[str, Any], endpoint: str, figures: dict[str, Any])
     entry["sent"] = entry.get("sent", 0) + figures.pop("sent")
     entry["targets"] = entry.get("targets", 0) + 1
     entry["seconds"] = round(entry.get("seconds", 0.0) + figures.pop("seconds"), 3)
+    for key in ("coordinator_away", "stage_suspect"):
+        entry[key] = entry.get(key, 0) + figures.pop(key)
     merge(entry, figures)
     if top:
         entry.setdefault("log_top_events", []).append({"endpoint": endpoint, **top})
@@ -341,6 +350,12 @@ def _add_to_class(entry: dict[str, Any], endpoint: str, figures: dict[str, Any])
                 entry[key] = entry.get(key, 0) + int(extra[key])
         crashes = int(extra.get("target_crashes", 0))
         entry["crashes"] = entry.get("crashes", 0) + crashes
+        entry["target_crashes"] = entry.get("target_crashes", 0) + crashes
+        # a class's own target (its own stage, an fl-server) is judged as the cluster is
+        ratio = extra.get("target_peak_over_idle_rss")
+        if ratio is not None and ratio > (entry.get("peak_over_idle_rss") or 0.0):
+            entry["peak_over_idle_rss"] = ratio
+            entry["peak_over_idle_process"] = f"{endpoint}'s target"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -521,8 +536,9 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg": loadavg(),
         }
     )
+    # the cluster's processes once each, and the processes of the classes' own targets
     crashes = sum(not a for a in alive.values()) + sum(
-        int(e.get("crashes", 0)) for e in per_class.values()
+        int(e.get("target_crashes", 0)) for e in per_class.values()
     )
     exact = bool(stream.get("exact"))
     failed = sorted(k for k, e in per_class.items() if not class_goals_met(e))
