@@ -200,7 +200,9 @@ def finding_steps(
     owner: dict[str, str],
     on_sent: Callable[[], None],
 ) -> list[Step]:
-    """Issue 33's findings 1-5 and 7, one class each (finding 6 is probe_flood)."""
+    """Issue 33's findings 1-5 and 7, one class each (finding 6 is probe_flood); the
+    frame storms last: on a coordinator or stage without a per-message bound they can
+    stop the cluster (stages exit after 60 s without word from their coordinator)."""
     hold, leave = args.hold_s, args.leave_s
     steps = [
         Step(
@@ -222,6 +224,33 @@ def finding_steps(
             ),
         ),
     ]
+    steps.append(
+        Step(
+            "half_bulk",
+            coordinator,
+            lambda a: half_bulk(
+                a,
+                coordinator,
+                name=FAKE_STAGE,
+                transfers=args.bulk_transfers,
+                announced=GIB,
+                sent_bytes=args.bulk_mb << 20,
+                on_sent=on_sent,
+            ),
+            target="coordinator",
+            expected_deaths=(FAKE_STAGE,),
+            leave_s=leave,
+        )
+    )
+    steps.append(
+        Step(
+            "slowloris",
+            coordinator,
+            lambda a: _slowloris(a, coordinator, args, on_sent),
+            target="coordinator",
+            leave_s=leave,
+        )
+    )
     for ep in (idle_data, first_data):
         steps.append(
             Step(
@@ -255,33 +284,6 @@ def finding_steps(
                 hold_s=hold,
                 on_sent=on_sent,
             ),
-            target="coordinator",
-            leave_s=leave,
-        )
-    )
-    steps.append(
-        Step(
-            "half_bulk",
-            coordinator,
-            lambda a: half_bulk(
-                a,
-                coordinator,
-                name=FAKE_STAGE,
-                transfers=args.bulk_transfers,
-                announced=GIB,
-                sent_bytes=args.bulk_mb << 20,
-                on_sent=on_sent,
-            ),
-            target="coordinator",
-            expected_deaths=(FAKE_STAGE,),
-            leave_s=leave,
-        )
-    )
-    steps.append(
-        Step(
-            "slowloris",
-            coordinator,
-            lambda a: _slowloris(a, coordinator, args, on_sent),
             target="coordinator",
             leave_s=leave,
         )
