@@ -259,22 +259,43 @@ def fl_identities(
         figures["absurd_refused"] = len(errors)
         figures["absurd_errors"] = [e[:80] for e in errors]
         welcomes = 0
-        mallory = attacker.socket(zmq.DEALER, target.endpoint, sndtimeo_ms=5000)
+        kinds: dict[str, int] = {}
+        reasons: list[str] = []
+        # one connection per id (a peer's one connection is one client): the ids are
+        # registered and then never answer their tasks
+        socks = [
+            attacker.socket(zmq.DEALER, target.endpoint, sndtimeo_ms=5000)
+            for _ in range(identities)
+        ]
         try:
-            for i in range(identities):
-                mallory.send_multipart(fl_registration(1000 + i, 0.05, [10] * 10))
+            poller = zmq.Poller()
+            for i, sock in enumerate(socks):
+                sock.send_multipart(fl_registration(1000 + i, 0.05, [10] * 10))
+                poller.register(sock, zmq.POLLIN)
                 sent += 1
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and mallory.poll(500):
-                if decode(mallory.recv_multipart(copy=False)).kind == FlWelcome.KIND:
-                    welcomes += 1
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                ready = dict(poller.poll(2000))
+                if not ready:
+                    break
+                for sock in ready:
+                    reply = decode(sock.recv_multipart(copy=False))
+                    if reply.kind == FlWelcome.KIND:
+                        welcomes += 1
+                    else:  # an fl_error (why), or work for a welcomed id
+                        kinds[reply.kind] = kinds.get(reply.kind, 0) + 1
+                        if reply.kind == FlError.KIND and len(reasons) < 2:
+                            reasons.append(FlError.from_message(reply).reason[:100])
             start = target.updates()
             time.sleep(window_s)
             figures["updates_during"] = target.updates() - start
         finally:
-            mallory.close(linger=0)
+            for sock in socks:
+                sock.close(linger=0)
         figures["identities_sent"] = identities
         figures["identities_welcomed"] = welcomes
+        figures["identities_other_replies"] = kinds
+        figures["identities_refusals"] = reasons
         sampler = RssSampler({"fl-server": pid}).start()
         big = attacker.socket(zmq.DEALER, target.endpoint, sndtimeo_ms=60_000)
         try:
@@ -299,7 +320,6 @@ def fl_identities(
         figures["refused"] = figures["absurd_refused"] == 4
     finally:
         target.stop()
-        figures["target_log_bytes"] = {
-            "fl-server": target.log.stat().st_size + target.out.stat().st_size
-        }
+        # its log (stderr); its stdout is the run's events, one per update here
+        figures["target_log_bytes"] = {"fl-server": target.log.stat().st_size}
     return sent, figures
