@@ -318,6 +318,10 @@ def fl_identities(
             }
         )
         figures["refused"] = figures["absurd_refused"] == 4
+        # the federated run stalled behind the silent ids: its hang (finding 4: 11 updates
+        # in 60 s instead of 294); an open fl-server does not bound ids per peer
+        before, during = figures["updates_before"], figures["updates_during"]
+        figures["target_hangs"] = int(during < 0.1 * before)
     finally:
         target.stop()
         # its log (stderr); its stdout is the run's events, one per update here

@@ -351,6 +351,7 @@ def _add_to_class(entry: dict[str, Any], endpoint: str, figures: dict[str, Any])
         crashes = int(extra.get("target_crashes", 0))
         entry["crashes"] = entry.get("crashes", 0) + crashes
         entry["target_crashes"] = entry.get("target_crashes", 0) + crashes
+        entry["hangs"] = entry.get("hangs", 0) + int(extra.get("target_hangs", 0))
         # a class's own target (its own stage, an fl-server) is judged as the cluster is
         ratio = extra.get("target_peak_over_idle_rss")
         if ratio is not None and ratio > (entry.get("peak_over_idle_rss") or 0.0):
