@@ -263,3 +263,62 @@ def test_tensors_of_the_bench_are_never_pickled() -> None:
     frames = next(bulk_chunks("m", "t", 0, 1 << 20, 1 << 20))
     assert len(frames) == 2 and len(frames[1]) == 1 << 20
     assert torch.frombuffer(bytearray(frames[1]), dtype=torch.uint8).sum() == 0
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def _members() -> list[dict[str, object]]:
+    return [
+        {
+            "name": name,
+            "data_endpoint": f"tcp://127.0.0.1:{port}",
+            "info": {"probe_endpoint": f"tcp://127.0.0.1:{port + 1}"},
+        }
+        for name, port in (("h0", 5000), ("h1", 5010), ("idle0", 5020))
+    ]
+
+
+def test_the_plan_has_every_finding_and_runs_the_frame_storms_last() -> None:
+    """Building the plan opens nothing (each step's attack is a closure); ``--only``
+    picks classes by these names."""
+    from bench._hostile_plan import FAKE_STAGE, attack_plan, peer_request_steps
+    from bench.hostile import _parse
+
+    args = _parse([])
+    members = _members()
+    plan = [
+        *peer_request_steps(members, "tcp://127.0.0.1:4000", 4, "/nonexistent/marker"),
+        *attack_plan(
+            members,
+            "tcp://127.0.0.1:4000",
+            "tcp://127.0.0.1:4100",
+            args,
+            control="",
+            idle_data="tcp://127.0.0.1:5020",
+            first_data="tcp://127.0.0.1:5000",
+            on_sent=lambda: None,
+        ),
+    ]
+    classes = [step.klass for step in plan]
+    findings = {
+        "frame_amplification",
+        "max_model_bypass",
+        "data_port_frames",
+        "fl_identities",
+        "half_bulk",
+        "probe_flood",
+        "slowloris",
+    }
+    assert findings <= set(classes)
+    assert classes[-1] == "frame_amplification"  # it can stop the cluster: last
+    half = next(step for step in plan if step.klass == "half_bulk")
+    assert half.expected_deaths == (FAKE_STAGE,) and half.target == "coordinator"
+    storms = [step for step in plan if step.klass == "data_port_frames"]
+    assert [(s.endpoint, s.target) for s in storms] == [
+        ("tcp://127.0.0.1:5020", "idle0"),
+        ("tcp://127.0.0.1:5000", "h0"),
+    ]
+    probes = [step for step in plan if step.klass == "probe_flood"]
+    assert {s.target for s in probes} == {"h0", "h1", "idle0"} and all(s.cpu for s in probes)
+    assert not any(step.expected_deaths for step in plan if step.klass != "half_bulk")
