@@ -159,7 +159,12 @@ class ClientConnection:
         self.sink.close(linger=0)
         if self.authenticator is not None:
             self.authenticator.stop()
-        self.context.term()
+        # A socket still open here belongs to a run the caller left by raising
+        # inside its stream: the stream's async generator, which owns its PUSH, is
+        # closed only at the loop's shutdown, after this, and term() would wait for
+        # it for ever. What such a socket still queues belongs to that abandoned
+        # run: closed unsent.
+        self.context.destroy(linger=0)
 
     def push_to(self, endpoint: str, key: object, peer: str) -> zmq.asyncio.Socket:
         """A PUSH connected to ``peer``'s data endpoint; with keys, it must be ``key``."""
