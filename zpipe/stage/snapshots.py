@@ -2,7 +2,9 @@
 
 - ``weights_request``: once round ``step`` is done here (or at once, with
   ``latest``, when the run broke elsewhere), this stage's weights (and optimizer
-  state, if asked) go to the coordinator.
+  state, if asked) go to the coordinator; with ``keep`` (an asynchronous run's
+  fast recovery) they stay here as this stage's own snapshot after its update
+  count and only their keys go, the new plan's holders fetching them.
 - ``backup_request``: once round ``step`` is done, keep a snapshot of this
   stage's state and send a copy to its backup holder (a peer stage's probe
   socket, or the coordinator in the reply).
