@@ -48,7 +48,7 @@ from zpipe.coordinator.decisions import (
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import bucketing_of
-from zpipe.coordinator.restoring import allow_fetches, choose_restore
+from zpipe.coordinator.restoring import allow_fetches, choose_restore, units_moved
 from zpipe.coordinator.runs.async_fast_recovery import async_fast_resume, is_fast_live_resume
 from zpipe.coordinator.runs.async_training import (
     AsyncTrainingController,
@@ -168,7 +168,7 @@ def _start_run(
         # their weights, the dead's units come from their nearest copy
         fast = yield from async_fast_resume(state, request)
         request = replace(request, stage_names=list(fast.plan.devices))
-        ready = yield from start.assign(request, fast.plan, replica=fast.replica)
+        ready = yield from start.assign(request, fast.plan, restore=fast.restore)
         report = {**fast.fast.summary(), "sources": [s.to_dict() for s in fast.fast.sources]}
         return replace(ready, fast_recovery=report)
     if mode == "train" and request.resume is not None:
@@ -352,8 +352,10 @@ class _Training:
         *,
         straight: Plan | None = None,
         replica: KeptReplica | None = None,
+        restore: RestoreChoice | None = None,
     ) -> Flow:
-        """With ``replica``, every stage starts from its units' state in it."""
+        """With ``replica``, every stage starts from its units' state in it; with
+        ``restore`` (a fast recovery's), from where it says."""
         state, spec = self.state, self.spec
         settings = request.train_settings
         # The user's plan or warm-ups are kept as given; a plan the coordinator made takes
@@ -379,8 +381,9 @@ class _Training:
         by_name = {m.name: m for m in members}
         live = {m.name: m for m in live_members(state.membership)}
         live.update(by_name)
-        restore: RestoreChoice | None = None
-        if replica is not None:
+        if restore is not None:
+            yield Log("info", "restore_planned", {"recovery": "fast", **units_moved(restore)})
+        elif replica is not None:
             spans = [StageSpan(tuple(g[0]), g[1], g[2]) for g in groups]
             restore = yield from choose_restore(state, replica, request, spans, live)
             if restore.fell_back:

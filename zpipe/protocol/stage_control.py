@@ -232,6 +232,10 @@ class WeightsRequest(WireMessage):
     # heavy recovery: the snapshots kept here to send instead (this stage's own, or
     # backups), as [{"owner", "run", "step", "start", "end"}]
     snapshot: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
+    # with ``latest``, an asynchronous run's fast recovery: the stage keeps its state
+    # as its own snapshot after its update count and the reply names the keys without
+    # the tensors (the new plan fetches the units peer to peer)
+    keep: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
 
 
 @wire_message

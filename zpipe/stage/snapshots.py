@@ -2,7 +2,9 @@
 
 - ``weights_request``: once round ``step`` is done here (or at once, with
   ``latest``, when the run broke elsewhere), this stage's weights (and optimizer
-  state, if asked) go to the coordinator.
+  state, if asked) go to the coordinator; with ``keep`` (an asynchronous run's
+  fast recovery) they stay here as this stage's own snapshot after its update
+  count and only their keys go, the new plan's holders fetching them.
 - ``backup_request``: once round ``step`` is done, keep a snapshot of this
   stage's state and send a copy to its backup holder (a peer stage's probe
   socket, or the coordinator in the reply).
@@ -58,7 +60,7 @@ from zpipe.stage.peer_policy import (
 from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
-from zpipe.training.async_fast_state import unit_digests
+from zpipe.training.async_fast_state import restart_state_at, unit_digests
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
 from zpipe.transport.sockets import SocketOptions
@@ -150,7 +152,16 @@ class SnapshotService:
                     updates = trainer.async_shard.updates
                     digests = await loop.run_in_executor(self._compute, unit_digests, state)
                     log.info("latest_state_sent", stage=self.name, run=run, updates=updates,
-                             digests=digests)  # fmt: skip
+                             digests=digests, kept=bool(request.keep))  # fmt: skip
+                    if request.keep:
+                        # the new plan's holders fetch these units from here, peer to
+                        # peer (its own by the assignment's fetch entries): only the
+                        # keys go to the coordinator
+                        self.replicas.put(self.name, run, updates, state)
+                elif request.keep:
+                    raise PipelineError(
+                        "only an asynchronous stage keeps its latest state for a fast recovery"
+                    )
             else:
                 shard = trainer.shard
                 await trainer.wait_for_step(step, self._timeout_s)
@@ -162,6 +173,14 @@ class SnapshotService:
                     )
                     if request.optimizer
                     else shard.state_dict()
+                )
+            if request.keep and updates is not None:
+                return dataclasses.replace(
+                    reply,
+                    keys=list(state),
+                    metrics=self._counters.to_dict(),
+                    completed=completed,
+                    updates=updates,
                 )
             if len(state) > codec.MAX_TENSORS:
                 raise ConfigError(
@@ -445,49 +464,55 @@ class SnapshotService:
 
     async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a
-        peer's (its snapshot, or a backup it holds), fetched from that peer."""
+        peer's (its snapshot, or a backup it holds), fetched from that peer. An entry
+        with ``restart`` (an asynchronous run's fast recovery: a survivor's live state)
+        has its units put at that weight version (:func:`restart_state_at`)."""
         state: dict[str, torch.Tensor] = {}
         for entry in fetch:
             if not isinstance(entry, dict):
                 raise ProtocolError("a fetch entry must be a map")
+            state.update(_restarted(await self._fetched_entry(entry), entry.get("restart")))
+        return state
+
+    async def _fetched_entry(self, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The units of one fetch entry, from a snapshot here or at the peer it names."""
+        try:
             owner, source = str(entry["owner"]), str(entry["from"])
             run, step = int(entry["run"]), int(entry["step"])
             start, end = int(entry["start"]), int(entry["end"])
-            if source == self.name:
-                units = self.replicas.units(owner, run, step, start, end)
-                state.update({k: t.clone() for k, t in units.items()})
-                continue
-            link = PeerLink(
-                self._context,
-                peer=source,
-                endpoint=str(entry["endpoint"]),
-                server_key=entry.get("key"),
-                keypair=self._keypair,
-                options=self._options,
-                timeout_s=self._timeout_s,
-                moved=self._moved,
-            )
-            request = FetchUnits(
-                owner=owner,
-                run=run,
-                step=step,
-                start=start,
-                end=end,
-                chunk_bytes=self.chunk_bytes,
-            )
-            async with link:
-                reply = await link.fetch(request)
-            if reply.error:
-                raise UnitsLostError((start, end), f"{source} could not send them: {reply.error}")
-            if len(reply.keys) != len(reply.tensors):
-                raise ProtocolError(f"{source} sent mismatched units")
-            foreign = foreign_units([str(k) for k in reply.keys], start, end)
-            if foreign:
-                raise ProtocolError(f"{source} sent state of other units: {foreign[:3]}")
-            state.update(
-                {str(k): t.clone() for k, t in zip(reply.keys, reply.tensors, strict=True)}
-            )
-        return state
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"a malformed fetch entry: {exc!r}") from None
+        if source == self.name:
+            units = self.replicas.units(owner, run, step, start, end)
+            return {k: t.clone() for k, t in units.items()}
+        link = PeerLink(
+            self._context,
+            peer=source,
+            endpoint=str(entry["endpoint"]),
+            server_key=entry.get("key"),
+            keypair=self._keypair,
+            options=self._options,
+            timeout_s=self._timeout_s,
+            moved=self._moved,
+        )
+        request = FetchUnits(
+            owner=owner,
+            run=run,
+            step=step,
+            start=start,
+            end=end,
+            chunk_bytes=self.chunk_bytes,
+        )
+        async with link:
+            reply = await link.fetch(request)
+        if reply.error:
+            raise UnitsLostError((start, end), f"{source} could not send them: {reply.error}")
+        if len(reply.keys) != len(reply.tensors):
+            raise ProtocolError(f"{source} sent mismatched units")
+        foreign = foreign_units([str(k) for k in reply.keys], start, end)
+        if foreign:
+            raise ProtocolError(f"{source} sent state of other units: {foreign[:3]}")
+        return {str(k): t.clone() for k, t in zip(reply.keys, reply.tensors, strict=True)}
 
 
 def _replica_state(trainer: TrainingExecutor) -> dict[str, torch.Tensor]:
@@ -496,3 +521,17 @@ def _replica_state(trainer: TrainingExecutor) -> dict[str, torch.Tensor]:
     if isinstance(trainer, AsyncTrainingExecutor):
         return trainer.replica_state()
     return trainer.shard.training_state()
+
+
+def _restarted(units: dict[str, torch.Tensor], restart: object) -> dict[str, torch.Tensor]:
+    """``units`` at the weight version a fast recovery's fetch entry names (``restart``:
+    ``{"version", "depth"}``), or as they are without one."""
+    if restart is None:
+        return units
+    if not isinstance(restart, dict):
+        raise ProtocolError("a fetch entry's restart must be a map")
+    try:
+        version, depth = int(restart["version"]), int(restart["depth"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"a malformed restart in a fetch entry: {exc!r}") from None
+    return restart_state_at(units, version=version, depth=depth)

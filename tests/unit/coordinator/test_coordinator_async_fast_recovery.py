@@ -1,9 +1,12 @@
 """FTPipeHD's fast recovery of an asynchronous run with live copies, at the coordinator
-(zpipe.coordinator.runs.async_fast_recovery): the survivors' state asked for, the
-plan of zpipe.recovery.fast_recovery carried out (each dead unit from its nearest
-copy: the chain copy a live stage holds, else the global copy here), every unit at
-the acknowledged version, and the plan's summary in ``run_ready``. In-process, no
-sockets: events fed, commands read."""
+(zpipe.coordinator.runs.async_fast_recovery): the survivors asked to keep their state
+(they send its keys and their update counts, never the tensors), the plan of
+zpipe.recovery.fast_recovery carried out (each dead unit from its nearest copy: the
+chain copy a live stage holds, else the global copy here, with the assignment; each
+survivor's unit fetched by its new holder, from its own snapshot or peer to peer,
+the holder granted that fetch alone), every unit at the acknowledged version, and
+the plan's summary in ``run_ready``. In-process, no sockets: events fed, commands
+read."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 import torch
 
 from tests._support.coordinator_harness import SPEC, Harness
+from zpipe.coordinator.commands import AllowPeers
 from zpipe.coordinator.runs.async_repartition import LiveRepartitioning
 from zpipe.planner import ClusterLink
 from zpipe.planner.ftpipehd import ftpipehd_partition
@@ -80,29 +84,58 @@ def _resume(h: Harness, run: int, dead: list[str], acknowledged: int) -> None:
     _request(h, train=train, stage_names=survivors, resume=resume)
 
 
+def _kept_state(h: Harness, run: int, name: str, start: int, end: int, count: int) -> None:
+    """``name`` kept its state of units ``[start, end)`` after ``count`` updates: only
+    the keys and the count come back."""
+    (ask,) = h.to(name, "weights_request")[-1:]
+    assert ask.body["latest"] is True and ask.body["optimizer"] is True
+    assert ask.body["keep"] is True
+    keys = list(_units(start, end, 100.0))
+    body = {"name": name, "keys": keys, "error": "", "step": 0, "run": run,
+            "completed": count, "updates": count}  # fmt: skip
+    h.feed_message(name, Message("weights", body))  # type: ignore[attr-defined]
+
+
 def _survivors_answer(h: Harness, run: int, updates: dict[str, int]) -> None:
     for name, count in updates.items():
-        (ask,) = h.to(name, "weights_request")[-1:]
-        assert ask.body["latest"] is True and ask.body["optimizer"] is True
         start, end = PARTITION[NAMES.index(name)]
-        state = _units(start, end, 100.0)
-        body = {"name": name, "keys": list(state), "error": "", "step": 0, "run": run,
-                "completed": count, "updates": count}  # fmt: skip
-        h.feed_message(name, Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+        _kept_state(h, run, name, start, end, count)
 
 
 def _assigned(h: Harness, names: list[str]) -> dict[str, dict[str, Any]]:
+    """What each stage's assignment carries (the dead's units, from their copies) and
+    fetches (the survivors' units, by unit: (from, owner, step, restart))."""
     out = {}
     for name in names:
         assign = h.to(name, "assign")[-1]
         state = dict(zip(assign.body["state_keys"], assign.tensors, strict=True))
+        fetched = {}
+        for e in assign.body.get("fetch") or []:
+            for u in range(e["start"], e["end"]):
+                fetched[u] = (e["from"], e["owner"], e["step"], e["restart"])
         out[name] = {
             "range": (assign.body["start"], assign.body["end"]),
             "weights": {k: float(t[0]) for k, t in state.items() if "#" not in k},
             "versions": {k: t.tolist() for k, t in state.items() if k.endswith("#live_versions")},
             "fetch": assign.body.get("fetch"),
+            "fetched": fetched,
         }
     return out
+
+
+def _fetched(got: dict[str, dict[str, Any]]) -> dict[int, tuple[str, str, int]]:
+    """Every fetched unit: (its new holder, where from, the survivor's update count);
+    each at the acknowledged version ``restart`` names (checked by the caller)."""
+    return {u: (n, f[0], f[2]) for n, g in got.items() for u, f in g["fetched"].items()}
+
+
+def _restarts(got: dict[str, dict[str, Any]]) -> list[Any]:
+    return [f[3] for g in got.values() for f in g["fetched"].values()]
+
+
+def _grants(h: Harness) -> list[dict[str, Any]]:
+    """The fetch grants the stages were given (by holder) before the assignments."""
+    return [dict(j.fetches) for j in h.jobs if isinstance(j, AllowPeers) and j.fetches]
 
 
 def _ready(h: Harness, names: list[str]) -> dict[str, Any]:
@@ -132,15 +165,18 @@ def test_one_death_restores_the_dead_units_from_the_chain_copy_the_next_stage_ho
     got = _assigned(h, ["a", "c", "d"])
     # eq. 5 over three survivors with no measurements: two units each
     assert [got[n]["range"] for n in ("a", "c", "d")] == [(0, 2), (2, 4), (4, 6)]
-    # the survivors' weights as they sent them; b's unit 2 from the chain copy (6)
+    # only b's unit 2 comes with an assignment, from the chain copy (6), at the
+    # acknowledged version 7 with the versions depth 4 reads next
     weights = {k: v for g in got.values() for k, v in g["weights"].items()}
-    assert weights == {"units.0.weight": 100.0, "units.1.weight": 101.0, "units.2.weight": 62.0,
-                       "units.3.weight": 103.0, "units.4.weight": 104.0,
-                       "units.5.weight": 105.0}  # fmt: skip
-    # every unit at the acknowledged version 7, with the versions depth 4 reads next
+    assert weights == {"units.2.weight": 62.0}
     versions = {k: v for g in got.values() for k, v in g["versions"].items()}
-    assert versions == {f"units.{u}.#live_versions": [4, 5, 6, 7] for u in range(6)}
-    assert all(g["fetch"] is None for g in got.values())  # everything came with the assignment
+    assert versions == {"units.2.#live_versions": [4, 5, 6, 7]}
+    # each survivor loads the units it keeps from its own snapshot (its update count),
+    # put at version 7 there: nothing of theirs travels
+    assert _fetched(got) == {0: ("a", "a", 8), 1: ("a", "a", 8), 3: ("c", "c", 9),
+                             4: ("d", "d", 9), 5: ("d", "d", 9)}  # fmt: skip
+    assert all(r == {"version": 7, "depth": 4} for r in _restarts(got))
+    assert _grants(h) == []  # no stage fetches from another
     fast = _ready(h, ["a", "c", "d"])
     assert fast["resume_at"] == 7 and fast["dead"] == ["b"]
     assert fast["copies_used"] == {"chain@c": [2]}
@@ -168,10 +204,10 @@ def test_two_adjacent_deaths_take_the_first_ones_units_from_the_global_copy() ->
     got = _assigned(h, ["a", "d"])
     assert [got[n]["range"] for n in ("a", "d")] == [(0, 3), (3, 6)]
     weights = {k: v for g in got.values() for k, v in g["weights"].items()}
-    # b's unit 2 from the global copy of mini-batch 4, held here
-    assert weights == {"units.0.weight": 100.0, "units.1.weight": 101.0, "units.2.weight": 42.0,
-                       "units.3.weight": 63.0, "units.4.weight": 104.0,
-                       "units.5.weight": 105.0}  # fmt: skip
+    # b's unit 2 from the global copy of mini-batch 4, held here; c's from its chain copy
+    assert weights == {"units.2.weight": 42.0, "units.3.weight": 63.0}
+    assert _fetched(got) == {0: ("a", "a", 8), 1: ("a", "a", 8), 4: ("d", "d", 9),
+                             5: ("d", "d", 9)}  # fmt: skip
     fast = _ready(h, ["a", "d"])
     assert fast["copies_used"] == {"global": [2], "chain@d": [3]}
     assert fast["max_lost"] == 3 and fast["lost"] == {"2": 3, "3": 1}
@@ -212,6 +248,36 @@ def test_the_last_stages_units_come_from_its_chain_copy_at_the_coordinator() -> 
     assert fast["copies_used"] == {"chain@coordinator": [4, 5]}
     # a survivor behind the acknowledged count loses the updates it had not applied
     assert fast["lost"] == {"0": 2, "1": 2, "2": 1, "4": 2, "5": 2}
+
+
+def test_a_unit_the_recut_moves_between_survivors_goes_peer_to_peer() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "b", "c"))  # d dies: the coordinator holds its chain copy
+    _resume(h, run, ["d"], acknowledged=8)
+    _survivors_answer(h, run, {"a": 8, "b": 9, "c": 8})
+    got = _assigned(h, ["a", "b", "c"])
+    assert [got[n]["range"] for n in "abc"] == [(0, 2), (2, 4), (4, 6)]
+    # c's unit 3 goes to b, fetched from c's snapshot (after c's 8 updates) at c's
+    # probe socket; b keeps unit 2 from its own
+    assert _fetched(got) == {0: ("a", "a", 8), 1: ("a", "a", 8), 2: ("b", "b", 9),
+                             3: ("b", "c", 8)}  # fmt: skip
+    (moved,) = [e for e in got["b"]["fetch"] if e["from"] == "c"]
+    assert (moved["start"], moved["end"], moved["endpoint"]) == (3, 4, "tcp://c:2")
+    assert moved["restart"] == {"version": 8, "depth": 4}
+    # c answers that fetch, and only it: granted before any stage was assigned
+    (grants,) = _grants(h)
+    assert grants == {"c": [{"peer": "b", "owner": "c", "run": run, "step": 8,
+                             "start": 3, "end": 4}]}  # fmt: skip
+    # the coordinator carries the dead d's units (its chain copy here) and nothing else
+    carried = {k: v for g in got.values() for k, v in g["weights"].items()}
+    assert carried == {"units.4.weight": 64.0, "units.5.weight": 65.0}
+    (planned,) = h.events("restore_planned")
+    assert (planned["local"], planned["from_peers"], planned["from_coordinator"]) == (3, 1, 2)
+    fast = _ready(h, ["a", "b", "c"])
+    kinds = {s["unit"]: (s["kind"], s["source"]) for s in fast["sources"]}
+    assert kinds[3] == ("peer", "c") and fast["units_moved"] == 3  # unit 3 and d's two
 
 
 def _measured(h: Harness, per_batch_s: dict[str, float], **links: Any) -> None:
@@ -358,10 +424,7 @@ def test_a_death_during_a_moves_commit_keeps_what_each_survivor_holds() -> None:
     _resume(h, run, ["b"], acknowledged=7)
     held = {"a": (0, 1), "c": (3, 4), "d": (4, 6)}
     for name, (start, end) in held.items():
-        state = _units(start, end, 100.0)
-        body = {"name": name, "keys": list(state), "error": "", "step": 0, "run": run,
-                "completed": 7, "updates": 7}  # fmt: skip
-        h.feed_message(name, Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+        _kept_state(h, run, name, start, end, 7)
     # b's unit 2 from its chain copy at c; unit 1, which a gave away, from a's copies:
     # its chain copy died with b, so the global copy (4) held here
     (ask,) = h.to("c", "weights_request")[-1:]
@@ -371,9 +434,9 @@ def test_a_death_during_a_moves_commit_keeps_what_each_survivor_holds() -> None:
     h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
     got = _assigned(h, ["a", "c", "d"])
     weights = {k: v for g in got.values() for k, v in g["weights"].items()}
-    assert weights == {"units.0.weight": 100.0, "units.1.weight": 41.0, "units.2.weight": 62.0,
-                       "units.3.weight": 103.0, "units.4.weight": 104.0,
-                       "units.5.weight": 105.0}  # fmt: skip
+    assert weights == {"units.1.weight": 41.0, "units.2.weight": 62.0}
+    # a's snapshot holds unit 0 only (it switched): that is all a loads of it
+    assert {u: f[1] for u, f in _fetched(got).items()} == {0: "a", 3: "c", 4: "d", 5: "d"}
     fast = _ready(h, ["a", "c", "d"])
     assert fast["switched"] == ["a"] and fast["abandoned_move"] is True
     assert fast["copies_used"] == {"global": [1], "chain@c": [2]}

@@ -79,7 +79,11 @@ ADDED_IN_V1 = {
     # the current run's notices its client has not acknowledged, kept across a restart
     "coordinator_state": {"notices": ["dict/null", False]},
     # heavy recovery gathers snapshots kept at the stages
-    "weights_request": {"snapshot": ["list/null", False]},
+    "weights_request": {
+        "snapshot": ["list/null", False],
+        # a fast recovery's survivor keeps its state for peers to fetch
+        "keep": ["bool/null", False],
+    },
     # a requester that takes a big answer in state_chunk messages of this size
     "fetch_units": {"chunk_bytes": ["int/null", False]},
     # every batch size a training profile measures, sent to stages that reported a device

@@ -1,22 +1,30 @@
 """What a stage does in an asynchronous run's fast recovery: it serves a chain copy a
 peer made without draining by owner, run and mini-batch (for the coordinator to
-restore a dead stage's units from), and it resumes from units of mixed versions,
-all at one weight version, with the survivors' weights and optimizer state bit for
-bit (zpipe.training.async_fast_state). No sockets."""
+restore a dead stage's units from); a survivor keeps its latest state as its own
+snapshot and sends only the keys, then loads the units it keeps from it and serves
+those the re-cut moves to the peer granted them; and it resumes from units of
+mixed versions, all at one weight version, with the survivors' weights and
+optimizer state bit for bit (zpipe.training.async_fast_state). No sockets."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from tests._support.async_training import ADAM, SPEC, make_batches
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.planner.async_schedule import forward_version
+from zpipe.protocol.peer import FetchUnits, Units
+from zpipe.protocol.stage_control import WeightsRequest
 from zpipe.stage.executors.async_shard import AsyncShard
+from zpipe.stage.executors.async_training import AsyncTrainingExecutor
+from zpipe.stage.executors.sync_training import TrainingExecutor
 from zpipe.stage.metrics import StageCounters
+from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.training.async_fast_state import restart_state_at
@@ -112,3 +120,84 @@ def test_a_holder_serves_a_peers_chain_copy_by_owner_run_and_mini_batch() -> Non
     assert torch.equal(again["units.2.weight"], flushed["units.2.weight"])
     with pytest.raises(ConfigError, match="no snapshot"):
         service.snapshot_units([{"owner": "b", "run": 3, "step": 4, "start": 2, "end": 3}])
+
+
+def _survivor(shard: AsyncShard, run: int) -> AsyncTrainingExecutor:
+    """An asynchronous trainer of ``run`` over ``shard``, as far as a weights request
+    reads one (its shard, its update count, the rounds it completed)."""
+    trainer = object.__new__(AsyncTrainingExecutor)
+    trainer.setup = SimpleNamespace(run=run)  # type: ignore[assignment]
+    trainer.shard = shard
+    trainer.async_shard = shard
+    trainer.completed_steps = shard.updates
+    return trainer
+
+
+async def test_a_survivor_keeps_its_state_and_sends_only_the_keys() -> None:
+    service = _service()
+    survivor = _trained(6, 2)
+    stopped: list[bool] = []
+
+    async def stop() -> None:
+        stopped.append(True)
+
+    ask = WeightsRequest(run=3, step=0, optimizer=True, latest=True, keep=True)
+    reply = await service.weights_reply(ask, _survivor(survivor, 3), stop)
+    assert reply.error == "" and stopped == [True]
+    live = survivor.training_state()
+    # the keys (the units it holds) and its update count go to the coordinator
+    assert reply.keys == list(live) and reply.tensors == () and reply.updates == 6
+    # the state stays here, as this stage's own snapshot after its 6 updates
+    kept = service.replicas.units("c", 3, 6, 0, 4)
+    assert sorted(kept) == sorted(live) and all(_bits(kept[k], live[k]) for k in live)
+
+
+async def test_only_an_asynchronous_stage_keeps_its_latest_state() -> None:
+    service = _service()
+    sync = object.__new__(TrainingExecutor)
+    sync.setup = SimpleNamespace(run=3)  # type: ignore[assignment]
+    sync.shard = _trained(2, 0)
+    sync.completed_steps = 2
+
+    async def stop() -> None:
+        pass
+
+    ask = WeightsRequest(run=3, step=0, optimizer=True, latest=True, keep=True)
+    reply = await service.weights_reply(ask, sync, stop)
+    assert "only an asynchronous stage" in reply.error and reply.tensors == ()
+
+
+async def test_kept_units_load_locally_and_are_served_to_the_peer_granted_them() -> None:
+    service = _service()
+    survivor = _trained(6, 2)
+    ask = WeightsRequest(run=3, step=0, optimizer=True, latest=True, keep=True)
+
+    async def stop() -> None:
+        pass
+
+    await service.weights_reply(ask, _survivor(survivor, 3), stop)
+    live = survivor.training_state()
+    # the units c keeps: from its own snapshot, at the resume version the entry names
+    restart = {"version": 7, "depth": 3}
+    entry = {"from": "c", "owner": "c", "run": 3, "step": 6, "start": 0, "end": 2,
+             "restart": restart}  # fmt: skip
+    got = await service.fetched_state([entry])
+    assert {k.split(".")[1] for k in got} == {"0", "1"} and not any("#v" in k for k in got)
+    for u in (0, 1):
+        assert got[f"units.{u}.#live_versions"].tolist() == [5, 6, 7]
+    for key, value in got.items():
+        if "#live_versions" not in key:
+            assert _bits(value, live[key]), key  # weights and optimizer state bit for bit
+    # unit 2 goes to b: c serves it to b once the coordinator granted that fetch
+    fetch = FetchUnits(owner="c", run=3, step=6, start=2, end=3)
+    refused = service._serve_fetch(fetch, PeerIdentity(True, "b"))
+    assert isinstance(refused, Units) and "did not name anyone" in refused.error
+    service.fetch_grants = (FetchGrant("b", "c", 3, 6, 2, 3),)
+    served = service._serve_fetch(fetch, PeerIdentity(True, "b"))
+    assert isinstance(served, Units) and served.error == ""
+    sent = dict(zip(served.keys, served.tensors, strict=True))
+    assert sorted(sent) == sorted(k for k in live if k.startswith("units.2."))
+    assert all(_bits(sent[k], live[k]) for k in sent)
+    # a malformed restart is refused, not guessed
+    with pytest.raises(ProtocolError, match="restart"):
+        await service.fetched_state([{**entry, "restart": {"version": "x"}}])

@@ -6,8 +6,10 @@ without draining (``live_copies``): its ``resume`` names the run, the dead stage
 ``consistency`` "fast", ``live`` and, as ``step``, how many mini-batches it has
 acknowledged (their losses came back). Then:
 
-    the survivors' state ─> each survivor stops the broken run and sends its live
-        weights, optimizer state and update count (``weights_request`` ``latest``)
+    the survivors' state ─> each survivor stops the broken run, keeps its live
+        weights and optimizer state as its own snapshot after its update count and
+        sends the keys and the count (``weights_request`` ``latest`` ``keep``): the
+        tensors stay where they are
     the decision ─> :func:`zpipe.recovery.fast_recovery.plan_fast_recovery` over
         the coordinator's copy ledger (never decided here: the plan says where every
         unit goes, where it comes from, where the run resumes); eq. 5 re-cuts the
@@ -19,21 +21,33 @@ acknowledged (their losses came back). Then:
         surviving stage (``weights_request`` ``snapshot`` naming owner, run and
         mini-batch: the stage serves it from the copies its peers made), or one the
         coordinator holds (the last stage's chain copy, a global copy)
+    the survivors' units ─> peer to peer: each new holder's assignment names them
+        as fetch entries (:func:`survivor_fetches`), a unit it keeps from its own
+        snapshot, a unit the re-cut moves from the survivor that had it (the fetch
+        grants of a synchronous run's lightweight recovery); the coordinator never
+        carries them
     the resume state ─> every unit at one weight version, the acknowledged count
-        (:func:`zpipe.training.async_fast_state.restart_state_at`): the survivors'
-        weights bit for bit, the copies' as they were taken
+        (:func:`zpipe.training.async_fast_state.restart_state_at`): the dead's units
+        here, the survivors' at the stage that fetched them (the entry's
+        ``restart``); the survivors' weights bit for bit, the copies' as they were
+        taken
 
-The result is a replica of the new partition (every unit here, ``fast``), which
-the run's start (:mod:`zpipe.coordinator.starting`) assigns as it assigns any
-replica, and the plan, whose summary goes back to the client in ``run_ready``
-(``fast_recovery``) for the fit's report. The survivors' weights travel to the
-coordinator and back unchanged: a stage process keeps no state across runs.
+The result is how each stage of the new partition gets its units (a
+:class:`~zpipe.coordinator.decisions.RestoreChoice`: the dead's with the
+assignment, the survivors' fetched), which the run's start
+(:mod:`zpipe.coordinator.starting`) assigns, and the plan, whose summary goes
+back to the client in ``run_ready`` (``fast_recovery``) for the fit's report.
+
+A survivor that dies after it sent its keys, while a new holder fetches from it,
+fails the new run's start as any member's death during an assignment does (it is
+a member of the new plan: eq. 5 gives every survivor a unit).
 
 Pure: events in, commands out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
@@ -43,7 +57,7 @@ import torch
 from zpipe._errors import ConfigError, InfeasiblePlanError, PipelineError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.current_run import KeptReplica
-from zpipe.coordinator.decisions import live_members, units_state
+from zpipe.coordinator.decisions import RestoreChoice, live_members, units_state
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.runs.async_repartition import (
     LiveRepartitioning,
@@ -67,11 +81,12 @@ from zpipe.training.async_fast_state import restart_state_at
 
 @dataclass(frozen=True)
 class FastResume:
-    """A fast recovery's outcome: the survivors' ``plan`` to assign, the ``replica``
-    they start from, and the decision (``fast``) for the report."""
+    """A fast recovery's outcome: the survivors' ``plan`` to assign, where each of its
+    stages gets its units (``restore``: the dead's from the replica here, the
+    survivors' fetched peer to peer), and the decision (``fast``) for the report."""
 
     plan: TrainingPlan
-    replica: KeptReplica
+    restore: RestoreChoice
     fast: FastRecoveryPlan
 
 
@@ -112,14 +127,17 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
     if not survivors:
         raise InfeasiblePlanError("no stage of the run survives to resume it")
 
-    # The survivors' live state: they stop the broken run first.
-    ask = WeightsRequest(run=run.run, step=0, optimizer=True, latest=True, epoch=run.epoch)
+    # The survivors' live state: they stop the broken run first and keep it, sending
+    # its keys (the units each holds) and its update count.
+    ask = WeightsRequest(
+        run=run.run, step=0, optimizer=True, latest=True, keep=True, epoch=run.epoch
+    )
     for name in survivors:
         yield Send(alive[name].routing_id, ask, name, stage=name)
     replies: dict[str, Weights] = yield AwaitReplies(
         tuple(survivors), Weights, state.timeouts.result_s, "the survivors' weights", partial=True
     )
-    kept: dict[str, dict[str, torch.Tensor]] = {}
+    kept: dict[str, list[str]] = {}  # each survivor's keys, its state kept there
     updates: dict[str, int] = {}
     for name in survivors:
         reply = replies.get(name)
@@ -129,8 +147,7 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
             yield Log("warning", "fast_state_missing", {"stage": name, "error": str(error)})
             dead.add(name)
             continue
-        # copies: the received frames' memory belongs to zmq messages
-        kept[name] = {str(k): t.clone() for k, t in zip(reply.keys, reply.tensors, strict=True)}
+        kept[name] = [str(k) for k in reply.keys]
         updates[name] = int(reply.updates)
 
     # What each survivor holds: its committed units, or those of a move it switched
@@ -177,15 +194,16 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         if eq5 is not None:
             fast = replace(fast, inputs=eq5.report)
 
-        # Every unit's state, from where the plan says.
+        # The dead's units' state, from the copies the plan names (the survivors'
+        # travel peer to peer: survivor_fetches).
         merged: dict[str, torch.Tensor] = {}
         asks: dict[str, list[dict[str, Any]]] = {}
         failed: dict[tuple[str, str], str] = {}
         for dest in fast.order:
             for r in fast.ranges_of(dest):
                 if r.kind in ("kept", "peer"):
-                    merged.update(units_state(kept[r.source], r.start, r.end))
-                elif r.source == COORDINATOR:
+                    continue
+                if r.source == COORDINATOR:
                     try:
                         merged.update(
                             _held_here(state, r.owner, r.kind, r.run, r.version, r.start, r.end)
@@ -233,11 +251,38 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         acknowledged,
         new_plan,
         restart_state_at(merged, version=acknowledged, depth=depth),
-        global_copy=True,
+        global_copy=False,
         fast=True,
     )
+    restore = RestoreChoice(
+        replica,
+        survivor_fetches(fast, run.run, updates, depth=depth),
+        {d: [(r.start, r.end) for r in fast.ranges_of(d) if r.kind not in ("kept", "peer")]
+         for d in fast.order},
+    )  # fmt: skip
     yield Log("info", "async_fast_recovery", {"run": run.run, **fast.summary()})
-    return FastResume(new_plan, replica, fast)
+    return FastResume(new_plan, restore, fast)
+
+
+def survivor_fetches(
+    fast: FastRecoveryPlan, run: int, updates: dict[str, int], *, depth: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Each new holder's fetch entries for the survivors' units the plan gives it: a
+    range it keeps from its own snapshot (``from`` itself), a range the re-cut moves
+    from the survivor's that had it (a peer fetch, granted to it alone); every
+    snapshot is the survivor's state after its update count (``keep``), put at the
+    resume version by the stage that loads it (``restart``)."""
+    restart = {"version": fast.resume_at, "depth": depth}
+    out: dict[str, list[dict[str, Any]]] = {d: [] for d in fast.order}
+    for dest in fast.order:
+        for r in fast.ranges_of(dest):
+            if r.kind in ("kept", "peer"):
+                out[dest].append(
+                    {"from": r.source, "owner": r.source, "run": run,
+                     "step": updates[r.source], "start": r.start, "end": r.end,
+                     "restart": dict(restart)}
+                )  # fmt: skip
+    return out
 
 
 def _measurements(
@@ -291,13 +336,13 @@ def _move_target(current: AsyncTrainingController) -> tuple[int, ...] | None:
     return None if last is None or last == controller.bounds else tuple(last)
 
 
-def _units_in(state: dict[str, torch.Tensor]) -> set[int]:
-    found = (split_unit_key(k) for k in state)
+def _units_in(keys: Iterable[str]) -> set[int]:
+    found = (split_unit_key(k) for k in keys)
     return {u[0] for u in found if u is not None}
 
 
 def _held_range(
-    state: dict[str, torch.Tensor], committed: tuple[int, int], moved: tuple[int, int] | None
+    state: Iterable[str], committed: tuple[int, int], moved: tuple[int, int] | None
 ) -> tuple[int, int] | None:
     """The units a survivor holds, from its state's keys: of its committed range and the
     range a move gave it, the narrower that holds every unit with state (None:
