@@ -91,6 +91,15 @@ def _reset_peak() -> bool:
     return True
 
 
+def _set_mmap_threshold(mib: int) -> None:
+    """glibc's ``M_MMAP_THRESHOLD``: blocks this large or larger are mapped apart and
+    unmapped when freed (an experiment against the stage's default)."""
+    import ctypes
+
+    if not ctypes.CDLL("libc.so.6").mallopt(-3, mib << 20):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) refused")
+
+
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
     """One stage's work in this fresh process at each size in turn (smallest first, as
     a stage that serves them all would); its base and its peak resident memory at each."""
@@ -107,6 +116,8 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
     import_lazy_torch_modules()  # as a stage does before it registers
     retain_freed_memory(job["retain_mb"])  # a stage's default
+    if job.get("mmap_threshold_mb"):
+        _set_mmap_threshold(job["mmap_threshold_mb"])
     torch.set_num_threads(job["threads"])
     base = stage_base_bytes("cpu") or 0  # before any model: what registration reports
     spec = ModelSpec.from_dict(job["spec"])
@@ -209,6 +220,7 @@ def _jobs(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
                             "optimizer": args.optimizer,
                             "threads": args.threads,
                             "retain_mb": args.retain_mb,
+                            "mmap_threshold_mb": args.mmap_threshold_mb,
                             "margin": args.margin,
                         }
                     )
@@ -277,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", default="adam", choices=("sgd", "adam", "adamw"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--retain-mb", type=int, default=256, help="as a stage's default")
+    parser.add_argument(
+        "--mmap-threshold-mb",
+        type=int,
+        default=0,
+        help="set glibc's mmap threshold in the workers after --retain-mb's (0: leave it)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="workers at once")
     parser.add_argument(
         "--margin",
@@ -331,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         loadavg=loadavg(),
         seconds=round(time.monotonic() - started, 1),
         margin=args.margin,
+        mmap_threshold_mb=args.mmap_threshold_mb or None,
         **_spread(ratios, "predicted_over_measured"),
         **_spread([r["unmargined_over_measured"] for r in rows], "unmargined_over_measured"),
         within_1_0_to_1_3=sum(1.0 <= r <= 1.3 for r in ratios),
