@@ -267,7 +267,12 @@ def _row(job: dict[str, Any], base: int, peak: int, margin: float) -> dict[str, 
         # what the limit check compares with a budget: the prediction with the margin
         "predicted_over_measured": round(need.with_margin(margin) / peak, 3),
         "unmargined_over_measured": round(need.total / peak, 3),
-        "model_predicted_over_measured": round(need.model / max(1, peak - base - need.runtime), 3),
+        # None where the model's measured part is under a MiB (page noise, not a ratio)
+        "model_predicted_over_measured": (
+            round(need.model / (peak - base - need.runtime), 3)
+            if peak - base - need.runtime >= MIB
+            else None
+        ),
     }
 
 
@@ -354,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         **_spread([r["unmargined_over_measured"] for r in rows], "unmargined_over_measured"),
         within_1_0_to_1_3=sum(1.0 <= r <= 1.3 for r in ratios),
         **_spread(
-            [r["model_predicted_over_measured"] for r in rows], "model_predicted_over_measured"
+            [
+                r["model_predicted_over_measured"]
+                for r in rows
+                if r["model_predicted_over_measured"]
+            ],
+            "model_predicted_over_measured",
         ),
         **_spread(bases, "base_mib"),
         default_base_mib=DEFAULT_STAGE_BASE_BYTES / MIB,
