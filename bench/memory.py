@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         help="one process per size (default: one per stage and mode, its peak reset "
         "between sizes, smallest first)",
     )
-    parser.add_argument("--timeout", type=int, default=1500, help="seconds before giving up")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds before giving up")
     args = parser.parse_args(argv)
     if args.worker is not None:
         print(json.dumps(_worker(json.loads(args.worker))))
