@@ -309,17 +309,20 @@ def test_peak_memory_follows_live_tensors() -> None:
         del a
         return b * 2  # 8000 live again, a freed
 
-    assert peak_bytes(step) == 8000
+    # the tensors' part alone (resident=False): exact, where pages would round it
+    assert peak_bytes(step, resident=False) == 8000
     weight = torch.randn(100, 100)
     # views of memory that existed before, and in-place results, allocate nothing
-    assert peak_bytes(lambda: weight.t()) == 0
-    assert peak_bytes(lambda: weight.add_(1.0)) == 0
-    assert peak_bytes(lambda: weight.t() @ weight[0]) == 100 * 4
+    assert peak_bytes(lambda: weight.t(), resident=False) == 0
+    assert peak_bytes(lambda: weight.add_(1.0), resident=False) == 0
+    assert peak_bytes(lambda: weight.t() @ weight[0], resident=False) == 100 * 4
     layer = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
     x = torch.randn(16, 64)
     with torch.inference_mode():
         # the hidden activation and its GELU are alive together: 2 x 16 x 512 floats
-        assert peak_bytes(lambda: layer(x)) == 2 * 16 * 512 * 4
+        assert peak_bytes(lambda: layer(x), resident=False) == 2 * 16 * 512 * 4
+        # the resident figure is never below the tensors' part
+        assert peak_bytes(lambda: layer(x)) >= 2 * 16 * 512 * 4
 
 
 def test_the_profile_measures_forward_memory_and_records_the_device() -> None:

@@ -9,8 +9,10 @@ believe that more work is cheaper.
 Activation memory (``memory_bytes``) is measured: the bytes of a unit's
 inputs (alive while it runs) plus the peak memory its forward allocates, its
 outputs included (:mod:`zpipe.peak_memory`: torch's allocator statistics on
-CUDA, every operator's output storages followed from creation to release on
-the CPU). It is never reported below the old estimate, inputs plus outputs.
+CUDA; on the CPU the larger of every operator's output storages followed from
+creation to release and, on Linux with glibc, the process's resident growth,
+which also sees the scratch memory kernels allocate inside themselves). It is
+never reported below the old estimate, inputs plus outputs.
 
 ``--device`` (``auto``, ``cpu``, ``cuda[:N]``, ``mps``) profiles on that
 device: units and inputs are moved there, and each timed run waits for the
