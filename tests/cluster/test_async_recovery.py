@@ -433,7 +433,8 @@ def _replica_owner(train: dict[str, Any]) -> SimpleNamespace:
     alive = [SimpleNamespace(name=n, routing_id=n.encode()) for n in "ab"]
     return SimpleNamespace(
         run=SimpleNamespace(run=7, epoch=1, training_plan=plan, replication="global",
-                            request=SimpleNamespace(train=train), rebalance=None),
+                            request=SimpleNamespace(train=train), rebalance=None,
+                            repartition_epoch=0, repartition_pending=None),
         state=SimpleNamespace(membership=SimpleNamespace(alive=lambda: alive),
                               timeouts=Timeouts()),
     )  # fmt: skip

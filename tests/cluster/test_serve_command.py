@@ -105,6 +105,8 @@ def test_serve_through_a_cluster_answers_and_closes_its_run_on_sigterm(
     the run (every stage logs its close) and exits 0."""
     checkpoint = tiny_lm(tmp_path / "tiny-lm")
     closed_before = {s: _closes(cluster, s) for s in STAGES}
+    errors_path = tmp_path / "serve.err"  # read when serve does not answer
+    errors = errors_path.open("w")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -123,7 +125,7 @@ def test_serve_through_a_cluster_answers_and_closes_its_run_on_sigterm(
             "warning",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=errors,
         text=True,
         env=_env(),
     )
@@ -131,9 +133,14 @@ def test_serve_through_a_cluster_answers_and_closes_its_run_on_sigterm(
         url = _read_url(proc, timeout=300)
         with openai.OpenAI(base_url=url, api_key="unused", timeout=120, max_retries=0) as client:
             messages = [{"role": "user", "content": "hello"}]
-            whole = client.chat.completions.create(
-                model="tiny-lm", messages=messages, max_tokens=12, temperature=0
-            )
+            try:
+                whole = client.chat.completions.create(
+                    model="tiny-lm", messages=messages, max_tokens=12, temperature=0
+                )
+            except openai.APIConnectionError as exc:  # say why serve is not there
+                raise AssertionError(
+                    f"serve (exit {proc.poll()}) did not answer: {errors_path.read_text()[-4000:]}"
+                ) from exc
             stream = client.chat.completions.create(
                 model="tiny-lm", messages=messages, max_tokens=12, temperature=0, stream=True
             )
@@ -146,6 +153,7 @@ def test_serve_through_a_cluster_answers_and_closes_its_run_on_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        errors.close()
     deadline = time.monotonic() + 60
     while any(_closes(cluster, s) == closed_before[s] for s in STAGES):
         assert time.monotonic() < deadline, "the stages did not close the run"
