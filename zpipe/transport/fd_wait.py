@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import TransportTimeout
-from zpipe.transport.message_bounds import MessageBounds, Refused, take_rest
+from zpipe.transport.message_bounds import MessageBounds, OverBounds, take_rest
 
 
 class ZpipeSocket(zmq.asyncio.Socket):
@@ -110,7 +110,7 @@ async def recv_when_readable(
     peer: str,
     awaited: str,
     bounds: MessageBounds,
-) -> list[zmq.Frame] | Refused:
+) -> list[zmq.Frame] | OverBounds:
     """Receive one multipart message on ``sock`` (receive-only, not watched by
     zmq.asyncio) by waiting on its descriptor, frame by frame within ``bounds``
     (:func:`zpipe.transport.message_bounds.take_rest`); TransportTimeout past

@@ -10,7 +10,7 @@ at a time (:func:`take_rest`); past the socket's :class:`MessageBounds` none
 is kept, and :func:`discard_rest` reads and drops the rest of that message,
 giving the event loop a turn every :data:`DRAIN_TURN_FRAMES` frames so that
 heartbeats and timers go on. The receive then reports a
-:class:`~zpipe._errors.MessageLimitError` (:meth:`Refused.error`) and goes on
+:class:`~zpipe._errors.MessageLimitError` (:meth:`OverBounds.error`) and goes on
 with the next message.
 
 What no application bounds: libzmq hands a multipart message to its reader
@@ -103,7 +103,7 @@ class MessageBounds:
 
 
 @dataclass
-class Refused:
+class OverBounds:
     """A message past its bound: its first frame (a ROUTER's routing id, else the
     header: who sent it), what was seen of it and whether frames of it remain."""
 
@@ -126,9 +126,9 @@ class Refused:
         )
 
 
-def take_rest(shadow: FrameSource, first: Any, bounds: MessageBounds) -> list[Any] | Refused:
+def take_rest(shadow: FrameSource, first: Any, bounds: MessageBounds) -> list[Any] | OverBounds:
     """The frames of the message whose ``first`` frame was just received, or a
-    :class:`Refused` once it passes ``bounds`` (the frames read are then dropped;
+    :class:`OverBounds` once it passes ``bounds`` (the frames read are then dropped;
     :func:`discard_rest` reads the others)."""
     frames = [first]
     nbytes = len(first)
@@ -140,13 +140,13 @@ def take_rest(shadow: FrameSource, first: Any, bounds: MessageBounds) -> list[An
         nbytes += len(frame)
         frames.append(frame)
         if len(frames) > bounds.max_frames or nbytes > bounds.max_bytes:
-            return Refused(first, len(frames), nbytes, frame.more, bounds)
+            return OverBounds(first, len(frames), nbytes, frame.more, bounds)
     if nbytes > bounds.max_bytes:  # a single frame over the byte bound
-        return Refused(first, len(frames), nbytes, False, bounds)
+        return OverBounds(first, len(frames), nbytes, False, bounds)
     return frames
 
 
-def discard_some(shadow: FrameSource, refused: Refused, limit: int = DRAIN_TURN_FRAMES) -> None:
+def discard_some(shadow: FrameSource, refused: OverBounds, limit: int = DRAIN_TURN_FRAMES) -> None:
     """Read and drop up to ``limit`` more frames of ``refused``'s message, counting them."""
     for _ in range(limit):
         if not refused.more:
@@ -157,7 +157,9 @@ def discard_some(shadow: FrameSource, refused: Refused, limit: int = DRAIN_TURN_
         refused.more = frame.more
 
 
-async def discard_rest(shadow: FrameSource, refused: Refused, *, between_turns: Any = None) -> None:
+async def discard_rest(
+    shadow: FrameSource, refused: OverBounds, *, between_turns: Any = None
+) -> None:
     """Read and drop the rest of ``refused``'s message, a turn of the event loop
     every :data:`DRAIN_TURN_FRAMES` frames. ``between_turns`` (if given) is called
     before each turn: a zmq.asyncio socket re-checks its events there, since these

@@ -61,7 +61,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-import structlog
 import zmq
 import zmq.asyncio
 
@@ -74,15 +73,8 @@ from zpipe.transport.codec import (
     encode,
 )
 from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable, send_when_writable
-from zpipe.transport.message_bounds import (
-    MessageBounds,
-    Refused,
-    discard_rest,
-    give_back_freed_memory,
-    take_rest,
-)
-
-log = structlog.get_logger("zpipe.transport")
+from zpipe.transport.message_bounds import MessageBounds, OverBounds, take_rest
+from zpipe.transport.over_bounds import discard_over_bounds, message_bounds_of
 
 
 @dataclass(frozen=True)
@@ -390,19 +382,19 @@ async def recv_frames(
     Only receive loops that are themselves cancelled on shutdown pass ``None``;
     a wait for a specific reply always has a deadline.
 
-    The message is taken frame by frame within the socket's
-    :class:`~zpipe.transport.message_bounds.MessageBounds` (:func:`message_bounds_of`):
-    one past them is read to its end and discarded, counted
-    (``refused_messages``), logged as ``dropped_message`` (rate-limited per peer)
-    with its :class:`~zpipe._errors.MessageLimitError`, and the wait goes on for the
-    next message under the same deadline, so every receive loop keeps serving.
+    The message is taken frame by frame within the socket's bounds
+    (:func:`~zpipe.transport.over_bounds.message_bounds_of`): one past them is read
+    to its end and discarded, counted (``refused_messages``), logged as
+    ``dropped_message`` (rate-limited per peer) with its
+    :class:`~zpipe._errors.MessageLimitError`, and the wait goes on for the next
+    message under the same deadline, so every receive loop keeps serving.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         got = await _recv_bounded(sock, deadline, timeout_s, peer, awaited)
-        if not isinstance(got, Refused):
+        if not isinstance(got, OverBounds):
             return got
-        await _discard_refused(sock, got, peer)
+        await discard_over_bounds(sock, got, peer, watched=_shadow(sock, _RECEIVE_ONLY) is None)
 
 
 async def _recv_bounded(
@@ -411,7 +403,7 @@ async def _recv_bounded(
     timeout_s: float | None,
     peer: str,
     awaited: str,
-) -> list[zmq.Frame] | Refused:
+) -> list[zmq.Frame] | OverBounds:
     bounds = message_bounds_of(sock)
     shadow = _shadow(sock, _RECEIVE_ONLY)
     if shadow is not None:
@@ -455,52 +447,6 @@ async def _recv_bounded(
         got = take_rest(cast("zmq.Socket[Any]", sock._shadow_sock), first, bounds)
         sock.get(zmq.EVENTS)
         return got
-
-
-async def _discard_refused(sock: zmq.asyncio.Socket, refused: Refused, peer: str) -> None:
-    """Read the rest of a message past its bounds, count it and log it (rate-limited)."""
-    shadow = cast("zmq.Socket[Any]", sock._shadow_sock)
-    watched = _shadow(sock, _RECEIVE_ONLY) is None
-
-    def look() -> None:
-        sock.get(zmq.EVENTS)  # see _recv_bounded: a pending send's edge
-
-    await discard_rest(shadow, refused, between_turns=look if watched else None)
-    if watched:
-        look()
-    if isinstance(sock, ZpipeSocket):
-        sock.refused_messages += 1
-    give_back_freed_memory(refused.frames)
-    error = refused.error()
-    log.warning(
-        "dropped_message",
-        peer=_sender_of(sock, refused.first, peer),
-        error=str(error),
-        frames=error.frames,
-        bytes=error.nbytes,
-    )
-
-
-def _sender_of(sock: zmq.asyncio.Socket, first: Any, peer: str) -> str:
-    """Who sent a refused message, for the log: a ROUTER's routing id, else the
-    connection's address (libzmq's metadata), else what the caller awaited from."""
-    if sock.type == zmq.ROUTER:
-        routing_id = bytes(first.bytes)[:64]
-        text = routing_id.decode("ascii", "replace")
-        return text if text.isprintable() and "\ufffd" not in text else routing_id.hex()
-    try:
-        return str(first.get("Peer-Address"))
-    except (zmq.ZMQError, AttributeError, KeyError, TypeError):
-        return peer
-
-
-def message_bounds_of(sock: zmq.asyncio.Socket) -> MessageBounds:
-    """The bounds ``sock``'s received messages are held to (set with its receive
-    limits by :func:`apply_receive_limits`; else a codec message's frames)."""
-    bounds = getattr(sock, "message_bounds", None)
-    if isinstance(bounds, MessageBounds):
-        return bounds
-    return MessageBounds.for_socket(int(sock.type))
 
 
 # The fast paths are only for sockets that move messages one way. The zmq socket's

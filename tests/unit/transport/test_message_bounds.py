@@ -19,7 +19,7 @@ from zpipe.transport.message_bounds import (
     DRAIN_TURN_FRAMES,
     TRIM_AFTER_FRAMES,
     MessageBounds,
-    Refused,
+    OverBounds,
     discard_rest,
     discard_some,
     give_back_freed_memory,
@@ -75,7 +75,7 @@ def test_frames_past_the_bound_are_not_kept_and_the_rest_is_discarded() -> None:
     queue.put([1] * 10_000)
     queue.put([5, 6])
     got = take_rest(queue, first_of(queue), MessageBounds(8, 1 << 20))
-    assert isinstance(got, Refused)
+    assert isinstance(got, OverBounds)
     # it stopped at the first frame past the bound: one more than the bound read
     assert (got.frames, got.more, queue.reads) == (9, True, 9)
     discard_some(queue, got, limit=100)
@@ -91,20 +91,20 @@ def test_a_message_past_the_byte_bound_is_refused_even_in_few_frames() -> None:
     queue = FakeQueue()
     queue.put([10, 600, 600, 600])
     got = take_rest(queue, first_of(queue), MessageBounds(100, 1000))
-    assert isinstance(got, Refused) and (got.frames, got.nbytes, got.more) == (3, 1210, True)
+    assert isinstance(got, OverBounds) and (got.frames, got.nbytes, got.more) == (3, 1210, True)
     error = got.error()
     assert isinstance(error, MessageLimitError) and isinstance(error, ProtocolError)
     assert "more than 1000 bytes" in str(error)
     single = FakeQueue()
     single.put([2000])
-    assert isinstance(take_rest(single, first_of(single), MessageBounds(100, 1000)), Refused)
+    assert isinstance(take_rest(single, first_of(single), MessageBounds(100, 1000)), OverBounds)
 
 
 def test_the_refusal_names_the_frame_bound() -> None:
     queue = FakeQueue()
     queue.put([1] * 50)
     got = take_rest(queue, first_of(queue), MessageBounds(4, 1 << 20))
-    assert isinstance(got, Refused)
+    assert isinstance(got, OverBounds)
     asyncio.run(discard_rest(queue, got))
     error = got.error()
     assert "more than 4 frames" in str(error) and "50 frames" in str(error)
@@ -121,7 +121,7 @@ def test_discarding_gives_the_loop_a_turn_every_few_thousand_frames() -> None:
 
     async def main() -> None:
         got = take_rest(queue, first_of(queue), MessageBounds(2, 1 << 20))
-        assert isinstance(got, Refused)
+        assert isinstance(got, OverBounds)
 
         async def heartbeat() -> None:
             while True:
