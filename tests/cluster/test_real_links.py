@@ -46,8 +46,15 @@ UPLINK_MBIT = 20.0
 STAGES = ("s0", "s1", "s2")
 # suspected after this long without a heartbeat (3 s by default)
 SUSPECT_S = DEFAULTS.suspect_after_intervals * DEFAULTS.heartbeat_interval_s
-# a stage silent this long is suspected but still inside its probe (4 s by default)
-STAGE_CUT_S = SUSPECT_S + DEFAULTS.heartbeat_interval_s
+# a stage silent this long is suspected but still inside its probe (3.5 s by default).
+# Half a heartbeat past the suspect time, not a whole one: the probe is sent once the
+# last heartbeat is SUSPECT_S old (up to a heartbeat before the cut) and answered only
+# after the link is back, so the probe's deadline leaves between half a heartbeat and
+# one and a half for the stage's queued heartbeats to cross once the link is up
+# (a whole heartbeat's cut left 0-1 s, and a CI run once declared the stage dead).
+STAGE_CUT_S = SUSPECT_S + DEFAULTS.heartbeat_interval_s / 2
+PROBE_S = DEFAULTS.probe_intervals * DEFAULTS.heartbeat_interval_s  # 2 s by default
+assert SUSPECT_S < STAGE_CUT_S < SUSPECT_S + PROBE_S - DEFAULTS.heartbeat_interval_s
 # past the whole detection bound, inside the stages' coordinator timeout (7 s of 10)
 COORDINATOR_CUT_S = DEFAULTS.detection_bound_s + DEFAULTS.heartbeat_interval_s
 assert COORDINATOR_CUT_S < DEFAULTS.coordinator_silence_s
