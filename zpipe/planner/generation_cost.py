@@ -310,7 +310,7 @@ def _check_plan_units(plan: Plan, units: Sequence[GenerationUnit]) -> None:
 
 
 @dataclass(frozen=True)
-class StageCosts:
+class RingStageTimes:
     """One stage's times (seconds) in the ring, on its device."""
 
     decode_s: float  # d: compute of one decode step
@@ -329,7 +329,7 @@ def stage_costs(
     cluster: ClusterSpec,
     workload: GenerationWorkload,
     speed: float,
-) -> StageCosts:
+) -> RingStageTimes:
     """The times of a stage running ``units[start:end]`` on ``device`` and sending to
     ``next_device`` (itself for a one-stage ring: nothing crosses a link)."""
     span = units[start:end]
@@ -340,7 +340,7 @@ def stage_costs(
         send_d = cluster.comm_time_s(device, next_device, workload.decode_batch * out)
         send_p = cluster.comm_time_s(device, next_device, workload.prefill_chunk * out)
         lat = cluster.latency_s(device, next_device)
-    return StageCosts(
+    return RingStageTimes(
         decode_s=math.fsum(u.decode_time_s for u in span) / speed,
         decode_send_s=send_d,
         prefill_s=math.fsum(u.prefill_time_s for u in span) / speed,
