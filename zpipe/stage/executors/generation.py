@@ -46,16 +46,14 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout, ZpipeError
-from zpipe.generation.refusals import STAGE_FAILED, refusal_kind
+from zpipe.generation.refusals import refusal_kind
 from zpipe.generation.sequences import (
     FreeCache,
     RunStep,
     SchedulerCommand,
-    SchedulerLimits,
     SequenceScheduler,
     StreamToken,
 )
-from zpipe.generation.stopping import eos_ids_from
 from zpipe.generation.wire import (
     check_setup,
     events_to_wire,
@@ -78,6 +76,14 @@ from zpipe.protocol.generation import (
     GenTokens,
 )
 from zpipe.stage.assignment import PushConnector
+from zpipe.stage.executors.generation_messages import (
+    CLIENT,
+    after_step,
+    failed_step,
+    first_stage_scheduler,
+    refusals_for,
+    sender_keys,
+)
 from zpipe.stage.executors.generation_steps import (
     GenerationStage,
     after_failed_step,
@@ -102,7 +108,6 @@ log = get_logger("zpipe.stage")
 # lossy run (DataPlane.stop) stops a generation run's tasks as it stops any other's.
 RECEIVE_TASK = "data-receive"
 RUN_TASK = "compute"
-CLIENT = "client"
 
 SendControl = Callable[[Message], Awaitable[None]]
 
@@ -141,6 +146,13 @@ class _Run:
     @property
     def last(self) -> bool:
         return self.setup.index == self.setup.num_stages - 1
+
+
+def _close_sockets(state: _Run, *, linger_s: float = 0.0) -> None:
+    for sock in (state.downstream, state.sink):
+        if sock is not None:
+            sock.close(linger=int(linger_s * 1000))
+    state.downstream = state.sink = None
 
 
 class GenerationExecutor:
@@ -199,19 +211,10 @@ class GenerationExecutor:
             self._allow_senders(setup)
             scheduler = None
             if setup.index == 0:
-                limits = SchedulerLimits(
-                    steps_in_flight=setup.steps_in_flight,
-                    max_sequences=setup.max_sequences,
-                    chunk_tokens=setup.chunk_tokens,
-                    kv_budget=setup.kv_budget_tokens,
-                    max_context=setup.max_context,
-                )
-                # the model's end-of-sequence ids: a sequence that asks stops at one
-                eos = eos_ids_from(setup.model.get("config", {}).get("eos_token_id"))
                 detokenizer = None
                 if setup.text:
                     detokenizer = await loop.run_in_executor(self._compute, load_detokenizer, setup)
-                scheduler = SequenceScheduler(limits, eos_ids=eos, detokenizer=detokenizer)
+                scheduler = first_stage_scheduler(setup, detokenizer)
         except Exception as exc:  # any failure to set up is reported: the stage keeps serving
             error = describe_error(exc)
             log.warning("generation_setup_refused", stage=self.name, run=setup.run, error=error)
@@ -232,18 +235,8 @@ class GenerationExecutor:
     def _allow_senders(self, setup: GenSetup) -> None:
         """Allow the keys of who sends to this stage, before any of them connects (a
         refused CURVE handshake is not retried)."""
-        if self._allow is None:
-            return
-        keys: dict[str, bytes] = {}
-        if setup.upstream:
-            if not setup.upstream_key:
-                raise ProtocolError(f"gen_setup: no key for upstream {setup.upstream!r}")
-            keys[setup.upstream] = setup.upstream_key.encode()
-        if setup.index == 0:
-            if not setup.client_key:
-                raise ProtocolError("gen_setup: no key for the client")
-            keys[CLIENT] = setup.client_key.encode()
-        self._allow.replace(keys)
+        if self._allow is not None:
+            self._allow.replace(sender_keys(setup))
 
     async def _raise_limits(self, largest: int) -> None:
         """Reopen the data port with room for this run's largest message, only where its
@@ -259,21 +252,14 @@ class GenerationExecutor:
         await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
         state, self.state = self.state, None
         if state is not None:
-            self._close_sockets(state)
+            _close_sockets(state)
             await asyncio.get_running_loop().run_in_executor(self._compute, state.work.free_all)
         self.stale = 0
-
-    @staticmethod
-    def _close_sockets(state: _Run, *, linger_s: float = 0.0) -> None:
-        for sock in (state.downstream, state.sink):
-            if sock is not None:
-                sock.close(linger=int(linger_s * 1000))
-        state.downstream = state.sink = None
 
     async def close(self) -> None:
         await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
         if self.state is not None:
-            self._close_sockets(self.state)
+            _close_sockets(self.state)
         self.state = None
 
     # ------------------------------------------------------------ receiving
@@ -449,7 +435,7 @@ class GenerationExecutor:
                     if self.state is st:  # what comes for the run now is stale
                         self.state = None
                         # the close (and the last events) still get to leave
-                        self._close_sockets(st, linger_s=self._send_timeout_s)
+                        _close_sockets(st, linger_s=self._send_timeout_s)
                     return
                 if isinstance(item, GenStepFailed):
                     await self._downstream(st, replace(item, src=self.name))
@@ -493,44 +479,15 @@ class GenerationExecutor:
         )
         st.steps += 1
         st.tokens += sum(int(row[2]) for row in step.rows)
-        setup = st.setup
-        if not st.last:
-            assert out.values is not None
-            nxt = GenStep(
-                run=setup.run,
-                step=step.step,
-                src=self.name,
-                rows=step.rows,
-                sampling=step.sampling,
-                tensors=(out.values,),
-                epoch=setup.epoch,
-            )
-            await self._downstream(st, nxt)
-        elif st.first:  # one stage: the ring is this process
+        if st.first and st.last:  # one stage: the ring is this process
             await self._carry_out(st, self._scheduler(st).step_done(step.step, list(out.tokens)))
         else:
-            tokens = GenTokens(
-                run=setup.run,
-                step=step.step,
-                src=self.name,
-                tokens=list(out.tokens),
-                epoch=setup.epoch,
-            )
-            await self._downstream(st, tokens)
+            await self._downstream(st, after_step(st.setup, step, out, self.name))
 
     async def _report_failed_step(self, st: _Run, step: GenStep, exc: Exception) -> None:
         """A step this stage could not compute: the first stage hears it round the ring
         (here, at once) and ends the step's sequences; the others go on."""
-        sequences = [row[0] for row in step.rows if isinstance(row, list) and row]
-        failed = GenStepFailed(
-            run=st.setup.run,
-            step=step.step,
-            src=self.name,
-            stage=self.name,
-            error=describe_error(exc),
-            sequences=sequences,
-            epoch=st.setup.epoch,
-        )
+        failed = failed_step(st.setup, step, self.name, describe_error(exc))
         if st.first:
             await self._step_failed(st, failed)
         else:
@@ -538,15 +495,7 @@ class GenerationExecutor:
 
     async def _step_failed(self, st: _Run, failed: GenStepFailed) -> None:
         sequences = tokens_from_wire(failed.sequences, "sequences")
-        for sequence in sequences:
-            refused = GenRefused(
-                run=st.setup.run,
-                sequence=sequence,
-                src=self.name,
-                error=f"step {failed.step} failed at stage {failed.stage}: {failed.error}",
-                kind=STAGE_FAILED,
-                epoch=st.setup.epoch,
-            )
+        for refused in refusals_for(st.setup, failed, sequences, self.name):
             await self._to_client(st, refused)
         await self._carry_out(st, after_failed_step(self._scheduler(st), sequences))
 
@@ -591,5 +540,5 @@ class GenerationExecutor:
         await self._supervisor.stop([RECEIVE_TASK, RUN_TASK])
         state, self.state = self.state, None
         if state is not None:
-            self._close_sockets(state)
+            _close_sockets(state)
             log.info("generation_released", stage=self.name, run=state.setup.run)
