@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zpipe.transport.bulk import Inbox
+from zpipe.config import Timeouts
+from zpipe.transport.bulk import Inbox, stall_after_s
 from zpipe.transport.codec import DEFAULT_MAX_MESSAGE_BYTES, Message
 
 # Transfers refused whose later chunks are not answered again, per connection.
@@ -25,13 +26,30 @@ class BulkLink:
     route: bytes | None = None
 
 
+@dataclass(frozen=True)
+class Expired:
+    """A transfer of stage ``name`` dropped for want of a chunk (``received``: its
+    bytes that had arrived, freed)."""
+
+    name: str
+    transfer: int
+    received: int
+
+
 @dataclass
 class BulkLinks:
-    """Every stage's bulk link, by name; ``cap_bytes``: the most one transfer may carry."""
+    """Every stage's bulk link, by name. ``cap_bytes``: the most one transfer may carry;
+    ``budget_bytes``: the most a stage's open transfers may announce together (None:
+    ``cap_bytes``); ``stall_s``: how long a transfer is kept without a chunk."""
 
     cap_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    budget_bytes: int | None = None
+    stall_s: float = stall_after_s(Timeouts().send_s)
     _links: dict[str, BulkLink] = field(default_factory=dict)
     _refused: dict[bytes, list[int]] = field(default_factory=dict)
+
+    def _inbox(self) -> Inbox:
+        return Inbox(cap_bytes=self.cap_bytes, budget_bytes=self.budget_bytes, stall_s=self.stall_s)
 
     def issue(self, name: str, token: str, control_route: bytes) -> str:
         """A stage (re)registered: the token it is to use. A registration sent again on
@@ -42,18 +60,26 @@ class BulkLinks:
         if link is not None and link.control_route == control_route:
             link.inbox.clear()
             return link.token
-        self._links[name] = BulkLink(name, token, control_route, Inbox(cap_bytes=self.cap_bytes))
+        self._links[name] = BulkLink(name, token, control_route, self._inbox())
         return token
 
     def drop_transfers(self, name: str) -> int:
         """Forget the transfers stage ``name`` has in progress (it died: nothing it
-        left half-sent will be finished); how many there were."""
+        left half-sent will be finished); the bytes of them that had arrived."""
         link = self._links.get(name)
         if link is None:
             return 0
-        dropped = link.inbox.open_transfers
+        dropped = link.inbox.received_bytes
         link.inbox.clear()
         return dropped
+
+    def expire(self, now: float) -> list[Expired]:
+        """Drop every transfer with no chunk for ``stall_s`` by ``now``."""
+        return [
+            Expired(link.name, transfer, received)
+            for link in self._links.values()
+            for transfer, received in link.inbox.expire(now)
+        ]
 
     def get(self, name: str) -> BulkLink | None:
         return self._links.get(name)

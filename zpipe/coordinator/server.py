@@ -49,6 +49,7 @@ from zpipe.coordinator.commands import (
     Command,
     Deliver,
     FailRequests,
+    GiveBackMemory,
     Log,
     Persist,
     ReachClient,
@@ -81,6 +82,8 @@ from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.protocol import REGISTRY
 from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
+from zpipe.transport.bulk import stall_after_s
+from zpipe.transport.message_bounds import trim_heap
 from zpipe.transport.ratelimit import PeerRateLimiter
 from zpipe.transport.roles import KeyRoles
 from zpipe.transport.sockets import (
@@ -140,6 +143,11 @@ class CoordinatorConfig:
     state_dir: Path | None = None
     # The largest frame a peer may send (see COORDINATOR_MAX_FRAME_BYTES).
     max_frame_bytes: int = COORDINATOR_MAX_FRAME_BYTES
+    # What one stage's open bulk transfers may announce together (None: the message
+    # limit, one whole message at a time), and how long one is kept without a chunk
+    # (None: two send deadlines, zpipe.transport.bulk.stall_after_s).
+    bulk_budget_bytes: int | None = None
+    bulk_stall_s: float | None = None
     # On exit, tell every stage to shut down. None: only without a state directory (with
     # one, the stages serve on for the coordinator that takes over).
     shutdown_stages_on_exit: bool | None = None
@@ -168,7 +176,13 @@ class Coordinator:
             public_keys=self._public_keys,
             saves_replicas=self._store is not None,
             memory_margin=config.memory_margin,
-            bulk=BulkLinks(cap_bytes=config.socket_options.max_message_bytes),
+            bulk=BulkLinks(
+                cap_bytes=config.socket_options.max_message_bytes,
+                budget_bytes=config.bulk_budget_bytes,
+                stall_s=(
+                    stall_after_s(t.send_s) if config.bulk_stall_s is None else config.bulk_stall_s
+                ),
+            ),
         )
         self.core = CoordinatorCore(self.state)
         self._context = new_context()
@@ -487,6 +501,8 @@ class Coordinator:
             self._sends.deliver(command.stage, command.message)
         elif isinstance(command, FailRequests):
             self._sends.fail_requests(command.stage, command.error)
+        elif isinstance(command, GiveBackMemory):
+            trim_heap()
         else:
             log.error("unknown_command", command=repr(command))
 
