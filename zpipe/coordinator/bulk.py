@@ -62,7 +62,9 @@ def retie_restored(state: ControlState, event: StageSpoke) -> list[Command]:
     member = state.membership.by_routing_id(event.routing_id)
     if member is None or member.name not in state.unconfirmed or state.bulk.get(member.name):
         return []
-    token = state.bulk.issue(member.name, state.new_token(), event.routing_id)
+    token = state.bulk.issue(
+        member.name, state.new_token(), event.routing_id, memory_mb=member.info.get("memory_mb")
+    )
     registered = Registered(
         name=member.name,
         heartbeat_interval=state.timeouts.heartbeat_interval_s,

@@ -5,6 +5,7 @@ See :mod:`zpipe.coordinator.bulk` for what the coordinator does with them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from zpipe.config import Timeouts
@@ -40,7 +41,8 @@ class Expired:
 class BulkLinks:
     """Every stage's bulk link, by name. ``cap_bytes``: the most one transfer may carry;
     ``budget_bytes``: the most a stage's open transfers may announce together (None:
-    ``cap_bytes``); ``stall_s``: how long a transfer is kept without a chunk."""
+    ``cap_bytes``; less for a stage that reports less usable memory); ``stall_s``: how
+    long a transfer is kept without a chunk."""
 
     cap_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     budget_bytes: int | None = None
@@ -48,10 +50,20 @@ class BulkLinks:
     _links: dict[str, BulkLink] = field(default_factory=dict)
     _refused: dict[bytes, list[int]] = field(default_factory=dict)
 
-    def _inbox(self) -> Inbox:
-        return Inbox(cap_bytes=self.cap_bytes, budget_bytes=self.budget_bytes, stall_s=self.stall_s)
+    def budget_for(self, memory_mb: object) -> int:
+        """What the open transfers of a stage that reports ``memory_mb`` of usable
+        memory may announce: ``budget_bytes``, and no more than twice what the stage
+        can hold (its state, and a copy of it in flight beside: an asynchronous copy
+        while its weights go)."""
+        budget = self.cap_bytes if self.budget_bytes is None else self.budget_bytes
+        if isinstance(memory_mb, int | float) and not isinstance(memory_mb, bool):
+            if math.isfinite(memory_mb) and memory_mb > 0:
+                budget = min(budget, int(2 * memory_mb * (1 << 20)))
+        return budget
 
-    def issue(self, name: str, token: str, control_route: bytes) -> str:
+    def issue(
+        self, name: str, token: str, control_route: bytes, *, memory_mb: object = None
+    ) -> str:
         """A stage (re)registered: the token it is to use. A registration sent again on
         the same connection (its first answer was slow) keeps the token it was given,
         so the answers a stage sees in any order all name one token; transfers in
@@ -60,7 +72,10 @@ class BulkLinks:
         if link is not None and link.control_route == control_route:
             link.inbox.clear()
             return link.token
-        self._links[name] = BulkLink(name, token, control_route, self._inbox())
+        inbox = Inbox(
+            cap_bytes=self.cap_bytes, budget_bytes=self.budget_for(memory_mb), stall_s=self.stall_s
+        )
+        self._links[name] = BulkLink(name, token, control_route, inbox)
         return token
 
     def drop_transfers(self, name: str) -> int:

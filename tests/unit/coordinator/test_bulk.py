@@ -19,6 +19,7 @@ from tests._support.coordinator_harness import Harness
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.config import Timeouts
 from zpipe.coordinator.bulk import GIVE_BACK_BYTES, freed
+from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.commands import AwaitReplies, GiveBackMemory, Send, StartTimer
 from zpipe.coordinator.core import CoordinatorCore
 from zpipe.coordinator.events import (
@@ -523,3 +524,25 @@ def test_a_live_stage_s_transfer_without_a_chunk_for_stall_s_is_dropped_at_a_tic
 def test_dropping_a_big_half_sent_transfer_hands_its_memory_back() -> None:
     assert freed(GIVE_BACK_BYTES) == [GiveBackMemory(GIVE_BACK_BYTES)]
     assert freed(GIVE_BACK_BYTES - 1) == []
+
+
+@pytest.mark.parametrize(
+    ("memory_mb", "budget"),
+    [(None, 1 << 30), (100, 200 << 20), (1e6, 1 << 30), (0, 1 << 30), (float("nan"), 1 << 30),
+     (True, 1 << 30), ("100", 1 << 30)],
+)  # fmt: skip
+def test_a_stage_s_budget_is_at_most_twice_the_memory_it_reports(
+    memory_mb: object, budget: int
+) -> None:
+    links = BulkLinks(cap_bytes=1 << 30)
+    links.issue("b", "tok", b"b", memory_mb=memory_mb)
+    link = links.get("b")
+    assert link is not None and link.inbox.budget_bytes == budget
+
+
+def test_a_stage_that_reports_little_memory_gets_a_budget_to_match_at_registration() -> None:
+    harness = Harness()
+    register = Register(name="b", data_endpoint="tcp://b:1", info={"memory_mb": 64})
+    harness.feed(RegisterAsked(b"b", None, register, bulk_token="tok-b"))
+    link = harness.state.bulk.get("b")
+    assert link is not None and link.inbox.budget_bytes == 128 << 20
