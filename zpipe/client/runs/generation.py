@@ -47,6 +47,7 @@ from zpipe._errors import (
     ConfigError,
     PipelineError,
     ProtocolError,
+    RunRefusedError,
     SequenceRefused,
     TransportTimeout,
     ZpipeError,
@@ -232,6 +233,10 @@ class GenerationRun:
             awaited="gen_run_ready",
         )
         if isinstance(answer, RunFailed):
+            if answer.in_flight is not None:  # another client's run: nothing was started
+                raise RunRefusedError(
+                    answer.in_flight, f"the generation run was not started: {answer.error}"
+                )
             raise PipelineError(f"the generation run failed to start: {answer.error}")
         assert isinstance(answer, GenRunReady)
         self.ready = answer
