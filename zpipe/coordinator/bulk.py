@@ -127,6 +127,8 @@ def bulk_chunk(
         if state.bulk.refuse_once(event.routing_id, header.transfer):
             refused = BulkRefused(transfer=header.transfer, reason=str(exc))
             out.append(Send(event.routing_id, refused, name, reply_s))
+        # a refused chunk's frame (up to 16 MiB, from libzmq's heap) is freed now
+        out += freed(sum(t.numel() * t.element_size() for t in message.tensors))
         return out, None
     # progress is liveness: the stage is heard from, and waits on it run on from now
     state.membership.heard_from(name, now)
@@ -147,9 +149,10 @@ def _stage_reply(frames: list[memoryview], name: str, cap_bytes: int) -> WireMes
     return message
 
 
-# Dropped transfers of this many bytes or more have their memory handed back at once
-# (a bytearray grown chunk by chunk sits in glibc's heap, which keeps freed pages).
-GIVE_BACK_BYTES = 16 << 20
+# Dropped transfers (or refused chunks) of this many bytes or more have their memory
+# handed back (a bytearray grown chunk by chunk, a frame libzmq received, sit in
+# glibc's heaps, which keep freed pages): the shell trims once for a burst of asks.
+GIVE_BACK_BYTES = 8 << 20
 
 
 def expire_stalled(state: ControlState, now: float) -> list[Command]:
