@@ -39,7 +39,7 @@ from zpipe.protocol.client_control import (
     RunReport,
     RunRequest,
 )
-from zpipe.protocol.generation import GenRunRequest
+from zpipe.protocol.generation import GenRunReady, GenRunRequest
 from zpipe.protocol.lossy import LossyRunRequest
 from zpipe.transport.codec import decode, encode
 from zpipe.transport.sockets import SocketOptions
@@ -233,3 +233,27 @@ async def test_a_lossy_start_refused_raises_run_refused_error_naming_the_run(
         assert caught.value.run == 6
     finally:
         await connection.close()
+
+
+async def test_a_generation_run_left_open_is_ended_when_the_connection_closes(
+    router: zmq.asyncio.Socket,
+) -> None:
+    """A caller that leaves a started generation run without close() (an error) would
+    hold the coordinator, which runs one run at a time, until its process ended."""
+    connection = _connection(router)
+    gen = GenerationRun(connection, ModelSpec.preset("llama-tiny"), GenerateOptions(stages=1))
+    starting = asyncio.ensure_future(gen.start())
+    identity, request = await _received(router)
+    assert isinstance(request, GenRunRequest)
+    ready = GenRunReady(
+        run=8, stages=["s0"], bounds=[[0, 4]], first_endpoint="tcp://127.0.0.1:9",
+        first_stage="s0",
+    )  # fmt: skip
+    await router.send_multipart([identity, *encode(ready.to_message())])
+    await asyncio.wait_for(starting, WAIT_S)
+    assert connection.open_run == 8
+    closing = asyncio.ensure_future(connection.close())  # no gen.close(): left open
+    identity, ended = await _received(router)
+    assert isinstance(ended, RunEnd) and ended.run == 8
+    await router.send_multipart([identity, *encode(RunReport(run=8, stages={}).to_message())])
+    await asyncio.wait_for(closing, WAIT_S)

@@ -240,6 +240,9 @@ class GenerationRun:
             raise PipelineError(f"the generation run failed to start: {answer.error}")
         assert isinstance(answer, GenRunReady)
         self.ready = answer
+        # ended at close(); a run the caller leaves without it is ended when the
+        # connection closes, so that it does not hold the coordinator (one run at a time)
+        self.connection.open_run = answer.run
         # only the first stage streams to this sink; allowed before it connects
         self.connection.allow_sink_senders([answer.first_key])
         self._push = self.connection.push_to(
@@ -477,6 +480,8 @@ class GenerationRun:
             )
         except ZpipeError as exc:
             log.warning("generation_end_not_acknowledged", run=self.run, error=str(exc))
+        if self.connection.open_run == self.run:
+            self.connection.open_run = None
 
 
 async def _wait_not_empty(queue: asyncio.Queue[Any]) -> None:
