@@ -12,8 +12,8 @@ import numpy as np
 
 from tests._support.coordinator_harness import CLIENT, Harness, typed
 from zpipe.client.runs.lossy import lossy_request
-from zpipe.coordinator.commands import ReachClient
-from zpipe.coordinator.events import ClientRequest
+from zpipe.coordinator.commands import AwaitStages, Command, ReachClient, RunJob
+from zpipe.coordinator.events import ClientRequest, JobDone
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.simulate import RunConfig, prepare_run
 from zpipe.models import ModelSpec
@@ -116,3 +116,43 @@ def test_the_same_client_s_lossy_start_is_not_refused() -> None:
     _from(h, CLIENT, _lossy_request())
     assert h.events("run_refused") == []
     assert all("in_flight" not in m.body for m in h.to_client("run_failed"))
+
+
+class HoldingHarness(Harness):
+    """Holds the stage waits (``AwaitStages``) while ``holding``: a start that waits
+    for its stages while another client's run is admitted meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = False
+        self.held: list[RunJob] = []
+
+    def _apply(self, commands: list[Command]) -> None:
+        rest: list[Command] = []
+        for command in commands:
+            waits = isinstance(command, RunJob) and isinstance(command.job, AwaitStages)
+            if self.holding and waits:
+                self.held.append(command)  # type: ignore[arg-type]
+            else:
+                rest.append(command)
+        super()._apply(rest)
+
+    def release(self) -> None:
+        for command in self.held:
+            self.feed(JobDone(command.tag, self._job(command.job)))
+        self.held = []
+
+
+def test_a_run_admitted_while_a_generation_start_waited_for_stages_refuses_it() -> None:
+    h = HoldingHarness()
+    for name in NAMES:
+        h.register(name)
+    h.holding = True
+    _from(h, OTHER, _gen_request(NAMES))  # nothing in flight: it waits for its stages
+    assert len(h.held) == 1
+    h.holding = False
+    run = h.start_stream(NAMES)  # meanwhile another client's stream is admitted
+    h.release()
+    (refused,) = _to(h, OTHER, "run_failed")
+    assert refused.body["in_flight"] == run
+    assert _setups(h, "gen_setup") == 0 and h.core.run is not None and h.core.run.run == run
