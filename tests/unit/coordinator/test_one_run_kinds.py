@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from tests._support.coordinator_harness import CLIENT, Harness, typed
+from tests._support.coordinator_harness import CLIENT, SPEC, Harness, typed
 from zpipe.client.runs.lossy import lossy_request
-from zpipe.coordinator.commands import AwaitStages, Command, ReachClient, RunJob
+from zpipe.coordinator.commands import AwaitStages, Command, PlanLossy, ReachClient, RunJob
 from zpipe.coordinator.events import ClientRequest, JobDone
 from zpipe.lossy.data import Dataset
+from zpipe.lossy.partition import partition
 from zpipe.lossy.simulate import RunConfig, prepare_run
 from zpipe.models import ModelSpec
 from zpipe.protocol import WireMessage
@@ -156,3 +157,56 @@ def test_a_run_admitted_while_a_generation_start_waited_for_stages_refuses_it() 
     (refused,) = _to(h, OTHER, "run_failed")
     assert refused.body["in_flight"] == run
     assert _setups(h, "gen_setup") == 0 and h.core.run is not None and h.core.run.run == run
+
+
+# ---------------------------------------------------------------- a lossy run in flight
+
+
+class LossyHarness(Harness):
+    """Plans a lossy run at once (the genetic search's stand-in: the allocation alone)."""
+
+    def _job(self, job: Any) -> Any:
+        if isinstance(job, PlanLossy):
+            return partition(job.allocation, job.layer_sizes, job.n_devices)
+        return super()._job(job)
+
+
+def _run_request(h: Harness, route: bytes, names: list[str]) -> None:
+    body = {
+        "model": SPEC.to_dict(), "dtype": "float32", "sink_endpoint": "tcp://other:9",
+        "wait_for_stages_s": 0.0, "stage_names": names, "planner": "even",
+        "request_id": f"req-{len(h.sent)}",
+    }  # fmt: skip
+    _from(h, route, typed("run_request", body))
+
+
+def test_a_lossy_run_set_up_is_in_flight_until_it_is_answered() -> None:
+    """A lossy run has no controller as the current run: another client's stream
+    took its stages at its set-up, silently."""
+    h = LossyHarness()
+    for name in ("a", "b"):
+        h.register(name)
+    _from(h, CLIENT, _lossy_request())
+    run = h.to("a", "lossy_setup")[0].body["run"]
+    flight = h.state.lossy_in_flight
+    assert flight is not None and (flight.run, flight.client) == (run, CLIENT)
+    _run_request(h, OTHER, ["a", "b"])
+    (refused,) = _to(h, OTHER, "run_failed")
+    assert refused.body["in_flight"] == run and h.to("a", "assign") == []
+    h.answer_all("lossy_ready", ["a", "b"], run=run, device=0, error="no room")
+    assert [m.body.get("in_flight") for m in h.to_client("run_failed")] == [None]
+    assert h.state.lossy_in_flight is None  # answered: over
+    _run_request(h, OTHER, ["a", "b"])
+    assert len(_to(h, OTHER, "run_failed")) == 1 and h.to("a", "assign")
+
+
+def test_a_gone_client_s_lossy_run_gives_way() -> None:
+    h = LossyHarness()
+    for name in ("a", "b"):
+        h.register(name)
+    _from(h, CLIENT, _lossy_request())
+    run = h.to("a", "lossy_setup")[0].body["run"]
+    h.gone.add(CLIENT)
+    _run_request(h, OTHER, ["a", "b"])
+    assert [e["run"] for e in h.events("run_abandoned")] == [run]
+    assert _to(h, OTHER, "run_failed") == [] and h.to("a", "assign")

@@ -67,7 +67,7 @@ from zpipe.coordinator.registration import printable
 from zpipe.coordinator.runs.base import stage_metrics
 from zpipe.coordinator.runs.lossy_probe import measure_links
 from zpipe.coordinator.runs.lossy_remap import ON_DEATH, RemapRun, results_remapping
-from zpipe.coordinator.state import CLIENT_NAME, ControlState
+from zpipe.coordinator.state import CLIENT_NAME, ControlState, LossyInFlight
 from zpipe.lossy.cnn import CnnSpec, part_shapes
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
@@ -123,7 +123,7 @@ def lossy_answer(state: ControlState, routing_id: bytes, request: LossyRunReques
     if refused is not None:
         return refused
     try:
-        report: LossyRunReport = yield from _run(state, routing_id, request)
+        report: LossyRunReport = yield from _ran(state, routing_id, request)
     except RunRefusedError as exc:  # another client's run started while this waited
         yield Log("warning", "run_refused", {"in_flight": exc.run, "client": printable(routing_id)})
         return RunFailed(error=str(exc), in_flight=exc.run)
@@ -134,6 +134,16 @@ def lossy_answer(state: ControlState, routing_id: bytes, request: LossyRunReques
         yield Record({"event": "run_failed", "kind": "lossy", "error": str(exc)})
         return RunFailed(error=str(exc))
     return report
+
+
+def _ran(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Flow:
+    """:func:`_run`, this client's lossy run no longer in flight however it ends."""
+    try:
+        return (yield from _run(state, routing_id, request))
+    finally:
+        flight = state.lossy_in_flight
+        if flight is not None and flight.client == routing_id:
+            state.lossy_in_flight = None
 
 
 def _run(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Flow:
@@ -209,6 +219,7 @@ def _run(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Fl
         raise ConfigError(f"test inputs {x_test.shape} do not fit {n_test} rows of {sizes[0]}")
     yield from _replace_current(state, routing_id)
     run, epoch = state.next_run(), state.next_epoch()
+    state.lossy_in_flight = LossyInFlight(run, routing_id)  # until it is answered
     # saved before any stage hears them: a restarted coordinator numbers its runs past
     # this one, so the stages tell this run's late partials from the next one's
     yield Persist()
