@@ -56,6 +56,18 @@ class MessageLimitError(ProtocolError):
         self.nbytes = nbytes
 
 
+class TransferBudgetError(ProtocolError):
+    """A bulk transfer refused at its first chunk: what it announces, with what its
+    sender already has half-sent here, is past the bytes one sender may hold in
+    open transfers. Nothing of it was kept; the receiver serves on."""
+
+    def __init__(self, detail: str, *, announced: int, held: int, budget: int) -> None:
+        super().__init__(detail)
+        self.announced = announced
+        self.held = held
+        self.budget = budget
+
+
 class SecurityError(ZpipeError):
     """Missing or malformed keys, or a peer that is not on the allow-list."""
 

@@ -1,8 +1,9 @@
 """One run at a time: the client's side of a refusal, and of a run it leaves.
 
 A coordinator refuses another client's ``run_request`` while a run is in flight
-(``run_failed`` naming it: tests/unit/coordinator/test_coordinator_admission.py);
-the client raises :class:`~zpipe.RunRefusedError` with that run. A run the client
+(``run_failed`` naming it: tests/unit/coordinator/test_coordinator_admission.py),
+and a ``gen_run_request`` or ``lossy_run_request`` too (test_one_run_kinds.py);
+the client raises :class:`~zpipe.RunRefusedError` with that run, for every kind. A run the client
 leaves without its ``run_end`` (an error, an interrupt) would hold the
 coordinator: the connection ends it as it closes. A ROUTER on loopback TCP
 stands in for the coordinator.
@@ -13,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
@@ -21,8 +24,13 @@ import zmq.asyncio
 from zpipe import PipelineError, RunRefusedError
 from zpipe.client import ClientConnection, PipelineClient
 from zpipe.client.control import ControlChannel
+from zpipe.client.runs.generation import GenerateOptions, GenerationRun
+from zpipe.client.runs.lossy import run_lossy
 from zpipe.client.session import RunSession
 from zpipe.config import Timeouts
+from zpipe.lossy.data import Dataset
+from zpipe.lossy.simulate import RunConfig, prepare_run
+from zpipe.models import ModelSpec
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.client_control import (
     RunEnd,
@@ -31,6 +39,8 @@ from zpipe.protocol.client_control import (
     RunReport,
     RunRequest,
 )
+from zpipe.protocol.generation import GenRunReady, GenRunRequest
+from zpipe.protocol.lossy import LossyRunRequest
 from zpipe.transport.codec import decode, encode
 from zpipe.transport.sockets import SocketOptions
 
@@ -176,3 +186,74 @@ async def test_end_run_ends_any_run_and_returns_its_counters(
         assert await asyncio.wait_for(ended, WAIT_S) == {"s0": {"microbatches": 3}}
     finally:
         await client.close()
+
+
+async def _refused_with(router: zmq.asyncio.Socket, awaited: type[WireMessage], run: int) -> None:
+    """Answer the next request (of class ``awaited``) with a refusal naming ``run``."""
+    identity, request = await _received(router)
+    assert isinstance(request, awaited)
+    refused = RunFailed(error=f"run {run} of another client is in flight", in_flight=run)
+    await router.send_multipart([identity, *encode(refused.to_message())])
+
+
+async def test_a_generation_start_refused_raises_run_refused_error_naming_the_run(
+    router: zmq.asyncio.Socket,
+) -> None:
+    connection = _connection(router)
+    try:
+        gen = GenerationRun(connection, ModelSpec.preset("llama-tiny"), GenerateOptions(stages=2))
+        starting = asyncio.ensure_future(gen.start())
+        await _refused_with(router, GenRunRequest, 4)
+        with pytest.raises(RunRefusedError, match="run 4 of another client") as caught:
+            await asyncio.wait_for(starting, WAIT_S)
+        assert caught.value.run == 4 and gen.ready is None
+    finally:
+        await connection.close()
+
+
+async def test_a_lossy_start_refused_raises_run_refused_error_naming_the_run(
+    router: zmq.asyncio.Socket,
+) -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 6)), rng.integers(0, 3, size=40)
+    data = Dataset("random", x, y, x[:4], y[:4])
+    cfg = RunConfig(
+        allocation="hybrid", n_devices=2, hidden=(4,), batch_size=4, n_data=3, mapping="identity"
+    )
+    connection = _connection(router)
+    # what run_lossy uses of a PipelineClient: its connection and timeouts
+    client = SimpleNamespace(connection=connection, timeouts=connection.timeouts)
+    try:
+        running = asyncio.ensure_future(
+            run_lossy(client, prepare_run(cfg, data), data, stages=2)  # type: ignore[arg-type]
+        )
+        await _refused_with(router, LossyRunRequest, 6)
+        with pytest.raises(RunRefusedError, match="run 6 of another client") as caught:
+            await asyncio.wait_for(running, WAIT_S)
+        assert caught.value.run == 6
+    finally:
+        await connection.close()
+
+
+async def test_a_generation_run_left_open_is_ended_when_the_connection_closes(
+    router: zmq.asyncio.Socket,
+) -> None:
+    """A caller that leaves a started generation run without close() (an error) would
+    hold the coordinator, which runs one run at a time, until its process ended."""
+    connection = _connection(router)
+    gen = GenerationRun(connection, ModelSpec.preset("llama-tiny"), GenerateOptions(stages=1))
+    starting = asyncio.ensure_future(gen.start())
+    identity, request = await _received(router)
+    assert isinstance(request, GenRunRequest)
+    ready = GenRunReady(
+        run=8, stages=["s0"], bounds=[[0, 4]], first_endpoint="tcp://127.0.0.1:9",
+        first_stage="s0",
+    )  # fmt: skip
+    await router.send_multipart([identity, *encode(ready.to_message())])
+    await asyncio.wait_for(starting, WAIT_S)
+    assert connection.open_run == 8
+    closing = asyncio.ensure_future(connection.close())  # no gen.close(): left open
+    identity, ended = await _received(router)
+    assert isinstance(ended, RunEnd) and ended.run == 8
+    await router.send_multipart([identity, *encode(RunReport(run=8, stages={}).to_message())])
+    await asyncio.wait_for(closing, WAIT_S)

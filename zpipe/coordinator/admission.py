@@ -11,7 +11,8 @@ coordinator answers it once:
 - a request it does not know of (lost with a killed process: a run being
   admitted is saved as no run) is admitted fresh, under a new run id.
 
-A coordinator holds one run at a time. A new request of the client whose run is
+A coordinator holds one run at a time (:mod:`zpipe.coordinator.one_run`, which
+every kind of run start asks). A new request of the client whose run is
 current replaces that run (a training run's resume or re-balance, a retry after
 a failure); another client's request is refused (``run_failed`` naming the run in
 flight) while that run goes on: it used to replace it silently, and the first
@@ -36,12 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from zpipe.coordinator.commands import Command, Log, ReachClient, Record, Send
+from zpipe.coordinator.commands import Command, Log, Send
 from zpipe.coordinator.flows import Flow
-from zpipe.coordinator.registration import printable
+from zpipe.coordinator.one_run import refusal
 from zpipe.coordinator.starting import run_request
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
-from zpipe.protocol.client_control import PRESENCE, Progress, RunFailed, RunRequest
+from zpipe.protocol.client_control import RunRequest
 
 REQUEST_KIND = RunRequest.KIND
 
@@ -59,10 +60,7 @@ def admit(
     key = (REQUEST_KIND, request_id or "", 0)
 
     def make() -> Flow:
-        busy = _blocking(state, routing_id)
-        if busy is None:
-            return run_request(state, routing_id, user_key, request)
-        return _unless_gone(state, routing_id, user_key, request, busy)  # refused, unless
+        return _admitted(state, routing_id, user_key, request)
 
     if request_id is not None and state.answers.pending(key):
         log = Log("info", "run_request_repeated", {"request": request_id, "stands": "admitting"})
@@ -81,55 +79,14 @@ def admit(
     return _answer(state, key, routing_id, make, now)
 
 
-def in_flight(state: ControlState) -> int | None:
-    """The current run's id while it goes on (see the module notes), else None."""
-    current = state.current
-    if current is None:
-        return None
-    run = current.run
-    if run.broken or run.abandoned or state.answers.pending(("run_end", run.run, 0)):
-        return None
-    return run.run
-
-
-def _blocking(state: ControlState, routing_id: bytes) -> int | None:
-    """The run in flight of another client than ``routing_id``'s, if one is."""
-    busy = in_flight(state)
-    if busy is None or state.current is None or state.current.run.client == routing_id:
-        return None
-    return busy
-
-
-def _unless_gone(
-    state: ControlState, routing_id: bytes, user_key: str | None, request: RunRequest, busy: int
+def _admitted(
+    state: ControlState, routing_id: bytes, user_key: str | None, request: RunRequest
 ) -> Flow:
-    """Refuse ``request`` while run ``busy`` goes on, unless its client is gone: then
-    that run ends (as ``run_end`` ends it) and ``request`` is admitted."""
-    current = state.current
-    run = current.run
-    probe = Progress(run=busy, awaited=PRESENCE)
-    reached = yield ReachClient(run.client, probe, state.timeouts.reply_s)
-    if not reached and state.current is current and in_flight(state) == busy:
-        run.abandoned = True  # not in flight: a copy of the request is not refused
-        fields = {"run": busy, "client": printable(run.client), "next": printable(routing_id)}
-        yield Log("warning", "run_abandoned", fields)
-        yield Record({"event": "run_abandoned", **fields})
-        yield from current.end(busy)
-    busy_now = _blocking(state, routing_id)
-    if busy_now is not None:
-        return (yield from _refused(state, routing_id, busy_now))
+    """``request``'s run, unless another client's run is in flight (then ``run_failed``)."""
+    refused = yield from refusal(state, routing_id)
+    if refused is not None:
+        return refused
     return (yield from run_request(state, routing_id, user_key, request))
-
-
-def _refused(state: ControlState, routing_id: bytes, busy: int) -> Flow:
-    """``run_failed`` for a request of another client while run ``busy`` is in flight."""
-    error = (
-        f"run {busy} of another client is in flight on this coordinator, which runs one "
-        "run at a time: ask again once it ended, or end it if its client is gone "
-        f"(python -m zpipe end-run --coordinator ENDPOINT {busy})"
-    )
-    yield Log("warning", "run_refused", {"in_flight": busy, "client": printable(routing_id)})
-    return RunFailed(error=error, in_flight=busy)
 
 
 def _send(state: ControlState, routing_id: bytes, answering: Flow) -> Flow:

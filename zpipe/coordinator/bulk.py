@@ -9,13 +9,19 @@ counts is progress: the stage is heard from (liveness) and the waits on its repl
 run on from now (:meth:`~zpipe.coordinator.flows.FlowRunner.progress`). A whole
 transfer is decoded and handled as the reply it carries, as if it had come on the
 stage's control connection.
+
+What a stage leaves half-sent is bounded (:class:`~zpipe.transport.bulk.Inbox`):
+its open transfers may announce no more than its budget together (a transfer past
+it is refused with ``bulk_refused``, and the stage sends that message on its
+control connection), and a transfer without a chunk for ``stall_s`` is dropped at
+the next tick (:func:`expire_stalled`), as all of a stage's are at its death.
 """
 
 from __future__ import annotations
 
 from zpipe._errors import ProtocolError
 from zpipe.coordinator.bulk_links import BulkLink
-from zpipe.coordinator.commands import Command, Log, Send
+from zpipe.coordinator.commands import Command, GiveBackMemory, Log, Send
 from zpipe.coordinator.events import BulkChunkArrived, BulkOpenAsked, StageSpoke
 from zpipe.coordinator.membership import MemberState
 from zpipe.coordinator.state import ControlState
@@ -56,7 +62,9 @@ def retie_restored(state: ControlState, event: StageSpoke) -> list[Command]:
     member = state.membership.by_routing_id(event.routing_id)
     if member is None or member.name not in state.unconfirmed or state.bulk.get(member.name):
         return []
-    token = state.bulk.issue(member.name, state.new_token(), event.routing_id)
+    token = state.bulk.issue(
+        member.name, state.new_token(), event.routing_id, memory_mb=member.info.get("memory_mb")
+    )
     registered = Registered(
         name=member.name,
         heartbeat_interval=state.timeouts.heartbeat_interval_s,
@@ -101,7 +109,7 @@ def bulk_chunk(
         link = _attributed(state, name, token, event.user_key)
         if len(message.tensors) != 1:
             raise ProtocolError(f"a bulk chunk carries one payload, not {len(message.tensors)}")
-        frames = link.inbox.add(header, payload_view(message.tensors[0]))
+        frames = link.inbox.add(header, payload_view(message.tensors[0]), now=now)
         whole = None if frames is None else _stage_reply(frames, name, state.bulk.cap_bytes)
     except ProtocolError as exc:
         out: list[Command] = [
@@ -119,6 +127,8 @@ def bulk_chunk(
         if state.bulk.refuse_once(event.routing_id, header.transfer):
             refused = BulkRefused(transfer=header.transfer, reason=str(exc))
             out.append(Send(event.routing_id, refused, name, reply_s))
+        # a refused chunk's frame (up to 16 MiB, from libzmq's heap) is freed now
+        out += freed(sum(t.numel() * t.element_size() for t in message.tensors))
         return out, None
     # progress is liveness: the stage is heard from, and waits on it run on from now
     state.membership.heard_from(name, now)
@@ -137,3 +147,36 @@ def _stage_reply(frames: list[memoryview], name: str, cap_bytes: int) -> WireMes
     if message.name != name:
         raise ProtocolError(f"{name!r} sent state in the name of {message.name!r}")
     return message
+
+
+# Dropped transfers (or refused chunks) of this many bytes or more have their memory
+# handed back (a bytearray grown chunk by chunk, a frame libzmq received, sit in
+# glibc's heaps, which keep freed pages): the shell trims once for a burst of asks.
+GIVE_BACK_BYTES = 8 << 20
+
+
+def expire_stalled(state: ControlState, now: float) -> list[Command]:
+    """Drop the stages' transfers that had no chunk for ``stall_s`` (issue 33, finding
+    5: a stage that opens transfers and goes silent held them until its death)."""
+    expired = state.bulk.expire(now)
+    if not expired:
+        return []
+    out: list[Command] = [
+        Log(
+            "warning",
+            "bulk_transfer_expired",
+            {
+                "stage": e.name,
+                "transfer": e.transfer,
+                "received": e.received,
+                "stall_s": state.bulk.stall_s,
+            },
+        )
+        for e in expired
+    ]
+    return [*out, *freed(sum(e.received for e in expired))]
+
+
+def freed(nbytes: int) -> list[Command]:
+    """Hand ``nbytes`` of dropped transfers back to the system, when worth a trim."""
+    return [GiveBackMemory(nbytes)] if nbytes >= GIVE_BACK_BYTES else []

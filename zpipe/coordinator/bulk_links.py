@@ -5,9 +5,11 @@ See :mod:`zpipe.coordinator.bulk` for what the coordinator does with them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from zpipe.transport.bulk import Inbox
+from zpipe.config import Timeouts
+from zpipe.transport.bulk import Inbox, stall_after_s
 from zpipe.transport.codec import DEFAULT_MAX_MESSAGE_BYTES, Message
 
 # Transfers refused whose later chunks are not answered again, per connection.
@@ -25,15 +27,43 @@ class BulkLink:
     route: bytes | None = None
 
 
+@dataclass(frozen=True)
+class Expired:
+    """A transfer of stage ``name`` dropped for want of a chunk (``received``: its
+    bytes that had arrived, freed)."""
+
+    name: str
+    transfer: int
+    received: int
+
+
 @dataclass
 class BulkLinks:
-    """Every stage's bulk link, by name; ``cap_bytes``: the most one transfer may carry."""
+    """Every stage's bulk link, by name. ``cap_bytes``: the most one transfer may carry;
+    ``budget_bytes``: the most a stage's open transfers may announce together (None:
+    ``cap_bytes``; less for a stage that reports less usable memory); ``stall_s``: how
+    long a transfer is kept without a chunk."""
 
     cap_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    budget_bytes: int | None = None
+    stall_s: float = stall_after_s(Timeouts().send_s)
     _links: dict[str, BulkLink] = field(default_factory=dict)
     _refused: dict[bytes, list[int]] = field(default_factory=dict)
 
-    def issue(self, name: str, token: str, control_route: bytes) -> str:
+    def budget_for(self, memory_mb: object) -> int:
+        """What the open transfers of a stage that reports ``memory_mb`` of usable
+        memory may announce: ``budget_bytes``, and no more than twice what the stage
+        can hold (its state, and a copy of it in flight beside: an asynchronous copy
+        while its weights go)."""
+        budget = self.cap_bytes if self.budget_bytes is None else self.budget_bytes
+        if isinstance(memory_mb, int | float) and not isinstance(memory_mb, bool):
+            if math.isfinite(memory_mb) and memory_mb > 0:
+                budget = min(budget, int(2 * memory_mb * (1 << 20)))
+        return budget
+
+    def issue(
+        self, name: str, token: str, control_route: bytes, *, memory_mb: object = None
+    ) -> str:
         """A stage (re)registered: the token it is to use. A registration sent again on
         the same connection (its first answer was slow) keeps the token it was given,
         so the answers a stage sees in any order all name one token; transfers in
@@ -42,18 +72,29 @@ class BulkLinks:
         if link is not None and link.control_route == control_route:
             link.inbox.clear()
             return link.token
-        self._links[name] = BulkLink(name, token, control_route, Inbox(cap_bytes=self.cap_bytes))
+        inbox = Inbox(
+            cap_bytes=self.cap_bytes, budget_bytes=self.budget_for(memory_mb), stall_s=self.stall_s
+        )
+        self._links[name] = BulkLink(name, token, control_route, inbox)
         return token
 
     def drop_transfers(self, name: str) -> int:
         """Forget the transfers stage ``name`` has in progress (it died: nothing it
-        left half-sent will be finished); how many there were."""
+        left half-sent will be finished); the bytes of them that had arrived."""
         link = self._links.get(name)
         if link is None:
             return 0
-        dropped = link.inbox.open_transfers
+        dropped = link.inbox.received_bytes
         link.inbox.clear()
         return dropped
+
+    def expire(self, now: float) -> list[Expired]:
+        """Drop every transfer with no chunk for ``stall_s`` by ``now``."""
+        return [
+            Expired(link.name, transfer, received)
+            for link in self._links.values()
+            for transfer, received in link.inbox.expire(now)
+        ]
 
     def get(self, name: str) -> BulkLink | None:
         return self._links.get(name)

@@ -4,7 +4,8 @@ A controller never touches a socket, a clock or a file. It returns these and
 the shell (:mod:`zpipe.coordinator.server`) carries them out:
 
 - :class:`Send`, :class:`Persist`, :class:`Log`, :class:`Record`,
-  :class:`StartTimer` and :class:`FailRequests` are done at once, in order;
+  :class:`StartTimer`, :class:`FailRequests` and :class:`GiveBackMemory` are done at
+  once, in order;
 - an :class:`Await` suspends the flow that yielded it (:mod:`zpipe.coordinator.flows`)
   until its result comes back as an event: :class:`AwaitReplies` is answered by the
   stages' replies themselves, a :class:`ShellJob` by the shell, which gathers or computes
@@ -85,6 +86,14 @@ class FailRequests:
 
     stage: str
     error: Exception
+
+
+@dataclass(frozen=True)
+class GiveBackMemory:
+    """Freed memory of this size or more (a dropped half-sent transfer): hand the C
+    heap's free pages back to the system (glibc keeps them resident otherwise)."""
+
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -269,4 +278,6 @@ class SaveReplica(ShellJob):
     replica: SavedReplica
 
 
-Command = Send | Persist | Log | Record | StartTimer | FailRequests | Deliver | RunJob
+Command = (
+    Send | Persist | Log | Record | StartTimer | FailRequests | GiveBackMemory | Deliver | RunJob
+)

@@ -21,7 +21,13 @@ from zpipe._errors import (
     StageLostError,
 )
 from zpipe.coordinator.admission import admit
-from zpipe.coordinator.bulk import bulk_chunk, bulk_open, retie_restored
+from zpipe.coordinator.bulk import (
+    bulk_chunk,
+    bulk_open,
+    expire_stalled,
+    freed,
+    retie_restored,
+)
 from zpipe.coordinator.commands import Command, Deliver, FailRequests, Log, Persist, Record, Send
 from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.events import (
@@ -261,6 +267,8 @@ class CoordinatorCore:
         if self.partition.suspecting:
             self.state.membership.hold(now)
             return out  # cut off, most likely: nobody is declared dead meanwhile
+        # (nor is a transfer given up: its chunks are held up by the same cut)
+        out += expire_stalled(self.state, now)
         out += self.registrations.expired(now)
         probes, deaths = self.state.membership.tick(now)
         interval = self.state.timeouts.heartbeat_interval_s
@@ -362,7 +370,7 @@ class CoordinatorCore:
         state.confirm(name)
         # what it left half-sent on its bulk connection goes now (issue 33 finding 5:
         # four transfers announced at 1 GiB kept 900 MB after the stage's death)
-        state.bulk.drop_transfers(name)
+        out += freed(state.bulk.drop_transfers(name))
         event: dict[str, Any] = {
             "event": "stage_dead",
             "stage": name,

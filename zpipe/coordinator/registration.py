@@ -113,7 +113,13 @@ class Registrations:
         return Registered(
             name=name,
             heartbeat_interval=state.timeouts.heartbeat_interval_s,
-            bulk_token=state.bulk.issue(name, token, event.routing_id) if token else None,
+            bulk_token=(
+                state.bulk.issue(
+                    name, token, event.routing_id, memory_mb=event.message.info.get("memory_mb")
+                )
+                if token
+                else None
+            ),
             clock=now,  # this coordinator stamps heartbeat acks
         )
 

@@ -49,6 +49,7 @@ from zpipe.coordinator.commands import (
     Command,
     Deliver,
     FailRequests,
+    GiveBackMemory,
     Log,
     Persist,
     ReachClient,
@@ -81,6 +82,8 @@ from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.protocol import REGISTRY
 from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
+from zpipe.transport.bulk import stall_after_s
+from zpipe.transport.message_bounds import trim_heap
 from zpipe.transport.ratelimit import PeerRateLimiter
 from zpipe.transport.roles import KeyRoles
 from zpipe.transport.sockets import (
@@ -120,6 +123,10 @@ RECEIVE_TURN_EVERY = 8
 # (CoordinatorConfig.max_frame_bytes) for a model with a larger single tensor.
 COORDINATOR_MAX_FRAME_BYTES = 256 << 20
 
+# Memory freed (dropped bulk transfers) is handed back this long after the first ask,
+# once for all the asks meanwhile.
+TRIM_SOON_S = 0.5
+
 # A save asked for ``soon`` waits this long for the others of its burst: each save
 # writes every member and waits for the disk twice, on the loop (300 stages
 # registering took 0.9-1.1 s with --state-dir, 0.22-0.24 s without).
@@ -140,6 +147,11 @@ class CoordinatorConfig:
     state_dir: Path | None = None
     # The largest frame a peer may send (see COORDINATOR_MAX_FRAME_BYTES).
     max_frame_bytes: int = COORDINATOR_MAX_FRAME_BYTES
+    # What one stage's open bulk transfers may announce together (None: the message
+    # limit, one whole message at a time), and how long one is kept without a chunk
+    # (None: two send deadlines, zpipe.transport.bulk.stall_after_s).
+    bulk_budget_bytes: int | None = None
+    bulk_stall_s: float | None = None
     # On exit, tell every stage to shut down. None: only without a state directory (with
     # one, the stages serve on for the coordinator that takes over).
     shutdown_stages_on_exit: bool | None = None
@@ -168,7 +180,13 @@ class Coordinator:
             public_keys=self._public_keys,
             saves_replicas=self._store is not None,
             memory_margin=config.memory_margin,
-            bulk=BulkLinks(cap_bytes=config.socket_options.max_message_bytes),
+            bulk=BulkLinks(
+                cap_bytes=config.socket_options.max_message_bytes,
+                budget_bytes=config.bulk_budget_bytes,
+                stall_s=(
+                    stall_after_s(t.send_s) if config.bulk_stall_s is None else config.bulk_stall_s
+                ),
+            ),
         )
         self.core = CoordinatorCore(self.state)
         self._context = new_context()
@@ -181,6 +199,7 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._persist_soon: asyncio.TimerHandle | None = None
+        self._trim_soon: asyncio.TimerHandle | None = None
         self._stopping = asyncio.Event()
         # Per-peer token buckets (by CURVE key, else by connection), as at a stage's
         # probe port: a flooding peer's excess is dropped before it is decoded.
@@ -271,6 +290,9 @@ class Coordinator:
                 timer.cancel()
             if self._persist_soon is not None:
                 self._persist()  # what a burst changed, saved before the stages hear why
+            if self._trim_soon is not None:
+                self._trim_soon.cancel()
+                self._trim_soon = None
             if self.config.shuts_down_stages:
                 await self._shutdown_stages("coordinator stopping")
             else:
@@ -323,6 +345,10 @@ class Coordinator:
         except (OSError, ZpipeError) as exc:
             # The run goes on; only a restart would lose it. Say so loudly.
             log.error("state_not_saved", state_dir=str(self._store.directory), error=str(exc))
+
+    def _trim(self) -> None:
+        self._trim_soon = None
+        trim_heap()
 
     def _persist_later(self) -> None:
         if self._store is None or self._persist_soon is not None:
@@ -487,6 +513,10 @@ class Coordinator:
             self._sends.deliver(command.stage, command.message)
         elif isinstance(command, FailRequests):
             self._sends.fail_requests(command.stage, command.error)
+        elif isinstance(command, GiveBackMemory) and self._trim_soon is None:
+            # once for a burst (the chunks of a refused transfer, say): a trim walks
+            # every arena, and a peer must not make this process do it per message
+            self._trim_soon = asyncio.get_running_loop().call_later(TRIM_SOON_S, self._trim)
         else:
             log.error("unknown_command", command=repr(command))
 

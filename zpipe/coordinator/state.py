@@ -58,6 +58,16 @@ class ProfileCache:
 
 
 @dataclass
+class LossyInFlight:
+    """A lossy run set up on its stages and not yet answered: its id, its client's route;
+    ``abandoned``: its client was found gone (it no longer holds others off)."""
+
+    run: int
+    client: bytes
+    abandoned: bool = False
+
+
+@dataclass
 class ControlState:
     """What the core and every run's controller share (the shell owns it). Not the
     state file's record: that is :class:`zpipe.protocol.storage.CoordinatorState`."""
@@ -89,6 +99,10 @@ class ControlState:
     # lossy runs waiting for their results, by run id (their stages' replicas go there:
     # zpipe.coordinator.runs.lossy_remap)
     lossy_runs: dict[int, Any] = field(default_factory=dict)
+    # the lossy run whose stages are set up and not yet answered, if any: a lossy run
+    # has no controller as current, and is in flight all the same (one run at a time:
+    # zpipe.coordinator.one_run)
+    lossy_in_flight: LossyInFlight | None = None
     # the copies asynchronous stages made without draining (kept across restarts)
     async_copies: HeldCopies = field(default_factory=HeldCopies)
     # every registered stage's bulk connection (zpipe.coordinator.bulk)

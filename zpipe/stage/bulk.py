@@ -15,6 +15,7 @@ restarted coordinator sends a new token when the stage first speaks to it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,9 +26,16 @@ from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.bulk import BulkChunk, BulkDone, BulkOpen, BulkOpened, BulkRefused
-from zpipe.transport.bulk import ChunkHeader, Inbox, OutgoingTransfer, payload_view
+from zpipe.transport.bulk import (
+    ChunkHeader,
+    Inbox,
+    OutgoingTransfer,
+    payload_view,
+    stall_after_s,
+)
 from zpipe.transport.codec import Message, decode, encode
 from zpipe.transport.emulation import UplinkConnection
+from zpipe.transport.message_bounds import trim_heap
 from zpipe.transport.sockets import send
 
 log = get_logger("zpipe.stage")
@@ -61,7 +69,9 @@ class StageBulk:
         self._uplink = uplink
         self._send_timeout_s = send_timeout_s
         self._max_message_bytes = max_message_bytes
-        self._inbox = Inbox(cap_bytes=max_message_bytes)
+        # what the coordinator left half-sent goes after two send deadlines without a
+        # chunk (looked at as each message arrives on this connection)
+        self._inbox = Inbox(cap_bytes=max_message_bytes, stall_s=stall_after_s(send_timeout_s))
         self._token: str | None = None
         self._next_transfer = 0
         # transfer -> (its message, the token it was sent with)
@@ -158,7 +168,10 @@ class StageBulk:
         if len(chunk.tensors) != 1:
             raise ProtocolError("a bulk chunk carries one payload of bytes")
         header = ChunkHeader.from_body(chunk.body())
-        frames = self._inbox.add(header, payload_view(chunk.tensors[0]))
+        now = time.monotonic()
+        if self._inbox.expire(now):
+            trim_heap()
+        frames = self._inbox.add(header, payload_view(chunk.tensors[0]), now=now)
         if frames is None:
             return Received()
         # the whole message, parsed once here like every other from the coordinator

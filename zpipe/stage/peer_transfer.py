@@ -74,32 +74,72 @@ def state_chunks(
 
 
 class ChunkedState:
-    """The chunked transfers in progress from peers, by (sender, owner)."""
+    """The chunked transfers in progress from peers, by (sender, owner).
 
-    def __init__(self, *, cap_bytes: int) -> None:
+    What one sender has half-sent here, under every owner, may announce at most
+    ``cap_bytes`` together (a transfer past it is refused: its sender hears so in
+    the chunk's answer); one without a chunk for ``stall_s`` is dropped at the next
+    chunk that arrives from anyone (:meth:`expire`)."""
+
+    def __init__(self, *, cap_bytes: int, stall_s: float | None = None) -> None:
         self.cap_bytes = cap_bytes
+        self.stall_s = stall_s
         self._inboxes: OrderedDict[tuple[object, str], Inbox] = OrderedDict()
 
     def add(
-        self, sender: object, chunk: StateChunk, *, max_message_bytes: int
+        self,
+        sender: object,
+        chunk: StateChunk,
+        *,
+        max_message_bytes: int,
+        now: float = 0.0,
     ) -> WireMessage | None:
-        """Take one ``state_chunk``; the decoded message once its transfer is whole.
-        ProtocolError for a chunk that does not fit (its transfer is dropped)."""
+        """Take one ``state_chunk`` (arrived at ``now``); the decoded message once its
+        transfer is whole. ProtocolError for a chunk that does not fit (its transfer
+        is dropped), :class:`TransferBudgetError` for one past the sender's budget."""
         if len(chunk.tensors) != 1:
             raise ProtocolError("a state chunk carries exactly one payload tensor")
+        self.expire(now)
         key = (sender, chunk.owner)
         inbox = self._inboxes.get(key)
         if inbox is None:
             while len(self._inboxes) >= MAX_OWNERS_IN_PROGRESS:
                 self._inboxes.popitem(last=False)
-            inbox = self._inboxes[key] = Inbox(cap_bytes=self.cap_bytes, max_open=1)
+            inbox = self._inboxes[key] = Inbox(
+                cap_bytes=self.cap_bytes, max_open=1, stall_s=self.stall_s
+            )
         self._inboxes.move_to_end(key)
-        frames = inbox.add(ChunkHeader.from_body(chunk.body()), payload_view(chunk.tensors[0]))
+        elsewhere = sum(
+            i.held_bytes for (s, o), i in self._inboxes.items() if s == sender and i is not inbox
+        )
+        header = ChunkHeader.from_body(chunk.body())
+        try:
+            frames = inbox.add(
+                header, payload_view(chunk.tensors[0]), now=now, held_elsewhere=elsewhere
+            )
+        except ProtocolError:
+            if not inbox.open_transfers:
+                del self._inboxes[key]
+            raise
         if frames is None:
             return None
         if not inbox.open_transfers:
             del self._inboxes[key]
         return REGISTRY.parse(codec.decode(frames, max_message_bytes=max_message_bytes))
+
+    def expire(self, now: float) -> int:
+        """Drop the transfers with no chunk for ``stall_s``; the bytes of them freed."""
+        freed = 0
+        for key, inbox in list(self._inboxes.items()):
+            freed += sum(received for _, received in inbox.expire(now))
+            if not inbox.open_transfers:
+                del self._inboxes[key]
+        return freed
+
+    @property
+    def held_bytes(self) -> int:
+        """What the open transfers announced, all together."""
+        return sum(i.held_bytes for i in self._inboxes.values())
 
     def drop(self, sender: object, owner: str) -> None:
         self._inboxes.pop((sender, owner), None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,7 +63,7 @@ from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
 from zpipe.training.async_fast_state import restart_state_at, unit_digests
 from zpipe.transport import codec, security
-from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
+from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES, stall_after_s
 from zpipe.transport.sockets import SocketOptions
 
 log = get_logger("zpipe.stage")
@@ -114,7 +115,11 @@ class SnapshotService:
         self._last_backup: tuple[tuple[object, ...], BackedUp] | None = None
         # state bigger than this crosses between stages in chunks of this size
         self.chunk_bytes = CHUNK_BYTES
-        self._chunked_backups = ChunkedState(cap_bytes=self.backup_budget_bytes)
+        # half-sent backups: within the budget per sender, dropped once stalled for two
+        # of the deadlines each chunk's sender waits on its answer
+        self._chunked_backups = ChunkedState(
+            cap_bytes=self.backup_budget_bytes, stall_s=stall_after_s(timeout_s)
+        )
         self._transfers = itertools.count()
 
     def _moved(self, nbytes: int) -> None:
@@ -401,7 +406,7 @@ class SnapshotService:
                 return refused(refusal)
         try:
             whole = self._chunked_backups.add(
-                sender, chunk, max_message_bytes=self.backup_budget_bytes
+                sender, chunk, max_message_bytes=self.backup_budget_bytes, now=time.monotonic()
             )
         except ProtocolError as exc:
             return refused(str(exc))

@@ -10,6 +10,12 @@ gives the frames back, which the codec then decodes and validates as it would
 any message. A chunk that does not fit raises :class:`ProtocolError` and ends
 its transfer: a later chunk of it is refused too, never half-used.
 
+What one sender holds half-sent at a receiver is bounded (:class:`Inbox`): the
+sizes its open transfers announced count against a budget from their first chunk,
+and a transfer without a chunk for a while is dropped (issue 33, finding 5: a fake
+stage left four transfers announced at 1 GiB part-sent and went silent; the
+coordinator held them all until the stage was declared dead).
+
 Progress is liveness: a peer that keeps delivering chunks is alive however long
 the whole takes, so a deadline that waits on a transfer runs from its latest
 progress (:func:`progress_deadline`), never from its start alone.
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zpipe._errors import ProtocolError
+from zpipe._errors import ProtocolError, TransferBudgetError
 from zpipe.protocol import Message
 from zpipe.protocol.bulk import BulkChunk
 
@@ -37,6 +43,16 @@ MAX_CHUNK_BYTES = 16 << 20
 MAX_FRAMES = 4097
 # Transfers one peer may have half-done at once (a checkpoint beside a replica, say).
 MAX_OPEN_TRANSFERS = 4
+# A transfer is given up this many send deadlines after its latest chunk: a sender
+# that still sends puts each chunk on the wire within one (its send's own deadline),
+# after waiting its turn on an uplink that another transfer's chunk may hold as long.
+STALL_SEND_DEADLINES = 2
+
+
+def stall_after_s(send_s: float) -> float:
+    """How long a receiver keeps a transfer without a chunk, for senders whose every
+    chunk's send gives up after ``send_s`` (the default of every ``stall_s``)."""
+    return STALL_SEND_DEADLINES * send_s
 
 
 def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -245,33 +261,94 @@ class Reassembly:
 
 
 class Inbox:
-    """The transfers one peer has in progress, by transfer id."""
+    """The transfers one peer has in progress, by transfer id, within two bounds:
 
-    def __init__(self, *, cap_bytes: int, max_open: int = MAX_OPEN_TRANSFERS) -> None:
+    - ``budget_bytes``: what the open transfers announced, all together (a sender's
+      budget; ``cap_bytes``, one message's most, unless given). Announced sizes count
+      from chunk 0, before their bytes come, so a sender that opens transfers and
+      leaves them half-sent holds at most this much here, however many it opens: a
+      transfer past it is refused (:class:`TransferBudgetError`).
+    - ``stall_s``: a transfer without a chunk for this long is dropped by
+      :meth:`expire` (its sender gave up on it, or is gone and not yet declared
+      dead), and its memory freed. None: kept until the sender's next transfers
+      push it out, or :meth:`clear`.
+
+    Times are given (``now``), never read: tests drive the clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        cap_bytes: int,
+        max_open: int = MAX_OPEN_TRANSFERS,
+        budget_bytes: int | None = None,
+        stall_s: float | None = None,
+    ) -> None:
+        if stall_s is not None and not stall_s > 0:
+            raise ValueError(f"stall_s must be > 0 seconds, got {stall_s}")
         self.cap_bytes = cap_bytes
         self.max_open = max_open
+        self.budget_bytes = cap_bytes if budget_bytes is None else budget_bytes
+        self.stall_s = stall_s
         self._open: dict[int, Reassembly] = {}
+        self._progress: dict[int, float] = {}  # transfer -> the time of its latest chunk
         self.abandoned = 0  # transfers dropped half-done to make room for newer ones
+        self.refused = 0  # transfers refused at chunk 0, past the budget
+        self.expired = 0  # transfers dropped for want of a chunk within stall_s
 
     @property
     def open_transfers(self) -> int:
         return len(self._open)
 
-    def add(self, header: ChunkHeader, payload: memoryview | bytes) -> list[memoryview] | None:
-        """Take one chunk; the frames of its transfer once whole, else None.
+    @property
+    def held_bytes(self) -> int:
+        """What the open transfers announced, all together (what the budget counts)."""
+        return sum(r.header.nbytes for r in self._open.values())
+
+    @property
+    def received_bytes(self) -> int:
+        """The bytes of open transfers that arrived (what this inbox holds now)."""
+        return sum(r.received_bytes for r in self._open.values())
+
+    def add(
+        self,
+        header: ChunkHeader,
+        payload: memoryview | bytes,
+        *,
+        now: float = 0.0,
+        held_elsewhere: int = 0,
+    ) -> list[memoryview] | None:
+        """Take one chunk (arrived at ``now``); the frames of its transfer once whole,
+        else None.
 
         A chunk 0 for a transfer id in progress starts it over (the sender gave up
         on it and tried again); one beyond ``max_open`` transfers in progress drops
-        the oldest. A bad chunk ends its transfer and raises.
+        the oldest; one whose announced size, with the open transfers' and
+        ``held_elsewhere`` (what the same sender holds in other inboxes), is past
+        ``budget_bytes`` is refused. A bad chunk ends its transfer and raises.
         """
         if header.seq == 0:
-            self._open.pop(header.transfer, None)
+            self._drop(header.transfer)
             started = Reassembly(header, cap_bytes=self.cap_bytes)
-            while len(self._open) >= self.max_open:
-                # the oldest was abandoned (its sender was cancelled mid-way): it goes,
-                # so that what a peer leaves half-sent never blocks what it sends next
+            # the oldest were abandoned (their sender was cancelled mid-way): they go,
+            # so that what a peer leaves half-sent never blocks what it sends next
+            making_room = list(self._open)[: max(0, len(self._open) - self.max_open + 1)]
+            held = held_elsewhere + sum(
+                r.header.nbytes for t, r in self._open.items() if t not in making_room
+            )
+            if held + header.nbytes > self.budget_bytes:
+                self.refused += 1
+                raise TransferBudgetError(
+                    f"transfer {header.transfer}: {header.nbytes} bytes announced with "
+                    f"{held} held in this sender's open transfers, past its budget of "
+                    f"{self.budget_bytes}",
+                    announced=header.nbytes,
+                    held=held,
+                    budget=self.budget_bytes,
+                )
+            for transfer in making_room:
                 self.abandoned += 1
-                del self._open[next(iter(self._open))]
+                self._drop(transfer)
             self._open[header.transfer] = started
         reassembly = self._open.get(header.transfer)
         if reassembly is None:
@@ -279,15 +356,34 @@ class Inbox:
         try:
             whole = reassembly.add(header, payload)
         except ProtocolError:
-            del self._open[header.transfer]
+            self._drop(header.transfer)
             raise
         if not whole:
+            self._progress[header.transfer] = now
             return None
-        del self._open[header.transfer]
+        self._drop(header.transfer)
         return reassembly.frames()
+
+    def expire(self, now: float) -> list[tuple[int, int]]:
+        """Drop the transfers with no chunk for ``stall_s`` by ``now``: each one's id
+        and the bytes of it that had arrived (now freed)."""
+        if self.stall_s is None:
+            return []
+        stale = [t for t, at in self._progress.items() if now - at >= self.stall_s]
+        out = []
+        for transfer in stale:
+            out.append((transfer, self._open[transfer].received_bytes))
+            self._drop(transfer)
+        self.expired += len(out)
+        return out
+
+    def _drop(self, transfer: int) -> None:
+        self._open.pop(transfer, None)
+        self._progress.pop(transfer, None)
 
     def clear(self) -> None:
         self._open.clear()
+        self._progress.clear()
 
 
 def progress_deadline(started: float, timeout_s: float, last_progress: float | None) -> float:

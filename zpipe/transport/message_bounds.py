@@ -69,6 +69,12 @@ def give_back_freed_memory(frames: int) -> bool:
     to the system (glibc's ``malloc_trim``; elsewhere nothing). Whether it ran."""
     if frames < TRIM_AFTER_FRAMES:
         return False
+    return trim_heap()
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``;
+    elsewhere nothing): after a big buffer was dropped. Whether it ran."""
     trim = _malloc_trim()
     if trim is None:
         return False

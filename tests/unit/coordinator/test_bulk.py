@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from tests._support.coordinator_harness import Harness
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.config import Timeouts
-from zpipe.coordinator.commands import AwaitReplies, Send, StartTimer
+from zpipe.coordinator.bulk import GIVE_BACK_BYTES, freed
+from zpipe.coordinator.bulk_links import BulkLinks
+from zpipe.coordinator.commands import AwaitReplies, GiveBackMemory, Send, StartTimer
 from zpipe.coordinator.core import CoordinatorCore
 from zpipe.coordinator.events import (
     BulkChunkArrived,
@@ -474,3 +476,73 @@ def test_a_dead_stage_s_half_sent_transfers_are_dropped() -> None:
     assert [e["stage"] for e in harness.events("stage_dead")] == ["b"]
     assert b.inbox.open_transfers == 0
     assert c.inbox.open_transfers == 1  # a live stage's transfer stays
+
+
+def test_a_stage_s_transfers_past_its_budget_are_refused_and_it_is_told_once() -> None:
+    harness = Harness(interval=1.0)
+    first = _chunk_events(WEIGHTS, "b", "tok-b")
+    # room for one such transfer and a half
+    harness.state.bulk.budget_bytes = first[0].message.nbytes * 3 // 2
+    _register(harness, "b", "tok-b")
+    second = [
+        BulkChunkArrived(e.routing_id, e.user_key, replace(e.message, transfer=2)) for e in first
+    ]
+    harness.feed(first[0])
+    out = harness.feed(second[0]) + harness.feed(second[1])
+    refused = [c.message for c in out if isinstance(c, Send)]
+    assert len(refused) == 1 and isinstance(refused[0], BulkRefused)
+    assert refused[0].transfer == 2 and "past its budget" in refused[0].reason
+    link = harness.state.bulk.get("b")
+    assert link is not None and link.inbox.held_bytes == first[0].message.nbytes
+    for event in first[1:]:  # the first goes on, and arrives whole
+        out = harness.feed(event)
+    assert [c.wire.kind for c in out if isinstance(c, Send)] == ["bulk_done"]
+
+
+def test_a_live_stage_s_transfer_without_a_chunk_for_stall_s_is_dropped_at_a_tick() -> None:
+    harness = Harness(interval=1.0)
+    harness.state.bulk.stall_s = 5.0
+    _register(harness, "b", "tok-b")
+    events = _chunk_events(WEIGHTS, "b", "tok-b")
+    harness.feed(events[0])
+    harness.advance(4.5, alive=("b",))
+    link = harness.state.bulk.get("b")
+    assert link is not None and link.inbox.open_transfers == 1
+    harness.advance(1.0, alive=("b",))  # still heartbeating, but the transfer stalled
+    assert link.inbox.open_transfers == 0
+    (expired,) = harness.events("bulk_transfer_expired")
+    assert expired["stage"] == "b" and expired["received"] == events[0].message.tensors[0].numel()
+    assert not harness.events("stage_dead")
+    out = harness.feed(events[1])  # its next chunk: refused, and the stage told
+    assert [c.wire.kind for c in out if isinstance(c, Send)] == ["bulk_refused"]
+    for event in _chunk_events(WEIGHTS, "b", "tok-b")[:-1]:  # sent again, whole
+        harness.feed(event)
+    out = harness.feed(events[-1])
+    assert [c.wire.kind for c in out if isinstance(c, Send)] == ["bulk_done"]
+
+
+def test_dropping_a_big_half_sent_transfer_hands_its_memory_back() -> None:
+    assert freed(GIVE_BACK_BYTES) == [GiveBackMemory(GIVE_BACK_BYTES)]
+    assert freed(GIVE_BACK_BYTES - 1) == []
+
+
+@pytest.mark.parametrize(
+    ("memory_mb", "budget"),
+    [(None, 1 << 30), (100, 200 << 20), (1e6, 1 << 30), (0, 1 << 30), (float("nan"), 1 << 30),
+     (True, 1 << 30), ("100", 1 << 30)],
+)  # fmt: skip
+def test_a_stage_s_budget_is_at_most_twice_the_memory_it_reports(
+    memory_mb: object, budget: int
+) -> None:
+    links = BulkLinks(cap_bytes=1 << 30)
+    links.issue("b", "tok", b"b", memory_mb=memory_mb)
+    link = links.get("b")
+    assert link is not None and link.inbox.budget_bytes == budget
+
+
+def test_a_stage_that_reports_little_memory_gets_a_budget_to_match_at_registration() -> None:
+    harness = Harness()
+    register = Register(name="b", data_endpoint="tcp://b:1", info={"memory_mb": 64})
+    harness.feed(RegisterAsked(b"b", None, register, bulk_token="tok-b"))
+    link = harness.state.bulk.get("b")
+    assert link is not None and link.inbox.budget_bytes == 128 << 20

@@ -47,6 +47,7 @@ from zpipe._errors import (
     ConfigError,
     PipelineError,
     ProtocolError,
+    RunRefusedError,
     SequenceRefused,
     TransportTimeout,
     ZpipeError,
@@ -232,9 +233,16 @@ class GenerationRun:
             awaited="gen_run_ready",
         )
         if isinstance(answer, RunFailed):
+            if answer.in_flight is not None:  # another client's run: nothing was started
+                raise RunRefusedError(
+                    answer.in_flight, f"the generation run was not started: {answer.error}"
+                )
             raise PipelineError(f"the generation run failed to start: {answer.error}")
         assert isinstance(answer, GenRunReady)
         self.ready = answer
+        # ended at close(); a run the caller leaves without it is ended when the
+        # connection closes, so that it does not hold the coordinator (one run at a time)
+        self.connection.open_run = answer.run
         # only the first stage streams to this sink; allowed before it connects
         self.connection.allow_sink_senders([answer.first_key])
         self._push = self.connection.push_to(
@@ -472,6 +480,8 @@ class GenerationRun:
             )
         except ZpipeError as exc:
             log.warning("generation_end_not_acknowledged", run=self.run, error=str(exc))
+        if self.connection.open_run == self.run:
+            self.connection.open_run = None
 
 
 async def _wait_not_empty(queue: asyncio.Queue[Any]) -> None:

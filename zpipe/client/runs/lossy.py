@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from zpipe._errors import ConfigError, PipelineError, ProtocolError
+from zpipe._errors import ConfigError, PipelineError, ProtocolError, RunRefusedError
 from zpipe.client.pipeline_client import PipelineClient
 from zpipe.lossy.cnn import CnnSpec
 from zpipe.lossy.data import Dataset
@@ -381,6 +381,10 @@ async def run_lossy(
         resend_on_reconnect=True,
     )
     if isinstance(answer, RunFailed):
+        if answer.in_flight is not None:  # another client's run: nothing was started
+            raise RunRefusedError(
+                answer.in_flight, f"the lossy run was not started: {answer.error}"
+            )
         raise PipelineError(f"the lossy run failed: {answer.error}")
     assert isinstance(answer, LossyRunReport)
     test = test_spec(

@@ -11,7 +11,9 @@ stage, steps go stage to stage, the last stage's tokens go back to the first (th
 ring), and the first stage streams each sequence's events to the client's sink.
 The client ends the run on the data path (``gen_close``, passed down the stages)
 and tells the coordinator (``run_end``); a later run's set-up replaces it on each
-stage too.
+stage too. Another client's run in flight is not replaced: the request is refused
+with ``run_failed`` naming it (:mod:`zpipe.coordinator.one_run`); the client whose
+run is current may replace its own.
 
 Decisions made here, pure and tested alone: :func:`generation_bounds` (which units
 each stage holds), :func:`kv_budget_tokens` (the tokens every stage's cache holds
@@ -29,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from zpipe._errors import ConfigError, PipelineError, ZpipeError
+from zpipe._errors import ConfigError, PipelineError, RunRefusedError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, AwaitStages, Command, Log, Persist, Send
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.generation_plan import (
@@ -39,6 +41,8 @@ from zpipe.coordinator.generation_plan import (
     planned_bounds,
 )
 from zpipe.coordinator.membership import Member
+from zpipe.coordinator.one_run import blocking, refusal, refused_text
+from zpipe.coordinator.registration import printable
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
 from zpipe.generation.wire import DTYPE_BYTES, check_dtype
 from zpipe.models import ModelSpec
@@ -72,8 +76,17 @@ def generation_run(
     on_ready: Callable[[GenRunReady], None] | None = None,
 ) -> Flow:
     reply_s = state.timeouts.reply_s
+    # another client's run in flight is not replaced: this request is refused
+    refused = yield from refusal(state, routing_id)
+    if refused is not None:
+        yield Send(routing_id, refused, CLIENT_NAME, reply_s)
+        return
     try:
-        ready = yield from _set_up(state, client_key, request)
+        ready = yield from _set_up(state, routing_id, client_key, request)
+    except RunRefusedError as exc:  # another client's run started while this waited
+        yield Log("warning", "run_refused", {"in_flight": exc.run, "client": printable(routing_id)})
+        yield Send(routing_id, RunFailed(error=str(exc), in_flight=exc.run), CLIENT_NAME, reply_s)
+        return
     except Exception as exc:  # whatever it was, the client hears that its run failed
         if not isinstance(exc, (ZpipeError, ValueError)):
             yield Log("error", "generation_start_crashed", {"error": repr(exc)})
@@ -265,7 +278,9 @@ def capacity_bounds(
     return planned_bounds(units, members, workload, margin)
 
 
-def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest) -> Flow:
+def _set_up(
+    state: ControlState, routing_id: bytes, client_key: str | None, request: GenRunRequest
+) -> Flow:
     spec = ModelSpec.from_dict(request.model)
     if spec.family != FAMILY:
         raise ConfigError(f"a generation run needs a {FAMILY!r} model, got {spec.family!r}")
@@ -284,8 +299,11 @@ def _set_up(state: ControlState, client_key: str | None, request: GenRunRequest)
     members: list[Member] = yield AwaitStages(names, count, float(request.wait_for_stages_s))
     bounds = capacity_bounds(config, members, limits, request.partition, state.memory_margin)
     budget = kv_budget_tokens(config, bounds, limits.kv_budget_bytes, limits.dtype)
+    busy = blocking(state, routing_id)
+    if busy is not None:  # admitted while this one waited for its stages
+        raise RunRefusedError(busy, refused_text(busy))
     if state.current is not None:
-        # its stages take the generation run instead: the run they ran is over
+        # this client's own run: its stages take the generation run instead
         yield Log("warning", "run_replaced", {"previous": state.current.run.run})
         state.current = None
     run, epoch = state.next_run(), state.next_epoch()

@@ -21,6 +21,10 @@ At the end, as every run kind does (:func:`zpipe.coordinator.runs.base.stage_met
 the report carries every live stage's counters (``metrics``) and the coordinator
 records ``run_done`` (or ``run_failed``) in its event list.
 
+Another client's run in flight is not replaced: the request is refused with
+``run_failed`` naming it (:mod:`zpipe.coordinator.one_run`); the client whose run
+is current may replace its own.
+
 A coordinator restart: the run's progress lives in this flow and in the stages, not
 on disk, but the client's request fixes the whole run (its seed decides every
 drop). The client sends it again when its connection is made again; a coordinator
@@ -38,7 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from zpipe._errors import ConfigError, PipelineError, ProtocolError, TransportTimeout, ZpipeError
+from zpipe._errors import (
+    ConfigError,
+    PipelineError,
+    ProtocolError,
+    RunRefusedError,
+    TransportTimeout,
+    ZpipeError,
+)
 from zpipe.coordinator.commands import (
     AwaitReplies,
     AwaitStages,
@@ -51,10 +62,12 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member, MemberState
+from zpipe.coordinator.one_run import blocking, refusal, refused_text
+from zpipe.coordinator.registration import printable
 from zpipe.coordinator.runs.base import stage_metrics
 from zpipe.coordinator.runs.lossy_probe import measure_links
 from zpipe.coordinator.runs.lossy_remap import ON_DEATH, RemapRun, results_remapping
-from zpipe.coordinator.state import CLIENT_NAME, ControlState
+from zpipe.coordinator.state import CLIENT_NAME, ControlState, LossyInFlight
 from zpipe.lossy.cnn import CnnSpec, part_shapes
 from zpipe.lossy.engine import shard_params
 from zpipe.lossy.partial import FloatArray
@@ -90,7 +103,7 @@ def start_lossy_run(
         state.flows,
         ("lossy_run_request", request.request_id, 0),
         routing_id,
-        lambda: lossy_answer(state, request),
+        lambda: lossy_answer(state, routing_id, request),
         peer=CLIENT_NAME,
         timeout_s=state.timeouts.reply_s,
         now=now,
@@ -99,14 +112,21 @@ def start_lossy_run(
 
 def lossy_run_request(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Flow:
     """The run, its answer sent to ``routing_id``."""
-    answer = yield from lossy_answer(state, request)
+    answer = yield from lossy_answer(state, routing_id, request)
     yield Send(routing_id, answer, CLIENT_NAME, state.timeouts.reply_s)
 
 
-def lossy_answer(state: ControlState, request: LossyRunRequest) -> Flow:
-    """The run; returns its ``lossy_run_report``, or ``run_failed``."""
+def lossy_answer(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Flow:
+    """The run; returns its ``lossy_run_report``, or ``run_failed`` (``in_flight``: it
+    did not start, another client's run being in flight)."""
+    refused = yield from refusal(state, routing_id)
+    if refused is not None:
+        return refused
     try:
-        report: LossyRunReport = yield from _run(state, request)
+        report: LossyRunReport = yield from _ran(state, routing_id, request)
+    except RunRefusedError as exc:  # another client's run started while this waited
+        yield Log("warning", "run_refused", {"in_flight": exc.run, "client": printable(routing_id)})
+        return RunFailed(error=str(exc), in_flight=exc.run)
     except Exception as exc:  # whatever it was, the client hears that its run failed
         if not isinstance(exc, (ZpipeError, ValueError)):
             yield Log("error", "lossy_run_crashed", {"error": repr(exc)})
@@ -116,7 +136,17 @@ def lossy_answer(state: ControlState, request: LossyRunRequest) -> Flow:
     return report
 
 
-def _run(state: ControlState, request: LossyRunRequest) -> Flow:
+def _ran(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Flow:
+    """:func:`_run`, this client's lossy run no longer in flight however it ends."""
+    try:
+        return (yield from _run(state, routing_id, request))
+    finally:
+        flight = state.lossy_in_flight
+        if flight is not None and flight.client == routing_id:
+            state.lossy_in_flight = None
+
+
+def _run(state: ControlState, routing_id: bytes, request: LossyRunRequest) -> Flow:
     sizes = [_positive_int(n, "layer size") for n in request.layer_sizes]
     if len(sizes) < 2:
         raise ConfigError(f"a lossy run needs at least 2 layers, got {sizes}")
@@ -152,7 +182,8 @@ def _run(state: ControlState, request: LossyRunRequest) -> Flow:
         if prr_measured.shape != (n, n):
             raise ConfigError(f"prr_measured is {prr_measured.shape}, the run has {n} stages")
     else:
-        yield from _replace_current(state)  # the measurement takes the stages' data sockets
+        # the measurement takes the stages' data sockets
+        yield from _replace_current(state, routing_id)
         probe_run, probe_epoch = state.next_run(), state.next_epoch()
         yield Persist()  # as the run's own ids below
         prr_measured = measured = yield from measure_links(
@@ -186,8 +217,9 @@ def _run(state: ControlState, request: LossyRunRequest) -> Flow:
     n_test = None if spec.test is None else spec.test.n_test
     if x_test is not None and x_test.shape != (n_test, sizes[0]):
         raise ConfigError(f"test inputs {x_test.shape} do not fit {n_test} rows of {sizes[0]}")
-    yield from _replace_current(state)
+    yield from _replace_current(state, routing_id)
     run, epoch = state.next_run(), state.next_epoch()
+    state.lossy_in_flight = LossyInFlight(run, routing_id)  # until it is answered
     # saved before any stage hears them: a restarted coordinator numbers its runs past
     # this one, so the stages tell this run's late partials from the next one's
     yield Persist()
@@ -327,9 +359,12 @@ def _results_null_filling(
     return results
 
 
-def _replace_current(state: ControlState) -> Flow:
+def _replace_current(state: ControlState, routing_id: bytes) -> Flow:
+    busy = blocking(state, routing_id)
+    if busy is not None:  # admitted while this one waited for its stages
+        raise RunRefusedError(busy, refused_text(busy))
     if state.current is not None:
-        # its stages take the lossy run instead: the run they ran is over
+        # this client's own run: its stages take the lossy run instead
         yield Log("warning", "run_replaced", {"previous": state.current.run.run})
         state.current = None
         yield Persist()
