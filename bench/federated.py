@@ -99,6 +99,14 @@ alternating over ``--pipeline-resched-repeats`` (2). Summary key
 ``resched_over_static_throughput_after_slowdown``, each arm's samples/s before and
 after and after over before, the tasks the home re-planned after, and the set-up as
 ``resched_*``. About ten minutes on 2 cores; ``--quick`` runs one repeat of 6 tasks.
+
+Partition section (Eco-FL Fig. 12 in small; on by default; ``--skip-pipeline-partition``
+leaves it out; :mod:`bench._federated_partition`): a TX2 and a Nano train the
+pipeline-client MLP on Eco-FL's plan and on the same plan with PipeDream's even cut
+(the work halved as if the devices were alike). Summary keys
+``ecofl_over_even_partition_throughput`` (and its prediction), each system's
+samples/s and each stage's utilisation (compute over training time), the cuts.
+About a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -121,6 +129,9 @@ from bench._common import emit, loadavg, summary
 from bench._federated_memory import add_flags as add_pipeline_memory_flags
 from bench._federated_memory import check_flags as check_pipeline_memory_flags
 from bench._federated_memory import pipeline_memory_section
+from bench._federated_partition import add_flags as add_pipeline_partition_flags
+from bench._federated_partition import check_flags as check_pipeline_partition_flags
+from bench._federated_partition import pipeline_partition_section
 from bench._federated_pipeline import add_flags as add_pipeline_client_flags
 from bench._federated_pipeline import check_flags as check_pipeline_client_flags
 from bench._federated_pipeline import pipeline_client_section
@@ -249,10 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_pipeline_client_flags(p)
     add_pipeline_memory_flags(p)
     add_pipeline_resched_flags(p)
+    add_pipeline_partition_flags(p)
     args = p.parse_args(argv)
     check_pipeline_client_flags(p, args)
     check_pipeline_memory_flags(p, args)
     check_pipeline_resched_flags(p, args)
+    check_pipeline_partition_flags(p, args)
     if args.flower_clients < 1 or args.flower_budget_s <= 0:
         p.error("--flower-clients must be at least 1 and --flower-budget-s > 0")
     network: dict[str, Any] = {}
@@ -308,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     piped = {} if args.skip_pipeline_client else pipeline_client_section(args)
     memory = {} if args.skip_pipeline_memory else pipeline_memory_section(args)
     resched = {} if args.skip_pipeline_resched else pipeline_resched_section(args)
+    partition = {} if args.skip_pipeline_partition else pipeline_partition_section(args)
 
     main = held if held is not None else tuning
     assert main is not None
@@ -349,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **piped,
         **memory,
         **resched,
+        **partition,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
         note=(

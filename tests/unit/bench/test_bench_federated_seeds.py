@@ -96,6 +96,11 @@ def _summary(
         "pipeline_resched_section",
         lambda args: {"resched_over_static_throughput_after_slowdown": 1.3},
     )
+    monkeypatch.setattr(
+        fed,
+        "pipeline_partition_section",
+        lambda args: {"ecofl_over_even_partition_throughput": 1.6},
+    )
     assert fed.main(["--lambdas=", *argv]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     return next(line for line in lines if line.get("summary"))
