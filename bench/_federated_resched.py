@@ -34,7 +34,9 @@ order alternating), so the task that detects the slowdown (slow, in both arms)
 counts. ``*_after_over_before`` compares an arm with itself (Fig. 13: how close
 it comes back), which the host's load drifting between arms does not bias.
 
-Run: ``python -m bench._federated_resched`` (one JSON line per task, then a summary).
+Run: ``python -m bench._federated_resched`` (one JSON line per task, then a summary),
+or as a section of ``bench/federated.py`` (:func:`pipeline_resched_section`, flags
+``--pipeline-resched-*``, ``--skip-pipeline-resched``).
 """
 
 from __future__ import annotations
@@ -281,6 +283,78 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# bench/federated.py's section: the flags its summary takes, prefixed, and --quick's
+# smaller run (one repeat of fewer tasks: a smoke run, not a figure)
+SECTION_DEFAULTS: dict[str, Any] = {
+    "tasks": 10, "repeats": 2, "steps": 12, "slow_at_s": 15.0, "factor": 4.0,
+}  # fmt: skip
+QUICK = {"tasks": 6, "repeats": 1}
+# the standalone run's keys that would be ambiguous in bench/federated.py's summary
+_SECTION_RENAMED = (
+    "home", "dims", "batch", "slowed", "factor", "slow_at_s", "threshold",
+    "slowdown_scale", "tasks", "steps", "repeats",
+)  # fmt: skip
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--skip-pipeline-resched",
+        action="store_true",
+        help="leave out the re-scheduling section (Fig. 13 in small)",
+    )
+    for name, default in SECTION_DEFAULTS.items():
+        flag = "--pipeline-resched-" + name.replace("_", "-")
+        p.add_argument(flag, type=type(default), default=None, help=f"default {default:g}")
+
+
+def section_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The standalone run's settings from bench/federated.py's flags (``--quick``:
+    :data:`QUICK` where a flag is not given)."""
+    quick = QUICK if getattr(args, "quick", False) else {}
+    values = {}
+    for name, default in SECTION_DEFAULTS.items():
+        given = getattr(args, f"pipeline_resched_{name}")
+        values[name] = given if given is not None else quick.get(name, default)
+    return argparse.Namespace(**values, threshold=0.5, scale=None, arms=list(DEFAULT_ARMS))
+
+
+def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    error = settings_error(section_args(args))
+    if error:
+        p.error(error.replace("--", "--pipeline-resched-"))
+
+
+def settings_error(args: argparse.Namespace) -> str:
+    """Why the settings cannot make a run ('' when they can)."""
+    if (
+        args.tasks < 3
+        or args.steps < 1
+        or args.repeats < 1
+        or not args.slow_at_s > 0
+        or not args.factor >= 1
+    ):
+        return "--tasks >= 3, --steps >= 1, --slow-at-s > 0 and --factor >= 1"
+    if not args.threshold > 0 or (args.scale is not None and not args.scale > 0):
+        return "--threshold and --scale must be > 0"
+    return ""
+
+
+def pipeline_resched_section(args: argparse.Namespace) -> dict[str, Any]:
+    """bench/federated.py's section: the figures, the per-task series and plans left
+    to the task lines; the set-up keys prefixed ``resched_``."""
+    load = loadavg()
+    started = time.perf_counter()
+    out = asyncio.run(_measure(section_args(args)))
+    for key in ("series", "plans"):
+        out.pop(key, None)
+    for key in _SECTION_RENAMED:
+        out[f"resched_{key}"] = out.pop(key)
+    out["resched_wall_s"] = round(time.perf_counter() - started, 1)
+    out["resched_loadavg_start"] = load
+    emit({"bench": BENCH, "section": "resched", **out, "loadavg": loadavg()})
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", type=int, default=10, help="local tasks an arm")
@@ -301,16 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not args.arms or set(args.arms) - set(ARMS):
         p.error(f"--arms must name some of {ARMS}")
-    if (
-        args.tasks < 3
-        or args.steps < 1
-        or args.repeats < 1
-        or not args.slow_at_s > 0
-        or not args.factor >= 1
-    ):
-        p.error("--tasks >= 3, --steps >= 1, --slow-at-s > 0 and --factor >= 1")
-    if not args.threshold > 0 or (args.scale is not None and not args.scale > 0):
-        p.error("--threshold and --scale must be > 0")
+    error = settings_error(args)
+    if error:
+        p.error(error)
     load = loadavg()
     started = time.perf_counter()
     out = asyncio.run(_measure(args))

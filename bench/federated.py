@@ -34,6 +34,17 @@ repeats the figures on the seeds the settings were chosen on, ``--seeds``,
 0-9 by default), and the summary says which settings were fixed and on which
 seeds.
 
+Latencies (``--latency``): ``drawn`` as above, or ``pipeline``, the default with
+``--held`` (the issue's "paper's conditions"): every client is a home of one to
+three Jetson TX2s and Nanos (:data:`PAPER_HOMES`, the devices of the paper's
+pipeline set-ups) and its latency is Eco-FL's planned pipeline period for them
+(fl-sim's ``pipeline_latency``; the MLP 64-32-32-32-10, so that each device of a
+3-device home holds a layer); the dynamic setting redraws a home's devices. The
+summary says which (``latency``, ``homes``). ``evidence`` says, per method over
+the reported seeds, how many global updates it made, the mean weight a merge got,
+the accuracy swing between evaluations in the budget's second half and, for the
+grouped methods, the share of merges from the most-merging group and its weight.
+
 Run: ``.venv/bin/python bench/federated.py`` (10 seeds: about 5-10 minutes on
 2 idle cores; ``--held --tune-figures`` twice that; ``--quick`` for 2 seeds and a short sweep).
 
@@ -78,12 +89,31 @@ spawned stage processes. Summary key ``gpipe_over_1f1b_peak_memory`` (the larges
 stage's peak resident memory, ``VmHWM``, GPipe over 1F1B-Sync), per-stage ratios of
 that peak, of the peak over the idle process and of torch's saved activations, each
 stage's figures, and the paper's Table 2 beside them. About two minutes on 2 cores.
+
+Re-scheduling section (Eco-FL Fig. 13 in small; on by default;
+``--skip-pipeline-resched`` leaves it out; :mod:`bench._federated_resched`): a home of
+an NX, a TX2 and two Nanos trains ``--pipeline-resched-tasks`` (10) local tasks with
+Eco-FL's re-scheduling and on its first plan throughout, the TX2 ``--pipeline-resched-
+factor`` (4) times slower from ``--pipeline-resched-slow-at-s`` (15) s, the arms
+alternating over ``--pipeline-resched-repeats`` (2). Summary key
+``resched_over_static_throughput_after_slowdown``, each arm's samples/s before and
+after and after over before, the tasks the home re-planned after, and the set-up as
+``resched_*``. About ten minutes on 2 cores; ``--quick`` runs one repeat of 6 tasks.
+
+Partition section (Eco-FL Fig. 12 in small; on by default; ``--skip-pipeline-partition``
+leaves it out; :mod:`bench._federated_partition`): a TX2 and a Nano train the
+pipeline-client MLP on Eco-FL's plan and on the same plan with PipeDream's even cut
+(the work halved as if the devices were alike). Summary keys
+``ecofl_over_even_partition_throughput`` (and its prediction), each system's
+samples/s and each stage's utilisation (compute over training time), the cuts.
+About a minute on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import math
 import statistics
 import sys
@@ -99,9 +129,15 @@ from bench._common import emit, loadavg, summary
 from bench._federated_memory import add_flags as add_pipeline_memory_flags
 from bench._federated_memory import check_flags as check_pipeline_memory_flags
 from bench._federated_memory import pipeline_memory_section
+from bench._federated_partition import add_flags as add_pipeline_partition_flags
+from bench._federated_partition import check_flags as check_pipeline_partition_flags
+from bench._federated_partition import pipeline_partition_section
 from bench._federated_pipeline import add_flags as add_pipeline_client_flags
 from bench._federated_pipeline import check_flags as check_pipeline_client_flags
 from bench._federated_pipeline import pipeline_client_section
+from bench._federated_resched import add_flags as add_pipeline_resched_flags
+from bench._federated_resched import check_flags as check_pipeline_resched_flags
+from bench._federated_resched import pipeline_resched_section
 from bench.federated_net import compare
 from zpipe.federated.data import PARTITIONS
 from zpipe.federated.flower_app import FlowerSettings, run_flower_simulation
@@ -123,6 +159,19 @@ CHOSEN: dict[str, Any] = {
     "n_groups": 5,  # |G|: Eco-FL's groups, FedAT's tiers, Astraea's groups
 }
 RLGS = 5  # the rlg-* layouts' response-latency groups (section 6.1), whatever |G| is
+# --latency pipeline: a client's latency is its home's planned pipeline period
+# (zpipe.federated.simulate's pipeline_latency). The homes follow the paper's pipeline
+# set-ups (section 6.1, Figs. 10-13): Jetson TX2s and Nanos, one to three of them (a
+# lone device; a 2-stage home as Nano-L + Nano-H or TX2 + Nano; a 3-stage home as a
+# TX2 and two Nanos). The MLP gets two more hidden layers so that a 3-device home has
+# a unit for each device (64-32-32-32-10); time unit: a lone NX = the 10 s base delay.
+PAPER_HOMES: dict[str, Any] = {
+    "pipeline_latency": True,
+    "home_classes": ("tx2", "nano"),
+    "home_sizes": (1, 3),
+    "more_hidden": (32, 32),
+}
+LATENCIES = ("drawn", "pipeline")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -174,6 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --held, also run --seeds and report them as tune_* (twice the time)",
     )
     p.add_argument("--quick", action="store_true", help="2 seeds, 2 lambdas: a smoke run")
+    p.add_argument(
+        "--latency",
+        choices=LATENCIES,
+        default=None,
+        help="clients' latencies: drawn (section 6.1's draw) or pipeline (their homes' "
+        "planned pipelines, PAPER_HOMES); default pipeline with --held, else drawn",
+    )
     p.add_argument("--partition", choices=PARTITIONS, default="rlg-niid")
     p.add_argument("--budget-s", type=float, default=1000.0)
     p.add_argument("--target", type=float, default=0.6, help="accuracy for time-to-accuracy")
@@ -203,9 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--flower-seed", type=int, default=0)
     add_pipeline_client_flags(p)
     add_pipeline_memory_flags(p)
+    add_pipeline_resched_flags(p)
+    add_pipeline_partition_flags(p)
     args = p.parse_args(argv)
     check_pipeline_client_flags(p, args)
     check_pipeline_memory_flags(p, args)
+    check_pipeline_resched_flags(p, args)
+    check_pipeline_partition_flags(p, args)
     if args.flower_clients < 1 or args.flower_budget_s <= 0:
         p.error("--flower-clients must be at least 1 and --flower-budget-s > 0")
     network: dict[str, Any] = {}
@@ -234,25 +294,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rt_factor": args.rt_factor,
         "n_groups": args.groups,
     }
+    latency = args.latency or ("pipeline" if args.held else "drawn")
     common: dict[str, Any] = {
         "partition": args.partition,
         "budget_s": args.budget_s,
         "n_rlg": RLGS,
         **{k: v for k, v in settings.items() if k != "lam"},
+        **(PAPER_HOMES if latency == "pipeline" else {}),
     }
     data = load_digits_dataset()
     started = time.perf_counter()
     Figures = tuple[dict[str, list[float]], dict[str, list[float]]]
     tuning: Figures | None = None
+    evidence: dict[str, list[dict[str, Any]]] = {}
     if not args.held or args.tune_figures:
-        tuning = compare_methods(seeds, args.lam, args.target, common, data)
+        tuning = compare_methods(
+            seeds, args.lam, args.target, common, data, evidence={} if args.held else evidence
+        )
     held: Figures | None = None
     if args.held:
-        held = compare_methods(args.held_seeds, args.lam, args.target, common, data)
+        held = compare_methods(
+            args.held_seeds, args.lam, args.target, common, data, evidence=evidence
+        )
     sweep = lambda_sweep(lambdas, range(lambda_seeds), common, data)
     flower = {} if args.skip_flower else flower_section(args, common, data)
     piped = {} if args.skip_pipeline_client else pipeline_client_section(args)
     memory = {} if args.skip_pipeline_memory else pipeline_memory_section(args)
+    resched = {} if args.skip_pipeline_resched else pipeline_resched_section(args)
+    partition = {} if args.skip_pipeline_partition else pipeline_partition_section(args)
 
     main = held if held is not None else tuning
     assert main is not None
@@ -267,7 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seeds": len(main_seeds),
         "seed_list": seed_label(main_seeds),
         "budget_s": args.budget_s,
+        "latency": latency,
+        **({"homes": homes_record()} if latency == "pipeline" else {}),
         **figures,
+        "evidence": summarize_evidence(evidence, args.budget_s),
     }
     if held is not None:
         if tuning is not None:
@@ -290,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         **flower,
         **piped,
         **memory,
+        **resched,
+        **partition,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
         note=(
@@ -303,15 +377,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def compare_methods(
-    seeds: Sequence[int], lam: float, target: float, common: dict[str, Any], data: Any
+    seeds: Sequence[int],
+    lam: float,
+    target: float,
+    common: dict[str, Any],
+    data: Any,
+    *,
+    evidence: dict[str, list[dict[str, Any]]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Every method on every seed: tail accuracies and times to accuracy, seed order."""
+    """Every method on every seed: tail accuracies and times to accuracy, seed order;
+    each run's merges and accuracy swings appended to ``evidence[method]``."""
     acc: dict[str, list[float]] = {m: [] for m in METHODS}
     tta: dict[str, list[float]] = {m: [] for m in METHODS}
     for seed in seeds:
         for method in METHODS:
             config = SimConfig(method=method, seed=seed, lam=lam, **common)
-            run = run_simulation(config, data)
+            servers: list[Any] = []
+            run = run_simulation(config, data, on_server=servers.append)
+            if evidence is not None:
+                evidence.setdefault(method, []).append(run_evidence(run, servers[0]))
             acc[method].append(tail_accuracy(run))
             reached = time_to_accuracy(run, target)
             tta[method].append(reached)
@@ -325,9 +409,86 @@ def compare_methods(
                     "client_tasks": run["client_tasks"],
                     "global_updates": run["stats"]["global_updates"],
                     "wall_s": run["wall_s"],
+                    **({"homes": run["pipeline_homes"]} if "pipeline_homes" in run else {}),
                 }
             )
     return acc, tta
+
+
+def homes_record() -> dict[str, Any]:
+    """The pipeline homes' set-up, for the summary."""
+    return {
+        "classes": list(PAPER_HOMES["home_classes"]),
+        "devices": "-".join(str(n) for n in PAPER_HOMES["home_sizes"]),
+        "mlp_more_hidden": list(PAPER_HOMES["more_hidden"]),
+    }
+
+
+def accuracy_swing(run: dict[str, Any], budget_s: float) -> float:
+    """Mean absolute change between successive evaluations in the budget's second half."""
+    curve = [
+        a
+        for t, a in zip(run["curve"]["time_s"], run["curve"]["test_acc"], strict=True)
+        if t >= budget_s / 2
+    ]
+    steps = [abs(b - a) for a, b in itertools.pairwise(curve)]
+    return statistics.fmean(steps) if steps else 0.0
+
+
+def run_evidence(run: dict[str, Any], server: Any) -> dict[str, Any]:
+    """What one run's global model took: its merges by group (the group's mean member
+    latency then), their weights, and the run's curve and stats."""
+    merges: list[tuple[int, float]] = list(server.merges)
+    groups: dict[int, list[float]] = {}
+    for group, weight in merges:
+        groups.setdefault(group, []).append(weight)
+    latency: dict[int, float] = {}
+    grouping = getattr(server, "grouping", None)
+    if grouping is not None:
+        for g in grouping.groups:
+            if g.members:
+                latency[g.group_id] = statistics.fmean(grouping.latency[c] for c in g.members)
+    return {
+        "run": run,
+        "merges": len(merges),
+        "by_group": {
+            g: {"merges": len(w), "mean_weight": statistics.fmean(w), "latency_s": latency.get(g)}
+            for g, w in groups.items()
+        },
+        "mean_weight": statistics.fmean(w for _, w in merges) if merges else 0.0,
+    }
+
+
+def summarize_evidence(
+    evidence: dict[str, list[dict[str, Any]]], budget_s: float
+) -> dict[str, Any]:
+    """Why one method beats another, over the reported seeds: global updates, the mean
+    weight a merge got, the share of merges from the most-merging group and its mean
+    weight (grouped methods), and the accuracy swing between evaluations."""
+    out: dict[str, Any] = {}
+    for method, runs in evidence.items():
+        row: dict[str, Any] = {
+            "global_updates": round(statistics.fmean(r["merges"] for r in runs), 1),
+            "mean_merge_weight": round(statistics.fmean(r["mean_weight"] for r in runs), 4),
+            "acc_swing": round(
+                statistics.fmean(accuracy_swing(r["run"], budget_s) for r in runs), 4
+            ),
+        }
+        grouped = [r for r in runs if -1 not in r["by_group"] and r["by_group"]]
+        if grouped:
+            tops = [max(r["by_group"].values(), key=lambda g: g["merges"]) for r in grouped]
+            row["top_group_merge_share"] = round(
+                statistics.fmean(
+                    t["merges"] / r["merges"] for t, r in zip(tops, grouped, strict=True)
+                ),
+                3,
+            )
+            row["top_group_mean_weight"] = round(
+                statistics.fmean(t["mean_weight"] for t in tops), 4
+            )
+            row["groups_merging"] = round(statistics.fmean(len(r["by_group"]) for r in grouped), 2)
+        out[method] = row
+    return out
 
 
 def comparison_figures(

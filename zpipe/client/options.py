@@ -299,6 +299,9 @@ class TrainOptions:
     that :meth:`TrainReport.save` writes a checkpoint a later run resumes from.
     ``resume_optimizer``: every stage restores its units' optimizer state from the
     spec's weights file (such a checkpoint), reading only its own tensors.
+    ``profile`` (with ``plan``): the training profile the plan was made from; with
+    ``rebalance``, the coordinator weighs units by its times (without it, and without
+    its own stages' profiles, every unit alike).
     ``on_plan(plan)``: called with each attempt's :class:`TrainingPlan` as soon as the
     coordinator sends it, before training starts. ``progress`` also names the wait for
     the plan on stderr. ``trace``: a file for the per-micro-batch timeline (Chrome
@@ -341,9 +344,12 @@ class TrainOptions:
     aggregate: bool = False
     aggregate_multiple: int = 1
     repartition: RepartitionSettings | Mapping[str, Any] | bool | None = None
+    profile: ModelProfile | None = None
 
     def __post_init__(self) -> None:
         _check_trace(self.trace)
+        if self.profile is not None and (self.plan is None or not self.profile.has_training):
+            raise ConfigError("profile goes with plan: the training profile the plan was made from")
         _check_choice("replication", self.replication, REPLICATIONS)
         _check_choice("consistency", self.consistency, CONSISTENCIES)
         _check_choice("recovery", self.recovery, RECOVERY_POLICIES)

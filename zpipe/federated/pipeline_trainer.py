@@ -204,6 +204,13 @@ class PipelineTrainer:
             )
         return self._plans[key]
 
+    def task_profile(self, shape: MLPShape, plan: TrainingPlan) -> ModelProfile:
+        """The training profile ``plan`` was made from (the given one, else the
+        analytic one at the plan's micro-batch size), sent with it."""
+        if self.profile is not None and self.profile.has_training:
+            return self.profile
+        return mlp_profile(shape, [plan.microbatch_size])
+
     def _look(self, shape: MLPShape, batch_size: int, plan: TrainingPlan) -> None:
         """After a task: Eco-FL's re-scheduling check (:mod:`zpipe.federated.home_resched`)."""
         assert self.reschedule is not None
@@ -288,6 +295,8 @@ class PipelineTrainer:
                 optimizer=optimizer_config(lr, mu),
                 num_microbatches=plan.num_microbatches,  # the plan's, as fit requires
                 plan=plan,
+                # the plan's unit costs: a rebalance weighs the tiny last layer as such
+                profile=self.task_profile(shape, plan),
                 progress=False,
                 **during,
             )

@@ -129,6 +129,9 @@ class FederatedServer:
         self._next_task_id = 0
         self.busy: set[int] = set()
         self.failed_tasks = 0
+        # every global update: (the group whose model it took, -1 for a flat method's
+        # client or round; the weight the new global model gave it); a bench's evidence
+        self.merges: list[tuple[int, float]] = []
 
     @property
     def name(self) -> str:
@@ -281,6 +284,7 @@ class FedAvgServer(FederatedServer):
             self.global_weights = weighted_average(
                 [w for w, _ in self._results], [n for _, n in self._results]
             )
+            self.merges.append((-1, 1.0))  # a round replaces the model
             self.version += 1
         return self._new_round()
 
@@ -316,6 +320,7 @@ class FedAsyncServer(FederatedServer):
         self.global_weights = fedasync_mix(
             self.global_weights, np.asarray(update.weights), self.config.alpha, factor
         )
+        self.merges.append((-1, self.config.alpha * factor))
         self.version += 1
         return self._replace()
 
@@ -430,6 +435,7 @@ class HierarchicalServer(FederatedServer):
             self.tier_updates[group_id] += 1
             mix = fedat_tier_weights(self.tier_updates)
             self.global_weights = weighted_average(self.tier_models, mix.tolist())
+            self.merges.append((group_id, float(mix[group_id])))
         else:
             factor = staleness_factor(
                 self.version - base_version,
@@ -439,6 +445,7 @@ class HierarchicalServer(FederatedServer):
             self.global_weights = fedasync_mix(
                 self.global_weights, weights, self.config.inter_group_alpha, factor
             )
+            self.merges.append((group_id, self.config.inter_group_alpha * factor))
         self.version += 1
 
     def _handle_latency(self, client_id: int, latency_s: float) -> list[TrainTask]:

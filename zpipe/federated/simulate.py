@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,9 +38,15 @@ from zpipe._errors import ConfigError
 from zpipe.devices import single_threaded_blas
 from zpipe.federated.data import PARTITIONS, ClientShard, client_classes, make_shards
 from zpipe.federated.grouping import ClientProfile, GroupingPolicy
-from zpipe.federated.home_plan import DEVICE_CLASSES, home_period_s
+from zpipe.federated.home_plan import CLASSES_BY_NAME, DEVICE_CLASSES, home_period_s
 from zpipe.federated.model import MLPShape, accuracy, init_weights, local_train
-from zpipe.federated.server import METHODS, ServerConfig, TrainTask, make_server
+from zpipe.federated.server import (
+    METHODS,
+    FederatedServer,
+    ServerConfig,
+    TrainTask,
+    make_server,
+)
 from zpipe.federated.virtual_time import (
     ClockConfig,
     Finished,
@@ -80,6 +87,8 @@ class SimConfig:
     # a client's latency is its home's planned pipeline period, not a draw (module notes)
     pipeline_latency: bool = False
     home_sizes: tuple[int, int] = (1, 4)  # devices in a home: drawn uniformly in [lo, hi]
+    # the device classes a home's devices are drawn from (empty: every class)
+    home_classes: tuple[str, ...] = ()
     samples_per_client: int = 40
     partition: str = "niid"
     delay_mean_s: float = 10.0
@@ -112,13 +121,21 @@ class SimConfig:
             raise ConfigError(
                 f"home sizes must satisfy 1 <= lo <= hi <= {MAX_HOME_DEVICES}, got {lo}-{hi}"
             )
+        unknown = sorted(set(self.home_classes) - set(CLASSES_BY_NAME))
+        if unknown:
+            raise ConfigError(f"unknown device classes {unknown}; known: {sorted(CLASSES_BY_NAME)}")
         if self.hidden < 1 or any(w < 1 for w in self.more_hidden):
             raise ConfigError("hidden layer widths must be >= 1")
 
 
 # Fields added after results were published: left out of a run's config record while
 # at their defaults, so that earlier runs' results.json stay byte-identical.
-_LATER_FIELDS = {"more_hidden": (), "pipeline_latency": False, "home_sizes": (1, 4)}
+_LATER_FIELDS = {
+    "more_hidden": (),
+    "pipeline_latency": False,
+    "home_sizes": (1, 4),
+    "home_classes": (),
+}
 
 
 def config_record(config: SimConfig) -> dict[str, Any]:
@@ -167,6 +184,7 @@ class PipelineFederation(Federation):
     shape: MLPShape = field(default_factory=lambda: MLPShape(64, 32, 10))
     batch_size: int = 10
     home_sizes: tuple[int, int] = (1, 4)
+    home_classes: tuple[str, ...] = ()
     time_unit_s: float = 10.0  # the latency of a home of one reference device
 
     def latency(self, client_id: int) -> float:
@@ -178,7 +196,7 @@ class PipelineFederation(Federation):
         """The dynamic setting for homes: a changing client's devices are drawn again."""
         changing = self.env_rng.random(len(self.homes)) < probability
         for client in np.flatnonzero(changing):
-            self.homes[int(client)] = draw_home(self.env_rng, self.home_sizes)
+            self.homes[int(client)] = draw_home(self.env_rng, self.home_sizes, self.home_classes)
 
     def home_summary(self) -> dict[str, Any]:
         latencies = [self.latency(c) for c in range(len(self.homes))]
@@ -192,11 +210,15 @@ class PipelineFederation(Federation):
         }
 
 
-def draw_home(rng: np.random.Generator, sizes: tuple[int, int]) -> tuple[str, ...]:
-    """A home's devices: how many uniformly in ``sizes``, each of a uniform class."""
+def draw_home(
+    rng: np.random.Generator, sizes: tuple[int, int], classes: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """A home's devices: how many uniformly in ``sizes``, each of a uniform class (of
+    ``classes``; empty: of every class)."""
+    names = classes or tuple(c.name for c in DEVICE_CLASSES)
     count = int(rng.integers(sizes[0], sizes[1] + 1))
-    picks = rng.integers(0, len(DEVICE_CLASSES), size=count)
-    return tuple(DEVICE_CLASSES[int(k)].name for k in picks)
+    picks = rng.integers(0, len(names), size=count)
+    return tuple(names[int(k)] for k in picks)
 
 
 def build_federation(config: SimConfig, dataset: Dataset) -> Federation:
@@ -218,10 +240,14 @@ def build_federation(config: SimConfig, dataset: Dataset) -> Federation:
             degree,
             dataset.n_classes,
             np.random.default_rng([config.seed, 2]),
-            homes=[draw_home(home_rng, config.home_sizes) for _ in range(config.n_clients)],
+            homes=[
+                draw_home(home_rng, config.home_sizes, config.home_classes)
+                for _ in range(config.n_clients)
+            ],
             shape=sim_shape(config, dataset),
             batch_size=min(config.batch_size, config.samples_per_client),
             home_sizes=config.home_sizes,
+            home_classes=config.home_classes,
             time_unit_s=config.delay_mean_s,
         )
     latencies = (
@@ -246,15 +272,19 @@ def build_federation(config: SimConfig, dataset: Dataset) -> Federation:
     )
 
 
-def run_simulation(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
-    """One federated run; returns its accuracy curve against simulated time and its stats."""
+def run_simulation(
+    config: SimConfig,
+    dataset: Dataset,
+    *,
+    on_server: Callable[[FederatedServer], None] | None = None,
+) -> dict[str, Any]:
+    """One federated run; returns its accuracy curve against simulated time and its
+    stats (``on_server``: see :func:`run_federation`)."""
     # the matrices are tiny: BLAS threads would only fight other processes for the cores
     with single_threaded_blas():
-        return _run(config, dataset)
-
-
-def _run(config: SimConfig, dataset: Dataset) -> dict[str, Any]:
-    return run_federation(config, build_federation(config, dataset), dataset)
+        return run_federation(
+            config, build_federation(config, dataset), dataset, on_server=on_server
+        )
 
 
 def server_config(config: SimConfig) -> ServerConfig:
@@ -334,10 +364,12 @@ def run_federation(
     dataset: Dataset,
     *,
     max_updates: int | None = None,
+    on_server: Callable[[FederatedServer], None] | None = None,
 ) -> dict[str, Any]:
     """One run over given clients (``config.n_clients`` of them). With ``max_updates``
     it also stops once the global model has had that many updates, and reports the
     simulated time that took and the accuracy then (what fl-server's --updates ends at).
+    ``on_server`` is handed the server once the run ends (a bench reads its merges).
 
     The clock (:class:`~zpipe.federated.virtual_time.VirtualClock`) decides; this
     loop only trains each task inline and reads the federation's latencies."""
@@ -367,6 +399,8 @@ def run_federation(
             case NeedResult(task=task):
                 shard = federation.shards[task.client_id]
                 clock.on_result(train_task(config, shape, shard, task), len(shard.y))
+    if on_server is not None:
+        on_server(server)
     return run_result(config, clock, started, **extra)
 
 

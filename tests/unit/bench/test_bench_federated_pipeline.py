@@ -64,7 +64,18 @@ def test_the_section_reaches_the_summary_and_can_be_skipped(
 
     monkeypatch.setattr(fed, "pipeline_client_section", section)
     monkeypatch.setattr(fed, "pipeline_memory_section", memory_section)
-    monkeypatch.setattr(fed, "compare_methods", lambda seeds, *a: _figures(seeds))
+    monkeypatch.setattr(fed, "compare_methods", lambda seeds, *a, **k: _figures(seeds))
+    # the re-scheduling and partition sections start stage processes too: fakes here
+    monkeypatch.setattr(
+        fed,
+        "pipeline_resched_section",
+        lambda args: {"resched_over_static_throughput_after_slowdown": 1.3},
+    )
+    monkeypatch.setattr(
+        fed,
+        "pipeline_partition_section",
+        lambda args: {"ecofl_over_even_partition_throughput": 1.6},
+    )
     monkeypatch.setattr(fed, "lambda_sweep", lambda *a: {})
     monkeypatch.setattr(fed, "load_digits_dataset", lambda: None)
     argv = ["--lambdas=", "--seeds", "1", "--skip-flower", "--pipeline-client-mbps", "40"]
@@ -84,6 +95,12 @@ def test_the_section_reaches_the_summary_and_can_be_skipped(
     assert "gpipe_over_1f1b_peak_memory" not in out
     assert seen[-1].pipeline_client_steps == 5
     assert (len(seen), len(memory)) == (2, 2)
+    assert out["resched_over_static_throughput_after_slowdown"] == 1.3
+    assert out["ecofl_over_even_partition_throughput"] == 1.6
+    assert fed.main([*argv, "--skip-pipeline-resched", "--skip-pipeline-partition"]) == 0
+    out = _summary(capsys.readouterr().out)
+    assert "resched_over_static_throughput_after_slowdown" not in out
+    assert "ecofl_over_even_partition_throughput" not in out
     for bad in (
         ["--pipeline-client-steps", "3"],
         ["--pipeline-client-mbps", "0"],

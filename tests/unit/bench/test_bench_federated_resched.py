@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -106,3 +107,46 @@ def test_main_emits_one_summary(
     assert out["resched_over_static_after_per_repeat"] == [3.0, 3.0, 3.0]
     assert out["resched_after_tasks"] == [[3], [3], [3]]
     assert out["tasks"] == 4 and out["slowed"] == "tx20" and "loadavg" in out
+
+
+def _section_args(*argv: str) -> Any:
+    import bench.federated as fed
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    resched.add_flags(p)
+    args = p.parse_args(list(argv))
+    resched.check_flags(p, args)
+    assert fed.pipeline_resched_section is resched.pipeline_resched_section
+    return args
+
+
+def test_the_federated_section_takes_its_flags_and_quick_runs_a_smaller_home_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[Any] = []
+
+    async def run_arm(arm: str, args: Any, scale: float) -> dict[str, Any]:
+        seen.append(args)
+        return _run(100, 90 if arm == "resched" else 30, [3] if arm == "resched" else [])
+
+    monkeypatch.setattr(resched, "run_arm", run_arm)
+    out = resched.pipeline_resched_section(_section_args("--pipeline-resched-steps", "2"))
+    assert {(a.tasks, a.repeats, a.steps, a.factor) for a in seen} == {(10, 2, 2, 4.0)}
+    assert len(seen) == 4 and out["resched_over_static_throughput_after_slowdown"] == 3.0
+    # the set-up under resched_* names, the bulky series left to the task lines
+    assert out["resched_tasks"] == 10 and out["resched_slowed"] == "tx20"
+    assert "series" not in out and "plans" not in out and "tasks" not in out
+    assert out["resched_wall_s"] >= 0 and "resched_loadavg_start" in out
+    seen.clear()
+    quick = resched.pipeline_resched_section(_section_args("--quick"))
+    assert {(a.tasks, a.repeats) for a in seen} == {(6, 1)} and len(seen) == 2
+    assert quick["resched_tasks"] == 6
+    seen.clear()
+    resched.pipeline_resched_section(_section_args("--quick", "--pipeline-resched-tasks", "8"))
+    assert {(a.tasks, a.repeats) for a in seen} == {(8, 1)}
+
+
+def test_the_federated_section_refuses_bad_flags_by_their_names() -> None:
+    with pytest.raises(SystemExit):
+        _section_args("--pipeline-resched-tasks", "2")

@@ -27,9 +27,19 @@ def test_bad_seed_text_is_refused(text: str) -> None:
         fed.parse_seeds(text)
 
 
+COMMONS: list[dict[str, Any]] = []  # what each fake comparison was given
+
+
 def _fake_compare(
-    seeds: Sequence[int], lam: float, target: float, common: dict[str, Any], data: Any
+    seeds: Sequence[int],
+    lam: float,
+    target: float,
+    common: dict[str, Any],
+    data: Any,
+    *,
+    evidence: dict[str, list[dict[str, Any]]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    COMMONS.append(common)
     # Eco-FL loses to FedAsync on the tuning seeds (< 10) and wins on the held ones
     acc = {m: [0.5 for _ in seeds] for m in fed.METHODS}
     acc["ecofl"] = [0.6 for _ in seeds]
@@ -80,6 +90,16 @@ def _summary(
     )
     monkeypatch.setattr(
         fed, "pipeline_memory_section", lambda args: {"gpipe_over_1f1b_peak_memory": 1.2}
+    )
+    monkeypatch.setattr(
+        fed,
+        "pipeline_resched_section",
+        lambda args: {"resched_over_static_throughput_after_slowdown": 1.3},
+    )
+    monkeypatch.setattr(
+        fed,
+        "pipeline_partition_section",
+        lambda args: {"ecofl_over_even_partition_throughput": 1.6},
     )
     assert fed.main(["--lambdas=", *argv]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -163,3 +183,63 @@ def test_skip_flower_leaves_the_section_out_and_a_missing_flower_says_so(
     assert not any(k.startswith("flower_") for k in out)
     out = _summary(monkeypatch, capsys, "--seeds", "1", has_flower=False)
     assert "flower_sim_clients" not in out and "not installed" in out["flower_sim_skipped"]
+
+
+def test_the_held_comparison_takes_latencies_from_the_paper_set_ups_homes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    COMMONS.clear()
+    out = _summary(monkeypatch, capsys, "--held", "--tune-figures")
+    assert out["latency"] == "pipeline"
+    assert out["homes"] == {
+        "classes": ["tx2", "nano"],
+        "devices": "1-3",
+        "mlp_more_hidden": [32, 32],
+    }
+    # the tuning and the held seeds faced the same conditions
+    assert len(COMMONS) == 2 and COMMONS[0] == COMMONS[1]
+    assert COMMONS[0]["pipeline_latency"] is True and COMMONS[0]["home_sizes"] == (1, 3)
+    COMMONS.clear()
+    out = _summary(monkeypatch, capsys, "--held", "--latency", "drawn")
+    assert out["latency"] == "drawn" and "homes" not in out
+    assert "pipeline_latency" not in COMMONS[0]
+    COMMONS.clear()
+    out = _summary(monkeypatch, capsys, "--seeds", "2")
+    assert out["latency"] == "drawn" and "pipeline_latency" not in COMMONS[0]
+
+
+class _Grouping:
+    def __init__(self) -> None:
+        self.groups = [
+            type("G", (), {"group_id": 0, "members": {0, 1}})(),
+            type("G", (), {"group_id": 1, "members": {2}})(),
+        ]
+        self.latency = {0: 4.0, 1: 6.0, 2: 30.0}
+
+
+class _Server:
+    def __init__(self, merges: list[tuple[int, float]], grouped: bool) -> None:
+        self.merges = merges
+        if grouped:
+            self.grouping = _Grouping()
+
+
+def _run(accs: list[float]) -> dict[str, Any]:
+    times = [100.0 * i for i in range(len(accs))]
+    return {"curve": {"time_s": times, "test_acc": accs}}
+
+
+def test_the_evidence_says_which_group_the_global_model_took_and_how_much() -> None:
+    eco = fed.run_evidence(
+        _run([0.1, 0.2, 0.5, 0.4, 0.6]), _Server([(0, 0.4), (0, 0.4), (0, 0.4), (1, 0.2)], True)
+    )
+    assert eco["merges"] == 4 and eco["mean_weight"] == pytest.approx(0.35)
+    assert eco["by_group"][0] == {"merges": 3, "mean_weight": pytest.approx(0.4), "latency_s": 5.0}
+    assert eco["by_group"][1]["latency_s"] == 30.0
+    flat = fed.run_evidence(_run([0.1, 0.3, 0.3, 0.3, 0.3]), _Server([(-1, 0.1)] * 5, False))
+    out = fed.summarize_evidence({"ecofl": [eco], "fedasync": [flat]}, budget_s=400.0)
+    # the second half of the budget (t >= 200): 0.5 -> 0.4 -> 0.6 swings 0.15 a step
+    assert out["ecofl"]["acc_swing"] == pytest.approx(0.15)
+    assert out["ecofl"]["top_group_merge_share"] == 0.75
+    assert out["ecofl"]["top_group_mean_weight"] == 0.4 and out["ecofl"]["groups_merging"] == 2
+    assert out["fedasync"] == {"global_updates": 5, "mean_merge_weight": 0.1, "acc_swing": 0.0}

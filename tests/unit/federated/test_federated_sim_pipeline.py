@@ -97,3 +97,33 @@ def test_the_flags_reach_the_config() -> None:
             build_parser().parse_args(["--out", "x", *bad])
     with pytest.raises(ConfigError, match="home sizes"):
         SimConfig(home_sizes=(0, 2))
+
+
+def test_homes_may_be_drawn_from_some_classes_only(digits: Dataset) -> None:
+    paper = replace(PIPED, home_classes=("tx2", "nano"), home_sizes=(1, 3))
+    federation = build_federation(paper, digits)
+    assert isinstance(federation, PipelineFederation)
+    assert {d for h in federation.homes for d in h} == {"tx2", "nano"}
+    assert {len(h) for h in federation.homes} <= {1, 2, 3}
+    federation.change_degrees(paper.degrees, 1.0)  # every home redrawn: still of those
+    assert {d for h in federation.homes for d in h} <= {"tx2", "nano"}
+    assert config_record(paper)["home_classes"] == ("tx2", "nano")
+    # every class named: the same draws as the default (earlier runs unchanged)
+    every = build_federation(replace(PIPED, home_classes=("nx", "tx2", "nano")), digits)
+    assert isinstance(every, PipelineFederation)
+    assert every.homes == build_federation(PIPED, digits).homes  # type: ignore[attr-defined]
+    assert "home_classes" not in config_record(PIPED)
+    with pytest.raises(ConfigError, match="unknown device classes"):
+        replace(PIPED, home_classes=("orin",))
+
+
+def test_the_server_is_handed_over_with_every_merge_and_its_weight(digits: Dataset) -> None:
+    for method in ("ecofl", "fedasync", "fedavg"):
+        servers: list = []
+        config = replace(PIPED, method=method, budget_s=100.0, n_groups=3)
+        run = run_simulation(config, digits, on_server=servers.append)
+        (server,) = servers
+        assert len(server.merges) == run["stats"]["global_updates"] > 0
+        assert all(0 < w <= 1 for _, w in server.merges)
+        groups = {g for g, _ in server.merges}
+        assert groups == {-1} if method != "ecofl" else groups <= {0, 1, 2}

@@ -154,6 +154,8 @@ def training_request(
         # the coordinator says so, and the waits run on from the latest word
         progress=True,
         train=train,
+        # the given plan's unit costs, for rebalancing it
+        profile=options.profile.to_dict() if options.profile is not None else None,
     )
 
 

@@ -9,6 +9,10 @@
   model's, links included (a cut's activation is not moved onto a slow sender).
 - Admission: a device that registered since the run was planned joins when the
   planner, over it and the run's devices, predicts a round shorter by that share.
+- Unit costs: a plan the client gave (a federated home's, say) was planned on the
+  client's profile; the request carries it (``RunRequest.profile``) so that
+  rebalancing weighs units as that plan did (:func:`given_unit_work`), not alike
+  (a model with a tiny last layer would read its last stage as fast).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from zpipe._errors import ConfigError, ZpipeError
+from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.recovery import (
     estimate_capacities,
     plan_recovery,
     speeds_from_capacities,
     stage_work,
+    unit_work_from_profile,
 )
 from zpipe.recovery.stage_costs import CostModel, predict, with_speeds
 from zpipe.training.objectives import check_train_settings, is_factory_name
@@ -58,6 +64,19 @@ def run_optimizer(plan: TrainingPlan, train: Mapping[str, Any] | None) -> str:
         settings.pop(key, None)
     settings.update(schedule=plan.schedule, num_microbatches=plan.num_microbatches)
     return memory_model(check_train_settings(settings, 1)["optimizer"])
+
+
+def given_unit_work(profile: Mapping[str, Any], plan: TrainingPlan) -> list[float]:
+    """Each unit's training work (forward and backward) at ``plan``'s micro-batch
+    size, from the training profile a client sent with the plan it gave; a
+    ConfigError says why the profile cannot cost the plan."""
+    found = ModelProfile.from_dict(profile, source="the run's profile")
+    work = unit_work_from_profile(found, plan.microbatch_size, training=True)
+    if len(work) != plan.num_units:
+        raise ConfigError(f"the run's profile has {len(work)} units, the plan {plan.num_units}")
+    if not all(w >= 0 for w in work) or not sum(work) > 0:
+        raise ConfigError("the run's profile must give every unit a time >= 0, some > 0")
+    return work
 
 
 @dataclass(frozen=True)

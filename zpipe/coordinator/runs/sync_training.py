@@ -45,6 +45,7 @@ from zpipe.coordinator.runs.base import BaseRun
 from zpipe.coordinator.runs.sync_balance import (
     admits,
     at_microbatch_size,
+    given_unit_work,
     memory_model,
     rebalanced,
     run_optimizer,
@@ -364,7 +365,14 @@ class SyncTrainingController(BaseRun):
             if m is not None
             and (p := self.state.profiles.get(spec, batch, "float32", m, train=True)) is not None
         ]
-        if known:
+        if run.request.profile is not None:
+            # the plan the client gave was planned on this profile: cost its units so
+            try:
+                unit_work = given_unit_work(run.request.profile, plan)
+            except ConfigError as exc:
+                yield Log("warning", "rebalance_skipped", {"run": run.run, "error": str(exc)})
+                return None
+        elif known:
             unit_work = unit_work_from_profile(known[0], batch, training=True)
         if len(known) == len(members) and all(m is not None for m in members):
             # every device profiled (when the run was planned): cost links as the planner
