@@ -107,6 +107,14 @@ pipeline-client MLP on Eco-FL's plan and on the same plan with PipeDream's even 
 ``ecofl_over_even_partition_throughput`` (and its prediction), each system's
 samples/s and each stage's utilisation (compute over training time), the cuts.
 About a minute on 2 cores.
+
+Pipeline-client section on real links (Figs. 10-11 on the netns harness; on by
+default; ``--skip-pipeline-netns`` leaves it out; :mod:`bench._federated_netns`): the
+pipeline-client section's home, plans and measure with every device in a network
+namespace of its own and its uplink capped by ``tc tbf`` at ``--pipeline-client-mbps``
+instead of emulated. Summary key ``pipeline_client_over_dp_throughput_netns`` (and its
+prediction, each system's samples/s); without root, ``ip`` or ``tc``,
+``pipeline_client_netns_skipped`` says why. About two minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -129,6 +137,7 @@ from bench._common import emit, loadavg, summary
 from bench._federated_memory import add_flags as add_pipeline_memory_flags
 from bench._federated_memory import check_flags as check_pipeline_memory_flags
 from bench._federated_memory import pipeline_memory_section
+from bench._federated_netns import netns_section
 from bench._federated_partition import add_flags as add_pipeline_partition_flags
 from bench._federated_partition import check_flags as check_pipeline_partition_flags
 from bench._federated_partition import pipeline_partition_section
@@ -261,6 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_pipeline_memory_flags(p)
     add_pipeline_resched_flags(p)
     add_pipeline_partition_flags(p)
+    p.add_argument(
+        "--skip-pipeline-netns",
+        action="store_true",
+        help="leave out the pipeline-client section on the netns harness (needs root)",
+    )
     args = p.parse_args(argv)
     check_pipeline_client_flags(p, args)
     check_pipeline_memory_flags(p, args)
@@ -322,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = {} if args.skip_pipeline_memory else pipeline_memory_section(args)
     resched = {} if args.skip_pipeline_resched else pipeline_resched_section(args)
     partition = {} if args.skip_pipeline_partition else pipeline_partition_section(args)
+    netns = {} if args.skip_pipeline_netns else netns_section(args)
 
     main = held if held is not None else tuning
     assert main is not None
@@ -364,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **memory,
         **resched,
         **partition,
+        **netns,
         wall_s=round(time.perf_counter() - started, 1),
         loadavg=loadavg(),
         note=(

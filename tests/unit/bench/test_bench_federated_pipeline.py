@@ -76,12 +76,21 @@ def test_the_section_reaches_the_summary_and_can_be_skipped(
         "pipeline_partition_section",
         lambda args: {"ecofl_over_even_partition_throughput": 1.6},
     )
+    # and the netns section makes a network lab (root): a fake that records its flags
+    netns: list[Any] = []
+    monkeypatch.setattr(
+        fed,
+        "netns_section",
+        lambda args: netns.append(args) or {"pipeline_client_over_dp_throughput_netns": 9.0},
+    )
     monkeypatch.setattr(fed, "lambda_sweep", lambda *a: {})
     monkeypatch.setattr(fed, "load_digits_dataset", lambda: None)
     argv = ["--lambdas=", "--seeds", "1", "--skip-flower", "--pipeline-client-mbps", "40"]
     assert fed.main(argv) == 0
     out = _summary(capsys.readouterr().out)
     assert out["pipeline_client_over_dp_throughput"] == 3.5
+    assert out["pipeline_client_over_dp_throughput_netns"] == 9.0
+    assert netns[0].pipeline_client_mbps == 40.0  # the same home's flags as the emulated one
     assert out["gpipe_over_1f1b_throughput"] == 1.0
     assert out["gpipe_over_1f1b_peak_memory"] == 1.4
     assert seen[0].pipeline_client_mbps == 40.0 and seen[0].pipeline_client_steps == 12
@@ -97,8 +106,10 @@ def test_the_section_reaches_the_summary_and_can_be_skipped(
     assert (len(seen), len(memory)) == (2, 2)
     assert out["resched_over_static_throughput_after_slowdown"] == 1.3
     assert out["ecofl_over_even_partition_throughput"] == 1.6
-    assert fed.main([*argv, "--skip-pipeline-resched", "--skip-pipeline-partition"]) == 0
+    skip = ["--skip-pipeline-resched", "--skip-pipeline-partition", "--skip-pipeline-netns"]
+    assert fed.main([*argv, *skip]) == 0
     out = _summary(capsys.readouterr().out)
+    assert "pipeline_client_over_dp_throughput_netns" not in out
     assert "resched_over_static_throughput_after_slowdown" not in out
     assert "ecofl_over_even_partition_throughput" not in out
     for bad in (
