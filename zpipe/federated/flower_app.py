@@ -48,8 +48,8 @@ from zpipe.devices import single_threaded_blas
 from zpipe.federated.flower_messages import (
     PROFILE,
     TRAIN,
-    ProfileReply,
-    ProfileRequest,
+    FlowerProfileReply,
+    FlowerProfileRequest,
     TrainReply,
     TrainRequest,
 )
@@ -150,11 +150,11 @@ def make_client_app(settings: FlowerSettings) -> Any:
     @app.query()
     def profile(msg: Message, context: Context) -> Message:
         client_id = client_id_of(context)
-        request = ProfileRequest.from_content(msg.content)
+        request = FlowerProfileRequest.from_content(msg.content)
         if client_id in settings.failing_clients and request.tick > 0:
             raise ConnectionError(f"client {client_id} is down (emulated)")
         federation = _world_at(config, request.tick)
-        reply = ProfileReply(
+        reply = FlowerProfileReply(
             client_id,
             federation.latency(client_id),
             federation.shards[client_id].label_counts(federation.n_classes),
@@ -243,11 +243,13 @@ class EcoFLServerApp:
                 return nodes
             time.sleep(POLL_S)
 
-    def _profile(self, box: _Mailbox, nodes: Iterable[int], tick: int) -> dict[int, ProfileReply]:
+    def _profile(
+        self, box: _Mailbox, nodes: Iterable[int], tick: int
+    ) -> dict[int, FlowerProfileReply]:
         from flwr.app import Message
 
         node_list = list(nodes)
-        content = ProfileRequest(tick).to_content()
+        content = FlowerProfileRequest(tick).to_content()
         ids: list[str] = []
         replies: dict[str, Any] = {}
         step = self.settings.profile_batch
@@ -260,13 +262,13 @@ class EcoFLServerApp:
             )
             ids += wave
             replies.update(box.wait(wave))
-        profiles: dict[int, ProfileReply] = {}
+        profiles: dict[int, FlowerProfileReply] = {}
         for node, msg_id in zip(node_list, ids, strict=True):
             reply = replies.get(msg_id)
             if reply is None or reply.has_error():
                 continue  # silent at a tick: it keeps its last latency (or is not in the run)
             try:
-                profile = ProfileReply.from_content(reply.content)
+                profile = FlowerProfileReply.from_content(reply.content)
             except ProtocolError as exc:
                 log.warning("node %d: bad profile reply: %s", node, exc)
                 continue

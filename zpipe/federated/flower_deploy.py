@@ -59,8 +59,8 @@ from zpipe.federated.flower_deploy_control import (
 from zpipe.federated.flower_messages import (
     PROFILE,
     TRAIN,
-    ProfileReply,
-    ProfileRequest,
+    FlowerProfileReply,
+    FlowerProfileRequest,
     TrainReply,
     TrainRequest,
 )
@@ -155,7 +155,7 @@ def make_client_app() -> Any:
     def profile(msg: Message, context: Context) -> Message:
         settings = DeploySettings.from_run_config(context.run_config)
         client_id = _client_id(context, settings)
-        ProfileRequest.from_content(msg.content)
+        FlowerProfileRequest.from_content(msg.content)
         federation = federation_of(settings)
         started = time.perf_counter()
         # the work of a small task: the round trip the server measures is the client's
@@ -169,7 +169,7 @@ def make_client_app() -> Any:
                 [settings.seed, 6, client_id],
             )
         )
-        reply = ProfileReply(
+        reply = FlowerProfileReply(
             client_id,
             time.perf_counter() - started,
             federation.shards[client_id].label_counts(federation.n_classes),
@@ -244,7 +244,7 @@ class _DeployShell:
                     self.events.write(dict(fields))
                 case SendProfile(node_id=node):
                     msg = Message(
-                        ProfileRequest(0).to_content(),
+                        FlowerProfileRequest(0).to_content(),
                         node,
                         PROFILE,
                         ttl=self.settings.profile_timeout_s,
@@ -291,7 +291,7 @@ class _DeployShell:
                 log.warning("node %d: profiling failed: %s", key, reply.error.reason)
                 return controller.on_profile_failed(key, now)
             try:
-                profile = ProfileReply.from_content(reply.content)
+                profile = FlowerProfileReply.from_content(reply.content)
                 return controller.on_profile(key, profile.client_id, profile.label_counts, now)
             except (ProtocolError, ConfigError) as exc:
                 log.warning("node %d: bad profile reply: %s", key, exc)

@@ -6,7 +6,7 @@ back, once, at the edge of the app, with a clear :class:`ProtocolError` when
 a field is missing or of the wrong kind. Nothing is pickled: weights travel
 as one float64 array in an ``ArrayRecord``, the rest as config values.
 
-- :class:`ProfileRequest` / :class:`ProfileReply` (message type ``query``):
+- :class:`FlowerProfileRequest` / :class:`FlowerProfileReply` (message type ``query``):
   Eco-FL's profiling, the client's response latency at a latency tick and its
   label counts (counts only, never samples);
 - :class:`TrainRequest` / :class:`TrainReply` (message type ``train``): one
@@ -56,7 +56,7 @@ def _weights(content: Any, kind: str) -> FloatArray:
 
 
 @dataclass(frozen=True)
-class ProfileRequest:
+class FlowerProfileRequest:
     tick: int  # 0: before the run; k: after the k-th latency change
 
     def to_content(self) -> Any:
@@ -65,7 +65,7 @@ class ProfileRequest:
         return RecordDict({"zpipe": ConfigRecord({"tick": self.tick})})
 
     @classmethod
-    def from_content(cls, content: Any) -> ProfileRequest:
+    def from_content(cls, content: Any) -> FlowerProfileRequest:
         tick = _field(_config(content, "profile"), "tick", "profile", (int,))
         if tick < 0:
             raise ProtocolError(f"a profile request's tick is {tick}")
@@ -73,7 +73,7 @@ class ProfileRequest:
 
 
 @dataclass(frozen=True)
-class ProfileReply:
+class FlowerProfileReply:
     client_id: int
     latency_s: float
     label_counts: tuple[int, ...]
@@ -94,7 +94,7 @@ class ProfileReply:
         )
 
     @classmethod
-    def from_content(cls, content: Any) -> ProfileReply:
+    def from_content(cls, content: Any) -> FlowerProfileReply:
         config = _config(content, "profile reply")
         counts = _field(config, "label_counts", "profile reply", (list,))
         if not counts or not all(isinstance(c, int) and c >= 0 for c in counts):

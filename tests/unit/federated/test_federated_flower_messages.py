@@ -8,8 +8,8 @@ import pytest
 
 from zpipe._errors import ProtocolError
 from zpipe.federated.flower_messages import (
-    ProfileReply,
-    ProfileRequest,
+    FlowerProfileReply,
+    FlowerProfileRequest,
     TrainReply,
     TrainRequest,
 )
@@ -19,9 +19,11 @@ flwr_app = pytest.importorskip("flwr.app")
 
 def test_messages_round_trip_through_flower_records() -> None:
     weights = np.linspace(-1.0, 1.0, 2410)
-    assert ProfileRequest.from_content(ProfileRequest(3).to_content()) == ProfileRequest(3)
-    reply = ProfileReply(7, 4.25, (0, 20, 20, 0))
-    assert ProfileReply.from_content(reply.to_content()) == reply
+    assert FlowerProfileRequest.from_content(
+        FlowerProfileRequest(3).to_content()
+    ) == FlowerProfileRequest(3)
+    reply = FlowerProfileReply(7, 4.25, (0, 20, 20, 0))
+    assert FlowerProfileReply.from_content(reply.to_content()) == reply
     request = TrainRequest.from_content(TrainRequest(11, 7, weights).to_content())
     assert (request.task_id, request.client_id) == (11, 7)
     assert np.array_equal(request.weights, weights)  # bit-exact: float64 on the wire
@@ -34,15 +36,15 @@ def test_bad_content_is_refused_with_a_protocol_error() -> None:
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
     with pytest.raises(ProtocolError, match="no 'zpipe' config record"):
-        ProfileRequest.from_content(RecordDict({}))
+        FlowerProfileRequest.from_content(RecordDict({}))
     with pytest.raises(ProtocolError, match="'tick'"):
-        ProfileRequest.from_content(RecordDict({"zpipe": ConfigRecord({"tick": "3"})}))
+        FlowerProfileRequest.from_content(RecordDict({"zpipe": ConfigRecord({"tick": "3"})}))
     bad_latency = {"client_id": 1, "latency_s": -1.0, "label_counts": [1, 2]}
     with pytest.raises(ProtocolError, match="latency"):
-        ProfileReply.from_content(RecordDict({"zpipe": ConfigRecord(bad_latency)}))
+        FlowerProfileReply.from_content(RecordDict({"zpipe": ConfigRecord(bad_latency)}))
     bad_counts = {"client_id": 1, "latency_s": 1.0, "label_counts": [1, -2]}
     with pytest.raises(ProtocolError, match="label counts"):
-        ProfileReply.from_content(RecordDict({"zpipe": ConfigRecord(bad_counts)}))
+        FlowerProfileReply.from_content(RecordDict({"zpipe": ConfigRecord(bad_counts)}))
     no_weights = RecordDict({"zpipe": ConfigRecord({"task_id": 1, "client_id": 2})})
     with pytest.raises(ProtocolError, match="no weights"):
         TrainRequest.from_content(no_weights)

@@ -19,7 +19,7 @@ from zpipe.federated.flower_deploy_control import DeploySettings
 from zpipe.federated.flower_messages import (
     PROFILE,
     TRAIN,
-    ProfileReply,
+    FlowerProfileReply,
     TrainReply,
     TrainRequest,
 )
@@ -55,7 +55,7 @@ class _Grid:
         if kind == PROFILE:
             shard = federation_of(self.settings).shards[client]
             counts = shard.label_counts(10)
-            reply = ProfileReply(client, 1.0, counts).to_content()
+            reply = FlowerProfileReply(client, 1.0, counts).to_content()
             return SimpleNamespace(metadata=meta, content=reply, has_error=lambda: False)
         assert kind == TRAIN
         request = TrainRequest.from_content(content)
