@@ -13,7 +13,8 @@
   :mod:`zpipe.stage.peer_policy` (the plan's owners, the sender's key, a budget);
   either crosses in chunks when it is big (:mod:`zpipe.stage.peer_transfer`).
 - an assignment's ``fetch`` list: the units to take from snapshots, here or at
-  peers (:meth:`SnapshotService.fetched_state`).
+  peers (:meth:`SnapshotService.fetched_state`), or, marked ``initial`` (a fast
+  recovery found no copy of a dead stage's units), to build afresh from the spec.
 - an asynchronous stage's chain copy made without draining
   (:mod:`zpipe.stage.live_copies`) goes to the next stage as a ``backup`` marked
   ``live`` (:meth:`SnapshotService.send_live_copy`); the holder keeps it apart from
@@ -36,6 +37,7 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, UnitsLostError
 from zpipe.log import get_logger
+from zpipe.models import ModelSpec
 from zpipe.models.size import peer_build_limit
 from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup, BackupOk, FetchUnits, StateChunk, StateChunkOk, Units
@@ -60,7 +62,7 @@ from zpipe.stage.peer_policy import (
 from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
-from zpipe.training.async_fast_state import restart_state_at, unit_digests
+from zpipe.training.async_fast_state import initial_state, restart_state_at, unit_digests
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES
 from zpipe.transport.sockets import SocketOptions
@@ -462,17 +464,43 @@ class SnapshotService:
         self._digests.add(task)  # held until done: a task only weakly referenced may vanish
         task.add_done_callback(logged)
 
-    async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
+    async def fetched_state(
+        self, fetch: list[Any], spec: ModelSpec | None = None
+    ) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a
-        peer's (its snapshot, or a backup it holds), fetched from that peer. An entry
-        with ``restart`` (an asynchronous run's fast recovery: a survivor's live state)
-        has its units put at that weight version (:func:`restart_state_at`)."""
+        peer's (its snapshot, or a backup it holds), fetched from that peer; an entry
+        marked ``initial`` (no copy of them was left) built here from ``spec``, the
+        assignment's model. An entry with ``restart`` (an asynchronous run's fast
+        recovery) has its units put at that weight version (:func:`restart_state_at`)."""
         state: dict[str, torch.Tensor] = {}
         for entry in fetch:
             if not isinstance(entry, dict):
                 raise ProtocolError("a fetch entry must be a map")
-            state.update(_restarted(await self._fetched_entry(entry), entry.get("restart")))
+            if entry.get("initial"):
+                units = await self._initial_entry(entry, spec)
+            else:
+                units = await self._fetched_entry(entry)
+            state.update(_restarted(units, entry.get("restart")))
         return state
+
+    async def _initial_entry(
+        self, entry: dict[str, Any], spec: ModelSpec | None
+    ) -> dict[str, torch.Tensor]:
+        """The initial weights of an ``initial`` entry's units, built in the compute
+        thread (as the shard's own units are)."""
+        try:
+            start, end = int(entry["start"]), int(entry["end"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"a malformed fetch entry: {exc!r}") from None
+        if spec is None:
+            raise ProtocolError("an initial fetch entry outside an assignment (no model)")
+        if entry.get("from", self.name) != self.name:
+            raise ProtocolError(f"initial weights are built here, not at {entry['from']!r}")
+        loop = asyncio.get_running_loop()
+        built = await loop.run_in_executor(self._compute, initial_state, spec, start, end)
+        log.info("initial_units_built", stage=self.name, start=start, end=end,
+                 owner=str(entry.get("owner", "")))  # fmt: skip
+        return built
 
     async def _fetched_entry(self, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The units of one fetch entry, from a snapshot here or at the peer it names."""

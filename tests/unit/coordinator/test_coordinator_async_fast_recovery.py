@@ -214,14 +214,38 @@ def test_two_adjacent_deaths_take_the_first_ones_units_from_the_global_copy() ->
     assert fast["dead"] == ["b", "c"]
 
 
-def test_a_dead_stage_without_any_copy_fails_the_resume_with_the_units_named() -> None:
+def test_a_dead_stage_without_any_copy_restarts_its_units_from_the_initial_weights() -> None:
     h = Harness()
     run = _start(h)
-    h.advance(8.0, alive=("a", "c", "d"))  # b dies before any copy was made
+    h.advance(8.0, alive=("a", "c", "d"))  # b dies before its first copy was made
     _resume(h, run, ["b"], acknowledged=1)
-    _survivors_answer(h, run, {"a": 1, "c": 1, "d": 1})
-    (failed,) = h.to_client("run_failed")
-    assert "2" in failed.body["error"], failed.body
+    _survivors_answer(h, run, {"a": 1, "c": 2, "d": 3})
+    assert not h.to_client("run_failed")
+    # nobody is asked for a copy: there is none
+    assert not [m for n in "acd" for m in h.to(n, "weights_request") if m.body.get("snapshot")]
+    got = _assigned(h, ["a", "c", "d"])
+    assert [got[n]["range"] for n in ("a", "c", "d")] == [(0, 2), (2, 4), (4, 6)]
+    # nothing comes with an assignment: b's unit 2 is built by its new holder c from
+    # the model spec (version 0), put at the acknowledged version like the rest
+    assert all(not g["weights"] and not g["versions"] for g in got.values())
+    (entry,) = [e for e in got["c"]["fetch"] if e.get("initial")]
+    assert (entry["from"], entry["owner"], entry["step"], entry["start"], entry["end"]) == (
+        "c",
+        "b",
+        0,
+        2,
+        3,
+    )
+    assert _fetched(got)[2] == ("c", "c", 0)
+    assert all(r == {"version": 1, "depth": 4} for r in _restarts(got))
+    assert _grants(h) == []  # built in place: no fetch from a peer
+    fast = _ready(h, ["a", "c", "d"])
+    assert fast["copies_used"] == {"initial": [2]}
+    assert fast["max_lost"] == 1 and fast["lost"] == {"2": 1}
+    kinds = {s["unit"]: (s["kind"], s["source"], s["version"]) for s in fast["sources"]}
+    assert kinds[2] == ("initial", "c", 0)
+    (warned,) = h.events("fast_initial_weights")
+    assert warned["units"] == [2] and warned["progress_lost"] == 1
 
 
 def test_a_fast_resume_of_a_run_the_coordinator_does_not_hold_is_refused() -> None:

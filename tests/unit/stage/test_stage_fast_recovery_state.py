@@ -201,3 +201,44 @@ async def test_kept_units_load_locally_and_are_served_to_the_peer_granted_them()
     # a malformed restart is refused, not guessed
     with pytest.raises(ProtocolError, match="restart"):
         await service.fetched_state([{**entry, "restart": {"version": "x"}}])
+
+
+async def test_units_of_no_copy_are_built_here_at_their_initial_weights() -> None:
+    # a fast recovery found no copy of the dead stage's units 2-3 (it died before its
+    # first chain copy landed): c builds them from the model spec, version 0 exactly,
+    # and resumes them with the units it kept, all at the acknowledged version
+    service = _service()
+    survivor = _trained(6, 2)
+
+    async def stop() -> None:
+        pass
+
+    ask = WeightsRequest(run=3, step=0, optimizer=True, latest=True, keep=True)
+    await service.weights_reply(ask, _survivor(survivor, 3), stop)
+    restart = {"version": 7, "depth": 3}
+    kept = {"from": "c", "owner": "c", "run": 3, "step": 6, "start": 0, "end": 2,
+            "restart": restart}  # fmt: skip
+    initial = {"from": "c", "owner": "b", "run": 3, "step": 0, "start": 2, "end": 4,
+               "initial": True, "restart": restart}  # fmt: skip
+    got = await service.fetched_state([kept, initial], SPEC)
+    fresh = _shard(0, 4).training_state()  # a fresh build: the run's version 0
+    trained = survivor.training_state()
+    for u in range(4):
+        assert got[f"units.{u}.#live_versions"].tolist() == [5, 6, 7]
+    for key, value in got.items():
+        if "#live_versions" in key:
+            continue
+        unit = int(key.split(".")[1])
+        assert _bits(value, (trained if unit < 2 else fresh)[key]), key
+    # no optimizer state for the initial units: none exists before a first update
+    assert not any("#opt" in k for k in got if k.startswith(("units.2.", "units.3.")))
+    key = "units.2.linear.weight"
+    assert not _bits(got[key], trained[key])  # truly fresh, not the trained weights
+    resumed = _shard(0, 4)
+    resumed.load_training_state(got)
+    assert resumed.updates == 7
+    # an initial entry is built here only, and only for an assignment's model
+    with pytest.raises(ProtocolError, match="no model"):
+        await service.fetched_state([initial])
+    with pytest.raises(ProtocolError, match="built here"):
+        await service.fetched_state([{**initial, "from": "d"}], SPEC)

@@ -20,7 +20,10 @@ acknowledged (their losses came back). Then:
     the dead's units ─> from the copy the plan names: a chain copy held by a
         surviving stage (``weights_request`` ``snapshot`` naming owner, run and
         mini-batch: the stage serves it from the copies its peers made), or one the
-        coordinator holds (the last stage's chain copy, a global copy)
+        coordinator holds (the last stage's chain copy, a global copy); a unit of
+        no copy (a death before the first copy landed) is built afresh from the
+        model spec by its new holder (a fetch entry marked ``initial``: version 0,
+        nothing travels), and the plan reports every acknowledged mini-batch lost
     the survivors' units ─> peer to peer: each new holder's assignment names them
         as fetch entries (:func:`survivor_fetches`), a unit it keeps from its own
         snapshot, a unit the re-cut moves from the survivor that had it (the fetch
@@ -201,7 +204,7 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         failed: dict[tuple[str, str], str] = {}
         for dest in fast.order:
             for r in fast.ranges_of(dest):
-                if r.kind in ("kept", "peer"):
+                if r.kind in _AT_THE_STAGES:
                     continue
                 if r.source == COORDINATOR:
                     try:
@@ -257,11 +260,20 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
     restore = RestoreChoice(
         replica,
         survivor_fetches(fast, run.run, updates, depth=depth),
-        {d: [(r.start, r.end) for r in fast.ranges_of(d) if r.kind not in ("kept", "peer")]
+        {d: [(r.start, r.end) for r in fast.ranges_of(d) if r.kind not in _AT_THE_STAGES]
          for d in fast.order},
     )  # fmt: skip
+    if fast.initial_units:
+        # no copy of these units was left: they start again from version 0
+        yield Log("warning", "fast_initial_weights", {"run": run.run,
+                  "units": fast.initial_units, "progress_lost": acknowledged})  # fmt: skip
     yield Log("info", "async_fast_recovery", {"run": run.run, **fast.summary()})
     return FastResume(new_plan, restore, fast)
+
+
+# the sources a stage gets without the coordinator: a survivor's live weights (its
+# own or a peer's snapshot), and the initial weights it builds itself
+_AT_THE_STAGES = ("kept", "peer", "initial")
 
 
 def survivor_fetches(
@@ -271,7 +283,9 @@ def survivor_fetches(
     range it keeps from its own snapshot (``from`` itself), a range the re-cut moves
     from the survivor's that had it (a peer fetch, granted to it alone); every
     snapshot is the survivor's state after its update count (``keep``), put at the
-    resume version by the stage that loads it (``restart``)."""
+    resume version by the stage that loads it (``restart``). A range of no copy
+    (``initial``) the new holder builds from the model spec (``from`` itself, step
+    0), put at the resume version too."""
     restart = {"version": fast.resume_at, "depth": depth}
     out: dict[str, list[dict[str, Any]]] = {d: [] for d in fast.order}
     for dest in fast.order:
@@ -280,6 +294,12 @@ def survivor_fetches(
                 out[dest].append(
                     {"from": r.source, "owner": r.source, "run": run,
                      "step": updates[r.source], "start": r.start, "end": r.end,
+                     "restart": dict(restart)}
+                )  # fmt: skip
+            elif r.kind == "initial":
+                out[dest].append(
+                    {"from": dest, "owner": r.owner, "run": run, "step": r.version,
+                     "start": r.start, "end": r.end, "initial": True,
                      "restart": dict(restart)}
                 )  # fmt: skip
     return out
