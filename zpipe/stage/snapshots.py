@@ -136,7 +136,9 @@ class SnapshotService:
         try:
             snapshot = request.snapshot
             if snapshot is not None:
-                # heavy recovery gathers snapshots kept here, whatever runs now
+                # heavy recovery gathers snapshots kept here, whatever runs now; a
+                # fast recovery (``keep``) asks only that they are here: the new
+                # holders fetch them from here, peer to peer
                 state = self.snapshot_units(snapshot)
             elif trainer is None or trainer.setup.run != run:
                 raise PipelineError(f"this stage is not training run {run}")
@@ -176,7 +178,7 @@ class SnapshotService:
                     if request.optimizer
                     else shard.state_dict()
                 )
-            if request.keep and updates is not None:
+            if request.keep and (updates is not None or snapshot is not None):
                 return dataclasses.replace(
                     reply,
                     keys=list(state),
@@ -355,15 +357,18 @@ class SnapshotService:
             start=message.start,
             end=message.end,
         )
-        refusal = fetch_refusal(
-            request, sender, newest_run=self.replicas.newest_run(), grants=self.fetch_grants
-        )
+        key = (request.owner, request.run, request.step)
+        # a chain copy a peer made without draining is kept for a recovery to read by
+        # owner, run and mini-batch, whatever run is newer here (the grant names it)
+        live = key not in self.replicas and key in self.live_copies
+        newest = None if live else self.replicas.newest_run()
+        refusal = fetch_refusal(request, sender, newest_run=newest, grants=self.fetch_grants)
         if refusal is not None:
             log.warning("fetch_refused", stage=self.name, owner=request.owner,
                         peer=sender.describe(), error=refusal)  # fmt: skip
             return Units(keys=[], error=refusal)
         try:
-            units = self.replicas.units(
+            units = self.held_units(
                 request.owner, request.run, request.step, request.start, request.end
             )
         except ConfigError as exc:
@@ -511,7 +516,8 @@ class SnapshotService:
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"a malformed fetch entry: {exc!r}") from None
         if source == self.name:
-            units = self.replicas.units(owner, run, step, start, end)
+            # its own snapshot, a backup, or a chain copy a peer made (loaded in place)
+            units = self.held_units(owner, run, step, start, end)
             return {k: t.clone() for k, t in units.items()}
         link = PeerLink(
             self._context,
