@@ -8,8 +8,9 @@ first mini-batch whose loss had not come back (no mini-batch is trained twice or
 skipped); every unit the survivors kept starts the resumed run with the weights
 and optimizer state the survivor had when it stopped, bit for bit (the digests
 the survivor logs when it stops and the resumed stage logs when it starts); and
-the dead stage's units came from its chain copy at the next stage. Waits are for
-log events, each with a generous deadline.
+the dead stage's units came from its chain copy at the next stage, peer to peer
+(the new holder fetched it from there, or the holder loaded it in place). Waits
+are for log events, each with a generous deadline.
 """
 
 from __future__ import annotations
@@ -85,10 +86,18 @@ def test_a_killed_middle_stage_recovers_fast_from_its_chain_copy(
     resumed = {n: _events(logs[n], "async_state_resumed") for n in ("a", "c")}
     assert all(len(r) == 1 and r[0]["updates"] == resumed_at for r in resumed.values())
 
-    # the dead stage's units came from its chain copy at c
+    # the dead stage's units came from its chain copy at c, which c confirmed it held;
+    # never through the coordinator: a fetched unit 1 from c (peer to peer, granted),
+    # c loaded unit 2 in place
     assert {u: report.unit_sources[u] for u in (1, 2)} == {1: "chain@c", 2: "chain@c"}
-    (fetched,) = _events(logs["coordinator"], "chain_copies_fetched")
-    assert fetched["holders"] == ["c"]
+    (confirmed,) = _events(logs["coordinator"], "chain_copies_confirmed")
+    assert confirmed["holders"] == ["c"]
+    assert fast["bounds"] == [0, 2, 4], fast  # one capacity each: two units a survivor
+    (planned,) = [e for e in _events(logs["coordinator"], "restore_planned")
+                  if e["recovery"] == "fast"]  # fmt: skip
+    assert (planned["from_peers"], planned["from_coordinator"]) == (1, 0), planned
+    served = _events(logs["c"], "units_served")
+    assert [(e["owner"], e["start"], e["end"]) for e in served] == [("b", 1, 2)], served
     assert recovery["progress_lost"] == report.progress_lost >= 1
 
     # the survivors' units: the state each had when it stopped, bit for bit

@@ -84,5 +84,5 @@ def test_two_adjacent_deaths_restore_the_first_from_the_global_copy(
     assert report.unit_sources[0] == "kept"
     assert {u: report.unit_sources[u] for u in (1, 2)} == {1: "global", 2: "global"}
     assert report.unit_sources[3] in ("chain@coordinator", "global")
-    assert not _events(logs, "chain_copies_fetched")  # nothing was asked of a stage
+    assert not _events(logs, "chain_copies_confirmed")  # nothing was asked of a stage
     assert report.progress_lost >= 1

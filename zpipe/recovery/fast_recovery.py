@@ -11,8 +11,14 @@ What the paper does after workers die, and what :func:`plan_fast_recovery` retur
   newer than the last completed chain copy wins: see :func:`freshest_copy`). Two
   adjacent deaths lose the first one's chain copy with its holder, so its units
   come from the global copy. The ledger records a copy only once its transfer
-  completed, so a copy a death interrupted is never chosen. No copy at all:
-  :class:`~zpipe.recovery.errors.WeightsLostError` naming the units.
+  completed, so a copy a death interrupted is never chosen. No completed copy at
+  a live holder (a death before the first chain copy reached the next stage: the
+  first is made after ``chain_every`` mini-batches, and it is on its way a while
+  after that): the unit's initial weights (source ``"initial"``, version 0), which
+  the run's model spec and seed rebuild exactly at the new holder (no copy is
+  made at mini-batch 0: the spec is that copy), as an exact rollback to a replica
+  of mini-batch 0 would; the unit loses every mini-batch acknowledged so far, and
+  the report says so.
 - **The survivors are re-partitioned by eq. 5**
   (:func:`zpipe.planner.ftpipehd.ftpipehd_partition`) over their measured
   capacities and the links between the survivors that become neighbours, in the
@@ -20,7 +26,8 @@ What the paper does after workers die, and what :func:`plan_fast_recovery` retur
   measurements every capacity is 1 (the paper's fallback to eq. 7). A unit that
   changes survivor moves peer to peer from the survivor that holds it (source
   ``"peer"``); a restored unit is fetched from its copy's holder (``"chain"`` or
-  ``"global"``; a survivor may load a chain copy it holds itself).
+  ``"global"``; a survivor may load a chain copy it holds itself); a unit of no
+  copy is built afresh by its new holder (``"initial"``: nothing travels).
 - **The pipeline resumes at the first un-acknowledged mini-batch**: the id of the
   first mini-batch whose gradients did not come back to the client (FTPipeHD resets
   both committed ids to it on every node). Mini-batches forwarded past it are
@@ -59,23 +66,28 @@ from typing import Any
 
 from zpipe._errors import ConfigError
 from zpipe.planner.ftpipehd import ftpipehd_partition
-from zpipe.recovery.errors import RecoveryError, WeightsLostError
+from zpipe.recovery.errors import RecoveryError
 from zpipe.recovery.live_copies import CopyLedger, CopyRecord
 from zpipe.recovery.spans import COORDINATOR, StageSpan, validate_spans
 
-SOURCE_KINDS = ("kept", "peer", "chain", "global")
+SOURCE_KINDS = ("kept", "peer", "chain", "global", "initial")
+# the weight version of a unit built afresh from the model spec and seed
+INITIAL_VERSION = 0
 
 
 @dataclass(frozen=True)
 class UnitSource:
     """Where unit ``unit`` of the new partition comes from: ``dest`` runs it, with the
     weights ``source`` holds (``kind``: kept by ``dest``, a survivor's ``peer`` move,
-    a ``chain`` or ``global`` copy), after ``version`` mini-batches. ``lost``: the
+    a ``chain`` or ``global`` copy, or the ``initial`` weights ``dest`` builds from
+    the model spec when no copy was left), after ``version`` mini-batches. ``lost``: the
     mini-batches of progress the unit misses (resuming past its version);
     ``reapplied``: the mini-batches it will apply a second time (its version was past
     the resume id). ``owner`` and ``run``: whose copy it is and of which run (what a
     holder files its copies under); for live weights (``kept``, ``peer``) the owner
-    is ``source`` and ``run`` is None."""
+    is ``source`` and ``run`` is None; for ``initial`` weights the owner is the stage
+    whose committed units it was (the dead one, or a survivor that switched away from
+    it mid-commit) and ``run`` is None."""
 
     unit: int
     dest: str
@@ -197,9 +209,14 @@ class FastRecoveryPlan:
         return out
 
     def fetches(self) -> list[UnitSource]:
-        """The units that travel (every source but ``kept``, and a chain copy a stage
-        loads from itself)."""
+        """The units that travel (every source but ``kept``, ``initial`` and a chain
+        copy a stage loads from itself)."""
         return [s for s in self.sources if s.kind != "kept" and s.source != s.dest]
+
+    @property
+    def initial_units(self) -> list[int]:
+        """The units no copy was left of, built afresh from the model spec."""
+        return [s.unit for s in self.sources if s.kind == "initial"]
 
     @property
     def lost_per_unit(self) -> dict[int, int]:
@@ -211,12 +228,12 @@ class FastRecoveryPlan:
         return max((s.lost for s in self.sources), default=0)
 
     def copies_used(self) -> dict[str, list[int]]:
-        """Which copy each restored unit came from: ``"chain@holder"`` or ``"global"`` ->
-        its units."""
+        """Which copy each restored unit came from: ``"chain@holder"``, ``"global"`` or
+        ``"initial"`` (no copy: the initial weights) -> its units."""
         used: dict[str, list[int]] = {}
         for s in self.sources:
-            if s.kind in ("chain", "global"):
-                key = "global" if s.kind == "global" else f"chain@{s.source}"
+            if s.kind in ("chain", "global", "initial"):
+                key = f"chain@{s.source}" if s.kind == "chain" else s.kind
                 used.setdefault(key, []).append(s.unit)
         return used
 
@@ -302,10 +319,10 @@ def plan_fast_recovery(
     ``holding``: the units each survivor says it holds (absent: its committed ones);
     a survivor that switched to a move's cuts before a death stopped the commit
     elsewhere holds other units than the committed partition says, and every unit
-    no survivor holds is restored from its copy (the plan's ``switched``). Raises
-    :class:`~zpipe.recovery.errors.WeightsLostError` when a dead stage's unit has
-    no copy left, :class:`~zpipe.recovery.errors.RecoveryError` when no stage
-    survives, and :class:`~zpipe._errors.ConfigError` on malformed input.
+    no survivor holds is restored from its copy (the plan's ``switched``), or, with
+    no copy left, from the initial weights (``initial``, version 0). Raises
+    :class:`~zpipe.recovery.errors.RecoveryError` when no stage survives, and
+    :class:`~zpipe._errors.ConfigError` on malformed input.
     """
     num_units = validate_spans(spans)
     for s in spans:
@@ -355,19 +372,17 @@ def plan_fast_recovery(
             holder_of.setdefault(u, d)
 
     # The units no survivor holds (the dead stages'), each from its nearest completed
-    # copy.
+    # copy; with none (a death before the first copy landed), its initial weights.
     restored: dict[int, CopyRecord] = {}
-    lost_units: list[int] = []
+    initial: dict[int, str] = {}  # unit -> the stage whose committed unit it was
     for u in range(num_units):
         if u in holder_of:
             continue
         copy = freshest_copy(ledger, u, survivors)
         if copy is None:
-            lost_units.append(u)
+            initial[u] = next(d for d, (a, b) in committed.items() if a <= u < b)
         else:
             restored[u] = copy
-    if lost_units:
-        raise WeightsLostError(lost_units, None)
 
     # Eq. 5 over the survivors, in their order.
     if capacities is None:
@@ -398,6 +413,10 @@ def plan_fast_recovery(
             if copy is not None:
                 kind, source, version = copy.kind, copy.holder, copy.step
                 owner, run = copy.owner, copy.run
+            elif u in initial:
+                # built afresh where it will run: nothing travels
+                kind, source, version = "initial", dest, INITIAL_VERSION
+                owner, run = initial[u], None
             else:
                 source = holder_of[u]
                 kind = "kept" if source == dest else "peer"
@@ -480,6 +499,7 @@ def _bandwidth(bandwidths: Mapping[tuple[str, str], float], a: str, b: str) -> f
 
 
 __all__ = [
+    "INITIAL_VERSION",
     "SOURCE_KINDS",
     "FastRecoveryPlan",
     "SourceRange",

@@ -142,7 +142,7 @@ def _build_training(kind: type[TrainShard], spec: ModelSpec, start: int, end: in
 
 ShardKey = tuple[ModelSpec, int, int, str]  # (spec, start, end, dtype)
 # the units an assignment's "fetch" list names, from snapshots here or at peers
-FetchState = Callable[[list[Any]], Awaitable[dict[str, torch.Tensor]]]
+FetchState = Callable[[list[Any], ModelSpec], Awaitable[dict[str, torch.Tensor]]]
 # (assignment, its "train" settings) -> the senders to allow
 PrepareTraining = Callable[[Assignment, dict[str, Any]], list["str | None"]]
 ParseTraining = Callable[[Assign], TrainingSetup]
@@ -188,7 +188,9 @@ class AssignmentBuilder:
             train = dict(message.train or {})  # parse_training found the settings
             resumed = resumed_state(message)
             if message.fetch:
-                resumed = {**(resumed or {}), **await fetch_state(list(message.fetch))}
+                # (the model: a fast recovery's "initial" entries are built from it)
+                fetched = await fetch_state(list(message.fetch), spec)
+                resumed = {**(resumed or {}), **fetched}
             # asynchronous 1F1B keeps weight versions (zpipe.stage.executors.async_shard)
             kind = AsyncShard if training.schedule == ASYNC_SCHEDULE else TrainShard
             shard = await loop.run_in_executor(

@@ -13,7 +13,8 @@
   :mod:`zpipe.stage.peer_policy` (the plan's owners, the sender's key, a budget);
   either crosses in chunks when it is big (:mod:`zpipe.stage.peer_transfer`).
 - an assignment's ``fetch`` list: the units to take from snapshots, here or at
-  peers (:meth:`SnapshotService.fetched_state`).
+  peers (:meth:`SnapshotService.fetched_state`), or, marked ``initial`` (a fast
+  recovery found no copy of a dead stage's units), to build afresh from the spec.
 - an asynchronous stage's chain copy made without draining
   (:mod:`zpipe.stage.live_copies`) goes to the next stage as a ``backup`` marked
   ``live`` (:meth:`SnapshotService.send_live_copy`); the holder keeps it apart from
@@ -37,6 +38,7 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, PipelineError, ProtocolError, UnitsLostError
 from zpipe.log import get_logger
+from zpipe.models import ModelSpec
 from zpipe.models.size import peer_build_limit
 from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup, BackupOk, FetchUnits, StateChunk, StateChunkOk, Units
@@ -61,7 +63,7 @@ from zpipe.stage.peer_policy import (
 from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
-from zpipe.training.async_fast_state import restart_state_at, unit_digests
+from zpipe.training.async_fast_state import initial_state, restart_state_at, unit_digests
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES, stall_after_s
 from zpipe.transport.sockets import SocketOptions
@@ -139,7 +141,9 @@ class SnapshotService:
         try:
             snapshot = request.snapshot
             if snapshot is not None:
-                # heavy recovery gathers snapshots kept here, whatever runs now
+                # heavy recovery gathers snapshots kept here, whatever runs now; a
+                # fast recovery (``keep``) asks only that they are here: the new
+                # holders fetch them from here, peer to peer
                 state = self.snapshot_units(snapshot)
             elif trainer is None or trainer.setup.run != run:
                 raise PipelineError(f"this stage is not training run {run}")
@@ -179,7 +183,7 @@ class SnapshotService:
                     if request.optimizer
                     else shard.state_dict()
                 )
-            if request.keep and updates is not None:
+            if request.keep and (updates is not None or snapshot is not None):
                 return dataclasses.replace(
                     reply,
                     keys=list(state),
@@ -358,15 +362,18 @@ class SnapshotService:
             start=message.start,
             end=message.end,
         )
-        refusal = fetch_refusal(
-            request, sender, newest_run=self.replicas.newest_run(), grants=self.fetch_grants
-        )
+        key = (request.owner, request.run, request.step)
+        # a chain copy a peer made without draining is kept for a recovery to read by
+        # owner, run and mini-batch, whatever run is newer here (the grant names it)
+        live = key not in self.replicas and key in self.live_copies
+        newest = None if live else self.replicas.newest_run()
+        refusal = fetch_refusal(request, sender, newest_run=newest, grants=self.fetch_grants)
         if refusal is not None:
             log.warning("fetch_refused", stage=self.name, owner=request.owner,
                         peer=sender.describe(), error=refusal)  # fmt: skip
             return Units(keys=[], error=refusal)
         try:
-            units = self.replicas.units(
+            units = self.held_units(
                 request.owner, request.run, request.step, request.start, request.end
             )
         except ConfigError as exc:
@@ -467,17 +474,43 @@ class SnapshotService:
         self._digests.add(task)  # held until done: a task only weakly referenced may vanish
         task.add_done_callback(logged)
 
-    async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
+    async def fetched_state(
+        self, fetch: list[Any], spec: ModelSpec | None = None
+    ) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a
-        peer's (its snapshot, or a backup it holds), fetched from that peer. An entry
-        with ``restart`` (an asynchronous run's fast recovery: a survivor's live state)
-        has its units put at that weight version (:func:`restart_state_at`)."""
+        peer's (its snapshot, or a backup it holds), fetched from that peer; an entry
+        marked ``initial`` (no copy of them was left) built here from ``spec``, the
+        assignment's model. An entry with ``restart`` (an asynchronous run's fast
+        recovery) has its units put at that weight version (:func:`restart_state_at`)."""
         state: dict[str, torch.Tensor] = {}
         for entry in fetch:
             if not isinstance(entry, dict):
                 raise ProtocolError("a fetch entry must be a map")
-            state.update(_restarted(await self._fetched_entry(entry), entry.get("restart")))
+            if entry.get("initial"):
+                units = await self._initial_entry(entry, spec)
+            else:
+                units = await self._fetched_entry(entry)
+            state.update(_restarted(units, entry.get("restart")))
         return state
+
+    async def _initial_entry(
+        self, entry: dict[str, Any], spec: ModelSpec | None
+    ) -> dict[str, torch.Tensor]:
+        """The initial weights of an ``initial`` entry's units, built in the compute
+        thread (as the shard's own units are)."""
+        try:
+            start, end = int(entry["start"]), int(entry["end"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"a malformed fetch entry: {exc!r}") from None
+        if spec is None:
+            raise ProtocolError("an initial fetch entry outside an assignment (no model)")
+        if entry.get("from", self.name) != self.name:
+            raise ProtocolError(f"initial weights are built here, not at {entry['from']!r}")
+        loop = asyncio.get_running_loop()
+        built = await loop.run_in_executor(self._compute, initial_state, spec, start, end)
+        log.info("initial_units_built", stage=self.name, start=start, end=end,
+                 owner=str(entry.get("owner", "")))  # fmt: skip
+        return built
 
     async def _fetched_entry(self, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The units of one fetch entry, from a snapshot here or at the peer it names."""
@@ -488,7 +521,8 @@ class SnapshotService:
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"a malformed fetch entry: {exc!r}") from None
         if source == self.name:
-            units = self.replicas.units(owner, run, step, start, end)
+            # its own snapshot, a backup, or a chain copy a peer made (loaded in place)
+            units = self.held_units(owner, run, step, start, end)
             return {k: t.clone() for k, t in units.items()}
         link = PeerLink(
             self._context,

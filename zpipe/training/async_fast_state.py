@@ -15,7 +15,13 @@ first ``depth - 1`` forwards after the resume use the weights as restored (the
 stage's first update makes the next version), which every stage agrees on, so
 the versions of one mini-batch stay the same model version on every stage.
 
-Pure: tensors in, tensors out (the tensors are not copied).
+A unit no copy was left of (its stage died before its first copy landed) starts
+again from its initial weights: :func:`initial_state` builds them from the model
+spec as any stage builds its units (each unit's weights depend only on the seed
+and its index, or come from the spec's weights file), exactly version 0.
+
+Pure: tensors in, tensors out (the tensors are not copied); :func:`initial_state`
+builds modules (run it off the event loop).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from collections.abc import Mapping
 import torch
 
 from zpipe._errors import ConfigError
-from zpipe.models.weights import split_unit_key
+from zpipe.models import ModelSpec, load_layer_sequence
+from zpipe.models.weights import split_unit_key, unit_key
 from zpipe.recovery.live_copies import state_digest
 from zpipe.training.async_regroup import LIVE_VERSIONS_KEY, VERSION_KEY, needed_versions
 
@@ -56,6 +63,18 @@ def restart_state_at(
     return out
 
 
+def initial_state(spec: ModelSpec, start: int, end: int) -> dict[str, torch.Tensor]:
+    """Units ``[start, end)`` of ``spec`` at their initial weights (version 0, no
+    optimizer state: none exists before a unit's first update), keyed as a stage's
+    training state is."""
+    units = load_layer_sequence(spec).build_units(start, end)
+    out: dict[str, torch.Tensor] = {}
+    for offset, unit in enumerate(units):
+        for name, tensor in unit.state_dict().items():
+            out[unit_key(start + offset, name)] = tensor.detach()
+    return out
+
+
 def unit_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Each unit's digest of its live weights and optimizer state (stashed versions and
     their markers left out): what a survivor logs when it stops and again once it
@@ -69,4 +88,4 @@ def unit_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {str(u): state_digest(by_unit[u]) for u in sorted(by_unit)}
 
 
-__all__ = ["restart_state_at", "unit_digests"]
+__all__ = ["initial_state", "restart_state_at", "unit_digests"]

@@ -96,6 +96,22 @@ def _kept_state(h: Harness, run: int, name: str, start: int, end: int, count: in
     h.feed_message(name, Message("weights", body))  # type: ignore[attr-defined]
 
 
+def _confirm(
+    h: Harness, holder: str, owner: str, run: int, step: int, units: tuple[int, int]
+) -> None:
+    """``holder`` says it holds ``owner``'s chain copy of ``units`` (asked with ``keep``:
+    only the keys come back; the new holder fetches the tensors from there)."""
+    (ask,) = h.to(holder, "weights_request")[-1:]
+    start, end = units
+    assert ask.body["snapshot"] == [
+        {"owner": owner, "run": run, "step": step, "start": start, "end": end}
+    ]
+    assert ask.body["keep"] is True
+    body = {"name": holder, "keys": list(_units(start, end, 0.0)), "error": "", "step": 0,
+            "run": 0}  # fmt: skip
+    h.feed_message(holder, Message("weights", body))  # type: ignore[attr-defined]
+
+
 def _survivors_answer(h: Harness, run: int, updates: dict[str, int]) -> None:
     for name, count in updates.items():
         start, end = PARTITION[NAMES.index(name)]
@@ -156,25 +172,26 @@ def test_one_death_restores_the_dead_units_from_the_chain_copy_the_next_stage_ho
     h.advance(8.0, alive=("a", "c", "d"))  # b dies; c holds its chain copy of 6
     _resume(h, run, ["b"], acknowledged=7)
     _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
-    # b's units come from c, asked for by owner, run and mini-batch
-    (ask,) = h.to("c", "weights_request")[-1:]
-    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
-    state = _units(2, 3, 60.0)
-    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
-    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    # c confirms it holds b's chain copy (by owner, run and mini-batch): keys only
+    _confirm(h, "c", "b", run, 6, (2, 3))
     got = _assigned(h, ["a", "c", "d"])
     # eq. 5 over three survivors with no measurements: two units each
     assert [got[n]["range"] for n in ("a", "c", "d")] == [(0, 2), (2, 4), (4, 6)]
-    # only b's unit 2 comes with an assignment, from the chain copy (6), at the
-    # acknowledged version 7 with the versions depth 4 reads next
-    weights = {k: v for g in got.values() for k, v in g["weights"].items()}
-    assert weights == {"units.2.weight": 62.0}
-    versions = {k: v for g in got.values() for k, v in g["versions"].items()}
-    assert versions == {"units.2.#live_versions": [4, 5, 6, 7]}
-    # each survivor loads the units it keeps from its own snapshot (its update count),
-    # put at version 7 there: nothing of theirs travels
-    assert _fetched(got) == {0: ("a", "a", 8), 1: ("a", "a", 8), 3: ("c", "c", 9),
-                             4: ("d", "d", 9), 5: ("d", "d", 9)}  # fmt: skip
+    # nothing comes with an assignment: b's unit 2 goes to c, which holds its chain
+    # copy (6) and loads it in place
+    assert all(not g["weights"] and not g["versions"] for g in got.values())
+    (chain,) = [e for e in got["c"]["fetch"] if e["owner"] == "b"]
+    assert (chain["from"], chain["run"], chain["step"], chain["start"], chain["end"]) == (
+        "c",
+        run,
+        6,
+        2,
+        3,
+    )
+    # each survivor loads the units it keeps from its own snapshot (its update count):
+    # every unit put at version 7 where it is loaded; nothing travels
+    assert _fetched(got) == {0: ("a", "a", 8), 1: ("a", "a", 8), 2: ("c", "c", 6),
+                             3: ("c", "c", 9), 4: ("d", "d", 9), 5: ("d", "d", 9)}  # fmt: skip
     assert all(r == {"version": 7, "depth": 4} for r in _restarts(got))
     assert _grants(h) == []  # no stage fetches from another
     fast = _ready(h, ["a", "c", "d"])
@@ -195,33 +212,54 @@ def test_two_adjacent_deaths_take_the_first_ones_units_from_the_global_copy() ->
     h.advance(8.0, alive=("a", "d"))  # b and c die: b's chain copy died with c
     _resume(h, run, ["b", "c"], acknowledged=7)
     _survivors_answer(h, run, {"a": 8, "d": 9})
-    # c's units from its chain copy at d (6), asked of d after its own state
-    (ask,) = h.to("d", "weights_request")[-1:]
-    assert ask.body["snapshot"] == [{"owner": "c", "run": run, "step": 6, "start": 3, "end": 4}]
-    state = _units(3, 4, 60.0)
-    body = {"name": "d", "keys": list(state), "error": "", "step": 0, "run": 0}
-    h.feed_message("d", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    # c's units from its chain copy at d (6), confirmed by d after its own state
+    _confirm(h, "d", "c", run, 6, (3, 4))
     got = _assigned(h, ["a", "d"])
     assert [got[n]["range"] for n in ("a", "d")] == [(0, 3), (3, 6)]
     weights = {k: v for g in got.values() for k, v in g["weights"].items()}
-    # b's unit 2 from the global copy of mini-batch 4, held here; c's from its chain copy
-    assert weights == {"units.2.weight": 42.0, "units.3.weight": 63.0}
-    assert _fetched(got) == {0: ("a", "a", 8), 1: ("a", "a", 8), 4: ("d", "d", 9),
-                             5: ("d", "d", 9)}  # fmt: skip
+    # b's unit 2 from the global copy of mini-batch 4, held here; c's from its chain
+    # copy, which d loads in place
+    assert weights == {"units.2.weight": 42.0}
+    assert _fetched(got) == {0: ("a", "a", 8), 1: ("a", "a", 8), 3: ("d", "d", 6),
+                             4: ("d", "d", 9), 5: ("d", "d", 9)}  # fmt: skip
     fast = _ready(h, ["a", "d"])
     assert fast["copies_used"] == {"global": [2], "chain@d": [3]}
     assert fast["max_lost"] == 3 and fast["lost"] == {"2": 3, "3": 1}
     assert fast["dead"] == ["b", "c"]
 
 
-def test_a_dead_stage_without_any_copy_fails_the_resume_with_the_units_named() -> None:
+def test_a_dead_stage_without_any_copy_restarts_its_units_from_the_initial_weights() -> None:
     h = Harness()
     run = _start(h)
-    h.advance(8.0, alive=("a", "c", "d"))  # b dies before any copy was made
+    h.advance(8.0, alive=("a", "c", "d"))  # b dies before its first copy was made
     _resume(h, run, ["b"], acknowledged=1)
-    _survivors_answer(h, run, {"a": 1, "c": 1, "d": 1})
-    (failed,) = h.to_client("run_failed")
-    assert "2" in failed.body["error"], failed.body
+    _survivors_answer(h, run, {"a": 1, "c": 2, "d": 3})
+    assert not h.to_client("run_failed")
+    # nobody is asked for a copy: there is none
+    assert not [m for n in "acd" for m in h.to(n, "weights_request") if m.body.get("snapshot")]
+    got = _assigned(h, ["a", "c", "d"])
+    assert [got[n]["range"] for n in ("a", "c", "d")] == [(0, 2), (2, 4), (4, 6)]
+    # nothing comes with an assignment: b's unit 2 is built by its new holder c from
+    # the model spec (version 0), put at the acknowledged version like the rest
+    assert all(not g["weights"] and not g["versions"] for g in got.values())
+    (entry,) = [e for e in got["c"]["fetch"] if e.get("initial")]
+    assert (entry["from"], entry["owner"], entry["step"], entry["start"], entry["end"]) == (
+        "c",
+        "b",
+        0,
+        2,
+        3,
+    )
+    assert _fetched(got)[2] == ("c", "c", 0)
+    assert all(r == {"version": 1, "depth": 4} for r in _restarts(got))
+    assert _grants(h) == []  # built in place: no fetch from a peer
+    fast = _ready(h, ["a", "c", "d"])
+    assert fast["copies_used"] == {"initial": [2]}
+    assert fast["max_lost"] == 1 and fast["lost"] == {"2": 1}
+    kinds = {s["unit"]: (s["kind"], s["source"], s["version"]) for s in fast["sources"]}
+    assert kinds[2] == ("initial", "c", 0)
+    (warned,) = h.events("fast_initial_weights")
+    assert warned["units"] == [2] and warned["progress_lost"] == 1
 
 
 def test_a_fast_resume_of_a_run_the_coordinator_does_not_hold_is_refused() -> None:
@@ -308,13 +346,10 @@ def test_the_survivors_are_recut_by_eq5_over_the_capacities_the_run_measured() -
     h.advance(8.0, alive=("a", "c", "d"))
     _resume(h, run, ["b"], acknowledged=7)
     _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
-    # b's unit 2 goes to a now: from its chain copy at c, asked of c
-    (ask,) = h.to("c", "weights_request")[-1:]
-    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
-    state = _units(2, 3, 60.0)
-    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
-    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    # b's unit 2 from its chain copy at c, confirmed by c
+    _confirm(h, "c", "b", run, 6, (2, 3))
     got = _assigned(h, ["a", "c", "d"])
+    assert _fetched(got)[2][1:] == ("c", 6)
     # without measurements every survivor takes two units (the test above); measured,
     # the slow c keeps one: eq. 5 over C = 1, 3, 1
     ranges = [got[n]["range"] for n in ("a", "c", "d")]
@@ -338,9 +373,7 @@ def test_without_a_look_the_survivors_are_recut_one_capacity_each() -> None:
     h.advance(8.0, alive=("a", "c", "d"))
     _resume(h, run, ["b"], acknowledged=7)
     _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
-    state = _units(2, 3, 60.0)
-    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
-    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    _confirm(h, "c", "b", run, 6, (2, 3))
     _assigned(h, ["a", "c", "d"])
     fast = _ready(h, ["a", "c", "d"])
     assert fast["bounds"] == [0, 2, 4, 6]
@@ -364,11 +397,7 @@ def test_a_slow_link_the_run_measured_moves_the_survivors_cut() -> None:
     h.advance(8.0, alive=("a", "c", "d"))
     _resume(h, run, ["b"], acknowledged=7)
     _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
-    (ask,) = h.to("c", "weights_request")[-1:]  # b's unit 2, from its chain copy at c
-    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
-    state = _units(2, 3, 60.0)
-    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
-    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    _confirm(h, "c", "b", run, 6, (2, 3))  # b's unit 2, from its chain copy at c
     _assigned(h, ["a", "c", "d"])
     fast = _ready(h, ["a", "c", "d"])
     # 2 x 4 MB over 1 MB/s at a cut after unit 1: the cut moves off it (free, it is
@@ -427,16 +456,15 @@ def test_a_death_during_a_moves_commit_keeps_what_each_survivor_holds() -> None:
         _kept_state(h, run, name, start, end, 7)
     # b's unit 2 from its chain copy at c; unit 1, which a gave away, from a's copies:
     # its chain copy died with b, so the global copy (4) held here
-    (ask,) = h.to("c", "weights_request")[-1:]
-    assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
-    state = _units(2, 3, 60.0)
-    body = {"name": "c", "keys": list(state), "error": "", "step": 0, "run": 0}
-    h.feed_message("c", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    _confirm(h, "c", "b", run, 6, (2, 3))
     got = _assigned(h, ["a", "c", "d"])
     weights = {k: v for g in got.values() for k, v in g["weights"].items()}
-    assert weights == {"units.1.weight": 41.0, "units.2.weight": 62.0}
-    # a's snapshot holds unit 0 only (it switched): that is all a loads of it
-    assert {u: f[1] for u, f in _fetched(got).items()} == {0: "a", 3: "c", 4: "d", 5: "d"}
+    assert weights == {"units.1.weight": 41.0}
+    # a's snapshot holds unit 0 only (it switched): that is all a loads of it; c
+    # loads b's copy in place
+    fetched = {u: (f[0], f[1]) for u, f in _fetched(got).items()}
+    assert fetched == {0: ("a", "a"), 2: ("c", "c"), 3: ("c", "c"), 4: ("d", "d"),
+                       5: ("d", "d")}  # fmt: skip
     fast = _ready(h, ["a", "c", "d"])
     assert fast["switched"] == ["a"] and fast["abandoned_move"] is True
     assert fast["copies_used"] == {"global": [1], "chain@c": [2]}
@@ -453,17 +481,44 @@ def test_a_holder_that_dies_while_it_sends_the_chain_copy_is_planned_around() ->
     assert ask.body["snapshot"] == [{"owner": "b", "run": run, "step": 6, "start": 2, "end": 3}]
     h.advance(8.0, alive=("a", "d"))  # c dies before it answers: b's copy at c with it
     # planned again on a and d: b's unit from the global copy here, c's from its
-    # chain copy at d, asked of d
-    (ask,) = h.to("d", "weights_request")[-1:]
-    assert ask.body["snapshot"] == [{"owner": "c", "run": run, "step": 6, "start": 3, "end": 4}]
-    state = _units(3, 4, 60.0)
-    body = {"name": "d", "keys": list(state), "error": "", "step": 0, "run": 0}
-    h.feed_message("d", Message("weights", body, tensors=tuple(state.values())))  # type: ignore[attr-defined]
+    # chain copy at d, confirmed by d (which loads it in place)
+    _confirm(h, "d", "c", run, 6, (3, 4))
     got = _assigned(h, ["a", "d"])
     weights = {k: v for g in got.values() for k, v in g["weights"].items()}
-    assert weights["units.2.weight"] == 42.0 and weights["units.3.weight"] == 63.0
+    assert weights == {"units.2.weight": 42.0}
+    assert _fetched(got)[3] == ("d", "d", 6)
     fast = _ready(h, ["a", "d"])
     assert fast["dead"] == ["b", "c"] and fast["order"] == ["a", "d"]
     assert fast["copies_used"] == {"global": [2], "chain@d": [3]}
     (lost,) = h.events("fast_holder_lost")
     assert lost["stages"] == ["c"]
+
+
+def test_a_chain_copy_goes_from_its_holder_to_the_new_holder_peer_to_peer() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "b", "d"))  # c dies; d holds its chain copy of 6
+    _resume(h, run, ["c"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "b": 8, "d": 9})
+    _confirm(h, "d", "c", run, 6, (3, 4))  # keys only: the tensors stay at d
+    got = _assigned(h, ["a", "b", "d"])
+    assert [got[n]["range"] for n in "abd"] == [(0, 2), (2, 4), (4, 6)]
+    # c's unit 3 goes to b: b fetches it from d's chain copy (owner c, mini-batch 6)
+    # at d's probe socket, and puts it at version 7 itself
+    assert _fetched(got)[3] == ("b", "d", 6)
+    (moved,) = [e for e in got["b"]["fetch"] if e["from"] == "d"]
+    assert (moved["owner"], moved["run"], moved["endpoint"]) == ("c", run, "tcp://d:2")
+    assert moved["restart"] == {"version": 7, "depth": 4}
+    # d answers that fetch, and only it: granted before any stage was assigned
+    (grants,) = _grants(h)
+    assert grants == {"d": [{"peer": "b", "owner": "c", "run": run, "step": 6,
+                             "start": 3, "end": 4}]}  # fmt: skip
+    # the coordinator carries no unit at all
+    assert not any(g["weights"] or g["versions"] for g in got.values())
+    (planned,) = h.events("restore_planned")
+    assert (planned["from_peers"], planned["from_coordinator"]) == (1, 0)
+    (confirmed,) = h.events("chain_copies_confirmed")
+    assert confirmed["holders"] == ["d"]
+    fast = _ready(h, ["a", "b", "d"])
+    assert fast["copies_used"] == {"chain@d": [3]} and fast["lost"] == {"3": 1}

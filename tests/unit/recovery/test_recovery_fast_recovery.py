@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from zpipe._errors import ConfigError
 from zpipe.planner.ftpipehd import ftpipehd_partition
-from zpipe.recovery.errors import RecoveryError, WeightsLostError
+from zpipe.recovery.errors import RecoveryError
 from zpipe.recovery.fast_recovery import (
     FastRecoveryPlan,
     freshest_copy,
@@ -231,12 +231,37 @@ def test_a_death_during_a_move_abandons_the_move_and_plans_from_the_committed_cu
     assert all(s.source != "c" for s in during.sources)
 
 
-def test_units_without_any_copy_left_are_named() -> None:
+def test_units_without_any_copy_left_restart_from_their_initial_weights() -> None:
     ledger = ledger_of(SPANS, chain=150, glob=None)
-    with pytest.raises(WeightsLostError) as info:
-        recover(["b", "c"], ledger)  # b's chain copy died with c, no global copy
-    assert info.value.units == (2, 3)
-    assert "2-3" in str(info.value)
+    plan = recover(["b", "c"], ledger)  # b's chain copy died with c, no global copy
+    units = {s.unit: s for s in plan.sources}
+    # b's units: no copy anywhere, so their initial weights (version 0), built where
+    # they will run (nothing travels), every acknowledged mini-batch lost
+    for u in (2, 3):
+        s = units[u]
+        assert (s.kind, s.source, s.version, s.owner, s.run) == ("initial", s.dest, 0, "b", None)
+        assert (s.lost, s.reapplied) == (160, 0)
+    # c's units still come from c's chain copy at d
+    assert {units[u].kind for u in (4, 5)} == {"chain"}
+    assert plan.copies_used() == {"initial": [2, 3], "chain@d": [4, 5]}
+    assert plan.initial_units == [2, 3] and plan.max_lost == 160
+    assert not any(s.unit in (2, 3) for s in plan.fetches())
+    summary = plan.summary()
+    assert summary["lost"]["2"] == 160 and summary["copies_used"]["initial"] == [2, 3]
+    assert FastRecoveryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_a_death_before_the_first_copy_restarts_the_dead_units_from_their_initial_weights() -> None:
+    # b dies before its first chain copy (after chain_every mini-batches) reached c:
+    # the ledger holds nobody's copy yet; a survivor's units stay its own
+    plan = recover(["b"], CopyLedger(), acknowledged=23,
+                   updates={"a": 23, "c": 24, "d": 25})  # fmt: skip
+    units = {s.unit: s for s in plan.sources}
+    assert {(units[u].kind, units[u].version, units[u].lost) for u in (2, 3)} == {
+        ("initial", 0, 23)
+    }
+    assert all(units[u].kind in ("kept", "peer") for u in (0, 1, 4, 5, 6, 7))
+    assert plan.copies_used() == {"initial": [2, 3]} and plan.max_lost == 23
 
 
 def test_malformed_input_is_refused_with_a_clear_error() -> None:
@@ -329,21 +354,15 @@ def test_every_unit_has_one_source_never_a_dead_stage(
     survivors = [s.devices[0] for s in spans if s.devices[0] not in dead]
     unit_s = data.draw(st.lists(st.floats(0.1, 5.0), min_size=num_units, max_size=num_units))
     caps = {d: data.draw(st.floats(0.2, 5.0)) for d in survivors}
-    try:
-        plan = plan_fast_recovery(
-            spans,
-            dead,
-            ledger=ledger,
-            updates=updates,
-            acknowledged=50,
-            reference_unit_s=unit_s,
-            capacities=caps,
-        )
-    except WeightsLostError as exc:
-        # only when some dead stage's unit truly has no copy at a live holder
-        assert exc.units
-        assert all(freshest_copy(ledger, u, survivors) is None for u in exc.units)
-        return
+    plan = plan_fast_recovery(
+        spans,
+        dead,
+        ledger=ledger,
+        updates=updates,
+        acknowledged=50,
+        reference_unit_s=unit_s,
+        capacities=caps,
+    )
     held = {s.devices[0]: set(range(s.start, s.end)) for s in spans}
     assert plan.bounds == ftpipehd_partition(unit_s, capacities=list(caps.values())).bounds
     assert [s.unit for s in plan.sources] == list(range(num_units))  # exactly one each
@@ -355,6 +374,10 @@ def test_every_unit_has_one_source_never_a_dead_stage(
             assert s.version == updates[s.dest]
         elif s.kind == "peer":
             assert s.unit in held[s.source] and s.source != s.dest
+        elif s.kind == "initial":  # no copy of it at a live holder: built at dest
+            assert any(s.unit in held[d] for d in dead)
+            assert freshest_copy(ledger, s.unit, survivors) is None
+            assert s.source == s.dest and s.version == 0 and s not in plan.fetches()
         else:  # restored: the unit was a dead stage's
             assert any(s.unit in held[d] for d in dead)
             assert s.source == COORDINATOR or s.source in survivors

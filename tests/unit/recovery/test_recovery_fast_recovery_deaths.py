@@ -1,15 +1,14 @@
 """Deaths at awkward moments for FTPipeHD's fast recovery (zpipe.recovery.fast_recovery):
 during a live copy's transfer (its sender or its holder dies mid-copy) and during a
 live re-partition's move (before or during its commit). The plan still picks a
-valid source for every unit (the older complete copy, or the global one) or names
-the units it cannot restore. Pure: ledgers and holdings in, plans out."""
+valid source for every unit (the older complete copy, or the global one, or with
+none left the initial weights). Pure: ledgers and holdings in, plans out."""
 
 from __future__ import annotations
 
 import pytest
 
 from zpipe._errors import ConfigError
-from zpipe.recovery.errors import WeightsLostError
 from zpipe.recovery.fast_recovery import FastRecoveryPlan, plan_fast_recovery
 from zpipe.recovery.live_copies import CopyLedger, CopyRecord, chain_holder
 from zpipe.recovery.spans import COORDINATOR, StageSpan
@@ -99,15 +98,17 @@ def test_owner_and_holder_dying_mid_transfer_fall_back_to_the_global_copy() -> N
     assert plan.copies_used() == {"global": [3, 4, 5], "chain@d": [6, 7, 8]}
 
 
-def test_owner_and_holder_dying_before_any_global_copy_name_the_units_lost() -> None:
+def test_owner_and_holder_dying_before_any_global_copy_restart_the_units_initial() -> None:
     copies = Copies()
     for owner in ORDER:
         copies.completed(owner, "chain", 40)
     # b's global copy of 40 never completed (b died streaming it), its chain copy
-    # died with c
-    with pytest.raises(WeightsLostError) as info:
-        recover(["b", "c"], copies)
-    assert info.value.units == (3, 4, 5)
+    # died with c: b's units from their initial weights, c's from its chain copy
+    plan = recover(["b", "c"], copies)
+    units = by_unit(plan)
+    assert {(units[u][0], units[u][2]) for u in (3, 4, 5)} == {("initial", 0)}
+    assert plan.copies_used() == {"initial": [3, 4, 5], "chain@d": [6, 7, 8]}
+    assert plan.max_lost == 44
 
 
 def test_a_holder_dying_after_the_copy_reached_it_but_before_the_notice() -> None:
@@ -157,13 +158,14 @@ def test_a_unit_a_switched_survivor_gave_to_the_dead_comes_from_its_own_copies()
     assert units[2] == ("global", COORDINATOR, 20)
     assert {units[u] for u in (3, 4, 5)} == {("chain", "c", 40)}
     assert all(units[u][0] in ("kept", "peer") for u in (0, 1, *range(6, 12)))
-    # without a global copy of a, unit 2 is named lost
+    # without a global copy of a, unit 2 restarts from its initial weights (a's
+    # committed unit: a switched away from it)
     bare = Copies()
     for owner in ORDER:
         bare.completed(owner, "chain", 40)
-    with pytest.raises(WeightsLostError) as info:
-        recover(["b"], bare, holding={"a": (0, 2), "c": (6, 9), "d": (9, 12)})
-    assert info.value.units == (2,)
+    plan = recover(["b"], bare, holding={"a": (0, 2), "c": (6, 9), "d": (9, 12)})
+    (initial,) = [s for s in plan.sources if s.kind == "initial"]
+    assert (initial.unit, initial.owner, initial.version) == (2, "a", 0)
 
 
 def test_a_unit_two_survivors_hold_stays_with_its_committed_holder() -> None:

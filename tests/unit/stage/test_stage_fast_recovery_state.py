@@ -201,3 +201,95 @@ async def test_kept_units_load_locally_and_are_served_to_the_peer_granted_them()
     # a malformed restart is refused, not guessed
     with pytest.raises(ProtocolError, match="restart"):
         await service.fetched_state([{**entry, "restart": {"version": "x"}}])
+
+
+async def test_units_of_no_copy_are_built_here_at_their_initial_weights() -> None:
+    # a fast recovery found no copy of the dead stage's units 2-3 (it died before its
+    # first chain copy landed): c builds them from the model spec, version 0 exactly,
+    # and resumes them with the units it kept, all at the acknowledged version
+    service = _service()
+    survivor = _trained(6, 2)
+
+    async def stop() -> None:
+        pass
+
+    ask = WeightsRequest(run=3, step=0, optimizer=True, latest=True, keep=True)
+    await service.weights_reply(ask, _survivor(survivor, 3), stop)
+    restart = {"version": 7, "depth": 3}
+    kept = {"from": "c", "owner": "c", "run": 3, "step": 6, "start": 0, "end": 2,
+            "restart": restart}  # fmt: skip
+    initial = {"from": "c", "owner": "b", "run": 3, "step": 0, "start": 2, "end": 4,
+               "initial": True, "restart": restart}  # fmt: skip
+    got = await service.fetched_state([kept, initial], SPEC)
+    fresh = _shard(0, 4).training_state()  # a fresh build: the run's version 0
+    trained = survivor.training_state()
+    for u in range(4):
+        assert got[f"units.{u}.#live_versions"].tolist() == [5, 6, 7]
+    for key, value in got.items():
+        if "#live_versions" in key:
+            continue
+        unit = int(key.split(".")[1])
+        assert _bits(value, (trained if unit < 2 else fresh)[key]), key
+    # no optimizer state for the initial units: none exists before a first update
+    assert not any("#opt" in k for k in got if k.startswith(("units.2.", "units.3.")))
+    key = "units.2.linear.weight"
+    assert not _bits(got[key], trained[key])  # truly fresh, not the trained weights
+    resumed = _shard(0, 4)
+    resumed.load_training_state(got)
+    assert resumed.updates == 7
+    # an initial entry is built here only, and only for an assignment's model
+    with pytest.raises(ProtocolError, match="no model"):
+        await service.fetched_state([initial])
+    with pytest.raises(ProtocolError, match="built here"):
+        await service.fetched_state([{**initial, "from": "d"}], SPEC)
+
+
+async def test_a_chain_copy_held_here_is_confirmed_loaded_in_place_and_served_when_granted() -> (
+    None
+):
+    # c holds b's chain copy of mini-batch 4 of run 3 (made without draining); a
+    # newer run's snapshot of c's own is here too
+    service = _service()
+    copy = _trained(4, 1).live_copy(3)
+    chain = {k: v for k, v in copy.items() if k.startswith(("units.2.", "units.3."))}
+    service.live_copies.put("b", 3, 4, chain)
+    service.replicas.put("c", 5, 9, {"units.0.linear.weight": torch.zeros(1)})
+    ranges = [{"owner": "b", "run": 3, "step": 4, "start": 2, "end": 4}]
+
+    async def stop() -> None:
+        pass
+
+    # confirmed with keep: the keys only, the tensors stay here
+    ask = WeightsRequest(run=0, step=0, snapshot=ranges, keep=True)
+    reply = await service.weights_reply(ask, None, stop)
+    assert reply.error == "" and reply.tensors == () and sorted(reply.keys) == sorted(chain)
+    # without keep the tensors come too (a heavy recovery, as before)
+    full = await service.weights_reply(WeightsRequest(run=0, step=0, snapshot=ranges), None, stop)
+    assert len(full.tensors) == len(chain)
+    # loaded in place by an assignment's entry that names this stage
+    restart = {"version": 7, "depth": 3}
+    entry = {"from": "c", "owner": "b", "run": 3, "step": 4, "start": 2, "end": 4,
+             "restart": restart}  # fmt: skip
+    got = await service.fetched_state([entry])
+    assert not any("#v" in k for k in got)
+    for key, value in got.items():
+        if "#live_versions" in key:
+            assert value.tolist() == [5, 6, 7]
+        else:
+            assert _bits(value, chain[key]), key  # the copy's live weights bit for bit
+    # served to the peer the coordinator granted it, though run 5 is newer here: a
+    # recovery reads a chain copy by owner, run and mini-batch
+    fetch = FetchUnits(owner="b", run=3, step=4, start=2, end=3)
+    refused = service._serve_fetch(fetch, PeerIdentity(True, "a"))
+    assert isinstance(refused, Units) and "did not name anyone" in refused.error
+    service.fetch_grants = (FetchGrant("a", "b", 3, 4, 2, 3),)
+    served = service._serve_fetch(fetch, PeerIdentity(True, "a"))
+    assert isinstance(served, Units) and served.error == ""
+    sent = dict(zip(served.keys, served.tensors, strict=True))
+    assert sorted(sent) == sorted(k for k in chain if k.startswith("units.2."))
+    # an own snapshot of an older run than the newest here is still not served
+    service.replicas.put("c", 3, 6, {"units.0.linear.weight": torch.zeros(1)})
+    service.fetch_grants = (FetchGrant("a", "c", 3, 6, 0, 1),)
+    old = service._serve_fetch(FetchUnits(owner="c", run=3, step=6, start=0, end=1),
+                               PeerIdentity(True, "a"))  # fmt: skip
+    assert isinstance(old, Units) and "no longer served" in old.error

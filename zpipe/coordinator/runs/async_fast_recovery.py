@@ -18,9 +18,15 @@ acknowledged (their losses came back). Then:
         capacities and links, the coordinator's links between new neighbours; every
         capacity 1 before any look), and the report says which
     the dead's units ─> from the copy the plan names: a chain copy held by a
-        surviving stage (``weights_request`` ``snapshot`` naming owner, run and
-        mini-batch: the stage serves it from the copies its peers made), or one the
-        coordinator holds (the last stage's chain copy, a global copy)
+        surviving stage, peer to peer (the holder first confirms it holds it: a
+        ``weights_request`` ``snapshot`` naming owner, run and mini-batch, with
+        ``keep``, answered with the keys only; then the new holder fetches it from
+        there under a grant, or loads it in place when it is the holder itself),
+        or one the coordinator holds (the last stage's chain copy, a global copy,
+        sent with the assignment); a unit of
+        no copy (a death before the first copy landed) is built afresh from the
+        model spec by its new holder (a fetch entry marked ``initial``: version 0,
+        nothing travels), and the plan reports every acknowledged mini-batch lost
     the survivors' units ─> peer to peer: each new holder's assignment names them
         as fetch entries (:func:`survivor_fetches`), a unit it keeps from its own
         snapshot, a unit the re-cut moves from the survivor that had it (the fetch
@@ -38,9 +44,12 @@ assignment, the survivors' fetched), which the run's start
 (:mod:`zpipe.coordinator.starting`) assigns, and the plan, whose summary goes
 back to the client in ``run_ready`` (``fast_recovery``) for the fit's report.
 
-A survivor that dies after it sent its keys, while a new holder fetches from it,
-fails the new run's start as any member's death during an assignment does (it is
-a member of the new plan: eq. 5 gives every survivor a unit).
+A survivor that dies after it sent its keys (or confirmed a chain copy), while a
+new holder fetches from it, fails the new run's start as any member's death during
+an assignment does (it is a member of the new plan: eq. 5 gives every survivor a
+unit). A holder that cannot confirm a copy (it restarted, or dropped it) or dies
+before it answers is planned around (``fast_copy_unavailable``,
+``fast_holder_lost``).
 
 Pure: events in, commands out.
 """
@@ -194,14 +203,15 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         if eq5 is not None:
             fast = replace(fast, inputs=eq5.report)
 
-        # The dead's units' state, from the copies the plan names (the survivors'
-        # travel peer to peer: survivor_fetches).
+        # The dead's units' state, from the copies the plan names: those held here
+        # now, those at a stage once it confirmed it holds them (they travel peer
+        # to peer, as the survivors' units do: survivor_fetches).
         merged: dict[str, torch.Tensor] = {}
         asks: dict[str, list[dict[str, Any]]] = {}
         failed: dict[tuple[str, str], str] = {}
         for dest in fast.order:
             for r in fast.ranges_of(dest):
-                if r.kind in ("kept", "peer"):
+                if r.kind in _AT_THE_STAGES:
                     continue
                 if r.source == COORDINATOR:
                     try:
@@ -216,8 +226,7 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
                          "start": r.start, "end": r.end}
                     )  # fmt: skip
         if asks and not failed:
-            fetched, refused, lost = yield from _fetch_chain_copies(state, alive, asks)
-            merged.update(fetched)
+            refused, lost = yield from _confirm_chain_copies(state, alive, asks)
             for holder, error in refused.items():
                 for entry in asks[holder]:
                     failed[(str(entry["owner"]), "chain")] = f"{holder}: {error}"
@@ -257,11 +266,20 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
     restore = RestoreChoice(
         replica,
         survivor_fetches(fast, run.run, updates, depth=depth),
-        {d: [(r.start, r.end) for r in fast.ranges_of(d) if r.kind not in ("kept", "peer")]
+        {d: [(r.start, r.end) for r in fast.ranges_of(d) if r.source == COORDINATOR]
          for d in fast.order},
     )  # fmt: skip
+    if fast.initial_units:
+        # no copy of these units was left: they start again from version 0
+        yield Log("warning", "fast_initial_weights", {"run": run.run,
+                  "units": fast.initial_units, "progress_lost": acknowledged})  # fmt: skip
     yield Log("info", "async_fast_recovery", {"run": run.run, **fast.summary()})
     return FastResume(new_plan, restore, fast)
+
+
+# the sources a stage gets without the coordinator: a survivor's live weights (its
+# own or a peer's snapshot), and the initial weights it builds itself
+_AT_THE_STAGES = ("kept", "peer", "initial")
 
 
 def survivor_fetches(
@@ -271,7 +289,11 @@ def survivor_fetches(
     range it keeps from its own snapshot (``from`` itself), a range the re-cut moves
     from the survivor's that had it (a peer fetch, granted to it alone); every
     snapshot is the survivor's state after its update count (``keep``), put at the
-    resume version by the stage that loads it (``restart``)."""
+    resume version by the stage that loads it (``restart``). A range of a chain copy
+    a stage holds (confirmed) is fetched from that holder, or loaded in place when
+    the new holder holds it, by the copy's owner, run and mini-batch; a range of no
+    copy (``initial``) the new holder builds from the model spec (``from`` itself,
+    step 0); each put at the resume version too."""
     restart = {"version": fast.resume_at, "depth": depth}
     out: dict[str, list[dict[str, Any]]] = {d: [] for d in fast.order}
     for dest in fast.order:
@@ -280,6 +302,17 @@ def survivor_fetches(
                 out[dest].append(
                     {"from": r.source, "owner": r.source, "run": run,
                      "step": updates[r.source], "start": r.start, "end": r.end,
+                     "restart": dict(restart)}
+                )  # fmt: skip
+            elif r.kind == "chain" and r.source != COORDINATOR:
+                out[dest].append(
+                    {"from": r.source, "owner": r.owner, "run": r.run, "step": r.version,
+                     "start": r.start, "end": r.end, "restart": dict(restart)}
+                )  # fmt: skip
+            elif r.kind == "initial":
+                out[dest].append(
+                    {"from": dest, "owner": r.owner, "run": run, "step": r.version,
+                     "start": r.start, "end": r.end, "initial": True,
                      "restart": dict(restart)}
                 )  # fmt: skip
     return out
@@ -369,18 +402,22 @@ def _held_here(
     return units_state(held, start, end)
 
 
-def _fetch_chain_copies(
+def _confirm(ranges: list[dict[str, Any]]) -> WeightsRequest:
+    """Ask a holder whether it holds these copies' units (``keep``: only the keys)."""
+    return WeightsRequest(run=0, step=0, snapshot=ranges, keep=True)
+
+
+def _confirm_chain_copies(
     state: ControlState, alive: dict[str, Any], asks: dict[str, list[dict[str, Any]]]
 ) -> Flow:
-    """The chain copies surviving stages hold for dead ones, by owner, run and mini-batch:
-    returns the state fetched, by holder the error of each that could not give its
-    copies, and the holders that died meanwhile (the caller plans again without
-    either; a holder that neither answers nor dies fails the recovery)."""
+    """That the surviving stages hold the chain copies the plan names for dead ones, by
+    owner, run and mini-batch (``keep``: the keys come back, the tensors stay there
+    for the new holders to fetch): returns, by holder, the error of each that could
+    not confirm its copies, and the holders that died meanwhile (the caller plans
+    again without either; a holder that neither answers nor dies fails the
+    recovery)."""
     holders = tuple(sorted(asks))
-    requests = tuple(
-        Send(alive[h].routing_id, WeightsRequest(run=0, step=0, snapshot=asks[h]), h, stage=h)
-        for h in holders
-    )
+    requests = tuple(Send(alive[h].routing_id, _confirm(asks[h]), h, stage=h) for h in holders)
     replies: dict[str, Weights] = yield AwaitReplies(
         holders,
         Weights,
@@ -396,9 +433,8 @@ def _fetch_chain_copies(
     silent = [h for h in holders if h not in replies and h in living]
     if silent and not lost:
         raise PipelineError(f"no chain copies from {silent} within {state.timeouts.result_s} s")
-    out: dict[str, torch.Tensor] = {}
     refused: dict[str, str] = {}
-    nbytes = 0
+    keys = 0
     for holder in holders:
         reply = replies.get(holder)
         if reply is None:
@@ -406,12 +442,13 @@ def _fetch_chain_copies(
         if reply.error:
             refused[holder] = str(reply.error)
             continue
-        for key, tensor in zip(reply.keys, reply.tensors, strict=True):
-            out[str(key)] = tensor.clone()
-            nbytes += tensor.numel() * tensor.element_size()
+        if not reply.keys:
+            refused[holder] = "it holds no state of those units"
+            continue
+        keys += len(reply.keys)
     got = [h for h in holders if h in replies and h not in refused]
-    yield Log("info", "chain_copies_fetched", {"holders": got, "bytes": nbytes})
-    return out, refused, lost
+    yield Log("info", "chain_copies_confirmed", {"holders": got, "keys": keys})
+    return refused, lost
 
 
 __all__ = ["FastResume", "async_fast_resume", "is_fast_live_resume"]
