@@ -14,28 +14,43 @@ repeat a round until the time is up:
   (``recover=True``); every output must answer its own input, exactly once, in order
   (matched against a single-process forward).
 
-Meanwhile the main thread injects a fault every ``--min-gap``..``--max-gap`` seconds,
-drawn with ``--seed`` (:mod:`bench._chaos_plan`): a stage's SIGKILL (a new process
-registers under its name again), a stage's SIGSTOP for 1-10 s then SIGCONT, the
-coordinator's SIGKILL and restart from its state directory, a CPU burner for 3-30 s,
-and bursts of garbage and poison messages (:mod:`bench.hostile`'s attackers) at a
-stage's data and probe ports and at the coordinator. With ``--net`` (default: when
-this machine can make network namespaces: Linux, root, ``ip`` and ``tc``) every
-process runs in a namespace of :class:`~zpipe.cluster.netcluster.LabCluster` with a
-``--link-mbit`` tbf cap on its uplink, and two more kinds join: a link cut of a stage
-or of the coordinator for 1-10 s, and a node's uplink cut to a tenth of its rate for
-3-30 s. Kinds that cannot run are named under ``kinds_skipped`` with the reason.
+Each workload has its own seeded fault stream (:func:`bench._chaos_plan.schedules`,
+from ``--seed`` and the workload's name), a fault every ``--min-gap``..``--max-gap``
+seconds aimed at that workload's cluster, injected by a thread of its own: the two
+streams overlap in time (two clusters hit at once is a harder soak, not an easier
+one), and the issue's "a fault every 20-60 s" holds for each workload, about 30 each
+and 60 in all over 20 minutes (one stream for both gave about 30; the issue asks for
+40). The kinds: a stage's SIGKILL (a new process registers under its name again), a
+stage's SIGSTOP for 1-10 s then SIGCONT, a stage's SIGSTOP that never resumes
+(``stage_hang``: SIGKILLed while stopped after 1-10 s and started again, the path a
+stop takes when the stage does not rejoin within 30 s), the coordinator's SIGKILL and
+restart from its state directory, a CPU burner for 3-30 s (it hits the machine, so a
+failure of either workload can be its), and bursts of garbage and poison messages
+(:mod:`bench.hostile`'s attackers) at a stage's data and probe ports and at the
+coordinator. With ``--net`` (default: when this machine can make network
+namespaces: Linux, root, ``ip`` and ``tc``) every process runs in a namespace of
+:class:`~zpipe.cluster.netcluster.LabCluster` with a ``--link-mbit`` tbf cap on its
+uplink, and two more kinds join: a link cut of a stage or of the coordinator for 1-10
+s, and a node's uplink cut to a tenth of its rate for 3-30 s. Kinds that cannot run
+are named under ``kinds_skipped`` with the reason.
 
-A round the coordinator refuses at its start (``could not start the run``, nothing
-sent back: a stage in it had just died, say) is counted as refused, not failed:
-nothing was accepted, so nothing is lost, and the client starts again a second later.
-A fault is survived when no round it hit fails (a failed or hung round is charged to
-the first fault injected while it ran, else to the last one before it started);
-``false_deaths`` counts the coordinator's ``stage_dead`` events for a stage that was
-neither killed, stopped nor cut off then (a 10 s grace after it came back).
-``weights_exact`` uses the tolerance of the exact-recovery tests (rtol 1e-5, atol
-1e-6: micro-batch sums round differently from a
-whole-batch reference); ``weights_bitwise`` says whether every round was bit-equal.
+An attempt that ends in a definite error before the client took a single input from
+the caller (the coordinator could not start the run: a stage in it had just died and
+the death is not declared yet, say) is refused, not failed: nothing was accepted, so
+nothing is lost, and the client tries the same inputs again a second later (at most
+``MAX_REFUSALS`` times; a hang cut off by the round's timeout is a failure). A round
+is scored over all its attempts (:func:`bench._chaos_plan.score_round`): every output
+of every attempt is matched, so ``outputs_exactly_once`` (computed here, over every
+stream round the soak did not cut off while it was refused) holds only when each input
+was answered once, in order, across the refusals and the retry. A fault is survived
+when no round it could reach fails (a failed or hung round is charged to the first
+fault of its workload's stream, or a burner, injected while it ran, else to the last
+one before it started; a failed round no fault could reach is counted under
+``failures_uncharged``); ``false_deaths`` counts the coordinator's ``stage_dead``
+events for a stage that was neither killed, stopped nor cut off then (a 10 s grace
+after it came back). ``weights_exact`` uses the tolerance of the exact-recovery tests
+(rtol 1e-5, atol 1e-6: micro-batch sums round differently from a whole-batch
+reference); ``weights_bitwise`` says whether every round was bit-equal.
 ``max_rss_over_idle`` is the largest peak/idle ratio of resident memory (``VmRSS``
 sampled every 2 s) over every process name. Linux only (reads ``/proc``).
 """
@@ -292,7 +307,8 @@ class Soak:
         source = CountingBatches(batches)
         began = time.monotonic()
         try:
-            return None, source.drawn, False, [], asyncio.run(self._fit(source))
+            report = asyncio.run(self._fit(source))
+            return None, source.drawn, False, [], report  # drawn read after the run
         except Exception as exc:
             hung = time.monotonic() - began >= ROUND_TIMEOUT_S - 1
             return repr(exc)[:300], source.drawn, hung, [], None
