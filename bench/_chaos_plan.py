@@ -172,7 +172,7 @@ def score_round(
     would count as a duplicate of the retry's. ``finished`` false: the soak ended
     while the last attempt was refused (nothing was accepted: neither ok nor failed).
     ``ok`` when the last attempt succeeded and every input was answered exactly once,
-    in order."""
+    in order; ``exactly_once`` when every input was, whatever the last attempt's end."""
     outputs = [index for *_, found in attempts for index in found]
     check = exactly_once_in_order(outputs, count)
     last_error, last_drawn, last_hung, _ = attempts[-1]
@@ -185,6 +185,9 @@ def score_round(
     return {
         **check,
         "ok": ok,
+        # the outputs alone, whatever the attempt's end (an error after the last
+        # output, say: a failure of the round, charged to its fault, not a loss)
+        "exactly_once": bool(check["ok"]),
         "attempts": len(attempts),
         "refusals": refusals + (1 if last_refused else 0),
         "abandoned": abandoned,

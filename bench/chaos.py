@@ -42,7 +42,9 @@ nothing is lost, and the client tries the same inputs again a second later (at m
 is scored over all its attempts (:func:`bench._chaos_plan.score_round`): every output
 of every attempt is matched, so ``outputs_exactly_once`` (computed here, over every
 stream round the soak did not cut off while it was refused) holds only when each input
-was answered once, in order, across the refusals and the retry. A fault is survived
+was answered once, in order, across the refusals and the retry (a round that
+failed after its last output, its run's end lost, say, still counts here by its
+outputs; it is a failure, charged to its fault, below). A fault is survived
 when no round it could reach fails (a failed or hung round is charged to the first
 fault of its workload's stream, or a burner, injected while it ran, else to the last
 one before it started; a failed round no fault could reach is counted under
@@ -695,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         weights_exact=bool(train_done) and all(r.get("weights_exact", False) for r in train_done),
         weights_bitwise=bool(train_done)
         and all(r.get("weights_bitwise", False) for r in train_done),
-        outputs_exactly_once=bool(stream_done) and all(r["ok"] for r in stream_done),
+        outputs_exactly_once=bool(stream_done) and all(r["exactly_once"] for r in stream_done),
         lost_minibatches=sum(int(r.get("lost", 0)) for r in train),
         train_rounds=len(train_done),
         train_rounds_failed=sum(1 for r in train if r["failed"]),

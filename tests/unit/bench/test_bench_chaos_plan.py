@@ -150,6 +150,12 @@ def test_a_refused_round_is_retried_and_its_outputs_counted_once_across_attempts
     # an attempt that took inputs and failed is not retried: the round failed
     broken = score_round([("PipelineError('stage died')", 2, False, [0])], 3)
     assert (broken["ok"], broken["refusals"], broken["failed"]) == (False, 0, True)
+    assert broken["exactly_once"] is False  # inputs 1 and 2 never answered
+    # every output arrived once, then the run's end failed: a failed round whose
+    # outputs were still exactly once
+    late = score_round([("TransportTimeout('run report')", 3, False, [0, 1, 2])], 3)
+    assert (late["ok"], late["failed"], late["exactly_once"]) == (False, True, True)
+    assert twice["exactly_once"] is False and fine["exactly_once"] is True
     # still refused when the soak ended: nothing accepted, neither ok nor failed
     cut = score_round([refused, refused], 3, finished=False)
     assert (cut["ok"], cut["abandoned"], cut["failed"]) == (False, True, False)
