@@ -14,28 +14,45 @@ repeat a round until the time is up:
   (``recover=True``); every output must answer its own input, exactly once, in order
   (matched against a single-process forward).
 
-Meanwhile the main thread injects a fault every ``--min-gap``..``--max-gap`` seconds,
-drawn with ``--seed`` (:mod:`bench._chaos_plan`): a stage's SIGKILL (a new process
-registers under its name again), a stage's SIGSTOP for 1-10 s then SIGCONT, the
-coordinator's SIGKILL and restart from its state directory, a CPU burner for 3-30 s,
-and bursts of garbage and poison messages (:mod:`bench.hostile`'s attackers) at a
-stage's data and probe ports and at the coordinator. With ``--net`` (default: when
-this machine can make network namespaces: Linux, root, ``ip`` and ``tc``) every
-process runs in a namespace of :class:`~zpipe.cluster.netcluster.LabCluster` with a
-``--link-mbit`` tbf cap on its uplink, and two more kinds join: a link cut of a stage
-or of the coordinator for 1-10 s, and a node's uplink cut to a tenth of its rate for
-3-30 s. Kinds that cannot run are named under ``kinds_skipped`` with the reason.
+Each workload has its own seeded fault stream (:func:`bench._chaos_plan.schedules`,
+from ``--seed`` and the workload's name), a fault every ``--min-gap``..``--max-gap``
+seconds aimed at that workload's cluster, injected by a thread of its own: the two
+streams overlap in time (two clusters hit at once is a harder soak, not an easier
+one), and the issue's "a fault every 20-60 s" holds for each workload, about 30 each
+and 60 in all over 20 minutes (one stream for both gave about 30; the issue asks for
+40). The kinds: a stage's SIGKILL (a new process registers under its name again), a
+stage's SIGSTOP for 1-10 s then SIGCONT, a stage's SIGSTOP that never resumes
+(``stage_hang``: SIGKILLed while stopped after 1-10 s and started again, the path a
+stop takes when the stage does not rejoin within 30 s), the coordinator's SIGKILL and
+restart from its state directory, a CPU burner for 3-30 s (it hits the machine, so a
+failure of either workload can be its), and bursts of garbage and poison messages
+(:mod:`bench.hostile`'s attackers) at a stage's data and probe ports and at the
+coordinator. With ``--net`` (default: when this machine can make network
+namespaces: Linux, root, ``ip`` and ``tc``) every process runs in a namespace of
+:class:`~zpipe.cluster.netcluster.LabCluster` with a ``--link-mbit`` tbf cap on its
+uplink, and two more kinds join: a link cut of a stage or of the coordinator for 1-10
+s, and a node's uplink cut to a tenth of its rate for 3-30 s. Kinds that cannot run
+are named under ``kinds_skipped`` with the reason.
 
-A round the coordinator refuses at its start (``could not start the run``, nothing
-sent back: a stage in it had just died, say) is counted as refused, not failed:
-nothing was accepted, so nothing is lost, and the client starts again a second later.
-A fault is survived when no round it hit fails (a failed or hung round is charged to
-the first fault injected while it ran, else to the last one before it started);
-``false_deaths`` counts the coordinator's ``stage_dead`` events for a stage that was
-neither killed, stopped nor cut off then (a 10 s grace after it came back).
-``weights_exact`` uses the tolerance of the exact-recovery tests (rtol 1e-5, atol
-1e-6: micro-batch sums round differently from a
-whole-batch reference); ``weights_bitwise`` says whether every round was bit-equal.
+An attempt that ends in a definite error before the client took a single input from
+the caller (the coordinator could not start the run: a stage in it had just died and
+the death is not declared yet, say) is refused, not failed: nothing was accepted, so
+nothing is lost, and the client tries the same inputs again a second later (at most
+``MAX_REFUSALS`` times; a hang cut off by the round's timeout is a failure). A round
+is scored over all its attempts (:func:`bench._chaos_plan.score_round`): every output
+of every attempt is matched, so ``outputs_exactly_once`` (computed here, over every
+stream round the soak did not cut off while it was refused) holds only when each input
+was answered once, in order, across the refusals and the retry (a round that
+failed after its last output, its run's end lost, say, still counts here by its
+outputs; it is a failure, charged to its fault, below). A fault is survived
+when no round it could reach fails (a failed or hung round is charged to the first
+fault of its workload's stream, or a burner, injected while it ran, else to the last
+one before it started; a failed round no fault could reach is counted under
+``failures_uncharged``); ``false_deaths`` counts the coordinator's ``stage_dead``
+events for a stage that was neither killed, stopped nor cut off then (a 10 s grace
+after it came back). ``weights_exact`` uses the tolerance of the exact-recovery tests
+(rtol 1e-5, atol 1e-6: micro-batch sums round differently from a whole-batch
+reference); ``weights_bitwise`` says whether every round was bit-equal.
 ``max_rss_over_idle`` is the largest peak/idle ratio of resident memory (``VmRSS``
 sampled every 2 s) over every process name. Linux only (reads ``/proc``).
 """
@@ -45,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import subprocess
@@ -52,9 +70,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,12 +84,14 @@ import zmq
 from bench._chaos_plan import (
     FAULT_KINDS,
     NETWORK_KINDS,
-    charge_failures,
-    exactly_once_in_order,
+    Fault,
+    charge_by_workload,
+    counts_by,
     false_deaths,
     match_stream,
     refused_at_start,
-    schedule,
+    schedules,
+    score_round,
     summary_figures,
 )
 from bench._common import emit, loadavg, summary
@@ -89,6 +110,7 @@ TRAIN_STAGES = ["t0", "t1", "t2"]
 STREAM_STAGES = ["i0", "i1"]
 ROUND_TIMEOUT_S = 300.0  # a round past this is a hang (finding 11 was one)
 DEATH_GRACE_S = 10.0
+MAX_REFUSALS = 60  # a round refused this many times in a row (a minute and more) failed
 BURNER = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\n" + (
     "while time.monotonic() < end: pass\n"
 )
@@ -100,6 +122,39 @@ def _train_batches(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tens
         (torch.randn(9, 12, generator=generator), torch.randint(0, 4, (9,), generator=generator))
         for _ in range(count)
     ]
+
+
+# one attempt at a round: (error, inputs the client took, hung, the input index each
+# output answered, the training report)
+Attempt = tuple[str | None, int, bool, list[int | None], Any]
+
+
+def _same_output(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and bool(torch.allclose(got, want, atol=1e-5))
+
+
+class CountingBatches(Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """The round's mini-batches, counting how many the client took to train: a fit
+    that failed before taking one accepted nothing (refused at its start)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.batches = batches
+        self.drawn = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[tuple[torch.Tensor, torch.Tensor]]: ...
+    def __getitem__(self, index: int | slice) -> Any:  # a look, not a take (batch size)
+        return self.batches[index]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.batches:
+            self.drawn += 1
+            yield batch
 
 
 def _reference_weights(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
@@ -142,7 +197,7 @@ class Soak:
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.rounds: list[dict[str, Any]] = []
-        self.failed: list[tuple[float, float]] = []  # (started, ended) of failed rounds
+        self.failed: list[tuple[float, float, str]] = []  # (started, ended, run) failed
         self.down: list[tuple[str, float, float]] = []  # (stage, from, to), wall clock
         self.devices = {d.name: d for c in clusters.values() for d in c.devices}
         self.bench_errors: list[str] = []
@@ -175,21 +230,42 @@ class Soak:
     def _record(self, row: dict[str, Any]) -> None:
         with self.lock:
             self.rounds.append(row)
-            if not row["ok"] and not row.get("refused"):
-                self.failed.append((row["started"], row["ended"]))
+            if row["failed"]:
+                self.failed.append((row["started"], row["ended"], row["run"]))
         emit({"bench": "chaos", **row})
 
-    def guarded(self, loop: Any) -> Any:
+    def guarded(self, loop: Any, *args: Any) -> Any:
         """``loop`` run so that a bug of this bench is reported, not lost in a thread."""
 
         def run() -> None:
             try:
-                loop()
+                loop(*args)
             except Exception as exc:
                 self.bench_errors.append(repr(exc)[:300])
                 emit({"bench": "chaos", "bench_error": repr(exc)[:300]})
 
         return run
+
+    def _attempts(
+        self, names: list[str], attempt: Callable[[], Attempt]
+    ) -> tuple[list[Attempt], bool]:
+        """``attempt()`` -> (error, drawn, hung, found, extra), tried again with the
+        same inputs while it is refused at its start (nothing accepted), a second
+        apart, at most ``MAX_REFUSALS`` times; whether the round finished (false: the
+        soak ended while it was refused)."""
+        attempts: list[Any] = []
+        while True:
+            result = attempt()
+            attempts.append(result)
+            error, drawn, hung = result[:3]
+            if not refused_at_start(error, drawn, hung):
+                return attempts, True
+            if len(attempts) >= MAX_REFUSALS:
+                return attempts, True  # refused for a minute and more: a failure
+            if self.stop.is_set():
+                return attempts, False
+            time.sleep(1.0)  # the coordinator will know of the death soon
+            self.wait_alive(names, 60)
 
     def train_loop(self) -> None:
         number = 0
@@ -198,31 +274,48 @@ class Soak:
                 continue
             batches = _train_batches(self.args.train_batches, self.args.seed * 1000 + number)
             started = time.time()
+
+            attempt = functools.partial(self._train_attempt, batches)
+            attempts, finished = self._attempts(TRAIN_STAGES, attempt)
+            scored = score_round([a[:4] for a in attempts], 0, finished=finished)
             row: dict[str, Any] = {"run": "train", "round": number, "started": started}
-            try:
-                report = asyncio.run(self._fit(batches))
+            row.update(attempts=scored["attempts"], refusals=scored["refusals"])
+            if len(attempts) > 1:
+                row["refused_error"] = attempts[0][0]
+            error, drawn, _, _, report = attempts[-1]
+            if report is not None:
                 close, bitwise, worst = _compare_weights(
                     report.state_dict, _reference_weights(batches)
                 )
                 row.update(
-                    ok=close,
                     weights_exact=close,
                     weights_bitwise=bitwise,
                     max_abs_diff=worst,
                     recoveries=[r.get("dead") for r in report.recoveries],
-                    lost=0 if close else len(batches),
                 )
-            except Exception as exc:
-                refused = refused_at_start(str(exc), 0)
-                lost = 0 if refused else len(batches)
-                row.update(ok=False, refused=refused, error=repr(exc)[:300], lost=lost)
+            ok = bool(scored["ok"]) and bool(row.get("weights_exact"))
+            # lost: every mini-batch of a round that took inputs and did not end exact
+            # (which of them the pipeline applied cannot be told); a refused one took none
+            lost = 0 if ok or drawn == 0 else len(batches)
+            row.update(ok=ok, abandoned=scored["abandoned"], lost=lost, drawn=drawn)
+            row["failed"] = not ok and not scored["abandoned"]
+            if error is not None:
+                row["error"] = error
             row["ended"] = time.time()
             self._record(row)
             number += 1
-            if row.get("refused"):
-                time.sleep(1.0)  # the coordinator will know of the death soon
 
-    async def _fit(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def _train_attempt(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> Attempt:
+        source = CountingBatches(batches)
+        began = time.monotonic()
+        try:
+            report = asyncio.run(self._fit(source))
+            return None, source.drawn, False, [], report  # drawn read after the run
+        except Exception as exc:
+            hung = time.monotonic() - began >= ROUND_TIMEOUT_S - 1
+            return repr(exc)[:300], source.drawn, hung, [], None
+
+    async def _fit(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         async with self.clusters["train"].client() as client:
             fit = client.fit(
                 TRAIN_SPEC,
@@ -245,36 +338,44 @@ class Soak:
             inputs = [
                 (torch.randn(4, 32, generator=generator),) for _ in range(self.args.stream_batches)
             ]
-            started = time.time()
-            row: dict[str, Any] = {"run": "stream", "round": number, "started": started}
-            received: list[Any] = []
-            try:
-                asyncio.run(self._stream(inputs, received))
-                error = None
-            except Exception as exc:
-                error = repr(exc)[:300]
             with torch.no_grad():
                 expected = [model(*b)[0] for b in inputs]
-            found = match_stream(
-                [o[0] for o in received],
-                expected,
-                lambda a, b: a.shape == b.shape and bool(torch.allclose(a, b, atol=1e-5)),
-            )
-            check = exactly_once_in_order(found, len(inputs))
-            exact = check.pop("ok")
-            refused = refused_at_start(error, len(received))
-            row.update(ok=error is None and exact, refused=refused, received=len(received), **check)
-            if error is not None:
-                row["error"] = error
+            started = time.time()
+
+            attempt = functools.partial(self._stream_attempt, inputs, expected)
+            attempts, finished = self._attempts(STREAM_STAGES, attempt)
+            scored = score_round([a[:4] for a in attempts], len(inputs), finished=finished)
+            row: dict[str, Any] = {"run": "stream", "round": number, "started": started}
+            row.update(scored, received=sum(len(a[3]) for a in attempts))
+            if len(attempts) > 1:
+                row["refused_error"] = attempts[0][0]
+            if attempts[-1][0] is not None:
+                row["error"] = attempts[-1][0]
             row["ended"] = time.time()
             self._record(row)
             number += 1
-            if refused:
-                time.sleep(1.0)
 
-    async def _stream(self, inputs: list[tuple[torch.Tensor]], received: list[Any]) -> None:
+    def _stream_attempt(
+        self, inputs: list[tuple[torch.Tensor]], expected: list[torch.Tensor]
+    ) -> Attempt:
+        received: list[Any] = []
+        drawn = [0]
+        began = time.monotonic()
+        error = None
+        try:
+            asyncio.run(self._stream(inputs, received, drawn))
+        except Exception as exc:
+            error = repr(exc)[:300]
+        hung = error is not None and time.monotonic() - began >= ROUND_TIMEOUT_S - 1
+        found = match_stream([o[0] for o in received], expected, _same_output)
+        return error, drawn[0], hung, found, None
+
+    async def _stream(
+        self, inputs: list[tuple[torch.Tensor]], received: list[Any], drawn: list[int]
+    ) -> None:
         async def feed() -> Any:
             for batch in inputs:
+                drawn[0] += 1  # taken by the client: from here on the input is accepted
                 yield batch
                 await asyncio.sleep(self.args.pace_s)
 
@@ -290,8 +391,8 @@ class Soak:
 
     # --- faults -------------------------------------------------------------------
 
-    def _stage(self, target: int) -> str:
-        names = sorted(self.devices)
+    def _stage(self, target: int, workload: str) -> str:
+        names = sorted(d.name for d in self.clusters[workload].devices)
         return names[target % len(names)]
 
     def _restart_stage(self, name: str, down_from: float) -> None:
@@ -306,58 +407,64 @@ class Soak:
 
         threading.Thread(target=wait, daemon=True).start()
 
-    def inject(self, kind: str, target: int, hold_s: float) -> dict[str, Any]:
+    def _kill_and_restart(self, name: str, down_from: float) -> None:
+        self.cluster_of(name).kill(name)  # SIGKILL ends a stopped process too
+        self._restart_stage(name, down_from)
+
+    def inject(self, fault: Fault) -> dict[str, Any]:
+        """Inject ``fault`` into its workload's cluster (a burner: into the machine)."""
+        kind, target, hold_s, workload = fault.kind, fault.target, fault.hold_s, fault.workload
         detail: dict[str, Any] = {}
         now = time.time()
         if kind == "stage_kill":
-            name = self._stage(target)
-            self.cluster_of(name).kill(name)
-            self._restart_stage(name, now)
+            name = self._stage(target, workload)
+            self._kill_and_restart(name, now)
             detail["stage"] = name
-        elif kind == "stage_stop":
-            name = self._stage(target)
+        elif kind in ("stage_stop", "stage_hang"):
+            name = self._stage(target, workload)
             process = self.cluster_of(name).processes[name]
             process.send_signal(signal.SIGSTOP)
             time.sleep(hold_s)
+            detail.update(stage=name, stopped_s=hold_s)
+            if kind == "stage_hang":  # never resumed: power-cycled
+                self._kill_and_restart(name, now)
+                return detail
             process.send_signal(signal.SIGCONT)
             back = time.time()
             # declared dead while stopped, does it come back by itself?
             rejoined = self.wait_alive([name], 30)
-            detail.update(stage=name, stopped_s=hold_s, rejoined=rejoined)
+            detail["rejoined"] = rejoined
             if not rejoined:
-                self.cluster_of(name).kill(name)
-                self._restart_stage(name, now)
+                self._kill_and_restart(name, now)
             else:
                 with self.lock:
                     self.down.append((name, now, back))
         elif kind == "coordinator_restart":
-            role = sorted(self.clusters)[target % len(self.clusters)]
-            self.clusters[role].kill("coordinator")
+            self.clusters[workload].kill("coordinator")
             time.sleep(1.0)
-            self.clusters[role].restart_coordinator()
-            detail["cluster"] = role
+            self.clusters[workload].restart_coordinator()
+            detail["cluster"] = workload
         elif kind == "cpu_burner":
             seconds = 3 * hold_s
             burner = subprocess.Popen([sys.executable, "-c", BURNER, str(seconds)])
             detail.update(burner_s=seconds)
             threading.Thread(target=burner.wait, daemon=True).start()
         elif kind == "malformed_burst":
-            detail.update(self._burst(target))
+            detail.update(self._burst(self._stage(target, workload), target))
         elif kind == "link_cut":
-            detail.update(self._cut(target, hold_s, now))
+            detail.update(self._cut(target, workload, hold_s, now))
         elif kind == "bandwidth_drop":
-            detail.update(self._slow(target, 3 * hold_s))
+            detail.update(self._slow(target, workload, 3 * hold_s))
         return detail
 
-    def _link_target(self, target: int) -> tuple[str, str]:
-        """(cluster, process): a stage or a cluster's coordinator (a lab node's process)."""
-        names = [(self.home[n], n) for n in sorted(self.devices)]
-        names += [(role, "coordinator") for role in sorted(self.clusters)]
+    def _link_target(self, target: int, workload: str) -> str:
+        """A process of ``workload``'s cluster (a lab node's): a stage or its coordinator."""
+        names = [*sorted(d.name for d in self.clusters[workload].devices), "coordinator"]
         return names[target % len(names)]
 
-    def _cut(self, target: int, seconds: float, now: float) -> dict[str, Any]:
-        role, name = self._link_target(target)
-        cluster = self.clusters[role]
+    def _cut(self, target: int, workload: str, seconds: float, now: float) -> dict[str, Any]:
+        name = self._link_target(target, workload)
+        cluster = self.clusters[workload]
         assert isinstance(cluster, LabCluster)
         cluster.cut_for(name, seconds)
         # cut off, a stage is dead to the coordinator; the coordinator cut off, each of
@@ -365,12 +472,12 @@ class Soak:
         names = [d.name for d in cluster.devices] if name == "coordinator" else [name]
         with self.lock:
             self.down.extend((n, now, now + seconds) for n in names)
-        return {"cluster": role, "target": name, "cut_s": seconds}
+        return {"target": name, "cut_s": seconds}
 
-    def _slow(self, target: int, seconds: float) -> dict[str, Any]:
+    def _slow(self, target: int, workload: str, seconds: float) -> dict[str, Any]:
         """``target``'s uplink at a tenth of its rate for ``seconds`` (a timer restores it)."""
-        role, name = self._link_target(target)
-        cluster = self.clusters[role]
+        name = self._link_target(target, workload)
+        cluster = self.clusters[workload]
         assert isinstance(cluster, LabCluster)
         node = cluster.node_of(name)
         lab = cluster.lab
@@ -384,11 +491,11 @@ class Soak:
         timer = threading.Timer(seconds, cap, args=(rate,))
         timer.daemon = True
         timer.start()
-        self.timers.append(timer)
-        return {"cluster": role, "target": name, "slow_s": seconds, "mbit": rate / 10}
+        with self.lock:
+            self.timers.append(timer)
+        return {"target": name, "slow_s": seconds, "mbit": rate / 10}
 
-    def _burst(self, target: int) -> dict[str, Any]:
-        name = self._stage(target)
+    def _burst(self, name: str, seed: int) -> dict[str, Any]:
         member = self.alive(self.home[name]).get(name)
         endpoints = [self.cluster_of(name).coordinator_endpoint]
         if member is not None:
@@ -397,7 +504,7 @@ class Soak:
             if probe:
                 endpoints.append(str(probe))
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        attacker = Attacker(context, target)
+        attacker = Attacker(context, seed)
         sent = 0
         try:
             for i, endpoint in enumerate(endpoints):
@@ -408,6 +515,28 @@ class Soak:
         finally:
             context.term()
         return {"stage": name, "targets": len(endpoints), "sent": sent}
+
+    def inject_stream(self, plan: list[Fault], start: float, out: list[dict[str, Any]]) -> None:
+        """Inject one workload's faults at their times (``start``: monotonic), each
+        recorded in ``out`` (shared by the streams) as it is injected."""
+        for fault in plan:
+            while time.monotonic() - start < fault.at_s:
+                time.sleep(min(1.0, max(0.0, fault.at_s - (time.monotonic() - start))))
+            at = time.time()
+            try:
+                detail = self.inject(fault)
+                error = None
+            except Exception as exc:
+                detail, error = {}, repr(exc)[:300]
+            row: dict[str, Any] = {"kind": fault.kind, "workload": fault.workload}
+            row["scope"] = fault.scope
+            row.update(at=at, **detail)
+            if error:
+                row["inject_error"] = error
+            with self.lock:
+                out.append(row)
+                number = len(out)
+            emit({"bench": "chaos", "fault": number, "t_s": round(fault.at_s, 1), **row})
 
 
 def _rss_sample(clusters: dict[str, LocalCluster], peaks: dict[str, int]) -> None:
@@ -474,12 +603,14 @@ def main(argv: list[str] | None = None) -> int:
     skipped = _skipped(kinds, args.net)
     active = [k for k in kinds if k not in skipped]
     duration = args.minutes * 60
-    plan = schedule(args.seed, duration, args.min_gap, args.max_gap, active)
+    groups = {"train": TRAIN_STAGES, "stream": STREAM_STAGES}
+    plans = schedules(args.seed, duration, args.min_gap, args.max_gap, active, list(groups))
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="zpipe-chaos-state-"))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="zpipe-chaos-logs-"))
-    groups = {"train": TRAIN_STAGES, "stream": STREAM_STAGES}
     on_lab = args.net != "off" and not skipped and unavailable_reason() is None
-    emit({"bench": "chaos", "faults_planned": len(plan), "log_dir": str(log_dir), "net": on_lab})
+    planned = {w: len(p) for w, p in plans.items()}
+    emit({"bench": "chaos", "faults_planned": planned, "log_dir": str(log_dir), "net": on_lab})
+    loads: list[list[float]] = []
     with contextlib.ExitStack() as stack:
         if on_lab:
             cap = TbfCap.at(args.link_mbit)
@@ -513,23 +644,23 @@ def main(argv: list[str] | None = None) -> int:
             thread.start()
         start = time.monotonic()
         injected: list[dict[str, Any]] = []
-        for fault in plan:
-            while time.monotonic() - start < fault.at_s:
-                _rss_sample(clusters, peaks)
-                time.sleep(min(2.0, max(0.0, fault.at_s - (time.monotonic() - start))))
-            at = time.time()
-            try:
-                detail = soak.inject(fault.kind, fault.target, fault.hold_s)
-                error = None
-            except Exception as exc:
-                detail, error = {}, repr(exc)[:300]
-            row = {"kind": fault.kind, "at": at, **detail}
-            if error:
-                row["inject_error"] = error
-            injected.append(row)
-            emit({"bench": "chaos", "fault": len(injected), "t_s": round(fault.at_s, 1), **row})
-        while time.monotonic() - start < duration:
+        # one injector per workload: the two fault streams run side by side
+        injectors = [
+            threading.Thread(
+                target=soak.guarded(soak.inject_stream, plan, start, injected), daemon=True
+            )
+            for plan in plans.values()
+        ]
+        for thread in injectors:
+            thread.start()
+        next_load = 0.0
+        while time.monotonic() - start < duration or any(t.is_alive() for t in injectors):
             _rss_sample(clusters, peaks)
+            if time.monotonic() >= next_load:
+                load = loadavg()
+                if load is not None:
+                    loads.append(load)
+                next_load = time.monotonic() + 60.0
             time.sleep(2.0)
         soak.stop.set()
         ended = time.monotonic()
@@ -541,29 +672,41 @@ def main(argv: list[str] | None = None) -> int:
             timer.cancel()
         drain_s = round(time.monotonic() - ended, 1)
         deaths = [d for c in clusters.values() for d in _deaths(c.logs("coordinator"))]
-    not_survived = charge_failures([f["at"] for f in injected], soak.failed)
+    injected.sort(key=lambda f: float(f["at"]))
+    not_survived, uncharged = charge_by_workload(
+        [(float(f["at"]), str(f["scope"])) for f in injected], soak.failed
+    )
     wrong = false_deaths(deaths, soak.down, DEATH_GRACE_S)
     train = [r for r in soak.rounds if r["run"] == "train"]
     stream = [r for r in soak.rounds if r["run"] == "stream"]
+    # rounds the soak's end cut off while they were refused accepted nothing: left out
+    train_done = [r for r in train if not r["abandoned"]]
+    stream_done = [r for r in stream if not r["abandoned"]]
     ratios = [peaks[n] / idle[n] for n in idle if idle[n] and n in peaks]
     summary(
         "chaos",
         minutes=args.minutes,
         seed=args.seed,
+        gaps_s=[args.min_gap, args.max_gap],
         **summary_figures(injected, not_survived, skipped),
+        faults_per_workload=counts_by(injected, not_survived, "workload"),
+        failures_uncharged=uncharged,
         false_deaths=len(wrong),
         false_death_stages=[name for _, name in wrong],
         deaths=len(deaths),
-        weights_exact=bool(train) and all(r.get("weights_exact", False) for r in train),
-        weights_bitwise=bool(train) and all(r.get("weights_bitwise", False) for r in train),
-        outputs_exactly_once=bool(stream) and all(r["ok"] or r["refused"] for r in stream),
+        weights_exact=bool(train_done) and all(r.get("weights_exact", False) for r in train_done),
+        weights_bitwise=bool(train_done)
+        and all(r.get("weights_bitwise", False) for r in train_done),
+        outputs_exactly_once=bool(stream_done) and all(r["exactly_once"] for r in stream_done),
         lost_minibatches=sum(int(r.get("lost", 0)) for r in train),
-        train_rounds=len(train),
-        train_rounds_failed=sum(1 for r in train if not r["ok"] and not r.get("refused")),
-        train_rounds_refused=sum(1 for r in train if r.get("refused")),
-        stream_rounds=len(stream),
-        stream_rounds_failed=sum(1 for r in stream if not r["ok"] and not r["refused"]),
-        stream_rounds_refused=sum(1 for r in stream if r["refused"]),
+        train_rounds=len(train_done),
+        train_rounds_failed=sum(1 for r in train if r["failed"]),
+        train_refusals=sum(int(r["refusals"]) for r in train),
+        stream_rounds=len(stream_done),
+        stream_rounds_failed=sum(1 for r in stream if r["failed"]),
+        stream_refusals=sum(int(r["refusals"]) for r in stream),
+        stream_rounds_retried=sum(1 for r in stream_done if r["attempts"] > 1),
+        rounds_abandoned=sum(1 for r in soak.rounds if r["abandoned"]),
         stops_not_rejoined=sum(1 for f in injected if f.get("rejoined") is False),
         inject_errors=sum(1 for f in injected if "inject_error" in f),
         hung_threads=hung,
@@ -572,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         max_rss_over_idle=round(max(ratios), 3) if ratios else None,
         net=on_lab,
         loadavg=loadavg(),
+        loadavg_1min_range=[min(x[0] for x in loads), max(x[0] for x in loads)] if loads else None,
     )
     return 0
 

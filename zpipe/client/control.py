@@ -81,6 +81,10 @@ class ControlChannel:
         # request that may have been lost with the old process is sent again.
         self.reconnections = 0
         self._reconnected = asyncio.Event()
+        # The connection is down now (a coordinator restarting): a request it may
+        # answer twice waits for the reconnection, bounded by ``lost``, not its own
+        # deadline (a restart slower than reply_s, a loaded machine importing torch).
+        self.disconnected = False
         # Set when the coordinator's connection has been gone for
         # coordinator_silence_s, the time a stage waits for it too: a restarted
         # coordinator is back long before; past it, nothing will answer a request
@@ -91,7 +95,6 @@ class ControlChannel:
         self._watcher = asyncio.create_task(self._watch_connection())
 
     async def _watch_connection(self) -> None:
-        disconnected = False
         while True:
             frames = await self._monitor.recv_multipart()
             try:
@@ -100,12 +103,12 @@ class ControlChannel:
                 log.warning("monitor_event_dropped", error=repr(exc))
                 continue
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                disconnected = True
+                self.disconnected = True
                 log.warning("coordinator_disconnected", endpoint=event["endpoint"])
                 if self._lose is None or self._lose.done():
                     self._lose = asyncio.create_task(self._lose_after_silence())
-            elif event["event"] == zmq.EVENT_CONNECTED and disconnected:
-                disconnected = False
+            elif event["event"] == zmq.EVENT_CONNECTED and self.disconnected:
+                self.disconnected = False
                 if self._lose is not None:
                     self._lose.cancel()
                 self.reconnections += 1
@@ -185,18 +188,23 @@ class ControlChannel:
         ``resend_on_reconnect``: for a request the coordinator may answer twice
         (it shares the answer of a duplicate): when the connection to the
         coordinator is made again while waiting (it was restarted and took its
-        run over from disk), the request goes again, with a fresh deadline.
+        run over from disk), the request goes again, with a fresh deadline; while
+        the connection is down its deadline does not run out, the coordinator's
+        silence timeout bounds the wait (a restart slower than ``timeout_s``, on a
+        loaded machine, is not a failure).
         """
         message = request.to_message()
         seen = self.reconnections
         await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
         deadline = time.monotonic() + timeout_s
+        extended = False  # the deadline was stretched for a restarting coordinator
         while True:
             if resend_on_reconnect and self.reconnections != seen:
                 seen = self.reconnections
                 log.warning("request_sent_again", kind=message.kind)
                 await send(self.sock, message, timeout_s=timeout_s, peer="coordinator")
                 deadline = time.monotonic() + timeout_s
+                extended = False
             left = max(deadline - time.monotonic(), 0.0)
             self._reconnected.clear()
             reply_task = asyncio.ensure_future(self._replies.get())
@@ -224,6 +232,14 @@ class ControlChannel:
                     continue
                 log.debug("unexpected_reply", kind=reply.KIND)
             elif not done:
+                if resend_on_reconnect and self.disconnected and not extended:
+                    # the coordinator is restarting: wait for it (the request goes
+                    # again, with a fresh deadline, once it is back) until ``lost``,
+                    # coordinator_silence_s after the connection dropped (the bound
+                    # here is only a backstop)
+                    extended = True
+                    deadline = time.monotonic() + self.timeouts.coordinator_silence_s
+                    continue
                 raise TransportTimeout("coordinator", awaited, timeout_s)
 
     async def report_stalls(self, watch: StallWatch, run: Callable[[], int], what: str) -> None:
