@@ -101,6 +101,10 @@ def _summary(
         "pipeline_partition_section",
         lambda args: {"ecofl_over_even_partition_throughput": 1.6},
     )
+    # and the netns section makes a network lab (root)
+    monkeypatch.setattr(
+        fed, "netns_section", lambda args: {"pipeline_client_over_dp_throughput_netns": 9.0}
+    )
     assert fed.main(["--lambdas=", *argv]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     return next(line for line in lines if line.get("summary"))
