@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         "--mmap-threshold-mb",
         type=int,
         default=0,
-        help="set glibc's mmap threshold in the workers after --retain-mb's (0: leave it)",
+        help="set glibc's mmap threshold in the workers after the stage's "
+        "(0: leave the stage's, zpipe.transport.allocator.MMAP_THRESHOLD_MB)",
     )
     parser.add_argument("--jobs", type=int, default=2, help="workers at once")
     parser.add_argument(
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         emit(row)
     from zpipe.planner.memory import DEFAULT_STAGE_BASE_BYTES
+    from zpipe.transport.allocator import MMAP_THRESHOLD_MB
 
     ratios = [r["predicted_over_measured"] for r in rows]
     bases = [r["base_mib"] for r in rows]
@@ -358,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         loadavg=loadavg(),
         seconds=round(time.monotonic() - started, 1),
         margin=args.margin,
-        mmap_threshold_mb=args.mmap_threshold_mb or None,
+        mmap_threshold_mb=args.mmap_threshold_mb or min(args.retain_mb, MMAP_THRESHOLD_MB),
         **_spread(ratios, "predicted_over_measured"),
         **_spread([r["unmargined_over_measured"] for r in rows], "unmargined_over_measured"),
         within_1_0_to_1_3=sum(1.0 <= r <= 1.3 for r in ratios),
