@@ -186,7 +186,13 @@ def _jobs(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     from zpipe.planner.plan import plan_even_partition
     from zpipe.planner.profile import training_profile_sizes
     from zpipe.stage.profiling import profile_model
+    from zpipe.transport.allocator import retain_freed_memory
 
+    # profile under the allocator a stage profiles under (a unit's peak counts the
+    # process's resident growth, which glibc's thresholds move)
+    retain_freed_memory(args.retain_mb)
+    if args.mmap_threshold_mb:
+        _set_mmap_threshold(args.mmap_threshold_mb)
     torch.set_num_threads(args.threads)
     sizes = training_profile_sizes(args.batch)
     jobs = []

@@ -20,7 +20,6 @@ block on receive, for raw pyzmq and zpipe alike (figures in docs/benchmarks.md).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 # glibc mallopt parameters (malloc.h)
@@ -39,8 +38,8 @@ def retain_freed_memory(retain_mb: int = 256, mmap_threshold_mb: int = MMAP_THRE
     if retain_mb <= 0 or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # glibc's own name: find_library("c") would start ldconfig in every stage
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False  # musl and others have no mallopt
     threshold_mb = max(1, min(retain_mb, mmap_threshold_mb, _GLIBC_MMAP_THRESHOLD_MAX_MB))

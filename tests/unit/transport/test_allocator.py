@@ -30,13 +30,7 @@ def libc(monkeypatch: pytest.MonkeyPatch) -> _FakeLibc:
     fake = _FakeLibc()
     monkeypatch.setattr(allocator.sys, "platform", "linux")
     monkeypatch.setattr(allocator.ctypes, "CDLL", lambda *_a, **_k: fake)
-    _no_ldconfig(monkeypatch)
     return fake
-
-
-def _no_ldconfig(monkeypatch: pytest.MonkeyPatch) -> None:
-    # find_library runs /sbin/ldconfig, a process the unit lane does not start
-    monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda _name: None)
 
 
 def _settings(fake: _FakeLibc) -> dict[str, int]:
@@ -79,7 +73,6 @@ def test_nothing_is_asked_with_zero_retained_or_off_linux(
 
 def test_a_refusal_or_a_libc_without_mallopt_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(allocator.sys, "platform", "linux")
-    _no_ldconfig(monkeypatch)
     monkeypatch.setattr(allocator.ctypes, "CDLL", lambda *_a, **_k: _FakeLibc(accept=False))
     assert retain_freed_memory() is False
 
@@ -91,12 +84,12 @@ def test_a_refusal_or_a_libc_without_mallopt_is_reported(monkeypatch: pytest.Mon
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_glibc_accepts_the_default_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_glibc_accepts_the_default_thresholds() -> None:
     try:
         ctypes.CDLL("libc.so.6").mallopt  # noqa: B018
     except (OSError, AttributeError):
         pytest.skip("not glibc")
-    _no_ldconfig(monkeypatch)  # then libc.so.6 by name
     # setting the stage's values in the test process is harmless: both only decide
-    # when freed memory goes back to the kernel
+    # when freed memory goes back to the kernel (and no ldconfig is started: the
+    # unit lane's guard would fail the test)
     assert retain_freed_memory() is True
