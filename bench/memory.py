@@ -22,10 +22,13 @@ input it would receive and runs
 worst, not only what torch's allocator counts. One worker runs a stage's sizes
 smallest first and sets its peak back to what it holds between them (Linux's
 ``clear_refs``; ``--fresh-per-size`` starts one process per size instead).
-``--mmap-threshold-mb N`` sets glibc's mmap threshold in the workers after the
-stage's own setting (32 MiB with ``--retain-mb``): at the stage's, tensors of a
-few MiB fragment the heap and a ViT stage at 8 images peaks 2.5-3x its live
-tensors' peak; at 4 every ratio was within 1.0-1.3 (docs/benchmarks.md).
+``--mmap-threshold-mb N`` sets glibc's mmap threshold in the workers (and the
+profiling parent) after the stage's own setting (4 MiB with ``--retain-mb``,
+``zpipe.transport.allocator.MMAP_THRESHOLD_MB``): at 32, the stage's before,
+tensors of a few MiB fragmented the heap and a ViT stage at 8 images peaked
+2.5-3x its live tensors' peak; at 4 every ratio was within 1.0-1.3
+(docs/benchmarks.md). The parent profiles under the stage's allocator, as a stage
+that profiles itself does.
 **Predicted** is :func:`zpipe.planner.memory.profile_stage_memory` with the
 worker's measured base (what the planner is given) and the safety margin the
 limit check adds (``--margin``, default the coordinator's ``--memory-margin``):
