@@ -22,10 +22,13 @@ input it would receive and runs
 worst, not only what torch's allocator counts. One worker runs a stage's sizes
 smallest first and sets its peak back to what it holds between them (Linux's
 ``clear_refs``; ``--fresh-per-size`` starts one process per size instead).
-``--mmap-threshold-mb N`` sets glibc's mmap threshold in the workers after the
-stage's own setting (32 MiB with ``--retain-mb``): at the stage's, tensors of a
-few MiB fragment the heap and a ViT stage at 8 images peaks 2.5-3x its live
-tensors' peak; at 4 every ratio was within 1.0-1.3 (docs/benchmarks.md).
+``--mmap-threshold-mb N`` sets glibc's mmap threshold in the workers (and the
+profiling parent) after the stage's own setting (4 MiB with ``--retain-mb``,
+``zpipe.transport.allocator.MMAP_THRESHOLD_MB``): at 32, the stage's before,
+tensors of a few MiB fragmented the heap and a ViT stage at 8 images peaked
+2.5-3x its live tensors' peak; at 4 every ratio was within 1.0-1.3
+(docs/benchmarks.md). The parent profiles under the stage's allocator, as a stage
+that profiles itself does.
 **Predicted** is :func:`zpipe.planner.memory.profile_stage_memory` with the
 worker's measured base (what the planner is given) and the safety margin the
 limit check adds (``--margin``, default the coordinator's ``--memory-margin``):
@@ -186,7 +189,13 @@ def _jobs(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     from zpipe.planner.plan import plan_even_partition
     from zpipe.planner.profile import training_profile_sizes
     from zpipe.stage.profiling import profile_model
+    from zpipe.transport.allocator import retain_freed_memory
 
+    # profile under the allocator a stage profiles under (a unit's peak counts the
+    # process's resident growth, which glibc's thresholds move)
+    retain_freed_memory(args.retain_mb)
+    if args.mmap_threshold_mb:
+        _set_mmap_threshold(args.mmap_threshold_mb)
     torch.set_num_threads(args.threads)
     sizes = training_profile_sizes(args.batch)
     jobs = []
@@ -302,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "--mmap-threshold-mb",
         type=int,
         default=0,
-        help="set glibc's mmap threshold in the workers after --retain-mb's (0: leave it)",
+        help="set glibc's mmap threshold in the workers after the stage's "
+        "(0: leave the stage's, zpipe.transport.allocator.MMAP_THRESHOLD_MB)",
     )
     parser.add_argument("--jobs", type=int, default=2, help="workers at once")
     parser.add_argument(
@@ -344,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         emit(row)
     from zpipe.planner.memory import DEFAULT_STAGE_BASE_BYTES
+    from zpipe.transport.allocator import MMAP_THRESHOLD_MB
 
     ratios = [r["predicted_over_measured"] for r in rows]
     bases = [r["base_mib"] for r in rows]
@@ -358,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         loadavg=loadavg(),
         seconds=round(time.monotonic() - started, 1),
         margin=args.margin,
-        mmap_threshold_mb=args.mmap_threshold_mb or None,
+        mmap_threshold_mb=args.mmap_threshold_mb or min(args.retain_mb, MMAP_THRESHOLD_MB),
         **_spread(ratios, "predicted_over_measured"),
         **_spread([r["unmargined_over_measured"] for r in rows], "unmargined_over_measured"),
         within_1_0_to_1_3=sum(1.0 <= r <= 1.3 for r in ratios),

@@ -26,6 +26,7 @@ from zpipe.models import ModelSpec, available_presets, load_layer_sequence
 from zpipe.planner.profile import ModelProfile
 from zpipe.progress import TerminalProgress
 from zpipe.stage.profiling import profile_model
+from zpipe.transport.allocator import retain_freed_memory
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         def unit_done(done: int, _total: int) -> None:
             bar.update(done - bar.n)
 
+        # a stage's allocator: a unit's forward memory counts the process's resident
+        # growth, which glibc's thresholds move (a CNN's 1.6-1.9x higher under its defaults)
+        retain_freed_memory()
         with bar:
             profile = profile_model(
                 spec,
