@@ -203,9 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         default=256,
         metavar="MB",
-        help="keep up to MB of freed message memory instead of returning it to the kernel, "
-        "so large messages do not page-fault in again (glibc only; 0 turns it off; "
-        "default: 256)",
+        help="keep up to MB of freed memory instead of returning it to the kernel, so "
+        "messages under 4 MiB do not page-fault in again; blocks of 4 MiB or more are "
+        "mapped apart, which keeps the memory prediction true (glibc only; 0 turns it "
+        "off; default: 256)",
     )
     parser.add_argument(
         "--coordinator-timeout",
