@@ -13,7 +13,10 @@ When nothing waits in the outbox or in the send task, the link is not
 emulated and both the send window and the downstream's queue have room, the
 compute task queues its output itself, in the same loop pass (a send that
 could wait still goes through the send task, with its deadline): a hand-off
-between tasks costs more than a small message's send.
+between tasks costs more than a small message's send. Such an output with
+another one right behind it (later in its group, or an input already waiting
+after short forwards) may go copied and untracked, riding on the link meter's
+next tracked message (:meth:`~zpipe.stage.metrics.LinkMeter.may_copy`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ class ComputedMicrobatch:
     outputs: tuple[torch.Tensor, ...]
     started: float  # perf_counter, in the compute thread
     ended: float
+
+
+def _tensor_bytes(message: Message) -> int:
+    return sum(t.nbytes for t in message.tensors)
 
 
 class InferenceLoop:
@@ -130,16 +137,21 @@ class InferenceLoop:
             # of kind "error" (someone upstream failed) pass the word on uncomputed.
             results = await self._computed(loop, group)
             counters.busy_s += time.perf_counter() - computing_from
-            longest = 0.0
-            for message, result in zip(group, results, strict=True):
-                if isinstance(result, ComputedMicrobatch):
-                    longest = max(longest, result.ended - result.started)
+            longest = max(
+                (r.ended - r.started for r in results if isinstance(r, ComputedMicrobatch)),
+                default=0.0,
+            )
+            grouping = longest < GROUP_BELOW_S
+            last = len(group) - 1
+            for i, (message, result) in enumerate(zip(group, results, strict=True)):
                 out = self._output(message, result)
                 if _std_log.isEnabledFor(logging.DEBUG):
                     log.debug("microbatch_done", stage=self.name, epoch=self.epoch,
                               mb=message.mb)  # fmt: skip
-                await self._hand_to_sender(message.mb, out.to_message())
-            grouping = longest < GROUP_BELOW_S
+                # another output follows soon: this group's next, or the output of an
+                # input already waiting when the forwards are short
+                more_behind = i < last or (grouping and not self._inbox.empty())
+                await self._hand_to_sender(message.mb, out.to_message(), more_behind)
 
     async def _computed(
         self, loop: asyncio.AbstractEventLoop, group: list[Data | MicroBatchError]
@@ -218,32 +230,38 @@ class InferenceLoop:
             epoch=self.epoch,
         )
 
-    async def _hand_to_sender(self, mb: int, out: Message) -> None:
-        if await self._send_now(mb, out):
+    async def _hand_to_sender(self, mb: int, out: Message, more_behind: bool = False) -> None:
+        if await self._send_now(mb, out, more_behind):
             return
         blocked_from = time.perf_counter()
         await self._outbox.put((mb, out))
         self._counters.blocked_s += time.perf_counter() - blocked_from
 
-    async def _send_now(self, mb: int, message: Message) -> bool:
+    async def _send_now(self, mb: int, message: Message, more_behind: bool = False) -> bool:
         """Queue ``message`` downstream at once if nothing is ahead of it and there is
-        room everywhere; False (nothing sent, the window place given back) otherwise."""
-        if (
-            self._link is not None
-            or self._sending
-            or not self._outbox.empty()
-            or not self._meter.has_room()
-        ):
+        room everywhere; False (nothing sent, the window place given back) otherwise.
+        With ``more_behind`` (another message follows soon) it may go copied and
+        untracked (see the module notes)."""
+        meter = self._meter
+        if self._link is not None or self._sending or not self._outbox.empty():
+            return False
+        if not meter.has_room():
             return False
         started = time.perf_counter()
-        await self._meter.room(timeout_s=self._send_timeout_s)  # at once: there is room
+        copy = more_behind and meter.may_copy(_tensor_bytes(message), more_behind=True)
+        await meter.room(timeout_s=self._send_timeout_s)  # at once: there is room
         try:
-            nbytes = send_nowait(self._downstream, message, on_queued=self._meter.track)
+            if copy:
+                nbytes = send_nowait(self._downstream, message)
+            else:
+                nbytes = send_nowait(self._downstream, message, on_queued=meter.track)
         except Exception:  # e.g. an output the codec refuses: the send task reports it
             nbytes = None
         if nbytes is None:
-            self._meter.release()
+            meter.release()
             return False
+        if copy:
+            meter.copied(nbytes)
         self._counters.bytes_out += nbytes
         sent_at = time.perf_counter()
         self._counters.send_s += sent_at - started
