@@ -231,6 +231,30 @@ def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
     assert max(trips) <= inference.MAX_GROUP
 
 
+def test_large_inputs_waiting_behind_a_short_forward_go_two_at_a_time(
+    context: zmq.asyncio.Context,
+) -> None:
+    # 1 MiB inputs: a group stops once it holds GROUP_BELOW_BYTES (2 MiB), however
+    # many wait in the inbox
+    inputs = [data(mb, float(mb), size=1 << 18) for mb in range(8)]
+    trips: list[int] = []
+    original = InferenceLoop._forward_all
+
+    def counting(self: InferenceLoop, group: list[Data]) -> object:
+        trips.append(len(group))
+        return original(self, group)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inference, "GROUP_BELOW_S", WAIT_S)
+        mp.setattr(InferenceLoop, "_forward_all", counting)
+        received, _, _ = asyncio.run(
+            _run(context, inputs, options=SocketOptions(), hold_compute=True)
+        )
+    assert [m.body["mb"] for m in received] == list(range(8))
+    assert sum(trips) == 8
+    assert max(trips) == inference.GROUP_BELOW_BYTES // (1 << 20) == 2
+
+
 def test_a_failing_forward_becomes_an_error_and_upstream_errors_pass_on(
     context: zmq.asyncio.Context,
 ) -> None:
