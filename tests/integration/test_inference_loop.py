@@ -24,7 +24,7 @@ import zmq.asyncio
 from zpipe.protocol.data_plane import Data, MicroBatchError
 from zpipe.stage.executors import inference
 from zpipe.stage.executors.inference import InferenceLoop
-from zpipe.stage.metrics import StageCounters
+from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import LinkSpec
@@ -123,7 +123,7 @@ async def _run(
         feeding = asyncio.create_task(feed())
         if hold_compute:
             # the first input is in the compute thread, the next ones wait in the inbox
-            await until(lambda: loop._inbox.qsize() == inference.QUEUE_DEPTH)
+            await until(lambda: loop._inbox.qsize() == inference.INBOX_DEPTH)
             shard.release.set()
         if hold_downstream:
             # nobody reads: zmq's queue, the window, the outbox and the inbox fill up
@@ -174,6 +174,40 @@ def test_large_outputs_are_each_counted_written_out_once_the_link_took_them(
     assert counters.link_delivered_bytes == counters.bytes_out > 12 * (256 << 10)
 
 
+def test_an_output_with_another_behind_it_goes_copied_and_counts_with_the_tracked_one(
+    context: zmq.asyncio.Context,
+) -> None:
+    # 64 KiB outputs, inputs piling up behind short forwards: an output with another
+    # right behind it goes copied and untracked; every one is still counted written
+    # out (the copied ones with the tracked one behind them), so a copied one never
+    # ends the stream and the values that arrive are the ones computed
+    inputs = [data(mb, float(mb), size=16 << 10) for mb in range(24)]
+    sends: list[str] = []
+    copied, track = LinkMeter.copied, LinkMeter.track
+
+    def noting_copied(self: LinkMeter, nbytes: int) -> None:
+        sends.append("copied")
+        copied(self, nbytes)
+
+    def noting_track(self: LinkMeter, tracker: zmq.MessageTracker, nbytes: int) -> None:
+        sends.append("tracked")
+        track(self, tracker, nbytes)
+
+    with pytest.MonkeyPatch.context() as mp:
+        # every forward counts as short, however loaded the machine: inputs go together
+        mp.setattr(inference, "GROUP_BELOW_S", WAIT_S)
+        mp.setattr(LinkMeter, "copied", noting_copied)
+        mp.setattr(LinkMeter, "track", noting_track)
+        received, _, counters = asyncio.run(
+            _run(context, inputs, options=SocketOptions(), hold_compute=True, written_out=True)
+        )
+    assert [m.body["mb"] for m in received] == list(range(24))
+    assert [float(m.tensors[0][-1]) for m in received] == [2.0 * mb for mb in range(24)]
+    assert len(sends) == 24 and "copied" in sends
+    assert sends[-1] == "tracked"
+    assert counters.link_delivered_bytes == counters.bytes_out > 24 * (64 << 10)
+
+
 def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
     context: zmq.asyncio.Context,
 ) -> None:
@@ -192,8 +226,33 @@ def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
         )
     assert [m.body["mb"] for m in received] == list(range(12))
     assert sum(trips) == 12
-    assert max(trips) > 1  # the inputs held in the inbox went together
+    # the inputs held in the inbox (all of it: deeper than the outbox) went together
+    assert max(trips) >= inference.INBOX_DEPTH > inference.QUEUE_DEPTH
     assert max(trips) <= inference.MAX_GROUP
+
+
+def test_large_inputs_waiting_behind_a_short_forward_go_two_at_a_time(
+    context: zmq.asyncio.Context,
+) -> None:
+    # 1 MiB inputs: a group stops once it holds GROUP_BELOW_BYTES (2 MiB), however
+    # many wait in the inbox
+    inputs = [data(mb, float(mb), size=1 << 18) for mb in range(8)]
+    trips: list[int] = []
+    original = InferenceLoop._forward_all
+
+    def counting(self: InferenceLoop, group: list[Data]) -> object:
+        trips.append(len(group))
+        return original(self, group)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inference, "GROUP_BELOW_S", WAIT_S)
+        mp.setattr(InferenceLoop, "_forward_all", counting)
+        received, _, _ = asyncio.run(
+            _run(context, inputs, options=SocketOptions(), hold_compute=True)
+        )
+    assert [m.body["mb"] for m in received] == list(range(8))
+    assert sum(trips) == 8
+    assert max(trips) == inference.GROUP_BELOW_BYTES // (1 << 20) == 2
 
 
 def test_a_failing_forward_becomes_an_error_and_upstream_errors_pass_on(

@@ -189,8 +189,8 @@ async def _held_past_the_look() -> tuple[StageCounters, float, bool]:
     handing = asyncio.Event()
     to_waiter = meter._to_waiter
 
-    def noting(tracker: zmq.MessageTracker, nbytes: int) -> None:
-        to_waiter(tracker, nbytes)
+    def noting(tracker: zmq.MessageTracker, nbytes: int, messages: int = 1) -> None:
+        to_waiter(tracker, nbytes, messages)
         handing.set()
 
     meter._to_waiter = noting  # type: ignore[method-assign]
@@ -244,3 +244,92 @@ def test_a_fast_link_counts_every_byte_and_no_more_time_than_passed() -> None:
     counters, elapsed = asyncio.run(_fast_stream(50, 64 * 1024))
     assert counters.link_delivered_bytes >= 50 * 64 * 1024
     assert 0 < counters.link_s <= elapsed
+
+
+async def _copied_then_tracked() -> tuple[list[bool], StageCounters, int, int, bool]:
+    counters = StageCounters()
+    meter = LinkMeter(counters, window=4)
+    allowed: list[bool] = []
+    for nbytes in (100, 200, 300):
+        allowed.append(meter.may_copy(nbytes, more_behind=True))
+        await meter.room(timeout_s=60.0)
+        meter.copied(nbytes)
+    # three copied ones hold three places: the fourth takes the last and must be tracked
+    allowed.append(meter.may_copy(400, more_behind=True))
+    await meter.room(timeout_s=60.0)
+    tracker = _HeldTracker()
+    meter.track(tracker, 400)  # type: ignore[arg-type]
+    in_flight_before = meter.in_flight
+    delivered_before = counters.link_delivered_bytes
+    tracker.written.set()
+    room = meter.has_room()  # the loop looks: the tracked one is out, its riders too
+    meter.close()
+    return allowed, counters, in_flight_before, delivered_before, room and meter.in_flight == 0
+
+
+def test_copied_messages_are_counted_written_with_the_tracked_one_behind_them() -> None:
+    allowed, counters, in_flight_before, delivered_before, all_out = asyncio.run(
+        _copied_then_tracked()
+    )
+    assert allowed == [True, True, True, False]
+    assert in_flight_before == 4 and delivered_before == 0  # nothing known before it
+    assert all_out  # every place free again
+    assert counters.link_delivered_bytes == 100 + 200 + 300 + 400
+    assert counters.link_peak_in_flight == 4
+
+
+async def _copy_refused() -> dict[str, bool]:
+    from zpipe.transport.sockets import COPY_BELOW_BYTES
+
+    meter = LinkMeter(StageCounters(), window=4)
+    got = {
+        "nothing_behind": meter.may_copy(1000, more_behind=False),
+        "large": meter.may_copy(COPY_BELOW_BYTES, more_behind=True),
+        "idle": meter.may_copy(1000, more_behind=True),
+    }
+    await meter.room(timeout_s=60.0)
+    tracker = _HeldTracker()
+    meter.track(tracker, 1000)  # type: ignore[arg-type]
+    meter.has_room()
+    got["tracked_on_its_way"] = meter.may_copy(1000, more_behind=True)
+    tracker.written.set()
+    meter.has_room()
+    got["tracked_written"] = meter.may_copy(1000, more_behind=True)
+    meter.close()
+    return got
+
+
+def test_a_message_goes_copied_only_with_one_behind_it_while_the_link_keeps_up() -> None:
+    got = asyncio.run(_copy_refused())
+    assert got == {
+        "nothing_behind": False,  # the last of a burst is tracked: nothing would count it
+        "large": False,  # shared with libzmq anyway: tracked
+        "idle": True,
+        "tracked_on_its_way": False,  # a slow link is timed message by message
+        "tracked_written": True,
+    }
+
+
+async def _copied_behind_a_handed_off_one() -> tuple[StageCounters, int]:
+    counters = StageCounters()
+    meter = LinkMeter(counters, window=4)
+    await meter.room(timeout_s=60.0)
+    meter.copied(100)
+    await meter.room(timeout_s=60.0)
+    first = _HeldTracker()
+    meter.track(first, 200)  # type: ignore[arg-type]
+    meter._hand_off()  # as when it stays on its way: the waiter thread owns it
+    await meter.room(timeout_s=60.0)
+    second = _HeldTracker()
+    meter.track(second, 300)  # type: ignore[arg-type]
+    first.written.set()
+    second.written.set()
+    await meter.drained(timeout_s=60.0, peer="downstream")
+    meter.close()
+    return counters, meter.in_flight
+
+
+def test_a_copied_message_rides_on_a_tracked_one_the_waiter_thread_stamps() -> None:
+    counters, in_flight = asyncio.run(_copied_behind_a_handed_off_one())
+    assert in_flight == 0
+    assert counters.link_delivered_bytes == 100 + 200 + 300

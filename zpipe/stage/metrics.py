@@ -10,6 +10,17 @@ socket (the kernel then buffers at most its send buffer, a few MB, on top).
 messages are on their way (up to its send deadline), so a slow link makes the
 sender wait (``send_s``) and, once the outbox is full, the compute loop too
 (``blocked_s``): backpressure a person can see.
+
+A tracked send shares its buffers with libzmq, and releasing them wakes pyzmq's
+collector thread, which takes the GIL: on a stage that relays 64-512 KiB
+messages that cost a third of its CPU per message (bench/stage_relay.py). So
+while the link keeps up, a message with another right behind it may go copied
+and untracked (:meth:`LinkMeter.may_copy`, :meth:`LinkMeter.copied`): it rides
+on the next tracked message, which libzmq writes out after it (one connection,
+in order), and is counted written when that one is. The last message of a
+burst, the one that takes the window's last place and every message sent while
+a tracked one is still on its way are tracked, so a slow link is timed message
+by message as before, and the window still bounds every message on its way.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import zmq
 
 from zpipe._errors import TransportTimeout
 from zpipe.stage.timeline import Timeline
+from zpipe.transport.sockets import COPY_BELOW_BYTES
 
 # messages on their way to peers at once: one being written, the rest queued behind
 # it, so the link never idles between messages and a slow one is felt at once
@@ -110,12 +122,14 @@ def _written(tracker: zmq.MessageTracker) -> bool:
 @dataclass
 class _Watched:
     """A message the event loop watches: queued at ``queued_at``, last seen on its way
-    at ``looked_at``."""
+    at ``looked_at``; ``messages`` counts it and the copied ones riding on it, whose
+    bytes ``nbytes`` includes."""
 
     tracker: zmq.MessageTracker
     nbytes: int
     queued_at: float
     looked_at: float
+    messages: int = 1
 
 
 class LinkMeter:
@@ -138,10 +152,17 @@ class LinkMeter:
       tracker and stamps it when libzmq released it, so slow links (the ones whose
       time matters) are timed as precisely as before and a full window frees its
       place the moment the link moves.
+
+    A message sent copied and untracked (:meth:`may_copy`, then :meth:`copied`)
+    has no tracker: it takes a place in the window and rides on the next tracked
+    message, which frees its place and counts it written out with it. Its
+    ``link_s`` is thus bounded by that message's, sent at most a short forward
+    later (the caller promises one right behind it).
     """
 
     def __init__(self, counters: StageCounters, *, window: int = SEND_WINDOW) -> None:
         self._counters = counters
+        self._window = window
         self._room = asyncio.Semaphore(window)
         self._overdraft = 0  # places taken past the window (room waited its deadline out)
         self._in_flight = 0
@@ -152,7 +173,10 @@ class LinkMeter:
         self._watched: deque[_Watched] = deque()  # on their way, watched by the loop
         self._look_timer: asyncio.TimerHandle | None = None
         self._handed_off = 0  # on their way, owned by the waiter thread
-        self._pending: queue.SimpleQueue[tuple[zmq.MessageTracker, int] | None] = (
+        # copied messages sent since the last tracked one, which they ride on
+        self._riders = 0
+        self._rider_bytes = 0
+        self._pending: queue.SimpleQueue[tuple[zmq.MessageTracker, int, int] | None] = (
             queue.SimpleQueue()
         )
         self._waiter: threading.Thread | None = None
@@ -186,24 +210,58 @@ class LinkMeter:
         else:
             self._room.release()
 
-    def track(self, tracker: zmq.MessageTracker, nbytes: int) -> None:
-        """A message just queued with ``tracker`` (its place in the window taken)."""
+    def may_copy(self, nbytes: int, *, more_behind: bool) -> bool:
+        """Whether the next message, of ``nbytes`` tensor bytes, may go copied and
+        untracked (then :meth:`copied`, not :meth:`track`). Only when the caller sends
+        another message right behind it (``more_behind``: a copied one never ends a
+        burst), of fewer bytes than an untracked send copies
+        (:data:`~zpipe.transport.sockets.COPY_BELOW_BYTES`: larger ones are shared with
+        libzmq anyway), while no tracked message is still on
+        its way (the link keeps up: on a slow one every message is tracked) and a
+        place stays free for the tracked message it rides on. Ask after
+        :meth:`has_room`, which looks at the tracked ones."""
+        return (
+            more_behind
+            and nbytes < COPY_BELOW_BYTES
+            and not self._watched
+            and self._handed_off == 0
+            and self._riders + 2 <= self._window
+        )
+
+    def copied(self, nbytes: int) -> None:
+        """A message just queued copied and untracked (its place in the window taken):
+        written out, for the counters, when the next tracked message is."""
         if self._closed:
             self.release()
             return
-        now = time.perf_counter()
+        self._one_more(time.perf_counter())
+        self._riders += 1
+        self._rider_bytes += nbytes
+
+    def _one_more(self, now: float) -> None:
         if self._in_flight == 0:
             self._counted_to = now
             self._drained.clear()
         self._in_flight += 1
         counters = self._counters
         counters.link_peak_in_flight = max(counters.link_peak_in_flight, self._in_flight)
+
+    def track(self, tracker: zmq.MessageTracker, nbytes: int) -> None:
+        """A message just queued with ``tracker`` (its place in the window taken); the
+        copied ones sent since the last tracked message ride on it."""
+        if self._closed:
+            self.release()
+            return
+        now = time.perf_counter()
+        self._one_more(now)
+        messages, nbytes = 1 + self._riders, nbytes + self._rider_bytes
+        self._riders = self._rider_bytes = 0
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         if self._handed_off > 0:  # the waiter owns the older ones: it keeps the order
-            self._to_waiter(tracker, nbytes)
+            self._to_waiter(tracker, nbytes, messages)
             return
-        self._watched.append(_Watched(tracker, nbytes, now, now))
+        self._watched.append(_Watched(tracker, nbytes, now, now, messages))
         if self._look_timer is None:
             self._look_timer = self._loop.call_at(
                 self._loop.time() + LOOK_AGAIN_S, self._look_or_hand_off
@@ -214,7 +272,7 @@ class LinkMeter:
         still: deque[_Watched] = deque()
         for sent in self._watched:
             if _written(sent.tracker):
-                self._done(sent.nbytes, (sent.looked_at + now) / 2)
+                self._done(sent.nbytes, (sent.looked_at + now) / 2, sent.messages)
             else:
                 sent.looked_at = now
                 still.append(sent)
@@ -251,30 +309,30 @@ class LinkMeter:
             self._look_timer = None
         watched, self._watched = self._watched, deque()
         for sent in watched:
-            self._to_waiter(sent.tracker, sent.nbytes)
+            self._to_waiter(sent.tracker, sent.nbytes, sent.messages)
 
-    def _to_waiter(self, tracker: zmq.MessageTracker, nbytes: int) -> None:
+    def _to_waiter(self, tracker: zmq.MessageTracker, nbytes: int, messages: int = 1) -> None:
         self._handed_off += 1
         if self._waiter is None:
             self._waiter = threading.Thread(target=self._wait_all, name="zpipe-link", daemon=True)
             self._waiter.start()
-        self._pending.put((tracker, nbytes))
+        self._pending.put((tracker, nbytes, messages))
 
     def _wait_all(self) -> None:
-        following: tuple[zmq.MessageTracker, int] | None = None
+        following: tuple[zmq.MessageTracker, int, int] | None = None
         while True:
             item = following if following is not None else self._pending.get()
             following = None
             if item is None:
                 return
-            tracker, nbytes = item
+            tracker, nbytes, messages = item
             while not self._closed:
                 try:
                     tracker.wait(0.5)
                     break
                 except zmq.NotDone:
                     continue
-            completed = [(nbytes, time.perf_counter())]
+            completed = [(nbytes, time.perf_counter(), messages)]
             # The messages queued behind it that are written out too go back in the
             # same wake-up of the event loop (each wake-up is a thread hand-off).
             ended = False
@@ -289,7 +347,7 @@ class LinkMeter:
                 if not _written(item[0]):
                     following = item
                     break
-                completed.append((item[1], time.perf_counter()))
+                completed.append((item[1], time.perf_counter(), item[2]))
             assert self._loop is not None
             try:
                 self._loop.call_soon_threadsafe(self._done_all, completed)
@@ -298,13 +356,16 @@ class LinkMeter:
             if ended:
                 return
 
-    def _done_all(self, completed: list[tuple[int, float]]) -> None:
+    def _done_all(self, completed: list[tuple[int, float, int]]) -> None:
         self._handed_off -= len(completed)
-        for nbytes, done_at in completed:
-            self._done(nbytes, done_at)
+        for nbytes, done_at, messages in completed:
+            self._done(nbytes, done_at, messages)
 
-    def _done(self, nbytes: int, done_at: float) -> None:
-        self.release()
+    def _done(self, nbytes: int, done_at: float, messages: int = 1) -> None:
+        """``messages`` (a tracked one and the copied ones riding on it, ``nbytes`` in
+        all) written out at ``done_at``."""
+        for _ in range(messages):
+            self.release()
         if self._closed:
             return
         counters = self._counters
@@ -312,7 +373,7 @@ class LinkMeter:
         # counted as each message completes, so a reading mid-stream is current
         counters.link_s += max(done_at - self._counted_to, 0.0)
         self._counted_to = max(self._counted_to, done_at)
-        self._in_flight -= 1
+        self._in_flight -= messages
         if self._in_flight == 0:
             self._drained.set()
 
@@ -321,7 +382,8 @@ class LinkMeter:
         return self._in_flight
 
     async def drained(self, *, timeout_s: float, peer: str) -> None:
-        """Wait until every message sent has been written out (a benchmark's end)."""
+        """Wait until every message sent has been written out (a benchmark's end; a
+        copied message is, once the tracked one sent behind it is)."""
         self._hand_off()
         try:
             await asyncio.wait_for(self._drained.wait(), timeout_s)

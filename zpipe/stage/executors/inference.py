@@ -2,7 +2,7 @@
 
 Three data tasks keep compute overlapped with the network::
 
-    receive ──inbox(2)──> compute (thread) ──outbox(2)──> send (emulated link)
+    receive ──inbox(4)──> compute (thread) ──outbox(2)──> send (emulated link)
 
 The bounded queues are the backpressure: a slow downstream fills the outbox,
 which stalls compute, which fills the inbox, which stops receiving, which
@@ -13,7 +13,10 @@ When nothing waits in the outbox or in the send task, the link is not
 emulated and both the send window and the downstream's queue have room, the
 compute task queues its output itself, in the same loop pass (a send that
 could wait still goes through the send task, with its deadline): a hand-off
-between tasks costs more than a small message's send.
+between tasks costs more than a small message's send. Such an output with
+another one right behind it (later in its group, or an input already waiting
+after short forwards) may go copied and untracked, riding on the link meter's
+next tracked message (:meth:`~zpipe.stage.metrics.LinkMeter.may_copy`).
 """
 
 from __future__ import annotations
@@ -42,14 +45,26 @@ log = get_logger("zpipe.stage")
 # structlog runs its processors before the level filter: checked once per message instead
 _std_log = logging.getLogger("zpipe.stage")
 
-QUEUE_DEPTH = 2
+QUEUE_DEPTH = 2  # the outbox's
+# Deeper than the outbox: inputs waiting here go to the compute thread together
+# behind short forwards (below), one trip there and back for the group, and a
+# trip costs both threads wake-ups and GIL hand-offs whatever the input's size
+# (bench/stage_relay.py, 64 KiB: 469 -> 398 us of CPU per message with 4 instead
+# of 2, 1 MiB: 1204 -> 1039; four alternating pairs, load 19-22). Costs two more
+# decoded inputs held (zero-copy over their received frames).
+INBOX_DEPTH = 4
 # Forwards shorter than this (the last group's longest) take the inputs already
 # waiting behind them along to the compute thread, at most MAX_GROUP at once: one
 # hand-off each way for the group instead of one per micro-batch, where the
 # hand-offs cost more than the compute; the first output then waits for the
 # others' compute, at most (MAX_GROUP - 1) x GROUP_BELOW_S.
 GROUP_BELOW_S = 0.002
-MAX_GROUP = QUEUE_DEPTH + 1
+MAX_GROUP = INBOX_DEPTH + 1
+# ... and while the group's inputs hold less than this: a group of large outputs
+# fills the link meter's window at once, and its waiter thread then wakes for each
+# (1 MiB inputs, load 3: 884-972 -> 899-1209 us of CPU per message in groups of up
+# to 5 against 2), so large inputs go two at a time as before.
+GROUP_BELOW_BYTES = 2 << 20
 
 
 def _settle(future: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
@@ -68,6 +83,14 @@ class ComputedMicrobatch:
     outputs: tuple[torch.Tensor, ...]
     started: float  # perf_counter, in the compute thread
     ended: float
+
+
+def _tensor_bytes(message: Message) -> int:
+    return sum(t.nbytes for t in message.tensors)
+
+
+def _input_bytes(message: Data | MicroBatchError) -> int:
+    return sum(t.nbytes for t in message.tensors) if isinstance(message, Data) else 0
 
 
 class InferenceLoop:
@@ -96,7 +119,7 @@ class InferenceLoop:
         self._downstream = downstream
         self._downstream_name = downstream_name
         self._send_timeout_s = send_timeout_s
-        self._inbox: asyncio.Queue[Data | MicroBatchError] = asyncio.Queue(QUEUE_DEPTH)
+        self._inbox: asyncio.Queue[Data | MicroBatchError] = asyncio.Queue(INBOX_DEPTH)
         # (micro-batch, its encoded output): the timeline needs the number when it leaves
         self._outbox: asyncio.Queue[tuple[int, Message]] = asyncio.Queue(QUEUE_DEPTH)
         self._link = None if link.is_ideal else EmulatedLink(link, self._send_downstream)
@@ -123,23 +146,33 @@ class InferenceLoop:
             if streaming:
                 counters.idle_s += time.perf_counter() - waited_from
             streaming = True
-            while grouping and len(group) < MAX_GROUP and not self._inbox.empty():
-                group.append(self._inbox.get_nowait())
+            if grouping:
+                nbytes = _input_bytes(group[0])
+                while len(group) < MAX_GROUP and nbytes < GROUP_BELOW_BYTES:
+                    if self._inbox.empty():
+                        break
+                    group.append(self._inbox.get_nowait())
+                    nbytes += _input_bytes(group[-1])
             computing_from = time.perf_counter()
             # One trip to the compute thread and back for the whole group; messages
             # of kind "error" (someone upstream failed) pass the word on uncomputed.
             results = await self._computed(loop, group)
             counters.busy_s += time.perf_counter() - computing_from
-            longest = 0.0
-            for message, result in zip(group, results, strict=True):
-                if isinstance(result, ComputedMicrobatch):
-                    longest = max(longest, result.ended - result.started)
+            longest = max(
+                (r.ended - r.started for r in results if isinstance(r, ComputedMicrobatch)),
+                default=0.0,
+            )
+            grouping = longest < GROUP_BELOW_S
+            last = len(group) - 1
+            for i, (message, result) in enumerate(zip(group, results, strict=True)):
                 out = self._output(message, result)
                 if _std_log.isEnabledFor(logging.DEBUG):
                     log.debug("microbatch_done", stage=self.name, epoch=self.epoch,
                               mb=message.mb)  # fmt: skip
-                await self._hand_to_sender(message.mb, out.to_message())
-            grouping = longest < GROUP_BELOW_S
+                # another output follows soon: this group's next, or the output of an
+                # input already waiting when the forwards are short
+                more_behind = i < last or (grouping and not self._inbox.empty())
+                await self._hand_to_sender(message.mb, out.to_message(), more_behind)
 
     async def _computed(
         self, loop: asyncio.AbstractEventLoop, group: list[Data | MicroBatchError]
@@ -218,32 +251,38 @@ class InferenceLoop:
             epoch=self.epoch,
         )
 
-    async def _hand_to_sender(self, mb: int, out: Message) -> None:
-        if await self._send_now(mb, out):
+    async def _hand_to_sender(self, mb: int, out: Message, more_behind: bool = False) -> None:
+        if await self._send_now(mb, out, more_behind):
             return
         blocked_from = time.perf_counter()
         await self._outbox.put((mb, out))
         self._counters.blocked_s += time.perf_counter() - blocked_from
 
-    async def _send_now(self, mb: int, message: Message) -> bool:
+    async def _send_now(self, mb: int, message: Message, more_behind: bool = False) -> bool:
         """Queue ``message`` downstream at once if nothing is ahead of it and there is
-        room everywhere; False (nothing sent, the window place given back) otherwise."""
-        if (
-            self._link is not None
-            or self._sending
-            or not self._outbox.empty()
-            or not self._meter.has_room()
-        ):
+        room everywhere; False (nothing sent, the window place given back) otherwise.
+        With ``more_behind`` (another message follows soon) it may go copied and
+        untracked (see the module notes)."""
+        meter = self._meter
+        if self._link is not None or self._sending or not self._outbox.empty():
+            return False
+        if not meter.has_room():
             return False
         started = time.perf_counter()
-        await self._meter.room(timeout_s=self._send_timeout_s)  # at once: there is room
+        copy = more_behind and meter.may_copy(_tensor_bytes(message), more_behind=True)
+        await meter.room(timeout_s=self._send_timeout_s)  # at once: there is room
         try:
-            nbytes = send_nowait(self._downstream, message, on_queued=self._meter.track)
+            if copy:
+                nbytes = send_nowait(self._downstream, message)
+            else:
+                nbytes = send_nowait(self._downstream, message, on_queued=meter.track)
         except Exception:  # e.g. an output the codec refuses: the send task reports it
             nbytes = None
         if nbytes is None:
-            self._meter.release()
+            meter.release()
             return False
+        if copy:
+            meter.copied(nbytes)
         self._counters.bytes_out += nbytes
         sent_at = time.perf_counter()
         self._counters.send_s += sent_at - started
