@@ -115,6 +115,13 @@ the flush), ``look_s``, ``allow_s`` (peers granted their fetches), ``fetch_s``,
 ``commit_s`` (``regroup_max_s`` building the new shards) and ``resume_s`` (the
 reply, the feed and one mini-batch through the pipeline).
 
+``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
+against the bound: the periods before the change, on the old cuts after it
+(``slow_s``) and after the move that answers it, each over the bound's best
+period (``before_over_bound``, ``after_over_bound``), the time from the change to
+that look (``detect_s``), the move's pause (``move_s``) and what both cost against
+a move at the change itself (``lost_s``).
+
 Prints JSON lines, then one summary with same-run ratios; every line has the load
 average (timings on a loaded 2-core machine are noisy).
 """
@@ -149,6 +156,7 @@ from bench._repartition_bounds import (
     residual_unit_weights,
     run_bound,
 )
+from bench._repartition_timeline import repartition_timeline
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import load_digits_dataset
 from zpipe.models import ModelSpec
@@ -170,6 +178,7 @@ SETUP_SUMMARY_KEYS = (
     "loss_drop",
     "ratio_kind",
     "change_inside_both",
+    "timeline",
 )
 # the smoothed loss must fall this much below its first 20 mini-batches' for a time to
 # a loss to mean anything (the 12-layer model falls about 0.5; deeper ones about 0)
@@ -579,6 +588,13 @@ def one_setup(
     # one unit-time in seconds, from PipeDream's own period before the change
     unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
     before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
+    # where the run loses against the bound: detection, the move, each phase's period
+    timeline = repartition_timeline(
+        ft_t,
+        ftpipehd[0].repartitions,
+        ft_change,
+        bound_periods_s=(before.best_period * unit_s, after.best_period * unit_s),
+    )
     # the bound the stages' own costs leave after the change, from the last look's fit
     last = next((r for r in reversed(ftpipehd[0].repartitions) if any(
         (r.get("fixed_s") or {}).values())), None)  # fmt: skip
@@ -615,6 +631,7 @@ def one_setup(
         "repartitions": len(moved_at),
         "look_pauses_s": round(pauses["ftpipehd"], 2),
         "look_share": round(pauses["ftpipehd"] / ftpipehd[1][-1], 3),
+        "timeline": timeline,
         "longest_move_pause": max(
             (look for look in looks_of["ftpipehd"] if look["moved"]),
             key=lambda look: look["pause_s"], default=None),
