@@ -24,17 +24,18 @@ change, from the losses' arrival times (``after_over_before``), showing a device
 that turns slow mid-run.
 
 ``repartition`` (``--skip-repartition`` leaves it out): FTPipeHD's headline, on the
-issue's cluster: four devices, the best 10 times the worst (``--capacities``,
-default slowdowns 4, 8, 20, 40), one of them slowing 10x mid-run. ``pipedream``:
-asynchronous 1F1B on the even partition it starts with (units alike per stage),
-kept; ``ftpipehd``: the same start with live re-partitioning
-(``--repartition-first``, ``--repartition-every``, gain 0.1). Each runs on a cluster
-of its own (the slowdown's clock starts at a stage's first step), on the same
-mini-batches; with vertical sync both compute the same losses step by step, so
-time to a loss is time to a step: ``ftpipehd_over_pipedream_time_to_loss`` is
-PipeDream's time over FTPipeHD's to the lowest loss (averaged over 20 mini-batches)
-PipeDream reaches (FTPipeHD reports 6.8x). The issue names neither the model's
-depth nor which device slows, so four set-ups, equally faithful (``--setups``):
+issue's cluster: four devices, the best 10 times the worst (``--capacities``, default
+slowdowns 4, 8, 20, 40), one of them slowing 10x mid-run. ``pipedream``: asynchronous
+1F1B on the even partition it starts with (units alike per stage), kept; ``ftpipehd``:
+the same start with live re-partitioning (``--repartition-first``,
+``--repartition-every``, gain 0.1, and an early look when the losses slow
+``--repartition-watch`` times: :mod:`zpipe.training.repartition_watch`). Each runs on a
+cluster of its own (the slowdown's clock starts at a stage's first step), on the same
+mini-batches; with vertical sync both compute the same losses step by step, so time to a
+loss is time to a step: ``ftpipehd_over_pipedream_time_to_loss`` is PipeDream's time
+over FTPipeHD's to the lowest loss (averaged over 20 mini-batches) PipeDream reaches
+(FTPipeHD reports 6.8x). The issue names neither the model's depth nor which device
+slows, so four set-ups, equally faithful (``--setups``):
 
 * ``u12_best``: an MLP of ``--units`` (12) gelu layers, the best device slowing
   ``--change-s`` (10) s after its first step, ``--repartition-steps`` (240);
@@ -265,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # left the old cuts in place for about 10 s (hidden 512)
     parser.add_argument("--repartition-first", type=int, default=10)
     parser.add_argument("--repartition-every", type=int, default=10)
+    # an early look when the losses come back this many times slower than between
+    # the two looks before (0: scheduled looks only): a device that slows right
+    # after a look no longer runs the old cuts for ten slow mini-batches
+    parser.add_argument("--repartition-watch", type=float, default=2.0)
     parser.add_argument(
         "--setups",
         nargs="+",
@@ -493,6 +498,7 @@ def one_setup(
                 "first": args.repartition_first,
                 "every": args.repartition_every,
                 "gain": 0.1,
+                **({"watch": args.repartition_watch} if args.repartition_watch else {}),
             }
         },
     }
