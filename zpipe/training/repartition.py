@@ -492,6 +492,12 @@ class RepartitionController:
                 None,
                 [fixed[d] for d in self.devices],
             )
+        elif self.capacities and all(d in self.capacities for d in self.devices):
+            # nothing new in this window for some device (a look right after another
+            # look's move: its flush rebased the counters): the capacities measured
+            # before stand; eq. 7's "nothing measured yet" would undo the cuts they found
+            smoothed = dict(self.capacities)
+            fixed = {d: smoothed[d] * self.costs.share() for d in self.devices}
         looks = self.settings.revisit_looks
         recent = self.held[-looks:] if looks else []
         decision = decide_repartition(
