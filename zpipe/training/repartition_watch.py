@@ -8,7 +8,10 @@ mini-batches run about 4x slower, 3.7 s, before the move). The client sees every
 loss come back, so it can tell when the pipeline's period jumps: :class:`SlowdownWatch`
 asks for a look as soon as the median of the last ``window`` gaps between losses is
 ``factor`` times the median of the interval between the two looks before
-(``RepartitionSettings.watch``; 0: off, only the scheduled looks).
+(``RepartitionSettings.watch``; 0: off, only the scheduled looks). The attempt's
+start counts as a look: the losses before the first look are the baseline of the
+interval after it (a first move that lands on a device slowing meanwhile left
+ten mini-batches at 1.3 s each in ``bench/training_async.py``'s ``r24_middle``).
 
 The look itself is the controller's as at any other time (its window is the
 mini-batches since the last look): the watch changes when the pipeline is looked
@@ -44,8 +47,8 @@ class SlowdownWatch:
         self._baseline: float | None = None  # the interval before the last look's median
 
     def looked(self, step: int) -> None:
-        """A look before mini-batch ``step`` (scheduled or early): the interval that
-        ended there becomes the baseline."""
+        """A look before mini-batch ``step`` (scheduled or early), or the attempt's
+        start at ``step``: the interval that ended there becomes the baseline."""
         if self._gaps:
             self._baseline = statistics.median(self._gaps)
         self._since, self._last, self._gaps = step, None, []

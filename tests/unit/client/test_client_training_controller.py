@@ -612,3 +612,27 @@ def test_an_unwatched_run_looks_on_schedule_only() -> None:
         t += 0.1 if step < 10 else 1.0
         attempts.handle(Acknowledged(step, now=t))
         assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+
+
+def test_the_losses_before_the_first_look_are_the_baseline_after_it() -> None:
+    attempts = _attempts(
+        schedule=ASYNC_SCHEDULE, repartition={"first": 6, "every": 20, "watch": 2.0}
+    )
+    attempts.start()
+    attempts.handle(AttemptReady())
+    attempts.handle(AttemptStarted(_plan(["a", "b"], schedule=ASYNC_SCHEDULE), now=0.0))
+    t = 0.0
+    for step in range(6):  # 0.1 s per mini-batch before the first look
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+        t += 0.1
+        attempts.handle(Acknowledged(step + 1, now=t))
+    assert attempts.handle(FeedAt(6)) == [RepartitionLook(6)]
+    # the move lands on a device that slowed: 0.6 s per mini-batch
+    assert attempts.handle(Looked(6, moved=True)) == [SendMiniBatch(6)]
+    t += 0.1
+    attempts.handle(Acknowledged(7, now=t))
+    for step in range(7, 10):
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+        t += 0.6
+        attempts.handle(Acknowledged(step + 1, now=t))
+    assert attempts.handle(FeedAt(10)) == [RepartitionLook(10)]  # not 26, the second scheduled

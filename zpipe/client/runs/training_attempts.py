@@ -241,6 +241,10 @@ class TrainingAttempts:
         settings = self.options.repartition_settings
         # each attempt's pipeline is watched afresh (a recovery changes its stages)
         self.watch = SlowdownWatch(settings.watch) if settings and settings.watch else None
+        if self.watch is not None:
+            # the losses before the first look are its baseline: a move there that
+            # lands on a device slowing meanwhile is seen before the second look
+            self.watch.looked(self.offset)
         carried = self.carried
         carried.first_plan = carried.first_plan or tplan
         if carried.recoveries:
