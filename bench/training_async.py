@@ -24,17 +24,18 @@ change, from the losses' arrival times (``after_over_before``), showing a device
 that turns slow mid-run.
 
 ``repartition`` (``--skip-repartition`` leaves it out): FTPipeHD's headline, on the
-issue's cluster: four devices, the best 10 times the worst (``--capacities``,
-default slowdowns 4, 8, 20, 40), one of them slowing 10x mid-run. ``pipedream``:
-asynchronous 1F1B on the even partition it starts with (units alike per stage),
-kept; ``ftpipehd``: the same start with live re-partitioning
-(``--repartition-first``, ``--repartition-every``, gain 0.1). Each runs on a cluster
-of its own (the slowdown's clock starts at a stage's first step), on the same
-mini-batches; with vertical sync both compute the same losses step by step, so
-time to a loss is time to a step: ``ftpipehd_over_pipedream_time_to_loss`` is
-PipeDream's time over FTPipeHD's to the lowest loss (averaged over 20 mini-batches)
-PipeDream reaches (FTPipeHD reports 6.8x). The issue names neither the model's
-depth nor which device slows, so four set-ups, equally faithful (``--setups``):
+issue's cluster: four devices, the best 10 times the worst (``--capacities``, default
+slowdowns 4, 8, 20, 40), one of them slowing 10x mid-run. ``pipedream``: asynchronous
+1F1B on the even partition it starts with (units alike per stage), kept; ``ftpipehd``:
+the same start with live re-partitioning (``--repartition-first``,
+``--repartition-every``, gain 0.1, and an early look when the losses slow
+``--repartition-watch`` times: :mod:`zpipe.training.repartition_watch`). Each runs on a
+cluster of its own (the slowdown's clock starts at a stage's first step), on the same
+mini-batches; with vertical sync both compute the same losses step by step, so time to a
+loss is time to a step: ``ftpipehd_over_pipedream_time_to_loss`` is PipeDream's time
+over FTPipeHD's to the lowest loss (averaged over 20 mini-batches) PipeDream reaches
+(FTPipeHD reports 6.8x). The issue names neither the model's depth nor which device
+slows, so four set-ups, equally faithful (``--setups``):
 
 * ``u12_best``: an MLP of ``--units`` (12) gelu layers, the best device slowing
   ``--change-s`` (10) s after its first step, ``--repartition-steps`` (240);
@@ -115,6 +116,13 @@ the flush), ``look_s``, ``allow_s`` (peers granted their fetches), ``fetch_s``,
 ``commit_s`` (``regroup_max_s`` building the new shards) and ``resume_s`` (the
 reply, the feed and one mini-batch through the pipeline).
 
+``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
+against the bound: the periods before the change, on the old cuts after it
+(``slow_s``) and after the move that answers it, each over the bound's best
+period (``before_over_bound``, ``after_over_bound``), the time from the change to
+that look (``detect_s``), the move's pause (``move_s``) and what both cost against
+a move at the change itself (``lost_s``).
+
 Prints JSON lines, then one summary with same-run ratios; every line has the load
 average (timings on a loaded 2-core machine are noisy).
 """
@@ -149,6 +157,7 @@ from bench._repartition_bounds import (
     residual_unit_weights,
     run_bound,
 )
+from bench._repartition_timeline import repartition_timeline
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import load_digits_dataset
 from zpipe.models import ModelSpec
@@ -170,6 +179,7 @@ SETUP_SUMMARY_KEYS = (
     "loss_drop",
     "ratio_kind",
     "change_inside_both",
+    "timeline",
 )
 # the smoothed loss must fall this much below its first 20 mini-batches' for a time to
 # a loss to mean anything (the 12-layer model falls about 0.5; deeper ones about 0)
@@ -256,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # left the old cuts in place for about 10 s (hidden 512)
     parser.add_argument("--repartition-first", type=int, default=10)
     parser.add_argument("--repartition-every", type=int, default=10)
+    # an early look when the losses come back this many times slower than between
+    # the two looks before (0: scheduled looks only): a device that slows right
+    # after a look no longer runs the old cuts for ten slow mini-batches
+    parser.add_argument("--repartition-watch", type=float, default=2.0)
     parser.add_argument(
         "--setups",
         nargs="+",
@@ -484,6 +498,7 @@ def one_setup(
                 "first": args.repartition_first,
                 "every": args.repartition_every,
                 "gain": 0.1,
+                **({"watch": args.repartition_watch} if args.repartition_watch else {}),
             }
         },
     }
@@ -579,6 +594,13 @@ def one_setup(
     # one unit-time in seconds, from PipeDream's own period before the change
     unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
     before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
+    # where the run loses against the bound: detection, the move, each phase's period
+    timeline = repartition_timeline(
+        ft_t,
+        ftpipehd[0].repartitions,
+        ft_change,
+        bound_periods_s=(before.best_period * unit_s, after.best_period * unit_s),
+    )
     # the bound the stages' own costs leave after the change, from the last look's fit
     last = next((r for r in reversed(ftpipehd[0].repartitions) if any(
         (r.get("fixed_s") or {}).values())), None)  # fmt: skip
@@ -615,6 +637,7 @@ def one_setup(
         "repartitions": len(moved_at),
         "look_pauses_s": round(pauses["ftpipehd"], 2),
         "look_share": round(pauses["ftpipehd"] / ftpipehd[1][-1], 3),
+        "timeline": timeline,
         "longest_move_pause": max(
             (look for look in looks_of["ftpipehd"] if look["moved"]),
             key=lambda look: look["pause_s"], default=None),

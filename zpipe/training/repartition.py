@@ -5,7 +5,10 @@ it the batches done and the stages' execution counters, and carries out what it
 decides (:mod:`zpipe.coordinator.runs.async_repartition`).
 
 - When: after ``first`` batches (FTPipeHD: 10, to reach a good partition soon),
-  then every ``every`` batches (FTPipeHD: 100).
+  then every ``every`` batches (FTPipeHD: 100); with ``watch``, also as soon as
+  the client sees its losses come back ``watch`` times slower than between the
+  two looks before (:mod:`zpipe.training.repartition_watch`: a device that slows
+  right after a look is not left on the old cuts for ``every`` slow batches).
 - Execution profiling: each stage's compute time per batch since the last look
   (its counters' difference: FTPipeHD's per-worker average ``T_e^i``).
 - Re-partition: capacities from those times (eqs. 1-3) and the cuts of eq. 5
@@ -70,7 +73,7 @@ from zpipe.training.stage_cost import StageCosts
 
 # the counters a stage reports whose sum is its compute time (seconds, cumulative)
 COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
-_DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius")
+_DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius", "watch")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ class RepartitionSettings:
     # cuts whose every boundary lies within this many units of cuts left count as
     # a move back (under load the fit dithers between neighbouring cuts)
     revisit_radius: int = 1
+    # an early look when the losses come back this many times slower than between
+    # the two looks before (zpipe.training.repartition_watch); 0: scheduled looks only
+    watch: float = 0.0
 
     def __post_init__(self) -> None:
         counts: tuple[tuple[str, int], ...] = (
@@ -123,6 +129,13 @@ class RepartitionSettings:
                 raise ConfigError(
                     f"repartition {name} must lie in [{low:g}, {high:g}), got {value}"
                 )
+        watch = self.watch
+        if isinstance(watch, bool) or not isinstance(watch, (int, float)):
+            raise ConfigError(f"repartition watch must be a number, got {watch!r}")
+        if not (watch == 0 or (math.isfinite(watch) and watch > 1)):
+            raise ConfigError(
+                f"repartition watch must be 0 (off) or a factor > 1 (times slower), got {watch}"
+            )
 
     def due(self, done: int) -> bool:
         """Whether the pipeline is looked at after ``done`` batches."""
@@ -157,6 +170,7 @@ class RepartitionSettings:
                 revisit_gain=float(data.get("revisit_gain", cls.revisit_gain)),
                 revisit_looks=int(data.get("revisit_looks", cls.revisit_looks)),
                 revisit_radius=int(data.get("revisit_radius", cls.revisit_radius)),
+                watch=float(data.get("watch", cls.watch)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed repartition settings {data!r}: {exc}") from None
@@ -478,6 +492,12 @@ class RepartitionController:
                 None,
                 [fixed[d] for d in self.devices],
             )
+        elif self.capacities and all(d in self.capacities for d in self.devices):
+            # nothing new in this window for some device (a look right after another
+            # look's move: its flush rebased the counters): the capacities measured
+            # before stand; eq. 7's "nothing measured yet" would undo the cuts they found
+            smoothed = dict(self.capacities)
+            fixed = {d: smoothed[d] * self.costs.share() for d in self.devices}
         looks = self.settings.revisit_looks
         recent = self.held[-looks:] if looks else []
         decision = decide_repartition(

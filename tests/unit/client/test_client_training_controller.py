@@ -573,3 +573,66 @@ def test_a_fast_fit_from_live_copies_holds_only_the_mini_batches_in_flight(
     assert fit.report is not None
     assert fit.report.losses == pytest.approx(list(range(total)))
     assert sorted(fit.completed_by) == list(range(total))
+
+
+def test_a_watched_run_looks_early_when_its_losses_slow_down() -> None:
+    attempts = _attempts(
+        schedule=ASYNC_SCHEDULE, repartition={"first": 2, "every": 8, "watch": 2.0}
+    )
+    attempts.start()
+    attempts.handle(AttemptReady())
+    attempts.handle(AttemptStarted(_plan(["a", "b"], schedule=ASYNC_SCHEDULE), now=0.0))
+    t = 0.0
+    for step in range(2, 14):  # the looks before 2 and 10, at 0.1 s per mini-batch
+        if step in (2, 10):
+            assert attempts.handle(FeedAt(step)) == [RepartitionLook(step)]
+            attempts.handle(Looked(step, moved=False))
+        else:
+            assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+        t += 0.1
+        attempts.handle(Acknowledged(step + 1, now=t))
+    # a device slows after the look before 10: two losses at 0.5 s each (of the last
+    # three gaps, the median is slow)
+    for step in (14, 15):
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+        t += 0.5
+        attempts.handle(Acknowledged(step + 1, now=t))
+    assert attempts.handle(FeedAt(16)) == [RepartitionLook(16)]  # not 18, the next scheduled
+
+
+def test_an_unwatched_run_looks_on_schedule_only() -> None:
+    attempts = _attempts(schedule=ASYNC_SCHEDULE, repartition={"first": 2, "every": 100})
+    attempts.start()
+    attempts.handle(AttemptReady())
+    attempts.handle(AttemptStarted(_plan(["a", "b"], schedule=ASYNC_SCHEDULE), now=0.0))
+    assert attempts.handle(FeedAt(2)) == [RepartitionLook(2)]
+    attempts.handle(Looked(2, moved=False))
+    t = 0.0
+    for step in range(3, 20):  # 0.1 s per mini-batch, then 1 s: a device slowed 10x
+        t += 0.1 if step < 10 else 1.0
+        attempts.handle(Acknowledged(step, now=t))
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+
+
+def test_the_losses_before_the_first_look_are_the_baseline_after_it() -> None:
+    attempts = _attempts(
+        schedule=ASYNC_SCHEDULE, repartition={"first": 6, "every": 20, "watch": 2.0}
+    )
+    attempts.start()
+    attempts.handle(AttemptReady())
+    attempts.handle(AttemptStarted(_plan(["a", "b"], schedule=ASYNC_SCHEDULE), now=0.0))
+    t = 0.0
+    for step in range(6):  # 0.1 s per mini-batch before the first look
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+        t += 0.1
+        attempts.handle(Acknowledged(step + 1, now=t))
+    assert attempts.handle(FeedAt(6)) == [RepartitionLook(6)]
+    # the move lands on a device that slowed: 0.6 s per mini-batch
+    assert attempts.handle(Looked(6, moved=True)) == [SendMiniBatch(6)]
+    t += 0.1
+    attempts.handle(Acknowledged(7, now=t))
+    for step in range(7, 10):
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+        t += 0.6
+        attempts.handle(Acknowledged(step + 1, now=t))
+    assert attempts.handle(FeedAt(10)) == [RepartitionLook(10)]  # not 26, the second scheduled

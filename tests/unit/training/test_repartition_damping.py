@@ -205,3 +205,31 @@ def test_the_hysteresis_settings_are_checked_and_round_trip() -> None:
     # defaults stay off the wire: a coordinator from before refuses keys it does not know
     defaults = set(RepartitionSettings().to_dict())
     assert not {"revisit_gain", "revisit_looks", "revisit_radius"} & defaults
+
+
+def test_a_look_with_nothing_new_measured_keeps_the_cuts_the_last_capacities_found() -> None:
+    """A look right after another look's move (an early look, then the scheduled one
+    two batches on) can find a window with no batch of some stage: the capacities
+    measured before stand, not eq. 7's every-device-alike cuts."""
+    controller = RepartitionController(
+        RepartitionSettings(first=10, every=10, gain=0.1),
+        devices=DEVICES,
+        bounds=[0, 9, 10, 11, 12],
+        reference_unit_s=[1.0] * 12,
+    )
+    caps = [1.0, 1.0, 2.0, 2.0]
+    start = [9, 1, 1, 1]
+    seen = {d: counters(10 * caps[i] * start[i], 10) for i, d in enumerate(DEVICES)}
+    first = controller.look(10, seen)
+    assert first.bounds == (0, 4, 8, 10, 12) and first.measured
+    controller.committed(first)
+    controller.rebase(seen)  # the move's flush: the next window starts here
+    # two batches later only the first stages have done one on the new cuts
+    b = controller.bounds
+    now = dict(seen)
+    for i, d in enumerate(DEVICES[:2]):
+        now[d] = counters(seen[d]["forward_s"] * 2 + caps[i] * (b[i + 1] - b[i]), 11)
+    again = controller.look(12, now)
+    # eq. 7 would take the even cuts, neither run nor left lately
+    assert not again.moves, again.reason
+    assert again.measured and again.capacities == pytest.approx(first.capacities)

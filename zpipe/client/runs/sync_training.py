@@ -334,7 +334,7 @@ class TrainingRun:
                 return
         if done:
             # what no recovery can ask for again leaves the replay buffer
-            self.attempts.handle(Acknowledged(self.offset + self.done_steps))
+            self.attempts.handle(Acknowledged(self.offset + self.done_steps, time.monotonic()))
         if done and self.all_sent.is_set() and self.done_steps == self.sent_steps:
             self.finished.set()
 

@@ -14,7 +14,7 @@ feeds what happened in as events, and carries out the commands::
     AttemptReady(resumed, now)         -> StartAttempt(schedule, m, offset, ...) | FailFit
     AttemptStarted(training_plan, now) -> ()
     FeedAt(step)                       -> RepartitionLook | KeepReplica | SendMiniBatch
-    Acknowledged(step)                 -> ()
+    Acknowledged(step, now)            -> ()
     Looked(step, moved)                -> KeepReplica | SendMiniBatch
     ReplicaKept(step, run, run_step)   -> SendMiniBatch | EndAttempt(rebalance_to)
     ReplicaRefused(step)               -> SendMiniBatch
@@ -59,6 +59,7 @@ from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
 from zpipe.recovery import replicas_due
+from zpipe.training.repartition_watch import SlowdownWatch
 
 # ---------------------------------------------------------------------------- one attempt's losses
 
@@ -148,6 +149,8 @@ class TrainingAttempts:
         self.plan = options.plan
         self.schedule, self.num_microbatches = options.schedule, options.num_microbatches
         self.carried = _Carried()
+        # an early look when the losses slow down (RepartitionSettings.watch)
+        self.watch: SlowdownWatch | None = None
         self.offset = 0  # the current attempt's first mini-batch
         self.training_plan: TrainingPlan | None = None  # the current attempt's
         self.last_started = 0.0  # when the last attempt that ended began training
@@ -184,7 +187,9 @@ class TrainingAttempts:
                 if self._fresh(step) and self._look_due(step):
                     return [RepartitionLook(step)]
                 return [self._replica_or_send(step, moved=False)]
-            case Acknowledged(step=step):
+            case Acknowledged(step=step, now=now):
+                if self.watch is not None and now is not None:
+                    self.watch.acknowledged(step, now)
                 if self.releases_acknowledged:
                     # the buffer holds only the mini-batches in flight (and the one
                     # the feed holds): a long run fed from a generator stays bounded
@@ -233,6 +238,13 @@ class TrainingAttempts:
 
     def _started(self, event: AttemptStarted) -> None:
         tplan = self.training_plan = event.training_plan
+        settings = self.options.repartition_settings
+        # each attempt's pipeline is watched afresh (a recovery changes its stages)
+        self.watch = SlowdownWatch(settings.watch) if settings and settings.watch else None
+        if self.watch is not None:
+            # the losses before the first look are its baseline: a move there that
+            # lands on a device slowing meanwhile is seen before the second look
+            self.watch.looked(self.offset)
         carried = self.carried
         carried.first_plan = carried.first_plan or tplan
         if carried.recoveries:
@@ -391,7 +403,12 @@ class TrainingAttempts:
 
     def _look_due(self, step: int) -> bool:
         settings = self.options.repartition_settings
-        return settings is not None and settings.due(step)
+        if settings is None:
+            return False
+        due = settings.due(step) or (self.watch is not None and self.watch.due())
+        if due and self.watch is not None:
+            self.watch.looked(step)
+        return due
 
     def _replica_or_send(self, step: int, *, moved: bool) -> KeepReplica | SendMiniBatch:
         # a replica before every ``replicate_every``-th mini-batch (and a global copy

@@ -46,9 +46,11 @@ class FeedAt:
 @dataclass(frozen=True)
 class Acknowledged:
     """Every mini-batch before ``step`` (of the fit) has its loss back: what no
-    recovery trains again is let go of (:meth:`TrainingAttempts.releases_acknowledged`)."""
+    recovery trains again is let go of (:meth:`TrainingAttempts.releases_acknowledged`);
+    ``now``: when (the client's monotonic clock; what an early look watches)."""
 
     step: int
+    now: float | None = None
 
 
 @dataclass(frozen=True)
