@@ -91,3 +91,28 @@ async def test_a_task_rebalanced_mid_way_keeps_fedprox_exact() -> None:
     # without the proximal term the weights would differ by far more than the tolerance
     free = local_train(weights, shape, x, y, rng=np.random.default_rng(5), **{**task, "mu": 0.0})
     assert np.abs(free - want).max() > 10 * 1e-4
+
+
+async def test_a_device_that_leaves_is_planned_out_and_the_next_task_trains_like_one_process() -> (
+    None
+):
+    # the TX2's stage process is killed between two tasks: the home is planned again
+    # over the NX and the Nano, and the task trains on them what one process does
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(40, SHAPE.n_in)), rng.integers(0, SHAPE.n_out, size=40)
+    weights = init_weights(SHAPE, rng).astype(np.float32).astype(np.float64)
+    task = {"steps": 4, "batch_size": 8, "lr": 0.2, "mu": 0.5}
+    async with PipelineTrainer(home=HOME, reschedule=None, start_timeout_s=240.0) as trainer:
+        await trainer.train(weights, SHAPE, x, y, rng=np.random.default_rng(0), **task)
+        first = trainer.last_plan
+        assert first is not None and "tx20" in first.devices
+        trainer._cluster.kill("tx20")
+        got = await trainer.train(weights, SHAPE, x, y, rng=np.random.default_rng(1), **task)
+        trained = trainer.last_report
+        look = trainer.reschedules[-1]
+    assert look["left"] == ["tx20"] and look["rescheduled"]
+    assert trained is not None and trained.training_plan is not None
+    assert sorted(trained.training_plan.devices) == ["nano0", "nx0"]
+    want = local_train(weights, SHAPE, x, y, rng=np.random.default_rng(1), **task)
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE)
+    assert np.abs(want - weights).max() > 100 * TOLERANCE

@@ -25,6 +25,13 @@ micro-batch count) and the next task trains on the new plan if it is predicted
 faster (the first task, which warms the stages up, is not measured).
 ``reschedule=None`` keeps the first plan. Each look is in
 :attr:`PipelineTrainer.reschedules`.
+
+A device that leaves the home (its stage process exits, or the coordinator declares
+its stage dead during a task) is planned out: the home is planned again over the
+devices left (order, cuts, micro-batches) and the task trains again from its
+starting weights on the same mini-batches, so it still trains what one process
+does; the look is in :attr:`PipelineTrainer.reschedules` with ``left``. Only when
+no device is left does the task fail.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, StageFailedError
 from zpipe.client import TrainReport
 from zpipe.cluster import AsyncLocalCluster, DeviceSpec
 from zpipe.federated.fedprox import FACTORY, optimizer_config
@@ -204,6 +211,75 @@ class PipelineTrainer:
             )
         return self._plans[key]
 
+    async def _fit_on_home(
+        self,
+        spec: ModelSpec,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        shape: MLPShape,
+        size: int,
+        lr: float,
+        mu: float,
+    ) -> tuple[TrainingPlan, TrainReport]:
+        """The task on the home's plan; a device that left is planned out and the task
+        trained again from its start (``spec`` names its starting weights)."""
+        # replicas carry the optimizer's state, FedProx's anchor included
+        during: dict[str, Any] = (
+            {}
+            if self.rebalance is None
+            else dict(recover=True, replicate_every=self.rebalance_every, rebalance=self.rebalance)
+        )
+        while True:
+            plan = self.plan_for(shape, size)
+            gone = [d.name for d in self._planned if self._exited(d.name)]
+            if gone:
+                self._plan_out(gone, plan, shape, size, "its stage process exited")
+                continue
+            try:
+                report = await self._cluster.fit(
+                    spec,
+                    batches,
+                    optimizer=optimizer_config(lr, mu),
+                    num_microbatches=plan.num_microbatches,  # the plan's, as fit requires
+                    plan=plan,
+                    # the plan's unit costs: a rebalance weighs the tiny last layer as such
+                    profile=self.task_profile(shape, plan),
+                    progress=False,
+                    **during,
+                )
+            except StageFailedError as exc:
+                if exc.stage not in {d.name for d in self._planned} or len(self._planned) < 2:
+                    raise
+                self._plan_out([exc.stage], plan, shape, size, f"its stage failed: {exc.reason}")
+                continue
+            return plan, report
+
+    def _exited(self, name: str) -> bool:
+        process = self._cluster.processes.get(name)
+        return process is not None and process.poll() is not None
+
+    def _plan_out(
+        self, names: list[str], plan: TrainingPlan, shape: MLPShape, size: int, why: str
+    ) -> None:
+        """Devices ``names`` left the home: it is planned again over the others, and
+        speeds measured on the old plan start a new history."""
+        left = [d for d in self._planned if d.name not in names]
+        if not left:
+            raise ConfigError(f"every device of the home has left ({', '.join(names)}: {why})")
+        self._planned = tuple(left)
+        self._plans, self._history = {}, {}
+        new = self.plan_for(shape, size)
+        self.reschedules.append(
+            {
+                "task": self._tasks + 1,
+                "reason": f"{', '.join(names)} left the home ({why}): planned over the rest",
+                "rescheduled": True,
+                "left": list(names),
+                "devices": new.devices,
+                # whether the devices that stayed run in another order than before
+                "reordered": [d for d in plan.devices if d not in names] != list(new.devices),
+            }
+        )
+
     def task_profile(self, shape: MLPShape, plan: TrainingPlan) -> ModelProfile:
         """The training profile ``plan`` was made from (the given one, else the
         analytic one at the plan's micro-batch size), sent with it."""
@@ -280,26 +356,7 @@ class PipelineTrainer:
             )
         size = min(batch_size, len(y))
         if self.home is not None:
-            plan = self.plan_for(shape, size)
-            # replicas carry the optimizer's state, FedProx's anchor included
-            during: dict[str, Any] = (
-                {}
-                if self.rebalance is None
-                else dict(
-                    recover=True, replicate_every=self.rebalance_every, rebalance=self.rebalance
-                )
-            )
-            report = await self._cluster.fit(
-                spec,
-                batches,
-                optimizer=optimizer_config(lr, mu),
-                num_microbatches=plan.num_microbatches,  # the plan's, as fit requires
-                plan=plan,
-                # the plan's unit costs: a rebalance weighs the tiny last layer as such
-                profile=self.task_profile(shape, plan),
-                progress=False,
-                **during,
-            )
+            plan, report = await self._fit_on_home(spec, batches, shape, size, lr, mu)
             self.last_plan = plan
             self.last_report = report
             self._tasks += 1
