@@ -88,6 +88,8 @@ def test_a_death_resumes_at_the_first_unacknowledged_mini_batch_and_reports_the_
     resume = command.request.resume or {}
     assert resume["run"] == 4 and resume["step"] == 6 and resume["dead"] == ["b"]
     assert resume["consistency"] == "fast" and resume["live"] is True
+    # the fit's first run: copies of runs before it are another fit's
+    assert resume["since_run"] == 4
     assert (command.request.train or {})["async"]["depth"] == 3
     assert replay.kept == [6, 7]  # only what was in flight goes again
     fast = {

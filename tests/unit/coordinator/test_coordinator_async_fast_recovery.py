@@ -17,11 +17,12 @@ import torch
 
 from tests._support.coordinator_harness import SPEC, Harness
 from zpipe.coordinator.commands import AllowPeers
+from zpipe.coordinator.runs.async_fast_recovery import this_fits_copies
 from zpipe.coordinator.runs.async_repartition import LiveRepartitioning
 from zpipe.planner import ClusterLink
 from zpipe.planner.ftpipehd import ftpipehd_partition
 from zpipe.recovery.fast_recovery_inputs import UNMEASURED
-from zpipe.recovery.live_copies import state_digest
+from zpipe.recovery.live_copies import CopyLedger, CopyRecord, state_digest
 from zpipe.training.repartition import RepartitionController, RepartitionSettings
 from zpipe.transport.codec import Message
 
@@ -522,3 +523,18 @@ def test_a_chain_copy_goes_from_its_holder_to_the_new_holder_peer_to_peer() -> N
     assert confirmed["holders"] == ["d"]
     fast = _ready(h, ["a", "b", "d"])
     assert fast["copies_used"] == {"chain@d": [3]} and fast["lost"] == {"3": 1}
+
+
+def test_a_fast_recovery_restores_only_from_copies_of_its_own_fit() -> None:
+    ledger = CopyLedger()
+    older = CopyRecord("b", "global", "coordinator", run=3, step=40, start=1, end=3)
+    chain = CopyRecord("b", "chain", "c", run=7, step=10, start=1, end=3)
+    other = CopyRecord("c", "chain", "d", run=8, step=20, start=3, end=4)
+    for record in (older, chain, other):
+        assert ledger.record(record)
+    # a client that names its fit's first run (7): run 3's copy is another fit's
+    mine = this_fits_copies(ledger, 7, set())
+    assert set(mine.copies.values()) == {chain, other}
+    # a copy a holder could not give is left out too; an older client keeps them all
+    assert set(this_fits_copies(ledger, 7, {("b", "chain")}).copies.values()) == {other}
+    assert set(this_fits_copies(ledger, None, set()).copies.values()) == {older, chain, other}

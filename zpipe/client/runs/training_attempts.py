@@ -133,6 +133,7 @@ class _Carried:
     first_plan: TrainingPlan | None = None
     earlier_samples: int = 0  # of the attempts that ended early
     first_started: float | None = None
+    first_run: int | None = None  # the fit's first run: its copies are of this fit
 
 
 class TrainingAttempts:
@@ -369,7 +370,10 @@ class TrainingAttempts:
             self.request, survivors, dead, options.recovery, resume_at, options.consistency
         )
         if self.fast_live:
-            request = dataclasses.replace(request, resume={**(request.resume or {}), "live": True})
+            # "since_run": copies of runs before this fit's first are another job's
+            # (a coordinator keeps the newest copy of each stage across fits)
+            live = {"live": True, "since_run": self.carried.first_run}
+            request = dataclasses.replace(request, resume={**(request.resume or {}), **live})
         if self.schedule == ASYNC_SCHEDULE:
             request = _async_resume(request, depth=len(tplan.stages))
             recovery["depth"] = (request.train or {})["async"]["depth"]
@@ -393,6 +397,8 @@ class TrainingAttempts:
     def _count_attempt(self, event: AttemptEnded) -> None:
         self.carried.earlier_samples += event.report.samples
         self.carried.first_started = self.carried.first_started or event.started
+        if self.carried.first_run is None:
+            self.carried.first_run = event.report.run
 
     # -------------------------------------------------------------------- the feed
 

@@ -106,6 +106,22 @@ def is_fast_live_resume(resume: dict[str, Any] | None) -> bool:
     return resume.get("consistency") == "fast" and bool(resume.get("live"))
 
 
+def this_fits_copies(
+    ledger: CopyLedger, since_run: int | None, unusable: set[tuple[str, str]]
+) -> CopyLedger:
+    """The copies a fast recovery may restore from: the fit's own (made by its first
+    run, ``since_run``, or a later one; the coordinator keeps the newest copy of
+    each stage across fits, and another fit's are another model's weights), less
+    those a holder could not give. A client that does not say keeps them all."""
+    return CopyLedger(
+        {
+            key: copy
+            for key, copy in ledger.copies.items()
+            if key not in unusable and (since_run is None or copy.run >= since_run)
+        }
+    )
+
+
 def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
     """The fast recovery of the broken run ``request.resume`` names (see the module
     notes): returns a :class:`FastResume`."""
@@ -125,6 +141,9 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         raise ConfigError(
             f"a fast resume names the mini-batches acknowledged, got {acknowledged!r}"
         )
+    since = resume.get("since_run")
+    if since is not None and (isinstance(since, bool) or not isinstance(since, int)):
+        raise ConfigError(f"a fast resume's since_run is a run id, got {since!r}")
     run = current.run
     tplan = run.training_plan
     assert tplan is not None
@@ -188,8 +207,7 @@ def async_fast_resume(state: ControlState, request: RunRequest) -> Flow:
         # eq. 5 over what the run measured (its live re-partition's capacities, links)
         remaining = [d for d in devices if d not in dead]
         eq5 = eq5_inputs(remaining, _measurements(current, tplan, remaining)) if remaining else None
-        ledger = state.async_copies.ledger
-        usable = CopyLedger({k: c for k, c in ledger.copies.items() if k not in unusable})
+        usable = this_fits_copies(state.async_copies.ledger, since, unusable)
         fast = plan_fast_recovery(
             spans,
             sorted(d for d in devices if d in dead),
