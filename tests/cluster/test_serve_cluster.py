@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import platform
 import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +70,20 @@ def _backend(cluster: LocalCluster, checkpoint: Path, max_sequences: int = 4) ->
 
 
 @pytest.fixture(scope="module")
-def served(cluster: LocalCluster, checkpoint: Path) -> Any:
+def module_endpoint() -> Iterator[ExitStack]:
+    """What keeps the module's endpoint up. A coordinator runs one run at a time, so
+    a test that starts a run of its own on the stages closes this first."""
+    with ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def served(cluster: LocalCluster, checkpoint: Path, module_endpoint: ExitStack) -> Any:
     """The endpoint over the cluster: (base URL, backend). Its lifespan starts the run."""
     backend = _backend(cluster, checkpoint)
-    with serving(build_app(backend, token_timeout=TIMEOUT_S), timeout=300) as url:
-        yield url, backend
+    app = build_app(backend, token_timeout=TIMEOUT_S)
+    url = module_endpoint.enter_context(serving(app, timeout=300))
+    return url, backend
 
 
 @pytest.fixture(scope="module")
@@ -195,14 +206,15 @@ def _events(log: str, event: str) -> list[dict[str, Any]]:
 
 
 def test_a_client_leaving_mid_stream_cancels_its_sequence_on_the_cluster(
-    cluster: LocalCluster, checkpoint: Path
+    cluster: LocalCluster, checkpoint: Path, module_endpoint: ExitStack
 ) -> None:
     """A run that admits one sequence at a time. A sequence of 650 tokens is left
     after its first text; a second request then completes, which it can only do
     once the first sequence's slot is free. When the run closes, the first stage
     has fed far fewer than the 650 tokens an uncancelled first sequence feeds
-    before the second one is admitted. Last in the module: its own run replaces
-    the module's on the stages."""
+    before the second one is admitted. Last in the module: the module's endpoint
+    closes its run first (another client's run in flight would be refused)."""
+    module_endpoint.close()
     backend = _backend(cluster, checkpoint, max_sequences=1)
     max_tokens = 650
     with serving(build_app(backend, token_timeout=TIMEOUT_S), timeout=300) as url:
