@@ -263,7 +263,9 @@ def test_an_open_clusters_data_port_refuses_a_host_outside_the_plan(links: NetLa
         while not cluster.events("s1", "peer_refused") and time.monotonic() < deadline:
             time.sleep(0.2)
         refused = cluster.events("s1", "peer_refused")
-        assert [e["peer"] for e in refused] == [links.address(COORDINATOR_NODE)]
+        # only the intruder's host, once per handshake it tried (libzmq may reconnect
+        # and be refused again within its two seconds)
+        assert refused and {e["peer"] for e in refused} == {links.address(COORDINATOR_NODE)}
         assert not cluster.events("s1", "dropped_message")  # refused, never read
         again, _ = cluster.infer(spec, batches, stage_names=["s0", "s1"])
         _assert_no_live_stage_declared_dead(cluster)
