@@ -8,13 +8,16 @@ Every test here is marked ``integration`` (``-m integration`` selects the lane,
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from tests._support.lane_guard import PROCESSES, guarded_phase
+from tests._support.stand_in_coordinator import bind_router
 
 _HERE = Path(__file__).resolve().parent
 
@@ -42,3 +45,20 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, Any]:
     return (yield from _phase())
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    """A ZeroMQ context of the test's own, ended after it (a module may define its own)."""
+    context = zmq.asyncio.Context()
+    yield context
+    context.term()
+
+
+@pytest.fixture
+def router(context: zmq.asyncio.Context) -> Iterator[zmq.asyncio.Socket]:
+    """A ROUTER on a free loopback port that stands in for the coordinator
+    (tests/_support/stand_in_coordinator.py)."""
+    router = bind_router(context)
+    yield router
+    router.close(linger=0)

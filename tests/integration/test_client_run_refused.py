@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,88 +20,32 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from tests._support.stand_in_coordinator import (
+    REQUEST,
+    WAIT_S,
+    answer,
+    client_connection,
+    endpoint_of,
+    received,
+    start_run,
+)
 from zpipe import PipelineError, RunRefusedError
 from zpipe.client import ClientConnection, PipelineClient
-from zpipe.client.control import ControlChannel
 from zpipe.client.runs.generation import GenerateOptions, GenerationRun
 from zpipe.client.runs.lossy import run_lossy
 from zpipe.client.session import RunSession
-from zpipe.config import Timeouts
 from zpipe.lossy.data import Dataset
 from zpipe.lossy.simulate import RunConfig, prepare_run
 from zpipe.models import ModelSpec
-from zpipe.protocol import REGISTRY, WireMessage
-from zpipe.protocol.client_control import (
-    RunEnd,
-    RunFailed,
-    RunReady,
-    RunReport,
-    RunRequest,
-)
+from zpipe.protocol import WireMessage
+from zpipe.protocol.client_control import RunEnd, RunFailed, RunReport
 from zpipe.protocol.generation import GenRunReady, GenRunRequest
 from zpipe.protocol.lossy import LossyRunRequest
-from zpipe.transport.codec import decode, encode
-from zpipe.transport.sockets import SocketOptions
-
-WAIT_S = 60.0
-
-REQUEST = RunRequest(
-    model={"family": "mlp", "config": {}},
-    stages=2,
-    dtype="float32",
-    sink_endpoint="tcp://127.0.0.1:6000",
-    wait_for_stages_s=10.0,
-)
-READY = RunReady(
-    run=5, plan={}, first_endpoint="tcp://s0:1", first_stage="s0", last_stage="s1", epoch=2
-)
-
-
-@pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
-def router(context: zmq.asyncio.Context) -> Iterator[zmq.asyncio.Socket]:
-    """The coordinator's stand-in, in the test's context."""
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind("tcp://127.0.0.1:*")
-    yield router
-    router.close(linger=0)
 
 
 def _connection(router: zmq.asyncio.Socket) -> ClientConnection:
     """A client connection in a context of its own: its close ends that context."""
-    context = zmq.asyncio.Context()
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.ROUTING_ID, b"client-1")
-    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
-    timeouts = Timeouts()
-    channel = ControlChannel(dealer, SocketOptions(), timeouts)
-    sink = context.socket(zmq.PULL)  # unused: no run is watched here
-    return ClientConnection(
-        context, channel, sink, "inproc://unused", timeouts=timeouts, options=SocketOptions()
-    )
-
-
-async def _received(router: zmq.asyncio.Socket) -> tuple[bytes, WireMessage]:
-    identity, *frames = await asyncio.wait_for(router.recv_multipart(), WAIT_S)
-    return identity, REGISTRY.parse(decode(frames))
-
-
-async def _started(connection: ClientConnection, router: zmq.asyncio.Socket) -> RunSession:
-    session = RunSession(connection, what="stream")
-    asked = asyncio.ensure_future(
-        session.request_run(REQUEST, wait_for_stages_s=10.0, doing="start the run")
-    )
-    identity, _ = await _received(router)
-    await router.send_multipart([identity, *encode(READY.to_message())])
-    await asyncio.wait_for(asked, WAIT_S)
-    return session
+    return client_connection(zmq.asyncio.Context(), endpoint_of(router))
 
 
 async def test_a_refusal_is_a_run_refused_error_naming_the_run_in_flight(
@@ -114,9 +57,9 @@ async def test_a_refusal_is_a_run_refused_error_naming_the_run_in_flight(
         asked = asyncio.ensure_future(
             session.request_run(REQUEST, wait_for_stages_s=10.0, doing="start the run")
         )
-        identity, _ = await _received(router)
+        identity, _ = await received(router)
         refused = RunFailed(error="run 4 of another client is in flight", in_flight=4)
-        await router.send_multipart([identity, *encode(refused.to_message())])
+        await answer(router, identity, refused)
         with pytest.raises(RunRefusedError, match="run 4 of another client") as caught:
             await asyncio.wait_for(asked, WAIT_S)
         assert caught.value.run == 4 and isinstance(caught.value, PipelineError)
@@ -129,14 +72,14 @@ async def test_a_run_left_open_is_ended_when_the_connection_closes(
     router: zmq.asyncio.Socket,
 ) -> None:
     connection = _connection(router)
-    await _started(connection, router)  # and the run fails here, say: no finish()
+    await start_run(connection, router)  # and the run fails here, say: no finish()
     assert connection.open_run == 5
     closing = asyncio.ensure_future(connection.close())
-    identity, ended = await _received(router)
+    identity, ended = await received(router)
     assert isinstance(ended, RunEnd) and ended.run == 5
     assert not closing.done()  # it waits for the end's answer (a next run comes after)
     report = RunReport(run=5, stages={})
-    await router.send_multipart([identity, *encode(report.to_message())])
+    await answer(router, identity, report)
     await asyncio.wait_for(closing, WAIT_S)
 
 
@@ -144,11 +87,11 @@ async def test_a_close_does_not_wait_long_for_an_unanswered_end(
     router: zmq.asyncio.Socket,
 ) -> None:
     connection = _connection(router)
-    await _started(connection, router)
+    await start_run(connection, router)
     started = time.monotonic()
     await asyncio.wait_for(connection.close(), WAIT_S)  # nobody answers the run_end
     assert time.monotonic() - started < WAIT_S / 2  # bounded (2 s), not a deadline
-    _, ended = await _received(router)
+    _, ended = await received(router)
     assert isinstance(ended, RunEnd) and ended.run == 5
 
 
@@ -156,12 +99,12 @@ async def test_a_finished_run_is_not_ended_again(
     router: zmq.asyncio.Socket,
 ) -> None:
     connection = _connection(router)
-    session = await _started(connection, router)
+    session = await start_run(connection, router)
     finished = asyncio.ensure_future(session.finish())
-    identity, end = await _received(router)
+    identity, end = await received(router)
     assert isinstance(end, RunEnd) and end.run == 5
     report = RunReport(run=5, stages={"s0": {}})
-    await router.send_multipart([identity, *encode(report.to_message())])
+    await answer(router, identity, report)
     assert await asyncio.wait_for(finished, WAIT_S) == {"s0": {}}
     assert connection.open_run is None
     await connection.close()
@@ -173,16 +116,14 @@ async def test_end_run_ends_any_run_and_returns_its_counters(
     router: zmq.asyncio.Socket,
 ) -> None:
     """For a run whose client was killed: it stays in flight until someone ends it."""
-    client = PipelineClient(
-        router.getsockopt_string(zmq.LAST_ENDPOINT), sink_bind="tcp://127.0.0.1:0"
-    )
+    client = PipelineClient(endpoint_of(router), sink_bind="tcp://127.0.0.1:0")
     await client.open()
     try:
         ended = asyncio.ensure_future(client.end_run(4))
-        identity, end = await _received(router)
+        identity, end = await received(router)
         assert isinstance(end, RunEnd) and end.run == 4
         report = RunReport(run=4, stages={"s0": {"microbatches": 3}})
-        await router.send_multipart([identity, *encode(report.to_message())])
+        await answer(router, identity, report)
         assert await asyncio.wait_for(ended, WAIT_S) == {"s0": {"microbatches": 3}}
     finally:
         await client.close()
@@ -190,10 +131,10 @@ async def test_end_run_ends_any_run_and_returns_its_counters(
 
 async def _refused_with(router: zmq.asyncio.Socket, awaited: type[WireMessage], run: int) -> None:
     """Answer the next request (of class ``awaited``) with a refusal naming ``run``."""
-    identity, request = await _received(router)
+    identity, request = await received(router)
     assert isinstance(request, awaited)
     refused = RunFailed(error=f"run {run} of another client is in flight", in_flight=run)
-    await router.send_multipart([identity, *encode(refused.to_message())])
+    await answer(router, identity, refused)
 
 
 async def test_a_generation_start_refused_raises_run_refused_error_naming_the_run(
@@ -243,17 +184,17 @@ async def test_a_generation_run_left_open_is_ended_when_the_connection_closes(
     connection = _connection(router)
     gen = GenerationRun(connection, ModelSpec.preset("llama-tiny"), GenerateOptions(stages=1))
     starting = asyncio.ensure_future(gen.start())
-    identity, request = await _received(router)
+    identity, request = await received(router)
     assert isinstance(request, GenRunRequest)
     ready = GenRunReady(
         run=8, stages=["s0"], bounds=[[0, 4]], first_endpoint="tcp://127.0.0.1:9",
         first_stage="s0",
     )  # fmt: skip
-    await router.send_multipart([identity, *encode(ready.to_message())])
+    await answer(router, identity, ready)
     await asyncio.wait_for(starting, WAIT_S)
     assert connection.open_run == 8
     closing = asyncio.ensure_future(connection.close())  # no gen.close(): left open
-    identity, ended = await _received(router)
+    identity, ended = await received(router)
     assert isinstance(ended, RunEnd) and ended.run == 8
-    await router.send_multipart([identity, *encode(RunReport(run=8, stages={}).to_message())])
+    await answer(router, identity, RunReport(run=8, stages={}))
     await asyncio.wait_for(closing, WAIT_S)
