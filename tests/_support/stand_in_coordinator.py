@@ -51,6 +51,23 @@ def endpoint_of(router: zmq.asyncio.Socket) -> str:
     return router.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+def control_channel(
+    context: zmq.asyncio.Context,
+    endpoint: str,
+    timeouts: Timeouts,
+    *,
+    reconnect_ivl_ms: int | None = None,
+) -> ControlChannel:
+    """A client's control channel to the stand-in, as ``client-1``; ``reconnect_ivl_ms``
+    makes it reconnect quickly after a restart."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, b"client-1")
+    if reconnect_ivl_ms is not None:
+        dealer.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
+    dealer.connect(endpoint)
+    return ControlChannel(dealer, SocketOptions(), timeouts)
+
+
 def client_connection(
     context: zmq.asyncio.Context,
     endpoint: str,
@@ -58,15 +75,10 @@ def client_connection(
     *,
     reconnect_ivl_ms: int | None = None,
 ) -> ClientConnection:
-    """A client's connection to the stand-in, as ``client-1``; ``reconnect_ivl_ms``
-    makes it reconnect quickly after a restart. Its sink is never watched."""
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.ROUTING_ID, b"client-1")
-    if reconnect_ivl_ms is not None:
-        dealer.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
-    dealer.connect(endpoint)
+    """A client's connection to the stand-in (:func:`control_channel`); its sink is
+    never watched."""
     timeouts = timeouts if timeouts is not None else Timeouts()
-    channel = ControlChannel(dealer, SocketOptions(), timeouts)
+    channel = control_channel(context, endpoint, timeouts, reconnect_ivl_ms=reconnect_ivl_ms)
     sink = context.socket(zmq.PULL)  # unused: no run is watched here
     return ClientConnection(
         context, channel, sink, "inproc://unused", timeouts=timeouts, options=SocketOptions()

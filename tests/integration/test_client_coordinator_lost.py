@@ -13,46 +13,26 @@ reported on real connections).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 import zmq
 import zmq.asyncio
 
 from tests._support.client_session import _check, _connection, _never_called, _session
+from tests._support.stand_in_coordinator import bind_router, control_channel, endpoint_of
 from zpipe._errors import CoordinatorLostError, TransportTimeout
 from zpipe.client.control import ControlChannel
 from zpipe.config import Timeouts
 from zpipe.protocol.client_control import Checkpoint
 from zpipe.protocol.stage_control import WeightsRequest
 from zpipe.transport.codec import Message, encode
-from zpipe.transport.sockets import SocketOptions
 
 ASK_S = 120.0  # far past the silence: a request that ends sooner ended by the loss
 
 
-@pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.term()
-
-
-def _router(
-    context: zmq.asyncio.Context, endpoint: str = "tcp://127.0.0.1:*"
-) -> zmq.asyncio.Socket:
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
-    return router
-
-
 def _channel(context: zmq.asyncio.Context, endpoint: str, silence_s: float) -> ControlChannel:
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.ROUTING_ID, b"client-1")
-    dealer.setsockopt(zmq.RECONNECT_IVL, 50)
-    dealer.connect(endpoint)
-    return ControlChannel(dealer, SocketOptions(), Timeouts(coordinator_silence_s=silence_s))
+    timeouts = Timeouts(coordinator_silence_s=silence_s)
+    return control_channel(context, endpoint, timeouts, reconnect_ivl_ms=50)
 
 
 async def _first_request(router: zmq.asyncio.Socket) -> list[bytes]:
@@ -74,8 +54,8 @@ def _ask(channel: ControlChannel, *, resend: bool = False) -> asyncio.Future[Che
 async def test_a_request_to_a_coordinator_gone_for_good_fails_after_the_silence(
     context: zmq.asyncio.Context,
 ) -> None:
-    router = _router(context)
-    channel = _channel(context, router.getsockopt_string(zmq.LAST_ENDPOINT), silence_s=0.5)
+    router = bind_router(context)
+    channel = _channel(context, endpoint_of(router), silence_s=0.5)
     try:
         asked = _ask(channel)
         await _first_request(router)
@@ -91,15 +71,15 @@ async def test_a_request_to_a_coordinator_gone_for_good_fails_after_the_silence(
 async def test_a_coordinator_restarted_within_the_silence_is_waited_for(
     context: zmq.asyncio.Context,
 ) -> None:
-    router = _router(context)
-    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    router = bind_router(context)
+    endpoint = endpoint_of(router)
     channel = _channel(context, endpoint, silence_s=60.0)
     try:
         asked = _ask(channel, resend=True)
         await _first_request(router)
         router.close(linger=0)
         await asyncio.sleep(0.2)  # the old process is gone a moment (not a deadline)
-        restarted = _router(context, endpoint)  # took its run over from disk
+        restarted = bind_router(context, endpoint)  # took its run over from disk
         try:
             identity, *_ = await _first_request(restarted)  # the request, sent again
             reply = Message("checkpoint", {"run": 3, "step": 4, "keys": []})
