@@ -13,11 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.cluster.local import ZYGOTE_ENV
+
+if TYPE_CHECKING:  # imported by the fixture: it imports torch
+    from tests._support.async_fast_recovery import FastRecoveryRun
 
 _HERE = Path(__file__).resolve().parent
 
@@ -55,3 +59,12 @@ def async_recovery_cluster() -> Iterator[LocalCluster]:
         probe_intervals=4,
     ) as running:
         yield running
+
+
+@pytest.fixture
+def fast_recovery(async_recovery_cluster: LocalCluster) -> FastRecoveryRun:
+    """One fast-recovery fit on the shared a, b, c; it reads only its own fit's logs
+    (tests/_support/async_fast_recovery.py; test_async_fast_recovery*.py)."""
+    from tests._support.async_fast_recovery import FastRecoveryRun
+
+    return FastRecoveryRun(async_recovery_cluster)

@@ -15,63 +15,30 @@ are for log events, each with a generous deadline.
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
-from tests._support.async_training import ADAM, SPEC, make_batches
-from tests._support.training_recovery import _events
-from zpipe.cluster import DeviceSpec, LocalCluster
+from tests._support.async_fast_recovery import FastRecoveryRun
 
-NAMES = ["a", "b", "c"]
-PARTITION = [[0, 1], [1, 3], [3, 4]]
-DEADLINE_S = 180.0
 KILL_AFTER = 7  # b dies once this mini-batch's loss came back (and its chain copy is at c)
 
 
-def _chain_copy_held(cluster: LocalCluster, since: int) -> bool:
-    """Whether the coordinator's ledger has a chain copy of b held by c (this run's)."""
-    kept = _events(cluster.logs("coordinator")[since:], "async_copy_kept")
-    return any(e["owner"] == "b" and e["kind"] == "chain" and e["holder"] == "c" for e in kept)
-
-
 def test_a_killed_middle_stage_recovers_fast_from_its_chain_copy(
-    async_recovery_cluster: LocalCluster,
+    fast_recovery: FastRecoveryRun,
 ) -> None:
-    cluster = async_recovery_cluster
-    batches = make_batches(16, 5, seed=31)
-    since = {n: len(cluster.logs(n)) for n in ["coordinator", *NAMES]}
-    steps: list[int] = []
-    killed: list[str] = []
-
-    def on_step(step: int, _loss: float) -> None:
-        steps.append(step)
-        if step >= KILL_AFTER and not killed:
-            # an event, not a timing: wait (the client's loop with it) for b's copy at c
-            deadline = time.monotonic() + DEADLINE_S
-            while not _chain_copy_held(cluster, since["coordinator"]):
-                assert time.monotonic() < deadline, "no chain copy of b at c"
-                threading.Event().wait(0.1)
-            killed.append("b")
-            cluster.kill("b")
-
-    try:
-        report = cluster.fit(
-            SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
-            progress=False, partition=PARTITION, stage_names=NAMES, recover=True,
-            live_copies=True, chain_every=2, global_every=4, consistency="fast",
-            on_step=on_step,
-        )  # fmt: skip
-    finally:
-        for name in killed:
-            cluster.start_stage(DeviceSpec(name))
-        cluster.wait_for_stages(len(NAMES), timeout_s=120)
-    assert killed == ["b"]
-    logs = {n: cluster.logs(n)[since[n] :] for n in since}
+    run = fast_recovery
+    # b's chain copy at c (this run's) before the kill: an event, not a timing
+    kill = run.kill_after(
+        KILL_AFTER,
+        "b",
+        ready=lambda: run.copy_kept("b", "chain", "c"),
+        what="no chain copy of b at c",
+    )
+    report = run.fit(seed=31, on_step=kill)
+    assert run.killed == ["b"]
 
     # the run finished on the two survivors, every mini-batch trained once
-    assert report.steps == 16 and steps == list(range(16))
-    assert not _events(logs["coordinator"], "replica_kept")  # no flush replica at all
+    assert report.steps == 16 and run.steps == list(range(16))
+    assert not run.events("coordinator", "replica_kept")  # no flush replica at all
     assert report.training_plan is not None
     assert [s.devices[0] for s in report.training_plan.stages] == ["a", "c"]
     (recovery,) = report.recoveries
@@ -81,22 +48,21 @@ def test_a_killed_middle_stage_recovers_fast_from_its_chain_copy(
     # client counted its acknowledged losses, the coordinator resumed there, the
     # stages' weight versions go on from there
     assert KILL_AFTER < resumed_at <= 16 and recovery["resumed_from"] == resumed_at
-    (fast,) = _events(logs["coordinator"], "async_fast_recovery")
+    (fast,) = run.events("coordinator", "async_fast_recovery")
     assert fast["resume_at"] == resumed_at and fast["dead"] == ["b"]
-    resumed = {n: _events(logs[n], "async_state_resumed") for n in ("a", "c")}
+    resumed = {n: run.events(n, "async_state_resumed") for n in ("a", "c")}
     assert all(len(r) == 1 and r[0]["updates"] == resumed_at for r in resumed.values())
 
     # the dead stage's units came from its chain copy at c, which c confirmed it held;
     # never through the coordinator: a fetched unit 1 from c (peer to peer, granted),
     # c loaded unit 2 in place
     assert {u: report.unit_sources[u] for u in (1, 2)} == {1: "chain@c", 2: "chain@c"}
-    (confirmed,) = _events(logs["coordinator"], "chain_copies_confirmed")
+    (confirmed,) = run.events("coordinator", "chain_copies_confirmed")
     assert confirmed["holders"] == ["c"]
     assert fast["bounds"] == [0, 2, 4], fast  # one capacity each: two units a survivor
-    (planned,) = [e for e in _events(logs["coordinator"], "restore_planned")
-                  if e["recovery"] == "fast"]  # fmt: skip
+    planned = run.fast_restore_planned()
     assert (planned["from_peers"], planned["from_coordinator"]) == (1, 0), planned
-    served = _events(logs["c"], "units_served")
+    served = run.events("c", "units_served")
     assert [(e["owner"], e["start"], e["end"]) for e in served] == [("b", 1, 2)], served
     assert recovery["progress_lost"] == report.progress_lost >= 1
 
@@ -104,10 +70,10 @@ def test_a_killed_middle_stage_recovers_fast_from_its_chain_copy(
     stopped: dict[Any, Any] = {}
     updates: dict[str, int] = {}
     for name in ("a", "c"):
-        (sent,) = _events(logs[name], "latest_state_sent")
-        updates[name] = int(sent["updates"])  # type: ignore[call-overload]
-        stopped.update({(name, u): d for u, d in sent["digests"].items()})  # type: ignore[union-attr]
-    started = {u: d for r in resumed.values() for u, d in r[0]["digests"].items()}  # type: ignore[union-attr]
+        (sent,) = run.events(name, "latest_state_sent")
+        updates[name] = int(sent["updates"])
+        stopped.update({(name, u): d for u, d in sent["digests"].items()})
+    started = {u: d for r in resumed.values() for u, d in r[0]["digests"].items()}
     kept = [u for u, src in report.unit_sources.items() if src in ("kept", "peer")]
     assert sorted(kept) == [0, 3]
     owner = {0: "a", 3: "c"}

@@ -13,51 +13,28 @@ progress they lost, and the run finishes with every mini-batch trained once.
 
 from __future__ import annotations
 
-from tests._support.async_training import ADAM, SPEC, make_batches
-from tests._support.training_recovery import _events
-from zpipe.cluster import DeviceSpec, LocalCluster
+from tests._support.async_fast_recovery import FastRecoveryRun
+from tests._support.async_training import SPEC
 from zpipe.training.async_fast_state import initial_state, unit_digests
 
-NAMES = ["a", "b", "c"]
-PARTITION = [[0, 1], [1, 3], [3, 4]]
 KILL_AFTER = 5
 NEVER = 1000  # the copies' period: none is made in this run
 
 
 def test_a_stage_dead_before_any_copy_restarts_its_units_from_the_initial_weights(
-    async_recovery_cluster: LocalCluster,
+    fast_recovery: FastRecoveryRun,
 ) -> None:
-    cluster = async_recovery_cluster
-    batches = make_batches(16, 5, seed=41)
-    since = {n: len(cluster.logs(n)) for n in ["coordinator", *NAMES]}
-    steps: list[int] = []
-    killed: list[str] = []
+    run = fast_recovery
+    report = run.fit(
+        seed=41, on_step=run.kill_after(KILL_AFTER, "b"), chain_every=NEVER, global_every=NEVER
+    )
+    assert run.killed == ["b"]
 
-    def on_step(step: int, _loss: float) -> None:
-        steps.append(step)
-        if step >= KILL_AFTER and not killed:
-            killed.append("b")
-            cluster.kill("b")
-
-    try:
-        report = cluster.fit(
-            SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
-            progress=False, partition=PARTITION, stage_names=NAMES, recover=True,
-            live_copies=True, chain_every=NEVER, global_every=NEVER, consistency="fast",
-            on_step=on_step,
-        )  # fmt: skip
-    finally:
-        for name in killed:
-            cluster.start_stage(DeviceSpec(name))
-        cluster.wait_for_stages(len(NAMES), timeout_s=120)
-    assert killed == ["b"]
-    logs = {n: cluster.logs(n)[since[n] :] for n in since}
-
-    assert report.steps == 16 and steps == list(range(16))
+    assert report.steps == 16 and run.steps == list(range(16))
     assert report.training_plan is not None
     assert [s.devices[0] for s in report.training_plan.stages] == ["a", "c"]
-    assert not _events(logs["coordinator"], "async_copy_kept")  # truly no copy
-    (fast,) = _events(logs["coordinator"], "async_fast_recovery")
+    assert not run.events("coordinator", "async_copy_kept")  # truly no copy
+    (fast,) = run.events("coordinator", "async_fast_recovery")
     assert fast["bounds"] == [0, 2, 4], fast  # one capacity each: two units a survivor
     assert report.unit_sources == {0: "kept", 1: "initial", 2: "initial", 3: "kept"}
     resume_at = fast["resume_at"]
@@ -67,18 +44,17 @@ def test_a_stage_dead_before_any_copy_restarts_its_units_from_the_initial_weight
     # loses the updates it had not applied: FTPipeHD's own inconsistency)
     lost = recovery["lost_per_unit"]
     assert (lost[1], lost[2]) == (resume_at, resume_at) and resume_at >= KILL_AFTER
-    (warned,) = _events(logs["coordinator"], "fast_initial_weights")
+    (warned,) = run.events("coordinator", "fast_initial_weights")
     assert warned["units"] == [1, 2] and warned["progress_lost"] == resume_at
     # nothing of b's travelled: each new holder built its unit itself
-    (planned,) = [e for e in _events(logs["coordinator"], "restore_planned")
-                  if e["recovery"] == "fast"]  # fmt: skip
+    planned = run.fast_restore_planned()
     assert (planned["from_peers"], planned["from_coordinator"]) == (0, 0)
     for name, unit in (("a", 1), ("c", 2)):
-        (built,) = _events(logs[name], "initial_units_built")
+        (built,) = run.events(name, "initial_units_built")
         assert (built["start"], built["end"], built["owner"]) == (unit, unit + 1, "b")
         # bit for bit a fresh build's weights (no optimizer state yet), at the
         # acknowledged version with the units the survivor kept
-        (resumed,) = _events(logs[name], "async_state_resumed")
+        (resumed,) = run.events(name, "async_state_resumed")
         fresh = unit_digests(initial_state(SPEC, unit, unit + 1))
         assert resumed["digests"][str(unit)] == fresh[str(unit)]
         assert resumed["updates"] == resume_at

@@ -14,81 +14,53 @@ trained once. Waits are for log events, with generous deadlines.
 from __future__ import annotations
 
 import threading
-import time
 
-from tests._support.async_training import ADAM, SPEC, make_batches
-from tests._support.training_recovery import _events
-from zpipe.cluster import DeviceSpec, LocalCluster
+from tests._support.async_fast_recovery import FastRecoveryRun
 
-NAMES = ["a", "b", "c"]
-PARTITION = [[0, 1], [1, 3], [3, 4]]
-DEADLINE_S = 180.0
 MOVE_AT = 8
 
 
-def test_a_death_during_a_live_move_recovers_fast(
-    async_recovery_cluster: LocalCluster,
-) -> None:
-    cluster = async_recovery_cluster
-    batches = make_batches(16, 5, seed=43)
-    since = {n: len(cluster.logs(n)) for n in ["coordinator", *NAMES]}
-    steps: list[int] = []
-    killed: list[str] = []
+def test_a_death_during_a_live_move_recovers_fast(fast_recovery: FastRecoveryRun) -> None:
+    run = fast_recovery
     stop = threading.Event()
 
-    def coordinator(event: str) -> list[dict[str, object]]:
-        return _events(cluster.logs("coordinator")[since["coordinator"] :], event)
-
-    def on_step(step: int, _loss: float) -> None:
-        steps.append(step)
+    def on_step(step: int) -> None:
         if step == MOVE_AT - 2:
             # b's chain copy at c before the move (an event, not a timing)
-            deadline = time.monotonic() + DEADLINE_S
-            while not any(e["owner"] == "b" and e["holder"] == "c"
-                          for e in coordinator("async_copy_kept")):  # fmt: skip
-                assert time.monotonic() < deadline, "no chain copy of b at c"
-                threading.Event().wait(0.05)
+            run.wait_for("no chain copy of b at c", lambda: run.copy_kept("b", holder="c"), 0.05)
 
     def kill_during_the_move() -> None:
         while not stop.is_set():
-            if coordinator("repartition_fetching"):
-                killed.append("b")
-                cluster.kill("b")
+            if run.events("coordinator", "repartition_fetching"):
+                run.kill("b")
                 return
             stop.wait(0.02)
 
-    watcher = threading.Thread(target=kill_during_the_move, daemon=True)
-    watcher.start()
-    try:
-        report = cluster.fit(
-            SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
-            progress=False, partition=PARTITION, stage_names=NAMES, recover=True,
-            live_copies=True, chain_every=2, global_every=4, consistency="fast",
-            repartition={"first": MOVE_AT, "every": 1000, "gain": 0.0, "bounds": [0, 2, 3, 4]},
-            on_step=on_step,
-        )  # fmt: skip
-    finally:
+    def stop_watching() -> None:  # before the killed stage starts again
         stop.set()
         watcher.join(timeout=5)
-        for name in killed:
-            cluster.start_stage(DeviceSpec(name))
-        cluster.wait_for_stages(len(NAMES), timeout_s=120)
-    assert killed == ["b"]
-    assert report.steps == 16 and steps == list(range(16))
+
+    watcher = threading.Thread(target=kill_during_the_move, daemon=True)
+    watcher.start()
+    report = run.fit(
+        seed=43, on_step=on_step, on_end=stop_watching,
+        repartition={"first": MOVE_AT, "every": 1000, "gain": 0.0, "bounds": [0, 2, 3, 4]},
+    )  # fmt: skip
+    assert run.killed == ["b"]
+    assert report.steps == 16 and run.steps == list(range(16))
     assert report.training_plan is not None
     assert [s.devices[0] for s in report.training_plan.stages] == ["a", "c"]
     (recovery,) = report.recoveries
     # resumed where the client's acknowledged losses end: at the move (or just past
     # it, had b answered the commit and a mini-batch gone through before it died)
     assert recovery["consistency"] == "fast" and recovery["resumed_at"] >= MOVE_AT
-    (fast,) = coordinator("async_fast_recovery")
+    (fast,) = run.events("coordinator", "async_fast_recovery")
     assert fast["dead"] == ["b"] and fast["resume_at"] == recovery["resumed_at"]
     # what a and c held came along (committed, or switched to the move's cuts); b's
     # units that no survivor held came from b's copies. Where the kill lands decides
     # which: before the commit reached anyone, after it reached a only, or after b
     # answered it too (the coordinator committed the move: b died on the new cuts)
-    run = fast["run"]
-    committed = any(e["run"] == run for e in coordinator("repartitioned"))
+    committed = any(e["run"] == fast["run"] for e in run.events("coordinator", "repartitioned"))
     assert fast["abandoned_move"] is (not committed)
     sources = report.unit_sources
     assert sources[0] == "kept" and sources[3] == "kept"

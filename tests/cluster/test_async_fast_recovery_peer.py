@@ -13,61 +13,27 @@ every mini-batch trained once. Waits are for log events, with generous deadlines
 
 from __future__ import annotations
 
-import threading
-import time
+from tests._support.async_fast_recovery import FastRecoveryRun
 
-from tests._support.async_training import ADAM, SPEC, make_batches
-from tests._support.training_recovery import _events
-from zpipe.cluster import DeviceSpec, LocalCluster
-
-NAMES = ["a", "b", "c"]
-PARTITION = [[0, 1], [1, 3], [3, 4]]
-DEADLINE_S = 180.0
 KILL_AFTER = 7
 
 
 def test_a_unit_the_recut_moves_goes_from_survivor_to_survivor(
-    async_recovery_cluster: LocalCluster,
+    fast_recovery: FastRecoveryRun,
 ) -> None:
-    cluster = async_recovery_cluster
-    batches = make_batches(16, 5, seed=37)
-    since = {n: len(cluster.logs(n)) for n in ["coordinator", *NAMES]}
-    steps: list[int] = []
-    killed: list[str] = []
+    run = fast_recovery
+    # an event, not a timing: c's chain copy is at the coordinator
+    kill = run.kill_after(
+        KILL_AFTER, "c", ready=lambda: run.copy_kept("c", "chain"),
+        what="no chain copy of c at the coordinator",
+    )  # fmt: skip
+    report = run.fit(seed=37, on_step=kill)
+    assert run.killed == ["c"]
 
-    def copy_of_c_here() -> bool:
-        kept = _events(cluster.logs("coordinator")[since["coordinator"] :], "async_copy_kept")
-        return any(e["owner"] == "c" and e["kind"] == "chain" for e in kept)
-
-    def on_step(step: int, _loss: float) -> None:
-        steps.append(step)
-        if step >= KILL_AFTER and not killed:
-            # an event, not a timing: c's chain copy is at the coordinator
-            deadline = time.monotonic() + DEADLINE_S
-            while not copy_of_c_here():
-                assert time.monotonic() < deadline, "no chain copy of c at the coordinator"
-                threading.Event().wait(0.1)
-            killed.append("c")
-            cluster.kill("c")
-
-    try:
-        report = cluster.fit(
-            SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
-            progress=False, partition=PARTITION, stage_names=NAMES, recover=True,
-            live_copies=True, chain_every=2, global_every=4, consistency="fast",
-            on_step=on_step,
-        )  # fmt: skip
-    finally:
-        for name in killed:
-            cluster.start_stage(DeviceSpec(name))
-        cluster.wait_for_stages(len(NAMES), timeout_s=120)
-    assert killed == ["c"]
-    logs = {n: cluster.logs(n)[since[n] :] for n in since}
-
-    assert report.steps == 16 and steps == list(range(16))
+    assert report.steps == 16 and run.steps == list(range(16))
     assert report.training_plan is not None
     assert [s.devices[0] for s in report.training_plan.stages] == ["a", "b"]
-    (fast,) = _events(logs["coordinator"], "async_fast_recovery")
+    (fast,) = run.events("coordinator", "async_fast_recovery")
     assert fast["bounds"] == [0, 2, 4], fast  # one capacity each: two units a survivor
     sources = report.unit_sources
     assert sources == {0: "kept", 1: "peer", 2: "kept", 3: "chain@coordinator"}, sources
@@ -75,17 +41,16 @@ def test_a_unit_the_recut_moves_goes_from_survivor_to_survivor(
     # the survivors kept their state (only the keys went to the coordinator); the
     # coordinator carried c's unit 3 alone: a loads unit 0 and b units 2 from their
     # own snapshots, a fetches unit 1 from b
-    sent = {n: _events(logs[n], "latest_state_sent") for n in ("a", "b")}
+    sent = {n: run.events(n, "latest_state_sent") for n in ("a", "b")}
     assert all(len(s) == 1 and s[0]["kept"] is True for s in sent.values()), sent
-    (planned,) = [e for e in _events(logs["coordinator"], "restore_planned")
-                  if e["recovery"] == "fast"]  # fmt: skip
+    planned = run.fast_restore_planned()
     assert (planned["local"], planned["from_peers"], planned["from_coordinator"]) == (2, 1, 1)
-    served = _events(logs["b"], "units_served")
+    served = run.events("b", "units_served")
     assert [(e["owner"], e["start"], e["end"]) for e in served] == [("b", 1, 2)], served
 
     # unit 1 reached a bit for bit: the digest b logged when it stopped is the one a
     # logged when it resumed
-    (resumed,) = _events(logs["a"], "async_state_resumed")
+    (resumed,) = run.events("a", "async_state_resumed")
     stopped = sent["b"][0]["digests"]
     started = resumed["digests"]
     assert isinstance(stopped, dict) and isinstance(started, dict)
