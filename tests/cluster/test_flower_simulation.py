@@ -89,7 +89,7 @@ def test_ecofl_on_flower_simulation_with_300_clients_groups_drops_and_learns() -
     config = SimConfig(
         method="ecofl",
         n_clients=300,
-        budget_s=60.0,
+        budget_s=45.0,  # 144 tasks dispatched, two evaluations (60 s: 188, for nothing more)
         eval_every_s=30.0,
         change_every_s=1000.0,  # no tick: each would profile all 300 clients again
         local_steps=20,
@@ -129,7 +129,7 @@ def test_ecofl_on_flower_simulation_with_300_clients_groups_drops_and_learns() -
         assert mine == [(first_task[client], client, 0)]
     # it learns: chance is 0.1
     assert result["curve"]["test_acc"][0] < 0.2
-    assert result["final_acc"] > 0.2  # twice chance (0.27 for this seed: it is exact)
+    assert result["final_acc"] > 0.2  # twice chance (0.31 for this seed: it is exact)
     assert result["client_tasks"] > 100
 
 
@@ -139,7 +139,9 @@ def test_flower_runs_equal_fl_sim_with_latency_changes(method: str) -> None:
         method=method,
         n_clients=30,
         max_concurrent=10,
-        budget_s=45.0,
+        # two latency ticks: Eco-FL moves 17 clients, drops 8 and re-admits 2 (fl-sim,
+        # seed 2); 44 and 58 tasks (at 45 s: 69 and 84, for nothing more)
+        budget_s=30.0,
         eval_every_s=15.0,
         change_every_s=15.0,
         change_prob=0.5,
