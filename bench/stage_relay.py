@@ -43,10 +43,16 @@ between tasks, asyncio and uvloop, the wake-ups from the compute thread, counter
 and the steps' own clock reads: two per step, about a microsecond each). Leave it
 off for the ratios.
 
+``--profile FILE`` writes the stage relay's cProfile statistics for the last size,
+timed by each thread's CPU clock (a wall clock would charge the loop for its waits
+for the GIL while the compute thread or pyzmq's collector holds it).
+``--inline-compute`` is a diagnostic: the relay's forwards run on its event loop, as
+no stage runs them, so the difference to a normal run is what the hand-off to the
+compute thread and back costs (the summary then says ``inline_compute``).
+
 Summary keys (same-run ratios, stage over raw): ``ratio_64kb``, ``ratio_1mb``
 (throughput), ``rtt_ratio_64kb``, ``rtt_ratio_1mb`` and ``cpu_ratio_X`` (CPU of
-both processes per message), plus ``loadavg``. ``--profile FILE`` writes the
-stage relay's cProfile statistics (pstats) for the last size.
+both processes per message), plus ``loadavg``.
 
     .venv/bin/python bench/stage_relay.py            # about half a minute
     .venv/bin/python bench/stage_relay.py --quick    # a few seconds
@@ -205,7 +211,12 @@ def _time_steps(compute: ThreadPoolExecutor) -> None:
 
 
 def relay_main(
-    conn: Connection, path: str, profile: str | None, timeout_s: float, steps: bool = False
+    conn: Connection,
+    path: str,
+    profile: str | None,
+    timeout_s: float,
+    steps: bool = False,
+    inline_compute: bool = False,
 ) -> None:
     faulthandler.dump_traceback_later(timeout_s * 4, exit=True)
     configure_logging(level="warning")
@@ -216,6 +227,8 @@ def relay_main(
     # the stage relay's loop thread)
     gc.collect()
     gc.freeze()
+    if inline_compute:
+        _compute_on_the_loop()
     if path == "raw":
         _raw_relay(conn)
         return
@@ -225,12 +238,26 @@ def relay_main(
         run: Any = uvloop.run
     except ImportError:
         run = asyncio.run
-    profiler = cProfile.Profile() if profile else None
+    profiler = cProfile.Profile(time.thread_time) if profile else None
     try:
         run(_stage_relay(conn, profiler, steps))
     finally:
         if profiler is not None and profile:
             profiler.dump_stats(profile)
+
+
+def _compute_on_the_loop() -> None:
+    """--inline-compute: each group's forwards run on the event loop's thread, as no
+    stage runs them (a layer may run for seconds there): what the compute thread's
+    hand-off costs, both ways (the submit, the worker's wake-up and GIL, the result's
+    call into the loop)."""
+
+    async def computed(
+        self: InferenceLoop, loop: asyncio.AbstractEventLoop, group: list[Any]
+    ) -> list[Any]:
+        return self._forward_all(group)
+
+    InferenceLoop._computed = computed  # type: ignore[method-assign]
 
 
 def _raw_relay(conn: Connection) -> None:
@@ -371,7 +398,9 @@ def measure(
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
     proc = spawn.Process(
-        target=relay_main, args=(child, path, profile, args.timeout, args.steps), daemon=True
+        target=relay_main,
+        args=(child, path, profile, args.timeout, args.steps, args.inline_compute),
+        daemon=True,
     )
     proc.start()
     ctx = zmq.Context(io_threads=1)
@@ -457,6 +486,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--steps", action="store_true", help="split the stage loop thread's CPU by step"
     )
+    parser.add_argument(
+        "--inline-compute",
+        action="store_true",
+        help="diagnostic: the stage relay computes on its event loop (not what a stage "
+        "does), to measure the compute thread's hand-off; not for the ratios",
+    )
     parser.add_argument("--quick", action="store_true", help="small runs, one repeat")
     args = parser.parse_args(argv)
     units = {"K": 1 << 10, "M": 1 << 20}
@@ -506,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"cpu_ratio_{label}"] = round(
                 stage["cpu_us_per_message"] / raw["cpu_us_per_message"], 4
             )
+    if args.inline_compute:  # never mistaken for a stage's figures
+        ratios["inline_compute"] = True
     summary(BENCH, **ratios, window=args.window, repeats=args.repeats, loadavg=loadavg())
     return 0
 
