@@ -540,6 +540,13 @@ def _hold_peers(
         "loop_lag_p99_ms_with_registration": max((e["p99_ms"] for e in lags_all), default=None),
         "loop_lag_max_ms_with_registration": max((e["max_ms"] for e in lags_all), default=None),
         "loop_lag_reports_with_registration": len(lags_all),
+        # the loop thread's own CPU within a sample: a lag far above it waited for a core
+        "loop_busy_p99_ms_with_registration": max(
+            (e.get("busy_p99_ms", 0.0) for e in lags_all), default=None
+        ),
+        "loop_busy_max_ms_with_registration": max(
+            (e.get("busy_max_ms", 0.0) for e in lags_all), default=None
+        ),
         "loop_lag_p50_ms": None if worst is None else max(e["p50_ms"] for e in lags),
         "loop_lag_p99_ms": None if worst is None else worst["p99_ms"],
         "loop_lag_max_ms": None if worst is None else max(e["max_ms"] for e in lags),
@@ -592,6 +599,8 @@ def _peers_section(args: argparse.Namespace, env: dict[str, str]) -> dict[str, A
                 "busy_processes": busy,
                 "loop_lag_p99_ms_oversubscribed": loaded["loop_lag_p99_ms_with_registration"],
                 "loop_lag_max_ms_oversubscribed": loaded["loop_lag_max_ms_with_registration"],
+                "loop_busy_p99_ms_oversubscribed": loaded["loop_busy_p99_ms_with_registration"],
+                "loop_busy_max_ms_oversubscribed": loaded["loop_busy_max_ms_with_registration"],
                 "heartbeat_rtt_p99_ms_oversubscribed": loaded["heartbeat_rtt_p99_ms"],
                 f"register_all_s_{n}_oversubscribed": loaded["register_all_s"],
                 f"coordinator_listening_s_{n}_oversubscribed": loaded["coordinator_listening_s"],
