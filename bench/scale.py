@@ -395,10 +395,15 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# Spins until killed, or until the bench is gone: a bench that died of a signal (once,
+# libzmq's assertion in the fake peers' process) left four of these spinning.
+_SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+
+
 def _busy_loops(count: int) -> list[subprocess.Popen[bytes]]:
     """``count`` processes that spin on a core each until killed."""
     return [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL)
         for _ in range(count)
     ]
 
@@ -475,7 +480,8 @@ def _hold_peers(
             coordinator = subprocess.Popen(
                 [sys.executable, *profiled, "-m", "zpipe.coordinator", "--bind", endpoint,
                  "--heartbeat-interval", str(args.peer_heartbeat_s),
-                 "--log-format", "json", "--log-level", "debug"],
+                 "--log-format", "json", "--log-level", "debug",
+                 "--parent-pid", str(os.getpid())],
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             )  # fmt: skip
 
