@@ -591,7 +591,7 @@ def _peers_section(args: argparse.Namespace, env: dict[str, str]) -> dict[str, A
     many = hold_peers(args.peers, args, env=env)
     n = args.peers
     result: dict[str, Any] = {
-        "bytecode_cache": "PYTHONPYCACHEPREFIX" in env and sys.flags.dont_write_bytecode,
+        "bytecode_cache": "PYTHONPYCACHEPREFIX" in env and bool(sys.flags.dont_write_bytecode),
         f"register_all_s_{n}": many["register_all_s"],
         f"register_all_cpu_s_{n}": many["register_all_cpu_s"],
         f"coordinator_listening_s_{n}": many["coordinator_listening_s"],
