@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-dir", default=None, help="keep the peers' coordinator logs here (default: not kept)"
     )
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="run each peers' coordinator under cProfile and keep its profile here, "
+        "start-up included (default: not profiled)",
+    )
     return p
 
 
@@ -389,10 +395,15 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# Spins until killed, or until the bench is gone: a bench that died of a signal (once,
+# libzmq's assertion in the fake peers' process) left four of these spinning.
+_SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+
+
 def _busy_loops(count: int) -> list[subprocess.Popen[bytes]]:
     """``count`` processes that spin on a core each until killed."""
     return [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL)
         for _ in range(count)
     ]
 
@@ -422,30 +433,60 @@ def _wait_for_lag_report(log_path: Path, *, after: float, timeout_s: float) -> N
         time.sleep(0.5)
 
 
-def hold_peers(count: int, args: argparse.Namespace, *, busy: int = 0) -> dict[str, Any]:
+def bytecode_env(cache_dir: Path) -> dict[str, str]:
+    """The environment of a coordinator that starts from compiled bytecode, as an
+    installed one does (pip compiles at install; a checkout writes ``__pycache__`` at
+    its first start). Where this environment forbids writing bytecode
+    (PYTHONDONTWRITEBYTECODE, as in some sandboxes), every start compiled all of
+    zpipe from source (0.3-0.5 s of CPU, 12 % of the start-up): the coordinator's
+    imports are compiled once here, into a cache of the bench's own, and read from it."""
+    env = dict(os.environ)
+    if not sys.flags.dont_write_bytecode:
+        return env
+    env["PYTHONPYCACHEPREFIX"] = str(cache_dir)
+    warm = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run(
+        [sys.executable, "-c", "import zpipe.cli.coordinator"],
+        env=warm, check=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return env
+
+
+def hold_peers(
+    count: int, args: argparse.Namespace, *, busy: int = 0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A coordinator process and ``count`` fake peers for ``--hold-s`` seconds, beside
     ``busy`` busy-loop processes started before the coordinator."""
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     spinning = _busy_loops(busy)
     try:
-        return _hold_peers(count, args, endpoint, busy)
+        return _hold_peers(count, args, endpoint, busy, env)
     finally:
         _stop(spinning)
 
 
-def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) -> dict[str, Any]:
+def _hold_peers(
+    count: int, args: argparse.Namespace, endpoint: str, busy: int, env: dict[str, str] | None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="zpipe-peers-") as tmp:
         log_path = Path(tmp) / "coordinator.log"
         launched_at = time.time()
         with open(log_path, "wb") as log_file:
+            profiled: list[str] = []
+            if args.profile_dir:
+                Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+                name = f"coordinator-{count}-peers-{busy}-busy-{os.getpid()}.prof"
+                profiled = ["-m", "cProfile", "-o", str(Path(args.profile_dir) / name)]
             coordinator = subprocess.Popen(
-                [sys.executable, "-m", "zpipe.coordinator", "--bind", endpoint,
+                [sys.executable, *profiled, "-m", "zpipe.coordinator", "--bind", endpoint,
                  "--heartbeat-interval", str(args.peer_heartbeat_s),
-                 "--log-format", "json", "--log-level", "debug"],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                 "--log-format", "json", "--log-level", "debug",
+                 "--parent-pid", str(os.getpid())],
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             )  # fmt: skip
 
         held: list[float] = []  # time.time(): all registered, the hold began, it ended
+        start_cpu: list[float] = []  # the coordinator's CPU seconds when all had registered
 
         async def hold() -> tuple[dict[str, Any], float, float]:
             started = time.monotonic()
@@ -454,6 +495,7 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
             ) as peers:
                 registered_s = time.monotonic() - started
                 held.append(time.time())  # every peer registered
+                start_cpu.append(_cpu_s(coordinator.pid))
                 await asyncio.sleep(2 * args.peer_heartbeat_s)  # the registrations settle
                 peers.reset_stats()
                 held.append(time.time())
@@ -499,9 +541,18 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
         "register_all_s": round(registered_s, 2),
         "coordinator_listening_s": round(listening[0] - launched_at, 2) if listening else None,
         "register_after_listening_s": round(registered_at - listening[0], 3) if listening else None,
+        # what the start-up and the registrations cost in CPU: steadier under load
+        "register_all_cpu_s": round(start_cpu[0], 3),
         "loop_lag_p99_ms_with_registration": max((e["p99_ms"] for e in lags_all), default=None),
         "loop_lag_max_ms_with_registration": max((e["max_ms"] for e in lags_all), default=None),
         "loop_lag_reports_with_registration": len(lags_all),
+        # the loop thread's own CPU within a sample: a lag far above it waited for a core
+        "loop_busy_p99_ms_with_registration": max(
+            (e.get("busy_p99_ms", 0.0) for e in lags_all), default=None
+        ),
+        "loop_busy_max_ms_with_registration": max(
+            (e.get("busy_max_ms", 0.0) for e in lags_all), default=None
+        ),
         "loop_lag_p50_ms": None if worst is None else max(e["p50_ms"] for e in lags),
         "loop_lag_p99_ms": None if worst is None else worst["p99_ms"],
         "loop_lag_max_ms": None if worst is None else max(e["max_ms"] for e in lags),
@@ -510,6 +561,10 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
         "heartbeat_rtt_p99_ms": round(seen["round_trip_p99_s"] * 1e3, 3),
         "peers_own_lag": seen["own_lag"],
         "coordinator_cpu_share": round(cpu, 3),
+        # its CPU (every thread) per heartbeat the peers sent during the hold
+        "coordinator_cpu_us_per_heartbeat": round(cpu * args.hold_s / seen["heartbeats"] * 1e6, 1)
+        if seen["heartbeats"]
+        else None,
         "heartbeats": seen["heartbeats"],
         "acks": seen["acks"],
         # while the peers were held (after it, the bench closes them, then waits)
@@ -527,22 +582,31 @@ def _hold_peers(count: int, args: argparse.Namespace, endpoint: str, busy: int) 
 
 
 def peers_section(args: argparse.Namespace) -> dict[str, Any]:
-    base = hold_peers(args.baseline_peers, args)
-    many = hold_peers(args.peers, args)
+    with tempfile.TemporaryDirectory(prefix="zpipe-pyc-") as cache:
+        return _peers_section(args, bytecode_env(Path(cache)))
+
+
+def _peers_section(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    base = hold_peers(args.baseline_peers, args, env=env)
+    many = hold_peers(args.peers, args, env=env)
     n = args.peers
     result: dict[str, Any] = {
+        "bytecode_cache": "PYTHONPYCACHEPREFIX" in env and bool(sys.flags.dont_write_bytecode),
         f"register_all_s_{n}": many["register_all_s"],
+        f"register_all_cpu_s_{n}": many["register_all_cpu_s"],
         f"coordinator_listening_s_{n}": many["coordinator_listening_s"],
         f"register_after_listening_s_{n}": many["register_after_listening_s"],
     }
     if not args.skip_oversubscribed:
         busy = round(args.oversubscribe * (os.cpu_count() or 1))
-        loaded = hold_peers(n, args, busy=busy)
+        loaded = hold_peers(n, args, busy=busy, env=env)
         result.update(
             {
                 "busy_processes": busy,
                 "loop_lag_p99_ms_oversubscribed": loaded["loop_lag_p99_ms_with_registration"],
                 "loop_lag_max_ms_oversubscribed": loaded["loop_lag_max_ms_with_registration"],
+                "loop_busy_p99_ms_oversubscribed": loaded["loop_busy_p99_ms_with_registration"],
+                "loop_busy_max_ms_oversubscribed": loaded["loop_busy_max_ms_with_registration"],
                 "heartbeat_rtt_p99_ms_oversubscribed": loaded["heartbeat_rtt_p99_ms"],
                 f"register_all_s_{n}_oversubscribed": loaded["register_all_s"],
                 f"coordinator_listening_s_{n}_oversubscribed": loaded["coordinator_listening_s"],
@@ -566,6 +630,7 @@ def peers_section(args: argparse.Namespace) -> dict[str, Any]:
         "loop_lag_p99_ratio_vs_baseline": ratio("loop_lag_p99_ms"),
         "heartbeat_rtt_p99_ms": many["heartbeat_rtt_p99_ms"],
         "coordinator_cpu_share": many["coordinator_cpu_share"],
+        "coordinator_cpu_us_per_heartbeat": many["coordinator_cpu_us_per_heartbeat"],
         "cpu_ratio_vs_baseline": ratio("coordinator_cpu_share"),
         "false_deaths": many["false_deaths"] + many["asked_to_register_again"],
         **result,

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     # milliseconds every few seconds, heard as late heartbeat answers).
     gc.collect()
     gc.freeze()
+    gc.enable()  # off during the imports when started as python -m zpipe.coordinator
 
     async def run() -> int:
         try:
