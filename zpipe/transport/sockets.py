@@ -72,7 +72,13 @@ from zpipe.transport.codec import (
     decode,
     encode,
 )
-from zpipe.transport.fd_wait import ZpipeSocket, recv_when_readable, send_when_writable
+from zpipe.transport.fd_wait import (
+    ZpipeSocket,
+    recv_when_readable,
+    send_when_writable,
+    send_whole_nowait,
+    take_queued,
+)
 from zpipe.transport.message_bounds import MessageBounds, OverBounds, take_rest
 from zpipe.transport.over_bounds import discard_over_bounds, message_bounds_of
 
@@ -363,9 +369,7 @@ def _queue_now(
     if shadow is None:
         return None
     try:
-        tracker = shadow.send_multipart(
-            frames, flags=zmq.NOBLOCK, copy=copy, track=on_queued is not None
-        )
+        tracker = send_whole_nowait(shadow, frames, copy=copy, track=on_queued is not None)
     except zmq.Again:
         return None
     nbytes = _frames_nbytes(frames)
@@ -391,7 +395,12 @@ async def recv_frames(
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        got = await _recv_bounded(sock, deadline, timeout_s, peer, awaited)
+        shadow = _shadow(sock, _RECEIVE_ONLY)
+        # A message already queued is taken without a future or a coroutine; zmq.asyncio
+        # checks events before every wait: safe on this (the only) thread using it.
+        got = None if shadow is None else take_queued(shadow, message_bounds_of(sock))
+        if got is None:
+            got = await _recv_bounded(sock, deadline, timeout_s, peer, awaited)
         if not isinstance(got, OverBounds):
             return got
         await discard_over_bounds(sock, got, peer, watched=_shadow(sock, _RECEIVE_ONLY) is None)
@@ -407,15 +416,6 @@ async def _recv_bounded(
     bounds = message_bounds_of(sock)
     shadow = _shadow(sock, _RECEIVE_ONLY)
     if shadow is not None:
-        # A message already queued is taken without a future; zmq.asyncio checks
-        # the socket's events before every wait, so mixing the two is safe on
-        # this (the only) thread that uses the socket.
-        try:
-            first = shadow.recv(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            pass
-        else:
-            return take_rest(shadow, first, bounds)
         if _waits_on_descriptor(sock, _RECEIVE_ONLY):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             return await recv_when_readable(
