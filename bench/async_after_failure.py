@@ -293,7 +293,7 @@ def trial(
     finally:
         if killed_at:
             cluster.start_stage(devices["b"])
-        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+        cluster.wait_for_stages(len(NAMES), timeout_s=args.start_timeout)
     recovery = report.recoveries[0] if report.recoveries else {}
     noticed = recovery.get("noticed_at")
     resumed = recovery.get("resumed_at", recovery.get("resumed_from"))
@@ -366,7 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-s", type=float, default=0.3)
     p.add_argument("--suspect-after", type=int, default=3)
     p.add_argument("--probe-intervals", type=int, default=2)
-    p.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds for the whole bench")
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for the stages to start (and b again after each kill): each imports "
+        "torch, 25-40 s under load on two cores",
+    )
     p.add_argument(
         "--quick", action="store_true", help="fewer steps, three repeats, heavy in the first only"
     )
@@ -406,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LocalCluster(
         list(devices.values()), heartbeat_interval_s=args.heartbeat_s,
         suspect_after=args.suspect_after, probe_intervals=args.probe_intervals,
-        log_level="warning",
+        log_level="warning", start_timeout_s=args.start_timeout,
     ) as cluster:  # fmt: skip
         # b started again after each kill as it started: with the cluster's threads
         devices = {d.name: d for d in cluster.devices}
