@@ -2,10 +2,10 @@
 after a stage dies, and its recovery time, under three recoveries.
 
 One LocalCluster of four emulated devices on loopback (``--slowdowns``, default
-a 3x, b 3x, c 15x, d 3x: c five times slower than the others, every device slowed so
-that the emulated sleeps, not this machine's two shared cores, set the pace;
+a 12x, b 12x, c 60x, d 12x: c five times slower than the others, every device slowed
+so that the emulated sleeps, not this machine's two shared cores, set the pace;
 ``--bandwidth-mbps`` emulated data links, default 300), an MLP of ``--units`` (13)
-equal layers of ``--hidden`` (512), Adam, ``--batch-size`` (64) random samples per
+equal layers of ``--hidden`` (256), Adam, ``--batch-size`` (64) random samples per
 mini-batch, cut 4 | 4 | 1 | 4 (:func:`partition_of`: c, the slow one, holds one layer).
 Each trial trains ``--steps`` mini-batches (``schedule="async-1f1b"``) and SIGKILLs
 b once mini-batch ``--kill-after``'s loss is back (b is started again after the
@@ -46,10 +46,35 @@ is their sum; losses in flight past b still come back after the kill); ``restart
 client's: notice to the survivors running); ``epoch_s``, the time per
 ``--epoch-steps`` mini-batches after the failure, from the rate over the mini-batches
 from 5 past the resume point to the end (each at the last time its loss came back);
-the cuts after, and the load.
+``epoch_s_before``, the same over steps 5 to ``--kill-after - 3`` on the starting
+cuts (the exact runs' flush before ``--kill-after - 2`` left out), and
+``after_over_before``, their ratio: the trial's own yardstick of how fast the
+machine was then; the cuts after; ``stage_ms_after``, each stage's busy ms per
+mini-batch after the failure (which stage set the pace); for light, which copy each
+of b's units came from (``unit_sources``, ``copies_used``) and the mini-batches of
+progress each unit lost (``lost_per_unit``); and the load.
+
+Why one trial says little on this machine: a device's emulated slowdown stretches
+its compute by ``(factor - 1)`` times the compute thread's CPU time, on top of the
+wall time the step took, and under a load of L runnable threads per core the wall
+time is about L times the CPU time. A stage's time per unit is then about
+``(L + factor - 1) x cpu``: at load 1, ResPipe's c (5 units at 15x) against light's
+a (7 at 3x) is 75 / 21 = 3.6; at L = 10 (load 20 on two cores), 120 / 84 = 1.4,
+whatever the cuts. And the rate of one configuration alone spreads 2-3x between
+two runs a minute apart under that load. So each repeat runs the systems side by
+side, in an order reversed every other repeat, and the key is the median over
+repeats of each repeat's own ratio. The defaults keep the emulated work far above
+the real one for the same reason: layers of 256 (about a quarter of the CPU time of
+512) on devices four times slower than the 3x / 15x of the first version of this
+bench (``--hidden 512 --slowdowns 3 3 15 3``), so the emulated times are about the
+same on an idle machine and the load's share is a quarter of what it was.
 
 Summary: ``async_light_over_respipe_epoch_time_after_failure`` (ResPipe's epoch time
-after the failure over light's; issue 30's goal >= 1.5, FTPipeHD reports 6.9) and
+after the failure over light's in the same repeat, the median over repeats; issue
+30's goal >= 1.5, FTPipeHD reports 6.9; each repeat's in ``light_over_respipe_per_
+repeat``, the ratio of the medians in ``light_over_respipe_of_medians``, and the
+median of ResPipe's ``after_over_before`` over light's in ``light_over_respipe_
+after_over_before``: the load each trial ran at divided out) and
 ``async_heavy_over_light_recovery_time`` (heavy's recovery time over light's; goal
 >= 5), the per-recovery medians, and ``..._with_detection`` (kill to first step).
 The other issue 30 keys come from their own benches: ``async_replication_throughput_
@@ -57,8 +82,9 @@ cost`` from ``bench/async_replication.py``, ``async_fast_over_exact_progress_los
 from ``bench/async_recovery.py``, ``ftpipehd_over_pipedream_time_to_loss`` with
 ``measured_over_bound`` from ``bench/training_async.py``.
 
-Run: ``.venv/bin/python bench/async_after_failure.py`` (about 7 minutes on two cores
-at load 10) or ``--quick`` (one repeat, fewer steps: about 2 minutes).
+Run: ``.venv/bin/python bench/async_after_failure.py`` (three repeats; about 10
+minutes on two cores at load 10) or ``--quick`` (fewer steps, three repeats, heavy in
+the first only: about 4 minutes).
 """
 
 from __future__ import annotations
@@ -121,6 +147,36 @@ def epoch_time(stamps: Sequence[tuple[int, float]], start: int, epoch_steps: int
     return None if rate is None or rate <= 0 else epoch_steps / rate
 
 
+def rate_between(stamps: Sequence[tuple[int, float]], first: int, last: int) -> float | None:
+    """Mini-batches per second over steps ``first``..``last`` (each at the last time its
+    loss came back), as :func:`bench.async_recovery.rate_after` counts them; None with
+    fewer than two."""
+    return rate_after([(s, t) for s, t in stamps if s <= last], first)
+
+
+def epoch_time_before(
+    stamps: Sequence[tuple[int, float]], kill_after: int, epoch_steps: int
+) -> float | None:
+    """Seconds per ``epoch_steps`` mini-batches before the failure, on the cuts every
+    trial starts from: steps 5 to ``kill_after - 3`` (the exact runs' replica flush
+    before mini-batch ``kill_after - 2`` left out): the trial's own yardstick of the
+    machine's speed at the time, against which its time after the failure is read."""
+    rate = rate_between(stamps, 5, kill_after - 3)
+    return None if rate is None or rate <= 0 else epoch_steps / rate
+
+
+def stage_ms(stages: Mapping[str, Any]) -> dict[str, float]:
+    """Each stage's busy milliseconds per mini-batch in the run's last attempt (after the
+    failure): which stage set the pace."""
+    out = {}
+    for name, counters in stages.items():
+        done = counters.get("microbatches") if isinstance(counters, Mapping) else None
+        busy = counters.get("busy_s") if isinstance(counters, Mapping) else None
+        if isinstance(done, int) and done > 0 and isinstance(busy, (int, float)):
+            out[name] = round(1000.0 * busy / done, 1)
+    return out
+
+
 def _median(values: Sequence[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
@@ -128,6 +184,16 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 def _over(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b <= 0 else round(a / b, 3)
+
+
+_MEDIAN_KEYS = (
+    "epoch_s",
+    "epoch_s_before",
+    "after_over_before",
+    "recovery_s",
+    "kill_to_first_step_s",
+    "restart_s",
+)
 
 
 def after_failure_summary(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -138,15 +204,25 @@ def after_failure_summary(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]
     for system in SYSTEMS:
         rows = [t for t in trials if t.get("system") == system]
         if rows:
-            medians[system] = {
-                key: _median([r.get(key) for r in rows])
-                for key in ("epoch_s", "recovery_s", "kill_to_first_step_s", "restart_s")
-            }
+            medians[system] = {key: _median([r.get(key) for r in rows]) for key in _MEDIAN_KEYS}
     light, respipe = medians.get("light", {}), medians.get("respipe", {})
     heavy = medians.get("heavy", {})
+    pairs = paired_ratios(trials, "respipe", "light", "epoch_s")
+    normalised = paired_ratios(trials, "respipe", "light", "after_over_before")
     return {
-        "async_light_over_respipe_epoch_time_after_failure": _over(
-            respipe.get("epoch_s"), light.get("epoch_s")
+        # the median over repeats of ResPipe's epoch over light's in the same repeat (run
+        # side by side, so at about the same load); without pairs, of the medians
+        "async_light_over_respipe_epoch_time_after_failure": (
+            round(statistics.median(pairs), 3)
+            if pairs
+            else _over(respipe.get("epoch_s"), light.get("epoch_s"))
+        ),
+        "light_over_respipe_per_repeat": pairs,
+        "light_over_respipe_of_medians": _over(respipe.get("epoch_s"), light.get("epoch_s")),
+        # each side's epoch after over its own before (the same cuts, the same trial):
+        # the load each trial ran at divided out
+        "light_over_respipe_after_over_before": (
+            round(statistics.median(normalised), 3) if normalised else None
         ),
         "async_heavy_over_light_recovery_time": _over(
             heavy.get("recovery_s"), light.get("recovery_s")
@@ -159,6 +235,26 @@ def after_failure_summary(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]
             for s, m in medians.items()
         },
     }
+
+
+def paired_ratios(
+    trials: Sequence[Mapping[str, Any]], top: str, bottom: str, key: str
+) -> list[float]:
+    """``top``'s ``key`` over ``bottom``'s in each repeat where both have one."""
+    out = []
+    for repeat in sorted({t.get("repeat") for t in trials if t.get("repeat") is not None}):
+        row = {t.get("system"): t.get(key) for t in trials if t.get("repeat") == repeat}
+        a, b = row.get(top), row.get(bottom)
+        ratio = _over(a, b)
+        if ratio is not None:
+            out.append(ratio)
+    return out
+
+
+def order_of(systems: Sequence[str], repeat: int) -> list[str]:
+    """The systems' order in ``repeat``: reversed every other repeat, so that none is
+    always the first to run after the warm-up (or always at the load's same phase)."""
+    return list(systems) if repeat % 2 == 0 else list(reversed(systems))
 
 
 def batches(
@@ -197,12 +293,19 @@ def trial(
     finally:
         if killed_at:
             cluster.start_stage(devices["b"])
-        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+        cluster.wait_for_stages(len(NAMES), timeout_s=args.start_timeout)
     recovery = report.recoveries[0] if report.recoveries else {}
     noticed = recovery.get("noticed_at")
     resumed = recovery.get("resumed_at", recovery.get("resumed_from"))
     start = None if resumed is None else int(resumed) + 5
     plan = report.training_plan
+    after = None if start is None else epoch_time(stamps, start, args.epoch_steps)
+    before = epoch_time_before(stamps, args.kill_after, args.epoch_steps)
+    fast = {
+        key: recovery.get(key)
+        for key in ("copies_used", "lost_per_unit", "unit_sources")
+        if key in recovery
+    }
     # losses in flight past b can still come back after the kill: the recovery's first
     # step is the first loss after the client's notice
     first = None if noticed is None else first_step_after(stamps, float(noticed))
@@ -214,13 +317,17 @@ def trial(
         "detection_s": detection,
         "kill_to_first_step_s": None if detection is None or first is None else detection + first,
         "restart_s": recovery.get("restart_s"),
-        "epoch_s": None if start is None else epoch_time(stamps, start, args.epoch_steps),
+        "epoch_s": after,
+        "epoch_s_before": before,
+        "after_over_before": _over(after, before),
         "resumed_at": resumed,
         "cuts_after": None
         if plan is None
         else [[s.devices[0], s.start, s.end] for s in plan.stages],
         "eq5": recovery.get("eq5"),
         "progress_lost": recovery.get("progress_lost"),
+        **fast,  # light: which copy each of b's units came from, and what each lost
+        "stage_ms_after": stage_ms(report.stages),
         "load": loadavg(),
     }
 
@@ -232,10 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
         "dies: FTPipeHD's light recovery against ResPipe and heavy rescheduling. JSON lines, "
         "then a summary.",
     )
-    p.add_argument("--slowdowns", type=float, nargs=4, default=[3.0, 3.0, 15.0, 3.0])
+    p.add_argument("--slowdowns", type=float, nargs=4, default=[12.0, 12.0, 60.0, 12.0])
     p.add_argument("--bandwidth-mbps", type=float, default=300.0)
     p.add_argument("--units", type=int, default=13, help="equal MLP layers (at least 10)")
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=76, help="mini-batches per trial")
     p.add_argument("--kill-after", type=int, default=40, help="b dies after this step's loss")
@@ -245,23 +352,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--look-every", type=int, default=10, help="light: mini-batches between its looks"
     )
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--heavy-repeats",
+        type=int,
+        default=None,
+        help="repeats that run heavy (and heavy_cached), the first ones (default: all); "
+        "heavy's recovery time is its profiling, seconds against light's fraction of one",
+    )
     p.add_argument("--systems", default="light,respipe,heavy", help="comma-separated")
     p.add_argument("--heavy-cached", action="store_true", help="add heavy_cached")
     p.add_argument("--one-look", action="store_true", help="add light_one_look")
     p.add_argument("--heartbeat-s", type=float, default=0.3)
     p.add_argument("--suspect-after", type=int, default=3)
     p.add_argument("--probe-intervals", type=int, default=2)
-    p.add_argument("--timeout", type=int, default=900, help="seconds for the whole bench")
-    p.add_argument("--quick", action="store_true", help="one repeat, fewer steps")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds for the whole bench")
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for the stages to start (and b again after each kill): each imports "
+        "torch, 25-40 s under load on two cores",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="fewer steps, three repeats, heavy in the first only"
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.repeats, args.steps, args.kill_after = 1, 40, 22
+        args.repeats, args.steps, args.kill_after = 3, 40, 22
         args.chain_every, args.global_every = 10, 20
+        if args.heavy_repeats is None:
+            args.heavy_repeats = 1
     if args.units < 10:
         raise SystemExit("--units must be at least 10")
     if not 3 <= args.kill_after < args.steps - 8 or args.steps > 2 * (args.kill_after - 2):
@@ -288,8 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LocalCluster(
         list(devices.values()), heartbeat_interval_s=args.heartbeat_s,
         suspect_after=args.suspect_after, probe_intervals=args.probe_intervals,
-        log_level="warning",
+        log_level="warning", start_timeout_s=args.start_timeout,
     ) as cluster:  # fmt: skip
+        # b started again after each kill as it started: with the cluster's threads
+        devices = {d.name: d for d in cluster.devices}
         for repeat in range(args.repeats):
             # a model of its own per repeat: heavy profiles it afresh (nothing cached)
             spec = ModelSpec("mlp", {"dims": dims, "activation": "relu"}, seed=100 + repeat)
@@ -304,7 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stage_names=NAMES,
                 progress=False,
             )  # fmt: skip  (untimed: the stages warm up)
-            for system in systems:
+            for system in order_of(systems, repeat):
+                if system.startswith("heavy") and repeat >= (args.heavy_repeats or args.repeats):
+                    continue
                 line = {**trial(cluster, spec, data, system, args, devices), "repeat": repeat}
                 emit(line)
                 lines.append(line)

@@ -147,8 +147,14 @@ PARTS: tuple[Part, ...] = (
             ),
             "async_heavy_over_light_recovery_time": "async_heavy_over_light_recovery_time",
         },
-        ("async_heavy_over_light_recovery_time_with_detection", "by_system", "failed_trials"),
-        timeout_s=1200,
+        (
+            "async_heavy_over_light_recovery_time_with_detection",
+            "light_over_respipe_per_repeat",
+            "light_over_respipe_after_over_before",
+            "by_system",
+            "failed_trials",
+        ),
+        timeout_s=1800,  # three repeats, --quick too
     ),
 )
 KEYS: tuple[str, ...] = (*GOALS, "measured_over_bound")

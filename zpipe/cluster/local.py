@@ -174,6 +174,7 @@ class LocalCluster:
         cores = os.cpu_count() or 1
         # Stages that share this machine must not fight over its cores.
         per_stage = max(1, cores // max(1, len(specs)))
+        self.stage_threads = per_stage
         self.devices = [
             d if d.threads is not None else replace(d, threads=per_stage) for d in specs
         ]
@@ -309,6 +310,14 @@ class LocalCluster:
         return self._spawn("coordinator", self._coordinator_args)
 
     def start_stage(self, device: DeviceSpec, *extra: str) -> StageProcess:
+        """Start a stage process for ``device`` (a stage started again after a kill, or
+        one more); without its own ``threads`` it gets the cluster's share of the cores,
+        as the stages it started with did: with torch's default, several threads per
+        stage fight over the shared cores, and its emulated slowdown, which multiplies
+        the compute thread's CPU time only when one thread does all the work, would
+        multiply the wall time, waits for a core included."""
+        if device.threads is None:
+            device = replace(device, threads=self.stage_threads)
         args = [
             "--coordinator",
             self.coordinator_endpoint,

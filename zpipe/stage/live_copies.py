@@ -13,7 +13,9 @@ the event loop beside the data tasks, sends each copy to where it belongs:
   connection, chunked (:class:`zpipe.stage.bulk.StageBulk`), never on the control
   connection that carries heartbeats; a chain copy a peer kept is announced to
   the coordinator by an ``async_copy`` without tensors, so its ledger knows where
-  every copy is.
+  every copy is; the holder announces it too once it kept the whole copy
+  (:func:`held_copy_notice`), so a death of the owner between the holder's last
+  acknowledgement and its own notice does not leave the copy out of the ledger.
 
 How the data plane keeps its share of the link: a copy is cut into chunks of at
 most :data:`~zpipe.transport.bulk.CHUNK_BYTES`; each chunk to a peer waits for
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from zpipe.log import get_logger
+from zpipe.models.weights import split_unit_key
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy
 from zpipe.recovery.live_copies import state_digest
@@ -77,6 +80,33 @@ ToCoordinator = Callable[[AsyncCopy], Awaitable[None]]
 class CopyRoutes:
     to_peer: ToPeer
     to_coordinator: ToCoordinator
+
+
+def held_copy_notice(
+    *, holder: str, owner: str, run: int, step: int, keys: list[str], digest: str
+) -> AsyncCopy | None:
+    """What the holder of ``owner``'s chain copy tells the coordinator once it kept the
+    whole copy (:func:`zpipe.coordinator.runs.async_copies.holder_notice`): the copy's
+    owner, run, mini-batch and digest, no tensors. Its range is the units of the keys
+    (the holder knows no other; the coordinator takes the owner's span from its
+    plan). None when the copy holds no unit's state (nothing a recovery would need)."""
+    units = [u[0] for u in (split_unit_key(k) for k in keys) if u is not None]
+    if not units:
+        return None
+    return AsyncCopy(run=run, name=owner, kind="chain", step=step, start=min(units),
+                     end=max(units) + 1, keys=[], digest=digest, holder=holder)  # fmt: skip
+
+
+async def announce_held(to_coordinator: ToCoordinator, notice: AsyncCopy, timeout_s: float) -> None:
+    """Send a holder's notice; a failure is logged (the owner's own notice may still
+    come), never raised."""
+    try:
+        await asyncio.wait_for(to_coordinator(notice), timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.warning("live_copy_notice_failed", owner=notice.name, step=notice.step,
+                    error=describe_error(exc))  # fmt: skip
 
 
 class LiveCopySender:

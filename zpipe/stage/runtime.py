@@ -141,6 +141,9 @@ class StageRuntime:
             counters=self.counters,
             replicas=self.replicas,
         )
+        # a chain copy this stage keeps for its upstream peer is announced to the
+        # coordinator from here too (the owner may die before its own notice)
+        self._snapshots.announce = self._copy_up
         self._repartition = StageRepartition(
             name=self.config.name, snapshots=self._snapshots, counters=self.counters,
             compute=self._compute, timeout_s=timeouts.result_s,

@@ -46,7 +46,7 @@ from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, Weigh
 from zpipe.recovery.live_copies import state_digest
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
 from zpipe.stage.executors.sync_training import TrainingExecutor
-from zpipe.stage.live_copies import ChainPeer
+from zpipe.stage.live_copies import ChainPeer, ToCoordinator, announce_held, held_copy_notice
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import (
     UNAUTHENTICATED,
@@ -107,6 +107,10 @@ class SnapshotService:
         # ``replicas``, so that they never push out a flush's snapshot a rollback needs
         self.live_copies = ReplicaStore()
         self._digests: set[asyncio.Future[str]] = set()  # kept copies being hashed
+        # where a kept chain copy is announced to the coordinator (the runtime's bulk
+        # connection; None: not announced by this holder, only by its owner)
+        self.announce: ToCoordinator | None = None
+        self._notices: set[asyncio.Future[None]] = set()  # those notices on their way
         # what this device holds for peers' backups at most: its model memory limit
         self.backup_budget_bytes = (
             peer_build_limit() if backup_budget_bytes is None else backup_budget_bytes
@@ -453,22 +457,37 @@ class SnapshotService:
         state = {k: t.clone() for k, t in zip(keys, message.tensors, strict=True)}
         store.put(owner, run, step, state)
         if message.live:
-            self._log_live_copy(owner, run, step, nbytes, state)
+            self._log_live_copy(owner, run, step, nbytes, state, list(keys))
             return BackupOk(run=run, step=step, error="")
         log.info("backup_kept", stage=self.name, owner=owner, run=run, step=step, bytes=nbytes)
         return BackupOk(run=run, step=step, error="")
 
     def _log_live_copy(
-        self, owner: str, run: int, step: int, nbytes: int, state: dict[str, torch.Tensor]
+        self,
+        owner: str,
+        run: int,
+        step: int,
+        nbytes: int,
+        state: dict[str, torch.Tensor],
+        keys: list[str],
     ) -> None:
         """Log a kept copy with its digest (to compare it with the other copies of its
-        mini-batch), hashed in a thread: the event loop goes on with the data."""
+        mini-batch), hashed in a thread: the event loop goes on with the data; then
+        tell the coordinator this stage holds it (``announce``)."""
 
         def logged(task: asyncio.Future[str]) -> None:
             self._digests.discard(task)
             if not task.cancelled() and task.exception() is None:
                 log.info("live_copy_kept", stage=self.name, owner=owner, run=run, step=step,
                          bytes=nbytes, digest=task.result())  # fmt: skip
+                notice = held_copy_notice(holder=self.name, owner=owner, run=run, step=step,
+                                          keys=keys, digest=task.result())  # fmt: skip
+                if self.announce is not None and notice is not None:
+                    sent = asyncio.ensure_future(
+                        announce_held(self.announce, notice, self._timeout_s)
+                    )
+                    self._notices.add(sent)  # held until done
+                    sent.add_done_callback(self._notices.discard)
 
         task = asyncio.ensure_future(asyncio.to_thread(state_digest, state))
         self._digests.add(task)  # held until done: a task only weakly referenced may vanish

@@ -8,9 +8,13 @@ import pytest
 from bench.async_after_failure import (
     after_failure_summary,
     epoch_time,
+    epoch_time_before,
     first_step_after,
+    order_of,
     partition_of,
+    rate_between,
     recovery_options,
+    stage_ms,
 )
 
 
@@ -64,3 +68,48 @@ def test_respipe_and_heavy_keep_no_replica_in_the_measured_window() -> None:
     assert recovery_options("heavy_cached", Args())["recovery"] == "heavy"
     assert recovery_options("light", Args())["consistency"] == "fast"
     assert partition_of(13) == [[0, 4], [4, 8], [8, 9], [9, 13]]
+
+
+def test_the_key_is_the_median_of_each_repeats_own_ratio() -> None:
+    # repeat 0 at a high load (both slow), repeat 1 low, repeat 2 in between: the ratio of
+    # the medians mixes repeats (36 / 12 = 3.0), each repeat's own does not (2, 2.5, 3)
+    trials = [
+        {**_line("light", 30.0, 0.5, 2.5), "repeat": 0},
+        {**_line("respipe", 60.0, 1.0, 3.0), "repeat": 0},
+        {**_line("respipe", 25.0, 1.0, 3.0), "repeat": 1},
+        {**_line("light", 10.0, 0.5, 2.5), "repeat": 1},
+        {**_line("light", 12.0, 0.5, 2.5), "repeat": 2},
+        {**_line("respipe", 36.0, 1.0, 3.0), "repeat": 2},
+        {**_line("heavy", 9.0, 6.0, 7.8), "repeat": 0},
+    ]
+    out = after_failure_summary(trials)
+    assert out["light_over_respipe_per_repeat"] == [2.0, 2.5, 3.0]
+    assert out["async_light_over_respipe_epoch_time_after_failure"] == 2.5
+    assert out["light_over_respipe_of_medians"] == 3.0  # 36 / 12
+    assert out["async_heavy_over_light_recovery_time"] == 12.0
+
+
+def test_the_load_normalised_ratio_reads_each_side_after_over_its_own_before() -> None:
+    trials = [
+        {"system": "light", "repeat": 0, "epoch_s": 20.0, "epoch_s_before": 10.0,
+         "after_over_before": 2.0},
+        {"system": "respipe", "repeat": 0, "epoch_s": 20.0, "epoch_s_before": 4.0,
+         "after_over_before": 5.0},
+    ]  # fmt: skip
+    out = after_failure_summary(trials)
+    assert out["async_light_over_respipe_epoch_time_after_failure"] == 1.0
+    assert out["light_over_respipe_after_over_before"] == 2.5
+
+
+def test_the_time_before_leaves_out_the_replica_flush_and_the_kill() -> None:
+    # steps 0-18 a second apart; the flush before 20 and the kill after 22 far slower
+    stamps = [(s, float(s)) for s in range(20)] + [(20, 40.0), (21, 41.0), (22, 42.0)]
+    assert epoch_time_before(stamps, 22, 100) == pytest.approx(100.0)  # steps 5..19
+    assert rate_between(stamps, 5, 9) == pytest.approx(1.0)
+
+
+def test_systems_alternate_their_order_and_stage_times_are_per_mini_batch() -> None:
+    assert order_of(["light", "respipe", "heavy"], 0) == ["light", "respipe", "heavy"]
+    assert order_of(["light", "respipe", "heavy"], 1) == ["heavy", "respipe", "light"]
+    stages = {"a": {"busy_s": 2.0, "microbatches": 20}, "c": {"busy_s": 1.0, "microbatches": 0}}
+    assert stage_ms(stages) == {"a": 100.0}

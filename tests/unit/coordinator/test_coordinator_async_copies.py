@@ -134,6 +134,67 @@ def test_a_copy_that_does_not_fit_the_plan_is_dropped_and_the_coordinator_goes_o
     assert h.state.async_copies.ledger.newest("a", "global") is not None
 
 
+def _holder_notice(h: Harness, sender: str, owner: str, run: int, step: int, **extra: Any) -> None:
+    """``sender`` says it kept ``owner``'s whole chain copy of ``step`` (no tensors; its
+    range the units of the keys it received)."""
+    start, end = PARTITION[NAMES.index(owner)]
+    body = {"run": run, "name": owner, "kind": "chain", "step": step, "start": start,
+            "end": end, "keys": [], "digest": "d6", "holder": sender, **extra}  # fmt: skip
+    h.feed_message(sender, Message("async_copy", body))  # type: ignore[attr-defined]
+
+
+def test_a_chain_copy_is_known_from_its_holders_notice_or_its_owners_whichever_comes_first() -> (
+    None
+):
+    h = Harness()
+    run = _start(h)
+    ledger = h.state.async_copies.ledger
+    # the holder's notice first (the owner's may never come: it can die in between)
+    _holder_notice(h, "b", "a", run, 6)
+    record = ledger.newest("a", "chain")
+    assert record is not None
+    assert (record.holder, record.step, record.start, record.end) == ("b", 6, 0, 2)
+    # the owner's notice of the same copy: nothing new, kept once
+    _copy(h, "a", run, "chain", 6, {}, holder="b", digest="d6")
+    assert [(e["owner"], e["step"], e["from"]) for e in h.events("async_copy_kept")] == [
+        ("a", 6, "b")
+    ]
+    assert h.events("async_copy_known")[-1]["owner"] == "a"
+    # the owner's first, then the holder's: the same; a later copy is kept again
+    _copy(h, "b", run, "chain", 8, {}, holder="c", digest="d8")
+    _holder_notice(h, "c", "b", run, 8, digest="d8", start=3, end=4)  # b's keys: unit 3 only
+    _holder_notice(h, "b", "a", run, 8)
+    assert [(e["owner"], e["step"], e["from"]) for e in h.events("async_copy_kept")] == [
+        ("a", 6, "b"), ("b", 8, "b"), ("a", 8, "b"),
+    ]  # fmt: skip
+    b_chain = ledger.newest("b", "chain")
+    assert b_chain is not None and (b_chain.start, b_chain.end, b_chain.digest) == (2, 4, "d8")
+    assert h.events("dropped_message") == []
+    # bytes the holder hashed that are not those the owner sent: said, not kept twice
+    _holder_notice(h, "b", "a", run, 8, digest="other")
+    (differ,) = h.events("async_copy_digests_differ")
+    assert differ["digests"] == ["d6", "other"] and len(h.events("async_copy_kept")) == 3
+
+
+def test_a_notice_for_another_stage_from_anyone_but_its_chain_holder_is_dropped() -> None:
+    h = Harness()
+    run = _start(h)
+    _holder_notice(h, "c", "a", run, 6)  # a's chain copies are held by b
+    _holder_notice(h, "b", "a", run, 6, holder="c")  # b names another holder
+    _holder_notice(h, "b", "a", run, 6, kind="global")  # a global copy is a's own to send
+    _holder_notice(h, "a", "c", run, 6)  # the last stage's chain copy goes to the coordinator
+    _holder_notice(h, "b", "a", run, 6, start=1, end=3)  # units a does not run
+    body = {"run": run, "name": "a", "kind": "chain", "step": 6, "start": 0, "end": 2,
+            "keys": ["units.0.weight"], "digest": "x", "holder": "b"}  # fmt: skip
+    # with tensors: a holder announces, it never sends the copy here
+    h.feed_message("b", Message("async_copy", body, tensors=(torch.zeros(2),)))  # type: ignore[attr-defined]
+    errors = [e["error"] for e in h.events("dropped_message")]
+    assert len(errors) == 6, errors
+    assert all("sent by" in e for e in errors[:4] + errors[5:]), errors
+    assert "but 'a' runs [0, 2)" in errors[4]
+    assert h.state.async_copies.ledger.copies == {}
+
+
 def test_copies_of_one_stage_saved_on_several_threads_at_once_all_reach_disk(
     tmp_path: Path,
 ) -> None:

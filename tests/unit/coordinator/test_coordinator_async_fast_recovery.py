@@ -538,3 +538,28 @@ def test_a_fast_recovery_restores_only_from_copies_of_its_own_fit() -> None:
     # a copy a holder could not give is left out too; an older client keeps them all
     assert set(this_fits_copies(ledger, 7, {("b", "chain")}).copies.values()) == {other}
     assert set(this_fits_copies(ledger, None, set()).copies.values()) == {older, chain, other}
+
+
+def test_a_chain_copy_its_owner_died_before_announcing_is_known_from_its_holder() -> None:
+    """b dies after c kept the whole of its chain copy of 6 but before b's own notice
+    left: c's notice (sent by the holder, naming b) put the copy in the ledger, so the
+    recovery restores b's unit from it, not from the older global copy of 4."""
+    h = Harness()
+    run = _start(h)
+    for name in NAMES:
+        start, end = PARTITION[NAMES.index(name)]
+        _copy(h, name, run, "global", 4, _units(start, end, 40.0))
+    # the holder's notice: b's copy, sent by c, no tensors (b's own never came)
+    body = {"run": run, "name": "b", "kind": "chain", "step": 6, "start": 2, "end": 3,
+            "keys": [], "digest": "0", "holder": "c"}  # fmt: skip
+    h.feed_message("c", Message("async_copy", body))  # type: ignore[attr-defined]
+    (kept,) = [e for e in h.events("async_copy_kept") if e["kind"] == "chain"]
+    assert (kept["owner"], kept["holder"], kept["step"], kept["from"]) == ("b", "c", 6, "c")
+    h.advance(8.0, alive=("a", "c", "d"))
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "c": 9, "d": 9})
+    _confirm(h, "c", "b", run, 6, (2, 3))
+    _assigned(h, ["a", "c", "d"])
+    fast = _ready(h, ["a", "c", "d"])
+    assert fast["copies_used"] == {"chain@c": [2]}
+    assert fast["max_lost"] == 1  # from the global copy of 4 it would be 3

@@ -4,7 +4,12 @@ holds them (FTPipeHD III-E; :mod:`zpipe.recovery.live_copies`).
 A stage sends, unasked, an ``async_copy`` on its bulk connection: a global copy of
 its units (every ``global_every`` mini-batches), or the last stage's chain copy
 (every ``chain_every``). A chain copy another stage keeps is announced with the
-same message without tensors (``holder``: that stage). Each is checked against
+same message without tensors (``holder``: that stage), by its owner once the
+holder acknowledged the last chunk, and by the holder itself once it kept the
+whole copy (``name``: the owner, sent by the holder): the owner may die between
+the holder's acknowledgement and its own notice, and the copy the holder keeps
+is the one a recovery of that death needs (:func:`holder_notice`). The second
+notice of the same copy changes nothing. Each is checked against
 the running plan (the sender's units, the kind, the digest of the bytes), then
 kept: the tensors here (the newest of each stage and kind), its record in the
 :class:`~zpipe.recovery.live_copies.CopyLedger` a recovery queries, and, with a
@@ -98,6 +103,15 @@ def keep_async_copy(
     except ProtocolError as exc:
         return [Log("warning", "dropped_message", {"peer": stage, "error": str(exc)})]
     record = copy.record
+    known = state.async_copies.ledger.newest(record.owner, record.kind)
+    if known is not None and _same_copy(known, record):
+        # the owner's and the holder's notices of one copy: the second says nothing new,
+        # unless the bytes the holder hashed are not those the owner sent
+        fields = {"stage": stage, "owner": record.owner, "step": record.step}
+        if known.digest and record.digest and known.digest != record.digest:
+            return [Log("warning", "async_copy_digests_differ",
+                        {**fields, "digests": [known.digest, record.digest]})]  # fmt: skip
+        return [Log("debug", "async_copy_known", fields)]
     if not state.async_copies.keep(copy):
         return [Log("debug", "async_copy_stale", {"stage": stage, "step": record.step})]
     out: list[Command] = [
@@ -112,6 +126,8 @@ def keep_async_copy(
                 "step": record.step,
                 "bytes": record.nbytes,
                 "digest": record.digest,
+                # who told: the owner, or the holder (holder_notice)
+                "from": stage,
             },
         )
     ]
@@ -120,16 +136,49 @@ def keep_async_copy(
     return out
 
 
+def _same_copy(a: CopyRecord, b: CopyRecord) -> bool:
+    return (a.owner, a.kind, a.holder, a.run, a.step) == (b.owner, b.kind, b.holder, b.run, b.step)
+
+
+def holder_notice(stage: str, message: AsyncCopy, devices: list[str]) -> bool:
+    """Whether ``message`` is a holder's notice of a chain copy it keeps (see the module
+    notes): sent by ``stage``, the next stage after the owner it names, which it
+    names as the holder, without tensors. Its range is the units of the keys it
+    received, which may leave out units without parameters at either end: the
+    record takes the owner's span from the plan. Anything else sent for another
+    stage is refused."""
+    owner = message.name
+    if owner == stage:
+        return False
+    if (
+        message.kind != "chain"
+        or message.holder != stage
+        or owner not in devices
+        or devices.index(owner) + 1 >= len(devices)
+        or devices[devices.index(owner) + 1] != stage
+        or message.keys
+        or message.tensors
+    ):
+        raise ProtocolError(f"an async_copy of {owner!r} sent by {stage!r}")
+    return True
+
+
 def _checked(stage: str, message: AsyncCopy, devices: list[str], plan: Any) -> HeldCopy:
-    if message.name != stage:
-        raise ProtocolError(f"an async_copy of {message.name!r} sent by {stage!r}")
-    if stage not in devices:
-        raise ProtocolError(f"{stage!r} is not a stage of run {message.run}")
+    from_holder = holder_notice(stage, message, devices)
+    owner = message.name
+    if owner not in devices:
+        raise ProtocolError(f"{owner!r} is not a stage of run {message.run}")
     if message.kind not in COPY_KINDS:
         raise ProtocolError(f"unknown copy kind {message.kind!r}")
-    index = devices.index(stage)
+    index = devices.index(owner)
     span = plan.stages[index]
-    if (message.start, message.end) != (span.start, span.end):
+    if from_holder:
+        if not span.start <= message.start < message.end <= span.end:
+            raise ProtocolError(
+                f"{stage!r} holds {owner!r}'s units [{message.start}, {message.end}), "
+                f"but {owner!r} runs [{span.start}, {span.end})"
+            )
+    elif (message.start, message.end) != (span.start, span.end):
         raise ProtocolError(
             f"{stage!r} copied units [{message.start}, {message.end}), "
             f"but runs [{span.start}, {span.end})"
@@ -139,7 +188,7 @@ def _checked(stage: str, message: AsyncCopy, devices: list[str], plan: Any) -> H
     if message.kind == "global" and holder != COORDINATOR:
         raise ProtocolError("a global copy is held by the coordinator")
     if message.kind == "chain" and holder != (COORDINATOR if last else devices[index + 1]):
-        raise ProtocolError(f"{stage!r}'s chain copy is not held by {holder!r}")
+        raise ProtocolError(f"{owner!r}'s chain copy is not held by {holder!r}")
     if len(message.keys) != len(message.tensors):
         raise ProtocolError("an async_copy whose keys and tensors differ")
     state: dict[str, torch.Tensor] = {}
@@ -158,13 +207,13 @@ def _checked(stage: str, message: AsyncCopy, devices: list[str], plan: Any) -> H
         raise ProtocolError("a chain copy held at a stage is announced without tensors")
     try:
         record = CopyRecord(
-            owner=stage,
+            owner=owner,
             kind=message.kind,
             holder=holder,
             run=message.run,
             step=message.step,
-            start=message.start,
-            end=message.end,
+            start=span.start,
+            end=span.end,
             nbytes=sum(t.numel() * t.element_size() for t in state.values()),
             digest=message.digest or "",
         )
