@@ -160,8 +160,9 @@ class FederatedShell:
         except TransportTimeout as exc:
             log.warning("fl_send_failed", peer=peer, error=str(exc))
 
-    async def _receive(self, timeout_s: float) -> tuple[bytes, WireMessage] | None:
-        """The next valid message and its sender; None on a timeout or a dropped message."""
+    async def _receive(self, timeout_s: float) -> tuple[bytes, WireMessage, str | None] | None:
+        """The next valid message, its sender and, without --keys, the sender's address
+        (what bounds its client ids); None on a timeout or a dropped message."""
         assert self._router is not None
         try:
             frames = await recv_frames(
@@ -188,7 +189,8 @@ class FederatedShell:
         except RoleError as exc:
             await self._carry_out(self.controller.refused(routing_id, typed, str(exc)))
             return None
-        return routing_id, typed
+        origin = None if self._roles is not None else _peer_address(frames[-1])
+        return routing_id, typed, origin
 
     async def _carry_out(self, commands: Sequence[Command]) -> None:
         """Do what the controller decided, in its order."""
@@ -249,7 +251,9 @@ class FederatedShell:
                 break
             received = await self._receive(controller.next_deadline() - time.monotonic())
             if received is not None:
-                await self._carry_out(controller.on_message(*received, time.monotonic()))
+                routing_id, message, origin = received
+                now = time.monotonic()
+                await self._carry_out(controller.on_message(routing_id, message, now, origin))
         await self._carry_out(controller.finish())
         server = controller.server
         assert server is not None
@@ -273,3 +277,13 @@ class FederatedShell:
         self._emit({"event": "listening", "endpoint": self.endpoint or self.open()})
         await self.register_clients()
         return await self.run()
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The IP address a message came from (without its port: one host's connections
+    are one peer), or "unknown" where libzmq has none (ipc, inproc)."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return "unknown"
+    return str(address) if address else "unknown"
