@@ -131,3 +131,36 @@ def _answer(task: FlTask) -> FlUpdate:
     return FlUpdate(
         task=task.task, client=0, n_samples=sum(COUNTS), train_s=0.0, tensors=(weights,)
     )
+
+
+def test_a_frame_past_the_runs_weights_is_cut_off_before_it_is_held() -> None:
+    """16 frames of 60 MB once took the server from 312 to 1,209 MiB: each was under
+    the old 64 MiB frame limit. The limit is now twice the run's weights (1 MiB at
+    least), so libzmq drops such a connection before the message is queued, and the
+    server still welcomes the next client."""
+    config = NetServerConfig(clients=1, hidden=8, register_timeout_s=DEADLINE_S / 2)
+    shell = FederatedShell(config, load_digits_dataset(), out=io.StringIO())
+    assert shell.max_frame_bytes == 1 << 20  # a 64-8-10 MLP's weights are 5 kB
+    endpoint = shell.open()
+    context = zmq.Context()
+    big = context.socket(zmq.DEALER)
+    live = context.socket(zmq.DEALER)
+    try:
+
+        async def register() -> None:
+            await asyncio.wait_for(shell.register_clients(), DEADLINE_S)
+
+        big.connect(endpoint)
+        big.send_multipart([b"", *[bytes(2 << 20)] * 4], copy=False)
+        time.sleep(0.5)
+        live.connect(endpoint)
+        _send(live, FlRegister(client=0, label_counts=COUNTS, latency_s=0.05))
+        asyncio.run(register())
+        assert isinstance(_receive(live, DEADLINE_S), FlWelcome)
+        # never received, so never decoded nor counted: libzmq cut the connection
+        assert shell.dropped_messages == 0
+    finally:
+        big.close(linger=0)
+        live.close(linger=0)
+        context.term()
+        shell.close()
