@@ -583,13 +583,17 @@ class FlServerController:
     ) -> list[Command]:
         """An answer to a task taken back from its client: the task went to another
         client, so this model is never merged (no double update); but the client is
-        alive, and its latency, now measured, brings it back and lengthens its deadline."""
+        alive, and its latency, now measured, lengthens its deadline and brings back a
+        client a flat method set aside. A grouped method's dropped client is left to
+        its probes (Algorithm 1 regroups on what they measure, as before)."""
         del self._late[task_id]
         latency = now - late.sent_at
         self._measured(late.client, latency)
         fields = {"task": task_id, "client": late.client, "latency_s": round(latency, 4)}
-        return [
+        commands: list[Command] = [
             LogLine("info", "fl_late_update_dropped", fields),
             Emit({"event": "late_update", **fields}),
-            *self._observe(server, late.client, latency, now),
         ]
+        if late.client in server.sidelined:
+            commands += self._observe(server, late.client, latency, now)
+        return commands

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from zpipe.federated.grouping import GroupingPolicy
 from zpipe.federated.model import MLPShape
 from zpipe.federated.net_controller import (
     Command,
@@ -198,3 +199,19 @@ def test_a_late_answer_is_measured_never_merged_and_brings_its_client_back() -> 
     assert [(t, c) for t, c, _ in replayed.dispatches] == [
         (e["task"], e["client"]) for e in trace if e["event"] == "dispatch"
     ]
+
+
+def test_a_grouped_methods_late_answer_is_left_to_its_probes() -> None:
+    """Eco-FL regroups on what its probes measure: a late answer lengthens its client's
+    deadline but is not fed to Algorithm 1 (it moved clients between groups)."""
+    grouping = GroupingPolicy(n_groups=1)
+    server = ServerConfig(method="ecofl", max_concurrent=2, seed=3, grouping=grouping)
+    controller = FlServerController(config(server=server), SHAPE)
+    controller.on_registration(route(0), register(0))
+    (first,) = tasks_in(controller.start(now=0.0))
+    (second,) = tasks_in(controller.on_message(route(0), update(first[0], 0), 0.5))
+    commands, _ = controller.tick(2.5)  # 4 x 0.5 s: taken back
+    assert "task_failed" in events(commands)
+    late = controller.on_message(route(0), update(second[0], 0), 3.0)
+    assert events(late) == ["late_update"] and of(TraceLine, late) == []
+    assert controller.task_deadline_s(0) == 10.0  # 4 x 2.5 s
