@@ -59,7 +59,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=positive_float, default=600.0, help="wall-clock limit, s")
     p.add_argument("--eval-every", type=positive_int, default=5, help="updates between evals")
     p.add_argument("--register-timeout", type=positive_float, default=60.0, metavar="S")
-    p.add_argument("--task-timeout", type=positive_float, default=30.0, metavar="S")
+    p.add_argument(
+        "--task-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="S",
+        help="the longest a task may stay unanswered (a client never measured waits this long)",
+    )
+    p.add_argument(
+        "--task-floor",
+        type=positive_float,
+        default=defaults.task_floor_s,
+        metavar="S",
+        help="a measured client's task is taken back after 4x its slowest recent latency, "
+        "never sooner than S s",
+    )
+    p.add_argument(
+        "--ids-per-address",
+        type=positive_int,
+        default=defaults.ids_per_address,
+        metavar="N",
+        help="without --keys: client ids one peer address may register (a key registers one)",
+    )
     p.add_argument(
         "--probe-interval",
         type=non_negative_float,
@@ -109,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> NetServerConfig:
         seed=args.seed,
         register_timeout_s=args.register_timeout,
         task_timeout_s=args.task_timeout,
+        task_floor_s=args.task_floor,
+        ids_per_address=args.ids_per_address,
         probe_interval_s=args.probe_interval,
         probe_timeout_s=args.probe_timeout,
         send_timeout_s=args.send_timeout,

@@ -21,8 +21,9 @@ order:
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,12 @@ from zpipe.protocol.federated import (
 
 FloatArray = npt.NDArray[np.float64]
 
+# A task is taken back from a client silent for DEADLINE_FACTOR times the slowest of
+# its last LATENCY_HISTORY measured latencies (never sooner than --task-floor, never
+# later than --task-timeout): a client's own history says when its silence is news.
+DEADLINE_FACTOR = 4.0
+LATENCY_HISTORY = 8
+
 
 @dataclass(frozen=True)
 class NetServerConfig:
@@ -71,6 +78,10 @@ class NetServerConfig:
     seed: int = 0
     register_timeout_s: float = 60.0
     task_timeout_s: float = 30.0
+    # a task's deadline never comes sooner than this, whatever its client's history
+    task_floor_s: float = 5.0
+    # without --keys: client ids one peer address may hold (a key holds one id)
+    ids_per_address: int = 16
     probe_interval_s: float = 5.0  # 0: never probe dropped clients
     probe_timeout_s: float = 30.0
     send_timeout_s: float = 5.0
@@ -84,9 +95,12 @@ class NetServerConfig:
     def __post_init__(self) -> None:
         if self.clients < 1 or self.max_updates < 1 or self.eval_every < 1:
             raise ConfigError("--clients, --updates and --eval-every must be at least 1")
+        if self.ids_per_address < 1:
+            raise ConfigError("--ids-per-address must be at least 1")
         timeouts = (
             self.register_timeout_s,
             self.task_timeout_s,
+            self.task_floor_s,
             self.send_timeout_s,
             self.probe_timeout_s,
             self.duration_s,
@@ -180,6 +194,11 @@ class FlServerController:
         self.dropped_messages = 0
         self.reason = "updates"  # why the run ended
         self._outstanding: dict[int, _Outstanding] = {}
+        # tasks taken back from a silent client, until --task-timeout after their send:
+        # an answer meanwhile is late (measured, never merged)
+        self._late: dict[int, _Outstanding] = {}
+        self._latencies: dict[int, deque[float]] = {}  # client id -> its last latencies
+        self._origins: dict[str, set[int]] = {}  # peer address -> the client ids it holds
         self._end_at = math.inf
         self._evaluated: int | None = None  # the version last evaluated
 
@@ -207,29 +226,50 @@ class FlServerController:
         """Whether registrations are still awaited before the run starts."""
         return len(self.clients) < self.config.clients
 
-    def on_registration(self, routing_id: bytes, message: WireMessage) -> list[Command]:
-        """A message before the run started: only registrations count."""
+    def on_registration(
+        self, routing_id: bytes, message: WireMessage, origin: str | None = None
+    ) -> list[Command]:
+        """A message before the run started: only registrations count. ``origin``: the
+        peer's address on a server without keys (None with keys: a key holds one id)."""
         if not isinstance(message, FlRegister):
             return self.drop(routing_id, f"{message.KIND} before the run started")
-        profile, commands = self._admit(routing_id, message, "unregistered client")
+        profile, commands = self._admit(routing_id, message, "unregistered client", origin)
         if profile is not None:
             event = {"event": "registered", "client": profile.client_id}
             commands.append(Emit({**event, "latency_s": profile.latency_s}))
         return commands
 
     def _admit(
-        self, routing_id: bytes, message: FlRegister, refused_peer: str
+        self, routing_id: bytes, message: FlRegister, refused_peer: str, origin: str | None
     ) -> tuple[ClientProfile | None, list[Command]]:
         """The client a registration adds and its welcome, or why it is refused."""
         try:
             profile = self._profile_of(routing_id, message)
+            self._check_origin(origin, profile.client_id)
         except ProtocolError as exc:
             refusal = SendMessage(routing_id, FlError(reason=str(exc)), refused_peer)
             return None, [*self.drop(routing_id, str(exc)), refusal]
         self.clients[routing_id] = profile
         self.routes[profile.client_id] = routing_id
+        if origin is not None:
+            self._origins.setdefault(origin, set()).add(profile.client_id)
         welcome = FlWelcome(client=profile.client_id)
         return profile, [SendMessage(routing_id, welcome, _peer(profile.client_id))]
+
+    def _check_origin(self, origin: str | None, client: int) -> None:
+        """ProtocolError when the address ``origin`` already holds --ids-per-address
+        other ids: one peer registered 300 silent ids and starved the real client of
+        tasks (issue 33 finding 4). A key is bounded by its own rule (one id)."""
+        if origin is None:
+            return
+        held = self._origins.get(origin, set())
+        limit = self.config.ids_per_address
+        if client not in held and len(held) >= limit:
+            raise ProtocolError(
+                f"address {origin} already holds {len(held)} client ids, the most one "
+                f"address may hold (fl-server --ids-per-address {limit}); give each client "
+                "a key of its own (--keys) or raise the limit"
+            )
 
     def _profile_of(self, routing_id: bytes, message: FlRegister) -> ClientProfile:
         profile = profile_from_register(message, self.shape.n_out)
@@ -249,6 +289,9 @@ class FlServerController:
         config = self.config
         self._end_at = now + config.duration_s
         initial = init_weights(self.shape, np.random.default_rng([config.seed, 3]))
+        # a silent client is set aside until heard from (the flat methods; the grouped
+        # ones drop it out of its group): it must not keep a slot from live clients
+        server_config = replace(config.server, sideline_silent=True)
         profiles = sorted(self.clients.values(), key=lambda p: p.client_id)
         listed = [[p.client_id, p.latency_s, list(p.label_counts)] for p in profiles]
         shape = [self.shape.n_in, self.shape.n_hidden, self.shape.n_out]
@@ -256,7 +299,7 @@ class FlServerController:
             TraceLine(
                 {
                     "event": "config",
-                    "server": config_to_json(config.server),
+                    "server": config_to_json(server_config),
                     "shape": shape,
                     "initial_weights": initial.tolist(),
                 }
@@ -264,7 +307,7 @@ class FlServerController:
             TraceLine({"event": "profiles", "profiles": listed}),
         ]
         try:
-            server = make_server(profiles, initial, config.server)
+            server = make_server(profiles, initial, server_config)
         except ConfigError as exc:
             # the clients would otherwise wait for tasks until their idle timeout
             return [*commands, *self.farewell(f"server error: {exc}"), Abort(exc)]
@@ -290,6 +333,8 @@ class FlServerController:
         commands: list[Command] = []
         for task_id in [t for t, o in self._outstanding.items() if o.deadline <= now]:
             commands += self._fail(server, task_id, now)
+        for task_id in [t for t, o in self._late.items() if o.deadline <= now]:
+            del self._late[task_id]  # an answer now would be no news: it is only dropped
         for result in self.probes.expired(now):
             commands += self._probed(server, result, now)
         if self.probes.enabled:
@@ -310,6 +355,7 @@ class FlServerController:
         candidates = server.probe_candidates() if self.probes.enabled else []
         return min(
             min((o.deadline for o in self._outstanding.values()), default=self._end_at),
+            min((o.deadline for o in self._late.values()), default=self._end_at),
             self.probes.next_event(candidates),
             self._end_at,
         )
@@ -319,13 +365,26 @@ class FlServerController:
         outstanding = self._outstanding.get(task_id)
         if outstanding is not None:
             outstanding.sent_at = now
-            outstanding.deadline = now + self.config.task_timeout_s
+            outstanding.deadline = now + self.task_deadline_s(outstanding.client)
 
-    def on_message(self, routing_id: bytes, message: WireMessage, now: float) -> list[Command]:
-        """A valid message during the run."""
+    def task_deadline_s(self, client: int) -> float:
+        """How long a task of ``client`` may stay unanswered before it is taken back:
+        DEADLINE_FACTOR times the slowest of its recent latencies, at least --task-floor;
+        --task-timeout for a client never measured (and at most that for any)."""
+        config = self.config
+        history = self._latencies.get(client)
+        if not history:
+            return config.task_timeout_s
+        adaptive = max(config.task_floor_s, DEADLINE_FACTOR * max(history))
+        return min(config.task_timeout_s, adaptive)
+
+    def on_message(
+        self, routing_id: bytes, message: WireMessage, now: float, origin: str | None = None
+    ) -> list[Command]:
+        """A valid message during the run (``origin``: as for :meth:`on_registration`)."""
         server = self._running()
         before = server.version
-        commands = self._handle(server, routing_id, message, now)
+        commands = self._handle(server, routing_id, message, now, origin)
         every = self.config.eval_every
         if server.version // every > before // every:
             commands.append(self._evaluate(server))
@@ -357,7 +416,7 @@ class FlServerController:
         for task in tasks:
             # until the shell sends it (task_sent), the task counts from now
             self._outstanding[task.task_id] = _Outstanding(
-                task.client_id, now, now + config.task_timeout_s
+                task.client_id, now, now + self.task_deadline_s(task.client_id)
             )
             message = FlTask(
                 task=task.task_id,
@@ -377,15 +436,21 @@ class FlServerController:
         return commands
 
     def _fail(self, server: FederatedServer, task_id: int, now: float) -> list[Command]:
+        """Take a task back from its silent client: the method goes on without it."""
         outstanding = self._outstanding.pop(task_id)
+        waited = round(max(outstanding.deadline - outstanding.sent_at, 0.0), 6)
         fields = {"task": task_id, "client": outstanding.client}
         commands: list[Command] = [
-            LogLine("warning", "fl_task_timed_out", fields),
+            LogLine("warning", "fl_task_timed_out", {**fields, "waited_s": waited}),
             Emit({"event": "task_failed", **fields}),
         ]
+        # a slow client's answer may still come (for one more --task-timeout): measured,
+        # never merged
+        late_until = now + self.config.task_timeout_s
+        self._late[task_id] = _Outstanding(outstanding.client, outstanding.sent_at, late_until)
         # the silence first: a client that it drops out must not be picked again by the
         # new round its failure may start
-        commands += self._silent(server, outstanding.client, self.config.task_timeout_s, now)
+        commands += self._silent(server, outstanding.client, waited, now)
         commands.append(TraceLine({"event": "failed", "task": task_id}))
         return [*commands, *self._dispatch(server.on_task_failed(task_id), now)]
 
@@ -427,10 +492,15 @@ class FlServerController:
         return [probe, *self._observe(server, result.client_id, result.latency_s, now)]
 
     def _join(
-        self, server: FederatedServer, routing_id: bytes, message: FlRegister, now: float
+        self,
+        server: FederatedServer,
+        routing_id: bytes,
+        message: FlRegister,
+        now: float,
+        origin: str | None,
     ) -> list[Command]:
         """A registration after the start: the client joins the run (eq. 4 for groups)."""
-        profile, commands = self._admit(routing_id, message, "late client")
+        profile, commands = self._admit(routing_id, message, "late client", origin)
         if profile is None:
             return commands
         client = {"client": profile.client_id, "latency_s": profile.latency_s}
@@ -443,12 +513,17 @@ class FlServerController:
         return [*commands, *self._dispatch(tasks, now)]
 
     def _handle(
-        self, server: FederatedServer, routing_id: bytes, message: WireMessage, now: float
+        self,
+        server: FederatedServer,
+        routing_id: bytes,
+        message: WireMessage,
+        now: float,
+        origin: str | None,
     ) -> list[Command]:
         profile = self.clients.get(routing_id)
         if profile is None:
             if isinstance(message, FlRegister):
-                return self._join(server, routing_id, message, now)
+                return self._join(server, routing_id, message, now, origin)
             return self.drop(routing_id, f"{message.KIND} from a peer that has not registered")
         match message:
             case FlProbeReply():
@@ -456,6 +531,7 @@ class FlServerController:
                 if result is None:
                     reason = f"probe {message.probe} is not outstanding for this client"
                     return self.drop(routing_id, reason)
+                self._measured(profile.client_id, result.latency_s)
                 return self._probed(server, result, now)
             case FlUpdate():
                 return self._update(server, routing_id, profile, message, now)
@@ -471,6 +547,9 @@ class FlServerController:
         now: float,
     ) -> list[Command]:
         outstanding = self._outstanding.get(message.task)
+        late = self._late.get(message.task)
+        if outstanding is None and late is not None and late.client == profile.client_id:
+            return self._late_update(server, message.task, late, now)
         if outstanding is None or outstanding.client != profile.client_id:
             return self.drop(routing_id, f"task {message.task} is not outstanding for this client")
         try:
@@ -486,6 +565,7 @@ class FlServerController:
             return self.drop(routing_id, str(exc))  # the task stays outstanding until its deadline
         del self._outstanding[message.task]
         latency = now - outstanding.sent_at
+        self._measured(profile.client_id, latency)
         task = {"event": "update", "task": message.task, "client": profile.client_id}
         return [
             TraceLine({**task, "n_samples": message.n_samples, "weights": weights.tolist()}),
@@ -493,3 +573,27 @@ class FlServerController:
             *self._dispatch(tasks, now),
             *self._observe(server, profile.client_id, latency, now),
         ]
+
+    def _measured(self, client: int, latency_s: float) -> None:
+        history = self._latencies.setdefault(client, deque(maxlen=LATENCY_HISTORY))
+        history.append(latency_s)
+
+    def _late_update(
+        self, server: FederatedServer, task_id: int, late: _Outstanding, now: float
+    ) -> list[Command]:
+        """An answer to a task taken back from its client: the task went to another
+        client, so this model is never merged (no double update); but the client is
+        alive, and its latency, now measured, lengthens its deadline and brings back a
+        client a flat method set aside. A grouped method's dropped client is left to
+        its probes (Algorithm 1 regroups on what they measure, as before)."""
+        del self._late[task_id]
+        latency = now - late.sent_at
+        self._measured(late.client, latency)
+        fields = {"task": task_id, "client": late.client, "latency_s": round(latency, 4)}
+        commands: list[Command] = [
+            LogLine("info", "fl_late_update_dropped", fields),
+            Emit({"event": "late_update", **fields}),
+        ]
+        if late.client in server.sidelined:
+            commands += self._observe(server, late.client, latency, now)
+        return commands

@@ -81,7 +81,16 @@ __all__ = ["MAX_MESSAGE_BYTES", "FederatedShell", "NetServerConfig"]
 
 log = get_logger("zpipe.federated.server")
 
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 64 << 20  # the ceiling of any run's frame limit (the widest MLPs)
+MIN_FRAME_BYTES = 1 << 20  # room for a header frame and CURVE's overhead on a tiny model
+
+
+def frame_limit(shape: MLPShape) -> int:
+    """The largest frame this run's server receives: twice its weights (one float64
+    tensor), at least 1 MiB. A client sends nothing larger; a frame past it is cut off
+    by libzmq before it is held (issue 33 finding 4: a message of 16 frames of 60 MB,
+    each under the old 64 MiB limit, took the server from 312 to 784-1,209 MiB)."""
+    return min(max(2 * 8 * shape.size, MIN_FRAME_BYTES), MAX_MESSAGE_BYTES)
 
 
 class FederatedShell:
@@ -95,6 +104,7 @@ class FederatedShell:
         self.dataset = dataset
         self.shape = MLPShape(dataset.n_features, config.hidden, dataset.n_classes)
         self.controller = FlServerController(config, self.shape)
+        self.max_frame_bytes = frame_limit(self.shape)
         self.out = out or sys.stdout
         self._context = new_context()
         self._router: zmq.asyncio.Socket | None = None
@@ -113,7 +123,7 @@ class FederatedShell:
     # ------------------------------------------------------------------ socket
 
     def open(self) -> str:
-        options = SocketOptions(max_message_bytes=MAX_MESSAGE_BYTES, send_hwm=64, recv_hwm=64)
+        options = SocketOptions(max_message_bytes=self.max_frame_bytes, send_hwm=64, recv_hwm=64)
         router = open_socket(self._context, zmq.ROUTER, options)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its route
         keys_dir = self.config.keys_dir
@@ -160,8 +170,9 @@ class FederatedShell:
         except TransportTimeout as exc:
             log.warning("fl_send_failed", peer=peer, error=str(exc))
 
-    async def _receive(self, timeout_s: float) -> tuple[bytes, WireMessage] | None:
-        """The next valid message and its sender; None on a timeout or a dropped message."""
+    async def _receive(self, timeout_s: float) -> tuple[bytes, WireMessage, str | None] | None:
+        """The next valid message, its sender and, without --keys, the sender's address
+        (what bounds its client ids); None on a timeout or a dropped message."""
         assert self._router is not None
         try:
             frames = await recv_frames(
@@ -171,7 +182,7 @@ class FederatedShell:
             return None
         routing_id = bytes(frames[0].bytes) if frames else b""
         try:
-            message = decode_frames(frames[1:], MAX_MESSAGE_BYTES)
+            message = decode_frames(frames[1:], self.max_frame_bytes)
             typed = REGISTRY.parse(message)
             if self._roles is not None and len(frames) > 1:
                 self._roles.check(typed.KIND, frames[1])
@@ -188,7 +199,8 @@ class FederatedShell:
         except RoleError as exc:
             await self._carry_out(self.controller.refused(routing_id, typed, str(exc)))
             return None
-        return routing_id, typed
+        origin = None if self._roles is not None else _peer_address(frames[-1])
+        return routing_id, typed, origin
 
     async def _carry_out(self, commands: Sequence[Command]) -> None:
         """Do what the controller decided, in its order."""
@@ -249,7 +261,9 @@ class FederatedShell:
                 break
             received = await self._receive(controller.next_deadline() - time.monotonic())
             if received is not None:
-                await self._carry_out(controller.on_message(*received, time.monotonic()))
+                routing_id, message, origin = received
+                now = time.monotonic()
+                await self._carry_out(controller.on_message(routing_id, message, now, origin))
         await self._carry_out(controller.finish())
         server = controller.server
         assert server is not None
@@ -273,3 +287,13 @@ class FederatedShell:
         self._emit({"event": "listening", "endpoint": self.endpoint or self.open()})
         await self.register_clients()
         return await self.run()
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The IP address a message came from (without its port: one host's connections
+    are one peer), or "unknown" where libzmq has none (ipc, inproc)."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return "unknown"
+    return str(address) if address else "unknown"

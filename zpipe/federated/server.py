@@ -87,6 +87,12 @@ class ServerConfig:
     intra_syncs: int = 1
     grouping: GroupingPolicy = field(default_factory=GroupingPolicy)
     seed: int = 0
+    # The flat methods (fedavg, fedasync) set a client aside after observe_silence, and
+    # pick it again once observe_latency measures it (its late answer, say), or when
+    # nothing else could run. fl-server sets it: there a silent client is a peer that may
+    # never answer (issue 33 finding 4: 300 silent ids took FedAsync's every slot).
+    # fl-sim keeps the methods as the paper runs them: a failed client stays in the pool.
+    sideline_silent: bool = False
 
     @property
     def inter_group_alpha(self) -> float:
@@ -129,6 +135,7 @@ class FederatedServer:
         self._next_task_id = 0
         self.busy: set[int] = set()
         self.failed_tasks = 0
+        self.sidelined: set[int] = set()  # silent clients of a flat method (sideline_silent)
         # every global update: (the group whose model it took, -1 for a flat method's
         # client or round; the weight the new global model gave it); a bench's evidence
         self.merges: list[tuple[int, float]] = []
@@ -222,7 +229,7 @@ class FederatedServer:
         return []
 
     def is_dropped(self, client_id: int) -> bool:
-        return False
+        return client_id in self.sidelined
 
     # -- the method's decisions ----------------------------------------------------------
 
@@ -236,19 +243,37 @@ class FederatedServer:
         raise NotImplementedError
 
     def _handle_latency(self, client_id: int, latency_s: float) -> list[TrainTask]:
-        return []  # flat methods do not group, so a latency change decides nothing
+        # flat methods do not group, so a latency decides only whether a silent client
+        # (sideline_silent) is back: it is, and may take a free slot
+        if client_id not in self.sidelined:
+            return []
+        self.sidelined.discard(client_id)
+        return self._handle_join(self.profiles[client_id])
 
     def _handle_silence(self, client_id: int, waited_s: float) -> list[TrainTask]:
-        return []  # flat methods do not group: a silent client is only a failed task
+        # flat methods do not group: a silent client is a failed task, and with
+        # sideline_silent is not picked again until it is heard from
+        if self.config.sideline_silent:
+            self.sidelined.add(client_id)
+        return []
 
     def _handle_join(self, profile: ClientProfile) -> list[TrainTask]:
         raise NotImplementedError
 
     def stats(self) -> dict[str, float | int]:
-        return {"global_updates": self.version, "failed_tasks": self.failed_tasks}
+        stats: dict[str, float | int] = {
+            "global_updates": self.version,
+            "failed_tasks": self.failed_tasks,
+        }
+        if self.sidelined:
+            stats["sidelined_now"] = len(self.sidelined)
+        return stats
 
     def _idle_clients(self, candidates: Sequence[int]) -> list[int]:
-        return sorted(c for c in candidates if c not in self.busy)
+        idle = sorted(c for c in candidates if c not in self.busy)
+        heard = [c for c in idle if c not in self.sidelined]
+        # the set-aside clients get another try only when nothing else would run
+        return heard if heard or self._tasks else idle
 
     def _sample(self, candidates: Sequence[int], k: int) -> list[int]:
         if k <= 0 or not candidates:
