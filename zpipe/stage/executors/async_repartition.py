@@ -43,6 +43,10 @@ from zpipe.stage.supervision import describe_error
 
 log = get_logger("zpipe.stage")
 
+# mini-batches of compute a look's reply carries one by one (``recent``): more than
+# a look's window at the bench's every 10, few enough to stay a small reply
+RECENT = 32
+
 
 class StageRepartition:
     def __init__(
@@ -81,10 +85,11 @@ class StageRepartition:
                     **self._counters.to_dict(),
                     "start": shard.start,
                     "end": shard.start + len(shard.units),
+                    "recent": recent_compute(self._counters),
                 }
             elif phase == "prepare":
                 await self._prepare(trainer, run, step)
-                metrics = self._counters.to_dict()
+                metrics = {**self._counters.to_dict(), "recent": recent_compute(self._counters)}
             elif phase == "fetch":
                 bounds = _bounds(request)
                 entries = list(request.fetch or [])
@@ -168,6 +173,26 @@ class StageRepartition:
         log.info("repartition_committed", stage=self.name, run=run, step=step,
                  units=[start, end], moved=new is not None,
                  regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
+
+
+def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[float]]:
+    """The newest ``newest`` mini-batches' compute, ``[mb, seconds]`` oldest first: each
+    one's forward and backward spans (a mini-batch still awaiting its backward is left
+    out). A look finds a change of speed inside its window from them
+    (:mod:`zpipe.training.repartition_window`), which the counters' sums cannot show."""
+    forward: dict[int, float] = {}
+    backward: dict[int, float] = {}
+    for span in reversed(counters.timeline.spans()):
+        if span.mb < 0:
+            continue
+        if span.phase == "forward":
+            forward.setdefault(span.mb, span.end - span.start)
+        elif span.phase == "backward":
+            backward.setdefault(span.mb, span.end - span.start)
+        if len(backward) >= newest and all(mb in forward for mb in backward):
+            break
+    done = sorted(mb for mb in backward if mb in forward)[-newest:]
+    return [[mb, round(forward[mb] + backward[mb], 6)] for mb in done]
 
 
 def _bounds(request: RepartitionRequest) -> tuple[int, ...]:
