@@ -464,6 +464,9 @@ class RepartitionController:
         self._since_mb = 0  # the window's first mini-batch (the last look's)
         # devices whose last look's window held a change of speed (measured after it)
         self.changed_in_window: list[str] = []
+        # the last look's window per device: its seconds per batch, the mini-batches
+        # they were measured on and the mini-batches the stage gave one by one
+        self.window: dict[str, tuple[float, int, int]] = {}
         self.capacities: dict[str, float] = {}  # smoothed across looks
         self.costs = StageCosts()  # each device's own cost per batch, fitted across looks
         self._units_s: dict[str, float] = {}  # reference seconds each device held at its last look
@@ -507,7 +510,7 @@ class RepartitionController:
         if bandwidths_bps is not None:
             self.links_measured(bandwidths_bps)
         measured: dict[str, float] = {}
-        self.changed_in_window = []
+        self.changed_in_window, self.window = [], {}
         limit = 1.0 + self.settings.deviation
         for device in self.devices:
             c = counters.get(device) or {}
@@ -525,6 +528,7 @@ class RepartitionController:
                     limit=limit,
                 )
                 measured[device] = found.seconds
+                self.window[device] = (found.seconds, found.kept, len(one_by_one or ()))
                 if found.changed:
                     self.changed_in_window.append(device)
         self._since_mb = at
