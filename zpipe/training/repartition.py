@@ -78,7 +78,7 @@ from zpipe.training.stage_cost import StageCosts
 
 # the counters a stage reports whose sum is its compute time (seconds, cumulative)
 COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
-SPAN_COUNTERS = ("forward_s", "backward_s")  # what a stage's ``recent`` times per mini-batch
+SPAN_COUNTERS = ("forward_s",)  # what a stage's ``recent`` times per mini-batch
 _DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius", "watch")
 
 
@@ -387,8 +387,8 @@ def _near(a: Sequence[int], b: Sequence[int], radius: int) -> bool:
 
 
 def _totals(counters: Mapping[str, Any]) -> tuple[float, float, int]:
-    """A stage's cumulative compute seconds, the forward and backward part of them,
-    and its mini-batches."""
+    """A stage's cumulative compute seconds, the forward part of them (what its
+    ``recent`` times one by one), and its mini-batches."""
     seconds = math.fsum(float(counters.get(k) or 0.0) for k in COMPUTE_COUNTERS)
     spans = math.fsum(float(counters.get(k) or 0.0) for k in SPAN_COUNTERS)
     return seconds, spans, int(counters.get("microbatches") or 0)
@@ -459,7 +459,7 @@ class RepartitionController:
             self.links_measured(bandwidths_bps)
         self.plan_epoch = 0  # commits so far
         self.decisions: list[RepartitionDecision] = []
-        # counters at the last look: compute seconds, of them forward and backward, batches
+        # counters at the last look: compute seconds, of them forwards, batches
         self._seen: dict[str, tuple[float, float, int]] = {}
         self._since_mb = 0  # the window's first mini-batch (the last look's)
         # devices whose last look's window held a change of speed (measured after it)

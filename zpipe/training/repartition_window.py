@@ -12,18 +12,18 @@ counters give the window's mean, which is wrong twice over:
 - on a loaded host a few mini-batches wait for a core and the mean follows them
   (a look's time swung 1.5x, and the fixed-cost fit across looks with it).
 
-A stage therefore also reports its newest mini-batches' compute one by one
-(``recent``: ``[mb, seconds]`` of forward and backward, the two spans it times per
-mini-batch). :func:`window_time` finds a change point in the window's series (the
-split whose two sides' medians differ most, each side at least ``MIN_SIDE``
-mini-batches, every mini-batch after it beyond the two medians' geometric middle:
-one slow mini-batch is load, not a change) and, when the sides differ by more than
-``limit`` times, measures the device on the mini-batches after the change only;
-either way the median of what it keeps, not the mean. The cumulative counters
-also hold what the per-mini-batch spans leave out (the optimizer's step): the
-result is the kept median times the window's whole compute over its forwards' and
-backwards' (the counters' own ratio, so the step is taken to scale with the rest,
-as a slower device scales both).
+A stage therefore also reports its newest mini-batches' forwards one by one
+(``recent``: ``[mb, seconds]``; forwards, as most of a window's mini-batches have
+had theirs by the look, far fewer their backwards). :func:`window_time` finds a
+change point in the window's series (the split whose two sides' medians differ
+most, each side at least ``MIN_SIDE`` mini-batches, every mini-batch after it
+beyond the two medians' geometric middle: one slow mini-batch is load, not a
+change) and, when the sides differ by more than ``limit`` times, measures the
+device on the mini-batches after the change only; either way the median of what
+it keeps, not the mean. The cumulative counters also hold what the forwards leave
+out (the backwards, the optimizer's step): the result is the kept median times
+the window's whole compute over its forwards' (the counters' own ratio: the rest
+is taken to scale with the forward, as a slower device scales all of it).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def window_time(
     limit: float,
 ) -> WindowTime:
     """A device's seconds per mini-batch over a window of ``batches`` mini-batches that
-    took ``total_s`` of compute by its counters, ``spans_s`` of it in forwards and
-    backwards; ``recent``: the newest mini-batches' forward and backward seconds,
+    took ``total_s`` of compute by its counters, ``spans_s`` of it in what ``recent``
+    times (forwards); ``recent``: the newest mini-batches' seconds,
     oldest first (only the window's last ``batches`` count; None or too few: the
     counters' mean); ``limit``: how many times either way a change of speed must be
     (``1 + deviation``, the controller's test of a real change)."""
@@ -93,5 +93,5 @@ def window_time(
         return WindowTime(mean)
     k = change_point(values, limit)
     kept = values if k is None else values[k:]
-    scale = total_s / spans_s  # the step, as a share of the spans
+    scale = total_s / spans_s  # the rest of the compute, as a share of the spans
     return WindowTime(scale * statistics.median(kept), changed=k is not None, kept=len(kept))

@@ -1,4 +1,4 @@
-"""A stage's newest mini-batches' compute, one by one, for a look's window (pure; see
+"""A stage's newest mini-batches' forwards, one by one, for a look's window (pure; see
 :func:`zpipe.stage.executors.async_repartition.recent_compute`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from zpipe.stage.executors.async_repartition import recent_compute
 from zpipe.stage.metrics import StageCounters
 
 
-def test_each_mini_batch_is_its_forward_and_backward_oldest_first() -> None:
+def test_the_newest_forwards_oldest_first_whether_or_not_backwarded() -> None:
     counters = StageCounters()
     t = 0.0
     for mb in range(6):
@@ -15,11 +15,11 @@ def test_each_mini_batch_is_its_forward_and_backward_oldest_first() -> None:
         t += 1.0
         counters.timeline.record(-1, "step", t, t + 5.0)  # no mini-batch: left out
         counters.timeline.record(mb, "send", t, t + 7.0)  # not compute
-        if mb < 5:  # the newest one still awaits its backward
+        if mb < 5:  # the newest one still awaits its backward: its forward counts
             counters.timeline.record(mb, "backward", t, t + 0.2)
         t += 1.0
     recent = recent_compute(counters, newest=3)
-    assert [mb for mb, _ in recent] == [2, 3, 4]
-    assert [round(s, 6) for _, s in recent] == [0.5, 0.6, 0.7]
-    assert [mb for mb, _ in recent_compute(counters)] == [0, 1, 2, 3, 4]
+    assert [mb for mb, _ in recent] == [3, 4, 5]
+    assert [round(s, 6) for _, s in recent] == [0.4, 0.5, 0.6]
+    assert [mb for mb, _ in recent_compute(counters)] == [0, 1, 2, 3, 4, 5]
     assert recent_compute(StageCounters()) == []

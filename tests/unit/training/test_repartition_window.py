@@ -86,7 +86,7 @@ def _looks(recent: bool) -> tuple[RepartitionController, tuple[int, ...] | None]
                     cap *= FACTOR
                 seconds = cap * (b[i + 1] - b[i])
                 total[d] += seconds
-                series[d].append([mb, seconds])
+                series[d].append([mb, seconds / 2])  # its forward: half
 
     def counters(at: int) -> dict[str, dict[str, object]]:
         out: dict[str, dict[str, object]] = {}

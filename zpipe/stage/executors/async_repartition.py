@@ -176,23 +176,20 @@ class StageRepartition:
 
 
 def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[float]]:
-    """The newest ``newest`` mini-batches' compute, ``[mb, seconds]`` oldest first: each
-    one's forward and backward spans (a mini-batch still awaiting its backward is left
-    out). A look finds a change of speed inside its window from them
-    (:mod:`zpipe.training.repartition_window`), which the counters' sums cannot show."""
+    """The newest ``newest`` mini-batches' forwards, ``[mb, seconds]`` oldest first. A
+    look finds a change of speed inside its window from them
+    (:mod:`zpipe.training.repartition_window`), which the counters' sums cannot show.
+    Forwards, not forwards and backwards: at a look without a flush the stages hold
+    several mini-batches between their forward and their backward (a middle stage of
+    four about three), so of a window of ten only five or so had both, and a look
+    right after a change had two."""
     forward: dict[int, float] = {}
-    backward: dict[int, float] = {}
     for span in reversed(counters.timeline.spans()):
-        if span.mb < 0:
-            continue
-        if span.phase == "forward":
+        if span.phase == "forward" and span.mb >= 0:
             forward.setdefault(span.mb, span.end - span.start)
-        elif span.phase == "backward":
-            backward.setdefault(span.mb, span.end - span.start)
-        if len(backward) >= newest and all(mb in forward for mb in backward):
-            break
-    done = sorted(mb for mb in backward if mb in forward)[-newest:]
-    return [[mb, round(forward[mb] + backward[mb], 6)] for mb in done]
+            if len(forward) >= newest:
+                break
+    return [[mb, round(forward[mb], 6)] for mb in sorted(forward)]
 
 
 def _bounds(request: RepartitionRequest) -> tuple[int, ...]:
