@@ -23,3 +23,12 @@ def test_the_newest_forwards_oldest_first_whether_or_not_backwarded() -> None:
     assert [round(s, 6) for _, s in recent] == [0.4, 0.5, 0.6]
     assert [mb for mb, _ in recent_compute(counters)] == [0, 1, 2, 3, 4, 5]
     assert recent_compute(StageCounters()) == []
+
+
+def test_the_timeline_gives_its_newest_spans_first_without_copying_the_ring() -> None:
+    counters = StageCounters()
+    for mb in range(3):
+        counters.timeline.record(mb, "forward", mb, mb + 0.5)
+    newest = counters.timeline.newest()
+    assert next(newest).mb == 2
+    assert [span.mb for span in newest] == [1, 0]

@@ -184,7 +184,7 @@ def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[f
     four about three), so of a window of ten only five or so had both, and a look
     right after a change had two."""
     forward: dict[int, float] = {}
-    for span in reversed(counters.timeline.spans()):
+    for span in counters.timeline.newest():
         if span.phase == "forward" and span.mb >= 0:
             forward.setdefault(span.mb, span.end - span.start)
             if len(forward) >= newest:
