@@ -32,6 +32,7 @@ four. A device that has run one cut only gets the others' ``phi``.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,10 +75,11 @@ class StageCosts:
 
     points: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     fitted: dict[str, float] = field(default_factory=dict)  # phi from the device's own points
+    most: float = math.inf  # the largest phi taken (reference seconds)
 
     def share(self) -> float:
-        """``phi``: the median of the devices' own fits, else 0."""
-        return statistics.median(self.fitted.values()) if self.fitted else 0.0
+        """``phi``: the median of the devices' own fits (at most ``most``), else 0."""
+        return min(statistics.median(self.fitted.values()), self.most) if self.fitted else 0.0
 
     def observe(self, device: str, units_s: float, measured_s: float) -> None:
         """One look: ``device`` took ``measured_s`` per mini-batch over units of
