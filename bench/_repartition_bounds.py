@@ -85,14 +85,24 @@ def after_change(capacities: Sequence[float], slowing: int) -> list[float]:
 
 
 def phase_bound(
-    capacities: Sequence[float], units: int, reference: Sequence[float] = ()
+    capacities: Sequence[float],
+    units: int,
+    reference: Sequence[float] = (),
+    *,
+    fixed_units: float = 0.0,
 ) -> PhaseBound:
     """The even cuts' period and the best integer cuts' (eq. 5), equal units unless
-    ``reference`` gives each unit's cost."""
+    ``reference`` gives each unit's cost; ``fixed_units``: each stage's own cost per
+    batch in units (a device's speed scales it as it scales its units: stage ``i``
+    pays ``C_i * (fixed_units + its units)``; 0: eq. 5 as the paper states it)."""
     reference = list(reference) or [1.0] * units
-    best = ftpipehd_partition(reference, capacities=capacities)
+    fixed = [c * fixed_units for c in capacities]
+    best = ftpipehd_partition(reference, capacities=capacities, fixed_s=fixed)
     cuts = even_bounds(units, len(capacities))
-    even = max(sum(reference[a:b]) * c for a, b, c in zip(cuts, cuts[1:], capacities, strict=False))
+    even = max(
+        (fixed_units + sum(reference[a:b])) * c
+        for a, b, c in zip(cuts, cuts[1:], capacities, strict=False)
+    )
     return PhaseBound(even, best.period_s, best.bounds)
 
 
@@ -121,12 +131,23 @@ def time_to_step(step: int, *, before_s: float, after_s: float, change_s: float)
 
 
 def run_bound(
-    capacities: Sequence[float], setup: Setup, *, unit_s: float, step: int
+    capacities: Sequence[float],
+    setup: Setup,
+    *,
+    unit_s: float,
+    step: int,
+    fixed_units: float = 0.0,
 ) -> tuple[PhaseBound, PhaseBound, float]:
     """The phases' bounds and the run's: PipeDream's time to ``step`` over FTPipeHD's,
-    each at its ideal period (``unit_s`` seconds per unit-time) around the change."""
-    before = phase_bound(capacities, setup.units, setup.reference())
-    after = phase_bound(after_change(capacities, setup.slowing), setup.units, setup.reference())
+    each at its ideal period (``unit_s`` seconds per unit-time) around the change;
+    ``fixed_units``: each stage's own cost per batch (:func:`phase_bound`)."""
+    before = phase_bound(capacities, setup.units, setup.reference(), fixed_units=fixed_units)
+    after = phase_bound(
+        after_change(capacities, setup.slowing),
+        setup.units,
+        setup.reference(),
+        fixed_units=fixed_units,
+    )
     even = time_to_step(
         step,
         before_s=before.even_period * unit_s,

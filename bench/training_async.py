@@ -89,6 +89,17 @@ controller now fits that cost across its looks (``fixed_s`` in each look,
 best cuts' under the last look's fitted capacities and fixed costs; the units
 taken as equal), the honest ceiling for the measured ratio after the change.
 
+What each bound includes: ``bound_run`` (and ``measured_over_bound``, the headline's
+``ftpipehd_headline_measured_over_bound``) is eq. 5 as the paper states it, every
+stage's time its units' work times its capacity, links free (loopback), the move
+itself free and instant at the change; it leaves out the stage's own cost per
+mini-batch, so no run of this emulation can reach it. ``bound_run_fixed`` (and
+``measured_over_bound_fixed``) is the same run bound with each stage paying that
+cost too, ``C_i * (fixed_units + its units)``, where ``fixed_units`` is the median
+over FTPipeHD's looks of the cost they fitted (:mod:`zpipe.training.stage_cost`,
+in units); still a free, instant move and no detection delay. None when no look
+fitted one.
+
 The headline key (``ftpipehd_headline_setup``) is chosen by a rule, not by its
 number (:func:`headline_setup`): of the set-ups run whose model learned in this
 run (``ratio_kind`` ``time_to_loss``, so a time to loss means something), one
@@ -168,6 +179,9 @@ SETUP_SUMMARY_KEYS = (
     "ratio",
     "bound_run",
     "measured_over_bound",
+    "fixed_units",
+    "bound_run_fixed",
+    "measured_over_bound_fixed",
     "bound_before",
     "measured_before",
     "bound_after",
@@ -395,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ftpipehd_headline_setup=chosen,
         ftpipehd_headline_bound=headline.get("bound_run"),
         ftpipehd_headline_measured_over_bound=headline.get("measured_over_bound"),
+        ftpipehd_headline_bound_with_fixed_cost=headline.get("bound_run_fixed"),
+        ftpipehd_headline_measured_over_bound_with_fixed_cost=headline.get(
+            "measured_over_bound_fixed"
+        ),
         ftpipehd_time_to_loss_by_setup={k: v["ratio"] for k, v in results.items()},
         ftpipehd_setups={
             k: {key: v[key] for key in SETUP_SUMMARY_KEYS if key in v} for k, v in results.items()
@@ -454,6 +472,25 @@ def setups(args: argparse.Namespace) -> list[Setup]:
 def _dims(args: argparse.Namespace, units: int) -> list[int]:
     """The repartition model's widths: the digits' 64 inputs, hidden, 10 classes."""
     return [64, *[args.repartition_hidden] * (units - 1), 10]
+
+
+def _fixed_units(looks: Sequence[dict[str, Any]], names: Sequence[str]) -> float | None:
+    """A stage's own cost per mini-batch in units (reference unit-times), the median
+    over the looks whose fit found one: each look's ``F_i / C_i`` (the fixed share in
+    reference seconds, alike on every stage) over a reference unit's seconds (the
+    look's period is its slowest stage's ``F_i + C_i * r * k_i``; the units taken as
+    equal). None when no look found one."""
+    found = []
+    for look in looks:
+        caps, own = look.get("capacities") or {}, look.get("fixed_s") or {}
+        if not all(caps.get(d) and d in own for d in names) or not any(own.values()):
+            continue
+        held = [b - a for a, b in itertools.pairwise(look["current"])]
+        cap, fixed = [caps[d] for d in names], [own[d] for d in names]
+        r = min((look["period_s"] - f) / (c * k) for c, f, k in zip(cap, fixed, held, strict=True))
+        if r > 0:
+            found.append(statistics.median(f / c for c, f in zip(cap, fixed, strict=True)) / r)
+    return statistics.median(found) if found else None
 
 
 def _gaps(times: Sequence[float], low: float, high: float) -> list[float]:
@@ -594,6 +631,14 @@ def one_setup(
     # one unit-time in seconds, from PipeDream's own period before the change
     unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
     before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
+    # the same bound with each stage's own cost per mini-batch, as FTPipeHD's looks
+    # fitted it (in units; the median over the looks that found one)
+    fixed_units = _fixed_units(ftpipehd[0].repartitions, names)
+    bound_fixed = None
+    if fixed_units is not None:
+        bound_fixed = run_bound(
+            caps, setup, unit_s=unit_s, step=target_step, fixed_units=fixed_units
+        )[2]
     # where the run loses against the bound: detection, the move, each phase's period
     timeline = repartition_timeline(
         ft_t,
@@ -630,6 +675,10 @@ def one_setup(
         "fitted_bound_last_look": None if fitted is None else round(fitted.ratio, 3),
         "fitted_at": None if last is None else last["at"],
         "bound_run": round(bound, 3), "measured_over_bound": round(ratio / bound, 3),
+        "fixed_units": None if fixed_units is None else round(fixed_units, 3),
+        "bound_run_fixed": None if bound_fixed is None else round(bound_fixed, 3),
+        "measured_over_bound_fixed": (
+            None if bound_fixed is None else round(ratio / bound_fixed, 3)),
         "measured_before": measured["before"], "measured_after": measured["after"],
         "unit_s": round(unit_s, 5),
         # the change must fall inside both runs, or the set-up was not measured

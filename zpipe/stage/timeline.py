@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,13 @@ class Timeline:
 
     def spans(self) -> list[Span]:
         return [Span(*s) for s in self._spans]
+
+    def newest(self) -> Iterator[Span]:
+        """The spans newest first, built one at a time: a reader that wants the last
+        few stops early instead of copying the whole ring (a look reads a stage's
+        newest forwards while it trains)."""
+        for span in reversed(self._spans):
+            yield Span(*span)
 
     def clear(self) -> None:
         self._spans.clear()

@@ -10,7 +10,11 @@ decides (:mod:`zpipe.coordinator.runs.async_repartition`).
   two looks before (:mod:`zpipe.training.repartition_watch`: a device that slows
   right after a look is not left on the old cuts for ``every`` slow batches).
 - Execution profiling: each stage's compute time per batch since the last look
-  (its counters' difference: FTPipeHD's per-worker average ``T_e^i``).
+  (its counters' difference: FTPipeHD's per-worker average ``T_e^i``); with the
+  stage's mini-batches one by one (``recent`` in its counters), their median, and
+  when the window holds a change of the device's speed, the mini-batches after it
+  only (:mod:`zpipe.training.repartition_window`): a look during the change moves
+  in one step to the cuts of the new speed, not to a mix of the two.
 - Re-partition: capacities from those times (eqs. 1-3) and the cuts of eq. 5
   (:func:`zpipe.planner.ftpipehd.repartition_from_measurements`); with no time
   measured yet, eq. 7 on the reference times alone (every ``C_i = 1``). Eq. 5's
@@ -69,10 +73,12 @@ from zpipe.planner.capacity import estimate_capacities
 from zpipe.planner.ftpipehd import ftpipehd_partition, repartition_from_measurements
 from zpipe.recovery.redistribution import Redistribution, plan_redistribution
 from zpipe.recovery.spans import StageSpan
+from zpipe.training.repartition_window import window_time
 from zpipe.training.stage_cost import StageCosts
 
 # the counters a stage reports whose sum is its compute time (seconds, cumulative)
 COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
+SPAN_COUNTERS = ("forward_s",)  # what a stage's ``recent`` times per mini-batch
 _DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius", "watch")
 
 
@@ -380,6 +386,34 @@ def _near(a: Sequence[int], b: Sequence[int], radius: int) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= radius for x, y in zip(a, b, strict=True))
 
 
+def _totals(counters: Mapping[str, Any]) -> tuple[float, float, int]:
+    """A stage's cumulative compute seconds, the forward part of them (what its
+    ``recent`` times one by one), and its mini-batches."""
+    seconds = math.fsum(float(counters.get(k) or 0.0) for k in COMPUTE_COUNTERS)
+    spans = math.fsum(float(counters.get(k) or 0.0) for k in SPAN_COUNTERS)
+    return seconds, spans, int(counters.get("microbatches") or 0)
+
+
+def _recent(given: Any, since: int) -> list[float] | None:
+    """A stage's ``recent`` (``[mb, seconds]`` pairs, oldest first) from mini-batch
+    ``since`` on, as seconds; None when it sent none or malformed ones (an older
+    stage: the window's mean then)."""
+    if not isinstance(given, list):
+        return None
+    out: list[float] = []
+    for pair in given:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            return None
+        mb, seconds = pair
+        if isinstance(mb, bool) or not isinstance(mb, int):
+            return None
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            return None
+        if mb >= since:
+            out.append(float(seconds))
+    return out
+
+
 def _capacities(
     times: Mapping[str, float],
     devices: Sequence[str],
@@ -425,9 +459,19 @@ class RepartitionController:
             self.links_measured(bandwidths_bps)
         self.plan_epoch = 0  # commits so far
         self.decisions: list[RepartitionDecision] = []
-        self._seen: dict[str, tuple[float, int]] = {}  # counters at the last look
+        # counters at the last look: compute seconds, of them forwards, batches
+        self._seen: dict[str, tuple[float, float, int]] = {}
+        self._since_mb = 0  # the window's first mini-batch (the last look's)
+        # devices whose last look's window held a change of speed (measured after it)
+        self.changed_in_window: list[str] = []
+        # the last look's window per device: its seconds per batch, the mini-batches
+        # they were measured on and the mini-batches the stage gave one by one
+        self.window: dict[str, tuple[float, int, int]] = {}
         self.capacities: dict[str, float] = {}  # smoothed across looks
-        self.costs = StageCosts()  # each device's own cost per batch, fitted across looks
+        # each device's own cost per batch, fitted across looks; at most an even
+        # stage's units (a fit of loaded looks once read ten units of 24, and eq. 5
+        # then gave 21 units to the slowest device)
+        self.costs = StageCosts(most=math.fsum(self.reference_unit_s) / max(len(self.devices), 1))
         self._units_s: dict[str, float] = {}  # reference seconds each device held at its last look
         # the compute period each cut measured since the last real change of a
         # capacity (its links are costed at each look from the latest bandwidths)
@@ -469,14 +513,28 @@ class RepartitionController:
         if bandwidths_bps is not None:
             self.links_measured(bandwidths_bps)
         measured: dict[str, float] = {}
+        self.changed_in_window, self.window = [], {}
+        limit = 1.0 + self.settings.deviation
         for device in self.devices:
             c = counters.get(device) or {}
-            seconds = math.fsum(float(c.get(k) or 0.0) for k in COMPUTE_COUNTERS)
-            batches = int(c.get("microbatches") or 0)
-            before_s, before_n = self._seen.get(device, (0.0, 0))
-            self._seen[device] = (seconds, batches)
+            seconds, spans, batches = _totals(c)
+            before_s, before_spans, before_n = self._seen.get(device, (0.0, 0.0, 0))
+            self._seen[device] = (seconds, spans, batches)
             if batches > before_n and seconds > before_s:
-                measured[device] = (seconds - before_s) / (batches - before_n)
+                # the window's mini-batches one by one: those fed since the last look
+                one_by_one = _recent(c.get("recent"), self._since_mb)
+                found = window_time(
+                    seconds - before_s,
+                    spans - before_spans,
+                    batches - before_n,
+                    one_by_one,
+                    limit=limit,
+                )
+                measured[device] = found.seconds
+                self.window[device] = (found.seconds, found.kept, len(one_by_one or ()))
+                if found.changed:
+                    self.changed_in_window.append(device)
+        self._since_mb = at
         settings = self.settings
         if self.plan_epoch > 0 and settings.bounds is not None:
             settings = replace(settings, bounds=None)
@@ -526,8 +584,7 @@ class RepartitionController:
             c = counters.get(device)
             if c is None:
                 continue
-            seconds = math.fsum(float(c.get(k) or 0.0) for k in COMPUTE_COUNTERS)
-            self._seen[device] = (seconds, int(c.get("microbatches") or 0))
+            self._seen[device] = _totals(c)
 
     def _smooth(self, measured: Mapping[str, float]) -> dict[str, float]:
         """Each device's capacity (its fixed cost taken out) averaged with its past
@@ -542,6 +599,10 @@ class RepartitionController:
         real: set[str] = set()
         for device, value in measured.items():
             past = self.capacities.get(device)
+            # a change found inside the window gave the speed after it; whether that is
+            # a real change is the model's test as for any look (forcing it made every
+            # load swing that looked like a change inside a window clear the measured
+            # cuts and the smoothing: a bench run then moved 12 times)
             if past is not None:
                 ratio = value / (past * (before + units_s[device]))
                 if max(ratio, 1.0 / ratio) > limit:

@@ -31,6 +31,7 @@ four. A device that has run one cut only gets the others' ``phi``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -41,23 +42,29 @@ _DISTINCT = 1e-9
 
 
 def fit_fixed_share(points: Sequence[tuple[float, float]]) -> float | None:
-    """``phi`` from ``(R, T)`` points by least squares ``T = a + b R``, ``phi = a / b``;
-    None when the points span one cut only or the slope is not positive (noise);
-    0 when the intercept is not above rounding."""
+    """``phi`` from ``(R, T)`` points by a Theil-Sen line ``T = a + b R`` (the median
+    of the slopes between points of different cuts, the median intercept at that
+    slope), ``phi = a / b``; None when the points span one cut only or the slope is
+    not positive (noise); 0 when the intercept is not above rounding. A median, not
+    least squares: under load one look's time can be 1.5x its cut's others, and a
+    least-squares line through it tilts (a huge ``phi`` or none at all)."""
     if len(points) < 2:
         return None
     xs = [float(r) for r, _ in points]
     if max(xs) - min(xs) <= _DISTINCT * max(abs(x) for x in xs):
         return None
     ys = [float(t) for _, t in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = math.fsum((x - mean_x) ** 2 for x in xs)
-    sxy = math.fsum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
-    slope = sxy / sxx
+    apart = _DISTINCT * max(abs(x) for x in xs)
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for (x1, y1), (x2, y2) in itertools.combinations(zip(xs, ys, strict=True), 2)
+        if abs(x2 - x1) > apart
+    ]
+    slope = statistics.median(slopes)
     if not slope > 0:
         return None
-    intercept = mean_y - slope * mean_x
-    if intercept <= _DISTINCT * mean_y:  # none, or rounding of none: eqs. 1-3 exactly
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
+    if intercept <= _DISTINCT * statistics.median(ys):  # none, or rounding of none
         return 0.0
     return intercept / slope
 
@@ -68,10 +75,11 @@ class StageCosts:
 
     points: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     fitted: dict[str, float] = field(default_factory=dict)  # phi from the device's own points
+    most: float = math.inf  # the largest phi taken (reference seconds)
 
     def share(self) -> float:
-        """``phi``: the median of the devices' own fits, else 0."""
-        return statistics.median(self.fitted.values()) if self.fitted else 0.0
+        """``phi``: the median of the devices' own fits (at most ``most``), else 0."""
+        return min(statistics.median(self.fitted.values()), self.most) if self.fitted else 0.0
 
     def observe(self, device: str, units_s: float, measured_s: float) -> None:
         """One look: ``device`` took ``measured_s`` per mini-batch over units of

@@ -153,3 +153,33 @@ def test_the_headline_is_a_learning_middle_set_up_with_the_most_units() -> None:
     assert headline_setup({k: results[k] for k in ("u12_best", "u12_middle")}) == "u12_middle"
     assert headline_setup({"u16_middle": results["u16_middle"]}) == "u16_middle"
     assert headline_setup({}) is None
+
+
+def test_a_stages_own_cost_lowers_the_bound_and_none_leaves_it() -> None:
+    assert phase_bound(CAPS, 12, fixed_units=0.0) == phase_bound(CAPS, 12)
+    # u12_middle after the change: even 3 units each, the 80x device pays 80 * (3 + 3);
+    # at best it holds one unit and pays 80 * (3 + 1): no cut does better than 1.5
+    after = phase_bound(after_change(CAPS, 1), 12, fixed_units=3.0)
+    assert after.even_period == pytest.approx(480.0)
+    assert after.best_period == pytest.approx(320.0)
+    assert after.ratio == pytest.approx(1.5)
+    setup = Setup("u12_middle", 12, 1, 160, 6.0)
+    plain = run_bound(CAPS, setup, unit_s=0.001, step=150)[2]
+    fixed = run_bound(CAPS, setup, unit_s=0.001, step=150, fixed_units=3.0)[2]
+    assert 1.0 < fixed < plain
+
+
+def test_the_fixed_cost_in_units_is_the_median_over_the_looks_that_fitted_one() -> None:
+    from bench.training_async import _fixed_units
+
+    def look(phi: float, r: float) -> dict[str, object]:
+        # capacities 1 and 2, two units each: the period is b's 2 * (phi + 2 r)
+        return {"capacities": {"a": 1.0, "b": 2.0}, "fixed_s": {"a": phi, "b": 2 * phi},
+                "current": [0, 2, 4], "period_s": 2 * phi + 2 * 2 * r}  # fmt: skip
+
+    unfitted = {"capacities": {"a": 1.0, "b": 2.0}, "fixed_s": {"a": 0.0, "b": 0.0},
+                "current": [0, 2, 4], "period_s": 4.0}  # fmt: skip
+    assert _fixed_units([unfitted], ["a", "b"]) is None
+    assert (
+        _fixed_units([look(3.0, 1.0), unfitted, look(1.0, 0.5), look(9.0, 1.0)], ["a", "b"]) == 3.0
+    )

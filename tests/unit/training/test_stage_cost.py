@@ -176,3 +176,25 @@ def test_with_no_fixed_cost_the_decisions_are_eq_3s() -> None:
             moved += 1
             controller.committed(decision)
     assert moved >= 2  # it did move, before and after the change
+
+
+def test_one_look_slowed_by_load_does_not_tilt_the_fit() -> None:
+    # T = 2.5 + R on four cuts; cut 2 measured once more while the host was loaded
+    clean = [(1.0, 3.5), (2.0, 4.5), (3.0, 5.5), (4.0, 6.5)]
+    assert fit_fixed_share([*clean, (2.0, 9.0)]) == pytest.approx(2.5)
+    assert fit_fixed_share([*clean, (4.0, 2.0)]) == pytest.approx(2.5)
+
+
+def test_a_fixed_cost_beyond_the_limit_is_taken_at_the_limit() -> None:
+    costs = StageCosts(most=3.0)
+    assert costs.share() == 0.0
+    for units, seconds in ((1.0, 11.0), (2.0, 12.0)):  # phi 10
+        costs.observe("a", units, seconds)
+    assert costs.fitted["a"] == pytest.approx(10.0)
+    assert costs.share() == 3.0
+    assert costs.capacity(2.0, 10.0) == pytest.approx(2.0)
+    # the controller's limit: an even stage's reference seconds
+    controller = RepartitionController(
+        RepartitionSettings(), devices=["a", "b"], bounds=[0, 4, 8], reference_unit_s=[0.5] * 8
+    )
+    assert controller.costs.most == pytest.approx(2.0)

@@ -148,6 +148,16 @@ def build_controller(
     )
 
 
+def _window_logged(controller: RepartitionController) -> dict[str, Any]:
+    """What the look measured of each device (seconds per batch, the mini-batches
+    kept of those given one by one) and where its window held a change of speed."""
+    return {
+        "window": {d: [round(s, 6), kept, given] for d, (s, kept, given) in
+                   controller.window.items()},
+        "changed_in_window": list(controller.changed_in_window),
+    }  # fmt: skip
+
+
 def _links_logged(controller: RepartitionController) -> dict[str, Any]:
     """The links a look costed, for its log line: Mbit/s between consecutive stages
     (None: unlimited); nothing when it costs no links."""
@@ -328,7 +338,7 @@ class LiveRepartitioning:
                 links = self._bandwidths(controller)
                 decision = controller.look(step, counters, bandwidths_bps=links)
             yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
-                      **_links_logged(controller)})  # fmt: skip
+                      **_links_logged(controller), **_window_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
@@ -384,7 +394,8 @@ class LiveRepartitioning:
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
-                      **decision.to_dict(), **_links_logged(controller)})  # fmt: skip
+                      **decision.to_dict(), **_links_logged(controller),
+                      **_window_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
             if decision.moves:
                 # the client pauses for it: a successor must carry it out, not look anew

@@ -43,6 +43,10 @@ from zpipe.stage.supervision import describe_error
 
 log = get_logger("zpipe.stage")
 
+# mini-batches of compute a look's reply carries one by one (``recent``): more than
+# a look's window at the bench's every 10, few enough to stay a small reply
+RECENT = 32
+
 
 class StageRepartition:
     def __init__(
@@ -81,10 +85,11 @@ class StageRepartition:
                     **self._counters.to_dict(),
                     "start": shard.start,
                     "end": shard.start + len(shard.units),
+                    "recent": recent_compute(self._counters),
                 }
             elif phase == "prepare":
                 await self._prepare(trainer, run, step)
-                metrics = self._counters.to_dict()
+                metrics = {**self._counters.to_dict(), "recent": recent_compute(self._counters)}
             elif phase == "fetch":
                 bounds = _bounds(request)
                 entries = list(request.fetch or [])
@@ -168,6 +173,23 @@ class StageRepartition:
         log.info("repartition_committed", stage=self.name, run=run, step=step,
                  units=[start, end], moved=new is not None,
                  regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
+
+
+def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[float]]:
+    """The newest ``newest`` mini-batches' forwards, ``[mb, seconds]`` oldest first. A
+    look finds a change of speed inside its window from them
+    (:mod:`zpipe.training.repartition_window`), which the counters' sums cannot show.
+    Forwards, not forwards and backwards: at a look without a flush the stages hold
+    several mini-batches between their forward and their backward (a middle stage of
+    four about three), so of a window of ten only five or so had both, and a look
+    right after a change had two."""
+    forward: dict[int, float] = {}
+    for span in counters.timeline.newest():
+        if span.phase == "forward" and span.mb >= 0:
+            forward.setdefault(span.mb, span.end - span.start)
+            if len(forward) >= newest:
+                break
+    return [[mb, round(forward[mb], 6)] for mb in sorted(forward)]
 
 
 def _bounds(request: RepartitionRequest) -> tuple[int, ...]:
