@@ -73,12 +73,11 @@ from zpipe.planner.capacity import estimate_capacities
 from zpipe.planner.ftpipehd import ftpipehd_partition, repartition_from_measurements
 from zpipe.recovery.redistribution import Redistribution, plan_redistribution
 from zpipe.recovery.spans import StageSpan
+from zpipe.training.repartition_period import links_s, period_at
+from zpipe.training.repartition_reports import recent_times, stage_totals
 from zpipe.training.repartition_window import window_time
 from zpipe.training.stage_cost import StageCosts
 
-# the counters a stage reports whose sum is its compute time (seconds, cumulative)
-COMPUTE_COUNTERS = ("forward_s", "backward_s", "step_s")
-SPAN_COUNTERS = ("forward_s",)  # what a stage's ``recent`` times per mini-batch
 _DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius", "watch")
 
 
@@ -227,40 +226,6 @@ def spans_of(devices: Sequence[str], bounds: Sequence[int]) -> list[StageSpan]:
     return [StageSpan((d,), int(bounds[i]), int(bounds[i + 1])) for i, d in enumerate(devices)]
 
 
-def _period_at(
-    bounds: Sequence[int],
-    reference_unit_s: Sequence[float],
-    capacities: Sequence[float],
-    output_bytes: Sequence[float] | None,
-    bandwidths_bps: Sequence[float] | None,
-    fixed_s: Sequence[float] | None = None,
-) -> float:
-    """Eq. 5's period of the given cuts: the slowest stage (eq. 7, plus its own cost
-    per batch when given) or link (2 x eq. 6)."""
-    worst = 0.0
-    for i, cap in enumerate(capacities):
-        own = 0.0 if fixed_s is None else fixed_s[i]
-        worst = max(worst, own + math.fsum(reference_unit_s[bounds[i] : bounds[i + 1]]) * cap)
-    return max(worst, _links_s(bounds, output_bytes, bandwidths_bps))
-
-
-def _links_s(
-    bounds: Sequence[int],
-    output_bytes: Sequence[float] | None,
-    bandwidths_bps: Sequence[float] | None,
-) -> float:
-    """The slowest link of the given cuts: 2 x eq. 6, the activation that crosses it
-    forward and its gradient back (0 without sizes or bandwidths)."""
-    if output_bytes is None or bandwidths_bps is None:
-        return 0.0
-    worst = 0.0
-    for i, bandwidth in enumerate(bandwidths_bps):
-        size = float(output_bytes[bounds[i + 1] - 1])
-        if size:
-            worst = max(worst, 2.0 * size / bandwidth)
-    return worst
-
-
 def decide_repartition(
     settings: RepartitionSettings,
     *,
@@ -329,7 +294,7 @@ def decide_repartition(
         )
         caps = dict.fromkeys(devices, 1.0)
     fixed_list = [own.get(d, 0.0) for d in devices]
-    period = _period_at(
+    period = period_at(
         current, reference_unit_s, list(caps.values()), output_bytes, bandwidths_bps, fixed_list
     )
     target: tuple[int, ...] | None = tuple(best.bounds)
@@ -339,7 +304,7 @@ def decide_repartition(
         target = tuple(settings.bounds)
         if len(target) != n + 1 or target[0] != 0 or target[-1] != current[-1]:
             raise ConfigError(f"bounds {list(target)} do not cut the same units into {n} stages")
-        new_period = _period_at(
+        new_period = period_at(
             target,
             reference_unit_s,
             list(caps.values()),
@@ -355,7 +320,7 @@ def decide_repartition(
         if ran > 0:
             # what the cuts measured is their compute; their links are costed as
             # last measured (a link may have changed since they ran)
-            ran = max(ran, _links_s(target, output_bytes, bandwidths_bps))
+            ran = max(ran, links_s(target, output_bytes, bandwidths_bps))
         if ran > new_period:
             # eq. 3 flatters cuts it has seen run: judge them by what they measured
             new_period = ran
@@ -384,34 +349,6 @@ def decide_repartition(
 def _near(a: Sequence[int], b: Sequence[int], radius: int) -> bool:
     """Whether cuts ``a`` and ``b`` differ by at most ``radius`` units at every boundary."""
     return len(a) == len(b) and all(abs(x - y) <= radius for x, y in zip(a, b, strict=True))
-
-
-def _totals(counters: Mapping[str, Any]) -> tuple[float, float, int]:
-    """A stage's cumulative compute seconds, the forward part of them (what its
-    ``recent`` times one by one), and its mini-batches."""
-    seconds = math.fsum(float(counters.get(k) or 0.0) for k in COMPUTE_COUNTERS)
-    spans = math.fsum(float(counters.get(k) or 0.0) for k in SPAN_COUNTERS)
-    return seconds, spans, int(counters.get("microbatches") or 0)
-
-
-def _recent(given: Any, since: int) -> list[float] | None:
-    """A stage's ``recent`` (``[mb, seconds]`` pairs, oldest first) from mini-batch
-    ``since`` on, as seconds; None when it sent none or malformed ones (an older
-    stage: the window's mean then)."""
-    if not isinstance(given, list):
-        return None
-    out: list[float] = []
-    for pair in given:
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
-            return None
-        mb, seconds = pair
-        if isinstance(mb, bool) or not isinstance(mb, int):
-            return None
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-            return None
-        if mb >= since:
-            out.append(float(seconds))
-    return out
 
 
 def _capacities(
@@ -517,12 +454,12 @@ class RepartitionController:
         limit = 1.0 + self.settings.deviation
         for device in self.devices:
             c = counters.get(device) or {}
-            seconds, spans, batches = _totals(c)
+            seconds, spans, batches = stage_totals(c)
             before_s, before_spans, before_n = self._seen.get(device, (0.0, 0.0, 0))
             self._seen[device] = (seconds, spans, batches)
             if batches > before_n and seconds > before_s:
                 # the window's mini-batches one by one: those fed since the last look
-                one_by_one = _recent(c.get("recent"), self._since_mb)
+                one_by_one = recent_times(c.get("recent"), self._since_mb)
                 found = window_time(
                     seconds - before_s,
                     spans - before_spans,
@@ -542,7 +479,7 @@ class RepartitionController:
         if all(d in measured for d in self.devices):
             smoothed = self._smooth(measured)
             fixed = {d: smoothed[d] * self.costs.share() for d in self.devices}
-            self.tried[self.bounds] = _period_at(
+            self.tried[self.bounds] = period_at(
                 self.bounds,
                 self.reference_unit_s,
                 [smoothed[d] for d in self.devices],
@@ -584,7 +521,7 @@ class RepartitionController:
             c = counters.get(device)
             if c is None:
                 continue
-            self._seen[device] = _totals(c)
+            self._seen[device] = stage_totals(c)
 
     def _smooth(self, measured: Mapping[str, float]) -> dict[str, float]:
         """Each device's capacity (its fixed cost taken out) averaged with its past
