@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,8 +47,8 @@ from zpipe.client import (
     TrainOptions,
     TrainReport,
 )
+from zpipe.cluster.device_spec import DeviceSpec
 from zpipe.config import Timeouts
-from zpipe.devices import check_device_text
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.progress import TerminalProgress
@@ -56,55 +56,6 @@ from zpipe.transport.ports import free_tcp_port
 
 # set (to anything but 0) to launch the processes of every cluster from a zygote
 ZYGOTE_ENV = "ZPIPE_CLUSTER_ZYGOTE"
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One device: its name, how much slower it computes, its outgoing link, where it
-    computes (``device``)."""
-
-    name: str
-    slowdown: float = 1.0
-    bandwidth_mbps: float | None = None
-    latency_ms: float = 0.0
-    loss: float = 0.0
-    threads: int | None = None
-    memory_mb: float | None = None
-    # emulated bandwidth of the link to the coordinator (control and bulk state)
-    uplink_mbps: float | None = None
-    # rows of one data message the stage's data port accepts (--max-batch-rows)
-    max_batch_rows: int | None = None
-    # where the stage computes (--device: auto, cpu, cuda[:N], mps); None: the stage's
-    # default (auto)
-    device: str | None = None
-    # a slowdown that changes over time ("0:1,60:10", --slowdown-schedule)
-    slowdown_schedule: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.device is not None:
-            check_device_text(self.device)  # a typo is refused before any process starts
-
-    def stage_flags(self) -> list[str]:
-        flags = ["--name", self.name, "--slowdown", str(self.slowdown)]
-        if self.bandwidth_mbps is not None:
-            flags += ["--bandwidth-mbps", str(self.bandwidth_mbps)]
-        if self.latency_ms:
-            flags += ["--latency-ms", str(self.latency_ms)]
-        if self.loss:
-            flags += ["--loss", str(self.loss)]
-        if self.threads is not None:
-            flags += ["--threads", str(self.threads)]
-        if self.memory_mb is not None:
-            flags += ["--memory-mb", str(self.memory_mb)]
-        if self.uplink_mbps is not None:
-            flags += ["--uplink-mbps", str(self.uplink_mbps)]
-        if self.max_batch_rows is not None:
-            flags += ["--max-batch-rows", str(self.max_batch_rows)]
-        if self.device is not None:
-            flags += ["--device", self.device]
-        if self.slowdown_schedule is not None:
-            flags += ["--slowdown-schedule", self.slowdown_schedule]
-        return flags
 
 
 class StageProcess(Protocol):
