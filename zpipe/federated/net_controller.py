@@ -21,7 +21,6 @@ order:
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from zpipe._errors import ConfigError, ProtocolError, ZpipeError
 from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.model import MLPShape, init_weights
 from zpipe.federated.net_admission import profile_from_register
+from zpipe.federated.net_limits import IdsPerAddress, TaskDeadlines
 from zpipe.federated.net_trace import config_to_json, dispatch_events
 from zpipe.federated.net_wire import SERVER_KEY_NAME, weights_from, weights_tensor
 from zpipe.federated.probing import ProbeResult, ProbeSchedule
@@ -57,12 +57,6 @@ from zpipe.protocol.federated import (
 )
 
 FloatArray = npt.NDArray[np.float64]
-
-# A task is taken back from a client silent for DEADLINE_FACTOR times the slowest of
-# its last LATENCY_HISTORY measured latencies (never sooner than --task-floor, never
-# later than --task-timeout): a client's own history says when its silence is news.
-DEADLINE_FACTOR = 4.0
-LATENCY_HISTORY = 8
 
 
 @dataclass(frozen=True)
@@ -197,8 +191,8 @@ class FlServerController:
         # tasks taken back from a silent client, until --task-timeout after their send:
         # an answer meanwhile is late (measured, never merged)
         self._late: dict[int, _Outstanding] = {}
-        self._latencies: dict[int, deque[float]] = {}  # client id -> its last latencies
-        self._origins: dict[str, set[int]] = {}  # peer address -> the client ids it holds
+        self.deadlines = TaskDeadlines(config.task_floor_s, config.task_timeout_s)
+        self.origins = IdsPerAddress(config.ids_per_address)
         self._end_at = math.inf
         self._evaluated: int | None = None  # the version last evaluated
 
@@ -245,31 +239,15 @@ class FlServerController:
         """The client a registration adds and its welcome, or why it is refused."""
         try:
             profile = self._profile_of(routing_id, message)
-            self._check_origin(origin, profile.client_id)
+            self.origins.check(origin, profile.client_id)
         except ProtocolError as exc:
             refusal = SendMessage(routing_id, FlError(reason=str(exc)), refused_peer)
             return None, [*self.drop(routing_id, str(exc)), refusal]
         self.clients[routing_id] = profile
         self.routes[profile.client_id] = routing_id
-        if origin is not None:
-            self._origins.setdefault(origin, set()).add(profile.client_id)
+        self.origins.add(origin, profile.client_id)
         welcome = FlWelcome(client=profile.client_id)
         return profile, [SendMessage(routing_id, welcome, _peer(profile.client_id))]
-
-    def _check_origin(self, origin: str | None, client: int) -> None:
-        """ProtocolError when the address ``origin`` already holds --ids-per-address
-        other ids: one peer registered 300 silent ids and starved the real client of
-        tasks (issue 33 finding 4). A key is bounded by its own rule (one id)."""
-        if origin is None:
-            return
-        held = self._origins.get(origin, set())
-        limit = self.config.ids_per_address
-        if client not in held and len(held) >= limit:
-            raise ProtocolError(
-                f"address {origin} already holds {len(held)} client ids, the most one "
-                f"address may hold (fl-server --ids-per-address {limit}); give each client "
-                "a key of its own (--keys) or raise the limit"
-            )
 
     def _profile_of(self, routing_id: bytes, message: FlRegister) -> ClientProfile:
         profile = profile_from_register(message, self.shape.n_out)
@@ -368,15 +346,8 @@ class FlServerController:
             outstanding.deadline = now + self.task_deadline_s(outstanding.client)
 
     def task_deadline_s(self, client: int) -> float:
-        """How long a task of ``client`` may stay unanswered before it is taken back:
-        DEADLINE_FACTOR times the slowest of its recent latencies, at least --task-floor;
-        --task-timeout for a client never measured (and at most that for any)."""
-        config = self.config
-        history = self._latencies.get(client)
-        if not history:
-            return config.task_timeout_s
-        adaptive = max(config.task_floor_s, DEADLINE_FACTOR * max(history))
-        return min(config.task_timeout_s, adaptive)
+        """How long a task of ``client`` may stay unanswered before it is taken back."""
+        return self.deadlines.deadline_s(client)
 
     def on_message(
         self, routing_id: bytes, message: WireMessage, now: float, origin: str | None = None
@@ -575,8 +546,7 @@ class FlServerController:
         ]
 
     def _measured(self, client: int, latency_s: float) -> None:
-        history = self._latencies.setdefault(client, deque(maxlen=LATENCY_HISTORY))
-        history.append(latency_s)
+        self.deadlines.measured(client, latency_s)
 
     def _late_update(
         self, server: FederatedServer, task_id: int, late: _Outstanding, now: float
