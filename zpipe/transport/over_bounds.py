@@ -39,7 +39,7 @@ async def discard_over_bounds(
         look()
     if isinstance(sock, ZpipeSocket):
         sock.refused_messages += 1
-    give_back_freed_memory(refused.frames)
+    give_back_freed_memory(refused.frames, refused.nbytes)
     error = refused.error()
     log.warning(
         "dropped_message",

@@ -17,6 +17,7 @@ from zpipe.transport.codec import MAX_TENSORS
 from zpipe.transport.message_bounds import (
     CODEC_FRAMES,
     DRAIN_TURN_FRAMES,
+    TRIM_AFTER_BYTES,
     TRIM_AFTER_FRAMES,
     MessageBounds,
     OverBounds,
@@ -160,7 +161,8 @@ def test_a_message_may_hold_what_one_connection_may_queue() -> None:
     assert ReceiveLimits(1000, 1).message_bounds(zmq.PULL).max_bytes == 1000
 
 
-def test_only_a_refused_message_of_many_frames_gives_freed_memory_back() -> None:
-    assert not give_back_freed_memory(TRIM_AFTER_FRAMES - 1)
-    ran = give_back_freed_memory(TRIM_AFTER_FRAMES)
-    assert ran == (message_bounds._malloc_trim() is not None)  # glibc's, where there is one
+def test_only_a_refused_message_of_many_frames_or_bytes_gives_freed_memory_back() -> None:
+    assert not give_back_freed_memory(TRIM_AFTER_FRAMES - 1, TRIM_AFTER_BYTES - 1)
+    trims = message_bounds._malloc_trim() is not None  # glibc's, where there is one
+    assert give_back_freed_memory(TRIM_AFTER_FRAMES) == trims
+    assert give_back_freed_memory(8000, TRIM_AFTER_BYTES) == trims
