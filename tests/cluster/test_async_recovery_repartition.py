@@ -222,8 +222,10 @@ def _fit_killing(
         )  # fmt: skip
     finally:
         assert killed == [victim]
-        cluster.start_stage(DeviceSpec(victim))
-        cluster.wait_for_stages(len(NAMES), timeout_s=120)
+        restarted = cluster.start_stage(DeviceSpec(victim))
+        members = cluster.wait_for_stages(len(NAMES), timeout_s=120)
+        # the new process, not the killed one the coordinator may not have found dead yet
+        assert {m["name"]: m["info"]["pid"] for m in members}[victim] == restarted.pid
 
 
 def _reference_of(

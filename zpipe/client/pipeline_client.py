@@ -127,9 +127,13 @@ class PipelineClient:
         *,
         timeout_s: float,
         on_alive: Callable[[int], None] | None = None,
+        accept: Callable[[list[dict[str, Any]]], bool] | None = None,
     ) -> list[dict[str, Any]]:
         """Poll until ``count`` stages are alive; ``TransportTimeout`` past the deadline.
-        ``on_alive(n)`` hears how many are alive after each poll (a progress bar)."""
+        ``on_alive(n)`` hears how many are alive after each poll (a progress bar);
+        ``accept(members)``, when given, must hold of the live members too (a local
+        cluster waits for the processes it started, not for a count a killed stage
+        not yet declared dead still fills)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -143,7 +147,7 @@ class PipelineClient:
             members = [m for m in state if m["state"] == "alive"]
             if on_alive is not None:
                 on_alive(len(members))
-            if len(members) >= count:
+            if len(members) >= count and (accept is None or accept(members)):
                 return members
             if time.monotonic() > deadline:
                 raise TransportTimeout("coordinator", f"{count} registered stages", timeout_s)

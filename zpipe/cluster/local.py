@@ -309,9 +309,26 @@ class LocalCluster:
 
         try:
             async with self.client() as client:
-                return await client.wait_for_stages(count, timeout_s=timeout_s, on_alive=registered)
+                return await client.wait_for_stages(
+                    count, timeout_s=timeout_s, on_alive=registered, accept=self._registered_now
+                )
         finally:
             bar.close()
+
+    def _registered_now(self, members: list[dict[str, Any]]) -> bool:
+        """Whether no running stage process of this cluster is still represented by an
+        older process of its name: a stage killed and started again is counted alive
+        under its name until the coordinator finds the killed one dead, and a run
+        started before the new one registers is refused ("b is not connected")."""
+        by_name = {m["name"]: m for m in members}
+        for name, process in self.processes.items():
+            member = by_name.get(name)
+            if member is None or process.poll() is not None:
+                continue  # another name (--name in the extra flags), or it exited
+            pid = member.get("info", {}).get("pid")
+            if isinstance(pid, int) and pid != process.pid:
+                return False
+        return True
 
     def client(self, **kwargs: Any) -> PipelineClient:
         kwargs.setdefault("keys_dir", self.keys_dir)
