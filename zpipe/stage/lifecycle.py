@@ -16,7 +16,13 @@ keeps sending heartbeats (fewer after a while), which reach the coordinator
 when it is back; the first word from it ends the absence (a heartbeat goes at
 once, and a coordinator that no longer knows the stage asks it to register
 again, which leaves the run as it is). Only ``silence_limit_s`` of silence
-makes it exit.
+makes it exit, counted from the coordinator's last word or from the last sign of
+its process on the control connection, whichever is later (:meth:`link_up`):
+a coordinator whose receive queue is flooded may read a stage's heartbeats late,
+but libzmq's ZMTP heartbeats on the control connection are answered by its I/O
+thread, and a reconnection completes its handshake, while its process lives. A
+coordinator that stays silent with its connection up exits the stage only after
+``LIVE_LINK_SILENCE_FACTOR`` times the limit (a hung coordinator).
 
 Which data message reaches compute is decided here too (:meth:`data_verdict`):
 only a message from a sender the running assignment names, of the running
@@ -113,6 +119,12 @@ AWAY_AFTER_INTERVALS = 3
 BEATS_BEFORE_SLOWING = 8
 AWAY_BEAT_INTERVALS = 3
 AWAY_BEAT_MIN_S = 1.0
+# A coordinator silent this many times ``silence_limit_s`` is lost even while its
+# connection is up: its process answers ZMTP pings but has not read or sent a
+# message for minutes (hung, not flooded). Under frame_amplification (issue 33:
+# 18 M one-byte frames at the coordinator, load 8-13) an idle stage heard nothing
+# for 60.6 s and exited while the coordinator served on.
+LIVE_LINK_SILENCE_FACTOR = 5
 
 
 # ------------------------------------------------------------ data routing
@@ -195,6 +207,7 @@ class StageLifecycle:
         silence_limit_s: float,
         now: float,
         restart_policy: RestartPolicy | None = None,
+        link_lag_s: float = 0.0,
     ) -> None:
         self.name = name
         self.coordinator = coordinator
@@ -214,6 +227,13 @@ class StageLifecycle:
         self._route: DataRoute | None = None  # the running assignment's
         self.newest_epoch = -1  # of every assignment received
         self._restarts = restart_policy or RestartPolicy()
+        # The control connection as libzmq sees it (link_up / link_down): while it is
+        # up, the coordinator's process answered a ZMTP ping within ``link_lag_s``
+        # (the ping interval and its timeout), so it was alive that long ago.
+        self.link_lag_s = link_lag_s
+        self._link_up = False
+        self._link_alive_at = float("-inf")  # the latest sign of its process
+        self._silent_but_linked = False  # reported once per silence
 
     # ------------------------------------------------------------ registration
 
@@ -256,6 +276,26 @@ class StageLifecycle:
             self._back_after = now - self._heard_at
         self._heard_at = max(self._heard_at, now)
         self._unanswered = 0
+        self._silent_but_linked = False
+
+    def link_up(self, now: float) -> None:
+        """The control connection completed its handshake with the coordinator: its
+        process is there now (a flood may still keep its messages from being read)."""
+        self._link_up = True
+        self._link_alive_at = max(self._link_alive_at, now)
+
+    def link_down(self, now: float) -> None:
+        """The control connection dropped (the coordinator's process exited, or its
+        ZMTP pings went unanswered): it was last seen alive ``link_lag_s`` ago."""
+        if self._link_up:
+            self._link_up = False
+            self._link_alive_at = max(self._link_alive_at, now - self.link_lag_s)
+
+    def _alive_at(self, now: float) -> float:
+        """The latest moment the coordinator is known to have been alive: its last word,
+        or the last sign of its process on the control connection."""
+        linked = now - self.link_lag_s if self._link_up else self._link_alive_at
+        return max(self._heard_at, linked, self._link_alive_at)
 
     @property
     def coordinator_away(self) -> bool:
@@ -263,21 +303,50 @@ class StageLifecycle:
 
     def heartbeat_due(self, now: float) -> list[Command]:
         silent = now - self._heard_at
+        out: list[Command] = []
         if silent > self.silence_limit_s:
-            return [
-                self._exit(
-                    CoordinatorLost(
-                        f"no word from the coordinator at {self.coordinator} for "
-                        f"{silent:.1f} s (limit {self.silence_limit_s:g} s)"
+            unseen = now - self._alive_at(now)
+            if unseen > self.silence_limit_s:
+                return [
+                    self._exit(
+                        CoordinatorLost(
+                            f"no word from the coordinator at {self.coordinator} for "
+                            f"{silent:.1f} s (limit {self.silence_limit_s:g} s), and no "
+                            f"sign of its process on the connection for {unseen:.1f} s"
+                        )
+                    )
+                ]
+            hung_after = LIVE_LINK_SILENCE_FACTOR * self.silence_limit_s
+            if silent > hung_after:
+                return [
+                    self._exit(
+                        CoordinatorLost(
+                            f"no word from the coordinator at {self.coordinator} for "
+                            f"{silent:.1f} s, though its connection is up (limit "
+                            f"{hung_after:g} s with a live connection: is it hung?)"
+                        )
+                    )
+                ]
+            if not self._silent_but_linked:
+                self._silent_but_linked = True
+                out.append(
+                    Note(
+                        "warning",
+                        "coordinator_silent_but_connected",
+                        {
+                            "silent_s": round(silent, 2),
+                            "limit_s": self.silence_limit_s,
+                            "hung_after_s": hung_after,
+                            "detail": "its process answers on the connection (flooded or "
+                            "slow, not gone): serving on",
+                        },
                     )
                 )
-            ]
-        out: list[Command] = []
         interval = self.heartbeat_interval_s
         if self._unanswered >= BEATS_BEFORE_SLOWING and now - self._beat_at < max(
             AWAY_BEAT_INTERVALS * interval, AWAY_BEAT_MIN_S
         ):
-            return []
+            return out
         if not self._away and silent > AWAY_AFTER_INTERVALS * interval:
             self._away = True
             out.append(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -29,6 +30,7 @@ from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.models.registry import USER_CODE_FAMILIES
 from zpipe.models.size import largest_tensor_bytes_per_sample, peer_build_limit
 from zpipe.stage.config import StageConfig
+from zpipe.stage.link_watch import LINK_EVENTS
 from zpipe.stage.linkprobe import PROBE_DOMAIN
 from zpipe.stage.peer_policy import UNAUTHENTICATED, PeerIdentity
 from zpipe.stage.supervision import describe_error
@@ -123,6 +125,8 @@ class StagePorts:
     bulk: zmq.asyncio.Socket | None = None
     # what the data socket is bound to (port resolved): reopened when a plan changes its limits
     data_bound: str = ""
+    # the control socket's handshakes and drops (zpipe.stage.link_watch)
+    control_monitor: zmq.asyncio.Socket | None = None
     # what a fresh data socket is made with (reopen_data_in)
     _context: zmq.asyncio.Context | None = field(default=None, repr=False)
     _options: SocketOptions | None = field(default=None, repr=False)
@@ -181,6 +185,9 @@ class StagePorts:
         control.setsockopt(zmq.ROUTING_ID, routing_id)
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(control, keys.keypair, keys.coordinator_key)
+        # before connecting: the first handshake is then seen too
+        monitor = cast(zmq.asyncio.Socket, control.get_monitor_socket(LINK_EVENTS))
+        opened.append(monitor)
         control.connect(config.coordinator)
         # A few chunks queued at most: the sender feels a slow link at once, and the
         # coordinator hears progress as the chunks land. No ZMTP heartbeats: behind
@@ -196,7 +203,7 @@ class StagePorts:
         bulk.connect(config.coordinator)
         return cls(
             control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound,
-            _context=context, _options=opts, _keypair=keys.keypair,
+            control_monitor=monitor, _context=context, _options=opts, _keypair=keys.keypair,
             _address_domain=address_domain,
         )  # fmt: skip
 
@@ -218,6 +225,9 @@ class StagePorts:
         return fresh
 
     def close(self) -> None:
+        if self.control_monitor is not None:
+            self.control.disable_monitor()
+            self.control_monitor.close(linger=0)
         for sock in (self.data_in, self.probe_in, self.control, self.bulk):
             if sock is not None:
                 sock.close(linger=0)

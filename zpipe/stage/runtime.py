@@ -74,6 +74,7 @@ from zpipe.stage.executors.generation import GenerationExecutor
 from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
+from zpipe.stage.link_watch import link_lag_s, watch_link
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.live_copies import ChainPeer, CopyRoutes
 from zpipe.stage.metrics import StageCounters
@@ -188,6 +189,7 @@ class StageRuntime:
             connect_s=timeouts.connect_s,
             silence_limit_s=timeouts.coordinator_silence_s,
             now=time.monotonic(),
+            link_lag_s=link_lag_s(opts),
         )
         self._plane = DataPlane(
             config=self.config,
@@ -302,6 +304,7 @@ class StageRuntime:
             assert self._probe_responder is not None
             self._supervisor.start("control", self._control_loop)
             self._supervisor.start("heartbeat", self._heartbeat_loop)
+            self._supervisor.start("link", self._link_loop)
             self._supervisor.start("bulk", self._bulk_loop)
             self._supervisor.start("probe", self._probe_responder.serve)
             await self._stopping.wait()
@@ -373,6 +376,13 @@ class StageRuntime:
             # (timelines) before a run can start
             await self._carry_out(self.lifecycle.heartbeat_due(time.monotonic()))
             await asyncio.sleep(self.lifecycle.heartbeat_interval_s)
+
+    async def _link_loop(self) -> None:
+        """Signs of the coordinator's process on the control connection (handshakes,
+        drops), which a flood of its receive queue does not hold up."""
+        ports = self._ports
+        assert ports is not None and ports.control_monitor is not None
+        await watch_link(ports.control_monitor, self.lifecycle)
 
     async def _control_loop(self) -> None:
         ports = self._ports

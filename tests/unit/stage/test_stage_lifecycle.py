@@ -40,6 +40,7 @@ from zpipe.stage.commands import (
     StartJob,
 )
 from zpipe.stage.lifecycle import (
+    LIVE_LINK_SILENCE_FACTOR,
     CoordinatorLost,
     DataRoute,
     DataVerdict,
@@ -152,6 +153,63 @@ def test_a_silent_coordinator_is_lost_and_any_message_counts_as_word() -> None:
     [exit_] = stage.heartbeat_due(18.5)
     assert isinstance(exit_, Exit) and isinstance(exit_.error, CoordinatorLost)
     assert "for 10.5 s (limit 10 s)" in exit_.reason
+
+
+def test_a_silent_coordinator_whose_connection_is_up_is_served_on_until_it_seems_hung() -> None:
+    """Issue 33: a flooded coordinator read no heartbeat of an idle stage for 60.6 s,
+    and the stage exited while the coordinator lived. Its process answers ZMTP pings
+    on the control connection: the stage waits on, says so once, and gives up only
+    after LIVE_LINK_SILENCE_FACTOR limits (a hung coordinator)."""
+    stage = new_stage(0.0, link_lag_s=6.0)
+    stage.link_up(0.0)
+    stage.registration_reply(Registered(name="s0", heartbeat_interval=1.0), 0.0)
+    out = stage.heartbeat_due(10.5)  # past the limit of 10 s: no exit
+    assert not [c for c in out if isinstance(c, Exit)]
+    [note] = [
+        c for c in out if isinstance(c, Note) and c.event == "coordinator_silent_but_connected"
+    ]
+    assert note.fields["hung_after_s"] == LIVE_LINK_SILENCE_FACTOR * 10.0
+    later = [stage.heartbeat_due(float(t)) for t in range(11, 50)]
+    assert not [c for out in later for c in out if isinstance(c, Exit)]
+    said = [c for out in later for c in out if isinstance(c, Note) and c.fields.get("hung_after_s")]
+    assert said == []  # said once per silence
+    [exit_] = stage.heartbeat_due(50.5)
+    assert isinstance(exit_, Exit) and isinstance(exit_.error, CoordinatorLost)
+    assert "connection is up" in exit_.reason
+
+
+def test_a_dropped_connection_counts_as_seen_a_ping_timeout_before_the_drop() -> None:
+    stage = new_stage(0.0, link_lag_s=6.0)
+    stage.link_up(0.0)
+    stage.registration_reply(Registered(name="s0", heartbeat_interval=1.0), 0.0)
+    stage.heartbeat_due(10.5)  # flooded: silent, connected
+    stage.link_down(30.0)  # then it went: last known alive at 24 s
+    assert not [c for c in stage.heartbeat_due(34.0) if isinstance(c, Exit)]
+    [exit_] = stage.heartbeat_due(34.5)  # 10.5 s after 24 s
+    assert isinstance(exit_, Exit) and "no sign of its process" in exit_.reason
+
+
+def test_a_killed_coordinator_is_lost_within_the_limit_of_its_last_word() -> None:
+    """Its process gone, the connection drops at once: the limit counts from its
+    last word, as without the connection's signs (``link_lag_s`` covers the pings)."""
+    stage = new_stage(0.0, link_lag_s=6.0)
+    stage.link_up(0.0)
+    stage.registration_reply(Registered(name="s0", heartbeat_interval=1.0), 0.0)
+    stage.control_message(HeartbeatAck(), 8.0)
+    stage.link_down(8.1)  # killed at 8 s
+    assert not [c for c in stage.heartbeat_due(18.0) if isinstance(c, Exit)]
+    [exit_] = stage.heartbeat_due(18.5)
+    assert isinstance(exit_, Exit) and "for 10.5 s (limit 10 s)" in exit_.reason
+
+
+def test_a_reconnection_during_a_silence_is_a_sign_of_life_and_a_later_drop_ends_it() -> None:
+    stage = new_stage(0.0, link_lag_s=6.0)
+    stage.registration_reply(Registered(name="s0", heartbeat_interval=1.0), 0.0)
+    stage.link_up(9.0)  # a handshake: the coordinator's process answered at 9 s
+    stage.link_down(9.5)  # and dropped again (its pings timed out before)
+    assert not [c for c in stage.heartbeat_due(19.0) if isinstance(c, Exit)]
+    [exit_] = stage.heartbeat_due(19.5)
+    assert isinstance(exit_, Exit)
 
 
 def test_a_coordinator_away_is_reported_once_and_the_run_is_served_on() -> None:
