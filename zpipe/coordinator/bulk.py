@@ -11,10 +11,12 @@ transfer is decoded and handled as the reply it carries, as if it had come on th
 stage's control connection.
 
 What a stage leaves half-sent is bounded (:class:`~zpipe.transport.bulk.Inbox`):
-its open transfers may announce no more than its budget together (a transfer past
-it is refused with ``bulk_refused``, and the stage sends that message on its
-control connection), and a transfer without a chunk for ``stall_s`` is dropped at
-the next tick (:func:`expire_stalled`), as all of a stage's are at its death.
+its open transfers may announce no more than its budget together (once a run is
+planned, from the state of the units it holds: :mod:`zpipe.coordinator.bulk_budget`;
+a transfer past it is refused at its first chunk with ``bulk_refused``, and the
+stage sends that message on its control connection), and a transfer without a
+chunk for ``stall_s`` is dropped at the next tick (:func:`expire_stalled`), as all
+of a stage's are at its death.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def bulk_chunk(
         link = _attributed(state, name, token, event.user_key)
         if len(message.tensors) != 1:
             raise ProtocolError(f"a bulk chunk carries one payload, not {len(message.tensors)}")
+        if header.seq == 0:  # announced: judged against what this stage may send now
+            link.inbox.budget_bytes = _budget(state, name)
         frames = link.inbox.add(header, payload_view(message.tensors[0]), now=now)
         whole = None if frames is None else _stage_reply(frames, name, state.bulk.cap_bytes)
     except ProtocolError as exc:
@@ -137,6 +141,15 @@ def bulk_chunk(
         return out, None
     out.append(Send(event.routing_id, BulkDone(transfer=header.transfer), name))
     return out, StageSpoke(link.control_route, whole)
+
+
+def _budget(state: ControlState, name: str) -> int:
+    """Stage ``name``'s bulk budget under the current run's plan (issue 33, finding 5:
+    a fake stage's four transfers announced at 1 GiB each)."""
+    run = getattr(state.current, "run", None)
+    state.bulk.plan(run, getattr(getattr(run, "request", None), "model", None))
+    member = state.membership.get(name)
+    return state.bulk.budget_of(name, None if member is None else member.info.get("memory_mb"))
 
 
 def _stage_reply(frames: list[memoryview], name: str, cap_bytes: int) -> WireMessage:

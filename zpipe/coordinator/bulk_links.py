@@ -6,9 +6,12 @@ See :mod:`zpipe.coordinator.bulk` for what the coordinator does with them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from zpipe.config import Timeouts
+from zpipe.coordinator.bulk_budget import Planned, planned_budget, planned_state
 from zpipe.transport.bulk import Inbox, stall_after_s
 from zpipe.transport.codec import DEFAULT_MAX_MESSAGE_BYTES, Message
 
@@ -47,8 +50,12 @@ class BulkLinks:
     cap_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     budget_bytes: int | None = None
     stall_s: float = stall_after_s(Timeouts().send_s)
+    # Per stage, the parameter bytes of the units the current run's plan gives it
+    # (zpipe.coordinator.bulk_budget); None: no run planned (the rule before a plan).
+    planned: Planned | None = None
     _links: dict[str, BulkLink] = field(default_factory=dict)
     _refused: dict[bytes, list[int]] = field(default_factory=dict)
+    _planned_for: Any = None  # the run and plan ``planned`` was sized for
 
     def budget_for(self, memory_mb: object) -> int:
         """What the open transfers of a stage that reports ``memory_mb`` of usable
@@ -60,6 +67,23 @@ class BulkLinks:
             if math.isfinite(memory_mb) and memory_mb > 0:
                 budget = min(budget, int(2 * memory_mb * (1 << 20)))
         return budget
+
+    def budget_of(self, name: str, memory_mb: object) -> int:
+        """Stage ``name``'s budget: :meth:`budget_for`, and once a run is planned no more
+        than the state of the units it holds allows (none: the margin only)."""
+        base = self.budget_for(memory_mb)
+        if self.planned is None:
+            return base
+        return planned_budget(self.planned.get(name, 0), base)
+
+    def plan(self, run: Any, model: Mapping[str, Any] | None) -> None:
+        """The current run (None: none) and its model's spec: size what each stage
+        holds, once per plan."""
+        key = None if run is None else (run.run, run.epoch, run.plan, run.training_plan)
+        if key == self._planned_for and (key is None) == (self.planned is None):
+            return
+        self._planned_for = key
+        self.planned = planned_state(run, model)
 
     def issue(
         self, name: str, token: str, control_route: bytes, *, memory_mb: object = None
