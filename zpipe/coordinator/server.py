@@ -514,10 +514,13 @@ class Coordinator:
             self._sends.deliver(command.stage, command.message)
         elif isinstance(command, FailRequests):
             self._sends.fail_requests(command.stage, command.error)
-        elif isinstance(command, GiveBackMemory) and self._trim_soon is None:
+        elif isinstance(command, GiveBackMemory):
             # once for a burst (the chunks of a refused transfer, say): a trim walks
-            # every arena, and a peer must not make this process do it per message
-            self._trim_soon = asyncio.get_running_loop().call_later(TRIM_SOON_S, self._trim)
+            # every arena, and a peer must not make this process do it per message.
+            # An ask while one is due is covered by it (it fell through to
+            # unknown_command, an error line per refused chunk).
+            if self._trim_soon is None:
+                self._trim_soon = asyncio.get_running_loop().call_later(TRIM_SOON_S, self._trim)
         else:
             log.error("unknown_command", command=repr(command))
 
