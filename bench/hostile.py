@@ -321,6 +321,13 @@ def _run_step(
     figures["coordinator_away"] = sum(
         t.count('"coordinator_away"') for n, t in texts.items() if n != "coordinator"
     )
+    # ...and a stage that found the coordinator silent past its --coordinator-timeout
+    # but its connection up, so waited on (it exited before: issue 33, 60.6 s)
+    figures["silent_but_connected"] = sum(
+        t.count('"coordinator_silent_but_connected"')
+        for n, t in texts.items()
+        if n != "coordinator"
+    )
     figures["stage_suspect"] = texts.get("coordinator", "").count('"stage_suspect"')
     top = {n: log_events(t) for n, t in texts.items() if t}
     figures["log_top_events"] = {n: ev for n, ev in top.items() if ev}
@@ -336,7 +343,7 @@ def _add_to_class(entry: dict[str, Any], endpoint: str, figures: dict[str, Any])
     entry["sent"] = entry.get("sent", 0) + figures.pop("sent")
     entry["targets"] = entry.get("targets", 0) + 1
     entry["seconds"] = round(entry.get("seconds", 0.0) + figures.pop("seconds"), 3)
-    for key in ("coordinator_away", "stage_suspect"):
+    for key in ("coordinator_away", "silent_but_connected", "stage_suspect"):
         entry[key] = entry.get(key, 0) + figures.pop(key)
     merge(entry, figures)
     if top:
