@@ -23,9 +23,13 @@ from zpipe.models.registry import USER_CODE_FAMILIES, load_layer_sequence
 from zpipe.models.size import parameter_bytes
 
 # Copies of a stage's parameters its open transfers may announce together: its
-# weights (or a replica's) and an optimizer's two moments (Adam), and one such state
-# in flight beside (an asynchronous copy while a backup goes).
-PLANNED_STATE_COPIES = 4
+# weights (or a replica's) with an optimizer's two moments (Adam), one such state in
+# flight beside (an asynchronous copy while a backup goes), and room for a units'
+# state of about the same size that is not its own now (a neighbour's copy it
+# holds, the larger range it held before a re-partition's commit). A stage the plan
+# gives no units is bounded by the margin alone, so this factor does not widen what
+# a registered stranger may announce (hostile half_bulk).
+PLANNED_STATE_COPIES = 8
 # Room beside them: message headers, batch-norm buffers counted as parameters
 # anyway, a model of a few kB, lossy results.
 PLANNED_STATE_MARGIN_BYTES = 64 << 20
