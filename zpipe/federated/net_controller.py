@@ -381,7 +381,7 @@ class FlServerController:
         server = self.server
         held = [t for t, o in self._outstanding.items() if o.client == client]
         for task_id in held:
-            commands += self._fail(server, task_id, now)
+            commands += self._fail(server, task_id, now, at_deadline=False)
         if not held and not server.is_dropped(client):
             commands += self._silent(server, client, self.config.task_timeout_s, now)
         return commands
@@ -474,10 +474,14 @@ class FlServerController:
             commands.append(SendMessage(route, message, _peer(task.client_id), task=task.task_id))
         return commands
 
-    def _fail(self, server: FederatedServer, task_id: int, now: float) -> list[Command]:
-        """Take a task back from its silent client: the method goes on without it."""
+    def _fail(
+        self, server: FederatedServer, task_id: int, now: float, *, at_deadline: bool = True
+    ) -> list[Command]:
+        """Take a task back from its silent client (``at_deadline``) or from one whose
+        connection closed (at ``now``): the method goes on without it."""
         outstanding = self._outstanding.pop(task_id)
-        waited = round(max(outstanding.deadline - outstanding.sent_at, 0.0), 6)
+        until = outstanding.deadline if at_deadline else now
+        waited = round(max(until - outstanding.sent_at, 0.0), 6)
         fields = {"task": task_id, "client": outstanding.client}
         commands: list[Command] = [
             LogLine("warning", "fl_task_timed_out", {**fields, "waited_s": waited}),
@@ -555,7 +559,7 @@ class FlServerController:
             # latency is news, as a probe's answer is
             held = [t for t, o in self._outstanding.items() if o.client == profile.client_id]
             for task_id in held:
-                commands += self._fail(server, task_id, now)
+                commands += self._fail(server, task_id, now, at_deadline=False)
             commands.append(Emit({"event": "rejoined", **client}))
             return [*commands, *self._observe(server, profile.client_id, profile.latency_s, now)]
         commands.append(

@@ -163,6 +163,9 @@ def test_a_gone_client_loses_its_task_at_once_and_is_set_aside() -> None:
     assert task[1] == 1 and controller.origins.held(HOST) == 2
     gone = controller.on_gone(route(1), 0.5)  # well before its 10 s deadline
     assert events(gone)[:3] == ["released", "task_failed", "dropped"]
+    # it waited 0.4 s, not its deadline's 10 s: the silence the trace records
+    (silent,) = [c.event for c in of(TraceLine, gone) if c.event["event"] == "silent"]
+    assert silent["waited_s"] == 0.4
     server = controller._running()
     assert server.is_dropped(1) and server.outstanding() == 1
     # its address holds one live id: another client from it is admitted
