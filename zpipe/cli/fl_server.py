@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_float,
         default=defaults.probe_interval_s,
         metavar="S",
-        help="probe each dropped client's latency every S s, for re-admission (0: never)",
+        help="probe each dropped or set-aside client every S s, for re-admission (0: never)",
     )
     p.add_argument(
         "--probe-timeout",
