@@ -173,7 +173,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         server.wait_event("listening")
         # the late client first, behind the gate: by the time the run starts it is up
         gate = Gate(endpoint)
-        late = Proc(client_args(gate.endpoint, keys, LATE_CLIENT, "1,3,5,7,9", "0.2"), tmp)
+        # its registration waits at the gate while the others start: give it the time
+        late_args = client_args(gate.endpoint, keys, LATE_CLIENT, "1,3,5,7,9", "0.2")
+        late = Proc([*late_args, "--connect-timeout", str(3 * DEADLINE_S)], tmp)
         started.append(late)
         assert gate.connected.wait(DEADLINE_S), "the late client never reached the gate"
         clients = [
@@ -192,7 +194,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         stage_answer = register_with_stage_key(endpoint, keys)
         server.wait_event("eval", global_updates=0)  # the run has started
         gate.open()
-        server.wait_event("joined", client=LATE_CLIENT)
+        try:
+            server.wait_event("joined", client=LATE_CLIENT)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nthe late client: {late.stderr_tail()}") from None
         summary = server.wait_event("fl_server_done")
         yield Run(server, [*clients, late], summary, stage_answer, trace)
     finally:
