@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
+from zpipe._errors import ProtocolError
 from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.model import MLPShape
+from zpipe.federated.net_admission import KeyIdentities
 from zpipe.federated.net_controller import (
     Command,
     Emit,
@@ -315,3 +318,15 @@ def test_a_set_aside_client_is_probed_an_answer_brings_it_back_silence_keeps_it_
     assert [(t, c) for t, c, _ in replayed.dispatches] == [
         (e["task"], e["client"]) for e in trace if e["event"] == "dispatch"
     ]
+
+
+def test_with_keys_a_released_id_comes_back_only_with_its_own_key() -> None:
+    """A released id may be registered again; with --keys only by the key that held it
+    (the controller sees no address there, so the key is what names the client)."""
+    identities = KeyIdentities()
+    alice, bob = b"A" * 40, b"B" * 40
+    identities.check(alice, 0)
+    identities.check(alice, 0)  # its own key again: fine
+    with pytest.raises(ProtocolError, match="client 0 was registered with another key"):
+        identities.check(bob, 0)
+    identities.check(bob, 1)  # bob's own id is unaffected by the refusal
