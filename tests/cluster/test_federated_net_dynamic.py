@@ -155,29 +155,28 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     generate_keys_with_roles(keys, ["c0", "c1", "c2", "c3"], role="client")
     trace = tmp / "trace.jsonl"
     endpoint = free_endpoint()
-    # groups near 0.2 s and 0.5 s, each admitting up to 2.5 times its centre: a 2.5 s
-    # timeout is out of every range
-    server = Proc(
-        [
-            *("fl-server", "--bind", endpoint, "--keys", str(keys), "--trace", str(trace)),
-            *("--clients", "3", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
-            *("--updates", "60", "--eval-every", "10", "--task-timeout", "2.5"),
-            *("--probe-interval", "1", "--probe-timeout", "2.5"),
-            *("--register-timeout", "90", "--duration", "150"),
-        ],
-        tmp,
-    )
-    started = [server]
-    gate: Gate | None = None
+    # the late client starts with the server, behind the gate: its process start
+    # overlaps the others', and its registration waits there while they start (give
+    # it the time: fl-client's connect timeout counts that wait)
+    gate = Gate(endpoint)
+    late_args = client_args(gate.endpoint, keys, LATE_CLIENT, "1,3,5,7,9", "0.2")
+    late = Proc([*late_args, "--connect-timeout", str(3 * DEADLINE_S)], tmp)
+    started = [late]
     try:
+        # groups near 0.2 s and 0.5 s, each admitting up to 2.5 times its centre: a 2.5 s
+        # timeout is out of every range
+        server = Proc(
+            [
+                *("fl-server", "--bind", endpoint, "--keys", str(keys), "--trace", str(trace)),
+                *("--clients", "3", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
+                *("--updates", "60", "--eval-every", "10", "--task-timeout", "2.5"),
+                *("--probe-interval", "1", "--probe-timeout", "2.5"),
+                *("--register-timeout", "90", "--duration", "150"),
+            ],
+            tmp,
+        )
+        started.append(server)
         server.wait_event("listening")
-        # the late client first, behind the gate: by the time the run starts it is up
-        gate = Gate(endpoint)
-        # its registration waits at the gate while the others start: give it the time
-        late_args = client_args(gate.endpoint, keys, LATE_CLIENT, "1,3,5,7,9", "0.2")
-        late = Proc([*late_args, "--connect-timeout", str(3 * DEADLINE_S)], tmp)
-        started.append(late)
-        assert gate.connected.wait(DEADLINE_S), "the late client never reached the gate"
         clients = [
             Proc(client_args(endpoint, keys, 0, "0,1,2,3,4", "0.2"), tmp),
             Proc(client_args(endpoint, keys, 1, "5,6,7,8,9", "0.5"), tmp),
@@ -193,6 +192,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         started += clients
         stage_answer = register_with_stage_key(endpoint, keys)
         server.wait_event("eval", global_updates=0)  # the run has started
+        assert gate.connected.wait(DEADLINE_S), "the late client never reached the gate"
         gate.open()
         try:
             server.wait_event("joined", client=LATE_CLIENT)
@@ -203,8 +203,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     finally:
         for proc in started:
             proc.stop()
-        if gate is not None:
-            gate.close()
+        gate.close()
 
 
 def _client_events(client: Proc) -> list[dict[str, Any]]:
