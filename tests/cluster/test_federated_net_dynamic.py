@@ -8,10 +8,17 @@ train again. Client 3 registers after the run started: it must be associated
 and get tasks. A peer holding the stage key tries to register as an fl
 client and must be refused. The trace, joins and probes included, replays to
 the same decisions through a fresh server object.
+
+The late client is started with the others, behind a gate (a TCP forwarder the
+test opens once the run has started), and the test waits for its join: the run
+must not end while its process is still starting (3 of 5 runs failed so at load
+13-24, the 60 updates done before the late client's imports were).
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +69,75 @@ def register_with_stage_key(endpoint: str, keys: Path) -> dict[str, Any]:
         peer.close()
 
 
+class Gate:
+    """A loopback port that forwards each connection to the server, but only once
+    opened: a client started early connects here and waits (its register waits for
+    a handshake), so its process start is no longer raced against the run."""
+
+    def __init__(self, server_endpoint: str) -> None:
+        host, port = server_endpoint.removeprefix("tcp://").rsplit(":", 1)
+        self._server = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._held: list[socket.socket] = []
+        self.connected = threading.Event()  # the early client reached the gate
+        self._open = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connected.set()
+            with self._lock:
+                if self._open.is_set():
+                    self._forward(conn)
+                else:
+                    self._held.append(conn)  # libzmq retries it if this takes long
+
+    def open(self) -> None:
+        with self._lock:
+            self._open.set()
+            for conn in self._held:
+                self._forward(conn)
+            self._held.clear()
+
+    def _forward(self, conn: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self._server, timeout=DEADLINE_S)
+        except OSError:  # the server has ended (a client reconnecting after its done)
+            conn.close()
+            return
+        for src, dst in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    src.settimeout(None)
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 @dataclass
 class Run:
     server: Proc
@@ -79,20 +155,27 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     generate_keys_with_roles(keys, ["c0", "c1", "c2", "c3"], role="client")
     trace = tmp / "trace.jsonl"
     endpoint = free_endpoint()
-    # groups near 0.2 s and 0.5 s, each admitting up to 2.5 times its centre: a 2.5 s
-    # timeout is out of every range
-    server = Proc(
-        [
-            *("fl-server", "--bind", endpoint, "--keys", str(keys), "--trace", str(trace)),
-            *("--clients", "3", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
-            *("--updates", "60", "--eval-every", "10", "--task-timeout", "2.5"),
-            *("--probe-interval", "1", "--probe-timeout", "2.5"),
-            *("--register-timeout", "90", "--duration", "150"),
-        ],
-        tmp,
-    )
-    started = [server]
+    # the late client starts with the server, behind the gate: its process start
+    # overlaps the others', and its registration waits there while they start (give
+    # it the time: fl-client's connect timeout counts that wait)
+    gate = Gate(endpoint)
+    late_args = client_args(gate.endpoint, keys, LATE_CLIENT, "1,3,5,7,9", "0.2")
+    late = Proc([*late_args, "--connect-timeout", str(3 * DEADLINE_S)], tmp)
+    started = [late]
     try:
+        # groups near 0.2 s and 0.5 s, each admitting up to 2.5 times its centre: a 2.5 s
+        # timeout is out of every range
+        server = Proc(
+            [
+                *("fl-server", "--bind", endpoint, "--keys", str(keys), "--trace", str(trace)),
+                *("--clients", "3", "--method", "ecofl", "--groups", "2", "--rt-floor", "1.5"),
+                *("--updates", "60", "--eval-every", "10", "--task-timeout", "2.5"),
+                *("--probe-interval", "1", "--probe-timeout", "2.5"),
+                *("--register-timeout", "90", "--duration", "150"),
+            ],
+            tmp,
+        )
+        started.append(server)
         server.wait_event("listening")
         clients = [
             Proc(client_args(endpoint, keys, 0, "0,1,2,3,4", "0.2"), tmp),
@@ -109,13 +192,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         started += clients
         stage_answer = register_with_stage_key(endpoint, keys)
         server.wait_event("eval", global_updates=0)  # the run has started
-        late = Proc(client_args(endpoint, keys, LATE_CLIENT, "1,3,5,7,9", "0.2"), tmp)
-        started.append(late)
+        assert gate.connected.wait(DEADLINE_S), "the late client never reached the gate"
+        gate.open()
+        try:
+            server.wait_event("joined", client=LATE_CLIENT)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nthe late client: {late.stderr_tail()}") from None
         summary = server.wait_event("fl_server_done")
         yield Run(server, [*clients, late], summary, stage_answer, trace)
     finally:
         for proc in started:
             proc.stop()
+        gate.close()
 
 
 def _client_events(client: Proc) -> list[dict[str, Any]]:

@@ -79,14 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=defaults.ids_per_address,
         metavar="N",
-        help="without --keys: client ids one peer address may register (a key registers one)",
+        help="without --keys: live client ids one peer address may hold (a key holds one)",
+    )
+    p.add_argument(
+        "--release-after",
+        type=positive_float,
+        default=defaults.release_after_s,
+        metavar="S",
+        help="release the id of a set-aside client silent for S s (a closed connection's "
+        "at once): its address may register another",
     )
     p.add_argument(
         "--probe-interval",
         type=non_negative_float,
         default=defaults.probe_interval_s,
         metavar="S",
-        help="probe each dropped client's latency every S s, for re-admission (0: never)",
+        help="probe each dropped or set-aside client every S s, for re-admission (0: never)",
     )
     p.add_argument(
         "--probe-timeout",
@@ -132,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> NetServerConfig:
         task_timeout_s=args.task_timeout,
         task_floor_s=args.task_floor,
         ids_per_address=args.ids_per_address,
+        release_after_s=args.release_after,
         probe_interval_s=args.probe_interval,
         probe_timeout_s=args.probe_timeout,
         send_timeout_s=args.send_timeout,

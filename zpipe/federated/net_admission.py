@@ -66,15 +66,21 @@ class KeyIdentities:
 
     def __init__(self) -> None:
         self._ids: dict[bytes, int] = {}
+        self._keys: dict[int, bytes] = {}  # and back: an id a key registered stays its own
 
     def check(self, key: bytes, client: int) -> None:
-        """ProtocolError when ``key`` already stands for another client id."""
-        known = self._ids.setdefault(key, client)
+        """ProtocolError when ``key`` already stands for another client id, or another
+        key for this one (a released id may come back only with its own key)."""
+        known = self._ids.get(key, client)
         if known != client:
             raise ProtocolError(
                 f"this key registered client {known}; a key registers one client id "
                 f"(give client {client} a key of its own: python -m zpipe keys --role client)"
             )
+        if self._keys.get(client, key) != key:
+            raise ProtocolError(f"client {client} was registered with another key")
+        self._ids[key] = client
+        self._keys[client] = key
 
 
 class SenderRoles:

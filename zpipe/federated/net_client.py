@@ -13,9 +13,12 @@ exits on ``fl_done``, on ``fl_error`` or when the server stays silent for
 emulate a slower device on one machine; ``--delay-from N:S`` changes that to S
 from the client's N-th answer on (tasks and probes counted from 0), to
 emulate a device whose speed changes mid-run (Eco-FL section 6.1). An
-``fl_probe`` (the server measuring a dropped client's latency again) gets the
-work of a small task, ``--profile-steps`` steps at the current delay, and an
-``fl_probe_reply``.
+``fl_probe`` (the server measuring again a client it dropped out of its group
+or set aside as silent; an answer brings it back) gets the work of a small
+task, ``--profile-steps`` steps at the current delay, and an ``fl_probe_reply``.
+Without ``--keys`` the server admits at most ``--ids-per-address`` live ids from
+one address (this client's id is released once its connection closes); a refusal
+is reported as "the server refused this client".
 """
 
 from __future__ import annotations

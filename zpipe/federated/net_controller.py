@@ -33,7 +33,7 @@ from zpipe._errors import ConfigError, ProtocolError, ZpipeError
 from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.model import MLPShape, init_weights
 from zpipe.federated.net_admission import profile_from_register
-from zpipe.federated.net_limits import IdsPerAddress, TaskDeadlines
+from zpipe.federated.net_limits import IdsPerAddress, LastHeard, TaskDeadlines
 from zpipe.federated.net_trace import config_to_json, dispatch_events
 from zpipe.federated.net_wire import SERVER_KEY_NAME, weights_from, weights_tensor
 from zpipe.federated.probing import ProbeResult, ProbeSchedule
@@ -74,8 +74,11 @@ class NetServerConfig:
     task_timeout_s: float = 30.0
     # a task's deadline never comes sooner than this, whatever its client's history
     task_floor_s: float = 5.0
-    # without --keys: client ids one peer address may hold (a key holds one id)
+    # without --keys: live client ids one peer address may hold (a key holds one id)
     ids_per_address: int = 16
+    # a set-aside client silent this long (no answer to a task or a probe) is released
+    # as if its connection had closed: its address may register another id
+    release_after_s: float = 120.0
     probe_interval_s: float = 5.0  # 0: never probe dropped clients
     probe_timeout_s: float = 30.0
     send_timeout_s: float = 5.0
@@ -97,6 +100,7 @@ class NetServerConfig:
             self.task_floor_s,
             self.send_timeout_s,
             self.probe_timeout_s,
+            self.release_after_s,
             self.duration_s,
         )
         if not all(t > 0 and math.isfinite(t) for t in timeouts):
@@ -193,6 +197,10 @@ class FlServerController:
         self._late: dict[int, _Outstanding] = {}
         self.deadlines = TaskDeadlines(config.task_floor_s, config.task_timeout_s)
         self.origins = IdsPerAddress(config.ids_per_address)
+        self.last_heard = LastHeard(config.release_after_s)
+        # ids whose client is gone (connection closed, or silent past --release-after):
+        # not counted against their address, not probed; a registration may take one
+        self.released: set[int] = set()
         self._end_at = math.inf
         self._evaluated: int | None = None  # the version last evaluated
 
@@ -243,16 +251,20 @@ class FlServerController:
         except ProtocolError as exc:
             refusal = SendMessage(routing_id, FlError(reason=str(exc)), refused_peer)
             return None, [*self.drop(routing_id, str(exc)), refusal]
+        old_route = self.routes.get(profile.client_id)
+        if old_route is not None and old_route != routing_id:
+            del self.clients[old_route]  # a released id taken by its new connection
         self.clients[routing_id] = profile
         self.routes[profile.client_id] = routing_id
         self.origins.add(origin, profile.client_id)
+        self.released.discard(profile.client_id)
         welcome = FlWelcome(client=profile.client_id)
         return profile, [SendMessage(routing_id, welcome, _peer(profile.client_id))]
 
     def _profile_of(self, routing_id: bytes, message: FlRegister) -> ClientProfile:
         profile = profile_from_register(message, self.shape.n_out)
         known = self.routes.get(profile.client_id)
-        if known is not None and known != routing_id:
+        if known is not None and known != routing_id and profile.client_id not in self.released:
             raise ProtocolError(
                 f"client id {profile.client_id} is already registered by another peer"
             )
@@ -290,6 +302,8 @@ class FlServerController:
             # the clients would otherwise wait for tasks until their idle timeout
             return [*commands, *self.farewell(f"server error: {exc}"), Abort(exc)]
         self.server = server
+        for profile in profiles:
+            self.last_heard.heard(profile.client_id, now)
         commands.append(self._evaluate(server))
         return [*commands, *self._dispatch(server.start(), now)]
 
@@ -315,13 +329,15 @@ class FlServerController:
             del self._late[task_id]  # an answer now would be no news: it is only dropped
         for result in self.probes.expired(now):
             commands += self._probed(server, result, now)
-        if self.probes.enabled:
-            for probe_id, client in self.probes.due(now, server.probe_candidates()):
-                # an unsendable probe (the client is gone) times out like an unanswered one
-                commands.append(
-                    SendMessage(self.routes[client], FlProbe(probe=probe_id), _peer(client))
-                )
-        candidates = server.probe_candidates() if self.probes.enabled else []
+        for client in self.last_heard.silent_past(now, self._set_aside(server)):
+            waited = round(now - self.last_heard.last(client), 6)
+            commands += self._release(client, f"silent for {waited:g} s", now)
+        candidates = self._probe_candidates(server)
+        for probe_id, client in self.probes.due(now, candidates):
+            # an unsendable probe (the client is gone) times out like an unanswered one
+            commands.append(
+                SendMessage(self.routes[client], FlProbe(probe=probe_id), _peer(client))
+            )
         if server.outstanding() == 0 and self.probes.outstanding() == 0 and not candidates:
             self.reason = "nothing to dispatch"  # every client dropped out or failed
             return commands, True
@@ -330,13 +346,65 @@ class FlServerController:
     def next_deadline(self) -> float:
         """When :meth:`tick` next has something to do, at the latest the run's end."""
         server = self._running()
-        candidates = server.probe_candidates() if self.probes.enabled else []
         return min(
             min((o.deadline for o in self._outstanding.values()), default=self._end_at),
             min((o.deadline for o in self._late.values()), default=self._end_at),
-            self.probes.next_event(candidates),
+            self.probes.next_event(self._probe_candidates(server)),
+            self.last_heard.next_release(self._set_aside(server)),
             self._end_at,
         )
+
+    def _probe_candidates(self, server: FederatedServer) -> list[int]:
+        """Whom to probe: the server object's candidates whose ids are not released."""
+        if not self.probes.enabled:
+            return []
+        return [c for c in server.probe_candidates() if c not in self.released]
+
+    def _set_aside(self, server: FederatedServer) -> list[int]:
+        """The live ids the server object has set aside (or dropped) for silence or
+        slowness: the only ones whose silence can release them."""
+        return [c for c in self.routes if c not in self.released and server.is_dropped(c)]
+
+    # ------------------------------------------------------------ gone clients
+
+    def on_gone(self, routing_id: bytes, now: float) -> list[Command]:
+        """The connection that carried ``routing_id`` closed (the shell's socket monitor
+        saw it): its client id is released, and during the run its task is taken back
+        at once and the client set aside, as a silent one is (no answer can come)."""
+        profile = self.clients.get(routing_id)
+        if profile is None or profile.client_id in self.released:
+            return []
+        client = profile.client_id
+        commands = self._release(client, "its connection closed", now)
+        if self.server is None:
+            return commands  # before the run: only its address's count changes
+        server = self.server
+        held = [t for t, o in self._outstanding.items() if o.client == client]
+        for task_id in held:
+            commands += self._fail(server, task_id, now, at_deadline=False)
+        if not held and not server.is_dropped(client):
+            commands += self._silent(server, client, self.config.task_timeout_s, now)
+        return commands
+
+    def _release(self, client: int, reason: str, now: float) -> list[Command]:
+        self.released.add(client)
+        origin = self.origins.release(client)
+        fields = {"client": client, "reason": reason}
+        return [
+            LogLine("info", "fl_client_released", {**fields, "address": origin}),
+            Emit({"event": "released", **fields}),
+        ]
+
+    def _reclaim(self, routing_id: bytes, client: int, origin: str | None) -> list[Command]:
+        """A released id whose peer speaks again on the same connection (it was only
+        silent): it counts against its address again, if the address has room."""
+        try:
+            self.origins.check(origin, client)
+        except ProtocolError as exc:
+            return self.drop(routing_id, f"client {client} was released: {exc}")
+        self.origins.add(origin, client)
+        self.released.discard(client)
+        return [Emit({"event": "reclaimed", "client": client})]
 
     def task_sent(self, task_id: int, now: float) -> None:
         """A task's message is about to be sent: its latency and deadline count from now."""
@@ -406,10 +474,14 @@ class FlServerController:
             commands.append(SendMessage(route, message, _peer(task.client_id), task=task.task_id))
         return commands
 
-    def _fail(self, server: FederatedServer, task_id: int, now: float) -> list[Command]:
-        """Take a task back from its silent client: the method goes on without it."""
+    def _fail(
+        self, server: FederatedServer, task_id: int, now: float, *, at_deadline: bool = True
+    ) -> list[Command]:
+        """Take a task back from its silent client (``at_deadline``) or from one whose
+        connection closed (at ``now``): the method goes on without it."""
         outstanding = self._outstanding.pop(task_id)
-        waited = round(max(outstanding.deadline - outstanding.sent_at, 0.0), 6)
+        until = outstanding.deadline if at_deadline else now
+        waited = round(max(until - outstanding.sent_at, 0.0), 6)
         fields = {"task": task_id, "client": outstanding.client}
         commands: list[Command] = [
             LogLine("warning", "fl_task_timed_out", {**fields, "waited_s": waited}),
@@ -460,6 +532,11 @@ class FlServerController:
                 "answered": result.answered,
             }
         )
+        if not result.answered and result.client_id in server.sidelined:
+            # a flat method's set-aside client that still does not answer stays aside: a
+            # latency (even the timeout's lower bound) would bring it back. A grouped
+            # method measures the timeout, which keeps it out of every group's range.
+            return [probe, *self._silent(server, result.client_id, result.latency_s, now)]
         return [probe, *self._observe(server, result.client_id, result.latency_s, now)]
 
     def _join(
@@ -474,7 +551,17 @@ class FlServerController:
         profile, commands = self._admit(routing_id, message, "late client", origin)
         if profile is None:
             return commands
+        self.last_heard.heard(profile.client_id, now)
         client = {"client": profile.client_id, "latency_s": profile.latency_s}
+        if profile.client_id in server.profiles:
+            # a released id registered again (the client came back on a new connection):
+            # a task sent to its old connection cannot be answered, and its registered
+            # latency is news, as a probe's answer is
+            held = [t for t, o in self._outstanding.items() if o.client == profile.client_id]
+            for task_id in held:
+                commands += self._fail(server, task_id, now, at_deadline=False)
+            commands.append(Emit({"event": "rejoined", **client}))
+            return [*commands, *self._observe(server, profile.client_id, profile.latency_s, now)]
         commands.append(
             TraceLine({"event": "join", **client, "label_counts": list(profile.label_counts)})
         )
@@ -496,6 +583,22 @@ class FlServerController:
             if isinstance(message, FlRegister):
                 return self._join(server, routing_id, message, now, origin)
             return self.drop(routing_id, f"{message.KIND} from a peer that has not registered")
+        commands: list[Command] = []
+        if profile.client_id in self.released:
+            commands = self._reclaim(routing_id, profile.client_id, origin)
+            if profile.client_id in self.released:
+                return commands  # no room at its address: dropped
+        self.last_heard.heard(profile.client_id, now)
+        return [*commands, *self._act(server, routing_id, profile, message, now)]
+
+    def _act(
+        self,
+        server: FederatedServer,
+        routing_id: bytes,
+        profile: ClientProfile,
+        message: WireMessage,
+        now: float,
+    ) -> list[Command]:
         match message:
             case FlProbeReply():
                 result = self.probes.answered(message.probe, profile.client_id, now)

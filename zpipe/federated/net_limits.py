@@ -1,4 +1,4 @@
-"""Two bounds of an open fl-server, each over one client's or one address's history.
+"""The bounds of an open fl-server, each over one client's or one address's history.
 
 Pure: the controller (:class:`zpipe.federated.net_controller.FlServerController`)
 asks them; nothing here does I/O.
@@ -10,12 +10,20 @@ asks them; nothing here does I/O.
 - :class:`IdsPerAddress`: how many client ids one address may hold on a server
   without keys (``--ids-per-address``): one peer registered 300 silent ids and
   starved the real client of tasks (issue 33, finding 4). A key is bounded by its
-  own rule (one id).
+  own rule (one id). The limit counts live ids: an id is released when its client
+  is gone (:meth:`IdsPerAddress.release`), so an address whose clients left may
+  register new ones.
+- :class:`LastHeard`: which set-aside clients have been silent past
+  ``--release-after``: such an id is released as if its connection had closed.
+- :class:`Connections`: which routing ids spoke over which connection (the socket's
+  file descriptor), so that a closed connection names the ids it carried.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Iterable
 
 from zpipe._errors import ProtocolError
 
@@ -45,11 +53,12 @@ class TaskDeadlines:
 
 
 class IdsPerAddress:
-    """The client ids each peer address holds, at most ``limit`` each."""
+    """The live client ids each peer address holds, at most ``limit`` each."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._held: dict[str, set[int]] = {}  # peer address -> the client ids it holds
+        self._origin: dict[int, str] = {}  # client id -> the address that holds it
 
     def check(self, origin: str | None, client: int) -> None:
         """ProtocolError when ``origin`` already holds ``limit`` other ids (None: a
@@ -66,4 +75,69 @@ class IdsPerAddress:
 
     def add(self, origin: str | None, client: int) -> None:
         if origin is not None:
+            self.release(client)  # an id re-registered from another address moves
             self._held.setdefault(origin, set()).add(client)
+            self._origin[client] = origin
+
+    def release(self, client: int) -> str | None:
+        """``client`` is gone: its address holds one id fewer. The address, or None
+        where no address held it (a keyed server, an id already released)."""
+        origin = self._origin.pop(client, None)
+        if origin is not None:
+            held = self._held[origin]
+            held.discard(client)
+            if not held:
+                del self._held[origin]  # an address with nothing held costs nothing
+        return origin
+
+    def held(self, origin: str) -> int:
+        return len(self._held.get(origin, ()))
+
+
+class LastHeard:
+    """When each client was last heard from (any message of its own, or its
+    registration), and which of some candidates have been silent for
+    ``release_after_s``. The candidates are the clients the server has set aside
+    for silence: one that holds no task and is not asked anything is not silent,
+    only unasked, so silence alone never releases it."""
+
+    def __init__(self, release_after_s: float) -> None:
+        self.release_after_s = release_after_s
+        self._at: dict[int, float] = {}  # client id -> when it was last heard from
+
+    def heard(self, client: int, now: float) -> None:
+        self._at[client] = now
+
+    def last(self, client: int) -> float:
+        return self._at[client]
+
+    def silent_past(self, now: float, candidates: Iterable[int]) -> list[int]:
+        """The candidates last heard ``release_after_s`` or longer ago."""
+        return sorted(
+            c for c in set(candidates) if now - self._at.get(c, now) >= self.release_after_s
+        )
+
+    def next_release(self, candidates: Iterable[int]) -> float:
+        """When the first candidate will have been silent for ``release_after_s``."""
+        times = [self._at[c] + self.release_after_s for c in candidates if c in self._at]
+        return min(times, default=math.inf)
+
+
+class Connections:
+    """The routing ids seen on each connection (the socket's file descriptor, which
+    libzmq's monitor names when the connection closes).
+
+    A file descriptor is reused once closed; the monitor's event for the closing is
+    queued before the descriptor is closed, so before any message of the next
+    connection on it can be received: the shell reads the monitor's events before it
+    handles each message (:meth:`closed` first, then :meth:`seen`)."""
+
+    def __init__(self) -> None:
+        self._routes: dict[int, set[bytes]] = {}
+
+    def seen(self, fd: int, routing_id: bytes) -> None:
+        self._routes.setdefault(fd, set()).add(routing_id)
+
+    def closed(self, fd: int) -> list[bytes]:
+        """The routing ids the connection on ``fd`` carried (it closed)."""
+        return sorted(self._routes.pop(fd, ()))

@@ -19,6 +19,9 @@ itself (``--trace`` records every input, and
     a dropped client (Eco-FL) -> fl_probe every --probe-interval s; its round trip
                      -> observe_latency(): Algorithm 1 re-admits it once it fits a range
     fl_register after the start -> add_client() (eq. 4 association), then its tasks
+    a set-aside client (fedavg, fedasync) -> fl_probe too; an answer brings it back
+    a client's connection closes (the socket monitor) -> its id is released (its
+                     address may register another), its task taken back at once
 
 The run ends after ``--updates`` global model updates, after ``--duration``
 seconds, or when nothing is in flight and nothing can be dispatched or probed. Every
@@ -40,6 +43,7 @@ from typing import IO, Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from zpipe._errors import (
     ConfigError,
@@ -62,6 +66,7 @@ from zpipe.federated.net_controller import (
     SendMessage,
     TraceLine,
 )
+from zpipe.federated.net_limits import Connections
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
 from zpipe.protocol import REGISTRY, WireMessage
@@ -108,6 +113,9 @@ class FederatedShell:
         self.out = out or sys.stdout
         self._context = new_context()
         self._router: zmq.asyncio.Socket | None = None
+        # libzmq's events for the router: a closed connection releases its client ids
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._connections = Connections()
         self._authenticator: security.CurveAuthenticator | None = None
         self._roles: SenderRoles | None = None
         self._identities = KeyIdentities()
@@ -140,10 +148,14 @@ class FederatedShell:
         else:
             security.warn_open_cluster(log, "fl-server")
         self._router = router
+        self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.endpoint = bind_endpoint(router, self.config.bind)
         return self.endpoint
 
     def close(self) -> None:
+        if self._monitor is not None and self._router is not None:
+            self._router.disable_monitor()
+            self._monitor.close(linger=0)
         if self._router is not None:
             # a bounded linger: the run's last messages (every client's fl_done) are only
             # queued when close comes, and linger 0 dropped one a loaded client then
@@ -179,8 +191,14 @@ class FederatedShell:
                 self._router, timeout_s=max(timeout_s, 0.0), peer="fl clients", awaited="a message"
             )
         except TransportTimeout:
+            await self._closed_connections()
             return None
+        # the connections closed before this message first: a descriptor closed may be
+        # the one this message came on, reused (net_limits.Connections)
+        await self._closed_connections()
         routing_id = bytes(frames[0].bytes) if frames else b""
+        if frames:
+            self._connections.seen(_source_fd(frames[-1]), routing_id)
         try:
             message = decode_frames(frames[1:], self.max_frame_bytes)
             typed = REGISTRY.parse(message)
@@ -201,6 +219,23 @@ class FederatedShell:
             return None
         origin = None if self._roles is not None else _peer_address(frames[-1])
         return routing_id, typed, origin
+
+    async def _closed_connections(self) -> None:
+        """Read the monitor's queued events, never waiting: the routing ids a closed
+        connection carried are gone (libzmq gives a new connection a new one), and the
+        controller releases their client ids."""
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                frames = await self._monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            # an accepted descriptor still naming routing ids: their connection closed
+            # (its own event is never after this one; see Connections)
+            for routing_id in self._connections.closed(int(event["value"])):
+                await self._carry_out(self.controller.on_gone(routing_id, time.monotonic()))
 
     async def _carry_out(self, commands: Sequence[Command]) -> None:
         """Do what the controller decided, in its order."""
@@ -287,6 +322,15 @@ class FederatedShell:
         self._emit({"event": "listening", "endpoint": self.endpoint or self.open()})
         await self.register_clients()
         return await self.run()
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The file descriptor of the connection a message came on (-1 where libzmq has
+    none): what the monitor names when that connection closes."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
 
 
 def _peer_address(frame: zmq.Frame) -> str:

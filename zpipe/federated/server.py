@@ -11,7 +11,8 @@ shell drive them alike::
     add_client(profile)            -> [TrainTask, ...]   a client joined the started run
 
 and says which clients a networked shell should probe for their latency
-(``probe_candidates``: Eco-FL's dropped clients, whom no task measures).
+(``probe_candidates``: Eco-FL's dropped clients, and the flat methods' clients set
+aside as silent, whom no task measures).
 
 A :class:`TrainTask` says "train these weights and send them back"; the
 client trains ``local_steps`` steps with the proximal term mu around the
@@ -88,9 +89,10 @@ class ServerConfig:
     grouping: GroupingPolicy = field(default_factory=GroupingPolicy)
     seed: int = 0
     # The flat methods (fedavg, fedasync) set a client aside after observe_silence, and
-    # pick it again once observe_latency measures it (its late answer, say), or when
-    # nothing else could run. fl-server sets it: there a silent client is a peer that may
-    # never answer (issue 33 finding 4: 300 silent ids took FedAsync's every slot).
+    # pick it again once observe_latency measures it (its late answer or a probe's
+    # answer: set-aside clients are probe_candidates), or when nothing else could run.
+    # fl-server sets it: there a silent client is a peer that may never answer (issue
+    # 33 finding 4: 300 silent ids took FedAsync's every slot).
     # fl-sim keeps the methods as the paper runs them: a failed client stays in the pool.
     sideline_silent: bool = False
 
@@ -225,8 +227,9 @@ class FederatedServer:
 
     def probe_candidates(self) -> list[int]:
         """Clients whose latency only a probe can measure, and whose latency could
-        change a decision (none for the flat methods)."""
-        return []
+        change a decision: a flat method's set-aside clients (sideline_silent), whom
+        no task measures; an answered probe brings one back (observe_latency)."""
+        return sorted(c for c in self.sidelined if c not in self.busy)
 
     def is_dropped(self, client_id: int) -> bool:
         return client_id in self.sidelined
