@@ -32,7 +32,17 @@ acknowledged at the death minus the replica's (trained again). ``fast``:
 (``--chain-every``; FTPipeHD's periods 50/100 scaled to the run); lost = the
 report's ``progress_lost`` (the most mini-batches of updates any unit missed:
 the dead stage's, restored from a copy, and a survivor behind the acknowledged
-count). Each repeat runs both.
+count). Each repeat runs both. Before the trials, one traced ``fast`` run without a
+kill times each stage's chain copies from snapshot to holder, in mini-batches
+(``chain_copy_transfer_mb``: the window in which a death finds its newest copy not
+there yet). Beside the issue's key (unchanged), two counts that explain it
+(:mod:`bench._progress_lost`): ``async_fast_over_exact_progress_lost_if_instant``,
+fast's loss if every copy were at its holder when taken (with a death anywhere in
+a global period its mean is (C + 1) / (G + 1) of exact's: 0.524 at 10 / 20, 0.505 at
+FTPipeHD's 50 / 100, so a ratio under 0.5 needs the deaths to fall early in their
+chain periods), and ``async_fast_over_exact_model_progress_lost``, each unit's loss
+weighted by its parameters (fast loses only the dead stage's units; exact rolls
+every unit back and trains it again).
 
 ``recut`` (``--recut``, a cluster of its own): what eq. 5 over measured capacities
 buys a fast recovery. An MLP of four equal layers (``--recut-hidden``) on devices
