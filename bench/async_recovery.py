@@ -32,7 +32,17 @@ acknowledged at the death minus the replica's (trained again). ``fast``:
 (``--chain-every``; FTPipeHD's periods 50/100 scaled to the run); lost = the
 report's ``progress_lost`` (the most mini-batches of updates any unit missed:
 the dead stage's, restored from a copy, and a survivor behind the acknowledged
-count). Each repeat runs both.
+count). Each repeat runs both. Before the trials, one traced ``fast`` run without a
+kill times each stage's chain copies from snapshot to holder, in mini-batches
+(``chain_copy_transfer_mb``: the window in which a death finds its newest copy not
+there yet). Beside the issue's key (unchanged), two counts that explain it
+(:mod:`bench._progress_lost`): ``async_fast_over_exact_progress_lost_if_instant``,
+fast's loss if every copy were at its holder when taken (with a death anywhere in
+a global period its mean is (C + 1) / (G + 1) of exact's: 0.524 at 10 / 20, 0.505 at
+FTPipeHD's 50 / 100, so a ratio under 0.5 needs the deaths to fall early in their
+chain periods), and ``async_fast_over_exact_model_progress_lost``, each unit's loss
+weighted by its parameters (fast loses only the dead stage's units; exact rolls
+every unit back and trains it again).
 
 ``recut`` (``--recut``, a cluster of its own): what eq. 5 over measured capacities
 buys a fast recovery. An MLP of four equal layers (``--recut-hidden``) on devices
@@ -55,9 +65,11 @@ makes the numbers noisy: the load average is printed beside them.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,6 +81,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 import torch
 
 from bench._common import emit, loadavg, on_alarm, summary
+from bench._progress_lost import copy_transfer_mb, lost_if_instant, model_lost, unit_params
 from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
@@ -187,42 +200,87 @@ def recut(args: argparse.Namespace) -> dict[str, Any]:
     return {"async_fast_measured_over_unmeasured_rate_after": round(ratio, 3)}
 
 
+def copy_transfer(
+    cluster: LocalCluster, spec: ModelSpec, data: list[Any], extra: dict[str, Any]
+) -> dict[str, Any]:
+    """One traced run of ``fast`` without a kill: each stage's chain copy's time from
+    its snapshot until it was at its holder, in mini-batches (the window in which a
+    death finds the copy not yet there), median and most."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        fit(cluster, spec, data, trace=str(path), **extra)
+        document = json.loads(path.read_text())
+    events = document["traceEvents"] if isinstance(document, dict) else document
+    times = copy_transfer_mb(events, NAMES[-1])
+    emit({"bench": BENCH, "section": "copy_transfer", "chain_copy_mb": times,
+          "load": loadavg()})  # fmt: skip
+    return {
+        name: {"median": statistics.median(values), "max": max(values)}
+        for name, values in times.items()
+        if values
+    }
+
+
 def fast_vs_exact(
     cluster: LocalCluster, spec: ModelSpec, data: list[Any], args: argparse.Namespace
 ) -> dict[str, Any]:
     """The ``fast_vs_exact`` section (see the module notes): its summary keys."""
     lost: dict[str, list[int]] = {"exact": [], "fast": []}
+    model: dict[str, list[float]] = {"exact": [], "fast": []}
+    instant: list[int] = []
     systems = {
         "exact": {"recover": True, "replicate_every": args.global_every},
         "fast": {"recover": True, "live_copies": True, "consistency": "fast",
                  "chain_every": args.chain_every, "global_every": args.global_every},
     }  # fmt: skip
+    transfer = copy_transfer(cluster, spec, data, systems["fast"])
     points = args.fast_kill_after or [args.kill_after]
     for repeat, kill_after in ((r, k) for r in range(args.repeats) for k in points):
         for name, extra in systems.items():
             report, seen = killed_run(cluster, spec, data, kill_after, args.slowdowns[1], **extra)
             recovery = report.recoveries[0] if report.recoveries else {}
+            params = unit_params(report.state_dict)
             if name == "exact":
                 acked = acknowledged_at_death(seen)
                 count = acked - int(recovery.get("resumed_from", acked))
+                per_unit = dict.fromkeys(params, count)  # every unit rolls back
+                floor = None
             else:  # nothing is sent again: the coordinator resumed at the count
                 acked = int(recovery.get("resumed_at", -1))
                 count = int(recovery.get("progress_lost", 0))
+                per_unit = {int(u): int(n) for u, n in
+                            (recovery.get("lost_per_unit") or {}).items()}  # fmt: skip
+                floor = lost_if_instant(acked, args.chain_every)
+                instant.append(floor)
             lost[name].append(count)
+            model[name].append(model_lost(per_unit, params))
             emit({"bench": BENCH, "section": "fast_vs_exact", "system": name, "repeat": repeat,
                   "killed_after": kill_after, "acknowledged_at_death": acked,
                   "resumed_at": recovery.get("resumed_at", recovery.get("resumed_from")),
-                  "progress_lost": count, "lost_per_unit": recovery.get("lost_per_unit"),
+                  "progress_lost": count, "lost_if_instant": floor,
+                  "model_lost": round(model[name][-1], 2),
+                  "lost_per_unit": recovery.get("lost_per_unit"),
                   "unit_sources": recovery.get("unit_sources"),
                   "restart_s": round(float(recovery.get("restart_s", 0.0)), 3),
                   "steps": report.steps, "samples_s": round(report.samples_per_s, 2),
                   "load": loadavg()})  # fmt: skip
-    exact = statistics.mean(lost["exact"])
-    ratio = statistics.mean(lost["fast"]) / exact if exact > 0 else None
+
+    def over_exact(values: Sequence[float], of: Sequence[float]) -> float | None:
+        base = statistics.mean(of)
+        return round(statistics.mean(values) / base, 3) if base > 0 else None
+
     return {
-        "async_fast_over_exact_progress_lost": None if ratio is None else round(ratio, 3),
+        "async_fast_over_exact_progress_lost": over_exact(lost["fast"], lost["exact"]),
         "fast_progress_lost": lost["fast"],
         "exact_progress_lost": lost["exact"],
+        # not the issue's key: the floor the copy periods set, and the whole model's share
+        "async_fast_over_exact_progress_lost_if_instant": over_exact(instant, lost["exact"]),
+        "fast_progress_lost_if_instant": instant,
+        "async_fast_over_exact_model_progress_lost": over_exact(model["fast"], model["exact"]),
+        "kill_points": list(points),
+        "chain_every": args.chain_every,
+        "global_every": args.global_every,
+        "chain_copy_transfer_mb": transfer,
     }
 
 

@@ -133,7 +133,15 @@ PARTS: tuple[Part, ...] = (
         "--skip-flush-cost --skip-kill --steps 50 --repeats 1 --fast-kill-after 22 26 30 34 38",
         "--skip-flush-cost --skip-kill --steps 44 --repeats 1 --fast-kill-after 25 35",
         {"async_fast_over_exact_progress_lost": "async_fast_over_exact_progress_lost"},
-        ("fast_progress_lost", "exact_progress_lost"),
+        (
+            "fast_progress_lost",
+            "exact_progress_lost",
+            "fast_progress_lost_if_instant",
+            "async_fast_over_exact_progress_lost_if_instant",
+            "async_fast_over_exact_model_progress_lost",
+            "kill_points",
+            "chain_copy_transfer_mb",
+        ),
         timeout_s=1200,
     ),
     Part(

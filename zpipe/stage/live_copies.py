@@ -182,11 +182,19 @@ class LiveCopySender:
         keys = list(copy.state)
         tensors = tuple(copy.state.values())
         # off the event loop: hashing megabytes would hold up the activations it sends
-        digest = await asyncio.to_thread(state_digest, copy.state)
+        hashing = asyncio.ensure_future(asyncio.to_thread(state_digest, copy.state))
         if kind == "chain" and self.chain_to is not None:
             backup = Backup(run=copy.run, step=copy.step, owner=self.name, keys=keys,
                             live=True, tensors=tensors)  # fmt: skip
-            await self._routes.to_peer(self.chain_to, backup)
+            # the holder needs the tensors, not the digest (it hashes what it kept): the
+            # transfer starts at once, beside the hashing, so a death right after the
+            # snapshot finds the copy at its holder sooner (issue 30)
+            try:
+                await self._routes.to_peer(self.chain_to, backup)
+            except BaseException:
+                hashing.cancel()  # no notice follows: the thread's digest is not read
+                raise
+            digest = await hashing
             holder = self.chain_to.name
             # the coordinator's ledger learns where the copy is (no tensors: small)
             notice = AsyncCopy(run=copy.run, name=self.name, kind=kind, step=copy.step,
@@ -194,6 +202,7 @@ class LiveCopySender:
                                holder=holder)  # fmt: skip
             await self._routes.to_coordinator(notice)
         else:
+            digest = await hashing  # the coordinator checks the tensors against it
             message = AsyncCopy(run=copy.run, name=self.name, kind=kind, step=copy.step,
                                 start=copy.start, end=copy.end, keys=keys, digest=digest,
                                 tensors=tensors)  # fmt: skip

@@ -5,7 +5,9 @@ kind, chain first, without ever blocking the compute. No sockets: fake routes.""
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import pytest
 import torch
 
 from tests._support.async_training import SGD, SPEC, make_batches
@@ -13,6 +15,7 @@ from zpipe.planner.async_schedule import forward_version
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy
 from zpipe.recovery.live_copies import state_digest
+from zpipe.stage import live_copies as live_copies_module
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.live_copies import ChainPeer, CopyRoutes, LiveCopySender, PendingCopy
 from zpipe.stage.metrics import StageCounters
@@ -134,3 +137,41 @@ async def test_drain_waits_for_the_last_copy_and_gives_up_at_its_deadline() -> N
         assert sender.sent == [("chain", 10), ("global", 10)]
     finally:
         task.cancel()
+
+
+async def test_a_chain_copy_leaves_for_its_holder_before_its_digest_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the holder needs the tensors, not the owner's digest: a hash that finishes only
+    # once the transfer has begun must not hold the transfer up (it did: the owner
+    # hashed first, and a death in that time found the copy not yet at its holder)
+    transfer_began = threading.Event()
+
+    def slow_digest(state: dict[str, torch.Tensor]) -> str:
+        transfer_began.wait(10)
+        return "crc32:began" if transfer_began.is_set() else "crc32:waited"
+
+    monkeypatch.setattr(live_copies_module, "state_digest", slow_digest)
+    peer_sends: list[Backup] = []
+    coordinator: list[AsyncCopy] = []
+
+    async def to_peer(peer: ChainPeer, backup: Backup) -> None:
+        transfer_began.set()
+        peer_sends.append(backup)
+
+    async def to_coordinator(message: AsyncCopy) -> None:
+        coordinator.append(message)
+
+    sender = LiveCopySender(name="b", chain_to=ChainPeer("c", "tcp://c"),
+                            routes=CopyRoutes(to_peer, to_coordinator),
+                            counters=StageCounters())  # fmt: skip
+    task = asyncio.ensure_future(sender.run())
+    try:
+        sender.offer(_pending(10, ("chain",)))
+        assert await sender.drain(30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [b.step for b in peer_sends] == [10]
+    # the notice still carries the digest, taken beside the transfer
+    assert [(m.kind, m.holder, m.digest) for m in coordinator] == [("chain", "c", "crc32:began")]
