@@ -30,8 +30,12 @@ What it measures, between two processes (this one, the *sender*, and a spawned
     ctypes on the libsodium pyzmq's libzmq links; see ``bench/_sodium.py``),
     timed in the sender process in the same run. ``gbps`` is what one thread can
     encrypt or decrypt per second: libzmq does all of a connection's frames in
-    one I/O thread per end, so no CURVE link goes faster. Nulls if no libsodium
-    loads.
+    one I/O thread per end, so no CURVE link goes faster. ``frame_gbps``,
+    ``frame_encrypt_us`` and ``frame_decrypt_us`` time libzmq's whole work per
+    frame: the same calls with the copies libzmq 4.3.5 makes around them (a
+    zeroed plaintext buffer the frame is copied into; the box opened in place,
+    which makes libsodium move the ciphertext first, then the plaintext moved
+    down a byte). Nulls if no libsodium loads.
 
 Throughput: the sender pushes N messages back to back and the receiver answers
 with one small ack after the last; GB/s = N * tensor bytes / (send start -> ack),
@@ -92,10 +96,13 @@ cipher's: the best ratio when the cores are the bottleneck, as with both ends on
 (the curve path's CPU per message minus plain's) and
 ``curve_extra_over_crypto_X`` (the two divided: 1.0 means the cipher is all of
 CURVE's extra cost; above it, libzmq's copies of each frame, see
-docs/benchmarks.md). ``cpu_ratio_X`` is zpipe/raw CPU time per message of a throughput run, both
-processes and all their threads (``time.process_time``; median over the
-repeats): the per-message software cost, which moves far less than wall-clock
-ratios when other work shares the cores. ``switches_per_message`` (throughput
+docs/benchmarks.md), and with those copies: ``libzmq_curve_gbps_X``,
+``curve_frame_cpu_us_X`` and ``curve_extra_over_frame_X`` (1.0: nothing but
+libzmq's own per-frame work is left). ``cpu_ratio_X`` is zpipe/raw CPU time per
+message of a throughput run, both processes and all their threads
+(``time.process_time``; median over the repeats): the per-message software
+cost, which moves far less than wall-clock ratios when other work shares the
+cores. ``switches_per_message`` (throughput
 runs) and ``rtt_switches_per_trip`` count the voluntary context switches of both
 processes, all threads (each one a sleep that a hand-off, the network or a wait
 for the GIL had to end), and ``rtt_cpu_us_per_trip`` the CPU per round trip
@@ -450,9 +457,17 @@ def _sodium_line(box: BoxTiming, sodium: Sodium | None) -> dict[str, Any]:
         "gbps": round(box.gbps(), 4),
         "encrypt_us": round(box.encrypt_s * 1e6, 2),
         "decrypt_us": round(box.decrypt_s * 1e6, 2),
+        # with libzmq's copies around the two calls: all CURVE does per frame
+        "frame_gbps": _round_or_none(box.frame_gbps(), 4),
+        "frame_encrypt_us": round(box.frame_encrypt_s * 1e6, 2),
+        "frame_decrypt_us": round(box.frame_decrypt_s * 1e6, 2),
         "cipher": "crypto_box_easy_afternm (XSalsa20-Poly1305), as libzmq's CURVE",
         "library": sodium.path if sodium else None,
     }
+
+
+def _round_or_none(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _curve_limits(
@@ -468,6 +483,9 @@ def _curve_limits(
     cores are the bottleneck (both ends on 2 shared cores, as here).
     ``curve_extra_over_crypto``: the curve path's extra CPU per message over plain,
     divided by the cipher's (1.0: all of the extra is the cipher).
+    ``libzmq_curve_gbps``, ``curve_frame_cpu_us`` and ``curve_extra_over_frame``: the
+    same with libzmq's copies around the cipher (:meth:`bench._sodium.Sodium.time_box`),
+    all CURVE does per frame: 1.0 leaves nothing else in the curve path's extra.
     """
     keys = (
         "libsodium_gbps",
@@ -477,6 +495,9 @@ def _curve_limits(
         "crypto_cpu_us",
         "curve_extra_cpu_us",
         "curve_extra_over_crypto",
+        "libzmq_curve_gbps",
+        "curve_frame_cpu_us",
+        "curve_extra_over_frame",
     )
     out: dict[str, float | None] = {f"{key}_{label}": None for key in keys}
     if box is None:
@@ -484,6 +505,9 @@ def _curve_limits(
     limit = box.gbps()
     out[f"libsodium_gbps_{label}"] = round(limit, 4)
     out[f"crypto_cpu_us_{label}"] = round(box.both_us(), 1)
+    out[f"libzmq_curve_gbps_{label}"] = _round_or_none(box.frame_gbps(), 4)
+    frame_us = box.frame_both_us()
+    out[f"curve_frame_cpu_us_{label}"] = _round_or_none(frame_us, 1)
     plain_gbps = plain.gbps() if plain else None
     curve_gbps = curve.gbps() if curve else None
     out[f"curve_over_libsodium_{label}"] = same_run_ratio(curve_gbps, limit)
@@ -499,6 +523,8 @@ def _curve_limits(
         extra = curve_cpu - plain_cpu
         out[f"curve_extra_cpu_us_{label}"] = round(extra, 1)
         out[f"curve_extra_over_crypto_{label}"] = round(extra / box.both_us(), 4)
+        if frame_us:
+            out[f"curve_extra_over_frame_{label}"] = round(extra / frame_us, 4)
     return out
 
 
