@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import os
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -169,11 +170,14 @@ class ReceiverSettings:
     raw_hwm: int
     tune_malloc: bool
     copy_below: int = COPY_BELOW_BYTES
+    cpu: int | None = None  # pinned to this CPU (all threads), or not pinned
 
 
 def receiver_main(conn: Connection, settings: ReceiverSettings) -> None:
     """Entry point of the spawned receiver process."""
     faulthandler.dump_traceback_later(settings.deadline_s, exit=True)
+    if settings.cpu is not None:
+        os.sched_setaffinity(0, {settings.cpu})  # before libzmq's threads start
     configure_logging(level="warning")
     if settings.tune_malloc:
         retain_freed_memory()
@@ -226,6 +230,9 @@ class Receiver:
         self.conn.send({"ok": "armed"})
         started = time.perf_counter()
         mark = UsageMark.now()
+        # per round trip: when the ping was received and when its echo was queued
+        # (perf_counter is the system's monotonic clock, the sender's too)
+        stamps: list[tuple[float, float]] = []
         if op == "tput":
             if path == "raw":
                 self.raw_sink(ch, count)
@@ -233,9 +240,9 @@ class Receiver:
                 await self.zpipe_sink(ch, size, count)
         elif op == "echo":
             if path == "raw":
-                self.raw_echo(ch, count)
+                self.raw_echo(ch, count, stamps)
             else:
-                await self.zpipe_echo(ch, size, count)
+                await self.zpipe_echo(ch, size, count, stamps)
         else:
             raise ValueError(f"unknown op {op!r}")
         usage = mark.since("receiver")
@@ -245,6 +252,7 @@ class Receiver:
             "cpu_s": usage.cpu_s,
             "switches": usage.switches,
             "cpu_by_thread": usage.by_thread,
+            "stamps": stamps,
         }
 
     def raw_sink(self, ch: Channel, count: int) -> None:
@@ -252,9 +260,13 @@ class Receiver:
             ch.pull.recv_multipart(copy=False)
         ch.push.send(b"ack")
 
-    def raw_echo(self, ch: Channel, count: int) -> None:
+    def raw_echo(self, ch: Channel, count: int, stamps: list[tuple[float, float]]) -> None:
+        clock = time.perf_counter
         for _ in range(count):
-            ch.push.send_multipart(ch.pull.recv_multipart(copy=False), copy=False)
+            frames = ch.pull.recv_multipart(copy=False)
+            got = clock()
+            ch.push.send_multipart(frames, copy=False)
+            stamps.append((got, clock()))
 
     async def zpipe_sink(self, ch: Channel, size: int, count: int) -> None:
         # As a stage's receive loop: recv_frames without a per-message deadline
@@ -276,12 +288,16 @@ class Receiver:
             peer=SENDER_KEY,
         )
 
-    async def zpipe_echo(self, ch: Channel, size: int, count: int) -> None:
+    async def zpipe_echo(
+        self, ch: Channel, size: int, count: int, stamps: list[tuple[float, float]]
+    ) -> None:
         timeout = self.settings.timeout_s
+        clock = time.perf_counter
 
         async def loop() -> None:
             for _ in range(count):
                 frames = await recv_frames(ch.pull, timeout_s=None, peer=SENDER_KEY, awaited="ping")
+                got = clock()
                 check_sender(ch, frames[0])
                 message = decode_frames(frames, MAX_BYTES)
                 check_tensor(message, size)
@@ -294,5 +310,6 @@ class Receiver:
                     peer=SENDER_KEY,
                     copy_below=copy_below(ch.path, self.settings.copy_below),
                 )
+                stamps.append((got, clock()))
 
         await asyncio.wait_for(loop(), run_deadline(timeout, size, count))

@@ -12,6 +12,34 @@ from bench._common import thread_cpu_by_role, thread_switches
 
 BENCH = "transport"
 
+# The steps of one round trip, timed on the system's monotonic clock in both
+# processes: the sender's encode and send (until it returns), the ping's way to the
+# echo's hands (libzmq both sides, the wake-up of the echo's receive), the echo's
+# decode and send, the pong's way back (likewise), and the sender's decode.
+RTT_STEPS = ("send", "to_echo", "echo", "to_sender", "decode")
+
+
+def round_trip_steps(
+    sender: list[tuple[float, float, float, float]], echo: list[tuple[float, float]]
+) -> list[tuple[float, ...]]:
+    """Per round trip, the seconds of each of :data:`RTT_STEPS` from the sender's
+    stamps (start, sent, received, decoded) and the echo's (received, sent)."""
+    return [
+        (sent - start, got - sent, echoed - got, received - echoed, done - received)
+        for (start, sent, received, done), (got, echoed) in zip(sender, echo, strict=True)
+    ]
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float | None:
+    """Median over rounds of a[i] / b[i]: the two paths of a round ran back to back,
+    so load that drifts between rounds moves both alike and cancels."""
+    pairs = [x / y for x, y in zip(a, b, strict=True) if y]
+    return _round(statistics.median(pairs)) if pairs else None
+
+
+def round_ratios(a: list[float], b: list[float]) -> list[float | None]:
+    return [_round(x / y) if y else None for x, y in zip(a, b, strict=True)]
+
 
 @dataclass
 class Usage:
@@ -65,6 +93,29 @@ class Result:
     # CPU seconds per process and thread role, per throughput run
     thread_seconds: list[dict[str, float]] = field(default_factory=list)
     rtt_usage: Usage = field(default_factory=Usage)  # of all round trips together
+    # median round trip of each round (paths alternate round by round)
+    rtt_rounds: list[float] = field(default_factory=list)
+    # per round trip, seconds of each step of RTT_STEPS
+    rtt_steps: list[tuple[float, ...]] = field(default_factory=list)
+
+    def add_rtt_usage(self, usage: Usage) -> None:
+        self.rtt_usage = self.rtt_usage.plus(usage)
+
+    def rtt_cpu_us_by_thread(self) -> dict[str, float]:
+        """CPU per round trip of each process's main, libzmq I/O and other threads."""
+        if not self.rtts:
+            return {}
+        n = len(self.rtts)
+        return {k: round(s / n * 1e6, 2) for k, s in sorted(self.rtt_usage.by_thread.items())}
+
+    def rtt_steps_us(self) -> dict[str, float]:
+        """Median microseconds of each step of a round trip (:data:`RTT_STEPS`)."""
+        if not self.rtt_steps:
+            return {}
+        return {
+            name: round(statistics.median(trip[i] for trip in self.rtt_steps) * 1e6, 1)
+            for i, name in enumerate(RTT_STEPS)
+        }
 
     def switches_per_message(self) -> float | None:
         if not self.switches or not self.count:
@@ -123,6 +174,9 @@ class Result:
             "switches_per_message": _round(self.switches_per_message(), 3),
             "cpu_us_per_message_by_thread": self.cpu_us_per_message_by_thread(),
             "rtt_cpu_us_per_trip": _round(self.rtt_cpu_us(), 2),
+            "rtt_cpu_us_per_trip_by_thread": self.rtt_cpu_us_by_thread(),
+            "rtt_steps_us": self.rtt_steps_us(),
+            "rtt_rounds_ms": [_round(r * 1e3) for r in self.rtt_rounds],
             "rtt_switches_per_trip": _round(self.rtt_switches(), 3),
             "rtt_p10_ms": _round(q[0] * 1e3 if q[0] is not None else None),
             "rtt_p90_ms": _round(q[-1] * 1e3 if q[-1] is not None else None),

@@ -30,18 +30,48 @@ What it measures, between two processes (this one, the *sender*, and a spawned
     ctypes on the libsodium pyzmq's libzmq links; see ``bench/_sodium.py``),
     timed in the sender process in the same run. ``gbps`` is what one thread can
     encrypt or decrypt per second: libzmq does all of a connection's frames in
-    one I/O thread per end, so no CURVE link goes faster. Nulls if no libsodium
-    loads.
+    one I/O thread per end, so no CURVE link goes faster. ``frame_gbps``,
+    ``frame_encrypt_us`` and ``frame_decrypt_us`` time libzmq's whole work per
+    frame: the same calls with the copies libzmq 4.3.5 makes around them (a
+    zeroed plaintext buffer the frame is copied into; the box opened in place,
+    which makes libsodium move the ciphertext first, then the plaintext moved
+    down a byte). Nulls if no libsodium loads.
 
 Throughput: the sender pushes N messages back to back and the receiver answers
 with one small ack after the last; GB/s = N * tensor bytes / (send start -> ack),
 in 1e9 bytes per second. N is picked per size from a warm-up so that one run
-lasts about ``--seconds``, and every path uses the same N. Each run is repeated
-``--repeats`` times (paths interleaved) and the median is reported.
+lasts about ``--seconds``, and every path uses the same N. There are
+``--repeats`` rounds; each round runs every path once, back to back, in an order
+that rotates from round to round, and each path's median over the rounds is
+printed.
 
 Round-trip time: ping-pong of the same message sizes over a second PUSH/PULL
 pair (receiver -> sender); the receiver decodes each ping and sends its tensor
-back (zero-copy); the median of M round trips is reported.
+back (zero-copy). The M round trips of each path are split over
+``--rtt-rounds`` rounds, paths alternating as above; the median of all M is
+printed (``rtt_ms``), and each round's median (``rtt_rounds_ms``).
+``rtt_steps_us`` splits a round trip into ``send`` (the sender's encode and send,
+until the send returns), ``to_echo`` (libzmq on both sides and the wake-up of
+the echo's receive), ``echo`` (its decode and send), ``to_sender`` (likewise
+back) and ``decode`` (the sender's), from readings of the system's monotonic
+clock in both processes (medians over the trips); the summary's
+``rtt_extra_us_by_step_X`` is zpipe's minus raw's. ``rtt_cpu_us_per_trip_by_thread``
+splits the round trip's CPU as ``cpu_us_per_message_by_thread`` does a stream's.
+
+Why rounds and pairs. On a 2-core machine the two processes and their libzmq I/O
+threads are four busy threads on two cores: a run's wall time depends on which
+threads the scheduler puts together, and on anything else that runs, and both
+drift within seconds (quiet runs of the same code gave ``rtt_ratio_1mb`` 1.28,
+2.07 and 2.28, and ``ratio_16mb`` 0.71-1.12). So ``ratio_X`` and ``rtt_ratio_X``
+are the medians over rounds of the ratio *within* each round, whose two paths ran
+back to back (``ratio_rounds_X``, ``rtt_ratio_rounds_X`` list them; the spread of
+those lists is the run's own error bar); the ratios of the paths' medians are
+``ratio_of_medians_X`` and ``rtt_ratio_of_medians_X`` (the definition before).
+``--pin`` pins the sender, all its threads, to one CPU and the receiver to
+another, the same for every path (the summary's ``pinned``): no migrations, and
+never both benched processes on one core; its I/O thread then shares its core
+with its main thread, on both paths alike. The CPU ratios (``cpu_ratio_X``,
+``rtt_cpu_ratio_X``) move far less than the wall-clock ones: compare both.
 
 Output, on stdout, one JSON line per path and size::
 
@@ -54,8 +84,9 @@ then one summary line::
      "curve_over_plain_16mb": ..., "uvloop": true, ...}
 
 ``ratio_X`` is zpipe/raw throughput (the goal is >= 0.9 at 1 MiB and 16 MiB),
-``rtt_ratio_X`` is zpipe/raw median round-trip time (1.0 is parity, higher is
-slower) and ``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
+``rtt_ratio_X`` is zpipe/raw round-trip time (1.0 is parity, higher is slower),
+both the median of the rounds' ratios (see "Why rounds and pairs" above), and
+``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
 With ``zpipe_curve``: ``libsodium_gbps_X`` (the limit above),
 ``curve_over_libsodium_X``, ``curve_limit_over_plain_X`` (that limit over plain
 zpipe: the best ``curve_over_plain_X`` with a free core for each end),
@@ -65,10 +96,13 @@ cipher's: the best ratio when the cores are the bottleneck, as with both ends on
 (the curve path's CPU per message minus plain's) and
 ``curve_extra_over_crypto_X`` (the two divided: 1.0 means the cipher is all of
 CURVE's extra cost; above it, libzmq's copies of each frame, see
-docs/benchmarks.md). ``cpu_ratio_X`` is zpipe/raw CPU time per message of a throughput run, both
-processes and all their threads (``time.process_time``; median over the
-repeats): the per-message software cost, which moves far less than wall-clock
-ratios when other work shares the cores. ``switches_per_message`` (throughput
+docs/benchmarks.md), and with those copies: ``libzmq_curve_gbps_X``,
+``curve_frame_cpu_us_X`` and ``curve_extra_over_frame_X`` (1.0: nothing but
+libzmq's own per-frame work is left). ``cpu_ratio_X`` is zpipe/raw CPU time per
+message of a throughput run, both processes and all their threads
+(``time.process_time``; median over the repeats): the per-message software
+cost, which moves far less than wall-clock ratios when other work shares the
+cores. ``switches_per_message`` (throughput
 runs) and ``rtt_switches_per_trip`` count the voluntary context switches of both
 processes, all threads (each one a sleep that a hand-off, the network or a wait
 for the GIL had to end), and ``rtt_cpu_us_per_trip`` the CPU per round trip
@@ -128,6 +162,8 @@ import argparse
 import asyncio
 import faulthandler
 import multiprocessing as mp
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -176,7 +212,16 @@ from bench._transport_paths import (
     receiver_main,
     run_deadline,
 )
-from bench._transport_results import BENCH, Result, Usage, UsageMark, same_run_ratio
+from bench._transport_results import (
+    BENCH,
+    Result,
+    Usage,
+    UsageMark,
+    paired_ratio,
+    round_ratios,
+    round_trip_steps,
+    same_run_ratio,
+)
 
 PATHS = ("raw", "zpipe", "zpipe_curve", "zpipe_shared")
 DEFAULT_PATHS = ("raw", "zpipe", "zpipe_curve")
@@ -290,10 +335,12 @@ class Sender:
             elapsed = time.perf_counter() - started
             if decode_frames(frames, MAX_BYTES).body["nonce"] != count:
                 raise RuntimeError("the receiver acknowledged a different count")
-        return elapsed, await self._usage(mark)
+        usage, _ = await self._usage(mark)
+        return elapsed, usage
 
-    async def _usage(self, mark: UsageMark) -> Usage:
-        """This process's usage since ``mark`` plus the receiver's, from its reply."""
+    async def _usage(self, mark: UsageMark) -> tuple[Usage, dict[str, Any]]:
+        """This process's usage since ``mark`` plus the receiver's, from its reply
+        (returned too)."""
         mine = mark.since("sender")
         done = await self.reply("done")
         theirs = Usage(
@@ -301,30 +348,37 @@ class Sender:
             int(done["switches"]),
             {str(k): float(v) for k, v in dict(done.get("cpu_by_thread") or {}).items()},
         )
-        return mine.plus(theirs)
+        return mine.plus(theirs), done
 
-    async def echo(self, path: str, size: int, count: int) -> tuple[list[float], Usage]:
-        """Round-trip times of ``count`` ping-pongs of ``size`` bytes, and what both
-        processes spent on them."""
+    async def echo(
+        self, path: str, size: int, count: int
+    ) -> tuple[list[float], Usage, list[tuple[float, ...]]]:
+        """Round-trip times of ``count`` ping-pongs of ``size`` bytes, what both
+        processes spent on them, and each trip's steps (``RTT_STEPS``)."""
         ch = self.channels[path]
         tensor = self.tensor(size)
         self.conn.send({"op": "echo", "path": path, "size": size, "count": count})
         await self.reply("armed")
         mark = UsageMark.now()
-        rtts: list[float] = []
+        clock = time.perf_counter
+        # per trip: started, sent (the send returned), received, decoded (both
+        # paths take the same four readings of the clock)
+        stamps: list[tuple[float, float, float, float]] = []
         if path == "raw":
             for _ in range(count):
-                started = time.perf_counter()
+                started = clock()
                 ch.push.send_multipart([RAW_HEADER, raw_buffer(tensor)], copy=False)
+                sent = clock()
                 frames = ch.pull.recv_multipart(copy=False)
-                rtts.append(time.perf_counter() - started)
+                received = clock()
+                stamps.append((started, sent, received, received))
                 if len(frames) != 2 or len(frames[1]) != size:
                     raise RuntimeError("raw echo came back with the wrong size")
         else:
             # As the client's result loop: recv_frames(timeout_s=None), one deadline per run.
             async def loop() -> None:
                 for mb in range(count):
-                    started = time.perf_counter()
+                    started = clock()
                     await send(
                         ch.push,
                         data_message(mb, tensor, "bench"),
@@ -332,15 +386,20 @@ class Sender:
                         peer=RECEIVER_KEY,
                         copy_below=copy_below(path, self.args.copy_below),
                     )
+                    sent = clock()
                     frames = await recv_frames(
                         ch.pull, timeout_s=None, peer=RECEIVER_KEY, awaited="pong"
                     )
+                    received = clock()
                     message = decode_frames(frames, MAX_BYTES)
-                    rtts.append(time.perf_counter() - started)
+                    stamps.append((started, sent, received, clock()))
                     check_tensor(message, size)
 
             await asyncio.wait_for(loop(), run_deadline(self.timeout_s, size, count))
-        return rtts, await self._usage(mark)
+        usage, done = await self._usage(mark)
+        echo_stamps = [(float(a), float(b)) for a, b in done.get("stamps") or ()]
+        steps = round_trip_steps(stamps, echo_stamps) if len(echo_stamps) == count else []
+        return [s[3] - s[0] for s in stamps], usage, steps
 
     async def measure_size(self, size: int, paths: list[str]) -> dict[str, Result]:
         args = self.args
@@ -369,15 +428,15 @@ class Sender:
                 results[path].cpu_seconds.append(usage.cpu_s)
                 results[path].switches.append(usage.switches)
                 results[path].thread_seconds.append(usage.by_thread)
-        chunks = max(1, args.repeats)
+        chunks = max(1, min(args.rtt_rounds, trips))
         for rep in range(chunks):
             for path in _rotate(paths, rep):
                 n = trips // chunks + (1 if rep < trips % chunks else 0)
-                if n:
-                    rtts, usage = await self.echo(path, size, n)
-                    results[path].rtts.extend(rtts)
-                    results[path].rtt_usage.cpu_s += usage.cpu_s
-                    results[path].rtt_usage.switches += usage.switches
+                rtts, usage, steps = await self.echo(path, size, n)
+                results[path].rtts.extend(rtts)
+                results[path].rtt_rounds.append(statistics.median(rtts))
+                results[path].rtt_steps.extend(steps)
+                results[path].add_rtt_usage(usage)
         if self.sodium is not None:
             # In this process, between the timed runs: what the cipher alone costs.
             self.boxes[size] = self.sodium.time_box(size, budget_s=0.05 if args.quick else 0.2)
@@ -398,9 +457,17 @@ def _sodium_line(box: BoxTiming, sodium: Sodium | None) -> dict[str, Any]:
         "gbps": round(box.gbps(), 4),
         "encrypt_us": round(box.encrypt_s * 1e6, 2),
         "decrypt_us": round(box.decrypt_s * 1e6, 2),
+        # with libzmq's copies around the two calls: all CURVE does per frame
+        "frame_gbps": _round_or_none(box.frame_gbps(), 4),
+        "frame_encrypt_us": round(box.frame_encrypt_s * 1e6, 2),
+        "frame_decrypt_us": round(box.frame_decrypt_s * 1e6, 2),
         "cipher": "crypto_box_easy_afternm (XSalsa20-Poly1305), as libzmq's CURVE",
         "library": sodium.path if sodium else None,
     }
+
+
+def _round_or_none(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _curve_limits(
@@ -416,6 +483,9 @@ def _curve_limits(
     cores are the bottleneck (both ends on 2 shared cores, as here).
     ``curve_extra_over_crypto``: the curve path's extra CPU per message over plain,
     divided by the cipher's (1.0: all of the extra is the cipher).
+    ``libzmq_curve_gbps``, ``curve_frame_cpu_us`` and ``curve_extra_over_frame``: the
+    same with libzmq's copies around the cipher (:meth:`bench._sodium.Sodium.time_box`),
+    all CURVE does per frame: 1.0 leaves nothing else in the curve path's extra.
     """
     keys = (
         "libsodium_gbps",
@@ -425,6 +495,9 @@ def _curve_limits(
         "crypto_cpu_us",
         "curve_extra_cpu_us",
         "curve_extra_over_crypto",
+        "libzmq_curve_gbps",
+        "curve_frame_cpu_us",
+        "curve_extra_over_frame",
     )
     out: dict[str, float | None] = {f"{key}_{label}": None for key in keys}
     if box is None:
@@ -432,6 +505,9 @@ def _curve_limits(
     limit = box.gbps()
     out[f"libsodium_gbps_{label}"] = round(limit, 4)
     out[f"crypto_cpu_us_{label}"] = round(box.both_us(), 1)
+    out[f"libzmq_curve_gbps_{label}"] = _round_or_none(box.frame_gbps(), 4)
+    frame_us = box.frame_both_us()
+    out[f"curve_frame_cpu_us_{label}"] = _round_or_none(frame_us, 1)
     plain_gbps = plain.gbps() if plain else None
     curve_gbps = curve.gbps() if curve else None
     out[f"curve_over_libsodium_{label}"] = same_run_ratio(curve_gbps, limit)
@@ -447,6 +523,8 @@ def _curve_limits(
         extra = curve_cpu - plain_cpu
         out[f"curve_extra_cpu_us_{label}"] = round(extra, 1)
         out[f"curve_extra_over_crypto_{label}"] = round(extra / box.both_us(), 4)
+        if frame_us:
+            out[f"curve_extra_over_frame_{label}"] = round(extra / frame_us, 4)
     return out
 
 
@@ -486,10 +564,22 @@ async def run_sender(
         ) -> float | None:
             return what(results[path]) if path in results else None
 
-        ratios[f"ratio_{label}"] = same_run_ratio(
+        zpipe, raw = results.get("zpipe"), results.get("raw")
+        if zpipe is not None and raw is not None:
+            # Round by round: the two paths of a round ran back to back (see the notes).
+            ratios[f"ratio_{label}"] = paired_ratio(zpipe.gbps_runs(), raw.gbps_runs())
+            ratios[f"ratio_rounds_{label}"] = round_ratios(zpipe.gbps_runs(), raw.gbps_runs())
+            ratios[f"rtt_ratio_{label}"] = paired_ratio(zpipe.rtt_rounds, raw.rtt_rounds)
+            ratios[f"rtt_ratio_rounds_{label}"] = round_ratios(zpipe.rtt_rounds, raw.rtt_rounds)
+            steps_z, steps_r = zpipe.rtt_steps_us(), raw.rtt_steps_us()
+            if steps_z and steps_r:
+                ratios[f"rtt_extra_us_by_step_{label}"] = {
+                    k: round(steps_z[k] - steps_r[k], 1) for k in steps_z
+                }
+        ratios[f"ratio_of_medians_{label}"] = same_run_ratio(
             get("zpipe", Result.gbps), get("raw", Result.gbps)
         )
-        ratios[f"rtt_ratio_{label}"] = same_run_ratio(
+        ratios[f"rtt_ratio_of_medians_{label}"] = same_run_ratio(
             get("zpipe", Result.rtt_ms), get("raw", Result.rtt_ms)
         )
         ratios[f"cpu_ratio_{label}"] = same_run_ratio(
@@ -535,6 +625,7 @@ async def run_sender(
         "quick": bool(args.quick),
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
+        "pinned": {"sender": args.pin_sender, "receiver": args.pin_receiver} if args.pin else None,
     }
 
 
@@ -564,7 +655,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--seconds",
         type=float,
         default=None,
-        help="target duration of one throughput run (default 0.75, quick 0.05)",
+        help="target duration of one throughput run (default 0.45, quick 0.05)",
     )
     parser.add_argument(
         "--rtt-seconds",
@@ -576,7 +667,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=None,
-        help="throughput runs per path and size, median reported (default 3, quick 1)",
+        help="throughput rounds per size, paths alternating (default 5, quick 1); ratio_X "
+        "is the median of the rounds' ratios",
+    )
+    parser.add_argument(
+        "--rtt-rounds",
+        type=int,
+        default=None,
+        help="round-trip rounds per size, paths alternating (default 7, quick 1); "
+        "rtt_ratio is the median of the rounds' ratios",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the sender (all its threads) to one CPU and the receiver to another "
+        "(the first two this process may use), the same for every path: no migrations, "
+        "no two benched processes on one core",
     )
     parser.add_argument(
         "--count", type=int, default=0, help="messages per throughput run (default: from --seconds)"
@@ -639,12 +745,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.paths or not args.sizes:
         parser.error(f"--paths takes a subset of {','.join(PATHS)}; --sizes at least one size")
     if args.seconds is None:
-        args.seconds = 0.05 if args.quick else 0.75
+        args.seconds = 0.05 if args.quick else 0.45
     if args.rtt_seconds is None:
         args.rtt_seconds = 0.03 if args.quick else 0.3
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
-    if args.repeats < 1 or args.timeout <= 0 or args.min_count < 1:
+        args.repeats = 1 if args.quick else 5
+    if args.rtt_rounds is None:
+        args.rtt_rounds = 1 if args.quick else 7
+    args.pin_sender = args.pin_receiver = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            parser.error("--pin needs two CPUs")
+        args.pin_sender, args.pin_receiver = cpus[0], cpus[1]
+    if args.repeats < 1 or args.rtt_rounds < 1 or args.timeout <= 0 or args.min_count < 1:
         parser.error("--repeats, --timeout and --min-count must be positive")
     return args
 
@@ -654,6 +768,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(level="warning")  # zpipe logs go to stderr, JSON lines to stdout
     faulthandler.dump_traceback_later(args.deadline, exit=True)
     runner, has_uvloop = loop_runner()
+    if args.pin_sender is not None:
+        # before any zmq context: libzmq's and pyzmq's threads inherit it
+        os.sched_setaffinity(0, {args.pin_sender})
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe(duplex=True)
     malloc_tuned = retain_freed_memory() if args.tune_malloc else False
@@ -663,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_hwm=args.raw_hwm,
         tune_malloc=args.tune_malloc,
         copy_below=args.copy_below,
+        cpu=args.pin_receiver,
     )
     proc = spawn.Process(
         target=receiver_main, args=(child_conn, settings), name="zpipe-bench-receiver", daemon=True

@@ -163,3 +163,65 @@ async def test_closing_the_socket_cancels_a_wait_as_zmq_asyncio_does(
     pair.rx.close(linger=0)
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(receiving, 30)
+
+
+async def test_a_receive_loop_keeps_the_reader_without_an_extra_pass_of_the_loop(
+    context: zmq.asyncio.Context,
+) -> None:
+    # Loop passes counted by a callback that schedules itself again on every pass.
+    loop = asyncio.get_running_loop()
+    passes = 0
+    ticking = True
+
+    def tick() -> None:
+        nonlocal passes
+        passes += 1
+        if ticking:
+            loop.call_soon(tick)
+
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    assert isinstance(pair.rx, ZpipeSocket)
+    checks: list[tuple[int, int]] = []  # (pass, waiters) of each look for an idle reader
+    look = pair.rx._remove_reader_if_idle
+
+    def recorded_look() -> None:
+        checks.append((passes, len(pair.rx._zpipe_waiters or ())))
+        look()
+
+    pair.rx._remove_reader_if_idle = recorded_look  # type: ignore[method-assign]
+    woke_at: list[int] = []
+    adds = 0
+    add_reader = loop.add_reader
+
+    def counted_add_reader(*args: object) -> None:
+        nonlocal adds
+        adds += 1
+        add_reader(*args)  # type: ignore[arg-type]
+
+    loop.add_reader = counted_add_reader  # type: ignore[method-assign]
+
+    taken: asyncio.Queue[int] = asyncio.Queue()
+
+    async def receive_loop() -> None:
+        for _ in range(5):
+            n = await pair.receive(timeout_s=30)
+            woke_at.append(passes)
+            taken.put_nowait(n)
+
+    try:
+        loop.call_soon(tick)
+        receiving = asyncio.create_task(receive_loop())
+        for n in range(5):
+            await pair.waiting()
+            pair.send(n)
+            assert await asyncio.wait_for(taken.get(), 30) == n
+        await asyncio.wait_for(receiving, 30)
+    finally:
+        ticking = False
+        del loop.add_reader
+    assert adds == 1  # one reader for the whole loop: never removed between messages
+    # After every wake the look for an idle reader ran in the pass that woke the
+    # receive, once it waited again (it found the waiter), not one pass later.
+    looks_after_a_wake = [c for c in checks if c[0] in woke_at[:4]]
+    assert [waiters for _, waiters in looks_after_a_wake] == [1, 1, 1, 1]
+    assert {at for at, _ in looks_after_a_wake} == set(woke_at[:4])

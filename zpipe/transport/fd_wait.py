@@ -98,13 +98,16 @@ class ZpipeSocket(zmq.asyncio.Socket):
             return  # closed meanwhile: close() removed the reader
         self._zpipe_waiters.discard(waiter)
         if not self._zpipe_waiters and not self._zpipe_removal_due:
-            # Off the descriptor on the loop's next pass, not now: a receive loop
-            # that wakes, takes its message and finds the queue empty waits again
-            # within the same pass, and keeps the reader (adding and removing it
-            # costs uvloop a poll handle and several system calls per message). An
-            # idle reader runs at most that one pass.
-            self._zpipe_removal_due = True
-            loop.call_soon(self._remove_reader_if_idle)
+            # Off the descriptor later, not now: a receive loop that wakes, takes
+            # its message and finds the queue empty waits again within the same
+            # pass, and keeps the reader (adding and removing it costs uvloop a poll
+            # handle and several system calls per message). An idle reader runs at
+            # most one pass. (A wake by the descriptor has scheduled this already.)
+            self._schedule_removal(loop)
+
+    def _schedule_removal(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._zpipe_removal_due = True
+        loop.call_soon(self._remove_reader_if_idle)
 
     def _remove_reader_if_idle(self) -> None:
         self._zpipe_removal_due = False
@@ -120,8 +123,18 @@ class ZpipeSocket(zmq.asyncio.Socket):
                 pass
 
     def _wake_waiters(self) -> None:
-        for waiter in self._zpipe_waiters or ():
+        waiters = self._zpipe_waiters
+        if not waiters:
+            return
+        for waiter in waiters:
             _wake(waiter)
+        if not self._zpipe_removal_due and self._zpipe_loop is not None:
+            # The look for an idle reader goes behind the woken tasks, into the same
+            # pass of the loop: a receive loop has waited again by then, and the
+            # look finds it. Scheduled from wait_ended instead, inside the task's
+            # step, it ran a pass later: one more pass of the loop, with a poll of
+            # its descriptors, after every message a waiting receive took.
+            self._schedule_removal(self._zpipe_loop)
 
     def close(self, linger: int | None = None) -> None:
         waiters, self._zpipe_waiters = self._zpipe_waiters, None

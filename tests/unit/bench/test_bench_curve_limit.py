@@ -53,3 +53,32 @@ def test_the_limits_compare_the_curve_path_with_the_cipher_alone() -> None:
 def test_without_libsodium_every_limit_is_null() -> None:
     out = _curve_limits("1mb", None, _result("zpipe", 5.0, 300.0), None)
     assert out and all(value is None for value in out.values())
+
+
+def test_libzmqs_copies_around_the_cipher_are_timed_and_compared_too() -> None:
+    box = BoxTiming(
+        1 << 20,
+        encrypt_s=700e-6,
+        decrypt_s=800e-6,
+        frame_encrypt_s=800e-6,
+        frame_decrypt_s=1000e-6,
+    )
+    plain = _result("zpipe", gbps=5.0, cpu_us=300.0)
+    curve = _result("zpipe_curve", gbps=1.0, cpu_us=2100.0)
+    out = _curve_limits("1mb", box, plain, curve)
+    assert out["libzmq_curve_gbps_1mb"] == pytest.approx((1 << 20) / 1000e-6 / 1e9, rel=1e-3)
+    assert out["curve_frame_cpu_us_1mb"] == pytest.approx(1800.0)
+    assert out["curve_extra_over_frame_1mb"] == pytest.approx(1.0)
+    # never timed with the copies: those keys stay null, the cipher's are kept
+    bare = _curve_limits("1mb", BoxTiming(1 << 20, 700e-6, 800e-6), plain, curve)
+    assert bare["libzmq_curve_gbps_1mb"] is None and bare["curve_extra_over_frame_1mb"] is None
+    assert bare["crypto_cpu_us_1mb"] == pytest.approx(1500.0)
+
+
+def test_the_frame_timing_includes_libzmqs_copies() -> None:
+    sodium = load()
+    if sodium is None:
+        pytest.skip("no libsodium loads here (pyzmq's bundled one nor the system's)")
+    timing = sodium.time_box(1 << 16, budget_s=0.01, batches=1)
+    assert timing.frame_encrypt_s > 0 and timing.frame_decrypt_s >= timing.decrypt_s
+    assert timing.frame_gbps() is not None and timing.frame_both_us() is not None
