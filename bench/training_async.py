@@ -567,6 +567,9 @@ def one_setup(
             {"at": r["at"], "t_s": round(arrivals[r["at"] - 1] - started, 2),
              "pause_s": round(arrivals[r["at"]] - arrivals[r["at"] - 1] - gap, 3),
              "moved": r["moved"], "bounds": r["bounds"], "capacities": r.get("capacities"),
+             # the period the look predicted for its cuts (after a move: the loss
+             # watch's baseline, zpipe.training.repartition_watch)
+             "new_period_s": r.get("new_period_s"),
              "fixed_s": r.get("fixed_s"),
              "parts": pause_parts(logs, r["at"], wall + arrivals[r["at"] - 1],
                                   wall + arrivals[r["at"]])}
