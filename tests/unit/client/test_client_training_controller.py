@@ -22,6 +22,7 @@ from zpipe._errors import PipelineError, ProtocolError, StageFailedError
 from zpipe.client.batches import ReplayBuffer
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
+from zpipe.client.runs.async_repartition import predicted_period
 from zpipe.client.runs.fit import training_request
 from zpipe.client.runs.training_attempts import (
     Acknowledged,
@@ -662,3 +663,11 @@ def test_a_move_makes_the_period_it_predicted_the_loss_watchs_baseline() -> None
         t += 0.95
         attempts.handle(Acknowledged(step, now=t))
     assert attempts.handle(FeedAt(12)) == [RepartitionLook(12)]  # not 26, the next scheduled
+
+
+def test_the_predicted_period_is_the_newest_moving_looks() -> None:
+    assert predicted_period([]) is None
+    assert predicted_period([{"moved": False, "new_period_s": 0.1}]) is None
+    assert predicted_period([{"moved": True, "new_period_s": 0.12}]) == 0.12
+    assert predicted_period([{"moved": True}]) is None  # an older coordinator's look
+    assert predicted_period([{"moved": True, "new_period_s": True}]) is None
