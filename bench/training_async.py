@@ -292,6 +292,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="repartition set-ups to run (the headline: headline_setup's rule)",
     )
     parser.add_argument("--timeout", type=int, default=1500, help="seconds for the whole bench")
+    # a loaded host (load 25 on two cores) took over 120 s to start four stages
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=120.0,
+        help="seconds for a repartition cluster's stages to register",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(args.timeout)
@@ -548,7 +555,7 @@ def one_setup(
         ]
         # info: the pause's parts come from the events' stamps (a few lines per look)
         level = "info" if kind == "ftpipehd" else "warning"
-        with LocalCluster(devices, log_level=level) as cluster:
+        with LocalCluster(devices, log_level=level, start_timeout_s=args.start_timeout) as cluster:
             started = time.perf_counter()
             wall = time.time() - started  # perf_counter + wall: the logs' clock
             report, arrivals = run_once(
