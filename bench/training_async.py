@@ -172,6 +172,7 @@ from bench._repartition_timeline import repartition_timeline
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import load_digits_dataset
 from zpipe.models import ModelSpec
+from zpipe.training.repartition import RepartitionSettings
 
 BENCH = "training_async"
 SETUP_NAMES = ("u12_best", "u12_middle", "u16_best", "u16_middle", "r16_middle", "r24_middle")
@@ -577,6 +578,9 @@ def one_setup(
              # the period the look predicted for its cuts (after a move: the loss
              # watch's baseline, zpipe.training.repartition_watch)
              "new_period_s": r.get("new_period_s"),
+             # an early look (the loss watch's), not a scheduled one
+             "early": kind == "ftpipehd" and not RepartitionSettings(
+                 first=args.repartition_first, every=args.repartition_every).due(r["at"]),
              "fixed_s": r.get("fixed_s"),
              "parts": pause_parts(logs, r["at"], wall + arrivals[r["at"] - 1],
                                   wall + arrivals[r["at"]])}
@@ -695,6 +699,8 @@ def one_setup(
         "change_inside_both": ft_t[-1] > ft_change + 1.0 and pd_t[-1] > pd_change + 1.0,
         "repartitions": len(moved_at),
         "look_pauses_s": round(pauses["ftpipehd"], 2),
+        "looks": len(looks_of["ftpipehd"]),
+        "early_looks": sum(1 for look in looks_of["ftpipehd"] if look["early"]),
         "look_share": round(pauses["ftpipehd"] / ftpipehd[1][-1], 3),
         "timeline": timeline,
         "longest_move_pause": max(
