@@ -172,6 +172,7 @@ from bench._repartition_timeline import repartition_timeline
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.lossy.data import load_digits_dataset
 from zpipe.models import ModelSpec
+from zpipe.training.repartition import RepartitionSettings
 
 BENCH = "training_async"
 SETUP_NAMES = ("u12_best", "u12_middle", "u16_best", "u16_middle", "r16_middle", "r24_middle")
@@ -292,6 +293,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="repartition set-ups to run (the headline: headline_setup's rule)",
     )
     parser.add_argument("--timeout", type=int, default=1500, help="seconds for the whole bench")
+    # a loaded host (load 25 on two cores) took over 120 s to start four stages
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=120.0,
+        help="seconds for a repartition cluster's stages to register",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(args.timeout)
@@ -548,7 +556,7 @@ def one_setup(
         ]
         # info: the pause's parts come from the events' stamps (a few lines per look)
         level = "info" if kind == "ftpipehd" else "warning"
-        with LocalCluster(devices, log_level=level) as cluster:
+        with LocalCluster(devices, log_level=level, start_timeout_s=args.start_timeout) as cluster:
             started = time.perf_counter()
             wall = time.time() - started  # perf_counter + wall: the logs' clock
             report, arrivals = run_once(
@@ -567,6 +575,12 @@ def one_setup(
             {"at": r["at"], "t_s": round(arrivals[r["at"] - 1] - started, 2),
              "pause_s": round(arrivals[r["at"]] - arrivals[r["at"] - 1] - gap, 3),
              "moved": r["moved"], "bounds": r["bounds"], "capacities": r.get("capacities"),
+             # the period the look predicted for its cuts (after a move: the loss
+             # watch's baseline, zpipe.training.repartition_watch)
+             "new_period_s": r.get("new_period_s"),
+             # an early look (the loss watch's), not a scheduled one
+             "early": kind == "ftpipehd" and not RepartitionSettings(
+                 first=args.repartition_first, every=args.repartition_every).due(r["at"]),
              "fixed_s": r.get("fixed_s"),
              "parts": pause_parts(logs, r["at"], wall + arrivals[r["at"] - 1],
                                   wall + arrivals[r["at"]])}
@@ -685,6 +699,8 @@ def one_setup(
         "change_inside_both": ft_t[-1] > ft_change + 1.0 and pd_t[-1] > pd_change + 1.0,
         "repartitions": len(moved_at),
         "look_pauses_s": round(pauses["ftpipehd"], 2),
+        "looks": len(looks_of["ftpipehd"]),
+        "early_looks": sum(1 for look in looks_of["ftpipehd"] if look["early"]),
         "look_share": round(pauses["ftpipehd"] / ftpipehd[1][-1], 3),
         "timeline": timeline,
         "longest_move_pause": max(

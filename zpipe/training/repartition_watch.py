@@ -20,12 +20,22 @@ the last look count (a look that moves pauses the feed: that gap is the move's, 
 the pipeline's), and an early look that keeps the cuts makes its own interval the
 next baseline, so a pipeline that stays slow is not looked at over and over.
 
+A look that moves the cuts makes the interval before it a wrong baseline: it ran
+on the old cuts. In ``bench/training_async.py``'s ``r24_middle`` the first move (at
+mini-batch 10) took the period from about 0.5 s (the even cuts) to 0.09-0.13 s; the
+device then slowed and the losses came back at 0.93-1.0 s, under twice the old cuts'
+0.5 s, so the watch never fired and ten to thirteen slow mini-batches ran before the
+next scheduled look. After a move the baseline is the period the look predicted for
+its new cuts (:meth:`SlowdownWatch.moved`); without one, the old interval's as
+before (a move that lands on a device slowing meanwhile is still seen then).
+
 Pure: the shell feeds the losses' times (its clock is an input here), the looks
 and the mini-batches about to be fed.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from zpipe._errors import ConfigError
@@ -52,6 +62,13 @@ class SlowdownWatch:
         if self._gaps:
             self._baseline = statistics.median(self._gaps)
         self._since, self._last, self._gaps = step, None, []
+
+    def moved(self, period_s: float | None) -> None:
+        """The look just made (:meth:`looked`) moved the cuts, to ones it predicts run
+        at ``period_s`` per mini-batch: that is the baseline, not the old cuts'
+        interval (None or not > 0: not predicted, the old interval's stays)."""
+        if period_s is not None and math.isfinite(period_s) and period_s > 0:
+            self._baseline = float(period_s)
 
     def acknowledged(self, step: int, now: float) -> None:
         """Every mini-batch before ``step`` has its loss back, at time ``now``."""

@@ -22,6 +22,7 @@ from zpipe._errors import PipelineError, ProtocolError, StageFailedError
 from zpipe.client.batches import ReplayBuffer
 from zpipe.client.options import TrainOptions
 from zpipe.client.reports import TrainReport
+from zpipe.client.runs.async_repartition import predicted_period
 from zpipe.client.runs.fit import training_request
 from zpipe.client.runs.training_attempts import (
     Acknowledged,
@@ -636,3 +637,37 @@ def test_the_losses_before_the_first_look_are_the_baseline_after_it() -> None:
         t += 0.6
         attempts.handle(Acknowledged(step + 1, now=t))
     assert attempts.handle(FeedAt(10)) == [RepartitionLook(10)]  # not 26, the second scheduled
+
+
+def test_a_move_makes_the_period_it_predicted_the_loss_watchs_baseline() -> None:
+    # the even cuts ran at 0.5 s; the first move predicted 0.12 s; the device then
+    # slowed to 0.95 s, under twice the old cuts' period (bench r24_middle)
+    attempts = _attempts(
+        schedule=ASYNC_SCHEDULE, repartition={"first": 6, "every": 20, "watch": 2.0}
+    )
+    attempts.start()
+    attempts.handle(AttemptReady())
+    attempts.handle(AttemptStarted(_plan(["a", "b"], schedule=ASYNC_SCHEDULE), now=0.0))
+    t = 0.0
+    for step in range(6):
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+        t += 0.5
+        attempts.handle(Acknowledged(step + 1, now=t))
+    assert attempts.handle(FeedAt(6)) == [RepartitionLook(6)]
+    assert attempts.handle(Looked(6, moved=True, period_s=0.12)) == [SendMiniBatch(6)]
+    for step, gap in zip(range(7, 11), [1.5, 0.1, 0.1, 0.1], strict=True):
+        t += gap
+        attempts.handle(Acknowledged(step, now=t))
+        assert attempts.handle(FeedAt(step)) == [SendMiniBatch(step)]
+    for step in (11, 12):
+        t += 0.95
+        attempts.handle(Acknowledged(step, now=t))
+    assert attempts.handle(FeedAt(12)) == [RepartitionLook(12)]  # not 26, the next scheduled
+
+
+def test_the_predicted_period_is_the_newest_moving_looks() -> None:
+    assert predicted_period([]) is None
+    assert predicted_period([{"moved": False, "new_period_s": 0.1}]) is None
+    assert predicted_period([{"moved": True, "new_period_s": 0.12}]) == 0.12
+    assert predicted_period([{"moved": True}]) is None  # an older coordinator's look
+    assert predicted_period([{"moved": True, "new_period_s": True}]) is None

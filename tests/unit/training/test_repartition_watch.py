@@ -93,3 +93,42 @@ def test_the_settings_carry_watch_off_by_default_and_refuse_bad_values() -> None
     for bad in (1.0, 0.5, -1.0, float("inf")):
         with pytest.raises(ConfigError, match="watch must be 0"):
             RepartitionSettings(watch=bad)
+
+
+def test_after_a_move_the_baseline_is_the_period_predicted_for_the_new_cuts() -> None:
+    # r24_middle: the even cuts ran at 0.5 s, the first move's cuts at 0.1 s; the
+    # device then slowed to 0.95 s, under twice the old cuts' period
+    watch = SlowdownWatch(2.0, window=3)
+    watch.looked(0)
+    t = _feed(watch, 0, [0.5] * 10, 0.0)
+    watch.looked(10)
+    watch.moved(0.12)
+    t = _feed(watch, 10, [0.1] * 4, t + 1.5)
+    assert not watch.due()
+    t = _feed(watch, 14, [0.95], t)
+    assert not watch.due()  # one slow gap of three is not the median
+    _feed(watch, 15, [0.95], t)
+    assert watch.due()
+
+
+def test_without_a_move_the_old_interval_stays_the_baseline() -> None:
+    # the same losses, but the look kept the cuts: 0.95 s is under twice 0.5 s
+    watch = SlowdownWatch(2.0, window=3)
+    watch.looked(0)
+    t = _feed(watch, 0, [0.5] * 10, 0.0)
+    watch.looked(10)
+    _feed(watch, 10, [0.1] * 4 + [0.95] * 6, t)
+    assert not watch.due()
+
+
+def test_a_move_without_a_predicted_period_keeps_the_old_interval_as_baseline() -> None:
+    watch = SlowdownWatch(2.0, window=3)
+    watch.looked(0)
+    t = _feed(watch, 0, [0.1] * 10, 0.0)
+    watch.looked(10)
+    for unknown in (None, 0.0, float("nan"), -1.0):
+        watch.moved(unknown)
+    t = _feed(watch, 10, [0.15] * 4, t)
+    assert not watch.due()
+    _feed(watch, 14, [0.3] * 2, t)
+    assert watch.due()  # twice the old cuts' 0.1 s

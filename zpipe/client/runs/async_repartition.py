@@ -13,7 +13,7 @@ mini-batch; what the look found is kept in ``TrainReport.repartitions``.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import PipelineError, TransportTimeout
 from zpipe.log import get_logger
@@ -76,6 +76,17 @@ async def _ask(run: TrainingRun, step: int, *, look: bool) -> Repartitioned:
         # the stages may be paused at a cut they cannot leave: the run ends here
         raise PipelineError(f"the re-partition before mini-batch {step} failed: {reply.error}")
     return reply
+
+
+def predicted_period(looks: list[dict[str, Any]]) -> float | None:
+    """The period per mini-batch the newest look predicted for the cuts it moved to
+    (its ``new_period_s``); None when it did not move or did not say."""
+    if not looks or not looks[-1].get("moved"):
+        return None
+    value = looks[-1].get("new_period_s")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _record(run: TrainingRun, step: int, reply: Repartitioned) -> bool:

@@ -32,7 +32,7 @@ from zpipe.client.batches import (
 from zpipe.client.connection import CLIENT_NAME
 from zpipe.client.failures import run_failed_error
 from zpipe.client.reports import TrainReport
-from zpipe.client.runs.async_repartition import repartition_before
+from zpipe.client.runs.async_repartition import predicted_period, repartition_before
 from zpipe.client.runs.training_attempts import (
     Acknowledged,
     Command,
@@ -215,7 +215,9 @@ class TrainingRun:
                 match command:
                     case RepartitionLook(step=step):
                         moved = await repartition_before(self, step)
-                        commands = self.attempts.handle(Looked(step, moved))
+                        commands = self.attempts.handle(
+                            Looked(step, moved, predicted_period(self.report.repartitions))
+                        )
                     case KeepReplica(step=step, global_copy=global_copy):
                         await self.pause_feed()  # asynchronous stages flush here (sync: no-op)
                         commands = await self._replicate(step, global_copy=global_copy)

@@ -15,7 +15,7 @@ feeds what happened in as events, and carries out the commands::
     AttemptStarted(training_plan, now) -> ()
     FeedAt(step)                       -> RepartitionLook | KeepReplica | SendMiniBatch
     Acknowledged(step, now)            -> ()
-    Looked(step, moved)                -> KeepReplica | SendMiniBatch
+    Looked(step, moved, period_s)      -> KeepReplica | SendMiniBatch
     ReplicaKept(step, run, run_step)   -> SendMiniBatch | EndAttempt(rebalance_to)
     ReplicaRefused(step)               -> SendMiniBatch
     AttemptEnded(report, failure, ...) -> RequestRun(request, offset) | FinishFit | FailFit
@@ -196,7 +196,10 @@ class TrainingAttempts:
                     # the feed holds): a long run fed from a generator stays bounded
                     self.replay.forget_before(step)
                 return []
-            case Looked(step=step, moved=moved):
+            case Looked(step=step, moved=moved, period_s=period_s):
+                if moved and self.watch is not None:
+                    # the interval before ran on the old cuts (repartition_watch)
+                    self.watch.moved(period_s)
                 return [self._replica_or_send(step, moved=moved)]
             case ReplicaKept():
                 return [self._replica_kept(event)]

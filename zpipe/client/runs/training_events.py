@@ -55,10 +55,13 @@ class Acknowledged:
 
 @dataclass(frozen=True)
 class Looked:
-    """The re-partition look before ``step`` is done; ``moved``: units moved."""
+    """The re-partition look before ``step`` is done; ``moved``: units moved;
+    ``period_s``: the period per mini-batch the look predicted for the cuts it moved
+    to (None: not said), the loss watch's next baseline."""
 
     step: int
     moved: bool
+    period_s: float | None = None
 
 
 @dataclass(frozen=True)
