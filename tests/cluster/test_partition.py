@@ -145,7 +145,10 @@ def test_sigterm_with_a_state_dir_leaves_the_stages_to_the_next_coordinator(
 ) -> None:
     before = {name: cluster.processes[name].pid for name in NAMES}
     cluster.kill("coordinator", signal.SIGTERM)  # waits for it to exit
-    assert cluster.processes["coordinator"].returncode == 0
+    # an abort here was seen once under load (-6): its log's end says where (a
+    # fatal signal's traceback, or libzmq's assertion)
+    code = cluster.processes["coordinator"].returncode
+    assert code == 0, cluster.logs("coordinator")[-6000:]
     assert _events(cluster.logs("coordinator"), "stages_left_running")
     cluster.restart_coordinator()
     cluster.wait_for_stages(len(NAMES), timeout_s=60)
