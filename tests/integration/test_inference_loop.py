@@ -26,7 +26,7 @@ from zpipe.stage.executors import inference
 from zpipe.stage.executors.inference import InferenceLoop
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
-from zpipe.transport.codec import Message
+from zpipe.transport.codec import Message, encode
 from zpipe.transport.emulation import LinkSpec
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -325,3 +325,65 @@ def test_a_result_that_comes_back_after_the_loop_was_cancelled_is_dropped_quietl
     cancelled, errors = asyncio.run(_cancelled_mid_compute(context))
     assert cancelled
     assert errors == []  # no "Future already cancelled" (InvalidStateError) on the loop
+
+
+async def _sent_as(context: zmq.asyncio.Context, from_frame: bool) -> tuple[list[str], Message]:
+    """How _send_now sends a 1 MiB output with another behind it, the tensor either
+    decoded over a received frame (passed on unchanged) or a tensor of the stage's."""
+    source = open_socket(context, zmq.PUSH, SocketOptions())
+    inbox = open_socket(context, zmq.PULL, SocketOptions())
+    source.connect(bind_endpoint(inbox, "tcp://127.0.0.1:0"))
+    sink = open_socket(context, zmq.PULL, SocketOptions())
+    downstream = open_socket(context, zmq.PUSH, SocketOptions())
+    downstream.connect(bind_endpoint(sink, "tcp://127.0.0.1:0"))
+    compute = ThreadPoolExecutor(max_workers=1)
+    loop = InferenceLoop(
+        name="s1", run=1, epoch=3, shard=Shard([torch.nn.Identity()]), compute=compute,
+        counters=StageCounters(), downstream=downstream, downstream_name="s2",
+        link=LinkSpec(), send_timeout_s=WAIT_S,
+    )  # fmt: skip
+    sends: list[str] = []
+    try:
+        tensor = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+        if from_frame:
+            sent = Data(run=1, mb=0, src="s0", epoch=3, tensors=(tensor,))
+            await source.send_multipart(encode(sent.to_message()), copy=False)
+            frames = await asyncio.wait_for(inbox.recv_multipart(copy=False), WAIT_S)
+            tensor = decode_frames(frames, 1 << 30).tensors[0]
+        out = Data(run=1, mb=0, src="s1", epoch=3, tensors=(tensor,)).to_message()
+        meter = loop._meter
+        copied, track = meter.copied, meter.track
+
+        def noting_copied(nbytes: int) -> None:
+            sends.append("untracked")
+            copied(nbytes)
+
+        def noting_track(tracker: zmq.MessageTracker, nbytes: int) -> None:
+            sends.append("tracked")
+            track(tracker, nbytes)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(meter, "copied", noting_copied)
+            mp.setattr(meter, "track", noting_track)
+            assert await loop._send_now(0, out, more_behind=True)
+        frames = await asyncio.wait_for(sink.recv_multipart(copy=False), WAIT_S)
+        return sends, decode_frames(frames, 1 << 30)
+    finally:
+        await loop.close()
+        compute.shutdown(wait=True)
+        for sock in (source, inbox, downstream, sink):
+            sock.close(linger=0)
+
+
+def test_a_large_tensor_passed_on_unchanged_may_go_untracked_as_its_received_frame(
+    context: zmq.asyncio.Context,
+) -> None:
+    # 1 MiB: over what an untracked send copies, so a tensor of the stage's own is
+    # shared with libzmq and tracked; one that is still the frame it came in goes
+    # as that frame (no copy, nothing for pyzmq's collector to release), untracked
+    sends, received = asyncio.run(_sent_as(context, from_frame=True))
+    assert sends == ["untracked"]
+    assert torch.equal(received.tensors[0], torch.arange(1 << 18, dtype=torch.float32))
+    sends, received = asyncio.run(_sent_as(context, from_frame=False))
+    assert sends == ["tracked"]
+    assert torch.equal(received.tensors[0], torch.arange(1 << 18, dtype=torch.float32))

@@ -211,7 +211,8 @@ class LinkMeter:
             self._room.release()
 
     def may_copy(self, nbytes: int, *, more_behind: bool) -> bool:
-        """Whether the next message, of ``nbytes`` tensor bytes, may go copied and
+        """Whether the next message, whose untracked send would copy ``nbytes`` tensor
+        bytes (a tensor sent on as its received frame copies none), may go copied and
         untracked (then :meth:`copied`, not :meth:`track`). Only when the caller sends
         another message right behind it (``more_behind``: a copied one never ends a
         burst), of fewer bytes than an untracked send copies

@@ -46,6 +46,7 @@ __all__ = [
     "encode",
     "parse_dtype",
     "register_kinds",
+    "shares_received_frame",
 ]
 
 PROTOCOL_VERSION = 1
@@ -148,9 +149,9 @@ def _remember_frame(tensor: torch.Tensor, frame: Any, nbytes: int) -> None:
     _SOURCE_FRAMES[key] = (weakref.ref(tensor, forget), frame, tensor.data_ptr(), nbytes)
 
 
-def _tensor_frame(tensor: torch.Tensor) -> Any:
-    """What to send for ``tensor``: the received frame it still views whole (see
-    :data:`_SOURCE_FRAMES`), else its raw bytes."""
+def _source_frame(tensor: torch.Tensor) -> Any:
+    """The received frame ``tensor`` still views whole (see :data:`_SOURCE_FRAMES`),
+    or None."""
     entry = _SOURCE_FRAMES.get(id(tensor))
     if entry is not None and entry[0]() is tensor:
         _, frame, address, nbytes = entry
@@ -158,7 +159,21 @@ def _tensor_frame(tensor: torch.Tensor) -> Any:
         # re-stride its storage: then the frame no longer holds its bytes in order
         if tensor.data_ptr() == address and tensor.nbytes == nbytes and tensor.is_contiguous():
             return frame
-    return _tensor_bytes(tensor)
+    return None
+
+
+def shares_received_frame(tensor: torch.Tensor) -> bool:
+    """Whether :func:`encode` sends ``tensor`` as the frame it was received in (a
+    tensor passed on unchanged), which an untracked send neither copies nor shares
+    as a Python buffer."""
+    return _source_frame(tensor) is not None
+
+
+def _tensor_frame(tensor: torch.Tensor) -> Any:
+    """What to send for ``tensor``: the received frame it still views whole (see
+    :data:`_SOURCE_FRAMES`), else its raw bytes."""
+    frame = _source_frame(tensor)
+    return frame if frame is not None else _tensor_bytes(tensor)
 
 
 def encode(message: Message, *, registry: Registry = REGISTRY) -> list[Any]:

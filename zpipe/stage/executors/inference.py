@@ -15,8 +15,11 @@ compute task queues its output itself, in the same loop pass (a send that
 could wait still goes through the send task, with its deadline): a hand-off
 between tasks costs more than a small message's send. Such an output with
 another one right behind it (later in its group, or an input already waiting
-after short forwards) may go copied and untracked, riding on the link meter's
-next tracked message (:meth:`~zpipe.stage.metrics.LinkMeter.may_copy`).
+after short forwards) may go untracked, riding on the link meter's next tracked
+message (:meth:`~zpipe.stage.metrics.LinkMeter.may_copy`): copied when it is small, or,
+whatever its size, as the very frame it was received in when the shard passed
+a tensor on unchanged (libzmq counts one more reference to its own message: no
+copy, and no Python buffer for pyzmq's collector thread to release).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from zpipe.log import get_logger
 from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
-from zpipe.transport.codec import Message
+from zpipe.transport.codec import Message, shares_received_frame
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
 from zpipe.transport.sockets import send, send_nowait
 
@@ -85,8 +88,10 @@ class ComputedMicrobatch:
     ended: float
 
 
-def _tensor_bytes(message: Message) -> int:
-    return sum(t.nbytes for t in message.tensors)
+def _copied_bytes(message: Message) -> int:
+    """The tensor bytes an untracked send of ``message`` copies: all but those of
+    tensors that go on as the frame they were received in."""
+    return sum(t.nbytes for t in message.tensors if not shares_received_frame(t))
 
 
 def _input_bytes(message: Data | MicroBatchError) -> int:
@@ -269,7 +274,7 @@ class InferenceLoop:
         if not meter.has_room():
             return False
         started = time.perf_counter()
-        copy = more_behind and meter.may_copy(_tensor_bytes(message), more_behind=True)
+        copy = more_behind and meter.may_copy(_copied_bytes(message), more_behind=True)
         await meter.room(timeout_s=self._send_timeout_s)  # at once: there is room
         try:
             if copy:
