@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -80,6 +80,22 @@ def _device_spec(device: object) -> DeviceSpec:
     if isinstance(device, str):
         return DeviceSpec(device)
     raise ConfigError(f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}")
+
+
+def registered_now(processes: Mapping[str, StageProcess], members: list[dict[str, Any]]) -> bool:
+    """Whether no running process of ``processes`` is still represented among the
+    live ``members`` by an older process of its name: a stage killed and started again
+    is counted alive under its name until the coordinator finds the killed one dead,
+    and a run started before the new one registers is refused ("b is not connected")."""
+    by_name = {m["name"]: m for m in members}
+    for name, process in processes.items():
+        member = by_name.get(name)
+        if member is None or process.poll() is not None:
+            continue  # another name (--name in the extra flags), or it exited
+        pid = member.get("info", {}).get("pid")
+        if isinstance(pid, int) and pid != process.pid:
+            return False
+    return True
 
 
 class LocalCluster:
@@ -310,25 +326,13 @@ class LocalCluster:
         try:
             async with self.client() as client:
                 return await client.wait_for_stages(
-                    count, timeout_s=timeout_s, on_alive=registered, accept=self._registered_now
+                    count,
+                    timeout_s=timeout_s,
+                    on_alive=registered,
+                    accept=lambda members: registered_now(self.processes, members),
                 )
         finally:
             bar.close()
-
-    def _registered_now(self, members: list[dict[str, Any]]) -> bool:
-        """Whether no running stage process of this cluster is still represented by an
-        older process of its name: a stage killed and started again is counted alive
-        under its name until the coordinator finds the killed one dead, and a run
-        started before the new one registers is refused ("b is not connected")."""
-        by_name = {m["name"]: m for m in members}
-        for name, process in self.processes.items():
-            member = by_name.get(name)
-            if member is None or process.poll() is not None:
-                continue  # another name (--name in the extra flags), or it exited
-            pid = member.get("info", {}).get("pid")
-            if isinstance(pid, int) and pid != process.pid:
-                return False
-        return True
 
     def client(self, **kwargs: Any) -> PipelineClient:
         kwargs.setdefault("keys_dir", self.keys_dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zpipe.cluster import LocalCluster
+from zpipe.cluster.local import registered_now
 
 
 @dataclass
@@ -26,13 +26,11 @@ def _member(name: str, pid: int | None) -> dict[str, Any]:
 
 
 def test_the_wait_holds_while_a_name_is_held_by_an_older_process() -> None:
-    cluster = LocalCluster(["a", "b"])
-    cluster.processes.update(a=_Process(101), b=_Process(202))  # type: ignore[dict-item]
-    registered_now = cluster._registered_now
-    assert registered_now([_member("a", 101), _member("b", 202)])
+    processes: dict[str, Any] = {"a": _Process(101), "b": _Process(202)}
+    assert registered_now(processes, [_member("a", 101), _member("b", 202)])
     # b was killed (pid 200) and started again as 202: its old registration is not it
-    assert not registered_now([_member("a", 101), _member("b", 200)])
+    assert not registered_now(processes, [_member("a", 101), _member("b", 200)])
     # a process that exited, a name no process runs, or no pid said: not waited for
-    cluster.processes["b"] = _Process(202, returncode=-9)  # type: ignore[assignment]
-    assert registered_now([_member("a", 101), _member("b", 200)])
-    assert registered_now([_member("a", 101), _member("x", 7), _member("b", None)])
+    processes["b"] = _Process(202, returncode=-9)
+    assert registered_now(processes, [_member("a", 101), _member("b", 200)])
+    assert registered_now(processes, [_member("a", 101), _member("x", 7), _member("b", None)])
