@@ -10,9 +10,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
+
+from tests._support.lane_order import slowest_files_first
 
 # No per-example deadline: a property test's examples are timed, and on a loaded
 # two-core machine one that takes 15 ms alone took 700 ms (a flaky failure of a
@@ -33,6 +36,35 @@ threading.Thread(target=exit_when_orphaned, daemon=True).start()
 while True:
     pass
 """
+
+
+def _by_file(config: pytest.Config) -> bool:
+    """Whether xdist hands out whole files (``--dist loadfile``, CI's second command)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker: its own --dist is always "no"
+        return bool(workerinput.get("zpipe_by_file"))
+    return getattr(config.option, "dist", "no") == "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a worker is about to start
+def pytest_configure_node(node: Any) -> None:
+    # the workers collect, so they are the ones to order the files
+    node.workerinput["zpipe_by_file"] = _by_file(node.config)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _by_file(config):
+        # xdist takes the files in the order collected (the order set below), not
+        # its own (the most tests first), which left the slow one-test files for last
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _by_file(config):
+        # the slowest files first (tests/_support/lane_order.py): the lanes end on
+        # short files instead of one worker running a long one alone
+        items[:] = slowest_files_first(items)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
