@@ -23,7 +23,7 @@ import zmq
 
 pytest.importorskip("sklearn")
 
-from zpipe.federated.net_controller import NetServerConfig
+from zpipe.federated.net_commands import NetServerConfig
 from zpipe.federated.net_server import FederatedShell
 from zpipe.federated.server import ServerConfig
 from zpipe.lossy.data import load_digits_dataset

@@ -14,7 +14,8 @@ from typing import Any
 from zpipe.cli.fl_run import run_net_command
 from zpipe.cli.fl_sim import _alpha, _lambda
 from zpipe.federated.grouping import GroupingPolicy
-from zpipe.federated.net_server import FederatedShell, NetServerConfig
+from zpipe.federated.net_commands import NetServerConfig
+from zpipe.federated.net_server import FederatedShell
 from zpipe.federated.net_wire import SERVER_KEY_NAME
 from zpipe.federated.server import METHODS, ServerConfig
 from zpipe.transport.sockets import validate_endpoint

@@ -7,8 +7,8 @@ outstanding for its sender, when a task or a probe has timed out, what a task
 message holds, when the run ends, when the global model is evaluated, and what
 goes to the trace and to the output. It never touches a socket, a clock or a
 file: the shell (:class:`zpipe.federated.net_server.FederatedShell`) feeds it
-typed messages and the time, and carries out the commands it returns, in
-order:
+typed messages and the time, and carries out the commands it returns
+(:mod:`zpipe.federated.net_commands`), in order:
 
 - :class:`SendMessage`: a protocol message to a peer (a task's send also starts
   the task's clock: the shell calls :meth:`FlServerController.task_sent` first);
@@ -16,31 +16,41 @@ order:
   trace; :class:`LogLine`: a log line;
 - :class:`Evaluate`: the global model (the shell owns the test set);
 - :class:`Abort`: the run cannot start; the shell raises the error.
+
+Whether a client is present (silence, set-aside clients, released ids, probes) is
+decided by its :class:`~zpipe.federated.net_presence.ClientPresence`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
-import numpy.typing as npt
 
-from zpipe._errors import ConfigError, ProtocolError, ZpipeError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.model import MLPShape, init_weights
 from zpipe.federated.net_admission import profile_from_register
-from zpipe.federated.net_limits import IdsPerAddress, LastHeard, TaskDeadlines
+from zpipe.federated.net_commands import (
+    Abort,
+    Command,
+    Emit,
+    Evaluate,
+    LogLine,
+    NetServerConfig,
+    SendMessage,
+    TraceLine,
+    client_peer,
+)
+from zpipe.federated.net_limits import TaskDeadlines
+from zpipe.federated.net_presence import ClientPresence, Outcome
 from zpipe.federated.net_trace import config_to_json, dispatch_events
-from zpipe.federated.net_wire import SERVER_KEY_NAME, weights_from, weights_tensor
-from zpipe.federated.probing import ProbeResult, ProbeSchedule
+from zpipe.federated.net_wire import weights_from, weights_tensor
 from zpipe.federated.server import (
     ClientUpdate,
     FederatedServer,
-    ServerConfig,
     TrainTask,
     make_server,
 )
@@ -48,7 +58,6 @@ from zpipe.protocol import WireMessage
 from zpipe.protocol.federated import (
     FlDone,
     FlError,
-    FlProbe,
     FlProbeReply,
     FlRegister,
     FlTask,
@@ -56,127 +65,12 @@ from zpipe.protocol.federated import (
     FlWelcome,
 )
 
-FloatArray = npt.NDArray[np.float64]
-
-
-@dataclass(frozen=True)
-class NetServerConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
-    bind: str = "tcp://127.0.0.1:0"
-    clients: int = 3  # registrations awaited before the run starts
-    hidden: int = 32
-    local_steps: int = 10
-    batch_size: int = 10
-    lr: float = 0.1
-    mu: float = 0.05
-    seed: int = 0
-    register_timeout_s: float = 60.0
-    task_timeout_s: float = 30.0
-    # a task's deadline never comes sooner than this, whatever its client's history
-    task_floor_s: float = 5.0
-    # without --keys: live client ids one peer address may hold (a key holds one id)
-    ids_per_address: int = 16
-    # a set-aside client silent this long (no answer to a task or a probe) is released
-    # as if its connection had closed: its address may register another id
-    release_after_s: float = 120.0
-    probe_interval_s: float = 5.0  # 0: never probe dropped clients
-    probe_timeout_s: float = 30.0
-    send_timeout_s: float = 5.0
-    max_updates: int = 50
-    duration_s: float = 600.0
-    eval_every: int = 5  # global updates between evaluations
-    keys_dir: Path | None = None
-    key_name: str = SERVER_KEY_NAME
-    trace: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.clients < 1 or self.max_updates < 1 or self.eval_every < 1:
-            raise ConfigError("--clients, --updates and --eval-every must be at least 1")
-        if self.ids_per_address < 1:
-            raise ConfigError("--ids-per-address must be at least 1")
-        timeouts = (
-            self.register_timeout_s,
-            self.task_timeout_s,
-            self.task_floor_s,
-            self.send_timeout_s,
-            self.probe_timeout_s,
-            self.release_after_s,
-            self.duration_s,
-        )
-        if not all(t > 0 and math.isfinite(t) for t in timeouts):
-            raise ConfigError("timeouts and the duration must be finite and > 0")
-        if not (self.probe_interval_s >= 0 and math.isfinite(self.probe_interval_s)):
-            raise ConfigError("--probe-interval must be finite and >= 0")
-        grouped = self.server.method not in ("fedavg", "fedasync")
-        if grouped and self.server.max_concurrent < self.server.grouping.n_groups:
-            raise ConfigError(
-                f"--concurrent {self.server.max_concurrent} cannot serve "
-                f"--groups {self.server.grouping.n_groups}: every group needs a client in flight"
-            )
-
-
-# ------------------------------------------------------------------- commands
-
-
-@dataclass(frozen=True)
-class SendMessage:
-    """Send ``message`` to the peer at ``to``; ``task``: the task it carries, whose
-    latency and deadline count from the moment it is sent."""
-
-    to: bytes
-    message: WireMessage
-    peer: str
-    task: int | None = None
-
-
-@dataclass(frozen=True)
-class Emit:
-    """A line of the run's output (what happened, for people and benches)."""
-
-    event: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class TraceLine:
-    """A line of the ``--trace`` file (an input of the server object, or its output)."""
-
-    event: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class LogLine:
-    level: str
-    event: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Evaluate:
-    """Measure the global model of ``version`` on the test set, and emit it."""
-
-    version: int
-    weights: FloatArray
-
-
-@dataclass(frozen=True)
-class Abort:
-    """The run cannot go on: the shell raises ``error`` (after the commands before it)."""
-
-    error: ZpipeError
-
-
-Command = SendMessage | Emit | TraceLine | LogLine | Evaluate | Abort
-
 
 @dataclass
 class _Outstanding:
     client: int
     sent_at: float
     deadline: float
-
-
-def _peer(client_id: int) -> str:
-    return f"fl client {client_id}"
 
 
 class FlServerController:
@@ -187,20 +81,13 @@ class FlServerController:
         self.shape = shape
         self.clients: dict[bytes, ClientProfile] = {}  # routing id -> profile
         self.routes: dict[int, bytes] = {}  # client id -> routing id
-        self.probes = ProbeSchedule(config.probe_interval_s, config.probe_timeout_s)
+        # silence, set-aside and released ids, probes
+        self.presence = ClientPresence(config)
         self.server: FederatedServer | None = None
         self.dropped_messages = 0
         self.reason = "updates"  # why the run ended
         self._outstanding: dict[int, _Outstanding] = {}
-        # tasks taken back from a silent client, until --task-timeout after their send:
-        # an answer meanwhile is late (measured, never merged)
-        self._late: dict[int, _Outstanding] = {}
         self.deadlines = TaskDeadlines(config.task_floor_s, config.task_timeout_s)
-        self.origins = IdsPerAddress(config.ids_per_address)
-        self.last_heard = LastHeard(config.release_after_s)
-        # ids whose client is gone (connection closed, or silent past --release-after):
-        # not counted against their address, not probed; a registration may take one
-        self.released: set[int] = set()
         self._end_at = math.inf
         self._evaluated: int | None = None  # the version last evaluated
 
@@ -247,7 +134,7 @@ class FlServerController:
         """The client a registration adds and its welcome, or why it is refused."""
         try:
             profile = self._profile_of(routing_id, message)
-            self.origins.check(origin, profile.client_id)
+            self.presence.origins.check(origin, profile.client_id)
         except ProtocolError as exc:
             refusal = SendMessage(routing_id, FlError(reason=str(exc)), refused_peer)
             return None, [*self.drop(routing_id, str(exc)), refusal]
@@ -256,15 +143,19 @@ class FlServerController:
             del self.clients[old_route]  # a released id taken by its new connection
         self.clients[routing_id] = profile
         self.routes[profile.client_id] = routing_id
-        self.origins.add(origin, profile.client_id)
-        self.released.discard(profile.client_id)
+        self.presence.origins.add(origin, profile.client_id)
+        self.presence.released.discard(profile.client_id)
         welcome = FlWelcome(client=profile.client_id)
-        return profile, [SendMessage(routing_id, welcome, _peer(profile.client_id))]
+        return profile, [SendMessage(routing_id, welcome, client_peer(profile.client_id))]
 
     def _profile_of(self, routing_id: bytes, message: FlRegister) -> ClientProfile:
         profile = profile_from_register(message, self.shape.n_out)
         known = self.routes.get(profile.client_id)
-        if known is not None and known != routing_id and profile.client_id not in self.released:
+        if (
+            known is not None
+            and known != routing_id
+            and profile.client_id not in self.presence.released
+        ):
             raise ProtocolError(
                 f"client id {profile.client_id} is already registered by another peer"
             )
@@ -303,7 +194,7 @@ class FlServerController:
             return [*commands, *self.farewell(f"server error: {exc}"), Abort(exc)]
         self.server = server
         for profile in profiles:
-            self.last_heard.heard(profile.client_id, now)
+            self.presence.last_heard.heard(profile.client_id, now)
         commands.append(self._evaluate(server))
         return [*commands, *self._dispatch(server.start(), now)]
 
@@ -325,20 +216,11 @@ class FlServerController:
         commands: list[Command] = []
         for task_id in [t for t, o in self._outstanding.items() if o.deadline <= now]:
             commands += self._fail(server, task_id, now)
-        for task_id in [t for t, o in self._late.items() if o.deadline <= now]:
-            del self._late[task_id]  # an answer now would be no news: it is only dropped
-        for result in self.probes.expired(now):
-            commands += self._probed(server, result, now)
-        for client in self.last_heard.silent_past(now, self._set_aside(server)):
-            waited = round(now - self.last_heard.last(client), 6)
-            commands += self._release(client, f"silent for {waited:g} s", now)
-        candidates = self._probe_candidates(server)
-        for probe_id, client in self.probes.due(now, candidates):
-            # an unsendable probe (the client is gone) times out like an unanswered one
-            commands.append(
-                SendMessage(self.routes[client], FlProbe(probe=probe_id), _peer(client))
-            )
-        if server.outstanding() == 0 and self.probes.outstanding() == 0 and not candidates:
+        for result in self.presence.probes.expired(now):
+            commands += self._then(self.presence.probed(server, result), now)
+        due, candidates = self.presence.due(server, self.routes, now)
+        commands += due
+        if server.outstanding() == 0 and self.presence.probes.outstanding() == 0 and not candidates:
             self.reason = "nothing to dispatch"  # every client dropped out or failed
             return commands, True
         return commands, False
@@ -348,22 +230,9 @@ class FlServerController:
         server = self._running()
         return min(
             min((o.deadline for o in self._outstanding.values()), default=self._end_at),
-            min((o.deadline for o in self._late.values()), default=self._end_at),
-            self.probes.next_event(self._probe_candidates(server)),
-            self.last_heard.next_release(self._set_aside(server)),
+            self.presence.next_event(server, self.routes),
             self._end_at,
         )
-
-    def _probe_candidates(self, server: FederatedServer) -> list[int]:
-        """Whom to probe: the server object's candidates whose ids are not released."""
-        if not self.probes.enabled:
-            return []
-        return [c for c in server.probe_candidates() if c not in self.released]
-
-    def _set_aside(self, server: FederatedServer) -> list[int]:
-        """The live ids the server object has set aside (or dropped) for silence or
-        slowness: the only ones whose silence can release them."""
-        return [c for c in self.routes if c not in self.released and server.is_dropped(c)]
 
     # ------------------------------------------------------------ gone clients
 
@@ -372,10 +241,10 @@ class FlServerController:
         saw it): its client id is released, and during the run its task is taken back
         at once and the client set aside, as a silent one is (no answer can come)."""
         profile = self.clients.get(routing_id)
-        if profile is None or profile.client_id in self.released:
+        if profile is None or profile.client_id in self.presence.released:
             return []
         client = profile.client_id
-        commands = self._release(client, "its connection closed", now)
+        commands = self.presence.release(client, "its connection closed")
         if self.server is None:
             return commands  # before the run: only its address's count changes
         server = self.server
@@ -383,28 +252,9 @@ class FlServerController:
         for task_id in held:
             commands += self._fail(server, task_id, now, at_deadline=False)
         if not held and not server.is_dropped(client):
-            commands += self._silent(server, client, self.config.task_timeout_s, now)
+            silent = self.presence.silent(server, client, self.config.task_timeout_s)
+            commands += self._then(silent, now)
         return commands
-
-    def _release(self, client: int, reason: str, now: float) -> list[Command]:
-        self.released.add(client)
-        origin = self.origins.release(client)
-        fields = {"client": client, "reason": reason}
-        return [
-            LogLine("info", "fl_client_released", {**fields, "address": origin}),
-            Emit({"event": "released", **fields}),
-        ]
-
-    def _reclaim(self, routing_id: bytes, client: int, origin: str | None) -> list[Command]:
-        """A released id whose peer speaks again on the same connection (it was only
-        silent): it counts against its address again, if the address has room."""
-        try:
-            self.origins.check(origin, client)
-        except ProtocolError as exc:
-            return self.drop(routing_id, f"client {client} was released: {exc}")
-        self.origins.add(origin, client)
-        self.released.discard(client)
-        return [Emit({"event": "reclaimed", "client": client})]
 
     def task_sent(self, task_id: int, now: float) -> None:
         """A task's message is about to be sent: its latency and deadline count from now."""
@@ -441,7 +291,7 @@ class FlServerController:
 
     def farewell(self, reason: str) -> list[Command]:
         return [
-            SendMessage(routing_id, FlDone(reason=reason), _peer(profile.client_id))
+            SendMessage(routing_id, FlDone(reason=reason), client_peer(profile.client_id))
             for routing_id, profile in self.clients.items()
         ]
 
@@ -471,7 +321,9 @@ class FlServerController:
             # a task that cannot be sent (the client is gone) is left to time out like
             # one whose answer is lost: one rule for every silent client
             route = self.routes[task.client_id]
-            commands.append(SendMessage(route, message, _peer(task.client_id), task=task.task_id))
+            commands.append(
+                SendMessage(route, message, client_peer(task.client_id), task=task.task_id)
+            )
         return commands
 
     def _fail(
@@ -490,54 +342,17 @@ class FlServerController:
         # a slow client's answer may still come (for one more --task-timeout): measured,
         # never merged
         late_until = now + self.config.task_timeout_s
-        self._late[task_id] = _Outstanding(outstanding.client, outstanding.sent_at, late_until)
+        self.presence.took_back(task_id, outstanding.client, outstanding.sent_at, late_until)
         # the silence first: a client that it drops out must not be picked again by the
         # new round its failure may start
-        commands += self._silent(server, outstanding.client, waited, now)
+        commands += self._then(self.presence.silent(server, outstanding.client, waited), now)
         commands.append(TraceLine({"event": "failed", "task": task_id}))
         return [*commands, *self._dispatch(server.on_task_failed(task_id), now)]
 
-    def _observe(
-        self, server: FederatedServer, client: int, latency_s: float, now: float
-    ) -> list[Command]:
-        commands: list[Command] = [
-            TraceLine({"event": "latency", "client": client, "latency_s": latency_s})
-        ]
-        was_dropped = server.is_dropped(client)
-        tasks = server.observe_latency(client, latency_s)
-        if server.is_dropped(client) != was_dropped:
-            kind = "readmitted" if was_dropped else "dropped"
-            event = {"event": kind, "client": client, "latency_s": round(latency_s, 4)}
-            commands.append(Emit(event))
+    def _then(self, outcome: Outcome, now: float) -> list[Command]:
+        """A presence decision's commands, then the tasks it lets the server dispatch."""
+        commands, tasks = outcome
         return [*commands, *self._dispatch(tasks, now)]
-
-    def _silent(
-        self, server: FederatedServer, client: int, waited_s: float, now: float
-    ) -> list[Command]:
-        commands: list[Command] = [
-            TraceLine({"event": "silent", "client": client, "waited_s": waited_s})
-        ]
-        was_dropped = server.is_dropped(client)
-        tasks = server.observe_silence(client, waited_s)
-        if server.is_dropped(client) and not was_dropped:
-            commands.append(Emit({"event": "dropped", "client": client, "waited_s": waited_s}))
-        return [*commands, *self._dispatch(tasks, now)]
-
-    def _probed(self, server: FederatedServer, result: ProbeResult, now: float) -> list[Command]:
-        probe = Emit(
-            {
-                "event": "probe",
-                "client": result.client_id,
-                "latency_s": round(result.latency_s, 4),
-                "answered": result.answered,
-            }
-        )
-        if not result.answered and result.client_id in server.sidelined:
-            # a flat method's set-aside client that still does not answer stays aside: a
-            # latency (even the timeout's lower bound) would bring it back. A grouped
-            # method measures the timeout, which keeps it out of every group's range.
-            return [probe, *self._silent(server, result.client_id, result.latency_s, now)]
-        return [probe, *self._observe(server, result.client_id, result.latency_s, now)]
 
     def _join(
         self,
@@ -551,7 +366,7 @@ class FlServerController:
         profile, commands = self._admit(routing_id, message, "late client", origin)
         if profile is None:
             return commands
-        self.last_heard.heard(profile.client_id, now)
+        self.presence.last_heard.heard(profile.client_id, now)
         client = {"client": profile.client_id, "latency_s": profile.latency_s}
         if profile.client_id in server.profiles:
             # a released id registered again (the client came back on a new connection):
@@ -561,7 +376,8 @@ class FlServerController:
             for task_id in held:
                 commands += self._fail(server, task_id, now, at_deadline=False)
             commands.append(Emit({"event": "rejoined", **client}))
-            return [*commands, *self._observe(server, profile.client_id, profile.latency_s, now)]
+            observed = self.presence.observe(server, profile.client_id, profile.latency_s)
+            return [*commands, *self._then(observed, now)]
         commands.append(
             TraceLine({"event": "join", **client, "label_counts": list(profile.label_counts)})
         )
@@ -584,11 +400,13 @@ class FlServerController:
                 return self._join(server, routing_id, message, now, origin)
             return self.drop(routing_id, f"{message.KIND} from a peer that has not registered")
         commands: list[Command] = []
-        if profile.client_id in self.released:
-            commands = self._reclaim(routing_id, profile.client_id, origin)
-            if profile.client_id in self.released:
-                return commands  # no room at its address: dropped
-        self.last_heard.heard(profile.client_id, now)
+        if profile.client_id in self.presence.released:
+            try:
+                commands = self.presence.reclaim(profile.client_id, origin)
+            except ProtocolError as exc:  # no room at its address: dropped
+                reason = f"client {profile.client_id} was released: {exc}"
+                return self.drop(routing_id, reason)
+        self.presence.last_heard.heard(profile.client_id, now)
         return [*commands, *self._act(server, routing_id, profile, message, now)]
 
     def _act(
@@ -601,12 +419,12 @@ class FlServerController:
     ) -> list[Command]:
         match message:
             case FlProbeReply():
-                result = self.probes.answered(message.probe, profile.client_id, now)
+                result = self.presence.probes.answered(message.probe, profile.client_id, now)
                 if result is None:
                     reason = f"probe {message.probe} is not outstanding for this client"
                     return self.drop(routing_id, reason)
-                self._measured(profile.client_id, result.latency_s)
-                return self._probed(server, result, now)
+                self.deadlines.measured(profile.client_id, result.latency_s)
+                return self._then(self.presence.probed(server, result), now)
             case FlUpdate():
                 return self._update(server, routing_id, profile, message, now)
             case _:
@@ -620,10 +438,12 @@ class FlServerController:
         message: FlUpdate,
         now: float,
     ) -> list[Command]:
+        client = profile.client_id
         outstanding = self._outstanding.get(message.task)
-        late = self._late.get(message.task)
-        if outstanding is None and late is not None and late.client == profile.client_id:
-            return self._late_update(server, message.task, late, now)
+        late_s = None if outstanding else self.presence.late_latency(message.task, client, now)
+        if late_s is not None:
+            self.deadlines.measured(client, late_s)  # a longer deadline for its next task
+            return self._then(self.presence.late_answer(server, message.task, client, late_s), now)
         if outstanding is None or outstanding.client != profile.client_id:
             return self.drop(routing_id, f"task {message.task} is not outstanding for this client")
         try:
@@ -639,34 +459,11 @@ class FlServerController:
             return self.drop(routing_id, str(exc))  # the task stays outstanding until its deadline
         del self._outstanding[message.task]
         latency = now - outstanding.sent_at
-        self._measured(profile.client_id, latency)
+        self.deadlines.measured(profile.client_id, latency)
         task = {"event": "update", "task": message.task, "client": profile.client_id}
         return [
             TraceLine({**task, "n_samples": message.n_samples, "weights": weights.tolist()}),
             Emit({**task, "latency_s": round(latency, 4), "global_updates": server.version}),
             *self._dispatch(tasks, now),
-            *self._observe(server, profile.client_id, latency, now),
+            *self._then(self.presence.observe(server, profile.client_id, latency), now),
         ]
-
-    def _measured(self, client: int, latency_s: float) -> None:
-        self.deadlines.measured(client, latency_s)
-
-    def _late_update(
-        self, server: FederatedServer, task_id: int, late: _Outstanding, now: float
-    ) -> list[Command]:
-        """An answer to a task taken back from its client: the task went to another
-        client, so this model is never merged (no double update); but the client is
-        alive, and its latency, now measured, lengthens its deadline and brings back a
-        client a flat method set aside. A grouped method's dropped client is left to
-        its probes (Algorithm 1 regroups on what they measure, as before)."""
-        del self._late[task_id]
-        latency = now - late.sent_at
-        self._measured(late.client, latency)
-        fields = {"task": task_id, "client": late.client, "latency_s": round(latency, 4)}
-        commands: list[Command] = [
-            LogLine("info", "fl_late_update_dropped", fields),
-            Emit({"event": "late_update", **fields}),
-        ]
-        if late.client in server.sidelined:
-            commands += self._observe(server, late.client, latency, now)
-        return commands

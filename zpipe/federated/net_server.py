@@ -54,18 +54,18 @@ from zpipe._errors import (
 )
 from zpipe.federated.model import MLPShape, accuracy
 from zpipe.federated.net_admission import KeyIdentities, SenderRoles
-from zpipe.federated.net_controller import (
+from zpipe.federated.net_commands import (
     Abort,
     Command,
     Emit,
     Evaluate,
     FloatArray,
-    FlServerController,
     LogLine,
     NetServerConfig,
     SendMessage,
     TraceLine,
 )
+from zpipe.federated.net_controller import FlServerController
 from zpipe.federated.net_limits import Connections
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
@@ -82,7 +82,7 @@ from zpipe.transport.sockets import (
     send,
 )
 
-__all__ = ["MAX_MESSAGE_BYTES", "FederatedShell", "NetServerConfig"]
+__all__ = ["MAX_MESSAGE_BYTES", "FederatedShell"]
 
 log = get_logger("zpipe.federated.server")
 
@@ -311,7 +311,7 @@ class FederatedShell:
             "final_acc": self._curve[-1]["test_acc"],
             "curve": self._curve,
             "dropped_messages": controller.dropped_messages,
-            "probes": controller.probes.sent,
+            "probes": controller.presence.probes.sent,
             "stats": server.stats(),
             "wall_s": round(time.monotonic() - self._started, 3),
         }

@@ -17,17 +17,17 @@ from hypothesis import strategies as st
 from zpipe._errors import ConfigError
 from zpipe.federated.grouping import GroupingPolicy
 from zpipe.federated.model import MLPShape
-from zpipe.federated.net_controller import (
+from zpipe.federated.net_commands import (
     Abort,
     Command,
     Emit,
     Evaluate,
-    FlServerController,
     LogLine,
     NetServerConfig,
     SendMessage,
     TraceLine,
 )
+from zpipe.federated.net_controller import FlServerController
 from zpipe.federated.net_trace import replay
 from zpipe.federated.server import ServerConfig
 from zpipe.protocol import WireMessage
@@ -315,7 +315,7 @@ def test_a_dropped_client_is_probed_and_readmitted() -> None:
     reply = FlProbeReply(probe=probe.message.probe, client=client, work_s=0.1)
     answered = controller.on_message(probe.to, reply, now=10.1)
     assert events(Emit, answered)[:2] == ["probe", "readmitted"]
-    assert controller.probes.sent == len(probes)
+    assert controller.presence.probes.sent == len(probes)
 
 
 # ---------------------------------------------------------------- properties

@@ -19,14 +19,14 @@ from zpipe._errors import ProtocolError
 from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.model import MLPShape
 from zpipe.federated.net_admission import KeyIdentities
-from zpipe.federated.net_controller import (
+from zpipe.federated.net_commands import (
     Command,
     Emit,
-    FlServerController,
     NetServerConfig,
     SendMessage,
     TraceLine,
 )
+from zpipe.federated.net_controller import FlServerController
 from zpipe.federated.net_limits import Connections, IdsPerAddress, LastHeard
 from zpipe.federated.net_trace import replay
 from zpipe.federated.server import ServerConfig, make_server
@@ -151,11 +151,11 @@ def test_an_address_whose_clients_left_may_register_again() -> None:
         ]
     assert answers(controller.on_registration(route(2), register(2), HOST)) == [FlError]
     gone = controller.on_gone(route(1), 1.0)
-    assert events(gone) == ["released"] and controller.released == {1}
+    assert events(gone) == ["released"] and controller.presence.released == {1}
     assert controller.on_gone(route(1), 1.5) == []  # once
     assert controller.on_gone(b"never-registered", 1.5) == []
     assert answers(controller.on_registration(route(2), register(2), HOST)) == [FlWelcome]
-    assert controller.origins.held(HOST) == 2
+    assert controller.presence.origins.held(HOST) == 2
 
 
 def test_a_gone_client_loses_its_task_at_once_and_is_set_aside() -> None:
@@ -163,7 +163,7 @@ def test_a_gone_client_loses_its_task_at_once_and_is_set_aside() -> None:
     controller.on_registration(route(0), register(0), HOST)
     controller.start(now=0.0)
     (task,) = tasks_in(controller.on_message(route(1), register(1), 0.1, HOST))  # a join
-    assert task[1] == 1 and controller.origins.held(HOST) == 2
+    assert task[1] == 1 and controller.presence.origins.held(HOST) == 2
     gone = controller.on_gone(route(1), 0.5)  # well before its 10 s deadline
     assert events(gone)[:3] == ["released", "task_failed", "dropped"]
     # it waited 0.4 s, not its deadline's 10 s: the silence the trace records
@@ -173,9 +173,9 @@ def test_a_gone_client_loses_its_task_at_once_and_is_set_aside() -> None:
     assert server.is_dropped(1) and server.outstanding() == 1
     # its address holds one live id: another client from it is admitted
     assert answers(controller.on_message(route(2), register(2), 0.6, HOST))[0] is FlWelcome
-    assert sorted(controller.routes) == [0, 1, 2] and controller.origins.held(HOST) == 2
+    assert sorted(controller.routes) == [0, 1, 2] and controller.presence.origins.held(HOST) == 2
     # a released id is not probed (its connection is gone)
-    assert 1 not in controller._probe_candidates(server)
+    assert 1 not in controller.presence.probe_candidates(server)
 
 
 def live(controller: FlServerController, client: int, now: float) -> list[Command]:
@@ -213,23 +213,23 @@ def test_a_set_aside_client_silent_past_the_bound_is_released() -> None:
     assert "dropped@10" in seen  # its task taken back at --task-timeout
     # released 30 s after it was last heard from (the start); once
     assert [e for e in seen if e.startswith("released")] == ["released@30"]
-    assert controller.released == {0} and controller.origins.held(HOST) == 1
+    assert controller.presence.released == {0} and controller.presence.origins.held(HOST) == 1
     # client 1, answering, is never released: only set-aside clients' silence counts
-    assert controller.last_heard.silent_past(1_000.0, [1]) == [1]
-    assert controller._set_aside(controller._running()) == []
+    assert controller.presence.last_heard.silent_past(1_000.0, [1]) == [1]
+    assert controller.presence.set_aside(controller._running(), controller.routes) == []
 
 
 def test_a_released_client_speaking_again_reclaims_its_id_where_there_is_room() -> None:
     controller, _, task = run_with_a_silent_client(until=31.0)
     late = controller.on_message(route(0), update(task, 0), 32.0, HOST)
-    assert events(late) == ["reclaimed"] and not controller.released
-    assert controller.origins.held(HOST) == 2
+    assert events(late) == ["reclaimed"] and not controller.presence.released
+    assert controller.presence.origins.held(HOST) == 2
     # with no room left at its address, it is dropped and stays released
     controller, _, task = run_with_a_silent_client(until=31.0)
     assert answers(controller.on_message(route(2), register(2), 31.5, HOST))[0] is FlWelcome
     dropped = controller.dropped_messages
     assert events(controller.on_message(route(0), update(task, 0), 32.0, HOST)) == []
-    assert controller.released == {0} and controller.dropped_messages == dropped + 1
+    assert controller.presence.released == {0} and controller.dropped_messages == dropped + 1
 
 
 def test_a_released_id_registered_again_on_a_new_connection_rejoins() -> None:
@@ -245,7 +245,7 @@ def test_a_released_id_registered_again_on_a_new_connection_rejoins() -> None:
     back = controller.on_message(route(0, 1), register(0), 2.0, HOST)
     assert answers(back)[0] is FlWelcome and "rejoined" in events(back)
     assert controller.routes[0] == route(0, 1) and route(0) not in controller.clients
-    assert not controller.released and not server.is_dropped(0)
+    assert not controller.presence.released and not server.is_dropped(0)
     # the task its old connection held was taken back; it holds one on the new route
     (held,) = [t for t, o in controller._outstanding.items() if o.client == 0]
     assert any(

@@ -15,15 +15,15 @@ import torch
 
 from zpipe.federated.grouping import GroupingPolicy
 from zpipe.federated.model import MLPShape
-from zpipe.federated.net_controller import (
+from zpipe.federated.net_commands import (
     Command,
     Emit,
-    FlServerController,
     LogLine,
     NetServerConfig,
     SendMessage,
     TraceLine,
 )
+from zpipe.federated.net_controller import FlServerController
 from zpipe.federated.net_trace import replay
 from zpipe.federated.server import ServerConfig
 from zpipe.protocol.federated import FlError, FlRegister, FlTask, FlUpdate, FlWelcome
@@ -123,10 +123,10 @@ def test_a_task_deadline_follows_its_clients_measured_latency() -> None:
     assert "task_failed" in events(taken)
     assert of(LogLine, taken)[0].fields["waited_s"] == 2.0
     # the floor: a client measured at 10 ms still has --task-floor
-    controller._measured(0, 0.01)
+    controller.deadlines.measured(0, 0.01)
     assert controller.task_deadline_s(0) == 2.0  # the slowest of its recent latencies
     for _ in range(8):
-        controller._measured(0, 0.01)
+        controller.deadlines.measured(0, 0.01)
     assert controller.task_deadline_s(0) == 1.0
 
 
