@@ -24,11 +24,12 @@ import zmq
 
 pytest.importorskip("sklearn")
 
+from tests._support.fl_raw import receive_fl, send_fl
 from zpipe.federated.net_commands import NetServerConfig
 from zpipe.federated.net_server import FederatedShell
 from zpipe.federated.server import ServerConfig
 from zpipe.lossy.data import load_digits_dataset
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.federated import (
     FlDone,
     FlError,
@@ -39,20 +40,9 @@ from zpipe.protocol.federated import (
     FlUpdate,
     FlWelcome,
 )
-from zpipe.transport.codec import decode, encode
 
 DEADLINE_S = 120.0  # generous: the machine is shared and loaded
 COUNTS = [10] * 10  # the digits' ten classes
-
-
-def _send(sock: zmq.Socket[bytes], message: WireMessage) -> None:
-    sock.send_multipart(encode(message.to_message()), copy=False)
-
-
-def _receive(sock: zmq.Socket[bytes], timeout_s: float) -> WireMessage | None:
-    if not sock.poll(int(timeout_s * 1000)):
-        return None
-    return REGISTRY.parse(decode(sock.recv_multipart(copy=False)))
 
 
 def _answer(task: FlTask, client: int) -> FlUpdate:
@@ -96,27 +86,27 @@ class Live:
         self.sock = context.socket(zmq.DEALER)
         self.sock.connect(endpoint)
         self.done: FlDone | None = None
-        _send(self.sock, FlRegister(client=client, label_counts=COUNTS, latency_s=0.05))
-        assert isinstance(_receive(self.sock, DEADLINE_S), FlWelcome)
+        send_fl(self.sock, FlRegister(client=client, label_counts=COUNTS, latency_s=0.05))
+        assert isinstance(receive_fl(self.sock, DEADLINE_S), FlWelcome)
 
     def serve_until(self, condition: Callable[[], bool], pace_s: float = 0.1) -> None:
         deadline = time.monotonic() + DEADLINE_S
         while not condition():
             assert time.monotonic() < deadline, "the awaited event never came"
             assert self.done is None, "the run ended first"
-            message = _receive(self.sock, 0.05)
+            message = receive_fl(self.sock, 0.05)
             if isinstance(message, FlTask):
                 time.sleep(pace_s)
-                _send(self.sock, _answer(message, self.client))
+                send_fl(self.sock, _answer(message, self.client))
             elif isinstance(message, FlDone):
                 self.done = message
 
     def serve_to_the_end(self) -> FlDone:
         deadline = time.monotonic() + DEADLINE_S
         while self.done is None and time.monotonic() < deadline:
-            message = _receive(self.sock, 1.0)
+            message = receive_fl(self.sock, 1.0)
             if isinstance(message, FlTask):
-                _send(self.sock, _answer(message, self.client))
+                send_fl(self.sock, _answer(message, self.client))
             elif isinstance(message, FlDone):
                 self.done = message
         assert self.done is not None, "no fl_done"
@@ -149,8 +139,8 @@ def test_an_address_whose_clients_left_registers_a_new_one() -> None:
             sock = context.socket(zmq.DEALER)
             sockets.append(sock)
             sock.connect(server.endpoint)
-            _send(sock, FlRegister(client=client, label_counts=COUNTS, latency_s=0.05))
-            return sock, _receive(sock, DEADLINE_S)
+            send_fl(sock, FlRegister(client=client, label_counts=COUNTS, latency_s=0.05))
+            return sock, receive_fl(sock, DEADLINE_S)
 
         first, welcome1 = register(100)
         second, welcome2 = register(101)
@@ -207,8 +197,8 @@ def test_a_set_aside_client_is_probed_and_used_again_once_it_answers() -> None:
     try:
         live = Live(context, server.endpoint, 0)
         sleeper.connect(server.endpoint)
-        _send(sleeper, FlRegister(client=1, label_counts=COUNTS, latency_s=0.05))
-        assert isinstance(_receive(sleeper, DEADLINE_S), FlWelcome)
+        send_fl(sleeper, FlRegister(client=1, label_counts=COUNTS, latency_s=0.05))
+        assert isinstance(receive_fl(sleeper, DEADLINE_S), FlWelcome)
         probes = 0
         trained = False
 
@@ -217,19 +207,19 @@ def test_a_set_aside_client_is_probed_and_used_again_once_it_answers() -> None:
             second and its first probe, answers the next probe and every task after
             it. True once it has trained again."""
             nonlocal probes, trained
-            message = _receive(sleeper, 0.0)
+            message = receive_fl(sleeper, 0.0)
             if isinstance(message, FlTask):
                 got.append("task")
                 if got.count("task") == 1:
-                    _send(sleeper, _answer(message, 1))
+                    send_fl(sleeper, _answer(message, 1))
                 elif probes >= 2:
-                    _send(sleeper, _answer(message, 1))
+                    send_fl(sleeper, _answer(message, 1))
                     trained = True
             elif isinstance(message, FlProbe):
                 got.append("probe")
                 probes += 1
                 if probes >= 2:
-                    _send(sleeper, FlProbeReply(probe=message.probe, client=1, work_s=0.01))
+                    send_fl(sleeper, FlProbeReply(probe=message.probe, client=1, work_s=0.01))
             return trained
 
         live.serve_until(step, pace_s=0.05)

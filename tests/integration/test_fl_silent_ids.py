@@ -23,26 +23,16 @@ import zmq
 
 pytest.importorskip("sklearn")
 
+from tests._support.fl_raw import receive_fl, send_fl
 from zpipe.federated.net_commands import NetServerConfig
 from zpipe.federated.net_server import FederatedShell
 from zpipe.federated.server import ServerConfig
 from zpipe.lossy.data import load_digits_dataset
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.federated import FlDone, FlError, FlRegister, FlTask, FlUpdate, FlWelcome
-from zpipe.transport.codec import decode, encode
 
 DEADLINE_S = 120.0  # generous: the run itself needs a few seconds
 COUNTS = [10] * 10  # the digits' ten classes
-
-
-def _send(sock: zmq.Socket[bytes], message: WireMessage) -> None:
-    sock.send_multipart(encode(message.to_message()), copy=False)
-
-
-def _receive(sock: zmq.Socket[bytes], timeout_s: float) -> WireMessage | None:
-    if not sock.poll(int(timeout_s * 1000)):
-        return None
-    return REGISTRY.parse(decode(sock.recv_multipart(copy=False)))
 
 
 def _serve(shell: FederatedShell, out: dict[str, Any]) -> None:
@@ -78,25 +68,25 @@ def test_silent_ids_from_one_address_do_not_stop_the_training() -> None:
     attackers = [context.socket(zmq.DEALER) for _ in range(10)]
     try:
         live.connect(endpoint)
-        _send(live, FlRegister(client=0, label_counts=COUNTS, latency_s=0.05))
-        assert isinstance(_receive(live, DEADLINE_S), FlWelcome)
-        first = _receive(live, DEADLINE_S)
+        send_fl(live, FlRegister(client=0, label_counts=COUNTS, latency_s=0.05))
+        assert isinstance(receive_fl(live, DEADLINE_S), FlWelcome)
+        first = receive_fl(live, DEADLINE_S)
         assert isinstance(first, FlTask)
         # the run has started: ten silent ids from the same address
         answers: list[WireMessage | None] = []
         for i, sock in enumerate(attackers):
             sock.connect(endpoint)
-            _send(sock, FlRegister(client=100 + i, label_counts=COUNTS, latency_s=0.05))
+            send_fl(sock, FlRegister(client=100 + i, label_counts=COUNTS, latency_s=0.05))
             # in order: each answer before the next registration
-            answers.append(_receive(sock, DEADLINE_S))
-        _send(live, _answer(first))
+            answers.append(receive_fl(sock, DEADLINE_S))
+        send_fl(live, _answer(first))
         done = None
         deadline = time.monotonic() + DEADLINE_S
         while done is None and time.monotonic() < deadline:
-            message = _receive(live, 1.0)
+            message = receive_fl(live, 1.0)
             if isinstance(message, FlTask):
                 time.sleep(0.1)  # a run longer than the silent ids' deadlines
-                _send(live, _answer(message))
+                send_fl(live, _answer(message))
             elif isinstance(message, FlDone):
                 done = message
         server.join(DEADLINE_S)
@@ -154,9 +144,9 @@ def test_a_frame_past_the_runs_weights_is_cut_off_before_it_is_held() -> None:
         big.send_multipart([b"", *[bytes(2 << 20)] * 4], copy=False)
         time.sleep(0.5)
         live.connect(endpoint)
-        _send(live, FlRegister(client=0, label_counts=COUNTS, latency_s=0.05))
+        send_fl(live, FlRegister(client=0, label_counts=COUNTS, latency_s=0.05))
         asyncio.run(register())
-        assert isinstance(_receive(live, DEADLINE_S), FlWelcome)
+        assert isinstance(receive_fl(live, DEADLINE_S), FlWelcome)
         # never received, so never decoded nor counted: libzmq cut the connection
         assert shell.dropped_messages == 0
     finally:

@@ -15,9 +15,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests._support.fl_raw import SHAPE, controller_config
 from zpipe._errors import ProtocolError
 from zpipe.federated.grouping import ClientProfile
-from zpipe.federated.model import MLPShape
 from zpipe.federated.net_admission import KeyIdentities
 from zpipe.federated.net_commands import (
     Command,
@@ -40,24 +40,11 @@ from zpipe.protocol.federated import (
     FlWelcome,
 )
 
-SHAPE = MLPShape(4, 3, 2)
 HOST = "10.0.0.1"
 
 
 def config(**changes: object) -> NetServerConfig:
-    base = NetServerConfig(
-        server=ServerConfig(method="fedasync", max_concurrent=2, seed=3),
-        clients=1,
-        task_timeout_s=10.0,
-        task_floor_s=1.0,
-        probe_interval_s=0.0,
-        release_after_s=1_000.0,
-        max_updates=10_000,
-        duration_s=10_000.0,
-        eval_every=1_000,
-        ids_per_address=2,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
+    return controller_config(**{"release_after_s": 1_000.0, "ids_per_address": 2, **changes})
 
 
 def route(client: int, connection: int = 0) -> bytes:

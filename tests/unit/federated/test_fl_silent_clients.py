@@ -9,17 +9,14 @@ answer is measured, never merged).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
+from tests._support.fl_raw import SHAPE, controller_config
 from zpipe.federated.grouping import GroupingPolicy
-from zpipe.federated.model import MLPShape
 from zpipe.federated.net_commands import (
     Command,
     Emit,
     LogLine,
-    NetServerConfig,
     SendMessage,
     TraceLine,
 )
@@ -28,22 +25,7 @@ from zpipe.federated.net_trace import replay
 from zpipe.federated.server import ServerConfig
 from zpipe.protocol.federated import FlError, FlRegister, FlTask, FlUpdate, FlWelcome
 
-SHAPE = MLPShape(4, 3, 2)
-
-
-def config(**changes: object) -> NetServerConfig:
-    base = NetServerConfig(
-        server=ServerConfig(method="fedasync", max_concurrent=2, seed=3),
-        clients=1,
-        task_timeout_s=10.0,
-        task_floor_s=1.0,
-        probe_interval_s=0.0,
-        max_updates=10_000,
-        duration_s=10_000.0,
-        eval_every=1_000,
-        ids_per_address=4,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
+config = controller_config
 
 
 def route(client: int) -> bytes:
