@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests._support.fl_raw import SHAPE, controller_config
+from tests._support.fl_raw import SHAPE, controller_config, of, register, route, update
 from zpipe._errors import ProtocolError
 from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.net_admission import KeyIdentities
@@ -34,9 +34,7 @@ from zpipe.protocol.federated import (
     FlError,
     FlProbe,
     FlProbeReply,
-    FlRegister,
     FlTask,
-    FlUpdate,
     FlWelcome,
 )
 
@@ -45,23 +43,6 @@ HOST = "10.0.0.1"
 
 def config(**changes: object) -> NetServerConfig:
     return controller_config(**{"release_after_s": 1_000.0, "ids_per_address": 2, **changes})
-
-
-def route(client: int, connection: int = 0) -> bytes:
-    return f"peer-{client}-{connection}".encode()
-
-
-def register(client: int) -> FlRegister:
-    return FlRegister(client=client, label_counts=[5, 5], latency_s=0.1)
-
-
-def update(task: int, client: int) -> FlUpdate:
-    weights = torch.full((SHAPE.size,), 0.5, dtype=torch.float64)
-    return FlUpdate(task=task, client=client, n_samples=10, train_s=0.1, tensors=(weights,))
-
-
-def of(kind: type, commands: list[Command]) -> list:
-    return [c for c in commands if isinstance(c, kind)]
 
 
 def answers(commands: list[Command]) -> list[type]:

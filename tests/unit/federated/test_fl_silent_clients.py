@@ -9,9 +9,7 @@ answer is measured, never merged).
 
 from __future__ import annotations
 
-import torch
-
-from tests._support.fl_raw import SHAPE, controller_config
+from tests._support.fl_raw import SHAPE, controller_config, of, register, route, update
 from zpipe.federated.grouping import GroupingPolicy
 from zpipe.federated.net_commands import (
     Command,
@@ -23,26 +21,9 @@ from zpipe.federated.net_commands import (
 from zpipe.federated.net_controller import FlServerController
 from zpipe.federated.net_trace import replay
 from zpipe.federated.server import ServerConfig
-from zpipe.protocol.federated import FlError, FlRegister, FlTask, FlUpdate, FlWelcome
+from zpipe.protocol.federated import FlError, FlTask, FlWelcome
 
 config = controller_config
-
-
-def route(client: int) -> bytes:
-    return f"peer-{client}".encode()
-
-
-def register(client: int) -> FlRegister:
-    return FlRegister(client=client, label_counts=[5, 5], latency_s=0.1)
-
-
-def update(task: int, client: int) -> FlUpdate:
-    weights = torch.full((SHAPE.size,), 0.5, dtype=torch.float64)
-    return FlUpdate(task=task, client=client, n_samples=10, train_s=0.1, tensors=(weights,))
-
-
-def of(kind: type, commands: list[Command]) -> list:
-    return [c for c in commands if isinstance(c, kind)]
 
 
 def tasks_in(commands: list[Command]) -> list[tuple[int, int]]:
