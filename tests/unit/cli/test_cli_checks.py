@@ -462,6 +462,24 @@ def test_train_check_exits_1_beyond_its_tolerance_and_says_both(
     assert "(tolerance 1.00e-01)" in captured.out
 
 
+@pytest.mark.parametrize("gpu", [True, False])
+def test_a_failed_check_explains_the_cpu_reference_when_local_stages_had_a_gpu(
+    trained_off_by: Callable[[float], None],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    gpu: bool,
+) -> None:
+    import torch
+
+    # local stages pick CUDA with --device auto; the reference trains on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    trained_off_by(1e-3)
+    assert train_cli.main([*TINY, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert ("the local stages computed on this machine's GPU" in err) is gpu
+    assert ("--check-tolerance 5e-3" in err) is gpu
+
+
 def test_train_check_passes_within_its_tolerance(
     trained_off_by: Callable[[float], None], capsys: pytest.CaptureFixture[str]
 ) -> None:
