@@ -37,6 +37,14 @@ else:
     if getattr(_loky_context, "physical_cores_cache", None) is None:
         _loky_context.physical_cores_cache = os.cpu_count() or 1
 
+# matplotlib builds its font cache the first time its font manager is imported, by
+# running fc-list; on a machine without the cache (a fresh CI machine) that would be
+# the first plotting test's process. Build it here, before any guarded phase.
+try:
+    import matplotlib.font_manager  # noqa: F401
+except ImportError:  # matplotlib not installed: nothing to build
+    pass
+
 _FORBIDDEN = [*PROCESSES, *SOCKETS]
 _WHERE = "tests/integration/ (sockets) or tests/cluster/ (processes)"
 
