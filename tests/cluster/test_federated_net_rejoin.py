@@ -54,9 +54,9 @@ def test_a_client_whose_connection_drops_rejoins_and_its_updates_count(tmp_path:
         for _ in range(3):
             server.wait_event("update", client=1)
         assert forwarder.cut() == 1
+        server.wait_event("rejoined", client=1)  # what the old client never did
         dropped.wait_event("disconnected")
         rejoined = dropped.wait_event("rejoined")
-        server.wait_event("rejoined", client=1)
         summary = server.wait_event("fl_server_done")
         assert server.finish() == 0, server.stderr_tail()
         dropped.wait_event("done")
