@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=positive_float, default=15.0, metavar="S")
     p.add_argument("--idle-timeout", type=positive_float, default=600.0, metavar="S")
     p.add_argument("--send-timeout", type=positive_float, default=5.0, metavar="S")
+    p.add_argument(
+        "--reconnect-timeout",
+        type=positive_float,
+        default=120.0,
+        metavar="S",
+        help="after a dropped connection, exit with an error if the server has not "
+        "welcomed this client back within S s (it registers again, with back-off)",
+    )
     p.add_argument("--keys", type=existing_dir, default=None, metavar="DIR", help="CurveZMQ keys")
     p.add_argument("--key-name", default=CLIENT_KEY_NAME, help="this client's key in --keys")
     p.add_argument("--server-key-name", default=SERVER_KEY_NAME, help="the server's key name")
@@ -128,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> NetClientConfig:
         connect_timeout_s=args.connect_timeout,
         idle_timeout_s=args.idle_timeout,
         send_timeout_s=args.send_timeout,
+        reconnect_timeout_s=args.reconnect_timeout,
         keys_dir=args.keys,
         key_name=args.key_name,
         server_key_name=args.server_key_name,

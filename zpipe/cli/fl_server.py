@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.release_after_s,
         metavar="S",
         help="release the id of a set-aside client silent for S s (a closed connection's "
-        "at once): its address may register another",
+        "at once): its address may register another; after two releases for silence, that "
+        "id (or any id of that address) gets no task until it answers a probe",
     )
     p.add_argument(
         "--probe-interval",

@@ -19,12 +19,21 @@ task, ``--profile-steps`` steps at the current delay, and an ``fl_probe_reply``.
 Without ``--keys`` the server admits at most ``--ids-per-address`` live ids from
 one address (this client's id is released once its connection closes); a refusal
 is reported as "the server refused this client".
+
+A dropped connection is not the end: libzmq reconnects under the routing id the
+client chose at start (random, so no other peer can take its route), and the
+socket monitor tells the client, which registers again
+(:class:`~zpipe.federated.net_rejoin.ServerLink`: jittered, doubling back-off
+between unanswered registrations). A server gone for ``--reconnect-timeout``
+seconds ends the client with an error that says so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,10 +43,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.federated.data import ClientShard, make_shards
 from zpipe.federated.model import FloatArray, MLPShape, init_weights, local_train
+from zpipe.federated.net_rejoin import ServerLink
 from zpipe.federated.net_wire import (
     CLIENT_KEY_NAME,
     SERVER_KEY_NAME,
@@ -89,6 +100,9 @@ class NetClientConfig:
     connect_timeout_s: float = 15.0
     idle_timeout_s: float = 600.0
     send_timeout_s: float = 5.0
+    # after a dropped connection: how long the server may stay unreachable (or not
+    # welcome this client back) before the client gives up
+    reconnect_timeout_s: float = 120.0
     keys_dir: Path | None = None
     key_name: str = CLIENT_KEY_NAME
     server_key_name: str = SERVER_KEY_NAME
@@ -125,12 +139,23 @@ class FederatedClient:
         self.n_features = dataset.n_features
         self._context = new_context()
         self._dealer: zmq.asyncio.Socket | None = None
+        # the dealer's connection events: a drop, then a new connection (rejoin)
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._poller = zmq.asyncio.Poller()
+        self._registration: FlRegister | None = None  # sent again after a drop
+        # the jitter of re-registrations; not seeded: clients must not agree on it
+        self._jitter = random.Random()
         self.tasks_done = 0
         self.answers = 0  # tasks and probes answered: what --delay-from counts
 
     def open(self) -> None:
         options = SocketOptions(max_message_bytes=MAX_MESSAGE_BYTES)
         dealer = open_socket(self._context, zmq.DEALER, options)
+        # a routing id of its own, kept across libzmq's reconnections: the server's
+        # ROUTER (ROUTER_HANDOVER) then routes to the new connection; random, so that
+        # no other peer can name it and take this client's route
+        routing_id = f"fl-client-{self.config.client}-{secrets.token_hex(8)}"
+        dealer.setsockopt(zmq.ROUTING_ID, routing_id.encode())
         if self.config.keys_dir is not None:
             keys = self.config.keys_dir
             security.secure_client(
@@ -138,11 +163,19 @@ class FederatedClient:
                 security.load_keypair(keys, self.config.key_name),
                 security.load_keypair_public(keys, self.config.server_key_name),
             )
+        self._monitor = dealer.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         dealer.connect(self.config.server)
         self._dealer = dealer
+        self._poller.register(dealer, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def close(self) -> None:
         if self._dealer is not None:
+            if self._monitor is not None:
+                self._dealer.disable_monitor()
+                self._monitor.close(linger=0)
             self._dealer.close(linger=0)
         self._context.term()
 
@@ -238,6 +271,7 @@ class FederatedClient:
         counts = list(self.shard.label_counts(self.n_classes))
         latency = await self.profile_latency()
         register = FlRegister(client=self.config.client, label_counts=counts, latency_s=latency)
+        self._registration = register
         deadline = time.monotonic() + self.config.connect_timeout_s
         try:
             assert self._dealer is not None
@@ -266,9 +300,44 @@ class FederatedClient:
 
     async def serve(self) -> str:
         await self.register()
+        config = self.config
+        link = ServerLink(
+            reply_timeout_s=config.send_timeout_s,
+            gone_timeout_s=config.reconnect_timeout_s,
+            draw=self._jitter.random,
+        )
+        heard_at = time.monotonic()
         while True:
-            message = await self._receive(self.config.idle_timeout_s, "a task or the run's end")
-            if isinstance(message, FlTask):
+            now = time.monotonic()
+            await self._link_events(link, now)
+            if link.expired(now):
+                raise TransportTimeout(
+                    "fl-server",
+                    f"a connection back to {config.server} and a welcome (its connection "
+                    f"dropped {link.gone_for(now):.1f} s ago; --reconnect-timeout)",
+                    config.reconnect_timeout_s,
+                )
+            idle_until = heard_at + config.idle_timeout_s
+            if link.state == "registered" and now >= idle_until:
+                raise TransportTimeout(
+                    "fl-server", "a task or the run's end", config.idle_timeout_s
+                )
+            if link.register_due(now):
+                assert self._registration is not None
+                await self._send(self._registration)
+                link.registration_sent(now)
+                log.info("fl_registering_again", client=config.client, attempt=link.attempts)
+                continue
+            until = min(link.next_event(), idle_until if link.state == "registered" else now + 1)
+            message = await self._next_message(until - now)
+            if message is None:
+                continue
+            heard_at = time.monotonic()
+            if isinstance(message, FlWelcome):
+                gone_s = link.gone_for(heard_at)
+                if link.welcomed():
+                    self._emit({"event": "rejoined", "gone_s": round(gone_s, 3)})
+            elif isinstance(message, FlTask):
                 await self._train(message)
             elif isinstance(message, FlProbe):
                 await self._probe(message)
@@ -277,8 +346,33 @@ class FederatedClient:
                 return message.reason
             elif isinstance(message, FlError):
                 raise ProtocolError(f"the server refused a message: {message.reason}")
-            elif message is not None:
+            else:
                 log.warning("fl_message_dropped", reason=f"unexpected {message.KIND}")
+
+    async def _next_message(self, timeout_s: float) -> WireMessage | None:
+        """The server's next message within ``timeout_s``; None after the timeout, after
+        a connection event (read by :meth:`_link_events`), or for a dropped message."""
+        ready = dict(await self._poller.poll(int(1000 * max(timeout_s, 0.0)) + 1))
+        if self._dealer not in ready:
+            return None
+        return await self._receive(self.config.send_timeout_s, "the rest of a message")
+
+    async def _link_events(self, link: ServerLink, now: float) -> None:
+        """Feed the monitor's queued events to ``link``, never waiting."""
+        assert self._monitor is not None
+        while True:
+            try:
+                frames = await self._monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                link.disconnected(now)
+                log.warning("fl_server_disconnected", client=self.config.client)
+                self._emit({"event": "disconnected"})
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and link.state == "down":
+                link.connected(now)
+                self._emit({"event": "reconnected"})
 
     async def _train(self, task: FlTask) -> None:
         try:

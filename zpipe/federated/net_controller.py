@@ -245,8 +245,8 @@ class FlServerController:
             return []
         client = profile.client_id
         commands = self.presence.release(client, "its connection closed")
-        if self.server is None:
-            return commands  # before the run: only its address's count changes
+        if self.server is None or client in self.presence.held:
+            return commands  # only its address's count changes: the server object lacks it
         server = self.server
         held = [t for t, o in self._outstanding.items() if o.client == client]
         for task_id in held:
@@ -362,22 +362,34 @@ class FlServerController:
         now: float,
         origin: str | None,
     ) -> list[Command]:
-        """A registration after the start: the client joins the run (eq. 4 for groups)."""
+        """A registration after the start: the client joins the run (eq. 4 for groups),
+        or registers again (its connection dropped, or its id was released)."""
+        was_released = message.client in self.presence.released
         profile, commands = self._admit(routing_id, message, "late client", origin)
         if profile is None:
             return commands
         self.presence.last_heard.heard(profile.client_id, now)
         client = {"client": profile.client_id, "latency_s": profile.latency_s}
+        probation = self.presence.on_probation(profile.client_id, origin)
         if profile.client_id in server.profiles:
-            # a released id registered again (the client came back on a new connection):
-            # a task sent to its old connection cannot be answered, and its registered
-            # latency is news, as a probe's answer is
+            # registered again (the client came back on a new connection, or on its own
+            # after a drop): a task sent to its old connection cannot be answered, and
+            # its registered latency is news, as a probe's answer is
+            # ... unless it was set aside and not released (a registration must not be a
+            # way back past the probes) or is on probation: then only a probe's answer
+            # (or a late update) brings it back
+            aside = server.is_dropped(profile.client_id)
+            stays_aside = aside and (probation or not was_released)
             held = [t for t, o in self._outstanding.items() if o.client == profile.client_id]
             for task_id in held:
                 commands += self._fail(server, task_id, now, at_deadline=False)
-            commands.append(Emit({"event": "rejoined", **client}))
+            commands.append(Emit({"event": "rejoined", **client, "set_aside": stays_aside}))
+            if stays_aside:
+                return commands
             observed = self.presence.observe(server, profile.client_id, profile.latency_s)
             return [*commands, *self._then(observed, now)]
+        if probation:
+            return [*commands, *self.presence.hold(profile, origin)]
         commands.append(
             TraceLine({"event": "join", **client, "label_counts": list(profile.label_counts)})
         )
@@ -394,10 +406,10 @@ class FlServerController:
         now: float,
         origin: str | None,
     ) -> list[Command]:
+        if isinstance(message, FlRegister):  # a new client, or one registering again
+            return self._join(server, routing_id, message, now, origin)
         profile = self.clients.get(routing_id)
         if profile is None:
-            if isinstance(message, FlRegister):
-                return self._join(server, routing_id, message, now, origin)
             return self.drop(routing_id, f"{message.KIND} from a peer that has not registered")
         commands: list[Command] = []
         if profile.client_id in self.presence.released:

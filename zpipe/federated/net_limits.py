@@ -15,6 +15,10 @@ asks them; nothing here does I/O.
   register new ones.
 - :class:`LastHeard`: which set-aside clients have been silent past
   ``--release-after``: such an id is released as if its connection had closed.
+- :class:`SilenceStrikes`: how often each id and each address had an id released for
+  silence; past :data:`PROBATION_AFTER` such releases a registration is on probation
+  (it gets no task until it answers a probe), so that a silent peer cannot win its
+  ids back and hold a task slot each, every ``--release-after`` seconds.
 - :class:`Connections`: which routing ids spoke over which connection (the socket's
   file descriptor), so that a closed connection names the ids it carried.
 """
@@ -29,6 +33,10 @@ from zpipe._errors import ProtocolError
 
 DEADLINE_FACTOR = 4.0
 LATENCY_HISTORY = 8
+# releases for silence (of one id, or of any id of one address) after which that id,
+# or any id of that address, must answer a probe before it is given a task again:
+# one silence (a phone asleep, a link down) costs nothing, a habit does
+PROBATION_AFTER = 2
 
 
 class TaskDeadlines:
@@ -123,6 +131,29 @@ class LastHeard:
         return min(times, default=math.inf)
 
 
+class SilenceStrikes:
+    """Releases for silence, counted per client id and per peer address (None: a
+    server with keys, where a key holds one id and the id is what counts)."""
+
+    def __init__(self, probation_after: int = PROBATION_AFTER) -> None:
+        self.probation_after = probation_after
+        self._by_client: dict[int, int] = {}
+        self._by_origin: dict[str, int] = {}
+
+    def record(self, client: int, origin: str | None) -> None:
+        self._by_client[client] = self._by_client.get(client, 0) + 1
+        if origin is not None:
+            self._by_origin[origin] = self._by_origin.get(origin, 0) + 1
+
+    def of(self, client: int, origin: str | None) -> int:
+        """The strikes that count for ``client`` registering from ``origin``."""
+        by_origin = 0 if origin is None else self._by_origin.get(origin, 0)
+        return max(self._by_client.get(client, 0), by_origin)
+
+    def on_probation(self, client: int, origin: str | None) -> bool:
+        return self.of(client, origin) >= self.probation_after
+
+
 class Connections:
     """The routing ids seen on each connection (the socket's file descriptor, which
     libzmq's monitor names when the connection closes).
@@ -134,10 +165,25 @@ class Connections:
 
     def __init__(self) -> None:
         self._routes: dict[int, set[bytes]] = {}
+        # each routing id's latest connection: a client that reconnects keeps its
+        # routing id (ROUTER_HANDOVER), and its old connection's close, which may be
+        # seen after the new one spoke, is not news about it
+        self._fd_of: dict[bytes, int] = {}
 
     def seen(self, fd: int, routing_id: bytes) -> None:
+        previous = self._fd_of.get(routing_id)
+        if previous is not None and previous != fd:
+            held = self._routes.get(previous)
+            if held is not None:
+                held.discard(routing_id)
+                if not held:
+                    del self._routes[previous]
+        self._fd_of[routing_id] = fd
         self._routes.setdefault(fd, set()).add(routing_id)
 
     def closed(self, fd: int) -> list[bytes]:
-        """The routing ids the connection on ``fd`` carried (it closed)."""
-        return sorted(self._routes.pop(fd, ()))
+        """The routing ids the connection on ``fd`` carried last (it closed)."""
+        routes = sorted(self._routes.pop(fd, ()))
+        for routing_id in routes:
+            del self._fd_of[routing_id]
+        return routes

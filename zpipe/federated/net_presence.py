@@ -8,14 +8,23 @@ register another id), when a released id is reclaimed, whom to probe, and what a
 latency, a silence or a probe's result tells the server object. It never touches
 a socket or a clock; the tasks its decisions free are returned for the controller
 to dispatch.
+
+Releases for silence are counted (:class:`~zpipe.federated.net_limits.SilenceStrikes`):
+an id released for silence twice, or any id of an address whose ids were, is on
+probation when it registers again. A known id then stays set aside (its registered
+latency is a claim, not a measurement); a new id is *held*: welcomed, but kept out of
+the server object. Either is given tasks only once it answers a probe (or, set aside,
+returns a task's update late), so a silent peer that wins its ids back every
+``--release-after`` seconds no longer holds a task slot with each.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from zpipe.federated.grouping import ClientProfile
 from zpipe.federated.net_commands import (
     Command,
     Emit,
@@ -25,7 +34,7 @@ from zpipe.federated.net_commands import (
     TraceLine,
     client_peer,
 )
-from zpipe.federated.net_limits import IdsPerAddress, LastHeard
+from zpipe.federated.net_limits import IdsPerAddress, LastHeard, SilenceStrikes
 from zpipe.federated.probing import ProbeResult, ProbeSchedule
 from zpipe.federated.server import FederatedServer, TrainTask
 from zpipe.protocol.federated import FlProbe
@@ -54,10 +63,16 @@ class ClientPresence:
         # tasks taken back from a silent client, until --task-timeout after their send:
         # an answer meanwhile is late (measured, never merged)
         self._late: dict[int, _Late] = {}
+        self.strikes = SilenceStrikes()
+        # new ids on probation: welcomed, not yet in the server object; a probe's
+        # answer adds them (with the latency it measured)
+        self.held: dict[int, ClientProfile] = {}
 
-    def release(self, client: int, reason: str) -> list[Command]:
+    def release(self, client: int, reason: str, *, for_silence: bool = False) -> list[Command]:
         self.released.add(client)
         origin = self.origins.release(client)
+        if for_silence:
+            self.strikes.record(client, origin)
         fields = {"client": client, "reason": reason}
         return [
             LogLine("info", "fl_client_released", {**fields, "address": origin}),
@@ -77,12 +92,43 @@ class ClientPresence:
         """Whom to probe: the server object's candidates whose ids are not released."""
         if not self.probes.enabled:
             return []
-        return [c for c in server.probe_candidates() if c not in self.released]
+        candidates = [*server.probe_candidates(), *sorted(self.held)]
+        return [c for c in candidates if c not in self.released]
 
     def set_aside(self, server: FederatedServer, routes: Iterable[int]) -> list[int]:
         """The live ids the server object has set aside (or dropped) for silence or
-        slowness: the only ones whose silence can release them."""
-        return [c for c in routes if c not in self.released and server.is_dropped(c)]
+        slowness, and the held ones: the only ones whose silence can release them."""
+        return [
+            c for c in routes if c not in self.released and (c in self.held or server.is_dropped(c))
+        ]
+
+    def on_probation(self, client: int, origin: str | None) -> bool:
+        """Whether a registration of ``client`` from ``origin`` must answer a probe
+        before it is given a task (see the module notes)."""
+        return self.strikes.on_probation(client, origin)
+
+    def hold(self, profile: ClientProfile, origin: str | None) -> list[Command]:
+        """A new id on probation: kept out of the server object until a probe's answer."""
+        self.held[profile.client_id] = profile
+        strikes = self.strikes.of(profile.client_id, origin)
+        fields = {"client": profile.client_id, "releases_for_silence": strikes}
+        return [
+            LogLine("info", "fl_client_on_probation", {**fields, "address": origin}),
+            Emit({"event": "held", **fields}),
+        ]
+
+    def admit_held(self, server: FederatedServer, client: int, latency_s: float) -> Outcome:
+        """A held client answered a probe: it joins the run with the latency it
+        measured (eq. 4 for groups), as a late registration does."""
+        profile = replace(self.held.pop(client), latency_s=latency_s)
+        fields = {"client": client, "latency_s": latency_s}
+        commands: list[Command] = [
+            TraceLine({"event": "join", **fields, "label_counts": list(profile.label_counts)})
+        ]
+        tasks = server.add_client(profile)
+        dropped = server.is_dropped(client)
+        commands.append(Emit({"event": "joined", **fields, "dropped": dropped, "held": True}))
+        return commands, tasks
 
     def due(
         self, server: FederatedServer, routes: Mapping[int, bytes], now: float
@@ -94,7 +140,7 @@ class ClientPresence:
         commands: list[Command] = []
         for client in self.last_heard.silent_past(now, self.set_aside(server, routes)):
             waited = round(now - self.last_heard.last(client), 6)
-            commands += self.release(client, f"silent for {waited:g} s")
+            commands += self.release(client, f"silent for {waited:g} s", for_silence=True)
         candidates = self.probe_candidates(server)
         for probe_id, client in self.probes.due(now, candidates):
             # an unsendable probe (the client is gone) times out like an unanswered one
@@ -173,6 +219,11 @@ class ClientPresence:
                 "answered": result.answered,
             }
         )
+        if result.client_id in self.held:
+            if not result.answered:
+                return [probe], []  # still held: nothing to tell the server object
+            commands, tasks = self.admit_held(server, result.client_id, result.latency_s)
+            return [probe, *commands], tasks
         if not result.answered and result.client_id in server.sidelined:
             # a flat method's set-aside client that still does not answer stays aside: a
             # latency (even the timeout's lower bound) would bring it back. A grouped

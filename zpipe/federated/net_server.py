@@ -22,6 +22,10 @@ itself (``--trace`` records every input, and
     a set-aside client (fedavg, fedasync) -> fl_probe too; an answer brings it back
     a client's connection closes (the socket monitor) -> its id is released (its
                      address may register another), its task taken back at once
+    fl_register from a known client (it reconnected under its routing id, or came
+                     back on a new connection) -> welcomed back ("rejoined"); after two
+                     releases for silence (of the id or of its address) it, or a new
+                     id, gets no task until it answers a probe (net_presence)
 
 The run ends after ``--updates`` global model updates, after ``--duration``
 seconds, or when nothing is in flight and nothing can be dispatched or probed. Every
