@@ -133,7 +133,7 @@ class FlServerController:
     ) -> tuple[ClientProfile | None, list[Command]]:
         """The client a registration adds and its welcome, or why it is refused."""
         try:
-            profile = self._profile_of(routing_id, message)
+            profile = _profile_of(self, routing_id, message)
             self.presence.origins.check(origin, profile.client_id)
         except ProtocolError as exc:
             refusal = SendMessage(routing_id, FlError(reason=str(exc)), refused_peer)
@@ -147,21 +147,6 @@ class FlServerController:
         self.presence.released.discard(profile.client_id)
         welcome = FlWelcome(client=profile.client_id)
         return profile, [SendMessage(routing_id, welcome, client_peer(profile.client_id))]
-
-    def _profile_of(self, routing_id: bytes, message: FlRegister) -> ClientProfile:
-        profile = profile_from_register(message, self.shape.n_out)
-        known = self.routes.get(profile.client_id)
-        if (
-            known is not None
-            and known != routing_id
-            and profile.client_id not in self.presence.released
-        ):
-            raise ProtocolError(
-                f"client id {profile.client_id} is already registered by another peer"
-            )
-        if routing_id in self.clients and self.clients[routing_id].client_id != profile.client_id:
-            raise ProtocolError("a peer registers once, under one client id")
-        return profile
 
     # ----------------------------------------------------------------- the run
 
@@ -479,3 +464,22 @@ class FlServerController:
             *self._dispatch(tasks, now),
             *self._then(self.presence.observe(server, profile.client_id, latency), now),
         ]
+
+
+def _profile_of(
+    controller: FlServerController, routing_id: bytes, message: FlRegister
+) -> ClientProfile:
+    """The profile a registration claims, refused when its id is another live peer's or
+    the peer already holds another id."""
+    profile = profile_from_register(message, controller.shape.n_out)
+    known = controller.routes.get(profile.client_id)
+    if (
+        known is not None
+        and known != routing_id
+        and profile.client_id not in controller.presence.released
+    ):
+        raise ProtocolError(f"client id {profile.client_id} is already registered by another peer")
+    held = controller.clients.get(routing_id)
+    if held is not None and held.client_id != profile.client_id:
+        raise ProtocolError("a peer registers once, under one client id")
+    return profile
