@@ -179,6 +179,7 @@ class ComputeBatches(Generic[_In, _Out]):
             computed = Computed(batch, self._compute(batch))
         except BaseException as exc:  # compute keeps each input's own error: a bug
             computed = Computed(batch, [], exc)
+        self.counts.batches += 1  # before the loop can see the results
         with self._lock:
             if self._closed:
                 self._running = False
@@ -196,4 +197,3 @@ class ComputeBatches(Generic[_In, _Out]):
                 self._loop.call_soon_threadsafe(self._results_arrived)
             except RuntimeError:  # the loop closed: nobody takes the results any more
                 pass
-        self.counts.batches += 1
