@@ -126,7 +126,6 @@ class InferenceLoop:
         self.run = run
         self.epoch = epoch
         self._shard = shard
-        self._compute = compute
         self._counters = counters
         self._downstream = downstream
         self._downstream_name = downstream_name
