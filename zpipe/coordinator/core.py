@@ -187,10 +187,11 @@ class CoordinatorCore:
                 if not isinstance(error, PeerGoneError):
                     out = flows.stage_lost(stage, error, now)
                     return [*out, *self.registrations.holder_unreachable(event, now)]
-                # not connected now: may come back, but not planned onto meanwhile
+                # not connected now: may come back, but not planned onto meanwhile (this
+                # connection's holder: before a claim on its name hands the name over)
                 out = flows.request_unsent(stage, error, now)
-                out += self.registrations.holder_unreachable(event, now)
-                return [*out, *self._connection_lost(event, now)]
+                out += self._connection_lost(event, now)
+                return [*out, *self.registrations.holder_unreachable(event, now)]
         raise TypeError(f"unknown event {event!r}")
 
     # ------------------------------------------------------------ stages

@@ -119,3 +119,15 @@ def test_a_newcomer_within_the_holders_adaptive_deadline_is_a_claim_not_a_refusa
     assert not _to(h, b"a#2", "refused", before)
     assert _to(h, b"a#1", "probe", before)  # the holder is asked
     assert h.state.membership.get("a").routing_id == b"a#1"  # type: ignore[union-attr]
+
+
+def test_a_claim_whose_holder_is_gone_admits_the_newcomer_alive_not_suspect() -> None:
+    """The failed send (the claim's probe) is the holder's, whoever takes the name."""
+    h = Harness()
+    _register(h, "a", b"a#1", "tcp://h:1")
+    h.now = 0.5
+    _register(h, "a", b"a#2", "tcp://h:2")  # a claim: the holder is probed
+    h.feed(RequestFailed("a", PeerGoneError("a", "probe")))  # connection not said
+    member = h.state.membership.get("a")
+    assert member is not None and member.routing_id == b"a#2"
+    assert member.state is MemberState.ALIVE and not member.unreachable
