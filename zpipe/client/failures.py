@@ -32,6 +32,9 @@ _STAGES_GONE = re.compile(r"stages \[(.*?)\] are gone")
 # a stage that died while the coordinator awaited its reply (StageLostError's own text,
 # or the older "died")
 _STAGE_DIED = re.compile(r"stage '([^']+)' (?:died|failed): (.*)", re.DOTALL)
+# a stage whose connection was gone when the coordinator sent it a request
+# (PeerGoneError's own text): a killed stage not yet found dead, or a link cut
+_NOT_CONNECTED = re.compile(r"^(\S+) is not connected: could not send \S+$")
 # a run_request the live stages cannot serve: too few of them, or no plan fits them
 _INFEASIBLE = (
     re.compile(r"\d+ stages registered, \d+ needed after waiting"),
@@ -57,6 +60,14 @@ def run_failed_error(error: str, doing: str) -> ZpipeError:
     if any(pattern.search(error) for pattern in _INFEASIBLE):
         return InfeasiblePlanError(f"the coordinator could not {doing}: {error}")
     return PipelineError(f"the coordinator could not {doing}: {error}")
+
+
+def stage_not_connected(error: str) -> str | None:
+    """The stage a ``run_failed`` text says was not connected when the coordinator
+    sent it a request, if that is what it says: a run_request refused so is worth
+    asking again (the coordinator now waits for that stage to be back)."""
+    found = _NOT_CONNECTED.match(error)
+    return None if found is None else found[1]
 
 
 class NoticeFilter:

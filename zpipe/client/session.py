@@ -38,7 +38,7 @@ from zpipe._errors import (
     ZpipeError,
 )
 from zpipe.client.connection import ClientConnection
-from zpipe.client.failures import run_failed_error, stage_failed_error
+from zpipe.client.failures import run_failed_error, stage_failed_error, stage_not_connected
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.client_control import (
@@ -59,6 +59,9 @@ from zpipe.transport.sockets import recv_frames
 log = get_logger("zpipe.client")
 
 T = TypeVar("T")
+# How often a run_request refused because a chosen stage's connection was gone is
+# asked again (each waits up to its wait_for_stages_s for the stage to be back).
+NOT_CONNECTED_RETRIES = 2
 # a check raises (ProtocolError) for a message that does not belong to the run; the
 # sink's messages reach checks and handlers parsed into their protocol classes
 SinkCheck = Callable[[WireMessage], None]
@@ -100,23 +103,34 @@ class RunSession:
         """``run_request`` -> ``run_ready``: the plan and where to send; ``doing`` names
         the run in the error of a refusal ("start the run")."""
         timeouts = self.timeouts
-        # A fresh id for each request (a training run's resume is a new one): sent
-        # again when the connection to the coordinator is made again (a coordinator
-        # restarted during admission lost it), answered once (coordinator/admission.py).
-        request = replace(request, request_id=uuid.uuid4().hex)
-        reply = await self.control.ask(
-            request,
-            expect=(RunReady, RunFailed),
-            timeout_s=wait_for_stages_s + timeouts.assign_s + timeouts.reply_s,
-            awaited="run_ready",
-            resend_on_reconnect=True,
-        )
-        if isinstance(reply, RunFailed):
+        retries = NOT_CONNECTED_RETRIES
+        while True:
+            # A fresh id for each request (a training run's resume is a new one): sent
+            # again when the connection to the coordinator is made again (a coordinator
+            # restarted during admission lost it), answered once (coordinator/admission.py).
+            request = replace(request, request_id=uuid.uuid4().hex)
+            reply = await self.control.ask(
+                request,
+                expect=(RunReady, RunFailed),
+                timeout_s=wait_for_stages_s + timeouts.assign_s + timeouts.reply_s,
+                awaited="run_ready",
+                resend_on_reconnect=True,
+            )
+            if not isinstance(reply, RunFailed):
+                break
             if reply.in_flight is not None:  # another client's run: nothing was started
                 raise RunRefusedError(
                     reply.in_flight, f"the coordinator could not {doing}: {reply.error}"
                 )
-            raise run_failed_error(reply.error, doing)
+            gone = stage_not_connected(reply.error)
+            if gone is None or retries == 0:
+                raise run_failed_error(reply.error, doing)
+            # The stage's process was gone when the run started (killed, not yet found
+            # dead). The coordinator suspects it from that send on and plans no run onto
+            # it: the request asked again waits for a live process under its name (a
+            # restarted stage, or the old one reconnected) up to wait_for_stages_s.
+            retries -= 1
+            log.warning("run_request_retried", stage=gone, error=reply.error)
         assert isinstance(reply, RunReady)
         self.run = reply.run
         # ended at finish(); a run the client leaves (an error, an interrupt) is ended

@@ -184,10 +184,13 @@ class CoordinatorCore:
             case JobFailed(tag=tag, error=error):
                 return flows.job_failed(tag, error, now)
             case RequestFailed(stage=stage, error=error):
-                if isinstance(error, PeerGoneError):  # not connected now: may come back
-                    out = flows.request_unsent(stage, error, now)
-                else:
+                if not isinstance(error, PeerGoneError):
                     out = flows.stage_lost(stage, error, now)
+                    return [*out, *self.registrations.holder_unreachable(event, now)]
+                # not connected now: may come back, but not planned onto meanwhile (this
+                # connection's holder: before a claim on its name hands the name over)
+                out = flows.request_unsent(stage, error, now)
+                out += self._connection_lost(event, now)
                 return [*out, *self.registrations.holder_unreachable(event, now)]
         raise TypeError(f"unknown event {event!r}")
 
@@ -257,6 +260,23 @@ class CoordinatorCore:
                 "dropped_message",
                 {"peer": member.name, "error": f"unexpected {kind!r} from stage {member.name!r}"},
             )
+        ]
+
+    def _connection_lost(self, event: RequestFailed, now: float) -> list[Command]:
+        """A send to a member found its connection gone (a killed process's drops at
+        once): suspect it now rather than at its heartbeat deadline, and probe it (a
+        stage that reconnects answers). A run asked for meanwhile waits for its name to
+        be taken by a live process (a restarted stage), not planned onto the dead one."""
+        membership = self.state.membership
+        probe = membership.connection_lost(event.stage, now, routing_id=event.routing_id)
+        member = membership.get(event.stage)
+        if probe is None or member is None:
+            return []
+        interval = self.state.timeouts.heartbeat_interval_s
+        fields = {"stage": event.stage, "reason": "connection gone", "error": str(event.error)}
+        return [
+            Log("warning", "stage_suspect", fields),
+            Send(member.routing_id, Probe(nonce=probe.nonce), event.stage, interval),
         ]
 
     def _tick(self, now: float) -> list[Command]:

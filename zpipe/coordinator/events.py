@@ -142,10 +142,12 @@ class StageDied:
 
 @dataclass(frozen=True)
 class RequestFailed:
-    """A message to ``stage`` could not be sent (its connection is gone)."""
+    """A message to ``stage`` could not be sent (its connection is gone, or no room in
+    time); ``routing_id``: the connection it was sent on (None: not known)."""
 
     stage: str
     error: Exception
+    routing_id: bytes | None = None
 
 
 Event = (

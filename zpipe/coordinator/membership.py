@@ -6,8 +6,17 @@ which to declare dead. No sockets, no clock of its own, so it is tested with
 plain numbers.
 
     alive --(silent past its suspect deadline)--> suspect
+    alive --(a send to it found its connection gone)--> suspect
     suspect --(anything heard)--> alive
     suspect --(no answer to the probe by its probe deadline)--> dead
+
+A send that finds a member's connection gone (a killed process's TCP connection
+drops at once, and the ROUTER refuses to route to it) is news that cannot wait for
+the heartbeat deadline: the member is suspect at once, so no new run is planned
+onto it and a process registering under its name replaces it without a claim
+(:mod:`~zpipe.coordinator.registration`). It is still declared dead only once it
+was also silent for its suspect deadline: a stage reconnecting after a link cut
+keeps its name.
 
 The deadlines are each member's own and adapt to what it showed
 (:class:`~zpipe.recovery.detection.HeartbeatWatch`): the suspect deadline is
@@ -66,6 +75,8 @@ class Member:
     probe_nonce: int = 0
     # suspected because its run's results stalled, not because its heartbeats lapsed
     stall_suspect: bool = False
+    # a send to it found its connection gone (until it is heard from again)
+    unreachable: bool = False
     metrics: Mapping[str, Any] = field(default_factory=dict)
     dead_reason: str = ""
     # its adaptive deadlines (None only for a Member built outside Membership)
@@ -223,6 +234,7 @@ class Membership:
         member.state = MemberState.ALIVE
         member.suspect_since = None
         member.stall_suspect = False
+        member.unreachable = False
         if metrics is not None:
             member.metrics = metrics
         return True
@@ -247,6 +259,27 @@ class Membership:
         member.state = MemberState.SUSPECT
         member.suspect_since = now
         member.stall_suspect = True
+        member.probe_nonce = self._next_nonce
+        self._next_nonce += 1
+        return ProbeDue(name, member.probe_nonce)
+
+    def connection_lost(
+        self, name: str, now: float, *, routing_id: bytes | None = None
+    ) -> ProbeDue | None:
+        """A send to ``name`` (on ``routing_id``, when known) failed because its
+        connection is gone: suspect it now. The probe to send, or None when it is not
+        alive, already suspect, or the failed send was to a connection it no longer
+        uses (it registered again meanwhile)."""
+        member = self._members.get(name)
+        if member is None or member.state is MemberState.DEAD:
+            return None
+        if routing_id is not None and routing_id != member.routing_id:
+            return None  # an older connection's send: this one may be fine
+        member.unreachable = True
+        if member.state is not MemberState.ALIVE:
+            return None  # suspect already: its probe is out
+        member.state = MemberState.SUSPECT
+        member.suspect_since = now
         member.probe_nonce = self._next_nonce
         self._next_nonce += 1
         return ProbeDue(name, member.probe_nonce)
@@ -288,13 +321,18 @@ class Membership:
                 # dead only once silent for the probe's time and an interval more (a
                 # live one, however loaded, has sent a heartbeat in that time).
                 and (not member.stall_suspect or now - member.last_seen >= probe_s + self.interval)
+                # Suspected when a send found its connection gone: dead once silent for
+                # its suspect deadline too, so a stage whose link flapped (it reconnects
+                # and heartbeats) is not declared dead sooner than a silent one would be.
+                and (not member.unreachable or now - member.last_seen >= suspect_s)
             ):
                 silent = now - member.last_seen
                 waited = now - member.suspect_since
+                gone = ", its connection gone" if member.unreachable else ""
                 death = self.declare_dead(
                     member.name,
                     f"no heartbeat for {silent:.1f} s (its deadline {suspect_s:.1f} s) "
-                    f"and no answer to a probe in {waited:.1f} s",
+                    f"and no answer to a probe in {waited:.1f} s{gone}",
                     now,
                 )
                 if death is not None:

@@ -72,9 +72,15 @@ class Registrations:
             previous is not None
             and previous.state is not MemberState.DEAD
             and previous.routing_id != event.routing_id
-            and now - previous.last_seen < state.membership.suspect_after_s
         ):
-            return self._claim(previous, event, now)
+            if previous.unreachable:
+                # a send to the holder found its connection gone: nobody to ask
+                return self._replace(name, event, "its connection is gone", now)
+            # Within the holder's own suspect deadline (the one Membership.register
+            # refuses a newcomer by), not the configured floor: past the floor and
+            # within an adaptive deadline, the newcomer was refused and exited.
+            if now - previous.last_seen < state.membership.deadlines(name)[0]:
+                return self._claim(previous, event, now)
         if previous is not None and self._repeats(previous, event):
             return self._answer_again(event, now)
         return self._admit(event, now)
@@ -166,18 +172,22 @@ class Registrations:
 
     def take_over(self, claim: Claim, why: str, now: float) -> list[Command]:
         """The holder is gone or frozen: it is dead, and the newcomer registers."""
-        holder = self.state.membership.get(claim.name)
+        return self._replace(claim.name, claim.registration, why, now)
+
+    def _replace(
+        self, name: str, registration: RegisterAsked, why: str, now: float
+    ) -> list[Command]:
+        """``name``'s holder is dead (``why``), and ``registration`` takes its name."""
+        holder = self.state.membership.get(name)
         if holder is None or holder.state is MemberState.DEAD:
-            return self._admit(claim.registration, now)  # declared dead meanwhile
-        out: list[Command] = [
-            Log("warning", "stage_name_taken_over", {"stage": claim.name, "why": why})
-        ]
+            return self._admit(registration, now)  # declared dead meanwhile
+        out: list[Command] = [Log("warning", "stage_name_taken_over", {"stage": name, "why": why})]
         death = self.state.membership.declare_dead(
-            claim.name, f"a new process registered under its name ({why})", now
+            name, f"a new process registered under its name ({why})", now
         )
         if death is not None:
             out += self._death(death.name, death.reason, death.silent_s, now)
-        return out + self._admit(claim.registration, now)
+        return out + self._admit(registration, now)
 
     def holder_unreachable(self, event: RequestFailed, now: float) -> list[Command]:
         if event.stage not in self.claims or not isinstance(event.error, TransportTimeout):

@@ -123,6 +123,20 @@ RECEIVE_TURN_EVERY = 8
 # (CoordinatorConfig.max_frame_bytes) for a model with a larger single tensor.
 COORDINATOR_MAX_FRAME_BYTES = 256 << 20
 
+# The ROUTER's RCVHWM: none (0). libzmq 4.3.5 aborts the whole process (SIGABRT,
+# "Assertion failed: !_io_error (src/stream_engine_base.cpp:310)") when a connection
+# whose input it stopped at the high-water mark breaks (the peer went: a killed stage, a
+# stage whose ZMTP heartbeats gave up on a paused coordinator), and the application then
+# reads that connection's queue: restarting its input decodes what was left of the last
+# read, and a ZMTP PING there (stages and clients send one a second) is answered on the
+# broken connection. 16 heartbeats unread (5 s of a stopped or starved coordinator at
+# 0.3 s intervals) were enough; any peer could also do it at will. Without a high-water
+# mark a connection's input is never stopped. The mark bounded little (16 messages of
+# up to max_frame_bytes each, and a million frames a message): what a connection may
+# queue has to be bounded by its bytes, and cutting such a connection is safe only
+# when its input was never stopped.
+COORDINATOR_RECV_HWM = 0
+
 # Memory freed (dropped bulk transfers) is handed back this long after the first ask,
 # once for all the asks meanwhile.
 TRIM_SOON_S = 0.5
@@ -232,6 +246,7 @@ class Coordinator:
         frame_limit = min(self.config.max_frame_bytes, opts.max_message_bytes)
         limits = ReceiveLimits(frame_limit + CURVE_FRAME_OVERHEAD, opts.recv_hwm)
         self._router = open_socket(self._context, zmq.ROUTER, opts, limits=limits)
+        self._router.setsockopt(zmq.RCVHWM, COORDINATOR_RECV_HWM)  # before the bind
         # A peer that reconnects (its ZMTP heartbeats dropped the connection to a paused or
         # cut-off coordinator) takes over its routing id at once; without this, the new
         # connection stays unread while the stale one is not yet torn down (seen: 30 s).

@@ -104,7 +104,7 @@ class ShellSends:
         if command.stage is not None:
             # later, not inside the event being carried out
             asyncio.get_running_loop().call_soon(
-                self._feed, RequestFailed(command.stage, cast(Exception, error))
+                self._feed, RequestFailed(command.stage, cast(Exception, error), command.to)
             )
 
     async def _all(
@@ -128,13 +128,13 @@ class ShellSends:
                 )
             except TransportTimeout as exc:
                 if command.stage is not None:
-                    self._feed(RequestFailed(command.stage, exc))
+                    self._feed(RequestFailed(command.stage, exc, command.to))
                 else:
                     log.warning("reply_failed", peer=command.peer, error=str(exc))
             except Exception as exc:  # a message that cannot be encoded, say: this one only
                 log.error("send_failed", peer=command.peer, kind=command.kind, error=repr(exc))
                 if command.stage is not None:
-                    self._feed(RequestFailed(command.stage, exc))
+                    self._feed(RequestFailed(command.stage, exc, command.to))
 
     async def send(
         self,

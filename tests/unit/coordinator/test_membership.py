@@ -360,3 +360,39 @@ def test_hundreds_of_members_one_silent_only_it_is_suspected_and_declared_dead()
         dead += [d.name for d in deaths]
     assert probed == ["p7"]
     assert dead == ["p7"]
+
+
+def test_a_member_whose_connection_is_gone_is_suspect_at_once_and_probed() -> None:
+    m = make()
+    due = m.connection_lost("a", 0.2, routing_id=b"a")
+    assert due is not None and due.name == "a"
+    member = m.get("a")
+    assert member is not None and member.state is MemberState.SUSPECT and member.unreachable
+    assert m.connection_lost("a", 0.3) is None  # its probe is out already
+    # not dead before it was silent for its suspect deadline, however the probe went
+    m.heard_from("b", 2.5)
+    _, deaths = m.tick(2.5)
+    assert deaths == []
+    m.heard_from("b", 3.1)
+    _, deaths = m.tick(3.1)
+    assert [d.name for d in deaths] == ["a"] and "connection gone" in deaths[0].reason
+
+
+def test_a_member_that_reconnects_after_its_connection_dropped_is_alive_again() -> None:
+    m = make()
+    m.connection_lost("a", 0.2)
+    assert m.heard_from("a", 0.8, heartbeat=True)
+    member = m.get("a")
+    assert member is not None and member.state is MemberState.ALIVE and not member.unreachable
+    _, deaths = m.tick(3.5)
+    assert deaths == []
+
+
+def test_a_send_that_failed_on_an_older_connection_leaves_the_new_one_alone() -> None:
+    m = make()
+    m.register(
+        name="a", routing_id=b"a#2", data_endpoint="tcp://h:9", info={}, public_key=None, now=3.5
+    )
+    assert m.connection_lost("a", 3.6, routing_id=b"a") is None
+    member = m.get("a")
+    assert member is not None and member.state is MemberState.ALIVE and not member.unreachable
