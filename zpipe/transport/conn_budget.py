@@ -18,11 +18,15 @@ Two rules:
 
 - per connection: a connection that holds more than its port's budget (the most a
   legitimate peer may have in flight: the largest message times the queue) is cut;
-- per process: while the process's RSS is above its budget, the connection that
-  holds most is cut (one per look; the one that sent messages past the port's
-  bounds first), if it holds at least ``min_held_to_cut`` (a peer sending small
-  control messages is never the cause). This is the rule that bounds small frames:
-  each costs libzmq about 64 bytes for 3 on the wire.
+- per process, for many small frames (each costs libzmq about 64 bytes for 3 on
+  the wire, so a wire budget large enough for a legitimate bulk chunk lets a
+  million frames through): while the process's resident memory has grown more
+  than ``rss_growth_bytes`` since it was last quiet (no connection held
+  ``min_held_to_cut``) *and* more than ``amplification`` times the bytes all its
+  connections received meanwhile (memory that what peers sent does not explain:
+  a replica the process keeps grows it by about what was received), the
+  connection that holds most is cut, one per look, one that sent messages past
+  the port's bounds first, never one holding less than ``min_held_to_cut``.
 
 Bytes that are not messages (the ZMTP greeting and handshake, heartbeat commands)
 are never taken by the application; :class:`GuardBudget`'s slack (a constant plus a
@@ -70,14 +74,16 @@ class GuardBudget:
     """What the connections of one listening socket may make the process hold.
 
     ``per_connection_bytes``: wire bytes one connection may have sent that the
-    application has not taken (None: no per-connection rule). ``rss_bytes``: the
-    process's resident memory above which the connection holding most is cut (None:
-    no process rule). ``slack_bytes`` and ``slack_bytes_per_s``: bytes that are not
-    messages (handshakes, heartbeats), allowed on top, the latter per second of the
-    connection's age."""
+    application has not taken (None: no per-connection rule). ``rss_growth_bytes``:
+    how far the resident memory may grow beyond its last quiet value before the
+    process rule looks for a connection to cut (None: no process rule), and
+    ``amplification``: how many times the bytes received meanwhile that growth must
+    also be. ``slack_bytes`` and ``slack_bytes_per_s``: bytes that are not messages
+    (handshakes, heartbeats), allowed on top, the latter per second of age."""
 
     per_connection_bytes: int | None
-    rss_bytes: int | None = None
+    rss_growth_bytes: int | None = None
+    amplification: float = 4.0
     min_held_to_cut: int = 1 << 20
     slack_bytes: int = 64 << 10
     slack_bytes_per_s: float = 256.0
@@ -85,13 +91,57 @@ class GuardBudget:
     def __post_init__(self) -> None:
         if self.per_connection_bytes is not None and self.per_connection_bytes < 1:
             raise ValueError(f"per_connection_bytes must be positive, got {self}")
-        if self.rss_bytes is not None and self.rss_bytes < 1:
-            raise ValueError(f"rss_bytes must be positive, got {self}")
+        if self.rss_growth_bytes is not None and self.rss_growth_bytes < 1:
+            raise ValueError(f"rss_growth_bytes must be positive, got {self}")
         if self.min_held_to_cut < 0 or self.slack_bytes < 0 or self.slack_bytes_per_s < 0:
             raise ValueError(f"a guard's slack and minimum cannot be negative: {self}")
+        if self.amplification < 0:
+            raise ValueError(f"amplification cannot be negative: {self}")
 
     def slack(self, age_s: float) -> int:
         return self.slack_bytes + int(self.slack_bytes_per_s * max(0.0, age_s))
+
+
+@dataclass(frozen=True)
+class MemoryGrowth:
+    """The process since it was last quiet: how much its resident memory grew and
+    how many bytes all its guarded connections received meanwhile."""
+
+    rss_growth: int
+    received: int
+
+    def unexplained(self, budget: GuardBudget) -> bool:
+        """Whether the process rule applies: grown past the budget, and by more than
+        the bytes received meanwhile could explain."""
+        limit = budget.rss_growth_bytes
+        if limit is None or self.rss_growth <= limit:
+            return False
+        return self.rss_growth > budget.amplification * self.received
+
+
+# The process rule of a control port (a coordinator's ROUTER): what its resident
+# memory may grow, unexplained by what peers sent, before a connection is cut. A
+# coordinator idles at about 240 MB; issue 33's goal is a peak under twice that.
+CONTROL_PORT_RSS_GROWTH = 128 << 20
+
+
+def control_port_budget(max_frame_bytes: int) -> GuardBudget:
+    """A control port's budget: a connection may hold two of its largest frames (one
+    arriving while the last waits to be read; bulk chunks and state resent whole are
+    the large ones); many small frames are the process rule's."""
+    return GuardBudget(
+        per_connection_bytes=2 * frame_wire_bytes(max_frame_bytes, CURVE_FRAME_WRAPPING),
+        rss_growth_bytes=CONTROL_PORT_RSS_GROWTH,
+    )
+
+
+def data_port_budget(message_max_bytes: int, message_max_frames: int, recv_hwm: int) -> GuardBudget:
+    """A data port's budget: what its limits let one connection queue (``recv_hwm``
+    messages, each within its bounds: ``message_max_bytes`` in ``message_max_frames``
+    frames) and one more such message arriving. No process rule: a stage's memory
+    grows by what it builds (a model, at an assignment), which no peer sent."""
+    framing = message_max_frames * (CURVE_FRAME_WRAPPING + LONG_FRAME_HEADER)
+    return GuardBudget(per_connection_bytes=(recv_hwm + 1) * (message_max_bytes + framing))
 
 
 def held_bytes(received: int, taken: int, age_s: float, budget: GuardBudget) -> int:
@@ -124,21 +174,26 @@ class Cut:
 
 
 def connections_to_cut(
-    holdings: Sequence[Holding], budget: GuardBudget, rss: int | None = None
+    holdings: Sequence[Holding], budget: GuardBudget, memory: MemoryGrowth | None = None
 ) -> list[Cut]:
     """The connections to cut now: each over the per-connection budget, and, while
-    ``rss`` is above the process budget, the one that holds most of the others (one
+    ``memory`` shows growth the bytes received do not explain
+    (:meth:`MemoryGrowth.unexplained`), the one that holds most of the others (one
     that sent messages past the port's bounds before any that did not)."""
     cuts: list[Cut] = []
     limit = budget.per_connection_bytes
     if limit is not None:
         cuts = [Cut(h.fd, h.peer, h.held, "connection") for h in holdings if h.held > limit]
-    if budget.rss_bytes is not None and rss is not None and rss > budget.rss_bytes:
+    if memory is not None and memory.unexplained(budget):
         cut_fds = {c.fd for c in cuts}
-        suspects = [
-            h for h in holdings if h.fd not in cut_fds and h.held >= budget.min_held_to_cut
-        ]
+        suspects = [h for h in holdings if h.fd not in cut_fds and h.held >= budget.min_held_to_cut]
         if suspects:
             worst = max(suspects, key=lambda h: (h.refused_messages > 0, h.held))
             cuts.append(Cut(worst.fd, worst.peer, worst.held, "memory"))
     return cuts
+
+
+def quiet(holdings: Sequence[Holding], budget: GuardBudget) -> bool:
+    """Whether no connection holds enough to be cut for memory: the resident memory
+    now is the process's own (a new baseline for :class:`MemoryGrowth`)."""
+    return all(h.held < budget.min_held_to_cut for h in holdings)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import socket as pysocket
 import struct
@@ -38,9 +39,11 @@ from zpipe.transport.conn_budget import (
     Cut,
     GuardBudget,
     Holding,
+    MemoryGrowth,
     connections_to_cut,
     discarded_wire_bytes,
     message_wire_bytes,
+    quiet,
 )
 from zpipe.transport.message_bounds import OverBounds, trim_heap
 
@@ -65,6 +68,8 @@ GUARD_ATTRIBUTE = "_zpipe_connection_guard"
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 T = TypeVar("T")
+# each guard's monitor endpoint is its own, also after a socket is reopened
+_monitor_numbers = itertools.count()
 
 
 def _on_fd(fd: int, use: Callable[[pysocket.socket], T]) -> T:
@@ -121,6 +126,7 @@ class _Connection:
     peer: str
     opened: float
     taken: int = 0  # wire bytes of the messages the application took from it
+    received: int = 0  # tcpi_bytes_received when last looked at
     refused_messages: int = 0
 
 
@@ -142,13 +148,17 @@ class ConnectionGuard:
         self._timer: asyncio.TimerHandle | None = None
         self._last_connection_look = 0.0
         self._memory_pause_until = 0.0
+        # the process rule's baseline: the resident memory when no connection held
+        # much, and the bytes all connections received since
+        self._quiet_rss: int | None = None
+        self._received_since_quiet = 0
         self.cuts: list[Cut] = []
         self.enabled = sys.platform.startswith("linux")
 
     def start(self) -> None:
         if not self.enabled or self._monitor is not None:
             return
-        endpoint = f"inproc://zpipe-guard-{id(self)}"
+        endpoint = f"inproc://zpipe-guard-{os.getpid()}-{next(_monitor_numbers)}"
         self._sock.monitor(endpoint, _MONITOR_EVENTS)
         # a plain socket on the same context: drained without a future in the timer
         monitor: zmq.Socket[Any] = zmq.Context.shadow(self._sock.context.underlying).socket(
@@ -157,6 +167,7 @@ class ConnectionGuard:
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(endpoint)
         self._monitor = monitor
+        self._quiet_rss = resident_bytes()
         # the attribute the receive path reports taken messages to (sockets.recv_frames);
         # pyzmq's own __setattr__ would take it for a socket option
         object.__setattr__(self._sock, GUARD_ATTRIBUTE, self)
@@ -207,7 +218,7 @@ class ConnectionGuard:
 
     def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
-        every = RSS_LOOK_S if self.budget.rss_bytes is not None else CONNECTION_LOOK_S
+        every = RSS_LOOK_S if self.budget.rss_growth_bytes is not None else CONNECTION_LOOK_S
         self._timer = loop.call_later(every, self._tick)
 
     def _tick(self) -> None:
@@ -222,15 +233,26 @@ class ConnectionGuard:
         """Read the monitor's events, and the connections when a rule is due; cut
         what the budget says. The cuts made."""
         self._read_events(now)
-        rss = resident_bytes() if self.budget.rss_bytes is not None else None
-        over_memory = rss is not None and self.budget.rss_bytes is not None
-        over_memory = over_memory and rss > self.budget.rss_bytes  # type: ignore[operator]
-        over_memory = over_memory and now >= self._memory_pause_until
-        due = now - self._last_connection_look >= CONNECTION_LOOK_S
-        if not (over_memory or (due and self.budget.per_connection_bytes is not None)):
+        growth_limit = self.budget.rss_growth_bytes
+        rss = resident_bytes() if growth_limit is not None else None
+        grown = (
+            rss is not None
+            and growth_limit is not None
+            and self._quiet_rss is not None
+            and rss - self._quiet_rss > growth_limit
+            and now >= self._memory_pause_until
+        )
+        if not grown and now - self._last_connection_look < CONNECTION_LOOK_S:
             return []
         self._last_connection_look = now
-        cuts = connections_to_cut(self._holdings(now), self.budget, rss if over_memory else None)
+        holdings = self._holdings(now)
+        memory = None
+        if rss is not None:
+            if quiet(holdings, self.budget):
+                self._quiet_rss, self._received_since_quiet = rss, 0
+            elif grown and self._quiet_rss is not None:
+                memory = MemoryGrowth(rss - self._quiet_rss, self._received_since_quiet)
+        cuts = connections_to_cut(holdings, self.budget, memory)
         for cut in cuts:
             self._cut(cut, rss)
             if cut.reason == "memory":
@@ -243,6 +265,8 @@ class ConnectionGuard:
             received = bytes_received(conn.fd)
             if received is None:
                 continue
+            self._received_since_quiet += max(0, received - conn.received)
+            conn.received = received
             held = max(0, received - conn.taken - self.budget.slack(now - conn.opened))
             out.append(Holding(conn.fd, conn.peer, held, conn.refused_messages))
         return out
@@ -260,7 +284,7 @@ class ConnectionGuard:
             held_bytes=cut.held,
             budget_bytes=self.budget.per_connection_bytes,
             rss_bytes=rss,
-            rss_budget_bytes=self.budget.rss_bytes,
+            rss_quiet_bytes=self._quiet_rss,
             detail="a peer's unfinished or unread messages passed the port's memory budget",
         )
         loop = asyncio.get_running_loop()
