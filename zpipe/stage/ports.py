@@ -41,7 +41,7 @@ from zpipe.transport.address_auth import (
     address_checked_server,
 )
 from zpipe.transport.conn_budget import data_port_budget
-from zpipe.transport.conn_guard import ConnectionGuard
+from zpipe.transport.conn_guard import FEW_CONNECTIONS_LOOK_S, ConnectionGuard
 from zpipe.transport.reopen import bind_when_free, open_listener
 from zpipe.transport.sockets import (
     CURVE_FRAME_OVERHEAD,
@@ -248,8 +248,12 @@ def guard_data_port(data_in: zmq.asyncio.Socket, limits: ReceiveLimits) -> Conne
     ``limits`` let one peer queue (a message of many frames is held whole before any
     check sees it: issue 33, finding 3). Call inside the running event loop."""
     bounds = limits.message_bounds(zmq.PULL)
-    budget = data_port_budget(bounds.max_bytes, bounds.max_frames, limits.recv_hwm)
-    guard = ConnectionGuard(data_in, budget, label="data port")
+    budget = data_port_budget(
+        limits.queued_bytes_per_peer, bounds.max_bytes, bounds.max_frames, limits.recv_hwm
+    )
+    guard = ConnectionGuard(
+        data_in, budget, label="data port", connection_look_s=FEW_CONNECTIONS_LOOK_S
+    )
     guard.start()
     return guard
 

@@ -135,13 +135,16 @@ def control_port_budget(max_frame_bytes: int) -> GuardBudget:
     )
 
 
-def data_port_budget(message_max_bytes: int, message_max_frames: int, recv_hwm: int) -> GuardBudget:
-    """A data port's budget: what its limits let one connection queue (``recv_hwm``
-    messages, each within its bounds: ``message_max_bytes`` in ``message_max_frames``
-    frames) and one more such message arriving. No process rule: a stage's memory
-    grows by what it builds (a model, at an assignment), which no peer sent."""
-    framing = message_max_frames * (CURVE_FRAME_WRAPPING + LONG_FRAME_HEADER)
-    return GuardBudget(per_connection_bytes=(recv_hwm + 1) * (message_max_bytes + framing))
+def data_port_budget(
+    queued_bytes: int, message_max_bytes: int, message_max_frames: int, recv_hwm: int
+) -> GuardBudget:
+    """A data port's budget: what its limits let one connection queue (``queued_bytes``:
+    ``RCVHWM`` activations of the largest size) and one more message of the most a
+    message may hold arriving, with every frame's framing. No process rule: a
+    stage's memory grows by what it builds (a model, at an assignment), which no
+    peer sent."""
+    framing = (recv_hwm + 1) * message_max_frames * (CURVE_FRAME_WRAPPING + LONG_FRAME_HEADER)
+    return GuardBudget(per_connection_bytes=queued_bytes + message_max_bytes + framing)
 
 
 def held_bytes(received: int, taken: int, age_s: float, budget: GuardBudget) -> int:

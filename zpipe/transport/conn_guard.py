@@ -55,8 +55,12 @@ TCP_INFO_LENGTH = 256
 # the process rule looks this often (a read of /proc/self/statm); libzmq allocates a
 # few hundred MB a second under a flood, so a look every 50 ms overshoots by tens of MB
 RSS_LOOK_S = 0.05
-# the per-connection rule looks this often at every connection (a getsockopt each)
+# the per-connection rule looks this often at every connection (a getsockopt each): a
+# port with few connections (a data port) can look often; one with hundreds (the
+# coordinator's) less, its per-connection budget being a backstop. Loopback moves
+# about 2 GB/s: what arrives between two looks is what a cut comes late by.
 CONNECTION_LOOK_S = 0.25
+FEW_CONNECTIONS_LOOK_S = 0.05
 # after a cut, what libzmq freed is handed back to the system at these delays (its
 # I/O thread frees the pipe, and the receive loop drains the messages already queued)
 TRIM_AFTER_CUT_S = (0.3, 1.5)
@@ -136,9 +140,17 @@ class ConnectionGuard:
     ``start()`` inside the running event loop, before peers connect; ``stop()``
     before the socket closes. ``cuts``: the connections cut since start."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, budget: GuardBudget, *, label: str) -> None:
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        budget: GuardBudget,
+        *,
+        label: str,
+        connection_look_s: float = CONNECTION_LOOK_S,
+    ) -> None:
         self._sock = sock
         self.budget = budget
+        self._connection_look_s = connection_look_s
         self._label = label
         # a ROUTER's first frame is the routing id libzmq adds: not on the wire
         self._skip_first = sock.type == zmq.ROUTER
@@ -218,7 +230,9 @@ class ConnectionGuard:
 
     def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
-        every = RSS_LOOK_S if self.budget.rss_growth_bytes is not None else CONNECTION_LOOK_S
+        every = self._connection_look_s
+        if self.budget.rss_growth_bytes is not None:
+            every = min(every, RSS_LOOK_S)
         self._timer = loop.call_later(every, self._tick)
 
     def _tick(self) -> None:
@@ -242,7 +256,7 @@ class ConnectionGuard:
             and rss - self._quiet_rss > growth_limit
             and now >= self._memory_pause_until
         )
-        if not grown and now - self._last_connection_look < CONNECTION_LOOK_S:
+        if not grown and now - self._last_connection_look < self._connection_look_s:
             return []
         self._last_connection_look = now
         holdings = self._holdings(now)

@@ -98,14 +98,15 @@ def test_port_budgets_admit_their_largest_legitimate_messages() -> None:
     assert control.per_connection_bytes is not None
     assert control.per_connection_bytes >= 2 * 256 * MIB
     assert control.rss_growth_bytes is not None
-    data = data_port_budget(message_max_bytes=4 * MIB, message_max_frames=17, recv_hwm=16)
+    # 16 activations of 4 MiB queued, and one message as large as the bounds allow
+    data = data_port_budget(64 * MIB, 64 * MIB, message_max_frames=17, recv_hwm=16)
     assert data.rss_growth_bytes is None
     assert data.per_connection_bytes is not None
     assert data.per_connection_bytes >= 17 * message_wire_bytes([4 * MIB])
     # finding 3's message (8,000 frames of 60 kB) passes an idle port's budget early
-    idle = data_port_budget(message_max_bytes=256 << 10, message_max_frames=17, recv_hwm=4)
+    idle = data_port_budget(256 << 10, 256 << 10, message_max_frames=17, recv_hwm=4)
     assert idle.per_connection_bytes is not None
-    assert idle.per_connection_bytes < 40 * 60_000
+    assert idle.per_connection_bytes < 10 * 60_000
 
 
 @pytest.mark.parametrize(
