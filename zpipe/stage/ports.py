@@ -168,7 +168,6 @@ class StagePorts:
         elif keys.address_auth is not None:
             address_domain = keys.address_auth.domain
             address_checked_server(data_in, address_domain)
-        data_guard = guard_data_port(data_in, ReceiveLimits.before_plan())
         bound = bind_endpoint(data_in, config.data_bind)
         data_endpoint = advertised_endpoint(
             bound, advertise_host=config.advertise_host, toward=config.coordinator
@@ -206,6 +205,8 @@ class StagePorts:
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(bulk, keys.keypair, keys.coordinator_key)
         bulk.connect(config.coordinator)
+        # last: nothing after it can fail and leave its monitor open (context.term waits)
+        data_guard = guard_data_port(data_in, ReceiveLimits.before_plan())
         return cls(
             control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound,
             control_monitor=monitor, data_guard=data_guard, _context=context, _options=opts,
