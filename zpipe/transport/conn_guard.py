@@ -66,7 +66,7 @@ FEW_CONNECTIONS_LOOK_S = 0.05
 TRIM_AFTER_CUT_S = (0.3, 1.5)
 # after a cut for memory, the process rule waits this long before the next one (the
 # memory of the last cut takes a while to leave the resident set)
-MEMORY_CUT_PAUSE_S = 0.5
+MEMORY_CUT_PAUSE_S = 0.25
 # the socket attribute the receive path finds its guard under
 GUARD_ATTRIBUTE = "_zpipe_connection_guard"
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
