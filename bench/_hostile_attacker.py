@@ -172,6 +172,58 @@ class Attacker:
                 sock.close(linger=0)
         return sum(counts)
 
+    def unadmitted_storm(
+        self,
+        endpoint: str,
+        *,
+        source: str,
+        connections: int,
+        frames: int,
+        frame_bytes: int,
+        wait_s: float,
+    ) -> dict[str, int]:
+        """Finding 3 from an address the port does not admit: PUSH sockets bound to
+        ``source`` (loopback lets a process pick 127.0.0.2) each try one message of
+        ``frames`` frames. The port must refuse every handshake (address_auth)
+        before it reads a frame. Counts the handshakes refused and admitted within
+        ``wait_s`` and the messages the sockets queued (locally: none is delivered)."""
+        via = f"tcp://{source}:0;{endpoint.split('://', 1)[1]}"
+        message = many_frames(frames, bytes(frame_bytes))
+        events = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        socks, monitors = [], []
+        refused = admitted = queued = 0
+        try:
+            for _ in range(connections):
+                sock = self.context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, 200)
+                monitors.append(sock.get_monitor_socket(events))
+                sock.connect(via)
+                socks.append(sock)
+            for sock in socks:
+                try:
+                    sock.send_multipart(message, copy=frame_bytes < 4096)
+                    queued += 1
+                except zmq.Again:
+                    pass
+            deadline = time.monotonic() + wait_s
+            for monitor in monitors:
+                while (left := deadline - time.monotonic()) > 0 and monitor.poll(int(left * 1000)):
+                    event = int.from_bytes(monitor.recv_multipart()[0][:2], "little")
+                    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                        refused += 1
+                        break
+                    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        admitted += 1
+                        break
+        finally:
+            for sock in socks:
+                sock.disable_monitor()
+                sock.close(linger=0)
+            for monitor in monitors:
+                monitor.close(linger=0)
+        return {"handshakes_refused": refused, "handshakes_admitted": admitted, "queued": queued}
+
     def slowloris(
         self,
         endpoint: str,

@@ -28,6 +28,11 @@ Outcome = int | tuple[int, dict[str, Any]]
 
 # the fake stage of half_bulk: the one death its window expects
 FAKE_STAGE = "mallory_bulk"
+# the classes that ``--only CLASS`` runs with CLASS: its sub-cases
+SUB_CASES = {"data_port_frames": ("data_port_frames_unadmitted",)}
+# an address of this host that no assignment names (loopback admits binding it as a
+# connection's source): finding 3 from an unadmitted peer
+UNADMITTED_SOURCE = "127.0.0.2"
 # slowloris' frame: the largest a 2 GiB message limit lets through
 SLOW_FRAME = 2**31 - 1
 GIB = 1 << 30
@@ -270,6 +275,16 @@ def finding_steps(
                 leave_s=leave,
             )
         )
+    for ep in (idle_data, first_data):
+        steps.append(
+            Step(
+                "data_port_frames_unadmitted",
+                ep,
+                lambda a, ep=ep: _unadmitted(a, ep, args, on_sent),
+                target=owner.get(ep),
+                leave_s=leave,
+            )
+        )
     steps.append(
         Step(
             "frame_amplification",
@@ -289,6 +304,24 @@ def finding_steps(
         )
     )
     return steps
+
+
+def _unadmitted(
+    a: Attacker, endpoint: str, args: argparse.Namespace, on_sent: Callable[[], None]
+) -> Outcome:
+    figures = a.unadmitted_storm(
+        endpoint,
+        source=UNADMITTED_SOURCE,
+        connections=args.dp_connections,
+        frames=args.dp_frames,
+        frame_bytes=args.dp_kb * 1000,
+        wait_s=args.hold_s,
+    )
+    on_sent()
+    # refused: every handshake refused, none admitted (a connection that never
+    # answered within the wait counts as neither, and fails the class too)
+    refused = figures["handshakes_refused"] == args.dp_connections
+    return figures["queued"], {**figures, "refused": refused}
 
 
 def _slowloris(

@@ -36,7 +36,9 @@ and issue 33's findings, each a class (``python -m bench.hostile --only CLASS``)
   with a hidden width of ``--bypass-hidden`` (must be refused, the stage not grown);
 * ``data_port_frames`` (finding 3): ``--dp-connections`` connections each send one
   message of ``--dp-frames`` frames of ``--dp-kb`` kB to the idle stage's data port
-  and to the first streaming stage's;
+  and to the first streaming stage's; its sub-case ``data_port_frames_unadmitted``
+  (run with it) sends the same from 127.0.0.2, an address no assignment names: every
+  handshake must be refused (``handshakes_refused``, ``handshakes_admitted``);
 * ``fl_identities`` (finding 4): an fl-server of its own (FedAsync, one real
   fl-client): absurd registrations (each must get ``fl_error``), ``--fl-identities``
   silent client ids from one peer (global updates per window before and during),
@@ -91,7 +93,7 @@ from bench._hostile_judge import (
     stream_marks,
     window_figures,
 )
-from bench._hostile_plan import Step, attack_plan, peer_request_steps
+from bench._hostile_plan import SUB_CASES, Step, attack_plan, peer_request_steps
 from bench._hostile_proc import RssSampler, cpu_s, mib, rss_kib
 from bench._hostile_wire import garbage_messages, poison_messages
 from zpipe.cluster import DeviceSpec, LocalCluster
@@ -482,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ]
         if only is not None:
+            only |= {sub for klass in only for sub in SUB_CASES.get(klass, ())}
             plan = [step for step in plan if step.klass in only]
         per_class: dict[str, dict[str, Any]] = {}
         started = time.monotonic()

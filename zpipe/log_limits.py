@@ -31,6 +31,7 @@ FLOOD_EVENTS = frozenset(
         "backup_refused",
         "fetch_refused",
         "peer_refused",
+        "connection_cut",
     }
 )
 BURST = 50  # lines of one event from one peer before the rate applies

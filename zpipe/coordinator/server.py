@@ -83,6 +83,8 @@ from zpipe.protocol import REGISTRY
 from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
 from zpipe.transport.bulk import stall_after_s
+from zpipe.transport.conn_budget import control_port_budget
+from zpipe.transport.conn_guard import ConnectionGuard
 from zpipe.transport.message_bounds import trim_heap
 from zpipe.transport.ratelimit import PeerRateLimiter
 from zpipe.transport.roles import KeyRoles
@@ -205,6 +207,7 @@ class Coordinator:
         self.core = CoordinatorCore(self.state)
         self._context = new_context()
         self._router: zmq.asyncio.Socket | None = None
+        self._guard: ConnectionGuard | None = None
         self._authenticator: security.CurveAuthenticator | None = None
         self._keypair: security.KeyPair | None = None
         # With --keys: what each key's role lets it send (roles.txt; a key it does not
@@ -270,12 +273,18 @@ class Coordinator:
         else:
             security.warn_open_cluster(log, "coordinator")
         self.endpoint = bind_endpoint(self._router, self.config.bind)
+        # what each connection makes libzmq hold, cut past its budget (issue 33)
+        self._guard = ConnectionGuard(
+            self._router, control_port_budget(frame_limit), label="coordinator"
+        )
         self._sends.router = self._router
         self.state.local_hosts = this_host_addresses(self.endpoint)
 
     async def serve(self, *, ready: asyncio.Event | None = None) -> None:
         self._setup()
         self._restore()
+        if self._guard is not None:
+            self._guard.start()
         log.info(
             "coordinator_listening",
             endpoint=self.endpoint,
@@ -378,6 +387,8 @@ class Coordinator:
                 )
 
     def _close(self) -> None:
+        if self._guard is not None:
+            self._guard.stop()
         if self._router is not None:
             self._router.close(linger=0)
         if self._authenticator is not None:

@@ -40,6 +40,8 @@ from zpipe.transport.address_auth import (
     AddressAuthenticator,
     address_checked_server,
 )
+from zpipe.transport.conn_budget import data_port_budget
+from zpipe.transport.conn_guard import FEW_CONNECTIONS_LOOK_S, ConnectionGuard
 from zpipe.transport.reopen import bind_when_free, open_listener
 from zpipe.transport.sockets import (
     CURVE_FRAME_OVERHEAD,
@@ -127,6 +129,8 @@ class StagePorts:
     data_bound: str = ""
     # the control socket's handshakes and drops (zpipe.stage.link_watch)
     control_monitor: zmq.asyncio.Socket | None = None
+    # cuts a connection to the data port that makes libzmq hold past its limits
+    data_guard: ConnectionGuard | None = None
     # what a fresh data socket is made with (reopen_data_in)
     _context: zmq.asyncio.Context | None = field(default=None, repr=False)
     _options: SocketOptions | None = field(default=None, repr=False)
@@ -201,10 +205,12 @@ class StagePorts:
         if keys.keypair is not None and keys.coordinator_key is not None:
             security.secure_client(bulk, keys.keypair, keys.coordinator_key)
         bulk.connect(config.coordinator)
+        # last: nothing after it can fail and leave its monitor open (context.term waits)
+        data_guard = guard_data_port(data_in, ReceiveLimits.before_plan())
         return cls(
             control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound,
-            control_monitor=monitor, _context=context, _options=opts, _keypair=keys.keypair,
-            _address_domain=address_domain,
+            control_monitor=monitor, data_guard=data_guard, _context=context, _options=opts,
+            _keypair=keys.keypair, _address_domain=address_domain,
         )  # fmt: skip
 
     async def reopen_data_in(self, limits: ReceiveLimits) -> zmq.asyncio.Socket:
@@ -214,10 +220,13 @@ class StagePorts:
         reconnect by themselves; what the old one had queued is dropped (a new plan
         drops an older plan's messages anyway). Call it with no task waiting on it."""
         assert self._context is not None and self._options is not None and self.data_bound
+        if self.data_guard is not None:
+            self.data_guard.stop()
         self.data_in.close(linger=0)
         fresh = open_listener(
             self._context, self._options, limits, self._keypair, address_domain=self._address_domain
         )
+        self.data_guard = guard_data_port(fresh, limits)
         # the stage keeps an open socket even if the bind fails (the assignment fails;
         # the next one tries again), never a closed one
         self.data_in = fresh
@@ -225,12 +234,29 @@ class StagePorts:
         return fresh
 
     def close(self) -> None:
+        if self.data_guard is not None:
+            self.data_guard.stop()
         if self.control_monitor is not None:
             self.control.disable_monitor()
             self.control_monitor.close(linger=0)
         for sock in (self.data_in, self.probe_in, self.control, self.bulk):
             if sock is not None:
                 sock.close(linger=0)
+
+
+def guard_data_port(data_in: zmq.asyncio.Socket, limits: ReceiveLimits) -> ConnectionGuard:
+    """Start cutting the data port's connections that make libzmq hold more than
+    ``limits`` let one peer queue (a message of many frames is held whole before any
+    check sees it: issue 33, finding 3). Call inside the running event loop."""
+    bounds = limits.message_bounds(zmq.PULL)
+    budget = data_port_budget(
+        limits.queued_bytes_per_peer, bounds.max_bytes, bounds.max_frames, limits.recv_hwm
+    )
+    guard = ConnectionGuard(
+        data_in, budget, label="data port", connection_look_s=FEW_CONNECTIONS_LOOK_S
+    )
+    guard.start()
+    return guard
 
 
 # Link-measurement bursts send frames of up to 1 MiB (zpipe.stage.linkprobe).

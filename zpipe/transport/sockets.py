@@ -401,9 +401,15 @@ async def recv_frames(
         got = None if shadow is None else take_queued(shadow, message_bounds_of(sock))
         if got is None:
             got = await _recv_bounded(sock, deadline, timeout_s, peer, awaited)
+        # a listener's connection guard counts what each connection's messages took
+        guard = getattr(sock, "_zpipe_connection_guard", None)
         if not isinstance(got, OverBounds):
+            if guard is not None:
+                guard.saw(got)
             return got
         await discard_over_bounds(sock, got, peer, watched=_shadow(sock, _RECEIVE_ONLY) is None)
+        if guard is not None:
+            guard.saw(got)
 
 
 async def _recv_bounded(
