@@ -156,7 +156,7 @@ def held_bytes(received: int, taken: int, age_s: float, budget: GuardBudget) -> 
 
 
 @dataclass(frozen=True)
-class Holding:
+class ConnectionHolding:
     """One connection as the guard saw it: its descriptor, its peer's address, what
     it holds (:func:`held_bytes`) and how many of its messages were past the port's
     bounds (read and discarded)."""
@@ -179,7 +179,7 @@ class Cut:
 
 
 def connections_to_cut(
-    holdings: Sequence[Holding], budget: GuardBudget, memory: MemoryGrowth | None = None
+    holdings: Sequence[ConnectionHolding], budget: GuardBudget, memory: MemoryGrowth | None = None
 ) -> list[Cut]:
     """The connections to cut now: each over the per-connection budget, and, while
     ``memory`` shows growth the bytes received do not explain
@@ -198,7 +198,7 @@ def connections_to_cut(
     return cuts
 
 
-def quiet(holdings: Sequence[Holding], budget: GuardBudget) -> bool:
+def quiet(holdings: Sequence[ConnectionHolding], budget: GuardBudget) -> bool:
     """Whether no connection holds enough to be cut for memory: the resident memory
     now is the process's own (a new baseline for :class:`MemoryGrowth`)."""
     return all(h.held < budget.min_held_to_cut for h in holdings)

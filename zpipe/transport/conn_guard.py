@@ -36,9 +36,9 @@ import zmq.asyncio
 
 from zpipe.transport.conn_budget import (
     CURVE_FRAME_WRAPPING,
+    ConnectionHolding,
     Cut,
     GuardBudget,
-    Holding,
     MemoryGrowth,
     connections_to_cut,
     discarded_wire_bytes,
@@ -273,7 +273,7 @@ class ConnectionGuard:
                 self._memory_pause_until = now + MEMORY_CUT_PAUSE_S
         return cuts
 
-    def _holdings(self, now: float) -> list[Holding]:
+    def _holdings(self, now: float) -> list[ConnectionHolding]:
         out = []
         for conn in list(self._connections.values()):
             received = bytes_received(conn.fd)
@@ -282,7 +282,7 @@ class ConnectionGuard:
             self._received_since_quiet += max(0, received - conn.received)
             conn.received = received
             held = max(0, received - conn.taken - self.budget.slack(now - conn.opened))
-            out.append(Holding(conn.fd, conn.peer, held, conn.refused_messages))
+            out.append(ConnectionHolding(conn.fd, conn.peer, held, conn.refused_messages))
         return out
 
     def _cut(self, cut: Cut, rss: int | None) -> None:

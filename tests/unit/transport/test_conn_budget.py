@@ -6,8 +6,8 @@ import pytest
 
 from zpipe.transport.conn_budget import (
     CURVE_FRAME_WRAPPING,
+    ConnectionHolding,
     GuardBudget,
-    Holding,
     MemoryGrowth,
     connections_to_cut,
     control_port_budget,
@@ -48,14 +48,23 @@ def test_held_bytes_leave_out_the_slack_for_handshakes_and_heartbeats() -> None:
 def test_a_connection_over_its_budget_is_cut_and_one_at_it_is_not() -> None:
     budget = GuardBudget(per_connection_bytes=MIB)
     cuts = connections_to_cut(
-        [Holding(5, "a", MIB), Holding(6, "b", MIB + 1), Holding(7, "c", 0)], budget
+        [
+            ConnectionHolding(5, "a", MIB),
+            ConnectionHolding(6, "b", MIB + 1),
+            ConnectionHolding(7, "c", 0),
+        ],
+        budget,
     )
     assert [(c.fd, c.reason) for c in cuts] == [(6, "connection")]
 
 
 def test_unexplained_memory_growth_cuts_the_largest_holder_once() -> None:
     budget = GuardBudget(per_connection_bytes=None, rss_growth_bytes=100 * MIB)
-    holdings = [Holding(5, "legit", 2 * MIB), Holding(6, "flood", 6 * MIB), Holding(7, "x", 0)]
+    holdings = [
+        ConnectionHolding(5, "legit", 2 * MIB),
+        ConnectionHolding(6, "flood", 6 * MIB),
+        ConnectionHolding(7, "x", 0),
+    ]
     # 300 MB grown for 9 MB received: small frames (64 bytes of libzmq for 3 on the wire)
     cuts = connections_to_cut(holdings, budget, MemoryGrowth(300 * MIB, 9 * MIB))
     assert [(c.fd, c.reason) for c in cuts] == [(6, "memory")]
@@ -64,7 +73,7 @@ def test_unexplained_memory_growth_cuts_the_largest_holder_once() -> None:
 def test_growth_that_received_bytes_explain_cuts_nobody() -> None:
     """A coordinator that keeps a 300 MB replica grows by about what it received."""
     budget = GuardBudget(per_connection_bytes=None, rss_growth_bytes=100 * MIB)
-    holdings = [Holding(5, "replica sender", 16 * MIB)]
+    holdings = [ConnectionHolding(5, "replica sender", 16 * MIB)]
     assert connections_to_cut(holdings, budget, MemoryGrowth(300 * MIB, 310 * MIB)) == []
     # and growth under the budget never cuts, however little was received
     assert connections_to_cut(holdings, budget, MemoryGrowth(99 * MIB, 0)) == []
@@ -72,7 +81,10 @@ def test_growth_that_received_bytes_explain_cuts_nobody() -> None:
 
 def test_under_memory_pressure_a_sender_of_refused_messages_goes_first() -> None:
     budget = GuardBudget(per_connection_bytes=None, rss_growth_bytes=MIB)
-    holdings = [Holding(5, "bulk", 16 * MIB), Holding(6, "flood", 3 * MIB, refused_messages=2)]
+    holdings = [
+        ConnectionHolding(5, "bulk", 16 * MIB),
+        ConnectionHolding(6, "flood", 3 * MIB, refused_messages=2),
+    ]
     cuts = connections_to_cut(holdings, budget, MemoryGrowth(400 * MIB, 20 * MIB))
     assert [c.peer for c in cuts] == ["flood"]
 
@@ -80,15 +92,15 @@ def test_under_memory_pressure_a_sender_of_refused_messages_goes_first() -> None
 def test_a_connection_holding_little_is_never_cut_for_memory() -> None:
     """Memory that grew for another reason (a model built) is no small peer's fault."""
     budget = GuardBudget(per_connection_bytes=None, rss_growth_bytes=MIB, min_held_to_cut=MIB)
-    holdings = [Holding(5, "heartbeats", MIB - 1)]
+    holdings = [ConnectionHolding(5, "heartbeats", MIB - 1)]
     assert connections_to_cut(holdings, budget, MemoryGrowth(900 * MIB, 0)) == []
     assert quiet(holdings, budget)
-    assert not quiet([*holdings, Holding(6, "flood", MIB)], budget)
+    assert not quiet([*holdings, ConnectionHolding(6, "flood", MIB)], budget)
 
 
 def test_both_rules_do_not_cut_one_connection_twice() -> None:
     budget = GuardBudget(per_connection_bytes=MIB, rss_growth_bytes=MIB)
-    holdings = [Holding(5, "a", 8 * MIB), Holding(6, "b", 2 * MIB)]
+    holdings = [ConnectionHolding(5, "a", 8 * MIB), ConnectionHolding(6, "b", 2 * MIB)]
     cuts = connections_to_cut(holdings, budget, MemoryGrowth(500 * MIB, 0))
     assert [(c.fd, c.reason) for c in cuts] == [(5, "connection"), (6, "connection")]
 
