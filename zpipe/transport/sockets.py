@@ -396,31 +396,33 @@ async def recv_frames(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         shadow = _shadow(sock, _RECEIVE_ONLY)
-        # A message already queued is taken without a future or a coroutine; zmq.asyncio
-        # checks events before every wait: safe on this (the only) thread using it.
-        got = None if shadow is None else take_queued(shadow, message_bounds_of(sock))
+        reader = sock.descriptor_reader if isinstance(sock, ZpipeSocket) else None
+        got = None  # a message already queued is taken without a future or a coroutine
+        if shadow is not None:
+            look_first = reader is not None and reader.waited_last
+            got = take_queued(shadow, message_bounds_of(sock), look_first=look_first)
+            if got is not None and reader is not None:
+                reader.waited_last = False
         if got is None:
-            got = await _recv_bounded(sock, deadline, timeout_s, peer, awaited)
+            got = await _recv_bounded(sock, shadow, deadline, timeout_s, peer, awaited)
         if not isinstance(got, OverBounds):
             return got
-        await discard_over_bounds(sock, got, peer, watched=_shadow(sock, _RECEIVE_ONLY) is None)
+        await discard_over_bounds(sock, got, peer, watched=shadow is None)
 
 
 async def _recv_bounded(
     sock: zmq.asyncio.Socket,
+    shadow: zmq.Socket[Any] | None,
     deadline: float | None,
     timeout_s: float | None,
     peer: str,
     awaited: str,
 ) -> list[zmq.Frame] | OverBounds:
     bounds = message_bounds_of(sock)
-    shadow = _shadow(sock, _RECEIVE_ONLY)
-    if shadow is not None:
-        if _waits_on_descriptor(sock, _RECEIVE_ONLY):
+    if shadow is not None and getattr(sock, "_current_loop", None) is None:
+        if isinstance(sock, ZpipeSocket):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return await recv_when_readable(
-                cast(ZpipeSocket, sock), shadow, left, peer, awaited, bounds
-            )
+            return await recv_when_readable(sock, shadow, left, peer, awaited, bounds)
     while True:
         # The first frame through zmq.asyncio (its future, its re-check of events);
         # the rest are queued with it (a message is delivered whole): taken below.
@@ -432,8 +434,7 @@ async def _recv_bounded(
                 first = await asyncio.wait_for(pending, max(0.0, deadline - time.monotonic()))
         except zmq.Again:
             # pyzmq fails a pending receive with EAGAIN when the socket signalled input
-            # that was gone when it read (seen once on a CURVE sink): wait again, with
-            # the same deadline.
+            # gone when it read (seen once on a CURVE sink): wait again, same deadline.
             await asyncio.sleep(0)
             continue
         except asyncio.TimeoutError:
@@ -498,8 +499,7 @@ def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:
                 "there): stop it, or choose another port (port 0 takes any free one)"
             ) from None
         raise ConfigError(f"cannot bind {endpoint}: {exc}") from None
-    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return bound
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def advertised_endpoint(bound: str, *, advertise_host: str | None, toward: str | None) -> str:
