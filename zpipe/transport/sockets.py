@@ -264,13 +264,12 @@ async def send(
     under ``copy_below`` bytes are copied (see :data:`COPY_BELOW_BYTES`).
     """
     track = on_queued is not None
-    frames, copy = _outgoing(encode(message), track=track, copy_below=copy_below)
+    frames, copy, nbytes = _outgoing(encode(message), track=track, copy_below=copy_below)
     if routing_id is not None:
         frames = [routing_id, *frames]
-    nbytes = _queue_now(sock, frames, on_queued, copy=copy)
-    if nbytes is not None:
+        nbytes += len(routing_id)
+    if _queue_now(sock, frames, on_queued, copy=copy, nbytes=nbytes):
         return nbytes
-    nbytes = _frames_nbytes(frames)
     if routing_id is None and _waits_on_descriptor(sock, _SEND_ONLY):
         tracker = await send_when_writable(
             cast(ZpipeSocket, sock),
@@ -322,12 +321,13 @@ def send_nowait(
     For a caller that has something better to do than wait (hand the message to
     its send task instead); :func:`send` is the one with a deadline.
     """
-    frames, copy = _outgoing(encode(message), track=on_queued is not None, copy_below=copy_below)
-    return _queue_now(sock, frames, on_queued, copy=copy)
+    track = on_queued is not None
+    frames, copy, nbytes = _outgoing(encode(message), track=track, copy_below=copy_below)
+    return nbytes if _queue_now(sock, frames, on_queued, copy=copy, nbytes=nbytes) else None
 
 
-def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[Any], bool]:
-    """The frames to send and the ``copy`` flag to send them with.
+def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[Any], bool, int]:
+    """The frames to send, the ``copy`` flag to send them with and their bytes.
 
     Untracked: ``copy=True``, which copies bytes and buffers (no garbage-collector
     wake-up) and sends a ``zmq.Frame`` by reference (a received frame sent on, see
@@ -337,21 +337,19 @@ def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[
     copied part's tracker is done at once, which would hide the link time the
     meter measures, and pyzmq refuses to track a received frame.
     """
-    if track:
-        return [f.buffer if isinstance(f, zmq.Frame) else f for f in frames], False
     share_from = max(copy_below, zmq.COPY_THRESHOLD)
-    return [
-        f if isinstance(f, zmq.Frame) or _nbytes(f) < share_from else zmq.Frame(f, copy=False)
-        for f in frames
-    ], True
-
-
-def _nbytes(frame: Any) -> int:
-    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
-
-
-def _frames_nbytes(frames: Sequence[Any]) -> int:
-    return sum(_nbytes(f) for f in frames)
+    out = []
+    total = 0
+    for frame in frames:  # one pass, no per-frame calls: this runs for every message
+        nbytes = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        if isinstance(frame, zmq.Frame):
+            if track:
+                frame = frame.buffer
+        elif nbytes >= share_from and not track:
+            frame = zmq.Frame(frame, copy=False)
+        total += nbytes
+        out.append(frame)
+    return out, not track, total
 
 
 def _queue_now(
@@ -360,22 +358,22 @@ def _queue_now(
     on_queued: Callable[[zmq.MessageTracker, int], None] | None,
     *,
     copy: bool,
-) -> int | None:
-    """Queue ``frames`` through the synchronous shadow of a send-only socket when
-    there is room (the common case): an asyncio future, a wait_for timer and an
-    extra loop pass cost more than the send itself. A multipart message is queued
-    whole or not at all, so on EAGAIN nothing was sent (None)."""
+    nbytes: int,
+) -> bool:
+    """Queue ``frames`` (``nbytes`` bytes) through the synchronous shadow of a
+    send-only socket when there is room (the common case): an asyncio future, a
+    wait_for timer and an extra loop pass cost more than the send itself. A
+    multipart message is queued whole or not at all: False when nothing was sent."""
     shadow = _shadow(sock, _SEND_ONLY)
     if shadow is None:
-        return None
+        return False
     try:
         tracker = send_whole_nowait(shadow, frames, copy=copy, track=on_queued is not None)
     except zmq.Again:
-        return None
-    nbytes = _frames_nbytes(frames)
+        return False
     if on_queued is not None and tracker is not None:
         on_queued(tracker, nbytes)
-    return nbytes
+    return True
 
 
 async def recv_frames(
