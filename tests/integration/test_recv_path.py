@@ -206,9 +206,9 @@ async def test_a_receive_loop_keeps_the_reader_and_schedules_nothing_per_message
             socket_callbacks += 1
         return call_soon(callback, *args, **kwargs)
 
-    loop.add_reader = counted_add_reader  # type: ignore[method-assign]
+    loop.add_reader = counted_add_reader  # type: ignore[method-assign,assignment]
     loop.remove_reader = counted_remove_reader  # type: ignore[method-assign]
-    loop.call_soon = counted_call_soon  # type: ignore[method-assign]
+    loop.call_soon = counted_call_soon  # type: ignore[method-assign,assignment]
     taken: asyncio.Queue[int] = asyncio.Queue()
 
     async def receive_loop() -> None:
