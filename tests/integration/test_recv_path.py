@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import zmq
@@ -44,11 +45,22 @@ class Pair:
         frames = await recv_frames(self.rx, timeout_s=timeout_s, peer="tx", awaited="probe_ack")
         return int(decode_frames(frames, MAX).body["nonce"])
 
+    def waiters(self) -> int:
+        """How many receives wait on rx's descriptor."""
+        assert isinstance(self.rx, ZpipeSocket)
+        reader = self.rx._zpipe_reader
+        return 0 if reader is None else len(reader.waiters)
+
+    def reader_on(self) -> bool:
+        assert isinstance(self.rx, ZpipeSocket)
+        reader = self.rx._zpipe_reader
+        return reader is not None and reader.on
+
     async def waiting(self) -> None:
         """Until a recv_frames on rx waits on the descriptor (events, not sleeps)."""
         assert isinstance(self.rx, ZpipeSocket)
         for _ in range(10_000):
-            if self.rx._zpipe_waiters:
+            if self.waiters():
                 return
             await asyncio.sleep(0)
         raise AssertionError("recv_frames never waited on the descriptor")
@@ -113,13 +125,13 @@ async def test_two_tasks_waiting_on_one_socket_both_get_a_message(
     second = asyncio.create_task(pair.receive())
     await pair.waiting()
     for _ in range(100):  # until both wait (events, not sleeps)
-        if len(pair.rx._zpipe_waiters or ()) == 2:
+        if pair.waiters() == 2:
             break
         await asyncio.sleep(0)
     pair.send(1)
     pair.send(2)
     assert sorted(await asyncio.wait_for(asyncio.gather(first, second), 30)) == [1, 2]
-    assert pair.rx._zpipe_waiters is None  # the reader left with the last wait
+    assert pair.waiters() == 0
 
 
 async def test_a_wait_keeps_its_deadline_and_leaves_the_socket_usable(
@@ -128,7 +140,7 @@ async def test_a_wait_keeps_its_deadline_and_leaves_the_socket_usable(
     pair = Pair(context, (zmq.PUSH, zmq.PULL))
     with pytest.raises(TransportTimeout, match="probe_ack"):
         await pair.receive(timeout_s=0.2)
-    assert not pair.rx._zpipe_waiters
+    assert pair.waiters() == 0
     pair.send(1)
     assert await pair.receive() == 1
 
@@ -165,63 +177,61 @@ async def test_closing_the_socket_cancels_a_wait_as_zmq_asyncio_does(
         await asyncio.wait_for(receiving, 30)
 
 
-async def test_a_receive_loop_keeps_the_reader_without_an_extra_pass_of_the_loop(
+async def test_a_receive_loop_keeps_the_reader_and_schedules_nothing_per_message(
     context: zmq.asyncio.Context,
 ) -> None:
-    # Loop passes counted by a callback that schedules itself again on every pass.
+    # Before, every waited receive scheduled a look for an idle reader (a callback
+    # and a pass of the loop per message); the reader now stays on while receives
+    # wait one after another, and comes off when the descriptor has news nobody
+    # waits for.
     loop = asyncio.get_running_loop()
-    passes = 0
-    ticking = True
-
-    def tick() -> None:
-        nonlocal passes
-        passes += 1
-        if ticking:
-            loop.call_soon(tick)
-
     pair = Pair(context, (zmq.PUSH, zmq.PULL))
     assert isinstance(pair.rx, ZpipeSocket)
-    checks: list[tuple[int, int]] = []  # (pass, waiters) of each look for an idle reader
-    look = pair.rx._remove_reader_if_idle
+    adds = removes = socket_callbacks = 0
+    add_reader, remove_reader, call_soon = loop.add_reader, loop.remove_reader, loop.call_soon
 
-    def recorded_look() -> None:
-        checks.append((passes, len(pair.rx._zpipe_waiters or ())))
-        look()
-
-    pair.rx._remove_reader_if_idle = recorded_look  # type: ignore[method-assign]
-    woke_at: list[int] = []
-    adds = 0
-    add_reader = loop.add_reader
-
-    def counted_add_reader(*args: object) -> None:
+    def counted_add_reader(*args: Any) -> None:
         nonlocal adds
         adds += 1
-        add_reader(*args)  # type: ignore[arg-type]
+        add_reader(*args)
 
-    loop.add_reader = counted_add_reader  # type: ignore[method-assign]
+    def counted_remove_reader(fd: Any) -> bool:
+        nonlocal removes
+        removes += 1
+        return remove_reader(fd)
 
+    def counted_call_soon(callback: Any, *args: Any, **kwargs: Any) -> asyncio.Handle:
+        nonlocal socket_callbacks
+        if getattr(callback, "__self__", None) is pair.rx:
+            socket_callbacks += 1
+        return call_soon(callback, *args, **kwargs)
+
+    loop.add_reader = counted_add_reader  # type: ignore[method-assign,assignment]
+    loop.remove_reader = counted_remove_reader  # type: ignore[method-assign]
+    loop.call_soon = counted_call_soon  # type: ignore[method-assign,assignment]
     taken: asyncio.Queue[int] = asyncio.Queue()
 
     async def receive_loop() -> None:
-        for _ in range(5):
-            n = await pair.receive(timeout_s=30)
-            woke_at.append(passes)
-            taken.put_nowait(n)
+        for _ in range(6):
+            taken.put_nowait(await pair.receive(timeout_s=30))
 
     try:
-        loop.call_soon(tick)
         receiving = asyncio.create_task(receive_loop())
         for n in range(5):
             await pair.waiting()
             pair.send(n)
             assert await asyncio.wait_for(taken.get(), 30) == n
+        await pair.waiting()  # the sixth receive waits, on the same reader
+        assert (adds, removes, socket_callbacks) == (1, 0, 0)
+        pair.send(5)
         await asyncio.wait_for(receiving, 30)
+        assert pair.reader_on() or removes == 1  # off already if news came meanwhile
+        pair.send(6)  # nobody waits: the reader comes off at this news
+        for _ in range(10_000):
+            if not pair.reader_on():
+                break
+            await asyncio.sleep(0)
+        assert (adds, removes) == (1, 1)
     finally:
-        ticking = False
-        del loop.add_reader
-    assert adds == 1  # one reader for the whole loop: never removed between messages
-    # After every wake the look for an idle reader ran in the pass that woke the
-    # receive, once it waited again (it found the waiter), not one pass later.
-    looks_after_a_wake = [c for c in checks if c[0] in woke_at[:4]]
-    assert [waiters for _, waiters in looks_after_a_wake] == [1, 1, 1, 1]
-    assert {at for at, _ in looks_after_a_wake} == set(woke_at[:4])
+        del loop.add_reader, loop.remove_reader, loop.call_soon
+    assert await pair.receive() == 6  # queued meanwhile: taken without a wait

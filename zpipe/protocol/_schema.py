@@ -151,6 +151,12 @@ def check_body(kind: str, schema: Schema, body: Any) -> dict[str, Any]:
 PLAIN_LEAF_TYPES = frozenset({str, int, float, bytes, bool, type(None)})
 
 
+# Body shapes (keys and value types) one flat check remembers: a sender uses a few per
+# kind; past this, bodies are still checked, field by field, but not remembered (a
+# peer inventing keys cannot grow the table).
+MAX_REMEMBERED_SHAPES = 64
+
+
 def flat_body_check(schema: Schema) -> Callable[[Any], bool]:
     """A one-pass test that ``body`` fits ``schema`` and holds only plain scalars.
 
@@ -159,6 +165,11 @@ def flat_body_check(schema: Schema) -> Callable[[Any], bool]:
     subclass or a misfit): the caller runs :func:`check_body` and the nesting
     check, which accept or name the problem. Precompiled per kind because the
     data plane validates every message against the same few schemas.
+
+    A body's shape (its keys in order, then its values' exact types) decides all
+    but the sign of its non-negative fields: the verdict per shape is remembered
+    (the fields to look at the sign of, or None for a misfit), so a data message's
+    check is one tuple built and looked up in C, not a Python loop over its fields.
     """
     allowed = {
         key: frozenset(t for t in field.types if t in PLAIN_LEAF_TYPES)
@@ -167,21 +178,39 @@ def flat_body_check(schema: Schema) -> Callable[[Any], bool]:
     required_count = sum(1 for field in schema.values() if field.required)
     required = frozenset(key for key, field in schema.items() if field.required)
     non_negative = NON_NEGATIVE_KEYS & allowed.keys()
+    verdicts: dict[tuple[Any, ...], tuple[str, ...] | None] = {}
 
-    def fits(body: Any) -> bool:
-        if type(body) is not dict:
-            return False
+    def judge(body: dict[Any, Any]) -> tuple[str, ...] | None:
+        """The fields whose sign is left to check, or None when ``body`` misfits."""
         present = 0
+        signed = []
         for key, value in body.items():
             types = allowed.get(key)
             kind = type(value)
             if types is None or kind not in types:
-                return False
-            if kind is int and value < 0 and key in non_negative:
-                return False
+                return None
+            if kind is int and key in non_negative:
+                signed.append(key)
             if key in required:
                 present += 1
-        return present == required_count
+        return tuple(signed) if present == required_count else None
+
+    def fits(body: Any) -> bool:
+        if type(body) is not dict:
+            return False
+        shape = (*body, *map(type, body.values()))
+        try:
+            signed = verdicts[shape]
+        except KeyError:
+            signed = judge(body)
+            if len(verdicts) < MAX_REMEMBERED_SHAPES:
+                verdicts[shape] = signed
+        if signed is None:
+            return False
+        for key in signed:
+            if body[key] < 0:
+                return False
+        return True
 
     return fits
 

@@ -5,13 +5,16 @@ message and reads the socket's events five or six times per wait (about 25-55
 us of one core per message here, ``bench/roundtrip_parts.py``).
 :func:`recv_when_readable` waits on the socket's file descriptor itself and
 then takes the message non-blocking. The descriptor only says the socket has
-news; a non-blocking receive that finds nothing has processed that news (which
-clears the descriptor), so each wait is registered right after such a receive,
-with nothing touching the socket in between (one thread, no await): no wake-up
-can be lost. The reader lives only during the wait, so zmq.asyncio can still
-take the socket over later (:func:`zpipe.transport.sockets.recv_frames` then
-uses zmq.asyncio for it), and closing a :class:`ZpipeSocket` cancels the wait,
-as it cancels zmq.asyncio's own pending receives.
+news; a non-blocking receive that finds nothing, or a read of the socket's events
+that shows no message, has processed that news (which clears the descriptor),
+so each wait is registered right after one, with nothing touching the socket in
+between (one thread, no await): no wake-up can be lost. The reader stays on
+the descriptor while receives wait one after another and comes off the first
+time the descriptor has news that nobody waits for; zmq.asyncio can still take
+the socket over later (:func:`zpipe.transport.sockets.recv_frames` then uses
+zmq.asyncio for it, whose reader replaces this one), and closing a
+:class:`ZpipeSocket` cancels the wait, as it cancels zmq.asyncio's own pending
+receives.
 
 :func:`send_when_writable` does the same for a send-only socket whose queue is
 full: it reads the socket's events (which processes its pending commands and
@@ -40,16 +43,30 @@ from zpipe.transport.message_bounds import MessageBounds, OverBounds, take_rest
 # here come from the codec: bytes, memoryviews and zmq.Frames, every one a buffer.
 _send_one = zmq.backend.Socket.send
 _NOBLOCK = int(zmq.NOBLOCK)
+# pyzmq's backend read of an option: the sugar layer's ``get`` adds a Python call
+_get_option = zmq.backend.Socket.get
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 def take_queued(
-    shadow: zmq.Socket[Any], bounds: MessageBounds
+    shadow: zmq.Socket[Any], bounds: MessageBounds, *, look_first: bool = False
 ) -> list[zmq.Frame] | OverBounds | None:
     """The message already queued on ``shadow`` (within ``bounds``, see
     :func:`~zpipe.transport.message_bounds.take_rest`), or None when none is: a
     stream's receive that finds its next message waiting needs no coroutine, future
-    or wait."""
+    or wait.
+
+    ``look_first``: read the socket's events before receiving, for a caller that
+    expects to find nothing (one whose last receive had to wait). Either way the
+    socket has processed its news when this returns None, which clears its
+    descriptor, so a wait registered next cannot miss a message. A receive that
+    finds nothing raises ``zmq.Again``, which pyzmq builds in Python (about 28,000
+    instructions here, callgrind); reading the events costs about 8,500, and one
+    that finds a message pays both, hence the choice."""
+    if look_first and not cast(int, _get_option(shadow, _EVENTS)) & _POLLIN:
+        return None
     try:
         first = shadow.recv(_NOBLOCK, False)
     except zmq.Again:
@@ -71,6 +88,26 @@ def send_whole_nowait(
     return cast("zmq.MessageTracker | None", _send_one(shadow, frames[last], _NOBLOCK, copy, track))
 
 
+class _DescriptorReader:
+    """A socket's reader on its descriptor and the receives it wakes.
+
+    Kept off the socket itself: every attribute written on a pyzmq socket runs
+    pyzmq's ``__setattr__`` (Python code that looks for a socket option of that
+    name), and the receive path writes these per message.
+    """
+
+    __slots__ = ("loop", "on", "waited_last", "waiters")
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # whether the reader is on ``loop``; it stays on between waits (see _wake)
+        self.on = False
+        self.waiters: set[asyncio.Future[None]] = set()
+        # whether the last receive had to wait: the next one then looks at the
+        # socket's events before it receives (see take_queued)
+        self.waited_last = False
+
+
 class ZpipeSocket(zmq.asyncio.Socket):
     """A ``zmq.asyncio`` socket that also knows the receives :func:`recv_when_readable`
     waits for by itself: one reader on the descriptor wakes them all, and closing the
@@ -81,69 +118,63 @@ class ZpipeSocket(zmq.asyncio.Socket):
     message_bounds: MessageBounds | None = None
     # messages past those bounds, read and discarded since the socket opened
     refused_messages: int = 0
-    # None: no reader on the descriptor; a set (maybe empty): the reader is on
-    _zpipe_waiters: set[asyncio.Future[None]] | None = None
-    _zpipe_loop: asyncio.AbstractEventLoop | None = None
-    _zpipe_removal_due = False
+    _zpipe_reader: _DescriptorReader | None = None
+
+    @property
+    def descriptor_reader(self) -> _DescriptorReader:
+        reader = self._zpipe_reader
+        if reader is None:
+            reader = self._zpipe_reader = _DescriptorReader()
+        return reader
 
     def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
-        if self._zpipe_waiters is None:
-            self._zpipe_waiters = set()
-            self._zpipe_loop = loop
+        reader = self.descriptor_reader
+        if not reader.on or reader.loop is not loop:
+            if reader.on:
+                self._remove_reader(reader)  # still on a loop of the past
+            reader.loop = loop
+            reader.on = True
             loop.add_reader(self.FD, self._wake_waiters)
-        self._zpipe_waiters.add(waiter)
+        reader.waiters.add(waiter)
 
-    def wait_ended(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
-        if self._zpipe_waiters is None:
-            return  # closed meanwhile: close() removed the reader
-        self._zpipe_waiters.discard(waiter)
-        if not self._zpipe_waiters and not self._zpipe_removal_due:
-            # Off the descriptor later, not now: a receive loop that wakes, takes
-            # its message and finds the queue empty waits again within the same
-            # pass, and keeps the reader (adding and removing it costs uvloop a poll
-            # handle and several system calls per message). An idle reader runs at
-            # most one pass. (A wake by the descriptor has scheduled this already.)
-            self._schedule_removal(loop)
-
-    def _schedule_removal(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._zpipe_removal_due = True
-        loop.call_soon(self._remove_reader_if_idle)
-
-    def _remove_reader_if_idle(self) -> None:
-        self._zpipe_removal_due = False
-        if self._zpipe_waiters is None or self._zpipe_waiters:
-            return  # closed meanwhile, or waited on again
-        self._zpipe_waiters = None
-        # zmq.asyncio may have taken the socket over meanwhile: the reader on the
-        # descriptor is then its own, which it needs
-        if self._zpipe_loop is not None and getattr(self, "_current_loop", None) is None:
-            try:
-                self._zpipe_loop.remove_reader(self.FD)
-            except (OSError, ValueError, zmq.ZMQError):  # the socket is closing
-                pass
+    def wait_ended(self, waiter: asyncio.Future[None]) -> None:
+        reader = self._zpipe_reader
+        if reader is not None:
+            reader.waiters.discard(waiter)
 
     def _wake_waiters(self) -> None:
-        waiters = self._zpipe_waiters
+        reader = self._zpipe_reader
+        if reader is None:
+            return
+        waiters = reader.waiters
         if not waiters:
+            # The descriptor has news and nobody waits: the reader comes off now (a
+            # descriptor nobody reads stays readable, and the reader would run on
+            # every pass of the loop). It stays on while receives wait one after
+            # another, so a receive loop neither adds nor removes it per message
+            # (a poll handle and system calls under uvloop), nor schedules a look
+            # for an idle reader per message (a callback and a loop pass).
+            self._remove_reader(reader)
             return
         for waiter in waiters:
             _wake(waiter)
-        if not self._zpipe_removal_due and self._zpipe_loop is not None:
-            # The look for an idle reader goes behind the woken tasks, into the same
-            # pass of the loop: a receive loop has waited again by then, and the
-            # look finds it. Scheduled from wait_ended instead, inside the task's
-            # step, it ran a pass later: one more pass of the loop, with a poll of
-            # its descriptors, after every message a waiting receive took.
-            self._schedule_removal(self._zpipe_loop)
 
-    def close(self, linger: int | None = None) -> None:
-        waiters, self._zpipe_waiters = self._zpipe_waiters, None
-        loop = self._zpipe_loop
-        if waiters is not None and loop is not None:
+    def _remove_reader(self, reader: _DescriptorReader) -> None:
+        reader.on = False
+        # zmq.asyncio may have taken the socket over meanwhile: the reader on the
+        # descriptor is then its own, which it needs
+        if reader.loop is not None and getattr(self, "_current_loop", None) is None:
             try:
-                loop.remove_reader(self.FD)
+                reader.loop.remove_reader(self.FD)
             except (OSError, ValueError, RuntimeError, zmq.ZMQError):  # loop or socket gone
                 pass
+
+    def close(self, linger: int | None = None) -> None:
+        reader = self._zpipe_reader
+        if reader is not None:
+            if reader.on:
+                self._remove_reader(reader)
+            waiters, reader.waiters = reader.waiters, set()
             for waiter in waiters:
                 if not waiter.done():
                     try:
@@ -164,13 +195,17 @@ async def recv_when_readable(
     """Receive one multipart message on ``sock`` (receive-only, not watched by
     zmq.asyncio) by waiting on its descriptor, frame by frame within ``bounds``
     (:func:`zpipe.transport.message_bounds.take_rest`); TransportTimeout past
-    ``timeout_s``."""
+    ``timeout_s``.
+
+    For a caller whose look for a queued message (:func:`take_queued`) just found
+    none, with nothing touching the socket since."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
+    sock.descriptor_reader.waited_last = True
     while True:
         await _readable(loop, sock, deadline)
         try:
-            first = shadow.recv(flags=zmq.NOBLOCK, copy=False)
+            first = shadow.recv(_NOBLOCK, False)
         except zmq.Again:
             # news that was not a message (a peer connected, say): wait again
             if deadline is not None and loop.time() >= deadline:
@@ -222,7 +257,7 @@ async def _readable(
     try:
         await woken
     finally:
-        sock.wait_ended(loop, woken)
+        sock.wait_ended(woken)
         if timer is not None:
             timer.cancel()
 

@@ -267,13 +267,12 @@ async def send(
     under ``copy_below`` bytes are copied (see :data:`COPY_BELOW_BYTES`).
     """
     track = on_queued is not None
-    frames, copy = _outgoing(encode(message), track=track, copy_below=copy_below)
+    frames, copy, nbytes = _outgoing(encode(message), track=track, copy_below=copy_below)
     if routing_id is not None:
         frames = [routing_id, *frames]
-    nbytes = _queue_now(sock, frames, on_queued, copy=copy)
-    if nbytes is not None:
+        nbytes += len(routing_id)
+    if _queue_now(sock, frames, on_queued, copy=copy, nbytes=nbytes):
         return nbytes
-    nbytes = _frames_nbytes(frames)
     if routing_id is None and _waits_on_descriptor(sock, _SEND_ONLY):
         tracker = await send_when_writable(
             cast(ZpipeSocket, sock),
@@ -325,12 +324,13 @@ def send_nowait(
     For a caller that has something better to do than wait (hand the message to
     its send task instead); :func:`send` is the one with a deadline.
     """
-    frames, copy = _outgoing(encode(message), track=on_queued is not None, copy_below=copy_below)
-    return _queue_now(sock, frames, on_queued, copy=copy)
+    track = on_queued is not None
+    frames, copy, nbytes = _outgoing(encode(message), track=track, copy_below=copy_below)
+    return nbytes if _queue_now(sock, frames, on_queued, copy=copy, nbytes=nbytes) else None
 
 
-def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[Any], bool]:
-    """The frames to send and the ``copy`` flag to send them with.
+def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[Any], bool, int]:
+    """The frames to send, the ``copy`` flag to send them with and their bytes.
 
     Untracked: ``copy=True``, which copies bytes and buffers (no garbage-collector
     wake-up) and sends a ``zmq.Frame`` by reference (a received frame sent on, see
@@ -340,21 +340,19 @@ def _outgoing(frames: list[Any], *, track: bool, copy_below: int) -> tuple[list[
     copied part's tracker is done at once, which would hide the link time the
     meter measures, and pyzmq refuses to track a received frame.
     """
-    if track:
-        return [f.buffer if isinstance(f, zmq.Frame) else f for f in frames], False
     share_from = max(copy_below, zmq.COPY_THRESHOLD)
-    return [
-        f if isinstance(f, zmq.Frame) or _nbytes(f) < share_from else zmq.Frame(f, copy=False)
-        for f in frames
-    ], True
-
-
-def _nbytes(frame: Any) -> int:
-    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
-
-
-def _frames_nbytes(frames: Sequence[Any]) -> int:
-    return sum(_nbytes(f) for f in frames)
+    out = []
+    total = 0
+    for frame in frames:  # one pass, no per-frame calls: this runs for every message
+        nbytes = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        if isinstance(frame, zmq.Frame):
+            if track:
+                frame = frame.buffer
+        elif nbytes >= share_from and not track:
+            frame = zmq.Frame(frame, copy=False)
+        total += nbytes
+        out.append(frame)
+    return out, not track, total
 
 
 def _queue_now(
@@ -363,22 +361,22 @@ def _queue_now(
     on_queued: Callable[[zmq.MessageTracker, int], None] | None,
     *,
     copy: bool,
-) -> int | None:
-    """Queue ``frames`` through the synchronous shadow of a send-only socket when
-    there is room (the common case): an asyncio future, a wait_for timer and an
-    extra loop pass cost more than the send itself. A multipart message is queued
-    whole or not at all, so on EAGAIN nothing was sent (None)."""
+    nbytes: int,
+) -> bool:
+    """Queue ``frames`` (``nbytes`` bytes) through the synchronous shadow of a
+    send-only socket when there is room (the common case): an asyncio future, a
+    wait_for timer and an extra loop pass cost more than the send itself. A
+    multipart message is queued whole or not at all: False when nothing was sent."""
     shadow = _shadow(sock, _SEND_ONLY)
     if shadow is None:
-        return None
+        return False
     try:
         tracker = send_whole_nowait(shadow, frames, copy=copy, track=on_queued is not None)
     except zmq.Again:
-        return None
-    nbytes = _frames_nbytes(frames)
+        return False
     if on_queued is not None and tracker is not None:
         on_queued(tracker, nbytes)
-    return nbytes
+    return True
 
 
 async def recv_frames(
@@ -399,37 +397,39 @@ async def recv_frames(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         shadow = _shadow(sock, _RECEIVE_ONLY)
-        # A message already queued is taken without a future or a coroutine; zmq.asyncio
-        # checks events before every wait: safe on this (the only) thread using it.
-        got = None if shadow is None else take_queued(shadow, message_bounds_of(sock))
+        reader = sock.descriptor_reader if isinstance(sock, ZpipeSocket) else None
+        got = None  # a message already queued is taken without a future or a coroutine
+        if shadow is not None:
+            look_first = reader is not None and reader.waited_last
+            got = take_queued(shadow, message_bounds_of(sock), look_first=look_first)
+            if got is not None and reader is not None:
+                reader.waited_last = False
         if got is None:
-            got = await _recv_bounded(sock, deadline, timeout_s, peer, awaited)
+            got = await _recv_bounded(sock, shadow, deadline, timeout_s, peer, awaited)
         # a listener's connection guard counts what each connection's messages took
         guard = getattr(sock, "_zpipe_connection_guard", None)
         if not isinstance(got, OverBounds):
             if guard is not None:
                 guard.saw(got)
             return got
-        await discard_over_bounds(sock, got, peer, watched=_shadow(sock, _RECEIVE_ONLY) is None)
+        await discard_over_bounds(sock, got, peer, watched=shadow is None)
         if guard is not None:
             guard.saw(got)
 
 
 async def _recv_bounded(
     sock: zmq.asyncio.Socket,
+    shadow: zmq.Socket[Any] | None,
     deadline: float | None,
     timeout_s: float | None,
     peer: str,
     awaited: str,
 ) -> list[zmq.Frame] | OverBounds:
     bounds = message_bounds_of(sock)
-    shadow = _shadow(sock, _RECEIVE_ONLY)
-    if shadow is not None:
-        if _waits_on_descriptor(sock, _RECEIVE_ONLY):
+    if shadow is not None and getattr(sock, "_current_loop", None) is None:
+        if isinstance(sock, ZpipeSocket):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return await recv_when_readable(
-                cast(ZpipeSocket, sock), shadow, left, peer, awaited, bounds
-            )
+            return await recv_when_readable(sock, shadow, left, peer, awaited, bounds)
     while True:
         # The first frame through zmq.asyncio (its future, its re-check of events);
         # the rest are queued with it (a message is delivered whole): taken below.
@@ -441,8 +441,7 @@ async def _recv_bounded(
                 first = await asyncio.wait_for(pending, max(0.0, deadline - time.monotonic()))
         except zmq.Again:
             # pyzmq fails a pending receive with EAGAIN when the socket signalled input
-            # that was gone when it read (seen once on a CURVE sink): wait again, with
-            # the same deadline.
+            # gone when it read (seen once on a CURVE sink): wait again, same deadline.
             await asyncio.sleep(0)
             continue
         except asyncio.TimeoutError:
@@ -507,5 +506,4 @@ def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:
                 "there): stop it, or choose another port (port 0 takes any free one)"
             ) from None
         raise ConfigError(f"cannot bind {endpoint}: {exc}") from None
-    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return bound
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
