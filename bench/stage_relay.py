@@ -28,10 +28,7 @@ switches per message by thread: ``loop`` (the event loop, or the raw relay's onl
 thread), ``compute``, ``libzmq`` (its I/O and reaper threads), ``link_meter`` (the
 link meter's waiter) and ``other`` (pyzmq's collector of zero-copy frames). The
 relay process freezes its imports out of the cyclic collector first, as the stage
-CLI does. The stage relay also counts its hand-offs per message
-(``handoff_<count>_per_message``, :class:`~zpipe.stage.executors.compute_batches.HandOffCounts`):
-``inputs``, ``batches`` computed, ``thread_wakeups`` (submits to an idle compute
-thread) and ``loop_calls`` (the compute thread's calls into the event loop).
+CLI does.
 
 ``--steps`` also splits the stage relay's loop thread by step (``loop_us_<step>``,
 CPU per message, each step without the steps it calls): ``decode`` (the codec's
@@ -68,7 +65,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import dataclasses
 import faulthandler
 import gc
 import multiprocessing as mp
@@ -87,7 +83,6 @@ import zmq
 from zpipe.log import configure_logging
 from zpipe.protocol.stage_control import Assign, Connect, Registered
 from zpipe.stage.dataport import DataPort
-from zpipe.stage.executors.compute_batches import ComputeBatches, HandOffCounts
 from zpipe.stage.executors.inference import InferenceLoop
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle
 from zpipe.stage.metrics import StageCounters
@@ -143,10 +138,6 @@ def _thread_role(name: str) -> str:
     return "other"  # pyzmq's garbage collector of zero-copy frames is an unnamed Thread-N
 
 
-# the stage relay's hand-off counts (its inference loop's), read with each usage
-HAND_OFFS: list[HandOffCounts] = []
-
-
 def _usage() -> tuple[float, dict[str, int], dict[str, float], dict[str, float]]:
     """This process's CPU seconds, how often each of its threads has blocked so far
     (voluntary context switches: each is a sleep that some other thread's hand-off,
@@ -167,10 +158,7 @@ def _usage() -> tuple[float, dict[str, int], dict[str, float], dict[str, float]]
         for line in status.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
                 switches[role] = switches.get(role, 0) + int(line.split()[1])
-    steps = dict(STEPS)
-    for counts in HAND_OFFS:  # counts, not seconds: reported per message as they are
-        steps.update({f"handoff_{k}": float(v) for k, v in dataclasses.asdict(counts).items()})
-    return time.process_time(), switches, cpu, steps
+    return time.process_time(), switches, cpu, dict(STEPS)
 
 
 # --steps: the loop thread's CPU seconds per step, each without the steps it calls
@@ -259,15 +247,17 @@ def relay_main(
 
 
 def _compute_on_the_loop() -> None:
-    """--inline-compute: each batch's forwards run on the event loop's thread, as no
+    """--inline-compute: each group's forwards run on the event loop's thread, as no
     stage runs them (a layer may run for seconds there): what the compute thread's
     hand-off costs, both ways (the submit, the worker's wake-up and GIL, the result's
     call into the loop)."""
 
-    def inline(self: ComputeBatches[Any, Any]) -> None:
-        self._compute_one_batch()
+    async def computed(
+        self: InferenceLoop, loop: asyncio.AbstractEventLoop, group: list[Any]
+    ) -> list[Any]:
+        return self._forward_all(group)
 
-    ComputeBatches._submit_batch_job = inline  # type: ignore[method-assign]
+    InferenceLoop._computed = computed  # type: ignore[method-assign]
 
 
 def _raw_relay(conn: Connection) -> None:
@@ -334,7 +324,6 @@ async def _stage_relay(
         link=LinkSpec(),
         send_timeout_s=30.0,
     )
-    HAND_OFFS.append(loop._batches.counts)
     port = DataPort(
         socket=data_in,
         lifecycle=lifecycle,
@@ -444,7 +433,6 @@ def measure(
             cpu_feeder = time.process_time() - cpu0
             relay1, switches1, roles1, steps1 = relay_usage()
             step_us = {k: (v - steps0.get(k, 0.0)) / count * 1e6 for k, v in steps1.items()}
-            hand_offs = {k: step_us.pop(k) / 1e6 for k in list(step_us) if k.startswith("handoff")}
             if step_us:
                 loop_us = (roles1.get("loop", 0.0) - roles0.get("loop", 0.0)) / count * 1e6
                 step_us["other"] = loop_us - sum(step_us.values())
@@ -466,7 +454,6 @@ def measure(
                     for role, t in sorted(roles1.items())
                 },
                 **{f"loop_us_{step}": us for step, us in step_us.items()},
-                **{f"{name}_per_message": n for name, n in hand_offs.items()},
                 "count": count,
                 "trips": trips_n,
             }

@@ -49,10 +49,8 @@ class DoublingShard(Shard):
         self.threads: set[str] = set()
         self.release = threading.Event()
         self.release.set()
-        self.entered = threading.Event()  # a forward has started (and may be held)
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], float]:
-        self.entered.set()
         self.release.wait(WAIT_S)
         self.threads.add(threading.current_thread().name)
         first = float(inputs[0][0])
@@ -124,12 +122,12 @@ async def _run(
 
         feeding = asyncio.create_task(feed())
         if hold_compute:
-            # the first input is in the compute thread, the next ones wait for it
-            await until(lambda: loop._admitted == inference.ADMITTED_MAX)
+            # the first input is in the compute thread, the next ones wait in the inbox
+            await until(lambda: loop._inbox.qsize() == inference.INBOX_DEPTH)
             shard.release.set()
         if hold_downstream:
-            # nobody reads: zmq's queue, the window, the outbox and the admitted inputs
-            await until(lambda: loop._admission.locked() and loop._outbox.full())
+            # nobody reads: zmq's queue, the window, the outbox and the inbox fill up
+            await until(lambda: loop._inbox.full() and loop._outbox.full())
             assert not feeding.done()
         for _ in inputs:
             frames = await asyncio.wait_for(sink.recv_multipart(copy=False), WAIT_S)
@@ -222,18 +220,14 @@ def test_inputs_waiting_behind_a_short_forward_are_computed_in_one_trip(
         return original(self, group)
 
     with pytest.MonkeyPatch.context() as mp:
-        # every forward counts as short, however loaded the machine (the held one too)
-        mp.setattr(inference, "GROUP_BELOW_S", WAIT_S)
         mp.setattr(InferenceLoop, "_forward_all", counting)
         received, _, _ = asyncio.run(
             _run(context, inputs, options=SocketOptions(), hold_compute=True)
         )
     assert [m.body["mb"] for m in received] == list(range(12))
     assert sum(trips) == 12
-    # the first alone (nothing known about the forwards yet), then every input that
-    # waited behind it (more than the outbox holds) in one trip
-    assert trips[:2] == [1, inference.ADMITTED_MAX - 1]
-    assert inference.ADMITTED_MAX - 1 > inference.QUEUE_DEPTH
+    # the inputs held in the inbox (all of it: deeper than the outbox) went together
+    assert max(trips) >= inference.INBOX_DEPTH > inference.QUEUE_DEPTH
     assert max(trips) <= inference.MAX_GROUP
 
 
@@ -312,7 +306,7 @@ async def _cancelled_mid_compute(context: zmq.asyncio.Context) -> tuple[bool, li
     try:
         computing = asyncio.create_task(loop.compute_loop())
         await loop.deliver(data(0, 1.0))
-        await until(shard.entered.is_set)  # taken: held in the compute thread
+        await until(lambda: loop._inbox.empty())  # taken: held in the compute thread
         computing.cancel()
         await asyncio.gather(computing, return_exceptions=True)
         shard.release.set()  # the thread ends its forward and hands back to the loop
@@ -393,90 +387,3 @@ def test_a_large_tensor_passed_on_unchanged_may_go_untracked_as_its_received_fra
     sends, received = asyncio.run(_sent_as(context, from_frame=False))
     assert sends == ["tracked"]
     assert torch.equal(received.tensors[0], torch.arange(1 << 18, dtype=torch.float32))
-
-
-async def _held_then_released(
-    context: zmq.asyncio.Context,
-) -> tuple[list[Message], int, int, list[str]]:
-    """The first input held in the compute thread while ADMITTED_MAX - 1 more come and
-    a job of the stage's own is queued on the compute thread; then released. The
-    outputs, the submits the event loop made to the compute thread (each wakes it),
-    the calls the compute thread made into the loop, and what ran there in order."""
-    sink = open_socket(context, zmq.PULL, SocketOptions())
-    downstream = open_socket(context, zmq.PUSH, SocketOptions())
-    downstream.connect(bind_endpoint(sink, "tcp://127.0.0.1:0"))
-    shard = DoublingShard()
-    shard.release.clear()
-    ran: list[str] = []
-    forward = shard.forward
-
-    def noting_forward(inputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], float]:
-        ran.append(f"forward {float(inputs[0][0]):g}")
-        return forward(inputs)
-
-    shard.forward = noting_forward  # type: ignore[method-assign]
-    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-test")
-    event_loop = asyncio.get_running_loop()
-    loop_thread = threading.get_ident()
-    submits = calls = 0
-    submit, call_soon_threadsafe = compute.submit, event_loop.call_soon_threadsafe
-
-    def counting_submit(fn: Callable[..., object], /, *args: object) -> object:
-        nonlocal submits
-        submits += threading.get_ident() == loop_thread
-        return submit(fn, *args)
-
-    def counting_call(callback: Callable[..., object], *args: object) -> asyncio.Handle:
-        nonlocal calls
-        calls += threading.get_ident() != loop_thread
-        return call_soon_threadsafe(callback, *args)
-
-    compute.submit = counting_submit  # type: ignore[method-assign, assignment]
-    event_loop.call_soon_threadsafe = counting_call  # type: ignore[method-assign, assignment]
-    loop = InferenceLoop(
-        name="s1", run=1, epoch=3, shard=shard, compute=compute, counters=StageCounters(),
-        downstream=downstream, downstream_name="s2", link=LinkSpec(), send_timeout_s=WAIT_S,
-    )  # fmt: skip
-    tasks = [asyncio.create_task(loop.compute_loop()), asyncio.create_task(loop.send_loop())]
-    count = inference.ADMITTED_MAX
-    received: list[Message] = []
-    try:
-        await loop.deliver(data(0, 0.0))
-        await until(shard.entered.is_set)
-        for mb in range(1, count):
-            await asyncio.wait_for(loop.deliver(data(mb, float(mb))), WAIT_S)
-        await asyncio.sleep(0)  # the loop pass ends: the inputs go to the compute thread
-        compute.submit(lambda: ran.append("the stage's own job"))
-        shard.release.set()
-        for _ in range(count):
-            frames = await asyncio.wait_for(sink.recv_multipart(copy=False), WAIT_S)
-            received.append(decode_frames(frames, 1 << 30))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await loop.close()
-        compute.shutdown(wait=True)
-        downstream.close(linger=0)
-        sink.close(linger=0)
-    return received, submits - 1, calls, ran  # less the stage's own job's submit
-
-
-def test_inputs_that_come_while_the_thread_computes_go_without_waking_it_again(
-    context: zmq.asyncio.Context,
-) -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(inference, "GROUP_BELOW_S", WAIT_S)  # every forward counts as short
-        received, wakeups, calls, ran = asyncio.run(_held_then_released(context))
-    count = inference.ADMITTED_MAX
-    assert [m.body["mb"] for m in received] == list(range(count))
-    assert [float(m.tensors[0][0]) for m in received] == [2.0 * mb for mb in range(count)]
-    # one wake-up of the idle compute thread for the whole stream: the inputs that came
-    # while it computed were taken after its batch, without another hand-off (before:
-    # one submit from the event loop per group, here two)
-    assert wakeups == 1
-    assert 1 <= calls <= 2  # the held output's, and the rest's unless it rode on it
-    # a job the stage queued on the compute thread meanwhile still takes its turn
-    # between batches: a stream of inputs does not starve it
-    assert ran[0] == "forward 0" and ran[1] == "the stage's own job"
-    assert ran[2:] == [f"forward {mb}" for mb in range(1, count)]

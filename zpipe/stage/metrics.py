@@ -49,11 +49,9 @@ LOOK_AGAIN_S = 0.002
 
 @dataclass
 class StageCounters:
-    """A stage is computing (``busy_s``: the forwards' own time on the compute
-    thread), waiting for input or waiting for room to hand an output on, so for a
-    stage that has started streaming ``busy_s + idle_s + blocked_s`` is its wall
-    time since the first input, less the hand-offs between the event loop and the
-    compute thread; sending runs concurrently and is counted apart in ``send_s``.
+    """The compute loop is always in one of three states, so for a stage that has
+    started streaming ``busy_s + idle_s + blocked_s`` is its wall time since the
+    first input; sending runs concurrently and is counted apart in ``send_s``.
     """
 
     busy_s: float = 0.0  # computing micro-batches

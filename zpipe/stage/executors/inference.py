@@ -2,28 +2,19 @@
 
 Three data tasks keep compute overlapped with the network::
 
-    receive ──admitted(6)──> compute (thread) ──outbox(2)──> send (emulated link)
+    receive ──inbox(4)──> compute (thread) ──outbox(2)──> send (emulated link)
 
-The bounds are the backpressure: a slow downstream fills the outbox, which
-stalls the compute task's hand-off to the sender, which keeps inputs admitted,
-which stops receiving, which fills the upstream's zmq queue. The event loop
-never computes, so it keeps answering heartbeats while a layer runs for seconds.
-
-Inputs go to the compute thread and their outputs come back in batches
-(:class:`~zpipe.stage.executors.compute_batches.ComputeBatches`): the inputs a
-loop pass received go over together, waking the thread only when it is idle,
-the thread takes batch after batch without sleeping, and results come back with
-one call into the loop per stretch the loop has not looked. Behind short
-forwards a batch takes every input waiting (up to ``MAX_GROUP`` and
-``GROUP_BELOW_BYTES``); behind long ones, one at a time, so each output leaves
-as soon as it is computed.
+The bounded queues are the backpressure: a slow downstream fills the outbox,
+which stalls compute, which fills the inbox, which stops receiving, which
+fills the upstream's zmq queue. The event loop never computes, so it keeps
+answering heartbeats while a layer runs for seconds.
 
 When nothing waits in the outbox or in the send task, the link is not
 emulated and both the send window and the downstream's queue have room, the
 compute task queues its output itself, in the same loop pass (a send that
 could wait still goes through the send task, with its deadline): a hand-off
 between tasks costs more than a small message's send. Such an output with
-another one right behind it (later in its batch, or an input already admitted
+another one right behind it (later in its group, or an input already waiting
 after short forwards) may go untracked, riding on the link meter's next tracked
 message (:meth:`~zpipe.stage.metrics.LinkMeter.may_copy`): copied when it is small, or,
 whatever its size, as the very frame it was received in when the shard passed
@@ -37,9 +28,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zmq.asyncio
@@ -47,7 +38,6 @@ import zmq.asyncio
 from zpipe._errors import ProtocolError, TransportTimeout
 from zpipe.log import get_logger
 from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
-from zpipe.stage.executors.compute_batches import ComputeBatches, Computed
 from zpipe.stage.metrics import LinkMeter, StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.codec import Message, shares_received_frame
@@ -59,28 +49,36 @@ log = get_logger("zpipe.stage")
 _std_log = logging.getLogger("zpipe.stage")
 
 QUEUE_DEPTH = 2  # the outbox's
-# Inputs held between the data port and the sender at once: waiting for the
-# compute thread, computing, or computed and not yet handed to the sender (each
-# decoded zero-copy over its received frames). The old inbox (4) plus a group of
-# two large inputs: a full stage stops receiving, and the upstream's zmq queue
-# holds the rest. Deeper than the outbox, so that inputs waiting behind short
-# forwards go to the compute thread together: a trip there and back costs both
-# threads wake-ups and GIL hand-offs whatever the input's size
-# (bench/stage_relay.py, 64 KiB: 469 -> 398 us of CPU per message with an inbox
-# of 4 instead of 2, four alternating pairs, load 19-22).
-ADMITTED_MAX = 6
-# Forwards shorter than this (the last batch's longest) take the inputs waiting
-# behind them along, at most MAX_GROUP at once: one hand-off each way for the
-# batch instead of one per micro-batch, where the hand-offs cost more than the
-# compute; the first output then waits for the others' compute, at most
-# (MAX_GROUP - 1) x GROUP_BELOW_S.
+# Deeper than the outbox: inputs waiting here go to the compute thread together
+# behind short forwards (below), one trip there and back for the group, and a
+# trip costs both threads wake-ups and GIL hand-offs whatever the input's size
+# (bench/stage_relay.py, 64 KiB: 469 -> 398 us of CPU per message with 4 instead
+# of 2, 1 MiB: 1204 -> 1039; four alternating pairs, load 19-22). Costs two more
+# decoded inputs held (zero-copy over their received frames).
+INBOX_DEPTH = 4
+# Forwards shorter than this (the last group's longest) take the inputs already
+# waiting behind them along to the compute thread, at most MAX_GROUP at once: one
+# hand-off each way for the group instead of one per micro-batch, where the
+# hand-offs cost more than the compute; the first output then waits for the
+# others' compute, at most (MAX_GROUP - 1) x GROUP_BELOW_S.
 GROUP_BELOW_S = 0.002
-MAX_GROUP = 5
-# ... and while the batch's inputs hold less than this: a batch of large outputs
+MAX_GROUP = INBOX_DEPTH + 1
+# ... and while the group's inputs hold less than this: a group of large outputs
 # fills the link meter's window at once, and its waiter thread then wakes for each
 # (1 MiB inputs, load 3: 884-972 -> 899-1209 us of CPU per message in groups of up
-# to 5 against 2), so large inputs go two at a time.
+# to 5 against 2), so large inputs go two at a time as before.
 GROUP_BELOW_BYTES = 2 << 20
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
+    """On the loop: the compute thread's ``outcome`` into ``future`` (unless it was
+    cancelled meanwhile)."""
+    if future.done():
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 @dataclass(frozen=True)
@@ -88,11 +86,6 @@ class ComputedMicrobatch:
     outputs: tuple[torch.Tensor, ...]
     started: float  # perf_counter, in the compute thread
     ended: float
-
-
-# what computing one input gave: its outputs, what its forward raised, or nothing (an
-# upstream error passed on uncomputed)
-MicroBatchResult = ComputedMicrobatch | Exception | None
 
 
 def _copied_bytes(message: Message) -> int:
@@ -126,17 +119,12 @@ class InferenceLoop:
         self.run = run
         self.epoch = epoch
         self._shard = shard
+        self._compute = compute
         self._counters = counters
         self._downstream = downstream
         self._downstream_name = downstream_name
         self._send_timeout_s = send_timeout_s
-        self._batches: ComputeBatches[Data | MicroBatchError, MicroBatchResult] = ComputeBatches(
-            executor=compute, compute=self._forward_all, next_batch=self._next_batch
-        )
-        self._admission = asyncio.Semaphore(ADMITTED_MAX)
-        self._admitted = 0  # inputs delivered whose outputs are not yet with the sender
-        self._busy_from = 0.0  # when the last input came to a stage that held none
-        self._short_forwards = False  # the compute thread's: its last batch's were short
+        self._inbox: asyncio.Queue[Data | MicroBatchError] = asyncio.Queue(INBOX_DEPTH)
         # (micro-batch, its encoded output): the timeline needs the number when it leaves
         self._outbox: asyncio.Queue[tuple[int, Message]] = asyncio.Queue(QUEUE_DEPTH)
         self._link = None if link.is_ideal else EmulatedLink(link, self._send_downstream)
@@ -145,67 +133,89 @@ class InferenceLoop:
         self._sending = False  # the send task holds a message (later ones queue behind it)
 
     async def deliver(self, message: Data | Grad | Labels | MicroBatchError) -> None:
-        """A checked message of this assignment's epoch (waits while ``ADMITTED_MAX``
-        inputs are held). It goes to the compute thread at the end of this loop pass,
-        with every other input the pass delivered."""
+        """A checked message of this assignment's epoch (waits while the inbox is full)."""
         # The data port's verdict admits only an inference route's classes; a gradient or
         # labels here would be a routing bug, refused like any other bad input.
         if not isinstance(message, Data | MicroBatchError):
             raise ProtocolError(f"an inference stage got {message.KIND!r}")
-        await self._admission.acquire()
-        if self._admitted == 0:
-            self._busy_from = time.perf_counter()
-        self._admitted += 1
-        self._batches.put(message)
+        await self._inbox.put(message)
 
     async def compute_loop(self) -> None:
-        """Hands each computed batch's outputs to the sender, in the inputs' order.
-
-        The counters: ``busy_s`` is the forwards' time on the compute thread,
-        ``idle_s`` this task's wait for outputs while no input is held (from the
-        first input on), ``blocked_s`` its wait for room to hand an output on."""
+        loop = asyncio.get_running_loop()
+        counters = self._counters
         streaming = False  # idle time counts from the first input, not from the assignment
+        grouping = False  # the last forwards were short: send waiting inputs along
         while True:
             waited_from = time.perf_counter()
-            held_none = self._admitted == 0
-            computed = await self._batches.results()
-            if streaming and held_none:  # until an input came, nothing was on its way
-                self._counters.idle_s += max(self._busy_from - waited_from, 0.0)
+            group = [await self._inbox.get()]
+            if streaming:
+                counters.idle_s += time.perf_counter() - waited_from
             streaming = True
-            for batch in computed:
-                await self._hand_on(batch)
+            if grouping:
+                nbytes = _input_bytes(group[0])
+                while len(group) < MAX_GROUP and nbytes < GROUP_BELOW_BYTES:
+                    if self._inbox.empty():
+                        break
+                    group.append(self._inbox.get_nowait())
+                    nbytes += _input_bytes(group[-1])
+            computing_from = time.perf_counter()
+            # One trip to the compute thread and back for the whole group; messages
+            # of kind "error" (someone upstream failed) pass the word on uncomputed.
+            results = await self._computed(loop, group)
+            counters.busy_s += time.perf_counter() - computing_from
+            longest = max(
+                (r.ended - r.started for r in results if isinstance(r, ComputedMicrobatch)),
+                default=0.0,
+            )
+            grouping = longest < GROUP_BELOW_S
+            last = len(group) - 1
+            for i, (message, result) in enumerate(zip(group, results, strict=True)):
+                out = self._output(message, result)
+                if _std_log.isEnabledFor(logging.DEBUG):
+                    log.debug("microbatch_done", stage=self.name, epoch=self.epoch,
+                              mb=message.mb)  # fmt: skip
+                # another output follows soon: this group's next, or the output of an
+                # input already waiting when the forwards are short
+                more_behind = i < last or (grouping and not self._inbox.empty())
+                await self._hand_to_sender(message.mb, out.to_message(), more_behind)
 
-    async def _hand_on(self, batch: Computed[Data | MicroBatchError, MicroBatchResult]) -> None:
-        if batch.failure is not None:  # _forward_all keeps each input's error: a bug
-            raise batch.failure
-        forwards = [r.ended - r.started for r in batch.results if isinstance(r, ComputedMicrobatch)]
-        self._counters.busy_s += sum(forwards)
-        short = max(forwards, default=0.0) < GROUP_BELOW_S
-        last = len(batch.inputs) - 1
-        for i, (message, result) in enumerate(zip(batch.inputs, batch.results, strict=True)):
-            out = self._output(message, result)
-            if _std_log.isEnabledFor(logging.DEBUG):
-                log.debug("microbatch_done", stage=self.name, epoch=self.epoch, mb=message.mb)
-            # another output follows soon: this batch's next, or the output of an input
-            # already admitted when the forwards are short
-            more_behind = i < last or (short and self._admitted > 1)
-            await self._hand_to_sender(message.mb, out.to_message(), more_behind)
-            self._admitted -= 1
-            self._admission.release()
+    async def _computed(
+        self, loop: asyncio.AbstractEventLoop, group: list[Data | MicroBatchError]
+    ) -> list[ComputedMicrobatch | Exception | None]:
+        """The group's results, computed on the compute thread, which hands them back
+        itself: one call into the loop, where ``run_in_executor`` chains a concurrent
+        future to an asyncio one through callbacks on both threads (measured: 65-85
+        against 43-52 us of CPU per round trip on a loaded 2-core machine)."""
+        future: asyncio.Future[list[ComputedMicrobatch | Exception | None]] = loop.create_future()
+        job = self._compute.submit(self._forward_and_hand_back, loop, future, group)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            job.cancel()  # not started yet: it never runs (as with run_in_executor)
+            raise
 
-    def _next_batch(self, queued: deque[Data | MicroBatchError]) -> list[Data | MicroBatchError]:
-        """In the compute thread: the inputs that go together (see ``GROUP_BELOW_S``)."""
-        batch = [queued.popleft()]
-        if self._short_forwards:
-            nbytes = _input_bytes(batch[0])
-            while queued and len(batch) < MAX_GROUP and nbytes < GROUP_BELOW_BYTES:
-                batch.append(queued.popleft())
-                nbytes += _input_bytes(batch[-1])
-        return batch
+    def _forward_and_hand_back(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[list[ComputedMicrobatch | Exception | None]],
+        group: list[Data | MicroBatchError],
+    ) -> None:
+        """In the compute thread: compute ``group`` and settle ``future`` on its loop."""
+        try:
+            outcome: Any = self._forward_all(group)
+            failed = False
+        except BaseException as exc:  # _forward_all keeps each input's error; this is a bug
+            outcome, failed = exc, True
+        try:
+            loop.call_soon_threadsafe(_settle, future, outcome, failed)
+        except RuntimeError:  # the loop closed: nobody awaits the result any more
+            pass
 
-    def _forward_all(self, group: list[Data | MicroBatchError]) -> list[MicroBatchResult]:
+    def _forward_all(
+        self, group: list[Data | MicroBatchError]
+    ) -> list[ComputedMicrobatch | Exception | None]:
         """In the compute thread: each data message's outputs (or what it raised)."""
-        results: list[MicroBatchResult] = []
+        results: list[ComputedMicrobatch | Exception | None] = []
         for message in group:
             if isinstance(message, MicroBatchError):
                 results.append(None)
@@ -217,15 +227,10 @@ class InferenceLoop:
                 results.append(exc)
                 continue
             results.append(ComputedMicrobatch(outputs, started, time.perf_counter()))
-        self._short_forwards = all(
-            r.ended - r.started < GROUP_BELOW_S
-            for r in results
-            if isinstance(r, ComputedMicrobatch)
-        )
         return results
 
     def _output(
-        self, message: Data | MicroBatchError, result: MicroBatchResult
+        self, message: Data | MicroBatchError, result: ComputedMicrobatch | Exception | None
     ) -> Data | MicroBatchError:
         """What goes downstream for ``message``, given what computing it gave."""
         mb = message.mb
@@ -329,7 +334,6 @@ class InferenceLoop:
             raise
 
     async def close(self) -> None:
-        self._batches.close()
         self._meter.close()
         if self._link is not None:
             await self._link.close()
