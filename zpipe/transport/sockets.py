@@ -14,7 +14,11 @@ heartbeats has its input stopped at the receive high-water mark and the peer
 disconnects. Any bound PULL or ROUTER can be filled by whoever reaches its
 port (a data port before its assignment, a probe or coordinator port while its
 loop is busy), so they never get heartbeats; zpipe's own heartbeats find a
-frozen stage and TCP keepalive a vanished host. DEALERs connect to a peer this
+frozen stage and TCP keepalive a vanished host. That is not enough on its own: the
+PINGs a *peer's* heartbeats send trigger the same abort (the stopped input holds one
+undecoded, and answering it writes to the dead connection), so the coordinator's
+ROUTER has no receive mark at all (``coordinator/server.py``); a data port keeps its
+mark for backpressure and admits only the peers its plan names. DEALERs connect to a peer this
 process chose (the coordinator) and are read all the time, and the client's
 and stage's control channels rely on the heartbeats to drop the connection to
 a frozen coordinator.
