@@ -20,8 +20,8 @@ what this module predicts. A stage running units ``[i, j)`` on micro-batches of
   ``activation_bytes``) of every micro-batch in flight (the stage's warm-up ``K``);
   the forward's transient above is counted once, for the one micro-batch that runs,
   or the optimizer step's temporaries instead where they are larger
-  (:data:`OPTIMIZER_STEP_COPIES` copies of the weights: torch's multi-tensor Adam
-  makes two, plain SGD none), as the step runs after the backward; and what torch's
+  (:data:`OPTIMIZER_STEP_COPIES` copies of the weights: torch's fused Adam makes
+  none, plain SGD none, SGD with momentum one), as the step runs after the backward; and what torch's
   training machinery costs a process the first time it runs, whatever the model
   (:data:`TRAINING_RUNTIME_BYTES`: the optimizer's first step),
   which like the base is taken off a device's room, not added to a stage's model;
@@ -63,11 +63,15 @@ DEFAULT_MEMORY_MARGIN = 0.1
 MAX_MEMORY_MARGIN = 10.0
 # Copies of the weights an optimizer keeps beside them (momentum: 1, Adam's moments: 2).
 OPTIMIZER_STATE_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-# Copies of the weights an optimizer's step allocates for a moment (torch 2.x's
-# multi-tensor "foreach" Adam: the square root of the second moment and a quotient;
-# measured as a peak 2.0-2.1x the stage's weights above what the step leaves; SGD with
-# momentum's 1 is on the safe side, not measured).
-OPTIMIZER_STEP_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+# Copies of the weights an optimizer's step allocates for a moment. Adam and AdamW
+# run torch's fused kernel (zpipe.training.objectives.make_optimizer), which updates
+# each tensor in place: none (bench/memory.py, 2026-11-30: the MLP stage of 96 MiB
+# of weights peaked 11 MiB above its weights, gradients and state). Its per-tensor
+# and multi-tensor loops, which a device without the fused kernel falls back to,
+# make about two (the square root of the second moment and a quotient; measured
+# 2.0-2.1x the weights); the safety margin is what covers that case. SGD with
+# momentum's 1 is on the safe side, not measured.
+OPTIMIZER_STEP_COPIES: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 0, "adamw": 0}
 # What a stage process's first forward adds, whatever the model: the CPU kernels'
 # workspaces and caches (oneDNN, the BLAS, the thread pool), which no unit's profiled
 # peak counts; measured 6 MiB (an MLP) to 29 MiB (ViT-Base's attention) at one sample.

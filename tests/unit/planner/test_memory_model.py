@@ -48,9 +48,13 @@ def test_inference_is_weights_plus_forward_plus_base() -> None:
     assert StageMemory(weights=1000, forward=50, base=5000).with_margin(0.1) == 6655
 
 
-@pytest.mark.parametrize(("optimizer", "copies"), [("sgd", 0), ("sgd-momentum", 1), ("adam", 2)])
+@pytest.mark.parametrize(
+    ("optimizer", "copies", "step_copies"),
+    # Adam's step runs torch's fused kernel, in place: no temporaries
+    [("sgd", 0, 0), ("sgd-momentum", 1, 1), ("adam", 2, 0), ("adamw", 2, 0)],
+)
 def test_training_adds_gradients_optimizer_state_and_saved_per_micro_batch(
-    optimizer: str, copies: int
+    optimizer: str, copies: int, step_copies: int
 ) -> None:
     need = predict_stage(
         weights=1000,
@@ -63,8 +67,8 @@ def test_training_adds_gradients_optimizer_state_and_saved_per_micro_batch(
     )
     assert (need.gradients, need.optimizer, need.saved) == (1000, copies * 1000, 600)
     # the step's temporaries (copies of the weights) or the forward, whichever is larger
-    assert need.step == copies * 1000
-    assert need.model == 1000 + max(50, copies * 1000) + 1000 + copies * 1000 + 600
+    assert need.step == step_copies * 1000
+    assert need.model == 1000 + max(50, step_copies * 1000) + 1000 + copies * 1000 + 600
     assert need.total == need.model + COMPUTE_RUNTIME_BYTES + TRAINING_RUNTIME_BYTES
     with pytest.raises(ConfigError, match="unknown optimizer"):
         predict_stage(weights=1, unit_peaks=[1], stage_input=0, training=True, optimizer="x")
