@@ -21,7 +21,8 @@ what this module predicts. A stage running units ``[i, j)`` on micro-batches of
   the forward's transient above is counted once, for the one micro-batch that runs,
   or the optimizer step's temporaries instead where they are larger
   (:data:`OPTIMIZER_STEP_COPIES` copies of the weights: torch's fused Adam makes
-  none, plain SGD none, SGD with momentum one), as the step runs after the backward; and what torch's
+  none, plain SGD none, SGD with momentum one), as the step runs after the
+  backward; and what torch's
   training machinery costs a process the first time it runs, whatever the model
   (:data:`TRAINING_RUNTIME_BYTES`: the optimizer's first step),
   which like the base is taken off a device's room, not added to a stage's model;
