@@ -98,7 +98,14 @@ except ImportError:  # run as a script: bench/ itself is sys.path[0]
     from _common import emit, loadavg, summary  # type: ignore[no-redef]
 
 BENCH = "stage_relay"
-PATHS = ("raw", "stage")
+PATHS = ("raw", "stage")  # the default; "stage-sync" on request (--paths)
+KNOWN_PATHS = ("raw", "stage", "stage-sync")
+# stage-sync: how long the data thread's poll waits before it looks at its stop flag
+SYNC_POLL_MS = 50
+# stage-sync: one message in this many goes tracked (its tracker looked at, without
+# waiting, before the next tracked send), as a stand-in for the link meter's
+# delivery tracking; the others go copied and untracked, riding on it
+SYNC_TRACK_EVERY = 4
 LOOPBACK = "tcp://127.0.0.1:*"
 EPOCH = 1
 RUN = 1
@@ -232,6 +239,9 @@ def relay_main(
     if path == "raw":
         _raw_relay(conn)
         return
+    if path == "stage-sync":
+        _run_on_uvloop(_stage_sync_relay(conn))
+        return
     try:
         import uvloop
 
@@ -244,6 +254,15 @@ def relay_main(
     finally:
         if profiler is not None and profile:
             profiler.dump_stats(profile)
+
+
+def _run_on_uvloop(main: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:
+        asyncio.run(main)
 
 
 def _compute_on_the_loop() -> None:
@@ -353,6 +372,109 @@ async def _stage_relay(
     data_in.close(linger=0)
     downstream.close(linger=0)
     ctx.term()
+
+
+async def _stage_sync_relay(conn: Connection) -> None:
+    """stage-sync: the event loop only answers the feeder (as a stage's loop would
+    answer heartbeats and plans); one data thread receives, checks (the real
+    :meth:`DataPort.accept`), computes (the real shard), encodes and sends, all
+    synchronously on the shadows of the stage's own one-way sockets."""
+    ctx = new_context()
+    data_in = open_socket(ctx, zmq.PULL, OPTIONS)
+    data_in.bind(LOOPBACK)
+    conn.send(data_in.getsockopt_string(zmq.LAST_ENDPOINT))
+    await _readable(conn)
+    downstream = open_socket(ctx, zmq.PUSH, OPTIONS)
+    downstream.connect(conn.recv())
+    counters = StageCounters()
+    port = DataPort(
+        socket=data_in,
+        lifecycle=_running_lifecycle(),
+        counters=counters,
+        name="relay",
+        max_message_bytes=OPTIONS.max_message_bytes,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_sync_data_thread,
+        args=(data_in, downstream, port, Shard([torch.nn.Identity()]), counters, stop),
+        name="compute-sync",
+        daemon=True,
+    )
+    thread.start()
+    while True:
+        await _readable(conn)
+        if conn.recv() == "stop":
+            break
+        conn.send(_usage())
+    stop.set()
+    thread.join(timeout=10)
+    data_in.close(linger=0)
+    downstream.close(linger=0)
+    ctx.term()
+
+
+def _sync_data_thread(
+    data_in: Any,
+    downstream: Any,
+    port: DataPort,
+    shard: Shard,
+    counters: StageCounters,
+    stop: threading.Event,
+) -> None:
+    """The synchronous data plane: receive -> check -> forward -> encode -> send."""
+    from zpipe.protocol.data_plane import Data
+    from zpipe.transport.fd_wait import send_whole_nowait, take_queued
+    from zpipe.transport.over_bounds import message_bounds_of
+    from zpipe.transport.sockets import COPY_BELOW_BYTES, _outgoing
+
+    pull, push = data_in._shadow_sock, downstream._shadow_sock
+    bounds = message_bounds_of(data_in)
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    writable = zmq.Poller()
+    writable.register(push, zmq.POLLOUT)
+    tracker: Any = None
+    sent = 0
+    while not stop.is_set():
+        got = take_queued(pull, bounds)
+        if got is None:
+            poller.poll(SYNC_POLL_MS)  # a stop or a new epoch is seen within this
+            continue
+        if not isinstance(got, list):  # over its bounds: dropped, as a stage does
+            counters.dropped += 1
+            continue
+        try:
+            message = port.accept(got)
+        except Exception:
+            counters.dropped += 1
+            continue
+        if message is None or not isinstance(message, Data):
+            continue
+        started = time.perf_counter()
+        outputs, _ = shard.forward(message.tensors)
+        counters.timeline.record(message.mb, "compute", started, time.perf_counter())
+        out = Data(run=RUN, mb=message.mb, src="relay", epoch=EPOCH, tensors=outputs)
+        track = sent % SYNC_TRACK_EVERY == 0
+        if track and tracker is not None and tracker.done:
+            counters.link_delivered_bytes += 1  # what the meter would count
+        frames, copy, nbytes = _outgoing(
+            encode(out.to_message()), track=track, copy_below=COPY_BELOW_BYTES
+        )
+        send_at = time.perf_counter()
+        while True:
+            try:
+                queued = send_whole_nowait(push, frames, copy=copy, track=track)
+                break
+            except zmq.Again:
+                if time.perf_counter() - send_at > 30.0:
+                    raise TimeoutError("the sink took nothing for 30 s") from None
+                writable.poll(SYNC_POLL_MS)
+        if track:
+            tracker = queued
+        sent += 1
+        counters.bytes_out += nbytes
+        counters.timeline.record(message.mb, "send", send_at, time.perf_counter())
 
 
 # ------------------------------------------------------------------------ feeder
@@ -498,6 +620,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
                   for s in args.sizes.upper().split(",")]  # fmt: skip
     args.paths = [p for p in args.paths.split(",") if p]
+    unknown = set(args.paths) - set(KNOWN_PATHS)
+    if unknown:
+        parser.error(f"unknown paths {sorted(unknown)}; known: {', '.join(KNOWN_PATHS)}")
     if args.quick:
         args.messages_mb, args.repeats, args.min_count = 40.0, 1, 50
     return args
@@ -540,6 +665,14 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"rtt_ratio_{label}"] = round(stage["rtt_ms"] / raw["rtt_ms"], 4)
             ratios[f"cpu_ratio_{label}"] = round(
                 stage["cpu_us_per_message"] / raw["cpu_us_per_message"], 4
+            )
+    if "raw" in med and "stage-sync" in med:
+        for size in args.sizes:
+            raw, sync = med["raw"][size], med["stage-sync"][size]
+            label = _label(size)
+            ratios[f"sync_ratio_{label}"] = round(sync["msgs_per_s"] / raw["msgs_per_s"], 4)
+            ratios[f"sync_cpu_ratio_{label}"] = round(
+                sync["cpu_us_per_message"] / raw["cpu_us_per_message"], 4
             )
     if args.inline_compute:  # never mistaken for a stage's figures
         ratios["inline_compute"] = True
