@@ -15,6 +15,18 @@ PUSH/PULL pair. The relay is one of:
     (bounded inbox, compute thread, bounded outbox, send task with the link
     meter and its tracker) over a one-unit identity shard, on uvloop when it is
     importable, as the CLI runs stages.
+``stage-sync``
+    The ceiling of a synchronous data plane (issue 34; not what a stage runs
+    today, so only on request): the event loop only answers the feeder, and one
+    thread takes each message from the stage's own PULL socket (non-blocking,
+    then a poll of ``SYNC_POLL_MS`` when none is queued), checks it with the real
+    :meth:`~zpipe.stage.dataport.DataPort.accept` (framing, kind, sender, epoch),
+    runs the real shard's forward, encodes and queues the output on the PUSH
+    socket's synchronous shadow (polling for room under a deadline). One output
+    in ``SYNC_TRACK_EVERY`` goes tracked and its tracker is looked at, a stand-in
+    for the link meter's delivery tracking; the rest go as an untracked send
+    does. Over-bounds discards, the connection guard and an emulated link are
+    left out. Its summary keys: ``sync_ratio_X``, ``sync_cpu_ratio_X``.
 
 Two measurements per size and path, with the relay's and the feeder's CPU time:
 
@@ -42,6 +54,12 @@ and ``meter_track`` (the link meter), ``timeline`` (the spans recorded), and
 between tasks, asyncio and uvloop, the wake-ups from the compute thread, counters,
 and the steps' own clock reads: two per step, about a microsecond each). Leave it
 off for the ratios.
+
+For ``stage-sync`` (below) the steps are its data thread's: ``zmq_recv`` (the
+non-blocking take of a queued message), ``decode``, ``parse``, ``verdict``,
+``forward``, ``to_message``, ``encode``, ``outgoing`` (the frames and copy flag),
+``zmq_queue`` (the non-blocking send), ``timeline``, and ``other`` (the polls
+that wait for input or room, the counters, the loop itself).
 
 ``--profile FILE`` writes the stage relay's cProfile statistics for the last size,
 timed by each thread's CPU clock (a wall clock would charge the loop for its waits
@@ -240,7 +258,7 @@ def relay_main(
         _raw_relay(conn)
         return
     if path == "stage-sync":
-        _run_on_uvloop(_stage_sync_relay(conn))
+        _run_on_uvloop(_stage_sync_relay(conn, steps))
         return
     try:
         import uvloop
@@ -374,7 +392,7 @@ async def _stage_relay(
     ctx.term()
 
 
-async def _stage_sync_relay(conn: Connection) -> None:
+async def _stage_sync_relay(conn: Connection, steps: bool = False) -> None:
     """stage-sync: the event loop only answers the feeder (as a stage's loop would
     answer heartbeats and plans); one data thread receives, checks (the real
     :meth:`DataPort.accept`), computes (the real shard), encodes and sends, all
@@ -397,7 +415,7 @@ async def _stage_sync_relay(conn: Connection) -> None:
     stop = threading.Event()
     thread = threading.Thread(
         target=_sync_data_thread,
-        args=(data_in, downstream, port, Shard([torch.nn.Identity()]), counters, stop),
+        args=(data_in, downstream, port, Shard([torch.nn.Identity()]), counters, stop, steps),
         name="compute-sync",
         daemon=True,
     )
@@ -421,12 +439,31 @@ def _sync_data_thread(
     shard: Shard,
     counters: StageCounters,
     stop: threading.Event,
+    steps: bool = False,
 ) -> None:
-    """The synchronous data plane: receive -> check -> forward -> encode -> send."""
+    """The synchronous data plane: receive -> check -> forward -> encode -> send.
+    With ``steps``, this thread's CPU is split by step (``loop_us_<step>``)."""
+    from zpipe.protocol import REGISTRY
     from zpipe.protocol.data_plane import Data
+    from zpipe.stage import dataport
+    from zpipe.stage.timeline import Timeline
     from zpipe.transport.fd_wait import send_whole_nowait, take_queued
     from zpipe.transport.over_bounds import message_bounds_of
     from zpipe.transport.sockets import COPY_BELOW_BYTES, _outgoing
+
+    encode_message = encode
+    if steps:  # wrapped here: _timed charges the thread that wraps
+        dataport.decode_frames = _timed("decode", dataport.decode_frames)
+        REGISTRY.parse = _timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
+        verdict = _timed("verdict", StageLifecycle.data_verdict)
+        StageLifecycle.data_verdict = verdict  # type: ignore[method-assign]
+        Data.to_message = _timed("to_message", Data.to_message)  # type: ignore[method-assign]
+        Timeline.record = _timed("timeline", Timeline.record)  # type: ignore[method-assign]
+        encode_message = _timed("encode", encode)
+        take_queued = _timed("zmq_recv", take_queued)
+        send_whole_nowait = _timed("zmq_queue", send_whole_nowait)
+        _outgoing = _timed("outgoing", _outgoing)
+        shard.forward = _timed("forward", shard.forward)  # type: ignore[method-assign]
 
     pull, push = data_in._shadow_sock, downstream._shadow_sock
     bounds = message_bounds_of(data_in)
@@ -459,7 +496,7 @@ def _sync_data_thread(
         if track and tracker is not None and tracker.done:
             counters.link_delivered_bytes += 1  # what the meter would count
         frames, copy, nbytes = _outgoing(
-            encode(out.to_message()), track=track, copy_below=COPY_BELOW_BYTES
+            encode_message(out.to_message()), track=track, copy_below=COPY_BELOW_BYTES
         )
         send_at = time.perf_counter()
         while True:
@@ -556,7 +593,8 @@ def measure(
             relay1, switches1, roles1, steps1 = relay_usage()
             step_us = {k: (v - steps0.get(k, 0.0)) / count * 1e6 for k, v in steps1.items()}
             if step_us:
-                loop_us = (roles1.get("loop", 0.0) - roles0.get("loop", 0.0)) / count * 1e6
+                role = "compute" if path == "stage-sync" else "loop"  # the thread timed
+                loop_us = (roles1.get(role, 0.0) - roles0.get(role, 0.0)) / count * 1e6
                 step_us["other"] = loop_us - sum(step_us.values())
             cpu_relay = relay1 - relay0
             trips_n = max(20, count // 4)
