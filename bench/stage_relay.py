@@ -23,10 +23,11 @@ PUSH/PULL pair. The relay is one of:
     :meth:`~zpipe.stage.dataport.DataPort.accept` (framing, kind, sender, epoch),
     runs the real shard's forward, encodes and queues the output on the PUSH
     socket's synchronous shadow (polling for room under a deadline). One output
-    in ``SYNC_TRACK_EVERY`` goes tracked and its tracker is looked at, a stand-in
-    for the link meter's delivery tracking; the rest go as an untracked send
-    does. Over-bounds discards, the connection guard and an emulated link are
-    left out. Its summary keys: ``sync_ratio_X``, ``sync_cpu_ratio_X``.
+    in ``--sync-track-every`` (default ``SYNC_TRACK_EVERY``) goes tracked and its
+    tracker is looked at, a stand-in for the link meter's delivery tracking; the
+    rest go as an untracked send does. Over-bounds discards, the connection
+    guard and an emulated link are left out. Summary keys: ``sync_ratio_X``,
+    ``sync_cpu_ratio_X``.
 
 Two measurements per size and path, with the relay's and the feeder's CPU time:
 
@@ -242,6 +243,7 @@ def relay_main(
     timeout_s: float,
     steps: bool = False,
     inline_compute: bool = False,
+    track_every: int = SYNC_TRACK_EVERY,
 ) -> None:
     faulthandler.dump_traceback_later(timeout_s * 4, exit=True)
     configure_logging(level="warning")
@@ -258,7 +260,7 @@ def relay_main(
         _raw_relay(conn)
         return
     if path == "stage-sync":
-        _run_on_uvloop(_stage_sync_relay(conn, steps))
+        _run_on_uvloop(_stage_sync_relay(conn, steps, track_every))
         return
     try:
         import uvloop
@@ -392,7 +394,9 @@ async def _stage_relay(
     ctx.term()
 
 
-async def _stage_sync_relay(conn: Connection, steps: bool = False) -> None:
+async def _stage_sync_relay(
+    conn: Connection, steps: bool = False, track_every: int = SYNC_TRACK_EVERY
+) -> None:
     """stage-sync: the event loop only answers the feeder (as a stage's loop would
     answer heartbeats and plans); one data thread receives, checks (the real
     :meth:`DataPort.accept`), computes (the real shard), encodes and sends, all
@@ -415,7 +419,16 @@ async def _stage_sync_relay(conn: Connection, steps: bool = False) -> None:
     stop = threading.Event()
     thread = threading.Thread(
         target=_sync_data_thread,
-        args=(data_in, downstream, port, Shard([torch.nn.Identity()]), counters, stop, steps),
+        args=(
+            data_in,
+            downstream,
+            port,
+            Shard([torch.nn.Identity()]),
+            counters,
+            stop,
+            steps,
+            track_every,
+        ),
         name="compute-sync",
         daemon=True,
     )
@@ -440,6 +453,7 @@ def _sync_data_thread(
     counters: StageCounters,
     stop: threading.Event,
     steps: bool = False,
+    track_every: int = SYNC_TRACK_EVERY,
 ) -> None:
     """The synchronous data plane: receive -> check -> forward -> encode -> send.
     With ``steps``, this thread's CPU is split by step (``loop_us_<step>``)."""
@@ -492,7 +506,7 @@ def _sync_data_thread(
         outputs, _ = shard.forward(message.tensors)
         counters.timeline.record(message.mb, "compute", started, time.perf_counter())
         out = Data(run=RUN, mb=message.mb, src="relay", epoch=EPOCH, tensors=outputs)
-        track = sent % SYNC_TRACK_EVERY == 0
+        track = sent % track_every == 0
         if track and tracker is not None and tracker.done:
             counters.link_delivered_bytes += 1  # what the meter would count
         frames, copy, nbytes = _outgoing(
@@ -558,7 +572,15 @@ def measure(
     parent, child = spawn.Pipe()
     proc = spawn.Process(
         target=relay_main,
-        args=(child, path, profile, args.timeout, args.steps, args.inline_compute),
+        args=(
+            child,
+            path,
+            profile,
+            args.timeout,
+            args.steps,
+            args.inline_compute,
+            args.sync_track_every,
+        ),
         daemon=True,
     )
     proc.start()
@@ -651,6 +673,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="diagnostic: the stage relay computes on its event loop (not what a stage "
         "does), to measure the compute thread's hand-off; not for the ratios",
+    )
+    parser.add_argument(
+        "--sync-track-every",
+        type=int,
+        default=SYNC_TRACK_EVERY,
+        help=f"stage-sync: one output in this many goes tracked (default {SYNC_TRACK_EVERY})",
     )
     parser.add_argument("--quick", action="store_true", help="small runs, one repeat")
     args = parser.parse_args(argv)
