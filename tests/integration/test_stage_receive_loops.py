@@ -204,16 +204,17 @@ def test_the_data_port_checks_a_message_synchronously_for_a_receiver_on_any_thre
         message = Message("data", {"run": 1, "mb": mb, "src": src}, epoch, (torch.ones(2),))
         return [zmq.Frame(f) for f in frames_of(message)]
 
+    current, older, intruder = frames(3), frames(4, epoch=1), frames(5, src="intruder")
     try:
-        current = frames(3)
         accepted = port.accept(current)
         assert accepted is not None and accepted.mb == 3
         assert torch.equal(accepted.tensors[0], torch.ones(2))
-        assert port.accept(frames(4, epoch=1)) is None
+        assert port.accept(older) is None
         assert counters.stale == 1
         with pytest.raises(ProtocolError):
-            port.accept(frames(5, src="intruder"))  # not the route's upstream
-        assert counters.bytes_in == 3 * sum(len(f) for f in current)
+            port.accept(intruder)  # not the route's upstream
+        received = [current, older, intruder]
+        assert counters.bytes_in == sum(len(f) for message in received for f in message)
     finally:
         pull.close(linger=0)
 
