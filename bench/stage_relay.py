@@ -89,127 +89,56 @@ import gc
 import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
 from zpipe.log import configure_logging
-from zpipe.protocol.stage_control import Assign, Connect, Registered
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
-from zpipe.stage.lifecycle import DataRoute, StageLifecycle
+from zpipe.stage.lifecycle import StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.codec import Message, encode
 from zpipe.transport.emulation import LinkSpec
-from zpipe.transport.sockets import SocketOptions, new_context, open_socket
+from zpipe.transport.sockets import new_context, open_socket
 
 try:
     from bench._common import emit, loadavg, summary
+    from bench._relay_parts import (
+        EPOCH,
+        LOOPBACK,
+        OPTIONS,
+        RUN,
+        readable,
+        running_lifecycle,
+        timed,
+        usage,
+    )
+    from bench._stage_sync import SYNC_TRACK_EVERY, stage_sync_relay
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
     from _common import emit, loadavg, summary  # type: ignore[no-redef]
+    from _relay_parts import (  # type: ignore[no-redef]
+        EPOCH,
+        LOOPBACK,
+        OPTIONS,
+        RUN,
+        readable,
+        running_lifecycle,
+        timed,
+        usage,
+    )
+    from _stage_sync import SYNC_TRACK_EVERY, stage_sync_relay  # type: ignore[no-redef]
 
 BENCH = "stage_relay"
 PATHS = ("raw", "stage")  # the default; "stage-sync" on request (--paths)
 KNOWN_PATHS = ("raw", "stage", "stage-sync")
-# stage-sync: how long the data thread's poll waits before it looks at its stop flag
-SYNC_POLL_MS = 50
-# stage-sync: one message in this many goes tracked (its tracker looked at, without
-# waiting, before the next tracked send), as a stand-in for the link meter's
-# delivery tracking; the others go copied and untracked, riding on it
-SYNC_TRACK_EVERY = 4
-LOOPBACK = "tcp://127.0.0.1:*"
-EPOCH = 1
-RUN = 1
-OPTIONS = SocketOptions()
-
-
-def _running_lifecycle() -> StageLifecycle:
-    """A stage lifecycle in the RUNNING phase of inference run RUN, upstream 'client'."""
-    lifecycle = StageLifecycle(
-        name="relay", coordinator="c", registration={}, connect_s=1.0, silence_limit_s=1.0, now=0.0
-    )
-    lifecycle.registration_reply(Registered(name="relay", heartbeat_interval=1.0), 0.0)
-    assign = Assign(
-        run=RUN, model={}, start=0, end=1, index=0, num_stages=1, upstream="client",
-        downstream="client", downstream_endpoint="", dtype="float32", epoch=EPOCH,
-    )  # fmt: skip
-    lifecycle.control_message(assign, 0.0)
-    lifecycle.assignment_ready(RUN, EPOCH, build_s=0.0)
-    lifecycle.control_message(Connect(run=RUN, epoch=EPOCH), 0.0)
-    lifecycle.connected(RUN, DataRoute.inference(EPOCH, "client"))
-    return lifecycle
-
-
 # ------------------------------------------------------------------------- relay
-
-
-def _thread_role(name: str) -> str:
-    """Which part of the relay a thread is, by its name."""
-    if name == "MainThread":
-        return "loop"
-    if name.startswith("compute"):
-        return "compute"
-    if name.startswith("zpipe-link"):
-        return "link_meter"
-    if name.startswith("ZMQbg"):
-        return "libzmq"
-    return "other"  # pyzmq's garbage collector of zero-copy frames is an unnamed Thread-N
-
-
-def _usage() -> tuple[float, dict[str, int], dict[str, float], dict[str, float]]:
-    """This process's CPU seconds, how often each of its threads has blocked so far
-    (voluntary context switches: each is a sleep that some other thread's hand-off,
-    the network or a wait for the GIL had to end) and each thread's CPU seconds
-    (``schedstat``, nanoseconds), both by thread role."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    switches: dict[str, int] = {}
-    cpu: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-            ran_ns = int((task / "schedstat").read_text().split()[0])
-            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
-        except (OSError, ValueError, IndexError):  # a thread that just ended
-            continue
-        role = _thread_role(name)
-        cpu[role] = cpu.get(role, 0.0) + ran_ns / 1e9
-        for line in status.splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                switches[role] = switches.get(role, 0) + int(line.split()[1])
-    return time.process_time(), switches, cpu, dict(STEPS)
-
-
-# --steps: the loop thread's CPU seconds per step, each without the steps it calls
-STEPS: dict[str, float] = {}
-_STEP_STACK: list[float] = []
-
-
-def _timed(name: str, fn: Any) -> Any:
-    """``fn`` charging its loop-thread CPU (less its timed callees') to step ``name``."""
-    loop_thread = threading.get_ident()
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != loop_thread:
-            return fn(*args, **kwargs)
-        started = time.thread_time()
-        _STEP_STACK.append(0.0)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent = time.thread_time() - started
-            STEPS[name] = STEPS.get(name, 0.0) + spent - _STEP_STACK.pop()
-            if _STEP_STACK:
-                _STEP_STACK[-1] += spent
-
-    return timed
 
 
 def _time_steps(compute: ThreadPoolExecutor) -> None:
@@ -221,19 +150,19 @@ def _time_steps(compute: ThreadPoolExecutor) -> None:
     from zpipe.stage.timeline import Timeline
     from zpipe.transport import sockets
 
-    dataport.decode_frames = _timed("decode", dataport.decode_frames)
-    REGISTRY.parse = _timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
-    StageLifecycle.data_verdict = _timed("verdict", StageLifecycle.data_verdict)  # type: ignore[method-assign]
-    compute.submit = _timed("submit", compute.submit)  # type: ignore[method-assign]
-    InferenceLoop._output = _timed("output", InferenceLoop._output)  # type: ignore[method-assign]
-    Data.to_message = _timed("to_message", Data.to_message)  # type: ignore[method-assign]
-    sockets.encode = _timed("encode", sockets.encode)
-    sockets._queue_now = _timed("zmq_queue", sockets._queue_now)
-    LinkMeter.has_room = _timed("meter_look", LinkMeter.has_room)  # type: ignore[method-assign]
-    LinkMeter._look_or_hand_off = _timed("meter_look", LinkMeter._look_or_hand_off)  # type: ignore[method-assign]
-    zmq.Socket.recv_multipart = _timed("zmq_recv", zmq.Socket.recv_multipart)  # type: ignore[method-assign]
-    Timeline.record = _timed("timeline", Timeline.record)  # type: ignore[method-assign]
-    LinkMeter.track = _timed("meter_track", LinkMeter.track)  # type: ignore[method-assign]
+    dataport.decode_frames = timed("decode", dataport.decode_frames)
+    REGISTRY.parse = timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
+    StageLifecycle.data_verdict = timed("verdict", StageLifecycle.data_verdict)  # type: ignore[method-assign]
+    compute.submit = timed("submit", compute.submit)  # type: ignore[method-assign]
+    InferenceLoop._output = timed("output", InferenceLoop._output)  # type: ignore[method-assign]
+    Data.to_message = timed("to_message", Data.to_message)  # type: ignore[method-assign]
+    sockets.encode = timed("encode", sockets.encode)
+    sockets._queue_now = timed("zmq_queue", sockets._queue_now)
+    LinkMeter.has_room = timed("meter_look", LinkMeter.has_room)  # type: ignore[method-assign]
+    LinkMeter._look_or_hand_off = timed("meter_look", LinkMeter._look_or_hand_off)  # type: ignore[method-assign]
+    zmq.Socket.recv_multipart = timed("zmq_recv", zmq.Socket.recv_multipart)  # type: ignore[method-assign]
+    Timeline.record = timed("timeline", Timeline.record)  # type: ignore[method-assign]
+    LinkMeter.track = timed("meter_track", LinkMeter.track)  # type: ignore[method-assign]
 
 
 def relay_main(
@@ -260,7 +189,7 @@ def relay_main(
         _raw_relay(conn)
         return
     if path == "stage-sync":
-        _run_on_uvloop(_stage_sync_relay(conn, steps, track_every))
+        _run_on_uvloop(stage_sync_relay(conn, steps, track_every))
         return
     try:
         import uvloop
@@ -317,23 +246,12 @@ def _raw_relay(conn: Connection) -> None:
             if conn.poll(0):
                 if conn.recv() == "stop":
                     break
-                conn.send(_usage())
+                conn.send(usage())
             continue
         push.send_multipart(frames, copy=False)
     pull.close()
     push.close()
     ctx.term()
-
-
-async def _readable(conn: Connection) -> None:
-    """Until the feeder's next request is there (the run's own deadline bounds it)."""
-    loop = asyncio.get_running_loop()
-    ready = asyncio.Event()
-    loop.add_reader(conn.fileno(), ready.set)
-    try:
-        await ready.wait()
-    finally:
-        loop.remove_reader(conn.fileno())
 
 
 async def _stage_relay(
@@ -343,11 +261,11 @@ async def _stage_relay(
     data_in = open_socket(ctx, zmq.PULL, OPTIONS)
     data_in.bind(LOOPBACK)
     conn.send(data_in.getsockopt_string(zmq.LAST_ENDPOINT))
-    await _readable(conn)
+    await readable(conn)
     downstream = open_socket(ctx, zmq.PUSH, OPTIONS)
     downstream.connect(conn.recv())
     counters = StageCounters()
-    lifecycle = _running_lifecycle()
+    lifecycle = running_lifecycle()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-relay")
     if steps:
         _time_steps(compute)
@@ -378,10 +296,10 @@ async def _stage_relay(
     if profiler is not None:
         profiler.enable()
     while True:
-        await _readable(conn)
+        await readable(conn)
         if conn.recv() == "stop":
             break
-        conn.send(_usage())
+        conn.send(usage())
     if profiler is not None:
         profiler.disable()
     for task in tasks:
@@ -392,140 +310,6 @@ async def _stage_relay(
     data_in.close(linger=0)
     downstream.close(linger=0)
     ctx.term()
-
-
-async def _stage_sync_relay(
-    conn: Connection, steps: bool = False, track_every: int = SYNC_TRACK_EVERY
-) -> None:
-    """stage-sync: the event loop only answers the feeder (as a stage's loop would
-    answer heartbeats and plans); one data thread receives, checks (the real
-    :meth:`DataPort.accept`), computes (the real shard), encodes and sends, all
-    synchronously on the shadows of the stage's own one-way sockets."""
-    ctx = new_context()
-    data_in = open_socket(ctx, zmq.PULL, OPTIONS)
-    data_in.bind(LOOPBACK)
-    conn.send(data_in.getsockopt_string(zmq.LAST_ENDPOINT))
-    await _readable(conn)
-    downstream = open_socket(ctx, zmq.PUSH, OPTIONS)
-    downstream.connect(conn.recv())
-    counters = StageCounters()
-    port = DataPort(
-        socket=data_in,
-        lifecycle=_running_lifecycle(),
-        counters=counters,
-        name="relay",
-        max_message_bytes=OPTIONS.max_message_bytes,
-    )
-    stop = threading.Event()
-    thread = threading.Thread(
-        target=_sync_data_thread,
-        args=(
-            data_in,
-            downstream,
-            port,
-            Shard([torch.nn.Identity()]),
-            counters,
-            stop,
-            steps,
-            track_every,
-        ),
-        name="compute-sync",
-        daemon=True,
-    )
-    thread.start()
-    while True:
-        await _readable(conn)
-        if conn.recv() == "stop":
-            break
-        conn.send(_usage())
-    stop.set()
-    thread.join(timeout=10)
-    data_in.close(linger=0)
-    downstream.close(linger=0)
-    ctx.term()
-
-
-def _sync_data_thread(
-    data_in: Any,
-    downstream: Any,
-    port: DataPort,
-    shard: Shard,
-    counters: StageCounters,
-    stop: threading.Event,
-    steps: bool = False,
-    track_every: int = SYNC_TRACK_EVERY,
-) -> None:
-    """The synchronous data plane: receive -> check -> forward -> encode -> send.
-    With ``steps``, this thread's CPU is split by step (``loop_us_<step>``)."""
-    from zpipe.protocol import REGISTRY
-    from zpipe.protocol.data_plane import Data
-    from zpipe.stage import dataport
-    from zpipe.stage.timeline import Timeline
-    from zpipe.transport.fd_wait import send_whole_nowait, take_queued
-    from zpipe.transport.over_bounds import message_bounds_of
-    from zpipe.transport.sockets import COPY_BELOW_BYTES, _outgoing
-
-    encode_message = encode
-    if steps:  # wrapped here: _timed charges the thread that wraps
-        dataport.decode_frames = _timed("decode", dataport.decode_frames)
-        REGISTRY.parse = _timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
-        verdict = _timed("verdict", StageLifecycle.data_verdict)
-        StageLifecycle.data_verdict = verdict  # type: ignore[method-assign]
-        Data.to_message = _timed("to_message", Data.to_message)  # type: ignore[method-assign]
-        Timeline.record = _timed("timeline", Timeline.record)  # type: ignore[method-assign]
-        encode_message = _timed("encode", encode)
-        take_queued = _timed("zmq_recv", take_queued)
-        send_whole_nowait = _timed("zmq_queue", send_whole_nowait)
-        _outgoing = _timed("outgoing", _outgoing)
-        shard.forward = _timed("forward", shard.forward)  # type: ignore[method-assign]
-
-    pull, push = data_in._shadow_sock, downstream._shadow_sock
-    bounds = message_bounds_of(data_in)
-    poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
-    writable = zmq.Poller()
-    writable.register(push, zmq.POLLOUT)
-    tracker: Any = None
-    sent = 0
-    while not stop.is_set():
-        got = take_queued(pull, bounds)
-        if got is None:
-            poller.poll(SYNC_POLL_MS)  # a stop or a new epoch is seen within this
-            continue
-        if not isinstance(got, list):  # over its bounds: dropped, as a stage does
-            counters.dropped += 1
-            continue
-        try:
-            message = port.accept(got)
-        except Exception:
-            counters.dropped += 1
-            continue
-        if message is None or not isinstance(message, Data):
-            continue
-        started = time.perf_counter()
-        outputs, _ = shard.forward(message.tensors)
-        counters.timeline.record(message.mb, "compute", started, time.perf_counter())
-        out = Data(run=RUN, mb=message.mb, src="relay", epoch=EPOCH, tensors=outputs)
-        track = sent % track_every == 0
-        if track and tracker is not None and tracker.done:
-            counters.link_delivered_bytes += 1  # what the meter would count
-        frames, copy, nbytes = _outgoing(
-            encode_message(out.to_message()), track=track, copy_below=COPY_BELOW_BYTES
-        )
-        send_at = time.perf_counter()
-        while True:
-            try:
-                queued = send_whole_nowait(push, frames, copy=copy, track=track)
-                break
-            except zmq.Again:
-                if time.perf_counter() - send_at > 30.0:
-                    raise TimeoutError("the sink took nothing for 30 s") from None
-                writable.poll(SYNC_POLL_MS)
-        if track:
-            tracker = queued
-        sent += 1
-        counters.bytes_out += nbytes
-        counters.timeline.record(message.mb, "send", send_at, time.perf_counter())
 
 
 # ------------------------------------------------------------------------ feeder
