@@ -15,6 +15,19 @@ PUSH/PULL pair. The relay is one of:
     (bounded inbox, compute thread, bounded outbox, send task with the link
     meter and its tracker) over a one-unit identity shard, on uvloop when it is
     importable, as the CLI runs stages.
+``stage-sync``
+    The ceiling of a synchronous data plane (issue 34; not what a stage runs
+    today, so only on request): the event loop only answers the feeder, and one
+    thread takes each message from the stage's own PULL socket (non-blocking,
+    then a poll of ``SYNC_POLL_MS`` when none is queued), checks it with the real
+    :meth:`~zpipe.stage.dataport.DataPort.accept` (framing, kind, sender, epoch),
+    runs the real shard's forward, encodes and queues the output on the PUSH
+    socket's synchronous shadow (polling for room under a deadline). One output
+    in ``--sync-track-every`` (default ``SYNC_TRACK_EVERY``) goes tracked and its
+    tracker is looked at, a stand-in for the link meter's delivery tracking; the
+    rest go as an untracked send does. Over-bounds discards, the connection
+    guard and an emulated link are left out. Summary keys: ``sync_ratio_X``,
+    ``sync_cpu_ratio_X``.
 
 Two measurements per size and path, with the relay's and the feeder's CPU time:
 
@@ -43,6 +56,12 @@ between tasks, asyncio and uvloop, the wake-ups from the compute thread, counter
 and the steps' own clock reads: two per step, about a microsecond each). Leave it
 off for the ratios.
 
+For ``stage-sync`` (below) the steps are its data thread's: ``zmq_recv`` (the
+non-blocking take of a queued message), ``decode``, ``parse``, ``verdict``,
+``forward``, ``to_message``, ``encode``, ``outgoing`` (the frames and copy flag),
+``zmq_queue`` (the non-blocking send), ``timeline``, and ``other`` (the polls
+that wait for input or room, the counters, the loop itself).
+
 ``--profile FILE`` writes the stage relay's cProfile statistics for the last size,
 timed by each thread's CPU clock (a wall clock would charge the loop for its waits
 for the GIL while the compute thread or pyzmq's collector holds it).
@@ -70,120 +89,56 @@ import gc
 import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
 from zpipe.log import configure_logging
-from zpipe.protocol.stage_control import Assign, Connect, Registered
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
-from zpipe.stage.lifecycle import DataRoute, StageLifecycle
+from zpipe.stage.lifecycle import StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.shard import Shard
 from zpipe.transport.allocator import retain_freed_memory
 from zpipe.transport.codec import Message, encode
 from zpipe.transport.emulation import LinkSpec
-from zpipe.transport.sockets import SocketOptions, new_context, open_socket
+from zpipe.transport.sockets import new_context, open_socket
 
 try:
     from bench._common import emit, loadavg, summary
+    from bench._relay_parts import (
+        EPOCH,
+        LOOPBACK,
+        OPTIONS,
+        RUN,
+        readable,
+        running_lifecycle,
+        timed,
+        usage,
+    )
+    from bench._stage_sync import SYNC_TRACK_EVERY, stage_sync_relay
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
     from _common import emit, loadavg, summary  # type: ignore[no-redef]
+    from _relay_parts import (  # type: ignore[no-redef]
+        EPOCH,
+        LOOPBACK,
+        OPTIONS,
+        RUN,
+        readable,
+        running_lifecycle,
+        timed,
+        usage,
+    )
+    from _stage_sync import SYNC_TRACK_EVERY, stage_sync_relay  # type: ignore[no-redef]
 
 BENCH = "stage_relay"
-PATHS = ("raw", "stage")
-LOOPBACK = "tcp://127.0.0.1:*"
-EPOCH = 1
-RUN = 1
-OPTIONS = SocketOptions()
-
-
-def _running_lifecycle() -> StageLifecycle:
-    """A stage lifecycle in the RUNNING phase of inference run RUN, upstream 'client'."""
-    lifecycle = StageLifecycle(
-        name="relay", coordinator="c", registration={}, connect_s=1.0, silence_limit_s=1.0, now=0.0
-    )
-    lifecycle.registration_reply(Registered(name="relay", heartbeat_interval=1.0), 0.0)
-    assign = Assign(
-        run=RUN, model={}, start=0, end=1, index=0, num_stages=1, upstream="client",
-        downstream="client", downstream_endpoint="", dtype="float32", epoch=EPOCH,
-    )  # fmt: skip
-    lifecycle.control_message(assign, 0.0)
-    lifecycle.assignment_ready(RUN, EPOCH, build_s=0.0)
-    lifecycle.control_message(Connect(run=RUN, epoch=EPOCH), 0.0)
-    lifecycle.connected(RUN, DataRoute.inference(EPOCH, "client"))
-    return lifecycle
-
-
+PATHS = ("raw", "stage")  # the default; "stage-sync" on request (--paths)
+KNOWN_PATHS = ("raw", "stage", "stage-sync")
 # ------------------------------------------------------------------------- relay
-
-
-def _thread_role(name: str) -> str:
-    """Which part of the relay a thread is, by its name."""
-    if name == "MainThread":
-        return "loop"
-    if name.startswith("compute"):
-        return "compute"
-    if name.startswith("zpipe-link"):
-        return "link_meter"
-    if name.startswith("ZMQbg"):
-        return "libzmq"
-    return "other"  # pyzmq's garbage collector of zero-copy frames is an unnamed Thread-N
-
-
-def _usage() -> tuple[float, dict[str, int], dict[str, float], dict[str, float]]:
-    """This process's CPU seconds, how often each of its threads has blocked so far
-    (voluntary context switches: each is a sleep that some other thread's hand-off,
-    the network or a wait for the GIL had to end) and each thread's CPU seconds
-    (``schedstat``, nanoseconds), both by thread role."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    switches: dict[str, int] = {}
-    cpu: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-            ran_ns = int((task / "schedstat").read_text().split()[0])
-            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
-        except (OSError, ValueError, IndexError):  # a thread that just ended
-            continue
-        role = _thread_role(name)
-        cpu[role] = cpu.get(role, 0.0) + ran_ns / 1e9
-        for line in status.splitlines():
-            if line.startswith("voluntary_ctxt_switches:"):
-                switches[role] = switches.get(role, 0) + int(line.split()[1])
-    return time.process_time(), switches, cpu, dict(STEPS)
-
-
-# --steps: the loop thread's CPU seconds per step, each without the steps it calls
-STEPS: dict[str, float] = {}
-_STEP_STACK: list[float] = []
-
-
-def _timed(name: str, fn: Any) -> Any:
-    """``fn`` charging its loop-thread CPU (less its timed callees') to step ``name``."""
-    loop_thread = threading.get_ident()
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != loop_thread:
-            return fn(*args, **kwargs)
-        started = time.thread_time()
-        _STEP_STACK.append(0.0)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent = time.thread_time() - started
-            STEPS[name] = STEPS.get(name, 0.0) + spent - _STEP_STACK.pop()
-            if _STEP_STACK:
-                _STEP_STACK[-1] += spent
-
-    return timed
 
 
 def _time_steps(compute: ThreadPoolExecutor) -> None:
@@ -195,19 +150,19 @@ def _time_steps(compute: ThreadPoolExecutor) -> None:
     from zpipe.stage.timeline import Timeline
     from zpipe.transport import sockets
 
-    dataport.decode_frames = _timed("decode", dataport.decode_frames)
-    REGISTRY.parse = _timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
-    StageLifecycle.data_verdict = _timed("verdict", StageLifecycle.data_verdict)  # type: ignore[method-assign]
-    compute.submit = _timed("submit", compute.submit)  # type: ignore[method-assign]
-    InferenceLoop._output = _timed("output", InferenceLoop._output)  # type: ignore[method-assign]
-    Data.to_message = _timed("to_message", Data.to_message)  # type: ignore[method-assign]
-    sockets.encode = _timed("encode", sockets.encode)
-    sockets._queue_now = _timed("zmq_queue", sockets._queue_now)
-    LinkMeter.has_room = _timed("meter_look", LinkMeter.has_room)  # type: ignore[method-assign]
-    LinkMeter._look_or_hand_off = _timed("meter_look", LinkMeter._look_or_hand_off)  # type: ignore[method-assign]
-    zmq.Socket.recv_multipart = _timed("zmq_recv", zmq.Socket.recv_multipart)  # type: ignore[method-assign]
-    Timeline.record = _timed("timeline", Timeline.record)  # type: ignore[method-assign]
-    LinkMeter.track = _timed("meter_track", LinkMeter.track)  # type: ignore[method-assign]
+    dataport.decode_frames = timed("decode", dataport.decode_frames)
+    REGISTRY.parse = timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
+    StageLifecycle.data_verdict = timed("verdict", StageLifecycle.data_verdict)  # type: ignore[method-assign]
+    compute.submit = timed("submit", compute.submit)  # type: ignore[method-assign]
+    InferenceLoop._output = timed("output", InferenceLoop._output)  # type: ignore[method-assign]
+    Data.to_message = timed("to_message", Data.to_message)  # type: ignore[method-assign]
+    sockets.encode = timed("encode", sockets.encode)
+    sockets._queue_now = timed("zmq_queue", sockets._queue_now)
+    LinkMeter.has_room = timed("meter_look", LinkMeter.has_room)  # type: ignore[method-assign]
+    LinkMeter._look_or_hand_off = timed("meter_look", LinkMeter._look_or_hand_off)  # type: ignore[method-assign]
+    zmq.Socket.recv_multipart = timed("zmq_recv", zmq.Socket.recv_multipart)  # type: ignore[method-assign]
+    Timeline.record = timed("timeline", Timeline.record)  # type: ignore[method-assign]
+    LinkMeter.track = timed("meter_track", LinkMeter.track)  # type: ignore[method-assign]
 
 
 def relay_main(
@@ -217,6 +172,7 @@ def relay_main(
     timeout_s: float,
     steps: bool = False,
     inline_compute: bool = False,
+    track_every: int = SYNC_TRACK_EVERY,
 ) -> None:
     faulthandler.dump_traceback_later(timeout_s * 4, exit=True)
     configure_logging(level="warning")
@@ -232,6 +188,9 @@ def relay_main(
     if path == "raw":
         _raw_relay(conn)
         return
+    if path == "stage-sync":
+        _run_on_uvloop(stage_sync_relay(conn, steps, track_every))
+        return
     try:
         import uvloop
 
@@ -244,6 +203,15 @@ def relay_main(
     finally:
         if profiler is not None and profile:
             profiler.dump_stats(profile)
+
+
+def _run_on_uvloop(main: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:
+        asyncio.run(main)
 
 
 def _compute_on_the_loop() -> None:
@@ -278,23 +246,12 @@ def _raw_relay(conn: Connection) -> None:
             if conn.poll(0):
                 if conn.recv() == "stop":
                     break
-                conn.send(_usage())
+                conn.send(usage())
             continue
         push.send_multipart(frames, copy=False)
     pull.close()
     push.close()
     ctx.term()
-
-
-async def _readable(conn: Connection) -> None:
-    """Until the feeder's next request is there (the run's own deadline bounds it)."""
-    loop = asyncio.get_running_loop()
-    ready = asyncio.Event()
-    loop.add_reader(conn.fileno(), ready.set)
-    try:
-        await ready.wait()
-    finally:
-        loop.remove_reader(conn.fileno())
 
 
 async def _stage_relay(
@@ -304,11 +261,11 @@ async def _stage_relay(
     data_in = open_socket(ctx, zmq.PULL, OPTIONS)
     data_in.bind(LOOPBACK)
     conn.send(data_in.getsockopt_string(zmq.LAST_ENDPOINT))
-    await _readable(conn)
+    await readable(conn)
     downstream = open_socket(ctx, zmq.PUSH, OPTIONS)
     downstream.connect(conn.recv())
     counters = StageCounters()
-    lifecycle = _running_lifecycle()
+    lifecycle = running_lifecycle()
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute-relay")
     if steps:
         _time_steps(compute)
@@ -339,10 +296,10 @@ async def _stage_relay(
     if profiler is not None:
         profiler.enable()
     while True:
-        await _readable(conn)
+        await readable(conn)
         if conn.recv() == "stop":
             break
-        conn.send(_usage())
+        conn.send(usage())
     if profiler is not None:
         profiler.disable()
     for task in tasks:
@@ -399,7 +356,15 @@ def measure(
     parent, child = spawn.Pipe()
     proc = spawn.Process(
         target=relay_main,
-        args=(child, path, profile, args.timeout, args.steps, args.inline_compute),
+        args=(
+            child,
+            path,
+            profile,
+            args.timeout,
+            args.steps,
+            args.inline_compute,
+            args.sync_track_every,
+        ),
         daemon=True,
     )
     proc.start()
@@ -434,7 +399,8 @@ def measure(
             relay1, switches1, roles1, steps1 = relay_usage()
             step_us = {k: (v - steps0.get(k, 0.0)) / count * 1e6 for k, v in steps1.items()}
             if step_us:
-                loop_us = (roles1.get("loop", 0.0) - roles0.get("loop", 0.0)) / count * 1e6
+                role = "compute" if path == "stage-sync" else "loop"  # the thread timed
+                loop_us = (roles1.get(role, 0.0) - roles0.get(role, 0.0)) / count * 1e6
                 step_us["other"] = loop_us - sum(step_us.values())
             cpu_relay = relay1 - relay0
             trips_n = max(20, count // 4)
@@ -492,12 +458,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="diagnostic: the stage relay computes on its event loop (not what a stage "
         "does), to measure the compute thread's hand-off; not for the ratios",
     )
+    parser.add_argument(
+        "--sync-track-every",
+        type=int,
+        default=SYNC_TRACK_EVERY,
+        help=f"stage-sync: one output in this many goes tracked (default {SYNC_TRACK_EVERY})",
+    )
     parser.add_argument("--quick", action="store_true", help="small runs, one repeat")
     args = parser.parse_args(argv)
     units = {"K": 1 << 10, "M": 1 << 20}
     args.sizes = [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
                   for s in args.sizes.upper().split(",")]  # fmt: skip
     args.paths = [p for p in args.paths.split(",") if p]
+    unknown = set(args.paths) - set(KNOWN_PATHS)
+    if unknown:
+        parser.error(f"unknown paths {sorted(unknown)}; known: {', '.join(KNOWN_PATHS)}")
     if args.quick:
         args.messages_mb, args.repeats, args.min_count = 40.0, 1, 50
     return args
@@ -540,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"rtt_ratio_{label}"] = round(stage["rtt_ms"] / raw["rtt_ms"], 4)
             ratios[f"cpu_ratio_{label}"] = round(
                 stage["cpu_us_per_message"] / raw["cpu_us_per_message"], 4
+            )
+    if "raw" in med and "stage-sync" in med:
+        for size in args.sizes:
+            raw, sync = med["raw"][size], med["stage-sync"][size]
+            label = _label(size)
+            ratios[f"sync_ratio_{label}"] = round(sync["msgs_per_s"] / raw["msgs_per_s"], 4)
+            ratios[f"sync_cpu_ratio_{label}"] = round(
+                sync["cpu_us_per_message"] / raw["cpu_us_per_message"], 4
             )
     if args.inline_compute:  # never mistaken for a stage's figures
         ratios["inline_compute"] = True

@@ -19,6 +19,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from zpipe._errors import ProtocolError
 from zpipe.config import Timeouts
 from zpipe.protocol import WireMessage
 from zpipe.protocol.stage_control import Assign, Connect, Probe, Register, Registered
@@ -181,6 +182,41 @@ async def test_the_data_port_survives_poison_and_a_failing_delivery(
         pull.close(linger=0)
     assert delivered == [2]
     assert counters.dropped == 3 and counters.stale == 1
+
+
+def test_the_data_port_checks_a_message_synchronously_for_a_receiver_on_any_thread(
+    context: zmq.asyncio.Context,
+) -> None:
+    """:meth:`DataPort.accept` (what a synchronous receiver calls): the message of the
+    route's epoch, None for an older epoch (counted stale), a ProtocolError for one
+    the verdict drops; every byte counted in."""
+    pull = open_socket(context, zmq.PULL, OPTIONS)
+    counters = StageCounters()
+    port = DataPort(
+        socket=pull,
+        lifecycle=_running_lifecycle(epoch=2),
+        counters=counters,
+        name="s0",
+        max_message_bytes=OPTIONS.max_message_bytes,
+    )
+
+    def frames(mb: int, *, epoch: int = 2, src: str = "client") -> list[zmq.Frame]:
+        message = Message("data", {"run": 1, "mb": mb, "src": src}, epoch, (torch.ones(2),))
+        return [zmq.Frame(f) for f in frames_of(message)]
+
+    current, older, intruder = frames(3), frames(4, epoch=1), frames(5, src="intruder")
+    try:
+        accepted = port.accept(current)
+        assert accepted is not None and accepted.mb == 3
+        assert torch.equal(accepted.tensors[0], torch.ones(2))
+        assert port.accept(older) is None
+        assert counters.stale == 1
+        with pytest.raises(ProtocolError):
+            port.accept(intruder)  # not the route's upstream
+        received = [current, older, intruder]
+        assert counters.bytes_in == sum(len(f) for message in received for f in message)
+    finally:
+        pull.close(linger=0)
 
 
 # -------------------------------------------------------------- probe port

@@ -69,6 +69,16 @@ class DataPort:
 
     async def handle(self, frames: list[zmq.Frame], deliver: Deliver) -> None:
         received_at = clock()
+        message = self.accept(frames)
+        if message is None:
+            return
+        await deliver(message)
+        self._counters.timeline.record(message.mb, "recv", received_at, clock())
+
+    def accept(self, frames: list[zmq.Frame]) -> DataMessage | None:
+        """The checked message in ``frames``, or None when it is of an older epoch
+        (counted as stale); a :class:`ProtocolError` for one that must be dropped.
+        Synchronous, so a receiver on any thread can check what it took."""
         self._counters.bytes_in += frames_nbytes(frames)
         self._check_sender(frames[0])
         message = REGISTRY.parse(decode_frames(frames, self._max_bytes))
@@ -89,10 +99,9 @@ class DataPort:
             log.debug(
                 "stale_message", stage=self._name, epoch=message.epoch, reason=decision.reason
             )
-            return
+            return None
         assert isinstance(message, DataMessage)  # delivered: a data kind from its sender
-        await deliver(message)
-        self._counters.timeline.record(message.mb, "recv", received_at, clock())
+        return message
 
     def _check_sender(self, frame: zmq.Frame) -> None:
         if self._allowed is None:
