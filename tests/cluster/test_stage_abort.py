@@ -141,3 +141,98 @@ def test_the_old_data_port_mark_aborts_in_the_same_order() -> None:
         pytest.skip(f"the libzmq abort did not reproduce here: {zmq.zmq_version()}")
     assert code == -signal.SIGABRT, (code, err[-3000:])
     assert "stream_engine_base.cpp" in err
+
+
+# ------------------------------------------------ the control DEALER (libzmq issue 3937)
+
+CONTROL_CHILD = """
+import asyncio, sys, time
+import zmq
+import zpipe.stage.ports as ports
+from zpipe.stage.config import StageConfig
+from zpipe.transport.sockets import SocketOptions, new_context
+
+if sys.argv[1] == "old" and hasattr(ports, "CONTROL_RECV_HWM"):
+    ports.CONTROL_RECV_HWM = None  # the socket options' mark (16), as before
+
+
+async def main():
+    context = new_context()
+    # heartbeats at a faster pace than the defaults (1 s, 5 s timeout): the same order
+    options = SocketOptions(zmtp_heartbeat_ms=100, zmtp_heartbeat_timeout_ms=500)
+    config = StageConfig(name="s0", coordinator=sys.argv[2], data_bind="tcp://127.0.0.1:0",
+                         probe_bind="tcp://127.0.0.1:0", socket_options=options)
+    keys = ports.StageKeys.load(context, config)
+    stage_ports = ports.StagePorts.open(context, config, keys)
+    control = zmq.Socket.shadow(stage_ports.control.underlying)
+    print(control.getsockopt(zmq.ROUTING_ID).decode(), control.getsockopt(zmq.RCVHWM), flush=True)
+    # a starved loop: nothing read for several heartbeat timeouts while the coordinator sends
+    await asyncio.sleep(3.0)
+    drained = 0
+    while control.poll(1000, zmq.POLLIN):
+        control.recv_multipart()
+        drained += 1
+    print("alive", drained, flush=True)
+    stage_ports.close()
+    keys.stop()
+
+
+asyncio.run(main())
+"""
+
+
+def _starve_the_control_link(config: str) -> tuple[int, str, str, int]:
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.SNDHWM, 100_000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CONTROL_CHILD, config, f"tcp://127.0.0.1:{port}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None
+        first = child.stdout.readline().split()
+        assert len(first) == 2, child.communicate(timeout=60)
+        routing_id, recv_hwm = first[0].encode(), int(first[1])
+        deadline = time.monotonic() + 60
+        while True:  # until the stage's control link is connected
+            try:
+                router.send_multipart([routing_id, b"ack"], flags=zmq.NOBLOCK)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, "the stage never connected"
+                time.sleep(0.01)
+        for _ in range(200):  # acks and commands, far more than a mark of 16
+            router.send_multipart([routing_id, b"c" * 1000])
+        out, err = child.communicate(timeout=120)
+    finally:
+        router.close(linger=0)
+        context.term()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, out, err, recv_hwm
+
+
+def test_a_starved_control_link_with_heartbeats_does_not_abort_the_stage() -> None:
+    code, out, err, recv_hwm = _starve_the_control_link("new")
+    assert code == 0, err[-3000:]
+    assert recv_hwm == 0
+    assert out.split()[0] == "alive"
+
+
+def test_the_old_control_mark_aborts_when_the_link_is_starved() -> None:
+    code, _, err, recv_hwm = _starve_the_control_link("old")
+    assert recv_hwm == 16
+    if code == 0:
+        pytest.skip(f"the libzmq abort did not reproduce here: {zmq.zmq_version()}")
+    assert code == -signal.SIGABRT, (code, err[-3000:])
+    assert "_input_stopped" in err
