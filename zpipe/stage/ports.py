@@ -54,6 +54,34 @@ from zpipe.transport.sockets import (
 
 log = get_logger("zpipe.stage")
 
+# The data port's RCVHWM: none (0), whatever its plan's limits say (those still size
+# its guard's budget). libzmq 4.3.5 aborts the whole process (SIGABRT, "Assertion
+# failed: !_io_error (src/stream_engine_base.cpp:310)") when a connection whose input
+# it stopped at the mark breaks while a ZMTP PING the peer sent is still undecoded,
+# and the stage then reads the queue: restarting the input answers the PING on the
+# broken connection. zpipe's own PUSHes send no PINGs, but any peer at an admitted
+# address may set HEARTBEAT_IVL, fill the port while the stage computes (its inbox
+# full, nothing read) and go (tests/cluster/test_stage_abort.py). Without a mark the
+# input is never stopped, and the guard may cut a connection safely (a cut of a
+# stopped one is the same abort). What a connection queues is bounded by the guard
+# (bytes per connection; resident memory for floods of small messages:
+# zpipe.transport.conn_budget.data_port_budget); a legitimate sender is held back
+# by its run's own windows (the client's max_in_flight, 1F1B's warm-up), its SNDHWM
+# and the stage's inbox, not by this mark. None: the plan's mark (the old behaviour,
+# for tests that show the abort).
+DATA_PORT_RECV_HWM: int | None = 0
+
+# The control DEALER's RCVHWM: none (0). It has ZMTP heartbeats (they drop the link to
+# a frozen coordinator), and libzmq 4.3.5 aborts (SIGABRT, "Assertion failed:
+# _input_stopped (src/stream_engine_base.cpp:396)", upstream issues 3937 and 4767) when
+# such a socket's input was stopped at its mark and its heartbeat timed out (nothing
+# is read from a stopped input): the reconnected engine is asked to restart an input
+# it never stopped. The coordinator's acks and commands queued while the stage's loop
+# was starved for a heartbeat timeout (5 s) were enough. The coordinator is the one
+# peer of this socket, chosen by the stage; what it queues here is what it sends.
+# None: the socket options' mark (the old behaviour, for tests that show the abort).
+CONTROL_RECV_HWM: int | None = 0
+
 # chunks of bulk state queued in the stage at most (zpipe.transport.bulk.CHUNK_BYTES each)
 BULK_SEND_HWM = 2
 # the bulk connection's routing id: the stage's name and this, so it keeps it on reconnect
@@ -162,6 +190,7 @@ class StagePorts:
         # Small limits until an assignment: nothing may queue megabytes at an idle stage.
         data_in = open_socket(context, zmq.PULL, opts, limits=ReceiveLimits.before_plan())
         opened.append(data_in)
+        unmark_data_port(data_in)
         address_domain = None
         if keys.keypair is not None:
             security.secure_server(data_in, keys.keypair)
@@ -182,6 +211,8 @@ class StagePorts:
         )
         control = open_socket(context, zmq.DEALER, opts)
         opened.append(control)
+        if CONTROL_RECV_HWM is not None:
+            control.setsockopt(zmq.RCVHWM, CONTROL_RECV_HWM)  # before connecting
         # This process's own routing id: a second process under the same name is then a
         # registration the coordinator can judge (refuse, or let take over a dead one),
         # where one routing id would have the coordinator's ROUTER silently drop it.
@@ -226,6 +257,7 @@ class StagePorts:
         fresh = open_listener(
             self._context, self._options, limits, self._keypair, address_domain=self._address_domain
         )
+        unmark_data_port(fresh)  # before the bind: a listener copies its options then
         self.data_guard = guard_data_port(fresh, limits)
         # the stage keeps an open socket even if the bind fails (the assignment fails;
         # the next one tries again), never a closed one
@@ -242,6 +274,12 @@ class StagePorts:
         for sock in (self.data_in, self.probe_in, self.control, self.bulk):
             if sock is not None:
                 sock.close(linger=0)
+
+
+def unmark_data_port(data_in: zmq.asyncio.Socket) -> None:
+    """Give a data socket no receive mark (:data:`DATA_PORT_RECV_HWM`); before it binds."""
+    if DATA_PORT_RECV_HWM is not None:
+        data_in.setsockopt(zmq.RCVHWM, DATA_PORT_RECV_HWM)
 
 
 def guard_data_port(data_in: zmq.asyncio.Socket, limits: ReceiveLimits) -> ConnectionGuard:

@@ -137,16 +137,32 @@ def control_port_budget(max_frame_bytes: int) -> GuardBudget:
     )
 
 
+# The process rule of a data port. Its socket has no receive mark (libzmq's abort:
+# zpipe.stage.ports.DATA_PORT_RECV_HWM), so while the stage computes and reads
+# nothing, libzmq queues whatever an admitted peer sends, and a message costs it about
+# 64 bytes however short: empty frames (2 bytes on the wire) are some 32 times their
+# wire bytes, past what a connection's byte budget sees. A stage's own memory grows
+# too (a build, a replica, a forward's intermediates), unexplained by what peers sent,
+# but the rule cuts only a connection that holds at least ``min_held_to_cut`` unread
+# (a legitimate upstream rarely holds a megabyte while the stage grows by this much
+# more than four times what it received since it was last quiet); 256 MiB leaves
+# room for a forward's intermediates that the control port's 64 MiB does not.
+DATA_PORT_RSS_GROWTH = 256 << 20
+
+
 def data_port_budget(
     queued_bytes: int, message_max_bytes: int, message_max_frames: int, recv_hwm: int
 ) -> GuardBudget:
     """A data port's budget: what its limits let one connection queue (``queued_bytes``:
-    ``RCVHWM`` activations of the largest size) and one more message of the most a
-    message may hold arriving, with every frame's framing. No process rule: a
-    stage's memory grows by what it builds (a model, at an assignment), which no
-    peer sent."""
+    ``recv_hwm`` activations of the largest size, what a legitimate sender has in
+    flight) and one more message of the most a message may hold arriving, with every
+    frame's framing; and the process rule (:data:`DATA_PORT_RSS_GROWTH`) for floods of
+    small messages, which libzmq no longer stops at a mark."""
     framing = (recv_hwm + 1) * message_max_frames * (CURVE_FRAME_WRAPPING + LONG_FRAME_HEADER)
-    return GuardBudget(per_connection_bytes=queued_bytes + message_max_bytes + framing)
+    return GuardBudget(
+        per_connection_bytes=queued_bytes + message_max_bytes + framing,
+        rss_growth_bytes=DATA_PORT_RSS_GROWTH,
+    )
 
 
 def held_bytes(received: int, taken: int, age_s: float, budget: GuardBudget) -> int:

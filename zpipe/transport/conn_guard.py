@@ -67,6 +67,14 @@ TRIM_AFTER_CUT_S = (0.3, 1.5)
 # after a cut for memory, the process rule waits this long before the next one (the
 # memory of the last cut takes a while to leave the resident set)
 MEMORY_CUT_PAUSE_S = 0.25
+# After a cut, the complete messages libzmq had queued for that connection stay queued
+# (and resident) until the application reads them: a socket not read meanwhile (a data
+# port while its stage computes) would look quiet once the connection is gone, and the
+# process rule would take the grown memory as its new baseline, so that a peer which
+# reconnects and floods again is never cut. The baseline stays until the application
+# has taken as many bytes as the cut connections held, or this long after the last cut
+# (what was held may have been an unfinished message, freed by the cut and never read).
+CUT_HOLD_S = 5.0
 # the socket attribute the receive path finds its guard under
 GUARD_ATTRIBUTE = "_zpipe_connection_guard"
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -164,6 +172,10 @@ class ConnectionGuard:
         # much, and the bytes all connections received since
         self._quiet_rss: int | None = None
         self._received_since_quiet = 0
+        # wire bytes the cut connections held that the application has not taken since
+        # (CUT_HOLD_S), and when that hold ends at the latest
+        self._cut_unread = 0
+        self._cut_hold_until = 0.0
         self.cuts: list[Cut] = []
         self.enabled = sys.platform.startswith("linux")
 
@@ -217,6 +229,7 @@ class ConnectionGuard:
         if conn is None:  # accepted before the monitor's event was read
             conn = self._connections[fd] = _Connection(fd, peer_of(fd), time.monotonic())
         conn.taken += wire
+        self._cut_unread = max(0, self._cut_unread - wire)
         if isinstance(got, OverBounds):
             conn.refused_messages += 1
 
@@ -262,7 +275,7 @@ class ConnectionGuard:
         holdings = self._holdings(now)
         memory = None
         if rss is not None:
-            if quiet(holdings, self.budget):
+            if quiet(holdings, self.budget) and not self._holding_cut_messages(now):
                 self._quiet_rss, self._received_since_quiet = rss, 0
             elif grown and self._quiet_rss is not None:
                 memory = MemoryGrowth(rss - self._quiet_rss, self._received_since_quiet)
@@ -272,6 +285,12 @@ class ConnectionGuard:
             if cut.reason == "memory":
                 self._memory_pause_until = now + MEMORY_CUT_PAUSE_S
         return cuts
+
+    def _holding_cut_messages(self, now: float) -> bool:
+        """Whether messages of cut connections may still be queued unread (CUT_HOLD_S)."""
+        if now >= self._cut_hold_until:
+            self._cut_unread = 0
+        return self._cut_unread >= self.budget.min_held_to_cut
 
     def _holdings(self, now: float) -> list[ConnectionHolding]:
         out = []
@@ -289,6 +308,8 @@ class ConnectionGuard:
         if not cut_connection(cut.fd):
             return
         self.cuts.append(cut)
+        self._cut_unread += cut.held
+        self._cut_hold_until = time.monotonic() + CUT_HOLD_S
         # peer=: the flood limit keeps a few lines per address (zpipe.log_limits)
         log.warning(
             "connection_cut",
