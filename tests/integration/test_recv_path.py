@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from zmq.sugar.attrsettr import AttributeSetter
 
 from zpipe._errors import TransportTimeout
 from zpipe.transport.codec import Message, encode
@@ -235,3 +236,31 @@ async def test_a_receive_loop_keeps_the_reader_and_schedules_nothing_per_message
     finally:
         del loop.add_reader, loop.remove_reader, loop.call_soon
     assert await pair.receive() == 6  # queued meanwhile: taken without a wait
+
+
+async def test_a_receive_never_looks_up_a_socket_option_by_attribute_name(
+    context: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An attribute a pyzmq socket lacks falls through to pyzmq's __getattr__, which
+    # looks for a socket option of that name and raises AttributeError: about 3 us
+    # of CPU. The look for the connection guard did that for every message received
+    # on a socket without a guard (all but the listeners'); the socket's descriptor
+    # (``sock.FD``, an option too) was read each time the reader came on or off.
+    pair = Pair(context, (zmq.PUSH, zmq.PULL))
+    pair.send(0)
+    assert await pair.receive() == 0  # the socket's first receive may read FD once
+    missed: list[str] = []
+    option_lookup = AttributeSetter.__getattr__
+
+    def counted(sock: Any, name: str) -> Any:
+        missed.append(name)
+        return option_lookup(sock, name)
+
+    monkeypatch.setattr(AttributeSetter, "__getattr__", counted)
+    pair.send(1)  # queued before the receive: taken at once
+    assert await pair.receive() == 1
+    receiving = asyncio.create_task(pair.receive())
+    await pair.waiting()
+    pair.send(2)  # sent while the receive waits on the descriptor
+    assert await asyncio.wait_for(receiving, 30) == 2
+    assert missed == []

@@ -96,9 +96,13 @@ class _DescriptorReader:
     name), and the receive path writes these per message.
     """
 
-    __slots__ = ("loop", "on", "waited_last", "waiters")
+    __slots__ = ("fd", "loop", "on", "waited_last", "waiters")
 
-    def __init__(self) -> None:
+    def __init__(self, fd: int) -> None:
+        # the socket's descriptor, read once: ``sock.FD`` is no attribute but an
+        # option read by name (pyzmq's ``__getattr__``), and a reader that comes
+        # off and back on per message would pay it twice per message
+        self.fd = fd
         self.loop: asyncio.AbstractEventLoop | None = None
         # whether the reader is on ``loop``; it stays on between waits (see _wake)
         self.on = False
@@ -119,12 +123,18 @@ class ZpipeSocket(zmq.asyncio.Socket):
     # messages past those bounds, read and discarded since the socket opened
     refused_messages: int = 0
     _zpipe_reader: _DescriptorReader | None = None
+    # The connection guard of a listener's socket (zpipe.transport.conn_guard sets
+    # it on the instance). A class default makes the receive path's look for it a
+    # plain attribute read: without one, every received message fell through to
+    # pyzmq's ``__getattr__``, which looks for a socket option of that name and
+    # raises AttributeError (about 3 us of CPU per message here).
+    _zpipe_connection_guard: Any = None
 
     @property
     def descriptor_reader(self) -> _DescriptorReader:
         reader = self._zpipe_reader
         if reader is None:
-            reader = self._zpipe_reader = _DescriptorReader()
+            reader = self._zpipe_reader = _DescriptorReader(cast(int, self.FD))
         return reader
 
     def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
@@ -134,7 +144,7 @@ class ZpipeSocket(zmq.asyncio.Socket):
                 self._remove_reader(reader)  # still on a loop of the past
             reader.loop = loop
             reader.on = True
-            loop.add_reader(self.FD, self._wake_waiters)
+            loop.add_reader(reader.fd, self._wake_waiters)
         reader.waiters.add(waiter)
 
     def wait_ended(self, waiter: asyncio.Future[None]) -> None:
@@ -165,7 +175,7 @@ class ZpipeSocket(zmq.asyncio.Socket):
         # descriptor is then its own, which it needs
         if reader.loop is not None and getattr(self, "_current_loop", None) is None:
             try:
-                reader.loop.remove_reader(self.FD)
+                reader.loop.remove_reader(reader.fd)
             except (OSError, ValueError, RuntimeError, zmq.ZMQError):  # loop or socket gone
                 pass
 

@@ -399,17 +399,20 @@ async def recv_frames(
     message under the same deadline, so every receive loop keeps serving.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    # looked up once per call, not per pass: a receive is a few hundred bytecodes,
+    # and these lookups were a tenth of them (bench/_transport_counts.py --opcodes)
+    shadow = _shadow(sock, _RECEIVE_ONLY)
+    reader = sock.descriptor_reader if isinstance(sock, ZpipeSocket) else None
+    bounds = message_bounds_of(sock)
     while True:
-        shadow = _shadow(sock, _RECEIVE_ONLY)
-        reader = sock.descriptor_reader if isinstance(sock, ZpipeSocket) else None
         got = None  # a message already queued is taken without a future or a coroutine
         if shadow is not None:
             look_first = reader is not None and reader.waited_last
-            got = take_queued(shadow, message_bounds_of(sock), look_first=look_first)
+            got = take_queued(shadow, bounds, look_first=look_first)
             if got is not None and reader is not None:
                 reader.waited_last = False
         if got is None:
-            got = await _recv_bounded(sock, shadow, deadline, timeout_s, peer, awaited)
+            got = await _recv_bounded(sock, shadow, bounds, deadline, timeout_s, peer, awaited)
         # a listener's connection guard counts what each connection's messages took
         guard = getattr(sock, "_zpipe_connection_guard", None)
         if not isinstance(got, OverBounds):
@@ -419,17 +422,18 @@ async def recv_frames(
         await discard_over_bounds(sock, got, peer, watched=shadow is None)
         if guard is not None:
             guard.saw(got)
+        bounds = message_bounds_of(sock)  # new receive limits may have come meanwhile
 
 
 async def _recv_bounded(
     sock: zmq.asyncio.Socket,
     shadow: zmq.Socket[Any] | None,
+    bounds: MessageBounds,
     deadline: float | None,
     timeout_s: float | None,
     peer: str,
     awaited: str,
 ) -> list[zmq.Frame] | OverBounds:
-    bounds = message_bounds_of(sock)
     if shadow is not None and getattr(sock, "_current_loop", None) is None:
         if isinstance(sock, ZpipeSocket):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
