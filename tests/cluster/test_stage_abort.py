@@ -152,8 +152,9 @@ import zpipe.stage.ports as ports
 from zpipe.stage.config import StageConfig
 from zpipe.transport.sockets import SocketOptions, new_context
 
-if sys.argv[1] == "old" and hasattr(ports, "CONTROL_RECV_HWM"):
-    ports.CONTROL_RECV_HWM = None  # the socket options' mark (16), as before
+if sys.argv[1] == "old":
+    import zpipe.transport.sockets as sockets
+    sockets.HEARTBEAT_RECV_HWM = None  # the socket options' mark (16), as before
 
 
 async def main():

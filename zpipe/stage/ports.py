@@ -71,17 +71,6 @@ log = get_logger("zpipe.stage")
 # for tests that show the abort).
 DATA_PORT_RECV_HWM: int | None = 0
 
-# The control DEALER's RCVHWM: none (0). It has ZMTP heartbeats (they drop the link to
-# a frozen coordinator), and libzmq 4.3.5 aborts (SIGABRT, "Assertion failed:
-# _input_stopped (src/stream_engine_base.cpp:396)", upstream issues 3937 and 4767) when
-# such a socket's input was stopped at its mark and its heartbeat timed out (nothing
-# is read from a stopped input): the reconnected engine is asked to restart an input
-# it never stopped. The coordinator's acks and commands queued while the stage's loop
-# was starved for a heartbeat timeout (5 s) were enough. The coordinator is the one
-# peer of this socket, chosen by the stage; what it queues here is what it sends.
-# None: the socket options' mark (the old behaviour, for tests that show the abort).
-CONTROL_RECV_HWM: int | None = 0
-
 # chunks of bulk state queued in the stage at most (zpipe.transport.bulk.CHUNK_BYTES each)
 BULK_SEND_HWM = 2
 # the bulk connection's routing id: the stage's name and this, so it keeps it on reconnect
@@ -211,8 +200,7 @@ class StagePorts:
         )
         control = open_socket(context, zmq.DEALER, opts)
         opened.append(control)
-        if CONTROL_RECV_HWM is not None:
-            control.setsockopt(zmq.RCVHWM, CONTROL_RECV_HWM)  # before connecting
+        # no receive mark: it has ZMTP heartbeats (zpipe.transport.sockets.HEARTBEAT_RECV_HWM)
         # This process's own routing id: a second process under the same name is then a
         # registration the coordinator can judge (refuse, or let take over a dead one),
         # where one routing id would have the coordinator's ROUTER silently drop it.

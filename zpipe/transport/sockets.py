@@ -17,11 +17,16 @@ loop is busy), so they never get heartbeats; zpipe's own heartbeats find a
 frozen stage and TCP keepalive a vanished host. That is not enough on its own: the
 PINGs a *peer's* heartbeats send trigger the same abort (the stopped input holds one
 undecoded, and answering it writes to the dead connection), so the coordinator's
-ROUTER has no receive mark at all (``coordinator/server.py``); a data port keeps its
-mark for backpressure and admits only the peers its plan names. DEALERs connect to a peer this
-process chose (the coordinator) and are read all the time, and the client's
-and stage's control channels rely on the heartbeats to drop the connection to
-a frozen coordinator.
+ROUTER has no receive mark at all (``coordinator/server.py``), nor has a stage's data
+port (``stage/ports.py``: the run's windows hold its senders back, its guard bounds
+its memory). DEALERs connect to a peer this process chose (the coordinator, the
+fl-server) and are read all the time, and the client's, the fl-client's and the
+stage's control channels rely on the heartbeats to drop the connection to a frozen
+server. They have no receive mark either (:data:`HEARTBEAT_RECV_HWM`): libzmq 4.3.5
+also aborts (``Assertion failed: _input_stopped (src/stream_engine_base.cpp:396)``,
+upstream issues 3937 and 4767) when a heartbeating socket's input was stopped at its
+mark and its heartbeat then timed out; a loop starved for a heartbeat timeout while
+its server queued more than a mark's worth of messages was enough.
 
 Bounded memory: libzmq checks ``MAXMSGSIZE`` per frame, before allocating it,
 and counts ``RCVHWM`` in whole messages per connection, so one connection
@@ -111,6 +116,11 @@ class SocketOptions:
 
 # Sockets that connect to a chosen peer and are read continuously (see the module notes).
 ZMTP_HEARTBEAT_KINDS = frozenset({zmq.DEALER})
+# The receive mark of a socket with ZMTP heartbeats: none (0), so its input is never
+# stopped and libzmq's _input_stopped abort cannot happen (see the module notes). Such
+# a socket's one peer is a server the process chose; what queues is what it sent.
+# None: the options' mark (the old behaviour, for tests that show the abort).
+HEARTBEAT_RECV_HWM: int | None = 0
 
 # Before a plan names a data socket's peers and message sizes: nothing but small
 # messages may queue there (a data message before assignment is dropped anyway).
@@ -224,6 +234,8 @@ def open_socket(
     if heartbeat and opts.zmtp_heartbeat_ms > 0:
         sock.setsockopt(zmq.HEARTBEAT_IVL, opts.zmtp_heartbeat_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmtp_heartbeat_timeout_ms)
+        if HEARTBEAT_RECV_HWM is not None:
+            sock.setsockopt(zmq.RCVHWM, HEARTBEAT_RECV_HWM)  # before it connects
     if opts.tcp_keepalive_idle_s > 0:
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, opts.tcp_keepalive_idle_s)
