@@ -19,6 +19,16 @@ are, no flush) when the coordinator looks before the client pauses:
   commit, nothing changes yet;
 - ``commit``: build the shard of the new range from what was fetched and go on
   from batch ``step`` (without new cuts: on the same shard).
+
+When the look before the pause already decided the cuts, the coordinator sends one
+``move`` phase instead of ``prepare`` and ``fetch`` (the client asks for it as soon
+as it paused its feed): each stage, once flushed, keeps its snapshot, fetches its
+new units from the peers as soon as each of them has flushed too (a peer that has
+not yet answers that it holds no such snapshot; the fetch is tried again), and
+builds the new shard at once, so that the ``commit`` only switches. The stages
+that flush early (the last ones: a flush drains from the last stage back to the
+first) fetch and build while the first ones still drain, and the move costs one
+round trip of the coordinator's fewer.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from typing import Any
 
 import torch
 
-from zpipe._errors import PipelineError
+from zpipe._errors import PipelineError, UnitsLostError
 from zpipe.log import get_logger
 from zpipe.protocol.repartition import RepartitionReply, RepartitionRequest
 from zpipe.stage.executors.async_shard import AsyncShard
@@ -46,6 +56,14 @@ log = get_logger("zpipe.stage")
 # mini-batches of compute a look's reply carries one by one (``recent``): more than
 # a look's window at the bench's every 10, few enough to stay a small reply
 RECENT = 32
+
+# a ``move``'s fetch from a peer that has not flushed yet is tried again after these
+# intervals, doubling: the first ones catch a peer a backward away from its flush,
+# the longest keeps a drain of seconds from costing more than a few requests a second
+FETCH_RETRY_FIRST_S = 0.01
+FETCH_RETRY_MAX_S = 0.1
+# what a peer's refusal says while it still drains (zpipe.stage.replicas's words)
+NOT_YET_HELD = "no snapshot of"
 
 
 class StageRepartition:
@@ -65,6 +83,8 @@ class StageRepartition:
         self._timeout_s = timeout_s
         # (run, step, bounds, the fetched state) between the fetch and the commit
         self._fetched: tuple[int, int, tuple[int, ...], dict[str, torch.Tensor]] | None = None
+        # (run, step, bounds, the new shard) a ``move`` built before its commit
+        self._built: tuple[int, int, tuple[int, ...], TrainShard] | None = None
 
     async def reply(
         self, request: RepartitionRequest, trainer: TrainingExecutor | None
@@ -98,6 +118,11 @@ class StageRepartition:
                 log.info("repartition_fetched", stage=self.name, run=run, step=step,
                          units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                          peers=sorted({str(e["from"]) for e in entries} - {self.name}))  # fmt: skip
+            elif phase == "move":
+                bounds = _bounds(request)
+                await self._prepare(trainer, run, step)
+                metrics = {**self._counters.to_dict(), "recent": recent_compute(self._counters)}
+                await self._fetch_and_build(trainer, run, step, bounds, list(request.fetch or []))
             elif phase == "commit":
                 await self._commit(trainer, run, step, _bounds(request))
                 shard = trainer.shard  # the units it trains from here on
@@ -136,7 +161,7 @@ class StageRepartition:
         )
         snapshot = await loop.run_in_executor(self._compute, shard.repartition_snapshot, n)
         self._snapshots.replicas.put(self.name, run, step, snapshot)
-        self._fetched = None
+        self._fetched = self._built = None
         log.info("repartition_prepared", stage=self.name, run=run, step=step,
                  units=[shard.start, shard.start + len(shard.units)],
                  flush_wait_s=round(flushed - started, 4),
@@ -158,13 +183,19 @@ class StageRepartition:
         shard = trainer.shard
         new: TrainShard | None = None
         started = time.perf_counter()
+        built = self._built
         if (start, end) != (shard.start, shard.start + len(shard.units)):
             fetched = self._fetched
-            if fetched is None or fetched[:3] != (run, step, bounds):
+            if built is not None and built[:3] == (run, step, bounds):
+                new = built[3]  # a ``move`` built it while the others still drained
+            elif fetched is None or fetched[:3] != (run, step, bounds):
                 raise PipelineError(f"commit of cuts {list(bounds)} that were not fetched")
-            loop = asyncio.get_running_loop()
-            new = await loop.run_in_executor(self._compute, shard.regrouped, start, end, fetched[3])
-        self._fetched = None
+            else:
+                loop = asyncio.get_running_loop()
+                new = await loop.run_in_executor(
+                    self._compute, shard.regrouped, start, end, fetched[3]
+                )
+        self._fetched = self._built = None
         if isinstance(trainer, AsyncTrainingExecutor):
             assert new is None or isinstance(new, AsyncShard)
             trainer.resume(step, new)
@@ -173,6 +204,52 @@ class StageRepartition:
         log.info("repartition_committed", stage=self.name, run=run, step=step,
                  units=[start, end], moved=new is not None,
                  regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
+
+    async def _fetch_and_build(
+        self,
+        trainer: TrainingExecutor,
+        run: int,
+        step: int,
+        bounds: tuple[int, ...],
+        entries: list[Any],
+    ) -> None:
+        """A ``move``'s part after the flush: the units of ``bounds`` this stage lacks,
+        from the peers' snapshots as each peer flushes, then the new shard, built now
+        (the old one stays in use until the commit switches)."""
+        i = trainer.setup.index
+        if not 0 <= i < len(bounds) - 1:
+            raise PipelineError(f"cuts {list(bounds)} have no stage {i}")
+        started = time.perf_counter()
+        state = await self._fetch_when_held(entries)
+        fetched = time.perf_counter()
+        self._fetched = (run, step, bounds, state)
+        start, end = bounds[i], bounds[i + 1]
+        shard = trainer.shard
+        if (start, end) != (shard.start, shard.start + len(shard.units)):
+            loop = asyncio.get_running_loop()
+            new = await loop.run_in_executor(self._compute, shard.regrouped, start, end, state)
+            self._built = (run, step, bounds, new)
+        log.info("repartition_fetched", stage=self.name, run=run, step=step,
+                 units=sum(int(e["end"]) - int(e["start"]) for e in entries),
+                 peers=sorted({str(e["from"]) for e in entries} - {self.name}),
+                 fetch_s=round(fetched - started, 4),
+                 regroup_s=round(time.perf_counter() - fetched, 4))  # fmt: skip
+
+    async def _fetch_when_held(self, entries: list[Any]) -> dict[str, torch.Tensor]:
+        """The state of ``entries``; a peer that does not hold its snapshot yet (it
+        still drains) is asked again, at growing intervals, until the timeout."""
+        deadline = time.monotonic() + self._timeout_s
+        pause = FETCH_RETRY_FIRST_S
+        while True:
+            try:
+                return await self._snapshots.fetched_state(entries)
+            except UnitsLostError as exc:
+                # only a peer that has no snapshot of this step yet is asked again; a
+                # refusal (no grant, an older run) fails the move at once
+                if NOT_YET_HELD not in str(exc) or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, FETCH_RETRY_MAX_S)
 
 
 def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[float]]:
