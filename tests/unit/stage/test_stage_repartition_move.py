@@ -55,8 +55,8 @@ NOT_YET = "no snapshot of 's1' after mini-batch 10 of run 1 here (held: [])"
 
 def test_a_holder_that_has_not_flushed_yet_is_asked_again_until_it_has() -> None:
     holder = DrainingHolder([NOT_YET, NOT_YET, NOT_YET])
-    state = asyncio.run(_repartition(holder, 60.0)._fetch_when_held([{}]))
-    assert holder.asked == 4
+    state, tries = asyncio.run(_repartition(holder, 60.0)._fetch_when_held([{}]))
+    assert holder.asked == tries == 4
     torch.testing.assert_close(state["units.2.weight"], STATE["units.2.weight"])
 
 
@@ -73,3 +73,30 @@ def test_a_holder_that_never_flushes_fails_the_move_at_the_timeout() -> None:
     with pytest.raises(UnitsLostError, match="no snapshot"):
         asyncio.run(_repartition(holder, 0.3)._fetch_when_held([{}]))
     assert 2 <= holder.asked < 1000
+
+
+def test_each_entry_is_asked_again_alone() -> None:
+    class TwoHolders:
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+            self.draining = 2  # s2's snapshot comes on its third request
+
+        async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
+            (entry,) = fetch
+            self.asked.append(entry["from"])
+            if entry["from"] == "s2" and self.draining:
+                self.draining -= 1
+                raise UnitsLostError((3, 4), f"s2 could not send them: {NOT_YET}")
+            return {f"units.{entry['start']}.weight": torch.ones(1)}
+
+    holders = TwoHolders()
+    snapshots: SnapshotService = holders  # type: ignore[assignment]
+    stage = StageRepartition(
+        name="s0", snapshots=snapshots, counters=StageCounters(),
+        compute=ThreadPoolExecutor(1), timeout_s=60.0,
+    )  # fmt: skip
+    entries = [{"from": "s1", "start": 2}, {"from": "s2", "start": 3}]
+    state, tries = asyncio.run(stage._fetch_when_held(entries))
+    assert sorted(state) == ["units.2.weight", "units.3.weight"]
+    # the holder that had flushed was asked once, not again with the one still draining
+    assert holders.asked.count("s1") == 1 and holders.asked.count("s2") == 3 and tries == 4

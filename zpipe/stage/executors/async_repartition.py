@@ -220,7 +220,7 @@ class StageRepartition:
         if not 0 <= i < len(bounds) - 1:
             raise PipelineError(f"cuts {list(bounds)} have no stage {i}")
         started = time.perf_counter()
-        state = await self._fetch_when_held(entries)
+        state, tries = await self._fetch_when_held(entries)
         fetched = time.perf_counter()
         self._fetched = (run, step, bounds, state)
         start, end = bounds[i], bounds[i + 1]
@@ -232,19 +232,31 @@ class StageRepartition:
         log.info("repartition_fetched", stage=self.name, run=run, step=step,
                  units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                  peers=sorted({str(e["from"]) for e in entries} - {self.name}),
-                 fetch_s=round(fetched - started, 4),
+                 fetch_s=round(fetched - started, 4), fetch_requests=tries,
                  regroup_s=round(time.perf_counter() - fetched, 4))  # fmt: skip
 
-    async def _fetch_when_held(self, entries: list[Any]) -> dict[str, torch.Tensor]:
-        """The state of ``entries``; a peer that does not hold its snapshot yet (it
-        still drains) is asked again, at growing intervals, until the timeout."""
+    async def _fetch_when_held(self, entries: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
+        """The state of ``entries``, each entry fetched on its own and all at once (a
+        holder that already flushed is not held up by one still draining); a holder
+        that does not hold its snapshot yet is asked again, at growing intervals,
+        until the timeout. The state, and how many requests it took."""
         deadline = time.monotonic() + self._timeout_s
-        pause = FETCH_RETRY_FIRST_S
+        parts = await asyncio.gather(*(self._entry_when_held(e, deadline) for e in entries))
+        state: dict[str, torch.Tensor] = {}
+        for units, _ in parts:
+            state.update(units)
+        return state, sum(tries for _, tries in parts)
+
+    async def _entry_when_held(
+        self, entry: Any, deadline: float
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        pause, tries = FETCH_RETRY_FIRST_S, 0
         while True:
+            tries += 1
             try:
-                return await self._snapshots.fetched_state(entries)
+                return await self._snapshots.fetched_state([entry]), tries
             except UnitsLostError as exc:
-                # only a peer that has no snapshot of this step yet is asked again; a
+                # only a holder that has no snapshot of this step yet is asked again; a
                 # refusal (no grant, an older run) fails the move at once
                 if NOT_YET_HELD not in str(exc) or time.monotonic() + pause > deadline:
                     raise
