@@ -65,6 +65,10 @@ def pause_parts(
     fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=considered)
     committed = max(_stamp(r) for r in stages.get("repartition_committed", [])) if stages.get(
         "repartition_committed") else fetched  # fmt: skip
+    fetching = coordinator.get("repartition_fetching", considered)
+    if fetching < prepared:
+        return _move_phase_parts(stages, started, fetching, prepared, considered, committed,
+                                 last_loss, next_loss)  # fmt: skip
     parts = {
         "request_s": started - last_loss,  # the client's drain check and its request
         "prepare_s": prepared - started,  # every stage flushed and kept a snapshot
@@ -81,3 +85,37 @@ def pause_parts(
         ),
     }
     return {k: round(v, 3) for k, v in parts.items()}
+
+
+def _move_phase_parts(
+    stages: dict[str, list[dict[str, Any]]],
+    started: float,
+    fetching: float,
+    prepared: float,
+    considered: float,
+    committed: float,
+    last_loss: float,
+    next_loss: float,
+) -> dict[str, Any]:
+    """The parts of a move the look decided (one ``move`` phase: the grants go out
+    first, each stage flushes, fetches and builds its new shard; the coordinator's
+    ``repartition_considered`` follows the last reply): ``request_s`` is negative when
+    the client asked before the last loss came back (it asks as it pauses),
+    ``prepare_s`` runs to the last stage's flush and snapshot, ``fetch_s`` from there
+    to the last stage's fetch and build, ``look_s`` to the coordinator's reply,
+    ``commit_s`` the switch."""
+    fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=prepared)
+    built = [float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_fetched", [])]
+    parts = {
+        "request_s": started - last_loss,
+        "allow_s": fetching - started,
+        "prepare_s": prepared - started,
+        "fetch_s": fetched - prepared,
+        "look_s": considered - fetched,
+        "commit_s": committed - considered,
+        "resume_s": next_loss - committed,
+        "flush_wait_max_s": max(float(r["flush_wait_s"]) for r in stages["repartition_prepared"]),
+        "snapshot_max_s": max(float(r["snapshot_s"]) for r in stages["repartition_prepared"]),
+        "regroup_max_s": max(built, default=0.0),
+    }
+    return {"move_phase": True, **{k: round(v, 3) for k, v in parts.items()}}

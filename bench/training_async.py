@@ -125,7 +125,11 @@ at info): ``request_s`` (last loss to the coordinator's start), ``prepare_s``
 (every stage flushed and kept a snapshot; ``flush_wait_max_s`` of it waiting for
 the flush), ``look_s``, ``allow_s`` (peers granted their fetches), ``fetch_s``,
 ``commit_s`` (``regroup_max_s`` building the new shards) and ``resume_s`` (the
-reply, the feed and one mini-batch through the pipeline).
+reply, the feed and one mini-batch through the pipeline). A move the look before
+the pause decided runs as one ``move`` phase (``move_phase`` true in its parts):
+the client asks as it pauses (``request_s`` negative: before the last loss), and
+``prepare_s`` runs to the last stage's flush, ``fetch_s`` from there to the last
+stage's fetch and build (``regroup_max_s``), ``commit_s`` is the switch alone.
 
 ``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
 against the bound: the periods before the change, on the old cuts after it
