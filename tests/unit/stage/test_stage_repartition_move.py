@@ -100,3 +100,31 @@ def test_each_entry_is_asked_again_alone() -> None:
     assert sorted(state) == ["units.2.weight", "units.3.weight"]
     # the holder that had flushed was asked once, not again with the one still draining
     assert holders.asked.count("s1") == 1 and holders.asked.count("s2") == 3 and tries == 4
+
+
+def test_when_one_entry_is_refused_the_others_stop_asking() -> None:
+    class RefusedAndDraining:
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
+            (entry,) = fetch
+            self.asked.append(entry["from"])
+            if entry["from"] == "s1":
+                await asyncio.sleep(0.05)  # s2 is asked a few times first
+                raise UnitsLostError((2, 3), "s1 could not send them: not named")
+            raise UnitsLostError((3, 4), f"s2 could not send them: {NOT_YET}")
+
+    async def scenario(holders: RefusedAndDraining) -> int:
+        snapshots: SnapshotService = holders  # type: ignore[assignment]
+        stage = StageRepartition(
+            name="s0", snapshots=snapshots, counters=StageCounters(),
+            compute=ThreadPoolExecutor(1), timeout_s=60.0,
+        )  # fmt: skip
+        with pytest.raises(UnitsLostError, match="not named"):
+            await stage._fetch_when_held([{"from": "s1"}, {"from": "s2"}])
+        asked = len(holders.asked)
+        await asyncio.sleep(0.5)  # a poller left running would ask s2 again meanwhile
+        return len(holders.asked) - asked
+
+    assert asyncio.run(scenario(RefusedAndDraining())) == 0

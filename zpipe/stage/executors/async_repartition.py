@@ -241,7 +241,13 @@ class StageRepartition:
         that does not hold its snapshot yet is asked again, at growing intervals,
         until the timeout. The state, and how many requests it took."""
         deadline = time.monotonic() + self._timeout_s
-        parts = await asyncio.gather(*(self._entry_when_held(e, deadline) for e in entries))
+        tasks = [asyncio.ensure_future(self._entry_when_held(e, deadline)) for e in entries]
+        try:
+            parts = await asyncio.gather(*tasks)
+        finally:
+            # one entry failed (the move fails): the others stop asking their holders
+            for task in tasks:
+                task.cancel()
         state: dict[str, torch.Tensor] = {}
         for units, _ in parts:
             state.update(units)
