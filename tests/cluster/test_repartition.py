@@ -463,6 +463,10 @@ def test_cluster_async_run_repartitions_live_and_equals_the_reference(
     for name in ("s0", "s1", "s2"):
         prepared = _logged(cluster.logs(name)[since[name] :], "repartition_prepared")
         assert [e["step"] for e in prepared] == [3], name
+        # the look decided the move: each stage fetched and built in the one ``move``
+        # phase (it counts its requests: a holder still draining is asked again)
+        (fetched,) = _logged(cluster.logs(name)[since[name] :], "repartition_fetched")
+        assert fetched["step"] == 3 and fetched["fetch_requests"] >= 1, name
     moved = train_async_reference(
         SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM, repartitions={3: [0, 3, 4, 5]}
     )
