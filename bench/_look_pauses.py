@@ -67,8 +67,8 @@ def pause_parts(
         "repartition_committed") else fetched  # fmt: skip
     fetching = coordinator.get("repartition_fetching", considered)
     if fetching < prepared:
-        return _move_phase_parts(stages, started, fetching, prepared, considered, committed,
-                                 last_loss, next_loss)  # fmt: skip
+        return _move_phase_parts(stages, started, fetching, prepared, committed, last_loss,
+                                 next_loss)  # fmt: skip
     parts = {
         "request_s": started - last_loss,  # the client's drain check and its request
         "prepare_s": prepared - started,  # every stage flushed and kept a snapshot
@@ -92,7 +92,6 @@ def _move_phase_parts(
     started: float,
     fetching: float,
     prepared: float,
-    considered: float,
     committed: float,
     last_loss: float,
     next_loss: float,
@@ -102,8 +101,9 @@ def _move_phase_parts(
     ``repartition_considered`` follows the last reply): ``request_s`` is negative when
     the client asked before the last loss came back (it asks as it pauses),
     ``prepare_s`` runs to the last stage's flush and snapshot, ``fetch_s`` from there
-    to the last stage's fetch and build, ``look_s`` to the coordinator's reply,
-    ``commit_s`` the switch."""
+    to the last stage's fetch and build, ``commit_s`` from there to the last switch
+    (the replies, the coordinator's commit); ``look_s`` is 0 (the look decided
+    before the pause)."""
     fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=prepared)
     built = [float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_fetched", [])]
     parts = {
@@ -111,8 +111,8 @@ def _move_phase_parts(
         "allow_s": fetching - started,
         "prepare_s": prepared - started,
         "fetch_s": fetched - prepared,
-        "look_s": considered - fetched,
-        "commit_s": committed - considered,
+        "look_s": 0.0,
+        "commit_s": committed - fetched,
         "resume_s": next_loss - committed,
         "flush_wait_max_s": max(float(r["flush_wait_s"]) for r in stages["repartition_prepared"]),
         "snapshot_max_s": max(float(r["snapshot_s"]) for r in stages["repartition_prepared"]),
