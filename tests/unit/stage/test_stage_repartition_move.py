@@ -2,14 +2,18 @@
 
 In a ``move`` (:mod:`zpipe.stage.executors.async_repartition`) a stage fetches its new
 units as soon as it flushed, while a holder upstream may still be backwarding the
-last mini-batches before the pause: that holder answers that it has no snapshot of
-the step yet. The fetch is asked again until the holder flushed; a refusal for any
-other reason (no grant, an older run) ends the move at once, not after the
-timeout."""
+last mini-batches before the pause. Each entry is asked for once, with ``wait_s``
+(what is left of the stage's deadline): the holder answers once it has flushed
+(``tests/integration/test_move_fetch_waits.py``), so nothing is asked again. A
+refusal ends the move at once; the other entries stop waiting. The new shard is
+built in a thread at the lowest CPU priority, and the commit waits for it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,29 +22,40 @@ import pytest
 import torch
 
 from zpipe._errors import UnitsLostError
-from zpipe.stage.executors.async_repartition import StageRepartition
+from zpipe.stage.executors.async_repartition import (
+    LOWEST_PRIORITY,
+    BackgroundBuild,
+    StageRepartition,
+)
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.snapshots import SnapshotService
 
-STATE = {"units.2.weight": torch.ones(2)}
+
+class Holders:
+    """A snapshot service whose peers answer each entry after ``delay_s[from]`` seconds
+    (a holder still draining), or refuse it (``refuse``); every request is recorded."""
+
+    def __init__(self, delay_s: dict[str, float], refuse: str = "") -> None:
+        self.delay_s = delay_s
+        self.refuse = refuse
+        self.asked: list[tuple[str, float | None]] = []
+        self.answered: list[str] = []
+
+    async def fetched_state(
+        self, fetch: list[Any], spec: object = None, *, wait_s: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        (entry,) = fetch
+        source = entry["from"]
+        self.asked.append((source, wait_s))
+        await asyncio.sleep(self.delay_s.get(source, 0.0))
+        if source == self.refuse:
+            raise UnitsLostError((2, 3), f"{source} could not send them: not named")
+        self.answered.append(source)
+        return {f"units.{entry['start']}.weight": torch.ones(1)}
 
 
-class DrainingHolder:
-    """A snapshot service whose peer answers with ``errors`` one by one, then the state."""
-
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = list(errors)
-        self.asked = 0
-
-    async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
-        self.asked += 1
-        if self.errors:
-            raise UnitsLostError((2, 3), f"s1 could not send them: {self.errors.pop(0)}")
-        return dict(STATE)
-
-
-def _repartition(holder: DrainingHolder, timeout_s: float) -> StageRepartition:
-    snapshots: SnapshotService = holder  # type: ignore[assignment]
+def _stage(holders: Holders, timeout_s: float = 60.0) -> StageRepartition:
+    snapshots: SnapshotService = holders  # type: ignore[assignment]
     return StageRepartition(
         name="s0",
         snapshots=snapshots,
@@ -50,81 +65,50 @@ def _repartition(holder: DrainingHolder, timeout_s: float) -> StageRepartition:
     )
 
 
-NOT_YET = "no snapshot of 's1' after mini-batch 10 of run 1 here (held: [])"
-
-
-def test_a_holder_that_has_not_flushed_yet_is_asked_again_until_it_has() -> None:
-    holder = DrainingHolder([NOT_YET, NOT_YET, NOT_YET])
-    state, tries = asyncio.run(_repartition(holder, 60.0)._fetch_when_held([{}]))
-    assert holder.asked == tries == 4
-    torch.testing.assert_close(state["units.2.weight"], STATE["units.2.weight"])
-
-
-def test_a_refusal_ends_the_move_at_once() -> None:
-    holder = DrainingHolder(["the coordinator did not name anyone to fetch units [2, 3)"])
-    started = time.monotonic()
-    with pytest.raises(UnitsLostError, match="did not name"):
-        asyncio.run(_repartition(holder, 60.0)._fetch_when_held([{}]))
-    assert holder.asked == 1 and time.monotonic() - started < 30.0
-
-
-def test_a_holder_that_never_flushes_fails_the_move_at_the_timeout() -> None:
-    holder = DrainingHolder([NOT_YET] * 1000)
-    with pytest.raises(UnitsLostError, match="no snapshot"):
-        asyncio.run(_repartition(holder, 0.3)._fetch_when_held([{}]))
-    assert 2 <= holder.asked < 1000
-
-
-def test_each_entry_is_asked_again_alone() -> None:
-    class TwoHolders:
-        def __init__(self) -> None:
-            self.asked: list[str] = []
-            self.draining = 2  # s2's snapshot comes on its third request
-
-        async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
-            (entry,) = fetch
-            self.asked.append(entry["from"])
-            if entry["from"] == "s2" and self.draining:
-                self.draining -= 1
-                raise UnitsLostError((3, 4), f"s2 could not send them: {NOT_YET}")
-            return {f"units.{entry['start']}.weight": torch.ones(1)}
-
-    holders = TwoHolders()
-    snapshots: SnapshotService = holders  # type: ignore[assignment]
-    stage = StageRepartition(
-        name="s0", snapshots=snapshots, counters=StageCounters(),
-        compute=ThreadPoolExecutor(1), timeout_s=60.0,
-    )  # fmt: skip
+def test_each_entry_is_asked_for_once_and_may_wait_at_its_holder() -> None:
+    holders = Holders({"s2": 0.2})  # s2 still drains: its answer comes later
     entries = [{"from": "s1", "start": 2}, {"from": "s2", "start": 3}]
-    state, tries = asyncio.run(stage._fetch_when_held(entries))
+    state = asyncio.run(_stage(holders, timeout_s=60.0)._fetch_when_held(entries))
     assert sorted(state) == ["units.2.weight", "units.3.weight"]
-    # the holder that had flushed was asked once, not again with the one still draining
-    assert holders.asked.count("s1") == 1 and holders.asked.count("s2") == 3 and tries == 4
+    # one request per entry, none asked again, each letting its holder wait for its flush
+    assert sorted(source for source, _ in holders.asked) == ["s1", "s2"]
+    assert all(wait is not None and 0 < wait <= 60.0 for _, wait in holders.asked)
+    # the holder that had flushed answered first, not held up by the one draining
+    assert holders.answered == ["s1", "s2"]
 
 
-def test_when_one_entry_is_refused_the_others_stop_asking() -> None:
-    class RefusedAndDraining:
-        def __init__(self) -> None:
-            self.asked: list[str] = []
-
-        async def fetched_state(self, fetch: list[Any]) -> dict[str, torch.Tensor]:
-            (entry,) = fetch
-            self.asked.append(entry["from"])
-            if entry["from"] == "s1":
-                await asyncio.sleep(0.05)  # s2 is asked a few times first
-                raise UnitsLostError((2, 3), "s1 could not send them: not named")
-            raise UnitsLostError((3, 4), f"s2 could not send them: {NOT_YET}")
-
-    async def scenario(holders: RefusedAndDraining) -> int:
-        snapshots: SnapshotService = holders  # type: ignore[assignment]
-        stage = StageRepartition(
-            name="s0", snapshots=snapshots, counters=StageCounters(),
-            compute=ThreadPoolExecutor(1), timeout_s=60.0,
-        )  # fmt: skip
+def test_a_refusal_ends_the_move_at_once_and_the_other_entries_stop_waiting() -> None:
+    async def scenario() -> tuple[float, list[str]]:
+        holders = Holders({"s1": 0.05, "s2": 30.0}, refuse="s1")
+        started = time.monotonic()
         with pytest.raises(UnitsLostError, match="not named"):
-            await stage._fetch_when_held([{"from": "s1"}, {"from": "s2"}])
-        asked = len(holders.asked)
-        await asyncio.sleep(0.5)  # a poller left running would ask s2 again meanwhile
-        return len(holders.asked) - asked
+            await _stage(holders)._fetch_when_held([{"from": "s1", "start": 2},
+                                                    {"from": "s2", "start": 3}])  # fmt: skip
+        took = time.monotonic() - started
+        await asyncio.sleep(0.1)  # a wait left running would answer later
+        return took, holders.answered
 
-    assert asyncio.run(scenario(RefusedAndDraining())) == 0
+    took, answered = asyncio.run(scenario())
+    assert took < 20.0 and answered == []
+
+
+def test_a_move_with_nothing_to_fetch_asks_nobody() -> None:
+    holders = Holders({})
+    assert asyncio.run(_stage(holders)._fetch_when_held([])) == {}
+    assert holders.asked == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_move_build_thread_runs_at_the_lowest_priority_and_leaves_the_others_alone() -> None:
+    me = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, me)
+    build = BackgroundBuild("s0")
+
+    def priority_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert build.executor().submit(priority_here).result(timeout=60) == LOWEST_PRIORITY
+    # the calling thread (the event loop's, or the compute thread's) keeps its priority
+    assert os.getpriority(os.PRIO_PROCESS, me) == before
+    with ThreadPoolExecutor(1) as other:
+        assert other.submit(priority_here).result(timeout=60) == before

@@ -22,25 +22,29 @@ are, no flush) when the coordinator looks before the client pauses:
 
 When the look before the pause already decided the cuts, the coordinator sends one
 ``move`` phase instead of ``prepare`` and ``fetch`` (the client asks for it as soon
-as it paused its feed): each stage, once flushed, keeps its snapshot, fetches its
-new units from the peers as soon as each of them has flushed too (a peer that has
-not yet answers that it holds no such snapshot; the fetch is tried again), and
-builds the new shard at once, so that the ``commit`` only switches. The stages
-that flush early (the last ones: a flush drains from the last stage back to the
-first) fetch and build while the first ones still drain, and the move costs one
-round trip of the coordinator's fewer.
+as it paused its feed): each stage, once flushed, keeps its snapshot and fetches its
+new units from the peers, every entry at once; a peer that has not flushed yet holds
+the request until it has (``wait_s``: it answers when its snapshot is kept, no
+polling), so each unit arrives as soon as its holder flushed. The new shard is then
+built in a thread of its own at the lowest CPU priority (:class:`BackgroundBuild`):
+the stages that flush early (the last ones: a flush drains from the last stage back
+to the first) build on cores the stages still draining leave idle, never on theirs,
+and the ``commit`` waits for the build and switches. The move costs one round trip
+of the coordinator's fewer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from zpipe._errors import PipelineError, UnitsLostError
+from zpipe._errors import PipelineError
 from zpipe.log import get_logger
 from zpipe.protocol.repartition import RepartitionReply, RepartitionRequest
 from zpipe.stage.executors.async_shard import AsyncShard
@@ -57,13 +61,35 @@ log = get_logger("zpipe.stage")
 # a look's window at the bench's every 10, few enough to stay a small reply
 RECENT = 32
 
-# a ``move``'s fetch from a peer that has not flushed yet is tried again after these
-# intervals, doubling: the first ones catch a peer a backward away from its flush,
-# the longest keeps a drain of seconds from costing more than a few requests a second
-FETCH_RETRY_FIRST_S = 0.01
-FETCH_RETRY_MAX_S = 0.1
-# what a peer's refusal says while it still drains (zpipe.stage.replicas's words)
-NOT_YET_HELD = "no snapshot of"
+# the nice value of the thread that builds a ``move``'s new shard: the lowest priority,
+# so an early-flushed stage's build takes only CPU that the stages still draining leave
+LOWEST_PRIORITY = 19
+
+
+class BackgroundBuild:
+    """One thread, at the lowest CPU priority, that builds a ``move``'s new shard while
+    other stages may still drain; the compute thread is idle then (flushed), and the
+    commit waits for the build before the shard is used. On a system that refuses the
+    priority the thread builds at the normal one (logged once)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+
+    def executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                1, thread_name_prefix="zpipe-move-build", initializer=self._lower_priority
+            )
+        return self._pool
+
+    def _lower_priority(self) -> None:
+        # Linux: a thread's nice value is its own (PRIO_PROCESS of its thread id), and the
+        # threads it starts (torch's intra-op workers) inherit it
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        except (OSError, AttributeError) as exc:
+            log.warning("move_build_priority_kept", stage=self._name, error=str(exc))
 
 
 class StageRepartition:
@@ -83,8 +109,10 @@ class StageRepartition:
         self._timeout_s = timeout_s
         # (run, step, bounds, the fetched state) between the fetch and the commit
         self._fetched: tuple[int, int, tuple[int, ...], dict[str, torch.Tensor]] | None = None
-        # (run, step, bounds, the new shard) a ``move`` built before its commit
-        self._built: tuple[int, int, tuple[int, ...], TrainShard] | None = None
+        # (run, step, bounds, the new shard being built) a ``move`` started before its
+        # commit, in the background build's thread
+        self._built: tuple[int, int, tuple[int, ...], asyncio.Future[_Built]] | None = None
+        self._background = BackgroundBuild(name)
 
     async def reply(
         self, request: RepartitionRequest, trainer: TrainingExecutor | None
@@ -183,11 +211,12 @@ class StageRepartition:
         shard = trainer.shard
         new: TrainShard | None = None
         started = time.perf_counter()
-        built = self._built
+        built, build_s = self._built, None
         if (start, end) != (shard.start, shard.start + len(shard.units)):
             fetched = self._fetched
             if built is not None and built[:3] == (run, step, bounds):
-                new = built[3]  # a ``move`` built it while the others still drained
+                # a ``move`` built it while the others still drained (or builds it still)
+                new, build_s = await built[3]
             elif fetched is None or fetched[:3] != (run, step, bounds):
                 raise PipelineError(f"commit of cuts {list(bounds)} that were not fetched")
             else:
@@ -202,7 +231,7 @@ class StageRepartition:
         elif new is not None:
             trainer.shard = new  # the next round's forward runs the new units
         log.info("repartition_committed", stage=self.name, run=run, step=step,
-                 units=[start, end], moved=new is not None,
+                 units=[start, end], moved=new is not None, build_s=build_s,
                  regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
 
     async def _fetch_and_build(
@@ -214,60 +243,62 @@ class StageRepartition:
         entries: list[Any],
     ) -> None:
         """A ``move``'s part after the flush: the units of ``bounds`` this stage lacks,
-        from the peers' snapshots as each peer flushes, then the new shard, built now
-        (the old one stays in use until the commit switches)."""
+        from the peers' snapshots as each peer flushes, then the new shard's build,
+        started in the background build's thread (the old shard stays in use until
+        the commit, which waits for the build, switches)."""
         i = trainer.setup.index
         if not 0 <= i < len(bounds) - 1:
             raise PipelineError(f"cuts {list(bounds)} have no stage {i}")
         started = time.perf_counter()
-        state, tries = await self._fetch_when_held(entries)
-        fetched = time.perf_counter()
+        state = await self._fetch_when_held(entries)
         self._fetched = (run, step, bounds, state)
         start, end = bounds[i], bounds[i + 1]
         shard = trainer.shard
         if (start, end) != (shard.start, shard.start + len(shard.units)):
             loop = asyncio.get_running_loop()
-            new = await loop.run_in_executor(self._compute, shard.regrouped, start, end, state)
-            self._built = (run, step, bounds, new)
+            building = loop.run_in_executor(
+                self._background.executor(), _timed_regroup, shard, start, end, state
+            )
+            self._built = (run, step, bounds, building)
         log.info("repartition_fetched", stage=self.name, run=run, step=step,
                  units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                  peers=sorted({str(e["from"]) for e in entries} - {self.name}),
-                 fetch_s=round(fetched - started, 4), fetch_requests=tries,
-                 regroup_s=round(time.perf_counter() - fetched, 4))  # fmt: skip
+                 fetch_s=round(time.perf_counter() - started, 4),
+                 peer_requests=sum(str(e["from"]) != self.name for e in entries))  # fmt: skip
 
-    async def _fetch_when_held(self, entries: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
+    async def _fetch_when_held(self, entries: list[Any]) -> dict[str, torch.Tensor]:
         """The state of ``entries``, each entry fetched on its own and all at once (a
-        holder that already flushed is not held up by one still draining); a holder
-        that does not hold its snapshot yet is asked again, at growing intervals,
-        until the timeout. The state, and how many requests it took."""
+        holder that already flushed is not held up by one still draining); each holder
+        answers once it holds its snapshot (the request's ``wait_s``: what is left of
+        this stage's deadline), one request per entry."""
         deadline = time.monotonic() + self._timeout_s
-        tasks = [asyncio.ensure_future(self._entry_when_held(e, deadline)) for e in entries]
+
+        async def entry_state(entry: Any) -> dict[str, torch.Tensor]:
+            left = max(0.0, deadline - time.monotonic())
+            return await self._snapshots.fetched_state([entry], wait_s=left)
+
+        tasks = [asyncio.ensure_future(entry_state(e)) for e in entries]
         try:
             parts = await asyncio.gather(*tasks)
         finally:
-            # one entry failed (the move fails): the others stop asking their holders
+            # one entry failed (the move fails): the others stop waiting for theirs
             for task in tasks:
                 task.cancel()
         state: dict[str, torch.Tensor] = {}
-        for units, _ in parts:
+        for units in parts:
             state.update(units)
-        return state, sum(tries for _, tries in parts)
+        return state
 
-    async def _entry_when_held(
-        self, entry: Any, deadline: float
-    ) -> tuple[dict[str, torch.Tensor], int]:
-        pause, tries = FETCH_RETRY_FIRST_S, 0
-        while True:
-            tries += 1
-            try:
-                return await self._snapshots.fetched_state([entry]), tries
-            except UnitsLostError as exc:
-                # only a holder that has no snapshot of this step yet is asked again; a
-                # refusal (no grant, an older run) fails the move at once
-                if NOT_YET_HELD not in str(exc) or time.monotonic() + pause > deadline:
-                    raise
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, FETCH_RETRY_MAX_S)
+
+# a shard a ``move`` built, and the seconds its build took in its thread
+_Built = tuple[TrainShard, float]
+
+
+def _timed_regroup(
+    shard: TrainShard, start: int, end: int, state: dict[str, torch.Tensor]
+) -> _Built:
+    started = time.perf_counter()
+    return shard.regrouped(start, end, state), round(time.perf_counter() - started, 4)
 
 
 def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[float]]:
