@@ -2,10 +2,13 @@
 
 For ``bench/training_async.py``: the client's loss times (wall clock) and the JSON
 events of the coordinator (``repartition_started``, ``repartition_fetching``,
-``repartition_considered``) and of the stages (``repartition_prepared`` with its
-``flush_wait_s`` and ``snapshot_s``, ``repartition_fetched``,
-``repartition_committed`` with its ``regroup_s``); every process runs on this host,
-so the stamps share one clock.
+``repartition_considered``, each with the pause's ``step``; the events of the look
+before the pause say ``flush: false`` and are left out) and of the stages
+(``repartition_prepared`` with its ``flush_wait_s`` and ``snapshot_s``,
+``repartition_fetched``, ``repartition_committed`` with its ``regroup_s`` and, after
+a ``move``, its background ``build_s``; ``units_served`` with the ``waited_s`` a
+fetch waited at its holder for the holder's flush); every process runs on this
+host, so the stamps share one clock.
 """
 
 from __future__ import annotations
@@ -47,14 +50,14 @@ def pause_parts(
     coordinator = {
         r["event"]: _stamp(r)
         for r in _events(logs["coordinator"], *COORDINATOR_EVENTS)
-        if r.get("step") == step
+        if r.get("step") == step and r.get("flush") is not False
     }
     stages: dict[str, list[dict[str, Any]]] = {}
     for name, text in logs.items():
         if name == "coordinator":
             continue
         for r in _events(text, "repartition_prepared", "repartition_fetched",
-                         "repartition_committed"):  # fmt: skip
+                         "repartition_committed", "units_served"):  # fmt: skip
             if r.get("step") == step:
                 stages.setdefault(str(r["event"]), []).append(r)
     if "repartition_started" not in coordinator or "repartition_prepared" not in stages:
@@ -67,8 +70,8 @@ def pause_parts(
         "repartition_committed") else fetched  # fmt: skip
     fetching = coordinator.get("repartition_fetching", considered)
     if fetching < prepared:
-        return _move_phase_parts(stages, started, fetching, prepared, committed, last_loss,
-                                 next_loss)  # fmt: skip
+        return _move_phase_parts(stages, started, fetching, prepared, considered, committed,
+                                 last_loss, next_loss)  # fmt: skip
     parts = {
         "request_s": started - last_loss,  # the client's drain check and its request
         "prepare_s": prepared - started,  # every stage flushed and kept a snapshot
@@ -92,30 +95,44 @@ def _move_phase_parts(
     started: float,
     fetching: float,
     prepared: float,
+    considered: float,
     committed: float,
     last_loss: float,
     next_loss: float,
 ) -> dict[str, Any]:
     """The parts of a move the look decided (one ``move`` phase: the grants go out
-    first, each stage flushes, fetches and builds its new shard; the coordinator's
-    ``repartition_considered`` follows the last reply): ``request_s`` is negative when
-    the client asked before the last loss came back (it asks as it pauses),
-    ``prepare_s`` runs to the last stage's flush and snapshot, ``fetch_s`` from there
-    to the last stage's fetch and build, ``commit_s`` from there to the last switch
-    (the replies, the coordinator's commit); ``look_s`` is 0 (the look decided
-    before the pause)."""
+    first, each stage flushes, fetches and starts building its new shard; the
+    coordinator's ``repartition_considered`` follows the last reply): ``request_s`` is
+    negative when the client asked before the last loss came back (it asks as it
+    pauses), ``prepare_s`` runs to the last stage's flush and snapshot, ``fetch_s``
+    from there to the last stage's fetch, ``reply_s`` to the coordinator's taking the
+    last reply, ``commit_s`` from there to the last switch (a commit waits for its
+    stage's build: ``regroup_max_s``; ``build_max_s`` is the longest build in its
+    thread); ``look_s`` is 0 (the look decided before the pause). ``held_max_s``: the
+    longest a fetch waited at its holder for the holder's flush."""
     fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=prepared)
+    considered = max(considered, fetched)  # a log from before it named its step: at the fetch
+    committed_events = stages.get("repartition_committed", [])
+    # before the build moved to its own thread, a move's fetch event timed it
     built = [float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_fetched", [])]
+    built += [float(r.get("build_s") or 0.0) for r in committed_events]
     parts = {
         "request_s": started - last_loss,
         "allow_s": fetching - started,
         "prepare_s": prepared - started,
         "fetch_s": fetched - prepared,
         "look_s": 0.0,
-        "commit_s": committed - fetched,
+        "reply_s": considered - fetched,
+        "commit_s": committed - considered,
         "resume_s": next_loss - committed,
         "flush_wait_max_s": max(float(r["flush_wait_s"]) for r in stages["repartition_prepared"]),
         "snapshot_max_s": max(float(r["snapshot_s"]) for r in stages["repartition_prepared"]),
-        "regroup_max_s": max(built, default=0.0),
+        "held_max_s": max(
+            (float(r.get("waited_s", 0.0)) for r in stages.get("units_served", [])), default=0.0
+        ),
+        "regroup_max_s": max(
+            (float(r.get("regroup_s", 0.0)) for r in committed_events), default=0.0
+        ),
+        "build_max_s": max(built, default=0.0),
     }
     return {"move_phase": True, **{k: round(v, 3) for k, v in parts.items()}}

@@ -129,7 +129,10 @@ reply, the feed and one mini-batch through the pipeline). A move the look before
 the pause decided runs as one ``move`` phase (``move_phase`` true in its parts):
 the client asks as it pauses (``request_s`` negative: before the last loss), and
 ``prepare_s`` runs to the last stage's flush, ``fetch_s`` from there to the last
-stage's fetch and build (``regroup_max_s``), ``commit_s`` is the switch alone.
+stage's fetch (``held_max_s``: the longest a fetch waited at a holder still
+draining), ``reply_s`` to the coordinator's taking the last reply, ``commit_s``
+the switch (``regroup_max_s`` waiting for a build; ``build_max_s`` the longest
+build, in its low-priority thread).
 
 ``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
 against the bound: the periods before the change, on the old cuts after it

@@ -104,9 +104,12 @@ def test_a_pause_is_split_by_its_events_stamps() -> None:
 def test_a_move_the_look_decided_is_split_by_its_one_phase() -> None:
     t = 1_800_000_000.0
     logs = {
-        # asked as the client paused, before the last loss (t) came back
+        # asked as the client paused, before the last loss (t) came back; the look
+        # before the pause logs the same step with ``flush: false``
         "coordinator": "\n".join(
             [
+                _line("repartition_started", t - 5.0, flush=False),
+                _line("repartition_considered", t - 4.9, flush=False),
                 _line("repartition_started", t - 0.5),
                 _line("repartition_fetching", t - 0.49),
                 _line("repartition_considered", t + 0.6),
@@ -115,15 +118,16 @@ def test_a_move_the_look_decided_is_split_by_its_one_phase() -> None:
         "d0": "\n".join(
             [
                 _line("repartition_prepared", t + 0.4, flush_wait_s=0.85, snapshot_s=0.05),
-                _line("repartition_fetched", t + 0.55, regroup_s=0.04),
-                _line("repartition_committed", t + 0.62, regroup_s=0.0),
+                _line("units_served", t + 0.41, waited_s=0.3),  # d1's fetch waited here
+                _line("repartition_fetched", t + 0.55),
+                _line("repartition_committed", t + 0.62, regroup_s=0.02, build_s=0.09),
             ]
         ),
         "d1": "\n".join(
             [
                 _line("repartition_prepared", t - 0.1, flush_wait_s=0.35, snapshot_s=0.05),
-                _line("repartition_fetched", t + 0.45, regroup_s=0.06),
-                _line("repartition_committed", t + 0.63, regroup_s=0.0),
+                _line("repartition_fetched", t + 0.45),
+                _line("repartition_committed", t + 0.63, regroup_s=0.0, build_s=None),
             ]
         ),
     }
@@ -134,11 +138,14 @@ def test_a_move_the_look_decided_is_split_by_its_one_phase() -> None:
         "prepare_s": 0.9,
         "fetch_s": 0.15,
         "look_s": 0.0,
-        "commit_s": 0.08,
+        "reply_s": 0.05,
+        "commit_s": 0.03,
         "resume_s": 0.27,
         "flush_wait_max_s": 0.85,
         "snapshot_max_s": 0.05,
-        "regroup_max_s": 0.06,
+        "held_max_s": 0.3,
+        "regroup_max_s": 0.02,
+        "build_max_s": 0.09,
     }
 
 

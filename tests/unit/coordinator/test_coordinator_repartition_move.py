@@ -95,6 +95,10 @@ def test_a_move_the_look_decided_flushes_fetches_and_builds_in_one_phase() -> No
     assert done.body["error"] == "" and done.body["bounds"] == decided
     for name in "abc":
         assert _phases(h, name) == ["profile", "move", "commit"], name
+    # both decisions name the pause's step (the bench splits the pause by it): the
+    # look's (no flush) and the move's
+    considered = h.events("repartition_considered")
+    assert [(e["step"], e.get("flush")) for e in considered] == [(10, False), (10, None)]
 
 
 def test_a_request_without_a_look_before_it_still_prepares_then_fetches() -> None:

@@ -343,8 +343,11 @@ class LiveRepartitioning:
             else:
                 links = self._bandwidths(controller)
                 decision = controller.look(step, counters, bandwidths_bps=links)
-            yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
-                      **_links_logged(controller), **_window_logged(controller)})  # fmt: skip
+            # ``step`` (the pause's batch) beside the decision's ``at`` (its look's): the
+            # bench splits the pause by it
+            yield Log("info", "repartition_considered", {"run": run.run, "step": step,
+                      **decision.to_dict(), **_links_logged(controller),
+                      **_window_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None and decision is not ahead:
                 yield from self._fetch(members, plan, step, decision.bounds)
@@ -399,8 +402,8 @@ class LiveRepartitioning:
                 return replace(answer, pause=True)
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
-            yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
-                      **decision.to_dict(), **_links_logged(controller),
+            yield Log("info", "repartition_considered", {"run": run.run, "step": step,
+                      "flush": False, **decision.to_dict(), **_links_logged(controller),
                       **_window_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
             if decision.moves:
