@@ -5,10 +5,9 @@ events of the coordinator (``repartition_started``, ``repartition_fetching``,
 ``repartition_considered``, each with the pause's ``step``; the events of the look
 before the pause say ``flush: false`` and are left out) and of the stages
 (``repartition_prepared`` with its ``flush_wait_s`` and ``snapshot_s``,
-``repartition_fetched``, ``repartition_committed`` with its ``regroup_s`` and, after
-a ``move``, its background ``build_s``; ``units_served`` with the ``waited_s`` a
-fetch waited at its holder for the holder's flush); every process runs on this
-host, so the stamps share one clock.
+``repartition_fetched``, ``repartition_committed`` with its ``regroup_s``;
+``units_served`` with the ``waited_s`` a fetch waited at its holder for the holder's
+flush); every process runs on this host, so the stamps share one clock.
 """
 
 from __future__ import annotations
@@ -101,21 +100,19 @@ def _move_phase_parts(
     next_loss: float,
 ) -> dict[str, Any]:
     """The parts of a move the look decided (one ``move`` phase: the grants go out
-    first, each stage flushes, fetches and starts building its new shard; the
-    coordinator's ``repartition_considered`` follows the last reply): ``request_s`` is
-    negative when the client asked before the last loss came back (it asks as it
-    pauses), ``prepare_s`` runs to the last stage's flush and snapshot, ``fetch_s``
-    from there to the last stage's fetch, ``reply_s`` to the coordinator's taking the
-    last reply, ``commit_s`` from there to the last switch (a commit waits for its
-    stage's build: ``regroup_max_s``; ``build_max_s`` is the longest build in its
-    thread); ``look_s`` is 0 (the look decided before the pause). ``held_max_s``: the
-    longest a fetch waited at its holder for the holder's flush."""
+    first, each stage flushes and fetches; the coordinator's ``repartition_considered``
+    follows the last reply): ``request_s`` is negative when the client asked before
+    the last loss came back (it asks as it pauses), ``prepare_s`` runs to the last
+    stage's flush and snapshot, ``fetch_s`` from there to the last stage's fetch,
+    ``reply_s`` to the coordinator's taking the last reply, ``commit_s`` from there
+    to the last switch (``regroup_max_s`` of it building the new shards); ``look_s``
+    is 0 (the look decided before the pause). ``held_max_s``: the longest a fetch
+    waited at its holder for the holder's flush. (A log of the branch that built
+    the shards in the ``move`` gives their time in ``repartition_fetched``.)"""
     fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=prepared)
     considered = max(considered, fetched)  # a log from before it named its step: at the fetch
-    committed_events = stages.get("repartition_committed", [])
-    # before the build moved to its own thread, a move's fetch event timed it
     built = [float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_fetched", [])]
-    built += [float(r.get("build_s") or 0.0) for r in committed_events]
+    built += [float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_committed", [])]
     parts = {
         "request_s": started - last_loss,
         "allow_s": fetching - started,
@@ -130,9 +127,6 @@ def _move_phase_parts(
         "held_max_s": max(
             (float(r.get("waited_s", 0.0)) for r in stages.get("units_served", [])), default=0.0
         ),
-        "regroup_max_s": max(
-            (float(r.get("regroup_s", 0.0)) for r in committed_events), default=0.0
-        ),
-        "build_max_s": max(built, default=0.0),
+        "regroup_max_s": max(built, default=0.0),
     }
     return {"move_phase": True, **{k: round(v, 3) for k, v in parts.items()}}

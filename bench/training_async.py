@@ -131,8 +131,7 @@ the client asks as it pauses (``request_s`` negative: before the last loss), and
 ``prepare_s`` runs to the last stage's flush, ``fetch_s`` from there to the last
 stage's fetch (``held_max_s``: the longest a fetch waited at a holder still
 draining), ``reply_s`` to the coordinator's taking the last reply, ``commit_s``
-the switch (``regroup_max_s`` waiting for a build; ``build_max_s`` the longest
-build, in its low-priority thread).
+building the new shards (``regroup_max_s``) and switching.
 
 ``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
 against the bound: the periods before the change, on the old cuts after it

@@ -120,14 +120,14 @@ def test_a_move_the_look_decided_is_split_by_its_one_phase() -> None:
                 _line("repartition_prepared", t + 0.4, flush_wait_s=0.85, snapshot_s=0.05),
                 _line("units_served", t + 0.41, waited_s=0.3),  # d1's fetch waited here
                 _line("repartition_fetched", t + 0.55),
-                _line("repartition_committed", t + 0.62, regroup_s=0.02, build_s=0.09),
+                _line("repartition_committed", t + 0.62, regroup_s=0.02),
             ]
         ),
         "d1": "\n".join(
             [
                 _line("repartition_prepared", t - 0.1, flush_wait_s=0.35, snapshot_s=0.05),
                 _line("repartition_fetched", t + 0.45),
-                _line("repartition_committed", t + 0.63, regroup_s=0.0, build_s=None),
+                _line("repartition_committed", t + 0.63, regroup_s=0.09),
             ]
         ),
     }
@@ -144,8 +144,7 @@ def test_a_move_the_look_decided_is_split_by_its_one_phase() -> None:
         "flush_wait_max_s": 0.85,
         "snapshot_max_s": 0.05,
         "held_max_s": 0.3,
-        "regroup_max_s": 0.02,
-        "build_max_s": 0.09,
+        "regroup_max_s": 0.09,
     }
 
 

@@ -5,15 +5,11 @@ units as soon as it flushed, while a holder upstream may still be backwarding th
 last mini-batches before the pause. Each entry is asked for once, with ``wait_s``
 (what is left of the stage's deadline): the holder answers once it has flushed
 (``tests/integration/test_move_fetch_waits.py``), so nothing is asked again. A
-refusal ends the move at once; the other entries stop waiting. The new shard is
-built in a thread at the lowest CPU priority, and the commit waits for it."""
+refusal ends the move at once; the other entries stop waiting."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,11 +18,7 @@ import pytest
 import torch
 
 from zpipe._errors import UnitsLostError
-from zpipe.stage.executors.async_repartition import (
-    LOWEST_PRIORITY,
-    BackgroundBuild,
-    StageRepartition,
-)
+from zpipe.stage.executors.async_repartition import StageRepartition
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.snapshots import SnapshotService
 
@@ -96,19 +88,3 @@ def test_a_move_with_nothing_to_fetch_asks_nobody() -> None:
     holders = Holders({})
     assert asyncio.run(_stage(holders)._fetch_when_held([])) == {}
     assert holders.asked == []
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_the_move_build_thread_runs_at_the_lowest_priority_and_leaves_the_others_alone() -> None:
-    me = threading.get_native_id()
-    before = os.getpriority(os.PRIO_PROCESS, me)
-    build = BackgroundBuild("s0")
-
-    def priority_here() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    assert build.executor().submit(priority_here).result(timeout=60) == LOWEST_PRIORITY
-    # the calling thread (the event loop's, or the compute thread's) keeps its priority
-    assert os.getpriority(os.PRIO_PROCESS, me) == before
-    with ThreadPoolExecutor(1) as other:
-        assert other.submit(priority_here).result(timeout=60) == before

@@ -25,19 +25,23 @@ When the look before the pause already decided the cuts, the coordinator sends o
 as it paused its feed): each stage, once flushed, keeps its snapshot and fetches its
 new units from the peers, every entry at once; a peer that has not flushed yet holds
 the request until it has (``wait_s``: it answers when its snapshot is kept, no
-polling), so each unit arrives as soon as its holder flushed. The new shard is then
-built in a thread of its own at the lowest CPU priority (:class:`BackgroundBuild`):
-the stages that flush early (the last ones: a flush drains from the last stage back
-to the first) build on cores the stages still draining leave idle, never on theirs,
-and the ``commit`` waits for the build and switches. The move costs one round trip
-of the coordinator's fewer.
+polling), so each unit arrives as soon as its holder flushed. The new shard is
+built at the ``commit``, after every stage flushed (the coordinator commits once
+every stage answered its ``move``): the stages that flush early (the last ones: a
+flush drains from the last stage back to the first) fetch while the first ones
+still drain, but spend no CPU on building while the drain the whole pause waits
+for goes on (built in the ``move``, under load, the pauses came out longer). The
+move costs one round trip of the coordinator's fewer.
+
+Not built meanwhile in a thread at a low priority (nice 19) either: such a thread,
+holding the GIL when the host takes its core away, would hold up its process's event
+loop with it, and a stage that flushed early still serves its units to the stages
+that flush after it, and sends its heartbeats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -61,36 +65,6 @@ log = get_logger("zpipe.stage")
 # a look's window at the bench's every 10, few enough to stay a small reply
 RECENT = 32
 
-# the nice value of the thread that builds a ``move``'s new shard: the lowest priority,
-# so an early-flushed stage's build takes only CPU that the stages still draining leave
-LOWEST_PRIORITY = 19
-
-
-class BackgroundBuild:
-    """One thread, at the lowest CPU priority, that builds a ``move``'s new shard while
-    other stages may still drain; the compute thread is idle then (flushed), and the
-    commit waits for the build before the shard is used. On a system that refuses the
-    priority the thread builds at the normal one (logged once)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._pool: ThreadPoolExecutor | None = None
-
-    def executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                1, thread_name_prefix="zpipe-move-build", initializer=self._lower_priority
-            )
-        return self._pool
-
-    def _lower_priority(self) -> None:
-        # Linux: a thread's nice value is its own (PRIO_PROCESS of its thread id), and the
-        # threads it starts (torch's intra-op workers) inherit it
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
-        except (OSError, AttributeError) as exc:
-            log.warning("move_build_priority_kept", stage=self._name, error=str(exc))
-
 
 class StageRepartition:
     def __init__(
@@ -109,10 +83,6 @@ class StageRepartition:
         self._timeout_s = timeout_s
         # (run, step, bounds, the fetched state) between the fetch and the commit
         self._fetched: tuple[int, int, tuple[int, ...], dict[str, torch.Tensor]] | None = None
-        # (run, step, bounds, the new shard being built) a ``move`` started before its
-        # commit, in the background build's thread
-        self._built: tuple[int, int, tuple[int, ...], asyncio.Future[_Built]] | None = None
-        self._background = BackgroundBuild(name)
 
     async def reply(
         self, request: RepartitionRequest, trainer: TrainingExecutor | None
@@ -150,7 +120,7 @@ class StageRepartition:
                 bounds = _bounds(request)
                 await self._prepare(trainer, run, step)
                 metrics = {**self._counters.to_dict(), "recent": recent_compute(self._counters)}
-                await self._fetch_and_build(trainer, run, step, bounds, list(request.fetch or []))
+                await self._fetch_for_move(trainer, run, step, bounds, list(request.fetch or []))
             elif phase == "commit":
                 await self._commit(trainer, run, step, _bounds(request))
                 shard = trainer.shard  # the units it trains from here on
@@ -189,7 +159,7 @@ class StageRepartition:
         )
         snapshot = await loop.run_in_executor(self._compute, shard.repartition_snapshot, n)
         self._snapshots.replicas.put(self.name, run, step, snapshot)
-        self._fetched = self._built = None
+        self._fetched = None
         log.info("repartition_prepared", stage=self.name, run=run, step=step,
                  units=[shard.start, shard.start + len(shard.units)],
                  flush_wait_s=round(flushed - started, 4),
@@ -211,30 +181,23 @@ class StageRepartition:
         shard = trainer.shard
         new: TrainShard | None = None
         started = time.perf_counter()
-        built, build_s = self._built, None
         if (start, end) != (shard.start, shard.start + len(shard.units)):
             fetched = self._fetched
-            if built is not None and built[:3] == (run, step, bounds):
-                # a ``move`` built it while the others still drained (or builds it still)
-                new, build_s = await built[3]
-            elif fetched is None or fetched[:3] != (run, step, bounds):
+            if fetched is None or fetched[:3] != (run, step, bounds):
                 raise PipelineError(f"commit of cuts {list(bounds)} that were not fetched")
-            else:
-                loop = asyncio.get_running_loop()
-                new = await loop.run_in_executor(
-                    self._compute, shard.regrouped, start, end, fetched[3]
-                )
-        self._fetched = self._built = None
+            loop = asyncio.get_running_loop()
+            new = await loop.run_in_executor(self._compute, shard.regrouped, start, end, fetched[3])
+        self._fetched = None
         if isinstance(trainer, AsyncTrainingExecutor):
             assert new is None or isinstance(new, AsyncShard)
             trainer.resume(step, new)
         elif new is not None:
             trainer.shard = new  # the next round's forward runs the new units
         log.info("repartition_committed", stage=self.name, run=run, step=step,
-                 units=[start, end], moved=new is not None, build_s=build_s,
+                 units=[start, end], moved=new is not None,
                  regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
 
-    async def _fetch_and_build(
+    async def _fetch_for_move(
         self,
         trainer: TrainingExecutor,
         run: int,
@@ -243,23 +206,14 @@ class StageRepartition:
         entries: list[Any],
     ) -> None:
         """A ``move``'s part after the flush: the units of ``bounds`` this stage lacks,
-        from the peers' snapshots as each peer flushes, then the new shard's build,
-        started in the background build's thread (the old shard stays in use until
-        the commit, which waits for the build, switches)."""
+        from the peers' snapshots as each peer flushes, kept for the commit (which
+        builds the new shard once every stage flushed)."""
         i = trainer.setup.index
         if not 0 <= i < len(bounds) - 1:
             raise PipelineError(f"cuts {list(bounds)} have no stage {i}")
         started = time.perf_counter()
         state = await self._fetch_when_held(entries)
         self._fetched = (run, step, bounds, state)
-        start, end = bounds[i], bounds[i + 1]
-        shard = trainer.shard
-        if (start, end) != (shard.start, shard.start + len(shard.units)):
-            loop = asyncio.get_running_loop()
-            building = loop.run_in_executor(
-                self._background.executor(), _timed_regroup, shard, start, end, state
-            )
-            self._built = (run, step, bounds, building)
         log.info("repartition_fetched", stage=self.name, run=run, step=step,
                  units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                  peers=sorted({str(e["from"]) for e in entries} - {self.name}),
@@ -288,17 +242,6 @@ class StageRepartition:
         for units in parts:
             state.update(units)
         return state
-
-
-# a shard a ``move`` built, and the seconds its build took in its thread
-_Built = tuple[TrainShard, float]
-
-
-def _timed_regroup(
-    shard: TrainShard, start: int, end: int, state: dict[str, torch.Tensor]
-) -> _Built:
-    started = time.perf_counter()
-    return shard.regrouped(start, end, state), round(time.perf_counter() - started, 4)
 
 
 def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[float]]:
