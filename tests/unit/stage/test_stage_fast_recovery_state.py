@@ -190,10 +190,10 @@ async def test_kept_units_load_locally_and_are_served_to_the_peer_granted_them()
             assert _bits(value, live[key]), key  # weights and optimizer state bit for bit
     # unit 2 goes to b: c serves it to b once the coordinator granted that fetch
     fetch = FetchUnits(owner="c", run=3, step=6, start=2, end=3)
-    refused = await service._serve_fetch(fetch, PeerIdentity(True, "b"))
+    refused = service._serve_fetch(fetch, PeerIdentity(True, "b"))
     assert isinstance(refused, Units) and "did not name anyone" in refused.error
     service.fetch_grants = (FetchGrant("b", "c", 3, 6, 2, 3),)
-    served = await service._serve_fetch(fetch, PeerIdentity(True, "b"))
+    served = service._serve_fetch(fetch, PeerIdentity(True, "b"))
     assert isinstance(served, Units) and served.error == ""
     sent = dict(zip(served.keys, served.tensors, strict=True))
     assert sorted(sent) == sorted(k for k in live if k.startswith("units.2."))
@@ -280,16 +280,16 @@ async def test_a_chain_copy_held_here_is_confirmed_loaded_in_place_and_served_wh
     # served to the peer the coordinator granted it, though run 5 is newer here: a
     # recovery reads a chain copy by owner, run and mini-batch
     fetch = FetchUnits(owner="b", run=3, step=4, start=2, end=3)
-    refused = await service._serve_fetch(fetch, PeerIdentity(True, "a"))
+    refused = service._serve_fetch(fetch, PeerIdentity(True, "a"))
     assert isinstance(refused, Units) and "did not name anyone" in refused.error
     service.fetch_grants = (FetchGrant("a", "b", 3, 4, 2, 3),)
-    served = await service._serve_fetch(fetch, PeerIdentity(True, "a"))
+    served = service._serve_fetch(fetch, PeerIdentity(True, "a"))
     assert isinstance(served, Units) and served.error == ""
     sent = dict(zip(served.keys, served.tensors, strict=True))
     assert sorted(sent) == sorted(k for k in chain if k.startswith("units.2."))
     # an own snapshot of an older run than the newest here is still not served
     service.replicas.put("c", 3, 6, {"units.0.linear.weight": torch.zeros(1)})
     service.fetch_grants = (FetchGrant("a", "c", 3, 6, 0, 1),)
-    old = await service._serve_fetch(FetchUnits(owner="c", run=3, step=6, start=0, end=1),
+    old = service._serve_fetch(FetchUnits(owner="c", run=3, step=6, start=0, end=1),
                                PeerIdentity(True, "a"))  # fmt: skip
     assert isinstance(old, Units) and "no longer served" in old.error
