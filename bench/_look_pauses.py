@@ -2,12 +2,10 @@
 
 For ``bench/training_async.py``: the client's loss times (wall clock) and the JSON
 events of the coordinator (``repartition_started``, ``repartition_fetching``,
-``repartition_considered``, each with the pause's ``step``; the events of the look
-before the pause say ``flush: false`` and are left out) and of the stages
-(``repartition_prepared`` with its ``flush_wait_s`` and ``snapshot_s``,
-``repartition_fetched``, ``repartition_committed`` with its ``regroup_s``;
-``units_served`` with the ``waited_s`` a fetch waited at its holder for the holder's
-flush); every process runs on this host, so the stamps share one clock.
+``repartition_considered``) and of the stages (``repartition_prepared`` with its
+``flush_wait_s`` and ``snapshot_s``, ``repartition_fetched``,
+``repartition_committed`` with its ``regroup_s``); every process runs on this host,
+so the stamps share one clock.
 """
 
 from __future__ import annotations
@@ -49,14 +47,14 @@ def pause_parts(
     coordinator = {
         r["event"]: _stamp(r)
         for r in _events(logs["coordinator"], *COORDINATOR_EVENTS)
-        if r.get("step") == step and r.get("flush") is not False
+        if r.get("step") == step
     }
     stages: dict[str, list[dict[str, Any]]] = {}
     for name, text in logs.items():
         if name == "coordinator":
             continue
         for r in _events(text, "repartition_prepared", "repartition_fetched",
-                         "repartition_committed", "units_served"):  # fmt: skip
+                         "repartition_committed"):  # fmt: skip
             if r.get("step") == step:
                 stages.setdefault(str(r["event"]), []).append(r)
     if "repartition_started" not in coordinator or "repartition_prepared" not in stages:
@@ -67,10 +65,6 @@ def pause_parts(
     fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=considered)
     committed = max(_stamp(r) for r in stages.get("repartition_committed", [])) if stages.get(
         "repartition_committed") else fetched  # fmt: skip
-    fetching = coordinator.get("repartition_fetching", considered)
-    if fetching < prepared:
-        return _move_phase_parts(stages, started, fetching, prepared, considered, committed,
-                                 last_loss, next_loss)  # fmt: skip
     parts = {
         "request_s": started - last_loss,  # the client's drain check and its request
         "prepare_s": prepared - started,  # every stage flushed and kept a snapshot
@@ -87,46 +81,3 @@ def pause_parts(
         ),
     }
     return {k: round(v, 3) for k, v in parts.items()}
-
-
-def _move_phase_parts(
-    stages: dict[str, list[dict[str, Any]]],
-    started: float,
-    fetching: float,
-    prepared: float,
-    considered: float,
-    committed: float,
-    last_loss: float,
-    next_loss: float,
-) -> dict[str, Any]:
-    """The parts of a move the look decided (one ``move`` phase: the grants go out
-    first, each stage flushes and fetches; the coordinator's ``repartition_considered``
-    follows the last reply): ``request_s`` is negative when the client asked before
-    the last loss came back (it asks as it pauses), ``prepare_s`` runs to the last
-    stage's flush and snapshot, ``fetch_s`` from there to the last stage's fetch,
-    ``reply_s`` to the coordinator's taking the last reply, ``commit_s`` from there
-    to the last switch (``regroup_max_s`` of it building the new shards); ``look_s``
-    is 0 (the look decided before the pause). ``held_max_s``: the longest a fetch
-    waited at its holder for the holder's flush. (A log of the branch that built
-    the shards in the ``move`` gives their time in ``repartition_fetched``.)"""
-    fetched = max((_stamp(r) for r in stages.get("repartition_fetched", [])), default=prepared)
-    considered = max(considered, fetched)  # a log from before it named its step: at the fetch
-    built = [float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_fetched", [])]
-    built += [float(r.get("regroup_s", 0.0)) for r in stages.get("repartition_committed", [])]
-    parts = {
-        "request_s": started - last_loss,
-        "allow_s": fetching - started,
-        "prepare_s": prepared - started,
-        "fetch_s": fetched - prepared,
-        "look_s": 0.0,
-        "reply_s": considered - fetched,
-        "commit_s": committed - considered,
-        "resume_s": next_loss - committed,
-        "flush_wait_max_s": max(float(r["flush_wait_s"]) for r in stages["repartition_prepared"]),
-        "snapshot_max_s": max(float(r["snapshot_s"]) for r in stages["repartition_prepared"]),
-        "held_max_s": max(
-            (float(r.get("waited_s", 0.0)) for r in stages.get("units_served", [])), default=0.0
-        ),
-        "regroup_max_s": max(built, default=0.0),
-    }
-    return {"move_phase": True, **{k: round(v, 3) for k, v in parts.items()}}

@@ -125,13 +125,7 @@ at info): ``request_s`` (last loss to the coordinator's start), ``prepare_s``
 (every stage flushed and kept a snapshot; ``flush_wait_max_s`` of it waiting for
 the flush), ``look_s``, ``allow_s`` (peers granted their fetches), ``fetch_s``,
 ``commit_s`` (``regroup_max_s`` building the new shards) and ``resume_s`` (the
-reply, the feed and one mini-batch through the pipeline). A move the look before
-the pause decided runs as one ``move`` phase (``move_phase`` true in its parts):
-the client asks as it pauses (``request_s`` negative: before the last loss), and
-``prepare_s`` runs to the last stage's flush, ``fetch_s`` from there to the last
-stage's fetch (``held_max_s``: the longest a fetch waited at a holder still
-draining), ``reply_s`` to the coordinator's taking the last reply, ``commit_s``
-building the new shards (``regroup_max_s``) and switching.
+reply, the feed and one mini-batch through the pipeline).
 
 ``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
 against the bound: the periods before the change, on the old cuts after it

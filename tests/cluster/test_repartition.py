@@ -460,20 +460,9 @@ def test_cluster_async_run_repartitions_live_and_equals_the_reference(
         cluster.logs("coordinator")[since["coordinator"] :], "repartition_considered"
     )
     assert [(e["at"], e["flush"]) for e in considered if "flush" in e] == [(3, False), (7, False)]
-    peer_requests, served = 0, 0
     for name in ("s0", "s1", "s2"):
-        logs = cluster.logs(name)[since[name] :]
-        prepared = _logged(logs, "repartition_prepared")
+        prepared = _logged(cluster.logs(name)[since[name] :], "repartition_prepared")
         assert [e["step"] for e in prepared] == [3], name
-        # the look decided the move: each stage fetched and built in the one ``move``
-        # phase; a holder still draining held a fetch until its flush, so every peer
-        # fetch took one request, served once, and none was told "no snapshot"
-        (fetched,) = _logged(logs, "repartition_fetched")
-        assert fetched["step"] == 3, name
-        peer_requests += fetched["peer_requests"]
-        served += sum(e["step"] == 3 for e in _logged(logs, "units_served"))
-        assert _logged(logs, "units_not_held") == [], name
-    assert peer_requests == served >= 1
     moved = train_async_reference(
         SPEC, batches, bounds=[0, 1, 2, 5], optimizer=ADAM, repartitions={3: [0, 3, 4, 5]}
     )

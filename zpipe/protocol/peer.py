@@ -8,8 +8,6 @@
     link_burst_report              what arrived, and over which span after the first
     backup -> backup_ok            a neighbour's snapshot to keep (chain replication)
     fetch_units -> units           units of a kept snapshot, fetched back on recovery
-                                   (or in a live move: with ``wait_s``, answered once
-                                   the holder has flushed and kept its snapshot)
 
 State bigger than one chunk (:data:`zpipe.transport.bulk.CHUNK_BYTES`) crosses as
 ``state_chunk`` messages, the codec frames of the whole message cut as the
@@ -37,7 +35,6 @@ from zpipe.protocol._schema import (
     OPT_BOOL,
     OPT_INT,
     OPT_LIST,
-    OPT_NUM,
     STR,
     TensorMessage,
     WireMessage,
@@ -114,11 +111,6 @@ class FetchUnits(WireMessage):
     # offered by a requester that takes the answer as state_chunk messages of at most
     # this many bytes each (added within version 1; absent: one ``units`` message)
     chunk_bytes: int | None = wire(OPT_INT, default=None, omit_if_none=True)
-    # a move's requester, asking while the holder may still be draining before its
-    # flush: how long the holder may wait for the snapshot of its own units it is about
-    # to keep before it answers that it holds none (added within version 1; absent:
-    # answer at once). The holder waits no longer than its own result timeout.
-    wait_s: float | None = wire(OPT_NUM, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -20,11 +20,6 @@ three phases:
 - ``commit``: every stage has fetched; switch to ``bounds`` (plan epoch
   ``plan_epoch``) and go on from batch ``step``. A look that keeps the cuts sends
   only this phase, with the current ones.
-
-When the look before the pause decided the cuts, ``move`` replaces ``prepare`` and
-``fetch``: once flushed, keep the snapshot, fetch the units of ``bounds`` you lack
-as each holder flushes (a holder that has not yet refuses; ask again), build the
-new shard, and answer with your counters; the ``commit`` then only switches.
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ from zpipe.protocol._schema import (
     wire_message,
 )
 
-PHASES = ("profile", "prepare", "fetch", "move", "commit")
+PHASES = ("profile", "prepare", "fetch", "commit")
 
 
 @wire_message

@@ -196,37 +196,14 @@ class ProbeResponder:
                     span_s=(done.last_at - done.first_at) if done else 0.0,
                 )
                 await self._reply(routing_id, report)
-            case FetchUnits(wait_s=wait_s) if wait_s and self.peer_handler is not None:
-                # a live move's fetch may wait for this stage's flush before its answer:
-                # answered from a task, so pings and other peers are served meanwhile
-                task = asyncio.create_task(self._answer_later(routing_id, message, first))
-                self._pending.add(task)
-                task.add_done_callback(self._pending.discard)
             case Backup() | FetchUnits() | StateChunk() if self.peer_handler is not None:
-                await self._answer(routing_id, message, first)
+                sender = security.sender_public_key(first) if first is not None else None
+                answer = await self.peer_handler(message, sender)
+                # Each reply has its own deadline: a long stream that keeps moving is alive.
+                for part in [answer] if isinstance(answer, WireMessage) else answer:
+                    await self._reply(routing_id, part)
             case _:
                 raise ProtocolError(f"unexpected {message.KIND!r} on the probe socket")
-
-    async def _answer(
-        self, routing_id: bytes, message: WireMessage, first: zmq.Frame | None
-    ) -> None:
-        assert self.peer_handler is not None
-        sender = security.sender_public_key(first) if first is not None else None
-        answer = await self.peer_handler(message, sender)
-        # Each reply has its own deadline: a long stream that keeps moving is alive.
-        for part in [answer] if isinstance(answer, WireMessage) else answer:
-            await self._reply(routing_id, part)
-
-    async def _answer_later(
-        self, routing_id: bytes, message: WireMessage, first: zmq.Frame | None
-    ) -> None:
-        try:
-            await self._answer(routing_id, message, first)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # as the serve loop's: logged, the port serves on
-            log.warning("probe_answer_failed", stage=self.name, peer=routing_id.hex(),
-                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
 
     async def _reply_later(self, routing_id: bytes, reply: WireMessage) -> None:
         await asyncio.sleep(self.link.latency_ms / 1e3)

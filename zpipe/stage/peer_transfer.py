@@ -195,14 +195,11 @@ class PeerLink:
     async def send(self, message: WireMessage) -> None:
         await send(self._sock, message.to_message(), timeout_s=self.timeout_s, peer=self.peer)
 
-    async def receive(
-        self, *expect: type[WireMessage], timeout_s: float | None = None
-    ) -> WireMessage:
-        """The next message, one of ``expect``, within ``timeout_s`` (the link's own
-        deadline when None)."""
+    async def receive(self, *expect: type[WireMessage]) -> WireMessage:
         awaited = " or ".join(cls.KIND for cls in expect)
-        deadline = self.timeout_s if timeout_s is None else timeout_s
-        frames = await recv_frames(self._sock, timeout_s=deadline, peer=self.peer, awaited=awaited)
+        frames = await recv_frames(
+            self._sock, timeout_s=self.timeout_s, peer=self.peer, awaited=awaited
+        )
         reply = REGISTRY.parse(decode_frames(frames, self._options.max_message_bytes))
         if not isinstance(reply, expect):
             raise ProtocolError(f"{self.peer!r} answered {reply.KIND!r}, expected {awaited}")
@@ -242,14 +239,11 @@ class PeerLink:
         self._moved(chunks[-1].tensors[0].numel())
         return _of(BackupOk, answer)
 
-    async def fetch(self, request: FetchUnits, *, first_reply_s: float | None = None) -> Units:
+    async def fetch(self, request: FetchUnits) -> Units:
         """Send a ``fetch_units`` request; the ``units`` answer, put together from
         ``state_chunk`` messages when the holder streams it (each read has its own
-        deadline, so a big answer on a slow link is fine while it moves). The first
-        reply is awaited ``first_reply_s`` when given (a request whose ``wait_s`` lets
-        the holder wait for its flush first), the link's deadline otherwise."""
-        await self.send(request)
-        reply = await self.receive(Units, StateChunk, timeout_s=first_reply_s)
+        deadline, so a big answer on a slow link is fine while it moves)."""
+        reply = await self.request(request, Units, StateChunk)
         if isinstance(reply, Units):
             return reply
         state = ChunkedState(cap_bytes=self._options.max_message_bytes)

@@ -15,7 +15,6 @@ cluster's keys): :func:`peer_request` opens a DEALER there for one request.
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -35,11 +34,6 @@ KEEP_PER_OWNER = 2
 
 SnapshotKey = tuple[str, int, int]  # (owner, run, step)
 
-# Requests that may wait at once for snapshots not kept yet (a live move's fetches: a
-# few per stage); beyond these a request is answered at once, so a flood of waiting
-# requests holds no more than this many tasks.
-MAX_WAITING = 16
-
 
 class ReplicaStore:
     """Snapshots by (owner, run, step): this stage's own and those peers backed up here."""
@@ -47,9 +41,6 @@ class ReplicaStore:
     def __init__(self, keep_per_owner: int = KEEP_PER_OWNER) -> None:
         self.keep_per_owner = keep_per_owner
         self._snapshots: OrderedDict[SnapshotKey, dict[str, torch.Tensor]] = OrderedDict()
-        # snapshots requests wait for (:meth:`until_held`): set when put, and by
-        # how many requests each is awaited (dropped when the last one gives up)
-        self._awaited: dict[SnapshotKey, tuple[asyncio.Event, int]] = {}
 
     def put(self, owner: str, run: int, step: int, state: Mapping[str, torch.Tensor]) -> None:
         key = (owner, run, step)
@@ -58,33 +49,6 @@ class ReplicaStore:
         mine = [k for k in self._snapshots if k[0] == owner]
         for old in mine[: max(0, len(mine) - self.keep_per_owner)]:
             del self._snapshots[old]
-        awaited = self._awaited.pop(key, None)
-        if awaited is not None:
-            awaited[0].set()
-
-    async def until_held(self, key: SnapshotKey, wait_s: float) -> bool:
-        """Whether the snapshot ``key`` is held here, once it is or after ``wait_s``
-        seconds (at once when :data:`MAX_WAITING` requests wait already): a live move's
-        fetch that reached its holder before the holder's flush waits here for it,
-        instead of being refused and asked again."""
-        if key in self._snapshots:
-            return True
-        if wait_s <= 0 or sum(n for _, n in self._awaited.values()) >= MAX_WAITING:
-            return False
-        event, waiting = self._awaited.get(key, (asyncio.Event(), 0))
-        self._awaited[key] = (event, waiting + 1)
-        try:
-            await asyncio.wait_for(event.wait(), wait_s)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            current = self._awaited.get(key)
-            if current is not None and current[0] is event:
-                if current[1] > 1:
-                    self._awaited[key] = (event, current[1] - 1)
-                else:
-                    del self._awaited[key]
-        return key in self._snapshots
 
     def peer_bytes_if_put(self, owner: str, run: int, step: int, nbytes: int, *, me: str) -> int:
         """Bytes held for owners other than ``me`` once ``owner``'s snapshot of

@@ -46,7 +46,6 @@ from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, Weigh
 from zpipe.recovery.live_copies import state_digest
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
 from zpipe.stage.executors.sync_training import TrainingExecutor
-from zpipe.stage.fetch_entries import holder_wait_s, restarted_units
 from zpipe.stage.live_copies import ChainPeer, ToCoordinator, announce_held, held_copy_notice
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import (
@@ -64,7 +63,7 @@ from zpipe.stage.peer_policy import (
 from zpipe.stage.peer_transfer import ChunkedState, PeerLink, encoded_size, state_chunks
 from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.supervision import describe_error
-from zpipe.training.async_fast_state import initial_state, unit_digests
+from zpipe.training.async_fast_state import initial_state, restart_state_at, unit_digests
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import CHUNK_BYTES, MAX_CHUNK_BYTES, stall_after_s
 from zpipe.transport.sockets import SocketOptions
@@ -354,10 +353,10 @@ class SnapshotService:
             case StateChunk():
                 return self._backup_chunk(message, trainer, sender)
             case FetchUnits():
-                return await self._serve_fetch(message, sender)
+                return self._serve_fetch(message, sender)
         raise ProtocolError(f"unexpected {message.KIND!r} from a peer")
 
-    async def _serve_fetch(
+    def _serve_fetch(
         self, message: FetchUnits, sender: PeerIdentity
     ) -> WireMessage | Iterator[WireMessage]:
         request = FetchRequest(
@@ -377,22 +376,14 @@ class SnapshotService:
             log.warning("fetch_refused", stage=self.name, owner=request.owner,
                         peer=sender.describe(), error=refusal)  # fmt: skip
             return Units(keys=[], error=refusal)
-        arrived = time.perf_counter()
-        if not live and request.owner == self.name:
-            # a live move's fetch may come before this stage's flush: it waits here for
-            # the snapshot, no longer than this stage's own flush may take
-            await self.replicas.until_held(key, holder_wait_s(message.wait_s, self._timeout_s))
         try:
             units = self.held_units(
                 request.owner, request.run, request.step, request.start, request.end
             )
         except ConfigError as exc:
-            log.warning("units_not_held", stage=self.name, owner=request.owner,
-                        peer=sender.describe(), step=request.step, error=str(exc))  # fmt: skip
             return Units(keys=[], error=str(exc))
         log.info("units_served", stage=self.name, owner=request.owner, peer=sender.describe(),
-                 start=request.start, end=request.end, step=request.step,
-                 waited_s=round(time.perf_counter() - arrived, 4))  # fmt: skip
+                 start=request.start, end=request.end)  # fmt: skip
         answer = Units(keys=list(units), error="", tensors=tuple(units.values()))
         offered = message.chunk_bytes
         if offered is None:
@@ -503,14 +494,13 @@ class SnapshotService:
         task.add_done_callback(logged)
 
     async def fetched_state(
-        self, fetch: list[Any], spec: ModelSpec | None = None, *, wait_s: float | None = None
+        self, fetch: list[Any], spec: ModelSpec | None = None
     ) -> dict[str, torch.Tensor]:
         """The units an assignment says to take from snapshots: this stage's own or a
         peer's (its snapshot, or a backup it holds), fetched from that peer; an entry
         marked ``initial`` (no copy of them was left) built here from ``spec``, the
         assignment's model. An entry with ``restart`` (an asynchronous run's fast
-        recovery) has its units put at that weight version (:func:`restart_state_at`).
-        With ``wait_s`` (a live move) a peer still draining answers once it flushed."""
+        recovery) has its units put at that weight version (:func:`restart_state_at`)."""
         state: dict[str, torch.Tensor] = {}
         for entry in fetch:
             if not isinstance(entry, dict):
@@ -518,8 +508,8 @@ class SnapshotService:
             if entry.get("initial"):
                 units = await self._initial_entry(entry, spec)
             else:
-                units = await self._fetched_entry(entry, wait_s)
-            state.update(restarted_units(units, entry.get("restart")))
+                units = await self._fetched_entry(entry)
+            state.update(_restarted(units, entry.get("restart")))
         return state
 
     async def _initial_entry(
@@ -541,9 +531,7 @@ class SnapshotService:
                  owner=str(entry.get("owner", "")))  # fmt: skip
         return built
 
-    async def _fetched_entry(
-        self, entry: dict[str, Any], wait_s: float | None = None
-    ) -> dict[str, torch.Tensor]:
+    async def _fetched_entry(self, entry: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The units of one fetch entry, from a snapshot here or at the peer it names."""
         try:
             owner, source = str(entry["owner"]), str(entry["from"])
@@ -572,11 +560,9 @@ class SnapshotService:
             start=start,
             end=end,
             chunk_bytes=self.chunk_bytes,
-            wait_s=wait_s,
         )
         async with link:
-            # the answer may wait for the peer's flush: that long on top of the deadline
-            reply = await link.fetch(request, first_reply_s=self._timeout_s + (wait_s or 0.0))
+            reply = await link.fetch(request)
         if reply.error:
             raise UnitsLostError((start, end), f"{source} could not send them: {reply.error}")
         if len(reply.keys) != len(reply.tensors):
@@ -593,3 +579,17 @@ def _replica_state(trainer: TrainingExecutor) -> dict[str, torch.Tensor]:
     if isinstance(trainer, AsyncTrainingExecutor):
         return trainer.replica_state()
     return trainer.shard.training_state()
+
+
+def _restarted(units: dict[str, torch.Tensor], restart: object) -> dict[str, torch.Tensor]:
+    """``units`` at the weight version a fast recovery's fetch entry names (``restart``:
+    ``{"version", "depth"}``), or as they are without one."""
+    if restart is None:
+        return units
+    if not isinstance(restart, dict):
+        raise ProtocolError("a fetch entry's restart must be a map")
+    try:
+        version, depth = int(restart["version"]), int(restart["depth"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"a malformed restart in a fetch entry: {exc!r}") from None
+    return restart_state_at(units, version=version, depth=depth)

@@ -101,53 +101,6 @@ def test_a_pause_is_split_by_its_events_stamps() -> None:
     assert pause_parts(logs, 7, t, t + 1.0) == {}  # no events of that look
 
 
-def test_a_move_the_look_decided_is_split_by_its_one_phase() -> None:
-    t = 1_800_000_000.0
-    logs = {
-        # asked as the client paused, before the last loss (t) came back; the look
-        # before the pause logs the same step with ``flush: false``
-        "coordinator": "\n".join(
-            [
-                _line("repartition_started", t - 5.0, flush=False),
-                _line("repartition_considered", t - 4.9, flush=False),
-                _line("repartition_started", t - 0.5),
-                _line("repartition_fetching", t - 0.49),
-                _line("repartition_considered", t + 0.6),
-            ]
-        ),
-        "d0": "\n".join(
-            [
-                _line("repartition_prepared", t + 0.4, flush_wait_s=0.85, snapshot_s=0.05),
-                _line("units_served", t + 0.41, waited_s=0.3),  # d1's fetch waited here
-                _line("repartition_fetched", t + 0.55),
-                _line("repartition_committed", t + 0.62, regroup_s=0.02),
-            ]
-        ),
-        "d1": "\n".join(
-            [
-                _line("repartition_prepared", t - 0.1, flush_wait_s=0.35, snapshot_s=0.05),
-                _line("repartition_fetched", t + 0.45),
-                _line("repartition_committed", t + 0.63, regroup_s=0.09),
-            ]
-        ),
-    }
-    assert pause_parts(logs, 5, t, t + 0.9) == {
-        "move_phase": True,
-        "request_s": -0.5,
-        "allow_s": 0.01,
-        "prepare_s": 0.9,
-        "fetch_s": 0.15,
-        "look_s": 0.0,
-        "reply_s": 0.05,
-        "commit_s": 0.03,
-        "resume_s": 0.27,
-        "flush_wait_max_s": 0.85,
-        "snapshot_max_s": 0.05,
-        "held_max_s": 0.3,
-        "regroup_max_s": 0.09,
-    }
-
-
 def test_a_stages_own_cost_lowers_the_bound() -> None:
     caps = [4.0, 80.0, 20.0, 40.0]
     plain = phase_bound(caps, 12)

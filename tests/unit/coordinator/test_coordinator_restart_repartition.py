@@ -80,7 +80,7 @@ def _answer_phases(h: Harness, run: int, step: int, counters: dict[str, Any]) ->
         answered = len(asked)
         phase = asked[-1].body["phase"]
         for name in "abc":
-            metrics = counters.get(name, {}) if phase in ("prepare", "profile", "move") else {}
+            metrics = counters.get(name, {}) if phase in ("prepare", "profile") else {}
             h.stage(name, "repartition_reply", run=run, step=step, phase=phase, error="",
                     metrics=metrics)  # fmt: skip
 

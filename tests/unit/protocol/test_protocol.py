@@ -84,9 +84,8 @@ ADDED_IN_V1 = {
         # a fast recovery's survivor keeps its state for peers to fetch
         "keep": ["bool/null", False],
     },
-    # a requester that takes a big answer in state_chunk messages of this size; a live
-    # move's, how long the holder may wait for its own snapshot (its flush)
-    "fetch_units": {"chunk_bytes": ["int/null", False], "wait_s": ["int/float/null", False]},
+    # a requester that takes a big answer in state_chunk messages of this size
+    "fetch_units": {"chunk_bytes": ["int/null", False]},
     # every batch size a training profile measures, sent to stages that reported a device
     "profile_request": {"batch_sizes": ["list/null", False]},
     # clock offsets for timelines: a coordinator that stamps acks says so on registering

@@ -4,11 +4,10 @@ Before each mini-batch the run's :class:`~zpipe.training.repartition.
 RepartitionSettings` name, the coordinator looks first while the pipeline runs
 (``look``: the stages' counters as they are). Only when the cuts move does the
 feed stop: the run kind's ``pause_feed`` (an asynchronous run sends its ``end``
-marker, so the stages flush), and the client asks at once, while the losses in
-flight still come back: the coordinator has the stages move units between them as
-each flushes, and commit (:mod:`zpipe.coordinator.runs.async_repartition`). The
-feed goes on from the same mini-batch once every loss before it came back; what
-the look found is kept in ``TrainReport.repartitions``.
+marker, so the stages flush), then every loss in flight comes back, then the
+coordinator has the stages move units between them and commit
+(:mod:`zpipe.coordinator.runs.async_repartition`). The feed goes on from the same
+mini-batch; what the look found is kept in ``TrainReport.repartitions``.
 """
 
 from __future__ import annotations
@@ -40,11 +39,16 @@ async def repartition_before(run: TrainingRun, step: int) -> bool:
         if not reply.pause:
             return _record(run, step, reply)
         await run.pause_feed()
-        # asked at once, not after the last loss: the stages drain meanwhile, and each
-        # moves its units as soon as it and its peers flushed (the ``move`` phase)
-        moved = await _ask(run, step, look=False)
-        await _losses_in(run)  # every stage flushed, so these were sent already
-        return _record(run, step, moved)
+        timeout = run.timeouts.result_s
+        while run.done_steps < run.sent_steps:
+            run.step_finished.clear()
+            try:
+                await asyncio.wait_for(run.step_finished.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(
+                    run.session.last_stage, "the losses before a re-partition", timeout
+                ) from None
+        return _record(run, step, await _ask(run, step, look=False))
     except (PipelineError, TransportTimeout):
         # a fast recovery keeps no replica (replicate_every None) but recovers too
         if not run.attempts.recovers:
@@ -54,20 +58,6 @@ async def repartition_before(run: TrainingRun, step: int) -> bool:
         if failure is None:
             raise
         raise failure from None
-
-
-async def _losses_in(run: TrainingRun) -> None:
-    """Wait for the loss of every mini-batch sent; TransportTimeout after the run's
-    result timeout without one."""
-    timeout = run.timeouts.result_s
-    while run.done_steps < run.sent_steps:
-        run.step_finished.clear()
-        try:
-            await asyncio.wait_for(run.step_finished.wait(), timeout)
-        except asyncio.TimeoutError:
-            raise TransportTimeout(
-                run.session.last_stage, "the losses before a re-partition", timeout
-            ) from None
 
 
 async def _ask(run: TrainingRun, step: int, *, look: bool) -> Repartitioned:

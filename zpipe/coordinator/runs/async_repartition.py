@@ -326,13 +326,7 @@ class LiveRepartitioning:
             plan, controller, devices, members = self._ready(run_id)
             # the pause's parts are read from these events' stamps (bench/training_async.py)
             yield Log("info", "repartition_started", {"run": run.run, "step": step})
-            ahead = self.pending
-            if ahead is not None and ahead.at == step and ahead.bounds is not None:
-                # decided before the pause: one phase flushes, fetches and builds, each
-                # stage as soon as it and its peers flushed (no prepare round first)
-                replies = yield from self._fetch(members, plan, step, ahead.bounds, move=True)
-            else:
-                replies = yield from self.ask(members, devices, step, PhaseAsk("prepare"))
+            replies = yield from self.ask(members, devices, step, PhaseAsk("prepare"))
             pending, self.pending = self.pending, None
             self._keep()  # saved with the commit's save, or the run's next one
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
@@ -343,13 +337,10 @@ class LiveRepartitioning:
             else:
                 links = self._bandwidths(controller)
                 decision = controller.look(step, counters, bandwidths_bps=links)
-            # ``step`` (the pause's batch) beside the decision's ``at`` (its look's): the
-            # bench splits the pause by it
-            yield Log("info", "repartition_considered", {"run": run.run, "step": step,
-                      **decision.to_dict(), **_links_logged(controller),
-                      **_window_logged(controller)})  # fmt: skip
+            yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
+                      **_links_logged(controller), **_window_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
-            if decision.bounds is not None and decision is not ahead:
+            if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
             epoch = controller.plan_epoch + (1 if decision.moves else 0)
             commit = PhaseAsk("commit", bounds=list(target), plan_epoch=epoch)
@@ -402,8 +393,8 @@ class LiveRepartitioning:
                 return replace(answer, pause=True)
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
-            yield Log("info", "repartition_considered", {"run": run.run, "step": step,
-                      "flush": False, **decision.to_dict(), **_links_logged(controller),
+            yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
+                      **decision.to_dict(), **_links_logged(controller),
                       **_window_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
             if decision.moves:
@@ -428,17 +419,9 @@ class LiveRepartitioning:
         return answer
 
     def _fetch(
-        self,
-        members: dict[str, Member],
-        plan: TrainingPlan,
-        step: int,
-        bounds: tuple[int, ...],
-        *,
-        move: bool = False,
+        self, members: dict[str, Member], plan: TrainingPlan, step: int, bounds: tuple[int, ...]
     ) -> Flow:
-        """Every stage fetches the units of ``bounds`` it lacks from the others' snapshots;
-        with ``move``, each flushes and keeps its own snapshot first, and builds its new
-        shard after (the stages' ``move`` phase); every reply."""
+        """Every stage fetches the units of ``bounds`` it lacks from the others' snapshots."""
         owner, run = self.owner, self.owner.run
         devices, _ = plan_bounds(plan)
         # every device's snapshot at this step is at the device itself; nothing is here
@@ -453,10 +436,9 @@ class LiveRepartitioning:
                 if entry["from"] != dest:
                     entry["endpoint"] = str(members[entry["from"]].info["probe_endpoint"])
                     entry["key"] = owner.key_of(entry["from"])
-        phase = "move" if move else "fetch"
-        per_device = {d: PhaseAsk(phase, bounds=list(bounds), fetch=fetches.get(d, []))
+        per_device = {d: PhaseAsk("fetch", bounds=list(bounds), fetch=fetches.get(d, []))
                       for d in devices}  # fmt: skip
-        return (yield from self.ask(members, devices, step, per_device))
+        yield from self.ask(members, devices, step, per_device)
 
     def ask(
         self,

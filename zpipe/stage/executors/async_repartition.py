@@ -19,24 +19,6 @@ are, no flush) when the coordinator looks before the client pauses:
   commit, nothing changes yet;
 - ``commit``: build the shard of the new range from what was fetched and go on
   from batch ``step`` (without new cuts: on the same shard).
-
-When the look before the pause already decided the cuts, the coordinator sends one
-``move`` phase instead of ``prepare`` and ``fetch`` (the client asks for it as soon
-as it paused its feed): each stage, once flushed, keeps its snapshot and fetches its
-new units from the peers, every entry at once; a peer that has not flushed yet holds
-the request until it has (``wait_s``: it answers when its snapshot is kept, no
-polling), so each unit arrives as soon as its holder flushed. The new shard is
-built at the ``commit``, after every stage flushed (the coordinator commits once
-every stage answered its ``move``): the stages that flush early (the last ones: a
-flush drains from the last stage back to the first) fetch while the first ones
-still drain, but spend no CPU on building while the drain the whole pause waits
-for goes on (built in the ``move``, under load, the pauses came out longer). The
-move costs one round trip of the coordinator's fewer.
-
-Not built meanwhile in a thread at a low priority (nice 19) either: such a thread,
-holding the GIL when the host takes its core away, would hold up its process's event
-loop with it, and a stage that flushed early still serves its units to the stages
-that flush after it, and sends its heartbeats.
 """
 
 from __future__ import annotations
@@ -116,11 +98,6 @@ class StageRepartition:
                 log.info("repartition_fetched", stage=self.name, run=run, step=step,
                          units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                          peers=sorted({str(e["from"]) for e in entries} - {self.name}))  # fmt: skip
-            elif phase == "move":
-                bounds = _bounds(request)
-                await self._prepare(trainer, run, step)
-                metrics = {**self._counters.to_dict(), "recent": recent_compute(self._counters)}
-                await self._fetch_for_move(trainer, run, step, bounds, list(request.fetch or []))
             elif phase == "commit":
                 await self._commit(trainer, run, step, _bounds(request))
                 shard = trainer.shard  # the units it trains from here on
@@ -196,52 +173,6 @@ class StageRepartition:
         log.info("repartition_committed", stage=self.name, run=run, step=step,
                  units=[start, end], moved=new is not None,
                  regroup_s=round(time.perf_counter() - started, 4))  # fmt: skip
-
-    async def _fetch_for_move(
-        self,
-        trainer: TrainingExecutor,
-        run: int,
-        step: int,
-        bounds: tuple[int, ...],
-        entries: list[Any],
-    ) -> None:
-        """A ``move``'s part after the flush: the units of ``bounds`` this stage lacks,
-        from the peers' snapshots as each peer flushes, kept for the commit (which
-        builds the new shard once every stage flushed)."""
-        i = trainer.setup.index
-        if not 0 <= i < len(bounds) - 1:
-            raise PipelineError(f"cuts {list(bounds)} have no stage {i}")
-        started = time.perf_counter()
-        state = await self._fetch_when_held(entries)
-        self._fetched = (run, step, bounds, state)
-        log.info("repartition_fetched", stage=self.name, run=run, step=step,
-                 units=sum(int(e["end"]) - int(e["start"]) for e in entries),
-                 peers=sorted({str(e["from"]) for e in entries} - {self.name}),
-                 fetch_s=round(time.perf_counter() - started, 4),
-                 peer_requests=sum(str(e["from"]) != self.name for e in entries))  # fmt: skip
-
-    async def _fetch_when_held(self, entries: list[Any]) -> dict[str, torch.Tensor]:
-        """The state of ``entries``, each entry fetched on its own and all at once (a
-        holder that already flushed is not held up by one still draining); each holder
-        answers once it holds its snapshot (the request's ``wait_s``: what is left of
-        this stage's deadline), one request per entry."""
-        deadline = time.monotonic() + self._timeout_s
-
-        async def entry_state(entry: Any) -> dict[str, torch.Tensor]:
-            left = max(0.0, deadline - time.monotonic())
-            return await self._snapshots.fetched_state([entry], wait_s=left)
-
-        tasks = [asyncio.ensure_future(entry_state(e)) for e in entries]
-        try:
-            parts = await asyncio.gather(*tasks)
-        finally:
-            # one entry failed (the move fails): the others stop waiting for theirs
-            for task in tasks:
-                task.cancel()
-        state: dict[str, torch.Tensor] = {}
-        for units in parts:
-            state.update(units)
-        return state
 
 
 def recent_compute(counters: StageCounters, newest: int = RECENT) -> list[list[float]]:
