@@ -49,6 +49,15 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
+# The fast paths are only for sockets that move messages one way. The zmq socket's
+# file descriptor is edge-triggered: a send through the shadow socket on a socket
+# that also receives (ROUTER, DEALER) can consume the edge that announces queued
+# input, and the pending asyncio receive then sleeps until some later event (seen
+# as a coordinator that read nothing for seconds while stages queued replies).
+# zmq.asyncio's own calls re-check the socket's events after each operation.
+SEND_ONLY_KINDS = frozenset({zmq.PUSH, zmq.PUB})
+RECEIVE_ONLY_KINDS = frozenset({zmq.PULL, zmq.SUB})
+
 
 def take_queued(
     shadow: zmq.Socket[Any], bounds: MessageBounds, *, look_first: bool = False
@@ -88,7 +97,7 @@ def send_whole_nowait(
     return cast("zmq.MessageTracker | None", _send_one(shadow, frames[last], _NOBLOCK, copy, track))
 
 
-class _DescriptorReader:
+class DescriptorReader:
     """A socket's reader on its descriptor and the receives it wakes.
 
     Kept off the socket itself: every attribute written on a pyzmq socket runs
@@ -122,19 +131,32 @@ class ZpipeSocket(zmq.asyncio.Socket):
     message_bounds: MessageBounds | None = None
     # messages past those bounds, read and discarded since the socket opened
     refused_messages: int = 0
-    _zpipe_reader: _DescriptorReader | None = None
+    _zpipe_reader: DescriptorReader | None = None
     # The connection guard of a listener's socket (zpipe.transport.conn_guard sets
     # it on the instance). A class default makes the receive path's look for it a
     # plain attribute read: without one, every received message fell through to
     # pyzmq's ``__getattr__``, which looks for a socket option of that name and
     # raises AttributeError (about 3 us of CPU per message here).
     _zpipe_connection_guard: Any = None
+    # The synchronous shadow of a send-only (PUSH, PUB) or a receive-only (PULL, SUB)
+    # socket, else None: found once, when the socket opens (its kind never changes),
+    # not per message (see zpipe.transport.sockets._shadow for why only those kinds).
+    send_only_shadow: zmq.Socket[Any] | None = None
+    receive_only_shadow: zmq.Socket[Any] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        shadow = self._shadow_sock
+        if shadow.type in SEND_ONLY_KINDS:
+            self.send_only_shadow = shadow
+        elif shadow.type in RECEIVE_ONLY_KINDS:
+            self.receive_only_shadow = shadow
 
     @property
-    def descriptor_reader(self) -> _DescriptorReader:
+    def descriptor_reader(self) -> DescriptorReader:
         reader = self._zpipe_reader
         if reader is None:
-            reader = self._zpipe_reader = _DescriptorReader(cast(int, self.FD))
+            reader = self._zpipe_reader = DescriptorReader(cast(int, self.FD))
         return reader
 
     def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
@@ -169,7 +191,7 @@ class ZpipeSocket(zmq.asyncio.Socket):
         for waiter in waiters:
             _wake(waiter)
 
-    def _remove_reader(self, reader: _DescriptorReader) -> None:
+    def _remove_reader(self, reader: DescriptorReader) -> None:
         reader.on = False
         # zmq.asyncio may have taken the socket over meanwhile: the reader on the
         # descriptor is then its own, which it needs
@@ -213,7 +235,17 @@ async def recv_when_readable(
     deadline = None if timeout_s is None else loop.time() + timeout_s
     sock.descriptor_reader.waited_last = True
     while True:
-        await _readable(loop, sock, deadline)
+        # _readable's wait, inlined: a coroutine less to create and to resume
+        # through on every waited receive (the common case of a round trip)
+        woken: asyncio.Future[None] = loop.create_future()
+        timer = None if deadline is None else loop.call_at(deadline, _wake, woken)
+        sock.wait_started(loop, woken)
+        try:
+            await woken
+        finally:
+            sock.wait_ended(woken)
+            if timer is not None:
+                timer.cancel()
         try:
             first = shadow.recv(_NOBLOCK, False)
         except zmq.Again:
