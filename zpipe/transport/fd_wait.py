@@ -145,8 +145,9 @@ class ZpipeSocket(zmq.asyncio.Socket):
     receive_only_shadow: zmq.Socket[Any] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        shadow = self._shadow_sock
+        # pyzmq's stubs type the base as Socket[bytes]
+        super().__init__(*args, **kwargs)  # type: ignore[misc]
+        shadow = cast("zmq.Socket[Any]", self._shadow_sock)
         if shadow.type in SEND_ONLY_KINDS:
             self.send_only_shadow = shadow
         elif shadow.type in RECEIVE_ONLY_KINDS:
