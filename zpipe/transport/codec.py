@@ -435,7 +435,10 @@ def decode(
     total = sum(map(_NBYTES, views))
     if total > max_message_bytes:
         raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
-    header = _unpack_header(header_view)
+    try:  # _unpack_header, inlined: decode runs for every message received
+        header = msgpack.unpackb(header_view, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {short_repr(exc)}") from None
     checked = _fits_fast(header, registry)
     if not checked:
         _check_header(header, registry)
@@ -454,7 +457,7 @@ def decode(
         else:
             tensor = _decode_tensor(meta, views[i + 1], i, span_limit, frames[i + 1])
         tensors.append(tensor)
-    return Message(kind=kind, body=body, epoch=epoch, tensors=tuple(tensors))
+    return Message(kind, body, epoch, tuple(tensors))
 
 
 def register_kinds(

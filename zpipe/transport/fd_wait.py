@@ -74,7 +74,8 @@ def take_queued(
     finds nothing raises ``zmq.Again``, which pyzmq builds in Python (about 28,000
     instructions here, callgrind); reading the events costs about 8,500, and one
     that finds a message pays both, hence the choice."""
-    if look_first and not cast(int, _get_option(shadow, _EVENTS)) & _POLLIN:
+    # typing.cast is a call at run time: kept off the per-message paths
+    if look_first and not _get_option(shadow, _EVENTS) & _POLLIN:  # type: ignore[operator]
         return None
     try:
         first = shadow.recv(_NOBLOCK, False)
@@ -94,7 +95,8 @@ def send_whole_nowait(
     last = len(frames) - 1
     for i in range(last):
         _send_one(shadow, frames[i], _NOBLOCK_SNDMORE, copy, track)
-    return cast("zmq.MessageTracker | None", _send_one(shadow, frames[last], _NOBLOCK, copy, track))
+    tracker: zmq.MessageTracker | None = _send_one(shadow, frames[last], _NOBLOCK, copy, track)
+    return tracker
 
 
 class DescriptorReader:
@@ -189,8 +191,9 @@ class ZpipeSocket(zmq.asyncio.Socket):
             # for an idle reader per message (a callback and a loop pass).
             self._remove_reader(reader)
             return
-        for waiter in waiters:
-            _wake(waiter)
+        for waiter in waiters:  # _wake, inlined: this runs on every waited receive
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _remove_reader(self, reader: DescriptorReader) -> None:
         reader.on = False
@@ -234,17 +237,25 @@ async def recv_when_readable(
     none, with nothing touching the socket since."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    sock.descriptor_reader.waited_last = True
+    reader = sock.descriptor_reader
+    reader.waited_last = True
     while True:
         # _readable's wait, inlined: a coroutine less to create and to resume
-        # through on every waited receive (the common case of a round trip)
+        # through on every waited receive (the common case of a round trip), and
+        # the reader's bookkeeping too where it is already on this loop
         woken: asyncio.Future[None] = loop.create_future()
         timer = None if deadline is None else loop.call_at(deadline, _wake, woken)
-        sock.wait_started(loop, woken)
+        if reader.on and reader.loop is loop:
+            waiters = reader.waiters
+            waiters.add(woken)
+        else:
+            sock.wait_started(loop, woken)
+            waiters = reader.waiters
         try:
             await woken
         finally:
-            sock.wait_ended(woken)
+            # the set close() left behind when it cancelled the wait: discard is harmless
+            waiters.discard(woken)
             if timer is not None:
                 timer.cancel()
         try:

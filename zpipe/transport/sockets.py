@@ -416,13 +416,17 @@ async def recv_frames(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     # looked up once per call, not per pass: a receive is a few hundred bytecodes,
     # and these lookups were a tenth of them (bench/_transport_counts.py --opcodes)
-    if type(sock) is ZpipeSocket:
+    zpipe_sock: ZpipeSocket | None
+    if type(sock) is ZpipeSocket:  # attributes, not calls: this runs per message
+        zpipe_sock = sock
         shadow = sock.receive_only_shadow
-        reader: DescriptorReader | None = sock.descriptor_reader
+        reader: DescriptorReader | None = sock._zpipe_reader or sock.descriptor_reader
+        bounds = sock.message_bounds or message_bounds_of(sock)
     else:
+        zpipe_sock = sock if isinstance(sock, ZpipeSocket) else None
         shadow = _shadow(sock, _RECEIVE_ONLY)
-        reader = sock.descriptor_reader if isinstance(sock, ZpipeSocket) else None
-    bounds = message_bounds_of(sock)
+        reader = None if zpipe_sock is None else zpipe_sock.descriptor_reader
+        bounds = message_bounds_of(sock)
     while True:
         got = None  # a message already queued is taken without a future or a coroutine
         if shadow is not None:
@@ -430,14 +434,12 @@ async def recv_frames(
                 got = take_queued(shadow, bounds)
             elif (got := take_queued(shadow, bounds, look_first=reader.waited_last)) is not None:
                 reader.waited_last = False
-            elif sock._current_loop is None:
+            elif zpipe_sock is not None and zpipe_sock._current_loop is None:
                 # straight to the descriptor wait (zmq.asyncio has not taken the
                 # socket over): one coroutine less per waited receive than through
                 # _recv_bounded, nothing touching the socket since take_queued
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                got = await recv_when_readable(
-                    cast(ZpipeSocket, sock), shadow, left, peer, awaited, bounds
-                )
+                got = await recv_when_readable(zpipe_sock, shadow, left, peer, awaited, bounds)
         if got is None:
             got = await _recv_bounded(sock, shadow, bounds, deadline, timeout_s, peer, awaited)
         # a listener's connection guard counts what each connection's messages took
