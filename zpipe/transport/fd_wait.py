@@ -45,6 +45,11 @@ _send_one = zmq.backend.Socket.send
 _NOBLOCK = int(zmq.NOBLOCK)
 # pyzmq's backend read of an option: the sugar layer's ``get`` adds a Python call
 _get_option = zmq.backend.Socket.get
+# pyzmq's backend receive of one frame, called unbound: ``shadow.recv`` looks the
+# method up on the instance, and every attribute of a pyzmq socket goes through
+# the slow hook of a class with ``__getattr__`` (pyzmq's option attributes), about
+# 450-600 instructions a look-up (callgrind, bench/_transport_counts.py)
+_recv_one = zmq.backend.Socket.recv
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -78,7 +83,7 @@ def take_queued(
     if look_first and not _get_option(shadow, _EVENTS) & _POLLIN:  # type: ignore[operator]
         return None
     try:
-        first = shadow.recv(_NOBLOCK, False)
+        first = _recv_one(shadow, _NOBLOCK, False)
     except zmq.Again:
         return None
     return take_rest(shadow, first, bounds)
@@ -237,7 +242,7 @@ async def recv_when_readable(
     none, with nothing touching the socket since."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    reader = sock.descriptor_reader
+    reader = sock._zpipe_reader or sock.descriptor_reader
     reader.waited_last = True
     while True:
         # _readable's wait, inlined: a coroutine less to create and to resume
@@ -259,7 +264,7 @@ async def recv_when_readable(
             if timer is not None:
                 timer.cancel()
         try:
-            first = shadow.recv(_NOBLOCK, False)
+            first = _recv_one(shadow, _NOBLOCK, False)
         except zmq.Again:
             # news that was not a message (a peer connected, say): wait again
             if deadline is not None and loop.time() >= deadline:
