@@ -203,7 +203,9 @@ def encode(message: Message, *, registry: Registry = REGISTRY) -> list[Any]:
     returns.
     """
     kind = message.kind
-    body = dict(message.body)
+    body = message.body
+    if type(body) is not dict:  # a plain dict goes as it is (msgpack reads, never keeps it)
+        body = dict(body)
     # One precompiled pass proves the common flat body valid (and nesting-free);
     # anything else takes the full check, which names the problem.
     flat = type(kind) is str and registry.fits_flat(kind, body)
