@@ -15,6 +15,10 @@ direction and moves ``--count`` messages of one float32 tensor per phase:
     each ping and sends its tensor on (the received frame), the pinger decoding
     the pong.
 
+Paths: ``raw`` (blocking pyzmq, threads), ``asyncio`` (raw pyzmq under
+``zmq.asyncio`` on the same event loop as ``zpipe``, nothing encoded: the
+like-for-like baseline of an asyncio process) and ``zpipe``.
+
 Each phase has a warm-up of ``--warm`` messages, then calls libc's ``getpgrp``
 (``os.getpgrp``; nothing else here calls it) before and after the measured messages: run under
 ``valgrind --tool=callgrind --dump-before=getpgrp`` every measured phase is one
@@ -43,6 +47,7 @@ from types import FrameType
 from typing import Any
 
 import zmq
+import zmq.asyncio
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -142,6 +147,42 @@ def raw_phase(pattern: str, size: int, warm: int, count: int, around: Callable[[
     ctx.term()
 
 
+async def asyncio_raw_phase(
+    pattern: str, size: int, warm: int, count: int, around: Callable[[], None]
+) -> None:
+    """Raw pyzmq under zmq.asyncio, on the same event loop as the zpipe path: the
+    like-for-like baseline of an asyncio process (raw's blocking receive waits in
+    libzmq with no event loop at all), nothing encoded or validated."""
+    ctx = zmq.asyncio.Context(io_threads=1)
+    a, b, c, d = raw_pairs(ctx)
+    tensor = make_tensor(size)
+    total = warm + count
+
+    async def far_side() -> None:
+        for _ in range(total):
+            if pattern == "stream":
+                await a.send_multipart([RAW_HEADER, raw_buffer(tensor)], copy=False)
+            else:
+                await c.send_multipart(await b.recv_multipart(copy=False), copy=False)
+
+    async def near_side() -> None:
+        for i in range(total):
+            if i == warm:
+                around()
+            if pattern == "echo":
+                await a.send_multipart([RAW_HEADER, raw_buffer(tensor)], copy=False)
+            frames = await (b if pattern == "stream" else d).recv_multipart(copy=False)
+            if len(frames[1]) != size:
+                raise RuntimeError("raw message of the wrong size")
+        around()
+
+    far = asyncio.ensure_future(far_side())
+    await asyncio.wait_for(asyncio.gather(far, near_side()), TIMEOUT_S)
+    for sock in (a, b, c, d):
+        sock.close(linger=0)
+    ctx.term()
+
+
 async def zpipe_phase(
     pattern: str, size: int, warm: int, count: int, around: Callable[[], None]
 ) -> None:
@@ -194,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--phases",
         default="raw:echo:64K,zpipe:echo:64K,raw:echo:1M,zpipe:echo:1M",
-        help="comma-separated path:pattern:size (path raw|zpipe, pattern stream|echo)",
+        help="comma-separated path:pattern:size (path raw|asyncio|zpipe, pattern stream|echo)",
     )
     parser.add_argument("--count", type=int, default=200, help="measured messages per phase")
     parser.add_argument("--warm", type=int, default=50, help="warm-up messages per phase")
@@ -219,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phase {n}: {phase}: dump {2 * n + 2}", file=sys.stderr, flush=True)
         if path == "raw":
             raw_phase(pattern, size, args.warm, args.count, around)
+        elif path == "asyncio":
+            runner(asyncio_raw_phase(pattern, size, args.warm, args.count, around))
         else:
             runner(zpipe_phase(pattern, size, args.warm, args.count, around))
         if args.opcodes:

@@ -36,6 +36,28 @@ def test_only_one_way_sockets_take_the_shadow_fast_paths() -> None:
         context.term()
 
 
+def test_a_zpipe_socket_knows_its_one_way_shadow_from_when_it_opens() -> None:
+    # The receive and send paths read these per message instead of looking the shadow
+    # up: each must be the socket's own shadow for its one-way kinds, None otherwise
+    # (a shadow fast path on a ROUTER or DEALER can strand its asyncio receive).
+    context = new_context()
+    kinds = (zmq.PUSH, zmq.PUB, zmq.PULL, zmq.SUB, zmq.ROUTER, zmq.DEALER)
+    made = {kind: open_socket(context, kind, SocketOptions()) for kind in kinds}
+    try:
+        for kind, sock in made.items():
+            shadow = sock._shadow_sock
+            send_only = getattr(sock, "send_only_shadow", "missing")
+            receive_only = getattr(sock, "receive_only_shadow", "missing")
+            assert send_only is (shadow if kind in (zmq.PUSH, zmq.PUB) else None), kind
+            assert receive_only is (shadow if kind in (zmq.PULL, zmq.SUB) else None), kind
+            assert sockets._shadow(sock, sockets._SEND_ONLY) is send_only
+            assert sockets._shadow(sock, sockets._RECEIVE_ONLY) is receive_only
+    finally:
+        for sock in made.values():
+            sock.close(linger=0)
+        context.term()
+
+
 async def _router_with_a_slow_reader() -> tuple[
     zmq.asyncio.Context, zmq.asyncio.Socket, zmq.asyncio.Socket
 ]:

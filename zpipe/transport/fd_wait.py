@@ -45,9 +45,23 @@ _send_one = zmq.backend.Socket.send
 _NOBLOCK = int(zmq.NOBLOCK)
 # pyzmq's backend read of an option: the sugar layer's ``get`` adds a Python call
 _get_option = zmq.backend.Socket.get
+# pyzmq's backend receive of one frame, called unbound: ``shadow.recv`` looks the
+# method up on the instance, and every attribute of a pyzmq socket goes through
+# the slow hook of a class with ``__getattr__`` (pyzmq's option attributes), about
+# 450-600 instructions a look-up (callgrind, bench/_transport_counts.py)
+_recv_one = zmq.backend.Socket.recv
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+
+# The fast paths are only for sockets that move messages one way. The zmq socket's
+# file descriptor is edge-triggered: a send through the shadow socket on a socket
+# that also receives (ROUTER, DEALER) can consume the edge that announces queued
+# input, and the pending asyncio receive then sleeps until some later event (seen
+# as a coordinator that read nothing for seconds while stages queued replies).
+# zmq.asyncio's own calls re-check the socket's events after each operation.
+SEND_ONLY_KINDS = frozenset({zmq.PUSH, zmq.PUB})
+RECEIVE_ONLY_KINDS = frozenset({zmq.PULL, zmq.SUB})
 
 
 def take_queued(
@@ -65,10 +79,11 @@ def take_queued(
     finds nothing raises ``zmq.Again``, which pyzmq builds in Python (about 28,000
     instructions here, callgrind); reading the events costs about 8,500, and one
     that finds a message pays both, hence the choice."""
-    if look_first and not cast(int, _get_option(shadow, _EVENTS)) & _POLLIN:
+    # typing.cast is a call at run time: kept off the per-message paths
+    if look_first and not _get_option(shadow, _EVENTS) & _POLLIN:  # type: ignore[operator]
         return None
     try:
-        first = shadow.recv(_NOBLOCK, False)
+        first = _recv_one(shadow, _NOBLOCK, False)
     except zmq.Again:
         return None
     return take_rest(shadow, first, bounds)
@@ -85,10 +100,11 @@ def send_whole_nowait(
     last = len(frames) - 1
     for i in range(last):
         _send_one(shadow, frames[i], _NOBLOCK_SNDMORE, copy, track)
-    return cast("zmq.MessageTracker | None", _send_one(shadow, frames[last], _NOBLOCK, copy, track))
+    tracker: zmq.MessageTracker | None = _send_one(shadow, frames[last], _NOBLOCK, copy, track)
+    return tracker
 
 
-class _DescriptorReader:
+class DescriptorReader:
     """A socket's reader on its descriptor and the receives it wakes.
 
     Kept off the socket itself: every attribute written on a pyzmq socket runs
@@ -122,19 +138,33 @@ class ZpipeSocket(zmq.asyncio.Socket):
     message_bounds: MessageBounds | None = None
     # messages past those bounds, read and discarded since the socket opened
     refused_messages: int = 0
-    _zpipe_reader: _DescriptorReader | None = None
+    _zpipe_reader: DescriptorReader | None = None
     # The connection guard of a listener's socket (zpipe.transport.conn_guard sets
     # it on the instance). A class default makes the receive path's look for it a
     # plain attribute read: without one, every received message fell through to
     # pyzmq's ``__getattr__``, which looks for a socket option of that name and
     # raises AttributeError (about 3 us of CPU per message here).
     _zpipe_connection_guard: Any = None
+    # The synchronous shadow of a send-only (PUSH, PUB) or a receive-only (PULL, SUB)
+    # socket, else None: found once, when the socket opens (its kind never changes),
+    # not per message (see zpipe.transport.sockets._shadow for why only those kinds).
+    send_only_shadow: zmq.Socket[Any] | None = None
+    receive_only_shadow: zmq.Socket[Any] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # pyzmq's stubs type the base as Socket[bytes]
+        super().__init__(*args, **kwargs)  # type: ignore[misc]
+        shadow = cast("zmq.Socket[Any]", self._shadow_sock)
+        if shadow.type in SEND_ONLY_KINDS:
+            self.send_only_shadow = shadow
+        elif shadow.type in RECEIVE_ONLY_KINDS:
+            self.receive_only_shadow = shadow
 
     @property
-    def descriptor_reader(self) -> _DescriptorReader:
+    def descriptor_reader(self) -> DescriptorReader:
         reader = self._zpipe_reader
         if reader is None:
-            reader = self._zpipe_reader = _DescriptorReader(cast(int, self.FD))
+            reader = self._zpipe_reader = DescriptorReader(cast(int, self.FD))
         return reader
 
     def wait_started(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None]) -> None:
@@ -166,10 +196,11 @@ class ZpipeSocket(zmq.asyncio.Socket):
             # for an idle reader per message (a callback and a loop pass).
             self._remove_reader(reader)
             return
-        for waiter in waiters:
-            _wake(waiter)
+        for waiter in waiters:  # _wake, inlined: this runs on every waited receive
+            if not waiter.done():
+                waiter.set_result(None)
 
-    def _remove_reader(self, reader: _DescriptorReader) -> None:
+    def _remove_reader(self, reader: DescriptorReader) -> None:
         reader.on = False
         # zmq.asyncio may have taken the socket over meanwhile: the reader on the
         # descriptor is then its own, which it needs
@@ -211,11 +242,29 @@ async def recv_when_readable(
     none, with nothing touching the socket since."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    sock.descriptor_reader.waited_last = True
+    reader = sock._zpipe_reader or sock.descriptor_reader
+    reader.waited_last = True
     while True:
-        await _readable(loop, sock, deadline)
+        # _readable's wait, inlined: a coroutine less to create and to resume
+        # through on every waited receive (the common case of a round trip), and
+        # the reader's bookkeeping too where it is already on this loop
+        woken: asyncio.Future[None] = loop.create_future()
+        timer = None if deadline is None else loop.call_at(deadline, _wake, woken)
+        if reader.on and reader.loop is loop:
+            waiters = reader.waiters
+            waiters.add(woken)
+        else:
+            sock.wait_started(loop, woken)
+            waiters = reader.waiters
         try:
-            first = shadow.recv(_NOBLOCK, False)
+            await woken
+        finally:
+            # the set close() left behind when it cancelled the wait: discard is harmless
+            waiters.discard(woken)
+            if timer is not None:
+                timer.cancel()
+        try:
+            first = _recv_one(shadow, _NOBLOCK, False)
         except zmq.Again:
             # news that was not a message (a peer connected, say): wait again
             if deadline is not None and loop.time() >= deadline:

@@ -45,6 +45,8 @@ CODEC_FRAMES = MAX_TENSORS + 1
 # Frames a refused message is discarded in between turns of the event loop: a few
 # milliseconds of one core (1-5 us a frame here, loaded).
 DRAIN_TURN_FRAMES = 4096
+# zmq.NOBLOCK is an enum member, a global and an attribute looked up per frame
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 # A refused message of this many frames had libzmq allocate them all (its queue's
@@ -147,7 +149,7 @@ def take_rest(shadow: FrameSource, first: Any, bounds: MessageBounds) -> list[An
     # Frame.more is the flag libzmq set on this frame: no call into the socket, where
     # recv_multipart asks RCVMORE for every frame
     while frame.more:
-        frame = shadow.recv(zmq.NOBLOCK, copy=False)
+        frame = shadow.recv(_NOBLOCK, False)  # flags, copy: positional, an int flag
         nbytes += len(frame)
         frames.append(frame)
         if len(frames) > bounds.max_frames or nbytes > bounds.max_bytes:

@@ -85,6 +85,9 @@ from zpipe.transport.endpoints import (  # noqa: F401  (re-exported: callers imp
     validate_endpoint,
 )
 from zpipe.transport.fd_wait import (
+    RECEIVE_ONLY_KINDS,
+    SEND_ONLY_KINDS,
+    DescriptorReader,
     ZpipeSocket,
     recv_when_readable,
     send_when_writable,
@@ -383,7 +386,7 @@ def _queue_now(
     send-only socket when there is room (the common case): an asyncio future, a
     wait_for timer and an extra loop pass cost more than the send itself. A
     multipart message is queued whole or not at all: False when nothing was sent."""
-    shadow = _shadow(sock, _SEND_ONLY)
+    shadow = sock.send_only_shadow if type(sock) is ZpipeSocket else _shadow(sock, _SEND_ONLY)
     if shadow is None:
         return False
     try:
@@ -413,16 +416,30 @@ async def recv_frames(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     # looked up once per call, not per pass: a receive is a few hundred bytecodes,
     # and these lookups were a tenth of them (bench/_transport_counts.py --opcodes)
-    shadow = _shadow(sock, _RECEIVE_ONLY)
-    reader = sock.descriptor_reader if isinstance(sock, ZpipeSocket) else None
-    bounds = message_bounds_of(sock)
+    zpipe_sock: ZpipeSocket | None
+    if type(sock) is ZpipeSocket:  # attributes, not calls: this runs per message
+        zpipe_sock = sock
+        shadow = sock.receive_only_shadow
+        reader: DescriptorReader | None = sock._zpipe_reader or sock.descriptor_reader
+        bounds = sock.message_bounds or message_bounds_of(sock)
+    else:
+        zpipe_sock = sock if isinstance(sock, ZpipeSocket) else None
+        shadow = _shadow(sock, _RECEIVE_ONLY)
+        reader = None if zpipe_sock is None else zpipe_sock.descriptor_reader
+        bounds = message_bounds_of(sock)
     while True:
         got = None  # a message already queued is taken without a future or a coroutine
         if shadow is not None:
-            look_first = reader is not None and reader.waited_last
-            got = take_queued(shadow, bounds, look_first=look_first)
-            if got is not None and reader is not None:
+            if reader is None:
+                got = take_queued(shadow, bounds)
+            elif (got := take_queued(shadow, bounds, look_first=reader.waited_last)) is not None:
                 reader.waited_last = False
+            elif zpipe_sock is not None and zpipe_sock._current_loop is None:
+                # straight to the descriptor wait (zmq.asyncio has not taken the
+                # socket over): one coroutine less per waited receive than through
+                # _recv_bounded, nothing touching the socket since take_queued
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                got = await recv_when_readable(zpipe_sock, shadow, left, peer, awaited, bounds)
         if got is None:
             got = await _recv_bounded(sock, shadow, bounds, deadline, timeout_s, peer, awaited)
         # a listener's connection guard counts what each connection's messages took
@@ -477,19 +494,20 @@ async def _recv_bounded(
         return got
 
 
-# The fast paths are only for sockets that move messages one way. The zmq socket's
-# file descriptor is edge-triggered: a send through the shadow socket on a socket
-# that also receives (ROUTER, DEALER) can consume the edge that announces queued
-# input, and the pending asyncio receive then sleeps until some later event (seen
-# as a coordinator that read nothing for seconds while stages queued replies).
-# zmq.asyncio's own calls re-check the socket's events after each operation.
-_SEND_ONLY = frozenset({zmq.PUSH, zmq.PUB})
-_RECEIVE_ONLY = frozenset({zmq.PULL, zmq.SUB})
+# The fast paths are only for sockets that move messages one way (the notes at
+# zpipe.transport.fd_wait.SEND_ONLY_KINDS say why).
+_SEND_ONLY = SEND_ONLY_KINDS
+_RECEIVE_ONLY = RECEIVE_ONLY_KINDS
 
 
 def _shadow(sock: zmq.asyncio.Socket, kinds: frozenset[int]) -> zmq.Socket[Any] | None:
     """The synchronous socket behind a zmq.asyncio socket of one of ``kinds``, for
     non-blocking fast paths; None for any other socket."""
+    if type(sock) is ZpipeSocket:  # found when it opened: no lookups per message
+        if kinds is _SEND_ONLY:
+            return sock.send_only_shadow
+        if kinds is _RECEIVE_ONLY:
+            return sock.receive_only_shadow
     shadow = getattr(sock, "_shadow_sock", None)
     if not isinstance(shadow, zmq.Socket) or shadow.type not in kinds:
         return None

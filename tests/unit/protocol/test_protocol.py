@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -659,3 +660,19 @@ def test_register_kinds_is_a_deprecated_wrapper_over_the_registry() -> None:
     assert REGISTRY.classes["probe"] is Probe
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="another schema"):
         codec.register_kinds({"probe": {"nonce": ((str,), True)}})
+
+
+def test_a_message_is_built_as_the_frozen_dataclass_was() -> None:
+    # Message writes its fields in one update of its dict (a per-message cost): the
+    # defaults, positional order, immutability, equality and replace stay as they were.
+    first, second = Message("data"), Message("data")
+    assert first.body == {} and first.body is not second.body  # a fresh dict each
+    assert (first.epoch, first.tensors) == (0, ())
+    built = Message("data", {"run": 1}, 3, ())
+    assert built == Message(kind="data", body={"run": 1}, epoch=3, tensors=())
+    assert Message("data", None).body is None  # explicit values are kept as given
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.epoch = 4  # type: ignore[misc]
+    assert dataclasses.replace(built, epoch=5) == Message("data", {"run": 1}, 5)
+    assert Message.__match_args__ == ("kind", "body", "epoch", "tensors")
+    assert repr(built) == "Message(kind='data', body={'run': 1}, epoch=3, tensors=())"
