@@ -29,8 +29,9 @@ slowdowns 4, 8, 20, 40), one of them slowing 10x mid-run. ``pipedream``: asynchr
 1F1B on the even partition it starts with (units alike per stage), kept; ``ftpipehd``:
 the same start with live re-partitioning (``--repartition-first``,
 ``--repartition-every``, gain 0.1, and an early look when the losses slow
-``--repartition-watch`` times: :mod:`zpipe.training.repartition_watch`). Each runs on a
-cluster of its own (the slowdown's clock starts at a stage's first step), on the same
+``--repartition-watch`` times: :mod:`zpipe.training.repartition_watch`, or when a stage's
+own forwards do ``--repartition-forward-watch`` times: :mod:`zpipe.stage.speed_watch`).
+Each runs on a cluster of its own (the slowdown's clock starts at a stage's first step), on the same
 mini-batches; with vertical sync both compute the same losses step by step, so time to a
 loss is time to a step: ``ftpipehd_over_pipedream_time_to_loss`` is PipeDream's time
 over FTPipeHD's to the lowest loss (averaged over 20 mini-batches) PipeDream reaches
@@ -285,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the two looks before (0: scheduled looks only): a device that slows right
     # after a look no longer runs the old cuts for ten slow mini-batches
     parser.add_argument("--repartition-watch", type=float, default=2.0)
+    # an early look when a stage's own forwards run this many times slower (or
+    # faster) for good, told by the stage itself (0: off): it sees the change at its
+    # fourth slow forward, where the loss watch waits for the period to show it
+    parser.add_argument("--repartition-forward-watch", type=float, default=2.0)
     parser.add_argument(
         "--setups",
         nargs="+",
@@ -544,6 +549,11 @@ def one_setup(
                 "every": args.repartition_every,
                 "gain": 0.1,
                 **({"watch": args.repartition_watch} if args.repartition_watch else {}),
+                **(
+                    {"forward_watch": args.repartition_forward_watch}
+                    if args.repartition_forward_watch
+                    else {}
+                ),
             }
         },
     }
