@@ -118,8 +118,9 @@ class SpeedChanged(WireMessage):
     baseline_s: float = wire(NUM)
     now_s: float = wire(NUM)
 
-    def __post_init__(self) -> None:
-        # the schema checks types; these are what a verdict can mean
+    def checked(self) -> SpeedChanged:
+        """This verdict, if its values mean one (the schema checks only their types);
+        :class:`ProtocolError` naming the misfit otherwise."""
         if self.step < 0 or self.plan_epoch < 0:
             raise ProtocolError(
                 f"speed_changed: step and plan_epoch must be >= 0, got "
@@ -127,8 +128,9 @@ class SpeedChanged(WireMessage):
             )
         for field in ("ratio", "baseline_s", "now_s"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+            if not (math.isfinite(value) and value > 0):
                 raise ProtocolError(f"speed_changed: {field} must be finite and > 0, got {value}")
+        return self
 
 
 MESSAGES: tuple[type[WireMessage], ...] = (

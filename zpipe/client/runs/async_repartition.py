@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from zpipe._errors import PipelineError, TransportTimeout
+from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
 from zpipe.client.runs.training_events import SpeedNoticed
 from zpipe.log import get_logger
 from zpipe.protocol.repartition import Repartition, Repartitioned
@@ -104,6 +104,11 @@ def speed_notices(run: TrainingRun) -> list[SpeedNoticed]:
     out = []
     while not queue.empty():
         verdict = queue.get_nowait()
+        try:
+            verdict.checked()
+        except ProtocolError as exc:
+            log.warning("dropped_message", peer="coordinator", error=str(exc))
+            continue
         if verdict.run != run.run:
             log.debug("speed_change_dropped", run=verdict.run, current=run.run)
             continue

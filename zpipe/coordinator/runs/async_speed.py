@@ -12,6 +12,7 @@ Pure: :func:`relay_speed_change` takes the verdict and returns commands. What it
 drops, and why (each a ``Log``, never an error: a verdict is a hint, the
 scheduled looks still come):
 
+- a verdict whose values mean none (:meth:`SpeedChanged.checked`);
 - a verdict of a run that is not the current one, or that does not re-partition
   with a forward watch, or from a stage that is not in the run;
 - one about cuts that have moved since (its ``plan_epoch`` older than the
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from zpipe._errors import ConfigError
+from zpipe._errors import ConfigError, ProtocolError
 from zpipe.coordinator.commands import Command, Log, Send
 from zpipe.coordinator.runs.async_repartition import live_repartitioning, repartition_settings
 from zpipe.coordinator.state import CLIENT_NAME
@@ -62,6 +63,10 @@ def relay_speed_change(
         "plan_epoch": message.plan_epoch,
         "ratio": round(message.ratio, 3),
     }
+    try:
+        message.checked()
+    except ProtocolError as exc:  # a peer's bad values: dropped, the coordinator serves on
+        return [Log("warning", "dropped_message", {"peer": stage, "error": str(exc)})]
     current = state.current
     run = None if current is None else current.run
     if run is None or current is None or run.run != message.run:
