@@ -12,7 +12,9 @@ looks before its next mini-batch instead of at its next scheduled look
 A verdict names the plan epoch of the cuts its forwards ran on. A move changes
 the stage's units, and so its forward time, with no change of the device: the
 commit calls :meth:`StageSpeedWatch.committed`, which takes the new epoch and,
-when this stage's units moved, forgets every forward.
+when this stage's units moved, forgets every forward (keeping the old median,
+scaled by the units' count, as a provisional baseline: a device that slows during
+the move's pause would otherwise look like the new cuts' own time).
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ class StageSpeedWatch:
             epoch=self.epoch,
         )
 
-    def committed(self, plan_epoch: int, *, moved: bool) -> None:
-        """A commit switched the run to the cuts of ``plan_epoch``; ``moved``: this
-        stage's units changed, so its forwards take another time from here on
-        without the device changing (every forward is forgotten)."""
+    def committed(self, plan_epoch: int, *, scale: float | None = None) -> None:
+        """A commit switched the run to the cuts of ``plan_epoch``; ``scale`` (None: this
+        stage's units did not change): the new units' share of the old, so its forwards
+        take another time from here on without the device changing. The watch starts
+        again, from the old median times ``scale`` until it has its own baseline
+        (:meth:`~zpipe.training.forward_watch.ForwardWatch.reset`)."""
         self.plan_epoch = plan_epoch
-        if moved:
-            self.watch.reset()
+        if scale is not None:
+            self.watch.reset(scale)

@@ -46,6 +46,29 @@ def test_a_tenfold_slowdown_is_reported_at_its_fourth_forward() -> None:
     assert verdict.checked() is verdict
 
 
+def test_a_device_that_slows_during_a_move_is_seen_on_the_new_cuts() -> None:
+    # r24_middle: the device slows during the first move's pause, so no forward of the
+    # new cuts is fast; the old median, scaled by the units, is the baseline meanwhile
+    watch = _watch()
+    _verdicts(watch, [0.6] * 8)  # six units at 0.1 s each
+    watch.committed(1, scale=7 / 6)  # seven units from here
+    (verdict,) = _verdicts(watch, [7.0] * 6, first=8)
+    assert verdict.step == 11 and verdict.plan_epoch == 1
+    assert verdict.ratio == pytest.approx(10.0)
+
+
+def test_a_scale_that_is_off_is_not_taken_for_a_change() -> None:
+    # seven units to one: a fixed cost per forward makes it a fifth, not a seventh, and
+    # a few forwards of the new cuts are in before the watch has its own baseline
+    watch = _watch()
+    _verdicts(watch, [0.7] * 8)
+    watch.committed(1, scale=1 / 7)
+    assert _verdicts(watch, [0.14, 0.15, 0.13, 0.14, 0.14, 0.15, 0.14, 0.14], first=8) == []
+    # then its own: a 10x slowdown from there is seen as any other
+    (verdict,) = _verdicts(watch, [1.4] * 4, first=16)
+    assert verdict.ratio == pytest.approx(10.0, rel=0.05)
+
+
 def test_one_slow_forward_is_not_a_change() -> None:
     watch = _watch()
     times = [0.1] * 8 + [1.0] + [0.1] * 4 + [1.0, 1.0, 0.1] * 3
@@ -55,7 +78,7 @@ def test_one_slow_forward_is_not_a_change() -> None:
 def test_a_move_starts_the_watch_again_on_its_new_epoch() -> None:
     watch = _watch()
     _verdicts(watch, [0.1] * 8)
-    watch.committed(1, moved=True)  # three times the units: three times the forward
+    watch.committed(1, scale=3.0)  # three times the units: three times the forward
     assert _verdicts(watch, [0.3] * 10, first=8) == []
     (verdict,) = _verdicts(watch, [3.0] * 4, first=18)
     assert verdict.plan_epoch == 1
@@ -65,7 +88,7 @@ def test_a_move_starts_the_watch_again_on_its_new_epoch() -> None:
 def test_a_commit_that_leaves_this_stage_alone_keeps_its_forwards() -> None:
     watch = _watch()
     _verdicts(watch, [0.1] * 8)
-    watch.committed(2, moved=False)  # other stages' cuts moved
+    watch.committed(2)  # other stages' cuts moved
     (verdict,) = _verdicts(watch, [1.0] * 4, first=8)  # no new baseline to wait for
     assert verdict.plan_epoch == 2
 

@@ -175,8 +175,10 @@ class StageRepartition:
             trainer.resume(step, new)
             if plan_epoch is not None:
                 # the cuts' epoch its speed verdicts name; other units (a move here):
-                # another forward time, and the speed watch starts again
-                trainer.committed(plan_epoch, moved=new is not None)
+                # another forward time, and the speed watch starts again from the old
+                # one scaled by the units' count (zpipe.training.forward_watch)
+                scale = (end - start) / max(len(shard.units), 1) if new is not None else None
+                trainer.committed(plan_epoch, scale=scale)
         elif new is not None:
             trainer.shard = new  # the next round's forward runs the new units
         log.info("repartition_committed", stage=self.name, run=run, step=step,

@@ -348,11 +348,11 @@ class AsyncTrainingExecutor(TrainingExecutor):
             # a hint only: the scheduled looks still come
             log.warning("speed_change_not_sent", stage=self.setup.name, error=repr(exc))
 
-    def committed(self, plan_epoch: int, *, moved: bool) -> None:
-        """A re-partition's commit: the cuts of ``plan_epoch`` from here on; ``moved``:
-        this stage's units changed."""
+    def committed(self, plan_epoch: int, *, scale: float | None) -> None:
+        """A re-partition's commit: the cuts of ``plan_epoch`` from here on; ``scale``:
+        this stage's units changed, the new ones' share of the old (None: they did not)."""
         if self.speed_watch is not None:
-            self.speed_watch.committed(plan_epoch, moved=moved)
+            self.speed_watch.committed(plan_epoch, scale=scale)
 
     async def _pass_end(self) -> None:
         """Tell the next stage the feed ended, once: after this stage's last forward."""
