@@ -81,3 +81,17 @@ def pause_parts(
         ),
     }
     return {k: round(v, 3) for k, v in parts.items()}
+
+
+def speed_verdicts(coordinator_log: str) -> list[dict[str, Any]]:
+    """The stages' speed verdicts the coordinator relayed or dropped (the forward
+    watch's, ``zpipe.coordinator.runs.async_speed``), in order: which stage, at which
+    of its mini-batches, how much slower, and why a dropped one was."""
+    out = []
+    for r in _events(coordinator_log, "speed_change_relayed", "speed_change_dropped"):
+        entry = {k: r.get(k) for k in ("stage", "step", "ratio", "plan_epoch")}
+        entry["relayed"] = r["event"] == "speed_change_relayed"
+        if not entry["relayed"]:
+            entry["why"] = r.get("why")
+        out.append(entry)
+    return out

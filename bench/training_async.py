@@ -158,7 +158,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 import torch
 
 from bench._common import emit, loadavg, on_alarm, summary
-from bench._look_pauses import pause_parts
+from bench._look_pauses import pause_parts, speed_verdicts
 from bench._repartition_bounds import (
     SLOWING_FACTOR,
     Setup,
@@ -603,6 +603,8 @@ def one_setup(
               "steps": report.steps, "run_s": round(arrivals[-1] - started, 2),
               "samples_per_s": round(report.samples_per_s, 2),
               "final_loss": round(report.losses[-1], 4), "looks": looks,
+              # the forward watch's verdicts (an early look follows a relayed one)
+              "speed_verdicts": speed_verdicts(logs["coordinator"]),
               "loadavg": loadavg()})  # fmt: skip
     pipedream, ftpipehd = runs["pipedream"], runs["ftpipehd"]
     # the lowest (smoothed) loss PipeDream reaches: late in its run, not a noisy dip
