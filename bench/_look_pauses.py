@@ -44,11 +44,10 @@ def pause_parts(
 ) -> dict[str, Any]:
     """A look's pause in parts, from the client's loss times (wall clock) and the
     stamps of the coordinator's and stages' events (same host, same clock)."""
-    coordinator = {
-        r["event"]: _stamp(r)
-        for r in _events(logs["coordinator"], *COORDINATOR_EVENTS)
-        if r.get("step") == step
-    }
+    events = [r for r in _events(logs["coordinator"], *COORDINATOR_EVENTS) if r.get("step") == step]
+    # the look made while the pipeline ran (``flush`` False) before the move's pause
+    looked = {r["event"]: _stamp(r) for r in events if r.get("flush") is False}
+    coordinator = {r["event"]: _stamp(r) for r in events if r.get("flush") is not False}
     stages: dict[str, list[dict[str, Any]]] = {}
     for name, text in logs.items():
         if name == "coordinator":
@@ -80,6 +79,12 @@ def pause_parts(
             default=0.0,
         ),
     }
+    if "repartition_started" in looked and "repartition_considered" in looked:
+        # the look apart from the move: its own time (the stages' counters and the
+        # decision, the pipeline running) and from its answer to the move's request
+        # (the client pausing its feed, every loss in flight back)
+        parts["look_before_s"] = looked["repartition_considered"] - looked["repartition_started"]
+        parts["drain_s"] = started - looked["repartition_considered"]
     return {k: round(v, 3) for k, v in parts.items()}
 
 

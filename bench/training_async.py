@@ -126,7 +126,10 @@ at info): ``request_s`` (last loss to the coordinator's start), ``prepare_s``
 (every stage flushed and kept a snapshot; ``flush_wait_max_s`` of it waiting for
 the flush), ``look_s``, ``allow_s`` (peers granted their fetches), ``fetch_s``,
 ``commit_s`` (``regroup_max_s`` building the new shards) and ``resume_s`` (the
-reply, the feed and one mini-batch through the pipeline).
+reply, the feed and one mini-batch through the pipeline). A look made while the
+pipeline ran, before the pause of the move it decided, is split from the move:
+``look_before_s`` (its own time) and ``drain_s`` (from its answer to the move's
+request: the client pausing, every loss in flight back), both inside ``request_s``.
 
 ``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
 against the bound: the periods before the change, on the old cuts after it

@@ -93,6 +93,8 @@ def test_a_verdict_during_a_look_is_dropped() -> None:
                 metrics=metrics)  # fmt: skip
     (answer,) = h.to_client("repartitioned")
     assert answer.body["error"] == ""
+    # the look's event names its mini-batch, as the other events of the look do
+    assert h.events("repartition_considered")[-1]["step"] == 10
     _verdict(h, run, step=12)  # after the look: relayed
     assert len(h.to_client("speed_changed")) == 1
 

@@ -359,8 +359,11 @@ class LiveRepartitioning:
             else:
                 links = self._bandwidths(controller)
                 decision = controller.look(step, counters, bandwidths_bps=links)
+            # step: the look's mini-batch (``at`` is the decision's: an earlier look's
+            # when this carries out its move), as the other events of the look name it
             yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
-                      **_links_logged(controller), **_window_logged(controller)})  # fmt: skip
+                      "step": step, **_links_logged(controller),
+                      **_window_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
@@ -416,7 +419,7 @@ class LiveRepartitioning:
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
-                      **decision.to_dict(), **_links_logged(controller),
+                      **decision.to_dict(), "step": step, **_links_logged(controller),
                       **_window_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
             if decision.moves:
