@@ -44,11 +44,10 @@ def pause_parts(
 ) -> dict[str, Any]:
     """A look's pause in parts, from the client's loss times (wall clock) and the
     stamps of the coordinator's and stages' events (same host, same clock)."""
-    coordinator = {
-        r["event"]: _stamp(r)
-        for r in _events(logs["coordinator"], *COORDINATOR_EVENTS)
-        if r.get("step") == step
-    }
+    events = [r for r in _events(logs["coordinator"], *COORDINATOR_EVENTS) if r.get("step") == step]
+    # the look made while the pipeline ran (``flush`` False) before the move's pause
+    looked = {r["event"]: _stamp(r) for r in events if r.get("flush") is False}
+    coordinator = {r["event"]: _stamp(r) for r in events if r.get("flush") is not False}
     stages: dict[str, list[dict[str, Any]]] = {}
     for name, text in logs.items():
         if name == "coordinator":
@@ -80,4 +79,24 @@ def pause_parts(
             default=0.0,
         ),
     }
+    if "repartition_started" in looked and "repartition_considered" in looked:
+        # the look apart from the move: its own time (the stages' counters and the
+        # decision, the pipeline running) and from its answer to the move's request
+        # (the client pausing its feed, every loss in flight back)
+        parts["look_before_s"] = looked["repartition_considered"] - looked["repartition_started"]
+        parts["drain_s"] = started - looked["repartition_considered"]
     return {k: round(v, 3) for k, v in parts.items()}
+
+
+def speed_verdicts(coordinator_log: str) -> list[dict[str, Any]]:
+    """The stages' speed verdicts the coordinator relayed or dropped (the forward
+    watch's, ``zpipe.coordinator.runs.async_speed``), in order: which stage, at which
+    of its mini-batches, how much slower, and why a dropped one was."""
+    out = []
+    for r in _events(coordinator_log, "speed_change_relayed", "speed_change_dropped"):
+        entry = {k: r.get(k) for k in ("stage", "step", "ratio", "plan_epoch")}
+        entry["relayed"] = r["event"] == "speed_change_relayed"
+        if not entry["relayed"]:
+            entry["why"] = r.get("why")
+        out.append(entry)
+    return out

@@ -29,8 +29,9 @@ slowdowns 4, 8, 20, 40), one of them slowing 10x mid-run. ``pipedream``: asynchr
 1F1B on the even partition it starts with (units alike per stage), kept; ``ftpipehd``:
 the same start with live re-partitioning (``--repartition-first``,
 ``--repartition-every``, gain 0.1, and an early look when the losses slow
-``--repartition-watch`` times: :mod:`zpipe.training.repartition_watch`). Each runs on a
-cluster of its own (the slowdown's clock starts at a stage's first step), on the same
+``--repartition-watch`` times: :mod:`zpipe.training.repartition_watch`, or when a stage's
+own forwards do ``--repartition-forward-watch`` times: :mod:`zpipe.stage.speed_watch`).
+Each runs on a cluster of its own (the slowdown's clock starts at a stage's first step), on the same
 mini-batches; with vertical sync both compute the same losses step by step, so time to a
 loss is time to a step: ``ftpipehd_over_pipedream_time_to_loss`` is PipeDream's time
 over FTPipeHD's to the lowest loss (averaged over 20 mini-batches) PipeDream reaches
@@ -125,7 +126,10 @@ at info): ``request_s`` (last loss to the coordinator's start), ``prepare_s``
 (every stage flushed and kept a snapshot; ``flush_wait_max_s`` of it waiting for
 the flush), ``look_s``, ``allow_s`` (peers granted their fetches), ``fetch_s``,
 ``commit_s`` (``regroup_max_s`` building the new shards) and ``resume_s`` (the
-reply, the feed and one mini-batch through the pipeline).
+reply, the feed and one mini-batch through the pipeline). A look made while the
+pipeline ran, before the pause of the move it decided, is split from the move:
+``look_before_s`` (its own time) and ``drain_s`` (from its answer to the move's
+request: the client pausing, every loss in flight back), both inside ``request_s``.
 
 ``timeline`` (:mod:`bench._repartition_timeline`) says where FTPipeHD's run loses
 against the bound: the periods before the change, on the old cuts after it
@@ -157,7 +161,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 import torch
 
 from bench._common import emit, loadavg, on_alarm, summary
-from bench._look_pauses import pause_parts
+from bench._look_pauses import pause_parts, speed_verdicts
 from bench._repartition_bounds import (
     SLOWING_FACTOR,
     Setup,
@@ -285,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the two looks before (0: scheduled looks only): a device that slows right
     # after a look no longer runs the old cuts for ten slow mini-batches
     parser.add_argument("--repartition-watch", type=float, default=2.0)
+    # an early look when a stage's own forwards run this many times slower (or
+    # faster) for good, told by the stage itself (0: off): it sees the change at its
+    # fourth slow forward, where the loss watch waits for the period to show it
+    parser.add_argument("--repartition-forward-watch", type=float, default=2.0)
     parser.add_argument(
         "--setups",
         nargs="+",
@@ -544,6 +552,11 @@ def one_setup(
                 "every": args.repartition_every,
                 "gain": 0.1,
                 **({"watch": args.repartition_watch} if args.repartition_watch else {}),
+                **(
+                    {"forward_watch": args.repartition_forward_watch}
+                    if args.repartition_forward_watch
+                    else {}
+                ),
             }
         },
     }
@@ -593,6 +606,8 @@ def one_setup(
               "steps": report.steps, "run_s": round(arrivals[-1] - started, 2),
               "samples_per_s": round(report.samples_per_s, 2),
               "final_loss": round(report.losses[-1], 4), "looks": looks,
+              # the forward watch's verdicts (an early look follows a relayed one)
+              "speed_verdicts": speed_verdicts(logs["coordinator"]),
               "loadavg": loadavg()})  # fmt: skip
     pipedream, ftpipehd = runs["pipedream"], runs["ftpipehd"]
     # the lowest (smoothed) loss PipeDream reaches: late in its run, not a noisy dip

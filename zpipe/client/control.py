@@ -35,6 +35,7 @@ from zpipe.protocol.client_control import (
     StageFailed,
     Stalled,
 )
+from zpipe.protocol.repartition import SpeedChanged
 from zpipe.recovery import StallWatch
 from zpipe.transport.roles import ROLE_KINDS
 from zpipe.transport.sockets import SocketOptions, decode_frames, recv_frames, send
@@ -73,6 +74,9 @@ class ControlChannel:
         self.options = options
         self.timeouts = timeouts
         self.failures: asyncio.Queue[Notice] = asyncio.Queue()
+        # stages' speed verdicts the coordinator relays (a hint: the feed reads them
+        # before each mini-batch, zpipe.client.runs.async_repartition.speed_notices)
+        self.speed_changes: asyncio.Queue[SpeedChanged] = asyncio.Queue()
         self._notices = NoticeFilter()
         # replies, each parsed into its protocol class once, as it arrives
         self._replies: asyncio.Queue[WireMessage] = asyncio.Queue()
@@ -151,7 +155,9 @@ class ControlChannel:
                 continue
             if isinstance(typed, Progress) and typed.awaited == PRESENCE:
                 continue  # the coordinator looked whether this client is connected
-            if isinstance(typed, NOTICES):
+            if isinstance(typed, SpeedChanged):
+                self.speed_changes.put_nowait(typed)
+            elif isinstance(typed, NOTICES):
                 await self._acknowledge(typed)
                 if self._notices.first_time(typed):
                     await self.failures.put(typed)

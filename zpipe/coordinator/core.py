@@ -50,6 +50,7 @@ from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoine
 from zpipe.coordinator.records import SavedReplica, SavedState
 from zpipe.coordinator.registration import Registrations, printable
 from zpipe.coordinator.runs.async_copies import HeldCopy, keep_async_copy
+from zpipe.coordinator.runs.async_speed import relay_speed_change
 from zpipe.coordinator.runs.base import run_failed
 from zpipe.coordinator.runs.generation import start_generation_run
 from zpipe.coordinator.runs.generation_recovery import GenerationController
@@ -78,7 +79,7 @@ from zpipe.protocol.lossy import (
     LossyResult,
     LossyRunRequest,
 )
-from zpipe.protocol.repartition import RepartitionReply
+from zpipe.protocol.repartition import RepartitionReply, SpeedChanged
 from zpipe.protocol.stage_control import (
     AssignFailed,
     AsyncCopy,
@@ -246,6 +247,8 @@ class CoordinatorCore:
                 return keep_replica(self.state, member.name, message)
             case AsyncCopy():
                 return keep_async_copy(self.state, member.name, message, now)
+            case SpeedChanged():
+                return relay_speed_change(self.state, member.name, message, now)
         if isinstance(message, SHELL_REPLIES):
             return [Deliver(member.name, message)]
         if isinstance(message, REPLIES):

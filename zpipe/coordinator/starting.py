@@ -50,6 +50,7 @@ from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.restoring import allow_fetches, choose_restore, units_moved
 from zpipe.coordinator.runs.async_fast_recovery import async_fast_resume, is_fast_live_resume
+from zpipe.coordinator.runs.async_speed import forward_watch_of
 from zpipe.coordinator.runs.async_training import (
     AsyncTrainingController,
     as_async_plan,
@@ -499,6 +500,8 @@ class _Training:
                 }
                 if "async" in training:
                     train["async"] = training["async"]
+                if asynchronous and forward_watch_of(request) is not None:
+                    train["forward_watch"] = forward_watch_of(request)  # async_speed
                 if holders:
                     train["backup_from"] = sorted(o for o, h in holders.items() if h == name)
                 if live_copies:

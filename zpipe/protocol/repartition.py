@@ -20,14 +20,28 @@ three phases:
 - ``commit``: every stage has fetched; switch to ``bounds`` (plan epoch
   ``plan_epoch``) and go on from batch ``step``. A look that keeps the cuts sends
   only this phase, with the current ones.
+
+And a hint that makes a look due sooner:
+
+    stage -> coordinator -> client   speed_changed
+
+A stage whose own forwards changed speed for good (:class:`~zpipe.training.
+forward_watch.ForwardWatch`) tells the coordinator, which relays it to the run's
+client (the same class both ways); the client then looks before its next
+mini-batch instead of at the next scheduled look. ``plan_epoch`` is the cuts'
+epoch the forwards ran on: a verdict about cuts that have moved since says nothing
+about the new ones and is dropped.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
+from zpipe._errors import ProtocolError
 from zpipe.protocol._schema import (
     INT,
+    NUM,
     OPT_BOOL,
     OPT_INT,
     OPT_LIST,
@@ -88,9 +102,41 @@ class RepartitionReply(WireMessage):
     metrics: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
+@wire_message
+class SpeedChanged(WireMessage):
+    """Stage ``name``'s forwards of run ``run`` changed speed for good at mini-batch
+    ``step`` (the stage's count, of this attempt), on the cuts of ``plan_epoch``:
+    ``ratio`` is the new forward time over the old (> 1: slower), ``baseline_s``
+    and ``now_s`` the two medians."""
+
+    KIND: ClassVar[str] = "speed_changed"
+    run: int = wire(INT)
+    name: str = wire(STR)
+    step: int = wire(INT)
+    plan_epoch: int = wire(INT)
+    ratio: float = wire(NUM)
+    baseline_s: float = wire(NUM)
+    now_s: float = wire(NUM)
+
+    def checked(self) -> SpeedChanged:
+        """This verdict, if its values mean one (the schema checks only their types);
+        :class:`ProtocolError` naming the misfit otherwise."""
+        if self.step < 0 or self.plan_epoch < 0:
+            raise ProtocolError(
+                f"speed_changed: step and plan_epoch must be >= 0, got "
+                f"{self.step} and {self.plan_epoch}"
+            )
+        for field in ("ratio", "baseline_s", "now_s"):
+            value = getattr(self, field)
+            if not (math.isfinite(value) and value > 0):
+                raise ProtocolError(f"speed_changed: {field} must be finite and > 0, got {value}")
+        return self
+
+
 MESSAGES: tuple[type[WireMessage], ...] = (
     Repartition,
     Repartitioned,
     RepartitionRequest,
     RepartitionReply,
+    SpeedChanged,
 )

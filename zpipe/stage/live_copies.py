@@ -39,6 +39,7 @@ import torch
 
 from zpipe.log import get_logger
 from zpipe.models.weights import split_unit_key
+from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy
 from zpipe.recovery.live_copies import state_digest
@@ -73,7 +74,8 @@ class PendingCopy:
 # the routes a copy takes, from the stage's runtime: a backup to a peer (chunked,
 # paced), and a message to the coordinator (on the bulk connection)
 ToPeer = Callable[[ChainPeer, Backup], Awaitable[None]]
-ToCoordinator = Callable[[AsyncCopy], Awaitable[None]]
+# a copy's notice (AsyncCopy), or a speed verdict (SpeedChanged): small, to the coordinator
+ToCoordinator = Callable[[WireMessage], Awaitable[None]]
 
 
 @dataclass(frozen=True)

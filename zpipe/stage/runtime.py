@@ -49,7 +49,7 @@ from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
 from zpipe.protocol.peer import Backup
-from zpipe.protocol.stage_control import AsyncCopy, Register, RegisterAgain
+from zpipe.protocol.stage_control import Register, RegisterAgain
 from zpipe.stage.assignment import generation_sender_endpoints, push_connector
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.commands import (
@@ -321,8 +321,9 @@ class StageRuntime:
         assert self._snapshots is not None and self._plane is not None  # made with these
         await self._snapshots.send_live_copy(peer, backup, self._plane.pace)
 
-    async def _copy_up(self, copy: AsyncCopy) -> None:
-        """A copy for the coordinator: on the bulk connection, in chunks."""
+    async def _copy_up(self, copy: WireMessage) -> None:
+        """A copy for the coordinator (on the bulk connection, in chunks), or a small
+        notice (a copy's, a speed verdict) on the control connection."""
         assert self._link is not None  # made before any assignment
         await self._link.send(copy.to_message())
 

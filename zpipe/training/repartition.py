@@ -78,7 +78,8 @@ from zpipe.training.repartition_reports import recent_times, stage_totals
 from zpipe.training.repartition_window import window_time
 from zpipe.training.stage_cost import StageCosts
 
-_DAMPING = ("smoothing", "deviation", "revisit_gain", "revisit_looks", "revisit_radius", "watch")
+_DAMPING: tuple[str, ...] = ("smoothing", "deviation", "revisit_gain", "revisit_looks")
+_DAMPING += ("revisit_radius", "watch", "forward_watch")
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class RepartitionSettings:
     # an early look when the losses come back this many times slower than between
     # the two looks before (zpipe.training.repartition_watch); 0: scheduled looks only
     watch: float = 0.0
+    # an early look when a stage's own forwards run this many times slower or faster
+    # for good (zpipe.training.forward_watch); 0: off, as ``watch`` (opted into)
+    forward_watch: float = 0.0
 
     def __post_init__(self) -> None:
         counts: tuple[tuple[str, int], ...] = (
@@ -134,13 +138,14 @@ class RepartitionSettings:
                 raise ConfigError(
                     f"repartition {name} must lie in [{low:g}, {high:g}), got {value}"
                 )
-        watch = self.watch
-        if isinstance(watch, bool) or not isinstance(watch, (int, float)):
-            raise ConfigError(f"repartition watch must be a number, got {watch!r}")
-        if not (watch == 0 or (math.isfinite(watch) and watch > 1)):
-            raise ConfigError(
-                f"repartition watch must be 0 (off) or a factor > 1 (times slower), got {watch}"
-            )
+        for name in ("watch", "forward_watch"):
+            watch = getattr(self, name)
+            if isinstance(watch, bool) or not isinstance(watch, (int, float)):
+                raise ConfigError(f"repartition {name} must be a number, got {watch!r}")
+            if not (watch == 0 or (math.isfinite(watch) and watch > 1)):
+                raise ConfigError(
+                    f"repartition {name} must be 0 (off) or a factor > 1, got {watch}"
+                )
 
     def due(self, done: int) -> bool:
         """Whether the pipeline is looked at after ``done`` batches."""
@@ -176,6 +181,7 @@ class RepartitionSettings:
                 revisit_looks=int(data.get("revisit_looks", cls.revisit_looks)),
                 revisit_radius=int(data.get("revisit_radius", cls.revisit_radius)),
                 watch=float(data.get("watch", cls.watch)),
+                forward_watch=float(data.get("forward_watch", cls.forward_watch)),
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"malformed repartition settings {data!r}: {exc}") from None

@@ -116,6 +116,8 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "progress",
             "lossy_run_report",
             "repartitioned",
+            # a stage's speed verdict, relayed (zpipe.protocol.repartition)
+            "speed_changed",
             "gen_run_ready",
         }
     ),
@@ -141,6 +143,7 @@ ROLE_KINDS: dict[Role, frozenset[str]] = {
             "lossy_replica",
             "lossy_probe_report",
             "repartition_reply",
+            "speed_changed",
             "gen_ready",
             # to the coordinator, on the bulk connection
             "bulk_open",

@@ -101,6 +101,25 @@ def test_a_pause_is_split_by_its_events_stamps() -> None:
     assert pause_parts(logs, 7, t, t + 1.0) == {}  # no events of that look
 
 
+def test_a_look_before_the_pause_is_split_from_the_move() -> None:
+    t = 1_800_000_000.0
+    logs = {
+        "coordinator": "\n".join(
+            [
+                _line("repartition_started", t + 0.01, flush=False),
+                _line("repartition_considered", t + 0.06, flush=False),
+                _line("repartition_started", t + 0.5),
+                _line("repartition_considered", t + 0.9),
+            ]
+        ),
+        "d0": _line("repartition_prepared", t + 0.8, flush_wait_s=0.2, snapshot_s=0.01),
+    }
+    parts = pause_parts(logs, 5, t, t + 1.2)
+    assert parts["look_before_s"] == 0.05  # the look, while the pipeline ran
+    assert parts["drain_s"] == 0.44  # its answer to the move's request: the pause, the drain
+    assert parts["request_s"] == 0.5 and parts["prepare_s"] == 0.3 and parts["look_s"] == 0.1
+
+
 def test_a_stages_own_cost_lowers_the_bound() -> None:
     caps = [4.0, 80.0, 20.0, 40.0]
     plain = phase_bound(caps, 12)

@@ -292,6 +292,16 @@ KINDS_ADDED_IN_V1 = {
         "error": ["str", True],
         "metrics": ["dict/null", False],
     },
+    # a stage's speed verdict, relayed by the coordinator to the client (issue 30)
+    "speed_changed": {
+        "run": ["int", True],
+        "name": ["str", True],
+        "step": ["int", True],
+        "plan_epoch": ["int", True],
+        "ratio": ["int/float", True],
+        "baseline_s": ["int/float", True],
+        "now_s": ["int/float", True],
+    },
     # a pipelined generation run: set-up through the coordinator, then the data path
     # (client -> first stage, stage -> stage, the ring's tokens, the stream to the sink)
     "gen_run_request": {

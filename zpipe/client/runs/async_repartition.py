@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from zpipe._errors import PipelineError, TransportTimeout
+from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
+from zpipe.client.runs.training_events import SpeedNoticed
 from zpipe.log import get_logger
 from zpipe.protocol.repartition import Repartition, Repartitioned
 
@@ -87,6 +88,34 @@ def predicted_period(looks: list[dict[str, Any]]) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+def looked_epoch(looks: list[dict[str, Any]]) -> int | None:
+    """The cuts' plan epoch after the newest look (None: not said)."""
+    value = looks[-1].get("plan_epoch") if looks else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def speed_notices(run: TrainingRun) -> list[SpeedNoticed]:
+    """The stages' speed verdicts the coordinator relayed for this attempt's run since
+    the last call, as events (a verdict of another run is dropped: it is about
+    stages this attempt no longer feeds)."""
+    queue = run.session.control.speed_changes
+    out = []
+    while not queue.empty():
+        verdict = queue.get_nowait()
+        try:
+            verdict.checked()
+        except ProtocolError as exc:
+            log.warning("dropped_message", peer="coordinator", error=str(exc))
+            continue
+        if verdict.run != run.run:
+            log.debug("speed_change_dropped", run=verdict.run, current=run.run)
+            continue
+        log.info("speed_change_noticed", run=run.run, stage=verdict.name,
+                 ratio=round(verdict.ratio, 3), plan_epoch=verdict.plan_epoch)  # fmt: skip
+        out.append(SpeedNoticed(verdict.name, verdict.plan_epoch, verdict.ratio))
+    return out
 
 
 def _record(run: TrainingRun, step: int, reply: Repartitioned) -> bool:

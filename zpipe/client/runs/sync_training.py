@@ -32,7 +32,12 @@ from zpipe.client.batches import (
 from zpipe.client.connection import CLIENT_NAME
 from zpipe.client.failures import run_failed_error
 from zpipe.client.reports import TrainReport
-from zpipe.client.runs.async_repartition import predicted_period, repartition_before
+from zpipe.client.runs.async_repartition import (
+    looked_epoch,
+    predicted_period,
+    repartition_before,
+    speed_notices,
+)
 from zpipe.client.runs.training_attempts import (
     Acknowledged,
     Command,
@@ -209,14 +214,17 @@ class TrainingRun:
 
     async def _feed(self, source: BatchSource) -> None:
         async for batch in source.iterate():
+            for notice in speed_notices(self):
+                self.attempts.handle(notice)
             commands: list[Command] = self.attempts.handle(FeedAt(self.offset + self.sent_steps))
             while commands:
                 (command,) = commands
                 match command:
                     case RepartitionLook(step=step):
                         moved = await repartition_before(self, step)
+                        looks = self.report.repartitions
                         commands = self.attempts.handle(
-                            Looked(step, moved, predicted_period(self.report.repartitions))
+                            Looked(step, moved, predicted_period(looks), looked_epoch(looks))
                         )
                     case KeepReplica(step=step, global_copy=global_copy):
                         await self.pause_feed()  # asynchronous stages flush here (sync: no-op)

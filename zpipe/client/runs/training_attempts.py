@@ -16,6 +16,7 @@ feeds what happened in as events, and carries out the commands::
     FeedAt(step)                       -> RepartitionLook | KeepReplica | SendMiniBatch
     Acknowledged(step, now)            -> ()
     Looked(step, moved, period_s)      -> KeepReplica | SendMiniBatch
+    SpeedNoticed(stage, plan_epoch)    -> ()  (the next FeedAt looks)
     ReplicaKept(step, run, run_step)   -> SendMiniBatch | EndAttempt(rebalance_to)
     ReplicaRefused(step)               -> SendMiniBatch
     AttemptEnded(report, failure, ...) -> RequestRun(request, offset) | FinishFit | FailFit
@@ -53,6 +54,7 @@ from zpipe.client.runs.training_events import (
     ReplicaRefused,
     RequestRun,
     SendMiniBatch,
+    SpeedNoticed,
     StartAttempt,
 )
 from zpipe.planner.async_schedule import ASYNC_SCHEDULE
@@ -152,6 +154,10 @@ class TrainingAttempts:
         self.carried = _Carried()
         # an early look when the losses slow down (RepartitionSettings.watch)
         self.watch: SlowdownWatch | None = None
+        # a stage's speed verdict makes the next fed mini-batch a look, once
+        # (RepartitionSettings.forward_watch); the cuts' epoch of the last look
+        self.speed_due = False
+        self.plan_epoch = 0
         self.offset = 0  # the current attempt's first mini-batch
         self.training_plan: TrainingPlan | None = None  # the current attempt's
         self.last_started = 0.0  # when the last attempt that ended began training
@@ -196,7 +202,12 @@ class TrainingAttempts:
                     # the feed holds): a long run fed from a generator stays bounded
                     self.replay.forget_before(step)
                 return []
-            case Looked(step=step, moved=moved, period_s=period_s):
+            case SpeedNoticed():
+                self._speed_noticed(event)
+                return []
+            case Looked(step=step, moved=moved, period_s=period_s, plan_epoch=plan_epoch):
+                if plan_epoch is not None:
+                    self.plan_epoch = max(self.plan_epoch, plan_epoch)
                 if moved and self.watch is not None:
                     # the interval before ran on the old cuts (repartition_watch)
                     self.watch.moved(period_s)
@@ -245,6 +256,7 @@ class TrainingAttempts:
         settings = self.options.repartition_settings
         # each attempt's pipeline is watched afresh (a recovery changes its stages)
         self.watch = SlowdownWatch(settings.watch) if settings and settings.watch else None
+        self.speed_due, self.plan_epoch = False, 0  # a new run: its cuts count from 0
         if self.watch is not None:
             # the losses before the first look are its baseline: a move there that
             # lands on a device slowing meanwhile is seen before the second look
@@ -414,10 +426,22 @@ class TrainingAttempts:
         settings = self.options.repartition_settings
         if settings is None:
             return False
-        due = settings.due(step) or (self.watch is not None and self.watch.due())
-        if due and self.watch is not None:
-            self.watch.looked(step)
+        due = settings.due(step) or self.speed_due or (self.watch is not None and self.watch.due())
+        if due:
+            self.speed_due = False  # this look answers the verdicts so far
+            if self.watch is not None:
+                self.watch.looked(step)
         return due
+
+    def _speed_noticed(self, event: SpeedNoticed) -> None:
+        """A stage's forwards changed speed for good: look before the next mini-batch,
+        unless the verdict is about cuts a look has moved since (see SpeedNoticed)."""
+        settings = self.options.repartition_settings
+        if settings is None or not settings.forward_watch:
+            return
+        if event.plan_epoch < self.plan_epoch:
+            return  # measured on units the stage no longer runs
+        self.speed_due = True
 
     def _replica_or_send(self, step: int, *, moved: bool) -> KeepReplica | SendMiniBatch:
         # a replica before every ``replicate_every``-th mini-batch (and a global copy

@@ -62,6 +62,19 @@ class Looked:
     step: int
     moved: bool
     period_s: float | None = None
+    # the cuts' plan epoch after the look (None: not said): older speed verdicts drop
+    plan_epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class SpeedNoticed:
+    """The coordinator relayed stage ``stage``'s verdict that its forwards changed speed
+    for good (``speed_changed``: ``ratio`` new over old) on the cuts of ``plan_epoch``:
+    an early look is due (``RepartitionSettings.forward_watch``)."""
+
+    stage: str
+    plan_epoch: int
+    ratio: float
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,7 @@ Event = (
     | FeedAt
     | Acknowledged
     | Looked
+    | SpeedNoticed
     | ReplicaKept
     | ReplicaRefused
     | AttemptEnded

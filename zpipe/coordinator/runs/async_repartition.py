@@ -179,6 +179,17 @@ def run_controller(run: BaseRun) -> RepartitionController | None:
     return flows.controller if isinstance(flows, LiveRepartitioning) else None
 
 
+def live_repartitioning(run: BaseRun) -> LiveRepartitioning | None:
+    """Training run ``run``'s :class:`LiveRepartitioning`, made if it has none yet
+    (None: not a training run)."""
+    if not hasattr(run, "_repartitioning"):
+        return None
+    flows = run._repartitioning
+    if not isinstance(flows, LiveRepartitioning):
+        flows = run._repartitioning = LiveRepartitioning(run)
+    return flows
+
+
 class LiveRepartitioning:
     """One training run's re-partitions: its controller, and the flow of each.
 
@@ -196,6 +207,10 @@ class LiveRepartitioning:
         # (flushing) request of the same mini-batch
         self.pending: RepartitionDecision | None = run.run.repartition_pending
         self._probing = False  # the links are being probed again (see _renew_links)
+        # a look or a move is in progress (a stage's speed verdict then is dropped:
+        # zpipe.coordinator.runs.async_speed), and the verdicts relayed already
+        self.looking = False
+        self.relayed: set[tuple[str, int, int]] = set()
 
     def _controller(
         self, plan: TrainingPlan, settings: RepartitionSettings
@@ -317,9 +332,16 @@ class LiveRepartitioning:
 
     def flow(self, run_id: int, step: int, *, look: bool = False) -> Flow:
         """A re-partition before mini-batch ``step``; with ``look``, only its decision,
-        from counters taken without a flush (see :meth:`look_flow`)."""
-        if look:
-            return (yield from self.look_flow(run_id, step))
+        from counters taken without a flush (see :meth:`_look`)."""
+        self.looking = True
+        try:
+            if look:
+                return (yield from self._look(run_id, step))
+            return (yield from self._repartition(run_id, step))
+        finally:
+            self.looking = False
+
+    def _repartition(self, run_id: int, step: int) -> Flow:
         run = self.owner.run
         answer = Repartitioned(run=run_id, step=step, error="")
         try:
@@ -331,14 +353,17 @@ class LiveRepartitioning:
             self._keep()  # saved with the commit's save, or the run's next one
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             if pending is not None and pending.at == step:
-                decision = pending  # decided before the flush (look_flow)
+                decision = pending  # decided before the flush (_look)
                 # the batches drained since that look ran on the old cuts
                 controller.rebase(counters)
             else:
                 links = self._bandwidths(controller)
                 decision = controller.look(step, counters, bandwidths_bps=links)
+            # step: the look's mini-batch (``at`` is the decision's: an earlier look's
+            # when this carries out its move), as the other events of the look name it
             yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
-                      **_links_logged(controller), **_window_logged(controller)})  # fmt: skip
+                      "step": step, **_links_logged(controller),
+                      **_window_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
             if decision.bounds is not None:
                 yield from self._fetch(members, plan, step, decision.bounds)
@@ -371,7 +396,7 @@ class LiveRepartitioning:
                       "error": answer.error})  # fmt: skip
         return answer
 
-    def look_flow(self, run_id: int, step: int) -> Flow:
+    def _look(self, run_id: int, step: int) -> Flow:
         """The look alone, while the pipeline runs: every stage's counters as they are
         (``profile``: no flush), the controller's decision. When it keeps the cuts the
         client goes on without pausing (a flush costs the pipeline's drain and fill
@@ -394,7 +419,7 @@ class LiveRepartitioning:
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
             decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
-                      **decision.to_dict(), **_links_logged(controller),
+                      **decision.to_dict(), "step": step, **_links_logged(controller),
                       **_window_logged(controller)})  # fmt: skip
             self.pending = decision if decision.moves else None
             if decision.moves:

@@ -99,7 +99,7 @@ class StageRepartition:
                          units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                          peers=sorted({str(e["from"]) for e in entries} - {self.name}))  # fmt: skip
             elif phase == "commit":
-                await self._commit(trainer, run, step, _bounds(request))
+                await self._commit(trainer, run, step, _bounds(request), request.plan_epoch)
                 shard = trainer.shard  # the units it trains from here on
                 metrics = {"start": shard.start, "end": shard.start + len(shard.units)}
             else:
@@ -143,7 +143,12 @@ class StageRepartition:
                  snapshot_s=round(time.perf_counter() - flushed, 4))  # fmt: skip
 
     async def _commit(
-        self, trainer: TrainingExecutor, run: int, step: int, bounds: tuple[int, ...]
+        self,
+        trainer: TrainingExecutor,
+        run: int,
+        step: int,
+        bounds: tuple[int, ...],
+        plan_epoch: int | None = None,
     ) -> None:
         asynchronous = isinstance(trainer, AsyncTrainingExecutor)
         at = trainer.flushed_at if isinstance(trainer, AsyncTrainingExecutor) else None
@@ -168,6 +173,12 @@ class StageRepartition:
         if isinstance(trainer, AsyncTrainingExecutor):
             assert new is None or isinstance(new, AsyncShard)
             trainer.resume(step, new)
+            if plan_epoch is not None:
+                # the cuts' epoch its speed verdicts name; other units (a move here):
+                # another forward time, and the speed watch starts again from the old
+                # one scaled by the units' count (zpipe.training.forward_watch)
+                scale = (end - start) / max(len(shard.units), 1) if new is not None else None
+                trainer.committed(plan_epoch, scale=scale)
         elif new is not None:
             trainer.shard = new  # the next round's forward runs the new units
         log.info("repartition_committed", stage=self.name, run=run, step=step,

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from zpipe._errors import PipelineError, TransportTimeout
+from zpipe._errors import PipelineError, TransportTimeout, ZpipeError
+from zpipe.log import get_logger
 from zpipe.planner.async_schedule import (
     AsyncSettings,
     aggregation_interval,
@@ -49,6 +51,7 @@ from zpipe.planner.async_schedule import (
 )
 from zpipe.planner.schedules import Action
 from zpipe.protocol.data_plane import Data, Labels, Loss
+from zpipe.protocol.repartition import SpeedChanged
 from zpipe.recovery.live_copies import copies_due
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.executors.sync_training import (
@@ -63,7 +66,10 @@ from zpipe.stage.executors.sync_training import (
 from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.live_copies import LiveCopySender, PendingCopy
 from zpipe.stage.metrics import StageCounters
+from zpipe.stage.speed_watch import StageSpeedWatch
 from zpipe.stage.timeline import clock
+
+log = get_logger("zpipe.stage")
 
 
 class AsyncTrainingExecutor(TrainingExecutor):
@@ -116,6 +122,11 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self._resume: asyncio.Event = asyncio.Event()
         # copies without draining (set by the training plane when the settings ask)
         self.copies: LiveCopySender | None = None
+        # the watch of this stage's own forwards and where its verdicts go (set by the
+        # training plane when the run's re-partitioning asks: forward_watch)
+        self.speed_watch: StageSpeedWatch | None = None
+        self.report_speed: Callable[[SpeedChanged], Awaitable[None]] | None = None
+        self._speed_reports: set[asyncio.Task[None]] = set()
 
     def replica_state(self) -> dict[str, torch.Tensor]:
         """At a flush (a replica's, or the run's end: a checkpoint's), every unit with
@@ -276,6 +287,7 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.counters.timeline.record(b, "forward", started, done)
         self.counters.microbatches += 1
         self.counters.peak_live_activations = self.async_shard.peak_live
+        self._watch_forward(b, done - started)
         self._rows[b] = (0, total, total)
         if s.last:
             reply = Loss(run=s.run, mb=b, step=b, loss=loss or 0.0, src=s.name, epoch=s.epoch)
@@ -310,6 +322,37 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.counters.timeline.record(step, "snapshot", started, clock())
         shard = self.async_shard
         self.copies.offer(PendingCopy(self.setup.run, step, shard.start, shard.end, kinds, state))
+
+    def _watch_forward(self, b: int, seconds: float) -> None:
+        """The forward's compute time (the thread's own, not the waits for inputs) to
+        the speed watch; a verdict leaves beside the training (a task: the next
+        forward does not wait for the coordinator's socket)."""
+        if self.speed_watch is None or self.report_speed is None:
+            return
+        verdict = self.speed_watch.observe(b, seconds)
+        if verdict is None:
+            return
+        log.info("speed_changed", stage=self.setup.name, run=self.setup.run, step=b,
+                 ratio=round(verdict.ratio, 3), baseline_s=round(verdict.baseline_s, 6),
+                 now_s=round(verdict.now_s, 6), plan_epoch=verdict.plan_epoch)  # fmt: skip
+        task = asyncio.create_task(self._tell_speed(self.report_speed, verdict))
+        self._speed_reports.add(task)
+        task.add_done_callback(self._speed_reports.discard)
+
+    async def _tell_speed(
+        self, report: Callable[[SpeedChanged], Awaitable[None]], verdict: SpeedChanged
+    ) -> None:
+        try:
+            await asyncio.wait_for(report(verdict), self.setup.wait_s)
+        except (asyncio.TimeoutError, ZpipeError, OSError) as exc:
+            # a hint only: the scheduled looks still come
+            log.warning("speed_change_not_sent", stage=self.setup.name, error=repr(exc))
+
+    def committed(self, plan_epoch: int, *, scale: float | None) -> None:
+        """A re-partition's commit: the cuts of ``plan_epoch`` from here on; ``scale``:
+        this stage's units changed, the new ones' share of the old (None: they did not)."""
+        if self.speed_watch is not None:
+            self.speed_watch.committed(plan_epoch, scale=scale)
 
     async def _pass_end(self) -> None:
         """Tell the next stage the feed ended, once: after this stage's last forward."""

@@ -91,6 +91,9 @@ class TrainingSetup:
     # the next stage, which keeps this one's chain copies made without draining
     # (zpipe.stage.live_copies); None: the coordinator keeps them, or none are made
     chain_to: ChainPeer | None = None
+    # an asynchronous run that re-partitions with a forward watch: its factor
+    # (zpipe.stage.speed_watch); None: no watch
+    forward_watch: float | None = None
 
     @property
     def first(self) -> bool:

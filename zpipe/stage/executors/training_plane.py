@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,7 @@ from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.lifecycle import CLIENT
 from zpipe.stage.live_copies import ChainPeer, CopyRoutes, LiveCopySender
 from zpipe.stage.metrics import LinkMeter, StageCounters
+from zpipe.stage.speed_watch import StageSpeedWatch
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
@@ -82,9 +84,21 @@ def training_setup(message: Assign, *, name: str, wait_s: float) -> TrainingSetu
             backup_from=tuple(str(n) for n in train.get("backup_from") or ()),
             async_settings=dict(train["async"]) if train.get("async") is not None else None,
             chain_to=_chain_peer(train.get("chain_to")),
+            forward_watch=_forward_watch(train.get("forward_watch")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed training settings: {exc!r}") from None
+
+
+def _forward_watch(value: Any) -> float | None:
+    """The forward watch's factor (None: no watch); ValueError unless a number > 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"forward_watch must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 1):
+        raise ValueError(f"forward_watch must be a factor > 1, got {value}")
+    return float(value)
 
 
 def _chain_peer(entry: Any) -> ChainPeer | None:
@@ -211,6 +225,16 @@ class TrainingPlane:
                 routes=self._copy_routes,
                 counters=self._counters,
             )
+        if (
+            isinstance(trainer, AsyncTrainingExecutor)
+            and setup.forward_watch is not None
+            and self._copy_routes is not None
+        ):
+            # its verdicts go up the coordinator connection, as the live copies' notices
+            trainer.speed_watch = StageSpeedWatch(
+                run=setup.run, name=setup.name, epoch=setup.epoch, factor=setup.forward_watch
+            )
+            trainer.report_speed = self._copy_routes.to_coordinator
 
     async def _queue_send(self, target: str, message: Outgoing) -> None:
         self._outbox.put_nowait((target, message.mb, message.to_message()))

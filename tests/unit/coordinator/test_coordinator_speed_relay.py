@@ -1,0 +1,115 @@
+"""The coordinator relays a stage's speed verdict (``speed_changed``) to the run's
+client: once, only about the cuts the run has now, never during a look, and only for
+a run whose re-partitioning watches its forwards (in-process; no sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests._support.coordinator_harness import SPEC, Harness, typed
+from zpipe.coordinator.events import StageSpoke
+from zpipe.coordinator.runs.async_repartition import live_repartitioning
+from zpipe.training.repartition import RepartitionSettings
+
+WATCHED = RepartitionSettings(first=10, every=100, gain=0.1, forward_watch=2.0)
+
+
+def _start(h: Harness, settings: RepartitionSettings = WATCHED) -> int:
+    for name in "abc":
+        h.register(name)
+    train = {"schedule": "async-1f1b", "num_microbatches": 1,
+             "optimizer": {"name": "sgd", "lr": 0.1}, "async": {"vertical_sync": True},
+             "repartition": settings.to_dict()}  # fmt: skip
+    h.client(
+        "run_request", model=SPEC.to_dict(), dtype="float32", sink_endpoint="tcp://client:9",
+        wait_for_stages_s=0.0, mode="train", stage_names=list("abc"), train=train,
+        partition=[[0, 2], [2, 4], [4, 6]],
+    )  # fmt: skip
+    run = h.core.run
+    assert run is not None, h.events("run_failed")
+    h.answer_all("ready", list(run.devices), run=run.run, build_s=0.01)
+    h.client("run_go", run=run.run)
+    h.answer_all("connected", list(run.devices), run=run.run)
+    assert h.to_client("run_started")
+    return run.run
+
+
+def _verdict(h: Harness, run: int, *, stage: str = "b", step: int = 14, **over: Any) -> None:
+    body = {"run": run, "name": stage, "step": step, "plan_epoch": 0, "ratio": 10.0,
+            "baseline_s": 0.1, "now_s": 1.0, **over}  # fmt: skip
+    h.feed(StageSpoke(stage.encode(), typed("speed_changed", body, sender=stage)))
+
+
+def test_the_stages_of_a_watched_async_run_are_told_the_watchs_factor() -> None:
+    h = Harness()
+    _start(h)
+    for name in "abc":
+        (assign,) = h.to(name, "assign")
+        assert assign.body["train"]["forward_watch"] == 2.0
+    unwatched = Harness()
+    _start(unwatched, RepartitionSettings(first=10, every=100))
+    (assign,) = unwatched.to("b", "assign")
+    assert "forward_watch" not in assign.body["train"]
+
+
+def test_a_verdict_goes_to_the_client_once() -> None:
+    h = Harness()
+    run = _start(h)
+    _verdict(h, run)
+    (relayed,) = h.to_client("speed_changed")
+    assert relayed.body == {"run": run, "name": "b", "step": 14, "plan_epoch": 0,
+                            "ratio": 10.0, "baseline_s": 0.1, "now_s": 1.0}  # fmt: skip
+    _verdict(h, run)  # the same verdict again
+    assert len(h.to_client("speed_changed")) == 1
+    _verdict(h, run, stage="c", step=15)  # another stage's
+    assert len(h.to_client("speed_changed")) == 2
+
+
+def test_a_verdict_about_cuts_moved_since_is_dropped() -> None:
+    h = Harness()
+    run = _start(h)
+    owner = h.state.current
+    flows = live_repartitioning(owner)
+    assert flows is not None
+    h.core.run.repartition_epoch = 1  # type: ignore[union-attr]  (a move committed)
+    _verdict(h, run, plan_epoch=0)
+    assert not h.to_client("speed_changed")
+    assert h.events("speed_change_dropped")[-1]["why"] == "older cuts"
+    _verdict(h, run, plan_epoch=1, step=20)
+    assert len(h.to_client("speed_changed")) == 1
+
+
+def test_a_verdict_during_a_look_is_dropped() -> None:
+    h = Harness()
+    run = _start(h)
+    h.client("repartition", run=run, step=10, look=True)  # the stages' profiles not in yet
+    _verdict(h, run, step=9)
+    assert not h.to_client("speed_changed")
+    assert h.events("speed_change_dropped")[-1]["why"] == "a look in progress"
+    for name, (start, end) in zip("abc", ((0, 2), (2, 4), (4, 6)), strict=True):
+        metrics = {"microbatches": 10, "forward_s": 1.0, "backward_s": 2.0,
+                   "start": start, "end": end}  # fmt: skip
+        h.stage(name, "repartition_reply", run=run, step=10, phase="profile", error="",
+                metrics=metrics)  # fmt: skip
+    (answer,) = h.to_client("repartitioned")
+    assert answer.body["error"] == ""
+    # the look's event names its mini-batch, as the other events of the look do
+    assert h.events("repartition_considered")[-1]["step"] == 10
+    _verdict(h, run, step=12)  # after the look: relayed
+    assert len(h.to_client("speed_changed")) == 1
+
+
+def test_verdicts_the_run_did_not_ask_for_or_that_mean_nothing_are_dropped() -> None:
+    h = Harness()
+    run = _start(h, RepartitionSettings(first=10, every=100))  # no forward watch
+    _verdict(h, run)
+    _verdict(h, run + 1)  # another run's
+    assert not h.to_client("speed_changed")
+    watched = Harness()
+    run = _start(watched)
+    _verdict(watched, run, ratio=-1.0)  # a stage's bad values: dropped, still serving
+    _verdict(watched, run, stage="a", name="b")  # a verdict in another stage's name
+    assert not watched.to_client("speed_changed")
+    assert watched.events("dropped_message")
+    _verdict(watched, run)
+    assert len(watched.to_client("speed_changed")) == 1

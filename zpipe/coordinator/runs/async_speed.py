@@ -1,0 +1,96 @@
+"""A stage's speed verdict, relayed to the run's client: an early look (FTPipeHD III-D).
+
+FTPipeHD looks at the stages every ``every`` mini-batches; a device that slows
+right after a look runs slow until the next one. A stage of an asynchronous run
+that re-partitions with ``forward_watch`` watches its own forwards
+(:mod:`zpipe.stage.speed_watch`) and tells the coordinator when their time changed
+for good (``speed_changed``). Only the client decides when to look (it pauses its
+feed for a move), so the coordinator relays the verdict to it, unchanged, and the
+client looks before its next mini-batch (:mod:`zpipe.client.runs.training_attempts`).
+
+Pure: :func:`relay_speed_change` takes the verdict and returns commands. What it
+drops, and why (each a ``Log``, never an error: a verdict is a hint, the
+scheduled looks still come):
+
+- a verdict whose values mean none (:meth:`SpeedChanged.checked`);
+- a verdict of a run that is not the current one, or that does not re-partition
+  with a forward watch, or from a stage that is not in the run;
+- one about cuts that have moved since (its ``plan_epoch`` older than the
+  controller's): the forwards it measured ran on other units;
+- one that comes while a look or a move is in progress, or while the client is
+  pausing for a move a look decided: that look measures the stage anyway, and
+  one more right after it would be a look storm;
+- a second verdict from the same stage about the same cuts and mini-batch (a
+  resend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from zpipe._errors import ConfigError, ProtocolError
+from zpipe.coordinator.commands import Command, Log, Send
+from zpipe.coordinator.runs.async_repartition import live_repartitioning, repartition_settings
+from zpipe.coordinator.state import CLIENT_NAME
+from zpipe.protocol.client_control import RunRequest
+from zpipe.protocol.repartition import SpeedChanged
+
+if TYPE_CHECKING:
+    from zpipe.coordinator.state import ControlState
+
+
+def forward_watch_of(request: RunRequest | None) -> float | None:
+    """The forward watch's factor a run's stages are told (``train["forward_watch"]``),
+    None when the run does not re-partition or does not watch its forwards."""
+    try:
+        settings = repartition_settings(request)
+    except ConfigError:
+        return None  # the run is refused elsewhere, with the reason
+    if settings is None or not settings.forward_watch:
+        return None
+    return float(settings.forward_watch)
+
+
+def relay_speed_change(
+    state: ControlState, stage: str, message: SpeedChanged, now: float
+) -> list[Command]:
+    """Stage ``stage``'s verdict: to the run's client, or dropped (see the module notes)."""
+    fields = {
+        "stage": stage,
+        "run": message.run,
+        "step": message.step,
+        "plan_epoch": message.plan_epoch,
+        "ratio": round(message.ratio, 3),
+    }
+    try:
+        message.checked()
+    except ProtocolError as exc:  # a peer's bad values: dropped, the coordinator serves on
+        return [Log("warning", "dropped_message", {"peer": stage, "error": str(exc)})]
+    current = state.current
+    run = None if current is None else current.run
+    if run is None or current is None or run.run != message.run:
+        return [Log("debug", "speed_change_dropped", {**fields, "why": "not the current run"})]
+    if stage != message.name or stage not in run.devices:
+        return [Log("warning", "speed_change_dropped", {**fields, "why": "not a stage of the run"})]
+    if forward_watch_of(run.request) is None:
+        return [Log("debug", "speed_change_dropped", {**fields, "why": "no forward watch"})]
+    live = live_repartitioning(current)
+    plan_epoch = run.repartition_epoch
+    if live is not None and live.controller is not None:
+        plan_epoch = live.controller.plan_epoch
+    if message.plan_epoch < plan_epoch:
+        return [Log("info", "speed_change_dropped", {**fields, "why": "older cuts"})]
+    if live is not None and (live.looking or live.pending is not None):
+        return [Log("info", "speed_change_dropped", {**fields, "why": "a look in progress"})]
+    key = (stage, message.plan_epoch, message.step)
+    if live is not None:
+        if key in live.relayed:
+            return [Log("debug", "speed_change_dropped", {**fields, "why": "relayed already"})]
+        live.relayed.add(key)
+    relayed = replace(message, epoch=run.epoch)
+    timeout_s = state.timeouts.reply_s
+    return [
+        Log("info", "speed_change_relayed", fields),
+        Send(run.client, relayed, CLIENT_NAME, timeout_s),
+    ]
