@@ -24,10 +24,15 @@ WAIT_S = 60.0  # generous: a loaded machine; the waits end on events or counts
 
 
 def _push(
-    endpoint: str, frames: list[memoryview], count: int, drops: list[int] | None = None
+    endpoint: str,
+    frames: list[memoryview],
+    count: int,
+    served: threading.Event,
+    drops: list[int] | None = None,
 ) -> threading.Thread:
-    """A thread that sends ``count`` messages of ``frames`` from a PUSH of its own and
-    appends to ``drops`` each time that connection dropped."""
+    """A thread that sends ``count`` messages of ``frames`` from a PUSH of its own,
+    stays connected until ``served`` (closing drops what is still queued), and appends
+    to ``drops`` each time that connection dropped."""
 
     def send() -> None:
         ctx = zmq.Context()
@@ -39,7 +44,9 @@ def _push(
         with contextlib.suppress(zmq.ZMQError):
             for _ in range(count):
                 push.send_multipart(frames, copy=False)
-        time.sleep(2.0)  # still connected while the port reads (closing drops the queue)
+        # still connected while the port reads: a fixed pause was too short for a
+        # starved reader, and closing drops what is queued
+        served.wait(WAIT_S)
         while monitor.poll(0) and drops is not None:
             monitor.recv_multipart()
             drops.append(1)
@@ -74,12 +81,13 @@ async def test_a_data_port_cuts_a_message_of_many_frames_and_serves_the_others(
     legit = [memoryview(b"header"), memoryview(bytes(legit_bytes))]
     legit_count = 20
     received = 0
+    served = threading.Event()  # the port has read what it needs: the senders may go
     try:
         # two messages: the first may have arrived whole between two looks (then it is
         # read and discarded for its frame count); the second is cut part-way
-        attacker = _push(endpoint, [frame] * 8000, 2)
+        attacker = _push(endpoint, [frame] * 8000, 2, served)
         legit_drops: list[int] = []
-        sender = _push(endpoint, legit, legit_count, legit_drops)
+        sender = _push(endpoint, legit, legit_count, served, legit_drops)
         deadline = time.monotonic() + WAIT_S
         while received < legit_count and time.monotonic() < deadline:
             frames = await recv_frames(data_in, timeout_s=WAIT_S, peer="any", awaited="data")
@@ -87,6 +95,7 @@ async def test_a_data_port_cuts_a_message_of_many_frames_and_serves_the_others(
             received += 1
         while not guard.cuts and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+        served.set()
         await asyncio.to_thread(attacker.join, WAIT_S)
         await asyncio.to_thread(sender.join, WAIT_S)
         assert received == legit_count
@@ -94,6 +103,7 @@ async def test_a_data_port_cuts_a_message_of_many_frames_and_serves_the_others(
         assert guard.cuts and {c.reason for c in guard.cuts} == {"connection"}
         assert legit_drops == [], "the legitimate sender's connection was dropped"
     finally:
+        served.set()
         guard.stop()
         data_in.close(linger=0)
         context.term()

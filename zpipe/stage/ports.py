@@ -71,6 +71,17 @@ log = get_logger("zpipe.stage")
 # for tests that show the abort).
 DATA_PORT_RECV_HWM: int | None = 0
 
+# The probe port's RCVHWM: none (0), for the same abort. It is a ROUTER every cluster
+# member reaches (without keys, anyone who reaches the port); zpipe's own probers and
+# peer transfers send no PINGs, but a member that sets HEARTBEAT_IVL, sends while the
+# stage is paused or starved past the old mark (16) and goes aborted the stage when it
+# next read its probes (tests/cluster/test_probe_port_abort.py). What a connection
+# queues is bounded by the port's guard instead (:func:`guard_probe_port`); a prober
+# is held back by its own protocol (one ping or one burst of at most
+# zpipe.stage.linkprobe.ProbeSettings.max_bytes at a time) and the responder's rate
+# limit. None: the options' mark (the old behaviour, for tests that show the abort).
+PROBE_PORT_RECV_HWM: int | None = 0
+
 # chunks of bulk state queued in the stage at most (zpipe.transport.bulk.CHUNK_BYTES each)
 BULK_SEND_HWM = 2
 # the bulk connection's routing id: the stage's name and this, so it keeps it on reconnect
@@ -148,6 +159,8 @@ class StagePorts:
     control_monitor: zmq.asyncio.Socket | None = None
     # cuts a connection to the data port that makes libzmq hold past its limits
     data_guard: ConnectionGuard | None = None
+    # the same for the probe port (it has no receive mark either: PROBE_PORT_RECV_HWM)
+    probe_guard: ConnectionGuard | None = None
     # what a fresh data socket is made with (reopen_data_in)
     _context: zmq.asyncio.Context | None = field(default=None, repr=False)
     _options: SocketOptions | None = field(default=None, repr=False)
@@ -190,8 +203,11 @@ class StagePorts:
         data_endpoint = advertised_endpoint(
             bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
-        probe_in = open_socket(context, zmq.ROUTER, opts, limits=probe_port_limits(opts))
+        probe_limits = probe_port_limits(opts)
+        probe_in = open_socket(context, zmq.ROUTER, opts, limits=probe_limits)
         opened.append(probe_in)
+        if PROBE_PORT_RECV_HWM is not None:
+            probe_in.setsockopt(zmq.RCVHWM, PROBE_PORT_RECV_HWM)  # before the bind
         if keys.keypair is not None:
             security.secure_server(probe_in, keys.keypair, domain=PROBE_DOMAIN)
         probe_bound = bind_endpoint(probe_in, config.probe_endpoint_to_bind)
@@ -226,10 +242,12 @@ class StagePorts:
         bulk.connect(config.coordinator)
         # last: nothing after it can fail and leave its monitor open (context.term waits)
         data_guard = guard_data_port(data_in, ReceiveLimits.before_plan())
+        probe_guard = guard_probe_port(probe_in, probe_limits)
         return cls(
             control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound,
-            control_monitor=monitor, data_guard=data_guard, _context=context, _options=opts,
-            _keypair=keys.keypair, _address_domain=address_domain,
+            control_monitor=monitor, data_guard=data_guard, probe_guard=probe_guard,
+            _context=context, _options=opts, _keypair=keys.keypair,
+            _address_domain=address_domain,
         )  # fmt: skip
 
     async def reopen_data_in(self, limits: ReceiveLimits) -> zmq.asyncio.Socket:
@@ -254,8 +272,9 @@ class StagePorts:
         return fresh
 
     def close(self) -> None:
-        if self.data_guard is not None:
-            self.data_guard.stop()
+        for guard in (self.data_guard, self.probe_guard):
+            if guard is not None:
+                guard.stop()
         if self.control_monitor is not None:
             self.control.disable_monitor()
             self.control_monitor.close(linger=0)
@@ -281,6 +300,21 @@ def guard_data_port(data_in: zmq.asyncio.Socket, limits: ReceiveLimits) -> Conne
     guard = ConnectionGuard(
         data_in, budget, label="data port", connection_look_s=FEW_CONNECTIONS_LOOK_S
     )
+    guard.start()
+    return guard
+
+
+def guard_probe_port(probe_in: zmq.asyncio.Socket, limits: ReceiveLimits) -> ConnectionGuard:
+    """Start cutting the probe port's connections that make libzmq hold more than its
+    ``limits`` let one peer queue: what the old mark allowed (``RCVHWM`` messages of
+    the largest frame) and one more message arriving, as for a data port, whose budget
+    it shares (a link burst, at most 32 MiB, and a backup's frame fit). Call inside the
+    running event loop."""
+    bounds = limits.message_bounds(zmq.ROUTER)
+    budget = data_port_budget(
+        limits.queued_bytes_per_peer, bounds.max_bytes, bounds.max_frames, limits.recv_hwm
+    )
+    guard = ConnectionGuard(probe_in, budget, label="probe port")
     guard.start()
     return guard
 
