@@ -91,6 +91,13 @@ def test_copies_flow_while_the_pipeline_trains_and_survive_a_restart(tmp_path: P
             )
             assert snapshots == [2, 4, 6, 8, 10], stage
             assert [e for e in phases if e["pid"] == pid and e["cat"] == "copy"], stage
+            # every update is on the timeline, after its backward
+            steps = {e["args"]["mb"]: e for e in phases if e["pid"] == pid and e["cat"] == "step"}
+            assert sorted(steps) == list(range(10)), stage
+            for mb, step_span in steps.items():
+                (back,) = [e for e in phases if e["pid"] == pid and e["cat"] == "backward"
+                           and e["args"]["mb"] == mb]  # fmt: skip
+                assert step_span["ts"] >= back["ts"] + back["dur"] - 1, (stage, mb)
             # batches stayed in flight across each copy: forwarded before its snapshot,
             # backwarded after it (a flush would have backwarded them first); the last
             # stage backwards each batch right after its forward (warm-up 1)

@@ -298,7 +298,11 @@ class AsyncTrainingExecutor(TrainingExecutor):
     async def _step(self, b: int) -> None:
         started = time.perf_counter()
         await self._in_thread(self.async_shard.step_batch, b)
-        self.counters.step_s += time.perf_counter() - started
+        stepped = time.perf_counter()
+        self.counters.step_s += stepped - started
+        # on the timeline too: an emulated slow device's update is a third of its
+        # mini-batch, and without its span a trace showed it as idle time
+        self.counters.timeline.record(b, "step", started, stepped)
         await self._copy_if_due()
         async with self._step_done:
             self.completed_steps = b + 1
