@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from bench._hostile_wire import header, many_frames, slowloris_prefix
+from bench._hostile_wire import header, many_frames, zmtp_handshake, zmtp_long_frame_header
 from zpipe.transport.codec import Message, decode
 
 
@@ -236,19 +236,27 @@ class Attacker:
     ) -> dict[str, int]:
         """Finding 7: plain TCP connections that each complete a ZMTP handshake, send
         the first ``send_bytes`` of a ``frame_size``-byte frame and hold for ``hold_s``
-        (``on_sent()`` then), then hang up. How many connections sent all they meant to
-        and how many the target closed first or stopped reading from."""
+        (``on_sent()`` then), then hang up. How many connections sent all they meant to,
+        how many the target closed first or stopped reading from, and how many it
+        refused before a frame (the handshake goes a step at a time: written in one
+        piece with the frame, libzmq refused it every time, and no byte of a frame
+        was ever read)."""
         host, port = _host_port(endpoint)
-        prefix = slowloris_prefix(frame_size)
+        frame_header = zmtp_long_frame_header(frame_size)
         block = bytes(1 << 20)
         conns: list[socket.socket] = []
-        full = cut = stalled = 0
+        full = cut = stalled = unshaken = 0
         try:
             for _ in range(connections):
                 conn = socket.create_connection((host, port), timeout=30.0)
                 conns.append(conn)
                 try:
-                    conn.sendall(prefix)
+                    zmtp_handshake(conn, "DEALER")
+                except OSError:  # refused before a frame: the attack never began
+                    unshaken += 1
+                    continue
+                try:
+                    conn.sendall(frame_header)
                     left = send_bytes
                     while left > 0:
                         n = min(left, len(block))
@@ -265,7 +273,12 @@ class Attacker:
         finally:
             for conn in conns:
                 conn.close()
-        return {"connections_full": full, "connections_cut": cut, "connections_stalled": stalled}
+        return {
+            "connections_full": full,
+            "connections_cut": cut,
+            "connections_stalled": stalled,
+            "handshakes_refused": unshaken,
+        }
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
