@@ -224,10 +224,11 @@ ZMTP_GREETING_BYTES = 64
 
 def zmtp_handshake(conn: socket.socket, socket_type: str) -> None:
     """A NULL handshake over ``conn``, a step at a time: our greeting, the peer's, our
-    READY, the peer's. Sent in one write, greeting and READY were often refused:
-    libzmq 4.3.5 reset 8 of 18 such connections (``HANDSHAKE_FAILED_PROTOCOL``)
-    before it read a frame, so an attack that wrote them together mostly tested the
-    handshake. Raises OSError when the peer closes first."""
+    READY, the peer's. Sent in one write, greeting and READY are often refused:
+    libzmq 4.3.5 reset 8 of 18 such connections (``HANDSHAKE_FAILED_PROTOCOL``), and
+    10 of 10 with a frame behind them, before it read a frame, so an attack that
+    wrote them together may only test the handshake. Raises OSError when the peer
+    closes first."""
     conn.sendall(zmtp_greeting())
     _read_exactly(conn, ZMTP_GREETING_BYTES)
     conn.sendall(zmtp_ready(socket_type))
