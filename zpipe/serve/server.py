@@ -18,6 +18,10 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # listening from here: the command prints its URL before uvicorn's server
+        # starts, and a client that connected in between was refused (CI's
+        # test_serve_command saw "Connection refused" from the printed URL)
+        sock.listen(socket.SOMAXCONN)
     except OSError:
         sock.close()
         raise
