@@ -12,7 +12,6 @@ mini-batch; what the look found is kept in ``TrainReport.repartitions``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
@@ -40,15 +39,7 @@ async def repartition_before(run: TrainingRun, step: int) -> bool:
         if not reply.pause:
             return _record(run, step, reply)
         await run.pause_feed()
-        timeout = run.timeouts.result_s
-        while run.done_steps < run.sent_steps:
-            run.step_finished.clear()
-            try:
-                await asyncio.wait_for(run.step_finished.wait(), timeout)
-            except asyncio.TimeoutError:
-                raise TransportTimeout(
-                    run.session.last_stage, "the losses before a re-partition", timeout
-                ) from None
+        await run.drain_losses("a re-partition")
         return _record(run, step, await _ask(run, step, look=False))
     except (PipelineError, TransportTimeout):
         # a fast recovery keeps no replica (replicate_every None) but recovers too

@@ -243,9 +243,9 @@ class TrainingRun:
         if self.done_steps == self.sent_steps:
             self.finished.set()
 
-    async def _replicate(self, step: int, *, global_copy: bool = False) -> list[Command]:
-        """Drain the pipeline and have the coordinator keep a replica of every stage
-        before mini-batch ``step``; what the fit does next."""
+    async def drain_losses(self, before: str) -> None:
+        """Wait until every mini-batch sent has its loss back (each wait bounded by the
+        result timeout); ``before`` names what waits, for the timeout's error."""
         timeout = self.timeouts.result_s
         while self.done_steps < self.sent_steps:
             self.step_finished.clear()
@@ -253,8 +253,13 @@ class TrainingRun:
                 await asyncio.wait_for(self.step_finished.wait(), timeout)
             except asyncio.TimeoutError:
                 raise TransportTimeout(
-                    self.session.last_stage, "the losses before a replica", timeout
+                    self.session.last_stage, f"the losses before {before}", timeout
                 ) from None
+
+    async def _replicate(self, step: int, *, global_copy: bool = False) -> list[Command]:
+        """Drain the pipeline and have the coordinator keep a replica of every stage
+        before mini-batch ``step``; what the fit does next."""
+        await self.drain_losses("a replica")
         reply = await self.session.control.ask(
             Replicate(
                 run=self.run, step=self.done_steps, global_copy=True if global_copy else None
@@ -262,7 +267,7 @@ class TrainingRun:
             expect=(Replicated,),
             # up to four phases at the coordinator, each within result_s (an
             # asynchronous run's prepare, backups, global copy and commit)
-            timeout_s=4 * timeout + self.timeouts.reply_s,
+            timeout_s=4 * self.timeouts.result_s + self.timeouts.reply_s,
             awaited="the replica",
             resend_on_reconnect=True,
             progress_run=self.run,
