@@ -1,14 +1,19 @@
-"""A stage that slows 10x mid-run has the run looked at before its next scheduled look
+"""A stage that slows 100x mid-run has the run looked at before its next scheduled look
 (issue 30): its own forward watch tells the coordinator (``speed_changed``), the
 coordinator relays it to the client, and the client looks before its next mini-batch.
 
 Real processes on loopback: three stages, the middle one emulating a device that
-turns 10 times slower 3 s after its first forward (``--slowdown-schedule``). The
-scheduled looks are out of reach (the first after 10,000 mini-batches), so every look
-the run makes is an early one. The feed is a generator that goes on until the
-coordinator has relayed the slowed stage's verdict, then feeds 20 more mini-batches
-(the look comes at the first of them the client feeds after the relay): no step of
-the test waits on a clock, only the generous cap on the whole run does.
+turns 100 times slower 3 s after its first forward (``--slowdown-schedule``). The
+watch sees wall time, waits for a core included, and emulation adds only the extra
+work (``(factor - 1)`` times the forward's CPU), so waits shrink the ratio: with a
+10x device, a suite run at load 13-16 relayed no verdict in its 240 s (under 3x: the
+waits were over 3.5 times the work); 100x reads over 3x until the waits pass about
+48 times the work. The scheduled looks are out of reach (the first after 10,000
+mini-batches), so every look the run makes is an early one. The feed is a generator
+that goes on until the coordinator has relayed the slowed stage's verdict, then
+feeds 20 more mini-batches (the look comes at the first of them the client feeds
+after the relay): no step of the test waits on a clock, only the generous cap on the
+whole run does.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from zpipe.models import ModelSpec
 # a small part of them, so the other stages' watches do not fire on noise (a look they
 # start can drop b's verdict: the coordinator drops verdicts during a look)
 SPEC = ModelSpec("mlp", {"dims": [12, 512, 512, 512, 512, 512, 4], "activation": "gelu"}, seed=3)
-FACTOR = 3.0  # the watch's: the slowdown is 10x, so noise of a loaded host stays under it
+FACTOR = 3.0  # the watch's: the slowdown is 100x, so noise of a loaded host stays under it
 AFTER_RELAY = 20  # mini-batches fed once the coordinator relayed the verdict
 CAP_S = 240.0  # the whole run's cap (the old code never looks: the test fails there)
 
@@ -69,7 +74,7 @@ def _batches(cluster: LocalCluster) -> Iterator[tuple[torch.Tensor, torch.Tensor
 def test_a_stage_that_slows_mid_run_is_looked_at_before_the_next_scheduled_look() -> None:
     devices = [
         DeviceSpec("a", threads=1),
-        DeviceSpec("b", threads=1, slowdown_schedule="0:1,3:10"),
+        DeviceSpec("b", threads=1, slowdown_schedule="0:1,3:100"),
         DeviceSpec("c", threads=1),
     ]
     with LocalCluster(devices, log_level="info") as cluster:
