@@ -24,14 +24,16 @@ import threading
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol import REGISTRY, Message, Registry
 from zpipe.protocol._schema import short_repr
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -72,19 +74,14 @@ _MAX_SPAN_BYTES = 1 << 48
 SCHEMAS: Mapping[str, Mapping[str, tuple[tuple[type, ...], bool]]] = REGISTRY.schemas
 TENSOR_KINDS: frozenset[str] = REGISTRY.tensor_kinds
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+# The dtypes that cross the wire, filled with torch's at the first message that
+# carries a tensor (:func:`_bind_torch`): a process that only exchanges control
+# messages (the coordinator serving membership) never imports torch for them.
+_DTYPE_ORDER = (
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+)  # fmt: skip
+_DTYPES: dict[str, torch.dtype] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 _HEADER_FIELDS = frozenset({"v", "k", "e", "b", "t"})
 # Tensors decode built over a received frame (a zmq.Frame, received without a
 # copy), by id: (a weak reference to the tensor, the frame, the data address and
@@ -100,7 +97,22 @@ _NBYTES = operator.attrgetter("nbytes")
 _PACKERS = threading.local()
 
 
+def _bind_torch() -> None:
+    """Import torch once, at the first tensor, and fill the dtype tables.
+
+    Binds the module-level name ``torch`` that the tensor functions below use, so
+    each call after the first pays one dict-truthiness check, not an import.
+    """
+    global torch  # bound once, at the first tensor
+    import torch
+
+    _DTYPE_NAMES.update({getattr(torch, name): name for name in _DTYPE_ORDER})
+    _DTYPES.update({name: getattr(torch, name) for name in _DTYPE_ORDER})
+
+
 def dtype_name(dtype: torch.dtype) -> str:
+    if not _DTYPES:
+        _bind_torch()
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
@@ -108,6 +120,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    if not _DTYPES:
+        _bind_torch()
     try:
         return _DTYPES[name]
     except (KeyError, TypeError):  # TypeError: an unhashable name
@@ -210,6 +224,8 @@ def encode(message: Message, *, registry: Registry = REGISTRY) -> list[Any]:
         raise ProtocolError(f"{len(message.tensors)} tensors exceed the limit of {MAX_TENSORS}")
     metas = []
     frames: list[Any] = []
+    if message.tensors and not _DTYPES:
+        _bind_torch()
     for tensor in message.tensors:
         if tensor.dim() > MAX_DIMS:
             raise ProtocolError(f"tensor of {tensor.dim()} dims exceeds the limit of {MAX_DIMS}")
@@ -438,6 +454,8 @@ def decode(
         header = msgpack.unpackb(header_view, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"header is not valid msgpack: {short_repr(exc)}") from None
+    if not _DTYPES and type(header) is dict and header.get("t"):
+        _bind_torch()  # the first tensor this process receives
     checked = _fits_fast(header, registry)
     if not checked:
         _check_header(header, registry)
