@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 import time
 
+from zpipe.lazy_torch import COORDINATOR_LAZY_MODULES
 from zpipe.log import get_logger
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.generation import GenRunRequest
@@ -36,8 +37,10 @@ log = get_logger("zpipe.coordinator")
 RUN_REQUESTS = (RunRequest, LossyRunRequest, GenRunRequest)
 
 # Every module a run kind imports at its first use (core.py, jobs.py, decisions.py,
-# bulk_budget.py import these inside the functions that need them).
+# bulk_budget.py import these inside the functions that need them), and what the
+# planners import on their first plan, on a thread (lazy_torch.py).
 RUN_KIND_MODULES = (
+    *COORDINATOR_LAZY_MODULES,
     "torch",
     "zpipe.models.registry",
     "zpipe.models.weights",
