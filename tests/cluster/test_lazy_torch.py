@@ -169,3 +169,39 @@ def test_the_coordinator_registers_and_answers_heartbeats_without_importing_torc
     assert seen["acks"] >= 60
     assert seen["torch"] is False
     assert seen["models"] is False
+
+
+# The codec binds torch at the first tensor: a process that decodes one without having
+# imported torch gets it whole, and one that never sees a tensor never imports it.
+_DECODE_FIRST_TENSOR = r"""
+import json, sys
+from zpipe.transport.codec import decode, encode
+before = "torch" in sys.modules
+frames = [bytes.fromhex(h) for h in json.loads(sys.stdin.read())]
+message = decode(frames)
+again = decode(encode(message))  # and the encode side binds nothing twice
+print(json.dumps({"torch_before": before, "dtype": str(message.tensors[0].dtype),
+                  "values": message.tensors[0].tolist(), "again": again.tensors[0].tolist()}))
+"""
+
+
+def test_the_codec_imports_torch_at_the_first_tensor_it_decodes() -> None:
+    import torch
+
+    from zpipe.protocol.bulk import BulkChunk
+    from zpipe.transport.codec import encode
+
+    chunk = BulkChunk(name="s0", token="t", transfer=1, seq=0, chunks=1, nbytes=3,
+                      tensors=(torch.tensor([7, 8, 9], dtype=torch.uint8),))  # fmt: skip
+    frames = [bytes(memoryview(f)) for f in encode(chunk.to_message())]
+    done = subprocess.run(
+        [sys.executable, "-c", _DECODE_FIRST_TENSOR],
+        input=json.dumps([f.hex() for f in frames]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"torch_before": False, "dtype": "torch.uint8", "values": [7, 8, 9],
+                    "again": [7, 8, 9]}  # fmt: skip

@@ -76,7 +76,10 @@ TENSOR_KINDS: frozenset[str] = REGISTRY.tensor_kinds
 
 # The dtypes that cross the wire, filled with torch's at the first message that
 # carries a tensor (:func:`_bind_torch`): a process that only exchanges control
-# messages (the coordinator serving membership) never imports torch for them.
+# messages (the coordinator serving membership) never imports torch for them. The
+# per-message paths pay nothing for it: while the tables are empty, encode's
+# look-up misses and takes dtype_name, decode's fast check fails and takes
+# parse_dtype, and both bind.
 _DTYPE_ORDER = (
     "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
 )  # fmt: skip
@@ -100,8 +103,8 @@ _PACKERS = threading.local()
 def _bind_torch() -> None:
     """Import torch once, at the first tensor, and fill the dtype tables.
 
-    Binds the module-level name ``torch`` that the tensor functions below use, so
-    each call after the first pays one dict-truthiness check, not an import.
+    Binds the module-level name ``torch`` that the tensor functions below use: no
+    import, and no check on the per-message paths, after the first.
     """
     global torch  # bound once, at the first tensor
     import torch
@@ -224,14 +227,12 @@ def encode(message: Message, *, registry: Registry = REGISTRY) -> list[Any]:
         raise ProtocolError(f"{len(message.tensors)} tensors exceed the limit of {MAX_TENSORS}")
     metas = []
     frames: list[Any] = []
-    if message.tensors and not _DTYPES:
-        _bind_torch()
     for tensor in message.tensors:
         if tensor.dim() > MAX_DIMS:
             raise ProtocolError(f"tensor of {tensor.dim()} dims exceeds the limit of {MAX_DIMS}")
         name = _DTYPE_NAMES.get(tensor.dtype)  # dtype_name and the received-frame look-up, inlined
         if name is None:
-            raise ProtocolError(f"dtype {tensor.dtype} cannot cross the wire")
+            name = dtype_name(tensor.dtype)  # binds torch at the first tensor, or refuses
         metas.append([name, list(tensor.shape)])
         frame = _source_frame(tensor)
         frames.append(frame if frame is not None else _tensor_bytes(tensor))
@@ -454,8 +455,6 @@ def decode(
         header = msgpack.unpackb(header_view, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"header is not valid msgpack: {short_repr(exc)}") from None
-    if not _DTYPES and type(header) is dict and header.get("t"):
-        _bind_torch()  # the first tensor this process receives
     checked = _fits_fast(header, registry)
     if not checked:
         _check_header(header, registry)
