@@ -33,7 +33,8 @@ the coordinator's event-loop lag (how late its tick loop woke; p50, p99, from it
 false deaths (``stage_dead`` in its log, or a peer asked to register again).
 ``register_all_s_300``: from launching the coordinator to every peer registered,
 split into ``coordinator_listening_s_300`` (its start-up: the interpreter and its
-imports, torch's the most) and ``register_after_listening_s_300``. Then the same
+imports; torch is not among them until the first run request,
+zpipe/coordinator/run_kinds.py) and ``register_after_listening_s_300``. Then the same
 300 again under ``--oversubscribe`` (2) times as many busy-loop processes as there
 are cores: ``loop_lag_p99_ms_oversubscribed`` is the worst 99th percentile of the
 coordinator's loop lag over every window from its start to the hold's end, while

@@ -11,8 +11,9 @@ training step, long enough for a stall probe to find it "dead".
 
 A process that will run torch work beside an event loop calls
 :func:`import_lazy_torch_modules` before it starts the loop and registers, when
-nobody is judging its silence yet; the coordinator calls
-:func:`import_coordinator_lazy_modules`, for what its planners import on first use.
+nobody is judging its silence yet; the coordinator imports
+:data:`COORDINATOR_LAZY_MODULES`, what its planners import on first use, with torch
+and its run kinds at its first run request (zpipe/coordinator/run_kinds.py).
 """
 
 from __future__ import annotations
@@ -26,17 +27,12 @@ LAZY_TORCH_MODULES = ("torch._dynamo",)
 # arrays, which ``np.unique`` imports the first time the PipeEdge planner prunes
 # its states (95 ms of imports under load). The planner runs on a thread, but an
 # import there holds the GIL in turns with the loop for as long (a thread that
-# imported torch itself stalled an asyncio loop for 0.3-4 s). torch and the rest
-# are imported before the loop starts; nothing else is imported after it listens
-# in a training or an inference run (tests/cluster/test_lazy_torch.py).
+# imported torch itself stalled an asyncio loop for 0.3-4 s). They, torch and the
+# run kinds are imported on the loop at the first run request; nothing else is
+# imported after that in a training or an inference run (tests/cluster/test_lazy_torch.py).
 COORDINATOR_LAZY_MODULES = ("numpy.ma",)
 
 
 def import_lazy_torch_modules() -> None:
     for name in LAZY_TORCH_MODULES:
-        importlib.import_module(name)
-
-
-def import_coordinator_lazy_modules() -> None:
-    for name in COORDINATOR_LAZY_MODULES:
         importlib.import_module(name)

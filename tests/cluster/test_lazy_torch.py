@@ -1,4 +1,4 @@
-"""A stage imports what torch would otherwise import lazily on its compute thread.
+"""What torch imports lazily, and when the coordinator imports torch at all.
 
 The first optimizer step or profiled forward makes torch import ``torch._dynamo``
 (hundreds of modules, seconds of GIL-holding work that starved a loaded stage's
@@ -7,9 +7,12 @@ first step imports can be seen. The coordinator and the client never need it:
 a training and an inference run leave it unimported there, so nothing stalls
 their loops and nothing preloads it (a preload on a thread of the coordinator
 stalled its loop for 5-20 s under load: every zmq send and receive gave the GIL
-to the import, for a switch interval each). Once it listens, the coordinator
-imports nothing at all in those runs: what its planners import on first use is
-imported before it listens.
+to the import, for a switch interval each).
+
+The coordinator's contract (zpipe/coordinator/run_kinds.py): it listens, registers
+stages and answers their heartbeats without torch; the first run request imports
+torch and the run kinds, on its loop, at once; after that nothing more is imported
+in a training or an inference run.
 """
 
 from __future__ import annotations
@@ -107,8 +110,98 @@ def test_a_training_and_an_inference_run_never_import_it_in_the_client_or_coordi
     imported = {line.rsplit("|", 1)[1].strip() for line in log if line.startswith("import time:")}
     assert "torch" in imported  # the report is there: torch's own import is listed
     assert "torch._dynamo" not in imported
-    # and once it listens, the coordinator imports nothing more: no lazy import on its
-    # planning thread (numpy.ma, at the first PipeEdge plan, until it was preloaded)
+    # Once it listens, the coordinator imports only at the first run request, between
+    # the two events that frame it (torch among them), and nothing after: no lazy
+    # import on its planning thread (numpy.ma, at the first PipeEdge plan, until it
+    # was preloaded)
     listening = next(i for i, line in enumerate(log) if "coordinator_listening" in line)
-    late = [line for line in log[listening:] if line.startswith("import time:")]
+    importing = next(i for i, line in enumerate(log) if "run_kinds_importing" in line)
+    imported_at = next(i for i, line in enumerate(log) if "run_kinds_imported" in line)
+    assert listening < importing < imported_at
+    torch_line = next(i for i, line in enumerate(log) if line.rstrip().endswith("| torch"))
+    assert importing < torch_line < imported_at
+    late = [
+        line
+        for i, line in enumerate(log)
+        if line.startswith("import time:") and i > listening and not importing < i < imported_at
+    ]
     assert late == []
+
+
+# A coordinator serving membership alone: 20 heartbeat-only peers register and have
+# heartbeats acknowledged, in a fresh interpreter that runs the coordinator itself.
+_MEMBERSHIP_ONLY = r"""
+import asyncio, json, sys
+from zpipe.config import Timeouts
+from zpipe.coordinator.server import Coordinator, CoordinatorConfig
+from zpipe.testing.fake_peers import FakePeers
+
+async def main():
+    timeouts = Timeouts(heartbeat_interval_s=0.2)
+    coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", timeouts=timeouts))
+    ready = asyncio.Event()
+    serving = asyncio.create_task(coordinator.serve(ready=ready))
+    await asyncio.wait_for(ready.wait(), 120)
+    async with FakePeers(coordinator.endpoint, 20, register_timeout_s=120.0) as peers:
+        deadline = asyncio.get_running_loop().time() + 120
+        while peers.summary().acks < 60 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        summary = peers.summary()
+    coordinator.stop()
+    await asyncio.wait_for(serving, 60)
+    return {"members": len(coordinator.membership.all()), "acks": summary.acks,
+            "torch": "torch" in sys.modules, "models": "zpipe.models.registry" in sys.modules}
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def test_the_coordinator_registers_and_answers_heartbeats_without_importing_torch() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _MEMBERSHIP_ONLY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["members"] == 20
+    assert seen["acks"] >= 60
+    assert seen["torch"] is False
+    assert seen["models"] is False
+
+
+# The codec binds torch at the first tensor: a process that decodes one without having
+# imported torch gets it whole, and one that never sees a tensor never imports it.
+_DECODE_FIRST_TENSOR = r"""
+import json, sys
+from zpipe.transport.codec import decode, encode
+before = "torch" in sys.modules
+frames = [bytes.fromhex(h) for h in json.loads(sys.stdin.read())]
+message = decode(frames)
+again = decode(encode(message))  # and the encode side binds nothing twice
+print(json.dumps({"torch_before": before, "dtype": str(message.tensors[0].dtype),
+                  "values": message.tensors[0].tolist(), "again": again.tensors[0].tolist()}))
+"""
+
+
+def test_the_codec_imports_torch_at_the_first_tensor_it_decodes() -> None:
+    import torch
+
+    from zpipe.protocol.bulk import BulkChunk
+    from zpipe.transport.codec import encode
+
+    chunk = BulkChunk(name="s0", token="t", transfer=1, seq=0, chunks=1, nbytes=3,
+                      tensors=(torch.tensor([7, 8, 9], dtype=torch.uint8),))  # fmt: skip
+    frames = [bytes(memoryview(f)) for f in encode(chunk.to_message())]
+    done = subprocess.run(
+        [sys.executable, "-c", _DECODE_FIRST_TENSOR],
+        input=json.dumps([f.hex() for f in frames]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"torch_before": False, "dtype": "torch.uint8", "values": [7, 8, 9],
+                    "again": [7, 8, 9]}  # fmt: skip

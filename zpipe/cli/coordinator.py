@@ -16,7 +16,6 @@ from zpipe.cli.common import (
     timeouts_from_args,
 )
 from zpipe.coordinator.server import Coordinator, CoordinatorConfig
-from zpipe.lazy_torch import import_coordinator_lazy_modules
 from zpipe.log import configure_logging, get_logger
 from zpipe.models.trust import (
     add_allow_factory_arguments,
@@ -140,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     except ZpipeError as exc:
         parser.error(str(exc))
 
-    # what a planner would import on its first plan, on a thread sharing the GIL
-    # with the loop that answers heartbeats: imported now, before anyone registers
-    import_coordinator_lazy_modules()
+    # Torch, the run kinds and what a planner would import on its first plan (on a
+    # thread sharing the GIL with the loop) are imported at the first run request,
+    # on the loop (zpipe/coordinator/run_kinds.py): membership needs none of them.
     # What is imported and built by now lives as long as the process: out of the
     # collector's way, so that a full collection does not walk it (a pause of tens of
     # milliseconds every few seconds, heard as late heartbeat answers).

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from zpipe.models import ModelSpec
-from zpipe.models.registry import USER_CODE_FAMILIES, load_layer_sequence
 from zpipe.models.size import parameter_bytes
 
 # Copies of a stage's parameters its open transfers may announce together: its
@@ -83,6 +82,9 @@ def _sized(model: Mapping[str, Any] | None) -> object | None:
     """The layer sequence of spec ``model`` if it can count its parameters unbuilt."""
     if not isinstance(model, Mapping):
         return None
+    # the registry builds layers with torch: a run has started (and imported it) by now
+    from zpipe.models.registry import USER_CODE_FAMILIES, load_layer_sequence
+
     try:
         spec = ModelSpec.from_dict(dict(model))
         if spec.family in USER_CODE_FAMILIES:

@@ -13,14 +13,13 @@ takes over :mod:`~zpipe.coordinator.takeover`'s.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import (
     ConfigError,
     PeerGoneError,
     StageLostError,
 )
-from zpipe.coordinator.admission import admit
 from zpipe.coordinator.bulk import (
     bulk_chunk,
     bulk_open,
@@ -49,15 +48,10 @@ from zpipe.coordinator.notices import NoticeOutbox, notices_due, number_notices
 from zpipe.coordinator.partition import GaveUp, Holding, PartitionWatch, Rejoined, Suspected
 from zpipe.coordinator.records import SavedReplica, SavedState
 from zpipe.coordinator.registration import Registrations, printable
-from zpipe.coordinator.runs.async_copies import HeldCopy, keep_async_copy
 from zpipe.coordinator.runs.async_speed import relay_speed_change
 from zpipe.coordinator.runs.base import run_failed
-from zpipe.coordinator.runs.generation import start_generation_run
-from zpipe.coordinator.runs.generation_recovery import GenerationController
-from zpipe.coordinator.runs.lossy import start_lossy_run
-from zpipe.coordinator.runs.lossy_remap import keep_replica
+from zpipe.coordinator.saving import saved_state
 from zpipe.coordinator.state import CLIENT_NAME, ControlState
-from zpipe.coordinator.takeover import restore, saved_state
 from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import (
     ClusterRequest,
@@ -97,6 +91,9 @@ from zpipe.protocol.stage_control import (
     RegisterAgain,
     Weights,
 )
+
+if TYPE_CHECKING:
+    from zpipe.coordinator.runs.async_copies import HeldCopy
 
 # Replies of stages to what a run's flows asked (routed to the flow that waits).
 REPLIES = (
@@ -244,8 +241,12 @@ class CoordinatorCore:
                     return refused
                 return [Log("info", "stage_answered_probe", {"stage": member.name})]
             case LossyReplica():
+                from zpipe.coordinator.runs.lossy_remap import keep_replica
+
                 return keep_replica(self.state, member.name, message)
             case AsyncCopy():
+                from zpipe.coordinator.runs.async_copies import keep_async_copy
+
                 return keep_async_copy(self.state, member.name, message, now)
             case SpeedChanged():
                 return relay_speed_change(self.state, member.name, message, now)
@@ -420,10 +421,17 @@ class CoordinatorCore:
         reply_s = state.timeouts.reply_s
         match event.message:
             case RunRequest() as request:
+                from zpipe.coordinator.admission import admit
+
                 return admit(state, event.routing_id, event.user_key, request, now)
             case LossyRunRequest() as request:
+                from zpipe.coordinator.runs.lossy import start_lossy_run
+
                 return start_lossy_run(state, event.routing_id, request, now)
             case GenRunRequest() as request:
+                from zpipe.coordinator.runs.generation import start_generation_run
+                from zpipe.coordinator.runs.generation_recovery import GenerationController
+
                 install = GenerationController.installer(
                     state, event.routing_id, event.user_key, request
                 )
@@ -474,4 +482,8 @@ class CoordinatorCore:
         copies: Sequence[HeldCopy] = (),
     ) -> None:
         """Take over what a previous coordinator saved (see :func:`takeover.restore`)."""
+        if saved is None and replica is None and newest_global is None and not copies:
+            return  # a first start: nothing to take over, no run kinds to import for it
+        from zpipe.coordinator.takeover import restore
+
         restore(self.state, saved, replica, now, newest_global, copies, self.notices)

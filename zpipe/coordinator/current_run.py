@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zpipe.planner import Plan
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunReady, RunRequest
 from zpipe.training.repartition import RepartitionDecision
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, UnitsLostError
 from zpipe.coordinator.current_run import KeptReplica
 from zpipe.coordinator.membership import Member, Membership, MemberState
 from zpipe.coordinator.planning import cluster_from_members
-from zpipe.models.weights import split_unit_key
 from zpipe.planner import ClusterLink, Plan
 from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.planner.profile import ModelProfile
@@ -34,6 +31,10 @@ from zpipe.recovery import (
 )
 from zpipe.recovery import Replica as HeldUnits
 from zpipe.recovery.replanning import RecoveryError
+
+if TYPE_CHECKING:
+    import torch
+
 
 PlanT = TypeVar("PlanT", Plan, TrainingPlan)
 
@@ -111,11 +112,15 @@ def replan_in_place(
 
 def held_at_coordinator(state: Mapping[str, torch.Tensor]) -> set[int]:
     """The units a replica's state holds here."""
+    from zpipe.models.weights import split_unit_key  # needs torch: at the first run
+
     return {u[0] for key in state if (u := split_unit_key(key)) is not None}
 
 
 def units_state(state: Mapping[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
     """The entries of a replica that belong to units ``[start, end)``."""
+    from zpipe.models.weights import split_unit_key  # needs torch: at the first run
+
     out = {}
     for key, tensor in state.items():
         parsed = split_unit_key(key)

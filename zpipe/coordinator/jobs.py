@@ -40,7 +40,7 @@ from zpipe.coordinator.runs.async_copies import SaveCopy
 from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
 from zpipe.lossy.mapping import partition_and_map
-from zpipe.models import USER_CODE_FAMILIES, ModelSpec, count_units, load_layer_sequence
+from zpipe.models import ModelSpec
 from zpipe.planner import ClusterLink, ClusterSpec
 from zpipe.planner.hpp import plan_training
 from zpipe.planner.profile import ModelProfile, training_profile_sizes
@@ -273,6 +273,9 @@ def _count_units(spec: ModelSpec, declared: int | None) -> int:
     """The model's unit count without running user code when the client declared it;
     a client that did not (an older one) gets it counted only for a factory this
     process allows (--allow-factory), as for any peer's spec."""
+    # the registry builds layers with torch: imported at the first run's plan
+    from zpipe.models.registry import USER_CODE_FAMILIES, count_units, load_layer_sequence
+
     if declared is not None or spec.family not in USER_CODE_FAMILIES:
         return count_units(spec, declared=declared)
     return load_layer_sequence(spec).num_units

@@ -47,9 +47,7 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import ConfigError, ProtocolError, StateFileError
 from zpipe.coordinator.notices import NOTICES, Notice
@@ -57,6 +55,10 @@ from zpipe.coordinator.records import SavedMember, SavedNotices, SavedReplica, S
 from zpipe.protocol import REGISTRY, Message, WireMessage, storage
 from zpipe.recovery.live_copies import CopyRecord
 from zpipe.transport import codec
+
+if TYPE_CHECKING:
+    import torch
+
 
 STATE_FILE = "coordinator.state"
 REPLICA_FILE = "replica.state"

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import ConfigError, UnitsLostError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
@@ -36,6 +34,9 @@ from zpipe.coordinator.state import ControlState
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.stage_control import Weights, WeightsRequest
 from zpipe.recovery import StageSpan, WeightsLostError, heavy_restore
+
+if TYPE_CHECKING:
+    import torch
 
 
 def snapshot_requests(

@@ -60,6 +60,7 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.coordinator.core import CoordinatorCore
 from zpipe.coordinator.events import (
+    ClientRequest,
     Event,
     JobDone,
     JobFailed,
@@ -74,6 +75,7 @@ from zpipe.coordinator.membership import Membership
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.registration import printable
 from zpipe.coordinator.restored_replica import fallback_named
+from zpipe.coordinator.run_kinds import import_at_run_request, run_kinds_imported
 from zpipe.coordinator.runs.async_copies import HeldCopy
 from zpipe.coordinator.shell_sends import ShellSends
 from zpipe.coordinator.state import ControlState
@@ -208,6 +210,8 @@ class Coordinator:
         self._context = new_context()
         self._router: zmq.asyncio.Socket | None = None
         self._guard: ConnectionGuard | None = None
+        # torch and the run kinds: imported at the first run request (run_kinds.py)
+        self._runs_imported = run_kinds_imported()
         self._authenticator: security.CurveAuthenticator | None = None
         self._keypair: security.KeyPair | None = None
         # With --keys: what each key's role lets it send (roles.txt; a key it does not
@@ -486,6 +490,8 @@ class Coordinator:
 
     def _feed(self, event: Event, *, peer: bytes | None = None) -> None:
         """Hand ``event`` to the core and carry out what it returns."""
+        if not self._runs_imported and isinstance(event, ClientRequest):
+            self._runs_imported = import_at_run_request(event.message, len(self.membership.live()))
         try:
             commands = self.core.on_event(event, time.monotonic())
         except Exception as exc:  # a controller's bug: this event is lost, not the process

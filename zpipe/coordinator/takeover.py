@@ -1,7 +1,8 @@
 """What a restarted coordinator takes over: the records it saves and restores. Pure.
 
-The shell writes :func:`saved_state` to its state directory on every change
-(:mod:`zpipe.coordinator.persistence`) and, at start, hands what it read to
+The shell writes :func:`~zpipe.coordinator.saving.saved_state` to its state
+directory on every change (:mod:`zpipe.coordinator.persistence`) and, at start,
+hands what it read to
 :func:`restore`: the members (alive until they stay silent past the usual
 deadlines), the counters, the run (its controller, by its kind) and the replica.
 """
@@ -14,7 +15,7 @@ from typing import Any
 from zpipe._errors import ProtocolError, StateFileError
 from zpipe.coordinator.current_run import Run
 from zpipe.coordinator.notices import NoticeOutbox
-from zpipe.coordinator.records import SavedMember, SavedReplica, SavedState
+from zpipe.coordinator.records import SavedReplica, SavedState
 from zpipe.coordinator.restored_replica import replica_from_saved
 from zpipe.coordinator.runs.async_copies import HeldCopy
 from zpipe.coordinator.runs.async_training import AsyncTrainingController
@@ -24,33 +25,6 @@ from zpipe.coordinator.state import ControlState
 from zpipe.models import ModelSpec
 from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.recovery.generation import GENERATION_ALGO
-
-
-def saved_state(state: ControlState, notices: NoticeOutbox | None = None) -> SavedState:
-    """The live members, the counters and the current run (with its notices the
-    client has not acknowledged), as plain records.
-
-    A run being re-planned is saved as it was (:meth:`Run.begin_change`), with the
-    members it had that died since: restored as members, they stay silent and are
-    declared dead again, and the restarted coordinator re-plans the run itself (the
-    new plan was only assigned; nobody would tell its stages to connect)."""
-    run = None if state.current is None else state.current.run
-    saved_run = None if run is None else run.saved()
-    alive = state.membership.alive()
-    if run is not None and run.changing and saved_run is not None:
-        names = {m.name for m in alive}
-        devices = set(saved_run["devices"])
-        alive += [m for m in state.membership.all() if m.name in devices - names]
-    members = tuple(
-        SavedMember(m.name, m.routing_id, m.data_endpoint, m.info, m.public_key) for m in alive
-    )
-    return SavedState(
-        state.epoch,
-        state.run_counter,
-        members,
-        saved_run,
-        notices=None if notices is None or run is None else notices.saved(run.run),
-    )
 
 
 def restore(

@@ -14,16 +14,10 @@ files use the names of `build_full_model(spec).state_dict()`: "units.<i>.<name>"
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from zpipe.models.presets import available_presets
-from zpipe.models.registry import (
-    FAMILIES,
-    USER_CODE_FAMILIES,
-    build_full_model,
-    count_units,
-    declared_units,
-    load_layer_sequence,
-)
-from zpipe.models.sequence import FullModel, LayerSequence, run_units, unit_param_bytes
 from zpipe.models.spec import ModelSpec
 from zpipe.models.trust import (
     FactoryAllowList,
@@ -31,7 +25,46 @@ from zpipe.models.trust import (
     peer_factories,
     peer_factories_allowed,
 )
-from zpipe.models.weights import load_unit_weights, save_weights
+
+if TYPE_CHECKING:
+    from zpipe.models.registry import (
+        FAMILIES,
+        USER_CODE_FAMILIES,
+        build_full_model,
+        count_units,
+        declared_units,
+        load_layer_sequence,
+    )
+    from zpipe.models.sequence import FullModel, LayerSequence, run_units, unit_param_bytes
+    from zpipe.models.weights import load_unit_weights, save_weights
+
+# What builds or loads layers needs torch: imported at its first use (PEP 562), so
+# that a process which only reads specs and trust settings (the coordinator while it
+# serves membership) does not import torch with them.
+_NEEDS_TORCH = {
+    "FAMILIES": "registry",
+    "USER_CODE_FAMILIES": "registry",
+    "build_full_model": "registry",
+    "count_units": "registry",
+    "declared_units": "registry",
+    "load_layer_sequence": "registry",
+    "FullModel": "sequence",
+    "LayerSequence": "sequence",
+    "run_units": "sequence",
+    "unit_param_bytes": "sequence",
+    "load_unit_weights": "weights",
+    "save_weights": "weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _NEEDS_TORCH.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zpipe.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"zpipe.models.{module}"), name)
+    globals()[name] = value  # bound once: later look-ups skip this function
+    return value
+
 
 __all__ = [
     "FAMILIES",

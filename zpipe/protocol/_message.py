@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch  # annotations only: the protocol imports no torch
+
 
 # The default of ``body``: a fresh empty dict per message, as ``default_factory=dict``
 # gave (a caller's explicit None stays None, and the codec refuses it).

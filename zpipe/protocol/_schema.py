@@ -22,9 +22,7 @@ import reprlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 if sys.version_info >= (3, 11):
     from typing import dataclass_transform
@@ -33,6 +31,9 @@ else:  # pragma: no cover
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol._message import Message
+
+if TYPE_CHECKING:
+    import torch  # annotations only: the protocol imports no torch
 
 Types = tuple[type, ...]
 STR: Types = (str,)

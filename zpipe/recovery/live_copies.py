@@ -24,13 +24,15 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import ConfigError
 from zpipe.recovery.replication import FTPIPEHD_CHAIN_EVERY, FTPIPEHD_GLOBAL_EVERY
 from zpipe.recovery.spans import COORDINATOR
+
+if TYPE_CHECKING:
+    import torch
+
 
 COPY_KINDS = ("chain", "global")
 DEFAULT_CHAIN_EVERY = FTPIPEHD_CHAIN_EVERY
@@ -76,6 +78,8 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     CRC (the state files' own check), not a cryptographic hash: it guards against
     bytes torn or mixed up on the way, and it is cheap beside the training it shares
     the CPU with (here, loaded: CRC-32 about 1.5 GB/s, SHA-256 about 0.35 GB/s)."""
+    import torch  # per copy, not at import: the coordinator's membership path has no torch
+
     crc = 0
     for key in sorted(state):
         tensor = state[key].detach().contiguous().cpu()

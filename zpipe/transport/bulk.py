@@ -27,12 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from zpipe._errors import ProtocolError, TransferBudgetError
 from zpipe.protocol import Message
 from zpipe.protocol.bulk import BulkChunk
+
+if TYPE_CHECKING:
+    import torch
+
 
 # ~1 MB: at 20 Mbit/s a chunk is 0.4 s on the wire, so liveness messages on the same
 # uplink wait at most about that long behind one, and progress shows that often.
@@ -119,6 +122,8 @@ class OutgoingTransfer:
 
     def messages(self, *, name: str, token: str) -> Iterator[Message]:
         """The ``bulk_chunk`` messages of this transfer, in order, from or for ``name``."""
+        import torch  # once per transfer: a coordinator serving membership never needs it
+
         for seq, payload in enumerate(self.payloads()):
             data = (
                 torch.frombuffer(payload, dtype=torch.uint8)
@@ -169,6 +174,8 @@ class ChunkHeader:
 
 def payload_view(payload: torch.Tensor) -> memoryview:
     """The bytes of a received chunk's payload (a flat uint8 tensor), without a copy."""
+    import torch  # a tensor came, so torch is imported: this binds the name, per chunk
+
     if payload.dim() != 1 or payload.dtype != torch.uint8:
         raise ProtocolError("a bulk chunk's payload is a flat byte tensor")
     return memoryview(payload.numpy())  # type: ignore[arg-type]

@@ -24,14 +24,16 @@ import threading
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 
 from zpipe._errors import ProtocolError
 from zpipe.protocol import REGISTRY, Message, Registry
 from zpipe.protocol._schema import short_repr
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -72,19 +74,17 @@ _MAX_SPAN_BYTES = 1 << 48
 SCHEMAS: Mapping[str, Mapping[str, tuple[tuple[type, ...], bool]]] = REGISTRY.schemas
 TENSOR_KINDS: frozenset[str] = REGISTRY.tensor_kinds
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+# The dtypes that cross the wire, filled with torch's at the first message that
+# carries a tensor (:func:`_bind_torch`): a process that only exchanges control
+# messages (the coordinator serving membership) never imports torch for them. The
+# per-message paths pay nothing for it: while the tables are empty, encode's
+# look-up misses and takes dtype_name, decode's fast check fails and takes
+# parse_dtype, and both bind.
+_DTYPE_ORDER = (
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+)  # fmt: skip
+_DTYPES: dict[str, torch.dtype] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 _HEADER_FIELDS = frozenset({"v", "k", "e", "b", "t"})
 # Tensors decode built over a received frame (a zmq.Frame, received without a
 # copy), by id: (a weak reference to the tensor, the frame, the data address and
@@ -100,7 +100,22 @@ _NBYTES = operator.attrgetter("nbytes")
 _PACKERS = threading.local()
 
 
+def _bind_torch() -> None:
+    """Import torch once, at the first tensor, and fill the dtype tables.
+
+    Binds the module-level name ``torch`` that the tensor functions below use: no
+    import, and no check on the per-message paths, after the first.
+    """
+    global torch  # bound once, at the first tensor
+    import torch
+
+    _DTYPE_NAMES.update({getattr(torch, name): name for name in _DTYPE_ORDER})
+    _DTYPES.update({name: getattr(torch, name) for name in _DTYPE_ORDER})
+
+
 def dtype_name(dtype: torch.dtype) -> str:
+    if not _DTYPES:
+        _bind_torch()
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
@@ -108,6 +123,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    if not _DTYPES:
+        _bind_torch()
     try:
         return _DTYPES[name]
     except (KeyError, TypeError):  # TypeError: an unhashable name
@@ -215,7 +232,7 @@ def encode(message: Message, *, registry: Registry = REGISTRY) -> list[Any]:
             raise ProtocolError(f"tensor of {tensor.dim()} dims exceeds the limit of {MAX_DIMS}")
         name = _DTYPE_NAMES.get(tensor.dtype)  # dtype_name and the received-frame look-up, inlined
         if name is None:
-            raise ProtocolError(f"dtype {tensor.dtype} cannot cross the wire")
+            name = dtype_name(tensor.dtype)  # binds torch at the first tensor, or refuses
         metas.append([name, list(tensor.shape)])
         frame = _source_frame(tensor)
         frames.append(frame if frame is not None else _tensor_bytes(tensor))

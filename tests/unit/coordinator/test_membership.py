@@ -396,3 +396,30 @@ def test_a_send_that_failed_on_an_older_connection_leaves_the_new_one_alone() ->
     assert m.connection_lost("a", 3.6, routing_id=b"a") is None
     member = m.get("a")
     assert member is not None and member.state is MemberState.ALIVE and not member.unreachable
+
+
+def test_a_pause_of_the_coordinator_itself_does_not_run_out_a_probe() -> None:
+    m = make()  # interval 1, suspect after 3, probe for 2
+    for t in range(1, 6):
+        m.heard_from("a", float(t), heartbeat=True)
+        m.heard_from("b", float(t), heartbeat=True)
+        assert m.tick(float(t)) == ([], [])
+    probes: list[object] = []
+    t = 5.0
+    while not probes:  # b stops after 5: suspected and probed 3 s later
+        t = round(t + 0.25, 9)
+        m.heard_from("a", t, heartbeat=True)
+        probes, _ = m.tick(t)
+    # right after the probe went out this process paused for 5 s (the run kinds' first
+    # import, on its loop): b's answer is queued, unread; the pause runs out no probe
+    _, deaths = m.tick(t + 5.0)
+    assert deaths == []
+    # and a b that never answers is still found dead, its probe's time after the pause
+    dead_at = None
+    t += 5.0
+    while dead_at is None and t < 40:
+        t = round(t + 0.25, 9)
+        m.heard_from("a", t, heartbeat=True)
+        _, deaths = m.tick(t)
+        dead_at = t if any(d.name == "b" for d in deaths) else None
+    assert dead_at is not None and dead_at < t + 1

@@ -25,17 +25,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from zpipe._errors import ProtocolError, StateFileError
 from zpipe.coordinator.commands import Command, Log, ShellJob
 from zpipe.coordinator.flows import Flow
-from zpipe.models.weights import split_unit_key
 from zpipe.protocol.stage_control import AsyncCopy
 from zpipe.recovery.live_copies import COPY_KINDS, CopyLedger, CopyRecord, state_digest
 from zpipe.recovery.spans import COORDINATOR
 
 if TYPE_CHECKING:
+    import torch
+
     from zpipe.coordinator.state import ControlState
 
 
@@ -191,6 +190,8 @@ def _checked(stage: str, message: AsyncCopy, devices: list[str], plan: Any) -> H
         raise ProtocolError(f"{owner!r}'s chain copy is not held by {holder!r}")
     if len(message.keys) != len(message.tensors):
         raise ProtocolError("an async_copy whose keys and tensors differ")
+    from zpipe.models.weights import split_unit_key  # needs torch: tensors came with it
+
     state: dict[str, torch.Tensor] = {}
     for key, tensor in zip(message.keys, message.tensors, strict=True):
         unit = split_unit_key(str(key))

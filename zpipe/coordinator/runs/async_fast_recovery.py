@@ -59,9 +59,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import pairwise
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import ConfigError, InfeasiblePlanError, PipelineError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
@@ -86,6 +84,9 @@ from zpipe.recovery.fast_recovery_inputs import UNMEASURED, PipelineMeasurements
 from zpipe.recovery.live_copies import CopyLedger
 from zpipe.recovery.spans import COORDINATOR, StageSpan
 from zpipe.training.async_fast_state import restart_state_at
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

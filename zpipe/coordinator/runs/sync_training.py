@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import ConfigError, ProtocolError, StageLostError, StateFileError, ZpipeError
 from zpipe.coordinator.commands import (
@@ -72,6 +70,9 @@ from zpipe.recovery import (
 from zpipe.recovery.stage_costs import CostModel
 from zpipe.training.objectives import check_train_settings
 from zpipe.transport import codec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SyncTrainingController(BaseRun):
