@@ -163,8 +163,10 @@ class ProbeResponder:
             except asyncio.CancelledError:
                 raise
             except (ProtocolError, TransportTimeout, zmq.ZMQError) as exc:
-                log.warning("probe_dropped", stage=self.name, peer=routing_id.hex(),
-                            error=str(exc))  # fmt: skip
+                # peer=: the log's flood limit counts lines per peer, and a flooder that
+                # reconnects after each cut gets a new routing id (connection=) each time
+                log.warning("probe_dropped", stage=self.name, peer=_peer_address(frames[1]),
+                            connection=routing_id.hex(), error=str(exc))  # fmt: skip
             except Exception as exc:  # one message never takes the probe port down
                 log.error("probe_failed", stage=self.name, peer=routing_id.hex(),
                           error=f"{type(exc).__name__}: {exc}")  # fmt: skip
@@ -270,6 +272,14 @@ class ProbeResponder:
         for task in list(self._pending):
             task.cancel()
         self._bursts.clear()
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sender's address (libzmq's ``Peer-Address`` metadata), or "?"."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, TypeError, ValueError):
+        return "?"
 
 
 @dataclass(frozen=True)
