@@ -275,10 +275,13 @@ class StagePorts:
         """Close the probe socket and bind a fresh one to the same endpoint: what the
         old one had queued is dropped unread. libzmq keeps a cut connection's complete
         messages queued until the application reads them, and a flood's backlog of
-        small probes is read far slower than it arrives (bench/hostile.py probe_flood:
-        some 10k a second against some 300k sent), so closing is the one way to free
-        it. Every peer reconnects by itself; a request in flight is lost (its sender's
-        deadline finds it). Call it from the one task that reads the probe socket."""
+        small probes is read far slower than it arrives (a stage under bench/hostile.py's
+        probe_flood read some 5-10k a second of the 300-450k sent), so closing is the
+        one way to free it. Every peer reconnects by itself; a request in flight is
+        lost (its sender's deadline finds it). Call it from the one task that reads the
+        probe socket. If the port cannot be bound again (another process took it in
+        the moment it was free), ConfigError: the probe task dies and its supervisor
+        says so, as for any probe task's death."""
         assert self._context is not None and self._options is not None and self.probe_bound
         assert self._probe_limits is not None
         if self.probe_guard is not None:

@@ -182,10 +182,11 @@ def data_port_budget(
 # The probe port's small-message rule. Its legitimate small messages come one at a
 # time (a link ping waits for its pong, a fetch request for its units); its large
 # ones (a link burst's chunks of at least 64 KiB, a backup's tensors) average far
-# above this. A probe flood's messages are tens of bytes, each costing libzmq some
-# 100 bytes of its own while queued (bench/hostile.py probe_flood: 160 MiB held
-# under the byte budget alone): a sender whose messages average under 1 KiB may hold
-# 1 MiB of them on the wire, a few MiB inside libzmq.
+# above this. A probe flood's messages are tens of bytes, each costing libzmq about
+# 100 bytes while queued, and the byte budget (sized for a backup's largest frame:
+# gigabytes) never cut one (bench/hostile.py probe_flood: stages grew 70-170 MiB): a
+# sender whose messages average under 1 KiB may hold 1 MiB of them on the wire, a
+# few MiB inside libzmq.
 PROBE_SMALL_MESSAGE_WIRE = 1 << 10
 PROBE_SMALL_MESSAGE_HELD = 1 << 20
 
