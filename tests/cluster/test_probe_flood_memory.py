@@ -3,12 +3,14 @@ answering probes during it and measuring links after it.
 
 A stage's probe port has no receive mark (libzmq 4.3.5's abort:
 ``tests/cluster/test_probe_port_abort.py``), so what a flooding connection queues is
-bounded by the port's connection guard. Its byte budget admits a link burst (32 MiB)
-and a backup's frame, which a flood of tiny probes fills at some 100 bytes of
-libzmq's memory per message: the flooded stages of ``bench/hostile.py probe_flood``
-grew by 130-170 MiB and held it. The guard's small-message rule cuts a connection
-whose messages average under a kilobyte once it holds a megabyte
-(:func:`zpipe.transport.conn_budget.probe_port_budget`).
+bounded by the port's connection guard. Its byte budget admits a backup's largest
+frame (gigabytes), and a flood of tiny probes costs libzmq about 100 bytes a message:
+the flooded stages of ``bench/hostile.py probe_flood`` grew by 70-170 MiB and held
+it. The guard's small-message rule cuts a connection whose messages average under a
+kilobyte once it holds a megabyte
+(:func:`zpipe.transport.conn_budget.probe_port_budget`); what cut connections left
+queued is dropped unread, and past 4 MiB of it the stage closes and binds its probe
+port again, which frees it (:meth:`zpipe.stage.ports.StagePorts.reopen_probe_in`).
 
 A real stage process (a local cluster's), a real attacker process (four DEALER
 connections, each sending a small message as fast as its socket takes it, as
@@ -44,9 +46,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 FLOOD_S = 8.0
 CONNECTIONS = 4
 # The bound this test holds the stage to: its resident memory's peak during the flood
-# over its value before. The old guard (the byte budget alone) let the same flood
-# grow a stage by about 70-170 MiB here; the small-message rule holds each connection
-# to about a megabyte on the wire (a few inside libzmq) between two looks of the guard.
+# over its value before. The old guard (the byte budget alone) let this flood grow a
+# stage by 178 MiB (load 7-9); with the small-message rule and the reopen, 14 MiB: a
+# megabyte or so on the wire per connection between two looks of the guard, and at
+# most 4 MiB of cut connections' backlog (2.5-3 times that inside libzmq).
 GROWTH_BOUND_MIB = 48
 WAIT_S = 60.0  # generous: a loaded machine; nothing below waits for a deadline to pass
 PING_TRY_S = 5.0  # one ping's wait before it is sent again
