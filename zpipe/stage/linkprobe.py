@@ -179,10 +179,11 @@ class ProbeResponder:
     async def _drop_backlog(self, backlog: int, cuts: int) -> None:
         """Reopen the socket: what cut connections left queued goes unread."""
         assert self.reopen is not None
+        started = time.monotonic()
         self.socket = await self.reopen()
         self.reopened += 1
         log.warning("probe_port_reopened", stage=self.name, backlog_bytes=backlog, cuts=cuts,
-                    reopened=self.reopened,
+                    reopened=self.reopened, took_s=round(time.monotonic() - started, 3),
                     detail="connections cut for flooding left more queued than the port "
                     "may hold; the port was closed and bound again, dropping it")  # fmt: skip
         loop = asyncio.get_running_loop()
