@@ -21,8 +21,10 @@ while this process attacks every port it can reach, one attack class after anoth
 * ``probe_flood``: ``--probe-flood-connections`` connections at once flood one
   stage's probe port for ``--probe-flood-s`` (issue 33, finding 6); its line carries
   the target's CPU seconds, the coordinator's ``stage_suspect`` and ``stage_dead``
-  lines meanwhile; ``probe_flood_control`` sends the same floods to a process that
-  only receives (what the attacker's and the machine's load cost);
+  lines meanwhile, and the target's ``connection_cut`` lines (``cut_lines``, a floor:
+  rate-limited) and probe port reopens (``reopens``); ``probe_flood_control`` sends
+  the same floods to a process that only receives (what the attacker's and the
+  machine's load cost);
 * ``raw_tcp`` and ``connection_flood``: plain TCP connections that send junk, and
   many connections opened and dropped;
 * ``big_frames``: ``--big-count`` frames of ``--big-mb`` MB to each data port;
@@ -317,6 +319,11 @@ def _run_step(
             (float(e["silent_s"]) for e in mine if "silent_s" in e), default=None
         )
         extra["suspects_other_stages"] = len(new) - len(mine)
+        # what the target's probe port did about it (connection_cut lines are
+        # rate-limited per peer address and port, so a floor; reopens are all logged)
+        mine_text = watch.window_text.get(step.target or "", "")
+        extra["cut_lines"] = mine_text.count('"connection_cut"')
+        extra["reopens"] = mine_text.count('"probe_port_reopened"')
     # liveness seen from both ends: a stage's "coordinator_away", the coordinator's
     # "stage_suspect" (finding 1 made stages log coordinator_away 13 times)
     texts = watch.window_text

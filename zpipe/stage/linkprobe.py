@@ -49,7 +49,9 @@ from zpipe.protocol.peer import (
 from zpipe.stage.supervision import YIELD_EVERY
 from zpipe.transport import security
 from zpipe.transport.codec import Message
+from zpipe.transport.conn_guard import GUARD_ATTRIBUTE, ConnectionGuard
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
+from zpipe.transport.message_bounds import trim_heap
 from zpipe.transport.ratelimit import PeerRateLimiter
 from zpipe.transport.sockets import (
     SocketOptions,
@@ -68,6 +70,15 @@ PROBE_DOMAIN = "zpipe-probe"
 # Bursts a responder remembers at once: probes run one at a time, so a few
 # cover a prober that gave up on one burst and started the next.
 _MAX_OPEN_BURSTS = 4
+
+# The backlog of cut connections (wire bytes queued unread, as the port's guard
+# estimates it: ConnectionGuard.cut_backlog_bytes) past which the responder reopens
+# its socket to drop it unread. A probe flood's messages of tens of bytes cost libzmq
+# about two and a half times their wire bytes: 4 MiB is some 10 MiB held.
+PROBE_BACKLOG_FLUSH_BYTES = 4 << 20
+# after a reopen, the heap is trimmed at these delays (libzmq's reaper frees the old
+# socket's queue meanwhile; glibc keeps what was freed otherwise)
+TRIM_AFTER_REOPEN_S = (0.3, 1.5)
 
 
 @dataclass(frozen=True)
@@ -113,23 +124,37 @@ class ProbeResponder:
     ) = None
     # per-peer token buckets: a flooding peer's excess is dropped before decoding
     limiter: PeerRateLimiter = field(default_factory=PeerRateLimiter)
+    # closes the socket and binds a fresh one to the same endpoint, returning it
+    # (zpipe.stage.ports.StagePorts.reopen_probe_in): how a flood's backlog is dropped
+    reopen: Callable[[], Awaitable[zmq.asyncio.Socket]] | None = None
+    backlog_flush_bytes: int = PROBE_BACKLOG_FLUSH_BYTES
+    reopened: int = 0
     _bursts: dict[tuple[bytes, int], _Burst] = field(default_factory=dict)
     _pending: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def serve(self) -> None:
         """Serve until cancelled; a bad message is logged and dropped."""
         served = 0
+        guard = self._guard()
         while True:
             frames = await recv_frames(
                 self.socket, timeout_s=None, peer="any", awaited="a link probe"
             )
             arrived = time.monotonic()
+            if guard is not None and self.reopen is not None:
+                backlog = guard.cut_backlog_bytes(arrived)
+                if backlog > self.backlog_flush_bytes:
+                    await self._drop_backlog(backlog, len(guard.cuts))
+                    guard = self._guard()
+                    continue  # this message was the old socket's
             served += 1
             if served % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # a flood never starves the heartbeats (supervision)
             if len(frames) < 2:
                 continue
             routing_id = frames[0].bytes
+            if guard is not None and guard.was_cut(routing_id):
+                continue  # a flood's backlog, queued before the guard cut it: unread
             if not self._within_rate(routing_id, frames[1], arrived):
                 continue
             try:
@@ -138,11 +163,32 @@ class ProbeResponder:
             except asyncio.CancelledError:
                 raise
             except (ProtocolError, TransportTimeout, zmq.ZMQError) as exc:
-                log.warning("probe_dropped", stage=self.name, peer=routing_id.hex(),
-                            error=str(exc))  # fmt: skip
+                # peer=: the log's flood limit counts lines per peer, and a flooder that
+                # reconnects after each cut gets a new routing id (connection=) each time
+                log.warning("probe_dropped", stage=self.name, peer=_peer_address(frames[1]),
+                            connection=routing_id.hex(), error=str(exc))  # fmt: skip
             except Exception as exc:  # one message never takes the probe port down
                 log.error("probe_failed", stage=self.name, peer=routing_id.hex(),
                           error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+
+    def _guard(self) -> ConnectionGuard | None:
+        """The socket's connection guard (zpipe.stage.ports.guard_probe_port), if any."""
+        guard = getattr(self.socket, GUARD_ATTRIBUTE, None)
+        return guard if isinstance(guard, ConnectionGuard) else None
+
+    async def _drop_backlog(self, backlog: int, cuts: int) -> None:
+        """Reopen the socket: what cut connections left queued goes unread."""
+        assert self.reopen is not None
+        started = time.monotonic()
+        self.socket = await self.reopen()
+        self.reopened += 1
+        log.warning("probe_port_reopened", stage=self.name, backlog_bytes=backlog, cuts=cuts,
+                    reopened=self.reopened, took_s=round(time.monotonic() - started, 3),
+                    detail="connections cut for flooding left more queued than the port "
+                    "may hold; the port was closed and bound again, dropping it")  # fmt: skip
+        loop = asyncio.get_running_loop()
+        for delay in TRIM_AFTER_REOPEN_S:
+            loop.call_later(delay, trim_heap)
 
     def _within_rate(self, routing_id: bytes, first: zmq.Frame, now: float) -> bool:
         """The peer's rate limit, by its CURVE key (new connections do not give a flooder
@@ -227,6 +273,14 @@ class ProbeResponder:
         for task in list(self._pending):
             task.cancel()
         self._bursts.clear()
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sender's address (libzmq's ``Peer-Address`` metadata), or "?"."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, TypeError, ValueError):
+        return "?"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from zpipe.transport.address_auth import (
     AddressAuthenticator,
     address_checked_server,
 )
-from zpipe.transport.conn_budget import data_port_budget
+from zpipe.transport.conn_budget import data_port_budget, probe_port_budget
 from zpipe.transport.conn_guard import FEW_CONNECTIONS_LOOK_S, ConnectionGuard
 from zpipe.transport.reopen import bind_when_free, open_listener
 from zpipe.transport.sockets import (
@@ -161,6 +161,9 @@ class StagePorts:
     data_guard: ConnectionGuard | None = None
     # the same for the probe port (it has no receive mark either: PROBE_PORT_RECV_HWM)
     probe_guard: ConnectionGuard | None = None
+    # what the probe socket is bound to (port resolved), and its limits: reopen_probe_in
+    probe_bound: str = ""
+    _probe_limits: ReceiveLimits | None = field(default=None, repr=False)
     # what a fresh data socket is made with (reopen_data_in)
     _context: zmq.asyncio.Context | None = field(default=None, repr=False)
     _options: SocketOptions | None = field(default=None, repr=False)
@@ -204,12 +207,8 @@ class StagePorts:
             bound, advertise_host=config.advertise_host, toward=config.coordinator
         )
         probe_limits = probe_port_limits(opts)
-        probe_in = open_socket(context, zmq.ROUTER, opts, limits=probe_limits)
+        probe_in = open_probe_listener(context, opts, probe_limits, keys.keypair)
         opened.append(probe_in)
-        if PROBE_PORT_RECV_HWM is not None:
-            probe_in.setsockopt(zmq.RCVHWM, PROBE_PORT_RECV_HWM)  # before the bind
-        if keys.keypair is not None:
-            security.secure_server(probe_in, keys.keypair, domain=PROBE_DOMAIN)
         probe_bound = bind_endpoint(probe_in, config.probe_endpoint_to_bind)
         probe_endpoint = advertised_endpoint(
             probe_bound, advertise_host=config.advertise_host, toward=config.coordinator
@@ -246,6 +245,7 @@ class StagePorts:
         return cls(
             control, data_in, probe_in, data_endpoint, probe_endpoint, bulk, bound,
             control_monitor=monitor, data_guard=data_guard, probe_guard=probe_guard,
+            probe_bound=probe_bound, _probe_limits=probe_limits,
             _context=context, _options=opts, _keypair=keys.keypair,
             _address_domain=address_domain,
         )  # fmt: skip
@@ -271,6 +271,29 @@ class StagePorts:
         await bind_when_free(fresh, self.data_bound)
         return fresh
 
+    async def reopen_probe_in(self) -> zmq.asyncio.Socket:
+        """Close the probe socket and bind a fresh one to the same endpoint: what the
+        old one had queued is dropped unread. libzmq keeps a cut connection's complete
+        messages queued until the application reads them, and a flood's backlog of
+        small probes is read far slower than it arrives (a stage under bench/hostile.py's
+        probe_flood read some 5-10k a second of the 300-450k sent), so closing is the
+        one way to free it. Every peer reconnects by itself; a request in flight is
+        lost (its sender's deadline finds it). Call it from the one task that reads the
+        probe socket. If the port cannot be bound again (another process took it in
+        the moment it was free), ConfigError: the probe task dies and its supervisor
+        says so, as for any probe task's death."""
+        assert self._context is not None and self._options is not None and self.probe_bound
+        assert self._probe_limits is not None
+        if self.probe_guard is not None:
+            self.probe_guard.stop()
+        self.probe_in.close(linger=0)
+        fresh = open_probe_listener(self._context, self._options, self._probe_limits, self._keypair)
+        # never a closed socket, even if the bind fails (the next reopen tries again)
+        self.probe_in = fresh
+        await bind_when_free(fresh, self.probe_bound)
+        self.probe_guard = guard_probe_port(fresh, self._probe_limits)
+        return fresh
+
     def close(self) -> None:
         for guard in (self.data_guard, self.probe_guard):
             if guard is not None:
@@ -281,6 +304,26 @@ class StagePorts:
         for sock in (self.data_in, self.probe_in, self.control, self.bulk):
             if sock is not None:
                 sock.close(linger=0)
+
+
+def open_probe_listener(
+    context: zmq.asyncio.Context,
+    options: SocketOptions,
+    limits: ReceiveLimits,
+    keypair: security.KeyPair | None,
+) -> zmq.asyncio.Socket:
+    """A probe socket, not yet bound: a ROUTER under ``limits`` without a receive mark
+    (:data:`PROBE_PORT_RECV_HWM`), a CURVE server of the probe domain with keys."""
+    probe_in = open_socket(context, zmq.ROUTER, options, limits=limits)
+    try:
+        if PROBE_PORT_RECV_HWM is not None:
+            probe_in.setsockopt(zmq.RCVHWM, PROBE_PORT_RECV_HWM)  # before the bind
+        if keypair is not None:
+            security.secure_server(probe_in, keypair, domain=PROBE_DOMAIN)
+    except BaseException:
+        probe_in.close(linger=0)
+        raise
+    return probe_in
 
 
 def unmark_data_port(data_in: zmq.asyncio.Socket) -> None:
@@ -307,14 +350,18 @@ def guard_data_port(data_in: zmq.asyncio.Socket, limits: ReceiveLimits) -> Conne
 def guard_probe_port(probe_in: zmq.asyncio.Socket, limits: ReceiveLimits) -> ConnectionGuard:
     """Start cutting the probe port's connections that make libzmq hold more than its
     ``limits`` let one peer queue: what the old mark allowed (``RCVHWM`` messages of
-    the largest frame) and one more message arriving, as for a data port, whose budget
-    it shares (a link burst, at most 32 MiB, and a backup's frame fit). Call inside the
-    running event loop."""
+    the largest frame) and one more message arriving, as for a data port (a link
+    burst, at most 32 MiB, and a backup's frame fit); and a sender of small messages
+    (a probe flood) past a megabyte held (:func:`probe_port_budget`). It looks as
+    often as a data port's guard: what a cut comes late by is what a flood queues
+    between two looks. Call inside the running event loop."""
     bounds = limits.message_bounds(zmq.ROUTER)
-    budget = data_port_budget(
+    budget = probe_port_budget(
         limits.queued_bytes_per_peer, bounds.max_bytes, bounds.max_frames, limits.recv_hwm
     )
-    guard = ConnectionGuard(probe_in, budget, label="probe port")
+    guard = ConnectionGuard(
+        probe_in, budget, label="probe port", connection_look_s=FEW_CONNECTIONS_LOOK_S
+    )
     guard.start()
     return guard
 

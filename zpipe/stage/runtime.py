@@ -172,6 +172,7 @@ class StageRuntime:
             send_timeout_s=timeouts.reply_s,
             max_message_bytes=opts.max_message_bytes,
             peer_handler=self._on_peer_request,
+            reopen=ports.reopen_probe_in,  # drops a probe flood's backlog unread
         )
         keypair = self._keys.keypair
         # measured before any model arrives: what the process costs of itself

@@ -26,7 +26,13 @@ Two rules:
   connections received meanwhile (memory that what peers sent does not explain:
   a replica the process keeps grows it by about what was received), the
   connection that holds most is cut, one per look, one that sent messages past
-  the port's bounds first, never one holding less than ``min_held_to_cut``.
+  the port's bounds first, never one holding less than ``min_held_to_cut``;
+- per connection, for floods of small messages on a port whose legitimate large
+  messages come with their size known (a probe port): a connection whose messages
+  so far average under ``small_message_wire`` wire bytes may hold only
+  ``small_message_held`` (:func:`sends_small_messages`). The mean is by message
+  count, so a flooder that mixes in a few large messages to look large must send
+  as many bytes as the per-connection budget already counts at about their cost.
 
 Bytes that are not messages (the ZMTP greeting and handshake, heartbeat commands)
 are never taken by the application; :class:`GuardBudget`'s slack (a constant plus a
@@ -36,7 +42,7 @@ rate over the connection's age) absorbs them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # ZMTP 3 frame header: a flags byte and a 1-byte size below 256 bytes, else 8 bytes
 SHORT_FRAME_HEADER = 2
@@ -87,6 +93,10 @@ class GuardBudget:
     min_held_to_cut: int = 1 << 20
     slack_bytes: int = 64 << 10
     slack_bytes_per_s: float = 256.0
+    # a connection whose taken messages average under this many wire bytes may hold
+    # only ``small_message_held`` (None: no such rule; :func:`sends_small_messages`)
+    small_message_wire: int | None = None
+    small_message_held: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.per_connection_bytes is not None and self.per_connection_bytes < 1:
@@ -97,6 +107,10 @@ class GuardBudget:
             raise ValueError(f"a guard's slack and minimum cannot be negative: {self}")
         if self.amplification < 0:
             raise ValueError(f"amplification cannot be negative: {self}")
+        if self.small_message_wire is not None and (
+            self.small_message_wire < 1 or self.small_message_held < 1
+        ):
+            raise ValueError(f"a small-message rule needs positive sizes, got {self}")
 
     def slack(self, age_s: float) -> int:
         return self.slack_bytes + int(self.slack_bytes_per_s * max(0.0, age_s))
@@ -165,6 +179,30 @@ def data_port_budget(
     )
 
 
+# The probe port's small-message rule. Its legitimate small messages come one at a
+# time (a link ping waits for its pong, a fetch request for its units); its large
+# ones (a link burst's chunks of at least 64 KiB, a backup's tensors) average far
+# above this. A probe flood's messages are tens of bytes, each costing libzmq about
+# 100 bytes while queued, and the byte budget (sized for a backup's largest frame:
+# gigabytes) never cut one (bench/hostile.py probe_flood: stages grew 70-170 MiB): a
+# sender whose messages average under 1 KiB may hold 1 MiB of them on the wire, a
+# few MiB inside libzmq.
+PROBE_SMALL_MESSAGE_WIRE = 1 << 10
+PROBE_SMALL_MESSAGE_HELD = 1 << 20
+
+
+def probe_port_budget(
+    queued_bytes: int, message_max_bytes: int, message_max_frames: int, recv_hwm: int
+) -> GuardBudget:
+    """A probe port's budget: a data port's (:func:`data_port_budget`: a link burst and
+    a backup's frame fit) and the small-message rule for floods of probes."""
+    return replace(
+        data_port_budget(queued_bytes, message_max_bytes, message_max_frames, recv_hwm),
+        small_message_wire=PROBE_SMALL_MESSAGE_WIRE,
+        small_message_held=PROBE_SMALL_MESSAGE_HELD,
+    )
+
+
 def held_bytes(received: int, taken: int, age_s: float, budget: GuardBudget) -> int:
     """What a connection holds beyond its slack: bytes received minus the wire bytes
     of the messages taken from it, less the slack for non-message bytes; >= 0."""
@@ -181,11 +219,26 @@ class ConnectionHolding:
     peer: str
     held: int
     refused_messages: int = 0
+    # the wire bytes and the count of the messages the application took from it
+    taken_bytes: int = 0
+    taken_messages: int = 0
+
+
+def sends_small_messages(holding: ConnectionHolding, budget: GuardBudget) -> bool:
+    """Whether the small-message rule holds ``holding`` to ``small_message_held``:
+    its messages taken so far average under ``small_message_wire``. A connection none
+    of whose messages were taken yet is not judged by it (a large backup may arrive
+    whole before the application reads anything); the byte budget covers it."""
+    limit = budget.small_message_wire
+    if limit is None or holding.taken_messages == 0:
+        return False
+    return holding.taken_bytes < limit * holding.taken_messages
 
 
 @dataclass(frozen=True)
 class Cut:
     """A connection to cut and why (``"connection"``: over its own budget;
+    ``"small messages"``: a sender of small messages over ``small_message_held``;
     ``"memory"``: the process over its RSS budget and this one holds most)."""
 
     fd: int
@@ -200,11 +253,15 @@ def connections_to_cut(
     """The connections to cut now: each over the per-connection budget, and, while
     ``memory`` shows growth the bytes received do not explain
     (:meth:`MemoryGrowth.unexplained`), the one that holds most of the others (one
-    that sent messages past the port's bounds before any that did not)."""
+    that sent messages past the port's bounds before any that did not); each sender
+    of small messages over ``small_message_held`` (:func:`sends_small_messages`)."""
     cuts: list[Cut] = []
     limit = budget.per_connection_bytes
-    if limit is not None:
-        cuts = [Cut(h.fd, h.peer, h.held, "connection") for h in holdings if h.held > limit]
+    for h in holdings:
+        if limit is not None and h.held > limit:
+            cuts.append(Cut(h.fd, h.peer, h.held, "connection"))
+        elif h.held > budget.small_message_held and sends_small_messages(h, budget):
+            cuts.append(Cut(h.fd, h.peer, h.held, "small messages"))
     if memory is not None and memory.unexplained(budget):
         cut_fds = {c.fd for c in cuts}
         suspects = [h for h in holdings if h.fd not in cut_fds and h.held >= budget.min_held_to_cut]

@@ -26,8 +26,9 @@ import socket as pysocket
 import struct
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import structlog
@@ -77,6 +78,13 @@ MEMORY_CUT_PAUSE_S = 0.25
 CUT_HOLD_S = 5.0
 # the socket attribute the receive path finds its guard under
 GUARD_ATTRIBUTE = "_zpipe_connection_guard"
+# A ROUTER's cut connections, by routing id, that the guard remembers (the newest):
+# their complete messages stay queued after the cut, and a reader that drops them
+# unread (:meth:`ConnectionGuard.was_cut`) drains a flood's backlog many times faster
+# than one that decodes and refuses each. A connection's first few routing ids are
+# kept (one unless its descriptor was reused while its predecessor's were queued).
+CUT_ROUTING_IDS = 4096
+ROUTING_IDS_PER_CONNECTION = 4
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 T = TypeVar("T")
@@ -138,8 +146,11 @@ class _Connection:
     peer: str
     opened: float
     taken: int = 0  # wire bytes of the messages the application took from it
+    taken_messages: int = 0  # and how many (the small-message rule's mean)
     received: int = 0  # tcpi_bytes_received when last looked at
     refused_messages: int = 0
+    # a ROUTER's: the routing ids its messages came with (at most ROUTING_IDS_PER_CONNECTION)
+    routing_ids: set[bytes] = field(default_factory=set)
 
 
 class ConnectionGuard:
@@ -177,6 +188,8 @@ class ConnectionGuard:
         self._cut_unread = 0
         self._cut_hold_until = 0.0
         self.cuts: list[Cut] = []
+        # the routing ids of a ROUTER's cut connections, oldest first (was_cut)
+        self._cut_routing_ids: OrderedDict[bytes, None] = OrderedDict()
         self.enabled = sys.platform.startswith("linux")
 
     def start(self) -> None:
@@ -229,9 +242,25 @@ class ConnectionGuard:
         if conn is None:  # accepted before the monitor's event was read
             conn = self._connections[fd] = _Connection(fd, peer_of(fd), time.monotonic())
         conn.taken += wire
+        conn.taken_messages += 1
+        if self._skip_first and len(conn.routing_ids) < ROUTING_IDS_PER_CONNECTION:
+            conn.routing_ids.add(bytes(first.bytes if isinstance(first, zmq.Frame) else first))
         self._cut_unread = max(0, self._cut_unread - wire)
         if isinstance(got, OverBounds):
             conn.refused_messages += 1
+
+    def was_cut(self, routing_id: bytes) -> bool:
+        """Whether a ROUTER's message with ``routing_id`` came from a connection this
+        guard cut (one of the last :data:`CUT_ROUTING_IDS`): what it still had queued
+        may be dropped unread. libzmq gives each connection a routing id of its own
+        (a peer that names itself cannot take one in use)."""
+        return routing_id in self._cut_routing_ids
+
+    def cut_backlog_bytes(self, now: float) -> int:
+        """Wire bytes the connections cut in the last :data:`CUT_HOLD_S` held when cut
+        and the application has not taken since (an estimate: every message taken
+        counts against it): what they still have queued, unread."""
+        return self._cut_unread if now < self._cut_hold_until else 0
 
     def _discarded_wire(self, refused: OverBounds) -> int:
         frames, nbytes = refused.frames, refused.nbytes
@@ -301,13 +330,23 @@ class ConnectionGuard:
             self._received_since_quiet += max(0, received - conn.received)
             conn.received = received
             held = max(0, received - conn.taken - self.budget.slack(now - conn.opened))
-            out.append(ConnectionHolding(conn.fd, conn.peer, held, conn.refused_messages))
+            out.append(
+                ConnectionHolding(
+                    conn.fd, conn.peer, held, conn.refused_messages, conn.taken,
+                    conn.taken_messages,
+                )
+            )  # fmt: skip
         return out
 
     def _cut(self, cut: Cut, rss: int | None) -> None:
         if not cut_connection(cut.fd):
             return
         self.cuts.append(cut)
+        conn = self._connections.get(cut.fd)
+        for routing_id in conn.routing_ids if conn is not None else ():
+            self._cut_routing_ids[routing_id] = None
+        while len(self._cut_routing_ids) > CUT_ROUTING_IDS:
+            self._cut_routing_ids.popitem(last=False)
         self._cut_unread += cut.held
         self._cut_hold_until = time.monotonic() + CUT_HOLD_S
         # peer=: the flood limit keeps a few lines per address (zpipe.log_limits)

@@ -16,7 +16,9 @@ from zpipe.transport.conn_budget import (
     frame_wire_bytes,
     held_bytes,
     message_wire_bytes,
+    probe_port_budget,
     quiet,
+    sends_small_messages,
 )
 
 MIB = 1 << 20
@@ -129,8 +131,57 @@ def test_port_budgets_admit_their_largest_legitimate_messages() -> None:
         {"per_connection_bytes": None, "rss_growth_bytes": 0},
         {"per_connection_bytes": 1, "slack_bytes": -1},
         {"per_connection_bytes": 1, "amplification": -1.0},
+        {"per_connection_bytes": 1, "small_message_wire": 0},
+        {"per_connection_bytes": 1, "small_message_wire": 1024, "small_message_held": 0},
     ],
 )
 def test_a_budget_refuses_nonsense(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         GuardBudget(**bad)  # type: ignore[arg-type]
+
+
+# a probe port's budget as a stage opens it: 16 frames of 2 MiB queued, 2 frames a message
+PROBE = probe_port_budget(16 * 2 * MIB, 2 * MIB, message_max_frames=2, recv_hwm=16)
+FLOOD_PROBE = message_wire_bytes([40])  # bench/hostile.py probe_flood's messages
+
+
+def test_a_sender_of_small_messages_is_cut_past_a_megabyte_held() -> None:
+    """A probe flood's connection: 40-byte messages, a few thousand taken, 1 MiB more
+    held (some 3 MiB inside libzmq), far under the byte budget that a link burst needs."""
+    assert PROBE.per_connection_bytes is not None and PROBE.per_connection_bytes > 32 * MIB
+    flood = ConnectionHolding(5, "flood", MIB + 1, taken_bytes=5000 * FLOOD_PROBE,
+                              taken_messages=5000)  # fmt: skip
+    at_limit = ConnectionHolding(6, "under", MIB, taken_bytes=5000 * FLOOD_PROBE,
+                                 taken_messages=5000)  # fmt: skip
+    cuts = connections_to_cut([flood, at_limit], PROBE)
+    assert [(c.fd, c.reason) for c in cuts] == [(5, "small messages")]
+
+
+def test_a_link_burst_and_a_backup_are_not_small_messages() -> None:
+    # a prober: 6 pings, then a first burst of 4 chunks of 64 KiB taken; the next
+    # burst (32 MiB) arriving faster than the stage reads it
+    pings = 6 * message_wire_bytes([30])
+    chunks = 4 * message_wire_bytes([40, 64 << 10])
+    prober = ConnectionHolding(5, "prober", 32 * MIB, taken_bytes=pings + chunks,
+                               taken_messages=10)  # fmt: skip
+    assert not sends_small_messages(prober, PROBE)
+    # a backup's first message, arriving whole before anything of it was read
+    backup = ConnectionHolding(6, "backup", 30 * MIB)
+    assert not sends_small_messages(backup, PROBE)
+    assert connections_to_cut([prober, backup], PROBE) == []
+
+
+def test_the_small_message_mean_is_by_count_so_large_messages_do_not_hide_a_flood() -> None:
+    """One 1 MiB message among 25,000 probes: the mean is some 80 bytes."""
+    mixed = ConnectionHolding(5, "mixed", 2 * MIB, taken_bytes=MIB + 25_000 * FLOOD_PROBE,
+                              taken_messages=25_001)  # fmt: skip
+    assert sends_small_messages(mixed, PROBE)
+    assert [c.reason for c in connections_to_cut([mixed], PROBE)] == ["small messages"]
+
+
+def test_ports_without_the_small_message_rule_keep_their_byte_budget() -> None:
+    data = data_port_budget(64 * MIB, 64 * MIB, message_max_frames=17, recv_hwm=16)
+    assert data.small_message_wire is None
+    flood = ConnectionHolding(5, "flood", 8 * MIB, taken_bytes=5000 * FLOOD_PROBE,
+                              taken_messages=5000)  # fmt: skip
+    assert connections_to_cut([flood], data) == []
