@@ -44,6 +44,7 @@ from zpipe._errors import PipelineError
 from zpipe.models.trust import FactoryPolicy
 from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
 from zpipe.training.objectives import make_loss, make_optimizer
+from zpipe.training.optimizer_step import apply_gradients
 
 
 @dataclass
@@ -90,6 +91,10 @@ class AsyncStageCompute:
         self._params = [
             {n: p for n, p in u.named_parameters() if p.requires_grad} for u in self.units
         ]
+        # functional_call unties shared tensors on every call (a walk over the unit's
+        # modules, a tenth of a small unit's forward); a unit that shares none needs
+        # no untying, and skipping it changes nothing it computes
+        self._untie = [_shares_tensors(u) for u in self.units]
         flat = [p for unit in self._params for p in unit.values()]
         self.optimizer = make_optimizer(optimizer, flat, policy=policy) if flat else None
         self.lr_schedule = check_lr_schedule(lr_schedule)
@@ -156,8 +161,8 @@ class AsyncStageCompute:
         )
         params = [{n: t.detach().requires_grad_(True) for n, t in unit.items()} for unit in weights]
         values: tuple[torch.Tensor, ...] = leaves
-        for unit, unit_params in zip(self.units, params, strict=True):
-            out = functional_call(unit, unit_params, values)
+        for unit, unit_params, untie in zip(self.units, params, self._untie, strict=True):
+            out = functional_call(unit, unit_params, values, tie_weights=untie)
             values = _as_tuple(out)
         loss_value: float | None = None
         if self.last:
@@ -204,10 +209,13 @@ class AsyncStageCompute:
         if stashed is None:
             raise PipelineError(f"optimizer step for batch {batch}, which was not backwarded")
         if self.optimizer is not None:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
             for live, used in zip(self._params, stashed.params, strict=True):
                 for name, param in live.items():
                     grad = used[name].grad
-                    param.grad = grad if grad is not None else torch.zeros_like(param)
+                    params.append(param)
+                    grads.append(grad if grad is not None else torch.zeros_like(param))
             if self.lr_schedule is not None:
                 # update ``updates`` (counted over the whole training): its own rate
                 factor = lr_factor(self.lr_schedule, self.updates)
@@ -216,8 +224,8 @@ class AsyncStageCompute:
                 ):
                     group["lr"] = initial * factor
                 self.last_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            # torch's fused Adam kernel without its Python wrapping where that is exact
+            apply_gradients(self.optimizer, params, grads)
         self.updates += 1
         self._versions[self.updates] = self._copy_live()
 
@@ -328,6 +336,15 @@ def _as_tuple(value: object) -> tuple[torch.Tensor, ...]:
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
     raise PipelineError(f"a unit returned {type(value).__name__}, not tensors")
+
+
+def _shares_tensors(module: torch.nn.Module) -> bool:
+    """Whether one parameter or buffer of ``module`` has two names (tied weights)."""
+    named = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    return len({id(t) for _, t in named}) != len(named)
 
 
 def has_trainable(module: torch.nn.Module) -> bool:
