@@ -9,7 +9,7 @@ Version ``t`` (the weights right after the ``t``-th update, see
 :mod:`zpipe.planner.async_schedule`) is kept as a copy for as long as a forward may
 still use it, a forwarded batch's backward still needs it (weight stashing), or an
 aggregation will average it. A forward runs the units with the version's tensors
-in place of the parameters (``torch.func.functional_call``), so its graph holds
+in place of the parameters (:mod:`zpipe.training.versioned_call`), so its graph holds
 that version; the backward's parameter gradients are then applied to the live
 weights: ``W(t+1) = W(t) - lr * grad(W(stashed))``, PipeDream's update.
 
@@ -38,13 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from zpipe._errors import PipelineError
 from zpipe.models.trust import FactoryPolicy
 from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
 from zpipe.training.objectives import make_loss, make_optimizer
 from zpipe.training.optimizer_step import apply_gradients
+from zpipe.training.versioned_call import VersionedCall
 
 
 @dataclass
@@ -91,10 +91,8 @@ class AsyncStageCompute:
         self._params = [
             {n: p for n, p in u.named_parameters() if p.requires_grad} for u in self.units
         ]
-        # functional_call unties shared tensors on every call (a walk over the unit's
-        # modules, a tenth of a small unit's forward); a unit that shares none needs
-        # no untying, and skipping it changes nothing it computes
-        self._untie = [_shares_tensors(u) for u in self.units]
+        # each unit called with a version's tensors in its parameters' place
+        self._calls = [VersionedCall(u) for u in self.units]
         flat = [p for unit in self._params for p in unit.values()]
         self.optimizer = make_optimizer(optimizer, flat, policy=policy) if flat else None
         self.lr_schedule = check_lr_schedule(lr_schedule)
@@ -161,8 +159,8 @@ class AsyncStageCompute:
         )
         params = [{n: t.detach().requires_grad_(True) for n, t in unit.items()} for unit in weights]
         values: tuple[torch.Tensor, ...] = leaves
-        for unit, unit_params, untie in zip(self.units, params, self._untie, strict=True):
-            out = functional_call(unit, unit_params, values, tie_weights=untie)
+        for call, unit_params in zip(self._calls, params, strict=True):
+            out = call(unit_params, values)
             values = _as_tuple(out)
         loss_value: float | None = None
         if self.last:
@@ -336,15 +334,6 @@ def _as_tuple(value: object) -> tuple[torch.Tensor, ...]:
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
     raise PipelineError(f"a unit returned {type(value).__name__}, not tensors")
-
-
-def _shares_tensors(module: torch.nn.Module) -> bool:
-    """Whether one parameter or buffer of ``module`` has two names (tied weights)."""
-    named = [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]
-    return len({id(t) for _, t in named}) != len(named)
 
 
 def has_trainable(module: torch.nn.Module) -> bool:

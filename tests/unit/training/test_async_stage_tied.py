@@ -51,4 +51,5 @@ def test_an_untied_unit_skips_untying_and_a_tied_one_does_not() -> None:
         loss="mse",
         optimizer={"name": "sgd", "lr": 0.1},
     )
-    assert compute._untie == [False, True]
+    assert [c.ties for c in compute._calls] == [False, True]
+    assert [c.direct for c in compute._calls] == [True, False]
