@@ -9,7 +9,7 @@ Version ``t`` (the weights right after the ``t``-th update, see
 :mod:`zpipe.planner.async_schedule`) is kept as a copy for as long as a forward may
 still use it, a forwarded batch's backward still needs it (weight stashing), or an
 aggregation will average it. A forward runs the units with the version's tensors
-in place of the parameters (``torch.func.functional_call``), so its graph holds
+in place of the parameters (:mod:`zpipe.training.versioned_call`), so its graph holds
 that version; the backward's parameter gradients are then applied to the live
 weights: ``W(t+1) = W(t) - lr * grad(W(stashed))``, PipeDream's update.
 
@@ -38,12 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.func import functional_call
 
 from zpipe._errors import PipelineError
 from zpipe.models.trust import FactoryPolicy
 from zpipe.training.lr_schedules import check_lr_schedule, lr_factor
 from zpipe.training.objectives import make_loss, make_optimizer
+from zpipe.training.optimizer_step import apply_gradients
+from zpipe.training.versioned_call import VersionedCall
 
 
 @dataclass
@@ -90,6 +91,8 @@ class AsyncStageCompute:
         self._params = [
             {n: p for n, p in u.named_parameters() if p.requires_grad} for u in self.units
         ]
+        # each unit called with a version's tensors in its parameters' place
+        self._calls = [VersionedCall(u) for u in self.units]
         flat = [p for unit in self._params for p in unit.values()]
         self.optimizer = make_optimizer(optimizer, flat, policy=policy) if flat else None
         self.lr_schedule = check_lr_schedule(lr_schedule)
@@ -156,8 +159,8 @@ class AsyncStageCompute:
         )
         params = [{n: t.detach().requires_grad_(True) for n, t in unit.items()} for unit in weights]
         values: tuple[torch.Tensor, ...] = leaves
-        for unit, unit_params in zip(self.units, params, strict=True):
-            out = functional_call(unit, unit_params, values)
+        for call, unit_params in zip(self._calls, params, strict=True):
+            out = call(unit_params, values)
             values = _as_tuple(out)
         loss_value: float | None = None
         if self.last:
@@ -204,10 +207,13 @@ class AsyncStageCompute:
         if stashed is None:
             raise PipelineError(f"optimizer step for batch {batch}, which was not backwarded")
         if self.optimizer is not None:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
             for live, used in zip(self._params, stashed.params, strict=True):
                 for name, param in live.items():
                     grad = used[name].grad
-                    param.grad = grad if grad is not None else torch.zeros_like(param)
+                    params.append(param)
+                    grads.append(grad if grad is not None else torch.zeros_like(param))
             if self.lr_schedule is not None:
                 # update ``updates`` (counted over the whole training): its own rate
                 factor = lr_factor(self.lr_schedule, self.updates)
@@ -216,8 +222,8 @@ class AsyncStageCompute:
                 ):
                     group["lr"] = initial * factor
                 self.last_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            # torch's fused Adam kernel without its Python wrapping where that is exact
+            apply_gradients(self.optimizer, params, grads)
         self.updates += 1
         self._versions[self.updates] = self._copy_live()
 
