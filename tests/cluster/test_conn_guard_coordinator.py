@@ -31,6 +31,12 @@ WAIT_S = 60.0  # generous: a loaded machine; the waits end on events or counts
 FRAMES = 1_000_000
 ATTACK_CONNECTIONS = 3
 ATTACK_MESSAGES = 3
+# Issue 33's goal was a peak under twice an idle coordinator's resident memory, some
+# 240 MiB while it imported torch before listening. It now imports torch at its first
+# run request and idles at about 60 MiB before one, while what the flood makes libzmq
+# hold before a cut is the same (each message is held whole: some 64 MB): the goal's
+# growth, in bytes, is what the test keeps.
+GROWTH_BOUND = 240 << 20
 
 # A process of its own: real pyzmq DEALERs, each sending messages of a million
 # 1-byte frames, then hanging up (prints how many messages went out).
@@ -186,12 +192,12 @@ async def test_a_million_frame_flood_stays_within_the_coordinator_s_memory_budge
 ) -> None:
     """Three DEALERs send messages of a million 1-byte frames (3 MB on the wire, some
     64 MB inside libzmq each) to a real coordinator while a stage heartbeats: the
-    coordinator's peak resident memory stays under twice its idle value (issue 33's
-    goal; it reached 3-5x before the guard), it logs the cuts, and the stage goes on
-    being served. (Reading the messages that arrived whole still costs the
-    coordinator seconds of CPU under load: its heartbeat acks may come late.) The
-    attack from pyzmq is slow on a loaded machine (the coordinator may keep up with
-    it); the one that speaks ZMTP by hand is not."""
+    coordinator's resident memory grows by less than issue 33's goal allowed
+    (``GROWTH_BOUND``; before the guard it reached 3-5x an idle 240 MB), it logs the
+    cuts, and the stage goes on being served. (Reading the messages that arrived whole
+    still costs the coordinator seconds of CPU under load: its heartbeat acks may come
+    late.) The attack from pyzmq is slow on a loaded machine (the coordinator may keep
+    up with it); the one that speaks ZMTP by hand is not."""
     pid = coordinator.proc.pid
     async with FakePeers(coordinator.endpoint, 1, register_timeout_s=WAIT_S) as peers:
         await asyncio.sleep(1.0)  # settled: what registration allocates is in the idle value
@@ -222,7 +228,8 @@ async def test_a_million_frame_flood_stays_within_the_coordinator_s_memory_budge
         assert attacker.stdout is not None
         out = (await asyncio.wait_for(attacker.stdout.read(), WAIT_S)).decode()
         assert coordinator.proc.poll() is None, "the coordinator died"
-        assert peak < 2 * idle, f"peak {peak >> 20} MiB over twice idle {idle >> 20} MiB"
+        grown = peak - idle
+        assert grown < GROWTH_BOUND, f"grew {grown >> 20} MiB from {idle >> 20} MiB idle"
         cuts = coordinator.events("connection_cut")
         assert cuts, f"nothing was cut (the attacker's messages sent, connections: {out!r})"
         # a stage's connection (heartbeats) never holds what a cut needs
