@@ -19,8 +19,9 @@ each function runs between the marks instead (all threads, ``sys.settrace``);
 
     valgrind --tool=callgrind --dump-before=getpgrp --callgrind-out-file=cg.%p \\
         python bench/_relay_counts.py --size 64K
-    strace -f -ff -ttt -o st/t python bench/_relay_counts.py --size 64K --count 2000
-    python bench/_relay_counts.py --strace-summary st --count 2000   # calls per message
+    strace -f -ff -ttt -o st/t python bench/_relay_counts.py --size 64K --count 2000 \\
+        --threads-to st/threads.json
+    python bench/_relay_counts.py --strace-summary st --count 2000 --top 40
     python bench/_relay_counts.py --opcodes --size 64K
 
 Every wait has a deadline (``TIMEOUT_S``).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import re
 import subprocess
@@ -48,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 import torch
 import zmq
 
-from bench._relay_parts import EPOCH, OPTIONS, RUN, running_lifecycle
+from bench._relay_parts import EPOCH, OPTIONS, RUN, running_lifecycle, thread_role
 from zpipe.log import configure_logging
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
@@ -180,6 +182,8 @@ async def relay(args: argparse.Namespace, counts: Counts) -> None:
         asyncio.create_task(loop.send_loop()),
     ]
     await asyncio.wait_for(done.wait(), TIMEOUT_S)
+    if args.threads_to is not None:  # while every thread still runs
+        args.threads_to.write_text(json.dumps(thread_roles()))
     await asyncio.to_thread(child.wait, TIMEOUT_S)
     for task in tasks:
         task.cancel()
@@ -193,7 +197,17 @@ async def relay(args: argparse.Namespace, counts: Counts) -> None:
         raise RuntimeError(f"the feeder failed: {child.returncode}")
 
 
-def strace_summary(directory: Path, count: int) -> Counter[str]:
+def thread_roles() -> dict[int, str]:
+    """This process's threads by id: their role, as bench/stage_relay.py names them."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    roles = {}
+    for task in Path("/proc/self/task").iterdir():
+        name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+        roles[int(task.name)] = thread_role(name)
+    return roles
+
+
+def strace_summary(directory: Path) -> Counter[str]:
     """System calls per message of the relay process's threads between the two marks,
     from ``strace -f -ff -ttt -o DIR/t`` files (one per thread; the feeder's, a child
     process that execs, and its threads, left out)."""
@@ -219,15 +233,19 @@ def strace_summary(directory: Path, count: int) -> Counter[str]:
     if len(marks) < 2:
         raise SystemExit("no two getpgrp marks in the trace")
     start, end = marks[0], marks[-1]
+    roles_file = directory / "threads.json"
+    roles = json.loads(roles_file.read_text()) if roles_file.exists() else {}
     calls: Counter[str] = Counter()
     for tid, lines in files.items():
         if tid in left_out:
             continue
+        role = roles.get(str(tid), "thread")
         for text in lines:
             m = line.match(text)
             if m is None or "resumed>" in text or not start < float(m.group(1)) < end:
                 continue
             calls[m.group(2)] += 1
+            calls[f"{role}:{m.group(2)}"] += 1
     return calls
 
 
@@ -253,13 +271,17 @@ def main(argv: list[str] | None = None) -> int:
         help="diagnostic, as bench/stage_relay.py's: forwards on the event loop",
     )
     parser.add_argument("--top", type=int, default=30, help="functions shown")
+    parser.add_argument(
+        "--threads-to", type=Path, help="write the relay's thread roles by id here (json)"
+    )
     parser.add_argument("--strace-summary", type=Path, help="summarize strace -ff files")
     parser.add_argument("--feed", nargs=2, metavar=("DATA_IN", "DATA_OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.strace_summary:
-        calls = strace_summary(args.strace_summary, args.count)
-        print(f"{sum(calls.values()) / args.count:.2f} system calls per message")
+        calls = strace_summary(args.strace_summary)
+        total = sum(k for name, k in calls.items() if ":" not in name)
+        print(f"{total / args.count:.2f} system calls per message (then by thread role)")
         for name, k in calls.most_common(args.top):
             print(f"  {k / args.count:8.2f}  {name}")
         return 0
