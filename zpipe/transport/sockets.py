@@ -530,7 +530,7 @@ def decode_frames(frames: Sequence[zmq.Frame], max_message_bytes: int) -> Messag
 
 
 def frames_nbytes(frames: Sequence[zmq.Frame]) -> int:
-    return sum(len(f) for f in frames)
+    return sum(map(len, frames))  # no generator: this runs for every message received
 
 
 def bind_endpoint(sock: zmq.asyncio.Socket, endpoint: str) -> str:

@@ -29,8 +29,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import zmq.asyncio
@@ -81,8 +80,11 @@ def _settle(future: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
         future.set_result(outcome)
 
 
-@dataclass(frozen=True)
-class ComputedMicrobatch:
+class ComputedMicrobatch(NamedTuple):
+    """A forward's outputs and when it ran. A tuple, not a frozen dataclass: one is
+    built per micro-batch, and a frozen dataclass's ``__init__`` sets each field
+    through ``object.__setattr__`` (bench/_relay_counts.py --opcodes)."""
+
     outputs: tuple[torch.Tensor, ...]
     started: float  # perf_counter, in the compute thread
     ended: float
@@ -131,6 +133,7 @@ class InferenceLoop:
         # how long the bytes take to leave, and a bound on what is on its way
         self._meter = LinkMeter(counters)
         self._sending = False  # the send task holds a message (later ones queue behind it)
+        self._longest_forward_s = 0.0  # the last group's (set on the compute thread)
 
     async def deliver(self, message: Data | Grad | Labels | MicroBatchError) -> None:
         """A checked message of this assignment's epoch (waits while the inbox is full)."""
@@ -163,11 +166,7 @@ class InferenceLoop:
             # of kind "error" (someone upstream failed) pass the word on uncomputed.
             results = await self._computed(loop, group)
             counters.busy_s += time.perf_counter() - computing_from
-            longest = max(
-                (r.ended - r.started for r in results if isinstance(r, ComputedMicrobatch)),
-                default=0.0,
-            )
-            grouping = longest < GROUP_BELOW_S
+            grouping = self._longest_forward_s < GROUP_BELOW_S
             last = len(group) - 1
             for i, (message, result) in enumerate(zip(group, results, strict=True)):
                 out = self._output(message, result)
@@ -216,6 +215,7 @@ class InferenceLoop:
     ) -> list[ComputedMicrobatch | Exception | None]:
         """In the compute thread: each data message's outputs (or what it raised)."""
         results: list[ComputedMicrobatch | Exception | None] = []
+        longest = 0.0
         for message in group:
             if isinstance(message, MicroBatchError):
                 results.append(None)
@@ -226,7 +226,13 @@ class InferenceLoop:
             except Exception as exc:  # a bad input must not take the stage down
                 results.append(exc)
                 continue
-            results.append(ComputedMicrobatch(outputs, started, time.perf_counter()))
+            ended = time.perf_counter()
+            longest = max(longest, ended - started)
+            results.append(ComputedMicrobatch(outputs, started, ended))
+        # the group's longest forward, for the loop's next grouping decision: found
+        # here, on the compute thread, not by another pass over the results on the
+        # loop (read there after the results are handed back, which orders it)
+        self._longest_forward_s = longest
         return results
 
     def _output(
