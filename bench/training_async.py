@@ -301,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="repartition set-ups to run (the headline: headline_setup's rule)",
     )
     parser.add_argument("--timeout", type=int, default=1500, help="seconds for the whole bench")
+    # the repartition runs' logs (coordinator, stages) and the client's loss times,
+    # kept for a timeline by hand: DIR/<setup>_<system>/ (default: not kept)
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR")
     # a loaded host (load 25 on two cores) took over 120 s to start four stages
     parser.add_argument(
         "--start-timeout",
@@ -509,6 +512,18 @@ def _fixed_units(looks: Sequence[dict[str, Any]], names: Sequence[str]) -> float
     return statistics.median(found) if found else None
 
 
+def _keep_logs(
+    folder: Path, logs: dict[str, str], wall: float, started: float, arrivals: list[float]
+) -> None:
+    """One run's logs and its losses' times: seconds from the run's start, and wall
+    clock (the logs' stamps) as ``wall + perf_counter``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in logs.items():
+        (folder / f"{name}.log").write_text(text)
+    lines = [f"{i + 1} {t - started:.4f} {wall + t:.4f}" for i, t in enumerate(arrivals)]
+    (folder / "losses.txt").write_text("step run_s wall_s\n" + "\n".join(lines) + "\n")
+
+
 def _gaps(times: Sequence[float], low: float, high: float) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times) if low < b <= high]
 
@@ -581,6 +596,8 @@ def one_setup(
                 optimizer={"name": "adam", "lr": 3e-4},
             )
             logs = {name: cluster.logs(name) for name in ["coordinator", *names]}
+        if args.keep_logs is not None:
+            _keep_logs(args.keep_logs / f"{setup.name}_{kind}", logs, wall, started, arrivals)
         runs[kind] = (report, [t - started for t in arrivals])
         gap = statistics.median(b - a for a, b in itertools.pairwise(arrivals))
         # a look pauses the feed before batch ``at``: its loss comes that much later
