@@ -136,7 +136,10 @@ against the bound: the periods before the change, on the old cuts after it
 (``slow_s``) and after the move that answers it, each over the bound's best
 period (``before_over_bound``, ``after_over_bound``), the time from the change to
 that look (``detect_s``), the move's pause (``move_s``) and what both cost against
-a move at the change itself (``lost_s``).
+a move at the change itself (``lost_s``); ``decide_s`` and ``drain_s`` split
+``detect_s`` into the change to the look that decided the move and the drain of the
+mini-batches in flight after it. ``--keep-logs DIR`` keeps each run's logs and loss
+times for a timeline by hand.
 
 Prints JSON lines, then one summary with same-run ratios; every line has the load
 average (timings on a loaded 2-core machine are noisy).
@@ -691,6 +694,11 @@ def one_setup(
         ftpipehd[0].repartitions,
         ft_change,
         bound_periods_s=(before.best_period * unit_s, after.best_period * unit_s),
+        drains={
+            look["at"]: look["parts"]["drain_s"]
+            for look in looks_of["ftpipehd"]
+            if look["moved"] and "drain_s" in (look["parts"] or {})
+        },
     )
     # the bound the stages' own costs leave after the change, from the last look's fit
     last = next((r for r in reversed(ftpipehd[0].repartitions) if any(
