@@ -42,6 +42,11 @@ def test_a_verdict_during_the_wait_for_room_is_noticed_at_once() -> None:
         assert notices == [SpeedNoticed("d1", 1, 8.2)]
         assert run.window.locked()  # no room was taken: the loss has not come
         assert run.session.control.speed_changes.empty()
+        # the cancelled wait for room holds none: the loss's room is the send's
+        run.window.release()
+        await asyncio.sleep(0)
+        await asyncio.wait_for(run.window.acquire(), 1.0)
+        assert run.window.locked()
 
     asyncio.run(scenario())
 

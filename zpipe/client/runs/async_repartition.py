@@ -13,7 +13,6 @@ mini-batch; what the look found is kept in ``TrainReport.repartitions``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
@@ -113,11 +112,10 @@ async def room_or_verdict(run: TrainingRun) -> list[SpeedNoticed]:
         # ends the run when the losses stop (its idle timeout)
         await asyncio.wait({room, verdict}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        # not awaited: a cancelled acquire that had been granted gives its room back
+        # itself, and a cancelled get leaves its item in the queue
         for waiter in (room, verdict):
-            if not waiter.done():
-                waiter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiter
+            waiter.cancel()
     if room.done() and not room.cancelled():
         window.release()
     first = [verdict.result()] if verdict.done() and not verdict.cancelled() else []
