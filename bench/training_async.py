@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repartition-watch", type=float, default=2.0)
     # an early look when a stage's own forwards run this many times slower (or
     # faster) for good, told by the stage itself (0: off): it sees the change at its
-    # fourth slow forward, where the loss watch waits for the period to show it
+    # third (far beyond any hiccup) or fourth slow forward, where the loss watch
+    # waits for the period to show it
     parser.add_argument("--repartition-forward-watch", type=float, default=2.0)
     parser.add_argument(
         "--setups",
