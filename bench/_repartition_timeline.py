@@ -14,7 +14,13 @@ changes speed. Each phase's period is the median gap between consecutive losses:
 it), ``move_s`` the look's request to the next loss (the flush, fetches and
 commit), ``lost_s`` the time the slow phase cost against moving at the change
 itself (its mini-batches at the slow period instead of the after period) plus the
-move's pause beyond one after-period. Against the bound's periods
+move's pause beyond one after-period. With ``drains`` (each look's ``drain_s``, the
+client's pause and the losses in flight coming back after a look made while the
+pipeline ran decided to move), ``detect_s`` splits in two: ``decide_s``, the change
+to that look's answer (what detection costs), and ``drain_s`` (what the mini-batches
+already in flight cost: they pass the slow device on the old cuts before any move),
+with ``decided_batches``, the losses back between the change and the answer.
+Against the bound's periods
 (``bound_periods_s``: the best cuts' periods before and after the change, in
 seconds), ``after_over_bound`` is the after period's share of the bound's speed
 (1: as fast as the cost model's best cuts).
@@ -39,6 +45,7 @@ def repartition_timeline(
     change_s: float,
     *,
     bound_periods_s: tuple[float, float] | None = None,
+    drains: Mapping[int, float] | None = None,
 ) -> dict[str, Any]:
     """The phases of one FTPipeHD run (see the module notes). ``arrivals``: each
     mini-batch's loss time (index = mini-batch); ``looks``: ``at`` (the look before
@@ -73,6 +80,14 @@ def repartition_timeline(
         move_s=resumed - asked,
         slow_batches=sum(1 for t in times if change_s < t <= asked),
     )
+    drain = (drains or {}).get(answer)
+    if drain is not None:
+        decided = asked - drain
+        out.update(
+            decide_s=decided - change_s,
+            drain_s=drain,
+            decided_batches=sum(1 for t in times if change_s < t <= decided),
+        )
     lost = None
     if after is not None:
         slow_batches = out["slow_batches"]

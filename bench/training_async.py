@@ -136,7 +136,10 @@ against the bound: the periods before the change, on the old cuts after it
 (``slow_s``) and after the move that answers it, each over the bound's best
 period (``before_over_bound``, ``after_over_bound``), the time from the change to
 that look (``detect_s``), the move's pause (``move_s``) and what both cost against
-a move at the change itself (``lost_s``).
+a move at the change itself (``lost_s``); ``decide_s`` and ``drain_s`` split
+``detect_s`` into the change to the look that decided the move and the drain of the
+mini-batches in flight after it. ``--keep-logs DIR`` keeps each run's logs and loss
+times for a timeline by hand.
 
 Prints JSON lines, then one summary with same-run ratios; every line has the load
 average (timings on a loaded 2-core machine are noisy).
@@ -291,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repartition-watch", type=float, default=2.0)
     # an early look when a stage's own forwards run this many times slower (or
     # faster) for good, told by the stage itself (0: off): it sees the change at its
-    # fourth slow forward, where the loss watch waits for the period to show it
+    # third (far beyond any hiccup) or fourth slow forward, where the loss watch
+    # waits for the period to show it
     parser.add_argument("--repartition-forward-watch", type=float, default=2.0)
     parser.add_argument(
         "--setups",
@@ -301,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="repartition set-ups to run (the headline: headline_setup's rule)",
     )
     parser.add_argument("--timeout", type=int, default=1500, help="seconds for the whole bench")
+    # the repartition runs' logs (coordinator, stages) and the client's loss times,
+    # kept for a timeline by hand: DIR/<setup>_<system>/ (default: not kept)
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR")
     # a loaded host (load 25 on two cores) took over 120 s to start four stages
     parser.add_argument(
         "--start-timeout",
@@ -509,6 +516,18 @@ def _fixed_units(looks: Sequence[dict[str, Any]], names: Sequence[str]) -> float
     return statistics.median(found) if found else None
 
 
+def _keep_logs(
+    folder: Path, logs: dict[str, str], wall: float, started: float, arrivals: list[float]
+) -> None:
+    """One run's logs and its losses' times: seconds from the run's start, and wall
+    clock (the logs' stamps) as ``wall + perf_counter``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in logs.items():
+        (folder / f"{name}.log").write_text(text)
+    lines = [f"{i + 1} {t - started:.4f} {wall + t:.4f}" for i, t in enumerate(arrivals)]
+    (folder / "losses.txt").write_text("step run_s wall_s\n" + "\n".join(lines) + "\n")
+
+
 def _gaps(times: Sequence[float], low: float, high: float) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times) if low < b <= high]
 
@@ -581,6 +600,8 @@ def one_setup(
                 optimizer={"name": "adam", "lr": 3e-4},
             )
             logs = {name: cluster.logs(name) for name in ["coordinator", *names]}
+        if args.keep_logs is not None:
+            _keep_logs(args.keep_logs / f"{setup.name}_{kind}", logs, wall, started, arrivals)
         runs[kind] = (report, [t - started for t in arrivals])
         gap = statistics.median(b - a for a, b in itertools.pairwise(arrivals))
         # a look pauses the feed before batch ``at``: its loss comes that much later
@@ -674,6 +695,11 @@ def one_setup(
         ftpipehd[0].repartitions,
         ft_change,
         bound_periods_s=(before.best_period * unit_s, after.best_period * unit_s),
+        drains={
+            look["at"]: look["parts"]["drain_s"]
+            for look in looks_of["ftpipehd"]
+            if look["moved"] and "drain_s" in (look["parts"] or {})
+        },
     )
     # the bound the stages' own costs leave after the change, from the last look's fit
     last = next((r for r in reversed(ftpipehd[0].repartitions) if any(

@@ -29,6 +29,22 @@ three times the work makes 10x read 7.5x; with a margin of 4, 8 in all, one
 ``r24_middle`` run at load 5 on two cores relayed no verdict at all). A wrong verdict
 costs one look, and a look that keeps the cuts pauses nothing.
 
+A step far beyond any hiccup need not wait for ``k`` forwards: a streak whose every
+forward lies beyond ``FAR_MARGIN`` times the factor (8x the median at the usual 2)
+fires on its ``far_k``-th forward (3 by default; None: off). Why that is no less
+safe: the host's hiccups the ``k`` rule is sized for hold a forward up 3-6x, short of
+8x on their own, but with the noise on top of them (that of
+``tests/unit/training/test_forward_watch.py``: one forward in 20 held up 3-6x, a
+lognormal spread of 0.25) one forward in about 745 lies beyond 8x. Two in a row then
+come about once in 550,000 forwards, and that test's seeded series holds such a
+pair; three in a row, about once in 4e8, add nothing to the ``k`` rule's rate (12
+false verdicts in a million such forwards). A loaded host's waits for a core shrink
+a real step's ratio (10x read 7.5x at load 5; ``r24_middle``'s 10x read 8.2x at load
+4): then the far rule does not fire and the ``k`` rule sees the step as before, so
+no step is seen later than without it. A device that slows 10x on a quiet host is
+reported on its third slow forward, not its fourth: one mini-batch fewer enters on
+the old cuts before the look.
+
 What to do with a verdict (tell the coordinator, so that the run is looked at before
 its next scheduled look) is the caller's. The cost per forward is a comparison with
 a cached median; the median is recomputed once every ``history // 4`` forwards and
@@ -47,6 +63,9 @@ from zpipe._errors import ConfigError
 # how much further than ``factor`` a forward must lie from a provisional baseline (the
 # old median scaled after a move) to count: the scale is a guess (see the notes)
 PROVISIONAL_MARGIN = 2.0
+# how much further than ``factor`` every forward of a streak must lie for the streak to
+# count at ``far_k`` forwards, not ``k``: beyond any host hiccup (see the notes)
+FAR_MARGIN = 4.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +82,13 @@ class ForwardWatch:
     """Whether a stage's forwards changed speed for good (see the module notes)."""
 
     def __init__(
-        self, factor: float = 2.0, *, k: int = 4, history: int = 16, least: int = 6
+        self,
+        factor: float = 2.0,
+        *,
+        k: int = 4,
+        history: int = 16,
+        least: int = 6,
+        far_k: int | None = 3,
     ) -> None:
         if not (math.isfinite(factor) and factor > 1.0):
             raise ConfigError(f"a forward watch's factor must be > 1, got {factor}")
@@ -72,8 +97,12 @@ class ForwardWatch:
                 f"a forward watch needs k >= 1 and 1 <= least <= history, got "
                 f"k={k}, least={least}, history={history}"
             )
+        if far_k is not None and far_k < 1:
+            raise ConfigError(f"a forward watch needs far_k >= 1 (or None), got {far_k}")
         self.factor = float(factor)
         self.k = int(k)
+        # a far streak never needs more forwards than any streak
+        self.far_k = self.k if far_k is None else min(int(far_k), self.k)
         self.least = int(least)
         self._history: deque[float] = deque(maxlen=int(history))
         self._refresh = max(int(history) // 4, 1)  # forwards between two medians
@@ -81,6 +110,7 @@ class ForwardWatch:
         self._stale = 0  # forwards added since the cached median
         self._streak: list[float] = []
         self._side = 0  # the streak's side: 1 slower, -1 faster
+        self._far = True  # every forward of the streak lies beyond FAR_MARGIN x factor
         # after a reset with a scale: the old median scaled, until ``least`` new forwards
         self._provisional: float | None = None
 
@@ -93,6 +123,7 @@ class ForwardWatch:
             provisional = self._median(fresh=True) * scale
         self._history.clear()
         self._baseline, self._stale, self._streak, self._side = None, 0, [], 0
+        self._far = True
         self._provisional = provisional
 
     def observe(self, seconds: float) -> SpeedChange | None:
@@ -112,7 +143,7 @@ class ForwardWatch:
             # new one is judged on a current median
             for value in self._streak:
                 self._add(value)
-            self._streak, self._side = [], 0
+            self._streak, self._side, self._far = [], 0, True
             if side != 0 and not provisional:
                 base = self._median(fresh=True)
                 side = self._side_of(seconds, base, factor)
@@ -121,7 +152,8 @@ class ForwardWatch:
                 return None
             self._side = side
         self._streak.append(seconds)
-        if len(self._streak) < self.k:
+        self._far = self._far and self._side_of(seconds, base, factor * FAR_MARGIN) == side
+        if len(self._streak) < (self.far_k if self._far else self.k):
             return None
         now = statistics.median(self._streak)
         change = SpeedChange(now / base, base, now)
@@ -130,7 +162,7 @@ class ForwardWatch:
         self._baseline, self._provisional = None, None
         for value in self._streak:
             self._add(value)
-        self._streak, self._side = [], 0
+        self._streak, self._side, self._far = [], 0, True
         return change
 
     def _side_of(self, seconds: float, base: float, factor: float) -> int:

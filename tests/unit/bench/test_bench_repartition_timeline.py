@@ -43,3 +43,17 @@ def test_a_change_no_move_answers_leaves_detection_open() -> None:
     assert out["detect_at"] is None and out["detect_s"] is None and out["lost_s"] is None
     assert out["slow_s"] == pytest.approx(0.4)
     assert "after_over_bound" not in out
+
+
+def test_a_drain_splits_detection_into_the_decision_and_the_losses_in_flight() -> None:
+    # as above; the look that moved before 30 decided while the pipeline ran, 1.2 s
+    # (three slow losses) before the loss it was asked after
+    gaps = [0.1] * 20 + [0.4] * 10 + [0.9] + [0.2] * 10
+    times = _arrivals(gaps)
+    looks = [{"at": 5, "moved": True}, {"at": 30, "moved": True}]
+    out = repartition_timeline(times, looks, times[19], drains={30: 1.2, 5: 0.3})
+    assert out["detect_s"] == pytest.approx(4.0)
+    assert out["drain_s"] == pytest.approx(1.2)
+    assert out["decide_s"] == pytest.approx(2.8)
+    assert out["decided_batches"] == 7
+    assert "drain_s" not in repartition_timeline(times, looks, times[19])

@@ -32,14 +32,15 @@ def test_no_alarm_on_a_noisy_but_steady_series(seed: int) -> None:
 def test_a_step_fires_on_its_kth_forward_and_once(k: int) -> None:
     rng = random.Random(k)
     steady = [0.05 * rng.uniform(0.9, 1.1) for _ in range(30)]
-    slow = [0.5 * rng.uniform(0.9, 1.1) for _ in range(40)]
+    # 5x: beyond the factor, short of the far rule's FAR_MARGIN x factor (8x)
+    slow = [0.25 * rng.uniform(0.9, 1.1) for _ in range(40)]
     watch = ForwardWatch(2.0, k=k)
     fired = [i for i, s in enumerate(steady + slow) if watch.observe(s) is not None]
     assert fired == [30 + k - 1]  # the k-th slow forward, and never again while slow
 
 
 def test_the_change_says_how_much_slower_and_a_recovery_fires_the_other_way() -> None:
-    watch = ForwardWatch(2.0, k=3)
+    watch = ForwardWatch(2.0, k=3, far_k=None)
     for _ in range(10):
         assert watch.observe(0.1) is None
     changes = [watch.observe(s) for s in [1.0, 1.0, 1.0]]
@@ -61,6 +62,49 @@ def test_a_streak_broken_by_a_normal_forward_starts_again() -> None:
     assert _fire_at(watch, [0.5, 0.5, 0.5]) == [2]
 
 
+def test_a_step_far_beyond_any_hiccup_fires_on_its_third_forward() -> None:
+    rng = random.Random(7)
+    steady = [0.05 * rng.uniform(0.9, 1.1) for _ in range(30)]
+    slow = [0.5 * rng.uniform(0.9, 1.1) for _ in range(40)]  # 10x: beyond 8x
+    assert _fire_at(ForwardWatch(2.0), steady + slow) == [32]  # k=4 alone: 33
+    assert _fire_at(ForwardWatch(2.0, far_k=None), steady + slow) == [33]
+    faster = [0.005] * 10  # 10x faster: as far the other way
+    watch = ForwardWatch(2.0)
+    assert _fire_at(watch, steady + faster) == [32]
+
+
+def test_a_streak_counts_as_far_only_while_every_forward_is_far() -> None:
+    watch = ForwardWatch(2.0)
+    for _ in range(10):
+        watch.observe(0.1)
+    # 10x, 3x (slow, not far), 10x: one streak that is not far: it needs k=4
+    assert _fire_at(watch, [1.0, 0.3, 1.0]) == []
+    assert _fire_at(watch, [1.0]) == [0]
+    # two far forwards are not yet a verdict (far_k 3)
+    watch = ForwardWatch(2.0)
+    for _ in range(10):
+        watch.observe(0.1)
+    assert _fire_at(watch, [1.0, 1.0]) == []
+    watch = ForwardWatch(2.0)
+    for _ in range(10):
+        watch.observe(0.1)
+    # far forwards broken by normal ones: each streak ends short of a verdict
+    assert _fire_at(watch, [1.0, 1.0, 0.1, 1.0, 1.0, 0.1]) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_alarm_from_the_far_rule_on_hiccups_of_up_to_six_times(seed: int) -> None:
+    # every fifth forward held up 3-6x (four times the rate of the test above), never
+    # two in a row: each lies beyond the factor, none beyond 8x, so neither rule fires
+    rng = random.Random(seed)
+    series = [
+        0.05 * rng.uniform(0.95, 1.05) * (rng.uniform(3.0, 6.0) if i % 5 == 4 else 1.0)
+        for i in range(2000)
+    ]
+    assert _fire_at(ForwardWatch(2.0, k=2, far_k=1), series) == []
+    assert _fire_at(ForwardWatch(2.0, k=4, far_k=1), series) == []
+
+
 def test_no_verdict_before_enough_forwards_and_reset_forgets_them() -> None:
     watch = ForwardWatch(2.0, k=2, least=6)
     assert _fire_at(watch, [0.1] * 5 + [1.0]) == []  # the sixth forward joins the history
@@ -79,7 +123,14 @@ def test_bad_forward_times_are_ignored() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"factor": 1.0}, {"factor": float("inf")}, {"k": 0}, {"least": 0}, {"history": 3}],
+    [
+        {"factor": 1.0},
+        {"factor": float("inf")},
+        {"k": 0},
+        {"least": 0},
+        {"history": 3},
+        {"far_k": 0},
+    ],
 )
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="forward watch"):

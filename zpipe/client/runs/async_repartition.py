@@ -12,12 +12,13 @@ mini-batch; what the look found is kept in ``TrainReport.repartitions``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
 from zpipe.client.runs.training_events import SpeedNoticed
 from zpipe.log import get_logger
-from zpipe.protocol.repartition import Repartition, Repartitioned
+from zpipe.protocol.repartition import Repartition, Repartitioned, SpeedChanged
 
 if TYPE_CHECKING:
     from zpipe.client.runs.sync_training import TrainingRun
@@ -87,14 +88,50 @@ def looked_epoch(looks: list[dict[str, Any]]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def speed_notices(run: TrainingRun) -> list[SpeedNoticed]:
-    """The stages' speed verdicts the coordinator relayed for this attempt's run since
-    the last call, as events (a verdict of another run is dropped: it is about
-    stages this attempt no longer feeds)."""
+async def room_or_verdict(run: TrainingRun) -> list[SpeedNoticed]:
+    """Wait until ``run``'s window has room for the next mini-batch or a stage's speed
+    verdict comes, whichever first; the verdicts so far, as events.
+
+    The feed waits here before it decides what comes next (a look, a replica, the
+    mini-batch), not after: a decision made before the wait acted on what was known
+    a period earlier, so the loss that showed a device slowing (the loss watch's
+    evidence) or a verdict that came during the wait let one more mini-batch into
+    the pipeline before the look, and a move must drain it through the slow device
+    (in ``bench/training_async.py``'s ``r24_middle`` the look came right after the
+    slow loss that freed the window, with four mini-batches in flight where three
+    were needed). Room is taken and given back at once: only the feed takes it, so
+    the send's own take then returns at once."""
+    window = run.window
+    if not window.locked():
+        return speed_notices(run)
     queue = run.session.control.speed_changes
-    out = []
+    room = asyncio.ensure_future(window.acquire())
+    verdict = asyncio.ensure_future(queue.get())
+    try:
+        # no deadline of its own: room comes with a loss, and the session's watch
+        # ends the run when the losses stop (its idle timeout)
+        await asyncio.wait({room, verdict}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # not awaited: a cancelled acquire that had been granted gives its room back
+        # itself, and a cancelled get leaves its item in the queue
+        for waiter in (room, verdict):
+            waiter.cancel()
+    if room.done() and not room.cancelled():
+        window.release()
+    first = [verdict.result()] if verdict.done() and not verdict.cancelled() else []
+    return speed_notices(run, first)
+
+
+def speed_notices(run: TrainingRun, first: list[SpeedChanged] | None = None) -> list[SpeedNoticed]:
+    """The stages' speed verdicts the coordinator relayed for this attempt's run since
+    the last call (``first``: those already taken off the queue), as events (a verdict
+    of another run is dropped: it is about stages this attempt no longer feeds)."""
+    queue = run.session.control.speed_changes
+    taken = list(first or [])
     while not queue.empty():
-        verdict = queue.get_nowait()
+        taken.append(queue.get_nowait())
+    out = []
+    for verdict in taken:
         try:
             verdict.checked()
         except ProtocolError as exc:

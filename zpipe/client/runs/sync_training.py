@@ -36,7 +36,7 @@ from zpipe.client.runs.async_repartition import (
     looked_epoch,
     predicted_period,
     repartition_before,
-    speed_notices,
+    room_or_verdict,
 )
 from zpipe.client.runs.training_attempts import (
     Acknowledged,
@@ -214,7 +214,8 @@ class TrainingRun:
 
     async def _feed(self, source: BatchSource) -> None:
         async for batch in source.iterate():
-            for notice in speed_notices(self):
+            # room first, then the decision: it sees every loss and verdict so far
+            for notice in await room_or_verdict(self):
                 self.attempts.handle(notice)
             commands: list[Command] = self.attempts.handle(FeedAt(self.offset + self.sent_steps))
             while commands:

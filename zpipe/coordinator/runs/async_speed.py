@@ -6,7 +6,9 @@ that re-partitions with ``forward_watch`` watches its own forwards
 (:mod:`zpipe.stage.speed_watch`) and tells the coordinator when their time changed
 for good (``speed_changed``). Only the client decides when to look (it pauses its
 feed for a move), so the coordinator relays the verdict to it, unchanged, and the
-client looks before its next mini-batch (:mod:`zpipe.client.runs.training_attempts`).
+client looks before its next mini-batch (:mod:`zpipe.client.runs.training_attempts`):
+at once, even while its feed waits for room in its window
+(:func:`zpipe.client.runs.async_repartition.room_or_verdict`).
 
 Pure: :func:`relay_speed_change` takes the verdict and returns commands. What it
 drops, and why (each a ``Log``, never an error: a verdict is a hint, the
