@@ -120,6 +120,8 @@ class ClientConnection:
             # Once per process: an embedding program opens many clients.
             _warned_open[0] = True
             security.warn_open_cluster(log, "client")
+        # the channel watches the connection before it is made: it sees its handshake
+        control = ControlChannel(dealer, options, timeouts)
         dealer.connect(coordinator)
         bound = bind_endpoint(sink, sink_bind)
         sink_endpoint = advertised_endpoint(
@@ -127,7 +129,7 @@ class ClientConnection:
         )
         return cls(
             context,
-            ControlChannel(dealer, options, timeouts),
+            control,
             sink,
             sink_endpoint,
             timeouts=timeouts,
