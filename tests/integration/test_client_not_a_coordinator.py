@@ -75,6 +75,7 @@ async def test_a_coordinator_that_went_away_after_its_handshake_is_not_called_re
             await _until_disconnected(channel)
         finally:
             await channel.close()
+            router.close(linger=0)  # again, if a failed check left it open: term() waits
     events = [e["event"] for e in logs]
     assert "coordinator_disconnected" in events
     assert "coordinator_handshake_refused" not in events
