@@ -37,7 +37,10 @@ nothing modelled):
 
 A trial that fails (say, b died before its first chain copy reached c: under load
 a copy takes many mini-batches) is a line with ``error``, left out of the medians;
-the bench then exits 1.
+the bench then exits 1. A cluster that fails (it did not start, or its coordinator
+went away) ends the bench with the summary's ``error``. The cluster's process logs
+(``--log-level``, default warning) are kept when a trial or the cluster failed, or
+with ``--log-dir``: the directory is named on stderr and in the summary's ``logs``.
 
 Per trial (one JSON line): ``recovery_s``, from the client's notice of the death to
 the first mini-batch completed after it (detection, the same heartbeats for every
@@ -90,9 +93,11 @@ the first only: about 4 minutes).
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -105,7 +110,7 @@ import torch
 
 from bench._common import emit, loadavg, on_alarm, summary
 from bench.async_recovery import rate_after
-from zpipe._errors import PipelineError
+from zpipe._errors import PipelineError, ZpipeError
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 
@@ -377,6 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick", action="store_true", help="fewer steps, three repeats, heavy in the first only"
     )
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep the cluster's process logs here (default: a temporary directory, "
+        "removed unless a trial or the cluster failed: then kept, and named on stderr "
+        "and in the summary's logs)",
+    )
+    p.add_argument("--log-level", default="warning", help="the cluster's processes' log level")
     return p
 
 
@@ -410,10 +424,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     dims = [args.hidden] * (args.units + 1)
     lines: list[dict[str, Any]] = []
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="zpipe-after-failure-"))
+    error = None
+    try:
+        run_trials(args, systems, devices, dims, lines, log_dir)
+    except ZpipeError as exc:  # the cluster did not start, or its coordinator went away
+        error = f"{type(exc).__name__}: {exc}"
+    except BaseException:  # interrupted, or the bench's own timeout: the logs stay
+        print(f"{BENCH}: the cluster's logs are in {log_dir}", file=sys.stderr)
+        raise
+    failed = [line["system"] for line in lines if "error" in line]
+    keep = args.log_dir is not None or bool(failed) or error is not None
+    if keep:  # the next failure is diagnosable from the processes' own logs
+        print(f"{BENCH}: the cluster's logs are in {log_dir}", file=sys.stderr)
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    result = after_failure_summary(lines)
+    summary(BENCH, **result, failed_trials=failed, error=error,
+            logs=str(log_dir) if keep else None, load=loadavg())  # fmt: skip
+    return 1 if failed or error is not None else 0
+
+
+def run_trials(
+    args: argparse.Namespace, systems: Sequence[str], devices: dict[str, DeviceSpec],
+    dims: list[int], lines: list[dict[str, Any]], log_dir: Path,
+) -> None:  # fmt: skip
+    """Every repeat's trials on one cluster, each trial's line emitted and kept in ``lines``."""
     with LocalCluster(
         list(devices.values()), heartbeat_interval_s=args.heartbeat_s,
         suspect_after=args.suspect_after, probe_intervals=args.probe_intervals,
-        log_level="warning", start_timeout_s=args.start_timeout,
+        log_level=args.log_level, start_timeout_s=args.start_timeout, log_dir=log_dir,
     ) as cluster:  # fmt: skip
         # b started again after each kill as it started: with the cluster's threads
         devices = {d.name: d for d in cluster.devices}
@@ -437,10 +477,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 line = {**trial(cluster, spec, data, system, args, devices), "repeat": repeat}
                 emit(line)
                 lines.append(line)
-    result = after_failure_summary(lines)
-    failed = [line["system"] for line in lines if "error" in line]
-    summary(BENCH, **result, failed_trials=failed, load=loadavg())
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -161,6 +161,8 @@ PARTS: tuple[Part, ...] = (
             "light_over_respipe_after_over_before",
             "by_system",
             "failed_trials",
+            "error",
+            "logs",  # the cluster's process logs, kept when a trial or the cluster failed
         ),
         timeout_s=1800,  # three repeats, --quick too
     ),

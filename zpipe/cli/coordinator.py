@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="tcp://0.0.0.0:5550",
         metavar="tcp://HOST:PORT",
         help="control endpoint to listen on (default: tcp://0.0.0.0:5550)",
+    )
+    parser.add_argument(
+        "--endpoint-file",
+        default=None,
+        metavar="PATH",
+        help="once listening, write the endpoint it listens on to PATH, its port resolved "
+        "(with --bind tcp://HOST:0 the system picks a free port: whoever starts the "
+        "coordinator reads it here instead of choosing a port that another program may "
+        "take before the coordinator binds it)",
     )
     parser.add_argument(
         "--suspect-after",
@@ -150,15 +161,32 @@ def main(argv: list[str] | None = None) -> int:
     gc.enable()  # off during the imports when started as python -m zpipe.coordinator
 
     async def run() -> int:
+        listening = asyncio.Event()
+        announce = None
+        if args.endpoint_file:
+            path = Path(args.endpoint_file)
+            announce = asyncio.create_task(announce_endpoint(listening, coordinator, path))
         try:
-            await coordinator.serve()
+            await coordinator.serve(ready=listening)
         except ZpipeError as exc:
             log.error("coordinator_failed", error=str(exc))
             print(f"zpipe.coordinator: {exc}", file=sys.stderr)
             return 1
+        finally:
+            if announce is not None:
+                announce.cancel()
         return 0
 
     return run_until_signalled(run, coordinator.stop, parent_pid=args.parent_pid)
+
+
+async def announce_endpoint(listening: asyncio.Event, coordinator: Coordinator, path: Path) -> None:
+    """``--endpoint-file``: the endpoint, written once the coordinator listens. Written
+    whole (a temporary file renamed), so that a reader never sees half of it."""
+    await listening.wait()
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(coordinator.endpoint + "\n")
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":

@@ -120,14 +120,16 @@ class ClientConnection:
             # Once per process: an embedding program opens many clients.
             _warned_open[0] = True
             security.warn_open_cluster(log, "client")
-        dealer.connect(coordinator)
         bound = bind_endpoint(sink, sink_bind)
         sink_endpoint = advertised_endpoint(
             bound, advertise_host=advertise_host, toward=coordinator
         )
+        # the channel watches the connection before it is made: it sees its handshake
+        control = ControlChannel(dealer, options, timeouts)
+        dealer.connect(coordinator)
         return cls(
             context,
-            ControlChannel(dealer, options, timeouts),
+            control,
             sink,
             sink_endpoint,
             timeouts=timeouts,

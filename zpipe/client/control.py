@@ -95,7 +95,15 @@ class ControlChannel:
         # or re-plan the run, so waiting on (a replica's ask could wait 490 s) is a hang.
         self.lost = asyncio.Event()
         self._lose: asyncio.Task[None] | None = None
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # Whether the connection now up finished its ZMTP handshake (None: not known, a
+        # connection made before this watch began): one dropped before it was refused by
+        # whatever listens at the endpoint (say, a PULL that took the coordinator's port
+        # before the coordinator bound it), and libzmq does not connect again after a
+        # refusal: said at once, not only as coordinator_lost a silence later.
+        self._handshaken: bool | None = None
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         self._watcher = asyncio.create_task(self._watch_connection())
 
     async def _watch_connection(self) -> None:
@@ -106,12 +114,25 @@ class ControlChannel:
             except Exception as exc:  # a malformed monitor event must not end the watch
                 log.warning("monitor_event_dropped", error=repr(exc))
                 continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+                continue
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                if self._handshaken is False:
+                    log.warning("coordinator_handshake_refused", endpoint=event["endpoint"],
+                              detail="the peer at this endpoint dropped the connection "
+                              "before a handshake: not a zpipe coordinator (another "
+                              "socket holds its port?), one that refused this client's "
+                              "key, or one that stopped meanwhile")  # fmt: skip
+                self._handshaken = None
                 self.disconnected = True
                 log.warning("coordinator_disconnected", endpoint=event["endpoint"])
                 if self._lose is None or self._lose.done():
                     self._lose = asyncio.create_task(self._lose_after_silence())
-            elif event["event"] == zmq.EVENT_CONNECTED and self.disconnected:
+            elif event["event"] == zmq.EVENT_CONNECTED:
+                self._handshaken = False
+                if not self.disconnected:
+                    continue
                 self.disconnected = False
                 if self._lose is not None:
                     self._lose.cancel()

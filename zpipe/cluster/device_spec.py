@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zpipe._errors import ConfigError
 from zpipe.devices import check_device_text
 
 
@@ -54,3 +55,12 @@ class DeviceSpec:
         if self.slowdown_schedule is not None:
             flags += ["--slowdown-schedule", self.slowdown_schedule]
         return flags
+
+
+def device_spec_of(device: object) -> DeviceSpec:
+    """A device as given: a DeviceSpec, or a name for a plain device."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, str):
+        return DeviceSpec(device)
+    raise ConfigError(f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}")

@@ -30,10 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from zpipe._errors import ConfigError, PipelineError
 from zpipe.client import (
@@ -47,55 +47,22 @@ from zpipe.client import (
     TrainOptions,
     TrainReport,
 )
-from zpipe.cluster.device_spec import DeviceSpec
+from zpipe.cluster.coordinator_process import (
+    ENDPOINT_FILE,
+    CoordinatorStart,
+    StageProcess,
+    coordinator_exit,
+    first_of,
+    registered_now,
+)
+from zpipe.cluster.device_spec import DeviceSpec, device_spec_of
 from zpipe.config import Timeouts
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec, load_layer_sequence
 from zpipe.progress import TerminalProgress
-from zpipe.transport.ports import free_tcp_port
 
 # set (to anything but 0) to launch the processes of every cluster from a zygote
 ZYGOTE_ENV = "ZPIPE_CLUSTER_ZYGOTE"
-
-
-class StageProcess(Protocol):
-    """What the cluster needs of a process: :class:`subprocess.Popen`, or a forked stage."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def send_signal(self, sig: int) -> None: ...
-
-    def kill(self) -> None: ...
-
-
-def _device_spec(device: object) -> DeviceSpec:
-    """A device as given: a DeviceSpec, or a name for a plain device."""
-    if isinstance(device, DeviceSpec):
-        return device
-    if isinstance(device, str):
-        return DeviceSpec(device)
-    raise ConfigError(f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}")
-
-
-def registered_now(processes: Mapping[str, StageProcess], members: list[dict[str, Any]]) -> bool:
-    """Whether no running process of ``processes`` is still represented among the
-    live ``members`` by an older process of its name: a stage killed and started again
-    is counted alive under its name until the coordinator finds the killed one dead,
-    and a run started before the new one registers is refused ("b is not connected")."""
-    by_name = {m["name"]: m for m in members}
-    for name, process in processes.items():
-        member = by_name.get(name)
-        if member is None or process.poll() is not None:
-            continue  # another name (--name in the extra flags), or it exited
-        pid = member.get("info", {}).get("pid")
-        if isinstance(pid, int) and pid != process.pid:
-            return False
-    return True
 
 
 class LocalCluster:
@@ -134,7 +101,7 @@ class LocalCluster:
                 raise ConfigError(f"a cluster needs at least one device, got {devices}")
             specs = [DeviceSpec(f"stage{i}") for i in range(devices)]
         else:
-            specs = [_device_spec(d) for d in devices]
+            specs = [device_spec_of(d) for d in devices]
         names = [d.name for d in specs]
         if len(set(names)) != len(names):
             raise ConfigError(f"device names must be unique, got {names}")
@@ -237,25 +204,43 @@ class LocalCluster:
 
     def start(self) -> None:
         _no_running_loop("start")
-        self._spawn_all()
         try:
+            self._spawn_all()
             self.wait_for_stages(len(self.devices), timeout_s=self.start_timeout_s)
         except BaseException:
             self.stop()
             raise
 
     def _spawn_all(self) -> None:
+        endpoint = self._spawn_coordinator().wait()
+        self._coordinator_listens_at(endpoint)
+        for device in self.devices:
+            self.start_stage(device)
+
+    async def _spawn_all_async(self) -> None:
+        """:meth:`_spawn_all` without blocking the running loop while the coordinator starts."""
+        endpoint = await self._spawn_coordinator().wait_async()
+        self._coordinator_listens_at(endpoint)
+        for device in self.devices:
+            self.start_stage(device)
+
+    def _spawn_coordinator(self) -> CoordinatorStart:
+        """Start the coordinator on a port it picks itself (see
+        :mod:`zpipe.cluster.coordinator_process`: a port picked here can be taken
+        before the coordinator binds it)."""
         if self.log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="zpipe-cluster-")
             self.log_dir = Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        port = free_tcp_port()
-        self.coordinator_endpoint = f"tcp://127.0.0.1:{port}"
+        path = self.log_dir / ENDPOINT_FILE
+        path.unlink(missing_ok=True)  # a kept log directory's, from an earlier cluster
         self._coordinator_args = [
             "-m",
             "zpipe.coordinator",
             "--bind",
-            self.coordinator_endpoint,
+            "tcp://127.0.0.1:0",
+            "--endpoint-file",
+            str(path),
             "--suspect-after",
             str(self.suspect_after),
             "--probe-intervals",
@@ -264,9 +249,15 @@ class LocalCluster:
             *(["--state-dir", str(self.state_dir)] if self.state_dir is not None else []),
             *self._common_flags(),
         ]
-        self._spawn("coordinator", self._coordinator_args)
-        for device in self.devices:
-            self.start_stage(device)
+        process = self._spawn("coordinator", self._coordinator_args)
+        return CoordinatorStart(
+            process, path, lambda: self.logs("coordinator"), self.start_timeout_s
+        )
+
+    def _coordinator_listens_at(self, endpoint: str) -> None:
+        self.coordinator_endpoint = endpoint
+        # a restarted coordinator binds the same port: stages and clients know this one
+        self._coordinator_args[self._coordinator_args.index("--bind") + 1] = endpoint
 
     def restart_coordinator(self) -> StageProcess:
         """Start the coordinator again, on the same endpoint and state directory
@@ -325,11 +316,23 @@ class LocalCluster:
 
         try:
             async with self.client() as client:
-                return await client.wait_for_stages(
-                    count,
-                    timeout_s=timeout_s,
-                    on_alive=registered,
-                    accept=lambda members: registered_now(self.processes, members),
+                waiting = asyncio.ensure_future(
+                    client.wait_for_stages(
+                        count,
+                        timeout_s=timeout_s,
+                        on_alive=registered,
+                        accept=lambda members: registered_now(self.processes, members),
+                    )
+                )
+                # nothing registers once the coordinator has exited: said at once, with
+                # its log, not after the client's coordinator_silence_s or timeout_s
+                exited = asyncio.ensure_future(coordinator_exit(self.processes))
+                await first_of(waiting, exited)
+                if not waiting.cancelled():  # done first (the loser is cancelled)
+                    return waiting.result()
+                raise PipelineError(
+                    f"the coordinator exited with {exited.result()} while {count} stages "
+                    f"were awaited:\n{self.logs('coordinator')}"
                 )
         finally:
             bar.close()
@@ -516,8 +519,8 @@ class AsyncLocalCluster(LocalCluster):
         await asyncio.to_thread(self.stop)
 
     async def start(self) -> None:  # type: ignore[override]
-        self._spawn_all()
         try:
+            await self._spawn_all_async()
             await self._wait_for_stages(len(self.devices), timeout_s=self.start_timeout_s)
         except BaseException:
             await asyncio.to_thread(self.stop)

@@ -1,0 +1,123 @@
+"""A local cluster's coordinator process: where it listens, and whether it still runs.
+
+The coordinator binds a port it picks itself (``--bind tcp://127.0.0.1:0``) and
+writes the endpoint it got to a file (``--endpoint-file``), which the cluster waits
+for before it starts the stages. A port chosen by the cluster and bound by the
+coordinator a second later (once it has started) could be taken meanwhile by any
+socket bound to port 0 on the machine: the client's own sink, a stage's port,
+another program's. The coordinator then failed to bind and exited, and the client,
+connected to whatever held the port (a PULL refuses a DEALER's handshake, and
+libzmq does not try again), waited out ``coordinator_silence_s`` before it said
+``coordinator_lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from zpipe._errors import PipelineError
+
+# how often a starting cluster looks whether the coordinator listens yet
+ENDPOINT_POLL_S = 0.02
+# how often a wait for stages looks whether the coordinator still runs
+EXIT_POLL_S = 0.2
+ENDPOINT_FILE = "coordinator.endpoint"
+
+
+class StageProcess(Protocol):
+    """What the cluster needs of a process: :class:`subprocess.Popen`, or a forked stage."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class CoordinatorStart:
+    """The wait for a just-started coordinator to listen, bounded by ``timeout_s``."""
+
+    def __init__(
+        self, process: StageProcess, path: Path, logs: Callable[[], str], timeout_s: float
+    ) -> None:
+        self.process = process
+        self.path = path
+        self.logs = logs
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+
+    def endpoint(self) -> str | None:
+        """The endpoint the coordinator wrote, None while it has not yet; PipelineError
+        (with its log) when it exited first or the time ran out."""
+        if self.path.exists():
+            endpoint = self.path.read_text().strip()  # written whole: renamed into place
+            if endpoint:
+                return endpoint
+        if self.process.poll() is not None:
+            raise PipelineError(
+                f"the coordinator exited with {self.process.returncode} before it "
+                f"listened:\n{self.logs()}"
+            )
+        if time.monotonic() >= self.deadline:
+            raise PipelineError(
+                f"the coordinator did not listen within {self.timeout_s:g} s:\n{self.logs()}"
+            )
+        return None
+
+    def wait(self) -> str:
+        while (endpoint := self.endpoint()) is None:
+            time.sleep(ENDPOINT_POLL_S)
+        return endpoint
+
+    async def wait_async(self) -> str:
+        while True:
+            endpoint = self.endpoint()
+            if endpoint is not None:
+                return endpoint
+            await asyncio.sleep(ENDPOINT_POLL_S)
+
+
+async def coordinator_exit(processes: Mapping[str, StageProcess]) -> int:
+    """Once the coordinator process exits, its exit status (looked up by name each
+    time: a restarted coordinator replaces the old one)."""
+    while True:
+        returncode = processes["coordinator"].poll()
+        if returncode is not None:
+            return returncode
+        await asyncio.sleep(EXIT_POLL_S)
+
+
+async def first_of(*futures: asyncio.Future[Any]) -> None:
+    """Wait until one of ``futures`` is done; cancel (and await) the others, and all
+    of them when this wait itself is cancelled."""
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in futures:
+            future.cancel()  # nothing to a future that is done
+        await asyncio.gather(*futures, return_exceptions=True)
+
+
+def registered_now(processes: Mapping[str, StageProcess], members: list[dict[str, Any]]) -> bool:
+    """Whether no running process of ``processes`` is still represented among the
+    live ``members`` by an older process of its name: a stage killed and started again
+    is counted alive under its name until the coordinator finds the killed one dead,
+    and a run started before the new one registers is refused ("b is not connected")."""
+    by_name = {m["name"]: m for m in members}
+    for name, process in processes.items():
+        member = by_name.get(name)
+        if member is None or process.poll() is not None:
+            continue  # another name (--name in the extra flags), or it exited
+        pid = member.get("info", {}).get("pid")
+        if isinstance(pid, int) and pid != process.pid:
+            return False
+    return True
