@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from zpipe._errors import PipelineError
 
@@ -26,6 +26,8 @@ ENDPOINT_POLL_S = 0.02
 # how often a wait for stages looks whether the coordinator still runs
 EXIT_POLL_S = 0.2
 ENDPOINT_FILE = "coordinator.endpoint"
+
+T = TypeVar("T")
 
 
 class StageProcess(Protocol):
@@ -94,6 +96,51 @@ async def coordinator_exit(processes: Mapping[str, StageProcess]) -> int:
         if returncode is not None:
             return returncode
         await asyncio.sleep(EXIT_POLL_S)
+
+
+async def unless_coordinator_exits(
+    waiting: asyncio.Future[T],
+    processes: Mapping[str, StageProcess],
+    what: str,
+    logs: Callable[[], str],
+) -> T:
+    """``waiting``'s result, or a :class:`PipelineError` with the coordinator's log
+    (``logs()``, read then) as soon as the coordinator exits first: nothing registers once it
+    has, so the wait should not last the client's ``coordinator_silence_s`` or its
+    own timeout. ``what`` names what was awaited."""
+    exited = asyncio.ensure_future(coordinator_exit(processes))
+    await first_of(waiting, exited)
+    if not waiting.cancelled():  # done first (the loser is cancelled)
+        return waiting.result()
+    raise PipelineError(f"the coordinator exited with {exited.result()} while {what}:\n{logs()}")
+
+
+def coordinator_argv(
+    *,
+    endpoint_file: Path,
+    suspect_after: int,
+    probe_intervals: int,
+    measure_links: bool,
+    state_dir: Path | None,
+    common: list[str],
+) -> list[str]:
+    """The interpreter arguments of a local cluster's coordinator, listening on a port
+    it picks itself and writing it to ``endpoint_file``."""
+    return [
+        "-m",
+        "zpipe.coordinator",
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--endpoint-file",
+        str(endpoint_file),
+        "--suspect-after",
+        str(suspect_after),
+        "--probe-intervals",
+        str(probe_intervals),
+        *([] if measure_links else ["--no-measure-links"]),
+        *(["--state-dir", str(state_dir)] if state_dir is not None else []),
+        *common,
+    ]
 
 
 async def first_of(*futures: asyncio.Future[Any]) -> None:

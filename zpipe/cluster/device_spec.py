@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from zpipe._errors import ConfigError
 from zpipe.devices import check_device_text
@@ -64,3 +65,23 @@ def device_spec_of(device: object) -> DeviceSpec:
     if isinstance(device, str):
         return DeviceSpec(device)
     raise ConfigError(f"a device is a DeviceSpec or a name, got {type(device).__name__} {device!r}")
+
+
+def local_devices(
+    devices: Sequence[DeviceSpec | str] | int, cores: int
+) -> tuple[list[DeviceSpec], int]:
+    """A local cluster's devices as given (how many plain ones, or each as a spec or a
+    name; names unique), and the cores each stage gets: stages that share a machine
+    must not fight over its cores, so a device without its own ``threads`` gets that
+    share."""
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ConfigError(f"a cluster needs at least one device, got {devices}")
+        specs = [DeviceSpec(f"stage{i}") for i in range(devices)]
+    else:
+        specs = [device_spec_of(d) for d in devices]
+    names = [d.name for d in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"device names must be unique, got {names}")
+    per_stage = max(1, cores // max(1, len(specs)))
+    return [d if d.threads is not None else replace(d, threads=per_stage) for d in specs], per_stage

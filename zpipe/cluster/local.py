@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from zpipe._errors import ConfigError, PipelineError
+from zpipe._errors import PipelineError
 from zpipe.client import (
     Batch,
     GenerateOptions,
@@ -51,11 +51,11 @@ from zpipe.cluster.coordinator_process import (
     ENDPOINT_FILE,
     CoordinatorStart,
     StageProcess,
-    coordinator_exit,
-    first_of,
+    coordinator_argv,
     registered_now,
+    unless_coordinator_exits,
 )
-from zpipe.cluster.device_spec import DeviceSpec, device_spec_of
+from zpipe.cluster.device_spec import DeviceSpec, local_devices
 from zpipe.config import Timeouts
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.models import ModelSpec, load_layer_sequence
@@ -96,22 +96,7 @@ class LocalCluster:
         """``allow_factories``: user code (model factories, loss and optimizer
         callables, "package.module:function" or "package.module:*") that the
         processes may import and run for a run's request (``--allow-factory``)."""
-        if isinstance(devices, int):
-            if devices < 1:
-                raise ConfigError(f"a cluster needs at least one device, got {devices}")
-            specs = [DeviceSpec(f"stage{i}") for i in range(devices)]
-        else:
-            specs = [device_spec_of(d) for d in devices]
-        names = [d.name for d in specs]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"device names must be unique, got {names}")
-        cores = os.cpu_count() or 1
-        # Stages that share this machine must not fight over its cores.
-        per_stage = max(1, cores // max(1, len(specs)))
-        self.stage_threads = per_stage
-        self.devices = [
-            d if d.threads is not None else replace(d, threads=per_stage) for d in specs
-        ]
+        self.devices, self.stage_threads = local_devices(devices, os.cpu_count() or 1)
         self.keys_dir = keys_dir
         self.heartbeat_interval_s = heartbeat_interval_s
         self.suspect_after = suspect_after
@@ -212,15 +197,17 @@ class LocalCluster:
             raise
 
     def _spawn_all(self) -> None:
-        endpoint = self._spawn_coordinator().wait()
-        self._coordinator_listens_at(endpoint)
-        for device in self.devices:
-            self.start_stage(device)
+        self._stages_for(self._spawn_coordinator().wait())
 
     async def _spawn_all_async(self) -> None:
         """:meth:`_spawn_all` without blocking the running loop while the coordinator starts."""
-        endpoint = await self._spawn_coordinator().wait_async()
-        self._coordinator_listens_at(endpoint)
+        self._stages_for(await self._spawn_coordinator().wait_async())
+
+    def _stages_for(self, endpoint: str) -> None:
+        """The coordinator listens at ``endpoint``: start every device's stage."""
+        self.coordinator_endpoint = endpoint
+        # a restarted coordinator binds the same port: stages and clients know this one
+        self._coordinator_args[self._coordinator_args.index("--bind") + 1] = endpoint
         for device in self.devices:
             self.start_stage(device)
 
@@ -234,30 +221,18 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / ENDPOINT_FILE
         path.unlink(missing_ok=True)  # a kept log directory's, from an earlier cluster
-        self._coordinator_args = [
-            "-m",
-            "zpipe.coordinator",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--endpoint-file",
-            str(path),
-            "--suspect-after",
-            str(self.suspect_after),
-            "--probe-intervals",
-            str(self.probe_intervals),
-            *([] if self.measure_links else ["--no-measure-links"]),
-            *(["--state-dir", str(self.state_dir)] if self.state_dir is not None else []),
-            *self._common_flags(),
-        ]
+        self._coordinator_args = coordinator_argv(
+            endpoint_file=path,
+            suspect_after=self.suspect_after,
+            probe_intervals=self.probe_intervals,
+            measure_links=self.measure_links,
+            state_dir=self.state_dir,
+            common=self._common_flags(),
+        )
         process = self._spawn("coordinator", self._coordinator_args)
         return CoordinatorStart(
             process, path, lambda: self.logs("coordinator"), self.start_timeout_s
         )
-
-    def _coordinator_listens_at(self, endpoint: str) -> None:
-        self.coordinator_endpoint = endpoint
-        # a restarted coordinator binds the same port: stages and clients know this one
-        self._coordinator_args[self._coordinator_args.index("--bind") + 1] = endpoint
 
     def restart_coordinator(self) -> StageProcess:
         """Start the coordinator again, on the same endpoint and state directory
@@ -324,15 +299,9 @@ class LocalCluster:
                         accept=lambda members: registered_now(self.processes, members),
                     )
                 )
-                # nothing registers once the coordinator has exited: said at once, with
-                # its log, not after the client's coordinator_silence_s or timeout_s
-                exited = asyncio.ensure_future(coordinator_exit(self.processes))
-                await first_of(waiting, exited)
-                if not waiting.cancelled():  # done first (the loser is cancelled)
-                    return waiting.result()
-                raise PipelineError(
-                    f"the coordinator exited with {exited.result()} while {count} stages "
-                    f"were awaited:\n{self.logs('coordinator')}"
+                what = f"{count} stages were awaited"
+                return await unless_coordinator_exits(
+                    waiting, self.processes, what, lambda: self.logs("coordinator")
                 )
         finally:
             bar.close()

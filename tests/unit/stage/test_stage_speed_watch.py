@@ -29,14 +29,16 @@ def _verdicts(watch: StageSpeedWatch, times: list[float], first: int = 0) -> lis
     return out
 
 
-def test_a_tenfold_slowdown_is_reported_at_its_fourth_forward() -> None:
+def test_a_tenfold_slowdown_is_reported_at_its_third_forward() -> None:
     watch = _watch()
     assert _verdicts(watch, [0.1, 0.11, 0.09, 0.1, 0.1, 0.12, 0.1, 0.1]) == []
     slow = [1.0, 1.02, 0.98, 1.01, 1.0, 1.0]
     verdicts = _verdicts(watch, slow, first=8)
     assert len(verdicts) == 1  # a device that stays slow is reported once
     (verdict,) = verdicts
-    assert verdict.step == 11  # the fourth slow forward (8, 9, 10, 11)
+    # the third slow forward (8, 9, 10): each is beyond 4x the factor over the median,
+    # which no host hiccup reaches (ForwardWatch's far rule; a milder step takes four)
+    assert verdict.step == 10
     assert (verdict.run, verdict.name, verdict.plan_epoch, verdict.epoch) == (7, "b", 0, 3)
     assert verdict.ratio == pytest.approx(10.0, rel=0.05)
     assert verdict.baseline_s == pytest.approx(0.1)
