@@ -51,6 +51,7 @@ import torch
 import zmq
 
 from bench._relay_parts import EPOCH, OPTIONS, RUN, running_lifecycle, thread_role
+from bench._transport_counts import OpcodeCounter, mark
 from zpipe.log import configure_logging
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
@@ -64,26 +65,13 @@ from zpipe.transport.sockets import new_context, open_socket
 TIMEOUT_S = 600.0  # valgrind runs tens of times slower: generous, but never unbounded
 
 
-def _mark() -> None:
-    os.getpgrp()
-
-
-class Counts:
-    """Python bytecodes (``--opcodes``) or calls (``--calls``) per function, all threads."""
+class Counts(OpcodeCounter):
+    """Python bytecodes (``--opcodes``, :class:`OpcodeCounter`'s hook) or calls
+    (``--calls``) per function, all threads, switched on and off by :meth:`toggle`."""
 
     def __init__(self, what: str | None) -> None:
+        super().__init__()
         self.what = what
-        self.counts: Counter[str] = Counter()
-        self.on = False
-
-    def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if not self.on:
-            return None
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            code = frame.f_code
-            self.counts[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
-        return self._opcode
 
     def _call(self, frame: FrameType, event: str, arg: Any) -> None:
         if not self.on:
@@ -97,15 +85,15 @@ class Counts:
     def install(self) -> None:
         """Before any thread starts: threads started later inherit the hook."""
         if self.what == "opcodes":
-            threading.settrace(self._opcode)
-            sys.settrace(self._opcode)
+            threading.settrace(self._trace)
+            sys.settrace(self._trace)
         elif self.what == "calls":
             threading.setprofile(self._call)
             sys.setprofile(self._call)
 
     def toggle(self) -> None:
         self.on = not self.on
-        _mark()
+        mark()
 
 
 def feeder(data_in: str, data_out: str, size: int, total: int, window: int) -> None:

@@ -331,9 +331,10 @@ def test_a_slow_stage_answers_the_stall_probe_and_is_not_declared_dead() -> None
 # device to gain 0-26 % from profiles of the bare model (microseconds per layer),
 # and under load the new b, profiled alone and later than a and c, looked slow
 # enough to miss the 5 % its admission asks. Twice as fast, b would have to look
-# twice as slow as it is (a gain of 16 % still) before its admission is in doubt,
-# and the planner still keeps a and c in every plan (b looking up to 2.8 times
-# faster than them).
+# twice as slow as it is (a gain of 16 % still) before its admission is in doubt.
+# Whether a and c both pay their way is less sure: under three busy loops the
+# planner left one of them out of a plan in 6 of 16 runs, so the test below asks
+# only about b.
 _SLOW = DeviceSpec("slow", slowdown=20.0, threads=1)
 _FAST = DeviceSpec("fast", slowdown=10.0, threads=1)
 
@@ -389,7 +390,8 @@ def test_a_stage_that_restarts_is_replaced_then_taken_back_into_the_plan() -> No
     assert [e["stage"] for e in _events(log, "stage_dead")] == ["b"]
     # ...and the new one joined the run at the next replica, the planner predicting
     # a shorter round with it
-    # (on a loaded machine the first plan may leave c out, so c can be a newcomer too)
+    # (on a loaded machine the first plan may leave a slow device out, so it can be a
+    # newcomer too)
     considered = _events(log, "admission_considered")
     assert any("b" in event["newcomers"] for event in considered)
     # b came back into the run at a replica after it registered again (measured speeds
