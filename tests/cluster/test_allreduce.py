@@ -26,6 +26,7 @@ import zmq.asyncio
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.protocol.data_plane import AllReduce
 from zpipe.stage.data_parallel import RingAllReduce
+from zpipe.stage.data_parallel.ring_links import ring_allow_list
 from zpipe.training.ring import (
     KIND,
     ExpectedMessage,
@@ -457,14 +458,16 @@ async def test_curve_ring_with_own_authenticators(keys_dir: Path) -> None:
 async def test_curve_refuses_a_well_formed_message_from_another_allowed_key(
     keys_dir: Path,
 ) -> None:
-    """An authenticator shared with the stage may allow more keys than the ring's
-    previous rank; the ring still accepts only the previous rank's key."""
+    """An authenticator shared with the stage may allow more keys on the ring's ZAP
+    domain than the ring's previous rank (another ring's, say); the ring still accepts
+    only the previous rank's key."""
     pairs = [security.load_keypair(keys_dir, name) for name in ("r0", "r1", "intruder")]
     publics = [pairs[0].public, pairs[1].public]
     contexts = [new_context(), new_context()]
     intruder_ctx = new_context()
-    shared_allow = security.PeerAllowList({"intruder": pairs[2].public})
-    auth0 = security.CurveAuthenticator(contexts[0], shared_allow)
+    auth0 = security.CurveAuthenticator(contexts[0], security.PeerAllowList())
+    shared_allow = ring_allow_list(auth0)
+    shared_allow.allow(pairs[2].public, "intruder")
     auth0.start()
     intruder = open_socket(intruder_ctx, zmq.PUSH)
     try:
