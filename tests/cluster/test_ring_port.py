@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,8 +38,8 @@ from zpipe.stage.data_parallel import RingPort
 from zpipe.stage.data_parallel.ring_links import ring_allow_list
 from zpipe.stage.executors.training_plane import RingSockets, prepare_training, training_setup
 from zpipe.transport import security
-from zpipe.transport.sockets import SocketOptions, new_context, open_socket, recv_frames, send
 from zpipe.transport.codec import Message
+from zpipe.transport.sockets import SocketOptions, new_context, open_socket, recv_frames, send
 
 
 @pytest.fixture
@@ -65,8 +66,7 @@ def test_a_group_trains_when_the_ring_port_it_would_have_picked_is_taken(
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import zpipe.transport.ports as ports\n"
-        f"ports.free_tcp_port = lambda *_: {squatted_port}\n"
+        f"import zpipe.transport.ports as ports\nports.free_tcp_port = lambda *_: {squatted_port}\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), *sys.path]))
     plan = TrainingPlan.from_dict(
@@ -177,7 +177,7 @@ def test_a_secured_ring_port_needs_the_previous_rank_key(keys_dir: Path) -> None
         context.term()
 
 
-def _assigned(rank: int, group_keys: list[str | None] | None) -> tuple[Assignment, dict]:
+def _assigned(rank: int, group_keys: list[str | None] | None) -> tuple[Assignment, dict[str, Any]]:
     names = ["r0", "r1"]
     group: dict[str, object] = {"names": names, "shares": [1, 1], "rank": rank}
     if group_keys is not None:
