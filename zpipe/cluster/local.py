@@ -446,7 +446,7 @@ class LocalCluster:
         process.send_signal(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
             process.wait(timeout=30)
-            if name == "coordinator" and self.coordinator_endpoint:
+            if name == "coordinator" and self.coordinator_endpoint and not self._port_hold:
                 self._port_hold = PortHold(self.coordinator_endpoint)  # for a restart
 
     def logs(self, name: str) -> str:
