@@ -103,7 +103,8 @@ class CoordinatorStart:
 
 
 class PortHold:
-    """A TCP port held (bound, not listening) while its coordinator is down."""
+    """A TCP port held (bound, not listening) while its coordinator is down, or before
+    it starts: ``tcp://HOST:0`` holds any free port (:attr:`endpoint` then names it)."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -126,6 +127,8 @@ class PortHold:
             self.error = exc
             return False
         self._socket, self.error = hold, None
+        if port == 0:  # the one the system gave
+            self.endpoint = f"{self.endpoint.rsplit(':', 1)[0]}:{hold.getsockname()[1]}"
         return True
 
     def check(self) -> None:
