@@ -83,7 +83,12 @@ def repartition_settings(request: RunRequest | None) -> RepartitionSettings | No
     if train.get("schedule") == ASYNC_SCHEDULE:
         if not AsyncSettings.from_dict(train.get("async")).vertical_sync:
             raise ConfigError("a live re-partition needs vertical sync (the versions it moves)")
-    return RepartitionSettings.from_dict(given)
+    settings = RepartitionSettings.from_dict(given)
+    if settings.leave_out:
+        # the decision exists (zpipe.training.repartition); the move that re-wires the
+        # chain without the device does not yet
+        raise ConfigError("repartition leave_out is not carried out by this coordinator yet")
+    return settings
 
 
 def plan_bounds(plan: TrainingPlan) -> tuple[list[str], list[int]]:
