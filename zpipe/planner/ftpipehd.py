@@ -86,6 +86,7 @@ def ftpipehd_partition(
     leave_out: bool = False,
     leave_out_gain: float = 0.0,
     pair_bandwidths_bps: Mapping[tuple[int, int], float] | None = None,
+    keep_ends: bool = False,
 ) -> FTPipeHDPartition:
     """The cut points that minimize eq. 5's period.
 
@@ -99,7 +100,9 @@ def ftpipehd_partition(
     workers that take part are chosen too (see the module notes), a partition with
     fewer taken only when its period is shorter than everyone's by more than
     ``leave_out_gain``; ``pair_bandwidths_bps``: ``{(i, k): B}`` for non-consecutive
-    workers ``i < k`` whose link was measured (default: the slowest hop between).
+    workers ``i < k`` whose link was measured (default: the slowest hop between);
+    ``keep_ends``: the first and last workers always take part (a pipeline whose
+    feed and sink are wired to them).
     """
     units = _check_positive("reference_unit_s", reference_unit_s, allow_zero=True)
     if capacities is None:
@@ -175,7 +178,7 @@ def ftpipehd_partition(
     everyone = FTPipeHDPartition(tuple(bounds), best[n - 1][total - 1], stage_s, link_s)
     if not leave_out or n == 1:
         return everyone
-    fewer = _with_workers_left_out(compute, units, sizes, links, pairs)
+    fewer = _with_workers_left_out(compute, units, sizes, links, pairs, keep_ends=keep_ends)
     if len(fewer.workers) < n and fewer.period_s < everyone.period_s * (1.0 - leave_out_gain):
         return fewer
     return everyone
@@ -187,6 +190,8 @@ def _with_workers_left_out(
     sizes: Sequence[float],
     links: Sequence[float],
     pairs: Mapping[tuple[int, int], float],
+    *,
+    keep_ends: bool,
 ) -> FTPipeHDPartition:
     """Eq. 5 over the units and which workers take part (the module notes' ``B``)."""
     n, total = len(links) + 1, len(units)
@@ -199,7 +204,11 @@ def _with_workers_left_out(
         return 2.0 * sizes[unit] / bandwidth(a, b) if sizes[unit] else 0.0
 
     # best[k][j]: B(j, k); came[k][j]: (k', l) it came from, (-1, -1): k alone
-    best = [[compute(k, 0, j) for j in range(total)] for k in range(n)]
+    # a worker alone at the front: any, or worker 0 only when the ends are kept
+    best = [
+        [compute(k, 0, j) if k == 0 or not keep_ends else math.inf for j in range(total)]
+        for k in range(n)
+    ]
     came = [[(-1, -1)] * total for _ in range(n)]
     for k in range(1, n):
         for j in range(1, total):
@@ -208,7 +217,8 @@ def _with_workers_left_out(
                     value = max(best[before][l], link(before, k, l), compute(k, l + 1, j))
                     if value < best[k][j]:
                         best[k][j], came[k][j] = value, (before, l)
-    last = min(range(n), key=lambda k: (best[k][total - 1], -k))
+    ends = [n - 1] if keep_ends else range(n)
+    last = min(ends, key=lambda k: (best[k][total - 1], -k))
     workers, bounds = [last], [total]
     k, j = last, total - 1
     while came[k][j][0] >= 0:
@@ -234,6 +244,7 @@ def repartition_from_measurements(
     bandwidths_bps: Sequence[float] | None = None,
     leave_out: bool = False,
     leave_out_gain: float = 0.0,
+    keep_ends: bool = False,
 ) -> FTPipeHDPartition:
     """FTPipeHD's re-partition: each worker's capacity from its measured time per
     batch over its current units ``[bounds[i], bounds[i + 1])`` (eqs. 1-3), then the
@@ -252,4 +263,5 @@ def repartition_from_measurements(
         bandwidths_bps=bandwidths_bps,
         leave_out=leave_out,
         leave_out_gain=leave_out_gain,
+        keep_ends=keep_ends,
     )

@@ -184,6 +184,7 @@ def decide_repartition(
             fixed_s=list(own.values()),
             leave_out=settings.leave_out,
             leave_out_gain=settings.gain,
+            keep_ends=True,  # the client's feed and sink are wired to the ends
         )
     elif measured:
         best = repartition_from_measurements(
@@ -195,6 +196,7 @@ def decide_repartition(
             bandwidths_bps=bandwidths_bps,
             leave_out=settings.leave_out,
             leave_out_gain=settings.gain,
+            keep_ends=True,  # the client's feed and sink are wired to the ends
         )
         caps = dict(
             zip(devices, _capacities(times, devices, current, reference_unit_s), strict=True)

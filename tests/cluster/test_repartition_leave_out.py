@@ -1,0 +1,84 @@
+"""A live re-partition that leaves a device out (eq. 5's ``l = j``), on real stage
+processes over loopback: the run finishes on one stage fewer and computes what the
+same run without the leave-out computes (vertical sync, the run's depth kept)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.models import ModelSpec
+from zpipe.training.async_reference import train_async_reference
+
+SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 20, 4], "activation": "gelu"}, seed=5)
+ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
+
+
+def make_batches(count: int, size: int = 4, *, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 12, generator=g), torch.randint(0, 4, (size,), generator=g))
+            for _ in range(count)]  # fmt: skip
+
+
+def _logged(text: str, event: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            out.append(record)
+    return out
+
+
+@pytest.fixture(scope="module")
+def slow_middle() -> Iterator[LocalCluster]:
+    # lb computes 60 times slower: even one unit there costs more than the other two
+    # devices running all five units between them
+    devices = [DeviceSpec("la"), DeviceSpec("lb", slowdown=60.0), DeviceSpec("lc")]
+    with LocalCluster(devices, heartbeat_interval_s=0.5, log_level="info") as running:
+        yield running
+
+
+def test_a_device_too_slow_for_one_unit_is_left_out_and_the_run_stays_exact(
+    slow_middle: LocalCluster,
+) -> None:
+    cluster = slow_middle
+    batches = make_batches(12, 5, seed=11)
+    report = cluster.fit(
+        SPEC,
+        batches,
+        optimizer=ADAM,
+        num_microbatches=1,
+        schedule="async-1f1b",
+        partition=[[0, 2], [2, 3], [3, 5]],
+        repartition={"first": 4, "every": 100, "gain": 0.1, "leave_out": True},
+        progress=False,
+    )
+    assert report.steps == len(batches)
+    looks = report.repartitions
+    assert [r["at"] for r in looks] == [4]
+    look = looks[0]
+    assert look["moved"] and look["devices"] == ["la", "lc"], look
+    # one stage fewer after the move: two stages' cuts, each kept stage holding its units
+    assert len(look["bounds"]) == 3 and look["plan_epoch"] == 1
+    assert set(look["held"]) == {"la", "lc"}
+    a, b, c = look["bounds"]
+    assert look["held"] == {"la": [a, b], "lc": [b, c]}
+    # lb stays registered and idle: it prepared (its snapshot gave its unit away) and
+    # got no commit
+    lb = cluster.logs("lb")
+    assert [e["step"] for e in _logged(lb, "repartition_prepared")] == [4]
+    assert _logged(lb, "repartition_committed") == []
+    # what the same run computes without the leave-out (the move changes nothing)
+    want = train_async_reference(SPEC, batches, bounds=[0, 2, 3, 5], optimizer=ADAM)
+    assert report.losses == want.losses
+    assert set(report.state_dict) == set(want.state_dict)
+    for key, value in want.state_dict.items():
+        assert torch.equal(report.state_dict[key], value), key
