@@ -42,7 +42,9 @@ def slow_middle() -> Iterator[LocalCluster]:
     # lb computes 60 times slower: even one unit there costs more than the other two
     # devices running all five units between them
     devices = [DeviceSpec("la"), DeviceSpec("lb", slowdown=60.0), DeviceSpec("lc")]
-    with LocalCluster(devices, heartbeat_interval_s=0.5, log_level="info") as running:
+    with LocalCluster(
+        devices, heartbeat_interval_s=0.5, suspect_after=6, probe_intervals=4, log_level="info"
+    ) as running:
         yield running
 
 
@@ -82,3 +84,44 @@ def test_a_device_too_slow_for_one_unit_is_left_out_and_the_run_stays_exact(
     assert set(report.state_dict) == set(want.state_dict)
     for key, value in want.state_dict.items():
         assert torch.equal(report.state_dict[key], value), key
+
+
+def test_a_stage_that_dies_after_a_leave_out_is_recovered_exactly(
+    slow_middle: LocalCluster,
+) -> None:
+    cluster = slow_middle
+    batches = make_batches(12, 5, seed=13)
+    since = len(cluster.logs("coordinator"))
+    killed: list[str] = []
+
+    def on_step(step: int, _loss: float) -> None:
+        if step == 6 and not killed:
+            killed.append("lc")
+            cluster.kill("lc")
+
+    try:
+        # the look before 4 leaves lb out (a replica follows the move there); lc, the
+        # last stage of the shorter chain, dies after 6: the run resumes from 4
+        report = cluster.fit(
+            SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
+            partition=[[0, 2], [2, 3], [3, 5]], progress=False, recover=True,
+            replicate_every=4, on_step=on_step,
+            repartition={"first": 4, "every": 100, "gain": 0.1, "leave_out": True},
+        )  # fmt: skip
+    finally:
+        assert killed == ["lc"]
+        cluster.start_stage(DeviceSpec("lc"))
+        cluster.wait_for_stages(3, timeout_s=120)
+    assert report.steps == len(batches)
+    log = cluster.logs("coordinator")[since:]
+    moved = _logged(log, "repartitioned")
+    assert len(moved) == 1 and moved[0]["step"] == 4 and len(moved[0]["bounds"]) == 3
+    (recovery,) = report.recoveries
+    assert (recovery["dead"], recovery["resumed_from"], recovery["depth"]) == ("lc", 4, 3)
+    # the survivors of the shorter chain: lb, left out, is not taken back by the recovery
+    assert report.training_plan is not None and list(report.training_plan.devices) == ["la"]
+    # vertical sync and the depth kept through both: the run without either
+    want = train_async_reference(SPEC, batches, bounds=[0, 2, 3, 5], optimizer=ADAM)
+    assert report.losses == pytest.approx(want.losses, rel=1e-6)
+    for key, value in want.state_dict.items():
+        torch.testing.assert_close(report.state_dict[key], value, rtol=1e-6, atol=1e-7)
