@@ -210,15 +210,19 @@ def _with_workers_left_out(
         for k in range(n)
     ]
     came = [[(-1, -1)] * total for _ in range(n)]
+    # workers taking part: of two pipelines with the same period, the one with more
+    # (the fewer devices left idle)
+    count = [[1] * total for _ in range(n)]
     for k in range(1, n):
         for j in range(1, total):
             for before in range(k):
                 for l in range(j):  # noqa: E741 - the paper's name
                     value = max(best[before][l], link(before, k, l), compute(k, l + 1, j))
-                    if value < best[k][j]:
-                        best[k][j], came[k][j] = value, (before, l)
+                    more = count[before][l] + 1
+                    if value < best[k][j] or (value == best[k][j] and more > count[k][j]):
+                        best[k][j], came[k][j], count[k][j] = value, (before, l), more
     ends = [n - 1] if keep_ends else range(n)
-    last = min(ends, key=lambda k: (best[k][total - 1], -k))
+    last = min(ends, key=lambda k: (best[k][total - 1], -count[k][total - 1], -k))
     workers, bounds = [last], [total]
     k, j = last, total - 1
     while came[k][j][0] >= 0:

@@ -225,3 +225,26 @@ def test_a_skipped_worker_s_link_is_the_slower_of_the_two_it_replaces() -> None:
 def test_bad_leave_out_settings_are_refused(kwargs: dict[str, object], error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         ftpipehd_partition([1.0] * 4, capacities=[1.0] * 3, leave_out=True, **kwargs)  # type: ignore[arg-type]
+
+
+def test_kept_ends_leave_out_middle_workers_only() -> None:
+    # the headline's capacities: free to choose, eq. 5 keeps d0 and d2 (d3, the last,
+    # out too); with the ends kept (the client's feed and sink) d1 alone is left out
+    caps = [0.0019, 0.0418, 0.0188, 0.0261]
+    fixed = [c * 1.18 for c in caps]
+    free = ftpipehd_partition([1.0] * 24, capacities=caps, fixed_s=fixed, leave_out=True)
+    assert free.workers == (0, 2)
+    ends = ftpipehd_partition(
+        [1.0] * 24, capacities=caps, fixed_s=fixed, leave_out=True, keep_ends=True
+    )
+    assert ends.workers == (0, 2, 3) and ends.bounds == (0, 22, 23, 24)
+    assert ends.period_s == pytest.approx(0.0569, abs=1e-4)
+    # a slow first worker is never left out with the ends kept
+    slow_first = ftpipehd_partition(
+        [1.0] * 6, capacities=[50.0, 1.0, 1.0], fixed_s=[50.0, 1.0, 1.0], leave_out=True,
+        keep_ends=True,
+    )  # fmt: skip
+    assert slow_first.workers == (0, 1, 2)
+    assert ftpipehd_partition(
+        [1.0] * 6, capacities=[50.0, 1.0, 1.0], fixed_s=[50.0, 1.0, 1.0], leave_out=True
+    ).workers == (1, 2)
