@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 from zpipe.training.async_reference import train_async_reference
+from zpipe.transport import security
 
 SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 20, 4], "activation": "gelu"}, seed=5)
 ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
@@ -125,3 +127,29 @@ def test_a_stage_that_dies_after_a_leave_out_is_recovered_exactly(
     assert report.losses == pytest.approx(want.losses, rel=1e-6)
     for key, value in want.state_dict.items():
         torch.testing.assert_close(report.state_dict[key], value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def secure_slow_middle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    keys = tmp_path_factory.mktemp("keys") / "trusted"
+    security.generate_keys(keys, ["coordinator", "client", "la", "lb", "lc"])
+    devices = [DeviceSpec("la"), DeviceSpec("lb", slowdown=60.0), DeviceSpec("lc")]
+    with LocalCluster(devices, keys_dir=Path(keys), heartbeat_interval_s=0.5) as running:
+        yield running
+
+
+def test_a_leave_out_under_curve_admits_the_new_neighbours_before_the_commit(
+    secure_slow_middle: LocalCluster,
+) -> None:
+    # la and lc were not neighbours: each admits the other's key at the move's fetch,
+    # before either commits and connects (a refused handshake is not tried again)
+    batches = make_batches(10, 5, seed=3)
+    report = secure_slow_middle.fit(
+        SPEC, batches, optimizer=ADAM, num_microbatches=1, schedule="async-1f1b",
+        partition=[[0, 2], [2, 3], [3, 5]], progress=False,
+        repartition={"first": 3, "every": 100, "gain": 0.1, "leave_out": True},
+    )  # fmt: skip
+    assert report.steps == len(batches)
+    assert [(r["at"], r.get("devices")) for r in report.repartitions] == [(3, ["la", "lc"])]
+    want = train_async_reference(SPEC, batches, bounds=[0, 2, 3, 5], optimizer=ADAM)
+    assert report.losses == want.losses

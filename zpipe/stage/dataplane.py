@@ -233,6 +233,19 @@ class DataPlane:
         training.rewire(setup, peers)
         self._lifecycle.rerouted(_route(training.assignment))
 
+    def allow_senders(self, peers: dict[str, tuple[str, str | None]]) -> None:
+        """Admit ``peers`` (new neighbours after a leave-out: endpoint and key) on the
+        data port from now on, besides those admitted already: done at the move's
+        fetch, before any stage commits and connects (a refused CURVE handshake is
+        not retried)."""
+        if self._keys.data_allow is not None:
+            for name, (_, key) in peers.items():
+                if key:
+                    self._keys.data_allow.allow(key.encode(), name)
+        addresses = self._keys.data_addresses
+        if addresses is not None and not addresses.admits_any:
+            addresses.admit(peer_addresses([e for e, _ in peers.values()], self._data_endpoint))
+
     def _connect_downstream(self, assignment: Assignment) -> None:
         if self._downstream is not None:
             self._downstream.close(linger=0)

@@ -517,7 +517,10 @@ class LiveRepartitioning:
                 if entry["from"] != dest:
                     entry["endpoint"] = str(members[entry["from"]].info["probe_endpoint"])
                     entry["key"] = owner.key_of(entry["from"])
-        per_device = {d: PhaseAsk("fetch", bounds=list(bounds), fetch=fetches.get(d, []))
+        # a leave-out: each stage kept admits its new neighbours before anyone commits
+        chains = {} if kept is None else self._chain_commits(members, kept, list(bounds), 0)
+        per_device = {d: PhaseAsk("fetch", bounds=list(bounds), fetch=fetches.get(d, []),
+                                  chain=chains[d].chain if d in chains else None)
                       for d in devices}  # fmt: skip
         yield from self.ask(members, devices, step, per_device)
 

@@ -93,6 +93,7 @@ class StageRepartition:
         request: RepartitionRequest,
         trainer: TrainingExecutor | None,
         rewire: Rewire | None = None,
+        allow: Allow | None = None,
     ) -> RepartitionReply:
         run, step, phase = request.run, request.step, request.phase
         metrics: dict[str, Any] | None = None
@@ -118,6 +119,10 @@ class StageRepartition:
             elif phase == "fetch":
                 bounds = _bounds(request)
                 entries = list(request.fetch or [])
+                if request.chain is not None and allow is not None:
+                    # a leave-out's new neighbours, admitted before anyone commits and
+                    # connects (a refused CURVE handshake is not tried again)
+                    allow(_chain(trainer, request.chain)[1])
                 state = await self._snapshots.fetched_state(entries)
                 self._fetched = (run, step, bounds, state)
                 log.info("repartition_fetched", stage=self.name, run=run, step=step,
@@ -251,6 +256,8 @@ def _bounds(request: RepartitionRequest) -> tuple[int, ...]:
 
 # a re-partition that leaves a device out re-wires the stage's data plane with it
 Rewire = Callable[[TrainingSetup, dict[str, tuple[str, str | None]]], None]
+# and admits its new neighbours on its data port, at the fetch (before any commit)
+Allow = Callable[[dict[str, tuple[str, str | None]]], None]
 
 
 def _chain(
