@@ -728,13 +728,14 @@ def one_setup(
         },
     )
     # the bound the stages' own costs leave after the change, from the last look's fit
+    # (one that measured every device: PipeDream's even cuts are over all four, and a
+    # look after a leave-out measured the devices kept only)
     last = next((r for r in reversed(ftpipehd[0].repartitions) if any(
-        (r.get("fixed_s") or {}).values())), None)  # fmt: skip
+        (r.get("fixed_s") or {}).values()) and set(names) <= set(r.get("capacities") or {})),
+        None)  # fmt: skip
     fitted = None
     if last is not None:
-        # the look's devices (after a leave-out: the devices kept)
-        used = [d for d in names if d in last["capacities"]]
-        cap, own = [last["capacities"][d] for d in used], [last["fixed_s"][d] for d in used]
+        cap, own = [last["capacities"][d] for d in names], [last["fixed_s"][d] for d in names]
         held = [b - a for a, b in itertools.pairwise(last["current"])]
         # a reference unit's seconds: the look's period is its slowest stage's
         # F_i + C_i * r * k_i, and no stage is slower (the units taken as equal)
