@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq.asyncio
 
+from zpipe._errors import PipelineError
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.protocol.stage_control import Assign
@@ -30,7 +31,7 @@ from zpipe.stage.commands import Command, ConnectAssignment, DropMessage
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
-from zpipe.stage.executors.sync_training import TrainingExecutor
+from zpipe.stage.executors.sync_training import TrainingExecutor, TrainingSetup
 from zpipe.stage.executors.training_plane import (
     RingSockets,
     TrainingPlane,
@@ -242,6 +243,29 @@ class DataPlane:
         log.info("connected", stage=self.config.name, run=run, epoch=assignment.epoch,
                  downstream=assignment.downstream)  # fmt: skip
         return commands
+
+    def rewire(self, setup: TrainingSetup, peers: dict[str, tuple[str, str | None]]) -> None:
+        """A re-partition left a device out (:mod:`zpipe.stage.executors.
+        async_repartition`): the training's new place in the chain, its new
+        neighbours' sockets, and who may send it data from here on."""
+        training = self._training
+        if training is None:
+            raise PipelineError("no training assignment runs here to re-wire")
+        training.rewire(setup, peers)
+        self._lifecycle.rerouted(_route(training.assignment))
+
+    def allow_senders(self, peers: dict[str, tuple[str, str | None]]) -> None:
+        """Admit ``peers`` (new neighbours after a leave-out: endpoint and key) on the
+        data port from now on, besides those admitted already: done at the move's
+        fetch, before any stage commits and connects (a refused CURVE handshake is
+        not retried)."""
+        if self._keys.data_allow is not None:
+            for name, (_, key) in peers.items():
+                if key:
+                    self._keys.data_allow.allow(key.encode(), name)
+        addresses = self._keys.data_addresses
+        if addresses is not None and not addresses.admits_any:
+            addresses.admit(peer_addresses([e for e, _ in peers.values()], self._data_endpoint))
 
     def _connect_downstream(self, assignment: Assignment) -> None:
         if self._downstream is not None:

@@ -295,6 +295,15 @@ class TrainingPlane:
             )
             trainer.report_speed = self._copy_routes.to_coordinator
 
+    def rewire(self, setup: TrainingSetup, peers: dict[str, tuple[str, str | None]]) -> None:
+        """A re-partition left a device out: ``setup`` from here on, and a PUSH to each
+        new neighbour of ``peers`` (those already open stay)."""
+        self.setup = self.assignment.training = setup
+        for name, (endpoint, key) in peers.items():
+            if name not in self._peers:
+                self._peers[name] = self._connector(endpoint, key, name)
+                self.assignment.peers[name] = (endpoint, key)
+
     async def _queue_send(self, target: str, message: Outgoing) -> None:
         self._outbox.put_nowait((target, message.mb, message.to_message()))
 
