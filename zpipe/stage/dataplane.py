@@ -32,7 +32,12 @@ from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
 from zpipe.stage.executors.sync_training import TrainingExecutor, TrainingSetup
-from zpipe.stage.executors.training_plane import TrainingPlane, prepare_training, training_setup
+from zpipe.stage.executors.training_plane import (
+    RingSockets,
+    TrainingPlane,
+    prepare_training,
+    training_setup,
+)
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle
 from zpipe.stage.live_copies import CopyRoutes
 from zpipe.stage.metrics import StageCounters
@@ -92,6 +97,9 @@ class DataPlane:
         self._training: TrainingPlane | None = None
         self._retired_training: TrainingPlane | None = None  # its sockets still drain
         self._timeline_run: int | None = None  # the run the counters' timeline belongs to
+        self._ring_sockets = RingSockets(
+            context, config.socket_options, keys.keypair, keys.authenticator
+        )
 
     @property
     def trainer(self) -> TrainingExecutor | None:
@@ -111,8 +119,9 @@ class DataPlane:
         log.info("assignment_received", stage=name, run=run, epoch=epoch, start=message.start,
                  end=message.end, downstream=message.downstream)  # fmt: skip
         await self.stop()
-        self._pending = None
+        self._discard_pending()
         started = time.monotonic()
+        built = None
         try:
             built = await self._builder.build(
                 message,
@@ -120,7 +129,11 @@ class DataPlane:
                     m, name=name, wait_s=self.config.timeouts.result_s
                 ),
                 prepare_training=lambda a, train: prepare_training(
-                    a, train, data_endpoint=self._data_endpoint, data_bind=self.config.data_bind
+                    a,
+                    train,
+                    data_endpoint=self._data_endpoint,
+                    data_bind=self.config.data_bind,
+                    ring_sockets=self._ring_sockets,
                 ),
                 fetch_state=self._fetch_state,
             )
@@ -134,6 +147,8 @@ class DataPlane:
                 )
             await self._apply_data_limits(ModelSpec.from_dict(message.model))
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
+            if built is not None:
+                built.assignment.release_ring_port()
             log.error("assignment_failed", stage=name, run=run, error=str(exc))
             return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))
         self._pending = built.assignment
@@ -148,6 +163,12 @@ class DataPlane:
             ring_endpoint=built.assignment.ring_endpoint,
             max_message_bytes=limits.max_message_bytes if limits is not None else None,
         )
+
+    def _discard_pending(self) -> None:
+        """Forget the assignment built and never connected, and close its ring port."""
+        if self._pending is not None:
+            self._pending.release_ring_port()
+            self._pending = None
 
     async def _apply_data_limits(self, spec: ModelSpec) -> None:
         """Give the data port the receive limits of this assignment's model before any
@@ -322,6 +343,7 @@ class DataPlane:
 
     async def close(self) -> None:
         await self.stop()
+        self._discard_pending()
         if self._retired_training is not None:
             self._retired_training.release_peers()
             self._retired_training = None
