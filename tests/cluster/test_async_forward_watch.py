@@ -18,13 +18,13 @@ whole run does.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from tests._support.log_events import logged as _logged
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 
@@ -35,18 +35,6 @@ SPEC = ModelSpec("mlp", {"dims": [12, 512, 512, 512, 512, 512, 4], "activation":
 FACTOR = 3.0  # the watch's: the slowdown is 100x, so noise of a loaded host stays under it
 AFTER_RELAY = 20  # mini-batches fed once the coordinator relayed the verdict
 CAP_S = 240.0  # the whole run's cap (the old code never looks: the test fails there)
-
-
-def _logged(text: str, event: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == event:
-            out.append(record)
-    return out
 
 
 def _relayed_from(cluster: LocalCluster, stage: str) -> list[dict[str, Any]]:

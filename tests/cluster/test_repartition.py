@@ -7,7 +7,6 @@ flushed pipeline's units between stages must not change what it computes.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._support.log_events import logged as _logged
 from zpipe._errors import ConfigError, PipelineError, ProtocolError
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
@@ -413,19 +413,6 @@ def test_a_real_change_is_taken_at_once_and_forgets_what_cuts_measured() -> None
 
 
 # ---------------------------------------------------------------- a real pipeline
-
-
-def _logged(text: str, event: str) -> list[dict[str, Any]]:
-    """The JSON log lines of ``event``."""
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == event:
-            out.append(record)
-    return out
 
 
 def test_cluster_async_run_repartitions_live_and_equals_the_reference(

@@ -4,14 +4,13 @@ same run without the leave-out computes (vertical sync, the run's depth kept).""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from tests._support.log_events import logged as _logged
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec
 from zpipe.training.async_reference import train_async_reference
@@ -25,18 +24,6 @@ def make_batches(count: int, size: int = 4, *, seed: int = 0) -> list[tuple[torc
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(size, 12, generator=g), torch.randint(0, 4, (size,), generator=g))
             for _ in range(count)]  # fmt: skip
-
-
-def _logged(text: str, event: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == event:
-            out.append(record)
-    return out
 
 
 @pytest.fixture(scope="module")

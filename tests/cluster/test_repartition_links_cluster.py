@@ -5,31 +5,18 @@ and tests/unit/coordinator/test_repartition_links_flow.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 from itertools import pairwise
-from typing import Any
 
 import torch
 
+from tests._support.log_events import logged as _logged
 from zpipe.cluster import LocalCluster
 from zpipe.models import ModelSpec
 
 SPEC = ModelSpec("mlp", {"dims": [12, 24, 24, 24, 20, 4], "activation": "gelu"}, seed=5)
 ADAM = {"name": "adam", "lr": 0.01, "betas": [0.8, 0.99]}
 DEADLINE_S = 60.0  # the probes run after the looks, in the background
-
-
-def _logged(text: str, event: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == event:
-            out.append(record)
-    return out
 
 
 def test_a_planned_async_run_probes_its_links_again_after_a_look(cluster: LocalCluster) -> None:
