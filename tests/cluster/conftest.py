@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import zmq
 
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.cluster.local import ZYGOTE_ENV
@@ -68,3 +69,18 @@ def fast_recovery(async_recovery_cluster: LocalCluster) -> FastRecoveryRun:
     from tests._support.async_fast_recovery import FastRecoveryRun
 
     return FastRecoveryRun(async_recovery_cluster)
+
+
+@pytest.fixture
+def squatted_port() -> Iterator[int]:
+    """A port held by a PULL socket of this process, as a client's sink holds one (the
+    port-race tests: a process must not be handed a port picked before it binds)."""
+    context = zmq.Context()
+    squatter = context.socket(zmq.PULL)
+    squatter.setsockopt(zmq.LINGER, 0)
+    port = squatter.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield port
+    finally:
+        squatter.close()
+        context.term()

@@ -19,27 +19,12 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
 
 from zpipe._errors import PipelineError
 from zpipe.cluster import AsyncLocalCluster, DeviceSpec, LocalCluster
-
-
-@pytest.fixture
-def squatted_port() -> Iterator[int]:
-    """A port held by a PULL socket of this process, as the client's sink holds one."""
-    context = zmq.Context()
-    squatter = context.socket(zmq.PULL)
-    squatter.setsockopt(zmq.LINGER, 0)
-    port = squatter.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        yield port
-    finally:
-        squatter.close()
-        context.term()
 
 
 def test_cluster_starts_when_the_port_it_would_have_picked_is_taken(

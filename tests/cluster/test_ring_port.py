@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +39,6 @@ from zpipe.stage.executors.training_plane import RingSockets, prepare_training, 
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.sockets import SocketOptions, new_context, open_socket, recv_frames, send
-
-
-@pytest.fixture
-def squatted_port() -> Iterator[int]:
-    """A port held by a PULL socket of this process, as a client's sink holds one."""
-    context = zmq.Context()
-    squatter = context.socket(zmq.PULL)
-    squatter.setsockopt(zmq.LINGER, 0)
-    port = squatter.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        yield port
-    finally:
-        squatter.close()
-        context.term()
 
 
 def test_a_group_trains_when_the_ring_port_it_would_have_picked_is_taken(
