@@ -39,7 +39,6 @@ from zpipe.protocol.client_control import RunFailed
 from zpipe.protocol.federated import FlError, FlWelcome
 from zpipe.protocol.stage_control import Registered
 from zpipe.transport.codec import decode
-from zpipe.transport.ports import free_tcp_port
 
 
 def _await_kind(
@@ -133,8 +132,8 @@ def max_model_bypass(
         idle = {name: rss_kib(pid) for name, pid in pids.items()}
         sampler = RssSampler(pids).start()
         sink = attacker.context.socket(zmq.PULL)  # the run's sink: a real, bound one
-        sink_endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
-        sink.bind(sink_endpoint)
+        sink.bind("tcp://127.0.0.1:0")
+        sink_endpoint = sink.getsockopt_string(zmq.LAST_ENDPOINT)
         sock = attacker.socket(zmq.DEALER, bomb.coordinator_endpoint)
         try:
             sock.send_multipart(tiny_sequential_request(hidden, sink_endpoint))
@@ -168,10 +167,10 @@ class FlTarget:
 
     def __init__(self, folder: Path, seconds: float) -> None:
         self.folder = folder
-        self.endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
         zpipe = [sys.executable, "-m", "zpipe"]
         server_args = [
-            *("fl-server", "--bind", self.endpoint, "--clients", "1"),
+            # port 0: a port picked here could be taken before the server bound it
+            *("fl-server", "--bind", "tcp://127.0.0.1:0", "--clients", "1"),
             *("--method", "fedasync", "--updates", "1000000", "--eval-every", "1"),
             *("--task-timeout", "5", "--register-timeout", "180"),
             *("--duration", str(seconds), "--seed", "0"),
@@ -182,6 +181,7 @@ class FlTarget:
             self.server = subprocess.Popen(
                 [*zpipe, *server_args], stdout=out, stderr=err, stdin=subprocess.DEVNULL
             )
+        self.endpoint = self._listening_endpoint(timeout_s=180)
         self.client = subprocess.Popen(
             [
                 *zpipe,
@@ -192,6 +192,20 @@ class FlTarget:
             stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL,
         )
+
+    def _listening_endpoint(self, timeout_s: float) -> str:
+        """Where the server listens, from its first event; "" if it exited first or
+        said nothing within ``timeout_s`` (the client then has nowhere to go, and
+        :meth:`wait_running` says the server did not start)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            listening = [e for e in self.events() if e.get("event") == "listening"]
+            if listening:
+                return str(listening[0]["endpoint"])
+            if self.server.poll() is not None:
+                break
+            time.sleep(0.1)
+        return ""
 
     def events(self) -> list[dict[str, Any]]:
         lines = self.out.read_text(errors="replace").splitlines()

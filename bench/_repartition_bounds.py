@@ -12,6 +12,12 @@ through the change (each to the same mini-batch: with vertical sync both
 compute the same losses step by step): a faster pipeline does more of its
 mini-batches before the change, so a run's bound is not simply between the two
 phases' bounds.
+
+``leave_out``: the best cuts may leave a middle device out, as the run's DP does
+with the setting (:class:`~zpipe.training.repartition.RepartitionSettings`
+``leave_out``: the same call, the run's ``gain`` as the share it must gain and the
+ends kept), so a run that leaves a device out is measured against the bound of the
+planner it ran, not flattered by a bound that keeps every device.
 """
 
 from __future__ import annotations
@@ -22,6 +28,27 @@ from dataclasses import dataclass
 from zpipe.planner.ftpipehd import ftpipehd_partition
 
 SLOWING_FACTOR = 10.0
+# the run's gain (bench/training_async.py): what leaving a device out must gain too
+LEAVE_OUT_GAIN = 0.1
+
+
+def best_cuts(
+    reference: Sequence[float],
+    capacities: Sequence[float],
+    fixed_s: Sequence[float],
+    *,
+    leave_out: bool,
+) -> tuple[float, tuple[int, ...]]:
+    """Eq. 5's best period and cuts, as the run's controller calls it."""
+    best = ftpipehd_partition(
+        reference,
+        capacities=capacities,
+        fixed_s=fixed_s,
+        leave_out=leave_out,
+        leave_out_gain=LEAVE_OUT_GAIN,
+        keep_ends=True,
+    )
+    return best.period_s, best.bounds
 
 
 @dataclass(frozen=True)
@@ -90,6 +117,7 @@ def phase_bound(
     reference: Sequence[float] = (),
     *,
     fixed_units: float = 0.0,
+    leave_out: bool = False,
 ) -> PhaseBound:
     """The even cuts' period and the best integer cuts' (eq. 5), equal units unless
     ``reference`` gives each unit's cost; ``fixed_units``: each stage's own cost per
@@ -97,28 +125,28 @@ def phase_bound(
     pays ``C_i * (fixed_units + its units)``; 0: eq. 5 as the paper states it)."""
     reference = list(reference) or [1.0] * units
     fixed = [c * fixed_units for c in capacities]
-    best = ftpipehd_partition(reference, capacities=capacities, fixed_s=fixed)
+    period, bounds = best_cuts(reference, capacities, fixed, leave_out=leave_out)
     cuts = even_bounds(units, len(capacities))
     even = max(
         (fixed_units + sum(reference[a:b])) * c
         for a, b, c in zip(cuts, cuts[1:], capacities, strict=False)
     )
-    return PhaseBound(even, best.period_s, best.bounds)
+    return PhaseBound(even, period, bounds)
 
 
 def fitted_phase_bound(
-    capacities: Sequence[float], fixed_s: Sequence[float], units: int
+    capacities: Sequence[float], fixed_s: Sequence[float], units: int, *, leave_out: bool = False
 ) -> PhaseBound:
     """:func:`phase_bound` with each stage's own cost per batch (``fixed_s``, seconds,
     as a look fitted it; ``capacities`` then in seconds per unit): the bound a stage
     that pays ``F_i`` whatever it holds leaves."""
     reference = [1.0] * units
-    best = ftpipehd_partition(reference, capacities=capacities, fixed_s=fixed_s)
+    period, bounds = best_cuts(reference, capacities, fixed_s, leave_out=leave_out)
     cuts = even_bounds(units, len(capacities))
     even = max(
         f + (b - a) * c for a, b, c, f in zip(cuts, cuts[1:], capacities, fixed_s, strict=False)
     )
-    return PhaseBound(even, best.period_s, best.bounds)
+    return PhaseBound(even, period, bounds)
 
 
 def time_to_step(step: int, *, before_s: float, after_s: float, change_s: float) -> float:
@@ -137,16 +165,20 @@ def run_bound(
     unit_s: float,
     step: int,
     fixed_units: float = 0.0,
+    leave_out: bool = False,
 ) -> tuple[PhaseBound, PhaseBound, float]:
     """The phases' bounds and the run's: PipeDream's time to ``step`` over FTPipeHD's,
     each at its ideal period (``unit_s`` seconds per unit-time) around the change;
     ``fixed_units``: each stage's own cost per batch (:func:`phase_bound`)."""
-    before = phase_bound(capacities, setup.units, setup.reference(), fixed_units=fixed_units)
+    before = phase_bound(
+        capacities, setup.units, setup.reference(), fixed_units=fixed_units, leave_out=leave_out
+    )
     after = phase_bound(
         after_change(capacities, setup.slowing),
         setup.units,
         setup.reference(),
         fixed_units=fixed_units,
+        leave_out=leave_out,
     )
     even = time_to_step(
         step,

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -48,7 +50,6 @@ from torch import nn
 
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.training.objectives import make_optimizer
-from zpipe.transport.ports import free_tcp_port
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -111,7 +112,7 @@ class TorchRun:
 def _worker(
     rank: int,
     world: int,
-    port: int,
+    init_method: str,
     spec_dict: dict[str, Any],
     ranges: list[tuple[int, int]],
     threads: int,
@@ -124,9 +125,7 @@ def _worker(
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         spec = ModelSpec.from_dict(spec_dict)
         start, end = ranges[rank]
         module = StageModule(load_layer_sequence(spec).build_units(start, end)).train()
@@ -199,6 +198,7 @@ class TorchPipeline:
         self._jobs: list[Any] = []
         self._results: Any = None
         self._processes: list[Any] = []
+        self._rendezvous: str | None = None  # the rendezvous file's folder, while started
 
     @property
     def world(self) -> int:
@@ -216,7 +216,9 @@ class TorchPipeline:
         self.stop()
 
     def start(self) -> None:
-        port = free_tcp_port()
+        # a file rendezvous: a TCP port picked here could be taken before rank 0 binds it
+        self._rendezvous = tempfile.mkdtemp(prefix="zpipe-torch-rendezvous-")
+        init_method = f"file://{self._rendezvous}/store"
         self._results = self._context.Queue()
         self._jobs = [self._context.Queue() for _ in range(self.world)]
         for rank in range(self.world):
@@ -225,7 +227,7 @@ class TorchPipeline:
                 args=(
                     rank,
                     self.world,
-                    port,
+                    init_method,
                     self.spec.to_dict(),
                     self.ranges,
                     self.threads,
@@ -306,3 +308,6 @@ class TorchPipeline:
                     q.close()
                     q.join_thread()
         self._jobs, self._results = [], None
+        if self._rendezvous is not None:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
+            self._rendezvous = None

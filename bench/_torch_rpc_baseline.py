@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -46,7 +48,6 @@ from zpipe.client import as_tensors, split_microbatches
 from zpipe.models import ModelSpec
 from zpipe.stage.shard import Shard
 from zpipe.transport.emulation import LinkModel, LinkSpec
-from zpipe.transport.ports import free_tcp_port
 
 DRIVER = "driver"
 # PipeEdge's _sem_fwd: micro-batches a stage admits at once (receiving, computing, sending).
@@ -290,6 +291,7 @@ class TorchRpcPipeline:
         self._context: mp.ProcessContext | None = None
         self._rrefs: list[rpc.RRef[RpcStage]] = []
         self._initialised = False
+        self._rendezvous: str | None = None  # the rendezvous file's folder, while started
 
     def __enter__(self) -> TorchRpcPipeline:
         try:
@@ -303,7 +305,9 @@ class TorchRpcPipeline:
         self.stop(graceful=exc_type is None)
 
     def start(self) -> None:
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        # a file rendezvous: a TCP port picked here could be taken before it is bound
+        self._rendezvous = tempfile.mkdtemp(prefix="zpipe-rpc-rendezvous-")
+        init_method = f"file://{self._rendezvous}/store"
         names = [s.name for s in self.stages]
         self._context = mp.start_processes(
             _worker_main,
@@ -467,8 +471,14 @@ class TorchRpcPipeline:
                 if graceful:
                     with contextlib.suppress(Exception):
                         rpc.shutdown(graceful=False)
-        if self._context is None:
-            return
+        if self._context is not None:
+            self._stop_processes(graceful=graceful, timeout_s=timeout_s)
+        if self._rendezvous is not None:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
+            self._rendezvous = None
+
+    def _stop_processes(self, *, graceful: bool, timeout_s: float) -> None:
+        assert self._context is not None
         deadline = time.monotonic() + (timeout_s if graceful else 1.0)
         for process in self._context.processes:
             process.join(max(0.1, deadline - time.monotonic()))

@@ -61,8 +61,10 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -73,11 +75,10 @@ import torch
 import torch.distributed as dist
 
 from zpipe.log import configure_logging
-from zpipe.stage.data_parallel import DEFAULT_SEGMENT_BYTES, RingAllReduce
+from zpipe.stage.data_parallel import DEFAULT_SEGMENT_BYTES, RingAllReduce, RingPort
 from zpipe.training.ring import ring_allreduce_cost_s
 from zpipe.transport.allocator import retain_freed_memory
-from zpipe.transport.ports import free_tcp_port
-from zpipe.transport.sockets import new_context
+from zpipe.transport.sockets import SocketOptions, new_context
 
 try:
     from bench._common import emit, summary
@@ -125,8 +126,10 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 @dataclass(frozen=True)
 class WorkerSettings:
     world_size: int
-    gloo_endpoint: str
-    ring_endpoints: list[str]
+    # a file rendezvous for gloo, and every rank binds its ring port itself (port 0)
+    # and learns the others' over gloo: a port picked in the parent could be taken
+    # before the rank bound it
+    gloo_init_method: str
     sizes: list[int]
     seconds: float
     repeats: int
@@ -155,21 +158,25 @@ def worker_main(rank: int, settings: WorkerSettings, conn: Connection) -> None:
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     context = new_context()
-    ring = RingAllReduce(
-        context=context,
-        rank=rank,
-        endpoints=settings.ring_endpoints,
-        timeout_s=settings.timeout_s,
-        segment_bytes=settings.segment_bytes,
-        name="bench",
-    )
+    port = RingPort(context=context, bind="tcp://127.0.0.1:0", options=SocketOptions())
+    ring: RingAllReduce | None = None
     try:
         dist.init_process_group(
             "gloo",
-            init_method=settings.gloo_endpoint,
+            init_method=settings.gloo_init_method,
             rank=rank,
             world_size=settings.world_size,
             timeout=datetime.timedelta(seconds=settings.timeout_s),
+        )
+        ring = RingAllReduce(
+            context=context,
+            rank=rank,
+            endpoints=_ring_endpoints(port.port, settings.world_size),
+            port=port,
+            socket_options=SocketOptions(),
+            timeout_s=settings.timeout_s,
+            segment_bytes=settings.segment_bytes,
+            name="bench",
         )
         loop.run_until_complete(ring.start())
         lines = Worker(rank, settings, loop, ring).run()
@@ -181,12 +188,21 @@ def worker_main(rank: int, settings: WorkerSettings, conn: Connection) -> None:
     except Exception as exc:
         conn.send({"error": f"rank {rank}: {exc!r}"})
     finally:
-        loop.run_until_complete(ring.close())
+        if ring is not None:
+            loop.run_until_complete(ring.close())
+        port.close()  # (the ring closed it, if it was made)
         context.term()
         if dist.is_initialized():
             dist.destroy_process_group()
         loop.close()
         conn.close()
+
+
+def _ring_endpoints(own_port: int, world_size: int) -> list[str]:
+    """Every rank's ring endpoint: the ports the ranks bound, gathered over gloo."""
+    ports = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(ports, torch.tensor([own_port], dtype=torch.int64))
+    return [f"tcp://127.0.0.1:{int(p.item())}" for p in ports]
 
 
 class Worker:
@@ -280,10 +296,10 @@ class Worker:
 def run_world(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
     """Spawn ``n`` ranks, wait for rank 0's lines; kill everything on any failure."""
     spawn = mp.get_context("spawn")
+    rendezvous = tempfile.mkdtemp(prefix="zpipe-bench-allreduce-")
     settings = WorkerSettings(
         world_size=n,
-        gloo_endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
-        ring_endpoints=[f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(n)],
+        gloo_init_method=f"file://{rendezvous}/store",
         sizes=args.sizes,
         seconds=args.seconds,
         repeats=args.repeats,
@@ -338,6 +354,7 @@ def run_world(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

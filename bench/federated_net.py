@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import select
 import subprocess
 import sys
 import tempfile
@@ -53,19 +53,24 @@ class NetBenchConfig:
     timeout_s: float = 300.0
 
 
-def _free_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+def _listening_endpoint(server: subprocess.Popen[str], timeout_s: float) -> str:
+    """Where fl-server listens, from its first line (it binds port 0: a port picked
+    here could be taken by another socket before the server bound it)."""
+    assert server.stdout is not None
+    ready, _, _ = select.select([server.stdout], [], [], timeout_s)
+    line = server.stdout.readline() if ready else ""  # one line, written whole
+    event = json.loads(line) if line.startswith("{") else {}
+    if event.get("event") != "listening":
+        raise RuntimeError(f"fl-server did not say where it listens: {line[:200]!r}")
+    return str(event["endpoint"])
 
 
 def network_run(config: NetBenchConfig) -> dict[str, Any]:
     """fl-server and its clients as processes; the server's fl_server_done object."""
-    endpoint = _free_endpoint()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     zpipe = [sys.executable, "-m", "zpipe"]
     server_args = [
-        *("fl-server", "--bind", endpoint, "--clients", str(len(config.delays_s))),
+        *("fl-server", "--bind", "tcp://127.0.0.1:0", "--clients", str(len(config.delays_s))),
         *("--method", config.method, "--groups", str(config.groups)),
         *("--concurrent", str(config.concurrent), "--updates", str(config.updates)),
         *("--eval-every", str(config.updates), "--rt-floor", str(config.rt_floor)),
@@ -77,24 +82,28 @@ def network_run(config: NetBenchConfig) -> dict[str, Any]:
         server = subprocess.Popen(
             [*zpipe, *server_args], stdout=subprocess.PIPE, stderr=server_log, text=True, env=env
         )
-        clients = [
-            subprocess.Popen(
-                [
-                    *zpipe,
-                    *("fl-client", "--server", endpoint, "--id", str(c)),
-                    *("--samples", str(config.samples), "--seed", str(config.seed)),
-                    *("--delay", str(delay), "--connect-timeout", "120", "--idle-timeout", "120"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=env,
-            )
-            for c, delay in enumerate(config.delays_s)
-        ]
+        clients: list[subprocess.Popen[Any]] = []
         try:
+            endpoint = _listening_endpoint(server, timeout_s=120)
+            clients = [
+                subprocess.Popen(
+                    [
+                        *zpipe,
+                        *("fl-client", "--server", endpoint, "--id", str(c)),
+                        *("--samples", str(config.samples), "--seed", str(config.seed)),
+                        *("--delay", str(delay), "--connect-timeout", "120"),
+                        *("--idle-timeout", "120"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env,
+                )
+                for c, delay in enumerate(config.delays_s)
+            ]
             out, _ = server.communicate(timeout=config.timeout_s + 60)
         finally:
-            for process in [server, *clients]:
+            processes: list[subprocess.Popen[Any]] = [server, *clients]
+            for process in processes:
                 if process.poll() is None:
                     process.kill()
                 process.wait(timeout=30)

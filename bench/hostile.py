@@ -70,6 +70,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -134,6 +135,9 @@ def run_stream_client(
     async def run(marks: BinaryIO) -> None:
         timeouts = Timeouts(heartbeat_interval_s=0.5)
         async with PipelineClient(coordinator, sink_bind=sink, timeouts=timeouts) as client:
+            # where the sink was bound (port 0), for the attacks: written whole
+            (folder / "sink.tmp").write_text(client.sink_endpoint)
+            (folder / "sink.tmp").rename(folder / "sink")
             stream = client.infer_stream(SPEC, feed(), microbatch_size=2, stage_names=stages)
             async for output in stream:
                 if not outputs:
@@ -179,13 +183,27 @@ def _suspects(log: str) -> list[dict[str, Any]]:
     ]
 
 
-# a ROUTER that receives and discards (probe_flood_control's target)
+# a ROUTER that receives and discards (probe_flood_control's target); it binds port 0
+# and prints where (a port picked by the bench could be taken before it bound it)
 _RECEIVER = (
-    "import sys, zmq\n"
-    "ctx = zmq.Context(); sock = ctx.socket(zmq.ROUTER); sock.bind(sys.argv[1])\n"
+    "import zmq\n"
+    "ctx = zmq.Context(); sock = ctx.socket(zmq.ROUTER); sock.bind('tcp://127.0.0.1:0')\n"
+    "print(sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)\n"
     "while True:\n"
     "    sock.recv_multipart()\n"
 )
+
+
+def _receiver_endpoint(receiver: subprocess.Popen[str], timeout_s: float) -> str:
+    """The endpoint the receiver printed once bound, within ``timeout_s``."""
+    assert receiver.stdout is not None
+    ready, _, _ = select.select([receiver.stdout], [], [], timeout_s)
+    line = receiver.stdout.readline().strip() if ready else ""
+    if not line.startswith("tcp://"):
+        receiver.kill()
+        receiver.wait()
+        raise RuntimeError(f"the control receiver did not say where it listens: {line!r}")
+    return line
 
 
 class Watch:
@@ -435,11 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     ) as cluster:
         members = cluster.wait_for_stages(args.stages + 1, timeout_s=120)
         pids = {name: proc.pid for name, proc in cluster.processes.items()}
-        from zpipe.transport.ports import free_tcp_port
-
-        sink = f"tcp://127.0.0.1:{free_tcp_port()}"
+        # the client binds its sink on port 0 and writes where (folder/sink): a port
+        # picked here could be taken before the client bound it
         folder = Path(tempfile.mkdtemp(prefix="zpipe-hostile-"))
-        stream_of = ",".join([cluster.coordinator_endpoint, sink, str(folder)])
+        stream_of = ",".join([cluster.coordinator_endpoint, "tcp://127.0.0.1:0", str(folder)])
         with open(folder / "client.log", "wb") as client_log:
             client = subprocess.Popen(
                 [
@@ -455,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + 180
         while not (folder / "started").exists() and time.monotonic() < deadline:
             time.sleep(0.1)  # the attacks begin once the stream runs
+        if not (folder / "sink").exists():
+            client.kill()
+            client.wait()
+            log = (folder / "client.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the stream client never bound its sink:\n{log}")
+        sink = (folder / "sink").read_text()
         pids["client"] = client.pid
         idle = {name: rss_kib(pid) for name, pid in pids.items()}
         watch = Watch(cluster, pids, folder)
@@ -464,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         receiver = None
         control = ""
         if only is None or "probe_flood_control" in only:
-            control = f"tcp://127.0.0.1:{free_tcp_port()}"
-            receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, control])
+            receiver = subprocess.Popen(
+                [sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE, text=True
+            )
+            control = _receiver_endpoint(receiver, timeout_s=120)
             pids["receiver"] = receiver.pid
         marks: dict[str, Any] = {}
 

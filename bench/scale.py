@@ -74,12 +74,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench._common import emit, loadavg, summary
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.cluster.coordinator_process import CoordinatorStart
 from zpipe.log import configure_logging
 from zpipe.models import ModelSpec, load_layer_sequence, run_units
 from zpipe.planner.profile import ModelProfile
 from zpipe.stage.emulated_compute import profile_with_times
 from zpipe.testing.fake_peers import FakePeers
-from zpipe.transport.ports import free_tcp_port
 
 BENCH = "scale"
 
@@ -458,20 +458,23 @@ def hold_peers(
 ) -> dict[str, Any]:
     """A coordinator process and ``count`` fake peers for ``--hold-s`` seconds, beside
     ``busy`` busy-loop processes started before the coordinator."""
-    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     spinning = _busy_loops(busy)
     try:
-        return _hold_peers(count, args, endpoint, busy, env)
+        return _hold_peers(count, args, busy, env)
     finally:
         _stop(spinning)
 
 
 def _hold_peers(
-    count: int, args: argparse.Namespace, endpoint: str, busy: int, env: dict[str, str] | None
+    count: int, args: argparse.Namespace, busy: int, env: dict[str, str] | None
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="zpipe-peers-") as tmp:
         log_path = Path(tmp) / "coordinator.log"
+        # the coordinator binds port 0 and writes the endpoint it got: a port picked
+        # here could be taken by another socket before the coordinator binds it
+        endpoint_path = Path(tmp) / "coordinator.endpoint"
         launched_at = time.time()
+        launched = time.monotonic()
         with open(log_path, "wb") as log_file:
             profiled: list[str] = []
             if args.profile_dir:
@@ -479,7 +482,8 @@ def _hold_peers(
                 name = f"coordinator-{count}-peers-{busy}-busy-{os.getpid()}.prof"
                 profiled = ["-m", "cProfile", "-o", str(Path(args.profile_dir) / name)]
             coordinator = subprocess.Popen(
-                [sys.executable, *profiled, "-m", "zpipe.coordinator", "--bind", endpoint,
+                [sys.executable, *profiled, "-m", "zpipe.coordinator",
+                 "--bind", "tcp://127.0.0.1:0", "--endpoint-file", str(endpoint_path),
                  "--heartbeat-interval", str(args.peer_heartbeat_s),
                  "--log-format", "json", "--log-level", "debug",
                  "--parent-pid", str(os.getpid())],
@@ -490,7 +494,11 @@ def _hold_peers(
         start_cpu: list[float] = []  # the coordinator's CPU seconds when all had registered
 
         async def hold() -> tuple[dict[str, Any], float, float]:
-            started = time.monotonic()
+            endpoint = await CoordinatorStart(
+                coordinator, endpoint_path, log_path.read_text, args.register_timeout_s
+            ).wait_async()
+            # from the launch, as when the peers connected before the coordinator listened
+            started = launched
             async with FakePeers(
                 endpoint, count, register_timeout_s=args.register_timeout_s
             ) as peers:

@@ -63,6 +63,17 @@ units are single Linears, lighter than a block (``residual_unit_weights``: their
 multiply-adds over a block's): their bounds cost each unit so, the others' take
 units as equal.
 
+FTPipeHD's runs leave a device out (``--repartition-leave-out``, on by default;
+``--no-repartition-leave-out``: every device keeps a unit, zpipe's rule before):
+FTPipeHD's eq. 5 admits a worker with no layers (``l = j``, PipeDream's DP also
+picks how many machines to use), so after a middle device slows tenfold, a device
+whose one unit and own cost per mini-batch cost more than the others' whole share
+is left idle. The run's DP keeps the first and last devices (the client's feed and
+sink) and leaves out only for a gain of 0.1; every ``bound_*`` below is computed
+with that same call (:func:`bench._repartition_bounds.best_cuts`), so a run that
+leaves a device out is not measured against a bound that keeps it
+(``leave_out``, and ``left_out_moves``: the devices each such move kept).
+
 Each set-up prints its bounds from zpipe's own cost model: ``bound_before`` and
 ``bound_after``, the even cuts' bottleneck period over the best integer cuts'
 (eq. 5 on equal units, :func:`zpipe.planner.ftpipehd.ftpipehd_partition`, the
@@ -166,6 +177,7 @@ import torch
 from bench._common import emit, loadavg, on_alarm, summary
 from bench._look_pauses import pause_parts, speed_verdicts
 from bench._repartition_bounds import (
+    LEAVE_OUT_GAIN,
     SLOWING_FACTOR,
     Setup,
     after_change,
@@ -297,6 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # third (far beyond any hiccup) or fourth slow forward, where the loss watch
     # waits for the period to show it
     parser.add_argument("--repartition-forward-watch", type=float, default=2.0)
+    # FTPipeHD's eq. 5 admits a worker with no layers (l = j): its runs leave a device
+    # out when that beats keeping it by the gain (--no-repartition-leave-out: zpipe's
+    # rule before, every device keeps a unit); the bounds use the same DP
+    parser.add_argument(
+        "--repartition-leave-out", action=argparse.BooleanOptionalAction, default=True
+    )
     parser.add_argument(
         "--setups",
         nargs="+",
@@ -506,10 +524,13 @@ def _fixed_units(looks: Sequence[dict[str, Any]], names: Sequence[str]) -> float
     found = []
     for look in looks:
         caps, own = look.get("capacities") or {}, look.get("fixed_s") or {}
-        if not all(caps.get(d) and d in own for d in names) or not any(own.values()):
-            continue
+        used = [d for d in names if d in caps]  # after a leave-out: the devices kept
         held = [b - a for a, b in itertools.pairwise(look["current"])]
-        cap, fixed = [caps[d] for d in names], [own[d] for d in names]
+        if len(used) != len(held) or not all(caps[d] and d in own for d in used):
+            continue
+        if not any(own.values()):
+            continue
+        cap, fixed = [caps[d] for d in used], [own[d] for d in used]
         r = min((look["period_s"] - f) / (c * k) for c, f, k in zip(cap, fixed, held, strict=True))
         if r > 0:
             found.append(statistics.median(f / c for c, f in zip(cap, fixed, strict=True)) / r)
@@ -569,7 +590,8 @@ def one_setup(
             "repartition": {
                 "first": args.repartition_first,
                 "every": args.repartition_every,
-                "gain": 0.1,
+                "gain": LEAVE_OUT_GAIN,
+                **({"leave_out": True} if args.repartition_leave_out else {}),
                 **({"watch": args.repartition_watch} if args.repartition_watch else {}),
                 **(
                     {"forward_watch": args.repartition_forward_watch}
@@ -677,18 +699,22 @@ def one_setup(
         measured["before"] = round(statistics.median(pd_before) / statistics.median(ft_before), 3)
     if pd_after and ft_after:
         measured["after"] = round(statistics.median(pd_after) / statistics.median(ft_after), 3)
-    before_bound = phase_bound(caps, units, setup.reference())
+    leave_out = bool(args.repartition_leave_out)
+    before_bound = phase_bound(caps, units, setup.reference(), leave_out=leave_out)
     # one unit-time in seconds, from PipeDream's own period before the change
     unit_s = statistics.median(pd_before or pd_after) / before_bound.even_period
-    before, after, bound = run_bound(caps, setup, unit_s=unit_s, step=target_step)
+    before, after, bound = run_bound(
+        caps, setup, unit_s=unit_s, step=target_step, leave_out=leave_out
+    )
     # the same bound with each stage's own cost per mini-batch, as FTPipeHD's looks
     # fitted it (in units; the median over the looks that found one)
     fixed_units = _fixed_units(ftpipehd[0].repartitions, names)
     bound_fixed = None
     if fixed_units is not None:
         bound_fixed = run_bound(
-            caps, setup, unit_s=unit_s, step=target_step, fixed_units=fixed_units
-        )[2]
+            caps, setup, unit_s=unit_s, step=target_step, fixed_units=fixed_units,
+            leave_out=leave_out,
+        )[2]  # fmt: skip
     # where the run loses against the bound: detection, the move, each phase's period
     timeline = repartition_timeline(
         ft_t,
@@ -702,8 +728,11 @@ def one_setup(
         },
     )
     # the bound the stages' own costs leave after the change, from the last look's fit
+    # (one that measured every device: PipeDream's even cuts are over all four, and a
+    # look after a leave-out measured the devices kept only)
     last = next((r for r in reversed(ftpipehd[0].repartitions) if any(
-        (r.get("fixed_s") or {}).values())), None)  # fmt: skip
+        (r.get("fixed_s") or {}).values()) and set(names) <= set(r.get("capacities") or {})),
+        None)  # fmt: skip
     fitted = None
     if last is not None:
         cap, own = [last["capacities"][d] for d in names], [last["fixed_s"][d] for d in names]
@@ -711,7 +740,7 @@ def one_setup(
         # a reference unit's seconds: the look's period is its slowest stage's
         # F_i + C_i * r * k_i, and no stage is slower (the units taken as equal)
         r = min((last["period_s"] - f) / (c * k) for c, f, k in zip(cap, own, held, strict=True))
-        fitted = fitted_phase_bound([c * r for c in cap], own, units)
+        fitted = fitted_phase_bound([c * r for c in cap], own, units, leave_out=leave_out)
     out = {
         "setup": setup.name, "units": units, "activation": setup.activation,
         "residual": setup.residual, "slowing": names[setup.slowing],
@@ -739,6 +768,10 @@ def one_setup(
         # the change must fall inside both runs, or the set-up was not measured
         "change_inside_both": ft_t[-1] > ft_change + 1.0 and pd_t[-1] > pd_change + 1.0,
         "repartitions": len(moved_at),
+        "leave_out": leave_out,
+        # the devices each move that left some out kept, by mini-batch
+        "left_out_moves": {r["at"]: r["devices"] for r in ftpipehd[0].repartitions
+                           if r.get("devices")},
         "look_pauses_s": round(pauses["ftpipehd"], 2),
         "looks": len(looks_of["ftpipehd"]),
         "early_looks": sum(1 for look in looks_of["ftpipehd"] if look["early"]),

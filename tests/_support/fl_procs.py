@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -72,9 +71,3 @@ class Proc:
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait(timeout=10)
-
-
-def free_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"

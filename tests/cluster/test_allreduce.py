@@ -25,7 +25,8 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.protocol.data_plane import AllReduce
-from zpipe.stage.data_parallel import RingAllReduce
+from zpipe.stage.data_parallel import RingAllReduce, RingPort
+from zpipe.stage.data_parallel.ring_links import ring_allow_list
 from zpipe.training.ring import (
     KIND,
     ExpectedMessage,
@@ -37,7 +38,7 @@ from zpipe.training.ring import (
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.ports import free_tcp_port
-from zpipe.transport.sockets import new_context, open_socket, send
+from zpipe.transport.sockets import SocketOptions, new_context, open_socket, send
 
 # Short: dead-peer tests wait this long. Long enough for a first TCP connect
 # (ZeroMQ retries every 100 ms) on two busy cores.
@@ -457,14 +458,16 @@ async def test_curve_ring_with_own_authenticators(keys_dir: Path) -> None:
 async def test_curve_refuses_a_well_formed_message_from_another_allowed_key(
     keys_dir: Path,
 ) -> None:
-    """An authenticator shared with the stage may allow more keys than the ring's
-    previous rank; the ring still accepts only the previous rank's key."""
+    """An authenticator shared with the stage may allow more keys on the ring's ZAP
+    domain than the ring's previous rank (another ring's, say); the ring still accepts
+    only the previous rank's key."""
     pairs = [security.load_keypair(keys_dir, name) for name in ("r0", "r1", "intruder")]
     publics = [pairs[0].public, pairs[1].public]
     contexts = [new_context(), new_context()]
     intruder_ctx = new_context()
-    shared_allow = security.PeerAllowList({"intruder": pairs[2].public})
-    auth0 = security.CurveAuthenticator(contexts[0], shared_allow)
+    auth0 = security.CurveAuthenticator(contexts[0], security.PeerAllowList())
+    shared_allow = ring_allow_list(auth0)
+    shared_allow.allow(pairs[2].public, "intruder")
     auth0.start()
     intruder = open_socket(intruder_ctx, zmq.PUSH)
     try:
@@ -514,18 +517,33 @@ def _digest(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _rank_process(rank: int, endpoints: list[str], conn: Connection) -> None:
+def _rank_process(rank: int, conn: Connection) -> None:
     """One rank in its own process: round 1 must work; round 2 runs after a peer died.
 
-    Reports go back over the rank's own pipe: a queue shared by all ranks would be left
-    locked if the rank the test kills were holding its write lock at that moment.
+    The rank binds its ring port (port 0), says where over its own pipe and gets every
+    rank's endpoint back (a port picked by the test could be taken before the rank
+    bound it). Reports go back over the same pipe: a queue shared by all ranks would be
+    left locked if the rank the test kills were holding its write lock at that moment.
     """
     torch.set_num_threads(1)
 
     async def main() -> None:
         ctx = new_context()
+        port = RingPort(context=ctx, bind="tcp://127.0.0.1:0", options=SocketOptions())
+        conn.send(("bound", rank, port.bound_endpoint, None))
+        endpoints = conn.recv() if await asyncio.to_thread(conn.poll, 60.0) else None
+        if endpoints is None:
+            port.close()
+            ctx.term()
+            return
         ring = RingAllReduce(
-            context=ctx, rank=rank, endpoints=endpoints, timeout_s=OK_TIMEOUT_S, name="procs"
+            context=ctx,
+            rank=rank,
+            endpoints=endpoints,
+            port=port,
+            socket_options=SocketOptions(),
+            timeout_s=OK_TIMEOUT_S,
+            name="procs",
         )
         try:
             await ring.start()
@@ -571,17 +589,18 @@ def _report(conn: Connection, timeout_s: float) -> tuple[str, int, str, Any]:
 def test_three_processes_agree_and_survivors_time_out_when_one_is_killed() -> None:
     spawn = mp.get_context("spawn")
     n = 3
-    endpoints = _endpoints(n)
     pipes = [spawn.Pipe() for _ in range(n)]  # (test's end, rank's end)
     procs = [
-        spawn.Process(target=_rank_process, args=(r, endpoints, pipes[r][1]), daemon=True)
-        for r in range(n)
+        spawn.Process(target=_rank_process, args=(r, pipes[r][1]), daemon=True) for r in range(n)
     ]
     for proc in procs:
         proc.start()
     for _, theirs in pipes:
         theirs.close()
     try:
+        endpoints = [_report(mine, 60)[2] for mine, _ in pipes]  # where each rank bound
+        for mine, _ in pipes:
+            mine.send(endpoints)
         first = [_report(mine, 60) for mine, _ in pipes]
         digests = {digest for _, _, digest, _ in first}
         assert len(digests) == 1, first  # bit-identical across processes

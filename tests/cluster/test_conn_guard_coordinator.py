@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -129,12 +128,6 @@ print(len(sent), len(admitted), flush=True)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/statm", "rb") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -145,9 +138,11 @@ class _Coordinator:
     own), its JSON log lines gathered by a thread."""
 
     def __init__(self) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        # port 0: where it listens comes with coordinator_listening (a port picked here
+        # could be taken before the coordinator bound it)
+        self.endpoint = ""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zpipe.coordinator", "--bind", self.endpoint,
+            [sys.executable, "-m", "zpipe.coordinator", "--bind", "tcp://127.0.0.1:0",
              "--log-format", "json"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -162,6 +157,7 @@ class _Coordinator:
                 record = json.loads(line)
                 self.lines.append(record)
                 if record.get("event") == "coordinator_listening":
+                    self.endpoint = str(record["endpoint"])
                     self.listening.set()
 
     def events(self, name: str) -> list[dict[str, object]]:

@@ -28,8 +28,9 @@ import zmq
 
 pytest.importorskip("sklearn")
 
-from tests._support.fl_procs import DEADLINE_S, Proc, free_endpoint
+from tests._support.fl_procs import DEADLINE_S, Proc
 from zpipe._errors import ProtocolError
+from zpipe.cluster.coordinator_process import PortHold
 from zpipe.federated.grouping import GroupingPolicy
 from zpipe.federated.model import MLPShape, accuracy, local_train
 from zpipe.federated.net_client import NetClientConfig, client_shard
@@ -112,7 +113,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     generate_keys(other, ["mallory"])
     shutil.copy(keys / "fl-server.key", other / "fl-server.key")  # she knows the server
     trace = tmp / "trace.jsonl"
-    endpoint = free_endpoint()
+    # held (bound, not listening) until the test ends: the clients start beside the
+    # server, and no socket bound to port 0 meanwhile can be given the port
+    hold = PortHold("tcp://127.0.0.1:0")
+    endpoint = hold.endpoint
     # two latency groups: client 0 answers in about 0.1 s, 1 and 2 in 0.3 s; a group's
     # range is 1.5 times its centre, so a 1.5 s timeout is out of every range
     server = Proc(
@@ -161,6 +165,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     finally:
         for proc in started:
             proc.stop()
+        hold.close()
 
 
 def test_the_run_ends_by_its_budget_and_the_live_clients_exit_cleanly(run: Run) -> None:

@@ -30,7 +30,8 @@ import zmq
 
 pytest.importorskip("sklearn")
 
-from tests._support.fl_procs import DEADLINE_S, Proc, free_endpoint
+from tests._support.fl_procs import DEADLINE_S, Proc
+from zpipe.cluster.coordinator_process import PortHold
 from zpipe.federated.net_trace import read_trace, replay
 from zpipe.protocol.federated import FlRegister
 from zpipe.transport import security
@@ -154,7 +155,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     generate_keys_with_roles(keys, ["fl-server", "stage0"])  # stage0: the stage role
     generate_keys_with_roles(keys, ["c0", "c1", "c2", "c3"], role="client")
     trace = tmp / "trace.jsonl"
-    endpoint = free_endpoint()
+    # held (bound, not listening) until the test ends: the clients start beside the
+    # server, and no socket bound to port 0 meanwhile can be given the port
+    hold = PortHold("tcp://127.0.0.1:0")
+    endpoint = hold.endpoint
     # the late client starts with the server, behind the gate: its process start
     # overlaps the others', and its registration waits there while they start (give
     # it the time: fl-client's connect timeout counts that wait)
@@ -203,6 +207,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     finally:
         for proc in started:
             proc.stop()
+        hold.close()
         gate.close()
 
 

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("sklearn")
 
 from tests._support.fl_forwarder import Forwarder
-from tests._support.fl_procs import Proc, free_endpoint
+from tests._support.fl_procs import Proc
 
 UPDATES = 40
 
@@ -34,20 +34,23 @@ def _client(endpoint: str, client: int, delay: str) -> list[str]:
 
 
 def test_a_client_whose_connection_drops_rejoins_and_its_updates_count(tmp_path: Path) -> None:
-    endpoint = free_endpoint()
+    # port 0: where it listens comes with its listening event (a port picked here could
+    # be taken before the server bound it)
     server = Proc(
         [
-            *("fl-server", "--bind", endpoint, "--clients", "2", "--method", "fedasync"),
+            *("fl-server", "--bind", "tcp://127.0.0.1:0", "--clients", "2"),
+            *("--method", "fedasync"),
             *("--concurrent", "2", "--updates", str(UPDATES), "--hidden", "8"),
             *("--local-steps", "2", "--eval-every", "1000", "--register-timeout", "90"),
             *("--duration", "240", "--task-timeout", "60", "--task-floor", "30"),
         ],
         tmp_path,
     )
-    forwarder = Forwarder(int(endpoint.rsplit(":", 1)[1]))
     procs = [server]
+    forwarder: Forwarder | None = None
     try:
-        server.wait_event("listening")
+        endpoint = str(server.wait_event("listening")["endpoint"])
+        forwarder = Forwarder(int(endpoint.rsplit(":", 1)[1]))
         slow = Proc(_client(endpoint, 0, "1.0"), tmp_path)  # keeps the run going
         dropped = Proc(_client(forwarder.endpoint, 1, "0.1"), tmp_path)
         procs += [slow, dropped]
@@ -65,7 +68,8 @@ def test_a_client_whose_connection_drops_rejoins_and_its_updates_count(tmp_path:
     finally:
         for proc in procs:
             proc.stop()
-        forwarder.close()
+        if forwarder is not None:
+            forwarder.close()
     assert summary["reason"] == "updates" and summary["global_updates"] == UPDATES
     assert rejoined["gone_s"] < 90
     events: list[dict[str, Any]] = server.seen

@@ -168,12 +168,10 @@ def test_poison_floods_and_hang_ups_during_a_stream_leave_every_process_serving(
     import asyncio
     import threading
 
-    from zpipe.transport.ports import free_tcp_port
-
     members = {m["name"]: m for m in cluster.wait_for_stages(2, timeout_s=60)}
     spec = ModelSpec("mlp", {"dims": [6, 16, 8, 4]}, seed=9)
     sequence = load_layer_sequence(spec)
-    sink = f"tcp://127.0.0.1:{free_tcp_port()}"
+    sinks: list[str] = []  # where the client bound its sink (port 0: any free one)
     started, stop = threading.Event(), threading.Event()
     sent: list[tuple[torch.Tensor, ...]] = []
     outputs: list[tuple[torch.Tensor, ...]] = []
@@ -186,7 +184,8 @@ def test_poison_floods_and_hang_ups_during_a_stream_leave_every_process_serving(
             await asyncio.sleep(0.01)
 
     async def stream() -> None:
-        async with cluster.client(sink_bind=sink) as client:
+        async with cluster.client(sink_bind="tcp://127.0.0.1:0") as client:
+            sinks.append(client.sink_endpoint)
             async for out in client.infer_stream(spec, feed(), stage_names=["a", "b"]):
                 outputs.append(out)
                 started.set()
@@ -206,7 +205,7 @@ def test_poison_floods_and_hang_ups_during_a_stream_leave_every_process_serving(
         routers = [cluster.coordinator_endpoint] + [
             str(m["info"]["probe_endpoint"]) for m in members.values()
         ]
-        pulls = [sink] + [str(m["data_endpoint"]) for m in members.values()]
+        pulls = sinks + [str(m["data_endpoint"]) for m in members.values()]
         for endpoint, kind in [(e, zmq.DEALER) for e in routers] + [(e, zmq.PUSH) for e in pulls]:
             sock = context.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)

@@ -528,6 +528,10 @@ def test_train_flags_make_the_repartition_settings() -> None:
     assert RepartitionSettings.from_dict(repartition_of(args) or {}) == RepartitionSettings(
         first=4, gain=0.0
     )
+    args = parser.parse_args(["--local", "2", "--repartition-leave-out"])
+    assert RepartitionSettings.from_dict(repartition_of(args) or {}) == RepartitionSettings(
+        leave_out=True
+    )
 
 
 def test_cluster_sync_run_repartitions_live_and_equals_plain_training(

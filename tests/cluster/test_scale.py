@@ -17,6 +17,7 @@ import torch
 from zpipe.cli.stage import main as stage_main
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.cluster.coordinator_process import CoordinatorStart
 from zpipe.cluster.forked import fork_stage
 from zpipe.coordinator.loop_lag import LoopLag
 from zpipe.models import ModelSpec, load_layer_sequence
@@ -28,7 +29,6 @@ from zpipe.stage.emulated_compute import (
 )
 from zpipe.stage.shard import Shard
 from zpipe.testing.fake_peers import FakePeers
-from zpipe.transport.ports import free_tcp_port
 
 UNITS = 24
 SPEC = ModelSpec("mlp", {"dims": [8] + [32] * (UNITS - 1) + [4]}, seed=3)
@@ -193,16 +193,20 @@ def test_a_killed_emulated_stage_is_recovered(emulated: LocalCluster) -> None:
 
 def test_a_coordinator_holds_hundreds_of_peers_without_a_false_death(tmp_path: Path) -> None:
     peers_count, interval_s, intervals = 220, 1.0, 6
-    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
-    log_path = tmp_path / "coordinator.log"
+    log_path, endpoint_path = tmp_path / "coordinator.log", tmp_path / "coordinator.endpoint"
     with open(log_path, "wb") as log_file:
+        # port 0, and the endpoint it got: a port picked here could be taken meanwhile
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "zpipe.coordinator", "--bind", endpoint,
+            [sys.executable, "-m", "zpipe.coordinator", "--bind", "tcp://127.0.0.1:0",
+             "--endpoint-file", str(endpoint_path),
              "--heartbeat-interval", str(interval_s), "--log-format", "json"],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
 
     async def hold() -> tuple[object, list[dict[str, object]]]:
+        endpoint = await CoordinatorStart(
+            coordinator, endpoint_path, log_path.read_text, timeout_s=300
+        ).wait_async()
         async with FakePeers(endpoint, peers_count) as peers:
             await asyncio.sleep(intervals * interval_s)
             summary = peers.summary()

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
+from zpipe.cluster.coordinator_process import PortHold
 from zpipe.coordinator.server import Coordinator, CoordinatorConfig
 from zpipe.testing.fake_peers import FakePeers
-from zpipe.transport.ports import free_tcp_port
 from zpipe.transport.sockets import SocketOptions
 
 
 async def _start_peers_then_coordinator() -> tuple[bool, list[float], int]:
-    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    # The port is held (bound, not listening) until the coordinator listens: the peers'
+    # connections are refused as with nobody there, and no socket bound to port 0
+    # meanwhile can be given it, as a port picked and left free for 4 s could be.
+    hold = PortHold("tcp://127.0.0.1:0")
+    endpoint = hold.endpoint
     # Each peer sends its registration again every second while nobody listens; they
     # queue until the send buffer is full (16 messages by default, 1 here), and a send
     # that found it full used to fail after reply_s, far shorter than the wait below
@@ -27,6 +31,7 @@ async def _start_peers_then_coordinator() -> tuple[bool, list[float], int]:
     serving = asyncio.create_task(coordinator.serve(ready=ready))
     try:
         await asyncio.wait_for(ready.wait(), 30)
+        hold.close()
         await asyncio.wait_for(starting, 60)
         return (
             failed_early,
@@ -34,6 +39,7 @@ async def _start_peers_then_coordinator() -> tuple[bool, list[float], int]:
             len(coordinator.membership.alive()),
         )
     finally:
+        hold.close()
         await peers.close()
         coordinator.stop()
         await asyncio.wait_for(serving, 30)

@@ -31,7 +31,6 @@ from zpipe.stage.runtime import StageConfig, StageRuntime
 from zpipe.stage.supervision import TaskSupervisor, serve_messages
 from zpipe.transport.codec import Message, encode
 from zpipe.transport.emulation import LinkSpec
-from zpipe.transport.ports import free_tcp_port
 from zpipe.transport.sockets import (
     SocketOptions,
     bind_endpoint,
@@ -275,9 +274,8 @@ async def _expect(router: zmq.asyncio.Socket, kind: str) -> tuple[bytes, Message
 async def test_the_control_loop_survives_any_exception_from_one_message(
     context: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    port = free_tcp_port("127.0.0.1")
     coordinator = open_socket(context, zmq.ROUTER, OPTIONS)
-    coordinator.bind(f"tcp://127.0.0.1:{port}")
+    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
     config = StageConfig(
         name="s0",
         coordinator=f"tcp://127.0.0.1:{port}",
@@ -347,9 +345,8 @@ async def test_a_receive_task_that_keeps_dying_fails_the_stage_loudly(
         raise zmq.ZMQError(zmq.ENOTSOCK)  # a socket that broke under the loop
 
     monkeypatch.setattr(ProbeResponder, "serve", broken_serve)
-    port = free_tcp_port("127.0.0.1")
     coordinator = open_socket(context, zmq.ROUTER, OPTIONS)
-    coordinator.bind(f"tcp://127.0.0.1:{port}")
+    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
     runtime = StageRuntime(
         StageConfig(
             name="s0",

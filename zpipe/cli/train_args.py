@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "share, in [0, 1) (default: 0.1)",
     )
     parser.add_argument(
+        "--repartition-leave-out",
+        action="store_true",
+        help="with --repartition (async-1f1b): eq. 5 may leave a middle device out (no "
+        "units) when that shortens the period by --repartition-gain over keeping it; the "
+        "device stays registered and idle",
+    )
+    parser.add_argument(
         "--warmup",
         choices=WARMUP_POLICIES,
         default="auto",
@@ -384,9 +391,9 @@ def _gain(text: str) -> float:
     return value
 
 
-def repartition_of(args: argparse.Namespace) -> dict[str, float] | None:
+def repartition_of(args: argparse.Namespace) -> dict[str, float | bool] | None:
     """The ``repartition`` settings the flags ask for (None: none of them given)."""
-    given = {
+    given: dict[str, float | bool] = {
         key: value
         for key, value in (
             ("first", args.repartition_first),
@@ -395,6 +402,8 @@ def repartition_of(args: argparse.Namespace) -> dict[str, float] | None:
         )
         if value is not None
     }
+    if getattr(args, "repartition_leave_out", False):
+        given["leave_out"] = True
     return given if args.repartition or given else None
 
 

@@ -9,11 +9,25 @@ another program's. The coordinator then failed to bind and exited, and the clien
 connected to whatever held the port (a PULL refuses a DEALER's handshake, and
 libzmq does not try again), waited out ``coordinator_silence_s`` before it said
 ``coordinator_lost``.
+
+A restarted coordinator cannot do that: the stages and the client know only the
+endpoint it had, so it binds the same port again. While it is down (from its death
+to its successor's bind, a second or two of starting) the port is free, and the same
+race could hand it to any socket bound to port 0. :class:`PortHold` closes that
+window: the cluster binds the port itself (bound, not listening: connections are
+refused exactly as with nobody there, and neither ``bind`` to port 0 nor an outgoing
+connection's local port can be given it) from the kill until the new coordinator
+listens. Both set ``SO_REUSEADDR`` (libzmq does on its listeners), so the coordinator
+binds and listens while the hold is still bound, and the hold is let go after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -88,6 +102,65 @@ class CoordinatorStart:
             await asyncio.sleep(ENDPOINT_POLL_S)
 
 
+class PortHold:
+    """A TCP port held (bound, not listening) while its coordinator is down, or before
+    it starts: ``tcp://HOST:0`` holds any free port (:attr:`endpoint` then names it)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._socket: socket.socket | None = None
+        self.error: OSError | None = None  # why the port could not be held
+        self.take()
+
+    def take(self) -> bool:
+        """Hold the port (again); False, with :attr:`error` set, when another has it."""
+        if self._socket is not None:
+            return True
+        host, _, port_text = self.endpoint.split("://", 1)[-1].rpartition(":")
+        host, port = host.strip("[]"), int(port_text)
+        hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            hold.bind((host, port))
+        except OSError as exc:
+            hold.close()
+            self.error = exc
+            return False
+        self._socket, self.error = hold, None
+        if port == 0:  # the one the system gave
+            self.endpoint = f"{self.endpoint.rsplit(':', 1)[0]}:{hold.getsockname()[1]}"
+        return True
+
+    def check(self) -> None:
+        """A :class:`PipelineError` unless the port is held: a coordinator started now
+        could not listen where the stages and the client look for it."""
+        if not self.take():
+            raise PipelineError(
+                f"cannot restart the coordinator on {self.endpoint}: while it was down "
+                f"another socket took the port ({self.error}); the stages and the client "
+                "know only that endpoint: start a new cluster"
+            )
+
+    def release_once_listening(self, start: CoordinatorStart) -> None:
+        """Let the port go once ``start``'s coordinator listens (or exited, or its time
+        ran out), from a thread: the caller (a client's callback, often) goes on."""
+
+        def release() -> None:
+            try:
+                start.wait()
+            except PipelineError:
+                pass  # its exit and log are the caller's to see, as without a hold
+            finally:
+                self.close()
+
+        threading.Thread(target=release, name="coordinator-port-hold", daemon=True).start()
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
 async def coordinator_exit(processes: Mapping[str, StageProcess]) -> int:
     """Once the coordinator process exits, its exit status (looked up by name each
     time: a restarted coordinator replaces the old one)."""
@@ -152,6 +225,26 @@ async def first_of(*futures: asyncio.Future[Any]) -> None:
         for future in futures:
             future.cancel()  # nothing to a future that is done
         await asyncio.gather(*futures, return_exceptions=True)
+
+
+def stop_processes(processes: Mapping[str, StageProcess], timeout_s: float) -> None:
+    """SIGTERM every process (the coordinator last), then SIGKILL what is left after
+    ``timeout_s``."""
+    order = [n for n in processes if n != "coordinator"] + ["coordinator"]
+    for name in order:
+        process = processes.get(name)
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for name in order:
+        process = processes.get(name)
+        if process is None:
+            continue
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
 
 
 def registered_now(processes: Mapping[str, StageProcess], members: list[dict[str, Any]]) -> bool:

@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -50,9 +49,11 @@ from zpipe.client import (
 from zpipe.cluster.coordinator_process import (
     ENDPOINT_FILE,
     CoordinatorStart,
+    PortHold,
     StageProcess,
     coordinator_argv,
     registered_now,
+    stop_processes,
     unless_coordinator_exits,
 )
 from zpipe.cluster.device_spec import DeviceSpec, local_devices
@@ -116,6 +117,7 @@ class LocalCluster:
         self.allow_factories = tuple(allow_factories)
         self._coordinator_args: list[str] = []
         self.coordinator_endpoint = ""
+        self._port_hold: PortHold | None = None  # a killed coordinator's port, until restarted
         self.processes: dict[str, StageProcess] = {}
         # "starting N stages: k registered" on stderr (None: when it is a terminal)
         self.progress = TerminalProgress(progress)
@@ -211,24 +213,25 @@ class LocalCluster:
         for device in self.devices:
             self.start_stage(device)
 
-    def _spawn_coordinator(self) -> CoordinatorStart:
+    def _spawn_coordinator(self, *, restart: bool = False) -> CoordinatorStart:
         """Start the coordinator on a port it picks itself (see
         :mod:`zpipe.cluster.coordinator_process`: a port picked here can be taken
-        before the coordinator binds it)."""
+        before the coordinator binds it), or ``restart`` it on the port it had."""
         if self.log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="zpipe-cluster-")
             self.log_dir = Path(self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / ENDPOINT_FILE
-        path.unlink(missing_ok=True)  # a kept log directory's, from an earlier cluster
-        self._coordinator_args = coordinator_argv(
-            endpoint_file=path,
-            suspect_after=self.suspect_after,
-            probe_intervals=self.probe_intervals,
-            measure_links=self.measure_links,
-            state_dir=self.state_dir,
-            common=self._common_flags(),
-        )
+        path.unlink(missing_ok=True)  # an earlier coordinator's (or cluster's)
+        if not restart:  # a restart keeps the arguments, with the bound endpoint
+            self._coordinator_args = coordinator_argv(
+                endpoint_file=path,
+                suspect_after=self.suspect_after,
+                probe_intervals=self.probe_intervals,
+                measure_links=self.measure_links,
+                state_dir=self.state_dir,
+                common=self._common_flags(),
+            )
         process = self._spawn("coordinator", self._coordinator_args)
         return CoordinatorStart(
             process, path, lambda: self.logs("coordinator"), self.start_timeout_s
@@ -236,11 +239,17 @@ class LocalCluster:
 
     def restart_coordinator(self) -> StageProcess:
         """Start the coordinator again, on the same endpoint and state directory
-        (after :meth:`kill` of ``"coordinator"``, say); its log file grows on."""
+        (after :meth:`kill` of ``"coordinator"``, say); its log file grows on. The port
+        is held from the kill until the new coordinator listens (:class:`PortHold`); a
+        :class:`PipelineError` if another socket took it before."""
         old = self.processes.get("coordinator")
         if old is not None and old.poll() is None:
             raise PipelineError("the coordinator is still running; kill it first")
-        return self._spawn("coordinator", self._coordinator_args)
+        hold, self._port_hold = self._port_hold or PortHold(self.coordinator_endpoint), None
+        hold.check()
+        start = self._spawn_coordinator(restart=True)
+        hold.release_once_listening(start)
+        return start.process
 
     def start_stage(self, device: DeviceSpec, *extra: str) -> StageProcess:
         """Start a stage process for ``device`` (a stage started again after a kill, or
@@ -437,6 +446,8 @@ class LocalCluster:
         process.send_signal(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
             process.wait(timeout=30)
+            if name == "coordinator" and self.coordinator_endpoint and not self._port_hold:
+                self._port_hold = PortHold(self.coordinator_endpoint)  # for a restart
 
     def logs(self, name: str) -> str:
         assert self.log_dir is not None
@@ -445,21 +456,10 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every process (stages first), then SIGKILL what is left after the timeout."""
-        order = [n for n in self.processes if n != "coordinator"] + ["coordinator"]
-        for name in order:
-            process = self.processes.get(name)
-            if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for name in order:
-            process = self.processes.get(name)
-            if process is None:
-                continue
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
+        stop_processes(self.processes, timeout_s)
+        if self._port_hold is not None:
+            self._port_hold.close()
+            self._port_hold = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

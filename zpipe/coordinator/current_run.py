@@ -173,6 +173,7 @@ def _decision(data: Mapping[str, Any]) -> RepartitionDecision:
         capacities={str(d): float(c) for d, c in dict(data.get("capacities") or {}).items()},
         fixed_s={str(d): float(f) for d, f in dict(data.get("fixed_s") or {}).items()},
         reason=str(data.get("reason") or ""),
+        devices=None if data.get("devices") is None else tuple(str(d) for d in data["devices"]),
     )
 
 

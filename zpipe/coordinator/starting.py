@@ -494,7 +494,14 @@ class _Training:
                     "lr_schedule": training["lr_schedule"],
                     "start_step": training["start_step"],
                     "resume_optimizer": training["resume_optimizer"],
-                    "group": {"names": names, "shares": shares, "rank": rank},
+                    # the keys: a rank binds its ring port (admitting the rank
+                    # before it) when assigned, before "connect" names the ring
+                    "group": {
+                        "names": names,
+                        "shares": shares,
+                        "rank": rank,
+                        "keys": [controller.key_of(n) for n in names],
+                    },
                     "upstream": up,
                     "downstream": down,
                 }

@@ -30,8 +30,9 @@ units a stage holds, it pays ``F_i`` once per batch. ``F_i = 0`` is eq. 7.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from zpipe._errors import ConfigError
 from zpipe.planner.capacity import estimate_capacities
@@ -39,12 +40,25 @@ from zpipe.planner.capacity import estimate_capacities
 
 @dataclass(frozen=True)
 class FTPipeHDPartition:
-    """Each stage's units ``[bounds[i], bounds[i + 1])`` and the predicted period."""
+    """Each stage's units ``[bounds[i], bounds[i + 1])`` and the predicted period;
+    stage ``i`` runs on worker ``workers[i]`` (every worker, in order, unless the
+    partition left some out)."""
 
     bounds: tuple[int, ...]
     period_s: float  # A(J - 1, n): the slowest of compute and link, per batch
     stage_s: tuple[float, ...]  # eq. 7 for each stage's units on its worker
     link_s: tuple[float, ...]  # 2 * eq. 6 at each cut
+    workers: tuple[int, ...] = ()  # the workers that take part, in stage order
+
+    def __post_init__(self) -> None:
+        if not self.workers:  # every worker, one stage each
+            object.__setattr__(self, "workers", tuple(range(len(self.bounds) - 1)))
+        if len(self.workers) != len(self.bounds) - 1:
+            raise ConfigError(f"{len(self.workers)} workers for {len(self.bounds) - 1} stages")
+
+    def left_out(self, num_workers: int) -> tuple[int, ...]:
+        """The workers of ``num_workers`` this partition gives no units."""
+        return tuple(w for w in range(num_workers) if w not in self.workers)
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -69,6 +83,10 @@ def ftpipehd_partition(
     output_bytes: Sequence[float] | None = None,
     bandwidths_bps: Sequence[float] | None = None,
     fixed_s: Sequence[float] | None = None,
+    leave_out: bool = False,
+    leave_out_gain: float = 0.0,
+    pair_bandwidths_bps: Mapping[tuple[int, int], float] | None = None,
+    keep_ends: bool = False,
 ) -> FTPipeHDPartition:
     """The cut points that minimize eq. 5's period.
 
@@ -78,7 +96,13 @@ def ftpipehd_partition(
     ``output_bytes``: ``D_j``, the bytes unit ``j`` sends on (default: free links);
     ``bandwidths_bps``: ``B_{i,i+1}`` in bytes per second, one per link between
     consecutive workers (default: infinite); ``fixed_s``: ``F_i``, each worker's own
-    seconds per batch whatever its units (default: none, eq. 7).
+    seconds per batch whatever its units (default: none, eq. 7); ``leave_out``: the
+    workers that take part are chosen too (see the module notes), a partition with
+    fewer taken only when its period is shorter than everyone's by more than
+    ``leave_out_gain``; ``pair_bandwidths_bps``: ``{(i, k): B}`` for non-consecutive
+    workers ``i < k`` whose link was measured (default: the slowest hop between);
+    ``keep_ends``: the first and last workers always take part (a pipeline whose
+    feed and sink are wired to them).
     """
     units = _check_positive("reference_unit_s", reference_unit_s, allow_zero=True)
     if capacities is None:
@@ -113,6 +137,14 @@ def ftpipehd_partition(
     if len(fixed) != n:
         raise ConfigError(f"fixed_s needs one entry per worker ({n}), got {len(fixed)}")
 
+    if isinstance(leave_out_gain, bool) or not 0 <= leave_out_gain < 1:
+        raise ConfigError(f"leave_out_gain must lie in [0, 1), got {leave_out_gain!r}")
+    pairs = {} if pair_bandwidths_bps is None else dict(pair_bandwidths_bps)
+    for (a, b), bps in pairs.items():
+        if not (0 <= a < b < n) or not bps > 0:
+            raise ConfigError(f"pair_bandwidths_bps[{(a, b)}] must link workers a < b < {n} "
+                              f"with a bandwidth > 0, got {bps!r}")  # fmt: skip
+
     prefix = [0.0]
     for t in units:
         prefix.append(prefix[-1] + t)
@@ -143,7 +175,67 @@ def ftpipehd_partition(
     bounds.reverse()
     stage_s = tuple(compute(i, bounds[i], bounds[i + 1] - 1) for i in range(n))
     link_s = tuple(link(i, bounds[i + 1] - 1) for i in range(n - 1))
-    return FTPipeHDPartition(tuple(bounds), best[n - 1][total - 1], stage_s, link_s)
+    everyone = FTPipeHDPartition(tuple(bounds), best[n - 1][total - 1], stage_s, link_s)
+    if not leave_out or n == 1:
+        return everyone
+    fewer = _with_workers_left_out(compute, units, sizes, links, pairs, keep_ends=keep_ends)
+    if len(fewer.workers) < n and fewer.period_s < everyone.period_s * (1.0 - leave_out_gain):
+        return fewer
+    return everyone
+
+
+def _with_workers_left_out(
+    compute: Callable[[int, int, int], float],
+    units: Sequence[float],
+    sizes: Sequence[float],
+    links: Sequence[float],
+    pairs: Mapping[tuple[int, int], float],
+    *,
+    keep_ends: bool,
+) -> FTPipeHDPartition:
+    """Eq. 5 over the units and which workers take part (the module notes' ``B``)."""
+    n, total = len(links) + 1, len(units)
+
+    def bandwidth(a: int, b: int) -> float:
+        # a measured pair, else the narrowest hop of the chain between them
+        return pairs.get((a, b), min(links[a:b]))
+
+    def link(a: int, b: int, unit: int) -> float:
+        return 2.0 * sizes[unit] / bandwidth(a, b) if sizes[unit] else 0.0
+
+    # best[k][j]: B(j, k); came[k][j]: (k', l) it came from, (-1, -1): k alone
+    # a worker alone at the front: any, or worker 0 only when the ends are kept
+    best = [
+        [compute(k, 0, j) if k == 0 or not keep_ends else math.inf for j in range(total)]
+        for k in range(n)
+    ]
+    came = [[(-1, -1)] * total for _ in range(n)]
+    # workers taking part: of two pipelines with the same period, the one with more
+    # (the fewer devices left idle)
+    count = [[1] * total for _ in range(n)]
+    for k in range(1, n):
+        for j in range(1, total):
+            for before in range(k):
+                for l in range(j):  # noqa: E741 - the paper's name
+                    value = max(best[before][l], link(before, k, l), compute(k, l + 1, j))
+                    more = count[before][l] + 1
+                    if value < best[k][j] or (value == best[k][j] and more > count[k][j]):
+                        best[k][j], came[k][j], count[k][j] = value, (before, l), more
+    ends = [n - 1] if keep_ends else range(n)
+    last = min(ends, key=lambda k: (best[k][total - 1], -count[k][total - 1], -k))
+    workers, bounds = [last], [total]
+    k, j = last, total - 1
+    while came[k][j][0] >= 0:
+        k, l = came[k][j]  # noqa: E741
+        workers.append(k)
+        bounds.append(l + 1)
+        j = l
+    bounds.append(0)
+    workers.reverse()
+    bounds.reverse()
+    stage_s = tuple(compute(w, bounds[i], bounds[i + 1] - 1) for i, w in enumerate(workers))
+    link_s = tuple(link(a, b, bounds[i + 1] - 1) for i, (a, b) in enumerate(pairwise(workers)))
+    return FTPipeHDPartition(tuple(bounds), best[last][total - 1], stage_s, link_s, tuple(workers))
 
 
 def repartition_from_measurements(
@@ -154,6 +246,9 @@ def repartition_from_measurements(
     *,
     output_bytes: Sequence[float] | None = None,
     bandwidths_bps: Sequence[float] | None = None,
+    leave_out: bool = False,
+    leave_out_gain: float = 0.0,
+    keep_ends: bool = False,
 ) -> FTPipeHDPartition:
     """FTPipeHD's re-partition: each worker's capacity from its measured time per
     batch over its current units ``[bounds[i], bounds[i + 1])`` (eqs. 1-3), then the
@@ -170,4 +265,7 @@ def repartition_from_measurements(
         capacities=[caps[d] for d in order],
         output_bytes=output_bytes,
         bandwidths_bps=bandwidths_bps,
+        leave_out=leave_out,
+        leave_out_gain=leave_out_gain,
+        keep_ends=keep_ends,
     )

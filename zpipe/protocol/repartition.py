@@ -19,7 +19,9 @@ three phases:
   straight from their probe sockets;
 - ``commit``: every stage has fetched; switch to ``bounds`` (plan epoch
   ``plan_epoch``) and go on from batch ``step``. A look that keeps the cuts sends
-  only this phase, with the current ones.
+  only this phase, with the current ones. A move that leaves a device out
+  (``leave_out``) also sends each stage kept its place in the shorter chain
+  (``chain``); the device left out gets no commit and stays paused, idle.
 
 And a hint that makes a look due sooner:
 
@@ -89,6 +91,9 @@ class RepartitionRequest(WireMessage):
     bounds: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     fetch: list[Any] | None = wire(OPT_LIST, default=None, omit_if_none=True)
     plan_epoch: int | None = wire(OPT_INT, default=None, omit_if_none=True)
+    # a commit that leaves a device out: this stage's place in the shorter chain
+    # (``index``, ``num_stages``, ``upstream`` and ``downstream`` as an assignment's)
+    chain: dict[str, Any] | None = wire(OPT_MAP, default=None, omit_if_none=True)
 
 
 @wire_message

@@ -27,6 +27,7 @@ from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.planner.profile import ModelProfile
 from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.stage_control import Assign
+from zpipe.stage.data_parallel import RingPort
 from zpipe.stage.emulated_compute import EmulatedShard
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.executors.sync_training import TrainingSetup
@@ -55,11 +56,19 @@ class Assignment:
     upstream_key: str | None = None
     downstream_key: str | None = None
     # training runs only: the round's settings, every neighbour device's (endpoint, key)
-    # that this one sends to, and this device's port in its group's all-reduce ring
+    # that this one sends to, and this device's port in its group's all-reduce ring:
+    # bound when assigned, so the endpoint reported is one this device holds (the
+    # ring takes the port when it connects; until then the assignment owns it)
     training: TrainingSetup | None = None
     peers: dict[str, tuple[str, str | None]] = field(default_factory=dict)
-    ring_bind: str = ""
+    ring_port: RingPort | None = None
     ring_endpoint: str = ""
+
+    def release_ring_port(self) -> None:
+        """Close the ring port if no ring took it (an assignment never connected)."""
+        if self.ring_port is not None:
+            self.ring_port.close()
+            self.ring_port = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq.asyncio
 
+from zpipe._errors import PipelineError
 from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.protocol.stage_control import Assign
@@ -30,8 +31,13 @@ from zpipe.stage.commands import Command, ConnectAssignment, DropMessage
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataport import DataPort
 from zpipe.stage.executors.inference import InferenceLoop
-from zpipe.stage.executors.sync_training import TrainingExecutor
-from zpipe.stage.executors.training_plane import TrainingPlane, prepare_training, training_setup
+from zpipe.stage.executors.sync_training import TrainingExecutor, TrainingSetup
+from zpipe.stage.executors.training_plane import (
+    RingSockets,
+    TrainingPlane,
+    prepare_training,
+    training_setup,
+)
 from zpipe.stage.lifecycle import DataRoute, StageLifecycle
 from zpipe.stage.live_copies import CopyRoutes
 from zpipe.stage.metrics import StageCounters
@@ -91,6 +97,9 @@ class DataPlane:
         self._training: TrainingPlane | None = None
         self._retired_training: TrainingPlane | None = None  # its sockets still drain
         self._timeline_run: int | None = None  # the run the counters' timeline belongs to
+        self._ring_sockets = RingSockets(
+            context, config.socket_options, keys.keypair, keys.authenticator
+        )
 
     @property
     def trainer(self) -> TrainingExecutor | None:
@@ -110,8 +119,9 @@ class DataPlane:
         log.info("assignment_received", stage=name, run=run, epoch=epoch, start=message.start,
                  end=message.end, downstream=message.downstream)  # fmt: skip
         await self.stop()
-        self._pending = None
+        self._discard_pending()
         started = time.monotonic()
+        built = None
         try:
             built = await self._builder.build(
                 message,
@@ -119,7 +129,11 @@ class DataPlane:
                     m, name=name, wait_s=self.config.timeouts.result_s
                 ),
                 prepare_training=lambda a, train: prepare_training(
-                    a, train, data_endpoint=self._data_endpoint, data_bind=self.config.data_bind
+                    a,
+                    train,
+                    data_endpoint=self._data_endpoint,
+                    data_bind=self.config.data_bind,
+                    ring_sockets=self._ring_sockets,
                 ),
                 fetch_state=self._fetch_state,
             )
@@ -133,6 +147,8 @@ class DataPlane:
                 )
             await self._apply_data_limits(ModelSpec.from_dict(message.model))
         except Exception as exc:  # any failure to build is reported, and the stage keeps serving
+            if built is not None:
+                built.assignment.release_ring_port()
             log.error("assignment_failed", stage=name, run=run, error=str(exc))
             return self._lifecycle.assignment_failed(run, epoch, describe_error(exc))
         self._pending = built.assignment
@@ -147,6 +163,12 @@ class DataPlane:
             ring_endpoint=built.assignment.ring_endpoint,
             max_message_bytes=limits.max_message_bytes if limits is not None else None,
         )
+
+    def _discard_pending(self) -> None:
+        """Forget the assignment built and never connected, and close its ring port."""
+        if self._pending is not None:
+            self._pending.release_ring_port()
+            self._pending = None
 
     async def _apply_data_limits(self, spec: ModelSpec) -> None:
         """Give the data port the receive limits of this assignment's model before any
@@ -221,6 +243,29 @@ class DataPlane:
         log.info("connected", stage=self.config.name, run=run, epoch=assignment.epoch,
                  downstream=assignment.downstream)  # fmt: skip
         return commands
+
+    def rewire(self, setup: TrainingSetup, peers: dict[str, tuple[str, str | None]]) -> None:
+        """A re-partition left a device out (:mod:`zpipe.stage.executors.
+        async_repartition`): the training's new place in the chain, its new
+        neighbours' sockets, and who may send it data from here on."""
+        training = self._training
+        if training is None:
+            raise PipelineError("no training assignment runs here to re-wire")
+        training.rewire(setup, peers)
+        self._lifecycle.rerouted(_route(training.assignment))
+
+    def allow_senders(self, peers: dict[str, tuple[str, str | None]]) -> None:
+        """Admit ``peers`` (new neighbours after a leave-out: endpoint and key) on the
+        data port from now on, besides those admitted already: done at the move's
+        fetch, before any stage commits and connects (a refused CURVE handshake is
+        not retried)."""
+        if self._keys.data_allow is not None:
+            for name, (_, key) in peers.items():
+                if key:
+                    self._keys.data_allow.allow(key.encode(), name)
+        addresses = self._keys.data_addresses
+        if addresses is not None and not addresses.admits_any:
+            addresses.admit(peer_addresses([e for e, _ in peers.values()], self._data_endpoint))
 
     def _connect_downstream(self, assignment: Assignment) -> None:
         if self._downstream is not None:
@@ -298,6 +343,7 @@ class DataPlane:
 
     async def close(self) -> None:
         await self.stop()
+        self._discard_pending()
         if self._retired_training is not None:
             self._retired_training.release_peers()
             self._retired_training = None

@@ -133,7 +133,9 @@ class StageJobs:
             case StageJob.BACKUP, BackupRequest():
                 reply = await self._snapshots.backup_reply(message, plane.trainer, plane.pace)
             case StageJob.REPARTITION, RepartitionRequest():
-                reply = await self._repartition.reply(message, plane.trainer)
+                reply = await self._repartition.reply(
+                    message, plane.trainer, plane.rewire, plane.allow_senders
+                )
             case _:
                 raise ProtocolError(f"a {job.value} job cannot answer {message.KIND!r}")
         await self._send(reply.to_message())

@@ -505,6 +505,11 @@ class StageLifecycle:
         self.phase = Phase.RUNNING
         return [SendToCoordinator(Connected(run=run, name=self.name, epoch=route.epoch))]
 
+    def rerouted(self, route: DataRoute) -> None:
+        """The running assignment's senders changed (a re-partition left a device out)."""
+        if self._route is not None:
+            self._route = route
+
     def connect_failed(self, run: int, epoch: int, error: str) -> list[Command]:
         self.phase = Phase.IDLE
         return [self._assign_failed(run, epoch, error)]

@@ -75,121 +75,16 @@ from zpipe.recovery.redistribution import Redistribution, plan_redistribution
 from zpipe.recovery.spans import StageSpan
 from zpipe.training.repartition_period import links_s, period_at
 from zpipe.training.repartition_reports import recent_times, stage_totals
+from zpipe.training.repartition_settings import RepartitionSettings
 from zpipe.training.repartition_window import window_time
 from zpipe.training.stage_cost import StageCosts
-
-_DAMPING: tuple[str, ...] = ("smoothing", "deviation", "revisit_gain", "revisit_looks")
-_DAMPING += ("revisit_radius", "watch", "forward_watch")
-
-
-@dataclass(frozen=True)
-class RepartitionSettings:
-    """When to look (after ``first`` batches, then every ``every``) and the predicted
-    gain (a share of the period) a move must bring; ``bounds``: a test hook."""
-
-    first: int = 10
-    every: int = 100
-    gain: float = 0.1
-    bounds: tuple[int, ...] | None = None
-    # the past looks' weight in a device's capacity: low, since a look's window that
-    # straddles a real change shows only part of it, and more would delay the answer
-    smoothing: float = 0.25
-    deviation: float = 1.0  # beyond 1 + this times either way: a real change, not noise
-    # hysteresis: a move back to cuts left within the last revisit_looks looks must
-    # promise this much (revisit_gain <= gain or revisit_looks 0: no hysteresis)
-    revisit_gain: float = 0.3
-    revisit_looks: int = 10
-    # cuts whose every boundary lies within this many units of cuts left count as
-    # a move back (under load the fit dithers between neighbouring cuts)
-    revisit_radius: int = 1
-    # an early look when the losses come back this many times slower than between
-    # the two looks before (zpipe.training.repartition_watch); 0: scheduled looks only
-    watch: float = 0.0
-    # an early look when a stage's own forwards run this many times slower or faster
-    # for good (zpipe.training.forward_watch); 0: off, as ``watch`` (opted into)
-    forward_watch: float = 0.0
-
-    def __post_init__(self) -> None:
-        counts: tuple[tuple[str, int], ...] = (
-            ("first", 1),
-            ("every", 1),
-            ("revisit_looks", 0),
-            ("revisit_radius", 0),
-        )
-        for name, least in counts:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(
-                    f"repartition {name} must be an integer >= {least}, got {value!r}"
-                )
-        if not (isinstance(self.gain, (int, float)) and math.isfinite(self.gain)):
-            raise ConfigError(f"repartition gain must be a number, got {self.gain!r}")
-        if not 0 <= self.gain < 1:
-            raise ConfigError(f"repartition gain must lie in [0, 1), got {self.gain}")
-        for name, low, high in (
-            ("smoothing", 0.0, 1.0),
-            ("deviation", 0.0, math.inf),
-            ("revisit_gain", 0.0, 1.0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"repartition {name} must be a number, got {value!r}")
-            if not low <= value < high:
-                raise ConfigError(
-                    f"repartition {name} must lie in [{low:g}, {high:g}), got {value}"
-                )
-        for name in ("watch", "forward_watch"):
-            watch = getattr(self, name)
-            if isinstance(watch, bool) or not isinstance(watch, (int, float)):
-                raise ConfigError(f"repartition {name} must be a number, got {watch!r}")
-            if not (watch == 0 or (math.isfinite(watch) and watch > 1)):
-                raise ConfigError(
-                    f"repartition {name} must be 0 (off) or a factor > 1, got {watch}"
-                )
-
-    def due(self, done: int) -> bool:
-        """Whether the pipeline is looked at after ``done`` batches."""
-        return done == self.first or (done > self.first and (done - self.first) % self.every == 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"first": self.first, "every": self.every, "gain": self.gain}
-        if self.bounds is not None:
-            out["bounds"] = list(self.bounds)
-        # only when set: a coordinator from before damping refuses keys it does not know
-        for name in _DAMPING:
-            if getattr(self, name) != getattr(RepartitionSettings, name):
-                out[name] = getattr(self, name)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RepartitionSettings:
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"repartition settings must be a mapping, got {data!r}")
-        unknown = sorted(set(data) - {"first", "every", "gain", "bounds", *_DAMPING})
-        if unknown:
-            raise ConfigError(f"unknown repartition settings {unknown}")
-        try:
-            bounds = data.get("bounds")
-            return cls(
-                first=int(data.get("first", 10)),
-                every=int(data.get("every", 100)),
-                gain=float(data.get("gain", 0.1)),
-                bounds=None if bounds is None else tuple(int(b) for b in bounds),
-                smoothing=float(data.get("smoothing", cls.smoothing)),
-                deviation=float(data.get("deviation", cls.deviation)),
-                revisit_gain=float(data.get("revisit_gain", cls.revisit_gain)),
-                revisit_looks=int(data.get("revisit_looks", cls.revisit_looks)),
-                revisit_radius=int(data.get("revisit_radius", cls.revisit_radius)),
-                watch=float(data.get("watch", cls.watch)),
-                forward_watch=float(data.get("forward_watch", cls.forward_watch)),
-            )
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"malformed repartition settings {data!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
 class RepartitionDecision:
-    """What a look found: the cuts to move to (``bounds``, None: stay) at batch ``at``."""
+    """What a look found: the cuts to move to (``bounds``, None: stay) at batch ``at``;
+    ``devices``: the devices of those cuts, in stage order, when eq. 5 left some out
+    (None: the same devices)."""
 
     at: int
     current: tuple[int, ...]
@@ -201,6 +96,13 @@ class RepartitionDecision:
     fixed_s: dict[str, float] = field(default_factory=dict)  # each device's own cost per batch
     redistribution: Redistribution | None = None
     reason: str = ""
+    devices: tuple[str, ...] | None = None
+
+    def left_out(self, devices: Sequence[str]) -> tuple[str, ...]:
+        """Of the pipeline's ``devices``, those the new cuts give no units."""
+        if self.devices is None or self.bounds is None:
+            return ()
+        return tuple(d for d in devices if d not in self.devices)
 
     @property
     def moves(self) -> bool:
@@ -225,6 +127,8 @@ class RepartitionDecision:
             "capacities": {d: round(c, 4) for d, c in self.capacities.items()},
             "fixed_s": {d: round(f, 6) for d, f in self.fixed_s.items()},
             "reason": self.reason,
+            # only when some device is left out: a reader from before it sees none
+            **({} if self.devices is None else {"devices": list(self.devices)}),
         }
 
 
@@ -278,6 +182,9 @@ def decide_repartition(
             output_bytes=output_bytes,
             bandwidths_bps=bandwidths_bps,
             fixed_s=list(own.values()),
+            leave_out=settings.leave_out,
+            leave_out_gain=settings.gain,
+            keep_ends=True,  # the client's feed and sink are wired to the ends
         )
     elif measured:
         best = repartition_from_measurements(
@@ -287,6 +194,9 @@ def decide_repartition(
             reference_unit_s,
             output_bytes=output_bytes,
             bandwidths_bps=bandwidths_bps,
+            leave_out=settings.leave_out,
+            leave_out_gain=settings.gain,
+            keep_ends=True,  # the client's feed and sink are wired to the ends
         )
         caps = dict(
             zip(devices, _capacities(times, devices, current, reference_unit_s), strict=True)
@@ -304,10 +214,12 @@ def decide_repartition(
         current, reference_unit_s, list(caps.values()), output_bytes, bandwidths_bps, fixed_list
     )
     target: tuple[int, ...] | None = tuple(best.bounds)
+    # the devices the best cuts keep, when eq. 5 left some out (settings.leave_out)
+    kept = tuple(devices[w] for w in best.workers) if len(best.workers) < n else None
     reason = "eq. 5 on measured capacities" if measured else "eq. 7: nothing measured yet"
     new_period = best.period_s
     if settings.bounds is not None:
-        target = tuple(settings.bounds)
+        target, kept = tuple(settings.bounds), None
         if len(target) != n + 1 or target[0] != 0 or target[-1] != current[-1]:
             raise ConfigError(f"bounds {list(target)} do not cut the same units into {n} stages")
         new_period = period_at(
@@ -319,14 +231,17 @@ def decide_repartition(
             fixed_list,
         )
         reason = "forced by the settings' bounds"
-    elif target == current:
+    elif target == current and kept is None:
         target, reason = None, "the best cuts are the current ones"
     elif target is not None:
-        ran = (tried or {}).get(target, 0.0)
+        # cuts that left a device out never ran: nothing measured them
+        ran = (tried or {}).get(target, 0.0) if kept is None else 0.0
         if ran > 0:
             # what the cuts measured is their compute; their links are costed as
             # last measured (a link may have changed since they ran)
             ran = max(ran, links_s(target, output_bytes, bandwidths_bps))
+        if kept is not None:
+            reason = f"eq. 5 leaves {[devices[w] for w in best.left_out(n)]} out"
         if ran > new_period:
             # eq. 3 flatters cuts it has seen run: judge them by what they measured
             new_period = ran
@@ -340,15 +255,20 @@ def decide_repartition(
                 + (" (the best cuts measured slower when run)" if ran >= new_period > 0 else "")
                 + (" (a move back to cuts left lately)" if back else "")
             )
-    if target == current:
+    if target == current and kept is None:
         target = None
+    if target is None:
+        kept = None
     redistribution = None
     if target is not None:
         redistribution = plan_redistribution(
-            spans_of(devices, current), spans_of(devices, target), failed=(), live_version=at
+            spans_of(devices, current),
+            spans_of(kept or devices, target),
+            failed=(),
+            live_version=at,
         )
     return RepartitionDecision(
-        at, current, target, period, new_period, measured, caps, own, redistribution, reason
+        at, current, target, period, new_period, measured, caps, own, redistribution, reason, kept
     )
 
 
@@ -594,6 +514,32 @@ class RepartitionController:
         """Every stage switched to ``decision``'s cuts: the new plan epoch."""
         if decision.bounds is None:
             raise ConfigError("a decision to stay has nothing to commit")
+        if decision.devices is not None and decision.devices != self.devices:
+            self._leave_out(decision.devices)
         self.bounds = decision.bounds
         self.plan_epoch += 1
         return self.plan_epoch
+
+    def _leave_out(self, devices: tuple[str, ...]) -> None:
+        """The pipeline goes on over ``devices`` (a subsequence of this one's): the
+        others are no longer looked at, nor counted (they stay registered and idle).
+        The link between two devices a left-out one separated is costed as eq. 5
+        costed it, the slower of the two it replaces, until the next probe."""
+        if not set(devices) <= set(self.devices):
+            raise ConfigError(f"a move to devices {list(devices)} not all of {list(self.devices)}")
+        if self.bandwidths_bps is not None:
+            where = {d: i for i, d in enumerate(self.devices)}
+            self.bandwidths_bps = [
+                min(self.bandwidths_bps[where[a] : where[b]]) for a, b in pairwise(devices)
+            ]
+        gone = set(self.devices) - set(devices)
+        self.devices = devices
+        for device in gone:
+            self._seen.pop(device, None)
+            self.window.pop(device, None)
+            self.capacities.pop(device, None)
+            self._units_s.pop(device, None)
+        # its fitted own cost stays: phi is the stages' share, in reference seconds
+        # cuts of the old pipeline: a different number of stages, nothing to compare
+        self.tried.clear()
+        self.held = []

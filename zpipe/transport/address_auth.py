@@ -113,6 +113,10 @@ class AddressAllowList:
         self._addresses = frozenset(str(ipaddress.ip_address(a)) for a in addresses)
         self._any = False
 
+    def admit(self, addresses: Iterable[str]) -> None:
+        """Admit ``addresses`` too, besides those admitted now."""
+        self._addresses |= frozenset(str(ipaddress.ip_address(a)) for a in addresses)
+
     def admit_any(self) -> None:
         """Admit every address (a run whose set-up names no addresses)."""
         self._addresses, self._any = frozenset(), True

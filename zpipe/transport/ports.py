@@ -1,4 +1,9 @@
-"""A free TCP port, for a socket bound a moment later (tests, local clusters, rings)."""
+"""A free TCP port, for a socket this process binds at once (tests).
+
+Never hand the number to another process, or keep it for later: until it is bound,
+any socket bound to port 0 on the machine can be given the same port. Bind port 0
+where the socket lives and report the port it got (``--endpoint-file``, a ring's
+``ready``) instead."""
 
 from __future__ import annotations
 

@@ -202,3 +202,22 @@ def test_the_fixed_cost_in_units_is_the_median_over_the_looks_that_fitted_one() 
     assert (
         _fixed_units([look(3.0, 1.0), unfitted, look(1.0, 0.5), look(9.0, 1.0)], ["a", "b"]) == 3.0
     )
+
+
+def test_a_bound_with_leave_out_uses_the_runs_dp_and_is_never_below_keeping_everyone() -> None:
+    # u12_middle after the change with a stage's own cost of 3 units: keeping the 80x
+    # device costs it 80 * (3 + 1) at best; leaving it out, the other three share 12
+    after = phase_bound(after_change(CAPS, 1), 12, fixed_units=3.0)
+    left = phase_bound(after_change(CAPS, 1), 12, fixed_units=3.0, leave_out=True)
+    assert left.even_period == after.even_period
+    assert len(left.best_bounds) == 4 and left.best_period < after.best_period
+    assert left.ratio > after.ratio
+    # the first and last devices are never left out (the run's DP keeps its ends)
+    slow_first = phase_bound([400.0, 8.0, 20.0, 40.0], 12, fixed_units=3.0, leave_out=True)
+    assert len(slow_first.best_bounds) == 5
+    # a look after a leave-out names the devices kept only: still read
+    from bench.training_async import _fixed_units
+
+    kept = {"capacities": {"a": 1.0, "c": 2.0}, "fixed_s": {"a": 3.0, "c": 6.0},
+            "current": [0, 2, 4], "period_s": 2 * 3.0 + 2 * 2 * 1.0}  # fmt: skip
+    assert _fixed_units([kept], ["a", "b", "c"]) == 3.0

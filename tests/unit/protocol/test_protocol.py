@@ -264,6 +264,8 @@ KINDS_ADDED_IN_V1 = {
         "bounds": ["list/null", False],
         "fetch": ["list/null", False],
         "plan_epoch": ["int/null", False],
+        # a commit that leaves a device out: the stage's place in the shorter chain
+        "chain": ["dict/null", False],
     },
     # copies an asynchronous stage made without draining, sent to (and saved by) the
     # coordinator of a run that asked for them

@@ -47,9 +47,10 @@ from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import cluster_from_members
 from zpipe.coordinator.runs.base import BaseRun
+from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.models import ModelSpec
 from zpipe.planner import ClusterSpec
-from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings, async_warmup
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
@@ -72,6 +73,7 @@ class PhaseAsk:
     bounds: list[Any] | None = None
     fetch: list[Any] | None = None
     plan_epoch: int | None = None
+    chain: dict[str, Any] | None = None  # a commit that leaves a device out
 
 
 def repartition_settings(request: RunRequest | None) -> RepartitionSettings | None:
@@ -83,7 +85,14 @@ def repartition_settings(request: RunRequest | None) -> RepartitionSettings | No
     if train.get("schedule") == ASYNC_SCHEDULE:
         if not AsyncSettings.from_dict(train.get("async")).vertical_sync:
             raise ConfigError("a live re-partition needs vertical sync (the versions it moves)")
-    return RepartitionSettings.from_dict(given)
+    settings = RepartitionSettings.from_dict(given)
+    if settings.leave_out:
+        if train.get("schedule") != ASYNC_SCHEDULE:
+            raise ConfigError(f"repartition leave_out re-wires {ASYNC_SCHEDULE} runs only")
+        if AsyncSettings.from_dict(train.get("async")).live_copies:
+            # the chain copies' routes name the device left out (not re-wired yet)
+            raise ConfigError("repartition leave_out does not go with live copies yet")
+    return settings
 
 
 def plan_bounds(plan: TrainingPlan) -> tuple[list[str], list[int]]:
@@ -95,11 +104,32 @@ def plan_bounds(plan: TrainingPlan) -> tuple[list[str], list[int]]:
     return devices, [s.start for s in plan.stages] + [plan.stages[-1].end]
 
 
-def with_bounds(plan: TrainingPlan, bounds: tuple[int, ...]) -> TrainingPlan:
-    stages = tuple(
-        replace(s, start=bounds[i], end=bounds[i + 1]) for i, s in enumerate(plan.stages)
+def with_bounds(
+    plan: TrainingPlan, bounds: tuple[int, ...], devices: tuple[str, ...] | None = None
+) -> TrainingPlan:
+    """``plan`` cut at ``bounds``; with ``devices``, over those of its stages alone (a
+    move that left the others out: each kept stage's warm-up that of its new place)."""
+    if devices is None:
+        stages = tuple(
+            replace(s, start=bounds[i], end=bounds[i + 1]) for i, s in enumerate(plan.stages)
+        )
+        return replace(plan, stages=stages)
+    by_device = {s.devices[0]: s for s in plan.stages}
+    n = len(devices)
+    kept = tuple(
+        replace(by_device[d], start=bounds[i], end=bounds[i + 1], warmup=async_warmup(i, n))
+        for i, d in enumerate(devices)
     )
-    return replace(plan, stages=stages)
+    return replace(plan, stages=kept)
+
+
+def with_depth(request: RunRequest, depth: int) -> RunRequest:
+    """``request`` whose asynchronous runs keep the staleness of ``depth`` stages (a
+    move that left a device out: a later recovery resumes at that depth too)."""
+    train = dict(request.train or {})
+    settings = dict(train.get("async") or {})
+    settings.setdefault("depth", depth)
+    return replace(request, train={**train, "async": settings})
 
 
 def reference_unit_s(plan: TrainingPlan, profile: ModelProfile | None) -> list[float]:
@@ -365,14 +395,33 @@ class LiveRepartitioning:
                       "step": step, **_links_logged(controller),
                       **_window_logged(controller)})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
+            kept = decision.devices if decision.moves else None
             if decision.bounds is not None:
-                yield from self._fetch(members, plan, step, decision.bounds)
+                yield from self._fetch(members, plan, step, decision.bounds, kept)
             epoch = controller.plan_epoch + (1 if decision.moves else 0)
-            commit = PhaseAsk("commit", bounds=list(target), plan_epoch=epoch)
-            committed = yield from self.ask(members, devices, step, commit)
+            commit: PhaseAsk | dict[str, PhaseAsk] = PhaseAsk(
+                "commit", bounds=list(target), plan_epoch=epoch
+            )
+            if kept is not None:
+                # the stages kept take their places in the shorter chain; the device
+                # left out gets no commit: it stays at its flush, idle
+                yield Log("info", "repartition_leaving_out", {"run": run.run, "step": step,
+                          "left_out": list(decision.left_out(devices))})  # fmt: skip
+                commit = self._chain_commits(members, kept, list(target), epoch)
+            committed = yield from self.ask(members, list(kept or devices), step, commit)
             if decision.moves:
+                if kept is not None and run.request is not None:
+                    # the run keeps the depth it started with (a later recovery too)
+                    train = run.request.train or {}
+                    depth = AsyncSettings.from_dict(train.get("async")).depth_of(len(devices))
+                    run.request = with_depth(run.request, depth)
                 controller.committed(decision)
-                run.training_plan = with_bounds(plan, target)
+                run.training_plan = with_bounds(plan, target, kept)
+                if kept is not None:
+                    # the device left out is no longer the run's: its death, its
+                    # metrics and its weights are not the run's either (it stays
+                    # registered and idle, paused at its flush, until it is assigned)
+                    run.devices = list(kept)
                 self._keep()
                 yield Persist()  # a successor takes over the cuts the stages run now
                 yield Log("info", "repartitioned", {"run": run.run, "step": step,
@@ -389,7 +438,7 @@ class LiveRepartitioning:
                 },
             )
             # after the commit: the probes never share a link with the fetches
-            yield from self._renew_links(devices, members)
+            yield from self._renew_links(list(controller.devices), members)
         except (ZpipeError, ValueError) as exc:
             answer = replace(answer, error=f"{type(exc).__name__}: {exc}")
             yield Log("error", "repartition_failed", {"run": run_id, "step": step,
@@ -444,15 +493,22 @@ class LiveRepartitioning:
         return answer
 
     def _fetch(
-        self, members: dict[str, Member], plan: TrainingPlan, step: int, bounds: tuple[int, ...]
+        self,
+        members: dict[str, Member],
+        plan: TrainingPlan,
+        step: int,
+        bounds: tuple[int, ...],
+        kept: tuple[str, ...] | None = None,
     ) -> Flow:
-        """Every stage fetches the units of ``bounds`` it lacks from the others' snapshots."""
+        """Every stage of ``bounds`` (over ``kept``, when the move leaves devices out)
+        fetches the units it lacks from the others' snapshots (a device left out: from
+        its own, its live state at the flush)."""
         owner, run = self.owner, self.owner.run
         devices, _ = plan_bounds(plan)
         # every device's snapshot at this step is at the device itself; nothing is here
         own = {d: d for d in devices}
         replica = KeptReplica(run.run, step, plan, {}, holders=own, global_copy=False)
-        fetches = fetch_plans(replica, spans_of(devices, bounds), set(members))
+        fetches = fetch_plans(replica, spans_of(kept or devices, bounds), set(members))
         yield AllowPeers(tuple(members[d] for d in devices), fetch_grants(fetches))
         owner.state.fetch_grants_out = True  # until the next backup revokes them
         yield Log("info", "repartition_fetching", {"run": run.run, "step": step})
@@ -461,9 +517,45 @@ class LiveRepartitioning:
                 if entry["from"] != dest:
                     entry["endpoint"] = str(members[entry["from"]].info["probe_endpoint"])
                     entry["key"] = owner.key_of(entry["from"])
-        per_device = {d: PhaseAsk("fetch", bounds=list(bounds), fetch=fetches.get(d, []))
+        # a leave-out: each stage kept admits its new neighbours before anyone commits
+        chains = {} if kept is None else self._chain_commits(members, kept, list(bounds), 0)
+        per_device = {d: PhaseAsk("fetch", bounds=list(bounds), fetch=fetches.get(d, []),
+                                  chain=chains[d].chain if d in chains else None)
                       for d in devices}  # fmt: skip
         yield from self.ask(members, devices, step, per_device)
+
+    def _chain_commits(
+        self, members: dict[str, Member], kept: tuple[str, ...], bounds: list[int], epoch: int
+    ) -> dict[str, PhaseAsk]:
+        """Each kept stage's commit with its place in the shorter chain (its neighbours'
+        data endpoints and keys, the client's at the ends, as an assignment's)."""
+        owner, request = self.owner, self.owner.run.request
+        assert request is not None
+        client = {"names": [CLIENT_NAME], "shares": [1], "endpoints": [request.sink_endpoint],
+                  "keys": [owner.key_of(CLIENT_NAME)]}  # fmt: skip
+
+        def side(i: int) -> dict[str, Any]:
+            if i < 0 or i >= len(kept):
+                return client
+            name = kept[i]
+            return {"names": [name], "shares": [1], "endpoints": [members[name].data_endpoint],
+                    "keys": [owner.key_of(name)]}  # fmt: skip
+
+        n = len(kept)
+        return {
+            d: PhaseAsk(
+                "commit",
+                bounds=bounds,
+                plan_epoch=epoch,
+                chain={
+                    "index": i,
+                    "num_stages": n,
+                    "upstream": side(i - 1),
+                    "downstream": side(i + 1),
+                },
+            )
+            for i, d in enumerate(kept)
+        }
 
     def ask(
         self,
@@ -486,6 +578,7 @@ class LiveRepartitioning:
                 bounds=ask.bounds,
                 fetch=ask.fetch,
                 plan_epoch=ask.plan_epoch,
+                chain=ask.chain,
                 epoch=run.epoch,
             )
             requests.append(Send(members[d].routing_id, request, d, stage=d))

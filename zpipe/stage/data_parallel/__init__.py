@@ -8,5 +8,6 @@ check) is :mod:`zpipe.training.ring`; this package owns the sockets and the awai
 from __future__ import annotations
 
 from zpipe.stage.data_parallel.ring_allreduce import DEFAULT_SEGMENT_BYTES, RingAllReduce
+from zpipe.stage.data_parallel.ring_links import RingPort
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "RingAllReduce"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "RingAllReduce", "RingPort"]

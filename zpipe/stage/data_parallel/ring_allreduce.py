@@ -63,7 +63,7 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError
 from zpipe.log import get_logger
-from zpipe.stage.data_parallel.ring_links import RingCounters, RingLinks
+from zpipe.stage.data_parallel.ring_links import RingCounters, RingLinks, RingPort
 from zpipe.training.ring import (
     ALL_GATHER,
     OPS,
@@ -101,11 +101,14 @@ class RingAllReduce:
     """One rank of a ring all-reduce group (see the module notes for the protocol).
 
     ``endpoints[i]`` is where rank i listens (what the others connect to); this rank
-    binds ``bind`` (default: ``endpoints[rank]``). ``segment_bytes`` must be the same
-    on every rank. With ``keypair``, every link uses CurveZMQ: ``peer_keys[i]`` is the
-    Z85 public key of rank i, this rank accepts only the previous rank's key (added to
-    ``authenticator``'s allow-list when given, the one authenticator of ``context``;
-    otherwise this object runs its own on ``context``) and checks it on every message.
+    binds ``bind`` (default: ``endpoints[rank]``), or takes ``port``, its receive
+    socket bound ahead (:class:`~zpipe.stage.data_parallel.ring_links.RingPort`: a
+    stage binds port 0 when assigned and reports the port it got). ``segment_bytes``
+    must be the same on every rank. With ``keypair``, every link uses CurveZMQ:
+    ``peer_keys[i]`` is the Z85 public key of rank i, this rank accepts only the
+    previous rank's key (added to the ring domain's allow-list of ``authenticator``
+    when given, the one authenticator of ``context``; otherwise this object runs its
+    own on ``context``) and checks it on every message.
     ``epoch`` is the plan epoch the group belongs to; build a new object for a new
     epoch or membership.
 
@@ -121,6 +124,7 @@ class RingAllReduce:
         rank: int,
         endpoints: Sequence[str],
         bind: str | None = None,
+        port: RingPort | None = None,
         socket_options: SocketOptions | None = None,
         keypair: security.KeyPair | None = None,
         peer_keys: Sequence[bytes] | None = None,
@@ -164,6 +168,7 @@ class RingAllReduce:
             rank=rank,
             endpoints=self.endpoints,
             bind=bind if bind is not None else self.endpoints[rank],
+            port=port,
             options=self.options,
             keypair=keypair,
             peer_keys=peer_keys,

@@ -8,6 +8,11 @@ and pacing, and receives the one message a step expects, parsed into its protoco
 class and checked by :func:`zpipe.training.ring.check_message`. Stale messages (an
 older epoch or round) are dropped quietly, others that do not fit are logged and
 dropped, and the deadline of the expected message never grows with them.
+
+The receive side can be opened ahead of the links (:class:`RingPort`): a stage binds
+it (port 0: any free one) when it is assigned and reports the port it holds, so no
+other socket can take the port between the report and the bind, as one bound to
+port 0 could take a port that was picked, closed and bound later.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from zpipe._errors import ProtocolError, TransportTimeout
+from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.log import get_logger
 from zpipe.protocol import REGISTRY
 from zpipe.protocol.data_plane import AllReduce
@@ -38,6 +43,91 @@ from zpipe.transport.sockets import (
 
 log = get_logger("zpipe.allreduce")
 
+# The ZAP domain of the ring's receive sockets, with an allow-list of its own: the
+# data port's allow-list is replaced by each assignment (after the ring port is
+# bound), which must not take the previous rank's key away.
+RING_DOMAIN = "zpipe-ring"
+
+
+def ring_allow_list(authenticator: security.CurveAuthenticator) -> security.PeerAllowList:
+    """The allow-list of ``authenticator``'s ring domain, added on first use."""
+    try:
+        return authenticator.allow_list_of(RING_DOMAIN)
+    except KeyError:
+        allow = security.PeerAllowList()
+        authenticator.add_domain(RING_DOMAIN, allow)
+        return allow
+
+
+class RingPort:
+    """One rank's receive socket, bound as soon as it is made (``bind`` may name port 0).
+
+    With ``keypair`` it is a CURVE server that admits ``prev_key`` alone, allowed
+    before the bind: the previous rank connects as soon as it is told where, and
+    libzmq never retries a refused handshake. ``authenticator`` is the context's one
+    authenticator (the key goes to its ring domain's allow-list, and out again on
+    :meth:`close`); without one, the port runs its own on ``context``.
+    """
+
+    def __init__(
+        self,
+        *,
+        context: zmq.asyncio.Context,
+        bind: str,
+        options: SocketOptions,
+        keypair: security.KeyPair | None = None,
+        prev_key: bytes | None = None,
+        prev_label: str = "the previous rank",
+        authenticator: security.CurveAuthenticator | None = None,
+    ) -> None:
+        if keypair is not None and not prev_key:
+            raise ConfigError(f"a secured ring port needs the public key of {prev_label}")
+        self.prev_key = prev_key if keypair is not None else None
+        self._authenticator = authenticator
+        self._own_authenticator: security.CurveAuthenticator | None = None
+        self._added_key: bytes | None = None
+        self._pull: zmq.asyncio.Socket | None = open_socket(context, zmq.PULL, options)
+        try:
+            if keypair is not None:
+                assert prev_key is not None
+                if authenticator is None:
+                    allow = security.PeerAllowList({prev_label: prev_key})
+                    self._own_authenticator = security.CurveAuthenticator(context, allow)
+                    self._own_authenticator.start()
+                    security.secure_server(self._pull, keypair)
+                else:
+                    allow = ring_allow_list(authenticator)
+                    if prev_key not in allow:
+                        allow.allow(prev_key, prev_label)
+                        self._added_key = prev_key
+                    security.secure_server(self._pull, keypair, domain=RING_DOMAIN)
+            self.bound_endpoint = bind_endpoint(self._pull, bind)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def port(self) -> int:
+        """The TCP port this rank holds."""
+        return int(self.bound_endpoint.rsplit(":", 1)[1])
+
+    @property
+    def socket(self) -> zmq.asyncio.Socket | None:
+        """The bound socket; None once closed."""
+        return self._pull
+
+    def close(self) -> None:
+        """Close the socket and take the key back out of the allow-list; safe twice."""
+        if self._pull is not None:
+            self._pull.close(linger=0)
+            self._pull = None
+        if self._own_authenticator is not None:
+            self._own_authenticator.stop()
+            self._own_authenticator = None
+        if self._added_key is not None and self._authenticator is not None:
+            ring_allow_list(self._authenticator).discard(self._added_key)
+            self._added_key = None
+
 
 @dataclass
 class RingCounters:
@@ -49,7 +139,10 @@ class RingCounters:
 
 
 class RingLinks:
-    """One rank's links in the ring: ``start`` opens them, ``close`` closes them."""
+    """One rank's links in the ring: ``start`` opens them, ``close`` closes them.
+
+    ``port``: the receive socket bound ahead (:class:`RingPort`), which the links then
+    own; without one, ``start`` binds ``bind``."""
 
     def __init__(
         self,
@@ -59,6 +152,7 @@ class RingLinks:
         rank: int,
         endpoints: Sequence[str],
         bind: str,
+        port: RingPort | None = None,
         options: SocketOptions,
         keypair: security.KeyPair | None,
         peer_keys: Sequence[bytes] | None,
@@ -82,8 +176,7 @@ class RingLinks:
         self._pace = pace
         self.bound_endpoint = ""
         self._authenticator = authenticator
-        self._own_authenticator: security.CurveAuthenticator | None = None
-        self._added_key: bytes | None = None
+        self._port = port
         self._pull: zmq.asyncio.Socket | None = None
         self._push: zmq.asyncio.Socket | None = None
         self.prev_label = self.peer_label(self.prev)
@@ -98,25 +191,37 @@ class RingLinks:
         return self._pull is not None and self._push is not None
 
     def start(self) -> None:
-        """Bind the receive socket and connect to the next rank (without waiting)."""
+        """Bind the receive socket (unless bound ahead) and connect to the next rank,
+        without waiting."""
         if self._pull is not None:
             return
-        pull = open_socket(self.context, zmq.PULL, self.options)
+        prev_key = self.peer_keys[self.prev] if self.peer_keys is not None else None
+        if self._port is None:
+            self._port = RingPort(
+                context=self.context,
+                bind=self.bind,
+                options=self.options,
+                keypair=self.keypair,
+                prev_key=prev_key,
+                prev_label=self.prev_label,
+                authenticator=self._authenticator,
+            )
+        elif self._port.prev_key != (prev_key if self.keypair is not None else None):
+            # the port admits whom the assignment named; the ring names another now
+            self._port.close()
+            raise ProtocolError(
+                f"the ring port of rank {self.rank} of {self.name!r} admits another key "
+                f"than the one of {self.prev_label}"
+            )
+        self._pull = self._port.socket
+        if self._pull is None:
+            raise ProtocolError(f"the ring port of rank {self.rank} of {self.name!r} was closed")
         push = open_socket(self.context, zmq.PUSH, self.options)
-        self._pull, self._push = pull, push
+        self._push = push
         if self.keypair is not None:
             assert self.peer_keys is not None
-            prev_key = self.peer_keys[self.prev]
-            if self._authenticator is None:
-                allow = security.PeerAllowList({self.prev_label: prev_key})
-                self._own_authenticator = security.CurveAuthenticator(self.context, allow)
-                self._own_authenticator.start()
-            elif prev_key not in self._authenticator.allow_list:
-                self._authenticator.allow_list.allow(prev_key, self.prev_label)
-                self._added_key = prev_key
-            security.secure_server(pull, self.keypair)
             security.secure_client(push, self.keypair, self.peer_keys[self.next])
-        self.bound_endpoint = bind_endpoint(pull, self.bind)
+        self.bound_endpoint = self._port.bound_endpoint
         push.connect(self.endpoints[self.next])
 
     def close(self, *, linger_s: float) -> None:
@@ -124,15 +229,9 @@ class RingLinks:
         round's messages); safe to call twice."""
         if self._push is not None:
             self._push.close(linger=max(0, int(linger_s * 1000)))
-        if self._pull is not None:
-            self._pull.close(linger=0)
+        if self._port is not None:
+            self._port.close()  # the receive socket, and its key out of the allow-list
         self._push = self._pull = None
-        if self._own_authenticator is not None:
-            self._own_authenticator.stop()
-            self._own_authenticator = None
-        if self._added_key is not None and self._authenticator is not None:
-            self._authenticator.allow_list.discard(self._added_key)
-            self._added_key = None
 
     async def send_segment(
         self,

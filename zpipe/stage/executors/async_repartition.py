@@ -19,23 +19,45 @@ are, no flush) when the coordinator looks before the client pauses:
   commit, nothing changes yet;
 - ``commit``: build the shard of the new range from what was fetched and go on
   from batch ``step`` (without new cuts: on the same shard).
+
+Leaving a device out (``leave_out``, eq. 5's ``l = j``) is the same move with one
+more thing at the commit: the coordinator sends each stage kept its place in the
+shorter chain (``chain``: index, stage count, neighbours), and the stage takes it
+before it resumes (:meth:`~zpipe.stage.dataplane.DataPlane.rewire`: a PUSH to a new
+neighbour, the senders it accepts; the executor's index). This is the smallest
+honest path: the pipeline has drained at the pause (every mini-batch acknowledged)
+and the leaver's units are fetched from its own snapshot at the flush, the live
+state, nothing lost (a fast resume would have stopped the run, started another and
+re-sent the assignments for a device that is alive). The run's depth stays, so
+vertical sync reads the same weight versions and the run's losses and weights are
+those of the same run without the leave-out. The first and last stages stay (the
+client's feed and sink are wired to them). The device left out gets no commit: it
+stays at its flush, idle, until its next assignment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from zpipe._errors import PipelineError
 from zpipe.log import get_logger
+from zpipe.planner.async_schedule import async_warmup
 from zpipe.protocol.repartition import RepartitionReply, RepartitionRequest
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
-from zpipe.stage.executors.sync_training import TrainingExecutor
+from zpipe.stage.executors.sync_training import (
+    CLIENT,
+    DataParallelGroup,
+    TrainingExecutor,
+    TrainingSetup,
+)
 from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.snapshots import SnapshotService
@@ -67,7 +89,11 @@ class StageRepartition:
         self._fetched: tuple[int, int, tuple[int, ...], dict[str, torch.Tensor]] | None = None
 
     async def reply(
-        self, request: RepartitionRequest, trainer: TrainingExecutor | None
+        self,
+        request: RepartitionRequest,
+        trainer: TrainingExecutor | None,
+        rewire: Rewire | None = None,
+        allow: Allow | None = None,
     ) -> RepartitionReply:
         run, step, phase = request.run, request.step, request.phase
         metrics: dict[str, Any] | None = None
@@ -93,13 +119,24 @@ class StageRepartition:
             elif phase == "fetch":
                 bounds = _bounds(request)
                 entries = list(request.fetch or [])
+                if request.chain is not None and allow is not None:
+                    # a leave-out's new neighbours, admitted before anyone commits and
+                    # connects (a refused CURVE handshake is not tried again)
+                    allow(_chain(trainer, request.chain)[1])
                 state = await self._snapshots.fetched_state(entries)
                 self._fetched = (run, step, bounds, state)
                 log.info("repartition_fetched", stage=self.name, run=run, step=step,
                          units=sum(int(e["end"]) - int(e["start"]) for e in entries),
                          peers=sorted({str(e["from"]) for e in entries} - {self.name}))  # fmt: skip
             elif phase == "commit":
-                await self._commit(trainer, run, step, _bounds(request), request.plan_epoch)
+                chain = None
+                if request.chain is not None:
+                    chain = _chain(trainer, request.chain)
+                    if rewire is None or not isinstance(trainer, AsyncTrainingExecutor):
+                        raise PipelineError("only an asynchronous stage leaves a device out")
+                await self._commit(
+                    trainer, run, step, _bounds(request), request.plan_epoch, chain, rewire
+                )
                 shard = trainer.shard  # the units it trains from here on
                 metrics = {"start": shard.start, "end": shard.start + len(shard.units)}
             else:
@@ -149,6 +186,8 @@ class StageRepartition:
         step: int,
         bounds: tuple[int, ...],
         plan_epoch: int | None = None,
+        chain: tuple[TrainingSetup, dict[str, tuple[str, str | None]]] | None = None,
+        rewire: Rewire | None = None,
     ) -> None:
         asynchronous = isinstance(trainer, AsyncTrainingExecutor)
         at = trainer.flushed_at if isinstance(trainer, AsyncTrainingExecutor) else None
@@ -158,7 +197,9 @@ class StageRepartition:
             raise PipelineError(f"commit at batch {step}, but flushed at {at}")
         if not asynchronous and trainer.completed_steps != step:
             raise PipelineError(f"commit at round {step}, but {trainer.completed_steps} are done")
-        i = trainer.setup.index
+        i = trainer.setup.index if chain is None else chain[0].index
+        if len(bounds) != (trainer.setup.num_stages if chain is None else chain[0].num_stages) + 1:
+            raise PipelineError(f"cuts {list(bounds)} are not of this chain's stages")
         start, end = bounds[i], bounds[i + 1]
         shard = trainer.shard
         new: TrainShard | None = None
@@ -172,6 +213,9 @@ class StageRepartition:
         self._fetched = None
         if isinstance(trainer, AsyncTrainingExecutor):
             assert new is None or isinstance(new, AsyncShard)
+            if chain is not None and rewire is not None:
+                rewire(*chain)
+                trainer.rewired(chain[0])
             trainer.resume(step, new)
             if plan_epoch is not None:
                 # the cuts' epoch its speed verdicts name; other units (a move here):
@@ -208,3 +252,47 @@ def _bounds(request: RepartitionRequest) -> tuple[int, ...]:
     if not isinstance(bounds, list) or not all(isinstance(b, int) for b in bounds):
         raise PipelineError(f"a repartition needs its bounds, got {bounds!r}")
     return tuple(bounds)
+
+
+# a re-partition that leaves a device out re-wires the stage's data plane with it
+Rewire = Callable[[TrainingSetup, dict[str, tuple[str, str | None]]], None]
+# and admits its new neighbours on its data port, at the fetch (before any commit)
+Allow = Callable[[dict[str, tuple[str, str | None]]], None]
+
+
+def _chain(
+    trainer: TrainingExecutor, chain: Mapping[str, Any]
+) -> tuple[TrainingSetup, dict[str, tuple[str, str | None]]]:
+    """This stage's setup in the shorter chain a commit names, and its neighbours'
+    endpoints and keys; PipelineError when the coordinator's map is malformed."""
+    try:
+        index, n = int(chain["index"]), int(chain["num_stages"])
+        sides = [_side(chain[name]) for name in ("upstream", "downstream")]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PipelineError(f"a malformed chain in a commit: {chain!r} ({exc})") from None
+    if not 0 <= index < n:
+        raise PipelineError(f"stage {index} of a chain of {n}")
+    setup = replace(
+        trainer.setup,
+        index=index,
+        num_stages=n,
+        warmup=async_warmup(index, n),
+        upstream=sides[0][0],
+        downstream=sides[1][0],
+    )
+    peers = {**{k: v for k, v in sides[0][1].items() if k != CLIENT}, **sides[1][1]}
+    return setup, peers
+
+
+def _side(entry: Any) -> tuple[DataParallelGroup, dict[str, tuple[str, str | None]]]:
+    names = tuple(str(n) for n in entry["names"])
+    shares = tuple(int(x) for x in entry["shares"])
+    endpoints = [str(e) for e in entry["endpoints"]]
+    keys = list(entry.get("keys") or [None] * len(names))
+    if not (len(names) == len(shares) == len(endpoints) == len(keys) == 1):
+        raise ValueError("a leave-out re-wires one-device neighbours only")
+    peers = {
+        n: (e, None if k is None else str(k))
+        for n, e, k in zip(names, endpoints, keys, strict=True)
+    }
+    return DataParallelGroup(names, shares), peers

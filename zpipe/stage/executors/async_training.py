@@ -360,6 +360,26 @@ class AsyncTrainingExecutor(TrainingExecutor):
             # a hint only: the scheduled looks still come
             log.warning("speed_change_not_sent", stage=self.setup.name, error=repr(exc))
 
+    def rewired(self, setup: TrainingSetup) -> None:
+        """A re-partition's commit that left a device out: this stage's place in the
+        shorter chain (``setup``: its index, the stage count, its neighbours) from the
+        next segment on. The run's depth stays (vertical sync reads the versions of the
+        pipeline the run started with, as a recovered run's do), so the weights each
+        forward reads do not change; what does is the warm-up and, with aggregation,
+        the window of this stage's new index (a recovered run's rule)."""
+        if self.flushed_at is None:
+            raise PipelineError("a stage is re-wired only while it waits at a flush")
+        if setup.first != self.setup.first or setup.last != self.setup.last:
+            raise PipelineError("a re-wired chain keeps its first and last stages")
+        self.setup = setup
+        i = setup.index
+        self._every = (
+            aggregation_interval(i, self.depth, self.settings.aggregate_multiple)
+            if self.settings.aggregate
+            else None
+        )
+        self._versions = concurrent_versions(i, self.depth)
+
     def committed(self, plan_epoch: int, *, scale: float | None) -> None:
         """A re-partition's commit: the cuts of ``plan_epoch`` from here on; ``scale``:
         this stage's units changed, the new ones' share of the old (None: they did not)."""

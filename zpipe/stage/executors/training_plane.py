@@ -3,7 +3,7 @@
 :mod:`zpipe.stage.executors.sync_training` runs a schedule's actions; this module connects it
 to the world: it reads a training assignment's settings
 (:func:`training_setup`), notes every neighbour device's endpoint and key and
-reserves the all-reduce port (:func:`prepare_training`), then, once the
+binds its all-reduce port (:func:`prepare_training`), then, once the
 coordinator says connect, opens a PUSH to every neighbour and joins the
 group's ring (:class:`TrainingPlane`), hands arrived pieces to the executor
 and sends what it queues, over the device's one (possibly emulated) radio.
@@ -16,6 +16,7 @@ import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import zmq.asyncio
@@ -26,7 +27,7 @@ from zpipe.planner.async_schedule import ASYNC_SCHEDULE
 from zpipe.protocol.data_plane import MicroBatchError
 from zpipe.protocol.stage_control import Assign
 from zpipe.stage.assignment import Assignment, PushConnector
-from zpipe.stage.data_parallel import RingAllReduce
+from zpipe.stage.data_parallel import RingAllReduce, RingPort
 from zpipe.stage.dataport import DataMessage
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
 from zpipe.stage.executors.sync_training import (
@@ -43,7 +44,6 @@ from zpipe.stage.speed_watch import StageSpeedWatch
 from zpipe.transport import security
 from zpipe.transport.codec import Message
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
-from zpipe.transport.ports import free_tcp_port
 from zpipe.transport.sockets import SocketOptions, send
 
 log = get_logger("zpipe.stage")
@@ -112,9 +112,14 @@ def _chain_peer(entry: Any) -> ChainPeer | None:
 
 
 def prepare_training(
-    assignment: Assignment, train: dict[str, Any], *, data_endpoint: str, data_bind: str
+    assignment: Assignment,
+    train: dict[str, Any],
+    *,
+    data_endpoint: str,
+    data_bind: str,
+    ring_sockets: RingSockets,
 ) -> list[str | None]:
-    """Note every neighbour's endpoint and key, reserve a ring port; the senders to allow."""
+    """Note every neighbour's endpoint and key, bind the ring port; the senders to allow."""
     allowed: list[str | None] = []
     for side in ("upstream", "downstream"):
         entry = train[side]
@@ -126,12 +131,63 @@ def prepare_training(
     setup = assignment.training
     assert setup is not None
     if len(setup.group.names) > 1:
-        host = data_endpoint.rsplit(":", 1)[0]
-        bind_host = data_bind.rsplit(":", 1)[0]
-        port = free_tcp_port(bind_host)
-        assignment.ring_bind = f"{bind_host}:{port}"
-        assignment.ring_endpoint = f"{host}:{port}"
+        # Bound now, on any free port, and reported as bound: a port picked, closed
+        # and bound at connect could be taken meanwhile by any socket bound to port 0.
+        port = ring_sockets.open_port(
+            bind=data_bind.rsplit(":", 1)[0] + ":0",
+            prev_key=_previous_rank_key(train["group"], setup.rank, ring_sockets.secured),
+            prev_label=f"rank {(setup.rank - 1) % len(setup.group.names)} of stage {setup.index}",
+        )
+        assignment.ring_port = port
+        assignment.ring_endpoint = f"{data_endpoint.rsplit(':', 1)[0]}:{port.port}"
     return allowed
+
+
+def _previous_rank_key(group: dict[str, Any], rank: int, secured: bool) -> bytes | None:
+    """The public key of the rank before ``rank`` in its group, which alone may connect
+    to this rank's ring port; None without keys."""
+    if not secured:
+        return None
+    keys = group.get("keys")
+    names = group["names"]
+    if not isinstance(keys, list) or len(keys) != len(names):
+        # A coordinator from before the ring port was bound at assignment sends the
+        # group's keys only with "connect", too late for a port that is already bound.
+        raise ProtocolError(
+            "a secured data-parallel group needs its devices' public keys in the "
+            "assignment's group (is the coordinator older than this stage? run one "
+            "zpipe version on every device)"
+        )
+    prev = (rank - 1) % len(names)
+    key = keys[prev]
+    if not isinstance(key, str) or not key:
+        raise ProtocolError(f"the assignment's group has no public key for rank {prev}")
+    return key.encode()
+
+
+@dataclass(frozen=True)
+class RingSockets:
+    """What a stage opens its ring ports with: its context, socket options and keys."""
+
+    context: zmq.asyncio.Context
+    options: SocketOptions
+    keypair: security.KeyPair | None = None
+    authenticator: security.CurveAuthenticator | None = None
+
+    @property
+    def secured(self) -> bool:
+        return self.keypair is not None
+
+    def open_port(self, *, bind: str, prev_key: bytes | None, prev_label: str) -> RingPort:
+        return RingPort(
+            context=self.context,
+            bind=bind,
+            options=self.options,
+            keypair=self.keypair,
+            prev_key=prev_key,
+            prev_label=prev_label,
+            authenticator=self.authenticator,
+        )
 
 
 class TrainingPlane:
@@ -187,11 +243,13 @@ class TrainingPlane:
             if not isinstance(ring, dict):
                 raise ProtocolError("a shared stage was not told its all-reduce ring")
             keys = ring.get("keys")
+            if self.assignment.ring_port is None:
+                raise ProtocolError("a shared stage has no ring port (it was not assigned one)")
             self._ring = RingAllReduce(
                 context=self._context,
                 rank=setup.rank,
                 endpoints=[str(e) for e in ring["endpoints"]],
-                bind=self.assignment.ring_bind,
+                port=self.assignment.ring_port,
                 socket_options=self._options,
                 keypair=self._keypair,
                 peer_keys=[str(k).encode() for k in keys] if self._keypair and keys else None,
@@ -201,6 +259,7 @@ class TrainingPlane:
                 name=f"stage {setup.index}",
                 pace=self.pace,
             )
+            self.assignment.ring_port = None  # the ring owns it now, and closes it
             await self._ring.start()
         shard = self.assignment.shard
         assert isinstance(shard, TrainShard)
@@ -235,6 +294,15 @@ class TrainingPlane:
                 run=setup.run, name=setup.name, epoch=setup.epoch, factor=setup.forward_watch
             )
             trainer.report_speed = self._copy_routes.to_coordinator
+
+    def rewire(self, setup: TrainingSetup, peers: dict[str, tuple[str, str | None]]) -> None:
+        """A re-partition left a device out: ``setup`` from here on, and a PUSH to each
+        new neighbour of ``peers`` (those already open stay)."""
+        self.setup = self.assignment.training = setup
+        for name, (endpoint, key) in peers.items():
+            if name not in self._peers:
+                self._peers[name] = self._connector(endpoint, key, name)
+                self.assignment.peers[name] = (endpoint, key)
 
     async def _queue_send(self, target: str, message: Outgoing) -> None:
         self._outbox.put_nowait((target, message.mb, message.to_message()))
@@ -325,6 +393,7 @@ class TrainingPlane:
         if self._ring is not None:
             await self._ring.close()
             self._ring = None
+        self.assignment.release_ring_port()  # a connect that failed before the ring took it
         if self._link is not None:
             await self._link.close()
             self._link = None
