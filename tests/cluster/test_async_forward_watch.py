@@ -78,6 +78,7 @@ def test_a_stage_that_slows_mid_run_is_looked_at_before_the_next_scheduled_look(
         )
         verdicts = _logged(cluster.logs("b"), "speed_changed")
         relayed = _relayed_from(cluster, "b")
+        considered = _logged(cluster.logs("coordinator"), "repartition_considered")
     # the slowed stage saw its forwards slow down and the coordinator relayed it
     # (its ratio against the forwards before it: under 10 when a look moved its units
     # meanwhile and the new baseline caught the first slow forwards)
@@ -87,4 +88,9 @@ def test_a_stage_that_slows_mid_run_is_looked_at_before_the_next_scheduled_look(
     looks = [r for r in report.repartitions if int(r["at"]) > first]
     assert looks, f"no look after b's verdict at {first}: {report.repartitions}"
     assert all(int(r["at"]) < 10_000 for r in report.repartitions)
+    # the look after the verdict measured b by it (its window holds too few slow
+    # forwards to show the change); a look before the verdict did not
+    taken = {int(r["at"]) for r in considered if "b" in r.get("verdicts_taken", [])}
+    next_look = min(int(r["at"]) for r in considered if int(r["at"]) > first)
+    assert next_look in taken and min(taken) > first, considered
     assert report.steps >= first + AFTER_RELAY // 2

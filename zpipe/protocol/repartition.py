@@ -27,12 +27,12 @@ And a hint that makes a look due sooner:
 
     stage -> coordinator -> client   speed_changed
 
-A stage whose own forwards changed speed for good (:class:`~zpipe.training.
-forward_watch.ForwardWatch`) tells the coordinator, which relays it to the run's
-client (the same class both ways); the client then looks before its next
-mini-batch instead of at the next scheduled look. ``plan_epoch`` is the cuts'
-epoch the forwards ran on: a verdict about cuts that have moved since says nothing
-about the new ones and is dropped.
+A stage whose own passes (forwards and backwards) changed speed for good
+(:class:`~zpipe.training.forward_watch.ForwardWatch`) tells the coordinator, which
+relays it to the run's client (the same class both ways); the client then looks
+before its next mini-batch instead of at the next scheduled look. ``plan_epoch`` is
+the cuts' epoch the passes ran on: a verdict about cuts that have moved since says
+nothing about the new ones and is dropped.
 """
 
 from __future__ import annotations
@@ -109,10 +109,12 @@ class RepartitionReply(WireMessage):
 
 @wire_message
 class SpeedChanged(WireMessage):
-    """Stage ``name``'s forwards of run ``run`` changed speed for good at mini-batch
-    ``step`` (the stage's count, of this attempt), on the cuts of ``plan_epoch``:
-    ``ratio`` is the new forward time over the old (> 1: slower), ``baseline_s``
-    and ``now_s`` the two medians."""
+    """Stage ``name``'s passes of run ``run`` changed speed for good at mini-batch
+    ``step`` (the stage's count, of this attempt: the mini-batch of the forward or
+    backward that completed the verdict), on the cuts of ``plan_epoch``: ``ratio`` is
+    the new compute time over the old (> 1: slower; each pass over its own kind's
+    median), ``baseline_s`` and ``now_s`` the forward time before and after (the
+    forwards' median, and that times ``ratio``)."""
 
     KIND: ClassVar[str] = "speed_changed"
     run: int = wire(INT)

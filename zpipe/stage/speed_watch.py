@@ -1,18 +1,23 @@
-"""A training stage's watch of its own forwards, as the message that reports a verdict.
+"""A training stage's watch of its own passes, as the message that reports a verdict.
 
-Pure: a forward's seconds in, a :class:`~zpipe.protocol.repartition.SpeedChanged`
-out when :class:`~zpipe.training.forward_watch.ForwardWatch` finds the device's
-speed changed for good; no clock, no socket. The asynchronous executor feeds it
-each forward's compute time (the thread's own time, not the waits for inputs:
-a stage that waits on a slow upstream is not slow itself) and sends what it
-returns to the coordinator, which relays it to the run's client: the client then
-looks before its next mini-batch instead of at its next scheduled look
-(``RepartitionSettings.forward_watch``).
+Pure: a forward's or a backward's seconds in, a
+:class:`~zpipe.protocol.repartition.SpeedChanged` out when
+:class:`~zpipe.training.forward_watch.ForwardWatch` finds the device's speed
+changed for good; no clock, no socket. The asynchronous executor feeds it each
+forward's and each backward's compute time (the thread's own time, not the waits
+for inputs or gradients: a stage that waits on a slow neighbour is not slow
+itself), each judged against its own kind's median, so a slowdown is seen from two
+passes per mini-batch; it sends what it returns to the coordinator, which relays it
+to the run's client: the client then looks before its next mini-batch instead of
+at its next scheduled look (``RepartitionSettings.forward_watch``). A verdict's
+``step`` is the mini-batch of the pass that completed it (a backward's is older
+than the newest forward's); its ``ratio`` is the streak's median of each pass over
+its own kind's baseline, and ``baseline_s``/``now_s`` are in forward seconds.
 
 A verdict names the plan epoch of the cuts its forwards ran on. A move changes
 the stage's units, and so its forward time, with no change of the device: the
 commit calls :meth:`StageSpeedWatch.committed`, which takes the new epoch and,
-when this stage's units moved, forgets every forward (keeping the old median,
+when this stage's units moved, forgets every pass (keeping each kind's old median,
 scaled by the units' count, as a provisional baseline: a device that slows during
 the move's pause would otherwise look like the new cuts' own time).
 """
@@ -20,11 +25,11 @@ the move's pause would otherwise look like the new cuts' own time).
 from __future__ import annotations
 
 from zpipe.protocol.repartition import SpeedChanged
-from zpipe.training.forward_watch import ForwardWatch
+from zpipe.training.forward_watch import ForwardWatch, PassKind
 
 
 class StageSpeedWatch:
-    """One stage's forward watch for run ``run`` (see the module notes)."""
+    """One stage's watch of its passes for run ``run`` (see the module notes)."""
 
     def __init__(
         self, *, run: int, name: str, epoch: int, factor: float, plan_epoch: int = 0
@@ -36,10 +41,10 @@ class StageSpeedWatch:
         self.watch = ForwardWatch(factor)
         self.verdicts = 0
 
-    def observe(self, step: int, seconds: float) -> SpeedChanged | None:
-        """Mini-batch ``step``'s forward took ``seconds``: the report when its forward
-        completes a verdict."""
-        change = self.watch.observe(seconds)
+    def observe(self, step: int, seconds: float, kind: PassKind = "forward") -> SpeedChanged | None:
+        """Mini-batch ``step``'s pass of ``kind`` took ``seconds``: the report when
+        that pass completes a verdict."""
+        change = self.watch.observe(seconds, kind)
         if change is None:
             return None
         self.verdicts += 1
@@ -56,9 +61,9 @@ class StageSpeedWatch:
 
     def committed(self, plan_epoch: int, *, scale: float | None = None) -> None:
         """A commit switched the run to the cuts of ``plan_epoch``; ``scale`` (None: this
-        stage's units did not change): the new units' share of the old, so its forwards
+        stage's units did not change): the new units' share of the old, so its passes
         take another time from here on without the device changing. The watch starts
-        again, from the old median times ``scale`` until it has its own baseline
+        again, from each kind's old median times ``scale`` until it has its own baseline
         (:meth:`~zpipe.training.forward_watch.ForwardWatch.reset`)."""
         self.plan_epoch = plan_epoch
         if scale is not None:

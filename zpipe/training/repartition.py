@@ -14,7 +14,11 @@ decides (:mod:`zpipe.coordinator.runs.async_repartition`).
   stage's mini-batches one by one (``recent`` in its counters), their median, and
   when the window holds a change of the device's speed, the mini-batches after it
   only (:mod:`zpipe.training.repartition_window`): a look during the change moves
-  in one step to the cuts of the new speed, not to a mix of the two.
+  in one step to the cuts of the new speed, not to a mix of the two. A look given
+  a stage's own speed verdict (``verdicts``: the early look it asked for) measures
+  that device at its new speed even before the window shows it
+  (:func:`zpipe.training.repartition_window.verdict_time`); a verdict counts once,
+  at the look it is given to, and only on the cuts it was about.
 - Re-partition: capacities from those times (eqs. 1-3) and the cuts of eq. 5
   (:func:`zpipe.planner.ftpipehd.repartition_from_measurements`); with no time
   measured yet, eq. 7 on the reference times alone (every ``C_i = 1``). Eq. 5's
@@ -76,7 +80,7 @@ from zpipe.recovery.spans import StageSpan
 from zpipe.training.repartition_period import links_s, period_at
 from zpipe.training.repartition_reports import recent_times, stage_totals
 from zpipe.training.repartition_settings import RepartitionSettings
-from zpipe.training.repartition_window import window_time
+from zpipe.training.repartition_window import SpeedVerdict, verdict_time, window_time
 from zpipe.training.stage_cost import StageCosts
 
 
@@ -327,6 +331,7 @@ class RepartitionController:
         self._since_mb = 0  # the window's first mini-batch (the last look's)
         # devices whose last look's window held a change of speed (measured after it)
         self.changed_in_window: list[str] = []
+        self.verdicts_taken: list[str] = []  # devices the last look measured by a verdict
         # the last look's window per device: its seconds per batch, the mini-batches
         # they were measured on and the mini-batches the stage gave one by one
         self.window: dict[str, tuple[float, int, int]] = {}
@@ -369,14 +374,19 @@ class RepartitionController:
         counters: Mapping[str, Mapping[str, Any]],
         *,
         bandwidths_bps: Sequence[float] | None = None,
+        verdicts: Mapping[str, SpeedVerdict] | None = None,
     ) -> RepartitionDecision:
         """The decision after batch ``at`` from each device's cumulative counters
         (``forward_s``, ``backward_s``, ``step_s``, ``microbatches``); with
-        ``bandwidths_bps``, the links as measured now (:meth:`links_measured`)."""
+        ``bandwidths_bps``, the links as measured now (:meth:`links_measured`); with
+        ``verdicts``, the stages' speed verdicts since the last look (by device; the
+        caller hands each to one look only): one about these cuts measures its device
+        at its new speed; one about older cuts, or a device left out, is ignored."""
         if bandwidths_bps is not None:
             self.links_measured(bandwidths_bps)
         measured: dict[str, float] = {}
-        self.changed_in_window, self.window = [], {}
+        self.changed_in_window, self.window, self.verdicts_taken = [], {}, []
+        valid = {d: v for d, v in (verdicts or {}).items() if v.plan_epoch == self.plan_epoch}
         limit = 1.0 + self.settings.deviation
         for device in self.devices:
             c = counters.get(device) or {}
@@ -386,13 +396,12 @@ class RepartitionController:
             if batches > before_n and seconds > before_s:
                 # the window's mini-batches one by one: those fed since the last look
                 one_by_one = recent_times(c.get("recent"), self._since_mb)
-                found = window_time(
-                    seconds - before_s,
-                    spans - before_spans,
-                    batches - before_n,
-                    one_by_one,
-                    limit=limit,
-                )
+                window = (seconds - before_s, spans - before_spans, batches - before_n)
+                if device in valid:
+                    found = verdict_time(*window, one_by_one, valid[device])
+                    self.verdicts_taken.append(device)
+                else:
+                    found = window_time(*window, one_by_one, limit=limit)
                 measured[device] = found.seconds
                 self.window[device] = (found.seconds, found.kept, len(one_by_one or ()))
                 if found.changed:
@@ -420,6 +429,11 @@ class RepartitionController:
             smoothed = dict(self.capacities)
             fixed = {d: smoothed[d] * self.costs.share() for d in self.devices}
         looks = self.settings.revisit_looks
+        if self.verdicts_taken:
+            # the cuts left before a stage's own verdict were judged at its old speed:
+            # no hysteresis against them (unlike a fitted "real change", which a
+            # swinging fit can fake, a verdict is the stage's passes, a streak of them)
+            self.held = []
         recent = self.held[-looks:] if looks else []
         decision = decide_repartition(
             settings,
@@ -438,6 +452,17 @@ class RepartitionController:
         self.held = [*self.held, self.bounds][-max(looks, 1) :]
         self.decisions.append(decision)
         return decision
+
+    def window_logged(self) -> dict[str, Any]:
+        """What the last look measured of each device (seconds per batch, the
+        mini-batches kept of those given one by one), where its window held a change
+        of speed, and which devices it measured by their stage's verdict."""
+        return {
+            "window": {d: [round(s, 6), kept, given] for d, (s, kept, given) in
+                       self.window.items()},
+            "changed_in_window": list(self.changed_in_window),
+            "verdicts_taken": list(self.verdicts_taken),
+        }  # fmt: skip
 
     def rebase(self, counters: Mapping[str, Mapping[str, Any]]) -> None:
         """The stages' cumulative counters at the flush of a move decided before it

@@ -95,3 +95,59 @@ def window_time(
     kept = values if k is None else values[k:]
     scale = total_s / spans_s  # the rest of the compute, as a share of the spans
     return WindowTime(scale * statistics.median(kept), changed=k is not None, kept=len(kept))
+
+
+@dataclass(frozen=True)
+class SpeedVerdict:
+    """A stage's own verdict that its passes changed speed for good
+    (:class:`zpipe.protocol.repartition.SpeedChanged`, as the coordinator accepted it):
+    at about mini-batch ``step`` of the cuts of ``plan_epoch``, by ``ratio`` (the
+    median of each slow pass over its own kind's median: measured, not guessed);
+    ``baseline_s`` and ``now_s``: its forward seconds before and after."""
+
+    step: int
+    ratio: float
+    baseline_s: float
+    now_s: float
+    plan_epoch: int
+
+
+def verdict_time(
+    total_s: float,
+    spans_s: float,
+    batches: int,
+    recent: Sequence[float] | None,
+    verdict: SpeedVerdict,
+) -> WindowTime:
+    """A device's seconds per mini-batch over a window that its stage's ``verdict``
+    says holds a change of its speed (arguments as :func:`window_time`'s).
+
+    The verdict comes after three or four slow passes (two mini-batches), so the look
+    it triggers sees 0-1 slow forwards in its window: too few for
+    :func:`change_point` (``MIN_SIDE`` after the split), and the window's median is
+    the OLD speed (a bench run's look then kept the cuts, and moved 7 mini-batches
+    late). The verdict places the change instead: the window's newest forwards on
+    the new speed's side of ``baseline_s`` and ``now_s``'s geometric middle (the
+    longest such run at its end: an old forward that waited for a core before it is
+    not counted) are after it. With ``MIN_SIDE`` of them (or nothing before them)
+    the device is measured on them, as :func:`window_time` measures after a change;
+    with fewer, as the median of the forwards before them times the verdict's
+    ``ratio``: the window's own old speed, scaled by what the stage measured of its
+    passes since. Either way times the window's compute over its forwards. Without
+    forwards one by one the verdict cannot be placed: :func:`window_time`'s mean."""
+    if batches <= 0 or not total_s > 0:
+        raise ValueError(f"a window of {batches} mini-batches and {total_s} s has no time")
+    values = [float(v) for v in recent or () if v > 0 and math.isfinite(v)][-batches:]
+    if not values or not 0 < spans_s <= total_s:
+        return WindowTime(total_s / batches)
+    middle = math.sqrt(verdict.baseline_s * verdict.now_s)
+    slower = verdict.ratio > 1.0
+    k = len(values)
+    while k > 0 and (values[k - 1] > middle if slower else values[k - 1] < middle):
+        k -= 1
+    before, after = values[:k], values[k:]
+    scale = total_s / spans_s
+    if len(after) >= MIN_SIDE or not before:
+        return WindowTime(scale * statistics.median(after), changed=True, kept=len(after))
+    seconds = scale * statistics.median(before) * verdict.ratio
+    return WindowTime(seconds, changed=True, kept=len(before))

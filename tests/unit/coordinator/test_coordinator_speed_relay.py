@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests._support.coordinator_harness import SPEC, Harness, typed
 from zpipe.coordinator.events import StageSpoke
 from zpipe.coordinator.runs.async_repartition import live_repartitioning
@@ -113,3 +115,35 @@ def test_verdicts_the_run_did_not_ask_for_or_that_mean_nothing_are_dropped() -> 
     assert watched.events("dropped_message")
     _verdict(watched, run)
     assert len(watched.to_client("speed_changed")) == 1
+
+
+def _look(h: Harness, run: int, step: int, slow_b: int) -> dict[str, Any]:
+    """A look without a flush at ``step``: every stage's forwards took 0.1 s, b's
+    last ``slow_b`` 1.0 s; the look's ``repartition_considered`` event."""
+    h.client("repartition", run=run, step=step, look=True)
+    for name, (start, end) in zip("abc", ((0, 2), (2, 4), (4, 6)), strict=True):
+        forwards = [[mb, 0.1] for mb in range(step)]
+        if name == "b" and slow_b:
+            forwards[-slow_b:] = [[mb, 1.0] for mb, _ in forwards[-slow_b:]]
+        forward_s = sum(s for _, s in forwards)
+        metrics = {"microbatches": step, "forward_s": forward_s, "backward_s": 2 * forward_s,
+                   "start": start, "end": end, "recent": forwards}  # fmt: skip
+        h.stage(name, "repartition_reply", run=run, step=step, phase="profile", error="",
+                metrics=metrics)  # fmt: skip
+    return h.events("repartition_considered")[-1]
+
+
+def test_the_look_after_a_verdict_measures_the_stage_at_its_new_speed_once() -> None:
+    h = Harness()
+    run = _start(h)
+    _verdict(h, run, step=14)  # b: 10x slower, its forwards 0.1 s before
+    assert len(h.to_client("speed_changed")) == 1
+    considered = _look(h, run, 16, slow_b=1)  # one slow forward in the window
+    assert considered["verdicts_taken"] == ["b"]
+    a_s, b_s = considered["window"]["a"][0], considered["window"]["b"][0]
+    # b's old forwards' median times the verdict's ratio, with its backwards (x3)
+    assert b_s == pytest.approx(3.0) and a_s == pytest.approx(0.3)
+    # the next look measures b on its window only: the verdict counted once
+    later = _look(h, run, 20, slow_b=1)
+    assert later["verdicts_taken"] == []
+    assert later["window"]["b"][0] == pytest.approx(0.3)

@@ -48,6 +48,48 @@ def test_a_tenfold_slowdown_is_reported_at_its_third_forward() -> None:
     assert verdict.checked() is verdict
 
 
+def _passes(
+    watch: StageSpeedWatch, forwards: list[float], backwards: list[float], first: int, lag: int = 2
+) -> list[tuple[str, SpeedChanged]]:
+    """A middle stage's 1F1B: the forward of mini-batch ``b``, then the backward of
+    ``b - lag`` (its gradient back from the stages after it)."""
+    out = []
+    for b, (forward, backward) in enumerate(zip(forwards, backwards, strict=True), start=first):
+        for kind, step, seconds in (("forward", b, forward), ("backward", b - lag, backward)):
+            verdict = watch.observe(step, seconds, kind)  # type: ignore[arg-type]
+            if verdict is not None:
+                out.append((kind, verdict))
+    return out
+
+
+def test_a_tenfold_slowdown_is_reported_at_its_third_pass_forwards_and_backwards() -> None:
+    watch = _watch()
+    assert _passes(watch, [0.1, 0.11, 0.09, 0.1, 0.1, 0.12, 0.1, 0.1], [0.2] * 8, first=2) == []
+    slow = _passes(
+        watch, [1.0, 1.02, 0.98, 1.01, 1.0, 1.0], [2.0, 2.1, 1.9, 2.0, 2.0, 2.0], first=10
+    )
+    assert len(slow) == 1  # a device that stays slow is reported once
+    ((kind, verdict),) = slow
+    # forward 10, backward 8, forward 11: the third slow pass, in the second slow
+    # mini-batch (forwards alone: the third, forward 12)
+    assert (kind, verdict.step) == ("forward", 11)
+    assert verdict.ratio == pytest.approx(10.0, rel=0.05)
+    # in forward seconds: the backwards' 2x is not part of the ratio
+    assert verdict.baseline_s == pytest.approx(0.1)
+    assert verdict.now_s == pytest.approx(verdict.baseline_s * verdict.ratio)
+    assert REGISTRY.parse(verdict.to_message()) == verdict and verdict.checked() is verdict
+
+
+def test_a_device_that_slows_during_a_move_is_seen_on_the_new_cuts_from_both_passes() -> None:
+    watch = _watch()
+    _passes(watch, [0.6] * 8, [1.2] * 8, first=2)  # six units
+    watch.committed(1, scale=7 / 6)  # seven units from here: each kind's median scaled
+    verdicts = _passes(watch, [7.0] * 6, [14.0] * 6, first=10)
+    # judged at twice the factor (not far): the k rule's fourth pass, backward 9
+    assert [(kind, v.step, v.plan_epoch) for kind, v in verdicts] == [("backward", 9, 1)]
+    assert verdicts[0][1].ratio == pytest.approx(10.0)
+
+
 def test_a_device_that_slows_during_a_move_is_seen_on_the_new_cuts() -> None:
     # r24_middle: the device slows during the first move's pause, so no forward of the
     # new cuts is fast; the old median, scaled by the units, is the baseline meanwhile

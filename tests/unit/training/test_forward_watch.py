@@ -147,3 +147,148 @@ def test_a_forward_costs_a_few_microseconds() -> None:
     for s in series:
         watch.observe(s)
     assert (time.perf_counter() - started) / len(series) < 5e-3
+
+
+# ---------------------------------------------------------------- backwards too
+# A stage runs a forward and a backward per mini-batch, alternating in 1F1B, and a
+# backward costs about twice a forward: each is judged against its own kind's median.
+
+FORWARD_S, BACKWARD_S = 0.05, 0.10
+
+
+def _alternating(forwards: list[float], backwards: list[float]) -> list[tuple[str, float]]:
+    series = []
+    for forward, backward in zip(forwards, backwards, strict=True):
+        series += [("forward", forward), ("backward", backward)]
+    return series
+
+
+def _passes_fire_at(watch: ForwardWatch, series: list[tuple[str, float]]) -> list[int]:
+    return [i for i, (kind, s) in enumerate(series) if watch.observe(s, kind) is not None]  # type: ignore[arg-type]
+
+
+def _steady(rng: random.Random, n: int, times: float = 1.0) -> list[tuple[str, float]]:
+    return _alternating(
+        [FORWARD_S * times * rng.uniform(0.9, 1.1) for _ in range(n)],
+        [BACKWARD_S * times * rng.uniform(0.9, 1.1) for _ in range(n)],
+    )
+
+
+@pytest.mark.parametrize(("times", "nth"), [(10.0, 3), (5.0, 4)])
+def test_a_step_seen_in_forwards_and_backwards_fires_on_its_third_or_fourth_pass(
+    times: float, nth: int
+) -> None:
+    # 10x: every pass beyond 8x (the far rule: its third pass, F B F, the second
+    # mini-batch's forward); 5x: the k rule's fourth pass (F B F B, two mini-batches).
+    # Forwards alone took three and four forwards: three and four mini-batches.
+    rng = random.Random(int(times))
+    steady, slow = _steady(rng, 20), _steady(rng, 20, times)
+    watch = ForwardWatch(2.0)
+    assert _passes_fire_at(watch, steady + slow) == [40 + nth - 1]  # once while slow
+    change = ForwardWatch(2.0)
+    _passes_fire_at(change, steady)
+    verdict = [change.observe(s, kind) for kind, s in slow[:nth]][-1]  # type: ignore[arg-type]
+    assert verdict is not None
+    # each pass over its own kind's median: the step's factor, not a backward's 2x
+    assert verdict.ratio == pytest.approx(times, rel=0.15)
+    # in forward seconds: the forwards' baseline and the forward the ratio implies
+    assert verdict.baseline_s == pytest.approx(FORWARD_S, rel=0.1)
+    assert verdict.now_s == pytest.approx(verdict.baseline_s * verdict.ratio)
+
+
+def test_a_backward_is_judged_against_backwards_not_forwards() -> None:
+    # backwards three times a forward, steady: against one median of both kinds every
+    # backward would lie beyond 2x and every forward inside it
+    rng = random.Random(3)
+    series = _alternating(
+        [FORWARD_S * rng.uniform(0.9, 1.1) for _ in range(200)],
+        [3 * FORWARD_S * rng.uniform(0.9, 1.1) for _ in range(200)],
+    )
+    assert _passes_fire_at(ForwardWatch(2.0, k=2, far_k=None), series) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_alarm_on_noisy_but_steady_forwards_and_backwards(seed: int) -> None:
+    # the noise of the forwards-only test above, on every pass of either kind: one in
+    # 20 held up 3-6x, independently (twice the passes per mini-batch: the same rate
+    # per pass, twice per mini-batch: 14 false verdicts in a million mini-batches, 8
+    # from their forwards alone, over four seeded series)
+    rng = random.Random(seed)
+    series = []
+    for kind, base in [("forward", FORWARD_S), ("backward", BACKWARD_S)] * 1500:
+        value = base * rng.lognormvariate(0.0, 0.25)
+        if rng.random() < 0.05:
+            value *= rng.uniform(3.0, 6.0)
+        series.append((kind, value))
+    assert _passes_fire_at(ForwardWatch(2.0), series) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_alarm_from_the_far_rule_on_pass_hiccups_of_up_to_six_times(seed: int) -> None:
+    # every fifth pass held up 3-6x (a forward as often as a backward), never two in a
+    # row: each lies beyond the factor, none beyond 8x, so neither rule fires
+    rng = random.Random(seed)
+    series = [
+        (kind, base * rng.uniform(0.95, 1.05) * (rng.uniform(3.0, 6.0) if i % 5 == 4 else 1.0))
+        for i, (kind, base) in enumerate([("forward", FORWARD_S), ("backward", BACKWARD_S)] * 1000)
+    ]
+    assert _passes_fire_at(ForwardWatch(2.0, k=2, far_k=1), series) == []
+    assert _passes_fire_at(ForwardWatch(2.0, k=4, far_k=1), series) == []
+
+
+def test_a_hiccup_that_holds_up_forwards_only_is_not_counted_across_the_backwards() -> None:
+    # every forward runs in a hiccup (10x), every backward after it at its usual time:
+    # the passes run one at a time, so a normal backward between two slow forwards ends
+    # the streak (forwards alone: a verdict at the third slow forward)
+    rng = random.Random(5)
+    steady = _steady(rng, 20)
+    hiccups = _alternating(
+        [10 * FORWARD_S] * 20, [BACKWARD_S * rng.uniform(0.9, 1.1) for _ in range(20)]
+    )
+    assert _passes_fire_at(ForwardWatch(2.0), steady + hiccups) == []
+    forwards = [s for kind, s in steady + hiccups if kind == "forward"]
+    assert _fire_at(ForwardWatch(2.0), forwards) == [22]
+
+
+def test_warm_up_forwards_then_backwards_each_need_their_own_baseline() -> None:
+    # a first stage's warm-up: forwards before any backward; a kind without a baseline
+    # is neither judged nor does it end a streak of the other kind
+    watch = ForwardWatch(2.0)
+    assert _fire_at(watch, [FORWARD_S] * 8) == []
+    # the first backwards build their baseline; slow forwards between them go on
+    series = [("backward", BACKWARD_S), ("forward", 10 * FORWARD_S)] * 3
+    assert _passes_fire_at(watch, series) == [5]  # the third slow forward: far
+
+
+def test_a_verdict_moves_the_baseline_of_a_kind_its_streak_did_not_see() -> None:
+    watch = ForwardWatch(2.0)
+    _passes_fire_at(watch, _steady(random.Random(1), 10))
+    # a verdict from forwards alone (warm-up after a pause, say): the backwards' old
+    # level times the ratio is their provisional baseline, so the next slow backwards
+    # are the new level, not a second verdict
+    assert _fire_at(watch, [10 * FORWARD_S] * 3) == [2]
+    assert _passes_fire_at(watch, _steady(random.Random(2), 10, 10.0)) == []
+
+
+def test_a_reset_keeps_each_kinds_median_as_a_provisional_baseline() -> None:
+    watch = ForwardWatch(2.0)
+    _passes_fire_at(watch, _steady(random.Random(4), 10))
+    watch.reset(scale=2.0)  # twice the units: twice each kind's time
+    assert _passes_fire_at(watch, _steady(random.Random(5), 10, 2.0)) == []
+    watch.reset(scale=1.0)
+    # 10x while provisional (judged at twice the factor): the k rule's fourth pass
+    assert _passes_fire_at(watch, _steady(random.Random(6), 4, 20.0)) == [3]
+
+
+@pytest.mark.parametrize("kind", ["Backward", "step", "", None, 1])
+def test_a_pass_of_an_unknown_kind_is_refused(kind: object) -> None:
+    watch = ForwardWatch(2.0)
+    with pytest.raises(ConfigError, match="forward or backward"):
+        watch.observe(0.1, kind)  # type: ignore[arg-type]
+
+
+def test_bad_backward_times_are_ignored() -> None:
+    watch = ForwardWatch(2.0, k=2, far_k=None)
+    _passes_fire_at(watch, _steady(random.Random(8), 8))
+    bad = [("backward", v) for v in (0.0, -1.0, float("nan"), float("inf"))]
+    assert _passes_fire_at(watch, [("forward", 0.5), *bad, ("backward", 1.0)]) == [5]

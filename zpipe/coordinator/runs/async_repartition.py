@@ -1,11 +1,11 @@
 """The coordinator's part in a live re-partition of a training run (FTPipeHD III-D).
 
 The client paused its feed before mini-batch ``step`` (an asynchronous run's
-stages flush there, a synchronous run is between rounds) and asks
-(``repartition``).
+stages flush there, a synchronous run is between rounds) and asks (``repartition``).
 This flow asks every stage to flush and keep a snapshot (``prepare``: they answer
 with their counters), lets the pure controller
-(:class:`zpipe.training.repartition.RepartitionController`) decide, and, when
+(:class:`zpipe.training.repartition.RepartitionController`, given the stages' speed
+verdicts since the last look: :mod:`zpipe.coordinator.runs.async_speed`) decide, and, when
 the cuts move, has the stages fetch their new units from each other's snapshots
 (``fetch``: the entries of :func:`zpipe.coordinator.decisions.fetch_plans`, that
 is FTPipeHD's Algorithm 1 through :func:`zpipe.recovery.plan_redistribution`;
@@ -63,6 +63,7 @@ from zpipe.training.repartition import (
     spans_of,
 )
 from zpipe.training.repartition_links import boundary_bytes, link_bandwidths
+from zpipe.training.repartition_window import SpeedVerdict
 
 
 @dataclass(frozen=True)
@@ -178,16 +179,6 @@ def build_controller(
     )
 
 
-def _window_logged(controller: RepartitionController) -> dict[str, Any]:
-    """What the look measured of each device (seconds per batch, the mini-batches
-    kept of those given one by one) and where its window held a change of speed."""
-    return {
-        "window": {d: [round(s, 6), kept, given] for d, (s, kept, given) in
-                   controller.window.items()},
-        "changed_in_window": list(controller.changed_in_window),
-    }  # fmt: skip
-
-
 def _links_logged(controller: RepartitionController) -> dict[str, Any]:
     """The links a look costed, for its log line: Mbit/s between consecutive stages
     (None: unlimited); nothing when it costs no links."""
@@ -238,9 +229,11 @@ class LiveRepartitioning:
         self.pending: RepartitionDecision | None = run.run.repartition_pending
         self._probing = False  # the links are being probed again (see _renew_links)
         # a look or a move is in progress (a stage's speed verdict then is dropped:
-        # zpipe.coordinator.runs.async_speed), and the verdicts relayed already
+        # zpipe.coordinator.runs.async_speed), the verdicts relayed already, and the
+        # latest per stage, for the next look only (no double count)
         self.looking = False
         self.relayed: set[tuple[str, int, int]] = set()
+        self.verdicts: dict[str, SpeedVerdict] = {}
 
     def _controller(
         self, plan: TrainingPlan, settings: RepartitionSettings
@@ -388,12 +381,13 @@ class LiveRepartitioning:
                 controller.rebase(counters)
             else:
                 links = self._bandwidths(controller)
-                decision = controller.look(step, counters, bandwidths_bps=links)
+                verdicts, self.verdicts = self.verdicts, {}  # to this look only
+                decision = controller.look(step, counters, bandwidths_bps=links, verdicts=verdicts)
             # step: the look's mini-batch (``at`` is the decision's: an earlier look's
             # when this carries out its move), as the other events of the look name it
             yield Log("info", "repartition_considered", {"run": run.run, **decision.to_dict(),
                       "step": step, **_links_logged(controller),
-                      **_window_logged(controller)})  # fmt: skip
+                      **controller.window_logged()})  # fmt: skip
             target = decision.bounds if decision.bounds is not None else controller.bounds
             kept = decision.devices if decision.moves else None
             if decision.bounds is not None:
@@ -466,10 +460,12 @@ class LiveRepartitioning:
                           "step": step, "error": str(exc)})  # fmt: skip
                 return replace(answer, pause=True)
             counters = {d: dict(r.metrics or {}) for d, r in replies.items()}
-            decision = controller.look(step, counters, bandwidths_bps=self._bandwidths(controller))
+            links = self._bandwidths(controller)
+            verdicts, self.verdicts = self.verdicts, {}  # to this look only
+            decision = controller.look(step, counters, bandwidths_bps=links, verdicts=verdicts)
             yield Log("info", "repartition_considered", {"run": run.run, "flush": False,
                       **decision.to_dict(), "step": step, **_links_logged(controller),
-                      **_window_logged(controller)})  # fmt: skip
+                      **controller.window_logged()})  # fmt: skip
             self.pending = decision if decision.moves else None
             if decision.moves:
                 # the client pauses for it: a successor must carry it out, not look anew

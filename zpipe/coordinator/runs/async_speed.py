@@ -24,6 +24,15 @@ scheduled looks still come):
   one more right after it would be a look storm;
 - a second verdict from the same stage about the same cuts and mini-batch (a
   resend).
+
+A verdict relayed is also kept for the look it asks for (the latest per stage,
+``LiveRepartitioning.verdicts``): that look comes two mini-batches after the
+change, when its window holds 0-1 of the device's slow forwards, too few to show
+the change, and it measured the device at its old speed (a bench run kept the cuts
+and moved 7 mini-batches late). Given the verdict, it measures the device at its
+new speed (:func:`zpipe.training.repartition_window.verdict_time`). The next look
+takes it, whichever it is, and no later one; one about older cuts, or from a
+device a move left out, is ignored there.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from zpipe.coordinator.runs.async_repartition import live_repartitioning, repart
 from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.repartition import SpeedChanged
+from zpipe.training.repartition_window import SpeedVerdict
 
 if TYPE_CHECKING:
     from zpipe.coordinator.state import ControlState
@@ -90,6 +100,9 @@ def relay_speed_change(
         if key in live.relayed:
             return [Log("debug", "speed_change_dropped", {**fields, "why": "relayed already"})]
         live.relayed.add(key)
+        live.verdicts[stage] = SpeedVerdict(
+            message.step, message.ratio, message.baseline_s, message.now_s, message.plan_epoch
+        )
     relayed = replace(message, epoch=run.epoch)
     timeout_s = state.timeouts.reply_s
     return [

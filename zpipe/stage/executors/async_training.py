@@ -68,6 +68,7 @@ from zpipe.stage.live_copies import LiveCopySender, PendingCopy
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.speed_watch import StageSpeedWatch
 from zpipe.stage.timeline import clock
+from zpipe.training.forward_watch import PassKind
 
 log = get_logger("zpipe.stage")
 
@@ -287,7 +288,7 @@ class AsyncTrainingExecutor(TrainingExecutor):
         self.counters.timeline.record(b, "forward", started, done)
         self.counters.microbatches += 1
         self.counters.peak_live_activations = self.async_shard.peak_live
-        self._watch_forward(b, done - started)
+        self._watch_pass(b, done - started, "forward")
         self._rows[b] = (0, total, total)
         if s.last:
             reply = Loss(run=s.run, mb=b, step=b, loss=loss or 0.0, src=s.name, epoch=s.epoch)
@@ -327,16 +328,23 @@ class AsyncTrainingExecutor(TrainingExecutor):
         shard = self.async_shard
         self.copies.offer(PendingCopy(self.setup.run, step, shard.start, shard.end, kinds, state))
 
-    def _watch_forward(self, b: int, seconds: float) -> None:
-        """The forward's compute time (the thread's own, not the waits for inputs) to
-        the speed watch; a verdict leaves beside the training (a task: the next
-        forward does not wait for the coordinator's socket)."""
+    async def _backward(self, mb: int) -> None:
+        # the base times the backward's compute (the thread's own, not the wait for the
+        # gradient) into backward_s: its growth is this backward's time (0: no rows)
+        before = self.counters.backward_s
+        await super()._backward(mb)
+        self._watch_pass(mb, self.counters.backward_s - before, "backward")
+
+    def _watch_pass(self, b: int, seconds: float, kind: PassKind) -> None:
+        """A forward's or a backward's compute time (the thread's own, not the waits
+        for inputs) to the speed watch; a verdict leaves beside the training (a task:
+        the next pass does not wait for the coordinator's socket)."""
         if self.speed_watch is None or self.report_speed is None:
             return
-        verdict = self.speed_watch.observe(b, seconds)
+        verdict = self.speed_watch.observe(b, seconds, kind)
         if verdict is None:
             return
-        log.info("speed_changed", stage=self.setup.name, run=self.setup.run, step=b,
+        log.info("speed_changed", stage=self.setup.name, run=self.setup.run, step=b, kind=kind,
                  ratio=round(verdict.ratio, 3), baseline_s=round(verdict.baseline_s, 6),
                  now_s=round(verdict.now_s, 6), plan_epoch=verdict.plan_epoch)  # fmt: skip
         task = asyncio.create_task(self._tell_speed(self.report_speed, verdict))
