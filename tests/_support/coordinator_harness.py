@@ -14,6 +14,7 @@ from zpipe.config import Timeouts
 from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitConfirmed,
+    AwaitSettled,
     AwaitStages,
     Command,
     CountUnits,
@@ -39,7 +40,7 @@ from zpipe.coordinator.events import (
     Tick,
     TimerFired,
 )
-from zpipe.coordinator.membership import Membership
+from zpipe.coordinator.membership import Membership, MemberState
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
 from zpipe.coordinator.state import ControlState
 from zpipe.models import ModelSpec, load_layer_sequence
@@ -100,6 +101,8 @@ class Harness:
         self.gone: set[bytes] = set()
         # the client acknowledges every numbered notice at once, as a connected one does
         self.ack_notices = ack_notices
+        # stages that answer no probe while a job waits for suspects to settle
+        self.silent: set[str] = set()
 
     # ------------------------------------------------------------------ feeding
 
@@ -144,6 +147,15 @@ class Harness:
             self.sent.append(Send(job.to, job.message, "client", job.timeout_s))
             return True
         if isinstance(job, (AwaitConfirmed, AllowPeers, SaveReplica)):
+            return None
+        if isinstance(job, AwaitSettled):
+            # while the shell waits, each suspect among them answers its probe (a
+            # ``silent`` one stays suspect: the wait ended by its deadline)
+            for name in job.names:
+                member = self.state.membership.get(name)
+                if member is not None and member.state is MemberState.SUSPECT:
+                    if name not in self.silent:
+                        self.stage(name, "probe_ack", nonce=member.probe_nonce)
             return None
         if isinstance(job, PlanInference):
             return choose_plan(

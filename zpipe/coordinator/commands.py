@@ -188,6 +188,16 @@ class AwaitConfirmed(ShellJob):
 
 
 @dataclass(frozen=True)
+class AwaitSettled(ShellJob):
+    """Until no member among ``names`` is suspect: each answered its probe or was
+    declared dead (bounded by their deadlines). A resume plans over the members alive
+    now, and a stage the client's stall report had probed (every stage of the run is)
+    is alive until its probe goes unanswered: it must not be planned out as dead."""
+
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PlanInference(ShellJob):
     """Profile (and measure links) as needed, then plan off the loop: ``(plan, baseline)``."""
 

@@ -21,6 +21,7 @@ from zpipe.config import Timeouts
 from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitConfirmed,
+    AwaitSettled,
     AwaitStages,
     CountUnits,
     MeasureLinks,
@@ -33,7 +34,7 @@ from zpipe.coordinator.commands import (
 )
 from zpipe.coordinator.decisions import pick_stages
 from zpipe.coordinator.links import LinkMeasurer
-from zpipe.coordinator.membership import Member
+from zpipe.coordinator.membership import Member, MemberState
 from zpipe.coordinator.persistence import StateStore
 from zpipe.coordinator.planning import choose_plan, cluster_from_members
 from zpipe.coordinator.runs.async_copies import SaveCopy
@@ -83,6 +84,8 @@ class JobRunner:
             return await asyncio.to_thread(_count_units, job.spec, job.declared)
         if isinstance(job, AwaitConfirmed):
             return await self._await_confirmed(job.names)
+        if isinstance(job, AwaitSettled):
+            return await self._await_settled(job.names)
         if isinstance(job, PlanInference):
             return await self._plan_inference(job)
         if isinstance(job, PlanTraining):
@@ -140,6 +143,26 @@ class JobRunner:
         deadline = time.monotonic() + wait_s
         while True:
             if not any(n in self.state.unconfirmed for n in names) or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(_POLL_S)
+
+    async def _await_settled(self, names: Sequence[str]) -> None:
+        """Wait until none of ``names`` is suspect (answered, or declared dead)."""
+        membership = self.state.membership
+
+        def suspects() -> list[str]:
+            found = (membership.get(n) for n in names)
+            return [m.name for m in found if m is not None and m.state is MemberState.SUSPECT]
+
+        pending = suspects()
+        if not pending:
+            return
+        # Each is judged by its own probe deadline at the latest (adaptive: a stage
+        # whose heartbeats came late is given longer); a tick or two more to be judged.
+        wait_s = max(sum(membership.deadlines(n)) for n in pending)
+        deadline = time.monotonic() + wait_s + 2 * self.timeouts.heartbeat_interval_s
+        while True:
+            if not suspects() or time.monotonic() >= deadline:
                 return
             await asyncio.sleep(_POLL_S)
 

@@ -25,6 +25,7 @@ from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
 from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitReplies,
+    AwaitSettled,
     AwaitStages,
     CountUnits,
     Log,
@@ -164,6 +165,11 @@ def _start_run(
     settings = request.train_settings
     replica = None
     start = _Training(state, routing_id, client_key, spec)
+    if mode == "train" and request.resume is not None:
+        # The client reported the broken run stalled before it asked to resume: every
+        # stage of the run is suspect until it answers its probe (core._stalled), and
+        # one planned out now would be a live survivor taken for dead.
+        yield AwaitSettled(_broken_run_stages(state, request))
     if mode == "train" and is_fast_live_resume(request.resume):
         # an asynchronous run with live copies, FTPipeHD's way: the survivors keep
         # their weights, the dead's units come from their nearest copy
@@ -255,6 +261,17 @@ def _start_run(
     by_name = {m.name: m for m in members}
     yield from controller.assign(by_name, request)
     return controller.ready_message(by_name, baseline)
+
+
+def _broken_run_stages(state: ControlState, request: RunRequest) -> tuple[str, ...]:
+    """The stages of the run a resume recovers: the run this process holds, the
+    replica's plan and the stages the client names."""
+    names = list(request.stage_names or ())
+    if state.current is not None:
+        names += state.current.run.devices
+    if state.replica is not None:
+        names += state.replica.plan.devices
+    return tuple(dict.fromkeys(names))
 
 
 def _dead_of(request: RunRequest) -> set[str]:

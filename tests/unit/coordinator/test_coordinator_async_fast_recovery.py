@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from tests._support.coordinator_harness import SPEC, Harness
-from zpipe.coordinator.commands import AllowPeers
+from zpipe.coordinator.commands import AllowPeers, AwaitSettled
+from zpipe.coordinator.events import StallReported
 from zpipe.coordinator.runs.async_fast_recovery import this_fits_copies
 from zpipe.coordinator.runs.async_repartition import LiveRepartitioning
 from zpipe.planner import ClusterLink
 from zpipe.planner.ftpipehd import ftpipehd_partition
+from zpipe.protocol.client_control import Stalled
 from zpipe.recovery.fast_recovery_inputs import UNMEASURED
 from zpipe.recovery.live_copies import CopyLedger, CopyRecord, state_digest
 from zpipe.training.repartition import RepartitionController, RepartitionSettings
@@ -563,3 +565,39 @@ def test_a_chain_copy_its_owner_died_before_announcing_is_known_from_its_holder(
     fast = _ready(h, ["a", "c", "d"])
     assert fast["copies_used"] == {"chain@c": [2]}
     assert fast["max_lost"] == 1  # from the global copy of 4 it would be 3
+
+
+def test_survivors_suspected_by_the_clients_stall_report_are_waited_for_not_planned_out() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "d"))  # b and c die
+    # the client's results stalled: every stage of the run is probed, a and d suspect
+    h.feed(StallReported(Stalled(run=run, waited_s=8.1, deadline_s=0.25)))
+    states = {n: h.state.membership.get(n).state.value for n in ("a", "d")}  # type: ignore[union-attr]
+    assert states == {"a": "suspect", "d": "suspect"}
+    _resume(h, run, ["b", "c"], acknowledged=7)
+    # the resume waited for their answers: they are the survivors, not the dead
+    (settled,) = [j for j in h.jobs if isinstance(j, AwaitSettled)]
+    assert {"a", "d"} <= set(settled.names)
+    assert not h.events("run_failed")
+    _survivors_answer(h, run, {"a": 8, "d": 9})
+    _confirm(h, "d", "c", run, 6, (3, 4))
+    got = _assigned(h, ["a", "d"])
+    assert [got[n]["range"] for n in ("a", "d")] == [(0, 3), (3, 6)]
+    assert _ready(h, ["a", "d"])["dead"] == ["b", "c"]
+
+
+def test_a_suspect_that_never_answers_is_left_out_of_the_fast_resume() -> None:
+    h = Harness()
+    run = _start(h)
+    _copies(h, run)
+    h.advance(8.0, alive=("a", "c", "d"))  # b dies
+    h.feed(StallReported(Stalled(run=run, waited_s=8.1, deadline_s=0.25)))
+    h.silent = {"c"}  # c answers no probe: the wait ends by its deadline, c counted out
+    _resume(h, run, ["b"], acknowledged=7)
+    _survivors_answer(h, run, {"a": 8, "d": 9})
+    _confirm(h, "d", "c", run, 6, (3, 4))  # c's units from its chain copy at d
+    got = _assigned(h, ["a", "d"])
+    assert [got[n]["range"] for n in ("a", "d")] == [(0, 3), (3, 6)]
+    assert _ready(h, ["a", "d"])["dead"] == ["b", "c"]
