@@ -10,9 +10,10 @@ so the stamps share one clock.
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
+
+from zpipe.log import read_events
 
 
 def _stamp(record: dict[str, Any]) -> float:
@@ -20,15 +21,7 @@ def _stamp(record: dict[str, Any]) -> float:
 
 
 def _events(text: str, *names: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") in names:
-            out.append(record)
-    return out
+    return read_events(text, *names)
 
 
 COORDINATOR_EVENTS = (

@@ -6,7 +6,6 @@ script to keep it small; behaviour unchanged).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from bench._recovery_stream import (
 from zpipe import ZpipeError
 from zpipe.client import TrainReport
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.log import read_events
 from zpipe.models import ModelSpec
 from zpipe.recovery import DeadlinePolicy
 
@@ -67,13 +67,7 @@ def _coordinator_events(text: str) -> list[dict[str, Any]]:
     """The coordinator's JSON log lines named in :data:`FAULT_EVENTS`, each with ``t``
     (its timestamp as seconds since the epoch)."""
     found: list[dict[str, Any]] = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or record.get("event") not in FAULT_EVENTS:
-            continue
+    for record in read_events(text, *FAULT_EVENTS):
         stamp = record.get("timestamp")
         if isinstance(stamp, str):
             record["t"] = datetime.fromisoformat(stamp).timestamp()

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 
 from bench._common import emit, loadavg, summary
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.log import read_events
 from zpipe.models import ModelSpec
 from zpipe.training.forward_watch import ForwardWatch, PassKind
 
@@ -90,15 +91,8 @@ def _first_verdict(
 
 
 def _stage_verdicts(log: str) -> list[dict[str, Any]]:
-    out = []
-    for line in log.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == "speed_changed":
-            out.append({k: record.get(k) for k in ("kind", "step", "ratio", "plan_epoch")})
-    return out
+    keys = ("kind", "step", "ratio", "plan_epoch")
+    return [{k: r.get(k) for k in keys} for r in read_events(log, "speed_changed")]
 
 
 def one_run(args: argparse.Namespace, run: int, trace: Path) -> dict[str, Any]:

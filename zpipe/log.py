@@ -19,6 +19,7 @@ logger writes there at the chosen level and does not propagate.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from typing import Any, TextIO
@@ -136,3 +137,20 @@ def get_logger(name: str) -> Any:
     if not structlog.is_configured():
         _configure_embedded()
     return structlog.get_logger(name)
+
+
+def read_events(text: str, *events: str) -> list[dict[str, Any]]:
+    """The records of ``events`` (all records when none is named) in a JSON-lines
+    log, ``configure_logging(log_format="json")``'s output, in order. Other lines
+    (a traceback, a line from a library) are skipped."""
+    found = []
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and (not events or record.get("event") in events):
+            found.append(record)
+    return found

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.log import read_events
 
 # generous floors: a live stage starved of CPU must not be declared dead
 INTERVAL = 0.5
@@ -22,12 +22,4 @@ def _cluster(names: list[str], state_dir: Path | None) -> LocalCluster:
 
 
 def _events(log: str, event: str) -> list[dict[str, object]]:
-    found = []
-    for line in log.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            found.append(record)
-    return found
+    return read_events(log, event)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from zpipe.cluster import DeviceSpec, LocalCluster
+from zpipe.log import read_events
 
 # Detection floors of several seconds: a live stage starved of CPU (a loaded CI
 # machine, --cpu-burners) may miss a second of heartbeats and must not die of it.
@@ -36,4 +35,4 @@ def _learnable_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _events(log: str, event: str) -> list[dict[str, object]]:
-    return [json.loads(line) for line in log.splitlines() if f'"event": "{event}"' in line]
+    return read_events(log, event)

@@ -11,7 +11,6 @@ process's cable.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 from zpipe.client import PipelineClient
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.cluster.netlab import LinkCut, NetLab
+from zpipe.log import read_events
 
 COORDINATOR = "coordinator"
 
@@ -132,14 +132,4 @@ class LabCluster(LocalCluster):
 
 def log_events(log: str, event: str) -> list[dict[str, Any]]:
     """The records named ``event`` in a JSON-lines log (other lines are skipped)."""
-    found = []
-    for line in log.splitlines():
-        if f'"{event}"' not in line:
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a traceback line that names the event, say
-        if isinstance(record, dict) and record.get("event") == event:
-            found.append(record)
-    return found
+    return read_events(log, event)
