@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from zpipe._errors import ConfigError, InfeasiblePlanError, ZpipeError
+from zpipe._errors import ConfigError, ZpipeError
 from zpipe.coordinator.commands import (
     AllowPeers,
     AwaitReplies,
@@ -40,8 +40,6 @@ from zpipe.coordinator.decisions import (
     check_plan_fits_model,
     fetch_grants,
     live_members,
-    merge_fast_state,
-    replan_in_place,
     replica_to_resume,
     training_planner_for,
     units_state,
@@ -50,12 +48,12 @@ from zpipe.coordinator.flows import Flow
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import bucketing_of
 from zpipe.coordinator.restoring import allow_fetches, choose_restore, units_moved
+from zpipe.coordinator.resuming import broken_run_stages, fast_replica, replan_training
 from zpipe.coordinator.runs.async_fast_recovery import async_fast_resume, is_fast_live_resume
 from zpipe.coordinator.runs.async_speed import forward_watch_of
 from zpipe.coordinator.runs.async_training import (
     AsyncTrainingController,
     as_async_plan,
-    as_planning_plan,
     planning_schedule,
 )
 from zpipe.coordinator.runs.inference import InferenceController
@@ -69,7 +67,7 @@ from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.planner.plan import StagePlan
 from zpipe.planner.training_plan import TRAINING_ALGOS, TrainingPlan, TrainStage
 from zpipe.protocol.client_control import RunFailed, RunReady, RunRequest
-from zpipe.protocol.stage_control import Assign, AssignFailed, Ready, Weights, WeightsRequest
+from zpipe.protocol.stage_control import Assign, AssignFailed, Ready
 from zpipe.recovery import POLICIES as RECOVERY_POLICIES
 from zpipe.recovery import REPLICATIONS, StageSpan
 from zpipe.training.objectives import check_train_settings
@@ -169,7 +167,7 @@ def _start_run(
         # The client reported the broken run stalled before it asked to resume: every
         # stage of the run is suspect until it answers its probe (core._stalled), and
         # one planned out now would be a live survivor taken for dead.
-        yield AwaitSettled(_broken_run_stages(state, request))
+        yield AwaitSettled(broken_run_stages(state, request))
     if mode == "train" and is_fast_live_resume(request.resume):
         # an asynchronous run with live copies, FTPipeHD's way: the survivors keep
         # their weights, the dead's units come from their nearest copy
@@ -190,9 +188,9 @@ def _start_run(
             kept = [n for n in names if n in alive and n not in dead]
             request = replace(request, stage_names=kept)
         if resume.get("consistency") == "fast":
-            replica = yield from _fast_replica(state, replica, request)
+            replica = yield from fast_replica(state, replica, request)
         if recovery != "heavy" and settings.get("plan") is None:
-            given = yield from _replan_training(state, replica, str(recovery), request, spec)
+            given = yield from replan_training(state, replica, str(recovery), request, spec)
             return (yield from start.assign(request, given, replica=replica))
     if mode == "train" and settings.get("plan") is not None:
         given = TrainingPlan.from_dict(settings["plan"])
@@ -261,95 +259,6 @@ def _start_run(
     by_name = {m.name: m for m in members}
     yield from controller.assign(by_name, request)
     return controller.ready_message(by_name, baseline)
-
-
-def _broken_run_stages(state: ControlState, request: RunRequest) -> tuple[str, ...]:
-    """The stages of the run a resume recovers: the run this process holds, the
-    replica's plan and the stages the client names."""
-    names = list(request.stage_names or ())
-    if state.current is not None:
-        names += state.current.run.devices
-    if state.replica is not None:
-        names += state.replica.plan.devices
-    return tuple(dict.fromkeys(names))
-
-
-def _dead_of(request: RunRequest) -> set[str]:
-    """The stages the client says died (its ``resume`` map's ``dead``)."""
-    return {str(d) for d in ((request.resume or {}).get("dead") or [])}
-
-
-def _fast_replica(state: ControlState, replica: KeptReplica, request: RunRequest) -> Flow:
-    """The `fast` consistency (as FTPipeHD and Asteroid recover): the survivors of
-    the broken run keep their newest weights and optimizer state; only the units
-    no survivor holds (the dead's) come from the replica."""
-    current = state.current
-    dead = _dead_of(request)
-    if not isinstance(current, SyncTrainingController) or current.run.training_plan is None:
-        return replica  # no broken run here (a restarted coordinator): exact it is
-    run = current.run
-    alive = {m.name: m for m in live_members(state.membership)}
-    survivors = [d for d in run.devices if d in alive and d not in dead | run.failed]
-    ask = WeightsRequest(run=run.run, step=0, optimizer=True, latest=True, epoch=run.epoch)
-    for name in survivors:
-        yield Send(alive[name].routing_id, ask, name, stage=name)
-    replies: dict[str, Weights] = yield AwaitReplies(
-        tuple(survivors), Weights, state.timeouts.result_s, "weights", partial=True
-    )
-    merged, completed, from_replica, missing = merge_fast_state(
-        replica, {name: replies.get(name) for name in survivors}
-    )
-    for name in missing:
-        # Its units fall back to the replica: still a consistent model.
-        reply = replies.get(name)
-        error = "no reply" if reply is None else reply.error
-        yield Log("warning", "fast_state_missing", {"stage": name, "error": str(error)})
-    yield Log(
-        "info",
-        "fast_resume",
-        {
-            "run": run.run,
-            "replica_step": replica.step,
-            "completed": completed,
-            "units_from_replica": from_replica,
-        },
-    )
-    return merged
-
-
-def _replan_training(
-    state: ControlState, replica: KeptReplica, policy: str, request: RunRequest, spec: ModelSpec
-) -> Flow:
-    """Lightweight or ResPipe re-planning of the replica's plan without the dead."""
-    alive = {m.name: m for m in live_members(state.membership)}
-    dead = _dead_of(request)
-    failed = dead | {d for d in replica.plan.devices if d not in alive}
-    survivors = [alive[d] for d in replica.plan.devices if d not in failed]
-    if not survivors:
-        raise InfeasiblePlanError("no stage of the run survives to resume it")
-    batch = replica.plan.microbatch_size
-    profiles = {
-        m.name: state.profiles.get(spec, batch, "float32", m, train=True) for m in survivors
-    }
-    plan = replan_in_place(
-        as_planning_plan(replica.plan),
-        failed,
-        policy,
-        survivors,
-        profiles,
-        batch_size=batch,
-        train=True,
-        links=state.measured_links(survivors),
-        margin=state.memory_margin,
-    )
-    if replica.plan.schedule == ASYNC_SCHEDULE:
-        plan = as_async_plan(plan)
-    yield Log(
-        "info",
-        "training_replanned",
-        {"policy": policy, "failed": sorted(failed), "plan": plan.to_dict()},
-    )
-    return plan
 
 
 class _Training:
