@@ -167,6 +167,23 @@ def test_a_dead_stage_is_replanned_around_and_the_client_told_to_replay() -> Non
     assert h.records[-1]["event"] == "run_recovered"
 
 
+def test_survivors_the_clients_stall_report_made_suspect_are_kept_in_the_new_plan() -> None:
+    h = Harness()
+    run = h.start_stream(NAMES, recover=True)
+    h.advance(4.5, alive=("a", "c"))  # b silent: suspect at 3 s, its probe unanswered
+    assert not h.events("stage_dead")
+    # the results stalled: the client's report suspects every stage of the stream
+    h.feed(StallReported(Stalled(run=run, waited_s=4.0, deadline_s=0.25)))
+    h.advance(1.0, answer=False)  # b is declared dead before a and c answer
+    assert [e["stage"] for e in h.events("stage_dead")] == ["b"]
+    assert not h.to_client("run_failed")
+    # the recovery waited for a and c to be judged (they answered): they run the model
+    h.answer_all("ready", ["a", "c"], run=run, build_s=0.01)
+    h.answer_all("connected", ["a", "c"], run=run)
+    (notice,) = h.to_client("run_replanned")
+    assert [tuple(s) for s in notice.body["plan"]["stages"]] == [("a", 0, 3), ("c", 3, 6)]
+
+
 def test_without_recover_the_client_hears_the_stage_failed() -> None:
     h = Harness()
     h.start_stream(NAMES)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from zpipe._errors import InfeasiblePlanError, ZpipeError
 from zpipe.coordinator.commands import (
     AwaitReplies,
+    AwaitSettled,
     Command,
     Log,
     Now,
@@ -187,6 +188,9 @@ class InferenceController(BaseRun):
         batch = request.microbatch_size_or()
         dtype = request.dtype
         try:
+            # a stage the client's stall report had probed is alive until its probe
+            # goes unanswered: judged first, not planned out as dead (jobs.AwaitSettled)
+            yield AwaitSettled(tuple(d for d in run.devices if d not in run.failed))
             names = request.stage_names
             survivors = sorted(
                 (
