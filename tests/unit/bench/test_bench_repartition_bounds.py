@@ -152,7 +152,7 @@ def test_a_residual_mlps_units_are_costed_by_their_multiply_adds() -> None:
 
 
 def test_the_headline_is_a_learning_middle_set_up_with_the_most_units() -> None:
-    from bench.training_async import headline_setup
+    from bench._repartition_setups import headline_setup
 
     def result(units: int, slowing: int, learned: bool, ratio: float) -> dict[str, object]:
         kind = "time_to_loss" if learned else "time_to_last_step"
@@ -189,7 +189,7 @@ def test_a_stages_own_cost_lowers_the_bound_and_none_leaves_it() -> None:
 
 
 def test_the_fixed_cost_in_units_is_the_median_over_the_looks_that_fitted_one() -> None:
-    from bench.training_async import _fixed_units
+    from bench._repartition_setups import fixed_units_of
 
     def look(phi: float, r: float) -> dict[str, object]:
         # capacities 1 and 2, two units each: the period is b's 2 * (phi + 2 r)
@@ -198,9 +198,10 @@ def test_the_fixed_cost_in_units_is_the_median_over_the_looks_that_fitted_one() 
 
     unfitted = {"capacities": {"a": 1.0, "b": 2.0}, "fixed_s": {"a": 0.0, "b": 0.0},
                 "current": [0, 2, 4], "period_s": 4.0}  # fmt: skip
-    assert _fixed_units([unfitted], ["a", "b"]) is None
+    assert fixed_units_of([unfitted], ["a", "b"]) is None
     assert (
-        _fixed_units([look(3.0, 1.0), unfitted, look(1.0, 0.5), look(9.0, 1.0)], ["a", "b"]) == 3.0
+        fixed_units_of([look(3.0, 1.0), unfitted, look(1.0, 0.5), look(9.0, 1.0)], ["a", "b"])
+        == 3.0
     )
 
 
@@ -216,8 +217,8 @@ def test_a_bound_with_leave_out_uses_the_runs_dp_and_is_never_below_keeping_ever
     slow_first = phase_bound([400.0, 8.0, 20.0, 40.0], 12, fixed_units=3.0, leave_out=True)
     assert len(slow_first.best_bounds) == 5
     # a look after a leave-out names the devices kept only: still read
-    from bench.training_async import _fixed_units
+    from bench._repartition_setups import fixed_units_of
 
     kept = {"capacities": {"a": 1.0, "c": 2.0}, "fixed_s": {"a": 3.0, "c": 6.0},
             "current": [0, 2, 4], "period_s": 2 * 3.0 + 2 * 2 * 1.0}  # fmt: skip
-    assert _fixed_units([kept], ["a", "b", "c"]) == 3.0
+    assert fixed_units_of([kept], ["a", "b", "c"]) == 3.0
