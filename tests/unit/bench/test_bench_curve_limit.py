@@ -7,8 +7,7 @@ import ctypes
 import pytest
 
 from bench._sodium import BoxTiming, load
-from bench._transport_results import Result
-from bench._transport_results import curve_limits
+from bench._transport_results import Result, curve_limits
 
 
 def test_libsodium_boxes_and_opens_a_frame_and_times_both() -> None:
