@@ -83,7 +83,7 @@ raw-asyncio: ``ratio_X_vs_asyncio_raw``, ``rtt_ratio_X_vs_asyncio_raw``,
 over raw: ``asyncio_raw_over_raw_X`` (throughput), ``rtt_asyncio_raw_over_raw_X``.
 Every ratio is of the paths' medians over ``--repeats``.
 
-    .venv/bin/python bench/stage_relay.py            # about half a minute
+    .venv/bin/python bench/stage_relay.py            # under a minute
     .venv/bin/python bench/stage_relay.py --quick    # a few seconds
 
 Every wait has a deadline (``--timeout``); the relay is killed if anything fails.

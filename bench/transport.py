@@ -136,7 +136,7 @@ forwards its frames). The summary records ``copy_below`` and ``loadavg``.
 
 Run it from the repository root::
 
-    .venv/bin/python bench/transport.py            # full run, under a minute
+    .venv/bin/python bench/transport.py            # full run, about 75 s on 2 cores
     .venv/bin/python bench/transport.py --quick    # smoke run, a few seconds
 
 Both processes share the machine, so on a small or busy host the numbers move by
