@@ -2,8 +2,8 @@
 message the zpipe paths send, the command pipe between the processes, and the
 spawned receiver (sink and echo for every path).
 
-Split out of ``bench/transport.py`` (which keeps the sender, the results and the
-command line) to keep both modules small; behaviour is unchanged.
+Split out of ``bench/transport.py`` (the sender is in ``bench/_transport_sender.py``,
+the results in ``bench/_transport_results.py``) to keep the modules small.
 """
 
 from __future__ import annotations
@@ -123,6 +123,17 @@ def open_channel_sockets(
             sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
             sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         return ch
+    if path == "raw_asyncio":
+        # raw's sockets under zmq.asyncio: its own asyncio context, raw's options
+        # but the timeouts (asyncio sockets never block in libzmq; every await has
+        # a deadline instead)
+        plain: Any = zmq.asyncio.Context(io_threads=1)
+        ch = Channel(path, plain, plain.socket(zmq.PUSH), plain.socket(zmq.PULL))
+        for sock in (ch.push, ch.pull):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, raw_hwm)
+            sock.setsockopt(zmq.RCVHWM, raw_hwm)
+        return ch
     actx = new_context()
     ch = Channel(path, actx, open_socket(actx, zmq.PUSH), open_socket(actx, zmq.PULL))
     if path == "zpipe_curve":
@@ -236,11 +247,15 @@ class Receiver:
         if op == "tput":
             if path == "raw":
                 self.raw_sink(ch, count)
+            elif path == "raw_asyncio":
+                await self.raw_asyncio_sink(ch, size, count)
             else:
                 await self.zpipe_sink(ch, size, count)
         elif op == "echo":
             if path == "raw":
                 self.raw_echo(ch, count, stamps)
+            elif path == "raw_asyncio":
+                await self.raw_asyncio_echo(ch, size, count, stamps)
             else:
                 await self.zpipe_echo(ch, size, count, stamps)
         else:
@@ -267,6 +282,29 @@ class Receiver:
             got = clock()
             ch.push.send_multipart(frames, copy=False)
             stamps.append((got, clock()))
+
+    async def raw_asyncio_sink(self, ch: Channel, size: int, count: int) -> None:
+        # raw_sink under zmq.asyncio on this loop: nothing decoded, one deadline per run
+        async def loop() -> None:
+            for _ in range(count):
+                await ch.pull.recv_multipart(copy=False)
+            await ch.push.send(b"ack")
+
+        await asyncio.wait_for(loop(), run_deadline(self.settings.timeout_s, size, count))
+
+    async def raw_asyncio_echo(
+        self, ch: Channel, size: int, count: int, stamps: list[tuple[float, float]]
+    ) -> None:
+        clock = time.perf_counter
+
+        async def loop() -> None:
+            for _ in range(count):
+                frames = await ch.pull.recv_multipart(copy=False)
+                got = clock()
+                await ch.push.send_multipart(frames, copy=False)
+                stamps.append((got, clock()))
+
+        await asyncio.wait_for(loop(), run_deadline(self.settings.timeout_s, size, count))
 
     async def zpipe_sink(self, ch: Channel, size: int, count: int) -> None:
         # As a stage's receive loop: recv_frames without a per-message deadline

@@ -1,14 +1,17 @@
-"""Results of ``bench/transport.py``: one path and size's runs, and the JSON line
-it prints (split out of that module to keep it small; behaviour unchanged)."""
+"""Results of ``bench/transport.py``: one path and size's runs, the JSON line it
+prints, and the summary's ratios per size (split out of that module to keep it
+small)."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench._common import thread_cpu_by_role, thread_switches
+from bench._sodium import BoxTiming, Sodium
 
 BENCH = "transport"
 
@@ -193,3 +196,168 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 def same_run_ratio(a: float | None, b: float | None) -> float | None:
     return _round(a / b) if a is not None and b else None
+
+
+def size_ratios(label: str, results: dict[str, Result], box: BoxTiming | None) -> dict[str, Any]:
+    """The summary's keys for one size (suffix ``label``), from the paths' results.
+
+    Against ``raw`` (blocking pyzmq): ``ratio``, ``rtt_ratio`` (and their rounds),
+    ``rtt_extra_us_by_step``, the ratios of medians, ``cpu_ratio``, ``rtt_cpu_ratio``.
+    Against ``raw_asyncio`` (the like-for-like baseline: raw pyzmq under zmq.asyncio
+    on the same loop): ``ratio_X_vs_asyncio_raw``, ``rtt_ratio_X_vs_asyncio_raw``
+    (with ``ratio_rounds_X_vs_asyncio_raw``), ``cpu_ratio_X_vs_asyncio_raw``,
+    ``rtt_cpu_ratio_X_vs_asyncio_raw``; and what asyncio alone costs against
+    blocking: ``asyncio_raw_over_raw_X`` (throughput) and
+    ``rtt_asyncio_raw_over_raw_X``. Paired ratios are medians over rounds of each
+    round's own ratio (both paths ran in that round); a path not run gives None.
+    """
+
+    def get(path: str, what: Callable[[Result], float | None]) -> float | None:
+        return what(results[path]) if path in results else None
+
+    ratios: dict[str, Any] = {}
+    zpipe, raw = results.get("zpipe"), results.get("raw")
+    if zpipe is not None and raw is not None:
+        # Round by round: the two paths of a round ran back to back (see the notes).
+        ratios[f"ratio_{label}"] = paired_ratio(zpipe.gbps_runs(), raw.gbps_runs())
+        ratios[f"ratio_rounds_{label}"] = round_ratios(zpipe.gbps_runs(), raw.gbps_runs())
+        ratios[f"rtt_ratio_{label}"] = paired_ratio(zpipe.rtt_rounds, raw.rtt_rounds)
+        ratios[f"rtt_ratio_rounds_{label}"] = round_ratios(zpipe.rtt_rounds, raw.rtt_rounds)
+        steps_z, steps_r = zpipe.rtt_steps_us(), raw.rtt_steps_us()
+        if steps_z and steps_r:
+            ratios[f"rtt_extra_us_by_step_{label}"] = {
+                k: round(steps_z[k] - steps_r[k], 1) for k in steps_z
+            }
+    ratios[f"ratio_of_medians_{label}"] = same_run_ratio(
+        get("zpipe", Result.gbps), get("raw", Result.gbps)
+    )
+    ratios[f"rtt_ratio_of_medians_{label}"] = same_run_ratio(
+        get("zpipe", Result.rtt_ms), get("raw", Result.rtt_ms)
+    )
+    ratios[f"cpu_ratio_{label}"] = same_run_ratio(
+        get("zpipe", Result.cpu_us_per_message), get("raw", Result.cpu_us_per_message)
+    )
+    ratios[f"rtt_cpu_ratio_{label}"] = same_run_ratio(
+        get("zpipe", Result.rtt_cpu_us), get("raw", Result.rtt_cpu_us)
+    )
+    ratios.update(_asyncio_raw_ratios(label, results))
+    ratios[f"copied_over_shared_{label}"] = same_run_ratio(
+        get("zpipe", Result.gbps), get("zpipe_shared", Result.gbps)
+    )
+    ratios[f"copied_over_shared_rtt_{label}"] = same_run_ratio(
+        get("zpipe", Result.rtt_ms), get("zpipe_shared", Result.rtt_ms)
+    )
+    ratios[f"curve_over_plain_{label}"] = same_run_ratio(
+        get("zpipe_curve", Result.gbps), get("zpipe", Result.gbps)
+    )
+    ratios.update(curve_limits(label, box, results.get("zpipe"), results.get("zpipe_curve")))
+    return ratios
+
+
+def _asyncio_raw_ratios(label: str, results: dict[str, Result]) -> dict[str, Any]:
+    """zpipe against raw_asyncio (like for like), and raw_asyncio against raw
+    (what asyncio alone costs): see :func:`size_ratios`."""
+    keys = (
+        f"ratio_{label}_vs_asyncio_raw",
+        f"ratio_rounds_{label}_vs_asyncio_raw",
+        f"rtt_ratio_{label}_vs_asyncio_raw",
+        f"cpu_ratio_{label}_vs_asyncio_raw",
+        f"rtt_cpu_ratio_{label}_vs_asyncio_raw",
+        f"asyncio_raw_over_raw_{label}",
+        f"rtt_asyncio_raw_over_raw_{label}",
+    )
+    out: dict[str, Any] = dict.fromkeys(keys)
+    zpipe, raw, asyncio_raw = (results.get(p) for p in ("zpipe", "raw", "raw_asyncio"))
+    if asyncio_raw is None:
+        return out
+    if zpipe is not None:
+        z_runs, a_runs = zpipe.gbps_runs(), asyncio_raw.gbps_runs()
+        out[keys[0]] = paired_ratio(z_runs, a_runs)
+        out[keys[1]] = round_ratios(z_runs, a_runs)
+        out[keys[2]] = paired_ratio(zpipe.rtt_rounds, asyncio_raw.rtt_rounds)
+        out[keys[3]] = same_run_ratio(zpipe.cpu_us_per_message(), asyncio_raw.cpu_us_per_message())
+        out[keys[4]] = same_run_ratio(zpipe.rtt_cpu_us(), asyncio_raw.rtt_cpu_us())
+    if raw is not None:
+        out[keys[5]] = paired_ratio(asyncio_raw.gbps_runs(), raw.gbps_runs())
+        out[keys[6]] = paired_ratio(asyncio_raw.rtt_rounds, raw.rtt_rounds)
+    return out
+
+
+def sodium_line(box: BoxTiming, sodium: Sodium | None) -> dict[str, Any]:
+    """The ``libsodium`` line: CPU per encrypt and decrypt of one frame, one core."""
+    return {
+        "bench": BENCH,
+        "path": "libsodium",
+        "size_bytes": box.size,
+        "gbps": round(box.gbps(), 4),
+        "encrypt_us": round(box.encrypt_s * 1e6, 2),
+        "decrypt_us": round(box.decrypt_s * 1e6, 2),
+        # with libzmq's copies around the two calls: all CURVE does per frame
+        "frame_gbps": _round_or_none(box.frame_gbps(), 4),
+        "frame_encrypt_us": round(box.frame_encrypt_s * 1e6, 2),
+        "frame_decrypt_us": round(box.frame_decrypt_s * 1e6, 2),
+        "cipher": "crypto_box_easy_afternm (XSalsa20-Poly1305), as libzmq's CURVE",
+        "library": sodium.path if sodium else None,
+    }
+
+
+def _round_or_none(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def curve_limits(
+    label: str, box: BoxTiming | None, plain: Result | None, curve: Result | None
+) -> dict[str, float | None]:
+    """What the cipher allows CURVE, against what the curve path got (same run).
+
+    ``libsodium_gbps``: frames one thread encrypts (or decrypts) per second; libzmq
+    does each connection's in one I/O thread per end, so no CURVE link beats it.
+    ``curve_limit_over_plain``: that over plain zpipe, the best
+    ``curve_over_plain`` with a free core for each end. ``curve_cpu_limit_over_plain``:
+    plain's CPU per message over plain's plus the cipher's, the best ratio when the
+    cores are the bottleneck (both ends on 2 shared cores, as here).
+    ``curve_extra_over_crypto``: the curve path's extra CPU per message over plain,
+    divided by the cipher's (1.0: all of the extra is the cipher).
+    ``libzmq_curve_gbps``, ``curve_frame_cpu_us`` and ``curve_extra_over_frame``: the
+    same with libzmq's copies around the cipher (:meth:`bench._sodium.Sodium.time_box`),
+    all CURVE does per frame: 1.0 leaves nothing else in the curve path's extra.
+    """
+    keys = (
+        "libsodium_gbps",
+        "curve_over_libsodium",
+        "curve_limit_over_plain",
+        "curve_cpu_limit_over_plain",
+        "crypto_cpu_us",
+        "curve_extra_cpu_us",
+        "curve_extra_over_crypto",
+        "libzmq_curve_gbps",
+        "curve_frame_cpu_us",
+        "curve_extra_over_frame",
+    )
+    out: dict[str, float | None] = {f"{key}_{label}": None for key in keys}
+    if box is None:
+        return out
+    limit = box.gbps()
+    out[f"libsodium_gbps_{label}"] = round(limit, 4)
+    out[f"crypto_cpu_us_{label}"] = round(box.both_us(), 1)
+    out[f"libzmq_curve_gbps_{label}"] = _round_or_none(box.frame_gbps(), 4)
+    frame_us = box.frame_both_us()
+    out[f"curve_frame_cpu_us_{label}"] = _round_or_none(frame_us, 1)
+    plain_gbps = plain.gbps() if plain else None
+    curve_gbps = curve.gbps() if curve else None
+    out[f"curve_over_libsodium_{label}"] = same_run_ratio(curve_gbps, limit)
+    if plain_gbps:
+        out[f"curve_limit_over_plain_{label}"] = round(min(1.0, limit / plain_gbps), 4)
+    plain_cpu = plain.cpu_us_per_message() if plain else None
+    curve_cpu = curve.cpu_us_per_message() if curve else None
+    if plain_cpu:
+        out[f"curve_cpu_limit_over_plain_{label}"] = round(
+            plain_cpu / (plain_cpu + box.both_us()), 4
+        )
+    if plain_cpu and curve_cpu:
+        extra = curve_cpu - plain_cpu
+        out[f"curve_extra_cpu_us_{label}"] = round(extra, 1)
+        out[f"curve_extra_over_crypto_{label}"] = round(extra / box.both_us(), 4)
+        if frame_us:
+            out[f"curve_extra_over_frame_{label}"] = round(extra / frame_us, 4)
+    return out

@@ -7,7 +7,13 @@ PUSH/PULL pair. The relay is one of:
 
 ``raw``
     The ceiling: a synchronous PULL -> PUSH loop, ``recv_multipart(copy=False)``
-    then ``send_multipart(frames, copy=False)``; nothing decoded.
+    then ``send_multipart(frames, copy=False)``; nothing decoded. It waits inside
+    libzmq (blocking, GIL released), which no asyncio process can.
+``raw-asyncio``
+    The like-for-like baseline (``bench/_relay_raw.py``): raw's loop under
+    ``zmq.asyncio`` on uvloop when it is importable, ``await
+    recv_multipart(copy=False)`` then ``await send_multipart(frames, copy=False)``,
+    nothing decoded, raw's socket options, one deadline over the whole relay.
 ``stage``
     What a running inference stage does with each message, in-process: the
     real :class:`~zpipe.stage.dataport.DataPort` (framing, kind, sender and
@@ -71,9 +77,13 @@ compute thread and back costs (the summary then says ``inline_compute``).
 
 Summary keys (same-run ratios, stage over raw): ``ratio_64kb``, ``ratio_1mb``
 (throughput), ``rtt_ratio_64kb``, ``rtt_ratio_1mb`` and ``cpu_ratio_X`` (CPU of
-both processes per message), plus ``loadavg``.
+both processes per message), plus ``loadavg``. Like for like, stage over
+raw-asyncio: ``ratio_X_vs_asyncio_raw``, ``rtt_ratio_X_vs_asyncio_raw``,
+``cpu_ratio_X_vs_asyncio_raw``; what asyncio alone costs a relay, raw-asyncio
+over raw: ``asyncio_raw_over_raw_X`` (throughput), ``rtt_asyncio_raw_over_raw_X``.
+Every ratio is of the paths' medians over ``--repeats``.
 
-    .venv/bin/python bench/stage_relay.py            # about half a minute
+    .venv/bin/python bench/stage_relay.py            # under a minute
     .venv/bin/python bench/stage_relay.py --quick    # a few seconds
 
 Every wait has a deadline (``--timeout``); the relay is killed if anything fails.
@@ -120,6 +130,7 @@ try:
         timed,
         usage,
     )
+    from bench._relay_raw import raw_asyncio_relay, raw_relay
     from bench._stage_sync import SYNC_TRACK_EVERY, stage_sync_relay
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
     from _common import emit, loadavg, summary  # type: ignore[no-redef]
@@ -133,11 +144,12 @@ except ImportError:  # run as a script: bench/ itself is sys.path[0]
         timed,
         usage,
     )
+    from _relay_raw import raw_asyncio_relay, raw_relay  # type: ignore[no-redef]
     from _stage_sync import SYNC_TRACK_EVERY, stage_sync_relay  # type: ignore[no-redef]
 
 BENCH = "stage_relay"
-PATHS = ("raw", "stage")  # the default; "stage-sync" on request (--paths)
-KNOWN_PATHS = ("raw", "stage", "stage-sync")
+PATHS = ("raw", "raw-asyncio", "stage")  # the default; "stage-sync" on request (--paths)
+KNOWN_PATHS = ("raw", "raw-asyncio", "stage", "stage-sync")
 # ------------------------------------------------------------------------- relay
 
 
@@ -186,7 +198,10 @@ def relay_main(
     if inline_compute:
         _compute_on_the_loop()
     if path == "raw":
-        _raw_relay(conn)
+        raw_relay(conn)
+        return
+    if path == "raw-asyncio":
+        _run_on_uvloop(raw_asyncio_relay(conn, timeout_s * 4))
         return
     if path == "stage-sync":
         _run_on_uvloop(stage_sync_relay(conn, steps, track_every))
@@ -226,32 +241,6 @@ def _compute_on_the_loop() -> None:
         return self._forward_all(group)
 
     InferenceLoop._computed = computed  # type: ignore[method-assign]
-
-
-def _raw_relay(conn: Connection) -> None:
-    ctx = zmq.Context(io_threads=1)
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock in (pull, push):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, OPTIONS.send_hwm)
-        sock.setsockopt(zmq.RCVHWM, OPTIONS.recv_hwm)
-    pull.bind(LOOPBACK)
-    conn.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
-    push.connect(conn.recv())
-    pull.setsockopt(zmq.RCVTIMEO, 50)
-    while True:
-        try:
-            frames = pull.recv_multipart(copy=False)
-        except zmq.Again:  # idle: the feeder's requests come between runs
-            if conn.poll(0):
-                if conn.recv() == "stop":
-                    break
-                conn.send(usage())
-            continue
-        push.send_multipart(frames, copy=False)
-    pull.close()
-    push.close()
-    ctx.term()
 
 
 async def _stage_relay(
@@ -482,6 +471,36 @@ def _label(size: int) -> str:
     return f"{size >> 20}mb" if size % (1 << 20) == 0 else f"{size >> 10}kb"
 
 
+def _asyncio_raw_ratios(
+    med: dict[str, dict[int, dict[str, float]]], sizes: list[int]
+) -> dict[str, float]:
+    """Stage over raw-asyncio (like for like: both relays are asyncio processes)
+    and raw-asyncio over raw (what asyncio alone costs a relay), medians' ratios."""
+    ratios: dict[str, float] = {}
+    for size in sizes:
+        label, asyncio_raw = _label(size), med["raw-asyncio"][size]
+        if "stage" in med:
+            stage = med["stage"][size]
+            ratios[f"ratio_{label}_vs_asyncio_raw"] = round(
+                stage["msgs_per_s"] / asyncio_raw["msgs_per_s"], 4
+            )
+            ratios[f"rtt_ratio_{label}_vs_asyncio_raw"] = round(
+                stage["rtt_ms"] / asyncio_raw["rtt_ms"], 4
+            )
+            ratios[f"cpu_ratio_{label}_vs_asyncio_raw"] = round(
+                stage["cpu_us_per_message"] / asyncio_raw["cpu_us_per_message"], 4
+            )
+        if "raw" in med:
+            raw = med["raw"][size]
+            ratios[f"asyncio_raw_over_raw_{label}"] = round(
+                asyncio_raw["msgs_per_s"] / raw["msgs_per_s"], 4
+            )
+            ratios[f"rtt_asyncio_raw_over_raw_{label}"] = round(
+                asyncio_raw["rtt_ms"] / raw["rtt_ms"], 4
+            )
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(level="warning")
@@ -516,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios[f"cpu_ratio_{label}"] = round(
                 stage["cpu_us_per_message"] / raw["cpu_us_per_message"], 4
             )
+    if "raw-asyncio" in med:
+        ratios.update(_asyncio_raw_ratios(med, args.sizes))
     if "raw" in med and "stage-sync" in med:
         for size in args.sizes:
             raw, sync = med["raw"][size], med["stage-sync"][size]

@@ -8,7 +8,17 @@ What it measures, between two processes (this one, the *sender*, and a spawned
     The ceiling: plain synchronous pyzmq PUSH/PULL,
     ``send_multipart([small_header, tensor_buffer], copy=False)`` and
     ``recv_multipart(copy=False)``, nothing decoded. Same high-water marks as
-    zpipe's sockets (``--raw-hwm``), so only the software layers differ.
+    zpipe's sockets (``--raw-hwm``), so only the software layers differ. It waits
+    inside libzmq (blocking, GIL released), which no asyncio process can.
+``raw_asyncio``
+    The like-for-like baseline: the same messages and socket options (but the
+    blocking timeouts) under ``zmq.asyncio``, its own asyncio context,
+    ``await send_multipart([small_header, tensor_buffer], copy=False)`` and
+    ``await recv_multipart(copy=False)``, nothing decoded, on the same loop
+    runner as ``zpipe`` (uvloop when importable), one deadline per run
+    (``asyncio.wait_for``), in both processes (sink and echo alike): what plain
+    asyncio use of pyzmq gets, so ``zpipe`` over it is zpipe's own cost and
+    ``raw_asyncio`` over ``raw`` is what asyncio alone costs.
 ``zpipe``
     What a stage does: ``zmq.asyncio`` sockets from ``open_socket`` (PUSH->PULL),
     each message built as ``Message("data", {"run", "mb", "src"}, tensors=(t,))``,
@@ -87,6 +97,13 @@ then one summary line::
 ``rtt_ratio_X`` is zpipe/raw round-trip time (1.0 is parity, higher is slower),
 both the median of the rounds' ratios (see "Why rounds and pairs" above), and
 ``curve_over_plain_X`` is zpipe_curve/zpipe throughput.
+Like for like, with ``raw_asyncio`` (paired by round as ``ratio_X``):
+``ratio_X_vs_asyncio_raw`` (zpipe/raw_asyncio throughput; its rounds in
+``ratio_rounds_X_vs_asyncio_raw``), ``rtt_ratio_X_vs_asyncio_raw`` (round trip),
+``cpu_ratio_X_vs_asyncio_raw`` and ``rtt_cpu_ratio_X_vs_asyncio_raw`` (CPU per
+message and per round trip, both processes); what asyncio alone costs against
+blocking pyzmq: ``asyncio_raw_over_raw_X`` (raw_asyncio/raw throughput) and
+``rtt_asyncio_raw_over_raw_X`` (round trip). All None without ``raw_asyncio``.
 With ``zpipe_curve``: ``libsodium_gbps_X`` (the limit above),
 ``curve_over_libsodium_X``, ``curve_limit_over_plain_X`` (that limit over plain
 zpipe: the best ``curve_over_plain_X`` with a free core for each end),
@@ -119,7 +136,7 @@ forwards its frames). The summary records ``copy_below`` and ``loadavg``.
 
 Run it from the repository root::
 
-    .venv/bin/python bench/transport.py            # full run, under a minute
+    .venv/bin/python bench/transport.py            # full run, about 75 s on 2 cores
     .venv/bin/python bench/transport.py --quick    # smoke run, a few seconds
 
 Both processes share the machine, so on a small or busy host the numbers move by
@@ -135,7 +152,8 @@ copies and raw shares: ``zpipe_shared`` has raw's flags). The raw sender builds
 a buffer per message, as zpipe's ``encode`` does (it reused one before, which
 spared pyzmq's collector thread a release). Raw's by design: nothing decoded or
 validated, and it waits inside libzmq (blocking, GIL released); an asyncio
-sender or receiver cannot. zpipe's sink holds a message until the next arrives
+sender or receiver cannot (``raw_asyncio`` is raw with that one difference, and
+shares raw's flags: zero-copy from 64 KiB). zpipe's sink holds a message until the next arrives
 (raw's drops it at once): one message more memory, no CPU or faults seen.
 ``cpu_us_per_message_by_thread`` splits the CPU by
 process and thread (main, zmq_io, other: mostly pyzmq's collector of zero-copy
@@ -159,72 +177,39 @@ Every wait has a deadline (``--timeout``), the whole run has one too
 from __future__ import annotations
 
 import argparse
-import asyncio
 import faulthandler
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
-import zmq.asyncio
 
 from zpipe.log import configure_logging
 from zpipe.transport import security
 from zpipe.transport.allocator import retain_freed_memory
-from zpipe.transport.sockets import (
-    COPY_BELOW_BYTES,
-    decode_frames,
-    recv_frames,
-    send,
-)
+from zpipe.transport.sockets import COPY_BELOW_BYTES
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emit, loadavg, summary
-from bench._sodium import BoxTiming, Sodium
-from bench._sodium import load as load_sodium
 from bench._transport_paths import (
-    LOOPBACK,
-    MAX_BYTES,
     OPTIONS,
-    RAW_HEADER,
     RECEIVER_KEY,
     SENDER_KEY,
-    Channel,
     ReceiverSettings,
-    check_tensor,
-    copy_below,
-    data_message,
     loop_runner,
-    make_tensor,
-    open_channel_sockets,
-    pipe_recv,
-    raw_buffer,
     receiver_main,
-    run_deadline,
 )
-from bench._transport_results import (
-    BENCH,
-    Result,
-    Usage,
-    UsageMark,
-    paired_ratio,
-    round_ratios,
-    round_trip_steps,
-    same_run_ratio,
-)
+from bench._transport_results import BENCH, Result, size_ratios, sodium_line
+from bench._transport_sender import Sender
 
-PATHS = ("raw", "zpipe", "zpipe_curve", "zpipe_shared")
-DEFAULT_PATHS = ("raw", "zpipe", "zpipe_curve")
+PATHS = ("raw", "raw_asyncio", "zpipe", "zpipe_curve", "zpipe_shared")
+DEFAULT_PATHS = ("raw", "raw_asyncio", "zpipe", "zpipe_curve")
 DEFAULT_SIZES = "64K,1M,16M"
 
 
@@ -252,288 +237,6 @@ def size_label(size: int) -> str:
     return f"{size}b"
 
 
-# ------------------------------------------------------------------------------ sender
-
-
-class Sender:
-    def __init__(
-        self, args: argparse.Namespace, conn: Connection, proc: Any, keys_dir: Path
-    ) -> None:
-        self.args = args
-        self.conn = conn
-        self.proc = proc
-        self.keys_dir = keys_dir
-        self.timeout_s: float = args.timeout
-        self.channels: dict[str, Channel] = {}
-        self.tensors: dict[int, torch.Tensor] = {}
-        # libsodium's own speed per size (the CURVE limit), when it loads
-        self.sodium: Sodium | None = load_sodium() if "zpipe_curve" in args.paths else None
-        self.boxes: dict[int, BoxTiming] = {}
-
-    def alive(self) -> bool:
-        return bool(self.proc.is_alive())
-
-    async def reply(self, what: str, timeout_s: float | None = None) -> dict[str, Any]:
-        reply = await pipe_recv(self.conn, timeout_s or self.timeout_s, what, self.alive)
-        if reply.get("ok") != what:
-            raise RuntimeError(f"receiver answered {reply!r}, expected {what!r}")
-        return reply
-
-    async def setup(self, path: str) -> None:
-        ch = open_channel_sockets(
-            path,
-            self.timeout_s,
-            self.args.raw_hwm,
-            self.keys_dir if path == "zpipe_curve" else None,
-            SENDER_KEY,
-            RECEIVER_KEY,
-        )
-        self.channels[path] = ch
-        ch.pull.bind(LOOPBACK)
-        back = ch.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        keys = str(self.keys_dir) if path == "zpipe_curve" else None
-        self.conn.send({"op": "setup", "path": path, "endpoint": back, "keys_dir": keys})
-        reply = await self.reply("setup")
-        ch.push.connect(reply["endpoint"])
-        # Both directions up (and both CURVE handshakes done) before anything is timed.
-        await self.echo(path, 64, 1)
-
-    def tensor(self, size: int) -> torch.Tensor:
-        if size not in self.tensors:
-            self.tensors[size] = make_tensor(size)
-        return self.tensors[size]
-
-    async def throughput(self, path: str, size: int, count: int) -> tuple[float, Usage]:
-        """Seconds from the first send to the receiver's ack of the last message, and
-        what both processes spent meanwhile."""
-        ch = self.channels[path]
-        tensor = self.tensor(size)
-        self.conn.send({"op": "tput", "path": path, "size": size, "count": count})
-        await self.reply("armed")
-        mark = UsageMark.now()
-        if path == "raw":
-            started = time.perf_counter()
-            for _ in range(count):
-                # A buffer per message, as a sender of a new tensor each time must
-                # make (one reused buffer saves pyzmq's collector a release)
-                ch.push.send_multipart([RAW_HEADER, raw_buffer(tensor)], copy=False)
-            ch.pull.recv()
-            elapsed = time.perf_counter() - started
-        else:
-            started = time.perf_counter()
-            for mb in range(count):
-                await send(
-                    ch.push,
-                    data_message(mb, tensor, "bench"),
-                    timeout_s=self.timeout_s,
-                    peer=RECEIVER_KEY,
-                    copy_below=copy_below(path, self.args.copy_below),
-                )
-            frames = await recv_frames(
-                ch.pull, timeout_s=self.timeout_s, peer=RECEIVER_KEY, awaited="ack"
-            )
-            elapsed = time.perf_counter() - started
-            if decode_frames(frames, MAX_BYTES).body["nonce"] != count:
-                raise RuntimeError("the receiver acknowledged a different count")
-        usage, _ = await self._usage(mark)
-        return elapsed, usage
-
-    async def _usage(self, mark: UsageMark) -> tuple[Usage, dict[str, Any]]:
-        """This process's usage since ``mark`` plus the receiver's, from its reply
-        (returned too)."""
-        mine = mark.since("sender")
-        done = await self.reply("done")
-        theirs = Usage(
-            float(done["cpu_s"]),
-            int(done["switches"]),
-            {str(k): float(v) for k, v in dict(done.get("cpu_by_thread") or {}).items()},
-        )
-        return mine.plus(theirs), done
-
-    async def echo(
-        self, path: str, size: int, count: int
-    ) -> tuple[list[float], Usage, list[tuple[float, ...]]]:
-        """Round-trip times of ``count`` ping-pongs of ``size`` bytes, what both
-        processes spent on them, and each trip's steps (``RTT_STEPS``)."""
-        ch = self.channels[path]
-        tensor = self.tensor(size)
-        self.conn.send({"op": "echo", "path": path, "size": size, "count": count})
-        await self.reply("armed")
-        mark = UsageMark.now()
-        clock = time.perf_counter
-        # per trip: started, sent (the send returned), received, decoded (both
-        # paths take the same four readings of the clock)
-        stamps: list[tuple[float, float, float, float]] = []
-        if path == "raw":
-            for _ in range(count):
-                started = clock()
-                ch.push.send_multipart([RAW_HEADER, raw_buffer(tensor)], copy=False)
-                sent = clock()
-                frames = ch.pull.recv_multipart(copy=False)
-                received = clock()
-                stamps.append((started, sent, received, received))
-                if len(frames) != 2 or len(frames[1]) != size:
-                    raise RuntimeError("raw echo came back with the wrong size")
-        else:
-            # As the client's result loop: recv_frames(timeout_s=None), one deadline per run.
-            async def loop() -> None:
-                for mb in range(count):
-                    started = clock()
-                    await send(
-                        ch.push,
-                        data_message(mb, tensor, "bench"),
-                        timeout_s=self.timeout_s,
-                        peer=RECEIVER_KEY,
-                        copy_below=copy_below(path, self.args.copy_below),
-                    )
-                    sent = clock()
-                    frames = await recv_frames(
-                        ch.pull, timeout_s=None, peer=RECEIVER_KEY, awaited="pong"
-                    )
-                    received = clock()
-                    message = decode_frames(frames, MAX_BYTES)
-                    stamps.append((started, sent, received, clock()))
-                    check_tensor(message, size)
-
-            await asyncio.wait_for(loop(), run_deadline(self.timeout_s, size, count))
-        usage, done = await self._usage(mark)
-        echo_stamps = [(float(a), float(b)) for a, b in done.get("stamps") or ()]
-        steps = round_trip_steps(stamps, echo_stamps) if len(echo_stamps) == count else []
-        return [s[3] - s[0] for s in stamps], usage, steps
-
-    async def measure_size(self, size: int, paths: list[str]) -> dict[str, Result]:
-        args = self.args
-        results = {path: Result(path, size) for path in paths}
-        # Warm-up, per path: enough messages to fill both queues (2 x HWM) a few times,
-        # so every context's I/O thread has grown its heap; the raw rate picks N.
-        warm = max(4 * OPTIONS.send_hwm, min(2000, (128 << 20) // size))
-        if args.quick:
-            warm = max(2, warm // 8)
-        rates: dict[str, float] = {}
-        for path in paths:
-            seconds, _ = await self.throughput(path, size, warm)
-            rates[path] = warm * size / seconds
-            await self.echo(path, size, 3)
-        rate = rates.get("raw") or max(rates.values())
-        count = args.count or int(
-            min(args.max_count, max(args.min_count, args.seconds * rate / size))
-        )
-        per_trip = 2 * size / rate + 100e-6
-        trips = args.trips or int(min(2000, max(20, args.rtt_seconds / per_trip)))
-        for rep in range(args.repeats):
-            for path in _rotate(paths, rep):
-                results[path].count = count
-                seconds, usage = await self.throughput(path, size, count)
-                results[path].seconds.append(seconds)
-                results[path].cpu_seconds.append(usage.cpu_s)
-                results[path].switches.append(usage.switches)
-                results[path].thread_seconds.append(usage.by_thread)
-        chunks = max(1, min(args.rtt_rounds, trips))
-        for rep in range(chunks):
-            for path in _rotate(paths, rep):
-                n = trips // chunks + (1 if rep < trips % chunks else 0)
-                rtts, usage, steps = await self.echo(path, size, n)
-                results[path].rtts.extend(rtts)
-                results[path].rtt_rounds.append(statistics.median(rtts))
-                results[path].rtt_steps.extend(steps)
-                results[path].add_rtt_usage(usage)
-        if self.sodium is not None:
-            # In this process, between the timed runs: what the cipher alone costs.
-            self.boxes[size] = self.sodium.time_box(size, budget_s=0.05 if args.quick else 0.2)
-        return results
-
-    def close(self) -> None:
-        for ch in self.channels.values():
-            ch.close()
-        self.channels.clear()
-
-
-def _sodium_line(box: BoxTiming, sodium: Sodium | None) -> dict[str, Any]:
-    """The ``libsodium`` line: CPU per encrypt and decrypt of one frame, one core."""
-    return {
-        "bench": BENCH,
-        "path": "libsodium",
-        "size_bytes": box.size,
-        "gbps": round(box.gbps(), 4),
-        "encrypt_us": round(box.encrypt_s * 1e6, 2),
-        "decrypt_us": round(box.decrypt_s * 1e6, 2),
-        # with libzmq's copies around the two calls: all CURVE does per frame
-        "frame_gbps": _round_or_none(box.frame_gbps(), 4),
-        "frame_encrypt_us": round(box.frame_encrypt_s * 1e6, 2),
-        "frame_decrypt_us": round(box.frame_decrypt_s * 1e6, 2),
-        "cipher": "crypto_box_easy_afternm (XSalsa20-Poly1305), as libzmq's CURVE",
-        "library": sodium.path if sodium else None,
-    }
-
-
-def _round_or_none(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def _curve_limits(
-    label: str, box: BoxTiming | None, plain: Result | None, curve: Result | None
-) -> dict[str, float | None]:
-    """What the cipher allows CURVE, against what the curve path got (same run).
-
-    ``libsodium_gbps``: frames one thread encrypts (or decrypts) per second; libzmq
-    does each connection's in one I/O thread per end, so no CURVE link beats it.
-    ``curve_limit_over_plain``: that over plain zpipe, the best
-    ``curve_over_plain`` with a free core for each end. ``curve_cpu_limit_over_plain``:
-    plain's CPU per message over plain's plus the cipher's, the best ratio when the
-    cores are the bottleneck (both ends on 2 shared cores, as here).
-    ``curve_extra_over_crypto``: the curve path's extra CPU per message over plain,
-    divided by the cipher's (1.0: all of the extra is the cipher).
-    ``libzmq_curve_gbps``, ``curve_frame_cpu_us`` and ``curve_extra_over_frame``: the
-    same with libzmq's copies around the cipher (:meth:`bench._sodium.Sodium.time_box`),
-    all CURVE does per frame: 1.0 leaves nothing else in the curve path's extra.
-    """
-    keys = (
-        "libsodium_gbps",
-        "curve_over_libsodium",
-        "curve_limit_over_plain",
-        "curve_cpu_limit_over_plain",
-        "crypto_cpu_us",
-        "curve_extra_cpu_us",
-        "curve_extra_over_crypto",
-        "libzmq_curve_gbps",
-        "curve_frame_cpu_us",
-        "curve_extra_over_frame",
-    )
-    out: dict[str, float | None] = {f"{key}_{label}": None for key in keys}
-    if box is None:
-        return out
-    limit = box.gbps()
-    out[f"libsodium_gbps_{label}"] = round(limit, 4)
-    out[f"crypto_cpu_us_{label}"] = round(box.both_us(), 1)
-    out[f"libzmq_curve_gbps_{label}"] = _round_or_none(box.frame_gbps(), 4)
-    frame_us = box.frame_both_us()
-    out[f"curve_frame_cpu_us_{label}"] = _round_or_none(frame_us, 1)
-    plain_gbps = plain.gbps() if plain else None
-    curve_gbps = curve.gbps() if curve else None
-    out[f"curve_over_libsodium_{label}"] = same_run_ratio(curve_gbps, limit)
-    if plain_gbps:
-        out[f"curve_limit_over_plain_{label}"] = round(min(1.0, limit / plain_gbps), 4)
-    plain_cpu = plain.cpu_us_per_message() if plain else None
-    curve_cpu = curve.cpu_us_per_message() if curve else None
-    if plain_cpu:
-        out[f"curve_cpu_limit_over_plain_{label}"] = round(
-            plain_cpu / (plain_cpu + box.both_us()), 4
-        )
-    if plain_cpu and curve_cpu:
-        extra = curve_cpu - plain_cpu
-        out[f"curve_extra_cpu_us_{label}"] = round(extra, 1)
-        out[f"curve_extra_over_crypto_{label}"] = round(extra / box.both_us(), 4)
-        if frame_us:
-            out[f"curve_extra_over_frame_{label}"] = round(extra / frame_us, 4)
-    return out
-
-
-def _rotate(paths: list[str], by: int) -> list[str]:
-    """Interleave paths in a different order each repeat (no fixed position bias)."""
-    k = by % len(paths)
-    return paths[k:] + paths[:k]
-
-
 async def run_sender(
     args: argparse.Namespace, conn: Connection, proc: Any, keys_dir: Path, has_uvloop: bool
 ) -> dict[str, Any]:
@@ -550,61 +253,14 @@ async def run_sender(
             for path in paths:
                 emit(all_results[size][path].line(uvloop_both))
             if size in sender.boxes:
-                emit(_sodium_line(sender.boxes[size], sender.sodium))
+                emit(sodium_line(sender.boxes[size], sender.sodium))
         conn.send({"op": "quit", "path": None})
         await sender.reply("bye")
     finally:
         sender.close()
     ratios: dict[str, Any] = {}
     for size, results in all_results.items():
-        label = size_label(size)
-
-        def get(
-            path: str, what: Callable[[Result], float | None], results: dict[str, Result] = results
-        ) -> float | None:
-            return what(results[path]) if path in results else None
-
-        zpipe, raw = results.get("zpipe"), results.get("raw")
-        if zpipe is not None and raw is not None:
-            # Round by round: the two paths of a round ran back to back (see the notes).
-            ratios[f"ratio_{label}"] = paired_ratio(zpipe.gbps_runs(), raw.gbps_runs())
-            ratios[f"ratio_rounds_{label}"] = round_ratios(zpipe.gbps_runs(), raw.gbps_runs())
-            ratios[f"rtt_ratio_{label}"] = paired_ratio(zpipe.rtt_rounds, raw.rtt_rounds)
-            ratios[f"rtt_ratio_rounds_{label}"] = round_ratios(zpipe.rtt_rounds, raw.rtt_rounds)
-            steps_z, steps_r = zpipe.rtt_steps_us(), raw.rtt_steps_us()
-            if steps_z and steps_r:
-                ratios[f"rtt_extra_us_by_step_{label}"] = {
-                    k: round(steps_z[k] - steps_r[k], 1) for k in steps_z
-                }
-        ratios[f"ratio_of_medians_{label}"] = same_run_ratio(
-            get("zpipe", Result.gbps), get("raw", Result.gbps)
-        )
-        ratios[f"rtt_ratio_of_medians_{label}"] = same_run_ratio(
-            get("zpipe", Result.rtt_ms), get("raw", Result.rtt_ms)
-        )
-        ratios[f"cpu_ratio_{label}"] = same_run_ratio(
-            get("zpipe", Result.cpu_us_per_message), get("raw", Result.cpu_us_per_message)
-        )
-        ratios[f"rtt_cpu_ratio_{label}"] = same_run_ratio(
-            get("zpipe", Result.rtt_cpu_us), get("raw", Result.rtt_cpu_us)
-        )
-        ratios[f"copied_over_shared_{label}"] = same_run_ratio(
-            get("zpipe", Result.gbps), get("zpipe_shared", Result.gbps)
-        )
-        ratios[f"copied_over_shared_rtt_{label}"] = same_run_ratio(
-            get("zpipe", Result.rtt_ms), get("zpipe_shared", Result.rtt_ms)
-        )
-        ratios[f"curve_over_plain_{label}"] = same_run_ratio(
-            get("zpipe_curve", Result.gbps), get("zpipe", Result.gbps)
-        )
-        ratios.update(
-            _curve_limits(
-                label,
-                sender.boxes.get(size),
-                results.get("zpipe"),
-                results.get("zpipe_curve"),
-            )
-        )
+        ratios.update(size_ratios(size_label(size), results, sender.boxes.get(size)))
     for key in (
         "ratio_64kb",
         "ratio_1mb",
@@ -615,6 +271,11 @@ async def run_sender(
         "libsodium_gbps_1mb",
         "curve_over_libsodium_1mb",
         "curve_limit_over_plain_1mb",
+        "ratio_64kb_vs_asyncio_raw",
+        "ratio_1mb_vs_asyncio_raw",
+        "rtt_ratio_1mb_vs_asyncio_raw",
+        "asyncio_raw_over_raw_64kb",
+        "asyncio_raw_over_raw_1mb",
     ):
         ratios.setdefault(key, None)
     return {

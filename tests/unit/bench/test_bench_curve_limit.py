@@ -7,8 +7,7 @@ import ctypes
 import pytest
 
 from bench._sodium import BoxTiming, load
-from bench._transport_results import Result
-from bench.transport import _curve_limits
+from bench._transport_results import Result, curve_limits
 
 
 def test_libsodium_boxes_and_opens_a_frame_and_times_both() -> None:
@@ -39,7 +38,7 @@ def test_the_limits_compare_the_curve_path_with_the_cipher_alone() -> None:
     box = BoxTiming(1 << 20, encrypt_s=700e-6, decrypt_s=800e-6)  # 1.31 GB/s
     plain = _result("zpipe", gbps=5.0, cpu_us=300.0)
     curve = _result("zpipe_curve", gbps=1.0, cpu_us=2100.0)
-    out = _curve_limits("1mb", box, plain, curve)
+    out = curve_limits("1mb", box, plain, curve)
     limit = (1 << 20) / 800e-6 / 1e9
     assert out["libsodium_gbps_1mb"] == pytest.approx(limit, rel=1e-3)
     assert out["curve_over_libsodium_1mb"] == pytest.approx(1.0 / limit, rel=1e-3)
@@ -51,7 +50,7 @@ def test_the_limits_compare_the_curve_path_with_the_cipher_alone() -> None:
 
 
 def test_without_libsodium_every_limit_is_null() -> None:
-    out = _curve_limits("1mb", None, _result("zpipe", 5.0, 300.0), None)
+    out = curve_limits("1mb", None, _result("zpipe", 5.0, 300.0), None)
     assert out and all(value is None for value in out.values())
 
 
@@ -65,12 +64,12 @@ def test_libzmqs_copies_around_the_cipher_are_timed_and_compared_too() -> None:
     )
     plain = _result("zpipe", gbps=5.0, cpu_us=300.0)
     curve = _result("zpipe_curve", gbps=1.0, cpu_us=2100.0)
-    out = _curve_limits("1mb", box, plain, curve)
+    out = curve_limits("1mb", box, plain, curve)
     assert out["libzmq_curve_gbps_1mb"] == pytest.approx((1 << 20) / 1000e-6 / 1e9, rel=1e-3)
     assert out["curve_frame_cpu_us_1mb"] == pytest.approx(1800.0)
     assert out["curve_extra_over_frame_1mb"] == pytest.approx(1.0)
     # never timed with the copies: those keys stay null, the cipher's are kept
-    bare = _curve_limits("1mb", BoxTiming(1 << 20, 700e-6, 800e-6), plain, curve)
+    bare = curve_limits("1mb", BoxTiming(1 << 20, 700e-6, 800e-6), plain, curve)
     assert bare["libzmq_curve_gbps_1mb"] is None and bare["curve_extra_over_frame_1mb"] is None
     assert bare["crypto_cpu_us_1mb"] == pytest.approx(1500.0)
 
