@@ -89,6 +89,21 @@ def test_reading_a_checked_message_still_refuses_the_wrong_kind_or_tensors() -> 
         MicroBatchError.from_checked(dataclasses.replace(error, tensors=(torch.zeros(1),)))
 
 
+def test_a_whole_microbatch_is_built_as_the_frozen_dataclass_was() -> None:
+    tensors = (torch.ones(2, 3), torch.zeros(1))
+    fast = Data.of_microbatch(run=2, mb=5, src="s1", tensors=tensors, epoch=4)
+    slow = Data(run=2, mb=5, src="s1", tensors=tensors, epoch=4)
+    _same(fast, slow)
+    assert fast.tensors is tensors and hash(fast) == hash(slow)
+    assert (fast.rows, fast.total, fast.end) == (None, None, None)
+    assert fast.to_message().body == slow.to_message().body
+    assert dataclasses.replace(fast, mb=6) == dataclasses.replace(slow, mb=6)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.src = "other"  # type: ignore[misc]
+    # every field of Data is set: a field added to Data must be added there too
+    assert set(vars(fast)) == {f.name for f in dataclasses.fields(Data)}
+
+
 def _counting_registry(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[Registry, list[str]]:
