@@ -115,10 +115,35 @@ def wire(
     return dataclasses.field(default=None, metadata=meta)
 
 
+# Typed messages whose __init__ is the one the dataclass generated (none of their own,
+# no __post_init__): only it stores its arguments and nothing else, which
+# WireMessage.from_checked relies on to build one without calling it.
+_GENERATED_INIT: set[type] = set()
+
+
 @dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(wire,))
 def wire_message(cls: type[_C]) -> type[_C]:
     """Make ``cls`` a typed message: a frozen, keyword-only dataclass of :func:`wire` fields."""
-    return dataclass(frozen=True, kw_only=True)(cls)
+    own_init = "__init__" in vars(cls) or hasattr(cls, "__post_init__")
+    made = dataclass(frozen=True, kw_only=True)(cls)
+    if not own_init:
+        _GENERATED_INIT.add(made)
+    return made
+
+
+def _assembly(cls: type[WireMessage]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """What :meth:`WireMessage.from_checked` stores for ``cls``: its wire attributes and
+    keys, in field order; None unless ``cls(...)`` would only store ``epoch``, the
+    tensors (a tensor kind) and those attributes, in that order (then it is called)."""
+    if cls not in _GENERATED_INIT:
+        return None
+    wire_fields = cls.wire_fields()
+    attrs = tuple(f.attr for f in wire_fields)
+    leading = ("epoch", "tensors") if cls.CARRIES_TENSORS else ("epoch",)
+    fields = dataclasses.fields(cls)
+    if tuple(f.name for f in fields) != leading + attrs or not all(f.init for f in fields):
+        return None
+    return attrs, tuple(f.key for f in wire_fields)
 
 
 def check_body(kind: str, schema: Schema, body: Any) -> dict[str, Any]:
@@ -221,6 +246,9 @@ _FIELDS: dict[type, tuple[WireField, ...]] = {}
 # per kind, for from_message (every data-plane message is parsed): its schema and the
 # one-pass check that proves check_body would accept a body unchanged
 _READERS: dict[type, tuple[dict[str, FieldSchema], Callable[[Any], bool]]] = {}
+# per kind, for from_checked: its attributes and their wire keys, or None where the
+# class's __init__ does more than store what from_message passes it (see _assembly)
+_ASSEMBLIES: dict[type, tuple[tuple[str, ...], tuple[str, ...]] | None] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,6 +315,45 @@ class WireMessage:
         if cls.CARRIES_TENSORS:
             values["tensors"] = tuple(message.tensors)
         return cls(epoch=message.epoch, **values)
+
+    @classmethod
+    def from_checked(cls: type[_M], message: Message) -> _M:
+        """:meth:`from_message` for a message whose body was already checked against
+        this kind's schema: the codec's ``decode`` checks every body against its
+        registry (:func:`zpipe.transport.codec.decode_typed` pairs the two), and a
+        data-plane message was otherwise checked twice. Anything else goes through
+        :meth:`from_message`.
+
+        The instance is built as ``cls(...)`` would build it, in one update of its
+        dict: a frozen dataclass's ``__init__`` sets each field through
+        ``object.__setattr__``, and a data message is built once per hop.
+        """
+        if message.kind != cls.KIND:
+            raise ProtocolError(f"{cls.__name__} reads {cls.KIND!r} messages, not {message.kind!r}")
+        tensors = message.tensors
+        if tensors and not cls.CARRIES_TENSORS:
+            raise ProtocolError(f"{message.kind}: this kind carries no tensors")
+        try:
+            assembly = _ASSEMBLIES[cls]
+        except KeyError:
+            assembly = _ASSEMBLIES[cls] = _assembly(cls)
+        body = message.body
+        if assembly is None:  # an __init__ that does more than store: call it
+            values = {f.attr: body.get(f.key) for f in cls.wire_fields()}
+            if cls.CARRIES_TENSORS:
+                values["tensors"] = tuple(tensors)
+            return cls(epoch=message.epoch, **values)
+        # the generated __init__'s order: the bases' epoch (and tensors), then the kind's
+        values = (
+            {"epoch": message.epoch, "tensors": tuple(tensors)}
+            if cls.CARRIES_TENSORS
+            else {"epoch": message.epoch}
+        )
+        attrs, keys = assembly
+        values.update(zip(attrs, map(body.get, keys), strict=True))
+        built = object.__new__(cls)
+        built.__dict__.update(values)
+        return built
 
     @classmethod
     def from_body(cls: type[_M], body: Mapping[str, Any], *, epoch: int = 0) -> _M:

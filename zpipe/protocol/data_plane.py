@@ -18,7 +18,7 @@ A piece may hold no rows, and then no tensors.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from zpipe.protocol._schema import (
     INT,
@@ -32,6 +32,9 @@ from zpipe.protocol._schema import (
     wire_message,
 )
 
+if TYPE_CHECKING:
+    import torch  # annotations only: the protocol imports no torch
+
 
 @wire_message
 class Data(TensorMessage):
@@ -43,6 +46,22 @@ class Data(TensorMessage):
     total: int | None = wire(INT, default=None)
     # asynchronous training: no batch numbered ``mb`` or later follows (no rows)
     end: bool | None = wire(OPT_BOOL, default=None, omit_if_none=True)
+
+    @staticmethod
+    def of_microbatch(
+        *, run: int, mb: int, src: str, tensors: tuple[torch.Tensor, ...], epoch: int
+    ) -> Data:
+        """A whole micro-batch's activations (no rows, no end): what
+        ``Data(run=run, mb=mb, src=src, tensors=tensors, epoch=epoch)`` builds, in one
+        update of its dict. An inference stage builds one per micro-batch, and a frozen
+        dataclass's ``__init__`` sets each field through ``object.__setattr__``
+        (bench/_relay_counts.py --opcodes)."""
+        built = object.__new__(Data)
+        # the generated __init__'s order: the bases' fields first
+        built.__dict__.update(
+            epoch=epoch, tensors=tensors, run=run, mb=mb, src=src, rows=None, total=None, end=None
+        )
+        return built
 
 
 @wire_message

@@ -108,3 +108,12 @@ class Registry:
         if cls is None:
             raise ProtocolError(f"message kind {short_repr(message.kind)} has no typed class")
         return cls.from_message(message)
+
+    def parse_checked(self, message: Message) -> WireMessage:
+        """:meth:`parse` for a message whose body this registry already checked (its
+        :meth:`check_body` or :meth:`fits_flat` accepted it, as the codec's ``decode``
+        does): the body is not checked again. Anything else goes through :meth:`parse`."""
+        cls = self._classes.get(message.kind)
+        if cls is None:
+            raise ProtocolError(f"message kind {short_repr(message.kind)} has no typed class")
+        return cls.from_checked(message)

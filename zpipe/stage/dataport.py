@@ -18,14 +18,14 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY
 from zpipe.protocol.data_plane import Data, Grad, Labels, MicroBatchError
 from zpipe.stage.lifecycle import DataVerdict, StageLifecycle
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.supervision import describe_error, serve_messages
 from zpipe.stage.timeline import clock
 from zpipe.transport import security
-from zpipe.transport.sockets import decode_frames, frames_nbytes, recv_frames
+from zpipe.transport.codec import decode_typed
+from zpipe.transport.sockets import frames_nbytes, recv_frames
 
 log = get_logger("zpipe.stage")
 
@@ -81,7 +81,8 @@ class DataPort:
         Synchronous, so a receiver on any thread can check what it took."""
         self._counters.bytes_in += frames_nbytes(frames)
         self._check_sender(frames[0])
-        message = REGISTRY.parse(decode_frames(frames, self._max_bytes))
+        # checked once, by the codec: its typed class is built without a second check
+        message = decode_typed(frames, max_message_bytes=self._max_bytes)
         src: str | None = None  # another kind: the verdict drops it
         has_tensors = False
         match message:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from zpipe._errors import ProtocolError
-from zpipe.protocol import REGISTRY, Message, Registry
+from zpipe.protocol import REGISTRY, Message, Registry, WireMessage
 from zpipe.protocol._schema import short_repr
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ __all__ = [
     "TENSOR_KINDS",
     "Message",
     "decode",
+    "decode_typed",
     "dtype_name",
     "encode",
     "parse_dtype",
@@ -474,6 +475,20 @@ def decode(
             tensor = _decode_tensor(meta, views[i + 1], i, span_limit, frames[i + 1])
         tensors.append(tensor)
     return Message(kind, body, epoch, tuple(tensors))
+
+
+def decode_typed(
+    frames: Sequence[Any],
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    registry: Registry = REGISTRY,
+) -> WireMessage:
+    """:func:`decode`, then the typed class of its kind in ``registry``; the body is
+    checked once, by :func:`decode` (``registry.parse(decode(...))`` checks it twice);
+    :class:`ProtocolError` on any problem, a kind without a typed class included."""
+    return registry.parse_checked(
+        decode(frames, max_message_bytes=max_message_bytes, registry=registry)
+    )
 
 
 def register_kinds(

@@ -246,7 +246,7 @@ class InferenceLoop:
         if isinstance(result, ComputedMicrobatch):
             counters.timeline.record(mb, "compute", result.started, result.ended)
             counters.microbatches += 1
-            return Data(
+            return Data.of_microbatch(
                 run=self.run, mb=mb, src=self.name, epoch=self.epoch, tensors=result.outputs
             )
         assert result is not None  # only an error message is not computed
