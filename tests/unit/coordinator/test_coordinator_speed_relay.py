@@ -1,6 +1,7 @@
 """The coordinator relays a stage's speed verdict (``speed_changed``) to the run's
-client: once, only about the cuts the run has now, never during a look, and only for
-a run whose re-partitioning watches its forwards (in-process; no sockets)."""
+client: once, only about the cuts the run has now, after a look in progress unless
+that look took it, and only for a run whose re-partitioning watches its forwards
+(in-process; no sockets)."""
 
 from __future__ import annotations
 
@@ -81,24 +82,53 @@ def test_a_verdict_about_cuts_moved_since_is_dropped() -> None:
     assert len(h.to_client("speed_changed")) == 1
 
 
-def test_a_verdict_during_a_look_is_dropped() -> None:
+def _profiles(h: Harness, run: int, step: int, phase: str) -> None:
+    """Every stage's reply to ``phase`` of the look before ``step``: equal forwards."""
+    for name, (start, end) in zip("abc", ((0, 2), (2, 4), (4, 6)), strict=True):
+        metrics = {"microbatches": step, "forward_s": 1.0, "backward_s": 2.0,
+                   "start": start, "end": end}  # fmt: skip
+        h.stage(name, "repartition_reply", run=run, step=step, phase=phase, error="",
+                metrics=metrics)  # fmt: skip
+
+
+def test_a_verdict_during_a_look_that_has_not_decided_goes_to_that_look() -> None:
     h = Harness()
     run = _start(h)
     h.client("repartition", run=run, step=10, look=True)  # the stages' profiles not in yet
     _verdict(h, run, step=9)
     assert not h.to_client("speed_changed")
-    assert h.events("speed_change_dropped")[-1]["why"] == "a look in progress"
-    for name, (start, end) in zip("abc", ((0, 2), (2, 4), (4, 6)), strict=True):
-        metrics = {"microbatches": 10, "forward_s": 1.0, "backward_s": 2.0,
-                   "start": start, "end": end}  # fmt: skip
-        h.stage(name, "repartition_reply", run=run, step=10, phase="profile", error="",
-                metrics=metrics)  # fmt: skip
+    assert h.events("speed_change_deferred")[-1]["why"] == "a look in progress"
+    _profiles(h, run, 10, "profile")
     (answer,) = h.to_client("repartitioned")
     assert answer.body["error"] == ""
     # the look's event names its mini-batch, as the other events of the look do
-    assert h.events("repartition_considered")[-1]["step"] == 10
-    _verdict(h, run, step=12)  # after the look: relayed
+    considered = h.events("repartition_considered")[-1]
+    assert considered["step"] == 10
+    # the look measured b by the verdict, so the client is not told to look again
+    assert considered["verdicts_taken"] == ["b"]
+    assert not h.to_client("speed_changed")
+    assert h.events("speed_change_dropped")[-1]["why"] == "the look took it"
+    _verdict(h, run, step=12)  # after the look: relayed at once
     assert len(h.to_client("speed_changed")) == 1
+
+
+def test_a_verdict_after_a_looks_decision_is_relayed_when_the_look_ends() -> None:
+    h = Harness()
+    run = _start(h)
+    h.client("repartition", run=run, step=10)  # a look at the flush
+    _profiles(h, run, 10, "prepare")  # decided: the commit is asked for
+    assert h.events("repartition_considered")[-1]["verdicts_taken"] == []
+    _verdict(h, run, step=9)
+    assert not h.to_client("speed_changed")  # the look is not over yet
+    _profiles(h, run, 10, "commit")
+    (answer,) = h.to_client("repartitioned")
+    assert answer.body["error"] == "" and answer.body["plan_epoch"] == 0  # cuts kept
+    # the old code dropped it for good: b's watch, having fired, does not fire again
+    (relayed,) = h.to_client("speed_changed")
+    assert relayed.body["name"] == "b" and relayed.body["step"] == 9
+    assert h.events("speed_change_relayed")[-1]["deferred"] is True
+    # the look the client makes next takes it
+    assert _look(h, run, 12, slow_b=1)["verdicts_taken"] == ["b"]
 
 
 def test_verdicts_the_run_did_not_ask_for_or_that_mean_nothing_are_dropped() -> None:
@@ -147,3 +177,21 @@ def test_the_look_after_a_verdict_measures_the_stage_at_its_new_speed_once() -> 
     later = _look(h, run, 20, slow_b=1)
     assert later["verdicts_taken"] == []
     assert later["window"]["b"][0] == pytest.approx(0.3)
+
+
+def test_a_verdict_while_the_client_pauses_for_a_move_is_dropped_by_the_moves_commit() -> None:
+    h = Harness()
+    run = _start(h)
+    considered = _look(h, run, 16, slow_b=10)  # b's window shows it: the look moves
+    assert considered["bounds"] is not None, considered
+    (answer,) = h.to_client("repartitioned")
+    assert answer.body["pause"] is True
+    _verdict(h, run, stage="c", step=15)  # while the client pauses for the move
+    assert h.events("speed_change_deferred")[-1]["stage"] == "c"
+    h.client("repartition", run=run, step=16)  # the flush that carries the move out
+    for phase in ("prepare", "fetch", "commit"):
+        _profiles(h, run, 16, phase)
+    assert h.to_client("repartitioned")[-1].body["plan_epoch"] == 1
+    # c's verdict measured the units it ran before the move: not the client's to act on
+    assert not h.to_client("speed_changed")
+    assert h.events("speed_change_dropped")[-1]["why"] == "older cuts"

@@ -54,7 +54,12 @@ from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings, async_wa
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
-from zpipe.protocol.repartition import Repartitioned, RepartitionReply, RepartitionRequest
+from zpipe.protocol.repartition import (
+    Repartitioned,
+    RepartitionReply,
+    RepartitionRequest,
+    SpeedChanged,
+)
 from zpipe.recovery.replanning import unit_work_from_profile
 from zpipe.training.repartition import (
     RepartitionController,
@@ -200,6 +205,17 @@ def run_controller(run: BaseRun) -> RepartitionController | None:
     return flows.controller if isinstance(flows, LiveRepartitioning) else None
 
 
+def verdict_fields(stage: str, message: SpeedChanged) -> dict[str, Any]:
+    """What a speed verdict's relay, deferral or drop says of it in the log."""
+    return {
+        "stage": stage,
+        "run": message.run,
+        "step": message.step,
+        "plan_epoch": message.plan_epoch,
+        "ratio": round(message.ratio, 3),
+    }
+
+
 def live_repartitioning(run: BaseRun) -> LiveRepartitioning | None:
     """Training run ``run``'s :class:`LiveRepartitioning`, made if it has none yet
     (None: not a training run)."""
@@ -228,12 +244,15 @@ class LiveRepartitioning:
         # (flushing) request of the same mini-batch
         self.pending: RepartitionDecision | None = run.run.repartition_pending
         self._probing = False  # the links are being probed again (see _renew_links)
-        # a look or a move is in progress (a stage's speed verdict then is dropped:
+        # a look or a move is in progress (a stage's speed verdict then is deferred:
         # zpipe.coordinator.runs.async_speed), the verdicts relayed already, and the
         # latest per stage, for the next look only (no double count)
         self.looking = False
         self.relayed: set[tuple[str, int, int]] = set()
         self.verdicts: dict[str, SpeedVerdict] = {}
+        # the latest verdict per stage that came during the look or move in progress,
+        # in the run's epoch: told to the client when it ends (relay_deferred)
+        self.deferred: dict[str, SpeedChanged] = {}
 
     def _controller(
         self, plan: TrainingPlan, settings: RepartitionSettings
@@ -359,10 +378,35 @@ class LiveRepartitioning:
         self.looking = True
         try:
             if look:
-                return (yield from self._look(run_id, step))
-            return (yield from self._repartition(run_id, step))
+                answer = yield from self._look(run_id, step)
+            else:
+                answer = yield from self._repartition(run_id, step)
         finally:
             self.looking = False
+        yield from self.relay_deferred()
+        return answer
+
+    def relay_deferred(self) -> Flow:
+        """The verdicts that came during the look or move that just ended: to the client
+        (its next look takes them), unless that look took them itself or moved the
+        cuts they measured (``zpipe.coordinator.runs.async_speed``)."""
+        deferred, self.deferred = self.deferred, {}
+        if self.pending is not None:
+            # the client pauses for a move: its commit leaves every verdict older
+            self.deferred = deferred
+            return
+        run = self.owner.run
+        controller_epoch = self.controller.plan_epoch if self.controller is not None else 0
+        for stage, message in deferred.items():
+            fields = verdict_fields(stage, message)
+            kept = self.verdicts.get(stage)
+            if message.plan_epoch < controller_epoch:
+                yield Log("info", "speed_change_dropped", {**fields, "why": "older cuts"})
+            elif kept is None or kept.step != message.step:
+                yield Log("info", "speed_change_dropped", {**fields, "why": "the look took it"})
+            else:
+                yield Log("info", "speed_change_relayed", {**fields, "deferred": True})
+                yield Send(run.client, message, CLIENT_NAME, self.owner.state.timeouts.reply_s)
 
     def _repartition(self, run_id: int, step: int) -> Flow:
         run = self.owner.run

@@ -20,8 +20,15 @@ scheduled looks still come):
 - one about cuts that have moved since (its ``plan_epoch`` older than the
   controller's): the forwards it measured ran on other units;
 - one that comes while a look or a move is in progress, or while the client is
-  pausing for a move a look decided: that look measures the stage anyway, and
-  one more right after it would be a look storm;
+  pausing for a move a look decided, is not dropped but deferred (a look that
+  took counters before the device slowed measured it at its old speed, and the
+  watch, having fired, starts again from the new level: a verdict dropped there
+  was never sent again, and the device ran slow until the next scheduled look).
+  It is kept for the look: the one in progress takes it if it has not decided
+  yet, and then it is not relayed; otherwise it is relayed when the look ends
+  (:meth:`~zpipe.coordinator.runs.async_repartition.LiveRepartitioning.
+  relay_deferred`), and the client's next look takes it. One that ends with a
+  move drops it (``older cuts``: it measured the units the stage ran before);
 - a second verdict from the same stage about the same cuts and mini-batch (a
   resend).
 
@@ -42,7 +49,11 @@ from typing import TYPE_CHECKING
 
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.coordinator.commands import Command, Log, Send
-from zpipe.coordinator.runs.async_repartition import live_repartitioning, repartition_settings
+from zpipe.coordinator.runs.async_repartition import (
+    live_repartitioning,
+    repartition_settings,
+    verdict_fields,
+)
 from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.repartition import SpeedChanged
@@ -68,13 +79,7 @@ def relay_speed_change(
     state: ControlState, stage: str, message: SpeedChanged, now: float
 ) -> list[Command]:
     """Stage ``stage``'s verdict: to the run's client, or dropped (see the module notes)."""
-    fields = {
-        "stage": stage,
-        "run": message.run,
-        "step": message.step,
-        "plan_epoch": message.plan_epoch,
-        "ratio": round(message.ratio, 3),
-    }
+    fields = verdict_fields(stage, message)
     try:
         message.checked()
     except ProtocolError as exc:  # a peer's bad values: dropped, the coordinator serves on
@@ -93,9 +98,8 @@ def relay_speed_change(
         plan_epoch = live.controller.plan_epoch
     if message.plan_epoch < plan_epoch:
         return [Log("info", "speed_change_dropped", {**fields, "why": "older cuts"})]
-    if live is not None and (live.looking or live.pending is not None):
-        return [Log("info", "speed_change_dropped", {**fields, "why": "a look in progress"})]
     key = (stage, message.plan_epoch, message.step)
+    relayed = replace(message, epoch=run.epoch)
     if live is not None:
         if key in live.relayed:
             return [Log("debug", "speed_change_dropped", {**fields, "why": "relayed already"})]
@@ -103,9 +107,12 @@ def relay_speed_change(
         live.verdicts[stage] = SpeedVerdict(
             message.step, message.ratio, message.baseline_s, message.now_s, message.plan_epoch
         )
-    relayed = replace(message, epoch=run.epoch)
-    timeout_s = state.timeouts.reply_s
+        if live.looking or live.pending is not None:
+            # kept for the look in progress (when it has not decided yet) or the next
+            # one; told to the client when this one ends (LiveRepartitioning.deferred)
+            live.deferred[stage] = relayed
+            return [Log("info", "speed_change_deferred", {**fields, "why": "a look in progress"})]
     return [
         Log("info", "speed_change_relayed", fields),
-        Send(run.client, relayed, CLIENT_NAME, timeout_s),
+        Send(run.client, relayed, CLIENT_NAME, state.timeouts.reply_s),
     ]
