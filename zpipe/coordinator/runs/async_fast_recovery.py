@@ -68,11 +68,11 @@ from zpipe.coordinator.decisions import RestoreChoice, live_members, units_state
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.runs.async_repartition import (
     LiveRepartitioning,
-    plan_bounds,
     reference_unit_s,
     run_controller,
 )
 from zpipe.coordinator.runs.async_training import AsyncTrainingController, as_async_plan
+from zpipe.coordinator.runs.repartition_cuts import plan_bounds
 from zpipe.coordinator.state import ControlState
 from zpipe.models.weights import split_unit_key
 from zpipe.planner.async_schedule import AsyncSettings, async_warmup

@@ -47,19 +47,16 @@ from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
 from zpipe.coordinator.planning import cluster_from_members
 from zpipe.coordinator.runs.base import BaseRun
+from zpipe.coordinator.runs.deferred_verdicts import DeferredVerdicts
+from zpipe.coordinator.runs.repartition_cuts import plan_bounds, with_bounds, with_depth
 from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.models import ModelSpec
 from zpipe.planner import ClusterSpec
-from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings, async_warmup
+from zpipe.planner.async_schedule import ASYNC_SCHEDULE, AsyncSettings
 from zpipe.planner.profile import ModelProfile
 from zpipe.planner.training_plan import TrainingPlan
 from zpipe.protocol.client_control import RunRequest
-from zpipe.protocol.repartition import (
-    Repartitioned,
-    RepartitionReply,
-    RepartitionRequest,
-    SpeedChanged,
-)
+from zpipe.protocol.repartition import Repartitioned, RepartitionReply, RepartitionRequest
 from zpipe.recovery.replanning import unit_work_from_profile
 from zpipe.training.repartition import (
     RepartitionController,
@@ -99,43 +96,6 @@ def repartition_settings(request: RunRequest | None) -> RepartitionSettings | No
             # the chain copies' routes name the device left out (not re-wired yet)
             raise ConfigError("repartition leave_out does not go with live copies yet")
     return settings
-
-
-def plan_bounds(plan: TrainingPlan) -> tuple[list[str], list[int]]:
-    """The devices in stage order and the cuts of a one-device-per-stage plan."""
-    shared = [list(s.devices) for s in plan.stages if len(s.devices) > 1]
-    if shared:
-        raise ConfigError(f"a live re-partition moves units of one-device stages, not {shared}")
-    devices = [s.devices[0] for s in plan.stages]
-    return devices, [s.start for s in plan.stages] + [plan.stages[-1].end]
-
-
-def with_bounds(
-    plan: TrainingPlan, bounds: tuple[int, ...], devices: tuple[str, ...] | None = None
-) -> TrainingPlan:
-    """``plan`` cut at ``bounds``; with ``devices``, over those of its stages alone (a
-    move that left the others out: each kept stage's warm-up that of its new place)."""
-    if devices is None:
-        stages = tuple(
-            replace(s, start=bounds[i], end=bounds[i + 1]) for i, s in enumerate(plan.stages)
-        )
-        return replace(plan, stages=stages)
-    by_device = {s.devices[0]: s for s in plan.stages}
-    n = len(devices)
-    kept = tuple(
-        replace(by_device[d], start=bounds[i], end=bounds[i + 1], warmup=async_warmup(i, n))
-        for i, d in enumerate(devices)
-    )
-    return replace(plan, stages=kept)
-
-
-def with_depth(request: RunRequest, depth: int) -> RunRequest:
-    """``request`` whose asynchronous runs keep the staleness of ``depth`` stages (a
-    move that left a device out: a later recovery resumes at that depth too)."""
-    train = dict(request.train or {})
-    settings = dict(train.get("async") or {})
-    settings.setdefault("depth", depth)
-    return replace(request, train={**train, "async": settings})
 
 
 def reference_unit_s(plan: TrainingPlan, profile: ModelProfile | None) -> list[float]:
@@ -205,17 +165,6 @@ def run_controller(run: BaseRun) -> RepartitionController | None:
     return flows.controller if isinstance(flows, LiveRepartitioning) else None
 
 
-def verdict_fields(stage: str, message: SpeedChanged) -> dict[str, Any]:
-    """What a speed verdict's relay, deferral or drop says of it in the log."""
-    return {
-        "stage": stage,
-        "run": message.run,
-        "step": message.step,
-        "plan_epoch": message.plan_epoch,
-        "ratio": round(message.ratio, 3),
-    }
-
-
 def live_repartitioning(run: BaseRun) -> LiveRepartitioning | None:
     """Training run ``run``'s :class:`LiveRepartitioning`, made if it has none yet
     (None: not a training run)."""
@@ -250,9 +199,8 @@ class LiveRepartitioning:
         self.looking = False
         self.relayed: set[tuple[str, int, int]] = set()
         self.verdicts: dict[str, SpeedVerdict] = {}
-        # the latest verdict per stage that came during the look or move in progress,
-        # in the run's epoch: told to the client when it ends (relay_deferred)
-        self.deferred: dict[str, SpeedChanged] = {}
+        # those that came during the look or move in progress: told when it ends
+        self.deferred = DeferredVerdicts()
 
     def _controller(
         self, plan: TrainingPlan, settings: RepartitionSettings
@@ -383,30 +331,15 @@ class LiveRepartitioning:
                 answer = yield from self._repartition(run_id, step)
         finally:
             self.looking = False
-        yield from self.relay_deferred()
+        controller = self.controller
+        yield from self.deferred.after_look(
+            move_pending=self.pending is not None,
+            plan_epoch=0 if controller is None else controller.plan_epoch,
+            untaken=self.verdicts,
+            client=self.owner.run.client,
+            timeout_s=self.owner.state.timeouts.reply_s,
+        )
         return answer
-
-    def relay_deferred(self) -> Flow:
-        """The verdicts that came during the look or move that just ended: to the client
-        (its next look takes them), unless that look took them itself or moved the
-        cuts they measured (``zpipe.coordinator.runs.async_speed``)."""
-        deferred, self.deferred = self.deferred, {}
-        if self.pending is not None:
-            # the client pauses for a move: its commit leaves every verdict older
-            self.deferred = deferred
-            return
-        run = self.owner.run
-        controller_epoch = self.controller.plan_epoch if self.controller is not None else 0
-        for stage, message in deferred.items():
-            fields = verdict_fields(stage, message)
-            kept = self.verdicts.get(stage)
-            if message.plan_epoch < controller_epoch:
-                yield Log("info", "speed_change_dropped", {**fields, "why": "older cuts"})
-            elif kept is None or kept.step != message.step:
-                yield Log("info", "speed_change_dropped", {**fields, "why": "the look took it"})
-            else:
-                yield Log("info", "speed_change_relayed", {**fields, "deferred": True})
-                yield Send(run.client, message, CLIENT_NAME, self.owner.state.timeouts.reply_s)
 
     def _repartition(self, run_id: int, step: int) -> Flow:
         run = self.owner.run

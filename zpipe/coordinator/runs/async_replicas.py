@@ -36,7 +36,8 @@ from zpipe._errors import ConfigError, StageLostError, ZpipeError
 from zpipe.coordinator.commands import AwaitReplies, Log, Send
 from zpipe.coordinator.flows import Flow, request_resend_s
 from zpipe.coordinator.membership import Member
-from zpipe.coordinator.runs.async_repartition import LiveRepartitioning, PhaseAsk, plan_bounds
+from zpipe.coordinator.runs.async_repartition import LiveRepartitioning, PhaseAsk
+from zpipe.coordinator.runs.repartition_cuts import plan_bounds
 from zpipe.coordinator.runs.sync_training import SyncTrainingController, state_of_replies
 from zpipe.planner.async_schedule import AsyncSettings
 from zpipe.protocol.client_control import RunRequest

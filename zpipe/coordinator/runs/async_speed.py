@@ -26,8 +26,8 @@ scheduled looks still come):
   was never sent again, and the device ran slow until the next scheduled look).
   It is kept for the look: the one in progress takes it if it has not decided
   yet, and then it is not relayed; otherwise it is relayed when the look ends
-  (:meth:`~zpipe.coordinator.runs.async_repartition.LiveRepartitioning.
-  relay_deferred`), and the client's next look takes it. One that ends with a
+  (:mod:`zpipe.coordinator.runs.deferred_verdicts`), and the client's next look
+  takes it. One that ends with a
   move drops it (``older cuts``: it measured the units the stage ran before);
 - a second verdict from the same stage about the same cuts and mini-batch (a
   resend).
@@ -49,11 +49,8 @@ from typing import TYPE_CHECKING
 
 from zpipe._errors import ConfigError, ProtocolError
 from zpipe.coordinator.commands import Command, Log, Send
-from zpipe.coordinator.runs.async_repartition import (
-    live_repartitioning,
-    repartition_settings,
-    verdict_fields,
-)
+from zpipe.coordinator.runs.async_repartition import live_repartitioning, repartition_settings
+from zpipe.coordinator.runs.deferred_verdicts import verdict_fields
 from zpipe.coordinator.state import CLIENT_NAME
 from zpipe.protocol.client_control import RunRequest
 from zpipe.protocol.repartition import SpeedChanged
@@ -110,7 +107,7 @@ def relay_speed_change(
         if live.looking or live.pending is not None:
             # kept for the look in progress (when it has not decided yet) or the next
             # one; told to the client when this one ends (LiveRepartitioning.deferred)
-            live.deferred[stage] = relayed
+            live.deferred.keep(stage, relayed)
             return [Log("info", "speed_change_deferred", {**fields, "why": "a look in progress"})]
     return [
         Log("info", "speed_change_relayed", fields),
