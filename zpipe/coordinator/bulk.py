@@ -27,12 +27,12 @@ from zpipe.coordinator.commands import Command, GiveBackMemory, Log, Send
 from zpipe.coordinator.events import BulkChunkArrived, BulkOpenAsked, StageSpoke
 from zpipe.coordinator.membership import MemberState
 from zpipe.coordinator.state import ControlState
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.bulk import BulkDone, BulkOpened, BulkRefused
 from zpipe.protocol.lossy import LossyReplica, LossyResult
 from zpipe.protocol.stage_control import AsyncCopy, BackedUp, Registered, Weights
 from zpipe.transport.bulk import ChunkHeader, payload_view
-from zpipe.transport.codec import decode
+from zpipe.transport.codec import decode_typed
 
 # What a stage sends through its bulk connection: its replies that carry state.
 # (an asynchronous stage's global copies and the last stage's chain copies, made
@@ -154,7 +154,7 @@ def _budget(state: ControlState, name: str) -> int:
 
 def _stage_reply(frames: list[memoryview], name: str, cap_bytes: int) -> WireMessage:
     """The reply a whole transfer carries, parsed (as the shell parses a message)."""
-    message = REGISTRY.parse(decode(frames, max_message_bytes=cap_bytes))
+    message = decode_typed(frames, max_message_bytes=cap_bytes)
     if not isinstance(message, STAGE_BULK):
         raise ProtocolError(f"{message.KIND!r} is not state a stage sends in bulk")
     if message.name != name:

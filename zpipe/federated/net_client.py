@@ -61,7 +61,7 @@ from zpipe.lossy.data import Dataset
 
 if TYPE_CHECKING:
     from zpipe.federated.pipeline_trainer import PipelineTrainer
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.federated import (
     FlDone,
     FlError,
@@ -73,9 +73,9 @@ from zpipe.protocol.federated import (
     FlWelcome,
 )
 from zpipe.transport import security
+from zpipe.transport.codec import decode_typed
 from zpipe.transport.sockets import (
     SocketOptions,
-    decode_frames,
     new_context,
     open_socket,
     recv_frames,
@@ -260,7 +260,7 @@ class FederatedClient:
             self._dealer, timeout_s=timeout_s, peer="fl-server", awaited=awaited
         )
         try:
-            return REGISTRY.parse(decode_frames(frames, MAX_MESSAGE_BYTES))
+            return decode_typed(frames, max_message_bytes=MAX_MESSAGE_BYTES)
         except ProtocolError as exc:
             log.warning("fl_message_dropped", reason=str(exc))
             return None

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import (
     Backup,
     FetchUnits,
@@ -48,14 +48,13 @@ from zpipe.protocol.peer import (
 )
 from zpipe.stage.supervision import YIELD_EVERY
 from zpipe.transport import security
-from zpipe.transport.codec import Message
+from zpipe.transport.codec import Message, decode_typed
 from zpipe.transport.conn_guard import GUARD_ATTRIBUTE, ConnectionGuard
 from zpipe.transport.emulation import EmulatedLink, LinkSpec
 from zpipe.transport.message_bounds import trim_heap
 from zpipe.transport.ratelimit import PeerRateLimiter
 from zpipe.transport.sockets import (
     SocketOptions,
-    decode_frames,
     open_socket,
     recv_frames,
     send,
@@ -158,7 +157,7 @@ class ProbeResponder:
             if not self._within_rate(routing_id, frames[1], arrived):
                 continue
             try:
-                message = REGISTRY.parse(decode_frames(frames[1:], self.max_message_bytes))
+                message = decode_typed(frames[1:], max_message_bytes=self.max_message_bytes)
                 await self._handle(routing_id, message, arrived, frames[1])
             except asyncio.CancelledError:
                 raise
@@ -362,7 +361,7 @@ async def _expect(
         if left <= 0:
             raise TransportTimeout(target, awaited, timeout_s)
         frames = await recv_frames(sock, timeout_s=left, peer=target, awaited=awaited)
-        reply = REGISTRY.parse(decode_frames(frames, options.max_message_bytes))
+        reply = decode_typed(frames, max_message_bytes=options.max_message_bytes)
         if isinstance(reply, cls) and number(reply) == value:
             return reply
 

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from zpipe._errors import PipelineError, ProtocolError
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup, BackupOk, FetchUnits, StateChunk, StateChunkOk, Units
 from zpipe.transport import codec, security
 from zpipe.transport.bulk import (
@@ -37,7 +37,8 @@ from zpipe.transport.bulk import (
     OutgoingTransfer,
     payload_view,
 )
-from zpipe.transport.sockets import SocketOptions, decode_frames, open_socket, recv_frames, send
+from zpipe.transport.codec import decode_typed
+from zpipe.transport.sockets import SocketOptions, open_socket, recv_frames, send
 
 # Owners whose half-sent backups one holder keeps at once (beyond: the oldest goes).
 MAX_OWNERS_IN_PROGRESS = 8
@@ -125,7 +126,7 @@ class ChunkedState:
             return None
         if not inbox.open_transfers:
             del self._inboxes[key]
-        return REGISTRY.parse(codec.decode(frames, max_message_bytes=max_message_bytes))
+        return decode_typed(frames, max_message_bytes=max_message_bytes)
 
     def expire(self, now: float) -> int:
         """Drop the transfers with no chunk for ``stall_s``; the bytes of them freed."""
@@ -200,7 +201,7 @@ class PeerLink:
         frames = await recv_frames(
             self._sock, timeout_s=self.timeout_s, peer=self.peer, awaited=awaited
         )
-        reply = REGISTRY.parse(decode_frames(frames, self._options.max_message_bytes))
+        reply = decode_typed(frames, max_message_bytes=self._options.max_message_bytes)
         if not isinstance(reply, expect):
             raise ProtocolError(f"{self.peer!r} answered {reply.KIND!r}, expected {awaited}")
         return reply

@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError, TransportTimeout, ZpipeError
 from zpipe.coordinator.loop_lag import LagSummary, LoopLag
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.stage_control import (
     Heartbeat,
     HeartbeatAck,
@@ -43,9 +43,9 @@ from zpipe.protocol.stage_control import (
     Shutdown,
 )
 from zpipe.stage.metrics import StageCounters
+from zpipe.transport.codec import decode_typed
 from zpipe.transport.sockets import (
     SocketOptions,
-    decode_frames,
     new_context,
     open_socket,
     recv_frames,
@@ -120,7 +120,7 @@ class FakePeer:
                 )
             except TransportTimeout:
                 continue
-            reply = REGISTRY.parse(decode_frames(frames, self._options.max_message_bytes))
+            reply = decode_typed(frames, max_message_bytes=self._options.max_message_bytes)
             if isinstance(reply, Refused):
                 self.stats.refused = reply.reason
                 raise FakePeerError(f"{self.name} was refused: {self.stats.refused}")
@@ -159,7 +159,7 @@ class FakePeer:
                 self._socket, timeout_s=None, peer="coordinator", awaited="control message"
             )
             try:
-                message = REGISTRY.parse(decode_frames(frames, self._options.max_message_bytes))
+                message = decode_typed(frames, max_message_bytes=self._options.max_message_bytes)
             except ProtocolError:
                 self.stats.dropped += 1
                 continue

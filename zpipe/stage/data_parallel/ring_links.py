@@ -28,14 +28,13 @@ import zmq.asyncio
 
 from zpipe._errors import ConfigError, ProtocolError, TransportTimeout
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY
 from zpipe.protocol.data_plane import AllReduce
 from zpipe.training.ring import KIND, ExpectedMessage, RingStep, check_message
 from zpipe.transport import security
+from zpipe.transport.codec import decode_typed
 from zpipe.transport.sockets import (
     SocketOptions,
     bind_endpoint,
-    decode_frames,
     open_socket,
     recv_frames,
     send,
@@ -299,7 +298,7 @@ class RingLinks:
                 raise TransportTimeout(peer, awaited, timeout)
             try:
                 self._check_sender_key(frames[0], peer)
-                message = REGISTRY.parse(decode_frames(frames, self.options.max_message_bytes))
+                message = decode_typed(frames, max_message_bytes=self.options.max_message_bytes)
                 if check_message(message, expected, peer=peer):
                     assert isinstance(message, AllReduce)  # what check_message accepts
                     return message

@@ -61,7 +61,7 @@ from zpipe.generation.wire import (
     tokens_from_wire,
 )
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.generation import (
     GenCancel,
     GenClose,
@@ -98,9 +98,9 @@ from zpipe.stage.executors.generation_steps import (
 )
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
-from zpipe.transport.codec import Message
+from zpipe.transport.codec import Message, decode_typed
 from zpipe.transport.slowdown import Slowdown, slowdown_factor
-from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames, send
+from zpipe.transport.sockets import ReceiveLimits, recv_frames, send
 
 log = get_logger("zpipe.stage")
 
@@ -273,7 +273,7 @@ class GenerationExecutor:
 
         async def handle(frames: list[zmq.Frame]) -> None:
             sender = self._sender(frames[0])
-            await self._on_data(REGISTRY.parse(decode_frames(frames, self._max_bytes)), sender)
+            await self._on_data(decode_typed(frames, max_message_bytes=self._max_bytes), sender)
 
         await serve_messages(receive, handle, self._dropped)
 
