@@ -362,7 +362,9 @@ async def test_a_silent_peer_is_a_timeout_naming_it_and_the_step() -> None:
     assert "rank 2" in first.peer and rings[2].endpoints[2] in first.peer
     assert "step 0 (reduce-scatter)" in first.awaited
     assert "rank 0" in str(results[1])
-    assert elapsed < 2 * DEAD_TIMEOUT_S + 1.0
+    # the short timeout ended the wait, not a longer one (a loaded machine may add
+    # seconds of scheduling to the 0.6-1.2 s it takes: no tighter bound than that)
+    assert elapsed < OK_TIMEOUT_S
 
 
 async def test_bad_and_stale_messages_are_dropped_and_the_round_completes() -> None:

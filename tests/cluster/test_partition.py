@@ -23,7 +23,14 @@ import torch
 from zpipe.cluster import DeviceSpec, LocalCluster
 from zpipe.models import ModelSpec, build_full_model, load_layer_sequence
 
-INTERVAL = 0.3
+# a stage is suspected after 12 intervals (6 s) and dead 6 more later, both short of
+# the 12 s away (the coordinator must forgive its own pause, not judge its stages by
+# it), and generous enough for a loaded machine: the module asserts that nobody died,
+# and a client's stall report (results late) makes a stage dead once silent for the
+# probe and an interval (3.5 s)
+INTERVAL = 0.5
+SUSPECT_AFTER = 12
+PROBE_INTERVALS = 6
 NAMES = ["a", "b", "c"]
 SPEC = ModelSpec("mlp", {"dims": [8, 32, 32, 32, 4]}, seed=5)
 # longer than the stages' old limit on the coordinator's silence
@@ -36,8 +43,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     with LocalCluster(
         [DeviceSpec(name) for name in NAMES],
         heartbeat_interval_s=INTERVAL,
-        suspect_after=3,
-        probe_intervals=2,
+        suspect_after=SUSPECT_AFTER,
+        probe_intervals=PROBE_INTERVALS,
         state_dir=state,
         log_dir=tmp_path_factory.mktemp("logs"),
     ) as running:

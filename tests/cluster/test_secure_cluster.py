@@ -90,7 +90,11 @@ def test_secure_cluster_runs_and_refuses_unknown_keys(keys: dict[str, Path]) -> 
             security.secure_client(sock, mallory, k0_public)
             sock.connect(endpoints["k0"])
             sock.send_multipart([b"injected"], flags=zmq.NOBLOCK)
-            time.sleep(0.5)
+            # open until k0 refused the handshake: a close before its I/O thread read the
+            # HELLO would reset the connection with nothing to refuse (a loaded machine)
+            refused_by = time.monotonic() + 60.0
+            while "peer_refused" not in cluster.logs("k0") and time.monotonic() < refused_by:
+                time.sleep(0.1)
             sock.close()
         finally:
             context.term()

@@ -302,7 +302,12 @@ def test_a_slow_stage_answers_the_stall_probe_and_is_not_declared_dead() -> None
     # a hair-trigger deadline: every wait past the last one's length is a stall
     hair_trigger = DeadlinePolicy(k=0.0, min_samples=1, floor_s=0.0, cold_start_s=0.0,
                                   mad_floor_ratio=0.0)  # fmt: skip
-    with LocalCluster(devices, heartbeat_interval_s=INTERVAL) as cluster:
+    # the hair trigger reports a stall at nearly every result, and each report suspects
+    # every stage: one silent for the probe and an interval is dead. Generous probes (10
+    # intervals, 5 s) keep a stage a loaded machine starves alive; each must still answer
+    with LocalCluster(
+        devices, heartbeat_interval_s=INTERVAL, suspect_after=10, probe_intervals=10
+    ) as cluster:
         report = cluster.fit(
             SPEC,
             batches,
