@@ -125,12 +125,16 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]
     devices = [
         DeviceSpec(f"e{i}", slowdown=SLOWDOWN if f"e{i}" == SLOW else 1.0) for i in range(STAGES)
     ]
+    # thirteen processes on the machine's cores: a kill makes the client report a stall,
+    # which suspects every stage at once, and one silent for the probe and an interval
+    # is dead; 6 intervals of probe (3.5 s in all) keep a starved live one alive
     with LocalCluster(
         devices,
         emulate_compute=path,
         fork_stages=True,
         measure_links=False,
         start_timeout_s=120.0,
+        probe_intervals=6,
     ) as cluster:
         yield cluster
 
