@@ -27,8 +27,8 @@ scheduled looks still come):
   It is kept for the look: the one in progress takes it if it has not decided
   yet, and then it is not relayed; otherwise it is relayed when the look ends
   (:mod:`zpipe.coordinator.runs.deferred_verdicts`), and the client's next look
-  takes it. One that ends with a
-  move drops it (``older cuts``: it measured the units the stage ran before);
+  takes it. A look that ends with a move drops it (``older cuts``: it measured
+  the units the stage ran before);
 - a second verdict from the same stage about the same cuts and mini-batch (a
   resend).
 

@@ -49,9 +49,6 @@ class DeferredVerdicts:
     def keep(self, stage: str, relayed: SpeedChanged) -> None:
         self._kept[stage] = relayed
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
     def after_look(
         self,
         *,
