@@ -115,16 +115,16 @@ def _sync_data_thread(
     With ``steps``, this thread's CPU is split by step (``loop_us_<step>``)."""
     from zpipe.protocol import REGISTRY
     from zpipe.protocol.data_plane import Data
-    from zpipe.stage import dataport
     from zpipe.stage.timeline import Timeline
+    from zpipe.transport import codec
     from zpipe.transport.fd_wait import send_whole_nowait, take_queued
     from zpipe.transport.over_bounds import message_bounds_of
     from zpipe.transport.sockets import COPY_BELOW_BYTES, _outgoing
 
     encode_message = encode
     if steps:  # wrapped here: timed charges the thread that wraps
-        dataport.decode_frames = timed("decode", dataport.decode_frames)
-        REGISTRY.parse = timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
+        codec.decode = timed("decode", codec.decode)
+        REGISTRY.parse_checked = timed("parse", REGISTRY.parse_checked)  # type: ignore[method-assign]
         verdict = timed("verdict", StageLifecycle.data_verdict)
         StageLifecycle.data_verdict = verdict  # type: ignore[method-assign]
         Data.to_message = timed("to_message", Data.to_message)  # type: ignore[method-assign]

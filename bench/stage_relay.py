@@ -157,13 +157,12 @@ def _time_steps(compute: ThreadPoolExecutor) -> None:
     """Wrap the stage relay's per-message steps (sync calls on the loop thread)."""
     from zpipe.protocol import REGISTRY
     from zpipe.protocol.data_plane import Data
-    from zpipe.stage import dataport
     from zpipe.stage.metrics import LinkMeter
     from zpipe.stage.timeline import Timeline
-    from zpipe.transport import sockets
+    from zpipe.transport import codec, sockets
 
-    dataport.decode_frames = timed("decode", dataport.decode_frames)
-    REGISTRY.parse = timed("parse", REGISTRY.parse)  # type: ignore[method-assign]
+    codec.decode = timed("decode", codec.decode)
+    REGISTRY.parse_checked = timed("parse", REGISTRY.parse_checked)  # type: ignore[method-assign]
     StageLifecycle.data_verdict = timed("verdict", StageLifecycle.data_verdict)  # type: ignore[method-assign]
     compute.submit = timed("submit", compute.submit)  # type: ignore[method-assign]
     InferenceLoop._output = timed("output", InferenceLoop._output)  # type: ignore[method-assign]
@@ -338,6 +337,19 @@ def _feed(
     return time.perf_counter() - started, trips
 
 
+def _answered(conn: Connection, proc: Any, timeout_s: float) -> bool:
+    """Whether the relay process answered on ``conn`` within ``timeout_s``; a
+    RuntimeError at once when it exited instead (its traceback is on stderr), not a
+    feeder's receive timing out a minute later."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(min(0.5, max(0.0, deadline - time.monotonic()))):
+        if not proc.is_alive():
+            raise RuntimeError(f"the relay process exited (code {proc.exitcode})")
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
 def measure(
     path: str, sizes: list[int], args: argparse.Namespace, profile: str | None
 ) -> dict[int, dict[str, float]]:
@@ -366,7 +378,7 @@ def measure(
             sock.setsockopt(zmq.SNDTIMEO, int(args.timeout * 1000))
             sock.setsockopt(zmq.RCVTIMEO, int(args.timeout * 1000))
         pull.bind(LOOPBACK)
-        if not parent.poll(args.timeout):
+        if not _answered(parent, proc, args.timeout):
             raise TimeoutError("the relay did not start")
         push.connect(parent.recv())
         parent.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -374,7 +386,7 @@ def measure(
 
         def relay_usage() -> tuple[float, dict[str, int], dict[str, float], dict[str, float]]:
             parent.send("usage")
-            if not parent.poll(args.timeout):
+            if not _answered(parent, proc, args.timeout):
                 raise TimeoutError("the relay did not answer")
             cpu, switches, by_role, steps = parent.recv()
             return float(cpu), dict(switches), dict(by_role), dict(steps)
@@ -413,6 +425,10 @@ def measure(
                 "trips": trips_n,
             }
         parent.send("stop")
+    except zmq.Again:  # a feed's receive timed out: say so if the relay died
+        if not proc.is_alive():
+            raise RuntimeError(f"the relay process exited (code {proc.exitcode})") from None
+        raise
     finally:
         push.close()
         pull.close()

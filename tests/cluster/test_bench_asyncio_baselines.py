@@ -79,3 +79,21 @@ def test_stage_relay_relays_under_asyncio_and_compares_the_stage_with_it(
     rtt = summary["rtt_ratio_64kb_vs_asyncio_raw"] * summary["rtt_asyncio_raw_over_raw_64kb"]
     assert rtt == pytest.approx(summary["rtt_ratio_64kb"], rel=2e-3)
     assert summary["cpu_ratio_64kb_vs_asyncio_raw"] > 0
+
+
+@pytest.mark.parametrize("path", ["stage", "stage-sync"])
+def test_stage_relay_splits_the_relay_threads_cpu_by_step(
+    path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--steps`` wraps the steps the relay really calls (the codec's decode and the
+    registry's typed parse included), and the steps with ``other`` add up to the
+    timed thread's CPU."""
+    argv = ["--quick", "--sizes", "64K", "--paths", path, "--steps", "--timeout", "60"]
+    assert stage_relay.main(argv) == 0
+    line = _lines(capsys.readouterr().out)[0][path]
+    for step in ("decode", "parse", "verdict", "encode", "timeline"):
+        assert line[f"loop_us_{step}"] > 0, step
+    timed = "compute" if path == "stage-sync" else "loop"
+    steps = sum(v for k, v in line.items() if k.startswith("loop_us_"))
+    # each figure is printed rounded to 4 decimals
+    assert steps == pytest.approx(line[f"relay_cpu_us_{timed}"], abs=1e-3)
