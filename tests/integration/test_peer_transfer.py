@@ -2,8 +2,9 @@
 
 Issue 17: bulk state is chunked so that a transfer that keeps moving never outlasts a
 deadline; a backup or fetch of tens of megabytes was one message on a slow link.
-The pure part (cutting and putting together) is tested alone; the rest through two
-snapshot services talking over a real ROUTER on loopback, as two stages do.
+The pure part (cutting and putting together) is tested alone; the rest through a
+snapshot service and a peer's held copies talking over a real ROUTER on loopback, as
+two stages do.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import BackupRequest
 from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
+from zpipe.stage.held_copies import HeldCopies
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import FetchGrant
@@ -100,9 +102,9 @@ def test_transfers_of_two_senders_for_one_owner_do_not_mix() -> None:
 
 @dataclass
 class Holder:
-    """Stage "b"'s probe port: a ROUTER served by its snapshot service."""
+    """Stage "b"'s probe port: a ROUTER served by the copies it holds."""
 
-    service: SnapshotService
+    held: HeldCopies
     endpoint: str
     kinds: list[str] = field(default_factory=list)  # what arrived
     streamed: list[bool] = field(default_factory=list)  # answers sent as a stream
@@ -146,18 +148,15 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
 async def holder(context: zmq.asyncio.Context) -> AsyncIterator[Holder]:
     router = open_socket(context, zmq.ROUTER, SocketOptions())
     endpoint = bind_endpoint(router, "tcp://127.0.0.1:0")
-    service = SnapshotService(
-        name="b", context=context, keypair=None, socket_options=SocketOptions(),
-        timeout_s=20.0, compute=None, counters=StageCounters(), replicas=ReplicaStore(),  # type: ignore[arg-type]
-    )  # fmt: skip
-    held = Holder(service, endpoint)
+    copies = HeldCopies(name="b", timeout_s=20.0, counters=StageCounters(), replicas=ReplicaStore())
+    held = Holder(copies, endpoint)
     trainer = Trainer(setup_of("b", backup_from=("a",)), {})
 
     async def handler(
         message: WireMessage, key: bytes | None
     ) -> WireMessage | Iterator[WireMessage]:
         held.kinds.append(message.KIND)
-        answer = await service.on_peer_request(message, trainer)  # type: ignore[arg-type]
+        answer = await copies.on_peer_request(message, trainer)  # type: ignore[arg-type]
         held.streamed.append(not isinstance(answer, WireMessage))
         return answer
 
@@ -178,7 +177,9 @@ def sender_service(context: zmq.asyncio.Context, name: str) -> SnapshotService:
     service = SnapshotService(
         name=name, context=context, keypair=None, socket_options=SocketOptions(),
         timeout_s=20.0, compute=ThreadPoolExecutor(1), counters=StageCounters(),
-        replicas=ReplicaStore(),
+        held=HeldCopies(
+            name=name, timeout_s=20.0, counters=StageCounters(), replicas=ReplicaStore()
+        ),
     )  # fmt: skip
     service.chunk_bytes = CHUNK
     return service
@@ -201,7 +202,7 @@ async def test_a_big_backup_goes_in_paced_chunks_and_is_kept_whole(
     _, nbytes = encoded_size(backup_of("a", state))
     assert holder.kinds == ["state_chunk"] * -(-nbytes // CHUNK)
     assert len(paced) == len(holder.kinds) and sum(paced) == nbytes  # each chunk paced
-    kept = holder.service.replicas.units("a", 7, 3, 0, 2)
+    kept = holder.held.replicas.units("a", 7, 3, 0, 2)
     assert kept.keys() == state.keys() and all(torch.equal(kept[k], state[k]) for k in state)
 
     # a state that fits one chunk still goes as one backup message
@@ -212,7 +213,7 @@ async def test_a_big_backup_goes_in_paced_chunks_and_is_kept_whole(
     reply = await sender.backup_reply(again, trainer, pace)  # type: ignore[arg-type]
     assert reply.error == "" and holder.kinds == ["backup"]
     assert torch.equal(
-        holder.service.replicas.units("a", 7, 4, 0, 1)["units.0.weight"], small["units.0.weight"]
+        holder.held.replicas.units("a", 7, 4, 0, 1)["units.0.weight"], small["units.0.weight"]
     )
 
 
@@ -229,15 +230,15 @@ async def test_a_chunked_backup_from_an_owner_the_plan_does_not_name_is_refused_
     reply = await sender.backup_reply(request, trainer, pace)  # type: ignore[arg-type]
     assert "does not back up to this stage" in reply.error
     assert holder.kinds == ["state_chunk"]  # refused at chunk 0: nothing more was sent
-    assert ("mallory", 7, 3) not in holder.service.replicas
+    assert ("mallory", 7, 3) not in holder.held.replicas
 
 
 async def test_a_big_fetch_is_streamed_to_a_requester_that_offers_chunks(
     context: zmq.asyncio.Context, holder: Holder
 ) -> None:
     state = big_state(6)
-    holder.service.replicas.put("a", 7, 3, state)
-    holder.service.fetch_grants = (FetchGrant("c", "a", 7, 3, 0, 2),)
+    holder.held.replicas.put("a", 7, 3, state)
+    holder.held.fetch_grants = (FetchGrant("c", "a", 7, 3, 0, 2),)
     requester = sender_service(context, "c")
     entry = {"owner": "a", "from": "b", "endpoint": holder.endpoint, "run": 7, "step": 3}
     fetched = await requester.fetched_state([{**entry, "start": 0, "end": 2}])
@@ -245,8 +246,8 @@ async def test_a_big_fetch_is_streamed_to_a_requester_that_offers_chunks(
     assert fetched.keys() == state.keys() and all(torch.equal(fetched[k], state[k]) for k in state)
     # one unit's small state is one ``units`` message
     only_bias = {"units.0.bias": state["units.0.bias"]}
-    holder.service.replicas.put("a", 7, 4, only_bias)
-    holder.service.fetch_grants = (FetchGrant("c", "a", 7, 4, 0, 1),)
+    holder.held.replicas.put("a", 7, 4, only_bias)
+    holder.held.fetch_grants = (FetchGrant("c", "a", 7, 4, 0, 1),)
     fetched = await requester.fetched_state([{**entry, "step": 4, "start": 0, "end": 1}])
     assert holder.streamed == [True, False]
     assert torch.equal(fetched["units.0.bias"], state["units.0.bias"])

@@ -1,24 +1,22 @@
 """A stage that keeps a peer's chain copy made without draining tells the coordinator
 it holds it (zpipe.stage.live_copies.held_copy_notice): the copy's owner may die
 between this stage's acknowledgement of the last chunk and its own notice. In one
-process: the stage's snapshot service fed a live backup, its notice caught."""
+process: the copies the stage holds (HeldCopies) fed a live backup, its notice caught."""
 
 from __future__ import annotations
 
 import asyncio
 
 import torch
-import zmq.asyncio
 
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy
 from zpipe.recovery.live_copies import state_digest
 from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
+from zpipe.stage.held_copies import HeldCopies
 from zpipe.stage.live_copies import held_copy_notice
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.replicas import ReplicaStore
-from zpipe.stage.snapshots import SnapshotService
-from zpipe.transport.sockets import SocketOptions
 
 
 class _Trainer:
@@ -26,12 +24,10 @@ class _Trainer:
         self.setup = setup
 
 
-def _service() -> SnapshotService:
-    return SnapshotService(
-        name="b", context=zmq.asyncio.Context.instance(), keypair=None,
-        socket_options=SocketOptions(), timeout_s=5.0,
-        compute=None,  # type: ignore[arg-type]  # not used by backups
-        counters=StageCounters(), replicas=ReplicaStore(), backup_budget_bytes=10**6,
+def _held() -> HeldCopies:
+    return HeldCopies(
+        name="b", timeout_s=5.0, counters=StageCounters(), replicas=ReplicaStore(),
+        backup_budget_bytes=10**6,
     )  # fmt: skip
 
 
@@ -57,17 +53,17 @@ def _trainer() -> _Trainer:
 
 
 async def test_a_kept_live_chain_copy_is_announced_with_its_owner_range_and_digest() -> None:
-    service = _service()
+    held = _held()
     announced: asyncio.Queue[AsyncCopy] = asyncio.Queue()
 
     async def up(copy: AsyncCopy) -> None:
         await announced.put(copy)
 
-    service.announce = up
+    held.announce = up
     state = {"units.1.weight": torch.arange(4.0), "units.2.weight": torch.ones(3)}
     backup = Backup(run=7, step=20, owner="a", keys=list(state), live=True,
                     tensors=tuple(state.values()))  # fmt: skip
-    reply = await service.on_peer_request(backup, _trainer())  # type: ignore[arg-type]
+    reply = await held.on_peer_request(backup, _trainer())  # type: ignore[arg-type]
     assert reply.error == ""
     notice = await asyncio.wait_for(announced.get(), 30)
     assert (notice.name, notice.kind, notice.holder, notice.run, notice.step) == (
@@ -79,27 +75,27 @@ async def test_a_kept_live_chain_copy_is_announced_with_its_owner_range_and_dige
 
 
 async def test_a_flush_backup_is_not_announced_and_a_failed_notice_is_only_logged() -> None:
-    service = _service()
+    held = _held()
     calls: list[AsyncCopy] = []
 
     async def broken(copy: AsyncCopy) -> None:
         calls.append(copy)
         raise ConnectionError("the bulk connection is down")
 
-    service.announce = broken
+    held.announce = broken
     state = {"units.1.weight": torch.zeros(2)}
     flush = Backup(run=7, step=4, owner="a", keys=list(state), tensors=tuple(state.values()))
-    assert (await service.on_peer_request(flush, _trainer())).error == ""  # type: ignore[arg-type]
+    assert (await held.on_peer_request(flush, _trainer())).error == ""  # type: ignore[arg-type]
     live = Backup(run=7, step=8, owner="a", keys=list(state), live=True,
                   tensors=tuple(state.values()))  # fmt: skip
-    assert (await service.on_peer_request(live, _trainer())).error == ""  # type: ignore[arg-type]
+    assert (await held.on_peer_request(live, _trainer())).error == ""  # type: ignore[arg-type]
     for _ in range(300):  # the live copy's hash, then its notice, in the background
         if calls:
             break
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.2)
     assert [c.step for c in calls] == [8]  # the flush's snapshot is no live copy
-    assert ("a", 7, 8) in service.live_copies  # kept whatever the notice's fate
+    assert ("a", 7, 8) in held.live_copies  # kept whatever the notice's fate
 
 
 def test_a_copy_without_any_units_state_is_not_announced() -> None:

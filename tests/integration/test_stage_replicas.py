@@ -49,21 +49,15 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
     # Issue 19: an allowed peer once planted 24 x 25 MiB of backups under made-up
     # owners, which fetch_units then served back. Only the devices the running
     # training plan names as backing up here are kept now.
-    import zmq.asyncio
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
+    from zpipe.stage.held_copies import HeldCopies
     from zpipe.stage.metrics import StageCounters
-    from zpipe.stage.snapshots import SnapshotService
-    from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
-    service = SnapshotService(
+    held = HeldCopies(
         name="b",
-        context=zmq.asyncio.Context.instance(),
-        keypair=None,
-        socket_options=SocketOptions(),
         timeout_s=1.0,
-        compute=None,  # type: ignore[arg-type]  # not used by backups
         counters=StageCounters(),
         replicas=store,
     )
@@ -83,36 +77,30 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
         return Backup(run=run, step=3, owner=owner, keys=["units.0.w"], tensors=(torch.ones(4),))
 
     trainer = Trainer(setup)
-    kept = await service.on_peer_request(backup("a"), trainer)  # type: ignore[arg-type]
+    kept = await held.on_peer_request(backup("a"), trainer)  # type: ignore[arg-type]
     assert kept.error == "" and ("a", 7, 3) in store
     for message, why in (
         (backup("mallory"), "does not back up to this stage"),
         (backup("a", run=8), "not training run 8"),
     ):
-        refused = await service.on_peer_request(message, trainer)  # type: ignore[arg-type]
+        refused = await held.on_peer_request(message, trainer)  # type: ignore[arg-type]
         assert why in refused.error
-    refused = await service.on_peer_request(backup("a"), None)
+    refused = await held.on_peer_request(backup("a"), None)
     assert "not training run 7" in refused.error
     assert ("mallory", 7, 3) not in store and ("a", 8, 3) not in store
 
 
 async def test_the_service_judges_the_sender_and_the_budget() -> None:
-    import zmq.asyncio
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
+    from zpipe.stage.held_copies import HeldCopies
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
-    from zpipe.stage.snapshots import SnapshotService
-    from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
-    service = SnapshotService(
+    held = HeldCopies(
         name="b",
-        context=zmq.asyncio.Context.instance(),
-        keypair=None,
-        socket_options=SocketOptions(),
         timeout_s=1.0,
-        compute=None,  # type: ignore[arg-type]  # not used by backups
         counters=StageCounters(),
         replicas=store,
         backup_budget_bytes=100,
@@ -135,23 +123,23 @@ async def test_the_service_judges_the_sender_and_the_budget() -> None:
 
     trainer = Trainer(setup)
     a, c = PeerIdentity(True, "a"), PeerIdentity(True, "c")
-    planted = await service.on_peer_request(backup(1, 4), trainer, c)  # type: ignore[arg-type]
+    planted = await held.on_peer_request(backup(1, 4), trainer, c)  # type: ignore[arg-type]
     assert "not by its owner" in planted.error and ("a", 7, 1) not in store
-    assert (await service.on_peer_request(backup(1, 4), trainer, a)).error == ""  # type: ignore[arg-type]
-    huge = await service.on_peer_request(backup(2, 100), trainer, a)  # type: ignore[arg-type]
+    assert (await held.on_peer_request(backup(1, 4), trainer, a)).error == ""  # type: ignore[arg-type]
+    huge = await held.on_peer_request(backup(2, 100), trainer, a)  # type: ignore[arg-type]
     assert "more than it can" in huge.error and ("a", 7, 2) not in store
 
     def fetch(run: int) -> FetchUnits:
         return FetchUnits(owner="a", run=run, step=1, start=0, end=1)
 
-    ungranted = await service.on_peer_request(fetch(7), None, c)
+    ungranted = await held.on_peer_request(fetch(7), None, c)
     assert "did not name anyone" in ungranted.error and not ungranted.tensors
-    service.fetch_grants = (FetchGrant("c", "a", 7, 1, 0, 1),)
-    units = await service.on_peer_request(fetch(7), None, c)
+    held.fetch_grants = (FetchGrant("c", "a", 7, 1, 0, 1),)
+    units = await held.on_peer_request(fetch(7), None, c)
     assert units.error == "" and units.keys == ["units.0.w"]
-    not_granted = await service.on_peer_request(fetch(7), None, PeerIdentity(True, "d"))
+    not_granted = await held.on_peer_request(fetch(7), None, PeerIdentity(True, "d"))
     assert "go to c in the current plan" in not_granted.error and not not_granted.tensors
-    stranger = await service.on_peer_request(fetch(7), None, PeerIdentity(True, None))
+    stranger = await held.on_peer_request(fetch(7), None, PeerIdentity(True, None))
     assert "named" in stranger.error and not stranger.tensors
 
 
@@ -166,11 +154,11 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     import zmq.asyncio
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
+    from zpipe.stage.held_copies import HeldCopies
     from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.ports import peer_identity
     from zpipe.stage.replicas import peer_request
-    from zpipe.stage.snapshots import SnapshotService
     from zpipe.transport import security
     from zpipe.transport.emulation import LinkSpec
     from zpipe.transport.sockets import SocketOptions, bind_endpoint, new_context, open_socket
@@ -186,10 +174,7 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     security.secure_server(router, pairs["k1"], domain=PROBE_DOMAIN)
     endpoint = bind_endpoint(router, "tcp://127.0.0.1:0")
     store = ReplicaStore()
-    service = SnapshotService(
-        name="k1", context=context, keypair=pairs["k1"], socket_options=SocketOptions(),
-        timeout_s=5.0, compute=None, counters=StageCounters(), replicas=store,  # type: ignore[arg-type]
-    )  # fmt: skip
+    held = HeldCopies(name="k1", timeout_s=5.0, counters=StageCounters(), replicas=store)
     setup = TrainingSetup(
         run=7, epoch=1, name="k1", index=1, num_stages=2, schedule="1f1b",
         num_microbatches=2, warmup=1, group=DataParallelGroup(("k1",), (1,)), rank=0,
@@ -200,7 +185,7 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     trainer = type("Trainer", (), {"setup": setup})()
 
     async def handler(message: WireMessage, key: bytes | None) -> WireMessage:
-        return await service.on_peer_request(message, trainer, peer_identity(members, key))
+        return await held.on_peer_request(message, trainer, peer_identity(members, key))
 
     responder = ProbeResponder(
         socket=router, link=LinkSpec(), name="k1", send_timeout_s=5.0,
@@ -238,6 +223,7 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
 
     import zmq.asyncio
 
+    from zpipe.stage.held_copies import HeldCopies
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService, request_identity
     from zpipe.transport.sockets import SocketOptions
@@ -268,7 +254,9 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
             timeout_s=1.0,
             compute=compute,
             counters=StageCounters(),
-            replicas=ReplicaStore(),
+            held=HeldCopies(
+                name="a", timeout_s=1.0, counters=StageCounters(), replicas=ReplicaStore()
+            ),
         )
         request = BackupRequest(run=7, step=3, holder="coordinator", epoch=2)
 
@@ -294,6 +282,7 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
 async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> None:
     import zmq.asyncio
 
+    from zpipe.stage.held_copies import HeldCopies
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService
     from zpipe.transport.sockets import SocketOptions
@@ -309,7 +298,7 @@ async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> N
         timeout_s=1.0,
         compute=None,  # type: ignore[arg-type]  # not used here
         counters=StageCounters(),
-        replicas=store,
+        held=HeldCopies(name="c", timeout_s=1.0, counters=StageCounters(), replicas=store),
     )
 
     async def never() -> None:
@@ -337,20 +326,15 @@ async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> N
 async def test_a_live_chain_copy_is_kept_apart_from_the_flush_snapshots() -> None:
     # copies made without draining (zpipe.stage.live_copies) must never push out the
     # snapshot of a flush that an exact rollback still needs; they share the budget
-    import zmq.asyncio
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
+    from zpipe.stage.held_copies import HeldCopies
     from zpipe.stage.metrics import StageCounters
-    from zpipe.stage.snapshots import SnapshotService
-    from zpipe.transport.sockets import SocketOptions
 
     store = ReplicaStore()
-    service = SnapshotService(
-        name="b", context=zmq.asyncio.Context.instance(), keypair=None,
-        socket_options=SocketOptions(), timeout_s=1.0,
-        compute=None,  # type: ignore[arg-type]  # not used by backups
-        counters=StageCounters(), replicas=store, backup_budget_bytes=100,
-    )  # fmt: skip
+    held = HeldCopies(
+        name="b", timeout_s=1.0, counters=StageCounters(), replicas=store, backup_budget_bytes=100
+    )
     setup = TrainingSetup(
         run=7, epoch=1, name="b", index=1, num_stages=2, schedule="async-1f1b",
         num_microbatches=1, warmup=1, group=DataParallelGroup(("b",), (1,)), rank=0,
@@ -367,15 +351,15 @@ async def test_a_live_chain_copy_is_kept_apart_from_the_flush_snapshots() -> Non
                       tensors=(torch.full((floats,), float(step)),))  # fmt: skip
 
     trainer = Trainer(setup)
-    flushed = await service.on_peer_request(backup(4, 4, live=None), trainer)  # type: ignore[arg-type]
+    flushed = await held.on_peer_request(backup(4, 4, live=None), trainer)  # type: ignore[arg-type]
     assert flushed.error == ""
     for step in (50, 100, 150):  # more copies than the store keeps per owner
-        kept = await service.on_peer_request(backup(step, 4, live=True), trainer)  # type: ignore[arg-type]
+        kept = await held.on_peer_request(backup(step, 4, live=True), trainer)  # type: ignore[arg-type]
         assert kept.error == ""
     assert ("a", 7, 4) in store  # the flush's snapshot stands
-    assert ("a", 7, 150) in service.live_copies and ("a", 7, 50) not in service.live_copies
-    assert service.live_copies.units("a", 7, 150, 0, 1)["units.0.w"][0].item() == 150.0
+    assert ("a", 7, 150) in held.live_copies and ("a", 7, 50) not in held.live_copies
+    assert held.live_copies.units("a", 7, 150, 0, 1)["units.0.w"][0].item() == 150.0
     # one budget for both: the flush's 16 bytes, the copy of 150 (16) and this one's 80
     # (the copy of 100 would be dropped) come to 112, more than 100
-    huge = await service.on_peer_request(backup(200, 20, live=True), trainer)  # type: ignore[arg-type]
-    assert "more than it can" in huge.error and ("a", 7, 200) not in service.live_copies
+    huge = await held.on_peer_request(backup(200, 20, live=True), trainer)  # type: ignore[arg-type]
+    assert "more than it can" in huge.error and ("a", 7, 200) not in held.live_copies

@@ -102,7 +102,7 @@ class _Burst:
 
 _W = TypeVar("_W", bound=WireMessage)
 
-# Requests from peers that the stage itself answers (zpipe.stage.snapshots).
+# Requests from peers that the stage itself answers (zpipe.stage.held_copies).
 PEER_REQUESTS = (Backup, FetchUnits, StateChunk)
 
 

@@ -72,6 +72,7 @@ from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.executors.async_repartition import StageRepartition
 from zpipe.stage.executors.generation import GenerationExecutor
 from zpipe.stage.executors.lossy import LossyExecutor
+from zpipe.stage.held_copies import HeldCopies
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
 from zpipe.stage.link_watch import link_lag_s, watch_link
@@ -132,6 +133,11 @@ class StageRuntime:
         self._ports = ports
         self.data_endpoint, self.probe_endpoint = ports.data_endpoint, ports.probe_endpoint
         opts, timeouts = self.config.socket_options, self.config.timeouts
+        # a chain copy this stage keeps for its upstream peer is announced to the
+        # coordinator from here too (the owner may die before its own notice)
+        held = HeldCopies(name=self.config.name, timeout_s=timeouts.result_s,
+                          counters=self.counters, replicas=self.replicas,
+                          announce=self._copy_up)  # fmt: skip
         self._snapshots = SnapshotService(
             name=self.config.name,
             context=self._context,
@@ -140,11 +146,8 @@ class StageRuntime:
             timeout_s=timeouts.result_s,
             compute=self._compute,
             counters=self.counters,
-            replicas=self.replicas,
+            held=held,
         )
-        # a chain copy this stage keeps for its upstream peer is announced to the
-        # coordinator from here too (the owner may die before its own notice)
-        self._snapshots.announce = self._copy_up
         self._repartition = StageRepartition(
             name=self.config.name, snapshots=self._snapshots, counters=self.counters,
             compute=self._compute, timeout_s=timeouts.result_s,
@@ -336,7 +339,7 @@ class StageRuntime:
         assert self._snapshots is not None  # made with the probe port that calls this
         trainer = self._plane.trainer if self._plane is not None else None
         sender = peer_identity(self._keys.probe_allow, sender_key)
-        return await self._snapshots.on_peer_request(message, trainer, sender)
+        return await self._snapshots.held.on_peer_request(message, trainer, sender)
 
     async def _register(self) -> None:
         """Register until the coordinator answers or ``connect_s`` runs out."""
@@ -474,7 +477,7 @@ class StageRuntime:
                 if self._keys.probe_allow is not None:
                     self._keys.probe_allow.replace({n: k.encode() for n, k in command.keys.items()})
                 if command.fetches is not None and self._snapshots is not None:
-                    self._snapshots.fetch_grants = command.fetches
+                    self._snapshots.held.fetch_grants = command.fetches
             elif isinstance(command, ConnectAssignment):
                 assert self._plane is not None
                 await self._carry_out(await self._plane.connect(command))

@@ -23,6 +23,7 @@ from zpipe.protocol.stage_control import WeightsRequest
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
 from zpipe.stage.executors.sync_training import TrainingExecutor
+from zpipe.stage.held_copies import HeldCopies
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
 from zpipe.stage.replicas import ReplicaStore
@@ -98,28 +99,29 @@ def test_a_restart_refuses_what_is_not_a_units_state() -> None:
 
 def _service() -> SnapshotService:
     context: Any = None  # never used: nothing here opens a socket
+    counters = StageCounters()
+    held = HeldCopies(name="c", timeout_s=1.0, counters=counters, replicas=ReplicaStore())
     return SnapshotService(
         name="c", context=context, keypair=None, socket_options=SocketOptions(),
-        timeout_s=1.0, compute=ThreadPoolExecutor(1), counters=StageCounters(),
-        replicas=ReplicaStore(),
+        timeout_s=1.0, compute=ThreadPoolExecutor(1), counters=counters, held=held,
     )  # fmt: skip
 
 
 def test_a_holder_serves_a_peers_chain_copy_by_owner_run_and_mini_batch() -> None:
     service = _service()
     chain = {"units.2.weight": torch.full((2,), 6.0), "units.3.weight": torch.full((2,), 7.0)}
-    service.live_copies.put("b", 3, 6, chain)
-    got = service.snapshot_units([{"owner": "b", "run": 3, "step": 6, "start": 2, "end": 3}])
+    service.held.live_copies.put("b", 3, 6, chain)
+    got = service.held.snapshot_units([{"owner": "b", "run": 3, "step": 6, "start": 2, "end": 3}])
     assert list(got) == ["units.2.weight"] and torch.equal(
         got["units.2.weight"], chain["units.2.weight"]
     )
     # a flush's snapshot of the same key wins: it is what a rollback restores
     flushed = {"units.2.weight": torch.full((2,), 1.0)}
-    service.replicas.put("b", 3, 6, flushed)
-    again = service.snapshot_units([{"owner": "b", "run": 3, "step": 6, "start": 2, "end": 3}])
+    service.held.replicas.put("b", 3, 6, flushed)
+    again = service.held.snapshot_units([{"owner": "b", "run": 3, "step": 6, "start": 2, "end": 3}])
     assert torch.equal(again["units.2.weight"], flushed["units.2.weight"])
     with pytest.raises(ConfigError, match="no snapshot"):
-        service.snapshot_units([{"owner": "b", "run": 3, "step": 4, "start": 2, "end": 3}])
+        service.held.snapshot_units([{"owner": "b", "run": 3, "step": 4, "start": 2, "end": 3}])
 
 
 def _survivor(shard: AsyncShard, run: int) -> AsyncTrainingExecutor:
@@ -148,7 +150,7 @@ async def test_a_survivor_keeps_its_state_and_sends_only_the_keys() -> None:
     # the keys (the units it holds) and its update count go to the coordinator
     assert reply.keys == list(live) and reply.tensors == () and reply.updates == 6
     # the state stays here, as this stage's own snapshot after its 6 updates
-    kept = service.replicas.units("c", 3, 6, 0, 4)
+    kept = service.held.replicas.units("c", 3, 6, 0, 4)
     assert sorted(kept) == sorted(live) and all(_bits(kept[k], live[k]) for k in live)
 
 
@@ -190,10 +192,10 @@ async def test_kept_units_load_locally_and_are_served_to_the_peer_granted_them()
             assert _bits(value, live[key]), key  # weights and optimizer state bit for bit
     # unit 2 goes to b: c serves it to b once the coordinator granted that fetch
     fetch = FetchUnits(owner="c", run=3, step=6, start=2, end=3)
-    refused = service._serve_fetch(fetch, PeerIdentity(True, "b"))
+    refused = service.held._serve_fetch(fetch, PeerIdentity(True, "b"))
     assert isinstance(refused, Units) and "did not name anyone" in refused.error
-    service.fetch_grants = (FetchGrant("b", "c", 3, 6, 2, 3),)
-    served = service._serve_fetch(fetch, PeerIdentity(True, "b"))
+    service.held.fetch_grants = (FetchGrant("b", "c", 3, 6, 2, 3),)
+    served = service.held._serve_fetch(fetch, PeerIdentity(True, "b"))
     assert isinstance(served, Units) and served.error == ""
     sent = dict(zip(served.keys, served.tensors, strict=True))
     assert sorted(sent) == sorted(k for k in live if k.startswith("units.2."))
@@ -252,8 +254,8 @@ async def test_a_chain_copy_held_here_is_confirmed_loaded_in_place_and_served_wh
     service = _service()
     copy = _trained(4, 1).live_copy(3)
     chain = {k: v for k, v in copy.items() if k.startswith(("units.2.", "units.3."))}
-    service.live_copies.put("b", 3, 4, chain)
-    service.replicas.put("c", 5, 9, {"units.0.linear.weight": torch.zeros(1)})
+    service.held.live_copies.put("b", 3, 4, chain)
+    service.held.replicas.put("c", 5, 9, {"units.0.linear.weight": torch.zeros(1)})
     ranges = [{"owner": "b", "run": 3, "step": 4, "start": 2, "end": 4}]
 
     async def stop() -> None:
@@ -280,16 +282,16 @@ async def test_a_chain_copy_held_here_is_confirmed_loaded_in_place_and_served_wh
     # served to the peer the coordinator granted it, though run 5 is newer here: a
     # recovery reads a chain copy by owner, run and mini-batch
     fetch = FetchUnits(owner="b", run=3, step=4, start=2, end=3)
-    refused = service._serve_fetch(fetch, PeerIdentity(True, "a"))
+    refused = service.held._serve_fetch(fetch, PeerIdentity(True, "a"))
     assert isinstance(refused, Units) and "did not name anyone" in refused.error
-    service.fetch_grants = (FetchGrant("a", "b", 3, 4, 2, 3),)
-    served = service._serve_fetch(fetch, PeerIdentity(True, "a"))
+    service.held.fetch_grants = (FetchGrant("a", "b", 3, 4, 2, 3),)
+    served = service.held._serve_fetch(fetch, PeerIdentity(True, "a"))
     assert isinstance(served, Units) and served.error == ""
     sent = dict(zip(served.keys, served.tensors, strict=True))
     assert sorted(sent) == sorted(k for k in chain if k.startswith("units.2."))
     # an own snapshot of an older run than the newest here is still not served
-    service.replicas.put("c", 3, 6, {"units.0.linear.weight": torch.zeros(1)})
-    service.fetch_grants = (FetchGrant("a", "c", 3, 6, 0, 1),)
-    old = service._serve_fetch(FetchUnits(owner="c", run=3, step=6, start=0, end=1),
+    service.held.replicas.put("c", 3, 6, {"units.0.linear.weight": torch.zeros(1)})
+    service.held.fetch_grants = (FetchGrant("a", "c", 3, 6, 0, 1),)
+    old = service.held._serve_fetch(FetchUnits(owner="c", run=3, step=6, start=0, end=1),
                                PeerIdentity(True, "a"))  # fmt: skip
     assert isinstance(old, Units) and "no longer served" in old.error

@@ -172,7 +172,7 @@ class StageRepartition:
             else trainer.setup.num_stages
         )
         snapshot = await loop.run_in_executor(self._compute, shard.repartition_snapshot, n)
-        self._snapshots.replicas.put(self.name, run, step, snapshot)
+        self._snapshots.held.replicas.put(self.name, run, step, snapshot)
         self._fetched = None
         log.info("repartition_prepared", stage=self.name, run=run, step=step,
                  units=[shard.start, shard.start + len(shard.units)],
