@@ -30,6 +30,7 @@ from zpipe.lossy.links import Recovery
 from zpipe.lossy.mapping import partition_and_map
 from zpipe.lossy.pass_control import PassControl, PassStarted
 from zpipe.lossy.wire import RunSpec
+from zpipe.protocol import REGISTRY
 from zpipe.protocol.lossy import LossyProbeReport
 from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.transport.codec import Message, encode
@@ -53,23 +54,25 @@ def test_partials_a_stage_does_not_own_are_refused_and_stale_ones_dropped() -> N
     filed = control.partials
     assert st is not None
     # device 0 (the input owner) sends layer 0's slice: filed for the forward of layer 1
-    executor._on_partial(_partial(1, "F", 0, 0, (2, 6)))
+    executor._on_data(REGISTRY.parse(_partial(1, "F", 0, 0, (2, 6))))
     assert set(filed[(1, "F", 0)]) == {0}
     with pytest.raises(ProtocolError, match="owns no part"):  # a layer it does not own
-        executor._on_partial(_partial(1, "F", 1, 0, (2, 4)))
+        executor._on_data(REGISTRY.parse(_partial(1, "F", 1, 0, (2, 4))))
     with pytest.raises(ProtocolError, match="shape"):
-        executor._on_partial(_partial(2, "F", 0, 0, (2, 5)))
+        executor._on_data(REGISTRY.parse(_partial(2, "F", 0, 0, (2, 5))))
     with pytest.raises(ProtocolError, match="outside"):  # a mini-batch beyond the run
-        executor._on_partial(_partial(9, "F", 0, 0, (2, 6)))
+        executor._on_data(REGISTRY.parse(_partial(9, "F", 0, 0, (2, 6))))
     with pytest.raises(ProtocolError, match="not a peer"):
-        executor._on_partial(_partial(1, "F", 0, 7, (2, 6)))
+        executor._on_data(REGISTRY.parse(_partial(1, "F", 0, 7, (2, 6))))
     # another plan epoch: ignored, nothing filed
     old = _partial(2, "F", 0, 0, (2, 6))
-    executor._on_partial(Message(old.kind, old.body, epoch=EPOCH - 1, tensors=old.tensors))
+    executor._on_data(
+        REGISTRY.parse(Message(old.kind, old.body, epoch=EPOCH - 1, tensors=old.tensors))
+    )
     assert (2, "F", 0) not in filed and executor.stale == 1  # dropped, counted
     # after its pass ran (null-filled), a partial is late: counted, not filed
     control.consumed.add((2, "F", 0))
-    executor._on_partial(_partial(2, "F", 0, 0, (2, 6)))
+    executor._on_data(REGISTRY.parse(_partial(2, "F", 0, 0, (2, 6))))
     assert st.late == 1 and (2, "F", 0) not in filed
     assert torch.equal(torch.from_numpy(filed[(1, "F", 0)][0]), torch.ones(2, 6).double())
 
@@ -86,16 +89,17 @@ def test_a_test_pass_partial_is_filed_apart_and_one_for_no_test_step_refused() -
     st, control = executor.state, _control(executor)
     filed = control.partials
     assert st is not None and sorted(st.tests) == [0, 1]
-    executor._on_partial(_partial(1, "TF", 0, 0, (1, 6)))
-    executor._on_partial(_partial(1, "F", 0, 0, (2, 6)))  # training's mini-batch 1: apart
+    executor._on_data(REGISTRY.parse(_partial(1, "TF", 0, 0, (1, 6))))
+    # training's mini-batch 1: apart
+    executor._on_data(REGISTRY.parse(_partial(1, "F", 0, 0, (2, 6))))
     assert set(filed[(1, "TF", 0)]) == {0} and filed[(1, "TF", 0)][0].shape == (1, 6)
     assert set(filed[(1, "F", 0)]) == {0}
     with pytest.raises(ProtocolError, match="not a test step"):
-        executor._on_partial(_partial(2, "TF", 0, 0, (1, 6)))
+        executor._on_data(REGISTRY.parse(_partial(2, "TF", 0, 0, (1, 6))))
     with pytest.raises(ProtocolError, match="shape"):  # step 0 has two rows
-        executor._on_partial(_partial(0, "TF", 0, 0, (1, 6)))
+        executor._on_data(REGISTRY.parse(_partial(0, "TF", 0, 0, (1, 6))))
     with pytest.raises(ProtocolError, match="sharing"):  # sharing is of the output layer
-        executor._on_partial(_partial(0, "TS", 0, 0, (2, 6)))
+        executor._on_data(REGISTRY.parse(_partial(0, "TS", 0, 0, (2, 6))))
     # a setup whose test rows are missing is refused
     setup = _setup(0, test)
     short = Message(setup.kind, setup.body, epoch=EPOCH, tensors=setup.tensors[:-1])

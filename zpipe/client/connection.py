@@ -28,9 +28,10 @@ from zpipe._errors import PipelineError, ProtocolError, TransportTimeout
 from zpipe.client.control import ControlChannel
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
+from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import RunEnd, RunReport
 from zpipe.transport import security
-from zpipe.transport.codec import Message
+from zpipe.transport.codec import Message, decode_typed
 from zpipe.transport.reopen import bind_when_free, open_listener
 from zpipe.transport.sockets import (
     ReceiveLimits,
@@ -223,11 +224,20 @@ class ClientConnection:
     def decode_sink_message(self, frames: Sequence[zmq.Frame]) -> Message:
         """A message that reached the sink, decoded; with keys, only from an allowed peer
         (CURVE checks keys at the handshake only, so each message is checked again)."""
+        self._check_sink_sender(frames)
+        return decode_frames(frames, self.options.max_message_bytes)
+
+    def decode_sink_typed(self, frames: Sequence[zmq.Frame]) -> WireMessage:
+        """:meth:`decode_sink_message` as its protocol class, the body checked once
+        (the runs' sink loops read typed fields)."""
+        self._check_sink_sender(frames)
+        return decode_typed(frames, max_message_bytes=self.options.max_message_bytes)
+
+    def _check_sink_sender(self, frames: Sequence[zmq.Frame]) -> None:
         if self.sink_allow is not None:
             key = security.sender_public_key(frames[0])
             if key is None or key not in self.sink_allow:
                 raise ProtocolError("a message from a peer that is not an assigned last stage")
-        return decode_frames(frames, self.options.max_message_bytes)
 
 
 class ConnectedClient(Protocol):

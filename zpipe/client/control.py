@@ -22,11 +22,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from zpipe._errors import CoordinatorLostError, ProtocolError, TransportTimeout
+from zpipe._errors import CoordinatorLostError, TransportTimeout
 from zpipe.client.failures import NoticeFilter
 from zpipe.config import Timeouts
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import (
     PRESENCE,
     NoticeAck,
@@ -37,8 +37,9 @@ from zpipe.protocol.client_control import (
 )
 from zpipe.protocol.repartition import SpeedChanged
 from zpipe.recovery import StallWatch
+from zpipe.transport.codec import decode_typed
 from zpipe.transport.roles import ROLE_KINDS
-from zpipe.transport.sockets import SocketOptions, decode_frames, recv_frames, send
+from zpipe.transport.sockets import SocketOptions, recv_frames, send
 
 log = get_logger("zpipe.client")
 
@@ -154,25 +155,19 @@ class ControlChannel:
                 self.sock, timeout_s=None, peer="coordinator", awaited="control message"
             )
             try:
-                message = decode_frames(frames, self.options.max_message_bytes)
+                # its protocol class, the body checked once: past this, only classes
+                typed = decode_typed(frames, max_message_bytes=self.options.max_message_bytes)
             except Exception as exc:
                 # Any exception one message causes (a ProtocolError, or a bug the
                 # decoder lets through) drops that message; the channel keeps serving.
                 log.warning("dropped_message", peer="coordinator", error=str(exc),
                             error_type=type(exc).__name__)  # fmt: skip
                 continue
-            if not coordinator_may_send(message.kind):
+            if not coordinator_may_send(typed.KIND):
                 # Only the coordinator is connected here (with keys: by its CURVE key),
                 # but what it sends must be what a coordinator sends.
-                log.warning("dropped_message", peer="coordinator", kind=message.kind,
+                log.warning("dropped_message", peer="coordinator", kind=typed.KIND,
                             error="a kind only stages or clients send")  # fmt: skip
-                continue
-            try:
-                # parsed into its protocol class here, once: past this, only classes
-                typed = REGISTRY.parse(message)
-            except ProtocolError as exc:  # a kind without a class (codec.register_kinds)
-                log.warning("dropped_message", peer="coordinator", kind=message.kind,
-                            error=str(exc), error_type=type(exc).__name__)  # fmt: skip
                 continue
             if isinstance(typed, Progress) and typed.awaited == PRESENCE:
                 continue  # the coordinator looked whether this client is connected

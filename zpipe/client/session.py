@@ -40,7 +40,7 @@ from zpipe._errors import (
 from zpipe.client.connection import ClientConnection
 from zpipe.client.failures import run_failed_error, stage_failed_error, stage_not_connected
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.client_control import (
     RunEnd,
     RunFailed,
@@ -305,7 +305,7 @@ class RunSession:
                 try:
                     # parsed into its protocol class here, once: checks and handlers
                     # read typed fields
-                    message = REGISTRY.parse(self.connection.decode_sink_message(frames))
+                    message = self.connection.decode_sink_typed(frames)
                     check(message)
                     if isinstance(message, MicroBatchError):
                         self.fail(RemoteStageError(message.stage, message.mb, message.message))

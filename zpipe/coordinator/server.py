@@ -81,10 +81,10 @@ from zpipe.coordinator.shell_sends import ShellSends
 from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
 from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
-from zpipe.protocol import REGISTRY
 from zpipe.protocol.stage_control import Shutdown
 from zpipe.transport import security
 from zpipe.transport.bulk import stall_after_s
+from zpipe.transport.codec import decode_typed
 from zpipe.transport.conn_budget import control_port_budget
 from zpipe.transport.conn_guard import ConnectionGuard
 from zpipe.transport.message_bounds import trim_heap
@@ -95,7 +95,6 @@ from zpipe.transport.sockets import (
     ReceiveLimits,
     SocketOptions,
     bind_endpoint,
-    decode_frames,
     new_context,
     open_socket,
     recv_frames,
@@ -423,10 +422,10 @@ class Coordinator:
                 continue
             try:
                 user_key = _curve_user_id(frames[1]) if secure else None
-                message = decode_frames(frames[1:], max_bytes)
-                self._check_role(message.kind, user_key)
-                # parsed once: past this point everything sees protocol classes
-                typed = REGISTRY.parse(message)
+                # parsed once, its body checked once: past this point everything sees
+                # protocol classes
+                typed = decode_typed(frames[1:], max_message_bytes=max_bytes)
+                self._check_role(typed.KIND, user_key)
                 self._feed(event_of(routing_id, user_key, typed), peer=routing_id)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer=printable(routing_id), error=str(exc))

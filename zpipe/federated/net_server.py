@@ -73,13 +73,13 @@ from zpipe.federated.net_controller import FlServerController
 from zpipe.federated.net_limits import Connections
 from zpipe.log import get_logger
 from zpipe.lossy.data import Dataset
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.federated import FlRegister
 from zpipe.transport import security
+from zpipe.transport.codec import decode_typed
 from zpipe.transport.sockets import (
     SocketOptions,
     bind_endpoint,
-    decode_frames,
     new_context,
     open_socket,
     recv_frames,
@@ -204,8 +204,8 @@ class FederatedShell:
         if frames:
             self._connections.seen(_source_fd(frames[-1]), routing_id)
         try:
-            message = decode_frames(frames[1:], self.max_frame_bytes)
-            typed = REGISTRY.parse(message)
+            # the body checked once, by the codec, on its way to the typed class
+            typed = decode_typed(frames[1:], max_message_bytes=self.max_frame_bytes)
             if self._roles is not None and len(frames) > 1:
                 self._roles.check(typed.KIND, frames[1])
                 key = security.sender_public_key(frames[1])

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from zpipe._errors import ProtocolError
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.bulk import BulkChunk, BulkDone, BulkOpen, BulkOpened, BulkRefused
 from zpipe.transport.bulk import (
     ChunkHeader,
@@ -33,7 +33,7 @@ from zpipe.transport.bulk import (
     payload_view,
     stall_after_s,
 )
-from zpipe.transport.codec import Message, decode, encode
+from zpipe.transport.codec import Message, decode_typed, encode
 from zpipe.transport.emulation import UplinkConnection
 from zpipe.transport.message_bounds import trim_heap
 from zpipe.transport.sockets import send
@@ -175,5 +175,5 @@ class StageBulk:
         if frames is None:
             return Received()
         # the whole message, parsed once here like every other from the coordinator
-        whole = decode(frames, max_message_bytes=self._max_message_bytes)
-        return Received(message=REGISTRY.parse(whole))
+        # (its body checked once, by the codec)
+        return Received(message=decode_typed(frames, max_message_bytes=self._max_message_bytes))

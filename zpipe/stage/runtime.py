@@ -45,7 +45,7 @@ from zpipe.devices import (
     usable_memory_mb,
 )
 from zpipe.log import get_logger
-from zpipe.protocol import REGISTRY, WireMessage
+from zpipe.protocol import WireMessage
 from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
 from zpipe.protocol.peer import Backup
@@ -84,15 +84,13 @@ from zpipe.stage.replicas import ReplicaStore
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport.address_auth import peer_addresses
+from zpipe.transport.codec import decode_typed
 from zpipe.transport.emulation import SharedUplink
-from zpipe.transport.sockets import decode_frames, new_context, recv_frames
+from zpipe.transport.sockets import new_context, recv_frames
 
 __all__ = ["CoordinatorLost", "StageConfig", "StageRuntime"]
 
 log = get_logger("zpipe.stage")
-
-# the tasks of a running assignment (stopped with it)
-DATA_TASKS = ["data-receive", "compute", "send"]
 
 
 class StageRuntime:
@@ -363,8 +361,8 @@ class StageRuntime:
                     peer="coordinator",
                     awaited="registration reply",
                 )
-                reply = REGISTRY.parse(
-                    decode_frames(frames, self.config.socket_options.max_message_bytes)
+                reply = decode_typed(
+                    frames, max_message_bytes=self.config.socket_options.max_message_bytes
                 )
                 commands = lifecycle.registration_reply(reply, time.monotonic())
                 await self.link.heard(reply)
@@ -401,8 +399,8 @@ class StageRuntime:
             return frames
 
         async def handle(frames: list[zmq.Frame]) -> None:
-            message = REGISTRY.parse(
-                decode_frames(frames, self.config.socket_options.max_message_bytes)
+            message = decode_typed(
+                frames, max_message_bytes=self.config.socket_options.max_message_bytes
             )
             if isinstance(message, RegisterAgain):
                 # A coordinator restarted without our registration, or one that had
@@ -429,8 +427,10 @@ class StageRuntime:
             return frames
 
         async def handle(frames: list[zmq.Frame]) -> None:
-            message = decode_frames(frames, self.config.socket_options.max_message_bytes)
-            received = bulk.received(REGISTRY.parse(message))
+            message = decode_typed(
+                frames, max_message_bytes=self.config.socket_options.max_message_bytes
+            )
+            received = bulk.received(message)
             if received.resend is not None:
                 await self.link.send(received.resend)
             if received.message is not None:

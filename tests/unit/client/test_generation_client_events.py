@@ -17,7 +17,7 @@ from zpipe.client.runs.generation import GenerateOptions, GenerationRun, _Sent
 from zpipe.generation.params import SamplingParams, TokenEvent
 from zpipe.generation.wire import events_to_wire
 from zpipe.models import ModelSpec
-from zpipe.protocol import WireMessage
+from zpipe.protocol import REGISTRY, WireMessage
 from zpipe.protocol.generation import GenRefused, GenRunReady, GenToken, GenTokenBatch
 
 SPEC = ModelSpec.preset("gpt2-tiny")
@@ -29,7 +29,7 @@ def _run(messages: list[WireMessage]) -> GenerationRun:
     connection: Any = SimpleNamespace(
         control=SimpleNamespace(failures=asyncio.Queue()),
         timeouts=SimpleNamespace(result_s=5.0, send_s=1.0),
-        decode_sink_message=lambda message: message,
+        decode_sink_typed=REGISTRY.parse,  # the sink's messages are Messages here
     )
     run = GenerationRun(connection, SPEC, GenerateOptions(stages=2, token_timeout_s=0.2))
     run.ready = GenRunReady(

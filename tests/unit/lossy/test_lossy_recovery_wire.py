@@ -14,6 +14,7 @@ from tests._support.lossy_executor import EPOCH, _executor, _partial, _setup, _s
 from zpipe._errors import ProtocolError
 from zpipe.lossy.links import Direction, LossKey, ack_key
 from zpipe.lossy.wire import partial_message
+from zpipe.protocol import REGISTRY
 from zpipe.protocol.lossy import LossyAck, LossyPartial
 from zpipe.stage.executors.lossy_recovery import AckBook, WireCounts
 from zpipe.transport.codec import Message, decode, encode
@@ -31,18 +32,20 @@ def test_a_partials_later_copies_are_discarded_and_counted_as_duplicates() -> No
     st, inbox = executor.state, executor._inbox
     assert st is not None and inbox is not None
     first = _partial(1, "F", 0, 0, (2, 6))
-    assert executor._on_partial(first) is not None
+    assert executor._on_data(REGISTRY.parse(first)) is not None
     twice = partial_message(5, 1, "F", 0, 0, np.full((2, 6), 2.0), copy=1)
-    executor._on_partial(Message(twice.kind, twice.body, epoch=EPOCH, tensors=twice.tensors))
+    executor._on_data(
+        REGISTRY.parse(Message(twice.kind, twice.body, epoch=EPOCH, tensors=twice.tensors))
+    )
     assert inbox.wire.duplicates == 1
     assert float(inbox.control.partials[(1, "F", 0)][0][0, 0]) == 1.0  # the first copy is kept
     # a copy after the pass ran is a duplicate, not a late partial
     inbox.control.consumed.add((1, "F", 0))
-    executor._on_partial(first)
+    executor._on_data(REGISTRY.parse(first))
     assert inbox.wire.duplicates == 2 and st.late == 0
     # a duplicate of a layer this stage does not own is refused like any such partial
     with pytest.raises(ProtocolError, match="owns no part"):
-        executor._on_partial(_partial(1, "F", 1, 0, (2, 4)))
+        executor._on_data(REGISTRY.parse(_partial(1, "F", 1, 0, (2, 4))))
     assert inbox.wire.duplicates == 2
 
 
@@ -52,16 +55,16 @@ def test_acknowledgements_of_copies_a_stage_did_not_send_are_dropped_and_counted
     inbox = executor._inbox
     assert inbox is not None
     inbox.acks.expect((1, "F", 1, 2, 0))  # the pass loop sent copy 0 of F1:1 to device 2
-    executor._on_partial(_ack(1, "F", 1, 2, 0))
+    executor._on_data(REGISTRY.parse(_ack(1, "F", 1, 2, 0)))
     assert inbox.wire.acks_received == 1 and inbox.wire.acks_dropped == 0
     # the same acknowledgement again, another copy, step, layer or peer: dropped, counted
     for ack in (_ack(1, "F", 1, 2, 0), _ack(1, "F", 1, 2, 1), _ack(2, "F", 1, 2, 0),
                 _ack(1, "F", 0, 2, 0), _ack(1, "F", 1, 7, 0)):  # fmt: skip
-        assert executor._on_partial(ack) is None
+        assert executor._on_data(REGISTRY.parse(ack)) is None
     assert inbox.wire.acks_received == 1 and inbox.wire.acks_dropped == 5
     assert executor.protocol_errors == 0
     # another run's: stale
-    executor._on_partial(_ack(1, "F", 1, 2, 0, run=6))
+    executor._on_data(REGISTRY.parse(_ack(1, "F", 1, 2, 0, run=6)))
     assert executor.stale == 1 and inbox.wire.acks_dropped == 5
 
 

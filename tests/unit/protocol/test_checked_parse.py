@@ -3,13 +3,16 @@ the frozen dataclass's ``__init__`` is the one it would have built (issue 34).""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
 
+import zpipe
 from zpipe._errors import ProtocolError
 from zpipe.protocol import REGISTRY, Message, WireMessage, _schema, registry
 from zpipe.protocol._schema import STR, wire, wire_message
@@ -180,3 +183,37 @@ def test_a_typed_decode_refuses_a_kind_without_a_typed_class() -> None:
     assert codec.decode([header], registry=plain).body == {"n": 1}
     with pytest.raises(ProtocolError, match="has no typed class"):
         codec.decode_typed([header], registry=plain)
+
+
+# what decodes frames into an untyped Message (its body checked), and what parses one
+_DECODES = {"decode", "decode_frames", "decode_sink_message"}
+
+
+def _calls(function: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call):
+            target = node.func
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+            elif isinstance(target, ast.Attribute):
+                owner = target.value
+                prefix = f"{owner.id}." if isinstance(owner, ast.Name) else ""
+                names.add(prefix + target.attr)
+    return names
+
+
+def test_no_receive_path_decodes_then_parses_a_message() -> None:
+    """Every receive path goes from frames to its protocol class through
+    ``decode_typed`` (the body checked once): a function of zpipe that decodes to an
+    untyped message and parses it with the registry checks the body twice."""
+    package = Path(zpipe.__file__).parent
+    twice = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                calls = _calls(node)
+                if calls & _DECODES and "REGISTRY.parse" in calls:
+                    twice.append(f"{path.relative_to(package)}:{node.lineno} {node.name}")
+    assert twice == []

@@ -66,7 +66,6 @@ from zpipe.log import get_logger
 from zpipe.models import ModelSpec
 from zpipe.models.causal_lm import FAMILY, read_causal_lm_config
 from zpipe.planner import Plan
-from zpipe.protocol import REGISTRY
 from zpipe.protocol.client_control import RunEnd, RunFailed, RunReplanned, RunReport, StageFailed
 from zpipe.protocol.generation import (
     GenCancel,
@@ -315,7 +314,7 @@ class GenerationRun:
             if frames is None:
                 continue  # a notice came first
             try:
-                message = REGISTRY.parse(self.connection.decode_sink_message(frames))
+                message = self.connection.decode_sink_typed(frames)
             except ProtocolError as exc:
                 log.warning("dropped_message", peer="sink", error=str(exc))
                 continue

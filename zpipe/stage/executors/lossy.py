@@ -71,8 +71,8 @@ from zpipe.stage.executors.lossy_report import Slices, replica, run_result
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
 from zpipe.transport import security
 from zpipe.transport.address_auth import AddressAllowList
-from zpipe.transport.codec import Message
-from zpipe.transport.sockets import ReceiveLimits, decode_frames, recv_frames
+from zpipe.transport.codec import Message, decode_typed
+from zpipe.transport.sockets import ReceiveLimits, recv_frames
 
 log = get_logger("zpipe.stage")
 
@@ -315,7 +315,8 @@ class LossyExecutor:
 
         async def handle(frames: list[zmq.Frame]) -> None:
             self._peers.check_sender(frames[0])
-            partial = self._on_partial(decode_frames(frames, self._max_bytes))
+            # parsed once, its body checked once: see _on_data
+            partial = self._on_data(decode_typed(frames, max_message_bytes=self._max_bytes))
             if partial is not None and self._acks is not None:
                 await self._acks.acknowledge(partial)
 
@@ -326,10 +327,6 @@ class LossyExecutor:
         log.warning(
             "dropped_message", stage=self.name, peer="lossy peer", error=describe_error(exc)
         )
-
-    def _on_partial(self, message: Message) -> LossyPartial | None:
-        """A message off the data port, parsed once here: see :meth:`_on_data`."""
-        return self._on_data(REGISTRY.parse(message))
 
     def _on_data(self, item: WireMessage) -> LossyPartial | None:
         """File a partial; returns it when it is this run's (a copy to acknowledge)."""
