@@ -44,7 +44,7 @@ from zpipe.stage.config import StageConfig
 from zpipe.stage.executors.training_shard import TrainShard
 from zpipe.stage.measurements import requested_batch_sizes
 from zpipe.stage.profiling import profile_model
-from zpipe.stage.runtime import StageRuntime
+from zpipe.stage.runtime import registration_info
 from zpipe.stage.shard import Shard
 
 ROOT = REPO_ROOT
@@ -175,7 +175,7 @@ def test_usable_memory_is_the_smaller_of_measured_and_declared() -> None:
 def test_registration_reports_measured_memory_and_the_device() -> None:
     def info(**extra: Any) -> dict[str, Any]:
         config = StageConfig(name="s", coordinator="tcp://127.0.0.1:1", device="cpu", **extra)
-        return StageRuntime(config)._info()
+        return registration_info(config)
 
     measured = info()
     free = free_memory_bytes("cpu")
@@ -188,7 +188,7 @@ def test_registration_reports_measured_memory_and_the_device() -> None:
     assert declared["memory_mb"] == 64.0 and declared["declared_memory_mb"] == 64.0
     # what the process already holds counts towards its budget, as --memory-mb's does
     config = StageConfig(name="s", coordinator="tcp://127.0.0.1:1", device="cpu")
-    held = StageRuntime(config)._info(base=10**12)
+    held = registration_info(config, base=10**12)
     assert held["memory_mb"] > 10**12 / MIB
 
 

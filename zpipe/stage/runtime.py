@@ -18,7 +18,9 @@ sockets and tasks and carries out the commands it returns:
 - data tasks of the running assignment: the data port
   (:mod:`~zpipe.stage.dataport`) feeding the inference loop
   (:mod:`~zpipe.stage.executors.inference`) or the training plane
-  (:mod:`~zpipe.stage.executors.training_plane`).
+  (:mod:`~zpipe.stage.executors.training_plane`);
+- the run kinds that take the data port from the plane while they last, lossy
+  layers and generation (:mod:`~zpipe.stage.run_executors`).
 
 Every long-lived task is supervised (:mod:`~zpipe.stage.supervision`): one
 that dies is restarted or, dying again and again, fails the process loudly.
@@ -46,11 +48,8 @@ from zpipe.devices import (
 )
 from zpipe.log import get_logger
 from zpipe.protocol import WireMessage
-from zpipe.protocol.generation import GenSetup
-from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import Register, RegisterAgain
-from zpipe.stage.assignment import generation_sender_endpoints, push_connector
 from zpipe.stage.bulk import StageBulk
 from zpipe.stage.commands import (
     AllowProbePeers,
@@ -70,8 +69,6 @@ from zpipe.stage.config import StageConfig
 from zpipe.stage.coordinator_link import CoordinatorLink
 from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.executors.async_repartition import StageRepartition
-from zpipe.stage.executors.generation import GenerationExecutor
-from zpipe.stage.executors.lossy import LossyExecutor
 from zpipe.stage.held_copies import HeldCopies
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
@@ -81,9 +78,9 @@ from zpipe.stage.live_copies import ChainPeer, CopyRoutes
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.ports import StageKeys, StagePorts, peer_identity
 from zpipe.stage.replicas import ReplicaStore
+from zpipe.stage.run_executors import RunExecutors
 from zpipe.stage.snapshots import SnapshotService
 from zpipe.stage.supervision import TaskSupervisor, describe_error, serve_messages
-from zpipe.transport.address_auth import peer_addresses
 from zpipe.transport.codec import decode_typed
 from zpipe.transport.emulation import SharedUplink
 from zpipe.transport.sockets import new_context, recv_frames
@@ -112,8 +109,8 @@ class StageRuntime:
         self._link: CoordinatorLink | None = None  # what this stage says to the coordinator
         self._snapshots: SnapshotService | None = None
         self._plane: DataPlane | None = None  # the assignments' data tasks and sockets
-        self._lossy: LossyExecutor | None = None  # EdgePipe runs' partial layers
-        self._generation: GenerationExecutor | None = None  # causal LM generation runs
+        # EdgePipe's lossy layers and LM generation: runs that take the data port
+        self._runs: RunExecutors | None = None
         self._bulk: StageBulk | None = None
         # the (emulated) link to the coordinator: control and bulk connections share it
         self._uplink = SharedUplink(config.uplink)
@@ -184,7 +181,7 @@ class StageRuntime:
             registration=Register(
                 name=self.config.name,
                 data_endpoint=self.data_endpoint,
-                info=self._info(base),
+                info=registration_info(self.config, self.probe_endpoint, base),
                 public_key=keypair.public.decode() if keypair else None,
                 base_bytes=base,
             ),
@@ -206,36 +203,11 @@ class StageRuntime:
             fetch_state=self._snapshots.fetched_state,
             copy_routes=CopyRoutes(to_peer=self._copy_to_peer, to_coordinator=self._copy_up),
         )
-        self._lossy = LossyExecutor(
-            name=self.config.name,
-            data_in=lambda: ports.data_in,  # reopened when a plan changes its limits
-            data_allow=self._keys.data_allow,
-            data_addresses=self._keys.data_addresses,
-            connector=push_connector(self._context, opts, keypair),
-            compute=self._compute,
-            supervisor=self._supervisor,
-            send_control=self._link.send,
-            stop_data=self._plane.stop,
-            apply_limits=self._plane.apply_limits,
-            max_message_bytes=opts.max_message_bytes,
-            send_timeout_s=timeouts.send_s,
-        )
-        self._generation = GenerationExecutor(
-            name=self.config.name,
-            data_in=lambda: ports.data_in,
-            data_allow=self._keys.data_allow,
-            connector=push_connector(self._context, opts, keypair),
-            compute=self._compute,
-            supervisor=self._supervisor,
-            send_control=self._link.send,
-            stop_data=self._plane.stop,
-            apply_limits=self._plane.apply_limits,
-            max_message_bytes=opts.max_message_bytes,
-            send_timeout_s=timeouts.send_s,
-            device=self.config.resolved_device,
-            slowdown=self.config.emulated_slowdown(),
-        )
-
+        self._runs = RunExecutors(
+            config=self.config, context=self._context, keys=self._keys, ports=ports,
+            compute=self._compute, supervisor=self._supervisor, send_control=self._link.send,
+            plane=self._plane, data_endpoint=self.data_endpoint,
+        )  # fmt: skip
         self._jobs = StageJobs(
             config=self.config,
             context=self._context,
@@ -247,29 +219,6 @@ class StageRuntime:
             send=self._link.send,
             carry_out=self._carry_out,
         )
-
-    def _info(self, base: int | None = None) -> dict[str, Any]:
-        device = self.config.resolved_device
-        # Measured once, at start: what the planner's memory limit protects. The free
-        # memory is what the process may still take: with what it holds (its base) it
-        # is the process's whole budget, as --memory-mb is (zpipe.planner.memory).
-        free = free_memory_bytes(device)
-        reach = free + base if free is not None and base is not None else free
-        return {
-            "pid": os.getpid(),
-            "cores": os.cpu_count() or 1,
-            "threads": torch.get_num_threads(),
-            "slowdown": self.config.slowdown,
-            "memory_mb": usable_memory_mb(reach, self.config.memory_mb),
-            # what the operator declared, apart from the measured memory above: devices
-            # that declare alike are planned alike (zpipe.coordinator.planning)
-            "declared_memory_mb": self.config.memory_mb,
-            "device": describe_device(device, free_bytes=free),
-            "link": self.config.link.to_dict(),
-            "probe_endpoint": self.probe_endpoint,
-            "torch": torch.__version__,
-            **({"emulated_compute": True} if self.config.emulate_compute is not None else {}),
-        }
 
     @property
     def link(self) -> CoordinatorLink:
@@ -469,8 +418,8 @@ class StageRuntime:
                     )
             elif isinstance(command, StartJob):
                 assert self._jobs is not None
-                if command.job is StageJob.ASSIGN and self._generation is not None:
-                    await self._generation.release()  # the assignment takes the data port
+                if command.job is StageJob.ASSIGN and self._runs is not None:
+                    await self._runs.release_data_port()
                 self._jobs.start(command)
             elif isinstance(command, AllowProbePeers):
                 # Every cluster member may probe this stage's links; allowed before anyone does.
@@ -496,35 +445,11 @@ class StageRuntime:
             elif isinstance(command, Note):
                 getattr(log, command.level)(command.event, stage=self.config.name, **command.fields)
             elif isinstance(command, LossyControl):
-                assert self._lossy is not None
-                if isinstance(command.message, (LossySetup, LossyProbeRequest)):
-                    assert self._generation is not None
-                    await self._generation.release()  # the lossy run takes the data port
-                # the lossy executor reads its kinds from the untyped message
-                await self._lossy.on_control(command.message)
+                assert self._runs is not None
+                await self._runs.on_lossy(command)
             elif isinstance(command, GenerationControl):
-                assert self._generation is not None
-                if isinstance(command.message, GenSetup):
-                    self._admit_generation_senders(command.message)
-                await self._generation.on_control(command.message)
-
-    def _admit_generation_senders(self, setup: GenSetup) -> None:
-        """Without keys, the hosts a generation set-up names as this stage's senders:
-        its upstream stage (the first stage's is the last one, closing the ring) and,
-        for the first stage, the client. A coordinator that names none (before
-        ``upstream_endpoint``) leaves the port open to every host while the run lasts;
-        the next assignment or lossy run names its senders again. With keys, the
-        executor allows the senders' keys."""
-        addresses = self._keys.data_addresses
-        if addresses is None:
-            return
-        senders = generation_sender_endpoints(setup)
-        if senders:
-            addresses.replace(peer_addresses(senders, self.data_endpoint))
-        elif not addresses.admits_any:
-            addresses.admit_any()
-            reason = "the coordinator named no sender's address for this generation run"
-            log.warning("data_port_open", stage=self.config.name, reason=reason)
+                assert self._runs is not None
+                await self._runs.on_generation(command)
 
     def _exit_with(self, command: Exit) -> None:
         if command.error is None:
@@ -550,10 +475,8 @@ class StageRuntime:
     async def close(self) -> None:
         if self._lifecycle is not None:
             self._lifecycle.stop_requested("closing")
-        if self._lossy is not None:
-            await self._lossy.close()
-        if self._generation is not None:
-            await self._generation.close()
+        if self._runs is not None:
+            await self._runs.close()
         if self._plane is not None:
             await self._plane.close()
         if self._jobs is not None:
@@ -573,3 +496,31 @@ def _raise_exit(commands: list[Command]) -> None:
     for command in commands:
         if isinstance(command, Exit) and command.error is not None:
             raise command.error
+
+
+def registration_info(
+    config: StageConfig, probe_endpoint: str = "", base: int | None = None
+) -> dict[str, Any]:
+    """What a stage tells the coordinator of itself when it registers; ``base``: what
+    the process holds before any model arrives (its registration's ``base_bytes``)."""
+    device = config.resolved_device
+    # Measured once, at start: what the planner's memory limit protects. The free
+    # memory is what the process may still take: with what it holds (its base) it
+    # is the process's whole budget, as --memory-mb is (zpipe.planner.memory).
+    free = free_memory_bytes(device)
+    reach = free + base if free is not None and base is not None else free
+    return {
+        "pid": os.getpid(),
+        "cores": os.cpu_count() or 1,
+        "threads": torch.get_num_threads(),
+        "slowdown": config.slowdown,
+        "memory_mb": usable_memory_mb(reach, config.memory_mb),
+        # what the operator declared, apart from the measured memory above: devices
+        # that declare alike are planned alike (zpipe.coordinator.planning)
+        "declared_memory_mb": config.memory_mb,
+        "device": describe_device(device, free_bytes=free),
+        "link": config.link.to_dict(),
+        "probe_endpoint": probe_endpoint,
+        "torch": torch.__version__,
+        **({"emulated_compute": True} if config.emulate_compute is not None else {}),
+    }
