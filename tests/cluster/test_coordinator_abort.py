@@ -9,7 +9,7 @@ ZMTP heartbeats), and a coordinator paused or starved for a few seconds left 16 
 their heartbeats unread: a coordinator died of SIGABRT under load.
 
 The order is driven here, in a child process holding the coordinator's ROUTER as
-:meth:`Coordinator._setup` makes it: a heartbeating DEALER queues messages while
+:meth:`ControlPort.open` makes it: a heartbeating DEALER queues messages while
 the child is stopped, gives up on it (heartbeat timeout) and does not come back;
 the child answers it on the broken connection (its peer resets it) and drains the
 queue. With the old high-water mark (16) it aborts; with none it serves on.
@@ -31,13 +31,14 @@ from tests._support import REPO_ROOT
 CHILD = """
 import sys, time
 import zmq
+import zpipe.coordinator.control_port as control_port
 import zpipe.coordinator.server as server
 
 if sys.argv[1] == "old":
-    server.COORDINATOR_RECV_HWM = 16
+    control_port.COORDINATOR_RECV_HWM = 16
 coordinator = server.Coordinator(server.CoordinatorConfig(bind="tcp://127.0.0.1:0"))
 coordinator._setup()
-router = zmq.Socket.shadow(coordinator._router.underlying)
+router = zmq.Socket.shadow(coordinator.port.router.underlying)
 print(coordinator.endpoint, flush=True)
 peer = sys.stdin.readline().strip().encode()  # once stopped and continued
 time.sleep(0.3)  # the I/O thread reads what queued meanwhile

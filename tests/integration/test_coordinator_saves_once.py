@@ -31,4 +31,4 @@ def test_a_batch_is_saved_once_before_its_sends(
         coordinator._carry_out([Persist()])
         assert order == ["send", "save"]
     finally:
-        coordinator._context.term()
+        coordinator._close()

@@ -10,9 +10,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from zpipe.coordinator.control_port import RECEIVE_TURN_EVERY, ControlPort
 from zpipe.coordinator.events import ClientRequest, Event
 from zpipe.coordinator.persistence import StateStore
-from zpipe.coordinator.server import RECEIVE_TURN_EVERY, Coordinator, CoordinatorConfig
+from zpipe.coordinator.server import Coordinator, CoordinatorConfig
 from zpipe.protocol.stage_control import Heartbeat
 from zpipe.stage.metrics import StageCounters
 from zpipe.testing.fake_peers import FakePeers
@@ -118,22 +119,28 @@ def test_a_burst_of_registrations_is_saved_in_a_few_writes_with_every_member(
 
 
 async def _burst_seen_by_another_task(count: int) -> tuple[list[int], int]:
-    """``count`` heartbeats queued on the coordinator's socket before its receive loop
-    reads any; how many it had handled each time another task got a turn."""
-    coordinator = Coordinator(CoordinatorConfig(bind="inproc://burst"))
+    """``count`` heartbeats queued on the coordinator's control port before its
+    receive loop reads any; how many it had handled each time another task got a turn."""
     fed: list[Event] = []
     all_fed = asyncio.Event()
 
-    def feed(event: Event, *, peer: bytes | None = None) -> None:
+    def feed(event: Event, *, peer: bytes) -> None:
         fed.append(event)
         if len(fed) == count:
             all_fed.set()
 
-    coordinator._feed = feed  # type: ignore[method-assign]
-    coordinator._setup()
-    dealer = coordinator._context.socket(zmq.DEALER)
+    config = CoordinatorConfig(bind="inproc://burst")
+    port = ControlPort(
+        options=config.socket_options,
+        max_frame_bytes=config.max_frame_bytes,
+        keys_dir=None,
+        public_keys={},
+        on_event=feed,
+    )
+    endpoint = port.open(config.bind)
+    dealer = port.context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(coordinator.endpoint)
+    dealer.connect(endpoint)
     heartbeat = Heartbeat(name="s0", metrics=StageCounters().to_dict()).to_message()
     frames = [bytes(f) for f in codec.encode(heartbeat)]
     for _ in range(count):  # inproc: each is in the router's queue when send returns
@@ -145,7 +152,7 @@ async def _burst_seen_by_another_task(count: int) -> tuple[list[int], int]:
             seen.append(len(fed))
             await asyncio.sleep(0)
 
-    receiving = asyncio.create_task(coordinator._receive_loop())
+    receiving = asyncio.create_task(port.receive_loop())
     watching = asyncio.create_task(watch())
     try:
         await asyncio.wait_for(all_fed.wait(), 30)
@@ -154,7 +161,7 @@ async def _burst_seen_by_another_task(count: int) -> tuple[list[int], int]:
             task.cancel()
         await asyncio.gather(receiving, watching, return_exceptions=True)
         dealer.close()
-        coordinator._close()
+        port.close()
     return seen, len(fed)
 
 

@@ -196,7 +196,7 @@ async def test_the_coordinator_keeps_none_of_100k_one_byte_frames_and_serves_the
         finally:
             tracemalloc.stop()
         assert state.members == [] and not serving.done()
-        router = coordinator._router
+        router = coordinator.port.router
         assert isinstance(router, ZpipeSocket) and router.refused_messages == 1
         assert peak < 4 << 20, f"Python allocated {peak} bytes at its peak"
     finally:
@@ -211,8 +211,8 @@ def test_the_coordinator_s_frame_limit_fits_its_largest_legal_frame() -> None:
     coordinator = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0"))
     coordinator._setup()
     try:
-        assert coordinator._router is not None
-        limit = coordinator._router.getsockopt(zmq.MAXMSGSIZE)
+        assert coordinator.port.router is not None
+        limit = coordinator.port.router.getsockopt(zmq.MAXMSGSIZE)
         assert limit == (256 << 20) + 33  # a 147 MiB embedding passes, 2 GiB does not
     finally:
         coordinator._close()
@@ -243,7 +243,7 @@ async def test_one_peer_s_flood_does_not_make_the_coordinator_suspect_another() 
     try:
         async with FakePeers(coordinator.endpoint, 1, register_timeout_s=WAIT_S) as peers:
             await asyncio.to_thread(flood)
-            router = coordinator._router
+            router = coordinator.port.router
             assert isinstance(router, ZpipeSocket)
             deadline = time.monotonic() + WAIT_S * 3
             # a count, not an event: looked at every 0.1 s until the deadline
@@ -253,7 +253,7 @@ async def test_one_peer_s_flood_does_not_make_the_coordinator_suspect_another() 
             stats = peers.peers[0].stats
             own_lag = peers.summary().own_lag
             assert router.refused_messages == big
-            assert coordinator.limiter.dropped_total > 0  # the rate limit engaged
+            assert coordinator.port.limiter.dropped_total > 0  # the rate limit engaged
             assert stats.acks > 0
             assert (stats.probes, stats.register_again) == (0, 0), (
                 f"suspected or declared dead; this process's own loop lag: {own_lag}"

@@ -1,10 +1,11 @@
-"""The coordinator's shell: sockets, security, timers, the state store; no decisions.
+"""The coordinator's shell: timers, the state store, jobs and sends; no decisions.
 
 It carries control only. Activations go from the client to the first stage,
 stage to stage, and from the last stage back to the client, never through
 here, so the coordinator is never the bottleneck.
 
-One ROUTER socket serves stages and clients alike. A run goes::
+One ROUTER socket serves stages and clients alike (its control port,
+:mod:`zpipe.coordinator.control_port`). A run goes::
 
     client  run_request ─> coordinator ── assign (epoch) ──> each stage
                                         <─ ready ─────────── each stage
@@ -19,14 +20,13 @@ The two phases exist because a CURVE handshake refused once is not retried:
 every stage (and the client) must allow its upstream's key before anyone
 connects to it.
 
-Every message is parsed into its protocol class once, here, and becomes an
-event (:mod:`zpipe.coordinator.events`) by its class; the pure core
-(:mod:`zpipe.coordinator.core`) and the run's controller decide, and this
-shell carries out the commands they return: sends, timers, persistence, and
+Every message the control port admits is parsed into its protocol class once,
+there, and comes here as an event (:mod:`zpipe.coordinator.events`) by its class;
+the pure core (:mod:`zpipe.coordinator.core`) and the run's controller decide, and
+this shell carries out the commands they return: sends, timers, persistence, and
 jobs (:mod:`zpipe.coordinator.jobs`) whose results come back as events; its
-sends go out through :mod:`zpipe.coordinator.shell_sends`. One
-bad message, or a bug it triggers, is logged with its peer and dropped: the
-receive loop never dies of it.
+sends go out through :mod:`zpipe.coordinator.shell_sends`. An event that a bug
+makes fail is logged with its peer and lost, not the process.
 """
 
 from __future__ import annotations
@@ -39,10 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
-from zpipe._errors import ProtocolError, RoleError, StateFileError, ZpipeError
+from zpipe._errors import StateFileError, ZpipeError
 from zpipe.config import Timeouts
 from zpipe.coordinator.bulk_links import BulkLinks
 from zpipe.coordinator.commands import (
@@ -58,16 +55,9 @@ from zpipe.coordinator.commands import (
     Send,
     StartTimer,
 )
+from zpipe.coordinator.control_port import COORDINATOR_MAX_FRAME_BYTES, ControlPort
 from zpipe.coordinator.core import CoordinatorCore
-from zpipe.coordinator.events import (
-    ClientRequest,
-    Event,
-    JobDone,
-    JobFailed,
-    Tick,
-    TimerFired,
-    event_of,
-)
+from zpipe.coordinator.events import ClientRequest, Event, JobDone, JobFailed, Tick, TimerFired
 from zpipe.coordinator.jobs import JobRunner
 from zpipe.coordinator.links import LinkMeasurer
 from zpipe.coordinator.loop_lag import LoopLag
@@ -82,63 +72,14 @@ from zpipe.coordinator.state import ControlState
 from zpipe.log import get_logger
 from zpipe.planner.memory import DEFAULT_MEMORY_MARGIN
 from zpipe.protocol.stage_control import Shutdown
-from zpipe.transport import security
 from zpipe.transport.bulk import stall_after_s
-from zpipe.transport.codec import decode_typed
-from zpipe.transport.conn_budget import control_port_budget
-from zpipe.transport.conn_guard import ConnectionGuard
 from zpipe.transport.message_bounds import trim_heap
-from zpipe.transport.ratelimit import PeerRateLimiter
-from zpipe.transport.roles import KeyRoles
-from zpipe.transport.sockets import (
-    CURVE_FRAME_OVERHEAD,
-    ReceiveLimits,
-    SocketOptions,
-    bind_endpoint,
-    new_context,
-    open_socket,
-    recv_frames,
-    this_host_addresses,
-)
+from zpipe.transport.sockets import SocketOptions, this_host_addresses
 
 log = get_logger("zpipe.coordinator")
 
 # how often the event loop's lag is sampled (zpipe.coordinator.loop_lag)
 LAG_SAMPLE_S = 0.05
-
-# The receive loop gives the event loop a turn after this many messages in a row.
-# zmq.asyncio hands back a message already queued without suspending, so a burst
-# (300 stages registering at once, their repeats, a heartbeat round after a pause)
-# otherwise held the loop for all of it: timers, ticks and pending sends waited
-# 0.37 s behind 300 registrations (1.1 s under load).
-RECEIVE_TURN_EVERY = 8
-
-# The largest frame the ROUTER takes (its MAXMSGSIZE; libzmq drops the connection of
-# a peer that announces a larger one before allocating it). Bulk state travels in
-# chunks of at most 16 MiB (zpipe.transport.bulk.MAX_CHUNK_BYTES), but tensors still
-# arrive whole on control connections: a stage's state resent there when a restarted
-# coordinator refused its bulk transfer, and an EdgePipe client's layer matrices and
-# input batches in lossy_run_request. One tensor of a model zpipe ships is at most
-# gpt2-small's token embedding, 147 MiB (50257 x 768 float32); 256 MiB leaves room
-# for that and an MNIST-sized float64 input block. It was the 2 GiB of every socket:
-# 8 connections each part-way through a 2 GiB frame held 1.8 GB (issue 33, finding
-# 7); a connection now holds at most this much of an unfinished frame. Raise it
-# (CoordinatorConfig.max_frame_bytes) for a model with a larger single tensor.
-COORDINATOR_MAX_FRAME_BYTES = 256 << 20
-
-# The ROUTER's RCVHWM: none (0). libzmq 4.3.5 aborts the whole process (SIGABRT,
-# "Assertion failed: !_io_error (src/stream_engine_base.cpp:310)") when a connection
-# whose input it stopped at the high-water mark breaks (the peer went: a killed stage, a
-# stage whose ZMTP heartbeats gave up on a paused coordinator), and the application then
-# reads that connection's queue: restarting its input decodes what was left of the last
-# read, and a ZMTP PING there (stages and clients send one a second) is answered on the
-# broken connection. 16 heartbeats unread (5 s of a stopped or starved coordinator at
-# 0.3 s intervals) were enough; any peer could also do it at will. Without a high-water
-# mark a connection's input is never stopped. The mark bounded little (16 messages of
-# up to max_frame_bytes each, and a million frames a message): what a connection may
-# queue has to be bounded by its bytes, and cutting such a connection is safe only
-# when its input was never stopped.
-COORDINATOR_RECV_HWM = 0
 
 # Memory freed (dropped bulk transfers) is handed back this long after the first ask,
 # once for all the asks meanwhile.
@@ -162,7 +103,7 @@ class CoordinatorConfig:
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     # Keep the run and its latest replica here, so a restarted coordinator resumes it.
     state_dir: Path | None = None
-    # The largest frame a peer may send (see COORDINATOR_MAX_FRAME_BYTES).
+    # The largest frame a peer may send (see control_port.COORDINATOR_MAX_FRAME_BYTES).
     max_frame_bytes: int = COORDINATOR_MAX_FRAME_BYTES
     # What one stage's open bulk transfers may announce together (None: the message
     # limit, one whole message at a time), and how long one is kept without a chunk
@@ -206,24 +147,21 @@ class Coordinator:
             ),
         )
         self.core = CoordinatorCore(self.state)
-        self._context = new_context()
-        self._router: zmq.asyncio.Socket | None = None
-        self._guard: ConnectionGuard | None = None
+        # the listening socket and what it admits; each admitted message comes to _feed
+        self.port = ControlPort(
+            options=config.socket_options,
+            max_frame_bytes=config.max_frame_bytes,
+            keys_dir=config.keys_dir,
+            public_keys=self._public_keys,
+            on_event=self._feed,
+        )
         # torch and the run kinds: imported at the first run request (run_kinds.py)
         self._runs_imported = run_kinds_imported()
-        self._authenticator: security.CurveAuthenticator | None = None
-        self._keypair: security.KeyPair | None = None
-        # With --keys: what each key's role lets it send (roles.txt; a key it does not
-        # list may send nothing; without the file, each key's name implies its role).
-        self._roles: KeyRoles | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._persist_soon: asyncio.TimerHandle | None = None
         self._trim_soon: asyncio.TimerHandle | None = None
         self._stopping = asyncio.Event()
-        # Per-peer token buckets (by CURVE key, else by connection), as at a stage's
-        # probe port: a flooding peer's excess is dropped before it is decoded.
-        self.limiter = PeerRateLimiter()
         self.endpoint = ""
         # how late the loop wakes (sampled by _lag_loop, logged as loop_lag every 10 s)
         self.loop_lag = LoopLag()
@@ -246,48 +184,14 @@ class Coordinator:
     # ------------------------------------------------------------------ set-up
 
     def _setup(self) -> None:
-        keys_dir = self.config.keys_dir
-        opts = self.config.socket_options
-        # CURVE wraps each frame in 33 bytes more, and libzmq checks the wrapped size
-        frame_limit = min(self.config.max_frame_bytes, opts.max_message_bytes)
-        limits = ReceiveLimits(frame_limit + CURVE_FRAME_OVERHEAD, opts.recv_hwm)
-        self._router = open_socket(self._context, zmq.ROUTER, opts, limits=limits)
-        self._router.setsockopt(zmq.RCVHWM, COORDINATOR_RECV_HWM)  # before the bind
-        # A peer that reconnects (its ZMTP heartbeats dropped the connection to a paused or
-        # cut-off coordinator) takes over its routing id at once; without this, the new
-        # connection stays unread while the stale one is not yet torn down (seen: 30 s).
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if keys_dir is not None:
-            self._keypair = security.load_keypair(keys_dir, "coordinator")
-            self._public_keys.update(security.load_public_keys(keys_dir))
-            self._roles = KeyRoles.from_dir(keys_dir)
-            if self._roles.without_role():
-                log.warning(
-                    "keys_without_role",
-                    keys=self._roles.without_role(),
-                    detail="roles.txt does not list these keys: they may send nothing",
-                    fix="add 'NAME ROLE' lines, or python -m zpipe keys --role ROLE NAME",
-                )
-            allow = security.PeerAllowList()
-            allow.replace(key for name, key in self._public_keys.items() if name != "coordinator")
-            self._authenticator = security.CurveAuthenticator(self._context, allow)
-            self._authenticator.start()
-            security.secure_server(self._router, self._keypair)
-        else:
-            security.warn_open_cluster(log, "coordinator")
-        self.endpoint = bind_endpoint(self._router, self.config.bind)
-        # what each connection makes libzmq hold, cut past its budget (issue 33)
-        self._guard = ConnectionGuard(
-            self._router, control_port_budget(frame_limit), label="coordinator"
-        )
-        self._sends.router = self._router
+        self.endpoint = self.port.open(self.config.bind)
+        self._sends.router = self.port.router
         self.state.local_hosts = this_host_addresses(self.endpoint)
 
     async def serve(self, *, ready: asyncio.Event | None = None) -> None:
         self._setup()
         self._restore()
-        if self._guard is not None:
-            self._guard.start()
+        self.port.start_guard()
         log.info(
             "coordinator_listening",
             endpoint=self.endpoint,
@@ -296,7 +200,7 @@ class Coordinator:
         )
         if ready is not None:
             ready.set()
-        receive = asyncio.create_task(self._receive_loop(), name="coordinator-receive")
+        receive = asyncio.create_task(self.port.receive_loop(), name="coordinator-receive")
         ticker = asyncio.create_task(self._tick_loop(), name="coordinator-tick")
         self._spawn(self._lag_loop())
         stopping = asyncio.create_task(self._stopping.wait())
@@ -390,77 +294,9 @@ class Coordinator:
                 )
 
     def _close(self) -> None:
-        if self._guard is not None:
-            self._guard.stop()
-        if self._router is not None:
-            self._router.close(linger=0)
-        if self._authenticator is not None:
-            self._authenticator.stop()
-        self._context.term()
+        self.port.close()
 
     # ------------------------------------------------------------------ loops
-
-    async def _receive_loop(self) -> None:
-        assert self._router is not None
-        max_bytes = self.config.socket_options.max_message_bytes
-        # only a CURVE socket's messages carry a key (asking an open one raises, at a
-        # cost per message that showed in a profile of 300 stages' heartbeats)
-        secure = self._authenticator is not None
-        received = 0
-        while True:
-            received += 1
-            if received % RECEIVE_TURN_EVERY == 0:
-                await asyncio.sleep(0)  # the others' turn: see RECEIVE_TURN_EVERY
-            frames = await recv_frames(
-                self._router, timeout_s=None, peer="any", awaited="control message"
-            )
-            if len(frames) < 2:
-                log.warning("dropped_message", error="no routing id or header")
-                continue
-            routing_id = frames[0].bytes
-            if not self._within_rate(routing_id, frames[1], secure):
-                continue
-            try:
-                user_key = _curve_user_id(frames[1]) if secure else None
-                # parsed once, its body checked once: past this point everything sees
-                # protocol classes
-                typed = decode_typed(frames[1:], max_message_bytes=max_bytes)
-                self._check_role(typed.KIND, user_key)
-                self._feed(event_of(routing_id, user_key, typed), peer=routing_id)
-            except ProtocolError as exc:
-                log.warning("dropped_message", peer=printable(routing_id), error=str(exc))
-            except RoleError as exc:
-                log.warning("role_refused", peer=printable(routing_id), error=str(exc))
-            except Exception as exc:  # one message must never end the loop
-                log.error(
-                    "message_failed", peer=printable(routing_id), error=repr(exc), exc_info=True
-                )
-
-    def _within_rate(self, routing_id: bytes, first: zmq.Frame, secure: bool) -> bool:
-        """The peer's rate limit, by its CURVE key (new connections give a flooder no
-        new buckets), else by connection; a report of the excess every few seconds."""
-        peer = (security.sender_public_key(first) if secure else None) or routing_id
-        now = time.monotonic()
-        if self.limiter.allow(peer, now):
-            return True
-        report = self.limiter.report_due(now)
-        if report is not None:
-            log.warning(
-                "coordinator_flood_dropped",
-                dropped=report.dropped,
-                over_s=round(report.over_s, 3),
-                worst_peer=printable(report.worst_peer),
-                worst_dropped=report.worst_dropped,
-                dropped_total=self.limiter.dropped_total,
-            )
-        return False
-
-    def _check_role(self, kind: str, user_key: str | None) -> None:
-        """Raise RoleError when the sender's key may not send ``kind`` (a stage key
-        starting a run, a client key registering as a stage)."""
-        if self._roles is None or user_key is None:
-            return  # an open cluster: no keys, no roles
-        self._roles.check(kind, user_key)
 
     async def _tick_loop(self) -> None:
         interval = self.config.timeouts.heartbeat_interval_s
@@ -582,9 +418,3 @@ class Coordinator:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("task_failed", task=task.get_name(), error=repr(task.exception()))
-
-
-def _curve_user_id(frame: zmq.Frame) -> str | None:
-    """The CURVE public key the authenticator saw for this message, if any."""
-    key = security.sender_public_key(frame)
-    return key.decode() if key is not None else None

@@ -17,7 +17,7 @@ loop is busy), so they never get heartbeats; zpipe's own heartbeats find a
 frozen stage and TCP keepalive a vanished host. That is not enough on its own: the
 PINGs a *peer's* heartbeats send trigger the same abort (the stopped input holds one
 undecoded, and answering it writes to the dead connection), so the coordinator's
-ROUTER has no receive mark at all (``coordinator/server.py``), nor has a stage's data
+ROUTER has no receive mark at all (``coordinator/control_port.py``), nor has a stage's data
 port (``stage/ports.py``: the run's windows hold its senders back, its guard bounds
 its memory). DEALERs connect to a peer this process chose (the coordinator, the
 fl-server) and are read all the time, and the client's, the fl-client's and the
