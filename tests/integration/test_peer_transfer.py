@@ -25,7 +25,7 @@ from zpipe.protocol import WireMessage
 from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import BackupRequest
 from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
-from zpipe.stage.held_copies import HeldCopies
+from zpipe.stage.held_copies import CopyHolder
 from zpipe.stage.linkprobe import ProbeResponder
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import FetchGrant
@@ -104,7 +104,7 @@ def test_transfers_of_two_senders_for_one_owner_do_not_mix() -> None:
 class Holder:
     """Stage "b"'s probe port: a ROUTER served by the copies it holds."""
 
-    held: HeldCopies
+    held: CopyHolder
     endpoint: str
     kinds: list[str] = field(default_factory=list)  # what arrived
     streamed: list[bool] = field(default_factory=list)  # answers sent as a stream
@@ -148,7 +148,7 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
 async def holder(context: zmq.asyncio.Context) -> AsyncIterator[Holder]:
     router = open_socket(context, zmq.ROUTER, SocketOptions())
     endpoint = bind_endpoint(router, "tcp://127.0.0.1:0")
-    copies = HeldCopies(name="b", timeout_s=20.0, counters=StageCounters(), replicas=ReplicaStore())
+    copies = CopyHolder(name="b", timeout_s=20.0, counters=StageCounters(), replicas=ReplicaStore())
     held = Holder(copies, endpoint)
     trainer = Trainer(setup_of("b", backup_from=("a",)), {})
 
@@ -177,7 +177,7 @@ def sender_service(context: zmq.asyncio.Context, name: str) -> SnapshotService:
     service = SnapshotService(
         name=name, context=context, keypair=None, socket_options=SocketOptions(),
         timeout_s=20.0, compute=ThreadPoolExecutor(1), counters=StageCounters(),
-        held=HeldCopies(
+        held=CopyHolder(
             name=name, timeout_s=20.0, counters=StageCounters(), replicas=ReplicaStore()
         ),
     )  # fmt: skip

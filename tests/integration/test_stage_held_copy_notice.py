@@ -1,7 +1,7 @@
 """A stage that keeps a peer's chain copy made without draining tells the coordinator
 it holds it (zpipe.stage.live_copies.held_copy_notice): the copy's owner may die
 between this stage's acknowledgement of the last chunk and its own notice. In one
-process: the copies the stage holds (HeldCopies) fed a live backup, its notice caught."""
+process: the copies the stage holds (CopyHolder) fed a live backup, its notice caught."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from zpipe.protocol.peer import Backup
 from zpipe.protocol.stage_control import AsyncCopy
 from zpipe.recovery.live_copies import state_digest
 from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
-from zpipe.stage.held_copies import HeldCopies
+from zpipe.stage.held_copies import CopyHolder
 from zpipe.stage.live_copies import held_copy_notice
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.replicas import ReplicaStore
@@ -24,8 +24,8 @@ class _Trainer:
         self.setup = setup
 
 
-def _held() -> HeldCopies:
-    return HeldCopies(
+def _held() -> CopyHolder:
+    return CopyHolder(
         name="b", timeout_s=5.0, counters=StageCounters(), replicas=ReplicaStore(),
         backup_budget_bytes=10**6,
     )  # fmt: skip

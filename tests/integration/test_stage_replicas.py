@@ -51,11 +51,11 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
     # training plan names as backing up here are kept now.
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
-    from zpipe.stage.held_copies import HeldCopies
+    from zpipe.stage.held_copies import CopyHolder
     from zpipe.stage.metrics import StageCounters
 
     store = ReplicaStore()
-    held = HeldCopies(
+    held = CopyHolder(
         name="b",
         timeout_s=1.0,
         counters=StageCounters(),
@@ -93,12 +93,12 @@ async def test_a_backup_is_kept_only_from_an_owner_the_plan_names() -> None:
 async def test_the_service_judges_the_sender_and_the_budget() -> None:
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
-    from zpipe.stage.held_copies import HeldCopies
+    from zpipe.stage.held_copies import CopyHolder
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
 
     store = ReplicaStore()
-    held = HeldCopies(
+    held = CopyHolder(
         name="b",
         timeout_s=1.0,
         counters=StageCounters(),
@@ -154,7 +154,7 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     import zmq.asyncio
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
-    from zpipe.stage.held_copies import HeldCopies
+    from zpipe.stage.held_copies import CopyHolder
     from zpipe.stage.linkprobe import PROBE_DOMAIN, ProbeResponder
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.ports import peer_identity
@@ -174,7 +174,7 @@ async def test_with_keys_a_member_cannot_plant_a_backup_under_another_owner(
     security.secure_server(router, pairs["k1"], domain=PROBE_DOMAIN)
     endpoint = bind_endpoint(router, "tcp://127.0.0.1:0")
     store = ReplicaStore()
-    held = HeldCopies(name="k1", timeout_s=5.0, counters=StageCounters(), replicas=store)
+    held = CopyHolder(name="k1", timeout_s=5.0, counters=StageCounters(), replicas=store)
     setup = TrainingSetup(
         run=7, epoch=1, name="k1", index=1, num_stages=2, schedule="1f1b",
         num_microbatches=2, warmup=1, group=DataParallelGroup(("k1",), (1,)), rank=0,
@@ -223,7 +223,7 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
 
     import zmq.asyncio
 
-    from zpipe.stage.held_copies import HeldCopies
+    from zpipe.stage.held_copies import CopyHolder
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService, request_identity
     from zpipe.transport.sockets import SocketOptions
@@ -254,7 +254,7 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
             timeout_s=1.0,
             compute=compute,
             counters=StageCounters(),
-            held=HeldCopies(
+            held=CopyHolder(
                 name="a", timeout_s=1.0, counters=StageCounters(), replicas=ReplicaStore()
             ),
         )
@@ -282,7 +282,7 @@ async def test_a_backup_request_sent_again_gets_the_snapshot_of_its_round_not_a_
 async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> None:
     import zmq.asyncio
 
-    from zpipe.stage.held_copies import HeldCopies
+    from zpipe.stage.held_copies import CopyHolder
     from zpipe.stage.metrics import StageCounters
     from zpipe.stage.snapshots import SnapshotService
     from zpipe.transport.sockets import SocketOptions
@@ -298,7 +298,7 @@ async def test_heavy_recovery_reads_the_named_snapshots_whatever_runs_now() -> N
         timeout_s=1.0,
         compute=None,  # type: ignore[arg-type]  # not used here
         counters=StageCounters(),
-        held=HeldCopies(name="c", timeout_s=1.0, counters=StageCounters(), replicas=store),
+        held=CopyHolder(name="c", timeout_s=1.0, counters=StageCounters(), replicas=store),
     )
 
     async def never() -> None:
@@ -328,11 +328,11 @@ async def test_a_live_chain_copy_is_kept_apart_from_the_flush_snapshots() -> Non
     # snapshot of a flush that an exact rollback still needs; they share the budget
 
     from zpipe.stage.executors.sync_training import DataParallelGroup, TrainingSetup
-    from zpipe.stage.held_copies import HeldCopies
+    from zpipe.stage.held_copies import CopyHolder
     from zpipe.stage.metrics import StageCounters
 
     store = ReplicaStore()
-    held = HeldCopies(
+    held = CopyHolder(
         name="b", timeout_s=1.0, counters=StageCounters(), replicas=store, backup_budget_bytes=100
     )
     setup = TrainingSetup(

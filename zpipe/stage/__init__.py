@@ -25,7 +25,7 @@ Where each part lives (decisions in pure modules, I/O in the shells)::
           data_parallel.RingAllReduce   the data-parallel group's gradient ring
                                         (its arithmetic: training.ring)
       snapshots.SnapshotService   weights, backups and unit fetches for recovery
-        held_copies.HeldCopies      the snapshots and peers' copies held here, and
+        held_copies.CopyHolder      the snapshots and peers' copies held here, and
                                     the peer requests that keep or fetch them
           peer_policy                 pure: whose backups are kept, who may fetch units
       measurements                profiles and link measurements for the planner

@@ -4,7 +4,7 @@
   step: for a ``weights_request`` with a ``snapshot`` and for an assignment's fetch
   entries that name this stage (:mod:`zpipe.stage.snapshots`), or for a peer's fetch.
 - a peer's ``backup`` to keep, or its ``fetch_units`` of a snapshot held here,
-  arrive on the probe socket (:meth:`HeldCopies.on_peer_request`), judged by
+  arrive on the probe socket (:meth:`CopyHolder.on_peer_request`), judged by
   :mod:`zpipe.stage.peer_policy` (the plan's owners, the sender's key, a budget);
   either crosses in chunks when it is big (:mod:`zpipe.stage.peer_transfer`).
 - a ``backup`` marked ``live`` is a peer's chain copy made without draining
@@ -55,7 +55,11 @@ log = get_logger("zpipe.stage")
 MIN_FETCH_CHUNK_BYTES = 64 * 1024
 
 
-class HeldCopies:
+class CopyHolder:
+    """What this stage holds for its peers (their backups, their chain copies made
+    without draining) beside its own snapshots, and the peer requests that add to
+    them or read them."""
+
     def __init__(
         self,
         *,

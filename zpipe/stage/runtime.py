@@ -69,7 +69,7 @@ from zpipe.stage.config import StageConfig
 from zpipe.stage.coordinator_link import CoordinatorLink
 from zpipe.stage.dataplane import DataPlane
 from zpipe.stage.executors.async_repartition import StageRepartition
-from zpipe.stage.held_copies import HeldCopies
+from zpipe.stage.held_copies import CopyHolder
 from zpipe.stage.jobs import StageJobs
 from zpipe.stage.lifecycle import CoordinatorLost, Phase, StageLifecycle
 from zpipe.stage.link_watch import link_lag_s, watch_link
@@ -130,7 +130,7 @@ class StageRuntime:
         opts, timeouts = self.config.socket_options, self.config.timeouts
         # a chain copy this stage keeps for its upstream peer is announced to the
         # coordinator from here too (the owner may die before its own notice)
-        held = HeldCopies(name=self.config.name, timeout_s=timeouts.result_s,
+        held = CopyHolder(name=self.config.name, timeout_s=timeouts.result_s,
                           counters=self.counters, replicas=self.replicas,
                           announce=self._copy_up)  # fmt: skip
         self._snapshots = SnapshotService(

@@ -16,7 +16,7 @@
   ``live`` (:meth:`SnapshotService.send_live_copy`).
 
 The snapshots kept here, and the peers' copies this stage holds and serves, are
-:class:`~zpipe.stage.held_copies.HeldCopies` (``SnapshotService.held``).
+:class:`~zpipe.stage.held_copies.CopyHolder` (``SnapshotService.held``).
 
 Each method returns the reply to send; a failure becomes the reply's ``error``.
 """
@@ -41,7 +41,7 @@ from zpipe.protocol.peer import Backup, FetchUnits
 from zpipe.protocol.stage_control import BackedUp, BackupRequest, Weights, WeightsRequest
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
 from zpipe.stage.executors.sync_training import TrainingExecutor
-from zpipe.stage.held_copies import HeldCopies
+from zpipe.stage.held_copies import CopyHolder
 from zpipe.stage.live_copies import ChainPeer
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import foreign_units
@@ -72,7 +72,7 @@ class SnapshotService:
         timeout_s: float,
         compute: ThreadPoolExecutor,
         counters: StageCounters,
-        held: HeldCopies,
+        held: CopyHolder,
     ) -> None:
         self.name = name
         self._context = context

@@ -5,7 +5,7 @@ The path of a move, without sockets: every stage keeps its snapshot at the flush
 (``prepare``: :meth:`AsyncShard.repartition_snapshot` into its replica store), the
 coordinator's fetch plan (:func:`~zpipe.coordinator.decisions.fetch_plans`) says
 which stage fetches which units from whom, a holder answers a peer's fetch with
-:meth:`ReplicaStore.units` (what :class:`~zpipe.stage.held_copies.HeldCopies`
+:meth:`ReplicaStore.units` (what :class:`~zpipe.stage.held_copies.CopyHolder`
 serves), and the new shard is built from what was fetched (``commit``). A moved
 unit carries its live weights and buffers, the optimizer's state, and the weight
 versions the next forwards read that differ from the live weights (depth - 1 of

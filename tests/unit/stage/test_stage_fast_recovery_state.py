@@ -23,7 +23,7 @@ from zpipe.protocol.stage_control import WeightsRequest
 from zpipe.stage.executors.async_shard import AsyncShard
 from zpipe.stage.executors.async_training import AsyncTrainingExecutor
 from zpipe.stage.executors.sync_training import TrainingExecutor
-from zpipe.stage.held_copies import HeldCopies
+from zpipe.stage.held_copies import CopyHolder
 from zpipe.stage.metrics import StageCounters
 from zpipe.stage.peer_policy import FetchGrant, PeerIdentity
 from zpipe.stage.replicas import ReplicaStore
@@ -100,7 +100,7 @@ def test_a_restart_refuses_what_is_not_a_units_state() -> None:
 def _service() -> SnapshotService:
     context: Any = None  # never used: nothing here opens a socket
     counters = StageCounters()
-    held = HeldCopies(name="c", timeout_s=1.0, counters=counters, replicas=ReplicaStore())
+    held = CopyHolder(name="c", timeout_s=1.0, counters=counters, replicas=ReplicaStore())
     return SnapshotService(
         name="c", context=context, keypair=None, socket_options=SocketOptions(),
         timeout_s=1.0, compute=ThreadPoolExecutor(1), counters=counters, held=held,
