@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypedDict
 
 import zmq.asyncio
 
 from zpipe.log import get_logger
 from zpipe.protocol.generation import GenSetup
 from zpipe.protocol.lossy import LossyProbeRequest, LossySetup
-from zpipe.stage.assignment import generation_sender_endpoints, push_connector
+from zpipe.stage.assignment import PushConnector, generation_sender_endpoints, push_connector
 from zpipe.stage.commands import GenerationControl, LossyControl
 from zpipe.stage.config import StageConfig
 from zpipe.stage.dataplane import DataPlane
@@ -29,8 +30,27 @@ from zpipe.stage.ports import StageKeys, StagePorts
 from zpipe.stage.supervision import TaskSupervisor
 from zpipe.transport.address_auth import peer_addresses
 from zpipe.transport.codec import Message
+from zpipe.transport.security import PeerAllowList
+from zpipe.transport.sockets import ReceiveLimits
 
 log = get_logger("zpipe.stage")
+
+
+class _DataPortAccess(TypedDict):
+    """The keyword arguments the lossy and the generation executor share (typed, so
+    each call is checked against both constructors)."""
+
+    name: str
+    data_in: Callable[[], zmq.asyncio.Socket]
+    data_allow: PeerAllowList | None
+    connector: PushConnector
+    compute: ThreadPoolExecutor
+    supervisor: TaskSupervisor
+    send_control: Callable[[Message], Awaitable[None]]
+    stop_data: Callable[[], Awaitable[None]]
+    apply_limits: Callable[[ReceiveLimits], Awaitable[None]]
+    max_message_bytes: int
+    send_timeout_s: float
 
 
 class RunExecutors:
@@ -53,11 +73,11 @@ class RunExecutors:
         self._keys = keys
         self._data_endpoint = data_endpoint
         opts, timeouts = config.socket_options, config.timeouts
-        self.lossy = LossyExecutor(
+        # what both take of the stage: the same data port, peers, threads and plane
+        shared = _DataPortAccess(
             name=config.name,
             data_in=lambda: ports.data_in,  # reopened when a plan changes its limits
             data_allow=keys.data_allow,
-            data_addresses=keys.data_addresses,
             connector=push_connector(context, opts, keys.keypair),
             compute=compute,
             supervisor=supervisor,
@@ -67,20 +87,9 @@ class RunExecutors:
             max_message_bytes=opts.max_message_bytes,
             send_timeout_s=timeouts.send_s,
         )
+        self.lossy = LossyExecutor(**shared, data_addresses=keys.data_addresses)
         self.generation = GenerationExecutor(
-            name=config.name,
-            data_in=lambda: ports.data_in,
-            data_allow=keys.data_allow,
-            connector=push_connector(context, opts, keys.keypair),
-            compute=compute,
-            supervisor=supervisor,
-            send_control=send_control,
-            stop_data=plane.stop,
-            apply_limits=plane.apply_limits,
-            max_message_bytes=opts.max_message_bytes,
-            send_timeout_s=timeouts.send_s,
-            device=config.resolved_device,
-            slowdown=config.emulated_slowdown(),
+            **shared, device=config.resolved_device, slowdown=config.emulated_slowdown()
         )
 
     async def release_data_port(self) -> None:
